@@ -1,0 +1,184 @@
+"""Streaming tensor readers: safetensors folders (memory-mapped) and GGUF files.
+
+Both hand out one tensor at a time as a fresh NumPy array, so a conversion
+never holds more than the tensors it is working on.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from zoo.errors import UserError
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+_ST_DTYPES = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+
+
+class SafetensorsFolder:
+    """All tensors of the ``*.safetensors`` files of a Hugging Face model folder.
+
+    The headers are read up front (so a missing, truncated or corrupt file is
+    reported before anything is written); tensor data is only read when
+    :meth:`get` is called.
+    """
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        files = self._files()
+        self.index: dict[str, tuple[Path, np.dtype, tuple[int, ...], int, int]] = {}
+        for f in files:
+            for name, entry in self._read_header(f).items():
+                self.index[name] = (f, *entry)
+
+    def _files(self) -> list[Path]:
+        idx = self.folder / "model.safetensors.index.json"
+        if idx.is_file():
+            try:
+                weight_map = json.loads(idx.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise UserError(f"{idx} is not a valid safetensors index ({e})") from None
+            files = sorted({self.folder / f for f in weight_map.values()})
+            for f in files:
+                if not f.is_file():
+                    raise UserError(f"{f.name} is listed in {idx.name} but missing from {self.folder}")
+            return files
+        files = sorted(self.folder.glob("*.safetensors"))
+        if files:
+            return files
+        pickled = sorted(p.name for p in self.folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickled:
+            raise UserError(
+                f"refusing to load pickled weights {pickled[0]} in {self.folder} (unpickling can run code); "
+                "convert it to safetensors first or download the repo's .safetensors files"
+            )
+        raise UserError(f"no *.safetensors weights in {self.folder}")
+
+    @staticmethod
+    def _read_header(path: Path) -> dict[str, tuple[np.dtype, tuple[int, ...], int, int]]:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            raw = fh.read(8)
+            if len(raw) < 8:
+                raise UserError(f"{path} is truncated or not a safetensors file (only {size} bytes)")
+            (n,) = struct.unpack("<Q", raw)
+            if n > size - 8 or n > 100 * 2**20:
+                raise UserError(f"{path} is truncated or not a safetensors file (bad header length)")
+            try:
+                header = json.loads(fh.read(n))
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise UserError(f"{path} is corrupt: its safetensors header is not valid JSON") from None
+        base = 8 + n
+        out = {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            try:
+                dtype = _ST_DTYPES[info["dtype"]]
+                shape = tuple(int(s) for s in info["shape"])
+                start, end = (int(o) for o in info["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise UserError(f"{path} is corrupt: bad header entry for tensor {name!r}") from None
+            if end - start != dtype.itemsize * int(np.prod(shape, dtype=np.int64)):
+                raise UserError(f"{path} is corrupt: tensor {name!r} has {end - start} bytes for shape {shape}")
+            if base + end > size:
+                raise UserError(
+                    f"{path} is truncated: tensor {name!r} ends at byte {base + end} but the file has {size} bytes; "
+                    "download it again"
+                )
+            out[name] = (dtype, shape, base + start, base + end)
+        return out
+
+    def names(self) -> list[str]:
+        """Names of all tensors."""
+        return list(self.index)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape of a tensor without reading it."""
+        return self.index[name][2]
+
+    def dtype(self, name: str) -> np.dtype:
+        """Stored dtype of a tensor."""
+        return self.index[name][1]
+
+    def get(self, name: str) -> np.ndarray:
+        """One tensor, read into a fresh array.
+
+        Plain reads rather than a memory map: mapped pages that were touched
+        count towards the process's resident memory until unmapped, which
+        would make peak RSS grow with the checkpoint size.
+        """
+        path, dtype, shape, start, end = self.index[name]
+        out = np.empty(shape, dtype)
+        with open(path, "rb") as fh:
+            fh.seek(start)
+            got = fh.readinto(memoryview(out.reshape(-1).view(np.uint8)))
+        if got != end - start:
+            raise UserError(f"{path} is truncated: could not read tensor {name!r}; download it again")
+        return out
+
+
+class GGUFFile:
+    """Tensors of a llama.cpp GGUF file, dequantized one at a time to float32."""
+
+    def __init__(self, path: str | Path):
+        import gguf
+
+        self.path = Path(path)
+        try:
+            self.reader = gguf.GGUFReader(str(self.path))
+        except Exception as e:  # gguf raises bare ValueErrors/struct errors on damage
+            raise UserError(f"{self.path} is not a readable GGUF file ({e})") from None
+        self.tensors = {t.name: t for t in self.reader.tensors}
+
+    def names(self) -> list[str]:
+        """Names of all tensors."""
+        return list(self.tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape in PyTorch order (GGUF stores it reversed)."""
+        return tuple(int(s) for s in reversed(self.tensors[name].shape))
+
+    def dtype(self, name: str) -> np.dtype:
+        """Dequantized dtype (always float32)."""
+        return np.dtype(np.float32)
+
+    def get(self, name: str) -> np.ndarray:
+        """One tensor, dequantized to float32 in PyTorch order."""
+        import gguf
+
+        t = self.tensors[name]
+        if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            data = np.asarray(t.data, dtype=np.float32)
+        else:
+            data = gguf.quants.dequantize(t.data, t.tensor_type)
+        return data.reshape(self.shape(name))
+
+    def metadata(self) -> dict[str, Any]:
+        """Scalar/string metadata fields (for provenance)."""
+        out = {}
+        for k, f in self.reader.fields.items():
+            if k.startswith("tokenizer.ggml."):
+                continue
+            try:
+                out[k] = f.contents()
+            except Exception:
+                continue
+        return out

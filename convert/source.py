@@ -1,0 +1,116 @@
+"""Resolve a conversion SOURCE: registry name, Hub repo id, local HF folder or .gguf file."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from zoo import registry
+from zoo.errors import UserError
+
+from convert.readers import GGUFFile, SafetensorsFolder
+
+# What a conversion needs from a Hub repo: never pickled weights.
+HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.jinja", "*.txt", "*.tiktoken"]
+TOKENIZER_FILES = [
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+    "generation_config.json",
+]
+
+
+@dataclass
+class Source:
+    """An opened conversion source."""
+
+    description: str
+    fmt: str  # "hf" (safetensors names) or "gguf" (llama.cpp names)
+    hf_config: dict[str, Any]
+    reader: SafetensorsFolder | GGUFFile
+    save_tokenizer: Callable[[Path], None]
+
+
+def open_source(source: str) -> Source:
+    """Open SOURCE, whatever kind it is; every failure is a one-line UserError."""
+    path = Path(source).expanduser()
+    if source.endswith(".gguf"):
+        if not path.is_file():
+            raise UserError(f"{source}: no such GGUF file")
+        return _open_gguf(path)
+    if path.exists():
+        if not path.is_dir():
+            raise UserError(f"{source} is neither a model folder nor a .gguf file")
+        return _open_folder(path, str(path))
+    if registry.looks_like_name(source):
+        entry = registry.get(source)
+        return _open_folder(_hub_snapshot(entry.hf_repo, f"{source} ({entry.hf_repo})"), f"{source} ({entry.hf_repo})")
+    if source.count("/") == 1 and not source.startswith((".", "/", "~")):
+        return _open_folder(_hub_snapshot(source, source), source)
+    raise UserError(f"{source}: no such folder or file, and not a registry name or Hub repo id")
+
+
+def _open_folder(folder: Path, description: str) -> Source:
+    cfg_file = folder / "config.json"
+    if not cfg_file.is_file():
+        raise UserError(f"{folder}: no config.json; a Hugging Face model folder needs config.json beside its weights")
+    try:
+        hf_config = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{cfg_file} is not valid JSON ({e})") from None
+    reader = SafetensorsFolder(folder)
+
+    def save_tokenizer(dest: Path) -> None:
+        found = [folder / n for n in TOKENIZER_FILES if (folder / n).is_file()]
+        if found:
+            dest.mkdir(parents=True, exist_ok=True)
+            for f in found:
+                shutil.copyfile(f, dest / f.name)
+
+    return Source(description, "hf", hf_config, reader, save_tokenizer)
+
+
+def _open_gguf(path: Path) -> Source:
+    from transformers import AutoConfig
+
+    reader = GGUFFile(path)
+    try:
+        hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
+    except Exception as e:  # transformers raises many kinds for unsupported GGUF architectures
+        raise UserError(f"{path}: cannot read its model config ({str(e).splitlines()[0]})") from None
+
+    def save_tokenizer(dest: Path) -> None:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        tok.save_pretrained(str(dest))
+
+    return Source(str(path), "gguf", hf_config, reader, save_tokenizer)
+
+
+def _hub_snapshot(repo_id: str, what: str) -> Path:
+    """The repo's files: from the local Hugging Face cache, else downloaded from the Hub."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    how = (
+        f"download it where there is network with `hf download {repo_id}` (into the cache that HF_HOME "
+        "points to), or pass a local folder"
+    )
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, local_files_only=True))
+    except LocalEntryNotFoundError:
+        pass
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        raise UserError(f"{what} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; {how}")
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
+    except GatedRepoError:
+        raise UserError(f"{what} is gated on the Hub: accept its license on the model page and log in (`hf auth login`)") from None
+    except RepositoryNotFoundError:
+        raise UserError(f"{what}: no such repository on the Hub (or it is private and you are not logged in)") from None
+    except Exception as e:  # connection errors come in many types
+        raise UserError(f"{what} is not in the local Hugging Face cache and the Hub is unreachable ({type(e).__name__}); {how}") from None

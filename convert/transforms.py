@@ -1,0 +1,101 @@
+"""Named tensor transforms between Hugging Face layouts and zoo layouts.
+
+Each transform has a forward (HF tensor -> one layer's zoo tensor) and an
+inverse (for export). They are referenced by name from the mapping tables.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from zoo.config import ModelConfig
+
+Fn = Callable[[np.ndarray, ModelConfig], np.ndarray]
+
+
+@dataclass(frozen=True)
+class Transform:
+    """A layout change and its inverse."""
+
+    forward: Fn
+    inverse: Fn
+
+
+def _heads_in(kind: str) -> Transform:
+    """Linear [heads*head_dim, embed] (torch out x in) <-> zoo [embed, heads, head_dim]."""
+
+    def n(cfg: ModelConfig) -> int:
+        return cfg.num_heads if kind == "q" else cfg.num_kv_heads
+
+    return Transform(
+        forward=lambda w, cfg: w.reshape(n(cfg), cfg.head_dim, w.shape[-1]).transpose(2, 0, 1),
+        inverse=lambda w, cfg: w.transpose(1, 2, 0).reshape(n(cfg) * cfg.head_dim, w.shape[0]),
+    )
+
+
+def _bias_heads(kind: str) -> Transform:
+    """Bias [heads*head_dim] <-> [heads, head_dim]."""
+
+    def n(cfg: ModelConfig) -> int:
+        return cfg.num_heads if kind == "q" else cfg.num_kv_heads
+
+    return Transform(
+        forward=lambda b, cfg: b.reshape(n(cfg), cfg.head_dim),
+        inverse=lambda b, cfg: b.reshape(-1),
+    )
+
+
+def _gguf_unpermute(kind: str) -> Transform:
+    """llama.cpp stores q/k rows interleaved for its RoPE; undo (and redo) that permutation."""
+
+    def n(cfg: ModelConfig) -> int:
+        return cfg.num_heads if kind == "q" else cfg.num_kv_heads
+
+    def fwd(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+        h = n(cfg)
+        return w.reshape(h, w.shape[0] // h // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    def inv(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+        h = n(cfg)
+        return w.reshape(h, 2, w.shape[0] // h // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    return Transform(fwd, inv)
+
+
+def _compose(*names: str) -> Transform:
+    ts = [TRANSFORMS[n] for n in names]
+
+    def fwd(x: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+        for t in ts:
+            x = t.forward(x, cfg)
+        return x
+
+    def inv(x: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+        for t in reversed(ts):
+            x = t.inverse(x, cfg)
+        return x
+
+    return Transform(fwd, inv)
+
+
+TRANSFORMS: dict[str, Transform] = {
+    "identity": Transform(lambda x, cfg: x, lambda x, cfg: x),
+    # torch Linear weights are [out, in]; zoo matmuls take [in, out].
+    "transpose": Transform(lambda w, cfg: w.T, lambda w, cfg: w.T),
+    "q_in": _heads_in("q"),
+    "kv_in": _heads_in("kv"),
+    # o_proj [embed, heads*head_dim] <-> zoo [heads, head_dim, embed]
+    "o_out": Transform(
+        lambda w, cfg: w.T.reshape(cfg.num_heads, cfg.head_dim, w.shape[0]),
+        lambda w, cfg: w.reshape(-1, w.shape[-1]).T,
+    ),
+    "q_bias": _bias_heads("q"),
+    "kv_bias": _bias_heads("kv"),
+    "gguf_unpermute_q": _gguf_unpermute("q"),
+    "gguf_unpermute_k": _gguf_unpermute("kv"),
+}
+TRANSFORMS["gguf_q_in"] = _compose("gguf_unpermute_q", "q_in")
+TRANSFORMS["gguf_k_in"] = _compose("gguf_unpermute_k", "kv_in")

@@ -1,0 +1,1 @@
+"""lmzoo dpo (planned; see the open issues)."""

@@ -1,0 +1,1 @@
+"""Evaluation: generation and scored tasks (reached as `zoo generate` / `zoo eval`)."""

@@ -1,0 +1,1 @@
+"""lmzoo pretrain (planned; see the open issues)."""

@@ -1,0 +1,1 @@
+"""lmzoo sft (planned; see the open issues)."""

@@ -1,0 +1,191 @@
+"""The zoo checkpoint format: read, write (streaming, atomic) and load onto devices.
+
+Layout of a checkpoint folder::
+
+    model.json      format version, family, ModelConfig, parameter table, provenance
+    params/         Orbax checkpoint (OCDBT/zarr3), one array per dotted parameter path
+    tokenizer/      tokenizer files incl. the chat template (optional)
+    hf_config.json  the source Hugging Face config, kept for export (optional)
+
+Converted checkpoints and training-run checkpoints share this layout, so
+``zoo.load`` and ``zoo export`` read both the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from zoo.config import ModelConfig
+from zoo.errors import UserError
+from zoo.params import nest, param_specs
+
+FORMAT_VERSION = 1
+MODEL_FILE = "model.json"
+PARAMS_DIR = "params"
+TOKENIZER_DIR = "tokenizer"
+HF_CONFIG_FILE = "hf_config.json"
+# Chunks bound what one read or write touches; 64 MiB keeps slices cheap to restore.
+CHUNK_BYTES = 64 * 2**20
+
+
+def _orbax():
+    import orbax.checkpoint.experimental.v1 as ocp
+
+    return ocp
+
+
+def _save_context():
+    ocp = _orbax()
+    ctx = ocp.Context()
+    ctx.array.saving.storage_options.chunk_byte_size = CHUNK_BYTES
+    # Weights are close to incompressible; zstd would only cost CPU time.
+    ctx.array.saving.use_compression = False
+    return ctx
+
+
+def prepare_output(out: Path, overwrite: bool = False) -> None:
+    """Refuse a non-empty output folder unless ``overwrite``."""
+    if out.exists():
+        if not out.is_dir():
+            raise UserError(f"--out {out} exists and is not a folder; choose another path")
+        if any(out.iterdir()) and not overwrite:
+            raise UserError(f"--out {out} exists and is not empty; choose a new folder or remove it")
+
+
+class CheckpointWriter:
+    """Writes a zoo checkpoint one parameter at a time into a hidden temporary folder.
+
+    The folder is renamed onto ``out`` only by :meth:`finish`; any error (or
+    leaving the ``with`` block early) deletes it, so ``out`` never holds a
+    half-written checkpoint.
+    """
+
+    def __init__(self, out: str | os.PathLike, overwrite: bool = False):
+        self.out = Path(out).absolute()
+        prepare_output(self.out, overwrite)
+        self.overwrite = overwrite
+        self.tmp = self.out.parent / f".{self.out.name}.incomplete-{os.getpid()}"
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.tmp.mkdir(parents=True)
+        self.params: dict[str, dict[str, Any]] = {}
+        self._ctx = _save_context()
+
+    def __enter__(self) -> "CheckpointWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    @property
+    def folder(self) -> Path:
+        """Where files beside the parameters (tokenizer, configs) go before the rename."""
+        return self.tmp
+
+    def add(self, path: str, array: np.ndarray | jax.Array, axes: tuple[str, ...] = ()) -> None:
+        """Write one parameter (dotted path); the caller may free it afterwards."""
+        ocp = _orbax()
+        with self._ctx:
+            ocp.partial.save(self.tmp / PARAMS_DIR, nest({path: array}))
+        self.params[path] = {"shape": list(array.shape), "dtype": str(array.dtype), "axes": list(axes)}
+
+    def finish(self, cfg: ModelConfig, **provenance: Any) -> Path:
+        """Finalize the Orbax checkpoint, write model.json and move the folder onto ``out``."""
+        ocp = _orbax()
+        with self._ctx:
+            ocp.partial.finalize(self.tmp / PARAMS_DIR)
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "family": cfg.family,
+            "config": cfg.to_dict(),
+            "params": dict(sorted(self.params.items())),
+            **provenance,
+        }
+        (self.tmp / MODEL_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        if self.out.exists():
+            shutil.rmtree(self.out)
+        os.replace(self.tmp, self.out)
+        return self.out
+
+
+def read_meta(ckpt: str | os.PathLike) -> dict[str, Any]:
+    """model.json of a checkpoint, validated (exists, parses, format version known)."""
+    ckpt = Path(ckpt)
+    f = ckpt / MODEL_FILE
+    if not ckpt.is_dir():
+        raise UserError(f"{ckpt}: no such checkpoint folder")
+    if not f.is_file() or not (ckpt / PARAMS_DIR).is_dir():
+        raise UserError(f"{ckpt} is not a zoo checkpoint (no {MODEL_FILE} and {PARAMS_DIR}/); create one with `zoo convert`")
+    try:
+        meta = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{f} is not valid JSON ({e}); the checkpoint is damaged, convert it again") from None
+    version = meta.get("format_version")
+    if not isinstance(version, int):
+        raise UserError(f"{f} has no format_version; it is not a zoo checkpoint")
+    if version > FORMAT_VERSION:
+        raise UserError(
+            f"{ckpt} has checkpoint format version {version}, newer than this lmzoo reads ({FORMAT_VERSION}); upgrade lmzoo"
+        )
+    return meta
+
+
+def read_config(ckpt: str | os.PathLike) -> ModelConfig:
+    """The ModelConfig stored in a checkpoint."""
+    return ModelConfig.from_dict(read_meta(ckpt)["config"])
+
+
+def load_params(
+    ckpt: str | os.PathLike,
+    mesh: jax.sharding.Mesh | None = None,
+    dtype: Any = None,
+    paths: list[str] | None = None,
+) -> dict[str, Any]:
+    """Restore parameters (nested dict of jax Arrays) sharded on ``mesh`` by the logical-axis rules.
+
+    ``paths`` restores only those dotted parameters (Orbax partial load), which
+    is how streaming readers take one parameter at a time.
+    """
+    from zoo.sharding import make_mesh, named_sharding
+
+    ocp = _orbax()
+    meta = read_meta(ckpt)
+    cfg = ModelConfig.from_dict(meta["config"])
+    mesh = mesh or make_mesh()
+    specs = param_specs(cfg)
+    stored = meta["params"]
+    wanted = paths or list(specs)
+    abstract = {}
+    for p in wanted:
+        if p not in stored:
+            raise UserError(f"{ckpt}: parameter '{p}' is missing from the checkpoint; it is damaged, convert it again")
+        shape = tuple(stored[p]["shape"])
+        if shape != specs[p].shape:
+            raise UserError(f"{ckpt}: parameter '{p}' has shape {shape}, the config implies {specs[p].shape}")
+        dt = np.dtype(dtype) if dtype is not None else _np_dtype(stored[p]["dtype"])
+        abstract[p] = jax.ShapeDtypeStruct(shape, dt, sharding=named_sharding(mesh, specs[p].axes, shape))
+    ctx = ocp.Context()
+    ctx.pytree.loading.partial_load = paths is not None
+    with ctx:
+        return ocp.load(Path(ckpt).absolute() / PARAMS_DIR, nest(abstract))
+
+
+def _np_dtype(name: str) -> np.dtype:
+    import ml_dtypes
+
+    return np.dtype(getattr(ml_dtypes, name)) if name in ("bfloat16",) else np.dtype(name)
+
+
+def load(ckpt: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, dtype: Any = None):
+    """Load a zoo checkpoint as a :class:`zoo.model.Decoder` on all local devices (or ``mesh``)."""
+    from zoo.model import Decoder
+
+    cfg = read_config(ckpt)
+    return Decoder(cfg, load_params(ckpt, mesh, dtype))

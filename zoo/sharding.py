@@ -1,0 +1,79 @@
+"""Logical axis names -> mesh axes: one rule table for every parameter and activation."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
+
+# The one table. A logical name maps to a mesh axis, a tuple of mesh axes, or
+# None (replicated). FSDP shards the embedding dimension of every weight;
+# tensor parallelism splits heads / mlp / vocab, Megatron style.
+LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
+    "batch": ("data", "fsdp"),
+    "sequence": None,
+    "vocab": "tensor",
+    "embed": "fsdp",
+    "mlp": "tensor",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "head_dim": None,
+    "layers": None,
+    "expert": "expert",
+}
+
+
+def make_mesh(
+    data: int = 1, fsdp: int = -1, tensor: int = 1, expert: int = 1, devices: Sequence | None = None
+) -> Mesh:
+    """A (data, fsdp, tensor, expert) mesh; one size may be -1 for 'all remaining devices'."""
+    devices = list(devices if devices is not None else jax.devices())
+    sizes = [data, fsdp, tensor, expert]
+    if sizes.count(-1) > 1:
+        raise ValueError("at most one mesh axis may be -1")
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if len(devices) % known:
+            raise ValueError(f"mesh sizes {sizes} do not divide {len(devices)} devices")
+        sizes[sizes.index(-1)] = len(devices) // known
+    if math.prod(sizes) != len(devices):
+        raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, {len(devices)} exist")
+    return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
+
+
+def logical_to_spec(
+    logical_axes: Sequence[str | None], shape: Sequence[int] | None = None, mesh: Mesh | None = None
+) -> PartitionSpec:
+    """PartitionSpec for ``logical_axes`` under the rule table.
+
+    With ``shape`` and ``mesh`` given, a mesh axis that does not divide its
+    dimension (or is already used by an earlier dimension) is dropped, so any
+    model loads on any mesh: that dimension is replicated instead.
+    """
+    used: set[str] = set()
+    out = []
+    for i, name in enumerate(logical_axes):
+        rule = LOGICAL_RULES.get(name) if name else None
+        axes = (rule,) if isinstance(rule, str) else tuple(rule or ())
+        keep = []
+        for ax in axes:
+            if ax in used:
+                continue
+            if mesh is not None and shape is not None:
+                size = mesh.shape[ax] * math.prod(mesh.shape[a] for a in keep)
+                if size == 1 or shape[i] % size:
+                    continue
+            keep.append(ax)
+        used.update(keep)
+        out.append(None if not keep else keep[0] if len(keep) == 1 else tuple(keep))
+    return PartitionSpec(*out)
+
+
+def named_sharding(mesh: Mesh, logical_axes: Sequence[str | None], shape: Sequence[int]) -> NamedSharding:
+    """NamedSharding of an array with these logical axes on ``mesh``."""
+    return NamedSharding(mesh, logical_to_spec(logical_axes, shape, mesh))
