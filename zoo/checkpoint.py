@@ -72,7 +72,7 @@ class CheckpointWriter:
         prepare_output(self.out, overwrite)
         self.overwrite = overwrite
         self.tmp = self.out.parent / f".{self.out.name}.incomplete-{os.getpid()}"
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        _remove_stale_scratch(self.out)
         self.tmp.mkdir(parents=True)
         self.params: dict[str, dict[str, Any]] = {}
         self._ctx = _save_context()
@@ -113,6 +113,21 @@ class CheckpointWriter:
             shutil.rmtree(self.out)
         os.replace(self.tmp, self.out)
         return self.out
+
+
+def _remove_stale_scratch(out: Path) -> None:
+    """Delete scratch folders left beside ``out`` by writers that were killed."""
+    for d in out.parent.glob(f".{out.name}.incomplete-*"):
+        pid = d.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                os.kill(int(pid), 0)
+                continue  # that writer is still running
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                continue
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def read_meta(ckpt: str | os.PathLike) -> dict[str, Any]:

@@ -1,0 +1,75 @@
+"""zoo.load on 8 simulated devices, and `zoo info`."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from tests.tiny import hf_logits, make_llama, mean_kl, random_tokens
+from zoo.cli import main
+
+SCRIPT = r"""
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+import zoo
+assert len(jax.devices()) == 8, jax.devices()
+model = zoo.load(sys.argv[1])
+params = model.param_dict()
+gate = params["layers"]["gate"]
+tokens = np.load(sys.argv[2])
+np.save(sys.argv[3], np.asarray(model(jnp.asarray(tokens))))
+print(json.dumps({"gate_devices": len(gate.sharding.device_set),
+                  "gate_shard": list(gate.addressable_shards[0].data.shape),
+                  "gate_shape": list(gate.shape)}))
+"""
+
+
+def test_loads_sharded_on_8_devices_with_same_logits(tmp_path):
+    hf = make_llama(tmp_path / "hf", hidden_size=64, intermediate_size=128)
+    assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "zoo")]) == 0
+    tokens = random_tokens(hf.config.vocab_size)
+    np.save(tmp_path / "tokens.npy", tokens)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    p = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "zoo"), str(tmp_path / "tokens.npy"),
+                        str(tmp_path / "logits.npy")], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    info = json.loads(p.stdout.strip().splitlines()[-1])
+    # FSDP by default: the embed axis of every weight is split over all 8 devices.
+    assert info["gate_devices"] == 8
+    assert info["gate_shard"] == [3, 64 // 8, 128]
+    got = np.load(tmp_path / "logits.npy")
+    ref = hf_logits(hf, tokens)
+    assert np.abs(got - ref).max() <= 1e-4 and mean_kl(ref, got) <= 1e-6
+
+
+def test_info_describes_checkpoint(tmp_path, capsys):
+    make_llama(tmp_path / "hf", tie_word_embeddings=True)
+    assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "zoo")]) == 0
+    capsys.readouterr()
+    assert main(["info", str(tmp_path / "zoo")]) == 0
+    out = capsys.readouterr().out
+    from zoo.checkpoint import read_config
+    from zoo.params import count_params
+
+    n = count_params(read_config(tmp_path / "zoo"))
+    assert "llama" in out and f"{n:,}" in out and "float32" in out
+    assert "layers.gate" in out and "lm_head" not in out  # tied embeddings: no separate head
+    assert "embed,mlp" in out  # logical axes shown
+
+
+def test_info_on_non_checkpoint_is_a_clear_error(tmp_path, capsys):
+    (tmp_path / "x").mkdir()
+    assert main(["info", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a zoo checkpoint" in err[0]
+
+
+def test_list_shows_required_models(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    for name in ["llama2-7b", "llama3-8b", "llama3-8b-instruct", "llama3.1-8b", "llama3.1-70b", "llama3.2-1b",
+                 "llama3.2-3b", "smollm2-135m-instruct", "smollm2-1.7b-instruct"]:
+        assert f"\n{name} " in out
+    assert "meta-llama/Llama-3.1-70B" in out

