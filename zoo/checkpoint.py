@@ -47,6 +47,9 @@ def _save_context():
     ctx.array.saving.storage_options.chunk_byte_size = CHUNK_BYTES
     # Weights are close to incompressible; zstd would only cost CPU time.
     ctx.array.saving.use_compression = False
+    # Saves are synchronous and the writer never mutates an array it handed over,
+    # so Orbax's defensive copy of host arrays would only double peak memory.
+    ctx.memory.deepcopy_host_arrays = False
     return ctx
 
 
