@@ -241,6 +241,19 @@ def machine() -> dict:
     return {"nproc": nproc, "ram_gib": round(mem / GiB, 1), "cpu": model, "python": platform.python_version()}
 
 
+def code_version() -> str:
+    """Commit of the lmzoo checkout being measured (``+dirty`` with uncommitted changes), or "unknown"."""
+    repo = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
 def _dir_bytes(p: Path) -> int:
     return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
 
@@ -291,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
             "benchmark": "convert_memory",
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "machine": mach,
+            "code": code_version(),
             "checkpoint_bytes": ckpt_bytes,
             "output_bytes": out_bytes,
             "build_s": round(build_s, 2),
@@ -304,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         rows = [
             ("machine", f"{mach['nproc']} CPUs, {mach['ram_gib']} GiB RAM, {mach['cpu']}"),
+            ("lmzoo code", result["code"]),
             ("checkpoint size", f"{ckpt_bytes / GiB:.3f} GiB ({ckpt_bytes:,} bytes, 2 shards)"),
             ("zoo output size", f"{out_bytes / GiB:.3f} GiB"),
             ("copy time", f"{copy_s:.2f} s"),

@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
-from zoo.checkpoint import HF_CONFIG_FILE, TOKENIZER_DIR, CheckpointWriter, prepare_output
+from zoo.checkpoint import HF_CONFIG_FILE, TOKENIZER_DIR, CheckpointWriter, atomic_output, prepare_output
 from zoo.config import ModelConfig
 from zoo.errors import UserError
 from zoo.params import param_specs
@@ -78,13 +78,15 @@ def convert(source: str, out: str | Path, dtype: str | None = None, progress: bo
     rules = table_for(cfg.family, src.fmt, cfg)
     check_source(src, cfg, rules)
     specs = param_specs(cfg)
-    with CheckpointWriter(out) as writer:
+    with atomic_output(out) as folder:
+        writer = CheckpointWriter(folder)
         bar = tqdm(rules, desc="convert", unit="param", disable=None if progress is None else not progress)
         for rule in bar:
             bar.set_postfix_str(rule.zoo)
             arr = build_param(src, cfg, rule, DTYPES.get(dtype))
             writer.add(rule.zoo, arr, specs[rule.zoo].axes)
             del arr
-        src.save_tokenizer(writer.folder / TOKENIZER_DIR)
-        (writer.folder / HF_CONFIG_FILE).write_text(json.dumps(src.hf_config, indent=2, default=str) + "\n")
-        return writer.finish(cfg, source=src.description, source_format=src.fmt)
+        src.save_tokenizer(folder / TOKENIZER_DIR)
+        (folder / HF_CONFIG_FILE).write_text(json.dumps(src.hf_config, indent=2, default=str) + "\n")
+        writer.finish(cfg, source=src.description, source_format=src.fmt)
+    return out.absolute()

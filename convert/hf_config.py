@@ -86,3 +86,66 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
     if cfg.hidden_act not in ACTIVATIONS:
         raise UserError(f"{where}: hidden_act {cfg.hidden_act!r} is not supported; supported: {sorted(ACTIVATIONS)}")
     return cfg
+
+
+# zoo family -> (model_type, architecture) written on export
+EXPORT_NAMES: dict[str, tuple[str, str]] = {
+    "llama": ("llama", "LlamaForCausalLM"),
+}
+
+
+def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
+    """A Hugging Face config dict for ``cfg`` (used when no source config was kept or it no longer fits)."""
+    model_type, arch = EXPORT_NAMES[cfg.family]
+    out: dict[str, Any] = {
+        "architectures": [arch],
+        "model_type": model_type,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": cfg.attention_bias,
+        "mlp_bias": cfg.mlp_bias,
+        "hidden_act": cfg.hidden_act,
+        # The pre-5.0 spelling: every version of transformers (and vLLM) reads it.
+        "rope_theta": cfg.rope.theta,
+        "rope_scaling": None,
+    }
+    r = cfg.rope
+    if r.kind == "linear":
+        out["rope_scaling"] = {"rope_type": "linear", "factor": r.factor}
+    elif r.kind == "llama3":
+        out["rope_scaling"] = {
+            "rope_type": "llama3", "factor": r.factor, "low_freq_factor": r.low_freq_factor,
+            "high_freq_factor": r.high_freq_factor,
+            "original_max_position_embeddings": r.original_max_position_embeddings,
+        }
+    return out
+
+
+def export_hf_config(cfg: ModelConfig, source: dict[str, Any] | None, dtype: str) -> dict[str, Any]:
+    """The config.json to export: the source's own config when it still describes ``cfg``
+    (so a round trip gives back the same file), else one generated from ``cfg``."""
+    out: dict[str, Any]
+    try:
+        keep = source is not None and model_config_from_hf(source) == cfg
+    except UserError:
+        keep = False
+    out = dict(source) if keep else hf_config_from_model(cfg)
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if source and k in source and k not in out:
+            out[k] = source[k]
+    if not out.get("architectures"):
+        out["architectures"] = [EXPORT_NAMES[cfg.family][1]]
+    out.setdefault("model_type", EXPORT_NAMES[cfg.family][0])
+    if "dtype" in out:
+        out["dtype"] = dtype
+    if "torch_dtype" in out or "dtype" not in out:
+        out["torch_dtype"] = dtype
+    return out

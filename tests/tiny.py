@@ -8,8 +8,11 @@ import numpy as np
 import torch
 
 
-def make_llama(folder: Path, seed: int = 0, **overrides):
-    """Save a tiny random LlamaForCausalLM (transformers' own config class) to ``folder``."""
+def make_llama(folder: Path, seed: int = 0, dtype=None, save_kwargs=None, **overrides):
+    """Save a tiny random LlamaForCausalLM (transformers' own config class) to ``folder``.
+
+    ``dtype`` (a torch dtype) casts the saved weights; ``save_kwargs`` go to save_pretrained.
+    """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     kw = dict(
@@ -28,7 +31,9 @@ def make_llama(folder: Path, seed: int = 0, **overrides):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 0.15)
-    model.save_pretrained(folder)
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(folder, **(save_kwargs or {}))
     return model
 
 

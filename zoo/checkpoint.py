@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +33,6 @@ MODEL_FILE = "model.json"
 PARAMS_DIR = "params"
 TOKENIZER_DIR = "tokenizer"
 HF_CONFIG_FILE = "hf_config.json"
-# Chunks bound what one read or write touches; 64 MiB keeps slices cheap to restore.
-CHUNK_BYTES = 64 * 2**20
 
 
 def _orbax():
@@ -44,7 +44,9 @@ def _orbax():
 def _save_context():
     ocp = _orbax()
     ctx = ocp.Context()
-    ctx.array.saving.storage_options.chunk_byte_size = CHUNK_BYTES
+    # One zarr chunk per host array: TensorStore then writes straight from the
+    # caller's buffer, while splitting into smaller chunks makes it stage a full
+    # copy of the array until the write commits (measured: +1x the array).
     # Weights are close to incompressible; zstd would only cost CPU time.
     ctx.array.saving.use_compression = False
     # Saves are synchronous and the writer never mutates an array it handed over,
@@ -62,48 +64,51 @@ def prepare_output(out: Path, overwrite: bool = False) -> None:
             raise UserError(f"--out {out} exists and is not empty; choose a new folder or remove it")
 
 
-class CheckpointWriter:
-    """Writes a zoo checkpoint one parameter at a time into a hidden temporary folder.
+@contextmanager
+def atomic_output(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a hidden scratch folder beside ``out``; on success it is renamed onto ``out``.
 
-    The folder is renamed onto ``out`` only by :meth:`finish`; any error (or
-    leaving the ``with`` block early) deletes it, so ``out`` never holds a
-    half-written checkpoint.
+    Any error (or a kill) leaves ``out`` untouched: a failed writer's scratch
+    folder is deleted, a killed one's is removed by the next writer.
+    """
+    out = Path(out).absolute()
+    prepare_output(out, overwrite)
+    tmp = out.parent / f".{out.name}.incomplete-{os.getpid()}"
+    remove_stale_scratch(out)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+class CheckpointWriter:
+    """Writes a zoo checkpoint into ``folder`` one parameter at a time (Orbax partial saves).
+
+    Use it inside :func:`atomic_output` so that nothing half-written is ever
+    visible at the destination.
     """
 
-    def __init__(self, out: str | os.PathLike, overwrite: bool = False):
-        self.out = Path(out).absolute()
-        prepare_output(self.out, overwrite)
-        self.overwrite = overwrite
-        self.tmp = self.out.parent / f".{self.out.name}.incomplete-{os.getpid()}"
-        _remove_stale_scratch(self.out)
-        self.tmp.mkdir(parents=True)
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = Path(folder).absolute()
         self.params: dict[str, dict[str, Any]] = {}
         self._ctx = _save_context()
-
-    def __enter__(self) -> "CheckpointWriter":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if self.tmp.exists():
-            shutil.rmtree(self.tmp, ignore_errors=True)
-
-    @property
-    def folder(self) -> Path:
-        """Where files beside the parameters (tokenizer, configs) go before the rename."""
-        return self.tmp
 
     def add(self, path: str, array: np.ndarray | jax.Array, axes: tuple[str, ...] = ()) -> None:
         """Write one parameter (dotted path); the caller may free it afterwards."""
         ocp = _orbax()
         with self._ctx:
-            ocp.partial.save(self.tmp / PARAMS_DIR, nest({path: array}))
+            ocp.partial.save(self.folder / PARAMS_DIR, nest({path: array}))
         self.params[path] = {"shape": list(array.shape), "dtype": str(array.dtype), "axes": list(axes)}
 
-    def finish(self, cfg: ModelConfig, **provenance: Any) -> Path:
-        """Finalize the Orbax checkpoint, write model.json and move the folder onto ``out``."""
+    def finish(self, cfg: ModelConfig, **provenance: Any) -> None:
+        """Finalize the Orbax checkpoint and write model.json."""
         ocp = _orbax()
         with self._ctx:
-            ocp.partial.finalize(self.tmp / PARAMS_DIR)
+            ocp.partial.finalize(self.folder / PARAMS_DIR)
         meta = {
             "format_version": FORMAT_VERSION,
             "family": cfg.family,
@@ -111,14 +116,10 @@ class CheckpointWriter:
             "params": dict(sorted(self.params.items())),
             **provenance,
         }
-        (self.tmp / MODEL_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        if self.out.exists():
-            shutil.rmtree(self.out)
-        os.replace(self.tmp, self.out)
-        return self.out
+        (self.folder / MODEL_FILE).write_text(json.dumps(meta, indent=2) + "\n")
 
 
-def _remove_stale_scratch(out: Path) -> None:
+def remove_stale_scratch(out: Path) -> None:
     """Delete scratch folders left beside ``out`` by writers that were killed."""
     for d in out.parent.glob(f".{out.name}.incomplete-*"):
         pid = d.name.rsplit("-", 1)[-1]
@@ -193,6 +194,25 @@ def load_params(
     ctx.pytree.loading.partial_load = paths is not None
     with ctx:
         return ocp.load(Path(ckpt).absolute() / PARAMS_DIR, nest(abstract))
+
+
+def load_param_numpy(ckpt: str | os.PathLike, path: str) -> np.ndarray:
+    """One stored parameter as a host NumPy array in its stored dtype (for streaming readers).
+
+    Restoring into NumPy rather than a device array avoids an extra
+    device-to-host copy, keeping peak memory near the parameter's own size.
+    """
+    ocp = _orbax()
+    info = read_meta(ckpt)["params"].get(path)
+    if info is None:
+        raise UserError(f"{ckpt}: parameter '{path}' is missing from the checkpoint; it is damaged, convert it again")
+    ctx = ocp.Context()
+    ctx.pytree.loading.partial_load = True
+    with ctx:
+        tree = ocp.load(Path(ckpt).absolute() / PARAMS_DIR, nest({path: np.empty(info["shape"], _np_dtype(info["dtype"]))}))
+    for part in path.split("."):
+        tree = tree[part]
+    return tree
 
 
 def _np_dtype(name: str) -> np.dtype:

@@ -1,4 +1,4 @@
-"""The `zoo` command: list, info, convert, generate, demo.
+"""The `zoo` command: list, info, convert, export, generate, demo.
 
 Commands that need convert/ or eval/ import them lazily, inside the command,
 so the zoo package itself stays the ground floor.
@@ -115,6 +115,44 @@ def cmd_convert(args: argparse.Namespace) -> None:
     print(f"wrote {out}")
 
 
+def cmd_export(args: argparse.Namespace) -> None:
+    """Write a checkpoint as a Hugging Face folder and/or push it to the Hub."""
+    import tempfile
+
+    from convert.export import export, planned_files
+    from convert.hub import destination, push_folder
+
+    if not args.out and not args.push_to_hub:
+        raise UserError("zoo export needs --out DIR, --push-to-hub USER/REPO, or both")
+    if (args.private or args.revision) and not args.push_to_hub:
+        raise UserError("--private and --revision only apply with --push-to-hub USER/REPO")
+    if args.dry_run:
+        files = planned_files(args.ckpt, args.dtype, args.max_shard_size)
+        where = destination(args.push_to_hub, args.revision) if args.push_to_hub else str(args.out)
+        extra = " (private)" if args.private else ""
+        print(f"dry run: would write {len(files)} files to {where}{extra}")
+        print_table([("file", "size")] + [(n, _human_bytes(s) if s else "small") for n, s in files])
+        return
+    hint = args.push_to_hub or Path(args.out).name
+    if args.out:
+        out = export(args.ckpt, args.out, args.dtype, args.max_shard_size, args.overwrite, repo_hint=hint)
+        print(f"wrote {out}")
+        if args.push_to_hub:
+            print(f"pushed: {push_folder(out, args.push_to_hub, args.private, args.revision)}")
+        return
+    with tempfile.TemporaryDirectory(prefix="lmzoo-export-") as tmp:
+        out = export(args.ckpt, Path(tmp) / "export", args.dtype, args.max_shard_size, repo_hint=hint)
+        print(f"pushed: {push_folder(out, args.push_to_hub, args.private, args.revision)}")
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
     """Greedy chat completion from a checkpoint."""
     from eval.generate import chat_completion
@@ -169,6 +207,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="store parameters in this dtype (default: keep the source's dtype; float32 for GGUF)")
     s.set_defaults(fn=cmd_convert)
+
+    s = sub.add_parser(
+        "export", help="write a zoo checkpoint as a Hugging Face safetensors folder, and/or push it to the Hub",
+        description="Stream a zoo checkpoint (converted or trained) back into a folder that "
+                    "transformers.AutoModelForCausalLM.from_pretrained loads, optionally uploading it.",
+    )
+    s.add_argument("ckpt", metavar="CKPT", help="a zoo checkpoint folder (from `zoo convert` or a training run)")
+    s.add_argument("--out", metavar="DIR", help="output folder (refused if it exists and is not empty, unless --overwrite)")
+    s.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="write tensors in this dtype (default: the checkpoint's own dtype)")
+    s.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                   help="largest safetensors shard, e.g. 5GB, 500MB, 2GiB (default 5GB; one model.safetensors when it fits)")
+    s.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
+    s.add_argument("--push-to-hub", metavar="USER/REPO",
+                   help="upload to this Hub repo (created if needed); the token comes from HF_TOKEN or `hf auth login`")
+    s.add_argument("--private", action="store_true", help="create the Hub repo as private")
+    s.add_argument("--revision", metavar="BRANCH", help="upload to this branch (created if needed; default main)")
+    s.add_argument("--dry-run", action="store_true", help="list the files that would be written/uploaded and where; write nothing")
+    s.set_defaults(fn=cmd_export)
 
     s = sub.add_parser("generate", help="greedy chat completion with a zoo checkpoint")
     s.add_argument("ckpt", metavar="CKPT", help="path of a zoo checkpoint folder (with tokenizer/)")

@@ -1,0 +1,257 @@
+"""zoo checkpoint -> Hugging Face safetensors folder: the conversion tables run backwards, streaming.
+
+The layout of every shard is planned up front from the checkpoint's parameter
+table (names, shapes, dtypes), so each shard file gets its final header at
+once; then parameters are restored one at a time and each of their per-layer
+tensors is written at its planned offset. Memory stays bounded by one
+parameter, while the shards keep the Hub's layer-major order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from zoo.checkpoint import HF_CONFIG_FILE, TOKENIZER_DIR, atomic_output, load_param_numpy, read_meta
+from zoo.config import ModelConfig
+from zoo.errors import UserError
+from zoo.params import param_specs
+
+from convert.convert import DTYPES, _shape_only
+from convert.hf_config import export_hf_config
+from convert.tables import table_for
+from convert.transforms import TRANSFORMS
+
+ST_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64"}
+DEFAULT_MAX_SHARD = "5GB"
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5_000_000_000, '500MiB' -> 524_288_000, '1234' -> 1234 (as transformers reads sizes)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise UserError(f"--max-shard-size {text!r}: write a size like 5GB, 500MB or 2GiB")
+    num, unit = float(m.group(1)), (m.group(2) or "").upper()
+    powers = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
+    base = 1024 if "I" in unit else 1000
+    size = int(num * base ** powers[unit.replace("I", "").replace("B", "")])
+    if size <= 0:
+        raise UserError(f"--max-shard-size {text!r} must be positive")
+    return size
+
+
+@dataclass
+class PlannedTensor:
+    """One HF tensor of the export: where it comes from and where it goes."""
+
+    name: str
+    zoo: str
+    layer: int | None
+    transform: str
+    shape: tuple[int, ...]
+    dtype: str
+    shard: int = 0
+    offset: int = 0  # within the shard's data section
+
+    @property
+    def nbytes(self) -> int:
+        """Size in bytes."""
+        return int(np.prod(self.shape, dtype=np.int64)) * DTYPES_ALL[self.dtype].itemsize
+
+
+DTYPES_ALL = {**DTYPES, "float16": np.dtype(np.float16), "float64": np.dtype(np.float64)}
+
+
+def plan_tensors(cfg: ModelConfig, meta: dict[str, Any], dtype: str | None) -> list[PlannedTensor]:
+    """Every HF tensor of the export, in the Hub's order (embeddings, layer by layer, norm, head)."""
+    specs = param_specs(cfg)
+    rules = table_for(cfg.family, "hf", cfg)
+    head, layers, tail = [], [], []
+    for rule in rules:
+        spec = specs[rule.zoo]
+        dt = dtype or meta["params"][rule.zoo]["dtype"]
+        if dt not in ST_NAMES:
+            raise UserError(f"parameter {rule.zoo} has dtype {dt}, which safetensors export does not support")
+        one = spec.shape[1:] if rule.stacked else spec.shape
+        shape = tuple(TRANSFORMS[rule.transform].inverse(_shape_only(one), cfg).shape)
+        if rule.stacked:
+            layers += [PlannedTensor(rule.hf.format(i=i), rule.zoo, i, rule.transform, shape, dt) for i in range(cfg.num_layers)]
+        else:
+            (head if rule.zoo == "embed" else tail).append(PlannedTensor(rule.hf, rule.zoo, None, rule.transform, shape, dt))
+    layers.sort(key=lambda t: t.layer)  # stable: table order within a layer
+    return head + layers + tail
+
+
+def assign_shards(tensors: list[PlannedTensor], max_bytes: int) -> int:
+    """Greedy, in order: a new shard when the next tensor would overflow this one. Returns the shard count."""
+    shard, used = 0, 0
+    for t in tensors:
+        if used and used + t.nbytes > max_bytes:
+            shard, used = shard + 1, 0
+        t.shard, t.offset = shard, used
+        used += t.nbytes
+    return shard + 1
+
+
+def shard_name(i: int, n: int) -> str:
+    """The Hub's shard file names."""
+    return "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def _header(tensors: list[PlannedTensor]) -> bytes:
+    h: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    for t in tensors:
+        h[t.name] = {"dtype": ST_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [t.offset, t.offset + t.nbytes]}
+    raw = json.dumps(h, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors aligns the data section to 8 bytes
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def model_card(meta: dict[str, Any], cfg: ModelConfig, repo_hint: str) -> str:
+    """README.md for the exported folder: base model, what was done, how to load it."""
+    source = meta.get("source", "unknown")
+    base = re.search(r"\(([\w.-]+/[\w.-]+)\)$", source) or re.fullmatch(r"([\w.-]+/[\w.-]+)", source)
+    front = ["---", "library_name: transformers", "tags:", "- lmzoo"]
+    if base:
+        front.append(f"base_model: {base.group(1)}")
+    front.append("---")
+    training = meta.get("training")
+    if training:
+        done = [f"Fine-tuned with lmzoo ({training.get('method', 'training')}).", ""]
+        for key in ("data", "steps", "final_metrics"):
+            if key in training:
+                done.append(f"- **{key.replace('_', ' ')}**: {training[key]}")
+    else:
+        done = [f"Converted with lmzoo from `{source}` ({meta.get('source_format', 'hf')}) and exported back "
+                "unchanged: a lossless round trip."]
+    from zoo.params import count_params
+
+    return "\n".join(front + [
+        "", f"# {repo_hint}", "",
+        f"A {cfg.family}-family causal language model ({count_params(cfg):,} parameters).", "",
+        "## What was done", "", *done, "",
+        "## How to load", "", "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        f'model = AutoModelForCausalLM.from_pretrained("{repo_hint}")',
+        f'tokenizer = AutoTokenizer.from_pretrained("{repo_hint}")',
+        "```", "",
+    ])
+
+
+def export(
+    ckpt: str | Path,
+    out: str | Path,
+    dtype: str | None = None,
+    max_shard_size: str = DEFAULT_MAX_SHARD,
+    overwrite: bool = False,
+    repo_hint: str | None = None,
+    progress: bool | None = None,
+) -> Path:
+    """Write checkpoint ``ckpt`` as a Hugging Face folder at ``out`` (atomically); returns ``out``."""
+    if dtype is not None and dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    meta = read_meta(ckpt)
+    cfg = ModelConfig.from_dict(meta["config"])
+    out = Path(out).absolute()
+    tensors = plan_tensors(cfg, meta, dtype)
+    n = assign_shards(tensors, parse_size(max_shard_size))
+    with atomic_output(out, overwrite) as tmp:
+        _write_shards(Path(ckpt), cfg, tensors, n, tmp, progress)
+        _write_side_files(Path(ckpt), meta, cfg, tensors, n, tmp, dtype, repo_hint or out.name)
+    return out
+
+
+def _write_shards(ckpt: Path, cfg: ModelConfig, tensors: list[PlannedTensor], n: int, tmp: Path,
+                  progress: bool | None) -> None:
+    fds, data_start = [], []
+    try:
+        for i in range(n):
+            mine = [t for t in tensors if t.shard == i]
+            header = _header(mine)
+            fd = os.open(tmp / shard_name(i, n), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            fds.append(fd)
+            os.pwrite(fd, header, 0)
+            os.ftruncate(fd, len(header) + sum(t.nbytes for t in mine))
+            data_start.append(len(header))
+        by_param: dict[str, list[PlannedTensor]] = {}
+        for t in tensors:
+            by_param.setdefault(t.zoo, []).append(t)
+        bar = tqdm(by_param.items(), desc="export", unit="param", disable=None if progress is None else not progress)
+        for zoo_path, items in bar:
+            bar.set_postfix_str(zoo_path)
+            param = load_param_numpy(ckpt, zoo_path)
+            for t in items:
+                x = param[t.layer] if t.layer is not None else param
+                x = np.ascontiguousarray(TRANSFORMS[t.transform].inverse(x, cfg), dtype=DTYPES_ALL[t.dtype])
+                if tuple(x.shape) != t.shape:
+                    raise UserError(f"{ckpt}: parameter {zoo_path} does not match its config (got {x.shape}, want {t.shape})")
+                os.pwrite(fds[t.shard], memoryview(x.reshape(-1).view(np.uint8)), data_start[t.shard] + t.offset)
+            del param
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _write_side_files(ckpt: Path, meta: dict[str, Any], cfg: ModelConfig, tensors: list[PlannedTensor], n: int,
+                      tmp: Path, dtype: str | None, repo_hint: str) -> None:
+    if n > 1:
+        index = {
+            "metadata": {"total_size": sum(t.nbytes for t in tensors)},
+            "weight_map": {t.name: shard_name(t.shard, n) for t in tensors},
+        }
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    source_cfg = None
+    if (ckpt / HF_CONFIG_FILE).is_file():
+        source_cfg = json.loads((ckpt / HF_CONFIG_FILE).read_text())
+    out_dtype = dtype or _common_dtype(tensors)
+    hf = export_hf_config(cfg, source_cfg, out_dtype)
+    (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    tok = ckpt / TOKENIZER_DIR
+    if tok.is_dir():
+        for f in tok.iterdir():
+            if f.is_file():
+                shutil.copyfile(f, tmp / f.name)
+    if not (tmp / "generation_config.json").is_file():
+        gen = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf.get(k) is not None}
+        (tmp / "generation_config.json").write_text(json.dumps({**gen, "_from_model_config": True}, indent=2) + "\n")
+    (tmp / "README.md").write_text(model_card(meta, cfg, repo_hint))
+
+
+def _common_dtype(tensors: list[PlannedTensor]) -> str:
+    """The dtype most bytes are stored in (what config.json's dtype should say)."""
+    by: dict[str, int] = {}
+    for t in tensors:
+        by[t.dtype] = by.get(t.dtype, 0) + t.nbytes
+    return max(by, key=by.get)
+
+
+def planned_files(ckpt: str | Path, dtype: str | None = None, max_shard_size: str = DEFAULT_MAX_SHARD) -> list[tuple[str, int]]:
+    """(file name, size in bytes) of everything :func:`export` would write, without writing it.
+
+    Shard sizes are exact; the small JSON/README files are estimated by the
+    size they would have (config and card are generated, so this is close).
+    """
+    meta = read_meta(ckpt)
+    cfg = ModelConfig.from_dict(meta["config"])
+    tensors = plan_tensors(cfg, meta, dtype)
+    n = assign_shards(tensors, parse_size(max_shard_size))
+    files = []
+    for i in range(n):
+        mine = [t for t in tensors if t.shard == i]
+        files.append((shard_name(i, n), len(_header(mine)) + sum(t.nbytes for t in mine)))
+    if n > 1:
+        files.append(("model.safetensors.index.json", 0))
+    files += [("config.json", 0), ("README.md", 0)]
+    tok = Path(ckpt) / TOKENIZER_DIR
+    names = {f.name: f.stat().st_size for f in tok.iterdir() if f.is_file()} if tok.is_dir() else {}
+    names.setdefault("generation_config.json", 0)
+    files += sorted(names.items())
+    return files
