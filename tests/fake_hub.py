@@ -138,6 +138,7 @@ class FakeHub:
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
+        self._url: str | None = None
 
     # ---- life cycle -------------------------------------------------------
 
@@ -150,6 +151,8 @@ class FakeHub:
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
+        host, port = self._server.server_address[:2]
+        self._url = f"http://{host}:{port}"
         self._thread = threading.Thread(target=self._server.serve_forever, name="fake-hub", daemon=True)
         self._thread.start()
         return self
@@ -172,10 +175,9 @@ class FakeHub:
 
     @property
     def url(self) -> str:
-        """``http://127.0.0.1:PORT`` (what HF_ENDPOINT should be)."""
-        assert self._server is not None, "FakeHub is not started"
-        host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        """``http://127.0.0.1:PORT`` (what HF_ENDPOINT should be); still readable after :meth:`stop`."""
+        assert self._url is not None, "FakeHub was never started"
+        return self._url
 
     # ---- what tests look at ----------------------------------------------
 

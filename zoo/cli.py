@@ -120,17 +120,20 @@ def cmd_export(args: argparse.Namespace) -> None:
     import tempfile
 
     from convert.export import export, planned_files
-    from convert.hub import destination, push_folder
+    from convert.hub import check_repo_id, destination, push_folder
 
     if not args.out and not args.push_to_hub:
         raise UserError("zoo export needs --out DIR, --push-to-hub USER/REPO, or both")
     if (args.private or args.revision) and not args.push_to_hub:
         raise UserError("--private and --revision only apply with --push-to-hub USER/REPO")
+    if args.push_to_hub:
+        check_repo_id(args.push_to_hub)
     if args.dry_run:
         files = planned_files(args.ckpt, args.dtype, args.max_shard_size)
-        where = destination(args.push_to_hub, args.revision) if args.push_to_hub else str(args.out)
-        extra = " (private)" if args.private else ""
-        print(f"dry run: would write {len(files)} files to {where}{extra}")
+        where = [str(Path(args.out).absolute())] if args.out else []
+        if args.push_to_hub:
+            where.append(destination(args.push_to_hub, args.revision) + (" (private)" if args.private else ""))
+        print(f"dry run: would write {len(files)} files to {' and '.join(where)}")
         print_table([("file", "size")] + [(n, _human_bytes(s) if s else "small") for n, s in files])
         return
     hint = args.push_to_hub or Path(args.out).name
