@@ -295,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         copy_s = time_copy(files, copy_dir)
         print(f"copy baseline: {copy_s:.2f} s", file=sys.stderr)
 
+        code = code_version()  # what the child imports now (the tree may change while we run)
         res = run_convert(hf, zoo_out)
         out_bytes = _dir_bytes(zoo_out)
         peak = res["peak_rss_bytes"]
@@ -304,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             "benchmark": "convert_memory",
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "machine": mach,
-            "code": code_version(),
+            "code": code,
             "checkpoint_bytes": ckpt_bytes,
             "output_bytes": out_bytes,
             "build_s": round(build_s, 2),
