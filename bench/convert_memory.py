@@ -91,6 +91,8 @@ def tensor_table(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
             (p + "mlp.down_proj.weight", (d, f)),
         ]
     out.append(("model.norm.weight", (d,)))
+    if not cfg.get("tie_word_embeddings", False):
+        out.append(("lm_head.weight", (v, d)))
     return out
 
 
@@ -144,11 +146,12 @@ def write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...]]], rn
     return 8 + len(raw) + off
 
 
-def build_checkpoint(hf: Path, seed: int = 0, shards: int = 2) -> list[Path]:
-    """Synthetic Llama-3.2-1B-shaped HF folder; returns the safetensors files."""
+def build_checkpoint(hf: Path, seed: int = 0, shards: int = 2, config: dict | None = None) -> list[Path]:
+    """Synthetic HF folder (Llama-3.2-1B-shaped unless ``config`` says otherwise); returns the safetensors files."""
+    config = config or CONFIG
     hf.mkdir(parents=True, exist_ok=True)
-    (hf / "config.json").write_text(json.dumps(CONFIG, indent=2) + "\n")
-    tensors = tensor_table(CONFIG)
+    (hf / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tensors = tensor_table(config)
     groups = _split_shards(tensors, shards)
     rng = np.random.default_rng(seed)
     files, weight_map, total = [], {}, 0
@@ -189,11 +192,16 @@ def _rss_kib(pid: int) -> int | None:
 
 def run_convert(hf: Path, out: Path, trace_every: float = 0.1) -> dict:
     """Run `zoo convert` as a child; wall time, peak RSS (wait4) and a sampled RSS trace."""
+    return run_zoo(["convert", str(hf), "--out", str(out)], trace_every)
+
+
+def run_zoo(args: list[str], trace_every: float = 0.1) -> dict:
+    """Run `zoo ARGS...` as a child; wall time, peak RSS (wait4) and a sampled RSS trace."""
     zoo = Path(sys.executable).parent / "zoo"
     if not zoo.exists():
         raise SystemExit(f"no `zoo` executable next to {sys.executable}; install lmzoo into this environment")
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    cmd = [str(zoo), "convert", str(hf), "--out", str(out)]
+    cmd = [str(zoo), *args]
     os.sync()
     t0 = time.perf_counter()
     # The child's stdout goes to our stderr, so our stdout holds only the table and JSON line.

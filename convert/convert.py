@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from zoo.checkpoint import HF_CONFIG_FILE, TOKENIZER_DIR, CheckpointWriter, atomic_output, prepare_output
 from zoo.config import ModelConfig
 from zoo.errors import UserError
+from zoo.memory import release_free_memory
 from zoo.params import param_specs
 
 from convert.hf_config import model_config_from_hf
@@ -86,6 +87,7 @@ def convert(source: str, out: str | Path, dtype: str | None = None, progress: bo
             arr = build_param(src, cfg, rule, DTYPES.get(dtype))
             writer.add(rule.zoo, arr, specs[rule.zoo].axes)
             del arr
+            release_free_memory()
         src.save_tokenizer(folder / TOKENIZER_DIR)
         (folder / HF_CONFIG_FILE).write_text(json.dumps(src.hf_config, indent=2, default=str) + "\n")
         writer.finish(cfg, source=src.description, source_format=src.fmt)

@@ -2,8 +2,9 @@
 
 The layout of every shard is planned up front from the checkpoint's parameter
 table (names, shapes, dtypes), so each shard file gets its final header at
-once; then parameters are restored one at a time and each of their per-layer
-tensors is written at its planned offset. Memory stays bounded by one
+once; then parameters are read one at a time (layer by layer, see
+:class:`zoo.checkpoint.ParamReader`) and each per-layer tensor is written at
+its planned offset. Memory stays bounded by one
 parameter, while the shards keep the Hub's layer-major order.
 """
 
@@ -20,9 +21,10 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from zoo.checkpoint import HF_CONFIG_FILE, TOKENIZER_DIR, atomic_output, load_param_numpy, read_meta
+from zoo.checkpoint import HF_CONFIG_FILE, TOKENIZER_DIR, ParamReader, atomic_output, read_meta
 from zoo.config import ModelConfig
 from zoo.errors import UserError
+from zoo.memory import release_free_memory
 from zoo.params import param_specs
 
 from convert.convert import DTYPES, _shape_only
@@ -187,17 +189,44 @@ def _write_shards(ckpt: Path, cfg: ModelConfig, tensors: list[PlannedTensor], n:
         bar = tqdm(by_param.items(), desc="export", unit="param", disable=None if progress is None else not progress)
         for zoo_path, items in bar:
             bar.set_postfix_str(zoo_path)
-            param = load_param_numpy(ckpt, zoo_path)
+            param = ParamReader(ckpt, zoo_path)
             for t in items:
-                x = param[t.layer] if t.layer is not None else param
-                x = np.ascontiguousarray(TRANSFORMS[t.transform].inverse(x, cfg), dtype=DTYPES_ALL[t.dtype])
-                if tuple(x.shape) != t.shape:
-                    raise UserError(f"{ckpt}: parameter {zoo_path} does not match its config (got {x.shape}, want {t.shape})")
-                os.pwrite(fds[t.shard], memoryview(x.reshape(-1).view(np.uint8)), data_start[t.shard] + t.offset)
+                for offset, x in _hf_pieces(param, t, cfg):
+                    os.pwrite(fds[t.shard], memoryview(x.reshape(-1).view(np.uint8)), data_start[t.shard] + t.offset + offset)
+                    del x
             del param
+            release_free_memory()
     finally:
         for fd in fds:
             os.close(fd)
+
+
+# Row-sliceable layouts of un-stacked parameters: the zoo axis that runs along the HF tensor's rows.
+_ROW_AXIS = {"identity": 0, "transpose": 1}
+_BLOCK_BYTES = 64 * 2**20
+
+
+def _hf_pieces(param: ParamReader, t: PlannedTensor, cfg: ModelConfig):
+    """(byte offset within the HF tensor, contiguous array) pieces that make up tensor ``t``.
+
+    A per-layer tensor is one piece. A large un-stacked one (embeddings, lm_head)
+    comes in blocks of rows, so that reading it never needs a second full copy.
+    """
+    dt = DTYPES_ALL[t.dtype]
+    axis = _ROW_AXIS.get(t.transform)
+    if t.layer is not None or axis is None or len(t.shape) != 2 or t.nbytes <= _BLOCK_BYTES:
+        x = param.read(t.layer)
+        x = np.ascontiguousarray(TRANSFORMS[t.transform].inverse(x, cfg), dtype=dt)
+        if tuple(x.shape) != t.shape:
+            raise UserError(f"parameter {t.zoo} does not match its config (got {x.shape}, want {t.shape})")
+        yield 0, x
+        return
+    row_bytes = t.shape[1] * dt.itemsize
+    step = max(1, _BLOCK_BYTES // row_bytes)
+    for a in range(0, t.shape[0], step):
+        b = min(a + step, t.shape[0])
+        x = np.ascontiguousarray(TRANSFORMS[t.transform].inverse(param.read_block(axis, a, b), cfg), dtype=dt)
+        yield a * row_bytes, x
 
 
 def _write_side_files(ckpt: Path, meta: dict[str, Any], cfg: ModelConfig, tensors: list[PlannedTensor], n: int,
