@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import ml_dtypes
@@ -15,7 +16,7 @@ from zoo.errors import UserError
 from zoo.memory import release_free_memory
 from zoo.params import param_specs
 
-from convert.hf_config import model_config_from_hf
+from convert.hf_config import model_config_from_hf, source_format
 from convert.source import Source, open_source
 from convert.tables import Rule, table_for
 from convert.transforms import TRANSFORMS
@@ -76,8 +77,13 @@ def convert(source: str, out: str | Path, dtype: str | None = None, progress: bo
     prepare_output(out)
     src = open_source(source)
     cfg = model_config_from_hf(src.hf_config, f"{src.description}: config")
-    rules = table_for(cfg.family, src.fmt, cfg)
+    fmt = src.fmt if src.fmt == "gguf" else source_format(src.hf_config)
+    rules = table_for(cfg.family, fmt, cfg)
     check_source(src, cfg, rules)
+    if fmt == "hf-gemma3-multimodal":
+        left = len(src.reader.names()) - sum(cfg.num_layers if r.stacked else 1 for r in rules)
+        print(f"note: {src.description} is multimodal: converting its language model; the vision tower and "
+              f"projector ({left} tensors) are left out", file=sys.stderr)
     specs = param_specs(cfg)
     with atomic_output(out) as folder:
         writer = CheckpointWriter(folder)
@@ -90,5 +96,5 @@ def convert(source: str, out: str | Path, dtype: str | None = None, progress: bo
             release_free_memory()
         src.save_tokenizer(folder / TOKENIZER_DIR)
         (folder / HF_CONFIG_FILE).write_text(json.dumps(src.hf_config, indent=2, default=str) + "\n")
-        writer.finish(cfg, source=src.description, source_format=src.fmt)
+        writer.finish(cfg, source=src.description, source_format=fmt)
     return out.absolute()

@@ -1,25 +1,73 @@
-"""Hugging Face config.json <-> ModelConfig, one small field table per family."""
+"""Hugging Face config.json <-> ModelConfig, driven by one traits table per family.
+
+Configs are parsed through transformers' own config classes, so every default
+and derived field (Gemma's head_dim of 256, Qwen 2's sliding layers from
+``max_window_layers``, Gemma 3's per-layer-type RoPE) is exactly what the
+reference implementation uses.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from zoo.config import ModelConfig, RopeConfig
 from zoo.errors import UserError
 
-# architecture (or model_type, for configs that lack `architectures`) -> zoo family
-ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
+
+@dataclass(frozen=True)
+class FamilyTraits:
+    """How one family's HF config maps onto ModelConfig fields (data, not code)."""
+
+    model_type: str
+    architecture: str
+    norm_offset: float = 0.0
+    embed_scale: bool = False
+    post_norms: bool = False
+    qk_norm: bool = False
+    # Bias flags: a config field name to read, or a fixed value.
+    qkv_bias: str | bool = "attention_bias"
+    o_bias: str | bool = "attention_bias"
+    mlp_bias: str | bool = False
+    act_field: str = "hidden_act"
+    attn_softcap_field: str | None = None
+    final_softcap_field: str | None = None
+    uses_query_pre_attn_scalar: bool = False
+    sliding_on_every_layer: bool = False  # Mistral: one window for all layers, no layer_types
+
+
+FAMILIES: dict[str, FamilyTraits] = {
+    "llama": FamilyTraits("llama", "LlamaForCausalLM", mlp_bias="mlp_bias"),
+    "mistral": FamilyTraits("mistral", "MistralForCausalLM", qkv_bias=False, o_bias=False,
+                            sliding_on_every_layer=True),
+    "gemma": FamilyTraits("gemma", "GemmaForCausalLM", norm_offset=1.0, embed_scale=True),
+    "gemma2": FamilyTraits("gemma2", "Gemma2ForCausalLM", norm_offset=1.0, embed_scale=True, post_norms=True,
+                           act_field="hidden_activation", attn_softcap_field="attn_logit_softcapping",
+                           final_softcap_field="final_logit_softcapping", uses_query_pre_attn_scalar=True),
+    # transformers' Gemma 3 never applies attn_logit_softcapping, whatever the config says.
+    "gemma3": FamilyTraits("gemma3_text", "Gemma3ForCausalLM", norm_offset=1.0, embed_scale=True, post_norms=True,
+                           qk_norm=True, act_field="hidden_activation", final_softcap_field="final_logit_softcapping",
+                           uses_query_pre_attn_scalar=True),
+    "qwen2": FamilyTraits("qwen2", "Qwen2ForCausalLM", qkv_bias=True, o_bias=False),
+    "qwen3": FamilyTraits("qwen3", "Qwen3ForCausalLM", qk_norm=True),
 }
-MODEL_TYPES: dict[str, str] = {
-    "llama": "llama",
+
+# architecture -> (family, source format of its weight names)
+ARCHITECTURES: dict[str, tuple[str, str]] = {
+    **{t.architecture: (f, "hf") for f, t in FAMILIES.items()},
+    "Gemma3ForConditionalGeneration": ("gemma3", "hf-gemma3-multimodal"),
+}
+MODEL_TYPES: dict[str, tuple[str, str]] = {
+    **{t.model_type: (f, "hf") for f, t in FAMILIES.items()},
+    "gemma3": ("gemma3", "hf-gemma3-multimodal"),
 }
 
 SUPPORTED_ROPE = ("default", "linear", "llama3")
+LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
 
 
-def family_of(hf: dict[str, Any], where: str) -> str:
-    """The zoo family of an HF config, or a UserError naming what is supported."""
+def family_of(hf: dict[str, Any], where: str) -> tuple[str, str]:
+    """(zoo family, weight-name format) of an HF config, or a UserError naming what is supported."""
     archs = hf.get("architectures") or []
     for a in archs:
         if a in ARCHITECTURES:
@@ -27,79 +75,136 @@ def family_of(hf: dict[str, Any], where: str) -> str:
     if not archs and hf.get("model_type") in MODEL_TYPES:
         return MODEL_TYPES[hf["model_type"]]
     got = ", ".join(archs) or f"model_type={hf.get('model_type')!r}"
-    raise UserError(
-        f"{where}: architecture {got} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"
-    )
+    raise UserError(f"{where}: architecture {got} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}")
 
 
-def _rope(hf: dict[str, Any], where: str) -> RopeConfig:
-    # transformers >= 5 writes `rope_parameters`; older configs (most of the Hub) use
-    # `rope_theta` + `rope_scaling`.
-    params = dict(hf.get("rope_parameters") or {})
-    scaling = hf.get("rope_scaling") or {}
-    params = {**scaling, **params}
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+def _parse(hf: dict[str, Any], where: str):
+    """transformers' config object for this dict (the text config for multimodal models)."""
+    from transformers import AutoConfig
+
+    try:
+        c = AutoConfig.for_model(hf["model_type"], **{k: v for k, v in hf.items() if k != "model_type"})
+    except KeyError:
+        raise UserError(f"{where}: no model_type") from None
+    except Exception as e:  # transformers validates strictly and raises many kinds
+        raise UserError(f"{where}: invalid config ({str(e).splitlines()[0]})") from None
+    text = getattr(c, "text_config", None)
+    return c, text if text is not None else c
+
+
+def _rope(params: dict[str, Any], c: Any, where: str) -> RopeConfig:
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     if kind not in SUPPORTED_ROPE:
-        raise UserError(f"{where}: rope type {kind!r} is not supported for this family; supported: {SUPPORTED_ROPE}")
+        raise UserError(f"{where}: rope type {kind!r} is not supported; supported: {SUPPORTED_ROPE}")
     return RopeConfig(
-        theta=float(theta),
+        theta=float(params.get("rope_theta", getattr(c, "rope_theta", None) or 10000.0)),
         kind=kind,
         factor=float(params.get("factor", 1.0)),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(
-            params.get("original_max_position_embeddings", hf.get("max_position_embeddings", 8192))
+            params.get("original_max_position_embeddings", getattr(c, "max_position_embeddings", 8192))
         ),
     )
 
 
+def _flag(value: str | bool, c: Any) -> bool:
+    return bool(getattr(c, value, False)) if isinstance(value, str) else value
+
+
 def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> ModelConfig:
     """Translate an HF config dict into a ModelConfig; unsupported settings are UserErrors."""
-    family = family_of(hf, where)
+    family, fmt = family_of(hf, where)
+    traits = FAMILIES[family]
+    top, c = _parse(hf, where)
+    rp = dict(getattr(c, "rope_parameters", None) or {})
+    if "full_attention" in rp or "sliding_attention" in rp:
+        rope = _rope(rp.get("full_attention") or {}, c, where)
+        local = _rope(rp.get("sliding_attention") or {}, c, where)
+    else:
+        rope = local = _rope(rp, c, where)
+    window = getattr(c, "sliding_window", None)
+    raw_types = getattr(c, "layer_types", None)
+    n = int(c.num_hidden_layers)
+    if traits.sliding_on_every_layer:
+        kinds = ("sliding",) * n if window else ("full",) * n
+    elif raw_types:
+        unknown = sorted(set(raw_types) - set(LAYER_TYPES))
+        if unknown:
+            raise UserError(f"{where}: layer types {unknown} are not supported; supported: {sorted(LAYER_TYPES)}")
+        kinds = tuple(LAYER_TYPES[t] for t in raw_types)
+    else:
+        kinds = ("full",) * n
+    sliding = "sliding" in kinds
+    act = str(getattr(c, traits.act_field, None) or getattr(c, "hidden_act", "silu"))
+    if family == "gemma" and act == "gelu":
+        act = "gelu_pytorch_tanh"  # transformers itself swaps the legacy exact GELU for the tanh one
+    heads, hidden = int(c.num_attention_heads), int(c.hidden_size)
+    final_cap = getattr(c, traits.final_softcap_field, None) if traits.final_softcap_field else None
+    if fmt == "hf-gemma3-multimodal":
+        final_cap = None  # Gemma3ForConditionalGeneration does not soft-cap its logits
+    attn_cap = getattr(c, traits.attn_softcap_field, None) if traits.attn_softcap_field else None
     try:
-        heads = int(hf["num_attention_heads"])
-        hidden = int(hf["hidden_size"])
         cfg = ModelConfig(
             family=family,
-            vocab_size=int(hf["vocab_size"]),
+            vocab_size=int(c.vocab_size),
             hidden_size=hidden,
-            intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
+            intermediate_size=int(c.intermediate_size),
+            num_layers=n,
             num_heads=heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope=_rope(hf, where),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", False)),
-            mlp_bias=bool(hf.get("mlp_bias", False)),
-            hidden_act=str(hf.get("hidden_act", "silu")),
+            num_kv_heads=int(getattr(c, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(c, "head_dim", None) or hidden // heads),
+            rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)),
+            rope=rope,
+            max_position_embeddings=int(getattr(c, "max_position_embeddings", 8192)),
+            tie_word_embeddings=bool(getattr(top, "tie_word_embeddings", False)),
+            qkv_bias=_flag(traits.qkv_bias, c),
+            o_bias=_flag(traits.o_bias, c),
+            mlp_bias=_flag(traits.mlp_bias, c),
+            hidden_act=act,
+            norm_offset=traits.norm_offset,
+            embed_scale=traits.embed_scale,
+            post_norms=traits.post_norms,
+            qk_norm=traits.qk_norm,
+            query_pre_attn_scalar=float(c.query_pre_attn_scalar) if traits.uses_query_pre_attn_scalar else None,
+            attn_softcap=float(attn_cap) if attn_cap else None,
+            final_softcap=float(final_cap) if final_cap else None,
+            sliding_window=int(window) if sliding else None,
+            layer_types=kinds if sliding else None,
+            rope_local=local if sliding and local != rope else None,
         )
-    except KeyError as e:
-        raise UserError(f"{where}: required field {e.args[0]!r} is missing") from None
-    if hf.get("pretraining_tp", 1) not in (1, None):
-        raise UserError(f"{where}: pretraining_tp={hf['pretraining_tp']} is not supported; set it to 1")
+    except (TypeError, ValueError, AttributeError) as e:
+        raise UserError(f"{where}: cannot read the model config ({e})") from None
+    if getattr(c, "pretraining_tp", 1) not in (1, None):
+        raise UserError(f"{where}: pretraining_tp={c.pretraining_tp} is not supported; set it to 1")
     from zoo.layers import ACTIVATIONS
 
     if cfg.hidden_act not in ACTIVATIONS:
-        raise UserError(f"{where}: hidden_act {cfg.hidden_act!r} is not supported; supported: {sorted(ACTIVATIONS)}")
+        raise UserError(f"{where}: activation {cfg.hidden_act!r} is not supported; supported: {sorted(ACTIVATIONS)}")
     return cfg
 
 
-# zoo family -> (model_type, architecture) written on export
-EXPORT_NAMES: dict[str, tuple[str, str]] = {
-    "llama": ("llama", "LlamaForCausalLM"),
-}
+def source_format(hf: dict[str, Any], where: str = "config.json") -> str:
+    """Which weight-name table a checkpoint with this config uses."""
+    return family_of(hf, where)[1]
+
+
+def _rope_dict(r: RopeConfig) -> dict[str, Any]:
+    d: dict[str, Any] = {"rope_type": r.kind, "rope_theta": r.theta}
+    if r.kind in ("linear", "llama3"):
+        d["factor"] = r.factor
+    if r.kind == "llama3":
+        d.update(low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor,
+                 original_max_position_embeddings=r.original_max_position_embeddings)
+    return d
 
 
 def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
-    """A Hugging Face config dict for ``cfg`` (used when no source config was kept or it no longer fits)."""
-    model_type, arch = EXPORT_NAMES[cfg.family]
+    """A Hugging Face config dict for ``cfg`` (when no source config was kept, or it no longer fits)."""
+    t = FAMILIES[cfg.family]
     out: dict[str, Any] = {
-        "architectures": [arch],
-        "model_type": model_type,
+        "architectures": [t.architecture],
+        "model_type": t.model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -110,40 +215,46 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
         "rms_norm_eps": cfg.rms_norm_eps,
         "max_position_embeddings": cfg.max_position_embeddings,
         "tie_word_embeddings": cfg.tie_word_embeddings,
-        "attention_bias": cfg.attention_bias,
-        "mlp_bias": cfg.mlp_bias,
-        "hidden_act": cfg.hidden_act,
-        # The pre-5.0 spelling: every version of transformers (and vLLM) reads it.
-        "rope_theta": cfg.rope.theta,
-        "rope_scaling": None,
+        t.act_field: cfg.hidden_act,
+        "rope_parameters": _rope_dict(cfg.rope),
     }
-    r = cfg.rope
-    if r.kind == "linear":
-        out["rope_scaling"] = {"rope_type": "linear", "factor": r.factor}
-    elif r.kind == "llama3":
-        out["rope_scaling"] = {
-            "rope_type": "llama3", "factor": r.factor, "low_freq_factor": r.low_freq_factor,
-            "high_freq_factor": r.high_freq_factor,
-            "original_max_position_embeddings": r.original_max_position_embeddings,
-        }
+    for flag, field in ((t.qkv_bias, cfg.qkv_bias), (t.o_bias, cfg.o_bias), (t.mlp_bias, cfg.mlp_bias)):
+        if isinstance(flag, str):
+            out[flag] = bool(out.get(flag, False) or field)
+    if t.attn_softcap_field:
+        out[t.attn_softcap_field] = cfg.attn_softcap
+    if t.final_softcap_field:
+        out[t.final_softcap_field] = cfg.final_softcap
+    if t.uses_query_pre_attn_scalar:
+        q = cfg.query_pre_attn_scalar
+        out["query_pre_attn_scalar"] = int(q) if q is not None and float(q).is_integer() else q  # HF types it int
+    kinds = cfg.kinds
+    if t.sliding_on_every_layer:
+        out["sliding_window"] = cfg.sliding_window
+    elif cfg.family != "llama" and cfg.family != "gemma":
+        out["layer_types"] = [{"full": "full_attention", "sliding": "sliding_attention"}[k] for k in kinds]
+        out["sliding_window"] = cfg.sliding_window
+        if cfg.family in ("qwen2", "qwen3"):
+            out["use_sliding_window"] = "sliding" in kinds
+    if cfg.family == "gemma3":
+        out["rope_parameters"] = {"full_attention": _rope_dict(cfg.rope),
+                                  "sliding_attention": _rope_dict(cfg.rope_local or cfg.rope)}
     return out
 
 
 def export_hf_config(cfg: ModelConfig, source: dict[str, Any] | None, dtype: str) -> dict[str, Any]:
     """The config.json to export: the source's own config when it still describes ``cfg``
     (so a round trip gives back the same file), else one generated from ``cfg``."""
-    out: dict[str, Any]
-    try:
-        keep = source is not None and model_config_from_hf(source) == cfg
-    except UserError:
-        keep = False
+    keep = False
+    if source is not None:
+        try:
+            keep = source_format(source) == "hf" and model_config_from_hf(source) == cfg
+        except UserError:
+            keep = False
     out = dict(source) if keep else hf_config_from_model(cfg)
     for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if source and k in source and k not in out:
             out[k] = source[k]
-    if not out.get("architectures"):
-        out["architectures"] = [EXPORT_NAMES[cfg.family][1]]
-    out.setdefault("model_type", EXPORT_NAMES[cfg.family][0])
     if "dtype" in out:
         out["dtype"] = dtype
     if "torch_dtype" in out or "dtype" not in out:

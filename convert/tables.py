@@ -36,29 +36,47 @@ class Rule:
         return "{i}" in self.hf
 
 
-_L = "model.layers.{i}."
+def decoder_table(prefix: str = "model.") -> list[Rule]:
+    """The Hugging Face naming that Llama, Mistral, Gemma 1/2/3 and Qwen 2/3 share.
 
-LLAMA_HF = [
-    Rule("embed", "model.embed_tokens.weight"),
-    Rule("layers.attn_norm", _L + "input_layernorm.weight"),
-    Rule("layers.q", _L + "self_attn.q_proj.weight", "q_in"),
-    Rule("layers.k", _L + "self_attn.k_proj.weight", "kv_in"),
-    Rule("layers.v", _L + "self_attn.v_proj.weight", "kv_in"),
-    Rule("layers.o", _L + "self_attn.o_proj.weight", "o_out"),
-    Rule("layers.q_bias", _L + "self_attn.q_proj.bias", "q_bias", when="attention_bias"),
-    Rule("layers.k_bias", _L + "self_attn.k_proj.bias", "kv_bias", when="attention_bias"),
-    Rule("layers.v_bias", _L + "self_attn.v_proj.bias", "kv_bias", when="attention_bias"),
-    Rule("layers.o_bias", _L + "self_attn.o_proj.bias", when="attention_bias"),
-    Rule("layers.mlp_norm", _L + "post_attention_layernorm.weight"),
-    Rule("layers.gate", _L + "mlp.gate_proj.weight", "transpose"),
-    Rule("layers.up", _L + "mlp.up_proj.weight", "transpose"),
-    Rule("layers.down", _L + "mlp.down_proj.weight", "transpose"),
-    Rule("layers.gate_bias", _L + "mlp.gate_proj.bias", when="mlp_bias"),
-    Rule("layers.up_bias", _L + "mlp.up_proj.bias", when="mlp_bias"),
-    Rule("layers.down_bias", _L + "mlp.down_proj.bias", when="mlp_bias"),
-    Rule("final_norm", "model.norm.weight"),
-    Rule("lm_head", "lm_head.weight", "transpose", when="!tie_word_embeddings"),
-]
+    Families differ only in which tensors exist, so every optional tensor is
+    gated on the ModelConfig flag that creates it. Note the one name that
+    changes meaning: without post-norms ``post_attention_layernorm`` is the
+    pre-MLP norm; with Gemma 2/3's post-norms it normalizes the attention output.
+    """
+    L = prefix + "layers.{i}."
+    return [
+        Rule("embed", prefix + "embed_tokens.weight"),
+        Rule("layers.attn_norm", L + "input_layernorm.weight"),
+        Rule("layers.q", L + "self_attn.q_proj.weight", "q_in"),
+        Rule("layers.k", L + "self_attn.k_proj.weight", "kv_in"),
+        Rule("layers.v", L + "self_attn.v_proj.weight", "kv_in"),
+        Rule("layers.o", L + "self_attn.o_proj.weight", "o_out"),
+        Rule("layers.q_bias", L + "self_attn.q_proj.bias", "q_bias", when="qkv_bias"),
+        Rule("layers.k_bias", L + "self_attn.k_proj.bias", "kv_bias", when="qkv_bias"),
+        Rule("layers.v_bias", L + "self_attn.v_proj.bias", "kv_bias", when="qkv_bias"),
+        Rule("layers.o_bias", L + "self_attn.o_proj.bias", when="o_bias"),
+        Rule("layers.q_norm", L + "self_attn.q_norm.weight", when="qk_norm"),
+        Rule("layers.k_norm", L + "self_attn.k_norm.weight", when="qk_norm"),
+        Rule("layers.mlp_norm", L + "post_attention_layernorm.weight", when="!post_norms"),
+        Rule("layers.post_attn_norm", L + "post_attention_layernorm.weight", when="post_norms"),
+        Rule("layers.mlp_norm", L + "pre_feedforward_layernorm.weight", when="post_norms"),
+        Rule("layers.post_mlp_norm", L + "post_feedforward_layernorm.weight", when="post_norms"),
+        Rule("layers.gate", L + "mlp.gate_proj.weight", "transpose"),
+        Rule("layers.up", L + "mlp.up_proj.weight", "transpose"),
+        Rule("layers.down", L + "mlp.down_proj.weight", "transpose"),
+        Rule("layers.gate_bias", L + "mlp.gate_proj.bias", when="mlp_bias"),
+        Rule("layers.up_bias", L + "mlp.up_proj.bias", when="mlp_bias"),
+        Rule("layers.down_bias", L + "mlp.down_proj.bias", when="mlp_bias"),
+        Rule("final_norm", prefix + "norm.weight"),
+        Rule("lm_head", "lm_head.weight", "transpose", when="!tie_word_embeddings"),
+    ]
+
+
+HF_DECODER = decoder_table()
+# Gemma3ForConditionalGeneration as stored on the Hub: the text model sits under
+# `language_model.model.`; the vision tower is not converted.
+HF_GEMMA3_MULTIMODAL = decoder_table("language_model.model.")
 
 _B = "blk.{i}."
 
@@ -78,8 +96,10 @@ LLAMA_GGUF = [
     Rule("lm_head", "output.weight", "transpose", when="!tie_word_embeddings"),
 ]
 
+# (family, source format) -> table. Every Hugging Face family shares the decoder naming.
 TABLES: dict[tuple[str, str], list[Rule]] = {
-    ("llama", "hf"): LLAMA_HF,
+    **{(f, "hf"): HF_DECODER for f in ("llama", "mistral", "gemma", "gemma2", "gemma3", "qwen2", "qwen3")},
+    ("gemma3", "hf-gemma3-multimodal"): HF_GEMMA3_MULTIMODAL,
     ("llama", "gguf"): LLAMA_GGUF,
 }
 

@@ -78,6 +78,7 @@ def test_transformers_loads_export_without_missing_or_unexpected_keys(tmp_path):
     # The loading info is what transformers' "not used" / "newly initialized" warnings report.
     model, info = AutoModelForCausalLM.from_pretrained(str(back), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    model.config._attn_implementation = hf.config._attn_implementation
     tokens = torch.arange(20).reshape(1, 20)
     with torch.no_grad():
         assert torch.equal(model(tokens).logits, hf(tokens).logits)

@@ -8,33 +8,66 @@ import numpy as np
 import torch
 
 
-def make_llama(folder: Path, seed: int = 0, dtype=None, save_kwargs=None, **overrides):
-    """Save a tiny random LlamaForCausalLM (transformers' own config class) to ``folder``.
+_BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
 
-    ``dtype`` (a torch dtype) casts the saved weights; ``save_kwargs`` go to save_pretrained.
-    """
-    from transformers import LlamaConfig, LlamaForCausalLM
+# family -> (transformers config class, model class, defaults on top of _BASE)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=7, num_hidden_layers=3)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=16, hidden_act="gelu_pytorch_tanh")),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        head_dim=16, num_hidden_layers=4, sliding_window=7, query_pre_attn_scalar=24,
+        attn_logit_softcapping=4.0, final_logit_softcapping=6.0)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        head_dim=16, num_hidden_layers=7, sliding_window=7, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2
+        + ["full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}},
+        final_logit_softcapping=6.0)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(
+        use_sliding_window=True, sliding_window=7, max_window_layers=1, rope_theta=1000000.0)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, rope_theta=1000000.0)),
+}
 
-    kw = dict(
-        vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        rms_norm_eps=1e-5, tie_word_embeddings=False,
-    )
-    kw.update(overrides)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**kw)).eval()
-    # Larger-than-default weights give peaked distributions, so KL and argmax
-    # comparisons actually discriminate.
+
+def randomize(model) -> None:
+    """Larger-than-default weights (and non-trivial norms/biases) give peaked distributions,
+    so KL and argmax comparisons actually discriminate."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+                # Gemma-style norms scale by (1 + w) and start at w = 0: randomize around that.
+                base = 0.0 if torch.all(p == 0) else 1.0
+                p.copy_(base + 0.2 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 0.15)
+
+
+def make_hf(folder: Path, family: str = "llama", seed: int = 0, dtype=None, save_kwargs=None, **overrides):
+    """Save a tiny random model of ``family`` (built with transformers' own config class) to ``folder``.
+
+    ``dtype`` (a torch dtype) casts the saved weights; ``save_kwargs`` go to save_pretrained.
+    Returns the fp32 (or ``dtype``) transformers model, set to eager attention.
+    """
+    import transformers
+
+    cfg_name, model_name, defaults = FAMILIES[family]
+    kw = {**_BASE, **defaults, **overrides}
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(getattr(transformers, cfg_name)(**kw)).eval()
+    model.config._attn_implementation = "eager"
+    randomize(model)
     if dtype is not None:
         model = model.to(dtype)
     model.save_pretrained(folder, **(save_kwargs or {}))
     return model
+
+
+def make_llama(folder: Path, seed: int = 0, dtype=None, save_kwargs=None, **overrides):
+    """A tiny random LlamaForCausalLM saved to ``folder`` (see :func:`make_hf`)."""
+    return make_hf(folder, "llama", seed, dtype, save_kwargs, **overrides)
 
 
 def hf_logits(model, tokens: np.ndarray) -> np.ndarray:

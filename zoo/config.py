@@ -26,9 +26,21 @@ class RopeConfig:
     original_max_position_embeddings: int = 8192
 
 
+LAYER_KINDS = ("full", "sliding")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a zoo decoder; everything the forward pass depends on."""
+    """Architecture of a zoo decoder; everything the forward pass depends on.
+
+    Family differences are fields: ``norm_offset`` 1.0 gives Gemma's
+    ``x * (1 + w)`` RMSNorm; ``embed_scale`` multiplies embeddings by
+    sqrt(hidden); ``post_norms`` adds Gemma 2/3's norms after attention and
+    MLP; ``qk_norm`` normalizes q and k per head before RoPE; soft-caps are
+    ``cap * tanh(x / cap)``; ``layer_types`` marks each layer ``full`` or
+    ``sliding`` (window ``sliding_window``), and ``rope_local`` is the RoPE of
+    sliding layers when it differs.
+    """
 
     family: str
     vocab_size: int
@@ -42,9 +54,20 @@ class ModelConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)
     max_position_embeddings: int = 8192
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
     mlp_bias: bool = False
     hidden_act: str = "silu"
+    norm_offset: float = 0.0
+    embed_scale: bool = False
+    post_norms: bool = False
+    qk_norm: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    rope_local: RopeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -52,11 +75,21 @@ class ModelConfig:
                 f"model config: num_heads={self.num_heads} is not a multiple of "
                 f"num_kv_heads={self.num_kv_heads}"
             )
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(LAYER_KINDS):
+                raise UserError(f"model config: layer_types must list {self.num_layers} of {LAYER_KINDS}")
+            if "sliding" in self.layer_types and not self.sliding_window:
+                raise UserError("model config: sliding layers need a sliding_window")
 
     @property
     def attn_scale(self) -> float:
         """Softmax scale applied to q·k."""
-        return self.head_dim**-0.5
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The kind of every layer (``full`` unless ``layer_types`` says otherwise)."""
+        return self.layer_types or ("full",) * self.num_layers
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (nested dataclasses become dicts)."""
@@ -71,7 +104,10 @@ class ModelConfig:
         if unknown:
             raise UserError(f"model config: unknown fields {sorted(unknown)}")
         rope = d.pop("rope", {}) or {}
-        return cls(rope=RopeConfig(**rope), **d)
+        local = d.pop("rope_local", None)
+        types = d.pop("layer_types", None)
+        return cls(rope=RopeConfig(**rope), rope_local=RopeConfig(**local) if local else None,
+                   layer_types=tuple(types) if types is not None else None, **d)
 
     def to_json(self) -> str:
         """Pretty JSON text."""

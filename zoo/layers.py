@@ -19,11 +19,19 @@ ACTIVATIONS = {
 }
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm computed in float32 (as transformers does), cast back to x's dtype."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm scaled by (offset + weight), computed in float32 (as transformers does), cast back.
+
+    ``offset`` 1.0 is Gemma's ``x * (1 + w)``; 0.0 is Llama's ``w * x``.
+    """
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (weight.astype(jnp.float32) * xf).astype(x.dtype)
+    return ((offset + weight.astype(jnp.float32)) * xf).astype(x.dtype)
+
+
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    """cap * tanh(x / cap) (Gemma 2's logit soft-capping); identity when cap is None."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
 
 
 def rope_inv_freq(rope: RopeConfig, rot_dim: int) -> np.ndarray:
@@ -62,12 +70,20 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * c + rotated * s
 
 
-def attention_mask(segment_ids: jax.Array) -> jax.Array:
-    """Boolean [batch, 1, 1, q, k]: causal within each packed document, nothing across."""
+def attention_mask(segment_ids: jax.Array, window: int | None = None) -> jax.Array:
+    """Boolean [batch, 1, 1, q, k]: causal within each packed document, nothing across.
+
+    With ``window`` W a query sees only the W most recent keys, itself included
+    (``0 <= q - k < W``, as transformers' sliding-window masks). Within a
+    document index distance equals position distance, so packing is exact.
+    """
     t = segment_ids.shape[1]
-    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    q, k = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+    allowed = k <= q
+    if window is not None:
+        allowed &= q - k < window
     same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    return (causal[None] & same)[:, None, None]
+    return (allowed[None] & same)[:, None, None]
 
 
 def attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, mask: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -76,18 +92,22 @@ def attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, mask: jax.A
     q = jnp.einsum("bte,ehd->bthd", x, p["q"])
     k = jnp.einsum("bte,ehd->bthd", x, p["k"])
     v = jnp.einsum("bte,ehd->bthd", x, p["v"])
-    if cfg.attention_bias:
+    if cfg.qkv_bias:
         q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, cfg.norm_offset)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     groups = cfg.num_heads // cfg.num_kv_heads
     q = q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim)
     scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) * cfg.attn_scale
+    scores = soft_cap(scores, cfg.attn_softcap)
     # A finite minimum (not -inf) keeps fully masked padding rows NaN-free.
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, t, cfg.num_heads, cfg.head_dim)
     out = jnp.einsum("bthd,hde->bte", out, p["o"])
-    if cfg.attention_bias:
+    if cfg.o_bias:
         out = out + p["o_bias"]
     return out
 

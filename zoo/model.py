@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -9,8 +10,45 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zoo.config import ModelConfig
-from zoo.layers import ACTIVATIONS, attention, attention_mask, mlp, rms_norm, rope_inv_freq, rope_tables
+from zoo.layers import ACTIVATIONS, attention, attention_mask, mlp, rms_norm, rope_inv_freq, rope_tables, soft_cap
 from zoo.params import flatten, nest, param_specs
+
+
+@dataclass(frozen=True)
+class Segment:
+    """``repeats`` consecutive copies of a block of layers of the given kinds, from layer ``start``."""
+
+    start: int
+    repeats: int
+    kinds: tuple[str, ...]
+
+    @property
+    def stop(self) -> int:
+        """One past the last layer of the segment."""
+        return self.start + self.repeats * len(self.kinds)
+
+
+def layer_segments(kinds: tuple[str, ...], max_period: int = 12) -> list[Segment]:
+    """Cover the layer sequence with repeated blocks, greedily taking the block that covers most.
+
+    Llama: one segment of L x (full). Gemma 2: (sliding, full) x L/2. Gemma 3
+    with 26 layers: (5 sliding, full) x 4, then (sliding) x 2. Each segment is
+    one scan whose body unrolls only its block, so the program size depends on
+    the pattern, never on the depth.
+    """
+    out, i, n = [], 0, len(kinds)
+    while i < n:
+        best = Segment(i, 1, kinds[i : i + 1])
+        for p in range(1, min(max_period, n - i) + 1):
+            block = kinds[i : i + p]
+            reps = 1
+            while kinds[i + reps * p : i + (reps + 1) * p] == block:
+                reps += 1
+            if reps > 1 and reps * p > (best.stop - i):
+                best = Segment(i, reps, block)
+        out.append(best)
+        i = best.stop
+    return out
 
 
 def forward(
@@ -31,20 +69,46 @@ def forward(
         segment_ids = jnp.ones((b, t), jnp.int32)
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    cos, sin = rope_tables(positions, rope_inv_freq(cfg.rope, cfg.head_dim))
-    mask = attention_mask(segment_ids)
+    ropes = {"full": rope_tables(positions, rope_inv_freq(cfg.rope, cfg.head_dim))}
+    masks = {"full": attention_mask(segment_ids)}
+    if "sliding" in cfg.kinds:
+        ropes["sliding"] = rope_tables(positions, rope_inv_freq(cfg.rope_local or cfg.rope, cfg.head_dim))
+        masks["sliding"] = attention_mask(segment_ids, cfg.sliding_window)
     x = jnp.take(params["embed"], tokens, axis=0)
+    if cfg.embed_scale:
+        # transformers casts the normalizer to the embedding dtype first.
+        x = x * jnp.asarray(cfg.hidden_size**0.5, dtype=x.dtype)
 
-    def layer(x: jax.Array, p: dict) -> tuple[jax.Array, None]:
-        x = x + attention(rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), p, cos, sin, mask, cfg)
-        x = x + mlp(rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps), p, cfg)
-        return x, None
+    def norm(x: jax.Array, w: jax.Array) -> jax.Array:
+        return rms_norm(x, w, cfg.rms_norm_eps, cfg.norm_offset)
 
-    # One scan over the stacked layers: compile time does not grow with depth.
-    x, _ = jax.lax.scan(layer, x, params["layers"])
-    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    def layer(x: jax.Array, p: dict, kind: str) -> jax.Array:
+        h = attention(norm(x, p["attn_norm"]), p, *ropes[kind], masks[kind], cfg)
+        if cfg.post_norms:
+            h = norm(h, p["post_attn_norm"])
+        x = x + h
+        h = mlp(norm(x, p["mlp_norm"]), p, cfg)
+        if cfg.post_norms:
+            h = norm(h, p["post_mlp_norm"])
+        return x + h
+
+    for seg in layer_segments(cfg.kinds):
+        period = len(seg.kinds)
+        stacked = jax.tree.map(
+            lambda a: a[seg.start : seg.stop].reshape((seg.repeats, period) + a.shape[1:]), params["layers"]
+        )
+
+        def block(x: jax.Array, p: dict, kinds: tuple[str, ...] = seg.kinds) -> tuple[jax.Array, None]:
+            for j, kind in enumerate(kinds):
+                x = layer(x, jax.tree.map(lambda a: a[j], p), kind)
+            return x, None
+
+        # One scan per segment: compile time does not grow with depth.
+        x, _ = jax.lax.scan(block, x, stacked)
+    x = norm(x, params["final_norm"])
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    return jnp.einsum("bte,ev->btv", x, head, preferred_element_type=jnp.float32)
+    logits = jnp.einsum("bte,ev->btv", x, head, preferred_element_type=jnp.float32)
+    return soft_cap(logits, cfg.final_softcap)
 
 
 class Decoder(nnx.Module):

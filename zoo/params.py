@@ -25,24 +25,33 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
     """Every parameter of a model with this config, by dotted path."""
     E, F, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
     H, K, D, V = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
+    # A norm weight w scales by (norm_offset + w): Gemma's (1 + w) starts at zero.
+    unit = "ones" if cfg.norm_offset == 0 else "zeros"
     s: dict[str, ParamSpec] = {
         "embed": ParamSpec((V, E), ("vocab", "embed"), "normal"),
-        "layers.attn_norm": ParamSpec((L, E), ("layers", "embed"), "ones"),
+        "layers.attn_norm": ParamSpec((L, E), ("layers", "embed"), unit),
         "layers.q": ParamSpec((L, E, H, D), ("layers", "embed", "heads", "head_dim"), "normal"),
         "layers.k": ParamSpec((L, E, K, D), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
         "layers.v": ParamSpec((L, E, K, D), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
         "layers.o": ParamSpec((L, H, D, E), ("layers", "heads", "head_dim", "embed"), "normal"),
-        "layers.mlp_norm": ParamSpec((L, E), ("layers", "embed"), "ones"),
+        "layers.mlp_norm": ParamSpec((L, E), ("layers", "embed"), unit),
         "layers.gate": ParamSpec((L, E, F), ("layers", "embed", "mlp"), "normal"),
         "layers.up": ParamSpec((L, E, F), ("layers", "embed", "mlp"), "normal"),
         "layers.down": ParamSpec((L, F, E), ("layers", "mlp", "embed"), "normal"),
-        "final_norm": ParamSpec((E,), ("embed",), "ones"),
+        "final_norm": ParamSpec((E,), ("embed",), unit),
     }
-    if cfg.attention_bias:
+    if cfg.qkv_bias:
         s["layers.q_bias"] = ParamSpec((L, H, D), ("layers", "heads", "head_dim"), "zeros")
         s["layers.k_bias"] = ParamSpec((L, K, D), ("layers", "kv_heads", "head_dim"), "zeros")
         s["layers.v_bias"] = ParamSpec((L, K, D), ("layers", "kv_heads", "head_dim"), "zeros")
+    if cfg.o_bias:
         s["layers.o_bias"] = ParamSpec((L, E), ("layers", "embed"), "zeros")
+    if cfg.qk_norm:
+        s["layers.q_norm"] = ParamSpec((L, D), ("layers", "head_dim"), unit)
+        s["layers.k_norm"] = ParamSpec((L, D), ("layers", "head_dim"), unit)
+    if cfg.post_norms:
+        s["layers.post_attn_norm"] = ParamSpec((L, E), ("layers", "embed"), unit)
+        s["layers.post_mlp_norm"] = ParamSpec((L, E), ("layers", "embed"), unit)
     if cfg.mlp_bias:
         s["layers.gate_bias"] = ParamSpec((L, F), ("layers", "mlp"), "zeros")
         s["layers.up_bias"] = ParamSpec((L, F), ("layers", "mlp"), "zeros")
