@@ -73,3 +73,14 @@ def test_list_shows_required_models(capsys):
                  "llama3.2-3b", "smollm2-135m-instruct", "smollm2-1.7b-instruct"]:
         assert f"\n{name} " in out
     assert "meta-llama/Llama-3.1-70B" in out
+    for name, repo in [("mistral-7b-v0.3", "mistralai/Mistral-7B-v0.3"), ("gemma-2b", "google/gemma-2b"),
+                       ("gemma-7b", "google/gemma-7b"), ("gemma2-2b", "google/gemma-2-2b"),
+                       ("gemma2-9b", "google/gemma-2-9b"), ("gemma2-27b", "google/gemma-2-27b"),
+                       ("gemma3-270m", "google/gemma-3-270m"), ("gemma3-1b", "google/gemma-3-1b-pt"),
+                       ("gemma3-4b", "google/gemma-3-4b-pt"), ("gemma3-12b", "google/gemma-3-12b-pt"),
+                       ("gemma3-27b", "google/gemma-3-27b-pt"), ("qwen2.5-0.5b", "Qwen/Qwen2.5-0.5B"),
+                       ("qwen2.5-7b", "Qwen/Qwen2.5-7B"), ("qwen3-0.6b", "Qwen/Qwen3-0.6B-Base"),
+                       ("qwen3-8b", "Qwen/Qwen3-8B-Base"), ("mistral-7b-instruct-v0.3", "mistralai/Mistral-7B-Instruct-v0.3"),
+                       ("gemma2-2b-it", "google/gemma-2-2b-it"), ("qwen2.5-7b-instruct", "Qwen/Qwen2.5-7B-Instruct")]:
+        line = next(l for l in out.splitlines() if l.startswith(name + " "))
+        assert line.rstrip().endswith(repo), line
