@@ -18,7 +18,7 @@ from zoo.params import param_specs
 
 from convert.hf_config import model_config_from_hf, source_format
 from convert.source import Source, open_source
-from convert.tables import Rule, table_for
+from convert.tables import BoundRule, table_for
 from convert.transforms import TRANSFORMS
 
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
@@ -29,19 +29,14 @@ def _shape_only(shape: tuple[int, ...]) -> np.ndarray:
     return np.lib.stride_tricks.as_strided(np.zeros(1, np.int8), shape, (0,) * len(shape))
 
 
-def _hf_names(rule: Rule, cfg: ModelConfig) -> list[str]:
-    return [rule.hf.format(i=i) for i in range(cfg.num_layers)] if rule.stacked else [rule.hf]
-
-
-def check_source(src: Source, cfg: ModelConfig, rules: list[Rule]) -> None:
+def check_source(src: Source, cfg: ModelConfig, rules: list[BoundRule]) -> None:
     """Every needed tensor exists with the shape the config implies (before anything is written)."""
     specs = param_specs(cfg)
     have = set(src.reader.names())
     for rule in rules:
-        spec = specs[rule.zoo]
-        layer_shape = spec.shape[1:] if rule.stacked else spec.shape
-        want = TRANSFORMS[rule.transform].inverse(_shape_only(layer_shape), cfg).shape
-        for name in _hf_names(rule, cfg):
+        piece = specs[rule.zoo].shape[rule.slice_axes:]
+        want = TRANSFORMS[rule.transform].inverse(_shape_only(piece), cfg).shape
+        for name in rule.hf_names():
             if name not in have:
                 raise UserError(f"{src.description}: tensor {name!r} is missing from the checkpoint")
             got = src.reader.shape(name)
@@ -51,18 +46,16 @@ def check_source(src: Source, cfg: ModelConfig, rules: list[Rule]) -> None:
                 )
 
 
-def build_param(src: Source, cfg: ModelConfig, rule: Rule, dtype: np.dtype | None) -> np.ndarray:
-    """One zoo parameter, assembled from its HF tensor(s); stacked ones are filled layer by layer."""
-    t = TRANSFORMS[rule.transform]
-    names = _hf_names(rule, cfg)
-    dt = dtype or src.reader.dtype(names[0])
-    if not rule.stacked:
-        return np.ascontiguousarray(t.forward(src.reader.get(names[0]), cfg), dtype=dt)
-    spec = param_specs(cfg)[rule.zoo]
-    out = np.empty(spec.shape, dt)
-    for i, name in enumerate(names):
-        out[i] = t.forward(src.reader.get(name), cfg)
-    return out
+def build_piece(src: Source, cfg: ModelConfig, rule: BoundRule, index: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """The zoo layout of one HF tensor of ``rule`` (the whole parameter when it is not stacked)."""
+    x = TRANSFORMS[rule.transform].forward(src.reader.get(rule.hf_name(index)), cfg)
+    return np.ascontiguousarray(x, dtype=dtype)
+
+
+def _counted(items, bar):
+    for item in items:
+        yield item
+        bar.update()
 
 
 def convert(source: str, out: str | Path, dtype: str | None = None, progress: bool | None = None) -> Path:
@@ -81,19 +74,30 @@ def convert(source: str, out: str | Path, dtype: str | None = None, progress: bo
     rules = table_for(cfg.family, fmt, cfg)
     check_source(src, cfg, rules)
     if fmt == "hf-gemma3-multimodal":
-        left = len(src.reader.names()) - sum(cfg.num_layers if r.stacked else 1 for r in rules)
+        left = len(src.reader.names()) - sum(len(r.hf_names()) for r in rules)
         print(f"note: {src.description} is multimodal: converting its language model; the vision tower and "
               f"projector ({left} tensors) are left out", file=sys.stderr)
     specs = param_specs(cfg)
     with atomic_output(out) as folder:
         writer = CheckpointWriter(folder)
-        bar = tqdm(rules, desc="convert", unit="param", disable=None if progress is None else not progress)
-        for rule in bar:
+        bar = tqdm(total=sum(len(r.hf_names()) for r in rules), desc="convert", unit="tensor",
+                   disable=None if progress is None else not progress)
+        # Whole parameters first; stacked ones are reserved, then streamed slice by slice.
+        for rule in rules:
+            dt = DTYPES.get(dtype) or src.reader.dtype(rule.hf_names()[0])
+            if rule.stacked:
+                writer.reserve(rule.zoo, specs[rule.zoo].shape, dt, specs[rule.zoo].axes, rule.slice_axes)
+                continue
             bar.set_postfix_str(rule.zoo)
-            arr = build_param(src, cfg, rule, DTYPES.get(dtype))
-            writer.add(rule.zoo, arr, specs[rule.zoo].axes)
-            del arr
+            writer.add(rule.zoo, build_piece(src, cfg, rule, (), dt), specs[rule.zoo].axes)
+            bar.update()
             release_free_memory()
+        for rule in rules:
+            if rule.stacked:
+                dt = DTYPES.get(dtype) or src.reader.dtype(rule.hf_names()[0])
+                bar.set_postfix_str(rule.zoo)
+                writer.write_slices(rule.zoo, ((ix, build_piece(src, cfg, rule, ix, dt)) for ix in _counted(rule.indices(), bar)))
+        bar.close()
         src.save_tokenizer(folder / TOKENIZER_DIR)
         (folder / HF_CONFIG_FILE).write_text(json.dumps(src.hf_config, indent=2, default=str) + "\n")
         writer.finish(cfg, source=src.description, source_format=fmt)

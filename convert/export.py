@@ -56,7 +56,7 @@ class PlannedTensor:
 
     name: str
     zoo: str
-    layer: int | None
+    index: tuple[int, ...] | None  # into the zoo parameter's stacked axes; None: the whole parameter
     transform: str
     shape: tuple[int, ...]
     dtype: str
@@ -76,20 +76,20 @@ def plan_tensors(cfg: ModelConfig, meta: dict[str, Any], dtype: str | None) -> l
     """Every HF tensor of the export, in the Hub's order (embeddings, layer by layer, norm, head)."""
     specs = param_specs(cfg)
     rules = table_for(cfg.family, "hf", cfg)
-    head, layers, tail = [], [], []
-    for rule in rules:
+    keyed = []
+    for pos, rule in enumerate(rules):
         spec = specs[rule.zoo]
         dt = dtype or meta["params"][rule.zoo]["dtype"]
         if dt not in ST_NAMES:
             raise UserError(f"parameter {rule.zoo} has dtype {dt}, which safetensors export does not support")
-        one = spec.shape[1:] if rule.stacked else spec.shape
-        shape = tuple(TRANSFORMS[rule.transform].inverse(_shape_only(one), cfg).shape)
-        if rule.stacked:
-            layers += [PlannedTensor(rule.hf.format(i=i), rule.zoo, i, rule.transform, shape, dt) for i in range(cfg.num_layers)]
-        else:
-            (head if rule.zoo == "embed" else tail).append(PlannedTensor(rule.hf, rule.zoo, None, rule.transform, shape, dt))
-    layers.sort(key=lambda t: t.layer)  # stable: table order within a layer
-    return head + layers + tail
+        piece = spec.shape[rule.slice_axes:]
+        shape = tuple(TRANSFORMS[rule.transform].inverse(_shape_only(piece), cfg).shape)
+        for ix in rule.indices():
+            layer = rule.layers[ix[0]] if ix else (-1 if rule.zoo == "embed" else cfg.num_layers)
+            t = PlannedTensor(rule.hf_name(ix), rule.zoo, ix or None, rule.transform, shape, dt)
+            keyed.append(((layer, pos, ix[1:]), t))
+    keyed.sort(key=lambda kt: kt[0])
+    return [t for _, t in keyed]
 
 
 def assign_shards(tensors: list[PlannedTensor], max_bytes: int) -> int:
@@ -214,8 +214,8 @@ def _hf_pieces(param: ParamReader, t: PlannedTensor, cfg: ModelConfig):
     """
     dt = DTYPES_ALL[t.dtype]
     axis = _ROW_AXIS.get(t.transform)
-    if t.layer is not None or axis is None or len(t.shape) != 2 or t.nbytes <= _BLOCK_BYTES:
-        x = param.read(t.layer)
+    if t.index is not None or axis is None or len(t.shape) != 2 or t.nbytes <= _BLOCK_BYTES:
+        x = param.read(t.index)
         x = np.ascontiguousarray(TRANSFORMS[t.transform].inverse(x, cfg), dtype=dt)
         if tuple(x.shape) != t.shape:
             raise UserError(f"parameter {t.zoo} does not match its config (got {x.shape}, want {t.shape})")

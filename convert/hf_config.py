@@ -34,6 +34,7 @@ class FamilyTraits:
     final_softcap_field: str | None = None
     uses_query_pre_attn_scalar: bool = False
     sliding_on_every_layer: bool = False  # Mistral: one window for all layers, no layer_types
+    moe: str | None = None  # "mixtral" | "deepseek_v2" | "deepseek_v3": how routing is configured
 
 
 FAMILIES: dict[str, FamilyTraits] = {
@@ -50,6 +51,12 @@ FAMILIES: dict[str, FamilyTraits] = {
                            uses_query_pre_attn_scalar=True),
     "qwen2": FamilyTraits("qwen2", "Qwen2ForCausalLM", qkv_bias=True, o_bias=False),
     "qwen3": FamilyTraits("qwen3", "Qwen3ForCausalLM", qk_norm=True),
+    "mixtral": FamilyTraits("mixtral", "MixtralForCausalLM", qkv_bias=False, o_bias=False,
+                            sliding_on_every_layer=True, moe="mixtral"),
+    "deepseek_v2": FamilyTraits("deepseek_v2", "DeepseekV2ForCausalLM", qkv_bias=False, o_bias=False,
+                                moe="deepseek_v2"),
+    "deepseek_v3": FamilyTraits("deepseek_v3", "DeepseekV3ForCausalLM", qkv_bias=False, o_bias=False,
+                                moe="deepseek_v3"),
 }
 
 # architecture -> (family, source format of its weight names)
@@ -62,7 +69,7 @@ MODEL_TYPES: dict[str, tuple[str, str]] = {
     "gemma3": ("gemma3", "hf-gemma3-multimodal"),
 }
 
-SUPPORTED_ROPE = ("default", "linear", "llama3")
+SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn")
 LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
 
 
@@ -103,9 +110,53 @@ def _rope(params: dict[str, Any], c: Any, where: str) -> RopeConfig:
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(
-            params.get("original_max_position_embeddings", getattr(c, "max_position_embeddings", 8192))
+            params.get("original_max_position_embeddings") or getattr(c, "max_position_embeddings", 8192)
         ),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=_opt_float(params.get("mscale")),
+        mscale_all_dim=_opt_float(params.get("mscale_all_dim")),
+        attention_factor=_opt_float(params.get("attention_factor")),
+        truncate=bool(params.get("truncate", True)),
     )
+
+
+def _opt_float(x: Any) -> float | None:
+    return None if x is None else float(x)
+
+
+def _moe_fields(traits: FamilyTraits, c: Any, where: str) -> dict[str, Any]:
+    """ModelConfig fields of the mixture-of-experts and latent-attention families."""
+    if traits.moe == "mixtral":
+        return dict(num_experts=int(c.num_local_experts), experts_per_token=int(c.num_experts_per_tok),
+                    moe_intermediate_size=int(c.intermediate_size), router_score="softmax", router_norm_topk=True,
+                    aux_loss_coef=float(getattr(c, "router_aux_loss_coef", 0.0) or 0.0))
+    if traits.moe is None:
+        return {}
+    if getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
+        raise UserError(f"{where}: attention_bias / mlp_bias are not supported for {traits.architecture}")
+    out = dict(
+        num_experts=int(c.n_routed_experts), experts_per_token=int(c.num_experts_per_tok),
+        moe_intermediate_size=int(c.moe_intermediate_size), shared_experts=int(c.n_shared_experts or 0),
+        dense_layers=int(c.first_k_dense_replace or 0), router_scale=float(c.routed_scaling_factor),
+        q_lora_rank=int(c.q_lora_rank or 0), kv_lora_rank=int(c.kv_lora_rank),
+        qk_nope_head_dim=int(c.qk_nope_head_dim), qk_rope_head_dim=int(c.qk_rope_head_dim),
+        v_head_dim=int(c.v_head_dim),
+    )
+    if traits.moe == "deepseek_v2":
+        method = getattr(c, "topk_method", "greedy")
+        if method not in ("greedy", "group_limited_greedy"):
+            raise UserError(f"{where}: topk_method {method!r} is not supported; supported: greedy, group_limited_greedy")
+        grouped = method == "group_limited_greedy"
+        # transformers' DeepSeek-V2 never renormalizes the top-k weights (norm_topk_prob is ignored).
+        out.update(router_score="softmax", router_norm_topk=False, hf_rope_interleave=True,
+                   router_groups=int(c.n_group) if grouped else 1,
+                   router_topk_groups=int(c.topk_group) if grouped else 1, router_group_score="max")
+    else:
+        out.update(router_score="sigmoid", router_norm_topk=bool(c.norm_topk_prob), router_bias=True,
+                   router_groups=int(c.n_group or 1), router_topk_groups=int(c.topk_group or 1),
+                   router_group_score="top2", hf_rope_interleave=bool(getattr(c, "rope_interleave", True)))
+    return out
 
 
 def _flag(value: str | bool, c: Any) -> bool:
@@ -140,6 +191,12 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
     if family == "gemma" and act == "gelu":
         act = "gelu_pytorch_tanh"  # transformers itself swaps the legacy exact GELU for the tanh one
     heads, hidden = int(c.num_attention_heads), int(c.hidden_size)
+    moe = _moe_fields(traits, c, where)
+    head_dim = int(getattr(c, "head_dim", None) or hidden // heads)
+    kv_heads = int(getattr(c, "num_key_value_heads", None) or heads)
+    if moe.get("kv_lora_rank"):
+        head_dim = moe["qk_nope_head_dim"] + moe["qk_rope_head_dim"]  # latent attention: q.k width
+        kv_heads = heads
     final_cap = getattr(c, traits.final_softcap_field, None) if traits.final_softcap_field else None
     if fmt == "hf-gemma3-multimodal":
         final_cap = None  # Gemma3ForConditionalGeneration does not soft-cap its logits
@@ -152,8 +209,8 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
             intermediate_size=int(c.intermediate_size),
             num_layers=n,
             num_heads=heads,
-            num_kv_heads=int(getattr(c, "num_key_value_heads", None) or heads),
-            head_dim=int(getattr(c, "head_dim", None) or hidden // heads),
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
             rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)),
             rope=rope,
             max_position_embeddings=int(getattr(c, "max_position_embeddings", 8192)),
@@ -172,6 +229,7 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
             sliding_window=int(window) if sliding else None,
             layer_types=kinds if sliding else None,
             rope_local=local if sliding and local != rope else None,
+            **moe,
         )
     except (TypeError, ValueError, AttributeError) as e:
         raise UserError(f"{where}: cannot read the model config ({e})") from None
@@ -191,8 +249,13 @@ def source_format(hf: dict[str, Any], where: str = "config.json") -> str:
 
 def _rope_dict(r: RopeConfig) -> dict[str, Any]:
     d: dict[str, Any] = {"rope_type": r.kind, "rope_theta": r.theta}
-    if r.kind in ("linear", "llama3"):
+    if r.kind in ("linear", "llama3", "yarn"):
         d["factor"] = r.factor
+    if r.kind == "yarn":
+        d.update(original_max_position_embeddings=r.original_max_position_embeddings, beta_fast=r.beta_fast,
+                 beta_slow=r.beta_slow, mscale=r.mscale, mscale_all_dim=r.mscale_all_dim, truncate=r.truncate)
+        if r.attention_factor is not None:
+            d["attention_factor"] = r.attention_factor
     if r.kind == "llama3":
         d.update(low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor,
                  original_max_position_embeddings=r.original_max_position_embeddings)
@@ -239,6 +302,23 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.family == "gemma3":
         out["rope_parameters"] = {"full_attention": _rope_dict(cfg.rope),
                                   "sliding_attention": _rope_dict(cfg.rope_local or cfg.rope)}
+    if t.moe == "mixtral":
+        out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+                   router_aux_loss_coef=cfg.aux_loss_coef)
+    elif t.moe:
+        out.update(
+            n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+            moe_intermediate_size=cfg.moe_intermediate_size, n_shared_experts=cfg.shared_experts,
+            first_k_dense_replace=cfg.dense_layers, routed_scaling_factor=cfg.router_scale,
+            n_group=cfg.router_groups, topk_group=cfg.router_topk_groups, q_lora_rank=cfg.q_lora_rank or None,
+            kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
+            qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
+        )
+        out.pop("head_dim")  # derived from the latent-attention dims
+        if t.moe == "deepseek_v2":
+            out["topk_method"] = "group_limited_greedy" if cfg.router_groups > 1 else "greedy"
+        else:
+            out.update(norm_topk_prob=cfg.router_norm_topk, rope_interleave=cfg.hf_rope_interleave)
     return out
 
 

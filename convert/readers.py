@@ -90,6 +90,11 @@ class SafetensorsFolder:
         for name, info in header.items():
             if name == "__metadata__":
                 continue
+            if isinstance(info, dict) and info.get("dtype") not in _ST_DTYPES and isinstance(info.get("dtype"), str):
+                raise UserError(
+                    f"{path}: tensor {name!r} has dtype {info['dtype']}, which lmzoo does not convert yet "
+                    f"(supported: {', '.join(_ST_DTYPES)}); use a bf16/fp32 copy of the checkpoint"
+                )
             try:
                 dtype = _ST_DTYPES[info["dtype"]]
                 shape = tuple(int(s) for s in info["shape"])

@@ -1,13 +1,18 @@
 """Weight-name mapping tables, one per family and source format (data, not code).
 
-A rule maps one zoo parameter to the Hugging Face tensor(s) it is made of.
-``{i}`` in a name stands for the layer index: such a zoo parameter is the
-stack of that tensor over all layers. ``when`` names a ModelConfig flag the
-rule depends on (``!flag`` for its negation).
+A rule maps one zoo parameter (its name inside a stack of layers, or a
+top-level name) to the Hugging Face tensor(s) it is made of. ``{i}`` in a
+name stands for the layer index and ``{j}`` for the expert index: such a
+parameter is the stack of those tensors over the layers of its stack (and
+over the experts). ``when`` names ModelConfig flags the rule depends on
+(``!flag`` negates, ``a&b`` needs both); ``moe`` is true inside a stack of
+mixture-of-experts layers.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from zoo.config import ModelConfig
@@ -22,13 +27,17 @@ class Rule:
     transform: str = "identity"
     when: str | None = None
 
-    def applies(self, cfg: ModelConfig) -> bool:
-        """Whether this rule is part of a model with config ``cfg``."""
+    def applies(self, cfg: ModelConfig, moe: bool = False) -> bool:
+        """Whether this rule is part of a model with config ``cfg`` (in a MoE stack when ``moe``)."""
         if self.when is None:
             return True
-        neg = self.when.startswith("!")
-        value = bool(getattr(cfg, self.when.lstrip("!")))
-        return value != neg
+        for cond in self.when.split("&"):
+            neg = cond.startswith("!")
+            name = cond.lstrip("!")
+            value = moe if name == "moe" else bool(getattr(cfg, name))
+            if value == neg:
+                return False
+        return True
 
     @property
     def stacked(self) -> bool:
@@ -36,8 +45,72 @@ class Rule:
         return "{i}" in self.hf
 
 
-def decoder_table(prefix: str = "model.") -> list[Rule]:
-    """The Hugging Face naming that Llama, Mistral, Gemma 1/2/3 and Qwen 2/3 share.
+@dataclass(frozen=True)
+class BoundRule:
+    """A rule placed in a model: the zoo path, and which HF layers (and experts) it stacks."""
+
+    zoo: str
+    hf: str
+    transform: str
+    layers: tuple[int, ...] | None = None  # global layer index of each entry of the leading axis
+    experts: int = 0  # > 0: a second stacked axis over the {j} experts
+
+    @property
+    def stacked(self) -> bool:
+        """Whether the zoo parameter stacks several HF tensors."""
+        return self.layers is not None
+
+    @property
+    def slice_axes(self) -> int:
+        """How many leading axes index HF tensors (0, 1 = layers, 2 = layers x experts)."""
+        return 0 if self.layers is None else 2 if self.experts else 1
+
+    def indices(self) -> Iterator[tuple[int, ...]]:
+        """Every index into the leading stacked axes, in HF order."""
+        if self.layers is None:
+            yield ()
+        elif self.experts:
+            yield from itertools.product(range(len(self.layers)), range(self.experts))
+        else:
+            yield from ((i,) for i in range(len(self.layers)))
+
+    def hf_name(self, index: tuple[int, ...]) -> str:
+        """The HF tensor at ``index`` of the stacked axes."""
+        if not index:
+            return self.hf
+        return self.hf.format(i=self.layers[index[0]], j=index[1] if len(index) > 1 else 0)
+
+    def hf_names(self) -> list[str]:
+        """All HF tensors this parameter is made of."""
+        return [self.hf_name(ix) for ix in self.indices()]
+
+
+def _moe_rules(L: str, style: str) -> list[Rule]:
+    if style == "mixtral":
+        E = L + "block_sparse_moe."
+        return [
+            Rule("layers.router", E + "gate.weight", "transpose", when="moe"),
+            Rule("layers.expert_gate", E + "experts.{j}.w1.weight", "transpose", when="moe"),
+            Rule("layers.expert_up", E + "experts.{j}.w3.weight", "transpose", when="moe"),
+            Rule("layers.expert_down", E + "experts.{j}.w2.weight", "transpose", when="moe"),
+        ]
+    if style == "deepseek":
+        M = L + "mlp."
+        return [
+            Rule("layers.router", M + "gate.weight", "transpose", when="moe"),
+            Rule("layers.router_bias", M + "gate.e_score_correction_bias", when="moe&router_bias"),
+            Rule("layers.expert_gate", M + "experts.{j}.gate_proj.weight", "transpose", when="moe"),
+            Rule("layers.expert_up", M + "experts.{j}.up_proj.weight", "transpose", when="moe"),
+            Rule("layers.expert_down", M + "experts.{j}.down_proj.weight", "transpose", when="moe"),
+            Rule("layers.shared_gate", M + "shared_experts.gate_proj.weight", "transpose", when="moe&shared_experts"),
+            Rule("layers.shared_up", M + "shared_experts.up_proj.weight", "transpose", when="moe&shared_experts"),
+            Rule("layers.shared_down", M + "shared_experts.down_proj.weight", "transpose", when="moe&shared_experts"),
+        ]
+    return []
+
+
+def decoder_table(prefix: str = "model.", moe: str | None = None) -> list[Rule]:
+    """The Hugging Face naming that Llama, Mistral, Gemma 1/2/3, Qwen 2/3, Mixtral and DeepSeek share.
 
     Families differ only in which tensors exist, so every optional tensor is
     gated on the ModelConfig flag that creates it. Note the one name that
@@ -45,38 +118,44 @@ def decoder_table(prefix: str = "model.") -> list[Rule]:
     pre-MLP norm; with Gemma 2/3's post-norms it normalizes the attention output.
     """
     L = prefix + "layers.{i}."
+    A = L + "self_attn."
     return [
         Rule("embed", prefix + "embed_tokens.weight"),
         Rule("layers.attn_norm", L + "input_layernorm.weight"),
-        Rule("layers.q", L + "self_attn.q_proj.weight", "q_in"),
-        Rule("layers.k", L + "self_attn.k_proj.weight", "kv_in"),
-        Rule("layers.v", L + "self_attn.v_proj.weight", "kv_in"),
-        Rule("layers.o", L + "self_attn.o_proj.weight", "o_out"),
-        Rule("layers.q_bias", L + "self_attn.q_proj.bias", "q_bias", when="qkv_bias"),
-        Rule("layers.k_bias", L + "self_attn.k_proj.bias", "kv_bias", when="qkv_bias"),
-        Rule("layers.v_bias", L + "self_attn.v_proj.bias", "kv_bias", when="qkv_bias"),
-        Rule("layers.o_bias", L + "self_attn.o_proj.bias", when="o_bias"),
-        Rule("layers.q_norm", L + "self_attn.q_norm.weight", when="qk_norm"),
-        Rule("layers.k_norm", L + "self_attn.k_norm.weight", when="qk_norm"),
+        Rule("layers.q", A + "q_proj.weight", "q_in", when="!mla"),
+        Rule("layers.k", A + "k_proj.weight", "kv_in", when="!mla"),
+        Rule("layers.v", A + "v_proj.weight", "kv_in", when="!mla"),
+        Rule("layers.o", A + "o_proj.weight", "o_out", when="!mla"),
+        Rule("layers.q_bias", A + "q_proj.bias", "q_bias", when="qkv_bias"),
+        Rule("layers.k_bias", A + "k_proj.bias", "kv_bias", when="qkv_bias"),
+        Rule("layers.v_bias", A + "v_proj.bias", "kv_bias", when="qkv_bias"),
+        Rule("layers.o_bias", A + "o_proj.bias", when="o_bias"),
+        Rule("layers.q_norm", A + "q_norm.weight", when="qk_norm"),
+        Rule("layers.k_norm", A + "k_norm.weight", when="qk_norm"),
+        # DeepSeek's multi-head latent attention
+        Rule("layers.q", A + "q_proj.weight", "mla_q_in", when="mla&!q_lora_rank"),
+        Rule("layers.q_a", A + "q_a_proj.weight", "transpose", when="mla&q_lora_rank"),
+        Rule("layers.q_a_norm", A + "q_a_layernorm.weight", when="mla&q_lora_rank"),
+        Rule("layers.q_b", A + "q_b_proj.weight", "mla_q_in", when="mla&q_lora_rank"),
+        Rule("layers.kv_a", A + "kv_a_proj_with_mqa.weight", "mla_kv_a_in", when="mla"),
+        Rule("layers.kv_a_norm", A + "kv_a_layernorm.weight", when="mla"),
+        Rule("layers.kv_b", A + "kv_b_proj.weight", "mla_kv_b_in", when="mla"),
+        Rule("layers.o", A + "o_proj.weight", "mla_o_out", when="mla"),
         Rule("layers.mlp_norm", L + "post_attention_layernorm.weight", when="!post_norms"),
         Rule("layers.post_attn_norm", L + "post_attention_layernorm.weight", when="post_norms"),
         Rule("layers.mlp_norm", L + "pre_feedforward_layernorm.weight", when="post_norms"),
         Rule("layers.post_mlp_norm", L + "post_feedforward_layernorm.weight", when="post_norms"),
-        Rule("layers.gate", L + "mlp.gate_proj.weight", "transpose"),
-        Rule("layers.up", L + "mlp.up_proj.weight", "transpose"),
-        Rule("layers.down", L + "mlp.down_proj.weight", "transpose"),
-        Rule("layers.gate_bias", L + "mlp.gate_proj.bias", when="mlp_bias"),
-        Rule("layers.up_bias", L + "mlp.up_proj.bias", when="mlp_bias"),
-        Rule("layers.down_bias", L + "mlp.down_proj.bias", when="mlp_bias"),
+        Rule("layers.gate", L + "mlp.gate_proj.weight", "transpose", when="!moe"),
+        Rule("layers.up", L + "mlp.up_proj.weight", "transpose", when="!moe"),
+        Rule("layers.down", L + "mlp.down_proj.weight", "transpose", when="!moe"),
+        Rule("layers.gate_bias", L + "mlp.gate_proj.bias", when="mlp_bias&!moe"),
+        Rule("layers.up_bias", L + "mlp.up_proj.bias", when="mlp_bias&!moe"),
+        Rule("layers.down_bias", L + "mlp.down_proj.bias", when="mlp_bias&!moe"),
+        *_moe_rules(L, moe),
         Rule("final_norm", prefix + "norm.weight"),
         Rule("lm_head", "lm_head.weight", "transpose", when="!tie_word_embeddings"),
     ]
 
-
-HF_DECODER = decoder_table()
-# Gemma3ForConditionalGeneration as stored on the Hub: the text model sits under
-# `language_model.model.`; the vision tower is not converted.
-HF_GEMMA3_MULTIMODAL = decoder_table("language_model.model.")
 
 _B = "blk.{i}."
 
@@ -96,14 +175,31 @@ LLAMA_GGUF = [
     Rule("lm_head", "output.weight", "transpose", when="!tie_word_embeddings"),
 ]
 
+HF_DECODER = decoder_table()
+
 # (family, source format) -> table. Every Hugging Face family shares the decoder naming.
 TABLES: dict[tuple[str, str], list[Rule]] = {
     **{(f, "hf"): HF_DECODER for f in ("llama", "mistral", "gemma", "gemma2", "gemma3", "qwen2", "qwen3")},
-    ("gemma3", "hf-gemma3-multimodal"): HF_GEMMA3_MULTIMODAL,
+    # Gemma3ForConditionalGeneration as stored on the Hub: the text model sits under
+    # `language_model.model.`; the vision tower is not converted.
+    ("gemma3", "hf-gemma3-multimodal"): decoder_table("language_model.model."),
+    ("mixtral", "hf"): decoder_table(moe="mixtral"),
+    **{(f, "hf"): decoder_table(moe="deepseek") for f in ("deepseek_v2", "deepseek_v3")},
     ("llama", "gguf"): LLAMA_GGUF,
 }
 
 
-def table_for(family: str, fmt: str, cfg: ModelConfig) -> list[Rule]:
-    """The rules that apply to a model of this family/config in source format ``fmt``."""
-    return [r for r in TABLES[(family, fmt)] if r.applies(cfg)]
+def table_for(family: str, fmt: str, cfg: ModelConfig) -> list[BoundRule]:
+    """The rules of a model of this family/config in source format ``fmt``, placed in its layer stacks."""
+    out: list[BoundRule] = []
+    for rule in TABLES[(family, fmt)]:
+        if not rule.stacked:
+            if rule.applies(cfg):
+                out.append(BoundRule(rule.zoo, rule.hf, rule.transform))
+            continue
+        name = rule.zoo.split(".", 1)[1]
+        for prefix, start, stop, moe in cfg.layer_groups:
+            if rule.applies(cfg, moe):
+                experts = cfg.num_experts if "{j}" in rule.hf else 0
+                out.append(BoundRule(f"{prefix}.{name}", rule.hf, rule.transform, tuple(range(start, stop)), experts))
+    return out

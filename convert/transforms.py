@@ -97,5 +97,58 @@ TRANSFORMS: dict[str, Transform] = {
     "gguf_unpermute_q": _gguf_unpermute("q"),
     "gguf_unpermute_k": _gguf_unpermute("kv"),
 }
+def _rope_perm(cfg: ModelConfig) -> np.ndarray:
+    """DeepSeek checkpoints interleave RoPE pairs; the zoo keeps them rotate-half ordered."""
+    dr = cfg.qk_rope_head_dim
+    if not cfg.hf_rope_interleave:
+        return np.arange(dr)
+    return np.concatenate([np.arange(0, dr, 2), np.arange(1, dr, 2)])
+
+
+def _mla_q() -> Transform:
+    """q_proj / q_b_proj [heads*(nope+rope), in] <-> [in, heads, nope+rope], RoPE rows de-interleaved."""
+
+    def fwd(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+        dn = cfg.qk_nope_head_dim
+        w = w.reshape(cfg.num_heads, -1, w.shape[-1])
+        w = np.concatenate([w[:, :dn], w[:, dn:][:, _rope_perm(cfg)]], axis=1)
+        return w.transpose(2, 0, 1)
+
+    def inv(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+        dn = cfg.qk_nope_head_dim
+        w = w.transpose(1, 2, 0)
+        w = np.concatenate([w[:, :dn], w[:, dn:][:, np.argsort(_rope_perm(cfg))]], axis=1)
+        return w.reshape(-1, w.shape[-1])
+
+    return Transform(fwd, inv)
+
+
+def _mla_kv_a() -> Transform:
+    """kv_a_proj_with_mqa [rank+rope, embed] <-> [embed, rank+rope], RoPE rows de-interleaved."""
+
+    def fwd(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+        r = cfg.kv_lora_rank
+        return np.concatenate([w[:r], w[r:][_rope_perm(cfg)]], axis=0).T
+
+    def inv(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+        r = cfg.kv_lora_rank
+        w = w.T
+        return np.concatenate([w[:r], w[r:][np.argsort(_rope_perm(cfg))]], axis=0)
+
+    return Transform(fwd, inv)
+
+
+TRANSFORMS["mla_q_in"] = _mla_q()
+TRANSFORMS["mla_kv_a_in"] = _mla_kv_a()
+# kv_b_proj [heads*(nope+v), rank] <-> [rank, heads, nope+v]
+TRANSFORMS["mla_kv_b_in"] = Transform(
+    lambda w, cfg: w.reshape(cfg.num_heads, -1, w.shape[-1]).transpose(2, 0, 1),
+    lambda w, cfg: w.transpose(1, 2, 0).reshape(-1, w.shape[0]),
+)
+# o_proj [embed, heads*v] <-> [heads, v, embed]
+TRANSFORMS["mla_o_out"] = Transform(
+    lambda w, cfg: w.T.reshape(cfg.num_heads, cfg.v_head_dim, w.shape[0]),
+    lambda w, cfg: w.reshape(-1, w.shape[-1]).T,
+)
 TRANSFORMS["gguf_q_in"] = _compose("gguf_unpermute_q", "q_in")
 TRANSFORMS["gguf_k_in"] = _compose("gguf_unpermute_k", "kv_in")

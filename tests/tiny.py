@@ -29,6 +29,22 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(
         use_sliding_window=True, sliding_window=7, max_window_layers=1, rope_theta=1000000.0)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, rope_theta=1000000.0)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02)),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        num_hidden_layers=4, num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=16,
+        n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=2, first_k_dense_replace=1,
+        kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=6,
+        topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 32, "mscale": 1.0, "mscale_all_dim": 0.8})),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        num_hidden_layers=4, num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=16,
+        n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1, first_k_dense_replace=2,
+        kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=6,
+        n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 32, "mscale": 1.0, "mscale_all_dim": 1.0})),
 }
 
 
@@ -43,6 +59,9 @@ def randomize(model) -> None:
                 p.copy_(base + 0.2 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 0.15)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3 selection bias
+                buf.copy_(0.1 * torch.randn_like(buf))
 
 
 def make_hf(folder: Path, family: str = "llama", seed: int = 0, dtype=None, save_kwargs=None, **overrides):

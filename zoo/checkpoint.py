@@ -31,6 +31,7 @@ from zoo.params import nest, param_specs
 FORMAT_VERSION = 1
 MODEL_FILE = "model.json"
 PARAMS_DIR = "params"
+STATE_DIR = "state"  # where Orbax's partial saves put the OCDBT store inside params/
 TOKENIZER_DIR = "tokenizer"
 HF_CONFIG_FILE = "hf_config.json"
 
@@ -90,7 +91,14 @@ def atomic_output(out: str | os.PathLike, overwrite: bool = False) -> Iterator[P
 
 
 class CheckpointWriter:
-    """Writes a zoo checkpoint into ``folder`` one parameter at a time (Orbax partial saves).
+    """Writes a zoo checkpoint into ``folder`` one parameter (or one layer) at a time.
+
+    Whole parameters go in with Orbax partial saves (:meth:`add`). Stacked
+    parameters, which can be far larger than memory (a Mixtral expert stack
+    is ~30 GB), are reserved in the Orbax tree first (:meth:`reserve`) and,
+    once the tree is committed, written slice by slice straight into the same
+    OCDBT store with TensorStore, chunked one layer (one expert) per chunk
+    (:meth:`write_slices`): memory holds one slice at a time.
 
     Use it inside :func:`atomic_output` so that nothing half-written is ever
     visible at the destination.
@@ -99,20 +107,68 @@ class CheckpointWriter:
     def __init__(self, folder: str | os.PathLike):
         self.folder = Path(folder).absolute()
         self.params: dict[str, dict[str, Any]] = {}
+        self._pending: dict[str, int] = {}  # reserved path -> number of leading slice axes
+        self._committed = False
         self._ctx = _save_context()
 
     def add(self, path: str, array: np.ndarray | jax.Array, axes: tuple[str, ...] = ()) -> None:
-        """Write one parameter (dotted path); the caller may free it afterwards."""
+        """Write one whole parameter (dotted path); the caller may free it afterwards."""
+        self._save(path, array)
+        self.params[path] = {"shape": list(array.shape), "dtype": str(array.dtype), "axes": list(axes)}
+
+    def reserve(self, path: str, shape: tuple[int, ...], dtype: Any, axes: tuple[str, ...], slice_axes: int) -> None:
+        """Declare a parameter whose data :meth:`write_slices` supplies later, ``slice_axes`` leading axes at a time."""
+        dtype = np.dtype(dtype)
+        self._save(path, np.zeros((1,), dtype))  # registers the key in Orbax's tree metadata
+        self.params[path] = {"shape": list(shape), "dtype": str(dtype), "axes": list(axes)}
+        self._pending[path] = slice_axes
+
+    def _save(self, path: str, array: Any) -> None:
+        if self._committed:
+            raise RuntimeError("the checkpoint tree is already committed")
         ocp = _orbax()
         with self._ctx:
             ocp.partial.save(self.folder / PARAMS_DIR, nest({path: array}))
-        self.params[path] = {"shape": list(array.shape), "dtype": str(array.dtype), "axes": list(axes)}
+
+    def commit_structure(self) -> None:
+        """Finalize the Orbax tree; after this only reserved parameters' slices can be written."""
+        if not self._committed:
+            ocp = _orbax()
+            with self._ctx:
+                ocp.partial.finalize(self.folder / PARAMS_DIR)
+            self._committed = True
+
+    def write_slices(self, path: str, slices: Iterator[tuple[tuple[int, ...], np.ndarray]]) -> None:
+        """Write a reserved parameter from ``(index, array)`` pieces covering it, one chunk each."""
+        import tensorstore as ts
+
+        self.commit_structure()
+        k = self._pending.pop(path)
+        info = self.params[path]
+        shape = info["shape"]
+        spec = {
+            "driver": "zarr3",
+            "kvstore": {"driver": "ocdbt", "base": f"file://{self.folder / PARAMS_DIR / STATE_DIR}/", "path": path},
+            "metadata": {
+                "shape": shape,
+                "data_type": info["dtype"],
+                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1] * k + shape[k:]}},
+                "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
+            },
+        }
+        store = ts.open(spec, create=True, delete_existing=True).result()
+        seen = 0
+        for index, piece in slices:
+            store[index].write(np.asarray(piece, dtype=_np_dtype(info["dtype"]))).result()
+            seen += 1
+        if seen != int(np.prod(shape[:k])):
+            raise RuntimeError(f"{path}: wrote {seen} slices of {int(np.prod(shape[:k]))}")
 
     def finish(self, cfg: ModelConfig, **provenance: Any) -> None:
-        """Finalize the Orbax checkpoint and write model.json."""
-        ocp = _orbax()
-        with self._ctx:
-            ocp.partial.finalize(self.folder / PARAMS_DIR)
+        """Commit the checkpoint (every reserved parameter must be written) and write model.json."""
+        self.commit_structure()
+        if self._pending:
+            raise RuntimeError(f"reserved parameters never written: {sorted(self._pending)}")
         meta = {
             "format_version": FORMAT_VERSION,
             "family": cfg.family,
@@ -241,22 +297,31 @@ class ParamReader:
     def _open_store(self):
         import tensorstore as ts
 
-        base = self.ckpt / PARAMS_DIR / "state"
+        base = self.ckpt / PARAMS_DIR / STATE_DIR
         if not (base / "manifest.ocdbt").is_file():
             return None
-        nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
         spec = {"driver": "zarr3", "kvstore": {"driver": "ocdbt", "base": f"file://{base}/", "path": self.path}}
         try:
-            store = ts.open(spec, read=True, context=ts.Context({"cache_pool": {"total_bytes_limit": nbytes + 2**26}})).result()
+            probe = ts.open(spec, read=True).result()
+            chunk = probe.chunk_layout.read_chunk.shape or probe.shape
+            # Room for one stored chunk, so slices of it are decoded once.
+            limit = int(np.prod(chunk, dtype=np.int64)) * self.dtype.itemsize + 2**26
+            store = ts.open(spec, read=True, context=ts.Context({"cache_pool": {"total_bytes_limit": limit}})).result()
         except Exception:  # not this layout: use Orbax's own restore
             return None
         if tuple(store.shape) != self.shape or store.dtype.numpy_dtype != self.dtype:
             return None
         return store
 
-    def read(self, index: int | None = None) -> np.ndarray:
-        """The whole parameter (``index=None``) or its slice ``[index]``."""
-        return self.read_block(0, index, None if index is None else index + 1, squeeze=index is not None)
+    def read(self, index: int | tuple[int, ...] | None = None) -> np.ndarray:
+        """The whole parameter (``index=None``) or its slice ``[index]`` (e.g. ``(layer, expert)``)."""
+        if index is None:
+            return self.read_block(0, None, None)
+        if self._store is not None:
+            return np.asarray(self._store[index].read().result())
+        if self._array is None:
+            self._array = load_param_numpy(self.ckpt, self.path)
+        return self._array[index]
 
     def read_block(self, axis: int, start: int | None, stop: int | None, squeeze: bool = False) -> np.ndarray:
         """``param[..., start:stop, ...]`` along ``axis`` (``squeeze`` drops that axis when it has length 1)."""

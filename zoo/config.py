@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,13 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # YaRN
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
 
 
 LAYER_KINDS = ("full", "sliding")
@@ -68,6 +76,31 @@ class ModelConfig:
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
     rope_local: RopeConfig | None = None
+    # Mixture of experts (num_experts 0: dense). The first `dense_layers` layers keep a dense MLP.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    shared_experts: int = 0
+    dense_layers: int = 0
+    router_score: str = "softmax"  # or "sigmoid" (DeepSeek-V3)
+    router_norm_topk: bool = True
+    router_scale: float = 1.0
+    router_groups: int = 1  # group-limited routing: keep the best `router_topk_groups` of `router_groups`
+    router_topk_groups: int = 1
+    router_group_score: str = "max"  # "max" (DeepSeek-V2) or "top2" (sum of the best two, V3)
+    router_bias: bool = False  # V3's e_score_correction_bias: used for selection only
+    capacity_factor: float | None = None  # None: dropless; else tokens over capacity are dropped
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+    # Multi-head latent attention (DeepSeek-V2/V3); kv_lora_rank 0: ordinary attention.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # How the Hugging Face checkpoint orders RoPE dims (DeepSeek interleaves pairs). The zoo
+    # always stores rotate-half order; only conversion and export read this.
+    hf_rope_interleave: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -82,9 +115,40 @@ class ModelConfig:
                 raise UserError("model config: sliding layers need a sliding_window")
 
     @property
+    def mla(self) -> bool:
+        """Whether attention is DeepSeek's multi-head latent attention."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def rope_dim(self) -> int:
+        """How many dimensions of each head RoPE rotates."""
+        return self.qk_rope_head_dim if self.mla else self.head_dim
+
+    @property
     def attn_scale(self) -> float:
-        """Softmax scale applied to q·k."""
+        """Softmax scale applied to q·k (YaRN's mscale enters squared, as in DeepSeek)."""
+        if self.mla:
+            scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+            r = self.rope
+            if r.kind == "yarn" and r.mscale_all_dim and r.factor > 1:
+                m = 0.1 * r.mscale_all_dim * math.log(r.factor) + 1.0
+                scale *= m * m
+            return scale
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def layer_groups(self) -> list[tuple[str, int, int, bool]]:
+        """(parameter prefix, first layer, end layer, is MoE) of each stack of layers.
+
+        Dense models have one stack, ``layers``; MoE models with dense first
+        layers have ``dense_layers`` then ``layers``; each stack is scanned.
+        """
+        n = self.num_layers
+        if not self.num_experts:
+            return [("layers", 0, n, False)]
+        if self.dense_layers:
+            return [("dense_layers", 0, self.dense_layers, False), ("layers", self.dense_layers, n, True)]
+        return [("layers", 0, n, True)]
 
     @property
     def kinds(self) -> tuple[str, ...]:

@@ -52,14 +52,51 @@ def rope_inv_freq(rope: RopeConfig, rot_dim: int) -> np.ndarray:
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return np.where(medium, smoothed, scaled).astype(np.float32)
+    if rope.kind == "yarn":
+        return _yarn_inv_freq(rope, rot_dim)
     raise ValueError(f"unsupported rope kind {rope.kind!r}")
 
 
-def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """cos/sin tables [batch, seq, rot_dim] for integer positions [batch, seq]."""
+def _yarn_inv_freq(rope: RopeConfig, dim: int) -> np.ndarray:
+    """YaRN: interpolate low frequencies by ``factor``, keep high ones, ramp in between (as transformers)."""
+    base, factor, omax = rope.theta, rope.factor, rope.original_max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(omax / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = np.float32(base) ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim))
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    inv = (1 / (factor * pos_freqs)) * (1 - extrapolation) + (1 / pos_freqs) * extrapolation
+    return inv.astype(np.float32)
+
+
+def rope_attention_factor(rope: RopeConfig) -> float:
+    """The factor YaRN multiplies cos/sin by (1.0 for the other kinds)."""
+    if rope.kind != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if rope.mscale and rope.mscale_all_dim:
+        return get_mscale(rope.factor, rope.mscale) / get_mscale(rope.factor, rope.mscale_all_dim)
+    return get_mscale(rope.factor)
+
+
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables [batch, seq, rot_dim] for integer positions [batch, seq] (times ``scale``)."""
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    return jnp.cos(emb) * scale, jnp.sin(emb) * scale
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -110,6 +147,35 @@ def attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, mask: jax.A
     if cfg.o_bias:
         out = out + p["o_bias"]
     return out
+
+
+def mla_attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, mask: jax.Array,
+                  cfg: ModelConfig) -> jax.Array:
+    """DeepSeek's multi-head latent attention: q and kv through low-rank latents, a shared RoPE key.
+
+    The RoPE dimensions are stored de-interleaved (the converter permutes
+    them), so the usual rotate-half RoPE applies.
+    """
+    b, t, _ = x.shape
+    dn, dr, dv, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    if cfg.q_lora_rank:
+        # transformers hard-codes eps=1e-6 for the two latent norms.
+        q = jnp.einsum("btc,chd->bthd", rms_norm(x @ p["q_a"], p["q_a_norm"], 1e-6), p["q_b"])
+    else:
+        q = jnp.einsum("bte,ehd->bthd", x, p["q"])
+    kv = x @ p["kv_a"]
+    latent, k_pe = kv[..., :r], kv[..., r:]
+    kv = jnp.einsum("btr,rhd->bthd", rms_norm(latent, p["kv_a_norm"], 1e-6), p["kv_b"])
+    k_nope, v = kv[..., :dn], kv[..., dn:]
+    q_pe = apply_rope(q[..., dn:], cos, sin)
+    k_pe = apply_rope(k_pe[:, :, None, :], cos, sin)
+    q = jnp.concatenate([q[..., :dn], q_pe], axis=-1)
+    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe, k_nope.shape[:-1] + (dr,))], axis=-1)
+    scores = jnp.einsum("bqhd,bshd->bhqs", q, k).astype(jnp.float32) * cfg.attn_scale
+    scores = jnp.where(mask[:, 0], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bhqs,bshd->bqhd", probs, v)
+    return jnp.einsum("bthd,hde->bte", out, p["o"])
 
 
 def mlp(x: jax.Array, p: dict, cfg: ModelConfig) -> jax.Array:

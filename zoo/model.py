@@ -10,7 +10,19 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zoo.config import ModelConfig
-from zoo.layers import ACTIVATIONS, attention, attention_mask, mlp, rms_norm, rope_inv_freq, rope_tables, soft_cap
+from zoo.layers import (
+    ACTIVATIONS,
+    attention,
+    attention_mask,
+    mla_attention,
+    mlp,
+    rms_norm,
+    rope_attention_factor,
+    rope_inv_freq,
+    rope_tables,
+    soft_cap,
+)
+from zoo.moe import aux_losses, moe_mlp
 from zoo.params import flatten, nest, param_specs
 
 
@@ -57,58 +69,79 @@ def forward(
     tokens: jax.Array,
     segment_ids: jax.Array | None = None,
     positions: jax.Array | None = None,
-) -> jax.Array:
+    return_aux: bool = False,
+) -> jax.Array | tuple[jax.Array, dict]:
     """Logits [batch, seq, vocab] (float32) of the decoder for int tokens [batch, seq].
 
     ``segment_ids`` marks packed documents (attention never crosses a change
-    of id); ``positions`` restart at each document. Both default to one
-    document per row.
+    of id; id 0 is padding); ``positions`` restart at each document. Both
+    default to one document per row. With ``return_aux`` (MoE models) it also
+    returns the router losses and statistics of :func:`zoo.moe.aux_losses`.
     """
     b, t = tokens.shape
     if segment_ids is None:
         segment_ids = jnp.ones((b, t), jnp.int32)
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    ropes = {"full": rope_tables(positions, rope_inv_freq(cfg.rope, cfg.head_dim))}
+    rope_scale = rope_attention_factor(cfg.rope)
+    ropes = {"full": rope_tables(positions, rope_inv_freq(cfg.rope, cfg.rope_dim), rope_scale)}
     masks = {"full": attention_mask(segment_ids)}
     if "sliding" in cfg.kinds:
-        ropes["sliding"] = rope_tables(positions, rope_inv_freq(cfg.rope_local or cfg.rope, cfg.head_dim))
+        local = cfg.rope_local or cfg.rope
+        ropes["sliding"] = rope_tables(positions, rope_inv_freq(local, cfg.rope_dim), rope_attention_factor(local))
         masks["sliding"] = attention_mask(segment_ids, cfg.sliding_window)
+    valid = segment_ids != 0
     x = jnp.take(params["embed"], tokens, axis=0)
     if cfg.embed_scale:
         # transformers casts the normalizer to the embedding dtype first.
         x = x * jnp.asarray(cfg.hidden_size**0.5, dtype=x.dtype)
+    attend = mla_attention if cfg.mla else attention
 
     def norm(x: jax.Array, w: jax.Array) -> jax.Array:
         return rms_norm(x, w, cfg.rms_norm_eps, cfg.norm_offset)
 
-    def layer(x: jax.Array, p: dict, kind: str) -> jax.Array:
-        h = attention(norm(x, p["attn_norm"]), p, *ropes[kind], masks[kind], cfg)
+    def layer(x: jax.Array, p: dict, kind: str, moe: bool) -> tuple[jax.Array, dict]:
+        h = attend(norm(x, p["attn_norm"]), p, *ropes[kind], masks[kind], cfg)
         if cfg.post_norms:
             h = norm(h, p["post_attn_norm"])
         x = x + h
-        h = mlp(norm(x, p["mlp_norm"]), p, cfg)
+        stats: dict = {}
+        if moe:
+            h, stats = moe_mlp(norm(x, p["mlp_norm"]), p, cfg, valid)
+        else:
+            h = mlp(norm(x, p["mlp_norm"]), p, cfg)
         if cfg.post_norms:
             h = norm(h, p["post_mlp_norm"])
-        return x + h
+        return x + h, stats
 
-    for seg in layer_segments(cfg.kinds):
-        period = len(seg.kinds)
-        stacked = jax.tree.map(
-            lambda a: a[seg.start : seg.stop].reshape((seg.repeats, period) + a.shape[1:]), params["layers"]
-        )
+    layer_stats = []
+    for prefix, start, stop, moe in cfg.layer_groups:
+        for seg in layer_segments(cfg.kinds[start:stop]):
+            period = len(seg.kinds)
+            stacked = jax.tree.map(
+                lambda a: a[seg.start : seg.stop].reshape((seg.repeats, period) + a.shape[1:]), params[prefix]
+            )
 
-        def block(x: jax.Array, p: dict, kinds: tuple[str, ...] = seg.kinds) -> tuple[jax.Array, None]:
-            for j, kind in enumerate(kinds):
-                x = layer(x, jax.tree.map(lambda a: a[j], p), kind)
-            return x, None
+            def block(x: jax.Array, p: dict, kinds: tuple[str, ...] = seg.kinds, moe: bool = moe):
+                out = []
+                for j, kind in enumerate(kinds):
+                    x, st = layer(x, jax.tree.map(lambda a: a[j], p), kind, moe)
+                    out.append(st)
+                return x, jax.tree.map(lambda *a: jnp.stack(a), *out) if moe else None
 
-        # One scan per segment: compile time does not grow with depth.
-        x, _ = jax.lax.scan(block, x, stacked)
+            # One scan per segment: compile time does not grow with depth.
+            x, ys = jax.lax.scan(block, x, stacked)
+            if moe:
+                layer_stats.append(jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), ys))
     x = norm(x, params["final_norm"])
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    logits = jnp.einsum("bte,ev->btv", x, head, preferred_element_type=jnp.float32)
-    return soft_cap(logits, cfg.final_softcap)
+    logits = soft_cap(jnp.einsum("bte,ev->btv", x, head, preferred_element_type=jnp.float32), cfg.final_softcap)
+    if not return_aux:
+        return logits
+    if not layer_stats:
+        return logits, {}
+    stats = jax.tree.map(lambda *a: jnp.concatenate(a), *layer_stats)
+    return logits, aux_losses(stats, cfg)
 
 
 class Decoder(nnx.Module):
@@ -142,6 +175,8 @@ class Decoder(nnx.Module):
         self.embed = tree.pop("embed")
         self.final_norm = tree.pop("final_norm")
         self.layers = nnx.Dict(tree.pop("layers"))
+        if "dense_layers" in tree:
+            self.dense_layers = nnx.Dict(tree.pop("dense_layers"))
         if "lm_head" in tree:
             self.lm_head = tree.pop("lm_head")
 
@@ -150,9 +185,9 @@ class Decoder(nnx.Module):
         return nnx.to_pure_dict(nnx.state(self, nnx.Param))
 
     def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
-                 positions: jax.Array | None = None) -> jax.Array:
-        """Logits [batch, seq, vocab] for int32 tokens [batch, seq]."""
-        return _jit_forward(self.cfg, self.param_dict(), tokens, segment_ids, positions)
+                 positions: jax.Array | None = None, return_aux: bool = False):
+        """Logits [batch, seq, vocab] for int32 tokens [batch, seq] (and router aux with ``return_aux``)."""
+        return _jit_forward(self.cfg, self.param_dict(), tokens, segment_ids, positions, return_aux)
 
 
-_jit_forward = jax.jit(forward, static_argnums=0)
+_jit_forward = jax.jit(forward, static_argnums=(0, 5))

@@ -17,45 +17,81 @@ class ParamSpec:
     """Shape, logical axis names and initializer kind of one parameter."""
 
     shape: tuple[int, ...]
-    axes: tuple[str, ...]
+    axes: tuple[str | None, ...]  # None: never sharded
     init: str  # "normal" | "ones" | "zeros"
+
+
+def _layer_specs(cfg: ModelConfig, L: int, moe: bool) -> dict[str, ParamSpec]:
+    """The weights of one stack of L layers (suffixes after the stack prefix)."""
+    E, F = cfg.hidden_size, cfg.intermediate_size
+    H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    unit = "ones" if cfg.norm_offset == 0 else "zeros"  # norms scale by (norm_offset + w)
+    lay = ("layers",)
+    s: dict[str, ParamSpec] = {"attn_norm": ParamSpec((L, E), lay + ("embed",), unit)}
+    if cfg.mla:
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        if cfg.q_lora_rank:
+            s["q_a"] = ParamSpec((L, E, cfg.q_lora_rank), lay + ("embed", None), "normal")
+            s["q_a_norm"] = ParamSpec((L, cfg.q_lora_rank), lay + (None,), "ones")
+            s["q_b"] = ParamSpec((L, cfg.q_lora_rank, H, qk), lay + (None, "heads", "head_dim"), "normal")
+        else:
+            s["q"] = ParamSpec((L, E, H, qk), lay + ("embed", "heads", "head_dim"), "normal")
+        s["kv_a"] = ParamSpec((L, E, cfg.kv_lora_rank + cfg.qk_rope_head_dim), lay + ("embed", None), "normal")
+        s["kv_a_norm"] = ParamSpec((L, cfg.kv_lora_rank), lay + (None,), "ones")
+        s["kv_b"] = ParamSpec((L, cfg.kv_lora_rank, H, cfg.qk_nope_head_dim + cfg.v_head_dim),
+                              lay + (None, "heads", "head_dim"), "normal")
+        s["o"] = ParamSpec((L, H, cfg.v_head_dim, E), lay + ("heads", "head_dim", "embed"), "normal")
+    else:
+        s["q"] = ParamSpec((L, E, H, D), lay + ("embed", "heads", "head_dim"), "normal")
+        s["k"] = ParamSpec((L, E, K, D), lay + ("embed", "kv_heads", "head_dim"), "normal")
+        s["v"] = ParamSpec((L, E, K, D), lay + ("embed", "kv_heads", "head_dim"), "normal")
+        s["o"] = ParamSpec((L, H, D, E), lay + ("heads", "head_dim", "embed"), "normal")
+    s["mlp_norm"] = ParamSpec((L, E), lay + ("embed",), unit)
+    if moe:
+        X, M = cfg.num_experts, cfg.moe_intermediate_size
+        s["router"] = ParamSpec((L, E, X), lay + ("embed", None), "normal")
+        if cfg.router_bias:
+            s["router_bias"] = ParamSpec((L, X), lay + (None,), "zeros")
+        s["expert_gate"] = ParamSpec((L, X, E, M), lay + ("expert", "embed", "mlp"), "normal")
+        s["expert_up"] = ParamSpec((L, X, E, M), lay + ("expert", "embed", "mlp"), "normal")
+        s["expert_down"] = ParamSpec((L, X, M, E), lay + ("expert", "mlp", "embed"), "normal")
+        if cfg.shared_experts:
+            S = M * cfg.shared_experts
+            s["shared_gate"] = ParamSpec((L, E, S), lay + ("embed", "mlp"), "normal")
+            s["shared_up"] = ParamSpec((L, E, S), lay + ("embed", "mlp"), "normal")
+            s["shared_down"] = ParamSpec((L, S, E), lay + ("mlp", "embed"), "normal")
+    else:
+        s["gate"] = ParamSpec((L, E, F), lay + ("embed", "mlp"), "normal")
+        s["up"] = ParamSpec((L, E, F), lay + ("embed", "mlp"), "normal")
+        s["down"] = ParamSpec((L, F, E), lay + ("mlp", "embed"), "normal")
+    if cfg.qkv_bias:
+        s["q_bias"] = ParamSpec((L, H, D), lay + ("heads", "head_dim"), "zeros")
+        s["k_bias"] = ParamSpec((L, K, D), lay + ("kv_heads", "head_dim"), "zeros")
+        s["v_bias"] = ParamSpec((L, K, D), lay + ("kv_heads", "head_dim"), "zeros")
+    if cfg.o_bias:
+        s["o_bias"] = ParamSpec((L, E), lay + ("embed",), "zeros")
+    if cfg.qk_norm:
+        s["q_norm"] = ParamSpec((L, D), lay + ("head_dim",), unit)
+        s["k_norm"] = ParamSpec((L, D), lay + ("head_dim",), unit)
+    if cfg.post_norms:
+        s["post_attn_norm"] = ParamSpec((L, E), lay + ("embed",), unit)
+        s["post_mlp_norm"] = ParamSpec((L, E), lay + ("embed",), unit)
+    if cfg.mlp_bias and not moe:
+        s["gate_bias"] = ParamSpec((L, F), lay + ("mlp",), "zeros")
+        s["up_bias"] = ParamSpec((L, F), lay + ("mlp",), "zeros")
+        s["down_bias"] = ParamSpec((L, E), lay + ("embed",), "zeros")
+    return s
 
 
 def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
     """Every parameter of a model with this config, by dotted path."""
-    E, F, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
-    H, K, D, V = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
-    # A norm weight w scales by (norm_offset + w): Gemma's (1 + w) starts at zero.
+    E, V = cfg.hidden_size, cfg.vocab_size
     unit = "ones" if cfg.norm_offset == 0 else "zeros"
-    s: dict[str, ParamSpec] = {
-        "embed": ParamSpec((V, E), ("vocab", "embed"), "normal"),
-        "layers.attn_norm": ParamSpec((L, E), ("layers", "embed"), unit),
-        "layers.q": ParamSpec((L, E, H, D), ("layers", "embed", "heads", "head_dim"), "normal"),
-        "layers.k": ParamSpec((L, E, K, D), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
-        "layers.v": ParamSpec((L, E, K, D), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
-        "layers.o": ParamSpec((L, H, D, E), ("layers", "heads", "head_dim", "embed"), "normal"),
-        "layers.mlp_norm": ParamSpec((L, E), ("layers", "embed"), unit),
-        "layers.gate": ParamSpec((L, E, F), ("layers", "embed", "mlp"), "normal"),
-        "layers.up": ParamSpec((L, E, F), ("layers", "embed", "mlp"), "normal"),
-        "layers.down": ParamSpec((L, F, E), ("layers", "mlp", "embed"), "normal"),
-        "final_norm": ParamSpec((E,), ("embed",), unit),
-    }
-    if cfg.qkv_bias:
-        s["layers.q_bias"] = ParamSpec((L, H, D), ("layers", "heads", "head_dim"), "zeros")
-        s["layers.k_bias"] = ParamSpec((L, K, D), ("layers", "kv_heads", "head_dim"), "zeros")
-        s["layers.v_bias"] = ParamSpec((L, K, D), ("layers", "kv_heads", "head_dim"), "zeros")
-    if cfg.o_bias:
-        s["layers.o_bias"] = ParamSpec((L, E), ("layers", "embed"), "zeros")
-    if cfg.qk_norm:
-        s["layers.q_norm"] = ParamSpec((L, D), ("layers", "head_dim"), unit)
-        s["layers.k_norm"] = ParamSpec((L, D), ("layers", "head_dim"), unit)
-    if cfg.post_norms:
-        s["layers.post_attn_norm"] = ParamSpec((L, E), ("layers", "embed"), unit)
-        s["layers.post_mlp_norm"] = ParamSpec((L, E), ("layers", "embed"), unit)
-    if cfg.mlp_bias:
-        s["layers.gate_bias"] = ParamSpec((L, F), ("layers", "mlp"), "zeros")
-        s["layers.up_bias"] = ParamSpec((L, F), ("layers", "mlp"), "zeros")
-        s["layers.down_bias"] = ParamSpec((L, E), ("layers", "embed"), "zeros")
+    s: dict[str, ParamSpec] = {"embed": ParamSpec((V, E), ("vocab", "embed"), "normal")}
+    for prefix, start, stop, moe in cfg.layer_groups:
+        for name, spec in _layer_specs(cfg, stop - start, moe).items():
+            s[f"{prefix}.{name}"] = spec
+    s["final_norm"] = ParamSpec((E,), ("embed",), unit)
     if not cfg.tie_word_embeddings:
         s["lm_head"] = ParamSpec((E, V), ("embed", "vocab"), "normal")
     return s

@@ -1,0 +1,160 @@
+"""Mixture of experts: Mixtral, DeepSeek-V2 (MLA, with and without q_lora_rank) and DeepSeek-V3."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import zoo
+from tests.test_export import _tensors
+from tests.tiny import hf_logits, make_hf, mean_kl, random_tokens
+from zoo.cli import main
+
+VARIANTS = {
+    "mixtral": ("mixtral", {}),
+    "deepseek-v2": ("deepseek_v2", {}),
+    "deepseek-v2-q-lora": ("deepseek_v2", dict(q_lora_rank=24)),
+    "deepseek-v2-greedy": ("deepseek_v2", dict(topk_method="greedy", n_group=None, topk_group=None)),
+    "deepseek-v3": ("deepseek_v3", {}),
+    "deepseek-v3-no-lora-no-interleave": ("deepseek_v3", dict(q_lora_rank=None, rope_interleave=False,
+                                                              norm_topk_prob=False)),
+}
+SEQ = 24
+
+
+def _convert(tmp_path, variant):
+    family, kw = VARIANTS[variant]
+    hf = make_hf(tmp_path / "hf", family, **kw)
+    assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "zoo")]) == 0
+    return hf
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_logits_match_transformers(tmp_path, variant):
+    hf = _convert(tmp_path, variant)
+    tokens = random_tokens(hf.config.vocab_size, seq=SEQ)
+    ref = hf_logits(hf, tokens)
+    got = np.asarray(zoo.load(tmp_path / "zoo")(jnp.asarray(tokens)))
+    assert np.abs(got - ref).max() <= 1e-4
+    assert mean_kl(ref, got) <= 1e-6
+    assert ref.std() > 0.5
+
+
+@pytest.mark.parametrize("variant", ["mixtral", "deepseek-v2-q-lora", "deepseek-v3"])
+def test_round_trip_is_bit_identical(tmp_path, variant):
+    _convert(tmp_path, variant)
+    assert main(["export", str(tmp_path / "zoo"), "--out", str(tmp_path / "back")]) == 0
+    assert _tensors(tmp_path / "hf") == _tensors(tmp_path / "back")
+
+
+def test_experts_and_dense_layers_are_stacked(tmp_path):
+    _convert(tmp_path, "deepseek-v3")
+    meta = zoo.checkpoint.read_meta(tmp_path / "zoo")["params"]
+    assert meta["layers.expert_gate"]["shape"] == [2, 8, 64, 16]  # [moe layers, experts, embed, mlp]
+    assert meta["layers.expert_gate"]["axes"] == ["layers", "expert", "embed", "mlp"]
+    assert meta["dense_layers.gate"]["shape"] == [2, 64, 96]
+    assert "dense_layers.expert_gate" not in meta and "layers.gate" not in meta
+
+
+def _hf_router_logits(hf, tokens):
+    with torch.no_grad():
+        out = hf(torch.tensor(tokens, dtype=torch.long), output_router_logits=True)
+    return out.router_logits
+
+
+def test_load_balancing_loss_matches_transformers(tmp_path):
+    """Our aux loss against transformers' own load_balancing_loss_func on the same router logits."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    hf = _convert(tmp_path, "mixtral")
+    tokens = random_tokens(hf.config.vocab_size, seq=SEQ)
+    ref = float(load_balancing_loss_func(_hf_router_logits(hf, tokens), 4, 2))
+    _, aux = zoo.load(tmp_path / "zoo")(jnp.asarray(tokens), return_aux=True)
+    assert abs(float(aux["load_balancing_loss"]) - ref) <= 1e-5
+    assert float(aux["loss"]) == pytest.approx(0.02 * ref, abs=1e-6)  # router_aux_loss_coef from the config
+    counts = np.asarray(aux["expert_counts"])
+    assert counts.shape == (3, 4) and counts.sum() == 3 * tokens.size * 2  # layers x experts; k=2 per token
+
+
+def test_aux_losses_on_a_hand_computed_example():
+    """Independent numbers: 2 tokens, 2 experts, top-1, uniform logits for token 0."""
+    from zoo.config import ModelConfig
+    from zoo.moe import aux_losses, route
+
+    cfg = ModelConfig(family="mixtral", vocab_size=8, hidden_size=2, intermediate_size=4, num_layers=1,
+                      num_heads=1, num_kv_heads=1, head_dim=2, num_experts=2, experts_per_token=1,
+                      moe_intermediate_size=4, aux_loss_coef=0.5, z_loss_coef=0.1)
+    x = jnp.asarray([[0.0, 0.0], [1.0, 0.0]])
+    p = {"router": jnp.asarray([[2.0, 0.0], [0.0, 0.0]])}  # token 1: logits (2, 0)
+    ids, w, logits = route(x, p, cfg)
+    assert ids[1, 0] == 0 and float(w[1, 0]) == pytest.approx(1.0)  # renormalized top-1
+    probs = np.array([[0.5, 0.5], [np.exp(2) / (np.exp(2) + 1), 1 / (np.exp(2) + 1)]])
+    counts = np.zeros(2)
+    counts[int(ids[0, 0])] += 1
+    counts[0] += 1
+    stats = {"expert_counts": jnp.asarray(counts)[None], "router_prob_sum": jnp.asarray(probs.sum(0))[None],
+             "router_lse_sq_sum": jnp.asarray([(np.log(2) ** 2 + np.log(np.exp(2) + 1) ** 2)]),
+             "dropped_tokens": jnp.zeros(1), "tokens": jnp.asarray([2.0])}
+    aux = aux_losses(stats, cfg)
+    lb = 2 * np.sum(counts / 2 * probs.mean(0))
+    z = (np.log(2) ** 2 + np.log(np.exp(2) + 1) ** 2) / 2
+    assert float(aux["load_balancing_loss"]) == pytest.approx(lb, rel=1e-6)
+    assert float(aux["router_z_loss"]) == pytest.approx(z, rel=1e-6)
+    assert float(aux["loss"]) == pytest.approx(0.5 * lb + 0.1 * z, rel=1e-6)
+
+
+def test_capacity_factor_drops_and_reports(tmp_path):
+    import dataclasses
+
+    hf = _convert(tmp_path, "mixtral")
+    model = zoo.load(tmp_path / "zoo")
+    tokens = jnp.asarray(random_tokens(hf.config.vocab_size, seq=SEQ))
+    exact, aux = model(tokens, return_aux=True)
+    assert float(aux["dropped_tokens"]) == 0
+    # A generous capacity keeps every token: same logits as dropless.
+    roomy = zoo.Decoder(dataclasses.replace(model.cfg, capacity_factor=4.0), model.param_dict())
+    got, aux = roomy(tokens, return_aux=True)
+    assert float(aux["dropped_tokens"]) == 0
+    np.testing.assert_allclose(np.asarray(got), np.asarray(exact), atol=1e-5)
+    # A tight one drops assignments and says how many.
+    tight = zoo.Decoder(dataclasses.replace(model.cfg, capacity_factor=0.25), model.param_dict())
+    got, aux = tight(tokens, return_aux=True)
+    assert float(aux["dropped_tokens"]) > 0
+    assert np.abs(np.asarray(got) - np.asarray(exact)).max() > 1e-3
+
+
+EXPERT_SCRIPT = r"""
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+import zoo
+from zoo.sharding import make_mesh
+assert len(jax.devices()) == 8
+model = zoo.load(sys.argv[1], mesh=make_mesh(data=1, fsdp=2, tensor=1, expert=4))
+gate = model.param_dict()["layers"]["expert_gate"]
+np.save(sys.argv[3], np.asarray(model(jnp.asarray(np.load(sys.argv[2])))))
+print(json.dumps({"spec": [str(s) for s in gate.sharding.spec], "shard": list(gate.addressable_shards[0].data.shape),
+                  "devices": len(gate.sharding.device_set)}))
+"""
+
+
+@pytest.mark.parametrize("variant", ["mixtral", "deepseek-v3"])
+def test_expert_parallel_on_8_devices(tmp_path, variant):
+    hf = _convert(tmp_path, variant)
+    tokens = random_tokens(hf.config.vocab_size, seq=SEQ)
+    np.save(tmp_path / "tokens.npy", tokens)
+    one = np.asarray(zoo.load(tmp_path / "zoo")(jnp.asarray(tokens)))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    p = subprocess.run([sys.executable, "-c", EXPERT_SCRIPT, str(tmp_path / "zoo"), str(tmp_path / "tokens.npy"),
+                        str(tmp_path / "logits.npy")], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    info = json.loads(p.stdout.strip().splitlines()[-1])
+    experts = hf.config.num_local_experts if variant == "mixtral" else hf.config.n_routed_experts
+    assert info["spec"][1] == "expert" and info["devices"] == 8
+    assert info["shard"][1] == experts // 4  # each device holds a quarter of the experts
+    np.testing.assert_allclose(np.load(tmp_path / "logits.npy"), one, atol=1e-5, rtol=0)

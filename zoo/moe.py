@@ -1,0 +1,129 @@
+"""Mixture-of-experts MLP: routing (softmax/sigmoid, group-limited top-k), dropless or capacity dispatch.
+
+Experts are stacked ``[experts, ...]`` in one parameter per projection and
+sharded over the ``expert`` mesh axis. The default dispatch is exact
+(dropless): assignments are sorted by expert and run through one grouped
+matmul (``jax.lax.ragged_dot``). With ``capacity_factor`` set, each expert
+takes at most ``ceil(capacity_factor * tokens * k / experts)`` tokens in
+fixed-size buffers (GShard-style dispatch/combine einsums: static shapes,
+faster on accelerators) and the tokens over capacity are dropped and counted.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from zoo.config import ModelConfig
+from zoo.layers import ACTIVATIONS
+
+STAT_KEYS = ("expert_counts", "router_prob_sum", "router_lse_sq_sum", "dropped_tokens", "tokens")
+
+
+def route(x: jax.Array, p: dict, cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Top-k expert ids [N, k], their weights [N, k] and the raw router logits [N, X] for tokens x [N, E]."""
+    logits = jnp.dot(x.astype(jnp.float32), p["router"].astype(jnp.float32))
+    scores = jax.nn.sigmoid(logits) if cfg.router_score == "sigmoid" else jax.nn.softmax(logits, axis=-1)
+    select = scores + p["router_bias"].astype(jnp.float32) if cfg.router_bias else scores
+    if cfg.router_groups > 1:
+        n, x_ = select.shape
+        grouped = select.reshape(n, cfg.router_groups, x_ // cfg.router_groups)
+        if cfg.router_group_score == "top2":
+            group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)
+        else:
+            group_score = grouped.max(-1)
+        _, keep = jax.lax.top_k(group_score, cfg.router_topk_groups)
+        keep_mask = jnp.zeros_like(group_score, dtype=bool).at[jnp.arange(n)[:, None], keep].set(True)
+        select = jnp.where(jnp.repeat(keep_mask, x_ // cfg.router_groups, axis=-1), select, -jnp.inf)
+    _, ids = jax.lax.top_k(select, cfg.experts_per_token)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if cfg.router_norm_topk:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return ids, weights * cfg.router_scale, logits
+
+
+def _experts_dropless(x: jax.Array, ids: jax.Array, weights: jax.Array, p: dict, cfg: ModelConfig) -> jax.Array:
+    n, k = ids.shape
+    act = ACTIVATIONS[cfg.hidden_act]
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    token = order // k
+    sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
+    xs = x[token]
+    h = act(jax.lax.ragged_dot(xs, p["expert_gate"], sizes)) * jax.lax.ragged_dot(xs, p["expert_up"], sizes)
+    y = jax.lax.ragged_dot(h, p["expert_down"], sizes)
+    y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
+    return jnp.zeros_like(x).at[token].add(y)
+
+
+def _experts_capacity(x: jax.Array, ids: jax.Array, weights: jax.Array, valid: jax.Array, p: dict,
+                      cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    n, k = ids.shape
+    X = cfg.num_experts
+    cap = max(1, math.ceil(cfg.capacity_factor * n * k / X))
+    act = ACTIVATIONS[cfg.hidden_act]
+    onehot = jax.nn.one_hot(ids, X, dtype=jnp.int32) * valid[:, None, None].astype(jnp.int32)  # [N, k, X]
+    # Slot of each assignment in its expert's buffer: earlier tokens (and earlier choices) first.
+    flat = onehot.transpose(1, 0, 2).reshape(n * k, X)
+    slot = (jnp.cumsum(flat, axis=0) - 1).reshape(k, n, X).transpose(1, 0, 2)
+    kept = (slot < cap) & (onehot > 0)
+    dropped = ((onehot > 0) & ~kept).sum()
+    dispatch = (kept[..., None] & (slot[..., None] == jnp.arange(cap))).astype(x.dtype)  # [N, k, X, C]
+    buf = jnp.einsum("nkxc,ne->xce", dispatch, x)
+    h = act(jnp.einsum("xce,xef->xcf", buf, p["expert_gate"])) * jnp.einsum("xce,xef->xcf", buf, p["expert_up"])
+    out = jnp.einsum("xcf,xfe->xce", h, p["expert_down"])
+    combine = dispatch * weights[..., None, None].astype(x.dtype)
+    return jnp.einsum("nkxc,xce->ne", combine, out), dropped
+
+
+def moe_mlp(x: jax.Array, p: dict, cfg: ModelConfig, valid: jax.Array) -> tuple[jax.Array, dict]:
+    """Routed experts (+ shared experts) for x [batch, seq, embed]; returns output and router statistics.
+
+    ``valid`` [batch, seq] marks real tokens (padding is routed but not counted).
+    """
+    b, t, e = x.shape
+    xf = x.reshape(-1, e)
+    vf = valid.reshape(-1)
+    ids, weights, logits = route(xf, p, cfg)
+    if cfg.capacity_factor is None:
+        out, dropped = _experts_dropless(xf, ids, weights, p, cfg), jnp.zeros((), jnp.int32)
+    else:
+        out, dropped = _experts_capacity(xf, ids, weights, vf, p, cfg)
+    if cfg.shared_experts:
+        act = ACTIVATIONS[cfg.hidden_act]
+        out = out + (act(xf @ p["shared_gate"]) * (xf @ p["shared_up"])) @ p["shared_down"]
+    m = vf.astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    stats = {
+        "expert_counts": (jax.nn.one_hot(ids, cfg.num_experts).sum(1) * m[:, None]).sum(0),
+        "router_prob_sum": (probs * m[:, None]).sum(0),
+        "router_lse_sq_sum": (jax.nn.logsumexp(logits, axis=-1) ** 2 * m).sum(),
+        "dropped_tokens": dropped.astype(jnp.float32),
+        "tokens": m.sum(),
+    }
+    return out.reshape(b, t, e), stats
+
+
+def aux_losses(stats: dict, cfg: ModelConfig) -> dict:
+    """Training signals from per-layer router statistics (arrays stacked over MoE layers).
+
+    ``load_balancing_loss`` is Switch/Mixtral's ``X * sum_e f_e * P_e`` with
+    layers pooled (f_e: share of assignments to expert e, not divided by k;
+    P_e: mean router probability), exactly transformers' load_balancing_loss_func.
+    ``router_z_loss`` is the mean squared log-sum-exp of the router logits.
+    ``loss`` weights them by ``aux_loss_coef`` and ``z_loss_coef``.
+    """
+    total = stats["tokens"].sum()
+    f = stats["expert_counts"].sum(0) / total
+    prob = stats["router_prob_sum"].sum(0) / total
+    lb = cfg.num_experts * jnp.sum(f * prob)
+    z = stats["router_lse_sq_sum"].sum() / total
+    return {
+        "load_balancing_loss": lb,
+        "router_z_loss": z,
+        "loss": cfg.aux_loss_coef * lb + cfg.z_loss_coef * z,
+        "expert_counts": stats["expert_counts"],
+        "dropped_tokens": stats["dropped_tokens"].sum(),
+    }
