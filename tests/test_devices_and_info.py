@@ -81,6 +81,13 @@ def test_list_shows_required_models(capsys):
                        ("gemma3-27b", "google/gemma-3-27b-pt"), ("qwen2.5-0.5b", "Qwen/Qwen2.5-0.5B"),
                        ("qwen2.5-7b", "Qwen/Qwen2.5-7B"), ("qwen3-0.6b", "Qwen/Qwen3-0.6B-Base"),
                        ("qwen3-8b", "Qwen/Qwen3-8B-Base"), ("mistral-7b-instruct-v0.3", "mistralai/Mistral-7B-Instruct-v0.3"),
-                       ("gemma2-2b-it", "google/gemma-2-2b-it"), ("qwen2.5-7b-instruct", "Qwen/Qwen2.5-7B-Instruct")]:
+                       ("gemma2-2b-it", "google/gemma-2-2b-it"), ("qwen2.5-7b-instruct", "Qwen/Qwen2.5-7B-Instruct"),
+                       ("mixtral-8x7b", "mistralai/Mixtral-8x7B-v0.1"),
+                       ("mixtral-8x7b-instruct", "mistralai/Mixtral-8x7B-Instruct-v0.1"),
+                       ("mixtral-8x22b", "mistralai/Mixtral-8x22B-v0.1"),
+                       ("deepseek-v2-lite", "deepseek-ai/DeepSeek-V2-Lite"),
+                       ("deepseek-v2-lite-chat", "deepseek-ai/DeepSeek-V2-Lite-Chat"),
+                       ("deepseek-v2", "deepseek-ai/DeepSeek-V2"), ("deepseek-v3", "deepseek-ai/DeepSeek-V3"),
+                       ("deepseek-v3-tiny", "(built-in config: zoo init)")]:
         line = next(l for l in out.splitlines() if l.startswith(name + " "))
         assert line.rstrip().endswith(repo), line

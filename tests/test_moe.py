@@ -158,3 +158,54 @@ def test_expert_parallel_on_8_devices(tmp_path, variant):
     assert info["spec"][1] == "expert" and info["devices"] == 8
     assert info["shard"][1] == experts // 4  # each device holds a quarter of the experts
     np.testing.assert_allclose(np.load(tmp_path / "logits.npy"), one, atol=1e-5, rtol=0)
+
+
+def test_tiny_deepseek_v3_registry_entry_builds_and_exports(tmp_path):
+    """`zoo init deepseek-v3-tiny` -> export -> transformers builds the same model."""
+    from transformers import AutoModelForCausalLM
+
+    assert main(["init", "deepseek-v3-tiny", "--out", str(tmp_path / "zoo"), "--seed", "3"]) == 0
+    model = zoo.load(tmp_path / "zoo")
+    assert model.cfg.family == "deepseek_v3" and model.cfg.num_experts == 16
+    assert main(["export", str(tmp_path / "zoo"), "--out", str(tmp_path / "hf")]) == 0
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    assert type(hf).__name__ == "DeepseekV3ForCausalLM"
+    tokens = random_tokens(512, seq=SEQ)
+    ref = hf_logits(hf, tokens)
+    got = np.asarray(model(jnp.asarray(tokens)))
+    assert np.abs(got - ref).max() <= 1e-4
+
+
+def test_fp8_weights_are_refused_clearly(tmp_path, capsys):
+    import struct
+
+    hf = tmp_path / "hf"
+    make_hf(hf, "mixtral")
+    header = json.dumps({"w": {"dtype": "F8_E4M3", "shape": [2], "data_offsets": [0, 2]}}).encode()
+    (hf / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0\0")
+    capsys.readouterr()
+    assert main(["convert", str(hf), "--out", str(tmp_path / "zoo")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "F8_E4M3" in err[0] and "bf16" in err[0]
+
+
+def test_moe_stacks_compile_independent_of_depth():
+    import dataclasses
+
+    from tests.test_model import _count_eqns
+    from zoo.config import ModelConfig
+    from zoo.model import forward
+    from zoo.params import nest, param_specs
+
+    base = ModelConfig(family="deepseek_v3", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3,
+                       num_heads=2, num_kv_heads=2, head_dim=12, num_experts=4, experts_per_token=2,
+                       moe_intermediate_size=8, dense_layers=1, kv_lora_rank=8, qk_nope_head_dim=8,
+                       qk_rope_head_dim=4, v_head_dim=8)
+
+    def size(layers: int, dense: int) -> int:
+        cfg = dataclasses.replace(base, num_layers=layers, dense_layers=dense)
+        params = {k: jax.ShapeDtypeStruct(s.shape, jnp.float32) for k, s in param_specs(cfg).items()}
+        f = jax.make_jaxpr(lambda p, t: forward(cfg, p, t))
+        return _count_eqns(f(nest(params), jax.ShapeDtypeStruct((1, 8), jnp.int32)).jaxpr)
+
+    assert size(3, 1) == size(12, 3)

@@ -1,4 +1,4 @@
-"""The `zoo` command: list, info, convert, export, generate, demo.
+"""The `zoo` command: list, info, convert, init, export, generate, demo.
 
 Commands that need convert/ or eval/ import them lazily, inside the command,
 so the zoo package itself stays the ground floor.
@@ -35,7 +35,8 @@ def cmd_list(args: argparse.Namespace) -> None:
     from zoo.registry import REGISTRY, human_count
 
     rows = [("name", "family", "params", "hugging face repo")]
-    rows += [(e.name, e.family, human_count(e.params), e.hf_repo) for e in REGISTRY.values()]
+    rows += [(e.name, e.family, human_count(e.params) if e.params else "tiny", e.hf_repo or "(built-in config: zoo init)")
+             for e in REGISTRY.values()]
     print_table(rows)
 
 
@@ -71,13 +72,16 @@ def cmd_info(args: argparse.Namespace) -> None:
         f"kv_heads={cfg['num_kv_heads']} head_dim={cfg['head_dim']} mlp={cfg['intermediate_size']} "
         f"vocab={cfg['vocab_size']} tied={cfg['tie_word_embeddings']}"
     )
+    if cfg.get("num_experts"):
+        print(f"experts     {cfg['num_experts']} routed (top-{cfg['experts_per_token']}), "
+              f"{cfg.get('shared_experts', 0)} shared, first {cfg.get('dense_layers', 0)} layers dense")
     print(f"on disk     Orbax OCDBT/zarr3, {len(files)} files, {size / 2**20:.1f} MiB; chunked as below")
     print()
     rows = [("parameter", "shape", "dtype", "logical axes", "disk chunk", "chunks")]
     for name, p in params.items():
         ch = chunks.get(name)
         n = _prod(-(-s // c) for s, c in zip(p["shape"], ch)) if ch else "?"
-        rows.append((name, "x".join(map(str, p["shape"])), p["dtype"], ",".join(p["axes"]),
+        rows.append((name, "x".join(map(str, p["shape"])), p["dtype"], ",".join(a or "-" for a in p["axes"]),
                      "x".join(map(str, ch)) if ch else "?", str(n)))
     print_table(rows)
 
@@ -113,6 +117,13 @@ def cmd_convert(args: argparse.Namespace) -> None:
 
     out = convert(args.source, args.out, dtype=args.dtype)
     print(f"wrote {out}")
+
+
+def cmd_init(args: argparse.Namespace) -> None:
+    """Random-weight checkpoint from a built-in or given config."""
+    from convert.init import init_random
+
+    print(f"wrote {init_random(args.source, args.out, args.seed, args.dtype)}")
 
 
 def cmd_export(args: argparse.Namespace) -> None:
@@ -210,6 +221,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="store parameters in this dtype (default: keep the source's dtype; float32 for GGUF)")
     s.set_defaults(fn=cmd_convert)
+
+    s = sub.add_parser("init", help="create a random-weight checkpoint (tiny registry entries, or a config.json)")
+    s.add_argument("source", metavar="SOURCE",
+                   help="a registry entry with a built-in config (e.g. deepseek-v3-tiny) or a Hugging Face config.json")
+    s.add_argument("--out", required=True, metavar="DIR", help="output folder (must not exist or be empty)")
+    s.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    s.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="parameter dtype (default float32)")
+    s.set_defaults(fn=cmd_init)
 
     s = sub.add_parser(
         "export", help="write a zoo checkpoint as a Hugging Face safetensors folder, and/or push it to the Hub",

@@ -17,6 +17,24 @@ class ZooEntry:
     hf_repo: str
     params: float  # parameter count, for display
     description: str = ""
+    hf_config: dict | None = None  # a built-in config: `zoo init NAME` makes a random-weight checkpoint
+
+
+# DeepSeek-V3's architecture (MLA, sigmoid group-limited routing with a selection bias, shared
+# expert, dense first layers, YaRN), shrunk so that tests and benchmarks can build it at random.
+DEEPSEEK_V3_TINY = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+    "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 32,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
+    "n_routed_experts": 16, "num_experts_per_tok": 4, "n_shared_experts": 1, "first_k_dense_replace": 1,
+    "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+    "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+    "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                        "original_max_position_embeddings": 1024, "beta_fast": 32, "beta_slow": 1,
+                        "mscale": 1.0, "mscale_all_dim": 1.0},
+    "rope_interleave": True, "bos_token_id": 0, "eos_token_id": 1,
+}
 
 
 _ENTRIES = [
@@ -62,6 +80,16 @@ _ENTRIES = [
     ZooEntry("qwen3-0.6b-instruct", "qwen3", "Qwen/Qwen3-0.6B", 596e6, "Qwen 3 post-trained (chat/thinking)"),
     ZooEntry("qwen3-8b", "qwen3", "Qwen/Qwen3-8B-Base", 8.19e9, "Qwen 3 base"),
     ZooEntry("qwen3-8b-instruct", "qwen3", "Qwen/Qwen3-8B", 8.19e9, "Qwen 3 post-trained (chat/thinking)"),
+    ZooEntry("mixtral-8x7b", "mixtral", "mistralai/Mixtral-8x7B-v0.1", 46.7e9, "Mixtral, 8 experts top-2"),
+    ZooEntry("mixtral-8x7b-instruct", "mixtral", "mistralai/Mixtral-8x7B-Instruct-v0.1", 46.7e9, "Mixtral chat"),
+    ZooEntry("mixtral-8x22b", "mixtral", "mistralai/Mixtral-8x22B-v0.1", 141e9, "Mixtral 8x22B"),
+    ZooEntry("deepseek-v2-lite", "deepseek_v2", "deepseek-ai/DeepSeek-V2-Lite", 15.7e9, "DeepSeek-V2-Lite: MLA, 64 experts"),
+    ZooEntry("deepseek-v2-lite-chat", "deepseek_v2", "deepseek-ai/DeepSeek-V2-Lite-Chat", 15.7e9, "DeepSeek-V2-Lite chat"),
+    ZooEntry("deepseek-v2", "deepseek_v2", "deepseek-ai/DeepSeek-V2", 236e9, "DeepSeek-V2: MLA, 160 experts"),
+    ZooEntry("deepseek-v3", "deepseek_v3", "deepseek-ai/DeepSeek-V3", 671e9,
+             "DeepSeek-V3: MLA, 256 experts (the Hub weights are FP8: convert a bf16 copy)"),
+    ZooEntry("deepseek-v3-tiny", "deepseek_v3", "", 0.0, "DeepSeek-V3 architecture, tiny, random (zoo init)",
+             DEEPSEEK_V3_TINY),
 ]
 
 REGISTRY: dict[str, ZooEntry] = {e.name: e for e in _ENTRIES}

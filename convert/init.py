@@ -1,0 +1,48 @@
+"""`zoo init`: a random-weight zoo checkpoint from a built-in (or given) Hugging Face config."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from zoo import registry
+from zoo.checkpoint import HF_CONFIG_FILE, CheckpointWriter, atomic_output
+from zoo.errors import UserError
+from zoo.params import param_specs
+
+from convert.convert import DTYPES
+from convert.hf_config import model_config_from_hf
+
+
+def init_random(source: str, out: str | Path, seed: int = 0, dtype: str = "float32", std: float = 0.02) -> Path:
+    """Write a checkpoint with random weights for SOURCE: a registry entry with a built-in config,
+    or a config.json path. Norms start at their identity, biases at zero, matrices ~ N(0, std)."""
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    if Path(source).is_file():
+        try:
+            hf = json.loads(Path(source).read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise UserError(f"{source} is not valid JSON ({e})") from None
+    else:
+        entry = registry.get(source)
+        if entry.hf_config is None:
+            raise UserError(f"{source} has no built-in config; `zoo init` takes a tiny entry or a config.json path")
+        hf = entry.hf_config
+    cfg = model_config_from_hf(hf, source)
+    dt = DTYPES[dtype]
+    key = jax.random.PRNGKey(seed)
+    with atomic_output(out) as folder:
+        writer = CheckpointWriter(folder)
+        for i, (path, spec) in enumerate(sorted(param_specs(cfg).items())):
+            if spec.init == "normal":
+                x = np.asarray(std * jax.random.normal(jax.random.fold_in(key, i), spec.shape), dtype=dt)
+            else:
+                x = np.full(spec.shape, 1.0 if spec.init == "ones" else 0.0, dtype=dt)
+            writer.add(path, x, spec.axes)
+        (folder / HF_CONFIG_FILE).write_text(json.dumps(hf, indent=2) + "\n")
+        writer.finish(cfg, source=f"random init of {source} (seed {seed})", source_format="init")
+    return Path(out).absolute()
