@@ -1,16 +1,13 @@
 """Bad input to `zoo convert`: one clear line, exit code 2, nothing half-written."""
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.tiny import make_llama
+from tests.tiny import kill_midway, make_llama
 from zoo.cli import main
 
 
@@ -144,14 +141,8 @@ def test_killed_conversion_leaves_no_checkpoint(tmp_path):
     src = tmp_path / "big"
     make_llama(src, hidden_size=256, intermediate_size=1024, num_hidden_layers=8, vocab_size=4096)
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "zoo.cli", "convert", str(src), "--out", str(out)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline and not list(tmp_path.glob(".out.incomplete-*/params*")):
-        time.sleep(0.05)
-    assert list(tmp_path.glob(".out.incomplete-*")), "conversion never started writing"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    assert kill_midway(["convert", str(src), "--out", str(out)], tmp_path, ".out.incomplete-*/params*"), \
+        "conversion never started writing"
     assert not out.exists()
     # Running again afterwards works and clears the dead writer's scratch folder.
     assert main(["convert", str(src), "--out", str(out)]) == 0

@@ -1,19 +1,13 @@
 """`zoo export`: HF -> zoo -> HF is lossless, transformers loads it, bad input is refused cleanly."""
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
-import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
 
 from convert.hf_config import model_config_from_hf
-from tests.tiny import make_llama
+from tests.tiny import kill_midway, make_llama
 from zoo.cli import main
 
 # Config fields that change what the model computes (and how it is identified).
@@ -156,14 +150,8 @@ def test_killed_export_leaves_nothing_that_looks_complete(tmp_path):
     make_llama(tmp_path / "hf", hidden_size=256, intermediate_size=1024, num_hidden_layers=8, vocab_size=4096)
     assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "zoo")]) == 0
     out = tmp_path / "o"
-    proc = subprocess.Popen([sys.executable, "-m", "zoo.cli", "export", str(tmp_path / "zoo"), "--out", str(out),
-                             "--max-shard-size", "1MB"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline and not list(tmp_path.glob(".o.incomplete-*/model-*")):
-        time.sleep(0.02)
-    assert list(tmp_path.glob(".o.incomplete-*")), "export never started writing"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    assert kill_midway(["export", str(tmp_path / "zoo"), "--out", str(out), "--max-shard-size", "1MB"], tmp_path,
+                       ".o.incomplete-*/model-*"), "export never started writing"
     assert not out.exists()
     assert main(["export", str(tmp_path / "zoo"), "--out", str(out)]) == 0
     assert not list(tmp_path.glob(".o.incomplete-*"))

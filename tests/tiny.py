@@ -111,3 +111,25 @@ def mean_kl(ref: np.ndarray, got: np.ndarray) -> float:
 def random_tokens(vocab: int, batch: int = 2, seq: int = 48, seed: int = 0) -> np.ndarray:
     """Random int32 token ids."""
     return np.random.RandomState(seed).randint(0, vocab, (batch, seq)).astype(np.int32)
+
+
+def kill_midway(args: list[str], folder: Path, pattern: str, timeout: float = 120) -> bool:
+    """Run `zoo ARGS` and SIGKILL it as soon as ``folder.glob(pattern)`` matches.
+
+    Returns whether the match was seen (i.e. the command had started writing).
+    """
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "zoo.cli", *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + timeout
+    while time.time() < deadline and not list(folder.glob(pattern)):
+        time.sleep(0.02)
+    seen = bool(list(folder.glob(pattern)))
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return seen

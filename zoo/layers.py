@@ -157,7 +157,7 @@ def mla_attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, mask: j
     them), so the usual rotate-half RoPE applies.
     """
     b, t, _ = x.shape
-    dn, dr, dv, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    dn, dr, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     if cfg.q_lora_rank:
         # transformers hard-codes eps=1e-6 for the two latent norms.
         q = jnp.einsum("btc,chd->bthd", rms_norm(x @ p["q_a"], p["q_a_norm"], 1e-6), p["q_b"])
