@@ -1,4 +1,4 @@
-"""The `pretrain` command (placeholder until its issue lands)."""
+"""The `pretrain` command: `pretrain train --config run.yaml [key.sub=value ...] [--print-config]`."""
 
 from __future__ import annotations
 
@@ -6,10 +6,38 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from zoo.cli import run_cli
+from zoo.errors import UserError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `pretrain` (every flag documented)."""
+    p = argparse.ArgumentParser(prog="pretrain", description="lmzoo pretraining / continued pretraining.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    s = sub.add_parser("train", help="train a model from a YAML config",
+                       description="Train from a YAML config; `key.sub=value` arguments override its keys.")
+    s.add_argument("--config", metavar="YAML", help="the run's config file (keys: see --print-config)")
+    s.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="config overrides, e.g. optimizer.learning_rate=3e-4 data.seq_len=1024")
+    s.add_argument("--print-config", action="store_true", help="print the fully resolved config (with defaults) and exit")
+    return p
+
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `pretrain` console script; training is not implemented yet."""
-    p = argparse.ArgumentParser(prog="pretrain", description="lmzoo pretrain training (not implemented yet).")
-    p.parse_args(argv)
-    print("error: `pretrain` is not implemented yet in this version of lmzoo", file=sys.stderr)
-    return 2
+    """Entry point of the `pretrain` console script."""
+    args = build_parser().parse_args(argv)
+
+    def body() -> None:
+        from pretrain.config import load_config, to_yaml
+
+        cfg = load_config(args.config, list(args.overrides))
+        if args.print_config:
+            print(to_yaml(cfg), end="")
+            return
+        raise UserError("the training loop is not implemented yet in this version of lmzoo (only --print-config)")
+
+    return run_cli(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,263 @@
+"""Typed training configuration: YAML file + `key.sub=value` overrides -> dataclasses.
+
+The key names are the contract every trainer (pretrain, sft, dpo) shares.
+Unknown keys name the nearest valid key; wrong types name the key and the
+expected type; ``--print-config`` shows the resolved config with defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from zoo.errors import UserError
+
+
+@dataclass
+class ModelSection:
+    """What to train: a zoo checkpoint path or registry name, or a random init from a config."""
+
+    path: str | None = None
+    init: str = "pretrained"  # "pretrained" (load `path`) | "random" (build from `config`)
+    config: str | None = None  # for init: random — a registry entry with a built-in config, or a config.json
+
+
+@dataclass
+class DataSection:
+    """Training text and how it is cut into sequences."""
+
+    path: str | None = None
+    text_field: str = "text"
+    seq_len: int = 512
+    packing: bool = True
+    eval_path: str | None = None
+    eval_fraction: float = 0.0
+    skip_bad_rows: bool = False
+
+
+@dataclass
+class OptimizerSection:
+    """optax optimizer settings."""
+
+    name: str = "adamw"
+    learning_rate: float = 3e-4
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+
+
+@dataclass
+class ScheduleSection:
+    """Learning-rate schedule."""
+
+    name: str = "cosine"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class MeshSection:
+    """Device mesh sizes; -1 means all remaining devices."""
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+    expert: int = 1
+
+
+@dataclass
+class DtypeSection:
+    """Master-weight and compute dtypes."""
+
+    params: str = "float32"
+    compute: str = "float32"
+
+
+@dataclass
+class CheckpointSection:
+    """How often checkpoints are saved and how many are kept."""
+
+    every: int = 500
+    keep: int = 3
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    batch_size: int = 8
+    grad_accum: int = 1
+    max_steps: int | None = None
+    epochs: int | None = None
+    seed: int = 0
+    output_dir: str = "runs/run"
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    schedule: ScheduleSection = field(default_factory=ScheduleSection)
+    mesh: MeshSection = field(default_factory=MeshSection)
+    dtype: DtypeSection = field(default_factory=DtypeSection)
+    remat: str = "none"
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    log_every: int = 10
+    eval_every: int = 0
+
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model.init": ("pretrained", "random"),
+    "optimizer.name": ("adamw", "adafactor", "sgd", "lion"),
+    "schedule.name": ("constant", "cosine", "linear", "wsd"),
+    "remat": ("none", "full", "save_dots"),
+    "dtype.params": ("float32", "bfloat16"),
+    "dtype.compute": ("float32", "bfloat16"),
+}
+
+
+def _keys(cls: type, prefix: str = "") -> list[str]:
+    out = []
+    for f in dataclasses.fields(cls):
+        t = _resolve(cls, f.name)
+        if dataclasses.is_dataclass(t):
+            out += _keys(t, f"{prefix}{f.name}.")
+        else:
+            out.append(prefix + f.name)
+    return out
+
+
+def _resolve(cls: type, name: str) -> Any:
+    return typing.get_type_hints(cls)[name]
+
+
+def _type_name(t: Any) -> str:
+    args = [a for a in typing.get_args(t) if a is not type(None)]
+    base = args[0] if args else t
+    name = getattr(base, "__name__", str(base))
+    return f"{name} or null" if type(None) in typing.get_args(t) else name
+
+
+def _coerce(key: str, value: Any, t: Any) -> Any:
+    optional = type(None) in typing.get_args(t)
+    if value is None:
+        if optional:
+            return None
+        raise UserError(f"config key '{key}' must be {_type_name(t)}, not null")
+    base = next((a for a in typing.get_args(t) if a is not type(None)), t) if isinstance(t, types.UnionType) else t
+    try:
+        if base is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+                return value.lower() in ("true", "yes", "1")
+            raise ValueError
+        if base is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if base is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)  # also "3e-4", which YAML 1.1 reads as a string
+        if base is str:
+            if isinstance(value, (dict, list)):
+                raise ValueError
+            return str(value)
+    except (TypeError, ValueError):
+        raise UserError(f"config key '{key}' must be {_type_name(t)}, got {value!r}") from None
+    return value
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    kwargs = {}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for k, v in data.items():
+        key = prefix + str(k)
+        if k not in fields:
+            valid = _keys(TrainConfig)
+            near = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+            hint = f"; did you mean '{near[0]}'?" if near else f"; valid keys: {', '.join(valid)}"
+            raise UserError(f"unknown config key '{key}'{hint}")
+        t = _resolve(cls, k)
+        if dataclasses.is_dataclass(t):
+            if isinstance(v, str) and t is ModelSection:
+                v = {"path": v}  # `model: ckpt/llama` is short for `model.path`
+            if not isinstance(v, dict):
+                raise UserError(f"config key '{key}' must be a mapping of its sub-keys, got {v!r}")
+            kwargs[k] = _build(t, v, key + ".")
+        else:
+            kwargs[k] = _coerce(key, v, t)
+            if key in CHOICES and kwargs[k] not in CHOICES[key]:
+                raise UserError(f"config key '{key}' is {kwargs[k]!r}; choose one of {', '.join(CHOICES[key])}")
+    return cls(**kwargs)
+
+
+def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    d = tree
+    for p in parts[:-1]:
+        nxt = d.get(p)
+        if isinstance(nxt, str) and p == "model":
+            nxt = {"path": nxt}
+        if not isinstance(nxt, dict):
+            nxt = {}
+        d[p] = nxt
+        d = nxt
+    d[parts[-1]] = value
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+    """Read a YAML config (safely) and apply `key.sub=value` overrides."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise UserError(f"--config {path}: no such file")
+        try:
+            tree = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise UserError(f"--config {path} is not valid YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(tree, dict):
+            raise UserError(f"--config {path} must hold a mapping of config keys")
+    for item in overrides:
+        if "=" not in item:
+            raise UserError(f"override {item!r}: write it as key.sub=value")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError:
+            value = raw
+        _set(tree, key.strip(), value)
+    cfg = _build(TrainConfig, tree)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Cross-field checks that types alone cannot express."""
+    if cfg.model.init == "pretrained" and not cfg.model.path:
+        raise UserError("config needs `model` (a zoo checkpoint path or registry name), or `model.init: random`")
+    if cfg.model.init == "random" and not cfg.model.config:
+        raise UserError("`model.init: random` needs `model.config` (a tiny registry entry or a config.json)")
+    for key in ("batch_size", "grad_accum", "data.seq_len", "log_every"):
+        obj = cfg
+        for part in key.split("."):
+            obj = getattr(obj, part)
+        if obj < 1:
+            raise UserError(f"config key '{key}' must be at least 1, got {obj}")
+    if cfg.batch_size % cfg.grad_accum:
+        raise UserError(f"batch_size={cfg.batch_size} must be a multiple of grad_accum={cfg.grad_accum}")
+    if not 0.0 <= cfg.data.eval_fraction < 1.0:
+        raise UserError(f"data.eval_fraction must be in [0, 1), got {cfg.data.eval_fraction}")
+
+
+def to_yaml(cfg: TrainConfig) -> str:
+    """The fully resolved config as YAML (what --print-config shows and checkpoints record)."""
+    return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
