@@ -11,7 +11,7 @@ import numpy as np
 from zoo import registry
 from zoo.checkpoint import HF_CONFIG_FILE, CheckpointWriter, atomic_output
 from zoo.errors import UserError
-from zoo.params import param_specs
+from zoo.params import flatten, init_params, param_specs
 
 from convert.convert import DTYPES
 from convert.hf_config import model_config_from_hf
@@ -33,16 +33,12 @@ def init_random(source: str, out: str | Path, seed: int = 0, dtype: str = "float
             raise UserError(f"{source} has no built-in config; `zoo init` takes a tiny entry or a config.json path")
         hf = entry.hf_config
     cfg = model_config_from_hf(hf, source)
-    dt = DTYPES[dtype]
-    key = jax.random.PRNGKey(seed)
+    specs = param_specs(cfg)
+    params = flatten(init_params(cfg, jax.random.PRNGKey(seed), DTYPES[dtype], std))
     with atomic_output(out) as folder:
         writer = CheckpointWriter(folder)
-        for i, (path, spec) in enumerate(sorted(param_specs(cfg).items())):
-            if spec.init == "normal":
-                x = np.asarray(std * jax.random.normal(jax.random.fold_in(key, i), spec.shape), dtype=dt)
-            else:
-                x = np.full(spec.shape, 1.0 if spec.init == "ones" else 0.0, dtype=dt)
-            writer.add(path, x, spec.axes)
+        for path in sorted(params):
+            writer.add(path, np.asarray(params.pop(path)), specs[path].axes)
         (folder / HF_CONFIG_FILE).write_text(json.dumps(hf, indent=2) + "\n")
         writer.finish(cfg, source=f"random init of {source} (seed {seed})", source_format="init")
     return Path(out).absolute()

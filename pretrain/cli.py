@@ -7,7 +7,6 @@ import sys
 from collections.abc import Sequence
 
 from zoo.cli import run_cli
-from zoo.errors import UserError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,7 +33,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.print_config:
             print(to_yaml(cfg), end="")
             return
-        raise UserError("the training loop is not implemented yet in this version of lmzoo (only --print-config)")
+        from pretrain.trainer import train
+
+        print(f"final model: {train(cfg)}")
 
     return run_cli(body)
 

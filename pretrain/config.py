@@ -27,6 +27,7 @@ class ModelSection:
     path: str | None = None
     init: str = "pretrained"  # "pretrained" (load `path`) | "random" (build from `config`)
     config: str | None = None  # for init: random — a registry entry with a built-in config, or a config.json
+    tokenizer: str | None = None  # a tokenizer folder (or zoo checkpoint); default: the model checkpoint's
 
 
 @dataclass
@@ -110,6 +111,7 @@ class TrainConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     log_every: int = 10
     eval_every: int = 0
+    peak_tflops: float | None = None  # per device, for MFU; None: detected for known accelerators, else no MFU
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -244,8 +246,13 @@ def validate(cfg: TrainConfig) -> None:
     """Cross-field checks that types alone cannot express."""
     if cfg.model.init == "pretrained" and not cfg.model.path:
         raise UserError("config needs `model` (a zoo checkpoint path or registry name), or `model.init: random`")
-    if cfg.model.init == "random" and not cfg.model.config:
-        raise UserError("`model.init: random` needs `model.config` (a tiny registry entry or a config.json)")
+    if cfg.model.init == "random" and not (cfg.model.config and cfg.model.tokenizer):
+        raise UserError("`model.init: random` needs `model.config` (a tiny registry entry or a config.json) "
+                        "and `model.tokenizer` (a tokenizer folder)")
+    if not cfg.data.path:
+        raise UserError("config needs `data.path` (a jsonl/json/parquet/txt file or folder)")
+    if cfg.max_steps is None and cfg.epochs is None:
+        raise UserError("config needs `max_steps` or `epochs`")
     for key in ("batch_size", "grad_accum", "data.seq_len", "log_every"):
         obj = cfg
         for part in key.split("."):

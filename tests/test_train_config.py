@@ -14,6 +14,7 @@ def _write(tmp_path, text):
 
 def test_yaml_and_overrides_resolve_to_typed_config(tmp_path):
     f = _write(tmp_path, "model: ckpt/llama\ndata:\n  path: data.jsonl\n  seq_len: 256\noptimizer:\n  name: lion\n")
+    assert "max_steps" in __import__("pytest").raises(Exception, load_config, f).value.args[0]
     cfg = load_config(f, ["optimizer.learning_rate=3e-4", "mesh.fsdp=2", "data.packing=false", "max_steps=10"])
     assert isinstance(cfg, TrainConfig)
     assert cfg.model.path == "ckpt/llama" and cfg.data.seq_len == 256 and cfg.optimizer.name == "lion"
@@ -30,7 +31,7 @@ def _error(capsys, argv):
 
 
 def test_unknown_key_names_nearest(tmp_path, capsys):
-    f = _write(tmp_path, "model: m\n")
+    f = _write(tmp_path, "model: m\ndata:\n  path: d.jsonl\nmax_steps: 1\n")
     err = _error(capsys, ["train", "--config", str(f), "optimizer.learnig_rate=1e-3", "--print-config"])
     assert "optimizer.learnig_rate" in err and "optimizer.learning_rate" in err
 
@@ -48,7 +49,8 @@ def test_bad_choice_and_missing_file(tmp_path, capsys):
 
 
 def test_print_config_shows_everything_with_defaults(tmp_path, capsys):
-    f = _write(tmp_path, "model:\n  init: random\n  config: deepseek-v3-tiny\n")
+    f = _write(tmp_path, "model:\n  init: random\n  config: deepseek-v3-tiny\n  tokenizer: tok\n"
+                         "data:\n  path: d.jsonl\nmax_steps: 5\n")
     assert main(["train", "--config", str(f), "batch_size=16", "--print-config"]) == 0
     shown = yaml.safe_load(capsys.readouterr().out)
     assert shown["batch_size"] == 16 and shown["model"]["init"] == "random"

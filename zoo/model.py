@@ -23,7 +23,7 @@ from zoo.layers import (
     soft_cap,
 )
 from zoo.moe import aux_losses, moe_mlp
-from zoo.params import flatten, nest, param_specs
+from zoo.params import flatten, init_params, nest, param_specs
 
 
 @dataclass(frozen=True)
@@ -157,17 +157,9 @@ class Decoder(nnx.Module):
             raise ValueError(f"unsupported activation {cfg.hidden_act!r}")
         self.cfg = cfg
         specs = param_specs(cfg)
-        flat = flatten(params) if params is not None else None
-        if flat is None:
-            rngs = rngs or nnx.Rngs(0)
-            flat = {}
-            for path, spec in specs.items():
-                if spec.init == "ones":
-                    flat[path] = jnp.ones(spec.shape, dtype)
-                elif spec.init == "zeros":
-                    flat[path] = jnp.zeros(spec.shape, dtype)
-                else:
-                    flat[path] = (0.02 * jax.random.normal(rngs.params(), spec.shape)).astype(dtype)
+        if params is None:
+            params = init_params(cfg, (rngs or nnx.Rngs(0)).params(), dtype)
+        flat = flatten(params)
         missing = set(specs) - set(flat)
         if missing:
             raise ValueError(f"missing parameters: {sorted(missing)}")

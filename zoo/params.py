@@ -130,3 +130,20 @@ def count_params(cfg: ModelConfig) -> int:
             n *= d
         total += n
     return total
+
+
+def init_params(cfg: ModelConfig, key: Any, dtype: Any = "float32", std: float = 0.02) -> dict[str, Any]:
+    """Random parameters (nested dict of jax arrays): matrices ~ N(0, std), norms at identity, biases 0.
+
+    Pure, so ``jax.jit(..., out_shardings=...)`` creates them already sharded.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    flat = {}
+    for i, (path, spec) in enumerate(sorted(param_specs(cfg).items())):
+        if spec.init == "normal":
+            flat[path] = (std * jax.random.normal(jax.random.fold_in(key, i), spec.shape)).astype(dtype)
+        else:
+            flat[path] = jnp.full(spec.shape, 1.0 if spec.init == "ones" else 0.0, dtype)
+    return nest(flat)

@@ -1,0 +1,255 @@
+"""The one training loop: config -> mesh -> data -> jitted, sharded train step -> checkpoints -> metrics.
+
+Tasks (pretraining today; SFT and DPO later) plug in their data transform
+and loss. The loss is normalized by the number of target tokens in the
+whole global batch, so ``grad_accum`` and how the batch is split across
+devices change nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+from tqdm.auto import tqdm
+
+from zoo.checkpoint import HF_CONFIG_FILE, TOKENIZER_DIR, CheckpointWriter, atomic_output, load_params, read_config
+from zoo.config import ModelConfig
+from zoo.errors import UserError
+from zoo.model import forward
+from zoo.params import flatten, init_params, param_specs
+from zoo.sharding import make_mesh, named_sharding
+
+from pretrain.config import TrainConfig, to_yaml
+from pretrain.data import load_rows, packed_batches, to_model_batch, tokenize_rows
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def lr_schedule(cfg: TrainConfig, total_steps: int) -> optax.Schedule:
+    """The learning-rate schedule of the config (warmup, then constant/cosine/linear/wsd)."""
+    s, peak = cfg.schedule, cfg.optimizer.learning_rate
+    floor = peak * s.min_lr_ratio
+    decay_steps = max(1, total_steps - s.warmup_steps)
+    if s.name == "constant":
+        main = optax.constant_schedule(peak)
+    elif s.name == "cosine":
+        main = optax.cosine_decay_schedule(peak, decay_steps, alpha=s.min_lr_ratio)
+    elif s.name == "linear":
+        main = optax.linear_schedule(peak, floor, decay_steps)
+    else:  # wsd: warmup, stable, then decay over the last 20% of steps
+        stable = int(0.8 * decay_steps)
+        main = optax.join_schedules(
+            [optax.constant_schedule(peak), optax.linear_schedule(peak, floor, max(1, decay_steps - stable))], [stable]
+        )
+    if s.warmup_steps <= 0:
+        return main
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, s.warmup_steps), main], [s.warmup_steps])
+
+
+def build_optimizer(cfg: TrainConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+    """Global-norm clipping followed by the configured optax optimizer."""
+    o = cfg.optimizer
+    if o.name == "adamw":
+        opt = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay)
+    elif o.name == "lion":
+        opt = optax.lion(schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay)
+    elif o.name == "sgd":
+        opt = optax.chain(optax.add_decayed_weights(o.weight_decay), optax.sgd(schedule, momentum=o.b1))
+    else:
+        opt = optax.adafactor(schedule, weight_decay_rate=o.weight_decay or None)
+    return optax.chain(optax.clip_by_global_norm(o.grad_clip), opt) if o.grad_clip > 0 else opt
+
+
+def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any):
+    """The train step: gradient accumulation over the leading micro-batch axis, one optimizer update."""
+    moe = mcfg.num_experts > 0
+
+    def loss_sums(params: dict, mb: dict) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        p = jax.tree.map(lambda x: x.astype(compute), params)
+        out = forward(mcfg, p, mb["inputs"], mb["segment_ids"], mb["positions"], return_aux=moe)
+        logits, aux = out if moe else (out, None)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        nll = -jnp.take_along_axis(logp, mb["targets"][..., None], axis=-1)[..., 0]
+        s, n = (nll * mb["weights"]).sum(), mb["weights"].sum()
+        total = s + (aux["loss"] * n if moe else 0.0)
+        return total, (s, n)
+
+    def step(state: dict, batch: dict) -> tuple[dict, dict]:
+        grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
+
+        def micro(carry, mb):
+            g_acc, l_acc, n_acc = carry
+            (_, (s, n)), g = grad_fn(state["params"], mb)
+            return (jax.tree.map(jnp.add, g_acc, g), l_acc + s, n_acc + n), None
+
+        zeros = jax.tree.map(jnp.zeros_like, state["params"])
+        (g, loss, n), _ = jax.lax.scan(micro, (zeros, jnp.zeros(()), jnp.zeros(())), batch)
+        n = jnp.maximum(n, 1.0)
+        g = jax.tree.map(lambda x: x / n, g)
+        updates, opt_state = tx.update(g, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        metrics = {"loss": loss / n, "grad_norm": optax.tree.norm(g), "target_tokens": n}
+        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+    return jax.jit(step, donate_argnums=0)
+
+
+def _model(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> tuple[ModelConfig, dict, Path | None, Path]:
+    """(model config, sharded params, source checkpoint or None, tokenizer folder)."""
+    pdt = DTYPES[cfg.dtype.params]
+    if cfg.model.init == "random":
+        from convert.hf_config import model_config_from_hf
+        from zoo import registry
+
+        src = Path(cfg.model.config)
+        hf = json.loads(src.read_text()) if src.is_file() else registry.get(cfg.model.config).hf_config
+        if hf is None:
+            raise UserError(f"model.config {cfg.model.config}: no built-in config; give a config.json path")
+        mcfg = model_config_from_hf(hf, f"model.config {cfg.model.config}")
+        specs = param_specs(mcfg)
+        shard = jax.tree.map(lambda s: named_sharding(mesh, s.axes, s.shape), _nest_specs(specs),
+                             is_leaf=lambda x: isinstance(x, type(next(iter(specs.values())))))
+        params = jax.jit(lambda k: init_params(mcfg, k, pdt), out_shardings=shard)(jax.random.PRNGKey(cfg.seed))
+        return mcfg, params, None, Path(cfg.model.tokenizer)
+    ckpt = _resolve_checkpoint(cfg.model.path)
+    tok = Path(cfg.model.tokenizer) if cfg.model.tokenizer else ckpt / TOKENIZER_DIR
+    return read_config(ckpt), load_params(ckpt, mesh, pdt), ckpt, tok
+
+
+def _nest_specs(specs: dict) -> dict:
+    from zoo.params import nest
+
+    return nest(specs)
+
+
+def _resolve_checkpoint(path: str) -> Path:
+    p = Path(path).expanduser()
+    if (p / "model.json").is_file():
+        return p
+    raise UserError(f"model {path}: not a zoo checkpoint folder; create one with `zoo convert {path} --out DIR`")
+
+
+def _tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    if not folder.is_dir():
+        raise UserError(f"tokenizer {folder}: no such folder; set model.tokenizer")
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def train(cfg: TrainConfig, progress: bool | None = None) -> Path:
+    """Run (or resume) training; returns the final zoo checkpoint folder ``output_dir/final``."""
+    import orbax.checkpoint as ocp
+
+    devices = jax.devices()
+    sizes = dataclasses.asdict(cfg.mesh)
+    try:
+        mesh = make_mesh(**sizes, devices=devices)
+    except ValueError as e:
+        raise UserError(f"mesh {sizes}: {e}") from None
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    micro = cfg.batch_size // cfg.grad_accum
+    if micro % shards:
+        raise UserError(f"batch_size/grad_accum = {micro} sequences must divide over data x fsdp = {shards} devices")
+    mcfg, params, src_ckpt, tok_dir = _model(cfg, mesh)
+    tokenizer = _tokenizer(tok_dir)
+    rows, field = load_rows(cfg.data.path, cfg.data.text_field)
+    docs, skipped = tokenize_rows(rows, field, tokenizer, cfg.data.path, cfg.data.skip_bad_rows)
+    if max(int(d.max()) for d in docs) >= mcfg.vocab_size:
+        raise UserError(f"the tokenizer at {tok_dir} produces ids beyond the model's vocab_size {mcfg.vocab_size}")
+    tokens_total = sum(len(d) for d in docs)
+    steps_per_epoch = max(1, tokens_total // (cfg.batch_size * (cfg.data.seq_len + 1)))
+    total = cfg.max_steps or steps_per_epoch * cfg.epochs
+    data = packed_batches(docs, cfg.data.seq_len, cfg.batch_size, cfg.seed, cfg.epochs if not cfg.max_steps else None)
+
+    schedule = lr_schedule(cfg, total)
+    tx = build_optimizer(cfg, schedule)
+    state = {"params": params, "opt_state": jax.jit(tx.init)(params), "step": jnp.zeros((), jnp.int32)}
+    step_fn = make_step(mcfg, tx, DTYPES[cfg.dtype.compute])
+    batch_sharding = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"), None))
+
+    out = Path(cfg.output_dir).absolute()
+    out.mkdir(parents=True, exist_ok=True)
+    manager = ocp.CheckpointManager(
+        out / "checkpoints",
+        options=ocp.CheckpointManagerOptions(max_to_keep=cfg.checkpoint.keep, save_interval_steps=cfg.checkpoint.every),
+    )
+    start = 0
+    if manager.latest_step() is not None:
+        start = manager.latest_step()
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+        restored = manager.restore(start, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
+        state = restored["state"]
+        data.set_state(_tuples(restored["data"]))
+    (out / "config.yaml").write_text(to_yaml(cfg))
+
+    metrics_file = open(out / "metrics.jsonl", "a")
+    bar = tqdm(total=total, initial=start, desc="train", unit="step", disable=None if progress is None else not progress)
+    seen = start * cfg.batch_size * cfg.data.seq_len
+    last = {}
+    try:
+        for step in range(start, total):
+            t0 = time.perf_counter()
+            b = to_model_batch(next(data))
+            b = {k: v.reshape(cfg.grad_accum, micro, *v.shape[1:]) for k, v in b.items()}
+            state, m = step_fn(state, jax.device_put(b, batch_sharding))
+            loss = float(m["loss"])
+            if not np.isfinite(loss):
+                raise UserError(f"loss became {loss} at step {step + 1}; the last good checkpoint is kept in {out}")
+            dt = time.perf_counter() - t0
+            seen += cfg.batch_size * cfg.data.seq_len
+            last = {"step": step + 1, "loss": loss, "learning_rate": float(schedule(step)),
+                    "grad_norm": float(m["grad_norm"]), "tokens_seen": seen,
+                    "tokens_per_sec": cfg.batch_size * cfg.data.seq_len / dt, "step_time": dt, "mfu": None}
+            if (step + 1) % cfg.log_every == 0 or step + 1 == total:
+                metrics_file.write(json.dumps(last) + "\n")
+                metrics_file.flush()
+            manager.save(step + 1, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data.get_state())))
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{last['tokens_per_sec']:.0f}")
+            bar.update()
+    finally:
+        bar.close()
+        metrics_file.close()
+        manager.wait_until_finished()
+    return _write_final(out, cfg, mcfg, state["params"], src_ckpt, tok_dir, last, skipped)
+
+
+def _tuples(x: Any) -> Any:
+    """JSON turns grain's tuples into lists; give them back."""
+    if isinstance(x, dict):
+        return {k: _tuples(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return tuple(_tuples(v) for v in x)
+    return x
+
+
+def _write_final(out: Path, cfg: TrainConfig, mcfg: ModelConfig, params: dict, src: Path | None, tok_dir: Path,
+                 last: dict, skipped: int) -> Path:
+    specs = param_specs(mcfg)
+    final = out / "final"
+    flat = flatten(params)
+    with atomic_output(final, overwrite=True) as folder:
+        writer = CheckpointWriter(folder)
+        for path in sorted(flat):
+            writer.add(path, np.asarray(jax.device_get(flat[path])), specs[path].axes)
+        if tok_dir.is_dir():
+            shutil.copytree(tok_dir, folder / TOKENIZER_DIR)
+        if src is not None and (src / HF_CONFIG_FILE).is_file():
+            shutil.copyfile(src / HF_CONFIG_FILE, folder / HF_CONFIG_FILE)
+        training = {"method": "pretrain", "data": cfg.data.path, "steps": last.get("step"),
+                    "final_metrics": {k: last[k] for k in ("loss", "tokens_seen") if k in last},
+                    "skipped_rows": skipped}
+        writer.finish(mcfg, source=str(src or cfg.model.config), source_format="train", training=training)
+    return final
