@@ -136,7 +136,7 @@ def _resolve_checkpoint(path: str) -> Path:
     p = Path(path).expanduser()
     if (p / "model.json").is_file():
         return p
-    raise UserError(f"model {path}: not a zoo checkpoint folder; create one with `zoo convert {path} --out DIR`")
+    raise UserError(f"model {path}: not a zoo checkpoint folder; create it with `zoo convert SOURCE --out {path}`")
 
 
 def _tokenizer(folder: Path):
@@ -198,8 +198,15 @@ def train(cfg: TrainConfig, progress: bool | None = None) -> Path:
     bar = tqdm(total=total, initial=start, desc="train", unit="step", disable=None if progress is None else not progress)
     seen = start * cfg.batch_size * cfg.data.seq_len
     last = {}
+    stop = _StopOnSignal()
     try:
         for step in range(start, total):
+            if stop.requested:
+                manager.save(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data.get_state())), force=True)
+                manager.wait_until_finished()
+                raise UserError(f"stopped by {stop.requested} after step {step}; checkpoint saved in {out}, "
+                                "run the same command to resume")
             t0 = time.perf_counter()
             b = to_model_batch(next(data))
             b = {k: v.reshape(cfg.grad_accum, micro, *v.shape[1:]) for k, v in b.items()}
@@ -220,10 +227,37 @@ def train(cfg: TrainConfig, progress: bool | None = None) -> Path:
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{last['tokens_per_sec']:.0f}")
             bar.update()
     finally:
+        stop.restore()
         bar.close()
         metrics_file.close()
         manager.wait_until_finished()
     return _write_final(out, cfg, mcfg, state["params"], src_ckpt, tok_dir, last, skipped)
+
+
+class _StopOnSignal:
+    """SIGTERM/SIGINT ask the loop to checkpoint and stop at the next step boundary."""
+
+    def __init__(self) -> None:
+        import signal
+        import threading
+
+        self.requested: str | None = None
+        self._old = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        import signal
+
+        self.requested = signal.Signals(signum).name
+
+    def restore(self) -> None:
+        """Put the previous handlers back."""
+        import signal
+
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
 
 
 def _tuples(x: Any) -> Any:

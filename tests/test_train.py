@@ -98,3 +98,94 @@ def test_interrupted_run_resumes_to_the_same_result(setup, tmp_path, monkeypatch
     assert _losses(tmp_path / "resumed")[-2:] == _losses(tmp_path / "full")[-2:]
     for x, y in zip(jax_leaves(zoo.load_params(full)), jax_leaves(zoo.load_params(resumed))):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+MESH_SCRIPT = r"""
+import json, sys
+import jax
+from pretrain.config import load_config
+from pretrain.trainer import train
+assert len(jax.devices()) == 8
+base = json.loads(sys.argv[1])
+out = {}
+for name, mesh in [("data8", ["mesh.data=8", "mesh.fsdp=1"]), ("fsdp8", ["mesh.data=1", "mesh.fsdp=8"]),
+                   ("d2f2t2", ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"])]:
+    d = sys.argv[2] + "/" + name
+    train(load_config(None, base + mesh + [f"output_dir={d}"]), progress=False)
+    out[name] = [json.loads(l)["loss"] for l in open(d + "/metrics.jsonl")]
+print(json.dumps(out))
+"""
+
+
+def test_meshes_on_8_devices_match_one_device(setup, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    extra = ["max_steps=5", "optimizer.name=sgd", "optimizer.learning_rate=0.5"]
+    train(_cfg(setup, tmp_path / "one", *extra), progress=False)
+    ref = _losses(tmp_path / "one")
+    base = [f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}", f"data.path={setup / 'data.jsonl'}",
+            "data.seq_len=32", "batch_size=8", "schedule.name=constant", "log_every=1", "checkpoint.every=2", *extra]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    p = subprocess.run([sys.executable, "-c", MESH_SCRIPT, json.dumps(base), str(tmp_path)], capture_output=True,
+                       text=True, env=env, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    for name, losses in got.items():
+        assert len(losses) == 5, name
+        np.testing.assert_allclose(losses, ref, rtol=1e-5, err_msg=name)
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_2(setup, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "sig"
+    args = [f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}", f"data.path={setup / 'data.jsonl'}",
+            "data.seq_len=32", "batch_size=8", "max_steps=100000", "log_every=1", "checkpoint.every=100000",
+            f"output_dir={out}"]
+    proc = subprocess.Popen([sys.executable, "-m", "pretrain.cli", "train", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    deadline = time.time() + 300
+    while time.time() < deadline and not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text()):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, err[-2000:]
+    assert "stopped by SIGTERM" in err and "Traceback" not in err
+    saved = [int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()]
+    assert saved and max(saved) >= 1  # checkpoint.every would never have saved one
+
+
+def test_bad_rows_name_file_and_row_or_are_skipped(setup, tmp_path, capsys):
+    from pretrain.cli import main
+
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"text": "the cat sat"}\n{"text": ""}\n{"other": 1}\n' + '{"text": "a dog ran"}\n' * 50)
+    args = ["train", f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}", f"data.path={data}",
+            "data.seq_len=16", "batch_size=2", "max_steps=1", f"output_dir={tmp_path / 'o'}"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bad.jsonl, row 1" in err[0] and "skip_bad_rows" in err[0]
+    assert main(args + ["data.skip_bad_rows=true"]) == 0
+    meta = zoo.checkpoint.read_meta(tmp_path / "o" / "final")
+    assert meta["training"]["skipped_rows"] == 2
+
+
+def test_train_from_scratch_with_random_init(setup, tmp_path, capsys):
+    from pretrain.cli import main
+
+    tiny = ["model.init=random", "model.config=deepseek-v3-tiny", f"model.tokenizer={setup / 'tok'}",
+            f"data.path={setup / 'data.jsonl'}", "max_steps=1", f"output_dir={tmp_path / 'x'}"]
+    assert main(["train", *tiny]) == 2  # its 512-token vocabulary cannot hold this tokenizer's ids
+    assert "vocab_size 512" in capsys.readouterr().err
+    final = train(load_config(None, [
+        "model.init=random", f"model.config={setup / 'hf' / 'config.json'}", f"model.tokenizer={setup / 'tok'}",
+        f"data.path={setup / 'data.jsonl'}", "data.seq_len=16", "batch_size=2", "max_steps=2",
+        f"output_dir={tmp_path / 'scratch'}"]), progress=False)
+    assert zoo.read_config(final).family == "llama"
+    assert zoo.checkpoint.read_meta(final)["training"]["steps"] == 2
