@@ -189,3 +189,14 @@ def test_train_from_scratch_with_random_init(setup, tmp_path, capsys):
         f"output_dir={tmp_path / 'scratch'}"]), progress=False)
     assert zoo.read_config(final).family == "llama"
     assert zoo.checkpoint.read_meta(final)["training"]["steps"] == 2
+
+
+def test_settings_not_supported_yet_are_refused(setup, tmp_path, capsys):
+    from pretrain.cli import main
+
+    args = ["train", f"model.path={setup / 'zoo'}", f"data.path={setup / 'data.jsonl'}", "max_steps=1",
+            f"output_dir={tmp_path / 'o'}"]
+    for extra in ("remat=full", "eval_every=5", "data.packing=false"):
+        assert main(args + [extra]) == 2
+        assert "not supported yet" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
