@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -200,13 +201,18 @@ def train(cfg: TrainConfig, progress: bool | None = None) -> Path:
         options=ocp.CheckpointManagerOptions(max_to_keep=cfg.checkpoint.keep, save_interval_steps=cfg.checkpoint.every),
     )
     start = 0
-    if manager.latest_step() is not None:
-        start = manager.latest_step()
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-        restored = manager.restore(start, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
-        state = restored["state"]
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+    for saved in sorted(manager.all_steps(), reverse=True):
+        try:
+            restored = manager.restore(saved, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
+        except Exception as e:  # a damaged checkpoint fails in many ways; fall back to the one before
+            print(f"warning: checkpoint {saved} in {out / 'checkpoints'} is unreadable "
+                  f"({type(e).__name__}); falling back to the previous one", file=sys.stderr)
+            continue
+        state, start = restored["state"], saved
         data.set_state(_tuples(restored["data"]))
+        break
     (out / "config.yaml").write_text(to_yaml(cfg))
 
     metrics_file = open(out / "metrics.jsonl", "a")

@@ -200,3 +200,76 @@ def test_settings_not_supported_yet_are_refused(setup, tmp_path, capsys):
         assert main(args + [extra]) == 2
         assert "not supported yet" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(setup, tmp_path, capsys):
+    from pretrain.cli import main
+
+    out = tmp_path / "nan"
+    args = ["train", f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}",
+            f"data.path={setup / 'data.jsonl'}", "data.seq_len=16", "batch_size=2", "max_steps=50",
+            "optimizer.name=sgd", "optimizer.learning_rate=1e30", "optimizer.grad_clip=0",
+            "checkpoint.every=1", "schedule.name=constant", f"output_dir={out}"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "loss became" in err and "last good checkpoint" in err
+    assert not (out / "final").exists()
+    steps = [int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()]
+    assert steps  # the last good one is kept
+
+
+def test_corrupted_latest_checkpoint_falls_back_to_previous(setup, tmp_path, capsys):
+    cfg = _cfg(setup, tmp_path / "c", "max_steps=4", "checkpoint.every=1", "checkpoint.keep=5")
+    train(cfg, progress=False)
+    ckdir = tmp_path / "c" / "checkpoints"
+    latest = max(int(p.name) for p in ckdir.iterdir() if p.name.isdigit())
+    for f in (ckdir / str(latest)).rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"garbage")
+    capsys.readouterr()
+    train(_cfg(setup, tmp_path / "c", "max_steps=5", "checkpoint.every=1", "checkpoint.keep=5"), progress=False)
+    err = capsys.readouterr().err
+    assert f"checkpoint {latest}" in err and "falling back" in err
+    assert len(_losses(tmp_path / "c")) == 4 + 2  # resumed from step 3: steps 4 and 5 again
+
+
+def test_mesh_larger_than_the_machine_is_a_clear_error(setup, tmp_path, capsys):
+    from pretrain.cli import main
+
+    args = ["train", f"model.path={setup / 'zoo'}", f"data.path={setup / 'data.jsonl'}", "max_steps=1",
+            "mesh.data=4", "mesh.fsdp=1", f"output_dir={tmp_path / 'o'}"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs 4 devices" in err[0]
+
+
+def test_kill_9_at_a_random_step_then_rerun_is_bitwise_identical(setup, tmp_path):
+    import os
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    extra = ("max_steps=8", "checkpoint.every=1")
+    full = train(_cfg(setup, tmp_path / "full", *extra), progress=False)
+    out = tmp_path / "killed"
+    args = [f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}", f"data.path={setup / 'data.jsonl'}",
+            "data.seq_len=32", "batch_size=8", "optimizer.learning_rate=0.01", "schedule.name=constant",
+            "log_every=1", f"output_dir={out}", *extra]
+    proc = subprocess.Popen([sys.executable, "-m", "pretrain.cli", "train", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    kill_at = random.Random().randint(2, 6)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        m = out / "metrics.jsonl"
+        if m.is_file() and len(m.read_text().splitlines()) >= kill_at:
+            break
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "final").exists(), "the run finished before it could be killed"
+    resumed = train(load_config(None, args), progress=False)
+    assert _losses(out)[-1] == _losses(tmp_path / "full")[-1]
+    for x, y in zip(jax_leaves(zoo.load_params(full)), jax_leaves(zoo.load_params(resumed))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
