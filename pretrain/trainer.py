@@ -216,6 +216,9 @@ def train(cfg: TrainConfig, progress: bool | None = None) -> Path:
     (out / "config.yaml").write_text(to_yaml(cfg))
 
     metrics_file = open(out / "metrics.jsonl", "a")
+    from tensorboardX import SummaryWriter
+
+    board = SummaryWriter(str(out / "tensorboard"))
     bar = tqdm(total=total, initial=start, desc="train", unit="step", disable=None if progress is None else not progress)
     seen = start * cfg.batch_size * cfg.data.seq_len
     last = {}
@@ -243,6 +246,9 @@ def train(cfg: TrainConfig, progress: bool | None = None) -> Path:
             if (step + 1) % cfg.log_every == 0 or step + 1 == total:
                 metrics_file.write(json.dumps(last) + "\n")
                 metrics_file.flush()
+                for k, v in last.items():
+                    if k != "step" and v is not None:
+                        board.add_scalar(f"train/{k}", v, step + 1)
             manager.save(step + 1, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data.get_state())))
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{last['tokens_per_sec']:.0f}")
@@ -251,6 +257,7 @@ def train(cfg: TrainConfig, progress: bool | None = None) -> Path:
         stop.restore()
         bar.close()
         metrics_file.close()
+        board.close()
         manager.wait_until_finished()
     return _write_final(out, cfg, mcfg, state["params"], src_ckpt, tok_dir, last, skipped)
 

@@ -57,6 +57,13 @@ def test_loss_decreases_and_final_is_a_zoo_checkpoint(setup, tmp_path):
     meta = zoo.checkpoint.read_meta(final)
     assert meta["training"]["method"] == "pretrain" and meta["training"]["steps"] == 25
     assert zoo_main(["export", str(final), "--out", str(tmp_path / "hf")]) == 0  # and zoo export too
+    events = list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and b"train/loss" in events[0].read_bytes()
+    assert zoo_main(["plot", str(tmp_path / "run"), "--out", str(tmp_path / "c.png")]) == 0
+    import matplotlib.image
+
+    img = matplotlib.image.imread(tmp_path / "c.png")
+    assert img.shape[0] > 100 and img.shape[1] > 100 and img[..., :3].std() > 0.05  # drawn, not blank
 
 
 def test_grad_accum_equals_one_larger_step(setup, tmp_path):

@@ -1,4 +1,4 @@
-"""The `zoo` command: list, info, convert, init, export, generate, demo.
+"""The `zoo` command: list, info, convert, init, export, plot, generate, demo.
 
 Commands that need convert/ or eval/ import them lazily, inside the command,
 so the zoo package itself stays the ground floor.
@@ -167,6 +167,13 @@ def _human_bytes(n: int) -> str:
     return str(n)
 
 
+def cmd_plot(args: argparse.Namespace) -> None:
+    """PNG of a training run's curves."""
+    from eval.plot import plot_run
+
+    print(f"wrote {plot_run(args.run_dir, args.out)}")
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
     """Greedy chat completion from a checkpoint."""
     from eval.generate import chat_completion
@@ -248,6 +255,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--revision", metavar="BRANCH", help="upload to this branch (created if needed; default main)")
     s.add_argument("--dry-run", action="store_true", help="list the files that would be written/uploaded and where; write nothing")
     s.set_defaults(fn=cmd_export)
+
+    s = sub.add_parser("plot", help="draw a training run's loss, eval-loss and learning-rate curves to a PNG")
+    s.add_argument("run_dir", metavar="RUN_DIR", help="a training run's output_dir (with metrics.jsonl)")
+    s.add_argument("--out", metavar="PNG", help="where to write the picture (default RUN_DIR/curves.png)")
+    s.set_defaults(fn=cmd_plot)
 
     s = sub.add_parser("generate", help="greedy chat completion with a zoo checkpoint")
     s.add_argument("ckpt", metavar="CKPT", help="path of a zoo checkpoint folder (with tokenizer/)")

@@ -1,0 +1,52 @@
+"""`zoo plot RUN_DIR`: loss, eval loss and learning-rate curves of a training run as a PNG."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from zoo.errors import UserError
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Draw ``run_dir/metrics.jsonl`` into a PNG (default ``run_dir/curves.png``); returns its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run = Path(run_dir)
+    f = run / "metrics.jsonl"
+    if not f.is_file():
+        raise UserError(f"{run_dir}: no metrics.jsonl; is it a training run's output_dir?")
+    rows = []
+    for i, line in enumerate(f.read_text().splitlines()):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise UserError(f"{f}, line {i + 1}: not valid JSON") from None
+    if not rows:
+        raise UserError(f"{f} is empty: the run has not logged a step yet")
+
+    def series(key: str) -> tuple[list, list]:
+        pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    fig, (ax_loss, ax_lr) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=(2, 1))
+    ax_loss.plot(*series("loss"), label="train loss")
+    steps, ev = series("eval_loss")
+    if ev:
+        ax_loss.plot(steps, ev, "o-", label="eval loss")
+    ax_loss.set_ylabel("loss")
+    ax_loss.legend()
+    ax_loss.grid(alpha=0.3)
+    ax_lr.plot(*series("learning_rate"), color="tab:green")
+    ax_lr.set_ylabel("learning rate")
+    ax_lr.set_xlabel("step")
+    ax_lr.grid(alpha=0.3)
+    fig.suptitle(run.name)
+    fig.tight_layout()
+    path = Path(out) if out else run / "curves.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
