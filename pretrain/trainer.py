@@ -85,6 +85,10 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any)
         total = s + (aux["loss"] * n if moe else 0.0)
         return total, (s, n)
 
+    def evaluate(params: dict, batch: dict) -> tuple[jax.Array, jax.Array]:
+        _, (s, n) = loss_sums(params, batch)
+        return s, n
+
     def step(state: dict, batch: dict) -> tuple[dict, dict]:
         grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
 
@@ -102,7 +106,40 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any)
         metrics = {"loss": loss / n, "grad_norm": optax.tree.norm(g), "target_tokens": n}
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
-    return jax.jit(step, donate_argnums=0)
+    return jax.jit(step, donate_argnums=0), jax.jit(evaluate)
+
+
+KNOWN_PEAK_TFLOPS = {  # dense bf16 per device
+    "H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0, "TPU v4": 275.0, "TPU v5 lite": 197.0,
+    "TPU v5e": 197.0, "TPU v5p": 459.0, "TPU v6 lite": 918.0,
+}
+
+
+def peak_flops(cfg: TrainConfig) -> float | None:
+    """Peak FLOP/s of all devices: from ``peak_tflops``, else detected for known accelerators, else None."""
+    devices = jax.devices()
+    if cfg.peak_tflops:
+        return cfg.peak_tflops * 1e12 * len(devices)
+    kind = devices[0].device_kind
+    for name, tflops in KNOWN_PEAK_TFLOPS.items():
+        if name.lower() in kind.lower():
+            return tflops * 1e12 * len(devices)
+    return None
+
+
+def flops_per_token(mcfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x (matmul parameters active per token) + causal attention scores."""
+    specs = param_specs(mcfg)
+    active = 0
+    for path, spec in specs.items():
+        if path == "embed" and not mcfg.tie_word_embeddings:
+            continue  # a gather, not a matmul
+        n = int(np.prod(spec.shape))
+        if "expert_" in path:
+            n = n * mcfg.experts_per_token // mcfg.num_experts
+        active += n
+    attn_width = mcfg.num_heads * (mcfg.head_dim if not mcfg.mla else mcfg.qk_nope_head_dim + mcfg.qk_rope_head_dim)
+    return 6.0 * active + 6.0 * mcfg.num_layers * attn_width * seq_len  # QK^T and PV, halved for causality
 
 
 def _model(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> tuple[ModelConfig, dict, Path | None, Path]:
@@ -143,18 +180,19 @@ def _resolve_checkpoint(path: str) -> Path:
 def _tokenizer(folder: Path):
     from transformers import AutoTokenizer
 
-    if not folder.is_dir():
-        raise UserError(f"tokenizer {folder}: no such folder; set model.tokenizer")
-    return AutoTokenizer.from_pretrained(str(folder))
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    if not folder.is_dir() or not any((folder / n).is_file() for n in names):
+        raise UserError(f"no tokenizer in {folder}; set model.tokenizer to a tokenizer folder")
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except (ValueError, OSError) as e:
+        raise UserError(f"tokenizer {folder} cannot be loaded ({str(e).splitlines()[0]})") from None
 
 
 def _refuse_unimplemented(cfg: TrainConfig) -> None:
     """Settings this version reads but cannot honour yet are errors, never silently ignored."""
     todo = {
         "data.packing: false": not cfg.data.packing,
-        "data.eval_path": cfg.data.eval_path is not None,
-        "data.eval_fraction": cfg.data.eval_fraction > 0,
-        "eval_every": cfg.eval_every > 0,
         f"remat: {cfg.remat}": cfg.remat != "none",
     }
     asked = [k for k, v in todo.items() if v]
@@ -181,6 +219,15 @@ def train(cfg: TrainConfig, progress: bool | None = None) -> Path:
     tokenizer = _tokenizer(tok_dir)
     rows, field = load_rows(cfg.data.path, cfg.data.text_field)
     docs, skipped = tokenize_rows(rows, field, tokenizer, cfg.data.path, cfg.data.skip_bad_rows)
+    eval_docs: list = []
+    if cfg.data.eval_path:
+        erows, efield = load_rows(cfg.data.eval_path, cfg.data.text_field)
+        eval_docs, _ = tokenize_rows(erows, efield, tokenizer, cfg.data.eval_path, cfg.data.skip_bad_rows)
+    elif cfg.data.eval_fraction > 0:
+        order = np.random.RandomState(cfg.seed).permutation(len(docs))
+        cut = max(1, int(len(docs) * cfg.data.eval_fraction))
+        eval_docs = [docs[i] for i in order[:cut]]
+        docs = [docs[i] for i in order[cut:]]
     if max(int(d.max()) for d in docs) >= mcfg.vocab_size:
         raise UserError(f"the tokenizer at {tok_dir} produces ids beyond the model's vocab_size {mcfg.vocab_size}")
     tokens_total = sum(len(d) for d in docs)
@@ -191,7 +238,9 @@ def train(cfg: TrainConfig, progress: bool | None = None) -> Path:
     schedule = lr_schedule(cfg, total)
     tx = build_optimizer(cfg, schedule)
     state = {"params": params, "opt_state": jax.jit(tx.init)(params), "step": jnp.zeros((), jnp.int32)}
-    step_fn = make_step(mcfg, tx, DTYPES[cfg.dtype.compute])
+    step_fn, eval_fn = make_step(mcfg, tx, DTYPES[cfg.dtype.compute])
+    peak = peak_flops(cfg)
+    step_flops = flops_per_token(mcfg, cfg.data.seq_len) * cfg.batch_size * cfg.data.seq_len
     batch_sharding = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"), None))
 
     out = Path(cfg.output_dir).absolute()
@@ -242,7 +291,10 @@ def train(cfg: TrainConfig, progress: bool | None = None) -> Path:
             seen += cfg.batch_size * cfg.data.seq_len
             last = {"step": step + 1, "loss": loss, "learning_rate": float(schedule(step)),
                     "grad_norm": float(m["grad_norm"]), "tokens_seen": seen,
-                    "tokens_per_sec": cfg.batch_size * cfg.data.seq_len / dt, "step_time": dt, "mfu": None}
+                    "tokens_per_sec": cfg.batch_size * cfg.data.seq_len / dt, "step_time": dt,
+                    "mfu": step_flops / dt / peak if peak else None}
+            if eval_docs and cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == total):
+                last["eval_loss"] = _eval_loss(eval_fn, state["params"], eval_docs, cfg, micro, batch_sharding)
             if (step + 1) % cfg.log_every == 0 or step + 1 == total:
                 metrics_file.write(json.dumps(last) + "\n")
                 metrics_file.flush()
@@ -260,6 +312,22 @@ def train(cfg: TrainConfig, progress: bool | None = None) -> Path:
         board.close()
         manager.wait_until_finished()
     return _write_final(out, cfg, mcfg, state["params"], src_ckpt, tok_dir, last, skipped)
+
+
+def _eval_loss(eval_fn, params: dict, docs: list, cfg: TrainConfig, micro: int, sharding, max_batches: int = 50) -> float:
+    """Mean per-token loss over (up to ``max_batches``) packed batches of the eval documents."""
+    it = packed_batches(docs, cfg.data.seq_len, micro, cfg.seed, 1)
+    total, count = 0.0, 0.0
+    for _ in range(max_batches):
+        try:
+            b = to_model_batch(next(it))
+        except StopIteration:
+            break
+        s, n = eval_fn(params, jax.device_put(b, NamedSharding(sharding.mesh, PartitionSpec(("data", "fsdp"), None))))
+        total, count = total + float(s), count + float(n)
+    if count == 0:
+        raise UserError("the eval data is shorter than one batch of seq_len tokens; add data or lower data.seq_len")
+    return total / count
 
 
 class _StopOnSignal:

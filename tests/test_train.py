@@ -203,10 +203,13 @@ def test_settings_not_supported_yet_are_refused(setup, tmp_path, capsys):
 
     args = ["train", f"model.path={setup / 'zoo'}", f"data.path={setup / 'data.jsonl'}", "max_steps=1",
             f"output_dir={tmp_path / 'o'}"]
-    for extra in ("remat=full", "eval_every=5", "data.packing=false"):
+    for extra in ("remat=full", "data.packing=false"):
         assert main(args + [extra]) == 2
         assert "not supported yet" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+    assert main(args) == 2  # this checkpoint has no tokenizer and none was given
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no tokenizer" in err[0] and "model.tokenizer" in err[0]
 
 
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(setup, tmp_path, capsys):
@@ -280,3 +283,13 @@ def test_kill_9_at_a_random_step_then_rerun_is_bitwise_identical(setup, tmp_path
     assert _losses(out)[-1] == _losses(tmp_path / "full")[-1]
     for x, y in zip(jax_leaves(zoo.load_params(full)), jax_leaves(zoo.load_params(resumed))):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_eval_loss_and_mfu_are_logged(setup, tmp_path):
+    cfg = _cfg(setup, tmp_path / "ev", "max_steps=4", "data.eval_fraction=0.2", "eval_every=2", "peak_tflops=1.0")
+    train(cfg, progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "ev" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
+    assert [r["step"] for r in rows if "eval_loss" in r] == [2, 4]
+    assert all(np.isfinite(evals)) and evals[-1] < rows[0]["loss"] + 1.0
+    assert all(0 < r["mfu"] < 1 for r in rows)  # against the configured 1 TFLOP/s peak
