@@ -275,8 +275,9 @@ def train(cfg: TrainConfig, progress: bool | None = None) -> Path:
     try:
         for step in range(start, total):
             if stop.requested:
-                manager.save(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data.get_state())), force=True)
+                if manager.latest_step() != step:  # this step may already be saved
+                    manager.save(step, args=ocp.args.Composite(
+                        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data.get_state())), force=True)
                 manager.wait_until_finished()
                 raise UserError(f"stopped by {stop.requested} after step {step}; checkpoint saved in {out}, "
                                 "run the same command to resume")
