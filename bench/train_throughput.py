@@ -36,19 +36,24 @@ def run_jax(ckpt: str, batch: int, seq: int, steps: int) -> dict:
     import optax
 
     import zoo
-    from pretrain.trainer import flops_per_token, make_step
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from pretrain.trainer import flops_per_token, init_state, make_step
+    from zoo.sharding import make_mesh
 
     cfg = zoo.read_config(ckpt)
-    params = zoo.load_params(ckpt, dtype=np.float32)
+    mesh = make_mesh(devices=jax.devices()[:1])
+    params = zoo.load_params(ckpt, mesh, dtype=np.float32)
     tx = optax.adamw(1e-4)
-    state = {"params": params, "opt_state": jax.jit(tx.init)(params), "step": jax.numpy.zeros((), "int32")}
-    step, _ = make_step(cfg, tx, jax.numpy.float32)
+    state = init_state(tx, params, mesh)
+    batch_sharding = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"), None))
+    step, _ = make_step(cfg, tx, jax.numpy.float32, "none", jax.tree.map(lambda x: x.sharding, state), batch_sharding)
     t = _tokens(batch, seq, cfg.vocab_size)
     b = {"inputs": t[:, :-1], "targets": t[:, 1:], "weights": np.ones((batch, seq), np.float32),
          "segment_ids": np.ones((batch, seq), np.int32), "positions": np.tile(np.arange(seq, dtype=np.int32), (batch, 1))}
-    b = {k: v[None] for k, v in b.items()}  # one micro-batch
+    b = jax.device_put({k: v[None] for k, v in b.items()}, batch_sharding)  # one micro-batch
     times, losses = [], []
-    # Two warm-up steps: the first compiles, the second recompiles once for the output shardings.
+    # Two warm-up steps (the first compiles; the step's layouts are pinned, so only once).
     for i in range(steps + 2):
         t0 = time.perf_counter()
         state, m = step(state, b)

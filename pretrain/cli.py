@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from pretrain import distributed
 from zoo.cli import run_cli
 
 
@@ -19,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="config overrides, e.g. optimizer.learning_rate=3e-4 data.seq_len=1024")
     s.add_argument("--print-config", action="store_true", help="print the fully resolved config (with defaults) and exit")
+    distributed.add_flags(s)
     return p
 
 
@@ -33,9 +35,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.print_config:
             print(to_yaml(cfg), end="")
             return
+        distributed.initialize(args)
         from pretrain.trainer import train
 
-        print(f"final model: {train(cfg)}")
+        final = train(cfg)
+        if distributed.is_primary():
+            print(f"final model: {final}")
 
     return run_cli(body)
 

@@ -34,10 +34,11 @@ class ModelSection:
 class DataSection:
     """Training text and how it is cut into sequences."""
 
-    path: str | None = None
+    path: str | None = None  # local file/folder, or a Hugging Face Hub dataset name (online or cached)
+    split: str = "train"  # the split of a Hub dataset
     text_field: str = "text"
     seq_len: int = 512
-    packing: bool = True
+    packing: bool = True  # false: one document per row, truncated/padded to seq_len
     eval_path: str | None = None
     eval_fraction: float = 0.0
     skip_bad_rows: bool = False
@@ -107,7 +108,7 @@ class TrainConfig:
     schedule: ScheduleSection = field(default_factory=ScheduleSection)
     mesh: MeshSection = field(default_factory=MeshSection)
     dtype: DtypeSection = field(default_factory=DtypeSection)
-    remat: str = "none"
+    remat: str = "none"  # none | full (recompute each layer in backward) | save_dots (keep weight matmuls)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     log_every: int = 10
     eval_every: int = 0

@@ -1,9 +1,16 @@
-"""The data pipeline: `datasets` source -> tokenize -> grain concat-then-split packing -> batches.
+"""The data pipeline: `datasets` source -> tokenize -> grain packing lanes -> batches -> this process's rows.
+
+Each row of the global batch comes from its own *lane*: lane ``r`` of ``B``
+packs (concat-then-split, grain) the shuffled documents ``r, r + B, ...``.
+A process reads and tokenizes only the documents of the lanes whose rows its
+devices hold, yet the global batch is the same whatever the number of
+processes or devices, so a run on 2 hosts follows the 1-host trajectory.
 
 Packed rows carry segment ids and per-document positions, so no token
 attends across documents. Each row has seq_len + 1 tokens: inputs are the
 first seq_len, targets the last seq_len, and a target counts only when it
-continues the same document as its input.
+continues the same document as its input. Without packing, each document is
+one row, truncated or padded (segment id 0) to seq_len + 1.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import grain
 import numpy as np
 
 from zoo.errors import UserError
@@ -18,11 +26,14 @@ from zoo.errors import UserError
 SUFFIX_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 
 
-def load_rows(path: str, text_field: str) -> tuple[Any, str]:
-    """A `datasets` Dataset of the local file(s) at ``path`` and the column that holds the text."""
+def load_rows(path: str, text_field: str, split: str = "train") -> tuple[Any, str]:
+    """A `datasets` Dataset of the local file(s) at ``path`` (or of a Hub dataset) and its text column."""
     import datasets
 
-    p = Path(path)
+    datasets.disable_progress_bars()
+    p = Path(path).expanduser()
+    if not p.exists() and _looks_like_hub_name(path):
+        return _hub_rows(path, text_field, split)
     files = sorted(f for f in p.rglob("*") if f.suffix in SUFFIX_FORMATS) if p.is_dir() else [p]
     if not files or not files[0].exists():
         raise UserError(f"data.path {path}: no such file or folder (or no .jsonl/.json/.parquet/.txt in it)")
@@ -30,22 +41,58 @@ def load_rows(path: str, text_field: str) -> tuple[Any, str]:
     if None in fmts or len(fmts) != 1:
         raise UserError(f"data.path {path}: use one of {', '.join(SUFFIX_FORMATS)} files (one kind per run)")
     fmt = fmts.pop()
-    datasets.disable_progress_bars()
     try:
         ds = datasets.load_dataset(fmt, data_files=[str(f) for f in files], split="train")
     except Exception as e:  # datasets raises many kinds for unreadable files
         raise UserError(f"data.path {path}: cannot read it ({str(e).splitlines()[0][:200]})") from None
-    field = "text" if fmt == "text" else text_field
+    return ds, _field(ds, "text" if fmt == "text" else text_field, path)
+
+
+def _looks_like_hub_name(path: str) -> bool:
+    parts = path.split("/")
+    return 1 <= len(parts) <= 2 and all(parts) and not path.startswith((".", "~")) and Path(path).suffix == ""
+
+
+def _hub_rows(name: str, text_field: str, split: str) -> tuple[Any, str]:
+    """A Hugging Face Hub dataset (through the `datasets` cache), when online or cached."""
+    import logging
+
+    import datasets
+
+    hub_log = logging.getLogger("huggingface_hub")
+    level = hub_log.level
+    hub_log.setLevel(logging.ERROR)  # offline, every retry would log a warning: the error below says it once
+    try:
+        ds = datasets.load_dataset(name, split=split)
+    except Exception as e:  # offline, no such dataset, gated, no such split: all one user-facing answer
+        first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise UserError(f"data.path {name}: not a local file or folder, and the Hub dataset could not be loaded "
+                        f"({first}); check the name and data.split, or go online once to cache it") from None
+    finally:
+        hub_log.setLevel(level)
+    return ds, _field(ds, text_field, name)
+
+
+def _field(ds: Any, field: str, path: str) -> str:
     if field not in ds.column_names:
-        raise UserError(f"data.path {path}: no '{field}' field in its rows (columns: {ds.column_names}); set data.text_field")
-    return ds, field
+        raise UserError(f"data.path {path}: no '{field}' field in its rows (columns: {ds.column_names}); "
+                        "set data.text_field")
+    return field
 
 
-def tokenize_rows(ds: Any, field: str, tokenizer: Any, path: str, skip_bad: bool) -> tuple[list[np.ndarray], int]:
-    """Token ids (+ EOS) of every row; bad rows (missing/empty/non-text) raise, or are skipped and counted."""
-    docs, bad = [], 0
+def tokenize_rows(ds: Any, field: str, tokenizer: Any, path: str, skip_bad: bool,
+                  indices: list[int] | None = None) -> tuple[dict[int, np.ndarray], int]:
+    """Token ids (+ EOS) of the rows at ``indices`` (default all), by row index.
+
+    Bad rows (missing, empty or non-text field) raise an error naming the file
+    and row, or are skipped and counted. Rows are read in index order, so the
+    error names the first bad row.
+    """
+    docs, bad = {}, 0
     eos = tokenizer.eos_token_id
-    for i, row in enumerate(ds):
+    order = sorted(indices) if indices is not None else None
+    rows = enumerate(ds) if order is None else zip(order, ds.select(order))
+    for i, row in rows:
         text = row.get(field)
         if not isinstance(text, str) or not text.strip():
             if skip_bad:
@@ -56,20 +103,88 @@ def tokenize_rows(ds: Any, field: str, tokenizer: Any, path: str, skip_bad: bool
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if eos is not None:
             ids = ids + [eos]
-        docs.append(np.asarray(ids, np.int32))
-    if not docs:
-        raise UserError(f"{path}: no usable rows")
+        docs[i] = np.asarray(ids, np.int32)
     return docs, bad
 
 
-def packed_batches(docs: list[np.ndarray], seq_len: int, batch: int, seed: int, epochs: int | None):
-    """A grain iterator of packed batches: tokens/segment ids/positions of shape [batch, seq_len + 1]."""
-    import grain
+def split_rows(n: int, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train row order, eval rows): one seeded shuffle of all rows, the first ``eval_fraction`` held out."""
+    order = np.random.RandomState(seed).permutation(n)
+    cut = max(1, int(n * eval_fraction)) if eval_fraction > 0 else 0
+    return order[cut:], np.sort(order[:cut])
+
+
+def lane_rows(train_order: np.ndarray, lanes: int, lane: int) -> list[int]:
+    """The row indices that feed lane ``lane`` of ``lanes`` (every lanes-th row of the shuffled order)."""
+    return [int(i) for i in train_order[lane::lanes]]
+
+
+def lane_dataset(docs: list[np.ndarray], seq_len: int, seed: int, packing: bool, epochs: int | None = None):
+    """A grain iterator of rows {tokens, segment ids, positions} of seq_len + 1 tokens from ``docs``."""
     import grain.experimental as ge
 
-    ds = grain.MapDataset.source(docs).shuffle(seed=seed).repeat(epochs).map(lambda x: {"tokens": x})
-    packed = ge.ConcatThenSplitIterDataset(ds.to_iter_dataset(), length_struct={"tokens": seq_len + 1})
-    return iter(packed.batch(batch, drop_remainder=True))
+    ds = grain.MapDataset.source(docs).shuffle(seed=seed).repeat(epochs)
+    if not packing:
+        return iter(ds.map(lambda x: _padded(x, seq_len + 1)).to_iter_dataset())
+    ds = ds.map(lambda x: {"tokens": x})
+    return iter(ge.ConcatThenSplitIterDataset(ds.to_iter_dataset(), length_struct={"tokens": seq_len + 1}))
+
+
+def _padded(doc: np.ndarray, length: int) -> dict[str, np.ndarray]:
+    n = min(len(doc), length)
+    tokens = np.zeros(length, np.int32)
+    tokens[:n] = doc[:n]
+    seg = np.zeros(length, np.int32)
+    seg[:n] = 1
+    pos = np.where(seg > 0, np.arange(length, dtype=np.int32), 0).astype(np.int32)
+    return {"tokens": tokens, "tokens_segment_ids": seg, "tokens_positions": pos}
+
+
+class LaneBatches(grain.DatasetIterator):
+    """Stacks one row from each lane into a batch; its state is every lane's state (checkpointable)."""
+
+    def __init__(self, lanes: list[grain.DatasetIterator]):
+        super().__init__(lanes)
+        self._lanes = lanes
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        rows = [next(lane) for lane in self._lanes]
+        return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+    def get_state(self) -> dict[str, Any]:
+        """Every lane's grain state."""
+        return {"lanes": [lane.get_state() for lane in self._lanes]}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Restore every lane (JSON round trips turn grain's tuples into lists: undo that)."""
+        lanes = state["lanes"]
+        if len(lanes) != len(self._lanes):
+            raise UserError(f"the checkpointed data state has {len(lanes)} lanes, this run reads {len(self._lanes)}; "
+                            "resume with the same batch_size, grad_accum and mesh")
+        for lane, s in zip(self._lanes, lanes):
+            lane.set_state(_tuples(s))
+
+
+def _tuples(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _tuples(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return tuple(_tuples(v) for v in x)
+    return x
+
+
+def packed_batches(docs: list[np.ndarray], seq_len: int, batch: int, seed: int, epochs: int | None,
+                   packing: bool = True):
+    """A grain iterator of whole batches from one stream of ``docs`` (used for the small eval set)."""
+    import grain.experimental as ge
+
+    ds = grain.MapDataset.source(docs).shuffle(seed=seed).repeat(epochs)
+    if packing:
+        ds = ge.ConcatThenSplitIterDataset(ds.map(lambda x: {"tokens": x}).to_iter_dataset(),
+                                           length_struct={"tokens": seq_len + 1})
+    else:
+        ds = ds.map(lambda x: _padded(x, seq_len + 1)).to_iter_dataset()
+    return iter(ds.batch(batch, drop_remainder=True))
 
 
 def to_model_batch(b: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -198,18 +198,55 @@ def test_train_from_scratch_with_random_init(setup, tmp_path, capsys):
     assert zoo.checkpoint.read_meta(final)["training"]["steps"] == 2
 
 
-def test_settings_not_supported_yet_are_refused(setup, tmp_path, capsys):
+def test_missing_tokenizer_is_a_clear_error(setup, tmp_path, capsys):
     from pretrain.cli import main
 
     args = ["train", f"model.path={setup / 'zoo'}", f"data.path={setup / 'data.jsonl'}", "max_steps=1",
             f"output_dir={tmp_path / 'o'}"]
-    for extra in ("remat=full", "data.packing=false"):
-        assert main(args + [extra]) == 2
-        assert "not supported yet" in capsys.readouterr().err
-    assert not (tmp_path / "o").exists()
     assert main(args) == 2  # this checkpoint has no tokenizer and none was given
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no tokenizer" in err[0] and "model.tokenizer" in err[0]
+    assert not (tmp_path / "o").exists()
+
+
+def test_unpacked_rows_hold_one_document_each(setup, tmp_path):
+    from pretrain.data import lane_dataset, to_model_batch
+
+    docs = [np.arange(1, 6, dtype=np.int32), np.arange(10, 30, dtype=np.int32)]
+    rows = [next(it) for it in [lane_dataset(docs, 8, 0, packing=False)] for _ in range(4)]
+    for r in rows:
+        n = int(r["tokens_segment_ids"].sum())
+        doc = next(d for d in docs if d[0] == r["tokens"][0])
+        assert n == min(len(doc), 9) and (r["tokens"][:n] == doc[:n]).all()  # truncated to seq_len + 1
+        assert (r["tokens_segment_ids"][n:] == 0).all() and (r["tokens_positions"][:n] == np.arange(n)).all()
+    b = to_model_batch({k: np.stack([r[k] for r in rows]) for k in rows[0]})
+    short = int(np.argmax([r["tokens"][0] == 1 for r in rows]))
+    assert b["weights"][short].tolist() == [1, 1, 1, 1, 0, 0, 0, 0]  # no loss on padding
+    out = tmp_path / "unpacked"
+    final = train(_cfg(setup, out, "max_steps=3", "data.packing=false"), progress=False)
+    assert len(_losses(out)) == 3 and zoo.read_config(final).num_layers == 2
+
+
+def test_remat_policies_train_like_no_remat(setup, tmp_path):
+    sgd = ("max_steps=2", "optimizer.name=sgd", "optimizer.learning_rate=0.5")
+    train(_cfg(setup, tmp_path / "none", *sgd), progress=False)
+    train(_cfg(setup, tmp_path / "full", *sgd, "remat=full"), progress=False)
+    np.testing.assert_allclose(_losses(tmp_path / "full"), _losses(tmp_path / "none"), rtol=1e-5)
+
+
+def test_hub_dataset_name_offline_is_a_clear_error(setup, tmp_path, capsys, monkeypatch):
+    import datasets
+    import huggingface_hub
+
+    from pretrain.cli import main
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    args = ["train", f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}",
+            "data.path=no-such-org/no-such-dataset", "max_steps=1", f"output_dir={tmp_path / 'o'}"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no-such-org/no-such-dataset" in err[0] and "Hub dataset" in err[0]
 
 
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(setup, tmp_path, capsys):
@@ -293,3 +330,46 @@ def test_eval_loss_and_mfu_are_logged(setup, tmp_path):
     assert [r["step"] for r in rows if "eval_loss" in r] == [2, 4]
     assert all(np.isfinite(evals)) and evals[-1] < rows[0]["loss"] + 1.0
     assert all(0 < r["mfu"] < 1 for r in rows)  # against the configured 1 TFLOP/s peak
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_follow_the_one_process_trajectory(setup, tmp_path):
+    """2 processes x 2 CPU devices (gloo), each reading only its own rows, train like 1 process on 1 device."""
+    import os
+    import subprocess
+    import sys
+
+    sgd = ["max_steps=4", "optimizer.name=sgd", "optimizer.learning_rate=0.5"]
+    ref = train(_cfg(setup, tmp_path / "one", *sgd), progress=False)
+    out = tmp_path / "two"
+    args = [f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}", f"data.path={setup / 'data.jsonl'}",
+            "data.seq_len=32", "batch_size=8", "grad_accum=2", "schedule.name=constant", "log_every=1",
+            "checkpoint.every=2", f"output_dir={out}", *sgd]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "pretrain.cli", "train", *args, "--coordinator",
+                               f"localhost:{port}", "--num-processes", "2", "--process-id", str(i)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for i in range(2)]
+    try:
+        results = [p.communicate(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs, results):
+        assert p.returncode == 0, err[-3000:]
+    assert "final model:" in results[0][0] and "final model:" not in results[1][0]  # process 0 reports
+    np.testing.assert_allclose(_losses(out), _losses(tmp_path / "one"), rtol=1e-5)  # one metrics file, 4 rows
+    saved = out / "checkpoints" / "4" / "data"
+    assert sorted(f.name for f in saved.glob("process_*.json")) == ["process_0-of-2.json", "process_1-of-2.json"]
+    meta = zoo.checkpoint.read_meta(out / "final")
+    assert meta["training"]["processes"] == 2 and meta["training"]["devices"] == 4
+    for x, y in zip(jax_leaves(zoo.load_params(ref)), jax_leaves(zoo.load_params(out / "final"))):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-5)

@@ -61,3 +61,17 @@ def test_print_config_shows_everything_with_defaults(tmp_path, capsys):
 def test_yaml_is_loaded_safely(tmp_path, capsys):
     f = _write(tmp_path, "model: !!python/object/apply:os.system ['echo pwned']\n")
     assert "not valid YAML" in _error(capsys, ["train", "--config", str(f), "--print-config"])
+
+
+def test_partial_multiprocess_settings_are_a_clear_error(capsys, monkeypatch):
+    from pretrain.cli import main
+
+    for env in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        monkeypatch.delenv(env, raising=False)
+    base = ["train", "model.path=m", "data.path=d.jsonl", "max_steps=1"]
+    assert main(base + ["--num-processes", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--coordinator" in err[0] and "--process-id" in err[0]
+    monkeypatch.setenv("JAX_PROCESS_ID", "5")
+    assert main(base + ["--num-processes", "2", "--coordinator", "localhost:1"]) == 2
+    assert "--process-id 5 must be in 0..1" in capsys.readouterr().err

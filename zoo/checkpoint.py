@@ -26,7 +26,7 @@ import numpy as np
 
 from zoo.config import ModelConfig
 from zoo.errors import UserError
-from zoo.params import nest, param_specs
+from zoo.params import flatten, nest, param_specs
 
 FORMAT_VERSION = 1
 MODEL_FILE = "model.json"
@@ -164,6 +164,13 @@ class CheckpointWriter:
         if seen != int(np.prod(shape[:k])):
             raise RuntimeError(f"{path}: wrote {seen} slices of {int(np.prod(shape[:k]))}")
 
+    def adopt(self, params: dict[str, dict[str, Any]]) -> None:
+        """Take over parameters that :func:`save_params` already wrote (their tree is committed)."""
+        if self.params or self._committed:
+            raise RuntimeError("adopt() must come before any other write")
+        self.params = dict(params)
+        self._committed = True
+
     def finish(self, cfg: ModelConfig, **provenance: Any) -> None:
         """Commit the checkpoint (every reserved parameter must be written) and write model.json."""
         self.commit_structure()
@@ -177,6 +184,19 @@ class CheckpointWriter:
             **provenance,
         }
         (self.folder / MODEL_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def save_params(folder: str | os.PathLike, params: dict[str, Any], axes: dict[str, tuple[str, ...]]) -> dict:
+    """Write sharded (possibly multi-host) parameters into ``folder``; every process calls it.
+
+    Orbax writes each process's own shards, so no host ever gathers the whole
+    model. Returns the per-parameter metadata for :meth:`CheckpointWriter.adopt`.
+    """
+    ocp = _orbax()
+    with _save_context():
+        ocp.save(Path(folder).absolute() / PARAMS_DIR, params)
+    flat = flatten(params)
+    return {k: {"shape": list(v.shape), "dtype": str(v.dtype), "axes": list(axes[k])} for k, v in sorted(flat.items())}
 
 
 def remove_stale_scratch(out: Path) -> None:

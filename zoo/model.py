@@ -63,6 +63,12 @@ def layer_segments(kinds: tuple[str, ...], max_period: int = 12) -> list[Segment
     return out
 
 
+REMAT_POLICIES = {
+    "full": None,  # save nothing inside a layer
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
 def forward(
     cfg: ModelConfig,
     params: dict[str, Any],
@@ -70,6 +76,7 @@ def forward(
     segment_ids: jax.Array | None = None,
     positions: jax.Array | None = None,
     return_aux: bool = False,
+    remat: str = "none",
 ) -> jax.Array | tuple[jax.Array, dict]:
     """Logits [batch, seq, vocab] (float32) of the decoder for int tokens [batch, seq].
 
@@ -77,6 +84,9 @@ def forward(
     of id; id 0 is padding); ``positions`` restart at each document. Both
     default to one document per row. With ``return_aux`` (MoE models) it also
     returns the router losses and statistics of :func:`zoo.moe.aux_losses`.
+    ``remat`` trades compute for memory in training: "full" recomputes each
+    layer in the backward pass, "save_dots" keeps only the weight matmuls'
+    outputs (attention scores and elementwise work are recomputed).
     """
     b, t = tokens.shape
     if segment_ids is None:
@@ -129,6 +139,8 @@ def forward(
                     out.append(st)
                 return x, jax.tree.map(lambda *a: jnp.stack(a), *out) if moe else None
 
+            if remat != "none":
+                block = jax.checkpoint(block, policy=REMAT_POLICIES[remat], prevent_cse=False)
             # One scan per segment: compile time does not grow with depth.
             x, ys = jax.lax.scan(block, x, stacked)
             if moe:

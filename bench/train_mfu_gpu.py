@@ -1,0 +1,109 @@
+"""Benchmark (accelerator): MFU of lmzoo's train step on Llama-3.2-1B- and Llama-3-8B-shaped models.
+
+Random weights (the shapes are what matter), seq 4096, bf16 compute on fp32 master weights, AdamW,
+the same jitted, sharded step `pretrain train` runs (pretrain.trainer.make_step) over all local
+devices (FSDP). Prints step time, tokens/s and MFU against the device's dense bf16 peak (or
+--peak-tflops). An 8B model's fp32 weights + Adam moments need 128 GB, so --layers trims the depth
+to fit one device; MFU per layer is what the trim preserves.
+
+Usage (on a GPU/TPU machine)::
+
+    python bench/train_mfu_gpu.py --model 1b --batch 4
+    python bench/train_mfu_gpu.py --model 8b --layers 8 --batch 2 --remat save_dots
+    python bench/train_mfu_gpu.py --model 1b --seq 256 --layers 1 --batch 1 --steps 1 --peak-tflops 1   # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+SHAPES = {
+    "1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "head_dim": 64, "tie_word_embeddings": True},
+    "8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": False},
+}
+
+
+def hf_config(model: str, layers: int | None) -> dict:
+    """A Llama 3 HF config dict of the given shape."""
+    shape = dict(SHAPES[model])
+    if layers:
+        shape["num_hidden_layers"] = layers
+    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128256,
+            "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072,
+            "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, **shape}
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Build the model on a (fsdp = all devices) mesh and time the train step."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from convert.hf_config import model_config_from_hf
+    from pretrain.trainer import KNOWN_PEAK_TFLOPS, flops_per_token, init_state, make_step
+    from zoo.params import init_params, nest, param_specs
+    from zoo.sharding import make_mesh, named_sharding
+
+    cfg = model_config_from_hf(hf_config(args.model, args.layers), args.model)
+    mesh = make_mesh(devices=jax.devices())
+    specs = param_specs(cfg)
+    shard = nest({k: named_sharding(mesh, s.axes, s.shape) for k, s in specs.items()})
+    params = jax.jit(lambda: init_params(cfg, jax.random.PRNGKey(0), jnp.float32), out_shardings=shard)()
+    tx = optax.adamw(1e-4)
+    state = init_state(tx, params, mesh)
+    batch_sharding = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"), None))
+    step, _ = make_step(cfg, tx, jnp.bfloat16, args.remat, jax.tree.map(lambda x: x.sharding, state), batch_sharding)
+    b, t = args.batch * len(jax.devices()), args.seq
+    tokens = np.random.RandomState(0).randint(0, cfg.vocab_size, (1, b, t + 1)).astype(np.int32)
+    batch = {"inputs": tokens[..., :-1], "targets": tokens[..., 1:], "weights": np.ones((1, b, t), np.float32),
+             "segment_ids": np.ones((1, b, t), np.int32),
+             "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (1, b, t)).copy()}
+    batch = jax.device_put(batch, batch_sharding)
+    times = []
+    for i in range(args.steps + 2):  # two warm-up steps (compilation)
+        t0 = time.perf_counter()
+        state, m = step(state, batch)
+        float(m["loss"])
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    kind = jax.devices()[0].device_kind
+    peak = args.peak_tflops or next((v for k, v in KNOWN_PEAK_TFLOPS.items() if k.lower() in kind.lower()), None)
+    med = statistics.median(times)
+    flops = flops_per_token(cfg, t) * b * t
+    return {"model": args.model, "layers": cfg.num_layers, "device": kind, "devices": len(jax.devices()),
+            "batch": b, "seq": t, "remat": args.remat, "median_step_s": med, "tokens_per_s": b * t / med,
+            "mfu": flops / med / (peak * 1e12 * len(jax.devices())) if peak else None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse flags, run, print a line per result and the JSON."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=sorted(SHAPES), default="1b", help="model shape (default 1b)")
+    ap.add_argument("--layers", type=int, help="trim the depth to this many layers (to fit memory)")
+    ap.add_argument("--batch", type=int, default=4, help="sequences per device (default 4)")
+    ap.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps after two warm-ups (default 5)")
+    ap.add_argument("--remat", choices=["none", "full", "save_dots"], default="save_dots",
+                    help="activation rematerialization (default save_dots)")
+    ap.add_argument("--peak-tflops", type=float, help="per-device peak; default: detected for known accelerators")
+    args = ap.parse_args(argv)
+    r = run(args)
+    mfu = f"{r['mfu'] * 100:.1f}%" if r["mfu"] is not None else "n/a (unknown peak)"
+    print(f"{r['model']} ({r['layers']} layers) on {r['devices']}x {r['device']}: batch {r['batch']} x seq "
+          f"{r['seq']}, step {r['median_step_s']:.3f} s, {r['tokens_per_s']:.0f} tokens/s, MFU {mfu}")
+    print(json.dumps(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
