@@ -361,7 +361,8 @@ def train(cfg: TrainConfig, progress: bool | None = None) -> Path:
 
     def save(step: int, force: bool = False) -> None:
         manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(data.batches)), force=force)
+            state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(data.batches),
+            config=ocp.args.JsonSave(dataclasses.asdict(cfg))), force=force)
 
     start = 0
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)

@@ -278,6 +278,8 @@ def test_corrupted_latest_checkpoint_falls_back_to_previous(setup, tmp_path, cap
     err = capsys.readouterr().err
     assert f"checkpoint {latest}" in err and "falling back" in err
     assert len(_losses(tmp_path / "c")) == 4 + 2  # resumed from step 3: steps 4 and 5 again
+    saved = json.loads((ckdir / "5" / "config" / "metadata").read_text())  # each checkpoint holds its config
+    assert saved["max_steps"] == 5 and saved["checkpoint"]["every"] == 1
 
 
 def test_mesh_larger_than_the_machine_is_a_clear_error(setup, tmp_path, capsys):
