@@ -88,8 +88,10 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any,
         p = jax.tree.map(lambda x: x.astype(compute), params)
         out = forward(mcfg, p, mb["inputs"], mb["segment_ids"], mb["positions"], return_aux=moe, remat=remat)
         logits, aux = out if moe else (out, None)
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        nll = -jnp.take_along_axis(logp, mb["targets"][..., None], axis=-1)[..., 0]
+        # logsumexp minus the target logit: the same value as -log_softmax[target], without materializing
+        # (and differentiating through) a second [batch, seq, vocab] array of log-probabilities.
+        target_logit = jnp.take_along_axis(logits, mb["targets"][..., None], axis=-1)[..., 0]
+        nll = jax.nn.logsumexp(logits, axis=-1) - target_logit
         s, n = (nll * mb["weights"]).sum(), mb["weights"].sum()
         total = s + (aux["loss"] * n if moe else 0.0)
         return total, (s, n)

@@ -136,13 +136,18 @@ def attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, mask: jax.A
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, cfg.norm_offset)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     groups = cfg.num_heads // cfg.num_kv_heads
-    q = q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim)
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) * cfg.attn_scale
+    # Heads-major layouts with k/v repeated over each group (as transformers' repeat_kv) make both attention
+    # matmuls plain batched matmuls over (batch, head): XLA then transposes only the small q/k/v/out
+    # tensors, never the [batch, heads, seq, seq] scores or probabilities (in either pass).
+    q = q.transpose(0, 2, 1, 3)
+    k = jnp.repeat(k.transpose(0, 2, 1, 3), groups, axis=1)
+    v = jnp.repeat(v.transpose(0, 2, 1, 3), groups, axis=1)
+    scores = jnp.einsum("bhqd,bhsd->bhqs", q, k).astype(jnp.float32) * cfg.attn_scale
     scores = soft_cap(scores, cfg.attn_softcap)
     # A finite minimum (not -inf) keeps fully masked padding rows NaN-free.
-    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    scores = jnp.where(mask[:, 0], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, t, cfg.num_heads, cfg.head_dim)
+    out = jnp.einsum("bhqs,bhsd->bqhd", probs, v)
     out = jnp.einsum("bthd,hde->bte", out, p["o"])
     if cfg.o_bias:
         out = out + p["o_bias"]
