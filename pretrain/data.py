@@ -119,15 +119,20 @@ def lane_rows(train_order: np.ndarray, lanes: int, lane: int) -> list[int]:
     return [int(i) for i in train_order[lane::lanes]]
 
 
-def lane_dataset(docs: list[np.ndarray], seq_len: int, seed: int, packing: bool, epochs: int | None = None):
-    """A grain iterator of rows {tokens, segment ids, positions} of seq_len + 1 tokens from ``docs``."""
+def _rows(docs: list[np.ndarray], seq_len: int, seed: int, packing: bool, epochs: int | None):
+    """A grain dataset of rows {tokens, segment ids, positions} of seq_len + 1 tokens from shuffled ``docs``."""
     import grain.experimental as ge
 
     ds = grain.MapDataset.source(docs).shuffle(seed=seed).repeat(epochs)
     if not packing:
-        return iter(ds.map(lambda x: _padded(x, seq_len + 1)).to_iter_dataset())
-    ds = ds.map(lambda x: {"tokens": x})
-    return iter(ge.ConcatThenSplitIterDataset(ds.to_iter_dataset(), length_struct={"tokens": seq_len + 1}))
+        return ds.map(lambda x: _padded(x, seq_len + 1)).to_iter_dataset()
+    return ge.ConcatThenSplitIterDataset(ds.map(lambda x: {"tokens": x}).to_iter_dataset(),
+                                         length_struct={"tokens": seq_len + 1})
+
+
+def lane_dataset(docs: list[np.ndarray], seq_len: int, seed: int, packing: bool):
+    """One lane: an endless grain iterator of rows from ``docs`` (reshuffled each pass)."""
+    return iter(_rows(docs, seq_len, seed, packing, None))
 
 
 def _padded(doc: np.ndarray, length: int) -> dict[str, np.ndarray]:
@@ -176,15 +181,7 @@ def _tuples(x: Any) -> Any:
 def packed_batches(docs: list[np.ndarray], seq_len: int, batch: int, seed: int, epochs: int | None,
                    packing: bool = True):
     """A grain iterator of whole batches from one stream of ``docs`` (used for the small eval set)."""
-    import grain.experimental as ge
-
-    ds = grain.MapDataset.source(docs).shuffle(seed=seed).repeat(epochs)
-    if packing:
-        ds = ge.ConcatThenSplitIterDataset(ds.map(lambda x: {"tokens": x}).to_iter_dataset(),
-                                           length_struct={"tokens": seq_len + 1})
-    else:
-        ds = ds.map(lambda x: _padded(x, seq_len + 1)).to_iter_dataset()
-    return iter(ds.batch(batch, drop_remainder=True))
+    return iter(_rows(docs, seq_len, seed, packing, epochs).batch(batch, drop_remainder=True))
 
 
 def to_model_batch(b: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

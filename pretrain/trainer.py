@@ -275,13 +275,12 @@ def _data(cfg: TrainConfig, tokenizer: Any, vocab: int, sharding: NamedSharding,
     if too_big:
         raise UserError(f"the tokenizer at {cfg.model.tokenizer or 'the checkpoint'} produces ids beyond the "
                         f"model's vocab_size {vocab}")
-    counted_set = set(counted)
     skipped = distributed.total(sum(len(lanes[r]) - len(lane_docs[r]) for r in counted))
     if d.packing:
-        tokens = distributed.total(sum(len(x) for r in counted_set for x in lane_docs[r]))
+        tokens = distributed.total(sum(len(x) for r in counted for x in lane_docs[r]))
         per_epoch = tokens // (cfg.batch_size * (d.seq_len + 1))
     else:
-        per_epoch = distributed.total(sum(len(lane_docs[r]) for r in counted_set)) // cfg.batch_size
+        per_epoch = distributed.total(sum(len(lane_docs[r]) for r in counted)) // cfg.batch_size
     total = cfg.max_steps or max(1, per_epoch) * cfg.epochs
     batches = LaneBatches([lane_dataset(lane_docs[r], d.seq_len, cfg.seed * 1_000_003 + r, d.packing) for r in mine])
     eval_docs: list[np.ndarray] = []
@@ -317,6 +316,16 @@ def _global_batch(local: dict[str, np.ndarray], rows: list[int], sharding: Named
 def _replicated_batch(b: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
     """Global arrays from a batch every process holds whole (the eval set)."""
     return {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx]) for k, v in b.items()}
+
+
+def _check_same_processes(data_dir: Path) -> None:
+    """A checkpoint's data state is per process: resuming needs the process count that wrote it."""
+    n = jax.process_count()
+    written = sorted(data_dir.glob("process_*-of-*.json"))
+    if written and not (data_dir / f"process_{jax.process_index()}-of-{n}.json").is_file():
+        theirs = written[0].stem.rsplit("-of-", 1)[1]
+        raise UserError(f"checkpoint {data_dir.parent} was written by {theirs} processes; resume it with "
+                        f"{theirs} processes (this run has {n}), or use a new output_dir")
 
 
 def train(cfg: TrainConfig, progress: bool | None = None) -> Path:
@@ -369,6 +378,7 @@ def train(cfg: TrainConfig, progress: bool | None = None) -> Path:
     start = 0
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
     for saved in sorted(manager.all_steps(), reverse=True):
+        _check_same_processes(out / "checkpoints" / str(saved) / "data")
         try:
             restored = manager.restore(saved, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract), data=grain.checkpoint.CheckpointRestore(data.batches)))
@@ -383,11 +393,11 @@ def train(cfg: TrainConfig, progress: bool | None = None) -> Path:
     if primary:
         (out / "config.yaml").write_text(to_yaml(cfg))
 
-    metrics_file = open(out / "metrics.jsonl", "a") if primary else None
-    board = None
+    metrics_file = board = None
     if primary:
         from tensorboardX import SummaryWriter
 
+        metrics_file = open(out / "metrics.jsonl", "a")
         board = SummaryWriter(str(out / "tensorboard"))
     bar = tqdm(total=total, initial=start, desc="train", unit="step",
                disable=(not primary) or (None if progress is None else not progress))

@@ -282,6 +282,23 @@ def test_corrupted_latest_checkpoint_falls_back_to_previous(setup, tmp_path, cap
     assert saved["max_steps"] == 5 and saved["checkpoint"]["every"] == 1
 
 
+def test_resuming_with_another_process_count_is_a_clear_error(setup, tmp_path, capsys):
+    from pretrain.cli import main
+
+    out = tmp_path / "pc"
+    args = ["train", f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}",
+            f"data.path={setup / 'data.jsonl'}", "data.seq_len=16", "batch_size=2", "max_steps=2",
+            "checkpoint.every=1", f"output_dir={out}"]
+    assert main(args) == 0
+    for f in (out / "checkpoints").glob("*/data/process_0-of-1.json"):  # as if 2 processes had written it
+        f.rename(f.with_name("process_0-of-2.json"))
+        f.with_name("process_1-of-2.json").write_text(f.with_name("process_0-of-2.json").read_text())
+    capsys.readouterr()
+    assert main(args[:-3] + ["max_steps=3", "checkpoint.every=1", f"output_dir={out}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "written by 2 processes" in err[0] and "this run has 1" in err[0]
+
+
 def test_mesh_larger_than_the_machine_is_a_clear_error(setup, tmp_path, capsys):
     from pretrain.cli import main
 

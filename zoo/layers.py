@@ -108,7 +108,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def attention_mask(segment_ids: jax.Array, window: int | None = None) -> jax.Array:
-    """Boolean [batch, 1, 1, q, k]: causal within each packed document, nothing across.
+    """Boolean [batch, 1, q, k] (broadcast over heads): causal within each packed document, nothing across.
 
     With ``window`` W a query sees only the W most recent keys, itself included
     (``0 <= q - k < W``, as transformers' sliding-window masks). Within a
@@ -120,7 +120,7 @@ def attention_mask(segment_ids: jax.Array, window: int | None = None) -> jax.Arr
     if window is not None:
         allowed &= q - k < window
     same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    return (allowed[None] & same)[:, None, None]
+    return (allowed[None] & same)[:, None]
 
 
 def attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, mask: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -145,7 +145,7 @@ def attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, mask: jax.A
     scores = jnp.einsum("bhqd,bhsd->bhqs", q, k).astype(jnp.float32) * cfg.attn_scale
     scores = soft_cap(scores, cfg.attn_softcap)
     # A finite minimum (not -inf) keeps fully masked padding rows NaN-free.
-    scores = jnp.where(mask[:, 0], scores, jnp.finfo(jnp.float32).min)
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bhqs,bhsd->bqhd", probs, v)
     out = jnp.einsum("bthd,hde->bte", out, p["o"])
@@ -177,7 +177,7 @@ def mla_attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, mask: j
     q = jnp.concatenate([q[..., :dn], q_pe], axis=-1)
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe, k_nope.shape[:-1] + (dr,))], axis=-1)
     scores = jnp.einsum("bqhd,bshd->bhqs", q, k).astype(jnp.float32) * cfg.attn_scale
-    scores = jnp.where(mask[:, 0], scores, jnp.finfo(jnp.float32).min)
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bhqs,bshd->bqhd", probs, v)
     return jnp.einsum("bthd,hde->bte", out, p["o"])
