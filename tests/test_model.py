@@ -132,7 +132,7 @@ def test_remat_policies_keep_gradients_and_cut_saved_activations():
         for x, y in zip(jax.tree.leaves(ref), jax.tree.leaves(fn(params))):
             np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=1e-6)
         temp[remat] = fn.memory_analysis().temp_size_in_bytes
-    # Without remat the backward keeps every layer's [batch, heads, seq, seq] attention weights;
-    # both policies recompute them, so the compiled step needs less scratch memory.
+    # Without remat the backward keeps every activation of every layer; "full" keeps only each layer's
+    # input, and "save_dots" adds the weight matmuls' outputs (so it must sit strictly between the two).
     assert temp["full"] < 0.7 * temp["none"], temp
-    assert temp["save_dots"] < 0.8 * temp["none"], temp
+    assert temp["full"] < 0.9 * temp["save_dots"] < 0.9 * temp["none"], temp

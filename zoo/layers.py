@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import math
+from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
+from zoo.blockwise import blockwise_attention
 from zoo.config import ModelConfig, RopeConfig
+
+BLOCK = 128  # query block length of blockwise attention (measured best on CPU at seq 512)
 
 ACTIVATIONS = {
     "silu": jax.nn.silu,
@@ -17,6 +23,51 @@ ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
     "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
 }
+
+
+def dense(x: jax.Array, w: jax.Array, out_dtype: Any = None) -> jax.Array:
+    """x [..., K] @ w [K, N] (accumulated and returned in ``out_dtype`` when given), with a backward
+    pass laid out for XLA:CPU's fast matmul kernels (see :func:`_dense`).
+
+    The output is named "dense" for :func:`jax.checkpoint` policies (``remat: save_dots``
+    saves exactly these), since the matmul inside a custom VJP is invisible to them.
+    """
+    return checkpoint_name(_dense(x, w, out_dtype), "dense")
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _dense(x: jax.Array, w: jax.Array, out_dtype: Any = None) -> jax.Array:
+    """x @ w, with a hand-written backward pass.
+
+    The weight gradient contracts over every token, the leading axis of both
+    x and the output gradient, so one of them has to be transposed; left to
+    itself XLA often transposes the larger one and fuses that transpose into
+    the elementwise work that produced it (slow strided writes). Here the
+    smaller operand is transposed, as a plain copy, and the result is pinned
+    with an optimization barrier so XLA cannot fold the choice back.
+    Mathematically this is exactly ``x @ w``.
+    """
+    return jnp.einsum("...k,kn->...n", x, w, preferred_element_type=out_dtype)
+
+
+def _dense_fwd(x: jax.Array, w: jax.Array, out_dtype: Any) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    return _dense(x, w, out_dtype), (x, w)
+
+
+def _dense_bwd(out_dtype: Any, res: tuple[jax.Array, jax.Array], g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    x, w = res
+    k, n = w.shape
+    g = g.astype(jnp.promote_types(x.dtype, w.dtype))
+    dx = jnp.einsum("...n,kn->...k", g, w).astype(x.dtype)
+    x2, g2 = x.reshape(-1, k), g.reshape(-1, n)
+    if k <= n:
+        dw = jnp.einsum("tk,tn->kn", x2, g2)  # XLA transposes the first operand: x, the smaller
+    else:
+        dw = jax.lax.optimization_barrier(jnp.einsum("tn,tk->nk", g2, x2)).T
+    return dx, dw.astype(w.dtype)
+
+
+_dense.defvjp(_dense_fwd, _dense_bwd)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
@@ -123,39 +174,43 @@ def attention_mask(segment_ids: jax.Array, window: int | None = None) -> jax.Arr
     return (allowed[None] & same)[:, None]
 
 
-def attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, mask: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Grouped-query self-attention of one layer; x [batch, seq, embed]."""
-    b, t, _ = x.shape
-    q = jnp.einsum("bte,ehd->bthd", x, p["q"])
-    k = jnp.einsum("bte,ehd->bthd", x, p["k"])
-    v = jnp.einsum("bte,ehd->bthd", x, p["v"])
+def attention_block(t: int) -> int:
+    """Query block length for :func:`zoo.blockwise.blockwise_attention`: 128, or t/8 for long sequences."""
+    return max(BLOCK, -(-t // 8))
+
+
+def attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, mask: jax.Array, cfg: ModelConfig,
+              window: int | None = None) -> jax.Array:
+    """Grouped-query self-attention of one layer; x [batch, seq, embed].
+
+    ``mask`` [batch, 1, q, k] is causal (see :func:`attention_mask`); ``window``
+    is the sliding window it was built with, which lets whole key blocks
+    outside it be skipped.
+    """
+    b, t, e = x.shape
+    hq, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    # One matmul for q, k and v (a bigger matmul runs closer to peak; the weight concat is tiny).
+    q, k, v = (dense(x, p[n].reshape(e, -1)).reshape(b, t, -1, d) for n in ("q", "k", "v"))
     if cfg.qkv_bias:
         q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, cfg.norm_offset)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, cfg.norm_offset)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    groups = cfg.num_heads // cfg.num_kv_heads
-    # Heads-major layouts with k/v repeated over each group (as transformers' repeat_kv) make both attention
-    # matmuls plain batched matmuls over (batch, head): XLA then transposes only the small q/k/v/out
-    # tensors, never the [batch, heads, seq, seq] scores or probabilities (in either pass).
-    q = q.transpose(0, 2, 1, 3)
-    k = jnp.repeat(k.transpose(0, 2, 1, 3), groups, axis=1)
-    v = jnp.repeat(v.transpose(0, 2, 1, 3), groups, axis=1)
-    scores = jnp.einsum("bhqd,bhsd->bhqs", q, k).astype(jnp.float32) * cfg.attn_scale
-    scores = soft_cap(scores, cfg.attn_softcap)
-    # A finite minimum (not -inf) keeps fully masked padding rows NaN-free.
-    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bhqs,bhsd->bqhd", probs, v)
-    out = jnp.einsum("bthd,hde->bte", out, p["o"])
+    g = hq // hk
+    # Each key/value head with its group of query heads: [b, kv_heads, group, t, d].
+    qg = q.reshape(b, t, hk, g, d).transpose(0, 2, 3, 1, 4)
+    out = blockwise_attention(qg, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask, cfg.attn_scale,
+                              cfg.attn_softcap, window, attention_block(t))
+    out = out.transpose(0, 3, 1, 2, 4)
+    out = dense(out.reshape(b, t, hq * d), p["o"].reshape(hq * d, e))
     if cfg.o_bias:
         out = out + p["o_bias"]
     return out
 
 
 def mla_attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, mask: jax.Array,
-                  cfg: ModelConfig) -> jax.Array:
+                  cfg: ModelConfig, window: int | None = None) -> jax.Array:
     """DeepSeek's multi-head latent attention: q and kv through low-rank latents, a shared RoPE key.
 
     The RoPE dimensions are stored de-interleaved (the converter permutes
@@ -185,11 +240,12 @@ def mla_attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, mask: j
 
 def mlp(x: jax.Array, p: dict, cfg: ModelConfig) -> jax.Array:
     """Gated MLP (SwiGLU / GeGLU): down(act(gate(x)) * up(x))."""
-    gate = x @ p["gate"]
-    up = x @ p["up"]
+    f = p["gate"].shape[-1]
+    # gate and up as one matmul (a bigger matmul runs closer to peak; the weight concat is tiny).
+    gate, up = dense(x, p["gate"]), dense(x, p["up"])
     if cfg.mlp_bias:
         gate, up = gate + p["gate_bias"], up + p["up_bias"]
-    out = (ACTIVATIONS[cfg.hidden_act](gate) * up) @ p["down"]
+    out = dense(ACTIVATIONS[cfg.hidden_act](gate) * up, p["down"])
     if cfg.mlp_bias:
         out = out + p["down_bias"]
     return out

@@ -14,6 +14,7 @@ from zoo.layers import (
     ACTIVATIONS,
     attention,
     attention_mask,
+    dense,
     mla_attention,
     mlp,
     rms_norm,
@@ -65,7 +66,10 @@ def layer_segments(kinds: tuple[str, ...], max_period: int = 12) -> list[Segment
 
 REMAT_POLICIES = {
     "full": None,  # save nothing inside a layer
-    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # The weight matmuls' outputs: zoo.layers.dense names them (its custom VJP hides the dot itself).
+    "save_dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names("dense")),
 }
 
 
@@ -111,7 +115,8 @@ def forward(
         return rms_norm(x, w, cfg.rms_norm_eps, cfg.norm_offset)
 
     def layer(x: jax.Array, p: dict, kind: str, moe: bool) -> tuple[jax.Array, dict]:
-        h = attend(norm(x, p["attn_norm"]), p, *ropes[kind], masks[kind], cfg)
+        window = cfg.sliding_window if kind == "sliding" else None
+        h = attend(norm(x, p["attn_norm"]), p, *ropes[kind], masks[kind], cfg, window)
         if cfg.post_norms:
             h = norm(h, p["post_attn_norm"])
         x = x + h
@@ -147,7 +152,7 @@ def forward(
                 layer_stats.append(jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), ys))
     x = norm(x, params["final_norm"])
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    logits = soft_cap(jnp.einsum("bte,ev->btv", x, head, preferred_element_type=jnp.float32), cfg.final_softcap)
+    logits = soft_cap(dense(x, head, jnp.float32), cfg.final_softcap)
     if not return_aux:
         return logits
     if not layer_stats:

@@ -1,0 +1,101 @@
+"""Causal attention in query blocks, with a hand-written backward pass (flash-attention style).
+
+Each block of queries is scored only against the keys it can see: with a
+causal mask the upper-right blocks are never computed, which skips nearly
+half of the attention matmuls and softmax work at long sequence lengths
+(and, with a sliding window, the keys left of the window too). The forward
+pass keeps only q, k, v, the output and each row's log-sum-exp; the backward
+pass recomputes each block's probabilities from them, so the
+[batch, heads, seq, seq] probabilities are never stored for the backward
+pass. Grouped-query heads are handled by folding each group of query heads
+into the rows of one matmul against its shared key/value head, so K/V are
+never repeated.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+NEG = float(jnp.finfo(jnp.float32).min)
+
+
+def key_ranges(t: int, block: int, window: int | None) -> list[tuple[int, int, int, int]]:
+    """(q_start, q_end, k_start, k_end) per query block: the keys a causal (windowed) block can see."""
+    out = []
+    for qs in range(0, t, block):
+        qe = min(qs + block, t)
+        ks = 0 if window is None else max(0, qs - window + 1)
+        out.append((qs, qe, ks, qe))
+    return out
+
+
+def _scores(qb: jax.Array, kb: jax.Array, mb: jax.Array, scale: float, cap: float | None):
+    """Masked (soft-capped) float32 scores [b, kv, g, q, k] and tanh of the cap (for the backward)."""
+    s = jnp.einsum("bhgqd,bhkd->bhgqk", qb, kb, preferred_element_type=jnp.float32) * scale
+    th = None
+    if cap is not None:
+        th = jnp.tanh(s / cap)
+        s = cap * th
+    return jnp.where(mb[:, :, None], s, NEG), th
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float,
+                        cap: float | None, window: int | None, block: int) -> jax.Array:
+    """Softmax attention ``softmax(mask(cap(q k^T * scale))) v`` computed per block of queries.
+
+    q [b, kv_heads, group, t, d] (the query heads of each key/value head),
+    k and v [b, kv_heads, t, d], mask bool [b, 1, t, t] (causal, and
+    windowed when ``window`` is set: keys outside ``key_ranges`` must be
+    masked). Returns [b, kv_heads, group, t, d] in v's dtype.
+    """
+    return _forward(q, k, v, mask, scale, cap, window, block)[0]
+
+
+def _forward(q, k, v, mask, scale, cap, window, block):
+    outs, lses = [], []
+    for qs, qe, ks, ke in key_ranges(q.shape[3], block, window):
+        s, _ = _scores(q[:, :, :, qs:qe], k[:, :, ks:ke], mask[:, :, qs:qe, ks:ke], scale, cap)
+        m = jnp.max(s, axis=-1, keepdims=True)
+        e = jnp.exp(s - m)
+        denom = jnp.sum(e, axis=-1, keepdims=True)
+        p = (e / denom).astype(v.dtype)
+        outs.append(jnp.einsum("bhgqk,bhkd->bhgqd", p, v[:, :, ks:ke]))
+        lses.append(m[..., 0] + jnp.log(denom[..., 0]))
+    out = jnp.concatenate(outs, axis=3)
+    return out, (q, k, v, mask, out, jnp.concatenate(lses, axis=3))
+
+
+def _fwd(q, k, v, mask, scale, cap, window, block):
+    return _forward(q, k, v, mask, scale, cap, window, block)
+
+
+def _bwd(scale, cap, window, block, res, dout):
+    q, k, v, mask, out, lse = res
+    # D_i = sum_d dout_i * out_i: the softmax backward's row term, once for all blocks.
+    rows = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    dq_blocks = []
+    dk = jnp.zeros(k.shape, jnp.float32)
+    dv = jnp.zeros(v.shape, jnp.float32)
+    for qs, qe, ks, ke in key_ranges(q.shape[3], block, window):
+        qb, kb, vb = q[:, :, :, qs:qe], k[:, :, ks:ke], v[:, :, ks:ke]
+        s, th = _scores(qb, kb, mask[:, :, qs:qe, ks:ke], scale, cap)
+        p = jnp.exp(s - lse[..., qs:qe, None])
+        dob = dout[:, :, :, qs:qe]
+        dv = dv.at[:, :, ks:ke].add(jnp.einsum("bhgqk,bhgqd->bhkd", p.astype(v.dtype), dob,
+                                               preferred_element_type=jnp.float32))
+        dp = jnp.einsum("bhgqd,bhkd->bhgqk", dob, vb, preferred_element_type=jnp.float32)
+        ds = p * (dp - rows[..., qs:qe, None])
+        if cap is not None:
+            ds = ds * (1 - th * th)
+        ds = (ds * scale).astype(q.dtype)
+        dq_blocks.append(jnp.einsum("bhgqk,bhkd->bhgqd", ds, kb))
+        dk = dk.at[:, :, ks:ke].add(jnp.einsum("bhgqk,bhgqd->bhkd", ds, qb, preferred_element_type=jnp.float32))
+    dq = jnp.concatenate(dq_blocks, axis=3)
+    return dq, dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+blockwise_attention.defvjp(_fwd, _bwd)
