@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from zoo.blockwise import blockwise_attention, key_ranges
-from zoo.layers import attention_mask, dense
+from zoo.layers import ACTIVATIONS, attention_mask, dense, glu_down
 
 
 def _plain_attention(q, k, v, mask, scale, cap):
@@ -71,3 +71,15 @@ def test_dense_gradients_equal_autodiff_of_matmul(shape):
     for a, b in zip(got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(dense(x, w)), np.asarray(x @ w), rtol=1e-6)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+def test_glu_down_gradients_equal_autodiff(act):
+    rng = np.random.RandomState(2)
+    gate, up = (jnp.asarray(rng.randn(2, 3, 6), jnp.float32) for _ in range(2))
+    w = jnp.asarray(rng.randn(6, 4), jnp.float32)
+    dy = jnp.asarray(rng.randn(2, 3, 4), jnp.float32)
+    got = jax.grad(lambda *a: jnp.sum(glu_down(*a, act) * dy), (0, 1, 2))(gate, up, w)
+    want = jax.grad(lambda g, u, w: jnp.sum((ACTIVATIONS[act](g) * u) @ w * dy), (0, 1, 2))(gate, up, w)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

@@ -56,15 +56,20 @@ def _dense_fwd(x: jax.Array, w: jax.Array, out_dtype: Any) -> tuple[jax.Array, t
 
 def _dense_bwd(out_dtype: Any, res: tuple[jax.Array, jax.Array], g: jax.Array) -> tuple[jax.Array, jax.Array]:
     x, w = res
-    k, n = w.shape
     g = g.astype(jnp.promote_types(x.dtype, w.dtype))
     dx = jnp.einsum("...n,kn->...k", g, w).astype(x.dtype)
+    return dx, _weight_grad(x, g, w)
+
+
+def _weight_grad(x: jax.Array, g: jax.Array, w: jax.Array) -> jax.Array:
+    """dL/dw of x @ w for output gradient g, transposing the smaller of x and g (see :func:`_dense`)."""
+    k, n = w.shape
     x2, g2 = x.reshape(-1, k), g.reshape(-1, n)
     if k <= n:
         dw = jnp.einsum("tk,tn->kn", x2, g2)  # XLA transposes the first operand: x, the smaller
     else:
         dw = jax.lax.optimization_barrier(jnp.einsum("tn,tk->nk", g2, x2)).T
-    return dx, dw.astype(w.dtype)
+    return dw.astype(w.dtype)
 
 
 _dense.defvjp(_dense_fwd, _dense_bwd)
@@ -189,7 +194,6 @@ def attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, mask: jax.A
     """
     b, t, e = x.shape
     hq, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    # One matmul for q, k and v (a bigger matmul runs closer to peak; the weight concat is tiny).
     q, k, v = (dense(x, p[n].reshape(e, -1)).reshape(b, t, -1, d) for n in ("q", "k", "v"))
     if cfg.qkv_bias:
         q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
@@ -238,14 +242,40 @@ def mla_attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, mask: j
     return jnp.einsum("bthd,hde->bte", out, p["o"])
 
 
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def glu_down(gate: jax.Array, up: jax.Array, w: jax.Array, act: str) -> jax.Array:
+    """(act(gate) * up) @ w, keeping only gate and up for the backward pass.
+
+    Autodiff would store act(gate), its derivative's terms and the product as
+    well: three more [tokens, mlp] arrays per layer. Recomputing them in the
+    backward pass is cheap elementwise work, and the smaller activation
+    memory is what the CPU step is bound by.
+    """
+    return dense(ACTIVATIONS[act](gate) * up, w)
+
+
+def _glu_down_fwd(gate: jax.Array, up: jax.Array, w: jax.Array, act: str):
+    return glu_down(gate, up, w, act), (gate, up, w)
+
+
+def _glu_down_bwd(act: str, res: tuple[jax.Array, jax.Array, jax.Array], g: jax.Array):
+    gate, up, w = res
+    h, glu_vjp = jax.vjp(lambda a, b: ACTIVATIONS[act](a) * b, gate, up)
+    g = g.astype(jnp.promote_types(h.dtype, w.dtype))
+    dh = jnp.einsum("...n,kn->...k", g, w).astype(h.dtype)
+    dgate, dup = glu_vjp(dh)
+    return dgate, dup, _weight_grad(h, g, w)
+
+
+glu_down.defvjp(_glu_down_fwd, _glu_down_bwd)
+
+
 def mlp(x: jax.Array, p: dict, cfg: ModelConfig) -> jax.Array:
     """Gated MLP (SwiGLU / GeGLU): down(act(gate(x)) * up(x))."""
-    f = p["gate"].shape[-1]
-    # gate and up as one matmul (a bigger matmul runs closer to peak; the weight concat is tiny).
     gate, up = dense(x, p["gate"]), dense(x, p["up"])
     if cfg.mlp_bias:
         gate, up = gate + p["gate_bias"], up + p["up_bias"]
-    out = dense(ACTIVATIONS[cfg.hidden_act](gate) * up, p["down"])
+    out = glu_down(gate, up, p["down"], cfg.hidden_act)
     if cfg.mlp_bias:
         out = out + p["down_bias"]
     return out
