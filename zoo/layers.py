@@ -11,10 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from zoo.blockwise import blockwise_attention
+from zoo.blockwise import blockwise_attention, query_block
 from zoo.config import ModelConfig, RopeConfig
-
-BLOCK = 128  # query block length of blockwise attention (measured best on CPU at seq 512)
 
 ACTIVATIONS = {
     "silu": jax.nn.silu,
@@ -55,21 +53,17 @@ def _dense_fwd(x: jax.Array, w: jax.Array, out_dtype: Any) -> tuple[jax.Array, t
 
 
 def _dense_bwd(out_dtype: Any, res: tuple[jax.Array, jax.Array], g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(dx, dw) of x @ w for output gradient g, transposing the smaller of x and g for dw."""
     x, w = res
+    k, n = w.shape
     g = g.astype(jnp.promote_types(x.dtype, w.dtype))
     dx = jnp.einsum("...n,kn->...k", g, w).astype(x.dtype)
-    return dx, _weight_grad(x, g, w)
-
-
-def _weight_grad(x: jax.Array, g: jax.Array, w: jax.Array) -> jax.Array:
-    """dL/dw of x @ w for output gradient g, transposing the smaller of x and g (see :func:`_dense`)."""
-    k, n = w.shape
     x2, g2 = x.reshape(-1, k), g.reshape(-1, n)
     if k <= n:
         dw = jnp.einsum("tk,tn->kn", x2, g2)  # XLA transposes the first operand: x, the smaller
     else:
         dw = jax.lax.optimization_barrier(jnp.einsum("tn,tk->nk", g2, x2)).T
-    return dw.astype(w.dtype)
+    return dx, dw.astype(w.dtype)
 
 
 _dense.defvjp(_dense_fwd, _dense_bwd)
@@ -179,11 +173,6 @@ def attention_mask(segment_ids: jax.Array, window: int | None = None) -> jax.Arr
     return (allowed[None] & same)[:, None]
 
 
-def attention_block(t: int) -> int:
-    """Query block length for :func:`zoo.blockwise.blockwise_attention`: 128, or t/8 for long sequences."""
-    return max(BLOCK, -(-t // 8))
-
-
 def attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, mask: jax.Array, cfg: ModelConfig,
               window: int | None = None) -> jax.Array:
     """Grouped-query self-attention of one layer; x [batch, seq, embed].
@@ -205,7 +194,7 @@ def attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, mask: jax.A
     # Each key/value head with its group of query heads: [b, kv_heads, group, t, d].
     qg = q.reshape(b, t, hk, g, d).transpose(0, 2, 3, 1, 4)
     out = blockwise_attention(qg, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask, cfg.attn_scale,
-                              cfg.attn_softcap, window, attention_block(t))
+                              cfg.attn_softcap, window, query_block(t))
     out = out.transpose(0, 3, 1, 2, 4)
     out = dense(out.reshape(b, t, hq * d), p["o"].reshape(hq * d, e))
     if cfg.o_bias:
@@ -261,10 +250,8 @@ def _glu_down_fwd(gate: jax.Array, up: jax.Array, w: jax.Array, act: str):
 def _glu_down_bwd(act: str, res: tuple[jax.Array, jax.Array, jax.Array], g: jax.Array):
     gate, up, w = res
     h, glu_vjp = jax.vjp(lambda a, b: ACTIVATIONS[act](a) * b, gate, up)
-    g = g.astype(jnp.promote_types(h.dtype, w.dtype))
-    dh = jnp.einsum("...n,kn->...k", g, w).astype(h.dtype)
-    dgate, dup = glu_vjp(dh)
-    return dgate, dup, _weight_grad(h, g, w)
+    dh, dw = _dense_bwd(None, (h, w), g)
+    return (*glu_vjp(dh), dw)
 
 
 glu_down.defvjp(_glu_down_fwd, _glu_down_bwd)
