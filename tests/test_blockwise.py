@@ -1,4 +1,9 @@
-"""The hand-written backward passes (blockwise attention, dense) against autodiff of the plain formulas."""
+"""The hand-written backward passes (blockwise attention, dense, glu_down, rms_norm) against autodiff of the
+plain formulas, and what the layer scan keeps for the backward pass."""
+
+import contextlib
+import io
+import re
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +11,11 @@ import numpy as np
 import pytest
 
 from zoo.blockwise import blockwise_attention, key_ranges
-from zoo.layers import ACTIVATIONS, attention_mask, dense, glu_down
+from flax import nnx
+
+from zoo.config import ModelConfig
+from zoo.layers import ACTIVATIONS, attention_mask, dense, glu_down, normed_dense, rms_norm
+from zoo.model import Decoder, forward
 
 
 def _plain_attention(q, k, v, mask, scale, cap):
@@ -83,3 +92,97 @@ def test_glu_down_gradients_equal_autodiff(act):
     want = jax.grad(lambda g, u, w: jnp.sum((ACTIVATIONS[act](g) * u) @ w * dy), (0, 1, 2))(gate, up, w)
     for a, b in zip(got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_dense_contracts_the_leading_axes_of_a_stored_weight():
+    """q's [embed, heads, head_dim] and o's [heads, head_dim, embed] used as stored (contract 1 and 2)."""
+    rng = np.random.RandomState(3)
+    x = jnp.asarray(rng.randn(2, 3, 6), jnp.float32)
+    for w_shape, contract, spec in (((6, 2, 4), 1, "btk,khd->bthd"), ((2, 3, 5), 2, "bthd,hde->bte")):
+        w = jnp.asarray(rng.randn(*w_shape), jnp.float32)
+        xin = x if contract == 1 else x.reshape(2, 3, 2, 3)
+        n = int(np.prod(w_shape[contract:]))
+        dy = jnp.asarray(rng.randn(2, 3, n), jnp.float32)
+        got = jax.grad(lambda x, w: jnp.sum(dense(x, w, contract=contract) * dy), (0, 1))(x, w)
+        want = jax.grad(lambda x, w: jnp.sum(jnp.einsum(spec, x.reshape(xin.shape), w).reshape(2, 3, n) * dy),
+                        (0, 1))(x, w)
+        for a, b in zip(got, want):
+            assert a.shape == b.shape
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rms_norm_gradients_equal_autodiff(offset, dtype):
+    def plain(x, w):
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + 1e-5)
+        return ((offset + w.astype(jnp.float32)) * xf).astype(x.dtype)
+
+    rng = np.random.RandomState(4)
+    x = jnp.asarray(rng.randn(2, 3, 4, 8), dtype)  # the [b, t, heads, head_dim] of a q/k norm
+    w = jnp.asarray(rng.randn(8), dtype)
+    dy = jnp.asarray(rng.randn(2, 3, 4, 8), jnp.float32)
+    got = jax.grad(lambda x, w: jnp.sum(rms_norm(x, w, 1e-5, offset).astype(jnp.float32) * dy), (0, 1))(x, w)
+    want = jax.grad(lambda x, w: jnp.sum(plain(x, w).astype(jnp.float32) * dy), (0, 1))(x, w)
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    for a, b in zip(got, want):
+        assert a.dtype == dtype
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_normed_dense_gradients_equal_autodiff_of_norm_then_matmuls(offset):
+    rng = np.random.RandomState(5)
+    x = jnp.asarray(rng.randn(2, 3, 8), jnp.float32)
+    nw = jnp.asarray(rng.randn(8), jnp.float32)
+    ws = (jnp.asarray(rng.randn(8, 2, 3), jnp.float32), jnp.asarray(rng.randn(8, 5), jnp.float32))
+    dys = (jnp.asarray(rng.randn(2, 3, 6), jnp.float32), jnp.asarray(rng.randn(2, 3, 5), jnp.float32))
+
+    def plain(x, nw, ws):
+        n = rms_norm(x, nw, 1e-6, offset)
+        return sum(jnp.sum((n @ w.reshape(8, -1)) * dy) for w, dy in zip(ws, dys))
+
+    def fused(x, nw, ws):
+        return sum(jnp.sum(y * dy) for y, dy in zip(normed_dense(x, nw, ws, 1e-6, offset), dys))
+
+    np.testing.assert_allclose(float(fused(x, nw, ws)), float(plain(x, nw, ws)), rtol=1e-6)
+    got = jax.grad(fused, (0, 1, 2))(x, nw, ws)
+    want = jax.grad(plain, (0, 1, 2))(x, nw, ws)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def _saved_residuals(f, *args) -> list[tuple[tuple[int, ...], str]]:
+    """(shape, source) of what autodiff keeps for f's backward pass, from JAX's public printout."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        jax.ad_checkpoint.print_saved_residuals(f, *args)
+    rows = [re.match(r"\w+\[([\d,]*)\] (.*)", line) for line in out.getvalue().splitlines()]
+    assert rows and all(rows), out.getvalue()
+    return [(tuple(int(d) for d in m.group(1).split(",") if d), m.group(2)) for m in rows]
+
+
+@pytest.mark.parametrize("kinds", [None, ("sliding", "full")])
+def test_layer_scan_does_not_stack_copies_of_the_weights(kinds):
+    """The backward pass needs each layer's matrices. With one kind of layer they must be the parameters
+    themselves; with alternating kinds (Gemma 2/3, scanned in blocks) one strided slice of them, made
+    before the scan. Never copies the scan stacks up, one slice per layer (a copy of every weight per step)."""
+    extra = {} if kinds is None else {"layer_types": kinds * 2, "sliding_window": 8}
+    cfg = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=4,
+                      num_heads=4, num_kv_heads=2, head_dim=8, **extra)
+    params = Decoder(cfg, rngs=nnx.Rngs(0)).param_dict()
+    tokens = jnp.asarray(np.random.RandomState(0).randint(0, 64, (2, 16)), jnp.int32)
+    residuals = _saved_residuals(lambda p: forward(cfg, p, tokens).sum(), params)
+    period = len(kinds or ("full",))
+    weights = {(a.shape[0] // period,) + a.shape[1:] for a in jax.tree.leaves(params["layers"]) if a.ndim > 2}
+    kept = [(shape, src) for shape, src in residuals if shape in weights]
+    assert len(kept) == 7 * period  # q, k, v, o, gate, up, down
+    assert not [r for r in kept if "output of scan" in r[1]], kept
+    if kinds is None:
+        assert all(src.startswith("from the argument") for _, src in kept), kept
+        # And of the [tokens, embed] activations only three per layer: the layer's input, the attention
+        # output (the o projection's input) and the stream after attention; the norms' outputs are
+        # recomputed (normed_dense, rms_norm).
+        assert sum(shape == (4, 2, 16, 32) for shape, _ in residuals) == 3, residuals

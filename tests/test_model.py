@@ -113,7 +113,8 @@ def test_mesh_size_errors_are_clear():
 
 
 def test_remat_policies_keep_gradients_and_cut_saved_activations():
-    cfg = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4,
+    # Twelve layers, so that the activations saved across layers outweigh one layer's scratch memory.
+    cfg = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=12,
                       num_heads=4, num_kv_heads=2, head_dim=8)
     params = Decoder(cfg, rngs=nnx.Rngs(0)).param_dict()
     tokens = jnp.asarray(np.random.RandomState(0).randint(0, 64, (4, 256)), jnp.int32)

@@ -23,18 +23,26 @@ ACTIVATIONS = {
 }
 
 
-def dense(x: jax.Array, w: jax.Array, out_dtype: Any = None) -> jax.Array:
+def dense(x: jax.Array, w: jax.Array, out_dtype: Any = None, contract: int = 1) -> jax.Array:
     """x [..., K] @ w [K, N] (accumulated and returned in ``out_dtype`` when given), with a backward
     pass laid out for XLA:CPU's fast matmul kernels (see :func:`_dense`).
 
-    The output is named "dense" for :func:`jax.checkpoint` policies (``remat: save_dots``
-    saves exactly these), since the matmul inside a custom VJP is invisible to them.
+    The weight may keep its stored shape: its first ``contract`` axes make K and
+    the rest N (q's [embed, heads, head_dim] is K=embed, N=heads*head_dim), so
+    inside a layer scan the backward pass reads the parameter itself rather than
+    a stacked copy of a reshaped one. The output is [..., N] and is named "dense"
+    for :func:`jax.checkpoint` policies (``remat: save_dots`` saves exactly
+    these), since the matmul inside a custom VJP is invisible to them.
     """
-    return checkpoint_name(_dense(x, w, out_dtype), "dense")
+    return checkpoint_name(_dense(x, w, out_dtype, contract), "dense")
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _dense(x: jax.Array, w: jax.Array, out_dtype: Any = None) -> jax.Array:
+def _matrix(w: jax.Array, contract: int) -> jax.Array:
+    return w.reshape(math.prod(w.shape[:contract]), -1)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _dense(x: jax.Array, w: jax.Array, out_dtype: Any = None, contract: int = 1) -> jax.Array:
     """x @ w, with a hand-written backward pass.
 
     The weight gradient contracts over every token, the leading axis of both
@@ -45,16 +53,18 @@ def _dense(x: jax.Array, w: jax.Array, out_dtype: Any = None) -> jax.Array:
     with an optimization barrier so XLA cannot fold the choice back.
     Mathematically this is exactly ``x @ w``.
     """
-    return jnp.einsum("...k,kn->...n", x, w, preferred_element_type=out_dtype)
+    return jnp.einsum("...k,kn->...n", x, _matrix(w, contract), preferred_element_type=out_dtype)
 
 
-def _dense_fwd(x: jax.Array, w: jax.Array, out_dtype: Any) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    return _dense(x, w, out_dtype), (x, w)
+def _dense_fwd(x: jax.Array, w: jax.Array, out_dtype: Any, contract: int) -> tuple[jax.Array, tuple]:
+    return _dense(x, w, out_dtype, contract), (x, w)
 
 
-def _dense_bwd(out_dtype: Any, res: tuple[jax.Array, jax.Array], g: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _dense_bwd(out_dtype: Any, contract: int, res: tuple[jax.Array, jax.Array],
+               g: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(dx, dw) of x @ w for output gradient g, transposing the smaller of x and g for dw."""
-    x, w = res
+    x, w_stored = res
+    w = _matrix(w_stored, contract)
     k, n = w.shape
     g = g.astype(jnp.promote_types(x.dtype, w.dtype))
     dx = jnp.einsum("...n,kn->...k", g, w).astype(x.dtype)
@@ -63,7 +73,7 @@ def _dense_bwd(out_dtype: Any, res: tuple[jax.Array, jax.Array], g: jax.Array) -
         dw = jnp.einsum("tk,tn->kn", x2, g2)  # XLA transposes the first operand: x, the smaller
     else:
         dw = jax.lax.optimization_barrier(jnp.einsum("tn,tk->nk", g2, x2)).T
-    return dx, dw.astype(w.dtype)
+    return dx, dw.reshape(w_stored.shape).astype(w.dtype)
 
 
 _dense.defvjp(_dense_fwd, _dense_bwd)
@@ -72,11 +82,83 @@ _dense.defvjp(_dense_fwd, _dense_bwd)
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
     """RMSNorm scaled by (offset + weight), computed in float32 (as transformers does), cast back.
 
-    ``offset`` 1.0 is Gemma's ``x * (1 + w)``; 0.0 is Llama's ``w * x``.
+    ``offset`` 1.0 is Gemma's ``x * (1 + w)``; 0.0 is Llama's ``w * x``. The
+    backward pass keeps only x and the per-row 1/rms (autodiff would also keep
+    the float32 normalized x, one more [tokens, embed] array per norm).
     """
+    return _rms_norm(x, weight, eps, offset)
+
+
+def _rms_scale(x: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
     xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return ((offset + weight.astype(jnp.float32)) * xf).astype(x.dtype)
+    return xf, jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float) -> jax.Array:
+    _, r = _rms_scale(x, eps)
+    return _normalize(x, weight, r, offset)
+
+
+def _rms_norm_fwd(x: jax.Array, weight: jax.Array, eps: float, offset: float):
+    _, r = _rms_scale(x, eps)
+    return _normalize(x, weight, r, offset), (x, weight, r)
+
+
+def _rms_norm_bwd(eps: float, offset: float, res: tuple, g: jax.Array):
+    x, weight, r = res
+    n = x.astype(jnp.float32) * r
+    gf = g.astype(jnp.float32)
+    dw = jnp.sum((gf * n).reshape(-1, n.shape[-1]), axis=0).reshape(weight.shape)
+    dn = gf * (offset + weight.astype(jnp.float32))
+    dx = r * (dn - n * jnp.mean(dn * n, axis=-1, keepdims=True))
+    return dx.astype(x.dtype), dw.astype(weight.dtype)
+
+
+_rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+
+
+def normed_dense(x: jax.Array, norm_w: jax.Array, ws: tuple[jax.Array, ...], eps: float,
+                 offset: float = 0.0) -> tuple[jax.Array, ...]:
+    """``dense(rms_norm(x, norm_w), w)`` for each w in ws (q/k/v, or gate/up), sharing one norm.
+
+    Separately, each :func:`dense` would keep the normalized x for its
+    backward pass: one more [tokens, embed] array per norm and layer. Here the
+    backward pass recomputes it from x and the per-row 1/rms instead (cheap
+    elementwise work), so only x is kept, which the residual stream keeps anyway.
+    """
+    return tuple(checkpoint_name(y, "dense") for y in _normed_dense(x, norm_w, tuple(ws), eps, offset))
+
+
+def _normalize(x: jax.Array, norm_w: jax.Array, r: jax.Array, offset: float) -> jax.Array:
+    return ((offset + norm_w.astype(jnp.float32)) * (x.astype(jnp.float32) * r)).astype(x.dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _normed_dense(x, norm_w, ws, eps, offset):
+    n = _rms_norm(x, norm_w, eps, offset)
+    return tuple(_dense(n, w, None, 1) for w in ws)
+
+
+def _normed_dense_fwd(x, norm_w, ws, eps, offset):
+    _, r = _rms_scale(x, eps)
+    n = _normalize(x, norm_w, r, offset)
+    return tuple(_dense(n, w, None, 1) for w in ws), (x, norm_w, r, ws)
+
+
+def _normed_dense_bwd(eps, offset, res, gs):
+    x, norm_w, r, ws = res
+    n = _normalize(x, norm_w, r, offset)
+    dn, dws = None, []
+    for w, g in zip(ws, gs):
+        dn_w, dw = _dense_bwd(None, 1, (n, w), g)
+        dn = dn_w if dn is None else dn + dn_w
+        dws.append(dw)
+    dx, dnorm = _rms_norm_bwd(eps, offset, (x, norm_w, r), dn)
+    return dx, dnorm, tuple(dws)
+
+
+_normed_dense.defvjp(_normed_dense_fwd, _normed_dense_bwd)
 
 
 def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
@@ -173,17 +255,25 @@ def attention_mask(segment_ids: jax.Array, window: int | None = None) -> jax.Arr
     return (allowed[None] & same)[:, None]
 
 
+def projections(x: jax.Array, ws: tuple[jax.Array, ...], cfg: ModelConfig,
+                norm_w: jax.Array | None = None) -> tuple[jax.Array, ...]:
+    """x @ w for each w in ws; with ``norm_w``, of the RMS-normed x (see :func:`normed_dense`)."""
+    if norm_w is None:
+        return tuple(dense(x, w) for w in ws)
+    return normed_dense(x, norm_w, ws, cfg.rms_norm_eps, cfg.norm_offset)
+
+
 def attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, mask: jax.Array, cfg: ModelConfig,
-              window: int | None = None) -> jax.Array:
+              window: int | None = None, norm_w: jax.Array | None = None) -> jax.Array:
     """Grouped-query self-attention of one layer; x [batch, seq, embed].
 
     ``mask`` [batch, 1, q, k] is causal (see :func:`attention_mask`); ``window``
     is the sliding window it was built with, which lets whole key blocks
-    outside it be skipped.
+    outside it be skipped. With ``norm_w`` x is first RMS-normed by it.
     """
     b, t, e = x.shape
     hq, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q, k, v = (dense(x, p[n].reshape(e, -1)).reshape(b, t, -1, d) for n in ("q", "k", "v"))
+    q, k, v = (y.reshape(b, t, -1, d) for y in projections(x, (p["q"], p["k"], p["v"]), cfg, norm_w))
     if cfg.qkv_bias:
         q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
     if cfg.qk_norm:
@@ -196,7 +286,7 @@ def attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, mask: jax.A
     out = blockwise_attention(qg, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask, cfg.attn_scale,
                               cfg.attn_softcap, window, query_block(t))
     out = out.transpose(0, 3, 1, 2, 4)
-    out = dense(out.reshape(b, t, hq * d), p["o"].reshape(hq * d, e))
+    out = dense(out.reshape(b, t, hq * d), p["o"], contract=2)
     if cfg.o_bias:
         out = out + p["o_bias"]
     return out
@@ -250,16 +340,16 @@ def _glu_down_fwd(gate: jax.Array, up: jax.Array, w: jax.Array, act: str):
 def _glu_down_bwd(act: str, res: tuple[jax.Array, jax.Array, jax.Array], g: jax.Array):
     gate, up, w = res
     h, glu_vjp = jax.vjp(lambda a, b: ACTIVATIONS[act](a) * b, gate, up)
-    dh, dw = _dense_bwd(None, (h, w), g)
+    dh, dw = _dense_bwd(None, 1, (h, w), g)
     return (*glu_vjp(dh), dw)
 
 
 glu_down.defvjp(_glu_down_fwd, _glu_down_bwd)
 
 
-def mlp(x: jax.Array, p: dict, cfg: ModelConfig) -> jax.Array:
-    """Gated MLP (SwiGLU / GeGLU): down(act(gate(x)) * up(x))."""
-    gate, up = dense(x, p["gate"]), dense(x, p["up"])
+def mlp(x: jax.Array, p: dict, cfg: ModelConfig, norm_w: jax.Array | None = None) -> jax.Array:
+    """Gated MLP (SwiGLU / GeGLU): down(act(gate(x)) * up(x)); with ``norm_w`` x is first RMS-normed by it."""
+    gate, up = projections(x, (p["gate"], p["up"]), cfg, norm_w)
     if cfg.mlp_bias:
         gate, up = gate + p["gate_bias"], up + p["up_bias"]
     out = glu_down(gate, up, p["down"], cfg.hidden_act)

@@ -109,14 +109,16 @@ def forward(
     if cfg.embed_scale:
         # transformers casts the normalizer to the embedding dtype first.
         x = x * jnp.asarray(cfg.hidden_size**0.5, dtype=x.dtype)
-    attend = mla_attention if cfg.mla else attention
 
     def norm(x: jax.Array, w: jax.Array) -> jax.Array:
         return rms_norm(x, w, cfg.rms_norm_eps, cfg.norm_offset)
 
     def layer(x: jax.Array, p: dict, kind: str, moe: bool) -> tuple[jax.Array, dict]:
         window = cfg.sliding_window if kind == "sliding" else None
-        h = attend(norm(x, p["attn_norm"]), p, *ropes[kind], masks[kind], cfg, window)
+        if cfg.mla:
+            h = mla_attention(norm(x, p["attn_norm"]), p, *ropes[kind], masks[kind], cfg, window)
+        else:
+            h = attention(x, p, *ropes[kind], masks[kind], cfg, window, norm_w=p["attn_norm"])
         if cfg.post_norms:
             h = norm(h, p["post_attn_norm"])
         x = x + h
@@ -124,7 +126,7 @@ def forward(
         if moe:
             h, stats = moe_mlp(norm(x, p["mlp_norm"]), p, cfg, valid)
         else:
-            h = mlp(norm(x, p["mlp_norm"]), p, cfg)
+            h = mlp(x, p, cfg, norm_w=p["mlp_norm"])
         if cfg.post_norms:
             h = norm(h, p["post_mlp_norm"])
         return x + h, stats
@@ -133,14 +135,16 @@ def forward(
     for prefix, start, stop, moe in cfg.layer_groups:
         for seg in layer_segments(cfg.kinds[start:stop]):
             period = len(seg.kinds)
-            stacked = jax.tree.map(
-                lambda a: a[seg.start : seg.stop].reshape((seg.repeats, period) + a.shape[1:]), params[prefix]
-            )
+            # One stacked tree per position in the block (a strided slice; all of the stack when the
+            # period is 1), so each layer's weights enter the scan body as scanned inputs themselves:
+            # the backward pass then reads them from the parameters, not from a stacked copy.
+            stacked = [jax.tree.map(lambda a: a[seg.start + j : seg.stop : period], params[prefix])
+                       for j in range(period)]
 
-            def block(x: jax.Array, p: dict, kinds: tuple[str, ...] = seg.kinds, moe: bool = moe):
+            def block(x: jax.Array, p: list, kinds: tuple[str, ...] = seg.kinds, moe: bool = moe):
                 out = []
                 for j, kind in enumerate(kinds):
-                    x, st = layer(x, jax.tree.map(lambda a: a[j], p), kind, moe)
+                    x, st = layer(x, p[j], kind, moe)
                     out.append(st)
                 return x, jax.tree.map(lambda *a: jnp.stack(a), *out) if moe else None
 
