@@ -40,7 +40,8 @@ def test_blockwise_attention_matches_plain_softmax_and_its_gradients(cap, window
     mask = attention_mask(seg, window)
 
     def got(q, k, v):
-        return blockwise_attention(q, k, v, mask, 0.3, cap, window, block)
+        out = blockwise_attention(q, k, v, mask, 0.3, cap, window, block)  # [b, t, kv * g * d]
+        return out.reshape(b, t, kv, g, d).transpose(0, 2, 3, 1, 4)
 
     def want(q, k, v):
         return _plain_attention(q, k, v, mask, 0.3, cap)
@@ -183,6 +184,7 @@ def test_layer_scan_does_not_stack_copies_of_the_weights(kinds):
     if kinds is None:
         assert all(src.startswith("from the argument") for _, src in kept), kept
         # And of the [tokens, embed] activations only three per layer: the layer's input, the attention
-        # output (the o projection's input) and the stream after attention; the norms' outputs are
-        # recomputed (normed_dense, rms_norm).
+        # output (kept once, for both the attention's and the o projection's backward) and the stream
+        # after attention; the norms' outputs are recomputed (normed_dense, rms_norm).
         assert sum(shape == (4, 2, 16, 32) for shape, _ in residuals) == 3, residuals
+        assert sum(shape == (4, 2, 2, 2, 16, 8) for shape, _ in residuals) == 1, residuals  # q; no 2nd output

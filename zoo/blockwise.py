@@ -56,9 +56,23 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arra
     q [b, kv_heads, group, t, d] (the query heads of each key/value head),
     k and v [b, kv_heads, t, d], mask bool [b, 1, t, t] (causal, and
     windowed when ``window`` is set: keys outside ``key_ranges`` must be
-    masked). Returns [b, kv_heads, group, t, d] in v's dtype.
+    masked). Returns [b, t, kv_heads * group * d] in v's dtype: the heads
+    concatenated per token, ready for the output projection, which keeps this
+    same array for its own backward pass (so it is stored once, not twice).
     """
     return _forward(q, k, v, mask, scale, cap, window, block)[0]
+
+
+def _token_major(out: jax.Array) -> jax.Array:
+    """[b, kv, g, t, d] -> [b, t, kv * g * d]."""
+    b, h, g, t, d = out.shape
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h * g * d)
+
+
+def _head_major(x: jax.Array, like: jax.Array) -> jax.Array:
+    """Inverse of :func:`_token_major`, to the [b, kv, g, t, d] shape of ``like``."""
+    b, h, g, t, d = like.shape
+    return x.reshape(b, t, h, g, d).transpose(0, 2, 3, 1, 4)
 
 
 def _forward(q, k, v, mask, scale, cap, window, block):
@@ -71,12 +85,13 @@ def _forward(q, k, v, mask, scale, cap, window, block):
         p = (e / denom).astype(v.dtype)
         outs.append(jnp.einsum("bhgqk,bhkd->bhgqd", p, v[:, :, ks:ke]))
         lses.append(m[..., 0] + jnp.log(denom[..., 0]))
-    out = jnp.concatenate(outs, axis=3)
+    out = _token_major(jnp.concatenate(outs, axis=3))
     return out, (q, k, v, mask, out, jnp.concatenate(lses, axis=3))
 
 
 def _bwd(scale, cap, window, block, res, dout):
     q, k, v, mask, out, lse = res
+    out, dout = _head_major(out, q), _head_major(dout, q)
     # D_i = sum_d dout_i * out_i: the softmax backward's row term, once for all blocks.
     rows = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     dq_blocks = []

@@ -285,8 +285,7 @@ def attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, mask: jax.A
     qg = q.reshape(b, t, hk, g, d).transpose(0, 2, 3, 1, 4)
     out = blockwise_attention(qg, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask, cfg.attn_scale,
                               cfg.attn_softcap, window, query_block(t))
-    out = out.transpose(0, 3, 1, 2, 4)
-    out = dense(out.reshape(b, t, hq * d), p["o"], contract=2)
+    out = dense(out, p["o"], contract=2)
     if cfg.o_bias:
         out = out + p["o_bias"]
     return out
