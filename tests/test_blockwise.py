@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zoo.blockwise import blockwise_attention, key_ranges
 from flax import nnx
 
+from zoo.blockwise import blockwise_attention, key_ranges
 from zoo.config import ModelConfig
 from zoo.layers import ACTIVATIONS, attention_mask, dense, glu_down, normed_dense, rms_norm
 from zoo.model import Decoder, forward
@@ -101,11 +101,11 @@ def test_dense_contracts_the_leading_axes_of_a_stored_weight():
     x = jnp.asarray(rng.randn(2, 3, 6), jnp.float32)
     for w_shape, contract, spec in (((6, 2, 4), 1, "btk,khd->bthd"), ((2, 3, 5), 2, "bthd,hde->bte")):
         w = jnp.asarray(rng.randn(*w_shape), jnp.float32)
-        xin = x if contract == 1 else x.reshape(2, 3, 2, 3)
+        x_heads = (2, 3) + w_shape[:contract]  # x as the einsum reference reads it
         n = int(np.prod(w_shape[contract:]))
         dy = jnp.asarray(rng.randn(2, 3, n), jnp.float32)
         got = jax.grad(lambda x, w: jnp.sum(dense(x, w, contract=contract) * dy), (0, 1))(x, w)
-        want = jax.grad(lambda x, w: jnp.sum(jnp.einsum(spec, x.reshape(xin.shape), w).reshape(2, 3, n) * dy),
+        want = jax.grad(lambda x, w: jnp.sum(jnp.einsum(spec, x.reshape(x_heads), w).reshape(2, 3, n) * dy),
                         (0, 1))(x, w)
         for a, b in zip(got, want):
             assert a.shape == b.shape

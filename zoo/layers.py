@@ -89,19 +89,24 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -
     return _rms_norm(x, weight, eps, offset)
 
 
-def _rms_scale(x: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
+def _inv_rms(x: jax.Array, eps: float) -> jax.Array:
+    """Per-row 1/rms of x [..., 1], in float32."""
     xf = x.astype(jnp.float32)
-    return xf, jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+
+
+def _normalize(x: jax.Array, norm_w: jax.Array, r: jax.Array, offset: float) -> jax.Array:
+    """(offset + w) * x / rms(x), computed in float32 and cast back to x's dtype."""
+    return ((offset + norm_w.astype(jnp.float32)) * (x.astype(jnp.float32) * r)).astype(x.dtype)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float) -> jax.Array:
-    _, r = _rms_scale(x, eps)
-    return _normalize(x, weight, r, offset)
+    return _rms_norm_fwd(x, weight, eps, offset)[0]
 
 
 def _rms_norm_fwd(x: jax.Array, weight: jax.Array, eps: float, offset: float):
-    _, r = _rms_scale(x, eps)
+    r = _inv_rms(x, eps)
     return _normalize(x, weight, r, offset), (x, weight, r)
 
 
@@ -130,18 +135,13 @@ def normed_dense(x: jax.Array, norm_w: jax.Array, ws: tuple[jax.Array, ...], eps
     return tuple(checkpoint_name(y, "dense") for y in _normed_dense(x, norm_w, tuple(ws), eps, offset))
 
 
-def _normalize(x: jax.Array, norm_w: jax.Array, r: jax.Array, offset: float) -> jax.Array:
-    return ((offset + norm_w.astype(jnp.float32)) * (x.astype(jnp.float32) * r)).astype(x.dtype)
-
-
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _normed_dense(x, norm_w, ws, eps, offset):
-    n = _rms_norm(x, norm_w, eps, offset)
-    return tuple(_dense(n, w, None, 1) for w in ws)
+    return _normed_dense_fwd(x, norm_w, ws, eps, offset)[0]
 
 
 def _normed_dense_fwd(x, norm_w, ws, eps, offset):
-    _, r = _rms_scale(x, eps)
+    r = _inv_rms(x, eps)
     n = _normalize(x, norm_w, r, offset)
     return tuple(_dense(n, w, None, 1) for w in ws), (x, norm_w, r, ws)
 
@@ -271,7 +271,7 @@ def attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, mask: jax.A
     is the sliding window it was built with, which lets whole key blocks
     outside it be skipped. With ``norm_w`` x is first RMS-normed by it.
     """
-    b, t, e = x.shape
+    b, t, _ = x.shape
     hq, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q, k, v = (y.reshape(b, t, -1, d) for y in projections(x, (p["q"], p["k"], p["v"]), cfg, norm_w))
     if cfg.qkv_bias:
