@@ -74,21 +74,16 @@ def _open_folder(folder: Path, description: str) -> Source:
 
 
 def _open_gguf(path: Path) -> Source:
-    from transformers import AutoConfig
+    from convert.gguf_meta import build_tokenizer, hf_config, read_metadata
 
     reader = GGUFFile(path)
-    try:
-        hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
-    except Exception as e:  # transformers raises many kinds for unsupported GGUF architectures
-        raise UserError(f"{path}: cannot read its model config ({str(e).splitlines()[0]})") from None
+    meta = read_metadata(reader.reader)
+    hf = hf_config(meta, reader.names(), str(path))
 
     def save_tokenizer(dest: Path) -> None:
-        from transformers import AutoTokenizer
+        build_tokenizer(meta, str(path)).save_pretrained(str(dest))
 
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        tok.save_pretrained(str(dest))
-
-    return Source(str(path), "gguf", hf_config, reader, save_tokenizer)
+    return Source(str(path), "gguf", hf, reader, save_tokenizer)
 
 
 def _hub_snapshot(repo_id: str, what: str) -> Path:

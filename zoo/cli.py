@@ -20,6 +20,8 @@ DEMO_PROMPT = "What is the capital of France? Answer in one sentence."
 
 def run_cli(fn: Callable[[], int | None]) -> int:
     """Run a command body: UserError -> 'error: ...' on stderr and exit code 2."""
+    # transformers warns at import that PyTorch is missing; lmzoo never needs it, so users need not read that.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     try:
         return fn() or 0
     except UserError as e:

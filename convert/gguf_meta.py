@@ -1,0 +1,201 @@
+"""A GGUF file's model config and tokenizer, rebuilt from its metadata without torch.
+
+transformers reads GGUF metadata through code that imports torch, which is only a
+test dependency here. The same result is rebuilt from the ``gguf`` package's reader
+and transformers' tokenizer classes (which need only ``tokenizers``), driven by
+tables: llama.cpp metadata keys -> Hugging Face config fields, and
+``tokenizer.ggml.model`` / ``tokenizer.ggml.pre`` -> how the tokenizer is built.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from zoo.errors import UserError
+
+# "<architecture>.<key>" metadata -> HF config field, for each GGUF architecture whose
+# tensor names convert/tables.py knows (the same keys transformers' GGUF reader maps).
+_LLAMA_KEYS = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "rope.dimension_count": "head_dim",
+    "rope.freq_base": "rope_theta",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "vocab_size": "vocab_size",
+}
+CONFIG_KEYS: dict[str, dict[str, str]] = {"llama": _LLAMA_KEYS}
+
+# Special token ids: HF config field <- tokenizer metadata key.
+TOKEN_ID_KEYS = {
+    "bos_token_id": "tokenizer.ggml.bos_token_id",
+    "eos_token_id": "tokenizer.ggml.eos_token_id",
+    "unk_token_id": "tokenizer.ggml.unknown_token_id",
+    "pad_token_id": "tokenizer.ggml.padding_token_id",
+}
+# Special tokens of the tokenizer: name <- id metadata key.
+SPECIAL_TOKEN_KEYS = {
+    "bos_token": "tokenizer.ggml.bos_token_id",
+    "eos_token": "tokenizer.ggml.eos_token_id",
+    "unk_token": "tokenizer.ggml.unknown_token_id",
+    "pad_token": "tokenizer.ggml.padding_token_id",
+}
+# Tokenizer settings: tokenizer_config field <- metadata key.
+TOKENIZER_CONFIG_KEYS = {
+    "chat_template": "tokenizer.chat_template",
+    "add_bos_token": "tokenizer.ggml.add_bos_token",
+    "add_eos_token": "tokenizer.ggml.add_eos_token",
+}
+# llama.cpp token types (gguf.TokenType) that are added tokens, matched whole in text.
+CONTROL, USER_DEFINED = 3, 4
+
+# How text is split before byte-level BPE, by `tokenizer.ggml.pre` (unlisted: GPT-2's own split).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZER_SPLITS = {
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+
+# Only these array fields are needed whole; other arrays are skipped when reading.
+_ARRAY_KEYS = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+               "tokenizer.ggml.scores"}
+
+
+def read_metadata(reader: Any) -> dict[str, Any]:
+    """The metadata of an open ``gguf.GGUFReader`` as plain Python values."""
+    import gguf
+
+    out: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if field.types and field.types[0] == gguf.GGUFValueType.ARRAY and key not in _ARRAY_KEYS:
+            continue
+        try:
+            out[key] = field.contents()
+        except Exception:  # a malformed optional field is left out, as transformers does
+            continue
+    return out
+
+
+def hf_config(meta: dict[str, Any], tensor_names: list[str], where: str) -> dict[str, Any]:
+    """The Hugging Face config dict that transformers derives from this GGUF metadata."""
+    from transformers import AutoConfig
+
+    arch = meta.get("general.architecture")
+    if arch not in CONFIG_KEYS:
+        raise UserError(f"{where}: GGUF architecture {arch!r} is not supported (supported: {', '.join(CONFIG_KEYS)})")
+    raw: dict[str, Any] = {
+        "model_type": arch,
+        # llama.cpp writes the output projection only when it is not the embedding matrix.
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+    }
+    if "general.name" in meta:
+        raw["_model_name_or_path"] = meta["general.name"]
+    for key, field in CONFIG_KEYS[arch].items():
+        if f"{arch}.{key}" in meta:
+            raw[field] = meta[f"{arch}.{key}"]
+    for field, key in TOKEN_ID_KEYS.items():
+        if key in meta:
+            raw[field] = meta[key]
+    if "vocab_size" not in raw and "tokenizer.ggml.tokens" in meta:
+        raw["vocab_size"] = len(meta["tokenizer.ggml.tokens"])
+    missing = [f for f in ("hidden_size", "num_hidden_layers", "num_attention_heads") if f not in raw]
+    if missing:
+        raise UserError(f"{where}: GGUF metadata lacks {', '.join(f'{arch}.*' + ' for ' + m for m in missing)}")
+    config = AutoConfig.for_model(**raw).to_dict()
+    config["_name_or_path"] = str(Path(where).parent)
+    return config
+
+
+def _byte_level_bpe(meta: dict[str, Any]):
+    """GPT-2-style byte-level BPE (tokenizer.ggml.model = gpt2)."""
+    from transformers import GPT2Tokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    spelling = bytes_to_unicode()
+    alphabet = set(spelling.values())
+    # Tokens are stored in the byte alphabet, except added ones written as plain text.
+    vocab = {
+        t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
+        for i, t in enumerate(meta["tokenizer.ggml.tokens"])
+    }
+    return GPT2Tokenizer(vocab=vocab, merges=_merges(meta, vocab))
+
+
+def _sentencepiece_bpe(meta: dict[str, Any]):
+    """Llama / Mistral sentencepiece BPE with byte fallback (tokenizer.ggml.model = llama)."""
+    from transformers import LlamaTokenizer
+
+    vocab = {t: i for i, t in enumerate(meta["tokenizer.ggml.tokens"])}
+    return LlamaTokenizer(vocab=vocab, merges=_merges(meta, vocab))
+
+
+def _merges(meta: dict[str, Any], vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """The file's merges, or (sentencepiece files list none) those its vocabulary and scores imply."""
+    if "tokenizer.ggml.merges" in meta:
+        return [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    from transformers.tokenization_utils_base import generate_merges
+
+    scores = dict(zip(meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.scores") or [0.0] * len(vocab)))
+    return generate_merges(vocab, scores)
+
+
+TOKENIZER_BUILDERS: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "gpt2": _byte_level_bpe,
+    "llama": _sentencepiece_bpe,
+}
+# What llama.cpp assumes when a file does not say whether to add BOS.
+ADD_BOS_DEFAULT = {"gpt2": False, "llama": True}
+
+
+def build_tokenizer(meta: dict[str, Any], where: str):
+    """A transformers fast tokenizer (with chat template) rebuilt from ``tokenizer.ggml.*``."""
+    from tokenizers import AddedToken, Regex, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    kind = meta.get("tokenizer.ggml.model")
+    if kind not in TOKENIZER_BUILDERS or "tokenizer.ggml.tokens" not in meta:
+        raise UserError(f"{where}: GGUF tokenizer {kind!r} is not supported (supported: {', '.join(TOKENIZER_BUILDERS)})")
+    tok = TOKENIZER_BUILDERS[kind](meta)
+    tokens, types = meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.token_type") or []
+    # A control token outside the byte alphabet of a byte-level vocabulary is a llama.cpp mislabel;
+    # adding it would grow the vocabulary past the embedding matrix.
+    spelled = set(bytes_to_unicode().values()) if kind == "gpt2" else None
+    control = [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types)
+               if k == CONTROL and (spelled is None or set(t) <= spelled)]
+    if control:
+        tok.add_special_tokens({"additional_special_tokens": control}, replace_extra_special_tokens=False)
+    known = tok.get_vocab()
+    user = [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types)
+            if k == USER_DEFINED and t in known]
+    if user:
+        tok.add_tokens(user)
+    backend = tok.backend_tokenizer
+    split = PRE_TOKENIZER_SPLITS.get(meta.get("tokenizer.ggml.pre"))
+    if split is not None:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    settings: dict[str, Any] = {"add_bos_token": ADD_BOS_DEFAULT[kind]}
+    for name, key in TOKENIZER_CONFIG_KEYS.items():
+        if key in meta:
+            settings[name] = meta[key]
+    for name, key in SPECIAL_TOKEN_KEYS.items():
+        settings[name] = tokens[meta[key]] if key in meta else None
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **settings)

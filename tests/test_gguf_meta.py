@@ -1,0 +1,193 @@
+"""GGUF config and tokenizer rebuilt without torch (convert/gguf_meta) against transformers' own GGUF reading."""
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from transformers import AutoConfig, AutoTokenizer
+
+from convert.source import open_source
+from zoo.cli import main, smollm2_gguf
+
+MIXED = (
+    "Hello, world! The café's crème brûlée costs €12.50 — naïve façade.\n"
+    "日本語のテキストと한국어 문장, Ελληνικά και русский текст. Emoji: 😀🚀👍🏽\n"
+    "    indented code: def f(x): return x**2  # comment\n\ttabs\tand\r\nCRLF lines...\n"
+    "Numbers 1234567 and 3.14159, URLs https://example.com/a?b=c&d=e, don't won't I'm we'll.\n"
+    "<|im_start|>special tokens inline<|im_end|> and <|endoftext|> too; <repo_name> user tokens.\n"
+    "   leading spaces, trailing spaces   \n\n\nmultiple blank lines"
+)
+CONVERSATION = [
+    {"role": "system", "content": "You are a terse assistant. Answer in one word."},
+    {"role": "user", "content": "What colour is the sky on a clear day?"},
+    {"role": "assistant", "content": "Blue."},
+    {"role": "user", "content": "And grass? Ünïcödé, please 😀"},
+]
+
+
+def _reference_tokenizer(path: Path):
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def _ours(path: Path, tmp_path: Path):
+    src = open_source(str(path))
+    src.save_tokenizer(tmp_path / "tok")
+    return src.hf_config, AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+
+
+def _assert_same_tokenizer(ours, ref, text: str, conversation=None):
+    assert len(text) >= 200
+    assert ours(text)["input_ids"] == ref(text)["input_ids"]
+    ids = ref(text)["input_ids"]
+    assert ours.decode(ids) == ref.decode(ids)
+    assert ours.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
+    for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        assert getattr(ours, name) == getattr(ref, name), name
+    assert len(ours) == len(ref)
+    if conversation is not None:
+        for gen in (False, True):
+            a = ours.apply_chat_template(conversation, add_generation_prompt=gen, tokenize=False)
+            b = ref.apply_chat_template(conversation, add_generation_prompt=gen, tokenize=False)
+            assert a == b
+            assert ours(a, add_special_tokens=False)["input_ids"] == ref(b, add_special_tokens=False)["input_ids"]
+            assert ours.apply_chat_template(conversation, add_generation_prompt=gen, tokenize=True) == \
+                ref.apply_chat_template(conversation, add_generation_prompt=gen, tokenize=True)
+
+
+def test_smollm2_config_and_tokenizer_match_transformers(tmp_path):
+    path = smollm2_gguf()
+    config, ours = _ours(path, tmp_path)
+    assert config == AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
+    ref = _reference_tokenizer(path)
+    _assert_same_tokenizer(ours, ref, MIXED, CONVERSATION)
+    # The chat template carries the system turn, and there is exactly one BOS-free start.
+    text = ours.apply_chat_template(CONVERSATION, tokenize=False)
+    assert text.startswith("<|im_start|>system\nYou are a terse") and text.count("<|im_start|>") == 4
+    assert ours("hi")["input_ids"] == ref("hi")["input_ids"] and ours.bos_token_id not in ours("hi")["input_ids"]
+
+
+def test_checkpoint_tokenizer_is_the_rebuilt_one(tmp_path):
+    # convert writes the rebuilt tokenizer into the checkpoint (no torch on the way).
+    out = tmp_path / "zoo"
+    path = smollm2_gguf()
+    src = open_source(str(path))
+    src.save_tokenizer(out)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    assert tok.chat_template == src.reader.reader.fields["tokenizer.chat_template"].contents()
+
+
+# --- files written here, to reach the other table rows (sentencepiece vocabularies, split regexes, untied heads)
+
+_WORDS = ("the quick brown fox jumps over lazy dog hello world tokenizer pieces merge merges byte fallback "
+          "lower upper case numbers one two three système naïve").split()
+
+
+def _spm_vocab() -> tuple[list[str], list[float], list[int]]:
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [2, 3, 3] + [6] * 256  # UNKNOWN, CONTROL, BYTE (gguf.TokenType)
+    pieces: list[str] = []
+    for word in _WORDS:
+        w = "\u2581" + word
+        for n in range(1, len(w) + 1):
+            for i in range(len(w) - n + 1):
+                if w[i:i + n] not in pieces:
+                    pieces.append(w[i:i + n])
+    pieces.sort(key=lambda p: (len(p), p))
+    tokens += pieces + ["<|user|>"]
+    types += [1] * len(pieces) + [4]  # NORMAL, USER_DEFINED
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))] + [0.0]
+    return tokens, scores, types
+
+
+def _write_gguf(path: Path, tokenizer: str, tokens, types, *, scores=None, merges=None, pre=None,
+                add_bos=None, untied=False) -> Path:
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny-test-llama")
+    w.add_block_count(2)
+    w.add_context_length(512)
+    w.add_embedding_length(32)
+    w.add_feed_forward_length(64)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_rope_dimension_count(8)
+    w.add_rope_freq_base(500000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_tokenizer_model(tokenizer)
+    if pre:
+        w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    if scores is not None:
+        w.add_token_scores(scores)
+    if merges is not None:
+        w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
+    w.add_chat_template("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+                        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 32), np.float32))
+    if untied:
+        w.add_tensor("output.weight", np.zeros((len(tokens), 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+SPM_TEXT = ("the quick brown fox jumps over the lazy dog; hello world! système naïve "
+            "Ünknown ćhars → bytes 😀, numbers one two three 123, <|user|> inline, "
+            "  double  spaces and\nnew lines\n") * 2
+
+
+def test_sentencepiece_vocabulary_matches_transformers(tmp_path):
+    tokens, scores, types = _spm_vocab()
+    path = _write_gguf(tmp_path / "spm.gguf", "llama", tokens, types, scores=scores, untied=True)
+    config, ours = _ours(path, tmp_path)
+    assert config == AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
+    assert config["tie_word_embeddings"] is False and config["vocab_size"] == len(tokens)
+    ref = _reference_tokenizer(path)
+    _assert_same_tokenizer(ours, ref, SPM_TEXT, CONVERSATION[:3])
+    # llama.cpp adds BOS to a sentencepiece vocabulary that does not say otherwise: exactly one.
+    assert ours("the fox")["input_ids"].count(1) == 1 and ours("the fox")["input_ids"][0] == 1
+
+
+def test_byte_level_split_regex_and_user_tokens_match_transformers(tmp_path):
+    smol = gguf.GGUFReader(str(smollm2_gguf()))
+    tokens = smol.fields["tokenizer.ggml.tokens"].contents()
+    merges = smol.fields["tokenizer.ggml.merges"].contents()
+    types = smol.fields["tokenizer.ggml.token_type"].contents()
+    types[3] = 4  # <repo_name> as a user-defined (non-special) token
+    path = _write_gguf(tmp_path / "bpe.gguf", "gpt2", tokens, types, merges=merges, pre="llama-bpe", add_bos=True)
+    config, ours = _ours(path, tmp_path)
+    assert config == AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
+    assert config["tie_word_embeddings"] is True
+    ref = _reference_tokenizer(path)
+    _assert_same_tokenizer(ours, ref, MIXED, CONVERSATION)
+    assert ours("x")["input_ids"][0] == 1  # add_bos_token from the file
+
+
+def test_unsupported_gguf_is_a_clear_error(tmp_path, capsys):
+    path = tmp_path / "other.gguf"
+    w = gguf.GGUFWriter(str(path), "rwkv6")
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert main(["convert", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "rwkv6" in err and "llama" in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("key", ["tokenizer.ggml.model"])
+def test_unsupported_tokenizer_is_a_clear_error(tmp_path, key):
+    from convert.gguf_meta import build_tokenizer
+    from zoo.errors import UserError
+
+    with pytest.raises(UserError, match="tokenizer 'bert' is not supported"):
+        build_tokenizer({key: "bert", "tokenizer.ggml.tokens": ["a"]}, "x.gguf")

@@ -1,0 +1,55 @@
+"""The commands users run need none of the test-only packages (torch, peft, trl, accelerate).
+
+The suite itself has them installed, so each command runs here in a subprocess whose
+`sitecustomize` makes them look uninstalled: `import torch` fails and
+`importlib.util.find_spec("torch")` answers None, as on a machine without them.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zoo.cli import smollm2_gguf
+
+TEST_ONLY = ("torch", "peft", "trl", "accelerate")
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    site = tmp_path_factory.mktemp("blocked")
+    (site / "sitecustomize.py").write_text(
+        "import sys\n"
+        f"for name in {TEST_ONLY!r}:\n"
+        "    sys.modules[name] = None  # import raises ImportError; find_spec answers None\n"
+    )
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(site), str(REPO), env.get("PYTHONPATH", "")])
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def _run(env, *args, timeout=600):
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def test_the_block_works(env):
+    for name in TEST_ONLY:
+        r = _run(env, "-c", f"import importlib.util, sys; assert importlib.util.find_spec({name!r}) is None; "
+                            f"import {name}")
+        assert r.returncode != 0 and f"import of {name} halted" in r.stderr, (name, r.stderr[-500:])
+
+
+def test_convert_and_generate_without_torch(env, tmp_path):
+    out = tmp_path / "smol"
+    r = _run(env, "-m", "zoo.cli", "convert", str(smollm2_gguf()), "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (out / "tokenizer" / "tokenizer.json").is_file() and (out / "model.json").is_file()
+    r = _run(env, "-m", "zoo.cli", "generate", str(out), "--prompt", "What is the capital of France?",
+             "--max-new-tokens", "8")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Paris" in r.stdout
+    assert "PyTorch was not found" not in r.stderr  # transformers' import advice is not for lmzoo's users
