@@ -1,7 +1,7 @@
 """Benchmark (accelerator): MFU of lmzoo's train step on Llama-3.2-1B- and Llama-3-8B-shaped models.
 
 Random weights (the shapes are what matter), seq 4096, bf16 compute on fp32 master weights, AdamW,
-the same jitted, sharded step `pretrain train` runs (pretrain.trainer.make_step) over all local
+the same jitted, sharded step `pretrain train` runs (pretrain.step.make_step) over all local
 devices (FSDP). Prints step time, tokens/s and MFU against the device's dense bf16 peak (or
 --peak-tflops). An 8B model's fp32 weights + Adam moments need 128 GB, so --layers trims the depth
 to fit one device; MFU per layer is what the trim preserves.
@@ -50,7 +50,8 @@ def run(args: argparse.Namespace) -> dict:
     from jax.sharding import NamedSharding, PartitionSpec
 
     from convert.hf_config import model_config_from_hf
-    from pretrain.trainer import KNOWN_PEAK_TFLOPS, flops_per_token, init_state, make_step
+    from pretrain.flops import KNOWN_PEAK_TFLOPS, flops_per_token
+    from pretrain.step import init_state, make_step
     from zoo.params import init_params, nest, param_specs
     from zoo.sharding import make_mesh, named_sharding
 

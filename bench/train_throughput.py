@@ -33,14 +33,15 @@ def _tokens(batch: int, seq: int, vocab: int) -> np.ndarray:
 
 
 def run_jax(ckpt: str, batch: int, seq: int, steps: int) -> dict:
-    """Time lmzoo's train step (pretrain.trainer.make_step) on one CPU device."""
+    """Time lmzoo's train step (pretrain.step.make_step) on one CPU device."""
     import jax
     import optax
 
     import zoo
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from pretrain.trainer import flops_per_token, init_state, make_step
+    from pretrain.flops import flops_per_token
+    from pretrain.step import init_state, make_step
     from zoo.sharding import make_mesh
 
     cfg = zoo.read_config(ckpt)

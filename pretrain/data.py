@@ -119,15 +119,25 @@ def lane_rows(train_order: np.ndarray, lanes: int, lane: int) -> list[int]:
     return [int(i) for i in train_order[lane::lanes]]
 
 
-def _rows(docs: list[np.ndarray], seq_len: int, seed: int, packing: bool, epochs: int | None):
-    """A grain dataset of rows {tokens, segment ids, positions} of seq_len + 1 tokens from shuffled ``docs``."""
+def tokens_of(doc: np.ndarray | dict[str, np.ndarray]) -> np.ndarray:
+    """The token ids of a document (plain ids, or a dict with ``tokens`` and a ``loss_mask``)."""
+    return doc["tokens"] if isinstance(doc, dict) else doc
+
+
+def _features(doc: np.ndarray | dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return dict(doc) if isinstance(doc, dict) else {"tokens": doc}
+
+
+def _rows(docs: list, seq_len: int, seed: int, packing: bool, epochs: int | None):
+    """A grain dataset of rows {tokens, segment ids, positions[, loss_mask]} of seq_len + 1 tokens from
+    shuffled ``docs``."""
     import grain.experimental as ge
 
-    ds = grain.MapDataset.source(docs).shuffle(seed=seed).repeat(epochs)
+    ds = grain.MapDataset.source(docs).shuffle(seed=seed).repeat(epochs).map(_features)
     if not packing:
         return ds.map(lambda x: _padded(x, seq_len + 1)).to_iter_dataset()
-    return ge.ConcatThenSplitIterDataset(ds.map(lambda x: {"tokens": x}).to_iter_dataset(),
-                                         length_struct={"tokens": seq_len + 1})
+    return ge.ConcatThenSplitIterDataset(ds.to_iter_dataset(),
+                                         length_struct={k: seq_len + 1 for k in _features(docs[0])})
 
 
 def lane_dataset(docs: list[np.ndarray], seq_len: int, seed: int, packing: bool):
@@ -135,14 +145,16 @@ def lane_dataset(docs: list[np.ndarray], seq_len: int, seed: int, packing: bool)
     return iter(_rows(docs, seq_len, seed, packing, None))
 
 
-def _padded(doc: np.ndarray, length: int) -> dict[str, np.ndarray]:
-    n = min(len(doc), length)
-    tokens = np.zeros(length, np.int32)
-    tokens[:n] = doc[:n]
+def _padded(doc: dict[str, np.ndarray], length: int) -> dict[str, np.ndarray]:
+    n = min(len(doc["tokens"]), length)
+    out = {}
+    for k, v in doc.items():
+        out[k] = np.zeros(length, v.dtype)
+        out[k][:n] = v[:n]
     seg = np.zeros(length, np.int32)
     seg[:n] = 1
     pos = np.where(seg > 0, np.arange(length, dtype=np.int32), 0).astype(np.int32)
-    return {"tokens": tokens, "tokens_segment_ids": seg, "tokens_positions": pos}
+    return {**out, "tokens_segment_ids": seg, "tokens_positions": pos}
 
 
 class LaneBatches(grain.DatasetIterator):
@@ -185,9 +197,15 @@ def packed_batches(docs: list[np.ndarray], seq_len: int, batch: int, seed: int, 
 
 
 def to_model_batch(b: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Inputs, targets and loss weights from a packed batch."""
+    """Inputs, targets and loss weights from a packed batch.
+
+    A target counts when it continues its input's document and, where the
+    documents carry a ``loss_mask``, when the mask marks it as trained.
+    """
     tok, seg, pos = b["tokens"], b["tokens_segment_ids"], b["tokens_positions"]
     same = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] != 0)
+    if "loss_mask" in b:
+        same &= b["loss_mask"][:, 1:].astype(bool)
     return {
         "inputs": tok[:, :-1].astype(np.int32),
         "targets": tok[:, 1:].astype(np.int32),

@@ -1,0 +1,51 @@
+"""The run's final model: ``output_dir/final`` as a zoo checkpoint, written atomically by all processes."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import jax
+
+from zoo.checkpoint import HF_CONFIG_FILE, TOKENIZER_DIR, CheckpointWriter, remove_stale_scratch, save_params
+from zoo.config import ModelConfig
+from zoo.params import param_specs
+
+from pretrain import distributed
+from pretrain.config import TrainConfig
+
+
+def write_final(out: Path, cfg: TrainConfig, mcfg: ModelConfig, params: dict, src: Path | None, tok_dir: Path,
+                last: dict, skipped: int, method: str = "pretrain") -> Path:
+    """Write ``out/final`` as a zoo checkpoint, atomically; every process writes its own shards."""
+    specs = param_specs(mcfg)
+    final = out / "final"
+    scratch = out / ".final.incomplete-run"  # one name all processes agree on
+    primary = distributed.is_primary()
+    if primary:
+        remove_stale_scratch(final)
+        shutil.rmtree(scratch, ignore_errors=True)
+        scratch.mkdir()
+    distributed.sync("lmzoo-final-scratch")
+    try:
+        stored = save_params(scratch, params, {k: s.axes for k, s in specs.items()})
+        distributed.sync("lmzoo-final-params")
+        if primary:
+            writer = CheckpointWriter(scratch)
+            writer.adopt(stored)
+            if tok_dir.is_dir():
+                shutil.copytree(tok_dir, scratch / TOKENIZER_DIR)
+            if src is not None and (src / HF_CONFIG_FILE).is_file():
+                shutil.copyfile(src / HF_CONFIG_FILE, scratch / HF_CONFIG_FILE)
+            training = {"method": method, "data": cfg.data.path, "steps": last.get("step"),
+                        "final_metrics": {k: last[k] for k in ("loss", "tokens_seen") if k in last},
+                        "skipped_rows": skipped, "processes": jax.process_count(), "devices": len(jax.devices())}
+            writer.finish(mcfg, source=str(src or cfg.model.config), source_format="train", training=training)
+            if final.exists():
+                shutil.rmtree(final)
+            scratch.replace(final)
+    finally:
+        if primary:
+            shutil.rmtree(scratch, ignore_errors=True)
+    distributed.sync("lmzoo-final-done")
+    return final

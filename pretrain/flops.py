@@ -1,0 +1,44 @@
+"""FLOP counting for MFU: training FLOPs per token and the devices' peak."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from zoo.config import ModelConfig
+from zoo.params import param_specs
+
+from pretrain.config import TrainConfig
+
+
+KNOWN_PEAK_TFLOPS = {  # dense bf16 per device
+    "H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0, "TPU v4": 275.0, "TPU v5 lite": 197.0,
+    "TPU v5e": 197.0, "TPU v5p": 459.0, "TPU v6 lite": 918.0,
+}
+
+
+def peak_flops(cfg: TrainConfig) -> float | None:
+    """Peak FLOP/s of all devices: from ``peak_tflops``, else detected for known accelerators, else None."""
+    devices = jax.devices()
+    if cfg.peak_tflops:
+        return cfg.peak_tflops * 1e12 * len(devices)
+    kind = devices[0].device_kind
+    for name, tflops in KNOWN_PEAK_TFLOPS.items():
+        if name.lower() in kind.lower():
+            return tflops * 1e12 * len(devices)
+    return None
+
+
+def flops_per_token(mcfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x (matmul parameters active per token) + causal attention scores."""
+    specs = param_specs(mcfg)
+    active = 0
+    for path, spec in specs.items():
+        if path == "embed" and not mcfg.tie_word_embeddings:
+            continue  # a gather, not a matmul
+        n = int(np.prod(spec.shape))
+        if "expert_" in path:
+            n = n * mcfg.experts_per_token // mcfg.num_experts
+        active += n
+    attn_width = mcfg.num_heads * (mcfg.head_dim if not mcfg.mla else mcfg.qk_nope_head_dim + mcfg.qk_rope_head_dim)
+    return 6.0 * active + 6.0 * mcfg.num_layers * attn_width * seq_len  # QK^T and PV, halved for causality

@@ -1,0 +1,60 @@
+"""Model and tokenizer set-up of a run: a zoo checkpoint (or a random init) sharded onto the mesh."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+
+from zoo.checkpoint import TOKENIZER_DIR, load_params, read_config
+from zoo.config import ModelConfig
+from zoo.errors import UserError
+from zoo.params import init_params, nest, param_specs
+from zoo.sharding import named_sharding
+
+from pretrain.config import TrainConfig
+from pretrain.dtypes import DTYPES
+
+
+def load_model(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> tuple[ModelConfig, dict, Path | None, Path]:
+    """(model config, sharded params, source checkpoint or None, tokenizer folder)."""
+    pdt = DTYPES[cfg.dtype.params]
+    if cfg.model.init == "random":
+        from convert.hf_config import model_config_from_hf
+        from zoo import registry
+
+        src = Path(cfg.model.config)
+        hf = json.loads(src.read_text()) if src.is_file() else registry.get(cfg.model.config).hf_config
+        if hf is None:
+            raise UserError(f"model.config {cfg.model.config}: no built-in config; give a config.json path")
+        mcfg = model_config_from_hf(hf, f"model.config {cfg.model.config}")
+        specs = param_specs(mcfg)
+        shard = jax.tree.map(lambda s: named_sharding(mesh, s.axes, s.shape), nest(specs),
+                             is_leaf=lambda x: isinstance(x, type(next(iter(specs.values())))))
+        # No host inputs: every process builds the same global arrays, each its own shards.
+        params = jax.jit(lambda: init_params(mcfg, jax.random.PRNGKey(cfg.seed), pdt), out_shardings=shard)()
+        return mcfg, params, None, Path(cfg.model.tokenizer)
+    ckpt = _resolve_checkpoint(cfg.model.path)
+    tok = Path(cfg.model.tokenizer) if cfg.model.tokenizer else ckpt / TOKENIZER_DIR
+    return read_config(ckpt), load_params(ckpt, mesh, pdt), ckpt, tok
+
+
+def _resolve_checkpoint(path: str) -> Path:
+    p = Path(path).expanduser()
+    if (p / "model.json").is_file():
+        return p
+    raise UserError(f"model {path}: not a zoo checkpoint folder; create it with `zoo convert SOURCE --out {path}`")
+
+
+def load_tokenizer(folder: Path):
+    """The transformers tokenizer in ``folder``, or a UserError saying how to give one."""
+    from transformers import AutoTokenizer
+
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    if not folder.is_dir() or not any((folder / n).is_file() for n in names):
+        raise UserError(f"no tokenizer in {folder}; set model.tokenizer to a tokenizer folder")
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except (ValueError, OSError) as e:
+        raise UserError(f"tokenizer {folder} cannot be loaded ({str(e).splitlines()[0]})") from None

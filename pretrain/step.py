@@ -1,0 +1,74 @@
+"""The jitted, sharded train step (gradient accumulation, one optimizer update) and the train state."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from zoo.config import ModelConfig
+
+from pretrain.task import PretrainTask, Task
+
+
+def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any, remat: str = "none",
+              state_sharding: Any = None, batch_sharding: Any = None, task: Task | None = None):
+    """(train step, eval fn): gradient accumulation over the leading micro-batch axis, one optimizer update.
+
+    The task (default: pretraining's next-token loss) computes the loss sums of
+    a micro-batch; the step differentiates them with respect to ``state["params"]``.
+    With ``state_sharding`` and ``batch_sharding`` the step is compiled once for
+    exactly those layouts (its outputs keep the state's layout, so the second
+    call does not recompile).
+    """
+    task = task or PretrainTask()
+
+    def loss_sums(params: dict, mb: dict) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        return task.loss_sums(mcfg, params, mb, compute, remat)
+
+    def evaluate(params: dict, batch: dict) -> tuple[jax.Array, jax.Array]:
+        _, (s, n) = loss_sums(params, batch)
+        return s, n
+
+    def step(state: dict, batch: dict) -> tuple[dict, dict]:
+        grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
+
+        def micro(carry, mb):
+            g_acc, l_acc, n_acc = carry
+            (_, (s, n)), g = grad_fn(state["params"], mb)
+            return (jax.tree.map(jnp.add, g_acc, g), l_acc + s, n_acc + n), None
+
+        if jax.tree.leaves(batch)[0].shape[0] == 1:
+            # No accumulation: skip the scan, whose gradient carry costs full-size copies.
+            (_, (loss, n)), g = grad_fn(state["params"], jax.tree.map(lambda x: x[0], batch))
+        else:
+            zeros = jax.tree.map(jnp.zeros_like, state["params"])
+            (g, loss, n), _ = jax.lax.scan(micro, (zeros, jnp.zeros(()), jnp.zeros(())), batch)
+        n = jnp.maximum(n, 1.0)
+        g = jax.tree.map(lambda x: x / n, g)
+        updates, opt_state = tx.update(g, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        metrics = {"loss": loss / n, "grad_norm": optax.tree.norm(g), "target_tokens": n}
+        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+    if state_sharding is None:
+        return jax.jit(step, donate_argnums=0), jax.jit(evaluate)
+    replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
+    step_jit = jax.jit(step, donate_argnums=0, in_shardings=(state_sharding, batch_sharding),
+                       out_shardings=(state_sharding, replicated))
+    return step_jit, jax.jit(evaluate, out_shardings=replicated)
+
+
+def init_state(tx: optax.GradientTransformation, params: dict, mesh: jax.sharding.Mesh) -> dict:
+    """The train state {params, opt_state, step}; optimizer moments take their parameter's sharding."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    opt_sharding = optax.tree_map_params(
+        # Factored (adafactor) and scalar state is small: replicated.
+        tx, lambda s, p: p.sharding if s.shape == p.shape else replicated, jax.eval_shape(tx.init, params), params,
+        transform_non_params=lambda _: replicated, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    opt_state, step = jax.jit(lambda p: (tx.init(p), jnp.zeros((), jnp.int32)),
+                              out_shardings=(opt_sharding, replicated))(params)
+    return {"params": params, "opt_state": opt_state, "step": step}

@@ -1,0 +1,97 @@
+"""What a training run trains for: a task turns dataset rows into token documents and computes loss sums.
+
+The loop (pretrain/trainer.py) never learns which task it runs. Pretraining is
+the simplest task: every token of a text document is a target. SFT (loss masks)
+and DPO (pair losses) plug in the same two seams.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zoo.config import ModelConfig
+from zoo.model import forward
+
+from pretrain.config import TrainConfig
+from pretrain.data import load_rows, tokenize_rows
+
+# A document: int32 token ids, or {"tokens": ids, "loss_mask": bool per token} when only some are targets.
+Document = np.ndarray | dict[str, np.ndarray]
+
+
+@dataclass
+class RowSource:
+    """A dataset's rows and the column(s) a task reads from them."""
+
+    ds: Any
+    field: str
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+
+class Task(Protocol):
+    """The two seams of the shared loop (rows -> documents, (params, batch) -> loss sums)."""
+
+    method: str  # recorded in the final checkpoint's training provenance
+
+    def load(self, path: str, cfg: TrainConfig) -> RowSource:
+        """The rows of a local file/folder or Hub dataset."""
+        ...
+
+    def documents(self, rows: RowSource, tokenizer: Any, path: str, skip_bad: bool,
+                  indices: list[int] | None = None) -> tuple[dict[int, Document], int]:
+        """(documents by row index, number of bad rows skipped) for the rows at ``indices`` (default all)."""
+        ...
+
+    def loss_sums(self, mcfg: ModelConfig, params: dict, mb: dict, compute: Any,
+                  remat: str) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """(objective to differentiate, (loss sum, target count)) of one micro-batch."""
+        ...
+
+
+def next_token_loss_sums(mcfg: ModelConfig, params: dict, mb: dict, compute: Any, remat: str,
+                         **forward_kwargs: Any) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """Weighted next-token cross-entropy sums (plus MoE router losses) of a micro-batch.
+
+    Sums, not means: the step divides by the target count of the whole global
+    batch, so splitting it over devices or accumulation steps changes nothing.
+    """
+    moe = mcfg.num_experts > 0
+    p = jax.tree.map(lambda x: x.astype(compute), params)
+    out = forward(mcfg, p, mb["inputs"], mb["segment_ids"], mb["positions"], return_aux=moe, remat=remat,
+                  **forward_kwargs)
+    logits, aux = out if moe else (out, None)
+    # logsumexp minus the target logit: the same value as -log_softmax[target], without materializing
+    # (and differentiating through) a second [batch, seq, vocab] array of log-probabilities.
+    target_logit = jnp.take_along_axis(logits, mb["targets"][..., None], axis=-1)[..., 0]
+    nll = jax.nn.logsumexp(logits, axis=-1) - target_logit
+    s, n = (nll * mb["weights"]).sum(), mb["weights"].sum()
+    total = s + (aux["loss"] * n if moe else 0.0)
+    return total, (s, n)
+
+
+class PretrainTask:
+    """Continued pretraining: plain text, every token a target."""
+
+    method = "pretrain"
+
+    def load(self, path: str, cfg: TrainConfig) -> RowSource:
+        """The rows of ``path`` and its text column (``data.text_field``)."""
+        ds, field = load_rows(path, cfg.data.text_field, cfg.data.split)
+        return RowSource(ds, field)
+
+    def documents(self, rows: RowSource, tokenizer: Any, path: str, skip_bad: bool,
+                  indices: list[int] | None = None) -> tuple[dict[int, Document], int]:
+        """Token ids (+ EOS) of each text row."""
+        return tokenize_rows(rows.ds, rows.field, tokenizer, path, skip_bad, indices)
+
+    def loss_sums(self, mcfg: ModelConfig, params: dict, mb: dict, compute: Any,
+                  remat: str) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """Next-token cross-entropy over every target."""
+        return next_token_loss_sums(mcfg, params, mb, compute, remat)
