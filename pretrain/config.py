@@ -40,6 +40,8 @@ class DataSection:
     seq_len: int = 512
     packing: bool = True  # false: one document per row, truncated/padded to seq_len
     eval_path: str | None = None
+    format: str | None = None  # sft: text | prompt_completion | messages | alpaca | sharegpt; None: from the columns
+    chat_template: str | None = None  # sft: a Jinja chat-template file; None: the tokenizer's own template
     eval_fraction: float = 0.0
     skip_bad_rows: bool = False
 

@@ -28,12 +28,18 @@ SUFFIX_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".tx
 
 def load_rows(path: str, text_field: str, split: str = "train") -> tuple[Any, str]:
     """A `datasets` Dataset of the local file(s) at ``path`` (or of a Hub dataset) and its text column."""
+    ds, kind = load_dataset_rows(path, split)
+    return ds, _field(ds, "text" if kind == "text" else text_field, path)
+
+
+def load_dataset_rows(path: str, split: str = "train") -> tuple[Any, str]:
+    """(the `datasets` Dataset of the local file(s) at ``path`` or of a Hub dataset, its file kind)."""
     import datasets
 
     datasets.disable_progress_bars()
     p = Path(path).expanduser()
     if not p.exists() and _looks_like_hub_name(path):
-        return _hub_rows(path, text_field, split)
+        return _hub_rows(path, split), "hub"
     files = sorted(f for f in p.rglob("*") if f.suffix in SUFFIX_FORMATS) if p.is_dir() else [p]
     if not files or not files[0].exists():
         raise UserError(f"data.path {path}: no such file or folder (or no .jsonl/.json/.parquet/.txt in it)")
@@ -45,7 +51,7 @@ def load_rows(path: str, text_field: str, split: str = "train") -> tuple[Any, st
         ds = datasets.load_dataset(fmt, data_files=[str(f) for f in files], split="train")
     except Exception as e:  # datasets raises many kinds for unreadable files
         raise UserError(f"data.path {path}: cannot read it ({str(e).splitlines()[0][:200]})") from None
-    return ds, _field(ds, "text" if fmt == "text" else text_field, path)
+    return ds, fmt
 
 
 def _looks_like_hub_name(path: str) -> bool:
@@ -53,7 +59,7 @@ def _looks_like_hub_name(path: str) -> bool:
     return 1 <= len(parts) <= 2 and all(parts) and not path.startswith((".", "~")) and Path(path).suffix == ""
 
 
-def _hub_rows(name: str, text_field: str, split: str) -> tuple[Any, str]:
+def _hub_rows(name: str, split: str) -> Any:
     """A Hugging Face Hub dataset (through the `datasets` cache), when online or cached."""
     import logging
 
@@ -70,7 +76,7 @@ def _hub_rows(name: str, text_field: str, split: str) -> tuple[Any, str]:
                         f"({first}); check the name and data.split, or go online once to cache it") from None
     finally:
         hub_log.setLevel(level)
-    return ds, _field(ds, text_field, name)
+    return ds
 
 
 def _field(ds: Any, field: str, path: str) -> str:

@@ -34,10 +34,16 @@ def load_model(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> tuple[ModelConfig, 
                              is_leaf=lambda x: isinstance(x, type(next(iter(specs.values())))))
         # No host inputs: every process builds the same global arrays, each its own shards.
         params = jax.jit(lambda: init_params(mcfg, jax.random.PRNGKey(cfg.seed), pdt), out_shardings=shard)()
-        return mcfg, params, None, Path(cfg.model.tokenizer)
+        return mcfg, params, None, tokenizer_folder(cfg)
     ckpt = _resolve_checkpoint(cfg.model.path)
-    tok = Path(cfg.model.tokenizer) if cfg.model.tokenizer else ckpt / TOKENIZER_DIR
-    return read_config(ckpt), load_params(ckpt, mesh, pdt), ckpt, tok
+    return read_config(ckpt), load_params(ckpt, mesh, pdt), ckpt, tokenizer_folder(cfg)
+
+
+def tokenizer_folder(cfg: TrainConfig) -> Path:
+    """The run's tokenizer folder: ``model.tokenizer``, else the model checkpoint's own."""
+    if cfg.model.tokenizer or cfg.model.init == "random":
+        return Path(cfg.model.tokenizer or "")
+    return _resolve_checkpoint(cfg.model.path) / TOKENIZER_DIR
 
 
 def _resolve_checkpoint(path: str) -> Path:

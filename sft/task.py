@@ -1,0 +1,71 @@
+"""Supervised fine-tuning as a task of the shared loop: chat/instruction rows -> tokens with a loss mask."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from zoo.config import ModelConfig
+from zoo.errors import UserError
+
+from pretrain.config import TrainConfig
+from pretrain.data import load_dataset_rows
+from pretrain.task import Document, RowSource, next_token_loss_sums
+from sft.formats import BadRow, detect_format, normalize
+from sft.masks import tokenize_example
+
+
+def read_chat_template(path: str | None) -> str | None:
+    """The Jinja chat template in file ``path`` (None: use the tokenizer's own)."""
+    if path is None:
+        return None
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise UserError(f"data.chat_template {path}: no such file (give a Jinja chat-template file)")
+    return p.read_text()
+
+
+class SFTTask:
+    """Completion-only / assistant-only next-token loss over SFT rows (see sft/formats.py for the formats)."""
+
+    method = "sft"
+
+    def __init__(self, cfg: TrainConfig):
+        self.format = cfg.data.format
+        self.chat_template = read_chat_template(cfg.data.chat_template)
+
+    def load(self, path: str, cfg: TrainConfig) -> RowSource:
+        """The rows of ``path`` and their format (``data.format``, or detected from the columns)."""
+        ds, _ = load_dataset_rows(path, cfg.data.split)
+        try:
+            fmt = detect_format(list(ds.column_names), self.format)
+        except UserError as e:
+            raise UserError(f"data.path {path}: {e}") from None
+        return RowSource(ds, fmt)
+
+    def documents(self, rows: RowSource, tokenizer: Any, path: str, skip_bad: bool,
+                  indices: list[int] | None = None) -> tuple[dict[int, Document], int]:
+        """{tokens, loss_mask} of each usable row; a bad row is an error naming file and row, or skipped."""
+        docs: dict[int, Document] = {}
+        bad = 0
+        order = sorted(indices) if indices is not None else None
+        it = enumerate(rows.ds) if order is None else zip(order, rows.ds.select(order))
+        for i, row in it:
+            try:
+                ids, mask = tokenize_example(normalize(row, rows.field), tokenizer, self.chat_template)
+                if not mask[1:].any():
+                    raise BadRow("no trainable token")
+            except BadRow as e:
+                if not skip_bad:
+                    raise UserError(f"{path} row {i}: {e}; fix the row or set data.skip_bad_rows: true") from None
+                bad += 1
+                continue
+            docs[i] = {"tokens": ids, "loss_mask": mask}
+        return docs, bad
+
+    def loss_sums(self, mcfg: ModelConfig, params: dict, mb: dict, compute: Any,
+                  remat: str) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """Next-token cross-entropy over the trained (masked-in) targets only."""
+        return next_token_loss_sums(mcfg, params, mb, compute, remat)

@@ -1,0 +1,95 @@
+"""`sft train` on the shared loop: a tiny model learns assistant turns; only assistant tokens are targets."""
+
+import json
+
+import numpy as np
+import pytest
+
+import zoo
+from pretrain.config import load_config
+from pretrain.trainer import train
+from sft.cli import main as sft_main
+from sft.task import SFTTask
+from tests.tiny import make_llama
+from zoo.cli import main as zoo_main
+
+COLORS = "red blue green yellow black white".split()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft")
+    from convert.source import open_source
+    from zoo.cli import smollm2_gguf
+
+    open_source(str(smollm2_gguf())).save_tokenizer(root / "tok")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(root / "tok"))
+    make_llama(root / "hf", vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=2, num_key_value_heads=1)
+    assert zoo_main(["convert", str(root / "hf"), "--out", str(root / "zoo")]) == 0
+    rng = np.random.RandomState(0)
+    with open(root / "chat.jsonl", "w") as f:
+        for _ in range(240):
+            c = COLORS[rng.randint(len(COLORS))]
+            f.write(json.dumps({"messages": [
+                {"role": "system", "content": "Repeat the colour."},
+                {"role": "user", "content": f"colour {c}"},
+                {"role": "assistant", "content": f"{c} {c}"}]}) + "\n")
+    return root, tok
+
+
+def _cfg(root, out, *overrides):
+    return load_config(None, [f"model.path={root / 'zoo'}", f"model.tokenizer={root / 'tok'}",
+                              f"data.path={root / 'chat.jsonl'}", "data.seq_len=64", "batch_size=8",
+                              "optimizer.learning_rate=0.01", "schedule.name=constant", "log_every=1",
+                              "data.eval_fraction=0.1", "eval_every=20", "checkpoint.every=100",
+                              f"output_dir={out}", *overrides])
+
+
+def test_documents_train_only_assistant_tokens(setup):
+    root, tok = setup
+    cfg = _cfg(root, root / "unused", "max_steps=1")
+    task = SFTTask(cfg)
+    rows = task.load(cfg.data.path, cfg)
+    assert rows.field == "messages"
+    docs, bad = task.documents(rows, tok, cfg.data.path, False, [0, 1])
+    assert bad == 0
+    for i, d in docs.items():
+        answer = rows.ds[i]["messages"][2]["content"]
+        trained = tok.decode(d["tokens"][d["loss_mask"]])
+        assert trained == answer + "<|im_end|>"
+
+
+def test_sft_lowers_train_and_eval_loss(setup, tmp_path):
+    root, _ = setup
+    out = tmp_path / "run"
+    cfg = _cfg(root, out, "max_steps=40")
+    final = train(cfg, progress=False, task=SFTTask(cfg))
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in recs]
+    evals = [r["eval_loss"] for r in recs if "eval_loss" in r]
+    assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:3])
+    assert len(evals) == 2 and evals[-1] < evals[0]
+    assert zoo.checkpoint.read_meta(final)["training"]["method"] == "sft"
+
+
+def test_inspect_highlights_assistant_text(setup, capsys):
+    root, _ = setup
+    args = ["inspect", f"model.path={root / 'zoo'}", f"model.tokenizer={root / 'tok'}",
+            f"data.path={root / 'chat.jsonl'}", "max_steps=1", "-n", "1", "--no-color"]
+    assert sft_main(args) == 0
+    out = capsys.readouterr().out
+    assert "format messages" in out and "[[" in out and "<|im_end|>]]" in out
+
+
+def test_row_without_assistant_turn_names_file_and_row(setup, tmp_path, capsys):
+    root, _ = setup
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    args = ["train", f"model.path={root / 'zoo'}", f"model.tokenizer={root / 'tok'}", f"data.path={bad}",
+            "batch_size=1", "max_steps=1", f"output_dir={tmp_path / 'o'}"]
+    assert sft_main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bad.jsonl row 0" in err[0] and "skip_bad_rows" in err[0]
