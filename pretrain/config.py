@@ -39,6 +39,7 @@ class DataSection:
     text_field: str = "text"
     seq_len: int = 512
     packing: bool = True  # false: one document per row, truncated/padded to seq_len
+    long_examples: str = "truncate"  # sft (best-fit packing): truncate | drop examples longer than seq_len + 1
     eval_path: str | None = None
     format: str | None = None  # sft: text | prompt_completion | messages | alpaca | sharegpt; None: from the columns
     chat_template: str | None = None  # sft: a Jinja chat-template file; None: the tokenizer's own template
@@ -119,6 +120,7 @@ class TrainConfig:
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.init": ("pretrained", "random"),
+    "data.long_examples": ("truncate", "drop"),
     "optimizer.name": ("adamw", "adafactor", "sgd", "lion"),
     "schedule.name": ("constant", "cosine", "linear", "wsd"),
     "remat": ("none", "full", "save_dots"),

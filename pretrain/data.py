@@ -134,21 +134,50 @@ def _features(doc: np.ndarray | dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return dict(doc) if isinstance(doc, dict) else {"tokens": doc}
 
 
-def _rows(docs: list, seq_len: int, seed: int, packing: bool, epochs: int | None):
+# How documents become rows: "concat" (concatenate, then split into rows: no padding, documents may be cut;
+# pretraining), "best_fit" (whole documents into the row they fit best: little padding, none cut; SFT),
+# "none" (one document per row, truncated or padded).
+PACKING = ("concat", "best_fit", "none")
+PACKING_BINS = 32  # open rows best-fit chooses among: more fit tighter, at the cost of buffered documents
+
+
+def _mode(packing: bool | str) -> str:
+    return packing if isinstance(packing, str) else ("concat" if packing else "none")
+
+
+def _rows(docs: list, seq_len: int, seed: int, packing: bool | str, epochs: int | None):
     """A grain dataset of rows {tokens, segment ids, positions[, loss_mask]} of seq_len + 1 tokens from
-    shuffled ``docs``."""
+    shuffled ``docs``, packed as ``packing`` says (see PACKING)."""
     import grain.experimental as ge
 
+    mode = _mode(packing)
     ds = grain.MapDataset.source(docs).shuffle(seed=seed).repeat(epochs).map(_features)
-    if not packing:
+    if mode == "none":
         return ds.map(lambda x: _padded(x, seq_len + 1)).to_iter_dataset()
-    return ge.ConcatThenSplitIterDataset(ds.to_iter_dataset(),
-                                         length_struct={k: seq_len + 1 for k in _features(docs[0])})
+    lengths = {k: seq_len + 1 for k in _features(docs[0])}
+    if mode == "best_fit":
+        return ge.BestFitPackIterDataset(ds.to_iter_dataset(), length_struct=lengths, num_packing_bins=PACKING_BINS,
+                                         seed=seed, shuffle_bins=False)
+    return ge.ConcatThenSplitIterDataset(ds.to_iter_dataset(), length_struct=lengths)
 
 
-def lane_dataset(docs: list[np.ndarray], seq_len: int, seed: int, packing: bool):
+def lane_dataset(docs: list, seq_len: int, seed: int, packing: bool | str):
     """One lane: an endless grain iterator of rows from ``docs`` (reshuffled each pass)."""
     return iter(_rows(docs, seq_len, seed, packing, None))
+
+
+def fit_documents(docs: dict[int, Any], max_len: int, long: str) -> tuple[dict[int, Any], set[int]]:
+    """(documents, the row indices that were too long): documents longer than ``max_len`` tokens are cut to
+    it (``long="truncate"``) or left out (``long="drop"``)."""
+    out, too_long = {}, set()
+    for i, d in docs.items():
+        if len(tokens_of(d)) <= max_len:
+            out[i] = d
+            continue
+        too_long.add(i)
+        if long == "truncate":
+            out[i] = {k: v[:max_len] for k, v in d.items()} if isinstance(d, dict) else d[:max_len]
+    return out, too_long
 
 
 def _padded(doc: dict[str, np.ndarray], length: int) -> dict[str, np.ndarray]:
@@ -196,8 +225,8 @@ def _tuples(x: Any) -> Any:
     return x
 
 
-def packed_batches(docs: list[np.ndarray], seq_len: int, batch: int, seed: int, epochs: int | None,
-                   packing: bool = True):
+def packed_batches(docs: list, seq_len: int, batch: int, seed: int, epochs: int | None,
+                   packing: bool | str = True):
     """A grain iterator of whole batches from one stream of ``docs`` (used for the small eval set)."""
     return iter(_rows(docs, seq_len, seed, packing, epochs).batch(batch, drop_remainder=True))
 

@@ -16,7 +16,7 @@ from pretrain.config import TrainConfig
 
 
 def write_final(out: Path, cfg: TrainConfig, mcfg: ModelConfig, params: dict, src: Path | None, tok_dir: Path,
-                last: dict, skipped: int, method: str = "pretrain") -> Path:
+                last: dict, data_report: dict, method: str = "pretrain") -> Path:
     """Write ``out/final`` as a zoo checkpoint, atomically; every process writes its own shards."""
     specs = param_specs(mcfg)
     final = out / "final"
@@ -39,7 +39,7 @@ def write_final(out: Path, cfg: TrainConfig, mcfg: ModelConfig, params: dict, sr
                 shutil.copyfile(src / HF_CONFIG_FILE, scratch / HF_CONFIG_FILE)
             training = {"method": method, "data": cfg.data.path, "steps": last.get("step"),
                         "final_metrics": {k: last[k] for k in ("loss", "tokens_seen") if k in last},
-                        "skipped_rows": skipped, "processes": jax.process_count(), "devices": len(jax.devices())}
+                        **data_report, "processes": jax.process_count(), "devices": len(jax.devices())}
             writer.finish(mcfg, source=str(src or cfg.model.config), source_format="train", training=training)
             if final.exists():
                 shutil.rmtree(final)

@@ -14,7 +14,7 @@ from zoo.errors import UserError
 
 from pretrain import distributed
 from pretrain.config import TrainConfig
-from pretrain.data import LaneBatches, lane_dataset, lane_rows, split_rows, tokens_of
+from pretrain.data import LaneBatches, fit_documents, lane_dataset, lane_rows, split_rows, tokens_of
 from pretrain.task import Document, Task
 
 
@@ -24,6 +24,8 @@ class RunData:
 
     batches: LaneBatches  # this process's rows of every global batch
     rows: list[int]  # the flat global-batch rows (lanes) this process feeds, in its local order
+    packing: str  # how documents become rows (pretrain.data.PACKING)
+    too_long: int  # training documents longer than seq_len + 1 (truncated or dropped, data.long_examples)
     eval_docs: list[Document]
     total_steps: int
     skipped: int  # bad rows skipped over the whole run (all processes)
@@ -64,6 +66,10 @@ def run_data(cfg: TrainConfig, task: Task, tokenizer: Any, vocab: int, sharding:
         failed = e
     if distributed.any_process(failed is not None):
         raise failed or UserError(f"{d.path}: another process found a bad row (its error names it)")
+    packing = task.packing if d.packing else "none"
+    too_long: set[int] = set()
+    if packing == "best_fit":  # whole documents only: a longer one must be cut or left out first
+        docs, too_long = fit_documents(docs, d.seq_len + 1, d.long_examples)
     lane_docs = {r: [docs[i] for i in lanes[r] if i in docs] for r in mine}
     empty = distributed.any_process(any(not v for v in lane_docs.values()))
     too_big = distributed.any_process(any(int(tokens_of(x).max()) >= vocab for x in docs.values()))
@@ -72,14 +78,17 @@ def run_data(cfg: TrainConfig, task: Task, tokenizer: Any, vocab: int, sharding:
     if too_big:
         raise UserError(f"the tokenizer at {cfg.model.tokenizer or 'the checkpoint'} produces ids beyond the "
                         f"model's vocab_size {vocab}")
+    n_long = distributed.total(sum(i in too_long for r in counted for i in lanes[r]))
     skipped = distributed.total(sum(len(lanes[r]) - len(lane_docs[r]) for r in counted))
-    if d.packing:
+    if d.long_examples == "drop":
+        skipped -= n_long  # counted as too long, not as bad
+    if packing != "none":
         tokens = distributed.total(sum(len(tokens_of(x)) for r in counted for x in lane_docs[r]))
         per_epoch = tokens // (cfg.batch_size * (d.seq_len + 1))
     else:
         per_epoch = distributed.total(sum(len(lane_docs[r]) for r in counted)) // cfg.batch_size
     total = cfg.max_steps or max(1, per_epoch) * cfg.epochs
-    batches = LaneBatches([lane_dataset(lane_docs[r], d.seq_len, cfg.seed * 1_000_003 + r, d.packing) for r in mine])
+    batches = LaneBatches([lane_dataset(lane_docs[r], d.seq_len, cfg.seed * 1_000_003 + r, packing) for r in mine])
     eval_docs: list[Document] = []
     if d.eval_path:
         edocs, ebad = task.documents(task.load(d.eval_path, cfg), tokenizer, d.eval_path, d.skip_bad_rows)
@@ -89,7 +98,9 @@ def run_data(cfg: TrainConfig, task: Task, tokenizer: Any, vocab: int, sharding:
         edocs, ebad = task.documents(rows, tokenizer, d.path, d.skip_bad_rows, list(eval_rows))
         eval_docs = [edocs[i] for i in sorted(edocs)]
         skipped += ebad
-    return RunData(batches, mine, eval_docs, total, skipped)
+    if packing == "best_fit":
+        eval_docs = list(fit_documents(dict(enumerate(eval_docs)), d.seq_len + 1, d.long_examples)[0].values())
+    return RunData(batches, mine, packing, n_long, eval_docs, total, skipped)
 
 
 def global_batch(local: dict[str, np.ndarray], rows: list[int], sharding: NamedSharding,

@@ -51,7 +51,8 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any,
         g = jax.tree.map(lambda x: x / n, g)
         updates, opt_state = tx.update(g, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss / n, "grad_norm": optax.tree.norm(g), "target_tokens": n}
+        metrics = {"loss": loss / n, "grad_norm": optax.tree.norm(g), "target_tokens": n,
+                   "padding": 1.0 - (batch["segment_ids"] != 0).mean()}
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     if state_sharding is None:

@@ -39,6 +39,7 @@ class Task(Protocol):
     """The two seams of the shared loop (rows -> documents, (params, batch) -> loss sums)."""
 
     method: str  # recorded in the final checkpoint's training provenance
+    packing: str  # how documents become rows when data.packing is on: "concat" or "best_fit" (pretrain.data)
 
     def load(self, path: str, cfg: TrainConfig) -> RowSource:
         """The rows of a local file/folder or Hub dataset."""
@@ -80,6 +81,7 @@ class PretrainTask:
     """Continued pretraining: plain text, every token a target."""
 
     method = "pretrain"
+    packing = "concat"  # documents may be cut across rows: no padding at all
 
     def load(self, path: str, cfg: TrainConfig) -> RowSource:
         """The rows of ``path`` and its text column (``data.text_field``)."""

@@ -63,6 +63,10 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
     batch_shape = (cfg.grad_accum, micro, cfg.data.seq_len)
     batch_sharding = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"), None))
     data = run_data(cfg, task, tokenizer, mcfg.vocab_size, batch_sharding, micro)
+    if primary and data.too_long:
+        what = "left out" if cfg.data.long_examples == "drop" else "truncated"
+        print(f"{data.too_long} training examples are longer than data.seq_len + 1 = {cfg.data.seq_len + 1} tokens: "
+              f"{what} (data.long_examples)", file=sys.stderr)
     total = data.total_steps
 
     schedule = lr_schedule(cfg, total)
@@ -134,9 +138,10 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
             last = {"step": step + 1, "loss": loss, "learning_rate": float(schedule(step)),
                     "grad_norm": float(m["grad_norm"]), "tokens_seen": seen,
                     "tokens_per_sec": cfg.batch_size * cfg.data.seq_len / dt, "step_time": dt,
-                    "mfu": step_flops / dt / peak if peak else None}
+                    "mfu": step_flops / dt / peak if peak else None, "padding_fraction": float(m["padding"])}
             if data.eval_docs and cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == total):
-                last["eval_loss"] = _eval_loss(eval_fn, state["params"], data.eval_docs, cfg, micro, mesh)
+                last["eval_loss"] = _eval_loss(eval_fn, state["params"], data.eval_docs, cfg, micro, mesh,
+                                               data.packing)
             if primary and ((step + 1) % cfg.log_every == 0 or step + 1 == total):
                 metrics_file.write(json.dumps(last) + "\n")
                 metrics_file.flush()
@@ -144,7 +149,7 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
                     if k != "step" and v is not None:
                         board.add_scalar(f"train/{k}", v, step + 1)
             save(step + 1)
-            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{last['tokens_per_sec']:.0f}")
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{last['tokens_per_sec']:.0f}", pad=f"{last['padding_fraction']:.2f}")
             bar.update()
     finally:
         stop.restore()
@@ -153,13 +158,15 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
             metrics_file.close()
             board.close()
         manager.wait_until_finished()
-    return write_final(out, cfg, mcfg, state["params"], src_ckpt, tok_dir, last, data.skipped, task.method)
+    data_report = {"skipped_rows": data.skipped, "packing": data.packing,
+                   f"{'dropped' if cfg.data.long_examples == 'drop' else 'truncated'}_long_examples": data.too_long}
+    return write_final(out, cfg, mcfg, state["params"], src_ckpt, tok_dir, last, data_report, task.method)
 
 
-def _eval_loss(eval_fn, params: dict, docs: list, cfg: TrainConfig, micro: int, mesh: jax.sharding.Mesh,
+def _eval_loss(eval_fn, params: dict, docs: list, cfg: TrainConfig, micro: int, mesh: jax.sharding.Mesh, packing: str,
                max_batches: int = 50) -> float:
     """Mean per-token loss over (up to ``max_batches``) packed batches of the eval documents."""
-    it = packed_batches(docs, cfg.data.seq_len, micro, cfg.seed, 1, cfg.data.packing)
+    it = packed_batches(docs, cfg.data.seq_len, micro, cfg.seed, 1, packing)
     sharding = NamedSharding(mesh, PartitionSpec(("data", "fsdp"), None))
     total, count = 0.0, 0.0
     for _ in range(max_batches):

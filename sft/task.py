@@ -31,6 +31,7 @@ class SFTTask:
     """Completion-only / assistant-only next-token loss over SFT rows (see sft/formats.py for the formats)."""
 
     method = "sft"
+    packing = "best_fit"  # an example is never cut across rows (its prompt would lose its answer)
 
     def __init__(self, cfg: TrainConfig):
         self.format = cfg.data.format

@@ -2,6 +2,7 @@
 
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -93,3 +94,17 @@ def test_row_without_assistant_turn_names_file_and_row(setup, tmp_path, capsys):
     assert sft_main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "bad.jsonl row 0" in err[0] and "skip_bad_rows" in err[0]
+
+
+def test_grad_accum_2_equals_one_batch_twice_as_large(setup, tmp_path):
+    root, _ = setup
+    sgd = ("max_steps=3", "optimizer.name=sgd", "optimizer.learning_rate=0.5", "data.eval_fraction=0")
+    cfg_a = _cfg(root, tmp_path / "a", *sgd, "grad_accum=1")
+    cfg_b = _cfg(root, tmp_path / "b", *sgd, "grad_accum=2")
+    a = train(cfg_a, progress=False, task=SFTTask(cfg_a))
+    b = train(cfg_b, progress=False, task=SFTTask(cfg_b))
+    la = [json.loads(x)["loss"] for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    lb = [json.loads(x)["loss"] for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    np.testing.assert_allclose(lb, la, rtol=1e-5)
+    for x, y in zip(jax.tree.leaves(zoo.load_params(a)), jax.tree.leaves(zoo.load_params(b))):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-5)
