@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from zoo.checkpoint import HF_CONFIG_FILE, TOKENIZER_DIR, ParamReader, atomic_output, read_meta
+from zoo.checkpoint import HF_CONFIG_FILE, TOKENIZER_DIR, ParamReader, atomic_output, param_reader, read_meta
 from zoo.config import ModelConfig
 from zoo.errors import UserError
 from zoo.memory import release_free_memory
@@ -189,7 +189,7 @@ def _write_shards(ckpt: Path, cfg: ModelConfig, tensors: list[PlannedTensor], n:
         bar = tqdm(by_param.items(), desc="export", unit="param", disable=None if progress is None else not progress)
         for zoo_path, items in bar:
             bar.set_postfix_str(zoo_path)
-            param = ParamReader(ckpt, zoo_path)
+            param = param_reader(ckpt, zoo_path)
             for t in items:
                 for offset, x in _hf_pieces(param, t, cfg):
                     os.pwrite(fds[t.shard], memoryview(x.reshape(-1).view(np.uint8)), data_start[t.shard] + t.offset + offset)

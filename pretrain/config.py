@@ -96,6 +96,17 @@ class CheckpointSection:
 
 
 @dataclass
+class LoraSection:
+    """LoRA adapters (zoo/lora.py); rank 0 trains the full model instead."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: list[str] | str = "all"  # HF module names (q_proj ... down_proj), a comma list, "all", or a regex
+    rslora: bool = False  # scale by alpha/sqrt(rank) instead of alpha/rank
+
+
+@dataclass
 class TrainConfig:
     """Everything a training run needs."""
 
@@ -113,6 +124,7 @@ class TrainConfig:
     dtype: DtypeSection = field(default_factory=DtypeSection)
     remat: str = "none"  # none | full (recompute each layer in backward) | save_dots (keep weight matmuls)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    lora: LoraSection = field(default_factory=LoraSection)
     log_every: int = 10
     eval_every: int = 0
     peak_tflops: float | None = None  # per device, for MFU; None: detected for known accelerators, else no MFU

@@ -7,8 +7,11 @@ from pathlib import Path
 
 import jax
 
-from zoo.checkpoint import HF_CONFIG_FILE, TOKENIZER_DIR, CheckpointWriter, remove_stale_scratch, save_params
+from zoo.adapter import adapter_meta
+from zoo.checkpoint import (HF_CONFIG_FILE, TOKENIZER_DIR, CheckpointWriter, read_meta, remove_stale_scratch,
+                            save_params)
 from zoo.config import ModelConfig
+from zoo.lora import LoraConfig, lora_specs
 from zoo.params import param_specs
 
 from pretrain import distributed
@@ -16,9 +19,13 @@ from pretrain.config import TrainConfig
 
 
 def write_final(out: Path, cfg: TrainConfig, mcfg: ModelConfig, params: dict, src: Path | None, tok_dir: Path,
-                last: dict, data_report: dict, method: str = "pretrain") -> Path:
-    """Write ``out/final`` as a zoo checkpoint, atomically; every process writes its own shards."""
-    specs = param_specs(mcfg)
+                last: dict, data_report: dict, method: str = "pretrain", lora: LoraConfig | None = None) -> Path:
+    """Write ``out/final`` as a zoo checkpoint, atomically; every process writes its own shards.
+
+    With ``lora`` the params are the adapters: ``final`` is then an adapter
+    checkpoint (zoo/adapter.py) that refers to its base ``src``.
+    """
+    specs = lora_specs(mcfg, lora) if lora else param_specs(mcfg)
     final = out / "final"
     scratch = out / ".final.incomplete-run"  # one name all processes agree on
     primary = distributed.is_primary()
@@ -32,7 +39,8 @@ def write_final(out: Path, cfg: TrainConfig, mcfg: ModelConfig, params: dict, sr
         distributed.sync("lmzoo-final-params")
         if primary:
             writer = CheckpointWriter(scratch)
-            writer.adopt(stored)
+            # An adapter checkpoint describes the merged model: the base's parameter table, the adapters apart.
+            writer.adopt(read_meta(src)["params"] if lora else stored)
             if tok_dir.is_dir():
                 shutil.copytree(tok_dir, scratch / TOKENIZER_DIR)
             if src is not None and (src / HF_CONFIG_FILE).is_file():
@@ -40,7 +48,8 @@ def write_final(out: Path, cfg: TrainConfig, mcfg: ModelConfig, params: dict, sr
             training = {"method": method, "data": cfg.data.path, "steps": last.get("step"),
                         "final_metrics": {k: last[k] for k in ("loss", "tokens_seen") if k in last},
                         **data_report, "processes": jax.process_count(), "devices": len(jax.devices())}
-            writer.finish(mcfg, source=str(src or cfg.model.config), source_format="train", training=training)
+            extra = {"lora": adapter_meta(lora, src, stored)} if lora else {}
+            writer.finish(mcfg, source=str(src or cfg.model.config), source_format="train", training=training, **extra)
             if final.exists():
                 shutil.rmtree(final)
             scratch.replace(final)

@@ -10,6 +10,7 @@ import jax
 from zoo.checkpoint import TOKENIZER_DIR, load_params, read_config
 from zoo.config import ModelConfig
 from zoo.errors import UserError
+from zoo.lora import LoraConfig, init_lora, lora_specs
 from zoo.params import init_params, nest, param_specs
 from zoo.sharding import named_sharding
 
@@ -64,3 +65,24 @@ def load_tokenizer(folder: Path):
         return AutoTokenizer.from_pretrained(str(folder))
     except (ValueError, OSError) as e:
         raise UserError(f"tokenizer {folder} cannot be loaded ({str(e).splitlines()[0]})") from None
+
+
+def lora_settings(cfg: TrainConfig, base: Path | None) -> LoraConfig | None:
+    """The run's LoRA settings (None when ``lora.rank`` is 0: full fine-tuning)."""
+    lo = cfg.lora
+    if lo.rank == 0:
+        return None
+    if base is None:
+        raise UserError("lora needs a pretrained base checkpoint (model.path), not model.init: random")
+    targets = lo.targets
+    if isinstance(targets, str) and "," in targets:  # `lora.targets=q_proj,v_proj` on the command line
+        targets = [t.strip() for t in targets.split(",") if t.strip()]
+    return LoraConfig(rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, targets=targets, rslora=lo.rslora)
+
+
+def init_adapters(mcfg: ModelConfig, lora_cfg: LoraConfig, seed: int, mesh: jax.sharding.Mesh) -> dict:
+    """Fresh float32 adapters (B = 0: the model starts as the base), each sharded like its base weight."""
+    specs = lora_specs(mcfg, lora_cfg)
+    shard = nest({p: named_sharding(mesh, s.axes, s.shape) for p, s in specs.items()})
+    # No host inputs: every process builds the same global arrays, each its own shards.
+    return jax.jit(lambda: init_lora(mcfg, lora_cfg, jax.random.PRNGKey(seed + 1), "float32"), out_shardings=shard)()

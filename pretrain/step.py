@@ -15,35 +15,40 @@ from pretrain.task import PretrainTask, Task
 
 
 def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any, remat: str = "none",
-              state_sharding: Any = None, batch_sharding: Any = None, task: Task | None = None):
+              state_sharding: Any = None, batch_sharding: Any = None, task: Task | None = None,
+              lora_scale: float | None = None, frozen_sharding: Any = None):
     """(train step, eval fn): gradient accumulation over the leading micro-batch axis, one optimizer update.
 
     The task (default: pretraining's next-token loss) computes the loss sums of
-    a micro-batch; the step differentiates them with respect to ``state["params"]``.
-    With ``state_sharding`` and ``batch_sharding`` the step is compiled once for
-    exactly those layouts (its outputs keep the state's layout, so the second
-    call does not recompile).
+    a micro-batch; the step differentiates them with respect to ``state["params"]``
+    only. With ``lora_scale`` those are LoRA adapters and the base weights come
+    as the third argument, ``frozen``, which is never differentiated: no base
+    gradient and no optimizer state exist. With ``state_sharding`` and
+    ``batch_sharding`` the step is compiled once for exactly those layouts (its
+    outputs keep the state's layout, so the second call does not recompile).
     """
     task = task or PretrainTask()
 
-    def loss_sums(params: dict, mb: dict) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        return task.loss_sums(mcfg, params, mb, compute, remat)
+    def loss_sums(trainable: dict, mb: dict, frozen: Any) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        if lora_scale is None:
+            return task.loss_sums(mcfg, trainable, mb, compute, remat)
+        return task.loss_sums(mcfg, frozen, mb, compute, remat, lora=trainable, lora_scale=lora_scale)
 
-    def evaluate(params: dict, batch: dict) -> tuple[jax.Array, jax.Array]:
-        _, (s, n) = loss_sums(params, batch)
+    def evaluate(params: dict, batch: dict, frozen: Any = None) -> tuple[jax.Array, jax.Array]:
+        _, (s, n) = loss_sums(params, batch, frozen)
         return s, n
 
-    def step(state: dict, batch: dict) -> tuple[dict, dict]:
+    def step(state: dict, batch: dict, frozen: Any = None) -> tuple[dict, dict]:
         grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
 
         def micro(carry, mb):
             g_acc, l_acc, n_acc = carry
-            (_, (s, n)), g = grad_fn(state["params"], mb)
+            (_, (s, n)), g = grad_fn(state["params"], mb, frozen)
             return (jax.tree.map(jnp.add, g_acc, g), l_acc + s, n_acc + n), None
 
         if jax.tree.leaves(batch)[0].shape[0] == 1:
             # No accumulation: skip the scan, whose gradient carry costs full-size copies.
-            (_, (loss, n)), g = grad_fn(state["params"], jax.tree.map(lambda x: x[0], batch))
+            (_, (loss, n)), g = grad_fn(state["params"], jax.tree.map(lambda x: x[0], batch), frozen)
         else:
             zeros = jax.tree.map(jnp.zeros_like, state["params"])
             (g, loss, n), _ = jax.lax.scan(micro, (zeros, jnp.zeros(()), jnp.zeros(())), batch)
@@ -58,7 +63,7 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any,
     if state_sharding is None:
         return jax.jit(step, donate_argnums=0), jax.jit(evaluate)
     replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
-    step_jit = jax.jit(step, donate_argnums=0, in_shardings=(state_sharding, batch_sharding),
+    step_jit = jax.jit(step, donate_argnums=0, in_shardings=(state_sharding, batch_sharding, frozen_sharding),
                        out_shardings=(state_sharding, replicated))
     return step_jit, jax.jit(evaluate, out_shardings=replicated)
 

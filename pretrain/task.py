@@ -50,9 +50,10 @@ class Task(Protocol):
         """(documents by row index, number of bad rows skipped) for the rows at ``indices`` (default all)."""
         ...
 
-    def loss_sums(self, mcfg: ModelConfig, params: dict, mb: dict, compute: Any,
-                  remat: str) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        """(objective to differentiate, (loss sum, target count)) of one micro-batch."""
+    def loss_sums(self, mcfg: ModelConfig, params: dict, mb: dict, compute: Any, remat: str,
+                  **forward_kwargs: Any) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """(objective to differentiate, (loss sum, target count)) of one micro-batch; ``forward_kwargs``
+        (LoRA adapters) go to the model's forward pass."""
         ...
 
 
@@ -93,7 +94,7 @@ class PretrainTask:
         """Token ids (+ EOS) of each text row."""
         return tokenize_rows(rows.ds, rows.field, tokenizer, path, skip_bad, indices)
 
-    def loss_sums(self, mcfg: ModelConfig, params: dict, mb: dict, compute: Any,
-                  remat: str) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    def loss_sums(self, mcfg: ModelConfig, params: dict, mb: dict, compute: Any, remat: str,
+                  **forward_kwargs: Any) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """Next-token cross-entropy over every target."""
-        return next_token_loss_sums(mcfg, params, mb, compute, remat)
+        return next_token_loss_sums(mcfg, params, mb, compute, remat, **forward_kwargs)

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -22,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from zoo.errors import UserError
+from zoo.lora import lora_scale
 from zoo.sharding import make_mesh
 
 from pretrain import distributed
@@ -32,7 +34,7 @@ from pretrain.final import write_final
 from pretrain.flops import flops_per_token, peak_flops
 from pretrain.lanes import check_same_processes, global_batch, replicated_batch, run_data
 from pretrain.optim import build_optimizer, lr_schedule
-from pretrain.setup import load_model, load_tokenizer
+from pretrain.setup import init_adapters, load_model, load_tokenizer, lora_settings
 from pretrain.step import init_state, make_step
 from pretrain.task import PretrainTask, Task
 
@@ -71,10 +73,15 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
 
     schedule = lr_schedule(cfg, total)
     tx = build_optimizer(cfg, schedule)
-    state = init_state(tx, params, mesh)
+    lora_cfg = lora_settings(cfg, src_ckpt)
+    # With LoRA only the adapters are trained (state["params"]); the base is a frozen, undifferentiated input.
+    frozen = params if lora_cfg else None
+    trainable = init_adapters(mcfg, lora_cfg, cfg.seed, mesh) if lora_cfg else params
+    state = init_state(tx, trainable, mesh)
     state_sharding = jax.tree.map(lambda x: x.sharding, state)
     step_fn, eval_fn = make_step(mcfg, tx, DTYPES[cfg.dtype.compute], cfg.remat, state_sharding, batch_sharding,
-                                 task)
+                                 task, lora_scale(lora_cfg) if lora_cfg else None,
+                                 jax.tree.map(lambda x: x.sharding, frozen))
     peak = peak_flops(cfg)
     step_flops = flops_per_token(mcfg, cfg.data.seq_len) * cfg.batch_size * cfg.data.seq_len
 
@@ -129,7 +136,7 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
                                 f"checkpoint saved in {out}, run the same command to resume")
             t0 = time.perf_counter()
             b = global_batch(to_model_batch(next(data.batches)), data.rows, batch_sharding, batch_shape)
-            state, m = step_fn(state, b)
+            state, m = step_fn(state, b, frozen)
             loss = float(m["loss"])
             if not np.isfinite(loss):
                 raise UserError(f"loss became {loss} at step {step + 1}; the last good checkpoint is kept in {out}")
@@ -140,8 +147,8 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
                     "tokens_per_sec": cfg.batch_size * cfg.data.seq_len / dt, "step_time": dt,
                     "mfu": step_flops / dt / peak if peak else None, "padding_fraction": float(m["padding"])}
             if data.eval_docs and cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == total):
-                last["eval_loss"] = _eval_loss(eval_fn, state["params"], data.eval_docs, cfg, micro, mesh,
-                                               data.packing)
+                last["eval_loss"] = _eval_loss(partial(eval_fn, frozen=frozen), state["params"], data.eval_docs, cfg,
+                                               micro, mesh, data.packing)
             if primary and ((step + 1) % cfg.log_every == 0 or step + 1 == total):
                 metrics_file.write(json.dumps(last) + "\n")
                 metrics_file.flush()
@@ -160,7 +167,7 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
         manager.wait_until_finished()
     data_report = {"skipped_rows": data.skipped, "packing": data.packing,
                    f"{'dropped' if cfg.data.long_examples == 'drop' else 'truncated'}_long_examples": data.too_long}
-    return write_final(out, cfg, mcfg, state["params"], src_ckpt, tok_dir, last, data_report, task.method)
+    return write_final(out, cfg, mcfg, state["params"], src_ckpt, tok_dir, last, data_report, task.method, lora_cfg)
 
 
 def _eval_loss(eval_fn, params: dict, docs: list, cfg: TrainConfig, micro: int, mesh: jax.sharding.Mesh, packing: str,

@@ -66,7 +66,7 @@ class SFTTask:
             docs[i] = {"tokens": ids, "loss_mask": mask}
         return docs, bad
 
-    def loss_sums(self, mcfg: ModelConfig, params: dict, mb: dict, compute: Any,
-                  remat: str) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    def loss_sums(self, mcfg: ModelConfig, params: dict, mb: dict, compute: Any, remat: str,
+                  **forward_kwargs: Any) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """Next-token cross-entropy over the trained (masked-in) targets only."""
-        return next_token_loss_sums(mcfg, params, mb, compute, remat)
+        return next_token_loss_sums(mcfg, params, mb, compute, remat, **forward_kwargs)

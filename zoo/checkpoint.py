@@ -256,6 +256,15 @@ def load_params(
 
     ocp = _orbax()
     meta = read_meta(ckpt)
+    if "lora" in meta:  # an adapter checkpoint: its base, with the adapters merged in
+        from zoo.adapter import base_checkpoint, load_adapters, lora_config
+        from zoo.lora import merge_lora
+
+        mesh = mesh or make_mesh()
+        base = load_params(base_checkpoint(ckpt, meta), mesh, dtype, paths)
+        cfg = ModelConfig.from_dict(meta["config"])
+        merged = merge_lora(cfg, base, load_adapters(ckpt, meta, mesh), lora_config(meta))
+        return merged
     cfg = ModelConfig.from_dict(meta["config"])
     mesh = mesh or make_mesh()
     specs = param_specs(cfg)
@@ -276,14 +285,15 @@ def load_params(
         return ocp.load(Path(ckpt).absolute() / PARAMS_DIR, nest(abstract))
 
 
-def load_param_numpy(ckpt: str | os.PathLike, path: str) -> np.ndarray:
+def load_param_numpy(ckpt: str | os.PathLike, path: str, info: dict[str, Any] | None = None) -> np.ndarray:
     """One stored parameter as a host NumPy array in its stored dtype (for streaming readers).
 
     Restoring into NumPy rather than a device array avoids an extra
     device-to-host copy, keeping peak memory near the parameter's own size.
+    ``info`` (shape, dtype) defaults to the parameter's entry in model.json.
     """
     ocp = _orbax()
-    info = read_meta(ckpt)["params"].get(path)
+    info = info or read_meta(ckpt)["params"].get(path)
     if info is None:
         raise UserError(f"{ckpt}: parameter '{path}' is missing from the checkpoint; it is damaged, convert it again")
     ctx = ocp.Context()
@@ -293,6 +303,16 @@ def load_param_numpy(ckpt: str | os.PathLike, path: str) -> np.ndarray:
     for part in path.split("."):
         tree = tree[part]
     return tree
+
+
+def param_reader(ckpt: str | os.PathLike, path: str) -> "ParamReader":
+    """A streaming reader of one parameter; for an adapter checkpoint, of the merged parameter."""
+    meta = read_meta(ckpt)
+    if "lora" in meta:
+        from zoo.adapter import MergedParamReader
+
+        return MergedParamReader(ckpt, meta, path)
+    return ParamReader(ckpt, path)
 
 
 class ParamReader:

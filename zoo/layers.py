@@ -255,25 +255,69 @@ def attention_mask(segment_ids: jax.Array, window: int | None = None) -> jax.Arr
     return (allowed[None] & same)[:, None]
 
 
+def lora_out(u: jax.Array, b: jax.Array, scale: float | jax.Array, dtype: Any) -> jax.Array:
+    """A LoRA adapter's output, ``scale * u @ B`` for u = x @ A [..., rank], cast to the base output's dtype.
+
+    Not named "dense": under ``remat: save_dots`` only the small u is kept and
+    this [tokens, out] product is recomputed (one rank-r matmul).
+    """
+    return (scale * _dense(u, b, None, 1)).astype(dtype)
+
+
+def adapted_dense(x: jax.Array, w: jax.Array, adapter: dict | None, scale: float | jax.Array,
+                  contract: int = 1) -> jax.Array:
+    """:func:`dense` of x and w, plus ``scale * (x @ A) @ B`` when ``adapter`` ({"a", "b"}) is given.
+
+    The adapter runs beside the base matmul, never merged into w: a merged
+    weight's gradient would cost as much as a full weight gradient.
+    """
+    y = dense(x, w, contract=contract)
+    if adapter is None:
+        return y
+    return y + lora_out(dense(x, adapter["a"], contract=contract), adapter["b"], scale, y.dtype)
+
+
 def projections(x: jax.Array, ws: tuple[jax.Array, ...], cfg: ModelConfig,
-                norm_w: jax.Array | None = None) -> tuple[jax.Array, ...]:
-    """x @ w for each w in ws; with ``norm_w``, of the RMS-normed x (see :func:`normed_dense`)."""
+                norm_w: jax.Array | None = None, adapters: tuple[dict | None, ...] | None = None,
+                lora_scale: float | jax.Array = 1.0) -> tuple[jax.Array, ...]:
+    """x @ w for each w in ws; with ``norm_w``, of the RMS-normed x (see :func:`normed_dense`).
+
+    ``adapters`` (one LoRA {"a", "b"} or None per w) add ``lora_scale * (x @ A) @ B``.
+    The A matmuls go through the same :func:`normed_dense` as the base weights,
+    so the normed x is still not kept for the backward pass.
+    """
+    adapters = adapters or (None,) * len(ws)
+    a_ws = tuple(ad["a"] for ad in adapters if ad is not None)
     if norm_w is None:
-        return tuple(dense(x, w) for w in ws)
-    return normed_dense(x, norm_w, ws, cfg.rms_norm_eps, cfg.norm_offset)
+        ys = tuple(dense(x, w) for w in ws + a_ws)
+    else:
+        ys = normed_dense(x, norm_w, ws + a_ws, cfg.rms_norm_eps, cfg.norm_offset)
+    out, us = list(ys[:len(ws)]), iter(ys[len(ws):])
+    for i, ad in enumerate(adapters):
+        if ad is not None:
+            out[i] = out[i] + lora_out(next(us), ad["b"], lora_scale, out[i].dtype)
+    return tuple(out)
+
+
+def _adapters(lora: dict | None, names: tuple[str, ...]) -> tuple[dict | None, ...]:
+    """The LoRA adapter of each named weight of one layer (None where it has none)."""
+    return tuple((lora or {}).get(n) for n in names)
 
 
 def attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, mask: jax.Array, cfg: ModelConfig,
-              window: int | None = None, norm_w: jax.Array | None = None) -> jax.Array:
+              window: int | None = None, norm_w: jax.Array | None = None, lora: dict | None = None,
+              lora_scale: float | jax.Array = 1.0) -> jax.Array:
     """Grouped-query self-attention of one layer; x [batch, seq, embed].
 
     ``mask`` [batch, 1, q, k] is causal (see :func:`attention_mask`); ``window``
     is the sliding window it was built with, which lets whole key blocks
     outside it be skipped. With ``norm_w`` x is first RMS-normed by it.
+    ``lora`` holds this layer's LoRA adapters by weight name (q, k, v, o).
     """
     b, t, _ = x.shape
     hq, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q, k, v = (y.reshape(b, t, -1, d) for y in projections(x, (p["q"], p["k"], p["v"]), cfg, norm_w))
+    qkv = projections(x, (p["q"], p["k"], p["v"]), cfg, norm_w, _adapters(lora, ("q", "k", "v")), lora_scale)
+    q, k, v = (y.reshape(b, t, -1, d) for y in qkv)
     if cfg.qkv_bias:
         q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
     if cfg.qk_norm:
@@ -285,7 +329,7 @@ def attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, mask: jax.A
     qg = q.reshape(b, t, hk, g, d).transpose(0, 2, 3, 1, 4)
     out = blockwise_attention(qg, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask, cfg.attn_scale,
                               cfg.attn_softcap, window, query_block(t))
-    out = dense(out, p["o"], contract=2)
+    out = adapted_dense(out, p["o"], _adapters(lora, ("o",))[0], lora_scale, contract=2)
     if cfg.o_bias:
         out = out + p["o_bias"]
     return out
@@ -320,38 +364,57 @@ def mla_attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, mask: j
     return jnp.einsum("bthd,hde->bte", out, p["o"])
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
 def glu_down(gate: jax.Array, up: jax.Array, w: jax.Array, act: str) -> jax.Array:
-    """(act(gate) * up) @ w, keeping only gate and up for the backward pass.
+    """(act(gate) * up) @ w, keeping only gate and up for the backward pass (see :func:`glu_dense`)."""
+    return glu_dense(gate, up, (w,), act)[0]
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def glu_dense(gate: jax.Array, up: jax.Array, ws: tuple[jax.Array, ...], act: str) -> tuple[jax.Array, ...]:
+    """(act(gate) * up) @ w for each w in ws (the down weight, and its LoRA A), keeping only gate and up.
 
     Autodiff would store act(gate), its derivative's terms and the product as
     well: three more [tokens, mlp] arrays per layer. Recomputing them in the
     backward pass is cheap elementwise work, and the smaller activation
     memory is what the CPU step is bound by.
     """
-    return dense(ACTIVATIONS[act](gate) * up, w)
+    h = ACTIVATIONS[act](gate) * up
+    return tuple(dense(h, w) for w in ws)
 
 
-def _glu_down_fwd(gate: jax.Array, up: jax.Array, w: jax.Array, act: str):
-    return glu_down(gate, up, w, act), (gate, up, w)
+def _glu_dense_fwd(gate: jax.Array, up: jax.Array, ws: tuple[jax.Array, ...], act: str):
+    return glu_dense(gate, up, ws, act), (gate, up, ws)
 
 
-def _glu_down_bwd(act: str, res: tuple[jax.Array, jax.Array, jax.Array], g: jax.Array):
-    gate, up, w = res
+def _glu_dense_bwd(act: str, res: tuple, gs: tuple[jax.Array, ...]):
+    gate, up, ws = res
     h, glu_vjp = jax.vjp(lambda a, b: ACTIVATIONS[act](a) * b, gate, up)
-    dh, dw = _dense_bwd(None, 1, (h, w), g)
-    return (*glu_vjp(dh), dw)
+    dh, dws = None, []
+    for w, g in zip(ws, gs):
+        dh_w, dw = _dense_bwd(None, 1, (h, w), g)
+        dh = dh_w if dh is None else dh + dh_w
+        dws.append(dw)
+    return (*glu_vjp(dh), tuple(dws))
 
 
-glu_down.defvjp(_glu_down_fwd, _glu_down_bwd)
+glu_dense.defvjp(_glu_dense_fwd, _glu_dense_bwd)
 
 
-def mlp(x: jax.Array, p: dict, cfg: ModelConfig, norm_w: jax.Array | None = None) -> jax.Array:
-    """Gated MLP (SwiGLU / GeGLU): down(act(gate(x)) * up(x)); with ``norm_w`` x is first RMS-normed by it."""
-    gate, up = projections(x, (p["gate"], p["up"]), cfg, norm_w)
+def mlp(x: jax.Array, p: dict, cfg: ModelConfig, norm_w: jax.Array | None = None, lora: dict | None = None,
+        lora_scale: float | jax.Array = 1.0) -> jax.Array:
+    """Gated MLP (SwiGLU / GeGLU): down(act(gate(x)) * up(x)); with ``norm_w`` x is first RMS-normed by it.
+
+    ``lora`` holds this layer's LoRA adapters by weight name (gate, up, down).
+    """
+    gate, up = projections(x, (p["gate"], p["up"]), cfg, norm_w, _adapters(lora, ("gate", "up")), lora_scale)
     if cfg.mlp_bias:
         gate, up = gate + p["gate_bias"], up + p["up_bias"]
-    out = glu_down(gate, up, p["down"], cfg.hidden_act)
+    down = _adapters(lora, ("down",))[0]
+    if down is None:
+        out = glu_down(gate, up, p["down"], cfg.hidden_act)
+    else:
+        out, u = glu_dense(gate, up, (p["down"], down["a"]), cfg.hidden_act)
+        out = out + lora_out(u, down["b"], lora_scale, out.dtype)
     if cfg.mlp_bias:
         out = out + p["down_bias"]
     return out

@@ -81,6 +81,8 @@ def forward(
     positions: jax.Array | None = None,
     return_aux: bool = False,
     remat: str = "none",
+    lora: dict[str, Any] | None = None,
+    lora_scale: float | jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, dict]:
     """Logits [batch, seq, vocab] (float32) of the decoder for int tokens [batch, seq].
 
@@ -91,7 +93,14 @@ def forward(
     ``remat`` trades compute for memory in training: "full" recomputes each
     layer in the backward pass, "save_dots" keeps only the weight matmuls'
     outputs (attention scores and elementwise work are recomputed).
+
+    ``lora`` is a LoRA adapter tree keyed like ``params`` (see
+    :func:`zoo.lora.init_lora`): each adapted projection adds
+    ``lora_scale * (x @ A) @ B`` (``lora_scale`` from :func:`zoo.lora.lora_scale`)
+    beside its base matmul. The adapters are scanned with their layers.
     """
+    if lora is not None and lora_scale is None:
+        raise ValueError("forward: lora adapters need lora_scale (zoo.lora.lora_scale(lora_cfg))")
     b, t = tokens.shape
     if segment_ids is None:
         segment_ids = jnp.ones((b, t), jnp.int32)
@@ -113,20 +122,21 @@ def forward(
     def norm(x: jax.Array, w: jax.Array) -> jax.Array:
         return rms_norm(x, w, cfg.rms_norm_eps, cfg.norm_offset)
 
-    def layer(x: jax.Array, p: dict, kind: str, moe: bool) -> tuple[jax.Array, dict]:
+    def layer(x: jax.Array, p: dict, lp: dict | None, kind: str, moe: bool) -> tuple[jax.Array, dict]:
         window = cfg.sliding_window if kind == "sliding" else None
-        if cfg.mla:
+        if cfg.mla:  # MLA has no adapters (zoo.lora)
             h = mla_attention(norm(x, p["attn_norm"]), p, *ropes[kind], masks[kind], cfg, window)
         else:
-            h = attention(x, p, *ropes[kind], masks[kind], cfg, window, norm_w=p["attn_norm"])
+            h = attention(x, p, *ropes[kind], masks[kind], cfg, window, norm_w=p["attn_norm"], lora=lp,
+                          lora_scale=lora_scale)
         if cfg.post_norms:
             h = norm(h, p["post_attn_norm"])
         x = x + h
         stats: dict = {}
         if moe:
-            h, stats = moe_mlp(norm(x, p["mlp_norm"]), p, cfg, valid)
+            h, stats = moe_mlp(norm(x, p["mlp_norm"]), p, cfg, valid, lora=lp, lora_scale=lora_scale)
         else:
-            h = mlp(x, p, cfg, norm_w=p["mlp_norm"])
+            h = mlp(x, p, cfg, norm_w=p["mlp_norm"], lora=lp, lora_scale=lora_scale)
         if cfg.post_norms:
             h = norm(h, p["post_mlp_norm"])
         return x + h, stats
@@ -138,13 +148,16 @@ def forward(
             # One stacked tree per position in the block (a strided slice; all of the stack when the
             # period is 1), so each layer's weights enter the scan body as scanned inputs themselves:
             # the backward pass then reads them from the parameters, not from a stacked copy.
-            stacked = [jax.tree.map(lambda a: a[seg.start + j : seg.stop : period], params[prefix])
+            # The LoRA adapters (stacked like their weights) are sliced and scanned the same way.
+            adapters = (lora or {}).get(prefix)
+            stacked = [jax.tree.map(lambda a: a[seg.start + j : seg.stop : period],
+                                    (params[prefix], adapters))
                        for j in range(period)]
 
             def block(x: jax.Array, p: list, kinds: tuple[str, ...] = seg.kinds, moe: bool = moe):
                 out = []
                 for j, kind in enumerate(kinds):
-                    x, st = layer(x, p[j], kind, moe)
+                    x, st = layer(x, *p[j], kind, moe)
                     out.append(st)
                 return x, jax.tree.map(lambda *a: jnp.stack(a), *out) if moe else None
 

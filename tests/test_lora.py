@@ -1,0 +1,278 @@
+"""LoRA adapters (zoo.lora): beside the base matmuls in the layer scan, equal to merged weights, sharded like
+their base, gradients for the adapters only."""
+
+import dataclasses
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.test_blockwise import _saved_residuals
+from zoo.config import ModelConfig
+from zoo.errors import UserError
+from zoo.lora import LoraConfig, init_lora, lora_scale, lora_specs, merge_lora
+from zoo.model import forward
+from zoo.params import flatten, nest, param_specs
+
+_BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4, num_kv_heads=2,
+             head_dim=16)
+CONFIGS = {
+    "llama": ModelConfig(family="llama", **_BASE),
+    # Gemma 2: (1 + w) norms, post norms, soft-caps, tied embeddings, and (sliding, full) blocks, so the
+    # adapters are sliced with period 2 like their weights.
+    "gemma2": ModelConfig(family="gemma2", **{**_BASE, "num_layers": 4}, norm_offset=1.0, embed_scale=True,
+                          post_norms=True, hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=24,
+                          attn_softcap=4.0, final_softcap=6.0, sliding_window=7, tie_word_embeddings=True,
+                          layer_types=("sliding", "full") * 2),
+    "mixtral": ModelConfig(family="mixtral", **_BASE, num_experts=4, experts_per_token=2,
+                           moe_intermediate_size=48),
+    # DeepSeek-V3-like: MLA attention (no adapters), a dense first layer, shared experts, sigmoid routing.
+    "deepseek": ModelConfig(family="deepseek_v3", **{**_BASE, "num_kv_heads": 4}, num_experts=8,
+                            experts_per_token=2, moe_intermediate_size=16, shared_experts=1, dense_layers=1,
+                            router_score="sigmoid", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                            v_head_dim=8),
+}
+TOKENS = jnp.asarray(np.random.RandomState(0).randint(0, 96, (2, 12)), jnp.int32)
+
+
+_merge = jax.jit(merge_lora, static_argnums=(0, 3))
+_forward = jax.jit(forward, static_argnums=(0,))
+
+
+@functools.cache
+def _params(cfg: ModelConfig) -> dict:
+    """Random base weights ~ N(0, 0.02) (drawn with NumPy: jax.random compiles a kernel per shape, slowly)."""
+    rng = np.random.RandomState(0)
+    flat = {path: jnp.asarray(rng.normal(0, 0.02, spec.shape) if spec.init == "normal" else
+                              np.full(spec.shape, 1.0 if spec.init == "ones" else 0.0), jnp.float32)
+            for path, spec in sorted(param_specs(cfg).items())}
+    return nest(flat)
+
+
+def _lora(cfg: ModelConfig, lc: LoraConfig, random: bool = False) -> dict:
+    """Fresh adapters (B = 0), or with ``random`` every A and B random non-zero (a zero B hides most mistakes)."""
+    lora = init_lora(cfg, lc, jax.random.key(1))
+    if not random:
+        return lora
+    rng = np.random.RandomState(2)
+    return jax.tree.map(lambda a: jnp.asarray(rng.normal(0, 0.1, a.shape), jnp.float32), lora)
+
+
+def _logits(cfg: ModelConfig, params: dict, lora: dict | None = None, scale: float | None = None) -> np.ndarray:
+    """Jitted forward on TOKENS (the scale is traced, so scales share one compilation)."""
+    scale = None if lora is None else jnp.float32(scale)
+    return np.asarray(_forward(cfg, params, TOKENS, lora=lora, lora_scale=scale))
+
+
+def _max_diff(a, b) -> float:
+    return float(np.abs(np.asarray(a) - np.asarray(b)).max())
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_fresh_adapters_leave_the_model_unchanged(name):
+    cfg, lc = CONFIGS[name], LoraConfig(rank=4)
+    params = _params(cfg)
+    lora = _lora(cfg, lc)
+    assert all(float(jnp.abs(v).max()) > 0 for k, v in flatten(lora).items() if k.endswith(".a"))
+    base = _logits(cfg, params)
+    got = _logits(cfg, params, lora, lora_scale(lc))
+    assert _max_diff(got, base) <= 1e-6
+
+
+CASES = {
+    "llama-all": ("llama", LoraConfig(rank=4)),
+    "gemma2-all": ("gemma2", LoraConfig(rank=4, alpha=8.0)),
+    "mixtral-experts": ("mixtral", LoraConfig(rank=4)),
+    "mixtral-capacity": ("mixtral", LoraConfig(rank=4)),
+    "deepseek-mla-experts": ("deepseek", LoraConfig(rank=4)),
+    "llama-q-v": ("llama", LoraConfig(rank=4, targets=["q_proj", "v_proj"])),
+    "llama-regex": ("llama", LoraConfig(rank=4, targets=r".*\.(o|down)_proj")),
+}
+# The base weights each case adapts (suffixes after the stack prefix).
+ADAPTED = {
+    "llama-q-v": {"layers.q", "layers.v"},
+    "llama-regex": {"layers.o", "layers.down"},
+    "mixtral-experts": {f"layers.{w}" for w in ("q", "k", "v", "o", "expert_gate", "expert_up", "expert_down")},
+    "deepseek-mla-experts": {f"dense_layers.{w}" for w in ("gate", "up", "down")}
+    | {f"layers.{w}" for w in ("expert_gate", "expert_up", "expert_down", "shared_gate", "shared_up",
+                               "shared_down")},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_adapters_equal_merged_weights(case):
+    name, lc = CASES[case]
+    cfg = CONFIGS[name]
+    if case == "mixtral-capacity":
+        cfg = dataclasses.replace(cfg, capacity_factor=4.0)  # roomy: no token dropped
+    params = _params(cfg)
+    lora = _lora(cfg, lc, random=True)
+    if case in ADAPTED:
+        assert {p.rpartition(".")[0] for p in flatten(lora)} == ADAPTED[case]
+    got = _logits(cfg, params, lora, lora_scale(lc))
+    merged = _logits(cfg, _merge(cfg, params, lora, lc))
+    base = _logits(cfg, params)
+    assert _max_diff(got, merged) <= 1e-5
+    assert _max_diff(merged, base) > 1e-2  # the adapters do change the model: the comparison has teeth
+
+
+def test_rslora_scales_by_the_square_root_of_the_rank():
+    assert lora_scale(LoraConfig(rank=16, alpha=32.0)) == 2.0
+    assert lora_scale(LoraConfig(rank=16, alpha=32.0, rslora=True)) == 8.0
+    cfg = CONFIGS["llama"]
+    params = _params(cfg)
+    plain, rs = LoraConfig(rank=4, alpha=4.0), LoraConfig(rank=4, alpha=4.0, rslora=True)  # scale 1 vs 2
+    lora = _lora(cfg, plain, random=True)
+    a = _logits(cfg, params, lora, lora_scale(plain))
+    b = _logits(cfg, params, lora, lora_scale(rs))
+    assert _max_diff(a, b) > 1e-2
+    assert _max_diff(a, _logits(cfg, params, lora, 1.0)) == 0 and _max_diff(b, _logits(cfg, params, lora, 2.0)) == 0
+    assert _max_diff(b, _logits(cfg, _merge(cfg, params, lora, rs))) <= 1e-5
+
+
+def _loss(cfg, params, lora, scale):
+    logp = jax.nn.log_softmax(forward(cfg, params, TOKENS, lora=lora, lora_scale=scale))
+    return -jnp.take_along_axis(logp[:, :-1], TOKENS[:, 1:, None], -1).mean()
+
+
+@pytest.mark.parametrize("name", ["llama", "mixtral"])
+def test_gradients_reach_b_first_and_a_only_through_b(name):
+    cfg, lc = CONFIGS[name], LoraConfig(rank=4)
+    params = _params(cfg)
+    lora = _lora(cfg, lc)
+    grad = jax.jit(jax.grad(lambda l, p: _loss(cfg, p, l, lora_scale(lc))))  # params: not differentiated
+    g = flatten(grad(lora, params))
+    assert set(g) == set(flatten(lora))
+    for path, v in g.items():
+        assert np.isfinite(np.asarray(v)).all(), path
+        if path.endswith(".b"):
+            assert float(jnp.abs(v).max()) > 0, path
+        else:  # dA = x^T (dy B^T) scale, and B is zero at step 0
+            assert float(jnp.abs(v).max()) == 0, path
+    stepped = {k: v - 1.0 * g[k] if k.endswith(".b") else v for k, v in flatten(lora).items()}
+    before = _logits(cfg, params)
+    after = _logits(cfg, params, nest(stepped), lora_scale(lc))
+    assert _max_diff(after, before) > 1e-3
+
+
+def test_adapter_gradients_skip_the_base_weight_gradients():
+    """Differentiating the adapters only must not compute the base weights' gradients (the price of merging
+    A @ B into W): about 2/3 of the flops of a full backward pass (forward, dx, no dW)."""
+    cfg = dataclasses.replace(CONFIGS["llama"], hidden_size=256, intermediate_size=512, head_dim=64,
+                              num_layers=2)
+    lc = LoraConfig(rank=4)
+    params, lora = _params(cfg), _lora(cfg, lc)
+
+    def flops(argnums):
+        f = jax.jit(jax.grad(lambda p, l: _loss(cfg, p, l, 2.0), argnums))
+        return f.lower(params, lora).compile().cost_analysis()["flops"]
+
+    assert flops(1) < 0.8 * flops((0, 1))
+
+
+def test_adapters_keep_no_extra_activations_and_no_weight_copies():
+    """The A matmuls share the fused norm + projection (normed_dense, glu_dense), so LoRA keeps no normed x
+    for the backward pass: still three [tokens, embed] arrays per layer, and the adapters are read from
+    the argument, never from stacked copies."""
+    cfg = dataclasses.replace(CONFIGS["llama"], num_layers=4)
+    lc = LoraConfig(rank=4)
+    params, lora = _params(cfg), _lora(cfg, lc)
+    tokens = TOKENS[:, :8]
+    residuals = _saved_residuals(lambda l: forward(cfg, params, tokens, lora=l, lora_scale=2.0).sum(), lora)
+    assert sum(shape == (4, 2, 8, 64) for shape, _ in residuals) == 3, residuals
+    adapter_shapes = {v.shape for v in flatten(lora).values()}  # stacked over layers, as scanned
+    kept = [(shape, src) for shape, src in residuals if shape in adapter_shapes]
+    assert kept and all(src.startswith("from the argument") for _, src in kept), kept
+
+
+def test_bfloat16_base_with_float32_adapters():
+    """float32 adapters on a bfloat16 base: the adapter path runs in float32 and is cast back, the gradients
+    stay float32, and the result is the float32 model's up to bfloat16 rounding."""
+    cfg, lc = CONFIGS["llama"], LoraConfig(rank=4)
+    params, lora = _params(cfg), _lora(cfg, lc, random=True)
+    half = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    got = _logits(cfg, half, lora, lora_scale(lc))
+    want = _logits(cfg, params, lora, lora_scale(lc))
+    assert got.dtype == np.float32 and np.isfinite(got).all()
+    assert _max_diff(got, want) < 0.05 * _max_diff(want, _logits(cfg, params))
+    assert _merge(cfg, half, lora, lc)["layers"]["q"].dtype == jnp.bfloat16
+    g = jax.jit(jax.grad(lambda l: _loss(cfg, half, l, lora_scale(lc))))(lora)
+    assert all(v.dtype == jnp.float32 and np.isfinite(np.asarray(v)).all() for v in flatten(g).values())
+
+
+def test_specs_follow_the_base_weight_axes():
+    cfg = CONFIGS["mixtral"]
+    base, specs = param_specs(cfg), lora_specs(cfg, LoraConfig(rank=4))
+    assert specs["layers.q.a"].shape == (3, 64, 4) and specs["layers.q.a"].axes == ("layers", "embed", None)
+    assert specs["layers.q.b"].shape == (3, 4, 4, 16)
+    assert specs["layers.q.b"].axes == ("layers", None, "heads", "head_dim")
+    assert specs["layers.o.a"].axes == ("layers", "heads", "head_dim", None)
+    assert specs["layers.expert_down.a"].shape == (3, 4, 48, 4)
+    assert specs["layers.expert_down.b"].axes == ("layers", "expert", None, "embed")
+    for path, spec in specs.items():
+        w = base[path.rpartition(".")[0]]
+        assert spec.axes.count(None) >= 1 and len(spec.axes) == len(spec.shape), path
+        assert set(spec.axes) - {None} <= set(w.axes), path
+
+
+def test_bad_targets_are_user_errors():
+    with pytest.raises(UserError, match="q_proj, k_proj"):
+        LoraConfig(targets=["q_proj", "qkv_proj"])
+    with pytest.raises(UserError, match="matches none"):
+        LoraConfig(targets="attn.*")
+    with pytest.raises(UserError, match="not a valid regex"):
+        LoraConfig(targets="(q_proj")
+    with pytest.raises(UserError, match="MLA"):
+        lora_specs(CONFIGS["deepseek"], LoraConfig(targets=["q_proj", "o_proj"]))
+    cfg = CONFIGS["llama"]
+    with pytest.raises(ValueError, match="lora_scale"):
+        forward(cfg, _params(cfg), TOKENS, lora=_lora(cfg, LoraConfig(rank=4)))
+
+
+MESH_SCRIPT = r"""
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+from tests.test_lora import CONFIGS, TOKENS, _lora, _params
+from zoo.lora import LoraConfig, lora_scale, lora_specs
+from zoo.model import forward
+from zoo.params import flatten, nest, param_specs
+from zoo.sharding import make_mesh, named_sharding
+assert len(jax.devices()) == 8
+cfg, lc = CONFIGS["llama"], LoraConfig(rank=4)
+params = _params(cfg)
+lora = _lora(cfg, lc, random=True)
+f = jax.jit(lambda p, l: forward(cfg, p, TOKENS, lora=l, lora_scale=lora_scale(lc)))
+one = np.asarray(f(params, lora))
+out = {}
+for name, sizes in {"fsdp8": dict(fsdp=8), "fsdp2-tensor4": dict(fsdp=2, tensor=4)}.items():
+    mesh = make_mesh(**sizes)
+    def shard(tree, specs):
+        return nest({k: jax.device_put(v, named_sharding(mesh, specs[k].axes, v.shape))
+                     for k, v in flatten(tree).items()})
+    p, l = shard(params, param_specs(cfg)), shard(lora, lora_specs(cfg, lc))
+    got = np.asarray(f(p, l))
+    out[name] = {"diff": float(np.abs(got - one).max()),
+                 "q.a": [str(s) for s in l["layers"]["q"]["a"].sharding.spec],
+                 "q.b": [str(s) for s in l["layers"]["q"]["b"].sharding.spec]}
+print(json.dumps(out))
+"""
+
+
+def test_sharded_adapters_on_8_devices_equal_one_device():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    p = subprocess.run([sys.executable, "-c", MESH_SCRIPT], capture_output=True, text=True, env=env, timeout=600,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    for name, r in out.items():
+        assert r["diff"] <= 1e-5, (name, r)
+    # The adapters really are split like their base: A's embed over fsdp, B's heads over tensor.
+    assert out["fsdp8"]["q.a"] == ["None", "fsdp", "None"]
+    assert out["fsdp2-tensor4"]["q.a"] == ["None", "fsdp", "None"]
+    assert out["fsdp2-tensor4"]["q.b"] == ["None", "None", "tensor", "None"]

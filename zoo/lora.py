@@ -1,0 +1,206 @@
+"""LoRA adapters in JAX: a second, small parameter tree trained beside the frozen base weights.
+
+A targeted weight W (stored [*lead, *in, *out], e.g. ``layers.q`` [L, embed,
+heads, head_dim]) gets A [*lead, *in, r] and B [*lead, r, *out]; the forward
+pass adds ``scale * (x @ A) @ B`` to ``x @ W`` (see :func:`zoo.model.forward`).
+The adapters keep W's leading ``layers`` (and ``expert``) axes, so they are
+scanned with their layer, and W's logical axes on the in/out dims (the rank
+axis is replicated), so :func:`zoo.sharding.named_sharding` shards each
+adapter like its base on any mesh.
+
+Targets use Hugging Face module names (``q_proj`` ... ``down_proj``), as peft
+does. DeepSeek's multi-head latent attention (q_a/q_b/kv_a/kv_b/o of an MLA
+model) has no adapters: attention targets are skipped on MLA models, and only
+the MLP projections (dense, routed experts and shared experts) are adapted.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from zoo.config import ModelConfig
+from zoo.errors import UserError
+from zoo.params import ParamSpec, flatten, nest, param_specs
+
+# Hugging Face module name -> the zoo weights (suffixes after the layer-stack prefix) it names.
+# peft matches a name as a suffix of the module path, so gate_proj also names every expert's and
+# the shared experts' gate_proj.
+HF_TO_ZOO: dict[str, tuple[str, ...]] = {
+    "q_proj": ("q",),
+    "k_proj": ("k",),
+    "v_proj": ("v",),
+    "o_proj": ("o",),
+    "gate_proj": ("gate", "expert_gate", "shared_gate"),
+    "up_proj": ("up", "expert_up", "shared_up"),
+    "down_proj": ("down", "expert_down", "shared_down"),
+}
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+# How many axes after the leading layers (and expert) axes are W's input: o contracts heads and head_dim.
+_CONTRACT = {"o": 2}
+_ALL = ("all", "all-linear")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA hyper-parameters.
+
+    ``targets``: a list of Hugging Face module names (keys of :data:`HF_TO_ZOO`),
+    ``"all"`` (every attention and MLP projection, experts included), or a
+    regex, matched in full against each module name or its peft-style path
+    (``model.layers.0.self_attn.q_proj``, ``model.layers.0.mlp.gate_proj``).
+    ``rslora`` scales by alpha/sqrt(rank) instead of alpha/rank. ``dropout`` is
+    accepted for configs written for peft, but the forward pass applies none yet.
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: list[str] | tuple[str, ...] | str = "all"
+    rslora: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.targets, str):  # a tuple keeps the frozen config hashable (a jit static arg)
+            object.__setattr__(self, "targets", tuple(self.targets))
+        if self.rank < 1:
+            raise UserError(f"lora: rank must be at least 1, got {self.rank}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise UserError(f"lora: dropout must be in [0, 1), got {self.dropout}")
+        target_modules(self)  # unknown names fail at construction, not mid-training
+
+
+def lora_scale(lora_cfg: LoraConfig) -> float:
+    """The factor on the adapter's output: alpha/rank, or alpha/sqrt(rank) with rslora."""
+    return lora_cfg.alpha / (math.sqrt(lora_cfg.rank) if lora_cfg.rslora else lora_cfg.rank)
+
+
+def _peft_path(name: str) -> str:
+    block = "self_attn" if name in ATTENTION_TARGETS else "mlp"
+    return f"model.layers.0.{block}.{name}"
+
+
+def target_modules(lora_cfg: LoraConfig) -> tuple[str, ...]:
+    """The Hugging Face module names ``lora_cfg.targets`` selects, in :data:`HF_TO_ZOO` order."""
+    valid = ", ".join(HF_TO_ZOO)
+    t = lora_cfg.targets
+    if isinstance(t, str):
+        if t in _ALL:
+            return tuple(HF_TO_ZOO)
+        try:
+            pattern = re.compile(t)
+        except re.error as e:
+            raise UserError(f"lora: targets {t!r} is not a valid regex ({e}); or list names from {valid}") from e
+        picked = tuple(n for n in HF_TO_ZOO if pattern.fullmatch(n) or pattern.fullmatch(_peft_path(n)))
+        if not picked:
+            raise UserError(f"lora: targets regex {t!r} matches none of {valid}")
+        return picked
+    unknown = [n for n in t if n not in HF_TO_ZOO]
+    if unknown:
+        raise UserError(f"lora: unknown target modules {unknown}; valid: {valid} (or \"all\", or a regex)")
+    if not t:
+        raise UserError(f"lora: targets is empty; list names from {valid}, or \"all\"")
+    return tuple(n for n in HF_TO_ZOO if n in t)
+
+
+def _target_suffixes(cfg: ModelConfig, lora_cfg: LoraConfig) -> set[str]:
+    names = target_modules(lora_cfg)
+    if cfg.mla:  # MLA's projections have no adapters (see the module docstring)
+        names = tuple(n for n in names if n not in ATTENTION_TARGETS)
+    return {s for n in names for s in HF_TO_ZOO[n]}
+
+
+def _lead(spec: ParamSpec) -> int:
+    """How many leading axes the adapters share with W unchanged: layers, and expert for routed experts."""
+    return 2 if "expert" in spec.axes[:2] else 1
+
+
+def adapter_specs(spec: ParamSpec, suffix: str, rank: int) -> tuple[ParamSpec, ParamSpec]:
+    """(A, B) specs for base weight ``spec``: A is [*lead, *in, rank], B is [*lead, rank, *out].
+
+    A is initialized random ("lora_a") and B "zeros", so a fresh adapter changes nothing.
+    """
+    lead = _lead(spec)
+    split = lead + _CONTRACT.get(suffix, 1)
+    shape, axes = spec.shape, spec.axes
+    a = ParamSpec(shape[:split] + (rank,), axes[:split] + (None,), "lora_a")
+    b = ParamSpec(shape[:lead] + (rank,) + shape[split:], axes[:lead] + (None,) + axes[split:], "zeros")
+    return a, b
+
+
+def lora_specs(cfg: ModelConfig, lora_cfg: LoraConfig) -> dict[str, ParamSpec]:
+    """Every adapter parameter, by dotted path: ``<base path>.a`` and ``<base path>.b``.
+
+    A UserError when the targets name no weight of this model (e.g. only
+    attention targets on an MLA model).
+    """
+    suffixes = _target_suffixes(cfg, lora_cfg)
+    out: dict[str, ParamSpec] = {}
+    for path, spec in param_specs(cfg).items():
+        prefix, _, suffix = path.rpartition(".")
+        if prefix and suffix in suffixes:
+            out[f"{path}.a"], out[f"{path}.b"] = adapter_specs(spec, suffix, lora_cfg.rank)
+    if not out:
+        raise UserError(f"lora: targets {lora_cfg.targets!r} name no weight of this {cfg.family} model"
+                        + (" (MLA attention has no adapters)" if cfg.mla else ""))
+    return out
+
+
+def init_lora(cfg: ModelConfig, lora_cfg: LoraConfig, key: Any, dtype: Any = "float32") -> dict[str, Any]:
+    """Fresh adapters (nested dict keyed like the params): A ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)), B = 0.
+
+    That A is peft's default (kaiming-uniform with a=sqrt(5)); B = 0 makes the
+    model at step 0 exactly the base. Pure, so it can be jitted with out_shardings.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    specs = sorted(lora_specs(cfg, lora_cfg).items())
+    a_specs = [(path, spec) for path, spec in specs if spec.init == "lora_a"]
+    # One random draw for every A, cut into pieces: each separate draw would compile its own
+    # random-bits kernel (seconds each on CPU), and the adapters are small.
+    u = jax.random.uniform(key, (sum(math.prod(s.shape) for _, s in a_specs),), jnp.float32, -1.0, 1.0)
+    flat, offset = {}, 0
+    for path, spec in a_specs:
+        n = math.prod(spec.shape)
+        bound = 1.0 / math.sqrt(math.prod(spec.shape[_lead(spec):-1]))  # 1/sqrt(fan_in)
+        flat[path] = (bound * u[offset:offset + n].reshape(spec.shape)).astype(dtype)
+        offset += n
+    for path, spec in specs:
+        if spec.init != "lora_a":
+            flat[path] = jnp.zeros(spec.shape, dtype)
+    return nest(flat)
+
+
+def lora_delta(a: Any, b: Any, scale: float, lead: int) -> Any:
+    """scale * A @ B in W's stored shape (float32): contract A's rank axis with B's, keep ``lead`` axes."""
+    import jax.numpy as jnp
+
+    a32, b32 = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    in_shape, out_shape = a32.shape[lead:-1], b32.shape[lead + 1:]
+    lead_shape = a32.shape[:lead]
+    a2 = a32.reshape(lead_shape + (math.prod(in_shape), a32.shape[-1]))
+    b2 = b32.reshape(lead_shape + (b32.shape[lead], math.prod(out_shape)))
+    return (scale * jnp.matmul(a2, b2)).reshape(lead_shape + in_shape + out_shape)
+
+
+def merge_lora(cfg: ModelConfig, params: dict[str, Any], lora: dict[str, Any],
+               lora_cfg: LoraConfig) -> dict[str, Any]:
+    """Base params with each targeted W replaced by W + scale * A @ B, in W's dtype (for load/export).
+
+    Only for inference or export: training must keep A and B separate (the
+    gradient of a merged weight costs a full weight gradient).
+    """
+    scale = lora_scale(lora_cfg)
+    specs = param_specs(cfg)
+    flat, adapters = flatten(params), flatten(lora)
+    out = dict(flat)
+    for path in {p.rpartition(".")[0] for p in adapters}:
+        if path not in flat:
+            raise UserError(f"lora: adapter for {path!r}, which this {cfg.family} model does not have")
+        w = flat[path]
+        delta = lora_delta(adapters[f"{path}.a"], adapters[f"{path}.b"], scale, _lead(specs[path]))
+        out[path] = (w.astype("float32") + delta).astype(w.dtype)
+    return nest(out)
