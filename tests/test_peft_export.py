@@ -1,0 +1,280 @@
+"""`zoo export --adapter`: a LoRA adapter checkpoint as a PEFT folder that peft loads onto the base model.
+
+The adapter checkpoints are written directly (random non-zero A and B on all seven
+targets, as `sft train` with lora.rank > 0 would leave them), which is much faster
+than training. Three forwards must agree in float32: peft's (base + adapter, unmerged),
+transformers' on our merged export, and our own JAX forward of the adapter checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import zoo
+from convert.peft import LORA_LAYOUTS, base_model_ref, hub_repo_of
+from convert.tables import table_for
+from convert.transforms import TRANSFORMS
+from tests.tiny import hf_logits, make_hf, random_tokens
+from zoo.adapter import adapter_meta
+from zoo.checkpoint import CheckpointWriter, read_meta, save_params
+from zoo.cli import main
+from zoo.config import ModelConfig
+from zoo.lora import LoraConfig, init_lora, lora_delta, lora_specs
+from zoo.params import flatten, nest
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TOL = 1e-4
+
+
+def write_adapter_checkpoint(base: Path, out: Path, lora_cfg: LoraConfig, seed: int = 0) -> Path:
+    """An adapter checkpoint of ``base`` laid out as pretrain/final.py writes one, with B random too."""
+    cfg = zoo.read_config(base)
+    flat = {p: np.asarray(v) for p, v in flatten(init_lora(cfg, lora_cfg, jax.random.key(seed))).items()}
+    rng = np.random.RandomState(seed)
+    # init_lora's B is zero (the adapter would change nothing); a random B makes every delta count.
+    flat = {p: v if p.endswith(".a") else rng.normal(0.0, 0.1, v.shape).astype(v.dtype) for p, v in flat.items()}
+    specs = lora_specs(cfg, lora_cfg)
+    out.mkdir()
+    stored = save_params(out, nest(flat), {p: s.axes for p, s in specs.items()})
+    writer = CheckpointWriter(out)
+    writer.adopt(read_meta(base)["params"])
+    writer.finish(cfg, source=str(base), source_format="train", training={"method": "sft", "steps": 3},
+                  lora=adapter_meta(lora_cfg, base, stored))
+    return out
+
+
+@dataclass
+class Setup:
+    """One family's tiny base (HF folder + zoo checkpoint), an adapter checkpoint and its exports."""
+
+    root: Path
+    hf: Path
+    base: Path
+    adapter: Path
+    peft_dir: Path
+    merged: Path
+    tokens: np.ndarray
+
+
+def build(root: Path, family: str) -> Setup:
+    """A tiny ``family`` model converted to a zoo base, a rank-8 adapter on all seven targets, both exports."""
+    make_hf(root / "hf", family)
+    assert main(["convert", str(root / "hf"), "--out", str(root / "base")]) == 0
+    lora_cfg = LoraConfig(rank=8, alpha=16.0, targets=ALL_TARGETS)
+    adapter = write_adapter_checkpoint(root / "base", root / "adapter", lora_cfg)
+    assert main(["export", str(adapter), "--adapter", "--out", str(root / "peft")]) == 0
+    assert main(["export", str(adapter), "--out", str(root / "merged")]) == 0
+    tokens = random_tokens(96, batch=2, seq=24)
+    return Setup(root, root / "hf", root / "base", adapter, root / "peft", root / "merged", tokens)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> dict[str, Setup]:
+    """Family -> its Setup, each built on first use and shared by the module's tests."""
+
+    class Lazy(dict):
+        def __missing__(self, family: str) -> Setup:
+            self[family] = build(tmp_path_factory.mktemp(f"peft_{family}"), family)
+            return self[family]
+
+    return Lazy()
+
+
+@pytest.fixture(params=["llama", "gemma"])
+def setup(request, built) -> Setup:
+    """Each dense family's Setup in turn."""
+    return built[request.param]
+
+
+@pytest.fixture
+def llama(built) -> Setup:
+    """The Llama Setup, for checks that do not depend on the family."""
+    return built["llama"]
+
+
+def load_hf(folder: Path):
+    """A float32 transformers model from ``folder``, eager attention (what tests/tiny.py models use)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def load_peft(hf: Path, adapter_dir: Path):
+    """peft's model: the HF base with the exported adapter, unmerged."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(load_hf(hf), str(adapter_dir)).eval()
+
+
+def adapter_file(adapter_dir: Path) -> dict[str, np.ndarray]:
+    """The exported adapter tensors."""
+    from safetensors.numpy import load_file
+
+    return load_file(str(adapter_dir / "adapter_model.safetensors"))
+
+
+def jax_logits(ckpt: Path, tokens: np.ndarray) -> np.ndarray:
+    """Our merged forward: zoo.load merges an adapter checkpoint into its base."""
+    return np.asarray(zoo.load(ckpt)(jnp.asarray(tokens)))
+
+
+def assert_peft_loads_every_key(model, adapter_dir: Path) -> None:
+    """Every adapter module peft made has its tensors in the file, none is left over, and the values arrived."""
+    from peft.utils import get_peft_model_state_dict
+
+    # load_adapter reports what from_pretrained only warns about: missing adapter keys, unused file keys.
+    result = model.load_adapter(str(adapter_dir), adapter_name="again")
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    model.delete_adapter("again")
+    state = get_peft_model_state_dict(model, save_embedding_layers=False)
+    state = {k: v.detach().numpy() for k, v in state.items()}
+    saved = adapter_file(adapter_dir)
+    assert sorted(state) == sorted(saved)
+    for name, arr in saved.items():
+        np.testing.assert_array_equal(state[name], arr, err_msg=name)
+
+
+def test_layouts_turn_each_zoo_delta_into_peft_factors():
+    """For every adapted weight of the dense table: lora_B @ lora_A is the export transform of A @ B."""
+    cfg = ModelConfig(family="llama", vocab_size=32, hidden_size=24, intermediate_size=40, num_layers=1,
+                      num_heads=3, num_kv_heads=1, head_dim=8)
+    specs = lora_specs(cfg, LoraConfig(rank=4, targets="all"))
+    rules = {r.zoo: r for r in table_for("llama", "hf", cfg)}
+    rng = np.random.RandomState(0)
+    seen = set()
+    for path in sorted({p.rpartition(".")[0] for p in specs}):
+        rule = rules[path]
+        a = rng.normal(size=specs[f"{path}.a"].shape[1:]).astype(np.float32)  # one layer
+        b = rng.normal(size=specs[f"{path}.b"].shape[1:]).astype(np.float32)
+        want = TRANSFORMS[rule.transform].inverse(np.asarray(lora_delta(a, b, 1.0, 0)), cfg)
+        layout = LORA_LAYOUTS[rule.transform]
+        np.testing.assert_allclose(layout.b(b) @ layout.a(a), want, rtol=1e-5, atol=1e-5, err_msg=path)
+        seen.add(rule.transform)
+    assert seen == set(LORA_LAYOUTS)
+
+
+def test_peft_loads_every_adapter_key(setup):
+    config = json.loads((setup.peft_dir / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM"
+    assert (config["r"], config["lora_alpha"], config["use_rslora"]) == (8, 16, False)
+    assert config["target_modules"] == ALL_TARGETS
+    assert config["base_model_name_or_path"] == str(setup.base.absolute())  # converted from a local folder
+    saved = adapter_file(setup.peft_dir)
+    assert len(saved) == 2 * len(ALL_TARGETS) * 3  # A and B, seven modules, three layers
+    assert saved["base_model.model.model.layers.0.self_attn.o_proj.lora_A.weight"].shape == (8, 64)
+    assert saved["base_model.model.model.layers.2.mlp.down_proj.lora_B.weight"].shape == (64, 8)
+    assert_peft_loads_every_key(load_peft(setup.hf, setup.peft_dir), setup.peft_dir)
+
+
+def test_peft_logits_equal_merged_export_and_jax(setup):
+    peft_out = hf_logits(load_peft(setup.hf, setup.peft_dir), setup.tokens)
+    base_out = hf_logits(load_hf(setup.hf), setup.tokens)
+    assert np.abs(peft_out - base_out).max() > 0.1  # the adapter changes the model: the comparisons have teeth
+    assert np.abs(peft_out - hf_logits(load_hf(setup.merged), setup.tokens)).max() <= TOL
+    assert np.abs(peft_out - jax_logits(setup.adapter, setup.tokens)).max() <= TOL
+
+
+def test_rslora_subset_adapter(setup):
+    targets = ["q_proj", "o_proj", "down_proj"]
+    ckpt = write_adapter_checkpoint(setup.base, setup.root / "rs", LoraConfig(rank=4, alpha=6.0, rslora=True,
+                                                                              targets=targets), seed=1)
+    out = setup.root / "rs_peft"
+    assert main(["export", str(ckpt), "--adapter", "--out", str(out)]) == 0
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["use_rslora"]) == (4, 6, True)
+    assert config["target_modules"] == targets
+    model = load_peft(setup.hf, out)
+    assert_peft_loads_every_key(model, out)
+    assert np.abs(hf_logits(model, setup.tokens) - jax_logits(ckpt, setup.tokens)).max() <= TOL
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+def test_bad_requests_are_one_line_errors(llama, tmp_path, capsys):
+    assert main(["export", str(llama.base), "--adapter", "--out", str(tmp_path / "x")]) == 2
+    line = _one_error_line(capsys)
+    assert str(llama.base) in line and "not a LoRA adapter checkpoint" in line
+    assert not (tmp_path / "x").exists()
+
+    assert main(["export", str(llama.adapter), "--adapter", "--out", str(llama.peft_dir)]) == 2
+    assert "not empty" in _one_error_line(capsys)
+    before = adapter_file(llama.peft_dir)
+    assert main(["export", str(llama.adapter), "--adapter", "--out", str(llama.peft_dir), "--overwrite"]) == 0
+    capsys.readouterr()
+    assert adapter_file(llama.peft_dir).keys() == before.keys()
+
+    assert main(["export", str(llama.adapter), "--adapter", "--out", str(tmp_path / "y"),
+                 "--max-shard-size", "1GB"]) == 2
+    assert "--max-shard-size" in _one_error_line(capsys)
+
+
+def test_dry_run_lists_the_adapter_files(llama, tmp_path, capsys):
+    assert main(["export", str(llama.adapter), "--adapter", "--push-to-hub", "me/tiny-lora", "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "me/tiny-lora" in lines[0]
+    rule = next(i for i, line in enumerate(lines) if line.startswith("---"))
+    listed = {line.split()[0]: line.split()[1:] for line in lines[rule + 1:] if line.strip()}
+    assert set(listed) == {"adapter_config.json", "adapter_model.safetensors", "README.md"}
+    size = (llama.peft_dir / "adapter_model.safetensors").stat().st_size
+    assert listed["adapter_model.safetensors"] == [f"{size / 1024:.1f}", "KiB"]  # planned size is exact
+    assert main(["export", str(llama.base), "--adapter", "--push-to-hub", "me/tiny-lora", "--dry-run"]) == 2
+    assert "not a LoRA adapter checkpoint" in _one_error_line(capsys)
+
+
+def test_push_adapter_to_fake_hub_without_torch_or_peft(llama, tmp_path, monkeypatch):
+    from tests.fake_hub import FakeHub
+    from tests.test_hub_push import TOKEN, assert_token_not_leaked, zoo_export
+
+    # Run-time code must not need the test-only packages: the subprocess sees them as not installed.
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    (blocked / "sitecustomize.py").write_text(
+        "import sys\nfor name in ('torch', 'peft'):\n    sys.modules[name] = None  # import raises ImportError\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(blocked), str(Path(__file__).resolve().parent.parent)]))
+    with FakeHub(token=TOKEN) as hub:
+        proc = zoo_export(tmp_path, hub.url, str(llama.adapter), "--adapter", "--push-to-hub", "me/tiny-lora")
+    assert proc.returncode == 0, proc.stderr
+    assert_token_not_leaked(proc)
+    assert f"pushed: {hub.url}/me/tiny-lora/commit/" in proc.stdout
+    assert hub.unexpected == []
+    (commit,) = hub.commits
+    assert sorted(commit.files) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert commit.files[name] == (llama.peft_dir / name).read_bytes(), name
+    assert "me/tiny-lora" in commit.files["README.md"].decode()
+    assert list((tmp_path / "tmp").iterdir()) == []  # the temporary export folder is gone
+
+
+def test_hub_repo_of_source():
+    assert hub_repo_of("smollm2-135m (HuggingFaceTB/SmolLM2-135M)") == "HuggingFaceTB/SmolLM2-135M"
+    assert hub_repo_of("meta-llama/Llama-3.2-1B") == "meta-llama/Llama-3.2-1B"
+    assert hub_repo_of("/data/models/llama") is None
+    assert hub_repo_of("./hf/llama") is None
+    assert hub_repo_of("/tmp/smol.gguf") is None
+
+
+@pytest.mark.parametrize("source, fmt, want", [
+    ("smollm2-135m (HuggingFaceTB/SmolLM2-135M)", "hf", "HuggingFaceTB/SmolLM2-135M"),
+    ("gemma-3-4b-it (google/gemma-3-4b-it)", "hf-gemma3-multimodal", None),  # adapter names the text model
+    ("/models/smol.gguf", "gguf", None),
+    (None, None, None),  # the base is gone: its recorded path
+])
+def test_base_model_ref(tmp_path, source, fmt, want):
+    base = tmp_path / "base"
+    if source is not None:
+        base.mkdir()
+        (base / "model.json").write_text(json.dumps({"source": source, "source_format": fmt}))
+    assert base_model_ref(tmp_path / "adapter", {"lora": {"base": str(base)}}) == (want or str(base))
