@@ -113,7 +113,7 @@ def test_grad_accum_2_equals_one_batch_twice_as_large(setup, tmp_path):
 LORA = ("lora.rank=16", "lora.alpha=32", "optimizer.learning_rate=0.01")
 
 
-def test_lora_sft_trains_only_adapters_and_final_merges(setup, tmp_path):
+def test_lora_sft_trains_only_adapters_and_final_merges(setup, tmp_path, capsys):
     root, _ = setup
     out = tmp_path / "lora"
     cfg = _cfg(root, out, "max_steps=40", *LORA)
@@ -128,6 +128,10 @@ def test_lora_sft_trains_only_adapters_and_final_merges(setup, tmp_path):
     assert meta["lora"]["rank"] == 16 and meta["lora"]["base"] == str(root / "zoo")
     assert set(meta["lora"]["params"]) == {f"layers.{w}.{ab}" for w in ("q", "k", "v", "o", "gate", "up", "down")
                                            for ab in "ab"}
+    capsys.readouterr()
+    assert zoo_main(["info", str(final)]) == 0
+    info = capsys.readouterr().out
+    assert "lora        rank 16, alpha 32" in info and f"base        {root / 'zoo'}" in info and "layers.q.a" in info
     # The checkpoints of the run hold optimizer state for the adapters only (nothing base-sized).
     import orbax.checkpoint as ocp
 
@@ -185,3 +189,45 @@ def test_lora_kill_and_resume_is_bit_identical(setup, tmp_path, monkeypatch):
     b = load_adapters(resumed, zoo.checkpoint.read_meta(resumed))
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+LORA_MESH_SCRIPT = r"""
+import json, sys
+import jax
+from pretrain.config import load_config
+from pretrain.trainer import train
+from sft.task import SFTTask
+assert len(jax.devices()) == 8
+base = json.loads(sys.argv[1])
+out = {}
+for name, mesh in [("fsdp8", ["mesh.data=1", "mesh.fsdp=8"]), ("f4t2", ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"])]:
+    d = sys.argv[2] + "/" + name
+    cfg = load_config(None, base + mesh + [f"output_dir={d}"])
+    train(cfg, progress=False, task=SFTTask(cfg))
+    out[name] = [json.loads(l)["loss"] for l in open(d + "/metrics.jsonl")]
+print(json.dumps(out))
+"""
+
+
+def test_lora_on_8_devices_matches_one_device(setup, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    root, _ = setup
+    extra = ["max_steps=4", "optimizer.name=sgd", "optimizer.learning_rate=0.5", "data.eval_fraction=0",
+             "lora.rank=8", "lora.alpha=16"]
+    cfg = _cfg(root, tmp_path / "one", *extra)
+    train(cfg, progress=False, task=SFTTask(cfg))
+    ref = [json.loads(x)["loss"] for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    base = [f"model.path={root / 'zoo'}", f"model.tokenizer={root / 'tok'}", f"data.path={root / 'chat.jsonl'}",
+            "data.seq_len=64", "batch_size=8", "schedule.name=constant", "log_every=1", "checkpoint.every=100",
+            *extra]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    p = subprocess.run([sys.executable, "-c", LORA_MESH_SCRIPT, json.dumps(base), str(tmp_path)],
+                       capture_output=True, text=True, env=env, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert ref[-1] < ref[0]  # the adapters learn, so equal losses mean equal updates
+    for name, losses in got.items():
+        np.testing.assert_allclose(losses, ref, rtol=1e-5, err_msg=name)

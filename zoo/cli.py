@@ -77,6 +77,14 @@ def cmd_info(args: argparse.Namespace) -> None:
     if cfg.get("num_experts"):
         print(f"experts     {cfg['num_experts']} routed (top-{cfg['experts_per_token']}), "
               f"{cfg.get('shared_experts', 0)} shared, first {cfg.get('dense_layers', 0)} layers dense")
+    lora = meta.get("lora")
+    if lora:
+        # An adapter checkpoint: the table above describes the merged model; on disk are the adapters only.
+        n = sum(_prod(p["shape"]) for p in lora["params"].values())
+        print(f"lora        rank {lora['rank']}, alpha {lora['alpha']:g}{', rslora' if lora['rslora'] else ''}, "
+              f"{human_count(n)} ({n:,}) adapter parameters on {', '.join(lora['target_modules'])}")
+        print(f"base        {lora['base']}  (merged on load and export)")
+        params = lora["params"]
     print(f"on disk     Orbax OCDBT/zarr3, {len(files)} files, {size / 2**20:.1f} MiB; chunked as below")
     print()
     rows = [("parameter", "shape", "dtype", "logical axes", "disk chunk", "chunks")]
