@@ -16,7 +16,8 @@ from pretrain.task import PretrainTask, Task
 
 def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any, remat: str = "none",
               state_sharding: Any = None, batch_sharding: Any = None, task: Task | None = None,
-              lora_scale: float | None = None, frozen_sharding: Any = None):
+              lora_scale: float | None = None, frozen_sharding: Any = None, lora_dropout: float = 0.0,
+              seed: int = 0):
     """(train step, eval fn): gradient accumulation over the leading micro-batch axis, one optimizer update.
 
     The task (default: pretraining's next-token loss) computes the loss sums of
@@ -26,13 +27,28 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any,
     gradient and no optimizer state exist. With ``state_sharding`` and
     ``batch_sharding`` the step is compiled once for exactly those layouts (its
     outputs keep the state's layout, so the second call does not recompile).
+
+    ``lora_dropout`` (LoRA only) is applied in the train step, never in eval.
+    Its masks come from a key derived from ``seed``, the state's step and the
+    micro-batch index alone, so a resumed run draws exactly the masks the
+    uninterrupted run would have.
     """
     task = task or PretrainTask()
+    dropout = lora_scale is not None and lora_dropout > 0
 
-    def loss_sums(trainable: dict, mb: dict, frozen: Any) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    def loss_sums(trainable: dict, mb: dict, frozen: Any,
+                  rng: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         if lora_scale is None:
             return task.loss_sums(mcfg, trainable, mb, compute, remat)
-        return task.loss_sums(mcfg, frozen, mb, compute, remat, lora=trainable, lora_scale=lora_scale)
+        return task.loss_sums(mcfg, frozen, mb, compute, remat, lora=trainable, lora_scale=lora_scale,
+                              lora_dropout=lora_dropout, dropout_rng=rng)
+
+    def dropout_rngs(step_number: jax.Array, micro_batches: int) -> jax.Array | None:
+        """One dropout key per micro-batch of this step ([micro_batches]), or None without dropout."""
+        if not dropout:
+            return None
+        key = jax.random.fold_in(jax.random.key(seed), step_number)
+        return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(micro_batches))
 
     def evaluate(params: dict, batch: dict, frozen: Any = None) -> tuple[jax.Array, jax.Array]:
         _, (s, n) = loss_sums(params, batch, frozen)
@@ -41,17 +57,21 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any,
     def step(state: dict, batch: dict, frozen: Any = None) -> tuple[dict, dict]:
         grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
 
-        def micro(carry, mb):
+        def micro(carry, xs):
             g_acc, l_acc, n_acc = carry
-            (_, (s, n)), g = grad_fn(state["params"], mb, frozen)
+            mb, rng = xs
+            (_, (s, n)), g = grad_fn(state["params"], mb, frozen, rng)
             return (jax.tree.map(jnp.add, g_acc, g), l_acc + s, n_acc + n), None
 
-        if jax.tree.leaves(batch)[0].shape[0] == 1:
+        micro_batches = jax.tree.leaves(batch)[0].shape[0]
+        rngs = dropout_rngs(state["step"], micro_batches)
+        if micro_batches == 1:
             # No accumulation: skip the scan, whose gradient carry costs full-size copies.
-            (_, (loss, n)), g = grad_fn(state["params"], jax.tree.map(lambda x: x[0], batch), frozen)
+            (_, (loss, n)), g = grad_fn(state["params"], jax.tree.map(lambda x: x[0], batch), frozen,
+                                        None if rngs is None else rngs[0])
         else:
             zeros = jax.tree.map(jnp.zeros_like, state["params"])
-            (g, loss, n), _ = jax.lax.scan(micro, (zeros, jnp.zeros(()), jnp.zeros(())), batch)
+            (g, loss, n), _ = jax.lax.scan(micro, (zeros, jnp.zeros(()), jnp.zeros(())), (batch, rngs))
         n = jnp.maximum(n, 1.0)
         g = jax.tree.map(lambda x: x / n, g)
         updates, opt_state = tx.update(g, state["opt_state"], state["params"])

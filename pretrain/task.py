@@ -53,7 +53,7 @@ class Task(Protocol):
     def loss_sums(self, mcfg: ModelConfig, params: dict, mb: dict, compute: Any, remat: str,
                   **forward_kwargs: Any) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """(objective to differentiate, (loss sum, target count)) of one micro-batch; ``forward_kwargs``
-        (LoRA adapters) go to the model's forward pass."""
+        (LoRA adapters, scale, dropout rate and key) go to the model's forward pass."""
         ...
 
 

@@ -81,7 +81,8 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
     state_sharding = jax.tree.map(lambda x: x.sharding, state)
     step_fn, eval_fn = make_step(mcfg, tx, DTYPES[cfg.dtype.compute], cfg.remat, state_sharding, batch_sharding,
                                  task, lora_scale(lora_cfg) if lora_cfg else None,
-                                 jax.tree.map(lambda x: x.sharding, frozen))
+                                 jax.tree.map(lambda x: x.sharding, frozen),
+                                 lora_dropout=lora_cfg.dropout if lora_cfg else 0.0, seed=cfg.seed)
     peak = peak_flops(cfg)
     step_flops = flops_per_token(mcfg, cfg.data.seq_len) * cfg.batch_size * cfg.data.seq_len
 

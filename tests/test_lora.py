@@ -276,3 +276,167 @@ def test_sharded_adapters_on_8_devices_equal_one_device():
     assert out["fsdp8"]["q.a"] == ["None", "fsdp", "None"]
     assert out["fsdp2-tensor4"]["q.a"] == ["None", "fsdp", "None"]
     assert out["fsdp2-tensor4"]["q.b"] == ["None", "None", "tensor", "None"]
+
+
+# LoRA dropout (peft's lora_dropout): the adapter reads dropout(x), the base weight x; training only.
+
+_forward_drop = jax.jit(forward, static_argnums=(0,), static_argnames=("lora_dropout",))
+DROP_KEY = jax.random.key(7)
+
+
+def _dropped_logits(cfg: ModelConfig, params: dict, lora: dict, scale: float, rate: float,
+                    key: jax.Array | None = DROP_KEY) -> np.ndarray:
+    """Jitted forward on TOKENS with LoRA dropout ``rate`` drawn from ``key``."""
+    return np.asarray(_forward_drop(cfg, params, TOKENS, lora=lora, lora_scale=jnp.float32(scale),
+                                    lora_dropout=rate, dropout_rng=key))
+
+
+DROPOUT_MODELS = ["llama", "gemma2", "mixtral", "deepseek"]
+
+
+@pytest.mark.parametrize("name", DROPOUT_MODELS)
+def test_no_dropout_rate_or_no_key_is_exactly_the_plain_forward(name):
+    """Rate 0, or no key (evaluation), gives today's logits bit for bit, from the same fused program."""
+    cfg, lc = CONFIGS[name], LoraConfig(rank=4)
+    params, lora = _params(cfg), _lora(cfg, lc, random=True)
+    want = _logits(cfg, params, lora, lora_scale(lc))
+    assert np.array_equal(_dropped_logits(cfg, params, lora, lora_scale(lc), 0.0), want)
+    assert np.array_equal(_dropped_logits(cfg, params, lora, lora_scale(lc), 0.5, None), want)
+
+    def program(**kw):
+        return str(jax.make_jaxpr(lambda l: forward(cfg, params, TOKENS, lora=l, lora_scale=2.0, **kw))(lora))
+
+    plain = program()
+    assert program(lora_dropout=0.0, dropout_rng=DROP_KEY) == plain
+    assert program(lora_dropout=0.5) == plain
+    assert program(lora_dropout=0.5, dropout_rng=DROP_KEY) != plain  # the comparison has teeth
+
+
+@pytest.mark.parametrize("name", DROPOUT_MODELS)
+def test_dropout_is_deterministic_and_touches_only_the_adapter_branch(name):
+    cfg, lc = CONFIGS[name], LoraConfig(rank=4)
+    params = _params(cfg)
+    lora = _lora(cfg, lc, random=True)
+    scale = lora_scale(lc)
+    plain = _logits(cfg, params, lora, scale)
+    a = _dropped_logits(cfg, params, lora, scale, 0.5)
+    assert np.array_equal(a, _dropped_logits(cfg, params, lora, scale, 0.5))  # same key, same masks
+    assert _max_diff(a, plain) > 1e-3
+    assert _max_diff(a, _dropped_logits(cfg, params, lora, scale, 0.5, jax.random.key(8))) > 1e-3
+    # With B = 0 the adapter branch is zero whatever its input: if the base weights read the dropped x,
+    # the logits would move. They are the base model's exactly.
+    fresh = _lora(cfg, lc)
+    assert np.array_equal(_dropped_logits(cfg, params, fresh, scale, 0.5), _logits(cfg, params))
+
+
+def test_dropout_is_unbiased():
+    """Inverted dropout keeps the adapter's expected output: averaged over 64 masks, the logits come
+    much closer to the no-dropout ones than any single sample does (the noise of the mean is 1/8 of a
+    sample's; deterministic keys, so it cannot flake).
+
+    A small scale keeps the logits linear in the adapters' outputs: the expectation passes through the
+    adapter's matmuls, not through the softmax and activations after them (with large adapters that
+    nonlinearity alone moves the mean)."""
+    cfg, lc = CONFIGS["llama"], LoraConfig(rank=4)
+    params, lora = _params(cfg), _lora(cfg, lc, random=True)
+    scale = 0.05
+    plain = _logits(cfg, params, lora, scale)
+    keys = jax.random.split(jax.random.key(3), 64)
+    samples = np.asarray(jax.jit(jax.vmap(lambda k: forward(cfg, params, TOKENS, lora=lora, lora_scale=scale,
+                                                            lora_dropout=0.5, dropout_rng=k)))(keys))
+
+    def rms(x):
+        return float(np.sqrt(np.mean(np.square(x - plain))))
+
+    single = min(rms(s) for s in samples)
+    assert single > 1e-3
+    assert rms(samples.mean(0)) < 0.25 * single, (rms(samples.mean(0)), single)  # about 1/8 of it
+
+
+def test_dropout_masks_differ_per_projection_and_scale_the_kept_inputs():
+    from zoo.layers import LoraDropout
+
+    x = jnp.ones((4, 8, 64), jnp.float32)
+    key1, key2 = jax.random.split(jax.random.key(0))
+    q, k = (np.asarray(LoraDropout(0.25, key1)(x, name)) for name in ("q", "k"))
+    assert set(np.unique(q)) == {0.0, np.float32(1 / 0.75)}  # zeroed, or kept and scaled by 1/(1 - p)
+    assert 0.65 < (q != 0).mean() < 0.85
+    assert not np.array_equal(q, k)  # each adapted projection draws its own mask
+    assert not np.array_equal(q, np.asarray(LoraDropout(0.25, key2)(x, "q")))  # and each layer
+    half = LoraDropout(0.25, key1)(x.astype(jnp.bfloat16), "q")
+    assert half.dtype == jnp.bfloat16
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _dropout_grad(cfg: ModelConfig, remat: str, lora: dict, params: dict, key: jax.Array) -> dict:
+    """d(next-token loss)/d(adapters) with LoRA dropout 0.5 drawn from ``key`` (traced: one compilation)."""
+
+    def loss(l):
+        logits = forward(cfg, params, TOKENS, remat=remat, lora=l, lora_scale=2.0, lora_dropout=0.5,
+                         dropout_rng=key)
+        logp = jax.nn.log_softmax(logits)
+        return -jnp.take_along_axis(logp[:, :-1], TOKENS[:, 1:, None], -1).mean()
+
+    return jax.grad(loss)(lora)
+
+
+@pytest.mark.parametrize("name,remat", [("llama", "full"), ("gemma2", "save_dots"), ("mixtral", "none"),
+                                        ("deepseek", "none")])
+def test_adapter_gradients_with_dropout_are_finite(name, remat):
+    cfg, lc = CONFIGS[name], LoraConfig(rank=4)
+    params, lora = _params(cfg), _lora(cfg, lc, random=True)
+    g = flatten(_dropout_grad(cfg, remat, lora, params, DROP_KEY))
+    other = flatten(_dropout_grad(cfg, remat, lora, params, jax.random.key(8)))
+    assert set(g) == set(flatten(lora))
+    for path, v in g.items():
+        assert np.isfinite(np.asarray(v)).all(), path
+        assert float(jnp.abs(v).max()) > 0, path
+    assert max(_max_diff(g[p], other[p]) for p in g) > 1e-4  # the masks reach the gradients
+
+
+def test_train_step_dropout_depends_on_seed_step_and_micro_batch_only():
+    """The LoRA train step draws its masks from (seed, step, micro-batch): the same state and batch give
+    the same update (so a resumed run is bit-identical), another step or micro-batch other masks, and
+    evaluation applies none."""
+    import optax
+
+    from pretrain.step import init_state, make_step
+    from zoo.sharding import make_mesh
+
+    cfg, lc = CONFIGS["llama"], LoraConfig(rank=4, dropout=0.5)
+    params, lora = _params(cfg), _lora(cfg, lc, random=True)
+    tx = optax.sgd(0.1)
+    mesh = make_mesh(devices=jax.devices()[:1])
+    t = np.asarray(TOKENS)
+    mb = {"inputs": t[:, :-1], "targets": t[:, 1:], "weights": np.ones(t[:, 1:].shape, np.float32),
+          "segment_ids": np.ones(t[:, 1:].shape, np.int32),
+          "positions": np.tile(np.arange(t.shape[1] - 1, dtype=np.int32), (t.shape[0], 1))}
+    one = {k: jnp.asarray(v[None]) for k, v in mb.items()}
+    two = {k: jnp.asarray(np.stack([v, v])) for k, v in mb.items()}  # the same micro-batch twice
+
+    def steps(rate: float, seed: int = 0):
+        return make_step(cfg, tx, jnp.float32, "none", None, None, None, lora_scale(lc), None,
+                         lora_dropout=rate, seed=seed)
+
+    def state(step_number: int = 0) -> dict:  # a fresh one each time: the step donates it
+        st = init_state(tx, jax.tree.map(jnp.copy, lora), mesh)
+        return {**st, "step": jnp.asarray(step_number, jnp.int32)}
+
+    dropped, plain = steps(0.5), steps(0.0)
+    s0, m0 = dropped[0](state(), one, params)
+    s1, m1 = dropped[0](state(), one, params)
+    assert float(m0["loss"]) == float(m1["loss"])
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(s0["params"]), jax.tree.leaves(s1["params"])))
+    loss = float(m0["loss"])
+    base = float(plain[0](state(), one, params)[1]["loss"])
+    assert loss != base
+    assert float(dropped[0](state(1), one, params)[1]["loss"]) != loss  # the next step: other masks
+    assert float(steps(0.5, seed=1)[0](state(), one, params)[1]["loss"]) != loss  # another seed: other masks
+    # Two equal micro-batches: without dropout their mean loss is the single batch's; with dropout the
+    # second draws other masks (the first shares the single batch's key).
+    assert abs(float(plain[0](state(), two, params)[1]["loss"]) - base) < 1e-6
+    assert abs(float(dropped[0](state(), two, params)[1]["loss"]) - loss) > 1e-5
+    # Evaluation applies no dropout: the trained adapters evaluate as without dropout, bit for bit.
+    batch = {k: v[0] for k, v in one.items()}
+    assert [float(x) for x in dropped[1](s0["params"], batch, params)] == \
+        [float(x) for x in plain[1](s0["params"], batch, params)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -255,6 +256,38 @@ def attention_mask(segment_ids: jax.Array, window: int | None = None) -> jax.Arr
     return (allowed[None] & same)[:, None]
 
 
+# Every weight that can carry a LoRA adapter, in a fixed order: its index is folded into the layer's dropout
+# key, so each adapted projection draws its own mask (q's adapter never sees v's mask).
+ADAPTABLE = ("q", "k", "v", "o", "gate", "up", "down", "expert_gate", "expert_up", "expert_down",
+             "shared_gate", "shared_up", "shared_down")
+
+
+@dataclass(frozen=True)
+class LoraDropout:
+    """LoRA dropout within one layer: ``rate`` and that layer's PRNG ``key``.
+
+    Calling it on an adapter's input x zeroes each element with probability
+    ``rate`` and scales the rest by 1/(1 - rate) (inverted dropout, so the
+    expected adapter output is unchanged). Only the adapter branch sees the
+    dropped input, as peft's ``scale * B(A(dropout(x)))``: the base weight
+    still multiplies x itself.
+    """
+
+    rate: float | jax.Array
+    key: jax.Array
+
+    def __call__(self, x: jax.Array, name: str) -> jax.Array:
+        """x with dropout applied, the mask drawn from this layer's key and the adapted weight ``name``."""
+        keep = 1.0 - self.rate
+        mask = jax.random.bernoulli(jax.random.fold_in(self.key, ADAPTABLE.index(name)), keep, x.shape)
+        return jnp.where(mask, x / keep, 0).astype(x.dtype)
+
+
+def _lora_branch(x: jax.Array, adapter: dict, scale: float | jax.Array, dtype: Any, contract: int = 1) -> jax.Array:
+    """``scale * (x @ A) @ B`` on its own (not fused with a base matmul), cast to ``dtype``."""
+    return lora_out(dense(x, adapter["a"], contract=contract), adapter["b"], scale, dtype)
+
+
 def lora_out(u: jax.Array, b: jax.Array, scale: float | jax.Array, dtype: Any) -> jax.Array:
     """A LoRA adapter's output, ``scale * u @ B`` for u = x @ A [..., rank], cast to the base output's dtype.
 
@@ -265,28 +298,33 @@ def lora_out(u: jax.Array, b: jax.Array, scale: float | jax.Array, dtype: Any) -
 
 
 def adapted_dense(x: jax.Array, w: jax.Array, adapter: dict | None, scale: float | jax.Array,
-                  contract: int = 1) -> jax.Array:
+                  contract: int = 1, drop: LoraDropout | None = None, name: str = "o") -> jax.Array:
     """:func:`dense` of x and w, plus ``scale * (x @ A) @ B`` when ``adapter`` ({"a", "b"}) is given.
 
     The adapter runs beside the base matmul, never merged into w: a merged
-    weight's gradient would cost as much as a full weight gradient.
+    weight's gradient would cost as much as a full weight gradient. With
+    ``drop`` the adapter's x is ``drop(x, name)`` (the base's stays x).
     """
     y = dense(x, w, contract=contract)
     if adapter is None:
         return y
-    return y + lora_out(dense(x, adapter["a"], contract=contract), adapter["b"], scale, y.dtype)
+    return y + _lora_branch(x if drop is None else drop(x, name), adapter, scale, y.dtype, contract)
 
 
 def projections(x: jax.Array, ws: tuple[jax.Array, ...], cfg: ModelConfig,
                 norm_w: jax.Array | None = None, adapters: tuple[dict | None, ...] | None = None,
-                lora_scale: float | jax.Array = 1.0) -> tuple[jax.Array, ...]:
+                lora_scale: float | jax.Array = 1.0, drop: LoraDropout | None = None,
+                names: tuple[str, ...] = ()) -> tuple[jax.Array, ...]:
     """x @ w for each w in ws; with ``norm_w``, of the RMS-normed x (see :func:`normed_dense`).
 
     ``adapters`` (one LoRA {"a", "b"} or None per w) add ``lora_scale * (x @ A) @ B``.
     The A matmuls go through the same :func:`normed_dense` as the base weights,
-    so the normed x is still not kept for the backward pass.
+    so the normed x is still not kept for the backward pass. With ``drop``
+    (LoRA dropout; ``names`` name the weights) see :func:`_dropped_projections`.
     """
     adapters = adapters or (None,) * len(ws)
+    if drop is not None and any(ad is not None for ad in adapters):
+        return _dropped_projections(x, ws, cfg, norm_w, adapters, lora_scale, drop, names)
     a_ws = tuple(ad["a"] for ad in adapters if ad is not None)
     if norm_w is None:
         ys = tuple(dense(x, w) for w in ws + a_ws)
@@ -299,6 +337,24 @@ def projections(x: jax.Array, ws: tuple[jax.Array, ...], cfg: ModelConfig,
     return tuple(out)
 
 
+def _dropped_projections(x: jax.Array, ws: tuple[jax.Array, ...], cfg: ModelConfig, norm_w: jax.Array | None,
+                         adapters: tuple[dict | None, ...], lora_scale: float | jax.Array, drop: LoraDropout,
+                         names: tuple[str, ...]) -> tuple[jax.Array, ...]:
+    """:func:`projections` with LoRA dropout: the base matmuls stay fused on x, each adapter runs apart.
+
+    The A matmuls cannot share the fused norm + projection here, since each
+    adapter reads its own dropped copy of the (normed) x, which the base
+    weights must not see. That copy is kept for the adapter's backward pass:
+    dropout costs activation memory, which is why it is off by default.
+    """
+    ys = list(projections(x, ws, cfg, norm_w))
+    n = x if norm_w is None else rms_norm(x, norm_w, cfg.rms_norm_eps, cfg.norm_offset)
+    for i, (ad, name) in enumerate(zip(adapters, names, strict=True)):
+        if ad is not None:
+            ys[i] = ys[i] + _lora_branch(drop(n, name), ad, lora_scale, ys[i].dtype)
+    return tuple(ys)
+
+
 def _adapters(lora: dict | None, names: tuple[str, ...]) -> tuple[dict | None, ...]:
     """The LoRA adapter of each named weight of one layer (None where it has none)."""
     return tuple((lora or {}).get(n) for n in names)
@@ -306,17 +362,19 @@ def _adapters(lora: dict | None, names: tuple[str, ...]) -> tuple[dict | None, .
 
 def attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, mask: jax.Array, cfg: ModelConfig,
               window: int | None = None, norm_w: jax.Array | None = None, lora: dict | None = None,
-              lora_scale: float | jax.Array = 1.0) -> jax.Array:
+              lora_scale: float | jax.Array = 1.0, drop: LoraDropout | None = None) -> jax.Array:
     """Grouped-query self-attention of one layer; x [batch, seq, embed].
 
     ``mask`` [batch, 1, q, k] is causal (see :func:`attention_mask`); ``window``
     is the sliding window it was built with, which lets whole key blocks
     outside it be skipped. With ``norm_w`` x is first RMS-normed by it.
-    ``lora`` holds this layer's LoRA adapters by weight name (q, k, v, o).
+    ``lora`` holds this layer's LoRA adapters by weight name (q, k, v, o);
+    ``drop`` applies LoRA dropout to their inputs.
     """
     b, t, _ = x.shape
     hq, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    qkv = projections(x, (p["q"], p["k"], p["v"]), cfg, norm_w, _adapters(lora, ("q", "k", "v")), lora_scale)
+    names = ("q", "k", "v")
+    qkv = projections(x, (p["q"], p["k"], p["v"]), cfg, norm_w, _adapters(lora, names), lora_scale, drop, names)
     q, k, v = (y.reshape(b, t, -1, d) for y in qkv)
     if cfg.qkv_bias:
         q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
@@ -329,7 +387,7 @@ def attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, mask: jax.A
     qg = q.reshape(b, t, hk, g, d).transpose(0, 2, 3, 1, 4)
     out = blockwise_attention(qg, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask, cfg.attn_scale,
                               cfg.attn_softcap, window, query_block(t))
-    out = adapted_dense(out, p["o"], _adapters(lora, ("o",))[0], lora_scale, contract=2)
+    out = adapted_dense(out, p["o"], _adapters(lora, ("o",))[0], lora_scale, contract=2, drop=drop, name="o")
     if cfg.o_bias:
         out = out + p["o_bias"]
     return out
@@ -401,17 +459,24 @@ glu_dense.defvjp(_glu_dense_fwd, _glu_dense_bwd)
 
 
 def mlp(x: jax.Array, p: dict, cfg: ModelConfig, norm_w: jax.Array | None = None, lora: dict | None = None,
-        lora_scale: float | jax.Array = 1.0) -> jax.Array:
+        lora_scale: float | jax.Array = 1.0, drop: LoraDropout | None = None) -> jax.Array:
     """Gated MLP (SwiGLU / GeGLU): down(act(gate(x)) * up(x)); with ``norm_w`` x is first RMS-normed by it.
 
-    ``lora`` holds this layer's LoRA adapters by weight name (gate, up, down).
+    ``lora`` holds this layer's LoRA adapters by weight name (gate, up, down);
+    ``drop`` applies LoRA dropout to their inputs.
     """
-    gate, up = projections(x, (p["gate"], p["up"]), cfg, norm_w, _adapters(lora, ("gate", "up")), lora_scale)
+    names = ("gate", "up")
+    gate, up = projections(x, (p["gate"], p["up"]), cfg, norm_w, _adapters(lora, names), lora_scale, drop, names)
     if cfg.mlp_bias:
         gate, up = gate + p["gate_bias"], up + p["up_bias"]
     down = _adapters(lora, ("down",))[0]
     if down is None:
         out = glu_down(gate, up, p["down"], cfg.hidden_act)
+    elif drop is not None:
+        # The adapter reads a dropped copy of act(gate) * up, so it cannot share glu_dense's product.
+        out = glu_down(gate, up, p["down"], cfg.hidden_act)
+        h = ACTIVATIONS[cfg.hidden_act](gate) * up
+        out = out + _lora_branch(drop(h, "down"), down, lora_scale, out.dtype)
     else:
         out, u = glu_dense(gate, up, (p["down"], down["a"]), cfg.hidden_act)
         out = out + lora_out(u, down["b"], lora_scale, out.dtype)

@@ -2,7 +2,8 @@
 
 A targeted weight W (stored [*lead, *in, *out], e.g. ``layers.q`` [L, embed,
 heads, head_dim]) gets A [*lead, *in, r] and B [*lead, r, *out]; the forward
-pass adds ``scale * (x @ A) @ B`` to ``x @ W`` (see :func:`zoo.model.forward`).
+pass adds ``scale * (dropout(x) @ A) @ B`` to ``x @ W`` (see :func:`zoo.model.forward`;
+dropout only in training).
 The adapters keep W's leading ``layers`` (and ``expert``) axes, so they are
 scanned with their layer, and W's logical axes on the in/out dims (the rank
 axis is replicated), so :func:`zoo.sharding.named_sharding` shards each
@@ -53,7 +54,10 @@ class LoraConfig:
     regex, matched in full against each module name or its peft-style path
     (``model.layers.0.self_attn.q_proj``, ``model.layers.0.mlp.gate_proj``).
     ``rslora`` scales by alpha/sqrt(rank) instead of alpha/rank. ``dropout`` is
-    accepted for configs written for peft, but the forward pass applies none yet.
+    peft's ``lora_dropout``: in training each adapter reads its input with that
+    fraction of elements zeroed (the rest scaled by 1/(1 - dropout)), while the
+    base weight reads it whole (:func:`zoo.model.forward`'s ``lora_dropout``);
+    evaluation, inference and merged weights apply none.
     """
 
     rank: int = 8

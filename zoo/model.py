@@ -12,6 +12,7 @@ from flax import nnx
 from zoo.config import ModelConfig
 from zoo.layers import (
     ACTIVATIONS,
+    LoraDropout,
     attention,
     attention_mask,
     dense,
@@ -83,6 +84,8 @@ def forward(
     remat: str = "none",
     lora: dict[str, Any] | None = None,
     lora_scale: float | jax.Array | None = None,
+    lora_dropout: float = 0.0,
+    dropout_rng: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, dict]:
     """Logits [batch, seq, vocab] (float32) of the decoder for int tokens [batch, seq].
 
@@ -98,9 +101,17 @@ def forward(
     :func:`zoo.lora.init_lora`): each adapted projection adds
     ``lora_scale * (x @ A) @ B`` (``lora_scale`` from :func:`zoo.lora.lora_scale`)
     beside its base matmul. The adapters are scanned with their layers.
+
+    ``lora_dropout`` (a Python float, so static under jit) with a ``dropout_rng``
+    key applies LoRA dropout, for training: each adapter reads
+    ``dropout(x)`` (every element of every token kept with probability
+    1 - p and scaled by 1/(1 - p), a fresh mask per adapted projection and
+    layer) while its base weight reads x. Without the key, or with p = 0,
+    no dropout: the forward pass is the plain one (as for evaluation).
     """
     if lora is not None and lora_scale is None:
         raise ValueError("forward: lora adapters need lora_scale (zoo.lora.lora_scale(lora_cfg))")
+    drop_keys = _dropout_keys(cfg, lora, lora_dropout, dropout_rng)
     b, t = tokens.shape
     if segment_ids is None:
         segment_ids = jnp.ones((b, t), jnp.int32)
@@ -122,21 +133,23 @@ def forward(
     def norm(x: jax.Array, w: jax.Array) -> jax.Array:
         return rms_norm(x, w, cfg.rms_norm_eps, cfg.norm_offset)
 
-    def layer(x: jax.Array, p: dict, lp: dict | None, kind: str, moe: bool) -> tuple[jax.Array, dict]:
+    def layer(x: jax.Array, p: dict, lp: dict | None, key: jax.Array | None, kind: str,
+              moe: bool) -> tuple[jax.Array, dict]:
         window = cfg.sliding_window if kind == "sliding" else None
+        drop = None if key is None else LoraDropout(lora_dropout, key)
         if cfg.mla:  # MLA has no adapters (zoo.lora)
             h = mla_attention(norm(x, p["attn_norm"]), p, *ropes[kind], masks[kind], cfg, window)
         else:
             h = attention(x, p, *ropes[kind], masks[kind], cfg, window, norm_w=p["attn_norm"], lora=lp,
-                          lora_scale=lora_scale)
+                          lora_scale=lora_scale, drop=drop)
         if cfg.post_norms:
             h = norm(h, p["post_attn_norm"])
         x = x + h
         stats: dict = {}
         if moe:
-            h, stats = moe_mlp(norm(x, p["mlp_norm"]), p, cfg, valid, lora=lp, lora_scale=lora_scale)
+            h, stats = moe_mlp(norm(x, p["mlp_norm"]), p, cfg, valid, lora=lp, lora_scale=lora_scale, drop=drop)
         else:
-            h = mlp(x, p, cfg, norm_w=p["mlp_norm"], lora=lp, lora_scale=lora_scale)
+            h = mlp(x, p, cfg, norm_w=p["mlp_norm"], lora=lp, lora_scale=lora_scale, drop=drop)
         if cfg.post_norms:
             h = norm(h, p["post_mlp_norm"])
         return x + h, stats
@@ -148,10 +161,12 @@ def forward(
             # One stacked tree per position in the block (a strided slice; all of the stack when the
             # period is 1), so each layer's weights enter the scan body as scanned inputs themselves:
             # the backward pass then reads them from the parameters, not from a stacked copy.
-            # The LoRA adapters (stacked like their weights) are sliced and scanned the same way.
+            # The LoRA adapters (stacked like their weights) and the layers' dropout keys are sliced and
+            # scanned the same way, so the scan body never indexes a stack.
             adapters = (lora or {}).get(prefix)
+            keys = None if drop_keys is None or adapters is None else drop_keys[start:stop]
             stacked = [jax.tree.map(lambda a: a[seg.start + j : seg.stop : period],
-                                    (params[prefix], adapters))
+                                    (params[prefix], adapters, keys))
                        for j in range(period)]
 
             def block(x: jax.Array, p: list, kinds: tuple[str, ...] = seg.kinds, moe: bool = moe):
@@ -176,6 +191,21 @@ def forward(
         return logits, {}
     stats = jax.tree.map(lambda *a: jnp.concatenate(a), *layer_stats)
     return logits, aux_losses(stats, cfg)
+
+
+def _dropout_keys(cfg: ModelConfig, lora: dict | None, rate: float | jax.Array,
+                  rng: jax.Array | None) -> jax.Array | None:
+    """One LoRA-dropout key per layer [num_layers], or None when no dropout applies.
+
+    None without adapters, without a key, or with a rate of exactly 0: the
+    forward pass then keeps the adapters fused with their base matmuls. A
+    traced rate cannot be checked, so it always takes the dropout path.
+    """
+    if lora is None or rng is None:
+        return None
+    if isinstance(rate, (int, float)) and rate <= 0:
+        return None
+    return jax.random.split(rng, cfg.num_layers)
 
 
 class Decoder(nnx.Module):

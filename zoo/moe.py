@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from zoo.config import ModelConfig
-from zoo.layers import ACTIVATIONS, dense, lora_out
+from zoo.layers import ACTIVATIONS, LoraDropout, dense, lora_out
 
 STAT_KEYS = ("expert_counts", "router_prob_sum", "router_lse_sq_sum", "dropped_tokens", "tokens")
 
@@ -44,20 +44,31 @@ def route(x: jax.Array, p: dict, cfg: ModelConfig) -> tuple[jax.Array, jax.Array
     return ids, weights * cfg.router_scale, logits
 
 
-def _ragged(xs: jax.Array, p: dict, name: str, sizes: jax.Array, lora: dict | None, scale) -> jax.Array:
+def _adapter_input(x: jax.Array, name: str, drop: LoraDropout | None) -> jax.Array:
+    """What the adapter of weight ``name`` reads: x, or x with LoRA dropout (the base weight still reads x)."""
+    return x if drop is None else drop(x, name)
+
+
+def _ragged(xs: jax.Array, p: dict, name: str, sizes: jax.Array, lora: dict | None, scale,
+            drop: LoraDropout | None = None) -> jax.Array:
     """xs [N, in] through each row's expert's weight ``name`` (rows sorted by expert, ``sizes`` per expert),
-    plus the expert's LoRA adapter, ``scale * (xs @ A) @ B``, when ``lora`` has one."""
+    plus the expert's LoRA adapter, ``scale * (xs @ A) @ B``, when ``lora`` has one.
+
+    With ``drop`` each row (one token's assignment to one expert) gets its own dropout mask, as each
+    expert's own dropout would give it."""
     y = jax.lax.ragged_dot(xs, p[name], sizes)
     ad = (lora or {}).get(name)
     if ad is None:
         return y
+    xs = _adapter_input(xs, name, drop)
     # ragged_dot wants one dtype: the adapter path runs in the adapters' (float32 adapters on a bf16 base).
     u = jax.lax.ragged_dot(xs.astype(ad["a"].dtype), ad["a"], sizes)
     return y + (scale * jax.lax.ragged_dot(u, ad["b"].astype(u.dtype), sizes)).astype(y.dtype)
 
 
 def _experts_dropless(x: jax.Array, ids: jax.Array, weights: jax.Array, p: dict, cfg: ModelConfig,
-                      lora: dict | None = None, scale: float | jax.Array = 1.0) -> jax.Array:
+                      lora: dict | None = None, scale: float | jax.Array = 1.0,
+                      drop: LoraDropout | None = None) -> jax.Array:
     n, k = ids.shape
     act = ACTIVATIONS[cfg.hidden_act]
     flat = ids.reshape(-1)
@@ -65,25 +76,27 @@ def _experts_dropless(x: jax.Array, ids: jax.Array, weights: jax.Array, p: dict,
     token = order // k
     sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
     xs = x[token]
-    h = act(_ragged(xs, p, "expert_gate", sizes, lora, scale)) * _ragged(xs, p, "expert_up", sizes, lora, scale)
-    y = _ragged(h, p, "expert_down", sizes, lora, scale)
+    h = (act(_ragged(xs, p, "expert_gate", sizes, lora, scale, drop))
+         * _ragged(xs, p, "expert_up", sizes, lora, scale, drop))
+    y = _ragged(h, p, "expert_down", sizes, lora, scale, drop)
     y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
     return jnp.zeros_like(x).at[token].add(y)
 
 
-def _per_expert(buf: jax.Array, p: dict, name: str, lora: dict | None, scale) -> jax.Array:
+def _per_expert(buf: jax.Array, p: dict, name: str, lora: dict | None, scale,
+                drop: LoraDropout | None = None) -> jax.Array:
     """Each expert's buffer buf [X, C, in] through its weight ``name`` (plus its LoRA adapter, if any)."""
     y = jnp.einsum("xci,xio->xco", buf, p[name])
     ad = (lora or {}).get(name)
     if ad is None:
         return y
-    u = jnp.einsum("xci,xir->xcr", buf, ad["a"])
+    u = jnp.einsum("xci,xir->xcr", _adapter_input(buf, name, drop), ad["a"])
     return y + (scale * jnp.einsum("xcr,xro->xco", u, ad["b"])).astype(y.dtype)
 
 
 def _experts_capacity(x: jax.Array, ids: jax.Array, weights: jax.Array, valid: jax.Array, p: dict,
-                      cfg: ModelConfig, lora: dict | None = None,
-                      scale: float | jax.Array = 1.0) -> tuple[jax.Array, jax.Array]:
+                      cfg: ModelConfig, lora: dict | None = None, scale: float | jax.Array = 1.0,
+                      drop: LoraDropout | None = None) -> tuple[jax.Array, jax.Array]:
     n, k = ids.shape
     X = cfg.num_experts
     cap = max(1, math.ceil(cfg.capacity_factor * n * k / X))
@@ -96,39 +109,44 @@ def _experts_capacity(x: jax.Array, ids: jax.Array, weights: jax.Array, valid: j
     dropped = ((onehot > 0) & ~kept).sum()
     dispatch = (kept[..., None] & (slot[..., None] == jnp.arange(cap))).astype(x.dtype)  # [N, k, X, C]
     buf = jnp.einsum("nkxc,ne->xce", dispatch, x)
-    h = act(_per_expert(buf, p, "expert_gate", lora, scale)) * _per_expert(buf, p, "expert_up", lora, scale)
-    out = _per_expert(h, p, "expert_down", lora, scale)
+    h = (act(_per_expert(buf, p, "expert_gate", lora, scale, drop))
+         * _per_expert(buf, p, "expert_up", lora, scale, drop))
+    out = _per_expert(h, p, "expert_down", lora, scale, drop)
     combine = dispatch * weights[..., None, None].astype(x.dtype)
     return jnp.einsum("nkxc,xce->ne", combine, out), dropped
 
 
-def _shared(x: jax.Array, p: dict, name: str, lora: dict | None, scale) -> jax.Array:
+def _shared(x: jax.Array, p: dict, name: str, lora: dict | None, scale,
+            drop: LoraDropout | None = None) -> jax.Array:
     """x @ the shared experts' weight ``name`` (plus its LoRA adapter, if any)."""
     y = x @ p[name]
     ad = (lora or {}).get(name)
-    return y if ad is None else y + lora_out(dense(x, ad["a"]), ad["b"], scale, y.dtype)
+    return y if ad is None else y + lora_out(dense(_adapter_input(x, name, drop), ad["a"]), ad["b"], scale, y.dtype)
 
 
 def moe_mlp(x: jax.Array, p: dict, cfg: ModelConfig, valid: jax.Array, lora: dict | None = None,
-            lora_scale: float | jax.Array = 1.0) -> tuple[jax.Array, dict]:
+            lora_scale: float | jax.Array = 1.0, drop: LoraDropout | None = None) -> tuple[jax.Array, dict]:
     """Routed experts (+ shared experts) for x [batch, seq, embed]; returns output and router statistics.
 
     ``valid`` [batch, seq] marks real tokens (padding is routed but not counted).
     ``lora`` holds this layer's LoRA adapters by weight name (expert_gate ...
-    shared_down), each expert's adapter stacked on the expert axis like its weight.
+    shared_down), each expert's adapter stacked on the expert axis like its weight; ``drop`` applies
+    LoRA dropout to their inputs.
     """
     b, t, e = x.shape
     xf = x.reshape(-1, e)
     vf = valid.reshape(-1)
     ids, weights, logits = route(xf, p, cfg)
     if cfg.capacity_factor is None:
-        out, dropped = _experts_dropless(xf, ids, weights, p, cfg, lora, lora_scale), jnp.zeros((), jnp.int32)
+        out = _experts_dropless(xf, ids, weights, p, cfg, lora, lora_scale, drop)
+        dropped = jnp.zeros((), jnp.int32)
     else:
-        out, dropped = _experts_capacity(xf, ids, weights, vf, p, cfg, lora, lora_scale)
+        out, dropped = _experts_capacity(xf, ids, weights, vf, p, cfg, lora, lora_scale, drop)
     if cfg.shared_experts:
         act = ACTIVATIONS[cfg.hidden_act]
-        h = act(_shared(xf, p, "shared_gate", lora, lora_scale)) * _shared(xf, p, "shared_up", lora, lora_scale)
-        out = out + _shared(h, p, "shared_down", lora, lora_scale)
+        h = (act(_shared(xf, p, "shared_gate", lora, lora_scale, drop))
+             * _shared(xf, p, "shared_up", lora, lora_scale, drop))
+        out = out + _shared(h, p, "shared_down", lora, lora_scale, drop)
     m = vf.astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
     stats = {
