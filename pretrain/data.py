@@ -15,6 +15,7 @@ one row, truncated or padded (segment id 0) to seq_len + 1.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,14 @@ def _field(ds: Any, field: str, path: str) -> str:
     return field
 
 
+def indexed_rows(ds: Any, indices: list[int] | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(row index, row) of the rows at ``indices`` (default all), in index order."""
+    if indices is None:
+        return enumerate(ds)
+    order = sorted(indices)
+    return zip(order, ds.select(order))
+
+
 def tokenize_rows(ds: Any, field: str, tokenizer: Any, path: str, skip_bad: bool,
                   indices: list[int] | None = None) -> tuple[dict[int, np.ndarray], int]:
     """Token ids (+ EOS) of the rows at ``indices`` (default all), by row index.
@@ -96,9 +105,7 @@ def tokenize_rows(ds: Any, field: str, tokenizer: Any, path: str, skip_bad: bool
     """
     docs, bad = {}, 0
     eos = tokenizer.eos_token_id
-    order = sorted(indices) if indices is not None else None
-    rows = enumerate(ds) if order is None else zip(order, ds.select(order))
-    for i, row in rows:
+    for i, row in indexed_rows(ds, indices):
         text = row.get(field)
         if not isinstance(text, str) or not text.strip():
             if skip_bad:

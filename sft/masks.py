@@ -77,17 +77,26 @@ def tokenize_example(example: Example, tokenizer: Any,
 
 def tokenize_rows(rows: Iterable[dict[str, Any]], fmt: str, tokenizer: Any, chat_template: str | None,
                   path: str, skip_bad_rows: bool) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
-    """(ids, mask) of every usable row of ``rows`` (in format ``fmt``), and how many rows were skipped.
+    """(ids, mask) of every usable row of ``rows`` (in format ``fmt``), and how many rows were skipped
+    (see :func:`tokenize_indexed`)."""
+    out, skipped = tokenize_indexed(enumerate(rows), fmt, tokenizer, chat_template, path, skip_bad_rows)
+    return list(out.values()), skipped
+
+
+def tokenize_indexed(rows: Iterable[tuple[int, dict[str, Any]]], fmt: str, tokenizer: Any,
+                     chat_template: str | None, path: str,
+                     skip_bad_rows: bool) -> tuple[dict[int, tuple[np.ndarray, np.ndarray]], int]:
+    """(ids, mask) by row index of every usable (index, row) pair, and how many rows were skipped.
 
     A bad row raises ``UserError("{path} row {i}: ...")`` unless
     ``skip_bad_rows``, when it is skipped and counted; if every row is bad,
     that is an error too (it usually means a wrong format or template).
     """
-    out: list[tuple[np.ndarray, np.ndarray]] = []
+    out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     skipped, first_bad = 0, ""
-    for i, row in enumerate(rows):
+    for i, row in rows:
         try:
-            out.append(tokenize_example(normalize(row, fmt), tokenizer, chat_template))
+            out[i] = tokenize_example(normalize(row, fmt), tokenizer, chat_template)
         except BadRow as e:
             if not skip_bad_rows:
                 raise UserError(f"{path} row {i}: {e}; fix the row or set data.skip_bad_rows: true") from None

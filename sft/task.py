@@ -11,10 +11,10 @@ from zoo.config import ModelConfig
 from zoo.errors import UserError
 
 from pretrain.config import TrainConfig
-from pretrain.data import load_dataset_rows
+from pretrain.data import indexed_rows, load_dataset_rows
 from pretrain.task import Document, RowSource, next_token_loss_sums
-from sft.formats import BadRow, detect_format, normalize
-from sft.masks import tokenize_example
+from sft.formats import detect_format
+from sft.masks import tokenize_indexed
 
 
 def read_chat_template(path: str | None) -> str | None:
@@ -49,22 +49,9 @@ class SFTTask:
     def documents(self, rows: RowSource, tokenizer: Any, path: str, skip_bad: bool,
                   indices: list[int] | None = None) -> tuple[dict[int, Document], int]:
         """{tokens, loss_mask} of each usable row; a bad row is an error naming file and row, or skipped."""
-        docs: dict[int, Document] = {}
-        bad = 0
-        order = sorted(indices) if indices is not None else None
-        it = enumerate(rows.ds) if order is None else zip(order, rows.ds.select(order))
-        for i, row in it:
-            try:
-                ids, mask = tokenize_example(normalize(row, rows.field), tokenizer, self.chat_template)
-                if not mask[1:].any():
-                    raise BadRow("no trainable token")
-            except BadRow as e:
-                if not skip_bad:
-                    raise UserError(f"{path} row {i}: {e}; fix the row or set data.skip_bad_rows: true") from None
-                bad += 1
-                continue
-            docs[i] = {"tokens": ids, "loss_mask": mask}
-        return docs, bad
+        out, bad = tokenize_indexed(indexed_rows(rows.ds, indices), rows.field, tokenizer, self.chat_template,
+                                    path, skip_bad)
+        return {i: {"tokens": ids, "loss_mask": mask} for i, (ids, mask) in out.items()}, bad
 
     def loss_sums(self, mcfg: ModelConfig, params: dict, mb: dict, compute: Any, remat: str,
                   **forward_kwargs: Any) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:

@@ -263,8 +263,7 @@ def load_params(
         mesh = mesh or make_mesh()
         base = load_params(base_checkpoint(ckpt, meta), mesh, dtype, paths)
         cfg = ModelConfig.from_dict(meta["config"])
-        merged = merge_lora(cfg, base, load_adapters(ckpt, meta, mesh), lora_config(meta))
-        return merged
+        return merge_lora(cfg, base, load_adapters(ckpt, meta, mesh), lora_config(meta))
     cfg = ModelConfig.from_dict(meta["config"])
     mesh = mesh or make_mesh()
     specs = param_specs(cfg)
