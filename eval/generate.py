@@ -1,16 +1,160 @@
-"""Greedy generation with a zoo model (fixed-size buffer: one compilation)."""
+"""Text generation with a zoo model on the KV cache of :mod:`zoo.decode`.
+
+One jitted prefill over the right-padded prompts, then a Python loop over a
+jitted one-token step (forward with the cache, then sample) with fixed
+shapes, so a batch compiles twice (prefill and step) per length bucket,
+whatever the number of tokens. Sampling draws from ``jax.random`` keyed by
+the seed and the step, so a seed reproduces its tokens.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from zoo.checkpoint import TOKENIZER_DIR
+from zoo.config import ModelConfig
+from zoo.decode import Cache, forward_cached, init_cache
 from zoo.errors import UserError
-from zoo.model import forward
+
+BUCKET = 32  # prompt and cache lengths are rounded up to a multiple of this: fewer compilations
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """How to generate.
+
+    ``temperature`` 0 is greedy (argmax); otherwise logits are divided by it
+    and sampled, keeping only the ``top_k`` most likely tokens (0: all) and
+    the smallest set whose probability reaches ``top_p`` (1.0: all).
+    Generation stops at ``max_new_tokens``, after a token of ``eos_ids``, or
+    once the decoded text contains one of ``stop`` (which needs a tokenizer).
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    eos_ids: tuple[int, ...] = field(default=())
+
+
+@dataclass(frozen=True)
+class _Sampler:
+    """The static part of sampling (it shapes the compiled program)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+
+
+def _sample(logits: jax.Array, key: jax.Array, s: _Sampler) -> jax.Array:
+    """Next token [b] from last-position logits [b, vocab]."""
+    if s.temperature <= 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / s.temperature
+    if s.top_k > 0:
+        kth = jax.lax.top_k(logits, min(s.top_k, logits.shape[-1]))[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if s.top_p < 1.0:
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        # Keep a token while the mass strictly before it is under top_p (the most likely always stays).
+        drop_sorted = jnp.cumsum(probs, axis=-1) - probs >= s.top_p
+        drop = jnp.zeros_like(drop_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
+        logits = jnp.where(drop, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@partial(jax.jit, static_argnums=(0, 5), donate_argnums=(4,))
+def _prefill(cfg: ModelConfig, params: dict, tokens: jax.Array, valid: jax.Array, cache: Cache,
+             sampler: _Sampler, key: jax.Array) -> tuple[jax.Array, Cache]:
+    """Run the padded prompts through the cache and sample each row's first new token."""
+    logits, cache = forward_cached(cfg, params, tokens, cache, valid)
+    last = jnp.maximum(valid.sum(1) - 1, 0)
+    return _sample(jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0], key, sampler), cache
+
+
+@partial(jax.jit, static_argnums=(0, 4), donate_argnums=(3,))
+def _step(cfg: ModelConfig, params: dict, tokens: jax.Array, cache: Cache, sampler: _Sampler,
+          key: jax.Array) -> tuple[jax.Array, Cache]:
+    """Append one token per row and sample the next."""
+    logits, cache = forward_cached(cfg, params, tokens[:, None], cache)
+    return _sample(logits[:, 0], key, sampler), cache
+
+
+def _round_up(n: int, m: int = BUCKET) -> int:
+    return -(-n // m) * m
+
+
+def generate(cfg: ModelConfig, params: dict[str, Any], prompts: Sequence[Sequence[int]], gen: GenerationConfig,
+             on_token: Callable[[int, int], None] | None = None, tokenizer: Any = None) -> list[list[int]]:
+    """New tokens for each prompt (not the prompt), cut after EOS or after the token completing a stop string.
+
+    The prompts (token ids, at least one each) may differ in length: they are
+    right-padded and run as one batch. ``on_token(row, token)`` is called for
+    every token as it is produced (for streaming). A returned row ends with
+    its EOS token when it hit one; stop strings need ``tokenizer`` (anything
+    with ``decode``) and leave the text containing them to be trimmed by the caller.
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise UserError("generate: every prompt needs at least one token")
+    if gen.stop and tokenizer is None:
+        raise UserError("generate: stop strings need a tokenizer")
+    out: list[list[int]] = [[] for _ in prompts]
+    if gen.max_new_tokens <= 0:
+        return out
+    b = len(prompts)
+    plen = _round_up(max(len(p) for p in prompts))
+    buf = np.zeros((b, plen), np.int32)
+    valid = np.zeros((b, plen), bool)
+    for r, p in enumerate(prompts):
+        buf[r, :len(p)], valid[r, :len(p)] = p, True
+    dtype = params["embed"].dtype
+    cache = init_cache(cfg, b, _round_up(plen + gen.max_new_tokens), dtype)
+    sampler = _Sampler(float(gen.temperature), int(gen.top_k), float(gen.top_p))
+    key = jax.random.PRNGKey(gen.seed)
+    eos = set(gen.eos_ids)
+    done = np.zeros(b, bool)
+    nxt, cache = _prefill(cfg, params, jnp.asarray(buf), jnp.asarray(valid), cache, sampler,
+                          jax.random.fold_in(key, 0))
+    for i in range(gen.max_new_tokens):
+        host = np.asarray(nxt)
+        for r in np.flatnonzero(~done):
+            tok = int(host[r])
+            out[r].append(tok)
+            if on_token is not None:
+                on_token(int(r), tok)
+            done[r] = tok in eos or _hit_stop(out[r], gen.stop, tokenizer)
+        if done.all() or i + 1 == gen.max_new_tokens:
+            break
+        nxt, cache = _step(cfg, params, nxt, cache, sampler, jax.random.fold_in(key, i + 1))
+    return out
+
+
+def _hit_stop(tokens: list[int], stop: tuple[str, ...], tokenizer: Any) -> bool:
+    """Whether the text of ``tokens`` now contains a stop string (only the tail can hold a new one)."""
+    if not stop:
+        return False
+    longest = max(len(s) for s in stop)
+    # Decoding the last few tokens suffices: a new match ends in the newest token, and a token is >= 1 char.
+    tail = tokenizer.decode(tokens[-(longest + 8):], skip_special_tokens=True)
+    return any(s in tail for s in stop)
+
+
+def cut_at_stop(text: str, stop: Sequence[str]) -> str:
+    """``text`` up to (not including) the first occurrence of any stop string."""
+    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=len(text))
+    return text[:cut]
 
 
 def load_tokenizer(ckpt: str | Path):
@@ -24,55 +168,26 @@ def load_tokenizer(ckpt: str | Path):
 
 
 def greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int] = frozenset()) -> list[int]:
-    """Greedy continuation of ``prompt_ids`` (returns only the new tokens).
-
-    Runs the full forward pass on a fixed-length buffer each step; a KV-cache
-    decoder replaces this in the evaluation stack.
-    """
-    n = len(prompt_ids)
-    total = n + max_new_tokens
-    buf = np.zeros((1, total), np.int32)
-    buf[0, :n] = prompt_ids
-    params = model.param_dict()
-    step = jax.jit(lambda p, t, i: jnp.argmax(forward(model.cfg, p, t)[0, i - 1]))
-    out: list[int] = []
-    for i in range(n, total):
-        nxt = int(step(params, jnp.asarray(buf), i))
-        out.append(nxt)
-        if nxt in eos_ids:
-            break
-        buf[0, i] = nxt
-    return out
+    """Greedy continuation of ``prompt_ids`` by a :class:`zoo.model.Decoder` (only the new tokens, cut after EOS)."""
+    return greedy_batch(model, [prompt_ids], max_new_tokens, eos_ids)[0]
 
 
 def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int] = frozenset(),
                  pad_id: int = 0) -> list[list[int]]:
     """Greedy continuations of several prompts at once (each returned without its prompt, cut after EOS).
 
-    Rows are right-padded into one fixed buffer, so every step is one forward
-    pass over the whole batch and the program compiles once; each row reads the
-    logits at its own last position (attention is causal, so the padding to
-    its right changes nothing).
+    ``pad_id`` is accepted for compatibility; padding is masked, so its value never matters.
     """
-    lengths = np.asarray([len(p) for p in prompts])
-    total = int(lengths.max()) + max_new_tokens
-    buf = np.full((len(prompts), total), pad_id, np.int32)
-    for r, p in enumerate(prompts):
-        buf[r, :len(p)] = p
-    params = model.param_dict()
-    step = jax.jit(lambda p, t, i: jnp.argmax(jnp.take_along_axis(forward(model.cfg, p, t), i[:, None, None] - 1,
-                                                                  axis=1)[:, 0], axis=-1))
-    out: list[list[int]] = [[] for _ in prompts]
-    done = np.zeros(len(prompts), bool)
-    for k in range(max_new_tokens):
-        nxt = np.asarray(step(params, jnp.asarray(buf), jnp.asarray(lengths + k)))
-        for r in np.flatnonzero(~done):
-            out[r].append(int(nxt[r]))
-            done[r] = int(nxt[r]) in eos_ids
-            buf[r, lengths[r] + k] = nxt[r]
-        if done.all():
-            break
-    return out
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, eos_ids=tuple(sorted(eos_ids)))
+    return generate(model.cfg, model.param_dict(), prompts, gen)
+
+
+def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of ``messages`` under the tokenizer's chat template, ready for the assistant's reply."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
 
 
 def chat_completion(ckpt: str | Path, prompt: str, max_new_tokens: int = 48) -> str:
@@ -81,9 +196,6 @@ def chat_completion(ckpt: str | Path, prompt: str, max_new_tokens: int = 48) -> 
 
     tok = load_tokenizer(ckpt)
     model = zoo.load(ckpt, dtype=np.float32)
-    ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
     eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
-    new = greedy(model, list(ids), max_new_tokens, eos)
+    new = greedy(model, chat_ids(tok, [{"role": "user", "content": prompt}]), max_new_tokens, eos)
     return tok.decode(new, skip_special_tokens=True)

@@ -1,4 +1,4 @@
-"""The `zoo` command: list, info, convert, init, export, plot, generate, demo.
+"""The `zoo` command: list, info, convert, init, export, plot, generate, eval, demo.
 
 Commands that need convert/ or eval/ import them lazily, inside the command,
 so the zoo package itself stays the ground floor.
@@ -202,10 +202,129 @@ def cmd_plot(args: argparse.Namespace) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    """Greedy chat completion from a checkpoint."""
-    from eval.generate import chat_completion
+    """Continue a prompt (or answer it as a chat turn with --chat), streaming; or a JSONL file of prompts."""
+    if (args.prompt is None) == (args.prompts_file is None):
+        raise UserError("zoo generate needs exactly one of --prompt TEXT and --prompts-file IN.jsonl")
+    if args.prompts_file is not None and not args.out:
+        raise UserError("--prompts-file needs --out OUT.jsonl")
+    if args.out and args.prompts_file is None:
+        raise UserError("--out only applies with --prompts-file")
+    if (args.max_new_tokens < 1 or args.batch_size < 1 or args.temperature < 0 or args.top_k < 0
+            or not 0 < args.top_p <= 1):
+        raise UserError("need --max-new-tokens >= 1, --batch-size >= 1, --temperature >= 0, --top-k >= 0 "
+                        "and 0 < --top-p <= 1")
+    rows = _read_prompt_rows(Path(args.prompts_file)) if args.prompts_file else None
+    import numpy as np
 
-    print(chat_completion(args.ckpt, args.prompt, args.max_new_tokens))
+    import zoo
+    from eval.generate import GenerationConfig, load_tokenizer
+
+    tok = load_tokenizer(args.ckpt)
+    model = zoo.load(args.ckpt, dtype=np.float32)
+    gen = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                           top_p=args.top_p, seed=args.seed, stop=tuple(args.stop or ()),
+                           eos_ids=_eos_ids(args.ckpt, tok))
+    if rows is None:
+        _stream_one(model, tok, _prompt_ids(tok, {"prompt": args.prompt}, args), gen)
+    else:
+        _generate_file(model, tok, rows, args, gen)
+
+
+def _eos_ids(ckpt: str, tok) -> tuple[int, ...]:
+    """End-of-sequence ids: the tokenizer's, plus the source config's (Llama 3 chat models end turns with another)."""
+    import json
+
+    from zoo.checkpoint import HF_CONFIG_FILE
+
+    ids = {tok.eos_token_id} - {None}
+    path = Path(ckpt) / HF_CONFIG_FILE
+    if path.is_file():
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        ids |= set(eos if isinstance(eos, list) else [eos]) - {None}
+    return tuple(sorted(ids))
+
+
+def _read_prompt_rows(path: Path) -> list[dict]:
+    """The rows of a prompts JSONL file, each with a string "prompt" or a list "messages"."""
+    import json
+
+    if not path.is_file():
+        raise UserError(f"--prompts-file {path}: no such file")
+    rows = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        ok = isinstance(row, dict) and (isinstance(row.get("prompt"), str) != isinstance(row.get("messages"), list))
+        if not ok:
+            raise UserError(f'{path}:{n}: each line needs exactly one of "prompt" (a string) or "messages" (a list)')
+        rows.append(row)
+    if not rows:
+        raise UserError(f"--prompts-file {path} has no prompts")
+    return rows
+
+
+def _prompt_ids(tok, row: dict, args: argparse.Namespace) -> list[int]:
+    """Token ids of one prompt: "messages" (or a "prompt" with --chat) under the chat template, else plain text."""
+    from eval.generate import chat_ids
+
+    if "messages" in row or args.chat:
+        messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
+        if args.system is not None and not any(m.get("role") == "system" for m in messages):
+            messages = [{"role": "system", "content": args.system}, *messages]
+        if not getattr(tok, "chat_template", None):
+            raise UserError(f"{args.ckpt}: the tokenizer has no chat template; leave out --chat / use \"prompt\"")
+        return chat_ids(tok, messages)
+    return list(tok(row["prompt"])["input_ids"])
+
+
+def _stream_one(model, tok, ids: list[int], gen) -> None:
+    """Generate for one prompt, printing the text as it grows (held back where a stop string may begin)."""
+    from eval.generate import cut_at_stop, generate
+
+    new: list[int] = []
+    shown = 0
+    hold = max((len(s) for s in gen.stop), default=1) - 1
+
+    def text() -> str:
+        return cut_at_stop(tok.decode(new, skip_special_tokens=True), gen.stop)
+
+    def on_token(_row: int, token: int) -> None:
+        nonlocal shown
+        new.append(token)
+        t = text()
+        t = t[:max(shown, len(t) - hold)]
+        if t.endswith("\ufffd"):  # a character split across tokens: wait for the rest of it
+            return
+        print(t[shown:], end="", flush=True)
+        shown = len(t)
+
+    generate(model.cfg, model.param_dict(), [ids], gen, on_token, tok)
+    print(text()[shown:], flush=True)
+
+
+def _generate_file(model, tok, rows: list[dict], args: argparse.Namespace, gen) -> None:
+    """Complete every row of a prompts file in batches; write each row back with its "completion"."""
+    import json
+
+    from tqdm import tqdm
+
+    from eval.generate import cut_at_stop, generate
+
+    ids = [_prompt_ids(tok, r, args) for r in rows]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", encoding="utf-8") as f, tqdm(total=len(rows), desc="generate", unit="prompt") as bar:
+        for i in range(0, len(rows), args.batch_size):
+            new = generate(model.cfg, model.param_dict(), ids[i:i + args.batch_size], gen, tokenizer=tok)
+            for row, toks in zip(rows[i:i + args.batch_size], new):
+                text = cut_at_stop(tok.decode(toks, skip_special_tokens=True), gen.stop)
+                f.write(json.dumps({**row, "completion": text}, ensure_ascii=False) + "\n")
+            bar.update(len(new))
+    print(f"wrote {out}", file=sys.stderr)
 
 
 def smollm2_gguf() -> Path:
@@ -289,11 +408,43 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", metavar="PNG", help="where to write the picture (default RUN_DIR/curves.png)")
     s.set_defaults(fn=cmd_plot)
 
-    s = sub.add_parser("generate", help="greedy chat completion with a zoo checkpoint")
+    s = sub.add_parser(
+        "generate", help="generate text with a zoo checkpoint (KV-cache decoding, streamed)",
+        description="Continue a prompt with a zoo checkpoint (converted, or a training run's final/ folder: LoRA "
+                    "adapters are merged on load), printing tokens as they come. Greedy unless --temperature > 0. "
+                    "With --prompts-file, complete every line of a JSONL file in batches instead.")
     s.add_argument("ckpt", metavar="CKPT", help="path of a zoo checkpoint folder (with tokenizer/)")
-    s.add_argument("--prompt", required=True, help="the user message")
-    s.add_argument("--max-new-tokens", type=int, default=48, help="most tokens to generate (default 48)")
+    s.add_argument("--prompt", metavar="TEXT",
+                   help="the text to continue (with --chat: the user message answered under the chat template)")
+    s.add_argument("--chat", action="store_true",
+                   help="apply the checkpoint's chat template: --prompt (and \"prompt\" lines) become a user turn "
+                        "and generation starts the assistant's reply")
+    s.add_argument("--system", metavar="TEXT", help="with --chat (or \"messages\" lines), a system turn put first")
+    s.add_argument("--prompts-file", metavar="IN.jsonl",
+                   help='instead of --prompt: one JSON object a line, {"prompt": TEXT} or {"messages": [...]} '
+                        '(chat messages, always under the chat template)')
+    s.add_argument("--out", metavar="OUT.jsonl",
+                   help='with --prompts-file: where to write each input line with a "completion" added')
+    s.add_argument("--batch-size", type=int, default=8, metavar="N",
+                   help="prompts generated together with --prompts-file (default 8)")
+    s.add_argument("--max-new-tokens", type=int, default=48, metavar="N",
+                   help="most tokens to generate per prompt (default 48)")
+    s.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="sampling temperature; 0 (the default) is greedy decoding")
+    s.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="sample only among the K most likely tokens (0: all; default 0)")
+    s.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="sample only among the most likely tokens whose probabilities sum to P (default 1.0: all)")
+    s.add_argument("--seed", type=int, default=0, metavar="S",
+                   help="random seed for sampling: same seed, same text (default 0)")
+    s.add_argument("--stop", nargs="+", action="extend", metavar="STR",
+                   help="stop once the text contains any of these strings (the output ends before it; the flag may "
+                        "repeat); generation also stops at the tokenizer's end-of-sequence token")
     s.set_defaults(fn=cmd_generate)
+
+    from eval.cli import add_eval_parser  # light: argparse only; eval/ loads JAX inside the command
+
+    add_eval_parser(sub)
 
     s = sub.add_parser(
         "demo", help="the fine-tuning main job: convert, score, LoRA SFT, score again, export, chat",

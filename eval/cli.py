@@ -1,0 +1,124 @@
+"""`zoo eval`: score a checkpoint on perplexity, multiple-choice and generation tasks (see eval/tasks.py).
+
+Only argparse at import time: `zoo` builds every sub-parser on each run, and
+the heavy modules (JAX, the model, transformers) load inside :func:`cmd_eval`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+# Metrics shown in the console table, per task kind (the JSON has them all).
+SHOWN = {"perplexity": ("ppl", "bpb"), "multiple_choice": ("acc", "acc_norm"), "generation": ("exact_match",)}
+
+
+def add_eval_parser(sub: Any) -> None:
+    """Register the `eval` sub-command on the `zoo` parser's subparsers."""
+    s = sub.add_parser(
+        "eval", help="score a checkpoint on perplexity, multiple-choice and generation tasks",
+        description="Score CKPT on each task of --tasks (shipped task names, see --list-tasks, or paths of task "
+                    "YAML files; format in eval/tasks/README.md). Prints a table; --out also writes JSON with the "
+                    "checkpoint, each task's name, version, metrics and settings, and timings.")
+    s.add_argument("ckpt", metavar="CKPT", nargs="?", help="a zoo checkpoint folder (with tokenizer/)")
+    s.add_argument("--tasks", metavar="T1,T2", help="comma-separated shipped task names and/or task YAML paths")
+    s.add_argument("--limit", type=int, default=None, metavar="N", help="score only the first N examples of each task")
+    s.add_argument("--batch-size", type=int, default=8, metavar="B", help="rows per forward pass (default 8)")
+    s.add_argument("--num-fewshot", type=int, default=None, metavar="K",
+                   help="solved examples before each question (default: each task's num_fewshot)")
+    s.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
+                   help="apply the tokenizer's chat template to generation prompts (default: each task's setting)")
+    s.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="compute dtype of the parameters (default float32)")
+    s.add_argument("--out", metavar="JSON", help="write the results here as JSON")
+    s.add_argument("--list-tasks", action="store_true", help="list the shipped tasks and exit")
+    s.set_defaults(fn=cmd_eval)
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    """Evaluate a checkpoint on tasks; print a table, optionally write JSON."""
+    from zoo.errors import UserError
+
+    if args.list_tasks:
+        return _list_tasks()
+    if not args.ckpt or not args.tasks:
+        raise UserError("zoo eval needs CKPT and --tasks T1,T2 (see `zoo eval --list-tasks`)")
+    if args.limit is not None and args.limit < 1:
+        raise UserError(f"--limit {args.limit}: must be at least 1")
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size {args.batch_size}: must be at least 1")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise UserError(f"--num-fewshot {args.num_fewshot}: must be 0 or more")
+
+    import datetime
+    import json
+    import time
+    from pathlib import Path
+
+    import jax
+    import ml_dtypes
+    import numpy as np
+
+    import zoo
+    from eval.generate import load_tokenizer
+    from eval.scoring import evaluate
+    from eval.tasks import resolve_tasks
+
+    t0 = time.perf_counter()
+    tasks = resolve_tasks(args.tasks)  # bad task files fail here, before the model loads
+    for t in tasks:
+        t.rows(1)  # ... and so do missing or unreadable data files
+    out = Path(args.out) if args.out else None
+    if out is not None and out.is_dir():
+        raise UserError(f"--out {out} is a folder; give a file path such as {out / 'results.json'}")
+    tokenizer = load_tokenizer(args.ckpt)
+    model = zoo.load(args.ckpt, dtype=np.float32 if args.dtype == "float32" else ml_dtypes.bfloat16)
+    cfg, params = model.cfg, model.param_dict()
+    t_load = time.perf_counter() - t0
+    res = evaluate(cfg, params, tokenizer, tasks, limit=args.limit, batch_size=args.batch_size,
+                   num_fewshot=args.num_fewshot, chat_template=args.chat_template)
+    t_total = time.perf_counter() - t0
+    report = {
+        "checkpoint": str(Path(args.ckpt).absolute()),
+        "lmzoo_version": zoo.__version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "settings": {"tasks": [t.name for t in tasks], "limit": args.limit, "batch_size": args.batch_size,
+                     "num_fewshot": args.num_fewshot, "chat_template": args.chat_template, "dtype": args.dtype,
+                     "devices": f"{jax.devices()[0].platform} x{jax.device_count()}"},
+        "tasks": res["tasks"],
+        "timings": {"load_s": round(t_load, 3), "eval_s": round(t_total - t_load, 3), "total_s": round(t_total, 3),
+                    **{f"{name}_s": r["seconds"] for name, r in res["tasks"].items()}},
+    }
+    print_results(report)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(report, indent=2) + "\n")
+        tmp.replace(out)  # never a half-written results file
+        print(f"wrote {out}")
+
+
+def print_results(report: dict[str, Any]) -> None:
+    """The results as a table: one row per (task, metric)."""
+    from zoo.cli import print_table
+
+    rows = [("task", "version", "kind", "n", "metric", "value", "seconds")]
+    for name, r in report["tasks"].items():
+        for m in SHOWN.get(r["kind"], tuple(r["metrics"])):
+            v = r["metrics"][m]
+            err = r["metrics"].get(f"{m}_stderr")
+            text = f"{v:.4f}" + (f" ± {err:.4f}" if err is not None else "")
+            rows.append((name, str(r["version"]), r["kind"], str(r["examples"]), m, text, f"{r['seconds']:.1f}"))
+    print_table(rows)
+
+
+def _list_tasks() -> None:
+    """Print the shipped tasks."""
+    from eval.tasks import load_task, shipped_tasks
+    from zoo.cli import print_table
+
+    rows = [("task", "kind", "version", "description")]
+    for name, path in shipped_tasks().items():
+        t = load_task(path)
+        rows.append((name, t.kind, str(t.version), t.description))
+    print_table(rows)

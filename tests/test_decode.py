@@ -1,0 +1,207 @@
+"""KV-cache decoding (zoo.decode) and generation (eval.generate, `zoo generate`) against the full forward
+pass and transformers' generate."""
+
+import json
+from functools import partial
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import zoo
+from eval.generate import GenerationConfig, generate
+from tests.tiny import FAMILIES, make_hf, random_tokens
+from zoo.cli import main
+from zoo.decode import forward_cached_jit, init_cache
+from zoo.model import forward
+
+SEQ = 20  # longer than every sliding window (7) of the tiny families
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """family -> (transformers model, zoo config, zoo params), converted once per family."""
+    made = {}
+
+    def get(family):
+        if family not in made:
+            root = tmp_path_factory.mktemp(family)
+            hf = make_hf(root / "hf", family)
+            assert main(["convert", str(root / "hf"), "--out", str(root / "zoo")]) == 0
+            model = zoo.load(root / "zoo")
+            made[family] = (hf, model.cfg, model.param_dict())
+        return made[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_cached_logits_equal_full_forward(tiny, family):
+    """Prefill of prompts of different lengths, a multi-token chunk with padding, then one token at a
+    time: every real token's logits equal the full forward pass's at its position."""
+    _, cfg, params = tiny(family)
+    _check_cached_logits(cfg, params, forward_cached_jit)
+
+
+def _check_cached_logits(cfg, params, fwd):
+    seqs = random_tokens(cfg.vocab_size, batch=2, seq=SEQ, seed=1)
+    ref = np.asarray(forward(cfg, params, jnp.asarray(seqs)))
+    cache = init_cache(cfg, 2, 24)
+    done = np.zeros(2, int)
+    # (tokens to take per row) per call: a ragged prefill, a padded chunk, then single tokens.
+    plan = [(5, 9), (3, 2)] + [(1, 1)] * (SEQ - 11)
+    for take in plan:
+        t = max(take)
+        toks = np.zeros((2, t), np.int32)
+        valid = np.zeros((2, t), bool)
+        for r, n in enumerate(take):
+            toks[r, :n], valid[r, :n] = seqs[r, done[r]:done[r] + n], True
+        logits, cache = fwd(cfg, params, jnp.asarray(toks), cache, jnp.asarray(valid))
+        logits = np.asarray(logits)
+        for r, n in enumerate(take):
+            np.testing.assert_allclose(logits[r, :n], ref[r, done[r]:done[r] + n], atol=1e-5, rtol=0)
+        done += take
+        np.testing.assert_array_equal(np.asarray(cache.lengths), done)
+    assert done.max() == SEQ and done.min() > 7  # both rows went past the window
+
+
+def _hf_greedy(hf, prompt, n):
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_equals_transformers_generate(tiny, family):
+    hf, cfg, params = tiny(family)
+    prompt = random_tokens(cfg.vocab_size, batch=1, seq=5, seed=2)[0].tolist()
+    got = generate(cfg, params, [prompt], GenerationConfig(max_new_tokens=12))[0]
+    assert got == _hf_greedy(hf, prompt, 12)  # 17 tokens: past the sliding window
+
+
+def test_batched_prompts_equal_one_by_one(tiny):
+    _, cfg, params = tiny("gemma2")
+    rng = np.random.RandomState(3)
+    prompts = [rng.randint(0, cfg.vocab_size, n).tolist() for n in (3, 11, 6)]
+    gen = GenerationConfig(max_new_tokens=10)
+    one = [generate(cfg, params, [p], gen)[0] for p in prompts]
+    assert len({tuple(x) for x in one}) > 1
+    assert generate(cfg, params, prompts, gen) == one
+    # EOS ends only its own row, right after the EOS token.
+    eos = one[0][3]
+    got = generate(cfg, params, prompts, GenerationConfig(max_new_tokens=10, eos_ids=(eos,)))
+    assert got == [o[:o.index(eos) + 1] if eos in o else o for o in one]
+
+
+def test_sampling_is_reproducible(tiny):
+    _, cfg, params = tiny("llama")
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+
+    def run(**kw):
+        return generate(cfg, params, prompts, GenerationConfig(max_new_tokens=16, **kw))
+
+    a = run(temperature=1.0, seed=0)
+    assert a == run(temperature=1.0, seed=0)
+    assert a != run(temperature=1.0, seed=1)
+    assert run(temperature=1.0, top_k=1, seed=5) == run()
+    assert run(temperature=0.7, top_p=1e-6, seed=5) == run()  # top-p that tiny keeps only the argmax
+    nucleus = run(temperature=1.0, top_p=0.9, top_k=20, seed=0)
+    assert nucleus == run(temperature=1.0, top_p=0.9, top_k=20, seed=0) and all(len(r) == 16 for r in nucleus)
+
+
+# --- the real SmolLM2-135M-Instruct --------------------------------------------------------------
+
+CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from zoo.cli import smollm2_gguf
+
+    gguf = smollm2_gguf()
+    out = tmp_path_factory.mktemp("smol") / "zoo"
+    assert main(["convert", str(gguf), "--out", str(out)]) == 0
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
+    return out, hf, tok
+
+
+def test_smollm2_greedy_equals_transformers_generate(smollm2):
+    from eval.generate import chat_ids
+
+    out, hf, tok = smollm2
+    model = zoo.load(out)
+    prompts = [chat_ids(tok, [{"role": "user", "content": c}]) for c in CHATS]
+    got = generate(model.cfg, model.param_dict(), prompts, GenerationConfig(max_new_tokens=32))
+    for prompt, g in zip(prompts, got):
+        assert g == _hf_greedy(hf, prompt, 32)
+
+
+def test_cli_generate(smollm2, tmp_path, capsys):
+    out, _, tok = smollm2
+    capsys.readouterr()
+    assert main(["generate", str(out), "--prompt", "What is the capital of France?", "--chat",
+                 "--max-new-tokens", "8"]) == 0
+    assert "Paris" in capsys.readouterr().out
+    assert main(["generate", str(out), "--prompt", "The capital of France is", "--max-new-tokens", "6"]) == 0
+    plain = capsys.readouterr().out
+    assert plain.strip() and "<|im_start|>" not in plain
+    assert main(["generate", str(out), "--prompt", "Count: one, two, three,", "--max-new-tokens", "16",
+                 "--stop", ","]) == 0
+    assert "," not in capsys.readouterr().out.strip()
+
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"prompt": "The capital of France is"}) + "\n"
+                   + json.dumps({"messages": [{"role": "user", "content": "What is the capital of France?"}]}) + "\n")
+    dst = tmp_path / "out.jsonl"
+    assert main(["generate", str(out), "--prompts-file", str(src), "--out", str(dst), "--max-new-tokens", "8"]) == 0
+    rows = [json.loads(x) for x in dst.read_text().splitlines()]
+    assert len(rows) == 2 and rows[0]["prompt"] == "The capital of France is" and "Paris" in rows[1]["completion"]
+    assert all(isinstance(r["completion"], str) and r["completion"] for r in rows)
+
+
+@pytest.mark.parametrize("args", [[], ["--prompt", "x", "--prompts-file", "in.jsonl"],
+                                  ["--prompts-file", "missing.jsonl", "--out", "o.jsonl"],
+                                  ["--prompts-file", "bad.jsonl", "--out", "o.jsonl"]])
+def test_cli_generate_user_errors(tmp_path, capsys, monkeypatch, args):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "fine"}\nnot json\n')
+    (tmp_path / "ckpt").mkdir()
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path / "ckpt"), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+
+
+def test_cli_generate_on_adapter_checkpoint(smollm2, tmp_path, capsys):
+    """A training run's final folder (LoRA adapters over a base) generates as the merged model."""
+    import shutil
+
+    from eval.generate import chat_ids
+    from tests.test_peft_export import write_adapter_checkpoint
+    from zoo.lora import LoraConfig
+
+    out, _, tok = smollm2
+    adapter = write_adapter_checkpoint(out, tmp_path / "final", LoraConfig(rank=2, alpha=4.0, targets=["q_proj"]))
+    shutil.copytree(out / "tokenizer", adapter / "tokenizer")  # as pretrain/final.py copies it
+    capsys.readouterr()
+    assert main(["generate", str(adapter), "--prompt", "Name a fruit.", "--chat", "--max-new-tokens", "6"]) == 0
+    text = capsys.readouterr().out
+    merged = zoo.load(adapter)
+    ids = chat_ids(tok, [{"role": "user", "content": "Name a fruit."}])
+    gen = GenerationConfig(max_new_tokens=6, eos_ids=(tok.eos_token_id,))
+    new = generate(merged.cfg, merged.param_dict(), [ids], gen)
+    assert text == tok.decode(new[0], skip_special_tokens=True) + "\n"
+    base = zoo.load(out)
+    assert not np.allclose(merged.param_dict()["layers"]["q"], base.param_dict()["layers"]["q"])  # merged
+
+
+@pytest.mark.parametrize("absorb", [False, True])
+def test_mla_expanded_and_absorbed_attention(tiny, absorb):
+    """Both ways of attending over cached MLA latents (chosen by cost in practice) match the full forward."""
+    _, cfg, params = tiny("deepseek_v3")
+    _check_cached_logits(cfg, params, partial(forward_cached_jit, mla_absorb=absorb))

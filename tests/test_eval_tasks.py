@@ -1,0 +1,344 @@
+"""`zoo eval`: log-likelihoods, multiple choice, perplexity / bits per byte and generation scoring, task files, CLI.
+
+Expected values come from plain `forward` passes and NumPy (float64 log-softmax),
+never from eval.scoring itself. The tokenizer is byte-level without merges, so
+a text's ids are its UTF-8 bytes' ids and the tests can tokenize by hand.
+"""
+
+import json
+import math
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from eval import scoring
+from eval.tasks import load_task, resolve_tasks, shipped_tasks, task_from_dict
+from zoo.config import ModelConfig
+from zoo.model import Decoder, forward
+
+CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CFG = ModelConfig(family="llama", vocab_size=264, hidden_size=32, intermediate_size=64, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=512)
+
+
+def byte_tokenizer(add_bos: bool = False):
+    """A byte-level BPE tokenizer with no merges (id of byte b = its index in the ByteLevel alphabet), BOS/EOS/PAD.
+
+    With ``add_bos`` its encodings with special tokens start with BOS, as Llama's do.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tk = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens(["<s>", "</s>", "<pad>"])
+    if add_bos:
+        tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 256)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    tok.chat_template = CHAT
+    return tok
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = Decoder(CFG, rngs=nnx.Rngs(0))
+    # Larger weights: peaked distributions, so choices and argmaxes actually differ.
+    params = jax.tree.map(lambda x: x * 4.0 if x.ndim > 1 else x, m.param_dict())
+    return CFG, params
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return byte_tokenizer()
+
+
+def log_softmax(x):
+    """float64 log-softmax over the last axis."""
+    x = x.astype(np.float64) - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def ids(tok, text):
+    """Hand tokenization: a byte-level tokenizer without merges maps each UTF-8 byte to one id."""
+    out = tok.encode(text, add_special_tokens=False)
+    assert len(out) == len(text.encode("utf-8"))
+    return out
+
+
+_forward = jax.jit(forward, static_argnums=0)
+
+
+def ref_logprobs(cfg, params, tokens):
+    """float64 log p(tokens[i] | tokens[:i]) for i >= 1, from one plain forward pass.
+
+    The row is right-padded to a multiple of 64 tokens as one document (no segment ids): attention is
+    causal, so the real positions cannot see the padding, and the reference compiles a few times only.
+    """
+    width = -(-len(tokens) // 64) * 64
+    row = np.zeros((1, width), np.int32)
+    row[0, :len(tokens)] = tokens
+    logits = np.asarray(_forward(cfg, params, row))[0, :len(tokens)]
+    lp = log_softmax(logits)
+    return np.asarray([lp[i - 1, tokens[i]] for i in range(1, len(tokens))])
+
+
+def ref_continuation(cfg, params, ctx, cont):
+    return float(ref_logprobs(cfg, params, ctx + cont)[len(ctx) - 1:].sum())
+
+
+def test_continuation_loglikelihood_equals_forward(model):
+    cfg, params = model
+    rng = np.random.RandomState(0)
+    requests = [(rng.randint(0, 256, n).tolist(), k) for n, k in ((5, 2), (19, 7), (3, 2), (40, 1), (12, 11))]
+    got = scoring.loglikelihoods(cfg, params, requests, batch_size=2)  # padded rows, several batches
+    want = [ref_logprobs(cfg, params, t)[-k:].sum() for t, k in requests]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_shared_context_choices_equal_forward(model):
+    """Choices extending one prefilled context (KV cache) score as full forward passes of context + choice do."""
+    cfg, params = model
+    rng = np.random.RandomState(1)
+    questions = [(rng.randint(0, 256, c).tolist(), [rng.randint(0, 256, k).tolist() for k in ks])
+                 for c, ks in ((7, (1, 3, 2, 5)), (30, (4, 1)), (2, (6, 2, 2)), (1, (3, 1)), (5, (17, 2)))]
+    want = [[ref_continuation(cfg, params, ctx, c) for c in conts] for ctx, conts in questions]
+    for use_cache in (True, False):
+        got = scoring.choice_loglikelihoods(cfg, params, questions, batch_size=2, use_cache=use_cache)
+        assert [len(g) for g in got] == [4, 2, 3, 2, 2]
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_context_continuation_split(tok):
+    bos_tok = byte_tokenizer(add_bos=True)
+    bos = bos_tok.bos_token_id
+    assert bos == 256 and bos_tok.encode("a") == [bos] + ids(tok, "a")
+    # Trailing whitespace of the context moves to the continuation; BOS (when the tokenizer adds one) leads.
+    assert scoring.context_continuation(bos_tok, "Q: x\nA: ", "yes") == ([bos] + ids(tok, "Q: x\nA:"), ids(tok, " yes"))
+    assert scoring.context_continuation(tok, "Q: x\nA:", " yes") == (ids(tok, "Q: x\nA:"), ids(tok, " yes"))
+    # An empty context: the continuation is predicted from BOS.
+    assert scoring.context_continuation(tok, "", "yes") == ([tok.bos_token_id], ids(tok, "yes"))
+
+
+def test_one_compilation_per_shape(model):
+    cfg, params = model
+    rng = np.random.RandomState(2)
+    scoring.loglikelihoods(cfg, params, [(rng.randint(0, 256, 9).tolist(), 3)], batch_size=4)
+    before = scoring._target_logprobs._cache_size()
+    # Other lengths in the same bucket, other parameter values: the compiled program is reused.
+    params2 = jax.tree.map(lambda x: x * 1.01, params)
+    scoring.loglikelihoods(cfg, params2, [(rng.randint(0, 256, n).tolist(), 2) for n in (4, 13, 17)], batch_size=4)
+    assert scoring._target_logprobs._cache_size() == before
+
+
+def test_acc_norm_hand_computation():
+    # Question 1: raw log-likelihood prefers "a"; per byte, "bbbbbb" (-2 per byte) beats "a" (-10 per byte).
+    # Question 2: both metrics pick choice 0, the gold one.
+    m = scoring.mc_metrics([[-10.0, -12.0], [-1.0, -5.0, -9.0]], [["a", "bbbbbb"], ["xy", "z", "é"]], [1, 0])
+    assert m["acc"] == 0.5 and m["acc_norm"] == 1.0
+    assert m["acc_stderr"] == pytest.approx(math.sqrt(0.25))
+    # Bytes, not characters: "é" is 2 bytes, so -9 / 2 = -4.5 beats "z"'s -5 per byte.
+    m = scoring.mc_metrics([[-5.0, -9.0]], [["z", "é"]], [1])
+    assert m["acc"] == 0.0 and m["acc_norm"] == 1.0
+
+
+def test_multiple_choice_task_matches_brute_force(model, tok, tmp_path):
+    cfg, params = model
+    rng = np.random.RandomState(3)
+    words = ["red", "blue", "green", "a", "longer answer", "no", "yes"]
+    rows = []
+    for i in range(9):
+        choices = list(rng.choice(words, size=rng.randint(2, 5), replace=False))
+        rows.append({"q": f"item {i}?", "opts": [str(c) for c in choices], "label": int(rng.randint(len(choices)))})
+    (tmp_path / "mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task = task_from_dict({"kind": "multiple_choice", "data": "mc.jsonl", "context": "Q: {q}\nA:", "choices": "opts",
+                           "gold": "label"}, tmp_path / "mc.yaml")
+    got = scoring.score_multiple_choice(cfg, params, tok, task, task.rows(), batch_size=4, progress=False)
+    # Brute force: every (context, " " + choice) through a full forward pass, argmax in NumPy.
+    hit, hit_norm = [], []
+    for r in rows:
+        ctx = ids(tok, f"Q: {r['q']}\nA:")
+        ll = np.asarray([ref_continuation(cfg, params, ctx, ids(tok, " " + c)) for c in r["opts"]])
+        nbytes = np.asarray([len(c.encode()) for c in r["opts"]])
+        hit.append(np.argmax(ll) == r["label"])
+        hit_norm.append(np.argmax(ll / nbytes) == r["label"])
+    assert got["acc"] == pytest.approx(np.mean(hit)) and got["acc_norm"] == pytest.approx(np.mean(hit_norm))
+    assert 0 < np.mean(hit) < 1  # the check discriminates: some right, some wrong
+
+    # Few-shot: the first other row, solved, goes before each question.
+    fs = scoring.mc_questions(tok, task, task.rows()[:2], num_fewshot=1)
+    assert fs[0][0] == ids(tok, f"Q: item 1?\nA: {rows[1]['opts'][rows[1]['label']]}\n\nQ: item 0?\nA:")
+
+
+def test_document_windows_cover_each_token_once():
+    doc = list(range(100, 111))  # 11 tokens
+    for window, overlap in ((4, 0), (4, 2), (20, 0), (1, 0)):
+        reqs = scoring.document_requests(doc, 7, window, overlap)
+        scored = [t for toks, n in reqs for t in toks[-n:]]
+        assert scored == doc
+        assert all(len(toks) - 1 <= window for toks, _ in reqs)
+    # Window 4, no overlap, by hand: [BOS d0 d1 d2 d3] scores d0..d3; [d3 d4 d5 d6 d7] scores d4..d7; ...
+    assert scoring.document_requests(doc, 7, 4) == [([7] + doc[:4], 4), (doc[3:8], 4), (doc[7:11], 3)]
+
+
+def test_perplexity_and_bits_per_byte(model, tok, tmp_path):
+    cfg, params = model
+    docs = ["The river runs slowly past the old mill.", "Bread: flour, water, salt, yeast — and time."]
+    (tmp_path / "t.txt").write_text("\n".join(docs) + "\n\n")
+    bos = tok.bos_token_id
+    for window in (512, 16):
+        task = task_from_dict({"kind": "perplexity", "data": "t.txt", "window": window}, tmp_path / "p.yaml")
+        got = scoring.score_perplexity(cfg, params, tok, task, task.rows(), batch_size=3, progress=False)
+        nll, ntok, nbytes = 0.0, 0, 0
+        for d in docs:
+            toks = [bos] + ids(tok, d)
+            if window == 512:  # the whole document in one pass
+                nll -= ref_logprobs(cfg, params, toks).sum()
+            else:  # by hand: rows of <= 16 inputs, each re-reading only the token before its new ones
+                for a in range(1, len(toks), 16):
+                    c = a - 1
+                    nll -= ref_logprobs(cfg, params, toks[c:min(len(toks), a + 16)]).sum()
+            ntok += len(toks) - 1
+            nbytes += len(d.encode("utf-8"))
+        assert got["tokens"] == ntok and got["bytes"] == nbytes and got["documents"] == 2
+        assert got["nll"] == pytest.approx(nll, rel=1e-5)
+        assert got["ppl"] == pytest.approx(math.exp(nll / ntok), rel=1e-5)
+        assert got["bpb"] == pytest.approx(nll / (math.log(2) * nbytes), rel=1e-5)
+
+
+def test_generation_exact_match_and_regex(tok, tmp_path):
+    rows = [{"question": "2+2?", "answer": "4"}, {"question": "3+4?", "answer": "7"},
+            {"question": "5+5?", "answer": "10"}, {"question": "1+1?", "answer": "2"}]
+    (tmp_path / "g.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    outputs = {"2+2?": "4\nand more", "3+4?": "The answer is 7.", "5+5?": " 10 ", "1+1?": "3, no: 11 then 2"}
+
+    def stub(prompts):  # known outputs, looked up by the prompt text
+        return [ids(tok, outputs[tok.decode(p).split("Q: ")[-1].split("\n")[0]]) for p in prompts]
+
+    base = {"kind": "generation", "data": "g.jsonl", "prompt": "Q: {question}\nA:", "target": "{answer}"}
+    em = task_from_dict({**base, "stop": ["\n"]}, tmp_path / "em.yaml")
+    metrics, samples = scoring.score_generation(tok, em, em.rows(), stub, batch_size=3, progress=False)
+    assert metrics["exact_match"] == 0.5  # "4" (cut at \n) and " 10 " (stripped) match
+    assert [s["correct"] for s in samples] == [True, False, True]
+
+    rx = task_from_dict({**base, "scorer": "regex", "regex": r"(-?\d+)"}, tmp_path / "rx.yaml")
+    metrics, _ = scoring.score_generation(tok, rx, rx.rows(), stub, batch_size=2, progress=False)
+    assert metrics["exact_match"] == 1.0  # the last number of each answer: 4, 7, 10, 2
+    assert scoring.extract("no digits", r"\d+") == "" and scoring.extract("a1 b22", r"\d+") == "22"
+
+    # Prompts: plain text (the tokenizer's own special tokens, none here), or the chat template.
+    (p0, ref0), = scoring.generation_examples(tok, em, rows[:1])
+    assert p0 == ids(tok, "Q: 2+2?\nA:") and ref0 == "4"
+    (p1, _), = scoring.generation_examples(tok, em, rows[:1], chat_template=True)
+    assert p1 == ids(tok, "<|user|>Q: 2+2?\nA:\n<|assistant|>")
+    p2 = scoring.generation_examples(tok, em, rows[:2], num_fewshot=1)[0][0]
+    assert p2 == ids(tok, "Q: 3+4?\nA: 7\n\nQ: 2+2?\nA:")
+
+
+def test_records_task_scores_like_the_demo():
+    """The shipped records task judges answers as eval/exact_match.py (the demo's scorer) does."""
+    from eval.exact_match import Scored
+
+    task = load_task(shipped_tasks()["records"])
+    ref = "name: Kenji | age: 30 | city: Riga"
+    for answer in (ref, f"  {ref} \nmore", f"\n\n{ref}", f"{ref} extra", "", " \n ", f"x\n{ref}", ref.upper()):
+        assert scoring.is_correct(answer, ref, task) == Scored("", ref, answer).correct, answer
+
+
+def test_shipped_tasks_load():
+    tasks = shipped_tasks()
+    assert {"records", "easy_mc", "prose"} <= set(tasks)
+    records = load_task(tasks["records"])
+    rows = records.rows()
+    assert records.kind == "generation" and len(rows) == 48  # zoo/demo/records_eval.jsonl itself
+    assert rows[0]["messages"][-1]["content"].startswith("name: ")
+    mc = load_task(tasks["easy_mc"]).rows()
+    assert len(mc) >= 30 and all(len(r["choices"]) == 4 and 0 <= r["answer"] < 4 for r in mc)
+    assert len(load_task(tasks["prose"]).rows()) >= 3
+
+
+@pytest.mark.parametrize("text, fix", [
+    ("kind: essay\ndata: x.jsonl\n", "kind 'essay' is not one of"),
+    ("kind: multiple_choice\ndata: x.jsonl\ncontxt: '{q}'\n", "unknown key(s) contxt"),
+    ("kind: generation\ndata: x.jsonl\nprompt: '{q}'\n", "needs a target:"),
+    ("kind: generation\ndata: x.jsonl\nmessages: m\nscorer: regex\nregex: '('\n", "does not compile"),
+    ("kind: [unclosed\n", "not valid YAML"),
+    ("- a list\n", "must be a YAML mapping"),
+])
+def test_bad_task_files(tmp_path, text, fix):
+    from zoo.errors import UserError
+
+    (tmp_path / "bad.yaml").write_text(text)
+    with pytest.raises(UserError, match="bad.yaml") as e:
+        resolve_tasks(str(tmp_path / "bad.yaml"))
+    assert fix in str(e.value) and "\n" not in str(e.value)
+
+
+def test_evaluate_in_memory(model, tok, tmp_path):
+    """The training loop's entry point: in-memory params, Task objects, every kind."""
+    cfg, params = model
+    (tmp_path / "g.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                                               {"role": "assistant", "content": "hello"}]}) + "\n")
+    gen = task_from_dict({"kind": "generation", "data": "g.jsonl", "messages": "messages", "max_new_tokens": 3,
+                          "stop": ["\n"]}, tmp_path / "gen.yaml")
+    tasks = [gen] + resolve_tasks("easy_mc,prose")
+    res = scoring.evaluate(cfg, params, tok, tasks, limit=2, batch_size=2, progress=False)["tasks"]
+    assert set(res) == {"gen", "easy_mc", "prose"}
+    assert res["gen"]["metrics"]["exact_match"] in (0.0, 1.0) and res["gen"]["settings"]["chat_template"] is True
+    assert res["easy_mc"]["examples"] == 2 and 0 <= res["easy_mc"]["metrics"]["acc"] <= 1
+    assert res["prose"]["metrics"]["ppl"] > 1
+
+
+@pytest.fixture(scope="module")
+def ckpt(model, tok, tmp_path_factory):
+    from zoo.checkpoint import TOKENIZER_DIR, CheckpointWriter, atomic_output
+    from zoo.params import flatten, param_specs
+
+    cfg, params = model
+    out = tmp_path_factory.mktemp("eval") / "ckpt"
+    specs = param_specs(cfg)
+    with atomic_output(out) as folder:
+        w = CheckpointWriter(folder)
+        for path, a in sorted(flatten(params).items()):
+            w.add(path, np.asarray(a), specs[path].axes)
+        tok.save_pretrained(str(folder / TOKENIZER_DIR))
+        w.finish(cfg, source="test", source_format="init")
+    return out
+
+
+def test_cli_writes_results_json(ckpt, tmp_path, capsys):
+    from zoo.cli import main
+
+    out = tmp_path / "sub" / "results.json"
+    assert main(["eval", str(ckpt), "--tasks", "records,easy_mc,prose", "--limit", "2", "--batch-size", "2",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "easy_mc" in printed and "acc_norm" in printed and "bpb" in printed and "exact_match" in printed
+    r = json.loads(out.read_text())
+    assert r["checkpoint"] == str(ckpt.absolute())
+    assert r["settings"]["limit"] == 2 and r["settings"]["batch_size"] == 2
+    assert {"load_s", "eval_s", "total_s"} <= set(r["timings"])
+    assert set(r["tasks"]) == {"records", "easy_mc", "prose"}
+    for name, kind, metrics in (("records", "generation", {"exact_match"}), ("easy_mc", "multiple_choice",
+                                {"acc", "acc_norm"}), ("prose", "perplexity", {"ppl", "bpb"})):
+        t = r["tasks"][name]
+        assert t["name"] == name and t["version"] == 1 and t["kind"] == kind and t["examples"] == 2
+        assert metrics <= set(t["metrics"]) and t["seconds"] >= 0 and t["settings"]["limit"] == 2
+    assert r["tasks"]["easy_mc"]["settings"]["num_fewshot"] == 0
+    assert r["tasks"]["records"]["settings"]["chat_template"] is True
+
+
+def test_cli_bad_task_path_is_one_line(ckpt, tmp_path, capsys):
+    from zoo.cli import main
+
+    assert main(["eval", str(ckpt), "--tasks", str(tmp_path / "missing.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "missing.yaml" in err
+    assert main(["eval", str(ckpt), "--tasks", "no_such_task"]) == 2
+    err = capsys.readouterr().err
+    assert "no_such_task" in err and "records" in err and err.count("\n") == 1
