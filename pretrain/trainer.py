@@ -34,6 +34,7 @@ from pretrain.final import write_final
 from pretrain.flops import flops_per_token, peak_flops
 from pretrain.lanes import check_same_processes, global_batch, replicated_batch, run_data
 from pretrain.optim import build_optimizer, lr_schedule
+from pretrain.eval_tasks import TrainingEval
 from pretrain.setup import init_adapters, load_model, load_tokenizer, lora_settings
 from pretrain.step import init_state, make_step
 from pretrain.task import PretrainTask, Task
@@ -83,6 +84,7 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
                                  task, lora_scale(lora_cfg) if lora_cfg else None,
                                  jax.tree.map(lambda x: x.sharding, frozen),
                                  lora_dropout=lora_cfg.dropout if lora_cfg else 0.0, seed=cfg.seed)
+    scored = TrainingEval(cfg, mcfg, tokenizer, lora_cfg)
     peak = peak_flops(cfg)
     step_flops = flops_per_token(mcfg, cfg.data.seq_len) * cfg.batch_size * cfg.data.seq_len
 
@@ -147,15 +149,18 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
                     "grad_norm": float(m["grad_norm"]), "tokens_seen": seen,
                     "tokens_per_sec": cfg.batch_size * cfg.data.seq_len / dt, "step_time": dt,
                     "mfu": step_flops / dt / peak if peak else None, "padding_fraction": float(m["padding"])}
-            if data.eval_docs and cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == total):
-                last["eval_loss"] = _eval_loss(partial(eval_fn, frozen=frozen), state["params"], data.eval_docs, cfg,
-                                               micro, mesh, data.packing)
+            if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == total):
+                if data.eval_docs:
+                    last["eval_loss"] = _eval_loss(partial(eval_fn, frozen=frozen), state["params"], data.eval_docs,
+                                                   cfg, micro, mesh, data.packing)
+                if scored:
+                    last.update(scored(state["params"], frozen))
             if primary and ((step + 1) % cfg.log_every == 0 or step + 1 == total):
                 metrics_file.write(json.dumps(last) + "\n")
                 metrics_file.flush()
                 for k, v in last.items():
                     if k != "step" and v is not None:
-                        board.add_scalar(f"train/{k}", v, step + 1)
+                        board.add_scalar(k if k.startswith("eval/") else f"train/{k}", v, step + 1)
             save(step + 1)
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{last['tokens_per_sec']:.0f}", pad=f"{last['padding_fraction']:.2f}")
             bar.update()

@@ -5,6 +5,7 @@ The suite itself has them installed, so each command runs here in a subprocess w
 `importlib.util.find_spec("torch")` answers None, as on a machine without them.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -48,8 +49,12 @@ def test_convert_and_generate_without_torch(env, tmp_path):
     r = _run(env, "-m", "zoo.cli", "convert", str(smollm2_gguf()), "--out", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     assert (out / "tokenizer" / "tokenizer.json").is_file() and (out / "model.json").is_file()
-    r = _run(env, "-m", "zoo.cli", "generate", str(out), "--prompt", "What is the capital of France?",
+    r = _run(env, "-m", "zoo.cli", "generate", str(out), "--chat", "--prompt", "What is the capital of France?",
              "--max-new-tokens", "8")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "Paris" in r.stdout
     assert "PyTorch was not found" not in r.stderr  # transformers' import advice is not for lmzoo's users
+    r = _run(env, "-m", "zoo.cli", "eval", str(out), "--tasks", "easy_mc,prose", "--limit", "4",
+             "--out", str(tmp_path / "results.json"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert set(json.loads((tmp_path / "results.json").read_text())["tasks"]) == {"easy_mc", "prose"}

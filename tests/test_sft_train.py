@@ -231,3 +231,45 @@ def test_lora_on_8_devices_matches_one_device(setup, tmp_path):
     assert ref[-1] < ref[0]  # the adapters learn, so equal losses mean equal updates
     for name, losses in got.items():
         np.testing.assert_allclose(losses, ref, rtol=1e-5, err_msg=name)
+
+
+def test_eval_tasks_during_training_score_the_live_weights(setup, tmp_path):
+    """eval.tasks run every eval_every steps on the current (LoRA-merged) weights: metrics.jsonl and TensorBoard
+    carry them, and the last values equal `zoo eval`'s scoring of the saved final checkpoint."""
+    from eval.scoring import evaluate
+
+    root, tok = setup
+    (tmp_path / "colours.jsonl").write_text("".join(
+        json.dumps({"messages": [{"role": "system", "content": "Repeat the colour."},
+                                 {"role": "user", "content": f"colour {c}"},
+                                 {"role": "assistant", "content": f"{c} {c}"}]}) + "\n" for c in COLORS))
+    (tmp_path / "colours.yaml").write_text("kind: generation\ndata: colours.jsonl\nmessages: messages\n"
+                                           "chat_template: true\nmax_new_tokens: 4\n")
+    (tmp_path / "text.txt").write_text("colour red red\ncolour blue blue and green green\n")
+    (tmp_path / "text.yaml").write_text("kind: perplexity\ndata: text.txt\nwindow: 16\n")
+    out = tmp_path / "run"
+    cfg = _cfg(root, out, "max_steps=4", "eval_every=2", "lora.rank=4", "lora.alpha=8",
+               f"eval.tasks={tmp_path / 'colours.yaml'},{tmp_path / 'text.yaml'}")
+    final = train(cfg, progress=False, task=SFTTask(cfg))
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    scored = [r for r in recs if "eval/text/ppl" in r]
+    assert [r["step"] for r in scored] == [2, 4]
+    assert all("eval/colours/exact_match" in r for r in scored)
+    assert scored[0]["eval/text/ppl"] != scored[1]["eval/text/ppl"]  # the weights between evals changed
+    events = b"".join(f.read_bytes() for f in (out / "tensorboard").glob("events.out.tfevents.*"))
+    assert b"eval/text/ppl" in events and b"eval/colours/exact_match" in events
+    model = zoo.load(final, dtype=np.float32)  # the adapter checkpoint, merged on load
+    ref = evaluate(model.cfg, model.param_dict(), tok, [str(tmp_path / "colours.yaml"), str(tmp_path / "text.yaml")],
+                   limit=cfg.eval.limit, batch_size=cfg.eval.batch_size, progress=False)["tasks"]
+    assert scored[-1]["eval/text/ppl"] == pytest.approx(ref["text"]["metrics"]["ppl"], rel=1e-5)
+    assert scored[-1]["eval/colours/exact_match"] == ref["colours"]["metrics"]["exact_match"]
+    assert zoo_main(["plot", str(out)]) == 0 and (out / "curves.png").is_file()
+
+
+def test_eval_tasks_need_eval_every(setup, tmp_path, capsys):
+    root, _ = setup
+    (tmp_path / "run.yaml").write_text("eval:\n  tasks: [prose]\n")
+    rc = sft_main(["train", "--config", str(tmp_path / "run.yaml"), f"model.path={root / 'zoo'}",
+                   f"data.path={root / 'chat.jsonl'}", "max_steps=1", f"output_dir={tmp_path / 'r'}"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "eval_every" in err

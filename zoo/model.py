@@ -86,6 +86,7 @@ def forward(
     lora_scale: float | jax.Array | None = None,
     lora_dropout: float = 0.0,
     dropout_rng: jax.Array | None = None,
+    return_hidden: bool = False,
 ) -> jax.Array | tuple[jax.Array, dict]:
     """Logits [batch, seq, vocab] (float32) of the decoder for int tokens [batch, seq].
 
@@ -108,6 +109,11 @@ def forward(
     1 - p and scaled by 1/(1 - p), a fresh mask per adapted projection and
     layer) while its base weight reads x. Without the key, or with p = 0,
     no dropout: the forward pass is the plain one (as for evaluation).
+
+    With ``return_hidden`` it returns the final normed hidden states
+    [batch, seq, hidden] in place of the logits (the head is then applied by
+    the caller, e.g. :func:`zoo.loss.next_token_nll_sum` with
+    :func:`head_weight`), so no [tokens, vocab] array need exist.
     """
     if lora is not None and lora_scale is None:
         raise ValueError("forward: lora adapters need lora_scale (zoo.lora.lora_scale(lora_cfg))")
@@ -183,14 +189,18 @@ def forward(
             if moe:
                 layer_stats.append(jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), ys))
     x = norm(x, params["final_norm"])
-    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    logits = soft_cap(dense(x, head, jnp.float32), cfg.final_softcap)
+    logits = x if return_hidden else soft_cap(dense(x, head_weight(cfg, params), jnp.float32), cfg.final_softcap)
     if not return_aux:
         return logits
     if not layer_stats:
         return logits, {}
     stats = jax.tree.map(lambda *a: jnp.concatenate(a), *layer_stats)
     return logits, aux_losses(stats, cfg)
+
+
+def head_weight(cfg: ModelConfig, params: dict[str, Any]) -> jax.Array:
+    """The output head [hidden, vocab]: the transposed embedding when tied, else ``lm_head``."""
+    return params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
 
 
 def _dropout_keys(cfg: ModelConfig, lora: dict | None, rate: float | jax.Array,
