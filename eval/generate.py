@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
 from zoo.checkpoint import TOKENIZER_DIR
 from zoo.config import ModelConfig
@@ -120,7 +121,10 @@ def generate(cfg: ModelConfig, params: dict[str, Any], prompts: Sequence[Sequenc
     for r, p in enumerate(prompts):
         buf[r, :len(p)], valid[r, :len(p)] = p, True
     dtype = params["embed"].dtype
-    cache = init_cache(cfg, b, _round_up(plen + gen.max_new_tokens), dtype)
+    # Parameters on a mesh (zoo.load shards them over all local devices): the cache is sharded like them.
+    sharding = getattr(params["embed"], "sharding", None)
+    mesh = sharding.mesh if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1 else None
+    cache = init_cache(cfg, b, _round_up(plen + gen.max_new_tokens), dtype, mesh)
     sampler = _Sampler(float(gen.temperature), int(gen.top_k), float(gen.top_p))
     key = jax.random.PRNGKey(gen.seed)
     eos = set(gen.eos_ids)

@@ -205,3 +205,44 @@ def test_mla_expanded_and_absorbed_attention(tiny, absorb):
     """Both ways of attending over cached MLA latents (chosen by cost in practice) match the full forward."""
     _, cfg, params = tiny("deepseek_v3")
     _check_cached_logits(cfg, params, partial(forward_cached_jit, mla_absorb=absorb))
+
+
+_MESH_SCRIPT = """
+import json, sys
+import jax
+import eval.generate as g
+import zoo
+seen = []
+real = g.init_cache
+def spy(*a, **k):
+    cache = real(*a, **k)
+    seen.extend(str(x.sharding.spec) for x in jax.tree.leaves(cache) if x.ndim >= 3)
+    return cache
+g.init_cache = spy
+model = zoo.load(sys.argv[1])
+prompts = json.loads(sys.argv[2])
+out = g.generate(model.cfg, model.param_dict(), prompts, g.GenerationConfig(max_new_tokens=10))
+print(json.dumps({"devices": jax.device_count(), "tokens": out, "specs": seen}))
+"""
+
+
+def test_generation_on_an_8_device_mesh_equals_one_device(tmp_path):
+    """zoo.load shards the parameters over 8 (simulated) devices; the cache is sharded like them, and the
+    tokens are those of one device."""
+    import os
+    import subprocess
+    import sys
+
+    make_hf(tmp_path / "hf", "llama", num_attention_heads=4, num_key_value_heads=2)
+    assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "zoo")]) == 0
+    model = zoo.load(tmp_path / "zoo")
+    rng = np.random.RandomState(5)
+    prompts = [rng.randint(0, model.cfg.vocab_size, n).tolist() for n in (4, 9, 6, 13)]
+    want = generate(model.cfg, model.param_dict(), prompts, GenerationConfig(max_new_tokens=10))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, str(tmp_path / "zoo"), json.dumps(prompts)], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["devices"] == 8 and got["tokens"] == want
+    assert got["specs"] and all(s != "PartitionSpec()" for s in got["specs"])  # sharded, not replicated
