@@ -1,1 +1,1 @@
-"""lmzoo dpo (planned; see the open issues)."""
+"""lmzoo dpo: preference optimization (DPO, IPO, hinge, robust DPO, SimPO; RPO) on the shared training loop."""

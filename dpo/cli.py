@@ -1,4 +1,4 @@
-"""The `dpo` command (placeholder until its issue lands)."""
+"""The `dpo` command: `dpo train --config run.yaml [key.sub=value ...]` (preference optimization on the shared loop)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,47 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from pretrain import distributed
+from zoo.cli import run_cli
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `dpo` (every flag documented)."""
+    p = argparse.ArgumentParser(prog="dpo", description="lmzoo preference optimization (DPO, IPO, SimPO, ...) "
+                                                        "on the shared training loop.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    what = "train a model on preference pairs (prompt, chosen, rejected) from a YAML config"
+    s = sub.add_parser("train", help=what, description=what + "; `key.sub=value` arguments override config keys.")
+    s.add_argument("--config", metavar="YAML", help="the run's config file (keys: see `dpo train --print-config`)")
+    s.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="config overrides, e.g. dpo.beta=0.05 dpo.loss_type=ipo dpo.reference=precomputed")
+    s.add_argument("--print-config", action="store_true",
+                   help="print the fully resolved config (with defaults) and exit")
+    distributed.add_flags(s)
+    return p
+
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `dpo` console script; training is not implemented yet."""
-    p = argparse.ArgumentParser(prog="dpo", description="lmzoo dpo training (not implemented yet).")
-    p.parse_args(argv)
-    print("error: `dpo` is not implemented yet in this version of lmzoo", file=sys.stderr)
-    return 2
+    """Entry point of the `dpo` console script."""
+    args = build_parser().parse_args(argv)
+
+    def body() -> None:
+        from pretrain.config import load_config, to_yaml
+
+        cfg = load_config(args.config, list(args.overrides))
+        if args.print_config:
+            print(to_yaml(cfg), end="")
+            return
+        distributed.initialize(args)
+        from dpo.task import DPOTask
+        from pretrain.trainer import train
+
+        final = train(cfg, task=DPOTask(cfg))
+        if distributed.is_primary():
+            print(f"final model: {final}")
+
+    return run_cli(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

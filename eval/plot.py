@@ -1,4 +1,4 @@
-"""`zoo plot RUN_DIR`: loss, eval loss, eval-task scores and learning-rate curves of a training run as a PNG."""
+"""`zoo plot RUN_DIR`: loss, eval loss, eval-task scores, DPO rewards and learning-rate curves of a run as a PNG."""
 
 from __future__ import annotations
 
@@ -33,10 +33,26 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         return [p[0] for p in pts], [p[1] for p in pts]
 
     scores = sorted({k for r in rows for k in r if k.startswith("eval/")})  # eval.tasks metrics
-    panels = 3 if scores else 2
+    rewards = any("rewards/margins" in r for r in rows)  # a preference (DPO) run
+    middle = [name for name, shown in (("scores", scores), ("rewards", rewards)) if shown]
+    panels = 2 + len(middle)
     fig, axes = plt.subplots(panels, 1, figsize=(8, 6 + 2 * (panels - 2)), sharex=True,
-                             height_ratios=(2, 1.5, 1)[:panels] if scores else (2, 1))
+                             height_ratios=(2, *[1.5] * len(middle), 1))
     ax_loss, ax_lr = axes[0], axes[-1]
+    if rewards:
+        ax = axes[1 + middle.index("rewards")]
+        for key, style in (("rewards/chosen", "-"), ("rewards/rejected", "-"), ("rewards/margins", "-"),
+                           ("eval_rewards/margins", "o-")):
+            steps, values = series(key)
+            if values:
+                ax.plot(steps, values, style, label=key)
+        ax.set_ylabel("rewards")
+        acc = ax.twinx()  # accuracies live on [0, 1], the rewards anywhere
+        acc.plot(*series("rewards/accuracies"), ":", color="gray", label="rewards/accuracies")
+        acc.set_ylim(-0.05, 1.05)
+        acc.set_ylabel("accuracy")
+        ax.legend(fontsize="small", loc="upper left")
+        ax.grid(alpha=0.3)
     if scores:
         for key in scores:
             ax_scores_steps, values = series(key)

@@ -39,10 +39,10 @@ class DataSection:
     text_field: str = "text"
     seq_len: int = 512
     packing: bool = True  # false: one document per row, truncated/padded to seq_len
-    long_examples: str = "truncate"  # sft (best-fit packing): truncate | drop examples longer than seq_len + 1
+    long_examples: str = "truncate"  # sft (best-fit packing) and dpo pairs: truncate | drop those over seq_len + 1
     eval_path: str | None = None
     format: str | None = None  # sft: text | prompt_completion | messages | alpaca | sharegpt; None: from the columns
-    chat_template: str | None = None  # sft: a Jinja chat-template file; None: the tokenizer's own template
+    chat_template: str | None = None  # sft, dpo: a Jinja chat-template file; None: the tokenizer's own template
     eval_fraction: float = 0.0
     skip_bad_rows: bool = False
 
@@ -116,6 +116,19 @@ class EvalSection:
 
 
 @dataclass
+class DpoSection:
+    """Preference optimization (`dpo train`, dpo/): the loss, its constants and the reference model."""
+
+    loss_type: str = "sigmoid"  # sigmoid | ipo | hinge | robust | simpo (dpo/losses.py)
+    beta: float = 0.1
+    label_smoothing: float = 0.0  # sigmoid (conservative DPO), robust and simpo: the assumed label-noise rate
+    simpo_gamma: float = 0.5  # simpo's target reward margin
+    sft_weight: float = 0.0  # RPO: adds this times the chosen answer's mean NLL to each pair's loss
+    reference: str = "base"  # base (LoRA: the adapters switched off) | precomputed | a zoo checkpoint path
+    reference_model: str | None = None  # precomputed: the checkpoint scored once; None: the starting weights
+
+
+@dataclass
 class TrainConfig:
     """Everything a training run needs."""
 
@@ -137,6 +150,7 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 0
     eval: EvalSection = field(default_factory=EvalSection)
+    dpo: DpoSection = field(default_factory=DpoSection)
     peak_tflops: float | None = None  # per device, for MFU; None: detected for known accelerators, else no MFU
 
 
@@ -148,6 +162,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "remat": ("none", "full", "save_dots"),
     "dtype.params": ("float32", "bfloat16"),
     "dtype.compute": ("float32", "bfloat16"),
+    "dpo.loss_type": ("sigmoid", "ipo", "hinge", "robust", "simpo"),
 }
 
 
@@ -290,6 +305,18 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError(f"batch_size={cfg.batch_size} must be a multiple of grad_accum={cfg.grad_accum}")
     if not 0.0 <= cfg.data.eval_fraction < 1.0:
         raise UserError(f"data.eval_fraction must be in [0, 1), got {cfg.data.eval_fraction}")
+    dpo = cfg.dpo
+    if dpo.beta <= 0:
+        raise UserError(f"dpo.beta must be positive, got {dpo.beta}")
+    if not 0.0 <= dpo.label_smoothing < 0.5:
+        raise UserError(f"dpo.label_smoothing must be in [0, 0.5), got {dpo.label_smoothing}")
+    if dpo.sft_weight < 0:
+        raise UserError(f"dpo.sft_weight must be at least 0, got {dpo.sft_weight}")
+    if not dpo.reference.strip():
+        raise UserError("dpo.reference must be base, precomputed or a zoo checkpoint path, got ''")
+    if dpo.reference_model is not None and dpo.reference != "precomputed":
+        raise UserError("dpo.reference_model is read only with dpo.reference: precomputed; for a live reference "
+                        "checkpoint set dpo.reference to its path")
     if cfg.eval.tasks and not cfg.eval_every:
         raise UserError("eval.tasks are scored every eval_every steps; set eval_every (e.g. eval_every=100)")
 

@@ -193,6 +193,8 @@ def _padded(doc: dict[str, np.ndarray], length: int) -> dict[str, np.ndarray]:
     for k, v in doc.items():
         out[k] = np.zeros(length, v.dtype)
         out[k][:n] = v[:n]
+    if "tokens_segment_ids" in out:  # a document that lays out its own segments (a DPO pair): keep them
+        return out
     seg = np.zeros(length, np.int32)
     seg[:n] = 1
     pos = np.where(seg > 0, np.arange(length, dtype=np.int32), 0).astype(np.int32)
@@ -242,16 +244,21 @@ def to_model_batch(b: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Inputs, targets and loss weights from a packed batch.
 
     A target counts when it continues its input's document and, where the
-    documents carry a ``loss_mask``, when the mask marks it as trained.
+    documents carry a ``loss_mask``, when the mask marks it as trained. Other
+    per-token features come along aligned with the targets.
     """
     tok, seg, pos = b["tokens"], b["tokens_segment_ids"], b["tokens_positions"]
     same = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] != 0)
     if "loss_mask" in b:
         same &= b["loss_mask"][:, 1:].astype(bool)
-    return {
+    out = {
         "inputs": tok[:, :-1].astype(np.int32),
         "targets": tok[:, 1:].astype(np.int32),
         "weights": same.astype(np.float32),
         "segment_ids": seg[:, :-1].astype(np.int32),
         "positions": pos[:, :-1].astype(np.int32),
     }
+    # Any other per-token feature (DPO's cached reference log-probabilities) describes a token as a target.
+    for k in b.keys() - {"tokens", "tokens_segment_ids", "tokens_positions", "loss_mask"}:
+        out[k] = b[k][:, 1:]
+    return out

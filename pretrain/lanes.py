@@ -67,7 +67,7 @@ def run_data(cfg: TrainConfig, task: Task, tokenizer: Any, vocab: int, sharding:
     if distributed.any_process(failed is not None):
         raise failed or UserError(f"{d.path}: another process found a bad row (its error names it)")
     packing = task.packing if d.packing else "none"
-    too_long: set[int] = set()
+    too_long: set[int] = set(getattr(task, "too_long", ()))  # tasks that fit their own rows (DPO pairs)
     if packing == "best_fit":  # whole documents only: a longer one must be cut or left out first
         docs, too_long = fit_documents(docs, d.seq_len + 1, d.long_examples)
     lane_docs = {r: [docs[i] for i in lanes[r] if i in docs] for r in mine}

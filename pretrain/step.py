@@ -17,7 +17,7 @@ from pretrain.task import PretrainTask, Task
 def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any, remat: str = "none",
               state_sharding: Any = None, batch_sharding: Any = None, task: Task | None = None,
               lora_scale: float | None = None, frozen_sharding: Any = None, lora_dropout: float = 0.0,
-              seed: int = 0):
+              seed: int = 0, reference_sharding: Any = None):
     """(train step, eval fn): gradient accumulation over the leading micro-batch axis, one optimizer update.
 
     The task (default: pretraining's next-token loss) computes the loss sums of
@@ -32,16 +32,24 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any,
     Its masks come from a key derived from ``seed``, the state's step and the
     micro-batch index alone, so a resumed run draws exactly the masks the
     uninterrupted run would have.
+
+    ``reference`` (the step's fourth argument, e.g. DPO's frozen reference
+    model, sharded as ``reference_sharding``) reaches the task's ``loss_sums``
+    as the keyword ``reference`` when it is not None; it is never
+    differentiated. A task may return ``(loss sum, count, extra sums)``: the
+    extra sums (a dict) are accumulated like the loss and reported, divided by
+    the count, under ``metrics["task"]``; evaluation returns the task's sums.
     """
     task = task or PretrainTask()
     dropout = lora_scale is not None and lora_dropout > 0
 
-    def loss_sums(trainable: dict, mb: dict, frozen: Any,
-                  rng: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    def loss_sums(trainable: dict, mb: dict, frozen: Any, reference: Any = None,
+                  rng: jax.Array | None = None) -> tuple[jax.Array, tuple]:
+        kw = {} if reference is None else {"reference": reference}
         if lora_scale is None:
-            return task.loss_sums(mcfg, trainable, mb, compute, remat)
+            return task.loss_sums(mcfg, trainable, mb, compute, remat, **kw)
         return task.loss_sums(mcfg, frozen, mb, compute, remat, lora=trainable, lora_scale=lora_scale,
-                              lora_dropout=lora_dropout, dropout_rng=rng)
+                              lora_dropout=lora_dropout, dropout_rng=rng, **kw)
 
     def dropout_rngs(step_number: jax.Array, micro_batches: int) -> jax.Array | None:
         """One dropout key per micro-batch of this step ([micro_batches]), or None without dropout."""
@@ -50,42 +58,52 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any,
         key = jax.random.fold_in(jax.random.key(seed), step_number)
         return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(micro_batches))
 
-    def evaluate(params: dict, batch: dict, frozen: Any = None) -> tuple[jax.Array, jax.Array]:
-        _, (s, n) = loss_sums(params, batch, frozen)
-        return s, n
+    def evaluate(params: dict, batch: dict, frozen: Any = None, reference: Any = None) -> tuple:
+        return loss_sums(params, batch, frozen, reference)[1]
 
-    def step(state: dict, batch: dict, frozen: Any = None) -> tuple[dict, dict]:
+    def step(state: dict, batch: dict, frozen: Any = None, reference: Any = None) -> tuple[dict, dict]:
         grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
 
         def micro(carry, xs):
-            g_acc, l_acc, n_acc = carry
+            g_acc, sums_acc = carry
             mb, rng = xs
-            (_, (s, n)), g = grad_fn(state["params"], mb, frozen, rng)
-            return (jax.tree.map(jnp.add, g_acc, g), l_acc + s, n_acc + n), None
+            (_, sums), g = grad_fn(state["params"], mb, frozen, reference, rng)
+            return (jax.tree.map(jnp.add, g_acc, g), jax.tree.map(jnp.add, sums_acc, sums)), None
 
         micro_batches = jax.tree.leaves(batch)[0].shape[0]
         rngs = dropout_rngs(state["step"], micro_batches)
         if micro_batches == 1:
             # No accumulation: skip the scan, whose gradient carry costs full-size copies.
-            (_, (loss, n)), g = grad_fn(state["params"], jax.tree.map(lambda x: x[0], batch), frozen,
-                                        None if rngs is None else rngs[0])
+            (_, sums), g = grad_fn(state["params"], jax.tree.map(lambda x: x[0], batch), frozen, reference,
+                                   None if rngs is None else rngs[0])
         else:
             zeros = jax.tree.map(jnp.zeros_like, state["params"])
-            (g, loss, n), _ = jax.lax.scan(micro, (zeros, jnp.zeros(()), jnp.zeros(())), (batch, rngs))
+            shapes = jax.eval_shape(lambda: loss_sums(state["params"], jax.tree.map(lambda x: x[0], batch), frozen,
+                                                      reference, None if rngs is None else rngs[0])[1])
+            sums0 = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+            (g, sums), _ = jax.lax.scan(micro, (zeros, sums0), (batch, rngs))
+        loss, n, *extra = sums
         n = jnp.maximum(n, 1.0)
         g = jax.tree.map(lambda x: x / n, g)
         updates, opt_state = tx.update(g, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": loss / n, "grad_norm": optax.tree.norm(g), "target_tokens": n,
-                   "padding": 1.0 - (batch["segment_ids"] != 0).mean()}
+                   "padding": 1.0 - (batch["segment_ids"] != 0).mean(),
+                   "task": {k: v / n for k, v in (extra[0] if extra else {}).items()}}
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     if state_sharding is None:
         return jax.jit(step, donate_argnums=0), jax.jit(evaluate)
     replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
-    step_jit = jax.jit(step, donate_argnums=0, in_shardings=(state_sharding, batch_sharding, frozen_sharding),
+    step_jit = jax.jit(step, donate_argnums=0,
+                       in_shardings=(state_sharding, batch_sharding, frozen_sharding, reference_sharding),
                        out_shardings=(state_sharding, replicated))
-    return step_jit, jax.jit(evaluate, out_shardings=replicated)
+
+    def sharded_step(state: dict, batch: dict, frozen: Any = None, reference: Any = None) -> tuple[dict, dict]:
+        # jit's in_shardings name every positional argument: fill in the optional ones.
+        return step_jit(state, batch, frozen, reference)
+
+    return sharded_step, jax.jit(evaluate, out_shardings=replicated)
 
 
 def init_state(tx: optax.GradientTransformation, params: dict, mesh: jax.sharding.Mesh) -> dict:

@@ -36,7 +36,20 @@ class RowSource:
 
 
 class Task(Protocol):
-    """The two seams of the shared loop (rows -> documents, (params, batch) -> loss sums)."""
+    """The two seams of the shared loop (rows -> documents, (params, batch) -> loss sums).
+
+    Optional extras a task may have (DPO uses them; pretraining and SFT do not):
+
+    * ``prepare(cfg, mcfg, params, mesh, tokenizer)``, called once after the model
+      loads (``params``: the starting weights, the base with LoRA), returns
+      params the step passes to ``loss_sums`` as the keyword ``reference``
+      (never differentiated), or None;
+    * ``loss_sums`` returning ``(objective, (loss sum, count, {name: sum}))``:
+      the named sums are accumulated like the loss and logged divided by the
+      count (eval: with an ``eval_`` prefix);
+    * ``too_long``: the row indices the task cut or dropped to fit its own rows
+      (reported like ``data.long_examples``).
+    """
 
     method: str  # recorded in the final checkpoint's training provenance
     packing: str  # how documents become rows when data.packing is on: "concat" or "best_fit" (pretrain.data)

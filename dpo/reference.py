@@ -1,0 +1,155 @@
+"""The DPO reference model: which weights (``dpo.reference``), and the precomputed, cached log-probabilities.
+
+* ``base`` — the policy's own base weights with the LoRA adapters switched off
+  (the step's frozen base, run once more without adapters): no second copy of
+  the model exists. LoRA only: with full fine-tuning the base is what trains.
+* a path — a frozen zoo checkpoint, loaded and sharded like the policy, passed
+  to the train step as its ``reference`` argument (full fine-tuning or LoRA).
+* ``precomputed`` — a first pass scores every pair with the reference
+  (``dpo.reference_model``, or the policy's starting weights: the base of
+  LoRA, the initial weights of full fine-tuning) and caches the per-token
+  log-probabilities in ``output_dir/reference_logps/<key>.npz``; training then
+  holds one model and reads them from the batch. The key hashes the pair
+  documents (so the data, the tokenization, the chat template and
+  ``data.seq_len`` truncation), the reference checkpoint's files and the
+  compute dtype: a rerun with the same inputs reuses the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from zoo.config import ModelConfig
+from zoo.errors import UserError
+from zoo.model import forward, head_weight
+
+from dpo.logps import token_logps
+
+CACHE_DIR = "reference_logps"
+CACHE_VERSION = "1"  # bump when what is cached changes meaning
+
+
+def resolve_checkpoint(path: str) -> Path:
+    """The zoo checkpoint folder ``path`` of a reference, or a UserError."""
+    p = Path(path).expanduser()
+    if not (p / "model.json").is_file():
+        raise UserError(f"dpo.reference {path}: not a zoo checkpoint folder (nor base or precomputed); "
+                        f"create it with `zoo convert SOURCE --out {path}`")
+    return p
+
+
+def load_reference(path: str, mcfg: ModelConfig, mesh: jax.sharding.Mesh, dtype: Any) -> dict:
+    """The frozen reference checkpoint at ``path``, sharded like the policy (it must have the policy's shapes)."""
+    from zoo.checkpoint import load_params, read_config
+
+    ckpt = resolve_checkpoint(path)
+    ref_cfg = read_config(ckpt)
+    if ref_cfg != mcfg:
+        raise UserError(f"dpo.reference {path}: its architecture differs from the policy's "
+                        "(a reference must be the same model, e.g. the SFT checkpoint the policy starts from)")
+    return load_params(ckpt, mesh, dtype)
+
+
+def checkpoint_digest(path: Path) -> str:
+    """sha256 over the names and bytes of every file of a checkpoint folder (the reference weights), and of
+    its base checkpoint's when it is an adapter checkpoint (its weights are the merged model)."""
+    from zoo.adapter import base_checkpoint
+    from zoo.checkpoint import read_meta
+
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        h.update(str(f.relative_to(path)).encode() + b"\0")
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 24), b""):
+                h.update(block)
+    meta = read_meta(path)
+    if meta.get("lora"):
+        h.update(checkpoint_digest(base_checkpoint(path, meta)).encode())
+    return h.hexdigest()
+
+
+def cache_key(docs: dict[str, dict[int, dict[str, np.ndarray]]], weights_digest: str, compute: str) -> str:
+    """The cache file's key: a hash of the pair documents of every data file, the weights and the dtype."""
+    h = hashlib.sha256(f"v{CACHE_VERSION}\0{weights_digest}\0{compute}\0".encode())
+    for path in sorted(docs):
+        h.update(path.encode() + b"\0")
+        for i in sorted(docs[path]):
+            d = docs[path][i]
+            h.update(str(i).encode())
+            for k in ("tokens", "loss_mask", "tokens_segment_ids"):
+                h.update(np.ascontiguousarray(d[k]).tobytes())
+    return h.hexdigest()[:32]
+
+
+def compute_reference_logps(mcfg: ModelConfig, params: dict, docs: list[dict[str, np.ndarray]], seq_len: int,
+                            rows: int, mesh: jax.sharding.Mesh, compute: Any) -> list[np.ndarray]:
+    """Per-token reference log-probabilities of each pair document (float32, one per token: the
+    log-probability of that token given its segment's earlier ones, 0 where it is not an answer token)."""
+    from pretrain.data import _padded, to_model_batch
+    from pretrain.lanes import replicated_batch
+
+    sharding = NamedSharding(mesh, PartitionSpec(("data", "fsdp"), None))
+
+    @jax.jit
+    def score(p: dict, b: dict) -> jax.Array:
+        p = jax.tree.map(lambda x: x.astype(compute), p)
+        hidden = forward(mcfg, p, b["inputs"], b["segment_ids"], b["positions"], return_hidden=True)
+        hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+        logp, _ = token_logps(hidden, head_weight(mcfg, p), b["targets"], mcfg.final_softcap)
+        return logp * b["weights"]
+
+    out: list[np.ndarray] = []
+    for start in range(0, len(docs), rows):
+        chunk = docs[start:start + rows]
+        padded = [_padded(d, seq_len + 1) for d in chunk]
+        padded += [padded[-1]] * (rows - len(padded))  # a fixed batch shape: one compilation
+        b = to_model_batch({k: np.stack([x[k] for x in padded]) for k in padded[0]})
+        got = np.asarray(jax.device_get(score(params, replicated_batch(b, sharding))), np.float32)
+        for j, d in enumerate(chunk):
+            n = len(d["tokens"])
+            per_token = np.zeros(n, np.float32)
+            per_token[1:] = got[j, :n - 1]  # target j+1 is token j+1 of the row
+            out.append(per_token)
+    return out
+
+
+def cached_reference_logps(out_dir: Path, docs: dict[str, dict[int, dict[str, np.ndarray]]], weights: Path,
+                           compute_name: str, score: Any, primary: bool = True) -> dict[str, dict[int, np.ndarray]]:
+    """{data path: {row: per-token reference log-probabilities}} of ``docs``, from the cache or ``score``.
+
+    ``score(list of documents) -> list of arrays`` runs the reference pass; it
+    runs only on a cache miss, and the result is written (by the primary
+    process, atomically) to ``out_dir/reference_logps/<key>.npz``.
+    """
+    key = cache_key(docs, checkpoint_digest(weights), compute_name)
+    f = out_dir / CACHE_DIR / f"{key}.npz"
+    flat = [(path, i) for path in sorted(docs) for i in sorted(docs[path])]
+    if f.is_file():
+        with np.load(f) as z:
+            values, offsets = z["values"], z["offsets"]
+        if primary:
+            print(f"reference log-probabilities: cache hit ({f})", file=sys.stderr)
+    else:
+        t0 = time.perf_counter()
+        per_doc = score([docs[p][i] for p, i in flat])
+        values = np.concatenate(per_doc) if per_doc else np.zeros(0, np.float32)
+        offsets = np.cumsum([0] + [len(x) for x in per_doc])
+        if primary:
+            f.parent.mkdir(parents=True, exist_ok=True)
+            tmp = f.with_name(f.stem + ".tmp.npz")
+            np.savez(tmp, values=values, offsets=offsets)
+            tmp.replace(f)
+            print(f"reference log-probabilities: cache miss, computed {len(flat)} pairs with {weights} in "
+                  f"{time.perf_counter() - t0:.1f}s ({f})", file=sys.stderr)
+    out: dict[str, dict[int, np.ndarray]] = {p: {} for p in docs}
+    for j, (p, i) in enumerate(flat):
+        out[p][i] = values[offsets[j]:offsets[j + 1]]
+    return out

@@ -1,0 +1,189 @@
+"""Preference optimization (DPO and its variants) as a task of the shared training loop.
+
+A batch row is one pair (dpo/data.py): ``prompt + chosen`` as segment 1 and
+``prompt + rejected`` as segment 2 of one forward pass. The loss sums of a
+micro-batch are the per-pair losses (dpo/losses.py) summed over its pairs,
+with the pair count as the count, so the step's division gives the mean over
+the pairs of the whole global batch, whatever ``grad_accum`` and the mesh.
+The reference (dpo/reference.py) is the frozen base run without adapters,
+a checkpoint passed in as the step's ``reference`` argument, or per-token
+log-probabilities cached before training and read from the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zoo.config import ModelConfig
+from zoo.errors import UserError
+from zoo.model import forward, head_weight
+
+from pretrain.config import TrainConfig
+from pretrain.data import indexed_rows, load_dataset_rows
+from pretrain.dtypes import DTYPES
+from pretrain.task import Document, RowSource
+from sft.task import read_chat_template
+
+from dpo.data import CHOSEN, REJECTED, pair_documents
+from dpo.logps import token_logps
+from dpo.losses import LENGTH_NORMALIZED, REFERENCE_FREE, preference_loss
+from dpo.reference import cached_reference_logps, compute_reference_logps, load_reference, resolve_checkpoint
+
+# The metrics each step logs (TRL's names), besides `loss`: means over the global batch's pairs.
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected", "logits/chosen", "logits/rejected")
+
+
+class DPOTask:
+    """Direct preference optimization and its variants on (prompt, chosen, rejected) rows."""
+
+    method = "dpo"
+    packing = "none"  # each pair is one row, its two sequences laid out by the task (dpo/data.py)
+
+    def __init__(self, cfg: TrainConfig):
+        self.dpo = cfg.dpo
+        self.chat_template = read_chat_template(cfg.data.chat_template)
+        self.max_len = cfg.data.seq_len + 1
+        self.drop_long = cfg.data.long_examples == "drop"
+        self.too_long: set[int] = set()  # rows of data.path cut or dropped to fit (reported by the loop)
+        self.mode = "none" if cfg.dpo.loss_type in REFERENCE_FREE else _mode(cfg.dpo.reference)
+        self.ref_logps: dict[str, dict[int, np.ndarray]] = {}
+
+    # ---- rows -> documents ------------------------------------------------------------------------------
+
+    def load(self, path: str, cfg: TrainConfig) -> RowSource:
+        """The rows of ``path``; they need ``chosen`` and ``rejected`` columns (``prompt`` is optional)."""
+        ds, _ = load_dataset_rows(path, cfg.data.split)
+        missing = [c for c in ("chosen", "rejected") if c not in ds.column_names]
+        if missing:
+            raise UserError(f"data.path {path}: preference rows need 'chosen' and 'rejected' fields (and "
+                            f"optionally 'prompt'); missing {', '.join(missing)} (columns: {ds.column_names})")
+        return RowSource(ds, "pairs")
+
+    def documents(self, rows: RowSource, tokenizer: Any, path: str, skip_bad: bool,
+                  indices: list[int] | None = None) -> tuple[dict[int, Document], int]:
+        """One row document per usable pair (with its cached reference log-probabilities when precomputed)."""
+        docs, bad, too_long = pair_documents(indexed_rows(rows.ds, indices), tokenizer, self.chat_template, path,
+                                             skip_bad, self.max_len, self.drop_long)
+        self.too_long |= too_long
+        if self.mode == "precomputed":
+            cached = self.ref_logps[path]
+            for i, d in docs.items():
+                d["ref_logps"] = cached[i]
+        return docs, bad
+
+    # ---- the reference ----------------------------------------------------------------------------------
+
+    def prepare(self, cfg: TrainConfig, mcfg: ModelConfig, params: dict, mesh: jax.sharding.Mesh,
+                tokenizer: Any) -> dict | None:
+        """Set up the reference before training; returns the reference params the step needs (a path), else None.
+
+        ``params`` are the starting weights (LoRA: the frozen base).
+        """
+        lora = cfg.lora.rank > 0
+        if self.mode == "base" and not lora:
+            raise UserError("full fine-tuning (lora.rank: 0) needs a reference model besides the trained one: set "
+                            "dpo.reference to a zoo checkpoint path (e.g. the model you start from) or to "
+                            "precomputed; dpo.reference: base is the LoRA base with its adapters off")
+        if self.mode == "path":
+            return load_reference(self.dpo.reference, mcfg, mesh, DTYPES[cfg.dtype.params])
+        if self.mode == "precomputed":
+            self._precompute(cfg, mcfg, params, mesh, tokenizer)
+        return None
+
+    def _precompute(self, cfg: TrainConfig, mcfg: ModelConfig, params: dict, mesh: jax.sharding.Mesh,
+                    tokenizer: Any) -> None:
+        from pathlib import Path
+
+        from pretrain import distributed
+
+        source = self.dpo.reference_model or cfg.model.path
+        if cfg.model.init == "random" and not self.dpo.reference_model:
+            raise UserError("dpo.reference: precomputed with model.init: random needs dpo.reference_model "
+                            "(a zoo checkpoint to score the pairs with)")
+        weights = resolve_checkpoint(source)
+        d = cfg.data
+        docs = {}
+        for path in [d.path] + ([d.eval_path] if d.eval_path else []):
+            rows = self.load(path, cfg)
+            docs[path], _, _ = pair_documents(indexed_rows(rows.ds), tokenizer, self.chat_template, path,
+                                              d.skip_bad_rows, self.max_len, self.drop_long)
+        compute = DTYPES[cfg.dtype.compute]
+
+        def score(documents: list) -> list:
+            # Only on a cache miss: a separate reference is loaded for this pass alone, then released.
+            ref = load_reference(self.dpo.reference_model, mcfg, mesh, DTYPES[cfg.dtype.params]) \
+                if self.dpo.reference_model else params
+            rows_per_batch = cfg.batch_size // cfg.grad_accum
+            try:
+                return compute_reference_logps(mcfg, ref, documents, d.seq_len, rows_per_batch, mesh, compute)
+            finally:
+                if ref is not params:
+                    for x in jax.tree.leaves(ref):
+                        x.delete()
+
+        self.ref_logps = cached_reference_logps(Path(cfg.output_dir).absolute(), docs, weights, cfg.dtype.compute,
+                                                score, distributed.is_primary())
+
+    # ---- (params, batch) -> loss sums -------------------------------------------------------------------
+
+    def loss_sums(self, mcfg: ModelConfig, params: dict, mb: dict, compute: Any, remat: str,
+                  reference: dict | None = None, **forward_kwargs: Any) -> tuple[jax.Array, tuple]:
+        """(objective, (sum of per-pair losses, pair count, {metric: sum over pairs})) of a micro-batch."""
+        moe = mcfg.num_experts > 0
+        p = jax.tree.map(lambda x: x.astype(compute), params)
+        pol, mean_logit, aux = _token_logps(mcfg, p, mb, remat, moe, **forward_kwargs)
+        if self.mode == "precomputed":
+            ref = mb["ref_logps"].astype(jnp.float32)
+        elif self.mode == "base":  # the same base weights, adapters off: no second copy of the model
+            ref = jax.lax.stop_gradient(_token_logps(mcfg, p, mb, "none", moe)[0])
+        elif self.mode == "path":
+            r = jax.tree.map(lambda x: x.astype(compute), reference)
+            ref = jax.lax.stop_gradient(_token_logps(mcfg, r, mb, "none", moe)[0])
+        else:
+            ref = jnp.zeros_like(pol)
+        w, seg = mb["weights"], mb["segment_ids"]
+        wc, wr = w * (seg == CHOSEN), w * (seg == REJECTED)
+        nc, nr = wc.sum(-1), wr.sum(-1)
+        is_pair = (nc > 0) & (nr > 0)
+        nc1, nr1 = jnp.maximum(nc, 1.0), jnp.maximum(nr, 1.0)
+        chosen, rejected = (pol * wc).sum(-1), (pol * wr).sum(-1)
+        ref_c, ref_r = (ref * wc).sum(-1), (ref * wr).sum(-1)
+        nll_mean = -chosen / nc1  # the chosen answer's mean per-token NLL (RPO's term)
+        if self.dpo.loss_type in LENGTH_NORMALIZED:
+            chosen, rejected, ref_c, ref_r = chosen / nc1, rejected / nr1, ref_c / nc1, ref_r / nr1
+        losses, rw_c, rw_r = preference_loss(self.dpo.loss_type, chosen, rejected, ref_c, ref_r, self.dpo.beta,
+                                             self.dpo.label_smoothing, self.dpo.simpo_gamma)
+        if self.dpo.sft_weight:
+            losses = losses + self.dpo.sft_weight * nll_mean
+        keep = is_pair.astype(jnp.float32)
+        n = keep.sum()
+        total = (losses * keep).sum()
+        sg = jax.lax.stop_gradient
+        per_pair = {
+            "rewards/chosen": rw_c, "rewards/rejected": rw_r,
+            "rewards/accuracies": (rw_c > rw_r).astype(jnp.float32), "rewards/margins": rw_c - rw_r,
+            "logps/chosen": sg(chosen), "logps/rejected": sg(rejected),
+            "logits/chosen": (mean_logit * wc).sum(-1) / nc1, "logits/rejected": (mean_logit * wr).sum(-1) / nr1,
+        }
+        extras = {k: (v * keep).sum() for k, v in per_pair.items()}
+        objective = total + (aux["loss"] * n if moe else 0.0)
+        return objective, (sg(total), n, extras)
+
+
+def _mode(reference: str) -> str:
+    return reference if reference in ("base", "precomputed") else "path"
+
+
+def _token_logps(mcfg: ModelConfig, p: dict, mb: dict, remat: str, moe: bool,
+                 **forward_kwargs: Any) -> tuple[jax.Array, jax.Array, dict | None]:
+    """(per-target log-probabilities [b, t], mean logits [b, t], MoE aux or None) of one forward pass."""
+    out = forward(mcfg, p, mb["inputs"], mb["segment_ids"], mb["positions"], return_aux=moe, remat=remat,
+                  return_hidden=True, **forward_kwargs)
+    hidden, aux = out if moe else (out, None)
+    logp, mean_logit = token_logps(hidden, head_weight(mcfg, p), mb["targets"], mcfg.final_softcap)
+    return logp, mean_logit, aux

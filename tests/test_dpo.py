@@ -1,0 +1,303 @@
+"""`dpo train` on the shared loop: losses against transformers, reference modes, learning, resume."""
+
+import gc
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import zoo
+from dpo.cli import main as dpo_main
+from dpo.task import DPOTask
+from pretrain.config import load_config
+from pretrain.trainer import train
+from tests.tiny import hf_logits, log_softmax, make_llama
+from zoo.cli import main as zoo_main
+
+COLORS = "red blue green yellow black white".split()
+SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+
+
+def _pairs(n: int, seed: int = 0) -> list[dict]:
+    rng = np.random.RandomState(seed)
+    rows = []
+    for _ in range(n):
+        c, o = rng.choice(COLORS, 2, replace=False)
+        rows.append({"prompt": f"colour {c}:", "chosen": f" {c} {c}", "rejected": f" {o} {o}"})
+    return rows
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from convert.source import open_source
+    from zoo.cli import smollm2_gguf
+
+    root = tmp_path_factory.mktemp("dpo")
+    open_source(str(smollm2_gguf())).save_tokenizer(root / "tok")
+    tok = AutoTokenizer.from_pretrained(str(root / "tok"))
+    models = {}
+    for name, seed in (("policy", 0), ("reference", 1)):
+        models[name] = make_llama(root / f"hf_{name}", seed=seed, vocab_size=len(tok), **SMALL)
+        assert zoo_main(["convert", str(root / f"hf_{name}"), "--out", str(root / name)]) == 0
+    _write(root / "four.jsonl", _pairs(4))
+    _write(root / "prefs.jsonl", _pairs(96, seed=1))
+    return root, tok, models
+
+
+def _cfg(root, out, *overrides, data="prefs.jsonl"):
+    return load_config(None, [f"model.path={root / 'policy'}", f"model.tokenizer={root / 'tok'}",
+                              f"data.path={root / data}", "data.seq_len=32", "batch_size=4",
+                              "schedule.name=constant", "log_every=1", "checkpoint.every=100",
+                              f"output_dir={out}", *overrides])
+
+
+def _metrics(out) -> list[dict]:
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _hf_logps(model, prompt: list[int], answer: list[int]) -> float:
+    lp = log_softmax(hf_logits(model, np.asarray([prompt + answer]))[0])
+    return float(sum(lp[len(prompt) - 1 + j, a] for j, a in enumerate(answer)))
+
+
+def _logsig(x: float) -> float:
+    return -math.log1p(math.exp(-x)) if x > 0 else x - math.log1p(math.exp(x))
+
+
+# name -> (config overrides, per-pair loss from (beta h)); TRL's DPOTrainer/CPOTrainer formulas, written out.
+EPS = 0.1
+LOSSES = {
+    "sigmoid": ((), lambda bh: -_logsig(bh)),
+    "ipo": (("dpo.loss_type=ipo",), None),  # (h - 1/(2 beta))^2 on mean log-probabilities: computed below
+    "cdpo": (("dpo.label_smoothing=0.1",), lambda bh: -(1 - EPS) * _logsig(bh) - EPS * _logsig(-bh)),
+    "robust": (("dpo.loss_type=robust", "dpo.label_smoothing=0.1"),
+               lambda bh: (-(1 - EPS) * _logsig(bh) + EPS * _logsig(-bh)) / (1 - 2 * EPS)),
+    "hinge": (("dpo.loss_type=hinge",), lambda bh: max(0.0, 1 - bh)),
+    "simpo": (("dpo.loss_type=simpo", "dpo.simpo_gamma=0.5"), lambda bh: -_logsig(bh)),
+    "rpo": (("dpo.sft_weight=0.5",), lambda bh: -_logsig(bh)),
+}
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_step_one_metrics_equal_transformers(setup, tmp_path, name):
+    """A separate reference checkpoint: step 1's loss and rewards equal a computation from transformers'
+    logits of the two models (all four pairs are in the first batch)."""
+    root, tok, models = setup
+    beta = 0.1
+    overrides, per_pair = LOSSES[name]
+    out = tmp_path / "run"
+    cfg = _cfg(root, out, "max_steps=1", f"dpo.beta={beta}", f"dpo.reference={root / 'reference'}", *overrides,
+               data="four.jsonl")
+    train(cfg, progress=False, task=DPOTask(cfg))
+    got = _metrics(out)[0]
+    losses, rc, rr = [], [], []
+    for row in _pairs(4):
+        prompt = tok(row["prompt"])["input_ids"]
+        c = tok(row["chosen"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        r = tok(row["rejected"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        pc, pr = _hf_logps(models["policy"], prompt, c), _hf_logps(models["policy"], prompt, r)
+        qc, qr = _hf_logps(models["reference"], prompt, c), _hf_logps(models["reference"], prompt, r)
+        nll = -pc / len(c)
+        if name in ("ipo", "simpo"):  # TRL: IPO and SimPO compare mean per-token log-probabilities
+            pc, qc, pr, qr = pc / len(c), qc / len(c), pr / len(r), qr / len(r)
+        if name == "simpo":  # reference-free, with a target margin
+            losses.append(per_pair(beta * (pc - pr - 0.5 / beta)))
+            rc.append(beta * pc)
+            rr.append(beta * pr)
+            continue
+        h = (pc - pr) - (qc - qr)
+        losses.append((h - 1 / (2 * beta)) ** 2 if name == "ipo" else per_pair(beta * h))
+        if name == "rpo":
+            losses[-1] += 0.5 * nll
+        rc.append(beta * (pc - qc))
+        rr.append(beta * (pr - qr))
+    np.testing.assert_allclose(got["loss"], np.mean(losses), rtol=1e-5)
+    np.testing.assert_allclose(got["rewards/chosen"], np.mean(rc), rtol=1e-5)
+    np.testing.assert_allclose(got["rewards/rejected"], np.mean(rr), rtol=1e-5)
+    np.testing.assert_allclose(got["rewards/margins"], np.mean(rc) - np.mean(rr), rtol=1e-4)
+    assert got["rewards/accuracies"] == np.mean(np.asarray(rc) > np.asarray(rr))
+
+
+LORA = ("lora.rank=8", "lora.alpha=16")
+
+
+def test_lora_base_reference_starts_at_log2_with_one_copy_of_the_base(setup, tmp_path, monkeypatch):
+    import pretrain.trainer as trainer
+
+    root, tok, _ = setup
+    shapes = {(len(tok), SMALL["hidden_size"]), (SMALL["hidden_size"], len(tok))}  # embed, lm_head
+    real, copies = trainer.make_step, []
+
+    def spy(*args, **kwargs):
+        step, evaluate = real(*args, **kwargs)
+
+        def counted(*a):
+            out = jax.block_until_ready(step(*a))
+            gc.collect()
+            copies.append(sum(tuple(x.shape) in shapes for x in jax.live_arrays()))
+            return out
+
+        return counted, evaluate
+
+    monkeypatch.setattr(trainer, "make_step", spy)
+    out = tmp_path / "run"
+    cfg = _cfg(root, out, "max_steps=2", *LORA)
+    train(cfg, progress=False, task=DPOTask(cfg))
+    recs = _metrics(out)
+    assert abs(recs[0]["loss"] - math.log(2)) < 1e-6 and abs(recs[0]["rewards/margins"]) < 1e-6
+    assert recs[1]["loss"] != recs[0]["loss"]  # the adapters moved
+    assert copies == [2, 2]  # the base's embed and lm_head, once each: no reference copy
+
+
+def test_full_fine_tuning_needs_a_reference(setup, tmp_path, capsys):
+    root, _, _ = setup
+    args = ["train", f"model.path={root / 'policy'}", f"model.tokenizer={root / 'tok'}",
+            f"data.path={root / 'four.jsonl'}", "batch_size=4", "max_steps=1", f"output_dir={tmp_path / 'o'}"]
+    assert dpo_main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs a reference model" in err[0] and "dpo.reference" in err[0]
+
+
+def test_precomputed_reference_equals_live_and_is_cached(setup, tmp_path, monkeypatch, capsys):
+    import dpo.task
+
+    root, _, _ = setup
+    common = ("optimizer.name=sgd", "optimizer.learning_rate=0.5", *LORA)
+    live = _cfg(root, tmp_path / "live", "max_steps=2", *common)
+    train(live, progress=False, task=DPOTask(live))
+    real, calls = dpo.task.compute_reference_logps, []
+
+    def spy(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(dpo.task, "compute_reference_logps", spy)
+    out = tmp_path / "pre"
+    pre = _cfg(root, out, "max_steps=2", "dpo.reference=precomputed", *common)
+    capsys.readouterr()
+    train(pre, progress=False, task=DPOTask(pre))
+    assert calls == [1] and "cache miss" in capsys.readouterr().err
+    assert len(list((out / "reference_logps").glob("*.npz"))) == 1
+    a, b = _metrics(tmp_path / "live"), _metrics(out)
+    for k in ("loss", "rewards/chosen", "rewards/rejected", "logps/chosen"):
+        np.testing.assert_allclose([r[k] for r in b], [r[k] for r in a], rtol=1e-5, atol=1e-7, err_msg=k)
+    # A rerun (here: resuming for one more step) reads the cache and never runs the reference pass.
+    more = _cfg(root, out, "max_steps=3", "dpo.reference=precomputed", *common)
+    train(more, progress=False, task=DPOTask(more))
+    assert calls == [1] and "cache hit" in capsys.readouterr().err
+    assert _metrics(out)[-1]["step"] == 3
+
+
+def test_training_on_preferences_drives_accuracy_up(setup, tmp_path):
+    """Full fine-tuning against a frozen copy of the start: the implicit reward learns the preference;
+    eval logs the same metrics with an eval_ prefix, and `zoo plot` draws the rewards."""
+    root, _, _ = setup
+    out = tmp_path / "run"
+    cfg = _cfg(root, out, "max_steps=30", "batch_size=8", "optimizer.learning_rate=3e-3",
+               f"dpo.reference={root / 'policy'}", "data.eval_fraction=0.1", "eval_every=15")
+    final = train(cfg, progress=False, task=DPOTask(cfg))
+    recs = _metrics(out)
+    assert np.mean([r["rewards/accuracies"] for r in recs[-5:]]) > 0.9
+    assert recs[-1]["loss"] < 0.5 * math.log(2)
+    evals = [r for r in recs if "eval_loss" in r]
+    assert len(evals) == 2 and evals[-1]["eval_rewards/accuracies"] > 0.9
+    assert evals[-1]["eval_rewards/margins"] > evals[0]["eval_rewards/margins"]
+    assert zoo.checkpoint.read_meta(final)["training"]["method"] == "dpo"
+    assert zoo_main(["plot", str(out)]) == 0 and (out / "curves.png").is_file()
+
+
+def test_grad_accum_2_equals_one_batch_twice_as_large(setup, tmp_path):
+    root, _, _ = setup
+    sgd = ("max_steps=2", "optimizer.name=sgd", "optimizer.learning_rate=0.5", f"dpo.reference={root / 'reference'}")
+    a = _cfg(root, tmp_path / "a", *sgd, "grad_accum=1")
+    b = _cfg(root, tmp_path / "b", *sgd, "grad_accum=2")
+    fa, fb = train(a, progress=False, task=DPOTask(a)), train(b, progress=False, task=DPOTask(b))
+    ma, mb = _metrics(tmp_path / "a"), _metrics(tmp_path / "b")
+    for k in ("loss", "rewards/chosen", "rewards/accuracies", "logits/chosen"):
+        np.testing.assert_allclose([r[k] for r in mb], [r[k] for r in ma], rtol=1e-5, atol=1e-7, err_msg=k)
+    for x, y in zip(jax.tree.leaves(zoo.load_params(fa)), jax.tree.leaves(zoo.load_params(fb))):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-5)
+
+
+def test_kill_9_and_resume_is_bit_identical(setup, tmp_path):
+    """`dpo train` SIGKILLed after its step-4 checkpoint, then rerun, ends where the uninterrupted run does
+    (precomputed reference log-probabilities ride in the checkpointed data lanes; grad_accum 2)."""
+    root, _, _ = setup
+    common = ["max_steps=6", "checkpoint.every=2", "grad_accum=2", "dpo.reference=precomputed", *LORA]
+    cfg = _cfg(root, tmp_path / "full", *common)
+    full = train(cfg, progress=False, task=DPOTask(cfg))
+    out = tmp_path / "killed"
+    args = [f"model.path={root / 'policy'}", f"model.tokenizer={root / 'tok'}", f"data.path={root / 'prefs.jsonl'}",
+            "data.seq_len=32", "batch_size=4", "schedule.name=constant", "log_every=1", f"output_dir={out}", *common]
+    proc = subprocess.Popen([sys.executable, "-m", "dpo.cli", "train", *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
+    deadline = time.time() + 300
+    while time.time() < deadline and not (out / "checkpoints" / "4").is_dir() and proc.poll() is None:
+        time.sleep(0.02)
+    assert (out / "checkpoints" / "4").is_dir()
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "final").exists()
+    resumed = train(_cfg(root, out, *common), progress=False, task=DPOTask(_cfg(root, out, *common)))
+    from zoo.adapter import load_adapters
+
+    a = load_adapters(full, zoo.checkpoint.read_meta(full))
+    b = load_adapters(resumed, zoo.checkpoint.read_meta(resumed))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    ma, mb = _metrics(tmp_path / "full"), _metrics(out)
+    assert [r["loss"] for r in mb[-2:]] == [r["loss"] for r in ma[-2:]]
+
+
+MESH_SCRIPT = r"""
+import json, sys
+import jax
+from pretrain.config import load_config
+from pretrain.trainer import train
+from dpo.task import DPOTask
+assert len(jax.devices()) == 8
+base = json.loads(sys.argv[1])
+out = {}
+for name, mesh in [("fsdp8", ["mesh.data=1", "mesh.fsdp=8"]), ("d2f2t2", ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"])]:
+    d = sys.argv[2] + "/" + name
+    cfg = load_config(None, base + mesh + [f"output_dir={d}"])
+    train(cfg, progress=False, task=DPOTask(cfg))
+    out[name] = [json.loads(l)["loss"] for l in open(d + "/metrics.jsonl")]
+print(json.dumps(out))
+"""
+
+
+def test_8_devices_match_one_device(setup, tmp_path):
+    """Full fine-tuning with a checkpoint reference (sharded like the policy) on 8 devices: fsdp, and
+    data x fsdp x tensor, follow the one-device losses."""
+    root, _, _ = setup
+    extra = ["max_steps=3", "batch_size=8", "optimizer.name=sgd", "optimizer.learning_rate=0.5",
+             f"dpo.reference={root / 'reference'}"]
+    cfg = _cfg(root, tmp_path / "one", *extra)
+    train(cfg, progress=False, task=DPOTask(cfg))
+    ref = [r["loss"] for r in _metrics(tmp_path / "one")]
+    base = [f"model.path={root / 'policy'}", f"model.tokenizer={root / 'tok'}",
+            f"data.path={root / 'prefs.jsonl'}", "data.seq_len=32", "schedule.name=constant", "log_every=1",
+            "checkpoint.every=100", *extra]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    p = subprocess.run([sys.executable, "-c", MESH_SCRIPT, json.dumps(base), str(tmp_path)],
+                       capture_output=True, text=True, env=env, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert ref[-1] != ref[0]  # the policy moves, so equal losses mean equal updates
+    for name, losses in got.items():
+        np.testing.assert_allclose(losses, ref, rtol=1e-5, err_msg=name)

@@ -1,0 +1,194 @@
+"""DPO data: preference rows -> one pair row (prompt + chosen | prompt + rejected), with the SmolLM2 tokenizer."""
+
+import json
+
+import numpy as np
+import pytest
+
+from dpo.data import CHOSEN, REJECTED, PairTokens, fit_pair, normalize_pair, pair_document, tokenize_pair
+from dpo.task import DPOTask
+from pretrain.config import load_config
+from sft.formats import BadRow
+from zoo.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from convert.source import open_source
+    from zoo.cli import smollm2_gguf
+
+    root = tmp_path_factory.mktemp("dpo_tok")
+    open_source(str(smollm2_gguf())).save_tokenizer(root / "tok")
+    return AutoTokenizer.from_pretrained(str(root / "tok"))
+
+
+@pytest.fixture
+def bos_tok(tok):
+    """The same tokenizer configured to prepend its BOS (<|im_start|>, id 1) to every text."""
+    import copy
+
+    from tokenizers.processors import TemplateProcessing
+
+    t = copy.deepcopy(tok)
+    t._tokenizer.post_processor = TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+    assert t("a")["input_ids"][0] == 1
+    return t
+
+
+def _cfg(path, *extra):
+    return load_config(None, ["model.path=unused", f"data.path={path}", "max_steps=1", "data.seq_len=128", *extra])
+
+
+def _decode(tok, ids):
+    return tok.decode(ids, skip_special_tokens=False)
+
+
+CONV = {"prompt": [{"role": "user", "content": "colour red"}],
+        "chosen": [{"role": "assistant", "content": "red red"}],
+        "rejected": [{"role": "assistant", "content": "blue blue"}]}
+
+
+def test_conversation_answers_end_with_one_end_of_turn_and_share_the_prompt(tok):
+    t = tokenize_pair(normalize_pair(CONV), tok)
+    assert _decode(tok, t.chosen) == "red red<|im_end|>" and _decode(tok, t.rejected) == "blue blue<|im_end|>"
+    assert (t.chosen == tok.eos_token_id).sum() == 1 and t.chosen[-1] == tok.eos_token_id
+    prompt = tok.apply_chat_template(CONV["prompt"], tokenize=False, add_generation_prompt=True)
+    assert _decode(tok, t.prompt) == prompt and prompt.endswith("<|im_start|>assistant\n")
+    # The tokens the model sees are those of the whole rendered conversation, up to its end-of-turn.
+    full = tok.apply_chat_template(CONV["prompt"] + CONV["chosen"], tokenize=False)
+    assert full.startswith(_decode(tok, np.concatenate([t.prompt, t.chosen])))
+
+
+def test_pair_row_layout_segments_positions_and_mask(tok):
+    t = tokenize_pair(normalize_pair(CONV), tok)
+    d = pair_document(t)
+    p, c, r = len(t.prompt), len(t.chosen), len(t.rejected)
+    np.testing.assert_array_equal(d["tokens"], np.concatenate([t.prompt, t.chosen, t.prompt, t.rejected]))
+    np.testing.assert_array_equal(d["tokens_segment_ids"], [CHOSEN] * (p + c) + [REJECTED] * (p + r))
+    np.testing.assert_array_equal(d["tokens_positions"], list(range(p + c)) + list(range(p + r)))
+    np.testing.assert_array_equal(d["loss_mask"], [0] * p + [1] * c + [0] * p + [1] * r)
+    # Through the batch transform: the targets trained in segment 1 are exactly the chosen answer's tokens,
+    # and the first token of segment 2 is not predicted from segment 1's last.
+    from pretrain.data import _padded, to_model_batch
+
+    b = to_model_batch({k: v[None] for k, v in _padded(d, 128).items()})
+    w, seg = b["weights"][0] > 0, b["segment_ids"][0]
+    np.testing.assert_array_equal(b["targets"][0][w & (seg == CHOSEN)], t.chosen)
+    np.testing.assert_array_equal(b["targets"][0][w & (seg == REJECTED)], t.rejected)
+
+
+def test_strings_prompt_tokenized_once_eos_once_no_double_bos(bos_tok):
+    t = tokenize_pair(normalize_pair({"prompt": "Say a colour:", "chosen": " red", "rejected": " blue"}), bos_tok)
+    assert list(t.prompt) == [1] + bos_tok("Say a colour:", add_special_tokens=False)["input_ids"]
+    assert list(t.chosen) == bos_tok(" red", add_special_tokens=False)["input_ids"] + [bos_tok.eos_token_id]
+    # A prompt that already starts with the BOS gets no second one; an answer ending with EOS no second EOS.
+    t = tokenize_pair(normalize_pair({"prompt": "<|im_start|>Say", "chosen": " red<|im_end|>", "rejected": " b"}),
+                      bos_tok)
+    assert list(t.prompt).count(1) == 1 and list(t.chosen).count(bos_tok.eos_token_id) == 1
+    # Conversations: the template writes its own BOS (<|im_start|>), so none is added.
+    t = tokenize_pair(normalize_pair(CONV), bos_tok)
+    assert t.prompt[0] == 1 and t.prompt[1] != 1
+
+
+def test_implicit_prompt_is_the_common_prefix_of_messages(tok):
+    system = {"role": "system", "content": "Be brief."}
+    user = {"role": "user", "content": "colour red"}
+    row = {"chosen": [system, user, {"role": "assistant", "content": "red red"}],
+           "rejected": [system, user, {"role": "assistant", "content": "blue blue"}]}
+    pair = normalize_pair(row)
+    assert pair.prompt == [system, user] and pair.chosen == row["chosen"][2:]
+    explicit = tokenize_pair(normalize_pair({"prompt": [system, user], "chosen": "red red",
+                                             "rejected": "blue blue"}), tok)
+    implicit = tokenize_pair(pair, tok)
+    for a, b in zip((explicit.prompt, explicit.chosen, explicit.rejected),
+                    (implicit.prompt, implicit.chosen, implicit.rejected)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("row, why", [
+    ({"prompt": "p", "rejected": "b"}, "'chosen' is missing"),
+    ({"prompt": "p", "chosen": "same", "rejected": "same"}, "identical"),
+    ({"prompt": "p", "chosen": "  ", "rejected": "b"}, "'chosen' is empty"),
+    ({"chosen": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x"}],
+      "rejected": [{"role": "user", "content": "b"}, {"role": "assistant", "content": "y"}]}, "no common prompt"),
+])
+def test_bad_rows(row, why):
+    with pytest.raises(BadRow, match=why):
+        normalize_pair(row)
+
+
+def test_bad_rows_name_file_and_row_or_are_skipped(tok, tmp_path):
+    good = {"prompt": "p", "chosen": "a", "rejected": "b"}
+    rows = [good, {"prompt": "p", "chosen": None, "rejected": "b"}, {"prompt": "p", "chosen": "x", "rejected": "x"},
+            good]
+    f = tmp_path / "prefs.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task = DPOTask(_cfg(f))
+    src = task.load(str(f), _cfg(f))
+    with pytest.raises(UserError, match=r"prefs.jsonl row 1: field 'chosen' is missing.*skip_bad_rows"):
+        task.documents(src, tok, str(f), False)
+    docs, bad = task.documents(src, tok, str(f), True)
+    assert bad == 2 and sorted(docs) == [0, 3]
+
+
+def test_conversations_without_shared_prompt_name_the_row(tok, tmp_path):
+    conv = lambda u: [{"role": "user", "content": u}, {"role": "assistant", "content": "x" + u}]  # noqa: E731
+    f = tmp_path / "c.jsonl"
+    f.write_text(json.dumps({"chosen": conv("a"), "rejected": conv("b")}) + "\n")
+    task = DPOTask(_cfg(f))
+    with pytest.raises(UserError, match=r"c.jsonl row 0: .*no common prompt"):
+        task.documents(task.load(str(f), _cfg(f)), tok, str(f), False)
+
+
+def test_missing_columns_are_one_error(tmp_path):
+    f = tmp_path / "x.jsonl"
+    f.write_text(json.dumps({"prompt": "p", "completion": "c"}) + "\n")
+    with pytest.raises(UserError, match="need 'chosen' and 'rejected'"):
+        DPOTask(_cfg(f)).load(str(f), _cfg(f))
+
+
+def test_truncation_cuts_the_prompt_from_the_left_first_then_the_answers():
+    t = PairTokens(np.arange(10, 20, dtype=np.int32), np.arange(100, 104, dtype=np.int32),
+                   np.arange(200, 202, dtype=np.int32))
+    assert fit_pair(t, 26) == (t, False)
+    cut, was_cut = fit_pair(t, 16)  # 2 * prompt + 6 answer tokens <= 16: the prompt keeps its last 5 tokens
+    assert was_cut and list(cut.prompt) == list(range(15, 20)) and len(cut.chosen) == 4 and len(cut.rejected) == 2
+    cut, _ = fit_pair(t, 6)  # the prompt keeps one token; the answers share the remaining 4, longer cut first
+    assert list(cut.prompt) == [19] and list(cut.chosen) == [100, 101] and list(cut.rejected) == [200, 201]
+
+
+def test_long_pairs_are_counted_and_truncated_or_dropped(tok, tmp_path):
+    f = tmp_path / "long.jsonl"
+    f.write_text(json.dumps({"prompt": "word " * 100, "chosen": "a", "rejected": "b"}) + "\n"
+                 + json.dumps({"prompt": "short", "chosen": "a", "rejected": "b"}) + "\n")
+    cfg = _cfg(f, "data.seq_len=40")
+    task = DPOTask(cfg)
+    docs, _ = task.documents(task.load(str(f), cfg), tok, str(f), False)
+    assert task.too_long == {0} and len(docs[0]["tokens"]) <= 41 and sorted(docs) == [0, 1]
+    cfg = _cfg(f, "data.seq_len=40", "data.long_examples=drop")
+    task = DPOTask(cfg)
+    docs, _ = task.documents(task.load(str(f), cfg), tok, str(f), False)
+    assert task.too_long == {0} and sorted(docs) == [1]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("dpo.loss_type=kto", "config key 'dpo.loss_type' is 'kto'; choose one of sigmoid, ipo, hinge, robust, simpo"),
+    ("dpo.beta=0", "dpo.beta must be positive"),
+    ("dpo.label_smoothing=0.5", "dpo.label_smoothing must be in [0, 0.5)"),
+    ("dpo.reference_model=x", "dpo.reference_model is read only with dpo.reference: precomputed"),
+])
+def test_config_validation(override, message, tmp_path):
+    with pytest.raises(UserError) as e:
+        _cfg(tmp_path / "d.jsonl", override)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_print_config_shows_the_dpo_keys(capsys):
+    from dpo.cli import main
+
+    assert main(["train", "--print-config", "model.path=m", "data.path=d.jsonl", "max_steps=1",
+                 "dpo.loss_type=ipo"]) == 0
+    out = capsys.readouterr().out
+    assert "dpo:\n  loss_type: ipo\n  beta: 0.1\n" in out and "reference: base" in out
