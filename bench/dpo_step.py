@@ -55,13 +55,14 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+from sides import check_targets, emit, merge_rounds, run_child  # bench/sides.py (the script's folder)
 
 SIDES = ("base", "ckpt", "precomputed", "trl")
 NAMES = {"base": "lmzoo ref=base", "ckpt": "lmzoo ref=ckpt", "precomputed": "lmzoo precomputed", "trl": "TRL+peft"}
@@ -193,35 +194,11 @@ def run_trl(hf_dir: str, ckpt: str, pairs: str, args: argparse.Namespace) -> dic
 
 
 def _child(which: str, args: argparse.Namespace, paths: dict) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", which, "--ckpt", paths["ckpt"],
            "--ref-ckpt", paths["ref_ckpt"], "--hf", paths["hf"], "--pairs", paths["pairs"],
            "--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq),
            "--rank", str(args.rank), "--alpha", str(args.alpha), "--remat", args.remat]
-    with tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
-        out = proc.stdout.read()
-        _, status, ru = os.wait4(proc.pid, 0)
-        if os.waitstatus_to_exitcode(status) != 0:
-            err.seek(0)
-            tail = "".join(err.readlines()[-25:])
-            raise SystemExit(f"{NAMES[which]} child failed (exit {os.waitstatus_to_exitcode(status)}):\n{tail}")
-    res = json.loads(out.strip().splitlines()[-1])
-    res["peak_rss_bytes"] = ru.ru_maxrss * 1024
-    print(f"  {NAMES[which]:18} median {statistics.median(res['times']):.2f} s, "
-          f"peak RSS {res['peak_rss_bytes'] / 2**30:.2f} GiB, compile+first step {res['warmup_s'][0]:.1f} s",
-          file=sys.stderr, flush=True)
-    return res
-
-
-def _merge(rounds: list[dict]) -> dict:
-    """One side's rounds as one result: every timed step, the first round's losses, the largest peak RSS."""
-    out = dict(rounds[0])
-    out["times"] = [t for r in rounds for t in r["times"]]
-    out["warmup_s"] = [t for r in rounds for t in r["warmup_s"]]
-    out["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in rounds)
-    out["peak_rss_bytes_per_round"] = [r["peak_rss_bytes"] for r in rounds]
-    return out
+    return run_child(cmd, NAMES[which], 18)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {rnd + 1}/{args.rounds}: {', '.join(NAMES[s] for s in order)}", file=sys.stderr, flush=True)
             for which in order:
                 runs[which].append(_child(which, args, paths))
-    res = {s: _merge(runs[s]) for s in SIDES}
+    res = {s: merge_rounds(runs[s]) for s in SIDES}
     tokens = args.batch * 2 * args.seq
     for r in res.values():
         r["median_step_s"] = statistics.median(r["times"])
@@ -300,12 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         ("lmzoo ref=base / TRL throughput", trl["median_step_s"] / base["median_step_s"], ">=", 1.0,
          per_round["base_vs_trl_throughput"]),
     ]
-    results = {}
-    for name, value, op, target, rounds in checks:
-        ok = value <= target if op == "<=" else value >= target
-        results[name] = {"value": value, "target": f"{op} {target}", "pass": ok, "per_round": rounds}
-        print(f"{name}: {value:.2f}x (target {op} {target}x) {'PASS' if ok else 'FAIL'}; "
-              f"per round: {', '.join(f'{x:.2f}x' for x in rounds)}")
+    results = check_targets(checks)
     print(f"(lmzoo precomputed / ref=base step time: {pre['median_step_s'] / base['median_step_s']:.2f}x; "
           f"peak RSS: {pre['peak_rss_bytes'] / base['peak_rss_bytes']:.2f}x)")
     if base.get("trainable_params") and base["trainable_params"] != trl["trainable_params"]:
@@ -320,9 +292,7 @@ def main(argv: list[str] | None = None) -> int:
               "targets": list(TARGETS), "cpus": os.cpu_count(),
               "lmzoo_ref_base": base, "lmzoo_ref_ckpt": ckpt, "lmzoo_precomputed": pre, "trl_peft": trl,
               "per_round": per_round, "checks": results, "all_pass": all(c["pass"] for c in results.values())}
-    print(json.dumps(result))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    emit(result, args.out)
     return 0
 
 

@@ -45,13 +45,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+from sides import check_targets, emit, merge_rounds, run_child  # bench/sides.py (the script's folder)
 
 SIDES = ("lora", "full", "peft")
 NAMES = {"lora": "lmzoo LoRA", "full": "lmzoo full", "peft": "PyTorch+peft"}
@@ -133,34 +134,10 @@ def run_peft(gguf: str, batch: int, seq: int, steps: int, rank: int, alpha: floa
 
 
 def _child(which: str, args: argparse.Namespace, ckpt: str, gguf: str) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", which, "--ckpt", ckpt, "--gguf", gguf,
            "--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq),
            "--rank", str(args.rank), "--alpha", str(args.alpha), "--remat", args.remat]
-    with tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
-        out = proc.stdout.read()
-        _, status, ru = os.wait4(proc.pid, 0)
-        if os.waitstatus_to_exitcode(status) != 0:
-            err.seek(0)
-            tail = "".join(err.readlines()[-20:])
-            raise SystemExit(f"{NAMES[which]} child failed (exit {os.waitstatus_to_exitcode(status)}):\n{tail}")
-    res = json.loads(out.strip().splitlines()[-1])
-    res["peak_rss_bytes"] = ru.ru_maxrss * 1024
-    print(f"  {NAMES[which]:13} median {statistics.median(res['times']):.2f} s, "
-          f"peak RSS {res['peak_rss_bytes'] / 2**30:.2f} GiB, compile+first step {res['warmup_s'][0]:.1f} s",
-          file=sys.stderr, flush=True)
-    return res
-
-
-def _merge(rounds: list[dict]) -> dict:
-    """One side's rounds as one result: every timed step, the first round's losses, the largest peak RSS."""
-    out = dict(rounds[0])
-    out["times"] = [t for r in rounds for t in r["times"]]
-    out["warmup_s"] = [t for r in rounds for t in r["warmup_s"]]
-    out["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in rounds)
-    out["peak_rss_bytes_per_round"] = [r["peak_rss_bytes"] for r in rounds]
-    return out
+    return run_child(cmd, NAMES[which], 13)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {rnd + 1}/{args.rounds}: {', '.join(NAMES[s] for s in order)}", file=sys.stderr, flush=True)
             for which in order:
                 runs[which].append(_child(which, args, ckpt, gguf))
-    res = {s: _merge(runs[s]) for s in SIDES}
+    res = {s: merge_rounds(runs[s]) for s in SIDES}
     tokens = args.batch * args.seq
     for r in res.values():
         r["median_step_s"] = statistics.median(r["times"])
@@ -230,12 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         ("lmzoo LoRA / full step time", time_ratio, "<=", 0.75, per_round["lora_vs_full_time"]),
         ("lmzoo LoRA / PyTorch+peft throughput", tput_ratio, ">=", 1.0, per_round["lora_vs_peft_throughput"]),
     ]
-    results = {}
-    for name, value, op, target, rounds in checks:
-        ok = value <= target if op == "<=" else value >= target
-        results[name] = {"value": value, "target": f"{op} {target}", "pass": ok, "per_round": rounds}
-        print(f"{name}: {value:.2f}x (target {op} {target}x) {'PASS' if ok else 'FAIL'}; "
-              f"per round: {', '.join(f'{x:.2f}x' for x in rounds)}")
+    results = check_targets(checks)
     if lo["trainable_params"] != pe["trainable_params"]:
         print(f"warning: trainable parameters differ: lmzoo LoRA {lo['trainable_params']:,}, "
               f"peft {pe['trainable_params']:,}")
@@ -244,9 +216,7 @@ def main(argv: list[str] | None = None) -> int:
               "rank": args.rank, "alpha": args.alpha, "targets": list(TARGETS), "cpus": os.cpu_count(),
               "lmzoo_lora": lo, "lmzoo_full": fu, "torch_peft": pe, "checks": results,
               "all_pass": all(c["pass"] for c in results.values())}
-    print(json.dumps(result))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    emit(result, args.out)
     return 0
 
 

@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from pretrain import distributed
+from pretrain.cli import train_command
 from zoo.cli import run_cli
 
 
@@ -30,22 +31,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `dpo` console script."""
     args = build_parser().parse_args(argv)
 
-    def body() -> None:
-        from pretrain.config import load_config, to_yaml
-
-        cfg = load_config(args.config, list(args.overrides))
-        if args.print_config:
-            print(to_yaml(cfg), end="")
-            return
-        distributed.initialize(args)
+    def dpo_task(cfg):
         from dpo.task import DPOTask
-        from pretrain.trainer import train
 
-        final = train(cfg, task=DPOTask(cfg))
-        if distributed.is_primary():
-            print(f"final model: {final}")
+        return DPOTask(cfg)
 
-    return run_cli(body)
+    return run_cli(lambda: train_command(args, dpo_task))
 
 
 if __name__ == "__main__":

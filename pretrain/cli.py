@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from pretrain import distributed
 from zoo.cli import run_cli
@@ -24,25 +25,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def train_command(args: argparse.Namespace, task_factory: Callable[[Any], Any] | None = None) -> None:
+    """The body of every `train` command: resolve the config (``--print-config`` prints it and stops), join the
+    other processes, train (with ``task_factory(cfg)``'s task; default pretraining) and name the final model."""
+    from pretrain.config import load_config, to_yaml
+
+    cfg = load_config(args.config, list(args.overrides))
+    if args.print_config:
+        print(to_yaml(cfg), end="")
+        return
+    distributed.initialize(args)
+    from pretrain.trainer import train
+
+    final = train(cfg, task=task_factory(cfg) if task_factory else None)
+    if distributed.is_primary():
+        print(f"final model: {final}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `pretrain` console script."""
     args = build_parser().parse_args(argv)
-
-    def body() -> None:
-        from pretrain.config import load_config, to_yaml
-
-        cfg = load_config(args.config, list(args.overrides))
-        if args.print_config:
-            print(to_yaml(cfg), end="")
-            return
-        distributed.initialize(args)
-        from pretrain.trainer import train
-
-        final = train(cfg)
-        if distributed.is_primary():
-            print(f"final model: {final}")
-
-    return run_cli(body)
+    return run_cli(lambda: train_command(args))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from pretrain import distributed
+from pretrain.cli import train_command
 from zoo.cli import run_cli
 
 
@@ -54,22 +55,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> None:
-        from pretrain.config import load_config, to_yaml
-
-        cfg = load_config(args.config, list(args.overrides))
         if args.command == "inspect":
-            _inspect(cfg, args.n, not args.no_color)
-            return
-        if args.print_config:
-            print(to_yaml(cfg), end="")
-            return
-        distributed.initialize(args)
-        from pretrain.trainer import train
-        from sft.task import SFTTask
+            from pretrain.config import load_config
 
-        final = train(cfg, task=SFTTask(cfg))
-        if distributed.is_primary():
-            print(f"final model: {final}")
+            _inspect(load_config(args.config, list(args.overrides)), args.n, not args.no_color)
+            return
+
+        def sft_task(cfg):
+            from sft.task import SFTTask
+
+            return SFTTask(cfg)
+
+        train_command(args, sft_task)
 
     return run_cli(body)
 
