@@ -22,10 +22,11 @@ from jax.sharding import NamedSharding
 
 from zoo.checkpoint import TOKENIZER_DIR
 from zoo.config import ModelConfig
-from zoo.decode import Cache, forward_cached, init_cache
+from zoo.decode import Cache, forward_step, init_cache
 from zoo.errors import UserError
 
 BUCKET = 32  # prompt and cache lengths are rounded up to a multiple of this: fewer compilations
+VIEW = 256  # a step reads the cache slots up to the filled length rounded up to this (one compile per bucket)
 
 
 @dataclass(frozen=True)
@@ -79,17 +80,21 @@ def _sample(logits: jax.Array, key: jax.Array, s: _Sampler) -> jax.Array:
 @partial(jax.jit, static_argnums=(0, 5), donate_argnums=(4,))
 def _prefill(cfg: ModelConfig, params: dict, tokens: jax.Array, valid: jax.Array, cache: Cache,
              sampler: _Sampler, key: jax.Array) -> tuple[jax.Array, Cache]:
-    """Run the padded prompts through the cache and sample each row's first new token."""
-    logits, cache = forward_cached(cfg, params, tokens, cache, valid)
+    """Run the padded prompts through the (empty) cache and sample each row's first new token.
+
+    The prompts attend to each other only (the cache is empty) and only each
+    row's last real position goes through the output head.
+    """
     last = jnp.maximum(valid.sum(1) - 1, 0)
-    return _sample(jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0], key, sampler), cache
+    logits, cache = forward_step(cfg, params, tokens, cache, valid, fresh=True, last=last)
+    return _sample(logits, key, sampler), cache
 
 
-@partial(jax.jit, static_argnums=(0, 4), donate_argnums=(3,))
+@partial(jax.jit, static_argnums=(0, 4, 6), donate_argnums=(3,))
 def _step(cfg: ModelConfig, params: dict, tokens: jax.Array, cache: Cache, sampler: _Sampler,
-          key: jax.Array) -> tuple[jax.Array, Cache]:
-    """Append one token per row and sample the next."""
-    logits, cache = forward_cached(cfg, params, tokens[:, None], cache)
+          key: jax.Array, view: int | None = None) -> tuple[jax.Array, Cache]:
+    """Append one token per row and sample the next; ``view`` (static): no row has more cached tokens."""
+    logits, cache = forward_step(cfg, params, tokens[:, None], cache, view=view)
     return _sample(logits[:, 0], key, sampler), cache
 
 
@@ -129,9 +134,17 @@ def generate(cfg: ModelConfig, params: dict[str, Any], prompts: Sequence[Sequenc
     key = jax.random.PRNGKey(gen.seed)
     eos = set(gen.eos_ids)
     done = np.zeros(b, bool)
+    max_len = _round_up(plen + gen.max_new_tokens)
     nxt, cache = _prefill(cfg, params, jnp.asarray(buf), jnp.asarray(valid), cache, sampler,
                           jax.random.fold_in(key, 0))
+    longest = max(len(p) for p in prompts)  # the most tokens any row has in the cache before step 1
     for i in range(gen.max_new_tokens):
+        # Launch the next step before reading this token (JAX dispatches asynchronously): the host work
+        # below overlaps the device's; when generation ends here, that one step is wasted.
+        following = None
+        if i + 1 < gen.max_new_tokens:
+            view = min(_round_up(longest + i, VIEW), max_len)
+            following = _step(cfg, params, nxt, cache, sampler, jax.random.fold_in(key, i + 1), view)
         host = np.asarray(nxt)
         for r in np.flatnonzero(~done):
             tok = int(host[r])
@@ -139,9 +152,9 @@ def generate(cfg: ModelConfig, params: dict[str, Any], prompts: Sequence[Sequenc
             if on_token is not None:
                 on_token(int(r), tok)
             done[r] = tok in eos or _hit_stop(out[r], gen.stop, tokenizer)
-        if done.all() or i + 1 == gen.max_new_tokens:
+        if following is None or done.all():
             break
-        nxt, cache = _step(cfg, params, nxt, cache, sampler, jax.random.fold_in(key, i + 1))
+        nxt, cache = following
     return out
 
 

@@ -246,3 +246,47 @@ def test_generation_on_an_8_device_mesh_equals_one_device(tmp_path):
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["devices"] == 8 and got["tokens"] == want
     assert got["specs"] and all(s != "PartitionSpec()" for s in got["specs"])  # sharded, not replicated
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "deepseek_v3"])
+def test_generation_shortcuts_equal_forward_cached(tiny, family):
+    """forward_step's fresh prefill (prompts attend to themselves only), last-position logits and a view of
+    the first slots give forward_cached's logits and cache."""
+    import jax
+
+    from zoo.decode import forward_step
+
+    _, cfg, params = tiny(family)
+    seqs = random_tokens(cfg.vocab_size, batch=2, seq=12, seed=4)
+    valid = np.ones((2, 12), bool)
+    valid[0, 9:] = False  # a ragged prefill
+    toks, valid = jnp.asarray(seqs), jnp.asarray(valid)
+    want, want_cache = forward_cached_jit(cfg, params, toks, init_cache(cfg, 2, 64), valid)
+    last = jnp.asarray([8, 11])
+    got, cache = jax.jit(partial(forward_step, cfg, fresh=True))(params, toks, init_cache(cfg, 2, 64), valid,
+                                                                  last=last)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want)[[0, 1], [8, 11]], atol=1e-5, rtol=0)
+    for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(want_cache)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+    step = jnp.asarray(seqs[:, :1])
+    want, _ = forward_cached_jit(cfg, params, step, cache)
+    for view in (12, 16, 40):
+        got, _ = jax.jit(partial(forward_step, cfg, view=view))(params, step, cache)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+
+
+def test_view_buckets_and_pipelining_keep_the_tokens(tiny, monkeypatch):
+    """Steps reading only the filled slots (small buckets: several per generation) and the step launched
+    before the previous token is read give the same tokens, and EOS still cuts each row right after it."""
+    import eval.generate as g
+
+    _, cfg, params = tiny("gemma2")
+    rng = np.random.RandomState(6)
+    prompts = [rng.randint(0, cfg.vocab_size, n).tolist() for n in (3, 14, 6)]
+    gen = GenerationConfig(max_new_tokens=20)
+    want = generate(cfg, params, prompts, gen)
+    monkeypatch.setattr(g, "VIEW", 8)
+    assert generate(cfg, params, prompts, gen) == want
+    eos = want[1][4]
+    got = generate(cfg, params, prompts, GenerationConfig(max_new_tokens=20, eos_ids=(eos,)))
+    assert got == [w[:w.index(eos) + 1] if eos in w else w for w in want]

@@ -14,6 +14,18 @@ other (not to the cache after writing), so a chunk longer than the ring still
 sees every key its mask allows; only the last S positions are then written.
 MLA layers (DeepSeek) cache the normed kv latent and the roped shared key,
 and expand them into per-head keys and values at each call.
+
+Keys and values are stored head-major, keys transposed ([.., kv_heads,
+head_dim, S]) and values not ([.., kv_heads, S, head_dim]): the layouts in
+which the score and value products take their right-hand operand, so that no
+step transposes (copies) the cache. The cached slots and the new tokens are
+scored separately and share one softmax: the cache is never concatenated with
+the new keys. Generation (:mod:`eval.generate`) uses the static shortcuts of
+:func:`forward_step`: ``fresh`` (an empty cache: the prompt attends to itself
+only, blockwise like the training forward, instead of to max_len empty slots
+too), ``view`` (only the first ``view`` slots can be filled: the rest is not
+read, so a step's cost follows the filled length, not max_len) and ``last``
+(only one position per row goes through the output head).
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from zoo.blockwise import blockwise_attention, query_block
 from zoo.config import ModelConfig
 from zoo.layers import (
     apply_rope,
@@ -51,9 +64,9 @@ class Cache:
 
     ``layers[prefix][kind]`` holds, for the layers of that parameter stack
     (``layers`` / ``dense_layers``) and kind (``full`` / ``sliding``) in
-    order, stacked arrays ``k``/``v`` [n, batch, S, kv_heads, head_dim]
-    (roped keys), or for MLA ``latent`` [n, batch, S, kv_lora_rank] and
-    ``k_pe`` [n, batch, S, qk_rope_head_dim]. ``lengths`` [batch] int32
+    order, stacked arrays ``k`` [n, batch, kv_heads, head_dim, S] (roped
+    keys, transposed) and ``v`` [n, batch, kv_heads, S, head_dim], or for
+    MLA ``latent`` [n, batch, S, kv_lora_rank] and ``k_pe`` [n, batch, S, qk_rope_head_dim]. ``lengths`` [batch] int32
     counts the tokens of each row already in the cache.
     """
 
@@ -75,8 +88,9 @@ def _entry_shapes(cfg: ModelConfig, n: int, batch: int, slots: int) -> dict[str,
     if cfg.mla:
         return {"latent": (lead + (cfg.kv_lora_rank,), axes + (None,)),
                 "k_pe": (lead + (cfg.qk_rope_head_dim,), axes + ("head_dim",))}
-    kv = (lead + (cfg.num_kv_heads, cfg.head_dim), axes + ("kv_heads", "head_dim"))
-    return {"k": kv, "v": kv}
+    lead, axes = (n, batch, cfg.num_kv_heads), ("layers", "batch", "kv_heads")
+    return {"k": (lead + (cfg.head_dim, slots), axes + ("head_dim", "sequence")),
+            "v": (lead + (slots, cfg.head_dim), axes + ("sequence", "head_dim"))}
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = jnp.float32,
@@ -110,17 +124,25 @@ def _slot_positions(lengths: jax.Array, slots: int) -> jax.Array:
     return jnp.where(last >= 0, s + slots * (jnp.maximum(last, 0) // slots), -1)
 
 
-def _mask(pos: jax.Array, valid: jax.Array, old_pos: jax.Array, window: int | None) -> jax.Array:
-    """Which keys [batch, t, S + t] (old slots, then the new tokens) each new query may attend to."""
+def _mask(pos: jax.Array, valid: jax.Array, old_pos: jax.Array | None,
+          window: int | None) -> tuple[jax.Array | None, jax.Array]:
+    """Which keys each new query may attend to: old slots [batch, t, S] (None without), new tokens [batch, t, t]."""
     q = pos[:, :, None]
-    old = old_pos[:, None, :]
-    old_ok = old >= 0
     new = pos[:, None, :]
     new_ok = valid[:, None, :] & (new <= q)
     if window is not None:
-        old_ok = old_ok & (q - old < window)
         new_ok = new_ok & (q - new < window)
-    return jnp.concatenate([jnp.broadcast_to(old_ok, q.shape[:2] + old.shape[2:]), new_ok], axis=-1)
+    if old_pos is None:
+        return None, new_ok
+    old = old_pos[:, None, :]
+    old_ok = old >= 0
+    if window is not None:
+        old_ok = old_ok & (q - old < window)
+    return jnp.broadcast_to(old_ok, q.shape[:2] + old.shape[2:]), new_ok
+
+
+def _joint_mask(old_ok: jax.Array | None, new_ok: jax.Array) -> jax.Array:
+    return new_ok if old_ok is None else jnp.concatenate([old_ok, new_ok], axis=-1)
 
 
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -136,9 +158,33 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, cfg: Mode
     return out.reshape(b, t, -1)
 
 
-def _gqa_attention(x: jax.Array, p: dict, c: dict, cos: jax.Array, sin: jax.Array, mask: jax.Array,
+def _attend_split(qg: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
+                  cfg: ModelConfig) -> jax.Array:
+    """Softmax attention over several key sets at once: qg [b, hk, g, t, d] and per part transposed keys
+    [b, hk, d, s], values [b, hk, s, dv] and mask [b, t, s]; one softmax over all parts' keys. -> [b, t, hq * dv]."""
+    scores = []
+    for k, _, m in parts:
+        s = jnp.einsum("bhgtd,bhds->bhgts", qg, k.astype(qg.dtype), preferred_element_type=jnp.float32)
+        s = soft_cap(s * cfg.attn_scale, cfg.attn_softcap)
+        scores.append(jnp.where(m[:, None, None], s, NEG))
+    s = scores[0] if len(scores) == 1 else jnp.concatenate(scores, axis=-1)
+    dt = parts[-1][1].dtype
+    probs = jax.nn.softmax(s, axis=-1).astype(dt)
+    out, at = None, 0
+    for k, v, _ in parts:
+        n = k.shape[3]
+        o = jnp.einsum("bhgts,bhsd->bhgtd", probs[..., at:at + n], v.astype(dt))
+        out, at = (o if out is None else out + o), at + n
+    b, hk, g, t, dv = out.shape
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hk * g * dv)
+
+
+def _gqa_attention(x: jax.Array, p: dict, c: dict | None, cos: jax.Array, sin: jax.Array,
+                   masks: tuple[jax.Array | None, jax.Array], window: int | None,
                    cfg: ModelConfig) -> tuple[jax.Array, dict]:
-    """One layer's attention over cache ``c`` (k, v) and the new tokens; returns (output, new k/v)."""
+    """One layer's attention over cache ``c`` (k [b, hk, d, S], v [b, hk, S, d]; None when empty) and the new tokens.
+
+    Returns (output, new k/v [b, t, hk, d])."""
     b, t, _ = x.shape
     d = cfg.head_dim
     qkv = projections(x, (p["q"], p["k"], p["v"]), cfg, p["attn_norm"])
@@ -149,17 +195,26 @@ def _gqa_attention(x: jax.Array, p: dict, c: dict, cos: jax.Array, sin: jax.Arra
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, cfg.norm_offset)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, cfg.norm_offset)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    keys = jnp.concatenate([c["k"].astype(k.dtype), k], axis=1)
-    values = jnp.concatenate([c["v"].astype(v.dtype), v], axis=1)
-    out = dense(_attend(q, keys, values, mask, cfg), p["o"], contract=2)
+    hk = k.shape[2]
+    qg = q.reshape(b, t, hk, -1, d).transpose(0, 2, 3, 1, 4)
+    kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    old_ok, new_ok = masks
+    if c is None:
+        # An empty cache: the tokens attend to each other only, blockwise (causal blocks skipped).
+        att = blockwise_attention(qg, kh, vh, new_ok[:, None], cfg.attn_scale, cfg.attn_softcap, window,
+                                  query_block(t))
+    else:
+        att = _attend_split(qg, [(c["k"], c["v"], old_ok), (kh.transpose(0, 1, 3, 2), vh, new_ok)], cfg)
+    out = dense(att, p["o"], contract=2)
     if cfg.o_bias:
         out = out + p["o_bias"]
     return out, {"k": k, "v": v}
 
 
-def _mla_attention(x: jax.Array, p: dict, c: dict, cos: jax.Array, sin: jax.Array, mask: jax.Array,
-                   cfg: ModelConfig, absorb: bool | None) -> tuple[jax.Array, dict]:
-    """:func:`zoo.layers.mla_attention` over cache ``c`` (latent, k_pe); x is already normed.
+def _mla_attention(x: jax.Array, p: dict, c: dict | None, cos: jax.Array, sin: jax.Array,
+                   masks: tuple[jax.Array | None, jax.Array], cfg: ModelConfig,
+                   absorb: bool | None) -> tuple[jax.Array, dict]:
+    """:func:`zoo.layers.mla_attention` over cache ``c`` (latent, k_pe; None when empty); x is already normed.
 
     ``absorb`` None picks the cheaper of expanding the latents into per-head
     keys and values (prefill) and absorbing kv_b into the queries and the
@@ -175,8 +230,12 @@ def _mla_attention(x: jax.Array, p: dict, c: dict, cos: jax.Array, sin: jax.Arra
     latent = rms_norm(kv[..., :r], p["kv_a_norm"], 1e-6)
     k_pe = apply_rope(kv[..., None, r:], cos, sin)[:, :, 0]
     q_nope, q_pe = q[..., :dn], apply_rope(q[..., dn:], cos, sin)
-    all_latent = jnp.concatenate([c["latent"].astype(latent.dtype), latent], axis=1)
-    all_pe = jnp.concatenate([c["k_pe"].astype(k_pe.dtype), k_pe], axis=1)
+    if c is None:
+        all_latent, all_pe = latent, k_pe
+    else:
+        all_latent = jnp.concatenate([c["latent"].astype(latent.dtype), latent], axis=1)
+        all_pe = jnp.concatenate([c["k_pe"].astype(k_pe.dtype), k_pe], axis=1)
+    mask = _joint_mask(*masks)
     w_k, w_v = p["kv_b"][..., :dn], p["kv_b"][..., dn:]
     if absorb is None:
         absorb = _absorb_is_cheaper(cfg, x.shape[1], all_latent.shape[1])
@@ -222,6 +281,20 @@ def forward_cached(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, 
     forces one way of MLA attention (see :func:`_mla_attention`); by default
     the cheaper is taken.
     """
+    return forward_step(cfg, params, tokens, cache, valid, mla_absorb)
+
+
+def forward_step(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, cache: Cache,
+                 valid: jax.Array | None = None, mla_absorb: bool | None = None, *, fresh: bool = False,
+                 view: int | None = None, last: jax.Array | None = None) -> tuple[jax.Array, Cache]:
+    """:func:`forward_cached` with generation's shortcuts (``fresh`` and ``view`` static).
+
+    ``fresh``: the cache is empty (every length 0), so its slots are not read.
+    ``view``: every row's ``cache.lengths`` is at most ``view``, so only the
+    first ``view`` slots of a ring can hold anything and the rest are not read.
+    ``last`` [b] int: return only the logits [b, vocab] of position ``last[r]``
+    of each row (the output head runs on b positions instead of b * t).
+    """
     if cfg.capacity_factor is not None:
         cfg = dataclasses.replace(cfg, capacity_factor=None)
     b, t = tokens.shape
@@ -234,10 +307,13 @@ def forward_cached(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, 
     if "sliding" in cfg.kinds:
         local = cfg.rope_local or cfg.rope
         ropes["sliding"] = rope_tables(pos, rope_inv_freq(local, cfg.rope_dim), rope_attention_factor(local))
-    slots = {kind: arrays[next(iter(arrays))].shape[2]
+    slots = {kind: arrays["latent" if cfg.mla else "v"].shape[2 if cfg.mla else 3]
              for group in cache.layers.values() for kind, arrays in group.items()}
-    masks = {kind: _mask(pos, valid, _slot_positions(cache.lengths, s),
-                         cfg.sliding_window if kind == "sliding" else None) for kind, s in slots.items()}
+    # Slots read per kind: none when fresh, the first `view` when every row fits in them.
+    read = {kind: 0 if fresh else (s if view is None else min(s, view)) for kind, s in slots.items()}
+    windows = {kind: cfg.sliding_window if kind == "sliding" else None for kind in slots}
+    masks = {kind: _mask(pos, valid, _slot_positions(cache.lengths, n)[:, :n] if n else None, windows[kind])
+             for kind, n in read.items()}
 
     x = jnp.take(params["embed"], tokens, axis=0)
     if cfg.embed_scale:
@@ -246,11 +322,16 @@ def forward_cached(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, 
     def norm(x: jax.Array, w: jax.Array) -> jax.Array:
         return rms_norm(x, w, cfg.rms_norm_eps, cfg.norm_offset)
 
-    def layer(x: jax.Array, p: dict, c: dict, kind: str, moe: bool) -> tuple[jax.Array, dict]:
+    def layer(x: jax.Array, p: dict, c: dict | None, kind: str, moe: bool) -> tuple[jax.Array, dict]:
+        n = read[kind]
+        if c is not None and n < slots[kind]:
+            # One layer's arrays: MLA [b, S, r], k [b, hk, d, S], v [b, hk, S, d].
+            c = ({name: a[:, :n] for name, a in c.items()} if cfg.mla
+                 else {"k": c["k"][..., :n], "v": c["v"][:, :, :n]})
         if cfg.mla:
             h, new = _mla_attention(norm(x, p["attn_norm"]), p, c, *ropes[kind], masks[kind], cfg, mla_absorb)
         else:
-            h, new = _gqa_attention(x, p, c, *ropes[kind], masks[kind], cfg)
+            h, new = _gqa_attention(x, p, c, *ropes[kind], masks[kind], windows[kind], cfg)
         if cfg.post_norms:
             h = norm(h, p["post_attn_norm"])
         x = x + h
@@ -276,8 +357,9 @@ def forward_cached(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, 
                 idx = jnp.arange(seg.repeats) * step + i0
                 slots_of.append(len(written[prefix][kind]))
                 written[prefix][kind].append(idx)
-                xs.append((jax.tree.map(lambda a: a[seg.start + j: seg.stop: period], params[prefix]),
-                           jax.tree.map(lambda a: a[i0: i0 + seg.repeats * step: step], group[kind])))
+                cached = None if fresh else jax.tree.map(lambda a: a[i0: i0 + seg.repeats * step: step],
+                                                         group[kind])
+                xs.append((jax.tree.map(lambda a: a[seg.start + j: seg.stop: period], params[prefix]), cached))
 
             def block(x: jax.Array, xs: list, kinds: tuple[str, ...] = seg.kinds, moe: bool = moe):
                 news = []
@@ -290,14 +372,16 @@ def forward_cached(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, 
             for kind, at, new in zip(seg.kinds, slots_of, news):
                 written[prefix][kind][at] = (written[prefix][kind][at], new)
 
+    if last is not None:
+        x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
     x = norm(x, params["final_norm"])
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
     logits = soft_cap(dense(x, head, jnp.float32), cfg.final_softcap)
-    return logits, Cache(_write(cache, written, pos, valid, new_lengths), new_lengths)
+    return logits, Cache(_write(cache, written, pos, valid, new_lengths, cfg.mla), new_lengths)
 
 
 def _write(cache: Cache, written: dict, pos: jax.Array, valid: jax.Array,
-           new_lengths: jax.Array) -> dict:
+           new_lengths: jax.Array, mla: bool) -> dict:
     """The cache arrays with each layer's new entries scattered into their ring slots.
 
     Only the last S positions of each row go in (earlier ones would collide
@@ -308,14 +392,16 @@ def _write(cache: Cache, written: dict, pos: jax.Array, valid: jax.Array,
     for prefix, group in cache.layers.items():
         out[prefix] = {}
         for kind, arrays in group.items():
-            s = next(iter(arrays.values())).shape[2]
+            s = arrays["latent"].shape[2] if mla else arrays["v"].shape[3]
             keep = valid & (pos >= new_lengths[:, None] - s)
             slot = jnp.where(keep, pos % s, s)[None]  # slot s is out of range: dropped
             idx = jnp.concatenate([i for i, _ in written[prefix][kind]])[:, None, None]
-            out[prefix][kind] = {
-                name: a.at[idx, rows, slot].set(
-                    jnp.concatenate([new[name] for _, new in written[prefix][kind]]).astype(a.dtype), mode="drop")
-                for name, a in arrays.items()}
+            new = {name: jnp.concatenate([n[name] for _, n in written[prefix][kind]]) for name in arrays}
+            # new [n, b, t, ...]: the indexed elements of every array, in the order of numpy's advanced indexing.
+            at = {"latent": (idx, rows, slot), "k_pe": (idx, rows, slot),
+                  "k": (idx, rows, slice(None), slice(None), slot), "v": (idx, rows, slice(None), slot)}
+            out[prefix][kind] = {name: a.at[at[name]].set(new[name].astype(a.dtype), mode="drop")
+                                 for name, a in arrays.items()}
     return out
 
 
