@@ -15,7 +15,7 @@ import numpy as np
 
 from zoo.config import ModelConfig
 from zoo.loss import next_token_nll_sum
-from zoo.model import forward, head_weight
+from zoo.model import forward
 
 from pretrain.config import TrainConfig
 from pretrain.data import load_rows, tokenize_rows
@@ -84,8 +84,9 @@ def next_token_loss_sums(mcfg: ModelConfig, params: dict, mb: dict, compute: Any
     hidden, aux = out if moe else (out, None)
     # Fused head + loss in chunks (zoo.loss): the [batch, seq, vocab] logits are never stored. With LoRA
     # adapters the head is frozen, so its gradient is not even computed.
-    s = next_token_nll_sum(hidden, head_weight(mcfg, p), mb["targets"], mb["weights"], mcfg.final_softcap,
-                           head_grad=forward_kwargs.get("lora") is None)
+    tied = mcfg.tie_word_embeddings
+    s = next_token_nll_sum(hidden, p["embed"] if tied else p["lm_head"], mb["targets"], mb["weights"],
+                           mcfg.final_softcap, head_grad=forward_kwargs.get("lora") is None, vocab_major=tied)
     n = mb["weights"].sum()
     total = s + (aux["loss"] * n if moe else 0.0)
     return total, (s, n)

@@ -46,8 +46,14 @@ def test_fused_loss_and_gradients_equal_the_plain_ones(monkeypatch, cap, shape):
                         (0, 1))(x, head)
     np.testing.assert_allclose(np.asarray(gx2), np.asarray(wx), atol=1e-5)
     assert not np.asarray(gh2).any()
+    # The head as a tied embedding stores it ([vocab, hidden]): the same loss and gradients, transposed.
+    got_t, (gx_t, gh_t) = jax.value_and_grad(
+        lambda x, e: 1.7 * next_token_nll_sum(x, e, targets, weights, cap, vocab_major=True), (0, 1))(x, head.T)
+    assert float(got_t) == pytest.approx(float(want), rel=1e-5)
+    np.testing.assert_allclose(np.asarray(gx_t), np.asarray(wx), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(gh_t), np.asarray(wh).T, atol=1e-5)
 
 
 def test_one_chunk_holds_about_chunk_elements_logits():
-    assert zoo.loss.chunk_length(49152, 8, 512) == 2**25 // (49152 * 8)
+    assert zoo.loss.chunk_length(49152, 8, 512) == zoo.loss.CHUNK_ELEMENTS // (49152 * 8)
     assert zoo.loss.chunk_length(96, 2, 48) == 48  # a tiny model: one chunk

@@ -19,7 +19,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-CHUNK_ELEMENTS = 2**25  # logits per chunk (128 MiB of float32): tokens per chunk = this // vocab
+CHUNK_ELEMENTS = 2**23  # logits per chunk (32 MiB of float32): tokens per chunk = this // vocab
 
 
 def chunk_length(vocab: int, batch: int, seq: int) -> int:
@@ -28,7 +28,7 @@ def chunk_length(vocab: int, batch: int, seq: int) -> int:
 
 
 def next_token_nll_sum(x: jax.Array, head: jax.Array, targets: jax.Array, weights: jax.Array,
-                       softcap: float | None = None, head_grad: bool = True) -> jax.Array:
+                       softcap: float | None = None, head_grad: bool = True, vocab_major: bool = False) -> jax.Array:
     """``sum(weights * -log_softmax(softcap(x @ head))[targets])`` over all tokens, as a float32 scalar.
 
     x [batch, seq, hidden] are the final (normed) hidden states, head [hidden, vocab]
@@ -37,8 +37,12 @@ def next_token_nll_sum(x: jax.Array, head: jax.Array, targets: jax.Array, weight
     ``cap * tanh(logits / cap)`` first. With ``head_grad=False`` (LoRA: the head
     is frozen) the head's gradient is not computed at all; it is then zero.
     Differentiable in x and head; targets and weights are data.
+
+    ``vocab_major`` takes the head as [vocab, hidden], a tied embedding as it
+    is stored: read in place, where ``embed.T`` would be copied (113 MB at
+    SmolLM2's size) for the matmuls.
     """
-    return _nll_sum(x, head, targets, weights, softcap, head_grad)
+    return _nll_sum(x, head, targets, weights, softcap, head_grad, vocab_major)
 
 
 def _chunks(x: jax.Array, targets: jax.Array, weights: jax.Array, vocab: int):
@@ -57,9 +61,10 @@ def _chunks(x: jax.Array, targets: jax.Array, weights: jax.Array, vocab: int):
     return split(x), split(targets), split(w), t
 
 
-def _logits(xc: jax.Array, head: jax.Array, softcap: float | None) -> tuple[jax.Array, jax.Array | None]:
+def _logits(xc: jax.Array, head: jax.Array, softcap: float | None,
+            vocab_major: bool) -> tuple[jax.Array, jax.Array | None]:
     """(capped float32 logits [b, c, vocab], tanh of the cap or None) of one chunk."""
-    z = jnp.einsum("bck,kv->bcv", xc, head, preferred_element_type=jnp.float32)
+    z = jnp.einsum("bck,vk->bcv" if vocab_major else "bck,kv->bcv", xc, head, preferred_element_type=jnp.float32)
     if not softcap:
         return z, None
     t = jnp.tanh(z / softcap)
@@ -72,47 +77,54 @@ def _token_nll(z: jax.Array, tc: jax.Array) -> tuple[jax.Array, jax.Array]:
     return lse - jnp.take_along_axis(z, tc[..., None], axis=-1)[..., 0], lse
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _nll_sum(x, head, targets, weights, softcap, head_grad):
+def _vocab(head: jax.Array, vocab_major: bool) -> int:
+    return head.shape[0] if vocab_major else head.shape[-1]
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _nll_sum(x, head, targets, weights, softcap, head_grad, vocab_major):
     # The primal alone (evaluation): chunked losses, no gradient work.
-    xs, ts, ws, _ = _chunks(x, targets, weights, head.shape[-1])
+    xs, ts, ws, _ = _chunks(x, targets, weights, _vocab(head, vocab_major))
 
     def body(total, inp):
         xc, tc, wc = inp
-        nll, _ = _token_nll(_logits(xc, head, softcap)[0], tc)
+        nll, _ = _token_nll(_logits(xc, head, softcap, vocab_major)[0], tc)
         return total + (nll * wc).sum(), None
 
     total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (xs, ts, ws))
     return total
 
 
-def _nll_sum_fwd(x, head, targets, weights, softcap, head_grad):
-    xs, ts, ws, t = _chunks(x, targets, weights, head.shape[-1])
-    vocab = head.shape[-1]
+def _nll_sum_fwd(x, head, targets, weights, softcap, head_grad, vocab_major):
+    vocab = _vocab(head, vocab_major)
+    xs, ts, ws, t = _chunks(x, targets, weights, vocab)
 
     def body(carry, inp):
         total, dhead = carry
         xc, tc, wc = inp
-        z, t = _logits(xc, head, softcap)
+        z, t = _logits(xc, head, softcap, vocab_major)
         nll, lse = _token_nll(z, tc)
         # d(sum w * nll)/dz = w * (softmax(z) - onehot(target)); through the cap, times 1 - tanh^2.
         onehot = jnp.arange(vocab, dtype=tc.dtype) == tc[..., None]
         dz = (jnp.exp(z - lse[..., None]) - onehot) * wc[..., None]
         if t is not None:
             dz = dz * (1.0 - t * t)
-        dx = jnp.einsum("bcv,kv->bck", dz, head, preferred_element_type=jnp.float32).astype(x.dtype)
-        if head_grad:  # contracts the tokens; XLA transposes the first operand, the small xc
+        dx = jnp.einsum("bcv,vk->bck" if vocab_major else "bcv,kv->bck", dz, head,
+                        preferred_element_type=jnp.float32).astype(x.dtype)
+        if head_grad:  # [hidden, vocab], contracting the tokens: XLA transposes the first operand, the small xc
             dhead = dhead + jnp.einsum("bck,bcv->kv", xc.astype(jnp.float32), dz)
         return (total + (nll * wc).sum(), dhead), dx
 
-    dhead0 = jnp.zeros(head.shape, jnp.float32) if head_grad else jnp.zeros((), jnp.float32)
+    dhead0 = jnp.zeros((x.shape[-1], vocab), jnp.float32) if head_grad else jnp.zeros((), jnp.float32)
     (total, dhead), dx = jax.lax.scan(body, (jnp.zeros((), jnp.float32), dhead0), (xs, ts, ws))
     dx = jnp.moveaxis(dx, 0, 1).reshape(x.shape[0], -1, x.shape[-1])[:, :t]
     # The head rides along only for its dtype and shape (it is a live parameter: no copy).
+    if head_grad and vocab_major:
+        dhead = dhead.T  # once per step, not per chunk
     return total, (dx, dhead if head_grad else None, head)
 
 
-def _nll_sum_bwd(softcap, head_grad, res, g):
+def _nll_sum_bwd(softcap, head_grad, vocab_major, res, g):
     dx, dhead, head = res
     dh = (g * dhead).astype(head.dtype) if head_grad else jnp.zeros_like(head)
     return (g * dx).astype(dx.dtype), dh, None, None
