@@ -44,7 +44,7 @@ from zoo.layers import (
     apply_rope,
     dense,
     mlp,
-    projections,
+    qkv_heads,
     rms_norm,
     rope_attention_factor,
     rope_inv_freq,
@@ -187,14 +187,7 @@ def _gqa_attention(x: jax.Array, p: dict, c: dict | None, cos: jax.Array, sin: j
     Returns (output, new k/v [b, t, hk, d])."""
     b, t, _ = x.shape
     d = cfg.head_dim
-    qkv = projections(x, (p["q"], p["k"], p["v"]), cfg, p["attn_norm"])
-    q, k, v = (y.reshape(b, t, -1, d) for y in qkv)
-    if cfg.qkv_bias:
-        q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
-    if cfg.qk_norm:
-        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, cfg.norm_offset)
-        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, cfg.norm_offset)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q, k, v = qkv_heads(x, p, cos, sin, cfg, p["attn_norm"])
     hk = k.shape[2]
     qg = q.reshape(b, t, hk, -1, d).transpose(0, 2, 3, 1, 4)
     kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)

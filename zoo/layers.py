@@ -360,6 +360,22 @@ def _adapters(lora: dict | None, names: tuple[str, ...]) -> tuple[dict | None, .
     return tuple((lora or {}).get(n) for n in names)
 
 
+def qkv_heads(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, cfg: ModelConfig,
+              norm_w: jax.Array | None = None, lora: dict | None = None, lora_scale: float | jax.Array = 1.0,
+              drop: LoraDropout | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Roped q and k, and v, [batch, seq, heads, head_dim] (biases and q/k norms applied) of one attention layer."""
+    b, t, _ = x.shape
+    names = ("q", "k", "v")
+    qkv = projections(x, (p["q"], p["k"], p["v"]), cfg, norm_w, _adapters(lora, names), lora_scale, drop, names)
+    q, k, v = (y.reshape(b, t, -1, cfg.head_dim) for y in qkv)
+    if cfg.qkv_bias:
+        q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
 def attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, mask: jax.Array, cfg: ModelConfig,
               window: int | None = None, norm_w: jax.Array | None = None, lora: dict | None = None,
               lora_scale: float | jax.Array = 1.0, drop: LoraDropout | None = None) -> jax.Array:
@@ -373,15 +389,7 @@ def attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, mask: jax.A
     """
     b, t, _ = x.shape
     hq, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    names = ("q", "k", "v")
-    qkv = projections(x, (p["q"], p["k"], p["v"]), cfg, norm_w, _adapters(lora, names), lora_scale, drop, names)
-    q, k, v = (y.reshape(b, t, -1, d) for y in qkv)
-    if cfg.qkv_bias:
-        q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
-    if cfg.qk_norm:
-        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, cfg.norm_offset)
-        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, cfg.norm_offset)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q, k, v = qkv_heads(x, p, cos, sin, cfg, norm_w, lora, lora_scale, drop)
     g = hq // hk
     # Each key/value head with its group of query heads: [b, kv_heads, group, t, d].
     qg = q.reshape(b, t, hk, g, d).transpose(0, 2, 3, 1, 4)
