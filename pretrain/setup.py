@@ -56,15 +56,37 @@ def _resolve_checkpoint(path: str) -> Path:
 
 def load_tokenizer(folder: Path):
     """The transformers tokenizer in ``folder``, or a UserError saying how to give one."""
-    from transformers import AutoTokenizer
-
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
     if not folder.is_dir() or not any((folder / n).is_file() for n in names):
         raise UserError(f"no tokenizer in {folder}; set model.tokenizer to a tokenizer folder")
     try:
+        generic = _generic_fast_tokenizer(folder)
+        if generic is not None:
+            return generic.from_pretrained(str(folder))
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(str(folder))
     except (ValueError, OSError) as e:
         raise UserError(f"tokenizer {folder} cannot be loaded ({str(e).splitlines()[0]})") from None
+
+
+def _generic_fast_tokenizer(folder: Path):
+    """transformers' generic fast-tokenizer class when ``folder``'s tokenizer_config.json names it, else None.
+
+    AutoTokenizer would resolve the name to this same class, but its module
+    imports the model configurations, and with them torch wherever torch is
+    installed: 0.25 GB of RSS in every training process, for nothing.
+    Model-specific classes (LlamaTokenizerFast, ...) still go through AutoTokenizer.
+    """
+    try:
+        name = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if name not in ("TokenizersBackend", "PreTrainedTokenizerFast") or not (folder / "tokenizer.json").is_file():
+        return None
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    return TokenizersBackend
 
 
 def lora_settings(cfg: TrainConfig, base: Path | None) -> LoraConfig | None:

@@ -145,3 +145,50 @@ def test_remat_policies_keep_gradients_and_cut_saved_activations():
     # input, and "save_dots" adds the weight matmuls' outputs (so it must sit strictly between the two).
     assert temp["full"] < 0.7 * temp["none"], temp
     assert temp["full"] < 0.9 * temp["save_dots"] < 0.9 * temp["none"], temp
+
+
+def test_mlp_chunk_counts_divide_the_sequence():
+    from zoo.layers import MLP_CHUNK_TOKENS, mlp_chunks
+
+    assert mlp_chunks(8, 512) == 8 * 512 // MLP_CHUNK_TOKENS == 4
+    assert mlp_chunks(16, 512) == 8
+    assert mlp_chunks(1, MLP_CHUNK_TOKENS) == 1  # small batches run in one pass
+    assert mlp_chunks(3, 1000) == 2  # the largest divisor of seq within the token budget
+    assert mlp_chunks(1024, 7) == 7  # never more chunks than positions
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_chunked_mlp_equals_one_pass_and_shrinks_the_backward(monkeypatch, lora):
+    """The MLP scanned over sequence chunks gives the one-pass logits and gradients (base weights, or LoRA
+    adapters over a frozen base), and the backward pass's [tokens, mlp] temporaries shrink with the chunk."""
+    from zoo import layers
+    from zoo.lora import LoraConfig, init_lora, lora_scale
+
+    cfg = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=512, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8)
+    params = Decoder(cfg, rngs=nnx.Rngs(0)).param_dict()
+    lc = LoraConfig(rank=4)
+    adapters = init_lora(cfg, lc, jax.random.key(1))
+    adapters = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(2), a.shape), adapters)
+    tokens = jnp.asarray(np.random.RandomState(0).randint(0, 64, (4, 256)), jnp.int32)
+
+    def compiled():
+        def loss(p, ad):
+            kw = {"lora": ad, "lora_scale": lora_scale(lc)} if lora else {}
+            logp = jax.nn.log_softmax(forward(cfg, p, tokens, remat="full", **kw))
+            return -jnp.take_along_axis(logp[:, :-1], tokens[:, 1:, None], -1).mean()
+
+        fn = jax.jit(jax.value_and_grad(loss, argnums=1 if lora else 0))
+        return fn.lower(params, adapters).compile()
+
+    monkeypatch.setattr(layers, "MLP_CHUNK_TOKENS", 10**9)
+    whole = compiled()
+    monkeypatch.setattr(layers, "MLP_CHUNK_TOKENS", 128)  # 4 x 256 tokens -> 8 chunks of [4, 32]
+    assert layers.mlp_chunks(4, 256) == 8
+    chunked = compiled()
+    (l1, g1), (l8, g8) = whole(params, adapters), chunked(params, adapters)
+    np.testing.assert_allclose(float(l8), float(l1), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g8), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)
+    t1, t8 = (c.memory_analysis().temp_size_in_bytes for c in (whole, chunked))
+    assert t8 < 0.75 * t1, (t8, t1)

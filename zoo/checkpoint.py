@@ -26,6 +26,7 @@ import numpy as np
 
 from zoo.config import ModelConfig
 from zoo.errors import UserError
+from zoo.memory import release_free_memory
 from zoo.params import flatten, nest, param_specs
 
 FORMAT_VERSION = 1
@@ -281,7 +282,9 @@ def load_params(
     ctx = ocp.Context()
     ctx.pytree.loading.partial_load = paths is not None
     with ctx:
-        return ocp.load(Path(ckpt).absolute() / PARAMS_DIR, nest(abstract))
+        params = ocp.load(Path(ckpt).absolute() / PARAMS_DIR, nest(abstract))
+    release_free_memory()  # the restore's staging buffers, freed into glibc's arenas
+    return params
 
 
 def load_param_numpy(ckpt: str | os.PathLike, path: str, info: dict[str, Any] | None = None) -> np.ndarray:
