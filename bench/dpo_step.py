@@ -32,8 +32,11 @@ a prompt of seq/2 tokens and two answers of seq/2 tokens each (seq/2 - 1 words +
   none>, ...)``, torch threads = all CPUs; TRL's own data path (a ``datasets.Dataset`` of the same pair
   strings). Timed by a ``TrainerCallback`` from ``on_step_begin`` to ``on_step_end``.
 
-The lmzoo sides run the real ``pretrain.trainer.train(cfg, task=dpo.task.DPOTask(cfg))`` (lmzoo's layout:
-a pair is one row of 2 x seq tokens, its two sequences as two segments) with ``max_steps`` = 2 + --steps;
+The lmzoo sides run the real ``pretrain.trainer.train(cfg, task=dpo.task.DPOTask(cfg))`` with ``max_steps`` =
+2 + --steps. lmzoo's layout (dpo/data.py): a pair is one row holding its prompt once, both answers reading it as a
+shared prefix, so ``seq/2 + 2 * seq/2 + 1`` tokens (``data.seq_len`` = 3 x seq/2, the least that cuts no pair);
+with ``--two-copies`` (``dpo.share_prompt: false``) the row is prompt + chosen | prompt + rejected, 2 x seq tokens,
+the same tokens TRL computes (chosen and rejected as two sequences of a batch of 2 x pairs);
 their step times are the ``step_time`` of metrics.jsonl (batch assembly + the jitted step, blocking on
 its loss). Each side runs in its own child process, so its peak RSS (``ru_maxrss`` from ``os.wait4``) is
 its own; the first two steps are warm-ups (JAX compiles in the first). The order of the sides rotates
@@ -107,7 +110,8 @@ def run_lmzoo(side: str, ckpt: str, ref_ckpt: str, pairs: str, args: argparse.Na
     steps = WARMUP + args.steps
     with tempfile.TemporaryDirectory() as out:
         cfg = load_config(None, [
-            f"model.path={ckpt}", f"data.path={pairs}", f"data.seq_len={2 * args.seq}",
+            f"model.path={ckpt}", f"data.path={pairs}", f"data.seq_len={_row_len(args) - 1}",
+            f"dpo.share_prompt={'false' if args.two_copies else 'true'}",
             f"batch_size={args.batch}", f"max_steps={steps}", f"lora.rank={args.rank}", f"lora.alpha={args.alpha}",
             f"lora.targets={','.join(TARGETS)}", f"optimizer.learning_rate={LR}", "optimizer.weight_decay=0",
             "optimizer.b2=0.999", "optimizer.grad_clip=1.0",  # TRL's (transformers') AdamW and max_grad_norm
@@ -126,6 +130,13 @@ def run_lmzoo(side: str, ckpt: str, ref_ckpt: str, pairs: str, args: argparse.Na
     return {"times": times[WARMUP:], "warmup_s": times[:WARMUP], "losses": [m["loss"] for m in metrics],
             "trainable_params": n_trainable, "train_s": total, "cut_pairs": len(task.too_long),
             "rewards/accuracies": [m.get("rewards/accuracies") for m in metrics]}
+
+
+def _row_len(args: argparse.Namespace) -> int:
+    """Tokens in lmzoo's row of one pair (dpo/data.py): prompt + both answers + 1 with the prompt shared, else
+    2 x seq. ``data.seq_len`` is this minus one (a row holds seq_len + 1 tokens), the least that cuts no pair."""
+    p = args.seq // 2
+    return 2 * args.seq if args.two_copies else p + 2 * (args.seq - p) + 1
 
 
 def _adapter_params(final: Path) -> int | None:
@@ -197,7 +208,8 @@ def _child(which: str, args: argparse.Namespace, paths: dict) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", which, "--ckpt", paths["ckpt"],
            "--ref-ckpt", paths["ref_ckpt"], "--hf", paths["hf"], "--pairs", paths["pairs"],
            "--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq),
-           "--rank", str(args.rank), "--alpha", str(args.alpha), "--remat", args.remat]
+           "--rank", str(args.rank), "--alpha", str(args.alpha), "--remat", args.remat] \
+        + (["--two-copies"] if args.two_copies else [])
     return run_child(cmd, NAMES[which], 18)
 
 
@@ -213,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--alpha", type=float, default=32.0, help="LoRA alpha (default 32)")
     ap.add_argument("--remat", choices=("none", "full", "save_dots"), default="full",
                     help="lmzoo's `remat` setting (default full); TRL's gradient_checkpointing is on unless none")
+    ap.add_argument("--two-copies", action="store_true",
+                    help="lmzoo rows hold prompt+chosen | prompt+rejected (dpo.share_prompt: false), as before prefix "
+                         "sharing; default: the prompt once, shared by both answers")
     ap.add_argument("--out", "--json", dest="out", type=Path, help="also write the result JSON here")
     ap.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
     for hidden in ("--ckpt", "--ref-ckpt", "--hf", "--pairs"):
@@ -256,7 +271,9 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"machine: {os.cpu_count()} CPUs; SmolLM2-135M, {args.batch} pairs x 2 sequences x {args.seq} tokens per "
           f"step, float32, AdamW, DPO sigmoid beta {BETA}; LoRA rank {args.rank}, alpha {args.alpha:g}, "
-          f"q,k,v,o,gate,up,down; lmzoo remat {args.remat}, TRL gradient_checkpointing {args.remat != 'none'}")
+          f"q,k,v,o,gate,up,down; lmzoo remat {args.remat}, TRL gradient_checkpointing {args.remat != 'none'}; "
+          f"lmzoo rows of {_row_len(args)} tokens per pair ({'two prompt copies' if args.two_copies else 'shared prompt'}), "
+          f"TRL 2 x {args.seq}")
     print(f"{'':19}{'step':>9}{'pairs/s':>9}{'tokens/s':>10}{'peak RSS':>11}{'trainable':>12}{'loss@0':>9}")
     for s in SIDES:
         r = res[s]
@@ -288,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     if trl.get("trl_sequence_lengths") != [args.seq, args.seq]:
         print(f"warning: TRL's sequences are {trl.get('trl_sequence_lengths')} tokens, not {args.seq}")
     result = {"benchmark": "dpo_step", "remat": args.remat, "batch_pairs": args.batch, "seq": args.seq,
+              "lmzoo_row_tokens": _row_len(args), "lmzoo_shared_prompt": not args.two_copies,
               "steps": args.steps, "rounds": args.rounds, "rank": args.rank, "alpha": args.alpha, "beta": BETA,
               "targets": list(TARGETS), "cpus": os.cpu_count(),
               "lmzoo_ref_base": base, "lmzoo_ref_ckpt": ckpt, "lmzoo_precomputed": pre, "trl_peft": trl,

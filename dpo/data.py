@@ -1,4 +1,4 @@
-"""Preference rows -> one token row per pair: [prompt + chosen | prompt + rejected] as two segments.
+"""Preference rows -> one token row per pair: the prompt once, then each answer as its own segment.
 
 Row shapes (columns ``prompt`` (optional), ``chosen``, ``rejected``):
 
@@ -21,16 +21,27 @@ tokenized once and shared by both answers, and the answers are tokenized
 apart from it, as TRL's DPOTrainer does (so a pair's two sequences agree on
 every prompt token).
 
-Batch layout (the one-forward-pass choice): a pair is ONE row of
-``data.seq_len + 1`` tokens holding ``prompt + chosen`` as segment 1 and
-``prompt + rejected`` as segment 2, positions restarting at 0 in each, so
-attention never crosses them (the model's segment masks) and one forward pass
-scores both answers. The row's ``loss_mask`` marks the answer tokens; the
-loss sums log-probabilities over them, per segment. ``data.seq_len`` is
-therefore the budget of both sequences together: a pair longer than it is
-cut, the prompt first (from its left: the end of a prompt, next to the
-answer, matters most) down to one token, then the answers (from their
-right, the longer first), or, with ``data.long_examples: drop``, left out.
+Batch layout (the one-forward-pass choice): a pair is ONE row of at most
+``data.seq_len + 1`` tokens, and by default its prompt is in it once:
+``[prompt[:-1] | prompt[-1] + chosen | prompt[-1] + rejected]``, as
+segments 3, 1 and 2. Both answer segments attend to the prompt segment as a
+shared prefix (the model's ``prefix_ids``; see :func:`zoo.layers.attention_mask`)
+and to their own earlier tokens, never to each other, with positions that
+continue the prompt's; the prompt's last token opens each answer segment,
+since its output predicts that answer's first token. Each answer's tokens
+then see exactly the context they would see alone, and a pair costs
+``prompt + chosen + rejected + 1`` tokens of compute instead of
+``2 * prompt + chosen + rejected`` (Wang et al. 2024, "Accelerating Direct
+Preference Optimization with Prefix Sharing"). Models with sliding-window
+layers (whose windows count row indices) use the plain layout:
+``prompt + chosen`` as segment 1 and ``prompt + rejected`` as segment 2,
+positions restarting at 0 in each. Either way the row's ``loss_mask`` marks
+the answer tokens, and the loss sums log-probabilities over them, per
+segment. ``data.seq_len`` is the budget of the whole row: a pair longer
+than it is cut, the prompt first (from its left: the end of a prompt, next
+to the answer, matters most) down to one token, then the answers (from
+their right, the longer first), or, with ``data.long_examples: drop``, left
+out.
 """
 
 from __future__ import annotations
@@ -44,7 +55,7 @@ import numpy as np
 from sft.formats import BadRow, _messages
 from sft.masks import _encode, _render, _special_affixes, _template
 
-CHOSEN, REJECTED = 1, 2  # the segment ids of a pair's two sequences
+CHOSEN, REJECTED, PROMPT = 1, 2, 3  # the segment ids of a pair's answers and of its shared prompt
 
 
 @dataclass(frozen=True)
@@ -177,43 +188,70 @@ def _chat_answer(tokenizer: Any, prompt: list[dict[str, str]], answer: list[dict
     return ids
 
 
-def fit_pair(t: PairTokens, max_len: int) -> tuple[PairTokens, bool]:
-    """(the pair cut to fit ``2 * prompt + chosen + rejected <= max_len``, whether it was cut).
+def pair_length(t: PairTokens, shared_prompt: bool = True) -> int:
+    """The tokens of the pair's row: ``prompt + chosen + rejected + 1`` with the prompt shared, else
+    ``2 * prompt + chosen + rejected``."""
+    p, c, r = len(t.prompt), len(t.chosen), len(t.rejected)
+    return p + c + r + 1 if shared_prompt else 2 * p + c + r
+
+
+def fit_pair(t: PairTokens, max_len: int, shared_prompt: bool = True) -> tuple[PairTokens, bool]:
+    """(the pair cut to fit ``pair_length(t) <= max_len``, whether it was cut).
 
     The prompt loses tokens from its left first (down to one token: the first
     answer token must be predicted from something), then the answers from
     their right, the longer one first.
     """
     p, c, r = len(t.prompt), len(t.chosen), len(t.rejected)
-    if 2 * p + c + r <= max_len:
+    if pair_length(t, shared_prompt) <= max_len:
         return t, False
-    keep_p = min(p, max(1, (max_len - c - r) // 2))
-    room = max_len - 2 * keep_p
+    if shared_prompt:
+        keep_p = min(p, max(1, max_len - 1 - c - r))
+        room = max_len - 1 - keep_p
+    else:
+        keep_p = min(p, max(1, (max_len - c - r) // 2))
+        room = max_len - 2 * keep_p
     keep_c = min(c, max(room // 2, room - r))
     keep_r = min(r, room - keep_c)
     return PairTokens(t.prompt[p - keep_p:], t.chosen[:keep_c], t.rejected[:keep_r]), True
 
 
-def pair_document(t: PairTokens) -> dict[str, np.ndarray]:
-    """The row features of a pair: tokens, loss_mask (the answer tokens), its own segment ids and positions."""
-    parts = []
+def pair_document(t: PairTokens, shared_prompt: bool = True) -> dict[str, np.ndarray]:
+    """The row features of a pair: tokens, loss_mask (the answer tokens), its own segment ids and positions,
+    and, with the prompt shared, each token's prefix segment (``tokens_prefix_ids``; see the module docstring)."""
+    if not shared_prompt:
+        parts = []
+        for seg, answer in ((CHOSEN, t.chosen), (REJECTED, t.rejected)):
+            tokens = np.concatenate([t.prompt, answer])
+            mask = np.concatenate([np.zeros(len(t.prompt), bool), np.ones(len(answer), bool)])
+            parts.append((tokens, mask, np.full(len(tokens), seg, np.int32), np.arange(len(tokens), dtype=np.int32)))
+        tokens, mask, seg, pos = (np.concatenate(x) for x in zip(*parts))
+        return {"tokens": tokens.astype(np.int32), "loss_mask": mask, "tokens_segment_ids": seg,
+                "tokens_positions": pos}
+    head, last = t.prompt[:-1], t.prompt[-1:]
+    parts = [(head, np.zeros(len(head), bool), PROMPT, 0, np.arange(len(head)))]
     for seg, answer in ((CHOSEN, t.chosen), (REJECTED, t.rejected)):
-        tokens = np.concatenate([t.prompt, answer])
-        mask = np.concatenate([np.zeros(len(t.prompt), bool), np.ones(len(answer), bool)])
-        parts.append((tokens, mask, np.full(len(tokens), seg, np.int32), np.arange(len(tokens), dtype=np.int32)))
-    tokens, mask, seg, pos = (np.concatenate(x) for x in zip(*parts))
-    return {"tokens": tokens.astype(np.int32), "loss_mask": mask, "tokens_segment_ids": seg,
-            "tokens_positions": pos}
+        tokens = np.concatenate([last, answer])
+        mask = np.concatenate([[False], np.ones(len(answer), bool)])
+        parts.append((tokens, mask, seg, PROMPT, len(head) + np.arange(len(tokens))))
+    return {
+        "tokens": np.concatenate([x[0] for x in parts]).astype(np.int32),
+        "loss_mask": np.concatenate([x[1] for x in parts]),
+        "tokens_segment_ids": np.concatenate([np.full(len(x[0]), x[2], np.int32) for x in parts]),
+        "tokens_prefix_ids": np.concatenate([np.full(len(x[0]), x[3], np.int32) for x in parts]),
+        "tokens_positions": np.concatenate([x[4] for x in parts]).astype(np.int32),
+    }
 
 
 def pair_documents(rows: Iterable[tuple[int, dict[str, Any]]], tokenizer: Any, chat_template: str | None,
-                   path: str, skip_bad_rows: bool, max_len: int,
-                   drop_long: bool) -> tuple[dict[int, dict[str, np.ndarray]], int, set[int]]:
+                   path: str, skip_bad_rows: bool, max_len: int, drop_long: bool,
+                   shared_prompt: bool = True) -> tuple[dict[int, dict[str, np.ndarray]], int, set[int]]:
     """(pair documents by row index, bad rows skipped, row indices too long for ``max_len`` tokens).
 
     A bad row raises ``UserError("{path} row {i}: ...")`` unless
     ``skip_bad_rows``; a too-long pair is cut (see :func:`fit_pair`) or, with
-    ``drop_long``, left out.
+    ``drop_long``, left out. ``shared_prompt`` picks the row layout (see the
+    module docstring).
     """
     from zoo.errors import UserError
 
@@ -228,12 +266,12 @@ def pair_documents(rows: Iterable[tuple[int, dict[str, Any]]], tokenizer: Any, c
             skipped += 1
             first_bad = first_bad or f"row {i}: {e}"
             continue
-        tokens, cut = fit_pair(tokens, max_len)
+        tokens, cut = fit_pair(tokens, max_len, shared_prompt)
         if cut:
             too_long.add(i)
             if drop_long:
                 continue
-        out[i] = pair_document(tokens)
+        out[i] = pair_document(tokens, shared_prompt)
     if skipped and not out:
         raise UserError(f"{path}: all {skipped} rows are bad; the first, {first_bad}")
     return out, skipped, too_long

@@ -1,12 +1,20 @@
 """Per-token log-probabilities of the targets from the final hidden states, in sequence chunks.
 
 DPO needs each answer token's log-probability (not a summed loss, so
-:mod:`zoo.loss`'s fused kernel does not apply). The logits of one chunk of
-positions exist at a time; the chunk body is rematerialized in the backward
-pass, so no [tokens, vocab] array is kept for it either.
+:mod:`zoo.loss`'s fused kernel does not apply as it is). The logits of one
+chunk of positions exist at a time. When the head is trained (full
+fine-tuning) the chunk body is rematerialized in the backward pass, so no
+[tokens, vocab] array is kept for it either. When the head is frozen (LoRA),
+the gradient of each token's log-probability with respect to its hidden
+state is known in the forward pass, up to that token's cotangent: each chunk
+computes it beside its logits and keeps it ([tokens, hidden], small), and the
+backward pass only scales it. That saves the chunk's recomputed logits, one
+of the three [tokens, hidden] x [hidden, vocab] matmuls of the policy's head.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -14,15 +22,24 @@ import jax.numpy as jnp
 from zoo.loss import chunk_length
 
 
-def token_logps(hidden: jax.Array, head: jax.Array, targets: jax.Array,
-                softcap: float | None = None) -> tuple[jax.Array, jax.Array]:
+def token_logps(hidden: jax.Array, head: jax.Array, targets: jax.Array, softcap: float | None = None,
+                head_grad: bool = True) -> tuple[jax.Array, jax.Array]:
     """(log p(target) [batch, seq], mean logit over the vocabulary [batch, seq], not differentiated).
 
     ``hidden`` [batch, seq, dim] are the final normed hidden states, ``head``
-    [dim, vocab] the output weight, ``targets`` [batch, seq] int ids.
+    [dim, vocab] the output weight, ``targets`` [batch, seq] int ids. With
+    ``head_grad=False`` (a frozen head, as under LoRA) the head gets no
+    gradient (zero) and the hidden states' gradient comes from the forward pass.
     """
+    if head_grad:
+        return _remat_logps(hidden, head, targets, softcap)
+    return _fused_logps(hidden, head, targets, softcap)
+
+
+def _chunked(hidden: jax.Array, targets: jax.Array, vocab: int):
+    """hidden and targets as [chunks, b, c, ...] along the sequence (padded at its end), and an unchunk."""
     b, t, _ = hidden.shape
-    c = chunk_length(head.shape[-1], b, t)
+    c = chunk_length(vocab, b, t)
     pad = (-t) % c
     x = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
     y = jnp.pad(targets, ((0, 0), (0, pad)))
@@ -30,14 +47,68 @@ def token_logps(hidden: jax.Array, head: jax.Array, targets: jax.Array,
     xs = jnp.moveaxis(x.reshape(b, k, c, -1), 1, 0)
     ys = jnp.moveaxis(y.reshape(b, k, c), 1, 0)
 
+    def unchunk(a: jax.Array) -> jax.Array:
+        return jnp.moveaxis(a, 0, 1).reshape((b, -1) + a.shape[3:])[:, :t]
+
+    return xs, ys, unchunk
+
+
+def _logits(xc: jax.Array, head: jax.Array, softcap: float | None) -> tuple[jax.Array, jax.Array | None]:
+    z = jnp.einsum("bcd,dv->bcv", xc, head, preferred_element_type=jnp.float32)
+    if not softcap:
+        return z, None
+    th = jnp.tanh(z / softcap)
+    return softcap * th, th
+
+
+def _chunk_logps(xc: jax.Array, yc: jax.Array, head: jax.Array, softcap: float | None):
+    z, th = _logits(xc, head, softcap)
+    lse = jax.nn.logsumexp(z, axis=-1)
+    logp = jnp.take_along_axis(z, yc[..., None], axis=-1)[..., 0] - lse
+    return logp, jax.lax.stop_gradient(z.mean(-1)), z, lse, th
+
+
+def _remat_logps(hidden, head, targets, softcap):
+    xs, ys, unchunk = _chunked(hidden, targets, head.shape[-1])
+
     @jax.checkpoint
     def chunk(xc: jax.Array, yc: jax.Array) -> tuple[jax.Array, jax.Array]:
-        z = jnp.einsum("bcd,dv->bcv", xc, head, preferred_element_type=jnp.float32)
-        if softcap:
-            z = softcap * jnp.tanh(z / softcap)
-        logp = jnp.take_along_axis(z, yc[..., None], axis=-1)[..., 0] - jax.nn.logsumexp(z, axis=-1)
-        return logp, jax.lax.stop_gradient(z.mean(-1))
+        return _chunk_logps(xc, yc, head, softcap)[:2]
 
     logp, mean_logit = jax.lax.map(lambda a: chunk(*a), (xs, ys))
-    unchunk = lambda a: jnp.moveaxis(a, 0, 1).reshape(b, -1)[:, :t]  # noqa: E731
     return unchunk(logp), unchunk(mean_logit)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _fused_logps(hidden, head, targets, softcap):
+    # The primal alone (a reference pass, evaluation): chunked, no gradient work.
+    xs, ys, unchunk = _chunked(hidden, targets, head.shape[-1])
+    logp, mean_logit = jax.lax.map(lambda a: _chunk_logps(*a, head, softcap)[:2], (xs, ys))
+    return unchunk(logp), unchunk(mean_logit)
+
+
+def _fused_logps_fwd(hidden, head, targets, softcap):
+    vocab = head.shape[-1]
+    xs, ys, unchunk = _chunked(hidden, targets, vocab)
+
+    def chunk(inp):
+        xc, yc = inp
+        logp, mean_logit, z, lse, th = _chunk_logps(xc, yc, head, softcap)
+        # d logp / d z = onehot(target) - softmax(z); through the cap, times 1 - tanh^2; then to the hidden state.
+        dz = (jnp.arange(vocab, dtype=yc.dtype) == yc[..., None]) - jnp.exp(z - lse[..., None])
+        if th is not None:
+            dz = dz * (1.0 - th * th)
+        dx = jnp.einsum("bcv,dv->bcd", dz, head, preferred_element_type=jnp.float32).astype(hidden.dtype)
+        return logp, mean_logit, dx
+
+    logp, mean_logit, dx = jax.lax.map(chunk, (xs, ys))
+    return (unchunk(logp), unchunk(mean_logit)), (unchunk(dx), head)
+
+
+def _fused_logps_bwd(softcap, res, g):
+    dx, head = res
+    g_logp, _ = g  # the mean logit is a metric: no gradient flows from it
+    return (g_logp[..., None] * dx).astype(dx.dtype), jnp.zeros_like(head), None
+
+
+_fused_logps.defvjp(_fused_logps_fwd, _fused_logps_bwd)

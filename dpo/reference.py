@@ -34,7 +34,7 @@ from zoo.model import forward, head_weight
 from dpo.logps import token_logps
 
 CACHE_DIR = "reference_logps"
-CACHE_VERSION = "1"  # bump when what is cached changes meaning
+CACHE_VERSION = "2"  # bump when what is cached changes meaning
 
 
 def resolve_checkpoint(path: str) -> Path:
@@ -84,8 +84,9 @@ def cache_key(docs: dict[str, dict[int, dict[str, np.ndarray]]], weights_digest:
         for i in sorted(docs[path]):
             d = docs[path][i]
             h.update(str(i).encode())
-            for k in ("tokens", "loss_mask", "tokens_segment_ids"):
-                h.update(np.ascontiguousarray(d[k]).tobytes())
+            for k in ("tokens", "loss_mask", "tokens_segment_ids", "tokens_positions", "tokens_prefix_ids"):
+                if k in d:
+                    h.update(k.encode() + np.ascontiguousarray(d[k]).tobytes())
     return h.hexdigest()[:32]
 
 
@@ -101,7 +102,8 @@ def compute_reference_logps(mcfg: ModelConfig, params: dict, docs: list[dict[str
     @jax.jit
     def score(p: dict, b: dict) -> jax.Array:
         p = jax.tree.map(lambda x: x.astype(compute), p)
-        hidden = forward(mcfg, p, b["inputs"], b["segment_ids"], b["positions"], return_hidden=True)
+        hidden = forward(mcfg, p, b["inputs"], b["segment_ids"], b["positions"], return_hidden=True,
+                         prefix_ids=b.get("prefix_ids"))
         hidden = hidden[0] if isinstance(hidden, tuple) else hidden
         logp, _ = token_logps(hidden, head_weight(mcfg, p), b["targets"], mcfg.final_softcap)
         return logp * b["weights"]

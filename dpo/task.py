@@ -1,7 +1,8 @@
 """Preference optimization (DPO and its variants) as a task of the shared training loop.
 
-A batch row is one pair (dpo/data.py): ``prompt + chosen`` as segment 1 and
-``prompt + rejected`` as segment 2 of one forward pass. The loss sums of a
+A batch row is one pair (dpo/data.py): its prompt once, then the chosen
+answer as segment 1 and the rejected one as segment 2, both reading the
+prompt as a shared prefix, in one forward pass. The loss sums of a
 micro-batch are the per-pair losses (dpo/losses.py) summed over its pairs,
 with the pair count as the count, so the step's division gives the mean over
 the pairs of the whole global batch, whatever ``grad_accum`` and the mesh.
@@ -52,6 +53,9 @@ class DPOTask:
         self.too_long: set[int] = set()  # rows of data.path cut or dropped to fit (reported by the loop)
         self.mode = "none" if cfg.dpo.loss_type in REFERENCE_FREE else _mode(cfg.dpo.reference)
         self.ref_logps: dict[str, dict[int, np.ndarray]] = {}
+        # One copy of each pair's prompt, shared by its answers (dpo/data.py), unless dpo.share_prompt is off;
+        # prepare() turns it off for models with sliding-window layers.
+        self.shared_prompt = cfg.dpo.share_prompt
 
     # ---- rows -> documents ------------------------------------------------------------------------------
 
@@ -68,7 +72,7 @@ class DPOTask:
                   indices: list[int] | None = None) -> tuple[dict[int, Document], int]:
         """One row document per usable pair (with its cached reference log-probabilities when precomputed)."""
         docs, bad, too_long = pair_documents(indexed_rows(rows.ds, indices), tokenizer, self.chat_template, path,
-                                             skip_bad, self.max_len, self.drop_long)
+                                             skip_bad, self.max_len, self.drop_long, self.shared_prompt)
         self.too_long |= too_long
         if self.mode == "precomputed":
             cached = self.ref_logps[path]
@@ -85,6 +89,7 @@ class DPOTask:
         ``params`` are the starting weights (LoRA: the frozen base).
         """
         lora = cfg.lora.rank > 0
+        self.shared_prompt = self.dpo.share_prompt and "sliding" not in mcfg.kinds
         if self.mode == "base" and not lora:
             raise UserError("full fine-tuning (lora.rank: 0) needs a reference model besides the trained one: set "
                             "dpo.reference to a zoo checkpoint path (e.g. the model you start from) or to "
@@ -111,7 +116,7 @@ class DPOTask:
         for path in [d.path] + ([d.eval_path] if d.eval_path else []):
             rows = self.load(path, cfg)
             docs[path], _, _ = pair_documents(indexed_rows(rows.ds), tokenizer, self.chat_template, path,
-                                              d.skip_bad_rows, self.max_len, self.drop_long)
+                                              d.skip_bad_rows, self.max_len, self.drop_long, self.shared_prompt)
         compute = DTYPES[cfg.dtype.compute]
 
         def score(documents: list) -> list:
@@ -183,7 +188,9 @@ def _token_logps(mcfg: ModelConfig, p: dict, mb: dict, remat: str, moe: bool,
                  **forward_kwargs: Any) -> tuple[jax.Array, jax.Array, dict | None]:
     """(per-target log-probabilities [b, t], mean logits [b, t], MoE aux or None) of one forward pass."""
     out = forward(mcfg, p, mb["inputs"], mb["segment_ids"], mb["positions"], return_aux=moe, remat=remat,
-                  return_hidden=True, **forward_kwargs)
+                  return_hidden=True, prefix_ids=mb.get("prefix_ids"), **forward_kwargs)
     hidden, aux = out if moe else (out, None)
-    logp, mean_logit = token_logps(hidden, head_weight(mcfg, p), mb["targets"], mcfg.final_softcap)
+    # Under LoRA the head is frozen: its gradient is never needed, so the fused path applies.
+    head_grad = forward_kwargs.get("lora") is None
+    logp, mean_logit = token_logps(hidden, head_weight(mcfg, p), mb["targets"], mcfg.final_softcap, head_grad)
     return logp, mean_logit, aux

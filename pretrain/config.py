@@ -126,6 +126,7 @@ class DpoSection:
     sft_weight: float = 0.0  # RPO: adds this times the chosen answer's mean NLL to each pair's loss
     reference: str = "base"  # base (LoRA: the adapters switched off) | precomputed | a zoo checkpoint path
     reference_model: str | None = None  # precomputed: the checkpoint scored once; None: the starting weights
+    share_prompt: bool = True  # one copy of a pair's prompt, read by both answers (off: prompt+chosen | prompt+rejected)
 
 
 @dataclass

@@ -258,7 +258,9 @@ def to_model_batch(b: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         "segment_ids": seg[:, :-1].astype(np.int32),
         "positions": pos[:, :-1].astype(np.int32),
     }
+    if "tokens_prefix_ids" in b:  # a shared prefix per token (a DPO pair's prompt), like the segment ids
+        out["prefix_ids"] = b["tokens_prefix_ids"][:, :-1].astype(np.int32)
     # Any other per-token feature (DPO's cached reference log-probabilities) describes a token as a target.
-    for k in b.keys() - {"tokens", "tokens_segment_ids", "tokens_positions", "loss_mask"}:
+    for k in b.keys() - {"tokens", "tokens_segment_ids", "tokens_positions", "tokens_prefix_ids", "loss_mask"}:
         out[k] = b[k][:, 1:]
     return out

@@ -301,3 +301,61 @@ def test_8_devices_match_one_device(setup, tmp_path):
     assert ref[-1] != ref[0]  # the policy moves, so equal losses mean equal updates
     for name, losses in got.items():
         np.testing.assert_allclose(losses, ref, rtol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_shared_prompt_rows_score_each_answer_as_its_own_sequence(setup, lora):
+    """A row holding the prompt once (its answers reading it as a shared prefix) gives every answer token the
+    log-probability the plain two-copy layout gives it (1e-5), with and without LoRA adapters."""
+    import jax.numpy as jnp
+
+    from dpo.data import CHOSEN, REJECTED, normalize_pair, pair_document, tokenize_pair
+    from dpo.task import _token_logps
+    from pretrain.data import _padded, to_model_batch
+    from zoo.lora import LoraConfig, init_lora, lora_scale
+
+    root, tok, _ = setup
+    cfg = zoo.read_config(root / "policy")
+    params = zoo.load_params(root / "policy")
+    kw = {}
+    if lora:
+        lc = LoraConfig(rank=4)
+        ad = init_lora(cfg, lc, jax.random.key(0))
+        kw = {"lora": jax.tree.map(lambda a: a + 0.1 * jax.random.normal(jax.random.key(1), a.shape), ad),
+              "lora_scale": lora_scale(lc)}
+    pairs = [tokenize_pair(normalize_pair(r), tok) for r in _pairs(3) + [
+        {"prompt": "a longer prompt with several words in it:", "chosen": " yes", "rejected": " no, not at all"}]]
+    sums = {}
+    for shared in (True, False):
+        docs = [_padded(pair_document(t, shared), 48) for t in pairs]
+        b = to_model_batch({k: np.stack([d[k] for d in docs]) for k in docs[0]})
+        assert ("prefix_ids" in b) == shared
+        logp, _, _ = _token_logps(cfg, params, {k: jnp.asarray(v) for k, v in b.items()}, "none", False, **kw)
+        w, seg = b["weights"], b["segment_ids"]
+        sums[shared] = [np.asarray(logp * w * (seg == s)).sum(-1) for s in (CHOSEN, REJECTED)]
+        counts = [(w * (seg == s)).sum(-1) for s in (CHOSEN, REJECTED)]
+        np.testing.assert_array_equal(counts, [[len(t.chosen) for t in pairs], [len(t.rejected) for t in pairs]])
+    np.testing.assert_allclose(sums[True], sums[False], rtol=1e-5)
+
+
+def test_sliding_window_models_keep_the_two_copy_layout(setup, tmp_path):
+    """Sliding windows count row indices, which a shared prompt would stretch: such models get the plain
+    layout (as `dpo.share_prompt: false` asks), and the model refuses prefix ids outright."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from zoo.model import forward
+
+    root, _, _ = setup
+    cfg = _cfg(root, tmp_path / "run", "lora.rank=4", "max_steps=1")
+    mcfg = zoo.read_config(root / "policy")
+    sliding = dataclasses.replace(mcfg, sliding_window=8, layer_types=("sliding", "full"))
+    off = _cfg(root, tmp_path / "run", "lora.rank=4", "max_steps=1", "dpo.share_prompt=false")
+    for c, model, shared in ((cfg, mcfg, True), (cfg, sliding, False), (off, mcfg, False)):
+        task = DPOTask(c)
+        assert task.prepare(c, model, {}, None, None) is None  # reference: base needs nothing prepared
+        assert task.shared_prompt is shared
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    with pytest.raises(ValueError, match="sliding-window"):
+        forward(sliding, zoo.load_params(root / "policy"), tokens, prefix_ids=jnp.zeros((1, 8), jnp.int32))

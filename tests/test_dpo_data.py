@@ -5,7 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from dpo.data import CHOSEN, REJECTED, PairTokens, fit_pair, normalize_pair, pair_document, tokenize_pair
+from dpo.data import (CHOSEN, PROMPT, REJECTED, PairTokens, fit_pair, normalize_pair, pair_document, pair_length,
+                      tokenize_pair)
 from dpo.task import DPOTask
 from pretrain.config import load_config
 from sft.formats import BadRow
@@ -62,13 +63,15 @@ def test_conversation_answers_end_with_one_end_of_turn_and_share_the_prompt(tok)
 
 
 def test_pair_row_layout_segments_positions_and_mask(tok):
+    """The plain layout (sliding-window models): prompt + chosen | prompt + rejected, positions from 0 in each."""
     t = tokenize_pair(normalize_pair(CONV), tok)
-    d = pair_document(t)
+    d = pair_document(t, shared_prompt=False)
     p, c, r = len(t.prompt), len(t.chosen), len(t.rejected)
     np.testing.assert_array_equal(d["tokens"], np.concatenate([t.prompt, t.chosen, t.prompt, t.rejected]))
     np.testing.assert_array_equal(d["tokens_segment_ids"], [CHOSEN] * (p + c) + [REJECTED] * (p + r))
     np.testing.assert_array_equal(d["tokens_positions"], list(range(p + c)) + list(range(p + r)))
     np.testing.assert_array_equal(d["loss_mask"], [0] * p + [1] * c + [0] * p + [1] * r)
+    assert "tokens_prefix_ids" not in d and pair_length(t, False) == len(d["tokens"])
     # Through the batch transform: the targets trained in segment 1 are exactly the chosen answer's tokens,
     # and the first token of segment 2 is not predicted from segment 1's last.
     from pretrain.data import _padded, to_model_batch
@@ -77,6 +80,51 @@ def test_pair_row_layout_segments_positions_and_mask(tok):
     w, seg = b["weights"][0] > 0, b["segment_ids"][0]
     np.testing.assert_array_equal(b["targets"][0][w & (seg == CHOSEN)], t.chosen)
     np.testing.assert_array_equal(b["targets"][0][w & (seg == REJECTED)], t.rejected)
+
+
+def test_shared_prompt_layout_holds_the_prompt_once(tok):
+    """The default layout: prompt[:-1] | prompt[-1] + chosen | prompt[-1] + rejected, the answers' positions
+    continuing the prompt's and both answer segments reading the prompt segment as their prefix."""
+    t = tokenize_pair(normalize_pair(CONV), tok)
+    d = pair_document(t)
+    p, c, r = len(t.prompt), len(t.chosen), len(t.rejected)
+    last = t.prompt[-1:]
+    np.testing.assert_array_equal(d["tokens"], np.concatenate([t.prompt[:-1], last, t.chosen, last, t.rejected]))
+    np.testing.assert_array_equal(d["tokens_segment_ids"], [PROMPT] * (p - 1) + [CHOSEN] * (1 + c) + [REJECTED] * (1 + r))
+    np.testing.assert_array_equal(d["tokens_prefix_ids"], [0] * (p - 1) + [PROMPT] * (2 + c + r))
+    np.testing.assert_array_equal(d["tokens_positions"],
+                                  list(range(p - 1)) + list(range(p - 1, p + c)) + list(range(p - 1, p + r)))
+    np.testing.assert_array_equal(d["loss_mask"], [0] * p + [1] * c + [0] + [1] * r)
+    assert len(d["tokens"]) == pair_length(t) == p + c + r + 1 < pair_length(t, False)
+    from pretrain.data import _padded, to_model_batch
+
+    b = to_model_batch({k: v[None] for k, v in _padded(d, 128).items()})
+    w, seg = b["weights"][0] > 0, b["segment_ids"][0]
+    np.testing.assert_array_equal(b["targets"][0][w & (seg == CHOSEN)], t.chosen)
+    np.testing.assert_array_equal(b["targets"][0][w & (seg == REJECTED)], t.rejected)
+    np.testing.assert_array_equal(b["prefix_ids"][0], _padded(d, 128)["tokens_prefix_ids"][:-1])
+
+
+def test_shared_prompt_mask_gives_each_answer_exactly_its_own_context():
+    """In the attention mask of a shared-prompt row, an answer token sees the prompt and its own answer's
+    earlier tokens: never the other answer, never padding."""
+    import jax.numpy as jnp
+
+    from zoo.layers import attention_mask
+
+    t = PairTokens(np.arange(10, 14, dtype=np.int32), np.arange(100, 103, dtype=np.int32),
+                   np.arange(200, 202, dtype=np.int32))
+    from pretrain.data import _padded
+
+    d = _padded(pair_document(t), 14)  # 4 + 3 + 2 + 1 = 10 tokens, then 4 of padding
+    m = np.asarray(attention_mask(jnp.asarray(d["tokens_segment_ids"][None]),
+                                  prefix_ids=jnp.asarray(d["tokens_prefix_ids"][None])))[0, 0]
+    ids = d["tokens"]
+    seen = {int(ids[q]): sorted(int(ids[k]) for k in np.flatnonzero(m[q])) for q in range(10) if q not in (3, 7)}
+    assert seen[102] == [10, 11, 12, 13, 100, 101, 102]  # the prompt, then the chosen answer so far
+    assert seen[201] == [10, 11, 12, 13, 200, 201]  # the prompt (its last token: the rejected segment's copy)
+    assert sorted(int(ids[k]) for k in np.flatnonzero(m[7])) == [10, 11, 12, 13]  # prompt[-1]'s second copy
+    assert not m[:10, 10:].any() and m[10:, :10].sum() == 0  # padding and real tokens never meet
 
 
 def test_strings_prompt_tokenized_once_eos_once_no_double_bos(bos_tok):
@@ -152,11 +200,19 @@ def test_missing_columns_are_one_error(tmp_path):
 def test_truncation_cuts_the_prompt_from_the_left_first_then_the_answers():
     t = PairTokens(np.arange(10, 20, dtype=np.int32), np.arange(100, 104, dtype=np.int32),
                    np.arange(200, 202, dtype=np.int32))
-    assert fit_pair(t, 26) == (t, False)
-    cut, was_cut = fit_pair(t, 16)  # 2 * prompt + 6 answer tokens <= 16: the prompt keeps its last 5 tokens
+    # The plain layout (two copies of the prompt):
+    assert fit_pair(t, 26, False) == (t, False)
+    cut, was_cut = fit_pair(t, 16, False)  # 2 * prompt + 6 answer tokens <= 16: the prompt keeps its last 5 tokens
+    assert was_cut and list(cut.prompt) == list(range(15, 20)) and len(cut.chosen) == 4 and len(cut.rejected) == 2
+    cut, _ = fit_pair(t, 6, False)  # the prompt keeps one token; the answers share the remaining 4, longer cut first
+    assert list(cut.prompt) == [19] and list(cut.chosen) == [100, 101] and list(cut.rejected) == [200, 201]
+    # The shared prompt (one copy, plus its last token once more): prompt + 6 + 1 tokens.
+    assert fit_pair(t, 17) == (t, False)
+    cut, was_cut = fit_pair(t, 12)  # prompt + 6 + 1 <= 12: the prompt keeps its last 5 tokens
     assert was_cut and list(cut.prompt) == list(range(15, 20)) and len(cut.chosen) == 4 and len(cut.rejected) == 2
     cut, _ = fit_pair(t, 6)  # the prompt keeps one token; the answers share the remaining 4, longer cut first
     assert list(cut.prompt) == [19] and list(cut.chosen) == [100, 101] and list(cut.rejected) == [200, 201]
+    assert pair_length(cut) == 6
 
 
 def test_long_pairs_are_counted_and_truncated_or_dropped(tok, tmp_path):

@@ -240,19 +240,29 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * c + rotated * s
 
 
-def attention_mask(segment_ids: jax.Array, window: int | None = None) -> jax.Array:
+def attention_mask(segment_ids: jax.Array, window: int | None = None,
+                   prefix_ids: jax.Array | None = None) -> jax.Array:
     """Boolean [batch, 1, q, k] (broadcast over heads): causal within each packed document, nothing across.
 
     With ``window`` W a query sees only the W most recent keys, itself included
     (``0 <= q - k < W``, as transformers' sliding-window masks). Within a
     document index distance equals position distance, so packing is exact.
+
+    ``prefix_ids`` [batch, seq] (0 = none) let a token also see the earlier
+    tokens of one other segment, its shared prefix: a DPO pair's two answers
+    both read the one copy of their prompt (dpo/data.py). Index distance then
+    exceeds position distance, so this does not combine with ``window``.
     """
     t = segment_ids.shape[1]
     q, k = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
     allowed = k <= q
     if window is not None:
+        if prefix_ids is not None:
+            raise ValueError("attention_mask: shared prefixes (prefix_ids) do not combine with a sliding window")
         allowed &= q - k < window
     same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    if prefix_ids is not None:
+        same |= (prefix_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] != 0)
     return (allowed[None] & same)[:, None]
 
 

@@ -87,6 +87,7 @@ def forward(
     lora_dropout: float = 0.0,
     dropout_rng: jax.Array | None = None,
     return_hidden: bool = False,
+    prefix_ids: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, dict]:
     """Logits [batch, seq, vocab] (float32) of the decoder for int tokens [batch, seq].
 
@@ -114,6 +115,10 @@ def forward(
     [batch, seq, hidden] in place of the logits (the head is then applied by
     the caller, e.g. :func:`zoo.loss.next_token_nll_sum` with
     :func:`head_weight`), so no [tokens, vocab] array need exist.
+
+    ``prefix_ids`` [batch, seq] name, per token, one more segment whose
+    earlier tokens it attends to (a shared prefix; see
+    :func:`zoo.layers.attention_mask`); not for sliding-window models.
     """
     if lora is not None and lora_scale is None:
         raise ValueError("forward: lora adapters need lora_scale (zoo.lora.lora_scale(lora_cfg))")
@@ -125,7 +130,10 @@ def forward(
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     rope_scale = rope_attention_factor(cfg.rope)
     ropes = {"full": rope_tables(positions, rope_inv_freq(cfg.rope, cfg.rope_dim), rope_scale)}
-    masks = {"full": attention_mask(segment_ids)}
+    if prefix_ids is not None and "sliding" in cfg.kinds:
+        raise ValueError(f"forward: shared prefixes (prefix_ids) need full attention; this {cfg.family} model "
+                         "has sliding-window layers")
+    masks = {"full": attention_mask(segment_ids, prefix_ids=prefix_ids)}
     if "sliding" in cfg.kinds:
         local = cfg.rope_local or cfg.rope
         ropes["sliding"] = rope_tables(positions, rope_inv_freq(local, cfg.rope_dim), rope_attention_factor(local))
