@@ -85,7 +85,7 @@ def _train_config(opts: DemoOptions):
 
 
 DPO_BETA = 0.1
-DPO_SEQ_LEN = 168  # a pair's row: 2 x prompt + chosen + rejected; the longest demo pair is 164 tokens
+DPO_SEQ_LEN = 104  # a pair's row: prompt + chosen + rejected + 1 (the prompt shared); the longest demo pair is 101
 
 
 def _dpo_config(opts: DemoOptions, sft_final: Path):
@@ -105,8 +105,8 @@ def pair_logps(ckpt: Path, tok: Any, pairs: list[dict[str, Any]], seq_len: int =
                rows: int = 24, desc: str = "") -> tuple[Any, Any]:
     """Summed log-probabilities (chosen, rejected), one per pair, of the model in ``ckpt``.
 
-    The pairs are tokenized and laid out as DPO trains on them (dpo/data.py: one row per pair, the two
-    answers as two segments after the shared prompt), and each answer's tokens' log-probabilities summed
+    The pairs are tokenized and laid out as DPO trains on them (dpo/data.py: one row per pair, the prompt
+    once, read by both answers as a shared prefix), and each answer's tokens' log-probabilities summed
     (dpo/logps.py), so the numbers are the ``logps/chosen`` and ``logps/rejected`` the DPO loss reads.
     """
     import jax
@@ -126,7 +126,8 @@ def pair_logps(ckpt: Path, tok: Any, pairs: list[dict[str, Any]], seq_len: int =
 
     @jax.jit
     def score(p: dict, b: dict) -> tuple[jax.Array, jax.Array]:
-        hidden = forward(cfg, p, b["inputs"], b["segment_ids"], b["positions"], return_hidden=True)
+        hidden = forward(cfg, p, b["inputs"], b["segment_ids"], b["positions"], return_hidden=True,
+                         prefix_ids=b.get("prefix_ids"))
         logp, _ = token_logps(hidden, head_weight(cfg, p), b["targets"], cfg.final_softcap)
         logp = logp * b["weights"]
         seg = b["segment_ids"]

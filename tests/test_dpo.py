@@ -359,3 +359,21 @@ def test_sliding_window_models_keep_the_two_copy_layout(setup, tmp_path):
     tokens = jnp.zeros((1, 8), jnp.int32)
     with pytest.raises(ValueError, match="sliding-window"):
         forward(sliding, zoo.load_params(root / "policy"), tokens, prefix_ids=jnp.zeros((1, 8), jnp.int32))
+
+
+def test_demo_pair_scores_equal_transformers_log_probabilities(setup):
+    """The main job's held-out pair scores (sft.demo.pair_logps, the DPO row layout with a shared prompt)
+    are each answer's summed token log-probabilities given its prompt, as transformers computes them."""
+    from dpo.data import normalize_pair, tokenize_pair
+    from sft.demo import pair_logps
+
+    root, tok, models = setup
+    pairs = _pairs(5, seed=3)
+    chosen, rejected = pair_logps(root / "policy", tok, pairs, seq_len=32, rows=4)
+    for i, row in enumerate(pairs):
+        t = tokenize_pair(normalize_pair(row), tok)
+        for answer, got in ((t.chosen, chosen[i]), (t.rejected, rejected[i])):
+            ids = np.concatenate([t.prompt, answer])[None]
+            logp = log_softmax(hf_logits(models["policy"], ids))[0]
+            want = sum(logp[len(t.prompt) - 1 + j, a] for j, a in enumerate(answer))
+            np.testing.assert_allclose(got, want, rtol=1e-5)
