@@ -205,12 +205,9 @@ def fit_pair(t: PairTokens, max_len: int, shared_prompt: bool = True) -> tuple[P
     p, c, r = len(t.prompt), len(t.chosen), len(t.rejected)
     if pair_length(t, shared_prompt) <= max_len:
         return t, False
-    if shared_prompt:
-        keep_p = min(p, max(1, max_len - 1 - c - r))
-        room = max_len - 1 - keep_p
-    else:
-        keep_p = min(p, max(1, (max_len - c - r) // 2))
-        room = max_len - 2 * keep_p
+    copies, extra = (1, 1) if shared_prompt else (2, 0)  # prompt copies in the row, and the +1 of sharing
+    keep_p = min(p, max(1, (max_len - extra - c - r) // copies))
+    room = max_len - extra - copies * keep_p
     keep_c = min(c, max(room // 2, room - r))
     keep_r = min(r, room - keep_c)
     return PairTokens(t.prompt[p - keep_p:], t.chosen[:keep_c], t.rejected[:keep_r]), True
@@ -219,28 +216,25 @@ def fit_pair(t: PairTokens, max_len: int, shared_prompt: bool = True) -> tuple[P
 def pair_document(t: PairTokens, shared_prompt: bool = True) -> dict[str, np.ndarray]:
     """The row features of a pair: tokens, loss_mask (the answer tokens), its own segment ids and positions,
     and, with the prompt shared, each token's prefix segment (``tokens_prefix_ids``; see the module docstring)."""
-    if not shared_prompt:
-        parts = []
-        for seg, answer in ((CHOSEN, t.chosen), (REJECTED, t.rejected)):
-            tokens = np.concatenate([t.prompt, answer])
-            mask = np.concatenate([np.zeros(len(t.prompt), bool), np.ones(len(answer), bool)])
-            parts.append((tokens, mask, np.full(len(tokens), seg, np.int32), np.arange(len(tokens), dtype=np.int32)))
-        tokens, mask, seg, pos = (np.concatenate(x) for x in zip(*parts))
-        return {"tokens": tokens.astype(np.int32), "loss_mask": mask, "tokens_segment_ids": seg,
-                "tokens_positions": pos}
-    head, last = t.prompt[:-1], t.prompt[-1:]
-    parts = [(head, np.zeros(len(head), bool), PROMPT, 0, np.arange(len(head)))]
+    # Each answer segment opens with the prompt tokens it does not share: all of them, or the last one.
+    lead = t.prompt[-1:] if shared_prompt else t.prompt
+    start = len(t.prompt) - len(lead)  # the position of the answer segments' first token
+    prefix = PROMPT if shared_prompt else 0
+    parts = [(t.prompt[:start], np.zeros(start, bool), PROMPT, 0, np.arange(start))]
     for seg, answer in ((CHOSEN, t.chosen), (REJECTED, t.rejected)):
-        tokens = np.concatenate([last, answer])
-        mask = np.concatenate([[False], np.ones(len(answer), bool)])
-        parts.append((tokens, mask, seg, PROMPT, len(head) + np.arange(len(tokens))))
-    return {
+        tokens = np.concatenate([lead, answer])
+        mask = np.concatenate([np.zeros(len(lead), bool), np.ones(len(answer), bool)])
+        parts.append((tokens, mask, seg, prefix, start + np.arange(len(tokens))))
+    doc = {
         "tokens": np.concatenate([x[0] for x in parts]).astype(np.int32),
         "loss_mask": np.concatenate([x[1] for x in parts]),
         "tokens_segment_ids": np.concatenate([np.full(len(x[0]), x[2], np.int32) for x in parts]),
         "tokens_prefix_ids": np.concatenate([np.full(len(x[0]), x[3], np.int32) for x in parts]),
         "tokens_positions": np.concatenate([x[4] for x in parts]).astype(np.int32),
     }
+    if not shared_prompt:  # no prompt segment (it is empty): the model needs no prefix ids
+        del doc["tokens_prefix_ids"]
+    return doc
 
 
 def pair_documents(rows: Iterable[tuple[int, dict[str, Any]]], tokenizer: Any, chat_template: str | None,

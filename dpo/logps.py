@@ -15,11 +15,30 @@ of the three [tokens, hidden] x [hidden, vocab] matmuls of the policy's head.
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from zoo.config import ModelConfig
 from zoo.loss import chunk_length
+from zoo.model import forward, head_weight
+
+
+def batch_logps(mcfg: ModelConfig, params: dict, mb: dict, remat: str = "none",
+                **forward_kwargs: Any) -> tuple[jax.Array, jax.Array, dict | None]:
+    """(per-target log-probabilities [b, t], mean logits [b, t], MoE aux or None) of one forward pass over a
+    model batch (:func:`pretrain.data.to_model_batch`: its segments, positions and shared prefixes).
+
+    With ``lora`` among ``forward_kwargs`` the head is frozen, so the fused path of :func:`token_logps` applies.
+    """
+    moe = mcfg.num_experts > 0
+    out = forward(mcfg, params, mb["inputs"], mb["segment_ids"], mb["positions"], return_aux=moe, remat=remat,
+                  return_hidden=True, prefix_ids=mb.get("prefix_ids"), **forward_kwargs)
+    hidden, aux = out if moe else (out, None)
+    head_grad = forward_kwargs.get("lora") is None
+    logp, mean_logit = token_logps(hidden, head_weight(mcfg, params), mb["targets"], mcfg.final_softcap, head_grad)
+    return logp, mean_logit, aux
 
 
 def token_logps(hidden: jax.Array, head: jax.Array, targets: jax.Array, softcap: float | None = None,
@@ -81,10 +100,8 @@ def _remat_logps(hidden, head, targets, softcap):
 
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _fused_logps(hidden, head, targets, softcap):
-    # The primal alone (a reference pass, evaluation): chunked, no gradient work.
-    xs, ys, unchunk = _chunked(hidden, targets, head.shape[-1])
-    logp, mean_logit = jax.lax.map(lambda a: _chunk_logps(*a, head, softcap)[:2], (xs, ys))
-    return unchunk(logp), unchunk(mean_logit)
+    # The primal alone (a reference pass, evaluation): no gradient work, so the checkpoint is inert.
+    return _remat_logps(hidden, head, targets, softcap)
 
 
 def _fused_logps_fwd(hidden, head, targets, softcap):

@@ -29,9 +29,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from zoo.config import ModelConfig
 from zoo.errors import UserError
-from zoo.model import forward, head_weight
 
-from dpo.logps import token_logps
+from dpo.logps import batch_logps
 
 CACHE_DIR = "reference_logps"
 CACHE_VERSION = "2"  # bump when what is cached changes meaning
@@ -101,11 +100,7 @@ def compute_reference_logps(mcfg: ModelConfig, params: dict, docs: list[dict[str
 
     @jax.jit
     def score(p: dict, b: dict) -> jax.Array:
-        p = jax.tree.map(lambda x: x.astype(compute), p)
-        hidden = forward(mcfg, p, b["inputs"], b["segment_ids"], b["positions"], return_hidden=True,
-                         prefix_ids=b.get("prefix_ids"))
-        hidden = hidden[0] if isinstance(hidden, tuple) else hidden
-        logp, _ = token_logps(hidden, head_weight(mcfg, p), b["targets"], mcfg.final_softcap)
+        logp, _, _ = batch_logps(mcfg, jax.tree.map(lambda x: x.astype(compute), p), b)
         return logp * b["weights"]
 
     out: list[np.ndarray] = []

@@ -21,7 +21,6 @@ import numpy as np
 
 from zoo.config import ModelConfig
 from zoo.errors import UserError
-from zoo.model import forward, head_weight
 
 from pretrain.config import TrainConfig
 from pretrain.data import indexed_rows, load_dataset_rows
@@ -30,7 +29,7 @@ from pretrain.task import Document, RowSource
 from sft.task import read_chat_template
 
 from dpo.data import CHOSEN, REJECTED, pair_documents
-from dpo.logps import token_logps
+from dpo.logps import batch_logps
 from dpo.losses import LENGTH_NORMALIZED, REFERENCE_FREE, preference_loss
 from dpo.reference import cached_reference_logps, compute_reference_logps, load_reference, resolve_checkpoint
 
@@ -139,16 +138,15 @@ class DPOTask:
     def loss_sums(self, mcfg: ModelConfig, params: dict, mb: dict, compute: Any, remat: str,
                   reference: dict | None = None, **forward_kwargs: Any) -> tuple[jax.Array, tuple]:
         """(objective, (sum of per-pair losses, pair count, {metric: sum over pairs})) of a micro-batch."""
-        moe = mcfg.num_experts > 0
         p = jax.tree.map(lambda x: x.astype(compute), params)
-        pol, mean_logit, aux = _token_logps(mcfg, p, mb, remat, moe, **forward_kwargs)
+        pol, mean_logit, aux = batch_logps(mcfg, p, mb, remat, **forward_kwargs)
         if self.mode == "precomputed":
             ref = mb["ref_logps"].astype(jnp.float32)
         elif self.mode == "base":  # the same base weights, adapters off: no second copy of the model
-            ref = jax.lax.stop_gradient(_token_logps(mcfg, p, mb, "none", moe)[0])
+            ref = jax.lax.stop_gradient(batch_logps(mcfg, p, mb)[0])
         elif self.mode == "path":
             r = jax.tree.map(lambda x: x.astype(compute), reference)
-            ref = jax.lax.stop_gradient(_token_logps(mcfg, r, mb, "none", moe)[0])
+            ref = jax.lax.stop_gradient(batch_logps(mcfg, r, mb)[0])
         else:
             ref = jnp.zeros_like(pol)
         w, seg = mb["weights"], mb["segment_ids"]
@@ -176,21 +174,10 @@ class DPOTask:
             "logits/chosen": (mean_logit * wc).sum(-1) / nc1, "logits/rejected": (mean_logit * wr).sum(-1) / nr1,
         }
         extras = {k: (v * keep).sum() for k, v in per_pair.items()}
-        objective = total + (aux["loss"] * n if moe else 0.0)
+        objective = total + (aux["loss"] * n if aux is not None else 0.0)
         return objective, (sg(total), n, extras)
 
 
 def _mode(reference: str) -> str:
     return reference if reference in ("base", "precomputed") else "path"
 
-
-def _token_logps(mcfg: ModelConfig, p: dict, mb: dict, remat: str, moe: bool,
-                 **forward_kwargs: Any) -> tuple[jax.Array, jax.Array, dict | None]:
-    """(per-target log-probabilities [b, t], mean logits [b, t], MoE aux or None) of one forward pass."""
-    out = forward(mcfg, p, mb["inputs"], mb["segment_ids"], mb["positions"], return_aux=moe, remat=remat,
-                  return_hidden=True, prefix_ids=mb.get("prefix_ids"), **forward_kwargs)
-    hidden, aux = out if moe else (out, None)
-    # Under LoRA the head is frozen: its gradient is never needed, so the fused path applies.
-    head_grad = forward_kwargs.get("lora") is None
-    logp, mean_logit = token_logps(hidden, head_weight(mcfg, p), mb["targets"], mcfg.final_softcap, head_grad)
-    return logp, mean_logit, aux

@@ -115,9 +115,8 @@ def pair_logps(ckpt: Path, tok: Any, pairs: list[dict[str, Any]], seq_len: int =
 
     import zoo
     from dpo.data import CHOSEN, REJECTED, pair_documents
-    from dpo.logps import token_logps
+    from dpo.logps import batch_logps
     from pretrain.data import _padded, to_model_batch
-    from zoo.model import forward, head_weight
 
     cfg = zoo.read_config(ckpt)
     params = zoo.load_params(ckpt, dtype=np.float32)
@@ -126,10 +125,7 @@ def pair_logps(ckpt: Path, tok: Any, pairs: list[dict[str, Any]], seq_len: int =
 
     @jax.jit
     def score(p: dict, b: dict) -> tuple[jax.Array, jax.Array]:
-        hidden = forward(cfg, p, b["inputs"], b["segment_ids"], b["positions"], return_hidden=True,
-                         prefix_ids=b.get("prefix_ids"))
-        logp, _ = token_logps(hidden, head_weight(cfg, p), b["targets"], cfg.final_softcap)
-        logp = logp * b["weights"]
+        logp = batch_logps(cfg, p, b)[0] * b["weights"]
         seg = b["segment_ids"]
         return (logp * (seg == CHOSEN)).sum(-1), (logp * (seg == REJECTED)).sum(-1)
 

@@ -310,7 +310,7 @@ def test_shared_prompt_rows_score_each_answer_as_its_own_sequence(setup, lora):
     import jax.numpy as jnp
 
     from dpo.data import CHOSEN, REJECTED, normalize_pair, pair_document, tokenize_pair
-    from dpo.task import _token_logps
+    from dpo.logps import batch_logps
     from pretrain.data import _padded, to_model_batch
     from zoo.lora import LoraConfig, init_lora, lora_scale
 
@@ -330,7 +330,7 @@ def test_shared_prompt_rows_score_each_answer_as_its_own_sequence(setup, lora):
         docs = [_padded(pair_document(t, shared), 48) for t in pairs]
         b = to_model_batch({k: np.stack([d[k] for d in docs]) for k in docs[0]})
         assert ("prefix_ids" in b) == shared
-        logp, _, _ = _token_logps(cfg, params, {k: jnp.asarray(v) for k, v in b.items()}, "none", False, **kw)
+        logp, _, _ = batch_logps(cfg, params, {k: jnp.asarray(v) for k, v in b.items()}, **kw)
         w, seg = b["weights"], b["segment_ids"]
         sums[shared] = [np.asarray(logp * w * (seg == s)).sum(-1) for s in (CHOSEN, REJECTED)]
         counts = [(w * (seg == s)).sum(-1) for s in (CHOSEN, REJECTED)]

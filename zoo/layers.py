@@ -258,7 +258,8 @@ def attention_mask(segment_ids: jax.Array, window: int | None = None,
     allowed = k <= q
     if window is not None:
         if prefix_ids is not None:
-            raise ValueError("attention_mask: shared prefixes (prefix_ids) do not combine with a sliding window")
+            raise ValueError("attention_mask: shared prefixes (prefix_ids) need full attention, not a sliding-window "
+                             "mask (its window counts row indices)")
         allowed &= q - k < window
     same = segment_ids[:, :, None] == segment_ids[:, None, :]
     if prefix_ids is not None:

@@ -130,14 +130,11 @@ def forward(
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     rope_scale = rope_attention_factor(cfg.rope)
     ropes = {"full": rope_tables(positions, rope_inv_freq(cfg.rope, cfg.rope_dim), rope_scale)}
-    if prefix_ids is not None and "sliding" in cfg.kinds:
-        raise ValueError(f"forward: shared prefixes (prefix_ids) need full attention; this {cfg.family} model "
-                         "has sliding-window layers")
     masks = {"full": attention_mask(segment_ids, prefix_ids=prefix_ids)}
     if "sliding" in cfg.kinds:
         local = cfg.rope_local or cfg.rope
         ropes["sliding"] = rope_tables(positions, rope_inv_freq(local, cfg.rope_dim), rope_attention_factor(local))
-        masks["sliding"] = attention_mask(segment_ids, cfg.sliding_window)
+        masks["sliding"] = attention_mask(segment_ids, cfg.sliding_window, prefix_ids)
     valid = segment_ids != 0
     x = jnp.take(params["embed"], tokens, axis=0)
     if cfg.embed_scale:
