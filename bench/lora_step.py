@@ -5,7 +5,8 @@ Command (from the repository root, virtualenv active; the full measurement, abou
     python bench/lora_step.py --rounds 3 --steps 3 --out lora_step.json
 
 Options: ``--seq 512 --batch 8 --steps 3 --rounds 3 --rank 16 --alpha 32 --remat full --out FILE`` (defaults
-shown). ``--remat`` is the lmzoo sides' ``remat`` setting, the same on both: ``full`` (the default) recomputes
+shown); ``--model CKPT`` runs the same comparison on another zoo checkpoint (e.g. a ``zoo init`` random model;
+the PyTorch side loads its ``zoo export``) instead of SmolLM2-135M; ``--sides lora,full`` runs only some sides. ``--remat`` is the lmzoo sides' ``remat`` setting, the same on both: ``full`` (the default) recomputes
 each layer in the backward pass, so activations are small and the step's memory is the weights, gradients
 and optimizer state -- what LoRA is meant to save; with ``none`` both sides keep every layer's activations
 (about 2.7 GiB here), which LoRA needs as much as full fine-tuning does.
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -53,6 +55,7 @@ from pathlib import Path
 import numpy as np
 
 from sides import check_targets, emit, merge_rounds, run_child  # bench/sides.py (the script's folder)
+from zoo.params import param_specs
 
 SIDES = ("lora", "full", "peft")
 NAMES = {"lora": "lmzoo LoRA", "full": "lmzoo full", "peft": "PyTorch+peft"}
@@ -106,15 +109,18 @@ def run_jax(ckpt: str, batch: int, seq: int, steps: int, rank: int | None, alpha
     return {"times": times, "warmup_s": warmup, "losses": losses, "trainable_params": n_trainable}
 
 
-def run_peft(gguf: str, batch: int, seq: int, steps: int, rank: int, alpha: float) -> dict:
+def run_peft(source: str, batch: int, seq: int, steps: int, rank: int, alpha: float) -> dict:
     """Time transformers + peft LoRA with torch.optim.AdamW over the adapters, on the same tokens."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(os.cpu_count() or 1)
-    p = Path(gguf)
-    model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32)
+    p = Path(source)  # the bundled GGUF file, or a Hugging Face folder (--model's export)
+    if p.suffix == ".gguf":
+        model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32)
     model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(TARGETS), lora_dropout=0.0))
     model.train()
     trainable = [q for q in model.parameters() if q.requires_grad]
@@ -131,6 +137,27 @@ def run_peft(gguf: str, batch: int, seq: int, steps: int, rank: int, alpha: floa
         (times if i >= WARMUP else warmup).append(time.perf_counter() - t0)
     return {"times": times, "warmup_s": warmup, "losses": losses, "trainable_params": sum(q.numel() for q in trainable),
             "threads": torch.get_num_threads()}
+
+
+def _model(model: str | None, tmp: Path, torch_side: bool) -> tuple[str, str, str]:
+    """(zoo checkpoint, what the PyTorch side loads, a name) for --model, or SmolLM2-135M from the bundled GGUF."""
+    if model:
+        import zoo
+        from convert.export import export
+
+        cfg = zoo.read_config(model)
+        hf = str(tmp / "hf")
+        if torch_side:
+            export(model, hf)  # the same float32 weights, as transformers reads them
+        n = sum(math.prod(s.shape) for s in param_specs(cfg).values())
+        return str(Path(model).absolute()), hf, f"{Path(model).name} ({cfg.family}, {n / 1e6:,.{0 if n >= 1e7 else 2}f}M parameters)"
+    from convert import convert
+    from zoo.cli import smollm2_gguf
+
+    gguf = str(smollm2_gguf())
+    ckpt = str(tmp / "smol")
+    convert(gguf, ckpt, progress=False)
+    return ckpt, gguf, "SmolLM2-135M"
 
 
 def _child(which: str, args: argparse.Namespace, ckpt: str, gguf: str) -> dict:
@@ -151,6 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--alpha", type=float, default=32.0, help="LoRA alpha (default 32)")
     ap.add_argument("--remat", choices=("none", "full", "save_dots"), default="full",
                     help="the lmzoo sides' `remat` setting (default full: each layer recomputed in the backward pass)")
+    ap.add_argument("--model", help="a zoo checkpoint to benchmark instead of SmolLM2-135M-Instruct (the PyTorch side "
+                                    "loads its zoo export)")
+    ap.add_argument("--sides", default=",".join(SIDES),
+                    help=f"comma-separated sides to run, of {', '.join(SIDES)} (default all; a check runs when "
+                         "both of its sides ran)")
     ap.add_argument("--out", "--json", dest="out", type=Path, help="also write the result JSON here")
     ap.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
@@ -163,59 +195,51 @@ def main(argv: list[str] | None = None) -> int:
     if args.child == "peft":
         print(json.dumps(run_peft(args.gguf, args.batch, args.seq, args.steps, args.rank, args.alpha)))
         return 0
-    from zoo.cli import smollm2_gguf
-
-    gguf = str(smollm2_gguf())
-    runs: dict[str, list[dict]] = {s: [] for s in SIDES}
+    sides = tuple(x for x in SIDES if x in args.sides.split(","))
+    unknown = set(args.sides.split(",")) - set(SIDES)
+    if unknown or not sides:
+        ap.error(f"--sides: choose from {', '.join(SIDES)} (got {args.sides})")
+    runs: dict[str, list[dict]] = {s: [] for s in sides}
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = str(Path(tmp) / "smol")
-        from convert import convert
-
-        convert(gguf, ckpt, progress=False)
+        ckpt, torch_source, model_name = _model(args.model, Path(tmp), "peft" in sides)
         for rnd in range(args.rounds):
-            order = SIDES[rnd % 3:] + SIDES[:rnd % 3]
+            order = sides[rnd % len(sides):] + sides[:rnd % len(sides)]
             print(f"round {rnd + 1}/{args.rounds}: {', '.join(NAMES[s] for s in order)}", file=sys.stderr, flush=True)
             for which in order:
-                runs[which].append(_child(which, args, ckpt, gguf))
-    res = {s: merge_rounds(runs[s]) for s in SIDES}
+                runs[which].append(_child(which, args, ckpt, torch_source))
+    res = {s: merge_rounds(runs[s]) for s in sides}
     tokens = args.batch * args.seq
     for r in res.values():
         r["median_step_s"] = statistics.median(r["times"])
         r["tokens_per_s"] = tokens / r["median_step_s"]
 
-    print(f"machine: {os.cpu_count()} CPUs; SmolLM2-135M, batch {args.batch} x seq {args.seq}, float32, AdamW, "
+    print(f"machine: {os.cpu_count()} CPUs; {model_name}, batch {args.batch} x seq {args.seq}, float32, AdamW, "
           f"lmzoo remat {args.remat}; "
           f"LoRA rank {args.rank}, alpha {args.alpha:g}, q,k,v,o,gate,up,down")
-    print(f"{'':14}{'step':>10}{'tokens/s':>10}{'peak RSS':>11}{'trainable':>13}{'loss@0':>9}")
-    for s in SIDES:
+    print(f"{'':14}{'step':>10}{'tokens/s':>10}{'peak RSS':>11}{'trainable':>15}{'loss@0':>9}")
+    for s in sides:
         r = res[s]
         print(f"{NAMES[s]:14}{r['median_step_s']:>8.2f} s{r['tokens_per_s']:>10.0f}"
-              f"{r['peak_rss_bytes'] / 2**30:>7.2f} GiB{r['trainable_params']:>13,}{r['losses'][0]:>9.4f}")
+              f"{r['peak_rss_bytes'] / 2**30:>7.2f} GiB{r['trainable_params']:>15,}{r['losses'][0]:>9.4f}")
 
-    lo, fu, pe = (res[s] for s in SIDES)
     med = lambda r: statistics.median(r["times"])  # noqa: E731
-    rss_ratio = lo["peak_rss_bytes"] / fu["peak_rss_bytes"]
-    time_ratio = lo["median_step_s"] / fu["median_step_s"]
-    tput_ratio = pe["median_step_s"] / lo["median_step_s"]
-    per_round = {
-        "lora_vs_full_rss": [a["peak_rss_bytes"] / b["peak_rss_bytes"] for a, b in zip(runs["lora"], runs["full"])],
-        "lora_vs_full_time": [med(a) / med(b) for a, b in zip(runs["lora"], runs["full"])],
-        "lora_vs_peft_throughput": [med(b) / med(a) for a, b in zip(runs["lora"], runs["peft"])],
-    }
-    checks = [
-        ("lmzoo LoRA / full peak RSS", rss_ratio, "<=", 0.6, per_round["lora_vs_full_rss"]),
-        ("lmzoo LoRA / full step time", time_ratio, "<=", 0.75, per_round["lora_vs_full_time"]),
-        ("lmzoo LoRA / PyTorch+peft throughput", tput_ratio, ">=", 1.0, per_round["lora_vs_peft_throughput"]),
+    wanted = [  # (name, numerator side, denominator side, value from medians/peaks, op, target)
+        ("lmzoo LoRA / full peak RSS", "lora", "full", lambda a, b: a["peak_rss_bytes"] / b["peak_rss_bytes"], "<=", 0.6),
+        ("lmzoo LoRA / full step time", "lora", "full", lambda a, b: med(a) / med(b), "<=", 0.75),
+        ("lmzoo LoRA / PyTorch+peft throughput", "lora", "peft", lambda a, b: med(b) / med(a), ">=", 1.0),
     ]
+    checks = [(name, fn(res[x], res[y]), op, target, [fn(a, b) for a, b in zip(runs[x], runs[y])])
+              for name, x, y, fn, op, target in wanted if x in res and y in res]
     results = check_targets(checks)
-    if lo["trainable_params"] != pe["trainable_params"]:
-        print(f"warning: trainable parameters differ: lmzoo LoRA {lo['trainable_params']:,}, "
-              f"peft {pe['trainable_params']:,}")
-    result = {"benchmark": "lora_step", "remat": args.remat, "batch": args.batch, "seq": args.seq,
-              "steps": args.steps, "rounds": args.rounds,
+    if "peft" in res and res["lora"]["trainable_params"] != res["peft"]["trainable_params"]:
+        print(f"warning: trainable parameters differ: lmzoo LoRA {res['lora']['trainable_params']:,}, "
+              f"peft {res['peft']['trainable_params']:,}")
+    keys = {"lora": "lmzoo_lora", "full": "lmzoo_full", "peft": "torch_peft"}
+    result = {"benchmark": "lora_step", "model": model_name, "remat": args.remat, "batch": args.batch,
+              "seq": args.seq, "steps": args.steps, "rounds": args.rounds,
               "rank": args.rank, "alpha": args.alpha, "targets": list(TARGETS), "cpus": os.cpu_count(),
-              "lmzoo_lora": lo, "lmzoo_full": fu, "torch_peft": pe, "checks": results,
-              "all_pass": all(c["pass"] for c in results.values())}
+              **{keys[s]: res[s] for s in sides}, "checks": results,
+              "all_pass": bool(results) and all(c["pass"] for c in results.values())}
     emit(result, args.out)
     return 0
 

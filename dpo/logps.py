@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from zoo.config import ModelConfig
 from zoo.loss import chunk_length
-from zoo.model import forward, head_weight
+from zoo.model import forward
 
 
 def batch_logps(mcfg: ModelConfig, params: dict, mb: dict, remat: str = "none",
@@ -37,22 +37,31 @@ def batch_logps(mcfg: ModelConfig, params: dict, mb: dict, remat: str = "none",
                   return_hidden=True, prefix_ids=mb.get("prefix_ids"), **forward_kwargs)
     hidden, aux = out if moe else (out, None)
     head_grad = forward_kwargs.get("lora") is None
-    logp, mean_logit = token_logps(hidden, head_weight(mcfg, params), mb["targets"], mcfg.final_softcap, head_grad)
+    # A tied head is the embedding as stored ([vocab, hidden]), read in place: embed.T would be a
+    # [hidden, vocab] copy (108 MiB at SmolLM2's size) in every step that scores a batch.
+    tied = mcfg.tie_word_embeddings
+    head = params["embed"] if tied else params["lm_head"]
+    logp, mean_logit = token_logps(hidden, head, mb["targets"], mcfg.final_softcap, head_grad, vocab_major=tied)
     return logp, mean_logit, aux
 
 
 def token_logps(hidden: jax.Array, head: jax.Array, targets: jax.Array, softcap: float | None = None,
-                head_grad: bool = True) -> tuple[jax.Array, jax.Array]:
+                head_grad: bool = True, vocab_major: bool = False) -> tuple[jax.Array, jax.Array]:
     """(log p(target) [batch, seq], mean logit over the vocabulary [batch, seq], not differentiated).
 
     ``hidden`` [batch, seq, dim] are the final normed hidden states, ``head``
-    [dim, vocab] the output weight, ``targets`` [batch, seq] int ids. With
+    [dim, vocab] the output weight (``vocab_major``: [vocab, dim], a tied
+    embedding as it is stored), ``targets`` [batch, seq] int ids. With
     ``head_grad=False`` (a frozen head, as under LoRA) the head gets no
     gradient (zero) and the hidden states' gradient comes from the forward pass.
     """
     if head_grad:
-        return _remat_logps(hidden, head, targets, softcap)
-    return _fused_logps(hidden, head, targets, softcap)
+        return _remat_logps(hidden, head, targets, softcap, vocab_major)
+    return _fused_logps(hidden, head, targets, softcap, vocab_major)
+
+
+def _vocab(head: jax.Array, vocab_major: bool) -> int:
+    return head.shape[0] if vocab_major else head.shape[-1]
 
 
 def _chunked(hidden: jax.Array, targets: jax.Array, vocab: int):
@@ -72,57 +81,59 @@ def _chunked(hidden: jax.Array, targets: jax.Array, vocab: int):
     return xs, ys, unchunk
 
 
-def _logits(xc: jax.Array, head: jax.Array, softcap: float | None) -> tuple[jax.Array, jax.Array | None]:
-    z = jnp.einsum("bcd,dv->bcv", xc, head, preferred_element_type=jnp.float32)
+def _logits(xc: jax.Array, head: jax.Array, softcap: float | None,
+            vocab_major: bool) -> tuple[jax.Array, jax.Array | None]:
+    z = jnp.einsum("bcd,vd->bcv" if vocab_major else "bcd,dv->bcv", xc, head, preferred_element_type=jnp.float32)
     if not softcap:
         return z, None
     th = jnp.tanh(z / softcap)
     return softcap * th, th
 
 
-def _chunk_logps(xc: jax.Array, yc: jax.Array, head: jax.Array, softcap: float | None):
-    z, th = _logits(xc, head, softcap)
+def _chunk_logps(xc: jax.Array, yc: jax.Array, head: jax.Array, softcap: float | None, vocab_major: bool):
+    z, th = _logits(xc, head, softcap, vocab_major)
     lse = jax.nn.logsumexp(z, axis=-1)
     logp = jnp.take_along_axis(z, yc[..., None], axis=-1)[..., 0] - lse
     return logp, jax.lax.stop_gradient(z.mean(-1)), z, lse, th
 
 
-def _remat_logps(hidden, head, targets, softcap):
-    xs, ys, unchunk = _chunked(hidden, targets, head.shape[-1])
+def _remat_logps(hidden, head, targets, softcap, vocab_major):
+    xs, ys, unchunk = _chunked(hidden, targets, _vocab(head, vocab_major))
 
     @jax.checkpoint
     def chunk(xc: jax.Array, yc: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return _chunk_logps(xc, yc, head, softcap)[:2]
+        return _chunk_logps(xc, yc, head, softcap, vocab_major)[:2]
 
     logp, mean_logit = jax.lax.map(lambda a: chunk(*a), (xs, ys))
     return unchunk(logp), unchunk(mean_logit)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _fused_logps(hidden, head, targets, softcap):
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _fused_logps(hidden, head, targets, softcap, vocab_major):
     # The primal alone (a reference pass, evaluation): no gradient work, so the checkpoint is inert.
-    return _remat_logps(hidden, head, targets, softcap)
+    return _remat_logps(hidden, head, targets, softcap, vocab_major)
 
 
-def _fused_logps_fwd(hidden, head, targets, softcap):
-    vocab = head.shape[-1]
+def _fused_logps_fwd(hidden, head, targets, softcap, vocab_major):
+    vocab = _vocab(head, vocab_major)
     xs, ys, unchunk = _chunked(hidden, targets, vocab)
 
     def chunk(inp):
         xc, yc = inp
-        logp, mean_logit, z, lse, th = _chunk_logps(xc, yc, head, softcap)
+        logp, mean_logit, z, lse, th = _chunk_logps(xc, yc, head, softcap, vocab_major)
         # d logp / d z = onehot(target) - softmax(z); through the cap, times 1 - tanh^2; then to the hidden state.
         dz = (jnp.arange(vocab, dtype=yc.dtype) == yc[..., None]) - jnp.exp(z - lse[..., None])
         if th is not None:
             dz = dz * (1.0 - th * th)
-        dx = jnp.einsum("bcv,dv->bcd", dz, head, preferred_element_type=jnp.float32).astype(hidden.dtype)
+        dx = jnp.einsum("bcv,vd->bcd" if vocab_major else "bcv,dv->bcd", dz, head,
+                        preferred_element_type=jnp.float32).astype(hidden.dtype)
         return logp, mean_logit, dx
 
     logp, mean_logit, dx = jax.lax.map(chunk, (xs, ys))
     return (unchunk(logp), unchunk(mean_logit)), (unchunk(dx), head)
 
 
-def _fused_logps_bwd(softcap, res, g):
+def _fused_logps_bwd(softcap, vocab_major, res, g):
     dx, head = res
     g_logp, _ = g  # the mean logit is a metric: no gradient flows from it
     return (g_logp[..., None] * dx).astype(dx.dtype), jnp.zeros_like(head), None

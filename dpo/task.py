@@ -171,9 +171,13 @@ class DPOTask:
             "rewards/chosen": rw_c, "rewards/rejected": rw_r,
             "rewards/accuracies": (rw_c > rw_r).astype(jnp.float32), "rewards/margins": rw_c - rw_r,
             "logps/chosen": sg(chosen), "logps/rejected": sg(rejected),
-            "logits/chosen": (mean_logit * wc).sum(-1) / nc1, "logits/rejected": (mean_logit * wr).sum(-1) / nr1,
         }
         extras = {k: (v * keep).sum() for k, v in per_pair.items()}
+        # TRL's logits/*: the mean logit over the vocabulary, averaged over every chosen (rejected) answer
+        # token of the batch, so longer answers weigh more: a (sum, token count) pair, divided by the loop.
+        for name, wa in (("logits/chosen", wc), ("logits/rejected", wr)):
+            wk = wa * keep[:, None]
+            extras[name] = ((mean_logit * wk).sum(), wk.sum())
         objective = total + (aux["loss"] * n if aux is not None else 0.0)
         return objective, (sg(total), n, extras)
 

@@ -46,7 +46,8 @@ class Task(Protocol):
       (never differentiated), or None;
     * ``loss_sums`` returning ``(objective, (loss sum, count, {name: sum}))``:
       the named sums are accumulated like the loss and logged divided by the
-      count (eval: with an ``eval_`` prefix);
+      count (eval: with an ``eval_`` prefix); a ``(sum, count)`` pair in place of
+      a sum is logged as its own ratio (e.g. a mean over tokens, not pairs);
     * ``too_long``: the row indices the task cut or dropped to fit its own rows
       (reported like ``data.long_examples``).
     """

@@ -36,7 +36,7 @@ from pretrain.lanes import check_same_processes, global_batch, replicated_batch,
 from pretrain.optim import build_optimizer, lr_schedule
 from pretrain.eval_tasks import TrainingEval
 from pretrain.setup import init_adapters, load_model, load_tokenizer, lora_settings
-from pretrain.step import init_state, make_step
+from pretrain.step import extra_means, init_state, make_step
 from pretrain.task import PretrainTask, Task
 
 
@@ -194,10 +194,11 @@ def _eval_loss(eval_fn, params: dict, docs: list, cfg: TrainConfig, micro: int, 
         s, n, *rest = eval_fn(params, replicated_batch(b, sharding))
         total, count = total + float(s), count + float(n)
         for k, v in (rest[0] if rest else {}).items():
-            extra[k] = extra.get(k, 0.0) + float(v)
+            v = tuple(float(x) for x in v) if isinstance(v, tuple) else float(v)
+            extra[k] = jax.tree.map(lambda a, b: a + b, extra[k], v) if k in extra else v
     if count == 0:
         raise UserError("the eval data is shorter than one batch of seq_len tokens; add data or lower data.seq_len")
-    return {"eval_loss": total / count, **{f"eval_{k}": v / count for k, v in extra.items()}}
+    return {"eval_loss": total / count, **{f"eval_{k}": float(v) for k, v in extra_means(extra, count).items()}}
 
 
 class _StopOnSignal:

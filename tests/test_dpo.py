@@ -132,6 +132,45 @@ def test_step_one_metrics_equal_transformers(setup, tmp_path, name):
     assert got["rewards/accuracies"] == np.mean(np.asarray(rc) > np.asarray(rr))
 
 
+def test_step_one_logps_and_logits_are_trl_means(setup, tmp_path):
+    """logps/* are means over pairs of summed answer log-probabilities; logits/* are TRL's mean logit over
+    the vocabulary averaged over every answer token of the batch (token-weighted: answers of unequal
+    length here, so a mean of per-pair means would differ), from transformers' logits."""
+    root, tok, models = setup
+    rows = [{"prompt": "colour red:", "chosen": " red", "rejected": " blue blue blue blue"},
+            {"prompt": "colour green:", "chosen": " green green green", "rejected": " black"},
+            {"prompt": "colour white:", "chosen": " white white", "rejected": " yellow yellow yellow"},
+            {"prompt": "colour blue:", "chosen": " blue blue blue blue blue", "rejected": " red red"}]
+    _write(root / "uneven.jsonl", rows)
+    out = tmp_path / "run"
+    cfg = _cfg(root, out, "max_steps=1", f"dpo.reference={root / 'reference'}", data="uneven.jsonl")
+    train(cfg, progress=False, task=DPOTask(cfg))
+    got = _metrics(out)[0]
+    logps = {"chosen": [], "rejected": []}
+    logit_sums, lengths = {"chosen": 0.0, "rejected": 0.0}, {"chosen": [], "rejected": []}
+    for row in rows:
+        prompt = tok(row["prompt"])["input_ids"]
+        for side in ("chosen", "rejected"):
+            answer = tok(row[side], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            logits = hf_logits(models["policy"], np.asarray([prompt + answer]))[0]
+            at = slice(len(prompt) - 1, len(prompt) - 1 + len(answer))  # the positions predicting the answer
+            logps[side].append(_hf_logps(models["policy"], prompt, answer))
+            logit_sums[side] += float(logits[at].mean(-1).sum())
+            lengths[side].append(len(answer))
+    for side in ("chosen", "rejected"):
+        assert len(set(lengths[side])) > 1  # answers of unequal length, where the two means differ
+        np.testing.assert_allclose(got[f"logps/{side}"], np.mean(logps[side]), rtol=1e-5)
+        np.testing.assert_allclose(got[f"logits/{side}"], logit_sums[side] / sum(lengths[side]), rtol=1e-5)
+    # The mean of per-pair means is not what is logged.
+    mean_of_means = []
+    for row in rows:
+        prompt = tok(row["prompt"])["input_ids"]
+        answer = tok(row["chosen"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        logits = hf_logits(models["policy"], np.asarray([prompt + answer]))[0]
+        mean_of_means.append(float(logits[len(prompt) - 1:len(prompt) - 1 + len(answer)].mean()))
+    assert abs(np.mean(mean_of_means) - got["logits/chosen"]) > 1e-4 * abs(got["logits/chosen"])
+
+
 LORA = ("lora.rank=8", "lora.alpha=16")
 
 

@@ -197,6 +197,23 @@ def test_rslora_subset_adapter(setup):
     assert np.abs(hf_logits(model, setup.tokens) - jax_logits(ckpt, setup.tokens)).max() <= TOL
 
 
+def test_adapters_over_an_adapter_checkpoint_export_merged_and_as_peft(llama):
+    """DPO's adapters trained over an SFT run's adapter checkpoint (its model.path): the merged export carries
+    both deltas, and the PEFT export loads in peft on the SFT model's merged export (as its card says)."""
+    root = llama.root
+    dpo = write_adapter_checkpoint(llama.adapter, root / "dpo", LoraConfig(rank=4, alpha=8.0, targets=ALL_TARGETS),
+                                   seed=1)
+    assert main(["export", str(dpo), "--out", str(root / "dpo_merged")]) == 0
+    assert main(["export", str(dpo), "--adapter", "--out", str(root / "dpo_peft")]) == 0
+    want = jax_logits(dpo, llama.tokens)  # zoo.load merges the chain: base + SFT delta + DPO delta
+    assert np.abs(want - jax_logits(llama.adapter, llama.tokens)).max() > 0.1  # the DPO adapter changes the model
+    assert np.abs(hf_logits(load_hf(root / "dpo_merged"), llama.tokens) - want).max() <= TOL
+    model = load_peft(llama.merged, root / "dpo_peft")
+    assert_peft_loads_every_key(model, root / "dpo_peft")
+    assert np.abs(hf_logits(model, llama.tokens) - want).max() <= TOL
+    assert f"zoo export {llama.adapter}" in (root / "dpo_peft" / "README.md").read_text()
+
+
 def _one_error_line(capsys) -> str:
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: "), err

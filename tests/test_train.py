@@ -414,8 +414,9 @@ def test_a_training_process_never_imports_torch(setup, tmp_path):
 
 
 def test_steps_compile_ahead_once_per_shape_then_trim(monkeypatch):
-    """make_step's functions compile each new argument shape before running it and hand the compiler's
-    freed memory back in between (so it is not under the first step's peak); jit's cache serves the run."""
+    """make_step's functions compile each new argument shape before running it (with XLA:CPU's memory-optimized
+    scheduler) and hand the compiler's freed memory back in between (so it is not under the first step's
+    peak); later calls with that shape run the executable compiled then."""
     import jax
     import jax.numpy as jnp
 
@@ -424,19 +425,44 @@ def test_steps_compile_ahead_once_per_shape_then_trim(monkeypatch):
     events = []
     monkeypatch.setattr(step_mod, "release_free_memory", lambda: events.append("trim"))
 
+    class Executable:
+        def __init__(self, compiled):
+            self.compiled = compiled
+
+        def __call__(self, *args):
+            events.append("run")
+            return self.compiled(*args)
+
+    class Lowered:
+        def __init__(self, lowered):
+            self.lowered = lowered
+
+        def compile(self, compiler_options=None):
+            events.append(("compile", compiler_options))
+            return Executable(self.lowered.compile(compiler_options=compiler_options))
+
     class Recorder:
         def __init__(self, fn):
             self.fn = jax.jit(fn)
 
         def lower(self, *args):
-            events.append("compile")
-            return self.fn.lower(*args)
-
-        def __call__(self, *args):
-            events.append("run")
-            return self.fn(*args)
+            return Lowered(self.fn.lower(*args))
 
     f = step_mod.compile_then_trim(Recorder(lambda x, y: x * 2 + (0 if y is None else y)))
     a, b = jnp.ones(3), jnp.ones(5)
     assert float(f(a, None).sum()) == 6 and float(f(a, None).sum()) == 6 and float(f(b, a[0]).sum()) == 15
-    assert events == ["compile", "trim", "run", "run", "compile", "trim", "run"]
+    opts = step_mod.CPU_COMPILER_OPTIONS
+    assert opts == {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+    assert events == [("compile", opts), "trim", "run", "run", ("compile", opts), "trim", "run"]
+
+
+def test_steps_still_compile_where_xla_does_not_know_the_scheduler_option(monkeypatch):
+    """The memory-optimized scheduler is an optimization: an XLA that rejects the option compiles plainly."""
+    import jax
+    import jax.numpy as jnp
+
+    import pretrain.step as step_mod
+
+    monkeypatch.setattr(step_mod, "CPU_COMPILER_OPTIONS", {"xla_cpu_no_such_option_here": 1})
+    f = step_mod.compile_then_trim(jax.jit(lambda x: x * 3))
+    assert float(f(jnp.ones(4)).sum()) == 12

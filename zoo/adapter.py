@@ -74,9 +74,10 @@ class MergedParamReader:
     (the :class:`zoo.checkpoint.ParamReader` interface)."""
 
     def __init__(self, ckpt: str | os.PathLike, meta: dict[str, Any], path: str):
-        from zoo.checkpoint import ParamReader, load_param_numpy
+        from zoo.checkpoint import load_param_numpy, param_reader
 
-        self.base = ParamReader(base_checkpoint(ckpt, meta), path)
+        # The base may itself be an adapter checkpoint (DPO's adapters over an SFT run's): read it merged too.
+        self.base = param_reader(base_checkpoint(ckpt, meta), path)
         self.shape, self.dtype = self.base.shape, self.base.dtype
         self.scale = meta["lora"]["scale"]
         self.a = self.b = None

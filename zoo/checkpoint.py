@@ -13,6 +13,7 @@ Converted checkpoints and training-run checkpoints share this layout, so
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -279,12 +280,39 @@ def load_params(
             raise UserError(f"{ckpt}: parameter '{p}' has shape {shape}, the config implies {specs[p].shape}")
         dt = np.dtype(dtype) if dtype is not None else _np_dtype(stored[p]["dtype"])
         abstract[p] = jax.ShapeDtypeStruct(shape, dt, sharding=named_sharding(mesh, specs[p].axes, shape))
+    # Parameters restored in groups of at most the largest one's bytes: each group's staging buffers (the
+    # host copy Orbax reads into before the device array exists) are freed and handed back before the next,
+    # so the load peaks at the weights plus about the largest parameter, not at twice the weights (measured
+    # on SmolLM2-135M: 0.63 GB above the weights restoring all at once, of which 0.4 GB could stay resident).
+    # A model that fits in one group (tests' tiny ones) restores in one call, without a collection (a full
+    # gc.collect() takes 0.25 s with transformers imported).
+    groups = _restore_groups(abstract)
     ctx = ocp.Context()
-    ctx.pytree.loading.partial_load = paths is not None
+    ctx.pytree.loading.partial_load = paths is not None or len(groups) > 1
+    flat = {}
     with ctx:
-        params = ocp.load(Path(ckpt).absolute() / PARAMS_DIR, nest(abstract))
-    release_free_memory()  # the restore's staging buffers, freed into glibc's arenas
+        for group in groups:
+            flat.update(flatten(ocp.load(Path(ckpt).absolute() / PARAMS_DIR, nest({p: abstract[p] for p in group}))))
+            if len(groups) > 1:
+                gc.collect()  # the staging buffers of this group, some held in reference cycles
+            release_free_memory()
+    params = nest(flat)
     return params
+
+
+def _restore_groups(abstract: dict[str, jax.ShapeDtypeStruct], floor: int = 64 << 20) -> list[list[str]]:
+    """``abstract``'s parameter names in consecutive groups of at most max(largest parameter, ``floor``) bytes."""
+    size = {p: int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for p, a in abstract.items()}
+    budget = max([floor, *size.values()])
+    groups: list[list[str]] = []
+    used = budget
+    for p in abstract:
+        if used + size[p] > budget:
+            groups.append([])
+            used = 0
+        groups[-1].append(p)
+        used += size[p]
+    return groups
 
 
 def load_param_numpy(ckpt: str | os.PathLike, path: str, info: dict[str, Any] | None = None) -> np.ndarray:
