@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from zoo.config import ModelConfig
-from zoo.loss import chunk_length
-from zoo.model import forward
+from zoo.loss import chunk_length, chunk_logits, head_vocab
+from zoo.model import forward, stored_head
 
 
 def batch_logps(mcfg: ModelConfig, params: dict, mb: dict, remat: str = "none",
@@ -37,11 +37,10 @@ def batch_logps(mcfg: ModelConfig, params: dict, mb: dict, remat: str = "none",
                   return_hidden=True, prefix_ids=mb.get("prefix_ids"), **forward_kwargs)
     hidden, aux = out if moe else (out, None)
     head_grad = forward_kwargs.get("lora") is None
-    # A tied head is the embedding as stored ([vocab, hidden]), read in place: embed.T would be a
-    # [hidden, vocab] copy (108 MiB at SmolLM2's size) in every step that scores a batch.
-    tied = mcfg.tie_word_embeddings
-    head = params["embed"] if tied else params["lm_head"]
-    logp, mean_logit = token_logps(hidden, head, mb["targets"], mcfg.final_softcap, head_grad, vocab_major=tied)
+    # The head as stored: a tied embedding read in place, where embed.T would be a [hidden, vocab] copy
+    # (108 MiB at SmolLM2's size) in every step that scores a batch.
+    head, vocab_major = stored_head(mcfg, params)
+    logp, mean_logit = token_logps(hidden, head, mb["targets"], mcfg.final_softcap, head_grad, vocab_major)
     return logp, mean_logit, aux
 
 
@@ -58,10 +57,6 @@ def token_logps(hidden: jax.Array, head: jax.Array, targets: jax.Array, softcap:
     if head_grad:
         return _remat_logps(hidden, head, targets, softcap, vocab_major)
     return _fused_logps(hidden, head, targets, softcap, vocab_major)
-
-
-def _vocab(head: jax.Array, vocab_major: bool) -> int:
-    return head.shape[0] if vocab_major else head.shape[-1]
 
 
 def _chunked(hidden: jax.Array, targets: jax.Array, vocab: int):
@@ -81,24 +76,15 @@ def _chunked(hidden: jax.Array, targets: jax.Array, vocab: int):
     return xs, ys, unchunk
 
 
-def _logits(xc: jax.Array, head: jax.Array, softcap: float | None,
-            vocab_major: bool) -> tuple[jax.Array, jax.Array | None]:
-    z = jnp.einsum("bcd,vd->bcv" if vocab_major else "bcd,dv->bcv", xc, head, preferred_element_type=jnp.float32)
-    if not softcap:
-        return z, None
-    th = jnp.tanh(z / softcap)
-    return softcap * th, th
-
-
 def _chunk_logps(xc: jax.Array, yc: jax.Array, head: jax.Array, softcap: float | None, vocab_major: bool):
-    z, th = _logits(xc, head, softcap, vocab_major)
+    z, th = chunk_logits(xc, head, softcap, vocab_major)
     lse = jax.nn.logsumexp(z, axis=-1)
     logp = jnp.take_along_axis(z, yc[..., None], axis=-1)[..., 0] - lse
     return logp, jax.lax.stop_gradient(z.mean(-1)), z, lse, th
 
 
 def _remat_logps(hidden, head, targets, softcap, vocab_major):
-    xs, ys, unchunk = _chunked(hidden, targets, _vocab(head, vocab_major))
+    xs, ys, unchunk = _chunked(hidden, targets, head_vocab(head, vocab_major))
 
     @jax.checkpoint
     def chunk(xc: jax.Array, yc: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -115,7 +101,7 @@ def _fused_logps(hidden, head, targets, softcap, vocab_major):
 
 
 def _fused_logps_fwd(hidden, head, targets, softcap, vocab_major):
-    vocab = _vocab(head, vocab_major)
+    vocab = head_vocab(head, vocab_major)
     xs, ys, unchunk = _chunked(hidden, targets, vocab)
 
     def chunk(inp):

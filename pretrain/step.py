@@ -112,11 +112,7 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any,
 def extra_means(sums: dict, n: Any) -> dict:
     """A task's extra metric sums as means: a plain sum divided by the task's count ``n``, a
     (sum, count) pair by its own count (0 where that count is 0)."""
-    def mean(v: Any) -> Any:
-        if isinstance(v, tuple):
-            return v[0] / jnp.maximum(v[1], 1e-30) if isinstance(v[1], jax.Array) else v[0] / max(v[1], 1e-30)
-        return v / n
-    return {k: mean(v) for k, v in sums.items()}
+    return {k: v[0] / jnp.maximum(v[1], 1e-30) if isinstance(v, tuple) else v / n for k, v in sums.items()}
 
 
 # XLA:CPU's memory-optimized instruction scheduler: the default (concurrency-optimized) one starts independent

@@ -15,7 +15,7 @@ import numpy as np
 
 from zoo.config import ModelConfig
 from zoo.loss import next_token_nll_sum
-from zoo.model import forward
+from zoo.model import forward, stored_head
 
 from pretrain.config import TrainConfig
 from pretrain.data import load_rows, tokenize_rows
@@ -85,9 +85,9 @@ def next_token_loss_sums(mcfg: ModelConfig, params: dict, mb: dict, compute: Any
     hidden, aux = out if moe else (out, None)
     # Fused head + loss in chunks (zoo.loss): the [batch, seq, vocab] logits are never stored. With LoRA
     # adapters the head is frozen, so its gradient is not even computed.
-    tied = mcfg.tie_word_embeddings
-    s = next_token_nll_sum(hidden, p["embed"] if tied else p["lm_head"], mb["targets"], mb["weights"],
-                           mcfg.final_softcap, head_grad=forward_kwargs.get("lora") is None, vocab_major=tied)
+    head, vocab_major = stored_head(mcfg, p)
+    s = next_token_nll_sum(hidden, head, mb["targets"], mb["weights"], mcfg.final_softcap,
+                           head_grad=forward_kwargs.get("lora") is None, vocab_major=vocab_major)
     n = mb["weights"].sum()
     total = s + (aux["loss"] * n if moe else 0.0)
     return total, (s, n)

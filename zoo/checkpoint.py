@@ -280,7 +280,7 @@ def load_params(
             raise UserError(f"{ckpt}: parameter '{p}' has shape {shape}, the config implies {specs[p].shape}")
         dt = np.dtype(dtype) if dtype is not None else _np_dtype(stored[p]["dtype"])
         abstract[p] = jax.ShapeDtypeStruct(shape, dt, sharding=named_sharding(mesh, specs[p].axes, shape))
-    # Parameters restored in groups of at most the largest one's bytes: each group's staging buffers (the
+    # Parameters restored in groups of at most max(the largest one, 64 MiB) bytes: each group's staging buffers (the
     # host copy Orbax reads into before the device array exists) are freed and handed back before the next,
     # so the load peaks at the weights plus about the largest parameter, not at twice the weights (measured
     # on SmolLM2-135M: 0.63 GB above the weights restoring all at once, of which 0.4 GB could stay resident).
@@ -296,8 +296,7 @@ def load_params(
             if len(groups) > 1:
                 gc.collect()  # the staging buffers of this group, some held in reference cycles
             release_free_memory()
-    params = nest(flat)
-    return params
+    return nest(flat)
 
 
 def _restore_groups(abstract: dict[str, jax.ShapeDtypeStruct], floor: int = 64 << 20) -> list[list[str]]:

@@ -61,7 +61,7 @@ def _chunks(x: jax.Array, targets: jax.Array, weights: jax.Array, vocab: int):
     return split(x), split(targets), split(w), t
 
 
-def _logits(xc: jax.Array, head: jax.Array, softcap: float | None,
+def chunk_logits(xc: jax.Array, head: jax.Array, softcap: float | None,
             vocab_major: bool) -> tuple[jax.Array, jax.Array | None]:
     """(capped float32 logits [b, c, vocab], tanh of the cap or None) of one chunk."""
     z = jnp.einsum("bck,vk->bcv" if vocab_major else "bck,kv->bcv", xc, head, preferred_element_type=jnp.float32)
@@ -77,18 +77,19 @@ def _token_nll(z: jax.Array, tc: jax.Array) -> tuple[jax.Array, jax.Array]:
     return lse - jnp.take_along_axis(z, tc[..., None], axis=-1)[..., 0], lse
 
 
-def _vocab(head: jax.Array, vocab_major: bool) -> int:
+def head_vocab(head: jax.Array, vocab_major: bool) -> int:
+    """The vocabulary size of an output head in either layout."""
     return head.shape[0] if vocab_major else head.shape[-1]
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _nll_sum(x, head, targets, weights, softcap, head_grad, vocab_major):
     # The primal alone (evaluation): chunked losses, no gradient work.
-    xs, ts, ws, _ = _chunks(x, targets, weights, _vocab(head, vocab_major))
+    xs, ts, ws, _ = _chunks(x, targets, weights, head_vocab(head, vocab_major))
 
     def body(total, inp):
         xc, tc, wc = inp
-        nll, _ = _token_nll(_logits(xc, head, softcap, vocab_major)[0], tc)
+        nll, _ = _token_nll(chunk_logits(xc, head, softcap, vocab_major)[0], tc)
         return total + (nll * wc).sum(), None
 
     total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (xs, ts, ws))
@@ -96,13 +97,13 @@ def _nll_sum(x, head, targets, weights, softcap, head_grad, vocab_major):
 
 
 def _nll_sum_fwd(x, head, targets, weights, softcap, head_grad, vocab_major):
-    vocab = _vocab(head, vocab_major)
+    vocab = head_vocab(head, vocab_major)
     xs, ts, ws, t = _chunks(x, targets, weights, vocab)
 
     def body(carry, inp):
         total, dhead = carry
         xc, tc, wc = inp
-        z, t = _logits(xc, head, softcap, vocab_major)
+        z, t = chunk_logits(xc, head, softcap, vocab_major)
         nll, lse = _token_nll(z, tc)
         # d(sum w * nll)/dz = w * (softmax(z) - onehot(target)); through the cap, times 1 - tanh^2.
         onehot = jnp.arange(vocab, dtype=tc.dtype) == tc[..., None]

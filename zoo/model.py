@@ -203,6 +203,13 @@ def forward(
     return logits, aux_losses(stats, cfg)
 
 
+def stored_head(cfg: ModelConfig, params: dict[str, Any]) -> tuple[jax.Array, bool]:
+    """(the output head as stored, whether it is vocab-major): a tied embedding [vocab, hidden] as it is,
+    for losses that read it in place (``vocab_major``), else ``lm_head`` [hidden, vocab]."""
+    tied = cfg.tie_word_embeddings
+    return (params["embed"] if tied else params["lm_head"]), tied
+
+
 def head_weight(cfg: ModelConfig, params: dict[str, Any]) -> jax.Array:
     """The output head [hidden, vocab]: the transposed embedding when tied, else ``lm_head``."""
     return params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
