@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from zoo.adapter import base_location
 from zoo.checkpoint import MODEL_FILE, atomic_output, load_param_numpy, read_meta
 from zoo.config import ModelConfig
 from zoo.errors import UserError
@@ -91,13 +92,12 @@ def adapter_meta_of(ckpt: str | os.PathLike) -> dict[str, Any]:
 def base_model_ref(ckpt: str | os.PathLike, meta: dict[str, Any]) -> str:
     """peft's ``base_model_name_or_path``: the base's Hub repo id if its source names one, else the base's path.
 
-    Only the base's model.json is read, so a moved base still exports (with its recorded path). A base
-    converted from a multimodal Gemma 3 repo gets its path too: the adapter's module names are those of
-    the text-only model that `zoo export` writes, not of the repo's multimodal one.
+    Only the base's model.json is read (found as zoo.adapter finds it: beside a moved run too), so a base
+    gone or changed still exports (with its recorded path). A base converted from a multimodal Gemma 3
+    repo gets its path too: the adapter's module names are those of the text-only model that `zoo export`
+    writes, not of the repo's multimodal one.
     """
-    base = Path(meta["lora"]["base"])
-    if not base.is_absolute():
-        base = (Path(ckpt) / base).resolve()
+    base = base_location(ckpt, meta)  # a base moved together with the run: its model.json there
     try:
         base_meta = json.loads((base / MODEL_FILE).read_text())
     except (OSError, ValueError):

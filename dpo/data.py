@@ -13,13 +13,23 @@ Row shapes (columns ``prompt`` (optional), ``chosen``, ``rejected``):
   (it must not be empty, and both must go on past it).
 
 Conversations are rendered with the chat template (``data.chat_template`` or
-the tokenizer's): the prompt with the generation prompt, each answer as what
-the whole render adds after it, up to and including the template's
-end-of-turn token (the separator the template writes after it, ChatML's
-``\\n``, is a prompt-side token and is left out, as in SFT). The prompt is
-tokenized once and shared by both answers, and the answers are tokenized
-apart from it, as TRL's DPOTrainer does (so a pair's two sequences agree on
-every prompt token).
+the tokenizer's, with ``data.template_kwargs``), each answer inside the whole
+conversation ``prompt + answer`` as sft/chat.py locates an assistant turn:
+from after the header the model is prompted with, through the template's
+end-of-turn token (the separator written after it, ChatML's ``\\n``, is a
+prompt-side token and is left out, as in SFT). The text before the answer is
+the prompt; both answers' renders must agree on it.
+
+Tokens come from the whole text, never from a piece tokenized alone: each of
+``prompt + chosen`` and ``prompt + rejected`` is tokenized as one text and
+split at the prompt's last whole token (TRL's rule; a token that merges the
+prompt's end with the answer's start belongs to the answer). This matters for
+SentencePiece tokenizers with a dummy prefix (Llama 2, Mistral), which would
+give an answer tokenized alone a space the text never had. The shared prompt
+is what both sequences agree on; where the two splits differ (a merge on one
+side only), each answer keeps its own remaining prompt tokens ahead of it,
+untrained (:attr:`PairTokens.chosen_head`), so each answer sees exactly the
+tokens of its whole text.
 
 Batch layout (the one-forward-pass choice): a pair is ONE row of at most
 ``data.seq_len + 1`` tokens, and by default its prompt is in it once:
@@ -47,13 +57,14 @@ out.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from sft.formats import BadRow, _messages
-from sft.masks import _encode, _render, _special_affixes, _template
+from sft.formats import BadRow, parse_messages
+from sft.chat import ChatTemplate, as_template, assistant_spans
+from sft.masks import TokenizeStats, bos_head, special_affixes, split_whole
 
 CHOSEN, REJECTED, PROMPT = 1, 2, 3  # the segment ids of a pair's answers and of its shared prompt
 
@@ -74,11 +85,18 @@ class Pair:
 
 @dataclass(frozen=True)
 class PairTokens:
-    """The token ids of a pair: the shared prompt and each answer (each ends with its end-of-turn token)."""
+    """The token ids of a pair: the shared prompt and each answer (each ends with its end-of-turn token).
+
+    ``chosen_head`` / ``rejected_head`` are prompt tokens of one answer's
+    whole text beyond the shared prompt (empty unless the two texts tokenize
+    the prompt's end differently): they precede that answer, untrained.
+    """
 
     prompt: np.ndarray
     chosen: np.ndarray
     rejected: np.ndarray
+    chosen_head: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    rejected_head: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
 
 
 def normalize_pair(row: dict[str, Any]) -> Pair:
@@ -92,7 +110,7 @@ def normalize_pair(row: dict[str, Any]) -> Pair:
         if not (isinstance(chosen, list) and isinstance(rejected, list)):
             raise BadRow("without a 'prompt' field, 'chosen' and 'rejected' must be whole conversations "
                          "(message lists) sharing their first messages")
-        c, r = _messages(chosen, "chosen"), _messages(rejected, "rejected")
+        c, r = parse_messages(chosen, "chosen"), parse_messages(rejected, "rejected")
         if c == r:
             raise BadRow("'chosen' and 'rejected' are identical (the pair prefers nothing)")
         n = _common_prefix(c, r)
@@ -105,7 +123,7 @@ def normalize_pair(row: dict[str, Any]) -> Pair:
     elif isinstance(prompt, str):
         pair = Pair(_text(prompt, "prompt", allow_empty=True), _text(chosen, "chosen"), _text(rejected, "rejected"))
     else:
-        p = _messages(prompt, "prompt")
+        p = parse_messages(prompt, "prompt")
         pair = Pair(p, _answer(chosen, "chosen"), _answer(rejected, "rejected"))
     if pair.chosen == pair.rejected:
         raise BadRow("'chosen' and 'rejected' are identical (the pair prefers nothing)")
@@ -133,65 +151,72 @@ def _answer(value: Any, name: str) -> list[dict[str, str]]:
         if not value.strip():
             raise BadRow(f"field '{name}' is empty")
         return [{"role": "assistant", "content": value}]
-    msgs = _messages(value, name)
+    msgs = parse_messages(value, name)
     if not any(m["role"] == "assistant" for m in msgs):
         raise BadRow(f"field '{name}' has no assistant turn")
     return msgs
 
 
-def tokenize_pair(pair: Pair, tokenizer: Any, chat_template: str | None = None) -> PairTokens:
-    """The shared prompt's ids (tokenized once) and each answer's ids; raises BadRow for an unusable pair."""
+def tokenize_pair(pair: Pair, tokenizer: Any, chat_template: ChatTemplate | str | None = None,
+                  stats: TokenizeStats | None = None) -> PairTokens:
+    """The shared prompt's ids and each answer's ids, all from whole texts (see the module docstring); raises
+    BadRow for an unusable pair. A boundary merge is counted in ``stats``."""
     if pair.is_chat:
-        template = _template(tokenizer, chat_template)
-        prompt_text = _render(tokenizer, pair.prompt, template, True)
-        answers = [_chat_answer(tokenizer, pair.prompt, a, prompt_text, template, name)
-                   for a, name in ((pair.chosen, "chosen"), (pair.rejected, "rejected"))]
-        head = _special_affixes(tokenizer)[0]
-        bos = tokenizer.bos_token
-        # Templates write their own BOS; add the tokenizer's configured one only when the template did not.
-        if head != [tokenizer.bos_token_id] or (bos and prompt_text.startswith(bos)):
-            head = []
-        prompt = head + _encode(prompt_text, tokenizer)
+        template = as_template(chat_template)
+        texts = [_chat_texts(tokenizer, pair.prompt, a, template, name)
+                 for a, name in ((pair.chosen, "chosen"), (pair.rejected, "rejected"))]
+        if texts[0][0] != texts[1][0]:
+            raise BadRow("the chat template renders the prompt differently before 'chosen' and before 'rejected', "
+                         "so the two answers have no common prompt")
+        head = bos_head(tokenizer, texts[0][0] + texts[0][1])
     else:
-        head = _special_affixes(tokenizer)[0]
-        prompt = _encode(pair.prompt, tokenizer)
-        if head and prompt[:len(head)] == head:  # the prompt starts with its own BOS: no second one
+        texts = [(pair.prompt, pair.chosen), (pair.prompt, pair.rejected)]
+        head = special_affixes(tokenizer)[0]
+    sides = []
+    for prompt_text, answer_text in texts:
+        ids, n, merged = split_whole(prompt_text, answer_text, tokenizer)
+        if merged and stats is not None:
+            stats.boundary_merges += 1
+        if head and ids[:len(head)] == head:  # the text starts with its own BOS: no second one
             head = []
-        prompt = head + prompt
+        sides.append((ids[:n], ids[n:]))
+    if not pair.is_chat:  # string answers end with one EOS (unless they already do)
         eos = tokenizer.eos_token_id
-        answers = []
-        for text in (pair.chosen, pair.rejected):
-            ids = _encode(text, tokenizer)
-            if eos is not None and (not ids or ids[-1] != eos):
-                ids.append(eos)
-            answers.append(ids)
+        sides = [(p, a + [eos] if eos is not None and (not a or a[-1] != eos) else a) for p, a in sides]
+    (pc, chosen), (pr, rejected) = sides
+    shared = 0
+    while shared < min(len(pc), len(pr)) and pc[shared] == pr[shared]:
+        shared += 1
+    prompt = head + pc[:shared]
     if not prompt:
         raise BadRow("the prompt renders to no token (nothing to condition the answers on)")
-    for ids, name in zip(answers, ("chosen", "rejected")):
+    for ids, name in ((chosen, "chosen"), (rejected, "rejected")):
         if not ids:
             raise BadRow(f"the '{name}' answer renders to no token")
-    if answers[0] == answers[1]:
+    if pc[shared:] + chosen == pr[shared:] + rejected:
         raise BadRow("'chosen' and 'rejected' tokenize identically (the pair prefers nothing)")
-    return PairTokens(np.asarray(prompt, np.int32), np.asarray(answers[0], np.int32), np.asarray(answers[1], np.int32))
+    i32 = lambda x: np.asarray(x, np.int32)  # noqa: E731
+    return PairTokens(i32(prompt), i32(chosen), i32(rejected), i32(pc[shared:]), i32(pr[shared:]))
 
 
-def _chat_answer(tokenizer: Any, prompt: list[dict[str, str]], answer: list[dict[str, str]], prompt_text: str,
-                 template: str, name: str) -> list[int]:
-    full = _render(tokenizer, prompt + answer, template, False)
-    if not full.startswith(prompt_text):
-        raise BadRow(f"the chat template does not render the prompt (with its generation prompt) as a prefix of "
-                     f"prompt + '{name}', so the answer cannot be located; use a template without that behaviour")
-    ids = _encode(full[len(prompt_text):], tokenizer)
-    # End at the end-of-turn token: whitespace the template writes after it is the next turn's separator.
-    while ids and not tokenizer.decode([ids[-1]], skip_special_tokens=False).strip():
-        ids.pop()
-    return ids
+def _chat_texts(tokenizer: Any, prompt: list[dict[str, str]], answer: list[dict[str, str]],
+                template: ChatTemplate, name: str) -> tuple[str, str]:
+    """(the prompt's text, the answer's text) inside the render of ``prompt + answer``: the answer from its first
+    assistant turn's start to its last one's end-of-turn token."""
+    messages = prompt + answer
+    turns = [i for i in range(len(prompt), len(messages)) if messages[i]["role"] == "assistant"]
+    try:
+        full, spans = assistant_spans(tokenizer, messages, turns, template)
+    except BadRow as e:
+        raise BadRow(f"'{name}': {e}") from None
+    return full[:spans[0][0]], full[spans[0][0]:spans[-1][1]]
 
 
 def pair_length(t: PairTokens, shared_prompt: bool = True) -> int:
     """The tokens of the pair's row: ``prompt + chosen + rejected + 1`` with the prompt shared, else
-    ``2 * prompt + chosen + rejected``."""
-    p, c, r = len(t.prompt), len(t.chosen), len(t.rejected)
+    ``2 * prompt + chosen + rejected`` (each answer's own head tokens counted with it)."""
+    p = len(t.prompt)
+    c, r = len(t.chosen_head) + len(t.chosen), len(t.rejected_head) + len(t.rejected)
     return p + c + r + 1 if shared_prompt else 2 * p + c + r
 
 
@@ -203,27 +228,30 @@ def fit_pair(t: PairTokens, max_len: int, shared_prompt: bool = True) -> tuple[P
     their right, the longer one first.
     """
     p, c, r = len(t.prompt), len(t.chosen), len(t.rejected)
+    hc, hr = len(t.chosen_head), len(t.rejected_head)
     if pair_length(t, shared_prompt) <= max_len:
         return t, False
     copies, extra = (1, 1) if shared_prompt else (2, 0)  # prompt copies in the row, and the +1 of sharing
-    keep_p = min(p, max(1, (max_len - extra - c - r) // copies))
-    room = max_len - extra - copies * keep_p
+    keep_p = min(p, max(1, (max_len - extra - hc - hr - c - r) // copies))
+    room = max_len - extra - copies * keep_p - hc - hr
     keep_c = min(c, max(room // 2, room - r))
     keep_r = min(r, room - keep_c)
-    return PairTokens(t.prompt[p - keep_p:], t.chosen[:keep_c], t.rejected[:keep_r]), True
+    return PairTokens(t.prompt[p - keep_p:], t.chosen[:keep_c], t.rejected[:keep_r], t.chosen_head,
+                      t.rejected_head), True
 
 
 def pair_document(t: PairTokens, shared_prompt: bool = True) -> dict[str, np.ndarray]:
     """The row features of a pair: tokens, loss_mask (the answer tokens), its own segment ids and positions,
     and, with the prompt shared, each token's prefix segment (``tokens_prefix_ids``; see the module docstring)."""
-    # Each answer segment opens with the prompt tokens it does not share: all of them, or the last one.
+    # Each answer segment opens with the prompt tokens it does not share (all of them, or the last one), then
+    # its own head tokens (prompt tokens of its whole text beyond the shared prompt): none of them trained.
     lead = t.prompt[-1:] if shared_prompt else t.prompt
     start = len(t.prompt) - len(lead)  # the position of the answer segments' first token
     prefix = PROMPT if shared_prompt else 0
     parts = [(t.prompt[:start], np.zeros(start, bool), PROMPT, 0, np.arange(start))]
-    for seg, answer in ((CHOSEN, t.chosen), (REJECTED, t.rejected)):
-        tokens = np.concatenate([lead, answer])
-        mask = np.concatenate([np.zeros(len(lead), bool), np.ones(len(answer), bool)])
+    for seg, head, answer in ((CHOSEN, t.chosen_head, t.chosen), (REJECTED, t.rejected_head, t.rejected)):
+        tokens = np.concatenate([lead, head, answer])
+        mask = np.concatenate([np.zeros(len(lead) + len(head), bool), np.ones(len(answer), bool)])
         parts.append((tokens, mask, seg, prefix, start + np.arange(len(tokens))))
     doc = {
         "tokens": np.concatenate([x[0] for x in parts]).astype(np.int32),
@@ -237,7 +265,8 @@ def pair_document(t: PairTokens, shared_prompt: bool = True) -> dict[str, np.nda
     return doc
 
 
-def pair_documents(rows: Iterable[tuple[int, dict[str, Any]]], tokenizer: Any, chat_template: str | None,
+def pair_documents(rows: Iterable[tuple[int, dict[str, Any]]], tokenizer: Any,
+                   chat_template: ChatTemplate | str | None,
                    path: str, skip_bad_rows: bool, max_len: int, drop_long: bool,
                    shared_prompt: bool = True) -> tuple[dict[int, dict[str, np.ndarray]], int, set[int]]:
     """(pair documents by row index, bad rows skipped, row indices too long for ``max_len`` tokens).
@@ -251,9 +280,10 @@ def pair_documents(rows: Iterable[tuple[int, dict[str, Any]]], tokenizer: Any, c
 
     out: dict[int, dict[str, np.ndarray]] = {}
     skipped, too_long, first_bad = 0, set(), ""
+    stats, template = TokenizeStats(), as_template(chat_template)
     for i, row in rows:
         try:
-            tokens = tokenize_pair(normalize_pair(row), tokenizer, chat_template)
+            tokens = tokenize_pair(normalize_pair(row), tokenizer, template, stats)
         except BadRow as e:
             if not skip_bad_rows:
                 raise UserError(f"{path} row {i}: {e}; fix the row or set data.skip_bad_rows: true") from None
@@ -268,4 +298,5 @@ def pair_documents(rows: Iterable[tuple[int, dict[str, Any]]], tokenizer: Any, c
         out[i] = pair_document(tokens, shared_prompt)
     if skipped and not out:
         raise UserError(f"{path}: all {skipped} rows are bad; the first, {first_bad}")
+    stats.report(path, len(out))
     return out, skipped, too_long

@@ -10,14 +10,16 @@
   LoRA, the initial weights of full fine-tuning) and caches the per-token
   log-probabilities in ``output_dir/reference_logps/<key>.npz``; training then
   holds one model and reads them from the batch. The key hashes the pair
-  documents (so the data, the tokenization, the chat template and
-  ``data.seq_len`` truncation), the reference checkpoint's files and the
-  compute dtype: a rerun with the same inputs reuses the file.
+  documents (so the data, the tokenization and ``data.seq_len`` truncation),
+  the chat template with its variables and date, the reference checkpoint's
+  files, and the params and compute dtypes: a rerun with the same inputs
+  reuses the file, and a change of any of them scores the pairs anew.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import sys
 import time
 from pathlib import Path
@@ -33,7 +35,7 @@ from zoo.errors import UserError
 from dpo.logps import batch_logps
 
 CACHE_DIR = "reference_logps"
-CACHE_VERSION = "2"  # bump when what is cached changes meaning
+CACHE_VERSION = "3"  # bump when what is cached changes meaning (3: + params dtype and chat template)
 
 
 def resolve_checkpoint(path: str) -> Path:
@@ -75,9 +77,13 @@ def checkpoint_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def cache_key(docs: dict[str, dict[int, dict[str, np.ndarray]]], weights_digest: str, compute: str) -> str:
-    """The cache file's key: a hash of the pair documents of every data file, the weights and the dtype."""
-    h = hashlib.sha256(f"v{CACHE_VERSION}\0{weights_digest}\0{compute}\0".encode())
+def cache_key(docs: dict[str, dict[int, dict[str, np.ndarray]]], weights_digest: str, compute: str,
+              params: str = "float32", template: dict | None = None) -> str:
+    """The cache file's key: a hash of the pair documents of every data file (their tokens: the tokenization),
+    the weights, the params dtype they are loaded in, the compute dtype, and the chat template with its
+    variables and date (``ChatTemplate.identity``)."""
+    setting = json.dumps({"params": params, "compute": compute, "template": template}, sort_keys=True, default=str)
+    h = hashlib.sha256(f"v{CACHE_VERSION}\0{weights_digest}\0{setting}\0".encode())
     for path in sorted(docs):
         h.update(path.encode() + b"\0")
         for i in sorted(docs[path]):
@@ -119,14 +125,15 @@ def compute_reference_logps(mcfg: ModelConfig, params: dict, docs: list[dict[str
 
 
 def cached_reference_logps(out_dir: Path, docs: dict[str, dict[int, dict[str, np.ndarray]]], weights: Path,
-                           compute_name: str, score: Any, primary: bool = True) -> dict[str, dict[int, np.ndarray]]:
+                           compute_name: str, score: Any, primary: bool = True, params_name: str = "float32",
+                           template: dict | None = None) -> dict[str, dict[int, np.ndarray]]:
     """{data path: {row: per-token reference log-probabilities}} of ``docs``, from the cache or ``score``.
 
     ``score(list of documents) -> list of arrays`` runs the reference pass; it
     runs only on a cache miss, and the result is written (by the primary
     process, atomically) to ``out_dir/reference_logps/<key>.npz``.
     """
-    key = cache_key(docs, checkpoint_digest(weights), compute_name)
+    key = cache_key(docs, checkpoint_digest(weights), compute_name, params_name, template)
     f = out_dir / CACHE_DIR / f"{key}.npz"
     flat = [(path, i) for path in sorted(docs) for i in sorted(docs[path])]
     if f.is_file():

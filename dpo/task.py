@@ -6,6 +6,10 @@ prompt as a shared prefix, in one forward pass. The loss sums of a
 micro-batch are the per-pair losses (dpo/losses.py) summed over its pairs,
 with the pair count as the count, so the step's division gives the mean over
 the pairs of the whole global batch, whatever ``grad_accum`` and the mesh.
+``dpo.sft_weight``'s NLL term is one token mean over every chosen answer token
+of the global batch (TRL's ``"sft"`` term): each micro-batch adds its NLL sum
+scaled by the global pairs / chosen tokens (:meth:`DPOTask.batch_totals`,
+which the step computes on the whole batch), so the same division yields it.
 The reference (dpo/reference.py) is the frozen base run without adapters,
 a checkpoint passed in as the step's ``reference`` argument, or per-token
 log-probabilities cached before training and read from the batch.
@@ -26,11 +30,11 @@ from pretrain.config import TrainConfig
 from pretrain.data import indexed_rows, load_dataset_rows
 from pretrain.dtypes import DTYPES
 from pretrain.task import Document, RowSource
-from sft.task import read_chat_template
+from sft.task import chat_template_of
 
 from dpo.data import CHOSEN, REJECTED, pair_documents
 from dpo.logps import batch_logps
-from dpo.losses import LENGTH_NORMALIZED, REFERENCE_FREE, preference_loss
+from dpo.losses import REFERENCE_FREE, preference_loss, rpo_nll_scale
 from dpo.reference import cached_reference_logps, compute_reference_logps, load_reference, resolve_checkpoint
 
 # The metrics each step logs (TRL's names), besides `loss`: means over the global batch's pairs.
@@ -46,7 +50,7 @@ class DPOTask:
 
     def __init__(self, cfg: TrainConfig):
         self.dpo = cfg.dpo
-        self.chat_template = read_chat_template(cfg.data.chat_template)
+        self.chat_template = chat_template_of(cfg)
         self.max_len = cfg.data.seq_len + 1
         self.drop_long = cfg.data.long_examples == "drop"
         self.too_long: set[int] = set()  # rows of data.path cut or dropped to fit (reported by the loop)
@@ -131,13 +135,25 @@ class DPOTask:
                         x.delete()
 
         self.ref_logps = cached_reference_logps(Path(cfg.output_dir).absolute(), docs, weights, cfg.dtype.compute,
-                                                score, distributed.is_primary())
+                                                score, distributed.is_primary(), cfg.dtype.params,
+                                                self.chat_template.identity())
 
     # ---- (params, batch) -> loss sums -------------------------------------------------------------------
 
+    def batch_totals(self, batch: dict) -> dict[str, jax.Array]:
+        """{pairs, chosen_tokens} of a whole batch (any leading axes: the step's global batch, every
+        micro-batch and device): the counts RPO's token-mean NLL divides by (:func:`rpo_nll_scale`)."""
+        wc, _, keep = _answer_masks(batch)
+        return {"pairs": keep.sum(), "chosen_tokens": (wc.sum(-1) * keep).sum()}
+
     def loss_sums(self, mcfg: ModelConfig, params: dict, mb: dict, compute: Any, remat: str,
-                  reference: dict | None = None, **forward_kwargs: Any) -> tuple[jax.Array, tuple]:
-        """(objective, (sum of per-pair losses, pair count, {metric: sum over pairs})) of a micro-batch."""
+                  reference: dict | None = None, totals: dict | None = None,
+                  **forward_kwargs: Any) -> tuple[jax.Array, tuple]:
+        """(objective, (sum of per-pair losses, pair count, {metric: sum over pairs})) of a micro-batch.
+
+        ``totals`` (:meth:`batch_totals` of the global batch, passed by the step) weigh the
+        ``dpo.sft_weight`` NLL term; without them the micro-batch is taken as the whole batch.
+        """
         p = jax.tree.map(lambda x: x.astype(compute), params)
         pol, mean_logit, aux = batch_logps(mcfg, p, mb, remat, **forward_kwargs)
         if self.mode == "precomputed":
@@ -149,28 +165,27 @@ class DPOTask:
             ref = jax.lax.stop_gradient(batch_logps(mcfg, r, mb)[0])
         else:
             ref = jnp.zeros_like(pol)
-        w, seg = mb["weights"], mb["segment_ids"]
-        wc, wr = w * (seg == CHOSEN), w * (seg == REJECTED)
-        nc, nr = wc.sum(-1), wr.sum(-1)
-        is_pair = (nc > 0) & (nr > 0)
-        nc1, nr1 = jnp.maximum(nc, 1.0), jnp.maximum(nr, 1.0)
+        wc, wr, keep = _answer_masks(mb)
         chosen, rejected = (pol * wc).sum(-1), (pol * wr).sum(-1)
         ref_c, ref_r = (ref * wc).sum(-1), (ref * wr).sum(-1)
-        nll_mean = -chosen / nc1  # the chosen answer's mean per-token NLL (RPO's term)
-        if self.dpo.loss_type in LENGTH_NORMALIZED:
-            chosen, rejected, ref_c, ref_r = chosen / nc1, rejected / nr1, ref_c / nc1, ref_r / nr1
-        losses, rw_c, rw_r = preference_loss(self.dpo.loss_type, chosen, rejected, ref_c, ref_r, self.dpo.beta,
-                                             self.dpo.label_smoothing, self.dpo.simpo_gamma)
-        if self.dpo.sft_weight:
-            losses = losses + self.dpo.sft_weight * nll_mean
-        keep = is_pair.astype(jnp.float32)
+        terms = preference_loss(self.dpo.loss_type, chosen, rejected, ref_c, ref_r, wc.sum(-1), wr.sum(-1),
+                                self.dpo.beta, self.dpo.label_smoothing, self.dpo.simpo_gamma)
         n = keep.sum()
-        total = (losses * keep).sum()
+        total = (terms.losses * keep).sum()
+        if self.dpo.sft_weight:
+            # TRL's "sft" term: -mean log p over every chosen token of the batch, added once to the mean
+            # preference loss. The step divides these sums by the global pair count, so this micro-batch's
+            # NLL sum enters times (global pairs / global chosen tokens): their sum over micro-batches and
+            # devices, divided by the pairs, is the global token mean, however the batch is split.
+            g = totals if totals is not None else self.batch_totals(mb)
+            nll_sum = -(pol * wc * keep[:, None]).sum()
+            total = total + self.dpo.sft_weight * nll_sum * rpo_nll_scale(g["pairs"], g["chosen_tokens"])
         sg = jax.lax.stop_gradient
+        rw_c, rw_r = terms.chosen_rewards, terms.rejected_rewards
         per_pair = {
             "rewards/chosen": rw_c, "rewards/rejected": rw_r,
             "rewards/accuracies": (rw_c > rw_r).astype(jnp.float32), "rewards/margins": rw_c - rw_r,
-            "logps/chosen": sg(chosen), "logps/rejected": sg(rejected),
+            "logps/chosen": terms.chosen_logps, "logps/rejected": terms.rejected_logps,
         }
         extras = {k: (v * keep).sum() for k, v in per_pair.items()}
         # TRL's logits/*: the mean logit over the vocabulary, averaged over every chosen (rejected) answer
@@ -180,6 +195,15 @@ class DPOTask:
             extras[name] = ((mean_logit * wk).sum(), wk.sum())
         objective = total + (aux["loss"] * n if aux is not None else 0.0)
         return objective, (sg(total), n, extras)
+
+
+def _answer_masks(batch: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(chosen-answer token weights, rejected-answer token weights, 1.0 for each row holding a whole pair)
+    of a batch's rows (rows without both answers, e.g. padding rows, count for nothing)."""
+    w, seg = batch["weights"], batch["segment_ids"]
+    wc, wr = w * (seg == CHOSEN), w * (seg == REJECTED)
+    keep = (wc.sum(-1) > 0) & (wr.sum(-1) > 0)
+    return wc, wr, keep.astype(jnp.float32)
 
 
 def _mode(reference: str) -> str:

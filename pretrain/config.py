@@ -43,6 +43,8 @@ class DataSection:
     eval_path: str | None = None
     format: str | None = None  # sft: text | prompt_completion | messages | alpaca | sharegpt; None: from the columns
     chat_template: str | None = None  # sft, dpo: a Jinja chat-template file; None: the tokenizer's own template
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # sft, dpo: template variables (enable_thinking...)
+    template_date: str = "2024-07-26"  # sft, dpo: the day a template's strftime_now reads (renders never vary)
     eval_fraction: float = 0.0
     skip_bad_rows: bool = False
 
@@ -123,7 +125,7 @@ class DpoSection:
     beta: float = 0.1
     label_smoothing: float = 0.0  # sigmoid (conservative DPO), robust and simpo: the assumed label-noise rate
     simpo_gamma: float = 0.5  # simpo's target reward margin
-    sft_weight: float = 0.0  # RPO: adds this times the chosen answer's mean NLL to each pair's loss
+    sft_weight: float = 0.0  # RPO (TRL's "sft" term): adds this times one mean NLL over the batch's chosen tokens
     reference: str = "base"  # base (LoRA: the adapters switched off) | precomputed | a zoo checkpoint path
     reference_model: str | None = None  # precomputed: the checkpoint scored once; None: the starting weights
     share_prompt: bool = True  # one copy of a pair's prompt, read by both answers (off: prompt+chosen | prompt+rejected)
@@ -267,7 +269,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
             raise UserError(f"--config {path}: no such file")
         try:
             tree = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
+        except (yaml.YAMLError, ValueError) as e:  # ValueError: an impossible date (2025-13-40) in a timestamp
             raise UserError(f"--config {path} is not valid YAML ({str(e).splitlines()[0]})") from None
         if not isinstance(tree, dict):
             raise UserError(f"--config {path} must hold a mapping of config keys")
@@ -277,7 +279,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
         key, raw = item.split("=", 1)
         try:
             value = yaml.safe_load(raw) if raw else ""
-        except yaml.YAMLError:
+        except (yaml.YAMLError, ValueError):  # ValueError: YAML reads 2025-13-40 as a date, and fails
             value = raw
         _set(tree, key.strip(), value)
     cfg = _build(TrainConfig, tree)
@@ -304,6 +306,9 @@ def validate(cfg: TrainConfig) -> None:
             raise UserError(f"config key '{key}' must be at least 1, got {obj}")
     if cfg.batch_size % cfg.grad_accum:
         raise UserError(f"batch_size={cfg.batch_size} must be a multiple of grad_accum={cfg.grad_accum}")
+    if not isinstance(cfg.data.template_kwargs, dict):
+        raise UserError(f"data.template_kwargs must be a mapping of template variables (e.g. "
+                        f"{{enable_thinking: false}}), got {cfg.data.template_kwargs!r}")
     if not 0.0 <= cfg.data.eval_fraction < 1.0:
         raise UserError(f"data.eval_fraction must be in [0, 1), got {cfg.data.eval_fraction}")
     dpo = cfg.dpo

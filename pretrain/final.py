@@ -48,7 +48,8 @@ def write_final(out: Path, cfg: TrainConfig, mcfg: ModelConfig, params: dict, sr
             training = {"method": method, "data": cfg.data.path, "steps": last.get("step"),
                         "final_metrics": {k: last[k] for k in ("loss", "tokens_seen") if k in last},
                         **data_report, "processes": jax.process_count(), "devices": len(jax.devices())}
-            extra = {"lora": adapter_meta(lora, src, stored)} if lora else {}
+            # The base is named relative to `final` (where the scratch folder ends up), so run and base move together.
+            extra = {"lora": adapter_meta(lora, src, stored, final)} if lora else {}
             writer.finish(mcfg, source=str(src or cfg.model.config), source_format="train", training=training, **extra)
             if final.exists():
                 shutil.rmtree(final)

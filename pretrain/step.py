@@ -42,13 +42,23 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any,
     the count, under ``metrics["task"]``; an extra given as a (sum, count) pair
     is reported as its own ratio over the global batch (a token-weighted mean,
     say), see :func:`extra_means`. Evaluation returns the task's sums.
+
+    A task with a ``batch_totals(batch)`` method (DPO's RPO term) gets its
+    result, computed once on the whole global batch (every micro-batch, every
+    device; in evaluation, the eval batch), as the keyword ``totals`` of each
+    micro-batch's ``loss_sums``: counts a micro-batch cannot see by itself
+    (e.g. the global batch's chosen-answer tokens, to weigh a token mean
+    into the per-pair loss sums exactly whatever ``grad_accum`` and the mesh).
     """
     task = task or PretrainTask()
     dropout = lora_scale is not None and lora_dropout > 0
+    batch_totals = getattr(task, "batch_totals", None)
 
     def loss_sums(trainable: dict, mb: dict, frozen: Any, reference: Any = None,
-                  rng: jax.Array | None = None) -> tuple[jax.Array, tuple]:
+                  rng: jax.Array | None = None, totals: Any = None) -> tuple[jax.Array, tuple]:
         kw = {} if reference is None else {"reference": reference}
+        if totals is not None:
+            kw["totals"] = totals
         if lora_scale is None:
             return task.loss_sums(mcfg, trainable, mb, compute, remat, **kw)
         return task.loss_sums(mcfg, frozen, mb, compute, remat, lora=trainable, lora_scale=lora_scale,
@@ -62,15 +72,17 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any,
         return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(micro_batches))
 
     def evaluate(params: dict, batch: dict, frozen: Any = None, reference: Any = None) -> tuple:
-        return loss_sums(params, batch, frozen, reference)[1]
+        totals = batch_totals(batch) if batch_totals else None
+        return loss_sums(params, batch, frozen, reference, totals=totals)[1]
 
     def step(state: dict, batch: dict, frozen: Any = None, reference: Any = None) -> tuple[dict, dict]:
         grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
+        totals = batch_totals(batch) if batch_totals else None  # over the global batch, not one micro-batch
 
         def micro(carry, xs):
             g_acc, sums_acc = carry
             mb, rng = xs
-            (_, sums), g = grad_fn(state["params"], mb, frozen, reference, rng)
+            (_, sums), g = grad_fn(state["params"], mb, frozen, reference, rng, totals)
             return (jax.tree.map(jnp.add, g_acc, g), jax.tree.map(jnp.add, sums_acc, sums)), None
 
         micro_batches = jax.tree.leaves(batch)[0].shape[0]
@@ -78,11 +90,11 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any,
         if micro_batches == 1:
             # No accumulation: skip the scan, whose gradient carry costs full-size copies.
             (_, sums), g = grad_fn(state["params"], jax.tree.map(lambda x: x[0], batch), frozen, reference,
-                                   None if rngs is None else rngs[0])
+                                   None if rngs is None else rngs[0], totals)
         else:
             zeros = jax.tree.map(jnp.zeros_like, state["params"])
             shapes = jax.eval_shape(lambda: loss_sums(state["params"], jax.tree.map(lambda x: x[0], batch), frozen,
-                                                      reference, None if rngs is None else rngs[0])[1])
+                                                      reference, None if rngs is None else rngs[0], totals)[1])
             sums0 = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
             (g, sums), _ = jax.lax.scan(micro, (zeros, sums0), (batch, rngs))
         loss, n, *extra = sums

@@ -48,6 +48,10 @@ class Task(Protocol):
       the named sums are accumulated like the loss and logged divided by the
       count (eval: with an ``eval_`` prefix); a ``(sum, count)`` pair in place of
       a sum is logged as its own ratio (e.g. a mean over tokens, not pairs);
+    * ``batch_totals(batch)``: counts over the whole global batch (any leading
+      axes; every micro-batch and device), passed to each micro-batch's
+      ``loss_sums`` as the keyword ``totals`` (DPO: the chosen-answer tokens
+      its RPO term's token mean divides by);
     * ``too_long``: the row indices the task cut or dropped to fit its own rows
       (reported like ``data.long_examples``).
     """

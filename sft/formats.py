@@ -4,7 +4,7 @@ Five row shapes are understood (the columns that identify them in brackets):
 
 ``text``               [text]                 plain text, every token trained
 ``prompt_completion``  [prompt, completion]   each a string, or both OpenAI-style message lists
-``messages``           [messages]             a conversation: [{role, content}, ...]
+``messages``           [messages]             a conversation: [{role, content[, reasoning_content]}, ...]
 ``alpaca``             [instruction, output]  + optional ``input`` (and ``system``) columns
 ``sharegpt``           [conversations]        [{from, value}, ...], from in human/gpt/system (or user/assistant)
 
@@ -133,8 +133,8 @@ def _prompt_completion(row: dict[str, Any]) -> Example:
     if isinstance(prompt, str) and isinstance(completion, str):
         return Example(prompt=_text(row, "prompt"), completion=_text(row, "completion"))
     if isinstance(prompt, list) and isinstance(completion, list):
-        p = _messages(prompt, "prompt")
-        c = _messages(completion, "completion")
+        p = parse_messages(prompt, "prompt")
+        c = parse_messages(completion, "completion")
         if not any(m["role"] == "assistant" for m in c):
             raise BadRow("field 'completion' has no assistant turn (nothing to train on)")
         return Example(messages=p + c, prompt=p, completion=c)
@@ -157,14 +157,15 @@ def _alpaca(row: dict[str, Any]) -> Example:
 
 
 def _conversation(value: Any, name: str) -> list[dict[str, str]]:
-    messages = _messages(value, name)
+    messages = parse_messages(value, name)
     if not any(m["role"] == "assistant" for m in messages):
         raise BadRow(f"field '{name}' has no assistant turn (nothing to train on)")
     return messages
 
 
-def _messages(value: Any, name: str) -> list[dict[str, str]]:
-    """A list of {role, content} from OpenAI-style ({role, content}) or ShareGPT-style ({from, value}) turns."""
+def parse_messages(value: Any, name: str) -> list[dict[str, str]]:
+    """A list of {role, content} (plus ``reasoning_content`` where an assistant turn has it) from OpenAI-style
+    ({role, content}) or ShareGPT-style ({from, value}) turns; raises BadRow naming the field and turn."""
     if not isinstance(value, list):
         raise BadRow(f"field '{name}' is not a list of messages ({type(value).__name__})")
     if not value:
@@ -192,7 +193,14 @@ def _message(m: Any, name: str, i: int) -> dict[str, str]:
     if not isinstance(content, str):
         what = "missing" if content is None else f"not text ({type(content).__name__})"
         raise BadRow(f"{where} ({role}) content is {what}")
-    # An empty system prompt is a real choice (it replaces a template's default); an empty turn is not.
-    if role != "system" and not content.strip():
+    reasoning = m.get("reasoning_content")
+    if reasoning is not None and not isinstance(reasoning, str):
+        raise BadRow(f"{where} ({role}) reasoning_content is not text ({type(reasoning).__name__})")
+    # An empty system prompt is a real choice (it replaces a template's default); an empty turn is not
+    # (an assistant turn may be all reasoning: the template renders it).
+    if role != "system" and not content.strip() and not (reasoning and reasoning.strip()):
         raise BadRow(f"{where} ({role}) content is empty")
-    return {"role": role, "content": content}
+    out = {"role": role, "content": content}
+    if reasoning is not None:  # a reasoning trace (Qwen3, DeepSeek-R1): the template decides what it renders
+        out["reasoning_content"] = reasoning
+    return out

@@ -9,65 +9,76 @@ nothing precedes the first token, so it is never predicted (a trainer uses
   special tokens as configured (no second BOS when the text already starts
   with one) and one EOS is appended unless the tokenizer added it, so the
   model learns to stop.
-* prompt/completion strings: ``tok(prompt) + tok(completion) + [EOS]``; only
-  the completion and the EOS are trained. The two are tokenized apart (as at
-  inference, where the prompt is tokenized alone), so the boundary is exact.
-* conversations: rendered with the chat template; each trained assistant
-  turn contributes the tokens its render adds after the generation prompt
-  (``<|im_start|>assistant\\n``, ``<start_of_turn>model\\n``, ...): its content
-  and the end-of-turn token(s) the template writes (``<|im_end|>``,
-  ``<end_of_turn>``, ``<|eot_id|>``), as TRL does. Whitespace the template
-  writes after the end-of-turn token (ChatML's and Gemma's ``\\n``) is not
-  trained: it is a prompt-side separator, and training it would teach the
-  model to emit a token after it should have stopped.
-
-Assistant tokens are found without ``{% generation %}`` markers (few
-templates have them): the conversation is rendered turn by turn, and each
-assistant turn's tokens are the difference between the render up to it
-(with the generation prompt) and the render that includes it. When the
-tokens of the shorter render are not a prefix of the longer one (a BPE merge
-across the boundary, e.g. ``"\\n\\n" + "Hi"``), the same difference is taken
-on characters and mapped to the tokens of the whole conversation through the
-tokenizer's offsets. Either way the ids are those of the whole rendered
-conversation (tokenized without added special tokens, as
-``apply_chat_template`` does), so masking never changes the tokenization.
-The one exception: a tokenizer configured to add a BOS gets it prepended
-when the template did not write one itself.
+* prompt/completion strings: ``prompt + completion`` is tokenized as ONE text
+  (then the tokenizer's BOS, and an EOS); the completion's tokens are those of
+  the whole text after the prompt's last token, as TRL splits them. Tokenizing
+  the completion alone would be wrong for SentencePiece tokenizers with a
+  dummy prefix (Llama 2, Mistral): they would prepend a space the data never
+  had. The rule at the boundary: a token is trained when it covers any
+  completion character, so a token merging the prompt's last characters with
+  the completion's first is trained (and counted: see :class:`TokenizeStats`).
+* conversations: rendered with the chat template; the ids are those of the
+  whole render (tokenized without added special tokens, as
+  ``apply_chat_template`` does), and each trained assistant turn's span in
+  that render (sft/chat.py: its content and end-of-turn token(s) as the
+  template writes them at that position, found without assuming that a
+  prefix renders as a prefix) is mapped onto the tokens by their offsets: a
+  token is trained when it overlaps a span. Whitespace the template writes
+  after the end-of-turn token (ChatML's and Gemma's ``\\n``) is not trained: it
+  is a prompt-side separator. The one exception to "the ids of the render":
+  a tokenizer configured to add a BOS gets it prepended when the template did
+  not write one itself.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from sft.chat import ChatTemplate, TemplateMismatch, as_template, assistant_spans
 from sft.formats import BadRow, Example, normalize
 from zoo.errors import UserError
 
 GREEN, RESET = "\x1b[42m", "\x1b[0m"
 PLAIN_OPEN, PLAIN_CLOSE = "[[", "]]"
+__all__ = ["TemplateMismatch", "TokenizeStats", "tokenize_example", "tokenize_rows", "tokenize_indexed",
+           "render_mask", "encode", "special_affixes", "split_whole", "token_mask", "bos_head"]
 
 
-class TemplateMismatch(BadRow):
-    """The chat template renders a conversation prefix as something other than a prefix of the whole."""
+@dataclass
+class TokenizeStats:
+    """Counts kept while tokenizing: examples whose prompt/completion boundary falls inside a token."""
+
+    boundary_merges: int = 0
+
+    def report(self, path: str, total: int) -> None:
+        """One warning line when a boundary merge happened (the merged token was trained)."""
+        if self.boundary_merges:
+            print(f"warning: {path}: in {self.boundary_merges} of {total} examples a token spans the end of the prompt "
+                  "and the start of the completion; it is trained as part of the completion (the text is tokenized "
+                  "whole, as at inference)", file=sys.stderr)
 
 
-def tokenize_example(example: Example, tokenizer: Any,
-                     chat_template: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+def tokenize_example(example: Example, tokenizer: Any, chat_template: ChatTemplate | str | None = None,
+                     stats: TokenizeStats | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Token ids (int32) and loss mask (bool, True = trained) of one example.
 
-    ``chat_template`` (a Jinja string) replaces the tokenizer's own for
-    conversations. Raises BadRow when the row cannot be used (including
-    when no token would be trained) and UserError for configuration
-    problems (no chat template, a template that does not compile).
+    ``chat_template`` (a :class:`sft.chat.ChatTemplate`, or a Jinja string)
+    replaces the tokenizer's own for conversations and carries the template
+    variables. Raises BadRow when the row cannot be used (including when no
+    token would be trained) and UserError for configuration problems (no chat
+    template, a template that does not compile).
     """
     if example.is_chat:
-        ids, mask = _chat(example, tokenizer, chat_template)
+        ids, mask = _chat(example, tokenizer, as_template(chat_template))
     elif example.text is not None:
-        ids, mask = _plain("", example.text, tokenizer)
+        ids, mask = _plain("", example.text, tokenizer, stats)
     else:
-        ids, mask = _plain(example.prompt, example.completion, tokenizer)
+        ids, mask = _plain(example.prompt, example.completion, tokenizer, stats)
     if len(ids):
         mask[0] = False  # nothing predicts the first token
     if not mask.any():
@@ -75,8 +86,9 @@ def tokenize_example(example: Example, tokenizer: Any,
     return ids, mask
 
 
-def tokenize_rows(rows: Iterable[dict[str, Any]], fmt: str, tokenizer: Any, chat_template: str | None,
-                  path: str, skip_bad_rows: bool) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
+def tokenize_rows(rows: Iterable[dict[str, Any]], fmt: str, tokenizer: Any,
+                  chat_template: ChatTemplate | str | None, path: str,
+                  skip_bad_rows: bool) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
     """(ids, mask) of every usable row of ``rows`` (in format ``fmt``), and how many rows were skipped
     (see :func:`tokenize_indexed`)."""
     out, skipped = tokenize_indexed(enumerate(rows), fmt, tokenizer, chat_template, path, skip_bad_rows)
@@ -84,19 +96,23 @@ def tokenize_rows(rows: Iterable[dict[str, Any]], fmt: str, tokenizer: Any, chat
 
 
 def tokenize_indexed(rows: Iterable[tuple[int, dict[str, Any]]], fmt: str, tokenizer: Any,
-                     chat_template: str | None, path: str,
+                     chat_template: ChatTemplate | str | None, path: str,
                      skip_bad_rows: bool) -> tuple[dict[int, tuple[np.ndarray, np.ndarray]], int]:
     """(ids, mask) by row index of every usable (index, row) pair, and how many rows were skipped.
 
     A bad row raises ``UserError("{path} row {i}: ...")`` unless
     ``skip_bad_rows``, when it is skipped and counted; if every row is bad,
     that is an error too (it usually means a wrong format or template).
+    Examples whose prompt/completion boundary falls inside a token are
+    counted and reported in one warning line.
     """
     out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     skipped, first_bad = 0, ""
+    stats = TokenizeStats()
+    template = as_template(chat_template)
     for i, row in rows:
         try:
-            out[i] = tokenize_example(normalize(row, fmt), tokenizer, chat_template)
+            out[i] = tokenize_example(normalize(row, fmt), tokenizer, template, stats)
         except BadRow as e:
             if not skip_bad_rows:
                 raise UserError(f"{path} row {i}: {e}; fix the row or set data.skip_bad_rows: true") from None
@@ -104,6 +120,7 @@ def tokenize_indexed(rows: Iterable[tuple[int, dict[str, Any]]], fmt: str, token
             first_bad = first_bad or f"row {i}: {e}"
     if skipped and not out:
         raise UserError(f"{path}: all {skipped} rows are bad (format {fmt}); the first, {first_bad}")
+    stats.report(path, len(out))
     return out, skipped
 
 
@@ -132,14 +149,70 @@ def _runs(ids: list[int], mask: list[bool]) -> list[tuple[bool, list[int]]]:
     return runs
 
 
+# ---- shared by SFT and DPO: whole-text tokenization and character spans -> tokens -----------------------
+
+
+def encode(text: str, tokenizer: Any) -> list[int]:
+    """The ids of ``text`` without added special tokens."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+
+def special_affixes(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer puts before and after a text (e.g. [BOS] and [], or [] and [EOS])."""
+    bare = encode("a", tokenizer)
+    full = list(tokenizer("a")["input_ids"])
+    for s in range(len(full) - len(bare) + 1):
+        if full[s:s + len(bare)] == bare:
+            return full[:s], full[s + len(bare):]
+    return [], []
+
+
+def _offsets(text: str, tokenizer: Any) -> tuple[list[int], list[tuple[int, int]]]:
+    """(ids, character offsets) of ``text`` tokenized whole, without added special tokens."""
+    if not text:
+        return [], []
+    try:
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    except NotImplementedError:
+        raise UserError("locating trained tokens needs a fast tokenizer (with offsets); "
+                        "use the tokenizer.json one") from None
+    return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+
+
+def token_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
+    """True for each token (by its character offsets) that overlaps one of ``spans``."""
+    mask = np.zeros(len(offsets), bool)
+    for i, (s, e) in enumerate(offsets):
+        mask[i] = e > s and any(s < end and e > start for start, end in spans)
+    return mask
+
+
+def split_whole(prompt: str, completion: str, tokenizer: Any) -> tuple[list[int], int, bool]:
+    """(ids of ``prompt + completion`` tokenized as one text, the number of prompt tokens, whether a token
+    spans the boundary).
+
+    The completion's tokens are those that cover any of its characters: a
+    token merging the prompt's end with the completion's start belongs to the
+    completion (TRL's rule: split at the prompt's last whole token).
+    """
+    ids, offsets = _offsets(prompt + completion, tokenizer)
+    cut = len(prompt)
+    n = next((i for i, (s, e) in enumerate(offsets) if e > cut and e > s), len(ids))
+    merged = n < len(ids) and offsets[n][0] < cut
+    return ids, n, merged
+
+
 # ---- text and prompt/completion strings ------------------------------------------------------------------
 
 
-def _plain(prompt: str, completion: str, tokenizer: Any) -> tuple[np.ndarray, np.ndarray]:
-    """tok(prompt) + tok(completion) + [EOS] with the tokenizer's own special tokens; the completion is trained."""
-    head, tail = _special_affixes(tokenizer)
-    p, c = _encode(prompt, tokenizer), _encode(completion, tokenizer)
-    body = p + c
+def _plain(prompt: str, completion: str, tokenizer: Any,
+           stats: TokenizeStats | None) -> tuple[np.ndarray, np.ndarray]:
+    """``prompt + completion`` tokenized whole, the tokenizer's special tokens and an EOS around it; the
+    completion's tokens are trained."""
+    head, tail = special_affixes(tokenizer)
+    body, n_prompt, merged = split_whole(prompt, completion, tokenizer)
+    if merged and stats is not None:
+        stats.boundary_merges += 1
     if head and body[:len(head)] == head:  # the text starts with its own BOS: no second one
         head = []
     if tail and body[-len(tail):] == tail:
@@ -149,112 +222,27 @@ def _plain(prompt: str, completion: str, tokenizer: Any) -> tuple[np.ndarray, np
     if eos is not None and (not ids or ids[-1] != eos):
         ids.append(eos)
     mask = np.zeros(len(ids), bool)
-    mask[len(head) + len(p):] = True
+    mask[len(head) + n_prompt:] = True
     return np.asarray(ids, np.int32), mask
-
-
-def _special_affixes(tokenizer: Any) -> tuple[list[int], list[int]]:
-    """The ids the tokenizer puts before and after a text (e.g. [BOS] and [], or [] and [EOS])."""
-    bare = _encode("a", tokenizer)
-    full = list(tokenizer("a")["input_ids"])
-    for s in range(len(full) - len(bare) + 1):
-        if full[s:s + len(bare)] == bare:
-            return full[:s], full[s + len(bare):]
-    return [], []
-
-
-def _encode(text: str, tokenizer: Any) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
 
 # ---- conversations ---------------------------------------------------------------------------------------
 
 
-def _chat(example: Example, tokenizer: Any, chat_template: str | None) -> tuple[np.ndarray, np.ndarray]:
+def _chat(example: Example, tokenizer: Any, template: ChatTemplate) -> tuple[np.ndarray, np.ndarray]:
     """Ids of the rendered conversation, its trained assistant turns' tokens masked in."""
-    template = _template(tokenizer, chat_template)
-    messages = example.messages
-    full = _render(tokenizer, messages, template, False)
-    # Turn k's trained text is after[len(before):]: the render with turn k minus the render up to its header.
-    turns = [(k, _render(tokenizer, messages[:k], template, True),
-              _render(tokenizer, messages[:k + 1], template, False)) for k in example.trained_turns()]
-    ids = _encode(full, tokenizer)
-    mask = _mask_by_tokens(ids, turns, tokenizer)
-    if mask is None:
-        mask = _mask_by_chars(full, ids, turns, tokenizer, _template_name(chat_template))
-    # apply_chat_template never adds special tokens (templates write their own BOS); add the tokenizer's
-    # configured BOS only if the template did not write it, so models that need a BOS always get one.
-    bos = tokenizer.bos_token
-    head = _special_affixes(tokenizer)[0]
-    if head != [tokenizer.bos_token_id] or (bos and full.startswith(bos)):
-        head = []
+    full, spans = assistant_spans(tokenizer, example.messages, example.trained_turns(), template)
+    ids, offsets = _offsets(full, tokenizer)
+    mask = token_mask(offsets, spans)
+    head = bos_head(tokenizer, full)
     return np.asarray(head + ids, np.int32), np.concatenate([np.zeros(len(head), bool), mask])
 
 
-def _template(tokenizer: Any, chat_template: str | None) -> str:
-    template = chat_template or getattr(tokenizer, "chat_template", None)
-    if not template:
-        raise UserError("conversational data needs a chat template, and the tokenizer has none; "
-                        "set data.chat_template to a Jinja chat template")
-    if isinstance(template, dict):  # some tokenizers keep several named templates
-        if "default" not in template:
-            raise UserError(f"the tokenizer has several chat templates ({', '.join(template)}) and no 'default'; "
-                            "set data.chat_template")
-        template = template["default"]
-    return template
-
-
-def _template_name(chat_template: str | None) -> str:
-    return "data.chat_template" if chat_template else "the tokenizer's chat template"
-
-
-def _render(tokenizer: Any, messages: list[dict[str, str]], template: str, generation_prompt: bool) -> str:
-    import jinja2
-
-    try:
-        return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                             add_generation_prompt=generation_prompt)
-    except jinja2.TemplateSyntaxError as e:  # the same for every row: a configuration error
-        raise UserError(f"the chat template does not compile: {e}") from None
-    except Exception as e:  # raise_exception() in the template (e.g. roles must alternate), missing keys, ...
-        raise BadRow(f"the chat template cannot render it ({type(e).__name__}: {e})") from None
-
-
-def _mask_by_tokens(ids: list[int], turns: list[tuple[int, str, str]], tokenizer: Any) -> np.ndarray | None:
-    """The mask from token prefixes, or None when a shorter render's tokens do not prefix a longer one's."""
-    mask = np.zeros(len(ids), bool)
-    for _, before, after in turns:
-        a, b = _encode(before, tokenizer), _encode(after, tokenizer)
-        if b[:len(a)] != a or ids[:len(b)] != b:
-            return None
-        end = len(b)
-        while end > len(a) and not tokenizer.decode([b[end - 1]], skip_special_tokens=False).strip():
-            end -= 1  # the separator the template writes after the end-of-turn token
-        mask[len(a):end] = True
-    return mask
-
-
-def _mask_by_chars(full: str, ids: list[int], turns: list[tuple[int, str, str]], tokenizer: Any,
-                   name: str) -> np.ndarray:
-    """The mask from character spans of the turns, mapped onto the tokens of ``full`` by offsets."""
-    spans = []
-    for k, before, after in turns:
-        if not (after.startswith(before) and full.startswith(after)):
-            raise TemplateMismatch(
-                f"{name} does not render the conversation up to turn {k} as a prefix of the whole conversation "
-                "(it rewrites earlier turns, or its generation prompt differs from how it writes an assistant "
-                "turn), so the assistant tokens cannot be located; use a template without that behaviour")
-        spans.append((len(before), len(after.rstrip())))
-    try:
-        enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    except NotImplementedError:
-        raise UserError(f"{name}: its token boundaries shift between turns, and locating the assistant tokens "
-                        "then needs a fast tokenizer (with offsets); use the tokenizer.json one") from None
-    if list(enc["input_ids"]) != ids:
-        raise TemplateMismatch(f"{name}: the tokenizer's offsets do not match its ids")
-    mask = np.zeros(len(ids), bool)
-    for i, (s, e) in enumerate(enc["offset_mapping"]):
-        # A token is trained when it overlaps a turn's trained characters (a token merging the header's
-        # last character with the content's first is part of what the model must produce).
-        mask[i] = e > s and any(s < end and e > start for start, end in spans)
-    return mask
+def bos_head(tokenizer: Any, rendered: str) -> list[int]:
+    """[BOS] when the tokenizer is configured to add one and the template did not write it itself, else []
+    (apply_chat_template never adds special tokens: templates write their own BOS)."""
+    bos = tokenizer.bos_token
+    head = special_affixes(tokenizer)[0]
+    if head != [tokenizer.bos_token_id] or (bos and rendered.startswith(bos)):
+        return []
+    return head

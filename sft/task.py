@@ -13,6 +13,7 @@ from zoo.errors import UserError
 from pretrain.config import TrainConfig
 from pretrain.data import indexed_rows, load_dataset_rows
 from pretrain.task import Document, RowSource, next_token_loss_sums
+from sft.chat import ChatTemplate, parse_date
 from sft.formats import detect_format
 from sft.masks import tokenize_indexed
 
@@ -27,6 +28,15 @@ def read_chat_template(path: str | None) -> str | None:
     return p.read_text()
 
 
+def chat_template_of(cfg: TrainConfig) -> ChatTemplate:
+    """The run's chat template: ``data.chat_template`` (or the tokenizer's), its variables and its fixed date."""
+    d = cfg.data
+    parse_date(d.template_date)  # a bad date is a config error before any row is read
+    source = read_chat_template(d.chat_template)
+    name = f"data.chat_template {d.chat_template}" if source else "the tokenizer's chat template"
+    return ChatTemplate(source=source, kwargs=dict(d.template_kwargs), date=d.template_date, name=name)
+
+
 class SFTTask:
     """Completion-only / assistant-only next-token loss over SFT rows (see sft/formats.py for the formats)."""
 
@@ -35,7 +45,7 @@ class SFTTask:
 
     def __init__(self, cfg: TrainConfig):
         self.format = cfg.data.format
-        self.chat_template = read_chat_template(cfg.data.chat_template)
+        self.chat_template = chat_template_of(cfg)
 
     def load(self, path: str, cfg: TrainConfig) -> RowSource:
         """The rows of ``path`` and their format (``data.format``, or detected from the columns)."""

@@ -41,12 +41,19 @@ def _write(path, rows):
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from transformers import AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from convert.source import open_source
     from zoo.cli import smollm2_gguf
 
-    root = tmp_path_factory.mktemp("dpo")
+    # Built once per session (tests/test_dpo_trl_exact.py imports this fixture): a second module reloads them.
+    root = tmp_path_factory.getbasetemp() / "dpo_models"
+    if (root / "built").is_file():
+        tok = AutoTokenizer.from_pretrained(str(root / "tok"))
+        models = {name: AutoModelForCausalLM.from_pretrained(root / f"hf_{name}", attn_implementation="eager").eval()
+                  for name in ("policy", "reference")}
+        return root, tok, models
+    root.mkdir()
     open_source(str(smollm2_gguf())).save_tokenizer(root / "tok")
     tok = AutoTokenizer.from_pretrained(str(root / "tok"))
     models = {}
@@ -55,6 +62,7 @@ def setup(tmp_path_factory):
         assert zoo_main(["convert", str(root / f"hf_{name}"), "--out", str(root / name)]) == 0
     _write(root / "four.jsonl", _pairs(4))
     _write(root / "prefs.jsonl", _pairs(96, seed=1))
+    (root / "built").touch()
     return root, tok, models
 
 
@@ -82,7 +90,7 @@ def _logsig(x: float) -> float:
 EPS = 0.1
 LOSSES = {
     "sigmoid": ((), lambda bh: -_logsig(bh)),
-    "ipo": (("dpo.loss_type=ipo",), None),  # (h - 1/(2 beta))^2 on mean log-probabilities: computed below
+    "ipo": (("dpo.loss_type=ipo",), None),  # (h - 1/(2 beta))^2 on mean log-ratios: computed below
     "cdpo": (("dpo.label_smoothing=0.1",), lambda bh: -(1 - EPS) * _logsig(bh) - EPS * _logsig(-bh)),
     "robust": (("dpo.loss_type=robust", "dpo.label_smoothing=0.1"),
                lambda bh: (-(1 - EPS) * _logsig(bh) + EPS * _logsig(-bh)) / (1 - 2 * EPS)),
@@ -104,32 +112,41 @@ def test_step_one_metrics_equal_transformers(setup, tmp_path, name):
                data="four.jsonl")
     train(cfg, progress=False, task=DPOTask(cfg))
     got = _metrics(out)[0]
-    losses, rc, rr = [], [], []
+    losses, rc, rr, nll_sum, chosen_tokens = [], [], [], 0.0, 0
     for row in _pairs(4):
         prompt = tok(row["prompt"])["input_ids"]
         c = tok(row["chosen"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         r = tok(row["rejected"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         pc, pr = _hf_logps(models["policy"], prompt, c), _hf_logps(models["policy"], prompt, r)
         qc, qr = _hf_logps(models["reference"], prompt, c), _hf_logps(models["reference"], prompt, r)
-        nll = -pc / len(c)
-        if name in ("ipo", "simpo"):  # TRL: IPO and SimPO compare mean per-token log-probabilities
-            pc, qc, pr, qr = pc / len(c), qc / len(c), pr / len(r), qr / len(r)
-        if name == "simpo":  # reference-free, with a target margin
+        nll_sum, chosen_tokens = nll_sum - pc, chosen_tokens + len(c)
+        if name == "simpo":  # CPOTrainer: reference-free, on mean per-token log-probabilities, a target margin
+            pc, pr = pc / len(c), pr / len(r)
             losses.append(per_pair(beta * (pc - pr - 0.5 / beta)))
             rc.append(beta * pc)
             rr.append(beta * pr)
             continue
         h = (pc - pr) - (qc - qr)
-        losses.append((h - 1 / (2 * beta)) ** 2 if name == "ipo" else per_pair(beta * h))
-        if name == "rpo":
-            losses[-1] += 0.5 * nll
-        rc.append(beta * (pc - qc))
+        if name == "ipo":  # DPOTrainer: the loss alone compares per-token means of the log-ratios
+            losses.append(((pc - qc) / len(c) - (pr - qr) / len(r) - 1 / (2 * beta)) ** 2)
+        else:
+            losses.append(per_pair(beta * h))
+        rc.append(beta * (pc - qc))  # summed log-ratios, ipo included
         rr.append(beta * (pr - qr))
-    np.testing.assert_allclose(got["loss"], np.mean(losses), rtol=1e-5)
+    # TRL's "sft" term (RPO): one token mean over every chosen token of the batch, added once.
+    sft = 0.5 * nll_sum / chosen_tokens if name == "rpo" else 0.0
+    np.testing.assert_allclose(got["loss"], np.mean(losses) + sft, rtol=1e-5)
     np.testing.assert_allclose(got["rewards/chosen"], np.mean(rc), rtol=1e-5)
     np.testing.assert_allclose(got["rewards/rejected"], np.mean(rr), rtol=1e-5)
     np.testing.assert_allclose(got["rewards/margins"], np.mean(rc) - np.mean(rr), rtol=1e-4)
     assert got["rewards/accuracies"] == np.mean(np.asarray(rc) > np.asarray(rr))
+
+
+# Preference rows whose answers have unequal lengths (a mean of per-pair means differs from a token mean).
+UNEVEN = [{"prompt": "colour red:", "chosen": " red", "rejected": " blue blue blue blue"},
+          {"prompt": "colour green:", "chosen": " green green green", "rejected": " black"},
+          {"prompt": "colour white:", "chosen": " white white", "rejected": " yellow yellow yellow"},
+          {"prompt": "colour blue:", "chosen": " blue blue blue blue blue", "rejected": " red red"}]
 
 
 def test_step_one_logps_and_logits_are_trl_means(setup, tmp_path):
@@ -137,10 +154,7 @@ def test_step_one_logps_and_logits_are_trl_means(setup, tmp_path):
     the vocabulary averaged over every answer token of the batch (token-weighted: answers of unequal
     length here, so a mean of per-pair means would differ), from transformers' logits."""
     root, tok, models = setup
-    rows = [{"prompt": "colour red:", "chosen": " red", "rejected": " blue blue blue blue"},
-            {"prompt": "colour green:", "chosen": " green green green", "rejected": " black"},
-            {"prompt": "colour white:", "chosen": " white white", "rejected": " yellow yellow yellow"},
-            {"prompt": "colour blue:", "chosen": " blue blue blue blue blue", "rejected": " red red"}]
+    rows = UNEVEN
     _write(root / "uneven.jsonl", rows)
     out = tmp_path / "run"
     cfg = _cfg(root, out, "max_steps=1", f"dpo.reference={root / 'reference'}", data="uneven.jsonl")
@@ -219,18 +233,25 @@ def test_precomputed_reference_equals_live_and_is_cached(setup, tmp_path, monkey
     live = _cfg(root, tmp_path / "live", "max_steps=2", *common)
     train(live, progress=False, task=DPOTask(live))
     real, calls = dpo.task.compute_reference_logps, []
+    real_cached, keyed = dpo.task.cached_reference_logps, []
 
     def spy(*a, **k):
         calls.append(1)
         return real(*a, **k)
 
+    def spy_cached(*a):  # the cache is keyed by the params dtype and the chat template too
+        keyed.append(a[6:])
+        return real_cached(*a)
+
     monkeypatch.setattr(dpo.task, "compute_reference_logps", spy)
+    monkeypatch.setattr(dpo.task, "cached_reference_logps", spy_cached)
     out = tmp_path / "pre"
     pre = _cfg(root, out, "max_steps=2", "dpo.reference=precomputed", *common)
     capsys.readouterr()
     train(pre, progress=False, task=DPOTask(pre))
     assert calls == [1] and "cache miss" in capsys.readouterr().err
     assert len(list((out / "reference_logps").glob("*.npz"))) == 1
+    assert keyed == [("float32", {"source": None, "kwargs": {}, "date": "2024-07-26"})]
     a, b = _metrics(tmp_path / "live"), _metrics(out)
     for k in ("loss", "rewards/chosen", "rewards/rejected", "logps/chosen"):
         np.testing.assert_allclose([r[k] for r in b], [r[k] for r in a], rtol=1e-5, atol=1e-7, err_msg=k)

@@ -168,7 +168,7 @@ def test_bad_rows(row, why):
 
 
 def test_bad_rows_name_file_and_row_or_are_skipped(tok, tmp_path):
-    good = {"prompt": "p", "chosen": "a", "rejected": "b"}
+    good = {"prompt": "p:", "chosen": " a", "rejected": " b"}
     rows = [good, {"prompt": "p", "chosen": None, "rejected": "b"}, {"prompt": "p", "chosen": "x", "rejected": "x"},
             good]
     f = tmp_path / "prefs.jsonl"
@@ -248,3 +248,26 @@ def test_print_config_shows_the_dpo_keys(capsys):
                  "dpo.loss_type=ipo"]) == 0
     out = capsys.readouterr().out
     assert "dpo:\n  loss_type: ipo\n  beta: 0.1\n" in out and "reference: base" in out
+
+
+def test_reference_cache_key_covers_dtype_template_and_tokens():
+    """A stale cache is never reused: the key changes with the params dtype, the template (its text,
+    variables and date) and the tokens; it is stable for the same inputs."""
+    from dpo.reference import cache_key
+    from sft.chat import ChatTemplate
+
+    doc = {"tokens": np.arange(5, dtype=np.int32), "loss_mask": np.ones(5, bool)}
+    docs = {"p.jsonl": {0: doc}}
+    tpl = ChatTemplate().identity()
+    key = cache_key(docs, "w", "float32", "float32", tpl)
+    assert key == cache_key(docs, "w", "float32", "float32", ChatTemplate().identity())
+    others = [
+        cache_key(docs, "w", "float32", "bfloat16", tpl),
+        cache_key(docs, "w", "float32", "float32", ChatTemplate(kwargs={"enable_thinking": False}).identity()),
+        cache_key(docs, "w", "float32", "float32", ChatTemplate(date="2026-12-01").identity()),
+        cache_key(docs, "w", "float32", "float32", ChatTemplate(source="{{ messages }}").identity()),
+        cache_key({"p.jsonl": {0: {**doc, "tokens": doc["tokens"][::-1].copy()}}}, "w", "float32", "float32", tpl),
+        cache_key(docs, "w", "bfloat16", "float32", tpl),
+        cache_key(docs, "v", "float32", "float32", tpl),
+    ]
+    assert len({key, *others}) == len(others) + 1

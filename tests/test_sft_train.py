@@ -162,11 +162,30 @@ def test_lora_sft_trains_only_adapters_and_final_merges(setup, tmp_path, capsys)
                                atol=1e-6)
 
 
+def _clock(day: int):
+    """A stand-in for the machine's clock as transformers' strftime_now reads it (July ``day``, 2031)."""
+    import datetime
+
+    class Clock(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return datetime.datetime(2031, 7, day, 12)
+
+    return Clock
+
+
 def test_lora_kill_and_resume_is_bit_identical(setup, tmp_path, monkeypatch):
+    """...also when the run resumes on another day, with a template that writes today's date (strftime_now)."""
+    import transformers.utils.chat_template_utils as ctu
+
     import pretrain.trainer as trainer
 
-    root, _ = setup
-    common = ("max_steps=6", "checkpoint.every=2", "data.eval_fraction=0", *LORA)
+    root, tok = setup
+    dated = tmp_path / "dated.jinja"  # ChatML with a Llama-3.2-style date line in the system turn
+    dated.write_text("{{ '<|im_start|>system\nToday Date: ' + strftime_now('%d %b %Y') + '<|im_end|>\n' }}"
+                     + tok.chat_template)
+    common = ("max_steps=6", "checkpoint.every=2", "data.eval_fraction=0", f"data.chat_template={dated}", *LORA)
+    monkeypatch.setattr(ctu, "datetime", _clock(1))
     cfg = _cfg(root, tmp_path / "full", *common)
     full = train(cfg, progress=False, task=SFTTask(cfg))
     real, calls = trainer.to_model_batch, []
@@ -182,6 +201,9 @@ def test_lora_kill_and_resume_is_bit_identical(setup, tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         train(cfg, progress=False, task=SFTTask(cfg))
     monkeypatch.setattr(trainer, "to_model_batch", real)
+    monkeypatch.setattr(ctu, "datetime", _clock(2))  # resumed the next day
+    assert "02 Jul 2031" in tok.apply_chat_template([{"role": "user", "content": "x"}], chat_template=dated.read_text(),
+                                                    tokenize=False)
     resumed = train(cfg, progress=False, task=SFTTask(cfg))
     from zoo.adapter import load_adapters
 

@@ -6,10 +6,25 @@ parameter table; ``params/`` holds only the adapters. Readers see the merged
 model (``W + scale * A @ B``): :func:`zoo.checkpoint.load_params` merges on
 load, and :class:`MergedParamReader` merges one layer at a time for streaming
 export, so the merged model is never written or held whole.
+
+The base is referred to by three fields of the ``lora`` entry:
+
+- ``base``: its absolute path at training time (the only one in older checkpoints);
+- ``base_relative``: its path relative to the adapter checkpoint's own folder, so a
+  run moved together with its base still finds it;
+- ``base_digest``: sha256 digests of the base's config and of its parameter manifest
+  (names, shapes, dtypes; for a base that is itself an adapter checkpoint, its
+  adapters' too), so a base that changed since training is refused.
+
+The two newer fields are optional additions within format version 1: older lmzoo
+ignores them and reads ``base`` as before, and checkpoints without them load as
+before (the recorded path, unchecked).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -27,24 +42,139 @@ def lora_config(meta: dict[str, Any]) -> LoraConfig:
                       rslora=info["rslora"])
 
 
+def base_digest(base_meta: dict[str, Any]) -> dict[str, str]:
+    """The ``base_digest`` of a base checkpoint's model.json: sha256 of its config and of its parameter manifest.
+
+    Only what the adapters depend on counts: the config and every parameter's name, shape and dtype (not the
+    logical axes, not provenance, not the weights, which would mean reading the whole base). A base that is
+    itself an adapter checkpoint adds its LoRA settings and adapter table, so another run's adapters over the
+    same base do not pass for it.
+    """
+    manifest: dict[str, Any] = {"params": _table(base_meta.get("params", {}))}
+    lora = base_meta.get("lora")
+    if lora:
+        manifest["lora"] = {"rank": lora["rank"], "alpha": lora["alpha"], "rslora": lora["rslora"],
+                            "target_modules": list(lora["target_modules"]), "params": _table(lora["params"])}
+    return {"config": _sha256(base_meta.get("config")), "manifest": _sha256(manifest)}
+
+
+def _table(params: dict[str, dict[str, Any]]) -> dict[str, list]:
+    return {p: [list(v["shape"]), v["dtype"]] for p, v in params.items()}
+
+
+def _sha256(obj: Any) -> str:
+    # Canonical JSON: the same model.json content digests the same whatever its key order or indentation.
+    return "sha256:" + hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _candidates(ckpt: str | os.PathLike, info: dict[str, Any]) -> list[Path]:
+    """Where the base may be, in order: relative to the adapter checkpoint, then the path recorded at training."""
+    here = Path(ckpt).absolute()
+    found = []
+    if info.get("base_relative"):
+        # Lexical, like the user's view of the folders: `mv work elsewhere` keeps work/run/final/../../base valid
+        # even where work/ is reached through a symbolic link.
+        found.append(Path(os.path.normpath(here / info["base_relative"])))
+    recorded = Path(info["base"])
+    # Older checkpoints may hold a relative ``base``: relative to the adapter checkpoint, as they were read.
+    found.append(recorded if recorded.is_absolute() else (here / recorded).resolve())
+    return list(dict.fromkeys(found))
+
+
+def _read_base_meta(base: Path) -> dict[str, Any]:
+    from zoo.checkpoint import read_meta
+
+    return read_meta(base)
+
+
+def _differences(meta: dict[str, Any], base_meta: dict[str, Any]) -> str | None:
+    """What differs between a base (its ``base_meta``) and the one the adapters were trained on; None if nothing."""
+    want, got = meta["lora"]["base_digest"], base_digest(base_meta)
+    parts = []
+    if want.get("config") != got["config"]:
+        # The adapter checkpoint's own config is the base's at training: name the keys that changed.
+        old, new = meta.get("config", {}), base_meta.get("config", {})
+        keys = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+        shown = ", ".join(f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in keys[:3]) + (", ..." if keys[3:] else "")
+        parts.append(f"config differs ({shown})" if keys else "config differs")
+    if want.get("manifest") != got["manifest"]:
+        # Likewise its parameter table is the base's: name the first parameter that changed.
+        old, new = _table(meta.get("params", {})), _table(base_meta.get("params", {}))
+        keys = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+        if keys:
+            k = keys[0]
+            what = ("is new" if k not in old else "is gone" if k not in new
+                    else f"{old[k][1]}{old[k][0]} -> {new[k][1]}{new[k][0]}")
+            more = f", and {len(keys) - 1} more parameters" if keys[1:] else ""
+            parts.append(f"parameter manifest differs ('{k}' {what}{more})")
+        else:
+            # The same parameter table: the base is an adapter checkpoint whose own adapters differ.
+            parts.append("parameter manifest differs (its LoRA adapters)" if base_meta.get("lora")
+                         else "parameter manifest differs")
+    return "; ".join(parts) or None
+
+
 def base_checkpoint(ckpt: str | os.PathLike, meta: dict[str, Any]) -> Path:
-    """The base checkpoint an adapter checkpoint refers to (absolute, or relative to the adapter)."""
-    base = Path(meta["lora"]["base"])
-    if not base.is_absolute():
-        base = (Path(ckpt) / base).resolve()
-    if not (base / "model.json").is_file():
-        raise UserError(f"{ckpt} is a LoRA adapter of base checkpoint {base}, which is missing; put the base "
+    """The base checkpoint an adapter checkpoint refers to, checked against the digest recorded at training.
+
+    Tried in order: ``base_relative`` (relative to ``ckpt``), then the absolute ``base``; the first that exists
+    and matches ``base_digest`` wins. A base whose digest differs, or none found, is a one-line UserError.
+    Checkpoints written before ``base_relative``/``base_digest`` existed resolve ``base`` alone, unchecked.
+    """
+    info = meta["lora"]
+    tried = _candidates(ckpt, info)
+    changed: tuple[Path, str] | None = None
+    for base in tried:
+        if not (base / "model.json").is_file():
+            continue
+        if "base_digest" not in info:
+            return base
+        diff = _differences(meta, _read_base_meta(base))
+        if diff is None:
+            return base
+        changed = changed or (base, diff)
+    if changed:
+        base, diff = changed
+        raise UserError(f"{ckpt} is a LoRA adapter of base checkpoint {base}, which has changed since the adapters "
+                        f"were trained: {diff}; put the original base back at {base} (e.g. convert the same "
+                        "source again), or train the adapters anew on this base")
+    if len(tried) == 1:
+        raise UserError(f"{ckpt} is a LoRA adapter of base checkpoint {tried[0]}, which is missing; put the base "
                         "back there (or export the merged model where both exist)")
-    return base
+    raise UserError(f"{ckpt} is a LoRA adapter of a base checkpoint found at neither {tried[0]} (where "
+                    f"'{info['base_relative']}' leads from it) nor {tried[1]} (its path at training); move the base "
+                    "together with the run, or put it back at either path")
 
 
-def adapter_meta(lora_cfg: LoraConfig, base: Path, adapter_params: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The ``lora`` entry of an adapter checkpoint's model.json."""
+def base_location(ckpt: str | os.PathLike, meta: dict[str, Any]) -> Path:
+    """Where the base is, as :func:`base_checkpoint` finds it, but never an error: the path recorded at training
+    when the base is missing, changed or unreadable (for readers that only name the base, like PEFT export)."""
+    try:
+        return base_checkpoint(ckpt, meta)
+    except UserError:
+        return _candidates(ckpt, meta["lora"])[-1]
+
+
+def adapter_meta(lora_cfg: LoraConfig, base: Path, adapter_params: dict[str, dict[str, Any]],
+                 ckpt: str | os.PathLike | None = None) -> dict[str, Any]:
+    """The ``lora`` entry of an adapter checkpoint's model.json.
+
+    ``ckpt`` is the folder the adapter checkpoint ends up in (not a scratch folder renamed onto it later):
+    ``base_relative`` is relative to it. Without ``ckpt`` only the absolute path is recorded.
+    """
     from zoo.lora import target_modules
 
+    base = Path(base).absolute()
+    ref: dict[str, Any] = {"base": str(base)}
+    if ckpt is not None:
+        try:
+            ref["base_relative"] = os.path.relpath(os.path.normpath(base), os.path.normpath(Path(ckpt).absolute()))
+        except ValueError:  # no relative path between them (Windows: another drive)
+            pass
+    ref["base_digest"] = base_digest(_read_base_meta(base))
     return {"rank": lora_cfg.rank, "alpha": lora_cfg.alpha, "rslora": lora_cfg.rslora,
             "target_modules": list(target_modules(lora_cfg)), "scale": lora_scale(lora_cfg),
-            "base": str(Path(base).absolute()), "params": adapter_params}
+            **ref, "params": adapter_params}
 
 
 def load_adapters(ckpt: str | os.PathLike, meta: dict[str, Any], mesh: Any = None) -> dict[str, Any]:

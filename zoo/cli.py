@@ -83,7 +83,9 @@ def cmd_info(args: argparse.Namespace) -> None:
         n = sum(_prod(p["shape"]) for p in lora["params"].values())
         print(f"lora        rank {lora['rank']}, alpha {lora['alpha']:g}{', rslora' if lora['rslora'] else ''}, "
               f"{human_count(n)} ({n:,}) adapter parameters on {', '.join(lora['target_modules'])}")
-        print(f"base        {lora['base']}  (merged on load and export)")
+        from zoo.adapter import base_location  # noqa: PLC0415 - only adapter checkpoints need it
+
+        print(f"base        {base_location(args.ckpt, meta)}  (merged on load and export)")
         params = lora["params"]
     print(f"on disk     Orbax OCDBT/zarr3, {len(files)} files, {size / 2**20:.1f} MiB; chunked as below")
     print()

@@ -1,0 +1,233 @@
+"""DPO metrics equal TRL 1.16's, on answers of unequal length, with ``dpo.sft_weight``, however the batch is split.
+
+The expected numbers are TRL's formulas written out here in NumPy (float64),
+not our code: DPOTrainer._compute_loss for sigmoid, hinge, robust and ipo (and
+its ``"sft"`` loss term, ``loss_type=[..., "sft"], loss_weights=[1, w]``) and
+CPOTrainer (``loss_type="simpo"``, ``cpo_alpha``). The first tests run the real
+train step (pretrain/step.py, with the DPO task) on fixed per-token
+log-probabilities, the model's forward pass replaced by a lookup, so every
+loss type and batch split costs one tiny compilation; the last runs `dpo train`
+on a tiny model against transformers' log-probabilities.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import dpo.task
+from dpo.data import CHOSEN, PROMPT, REJECTED
+from dpo.task import DPOTask
+from pretrain.config import load_config
+from pretrain.step import make_step
+from pretrain.trainer import train
+from tests.test_dpo import UNEVEN, _cfg, _hf_logps, _metrics, _write, setup  # noqa: F401 (setup: the tiny models)
+
+BETA, EPS, GAMMA, SFT = 0.1, 0.1, 0.5, 0.7
+PROMPT_LEN, SEQ = 2, 16
+CHOSEN_LENS, REJECTED_LENS = (1, 3, 2, 5), (4, 1, 3, 2)  # unequal answers; 4 and 7 chosen tokens per half
+
+
+# ---- TRL 1.16, written out -------------------------------------------------------------------------------
+
+def _logsigmoid(x: np.ndarray) -> np.ndarray:
+    return -np.logaddexp(0.0, -x)
+
+
+def trl_metrics(loss_type: str, pol_c: list, pol_r: list, ref_c: list, ref_r: list, beta: float,
+                label_smoothing: float, simpo_gamma: float, sft_weight: float) -> dict[str, float]:
+    """TRL's step metrics from per-token log-probabilities (one float64 array per answer)."""
+    eps = label_smoothing
+    n_c = np.array([len(x) for x in pol_c], float)
+    n_r = np.array([len(x) for x in pol_r], float)
+    chosen_logps = np.array([x.sum() for x in pol_c])  # logps = per_token_logps.sum(dim=1)
+    rejected_logps = np.array([x.sum() for x in pol_r])
+    if loss_type == "simpo":
+        # CPOTrainer: get_batch_logps(average_log_prob=loss_type in ["ipo", "simpo"]) feeds everything.
+        chosen_logps, rejected_logps = chosen_logps / n_c, rejected_logps / n_r
+        logits = chosen_logps - rejected_logps - simpo_gamma / beta
+        losses = -_logsigmoid(beta * logits) * (1 - eps) - _logsigmoid(-beta * logits) * eps
+        chosen_rewards, rejected_rewards = beta * chosen_logps, beta * rejected_logps
+    else:
+        chosen_logratios = chosen_logps - np.array([x.sum() for x in ref_c])
+        rejected_logratios = rejected_logps - np.array([x.sum() for x in ref_r])
+        delta = chosen_logratios - rejected_logratios
+        if loss_type == "sigmoid":
+            losses = -_logsigmoid(beta * delta)
+        elif loss_type == "hinge":
+            losses = np.maximum(0.0, 1 - beta * delta)
+        elif loss_type == "robust":
+            clean = -(1 - eps) * _logsigmoid(beta * delta)
+            flipped = -eps * _logsigmoid(-beta * delta)
+            losses = (clean - flipped) / (1 - 2 * eps)
+        elif loss_type == "ipo":
+            # chosen_avg_score = chosen_scores / chosen_mask.sum(dim=1).clamp(min=1.0), the loss alone
+            ipo_delta = chosen_logratios / n_c - rejected_logratios / n_r
+            losses = (ipo_delta - 1 / (2 * beta)) ** 2
+        else:
+            raise AssertionError(loss_type)
+        chosen_rewards, rejected_rewards = beta * chosen_logratios, beta * rejected_logratios
+    # "sft": -chosen_per_token_logps[chosen_mask.bool()].mean(), i.e. over every chosen token of the batch
+    # (CPOTrainer's nll_loss: CrossEntropyLoss over the chosen labels, the same token mean).
+    nll = -np.concatenate(pol_c).mean()
+    return {"loss": losses.mean() + sft_weight * nll,  # loss += per_sequence_loss.mean() * loss_weight
+            "rewards/chosen": chosen_rewards.mean(), "rewards/rejected": rejected_rewards.mean(),
+            "rewards/accuracies": (chosen_rewards > rejected_rewards).astype(float).mean(),
+            "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+            "logps/chosen": chosen_logps.mean(), "logps/rejected": rejected_logps.mean()}
+
+
+# ---- the train step on fixed log-probabilities -----------------------------------------------------------
+
+def _answers(seed: int = 0) -> dict[str, list]:
+    """Per-token log-probabilities of each answer: policy and reference, chosen and rejected, plus the
+    direction the fake parameter ``b`` moves each policy token (to check gradients)."""
+    rng = np.random.RandomState(seed)
+    out = {}
+    for side, lens in (("c", CHOSEN_LENS), ("r", REJECTED_LENS)):
+        out[f"pol_{side}"] = [rng.uniform(-3.0, -0.1, n) for n in lens]
+        out[f"ref_{side}"] = [rng.uniform(-3.0, -0.1, n) for n in lens]
+        out[f"coef_{side}"] = [rng.uniform(-1.0, 1.0, n) for n in lens]
+        out[f"logit_{side}"] = [rng.normal(0.0, 2.0, n) for n in lens]
+    return out
+
+
+def _rows(a: dict) -> dict[str, np.ndarray]:
+    """Model-batch rows [pairs, SEQ] the way dpo/data.py lays a pair out: prompt, chosen, rejected, padding."""
+    pairs = len(CHOSEN_LENS)
+    rows = {k: np.zeros((pairs, SEQ), np.float32) for k in ("weights", "fake_logps", "ref_logps", "fake_coef",
+                                                              "fake_logits")}
+    rows["segment_ids"] = np.zeros((pairs, SEQ), np.int32)
+    for i in range(pairs):
+        rows["segment_ids"][i, :PROMPT_LEN] = PROMPT
+        at = PROMPT_LEN
+        for side, seg in (("c", CHOSEN), ("r", REJECTED)):
+            n = len(a[f"pol_{side}"][i])
+            span = slice(at, at + n)
+            rows["segment_ids"][i, span], rows["weights"][i, span] = seg, 1.0
+            rows["fake_logps"][i, span], rows["ref_logps"][i, span] = a[f"pol_{side}"][i], a[f"ref_{side}"][i]
+            rows["fake_coef"][i, span], rows["fake_logits"][i, span] = a[f"coef_{side}"][i], a[f"logit_{side}"][i]
+            # Garbage outside the answers: it must never be read.
+            rows["fake_logps"][i, at + n:] = rows["ref_logps"][i, at + n:] = -50.0
+            at += n
+        rows["fake_logps"][i, :PROMPT_LEN] = rows["ref_logps"][i, :PROMPT_LEN] = -50.0
+    return rows
+
+
+def _fake_batch_logps(mcfg, params, mb, remat="none", **kw):
+    """dpo.logps.batch_logps with the forward pass replaced by the batch's fixed per-token log-probabilities,
+    moved by the one parameter ``b`` along ``fake_coef``."""
+    return mb["fake_logps"] + params["b"] * mb["fake_coef"], mb["fake_logits"], None
+
+
+def _step_metrics(loss_type: str, sft_weight: float, micro_batches: int, monkeypatch) -> dict[str, float]:
+    """One train step's metrics (and |dL/db| as grad_norm) on the fixed pairs, split into ``micro_batches``."""
+    monkeypatch.setattr(dpo.task, "batch_logps", _fake_batch_logps)
+    cfg = load_config(None, ["model.path=none", "data.path=none", "max_steps=1", "dpo.reference=precomputed",
+                             f"dpo.loss_type={loss_type}", f"dpo.beta={BETA}", f"dpo.sft_weight={sft_weight}",
+                             f"dpo.simpo_gamma={GAMMA}",
+                             f"dpo.label_smoothing={EPS if loss_type == 'robust' else 0.0}"])
+    rows = _rows(_answers())
+    batch = {k: jnp.asarray(v.reshape(micro_batches, -1, SEQ)) for k, v in rows.items()}
+    step, _ = make_step(None, optax.sgd(0.0), jnp.float32, task=DPOTask(cfg))
+    params = {"b": jnp.zeros((), jnp.float32)}
+    state = {"params": params, "opt_state": optax.sgd(0.0).init(params), "step": jnp.zeros((), jnp.int32)}
+    _, m = step(state, batch)
+    return {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
+            **{k: float(v) for k, v in m["task"].items()}}
+
+
+def _want(loss_type: str, sft_weight: float, b: float = 0.0) -> dict[str, float]:
+    a = _answers()
+    eps = EPS if loss_type == "robust" else 0.0
+    move = {s: [p + b * c for p, c in zip(a[f"pol_{s}"], a[f"coef_{s}"])] for s in ("c", "r")}
+    return trl_metrics(loss_type, move["c"], move["r"], a["ref_c"], a["ref_r"], BETA, eps, GAMMA, sft_weight)
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge", "robust", "simpo"])
+def test_step_metrics_and_gradient_equal_trl(loss_type, monkeypatch):
+    """Every loss type with dpo.sft_weight: the step's loss, rewards/* and logps/* equal TRL's on pairs of
+    unequal answer lengths, and so does the gradient (a central difference of TRL's loss), one micro-batch
+    or two (4 and 7 chosen tokens: a mean of per-micro-batch token means would differ)."""
+    want = _want(loss_type, SFT)
+    h = 1e-4
+    slope = (_want(loss_type, SFT, h)["loss"] - _want(loss_type, SFT, -h)["loss"]) / (2 * h)
+    for micro_batches in (1, 2):
+        got = _step_metrics(loss_type, SFT, micro_batches, monkeypatch)
+        for k, v in want.items():
+            np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-6, err_msg=f"{k}, {micro_batches} micro")
+        np.testing.assert_allclose(got["grad_norm"], abs(slope), rtol=1e-4, err_msg=f"{micro_batches} micro")
+    # logits/*: TRL's token-weighted mean logit over the answers' tokens.
+    a = _answers()
+    for side, s in (("chosen", "c"), ("rejected", "r")):
+        np.testing.assert_allclose(got[f"logits/{side}"], np.concatenate(a[f"logit_{s}"]).mean(), rtol=1e-5)
+
+
+def test_sft_weight_is_one_token_mean_over_the_global_batch(monkeypatch):
+    """The sft_weight term is TRL's: sft_weight times the NLL summed over every chosen token of the global
+    batch over their number, added once to the mean preference loss; not a mean of per-pair means, nor of
+    per-micro-batch means (one pair per micro-batch here)."""
+    a = _answers()
+    nll = -np.concatenate(a["pol_c"]).mean()
+    base = _step_metrics("sigmoid", 0.0, 4, monkeypatch)
+    got = _step_metrics("sigmoid", SFT, 4, monkeypatch)
+    np.testing.assert_allclose(got["loss"] - base["loss"], SFT * nll, rtol=1e-5)
+    per_pair = np.mean([-x.mean() for x in a["pol_c"]])
+    assert abs(per_pair - nll) > 0.05 * nll  # the lengths make the two means differ
+    for k in ("rewards/chosen", "rewards/margins", "logps/chosen"):  # the metrics do not move
+        np.testing.assert_allclose(got[k], base[k], rtol=1e-6, err_msg=k)
+
+
+def test_ipo_rewards_and_logps_are_summed_and_only_the_loss_is_normalized(monkeypatch):
+    """IPO as TRL's DPOTrainer logs it: rewards beta * (summed policy - summed reference log-probability),
+    logps/* summed; the loss alone compares per-token means of the log-ratios."""
+    a = _answers()
+    got = _step_metrics("ipo", 0.0, 2, monkeypatch)
+    ratio_c = np.array([p.sum() - r.sum() for p, r in zip(a["pol_c"], a["ref_c"])])
+    ratio_r = np.array([p.sum() - r.sum() for p, r in zip(a["pol_r"], a["ref_r"])])
+    np.testing.assert_allclose(got["rewards/chosen"], BETA * ratio_c.mean(), rtol=1e-5)
+    np.testing.assert_allclose(got["rewards/rejected"], BETA * ratio_r.mean(), rtol=1e-5)
+    np.testing.assert_allclose(got["logps/rejected"], np.mean([p.sum() for p in a["pol_r"]]), rtol=1e-5)
+    normalized = ratio_c / np.array(CHOSEN_LENS) - ratio_r / np.array(REJECTED_LENS)
+    np.testing.assert_allclose(got["loss"], np.mean((normalized - 1 / (2 * BETA)) ** 2), rtol=1e-5)
+
+
+# ---- end to end: a tiny model, transformers' log-probabilities -------------------------------------------
+
+def test_ipo_with_sft_weight_step_one_equals_trl_from_transformers(setup, tmp_path):  # noqa: F811
+    """`dpo train`, ipo with sft_weight, two micro-batches, answers of unequal length: step 1's loss and
+    every reward and logps metric equal TRL's formulas on transformers' log-probabilities of the policy and
+    the reference checkpoint."""
+    root, tok, models = setup
+    rows = UNEVEN
+    _write(root / "uneven_ipo.jsonl", rows)
+    out = tmp_path / "run"
+    cfg = _cfg(root, out, "max_steps=1", "grad_accum=2", "dpo.loss_type=ipo", f"dpo.beta={BETA}",
+               f"dpo.sft_weight={SFT}", f"dpo.reference={root / 'reference'}", data="uneven_ipo.jsonl")
+    train(cfg, progress=False, task=DPOTask(cfg))
+    got = _metrics(out)[0]
+    pc, pr, qc, qr, nc, nr = [], [], [], [], [], []
+    for row in rows:
+        prompt = tok(row["prompt"])["input_ids"]
+        c = tok(row["chosen"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        r = tok(row["rejected"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        pc.append(_hf_logps(models["policy"], prompt, c))
+        pr.append(_hf_logps(models["policy"], prompt, r))
+        qc.append(_hf_logps(models["reference"], prompt, c))
+        qr.append(_hf_logps(models["reference"], prompt, r))
+        nc.append(len(c))
+        nr.append(len(r))
+    pc, pr, qc, qr, nc, nr = map(np.asarray, (pc, pr, qc, qr, nc, nr))
+    assert len(set(nc)) > 1 and len(set(nr)) > 1
+    ipo = ((pc - qc) / nc - (pr - qr) / nr - 1 / (2 * BETA)) ** 2
+    nll = -pc.sum() / nc.sum()  # every chosen token of the global batch, token-weighted
+    rc, rr = BETA * (pc - qc), BETA * (pr - qr)
+    want = {"loss": ipo.mean() + SFT * nll, "rewards/chosen": rc.mean(), "rewards/rejected": rr.mean(),
+            "rewards/accuracies": float(np.mean(rc > rr)), "rewards/margins": (rc - rr).mean(),
+            "logps/chosen": pc.mean(), "logps/rejected": pr.mean()}
+    for k, v in want.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-7, err_msg=k)
+    assert not math.isclose(nll, np.mean(-pc / nc), rel_tol=1e-3)  # the per-pair mean would be caught
