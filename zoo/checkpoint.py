@@ -151,6 +151,9 @@ class CheckpointWriter:
         spec = {
             "driver": "zarr3",
             "kvstore": {"driver": "ocdbt", "base": f"file://{self.folder / PARAMS_DIR / STATE_DIR}/", "path": path},
+            # Every chunk is stored, also one equal to the fill value (an all-zero slice: a fresh Gemma's norms,
+            # DeepSeek's correction bias): Orbax reads with missing chunks as errors, not as fill values.
+            "store_data_equal_to_fill_value": True,
             "metadata": {
                 "shape": shape,
                 "data_type": info["dtype"],
