@@ -64,7 +64,7 @@ import numpy as np
 
 from sft.formats import BadRow, parse_messages
 from sft.chat import ChatTemplate, as_template, assistant_spans
-from sft.masks import TokenizeStats, bos_head, special_affixes, split_whole
+from sft.masks import TokenizeStats, bos_head, special_affixes, split_whole, with_eos
 
 CHOSEN, REJECTED, PROMPT = 1, 2, 3  # the segment ids of a pair's answers and of its shared prompt
 
@@ -130,7 +130,8 @@ def normalize_pair(row: dict[str, Any]) -> Pair:
     return pair
 
 
-def _common_prefix(a: list[dict[str, str]], b: list[dict[str, str]]) -> int:
+def _common_prefix(a: list, b: list) -> int:
+    """How many leading items ``a`` and ``b`` share (messages, or token ids)."""
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
@@ -181,12 +182,9 @@ def tokenize_pair(pair: Pair, tokenizer: Any, chat_template: ChatTemplate | str 
             head = []
         sides.append((ids[:n], ids[n:]))
     if not pair.is_chat:  # string answers end with one EOS (unless they already do)
-        eos = tokenizer.eos_token_id
-        sides = [(p, a + [eos] if eos is not None and (not a or a[-1] != eos) else a) for p, a in sides]
+        sides = [(p, with_eos(a, tokenizer)) for p, a in sides]
     (pc, chosen), (pr, rejected) = sides
-    shared = 0
-    while shared < min(len(pc), len(pr)) and pc[shared] == pr[shared]:
-        shared += 1
+    shared = _common_prefix(pc, pr)
     prompt = head + pc[:shared]
     if not prompt:
         raise BadRow("the prompt renders to no token (nothing to condition the answers on)")

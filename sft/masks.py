@@ -46,7 +46,7 @@ from zoo.errors import UserError
 GREEN, RESET = "\x1b[42m", "\x1b[0m"
 PLAIN_OPEN, PLAIN_CLOSE = "[[", "]]"
 __all__ = ["TemplateMismatch", "TokenizeStats", "tokenize_example", "tokenize_rows", "tokenize_indexed",
-           "render_mask", "encode", "special_affixes", "split_whole", "token_mask", "bos_head"]
+           "render_mask", "encode", "special_affixes", "split_whole", "token_mask", "bos_head", "with_eos"]
 
 
 @dataclass
@@ -187,6 +187,12 @@ def token_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> 
     return mask
 
 
+def with_eos(ids: list[int], tokenizer: Any) -> list[int]:
+    """``ids`` ending with one EOS (appended unless already there), so the model learns to stop."""
+    eos = tokenizer.eos_token_id
+    return ids + [eos] if eos is not None and (not ids or ids[-1] != eos) else ids
+
+
 def split_whole(prompt: str, completion: str, tokenizer: Any) -> tuple[list[int], int, bool]:
     """(ids of ``prompt + completion`` tokenized as one text, the number of prompt tokens, whether a token
     spans the boundary).
@@ -217,10 +223,7 @@ def _plain(prompt: str, completion: str, tokenizer: Any,
         head = []
     if tail and body[-len(tail):] == tail:
         tail = []
-    ids = head + body + tail
-    eos = tokenizer.eos_token_id
-    if eos is not None and (not ids or ids[-1] != eos):
-        ids.append(eos)
+    ids = with_eos(head + body + tail, tokenizer)
     mask = np.zeros(len(ids), bool)
     mask[len(head) + n_prompt:] = True
     return np.asarray(ids, np.int32), mask

@@ -18,23 +18,18 @@ from sft.formats import detect_format
 from sft.masks import tokenize_indexed
 
 
-def read_chat_template(path: str | None) -> str | None:
-    """The Jinja chat template in file ``path`` (None: use the tokenizer's own)."""
-    if path is None:
-        return None
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise UserError(f"data.chat_template {path}: no such file (give a Jinja chat-template file)")
-    return p.read_text()
-
-
 def chat_template_of(cfg: TrainConfig) -> ChatTemplate:
-    """The run's chat template: ``data.chat_template`` (or the tokenizer's), its variables and its fixed date."""
+    """The run's chat template: the Jinja file ``data.chat_template`` (None: the tokenizer's own), its variables
+    (``data.template_kwargs``) and the fixed day its ``strftime_now`` reads (``data.template_date``)."""
     d = cfg.data
     parse_date(d.template_date)  # a bad date is a config error before any row is read
-    source = read_chat_template(d.chat_template)
-    name = f"data.chat_template {d.chat_template}" if source else "the tokenizer's chat template"
-    return ChatTemplate(source=source, kwargs=dict(d.template_kwargs), date=d.template_date, name=name)
+    if d.chat_template is None:
+        return ChatTemplate(kwargs=dict(d.template_kwargs), date=d.template_date)
+    p = Path(d.chat_template).expanduser()
+    if not p.is_file():
+        raise UserError(f"data.chat_template {d.chat_template}: no such file (give a Jinja chat-template file)")
+    return ChatTemplate(source=p.read_text(), kwargs=dict(d.template_kwargs), date=d.template_date,
+                        name=f"data.chat_template {d.chat_template}")
 
 
 class SFTTask:

@@ -172,7 +172,8 @@ def test_multi_turn_masks_match_the_sentinel_oracle(tokenizers, name):
     ex = normalize({"messages": messages}, "messages")
     ids, mask = tokenize_example(ex, tok, ChatTemplate())
     text = render(tok, messages, ChatTemplate(), tok.chat_template, False)
-    assert text == tok.apply_chat_template(messages, tokenize=False) or "strftime_now" in tok.chat_template
+    if "strftime_now" not in tok.chat_template:  # (those read the fixed date, not today's: see below)
+        assert text == tok.apply_chat_template(messages, tokenize=False)
     trained = _check(tok, ids, mask, text, _oracle_spans(text, family, ANSWERS))
     # What is trained is what the template renders at each position.
     assert "Userask" not in "".join(trained) and "Sysnote" not in "".join(trained)
@@ -185,8 +186,8 @@ def test_multi_turn_masks_match_the_sentinel_oracle(tokenizers, name):
         assert "Reasonkept" not in text and trained[1] == "Answertwo coral reply.<｜end▁of▁sentence｜>"
     elif name in ("qwen2.5", "smollm2", "llama-3.1", "llama-3.2", "gemma-2", "gemma-3", "mistral-nemo"):
         assert "Reasonkept cobalt steps." in trained[0]  # templates without reasoning support keep it as text
-    if name.startswith("mistral"):
-        assert "▁" in tok.convert_ids_to_tokens(ids[mask].tolist()[:1])[0] or name != "mistral-v0.3"
+    if name == "mistral-v0.3":  # the space it writes after [/INST] opens the answer: trained, as a "▁" piece
+        assert tok.convert_ids_to_tokens(ids[mask].tolist())[0].startswith("▁")
     if name == "gemma-3":
         assert "<start_of_turn>user\nSysnote quartz rules apply.\n\nUserask amber question?" in text
 
@@ -271,14 +272,15 @@ def test_sentencepiece_prompt_completion_tokens_are_those_of_the_whole_text(toke
     alone = tok(completion, add_special_tokens=False)["input_ids"]
     assert tok.convert_ids_to_tokens(alone)[0].startswith("▁")
     assert not tok.convert_ids_to_tokens(whole[n_prompt:])[0].startswith("▁")
-    # A merge across the boundary: the merged token is trained and counted.
+    # A merge across the boundary: the token spanning it is trained (with everything after it) and counted.
     stats = TokenizeStats()
-    ids, mask = tokenize_example(Example(prompt="Answer: Par", completion="is is the capital."), tok, stats=stats)
-    assert ids.tolist() == tok("Answer: Paris is the capital.")["input_ids"] + [tok.eos_token_id]
-    assert stats.boundary_merges == 1
-    pieces = tok.convert_ids_to_tokens(ids[mask].tolist())
-    assert pieces[0] in ("▁Paris", "is", "ris", "aris") and "".join(pieces).replace("▁", " ").strip() \
-        .startswith(pieces[0].replace("▁", "").strip())
+    prompt, completion = "Answer: Par", "is is the capital."
+    ids, mask = tokenize_example(Example(prompt=prompt, completion=completion), tok, stats=stats)
+    enc = tok(prompt + completion, return_offsets_mapping=True)
+    assert ids.tolist() == enc["input_ids"] + [tok.eos_token_id]
+    spanning = [i for i, (s, e) in enumerate(enc["offset_mapping"]) if s < len(prompt) < e]
+    assert len(spanning) == 1 and stats.boundary_merges == 1
+    assert mask.tolist() == [False] * spanning[0] + [True] * (len(ids) - spanning[0])
 
 
 def test_sentencepiece_dpo_answers_are_the_whole_texts_tokens(tokenizers):
@@ -352,5 +354,10 @@ def test_bad_template_kwargs_and_date_are_config_errors(tmp_path):
     assert chat_template_of(cfg) == ChatTemplate(kwargs={"enable_thinking": False}, date="2025-01-02")
     with pytest.raises(UserError, match="data.template_date '2025-13-40' is not a date"):
         chat_template_of(load_config(None, base + ["data.template_date=2025-13-40"]))
+    with pytest.raises(UserError, match=r"data.chat_template .*nope.jinja: no such file"):
+        chat_template_of(load_config(None, base + [f"data.chat_template={tmp_path / 'nope.jinja'}"]))
+    (tmp_path / "t.jinja").write_text("{{ messages }}")
+    named = chat_template_of(load_config(None, base + [f"data.chat_template={tmp_path / 't.jinja'}"]))
+    assert named.source == "{{ messages }}" and named.name.startswith("data.chat_template ")
     with pytest.raises(BadRow):
         normalize({"messages": [{"role": "assistant", "content": "x", "reasoning_content": 3}]}, "messages")
