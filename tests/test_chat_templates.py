@@ -192,6 +192,18 @@ def test_multi_turn_masks_match_the_sentinel_oracle(tokenizers, name):
         assert "<start_of_turn>user\nSysnote quartz rules apply.\n\nUserask amber question?" in text
 
 
+def test_qwen3_think_in_content_trains_like_reasoning_content(tokenizers):
+    """A final turn's reasoning written as <think>…</think> in its content renders, and trains, exactly as the
+    same reasoning given as reasoning_content."""
+    tok = _family_tok(tokenizers, FAMILIES["qwen3"])
+    inline = CONVERSATION[:3] + [{"role": "assistant",
+                                  "content": "<think>\nReasonlast dolomite chain.\n</think>\n\nAnswertwo coral reply."}]
+    a = tokenize_example(normalize({"messages": inline}, "messages"), tok)
+    b = tokenize_example(normalize({"messages": CONVERSATION}, "messages"), tok)
+    assert a[0].tolist() == b[0].tolist() and a[1].tolist() == b[1].tolist()
+    assert "Reasonlast dolomite chain." in tok.decode(a[0][a[1]].tolist())
+
+
 def test_qwen3_enable_thinking_false_trains_the_answer_after_the_empty_think_block(tokenizers):
     family = FAMILIES["qwen3"]
     tok = _family_tok(tokenizers, family)
