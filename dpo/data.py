@@ -238,6 +238,14 @@ def fit_pair(t: PairTokens, max_len: int, shared_prompt: bool = True) -> tuple[P
                       t.rejected_head), True
 
 
+def keeps_meaning(whole: PairTokens, kept: PairTokens) -> bool:
+    """Whether a pair cut to fit still says what is preferred to what: it keeps at least half of its prompt
+    and of each answer (a preference between two answer fragments, or without the question, teaches nothing
+    a user asked for)."""
+    return all(2 * len(b) >= len(a) for a, b in ((whole.prompt, kept.prompt), (whole.chosen, kept.chosen),
+                                                  (whole.rejected, kept.rejected)))
+
+
 def pair_document(t: PairTokens, shared_prompt: bool = True) -> dict[str, np.ndarray]:
     """The row features of a pair: tokens, loss_mask (the answer tokens), its own segment ids and positions,
     and, with the prompt shared, each token's prefix segment (``tokens_prefix_ids``; see the module docstring)."""
@@ -269,11 +277,12 @@ def pair_documents(rows: Iterable[tuple[int, dict[str, Any]]], tokenizer: Any,
                    shared_prompt: bool = True) -> tuple[dict[int, dict[str, np.ndarray]], int, set[int]]:
     """(pair documents by row index, bad rows skipped, row indices too long for ``max_len`` tokens).
 
-    A bad row raises ``UserError("{path} row {i}: ...")`` unless
+    A bad row raises ``UserError("{file}, line {n}: ...")`` (:func:`pretrain.data.bad_row`) unless
     ``skip_bad_rows``; a too-long pair is cut (see :func:`fit_pair`) or, with
     ``drop_long``, left out. ``shared_prompt`` picks the row layout (see the
     module docstring).
     """
+    from pretrain.data import bad_row, row_where
     from zoo.errors import UserError
 
     out: dict[int, dict[str, np.ndarray]] = {}
@@ -284,17 +293,19 @@ def pair_documents(rows: Iterable[tuple[int, dict[str, Any]]], tokenizer: Any,
             tokens = tokenize_pair(normalize_pair(row), tokenizer, template, stats)
         except BadRow as e:
             if not skip_bad_rows:
-                raise UserError(f"{path} row {i}: {e}; fix the row or set data.skip_bad_rows: true") from None
+                raise bad_row(path, i, e) from None
             skipped += 1
-            first_bad = first_bad or f"row {i}: {e}"
+            first_bad = first_bad or f"{row_where(path, i)}: {e}"
             continue
-        tokens, cut = fit_pair(tokens, max_len, shared_prompt)
+        kept, cut = fit_pair(tokens, max_len, shared_prompt)
         if cut:
             too_long.add(i)
             if drop_long:
                 continue
-        out[i] = pair_document(tokens, shared_prompt)
+        out[i] = pair_document(kept, shared_prompt)
+        if cut and not keeps_meaning(tokens, kept):
+            out[i]["loss_mask"][:] = False  # trains nothing: the loop counts it as cut to nothing and leaves it out
     if skipped and not out:
-        raise UserError(f"{path}: all {skipped} rows are bad; the first, {first_bad}")
+        raise UserError(f"{path}: all {skipped} rows are bad; the first is {first_bad}")
     stats.report(path, len(out))
     return out, skipped, too_long

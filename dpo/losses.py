@@ -73,7 +73,8 @@ class PairTerms(NamedTuple):
 
 def preference_loss(loss_type: str, chosen: jax.Array, rejected: jax.Array, ref_chosen: jax.Array,
                     ref_rejected: jax.Array, chosen_tokens: jax.Array, rejected_tokens: jax.Array, beta: float,
-                    label_smoothing: float = 0.0, simpo_gamma: float = 0.5) -> PairTerms:
+                    label_smoothing: float = 0.0, simpo_gamma: float = 0.5,
+                    at_reference: jax.Array | bool = False) -> PairTerms:
     """Per-pair losses, rewards and logged log-probabilities (see the module docstring for each formula).
 
     ``chosen``, ``rejected`` (policy) and ``ref_chosen``, ``ref_rejected`` are summed
@@ -81,6 +82,11 @@ def preference_loss(loss_type: str, chosen: jax.Array, rejected: jax.Array, ref_
     losses); ``chosen_tokens``, ``rejected_tokens`` the answers' token counts [pairs],
     clamped to at least 1 as TRL clamps them, for the length-normalized ``ipo`` loss
     and ``simpo``.
+
+    ``at_reference`` (a bool, or a traced one) says the policy IS the reference (e.g. step 1,
+    before any update): each log-ratio is then ``pi - pi`` of the policy's own sums, exactly 0
+    with ``pi``'s gradient, where the reference's separately computed sums could differ from the
+    policy's in the last bits (a differentiated forward pass and a plain one compile differently).
     """
     eps = label_smoothing
     sg = jax.lax.stop_gradient
@@ -92,6 +98,9 @@ def preference_loss(loss_type: str, chosen: jax.Array, rejected: jax.Array, ref_
         losses = -jax.nn.log_sigmoid(beta * h) * (1 - eps) - jax.nn.log_sigmoid(-beta * h) * eps
         return PairTerms(losses, beta * sg(mc), beta * sg(mr), sg(mc), sg(mr))
     chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+    if at_reference is not False:
+        chosen_ratio = jnp.where(at_reference, chosen - sg(chosen), chosen_ratio)
+        rejected_ratio = jnp.where(at_reference, rejected - sg(rejected), rejected_ratio)
     h = chosen_ratio - rejected_ratio
     if loss_type == "sigmoid":
         losses = -jax.nn.log_sigmoid(beta * h) * (1 - eps) - jax.nn.log_sigmoid(-beta * h) * eps

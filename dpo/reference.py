@@ -40,11 +40,12 @@ CACHE_VERSION = "3"  # bump when what is cached changes meaning (3: + params dty
 
 def resolve_checkpoint(path: str) -> Path:
     """The zoo checkpoint folder ``path`` of a reference, or a UserError."""
-    p = Path(path).expanduser()
-    if not (p / "model.json").is_file():
-        raise UserError(f"dpo.reference {path}: not a zoo checkpoint folder (nor base or precomputed); "
-                        f"create it with `zoo convert SOURCE --out {path}`")
-    return p
+    from zoo.paths import checkpoint_dir
+
+    try:
+        return checkpoint_dir(path, "dpo.reference")
+    except UserError as e:
+        raise UserError(f"{e} (dpo.reference may also be base or precomputed)") from None
 
 
 def load_reference(path: str, mcfg: ModelConfig, mesh: jax.sharding.Mesh, dtype: Any) -> dict:

@@ -13,6 +13,14 @@ which the step computes on the whole batch), so the same division yields it.
 The reference (dpo/reference.py) is the frozen base run without adapters,
 a checkpoint passed in as the step's ``reference`` argument, or per-token
 log-probabilities cached before training and read from the batch.
+
+Where the policy is still the reference (the reference is the starting model,
+and the policy has not moved from it: LoRA adapters that add nothing, or full
+fine-tuning's step 1), the log-ratios are the policy's own log-probabilities
+minus themselves, so the rewards are exactly 0. The reference's separately
+computed log-probabilities would differ in the last bits: XLA compiles the
+differentiated policy pass and the plain reference pass differently (other
+fusions, e.g. another ``exp`` kernel in the attention softmax), whatever the code.
 """
 
 from __future__ import annotations
@@ -25,10 +33,13 @@ import numpy as np
 
 from zoo.config import ModelConfig
 from zoo.errors import UserError
+from zoo.params import flatten
 
-from pretrain.config import TrainConfig
+from pretrain.config import TrainConfig, data_sources
 from pretrain.data import indexed_rows, load_dataset_rows
 from pretrain.dtypes import DTYPES
+from pretrain.mixture import source_config
+from pretrain.preflight import check_untrainable, untrainable
 from pretrain.task import Document, RowSource
 from sft.task import chat_template_of
 
@@ -47,6 +58,8 @@ class DPOTask:
 
     method = "dpo"
     packing = "none"  # each pair is one row, its two sequences laid out by the task (dpo/data.py)
+    reads_step = True  # the train step passes its optimizer step to loss_sums (pretrain/step.py)
+    key_metrics = ["rewards/accuracies", "rewards/margins"]  # what a plain log line shows besides the loss
 
     def __init__(self, cfg: TrainConfig):
         self.dpo = cfg.dpo
@@ -59,6 +72,9 @@ class DPOTask:
         # One copy of each pair's prompt, shared by its answers (dpo/data.py), unless dpo.share_prompt is off;
         # prepare() turns it off for models with sliding-window layers.
         self.shared_prompt = cfg.dpo.share_prompt
+        # Whether the reference is the policy's starting model (prepare() finds out): then the policy is
+        # the reference until it moves (see loss_sums).
+        self.reference_is_start = False
 
     # ---- rows -> documents ------------------------------------------------------------------------------
 
@@ -97,10 +113,14 @@ class DPOTask:
             raise UserError("full fine-tuning (lora.rank: 0) needs a reference model besides the trained one: set "
                             "dpo.reference to a zoo checkpoint path (e.g. the model you start from) or to "
                             "precomputed; dpo.reference: base is the LoRA base with its adapters off")
+        self.reference_is_start = self.mode == "base"  # the base is where LoRA starts
         if self.mode == "path":
-            return load_reference(self.dpo.reference, mcfg, mesh, DTYPES[cfg.dtype.params])
+            reference = load_reference(self.dpo.reference, mcfg, mesh, DTYPES[cfg.dtype.params])
+            self.reference_is_start = _equal_weights(reference, params)
+            return reference
         if self.mode == "precomputed":
             self._precompute(cfg, mcfg, params, mesh, tokenizer)
+            self.reference_is_start = not self.dpo.reference_model  # scored with ``params`` themselves
         return None
 
     def _precompute(self, cfg: TrainConfig, mcfg: ModelConfig, params: dict, mesh: jax.sharding.Mesh,
@@ -115,11 +135,21 @@ class DPOTask:
                             "(a zoo checkpoint to score the pairs with)")
         weights = resolve_checkpoint(source)
         d = cfg.data
+        mixture = isinstance(d.path, list)
+        reads = []  # (path, the config it is read with, whether it is training data)
+        for src in data_sources(cfg):  # one source for a plain data.path
+            scfg = source_config(cfg, src) if mixture else cfg
+            reads += [(src.path, scfg, True)] + ([(scfg.data.eval_path, scfg, False)] if scfg.data.eval_path else [])
+        if mixture and d.eval_path:
+            reads.append((d.eval_path, cfg, False))
         docs = {}
-        for path in [d.path] + ([d.eval_path] if d.eval_path else []):
-            rows = self.load(path, cfg)
+        for path, scfg, training in reads:
+            rows = self.load(path, scfg)
             docs[path], _, _ = pair_documents(indexed_rows(rows.ds), tokenizer, self.chat_template, path,
                                               d.skip_bad_rows, self.max_len, self.drop_long, self.shared_prompt)
+            if training:  # the loop checks this too, but only after the cache below is written into output_dir
+                check_untrainable(*untrainable(docs[path].values(), d.seq_len, self.trainable), cfg,
+                                  f"data.path {path}")
         compute = DTYPES[cfg.dtype.compute]
 
         def score(documents: list) -> list:
@@ -138,6 +168,15 @@ class DPOTask:
                                                 score, distributed.is_primary(), cfg.dtype.params,
                                                 self.chat_template.identity())
 
+    @staticmethod
+    def trainable(doc: Document, seq_len: int) -> bool:
+        """Whether a pair document (already cut to fit) still compares two answers: each keeps a trained token
+        (a pair cut to less than half its prompt or an answer keeps none: dpo.data.keeps_meaning), and what is
+        kept of them differs (identical kept answers prefer nothing)."""
+        mask, seg, tokens = doc["loss_mask"], doc["tokens_segment_ids"], doc["tokens"]
+        chosen, rejected = tokens[mask & (seg == CHOSEN)], tokens[mask & (seg == REJECTED)]
+        return len(chosen) > 0 and len(rejected) > 0 and not np.array_equal(chosen, rejected)
+
     # ---- (params, batch) -> loss sums -------------------------------------------------------------------
 
     def batch_totals(self, batch: dict) -> dict[str, jax.Array]:
@@ -147,12 +186,14 @@ class DPOTask:
         return {"pairs": keep.sum(), "chosen_tokens": (wc.sum(-1) * keep).sum()}
 
     def loss_sums(self, mcfg: ModelConfig, params: dict, mb: dict, compute: Any, remat: str,
-                  reference: dict | None = None, totals: dict | None = None,
+                  reference: dict | None = None, totals: dict | None = None, step: jax.Array | None = None,
                   **forward_kwargs: Any) -> tuple[jax.Array, tuple]:
         """(objective, (sum of per-pair losses, pair count, {metric: sum over pairs})) of a micro-batch.
 
         ``totals`` (:meth:`batch_totals` of the global batch, passed by the step) weigh the
         ``dpo.sft_weight`` NLL term; without them the micro-batch is taken as the whole batch.
+        ``step`` (the optimizer step the update starts from, passed by the train step) tells
+        full fine-tuning's step 1, where the policy is still its starting weights.
         """
         p = jax.tree.map(lambda x: x.astype(compute), params)
         pol, mean_logit, aux = batch_logps(mcfg, p, mb, remat, **forward_kwargs)
@@ -169,7 +210,8 @@ class DPOTask:
         chosen, rejected = (pol * wc).sum(-1), (pol * wr).sum(-1)
         ref_c, ref_r = (ref * wc).sum(-1), (ref * wr).sum(-1)
         terms = preference_loss(self.dpo.loss_type, chosen, rejected, ref_c, ref_r, wc.sum(-1), wr.sum(-1),
-                                self.dpo.beta, self.dpo.label_smoothing, self.dpo.simpo_gamma)
+                                self.dpo.beta, self.dpo.label_smoothing, self.dpo.simpo_gamma,
+                                self._at_reference(forward_kwargs.get("lora"), step))
         n = keep.sum()
         total = (terms.losses * keep).sum()
         if self.dpo.sft_weight:
@@ -195,6 +237,35 @@ class DPOTask:
             extras[name] = ((mean_logit * wk).sum(), wk.sum())
         objective = total + (aux["loss"] * n if aux is not None else 0.0)
         return objective, (sg(total), n, extras)
+
+    def _at_reference(self, lora: dict | None, step: jax.Array | None) -> jax.Array | bool:
+        """Whether the policy is the reference itself (a traced bool), or False where it cannot be known:
+        the reference is the starting model, and the policy is too (LoRA: every adapter adds nothing;
+        full fine-tuning: no update yet)."""
+        if not self.reference_is_start:
+            return False
+        if lora is not None:
+            return _adapters_off(lora)
+        return False if step is None else step == 0
+
+
+def _adapters_off(lora: dict) -> jax.Array:
+    """True where every LoRA adapter adds nothing (its A or its B all zero, so ``scale * x @ A @ B`` is 0):
+    the policy is then its base model, e.g. before the first update (fresh adapters have B = 0)."""
+    flat = flatten(lora)
+    pairs = {path.rpartition(".")[0] for path in flat}
+    return jnp.all(jnp.stack([jnp.all(flat[f"{p}.a"] == 0) | jnp.all(flat[f"{p}.b"] == 0) for p in sorted(pairs)]))
+
+
+def _equal_weights(a: dict, b: dict) -> bool:
+    """Whether two parameter trees (the same model's, laid out alike) hold equal weights, leaf by leaf."""
+    if jax.tree.structure(a) != jax.tree.structure(b):
+        return False
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    if any(x.shape != y.shape or x.dtype != y.dtype for x, y in zip(la, lb)):
+        return False
+    same = jax.jit(lambda xs, ys: jnp.all(jnp.stack([jnp.array_equal(x, y) for x, y in zip(xs, ys)])))(la, lb)
+    return bool(np.asarray(jax.device_get(same)))
 
 
 def _answer_masks(batch: dict) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -49,6 +49,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
         raise UserError(f"--batch-size {args.batch_size}: must be at least 1")
     if args.num_fewshot is not None and args.num_fewshot < 0:
         raise UserError(f"--num-fewshot {args.num_fewshot}: must be 0 or more")
+    from zoo.paths import checkpoint_dir
+
+    args.ckpt = str(checkpoint_dir(args.ckpt))  # a missing path or a run folder: said before anything loads
 
     import datetime
     import json

@@ -199,7 +199,7 @@ def mc_questions(tokenizer: Any, task: Task, rows: list[dict], num_fewshot: int 
         ids = [context_continuation(tokenizer, context, delim + c) for c in choices]
         ctx = ids[0][0]
         if any(c != ctx for c, _ in ids) or any(not cont for _, cont in ids):
-            raise UserError(f"task {task.name} ({task.source}): row {i}: a choice is empty or tokenizes into its "
+            raise UserError(f"task {task.name} ({task.source}): row {i + 1}: a choice is empty or tokenizes into its "
                             "context; give non-empty choices")
         out.append((ctx, [cont for _, cont in ids], choices, gold))
     return out

@@ -21,8 +21,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="config overrides, e.g. optimizer.learning_rate=3e-4 data.seq_len=1024")
     s.add_argument("--print-config", action="store_true", help="print the fully resolved config (with defaults) and exit")
+    add_run_flags(s)
     distributed.add_flags(s)
     return p
+
+
+def add_run_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags every `train` command has for a run folder that already holds a run."""
+    g = parser.add_argument_group("an output_dir that holds a run (a rerun continues it)")
+    g.add_argument("--fresh", action="store_true",
+                   help="start over: move the old run aside to OUTPUT_DIR.old-<time> (never deleted) first")
+    g.add_argument("--resume-with-changes", metavar="KEYS", default="",
+                   help="continue the run with these config keys changed knowingly (comma-separated keys or sections, "
+                        "e.g. optimizer.learning_rate,data.seq_len); without it a change of what is trained (model, "
+                        "data, batch, optimizer, schedule, LoRA, task settings, seed, dtypes) is an error. max_steps, "
+                        "epochs, logging, eval and checkpoint cadence and the mesh may always change")
 
 
 def train_command(args: argparse.Namespace, task_factory: Callable[[Any], Any] | None = None) -> None:
@@ -37,7 +50,8 @@ def train_command(args: argparse.Namespace, task_factory: Callable[[Any], Any] |
     distributed.initialize(args)
     from pretrain.trainer import train
 
-    final = train(cfg, task=task_factory(cfg) if task_factory else None)
+    final = train(cfg, task=task_factory(cfg) if task_factory else None, fresh=args.fresh,
+                  resume_with_changes=args.resume_with_changes)
     if distributed.is_primary():
         print(f"final model: {final}")
 

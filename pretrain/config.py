@@ -34,12 +34,16 @@ class ModelSection:
 class DataSection:
     """Training text and how it is cut into sequences."""
 
-    path: str | None = None  # local file/folder, or a Hugging Face Hub dataset name (online or cached)
+    # local file/folder, or a Hugging Face Hub dataset name (online or cached); or a mixture: a list of sources
+    # (DataSource keys, e.g. [{path: a.jsonl, weight: 0.7}, b.jsonl]), stored as plain mappings (JSON/YAML as is)
+    path: str | list[dict[str, Any]] | None = None
     split: str = "train"  # the split of a Hub dataset
     text_field: str = "text"
     seq_len: int = 512
     packing: bool = True  # false: one document per row, truncated/padded to seq_len
     long_examples: str = "truncate"  # sft (best-fit packing) and dpo pairs: truncate | drop those over seq_len + 1
+    max_untrainable_fraction: float = 0.5  # sft, dpo: stop before step 1 if more examples than this lose every
+    # trained token to truncation (a seq_len too short for the data)
     eval_path: str | None = None
     format: str | None = None  # sft: text | prompt_completion | messages | alpaca | sharegpt; None: from the columns
     chat_template: str | None = None  # sft, dpo: a Jinja chat-template file; None: the tokenizer's own template
@@ -47,6 +51,70 @@ class DataSection:
     template_date: str = "2024-07-26"  # sft, dpo: the day a template's strftime_now reads (renders never vary)
     eval_fraction: float = 0.0
     skip_bad_rows: bool = False
+
+
+@dataclass
+class DataSource:
+    """One source of a data mixture (``data.path`` as a list); unset keys fall back to the ``data.*`` ones."""
+
+    path: str
+    weight: float = 1.0  # relative: the weights are normalized over the sources
+    name: str | None = None  # in the mixture report and eval metrics; None: the file name without its suffix
+    format: str | None = None  # sft: this source's format (None: data.format, or detected from the columns)
+    text_field: str | None = None  # None: data.text_field
+    split: str | None = None  # None: data.split
+    eval_path: str | None = None  # this source's own eval set (then nothing is held out of it)
+
+
+def data_sources(cfg: TrainConfig) -> list[DataSource]:
+    """The run's data sources: a plain ``data.path`` is one source of weight 1 (names made unique)."""
+    p = cfg.data.path
+    items = [p] if isinstance(p, str) else list(p or [])
+    out = [dataclasses.replace(s) if isinstance(s, DataSource) else DataSource(path=s) if isinstance(s, str)
+           else DataSource(**s) for s in items]
+    taken = {s.name for s in out if s.name is not None}
+    for s in out:
+        if s.name is None:
+            base = Path(s.path.rstrip("/")).name.split(".")[0] or s.path
+            s.name, k = base, 2
+            while s.name in taken:
+                s.name, k = f"{base}-{k}", k + 1
+            taken.add(s.name)
+    return out
+
+
+def _source_list(key: str, value: list) -> list[dict[str, Any]]:
+    """``data.path`` as a list: each source a full DataSource mapping, validated (errors name data.path[i].key)."""
+    if not value:
+        raise UserError(f"config key '{key}' is an empty list; give at least one source (a path, or a mapping "
+                        "with path and weight)")
+    fields = {f.name: f for f in dataclasses.fields(DataSource)}
+    hints = typing.get_type_hints(DataSource)
+    out, names = [], set()
+    for i, item in enumerate(value):
+        at = f"{key}[{i}]"
+        if isinstance(item, str):
+            item = {"path": item}
+        if not isinstance(item, dict):
+            raise UserError(f"config key '{at}' must be a path or a mapping of {', '.join(fields)}, got {item!r}")
+        src = {}
+        for k, v in item.items():
+            if k not in fields:
+                near = difflib.get_close_matches(str(k), list(fields), n=1, cutoff=0.6)
+                hint = f"; did you mean '{at}.{near[0]}'?" if near else f"; valid keys: {', '.join(fields)}"
+                raise UserError(f"unknown config key '{at}.{k}'{hint}")
+            src[k] = _coerce(f"{at}.{k}", v, hints[k])
+        if not src.get("path"):
+            raise UserError(f"config key '{at}.path' is missing; each source needs a path")
+        weight = src.get("weight", 1.0)
+        if not weight > 0 or weight == float("inf"):
+            raise UserError(f"config key '{at}.weight' must be a positive number, got {weight}")
+        if src.get("name") is not None:
+            if src["name"] in names:
+                raise UserError(f"config key '{at}.name': {src['name']!r} names two sources; give each its own")
+            names.add(src["name"])
+        out.append(dataclasses.asdict(DataSource(**src)))
+    return out
 
 
 @dataclass
@@ -233,6 +301,9 @@ def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
             hint = f"; did you mean '{near[0]}'?" if near else f"; valid keys: {', '.join(valid)}"
             raise UserError(f"unknown config key '{key}'{hint}")
         t = _resolve(cls, k)
+        if key == "data.path" and isinstance(v, list):  # a mixture of sources
+            kwargs[k] = _source_list(key, v)
+            continue
         if dataclasses.is_dataclass(t):
             if isinstance(v, str) and t is ModelSection:
                 v = {"path": v}  # `model: ckpt/llama` is short for `model.path`
@@ -311,6 +382,8 @@ def validate(cfg: TrainConfig) -> None:
                         f"{{enable_thinking: false}}), got {cfg.data.template_kwargs!r}")
     if not 0.0 <= cfg.data.eval_fraction < 1.0:
         raise UserError(f"data.eval_fraction must be in [0, 1), got {cfg.data.eval_fraction}")
+    if not 0.0 <= cfg.data.max_untrainable_fraction <= 1.0:
+        raise UserError(f"data.max_untrainable_fraction must be in [0, 1], got {cfg.data.max_untrainable_fraction}")
     dpo = cfg.dpo
     if dpo.beta <= 0:
         raise UserError(f"dpo.beta must be positive, got {dpo.beta}")
@@ -325,6 +398,11 @@ def validate(cfg: TrainConfig) -> None:
                         "checkpoint set dpo.reference to its path")
     if cfg.eval.tasks and not cfg.eval_every:
         raise UserError("eval.tasks are scored every eval_every steps; set eval_every (e.g. eval_every=100)")
+
+
+def config_keys() -> list[str]:
+    """Every dotted config key (``data.seq_len``, ...), in declaration order."""
+    return _keys(TrainConfig)
 
 
 def to_yaml(cfg: TrainConfig) -> str:

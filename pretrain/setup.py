@@ -48,10 +48,10 @@ def tokenizer_folder(cfg: TrainConfig) -> Path:
 
 
 def _resolve_checkpoint(path: str) -> Path:
-    p = Path(path).expanduser()
-    if (p / "model.json").is_file():
-        return p
-    raise UserError(f"model {path}: not a zoo checkpoint folder; create it with `zoo convert SOURCE --out {path}`")
+    """The zoo checkpoint folder of ``model.path`` (a run folder, a missing path: a UserError saying what to give)."""
+    from zoo.paths import checkpoint_dir
+
+    return checkpoint_dir(path, "model.path")
 
 
 def load_tokenizer(folder: Path):

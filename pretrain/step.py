@@ -49,16 +49,25 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any,
     micro-batch's ``loss_sums``: counts a micro-batch cannot see by itself
     (e.g. the global batch's chosen-answer tokens, to weigh a token mean
     into the per-pair loss sums exactly whatever ``grad_accum`` and the mesh).
+
+    A task with ``reads_step = True`` gets the state's step (the number of
+    updates made so far) as the keyword ``step`` of ``loss_sums`` in the
+    train step (DPO: step 0's policy is its starting weights); evaluation
+    passes none.
     """
     task = task or PretrainTask()
     dropout = lora_scale is not None and lora_dropout > 0
     batch_totals = getattr(task, "batch_totals", None)
+    reads_step = getattr(task, "reads_step", False)
 
     def loss_sums(trainable: dict, mb: dict, frozen: Any, reference: Any = None,
-                  rng: jax.Array | None = None, totals: Any = None) -> tuple[jax.Array, tuple]:
+                  rng: jax.Array | None = None, totals: Any = None,
+                  step_number: jax.Array | None = None) -> tuple[jax.Array, tuple]:
         kw = {} if reference is None else {"reference": reference}
         if totals is not None:
             kw["totals"] = totals
+        if step_number is not None:
+            kw["step"] = step_number
         if lora_scale is None:
             return task.loss_sums(mcfg, trainable, mb, compute, remat, **kw)
         return task.loss_sums(mcfg, frozen, mb, compute, remat, lora=trainable, lora_scale=lora_scale,
@@ -78,11 +87,12 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any,
     def step(state: dict, batch: dict, frozen: Any = None, reference: Any = None) -> tuple[dict, dict]:
         grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
         totals = batch_totals(batch) if batch_totals else None  # over the global batch, not one micro-batch
+        number = state["step"] if reads_step else None
 
         def micro(carry, xs):
             g_acc, sums_acc = carry
             mb, rng = xs
-            (_, sums), g = grad_fn(state["params"], mb, frozen, reference, rng, totals)
+            (_, sums), g = grad_fn(state["params"], mb, frozen, reference, rng, totals, number)
             return (jax.tree.map(jnp.add, g_acc, g), jax.tree.map(jnp.add, sums_acc, sums)), None
 
         micro_batches = jax.tree.leaves(batch)[0].shape[0]
@@ -90,11 +100,12 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any,
         if micro_batches == 1:
             # No accumulation: skip the scan, whose gradient carry costs full-size copies.
             (_, sums), g = grad_fn(state["params"], jax.tree.map(lambda x: x[0], batch), frozen, reference,
-                                   None if rngs is None else rngs[0], totals)
+                                   None if rngs is None else rngs[0], totals, number)
         else:
             zeros = jax.tree.map(jnp.zeros_like, state["params"])
             shapes = jax.eval_shape(lambda: loss_sums(state["params"], jax.tree.map(lambda x: x[0], batch), frozen,
-                                                      reference, None if rngs is None else rngs[0], totals)[1])
+                                                      reference, None if rngs is None else rngs[0], totals,
+                                                      number)[1])
             sums0 = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
             (g, sums), _ = jax.lax.scan(micro, (zeros, sums0), (batch, rngs))
         loss, n, *extra = sums

@@ -11,8 +11,8 @@ plumbing and the final checkpoint live in files of their own.
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
+from collections.abc import Sequence
 import time
 from functools import partial
 from pathlib import Path
@@ -26,12 +26,13 @@ from zoo.errors import UserError
 from zoo.lora import lora_scale
 from zoo.sharding import make_mesh
 
-from pretrain import distributed
+from pretrain import distributed, preflight, runfolder, runlog
 from pretrain.config import TrainConfig, to_yaml
 from pretrain.data import packed_batches, to_model_batch
 from pretrain.dtypes import DTYPES
 from pretrain.final import write_final
 from pretrain.flops import flops_per_token, peak_flops
+from pretrain.mixture import describe as describe_mixture
 from pretrain.lanes import check_same_processes, global_batch, replicated_batch, run_data
 from pretrain.optim import build_optimizer, lr_schedule
 from pretrain.eval_tasks import TrainingEval
@@ -40,15 +41,41 @@ from pretrain.step import extra_means, init_state, make_step
 from pretrain.task import PretrainTask, Task
 
 
-def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = None) -> Path:
+def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = None, fresh: bool = False,
+          resume_with_changes: Sequence[str] | str = ()) -> Path:
     """Run (or resume) training of ``task`` (default: pretraining); returns ``output_dir/final``.
 
     In a multi-process run every process calls this with the same config; the
     processes behave as one run (process 0 writes metrics and the final model).
+    ``progress``: a bar (True) or one plain line every ``log_every`` steps
+    (False); None picks the bar on a terminal. A rerun in a folder that holds a
+    run continues it, if its config changes only what ``runfolder.MAY_CHANGE``
+    allows or ``resume_with_changes`` names; ``fresh`` moves an old run aside
+    and starts over.
     """
     import grain
     import orbax.checkpoint as ocp
 
+    out = Path(cfg.output_dir).absolute()
+    primary = distributed.is_primary()
+    allowed = runfolder.parse_changes(resume_with_changes)
+    if fresh:
+        moved = runfolder.move_aside(out) if primary else None
+        distributed.sync("lmzoo-fresh")
+        if moved:
+            print(f"--fresh: moved the old run in {out} to {moved}", file=sys.stderr)
+    else:
+        changes = runfolder.config_changes(out, cfg, allowed)
+        done = runfolder.finished_run(out, cfg)
+        if done is not None:
+            if primary:
+                steps = runfolder.checkpoint_steps(out)[-1]
+                print(f"{out}: the run is complete (step {steps} of {steps}; final model {done}); nothing to train "
+                      f"(raise max_steps to train on, or pass --fresh to start over)")
+            return done
+        if changes and primary:
+            print("continuing with changes: " + "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changes),
+                  file=sys.stderr)
     devices = jax.devices()
     sizes = dataclasses.asdict(cfg.mesh)
     try:
@@ -59,7 +86,6 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
     micro = cfg.batch_size // cfg.grad_accum
     if micro % shards:
         raise UserError(f"batch_size/grad_accum = {micro} sequences must divide over data x fsdp = {shards} devices")
-    primary = distributed.is_primary()
     task = task or PretrainTask()
     mcfg, params, src_ckpt, tok_dir = load_model(cfg, mesh)
     tokenizer = load_tokenizer(tok_dir)
@@ -74,6 +100,18 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
         print(f"{data.too_long} training examples are longer than data.seq_len + 1 = {cfg.data.seq_len + 1} tokens: "
               f"{what} (data.long_examples)", file=sys.stderr)
     total = data.total_steps
+    # Before anything is written: a run that cannot train is an error, not 0-loss steps and a `final` model.
+    preflight.check_first_batch(data.batches, cfg)
+    if data.eval_docs and cfg.eval_every:
+        preflight.check_eval(data.eval_docs, cfg, micro, data.packing)
+    # A mixture's eval loss per source too (`eval_loss/NAME`), for each source eval set that fills a batch.
+    eval_sets = {}
+    for name, docs in (data.eval_sets if len(data.eval_sets) > 1 and cfg.eval_every else {}).items():
+        if preflight.fills_batch(docs, cfg, micro, data.packing):
+            eval_sets[name] = docs
+        elif primary:
+            print(f"warning: the eval set of source {name} ({len(docs)} examples) cannot fill one eval batch of "
+                  f"{micro} rows: it counts in eval_loss, but gets no eval_loss/{name} of its own", file=sys.stderr)
 
     schedule = lr_schedule(cfg, total)
     tx = build_optimizer(cfg, schedule)
@@ -92,7 +130,6 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
     peak = peak_flops(cfg)
     step_flops = flops_per_token(mcfg, cfg.data.seq_len) * cfg.batch_size * cfg.data.seq_len
 
-    out = Path(cfg.output_dir).absolute()
     out.mkdir(parents=True, exist_ok=True)
     manager = ocp.CheckpointManager(
         out / "checkpoints",
@@ -104,7 +141,7 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
             state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(data.batches),
             config=ocp.args.JsonSave(dataclasses.asdict(cfg))), force=force)
 
-    start = 0
+    start, restored_from = 0, None
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
     for saved in sorted(manager.all_steps(), reverse=True):
         check_same_processes(out / "checkpoints" / str(saved) / "data")
@@ -117,19 +154,22 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
             print(f"warning: checkpoint {saved} in {out / 'checkpoints'} is unreadable "
                   f"({type(e).__name__}); falling back to the previous one", file=sys.stderr)
             continue
-        state, start = restored["state"], saved
+        state, start, restored_from = restored["state"], saved, out / "checkpoints" / str(saved)
         break
+    if start > total:
+        raise UserError(f"{out} holds a run at step {start}, past this config's {total} steps (max_steps, epochs); "
+                        f"raise max_steps, or start over with --fresh")
+    if primary and restored_from is not None:
+        print(f"Resuming from step {start} (checkpoint {restored_from})", flush=True)
     if primary:
-        (out / "config.yaml").write_text(to_yaml(cfg))
+        (out / runfolder.CONFIG_FILE).write_text(to_yaml(cfg))
 
-    metrics_file = board = None
-    if primary:
-        metrics_file = open(out / "metrics.jsonl", "a")
-        board = summary_writer()(str(out / "tensorboard"))
-    bar = tqdm(total=total, initial=start, desc="train", unit="step",
-               disable=(not primary) or (None if progress is None else not progress))
+    bar_wanted = runlog.is_terminal(sys.stdout) if progress is None else progress
+    log = runlog.RunLog(out, start, total, not bar_wanted, getattr(task, "key_metrics", None),
+                        summary_writer()) if primary else None
+    bar = tqdm(total=total, initial=start, desc="train", unit="step", disable=not (primary and bar_wanted))
     seen = start * cfg.batch_size * cfg.data.seq_len
-    last = {}
+    last = dict(log.last) if log else {}  # what `final` records if no step is left to run (killed before it)
     stop = _StopOnSignal()
     try:
         for step in range(start, total):
@@ -154,28 +194,32 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
                     **{k: float(v) for k, v in m["task"].items()}}
             if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == total):
                 if data.eval_docs:
-                    last.update(_eval_loss(partial(eval_fn, frozen=frozen, reference=reference), state["params"],
-                                           data.eval_docs, cfg, micro, mesh, data.packing))
+                    score = partial(eval_fn, frozen=frozen, reference=reference)
+                    last.update(_eval_loss(score, state["params"], data.eval_docs, cfg, micro, mesh, data.packing))
+                    for name, docs in eval_sets.items():
+                        one = _eval_loss(score, state["params"], docs, cfg, micro, mesh, data.packing)
+                        last[f"eval_loss/{name}"] = one["eval_loss"]
                 if scored:
                     last.update(scored(state["params"], frozen))
             if primary and ((step + 1) % cfg.log_every == 0 or step + 1 == total):
-                metrics_file.write(json.dumps(last) + "\n")
-                metrics_file.flush()
-                for k, v in last.items():
-                    if k != "step" and v is not None:
-                        board.add_scalar(k if k.startswith("eval/") else f"train/{k}", v, step + 1)
-            save(step + 1)
+                log.record(last)
+            # The last step is always checkpointed: a rerun of the finished run then has nothing to redo.
+            save(step + 1, force=step + 1 == total)
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{last['tokens_per_sec']:.0f}", pad=f"{last['padding_fraction']:.2f}")
             bar.update()
     finally:
         stop.restore()
         bar.close()
         if primary:
-            metrics_file.close()
-            board.close()
+            log.close()
         manager.wait_until_finished()
     data_report = {"skipped_rows": data.skipped, "packing": data.packing,
                    f"{'dropped' if cfg.data.long_examples == 'drop' else 'truncated'}_long_examples": data.too_long}
+    mixture = data.mixture_report()  # every process: it sums their counts
+    if mixture:
+        data_report["mixture"] = mixture
+        if primary:
+            print(describe_mixture(mixture), file=sys.stderr)
     return write_final(out, cfg, mcfg, state["params"], src_ckpt, tok_dir, last, data_report, task.method, lora_cfg)
 
 

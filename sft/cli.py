@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from pretrain import distributed
-from pretrain.cli import train_command
+from pretrain.cli import add_run_flags, train_command
 from zoo.cli import run_cli
 
 
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "train":
             s.add_argument("--print-config", action="store_true",
                            help="print the fully resolved config (with defaults) and exit")
+            add_run_flags(s)
             distributed.add_flags(s)
         else:
             s.add_argument("-n", type=int, default=3, help="how many examples to show (default 3)")
@@ -33,18 +34,42 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _inspect(cfg, n: int, color: bool) -> None:
+    from pretrain.config import data_sources
+    from pretrain.mixture import source_config
     from pretrain.setup import load_tokenizer, tokenizer_folder
-    from sft.masks import render_mask
     from sft.task import SFTTask
 
     task = SFTTask(cfg)
     tokenizer = load_tokenizer(tokenizer_folder(cfg))
+    mixture = isinstance(cfg.data.path, list)
+    for src in data_sources(cfg):  # a mixture: the first examples of each source, read in its own format
+        _inspect_source(task, source_config(cfg, src) if mixture else cfg, tokenizer, n, color)
+
+
+def _inspect_source(task, cfg, tokenizer, n: int, color: bool) -> None:
+    from pretrain.data import row_where
+    from sft.masks import render_mask
+
     rows = task.load(cfg.data.path, cfg)
     docs, bad = task.documents(rows, tokenizer, cfg.data.path, cfg.data.skip_bad_rows, list(range(min(n, len(rows)))))
     print(f"{cfg.data.path}: {len(rows)} rows, format {rows.field}")
+    limit = cfg.data.seq_len + 1
     for i, d in docs.items():
-        trained = int(d["loss_mask"][1:].sum())
-        print(f"--- row {i}: {len(d['tokens'])} tokens, {trained} trained")
+        # As the run will train it: cut to a row of seq_len + 1 tokens, or left out (data.long_examples).
+        length, trained = len(d["tokens"]), int(d["loss_mask"][1:].sum())
+        head = f"--- {row_where(cfg.data.path, i)}: {length} tokens"
+        if length > limit and cfg.data.long_examples == "drop":
+            print(f"{head}: left out, longer than data.seq_len + 1 = {limit} (data.long_examples: drop)")
+            continue
+        if length > limit:
+            d = {k: v[:limit] for k, v in d.items()}
+            kept = int(d["loss_mask"][1:].sum())
+            head += f", cut to {limit} tokens (data.seq_len + 1): {kept} trained ({trained - kept} cut off)"
+            if not kept:
+                head += "; trains nothing: left out of training"
+        else:
+            head += f", {trained} trained"
+        print(head)
         print(render_mask(d["tokens"], d["loss_mask"], tokenizer, color))
     if bad:
         print(f"({bad} bad rows skipped)")

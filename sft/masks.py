@@ -100,7 +100,7 @@ def tokenize_indexed(rows: Iterable[tuple[int, dict[str, Any]]], fmt: str, token
                      skip_bad_rows: bool) -> tuple[dict[int, tuple[np.ndarray, np.ndarray]], int]:
     """(ids, mask) by row index of every usable (index, row) pair, and how many rows were skipped.
 
-    A bad row raises ``UserError("{path} row {i}: ...")`` unless
+    A bad row raises ``UserError("{file}, line {n}: ...")`` (:func:`pretrain.data.bad_row`) unless
     ``skip_bad_rows``, when it is skipped and counted; if every row is bad,
     that is an error too (it usually means a wrong format or template).
     Examples whose prompt/completion boundary falls inside a token are
@@ -110,16 +110,18 @@ def tokenize_indexed(rows: Iterable[tuple[int, dict[str, Any]]], fmt: str, token
     skipped, first_bad = 0, ""
     stats = TokenizeStats()
     template = as_template(chat_template)
+    from pretrain.data import bad_row, row_where
+
     for i, row in rows:
         try:
             out[i] = tokenize_example(normalize(row, fmt), tokenizer, template, stats)
         except BadRow as e:
             if not skip_bad_rows:
-                raise UserError(f"{path} row {i}: {e}; fix the row or set data.skip_bad_rows: true") from None
+                raise bad_row(path, i, e) from None
             skipped += 1
-            first_bad = first_bad or f"row {i}: {e}"
+            first_bad = first_bad or f"{row_where(path, i)}: {e}"
     if skipped and not out:
-        raise UserError(f"{path}: all {skipped} rows are bad (format {fmt}); the first, {first_bad}")
+        raise UserError(f"{path}: all {skipped} rows are bad (format {fmt}); the first is {first_bad}")
     stats.report(path, len(out))
     return out, skipped
 

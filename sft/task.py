@@ -39,14 +39,13 @@ class SFTTask:
     packing = "best_fit"  # an example is never cut across rows (its prompt would lose its answer)
 
     def __init__(self, cfg: TrainConfig):
-        self.format = cfg.data.format
         self.chat_template = chat_template_of(cfg)
 
     def load(self, path: str, cfg: TrainConfig) -> RowSource:
         """The rows of ``path`` and their format (``data.format``, or detected from the columns)."""
         ds, _ = load_dataset_rows(path, cfg.data.split)
-        try:
-            fmt = detect_format(list(ds.column_names), self.format)
+        try:  # cfg's own data.format: each source of a mixture reads with its own (pretrain/mixture.py)
+            fmt = detect_format(list(ds.column_names), cfg.data.format)
         except UserError as e:
             raise UserError(f"data.path {path}: {e}") from None
         return RowSource(ds, fmt)

@@ -255,7 +255,7 @@ def test_a_template_that_drops_an_assistant_turn_names_the_turn(tokenizers, tmp_
     tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'user' or loop.last %}"
                          "{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endif %}{% endfor %}")
     rows = [{"messages": CONVERSATION}, {"messages": CONVERSATION[:2]}]
-    with pytest.raises(UserError, match=r"^d.jsonl row 0: turn 1 \(assistant\): the tokenizer's chat template drops"):
+    with pytest.raises(UserError, match=r"^d.jsonl, row 1: turn 1 \(assistant\): the tokenizer's chat template drops"):
         tokenize_rows(rows, "messages", tok, None, "d.jsonl", skip_bad_rows=False)
     out, skipped = tokenize_rows(rows, "messages", tok, None, "d.jsonl", skip_bad_rows=True)
     assert skipped == 1 and len(out) == 1

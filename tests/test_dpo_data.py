@@ -175,7 +175,7 @@ def test_bad_rows_name_file_and_row_or_are_skipped(tok, tmp_path):
     f.write_text("".join(json.dumps(r) + "\n" for r in rows))
     task = DPOTask(_cfg(f))
     src = task.load(str(f), _cfg(f))
-    with pytest.raises(UserError, match=r"prefs.jsonl row 1: field 'chosen' is missing.*skip_bad_rows"):
+    with pytest.raises(UserError, match=r"prefs.jsonl, line 2: field 'chosen' is missing.*skip_bad_rows"):
         task.documents(src, tok, str(f), False)
     docs, bad = task.documents(src, tok, str(f), True)
     assert bad == 2 and sorted(docs) == [0, 3]
@@ -186,7 +186,7 @@ def test_conversations_without_shared_prompt_name_the_row(tok, tmp_path):
     f = tmp_path / "c.jsonl"
     f.write_text(json.dumps({"chosen": conv("a"), "rejected": conv("b")}) + "\n")
     task = DPOTask(_cfg(f))
-    with pytest.raises(UserError, match=r"c.jsonl row 0: .*no common prompt"):
+    with pytest.raises(UserError, match=r"c.jsonl, line 1: .*no common prompt"):
         task.documents(task.load(str(f), _cfg(f)), tok, str(f), False)
 
 

@@ -232,13 +232,13 @@ def test_prompt_completion_trains_completion_only(chatml):
 
 def test_empty_completion_names_the_row_or_is_skipped(chatml):
     rows = [{"prompt": "a", "completion": "b"}, {"prompt": "c", "completion": ""}, {"prompt": "d", "completion": "e"}]
-    with pytest.raises(UserError, match=r"^data/train.jsonl row 1: field 'completion' is empty; .*skip_bad_rows"):
+    with pytest.raises(UserError, match=r"^data/train.jsonl, row 2: field 'completion' is empty; .*skip_bad_rows"):
         tokenize_rows(rows, "prompt_completion", chatml, None, "data/train.jsonl", skip_bad_rows=False)
     out, skipped = tokenize_rows(rows, "prompt_completion", chatml, None, "data/train.jsonl", skip_bad_rows=True)
     assert skipped == 1 and len(out) == 2
     # prompt + completion is tokenized as one text ("de" is one token, trained: it covers the completion)
     assert out[1][0].tolist() == _enc(chatml, "de") + [chatml.eos_token_id] and out[1][1].tolist() == [False, True]
-    with pytest.raises(UserError, match=r"all 1 rows are bad .* row 0: field 'completion' is empty"):
+    with pytest.raises(UserError, match=r"all 1 rows are bad .* x.jsonl, row 1: field 'completion' is empty"):
         tokenize_rows(rows[1:2], "prompt_completion", chatml, None, "x.jsonl", skip_bad_rows=True)
 
 
@@ -318,7 +318,7 @@ def test_rows_from_a_datasets_table(styles):
         {"messages": [{"role": "user", "content": "Bye"}]},
     ])
     tok = styles["chatml"].tok
-    with pytest.raises(UserError, match=r"^chat.parquet row 1: field 'messages' has no assistant turn"):
+    with pytest.raises(UserError, match=r"^chat.parquet, row 2: field 'messages' has no assistant turn"):
         tokenize_rows(ds, detect_format(ds.column_names), tok, None, "chat.parquet", skip_bad_rows=False)
     out, skipped = tokenize_rows(ds, "messages", tok, None, "chat.parquet", skip_bad_rows=True)
     assert skipped == 1 and _trained_runs(*out[0]) == [_enc(tok, "Hello!") + [tok.convert_tokens_to_ids("<|im_end|>")]]
@@ -331,7 +331,7 @@ def test_template_errors(styles, tok_dir):
     dropping = "{% for m in messages %}{% if m['role'] != 'assistant' %}{{ m['content'] }}{% endif %}\n{% endfor %}"
     with pytest.raises(TemplateMismatch, match=r"turn 2 \(assistant\): data.chat_template drops its content"):
         tokenize_example(ex, tok, dropping)
-    with pytest.raises(UserError, match=r"^c.jsonl row 0: turn 2 \(assistant\): data.chat_template drops"):
+    with pytest.raises(UserError, match=r"^c.jsonl, row 1: turn 2 \(assistant\): data.chat_template drops"):
         tokenize_rows([{"messages": CONVERSATION}], "messages", tok, dropping, "c.jsonl", skip_bad_rows=False)
     twice = "{% for m in messages %}{{ m['content'] }}|{{ m['content'] }}\n{% endfor %}"
     with pytest.raises(TemplateMismatch, match="rewrites or repeats its content"):

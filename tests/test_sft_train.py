@@ -11,7 +11,7 @@ from pretrain.config import load_config
 from pretrain.trainer import train
 from sft.cli import main as sft_main
 from sft.task import SFTTask
-from tests.tiny import make_llama
+from tests.tiny import smollm2_tiny_zoo
 from zoo.cli import main as zoo_main
 
 COLORS = "red blue green yellow black white".split()
@@ -20,16 +20,7 @@ COLORS = "red blue green yellow black white".split()
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("sft")
-    from convert.source import open_source
-    from zoo.cli import smollm2_gguf
-
-    open_source(str(smollm2_gguf())).save_tokenizer(root / "tok")
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(root / "tok"))
-    make_llama(root / "hf", vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-               num_attention_heads=2, num_key_value_heads=1)
-    assert zoo_main(["convert", str(root / "hf"), "--out", str(root / "zoo")]) == 0
+    tok = smollm2_tiny_zoo(root)
     rng = np.random.RandomState(0)
     with open(root / "chat.jsonl", "w") as f:
         for _ in range(240):
@@ -93,7 +84,7 @@ def test_row_without_assistant_turn_names_file_and_row(setup, tmp_path, capsys):
             "batch_size=1", "max_steps=1", f"output_dir={tmp_path / 'o'}"]
     assert sft_main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "bad.jsonl row 0" in err[0] and "skip_bad_rows" in err[0]
+    assert len(err) == 1 and "bad.jsonl, line 1:" in err[0] and "skip_bad_rows" in err[0]
 
 
 def test_grad_accum_2_equals_one_batch_twice_as_large(setup, tmp_path):

@@ -177,7 +177,7 @@ def test_bad_rows_name_file_and_row_or_are_skipped(setup, tmp_path, capsys):
             "data.seq_len=16", "batch_size=2", "max_steps=1", f"output_dir={tmp_path / 'o'}"]
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "bad.jsonl, row 1" in err[0] and "skip_bad_rows" in err[0]
+    assert len(err) == 1 and "bad.jsonl, line 2:" in err[0] and "skip_bad_rows" in err[0]
     assert main(args + ["data.skip_bad_rows=true"]) == 0
     meta = zoo.checkpoint.read_meta(tmp_path / "o" / "final")
     assert meta["training"]["skipped_rows"] == 2
@@ -277,7 +277,8 @@ def test_corrupted_latest_checkpoint_falls_back_to_previous(setup, tmp_path, cap
     train(_cfg(setup, tmp_path / "c", "max_steps=5", "checkpoint.every=1", "checkpoint.keep=5"), progress=False)
     err = capsys.readouterr().err
     assert f"checkpoint {latest}" in err and "falling back" in err
-    assert len(_losses(tmp_path / "c")) == 4 + 2  # resumed from step 3: steps 4 and 5 again
+    steps = [json.loads(x)["step"] for x in (tmp_path / "c" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5]  # resumed from step 3: step 4's lost record replaced, each step once
     saved = json.loads((ckdir / "5" / "config" / "metadata").read_text())  # each checkpoint holds its config
     assert saved["max_steps"] == 5 and saved["checkpoint"]["every"] == 1
 
@@ -307,38 +308,6 @@ def test_mesh_larger_than_the_machine_is_a_clear_error(setup, tmp_path, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "needs 4 devices" in err[0]
-
-
-def test_kill_9_at_a_random_step_then_rerun_is_bitwise_identical(setup, tmp_path):
-    import os
-    import random
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    extra = ("max_steps=8", "checkpoint.every=1")
-    full = train(_cfg(setup, tmp_path / "full", *extra), progress=False)
-    out = tmp_path / "killed"
-    args = [f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}", f"data.path={setup / 'data.jsonl'}",
-            "data.seq_len=32", "batch_size=8", "optimizer.learning_rate=0.01", "schedule.name=constant",
-            "log_every=1", f"output_dir={out}", *extra]
-    proc = subprocess.Popen([sys.executable, "-m", "pretrain.cli", "train", *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    kill_at = random.Random().randint(2, 6)
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        m = out / "metrics.jsonl"
-        if m.is_file() and len(m.read_text().splitlines()) >= kill_at:
-            break
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert not (out / "final").exists(), "the run finished before it could be killed"
-    resumed = train(load_config(None, args), progress=False)
-    assert _losses(out)[-1] == _losses(tmp_path / "full")[-1]
-    for x, y in zip(jax_leaves(zoo.load_params(full)), jax_leaves(zoo.load_params(resumed))):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_eval_loss_and_mfu_are_logged(setup, tmp_path):

@@ -89,6 +89,24 @@ def make_llama(folder: Path, seed: int = 0, dtype=None, save_kwargs=None, **over
     return make_hf(folder, "llama", seed, dtype, save_kwargs, **overrides)
 
 
+def smollm2_tiny_zoo(root: Path):
+    """SmolLM2's tokenizer (from the bundled GGUF file) saved at ``root/tok`` and a tiny random Llama of its
+    vocabulary converted to a zoo checkpoint at ``root/zoo``: the model the training tests share. Returns the
+    tokenizer."""
+    from transformers import AutoTokenizer
+
+    from convert.source import open_source
+    from zoo.cli import main as zoo_main
+    from zoo.cli import smollm2_gguf
+
+    open_source(str(smollm2_gguf())).save_tokenizer(root / "tok")
+    tok = AutoTokenizer.from_pretrained(str(root / "tok"))
+    make_llama(root / "hf", vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=2, num_key_value_heads=1)
+    assert zoo_main(["convert", str(root / "hf"), "--out", str(root / "zoo")]) == 0
+    return tok
+
+
 def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
     """transformers' fp32 logits for int tokens [batch, seq]."""
     with torch.no_grad():

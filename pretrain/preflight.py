@@ -1,0 +1,117 @@
+"""Checks that a run can train, made before step 1 and before anything is written into ``output_dir``.
+
+A ``seq_len`` too short for the data used to train on nothing and exit 0
+(every example cut to its prompt: loss 0, grad_norm 0, a ``final`` written).
+Now it is an error naming the cause and the numbers: when more examples than
+``data.max_untrainable_fraction`` keep no trained token once cut to a row,
+when the first global batch trains no token, and when the eval set cannot
+fill one batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+from zoo.errors import UserError
+
+from pretrain import distributed
+from pretrain.config import TrainConfig
+from pretrain.data import packed_batches, to_model_batch, tokens_of
+
+Document = np.ndarray | dict[str, np.ndarray]
+
+
+def trained_targets(doc: Document, seq_len: int) -> int:
+    """The targets ``doc`` trains once cut to a row of ``seq_len + 1`` tokens (plain ids: every target)."""
+    n = min(len(tokens_of(doc)), seq_len + 1)
+    if not isinstance(doc, dict) or "loss_mask" not in doc:
+        return max(0, n - 1)
+    return int(np.asarray(doc["loss_mask"][1:n]).sum())
+
+
+def untrainable(docs: Iterable[Document], seq_len: int,
+                trainable: Callable[[Document, int], bool] | None = None) -> tuple[int, int, list[int]]:
+    """(examples, examples that train nothing once cut to a row, the full lengths of those) among ``docs``.
+
+    ``trainable(doc, seq_len)`` is the task's own test (DPO: both answers keep a token); by default an example is
+    trainable when it keeps a trained target.
+    """
+    n, lengths = 0, []
+    for d in docs:
+        n += 1
+        ok = trainable(d, seq_len) if trainable else trained_targets(d, seq_len) > 0
+        if not ok:
+            lengths.append(len(tokens_of(d)))
+    return n, len(lengths), lengths
+
+
+def check_untrainable(n: int, bad: int, lengths: list[int], cfg: TrainConfig, label: str) -> None:
+    """A UserError when more than ``data.max_untrainable_fraction`` of the ``n`` examples of the data ``label``
+    names (``"data.path train.jsonl"``) train nothing (``n``, ``bad``: totals over every process; ``lengths``:
+    this process's untrainable examples' lengths)."""
+    d = cfg.data
+    if not n or bad / n <= d.max_untrainable_fraction:
+        return
+    median = int(np.median(lengths)) if lengths else 0
+    hint = f" (their median length before cutting is {median} tokens)" if median > d.seq_len + 1 else ""
+    raise UserError(f"{label}: {bad} of {n} examples ({bad / n:.0%}) keep no trained token once cut to "
+                    f"data.seq_len + 1 = {d.seq_len + 1} tokens{hint}, more than data.max_untrainable_fraction = "
+                    f"{d.max_untrainable_fraction}; raise data.seq_len")
+
+
+def data_label(cfg: TrainConfig) -> str:
+    """The run's data as an error names it: ``data.path FILE``, or the mixture's source paths."""
+    p = cfg.data.path
+    if isinstance(p, list):
+        return "the data mixture (" + ", ".join(str(x["path"] if isinstance(x, dict) else x) for x in p) + ")"
+    return f"data.path {p}"
+
+
+def check_first_batch(batches: Any, cfg: TrainConfig) -> None:
+    """A UserError when the first global batch trains no token. The iterator is put back where it was."""
+    state = batches.get_state()
+    try:
+        b = to_model_batch(next(batches))
+    finally:
+        batches.set_state(state)
+    trained = distributed.total(int(b["weights"].sum()))
+    if trained == 0:
+        raise UserError(f"the first batch of {data_label(cfg)} trains no token: its examples are cut to "
+                        f"data.seq_len + 1 = {cfg.data.seq_len + 1} tokens before their first trained token; "
+                        f"raise data.seq_len")
+
+
+def fills_batch(docs: list[Document], cfg: TrainConfig, micro: int, packing: str) -> bool:
+    """Whether ``docs`` fill at least one eval batch of ``micro`` rows."""
+    try:
+        next(packed_batches(docs, cfg.data.seq_len, micro, cfg.seed, 1, packing))
+    except StopIteration:
+        return False
+    return True
+
+
+def check_eval(docs: list[Document], cfg: TrainConfig, micro: int, packing: str) -> None:
+    """A UserError when the eval set cannot fill one batch of ``micro`` rows, or trains no token."""
+    d = cfg.data
+    if isinstance(d.path, list):
+        where = "the eval sets of data.path's sources" + (f" and data.eval_path {d.eval_path}" if d.eval_path else "")
+    elif d.eval_path:
+        where = f"data.eval_path {d.eval_path}"
+    else:
+        where = f"data.eval_fraction {d.eval_fraction} of data.path {d.path}"
+    size = f"{len(docs)} examples, {sum(len(tokens_of(x)) for x in docs)} tokens"
+    if not docs:
+        cut = ("none fits data.seq_len + 1 = {} tokens (data.long_examples: drop); raise data.seq_len"
+               .format(d.seq_len + 1) if d.long_examples == "drop" else "add eval examples")
+        raise UserError(f"the eval set ({where}) has no usable example: {cut}")
+    row = "examples" if packing == "none" else f"rows of data.seq_len + 1 = {d.seq_len + 1} tokens"
+    if not fills_batch(docs, cfg, micro, packing):
+        raise UserError(f"the eval set ({where}: {size}) cannot fill one eval batch of batch_size / grad_accum = "
+                        f"{micro} {row}; add eval examples (data.eval_path), raise data.eval_fraction, or raise "
+                        f"grad_accum (an eval batch is batch_size / grad_accum rows)")
+    if sum(trained_targets(x, d.seq_len) for x in docs) == 0:
+        raise UserError(f"the eval set ({where}: {size}) keeps no trained token once cut to data.seq_len + 1 = "
+                        f"{d.seq_len + 1} tokens; raise data.seq_len")

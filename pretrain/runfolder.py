@@ -1,0 +1,134 @@
+"""A run folder's protection: what a rerun may change, starting over (``--fresh``), and what a folder holds.
+
+A rerun in an ``output_dir`` that holds a run continues it. Its config is
+compared with the one the run saved: keys that shape what is trained (model,
+data, seq_len, batch, optimizer, schedule, LoRA, the task's settings, seed,
+dtypes) cannot change mid-run unless ``--resume-with-changes`` names them;
+``MAY_CHANGE`` lists the keys that can (how long, how often to log, evaluate and
+checkpoint, the mesh). ``--fresh`` moves an old run aside, never deleting it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from zoo.errors import UserError
+
+from pretrain.config import TrainConfig, config_keys
+
+CONFIG_FILE = "config.yaml"
+# Keys a resumed run may change freely (a key or a whole section). Anything else is a change of the run itself.
+MAY_CHANGE = ("max_steps", "epochs", "log_every", "eval_every", "eval", "checkpoint", "output_dir", "peak_tflops",
+              "mesh", "remat")
+
+
+def checkpoint_steps(out: Path) -> list[int]:
+    """The steps of the training checkpoints in ``out/checkpoints`` (committed folders only)."""
+    d = out / "checkpoints"
+    if not d.is_dir():
+        return []
+    return sorted(int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def holds_run(out: Path) -> bool:
+    """Whether ``out`` holds a run that a rerun would continue (a checkpoint or a final model)."""
+    return bool(checkpoint_steps(out)) or (out / "final" / "model.json").is_file()
+
+
+def finished_run(out: Path, cfg: TrainConfig) -> Path | None:
+    """``out/final`` when the run in ``out`` is complete for ``cfg`` (its final model is of the last checkpoint's
+    step, and max_steps/epochs are those the run was saved with), else None. Cheap: reads two small files."""
+    import json
+
+    meta, saved = out / "final" / "model.json", out / CONFIG_FILE
+    if not meta.is_file() or not saved.is_file():
+        return None
+    try:
+        steps = json.loads(meta.read_text()).get("training", {}).get("steps")
+        old = yaml.safe_load(saved.read_text()) or {}
+    except (ValueError, yaml.YAMLError, AttributeError):
+        return None
+    ckpts = checkpoint_steps(out)
+    if not ckpts or ckpts[-1] != steps or (old.get("max_steps"), old.get("epochs")) != (cfg.max_steps, cfg.epochs):
+        return None
+    return out / "final"
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def _covered(key: str, names: Sequence[str]) -> bool:
+    return any(key == n or key.startswith(n + ".") for n in names)
+
+
+def parse_changes(spec: Sequence[str] | str | None) -> list[str]:
+    """The keys (or sections) ``--resume-with-changes`` names: comma- or space-separated; each must be a config
+    key or section."""
+    if not spec:
+        return []
+    items = [spec] if isinstance(spec, str) else list(spec)
+    names = [n.strip() for item in items for n in item.split(",") if n.strip()]
+    valid = config_keys()
+    for n in names:
+        if not any(k == n or k.startswith(n + ".") for k in valid):
+            import difflib
+
+            near = difflib.get_close_matches(n, valid, n=1, cutoff=0.6)
+            hint = f"; did you mean '{near[0]}'?" if near else ""
+            raise UserError(f"--resume-with-changes {n}: not a config key or section{hint}")
+    return names
+
+
+def config_changes(out: Path, cfg: TrainConfig, allowed: Sequence[str] = ()) -> list[tuple[str, Any, Any]]:
+    """The changes of ``cfg`` from the config the run in ``out`` saved that matter ((key, old, new) each;
+    ``MAY_CHANGE`` keys left out). A change ``allowed`` does not name is a UserError listing every one."""
+    saved = out / CONFIG_FILE
+    if not saved.is_file() or not holds_run(out):
+        return []
+    try:
+        old = _flat(yaml.safe_load(saved.read_text()) or {})
+    except yaml.YAMLError:
+        raise UserError(f"{saved} is not valid YAML; restore it, or start over with --fresh") from None
+    new = _flat(dataclasses.asdict(cfg))
+    # A key the old run's version did not have yet had its default then: only keys both sides know are compared.
+    changes = [(k, old[k], v) for k, v in new.items()
+               if k in old and old[k] != v and not _covered(k, MAY_CHANGE)]
+    unlisted = [c for c in changes if not _covered(c[0], allowed)]
+    if unlisted:
+        listed = "; ".join(f"{k}: {_show(a)} -> {_show(b)}" for k, a, b in unlisted)
+        keys = ",".join(k for k, _, _ in unlisted)
+        raise UserError(f"{out} holds a run with another config ({listed}); rerun with its values, pass "
+                        f"--resume-with-changes {keys} to continue it with the new ones, --fresh to start over (the "
+                        f"old run is moved aside), or use another output_dir")
+    return changes
+
+
+def _show(v: Any) -> str:
+    return yaml.safe_dump(v, default_flow_style=True, width=1_000_000).strip().removesuffix("...").strip()
+
+
+def move_aside(out: Path) -> Path | None:
+    """Move a non-empty ``out`` to a sibling ``<name>.old-<UTC time>`` (never deleting it); returns where, or None
+    when there was nothing to move."""
+    if not out.is_dir() or not any(out.iterdir()):
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    dest = out.with_name(f"{out.name}.old-{stamp}")
+    n = 1
+    while dest.exists():
+        n += 1
+        dest = out.with_name(f"{out.name}.old-{stamp}-{n}")
+    out.rename(dest)
+    return dest
