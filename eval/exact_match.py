@@ -40,7 +40,7 @@ def score_exact_match(model: Any, tokenizer: Any, rows: list[dict[str, Any]], ma
     pairs = chat_prompts(rows)
     eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     scored: list[Scored] = []
-    with tqdm(total=len(pairs), desc=desc, unit="ex") as bar:
+    with tqdm(total=len(pairs), desc=desc, unit="ex", disable=None) as bar:
         for i in range(0, len(pairs), batch_size):
             chunk = pairs[i:i + batch_size]
             ids = [tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=False)

@@ -130,7 +130,8 @@ def pair_logps(ckpt: Path, tok: Any, pairs: list[dict[str, Any]], seq_len: int =
         return (logp * (seg == CHOSEN)).sum(-1), (logp * (seg == REJECTED)).sum(-1)
 
     chosen, rejected = [], []
-    for start in tqdm(range(0, len(docs), rows), desc=desc or "score pairs", unit="batch", file=sys.stderr):
+    for start in tqdm(range(0, len(docs), rows), desc=desc or "score pairs", unit="batch", file=sys.stderr,
+                      disable=None):  # a bar on a terminal only
         chunk = [_padded(d, seq_len + 1) for d in docs[start:start + rows]]
         n = len(chunk)
         chunk += [chunk[-1]] * (rows - n)  # one batch shape: one compilation

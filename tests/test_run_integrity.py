@@ -16,6 +16,7 @@ import pytest
 import zoo
 from pretrain.cli import main as pretrain_main
 from pretrain.config import load_config
+from pretrain.runfolder import checkpoint_steps
 from pretrain.runlog import TIMING_FIELDS
 from pretrain.trainer import train
 from tests.tiny import smollm2_tiny_zoo
@@ -246,10 +247,12 @@ def test_random_kills_then_resume_equal_an_uninterrupted_run(setup, tmp_path):
                               timeout=600)
         assert proc.returncode == -signal.SIGKILL, (kill, proc.stderr[-2000:])
     assert not (out / "final").exists()
+    saved = checkpoint_steps(out)  # none when both kills came before the first checkpoint: a run from scratch
     proc = subprocess.run([sys.executable, "-m", "pretrain.cli", *args], capture_output=True, text=True, env=env,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "Resuming from step" in proc.stdout, (kills, proc.stdout)
+    assert (f"Resuming from step {saved[-1]} " in proc.stdout) if saved else ("Resuming" not in proc.stdout), \
+        (kills, saved, proc.stdout)
 
     def steady(recs):
         return [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in recs]

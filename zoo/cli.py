@@ -327,7 +327,7 @@ def _generate_file(model, tok, rows: list[dict], args: argparse.Namespace, gen) 
     ids = [_prompt_ids(tok, r, args) for r in rows]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", encoding="utf-8") as f, tqdm(total=len(rows), desc="generate", unit="prompt") as bar:
+    with out.open("w", encoding="utf-8") as f, tqdm(total=len(rows), desc="generate", unit="prompt", disable=None) as bar:
         for i in range(0, len(rows), args.batch_size):
             new = generate(model.cfg, model.param_dict(), ids[i:i + args.batch_size], gen, tokenizer=tok)
             for row, toks in zip(rows[i:i + args.batch_size], new):
