@@ -15,7 +15,7 @@ from zoo.errors import UserError
 from pretrain import distributed
 from pretrain.config import DataSource, TrainConfig
 from pretrain.data import LaneBatches, fit_documents, lane_dataset, lane_rows, split_rows, tokens_of
-from pretrain.preflight import check_untrainable, trained_targets
+from pretrain.preflight import check_untrainable, keeps_a_target
 from pretrain.task import Document, Task
 
 
@@ -125,7 +125,7 @@ def read_source(cfg: TrainConfig, task: Task, tokenizer: Any, vocab: int, mine: 
     lane_docs = {r: [docs[i] for i in lanes[r] if i in docs] for r in mine}
     # Before step 1: a seq_len that cuts most examples down to nothing trained is an error, not a silent no-op;
     # below the limit, an example that trains nothing is left out (it would only fill a row with padding).
-    trainable = getattr(task, "trainable", None) or (lambda x, n: trained_targets(x, n) > 0)
+    trainable = getattr(task, "trainable", None) or keeps_a_target
     counted_docs = [i for r in counted for i in lanes[r] if i in docs]
     bad = [i for i in counted_docs if not trainable(docs[i], d.seq_len)]
     n_cut = distributed.total(len(bad))

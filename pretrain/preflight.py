@@ -32,6 +32,11 @@ def trained_targets(doc: Document, seq_len: int) -> int:
     return int(np.asarray(doc["loss_mask"][1:n]).sum())
 
 
+def keeps_a_target(doc: Document, seq_len: int) -> bool:
+    """The default test of a trainable example: it keeps a trained target once cut to a row."""
+    return trained_targets(doc, seq_len) > 0
+
+
 def untrainable(docs: Iterable[Document], seq_len: int,
                 trainable: Callable[[Document, int], bool] | None = None) -> tuple[int, int, list[int]]:
     """(examples, examples that train nothing once cut to a row, the full lengths of those) among ``docs``.
@@ -39,11 +44,11 @@ def untrainable(docs: Iterable[Document], seq_len: int,
     ``trainable(doc, seq_len)`` is the task's own test (DPO: both answers keep a token); by default an example is
     trainable when it keeps a trained target.
     """
+    trainable = trainable or keeps_a_target
     n, lengths = 0, []
     for d in docs:
         n += 1
-        ok = trainable(d, seq_len) if trainable else trained_targets(d, seq_len) > 0
-        if not ok:
+        if not trainable(d, seq_len):
             lengths.append(len(tokens_of(d)))
     return n, len(lengths), lengths
 
