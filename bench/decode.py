@@ -266,15 +266,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     batches = [int(b) for b in args.batches.split(",") if b]
     sweep = [int(n) for n in args.sweep.split(",") if n]
-    from zoo.cli import smollm2_gguf
+    from zoo.registry import bundled_gguf
 
-    gguf = str(smollm2_gguf())
+    gguf = str(bundled_gguf())
     load_before = os.getloadavg()
     runs: dict[str, list[dict]] = {s: [] for s in SIDES}
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = str(Path(tmp) / "smol")
         from convert import convert
-        from eval.generate import load_tokenizer
+        from zoo.tokenizer import load_tokenizer
 
         convert(gguf, ckpt, progress=False)
         prompts = _prompts(load_tokenizer(ckpt), batches, sweep)

@@ -243,10 +243,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from convert import convert
     from convert.export import export
-    from pretrain.setup import load_tokenizer
-    from zoo.cli import smollm2_gguf
+    from zoo.registry import bundled_gguf
+    from zoo.tokenizer import load_tokenizer
 
-    gguf = str(smollm2_gguf())
+    gguf = str(bundled_gguf())
     runs: dict[str, list[dict]] = {s: [] for s in SIDES}
     with tempfile.TemporaryDirectory() as tmp:
         paths = {"ckpt": str(Path(tmp) / "smol"), "ref_ckpt": str(Path(tmp) / "smol_ref"),
@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         convert(gguf, paths["ckpt"], progress=False)
         convert(gguf, paths["ref_ckpt"], progress=False)  # the same model, converted again: a separate reference
         export(paths["ckpt"], paths["hf"])  # TRL's side: the same float32 weights as safetensors
-        tok = load_tokenizer(Path(paths["ckpt"]) / "tokenizer")
+        tok = load_tokenizer(paths["ckpt"])
         # Enough pairs for every step of a side (no epoch boundary inside the timed steps).
         write_pairs(Path(paths["pairs"]), tok, args.batch, args.seq, args.batch * (WARMUP + args.steps))
         for rnd in range(args.rounds):

@@ -152,9 +152,9 @@ def _model(model: str | None, tmp: Path, torch_side: bool) -> tuple[str, str, st
         n = sum(math.prod(s.shape) for s in param_specs(cfg).values())
         return str(Path(model).absolute()), hf, f"{Path(model).name} ({cfg.family}, {n / 1e6:,.{0 if n >= 1e7 else 2}f}M parameters)"
     from convert import convert
-    from zoo.cli import smollm2_gguf
+    from zoo.registry import bundled_gguf
 
-    gguf = str(smollm2_gguf())
+    gguf = str(bundled_gguf())
     ckpt = str(tmp / "smol")
     convert(gguf, ckpt, progress=False)
     return ckpt, gguf, "SmolLM2-135M"

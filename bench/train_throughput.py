@@ -148,9 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.child == "torch":
         print(json.dumps(run_torch(args.gguf, args.batch, args.seq, args.steps)))
         return 0
-    from zoo.cli import smollm2_gguf
+    from zoo.registry import bundled_gguf
 
-    gguf = str(smollm2_gguf())
+    gguf = str(bundled_gguf())
     # The peak is measured before and after the runs and the better one kept: on a shared machine one
     # measurement can land in a busy moment (one run measured half the usual peak).
     peak_before = matmul_peak()

@@ -24,8 +24,8 @@ from convert.transforms import TRANSFORMS
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
 
-def _shape_only(shape: tuple[int, ...]) -> np.ndarray:
-    """A zero-stride array of this shape: lets transforms compute shapes without memory."""
+def shape_only(shape: tuple[int, ...]) -> np.ndarray:
+    """A zero-stride array of this shape: lets transforms compute shapes without memory (no data to read)."""
     return np.lib.stride_tricks.as_strided(np.zeros(1, np.int8), shape, (0,) * len(shape))
 
 
@@ -35,7 +35,7 @@ def check_source(src: Source, cfg: ModelConfig, rules: list[BoundRule]) -> None:
     have = set(src.reader.names())
     for rule in rules:
         piece = specs[rule.zoo].shape[rule.slice_axes:]
-        want = TRANSFORMS[rule.transform].inverse(_shape_only(piece), cfg).shape
+        want = TRANSFORMS[rule.transform].inverse(shape_only(piece), cfg).shape
         for name in rule.hf_names():
             if name not in have:
                 raise UserError(f"{src.description}: tensor {name!r} is missing from the checkpoint")

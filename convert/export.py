@@ -3,7 +3,8 @@
 The layout of every shard is planned up front from the checkpoint's parameter
 table (names, shapes, dtypes), so each shard file gets its final header at
 once; then parameters are read one at a time (layer by layer, see
-:class:`zoo.checkpoint.ParamReader`) and each per-layer tensor is written at
+:class:`zoo.checkpoint.ParamReader`; an adapter checkpoint's merged with its
+adapters, :func:`zoo.loading.param_reader`) and each per-layer tensor is written at
 its planned offset. Memory stays bounded by one
 parameter, while the shards keep the Hub's layer-major order.
 """
@@ -21,13 +22,14 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from zoo.checkpoint import HF_CONFIG_FILE, TOKENIZER_DIR, ParamReader, atomic_output, param_reader, read_meta
+from zoo.checkpoint import HF_CONFIG_FILE, TOKENIZER_DIR, ParamReader, atomic_output, read_meta
 from zoo.config import ModelConfig
 from zoo.errors import UserError
+from zoo.loading import param_reader
 from zoo.memory import release_free_memory
 from zoo.params import param_specs
 
-from convert.convert import DTYPES, _shape_only
+from convert.convert import DTYPES, shape_only
 from convert.hf_config import export_hf_config
 from convert.tables import table_for
 from convert.transforms import TRANSFORMS
@@ -83,7 +85,7 @@ def plan_tensors(cfg: ModelConfig, meta: dict[str, Any], dtype: str | None) -> l
         if dt not in ST_NAMES:
             raise UserError(f"parameter {rule.zoo} has dtype {dt}, which safetensors export does not support")
         piece = spec.shape[rule.slice_axes:]
-        shape = tuple(TRANSFORMS[rule.transform].inverse(_shape_only(piece), cfg).shape)
+        shape = tuple(TRANSFORMS[rule.transform].inverse(shape_only(piece), cfg).shape)
         for ix in rule.indices():
             layer = rule.layers[ix[0]] if ix else (-1 if rule.zoo == "embed" else cfg.num_layers)
             t = PlannedTensor(rule.hf_name(ix), rule.zoo, ix or None, rule.transform, shape, dt)
@@ -108,7 +110,9 @@ def shard_name(i: int, n: int) -> str:
     return "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
 
 
-def _header(tensors: list[PlannedTensor]) -> bytes:
+def safetensors_header(tensors: list[PlannedTensor]) -> bytes:
+    """A safetensors file's header for ``tensors`` at their planned offsets: its 8-byte length, then the JSON,
+    padded to 8 bytes so the data section is aligned."""
     h: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     for t in tensors:
         h[t.name] = {"dtype": ST_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [t.offset, t.offset + t.nbytes]}
@@ -177,7 +181,7 @@ def _write_shards(ckpt: Path, cfg: ModelConfig, tensors: list[PlannedTensor], n:
     try:
         for i in range(n):
             mine = [t for t in tensors if t.shard == i]
-            header = _header(mine)
+            header = safetensors_header(mine)
             fd = os.open(tmp / shard_name(i, n), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             fds.append(fd)
             os.pwrite(fd, header, 0)
@@ -275,7 +279,7 @@ def planned_files(ckpt: str | Path, dtype: str | None = None, max_shard_size: st
     files = []
     for i in range(n):
         mine = [t for t in tensors if t.shard == i]
-        files.append((shard_name(i, n), len(_header(mine)) + sum(t.nbytes for t in mine)))
+        files.append((shard_name(i, n), len(safetensors_header(mine)) + sum(t.nbytes for t in mine)))
     if n > 1:
         files.append(("model.safetensors.index.json", 0))
     files += [("config.json", 0), ("README.md", 0)]

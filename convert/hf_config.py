@@ -235,7 +235,7 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
         raise UserError(f"{where}: cannot read the model config ({e})") from None
     if getattr(c, "pretraining_tp", 1) not in (1, None):
         raise UserError(f"{where}: pretraining_tp={c.pretraining_tp} is not supported; set it to 1")
-    from zoo.layers import ACTIVATIONS
+    from zoo.blocks import ACTIVATIONS
 
     if cfg.hidden_act not in ACTIVATIONS:
         raise UserError(f"{where}: activation {cfg.hidden_act!r} is not supported; supported: {sorted(ACTIVATIONS)}")

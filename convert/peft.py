@@ -28,8 +28,8 @@ from zoo.errors import UserError
 from zoo.lora import HF_TO_ZOO
 from zoo.params import param_specs
 
-from convert.convert import DTYPES, _shape_only
-from convert.export import DTYPES_ALL, ST_NAMES, PlannedTensor, _header, assign_shards
+from convert.convert import DTYPES, shape_only
+from convert.export import DTYPES_ALL, ST_NAMES, PlannedTensor, assign_shards, safetensors_header
 from convert.tables import BoundRule, table_for
 from convert.transforms import TRANSFORMS
 
@@ -137,7 +137,7 @@ def plan_adapter(ckpt: str | os.PathLike, meta: dict[str, Any], dtype: str | Non
     keyed = []
     for pos, rule in enumerate(_adapted_rules(cfg, meta, ckpt)):
         piece = specs[rule.zoo].shape[rule.slice_axes:]
-        out_f, in_f = TRANSFORMS[rule.transform].inverse(_shape_only(piece), cfg).shape
+        out_f, in_f = TRANSFORMS[rule.transform].inverse(shape_only(piece), cfg).shape
         for part, shape in (("a", (r, in_f)), ("b", (out_f, r))):
             dt = dtype or stored[f"{rule.zoo}.{part}"]["dtype"]
             if dt not in ST_NAMES:
@@ -238,7 +238,7 @@ def _write_weights(ckpt: Path, meta: dict[str, Any], tensors: list[PlannedTensor
     # Adapters are rank-r slivers of the model: read each whole, once.
     arrays = {p: load_param_numpy(ckpt, p, stored[p]) for p in dict.fromkeys(t.zoo for t in tensors)}
     with open(path, "wb") as f:
-        f.write(_header(tensors))
+        f.write(safetensors_header(tensors))
         for t in tensors:
             layout = LORA_LAYOUTS[t.transform]
             fn = layout.a if t.zoo.endswith(".a") else layout.b
@@ -254,5 +254,5 @@ def planned_adapter_files(ckpt: str | os.PathLike, dtype: str | None = None) -> 
     """(file name, size in bytes; 0 = small, generated) of everything :func:`export_adapter` would write."""
     meta = adapter_meta_of(ckpt)
     tensors = plan_adapter(ckpt, meta, dtype)
-    weights = len(_header(tensors)) + sum(t.nbytes for t in tensors)
+    weights = len(safetensors_header(tensors)) + sum(t.nbytes for t in tensors)
     return [(ADAPTER_CONFIG, 0), (ADAPTER_WEIGHTS, weights), ("README.md", 0)]

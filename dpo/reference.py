@@ -29,10 +29,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from zoo.batching import score_documents
 from zoo.config import ModelConfig
 from zoo.errors import UserError
-
-from dpo.logps import batch_logps
 
 CACHE_DIR = "reference_logps"
 CACHE_VERSION = "3"  # bump when what is cached changes meaning (3: + params dtype and chat template)
@@ -50,7 +49,8 @@ def resolve_checkpoint(path: str) -> Path:
 
 def load_reference(path: str, mcfg: ModelConfig, mesh: jax.sharding.Mesh, dtype: Any) -> dict:
     """The frozen reference checkpoint at ``path``, sharded like the policy (it must have the policy's shapes)."""
-    from zoo.checkpoint import load_params, read_config
+    from zoo.checkpoint import read_config
+    from zoo.loading import load_params
 
     ckpt = resolve_checkpoint(path)
     ref_cfg = read_config(ckpt)
@@ -100,29 +100,8 @@ def compute_reference_logps(mcfg: ModelConfig, params: dict, docs: list[dict[str
                             rows: int, mesh: jax.sharding.Mesh, compute: Any) -> list[np.ndarray]:
     """Per-token reference log-probabilities of each pair document (float32, one per token: the
     log-probability of that token given its segment's earlier ones, 0 where it is not an answer token)."""
-    from pretrain.data import _padded, to_model_batch
-    from pretrain.lanes import replicated_batch
-
     sharding = NamedSharding(mesh, PartitionSpec(("data", "fsdp"), None))
-
-    @jax.jit
-    def score(p: dict, b: dict) -> jax.Array:
-        logp, _, _ = batch_logps(mcfg, jax.tree.map(lambda x: x.astype(compute), p), b)
-        return logp * b["weights"]
-
-    out: list[np.ndarray] = []
-    for start in range(0, len(docs), rows):
-        chunk = docs[start:start + rows]
-        padded = [_padded(d, seq_len + 1) for d in chunk]
-        padded += [padded[-1]] * (rows - len(padded))  # a fixed batch shape: one compilation
-        b = to_model_batch({k: np.stack([x[k] for x in padded]) for k in padded[0]})
-        got = np.asarray(jax.device_get(score(params, replicated_batch(b, sharding))), np.float32)
-        for j, d in enumerate(chunk):
-            n = len(d["tokens"])
-            per_token = np.zeros(n, np.float32)
-            per_token[1:] = got[j, :n - 1]  # target j+1 is token j+1 of the row
-            out.append(per_token)
-    return out
+    return score_documents(mcfg, params, docs, seq_len + 1, rows, sharding, compute)
 
 
 def cached_reference_logps(out_dir: Path, docs: dict[str, dict[int, dict[str, np.ndarray]]], weights: Path,

@@ -11,7 +11,7 @@ of the global batch (TRL's ``"sft"`` term): each micro-batch adds its NLL sum
 scaled by the global pairs / chosen tokens (:meth:`DPOTask.batch_totals`,
 which the step computes on the whole batch), so the same division yields it.
 The reference (dpo/reference.py) is the frozen base run without adapters,
-a checkpoint passed in as the step's ``reference`` argument, or per-token
+a checkpoint passed in as the step's ``frozen_inputs`` argument, or per-token
 log-probabilities cached before training and read from the batch.
 
 Where the policy is still the reference (the reference is the starting model,
@@ -36,15 +36,16 @@ from zoo.errors import UserError
 from zoo.params import flatten
 
 from pretrain.config import TrainConfig, data_sources
-from pretrain.data import indexed_rows, load_dataset_rows
+from dpo.config import DPOConfig
+from zoo.datafiles import indexed_rows, load_dataset_rows
 from pretrain.dtypes import DTYPES
 from pretrain.mixture import source_config
 from pretrain.preflight import check_untrainable, untrainable
-from pretrain.task import Document, RowSource
+from pretrain.task import RowSource, Task
 from sft.task import chat_template_of
 
 from dpo.data import CHOSEN, REJECTED, pair_documents
-from dpo.logps import batch_logps
+from zoo.logps import batch_logps
 from dpo.losses import REFERENCE_FREE, preference_loss, rpo_nll_scale
 from dpo.reference import cached_reference_logps, compute_reference_logps, load_reference, resolve_checkpoint
 
@@ -53,20 +54,21 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
            "logps/rejected", "logits/chosen", "logits/rejected")
 
 
-class DPOTask:
+class DPOTask(Task):
     """Direct preference optimization and its variants on (prompt, chosen, rejected) rows."""
 
     method = "dpo"
     packing = "none"  # each pair is one row, its two sequences laid out by the task (dpo/data.py)
+    config_class = DPOConfig
     reads_step = True  # the train step passes its optimizer step to loss_sums (pretrain/step.py)
-    key_metrics = ["rewards/accuracies", "rewards/margins"]  # what a plain log line shows besides the loss
+    key_metrics = ("rewards/accuracies", "rewards/margins")  # what a plain log line shows besides the loss
 
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: DPOConfig):
+        super().__init__(cfg)
         self.dpo = cfg.dpo
         self.chat_template = chat_template_of(cfg)
         self.max_len = cfg.data.seq_len + 1
         self.drop_long = cfg.data.long_examples == "drop"
-        self.too_long: set[int] = set()  # rows of data.path cut or dropped to fit (reported by the loop)
         self.mode = "none" if cfg.dpo.loss_type in REFERENCE_FREE else _mode(cfg.dpo.reference)
         self.ref_logps: dict[str, dict[int, np.ndarray]] = {}
         # One copy of each pair's prompt, shared by its answers (dpo/data.py), unless dpo.share_prompt is off;
@@ -168,8 +170,7 @@ class DPOTask:
                                                 score, distributed.is_primary(), cfg.dtype.params,
                                                 self.chat_template.identity())
 
-    @staticmethod
-    def trainable(doc: Document, seq_len: int) -> bool:
+    def trainable(self, doc: Document, seq_len: int) -> bool:
         """Whether a pair document (already cut to fit) still compares two answers: each keeps a trained token
         (a pair cut to less than half its prompt or an answer keeps none: dpo.data.keeps_meaning), and what is
         kept of them differs (identical kept answers prefer nothing)."""
@@ -186,7 +187,7 @@ class DPOTask:
         return {"pairs": keep.sum(), "chosen_tokens": (wc.sum(-1) * keep).sum()}
 
     def loss_sums(self, mcfg: ModelConfig, params: dict, mb: dict, compute: Any, remat: str,
-                  reference: dict | None = None, totals: dict | None = None, step: jax.Array | None = None,
+                  *, frozen_inputs: dict | None = None, totals: dict | None = None, step: jax.Array | None = None,
                   **forward_kwargs: Any) -> tuple[jax.Array, tuple]:
         """(objective, (sum of per-pair losses, pair count, {metric: sum over pairs})) of a micro-batch.
 
@@ -202,7 +203,7 @@ class DPOTask:
         elif self.mode == "base":  # the same base weights, adapters off: no second copy of the model
             ref = jax.lax.stop_gradient(batch_logps(mcfg, p, mb)[0])
         elif self.mode == "path":
-            r = jax.tree.map(lambda x: x.astype(compute), reference)
+            r = jax.tree.map(lambda x: x.astype(compute), frozen_inputs)  # the reference checkpoint's params
             ref = jax.lax.stop_gradient(batch_logps(mcfg, r, mb)[0])
         else:
             ref = jnp.zeros_like(pol)

@@ -1,7 +1,7 @@
-"""`zoo eval`: score a checkpoint on perplexity, multiple-choice and generation tasks (see eval/tasks.py).
+"""`zoo eval` and `zoo plot`: the bodies of those `zoo` commands (zoo/cli.py parses their flags).
 
-Only argparse at import time: `zoo` builds every sub-parser on each run, and
-the heavy modules (JAX, the model, transformers) load inside :func:`cmd_eval`.
+`zoo eval` scores a checkpoint on perplexity, multiple-choice and generation tasks (see eval/tasks.py); the heavy
+modules (JAX, the model, transformers) load inside :func:`eval_command`. `zoo plot` draws a run's curves.
 """
 
 from __future__ import annotations
@@ -9,34 +9,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from zoo.console import print_table
+
 # Metrics shown in the console table, per task kind (the JSON has them all).
 SHOWN = {"perplexity": ("ppl", "bpb"), "multiple_choice": ("acc", "acc_norm"), "generation": ("exact_match",)}
 
 
-def add_eval_parser(sub: Any) -> None:
-    """Register the `eval` sub-command on the `zoo` parser's subparsers."""
-    s = sub.add_parser(
-        "eval", help="score a checkpoint on perplexity, multiple-choice and generation tasks",
-        description="Score CKPT on each task of --tasks (shipped task names, see --list-tasks, or paths of task "
-                    "YAML files; format in eval/tasks/README.md). Prints a table; --out also writes JSON with the "
-                    "checkpoint, each task's name, version, metrics and settings, and timings.")
-    s.add_argument("ckpt", metavar="CKPT", nargs="?", help="a zoo checkpoint folder (with tokenizer/)")
-    s.add_argument("--tasks", metavar="T1,T2", help="comma-separated shipped task names and/or task YAML paths")
-    s.add_argument("--limit", type=int, default=None, metavar="N", help="score only the first N examples of each task")
-    s.add_argument("--batch-size", type=int, default=8, metavar="B", help="rows per forward pass (default 8)")
-    s.add_argument("--num-fewshot", type=int, default=None, metavar="K",
-                   help="solved examples before each question (default: each task's num_fewshot)")
-    s.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
-                   help="apply the tokenizer's chat template to generation prompts (default: each task's setting)")
-    s.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="compute dtype of the parameters (default float32)")
-    s.add_argument("--out", metavar="JSON", help="write the results here as JSON")
-    s.add_argument("--list-tasks", action="store_true", help="list the shipped tasks and exit")
-    s.set_defaults(fn=cmd_eval)
-
-
-def cmd_eval(args: argparse.Namespace) -> None:
-    """Evaluate a checkpoint on tasks; print a table, optionally write JSON."""
+def eval_command(args: argparse.Namespace) -> None:
+    """`zoo eval CKPT --tasks T1,T2`: evaluate a checkpoint on tasks; print a table, optionally write JSON."""
     from zoo.errors import UserError
 
     if args.list_tasks:
@@ -63,9 +43,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
     import numpy as np
 
     import zoo
-    from eval.generate import load_tokenizer
     from eval.scoring import evaluate
     from eval.tasks import resolve_tasks
+    from zoo.tokenizer import load_tokenizer
 
     t0 = time.perf_counter()
     tasks = resolve_tasks(args.tasks)  # bad task files fail here, before the model loads
@@ -103,8 +83,6 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 def print_results(report: dict[str, Any]) -> None:
     """The results as a table: one row per (task, metric)."""
-    from zoo.cli import print_table
-
     rows = [("task", "version", "kind", "n", "metric", "value", "seconds")]
     for name, r in report["tasks"].items():
         for m in SHOWN.get(r["kind"], tuple(r["metrics"])):
@@ -118,10 +96,16 @@ def print_results(report: dict[str, Any]) -> None:
 def _list_tasks() -> None:
     """Print the shipped tasks."""
     from eval.tasks import load_task, shipped_tasks
-    from zoo.cli import print_table
 
     rows = [("task", "kind", "version", "description")]
     for name, path in shipped_tasks().items():
         t = load_task(path)
         rows.append((name, t.kind, str(t.version), t.description))
     print_table(rows)
+
+
+def plot_command(args: argparse.Namespace) -> None:
+    """`zoo plot RUN_DIR`: a PNG of a training run's curves."""
+    from eval.plot import plot_run
+
+    print(f"wrote {plot_run(args.run_dir, args.out)}")

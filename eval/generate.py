@@ -20,10 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from zoo.checkpoint import TOKENIZER_DIR
 from zoo.config import ModelConfig
 from zoo.decode import Cache, forward_step, init_cache
 from zoo.errors import UserError
+from zoo.tokenizer import load_tokenizer
 
 BUCKET = 32  # prompt and cache lengths are rounded up to a multiple of this: fewer compilations
 VIEW = 256  # a step reads the cache slots up to the filled length rounded up to this (one compile per bucket)
@@ -166,22 +166,6 @@ def _hit_stop(tokens: list[int], stop: tuple[str, ...], tokenizer: Any) -> bool:
     # Decoding the last few tokens suffices: a new match ends in the newest token, and a token is >= 1 char.
     tail = tokenizer.decode(tokens[-(longest + 8):], skip_special_tokens=True)
     return any(s in tail for s in stop)
-
-
-def cut_at_stop(text: str, stop: Sequence[str]) -> str:
-    """``text`` up to (not including) the first occurrence of any stop string."""
-    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=len(text))
-    return text[:cut]
-
-
-def load_tokenizer(ckpt: str | Path):
-    """The tokenizer stored in a zoo checkpoint."""
-    from transformers import AutoTokenizer
-
-    folder = Path(ckpt) / TOKENIZER_DIR
-    if not folder.is_dir():
-        raise UserError(f"{ckpt} has no {TOKENIZER_DIR}/ folder; convert it from a source with tokenizer files")
-    return AutoTokenizer.from_pretrained(str(folder))
 
 
 def greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int] = frozenset()) -> list[int]:

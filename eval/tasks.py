@@ -14,7 +14,7 @@ relative to the YAML file. Keys every task has::
 ``kind: perplexity`` -- token perplexity and bits per byte of documents::
 
     data: text.txt           # a .txt/.json/.jsonl/.parquet file or folder, or a Hub dataset name
-                             # (read with pretrain.data.load_dataset_rows; .txt: one document per line,
+                             # (read with zoo.datafiles.load_dataset_rows; .txt: one document per line,
                              # blank lines dropped)
     split: train             # Hub datasets only
     text_field: text         # the documents' field
@@ -72,6 +72,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from zoo.datafiles import load_dataset_rows
 from zoo.errors import UserError
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
@@ -258,7 +259,6 @@ def _text_rows(data: str, text_field: str, split: str, source: str) -> list[dict
         if not docs:
             raise UserError(f"task data {p} (named in {source}): no text")
         return [{text_field: d} for d in docs]
-    from pretrain.data import load_dataset_rows
 
     ds, _ = load_dataset_rows(data, split)
     if text_field not in ds.column_names:

@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from pretrain import distributed
-from zoo.cli import run_cli
+from zoo.console import run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,19 +37,22 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
                         "epochs, logging, eval and checkpoint cadence and the mesh may always change")
 
 
-def train_command(args: argparse.Namespace, task_factory: Callable[[Any], Any] | None = None) -> None:
-    """The body of every `train` command: resolve the config (``--print-config`` prints it and stops), join the
-    other processes, train (with ``task_factory(cfg)``'s task; default pretraining) and name the final model."""
+def train_command(args: argparse.Namespace, task_class: Callable[[], type] | None = None) -> None:
+    """The body of every `train` command: resolve the config with the task's schema (``--print-config`` prints it
+    and stops), join the other processes, train (the task of ``task_class()``, a class imported on demand;
+    default pretraining) and name the final model."""
     from pretrain.config import load_config, to_yaml
+    from pretrain.task import PretrainTask
 
-    cfg = load_config(args.config, list(args.overrides))
+    cls = task_class() if task_class else PretrainTask
+    cfg = load_config(args.config, list(args.overrides), cls.config_class)
     if args.print_config:
         print(to_yaml(cfg), end="")
         return
     distributed.initialize(args)
     from pretrain.trainer import train
 
-    final = train(cfg, task=task_factory(cfg) if task_factory else None, fresh=args.fresh,
+    final = train(cfg, task=cls(cfg), fresh=args.fresh,
                   resume_with_changes=args.resume_with_changes)
     if distributed.is_primary():
         print(f"final model: {final}")

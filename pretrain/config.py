@@ -1,8 +1,12 @@
 """Typed training configuration: YAML file + `key.sub=value` overrides -> dataclasses.
 
-The key names are the contract every trainer (pretrain, sft, dpo) shares.
-Unknown keys name the nearest valid key; wrong types name the key and the
-expected type; ``--print-config`` shows the resolved config with defaults.
+:class:`TrainConfig` holds the keys every task shares. A task composes its own
+schema by subclassing it (its own config section, and a subclass of
+:class:`DataSection` for its data keys) and naming it as its ``config_class``;
+:func:`load_config` reads any schema alike. Unknown keys name the nearest valid
+key of that schema; wrong types name the key and the expected type; a key whose
+field metadata lists ``choices`` must be one of them; ``--print-config`` shows
+the resolved config with defaults. Each section may check itself (``check``).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
@@ -25,32 +29,10 @@ class ModelSection:
     """What to train: a zoo checkpoint path or registry name, or a random init from a config."""
 
     path: str | None = None
-    init: str = "pretrained"  # "pretrained" (load `path`) | "random" (build from `config`)
+    # "pretrained" (load `path`) | "random" (build from `config`)
+    init: str = field(default="pretrained", metadata={"choices": ("pretrained", "random")})
     config: str | None = None  # for init: random — a registry entry with a built-in config, or a config.json
     tokenizer: str | None = None  # a tokenizer folder (or zoo checkpoint); default: the model checkpoint's
-
-
-@dataclass
-class DataSection:
-    """Training text and how it is cut into sequences."""
-
-    # local file/folder, or a Hugging Face Hub dataset name (online or cached); or a mixture: a list of sources
-    # (DataSource keys, e.g. [{path: a.jsonl, weight: 0.7}, b.jsonl]), stored as plain mappings (JSON/YAML as is)
-    path: str | list[dict[str, Any]] | None = None
-    split: str = "train"  # the split of a Hub dataset
-    text_field: str = "text"
-    seq_len: int = 512
-    packing: bool = True  # false: one document per row, truncated/padded to seq_len
-    long_examples: str = "truncate"  # sft (best-fit packing) and dpo pairs: truncate | drop those over seq_len + 1
-    max_untrainable_fraction: float = 0.5  # sft, dpo: stop before step 1 if more examples than this lose every
-    # trained token to truncation (a seq_len too short for the data)
-    eval_path: str | None = None
-    format: str | None = None  # sft: text | prompt_completion | messages | alpaca | sharegpt; None: from the columns
-    chat_template: str | None = None  # sft, dpo: a Jinja chat-template file; None: the tokenizer's own template
-    template_kwargs: dict[str, Any] = field(default_factory=dict)  # sft, dpo: template variables (enable_thinking...)
-    template_date: str = "2024-07-26"  # sft, dpo: the day a template's strftime_now reads (renders never vary)
-    eval_fraction: float = 0.0
-    skip_bad_rows: bool = False
 
 
 @dataclass
@@ -60,18 +42,49 @@ class DataSource:
     path: str
     weight: float = 1.0  # relative: the weights are normalized over the sources
     name: str | None = None  # in the mixture report and eval metrics; None: the file name without its suffix
-    format: str | None = None  # sft: this source's format (None: data.format, or detected from the columns)
     text_field: str | None = None  # None: data.text_field
     split: str | None = None  # None: data.split
     eval_path: str | None = None  # this source's own eval set (then nothing is held out of it)
+
+
+@dataclass
+class DataSection:
+    """Training text and how it is cut into sequences (a task's subclass adds its own data keys)."""
+
+    source_class: ClassVar[type[DataSource]] = DataSource  # what each source of a mixture may set
+
+    # local file/folder, or a Hugging Face Hub dataset name (online or cached); or a mixture: a list of sources
+    # (DataSource keys, e.g. [{path: a.jsonl, weight: 0.7}, b.jsonl]), stored as plain mappings (JSON/YAML as is)
+    path: str | list[dict[str, Any]] | None = None
+    split: str = "train"  # the split of a Hub dataset
+    text_field: str = "text"
+    seq_len: int = 512
+    packing: bool = True  # false: one document per row, truncated/padded to seq_len
+    # whole examples (best-fit packing, or rows a task lays out itself) longer than seq_len + 1: truncate | drop
+    long_examples: str = field(default="truncate", metadata={"choices": ("truncate", "drop")})
+    max_untrainable_fraction: float = 0.5  # stop before step 1 if more examples than this lose every trained
+    # token to truncation (a seq_len too short for the data)
+    eval_path: str | None = None
+    eval_fraction: float = 0.0
+    skip_bad_rows: bool = False
+
+    def check(self) -> None:
+        """Cross-field checks of the data keys."""
+        if not self.path:
+            raise UserError("config needs `data.path` (a jsonl/json/parquet/txt file or folder)")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise UserError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}")
+        if not 0.0 <= self.max_untrainable_fraction <= 1.0:
+            raise UserError(f"data.max_untrainable_fraction must be in [0, 1], got {self.max_untrainable_fraction}")
 
 
 def data_sources(cfg: TrainConfig) -> list[DataSource]:
     """The run's data sources: a plain ``data.path`` is one source of weight 1 (names made unique)."""
     p = cfg.data.path
     items = [p] if isinstance(p, str) else list(p or [])
-    out = [dataclasses.replace(s) if isinstance(s, DataSource) else DataSource(path=s) if isinstance(s, str)
-           else DataSource(**s) for s in items]
+    cls = cfg.data.source_class
+    out = [dataclasses.replace(s) if isinstance(s, DataSource) else cls(path=s) if isinstance(s, str)
+           else cls(**s) for s in items]
     taken = {s.name for s in out if s.name is not None}
     for s in out:
         if s.name is None:
@@ -83,13 +96,14 @@ def data_sources(cfg: TrainConfig) -> list[DataSource]:
     return out
 
 
-def _source_list(key: str, value: list) -> list[dict[str, Any]]:
-    """``data.path`` as a list: each source a full DataSource mapping, validated (errors name data.path[i].key)."""
+def _source_list(key: str, value: list, source_class: type[DataSource]) -> list[dict[str, Any]]:
+    """``data.path`` as a list: each source a full mapping of ``source_class``'s keys, validated (errors name
+    data.path[i].key)."""
     if not value:
         raise UserError(f"config key '{key}' is an empty list; give at least one source (a path, or a mapping "
                         "with path and weight)")
-    fields = {f.name: f for f in dataclasses.fields(DataSource)}
-    hints = typing.get_type_hints(DataSource)
+    fields = {f.name: f for f in dataclasses.fields(source_class)}
+    hints = typing.get_type_hints(source_class)
     out, names = [], set()
     for i, item in enumerate(value):
         at = f"{key}[{i}]"
@@ -113,7 +127,7 @@ def _source_list(key: str, value: list) -> list[dict[str, Any]]:
             if src["name"] in names:
                 raise UserError(f"config key '{at}.name': {src['name']!r} names two sources; give each its own")
             names.add(src["name"])
-        out.append(dataclasses.asdict(DataSource(**src)))
+        out.append(dataclasses.asdict(source_class(**src)))
     return out
 
 
@@ -121,7 +135,7 @@ def _source_list(key: str, value: list) -> list[dict[str, Any]]:
 class OptimizerSection:
     """optax optimizer settings."""
 
-    name: str = "adamw"
+    name: str = field(default="adamw", metadata={"choices": ("adamw", "adafactor", "sgd", "lion")})
     learning_rate: float = 3e-4
     weight_decay: float = 0.0
     b1: float = 0.9
@@ -134,7 +148,7 @@ class OptimizerSection:
 class ScheduleSection:
     """Learning-rate schedule."""
 
-    name: str = "cosine"
+    name: str = field(default="cosine", metadata={"choices": ("constant", "cosine", "linear", "wsd")})
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1
 
@@ -153,8 +167,8 @@ class MeshSection:
 class DtypeSection:
     """Master-weight and compute dtypes."""
 
-    params: str = "float32"
-    compute: str = "float32"
+    params: str = field(default="float32", metadata={"choices": ("float32", "bfloat16")})
+    compute: str = field(default="float32", metadata={"choices": ("float32", "bfloat16")})
 
 
 @dataclass
@@ -186,20 +200,6 @@ class EvalSection:
 
 
 @dataclass
-class DpoSection:
-    """Preference optimization (`dpo train`, dpo/): the loss, its constants and the reference model."""
-
-    loss_type: str = "sigmoid"  # sigmoid | ipo | hinge | robust | simpo (dpo/losses.py)
-    beta: float = 0.1
-    label_smoothing: float = 0.0  # sigmoid (conservative DPO), robust and simpo: the assumed label-noise rate
-    simpo_gamma: float = 0.5  # simpo's target reward margin
-    sft_weight: float = 0.0  # RPO (TRL's "sft" term): adds this times one mean NLL over the batch's chosen tokens
-    reference: str = "base"  # base (LoRA: the adapters switched off) | precomputed | a zoo checkpoint path
-    reference_model: str | None = None  # precomputed: the checkpoint scored once; None: the starting weights
-    share_prompt: bool = True  # one copy of a pair's prompt, read by both answers (off: prompt+chosen | prompt+rejected)
-
-
-@dataclass
 class TrainConfig:
     """Everything a training run needs."""
 
@@ -215,26 +215,35 @@ class TrainConfig:
     schedule: ScheduleSection = field(default_factory=ScheduleSection)
     mesh: MeshSection = field(default_factory=MeshSection)
     dtype: DtypeSection = field(default_factory=DtypeSection)
-    remat: str = "none"  # none | full (recompute each layer in backward) | save_dots (keep weight matmuls)
+    # none | full (recompute each layer in backward) | save_dots (keep weight matmuls)
+    remat: str = field(default="none", metadata={"choices": ("none", "full", "save_dots")})
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     lora: LoraSection = field(default_factory=LoraSection)
     log_every: int = 10
     eval_every: int = 0
     eval: EvalSection = field(default_factory=EvalSection)
-    dpo: DpoSection = field(default_factory=DpoSection)
     peak_tflops: float | None = None  # per device, for MFU; None: detected for known accelerators, else no MFU
 
-
-CHOICES: dict[str, tuple[str, ...]] = {
-    "model.init": ("pretrained", "random"),
-    "data.long_examples": ("truncate", "drop"),
-    "optimizer.name": ("adamw", "adafactor", "sgd", "lion"),
-    "schedule.name": ("constant", "cosine", "linear", "wsd"),
-    "remat": ("none", "full", "save_dots"),
-    "dtype.params": ("float32", "bfloat16"),
-    "dtype.compute": ("float32", "bfloat16"),
-    "dpo.loss_type": ("sigmoid", "ipo", "hinge", "robust", "simpo"),
-}
+    def check(self) -> None:
+        """Cross-field checks that types alone cannot express (a task's schema extends them)."""
+        if self.model.init == "pretrained" and not self.model.path:
+            raise UserError("config needs `model` (a zoo checkpoint path or registry name), or `model.init: random`")
+        if self.model.init == "random" and not (self.model.config and self.model.tokenizer):
+            raise UserError("`model.init: random` needs `model.config` (a tiny registry entry or a config.json) "
+                            "and `model.tokenizer` (a tokenizer folder)")
+        self.data.check()
+        if self.max_steps is None and self.epochs is None:
+            raise UserError("config needs `max_steps` or `epochs`")
+        for key in ("batch_size", "grad_accum", "data.seq_len", "log_every"):
+            obj = self
+            for part in key.split("."):
+                obj = getattr(obj, part)
+            if obj < 1:
+                raise UserError(f"config key '{key}' must be at least 1, got {obj}")
+        if self.batch_size % self.grad_accum:
+            raise UserError(f"batch_size={self.batch_size} must be a multiple of grad_accum={self.grad_accum}")
+        if self.eval.tasks and not self.eval_every:
+            raise UserError("eval.tasks are scored every eval_every steps; set eval_every (e.g. eval_every=100)")
 
 
 def _keys(cls: type, prefix: str = "") -> list[str]:
@@ -290,30 +299,32 @@ def _coerce(key: str, value: Any, t: Any) -> Any:
     return value
 
 
-def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+def _build(cls: type, data: dict[str, Any], prefix: str = "", root: type | None = None) -> Any:
+    root = root or cls
     kwargs = {}
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for k, v in data.items():
         key = prefix + str(k)
         if k not in fields:
-            valid = _keys(TrainConfig)
+            valid = _keys(root)
             near = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
             hint = f"; did you mean '{near[0]}'?" if near else f"; valid keys: {', '.join(valid)}"
             raise UserError(f"unknown config key '{key}'{hint}")
         t = _resolve(cls, k)
         if key == "data.path" and isinstance(v, list):  # a mixture of sources
-            kwargs[k] = _source_list(key, v)
+            kwargs[k] = _source_list(key, v, cls.source_class)
             continue
         if dataclasses.is_dataclass(t):
             if isinstance(v, str) and t is ModelSection:
                 v = {"path": v}  # `model: ckpt/llama` is short for `model.path`
             if not isinstance(v, dict):
                 raise UserError(f"config key '{key}' must be a mapping of its sub-keys, got {v!r}")
-            kwargs[k] = _build(t, v, key + ".")
+            kwargs[k] = _build(t, v, key + ".", root)
         else:
             kwargs[k] = _coerce(key, v, t)
-            if key in CHOICES and kwargs[k] not in CHOICES[key]:
-                raise UserError(f"config key '{key}' is {kwargs[k]!r}; choose one of {', '.join(CHOICES[key])}")
+            choices = fields[k].metadata.get("choices")
+            if choices and kwargs[k] not in choices:
+                raise UserError(f"config key '{key}' is {kwargs[k]!r}; choose one of {', '.join(choices)}")
     return cls(**kwargs)
 
 
@@ -331,8 +342,10 @@ def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
     d[parts[-1]] = value
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
-    """Read a YAML config (safely) and apply `key.sub=value` overrides."""
+def load_config(path: str | Path | None, overrides: list[str] = (),
+                schema: type[TrainConfig] | None = None) -> TrainConfig:
+    """Read a YAML config (safely) and apply `key.sub=value` overrides, as ``schema`` (a task's ``config_class``;
+    default :class:`TrainConfig`, pretraining's) says."""
     tree: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -353,56 +366,15 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
         except (yaml.YAMLError, ValueError):  # ValueError: YAML reads 2025-13-40 as a date, and fails
             value = raw
         _set(tree, key.strip(), value)
-    cfg = _build(TrainConfig, tree)
-    validate(cfg)
+    cfg = _build(schema or TrainConfig, tree)
+    cfg.check()
     return cfg
 
 
-def validate(cfg: TrainConfig) -> None:
-    """Cross-field checks that types alone cannot express."""
-    if cfg.model.init == "pretrained" and not cfg.model.path:
-        raise UserError("config needs `model` (a zoo checkpoint path or registry name), or `model.init: random`")
-    if cfg.model.init == "random" and not (cfg.model.config and cfg.model.tokenizer):
-        raise UserError("`model.init: random` needs `model.config` (a tiny registry entry or a config.json) "
-                        "and `model.tokenizer` (a tokenizer folder)")
-    if not cfg.data.path:
-        raise UserError("config needs `data.path` (a jsonl/json/parquet/txt file or folder)")
-    if cfg.max_steps is None and cfg.epochs is None:
-        raise UserError("config needs `max_steps` or `epochs`")
-    for key in ("batch_size", "grad_accum", "data.seq_len", "log_every"):
-        obj = cfg
-        for part in key.split("."):
-            obj = getattr(obj, part)
-        if obj < 1:
-            raise UserError(f"config key '{key}' must be at least 1, got {obj}")
-    if cfg.batch_size % cfg.grad_accum:
-        raise UserError(f"batch_size={cfg.batch_size} must be a multiple of grad_accum={cfg.grad_accum}")
-    if not isinstance(cfg.data.template_kwargs, dict):
-        raise UserError(f"data.template_kwargs must be a mapping of template variables (e.g. "
-                        f"{{enable_thinking: false}}), got {cfg.data.template_kwargs!r}")
-    if not 0.0 <= cfg.data.eval_fraction < 1.0:
-        raise UserError(f"data.eval_fraction must be in [0, 1), got {cfg.data.eval_fraction}")
-    if not 0.0 <= cfg.data.max_untrainable_fraction <= 1.0:
-        raise UserError(f"data.max_untrainable_fraction must be in [0, 1], got {cfg.data.max_untrainable_fraction}")
-    dpo = cfg.dpo
-    if dpo.beta <= 0:
-        raise UserError(f"dpo.beta must be positive, got {dpo.beta}")
-    if not 0.0 <= dpo.label_smoothing < 0.5:
-        raise UserError(f"dpo.label_smoothing must be in [0, 0.5), got {dpo.label_smoothing}")
-    if dpo.sft_weight < 0:
-        raise UserError(f"dpo.sft_weight must be at least 0, got {dpo.sft_weight}")
-    if not dpo.reference.strip():
-        raise UserError("dpo.reference must be base, precomputed or a zoo checkpoint path, got ''")
-    if dpo.reference_model is not None and dpo.reference != "precomputed":
-        raise UserError("dpo.reference_model is read only with dpo.reference: precomputed; for a live reference "
-                        "checkpoint set dpo.reference to its path")
-    if cfg.eval.tasks and not cfg.eval_every:
-        raise UserError("eval.tasks are scored every eval_every steps; set eval_every (e.g. eval_every=100)")
-
-
-def config_keys() -> list[str]:
-    """Every dotted config key (``data.seq_len``, ...), in declaration order."""
-    return _keys(TrainConfig)
+def config_keys(schema: type[TrainConfig] | None = None) -> list[str]:
+    """Every dotted config key of ``schema`` (default :class:`TrainConfig`; ``data.seq_len``, ...), in declaration
+    order."""
+    return _keys(schema or TrainConfig)
 
 
 def to_yaml(cfg: TrainConfig) -> str:

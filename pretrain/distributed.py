@@ -21,7 +21,7 @@ ENV = {"coordinator": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCE
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    """The multi-process flags shared by `pretrain train`, `sft train` and `dpo train`."""
+    """The multi-process flags every `train` command shares."""
     g = parser.add_argument_group("multi-process runs (one process per host; all processes run the same command)")
     g.add_argument("--coordinator", metavar="HOST:PORT",
                    help=f"address of process 0's coordinator service (env {ENV['coordinator']})")

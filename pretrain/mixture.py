@@ -1,6 +1,6 @@
 """Data mixtures: ``data.path`` as a list of weighted sources, each read in its own format, mixed per lane by grain.
 
-Each source is read like a single ``data.path`` (pretrain/lanes.py ``read_source``): loaded by the task with
+Each source is read like a single ``data.path`` (pretrain/sources.py ``read_source``): loaded by the task with
 the source's own ``format``/``text_field``/``split``, tokenized for this process's lanes only, split into the
 same lanes (every batch_size-th row of its own seeded order) and held out for eval (its ``eval_path``, else
 ``data.eval_fraction`` of it unless ``data.eval_path`` is set). Lane ``r`` is then grain's
@@ -24,22 +24,22 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from pretrain import distributed
+from zoo.batching import Document
+
 from pretrain.config import DataSource, TrainConfig, data_sources
 from pretrain.data import LaneBatches, fit_documents, mixed_lane_dataset
-from pretrain.lanes import RunData, SourceShare, _epoch_unit, read_source
-from pretrain.task import Document, Task
+from pretrain.sources import RunData, SourceShare, epoch_unit, read_source
+from pretrain.task import Task
 
 GLOBAL_EVAL = "eval"  # the name of data.eval_path's eval set in RunData.eval_sets
 
 
 def source_config(cfg: TrainConfig, src: DataSource) -> TrainConfig:
-    """``cfg`` as the task reads one source: its path, format, text_field, split and eval_path."""
-    d = cfg.data
-    return dataclasses.replace(cfg, data=dataclasses.replace(
-        d, path=src.path, format=d.format if src.format is None else src.format,
-        text_field=d.text_field if src.text_field is None else src.text_field,
-        split=d.split if src.split is None else src.split, eval_path=src.eval_path))
+    """``cfg`` as the task reads one source: its path and eval_path, and each other data key the source sets
+    (text_field, split, a task's own such as a format; unset ones keep their ``data.*`` value)."""
+    keys = {f.name for f in dataclasses.fields(src)} - {"path", "weight", "name", "eval_path"}
+    own = {k: getattr(src, k) for k in keys if getattr(src, k) is not None}
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=src.path, eval_path=src.eval_path, **own))
 
 
 def mixture_data(cfg: TrainConfig, task: Task, tokenizer: Any, vocab: int, mine: list[int], counted: list[int],
@@ -51,12 +51,11 @@ def mixture_data(cfg: TrainConfig, task: Task, tokenizer: Any, vocab: int, mine:
     shares: list[SourceShare] = []
     for i, src in enumerate(sources):
         scfg = source_config(cfg, src)
-        if hasattr(task, "too_long"):
-            task.too_long = set()  # row indices of this source only (DPO adds the pairs it cut)
+        task.too_long = set()  # row indices of this source only (a task that fits its own rows adds those it cut)
         shares.append(read_source(scfg, task, tokenizer, vocab, mine, counted, packing, f"data.path[{i}]",
                                   0.0 if d.eval_path else d.eval_fraction, seed=cfg.seed + i))
     # One epoch: a pass over all sources' training tokens (documents without packing); see the module docstring.
-    per_epoch = sum(s.per_epoch for s in shares) // _epoch_unit(cfg, packing)
+    per_epoch = sum(s.per_epoch for s in shares) // epoch_unit(cfg, packing)
     total = cfg.max_steps or max(1, per_epoch) * cfg.epochs
     mixed = [mixed_lane_dataset([s.lane_docs[r] for s in shares], weights, d.seq_len, cfg.seed * 1_000_003 + r,
                                 packing) for r in mine]
@@ -75,21 +74,3 @@ def mixture_data(cfg: TrainConfig, task: Task, tokenizer: Any, vocab: int, mine:
     eval_docs = [x for docs in eval_sets.values() for x in docs]
     return RunData(batches, mine, packing, sum(s.n_long for s in shares), eval_docs, total, skipped, sources,
                    eval_sets)
-
-
-def mixture_report(sources: list[DataSource], documents: list[int], tokens: list[int]) -> dict[str, dict[str, Any]]:
-    """{source name: {path, weight (normalized), documents, tokens, realized_fraction (of the documents),
-    token_fraction}} from this process's counts, summed over all processes (every process must call it)."""
-    documents = [distributed.total(int(x)) for x in documents]
-    tokens = [distributed.total(int(x)) for x in tokens]
-    wsum, dsum, tsum = sum(s.weight for s in sources), sum(documents), sum(tokens)
-    return {s.name: {"path": s.path, "weight": s.weight / wsum, "documents": n, "tokens": t,
-                     "realized_fraction": n / dsum if dsum else 0.0, "token_fraction": t / tsum if tsum else 0.0}
-            for s, n, t in zip(sources, documents, tokens)}
-
-
-def describe(report: dict[str, dict[str, Any]]) -> str:
-    """One line for the log: each source's realized share of the documents (and tokens) against its weight."""
-    return "data mixture: " + ", ".join(
-        f"{name} {r['realized_fraction']:.3f} of documents (weight {r['weight']:.3f}; {r['documents']} documents, "
-        f"{r['tokens']} tokens, {r['token_fraction']:.3f} of tokens)" for name, r in report.items())

@@ -15,14 +15,12 @@ from typing import Any
 
 import numpy as np
 
+from zoo.batching import Document, to_model_batch
 from zoo.errors import UserError
 
 from pretrain import distributed
 from pretrain.config import TrainConfig
-from pretrain.data import packed_batches, to_model_batch, tokens_of
-
-Document = np.ndarray | dict[str, np.ndarray]
-
+from pretrain.data import packed_batches, tokens_of
 
 def trained_targets(doc: Document, seq_len: int) -> int:
     """The targets ``doc`` trains once cut to a row of ``seq_len + 1`` tokens (plain ids: every target)."""
@@ -41,7 +39,7 @@ def untrainable(docs: Iterable[Document], seq_len: int,
                 trainable: Callable[[Document, int], bool] | None = None) -> tuple[int, int, list[int]]:
     """(examples, examples that train nothing once cut to a row, the full lengths of those) among ``docs``.
 
-    ``trainable(doc, seq_len)`` is the task's own test (DPO: both answers keep a token); by default an example is
+    ``trainable(doc, seq_len)`` is the task's own test (a pair: both answers keep a token); by default an example is
     trainable when it keeps a trained target.
     """
     trainable = trainable or keeps_a_target

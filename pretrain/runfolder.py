@@ -73,14 +73,14 @@ def _covered(key: str, names: Sequence[str]) -> bool:
     return any(key == n or key.startswith(n + ".") for n in names)
 
 
-def parse_changes(spec: Sequence[str] | str | None) -> list[str]:
-    """The keys (or sections) ``--resume-with-changes`` names: comma- or space-separated; each must be a config
-    key or section."""
+def parse_changes(spec: Sequence[str] | str | None, schema: type[TrainConfig] | None = None) -> list[str]:
+    """The keys (or sections) ``--resume-with-changes`` names: comma- or space-separated; each must be a key or
+    section of the config ``schema`` (default: :class:`TrainConfig`)."""
     if not spec:
         return []
     items = [spec] if isinstance(spec, str) else list(spec)
     names = [n.strip() for item in items for n in item.split(",") if n.strip()]
-    valid = config_keys()
+    valid = config_keys(schema)
     for n in names:
         if not any(k == n or k.startswith(n + ".") for k in valid):
             import difflib

@@ -9,7 +9,6 @@ however often the run was stopped, killed or resumed.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 import time
@@ -122,11 +121,3 @@ class RunLog:
         """Flush and close the files."""
         self.file.close()
         self.board.close()
-
-
-def is_terminal(stream: TextIO) -> bool:
-    """Whether ``stream`` is an interactive terminal (a bar can redraw itself there)."""
-    try:
-        return stream.isatty() and os.environ.get("TERM") != "dumb"
-    except (AttributeError, ValueError):
-        return False

@@ -7,12 +7,14 @@ from pathlib import Path
 
 import jax
 
-from zoo.checkpoint import TOKENIZER_DIR, load_params, read_config
+from zoo.checkpoint import read_config
 from zoo.config import ModelConfig
 from zoo.errors import UserError
+from zoo.loading import load_params
 from zoo.lora import LoraConfig, init_lora, lora_specs
 from zoo.params import init_params, nest, param_specs
 from zoo.sharding import named_sharding
+from zoo.tokenizer import holds_tokenizer, tokenizer_dir
 
 from pretrain.config import TrainConfig
 from pretrain.dtypes import DTYPES
@@ -41,10 +43,18 @@ def load_model(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> tuple[ModelConfig, 
 
 
 def tokenizer_folder(cfg: TrainConfig) -> Path:
-    """The run's tokenizer folder: ``model.tokenizer``, else the model checkpoint's own."""
+    """The run's tokenizer folder: ``model.tokenizer``, else the model checkpoint's own.
+
+    A folder without tokenizer files is a UserError here, naming the setting
+    that gives one (zoo.tokenizer.load_tokenizer reads the folder afterwards).
+    """
     if cfg.model.tokenizer or cfg.model.init == "random":
-        return Path(cfg.model.tokenizer or "")
-    return _resolve_checkpoint(cfg.model.path) / TOKENIZER_DIR
+        folder = Path(cfg.model.tokenizer or "")
+    else:
+        folder = tokenizer_dir(_resolve_checkpoint(cfg.model.path))
+    if not holds_tokenizer(folder):
+        raise UserError(f"no tokenizer in {folder}; set model.tokenizer to a tokenizer folder")
+    return folder
 
 
 def _resolve_checkpoint(path: str) -> Path:
@@ -52,41 +62,6 @@ def _resolve_checkpoint(path: str) -> Path:
     from zoo.paths import checkpoint_dir
 
     return checkpoint_dir(path, "model.path")
-
-
-def load_tokenizer(folder: Path):
-    """The transformers tokenizer in ``folder``, or a UserError saying how to give one."""
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    if not folder.is_dir() or not any((folder / n).is_file() for n in names):
-        raise UserError(f"no tokenizer in {folder}; set model.tokenizer to a tokenizer folder")
-    try:
-        generic = _generic_fast_tokenizer(folder)
-        if generic is not None:
-            return generic.from_pretrained(str(folder))
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(folder))
-    except (ValueError, OSError) as e:
-        raise UserError(f"tokenizer {folder} cannot be loaded ({str(e).splitlines()[0]})") from None
-
-
-def _generic_fast_tokenizer(folder: Path):
-    """transformers' generic fast-tokenizer class when ``folder``'s tokenizer_config.json names it, else None.
-
-    AutoTokenizer would resolve the name to this same class, but its module
-    imports the model configurations, and with them torch wherever torch is
-    installed: 0.25 GB of RSS in every training process, for nothing.
-    Model-specific classes (LlamaTokenizerFast, ...) still go through AutoTokenizer.
-    """
-    try:
-        name = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
-    except (OSError, ValueError, AttributeError):
-        return None
-    if name not in ("TokenizersBackend", "PreTrainedTokenizerFast") or not (folder / "tokenizer.json").is_file():
-        return None
-    from transformers.tokenization_utils_tokenizers import TokenizersBackend
-
-    return TokenizersBackend
 
 
 def lora_settings(cfg: TrainConfig, base: Path | None) -> LoraConfig | None:

@@ -18,7 +18,7 @@ from pretrain.task import PretrainTask, Task
 def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any, remat: str = "none",
               state_sharding: Any = None, batch_sharding: Any = None, task: Task | None = None,
               lora_scale: float | None = None, frozen_sharding: Any = None, lora_dropout: float = 0.0,
-              seed: int = 0, reference_sharding: Any = None):
+              seed: int = 0, frozen_inputs_sharding: Any = None):
     """(train step, eval fn): gradient accumulation over the leading micro-batch axis, one optimizer update.
 
     The task (default: pretraining's next-token loss) computes the loss sums of
@@ -34,40 +34,30 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any,
     micro-batch index alone, so a resumed run draws exactly the masks the
     uninterrupted run would have.
 
-    ``reference`` (the step's fourth argument, e.g. DPO's frozen reference
-    model, sharded as ``reference_sharding``) reaches the task's ``loss_sums``
-    as the keyword ``reference`` when it is not None; it is never
+    The task's frozen inputs (what its ``prepare`` returned: a reference
+    model, say; sharded as ``frozen_inputs_sharding``) come as the keyword
+    argument ``frozen_inputs`` and reach ``loss_sums`` under that name, never
     differentiated. A task may return ``(loss sum, count, extra sums)``: the
     extra sums (a dict) are accumulated like the loss and reported, divided by
     the count, under ``metrics["task"]``; an extra given as a (sum, count) pair
     is reported as its own ratio over the global batch (a token-weighted mean,
     say), see :func:`extra_means`. Evaluation returns the task's sums.
 
-    A task with a ``batch_totals(batch)`` method (DPO's RPO term) gets its
-    result, computed once on the whole global batch (every micro-batch, every
-    device; in evaluation, the eval batch), as the keyword ``totals`` of each
-    micro-batch's ``loss_sums``: counts a micro-batch cannot see by itself
-    (e.g. the global batch's chosen-answer tokens, to weigh a token mean
-    into the per-pair loss sums exactly whatever ``grad_accum`` and the mesh).
-
-    A task with ``reads_step = True`` gets the state's step (the number of
-    updates made so far) as the keyword ``step`` of ``loss_sums`` in the
-    train step (DPO: step 0's policy is its starting weights); evaluation
-    passes none.
+    The task's ``batch_totals(batch)``, computed once on the whole global batch
+    (every micro-batch, every device; in evaluation, the eval batch), reaches
+    each micro-batch's ``loss_sums`` as ``totals``: counts a micro-batch cannot
+    see by itself (e.g. the global batch's answer tokens, to weigh a token
+    mean into per-example loss sums exactly whatever ``grad_accum`` and the
+    mesh). A task with ``reads_step`` gets the state's step (the number of
+    updates made so far) as ``step`` in the train step; evaluation passes None.
     """
     task = task or PretrainTask()
     dropout = lora_scale is not None and lora_dropout > 0
-    batch_totals = getattr(task, "batch_totals", None)
-    reads_step = getattr(task, "reads_step", False)
 
-    def loss_sums(trainable: dict, mb: dict, frozen: Any, reference: Any = None,
+    def loss_sums(trainable: dict, mb: dict, frozen: Any, frozen_inputs: Any = None,
                   rng: jax.Array | None = None, totals: Any = None,
                   step_number: jax.Array | None = None) -> tuple[jax.Array, tuple]:
-        kw = {} if reference is None else {"reference": reference}
-        if totals is not None:
-            kw["totals"] = totals
-        if step_number is not None:
-            kw["step"] = step_number
+        kw = {"frozen_inputs": frozen_inputs, "totals": totals, "step": step_number}
         if lora_scale is None:
             return task.loss_sums(mcfg, trainable, mb, compute, remat, **kw)
         return task.loss_sums(mcfg, frozen, mb, compute, remat, lora=trainable, lora_scale=lora_scale,
@@ -80,31 +70,30 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any,
         key = jax.random.fold_in(jax.random.key(seed), step_number)
         return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(micro_batches))
 
-    def evaluate(params: dict, batch: dict, frozen: Any = None, reference: Any = None) -> tuple:
-        totals = batch_totals(batch) if batch_totals else None
-        return loss_sums(params, batch, frozen, reference, totals=totals)[1]
+    def evaluate(params: dict, batch: dict, frozen: Any = None, frozen_inputs: Any = None) -> tuple:
+        return loss_sums(params, batch, frozen, frozen_inputs, totals=task.batch_totals(batch))[1]
 
-    def step(state: dict, batch: dict, frozen: Any = None, reference: Any = None) -> tuple[dict, dict]:
+    def step(state: dict, batch: dict, frozen: Any = None, frozen_inputs: Any = None) -> tuple[dict, dict]:
         grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
-        totals = batch_totals(batch) if batch_totals else None  # over the global batch, not one micro-batch
-        number = state["step"] if reads_step else None
+        totals = task.batch_totals(batch)  # over the global batch, not one micro-batch
+        number = state["step"] if task.reads_step else None
 
         def micro(carry, xs):
             g_acc, sums_acc = carry
             mb, rng = xs
-            (_, sums), g = grad_fn(state["params"], mb, frozen, reference, rng, totals, number)
+            (_, sums), g = grad_fn(state["params"], mb, frozen, frozen_inputs, rng, totals, number)
             return (jax.tree.map(jnp.add, g_acc, g), jax.tree.map(jnp.add, sums_acc, sums)), None
 
         micro_batches = jax.tree.leaves(batch)[0].shape[0]
         rngs = dropout_rngs(state["step"], micro_batches)
         if micro_batches == 1:
             # No accumulation: skip the scan, whose gradient carry costs full-size copies.
-            (_, sums), g = grad_fn(state["params"], jax.tree.map(lambda x: x[0], batch), frozen, reference,
+            (_, sums), g = grad_fn(state["params"], jax.tree.map(lambda x: x[0], batch), frozen, frozen_inputs,
                                    None if rngs is None else rngs[0], totals, number)
         else:
             zeros = jax.tree.map(jnp.zeros_like, state["params"])
             shapes = jax.eval_shape(lambda: loss_sums(state["params"], jax.tree.map(lambda x: x[0], batch), frozen,
-                                                      reference, None if rngs is None else rngs[0], totals,
+                                                      frozen_inputs, None if rngs is None else rngs[0], totals,
                                                       number)[1])
             sums0 = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
             (g, sums), _ = jax.lax.scan(micro, (zeros, sums0), (batch, rngs))
@@ -122,12 +111,13 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any,
         return compile_then_trim(jax.jit(step, donate_argnums=0)), compile_then_trim(jax.jit(evaluate))
     replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
     step_jit = compile_then_trim(jax.jit(
-        step, donate_argnums=0, in_shardings=(state_sharding, batch_sharding, frozen_sharding, reference_sharding),
+        step, donate_argnums=0,
+        in_shardings=(state_sharding, batch_sharding, frozen_sharding, frozen_inputs_sharding),
         out_shardings=(state_sharding, replicated)))
 
-    def sharded_step(state: dict, batch: dict, frozen: Any = None, reference: Any = None) -> tuple[dict, dict]:
+    def sharded_step(state: dict, batch: dict, frozen: Any = None, *, frozen_inputs: Any = None) -> tuple[dict, dict]:
         # jit's in_shardings name every positional argument: fill in the optional ones.
-        return step_jit(state, batch, frozen, reference)
+        return step_jit(state, batch, frozen, frozen_inputs)
 
     return sharded_step, compile_then_trim(jax.jit(evaluate, out_shardings=replicated))
 
@@ -139,9 +129,9 @@ def extra_means(sums: dict, n: Any) -> dict:
 
 
 # XLA:CPU's memory-optimized instruction scheduler: the default (concurrency-optimized) one starts independent
-# work early, so more of a step's temporaries are alive at once. Measured on SmolLM2-135M, remat full: the LoRA
-# SFT step's temporaries 0.59 -> 0.55 GiB, full fine-tuning's 1.07 -> 1.03, the LoRA DPO step's 0.91 -> 0.82
-# (8 pairs of 768 tokens), with step times the same within the machine's noise.
+# work early, so more of a step's temporaries are alive at once. Measured on SmolLM2-135M, remat full: a LoRA
+# fine-tuning step's temporaries 0.59 -> 0.55 GiB, full fine-tuning's 1.07 -> 1.03, a LoRA preference step's
+# 0.91 -> 0.82 (8 pairs of 768 tokens), with step times the same within the machine's noise.
 CPU_COMPILER_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
 
 

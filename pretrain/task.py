@@ -1,27 +1,29 @@
 """What a training run trains for: a task turns dataset rows into token documents and computes loss sums.
 
-The loop (pretrain/trainer.py) never learns which task it runs. Pretraining is
-the simplest task: every token of a text document is a target. SFT (loss masks)
-and DPO (pair losses) plug in the same two seams.
+The loop (pretrain/trainer.py) never learns which task it runs. :class:`Task`
+is the seam: two required methods (rows -> documents, (params, batch) -> loss
+sums) and optional hooks with no-op defaults. Pretraining is the simplest task:
+every token of a text document is a target. A task also names its config
+schema (``config_class``: :class:`pretrain.config.TrainConfig` or a subclass
+with its own section and data keys), so the config system composes it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar
 
 import jax
-import numpy as np
 
+from zoo.batching import Document
 from zoo.config import ModelConfig
+from zoo.datafiles import load_rows
 from zoo.loss import next_token_nll_sum
 from zoo.model import forward, stored_head
 
 from pretrain.config import TrainConfig
-from pretrain.data import load_rows, tokenize_rows
-
-# A document: int32 token ids, or {"tokens": ids, "loss_mask": bool per token} when only some are targets.
-Document = np.ndarray | dict[str, np.ndarray]
+from pretrain.data import tokenize_rows
+from pretrain.preflight import keeps_a_target
 
 
 @dataclass
@@ -35,44 +37,67 @@ class RowSource:
         return len(self.ds)
 
 
-class Task(Protocol):
-    """The two seams of the shared loop (rows -> documents, (params, batch) -> loss sums).
+class Task:
+    """The seams of the shared loop; subclasses implement :meth:`load`, :meth:`documents` and :meth:`loss_sums`.
 
-    Optional extras a task may have (DPO uses them; pretraining and SFT do not):
+    The optional hooks have no-op defaults, so the loop calls them on every task:
 
-    * ``prepare(cfg, mcfg, params, mesh, tokenizer)``, called once after the model
-      loads (``params``: the starting weights, the base with LoRA), returns
-      params the step passes to ``loss_sums`` as the keyword ``reference``
-      (never differentiated), or None;
-    * ``loss_sums`` returning ``(objective, (loss sum, count, {name: sum}))``:
-      the named sums are accumulated like the loss and logged divided by the
-      count (eval: with an ``eval_`` prefix); a ``(sum, count)`` pair in place of
-      a sum is logged as its own ratio (e.g. a mean over tokens, not pairs);
-    * ``batch_totals(batch)``: counts over the whole global batch (any leading
-      axes; every micro-batch and device), passed to each micro-batch's
-      ``loss_sums`` as the keyword ``totals`` (DPO: the chosen-answer tokens
-      its RPO term's token mean divides by);
-    * ``too_long``: the row indices the task cut or dropped to fit its own rows
-      (reported like ``data.long_examples``).
+    * :meth:`prepare`, called once after the model loads, returns the task's
+      *frozen inputs* (a reference model's params, say): the train and eval
+      steps pass them to :meth:`loss_sums` as the keyword ``frozen_inputs``,
+      never differentiated;
+    * :meth:`batch_totals` gives counts over the whole global batch, passed to
+      each micro-batch's :meth:`loss_sums` as ``totals``;
+    * :meth:`trainable` says whether a document (cut to a row) trains anything;
+    * ``too_long`` collects the row indices the task cut or dropped to fit its
+      own rows (reported like ``data.long_examples``);
+    * ``reads_step``: the train step passes its optimizer step as ``step``;
+    * ``key_metrics``: the task's metrics a plain log line shows beside the loss.
     """
 
-    method: str  # recorded in the final checkpoint's training provenance
-    packing: str  # how documents become rows when data.packing is on: "concat" or "best_fit" (pretrain.data)
+    method: ClassVar[str] = "pretrain"  # recorded in the final checkpoint's training provenance
+    packing: ClassVar[str] = "concat"  # how documents become rows with data.packing on: "concat" or "best_fit"
+    config_class: ClassVar[type[TrainConfig]] = TrainConfig  # the config schema the task reads
+    reads_step: ClassVar[bool] = False
+    key_metrics: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, cfg: TrainConfig | None = None):
+        self.too_long: set[int] = set()
 
     def load(self, path: str, cfg: TrainConfig) -> RowSource:
         """The rows of a local file/folder or Hub dataset."""
-        ...
+        raise NotImplementedError
 
     def documents(self, rows: RowSource, tokenizer: Any, path: str, skip_bad: bool,
                   indices: list[int] | None = None) -> tuple[dict[int, Document], int]:
         """(documents by row index, number of bad rows skipped) for the rows at ``indices`` (default all)."""
-        ...
+        raise NotImplementedError
 
-    def loss_sums(self, mcfg: ModelConfig, params: dict, mb: dict, compute: Any, remat: str,
-                  **forward_kwargs: Any) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        """(objective to differentiate, (loss sum, target count)) of one micro-batch; ``forward_kwargs``
-        (LoRA adapters, scale, dropout rate and key) go to the model's forward pass."""
-        ...
+    def loss_sums(self, mcfg: ModelConfig, params: dict, mb: dict, compute: Any, remat: str, *,
+                  frozen_inputs: Any = None, totals: Any = None, step: jax.Array | None = None,
+                  **forward_kwargs: Any) -> tuple[jax.Array, tuple]:
+        """(objective to differentiate, (loss sum, target count[, {name: extra sum}])) of one micro-batch.
+
+        ``forward_kwargs`` (LoRA adapters, scale, dropout rate and key) go to
+        the model's forward pass. The named extra sums are accumulated like the
+        loss and logged divided by the count (eval: with an ``eval_`` prefix); a
+        ``(sum, count)`` pair in place of a sum is logged as its own ratio.
+        """
+        raise NotImplementedError
+
+    def prepare(self, cfg: TrainConfig, mcfg: ModelConfig, params: dict, mesh: jax.sharding.Mesh,
+                tokenizer: Any) -> Any:
+        """Set up before training (``params``: the starting weights, the base with LoRA); returns the frozen
+        inputs the step passes to :meth:`loss_sums`, or None (the default: nothing)."""
+        return None
+
+    def batch_totals(self, batch: dict) -> Any:
+        """Counts over the whole global batch (any leading axes) that one micro-batch cannot see; None by default."""
+        return None
+
+    def trainable(self, doc: Document, seq_len: int) -> bool:
+        """Whether ``doc``, cut to a row of ``seq_len + 1`` tokens, trains anything (default: keeps a target)."""
+        return keeps_a_target(doc, seq_len)
 
 
 def next_token_loss_sums(mcfg: ModelConfig, params: dict, mb: dict, compute: Any, remat: str,
@@ -97,11 +122,8 @@ def next_token_loss_sums(mcfg: ModelConfig, params: dict, mb: dict, compute: Any
     return total, (s, n)
 
 
-class PretrainTask:
+class PretrainTask(Task):
     """Continued pretraining: plain text, every token a target."""
-
-    method = "pretrain"
-    packing = "concat"  # documents may be cut across rows: no padding at all
 
     def load(self, path: str, cfg: TrainConfig) -> RowSource:
         """The rows of ``path`` and its text column (``data.text_field``)."""
@@ -113,7 +135,8 @@ class PretrainTask:
         """Token ids (+ EOS) of each text row."""
         return tokenize_rows(rows.ds, rows.field, tokenizer, path, skip_bad, indices)
 
-    def loss_sums(self, mcfg: ModelConfig, params: dict, mb: dict, compute: Any, remat: str,
+    def loss_sums(self, mcfg: ModelConfig, params: dict, mb: dict, compute: Any, remat: str, *,
+                  frozen_inputs: Any = None, totals: Any = None, step: jax.Array | None = None,
                   **forward_kwargs: Any) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """Next-token cross-entropy over every target."""
         return next_token_loss_sums(mcfg, params, mb, compute, remat, **forward_kwargs)

@@ -1,6 +1,6 @@
 """The one training loop: config -> mesh -> data -> jitted, sharded train step -> checkpoints -> metrics.
 
-A task (pretrain/task.py: pretraining, SFT, DPO) plugs in how rows become
+A task (pretrain/task.py; pretraining is the simplest) plugs in how rows become
 documents and how a micro-batch's loss sums are computed; the loop never
 learns which one it runs. The loss is normalized by the number of target
 tokens in the whole global batch, so ``grad_accum`` and how the batch is
@@ -22,21 +22,24 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
+from zoo.console import is_terminal
 from zoo.errors import UserError
+from zoo.batching import replicated_batch, to_model_batch
 from zoo.lora import lora_scale
 from zoo.sharding import make_mesh
+from zoo.tokenizer import load_tokenizer
 
 from pretrain import distributed, preflight, runfolder, runlog
 from pretrain.config import TrainConfig, to_yaml
-from pretrain.data import packed_batches, to_model_batch
+from pretrain.data import packed_batches
 from pretrain.dtypes import DTYPES
 from pretrain.final import write_final
 from pretrain.flops import flops_per_token, peak_flops
-from pretrain.mixture import describe as describe_mixture
-from pretrain.lanes import check_same_processes, global_batch, replicated_batch, run_data
+from pretrain.sources import describe as describe_mixture
+from pretrain.lanes import check_same_processes, global_batch, run_data
 from pretrain.optim import build_optimizer, lr_schedule
 from pretrain.eval_tasks import TrainingEval
-from pretrain.setup import init_adapters, load_model, load_tokenizer, lora_settings
+from pretrain.setup import init_adapters, load_model, lora_settings
 from pretrain.step import extra_means, init_state, make_step
 from pretrain.task import PretrainTask, Task
 
@@ -58,7 +61,7 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
 
     out = Path(cfg.output_dir).absolute()
     primary = distributed.is_primary()
-    allowed = runfolder.parse_changes(resume_with_changes)
+    allowed = runfolder.parse_changes(resume_with_changes, type(cfg))
     if fresh:
         moved = runfolder.move_aside(out) if primary else None
         distributed.sync("lmzoo-fresh")
@@ -86,12 +89,12 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
     micro = cfg.batch_size // cfg.grad_accum
     if micro % shards:
         raise UserError(f"batch_size/grad_accum = {micro} sequences must divide over data x fsdp = {shards} devices")
-    task = task or PretrainTask()
+    task = task or PretrainTask(cfg)
     mcfg, params, src_ckpt, tok_dir = load_model(cfg, mesh)
     tokenizer = load_tokenizer(tok_dir)
-    # A task may need a model of its own beside the trained one (DPO's reference), or a pass with the
-    # starting weights before training (DPO's precomputed reference log-probabilities).
-    reference = task.prepare(cfg, mcfg, params, mesh, tokenizer) if hasattr(task, "prepare") else None
+    # A task may need inputs of its own beside the trained weights (a reference model), or a pass with the
+    # starting weights before training (reference log-probabilities computed once).
+    frozen_inputs = task.prepare(cfg, mcfg, params, mesh, tokenizer)
     batch_shape = (cfg.grad_accum, micro, cfg.data.seq_len)
     batch_sharding = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"), None))
     data = run_data(cfg, task, tokenizer, mcfg.vocab_size, batch_sharding, micro)
@@ -125,7 +128,7 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
                                  task, lora_scale(lora_cfg) if lora_cfg else None,
                                  jax.tree.map(lambda x: x.sharding, frozen),
                                  lora_dropout=lora_cfg.dropout if lora_cfg else 0.0, seed=cfg.seed,
-                                 reference_sharding=jax.tree.map(lambda x: x.sharding, reference))
+                                 frozen_inputs_sharding=jax.tree.map(lambda x: x.sharding, frozen_inputs))
     scored = TrainingEval(cfg, mcfg, tokenizer, lora_cfg)
     peak = peak_flops(cfg)
     step_flops = flops_per_token(mcfg, cfg.data.seq_len) * cfg.batch_size * cfg.data.seq_len
@@ -164,8 +167,8 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
     if primary:
         (out / runfolder.CONFIG_FILE).write_text(to_yaml(cfg))
 
-    bar_wanted = runlog.is_terminal(sys.stdout) if progress is None else progress
-    log = runlog.RunLog(out, start, total, not bar_wanted, getattr(task, "key_metrics", None),
+    bar_wanted = is_terminal(sys.stdout) if progress is None else progress
+    log = runlog.RunLog(out, start, total, not bar_wanted, list(task.key_metrics) or None,
                         summary_writer()) if primary else None
     bar = tqdm(total=total, initial=start, desc="train", unit="step", disable=not (primary and bar_wanted))
     seen = start * cfg.batch_size * cfg.data.seq_len
@@ -181,7 +184,7 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
                                 f"checkpoint saved in {out}, run the same command to resume")
             t0 = time.perf_counter()
             b = global_batch(to_model_batch(next(data.batches)), data.rows, batch_sharding, batch_shape)
-            state, m = step_fn(state, b, frozen, reference)
+            state, m = step_fn(state, b, frozen, frozen_inputs=frozen_inputs)
             loss = float(m["loss"])
             if not np.isfinite(loss):
                 raise UserError(f"loss became {loss} at step {step + 1}; the last good checkpoint is kept in {out}")
@@ -194,7 +197,7 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
                     **{k: float(v) for k, v in m["task"].items()}}
             if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == total):
                 if data.eval_docs:
-                    score = partial(eval_fn, frozen=frozen, reference=reference)
+                    score = partial(eval_fn, frozen=frozen, frozen_inputs=frozen_inputs)
                     last.update(_eval_loss(score, state["params"], data.eval_docs, cfg, micro, mesh, data.packing))
                     for name, docs in eval_sets.items():
                         one = _eval_loss(score, state["params"], docs, cfg, micro, mesh, data.packing)

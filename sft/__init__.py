@@ -1,1 +1,1 @@
-"""lmzoo sft (planned; see the open issues)."""
+"""lmzoo sft: supervised fine-tuning (full or LoRA) on the shared loop: example formats, chat templates, loss masks."""

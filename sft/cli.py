@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from pretrain import distributed
 from pretrain.cli import add_run_flags, train_command
-from zoo.cli import run_cli
+from zoo.console import run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,8 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _inspect(cfg, n: int, color: bool) -> None:
     from pretrain.config import data_sources
     from pretrain.mixture import source_config
-    from pretrain.setup import load_tokenizer, tokenizer_folder
+    from pretrain.setup import tokenizer_folder
     from sft.task import SFTTask
+    from zoo.tokenizer import load_tokenizer
 
     task = SFTTask(cfg)
     tokenizer = load_tokenizer(tokenizer_folder(cfg))
@@ -47,7 +48,7 @@ def _inspect(cfg, n: int, color: bool) -> None:
 
 
 def _inspect_source(task, cfg, tokenizer, n: int, color: bool) -> None:
-    from pretrain.data import row_where
+    from zoo.row_origin import row_where
     from sft.masks import render_mask
 
     rows = task.load(cfg.data.path, cfg)
@@ -82,14 +83,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     def body() -> None:
         if args.command == "inspect":
             from pretrain.config import load_config
+            from sft.config import SFTConfig
 
-            _inspect(load_config(args.config, list(args.overrides)), args.n, not args.no_color)
+            _inspect(load_config(args.config, list(args.overrides), SFTConfig), args.n, not args.no_color)
             return
 
-        def sft_task(cfg):
-            from sft.task import SFTTask
+        def sft_task() -> type:
+            from sft.task import SFTTask  # jax and the model only once a command runs: --help stays fast
 
-            return SFTTask(cfg)
+            return SFTTask
 
         train_command(args, sft_task)
 

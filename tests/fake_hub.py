@@ -153,7 +153,9 @@ class FakeHub:
         self._server.daemon_threads = True
         host, port = self._server.server_address[:2]
         self._url = f"http://{host}:{port}"
-        self._thread = threading.Thread(target=self._server.serve_forever, name="fake-hub", daemon=True)
+        # serve_forever notices shutdown() only between polls (every 0.5 s by default): stopping waits for one.
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.02},
+                                        name="fake-hub", daemon=True)
         self._thread.start()
         return self
 

@@ -18,11 +18,12 @@ import pytest
 from pretrain.config import TrainConfig
 from pretrain.final import write_final
 from zoo.adapter import base_checkpoint
-from zoo.checkpoint import MODEL_FILE, CheckpointWriter, load_params, read_meta, save_params
+from zoo.checkpoint import MODEL_FILE, CheckpointWriter, read_meta, save_params
 from zoo.cli import main
 from zoo.config import ModelConfig
 from zoo.errors import UserError
 from zoo.lora import LoraConfig, lora_specs
+from zoo.loading import load_params
 from zoo.params import flatten, nest, param_specs
 
 CFG = ModelConfig(family="llama", vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2,

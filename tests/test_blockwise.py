@@ -12,9 +12,10 @@ import pytest
 
 from flax import nnx
 
+from zoo.blocks import ACTIVATIONS, dense, glu_down, normed_dense, rms_norm
 from zoo.blockwise import blockwise_attention, key_ranges
 from zoo.config import ModelConfig
-from zoo.layers import ACTIVATIONS, attention_mask, dense, glu_down, normed_dense, rms_norm
+from zoo.masks import attention_mask
 from zoo.model import Decoder, forward
 
 

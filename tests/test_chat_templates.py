@@ -85,15 +85,10 @@ ANSWERS = ["Answerone beryl reply.", "Answertwo coral reply."]
 
 
 @pytest.fixture(scope="module")
-def tokenizers(tmp_path_factory):
+def tokenizers(smollm2_tokenizer):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    from convert.source import open_source
-    from zoo.cli import smollm2_gguf
-
-    folder = tmp_path_factory.mktemp("smollm2_tok")
-    open_source(str(smollm2_gguf())).save_tokenizer(folder)
-    return {"bytes": lambda: AutoTokenizer.from_pretrained(str(folder)),
+    return {"bytes": lambda: AutoTokenizer.from_pretrained(str(smollm2_tokenizer)),
             "sentencepiece": lambda: _sentencepiece(PreTrainedTokenizerFast)}
 
 
@@ -355,21 +350,23 @@ def test_the_template_files_are_the_published_ones():
 
 def test_bad_template_kwargs_and_date_are_config_errors(tmp_path):
     from pretrain.config import load_config
+    from sft.config import SFTConfig
     from sft.task import chat_template_of
 
     f = tmp_path / "d.jsonl"
     f.write_text(json.dumps({"messages": CONVERSATION}) + "\n")
     base = [f"data.path={f}", "model=x", "max_steps=1"]
     with pytest.raises(UserError, match="data.template_kwargs must be a mapping"):
-        load_config(None, base + ["data.template_kwargs=3"])
-    cfg = load_config(None, base + ["data.template_kwargs.enable_thinking=false", "data.template_date=2025-01-02"])
+        load_config(None, base + ["data.template_kwargs=3"], SFTConfig)
+    cfg = load_config(None, base + ["data.template_kwargs.enable_thinking=false", "data.template_date=2025-01-02"],
+                      SFTConfig)
     assert chat_template_of(cfg) == ChatTemplate(kwargs={"enable_thinking": False}, date="2025-01-02")
     with pytest.raises(UserError, match="data.template_date '2025-13-40' is not a date"):
-        chat_template_of(load_config(None, base + ["data.template_date=2025-13-40"]))
+        chat_template_of(load_config(None, base + ["data.template_date=2025-13-40"], SFTConfig))
     with pytest.raises(UserError, match=r"data.chat_template .*nope.jinja: no such file"):
-        chat_template_of(load_config(None, base + [f"data.chat_template={tmp_path / 'nope.jinja'}"]))
+        chat_template_of(load_config(None, base + [f"data.chat_template={tmp_path / 'nope.jinja'}"], SFTConfig))
     (tmp_path / "t.jinja").write_text("{{ messages }}")
-    named = chat_template_of(load_config(None, base + [f"data.chat_template={tmp_path / 't.jinja'}"]))
+    named = chat_template_of(load_config(None, base + [f"data.chat_template={tmp_path / 't.jinja'}"], SFTConfig))
     assert named.source == "{{ messages }}" and named.name.startswith("data.chat_template ")
     with pytest.raises(BadRow):
         normalize({"messages": [{"role": "assistant", "content": "x", "reasoning_content": 3}]}, "messages")

@@ -111,23 +111,9 @@ def test_sampling_is_reproducible(tiny):
     assert nucleus == run(temperature=1.0, top_p=0.9, top_k=20, seed=0) and all(len(r) == 16 for r in nucleus)
 
 
-# --- the real SmolLM2-135M-Instruct --------------------------------------------------------------
+# --- the real SmolLM2-135M-Instruct (conftest.py's session fixture `smollm2`: converted once per run) ----------
 
 CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
-
-
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from zoo.cli import smollm2_gguf
-
-    gguf = smollm2_gguf()
-    out = tmp_path_factory.mktemp("smol") / "zoo"
-    assert main(["convert", str(gguf), "--out", str(out)]) == 0
-    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
-    return out, hf, tok
 
 
 def test_smollm2_greedy_equals_transformers_generate(smollm2):

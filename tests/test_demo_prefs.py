@@ -1,4 +1,4 @@
-"""The DPO demo's shipped preference pairs (zoo/demo/prefs_*.jsonl) and the demo's DPO stage wiring (no model)."""
+"""The DPO demo's shipped preference pairs (demo/data/prefs_*.jsonl) and the demo's DPO stage wiring (no model)."""
 
 import importlib.util
 import json
@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DEMO = ROOT / "zoo" / "demo"
+DEMO = ROOT / "demo" / "data"
 RECORD = re.compile(r"name: (\w+) \| age: (\d+) \| city: (\w+)")
 
 
@@ -24,10 +24,10 @@ def _make_prefs():
 def test_shipped_pairs_are_what_make_prefs_writes(tmp_path, monkeypatch):
     mod = _make_prefs()
     monkeypatch.setattr(mod, "ROOT", tmp_path)
-    (tmp_path / "zoo" / "demo").mkdir(parents=True)
+    (tmp_path / "demo" / "data").mkdir(parents=True)
     mod.main()
     for name in ("prefs_train.jsonl", "prefs_eval.jsonl"):
-        assert (tmp_path / "zoo" / "demo" / name).read_text() == (DEMO / name).read_text(), name
+        assert (tmp_path / "demo" / "data" / name).read_text() == (DEMO / name).read_text(), name
 
 
 def test_pairs_are_checkable_and_held_out():
@@ -54,7 +54,7 @@ def test_pairs_are_checkable_and_held_out():
 
 
 def test_demo_dpo_config():
-    from sft.demo import DemoOptions, _dpo_config
+    from demo.job import DemoOptions, _dpo_config
 
     opts = DemoOptions(ckpt=Path("/nonexistent/ckpt"), out=Path("/tmp/out"), dpo_steps=5)
     cfg = _dpo_config(opts, Path("/tmp/out/run/final"))

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
@@ -16,13 +15,14 @@ import pytest
 import zoo
 from dpo.cli import main as dpo_main
 from dpo.task import DPOTask
+from dpo.config import DPOConfig
 from pretrain.config import load_config
 from pretrain.trainer import train
-from tests.tiny import hf_logits, log_softmax, make_llama
+from tests.tiny import SMOLLM2_TINY, copy_smollm2_tiny, hf_logits, log_softmax, make_llama
 from zoo.cli import main as zoo_main
 
 COLORS = "red blue green yellow black white".split()
-SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+SMALL = SMOLLM2_TINY  # the policy is the session's tiny SmolLM2-vocabulary Llama (seed 0)
 
 
 def _pairs(n: int, seed: int = 0) -> list[dict]:
@@ -40,11 +40,10 @@ def _write(path, rows):
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def setup(tmp_path_factory, smollm2_tiny):
+    import shutil
 
-    from convert.source import open_source
-    from zoo.cli import smollm2_gguf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # Built once per session (tests/test_dpo_trl_exact.py imports this fixture): a second module reloads them.
     root = tmp_path_factory.getbasetemp() / "dpo_models"
@@ -53,13 +52,13 @@ def setup(tmp_path_factory):
         models = {name: AutoModelForCausalLM.from_pretrained(root / f"hf_{name}", attn_implementation="eager").eval()
                   for name in ("policy", "reference")}
         return root, tok, models
-    root.mkdir()
-    open_source(str(smollm2_gguf())).save_tokenizer(root / "tok")
-    tok = AutoTokenizer.from_pretrained(str(root / "tok"))
-    models = {}
-    for name, seed in (("policy", 0), ("reference", 1)):
-        models[name] = make_llama(root / f"hf_{name}", seed=seed, vocab_size=len(tok), **SMALL)
-        assert zoo_main(["convert", str(root / f"hf_{name}"), "--out", str(root / name)]) == 0
+    # The policy: the session's tiny model (make_llama, seed 0); the reference: the same shapes, seed 1.
+    tok = copy_smollm2_tiny(smollm2_tiny, root, names=("tok",))
+    shutil.copytree(smollm2_tiny / "hf", root / "hf_policy")
+    shutil.copytree(smollm2_tiny / "zoo", root / "policy")
+    models = {"policy": AutoModelForCausalLM.from_pretrained(root / "hf_policy", attn_implementation="eager").eval(),
+              "reference": make_llama(root / "hf_reference", seed=1, vocab_size=len(tok), **SMALL)}
+    assert zoo_main(["convert", str(root / "hf_reference"), "--out", str(root / "reference")]) == 0
     _write(root / "four.jsonl", _pairs(4))
     _write(root / "prefs.jsonl", _pairs(96, seed=1))
     (root / "built").touch()
@@ -70,7 +69,7 @@ def _cfg(root, out, *overrides, data="prefs.jsonl"):
     return load_config(None, [f"model.path={root / 'policy'}", f"model.tokenizer={root / 'tok'}",
                               f"data.path={root / data}", "data.seq_len=32", "batch_size=4",
                               "schedule.name=constant", "log_every=1", "checkpoint.every=100",
-                              f"output_dir={out}", *overrides])
+                              f"output_dir={out}", *overrides], DPOConfig)
 
 
 def _metrics(out) -> list[dict]:
@@ -186,9 +185,14 @@ def test_step_one_logps_and_logits_are_trl_means(setup, tmp_path):
 
 
 LORA = ("lora.rank=8", "lora.alpha=16")
+LORA_SGD = ("optimizer.name=sgd", "optimizer.learning_rate=0.5", *LORA)  # updates proportional to the gradients
 
 
-def test_lora_base_reference_starts_at_log2_with_one_copy_of_the_base(setup, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def lora_base_run(setup, tmp_path_factory):
+    """2 LoRA steps (LORA_SGD) against the base as the reference (the default for LoRA), trained once, counting
+    after each step the live arrays of the base's embed or lm_head shape. The live-reference trajectory that the
+    precomputed reference must reproduce. Returns (run folder, counts)."""
     import pretrain.trainer as trainer
 
     root, tok, _ = setup
@@ -198,18 +202,24 @@ def test_lora_base_reference_starts_at_log2_with_one_copy_of_the_base(setup, tmp
     def spy(*args, **kwargs):
         step, evaluate = real(*args, **kwargs)
 
-        def counted(*a):
-            out = jax.block_until_ready(step(*a))
+        def counted(*a, **kw):
+            out = jax.block_until_ready(step(*a, **kw))
             gc.collect()
             copies.append(sum(tuple(x.shape) in shapes for x in jax.live_arrays()))
             return out
 
         return counted, evaluate
 
-    monkeypatch.setattr(trainer, "make_step", spy)
-    out = tmp_path / "run"
-    cfg = _cfg(root, out, "max_steps=2", *LORA)
-    train(cfg, progress=False, task=DPOTask(cfg))
+    out = tmp_path_factory.mktemp("dpo_lora") / "run"
+    cfg = _cfg(root, out, "max_steps=2", *LORA_SGD)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trainer, "make_step", spy)
+        train(cfg, progress=False, task=DPOTask(cfg))
+    return out, copies
+
+
+def test_lora_base_reference_starts_at_log2_with_one_copy_of_the_base(lora_base_run):
+    out, copies = lora_base_run
     recs = _metrics(out)
     assert abs(recs[0]["loss"] - math.log(2)) < 1e-6 and abs(recs[0]["rewards/margins"]) < 1e-6
     assert recs[1]["loss"] != recs[0]["loss"]  # the adapters moved
@@ -225,13 +235,12 @@ def test_full_fine_tuning_needs_a_reference(setup, tmp_path, capsys):
     assert len(err) == 1 and "needs a reference model" in err[0] and "dpo.reference" in err[0]
 
 
-def test_precomputed_reference_equals_live_and_is_cached(setup, tmp_path, monkeypatch, capsys):
+def test_precomputed_reference_equals_live_and_is_cached(setup, lora_base_run, tmp_path, monkeypatch, capsys):
     import dpo.task
 
     root, _, _ = setup
-    common = ("optimizer.name=sgd", "optimizer.learning_rate=0.5", *LORA)
-    live = _cfg(root, tmp_path / "live", "max_steps=2", *common)
-    train(live, progress=False, task=DPOTask(live))
+    common = LORA_SGD
+    live_out, _ = lora_base_run  # the same 2 steps with the live base reference
     real, calls = dpo.task.compute_reference_logps, []
     real_cached, keyed = dpo.task.cached_reference_logps, []
 
@@ -252,7 +261,7 @@ def test_precomputed_reference_equals_live_and_is_cached(setup, tmp_path, monkey
     assert calls == [1] and "cache miss" in capsys.readouterr().err
     assert len(list((out / "reference_logps").glob("*.npz"))) == 1
     assert keyed == [("float32", {"source": None, "kwargs": {}, "date": "2024-07-26"})]
-    a, b = _metrics(tmp_path / "live"), _metrics(out)
+    a, b = _metrics(live_out), _metrics(out)
     for k in ("loss", "rewards/chosen", "rewards/rejected", "logps/chosen"):
         np.testing.assert_allclose([r[k] for r in b], [r[k] for r in a], rtol=1e-5, atol=1e-7, err_msg=k)
     # A rerun (here: resuming for one more step) reads the cache and never runs the reference pass.
@@ -280,17 +289,52 @@ def test_training_on_preferences_drives_accuracy_up(setup, tmp_path):
     assert zoo_main(["plot", str(out)]) == 0 and (out / "curves.png").is_file()
 
 
-def test_grad_accum_2_equals_one_batch_twice_as_large(setup, tmp_path):
+def _sgd(root):
+    """Full fine-tuning with plain SGD (updates proportional to the gradients) against the checkpoint reference."""
+    return ["max_steps=3", "batch_size=8", "optimizer.name=sgd", "optimizer.learning_rate=0.5",
+            f"dpo.reference={root / 'reference'}"]
+
+
+@pytest.fixture(scope="module")
+def sgd_run(setup, tmp_path_factory):
+    """The reference trajectory, trained once (:func:`_sgd`, one device, no accumulation): grad_accum 2 and the
+    8-device meshes must follow it. Returns (run folder, final checkpoint)."""
     root, _, _ = setup
-    sgd = ("max_steps=2", "optimizer.name=sgd", "optimizer.learning_rate=0.5", f"dpo.reference={root / 'reference'}")
-    a = _cfg(root, tmp_path / "a", *sgd, "grad_accum=1")
-    b = _cfg(root, tmp_path / "b", *sgd, "grad_accum=2")
-    fa, fb = train(a, progress=False, task=DPOTask(a)), train(b, progress=False, task=DPOTask(b))
-    ma, mb = _metrics(tmp_path / "a"), _metrics(tmp_path / "b")
+    out = tmp_path_factory.mktemp("dpo_sgd") / "run"
+    cfg = _cfg(root, out, *_sgd(root))
+    return out, train(cfg, progress=False, task=DPOTask(cfg))
+
+
+def test_grad_accum_2_equals_one_batch_twice_as_large(setup, sgd_run, tmp_path):
+    root, _, _ = setup
+    a_out, fa = sgd_run  # grad_accum 1
+    b = _cfg(root, tmp_path / "b", *_sgd(root), "grad_accum=2")
+    fb = train(b, progress=False, task=DPOTask(b))
+    ma, mb = _metrics(a_out), _metrics(tmp_path / "b")
     for k in ("loss", "rewards/chosen", "rewards/accuracies", "logits/chosen"):
         np.testing.assert_allclose([r[k] for r in mb], [r[k] for r in ma], rtol=1e-5, atol=1e-7, err_msg=k)
     for x, y in zip(jax.tree.leaves(zoo.load_params(fa)), jax.tree.leaves(zoo.load_params(fb))):
         np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-5)
+
+
+# `dpo train ARGS` that SIGKILLs itself once the checkpoint of step ARGV[1] is complete on disk (orbax saves
+# asynchronously: it waits for that one first), as `kill -9` from outside would, but exactly then (no polling).
+KILL_AFTER_CHECKPOINT = r"""
+import os, signal, sys
+import orbax.checkpoint as ocp
+at, real = int(sys.argv[1]), ocp.CheckpointManager.save
+
+def save(self, step, *a, **k):
+    saved = real(self, step, *a, **k)
+    if saved and step == at:
+        self.wait_until_finished()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return saved
+
+ocp.CheckpointManager.save = save
+from dpo.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
 
 
 def test_kill_9_and_resume_is_bit_identical(setup, tmp_path):
@@ -303,14 +347,10 @@ def test_kill_9_and_resume_is_bit_identical(setup, tmp_path):
     out = tmp_path / "killed"
     args = [f"model.path={root / 'policy'}", f"model.tokenizer={root / 'tok'}", f"data.path={root / 'prefs.jsonl'}",
             "data.seq_len=32", "batch_size=4", "schedule.name=constant", "log_every=1", f"output_dir={out}", *common]
-    proc = subprocess.Popen([sys.executable, "-m", "dpo.cli", "train", *args],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
-    deadline = time.time() + 300
-    while time.time() < deadline and not (out / "checkpoints" / "4").is_dir() and proc.poll() is None:
-        time.sleep(0.02)
-    assert (out / "checkpoints" / "4").is_dir()
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    proc = subprocess.run([sys.executable, "-c", KILL_AFTER_CHECKPOINT, "4", "train", *args], capture_output=True,
+                          text=True, env=os.environ.copy(), timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert (out / "checkpoints" / "4").is_dir() and not (out / "checkpoints" / "6").exists()
     assert not (out / "final").exists()
     resumed = train(_cfg(root, out, *common), progress=False, task=DPOTask(_cfg(root, out, *common)))
     from zoo.adapter import load_adapters
@@ -326,6 +366,7 @@ def test_kill_9_and_resume_is_bit_identical(setup, tmp_path):
 MESH_SCRIPT = r"""
 import json, sys
 import jax
+from dpo.config import DPOConfig
 from pretrain.config import load_config
 from pretrain.trainer import train
 from dpo.task import DPOTask
@@ -334,25 +375,21 @@ base = json.loads(sys.argv[1])
 out = {}
 for name, mesh in [("fsdp8", ["mesh.data=1", "mesh.fsdp=8"]), ("d2f2t2", ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"])]:
     d = sys.argv[2] + "/" + name
-    cfg = load_config(None, base + mesh + [f"output_dir={d}"])
+    cfg = load_config(None, base + mesh + [f"output_dir={d}"], DPOConfig)
     train(cfg, progress=False, task=DPOTask(cfg))
     out[name] = [json.loads(l)["loss"] for l in open(d + "/metrics.jsonl")]
 print(json.dumps(out))
 """
 
 
-def test_8_devices_match_one_device(setup, tmp_path):
+def test_8_devices_match_one_device(setup, sgd_run, tmp_path):
     """Full fine-tuning with a checkpoint reference (sharded like the policy) on 8 devices: fsdp, and
     data x fsdp x tensor, follow the one-device losses."""
     root, _, _ = setup
-    extra = ["max_steps=3", "batch_size=8", "optimizer.name=sgd", "optimizer.learning_rate=0.5",
-             f"dpo.reference={root / 'reference'}"]
-    cfg = _cfg(root, tmp_path / "one", *extra)
-    train(cfg, progress=False, task=DPOTask(cfg))
-    ref = [r["loss"] for r in _metrics(tmp_path / "one")]
+    ref = [r["loss"] for r in _metrics(sgd_run[0])]
     base = [f"model.path={root / 'policy'}", f"model.tokenizer={root / 'tok'}",
             f"data.path={root / 'prefs.jsonl'}", "data.seq_len=32", "schedule.name=constant", "log_every=1",
-            "checkpoint.every=100", *extra]
+            "checkpoint.every=100", *_sgd(root)]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     p = subprocess.run([sys.executable, "-c", MESH_SCRIPT, json.dumps(base), str(tmp_path)],
                        capture_output=True, text=True, env=env, timeout=900)
@@ -370,8 +407,8 @@ def test_shared_prompt_rows_score_each_answer_as_its_own_sequence(setup, lora):
     import jax.numpy as jnp
 
     from dpo.data import CHOSEN, REJECTED, normalize_pair, pair_document, tokenize_pair
-    from dpo.logps import batch_logps
-    from pretrain.data import _padded, to_model_batch
+    from zoo.logps import batch_logps
+    from zoo.batching import padded, to_model_batch
     from zoo.lora import LoraConfig, init_lora, lora_scale
 
     root, tok, _ = setup
@@ -387,7 +424,7 @@ def test_shared_prompt_rows_score_each_answer_as_its_own_sequence(setup, lora):
         {"prompt": "a longer prompt with several words in it:", "chosen": " yes", "rejected": " no, not at all"}]]
     sums = {}
     for shared in (True, False):
-        docs = [_padded(pair_document(t, shared), 48) for t in pairs]
+        docs = [padded(pair_document(t, shared), 48) for t in pairs]
         b = to_model_batch({k: np.stack([d[k] for d in docs]) for k in docs[0]})
         assert ("prefix_ids" in b) == shared
         logp, _, _ = batch_logps(cfg, params, {k: jnp.asarray(v) for k, v in b.items()}, **kw)
@@ -422,10 +459,10 @@ def test_sliding_window_models_keep_the_two_copy_layout(setup, tmp_path):
 
 
 def test_demo_pair_scores_equal_transformers_log_probabilities(setup):
-    """The main job's held-out pair scores (sft.demo.pair_logps, the DPO row layout with a shared prompt)
+    """The main job's held-out pair scores (demo.job.pair_logps, the DPO row layout with a shared prompt)
     are each answer's summed token log-probabilities given its prompt, as transformers computes them."""
     from dpo.data import normalize_pair, tokenize_pair
-    from sft.demo import pair_logps
+    from demo.job import pair_logps
 
     root, tok, models = setup
     pairs = _pairs(5, seed=3)

@@ -8,21 +8,17 @@ import pytest
 from dpo.data import (CHOSEN, PROMPT, REJECTED, PairTokens, fit_pair, normalize_pair, pair_document, pair_length,
                       tokenize_pair)
 from dpo.task import DPOTask
+from dpo.config import DPOConfig
 from pretrain.config import load_config
 from sft.formats import BadRow
 from zoo.errors import UserError
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory):
+def tok(smollm2_tokenizer):
     from transformers import AutoTokenizer
 
-    from convert.source import open_source
-    from zoo.cli import smollm2_gguf
-
-    root = tmp_path_factory.mktemp("dpo_tok")
-    open_source(str(smollm2_gguf())).save_tokenizer(root / "tok")
-    return AutoTokenizer.from_pretrained(str(root / "tok"))
+    return AutoTokenizer.from_pretrained(str(smollm2_tokenizer))
 
 
 @pytest.fixture
@@ -39,7 +35,8 @@ def bos_tok(tok):
 
 
 def _cfg(path, *extra):
-    return load_config(None, ["model.path=unused", f"data.path={path}", "max_steps=1", "data.seq_len=128", *extra])
+    return load_config(None, ["model.path=unused", f"data.path={path}", "max_steps=1", "data.seq_len=128", *extra],
+                       DPOConfig)
 
 
 def _decode(tok, ids):
@@ -74,9 +71,9 @@ def test_pair_row_layout_segments_positions_and_mask(tok):
     assert "tokens_prefix_ids" not in d and pair_length(t, False) == len(d["tokens"])
     # Through the batch transform: the targets trained in segment 1 are exactly the chosen answer's tokens,
     # and the first token of segment 2 is not predicted from segment 1's last.
-    from pretrain.data import _padded, to_model_batch
+    from zoo.batching import padded, to_model_batch
 
-    b = to_model_batch({k: v[None] for k, v in _padded(d, 128).items()})
+    b = to_model_batch({k: v[None] for k, v in padded(d, 128).items()})
     w, seg = b["weights"][0] > 0, b["segment_ids"][0]
     np.testing.assert_array_equal(b["targets"][0][w & (seg == CHOSEN)], t.chosen)
     np.testing.assert_array_equal(b["targets"][0][w & (seg == REJECTED)], t.rejected)
@@ -96,13 +93,13 @@ def test_shared_prompt_layout_holds_the_prompt_once(tok):
                                   list(range(p - 1)) + list(range(p - 1, p + c)) + list(range(p - 1, p + r)))
     np.testing.assert_array_equal(d["loss_mask"], [0] * p + [1] * c + [0] + [1] * r)
     assert len(d["tokens"]) == pair_length(t) == p + c + r + 1 < pair_length(t, False)
-    from pretrain.data import _padded, to_model_batch
+    from zoo.batching import padded, to_model_batch
 
-    b = to_model_batch({k: v[None] for k, v in _padded(d, 128).items()})
+    b = to_model_batch({k: v[None] for k, v in padded(d, 128).items()})
     w, seg = b["weights"][0] > 0, b["segment_ids"][0]
     np.testing.assert_array_equal(b["targets"][0][w & (seg == CHOSEN)], t.chosen)
     np.testing.assert_array_equal(b["targets"][0][w & (seg == REJECTED)], t.rejected)
-    np.testing.assert_array_equal(b["prefix_ids"][0], _padded(d, 128)["tokens_prefix_ids"][:-1])
+    np.testing.assert_array_equal(b["prefix_ids"][0], padded(d, 128)["tokens_prefix_ids"][:-1])
 
 
 def test_shared_prompt_mask_gives_each_answer_exactly_its_own_context():
@@ -110,13 +107,13 @@ def test_shared_prompt_mask_gives_each_answer_exactly_its_own_context():
     earlier tokens: never the other answer, never padding."""
     import jax.numpy as jnp
 
-    from zoo.layers import attention_mask
+    from zoo.masks import attention_mask
 
     t = PairTokens(np.arange(10, 14, dtype=np.int32), np.arange(100, 103, dtype=np.int32),
                    np.arange(200, 202, dtype=np.int32))
-    from pretrain.data import _padded
+    from zoo.batching import padded
 
-    d = _padded(pair_document(t), 14)  # 4 + 3 + 2 + 1 = 10 tokens, then 4 of padding
+    d = padded(pair_document(t), 14)  # 4 + 3 + 2 + 1 = 10 tokens, then 4 of padding
     m = np.asarray(attention_mask(jnp.asarray(d["tokens_segment_ids"][None]),
                                   prefix_ids=jnp.asarray(d["tokens_prefix_ids"][None])))[0, 0]
     ids = d["tokens"]

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dpo.logps import token_logps
+from zoo.logps import token_logps
 
 
 @pytest.mark.parametrize("softcap", [None, 5.0])
@@ -67,7 +67,7 @@ def test_a_tied_head_is_read_in_place_not_transposed(monkeypatch):
     [hidden, vocab] copy of it (embed.T would be one, 108 MiB at SmolLM2's size, carried through the
     chunk loop)."""
     import zoo.loss
-    from dpo.logps import batch_logps
+    from zoo.logps import batch_logps
     from zoo.config import ModelConfig
     from zoo.params import init_params
 

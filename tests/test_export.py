@@ -85,7 +85,7 @@ def test_transformers_loads_export_without_missing_or_unexpected_keys(tmp_path):
 def test_smollm2_export_has_tokenizer_and_chat_template(tmp_path):
     from transformers import AutoTokenizer
 
-    from zoo.cli import smollm2_gguf
+    from zoo.registry import bundled_gguf as smollm2_gguf
 
     assert main(["convert", str(smollm2_gguf()), "--out", str(tmp_path / "zoo"), "--dtype", "bfloat16"]) == 0
     assert main(["export", str(tmp_path / "zoo"), "--out", str(tmp_path / "hf")]) == 0

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from tests.tiny import _BASE, FAMILIES, make_hf
-from zoo.cli import main, smollm2_gguf
+from zoo.cli import main
+from zoo.registry import bundled_gguf as smollm2_gguf
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -8,7 +8,8 @@ import pytest
 from transformers import AutoConfig, AutoTokenizer
 
 from convert.source import open_source
-from zoo.cli import main, smollm2_gguf
+from zoo.cli import main
+from zoo.registry import bundled_gguf as smollm2_gguf
 
 MIXED = (
     "Hello, world! The café's crème brûlée costs €12.50 — naïve façade.\n"
@@ -55,9 +56,10 @@ def _assert_same_tokenizer(ours, ref, text: str, conversation=None):
                 ref.apply_chat_template(conversation, add_generation_prompt=gen, tokenize=True)
 
 
-def test_smollm2_config_and_tokenizer_match_transformers(tmp_path):
+def test_smollm2_config_and_tokenizer_match_transformers(smollm2_tokenizer):
     path = smollm2_gguf()
-    config, ours = _ours(path, tmp_path)
+    # Ours: what _ours() gives, the tokenizer rebuilt once per session (conftest.py: smollm2_tokenizer).
+    config, ours = open_source(str(path)).hf_config, AutoTokenizer.from_pretrained(str(smollm2_tokenizer))
     assert config == AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
     ref = _reference_tokenizer(path)
     _assert_same_tokenizer(ours, ref, MIXED, CONVERSATION)
@@ -67,13 +69,11 @@ def test_smollm2_config_and_tokenizer_match_transformers(tmp_path):
     assert ours("hi")["input_ids"] == ref("hi")["input_ids"] and ours.bos_token_id not in ours("hi")["input_ids"]
 
 
-def test_checkpoint_tokenizer_is_the_rebuilt_one(tmp_path):
-    # convert writes the rebuilt tokenizer into the checkpoint (no torch on the way).
-    out = tmp_path / "zoo"
-    path = smollm2_gguf()
-    src = open_source(str(path))
-    src.save_tokenizer(out)
-    tok = AutoTokenizer.from_pretrained(str(out))
+def test_checkpoint_tokenizer_is_the_rebuilt_one(smollm2_tokenizer):
+    # convert writes the rebuilt tokenizer into the checkpoint (no torch on the way): open_source(...).save_tokenizer,
+    # done once per session into smollm2_tokenizer (conftest.py).
+    src = open_source(str(smollm2_gguf()))
+    tok = AutoTokenizer.from_pretrained(str(smollm2_tokenizer))
     assert tok.chat_template == src.reader.reader.fields["tokenizer.chat_template"].contents()
 
 

@@ -1,4 +1,4 @@
-"""Loading a checkpoint costs its weights in memory, not twice its weights (zoo.checkpoint.load_params)."""
+"""Loading a checkpoint costs its weights in memory, not twice its weights (zoo.checkpoint.load_stored_params)."""
 
 import json
 import subprocess
@@ -87,11 +87,11 @@ def test_a_small_model_restores_in_one_call_and_groups_restore_the_same_values(t
     calls = []
     load = ocp.load
     monkeypatch.setattr(ocp, "load", lambda *a, **k: calls.append(1) or load(*a, **k))
-    whole = flatten(zc.load_params(ckpt))
+    whole = flatten(zc.load_stored_params(ckpt))
     assert len(calls) == 1  # one restore (each costs Orbax set-up, and a gc pass between groups)
     real_groups = zc._restore_groups
     monkeypatch.setattr(zc, "_restore_groups", lambda a: real_groups(a, floor=0))
-    grouped = flatten(zc.load_params(ckpt))
+    grouped = flatten(zc.load_stored_params(ckpt))
     assert len(calls) > 2
     assert grouped.keys() == whole.keys()
     for k in whole:

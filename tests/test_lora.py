@@ -354,7 +354,7 @@ def test_dropout_is_unbiased():
 
 
 def test_dropout_masks_differ_per_projection_and_scale_the_kept_inputs():
-    from zoo.layers import LoraDropout
+    from zoo.adapted import LoraDropout
 
     x = jnp.ones((4, 8, 64), jnp.float32)
     key1, key2 = jax.random.split(jax.random.key(0))

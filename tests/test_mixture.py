@@ -13,18 +13,19 @@ from pretrain.cli import main as pretrain_main
 from pretrain.config import data_sources, load_config, to_yaml
 from pretrain.lanes import run_data
 from pretrain.trainer import train
+from sft.config import SFTConfig
 from sft.task import SFTTask
-from tests.tiny import smollm2_tiny_zoo
+from tests.tiny import copy_smollm2_tiny
 
 COLORS = "red blue green yellow black white".split()
 SHAPES = "circle square triangle star".split()
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, smollm2_tiny):
     """A tiny model and two SFT sources in two formats: `messages` (colours) and prompt/completion (shapes)."""
     root = tmp_path_factory.mktemp("mix")
-    tok = smollm2_tiny_zoo(root)
+    tok = copy_smollm2_tiny(smollm2_tiny, root)
     rng = np.random.RandomState(0)
     with open(root / "colours.jsonl", "w") as f:
         for _ in range(96):
@@ -48,7 +49,7 @@ def _cfg(root, out, *overrides):
     return load_config(None, [f"model.path={root / 'zoo'}", f"model.tokenizer={root / 'tok'}", sources,
                               "data.format=messages", "data.seq_len=64", "batch_size=4", "data.eval_fraction=0.05",
                               "optimizer.learning_rate=0.01", "schedule.name=constant", "log_every=1",
-                              "checkpoint.every=2", f"output_dir={out}", *overrides])
+                              "checkpoint.every=2", f"output_dir={out}", *overrides], SFTConfig)
 
 
 def _data(cfg, tok):
@@ -149,7 +150,7 @@ def test_interrupted_mixture_run_resumes_bit_for_bit(setup, tmp_path, monkeypatc
     for x, y in zip(jax.tree.leaves(zoo.load_params(full)), jax.tree.leaves(zoo.load_params(resumed))):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     # The saved config round trips, sources included; the checkpointed data state holds the counts per source.
-    saved = load_config(tmp_path / "resumed" / "config.yaml")
+    saved = load_config(tmp_path / "resumed" / "config.yaml", schema=SFTConfig)
     assert saved == cfg and [s.name for s in data_sources(saved)] == ["colours", "shapes"]
     state = json.loads(next((tmp_path / "resumed" / "checkpoints" / "4" / "data").glob("process_0-of-1.json"))
                        .read_text())
@@ -212,7 +213,7 @@ def test_print_config_round_trips_a_mixture(tmp_path, capsys):
     (tmp_path / "c.yaml").write_text(shown)
     cfg = load_config(tmp_path / "c.yaml")
     assert cfg == load_config(None, args) and to_yaml(cfg) == shown
-    assert yaml.safe_load(shown)["data"]["path"][1] == {"path": "b.txt", "weight": 1.0, "name": None, "format": None,
+    assert yaml.safe_load(shown)["data"]["path"][1] == {"path": "b.txt", "weight": 1.0, "name": None,
                                                       "text_field": None, "split": None, "eval_path": None}
     assert [(s.name, s.weight) for s in data_sources(cfg)] == [("a", 2.0), ("b", 1.0)]
     assert [s.path for s in data_sources(load_config(None, ["model.path=m", "max_steps=1", "data.path=x.jsonl"]))] \

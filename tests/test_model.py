@@ -148,7 +148,7 @@ def test_remat_policies_keep_gradients_and_cut_saved_activations():
 
 
 def test_mlp_chunk_counts_divide_the_sequence():
-    from zoo.layers import MLP_CHUNK_TOKENS, mlp_chunks
+    from zoo.mlp import MLP_CHUNK_TOKENS, mlp_chunks
 
     assert mlp_chunks(8, 512) == 8 * 512 // MLP_CHUNK_TOKENS == 4
     assert mlp_chunks(16, 512) == 8
@@ -161,7 +161,7 @@ def test_mlp_chunk_counts_divide_the_sequence():
 def test_chunked_mlp_equals_one_pass_and_shrinks_the_backward(monkeypatch, lora):
     """The MLP scanned over sequence chunks gives the one-pass logits and gradients (base weights, or LoRA
     adapters over a frozen base), and the backward pass's [tokens, mlp] temporaries shrink with the chunk."""
-    from zoo import layers
+    from zoo import mlp as zoo_mlp
     from zoo.lora import LoraConfig, init_lora, lora_scale
 
     cfg = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=512, num_layers=2,
@@ -181,10 +181,10 @@ def test_chunked_mlp_equals_one_pass_and_shrinks_the_backward(monkeypatch, lora)
         fn = jax.jit(jax.value_and_grad(loss, argnums=1 if lora else 0))
         return fn.lower(params, adapters).compile()
 
-    monkeypatch.setattr(layers, "MLP_CHUNK_TOKENS", 10**9)
+    monkeypatch.setattr(zoo_mlp, "MLP_CHUNK_TOKENS", 10**9)
     whole = compiled()
-    monkeypatch.setattr(layers, "MLP_CHUNK_TOKENS", 128)  # 4 x 256 tokens -> 8 chunks of [4, 32]
-    assert layers.mlp_chunks(4, 256) == 8
+    monkeypatch.setattr(zoo_mlp, "MLP_CHUNK_TOKENS", 128)  # 4 x 256 tokens -> 8 chunks of [4, 32]
+    assert zoo_mlp.mlp_chunks(4, 256) == 8
     chunked = compiled()
     (l1, g1), (l8, g8) = whole(params, adapters), chunked(params, adapters)
     np.testing.assert_allclose(float(l8), float(l1), rtol=1e-6)

@@ -16,9 +16,59 @@ def test_console_scripts():
         assert callable(getattr(importlib.import_module(mod), fn))
 
 
+# The floors: a module imports only from its own floor's package or lower ones. zoo/ is the ground floor;
+# convert/ and eval/ stand on it, pretrain/ on them (training-time evaluation), the tasks above, the main job on top.
+FLOORS = {"zoo": 0, "convert": 1, "eval": 1, "pretrain": 2, "sft": 3, "dpo": 4, "demo": 5}
+DISPATCHER = "zoo.cli"  # the `zoo` command: it reaches up, lazily inside its functions, to run a command's body
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in FLOORS:
+        for f in (ROOT / pkg).rglob("*.py"):
+            name = ".".join(f.relative_to(ROOT).with_suffix("").parts)
+            out[name.removesuffix(".__init__")] = f
+    return out
+
+
+def _imports(f: Path, modules: dict[str, Path], top_level_only: bool = False) -> set[str]:
+    """The repository modules ``f`` imports (anywhere in it, lazily inside functions too, unless told)."""
+    tree = ast.parse(f.read_text())
+    out = set()
+    for node in tree.body if top_level_only else ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name in modules}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            subs = {f"{node.module}.{a.name}" for a in node.names} & modules.keys()
+            out |= subs or ({node.module} & modules.keys())
+    return out
+
+
+def test_every_import_points_down_and_none_goes_round():
+    """No two modules import each other, directly or in a loop (lazy imports count), and every import stays on
+    its floor or goes down; only the dispatcher's functions reach up."""
+    modules = _modules()
+    graph = {m: _imports(f, modules, top_level_only=m == DISPATCHER) - {m} for m, f in modules.items()}
+    for m, targets in graph.items():
+        for t in targets:
+            assert FLOORS[t.split(".")[0]] <= FLOORS[m.split(".")[0]] or t.split(".")[0] == m.split(".")[0], \
+                f"{m} imports {t}, a floor above it"
+        assert not (FLOORS[m.split(".")[0]] == 1 and any(t.split(".")[0] not in ("zoo", m.split(".")[0])
+                                                         for t in targets)), f"{m} imports a neighbour: {targets}"
+    # A loop: some module reaches itself again.
+    for start in graph:
+        seen, todo = set(), list(graph[start])
+        while todo:
+            m = todo.pop()
+            assert m != start, f"{start} imports itself round a loop of imports"
+            if m not in seen:
+                seen.add(m)
+                todo += graph[m]
+
+
 def test_zoo_imports_nothing_of_the_upper_floors():
     """zoo/ is the ground floor; only zoo/cli.py may reach up, lazily inside functions."""
-    upper = {"convert", "sft", "dpo", "pretrain", "eval"}
+    upper = set(FLOORS) - {"zoo"}
     for f in (ROOT / "zoo").glob("*.py"):
         tree = ast.parse(f.read_text())
         nodes = tree.body if f.name == "cli.py" else list(ast.walk(tree))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from zoo.cli import smollm2_gguf
+from zoo.registry import bundled_gguf as smollm2_gguf
 
 TEST_ONLY = ("torch", "peft", "trl", "accelerate")
 REPO = Path(__file__).resolve().parent.parent

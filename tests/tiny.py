@@ -89,22 +89,45 @@ def make_llama(folder: Path, seed: int = 0, dtype=None, save_kwargs=None, **over
     return make_hf(folder, "llama", seed, dtype, save_kwargs, **overrides)
 
 
-def smollm2_tiny_zoo(root: Path):
-    """SmolLM2's tokenizer (from the bundled GGUF file) saved at ``root/tok`` and a tiny random Llama of its
-    vocabulary converted to a zoo checkpoint at ``root/zoo``: the model the training tests share. Returns the
-    tokenizer."""
+# The training tests' model: a tiny Llama of SmolLM2's vocabulary (49152 ids).
+SMOLLM2_TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                    num_key_value_heads=1)
+
+
+def smollm2_tiny_zoo(root: Path, tokenizer: Path | None = None):
+    """SmolLM2's tokenizer (from the bundled GGUF file, or copied from the folder ``tokenizer``) saved at
+    ``root/tok`` and a tiny random Llama of its vocabulary (seed 0) saved at ``root/hf`` and converted to a zoo
+    checkpoint at ``root/zoo``: the model the training tests share (built once per session by conftest.py's
+    ``smollm2_tiny``; see :func:`copy_smollm2_tiny`). Returns the tokenizer."""
+    import shutil
+
     from transformers import AutoTokenizer
 
     from convert.source import open_source
     from zoo.cli import main as zoo_main
-    from zoo.cli import smollm2_gguf
+    from zoo.registry import bundled_gguf as smollm2_gguf
 
-    open_source(str(smollm2_gguf())).save_tokenizer(root / "tok")
+    if tokenizer is not None:
+        shutil.copytree(tokenizer, root / "tok")
+    else:
+        open_source(str(smollm2_gguf())).save_tokenizer(root / "tok")
     tok = AutoTokenizer.from_pretrained(str(root / "tok"))
-    make_llama(root / "hf", vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-               num_attention_heads=2, num_key_value_heads=1)
+    make_llama(root / "hf", vocab_size=len(tok), **SMOLLM2_TINY)
     assert zoo_main(["convert", str(root / "hf"), "--out", str(root / "zoo")]) == 0
     return tok
+
+
+def copy_smollm2_tiny(shared: Path, root: Path, names=("tok", "hf", "zoo")):
+    """Copy the session's :func:`smollm2_tiny_zoo` folders (conftest.py's ``smollm2_tiny``) into a module's own
+    ``root`` (a few MB: the module may write beside them and into them). Returns the tokenizer."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    root.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        shutil.copytree(shared / name, root / name)
+    return AutoTokenizer.from_pretrained(str(root / "tok"))
 
 
 def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
@@ -145,7 +168,8 @@ def kill_midway(args: list[str], folder: Path, pattern: str, timeout: float = 12
     proc = subprocess.Popen([sys.executable, "-m", "zoo.cli", *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + timeout
-    while time.time() < deadline and not list(folder.glob(pattern)):
+    # Polled (the files appear in another process; 20 ms apart), and no longer than the command runs.
+    while time.time() < deadline and not list(folder.glob(pattern)) and proc.poll() is None:
         time.sleep(0.02)
     seen = bool(list(folder.glob(pattern)))
     os.kill(proc.pid, signal.SIGKILL)

@@ -3,9 +3,14 @@
 Such a checkpoint's ``model.json`` is the base's (config, parameter table), with
 a ``lora`` entry: the LoRA settings, the base checkpoint's path and the adapter
 parameter table; ``params/`` holds only the adapters. Readers see the merged
-model (``W + scale * A @ B``): :func:`zoo.checkpoint.load_params` merges on
+model (``W + scale * A @ B``): :func:`zoo.loading.load_params` merges on
 load, and :class:`MergedParamReader` merges one layer at a time for streaming
 export, so the merged model is never written or held whole.
+
+Layering: this module builds on :mod:`zoo.checkpoint` (plain checkpoint files)
+and :mod:`zoo.lora` (the LoRA math), and is used by :mod:`zoo.loading`, which
+resolves "this checkpoint is an adapter run" into its merged model; neither of
+the lower modules imports this one.
 
 The base is referred to by three fields of the ``lora`` entry:
 
@@ -29,15 +34,41 @@ import os
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
+from zoo.checkpoint import (MODEL_FILE, PARAMS_DIR, ParamReader, StoredSection, load_param_numpy, np_dtype,
+                            orbax_v1, read_meta)
+from zoo.config import ModelConfig
 from zoo.errors import UserError
-from zoo.lora import LoraConfig, lora_scale
+from zoo.lora import LoraConfig, lora_delta, lora_scale, lora_specs, target_modules
+from zoo.params import ParamSpec, nest
+from zoo.sharding import make_mesh, named_sharding
+
+
+class AdapterSection(StoredSection):
+    """The ``lora`` entry of an adapter checkpoint's model.json (a dict, as :func:`adapter_meta` builds it).
+
+    A :class:`zoo.checkpoint.StoredSection`: the adapters it lists are what the checkpoint stores, so
+    :meth:`zoo.checkpoint.CheckpointWriter.finish` checks those, against the adapters its LoRA settings imply.
+    """
+
+    def specs(self, cfg: ModelConfig) -> dict[str, ParamSpec]:
+        """Every adapter the recorded LoRA settings imply on the model ``cfg``, with its shape."""
+        return lora_specs(cfg, _lora_config(self))
+
+
+def is_adapter(meta: dict[str, Any]) -> bool:
+    """Whether a checkpoint's model.json is an adapter checkpoint's (its model: a base with adapters merged)."""
+    return "lora" in meta
 
 
 def lora_config(meta: dict[str, Any]) -> LoraConfig:
     """The LoraConfig recorded in an adapter checkpoint's model.json."""
-    info = meta["lora"]
+    return _lora_config(meta["lora"])
+
+
+def _lora_config(info: dict[str, Any]) -> LoraConfig:
     return LoraConfig(rank=info["rank"], alpha=info["alpha"], targets=tuple(info["target_modules"]),
                       rslora=info["rslora"])
 
@@ -81,12 +112,6 @@ def _candidates(ckpt: str | os.PathLike, info: dict[str, Any]) -> list[Path]:
     return list(dict.fromkeys(found))
 
 
-def _read_base_meta(base: Path) -> dict[str, Any]:
-    from zoo.checkpoint import read_meta
-
-    return read_meta(base)
-
-
 def _differences(meta: dict[str, Any], base_meta: dict[str, Any]) -> str | None:
     """What differs between a base (its ``base_meta``) and the one the adapters were trained on; None if nothing."""
     want, got = meta["lora"]["base_digest"], base_digest(base_meta)
@@ -125,11 +150,11 @@ def base_checkpoint(ckpt: str | os.PathLike, meta: dict[str, Any]) -> Path:
     tried = _candidates(ckpt, info)
     changed: tuple[Path, str] | None = None
     for base in tried:
-        if not (base / "model.json").is_file():
+        if not (base / MODEL_FILE).is_file():
             continue
         if "base_digest" not in info:
             return base
-        diff = _differences(meta, _read_base_meta(base))
+        diff = _differences(meta, read_meta(base))
         if diff is None:
             return base
         changed = changed or (base, diff)
@@ -156,14 +181,12 @@ def base_location(ckpt: str | os.PathLike, meta: dict[str, Any]) -> Path:
 
 
 def adapter_meta(lora_cfg: LoraConfig, base: Path, adapter_params: dict[str, dict[str, Any]],
-                 ckpt: str | os.PathLike | None = None) -> dict[str, Any]:
-    """The ``lora`` entry of an adapter checkpoint's model.json.
+                 ckpt: str | os.PathLike | None = None) -> AdapterSection:
+    """The ``lora`` entry of an adapter checkpoint's model.json, to pass to the writer's ``finish`` as ``lora=``.
 
     ``ckpt`` is the folder the adapter checkpoint ends up in (not a scratch folder renamed onto it later):
     ``base_relative`` is relative to it. Without ``ckpt`` only the absolute path is recorded.
     """
-    from zoo.lora import target_modules
-
     base = Path(base).absolute()
     ref: dict[str, Any] = {"base": str(base)}
     if ckpt is not None:
@@ -171,43 +194,39 @@ def adapter_meta(lora_cfg: LoraConfig, base: Path, adapter_params: dict[str, dic
             ref["base_relative"] = os.path.relpath(os.path.normpath(base), os.path.normpath(Path(ckpt).absolute()))
         except ValueError:  # no relative path between them (Windows: another drive)
             pass
-    ref["base_digest"] = base_digest(_read_base_meta(base))
-    return {"rank": lora_cfg.rank, "alpha": lora_cfg.alpha, "rslora": lora_cfg.rslora,
-            "target_modules": list(target_modules(lora_cfg)), "scale": lora_scale(lora_cfg),
-            **ref, "params": adapter_params}
+    ref["base_digest"] = base_digest(read_meta(base))
+    return AdapterSection({"rank": lora_cfg.rank, "alpha": lora_cfg.alpha, "rslora": lora_cfg.rslora,
+                           "target_modules": list(target_modules(lora_cfg)), "scale": lora_scale(lora_cfg),
+                           **ref, "params": adapter_params})
 
 
-def load_adapters(ckpt: str | os.PathLike, meta: dict[str, Any], mesh: Any = None) -> dict[str, Any]:
+def load_adapters(ckpt: str | os.PathLike, meta: dict[str, Any], mesh: jax.sharding.Mesh | None = None
+                  ) -> dict[str, Any]:
     """The adapter tree of an adapter checkpoint, sharded like their base weights on ``mesh``."""
-    import jax
-
-    from zoo.checkpoint import PARAMS_DIR, _np_dtype, _orbax
-    from zoo.config import ModelConfig
-    from zoo.lora import lora_specs
-    from zoo.params import nest
-    from zoo.sharding import make_mesh, named_sharding
-
     cfg = ModelConfig.from_dict(meta["config"])
     mesh = mesh or make_mesh()
     specs = lora_specs(cfg, lora_config(meta))
     stored = meta["lora"]["params"]
     if set(stored) != set(specs):
         raise UserError(f"{ckpt}: its adapter table does not match its LoRA settings; the checkpoint is damaged")
-    abstract = {p: jax.ShapeDtypeStruct(tuple(stored[p]["shape"]), _np_dtype(stored[p]["dtype"]),
+    abstract = {p: jax.ShapeDtypeStruct(tuple(stored[p]["shape"]), np_dtype(stored[p]["dtype"]),
                                         sharding=named_sharding(mesh, specs[p].axes, specs[p].shape))
                 for p in specs}
-    return _orbax().load(Path(ckpt).absolute() / PARAMS_DIR, nest(abstract))
+    return orbax_v1().load(Path(ckpt).absolute() / PARAMS_DIR, nest(abstract))
 
 
 class MergedParamReader:
     """A base parameter with its adapter merged in, read whole or one leading-axis slice at a time
-    (the :class:`zoo.checkpoint.ParamReader` interface)."""
+    (the :class:`zoo.checkpoint.ParamReader` interface).
 
-    def __init__(self, ckpt: str | os.PathLike, meta: dict[str, Any], path: str):
-        from zoo.checkpoint import load_param_numpy, param_reader
+    ``base`` reads the parameter ``path`` of the adapter checkpoint's base (:func:`base_checkpoint`); the base
+    may itself be an adapter checkpoint (DPO's adapters over an SFT run's), read merged by another of these
+    (:func:`zoo.loading.param_reader` builds the chain).
+    """
 
-        # The base may itself be an adapter checkpoint (DPO's adapters over an SFT run's): read it merged too.
-        self.base = param_reader(base_checkpoint(ckpt, meta), path)
+    def __init__(self, ckpt: str | os.PathLike, meta: dict[str, Any], path: str,
+                 base: ParamReader | MergedParamReader):
+        self.base = base
         self.shape, self.dtype = self.base.shape, self.base.dtype
         self.scale = meta["lora"]["scale"]
         self.a = self.b = None
@@ -238,7 +257,5 @@ class MergedParamReader:
         return w.squeeze(axis) if squeeze else w
 
     def _merge(self, w: np.ndarray, a: np.ndarray, b: np.ndarray, lead: int) -> np.ndarray:
-        from zoo.lora import lora_delta
-
         delta = np.asarray(lora_delta(a, b, self.scale, lead))
         return (w.astype(np.float32) + delta).astype(w.dtype)

@@ -1,4 +1,4 @@
-"""The zoo checkpoint format: read, write (streaming, atomic) and load onto devices.
+"""The zoo checkpoint format: plain checkpoint folders written (streaming, atomic), verified and read.
 
 Layout of a checkpoint folder::
 
@@ -9,6 +9,14 @@ Layout of a checkpoint folder::
 
 Converted checkpoints and training-run checkpoints share this layout, so
 ``zoo.load`` and ``zoo export`` read both the same way.
+
+This module is the bottom layer: it reads and writes the arrays a checkpoint
+stores and knows nothing of what a checkpoint may refer to. A checkpoint that
+stores other arrays than its model's parameters (a LoRA adapter checkpoint
+stores only adapters) describes them in a :class:`StoredSection` of its
+model.json, which the writer's completeness check follows. Adapter checkpoints
+are built on this module in :mod:`zoo.adapter`, and :mod:`zoo.loading` reads
+any checkpoint as the model it describes (``zoo.load``, ``zoo.load_params``).
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import numpy as np
 from zoo.config import ModelConfig
 from zoo.errors import UserError
 from zoo.memory import release_free_memory
-from zoo.params import flatten, nest, param_specs
+from zoo.params import ParamSpec, flatten, nest, param_specs
 
 FORMAT_VERSION = 1
 MODEL_FILE = "model.json"
@@ -38,14 +46,37 @@ TOKENIZER_DIR = "tokenizer"
 HF_CONFIG_FILE = "hf_config.json"
 
 
-def _orbax():
+def orbax_v1() -> Any:
+    """Orbax's v1 checkpointing API (``orbax.checkpoint.experimental.v1``), imported on first use."""
     import orbax.checkpoint.experimental.v1 as ocp
 
     return ocp
 
 
-def _save_context():
-    ocp = _orbax()
+def np_dtype(name: str) -> np.dtype:
+    """The NumPy dtype of a dtype name as model.json stores it (``bfloat16`` from ml_dtypes)."""
+    import ml_dtypes
+
+    return np.dtype(getattr(ml_dtypes, name)) if name in ("bfloat16",) else np.dtype(name)
+
+
+class StoredSection(dict):
+    """A model.json section listing the arrays a checkpoint stores when they are not its model's parameters.
+
+    Such a checkpoint (e.g. a LoRA adapter checkpoint, :mod:`zoo.adapter`) keeps its model's parameter table
+    in model.json's ``params`` and stores other arrays under ``params/``, listed in this section's own
+    ``params`` table. Passed to :meth:`CheckpointWriter.finish` as a provenance entry it is written like any
+    dict, and tells the writer's completeness check which arrays to expect, with the shapes :meth:`specs`
+    implies for them. Subclasses implement :meth:`specs`.
+    """
+
+    def specs(self, cfg: ModelConfig) -> dict[str, ParamSpec]:
+        """Every array this section's ``params`` table must list, with the shape ``cfg`` implies for it."""
+        raise NotImplementedError
+
+
+def _save_context() -> Any:
+    ocp = orbax_v1()
     ctx = ocp.Context()
     # One zarr chunk per host array: TensorStore then writes straight from the
     # caller's buffer, while splitting into smaller chunks makes it stage a full
@@ -128,14 +159,14 @@ class CheckpointWriter:
     def _save(self, path: str, array: Any) -> None:
         if self._committed:
             raise RuntimeError("the checkpoint tree is already committed")
-        ocp = _orbax()
+        ocp = orbax_v1()
         with self._ctx:
             ocp.partial.save(self.folder / PARAMS_DIR, nest({path: array}))
 
     def commit_structure(self) -> None:
         """Finalize the Orbax tree; after this only reserved parameters' slices can be written."""
         if not self._committed:
-            ocp = _orbax()
+            ocp = orbax_v1()
             with self._ctx:
                 ocp.partial.finalize(self.folder / PARAMS_DIR)
             self._committed = True
@@ -164,7 +195,7 @@ class CheckpointWriter:
         store = ts.open(spec, create=True, delete_existing=True).result()
         seen = 0
         for index, piece in slices:
-            store[index].write(np.asarray(piece, dtype=_np_dtype(info["dtype"]))).result()
+            store[index].write(np.asarray(piece, dtype=np_dtype(info["dtype"]))).result()
             seen += 1
         if seen != int(np.prod(shape[:k])):
             raise RuntimeError(f"{path}: wrote {seen} slices of {int(np.prod(shape[:k]))}")
@@ -177,7 +208,14 @@ class CheckpointWriter:
         self._committed = True
 
     def finish(self, cfg: ModelConfig, **provenance: Any) -> None:
-        """Commit the checkpoint (every reserved parameter must be written) and write model.json."""
+        """Commit the checkpoint (every reserved parameter must be written), write model.json and verify it.
+
+        ``provenance`` entries go into model.json as they are. One that is a :class:`StoredSection` names
+        the arrays :func:`verify_complete` expects instead of the model's parameters.
+        """
+        sections = [k for k, v in provenance.items() if isinstance(v, StoredSection)]
+        if len(sections) > 1:
+            raise RuntimeError(f"more than one section lists the stored arrays: {sections}")
         self.commit_structure()
         if self._pending:
             raise RuntimeError(f"reserved parameters never written: {sorted(self._pending)}")
@@ -189,17 +227,23 @@ class CheckpointWriter:
             **provenance,
         }
         (self.folder / MODEL_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        verify_complete(self.folder)
+        if sections:
+            verify_complete(self.folder, sections[0], provenance[sections[0]].specs(cfg))
+        else:
+            verify_complete(self.folder)
 
 
-def verify_complete(ckpt: str | os.PathLike) -> None:
+def verify_complete(ckpt: str | os.PathLike, section: str | None = None,
+                    specs: dict[str, ParamSpec] | None = None) -> None:
     """Check, without reading the weights, that a just-written checkpoint is complete; a RuntimeError if not.
 
     Every writer calls it (through :meth:`CheckpointWriter.finish`) before its checkpoint is renamed into
     place, so a checkpoint that "wrote" also loads. It checks that:
 
-    * the manifest (model.json) lists every parameter the config implies (for an adapter checkpoint:
-      every adapter its LoRA settings imply), with the implied shape;
+    * the manifest (model.json) lists every parameter the config implies, with the implied shape; for
+      a checkpoint that stores other arrays (a :class:`StoredSection`), the manifest is model.json's
+      ``section`` entry's ``params`` table and ``specs`` what it must list (for an adapter checkpoint:
+      every adapter its LoRA settings imply);
     * each listed parameter is in Orbax's tree metadata and has a stored array (its ``zarr.json`` in the
       OCDBT store under ``params/state``) of the listed shape and dtype;
     * every chunk of every array is stored: the array's chunk keys are listed from the OCDBT b-tree
@@ -213,21 +257,14 @@ def verify_complete(ckpt: str | os.PathLike) -> None:
     """
     import tensorstore as ts
 
-    from zoo.params import param_specs
-
     ckpt = Path(ckpt).absolute()
     try:
         meta = json.loads((ckpt / MODEL_FILE).read_text())
     except (OSError, ValueError) as e:
         raise RuntimeError(f"{ckpt}: unreadable {MODEL_FILE} ({e})") from None
-    cfg = ModelConfig.from_dict(meta["config"])
-    if "lora" in meta:  # an adapter checkpoint stores only the adapters; the base table describes the merged model
-        from zoo.adapter import lora_config
-        from zoo.lora import lora_specs
-
-        table, specs = meta["lora"]["params"], lora_specs(cfg, lora_config(meta))
-    else:
-        table, specs = meta["params"], param_specs(cfg)
+    table = meta["params"] if section is None else meta[section]["params"]
+    if specs is None:
+        specs = param_specs(ModelConfig.from_dict(meta["config"]))
     for p, spec in specs.items():
         if p not in table:
             raise RuntimeError(f"{ckpt}: parameter '{p}' is missing from the manifest ({MODEL_FILE})")
@@ -257,7 +294,7 @@ def verify_complete(ckpt: str | os.PathLike) -> None:
             raise RuntimeError(f"{ckpt}: parameter '{p}' is stored as {z['data_type']}{z['shape']}, "
                                f"the manifest says {info['dtype']}{info['shape']}")
         shape, chunk = z["shape"], z["chunk_grid"]["configuration"]["chunk_shape"]
-        itemsize = _np_dtype(z["data_type"]).itemsize
+        itemsize = np_dtype(z["data_type"]).itemsize
         sharding = next((c["configuration"] for c in z["codecs"] if c["name"] == "sharding_indexed"), None)
         for pos in np.ndindex(*[-(-s // c) for s, c in zip(shape, chunk)]):
             key = _chunk_key(p, z.get("chunk_key_encoding", {"name": "default"}), pos)
@@ -329,7 +366,7 @@ def save_params(folder: str | os.PathLike, params: dict[str, Any], axes: dict[st
     Orbax writes each process's own shards, so no host ever gathers the whole
     model. Returns the per-parameter metadata for :meth:`CheckpointWriter.adopt`.
     """
-    ocp = _orbax()
+    ocp = orbax_v1()
     with _save_context():
         ocp.save(Path(folder).absolute() / PARAMS_DIR, params)
     flat = flatten(params)
@@ -378,29 +415,24 @@ def read_config(ckpt: str | os.PathLike) -> ModelConfig:
     return ModelConfig.from_dict(read_meta(ckpt)["config"])
 
 
-def load_params(
+def load_stored_params(
     ckpt: str | os.PathLike,
     mesh: jax.sharding.Mesh | None = None,
     dtype: Any = None,
     paths: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Restore parameters (nested dict of jax Arrays) sharded on ``mesh`` by the logical-axis rules.
+    """Restore the parameters a checkpoint stores (nested dict of jax Arrays), sharded on ``mesh`` by the
+    logical-axis rules, in their stored dtype or ``dtype``.
 
     ``paths`` restores only those dotted parameters (Orbax partial load), which
-    is how streaming readers take one parameter at a time.
+    is how streaming readers take one parameter at a time. This reads a plain
+    checkpoint only; :func:`zoo.loading.load_params` (``zoo.load_params``) reads
+    any checkpoint as its model, an adapter checkpoint's merged onto its base.
     """
     from zoo.sharding import make_mesh, named_sharding
 
-    ocp = _orbax()
+    ocp = orbax_v1()
     meta = read_meta(ckpt)
-    if "lora" in meta:  # an adapter checkpoint: its base, with the adapters merged in
-        from zoo.adapter import base_checkpoint, load_adapters, lora_config
-        from zoo.lora import merge_lora
-
-        mesh = mesh or make_mesh()
-        base = load_params(base_checkpoint(ckpt, meta), mesh, dtype, paths)
-        cfg = ModelConfig.from_dict(meta["config"])
-        return merge_lora(cfg, base, load_adapters(ckpt, meta, mesh), lora_config(meta))
     cfg = ModelConfig.from_dict(meta["config"])
     mesh = mesh or make_mesh()
     specs = param_specs(cfg)
@@ -413,7 +445,7 @@ def load_params(
         shape = tuple(stored[p]["shape"])
         if shape != specs[p].shape:
             raise UserError(f"{ckpt}: parameter '{p}' has shape {shape}, the config implies {specs[p].shape}")
-        dt = np.dtype(dtype) if dtype is not None else _np_dtype(stored[p]["dtype"])
+        dt = np.dtype(dtype) if dtype is not None else np_dtype(stored[p]["dtype"])
         abstract[p] = jax.ShapeDtypeStruct(shape, dt, sharding=named_sharding(mesh, specs[p].axes, shape))
     # Parameters restored in groups of at most max(the largest one, 64 MiB) bytes: each group's staging buffers (the
     # host copy Orbax reads into before the device array exists) are freed and handed back before the next,
@@ -456,27 +488,17 @@ def load_param_numpy(ckpt: str | os.PathLike, path: str, info: dict[str, Any] | 
     device-to-host copy, keeping peak memory near the parameter's own size.
     ``info`` (shape, dtype) defaults to the parameter's entry in model.json.
     """
-    ocp = _orbax()
+    ocp = orbax_v1()
     info = info or read_meta(ckpt)["params"].get(path)
     if info is None:
         raise UserError(f"{ckpt}: parameter '{path}' is missing from the checkpoint; it is damaged, convert it again")
     ctx = ocp.Context()
     ctx.pytree.loading.partial_load = True
     with ctx:
-        tree = ocp.load(Path(ckpt).absolute() / PARAMS_DIR, nest({path: np.empty(info["shape"], _np_dtype(info["dtype"]))}))
+        tree = ocp.load(Path(ckpt).absolute() / PARAMS_DIR, nest({path: np.empty(info["shape"], np_dtype(info["dtype"]))}))
     for part in path.split("."):
         tree = tree[part]
     return tree
-
-
-def param_reader(ckpt: str | os.PathLike, path: str) -> "ParamReader":
-    """A streaming reader of one parameter; for an adapter checkpoint, of the merged parameter."""
-    meta = read_meta(ckpt)
-    if "lora" in meta:
-        from zoo.adapter import MergedParamReader
-
-        return MergedParamReader(ckpt, meta, path)
-    return ParamReader(ckpt, path)
 
 
 class ParamReader:
@@ -494,7 +516,7 @@ class ParamReader:
         info = read_meta(ckpt)["params"].get(path)
         if info is None:
             raise UserError(f"{ckpt}: parameter '{path}' is missing from the checkpoint; it is damaged, convert it again")
-        self.shape, self.dtype = tuple(info["shape"]), _np_dtype(info["dtype"])
+        self.shape, self.dtype = tuple(info["shape"]), np_dtype(info["dtype"])
         self._store = self._open_store()
         self._array: np.ndarray | None = None
 
@@ -538,16 +560,3 @@ class ParamReader:
             out = self._array[idx]
         return out.squeeze(axis) if squeeze else out
 
-
-def _np_dtype(name: str) -> np.dtype:
-    import ml_dtypes
-
-    return np.dtype(getattr(ml_dtypes, name)) if name in ("bfloat16",) else np.dtype(name)
-
-
-def load(ckpt: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, dtype: Any = None):
-    """Load a zoo checkpoint as a :class:`zoo.model.Decoder` on all local devices (or ``mesh``)."""
-    from zoo.model import Decoder
-
-    cfg = read_config(ckpt)
-    return Decoder(cfg, load_params(ckpt, mesh, dtype))

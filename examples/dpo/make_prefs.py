@@ -18,7 +18,7 @@ that occur neither there nor in the SFT held-out set (``records_eval.jsonl``), s
 to every stage of ``zoo demo``. Each row also says which kind of wrong answer it has (``kind``), for
 reading; the trainers ignore extra columns.
 
-    python examples/dpo/make_prefs.py   # rewrites zoo/demo/prefs_train.jsonl and prefs_eval.jsonl
+    python examples/dpo/make_prefs.py   # rewrites demo/data/prefs_train.jsonl and prefs_eval.jsonl
 """
 
 import importlib.util
@@ -115,9 +115,9 @@ def pair(rng: random.Random, kind: str, names, cities) -> dict:
 
 
 def main() -> None:
-    """Write 256 training and 48 held-out preference pairs into zoo/demo/ (deterministic)."""
+    """Write 256 training and 48 held-out preference pairs into demo/data/ (deterministic)."""
     rng = random.Random(1)
-    here = ROOT / "zoo" / "demo"
+    here = ROOT / "demo" / "data"
     for fname, n, names, cities in (("prefs_train.jsonl", 256, records.NAMES, records.CITIES),
                                     ("prefs_eval.jsonl", 48, PREF_HELD_OUT_NAMES, PREF_HELD_OUT_CITIES)):
         with open(here / fname, "w") as f:

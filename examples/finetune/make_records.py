@@ -4,7 +4,7 @@ The answer format (``name: X | age: N | city: Y``) is not stated in the prompt, 
 model cannot guess it; a few minutes of LoRA teach it. The held-out set uses names and cities
 that never appear in training, so a right answer means the format was learned, not memorized.
 
-    python examples/finetune/make_records.py   # rewrites zoo/demo/records_train.jsonl and records_eval.jsonl
+    python examples/finetune/make_records.py   # rewrites demo/data/records_train.jsonl and records_eval.jsonl
 """
 
 import json
@@ -40,9 +40,9 @@ def example(rng: random.Random, names, cities) -> dict:
 
 
 def main() -> None:
-    """Write 320 training and 48 held-out conversations into zoo/demo/ (deterministic)."""
+    """Write 320 training and 48 held-out conversations into demo/data/ (deterministic)."""
     rng = random.Random(0)
-    here = Path(__file__).resolve().parent.parent.parent / "zoo" / "demo"
+    here = Path(__file__).resolve().parent.parent.parent / "demo" / "data"
     for fname, n, names, cities in (("records_train.jsonl", 320, NAMES, CITIES),
                                     ("records_eval.jsonl", 48, HELD_OUT_NAMES, HELD_OUT_CITIES)):
         with open(here / fname, "w") as f:

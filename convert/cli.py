@@ -1,0 +1,82 @@
+"""`zoo convert`, `zoo init` and `zoo export`: the bodies of the `zoo` commands that convert/ drives.
+
+zoo/cli.py parses the flags and calls these lazily, so `zoo list` never imports the converter.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+from zoo.console import human_bytes, print_table
+from zoo.errors import UserError
+
+
+def convert_command(args: argparse.Namespace) -> None:
+    """`zoo convert SOURCE --out DIR`: convert a Hugging Face / GGUF model into a zoo checkpoint."""
+    from convert import convert
+
+    out = convert(args.source, args.out, dtype=args.dtype)
+    print(f"wrote {out}")
+
+
+def init_command(args: argparse.Namespace) -> None:
+    """`zoo init SOURCE --out DIR`: a random-weight checkpoint from a built-in or given config."""
+    from convert.init import init_random
+
+    print(f"wrote {init_random(args.source, args.out, args.seed, args.dtype)}")
+
+
+def export_command(args: argparse.Namespace) -> None:
+    """`zoo export CKPT`: write a checkpoint as a Hugging Face folder (or, with --adapter, a PEFT adapter) and/or
+    push it to the Hub."""
+    import tempfile
+
+    from convert.hub import check_repo_id, destination, push_folder
+
+    if not args.out and not args.push_to_hub:
+        raise UserError("zoo export needs --out DIR, --push-to-hub USER/REPO, or both")
+    if (args.private or args.revision) and not args.push_to_hub:
+        raise UserError("--private and --revision only apply with --push-to-hub USER/REPO")
+    from zoo.paths import checkpoint_dir
+
+    args.ckpt = str(checkpoint_dir(args.ckpt))
+    if args.push_to_hub:
+        check_repo_id(args.push_to_hub)
+    write, planned = _export_writer(args)
+    if args.dry_run:
+        files = planned()
+        where = [str(Path(args.out).absolute())] if args.out else []
+        if args.push_to_hub:
+            where.append(destination(args.push_to_hub, args.revision) + (" (private)" if args.private else ""))
+        print(f"dry run: would write {len(files)} files to {' and '.join(where)}")
+        print_table([("file", "size")] + [(n, human_bytes(s) if s else "small") for n, s in files])
+        return
+    hint = args.push_to_hub or Path(args.out).name
+    if args.out:
+        out = write(args.out, args.overwrite, hint)
+        print(f"wrote {out}")
+        if args.push_to_hub:
+            print(f"pushed: {push_folder(out, args.push_to_hub, args.private, args.revision)}")
+        return
+    with tempfile.TemporaryDirectory(prefix="lmzoo-export-") as tmp:
+        out = write(Path(tmp) / "export", False, hint)
+        print(f"pushed: {push_folder(out, args.push_to_hub, args.private, args.revision)}")
+
+
+def _export_writer(args: argparse.Namespace) -> tuple[Callable[[str | Path, bool, str], Path],
+                                                      Callable[[], list[tuple[str, int]]]]:
+    """(write(out, overwrite, repo_hint) -> folder, planned() -> [(file, size)]) for the kind of export asked."""
+    if args.adapter:
+        from convert.peft import export_adapter, planned_adapter_files
+
+        if args.max_shard_size is not None:
+            raise UserError("--max-shard-size does not apply to --adapter: the adapter is one small safetensors file")
+        return (lambda out, overwrite, hint: export_adapter(args.ckpt, out, overwrite, args.dtype, hint),
+                lambda: planned_adapter_files(args.ckpt, args.dtype))
+    from convert.export import DEFAULT_MAX_SHARD, export, planned_files
+
+    size = args.max_shard_size or DEFAULT_MAX_SHARD
+    return (lambda out, overwrite, hint: export(args.ckpt, out, args.dtype, size, overwrite, repo_hint=hint),
+            lambda: planned_files(args.ckpt, args.dtype, size))

@@ -1,0 +1,151 @@
+"""`zoo generate`: the body of the command (streamed text for one prompt, or a JSONL file of prompts in batches).
+
+zoo/cli.py parses the flags and calls :func:`generate_command` lazily; the decoding itself is eval/generate.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from zoo.errors import UserError
+
+if TYPE_CHECKING:  # annotations only: JAX and the model load inside the command
+    from eval.generate import GenerationConfig
+    from zoo.model import Decoder
+
+
+def generate_command(args: argparse.Namespace) -> None:
+    """`zoo generate CKPT`: continue a prompt (or answer it as a chat turn with --chat), streaming; or complete a
+    JSONL file of prompts."""
+    if (args.prompt is None) == (args.prompts_file is None):
+        raise UserError("zoo generate needs exactly one of --prompt TEXT and --prompts-file IN.jsonl")
+    if args.prompts_file is not None and not args.out:
+        raise UserError("--prompts-file needs --out OUT.jsonl")
+    if args.out and args.prompts_file is None:
+        raise UserError("--out only applies with --prompts-file")
+    if (args.max_new_tokens < 1 or args.batch_size < 1 or args.temperature < 0 or args.top_k < 0
+            or not 0 < args.top_p <= 1):
+        raise UserError("need --max-new-tokens >= 1, --batch-size >= 1, --temperature >= 0, --top-k >= 0 "
+                        "and 0 < --top-p <= 1")
+    from zoo.paths import checkpoint_dir
+
+    args.ckpt = str(checkpoint_dir(args.ckpt))
+    rows = _read_prompt_rows(Path(args.prompts_file)) if args.prompts_file else None
+    import numpy as np
+
+    import zoo
+    from eval.generate import GenerationConfig
+    from zoo.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(args.ckpt)
+    model = zoo.load(args.ckpt, dtype=np.float32)
+    gen = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                           top_p=args.top_p, seed=args.seed, stop=tuple(args.stop or ()),
+                           eos_ids=_eos_ids(args.ckpt, tok))
+    if rows is None:
+        _stream_one(model, tok, _prompt_ids(tok, {"prompt": args.prompt}, args), gen)
+    else:
+        _generate_file(model, tok, rows, args, gen)
+
+
+def _eos_ids(ckpt: str, tok: Any) -> tuple[int, ...]:
+    """End-of-sequence ids: the tokenizer's, plus the source config's (Llama 3 chat models end turns with another)."""
+    import json
+
+    from zoo.checkpoint import HF_CONFIG_FILE
+
+    ids = {tok.eos_token_id} - {None}
+    path = Path(ckpt) / HF_CONFIG_FILE
+    if path.is_file():
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        ids |= set(eos if isinstance(eos, list) else [eos]) - {None}
+    return tuple(sorted(ids))
+
+
+def _read_prompt_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a prompts JSONL file, each with a string "prompt" or a list "messages"."""
+    import json
+
+    if not path.is_file():
+        raise UserError(f"--prompts-file {path}: no such file")
+    rows = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        ok = isinstance(row, dict) and (isinstance(row.get("prompt"), str) != isinstance(row.get("messages"), list))
+        if not ok:
+            raise UserError(f'{path}:{n}: each line needs exactly one of "prompt" (a string) or "messages" (a list)')
+        rows.append(row)
+    if not rows:
+        raise UserError(f"--prompts-file {path} has no prompts")
+    return rows
+
+
+def _prompt_ids(tok: Any, row: dict[str, Any], args: argparse.Namespace) -> list[int]:
+    """Token ids of one prompt: "messages" (or a "prompt" with --chat) under the chat template, else plain text."""
+    from eval.generate import chat_ids
+
+    if "messages" in row or args.chat:
+        messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
+        if args.system is not None and not any(m.get("role") == "system" for m in messages):
+            messages = [{"role": "system", "content": args.system}, *messages]
+        if not getattr(tok, "chat_template", None):
+            raise UserError(f"{args.ckpt}: the tokenizer has no chat template; leave out --chat / use \"prompt\"")
+        return chat_ids(tok, messages)
+    return list(tok(row["prompt"])["input_ids"])
+
+
+def _stream_one(model: Decoder, tok: Any, ids: list[int], gen: GenerationConfig) -> None:
+    """Generate for one prompt, printing the text as it grows (held back where a stop string may begin)."""
+    from eval.answers import cut_at_stop
+    from eval.generate import generate
+
+    new: list[int] = []
+    shown = 0
+    hold = max((len(s) for s in gen.stop), default=1) - 1
+
+    def text() -> str:
+        return cut_at_stop(tok.decode(new, skip_special_tokens=True), gen.stop)
+
+    def on_token(_row: int, token: int) -> None:
+        nonlocal shown
+        new.append(token)
+        t = text()
+        t = t[:max(shown, len(t) - hold)]
+        if t.endswith("\ufffd"):  # a character split across tokens: wait for the rest of it
+            return
+        print(t[shown:], end="", flush=True)
+        shown = len(t)
+
+    generate(model.cfg, model.param_dict(), [ids], gen, on_token, tok)
+    print(text()[shown:], flush=True)
+
+
+def _generate_file(model: Decoder, tok: Any, rows: list[dict[str, Any]], args: argparse.Namespace,
+                   gen: GenerationConfig) -> None:
+    """Complete every row of a prompts file in batches; write each row back with its "completion"."""
+    import json
+
+    from tqdm import tqdm
+
+    from eval.answers import cut_at_stop
+    from eval.generate import generate
+
+    ids = [_prompt_ids(tok, r, args) for r in rows]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", encoding="utf-8") as f, tqdm(total=len(rows), desc="generate", unit="prompt", disable=None) as bar:
+        for i in range(0, len(rows), args.batch_size):
+            new = generate(model.cfg, model.param_dict(), ids[i:i + args.batch_size], gen, tokenizer=tok)
+            for row, toks in zip(rows[i:i + args.batch_size], new):
+                text = cut_at_stop(tok.decode(toks, skip_special_tokens=True), gen.stop)
+                f.write(json.dumps({**row, "completion": text}, ensure_ascii=False) + "\n")
+            bar.update(len(new))
+    print(f"wrote {out}", file=sys.stderr)

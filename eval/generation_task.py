@@ -1,0 +1,96 @@
+"""`generation` tasks: greedy answers to each row's prompt, scored by exact match or a regex's pick.
+
+Prompts are plain text (few-shot examples joined by the task's separator) or
+a conversation under the tokenizer's chat template; answers are generated on
+the KV cache (:mod:`eval.generate`) and compared by :mod:`eval.answers`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from eval.answers import is_correct, scored_answer
+from eval.generate import GenerationConfig, generate
+from eval.loglikelihood import encode
+from eval.progress import progress_bar
+from eval.tasks import Task, field_of, format_row
+from zoo.config import ModelConfig
+from zoo.errors import UserError
+
+Generator = Callable[[list[list[int]]], list[list[int]]]  # a batch of prompts -> each one's new tokens
+
+
+def generation_examples(tokenizer: Any, task: Task, rows: list[dict], num_fewshot: int | None = None,
+                        chat_template: bool | None = None) -> list[tuple[list[int], str]]:
+    """(prompt ids, reference answer) of each row."""
+    use_chat = task.opt("chat_template", bool(task.opt("messages"))) if chat_template is None else chat_template
+    k = task.opt("num_fewshot", 0) if num_fewshot is None else num_fewshot
+    shots_from = task.fewshot_rows()
+    out = []
+    for i, row in enumerate(rows):
+        pool = shots_from if shots_from is not None else [r for j, r in enumerate(rows[:k + 1]) if j != i]
+        turns, ref = _turns(row, task)
+        shots = [_turns(s, task) for s in pool[:k]]
+        if use_chat:
+            if not getattr(tokenizer, "chat_template", None):
+                raise UserError(f"task {task.name} ({task.source}) applies the chat template, but the tokenizer has "
+                                "none; set chat_template: false in the task or pass --no-chat-template")
+            conv = [m for st, sr in shots for m in st + [{"role": "assistant", "content": sr}]] + turns
+            ids = tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=False)
+            ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
+        else:
+            delim, sep = task.opt("target_delimiter", " "), task.opt("fewshot_separator", "\n\n")
+            text = sep.join([_plain(st) + delim + sr for st, sr in shots] + [_plain(turns)])
+            ids = encode(tokenizer, text, special=True)
+        out.append((ids, ref))
+    return out
+
+
+def _turns(row: dict, task: Task) -> tuple[list[dict[str, str]], str]:
+    """(the conversation before the answer, the reference answer) of one row."""
+    if task.opt("messages"):
+        msgs = field_of(row, task.opt("messages"), task)
+        last = [i for i, m in enumerate(msgs) if isinstance(m, dict) and m.get("role") == "assistant"]
+        if not last:
+            raise UserError(f"task {task.name} ({task.source}): a row's {task.opt('messages')} has no assistant "
+                            "turn to use as the reference")
+        return msgs[:last[-1]], str(msgs[last[-1]]["content"])
+    prompt = format_row(task.opt("prompt"), row, task, "prompt")
+    return [{"role": "user", "content": prompt}], format_row(task.opt("target"), row, task, "target")
+
+
+def _plain(turns: list[dict[str, str]]) -> str:
+    """A conversation as plain text (no chat template): its turns' contents, one per line."""
+    return "\n".join(str(m["content"]) for m in turns)
+
+
+def greedy_generator(cfg: ModelConfig, params: dict[str, Any], tokenizer: Any, max_new_tokens: int,
+                     stop: Sequence[str] = ()) -> Generator:
+    """prompts -> greedy new tokens (eval.generate on the KV cache; stops at EOS or a stop string)."""
+    eos = (int(tokenizer.eos_token_id),) if tokenizer.eos_token_id is not None else ()
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.0, stop=tuple(stop), eos_ids=eos)
+    return lambda prompts: generate(cfg, params, prompts, gen, tokenizer=tokenizer if stop else None)
+
+
+def score_generation(tokenizer: Any, task: Task, rows: list[dict], generator: Generator, batch_size: int = 8,
+                     num_fewshot: int | None = None, chat_template: bool | None = None, progress: bool = True,
+                     ) -> tuple[dict[str, float], list[dict[str, str]]]:
+    """(exact_match metric, the first few samples) of a generation task, with ``generator`` producing the tokens."""
+    examples = generation_examples(tokenizer, task, rows, num_fewshot, chat_template)
+    answers: list[str] = [""] * len(examples)
+    order = sorted(range(len(examples)), key=lambda i: -len(examples[i][0]))
+    with progress_bar(len(examples), task.name, "ex", progress) as bar:
+        for s in range(0, len(order), batch_size):
+            idx = order[s:s + batch_size]
+            # A short last batch is filled up with copies of its first prompt: one batch shape, one compilation.
+            prompts = [examples[i][0] for i in idx] + [examples[idx[0]][0]] * (batch_size - len(idx))
+            for i, new in zip(idx, generator(prompts)):
+                answers[i] = tokenizer.decode(new, skip_special_tokens=True)
+            bar.update(len(idx))
+    correct = [is_correct(a, ref, task) for a, (_, ref) in zip(answers, examples)]
+    samples = [{"answer": a, "scored": scored_answer(a, task), "reference": ref, "correct": c}
+               for a, (_, ref), c in list(zip(answers, examples, correct))[:3]]
+    return {"exact_match": float(np.mean(correct)) if correct else 0.0}, samples

@@ -1,0 +1,54 @@
+"""Console helpers shared by every command line (`zoo`, `pretrain`, `sft`, `dpo`): the error boundary, tables,
+byte sizes and the terminal check.
+
+On the ground floor, so that each package's CLI can use them without importing another package's CLI.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import TextIO
+
+from zoo.errors import UserError
+
+
+def run_cli(fn: Callable[[], int | None]) -> int:
+    """Run a command body: UserError -> 'error: ...' on stderr and exit code 2."""
+    # transformers warns at import that PyTorch is missing; lmzoo never needs it, so users need not read that.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    try:
+        return fn() or 0
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def print_table(rows: Sequence[Sequence[str]]) -> None:
+    """Left-aligned columns with a rule under the header."""
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    for j, r in enumerate(rows):
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
+        if j == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def human_bytes(n: float) -> str:
+    """A byte count for people: 512 -> '512 B', 3 * 2**20 -> '3.0 MiB' (GiB is the largest unit)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def is_terminal(stream: TextIO) -> bool:
+    """Whether ``stream`` is an interactive terminal (a bar can redraw itself there)."""
+    try:
+        return stream.isatty() and os.environ.get("TERM") != "dumb"
+    except (AttributeError, ValueError):
+        return False

@@ -1,0 +1,97 @@
+"""`zoo list` and `zoo info`: the registry as a table, and what a checkpoint holds (size, dtype, shapes, disk layout).
+
+Both read only the ground floor (the registry, checkpoint metadata), so they live in zoo/ itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterable
+from pathlib import Path
+
+from zoo.console import print_table
+
+
+def list_command(args: argparse.Namespace) -> None:
+    """`zoo list`: print the registry as a table."""
+    from zoo.registry import REGISTRY, human_count
+
+    rows = [("name", "family", "params", "hugging face repo")]
+    rows += [(e.name, e.family, human_count(e.params) if e.params else "tiny", e.hf_repo or "(built-in config: zoo init)")
+             for e in REGISTRY.values()]
+    print_table(rows)
+
+
+def info_command(args: argparse.Namespace) -> None:
+    """`zoo info CKPT`: describe a checkpoint: family, size, dtype, shapes and on-disk layout."""
+    # Imported here: zoo.checkpoint loads JAX, which `zoo list` (sharing this module) does not need.
+    from zoo.checkpoint import PARAMS_DIR, read_meta
+    from zoo.paths import checkpoint_dir
+    from zoo.registry import human_count
+
+    args.ckpt = str(checkpoint_dir(args.ckpt))
+    meta = read_meta(args.ckpt)
+    params = meta["params"]
+    total = sum(_prod(p["shape"]) for p in params.values())
+    dtypes = sorted({p["dtype"] for p in params.values()})
+    chunks = _chunk_shapes(Path(args.ckpt) / PARAMS_DIR)
+    files = [f for f in (Path(args.ckpt) / PARAMS_DIR).rglob("*") if f.is_file()]
+    size = sum(f.stat().st_size for f in files)
+    cfg = meta["config"]
+    print(f"checkpoint  {args.ckpt}")
+    print(f"family      {meta['family']}   (format version {meta['format_version']})")
+    print(f"source      {meta.get('source', '?')}")
+    print(f"parameters  {human_count(total)} ({total:,})")
+    print(f"dtype       {', '.join(dtypes)}")
+    print(
+        f"shape       layers={cfg['num_layers']} hidden={cfg['hidden_size']} heads={cfg['num_heads']} "
+        f"kv_heads={cfg['num_kv_heads']} head_dim={cfg['head_dim']} mlp={cfg['intermediate_size']} "
+        f"vocab={cfg['vocab_size']} tied={cfg['tie_word_embeddings']}"
+    )
+    if cfg.get("num_experts"):
+        print(f"experts     {cfg['num_experts']} routed (top-{cfg['experts_per_token']}), "
+              f"{cfg.get('shared_experts', 0)} shared, first {cfg.get('dense_layers', 0)} layers dense")
+    lora = meta.get("lora")
+    if lora:
+        # An adapter checkpoint: the table above describes the merged model; on disk are the adapters only.
+        n = sum(_prod(p["shape"]) for p in lora["params"].values())
+        print(f"lora        rank {lora['rank']}, alpha {lora['alpha']:g}{', rslora' if lora['rslora'] else ''}, "
+              f"{human_count(n)} ({n:,}) adapter parameters on {', '.join(lora['target_modules'])}")
+        from zoo.adapter import base_location  # noqa: PLC0415 - only adapter checkpoints need it
+
+        print(f"base        {base_location(args.ckpt, meta)}  (merged on load and export)")
+        params = lora["params"]
+    print(f"on disk     Orbax OCDBT/zarr3, {len(files)} files, {size / 2**20:.1f} MiB; chunked as below")
+    print()
+    rows = [("parameter", "shape", "dtype", "logical axes", "disk chunk", "chunks")]
+    for name, p in params.items():
+        ch = chunks.get(name)
+        n = _prod(-(-s // c) for s, c in zip(p["shape"], ch)) if ch else "?"
+        rows.append((name, "x".join(map(str, p["shape"])), p["dtype"], ",".join(a or "-" for a in p["axes"]),
+                     "x".join(map(str, ch)) if ch else "?", str(n)))
+    print_table(rows)
+
+
+def _prod(xs: Iterable[int]) -> int:
+    n = 1
+    for x in xs:
+        n *= int(x)
+    return n
+
+
+def _chunk_shapes(params_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Dotted path -> on-disk chunk shape, from Orbax's metadata (empty if unreadable)."""
+    try:
+        import orbax.checkpoint.experimental.v1 as ocp
+
+        tree = ocp.metadata(params_dir.absolute()).metadata
+    except Exception:
+        return {}
+    from zoo.params import flatten
+
+    out = {}
+    for k, v in flatten(dict(tree)).items():
+        sm = getattr(v, "storage_metadata", None)
+        if sm is not None and sm.chunk_shape is not None:
+            out[k] = tuple(sm.chunk_shape)
+    return out

@@ -1,0 +1,61 @@
+"""Reading any zoo checkpoint as the model it describes: ``zoo.load``, ``zoo.load_params`` and streaming readers.
+
+A plain checkpoint (converted, or a full fine-tuning run) is read as it is
+stored (:mod:`zoo.checkpoint`). An adapter checkpoint (a LoRA run,
+:mod:`zoo.adapter`) is read as its base checkpoint with the adapters merged in,
+resolved recursively: the base may itself be an adapter checkpoint.
+
+Layering, bottom up: :mod:`zoo.checkpoint` (plain checkpoint files) <-
+:mod:`zoo.adapter` (adapter checkpoints, their base, the merged reader) <-
+this module; nothing below imports it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+
+from zoo import checkpoint
+from zoo.adapter import MergedParamReader, base_checkpoint, is_adapter, load_adapters, lora_config
+from zoo.checkpoint import ParamReader, read_config, read_meta
+from zoo.config import ModelConfig
+from zoo.lora import merge_lora
+from zoo.model import Decoder
+from zoo.sharding import make_mesh
+
+
+def load_params(
+    ckpt: str | os.PathLike,
+    mesh: jax.sharding.Mesh | None = None,
+    dtype: Any = None,
+    paths: list[str] | None = None,
+) -> dict[str, Any]:
+    """Restore a checkpoint's model parameters (nested dict of jax Arrays) sharded on ``mesh`` by the
+    logical-axis rules; for an adapter checkpoint, its base's with the adapters merged in.
+
+    ``paths`` restores only those dotted parameters (Orbax partial load), which
+    is how streaming readers take one parameter at a time.
+    """
+    meta = read_meta(ckpt)
+    if not is_adapter(meta):
+        return checkpoint.load_stored_params(ckpt, mesh, dtype, paths)
+    mesh = mesh or make_mesh()
+    base = load_params(base_checkpoint(ckpt, meta), mesh, dtype, paths)
+    cfg = ModelConfig.from_dict(meta["config"])
+    return merge_lora(cfg, base, load_adapters(ckpt, meta, mesh), lora_config(meta))
+
+
+def param_reader(ckpt: str | os.PathLike, path: str) -> ParamReader | MergedParamReader:
+    """A streaming reader of one parameter; for an adapter checkpoint, of the merged parameter."""
+    meta = read_meta(ckpt)
+    if is_adapter(meta):
+        return MergedParamReader(ckpt, meta, path, param_reader(base_checkpoint(ckpt, meta), path))
+    return ParamReader(ckpt, path)
+
+
+def load(ckpt: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, dtype: Any = None) -> Decoder:
+    """Load a zoo checkpoint as a :class:`zoo.model.Decoder` on all local devices (or ``mesh``)."""
+    cfg = read_config(ckpt)
+    return Decoder(cfg, load_params(ckpt, mesh, dtype))
