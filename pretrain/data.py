@@ -84,6 +84,13 @@ def _stream(docs: list, seed: int, epochs: int | None) -> grain.MapDataset:
     return grain.MapDataset.source(docs).shuffle(seed=seed).repeat(epochs).map(features)
 
 
+# Lanes read documents already in memory, so grain's prefetch threads only cost: its default (16 threads and a
+# 500-element buffer per iterator) made the first batch of a 64-lane run wait ~6 s on 2 idle cores (~60 s on
+# busy ones), starting threads to fill 64 buffers. Without prefetch each row is made when it is read; the
+# iterator state (the next index) is the same.
+NO_PREFETCH = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+
+
 def _pack(ds: grain.MapDataset, example: dict[str, np.ndarray], seq_len: int, seed: int, packing: bool | str):
     """A grain dataset of rows {tokens, segment ids, positions[, loss_mask]} of seq_len + 1 tokens from the
     documents of ``ds`` (features like ``example``), packed as ``packing`` says (see PACKING)."""
@@ -91,12 +98,12 @@ def _pack(ds: grain.MapDataset, example: dict[str, np.ndarray], seq_len: int, se
 
     mode = _mode(packing)
     if mode == "none":
-        return ds.map(lambda x: padded(x, seq_len + 1)).to_iter_dataset()
+        return ds.map(lambda x: padded(x, seq_len + 1)).to_iter_dataset(NO_PREFETCH)
     lengths = {k: seq_len + 1 for k in example}
     if mode == "best_fit":
-        return ge.BestFitPackIterDataset(ds.to_iter_dataset(), length_struct=lengths, num_packing_bins=PACKING_BINS,
+        return ge.BestFitPackIterDataset(ds.to_iter_dataset(NO_PREFETCH), length_struct=lengths, num_packing_bins=PACKING_BINS,
                                          seed=seed, shuffle_bins=False)
-    return ge.ConcatThenSplitIterDataset(ds.to_iter_dataset(), length_struct=lengths)
+    return ge.ConcatThenSplitIterDataset(ds.to_iter_dataset(NO_PREFETCH), length_struct=lengths)
 
 
 def _rows(docs: list, seq_len: int, seed: int, packing: bool | str, epochs: int | None):

@@ -47,25 +47,30 @@ def run_data(cfg: TrainConfig, task: Task, tokenizer: Any, vocab: int, sharding:
     if isinstance(d.path, list):
         return mixture_data(cfg, task, tokenizer, vocab, mine, counted, packing)
     share = read_source(cfg, task, tokenizer, vocab, mine, counted, packing, "data.path", d.eval_fraction)
-    total = cfg.max_steps or max(1, share.per_epoch // epoch_unit(cfg, packing)) * cfg.epochs
-    batches = LaneBatches([lane_dataset(share.lane_docs[r], d.seq_len, cfg.seed * 1_000_003 + r, packing)
+    total = cfg.max_steps or max(1, share.per_epoch // epoch_unit(cfg, packing, task.group_size)) * cfg.epochs
+    # The rows of one group (task.group_size) read the same lane with the same seed: the same documents.
+    g = task.group_size
+    batches = LaneBatches([lane_dataset(share.lane_docs[r], d.seq_len, cfg.seed * 1_000_003 + r // g, packing)
                            for r in mine])
     return RunData(batches, mine, packing, share.n_long, share.eval_docs, total, share.skipped)
 
 
 def global_batch(local: dict[str, np.ndarray], rows: list[int], sharding: NamedSharding,
                   shape: tuple[int, int, int]) -> dict[str, jax.Array]:
-    """Global [accum, micro, seq] arrays from this process's rows (no process ever holds the whole batch)."""
+    """Global [accum, micro, length] arrays from this process's rows (no process ever holds the whole batch);
+    ``shape`` gives accum and micro (each array keeps its own length)."""
     where = {r: i for i, r in enumerate(rows)}
     micro = shape[1]
 
     def build(x: np.ndarray) -> jax.Array:
+        full = shape[:2] + (x.shape[-1],)
+
         def shard(index: tuple[slice, ...]) -> np.ndarray:
             a_range, m_range = range(shape[0])[index[0]], range(micro)[index[1]]
             picked = x[[where[a * micro + m] for a in a_range for m in m_range]]
             return picked.reshape(len(a_range), len(m_range), -1)[..., index[2]]
 
-        return jax.make_array_from_callback(shape, sharding, shard)
+        return jax.make_array_from_callback(full, sharding, shard)
 
     return {k: build(v) for k, v in local.items()}
 

@@ -46,9 +46,10 @@ class RunData:
         return mixture_report(self.sources, *self.batches.mixture_counts())
 
 
-def epoch_unit(cfg: TrainConfig, packing: str) -> int:
-    """What one step consumes of ``SourceShare.per_epoch``: tokens (packed rows) or documents (one per row)."""
-    return cfg.batch_size * (cfg.data.seq_len + 1) if packing != "none" else cfg.batch_size
+def epoch_unit(cfg: TrainConfig, packing: str, group_size: int = 1) -> int:
+    """What one step consumes of ``SourceShare.per_epoch``: tokens (packed rows) or documents (one per row, or
+    one per group of ``group_size`` rows)."""
+    return cfg.batch_size * (cfg.data.seq_len + 1) if packing != "none" else cfg.batch_size // group_size
 
 
 @dataclasses.dataclass
@@ -70,10 +71,16 @@ def read_source(cfg: TrainConfig, task: Task, tokenizer: Any, vocab: int, mine: 
     rows = task.load(d.path, cfg)
     order, eval_rows = split_rows(len(rows), 0.0 if d.eval_path else eval_fraction,
                                   cfg.seed if seed is None else seed)
-    if len(order) < cfg.batch_size:
-        raise UserError(f"{where} {d.path}: {len(order)} training rows, fewer than batch_size={cfg.batch_size} "
+    # A task whose groups of `g` consecutive batch rows read one document each (task.group_size) has
+    # batch_size / g lanes of documents; row r reads lane r // g, and only a group's first row counts it.
+    g = task.group_size
+    n_lanes = cfg.batch_size // g
+    if len(order) < n_lanes:
+        per = f"batch_size / {g} = {n_lanes}" if g > 1 else f"batch_size={cfg.batch_size}"
+        raise UserError(f"{where} {d.path}: {len(order)} training rows, fewer than {per} "
                         "(each row of a batch reads its own share of the documents); add data or lower batch_size")
-    lanes = {r: lane_rows(order, cfg.batch_size, r) for r in mine}
+    lanes = {r: lane_rows(order, n_lanes, r // g) for r in mine}
+    counted = [r for r in counted if r % g == 0]
     failed: UserError | None = None
     docs: dict[int, Document] = {}
     try:

@@ -82,7 +82,7 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any,
             g_acc, sums_acc = carry
             mb, rng = xs
             (_, sums), g = grad_fn(state["params"], mb, frozen, frozen_inputs, rng, totals, number)
-            return (jax.tree.map(jnp.add, g_acc, g), jax.tree.map(jnp.add, sums_acc, sums)), None
+            return (jax.tree.map(jnp.add, g_acc, g), combine_sums(sums_acc, sums, task.max_metrics)), None
 
         micro_batches = jax.tree.leaves(batch)[0].shape[0]
         rngs = dropout_rngs(state["step"], micro_batches)
@@ -104,7 +104,7 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any,
         params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": loss / n, "grad_norm": optax.tree.norm(g), "target_tokens": n,
                    "padding": 1.0 - (batch["segment_ids"] != 0).mean(),
-                   "task": extra_means(extra[0] if extra else {}, n)}
+                   "task": extra_means(extra[0] if extra else {}, n, task.max_metrics)}
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     if state_sharding is None:
@@ -122,10 +122,19 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any,
     return sharded_step, compile_then_trim(jax.jit(evaluate, out_shardings=replicated))
 
 
-def extra_means(sums: dict, n: Any) -> dict:
+def combine_sums(a: tuple, b: tuple, max_metrics: tuple[str, ...] = ()) -> tuple:
+    """Two micro-batches' loss sums added, except the extra metrics named in ``max_metrics`` (their maximum)."""
+    out = jax.tree.map(jnp.add, a, b)
+    if len(a) > 2 and max_metrics:
+        out[2].update({k: jnp.maximum(a[2][k], b[2][k]) for k in max_metrics if k in a[2]})
+    return out
+
+
+def extra_means(sums: dict, n: Any, max_metrics: tuple[str, ...] = ()) -> dict:
     """A task's extra metric sums as means: a plain sum divided by the task's count ``n``, a
-    (sum, count) pair by its own count (0 where that count is 0)."""
-    return {k: v[0] / jnp.maximum(v[1], 1e-30) if isinstance(v, tuple) else v / n for k, v in sums.items()}
+    (sum, count) pair by its own count (0 where that count is 0); those named in ``max_metrics`` as they are."""
+    return {k: v if k in max_metrics else v[0] / jnp.maximum(v[1], 1e-30) if isinstance(v, tuple) else v / n
+            for k, v in sums.items()}
 
 
 # XLA:CPU's memory-optimized instruction scheduler: the default (concurrency-optimized) one starts independent

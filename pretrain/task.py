@@ -52,7 +52,12 @@ class Task:
     * ``too_long`` collects the row indices the task cut or dropped to fit its
       own rows (reported like ``data.long_examples``);
     * ``reads_step``: the train step passes its optimizer step as ``step``;
-    * ``key_metrics``: the task's metrics a plain log line shows beside the loss.
+    * ``key_metrics``: the task's metrics a plain log line shows beside the loss;
+    * ``max_metrics``: extra metrics combined over micro-batches by their maximum, not summed;
+    * ``group_size``: how many consecutive rows of a batch read the same document (1: each its own);
+    * an *online* task (``online``) makes each step's batch itself: :meth:`rollout` turns the global batch of
+      data rows (documents padded to ``data.seq_len + 1``, every feature) into the model batch the step
+      trains on, ``updates_per_step`` times, and :meth:`step_metrics` reports what it measured.
     """
 
     method: ClassVar[str] = "pretrain"  # recorded in the final checkpoint's training provenance
@@ -60,9 +65,13 @@ class Task:
     config_class: ClassVar[type[TrainConfig]] = TrainConfig  # the config schema the task reads
     reads_step: ClassVar[bool] = False
     key_metrics: ClassVar[tuple[str, ...]] = ()
+    max_metrics: ClassVar[tuple[str, ...]] = ()
+    online: ClassVar[bool] = False
 
     def __init__(self, cfg: TrainConfig | None = None):
         self.too_long: set[int] = set()
+        self.group_size = 1
+        self.updates_per_step = 1
 
     def load(self, path: str, cfg: TrainConfig) -> RowSource:
         """The rows of a local file/folder or Hub dataset."""
@@ -98,6 +107,18 @@ class Task:
     def trainable(self, doc: Document, seq_len: int) -> bool:
         """Whether ``doc``, cut to a row of ``seq_len + 1`` tokens, trains anything (default: keeps a target)."""
         return keeps_a_target(doc, seq_len)
+
+    def rollout(self, params: Any, frozen: Any, frozen_inputs: Any, rows: dict[str, jax.Array],
+                step: int) -> dict[str, jax.Array]:
+        """An online task's model batch for loop step ``step`` (0-based) from the global data rows ``rows``
+        ([accum, micro, seq_len + 1] each), made with the current weights (``params``, the trained ones; the
+        frozen base with LoRA). Only called when ``online``."""
+        raise NotImplementedError
+
+    def step_metrics(self, step_time: float) -> dict[str, float]:
+        """What the task measured in the step just taken (``step_time`` seconds in all), logged with its
+        metrics; none by default."""
+        return {}
 
 
 def next_token_loss_sums(mcfg: ModelConfig, params: dict, mb: dict, compute: Any, remat: str,

@@ -18,6 +18,7 @@ from functools import partial
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
@@ -104,7 +105,8 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
               f"{what} (data.long_examples)", file=sys.stderr)
     total = data.total_steps
     # Before anything is written: a run that cannot train is an error, not 0-loss steps and a `final` model.
-    preflight.check_first_batch(data.batches, cfg)
+    if not task.online:  # an online task's rows are prompts: it makes what trains itself
+        preflight.check_first_batch(data.batches, cfg)
     if data.eval_docs and cfg.eval_every:
         preflight.check_eval(data.eval_docs, cfg, micro, data.packing)
     # A mixture's eval loss per source too (`eval_loss/NAME`), for each source eval set that fills a batch.
@@ -116,7 +118,9 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
             print(f"warning: the eval set of source {name} ({len(docs)} examples) cannot fill one eval batch of "
                   f"{micro} rows: it counts in eval_loss, but gets no eval_loss/{name} of its own", file=sys.stderr)
 
-    schedule = lr_schedule(cfg, total)
+    # The schedule counts optimizer updates: an online task may make several per step (its batch reused).
+    updates = task.updates_per_step
+    schedule = lr_schedule(cfg, total * updates)
     tx = build_optimizer(cfg, schedule)
     lora_cfg = lora_settings(cfg, src_ckpt)
     # With LoRA only the adapters are trained (state["params"]); the base is a frozen, undifferentiated input.
@@ -183,18 +187,27 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
                 raise UserError(f"stopped by {stop.requested or 'a signal to another process'} after step {step}; "
                                 f"checkpoint saved in {out}, run the same command to resume")
             t0 = time.perf_counter()
-            b = global_batch(to_model_batch(next(data.batches)), data.rows, batch_sharding, batch_shape)
-            state, m = step_fn(state, b, frozen, frozen_inputs=frozen_inputs)
+            if task.online:  # the task makes the batch (GRPO: samples completions and scores them)
+                rows = global_batch(next(data.batches), data.rows, batch_sharding, batch_shape)
+                b = task.rollout(state["params"], frozen, frozen_inputs, rows, step)
+            else:
+                b = global_batch(to_model_batch(next(data.batches)), data.rows, batch_sharding, batch_shape)
+            m = None
+            for _ in range(updates):
+                state, one = step_fn(state, b, frozen, frozen_inputs=frozen_inputs)
+                m = one if m is None else jax.tree.map(jnp.add, m, one)
+            if updates > 1:  # each update's metrics, averaged
+                m = jax.tree.map(lambda x: x / updates, m)
             loss = float(m["loss"])
             if not np.isfinite(loss):
                 raise UserError(f"loss became {loss} at step {step + 1}; the last good checkpoint is kept in {out}")
             dt = time.perf_counter() - t0
             seen += cfg.batch_size * cfg.data.seq_len
-            last = {"step": step + 1, "loss": loss, "learning_rate": float(schedule(step)),
+            last = {"step": step + 1, "loss": loss, "learning_rate": float(schedule(step * updates)),
                     "grad_norm": float(m["grad_norm"]), "tokens_seen": seen,
                     "tokens_per_sec": cfg.batch_size * cfg.data.seq_len / dt, "step_time": dt,
                     "mfu": step_flops / dt / peak if peak else None, "padding_fraction": float(m["padding"]),
-                    **{k: float(v) for k, v in m["task"].items()}}
+                    **{k: float(v) for k, v in m["task"].items()}, **task.step_metrics(dt)}
             if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == total):
                 if data.eval_docs:
                     score = partial(eval_fn, frozen=frozen, frozen_inputs=frozen_inputs)

@@ -18,7 +18,7 @@ from dpo.task import DPOTask
 from dpo.config import DPOConfig
 from pretrain.config import load_config
 from pretrain.trainer import train
-from tests.tiny import SMOLLM2_TINY, copy_smollm2_tiny, hf_logits, log_softmax, make_llama
+from tests.tiny import SMOLLM2_TINY, copy_smollm2_tiny, hf_logits, kill_after_checkpoint, log_softmax, make_llama
 from zoo.cli import main as zoo_main
 
 COLORS = "red blue green yellow black white".split()
@@ -317,26 +317,6 @@ def test_grad_accum_2_equals_one_batch_twice_as_large(setup, sgd_run, tmp_path):
         np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-5)
 
 
-# `dpo train ARGS` that SIGKILLs itself once the checkpoint of step ARGV[1] is complete on disk (orbax saves
-# asynchronously: it waits for that one first), as `kill -9` from outside would, but exactly then (no polling).
-KILL_AFTER_CHECKPOINT = r"""
-import os, signal, sys
-import orbax.checkpoint as ocp
-at, real = int(sys.argv[1]), ocp.CheckpointManager.save
-
-def save(self, step, *a, **k):
-    saved = real(self, step, *a, **k)
-    if saved and step == at:
-        self.wait_until_finished()
-        os.kill(os.getpid(), signal.SIGKILL)
-    return saved
-
-ocp.CheckpointManager.save = save
-from dpo.cli import main
-sys.exit(main(sys.argv[2:]))
-"""
-
-
 def test_kill_9_and_resume_is_bit_identical(setup, tmp_path):
     """`dpo train` SIGKILLed after its step-4 checkpoint, then rerun, ends where the uninterrupted run does
     (precomputed reference log-probabilities ride in the checkpointed data lanes; grad_accum 2)."""
@@ -347,8 +327,8 @@ def test_kill_9_and_resume_is_bit_identical(setup, tmp_path):
     out = tmp_path / "killed"
     args = [f"model.path={root / 'policy'}", f"model.tokenizer={root / 'tok'}", f"data.path={root / 'prefs.jsonl'}",
             "data.seq_len=32", "batch_size=4", "schedule.name=constant", "log_every=1", f"output_dir={out}", *common]
-    proc = subprocess.run([sys.executable, "-c", KILL_AFTER_CHECKPOINT, "4", "train", *args], capture_output=True,
-                          text=True, env=os.environ.copy(), timeout=600)
+    proc = subprocess.run([sys.executable, "-c", kill_after_checkpoint("dpo.cli"), "4", "train", *args],
+                          capture_output=True, text=True, env=os.environ.copy(), timeout=600)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     assert (out / "checkpoints" / "4").is_dir() and not (out / "checkpoints" / "6").exists()
     assert not (out / "final").exists()

@@ -175,3 +175,30 @@ def kill_midway(args: list[str], folder: Path, pattern: str, timeout: float = 12
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     return seen
+
+
+# `<command> ARGS` (the console script of CLI_MODULE) that SIGKILLs itself once the checkpoint of step ARGV[1] is
+# complete on disk (orbax saves asynchronously: it waits for that one first), as `kill -9` from outside would,
+# but exactly then (no polling). Run it as `python -c kill_after_checkpoint("dpo.cli") STEP ARGS...`.
+_KILL_AFTER_CHECKPOINT = r"""
+import os, signal, sys
+import orbax.checkpoint as ocp
+at, real = int(sys.argv[1]), ocp.CheckpointManager.save
+
+def save(self, step, *a, **k):
+    saved = real(self, step, *a, **k)
+    if saved and step == at:
+        self.wait_until_finished()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return saved
+
+ocp.CheckpointManager.save = save
+from {module} import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def kill_after_checkpoint(cli_module: str) -> str:
+    """The script (for ``python -c``) that runs ``cli_module``'s ``main`` and SIGKILLs itself after the checkpoint
+    of the step given as its first argument is on disk."""
+    return _KILL_AFTER_CHECKPOINT.format(module=cli_module)

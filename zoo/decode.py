@@ -177,11 +177,13 @@ def _attend_split(qg: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Arr
 
 def _gqa_attention(x: jax.Array, p: dict, c: dict | None, cos: jax.Array, sin: jax.Array,
                    masks: tuple[jax.Array | None, jax.Array], window: int | None,
-                   cfg: ModelConfig) -> tuple[jax.Array, dict]:
-    """One layer's attention over cache ``c`` (k [b, hk, d, S], v [b, hk, S, d]; None when empty) and the new tokens.
+                   cfg: ModelConfig, lora: dict | None = None,
+                   lora_scale: float | jax.Array | None = None) -> tuple[jax.Array, dict]:
+    """One layer's attention over cache ``c`` (k [b, hk, d, S], v [b, hk, S, d]; None when empty) and the new tokens
+    (``lora``: the layer's adapters, beside the base matmuls as in training).
 
     Returns (output, new k/v [b, t, hk, d])."""
-    q, k, v = qkv_heads(x, p, cos, sin, cfg, p["attn_norm"])
+    q, k, v = qkv_heads(x, p, cos, sin, cfg, p["attn_norm"], lora=lora, lora_scale=lora_scale)
     qg, kh, vh = head_major(q, k, v)
     old_ok, new_ok = masks
     if c is None:
@@ -189,7 +191,7 @@ def _gqa_attention(x: jax.Array, p: dict, c: dict | None, cos: jax.Array, sin: j
         att = causal_attention(qg, kh, vh, new_ok[:, None], cfg, window)
     else:
         att = _attend_split(qg, [(c["k"], c["v"], old_ok), (kh.transpose(0, 1, 3, 2), vh, new_ok)], cfg)
-    return output_projection(att, p, cfg), {"k": k, "v": v}
+    return output_projection(att, p, cfg, lora=lora, lora_scale=lora_scale), {"k": k, "v": v}
 
 
 def _mla_attention(x: jax.Array, p: dict, c: dict | None, cos: jax.Array, sin: jax.Array,
@@ -259,15 +261,21 @@ def forward_cached(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, 
 
 def forward_step(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, cache: Cache,
                  valid: jax.Array | None = None, mla_absorb: bool | None = None, *, fresh: bool = False,
-                 view: int | None = None, last: jax.Array | None = None) -> tuple[jax.Array, Cache]:
-    """:func:`forward_cached` with generation's shortcuts (``fresh`` and ``view`` static).
+                 view: int | None = None, last: jax.Array | None = None, lora: dict | None = None,
+                 lora_scale: float | jax.Array | None = None) -> tuple[jax.Array, Cache]:
+    """:func:`forward_cached` with generation's shortcuts (``fresh`` and ``view`` static), and LoRA adapters.
 
     ``fresh``: the cache is empty (every length 0), so its slots are not read.
     ``view``: every row's ``cache.lengths`` is at most ``view``, so only the
     first ``view`` slots of a ring can hold anything and the rest are not read.
     ``last`` [b] int: return only the logits [b, vocab] of position ``last[r]``
     of each row (the output head runs on b positions instead of b * t).
+    ``lora`` (a tree of :func:`zoo.lora.init_lora`, with ``lora_scale``): each
+    adapted projection adds its adapter beside the base matmul, as the
+    training forward does (no merged copy of the weights exists).
     """
+    if lora is not None and lora_scale is None:
+        raise ValueError("forward_step: lora adapters need lora_scale (zoo.lora.lora_scale(lora_cfg))")
     if cfg.capacity_factor is not None:
         cfg = dataclasses.replace(cfg, capacity_factor=None)
     b, t = tokens.shape
@@ -286,8 +294,9 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, ca
              for kind, n in read.items()}
     x = embed_tokens(cfg, params, tokens)
 
-    def layer(x: jax.Array, inputs: tuple[dict, dict | None], kind: str, moe: bool) -> tuple[jax.Array, dict]:
-        p, c = inputs
+    def layer(x: jax.Array, inputs: tuple[dict, dict | None, dict | None], kind: str,
+              moe: bool) -> tuple[jax.Array, dict]:
+        p, lp, c = inputs
         n = read[kind]
         if c is not None and n < slots[kind]:
             # One layer's arrays: MLA [b, S, r], k [b, hk, d, S], v [b, hk, S, d].
@@ -297,21 +306,22 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, ca
         def attend(x: jax.Array) -> tuple[jax.Array, dict]:
             if cfg.mla:
                 return _mla_attention(norm(cfg, x, p["attn_norm"]), p, c, *ropes[kind], masks[kind], cfg, mla_absorb)
-            return _gqa_attention(x, p, c, *ropes[kind], masks[kind], windows[kind], cfg)
+            return _gqa_attention(x, p, c, *ropes[kind], masks[kind], windows[kind], cfg, lp, lora_scale)
 
-        x, new, _ = decoder_layer(cfg, x, p, attend, moe, valid)
+        x, new, _ = decoder_layer(cfg, x, p, attend, moe, valid, lp, lora_scale)
         return x, new
 
     written: dict[str, dict[str, list]] = {}
     for prefix, start, stop, moe in cfg.layer_groups:
         kinds = cfg.kinds[start:stop]
         group = cache.layers[prefix]
+        adapters = (lora or {}).get(prefix)  # stacked like the weights, sliced with them
 
-        def inputs(seg: Segment, j: int) -> tuple[dict, dict | None]:
+        def inputs(seg: Segment, j: int) -> tuple[dict, dict | None, dict | None]:
             i0, step = _kind_slice(kinds, seg, j)
             cached = None if fresh else jax.tree.map(lambda a: a[i0: i0 + seg.repeats * step: step],
                                                      group[seg.kinds[j]])
-            return seg.at(j, params[prefix]), cached
+            return (*seg.at(j, (params[prefix], adapters)), cached)
 
         x, done = scan_segments(x, kinds, inputs, partial(layer, moe=moe))
         # Each layer's new entries with its index in its kind's stack, in the order _write concatenates them.

@@ -26,10 +26,11 @@ from zoo.loss import chunk_length, chunk_logits, head_vocab
 from zoo.model import forward, stored_head
 
 
-def batch_logps(mcfg: ModelConfig, params: dict, mb: dict, remat: str = "none",
-                **forward_kwargs: Any) -> tuple[jax.Array, jax.Array, dict | None]:
-    """(per-target log-probabilities [b, t], mean logits [b, t], MoE aux or None) of one forward pass over a
-    model batch (:func:`zoo.batching.to_model_batch`: its segments, positions and shared prefixes).
+def batch_logps(mcfg: ModelConfig, params: dict, mb: dict, remat: str = "none", temperature: float = 1.0,
+                entropy: bool = False, **forward_kwargs: Any) -> tuple[jax.Array, jax.Array, dict | None]:
+    """(per-target log-probabilities [b, t], mean logits [b, t] (``entropy``: the entropies), MoE aux or None)
+    of one forward pass over a model batch (:func:`zoo.batching.to_model_batch`: its segments, positions and
+    shared prefixes), the logits divided by ``temperature`` (a sampler's distribution).
 
     With ``lora`` among ``forward_kwargs`` the head is frozen, so the fused path of :func:`token_logps` applies.
     """
@@ -41,23 +42,29 @@ def batch_logps(mcfg: ModelConfig, params: dict, mb: dict, remat: str = "none",
     # The head as stored: a tied embedding read in place, where embed.T would be a [hidden, vocab] copy
     # (108 MiB at SmolLM2's size) in every step that scores a batch.
     head, vocab_major = stored_head(mcfg, params)
-    logp, mean_logit = token_logps(hidden, head, mb["targets"], mcfg.final_softcap, head_grad, vocab_major)
-    return logp, mean_logit, aux
+    logp, stat = token_logps(hidden, head, mb["targets"], mcfg.final_softcap, head_grad, vocab_major, temperature,
+                             entropy)
+    return logp, stat, aux
 
 
 def token_logps(hidden: jax.Array, head: jax.Array, targets: jax.Array, softcap: float | None = None,
-                head_grad: bool = True, vocab_major: bool = False) -> tuple[jax.Array, jax.Array]:
-    """(log p(target) [batch, seq], mean logit over the vocabulary [batch, seq], not differentiated).
+                head_grad: bool = True, vocab_major: bool = False, temperature: float = 1.0,
+                entropy: bool = False) -> tuple[jax.Array, jax.Array]:
+    """(log p(target) [batch, seq], a per-token statistic [batch, seq], not differentiated: the mean logit over
+    the vocabulary, or with ``entropy`` the entropy of the token's distribution in nats).
 
     ``hidden`` [batch, seq, dim] are the final normed hidden states, ``head``
     [dim, vocab] the output weight (``vocab_major``: [vocab, dim], a tied
-    embedding as it is stored), ``targets`` [batch, seq] int ids. With
-    ``head_grad=False`` (a frozen head, as under LoRA) the head gets no
-    gradient (zero) and the hidden states' gradient comes from the forward pass.
+    embedding as it is stored), ``targets`` [batch, seq] int ids. The
+    (capped) logits are divided by ``temperature``: the distribution a
+    sampler at that temperature draws from. With ``head_grad=False`` (a
+    frozen head, as under LoRA) the head gets no gradient (zero) and the
+    hidden states' gradient comes from the forward pass.
     """
+    stat = "entropy" if entropy else "mean"
     if head_grad:
-        return _remat_logps(hidden, head, targets, softcap, vocab_major)
-    return _fused_logps(hidden, head, targets, softcap, vocab_major)
+        return _remat_logps(hidden, head, targets, softcap, vocab_major, float(temperature), stat)
+    return _fused_logps(hidden, head, targets, softcap, vocab_major, float(temperature), stat)
 
 
 def _chunked(hidden: jax.Array, targets: jax.Array, vocab: int):
@@ -77,39 +84,49 @@ def _chunked(hidden: jax.Array, targets: jax.Array, vocab: int):
     return xs, ys, unchunk
 
 
-def _chunk_logps(xc: jax.Array, yc: jax.Array, head: jax.Array, softcap: float | None, vocab_major: bool):
+def _chunk_logps(xc: jax.Array, yc: jax.Array, head: jax.Array, softcap: float | None, vocab_major: bool,
+                 temperature: float, stat: str):
     z, th = chunk_logits(xc, head, softcap, vocab_major)
+    if temperature != 1.0:
+        z = z / temperature
     lse = jax.nn.logsumexp(z, axis=-1)
     logp = jnp.take_along_axis(z, yc[..., None], axis=-1)[..., 0] - lse
-    return logp, jax.lax.stop_gradient(z.mean(-1)), z, lse, th
+    if stat == "entropy":  # H = lse - sum p z
+        value = lse - (jnp.exp(z - lse[..., None]) * z).sum(-1)
+    else:
+        value = z.mean(-1)
+    return logp, jax.lax.stop_gradient(value), z, lse, th
 
 
-def _remat_logps(hidden, head, targets, softcap, vocab_major):
+def _remat_logps(hidden, head, targets, softcap, vocab_major, temperature=1.0, stat="mean"):
     xs, ys, unchunk = _chunked(hidden, targets, head_vocab(head, vocab_major))
 
     @jax.checkpoint
     def chunk(xc: jax.Array, yc: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return _chunk_logps(xc, yc, head, softcap, vocab_major)[:2]
+        return _chunk_logps(xc, yc, head, softcap, vocab_major, temperature, stat)[:2]
 
-    logp, mean_logit = jax.lax.map(lambda a: chunk(*a), (xs, ys))
-    return unchunk(logp), unchunk(mean_logit)
+    logp, value = jax.lax.map(lambda a: chunk(*a), (xs, ys))
+    return unchunk(logp), unchunk(value)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _fused_logps(hidden, head, targets, softcap, vocab_major):
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _fused_logps(hidden, head, targets, softcap, vocab_major, temperature=1.0, stat="mean"):
     # The primal alone (a reference pass, evaluation): no gradient work, so the checkpoint is inert.
-    return _remat_logps(hidden, head, targets, softcap, vocab_major)
+    return _remat_logps(hidden, head, targets, softcap, vocab_major, temperature, stat)
 
 
-def _fused_logps_fwd(hidden, head, targets, softcap, vocab_major):
+def _fused_logps_fwd(hidden, head, targets, softcap, vocab_major, temperature, stat):
     vocab = head_vocab(head, vocab_major)
     xs, ys, unchunk = _chunked(hidden, targets, vocab)
 
     def chunk(inp):
         xc, yc = inp
-        logp, mean_logit, z, lse, th = _chunk_logps(xc, yc, head, softcap, vocab_major)
-        # d logp / d z = onehot(target) - softmax(z); through the cap, times 1 - tanh^2; then to the hidden state.
+        logp, mean_logit, z, lse, th = _chunk_logps(xc, yc, head, softcap, vocab_major, temperature, stat)
+        # d logp / d z = onehot(target) - softmax(z), z the logits over the temperature; back through the
+        # temperature (1 / T) and the cap (1 - tanh^2); then to the hidden state.
         dz = (jnp.arange(vocab, dtype=yc.dtype) == yc[..., None]) - jnp.exp(z - lse[..., None])
+        if temperature != 1.0:
+            dz = dz / temperature
         if th is not None:
             dz = dz * (1.0 - th * th)
         dx = jnp.einsum("bcv,vd->bcd" if vocab_major else "bcv,dv->bcd", dz, head,
@@ -120,7 +137,7 @@ def _fused_logps_fwd(hidden, head, targets, softcap, vocab_major):
     return (unchunk(logp), unchunk(mean_logit)), (unchunk(dx), head)
 
 
-def _fused_logps_bwd(softcap, vocab_major, res, g):
+def _fused_logps_bwd(softcap, vocab_major, temperature, stat, res, g):
     dx, head = res
     g_logp, _ = g  # the mean logit is a metric: no gradient flows from it
     return (g_logp[..., None] * dx).astype(dx.dtype), jnp.zeros_like(head), None

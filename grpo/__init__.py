@@ -1,0 +1,1 @@
+"""lmzoo grpo: online reinforcement learning with verifiable rewards (GRPO and its variants) on the shared loop."""

@@ -1,0 +1,186 @@
+"""GRPO's advantages, per-token policy loss, KL and clip metrics, with TRL 1.16's GRPOTrainer formulas.
+
+Pure ``jax.numpy`` functions in float32, jit-friendly (every shape is static; the
+string and ``beta`` arguments are Python values of the config). They follow
+``GRPOTrainer._generate_and_score_completions`` (advantages) and
+``GRPOTrainer._compute_loss`` (loss, KL, metrics) of TRL 1.16 term by term.
+
+Papers:
+
+* GRPO — Shao et al. 2024, "DeepSeekMath: Pushing the Limits of Mathematical
+  Reasoning in Open Language Models" (arXiv:2402.03300): group-relative
+  advantages ``(r - mean_group) / std_group``, the PPO-style clipped ratio, a k3
+  KL penalty to a reference, and the per-sequence token mean
+  (``loss_type: grpo``).
+* Dr. GRPO — Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical
+  Perspective" (arXiv:2503.20783): no std division (``scale_rewards: none``) and
+  a constant normalizer ``batch * max_completion_length`` instead of each
+  sequence's length, removing GRPO's length and difficulty biases
+  (``loss_type: dr_grpo``).
+* DAPO — Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System
+  at Scale" (arXiv:2503.14476): the token-level loss (every completion token of
+  the batch weighs the same, ``loss_type: dapo``) and clip-higher (a larger
+  upper clip ``epsilon_high``).
+* BNPO — Xiao et al. 2025, "BNPO: Beta Normalization Policy Optimization"
+  (arXiv:2506.02864); TRL's ``bnpo`` is a token mean per (local) batch
+  (``loss_type: bnpo``, see :func:`loss_sum_count`).
+* GSPO — Zheng et al. 2025, "Group Sequence Policy Optimization"
+  (arXiv:2507.18071): one importance ratio per sequence, the exponential of the
+  mean per-token log-ratio (``importance_sampling_level: sequence``).
+* The KL estimator k3 — Schulman 2020, "Approximating KL Divergence"
+  (http://joschu.net/blog/kl-approx.html): ``exp(ref - logp) - (ref - logp) - 1``,
+  unbiased for KL(pi || ref) on samples of pi and never negative.
+
+A global batch is processed in micro-batches: :func:`loss_sum_count` and
+:func:`masked_mean_sums` return a (sum, count) pair per micro-batch, and the
+caller divides the sums of the pairs, ``sum / max(count, 1)``, which is TRL's
+whole-batch value (``bnpo``: TRL's per-micro-batch mean, see there).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
+SCALE_REWARDS = ("group", "batch", "none")
+IMPORTANCE_LEVELS = ("token", "sequence")
+
+STD_EPS = 1e-4  # TRL adds it to the std before dividing (not a max): a zero-std group's advantages stay 0
+
+
+def _nan_mean_std(x: jax.Array, axis: int | None) -> tuple[jax.Array, jax.Array]:
+    """Mean and unbiased (Bessel-corrected) std over ``axis``, NaN entries left out (TRL's nanmean and nanstd;
+    NaN where fewer than two values are left, as there).
+
+    The values are shifted by one of them first (the largest) before averaging: equal rewards then give
+    exactly zero deviations, so a tied group's std is exactly 0 and its advantages exactly 0, whatever the
+    rewards' values (0.1 summed four times is not 4 * 0.1 in float32); otherwise the same mean and std."""
+    valid = ~jnp.isnan(x)
+    shift = jnp.max(jnp.where(valid, x, -jnp.inf), axis=axis, keepdims=True)
+    shift = jnp.where(jnp.isfinite(shift), shift, 0.0)  # an all-NaN group: anything finite
+    d = jnp.where(valid, x - shift, 0.0)
+    n = valid.sum(axis=axis, keepdims=True).astype(jnp.float32)
+    mean_d = d.sum(axis=axis, keepdims=True) / n  # NaN for an all-NaN group, as torch.nanmean
+    var = jnp.where(valid, (d - mean_d) ** 2, 0.0).sum(axis=axis, keepdims=True) / (n - 1.0)
+    std = jnp.where(n > 1, jnp.sqrt(var), jnp.nan)
+    return shift + mean_d, std
+
+
+def advantages(rewards: jax.Array, group: int, scale: str) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Group-relative advantages of a batch's completions (TRL's ``sum_then_normalize``).
+
+    ``rewards`` [B], B a multiple of ``group``; consecutive ``group`` rows are one prompt's completions.
+    ``adv = r - mean(group)``, divided by ``std + 1e-4`` unless ``scale == "none"``; std is the unbiased std
+    of the row's group (``scale`` "group" or "none") or of the whole batch ("batch"). NaN rewards (a completion
+    no reward function could score) are left out of the means and stds and get advantage 0, as in TRL.
+
+    Returns per-row [B] float32 arrays: ``(adv, std, zero_std)``; ``zero_std`` is ``isclose(std, 0)`` with
+    torch's defaults (rtol 1e-5, atol 1e-8), the rows whose group carries no learning signal (logged)."""
+    if scale not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale!r}")
+    r = jnp.asarray(rewards, jnp.float32)
+    (b,) = r.shape
+    if b % group:
+        raise ValueError(f"{b} rewards are not a whole number of groups of {group}")
+    grouped = r.reshape(b // group, group)
+    mean, group_std = _nan_mean_std(grouped, axis=1)
+    mean = jnp.repeat(mean[:, 0], group)
+    if scale == "batch":
+        # TRL: one std for the whole batch (0 for a single reward, never the case with group >= 2)
+        std = _nan_mean_std(r, axis=None)[1].reshape(()) if b > 1 else jnp.float32(0.0)
+        std = jnp.broadcast_to(std, (b,))
+    else:  # "group", and "none" where it only feeds the zero-std flag
+        std = jnp.repeat(group_std[:, 0], group) if group > 1 else jnp.zeros((b,), jnp.float32)
+    adv = r - mean
+    if scale != "none":
+        adv = adv / (std + STD_EPS)
+    zero_std = jnp.isclose(std, 0.0, rtol=1e-5, atol=1e-8)
+    return jnp.nan_to_num(adv, nan=0.0), std, zero_std
+
+
+def token_terms(logp: jax.Array, old_logp: jax.Array, ref_logp: jax.Array | None, adv: jax.Array,
+                mask: jax.Array, epsilon_low: float, epsilon_high: float, beta: float,
+                level: str) -> dict[str, jax.Array]:
+    """The per-token terms of GRPO's loss for a micro-batch: [B, T] float32 arrays in a dict.
+
+    ``logp``, ``old_logp``, ``ref_logp`` [B, T]: each completion token's log-probability under the policy
+    being trained, the policy that sampled it (``jax.lax.stop_gradient(logp)`` at num_iterations 1: the ratio
+    is then 1 with the gradient of ``logp``) and the reference; ``adv`` [B] (or [B, T]); ``mask`` [B, T], 1 on
+    the tokens that train. ``level`` "token": the ratio of each token, ``exp(logp - old_logp)``; "sequence"
+    (GSPO): ``exp`` of the row's masked mean log-ratio (count clamped at 1), the same for every token of the row.
+
+    * ``loss``: ``-min(ratio * A, clip(ratio, 1 - epsilon_low, 1 + epsilon_high) * A) + beta * kl``, not yet
+      masked nor normalized (:func:`loss_sum_count`);
+    * ``kl``: k3, ``exp(ref - logp) - (ref - logp) - 1`` on the completion tokens, 0 on padding (zeros when
+      ``beta == 0`` or ``ref_logp`` is None; ``beta`` is the config's Python float, not a traced value);
+    * ``low_clip``, ``high_clip``, ``region_clip``: 1.0 where TRL counts a clip, ``ratio < 1 - epsilon_low`` with
+      ``A < 0``, ``ratio > 1 + epsilon_high`` with ``A > 0``, either. At the sequence level TRL logs these per
+      sequence, not per token: :func:`masked_mean_sums` of ``x[:, :1]`` with a mask of ones reproduces it."""
+    if level not in IMPORTANCE_LEVELS:
+        raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_LEVELS}, got {level!r}")
+    logp = jnp.asarray(logp, jnp.float32)
+    old_logp = jnp.asarray(old_logp, jnp.float32)
+    mask = jnp.asarray(mask)
+    m = mask.astype(bool)
+    adv = jnp.asarray(adv, jnp.float32)
+    a = adv[:, None] if adv.ndim == 1 else adv
+    # Padding positions may hold anything (even -inf): where, not a product with the mask, keeps them out.
+    log_ratio = jnp.where(m, logp - old_logp, 0.0)
+    if level == "sequence":
+        count = jnp.maximum(m.sum(-1, keepdims=True).astype(jnp.float32), 1.0)
+        log_ratio = jnp.broadcast_to(log_ratio.sum(-1, keepdims=True) / count, logp.shape)
+    ratio = jnp.exp(log_ratio)
+    clipped = jnp.clip(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
+    loss = -jnp.minimum(ratio * a, clipped * a)
+    if ref_logp is None or beta == 0:
+        kl = jnp.zeros_like(logp)
+    else:
+        diff = jnp.where(m, jnp.asarray(ref_logp, jnp.float32) - logp, 0.0)  # float32 even for bf16 inputs
+        kl = jnp.exp(diff) - diff - 1.0
+        loss = loss + beta * kl
+    low = (ratio < 1.0 - epsilon_low) & (a < 0)
+    high = (ratio > 1.0 + epsilon_high) & (a > 0)
+    return {"loss": loss, "kl": kl, "low_clip": low.astype(jnp.float32), "high_clip": high.astype(jnp.float32),
+            "region_clip": (low | high).astype(jnp.float32)}
+
+
+def loss_sum_count(loss: jax.Array, mask: jax.Array, loss_type: str,
+                   max_completion_length: int) -> tuple[jax.Array, jax.Array]:
+    """One micro-batch's share of the loss as a (sum, count) pair of float32 scalars.
+
+    Over the micro-batches of a global batch, ``sum(sums) / max(sum(counts), 1)`` is the loss as TRL defines it
+    on the whole batch (``loss`` [B, T] from :func:`token_terms`, ``mask`` [B, T]):
+
+    * ``grpo``: the mean over rows of each row's masked token mean (count clamped at 1): sum = the row means'
+      sum, count = rows;
+    * ``dr_grpo``: the masked token sum over ``rows * max_completion_length``: sum = token sum, count = rows *
+      max_completion_length;
+    * ``dapo``: the masked token sum over the number of completion tokens: sum = token sum, count = mask sum;
+    * ``bnpo``: TRL normalizes by the tokens of its LOCAL batch (one micro-batch of one process) and averages
+      the micro-batches' losses over gradient accumulation; so sum = this micro-batch's token mean (its token
+      sum over its mask sum, clamped at 1), count = 1, and the combination is the mean over micro-batches of
+      per-micro-batch token means, which changes with the micro-batching (``dapo`` is the batch-wide version).
+      A micro-batch here is the global one, over every device (TRL's local batch is one process's)."""
+    m = jnp.asarray(mask).astype(bool)
+    per_token = jnp.where(m, jnp.asarray(loss, jnp.float32), 0.0)
+    tokens = m.sum().astype(jnp.float32)
+    rows = float(m.shape[0])
+    if loss_type == "grpo":
+        row_tokens = jnp.maximum(m.sum(-1).astype(jnp.float32), 1.0)
+        return (per_token.sum(-1) / row_tokens).sum(), jnp.float32(rows)
+    if loss_type == "dr_grpo":
+        return per_token.sum(), jnp.float32(rows * max_completion_length)
+    if loss_type == "dapo":
+        return per_token.sum(), tokens
+    if loss_type == "bnpo":
+        return per_token.sum() / jnp.maximum(tokens, 1.0), jnp.float32(1.0)
+    raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+
+
+def masked_mean_sums(x: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A token-mean metric's (sum, count) for one micro-batch: the float32 sum of ``x`` over the masked tokens
+    and their number. The caller adds the pairs of the micro-batches and divides, ``sum / max(count, 1)``, the
+    global token mean TRL logs (kl, entropy, clip ratios)."""
+    m = jnp.asarray(mask).astype(bool)
+    return jnp.where(m, jnp.asarray(x, jnp.float32), 0.0).sum(), m.sum().astype(jnp.float32)

@@ -1,0 +1,378 @@
+"""GRPO as an online task of the shared loop: each step samples, scores and trains on its own batch.
+
+The data rows are prompts. A batch of ``batch_size`` rows holds
+``batch_size / G`` prompts, each read by G consecutive rows (a group:
+``Task.group_size``), so the loop's lanes, sharding, checkpointed data
+position and multi-process plumbing apply unchanged. Each step
+(:meth:`GRPOTask.rollout`):
+
+1. samples one completion per row with the current policy (grpo/rollout.py:
+   the prompt prefilled once per group, one fixed-shape decoding program;
+   LoRA adapters beside the base matmuls, as in training), with a key from the seed and
+   the step, so a resumed run draws what the uninterrupted run drew;
+2. decodes them and calls the reward functions (grpo/rewards.py) on every
+   process, for the whole batch;
+3. computes group-relative advantages (grpo/losses.py) and lays out prompt +
+   completion rows with per-token advantages and the sampler's
+   log-probabilities; with ``num_iterations`` > 1 the policy's log-probabilities
+   before the update ("old"), with ``beta`` > 0 the reference's, each one
+   chunked forward pass without gradient.
+
+The loop then makes ``num_iterations`` optimizer updates on that batch; the
+loss (:meth:`GRPOTask.loss_sums`) is the clipped surrogate with the k3 KL,
+normalized as ``loss_type`` says through the loop's (sum, count) pairs, so
+``grad_accum`` and the mesh change nothing (``bnpo`` excepted: it normalizes
+per micro-batch, as TRL's per-device batch does).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from zoo.batching import Document
+from zoo.config import ModelConfig
+from zoo.datafiles import indexed_rows, load_dataset_rows
+from zoo.errors import UserError
+from zoo.logps import batch_logps
+from zoo.lora import lora_scale
+from zoo.row_origin import bad_row, row_where
+
+from eval.generate import Sampler
+from pretrain import distributed
+from pretrain.config import TrainConfig
+from pretrain.dtypes import DTYPES
+from pretrain.task import RowSource, Task
+from sft.chat import render, template_text
+from sft.formats import BadRow
+from sft.task import chat_template_of
+
+from grpo import losses
+from grpo.config import GRPOConfig
+from grpo.rewards import load_rewards
+from grpo.rollout import RolloutSpec, assemble, sample_group_completions
+
+COMPLETIONS_FILE = "completions.jsonl"
+SAMPLER_DIFF = "logps/sampler_max_diff"  # max |sampler log p - trainer log p| over the batch's completion tokens
+
+
+class GRPOTask(Task):
+    """Group relative policy optimization with verifiable rewards on prompt rows."""
+
+    method = "grpo"
+    packing = "none"  # one prompt per row
+    config_class = GRPOConfig
+    online = True
+    key_metrics = ("reward", "reward_std", "completions/mean_length")
+    max_metrics = (SAMPLER_DIFF,)
+
+    def __init__(self, cfg: GRPOConfig):
+        super().__init__(cfg)
+        self.cfg = cfg
+        self.grpo = cfg.grpo
+        self.chat_template = chat_template_of(cfg)
+        self.group_size = cfg.grpo.num_generations
+        self.updates_per_step = cfg.grpo.num_iterations
+        self.rewards = load_rewards(cfg.grpo.rewards, cfg.grpo.reward_weights)  # a bad spec fails before loading
+        self.field = cfg.data.prompt_field
+        self.sources: dict[str, Any] = {}  # path -> dataset (prompts and the columns the rewards read)
+        self.path: str | None = None
+        self._measured: dict[str, float] = {}
+        self._trimmed = False
+
+    # ---- rows -> prompt documents ------------------------------------------------------------------------
+
+    def load(self, path: str, cfg: TrainConfig) -> RowSource:
+        """The rows of ``path``; they need the prompt column (``data.prompt_field``)."""
+        ds, _ = load_dataset_rows(path, cfg.data.split)
+        if self.field not in ds.column_names:
+            raise UserError(f"data.path {path}: GRPO rows need a '{self.field}' field (a string, or a list of "
+                            f"messages); columns: {ds.column_names} (data.prompt_field names another column)")
+        self.sources[path], self.path = ds, path
+        return RowSource(ds, self.field)
+
+    def documents(self, rows: RowSource, tokenizer: Any, path: str, skip_bad: bool,
+                  indices: list[int] | None = None) -> tuple[dict[int, Document], int]:
+        """Each prompt's token ids (a message list rendered with the chat template and its generation
+        prompt, a string as it is, as TRL does), with its row index as the feature ``row``."""
+        docs, bad = {}, 0
+        limit = self.cfg.data.seq_len
+        for i, row in indexed_rows(rows.ds, indices):
+            try:
+                ids = self._prompt_ids(row.get(self.field), tokenizer)
+            except BadRow as e:
+                if skip_bad:
+                    bad += 1
+                    continue
+                raise bad_row(path, i, e) from None
+            if len(ids) > limit:
+                self.too_long.add(i)
+                if self.cfg.data.long_examples == "drop":
+                    continue
+                ids = ids[-limit:]  # the end holds the question and the generation prompt (TRL keeps it too)
+            docs[i] = {"tokens": np.asarray(ids, np.int32), "row": np.full(len(ids), i, np.int32)}
+        return docs, bad
+
+    def _prompt_ids(self, prompt: Any, tokenizer: Any) -> list[int]:
+        if isinstance(prompt, str):
+            text = prompt
+        elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            text = render(tokenizer, prompt, self.chat_template, template_text(tokenizer, self.chat_template),
+                          generation_prompt=True)
+        else:
+            what = "missing" if prompt is None else f"a {type(prompt).__name__}"
+            raise BadRow(f"field '{self.field}' is {what}, not a string or a list of messages")
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise BadRow(f"field '{self.field}' is empty")
+        return list(ids)
+
+    def trainable(self, doc: Document, seq_len: int) -> bool:
+        """Every prompt trains (its completions do)."""
+        return len(doc["tokens"]) > 0
+
+    # ---- set-up ------------------------------------------------------------------------------------------
+
+    def prepare(self, cfg: GRPOConfig, mcfg: ModelConfig, params: dict, mesh: jax.sharding.Mesh,
+                tokenizer: Any) -> dict | None:
+        """Compile-ready rollout functions; returns the reference checkpoint's params when ``grpo.reference``
+        is a path and ``beta`` > 0 (the step's frozen inputs), else None."""
+        from pretrain.setup import lora_settings
+
+        g = self.grpo
+        self.mcfg, self.tokenizer = mcfg, tokenizer
+        self.compute = DTYPES[cfg.dtype.compute]
+        self.lora_cfg = lora_settings(cfg, Path(cfg.model.path or ".")) if cfg.lora.rank else None
+        eos = {tokenizer.eos_token_id} - {None}
+        self.eos_ids = tuple(sorted(eos))
+        if not self.eos_ids:
+            raise UserError("the tokenizer has no EOS token: completions could never end before "
+                            "grpo.max_completion_length")
+        self.spec = RolloutSpec(g.num_generations, g.max_completion_length,
+                                Sampler(float(g.temperature), int(g.top_k), float(g.top_p)), self.eos_ids)
+        self.sharding = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"), None))
+        self.replicated = NamedSharding(mesh, PartitionSpec())
+        self.batch_shape = (cfg.grad_accum, cfg.batch_size // cfg.grad_accum)
+        self.reference = None
+        frozen_inputs = None
+        if g.beta > 0:
+            if g.reference == "base":
+                if self.lora_cfg is None:
+                    raise UserError("grpo.beta > 0 with full fine-tuning (lora.rank: 0) needs a reference model "
+                                    "besides the trained one: set grpo.reference to a zoo checkpoint path (e.g. the "
+                                    "model you start from); grpo.reference: base is the LoRA base, adapters off")
+                self.reference = "base"
+            else:
+                frozen_inputs = _load_reference(g.reference, mcfg, mesh, DTYPES[cfg.dtype.params])
+                self.reference = "path"
+        self._compile(cfg)
+        return frozen_inputs
+
+    def _compile(self, cfg: GRPOConfig) -> None:
+        """The jitted pieces of a rollout, each laid out as the train step reads its batch."""
+        mcfg, spec, compute, shape = self.mcfg, self.spec, self.compute, self.batch_shape
+        lora_cfg = self.lora_cfg
+        b = shape[0] * shape[1]
+        temperature = float(self.grpo.temperature)
+
+        scale = None if lora_cfg is None else lora_scale(lora_cfg)
+
+        def sample(base: dict, lora: dict | None, tokens: jax.Array, seg: jax.Array, step: jax.Array):
+            # The weights as the train step computes with them: cast to the compute dtype, adapters beside.
+            policy = jax.tree.map(lambda x: x.astype(compute), base)
+            key = jax.random.fold_in(jax.random.fold_in(jax.random.key(cfg.seed), 0x67727),
+                                     step)  # its own stream: LoRA dropout folds the step into key(seed)
+            return sample_group_completions(mcfg, policy, tokens.reshape(b, -1), seg.reshape(b, -1) > 0, spec, key,
+                                            lora, scale)
+
+        def layout(tokens, seg, completions, lengths, sampler_logps, advantages, trained):
+            out = assemble(tokens.reshape(b, -1), seg.reshape(b, -1) > 0, completions, lengths,
+                           {"sampler_logps": sampler_logps}, {"advantages": advantages}, trained)
+            return {k: v.reshape(shape + v.shape[1:]) for k, v in out.items()}
+
+        def logps(params: dict, batch: dict, **forward_kwargs: Any) -> jax.Array:
+            flat = {k: v.reshape((b,) + v.shape[2:]) for k, v in batch.items()}
+            p = jax.tree.map(lambda x: x.astype(compute), params)
+            lp = batch_logps(mcfg, p, flat, temperature=temperature, **forward_kwargs)[0]
+            return (lp * flat["weights"]).reshape(shape + lp.shape[1:])
+
+        self._sample = jax.jit(sample)
+        self._layout = jax.jit(layout, out_shardings=self.sharding)
+        self._logps = jax.jit(logps, out_shardings=self.sharding)
+        if lora_cfg is not None:
+            self._policy_logps = jax.jit(lambda base, lora, batch: logps(base, batch, lora=lora, lora_scale=scale),
+                                         out_shardings=self.sharding)
+        else:
+            self._policy_logps = jax.jit(lambda base, lora, batch: logps(base, batch), out_shardings=self.sharding)
+
+    # ---- each step: sample, score, lay out -----------------------------------------------------------------
+
+    def rollout(self, params: Any, frozen: Any, frozen_inputs: Any, rows: dict[str, jax.Array],
+                step: int) -> dict[str, jax.Array]:
+        """The step's training batch: G completions per prompt from the current policy, their rewards and
+        advantages, laid out as prompt + completion rows."""
+        g = self.grpo
+        t0 = time.perf_counter()
+        lora = params if self.lora_cfg is not None else None
+        base = frozen if self.lora_cfg is not None else params
+        completions, sampler_logps, lengths = self._sample(base, lora, rows["tokens"], rows["tokens_segment_ids"],
+                                                           np.int32(step))
+        comp_h, len_h = _to_host(completions), _to_host(lengths)
+        t_gen = time.perf_counter() - t0
+        row_h = _to_host(rows["row"])[..., 0].reshape(-1)
+
+        ds = self.sources[self.path]
+        records = {int(i): ds[int(i)] for i in np.unique(row_h)}
+        ids = [comp_h[r, :len_h[r]].tolist() for r in range(len(row_h))]
+        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        prompts = [records[int(i)][self.field] for i in row_h]
+        chat = [not isinstance(p, str) for p in prompts]
+        completions_in = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)]
+        columns = {k: [records[int(i)][k] for i in row_h] for k in ds.column_names if k != self.field}
+        per_fn, total = self.rewards.compute(prompts, completions_in, ids, columns,
+                                             lambda r: row_where(self.path, int(row_h[r])))
+        adv, std, zero_std = (np.asarray(x) for x in
+                              losses.advantages(jnp.asarray(total, jnp.float32), g.num_generations, g.scale_rewards))
+        ended = np.isin(comp_h[np.arange(len(len_h)), len_h - 1], self.eos_ids)
+        truncated = ~ended
+        trained = ~truncated if g.mask_truncated else np.ones_like(truncated)
+
+        put = partial(_replicated, sharding=self.replicated)
+        batch = self._layout(rows["tokens"], rows["tokens_segment_ids"], completions, lengths, sampler_logps,
+                             put(adv.astype(np.float32)), put(trained))
+        if g.num_iterations > 1:  # the policy that sampled, kept for the later updates' ratios
+            batch["old_logps"] = self._policy_logps(base, lora, batch)
+        if self.reference == "base":  # the LoRA base, adapters off
+            batch["ref_logps"] = self._logps(frozen, batch)
+        elif self.reference == "path":
+            batch["ref_logps"] = self._logps(frozen_inputs, batch)
+        t_roll = time.perf_counter() - t0
+
+        n_tokens = int(len_h.sum())
+        real = int(_to_host(rows["tokens_segment_ids"] > 0).sum()) + n_tokens
+        m: dict[str, float] = {
+            "reward": float(np.mean(total)), "reward_std": float(np.mean(std)),
+            "frac_reward_zero_std": float(np.mean(zero_std)),
+            "completions/mean_length": float(len_h.mean()), "completions/min_length": float(len_h.min()),
+            "completions/max_length": float(len_h.max()), "completions/clipped_ratio": float(truncated.mean()),
+            "rollout_tokens_per_sec": n_tokens / max(t_gen, 1e-9),
+            "_generation_time": t_gen, "_rollout_time": t_roll, "_train_tokens": real * g.num_iterations,
+        }
+        for j, name in enumerate(self.rewards.names):
+            col = per_fn[:, j]
+            seen = col[~np.isnan(col)]
+            m[f"reward/{name}/mean"] = float(seen.mean()) if len(seen) else float("nan")
+            m[f"reward/{name}/std"] = float(seen.std(ddof=1)) if len(seen) > 1 else 0.0
+        self._measured = m
+        every = g.log_completions_every
+        if distributed.is_primary():
+            self._trim_completions(step)
+            if every and (step + 1) % every == 0:
+                self._log_completions(step + 1, prompts, texts, ids, per_fn, total, adv)
+        return batch
+
+    def step_metrics(self, step_time: float) -> dict[str, float]:
+        """The rollout's metrics (TRL's names), and how the step's time split between generating and training."""
+        m = dict(self._measured)
+        gen, roll, tokens = m.pop("_generation_time", 0.0), m.pop("_rollout_time", 0.0), m.pop("_train_tokens", 0)
+        m["generation_share"] = gen / step_time if step_time > 0 else 0.0
+        m["train_tokens_per_sec"] = tokens / max(step_time - roll, 1e-9)
+        # The loop's own count (batch_size x data.seq_len) measures prompt rows; this step's tokens are the
+        # prompts and completions it trained on.
+        m["tokens_per_sec"] = tokens / max(step_time, 1e-9)
+        return m
+
+    def _trim_completions(self, step: int) -> None:
+        """On a run's first step (a resume, maybe): drop the logged completions of steps after ``step``."""
+        if self._trimmed:
+            return
+        self._trimmed = True
+        f = Path(self.cfg.output_dir) / COMPLETIONS_FILE
+        if f.is_file():
+            keep = [x for x in f.read_text().splitlines() if x.strip() and json.loads(x)["step"] <= step]
+            f.write_text("".join(x + "\n" for x in keep))
+
+    def _log_completions(self, step: int, prompts: list, texts: list[str], ids: list[list[int]],
+                         per_fn: np.ndarray, total: np.ndarray, adv: np.ndarray) -> None:
+        f = Path(self.cfg.output_dir) / COMPLETIONS_FILE
+        f.parent.mkdir(parents=True, exist_ok=True)
+        with f.open("a") as out:
+            for r in range(len(texts)):
+                rec = {"step": step, "prompt": prompts[r], "completion": texts[r], "completion_ids": ids[r],
+                       "reward": float(total[r]), "advantage": float(adv[r])}
+                for j, name in enumerate(self.rewards.names):
+                    v = per_fn[r, j]
+                    rec[name] = None if np.isnan(v) else float(v)
+                out.write(json.dumps(rec) + "\n")
+
+    # ---- (params, batch) -> loss sums ----------------------------------------------------------------------
+
+    def loss_sums(self, mcfg: ModelConfig, params: dict, mb: dict, compute: Any, remat: str, *,
+                  frozen_inputs: Any = None, totals: Any = None, step: jax.Array | None = None,
+                  **forward_kwargs: Any) -> tuple[jax.Array, tuple]:
+        """(objective, (loss sum, count, {metric: (sum, count) or max})) of a micro-batch of rollout rows."""
+        g = self.grpo
+        p = jax.tree.map(lambda x: x.astype(compute), params)
+        logp, entropy, aux = batch_logps(mcfg, p, mb, remat, temperature=float(g.temperature), entropy=True,
+                                         **forward_kwargs)
+        mask = mb["weights"]
+        old = mb["old_logps"] if "old_logps" in mb else jax.lax.stop_gradient(logp)
+        ref = mb.get("ref_logps")
+        adv = mb["advantages"][:, 0]  # one value per row, broadcast over its tokens
+        terms = losses.token_terms(logp, old, ref, adv, mask, g.epsilon,
+                                   g.epsilon if g.epsilon_high is None else g.epsilon_high, g.beta,
+                                   g.importance_sampling_level)
+        total, n = losses.loss_sum_count(terms["loss"], mask, g.loss_type, g.max_completion_length)
+        sg = jax.lax.stop_gradient
+        if g.importance_sampling_level == "sequence":  # one ratio per completion: TRL counts clipped sequences
+            clip_of = lambda x: losses.masked_mean_sums(x[:, :1], jnp.ones_like(x[:, :1]))  # noqa: E731
+        else:
+            clip_of = lambda x: losses.masked_mean_sums(x, mask)  # noqa: E731
+        extras = {
+            "kl": losses.masked_mean_sums(sg(terms["kl"]), mask),
+            "entropy": losses.masked_mean_sums(entropy, mask),
+            "clip_ratio/low_mean": clip_of(terms["low_clip"]),
+            "clip_ratio/high_mean": clip_of(terms["high_clip"]),
+            "clip_ratio/region_mean": clip_of(terms["region_clip"]),
+            SAMPLER_DIFF: jnp.max(jnp.abs(mb["sampler_logps"] - sg(old)) * mask),
+        }
+        objective = total + (aux["loss"] * n if aux is not None else 0.0)
+        return objective, (sg(total), n, extras)
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    """A global array whole on this host (gathered from every process in a multi-process run)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+def _replicated(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A host array every process holds alike, as a global array replicated on every device."""
+    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
+def _load_reference(path: str, mcfg: ModelConfig, mesh: jax.sharding.Mesh, dtype: Any) -> dict:
+    """The frozen reference checkpoint at ``path`` (``grpo.reference``), sharded like the policy."""
+    from zoo.checkpoint import read_config
+    from zoo.loading import load_params
+    from zoo.paths import checkpoint_dir
+
+    try:
+        ckpt = checkpoint_dir(path, "grpo.reference")
+    except UserError as e:
+        raise UserError(f"{e} (grpo.reference may also be base, with LoRA)") from None
+    if read_config(ckpt) != mcfg:
+        raise UserError(f"grpo.reference {path}: its architecture differs from the policy's (a reference must be "
+                        "the same model, e.g. the checkpoint the policy starts from)")
+    return load_params(ckpt, mesh, dtype)

@@ -1,0 +1,354 @@
+"""`grpo train` end to end on a tiny word-level model: sampling, learning, compilations, resume, errors."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.tiny import kill_after_checkpoint, make_llama
+
+WORDS = "red blue green gold pink gray teal plum rust sand mint navy lime ruby jade onyx".split()
+LOW = set(WORDS[:8])  # the synthetic task's reward: the share of completion words from the first half
+
+
+def _word_tokenizer(folder: Path) -> int:
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "</s>", *WORDS])}
+    t = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    t.pre_tokenizer = Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>", eos_token="</s>").save_pretrained(str(folder))
+    return len(vocab)
+
+
+REWARDS = '''
+LOW = set({low!r})
+
+
+def low_words(prompts, completions, completion_ids, **columns):
+    """The share of a completion's words drawn from the first half of the word list (EOS counts as a miss)."""
+    return [sum(w in LOW for w in c.split()) / max(len(ids), 1) for c, ids in zip(completions, completion_ids)]
+
+
+def picky(prompts, completions, completion_ids, answer, **columns):
+    """Raises on the rows whose answer is 'boom'."""
+    return [1.0 / (a != "boom") if a == "boom" else 0.0 for a in answer]
+'''
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("grpo")
+    vocab = _word_tokenizer(root / "tok")
+    make_llama(root / "hf", vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    from zoo.cli import main
+
+    assert main(["convert", str(root / "hf"), "--out", str(root / "zoo")]) == 0
+    rng = np.random.RandomState(0)
+    with (root / "prompts.jsonl").open("w") as f:
+        for i in range(64):
+            words = rng.choice(WORDS, rng.randint(1, 6))
+            f.write(json.dumps({"prompt": " ".join(words), "answer": "boom" if i % 4 == 1 else "ok"}) + "\n")
+    (root / "rewards.py").write_text(REWARDS.format(low=sorted(LOW)))
+    return root
+
+
+def _cfg(root: Path, out: Path, *overrides: str):
+    from grpo.config import GRPOConfig
+    from pretrain.config import load_config
+
+    return load_config(None, [f"model.path={root / 'zoo'}", f"model.tokenizer={root / 'tok'}",
+                              f"data.path={root / 'prompts.jsonl'}", "data.seq_len=8", "batch_size=16",
+                              "grpo.num_generations=4", "grpo.max_completion_length=6",
+                              f"grpo.rewards=[{root / 'rewards.py'}:low_words]", "max_steps=4", "log_every=1",
+                              "optimizer.learning_rate=3e-2", "schedule.name=constant", "checkpoint.every=1000",
+                              f"output_dir={out}", *overrides], GRPOConfig)
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sampler_logps_equal_a_teacher_forced_forward(setup):
+    """What the sampler says each drawn token's log-probability is (softmax of the logits over the temperature,
+    before top-k cuts them) is what the trainer computes on the laid-out rows, to 1e-5 in float32; with LoRA
+    adapters too (run beside the base matmuls in both)."""
+    import zoo
+    from eval.generate import Sampler
+    from grpo.rollout import RolloutSpec, assemble, sample_group_completions
+    from zoo.logps import batch_logps
+
+    model = zoo.load(setup / "zoo", dtype=np.float32)
+    # Doubled weights: more peaked distributions than the random init's, so top-k cuts something.
+    cfg, params = model.cfg, jax.tree.map(lambda x: x * 2.0 if x.ndim > 1 else x, model.param_dict())
+    g, p, t = 3, 7, 9
+    prompts = [[2, 5, 9], [3], [4, 4, 4, 4, 4, 4, 4], [7, 8]]
+    tokens = np.zeros((len(prompts) * g, p), np.int32)
+    valid = np.zeros_like(tokens, bool)
+    for i, pr in enumerate(prompts):
+        tokens[i * g:(i + 1) * g, :len(pr)], valid[i * g:(i + 1) * g, :len(pr)] = pr, True
+    from zoo.lora import LoraConfig, init_lora, lora_scale
+
+    lora_cfg = LoraConfig(rank=4, alpha=8.0, targets="all")
+    lora = init_lora(cfg, lora_cfg, jax.random.key(1))  # B = 0: nonzero B below, so the adapters add something
+    lora = jax.tree_util.tree_map_with_path(
+        lambda path, x: x + 0.3 * jax.random.normal(jax.random.key(len(str(path))), x.shape)
+        if str(path[-1]) == "['b']" else x, lora)
+    for temperature, top_k, adapters in ((1.0, 0, None), (0.7, 5, None), (1.0, 0, lora)):
+        spec = RolloutSpec(g, t, Sampler(temperature, top_k, 1.0), (1,))
+        kw = {} if adapters is None else {"lora": adapters, "lora_scale": lora_scale(lora_cfg)}
+        comp, logps, lengths = sample_group_completions(cfg, params, tokens, valid, spec, jax.random.key(3), **kw)
+        comp, logps, lengths = np.asarray(comp), np.asarray(logps), np.asarray(lengths)
+        assert (lengths >= 1).all() and (lengths <= t).all()
+        b = assemble(jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(comp), jnp.asarray(lengths),
+                     {"sampler": jnp.asarray(logps)}, {}, jnp.ones(len(tokens), bool))
+        trainer = np.asarray(batch_logps(cfg, params, b, temperature=temperature, **kw)[0])
+        w = np.asarray(b["weights"]) > 0
+        assert w.sum() == lengths.sum()
+        np.testing.assert_allclose(trainer[w], np.asarray(b["sampler"])[w], atol=1e-5)
+        # The laid-out rows hold prompt + completion, the completion tokens being the targets weighed.
+        r = 1
+        n = valid[r].sum()
+        assert list(np.asarray(b["inputs"])[r, :n]) == list(tokens[r, :n])
+        assert list(np.asarray(b["targets"])[r][w[r]]) == list(comp[r, :lengths[r]])
+    # The G rows of a group share the prompt, not the draw.
+    assert len({tuple(c) for c in comp[:g]}) > 1
+
+
+def test_grpo_raises_the_reward_without_recompiling(setup, tmp_path):
+    """A synthetic verifiable task (the share of completion words from half the vocabulary, about 0.5 at random):
+    the mean reward rises by at least 0.3 within 100 steps (here 40, at a lower learning rate than the
+    module's default), and no step after the first compiles anything."""
+    from jax._src.dispatch import JAXPR_TRACE_EVENT
+
+    from grpo.task import GRPOTask
+    from pretrain.trainer import train
+
+    traces: list[str] = []
+    seen: list[int] = []
+
+    def listen(event: str, duration: float, **kw) -> None:
+        if event == JAXPR_TRACE_EVENT:
+            traces.append(event)
+
+    class Counting(GRPOTask):
+        def rollout(self, *args, **kwargs):
+            seen.append(len(traces))
+            return super().rollout(*args, **kwargs)
+
+    cfg = _cfg(setup, tmp_path / "run", "max_steps=40", "optimizer.learning_rate=1e-2",
+               "grpo.log_completions_every=20")
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        train(cfg, task=Counting(cfg), progress=False)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert seen[2] > seen[1] or seen[1] > 0  # the listener hears traces at all
+    assert seen[-1] == seen[2], f"traces at each step's start: {seen[:4]} ... {seen[-1]}: a later step recompiled"
+    rewards = [m["reward"] for m in _metrics(tmp_path / "run")]
+    assert len(rewards) == 40
+    first, last = rewards[0], np.mean(rewards[-5:])  # the starting policy's batch; the last steps'
+    assert 0.35 < first < 0.65  # about half the words, at random
+    assert last - first >= 0.3, (first, last)
+    logged = [json.loads(x) for x in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    assert {x["step"] for x in logged} == {20, 40} and len(logged) == 2 * 16
+    assert set(logged[0]) >= {"step", "prompt", "completion", "completion_ids", "low_words"}
+
+
+def test_kill_9_and_resume_is_bit_identical(setup, tmp_path):
+    """`grpo train` SIGKILLed after its step-2 checkpoint and rerun ends with the weights, metrics and logged
+    completions of the run that never stopped (sampling keys come from the seed and the step; the data position
+    is checkpointed; completions.jsonl is trimmed to the restored step). LoRA, mu = 2, beta > 0 (the base as
+    the reference)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import zoo
+    from grpo.cli import main
+
+    extra = ["lora.rank=4", "lora.alpha=8", "grpo.num_iterations=2", "grpo.beta=0.05", "grpo.log_completions_every=1",
+             "grpo.loss_type=grpo", "checkpoint.every=2"]
+    args = lambda out: ["train", f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}",  # noqa: E731
+                        f"data.path={setup / 'prompts.jsonl'}", "data.seq_len=8", "batch_size=16",
+                        "grpo.num_generations=4", "grpo.max_completion_length=6",
+                        f"grpo.rewards=[{setup / 'rewards.py'}:low_words]", "max_steps=4", "log_every=1",
+                        "optimizer.learning_rate=3e-2", "schedule.name=constant", f"output_dir={out}", *extra]
+    assert main(args(tmp_path / "whole")) == 0
+    out = tmp_path / "killed"
+    proc = subprocess.run([sys.executable, "-c", kill_after_checkpoint("grpo.cli"), "2", *args(out)],
+                          capture_output=True, text=True, env=os.environ.copy(), timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert (out / "checkpoints" / "2").is_dir() and not (out / "final").exists()
+    assert main(args(out)) == 0
+    a = zoo.load(tmp_path / "whole" / "final", dtype=np.float32).param_dict()  # base + the trained adapters
+    b = zoo.load(out / "final", dtype=np.float32).param_dict()
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    skip = {"step_time", "tokens_per_sec", "rollout_tokens_per_sec", "train_tokens_per_sec", "generation_share"}
+    ma = [{k: v for k, v in m.items() if k not in skip} for m in _metrics(tmp_path / "whole")]
+    mb = [{k: v for k, v in m.items() if k not in skip} for m in _metrics(out)]
+    assert ma == mb and len(ma) == 4
+    assert ma[-1]["kl"] > 0  # the reference (the LoRA base) was used
+    ca = (tmp_path / "whole" / "completions.jsonl").read_text()
+    assert ca == (out / "completions.jsonl").read_text() and len(ca.splitlines()) == 4 * 16
+
+
+def test_a_reward_that_raises_is_a_clean_error(setup, tmp_path, capsys):
+    from grpo.cli import main
+
+    args = ["train", f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}",
+            f"data.path={setup / 'prompts.jsonl'}", "data.seq_len=8", "batch_size=64", "grpo.num_generations=4",
+            "grpo.max_completion_length=2", f"grpo.rewards=[{setup / 'rewards.py'}:picky]", "max_steps=1",
+            f"output_dir={tmp_path / 'run'}"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1
+    assert "picky" in err and "ZeroDivisionError" in err, err
+    line = int(re.search(r"prompts.jsonl, line (\d+)", err).group(1))  # the first row that raises, named
+    assert json.loads((setup / "prompts.jsonl").read_text().splitlines()[line - 1])["answer"] == "boom"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("batch_size=10", "multiple of grpo.num_generations=4"),
+    ("grpo.num_generations=1", "at least 2"),
+    ("grpo.rewards=[no_such_verifier]", "no_such_verifier"),
+    ("grpo.beta=0.1", "reference model"),
+])
+def test_config_errors_are_clear(setup, tmp_path, capsys, override, message):
+    from grpo.cli import main
+
+    args = ["train", f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}",
+            f"data.path={setup / 'prompts.jsonl'}", "data.seq_len=8", "batch_size=16", "grpo.num_generations=4",
+            f"grpo.rewards=[{setup / 'rewards.py'}:low_words]", "max_steps=1", f"output_dir={tmp_path / 'run'}",
+            override]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+    assert not (tmp_path / "run" / "final").exists()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_follow_the_one_process_run(setup, tmp_path):
+    """2 processes x 2 CPU devices (gloo; fsdp over 4 devices; each process feeding its own rows, sampling its
+    shard of the batch, every process scoring the whole batch) draw the completions the one-device run draws
+    and train like it."""
+    import os
+    import subprocess
+    import sys
+
+    from grpo.task import GRPOTask
+    from pretrain.trainer import train
+
+    common = ["max_steps=3", "grad_accum=2", "optimizer.name=sgd", "optimizer.learning_rate=0.5",
+              "grpo.log_completions_every=1", "grpo.num_iterations=2"]
+    cfg = _cfg(setup, tmp_path / "one", *common)
+    train(cfg, task=GRPOTask(cfg), progress=False)
+    args = ["train", f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}",
+            f"data.path={setup / 'prompts.jsonl'}", "data.seq_len=8", "batch_size=16", "grpo.num_generations=4",
+            "grpo.max_completion_length=6", f"grpo.rewards=[{setup / 'rewards.py'}:low_words]", "log_every=1",
+            "schedule.name=constant", "checkpoint.every=1000", f"output_dir={tmp_path / 'two'}", *common]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    port = _free_port()
+    run = "import sys; from grpo.cli import main; sys.exit(main(sys.argv[1:]))"
+    procs = [subprocess.Popen([sys.executable, "-c", run, *args, "--coordinator", f"localhost:{port}",
+                               "--num-processes", "2", "--process-id", str(i)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
+    try:
+        results = [p.communicate(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs, results):
+        assert p.returncode == 0, err[-3000:]
+    one, two = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
+    assert [m["reward"] for m in two] == [m["reward"] for m in one]
+    for k in ("loss", "grad_norm", "entropy", "kl"):
+        np.testing.assert_allclose([m[k] for m in two], [m[k] for m in one], rtol=1e-5, atol=1e-6, err_msg=k)
+    logged = [(json.loads(x)["completion"]) for x in (tmp_path / "two" / "completions.jsonl").read_text().splitlines()]
+    assert logged == [json.loads(x)["completion"] for x in
+                      (tmp_path / "one" / "completions.jsonl").read_text().splitlines()]
+
+
+def test_the_example_config_reads_and_its_prompts_fit(smollm2_tokenizer):
+    """examples/grpo/grpo_arith.yaml (the demo's GRPO task) is a valid config, and SmolLM2's chat template renders
+    every one of its prompts within its data.seq_len."""
+    from transformers import AutoTokenizer
+
+    from grpo.config import GRPOConfig
+    from grpo.task import GRPOTask
+    from pretrain.config import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_config(root / "examples" / "grpo" / "grpo_arith.yaml",
+                      [f"data.path={root / 'demo' / 'data' / 'grpo_train.jsonl'}"], GRPOConfig)
+    task = GRPOTask(cfg)
+    rows = task.load(cfg.data.path, cfg)
+    docs, bad = task.documents(rows, AutoTokenizer.from_pretrained(str(smollm2_tokenizer)), cfg.data.path, False)
+    assert bad == 0 and not task.too_long and len(docs) == len(rows)
+    assert max(len(d["tokens"]) for d in docs.values()) <= cfg.data.seq_len
+
+
+def test_a_bad_prompt_row_names_its_line(setup, tmp_path, capsys):
+    from grpo.cli import main
+
+    data = tmp_path / "bad.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["red blue", 7, "gold"] * 8))
+    args = ["train", f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}", f"data.path={data}",
+            "data.seq_len=8", "batch_size=8", "grpo.num_generations=4",
+            f"grpo.rewards=[{setup / 'rewards.py'}:low_words]", "max_steps=1", f"output_dir={tmp_path / 'run'}"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "bad.jsonl, line 2" in err and "'prompt' is a int" in err and "Traceback" not in err, err
+
+
+def test_truncated_completions_are_counted_and_optionally_masked(setup, tmp_path):
+    """Completions that hit grpo.max_completion_length are counted (completions/clipped_ratio) and, with
+    grpo.mask_truncated, weigh nothing. Checked through dr_grpo's loss at step 1 (ratio 1, beta 0), computed here
+    from the logged completions: -sum over trained completions of advantage x length / (batch x max length)."""
+    from grpo.task import GRPOTask
+    from pretrain.trainer import train
+
+    for mask in (False, True):
+        out = tmp_path / f"mask_{mask}"
+        cfg = _cfg(setup, out, "max_steps=1", "grpo.max_completion_length=3", f"grpo.mask_truncated={mask}",
+                   "grpo.loss_type=dr_grpo", "grpo.log_completions_every=1")
+        train(cfg, task=GRPOTask(cfg), progress=False)
+        (m,) = _metrics(out)
+        rows = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
+        cut = [len(r["completion_ids"]) == 3 and r["completion_ids"][-1] != 1 for r in rows]  # id 1: </s>
+        assert 0 < sum(cut) < len(rows)  # both kinds in the batch (a fixed seed)
+        assert m["completions/clipped_ratio"] == pytest.approx(sum(cut) / len(rows))
+        trained = [not c or not mask for c in cut]
+        want = -sum(r["advantage"] * len(r["completion_ids"]) * t for r, t in zip(rows, trained)) / (len(rows) * 3)
+        assert m["loss"] == pytest.approx(want, abs=1e-6), mask
+
+
+def test_a_checkpoint_reference_starts_at_zero_kl_and_drifts(setup, tmp_path):
+    """Full fine-tuning with grpo.beta > 0 against a reference checkpoint (the starting model): the k3 KL is 0
+    while the policy is the reference (step 1) and grows once it moves."""
+    from grpo.task import GRPOTask
+    from pretrain.trainer import train
+
+    cfg = _cfg(setup, tmp_path / "run", "max_steps=3", "grpo.beta=0.1", f"grpo.reference={setup / 'zoo'}")
+    train(cfg, task=GRPOTask(cfg), progress=False)
+    kl = [m["kl"] for m in _metrics(tmp_path / "run")]
+    assert abs(kl[0]) < 1e-6 and kl[2] > 1e-4, kl
