@@ -37,27 +37,21 @@ CACHE_DIR = "reference_logps"
 CACHE_VERSION = "3"  # bump when what is cached changes meaning (3: + params dtype and chat template)
 
 
+REFERENCE_ALSO = "base or precomputed"  # what dpo.reference may be besides a checkpoint path
+
+
 def resolve_checkpoint(path: str) -> Path:
     """The zoo checkpoint folder ``path`` of a reference, or a UserError."""
-    from zoo.paths import checkpoint_dir
+    from zoo.loading import reference_dir
 
-    try:
-        return checkpoint_dir(path, "dpo.reference")
-    except UserError as e:
-        raise UserError(f"{e} (dpo.reference may also be base or precomputed)") from None
+    return reference_dir(path, "dpo.reference", REFERENCE_ALSO)
 
 
 def load_reference(path: str, mcfg: ModelConfig, mesh: jax.sharding.Mesh, dtype: Any) -> dict:
     """The frozen reference checkpoint at ``path``, sharded like the policy (it must have the policy's shapes)."""
-    from zoo.checkpoint import read_config
-    from zoo.loading import load_params
+    from zoo.loading import load_reference as load
 
-    ckpt = resolve_checkpoint(path)
-    ref_cfg = read_config(ckpt)
-    if ref_cfg != mcfg:
-        raise UserError(f"dpo.reference {path}: its architecture differs from the policy's "
-                        "(a reference must be the same model, e.g. the SFT checkpoint the policy starts from)")
-    return load_params(ckpt, mesh, dtype)
+    return load(path, "dpo.reference", REFERENCE_ALSO, mcfg, mesh, dtype)
 
 
 def checkpoint_digest(path: Path) -> str:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import time
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +37,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from zoo.batching import Document
+from zoo.batching import Document, replicated_batch
 from zoo.config import ModelConfig
 from zoo.datafiles import indexed_rows, load_dataset_rows
 from zoo.errors import UserError
 from zoo.logps import batch_logps
+from zoo.loading import load_reference
 from zoo.lora import lora_scale
 from zoo.row_origin import bad_row, row_where
 
@@ -83,9 +83,10 @@ class GRPOTask(Task):
         self.updates_per_step = cfg.grpo.num_iterations
         self.rewards = load_rewards(cfg.grpo.rewards, cfg.grpo.reward_weights)  # a bad spec fails before loading
         self.field = cfg.data.prompt_field
-        self.sources: dict[str, Any] = {}  # path -> dataset (prompts and the columns the rewards read)
+        self.dataset: Any = None  # the prompt rows (prompts and the columns the rewards read); one data.path
         self.path: str | None = None
-        self._measured: dict[str, float] = {}
+        self._measured: dict[str, float] = {}  # the last rollout's metrics
+        self._timing = (0.0, 0.0, 0)  # the last rollout's (generation seconds, rollout seconds, trained tokens)
         self._trimmed = False
 
     # ---- rows -> prompt documents ------------------------------------------------------------------------
@@ -96,7 +97,7 @@ class GRPOTask(Task):
         if self.field not in ds.column_names:
             raise UserError(f"data.path {path}: GRPO rows need a '{self.field}' field (a string, or a list of "
                             f"messages); columns: {ds.column_names} (data.prompt_field names another column)")
-        self.sources[path], self.path = ds, path
+        self.dataset, self.path = ds, path
         return RowSource(ds, self.field)
 
     def documents(self, rows: RowSource, tokenizer: Any, path: str, skip_bad: bool,
@@ -171,7 +172,8 @@ class GRPOTask(Task):
                                     "model you start from); grpo.reference: base is the LoRA base, adapters off")
                 self.reference = "base"
             else:
-                frozen_inputs = _load_reference(g.reference, mcfg, mesh, DTYPES[cfg.dtype.params])
+                frozen_inputs = load_reference(g.reference, "grpo.reference", "base, with LoRA", mcfg, mesh,
+                                               DTYPES[cfg.dtype.params])
                 self.reference = "path"
         self._compile(cfg)
         return frozen_inputs
@@ -229,7 +231,7 @@ class GRPOTask(Task):
         t_gen = time.perf_counter() - t0
         row_h = _to_host(rows["row"])[..., 0].reshape(-1)
 
-        ds = self.sources[self.path]
+        ds = self.dataset
         records = {int(i): ds[int(i)] for i in np.unique(row_h)}
         ids = [comp_h[r, :len_h[r]].tolist() for r in range(len(row_h))]
         texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
@@ -245,9 +247,9 @@ class GRPOTask(Task):
         truncated = ~ended
         trained = ~truncated if g.mask_truncated else np.ones_like(truncated)
 
-        put = partial(_replicated, sharding=self.replicated)
+        given = replicated_batch({"adv": adv.astype(np.float32), "trained": trained}, self.replicated)
         batch = self._layout(rows["tokens"], rows["tokens_segment_ids"], completions, lengths, sampler_logps,
-                             put(adv.astype(np.float32)), put(trained))
+                             given["adv"], given["trained"])
         if g.num_iterations > 1:  # the policy that sampled, kept for the later updates' ratios
             batch["old_logps"] = self._policy_logps(base, lora, batch)
         if self.reference == "base":  # the LoRA base, adapters off
@@ -264,14 +266,13 @@ class GRPOTask(Task):
             "completions/mean_length": float(len_h.mean()), "completions/min_length": float(len_h.min()),
             "completions/max_length": float(len_h.max()), "completions/clipped_ratio": float(truncated.mean()),
             "rollout_tokens_per_sec": n_tokens / max(t_gen, 1e-9),
-            "_generation_time": t_gen, "_rollout_time": t_roll, "_train_tokens": real * g.num_iterations,
         }
         for j, name in enumerate(self.rewards.names):
             col = per_fn[:, j]
             seen = col[~np.isnan(col)]
             m[f"reward/{name}/mean"] = float(seen.mean()) if len(seen) else float("nan")
             m[f"reward/{name}/std"] = float(seen.std(ddof=1)) if len(seen) > 1 else 0.0
-        self._measured = m
+        self._measured, self._timing = m, (t_gen, t_roll, real * g.num_iterations)
         every = g.log_completions_every
         if distributed.is_primary():
             self._trim_completions(step)
@@ -282,7 +283,7 @@ class GRPOTask(Task):
     def step_metrics(self, step_time: float) -> dict[str, float]:
         """The rollout's metrics (TRL's names), and how the step's time split between generating and training."""
         m = dict(self._measured)
-        gen, roll, tokens = m.pop("_generation_time", 0.0), m.pop("_rollout_time", 0.0), m.pop("_train_tokens", 0)
+        gen, roll, tokens = self._timing
         m["generation_share"] = gen / step_time if step_time > 0 else 0.0
         m["train_tokens_per_sec"] = tokens / max(step_time - roll, 1e-9)
         # The loop's own count (batch_size x data.seq_len) measures prompt rows; this step's tokens are the
@@ -355,24 +356,3 @@ def _to_host(x: jax.Array) -> np.ndarray:
 
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x)
-
-
-def _replicated(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
-    """A host array every process holds alike, as a global array replicated on every device."""
-    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
-
-
-def _load_reference(path: str, mcfg: ModelConfig, mesh: jax.sharding.Mesh, dtype: Any) -> dict:
-    """The frozen reference checkpoint at ``path`` (``grpo.reference``), sharded like the policy."""
-    from zoo.checkpoint import read_config
-    from zoo.loading import load_params
-    from zoo.paths import checkpoint_dir
-
-    try:
-        ckpt = checkpoint_dir(path, "grpo.reference")
-    except UserError as e:
-        raise UserError(f"{e} (grpo.reference may also be base, with LoRA)") from None
-    if read_config(ckpt) != mcfg:
-        raise UserError(f"grpo.reference {path}: its architecture differs from the policy's (a reference must be "
-                        "the same model, e.g. the checkpoint the policy starts from)")
-    return load_params(ckpt, mesh, dtype)

@@ -101,8 +101,8 @@ def _pack(ds: grain.MapDataset, example: dict[str, np.ndarray], seq_len: int, se
         return ds.map(lambda x: padded(x, seq_len + 1)).to_iter_dataset(NO_PREFETCH)
     lengths = {k: seq_len + 1 for k in example}
     if mode == "best_fit":
-        return ge.BestFitPackIterDataset(ds.to_iter_dataset(NO_PREFETCH), length_struct=lengths, num_packing_bins=PACKING_BINS,
-                                         seed=seed, shuffle_bins=False)
+        return ge.BestFitPackIterDataset(ds.to_iter_dataset(NO_PREFETCH), length_struct=lengths,
+                                         num_packing_bins=PACKING_BINS, seed=seed, shuffle_bins=False)
     return ge.ConcatThenSplitIterDataset(ds.to_iter_dataset(NO_PREFETCH), length_struct=lengths)
 
 

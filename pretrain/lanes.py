@@ -47,9 +47,9 @@ def run_data(cfg: TrainConfig, task: Task, tokenizer: Any, vocab: int, sharding:
     if isinstance(d.path, list):
         return mixture_data(cfg, task, tokenizer, vocab, mine, counted, packing)
     share = read_source(cfg, task, tokenizer, vocab, mine, counted, packing, "data.path", d.eval_fraction)
-    total = cfg.max_steps or max(1, share.per_epoch // epoch_unit(cfg, packing, task.group_size)) * cfg.epochs
-    # The rows of one group (task.group_size) read the same lane with the same seed: the same documents.
     g = task.group_size
+    total = cfg.max_steps or max(1, share.per_epoch // epoch_unit(cfg, packing, g)) * cfg.epochs
+    # The rows of one group (task.group_size) read the same lane with the same seed: the same documents.
     batches = LaneBatches([lane_dataset(share.lane_docs[r], d.seq_len, cfg.seed * 1_000_003 + r // g, packing)
                            for r in mine])
     return RunData(batches, mine, packing, share.n_long, share.eval_docs, total, share.skipped)

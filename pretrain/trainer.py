@@ -11,6 +11,7 @@ plumbing and the final checkpoint live in files of their own.
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import sys
 from collections.abc import Sequence
 import time
@@ -137,6 +138,9 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
     peak = peak_flops(cfg)
     step_flops = flops_per_token(mcfg, cfg.data.seq_len) * cfg.batch_size * cfg.data.seq_len
 
+    # A fresh run whose first step fails on the user's inputs (an online task's reward function, say) leaves
+    # nothing behind: what it wrote into a folder that held nothing before is removed.
+    held_before = out.exists() and any(out.iterdir())
     out.mkdir(parents=True, exist_ok=True)
     manager = ocp.CheckpointManager(
         out / "checkpoints",
@@ -178,6 +182,7 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
     seen = start * cfg.batch_size * cfg.data.seq_len
     last = dict(log.last) if log else {}  # what `final` records if no step is left to run (killed before it)
     stop = _StopOnSignal()
+    discard = False
     try:
         for step in range(start, total):
             if distributed.any_process(stop.requested is not None):
@@ -187,15 +192,19 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
                 raise UserError(f"stopped by {stop.requested or 'a signal to another process'} after step {step}; "
                                 f"checkpoint saved in {out}, run the same command to resume")
             t0 = time.perf_counter()
-            if task.online:  # the task makes the batch (GRPO: samples completions and scores them)
-                rows = global_batch(next(data.batches), data.rows, batch_sharding, batch_shape)
-                b = task.rollout(state["params"], frozen, frozen_inputs, rows, step)
-            else:
-                b = global_batch(to_model_batch(next(data.batches)), data.rows, batch_sharding, batch_shape)
-            m = None
-            for _ in range(updates):
-                state, one = step_fn(state, b, frozen, frozen_inputs=frozen_inputs)
-                m = one if m is None else jax.tree.map(jnp.add, m, one)
+            try:
+                if task.online:  # the task makes the batch (GRPO: samples completions and scores them)
+                    rows = global_batch(next(data.batches), data.rows, batch_sharding, batch_shape)
+                    b = task.rollout(state["params"], frozen, frozen_inputs, rows, step)
+                else:
+                    b = global_batch(to_model_batch(next(data.batches)), data.rows, batch_sharding, batch_shape)
+                m = None
+                for _ in range(updates):
+                    state, one = step_fn(state, b, frozen, frozen_inputs=frozen_inputs)
+                    m = one if m is None else jax.tree.map(jnp.add, m, one)
+            except UserError:
+                discard = step == 0 and not held_before and primary
+                raise
             if updates > 1:  # each update's metrics, averaged
                 m = jax.tree.map(lambda x: x / updates, m)
             loss = float(m["loss"])
@@ -229,6 +238,8 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
         if primary:
             log.close()
         manager.wait_until_finished()
+        if discard:
+            shutil.rmtree(out, ignore_errors=True)
     data_report = {"skipped_rows": data.skipped, "packing": data.packing,
                    f"{'dropped' if cfg.data.long_examples == 'drop' else 'truncated'}_long_examples": data.too_long}
     mixture = data.mixture_report()  # every process: it sums their counts

@@ -218,6 +218,7 @@ def test_a_reward_that_raises_is_a_clean_error(setup, tmp_path, capsys):
     assert "picky" in err and "ZeroDivisionError" in err, err
     line = int(re.search(r"prompts.jsonl, line (\d+)", err).group(1))  # the first row that raises, named
     assert json.loads((setup / "prompts.jsonl").read_text().splitlines()[line - 1])["answer"] == "boom"
+    assert not (tmp_path / "run").exists()  # the fresh run's folder is not left half-written
 
 
 @pytest.mark.parametrize("override, message", [

@@ -13,6 +13,7 @@ this module; nothing below imports it.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -59,3 +60,27 @@ def load(ckpt: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, dtype: 
     """Load a zoo checkpoint as a :class:`zoo.model.Decoder` on all local devices (or ``mesh``)."""
     cfg = read_config(ckpt)
     return Decoder(cfg, load_params(ckpt, mesh, dtype))
+
+
+def reference_dir(path: str, key: str, also: str) -> Path:
+    """The zoo checkpoint folder ``path`` of a task's reference model (config key ``key``, which may also be
+    ``also``), or a UserError saying so."""
+    from zoo.errors import UserError
+    from zoo.paths import checkpoint_dir
+
+    try:
+        return checkpoint_dir(path, key)
+    except UserError as e:
+        raise UserError(f"{e} ({key} may also be {also})") from None
+
+
+def load_reference(path: str, key: str, also: str, mcfg: ModelConfig, mesh: jax.sharding.Mesh, dtype: Any) -> dict:
+    """A task's frozen reference checkpoint at ``path`` (config key ``key``), sharded like the policy; it must be
+    the policy's architecture."""
+    from zoo.errors import UserError
+
+    ckpt = reference_dir(path, key, also)
+    if read_config(ckpt) != mcfg:
+        raise UserError(f"{key} {path}: its architecture differs from the policy's (a reference must be the same "
+                        "model, e.g. the checkpoint the policy starts from)")
+    return load_params(ckpt, mesh, dtype)
