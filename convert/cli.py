@@ -17,7 +17,7 @@ def convert_command(args: argparse.Namespace) -> None:
     """`zoo convert SOURCE --out DIR`: convert a Hugging Face / GGUF model into a zoo checkpoint."""
     from convert import convert
 
-    out = convert(args.source, args.out, dtype=args.dtype)
+    out = convert(args.source, args.out, dtype=args.dtype, keep_mtp=args.keep_mtp)
     print(f"wrote {out}")
 
 

@@ -16,7 +16,9 @@ from zoo.errors import UserError
 from zoo.memory import release_free_memory
 from zoo.params import param_specs
 
+from convert import fp8, mtp
 from convert.hf_config import model_config_from_hf, source_format
+from convert.safetensors_out import write_streaming
 from convert.source import Source, open_source
 from convert.tables import BoundRule, table_for
 from convert.transforms import TRANSFORMS
@@ -58,11 +60,14 @@ def _counted(items, bar):
         bar.update()
 
 
-def convert(source: str, out: str | Path, dtype: str | None = None, progress: bool | None = None) -> Path:
+def convert(source: str, out: str | Path, dtype: str | None = None, progress: bool | None = None,
+            keep_mtp: bool = False) -> Path:
     """Convert SOURCE into a zoo checkpoint at ``out``; returns the checkpoint path.
 
     ``dtype`` (float32|bfloat16) casts every parameter; None keeps the stored
-    dtype (float32 for dequantized GGUF tensors).
+    dtype (float32 for dequantized GGUF tensors, bfloat16 for dequantized FP8
+    weights). ``keep_mtp`` keeps a DeepSeek checkpoint's multi-token-prediction
+    layers (convert/mtp.py) instead of dropping them.
     """
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
@@ -71,17 +76,39 @@ def convert(source: str, out: str | Path, dtype: str | None = None, progress: bo
     src = open_source(source)
     cfg = model_config_from_hf(src.hf_config, f"{src.description}: config")
     fmt = src.fmt if src.fmt == "gguf" else source_format(src.hf_config)
+    stored_config = dict(src.hf_config)
+    if src.fmt != "gguf":
+        scaling = fp8.block_scaling(src.hf_config, f"{src.description}: config")
+        if scaling is None:
+            fp8.refuse_unscaled_fp8(src.reader, src.description)
+        else:
+            src.reader = fp8.DequantizingReader(src.reader, scaling, DTYPES.get(dtype) or fp8.DEFAULT_DTYPE,
+                                                src.description)
+            stored_config.pop("quantization_config")  # the checkpoint holds the dequantized weights
+    extra = mtp.mtp_tensors(src.reader.names(), src.hf_config)
+    if keep_mtp and not extra:
+        raise UserError(f"--keep-mtp: {src.description} has no multi-token-prediction layer to keep "
+                        "(its config sets no num_nextn_predict_layers, or the checkpoint has no tensors past "
+                        "num_hidden_layers); convert without --keep-mtp")
     rules = table_for(cfg.family, fmt, cfg)
     check_source(src, cfg, rules)
     if fmt == "hf-gemma3-multimodal":
         left = len(src.reader.names()) - sum(len(r.hf_names()) for r in rules)
         print(f"note: {src.description} is multimodal: converting its language model; the vision tower and "
               f"projector ({left} tensors) are left out", file=sys.stderr)
+    if extra and not keep_mtp:
+        size = sum(int(np.prod(src.reader.shape(n), dtype=np.int64)) * src.reader.dtype(n).itemsize for n in extra)
+        from zoo.console import human_bytes
+
+        print(f"note: dropped the multi-token-prediction layer ({len(extra)} tensors, {human_bytes(size)} as "
+              f"converted, from {extra[0].rsplit('.', 3)[0]}.*): lmzoo's model does not run it; --keep-mtp keeps "
+              "it for export", file=sys.stderr)
+        stored_config["num_nextn_predict_layers"] = 0  # what the checkpoint holds
     specs = param_specs(cfg)
     with atomic_output(out) as folder:
         writer = CheckpointWriter(folder)
-        bar = tqdm(total=sum(len(r.hf_names()) for r in rules), desc="convert", unit="tensor",
-                   disable=None if progress is None else not progress)
+        bar = tqdm(total=sum(len(r.hf_names()) for r in rules) + (len(extra) if keep_mtp else 0), desc="convert",
+                   unit="tensor", disable=None if progress is None else not progress)
         # Whole parameters first; stacked ones are reserved, then streamed slice by slice.
         for rule in rules:
             dt = DTYPES.get(dtype) or src.reader.dtype(rule.hf_names()[0])
@@ -97,8 +124,20 @@ def convert(source: str, out: str | Path, dtype: str | None = None, progress: bo
                 dt = DTYPES.get(dtype) or src.reader.dtype(rule.hf_names()[0])
                 bar.set_postfix_str(rule.zoo)
                 writer.write_slices(rule.zoo, ((ix, build_piece(src, cfg, rule, ix, dt)) for ix in _counted(rule.indices(), bar)))
+        if keep_mtp:
+            bar.set_postfix_str("multi-token prediction")
+            kept = [(n, src.reader.shape(n), DTYPES.get(dtype) or src.reader.dtype(n)) for n in extra]
+            write_streaming(folder / mtp.EXTRA_FILE, kept, lambda n: _counted_read(src, n, bar))
         bar.close()
         src.save_tokenizer(folder / TOKENIZER_DIR)
-        (folder / HF_CONFIG_FILE).write_text(json.dumps(src.hf_config, indent=2, default=str) + "\n")
+        (folder / HF_CONFIG_FILE).write_text(json.dumps(stored_config, indent=2, default=str) + "\n")
         writer.finish(cfg, source=src.description, source_format=fmt)
+    if isinstance(src.reader, fp8.DequantizingReader):
+        print(src.reader.summary(), file=sys.stderr)
     return out.absolute()
+
+
+def _counted_read(src: Source, name: str, bar) -> np.ndarray:
+    x = src.reader.get(name)
+    bar.update()
+    return x

@@ -31,10 +31,12 @@ from zoo.params import param_specs
 
 from convert.convert import DTYPES, shape_only
 from convert.hf_config import export_hf_config
+from convert.mtp import EXTRA_FILE
+from convert.readers import SafetensorsFolder
+from convert.safetensors_out import ST_NAMES, encode_header
 from convert.tables import table_for
 from convert.transforms import TRANSFORMS
 
-ST_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64"}
 DEFAULT_MAX_SHARD = "5GB"
 
 
@@ -94,6 +96,20 @@ def plan_tensors(cfg: ModelConfig, meta: dict[str, Any], dtype: str | None) -> l
     return [t for _, t in keyed]
 
 
+# PlannedTensor.zoo of a tensor kept beside the model under its HF name (convert/mtp.py), written as stored.
+EXTRA = "<extra>"
+
+
+def plan_extra_tensors(ckpt: Path, dtype: str | None) -> list[PlannedTensor]:
+    """The tensors a conversion kept beside the model (``--keep-mtp``), after the model's own."""
+    path = Path(ckpt) / EXTRA_FILE
+    if not path.is_file():
+        return []
+    reader = SafetensorsFolder(path.parent, [path])
+    return [PlannedTensor(n, EXTRA, None, "identity", reader.shape(n), dtype or reader.dtype(n).name)
+            for n in reader.names()]
+
+
 def assign_shards(tensors: list[PlannedTensor], max_bytes: int) -> int:
     """Greedy, in order: a new shard when the next tensor would overflow this one. Returns the shard count."""
     shard, used = 0, 0
@@ -111,14 +127,9 @@ def shard_name(i: int, n: int) -> str:
 
 
 def safetensors_header(tensors: list[PlannedTensor]) -> bytes:
-    """A safetensors file's header for ``tensors`` at their planned offsets: its 8-byte length, then the JSON,
-    padded to 8 bytes so the data section is aligned."""
-    h: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    for t in tensors:
-        h[t.name] = {"dtype": ST_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [t.offset, t.offset + t.nbytes]}
-    raw = json.dumps(h, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # safetensors aligns the data section to 8 bytes
-    return len(raw).to_bytes(8, "little") + raw
+    """A safetensors file's header for ``tensors`` at their planned offsets."""
+    return encode_header({t.name: {"dtype": ST_NAMES[t.dtype], "shape": list(t.shape),
+                                   "data_offsets": [t.offset, t.offset + t.nbytes]} for t in tensors})
 
 
 def model_card(meta: dict[str, Any], cfg: ModelConfig, repo_hint: str) -> str:
@@ -167,7 +178,7 @@ def export(
     meta = read_meta(ckpt)
     cfg = ModelConfig.from_dict(meta["config"])
     out = Path(out).absolute()
-    tensors = plan_tensors(cfg, meta, dtype)
+    tensors = plan_tensors(cfg, meta, dtype) + plan_extra_tensors(Path(ckpt), dtype)
     n = assign_shards(tensors, parse_size(max_shard_size))
     with atomic_output(out, overwrite) as tmp:
         _write_shards(Path(ckpt), cfg, tensors, n, tmp, progress)
@@ -193,6 +204,13 @@ def _write_shards(ckpt: Path, cfg: ModelConfig, tensors: list[PlannedTensor], n:
         bar = tqdm(by_param.items(), desc="export", unit="param", disable=None if progress is None else not progress)
         for zoo_path, items in bar:
             bar.set_postfix_str(zoo_path)
+            if zoo_path == EXTRA:
+                extra = SafetensorsFolder(ckpt, [ckpt / EXTRA_FILE])
+                for t in items:
+                    x = np.ascontiguousarray(extra.get(t.name), dtype=DTYPES_ALL[t.dtype])
+                    os.pwrite(fds[t.shard], memoryview(x.reshape(-1).view(np.uint8)), data_start[t.shard] + t.offset)
+                    del x
+                continue
             param = param_reader(ckpt, zoo_path)
             for t in items:
                 for offset, x in _hf_pieces(param, t, cfg):
@@ -274,7 +292,7 @@ def planned_files(ckpt: str | Path, dtype: str | None = None, max_shard_size: st
     """
     meta = read_meta(ckpt)
     cfg = ModelConfig.from_dict(meta["config"])
-    tensors = plan_tensors(cfg, meta, dtype)
+    tensors = plan_tensors(cfg, meta, dtype) + plan_extra_tensors(Path(ckpt), dtype)
     n = assign_shards(tensors, parse_size(max_shard_size))
     files = []
     for i in range(n):

@@ -28,7 +28,32 @@ _LLAMA_KEYS = {
     "attention.layer_norm_rms_epsilon": "rms_norm_eps",
     "vocab_size": "vocab_size",
 }
-CONFIG_KEYS: dict[str, dict[str, str]] = {"llama": _LLAMA_KEYS}
+# The other architectures' keys, less llama's rope.dimension_count (transformers ignores it for them).
+_BASE_KEYS = {k: v for k, v in _LLAMA_KEYS.items() if k != "rope.dimension_count"}
+# Gemma's head_dim is not hidden_size / heads: llama.cpp writes it as the key length.
+_GEMMA_KEYS = {**_BASE_KEYS, "attention.key_length": "head_dim"}
+CONFIG_KEYS: dict[str, dict[str, str]] = {
+    "llama": _LLAMA_KEYS,
+    "qwen2": _BASE_KEYS,
+    # transformers drops key_length for qwen3 (its default head_dim, 128, is every released Qwen3's),
+    # but llama.cpp writes it, and a file of another width could not load otherwise.
+    "qwen3": {**_BASE_KEYS, "attention.key_length": "head_dim"},
+    # Gemma 1 has no GGUF support in transformers: these are what llama.cpp writes for it.
+    "gemma": _GEMMA_KEYS,
+    # llama.cpp writes Gemma 2's soft-caps; transformers ignores them (falling back to 50 / 30, the
+    # released models' values), which breaks any other file.
+    "gemma2": {**_GEMMA_KEYS, "attention.sliding_window": "sliding_window",
+               "attn_logit_softcapping": "attn_logit_softcapping",
+               "final_logit_softcapping": "final_logit_softcapping"},
+    # Gemma 3 files give only the global RoPE base; the local base and the sliding pattern are the
+    # config class's defaults. A dotted field is a key of a nested dict: llama.cpp writes the linear
+    # RoPE scaling of Gemma 3 4B and up (global layers only, as transformers applies rope_scaling);
+    # transformers' GGUF reader drops it.
+    "gemma3": {**_GEMMA_KEYS, "attention.sliding_window": "sliding_window",
+               "rope.scaling.type": "rope_scaling.rope_type", "rope.scaling.factor": "rope_scaling.factor"},
+}
+# GGUF architecture -> HF model_type, where they differ (a Gemma 3 file holds only the text model).
+MODEL_TYPES = {"gemma3": "gemma3_text"}
 
 # Special token ids: HF config field <- tokenizer metadata key.
 TOKEN_ID_KEYS = {
@@ -99,15 +124,23 @@ def hf_config(meta: dict[str, Any], tensor_names: list[str], where: str) -> dict
     if arch not in CONFIG_KEYS:
         raise UserError(f"{where}: GGUF architecture {arch!r} is not supported (supported: {', '.join(CONFIG_KEYS)})")
     raw: dict[str, Any] = {
-        "model_type": arch,
+        "model_type": MODEL_TYPES.get(arch, arch),
         # llama.cpp writes the output projection only when it is not the embedding matrix.
         "tie_word_embeddings": "output.weight" not in tensor_names,
     }
     if "general.name" in meta:
         raw["_model_name_or_path"] = meta["general.name"]
     for key, field in CONFIG_KEYS[arch].items():
-        if f"{arch}.{key}" in meta:
+        if f"{arch}.{key}" not in meta:
+            continue
+        outer, _, inner = field.partition(".")
+        if inner:
+            raw.setdefault(outer, {})[inner] = meta[f"{arch}.{key}"]
+        else:
             raw[field] = meta[f"{arch}.{key}"]
+    scaling = raw.pop("rope_scaling", None)
+    if scaling and scaling.get("rope_type", "none") != "none":  # llama.cpp's "none" is no scaling
+        raw["rope_scaling"] = scaling
     for field, key in TOKEN_ID_KEYS.items():
         if key in meta:
             raw[field] = meta[key]
@@ -144,19 +177,41 @@ def _sentencepiece_bpe(meta: dict[str, Any]):
     return LlamaTokenizer(vocab=vocab, merges=_merges(meta, vocab))
 
 
-def _merges(meta: dict[str, Any], vocab: dict[str, int]) -> list[tuple[str, str]]:
-    """The file's merges, or (sentencepiece files list none) those its vocabulary and scores imply."""
+def _gemma_sentencepiece(meta: dict[str, Any]):
+    """Gemma's sentencepiece BPE (tokenizer.ggml.model = llama in a gemma* file), as transformers rebuilds it.
+
+    A token of two or more spaces is stored as real spaces, where GemmaTokenizer looks it up as
+    ``\u2581\u2581``: such tokens are respelled. The merges are rebuilt best-first in the order the tokens
+    appear in the file, since Gemma's scores do not follow its merge order.
+    """
+    from transformers import GemmaTokenizer
+
+    tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in meta["tokenizer.ggml.tokens"]]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    order = {t: -float(i) for i, t in enumerate(tokens)}
+    return GemmaTokenizer(vocab=vocab, merges=_merges({**meta, "tokenizer.ggml.tokens": tokens}, vocab, order))
+
+
+def _merges(meta: dict[str, Any], vocab: dict[str, int],
+            scores: dict[str, float] | None = None) -> list[tuple[str, str]]:
+    """The file's merges, or (sentencepiece files list none) those its vocabulary and ``scores`` (default:
+    the file's token scores) imply."""
     if "tokenizer.ggml.merges" in meta:
         return [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     from transformers.tokenization_utils_base import generate_merges
 
-    scores = dict(zip(meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.scores") or [0.0] * len(vocab)))
+    if scores is None:
+        scores = dict(zip(meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.scores") or [0.0] * len(vocab)))
     return generate_merges(vocab, scores)
 
 
 TOKENIZER_BUILDERS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "gpt2": _byte_level_bpe,
     "llama": _sentencepiece_bpe,
+}
+# (architecture, tokenizer.ggml.model) whose vocabulary needs its own builder, as transformers picks one.
+ARCH_TOKENIZER_BUILDERS: dict[tuple[str, str], Callable[[dict[str, Any]], Any]] = {
+    (arch, "llama"): _gemma_sentencepiece for arch in ("gemma", "gemma2", "gemma3")
 }
 # What llama.cpp assumes when a file does not say whether to add BOS.
 ADD_BOS_DEFAULT = {"gpt2": False, "llama": True}
@@ -171,7 +226,8 @@ def build_tokenizer(meta: dict[str, Any], where: str):
     kind = meta.get("tokenizer.ggml.model")
     if kind not in TOKENIZER_BUILDERS or "tokenizer.ggml.tokens" not in meta:
         raise UserError(f"{where}: GGUF tokenizer {kind!r} is not supported (supported: {', '.join(TOKENIZER_BUILDERS)})")
-    tok = TOKENIZER_BUILDERS[kind](meta)
+    builder = ARCH_TOKENIZER_BUILDERS.get((meta.get("general.architecture"), kind), TOKENIZER_BUILDERS[kind])
+    tok = builder(meta)
     tokens, types = meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.token_type") or []
     # A control token outside the byte alphabet of a byte-level vocabulary is a llama.cpp mislabel;
     # adding it would grow the vocabulary past the embedding matrix.

@@ -6,6 +6,7 @@ never holds more than the tensors it is working on.
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from pathlib import Path
@@ -29,6 +30,9 @@ _ST_DTYPES = {
     "I8": np.dtype(np.int8),
     "U8": np.dtype(np.uint8),
     "BOOL": np.dtype(np.bool_),
+    # FP8 weights are read as stored; convert/fp8.py dequantizes them with their block scales.
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
 }
 
 
@@ -37,12 +41,13 @@ class SafetensorsFolder:
 
     The headers are read up front (so a missing, truncated or corrupt file is
     reported before anything is written); tensor data is only read when
-    :meth:`get` is called.
+    :meth:`get` is called. ``files`` names the files to read instead of the
+    folder's weights (a checkpoint's side file, convert/mtp.py).
     """
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, files: list[Path] | None = None):
         self.folder = Path(folder)
-        files = self._files()
+        files = files if files is not None else self._files()
         self.index: dict[str, tuple[Path, np.dtype, tuple[int, ...], int, int]] = {}
         for f in files:
             for name, entry in self._read_header(f).items():
@@ -141,7 +146,16 @@ class SafetensorsFolder:
 
 
 class GGUFFile:
-    """Tensors of a llama.cpp GGUF file, dequantized one at a time to float32."""
+    """Tensors of a llama.cpp GGUF file, dequantized one at a time to float32.
+
+    Any tensor type the ``gguf`` package dequantizes is read with its own routines (F32, F16, BF16, the
+    Q*_0/Q*_1 and K-quants, the IQ types, ...); another type is refused when the file is opened, before
+    anything is written. An embedding or output matrix with fewer rows than the file's vocabulary (the
+    one gguf_meta gives the config: ``{arch}.vocab_size``, else the tokenizer's length) is padded back
+    with zero rows, so the model's vocabulary is whole.
+    """
+
+    VOCAB_ROWS = ("token_embd.weight", "output.weight")
 
     def __init__(self, path: str | Path):
         import gguf
@@ -152,29 +166,54 @@ class GGUFFile:
         except Exception as e:  # gguf raises bare ValueErrors/struct errors on damage
             raise UserError(f"{self.path} is not a readable GGUF file ({e})") from None
         self.tensors = {t.name: t for t in self.reader.tensors}
+        for t in self.reader.tensors:
+            if not _dequantizable(t.tensor_type):
+                supported = ", ".join(q.name for q in gguf.GGMLQuantizationType if _dequantizable(q))
+                raise UserError(f"{self.path}: tensor {t.name!r} is stored as {t.tensor_type.name}, which lmzoo "
+                                f"cannot dequantize (supported: {supported})")
+        self.vocab = self._vocab()
+
+    def _vocab(self) -> int | None:
+        fields = self.reader.fields
+        arch = fields["general.architecture"].contents() if "general.architecture" in fields else None
+        if f"{arch}.vocab_size" in fields:
+            return int(fields[f"{arch}.vocab_size"].contents())
+        if "tokenizer.ggml.tokens" in fields:
+            return len(fields["tokenizer.ggml.tokens"].data)  # one entry per token, none decoded
+        return None
+
+    def _stored_shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(s) for s in reversed(self.tensors[name].shape))
 
     def names(self) -> list[str]:
         """Names of all tensors."""
         return list(self.tensors)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        """Shape in PyTorch order (GGUF stores it reversed)."""
-        return tuple(int(s) for s in reversed(self.tensors[name].shape))
+        """Shape in PyTorch order (GGUF stores it reversed); vocabulary matrices padded to the vocabulary."""
+        shape = self._stored_shape(name)
+        if name in self.VOCAB_ROWS and self.vocab and len(shape) == 2 and shape[0] < self.vocab:
+            return (self.vocab, shape[1])
+        return shape
 
     def dtype(self, name: str) -> np.dtype:
         """Dequantized dtype (always float32)."""
         return np.dtype(np.float32)
 
     def get(self, name: str) -> np.ndarray:
-        """One tensor, dequantized to float32 in PyTorch order."""
+        """One tensor, dequantized to float32 in PyTorch order (zero rows appended up to :meth:`shape`)."""
         import gguf
 
         t = self.tensors[name]
         if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
             data = np.asarray(t.data, dtype=np.float32)
         else:
-            data = gguf.quants.dequantize(t.data, t.tensor_type)
-        return data.reshape(self.shape(name))
+            data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        data = data.reshape(self._stored_shape(name))
+        want = self.shape(name)
+        if want != data.shape:
+            data = np.concatenate([data, np.zeros((want[0] - data.shape[0], *want[1:]), np.float32)])
+        return data
 
     def metadata(self) -> dict[str, Any]:
         """Scalar/string metadata fields (for provenance)."""
@@ -187,3 +226,18 @@ class GGUFFile:
             except Exception:
                 continue
         return out
+
+
+@functools.lru_cache(maxsize=None)
+def _dequantizable(qtype: Any) -> bool:
+    """Whether the ``gguf`` package dequantizes this tensor type (tried on one zero block: it has no public list)."""
+    import gguf
+
+    if qtype not in gguf.GGML_QUANT_SIZES:
+        return False
+    _, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    try:
+        gguf.quants.dequantize(np.zeros((1, type_size), np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True

@@ -31,7 +31,7 @@ class Source:
     description: str
     fmt: str  # "hf" (safetensors names) or "gguf" (llama.cpp names)
     hf_config: dict[str, Any]
-    reader: SafetensorsFolder | GGUFFile
+    reader: SafetensorsFolder | GGUFFile  # or, for an FP8 checkpoint, convert.fp8.DequantizingReader in front
     save_tokenizer: Callable[[Path], None]
 
 

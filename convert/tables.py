@@ -159,21 +159,43 @@ def decoder_table(prefix: str = "model.", moe: str | None = None) -> list[Rule]:
 
 _B = "blk.{i}."
 
-# llama.cpp's names for the same model (GGUF files), q/k rows permuted for its RoPE.
-LLAMA_GGUF = [
-    Rule("embed", "token_embd.weight"),
-    Rule("layers.attn_norm", _B + "attn_norm.weight"),
-    Rule("layers.q", _B + "attn_q.weight", "gguf_q_in"),
-    Rule("layers.k", _B + "attn_k.weight", "gguf_k_in"),
-    Rule("layers.v", _B + "attn_v.weight", "kv_in"),
-    Rule("layers.o", _B + "attn_output.weight", "o_out"),
-    Rule("layers.mlp_norm", _B + "ffn_norm.weight"),
-    Rule("layers.gate", _B + "ffn_gate.weight", "transpose"),
-    Rule("layers.up", _B + "ffn_up.weight", "transpose"),
-    Rule("layers.down", _B + "ffn_down.weight", "transpose"),
-    Rule("final_norm", "output_norm.weight"),
-    Rule("lm_head", "output.weight", "transpose", when="!tie_word_embeddings"),
-]
+
+def gguf_table(rope_permuted: bool = False) -> list[Rule]:
+    """llama.cpp's names for the same decoder (GGUF files of the llama, gemma, gemma2, gemma3, qwen2 and
+    qwen3 architectures).
+
+    Only the ``llama`` architecture has its q/k rows permuted for llama.cpp's RoPE (``rope_permuted``).
+    Norms go through ``gguf_norm`` (Gemma's are stored as ``w + 1``). ``ffn_norm`` is always the norm
+    before the MLP: with Gemma 2/3's post-norms the attention output's norm is ``post_attention_norm``.
+    """
+    q, k = ("gguf_q_in", "gguf_k_in") if rope_permuted else ("q_in", "kv_in")
+    return [
+        Rule("embed", "token_embd.weight"),
+        Rule("layers.attn_norm", _B + "attn_norm.weight", "gguf_norm"),
+        Rule("layers.q", _B + "attn_q.weight", q),
+        Rule("layers.k", _B + "attn_k.weight", k),
+        Rule("layers.v", _B + "attn_v.weight", "kv_in"),
+        Rule("layers.o", _B + "attn_output.weight", "o_out"),
+        Rule("layers.q_bias", _B + "attn_q.bias", "q_bias", when="qkv_bias"),
+        Rule("layers.k_bias", _B + "attn_k.bias", "kv_bias", when="qkv_bias"),
+        Rule("layers.v_bias", _B + "attn_v.bias", "kv_bias", when="qkv_bias"),
+        Rule("layers.o_bias", _B + "attn_output.bias", when="o_bias"),
+        Rule("layers.q_norm", _B + "attn_q_norm.weight", "gguf_norm", when="qk_norm"),
+        Rule("layers.k_norm", _B + "attn_k_norm.weight", "gguf_norm", when="qk_norm"),
+        Rule("layers.post_attn_norm", _B + "post_attention_norm.weight", "gguf_norm", when="post_norms"),
+        Rule("layers.mlp_norm", _B + "ffn_norm.weight", "gguf_norm"),
+        Rule("layers.post_mlp_norm", _B + "post_ffw_norm.weight", "gguf_norm", when="post_norms"),
+        Rule("layers.gate", _B + "ffn_gate.weight", "transpose"),
+        Rule("layers.up", _B + "ffn_up.weight", "transpose"),
+        Rule("layers.down", _B + "ffn_down.weight", "transpose"),
+        Rule("final_norm", "output_norm.weight", "gguf_norm"),
+        # llama.cpp writes no output.weight for a model whose head is its embedding matrix.
+        Rule("lm_head", "output.weight", "transpose", when="!tie_word_embeddings"),
+    ]
+
+
+LLAMA_GGUF = gguf_table(rope_permuted=True)
+GGUF_FAMILIES = ("gemma", "gemma2", "gemma3", "qwen2", "qwen3")
 
 HF_DECODER = decoder_table()
 
@@ -186,6 +208,7 @@ TABLES: dict[tuple[str, str], list[Rule]] = {
     ("mixtral", "hf"): decoder_table(moe="mixtral"),
     **{(f, "hf"): decoder_table(moe="deepseek") for f in ("deepseek_v2", "deepseek_v3")},
     ("llama", "gguf"): LLAMA_GGUF,
+    **{(f, "gguf"): gguf_table() for f in GGUF_FAMILIES},
 }
 
 

@@ -96,6 +96,10 @@ TRANSFORMS: dict[str, Transform] = {
     "kv_bias": _bias_heads("kv"),
     "gguf_unpermute_q": _gguf_unpermute("q"),
     "gguf_unpermute_k": _gguf_unpermute("kv"),
+    # llama.cpp stores an RMSNorm weight as the factor it multiplies by: Gemma's (1 + w) is written as
+    # w + 1 (every *norm.weight, Gemma 3's q/k norms included), while the zoo keeps w with norm_offset.
+    "gguf_norm": Transform(lambda w, cfg: w - np.float32(cfg.norm_offset),
+                           lambda w, cfg: w + np.float32(cfg.norm_offset)),
 }
 def _rope_perm(cfg: ModelConfig) -> np.ndarray:
     """DeepSeek checkpoints interleave RoPE pairs; the zoo keeps them rotate-half ordered."""

@@ -83,17 +83,22 @@ _WORDS = ("the quick brown fox jumps over lazy dog hello world tokenizer pieces 
           "lower upper case numbers one two three système naïve").split()
 
 
-def _spm_vocab() -> tuple[list[str], list[float], list[int]]:
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    types = [2, 3, 3] + [6] * 256  # UNKNOWN, CONTROL, BYTE (gguf.TokenType)
+def spm_pieces(words) -> list[str]:
+    """Every substring of each "\u2581word", shortest first: a sentencepiece vocabulary that spells the words."""
     pieces: list[str] = []
-    for word in _WORDS:
+    for word in words:
         w = "\u2581" + word
         for n in range(1, len(w) + 1):
             for i in range(len(w) - n + 1):
                 if w[i:i + n] not in pieces:
                     pieces.append(w[i:i + n])
-    pieces.sort(key=lambda p: (len(p), p))
+    return sorted(pieces, key=lambda p: (len(p), p))
+
+
+def _spm_vocab() -> tuple[list[str], list[float], list[int]]:
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [2, 3, 3] + [6] * 256  # UNKNOWN, CONTROL, BYTE (gguf.TokenType)
+    pieces = spm_pieces(_WORDS)
     tokens += pieces + ["<|user|>"]
     types += [1] * len(pieces) + [4]  # NORMAL, USER_DEFINED
     scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))] + [0.0]

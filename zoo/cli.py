@@ -97,14 +97,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser(
         "convert", help="convert a Hugging Face model or GGUF file into a zoo checkpoint",
-        description="Convert SOURCE into a sharded Orbax zoo checkpoint, streaming one tensor at a time.",
+        description="Convert SOURCE into a sharded Orbax zoo checkpoint, streaming one tensor at a time. "
+                    "FP8 block-scaled checkpoints (DeepSeek-V3/R1's Hub weights) and quantized GGUF files are "
+                    "dequantized on the way.",
     )
     s.add_argument("source", metavar="SOURCE",
                    help="a registry name (see `zoo list`), a Hugging Face repo id, a local HF folder "
-                        "(config.json + *.safetensors) or a .gguf file (dequantized)")
+                        "(config.json + *.safetensors, FP8 block-scaled included) or a .gguf file (dequantized)")
     s.add_argument("--out", required=True, metavar="DIR", help="output folder (must not exist or be empty)")
     s.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                   help="store parameters in this dtype (default: keep the source's dtype; float32 for GGUF)")
+                   help="store parameters in this dtype (default: keep the source's dtype; float32 for GGUF, "
+                        "bfloat16 for FP8 weights)")
+    s.add_argument("--keep-mtp", action="store_true",
+                   help="keep a DeepSeek checkpoint's multi-token-prediction layer (layer 61 of V3/R1; dropped by "
+                        "default, since the model does not run it): its tensors are stored beside the model and "
+                        "`zoo export` writes them back")
     s.set_defaults(fn=cmd_convert)
 
     s = sub.add_parser("init", help="create a random-weight checkpoint (tiny registry entries, or a config.json)")
