@@ -46,6 +46,7 @@ from sft.task import chat_template_of
 
 from dpo.data import CHOSEN, REJECTED, pair_documents
 from zoo.logps import batch_logps
+from zoo.quant import cast_params
 from dpo.losses import REFERENCE_FREE, preference_loss, rpo_nll_scale
 from dpo.reference import cached_reference_logps, compute_reference_logps, load_reference, resolve_checkpoint
 
@@ -196,14 +197,14 @@ class DPOTask(Task):
         ``step`` (the optimizer step the update starts from, passed by the train step) tells
         full fine-tuning's step 1, where the policy is still its starting weights.
         """
-        p = jax.tree.map(lambda x: x.astype(compute), params)
+        p = cast_params(params, compute)
         pol, mean_logit, aux = batch_logps(mcfg, p, mb, remat, **forward_kwargs)
         if self.mode == "precomputed":
             ref = mb["ref_logps"].astype(jnp.float32)
         elif self.mode == "base":  # the same base weights, adapters off: no second copy of the model
             ref = jax.lax.stop_gradient(batch_logps(mcfg, p, mb)[0])
         elif self.mode == "path":
-            r = jax.tree.map(lambda x: x.astype(compute), frozen_inputs)  # the reference checkpoint's params
+            r = cast_params(frozen_inputs, compute)  # the reference checkpoint's params
             ref = jax.lax.stop_gradient(batch_logps(mcfg, r, mb)[0])
         else:
             ref = jnp.zeros_like(pol)

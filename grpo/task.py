@@ -45,6 +45,7 @@ from zoo.logps import batch_logps
 from zoo.loading import load_reference
 from zoo.lora import lora_scale
 from zoo.row_origin import bad_row, row_where
+from zoo.quant import cast_params
 
 from eval.generate import Sampler
 from pretrain import distributed
@@ -189,7 +190,7 @@ class GRPOTask(Task):
 
         def sample(base: dict, lora: dict | None, tokens: jax.Array, seg: jax.Array, step: jax.Array):
             # The weights as the train step computes with them: cast to the compute dtype, adapters beside.
-            policy = jax.tree.map(lambda x: x.astype(compute), base)
+            policy = cast_params(base, compute)
             key = jax.random.fold_in(jax.random.fold_in(jax.random.key(cfg.seed), 0x67727),
                                      step)  # its own stream: LoRA dropout folds the step into key(seed)
             return sample_group_completions(mcfg, policy, tokens.reshape(b, -1), seg.reshape(b, -1) > 0, spec, key,
@@ -202,7 +203,7 @@ class GRPOTask(Task):
 
         def logps(params: dict, batch: dict, **forward_kwargs: Any) -> jax.Array:
             flat = {k: v.reshape((b,) + v.shape[2:]) for k, v in batch.items()}
-            p = jax.tree.map(lambda x: x.astype(compute), params)
+            p = cast_params(params, compute)
             lp = batch_logps(mcfg, p, flat, temperature=temperature, **forward_kwargs)[0]
             return (lp * flat["weights"]).reshape(shape + lp.shape[1:])
 
@@ -321,7 +322,7 @@ class GRPOTask(Task):
                   **forward_kwargs: Any) -> tuple[jax.Array, tuple]:
         """(objective, (loss sum, count, {metric: (sum, count) or max})) of a micro-batch of rollout rows."""
         g = self.grpo
-        p = jax.tree.map(lambda x: x.astype(compute), params)
+        p = cast_params(params, compute)
         logp, entropy, aux = batch_logps(mcfg, p, mb, remat, temperature=float(g.temperature), entropy=True,
                                          **forward_kwargs)
         mask = mb["weights"]

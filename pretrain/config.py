@@ -188,6 +188,8 @@ class LoraSection:
     dropout: float = 0.0
     targets: list[str] | str = "all"  # HF module names (q_proj ... down_proj), a comma list, "all", or a regex
     rslora: bool = False  # scale by alpha/sqrt(rank) instead of alpha/rank
+    base_quant: str | None = None  # QLoRA: store the frozen base quantized, "nf4" (bitsandbytes' NF4) or "int8"
+    base_quant_double: bool = False  # NF4 double quantization (the absmax themselves 8-bit): 4.127 bits a weight
 
 
 @dataclass

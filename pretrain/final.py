@@ -49,7 +49,9 @@ def write_final(out: Path, cfg: TrainConfig, mcfg: ModelConfig, params: dict, sr
                         "final_metrics": {k: last[k] for k in ("loss", "tokens_seen") if k in last},
                         **data_report, "processes": jax.process_count(), "devices": len(jax.devices())}
             # The base is named relative to `final` (where the scratch folder ends up), so run and base move together.
-            extra = {"lora": adapter_meta(lora, src, stored, final)} if lora else {}
+            quant = ({"kind": cfg.lora.base_quant, "double": cfg.lora.base_quant_double}
+                     if lora and cfg.lora.base_quant else None)
+            extra = {"lora": adapter_meta(lora, src, stored, final, quant)} if lora else {}
             writer.finish(mcfg, source=str(src or cfg.model.config), source_format="train", training=training, **extra)
             if final.exists():
                 shutil.rmtree(final)

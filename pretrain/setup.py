@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from zoo.checkpoint import read_config
 from zoo.config import ModelConfig
@@ -75,6 +76,35 @@ def lora_settings(cfg: TrainConfig, base: Path | None) -> LoraConfig | None:
     if isinstance(targets, str) and "," in targets:  # `lora.targets=q_proj,v_proj` on the command line
         targets = [t.strip() for t in targets.split(",") if t.strip()]
     return LoraConfig(rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, targets=targets, rslora=lo.rslora)
+
+
+def quantize_frozen_base(cfg: TrainConfig, mcfg: ModelConfig, params: dict, mesh: jax.sharding.Mesh) -> dict:
+    """QLoRA (``lora.base_quant``): the frozen base's projections quantized (zoo/quant.py), one at a time, the
+    float copy of each released as it goes; the quantized fields are replicated on the mesh."""
+    from zoo import quant
+    from zoo.params import flatten
+
+    lo = cfg.lora
+    if lo.base_quant is None:
+        if lo.base_quant_double:
+            raise UserError("lora.base_quant_double needs lora.base_quant: nf4")
+        return params
+    if lo.base_quant not in quant.KINDS:
+        raise UserError(f"lora.base_quant {lo.base_quant!r}: choose one of {', '.join(quant.KINDS)} (or leave it unset)")
+    if lo.base_quant_double and lo.base_quant != "nf4":
+        raise UserError("lora.base_quant_double applies to lora.base_quant: nf4 only")
+    if lo.rank <= 0:
+        raise UserError("lora.base_quant quantizes the frozen base of a LoRA run: set lora.rank too")
+    flat = flatten(params)
+    del params
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    paths = quant.quantized_paths(mcfg)
+    for path in paths:
+        lead, contract = paths[path]
+        qw = quant.quantize(np.asarray(jax.device_get(flat[path])), lead, contract, lo.base_quant,
+                            lo.base_quant_double)
+        flat[path] = jax.device_put(qw, replicated)
+    return nest(flat)
 
 
 def init_adapters(mcfg: ModelConfig, lora_cfg: LoraConfig, seed: int, mesh: jax.sharding.Mesh) -> dict:

@@ -20,6 +20,7 @@ from zoo.config import ModelConfig
 from zoo.datafiles import load_rows
 from zoo.loss import next_token_nll_sum
 from zoo.model import forward, stored_head
+from zoo.quant import cast_params
 
 from pretrain.config import TrainConfig
 from pretrain.data import tokenize_rows
@@ -129,7 +130,7 @@ def next_token_loss_sums(mcfg: ModelConfig, params: dict, mb: dict, compute: Any
     batch, so splitting it over devices or accumulation steps changes nothing.
     """
     moe = mcfg.num_experts > 0
-    p = jax.tree.map(lambda x: x.astype(compute), params)
+    p = cast_params(params, compute)
     out = forward(mcfg, p, mb["inputs"], mb["segment_ids"], mb["positions"], return_aux=moe, remat=remat,
                   return_hidden=True, **forward_kwargs)
     hidden, aux = out if moe else (out, None)

@@ -41,7 +41,7 @@ from pretrain.sources import describe as describe_mixture
 from pretrain.lanes import check_same_processes, global_batch, run_data
 from pretrain.optim import build_optimizer, lr_schedule
 from pretrain.eval_tasks import TrainingEval
-from pretrain.setup import init_adapters, load_model, lora_settings
+from pretrain.setup import init_adapters, load_model, lora_settings, quantize_frozen_base
 from pretrain.step import extra_means, init_state, make_step
 from pretrain.task import PretrainTask, Task
 
@@ -93,6 +93,7 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
         raise UserError(f"batch_size/grad_accum = {micro} sequences must divide over data x fsdp = {shards} devices")
     task = task or PretrainTask(cfg)
     mcfg, params, src_ckpt, tok_dir = load_model(cfg, mesh)
+    params = quantize_frozen_base(cfg, mcfg, params, mesh)  # QLoRA; unchanged without lora.base_quant
     tokenizer = load_tokenizer(tok_dir)
     # A task may need inputs of its own beside the trained weights (a reference model), or a pass with the
     # starting weights before training (reference log-probabilities computed once).

@@ -15,7 +15,7 @@ import pytest
 
 from zoo.registry import bundled_gguf as smollm2_gguf
 
-TEST_ONLY = ("torch", "peft", "trl", "accelerate")
+TEST_ONLY = ("torch", "peft", "trl", "accelerate", "bitsandbytes")
 REPO = Path(__file__).resolve().parent.parent
 
 

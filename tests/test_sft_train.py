@@ -168,6 +168,24 @@ def _clock(day: int):
     return Clock
 
 
+def _killed_after_step_4(cfg, monkeypatch) -> None:
+    """Run ``cfg`` and stop it (KeyboardInterrupt) as step 5's batch arrives, after step 4 was checkpointed."""
+    import pretrain.trainer as trainer
+
+    real, calls = trainer.to_model_batch, []
+
+    def crash_at_5(b):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real(b)
+
+    monkeypatch.setattr(trainer, "to_model_batch", crash_at_5)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, progress=False, task=SFTTask(cfg))
+    monkeypatch.setattr(trainer, "to_model_batch", real)
+
+
 def test_lora_kill_and_resume_is_bit_identical(setup, tmp_path, monkeypatch):
     """...also when the run resumes on another day, with a template that writes today's date (strftime_now)."""
     import transformers.utils.chat_template_utils as ctu
@@ -182,19 +200,8 @@ def test_lora_kill_and_resume_is_bit_identical(setup, tmp_path, monkeypatch):
     monkeypatch.setattr(ctu, "datetime", _clock(1))
     cfg = _cfg(root, tmp_path / "full", *common)
     full = train(cfg, progress=False, task=SFTTask(cfg))
-    real, calls = trainer.to_model_batch, []
-
-    def crash_at_5(b):
-        calls.append(1)
-        if len(calls) == 5:
-            raise KeyboardInterrupt  # killed after step 4 was checkpointed
-        return real(b)
-
     cfg = _cfg(root, tmp_path / "resumed", *common)
-    monkeypatch.setattr(trainer, "to_model_batch", crash_at_5)
-    with pytest.raises(KeyboardInterrupt):
-        train(cfg, progress=False, task=SFTTask(cfg))
-    monkeypatch.setattr(trainer, "to_model_batch", real)
+    _killed_after_step_4(cfg, monkeypatch)
     monkeypatch.setattr(ctu, "datetime", _clock(2))  # resumed the next day
     assert "02 Jul 2031" in tok.apply_chat_template([{"role": "user", "content": "x"}], chat_template=dated.read_text(),
                                                     tokenize=False)
@@ -290,3 +297,67 @@ def test_eval_tasks_need_eval_every(setup, tmp_path, capsys):
                    f"data.path={root / 'chat.jsonl'}", "max_steps=1", f"output_dir={tmp_path / 'r'}"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1 and "eval_every" in err
+
+
+QLORA = (*LORA, "lora.base_quant=nf4", "lora.base_quant_double=true")
+
+
+def test_qlora_sft_trains_resumes_and_merges_into_the_dequantized_base(setup, tmp_path, monkeypatch):
+    import pretrain.trainer as trainer
+    from zoo import quant
+    from zoo.adapter import load_adapters, lora_config
+    from zoo.lora import lora_scale
+    from zoo.model import forward
+    from zoo.params import flatten, nest
+
+    root, _ = setup
+    common = ("max_steps=6", "checkpoint.every=2", "data.eval_fraction=0", *QLORA)
+    cfg = _cfg(root, tmp_path / "full", *common)
+    full = train(cfg, progress=False, task=SFTTask(cfg))
+    losses = [json.loads(x)["loss"] for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    assert losses[-1] < losses[0]
+    meta = zoo.checkpoint.read_meta(full)
+    assert meta["lora"]["base_quant"] == {"kind": "nf4", "double": True}
+    # killed after step 4's checkpoint, then resumed: bit-identical adapters.
+    cfg = _cfg(root, tmp_path / "resumed", *common)
+    _killed_after_step_4(cfg, monkeypatch)
+    resumed = train(cfg, progress=False, task=SFTTask(cfg))
+    a, b = load_adapters(full, meta), load_adapters(resumed, zoo.checkpoint.read_meta(resumed))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # The merged model is the dequantized base plus the adapters: what the adapters were trained beside.
+    merged = zoo.load(final := full)
+    base = flatten(zoo.load_params(root / "zoo"))
+    qbase = quant.quantize_base(merged.cfg, base, "nf4", double=True, progress=False)
+    deq = nest({k: quant.dequantize(v) if isinstance(v, quant.QuantizedWeight) else v for k, v in qbase.items()})
+    tokens = jax.numpy.asarray(np.arange(1, 21, dtype=np.int32)[None])
+    trained = forward(merged.cfg, nest(qbase), tokens, lora=a, lora_scale=lora_scale(lora_config(meta)))
+    beside = forward(merged.cfg, deq, tokens, lora=a, lora_scale=lora_scale(lora_config(meta)))
+    assert np.abs(np.asarray(merged(tokens)) - np.asarray(trained)).max() <= 1e-5
+    assert np.abs(np.asarray(trained) - np.asarray(beside)).max() <= 1e-5
+    assert np.abs(np.asarray(merged(tokens)) - np.asarray(forward(merged.cfg, nest(base), tokens, lora=a,
+                  lora_scale=lora_scale(lora_config(meta))))).max() > 1e-4  # the float base would differ
+    # zoo export streams the same merged weights (the dequantized base + adapters), one layer at a time.
+    assert zoo_main(["export", str(final), "--out", str(tmp_path / "hf")]) == 0
+    from safetensors.numpy import load_file
+
+    hf = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    for name, key in (("q", "self_attn.q_proj"), ("down", "mlp.down_proj")):
+        w = np.asarray(merged.param_dict()["layers"][name][1])
+        np.testing.assert_allclose(hf[f"model.layers.1.{key}.weight"], w.reshape(w.shape[0], -1).T, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad, words", [
+    (("lora.rank=4", "lora.base_quant=nf3"), ["lora.base_quant", "'nf3'", "nf4", "int8"]),
+    (("lora.base_quant=nf4",), ["lora.base_quant", "lora.rank"]),
+    (("lora.rank=4", "lora.base_quant=int8", "lora.base_quant_double=true"), ["base_quant_double", "nf4"]),
+])
+def test_qlora_settings_errors_are_one_line(setup, tmp_path, capsys, bad, words):
+    root, _ = setup
+    args = [f"model.path={root / 'zoo'}", f"model.tokenizer={root / 'tok'}", f"data.path={root / 'chat.jsonl'}",
+            "data.seq_len=64", "batch_size=4", "max_steps=1", f"output_dir={tmp_path / 'run'}", *bad]
+    capsys.readouterr()
+    assert sft_main(["train", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and all(w in err[0] for w in words), err
+    assert not (tmp_path / "run").exists()

@@ -181,11 +181,13 @@ def base_location(ckpt: str | os.PathLike, meta: dict[str, Any]) -> Path:
 
 
 def adapter_meta(lora_cfg: LoraConfig, base: Path, adapter_params: dict[str, dict[str, Any]],
-                 ckpt: str | os.PathLike | None = None) -> AdapterSection:
+                 ckpt: str | os.PathLike | None = None, base_quant: dict[str, Any] | None = None) -> AdapterSection:
     """The ``lora`` entry of an adapter checkpoint's model.json, to pass to the writer's ``finish`` as ``lora=``.
 
     ``ckpt`` is the folder the adapter checkpoint ends up in (not a scratch folder renamed onto it later):
     ``base_relative`` is relative to it. Without ``ckpt`` only the absolute path is recorded.
+    ``base_quant`` ({"kind", "double"}) records adapters trained on a quantized base (QLoRA): merging then adds
+    them to the dequantized base, the weights they were trained beside.
     """
     base = Path(base).absolute()
     ref: dict[str, Any] = {"base": str(base)}
@@ -197,7 +199,7 @@ def adapter_meta(lora_cfg: LoraConfig, base: Path, adapter_params: dict[str, dic
     ref["base_digest"] = base_digest(read_meta(base))
     return AdapterSection({"rank": lora_cfg.rank, "alpha": lora_cfg.alpha, "rslora": lora_cfg.rslora,
                            "target_modules": list(target_modules(lora_cfg)), "scale": lora_scale(lora_cfg),
-                           **ref, "params": adapter_params})
+                           **ref, **({"base_quant": base_quant} if base_quant else {}), "params": adapter_params})
 
 
 def load_adapters(ckpt: str | os.PathLike, meta: dict[str, Any], mesh: jax.sharding.Mesh | None = None
@@ -235,6 +237,15 @@ class MergedParamReader:
             self.a = load_param_numpy(ckpt, f"{path}.a", meta["lora"]["params"][f"{path}.a"])
             self.b = load_param_numpy(ckpt, f"{path}.b", meta["lora"]["params"][f"{path}.b"])
             self.lead = 2 if path.split(".")[-1].startswith("expert_") else 1
+        # QLoRA: the adapters learned beside the dequantized base, so they merge into it (zoo/quant.py).
+        self.quant = None
+        bq = meta["lora"].get("base_quant")
+        if bq:
+            from zoo.quant import quantized_paths
+
+            paths = quantized_paths(ModelConfig.from_dict(meta["config"]))
+            if path in paths:
+                self.quant = (bq["kind"], bool(bq.get("double")), *paths[path])
 
     def read(self, index: int | tuple[int, ...] | None = None) -> np.ndarray:
         """The merged parameter (``index=None``) or its slice ``[index]``."""
@@ -257,5 +268,10 @@ class MergedParamReader:
         return w.squeeze(axis) if squeeze else w
 
     def _merge(self, w: np.ndarray, a: np.ndarray, b: np.ndarray, lead: int) -> np.ndarray:
+        if self.quant is not None:
+            from zoo.quant import dequantize, quantize
+
+            kind, double, _, contract = self.quant
+            w = np.asarray(dequantize(quantize(w, lead, contract, kind, double))).astype(w.dtype)
         delta = np.asarray(lora_delta(a, b, self.scale, lead))
         return (w.astype(np.float32) + delta).astype(w.dtype)

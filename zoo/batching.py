@@ -24,6 +24,7 @@ from jax.sharding import NamedSharding
 
 from zoo.config import ModelConfig
 from zoo.logps import batch_logps
+from zoo.quant import cast_params
 
 Document = np.ndarray | dict[str, np.ndarray]
 
@@ -97,7 +98,7 @@ def replicated_batch(b: dict[str, np.ndarray], sharding: NamedSharding) -> dict[
 def _target_logps(cfg: ModelConfig, params: dict, batch: dict, compute: Any) -> jax.Array:
     """log p(target) * weight [rows, length - 1] of one model batch."""
     if compute is not None:
-        params = jax.tree.map(lambda x: x.astype(compute), params)
+        params = cast_params(params, compute)
     logp, _, _ = batch_logps(cfg, params, batch)
     return logp * batch["weights"]
 

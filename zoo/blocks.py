@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from zoo.quant import QuantizedWeight, materialize, zero_cotangent
+
 # transformers' ``hidden_act`` names -> the activation; gelu_pytorch_tanh and gelu_new are the tanh approximation.
 ACTIVATIONS = {
     "silu": jax.nn.silu,
@@ -59,11 +61,12 @@ def _dense(x: jax.Array, w: jax.Array, out_dtype: Any = None, contract: int = 1)
     with an optimization barrier so XLA cannot fold the choice back.
     Mathematically this is exactly ``x @ w``.
     """
-    return jnp.einsum("...k,kn->...n", x, _matrix(w, contract), preferred_element_type=out_dtype)
+    return jnp.einsum("...k,kn->...n", x, _matrix(materialize(w), contract), preferred_element_type=out_dtype)
 
 
 def _dense_fwd(x: jax.Array, w: jax.Array, out_dtype: Any, contract: int) -> tuple[jax.Array, tuple]:
-    """x @ w, keeping x and the stored (unreshaped) w for the backward pass."""
+    """x @ w, keeping x and the stored (unreshaped) w for the backward pass: a QLoRA base weight
+    (:class:`zoo.quant.QuantizedWeight`) is kept quantized and dequantized again there."""
     return _dense(x, w, out_dtype, contract), (x, w)
 
 
@@ -71,6 +74,10 @@ def _dense_bwd(out_dtype: Any, contract: int, res: tuple[jax.Array, jax.Array],
                g: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(dx, dw) of x @ w for output gradient g, transposing the smaller of x and g for dw."""
     x, w_stored = res
+    if isinstance(w_stored, QuantizedWeight):  # a frozen QLoRA base: dx only, from the re-dequantized weight
+        w = _matrix(materialize(w_stored), contract)
+        dx = jnp.einsum("...n,kn->...k", g.astype(jnp.promote_types(x.dtype, w.dtype)), w).astype(x.dtype)
+        return dx, zero_cotangent(w_stored)
     w = _matrix(w_stored, contract)
     k, n = w.shape
     g = g.astype(jnp.promote_types(x.dtype, w.dtype))

@@ -45,6 +45,11 @@ def load_params(
     mesh = mesh or make_mesh()
     base = load_params(base_checkpoint(ckpt, meta), mesh, dtype, paths)
     cfg = ModelConfig.from_dict(meta["config"])
+    if meta["lora"].get("base_quant"):  # QLoRA adapters merge into the dequantized base they were trained beside
+        from zoo.quant import as_trained
+
+        bq = meta["lora"]["base_quant"]
+        base = as_trained(cfg, base, bq["kind"], bool(bq.get("double")))
     return merge_lora(cfg, base, load_adapters(ckpt, meta, mesh), lora_config(meta))
 
 

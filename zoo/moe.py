@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from zoo.adapted import LoraDropout, lora_out
 from zoo.blocks import ACTIVATIONS, dense
 from zoo.config import ModelConfig
+from zoo.quant import QuantizedWeight, materialize
 
 STAT_KEYS = ("expert_counts", "router_prob_sum", "router_lse_sq_sum", "dropped_tokens", "tokens")
 
@@ -57,7 +58,8 @@ def _ragged(xs: jax.Array, p: dict, name: str, sizes: jax.Array, lora: dict | No
 
     With ``drop`` each row (one token's assignment to one expert) gets its own dropout mask, as each
     expert's own dropout would give it."""
-    y = jax.lax.ragged_dot(xs, p[name], sizes)
+    w = p[name]
+    y = _frozen_ragged_dot(xs, w, sizes) if isinstance(w, QuantizedWeight) else jax.lax.ragged_dot(xs, w, sizes)
     ad = (lora or {}).get(name)
     if ad is None:
         return y
@@ -65,6 +67,30 @@ def _ragged(xs: jax.Array, p: dict, name: str, sizes: jax.Array, lora: dict | No
     # ragged_dot wants one dtype: the adapter path runs in the adapters' (float32 adapters on a bf16 base).
     u = jax.lax.ragged_dot(xs.astype(ad["a"].dtype), ad["a"], sizes)
     return y + (scale * jax.lax.ragged_dot(u, ad["b"].astype(u.dtype), sizes)).astype(y.dtype)
+
+
+@jax.custom_vjp
+def _frozen_ragged_dot(xs: jax.Array, qw: QuantizedWeight, sizes: jax.Array) -> jax.Array:
+    """ragged_dot with a quantized (QLoRA) expert stack [X, in, out]: dequantized here and again in the
+    backward pass, which keeps the quantized stack rather than a float copy and gives it no gradient."""
+    return jax.lax.ragged_dot(xs, materialize(qw).astype(xs.dtype), sizes)
+
+
+def _frozen_ragged_dot_fwd(xs, qw, sizes):
+    return _frozen_ragged_dot(xs, qw, sizes), (qw, sizes)
+
+
+def _frozen_ragged_dot_bwd(res, g):
+    import numpy as np
+
+    from zoo.quant import zero_cotangent
+
+    qw, sizes = res
+    w = jnp.swapaxes(materialize(qw), -1, -2).astype(g.dtype)
+    return jax.lax.ragged_dot(g, w, sizes), zero_cotangent(qw), np.zeros(sizes.shape, jax.dtypes.float0)
+
+
+_frozen_ragged_dot.defvjp(_frozen_ragged_dot_fwd, _frozen_ragged_dot_bwd)
 
 
 def _experts_dropless(x: jax.Array, ids: jax.Array, weights: jax.Array, p: dict, cfg: ModelConfig,
@@ -87,7 +113,7 @@ def _experts_dropless(x: jax.Array, ids: jax.Array, weights: jax.Array, p: dict,
 def _per_expert(buf: jax.Array, p: dict, name: str, lora: dict | None, scale,
                 drop: LoraDropout | None = None) -> jax.Array:
     """Each expert's buffer buf [X, C, in] through its weight ``name`` (plus its LoRA adapter, if any)."""
-    y = jnp.einsum("xci,xio->xco", buf, p[name])
+    y = jnp.einsum("xci,xio->xco", buf, materialize(p[name]))
     ad = (lora or {}).get(name)
     if ad is None:
         return y
@@ -120,7 +146,7 @@ def _experts_capacity(x: jax.Array, ids: jax.Array, weights: jax.Array, valid: j
 def _shared(x: jax.Array, p: dict, name: str, lora: dict | None, scale,
             drop: LoraDropout | None = None) -> jax.Array:
     """x @ the shared experts' weight ``name`` (plus its LoRA adapter, if any)."""
-    y = x @ p[name]
+    y = dense(x, p[name]) if isinstance(p[name], QuantizedWeight) else x @ p[name]
     ad = (lora or {}).get(name)
     return y if ad is None else y + lora_out(dense(_adapter_input(x, name, drop), ad["a"]), ad["b"], scale, y.dtype)
 

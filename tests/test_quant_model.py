@@ -1,0 +1,143 @@
+"""A model whose frozen base is quantized (QLoRA) runs and trains its adapters exactly as the same model on the
+dequantized weights, keeps the base quantized for the backward pass, and gives the base no gradient."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from zoo import quant
+from zoo.lora import LoraConfig, init_lora, lora_scale
+from zoo.model import forward
+from zoo.params import flatten, init_params, nest
+
+
+def tiny_config(family: str = "llama", **overrides):
+    """A tiny ModelConfig of ``family``, from transformers-style config fields."""
+    from convert.hf_config import model_config_from_hf
+
+    base = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    hf = {"llama": dict(architectures=["LlamaForCausalLM"], model_type="llama"),
+          "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2"),
+          "mixtral": dict(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=4,
+                          num_experts_per_tok=2, intermediate_size=32)}[family]
+    return model_config_from_hf({**base, **hf, **overrides})
+
+
+def _dequantized(flat: dict) -> dict:
+    return {k: quant.dequantize(v) if isinstance(v, quant.QuantizedWeight) else v for k, v in flat.items()}
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "mixtral"])
+def setup(request):
+    cfg = tiny_config(request.param)
+    flat = flatten(init_params(cfg, jax.random.PRNGKey(0), std=0.1))
+    qflat = quant.quantize_base(cfg, flat, "nf4", double=True, progress=False)
+    lcfg = LoraConfig(rank=4, alpha=8.0, targets="all")
+    lora = init_lora(cfg, lcfg, jax.random.PRNGKey(1))
+    lora = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.PRNGKey(2), a.shape), lora)  # B != 0
+    tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 24), 0, cfg.vocab_size)
+    return cfg, qflat, lcfg, lora, tokens
+
+
+def _loss(cfg, params, lora, lcfg, tokens, remat="none"):
+    logits = forward(cfg, params, tokens, lora=lora, lora_scale=lora_scale(lcfg), remat=remat)
+    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32))
+    return -jnp.take_along_axis(logp, tokens[:, 1:, None], -1).mean()
+
+
+def test_every_projection_is_quantized_and_nothing_else(setup):
+    cfg, qflat, *_ = setup
+    quantized = {k for k, v in qflat.items() if isinstance(v, quant.QuantizedWeight)}
+    assert quantized == set(quant.quantized_paths(cfg))
+    names = {k.rpartition(".")[2] for k in quantized}
+    assert {"q", "k", "v", "o"} <= names and ({"gate", "up", "down"} <= names
+                                              or {"expert_gate", "expert_up", "expert_down"} <= names)
+    assert not any(n in k for k in quantized for n in ("embed", "head", "norm", "router", "bias"))
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_adapter_gradients_equal_lora_on_the_dequantized_weights(setup, remat):
+    cfg, qflat, lcfg, lora, tokens = setup
+    if remat == "full" and cfg.num_experts:
+        remat = "save_dots"  # one more policy on the MoE model rather than a repeat (suite time)
+    q_params, d_params = nest(qflat), nest(_dequantized(qflat))
+    lq, gq = jax.value_and_grad(lambda l: _loss(cfg, q_params, l, lcfg, tokens, remat))(lora)
+    ld, gd = jax.value_and_grad(lambda l: _loss(cfg, d_params, l, lcfg, tokens, remat))(lora)
+    assert abs(float(lq) - float(ld)) <= 1e-6
+    for a, b in zip(jax.tree.leaves(gq), jax.tree.leaves(gd)):
+        assert np.abs(np.asarray(a) - np.asarray(b)).max() <= 1e-5
+    assert max(float(np.abs(np.asarray(g)).max()) for g in jax.tree.leaves(gq)) > 1e-4  # the check has teeth
+
+
+def test_the_quantized_base_gets_no_gradient(setup):
+    cfg, qflat, lcfg, lora, tokens = setup
+    grads = jax.grad(lambda p: _loss(cfg, p, lora, lcfg, tokens), allow_int=True)(nest(qflat))
+    for path, g in flatten(grads).items():
+        if path in quant.quantized_paths(cfg):
+            continue
+        assert g.dtype != jax.dtypes.float0
+    for path in quant.quantized_paths(cfg):
+        node = grads
+        for part in path.split("."):
+            node = node[part]
+        for leaf in jax.tree.leaves(node):
+            assert leaf.dtype == jax.dtypes.float0 or not np.any(np.asarray(leaf)), path
+
+
+def test_backward_pass_keeps_the_base_quantized(setup):
+    """No float array the size of a stacked projection is saved for the backward pass."""
+    from jax._src.ad_checkpoint import saved_residuals  # what jax.ad_checkpoint.print_saved_residuals prints
+
+    cfg, qflat, lcfg, lora, tokens = setup
+    stacked = {tuple(quant.dequantize(v).shape) for v in qflat.values() if isinstance(v, quant.QuantizedWeight)}
+    per_layer = {s[1:] for s in stacked}
+    res = saved_residuals(lambda l: _loss(cfg, nest(qflat), l, lcfg, tokens), lora)
+    floats = [r[0] for r in res if jnp.issubdtype(r[0].dtype, jnp.floating)]
+    assert not [r for r in floats if tuple(r.shape) in stacked | per_layer], floats
+    # ... while on the float base, the same step does keep them (the check can fail)
+    res_d = saved_residuals(lambda l: _loss(cfg, nest(_dequantized(qflat)), l, lcfg, tokens), lora)
+    assert [r for r, _ in res_d if tuple(r.shape) in stacked | per_layer]
+
+
+MESH_CHILD = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from tests.test_quant_model import tiny_config, _loss
+from zoo import quant
+from zoo.lora import LoraConfig, init_lora
+from zoo.params import flatten, init_params, nest
+from zoo.sharding import make_mesh
+assert len(jax.devices()) == 8
+cfg = tiny_config("mixtral")
+qflat = quant.quantize_base(cfg, flatten(init_params(cfg, jax.random.PRNGKey(0), std=0.1)), "nf4", True, False)
+lcfg = LoraConfig(rank=4, alpha=8.0)
+lora = jax.tree.map(lambda a: a + 0.05, init_lora(cfg, lcfg, jax.random.PRNGKey(1)))
+tokens = jax.random.randint(jax.random.PRNGKey(3), (8, 16), 0, cfg.vocab_size)
+step = jax.jit(jax.value_and_grad(lambda l, p, t: _loss(cfg, nest(p), l, lcfg, t)))
+one = step(jax.device_put(lora, jax.devices()[0]), jax.device_put(qflat, jax.devices()[0]),
+           jax.device_put(tokens, jax.devices()[0]))
+mesh = make_mesh(data=2, fsdp=4)
+rep = NamedSharding(mesh, P())
+many = step(jax.device_put(lora, rep), jax.device_put(qflat, rep),
+            jax.device_put(tokens, NamedSharding(mesh, P(("data", "fsdp")))))
+assert abs(float(one[0]) - float(many[0])) <= 1e-6, (one[0], many[0])
+for a, b in zip(jax.tree.leaves(one[1]), jax.tree.leaves(many[1])):
+    assert np.abs(np.asarray(a) - np.asarray(b)).max() <= 1e-5
+print("ok")
+"""
+
+
+def test_qlora_on_an_8_device_mesh_equals_one_device():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    p = subprocess.run([sys.executable, "-c", MESH_CHILD], capture_output=True, text=True, env=env, timeout=600,
+                       cwd=Path(__file__).resolve().parent.parent)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-3000:]
