@@ -40,7 +40,15 @@ def load_model(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> tuple[ModelConfig, 
         params = jax.jit(lambda: init_params(mcfg, jax.random.PRNGKey(cfg.seed), pdt), out_shardings=shard)()
         return mcfg, params, None, tokenizer_folder(cfg)
     ckpt = _resolve_checkpoint(cfg.model.path)
-    return read_config(ckpt), load_params(ckpt, mesh, pdt), ckpt, tokenizer_folder(cfg)
+    mcfg = read_config(ckpt)
+    if cfg.lora.base_quant:  # QLoRA: the float projections are loaded one at a time, to be quantized
+        from zoo.quant import quantized_paths
+
+        check_base_quant(cfg)
+        skip = quantized_paths(mcfg)
+        return mcfg, load_params(ckpt, mesh, pdt, paths=[p for p in param_specs(mcfg) if p not in skip]), ckpt, \
+            tokenizer_folder(cfg)
+    return mcfg, load_params(ckpt, mesh, pdt), ckpt, tokenizer_folder(cfg)
 
 
 def tokenizer_folder(cfg: TrainConfig) -> Path:
@@ -78,33 +86,47 @@ def lora_settings(cfg: TrainConfig, base: Path | None) -> LoraConfig | None:
     return LoraConfig(rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, targets=targets, rslora=lo.rslora)
 
 
-def quantize_frozen_base(cfg: TrainConfig, mcfg: ModelConfig, params: dict, mesh: jax.sharding.Mesh) -> dict:
-    """QLoRA (``lora.base_quant``): the frozen base's projections quantized (zoo/quant.py), one at a time, the
-    float copy of each released as it goes; the quantized fields are replicated on the mesh."""
+def quantize_frozen_base(cfg: TrainConfig, mcfg: ModelConfig, params: dict, mesh: jax.sharding.Mesh,
+                         ckpt: Path | None) -> dict:
+    """QLoRA (``lora.base_quant``): ``params`` (loaded by :func:`load_model` without the projections) plus each
+    projection of ``ckpt`` loaded, quantized (zoo/quant.py) and placed one at a time, so the float base is never
+    whole in memory; the quantized fields are split over ``fsdp`` (:func:`zoo.quant.place`)."""
     from zoo import quant
     from zoo.params import flatten
+
+    lo = cfg.lora
+    check_base_quant(cfg)
+    if lo.base_quant is None:
+        return params
+    flat = flatten(params)
+    del params
+    pdt = DTYPES[cfg.dtype.params]
+    paths = quant.quantized_paths(mcfg)
+    for path in paths:
+        lead, contract = paths[path]
+        host = _host_copy(flatten(load_params(ckpt, mesh, pdt, paths=[path]))[path])
+        flat[path] = quant.place(quant.quantize(host, lead, contract, lo.base_quant, lo.base_quant_double), mesh)
+        del host
+    return nest(flat)
+
+
+def check_base_quant(cfg: TrainConfig) -> None:
+    """The QLoRA settings make sense (before anything is loaded or written)."""
+    from zoo import quant
 
     lo = cfg.lora
     if lo.base_quant is None:
         if lo.base_quant_double:
             raise UserError("lora.base_quant_double needs lora.base_quant: nf4")
-        return params
+        return
     if lo.base_quant not in quant.KINDS:
         raise UserError(f"lora.base_quant {lo.base_quant!r}: choose one of {', '.join(quant.KINDS)} (or leave it unset)")
     if lo.base_quant_double and lo.base_quant != "nf4":
         raise UserError("lora.base_quant_double applies to lora.base_quant: nf4 only")
     if lo.rank <= 0:
         raise UserError("lora.base_quant quantizes the frozen base of a LoRA run: set lora.rank too")
-    flat = flatten(params)
-    del params
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    paths = quant.quantized_paths(mcfg)
-    for path in paths:
-        lead, contract = paths[path]
-        qw = quant.quantize(np.asarray(jax.device_get(flat[path])), lead, contract, lo.base_quant,
-                            lo.base_quant_double)
-        flat[path] = jax.device_put(qw, replicated)
-    return nest(flat)
+    if cfg.model.init == "random":
+        raise UserError("lora.base_quant needs a pretrained base checkpoint (model.path), not model.init: random")
 
 
 def init_adapters(mcfg: ModelConfig, lora_cfg: LoraConfig, seed: int, mesh: jax.sharding.Mesh) -> dict:
@@ -113,3 +135,12 @@ def init_adapters(mcfg: ModelConfig, lora_cfg: LoraConfig, seed: int, mesh: jax.
     shard = nest({p: named_sharding(mesh, s.axes, s.shape) for p, s in specs.items()})
     # No host inputs: every process builds the same global arrays, each its own shards.
     return jax.jit(lambda: init_lora(mcfg, lora_cfg, jax.random.PRNGKey(seed + 1), "float32"), out_shardings=shard)()
+
+
+def _host_copy(x: jax.Array) -> np.ndarray:
+    """The whole of a (possibly multi-process sharded) array on this host."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))

@@ -93,7 +93,7 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
         raise UserError(f"batch_size/grad_accum = {micro} sequences must divide over data x fsdp = {shards} devices")
     task = task or PretrainTask(cfg)
     mcfg, params, src_ckpt, tok_dir = load_model(cfg, mesh)
-    params = quantize_frozen_base(cfg, mcfg, params, mesh)  # QLoRA; unchanged without lora.base_quant
+    params = quantize_frozen_base(cfg, mcfg, params, mesh, src_ckpt)  # QLoRA; unchanged without lora.base_quant
     tokenizer = load_tokenizer(tok_dir)
     # A task may need inputs of its own beside the trained weights (a reference model), or a pass with the
     # starting weights before training (reference log-probabilities computed once).

@@ -63,7 +63,7 @@ def test_every_projection_is_quantized_and_nothing_else(setup):
 def test_adapter_gradients_equal_lora_on_the_dequantized_weights(setup, remat):
     cfg, qflat, lcfg, lora, tokens = setup
     if remat == "full" and cfg.num_experts:
-        remat = "save_dots"  # one more policy on the MoE model rather than a repeat (suite time)
+        remat = "save_dots"  # the third policy, on the MoE model
     q_params, d_params = nest(qflat), nest(_dequantized(qflat))
     lq, gq = jax.value_and_grad(lambda l: _loss(cfg, q_params, l, lcfg, tokens, remat))(lora)
     ld, gd = jax.value_and_grad(lambda l: _loss(cfg, d_params, l, lcfg, tokens, remat))(lora)
@@ -122,7 +122,12 @@ one = step(jax.device_put(lora, jax.devices()[0]), jax.device_put(qflat, jax.dev
            jax.device_put(tokens, jax.devices()[0]))
 mesh = make_mesh(data=2, fsdp=4)
 rep = NamedSharding(mesh, P())
-many = step(jax.device_put(lora, rep), jax.device_put(qflat, rep),
+# The quantized fields split over fsdp as training places them (zoo.quant.place), the rest replicated.
+placed = {k: quant.place(v, mesh) if isinstance(v, quant.QuantizedWeight) else jax.device_put(v, rep)
+          for k, v in qflat.items()}
+assert any(not x.sharding.is_fully_replicated for v in placed.values() if isinstance(v, quant.QuantizedWeight)
+           for x in jax.tree.leaves(v))
+many = step(jax.device_put(lora, rep), placed,
             jax.device_put(tokens, NamedSharding(mesh, P(("data", "fsdp")))))
 assert abs(float(one[0]) - float(many[0])) <= 1e-6, (one[0], many[0])
 for a, b in zip(jax.tree.leaves(one[1]), jax.tree.leaves(many[1])):
@@ -141,3 +146,17 @@ def test_qlora_on_an_8_device_mesh_equals_one_device():
     p = subprocess.run([sys.executable, "-c", MESH_CHILD], capture_output=True, text=True, env=env, timeout=600,
                        cwd=Path(__file__).resolve().parent.parent)
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-3000:]
+
+
+def test_kv_cache_decoding_reads_the_quantized_base(setup):
+    """Generation (training-time eval tasks, GRPO's rollouts) runs on the quantized base as on its dequantized
+    weights."""
+    from zoo.decode import forward_cached, init_cache
+
+    cfg, qflat, *_ = setup
+    tokens = jnp.arange(1, 6, dtype=jnp.int32)[None]
+    outs = []
+    for params in (qflat, _dequantized(qflat)):
+        out = forward_cached(cfg, nest(params), tokens, init_cache(cfg, 1, 16))
+        outs.append(np.asarray(out[0] if isinstance(out, tuple) else out))
+    assert outs[0].shape[-1] == cfg.vocab_size and np.abs(outs[0] - outs[1]).max() <= 1e-5

@@ -60,6 +60,11 @@ def info_command(args: argparse.Namespace) -> None:
         from zoo.adapter import base_location  # noqa: PLC0415 - only adapter checkpoints need it
 
         print(f"base        {base_location(args.ckpt, meta)}  (merged on load and export)")
+        bq = lora.get("base_quant")
+        if bq:  # QLoRA: trained beside the quantized base, merged into its dequantized weights
+            what = "NF4, double quantization" if bq["kind"] == "nf4" and bq.get("double") else bq["kind"].upper()
+            print(f"base_quant  {what}: the adapters were trained on the quantized base (QLoRA) and merge into "
+                  "its dequantized weights")
         params = lora["params"]
     print(f"on disk     Orbax OCDBT/zarr3, {len(files)} files, {size / 2**20:.1f} MiB; chunked as below")
     print()

@@ -319,3 +319,20 @@ def as_trained(cfg: Any, params: dict[str, Any], kind: str, double: bool = False
             w = dequantize(quantize(np.asarray(jax.device_get(x)), lead, contract, kind, double), x.dtype)
             flat[path] = jax.device_put(w, x.sharding) if hasattr(x, "sharding") else w
     return nest(flat)
+
+
+def place(qw: QuantizedWeight, mesh: jax.sharding.Mesh) -> QuantizedWeight:
+    """``qw``'s fields as global arrays on ``mesh``: each field's last axis (the flattened blocks of one matrix)
+    split over the ``fsdp`` axis where it divides, as FSDP splits the float weight; replicated otherwise.
+    Every process holds the same host copy, so each takes its own shards from it."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    fsdp = mesh.shape.get("fsdp", 1)
+
+    def put(x):
+        x = np.asarray(x)
+        split = x.ndim >= 1 and fsdp > 1 and x.shape[-1] % fsdp == 0 and x.shape[-1] >= fsdp
+        spec = PartitionSpec(*([None] * (x.ndim - 1)), "fsdp") if split else PartitionSpec()
+        return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda idx: x[idx])
+
+    return jax.tree.map(put, qw)
