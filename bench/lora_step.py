@@ -113,17 +113,21 @@ def run_jax(ckpt: str, batch: int, seq: int, steps: int, rank: int | None, alpha
     mesh = make_mesh(devices=jax.devices()[:1])
     jax.numpy.zeros(1).block_until_ready()
     rss0 = _rss()  # the runtime, before any weight
-    params = zoo.load_params(ckpt, mesh, dtype=jax.numpy.bfloat16 if base == "bfloat16" else np.float32)
-    if base == "nf4":  # one weight at a time, as pretrain.setup.quantize_frozen_base does
+    if base == "nf4":  # as pretrain.setup loads a QLoRA base: the projections one at a time, each quantized
         from zoo import quant
+        from zoo.memory import release_free_memory
         from zoo.params import flatten, nest
 
-        flat = flatten(params)
-        for path, (lead, contract) in quant.quantized_paths(cfg).items():
-            host = np.asarray(flat[path])
+        skip = quant.quantized_paths(cfg)
+        flat = flatten(zoo.load_params(ckpt, mesh, np.float32, paths=[p for p in param_specs(cfg) if p not in skip]))
+        for path, (lead, contract) in skip.items():
+            host = np.asarray(flatten(zoo.load_params(ckpt, mesh, np.float32, paths=[path]))[path])
             flat[path] = quant.place(quant.quantize(host, lead, contract, "nf4", True), mesh)
             del host
+        release_free_memory()
         params = nest(flat)
+    else:
+        params = zoo.load_params(ckpt, mesh, dtype=jax.numpy.bfloat16 if base == "bfloat16" else np.float32)
     tx = optax.adamw(1e-4)
     batch_sharding = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"), None))
     if rank:  # as pretrain.trainer.train builds it with lora.rank > 0
