@@ -15,12 +15,11 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from zoo.adapted import LoraDropout, lora_out
 from zoo.blocks import ACTIVATIONS, dense
 from zoo.config import ModelConfig
-from zoo.quant import QuantizedWeight, materialize, zero_cotangent
+from zoo.quant import QuantizedWeight, materialize
 
 STAT_KEYS = ("expert_counts", "router_prob_sum", "router_lse_sq_sum", "dropped_tokens", "tokens")
 
@@ -82,6 +81,10 @@ def _frozen_ragged_dot_fwd(xs, qw, sizes):
 
 
 def _frozen_ragged_dot_bwd(res, g):
+    import numpy as np
+
+    from zoo.quant import zero_cotangent
+
     qw, sizes = res
     w = jnp.swapaxes(materialize(qw), -1, -2).astype(g.dtype)
     return jax.lax.ragged_dot(g, w, sizes), zero_cotangent(qw), np.zeros(sizes.shape, jax.dtypes.float0)

@@ -158,6 +158,11 @@ class QuantizedWeight:
         return tuple(self.data["absmax" if "absmax" in self.data else "qabsmax"].shape[:-1])
 
     @property
+    def ndim(self) -> int:
+        """Rank of the float weight this stands for."""
+        return len(self.lead) + len(self.shape)
+
+    @property
     def full_shape(self) -> tuple[int, ...]:
         """Shape of the float weight this stands for."""
         return self.lead + self.shape
@@ -246,21 +251,25 @@ def zero_cotangent(qw: QuantizedWeight) -> QuantizedWeight:
 
 # --- which weights a QLoRA base quantizes ------------------------------------------------------------------
 
+# The layers' linear projections (zoo.adapted.ADAPTABLE), and how many axes of each are its input.
+PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down", "expert_gate", "expert_up", "expert_down",
+               "shared_gate", "shared_up", "shared_down")
+_CONTRACT = {"o": 2}
+
+
 def quantized_paths(cfg: Any) -> dict[str, tuple[int, int]]:
     """Dotted paths of the weights a QLoRA base stores quantized -> (leading axes, input axes): every
     layer's attention, MLP and expert projections (bitsandbytes' QLoRA), not MLA's latent projections,
     which the model reads with its own einsums. Embeddings, head, norms, biases and routers stay float."""
-    # The projections LoRA can adapt are the ones QLoRA quantizes (imported here: zoo.adapted imports this module).
-    from zoo.adapted import ADAPTABLE
-    from zoo.lora import _CONTRACT, _lead
     from zoo.params import param_specs
 
     out = {}
     for path, spec in param_specs(cfg).items():
         prefix, _, name = path.rpartition(".")
-        if name not in ADAPTABLE or "." in prefix or (cfg.mla and name in ("q", "o")):
+        if name not in PROJECTIONS or "." in prefix or (cfg.mla and name in ("q", "o")):
             continue
-        out[path] = (_lead(spec), _CONTRACT.get(name, 1))
+        lead = 2 if "expert" in spec.axes[:2] else 1
+        out[path] = (lead, _CONTRACT.get(name, 1))
     return out
 
 
