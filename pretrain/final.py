@@ -16,6 +16,7 @@ from zoo.params import param_specs
 
 from pretrain import distributed
 from pretrain.config import TrainConfig
+from pretrain.setup import frozen_base_quant
 
 
 def write_final(out: Path, cfg: TrainConfig, mcfg: ModelConfig, params: dict, src: Path | None, tok_dir: Path,
@@ -49,8 +50,8 @@ def write_final(out: Path, cfg: TrainConfig, mcfg: ModelConfig, params: dict, sr
                         "final_metrics": {k: last[k] for k in ("loss", "tokens_seen") if k in last},
                         **data_report, "processes": jax.process_count(), "devices": len(jax.devices())}
             # The base is named relative to `final` (where the scratch folder ends up), so run and base move together.
-            quant = ({"kind": cfg.lora.base_quant, "double": cfg.lora.base_quant_double}
-                     if lora and cfg.lora.base_quant else None)
+            q = frozen_base_quant(cfg, src) if lora else None
+            quant = {"kind": q[0], "double": q[1]} if q else None
             extra = {"lora": adapter_meta(lora, src, stored, final, quant)} if lora else {}
             writer.finish(mcfg, source=str(src or cfg.model.config), source_format="train", training=training, **extra)
             if final.exists():

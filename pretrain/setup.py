@@ -41,10 +41,9 @@ def load_model(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> tuple[ModelConfig, 
         return mcfg, params, None, tokenizer_folder(cfg)
     ckpt = _resolve_checkpoint(cfg.model.path)
     mcfg = read_config(ckpt)
-    if cfg.lora.base_quant:  # QLoRA: the float projections are loaded one at a time, to be quantized
+    if frozen_base_quant(cfg, ckpt):  # QLoRA: the projections come next, one at a time (quantize_frozen_base)
         from zoo.quant import quantized_paths
 
-        check_base_quant(cfg)
         skip = quantized_paths(mcfg)
         return mcfg, load_params(ckpt, mesh, pdt, paths=[p for p in param_specs(mcfg) if p not in skip]), ckpt, \
             tokenizer_folder(cfg)
@@ -86,27 +85,54 @@ def lora_settings(cfg: TrainConfig, base: Path | None) -> LoraConfig | None:
     return LoraConfig(rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, targets=targets, rslora=lo.rslora)
 
 
+def frozen_base_quant(cfg: TrainConfig, ckpt: Path | None) -> tuple[str, bool] | None:
+    """How the run's frozen base is quantized, (kind, double) or None: ``lora.base_quant``, or for a LoRA run on
+    a checkpoint stored quantized (``zoo quantize``), the checkpoint's own quantization (a different
+    ``lora.base_quant`` is an error: the float weights are not there to quantize otherwise)."""
+    from zoo import quant_checkpoint
+    from zoo.checkpoint import read_meta
+
+    check_base_quant(cfg)
+    lo = cfg.lora
+    asked = (lo.base_quant, lo.base_quant_double) if lo.base_quant else None
+    stored = quant_checkpoint.settings(read_meta(ckpt)) if ckpt is not None else None
+    if stored is None or lo.rank <= 0:  # full fine-tuning reads a quantized checkpoint dequantized
+        return asked
+    if asked is not None and asked != stored:
+        raise UserError(f"model.path {cfg.model.path} is stored quantized ({quant_checkpoint.describe(*stored)}); "
+                        f"lora.base_quant {lo.base_quant} (base_quant_double {str(lo.base_quant_double).lower()}) "
+                        "asks for another: leave lora.base_quant unset, or start from the float checkpoint")
+    return stored
+
+
 def quantize_frozen_base(cfg: TrainConfig, mcfg: ModelConfig, params: dict, mesh: jax.sharding.Mesh,
                          ckpt: Path | None) -> dict:
-    """QLoRA (``lora.base_quant``): ``params`` (loaded by :func:`load_model` without the projections) plus each
-    projection of ``ckpt`` loaded, quantized (zoo/quant.py) and placed one at a time, so the float base is never
-    whole in memory; the quantized fields are split over ``fsdp`` (:func:`zoo.quant.place`)."""
-    from zoo import quant
+    """QLoRA (:func:`frozen_base_quant`): ``params`` (loaded by :func:`load_model` without the projections) plus
+    each projection of ``ckpt`` loaded, quantized (zoo/quant.py) and placed one at a time, so the float base is
+    never whole in memory; the quantized fields are split over ``fsdp`` (:func:`zoo.quant.place`). A checkpoint
+    stored quantized gives its fields as they are."""
+    from zoo import quant, quant_checkpoint
+    from zoo.checkpoint import read_meta
     from zoo.params import flatten
 
-    lo = cfg.lora
-    check_base_quant(cfg)
-    if lo.base_quant is None:
+    q = frozen_base_quant(cfg, ckpt)
+    if q is None:
         return params
     flat = flatten(params)
     del params
     pdt = DTYPES[cfg.dtype.params]
+    meta = read_meta(ckpt)
+    stored = quant_checkpoint.is_quantized(meta)
     paths = quant.quantized_paths(mcfg)
     for path in paths:
         lead, contract = paths[path]
-        host = _host_copy(flatten(load_params(ckpt, mesh, pdt, paths=[path]))[path])
-        flat[path] = quant.place(quant.quantize(host, lead, contract, lo.base_quant, lo.base_quant_double), mesh)
-        del host
+        if stored:
+            qw = quant_checkpoint.load_quantized(ckpt, meta, path, pdt)
+        else:
+            host = _host_copy(flatten(load_params(ckpt, mesh, pdt, paths=[path]))[path])
+            qw = quant.quantize(host, lead, contract, *q)
+            del host
+        flat[path] = quant.place(qw, mesh)
     return nest(flat)
 
 

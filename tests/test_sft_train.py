@@ -302,7 +302,7 @@ def test_eval_tasks_need_eval_every(setup, tmp_path, capsys):
 QLORA = (*LORA, "lora.base_quant=nf4", "lora.base_quant_double=true")
 
 
-def test_qlora_sft_trains_resumes_and_merges_into_the_dequantized_base(setup, tmp_path, monkeypatch):
+def test_qlora_sft_trains_resumes_and_merges_into_the_dequantized_base(setup, tmp_path, monkeypatch, capsys):
     import pretrain.trainer as trainer
     from zoo import quant
     from zoo.adapter import load_adapters, lora_config
@@ -345,6 +345,24 @@ def test_qlora_sft_trains_resumes_and_merges_into_the_dequantized_base(setup, tm
     for name, key in (("q", "self_attn.q_proj"), ("down", "mlp.down_proj")):
         w = np.asarray(merged.param_dict()["layers"][name][1])
         np.testing.assert_allclose(hf[f"model.layers.1.{key}.weight"], w.reshape(w.shape[0], -1).T, atol=1e-6)
+    # `zoo quantize` once, then LoRA on the stored quantized base (no lora.base_quant): the run reads the fields as
+    # stored, which are what the run above quantized at load, so it trains the same adapters bit for bit.
+    assert zoo_main(["quantize", str(root / "zoo"), "--out", str(tmp_path / "nf4"), "--double-quant"]) == 0
+    cfg = _cfg(root, tmp_path / "stored", *common[:-2], f"model.path={tmp_path / 'nf4'}")
+    stored = train(cfg, progress=False, task=SFTTask(cfg))
+    smeta = zoo.checkpoint.read_meta(stored)
+    assert smeta["lora"]["base_quant"] == {"kind": "nf4", "double": True}
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(load_adapters(stored, smeta))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert np.abs(np.asarray(zoo.load(stored)(tokens)) - np.asarray(merged(tokens))).max() <= 1e-6
+    # Another quantization than the stored one is refused before anything is written.
+    assert sft_main(["train", f"model.path={tmp_path / 'nf4'}",
+                     f"model.tokenizer={root / 'tok'}", f"data.path={root / 'chat.jsonl'}", "data.seq_len=64",
+                     "batch_size=4", "max_steps=1", f"output_dir={tmp_path / 'int8'}", "lora.rank=4",
+                     "lora.base_quant=int8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "stored quantized (NF4, double quantization)" in err[0], err
+    assert not (tmp_path / "int8").exists()
 
 
 @pytest.mark.parametrize("bad, words", [

@@ -82,6 +82,8 @@ def base_digest(base_meta: dict[str, Any]) -> dict[str, str]:
     same base do not pass for it.
     """
     manifest: dict[str, Any] = {"params": _table(base_meta.get("params", {}))}
+    if "quantized" in base_meta:  # a base stored quantized (`zoo quantize`) is not its float source
+        manifest["quantized"] = [base_meta["quantized"]["kind"], base_meta["quantized"]["double"]]
     lora = base_meta.get("lora")
     if lora:
         manifest["lora"] = {"rank": lora["rank"], "alpha": lora["alpha"], "rslora": lora["rslora"],
@@ -240,7 +242,7 @@ class MergedParamReader:
         # QLoRA: the adapters learned beside the dequantized base, so they merge into it (zoo/quant.py).
         self.quant = None
         bq = meta["lora"].get("base_quant")
-        if bq:
+        if bq and not getattr(base, "dequantized", False):  # a base stored quantized reads dequantized already
             from zoo.quant import quantized_paths
 
             paths = quantized_paths(ModelConfig.from_dict(meta["config"]))

@@ -207,11 +207,12 @@ class CheckpointWriter:
         self.params = dict(params)
         self._committed = True
 
-    def finish(self, cfg: ModelConfig, **provenance: Any) -> None:
+    def finish(self, cfg: ModelConfig, manifest: dict[str, dict[str, Any]] | None = None, **provenance: Any) -> None:
         """Commit the checkpoint (every reserved parameter must be written), write model.json and verify it.
 
         ``provenance`` entries go into model.json as they are. One that is a :class:`StoredSection` names
-        the arrays :func:`verify_complete` expects instead of the model's parameters.
+        the arrays :func:`verify_complete` expects instead of the model's parameters. ``manifest`` is then the
+        model's parameter table for model.json's ``params`` (default: the arrays written, or adopted).
         """
         sections = [k for k, v in provenance.items() if isinstance(v, StoredSection)]
         if len(sections) > 1:
@@ -223,7 +224,7 @@ class CheckpointWriter:
             "format_version": FORMAT_VERSION,
             "family": cfg.family,
             "config": cfg.to_dict(),
-            "params": dict(sorted(self.params.items())),
+            "params": dict(sorted((self.params if manifest is None else manifest).items())),
             **provenance,
         }
         (self.folder / MODEL_FILE).write_text(json.dumps(meta, indent=2) + "\n")

@@ -1,4 +1,4 @@
-"""The `zoo` command: list, info, convert, init, export, plot, generate, eval, demo.
+"""The `zoo` command: list, info, convert, init, export, quantize, plot, generate, eval, demo.
 
 Only the argument parser and one thin dispatch function per command live here. Each command's body lives in
 the package it drives (zoo/info.py, convert/cli.py, eval/cli.py, eval/generate_cli.py, demo/job.py) and is
@@ -49,6 +49,13 @@ def cmd_export(args: argparse.Namespace) -> None:
     from convert.cli import export_command
 
     export_command(args)
+
+
+def cmd_quantize(args: argparse.Namespace) -> None:
+    """`zoo quantize` -> convert/cli.py."""
+    from convert.cli import quantize_command
+
+    quantize_command(args)
 
 
 def cmd_plot(args: argparse.Namespace) -> None:
@@ -146,6 +153,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--revision", metavar="BRANCH", help="upload to this branch (created if needed; default main)")
     s.add_argument("--dry-run", action="store_true", help="list the files that would be written/uploaded and where; write nothing")
     s.set_defaults(fn=cmd_export)
+
+    s = sub.add_parser(
+        "quantize", help="store a checkpoint's projections quantized (NF4 or int8): a QLoRA base made once",
+        description="Write CKPT with every layer's linear projections (attention, MLP, experts) quantized as "
+                    "bitsandbytes stores them (NF4: 64-value blocks, a float32 absmax each, bit-compatible; int8: one "
+                    "absmax per output row); embeddings, head and norms stay as they are. The output is a zoo "
+                    "checkpoint: zoo.load, zoo generate/eval and zoo export read it dequantized, and a LoRA run with "
+                    "it as model.path trains on the stored quantized base (QLoRA) without quantizing at load.",
+    )
+    s.add_argument("ckpt", metavar="CKPT", help="a zoo checkpoint (converted, a training run's final, or a run folder)")
+    s.add_argument("--out", required=True, metavar="DIR", help="output folder (must not exist or be empty)")
+    s.add_argument("--quant", choices=["nf4", "int8"], default="nf4",
+                   help="nf4: 4-bit NormalFloat, as QLoRA (default); int8: 8-bit, as LLM.int8() stores weights")
+    s.add_argument("--double-quant", action="store_true",
+                   help="NF4 only: quantize the block absmax values too (8-bit, blocks of 256), 4.127 instead of "
+                        "4.5 bits per parameter (lora.base_quant_double)")
+    s.set_defaults(fn=cmd_quantize)
 
     s = sub.add_parser("plot", help="draw a training run's loss, eval-loss and learning-rate curves to a PNG")
     s.add_argument("run_dir", metavar="RUN_DIR", help="a training run's output_dir (with metrics.jsonl)")

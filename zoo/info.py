@@ -66,6 +66,16 @@ def info_command(args: argparse.Namespace) -> None:
             print(f"base_quant  {what}: the adapters were trained on the quantized base (QLoRA) and merge into "
                   "its dequantized weights")
         params = lora["params"]
+    q = meta.get("quantized")
+    if q:  # `zoo quantize`: the table above is the float model; on disk the projections are quantized fields
+        from zoo.quant_checkpoint import describe  # noqa: PLC0415 - only quantized checkpoints need it
+
+        n = sum(_prod(meta["params"][p.rpartition(".")[0]]["shape"]) for p in q["params"]
+                if p not in meta["params"] and p.endswith((".packed", ".q")))
+        print(f"quantized   {describe(q['kind'], q['double'])}: {human_count(n)} ({n:,}) projection parameters at "
+              f"{q['bits_per_param']:.3f} bits each; the rest as stored; dequantized on load and export, "
+              "a QLoRA base as it is")
+        params = q["params"]
     print(f"on disk     Orbax OCDBT/zarr3, {len(files)} files, {size / 2**20:.1f} MiB; chunked as below")
     print()
     rows = [("parameter", "shape", "dtype", "logical axes", "disk chunk", "chunks")]

@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from zoo import checkpoint
+from zoo import checkpoint, quant_checkpoint
 from zoo.adapter import MergedParamReader, base_checkpoint, is_adapter, load_adapters, lora_config
 from zoo.checkpoint import ParamReader, read_config, read_meta
 from zoo.config import ModelConfig
@@ -40,12 +40,17 @@ def load_params(
     is how streaming readers take one parameter at a time.
     """
     meta = read_meta(ckpt)
+    if quant_checkpoint.is_quantized(meta):  # `zoo quantize`: the projections dequantized on load
+        return quant_checkpoint.load_params(ckpt, meta, mesh or make_mesh(), dtype, paths)
     if not is_adapter(meta):
         return checkpoint.load_stored_params(ckpt, mesh, dtype, paths)
     mesh = mesh or make_mesh()
-    base = load_params(base_checkpoint(ckpt, meta), mesh, dtype, paths)
+    base_ckpt = base_checkpoint(ckpt, meta)
+    base = load_params(base_ckpt, mesh, dtype, paths)
     cfg = ModelConfig.from_dict(meta["config"])
-    if meta["lora"].get("base_quant"):  # QLoRA adapters merge into the dequantized base they were trained beside
+    # QLoRA adapters merge into the dequantized base they were trained beside: a float base is quantized and
+    # dequantized as training did; a base stored quantized (`zoo quantize`) already loads dequantized.
+    if meta["lora"].get("base_quant") and not quant_checkpoint.is_quantized(read_meta(base_ckpt)):
         from zoo.quant import as_trained
 
         bq = meta["lora"]["base_quant"]
@@ -53,9 +58,13 @@ def load_params(
     return merge_lora(cfg, base, load_adapters(ckpt, meta, mesh), lora_config(meta))
 
 
-def param_reader(ckpt: str | os.PathLike, path: str) -> ParamReader | MergedParamReader:
-    """A streaming reader of one parameter; for an adapter checkpoint, of the merged parameter."""
+def param_reader(ckpt: str | os.PathLike, path: str
+                 ) -> ParamReader | MergedParamReader | quant_checkpoint.DequantizedParamReader:
+    """A streaming reader of one parameter; for an adapter checkpoint, of the merged parameter; for a quantized
+    checkpoint, of the dequantized parameter."""
     meta = read_meta(ckpt)
+    if quant_checkpoint.is_quantized(meta):
+        return quant_checkpoint.DequantizedParamReader(ckpt, meta, path)
     if is_adapter(meta):
         return MergedParamReader(ckpt, meta, path, param_reader(base_checkpoint(ckpt, meta), path))
     return ParamReader(ckpt, path)
