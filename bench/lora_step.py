@@ -145,15 +145,14 @@ def run_jax(ckpt: str, batch: int, seq: int, steps: int, rank: int | None, alpha
     rss0 = _rss()  # the runtime, before any weight
     if base == "nf4":  # as pretrain.setup loads a QLoRA base: the projections one at a time, each quantized
         from zoo import quant
+        from zoo.loading import quantized_param
         from zoo.memory import release_free_memory
         from zoo.params import flatten, nest
 
         skip = quant.quantized_paths(cfg)
         flat = flatten(zoo.load_params(ckpt, mesh, np.float32, paths=[p for p in param_specs(cfg) if p not in skip]))
-        for path, (lead, contract) in skip.items():
-            host = np.asarray(flatten(zoo.load_params(ckpt, mesh, np.float32, paths=[path]))[path])
-            flat[path] = quant.place(quant.quantize(host, lead, contract, "nf4", True), mesh)
-            del host
+        for path in skip:  # each quantized one matrix (layer) at a time
+            flat[path] = quant.place(quantized_param(ckpt, path, "nf4", True, np.float32), mesh)
         release_free_memory()
         params = nest(flat)
     else:

@@ -18,7 +18,7 @@ from zoo import quant, quant_checkpoint
 from zoo.checkpoint import HF_CONFIG_FILE, TOKENIZER_DIR, CheckpointWriter, atomic_output, read_meta
 from zoo.config import ModelConfig
 from zoo.errors import UserError
-from zoo.loading import param_reader
+from zoo.loading import param_reader, quantized_param
 from zoo.params import param_specs
 
 from convert.mtp import EXTRA_FILE
@@ -49,19 +49,12 @@ def quantize_checkpoint(src: str | Path, out: str | Path, kind: str = "nf4", dou
         nbytes = 0
         for path in tqdm(list(proj), desc=f"quantize ({quant_checkpoint.describe(kind, double)})", unit="param",
                          disable=None if progress is None else not progress):
-            lead, contract = proj[path]
-            reader = param_reader(src, path)
-            lead_shape = specs[path].shape[:lead]
-            fields: dict[str, list[np.ndarray]] = {}
-            for index in np.ndindex(*lead_shape):  # one matrix (layer, expert) of float at a time
-                qw = quant.quantize(reader.read(index), 0, contract, kind, double)
-                for name, value in qw.data.items():
-                    fields.setdefault(name, []).append(np.asarray(value))
-            del reader
-            for name, values in fields.items():
-                array = np.stack(values).reshape(lead_shape + values[0].shape)
+            qw = quantized_param(src, path, kind, double)  # one float matrix (layer, expert) at a time
+            lead = len(qw.lead)
+            for name, array in qw.data.items():
                 nbytes += array.nbytes
-                writer.add(f"{path}.{name}", array, specs[path].axes[:lead] + (None,) * values[0].ndim)
+                writer.add(f"{path}.{name}", array, specs[path].axes[:lead] + (None,) * (array.ndim - lead))
+            del qw
         params = sum(int(np.prod(specs[p].shape)) for p in proj)
         bits = 8 * nbytes / params
         stored = dict(writer.params)

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import jax
-import numpy as np
 
 from zoo.checkpoint import read_config
 from zoo.config import ModelConfig
@@ -111,8 +110,8 @@ def quantize_frozen_base(cfg: TrainConfig, mcfg: ModelConfig, params: dict, mesh
     each projection of ``ckpt`` loaded, quantized (zoo/quant.py) and placed one at a time, so the float base is
     never whole in memory; the quantized fields are split over ``fsdp`` (:func:`zoo.quant.place`). A checkpoint
     stored quantized gives its fields as they are."""
-    from zoo import quant, quant_checkpoint
-    from zoo.checkpoint import read_meta
+    from zoo import quant
+    from zoo.loading import quantized_param
     from zoo.params import flatten
 
     q = frozen_base_quant(cfg, ckpt)
@@ -121,18 +120,8 @@ def quantize_frozen_base(cfg: TrainConfig, mcfg: ModelConfig, params: dict, mesh
     flat = flatten(params)
     del params
     pdt = DTYPES[cfg.dtype.params]
-    meta = read_meta(ckpt)
-    stored = quant_checkpoint.is_quantized(meta)
-    paths = quant.quantized_paths(mcfg)
-    for path in paths:
-        lead, contract = paths[path]
-        if stored:
-            qw = quant_checkpoint.load_quantized(ckpt, meta, path, pdt)
-        else:
-            host = _host_copy(flatten(load_params(ckpt, mesh, pdt, paths=[path]))[path])
-            qw = quant.quantize(host, lead, contract, *q)
-            del host
-        flat[path] = quant.place(qw, mesh)
+    for path in quant.quantized_paths(mcfg):
+        flat[path] = quant.place(quantized_param(ckpt, path, *q, dtype=pdt), mesh)
     return nest(flat)
 
 
@@ -161,12 +150,3 @@ def init_adapters(mcfg: ModelConfig, lora_cfg: LoraConfig, seed: int, mesh: jax.
     shard = nest({p: named_sharding(mesh, s.axes, s.shape) for p, s in specs.items()})
     # No host inputs: every process builds the same global arrays, each its own shards.
     return jax.jit(lambda: init_lora(mcfg, lora_cfg, jax.random.PRNGKey(seed + 1), "float32"), out_shardings=shard)()
-
-
-def _host_copy(x: jax.Array) -> np.ndarray:
-    """The whole of a (possibly multi-process sharded) array on this host."""
-    if getattr(x, "is_fully_addressable", True):
-        return np.asarray(jax.device_get(x))
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))

@@ -18,12 +18,13 @@ from typing import Any
 
 import jax
 
-from zoo import checkpoint, quant_checkpoint
+from zoo import checkpoint, quant, quant_checkpoint
 from zoo.adapter import MergedParamReader, base_checkpoint, is_adapter, load_adapters, lora_config
 from zoo.checkpoint import ParamReader, read_config, read_meta
 from zoo.config import ModelConfig
 from zoo.lora import merge_lora
 from zoo.model import Decoder
+from zoo.params import param_specs
 from zoo.sharding import make_mesh
 
 
@@ -68,6 +69,20 @@ def param_reader(ckpt: str | os.PathLike, path: str
     if is_adapter(meta):
         return MergedParamReader(ckpt, meta, path, param_reader(base_checkpoint(ckpt, meta), path))
     return ParamReader(ckpt, path)
+
+
+def quantized_param(ckpt: str | os.PathLike, path: str, kind: str, double: bool = False, dtype: Any = None
+                    ) -> quant.QuantizedWeight:
+    """Projection ``path`` of ``ckpt`` quantized (host arrays, every layer): a checkpoint stored quantized gives
+    its fields as they are; any other is read and quantized one matrix (layer, expert) at a time, each cast to
+    ``dtype`` first, so the float projection is never whole in memory."""
+    meta = read_meta(ckpt)
+    if quant_checkpoint.is_quantized(meta):
+        return quant_checkpoint.load_quantized(ckpt, meta, path, dtype)
+    cfg = read_config(ckpt)
+    lead, contract = quant.quantized_paths(cfg)[path]
+    lead_shape = param_specs(cfg)[path].shape[:lead]
+    return quant.quantize_matrices(param_reader(ckpt, path).read, lead_shape, contract, kind, double, dtype)
 
 
 def load(ckpt: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, dtype: Any = None) -> Decoder:

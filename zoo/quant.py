@@ -24,6 +24,7 @@ the scanned matmul (:mod:`zoo.blocks`): the base is never materialized whole in 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -177,32 +178,43 @@ def _matrix_dims(shape: tuple[int, ...], contract: int) -> tuple[int, int]:
     return math.prod(shape[:contract]), math.prod(shape[contract:])
 
 
-def quantize(w: np.ndarray, lead: int, contract: int, kind: str = "nf4", double: bool = False) -> QuantizedWeight:
-    """Quantize a zoo weight ``w`` [*lead, *in, *out] matrix by matrix (each as its HF [out, in])."""
+def _quantize_matrix(hf: np.ndarray, kind: str, double: bool) -> dict[str, np.ndarray]:
+    """One float32 matrix in HF's [out, in] layout as its stored fields."""
+    if kind == "int8":
+        absmax = np.abs(hf).max(axis=1).astype(np.float32)
+        scale = (np.float32(127.0) / np.maximum(absmax, np.float32(1e-38))).astype(np.float32)
+        return {"q": np.round(hf * scale[:, None]).astype(np.int8), "absmax": absmax}
+    f = nf4_quantize(hf.reshape(-1), double)
+    if double:
+        return {"packed": f.packed, "qabsmax": f.absmax, "absmax2": f.absmax2, "offset": np.float32(f.offset)}
+    return {"packed": f.packed, "absmax": f.absmax}
+
+
+def quantize_matrices(read: Callable[[tuple[int, ...]], np.ndarray], lead_shape: tuple[int, ...], contract: int,
+                      kind: str = "nf4", double: bool = False, dtype: Any = None) -> QuantizedWeight:
+    """Quantize a stacked weight one matrix at a time: ``read(index)`` gives the [*in, *out] matrix at each
+    ``lead_shape`` index (a layer, an expert), so memory holds one float matrix besides the fields. Each matrix is
+    first cast to ``dtype`` (default its own), the dtype it dequantizes to."""
     if kind not in KINDS:
         raise ValueError(f"quantize: kind must be one of {KINDS}, got {kind!r}")
-    w = np.asarray(w)
-    lead_shape, shape = w.shape[:lead], w.shape[lead:]
-    k, n = _matrix_dims(shape, contract)
-    mats = w.reshape(-1, k, n).astype(np.float32)
     parts: dict[str, list] = {}
-    for m in mats:
-        hf = np.ascontiguousarray(m.T)  # [out, in]
-        if kind == "int8":
-            absmax = np.abs(hf).max(axis=1).astype(np.float32)
-            scale = (np.float32(127.0) / np.maximum(absmax, np.float32(1e-38))).astype(np.float32)
-            fields = {"q": np.round(hf * scale[:, None]).astype(np.int8), "absmax": absmax}
-        else:
-            f = nf4_quantize(hf.reshape(-1), double)
-            fields = {"packed": f.packed}
-            if double:
-                fields.update(qabsmax=f.absmax, absmax2=f.absmax2, offset=np.float32(f.offset))
-            else:
-                fields["absmax"] = f.absmax
-        for key, v in fields.items():
+    shape, name = (), None
+    for index in np.ndindex(*lead_shape):
+        m = np.asarray(read(index))
+        m = m.astype(dtype) if dtype is not None else m
+        shape, name = m.shape, np.dtype(m.dtype).name
+        k, n = _matrix_dims(shape, contract)
+        for key, v in _quantize_matrix(np.ascontiguousarray(m.reshape(k, n).astype(np.float32).T), kind, double).items():
             parts.setdefault(key, []).append(np.asarray(v))
-    data = {key: np.stack(vs).reshape(lead_shape + vs[0].shape) for key, vs in parts.items()}
-    return QuantizedWeight(data, kind, tuple(shape), contract, np.dtype(w.dtype).name)
+        del m
+    data = {key: np.stack(vs).reshape(tuple(lead_shape) + vs[0].shape) for key, vs in parts.items()}
+    return QuantizedWeight(data, kind, tuple(shape), contract, name)
+
+
+def quantize(w: np.ndarray, lead: int, contract: int, kind: str = "nf4", double: bool = False) -> QuantizedWeight:
+    """Quantize a zoo weight ``w`` [*lead, *in, *out] matrix by matrix (each as its HF [out, in])."""
+    w = np.asarray(w)
+    return quantize_matrices(lambda index: w[index], w.shape[:lead], contract, kind, double)
 
 
 def dequantize(qw: QuantizedWeight, dtype: Any = None) -> jax.Array:
