@@ -34,12 +34,15 @@ def scored_answer(answer: str, task: Task) -> str:
     answer = cut_at_stop(answer, task.opt("stop", []))
     if task.opt("scorer", "exact_match") == "regex":
         answer = extract(answer, task.opt("regex"))
-    return answer.strip()
+    return answer.strip() if task.opt("strip_whitespace", False) else answer
 
 
 def is_correct(answer: str, reference: str, task: Task) -> bool:
-    """Whether one generated answer matches its reference under the task's scorer (whitespace around both ignored)."""
-    a, r = scored_answer(answer, task), reference.strip()
+    """Whether one generated answer matches its reference under the task's scorer: exactly, as
+    lm-evaluation-harness's exact_match compares, or with ``strip_whitespace: true`` without the whitespace
+    around both."""
+    a = scored_answer(answer, task)
+    r = reference.strip() if task.opt("strip_whitespace", False) else reference
     if task.opt("ignore_case", False):
         a, r = a.lower(), r.lower()
     return a == r

@@ -12,7 +12,8 @@ from typing import Any
 from zoo.console import print_table
 
 # Metrics shown in the console table, per task kind (the JSON has them all).
-SHOWN = {"perplexity": ("ppl", "bpb"), "multiple_choice": ("acc", "acc_norm"), "generation": ("exact_match",)}
+SHOWN = {"perplexity": ("word_perplexity", "bits_per_byte", "ppl"), "multiple_choice": ("acc", "acc_norm", "acc_bytes"),
+         "generation": ("exact_match",)}
 
 
 def eval_command(args: argparse.Namespace) -> None:
@@ -21,14 +22,24 @@ def eval_command(args: argparse.Namespace) -> None:
 
     if args.list_tasks:
         return _list_tasks()
-    if not args.ckpt or not args.tasks:
-        raise UserError("zoo eval needs CKPT and --tasks T1,T2 (see `zoo eval --list-tasks`)")
+    if args.log_samples and not args.out:
+        raise UserError("--log-samples writes beside --out: give --out results.json too")
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit {args.limit}: must be at least 1")
     if args.batch_size < 1:
         raise UserError(f"--batch-size {args.batch_size}: must be at least 1")
     if args.num_fewshot is not None and args.num_fewshot < 0:
         raise UserError(f"--num-fewshot {args.num_fewshot}: must be 0 or more")
+    if getattr(args, "harness", None):
+        if args.tasks:
+            raise UserError("give either --tasks (lmzoo's task files) or --harness (lm-eval's task names), not both")
+        from eval.harness_run import harness_command
+
+        return harness_command(args)
+    if args.include_path:
+        raise UserError("--include-path adds lm-eval task YAMLs: use it with --harness")
+    if not args.ckpt or not args.tasks:
+        raise UserError("zoo eval needs CKPT and --tasks T1,T2 (see `zoo eval --list-tasks`) or --harness T1,T2")
     from zoo.paths import checkpoint_dir
 
     args.ckpt = str(checkpoint_dir(args.ckpt))  # a missing path or a run folder: said before anything loads
@@ -59,7 +70,8 @@ def eval_command(args: argparse.Namespace) -> None:
     cfg, params = model.cfg, model.param_dict()
     t_load = time.perf_counter() - t0
     res = evaluate(cfg, params, tokenizer, tasks, limit=args.limit, batch_size=args.batch_size,
-                   num_fewshot=args.num_fewshot, chat_template=args.chat_template)
+                   num_fewshot=args.num_fewshot, chat_template=args.chat_template, log_samples=args.log_samples)
+    logs = {name: r.pop("log") for name, r in res["tasks"].items() if "log" in r}
     t_total = time.perf_counter() - t0
     report = {
         "checkpoint": str(Path(args.ckpt).absolute()),
@@ -74,11 +86,14 @@ def eval_command(args: argparse.Namespace) -> None:
     }
     print_results(report)
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(report, indent=2) + "\n")
-        tmp.replace(out)  # never a half-written results file
+        from eval.harness_run import samples_path, write_atomic
+
+        write_atomic(out, json.dumps(report, indent=2) + "\n")
         print(f"wrote {out}")
+        if args.log_samples:
+            lines = (json.dumps({"task": name, **item}) for name, items in logs.items() for item in items)
+            write_atomic(samples_path(out), "".join(line + "\n" for line in lines))
+            print(f"wrote {samples_path(out)}")
 
 
 def print_results(report: dict[str, Any]) -> None:

@@ -16,7 +16,7 @@ from eval.answers import is_correct, scored_answer
 from eval.generate import GenerationConfig, generate
 from eval.loglikelihood import encode
 from eval.progress import progress_bar
-from eval.tasks import Task, field_of, format_row
+from eval.tasks import Task, fewshot_pool, field_of, format_row, joined
 from zoo.config import ModelConfig
 from zoo.errors import UserError
 
@@ -28,23 +28,26 @@ def generation_examples(tokenizer: Any, task: Task, rows: list[dict], num_fewsho
     """(prompt ids, reference answer) of each row."""
     use_chat = task.opt("chat_template", bool(task.opt("messages"))) if chat_template is None else chat_template
     k = task.opt("num_fewshot", 0) if num_fewshot is None else num_fewshot
-    shots_from = task.fewshot_rows()
+    prefix, about = task.opt("gen_prefix", ""), task.opt("prompt_description", "")
+    delim, sep = task.opt("target_delimiter", " "), task.opt("fewshot_separator", "\n\n")
     out = []
     for i, row in enumerate(rows):
-        pool = shots_from if shots_from is not None else [r for j, r in enumerate(rows[:k + 1]) if j != i]
         turns, ref = _turns(row, task)
-        shots = [_turns(s, task) for s in pool[:k]]
+        shots = [_turns(s, task) for s in fewshot_pool(task, rows, i, k)]
         if use_chat:
             if not getattr(tokenizer, "chat_template", None):
                 raise UserError(f"task {task.name} ({task.source}) applies the chat template, but the tokenizer has "
                                 "none; set chat_template: false in the task or pass --no-chat-template")
-            conv = [m for st, sr in shots for m in st + [{"role": "assistant", "content": sr}]] + turns
+            conv = [m for st, sr in shots for m in st + [{"role": "assistant", "content": joined(prefix, sr)}]] + turns
+            if about:  # lm-eval puts its description in the system turn
+                conv = [{"role": "system", "content": about}] + conv
             ids = tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=False)
             ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
+            ids += encode(tokenizer, prefix) if prefix else []  # the answer starts with it
         else:
-            delim, sep = task.opt("target_delimiter", " "), task.opt("fewshot_separator", "\n\n")
-            text = sep.join([_plain(st) + delim + sr for st, sr in shots] + [_plain(turns)])
-            ids = encode(tokenizer, text, special=True)
+            text = sep.join([_plain(st) + delim + sr if not prefix else joined(joined(_plain(st), prefix, delim), sr)
+                             for st, sr in shots] + [joined(_plain(turns), prefix, delim)])
+            ids = encode(tokenizer, about + text, special=True)
         out.append((ids, ref))
     return out
 
@@ -77,8 +80,9 @@ def greedy_generator(cfg: ModelConfig, params: dict[str, Any], tokenizer: Any, m
 
 def score_generation(tokenizer: Any, task: Task, rows: list[dict], generator: Generator, batch_size: int = 8,
                      num_fewshot: int | None = None, chat_template: bool | None = None, progress: bool = True,
-                     ) -> tuple[dict[str, float], list[dict[str, str]]]:
-    """(exact_match metric, the first few samples) of a generation task, with ``generator`` producing the tokens."""
+                     ) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """(exact_match metric, one record per row: prompt, answer, the part scored, reference, correct) of a
+    generation task, with ``generator`` producing the tokens."""
     examples = generation_examples(tokenizer, task, rows, num_fewshot, chat_template)
     answers: list[str] = [""] * len(examples)
     order = sorted(range(len(examples)), key=lambda i: -len(examples[i][0]))
@@ -91,6 +95,6 @@ def score_generation(tokenizer: Any, task: Task, rows: list[dict], generator: Ge
                 answers[i] = tokenizer.decode(new, skip_special_tokens=True)
             bar.update(len(idx))
     correct = [is_correct(a, ref, task) for a, (_, ref) in zip(answers, examples)]
-    samples = [{"answer": a, "scored": scored_answer(a, task), "reference": ref, "correct": c}
-               for a, (_, ref), c in list(zip(answers, examples, correct))[:3]]
-    return {"exact_match": float(np.mean(correct)) if correct else 0.0}, samples
+    items = [{"index": i, "prompt": tokenizer.decode(ids), "answer": a, "scored": scored_answer(a, task),
+              "reference": ref, "correct": c} for i, (a, (ids, ref), c) in enumerate(zip(answers, examples, correct))]
+    return {"exact_match": float(np.mean(correct)) if correct else 0.0}, items

@@ -12,15 +12,19 @@ Perplexity (:mod:`eval.perplexity`) and multiple choice
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from zoo.batching import score_documents
 from zoo.config import ModelConfig
 from zoo.errors import UserError
+from zoo.logps import token_logps
+from zoo.model import forward, stored_head
 
 Request = tuple[list[int], int]  # (tokens, how many of the last targets are scored)
 MIN_BUCKET = 16
@@ -36,34 +40,59 @@ def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
 
 def loglikelihoods(cfg: ModelConfig, params: dict[str, Any], requests: Sequence[Request], batch_size: int = 8,
                    max_length: int | None = None, bar: tqdm | None = None) -> np.ndarray:
-    """Summed log-likelihood (float64) of each request's scored tokens, in batched fixed-shape forward passes
-    (:func:`zoo.batching.score_documents`, each request a document whose scored tokens are its targets).
+    """Summed log-likelihood (float64) of each request's scored tokens (:func:`request_scores`)."""
+    return np.asarray([ll for ll, _ in request_scores(cfg, params, requests, batch_size, max_length, bar)],
+                      np.float64)
+
+
+def request_scores(cfg: ModelConfig, params: dict[str, Any], requests: Sequence[Request], batch_size: int = 8,
+                   max_length: int | None = None, bar: tqdm | None = None) -> list[tuple[float, bool]]:
+    """(summed log-likelihood, whether every scored token is the argmax) of each request, in batched
+    fixed-shape forward passes: rows longest first, ``batch_size`` at a time, each batch's width its longest
+    row's rounded up to a power of two (:func:`bucket`), so each width compiles once.
 
     A request longer than ``max_length`` (default: the model's context) loses
     tokens from the left; its scored tokens must fit.
     """
     max_length = max_length or cfg.max_position_embeddings
-    docs = []
+    rows = []
     for toks, n in requests:
         if n < 1 or n > len(toks) - 1:
             raise ValueError(f"a request scores {n} of {len(toks) - 1} targets")
         if n > max_length:
             raise UserError(f"a continuation of {n} tokens does not fit the model's {max_length}-token context")
-        kept = np.asarray(list(toks)[-(max_length + 1):], np.int32)  # max_length inputs, their targets
-        scored = np.zeros(len(kept), bool)
-        scored[len(kept) - n:] = True  # the last n tokens, as targets
-        docs.append({"tokens": kept, "loss_mask": scored})
-    out = np.zeros(len(docs), np.float64)
+        rows.append(list(toks)[-(max_length + 1):])  # max_length inputs, their targets
+    out: list[tuple[float, bool]] = [(0.0, False)] * len(rows)
     # Longest first: rows of one batch have similar lengths, so little padding is computed.
-    order = sorted(range(len(docs)), key=lambda i: -len(docs[i]["tokens"]))
+    order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
     for start in range(0, len(order), batch_size):
         idx = order[start:start + batch_size]
-        width = min(bucket(len(docs[idx[0]]["tokens"]) - 1), max_length)  # the row's inputs
-        scores = score_documents(cfg, params, [docs[i] for i in idx], width + 1, batch_size,
-                                 on_batch=bar.update if bar is not None else None)
-        for i, lp in zip(idx, scores):
-            out[i] = lp.astype(np.float64).sum()
+        width = min(bucket(len(rows[idx[0]]) - 1), max_length)  # the rows' inputs
+        inputs = np.zeros((batch_size, width), np.int32)
+        targets = np.zeros((batch_size, width), np.int32)
+        scored = np.zeros((batch_size, width), bool)
+        for r, i in enumerate(idx):  # a short last batch leaves rows empty: one shape, one compilation
+            toks, n = rows[i], requests[i][1]
+            inputs[r, :len(toks) - 1], targets[r, :len(toks) - 1] = toks[:-1], toks[1:]
+            scored[r, len(toks) - 1 - n:len(toks) - 1] = True
+        sums, greedy = jax.device_get(_row_scores(cfg, params, *map(jnp.asarray, (inputs, targets, scored))))
+        for r, i in enumerate(idx):
+            out[i] = (float(np.float64(sums[r])), bool(greedy[r]))
+        if bar is not None:
+            bar.update(len(idx))
     return out
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _row_scores(cfg: ModelConfig, params: dict[str, Any], inputs: jax.Array, targets: jax.Array,
+                scored: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(summed log p(target) over the scored positions [rows], all of them the argmax [rows]) of one batch of
+    right-padded rows; the vocabulary is projected in chunks (:func:`zoo.logps.token_logps`), never whole."""
+    hidden = forward(cfg, params, inputs, return_hidden=True)
+    head, vocab_major = stored_head(cfg, params)
+    logp, greedy = token_logps(hidden, head, targets, cfg.final_softcap, head_grad=False, vocab_major=vocab_major,
+                               greedy=True)
+    return jnp.where(scored, logp, 0.0).sum(-1), jnp.where(scored, greedy > 0, True).all(-1)
 
 
 # --------------------------------------------------------------------------- tokenization

@@ -19,64 +19,85 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from eval.loglikelihood import bucket, context_continuation, loglikelihoods
+from eval.loglikelihood import bucket, context_continuation, request_scores
 from eval.progress import progress_bar
-from eval.tasks import Task, field_of, format_row
+from eval.tasks import Task, fewshot_pool, field_of, format_row, joined
 from zoo.config import ModelConfig
-from zoo.decode import forward_cached, init_cache
+from zoo.decode import Cache, forward_cached, forward_step, init_cache
 from zoo.errors import UserError
 
 
 def mc_questions(tokenizer: Any, task: Task, rows: list[dict], num_fewshot: int | None = None,
-                 ) -> list[tuple[list[int], list[list[int]], list[str], int]]:
-    """(context ids, each choice's ids, the choices, gold index) of each row, few-shot examples in the context."""
-    shots_from = task.fewshot_rows()
+                 ) -> list[tuple[list[int], list[list[int]], list[str], list[int]]]:
+    """(context ids, each choice's ids, the choices, the gold indices) of each row, the task's ``description``
+    and few-shot examples (:func:`eval.tasks.fewshot_pool`) in the context."""
     k = task.opt("num_fewshot", 0) if num_fewshot is None else num_fewshot
     delim = task.opt("target_delimiter", " ")
     sep = task.opt("fewshot_separator", "\n\n")
     template = task.opt("context", "{context}")
+    prefix = task.opt("gen_prefix", "")
     out = []
     for i, row in enumerate(rows):
-        choices, gold = _choices_gold(row, task)
-        pool = shots_from if shots_from is not None else [r for j, r in enumerate(rows[:k + 1]) if j != i]
+        choices, golds = choices_gold(row, task)
         shots = []
-        for shot in pool[:k]:
-            sc, sg = _choices_gold(shot, task)
-            shots.append(format_row(template, shot, task, "context") + delim + sc[sg])
-        context = sep.join(shots + [format_row(template, row, task, "context")])
-        ids = [context_continuation(tokenizer, context, delim + c) for c in choices]
+        for shot in fewshot_pool(task, rows, i, k):
+            sc, sg = choices_gold(shot, task)
+            q = format_row(template, shot, task, "context")
+            shots.append(q + delim + sc[sg[0]] if not prefix else joined(joined(q, prefix, delim), sc[sg[0]]))
+        context = sep.join(shots + [joined(format_row(template, row, task, "context"), prefix, delim)])
+        context = task.opt("prompt_description", "") + context
+        # After a gen_prefix ending in whitespace the choices follow it directly (lm-evaluation-harness's rule).
+        lead = "" if prefix and prefix[-1].isspace() else delim
+        ids = [context_continuation(tokenizer, context, lead + c) for c in choices]
         ctx = ids[0][0]
         if any(c != ctx for c, _ in ids) or any(not cont for _, cont in ids):
             raise UserError(f"task {task.name} ({task.source}): row {i + 1}: a choice is empty or tokenizes into its "
                             "context; give non-empty choices")
-        out.append((ctx, [cont for _, cont in ids], choices, gold))
+        out.append((ctx, [cont for _, cont in ids], choices, golds))
     return out
 
 
-def _choices_gold(row: dict, task: Task) -> tuple[list[str], int]:
-    """(the choices, the gold index) of one row, or a UserError naming what is wrong with them."""
-    choices = field_of(row, task.opt("choices", "choices"), task)
+def choices_gold(row: dict, task: Task) -> tuple[list[str], list[int]]:
+    """(the choices, the gold indices) of one row, or a UserError naming what is wrong with them.
+
+    ``choices:`` names the row's field holding the list, or is itself the list (the same for every row, e.g.
+    ``[A, B, C, D]``); the gold field holds an index, a list of indices (several right answers), or the text of
+    the right choice."""
+    spec = task.opt("choices", "choices")
+    choices = spec if isinstance(spec, list) else field_of(row, spec, task)
     gold = field_of(row, task.opt("gold", "gold"), task)
     if not (isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices)):
         raise UserError(f"task {task.name} ({task.source}): choices must be a non-empty list of strings, "
                         f"not {choices!r}")
-    if not isinstance(gold, int) or isinstance(gold, bool) or not 0 <= gold < len(choices):
-        raise UserError(f"task {task.name} ({task.source}): gold index {gold!r} is not in 0..{len(choices) - 1}")
-    return choices, gold
+    golds = gold if isinstance(gold, list) and gold else [gold]
+    out = []
+    for g in golds:
+        if isinstance(g, str) and g in choices:
+            g = choices.index(g)
+        if not isinstance(g, int) or isinstance(g, bool) or not 0 <= g < len(choices):
+            raise UserError(f"task {task.name} ({task.source}): gold {gold!r} is not an index in 0..{len(choices) - 1} "
+                            "(or a list of them, or one of the choices)")
+        out.append(g)
+    return choices, out
 
 
-def mc_metrics(lls: Sequence[Sequence[float]], choices: Sequence[Sequence[str]], golds: Sequence[int],
+def mc_metrics(lls: Sequence[Sequence[float]], choices: Sequence[Sequence[str]], golds: Sequence[Sequence[int] | int],
                ) -> dict[str, float]:
-    """acc (argmax of log-likelihood) and acc_norm (argmax of log-likelihood per UTF-8 byte of the choice)."""
-    hit, hit_norm = [], []
+    """lm-evaluation-harness's multiple-choice metrics: ``acc`` (the argmax of the summed log-likelihoods is a
+    gold index), ``acc_norm`` (the same after dividing each by its choice's length in characters) and
+    ``acc_bytes`` (by its length in UTF-8 bytes), each with its standard error."""
+    hits: dict[str, list[bool]] = {"acc": [], "acc_norm": [], "acc_bytes": []}
     for ll, ch, g in zip(lls, choices, golds):
         ll = np.asarray(ll, np.float64)
+        gold = set(g) if isinstance(g, (list, tuple, set)) else {g}
+        chars = np.asarray([max(1, len(c)) for c in ch], np.float64)  # choices are never empty (mc_questions)
         nbytes = np.asarray([max(1, len(c.encode("utf-8"))) for c in ch], np.float64)
-        hit.append(int(np.argmax(ll)) == g)
-        hit_norm.append(int(np.argmax(ll / nbytes)) == g)
-    n = len(hit)
+        hits["acc"].append(int(np.argmax(ll)) in gold)
+        hits["acc_norm"].append(int(np.argmax(ll / chars)) in gold)
+        hits["acc_bytes"].append(int(np.argmax(ll / nbytes)) in gold)
     out = {}
-    for name, h in (("acc", hit), ("acc_norm", hit_norm)):
+    for name, h in hits.items():
+        n = len(h)
         p = float(np.mean(h)) if n else 0.0
         out[name] = p
         out[f"{name}_stderr"] = math.sqrt(p * (1 - p) / (n - 1)) if n > 1 else 0.0
@@ -87,7 +108,15 @@ def choice_loglikelihoods(cfg: ModelConfig, params: dict[str, Any],
                           questions: Sequence[tuple[list[int], list[list[int]]]], batch_size: int = 8,
                           bar: tqdm | None = None, use_cache: bool = True,
                           max_length: int | None = None) -> list[list[float]]:
-    """Summed log-likelihood of each choice's tokens given its question's context ids.
+    """Summed log-likelihood of each choice's tokens given its question's context ids (:func:`choice_scores`)."""
+    scores = choice_scores(cfg, params, questions, batch_size, bar, use_cache, max_length)
+    return [[ll for ll, _ in row] for row in scores]
+
+
+def choice_scores(cfg: ModelConfig, params: dict[str, Any], questions: Sequence[tuple[list[int], list[list[int]]]],
+                  batch_size: int = 8, bar: tqdm | None = None, use_cache: bool = True,
+                  max_length: int | None = None) -> list[list[tuple[float, bool]]]:
+    """(summed log-likelihood, whether every token is the argmax) of each choice given its question's context.
 
     With ``use_cache`` a batch of contexts is prefilled once into the KV cache
     (:mod:`zoo.decode`) and every choice extends that same cache; without it,
@@ -101,13 +130,13 @@ def choice_loglikelihoods(cfg: ModelConfig, params: dict[str, Any],
             for j, cont in enumerate(conts):
                 requests.append((ctx + cont, len(cont)))
                 where.append((q, j))
-        ll = loglikelihoods(cfg, params, requests, batch_size, max_length, bar)
-        out: list[list[float]] = [[0.0] * len(conts) for _, conts in questions]
-        for (q, j), v in zip(where, ll):
-            out[q][j] = float(v)
+        got = request_scores(cfg, params, requests, batch_size, max_length, bar)
+        out: list[list[tuple[float, bool]]] = [[(0.0, False)] * len(conts) for _, conts in questions]
+        for (q, j), v in zip(where, got):
+            out[q][j] = v
         return out
     n_choices = max(len(conts) for _, conts in questions)  # fixed per task: one compiled shape per length bucket
-    out = [[0.0] * len(conts) for _, conts in questions]
+    out = [[(0.0, False)] * len(conts) for _, conts in questions]
     order = sorted(range(len(questions)), key=lambda q: -len(questions[q][0]))
     for start in range(0, len(order), batch_size):
         idx = order[start:start + batch_size]
@@ -130,44 +159,75 @@ def choice_loglikelihoods(cfg: ModelConfig, params: dict[str, Any],
             for j, cont in enumerate(questions[q][1]):
                 ext[j, r, :len(cont)] = [c[-1]] + cont[:-1]
                 targets[j, r, :len(cont)], valid[j, r, :len(cont)] = cont, True
-        sums = np.asarray(_cached_choices(cfg, params, *map(jnp.asarray, (ctx, ctx_valid, ext, targets, valid))),
-                          np.float64)
+        flat = FLAT if FLAT is not None else _cache_bytes(cfg, n_choices * batch_size * (cw + kw)) <= FLAT_CACHE_BYTES
+        sums, greedy = jax.device_get(_cached_choices(cfg, params, *map(jnp.asarray,
+                                                                        (ctx, ctx_valid, ext, targets, valid)), flat))
         for r, q in enumerate(idx):
-            out[q] = [float(sums[j, r]) for j in range(len(questions[q][1]))]
+            out[q] = [(float(np.float64(sums[j, r])), bool(greedy[j, r])) for j in range(len(questions[q][1]))]
         if bar is not None:
             bar.update(sum(len(questions[q][1]) for q in idx))
     return out
 
 
-@functools.partial(jax.jit, static_argnums=0)
+# Choices run in one pass over a copy of the context cache each while those copies stay this small; beyond it,
+# one choice at a time over the one cache (memory bounded, smaller matmuls).
+FLAT_CACHE_BYTES = 256 << 20
+FLAT: bool | None = None  # force one way (benchmarks); None: by FLAT_CACHE_BYTES
+
+
+def _cache_bytes(cfg: ModelConfig, tokens: int) -> int:
+    """Bytes of a float32 KV cache of ``tokens`` entries (keys and values, every layer; MLA's latent)."""
+    per_layer = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) if cfg.mla else 2 * cfg.num_kv_heads * cfg.head_dim
+    return 4 * tokens * per_layer * cfg.num_layers
+
+
+@functools.partial(jax.jit, static_argnums=(0, 7))
 def _cached_choices(cfg: ModelConfig, params: dict[str, Any], ctx: jax.Array, ctx_valid: jax.Array,
-                    ext: jax.Array, targets: jax.Array, valid: jax.Array) -> jax.Array:
-    """Summed log p(targets) [choices, batch] of extension rows ext [choices, batch, k] after the cached ctx [batch, c].
+                    ext: jax.Array, targets: jax.Array, valid: jax.Array, flat: bool = False
+                    ) -> tuple[jax.Array, jax.Array]:
+    """(summed log p(targets), every target the argmax) [choices, batch] of extension rows ext [choices, batch, k]
+    after the cached ctx [batch, c].
 
     The contexts go through the cache once (their logits unused, so XLA drops
     the vocabulary projection); each choice's row extends that cache, which is
-    never written back, so every choice sees the same context.
+    never written back, so every choice sees the same context. ``flat``
+    (static): all choices in one pass over a copy of the cache per choice
+    (larger matmuls; memory ``choices`` times the cache), else one choice at a
+    time over the one cache.
     """
     b, c = ctx.shape
-    cache = init_cache(cfg, b, c + ext.shape[-1], params["embed"].dtype)
-    _, cache = forward_cached(cfg, params, ctx, cache, ctx_valid)
+    n, _, k = ext.shape
+    cache = init_cache(cfg, b, c + k, params["embed"].dtype)
+    _, cache = forward_step(cfg, params, ctx, cache, ctx_valid, fresh=True)
 
-    def one(xs: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
-        toks, tgt, ok = xs
-        lg, _ = forward_cached(cfg, params, toks, cache, ok)
+    def score(toks: jax.Array, tgt: jax.Array, ok: jax.Array, kv: Any) -> tuple[jax.Array, jax.Array]:
+        lg, _ = forward_cached(cfg, params, toks, kv, ok)
         lp = jnp.take_along_axis(lg, tgt[..., None], axis=-1)[..., 0] - jax.nn.logsumexp(lg, axis=-1)
-        return jnp.where(ok, lp, 0.0).sum(-1)
+        return jnp.where(ok, lp, 0.0).sum(-1), jnp.where(ok, jnp.argmax(lg, axis=-1) == tgt, True).all(-1)
 
+    if flat:  # row j * b + r of the flattened choices reads copy j of row r's cache
+        tiled = Cache(jax.tree.map(lambda a: jnp.concatenate([a] * n, axis=1), cache.layers),
+                      jnp.concatenate([cache.lengths] * n))
+        sums, greedy = score(ext.reshape(n * b, k), targets.reshape(n * b, k), valid.reshape(n * b, k), tiled)
+        return sums.reshape(n, b), greedy.reshape(n, b)
     # lax.map: one compiled body for every choice, whatever their number.
-    return jax.lax.map(one, (ext, targets, valid))
+    return jax.lax.map(lambda xs: score(*xs, cache), (ext, targets, valid))
 
 
 def score_multiple_choice(cfg: ModelConfig, params: dict[str, Any], tokenizer: Any, task: Task, rows: list[dict],
                           batch_size: int = 8, num_fewshot: int | None = None, progress: bool = True,
-                          ) -> dict[str, float]:
-    """acc / acc_norm of a multiple-choice task."""
+                          ) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """(acc / acc_norm / acc_bytes of a multiple-choice task, one record per row: its context, choices, gold
+    indices, per-choice log-likelihoods and predictions)."""
     qs = mc_questions(tokenizer, task, rows, num_fewshot)
     total = sum(len(c) for _, c, _, _ in qs)
     with progress_bar(total, task.name, "choice", progress) as bar:
         lls = choice_loglikelihoods(cfg, params, [(ctx, conts) for ctx, conts, _, _ in qs], batch_size, bar)
-    return mc_metrics(lls, [ch for _, _, ch, _ in qs], [g for _, _, _, g in qs])
+    metrics = mc_metrics(lls, [ch for _, _, ch, _ in qs], [g for _, _, _, g in qs])
+    items = []
+    for i, ((ctx, _, choices, golds), ll) in enumerate(zip(qs, lls)):
+        arr = np.asarray(ll, np.float64)
+        items.append({"index": i, "context": tokenizer.decode(ctx), "choices": choices, "gold": golds,
+                      "loglikelihoods": [float(x) for x in ll], "pred": int(np.argmax(arr)),
+                      "pred_norm": int(np.argmax(arr / np.asarray([max(1, len(c)) for c in choices], np.float64)))})
+    return metrics, items

@@ -24,12 +24,14 @@ from zoo.errors import UserError
 
 def evaluate(cfg: ModelConfig, params: dict[str, Any], tokenizer: Any, tasks: str | Sequence[str | Task],
              limit: int | None = None, batch_size: int = 8, num_fewshot: int | None = None,
-             chat_template: bool | None = None, progress: bool = True) -> dict[str, Any]:
+             chat_template: bool | None = None, progress: bool = True, log_samples: bool = False) -> dict[str, Any]:
     """Score ``params`` on ``tasks`` (Task objects, shipped task names or YAML paths; a comma-separated string works).
 
     ``limit`` caps each task's examples; ``num_fewshot`` and ``chat_template``
     (None: each task's own setting) override the tasks'. Returns
-    ``{"tasks": {name: {name, version, kind, source, data, examples, metrics, settings, seconds}}}``.
+    ``{"tasks": {name: {name, version, kind, source, data, examples, metrics, settings, seconds}}}`` (generation
+    tasks also give their first three ``samples``); with ``log_samples`` each task also has ``log``: one record
+    per item (its inputs, per-choice log-likelihoods or answer, prediction and target).
     """
     if batch_size < 1:
         raise UserError(f"--batch-size {batch_size}: must be at least 1")
@@ -44,18 +46,20 @@ def evaluate(cfg: ModelConfig, params: dict[str, Any], tokenizer: Any, tasks: st
         settings: dict[str, Any] = {"limit": limit, "batch_size": batch_size}
         samples = None
         if task.kind == "perplexity":
-            metrics = score_perplexity(cfg, params, tokenizer, task, rows, batch_size, progress)
+            metrics, items = score_perplexity(cfg, params, tokenizer, task, rows, batch_size, progress)
             settings.update(window=min(task.opt("window", 512), cfg.max_position_embeddings),
-                            overlap=task.opt("overlap", 0))
+                            overlap=task.options.get("overlap", "rolling"))
         elif task.kind == "multiple_choice":
-            metrics = score_multiple_choice(cfg, params, tokenizer, task, rows, batch_size, num_fewshot, progress)
+            metrics, items = score_multiple_choice(cfg, params, tokenizer, task, rows, batch_size, num_fewshot,
+                                                   progress)
             settings.update(num_fewshot=task.opt("num_fewshot", 0) if num_fewshot is None else num_fewshot,
                             kv_cache=True)
         else:
             max_new = task.opt("max_new_tokens", 32)
             gen = greedy_generator(cfg, params, tokenizer, max_new, task.opt("stop", []))
-            metrics, samples = score_generation(tokenizer, task, rows, gen, batch_size, num_fewshot, chat_template,
-                                                progress)
+            metrics, items = score_generation(tokenizer, task, rows, gen, batch_size, num_fewshot, chat_template,
+                                              progress)
+            samples = items[:3]
             use_chat = task.opt("chat_template", bool(task.opt("messages"))) if chat_template is None else chat_template
             settings.update(num_fewshot=task.opt("num_fewshot", 0) if num_fewshot is None else num_fewshot,
                             chat_template=use_chat, max_new_tokens=max_new, greedy=True,
@@ -66,4 +70,6 @@ def evaluate(cfg: ModelConfig, params: dict[str, Any], tokenizer: Any, tasks: st
                               "seconds": round(time.perf_counter() - t0, 3)}
         if samples is not None:
             results[task.name]["samples"] = samples
+        if log_samples:
+            results[task.name]["log"] = items
     return {"tasks": results}

@@ -11,7 +11,7 @@ relative to the YAML file. Keys every task has::
     data: my_task.jsonl      # the rows (see each kind below)
     description: one line    # optional
 
-``kind: perplexity`` -- token perplexity and bits per byte of documents::
+``kind: perplexity`` -- word/byte/token perplexity and bits per byte of documents::
 
     data: text.txt           # a .txt/.json/.jsonl/.parquet file or folder, or a Hub dataset name
                              # (read with zoo.datafiles.load_dataset_rows; .txt: one document per line,
@@ -19,29 +19,34 @@ relative to the YAML file. Keys every task has::
     split: train             # Hub datasets only
     text_field: text         # the documents' field
     window: 512              # tokens per forward row; long documents are cut into windows
-    overlap: 0               # tokens of the previous window re-read as context (not scored)
+    overlap: 4               # optional: tokens of the previous window re-read before each window
+                             # (default: lm-eval's rolling windows, the last one filled up with context)
 
-Every token of a document is scored exactly once, the first one given the
-tokenizer's BOS token (EOS when it has none). ``ppl = exp(nll / tokens)``,
-``bpb = nll / (ln 2 * utf8_bytes)``, summed over all documents.
+Every token of a document (encoded with the tokenizer's special tokens, as lm-evaluation-harness encodes it)
+is scored exactly once, the first one given the tokenizer's BOS token (EOS when it has none). Metrics as
+lm-eval's: ``word_perplexity = exp(nll / words)`` (words split on whitespace), ``byte_perplexity =
+exp(nll / utf8_bytes)``, ``bits_per_byte = nll / (ln 2 * utf8_bytes)``; also ``ppl = exp(nll / tokens)``
+and ``bpb`` (= bits_per_byte), summed over all documents.
 
 ``kind: multiple_choice`` -- lm-evaluation-harness style log-likelihood
 ranking. Each row gives a context, its choices and the gold index::
 
     data: questions.jsonl    # rows like {"question": "2 + 2 =", "choices": ["3", "4", "5", "6"], "answer": 1}
     context: "Question: {question}\\nAnswer:"   # str.format over the row's fields (default "{context}")
-    choices: choices         # the field holding the list of choice strings
-    gold: answer             # the field holding the gold index (0-based)
+    choices: choices         # the field holding the list of choice strings, or a fixed list ([A, B, C, D])
+    gold: answer             # the field holding the gold index (0-based), a list of them, or the choice's text
     target_delimiter: " "    # put between context and each choice (default one space)
     num_fewshot: 0           # solved examples put before each question (from fewshot_data, else
-                             # from the other rows of data, first ones first)
+                             # from the other rows of data)
     fewshot_data: train.jsonl
     fewshot_separator: "\\n\\n"
+    fewshot_sampler: first_n # or random: a draw seeded by fewshot_seed (default 1234) and the row
+    prompt_description: ""   # text before the examples and the question (lm-eval's description)
+    gen_prefix: ""           # text after the question that the answer continues (lm-eval's gen_prefix)
 
 ``acc`` is the argmax of the choices' summed continuation log-likelihood;
-``acc_norm`` divides each by the choice's UTF-8 length in bytes first
-(lm-evaluation-harness divides by ``len(choice)`` in characters, the same for
-ASCII).
+``acc_norm`` divides each by the choice's length in characters first (as
+lm-evaluation-harness), ``acc_bytes`` by its UTF-8 length in bytes.
 
 ``kind: generation`` -- greedy answers scored by exact match or a regex::
 
@@ -56,12 +61,13 @@ ASCII).
     scorer: exact_match      # or regex: compare what `regex` extracts from the answer
     regex: "(-?[0-9.,]+)"    # with scorer: regex; the LAST match counts (its group 1 if it has one)
     ignore_case: false
+    strip_whitespace: false  # true: compare without surrounding whitespace (lm-eval compares as is)
     num_fewshot: 0           # as above: each shot is prompt + target_delimiter + target (default " "),
                              # joined by fewshot_separator; with chat_template, earlier user/assistant turns
+                             # (fewshot_sampler, prompt_description and gen_prefix as above)
 
 Without the chat template, a ``messages`` prompt is its turns' contents, one
-per line. Exact match compares the (cut) answer and the reference with
-surrounding whitespace stripped.
+per line.
 """
 
 from __future__ import annotations
@@ -81,13 +87,15 @@ SCORERS = ("exact_match", "regex")
 
 # Keys each kind accepts (beyond the common ones), so that a typo is an error, not a silent default.
 _COMMON = {"name", "version", "kind", "data", "description"}
+_FEWSHOT = {"num_fewshot", "fewshot_data", "fewshot_separator", "fewshot_sampler", "fewshot_seed", "target_delimiter",
+            "gen_prefix", "prompt_description"}
 _KEYS = {
     "perplexity": {"split", "text_field", "window", "overlap"},
-    "multiple_choice": {"context", "choices", "gold", "target_delimiter", "num_fewshot", "fewshot_data",
-                        "fewshot_separator"},
+    "multiple_choice": {"context", "choices", "gold"} | _FEWSHOT,
     "generation": {"messages", "prompt", "target", "chat_template", "max_new_tokens", "stop", "scorer", "regex",
-                   "ignore_case", "num_fewshot", "fewshot_data", "fewshot_separator", "target_delimiter"},
+                   "ignore_case", "strip_whitespace"} | _FEWSHOT,
 }
+SAMPLERS = ("first_n", "random")
 
 
 @dataclass
@@ -101,6 +109,7 @@ class Task:
     description: str = ""
     source: str = ""  # the YAML file (or "<memory>")
     options: dict[str, Any] = field(default_factory=dict)
+    _fewshot: list[dict[str, Any]] | None = field(default=None, repr=False, compare=False)
 
     def opt(self, key: str, default: Any = None) -> Any:
         """A kind-specific setting, or ``default`` when the YAML file leaves it out."""
@@ -116,9 +125,38 @@ class Task:
         return rows[:limit] if limit else rows
 
     def fewshot_rows(self) -> list[dict[str, Any]] | None:
-        """Rows of ``fewshot_data`` (None: shots come from the task's own rows)."""
+        """Rows of ``fewshot_data`` (None: shots come from the task's own rows), read once."""
         path = self.opt("fewshot_data")
-        return read_jsonl(path, self.source) if path else None
+        if not path:
+            return None
+        if self._fewshot is None:
+            self._fewshot = read_jsonl(path, self.source)
+        return self._fewshot
+
+
+def fewshot_pool(task: Task, rows: list[dict[str, Any]], i: int, k: int) -> list[dict[str, Any]]:
+    """The ``k`` solved examples put before row ``i``: from ``fewshot_data``, else the task's other rows.
+
+    ``fewshot_sampler: first_n`` (the default) takes the first ones; ``random`` draws ``k`` without replacement,
+    seeded by ``fewshot_seed`` (default 1234, lm-evaluation-harness's) and the row's index, so a run is
+    repeatable and each row gets its own draw."""
+    if k <= 0:
+        return []
+    shots = task.fewshot_rows()
+    pool = shots if shots is not None else [r for j, r in enumerate(rows) if j != i]
+    if task.opt("fewshot_sampler", "first_n") == "random":
+        import random
+
+        return random.Random(f"{task.opt('fewshot_seed', 1234)}:{i}").sample(pool, min(k, len(pool)))
+    return pool[:k]
+
+
+def joined(prefix: str, suffix: str, delimiter: str = " ") -> str:
+    """``prefix + delimiter + suffix``, the delimiter only where neither side has whitespace at the join
+    (lm-evaluation-harness's rule for a ``gen_prefix``); either side may be empty."""
+    if not prefix or not suffix:
+        return prefix + suffix
+    return prefix + suffix if prefix[-1].isspace() or suffix[0].isspace() else prefix + delimiter + suffix
 
 
 def shipped_tasks() -> dict[str, Path]:
@@ -223,6 +261,15 @@ def _check(task: Task, where: str) -> None:
                 re.compile(o["regex"])
             except re.error as e:
                 raise UserError(f"{where}: regex {o['regex']!r} does not compile ({e}); fix the pattern") from None
+    if task.opt("fewshot_sampler", "first_n") not in SAMPLERS:
+        raise UserError(f"{where}: fewshot_sampler {o['fewshot_sampler']!r} is not one of {', '.join(SAMPLERS)}")
+    for key in ("description", "prompt_description", "gen_prefix", "target_delimiter", "fewshot_separator"):
+        if key in o and not isinstance(o[key], str):
+            raise UserError(f"{where}: {key} must be a string, not {o[key]!r}")
+    if task.kind == "multiple_choice" and isinstance(o.get("choices"), list):
+        if not (o["choices"] and all(isinstance(c, str) and c for c in o["choices"])):
+            raise UserError(f"{where}: choices must name a field or be a list of non-empty strings")
+    if task.kind == "generation":
         stop = o.get("stop")
         if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
             raise UserError(f"{where}: stop must be a list of non-empty strings, e.g. stop: [\"\\n\"]")

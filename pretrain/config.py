@@ -196,9 +196,12 @@ class LoraSection:
 class EvalSection:
     """Scored `zoo eval` tasks run on the current weights every ``eval_every`` steps (besides the eval loss)."""
 
-    tasks: list[str] | str = field(default_factory=list)  # shipped task names (`zoo eval --list-tasks`) or YAML paths
+    # shipped task names (`zoo eval --list-tasks`), task YAML paths, or lm-evaluation-harness task names (the eval
+    # extra; `zoo eval --harness`), e.g. [prose, arc_easy]
+    tasks: list[str] | str = field(default_factory=list)
     limit: int | None = 32  # examples per task (None: all)
     batch_size: int = 8
+    include_path: str | None = None  # a folder of your own lm-eval task YAMLs, for harness task names
 
 
 @dataclass

@@ -15,7 +15,6 @@ from flax import nnx
 
 from eval import answers, generation_task, loglikelihood, multiple_choice, perplexity, scoring
 from eval.tasks import load_task, resolve_tasks, shipped_tasks, task_from_dict
-from zoo import batching
 from zoo.config import ModelConfig
 from zoo.model import Decoder, forward
 
@@ -131,12 +130,12 @@ def test_one_compilation_per_shape(model):
     cfg, params = model
     rng = np.random.RandomState(2)
     loglikelihood.loglikelihoods(cfg, params, [(rng.randint(0, 256, 9).tolist(), 3)], batch_size=4)
-    before = batching._target_logps._cache_size()
+    before = loglikelihood._row_scores._cache_size()
     # Other lengths in the same bucket, other parameter values: the compiled program is reused.
     params2 = jax.tree.map(lambda x: x * 1.01, params)
     loglikelihood.loglikelihoods(cfg, params2, [(rng.randint(0, 256, n).tolist(), 2) for n in (4, 13, 17)],
                                  batch_size=4)
-    assert batching._target_logps._cache_size() == before
+    assert loglikelihood._row_scores._cache_size() == before
 
 
 def test_acc_norm_hand_computation():
@@ -145,9 +144,13 @@ def test_acc_norm_hand_computation():
     m = multiple_choice.mc_metrics([[-10.0, -12.0], [-1.0, -5.0, -9.0]], [["a", "bbbbbb"], ["xy", "z", "é"]], [1, 0])
     assert m["acc"] == 0.5 and m["acc_norm"] == 1.0
     assert m["acc_stderr"] == pytest.approx(math.sqrt(0.25))
-    # Bytes, not characters: "é" is 2 bytes, so -9 / 2 = -4.5 beats "z"'s -5 per byte.
+    # acc_norm divides by characters, as lm-evaluation-harness: "é" is 1 character (-9 loses to "z"'s -5);
+    # acc_bytes divides by UTF-8 bytes: "é" is 2 bytes, so -9 / 2 = -4.5 beats "z"'s -5.
     m = multiple_choice.mc_metrics([[-5.0, -9.0]], [["z", "é"]], [1])
-    assert m["acc"] == 0.0 and m["acc_norm"] == 1.0
+    assert m["acc"] == 0.0 and m["acc_norm"] == 0.0 and m["acc_bytes"] == 1.0
+    # Several gold answers: a prediction among them counts.
+    m = multiple_choice.mc_metrics([[-1.0, -2.0, -3.0], [-3.0, -2.0, -1.0]], [["a", "b", "c"]] * 2, [[0, 2], [0, 1]])
+    assert m["acc"] == 0.5
 
 
 def test_multiple_choice_task_matches_brute_force(model, tok, tmp_path):
@@ -167,15 +170,44 @@ def test_multiple_choice_task_matches_brute_force(model, tok, tmp_path):
     for r in rows:
         ctx = ids(tok, f"Q: {r['q']}\nA:")
         ll = np.asarray([ref_continuation(cfg, params, ctx, ids(tok, " " + c)) for c in r["opts"]])
-        nbytes = np.asarray([len(c.encode()) for c in r["opts"]])
+        chars = np.asarray([len(c) for c in r["opts"]])
         hit.append(np.argmax(ll) == r["label"])
-        hit_norm.append(np.argmax(ll / nbytes) == r["label"])
-    assert got["acc"] == pytest.approx(np.mean(hit)) and got["acc_norm"] == pytest.approx(np.mean(hit_norm))
+        hit_norm.append(np.argmax(ll / chars) == r["label"])
+    metrics, items = got
+    assert metrics["acc"] == pytest.approx(np.mean(hit)) and metrics["acc_norm"] == pytest.approx(np.mean(hit_norm))
+    assert [it["gold"] for it in items] == [[r["label"]] for r in rows] and len(items[0]["loglikelihoods"]) == len(
+        rows[0]["opts"])
     assert 0 < np.mean(hit) < 1  # the check discriminates: some right, some wrong
 
     # Few-shot: the first other row, solved, goes before each question.
     fs = multiple_choice.mc_questions(tok, task, task.rows()[:2], num_fewshot=1)
     assert fs[0][0] == ids(tok, f"Q: item 1?\nA: {rows[1]['opts'][rows[1]['label']]}\n\nQ: item 0?\nA:")
+
+
+def test_task_format_options(tok, tmp_path):
+    """Fixed choice lists, gold as text or several indices, seeded few-shot draws, prompt_description, gen_prefix."""
+    rows = [{"q": f"item {i}?", "label": "B" if i % 2 else 0} for i in range(6)]
+    (tmp_path / "mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = {"kind": "multiple_choice", "data": "mc.jsonl", "context": "Q: {q}\nA:", "choices": ["A", "B", "C"],
+            "gold": "label"}
+    task = task_from_dict(base, tmp_path / "fixed.yaml")
+    qs = multiple_choice.mc_questions(tok, task, task.rows())
+    assert [q[2] for q in qs] == [["A", "B", "C"]] * 6 and [q[3] for q in qs] == [[0], [1]] * 3
+    # A seeded random draw: repeatable, per row, and not simply the first rows.
+    rnd = task_from_dict({**base, "num_fewshot": 2, "fewshot_sampler": "random", "fewshot_seed": 7},
+                         tmp_path / "rnd.yaml")
+    first = task_from_dict({**base, "num_fewshot": 2}, tmp_path / "first.yaml")
+    draws = [multiple_choice.mc_questions(tok, rnd, rnd.rows())[i][0] for i in range(6)]
+    assert draws == [multiple_choice.mc_questions(tok, rnd, rnd.rows())[i][0] for i in range(6)]
+    assert draws != [q[0] for q in multiple_choice.mc_questions(tok, first, first.rows())]
+    # prompt_description before everything, gen_prefix after the question (a space where neither side has one).
+    dp = task_from_dict({**base, "num_fewshot": 1, "prompt_description": "Answer well.\n\n",
+                         "gen_prefix": "Choice:"}, tmp_path / "dp.yaml")
+    ctx, conts, _, _ = multiple_choice.mc_questions(tok, dp, dp.rows()[:2])[0]
+    assert ctx == ids(tok, "Answer well.\n\nQ: item 1?\nA: Choice: B\n\nQ: item 0?\nA: Choice:")
+    assert conts[0] == ids(tok, " A")
+    with pytest.raises(Exception, match="fewshot_sampler"):
+        task_from_dict({**base, "fewshot_sampler": "best"}, tmp_path / "bad.yaml")
 
 
 def test_document_windows_cover_each_token_once():
@@ -185,8 +217,22 @@ def test_document_windows_cover_each_token_once():
         scored = [t for toks, n in reqs for t in toks[-n:]]
         assert scored == doc
         assert all(len(toks) - 1 <= window for toks, _ in reqs)
-    # Window 4, no overlap, by hand: [BOS d0 d1 d2 d3] scores d0..d3; [d3 d4 d5 d6 d7] scores d4..d7; ...
-    assert perplexity.document_requests(doc, 7, 4) == [([7] + doc[:4], 4), (doc[3:8], 4), (doc[7:11], 3)]
+    # Window 4, overlap 0, by hand: [BOS d0 d1 d2 d3] scores d0..d3; [d3 d4 d5 d6 d7] scores d4..d7; ...
+    assert perplexity.document_requests(doc, 7, 4, 0) == [([7] + doc[:4], 4), (doc[3:8], 4), (doc[7:11], 3)]
+    # The default, lm-eval's rolling windows: the last one re-reads as much as fills the window.
+    assert perplexity.document_requests(doc, 7, 4) == [([7] + doc[:4], 4), (doc[3:8], 4), (doc[6:11], 3)]
+
+
+def test_rolling_windows_are_lm_evals():
+    """The default windows are lm-evaluation-harness's own (its functions, the oracle), for many lengths."""
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    for n in (1, 2, 3, 4, 5, 8, 9, 17, 33, 40):
+        doc = list(range(100, 100 + n))
+        for window in (1, 2, 4, 8, 16):
+            ours = perplexity.document_requests(doc, 7, window)
+            theirs = [make_disjoint_window(w) for w in get_rolling_token_windows(doc, 7, window, 1)]
+            assert ours == [(ctx + cont, len(cont)) for ctx, cont in theirs], (n, window)
 
 
 def test_perplexity_and_bits_per_byte(model, tok, tmp_path):
@@ -196,22 +242,28 @@ def test_perplexity_and_bits_per_byte(model, tok, tmp_path):
     bos = tok.bos_token_id
     for window in (512, 16):
         task = task_from_dict({"kind": "perplexity", "data": "t.txt", "window": window}, tmp_path / "p.yaml")
-        got = perplexity.score_perplexity(cfg, params, tok, task, task.rows(), batch_size=3, progress=False)
+        got, docs_log = perplexity.score_perplexity(cfg, params, tok, task, task.rows(), batch_size=3,
+                                                    progress=False)
         nll, ntok, nbytes = 0.0, 0, 0
         for d in docs:
             toks = [bos] + ids(tok, d)
             if window == 512:  # the whole document in one pass
                 nll -= ref_logprobs(cfg, params, toks).sum()
-            else:  # by hand: rows of <= 16 inputs, each re-reading only the token before its new ones
+            else:  # by hand: rows of <= 16 inputs scoring 16 new tokens; the last one filled up with context
                 for a in range(1, len(toks), 16):
-                    c = a - 1
-                    nll -= ref_logprobs(cfg, params, toks[c:min(len(toks), a + 16)]).sum()
+                    b = min(len(toks), a + 16)
+                    c = max(0, b - 17)
+                    nll -= ref_logprobs(cfg, params, toks[c:b])[-(b - a):].sum()
             ntok += len(toks) - 1
             nbytes += len(d.encode("utf-8"))
         assert got["tokens"] == ntok and got["bytes"] == nbytes and got["documents"] == 2
         assert got["nll"] == pytest.approx(nll, rel=1e-5)
         assert got["ppl"] == pytest.approx(math.exp(nll / ntok), rel=1e-5)
-        assert got["bpb"] == pytest.approx(nll / (math.log(2) * nbytes), rel=1e-5)
+        assert got["bpb"] == pytest.approx(nll / (math.log(2) * nbytes), rel=1e-5) == got["bits_per_byte"]
+        nwords = sum(len(d.split()) for d in docs)
+        assert got["words"] == nwords and got["word_perplexity"] == pytest.approx(math.exp(nll / nwords), rel=1e-5)
+        assert got["byte_perplexity"] == pytest.approx(math.exp(nll / nbytes), rel=1e-5)
+        assert sum(d["loglikelihood"] for d in docs_log) == pytest.approx(-nll, rel=1e-5)
 
 
 def test_generation_exact_match_and_regex(tok, tmp_path):
@@ -224,10 +276,14 @@ def test_generation_exact_match_and_regex(tok, tmp_path):
         return [ids(tok, outputs[tok.decode(p).split("Q: ")[-1].split("\n")[0]]) for p in prompts]
 
     base = {"kind": "generation", "data": "g.jsonl", "prompt": "Q: {question}\nA:", "target": "{answer}"}
-    em = task_from_dict({**base, "stop": ["\n"]}, tmp_path / "em.yaml")
+    em = task_from_dict({**base, "stop": ["\n"], "strip_whitespace": True}, tmp_path / "em.yaml")
     metrics, samples = generation_task.score_generation(tok, em, em.rows(), stub, batch_size=3, progress=False)
     assert metrics["exact_match"] == 0.5  # "4" (cut at \n) and " 10 " (stripped) match
-    assert [s["correct"] for s in samples] == [True, False, True]
+    assert [s["correct"] for s in samples] == [True, False, True, False]
+    # Without strip_whitespace, exactly as lm-evaluation-harness compares: " 10 " is not "10".
+    exact = task_from_dict({**base, "stop": ["\n"]}, tmp_path / "exact.yaml")
+    metrics, _ = generation_task.score_generation(tok, exact, exact.rows(), stub, batch_size=3, progress=False)
+    assert metrics["exact_match"] == 0.25
 
     rx = task_from_dict({**base, "scorer": "regex", "regex": r"(-?\d+)"}, tmp_path / "rx.yaml")
     metrics, _ = generation_task.score_generation(tok, rx, rx.rows(), stub, batch_size=2, progress=False)
@@ -319,18 +375,26 @@ def test_cli_writes_results_json(ckpt, tmp_path, capsys):
 
     out = tmp_path / "sub" / "results.json"
     assert main(["eval", str(ckpt), "--tasks", "records,easy_mc,prose", "--limit", "2", "--batch-size", "2",
-                 "--out", str(out)]) == 0
+                 "--out", str(out), "--log-samples"]) == 0
+    # --log-samples: one JSONL line per item of every task, with what it was scored on.
+    logged = [json.loads(x) for x in (out.parent / "results.samples.jsonl").read_text().splitlines()]
+    by_task = {name: [x for x in logged if x["task"] == name] for name in ("records", "easy_mc", "prose")}
+    assert [len(v) for v in by_task.values()] == [2, 2, 2]
+    assert {"prompt", "answer", "reference", "correct"} <= set(by_task["records"][0])
+    assert {"context", "choices", "gold", "loglikelihoods", "pred", "pred_norm"} <= set(by_task["easy_mc"][0])
+    assert {"loglikelihood", "tokens", "bytes", "words"} <= set(by_task["prose"][0])
     printed = capsys.readouterr().out
-    assert "easy_mc" in printed and "acc_norm" in printed and "bpb" in printed and "exact_match" in printed
+    assert "easy_mc" in printed and "acc_norm" in printed and "bits_per_byte" in printed and "exact_match" in printed
     r = json.loads(out.read_text())
     assert r["checkpoint"] == str(ckpt.absolute())
     assert r["settings"]["limit"] == 2 and r["settings"]["batch_size"] == 2
     assert {"load_s", "eval_s", "total_s"} <= set(r["timings"])
     assert set(r["tasks"]) == {"records", "easy_mc", "prose"}
-    for name, kind, metrics in (("records", "generation", {"exact_match"}), ("easy_mc", "multiple_choice",
-                                {"acc", "acc_norm"}), ("prose", "perplexity", {"ppl", "bpb"})):
+    for name, kind, metrics, version in (
+            ("records", "generation", {"exact_match"}, 1), ("easy_mc", "multiple_choice", {"acc", "acc_norm", "acc_bytes"}, 2),
+            ("prose", "perplexity", {"word_perplexity", "byte_perplexity", "bits_per_byte", "ppl", "bpb"}, 2)):
         t = r["tasks"][name]
-        assert t["name"] == name and t["version"] == 1 and t["kind"] == kind and t["examples"] == 2
+        assert t["name"] == name and t["version"] == version and t["kind"] == kind and t["examples"] == 2
         assert metrics <= set(t["metrics"]) and t["seconds"] >= 0 and t["settings"]["limit"] == 2
     assert r["tasks"]["easy_mc"]["settings"]["num_fewshot"] == 0
     assert r["tasks"]["records"]["settings"]["chat_template"] is True

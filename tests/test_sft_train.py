@@ -271,9 +271,18 @@ def test_eval_tasks_during_training_score_the_live_weights(setup, tmp_path):
                                            "chat_template: true\nmax_new_tokens: 4\n")
     (tmp_path / "text.txt").write_text("colour red red\ncolour blue blue and green green\n")
     (tmp_path / "text.yaml").write_text("kind: perplexity\ndata: text.txt\nwindow: 16\n")
+    # An lm-evaluation-harness task by name (from a local task folder): scored through eval/harness.py.
+    harness = tmp_path / "harness"
+    harness.mkdir()
+    (harness / "hmc.jsonl").write_text("".join(json.dumps({"q": f"colour {c}", "choices": COLORS[:3], "gold": i % 3})
+                                               + "\n" for i, c in enumerate(COLORS)))
+    (harness / "hmc.yaml").write_text(
+        f"task: hmc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {harness / 'hmc.jsonl'}\n"
+        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: \"{{q}}:\"\ndoc_to_choice: choices\n"
+        "doc_to_target: gold\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\nmetadata:\n  version: 1\n")
     out = tmp_path / "run"
     cfg = _cfg(root, out, "max_steps=4", "eval_every=2", "lora.rank=4", "lora.alpha=8",
-               f"eval.tasks={tmp_path / 'colours.yaml'},{tmp_path / 'text.yaml'}")
+               f"eval.tasks={tmp_path / 'colours.yaml'},{tmp_path / 'text.yaml'},hmc", f"eval.include_path={harness}")
     final = train(cfg, progress=False, task=SFTTask(cfg))
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     scored = [r for r in recs if "eval/text/ppl" in r]
@@ -288,6 +297,17 @@ def test_eval_tasks_during_training_score_the_live_weights(setup, tmp_path):
     assert scored[-1]["eval/text/ppl"] == pytest.approx(ref["text"]["metrics"]["ppl"], rel=1e-5)
     assert scored[-1]["eval/colours/exact_match"] == ref["colours"]["metrics"]["exact_match"]
     assert zoo_main(["plot", str(out)]) == 0 and (out / "curves.png").is_file()
+    # The harness task, every eval, equal to lm-eval's own run on the final checkpoint.
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from eval.harness import LmzooLM
+
+    assert all("eval/hmc/acc" in r and "eval/hmc/acc_norm" in r for r in scored)
+    lm = LmzooLM(model=model, tokenizer=tok, batch_size=cfg.eval.batch_size, progress=False)
+    want = lm_eval.simple_evaluate(model=lm, tasks=["hmc"], limit=cfg.eval.limit, bootstrap_iters=0,
+                                   task_manager=TaskManager(include_path=str(harness)))["results"]["hmc"]
+    assert scored[-1]["eval/hmc/acc"] == want["acc,none"] and scored[-1]["eval/hmc/acc_norm"] == want["acc_norm,none"]
 
 
 def test_eval_tasks_need_eval_every(setup, tmp_path, capsys):

@@ -227,6 +227,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute dtype of the parameters (default float32)")
     s.add_argument("--out", metavar="JSON", help="write the results here as JSON")
     s.add_argument("--list-tasks", action="store_true", help="list the shipped tasks and exit")
+    s.add_argument("--harness", metavar="T1,T2",
+                   help="lm-evaluation-harness task (or group) names, e.g. mmlu,hellaswag,arc_easy, scored by "
+                        "lm-eval's own definitions on this model (needs the eval extra: pip install 'lmzoo[eval]')")
+    s.add_argument("--include-path", metavar="DIR",
+                   help="with --harness: a folder of your own lm-eval task YAMLs, found besides lm-eval's library")
+    s.add_argument("--log-samples", action="store_true",
+                   help="with --out: also write every scored item (inputs, per-choice log-likelihoods, predictions, "
+                        "targets) as JSONL beside it (OUT.samples.jsonl), one line per item with its task")
     s.set_defaults(fn=cmd_eval)
 
     s = sub.add_parser(

@@ -49,9 +49,10 @@ def batch_logps(mcfg: ModelConfig, params: dict, mb: dict, remat: str = "none", 
 
 def token_logps(hidden: jax.Array, head: jax.Array, targets: jax.Array, softcap: float | None = None,
                 head_grad: bool = True, vocab_major: bool = False, temperature: float = 1.0,
-                entropy: bool = False) -> tuple[jax.Array, jax.Array]:
+                entropy: bool = False, greedy: bool = False) -> tuple[jax.Array, jax.Array]:
     """(log p(target) [batch, seq], a per-token statistic [batch, seq], not differentiated: the mean logit over
-    the vocabulary, or with ``entropy`` the entropy of the token's distribution in nats).
+    the vocabulary, with ``entropy`` the entropy of the token's distribution in nats, with ``greedy`` whether
+    the target is the argmax (first index on ties, as ``torch.argmax``), 1.0 or 0.0).
 
     ``hidden`` [batch, seq, dim] are the final normed hidden states, ``head``
     [dim, vocab] the output weight (``vocab_major``: [vocab, dim], a tied
@@ -61,7 +62,7 @@ def token_logps(hidden: jax.Array, head: jax.Array, targets: jax.Array, softcap:
     frozen head, as under LoRA) the head gets no gradient (zero) and the
     hidden states' gradient comes from the forward pass.
     """
-    stat = "entropy" if entropy else "mean"
+    stat = "entropy" if entropy else "greedy" if greedy else "mean"
     if head_grad:
         return _remat_logps(hidden, head, targets, softcap, vocab_major, float(temperature), stat)
     return _fused_logps(hidden, head, targets, softcap, vocab_major, float(temperature), stat)
@@ -93,6 +94,8 @@ def _chunk_logps(xc: jax.Array, yc: jax.Array, head: jax.Array, softcap: float |
     logp = jnp.take_along_axis(z, yc[..., None], axis=-1)[..., 0] - lse
     if stat == "entropy":  # H = lse - sum p z
         value = lse - (jnp.exp(z - lse[..., None]) * z).sum(-1)
+    elif stat == "greedy":
+        value = (jnp.argmax(z, axis=-1) == yc).astype(z.dtype)
     else:
         value = z.mean(-1)
     return logp, jax.lax.stop_gradient(value), z, lse, th

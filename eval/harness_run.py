@@ -1,0 +1,109 @@
+"""`zoo eval CKPT --harness T1,T2`: lm-evaluation-harness's tasks on a zoo checkpoint (eval/harness.py's model).
+
+lm-eval is the optional ``eval`` extra: without it ``--harness`` is a one-line
+error naming the extra. Task names are checked against lm-eval's library (plus
+``--include-path``) before the model loads. The results table is lm-eval's own;
+``--out`` writes its results (configs, versions, n-samples, metrics) as JSON and,
+with ``--log-samples``, every scored item as JSONL beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import difflib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from zoo.errors import UserError
+
+EXTRA_HINT = "pip install 'lmzoo[eval]' (from a checkout: pip install -e '.[eval]')"
+
+
+def require_lm_eval() -> None:
+    """lm-eval is importable, else a one-line error naming the extra."""
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise UserError(f"--harness needs lm-evaluation-harness, the eval extra: {EXTRA_HINT}") from None
+
+
+def task_manager(include_path: str | None) -> Any:
+    """lm-eval's TaskManager over its library plus ``include_path`` (a folder that must exist)."""
+    from lm_eval.tasks import TaskManager
+
+    if include_path is not None and not Path(include_path).is_dir():
+        raise UserError(f"--include-path {include_path}: no such folder (give a folder of lm-eval task YAMLs)")
+    return TaskManager(include_path=include_path)
+
+
+def check_task_names(names: list[str], manager: Any, flag: str = "--harness") -> None:
+    """Every name is an lm-eval task, group or tag, else one line naming it and the closest known names."""
+    known = set(manager.all_tasks)
+    for name in names:
+        if name not in known and not manager.match_tasks([name]):
+            close = difflib.get_close_matches(name, sorted(known), n=3)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise UserError(f"{flag} {name}: not an lm-eval task, group or tag{hint}; "
+                            "list them with `lm-eval ls tasks`, or add your own with --include-path DIR")
+
+
+def harness_command(args: argparse.Namespace) -> None:
+    """Run ``args.harness`` through lm-eval on ``args.ckpt``; print lm-eval's table; write --out (and samples).
+    (eval/cli.py has checked the flags both paths share.)"""
+    require_lm_eval()
+    if not args.ckpt:
+        raise UserError("zoo eval --harness needs CKPT")
+    from zoo.paths import checkpoint_dir
+
+    ckpt = str(checkpoint_dir(args.ckpt))
+    out = Path(args.out) if args.out else None
+    if out is not None and out.is_dir():
+        raise UserError(f"--out {out} is a folder; give a file path such as {out / 'results.json'}")
+    names = [n.strip() for n in args.harness.split(",") if n.strip()]
+    manager = task_manager(args.include_path)
+    check_task_names(names, manager)  # before the model loads
+
+    import lm_eval
+    from lm_eval.utils import make_table
+
+    from eval.harness import LmzooLM
+
+    t0 = time.perf_counter()
+    model = LmzooLM(ckpt, batch_size=args.batch_size, dtype=args.dtype)
+    t_load = time.perf_counter() - t0
+    results = lm_eval.simple_evaluate(model=model, tasks=names, num_fewshot=args.num_fewshot, limit=args.limit,
+                                      log_samples=args.log_samples, task_manager=manager,
+                                      apply_chat_template=bool(args.chat_template))
+    t_total = time.perf_counter() - t0
+    print(make_table(results))
+    if "groups" in results:
+        print(make_table(results, "groups"))
+    if out is None:
+        return
+    samples = results.pop("samples", None)
+    report = {"checkpoint": str(Path(ckpt).absolute()), "backend": "lmzoo",
+              "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "timings": {"load_s": round(t_load, 3), "eval_s": round(t_total - t_load, 3)}, **results}
+    write_atomic(out, json.dumps(report, indent=2, default=str) + "\n")
+    print(f"wrote {out}")
+    if samples is not None:
+        path = samples_path(out)
+        lines = (json.dumps({"task": task, **item}, default=str) for task, items in samples.items() for item in items)
+        write_atomic(path, "".join(line + "\n" for line in lines))
+        print(f"wrote {path}")
+
+
+def samples_path(out: Path) -> Path:
+    """Where ``--log-samples`` writes beside ``--out``: OUT's name with ``.samples.jsonl`` for its suffix."""
+    return out.with_name(out.stem + ".samples.jsonl")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file beside it (its folder made if missing)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)  # never a half-written file

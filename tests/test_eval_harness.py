@@ -1,0 +1,192 @@
+"""`zoo eval --harness`: our lm-eval backend (eval/harness.py) against lm-eval's own `hf` backend, offline.
+
+The tasks are lm-eval task YAMLs written here over local JSONL (lm-eval's ``--include_path`` way), run through
+``lm_eval.simple_evaluate`` on both backends on the same weights: the tiny random Llama of SmolLM2's vocabulary and
+the real SmolLM2-135M-Instruct. Multiple choice: acc and acc_norm identical, every request's log-likelihood
+within 1e-3; rolling perplexity over documents longer than the window: word/byte perplexity and bits per byte
+within 1e-4 relative; generate_until with stop sequences: identical greedy outputs.
+"""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+WINDOW = 48  # both backends' max_length: the documents below run over several windows
+
+QUESTIONS = [  # 2 to 6 choices; the contexts end in a space (it moves to the continuation)
+    ("The capital of France is", ["Paris", "London", "Rome"], 0),
+    ("Two plus two equals", ["four", "five"], 0),
+    ("The colour of the sky on a clear day is", ["blue", "green", "red", "purple"], 0),
+    ("Water freezes at zero degrees", ["Celsius", "Fahrenheit", "Kelvin", "Rankine", "Réaumur"], 0),
+    ("A cat says", ["meow", "woof", "moo", "quack", "oink", "baa"], 0),
+    ("The opposite of hot is", ["cold", "warm"], 0),
+    ("Bees make", ["honey", "milk", "silk"], 0),
+    ("The first letter of the alphabet is", ["A", "Z", "M", "Q"], 0),
+]
+DOCUMENTS = [
+    "The quick brown fox jumps over the lazy dog. " * 9 + "It was the best of times, it was the worst of times.",
+    "In the beginning there was nothing, and then there was a small model that learned to count: one, two, "
+    "three, four, five, six, seven, eight, nine, ten. After that it learned the days of the week, Monday, "
+    "Tuesday, Wednesday, Thursday, Friday, Saturday and Sunday, and then the months of the year.",
+    "Short one.",
+]
+PROMPTS = [("Once upon a time", "x"), ("List: a, b,", "x"), ("Q: What is 2+2?\nA:", "4"), ("Hello", "x"),
+           ("The end of the story is", "x")]
+
+
+def _write_tasks(folder):
+    """Three lm-eval task YAMLs over local JSONL files in ``folder``."""
+    def jsonl(name, rows):
+        (folder / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(folder / name)
+
+    mc = jsonl("mc.jsonl", [{"question": q, "choices": c, "gold": g} for q, c, g in QUESTIONS])
+    docs = jsonl("docs.jsonl", [{"text": t} for t in DOCUMENTS])
+    gen = jsonl("gen.jsonl", [{"prompt": p, "answer": a} for p, a in PROMPTS])
+    common = "dataset_path: json\ntest_split: test\n"
+    (folder / "zoo_mc.yaml").write_text(
+        f"task: zoo_mc\n{common}dataset_kwargs:\n  data_files:\n    test: {mc}\noutput_type: multiple_choice\n"
+        "doc_to_text: \"Question: {{question}}\\nAnswer: \"\ndoc_to_choice: choices\ndoc_to_target: gold\n"
+        "metric_list:\n  - metric: acc\n  - metric: acc_norm\nmetadata:\n  version: 1\n")
+    (folder / "zoo_ppl.yaml").write_text(
+        f"task: zoo_ppl\n{common}dataset_kwargs:\n  data_files:\n    test: {docs}\n"
+        "output_type: loglikelihood_rolling\ndoc_to_text: \"\"\ndoc_to_target: \"{{text}}\"\n"
+        "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n"
+        "metadata:\n  version: 1\n")
+    (folder / "zoo_gen.yaml").write_text(
+        f"task: zoo_gen\n{common}dataset_kwargs:\n  data_files:\n    test: {gen}\noutput_type: generate_until\n"
+        "doc_to_text: \"{{prompt}}\"\ndoc_to_target: \"{{answer}}\"\n"
+        "generation_kwargs:\n  until: [\"\\n\", \".\"]\n  do_sample: false\n  max_gen_toks: 12\n"
+        "metric_list:\n  - metric: exact_match\nmetadata:\n  version: 1\n")
+    return folder
+
+
+def _evaluate(lm, folder):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    return lm_eval.simple_evaluate(model=lm, tasks=["zoo_mc", "zoo_ppl", "zoo_gen"], log_samples=True,
+                                   task_manager=TaskManager(include_path=str(folder)), bootstrap_iters=0)
+
+
+def _compare(ours, theirs):
+    mc_o, mc_t = ours["results"]["zoo_mc"], theirs["results"]["zoo_mc"]
+    assert mc_o["acc,none"] == mc_t["acc,none"] and mc_o["acc_norm,none"] == mc_t["acc_norm,none"]
+    n_requests = 0
+    for so, st in zip(ours["samples"]["zoo_mc"], theirs["samples"]["zoo_mc"]):
+        assert so["doc"] == st["doc"]
+        lo = [r[0][0] for r in so["resps"]]
+        lt = [r[0][0] for r in st["resps"]]
+        np.testing.assert_allclose(lo, lt, atol=1e-3, rtol=0)
+        assert [r[0][1] for r in so["resps"]] == [r[0][1] for r in st["resps"]]  # is_greedy
+        n_requests += len(lo)
+    assert n_requests == sum(len(c) for _, c, _ in QUESTIONS)
+    for m in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
+        a, b = ours["results"]["zoo_ppl"][m], theirs["results"]["zoo_ppl"][m]
+        assert math.isfinite(a) and abs(a - b) <= 1e-4 * abs(b), (m, a, b)
+    go = [s["resps"][0][0] for s in ours["samples"]["zoo_gen"]]
+    gt = [s["resps"][0][0] for s in theirs["samples"]["zoo_gen"]]
+    assert go == gt
+    assert any(g for g in go)  # something was generated (not all cut at once)
+
+
+def _hf_side(hf_model, tok):
+    from lm_eval.models.huggingface import HFLM
+
+    return HFLM(pretrained=hf_model, tokenizer=tok, batch_size=4, max_length=WINDOW, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def task_folder(tmp_path_factory):
+    return _write_tasks(tmp_path_factory.mktemp("harness_tasks"))
+
+
+def test_tiny_model_matches_lm_evals_hf_backend(smollm2_tiny, task_folder):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import zoo
+    from eval.harness import LmzooLM
+
+    tok = AutoTokenizer.from_pretrained(str(smollm2_tiny / "tok"))
+    hf = AutoModelForCausalLM.from_pretrained(str(smollm2_tiny / "hf"), dtype=torch.float32).eval()
+    model = zoo.load(smollm2_tiny / "zoo")
+    ours = _evaluate(LmzooLM(model=model, tokenizer=tok, batch_size=4, max_length=WINDOW), task_folder)
+    _compare(ours, _evaluate(_hf_side(hf, tok), task_folder))
+    # Some document spans several windows, so the rolling path was exercised.
+    assert max(len(tok.encode(d)) for d in DOCUMENTS) > 2 * WINDOW
+    _native_equals_harness(model, tok, task_folder, ours)
+
+
+def _native_equals_harness(model, tok, folder, harness):
+    """`zoo eval`'s own tasks over the same items give the harness's acc, acc_norm, per-choice log-likelihoods
+    and rolling perplexities (lm-eval's definitions)."""
+    from eval.scoring import evaluate
+    from eval.tasks import task_from_dict
+
+    mc = task_from_dict({"kind": "multiple_choice", "data": str(folder / "mc.jsonl"),
+                         "context": "Question: {question}\nAnswer: ", "choices": "choices", "gold": "gold"},
+                        folder / "native_mc.yaml")
+    ppl = task_from_dict({"kind": "perplexity", "data": str(folder / "docs.jsonl"), "window": WINDOW},
+                         folder / "native_ppl.yaml")
+    res = evaluate(model.cfg, model.param_dict(), tok, [mc, ppl], batch_size=4, progress=False, log_samples=True)
+    native_mc, native_ppl = res["tasks"]["native_mc"], res["tasks"]["native_ppl"]
+    for m in ("acc", "acc_norm"):
+        assert native_mc["metrics"][m] == harness["results"]["zoo_mc"][f"{m},none"], m
+    for item, sample in zip(native_mc["log"], harness["samples"]["zoo_mc"]):
+        np.testing.assert_allclose(item["loglikelihoods"], [r[0][0] for r in sample["resps"]], atol=1e-4, rtol=0)
+    for m in ("word_perplexity", "byte_perplexity", "bits_per_byte"):
+        a, b = native_ppl["metrics"][m], harness["results"]["zoo_ppl"][f"{m},none"]
+        assert abs(a - b) <= 1e-4 * abs(b), (m, a, b)
+
+
+def test_smollm2_matches_lm_evals_hf_backend(smollm2, task_folder):
+    import zoo
+    from eval.harness import LmzooLM
+
+    ckpt, hf, tok = smollm2
+    ours = _evaluate(LmzooLM(model=zoo.load(ckpt), tokenizer=tok, batch_size=4, max_length=WINDOW), task_folder)
+    _compare(ours, _evaluate(_hf_side(hf, tok), task_folder))
+
+
+def test_zoo_eval_harness_cli_writes_results_and_samples(smollm2, task_folder, tmp_path, capsys):
+    from eval.harness_run import samples_path
+    from zoo.cli import main
+
+    out = tmp_path / "res" / "results.json"
+    assert main(["eval", str(smollm2[0]), "--harness", "zoo_mc,zoo_gen", "--include-path",
+                 str(task_folder), "--limit", "3", "--batch-size", "2", "--out", str(out), "--log-samples"]) == 0
+    report = json.loads(out.read_text())
+    assert report["backend"] == "lmzoo" and set(report["results"]) == {"zoo_mc", "zoo_gen"}
+    assert "acc_norm,none" in report["results"]["zoo_mc"] and "exact_match,none" in report["results"]["zoo_gen"]
+    lines = [json.loads(x) for x in samples_path(out).read_text().splitlines()]
+    assert sorted({x["task"] for x in lines}) == ["zoo_gen", "zoo_mc"] and len(lines) == 6  # --limit 3 each
+    assert "zoo_mc" in capsys.readouterr().out  # lm-eval's table
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--harness", "no_such_task_xyz"], ["--harness no_such_task_xyz", "not an lm-eval task"]),
+    (["--harness", "zoo_mc", "--include-path", "/nonexistent/tasks"], ["--include-path", "no such folder"]),
+    (["--harness", "zoo_mc", "--tasks", "wikitext_tiny"], ["either --tasks", "or --harness"]),
+    (["--harness", "zoo_mc", "--log-samples"], ["--log-samples", "--out"]),
+])
+def test_harness_user_errors_are_one_line(smollm2, task_folder, argv, words, capsys):
+    from zoo.cli import main
+
+    extra = ["--include-path", str(task_folder)] if "--include-path" not in argv else []
+    assert main(["eval", str(smollm2[0]), *argv, *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and all(w in err for w in words), err
+
+
+def test_harness_without_lm_eval_names_the_extra(smollm2_tiny, monkeypatch, capsys):
+    import sys
+
+    from zoo.cli import main
+
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval raises ImportError, as without the extra
+    assert main(["eval", str(smollm2_tiny / "zoo"), "--harness", "arc_easy"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "lmzoo[eval]" in err, err
