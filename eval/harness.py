@@ -115,7 +115,8 @@ class LmzooLM(TemplateLM):
             special["add_special_tokens"] = add_special_tokens
         elif self.add_bos_token is not None:
             special["add_special_tokens"] = self.add_bos_token
-        if add_special_tokens is None and string.startswith(self.tokenizer.decode(self.prefix_token_id)):
+        bos = self.tokenizer.decode([self.prefix_token_id], skip_special_tokens=False)
+        if add_special_tokens is None and bos and string.startswith(bos):
             special["add_special_tokens"] = False
         ids = list(self.tokenizer.encode(string, **special))
         return ids[-left_truncate_len:] if left_truncate_len else ids
