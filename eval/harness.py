@@ -8,7 +8,8 @@ model, on whatever mesh :func:`zoo.load` put it:
   the context's trailing spaces move to the continuation, the continuation is the
   tail of the whole string's encoding). Requests that share a context (a
   multiple-choice question's choices) run that context once into the KV cache and
-  every continuation extends it (:func:`eval.multiple_choice.choice_scores`);
+  every continuation extends it, continuations that differ only in their last
+  token sharing one extension row (:func:`eval.multiple_choice.choice_scores`);
   the others are rows of batched fixed-shape forward passes, longest first
   (:func:`eval.loglikelihood.request_scores`). Each answer is (log-likelihood,
   whether every continuation token is the argmax), in the requests' order.
@@ -141,7 +142,7 @@ class LmzooLM(TemplateLM):
         # A shared context goes through the cache once when its continuations are short beside the window;
         # a rolling window's long continuation is one plain row.
         shared = [(ctx, idx) for ctx, idx in groups.items()
-                  if len(idx) > 1 and bucket(max(len(requests[i][2]) for i in idx), 4) <= self.max_length // 2]
+                  if len(idx) > 1 and bucket(max(len(requests[i][2]) for i in idx), 1) <= self.max_length // 2]
         in_shared = {i for _, idx in shared for i in idx}
         single = [i for i in range(len(requests)) if i not in in_shared]
         with tqdm(total=len(requests), desc="loglikelihood", unit="request",

@@ -38,6 +38,13 @@ def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
+def fine_bucket(n: int, minimum: int = 1) -> int:
+    """The padded width of ``n`` tokens in finer steps than :func:`bucket`: ``n`` rounded up to three significant
+    bits (four widths per power of two, at most 25% padding, exact below 8), at least ``minimum``."""
+    step = 1 << max(0, n.bit_length() - 3)
+    return max(minimum, -(-n // step) * step)
+
+
 def loglikelihoods(cfg: ModelConfig, params: dict[str, Any], requests: Sequence[Request], batch_size: int = 8,
                    max_length: int | None = None, bar: tqdm | None = None) -> np.ndarray:
     """Summed log-likelihood (float64) of each request's scored tokens (:func:`request_scores`)."""

@@ -2,7 +2,10 @@
 
 A batch of questions' contexts is prefilled once into the KV cache of
 :mod:`zoo.decode`, and every choice extends that same cache, so the shared
-context is computed once per question. ``use_cache=False`` scores each
+context is computed once per question; choices that differ only in their last
+token (`` 65`` / `` 68``) share one extension row, scored at its last position
+once per choice (lm-evaluation-harness's hf backend shares their forward pass
+the same way). ``use_cache=False`` scores each
 (context, choice) pair as its own full row instead (the plain forward pass of
 :mod:`eval.loglikelihood`; the same numbers, the context recomputed per choice).
 """
@@ -19,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from eval.loglikelihood import bucket, context_continuation, request_scores
+from eval.loglikelihood import bucket, context_continuation, fine_bucket, request_scores
 from eval.progress import progress_bar
 from eval.tasks import Task, fewshot_pool, field_of, format_row, joined
 from zoo.config import ModelConfig
@@ -135,42 +138,65 @@ def choice_scores(cfg: ModelConfig, params: dict[str, Any], questions: Sequence[
         for (q, j), v in zip(where, got):
             out[q][j] = v
         return out
-    n_choices = max(len(conts) for _, conts in questions)  # fixed per task: one compiled shape per length bucket
     out = [[(0.0, False)] * len(conts) for _, conts in questions]
-    order = sorted(range(len(questions)), key=lambda q: -len(questions[q][0]))
+    # Longest context first, and within one context width the longest choices first: a batch's rows then need
+    # the same padded widths, and each (context, choice) width pair compiles once.
+    order = sorted(range(len(questions)), key=lambda q: (-fine_bucket(len(questions[q][0]) - 1, 4),
+                                                         -max(len(c) for c in questions[q][1]),
+                                                         -len(questions[q][0])))
     for start in range(0, len(order), batch_size):
         idx = order[start:start + batch_size]
-        kw = bucket(max(len(c) for q in idx for c in questions[q][1]), 4)
+        # Widths in steps of a quarter of a power of two (fine_bucket): padding is computed work, each width a
+        # compilation.
+        kw = fine_bucket(max(len(c) for q in idx for c in questions[q][1]))  # one token for one-token choices
         if kw >= max_length:
             raise UserError(f"a choice of {kw} tokens does not fit the model's {max_length}-token context")
         # Contexts too long for the model lose tokens from the left (as lm-evaluation-harness does).
         ctxs = [questions[q][0][-(max_length - kw):] for q in idx]
-        cw = bucket(max(len(c) for c in ctxs))
-        # The cache gets each context but its last token; each extension row is that token, then the choice
-        # (less its last token): position i of the extension predicts choice token i.
+        cw = fine_bucket(max(len(c) for c in ctxs) - 1, 4)  # the cache's part: all but the last token
+        # Choices of one question that differ only in their last token (" 65" / " 68") share one extension row
+        # (as lm-evaluation-harness's hf backend shares their forward pass): the row is the context's last
+        # token, then the shared tokens; its last position is scored once per member's last token. Rows read
+        # their question's cache row (``owner``) and come in groups of batch_size, so a batch compiles once
+        # per (context width, choice width, groups, members) bucket.
+        rows: dict[tuple[int, ...], list[int]] = {}  # (question slot, *shared tokens) -> members
+        for r, q in enumerate(idx):
+            for j, cont in enumerate(questions[q][1]):
+                rows.setdefault((r, *cont[:-1]), []).append(j)
+        n_rows = -(-len(rows) // batch_size) * batch_size
+        members = bucket(max(len(m) for m in rows.values()), 1)
         ctx = np.zeros((batch_size, cw), np.int32)
         ctx_valid = np.zeros((batch_size, cw), bool)
-        ext = np.zeros((n_choices, batch_size, kw), np.int32)
-        targets = np.zeros((n_choices, batch_size, kw), np.int32)
-        valid = np.zeros((n_choices, batch_size, kw), bool)
-        for r in range(batch_size):  # a short last batch repeats its first question: one shape, one compilation
-            q, c = (idx[r], ctxs[r]) if r < len(idx) else (idx[0], ctxs[0])
+        for r in range(batch_size):  # a short last batch repeats its first context: one shape, one compilation
+            c = ctxs[r] if r < len(idx) else ctxs[0]
             ctx[r, :len(c) - 1], ctx_valid[r, :len(c) - 1] = c[:-1], True
-            for j, cont in enumerate(questions[q][1]):
-                ext[j, r, :len(cont)] = [c[-1]] + cont[:-1]
-                targets[j, r, :len(cont)], valid[j, r, :len(cont)] = cont, True
-        flat = FLAT if FLAT is not None else _cache_bytes(cfg, n_choices * batch_size * (cw + kw)) <= FLAT_CACHE_BYTES
-        sums, greedy = jax.device_get(_cached_choices(cfg, params, *map(jnp.asarray,
-                                                                        (ctx, ctx_valid, ext, targets, valid)), flat))
-        for r, q in enumerate(idx):
-            out[q] = [(float(np.float64(sums[j, r])), bool(greedy[j, r])) for j in range(len(questions[q][1]))]
+        owner = np.zeros(n_rows, np.int32)
+        ext = np.zeros((n_rows, kw), np.int32)
+        shared = np.zeros((n_rows, kw), np.int32)  # targets before the last: the shared tokens
+        shared_ok = np.zeros((n_rows, kw), bool)
+        last_pos = np.zeros(n_rows, np.int32)
+        last = np.zeros((n_rows, members), np.int32)
+        for row, ((r, *head), js) in enumerate(rows.items()):  # padding rows are never read back
+            owner[row], last_pos[row] = r, len(head)
+            ext[row, :len(head) + 1] = [ctxs[r][-1], *head]
+            shared[row, :len(head)], shared_ok[row, :len(head)] = head, True
+            last[row, :len(js)] = [questions[idx[r]][1][j][-1] for j in js]
+        flat = FLAT if FLAT is not None else _cache_bytes(cfg, n_rows * (cw + kw)) <= FLAT_CACHE_BYTES
+        per_pass = n_rows if flat else batch_size
+        shaped = [a.reshape(n_rows // per_pass, per_pass, *a.shape[1:])
+                  for a in (owner, ext, shared, shared_ok, last_pos, last)]
+        sums, greedy = jax.device_get(_cached_choices(cfg, params, *map(jnp.asarray, (ctx, ctx_valid, *shaped))))
+        sums, greedy = sums.reshape(n_rows, members), greedy.reshape(n_rows, members)
+        for row, ((r, *_), js) in enumerate(rows.items()):
+            for m, j in enumerate(js):
+                out[idx[r]][j] = (float(np.float64(sums[row, m])), bool(greedy[row, m]))
         if bar is not None:
             bar.update(sum(len(questions[q][1]) for q in idx))
     return out
 
 
-# Choices run in one pass over a copy of the context cache each while those copies stay this small; beyond it,
-# one choice at a time over the one cache (memory bounded, smaller matmuls).
+# Choices run in one pass over a copy of their context's cache each while those copies stay this small; beyond
+# it, batch_size choices at a time (memory bounded, smaller matmuls).
 FLAT_CACHE_BYTES = 256 << 20
 FLAT: bool | None = None  # force one way (benchmarks); None: by FLAT_CACHE_BYTES
 
@@ -181,37 +207,40 @@ def _cache_bytes(cfg: ModelConfig, tokens: int) -> int:
     return 4 * tokens * per_layer * cfg.num_layers
 
 
-@functools.partial(jax.jit, static_argnums=(0, 7))
+@functools.partial(jax.jit, static_argnums=0)
 def _cached_choices(cfg: ModelConfig, params: dict[str, Any], ctx: jax.Array, ctx_valid: jax.Array,
-                    ext: jax.Array, targets: jax.Array, valid: jax.Array, flat: bool = False
-                    ) -> tuple[jax.Array, jax.Array]:
-    """(summed log p(targets), every target the argmax) [choices, batch] of extension rows ext [choices, batch, k]
-    after the cached ctx [batch, c].
+                    owner: jax.Array, ext: jax.Array, shared: jax.Array, shared_ok: jax.Array,
+                    last_pos: jax.Array, last: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(summed log p(choice), every choice token the argmax) [passes, rows, members] of extension rows
+    ext [passes, rows, k] after the cached context ``owner`` of ctx [batch, c]: the targets ``shared`` where
+    ``shared_ok``, then at ``last_pos`` each member's ``last`` token.
 
     The contexts go through the cache once (their logits unused, so XLA drops
-    the vocabulary projection); each choice's row extends that cache, which is
-    never written back, so every choice sees the same context. ``flat``
-    (static): all choices in one pass over a copy of the cache per choice
-    (larger matmuls; memory ``choices`` times the cache), else one choice at a
-    time over the one cache.
+    the vocabulary projection); each extension row reads a copy of its
+    context's cache rows, which is never written back, so every choice sees the
+    same context. One pass per leading index (``lax.map``: one compiled body,
+    memory one pass's copies).
     """
     b, c = ctx.shape
-    n, _, k = ext.shape
+    k = ext.shape[-1]
     cache = init_cache(cfg, b, c + k, params["embed"].dtype)
     _, cache = forward_step(cfg, params, ctx, cache, ctx_valid, fresh=True)
 
-    def score(toks: jax.Array, tgt: jax.Array, ok: jax.Array, kv: Any) -> tuple[jax.Array, jax.Array]:
-        lg, _ = forward_cached(cfg, params, toks, kv, ok)
-        lp = jnp.take_along_axis(lg, tgt[..., None], axis=-1)[..., 0] - jax.nn.logsumexp(lg, axis=-1)
-        return jnp.where(ok, lp, 0.0).sum(-1), jnp.where(ok, jnp.argmax(lg, axis=-1) == tgt, True).all(-1)
+    def score(xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+        rows, toks, tgt, ok, pos, ends = xs
+        kv = Cache(jax.tree.map(lambda a: jnp.take(a, rows, axis=1), cache.layers), cache.lengths[rows])
+        at = jnp.arange(toks.shape[1])[None, :]
+        lg, _ = forward_cached(cfg, params, toks, kv, at <= pos[:, None])
+        logz = jax.nn.logsumexp(lg, axis=-1)
+        lp = jnp.take_along_axis(lg, tgt[..., None], axis=-1)[..., 0] - logz
+        head = jnp.where(ok, lp, 0.0).sum(-1)
+        head_greedy = jnp.where(ok, jnp.argmax(lg, axis=-1) == tgt, True).all(-1)
+        lg_end = jnp.take_along_axis(lg, pos[:, None, None], axis=1)[:, 0]  # [rows, vocab]
+        lp_end = jnp.take_along_axis(lg_end, ends, axis=-1) - jnp.take_along_axis(logz, pos[:, None], axis=1)
+        greedy_end = jnp.argmax(lg_end, axis=-1)[:, None] == ends
+        return head[:, None] + lp_end, head_greedy[:, None] & greedy_end
 
-    if flat:  # row j * b + r of the flattened choices reads copy j of row r's cache
-        tiled = Cache(jax.tree.map(lambda a: jnp.concatenate([a] * n, axis=1), cache.layers),
-                      jnp.concatenate([cache.lengths] * n))
-        sums, greedy = score(ext.reshape(n * b, k), targets.reshape(n * b, k), valid.reshape(n * b, k), tiled)
-        return sums.reshape(n, b), greedy.reshape(n, b)
-    # lax.map: one compiled body for every choice, whatever their number.
-    return jax.lax.map(lambda xs: score(*xs, cache), (ext, targets, valid))
+    return jax.lax.map(score, (owner, ext, shared, shared_ok, last_pos, last))
 
 
 def score_multiple_choice(cfg: ModelConfig, params: dict[str, Any], tokenizer: Any, task: Task, rows: list[dict],

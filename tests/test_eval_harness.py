@@ -172,11 +172,11 @@ def test_zoo_eval_harness_cli_writes_results_and_samples(smollm2, task_folder, t
     (["--harness", "zoo_mc", "--tasks", "wikitext_tiny"], ["either --tasks", "or --harness"]),
     (["--harness", "zoo_mc", "--log-samples"], ["--log-samples", "--out"]),
 ])
-def test_harness_user_errors_are_one_line(smollm2, task_folder, argv, words, capsys):
+def test_harness_user_errors_are_one_line(smollm2_tiny, task_folder, argv, words, capsys):
     from zoo.cli import main
 
     extra = ["--include-path", str(task_folder)] if "--include-path" not in argv else []
-    assert main(["eval", str(smollm2[0]), *argv, *extra]) == 2
+    assert main(["eval", str(smollm2_tiny / "zoo"), *argv, *extra]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and all(w in err for w in words), err
 

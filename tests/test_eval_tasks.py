@@ -100,18 +100,33 @@ def test_continuation_loglikelihood_equals_forward(model):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_shared_context_choices_equal_forward(model):
-    """Choices extending one prefilled context (KV cache) score as full forward passes of context + choice do."""
+def test_shared_context_choices_equal_forward(model, monkeypatch):
+    """Choices extending one prefilled context (KV cache) score as full forward passes of context + choice do:
+    any number of choices per question, choices sharing all but their last token (one extension row), one-token
+    choices, one pass over copies of the cache or batch_size rows at a time."""
     cfg, params = model
     rng = np.random.RandomState(1)
     questions = [(rng.randint(0, 256, c).tolist(), [rng.randint(0, 256, k).tolist() for k in ks])
                  for c, ks in ((7, (1, 3, 2, 5)), (30, (4, 1)), (2, (6, 2, 2)), (1, (3, 1)), (5, (17, 2)))]
+    questions.append(([9, 8, 7], [[5, 6, 1], [5, 6, 2], [5, 9], [5, 6, 1], [5, 6, 7, 3], [4]]))
+    questions.append(([3, 1], [[t] for t in (10, 11, 12, 13, 14, 15, 16, 17)]))
+    # The model's own greedy choice (two tokens, sharing its first with another choice), so is_greedy is True once.
+    ctx = [9, 8, 7]
+    first = int(np.argmax(np.asarray(_forward(cfg, params, np.asarray([ctx + [0] * 61], np.int32)))[0, 2]))
+    second = int(np.argmax(np.asarray(_forward(cfg, params, np.asarray([ctx + [first] + [0] * 60], np.int32)))[0, 3]))
+    questions.append((ctx, [[first, second], [first, (second + 1) % 256], [first]]))
     want = [[ref_continuation(cfg, params, ctx, c) for c in conts] for ctx, conts in questions]
-    for use_cache in (True, False):
-        got = multiple_choice.choice_loglikelihoods(cfg, params, questions, batch_size=2, use_cache=use_cache)
-        assert [len(g) for g in got] == [4, 2, 3, 2, 2]
-        for g, w in zip(got, want):
-            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    plain = multiple_choice.choice_scores(cfg, params, questions, batch_size=2, use_cache=False)
+    assert any(g for row in plain for _, g in row)  # some choice is all-greedy: the flags are compared below
+    for flat in (True, False):
+        monkeypatch.setattr(multiple_choice, "FLAT", flat)
+        got = multiple_choice.choice_scores(cfg, params, questions, batch_size=4)
+        assert [len(g) for g in got] == [4, 2, 3, 2, 2, 6, 8, 3]
+        for g, w, p in zip(got, want, plain):
+            np.testing.assert_allclose([ll for ll, _ in g], w, rtol=1e-5, atol=1e-5)
+            assert [gr for _, gr in g] == [gr for _, gr in p]
+    for g, w in zip(plain, want):
+        np.testing.assert_allclose([ll for ll, _ in g], w, rtol=1e-5, atol=1e-5)
 
 
 def test_context_continuation_split(tok):
@@ -409,3 +424,10 @@ def test_cli_bad_task_path_is_one_line(ckpt, tmp_path, capsys):
     assert main(["eval", str(ckpt), "--tasks", "no_such_task"]) == 2
     err = capsys.readouterr().err
     assert "no_such_task" in err and "records" in err and err.count("\n") == 1
+
+
+def test_fine_bucket_widths():
+    """Multiple choice pads to three significant bits: exact below 8, then four widths per power of two."""
+    assert [loglikelihood.fine_bucket(n) for n in (1, 5, 7, 8, 9, 14, 15, 17, 69, 100, 129)] == \
+        [1, 5, 7, 8, 10, 14, 16, 20, 80, 112, 160]
+    assert loglikelihood.fine_bucket(0, 4) == 4 and loglikelihood.fine_bucket(3, 4) == 4
