@@ -28,6 +28,13 @@ def eval_command(args: argparse.Namespace) -> None:
         raise UserError(f"--limit {args.limit}: must be at least 1")
     if args.batch_size < 1:
         raise UserError(f"--batch-size {args.batch_size}: must be at least 1")
+    if args.chunk is not None and args.chunk < 1:
+        raise UserError(f"--chunk {args.chunk}: must be at least 1")
+    if args.max_length is not None and args.max_length < 2:
+        raise UserError(f"--max-length {args.max_length}: must be at least 2")
+    if args.max_length is not None and not getattr(args, "harness", None):
+        raise UserError("--max-length is lm-eval's context length: use it with --harness (native perplexity "
+                        "tasks set window: in their task file)")
     if args.num_fewshot is not None and args.num_fewshot < 0:
         raise UserError(f"--num-fewshot {args.num_fewshot}: must be 0 or more")
     if getattr(args, "harness", None):
@@ -70,7 +77,8 @@ def eval_command(args: argparse.Namespace) -> None:
     cfg, params = model.cfg, model.param_dict()
     t_load = time.perf_counter() - t0
     res = evaluate(cfg, params, tokenizer, tasks, limit=args.limit, batch_size=args.batch_size,
-                   num_fewshot=args.num_fewshot, chat_template=args.chat_template, log_samples=args.log_samples)
+                   num_fewshot=args.num_fewshot, chat_template=args.chat_template, log_samples=args.log_samples,
+                   chunk=args.chunk)
     logs = {name: r.pop("log") for name, r in res["tasks"].items() if "log" in r}
     t_total = time.perf_counter() - t0
     report = {

@@ -13,9 +13,13 @@ model, on whatever mesh :func:`zoo.load` put it:
   the others are rows of batched fixed-shape forward passes, longest first
   (:func:`eval.loglikelihood.request_scores`). Each answer is (log-likelihood,
   whether every continuation token is the argmax), in the requests' order.
-- ``loglikelihood_rolling``: lm-eval's rolling windows
+- ``loglikelihood_rolling``: lm-eval's rolling windows of ``max_length`` tokens
   (``get_rolling_token_windows`` with one token of context, made disjoint), as its
-  ``hf`` backend scores them, so word/byte perplexity and bits per byte agree.
+  ``hf`` backend scores them, so word/byte perplexity and bits per byte agree. A
+  window longer than ``chunk`` tokens (``max_length`` defaults to the model's
+  whole context, as in ``hf``) is read ``chunk`` tokens per forward pass, each
+  pass attending to the earlier ones through the KV cache
+  (:func:`eval.rolling.chunked_scores`): lm-eval's numbers, a chunk's memory.
 - ``generate_until``: greedy (or sampled) KV-cache generation of prompts of
   different lengths in one batch (:func:`eval.generate.generate`), stopping at
   the request's stop strings and EOS, the text cut at the first stop string.
@@ -38,8 +42,9 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from tqdm.auto import tqdm
 
 from eval.generate import GenerationConfig, generate
-from eval.loglikelihood import bucket, request_scores
+from eval.loglikelihood import bucket
 from eval.multiple_choice import choice_scores
+from eval.rolling import DEFAULT_CHUNK, window_scores
 
 TokenRequest = tuple[tuple[str, str], list[int], list[int]]  # ((context, continuation), context ids, continuation ids)
 
@@ -53,6 +58,8 @@ class LmzooLM(TemplateLM):
     forward pass (questions per pass for shared contexts, prompts per generation
     batch). ``max_length``: the context in tokens (default the model's
     ``max_position_embeddings``, as lm-eval's ``hf`` backend reads it).
+    ``chunk``: tokens per forward pass of a longer row (a long rolling window), which is
+    read through the KV cache chunk by chunk (default 2048).
     ``max_gen_toks``: the default generation length (256, as ``hf``).
     ``add_bos_token``: as ``hf``'s (None: the tokenizer's own default).
     ``dtype``: float32 (default) or bfloat16 weights when loading ``pretrained``. ``cfg`` and ``params``:
@@ -62,7 +69,7 @@ class LmzooLM(TemplateLM):
     def __init__(self, pretrained: str | None = None, model: Any = None, tokenizer: Any = None,
                  batch_size: int | str = 8, max_length: int | str | None = None, max_gen_toks: int | str = 256,
                  add_bos_token: bool | str | None = None, dtype: str = "float32", progress: bool = True,
-                 cfg: Any = None, params: dict | None = None, **kwargs: Any) -> None:
+                 chunk: int | str = DEFAULT_CHUNK, cfg: Any = None, params: dict | None = None, **kwargs: Any) -> None:
         super().__init__()
         if params is not None:  # live weights (training's eval.tasks): a config and a parameter tree
             from types import SimpleNamespace
@@ -88,6 +95,10 @@ class LmzooLM(TemplateLM):
         self.batch_size = int(batch_size)
         self.max_length = int(max_length) if max_length not in (None, "") else int(self.cfg.max_position_embeddings)
         self.max_gen_toks = int(max_gen_toks)
+        self.chunk = int(chunk)
+        if self.batch_size < 1 or self.max_length < 2 or self.chunk < 1:
+            raise ValueError(f"LmzooLM: batch_size {self.batch_size} and chunk {self.chunk} must be at least 1, "
+                             f"max_length {self.max_length} at least 2")
         self.add_bos_token = _bool_or_none(add_bos_token)
         self.progress = progress
 
@@ -140,7 +151,7 @@ class LmzooLM(TemplateLM):
         for i, (_, ctx, cont) in enumerate(requests):
             groups.setdefault(tuple(ctx), []).append(i)
         # A shared context goes through the cache once when its continuations are short beside the window;
-        # a rolling window's long continuation is one plain row.
+        # long continuations are rows of their own (read in chunks through the cache when longer than `chunk`).
         shared = [(ctx, idx) for ctx, idx in groups.items()
                   if len(idx) > 1 and bucket(max(len(requests[i][2]) for i in idx), 1) <= self.max_length // 2]
         in_shared = {i for _, idx in shared for i in idx}
@@ -156,8 +167,8 @@ class LmzooLM(TemplateLM):
                         out[i] = s
             if single:
                 rows = [(requests[i][1] + requests[i][2], len(requests[i][2])) for i in single]
-                for i, s in zip(single, request_scores(self.cfg, self.params, rows, self.batch_size,
-                                                       self.max_length, bar)):
+                for i, s in zip(single, window_scores(self.cfg, self.params, rows, self.batch_size,
+                                                      self.max_length, self.chunk, bar)):
                     out[i] = s
         for i, (strings, _, _) in enumerate(requests):
             if strings is not None:
@@ -174,7 +185,12 @@ class LmzooLM(TemplateLM):
                 max_seq_len=self.max_length, context_len=1)]
             windows.extend((None, ctx, cont) for ctx, cont in pairs)  # type: ignore[misc]
             counts.append(len(pairs))
-        scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)
+        # Windows are rows of their own, never a shared context's extensions: every document's first window
+        # has the same one-token context (the prefix token), and its continuation is the window.
+        with tqdm(total=len(windows), desc="loglikelihood_rolling", unit="window",
+                  disable=disable_tqdm or not self.progress) as bar:
+            scores = window_scores(self.cfg, self.params, [(ctx + cont, len(cont)) for _, ctx, cont in windows],
+                                   self.batch_size, self.max_length, self.chunk, bar)
         out, at = [], 0
         for r, n in zip(requests, counts):
             total = float(sum(ll for ll, _ in scores[at:at + n]))

@@ -70,9 +70,11 @@ def harness_command(args: argparse.Namespace) -> None:
     from lm_eval.utils import make_table
 
     from eval.harness import LmzooLM
+    from eval.rolling import DEFAULT_CHUNK
 
     t0 = time.perf_counter()
-    model = LmzooLM(ckpt, batch_size=args.batch_size, dtype=args.dtype)
+    model = LmzooLM(ckpt, batch_size=args.batch_size, dtype=args.dtype, max_length=args.max_length,
+                    chunk=args.chunk or DEFAULT_CHUNK)
     t_load = time.perf_counter() - t0
     results = lm_eval.simple_evaluate(model=model, tasks=names, num_fewshot=args.num_fewshot, limit=args.limit,
                                       log_samples=args.log_samples, task_manager=manager,

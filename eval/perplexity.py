@@ -6,7 +6,9 @@ exactly once; the windows are log-likelihood requests of :mod:`eval.loglikelihoo
 By default they are lm-eval's rolling windows: each full window re-reads the one
 token before its new ones, and the last window re-reads as many earlier tokens
 as fill it (``get_rolling_token_windows`` with one token of context, made
-disjoint). ``overlap: N`` instead re-reads N tokens before every window.
+disjoint). ``overlap: N`` instead re-reads N tokens before every window. A
+window longer than ``chunk`` tokens is read ``chunk`` at a time through the KV
+cache (:mod:`eval.rolling`): the same scores, a chunk's activation memory.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import math
 import re
 from typing import Any
 
-from eval.loglikelihood import Request, encode, loglikelihoods, prefix_token
+from eval.loglikelihood import Request, encode, prefix_token
 from eval.progress import progress_bar
+from eval.rolling import DEFAULT_CHUNK, window_scores
 from eval.tasks import Task, field_of
 from zoo.config import ModelConfig
 from zoo.errors import UserError
@@ -50,7 +53,8 @@ def count_words(text: str) -> int:
 
 
 def score_perplexity(cfg: ModelConfig, params: dict[str, Any], tokenizer: Any, task: Task, rows: list[dict],
-                     batch_size: int = 8, progress: bool = True) -> tuple[dict[str, float], list[dict[str, Any]]]:
+                     batch_size: int = 8, progress: bool = True, chunk: int | None = DEFAULT_CHUNK,
+                     ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """(the metrics, one record per document: its log-likelihood, tokens, bytes and words).
 
     ``word_perplexity``, ``byte_perplexity`` and ``bits_per_byte`` are
@@ -74,8 +78,8 @@ def score_perplexity(cfg: ModelConfig, params: dict[str, Any], tokenizer: Any, t
     if not requests:
         raise UserError(f"task {task.name} ({task.source}): no text to score")
     with progress_bar(len(requests), task.name, "win", progress) as bar:
-        ll = loglikelihoods(cfg, params, requests, batch_size, window, bar)
-    for d, v in zip(owner, ll):
+        ll = window_scores(cfg, params, requests, batch_size, window, chunk, bar)
+    for d, (v, _) in zip(owner, ll):
         docs[d]["loglikelihood"] += float(v)
     nll = -sum(d["loglikelihood"] for d in docs)
     n_tokens, n_bytes, n_words = (sum(d[k] for d in docs) for k in ("tokens", "bytes", "words"))

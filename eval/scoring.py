@@ -17,6 +17,7 @@ from typing import Any
 from eval.generation_task import greedy_generator, score_generation
 from eval.multiple_choice import score_multiple_choice
 from eval.perplexity import score_perplexity
+from eval.rolling import DEFAULT_CHUNK
 from eval.tasks import Task, resolve_tasks
 from zoo.config import ModelConfig
 from zoo.errors import UserError
@@ -24,17 +25,22 @@ from zoo.errors import UserError
 
 def evaluate(cfg: ModelConfig, params: dict[str, Any], tokenizer: Any, tasks: str | Sequence[str | Task],
              limit: int | None = None, batch_size: int = 8, num_fewshot: int | None = None,
-             chat_template: bool | None = None, progress: bool = True, log_samples: bool = False) -> dict[str, Any]:
+             chat_template: bool | None = None, progress: bool = True, log_samples: bool = False,
+             chunk: int | None = None) -> dict[str, Any]:
     """Score ``params`` on ``tasks`` (Task objects, shipped task names or YAML paths; a comma-separated string works).
 
     ``limit`` caps each task's examples; ``num_fewshot`` and ``chat_template``
-    (None: each task's own setting) override the tasks'. Returns
+    (None: each task's own setting) override the tasks', and so does ``chunk``
+    (perplexity windows longer than it are read that many tokens at a time
+    through the KV cache: :mod:`eval.rolling`). Returns
     ``{"tasks": {name: {name, version, kind, source, data, examples, metrics, settings, seconds}}}`` (generation
     tasks also give their first three ``samples``); with ``log_samples`` each task also has ``log``: one record
     per item (its inputs, per-choice log-likelihoods or answer, prediction and target).
     """
     if batch_size < 1:
         raise UserError(f"--batch-size {batch_size}: must be at least 1")
+    if chunk is not None and chunk < 1:
+        raise UserError(f"--chunk {chunk}: must be at least 1")
     if isinstance(tasks, str):
         tasks = resolve_tasks(tasks)
     else:
@@ -46,9 +52,10 @@ def evaluate(cfg: ModelConfig, params: dict[str, Any], tokenizer: Any, tasks: st
         settings: dict[str, Any] = {"limit": limit, "batch_size": batch_size}
         samples = None
         if task.kind == "perplexity":
-            metrics, items = score_perplexity(cfg, params, tokenizer, task, rows, batch_size, progress)
+            ppl_chunk = task.opt("chunk", DEFAULT_CHUNK) if chunk is None else chunk
+            metrics, items = score_perplexity(cfg, params, tokenizer, task, rows, batch_size, progress, ppl_chunk)
             settings.update(window=min(task.opt("window", 512), cfg.max_position_embeddings),
-                            overlap=task.options.get("overlap", "rolling"))
+                            overlap=task.options.get("overlap", "rolling"), chunk=ppl_chunk)
         elif task.kind == "multiple_choice":
             metrics, items = score_multiple_choice(cfg, params, tokenizer, task, rows, batch_size, num_fewshot,
                                                    progress)

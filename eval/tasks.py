@@ -18,7 +18,9 @@ relative to the YAML file. Keys every task has::
                              # blank lines dropped)
     split: train             # Hub datasets only
     text_field: text         # the documents' field
-    window: 512              # tokens per forward row; long documents are cut into windows
+    window: 512              # tokens per window (lm-eval's max_length); long documents are cut into windows
+    chunk: 2048              # optional: a longer window is read this many tokens per forward pass through
+                             # the KV cache (the same scores, a chunk's memory; zoo eval --chunk overrides)
     overlap: 4               # optional: tokens of the previous window re-read before each window
                              # (default: lm-eval's rolling windows, the last one filled up with context)
 
@@ -90,7 +92,7 @@ _COMMON = {"name", "version", "kind", "data", "description"}
 _FEWSHOT = {"num_fewshot", "fewshot_data", "fewshot_separator", "fewshot_sampler", "fewshot_seed", "target_delimiter",
             "gen_prefix", "prompt_description"}
 _KEYS = {
-    "perplexity": {"split", "text_field", "window", "overlap"},
+    "perplexity": {"split", "text_field", "window", "overlap", "chunk"},
     "multiple_choice": {"context", "choices", "gold"} | _FEWSHOT,
     "generation": {"messages", "prompt", "target", "chat_template", "max_new_tokens", "stop", "scorer", "regex",
                    "ignore_case", "strip_whitespace"} | _FEWSHOT,
@@ -238,9 +240,11 @@ def _hub_like(data: str) -> bool:
 def _check(task: Task, where: str) -> None:
     """Type checks of the kind-specific settings (cheap; the data is checked when it is read)."""
     o = task.options
-    for key in ("window", "overlap", "num_fewshot", "max_new_tokens"):
+    for key in ("window", "overlap", "chunk", "num_fewshot", "max_new_tokens"):
         if key in o and (not isinstance(o[key], int) or isinstance(o[key], bool) or o[key] < 0):
             raise UserError(f"{where}: {key} must be a non-negative integer, not {o[key]!r}")
+    if task.kind == "perplexity" and o.get("chunk") == 0:
+        raise UserError(f"{where}: chunk must be at least 1")
     if task.kind == "perplexity" and task.opt("overlap", 0) >= task.opt("window", 512):
         raise UserError(f"{where}: overlap must be smaller than window")
     if task.kind == "generation":

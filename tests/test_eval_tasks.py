@@ -5,6 +5,7 @@ never from eval's scorers themselves. The tokenizer is byte-level without merges
 a text's ids are its UTF-8 bytes' ids and the tests can tokenize by hand.
 """
 
+import dataclasses
 import json
 import math
 
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from eval import answers, generation_task, loglikelihood, multiple_choice, perplexity, scoring
+from eval import answers, generation_task, loglikelihood, multiple_choice, perplexity, rolling, scoring
 from eval.tasks import load_task, resolve_tasks, shipped_tasks, task_from_dict
 from zoo.config import ModelConfig
 from zoo.model import Decoder, forward
@@ -98,6 +99,38 @@ def test_continuation_loglikelihood_equals_forward(model):
     got = loglikelihood.loglikelihoods(cfg, params, requests, batch_size=2)  # padded rows, several batches
     want = [ref_logprobs(cfg, params, t)[-k:].sum() for t, k in requests]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_rows_read_in_chunks_through_the_cache_equal_forward(model):
+    """A row read `chunk` tokens per pass through the KV cache scores as one plain forward pass of the whole row:
+    rows of different lengths in one batch (padding), a chunk that does not divide the row, and a model with
+    sliding-window layers whose ring is shorter than the row (it wraps). (Every batch's cache has 64 slots, so
+    the passes compile once per view.)"""
+    cfg, params = model
+    sliding = dataclasses.replace(cfg, sliding_window=6, layer_types=("sliding", "full"))
+    rng = np.random.RandomState(3)
+    requests = [(rng.randint(0, 256, n).tolist(), k) for n, k in ((50, 49), (19, 7), (45, 44), (3, 1))]
+    for c in (cfg, sliding):
+        got = rolling.chunked_scores(c, params, requests, chunk=24, batch_size=2)
+        want = [ref_logprobs(c, params, t)[-k:].sum() for t, k in requests]
+        np.testing.assert_allclose([ll for ll, _ in got], want, rtol=1e-5, atol=1e-5)
+    # The model's own greedy continuation is all-argmax across chunk boundaries; one changed token is not.
+    row = [5]
+    while len(row) < 40:
+        row.append(int(np.argmax(np.asarray(_forward(cfg, params, np.asarray([row + [0] * (64 - len(row))],
+                                                                              np.int32)))[0, len(row) - 1])))
+    flags = [g for _, g in rolling.chunked_scores(cfg, params, [(row, 39), (row[:-1] + [(row[-1] + 1) % 256], 39)],
+                                                  chunk=24, batch_size=2)]
+    assert flags == [True, False]
+    # window_scores: rows up to `chunk` inputs as plain rows, longer ones chunked, answers in the requests' order.
+    mixed = rolling.window_scores(cfg, params, requests, batch_size=2, chunk=24)
+    np.testing.assert_allclose([ll for ll, _ in mixed], [ll for ll, _ in got_full(cfg, params, requests)],
+                               rtol=1e-5, atol=1e-5)
+
+
+def got_full(cfg, params, requests):
+    """Plain batched rows (no chunks) of the same requests."""
+    return loglikelihood.request_scores(cfg, params, requests, batch_size=2)
 
 
 def test_shared_context_choices_equal_forward(model, monkeypatch):

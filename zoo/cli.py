@@ -232,6 +232,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "lm-eval's own definitions on this model (needs the eval extra: pip install 'lmzoo[eval]')")
     s.add_argument("--include-path", metavar="DIR",
                    help="with --harness: a folder of your own lm-eval task YAMLs, found besides lm-eval's library")
+    s.add_argument("--max-length", type=int, default=None, metavar="N",
+                   help="with --harness: tokens of context per request, and the length of a rolling-perplexity "
+                        "window, as lm-eval's hf backend's max_length (default: the model's context)")
+    s.add_argument("--chunk", type=int, default=None, metavar="N",
+                   help="tokens per forward pass of a longer row (a long rolling window or a native perplexity "
+                        "window), which is read N tokens at a time through the KV cache: the same scores, a "
+                        "chunk's activation memory (default 2048, or a native task's own chunk: setting)")
     s.add_argument("--log-samples", action="store_true",
                    help="with --out: also write every scored item (inputs, per-choice log-likelihoods, predictions, "
                         "targets) as JSONL beside it (OUT.samples.jsonl), one line per item with its task")

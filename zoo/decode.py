@@ -262,7 +262,7 @@ def forward_cached(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, 
 def forward_step(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, cache: Cache,
                  valid: jax.Array | None = None, mla_absorb: bool | None = None, *, fresh: bool = False,
                  view: int | None = None, last: jax.Array | None = None, lora: dict | None = None,
-                 lora_scale: float | jax.Array | None = None) -> tuple[jax.Array, Cache]:
+                 lora_scale: float | jax.Array | None = None, hidden: bool = False) -> tuple[jax.Array, Cache]:
     """:func:`forward_cached` with generation's shortcuts (``fresh`` and ``view`` static), and LoRA adapters.
 
     ``fresh``: the cache is empty (every length 0), so its slots are not read.
@@ -273,6 +273,8 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, ca
     ``lora`` (a tree of :func:`zoo.lora.init_lora`, with ``lora_scale``): each
     adapted projection adds its adapter beside the base matmul, as the
     training forward does (no merged copy of the weights exists).
+    ``hidden`` (static): return the final normed hidden states [b, t, hidden]
+    instead of the logits, for a caller that projects the vocabulary in pieces.
     """
     if lora is not None and lora_scale is None:
         raise ValueError("forward_step: lora adapters need lora_scale (zoo.lora.lora_scale(lora_cfg))")
@@ -333,7 +335,8 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, ca
 
     if last is not None:
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
-    logits = output_logits(cfg, params, norm(cfg, x, params["final_norm"]))
+    x = norm(cfg, x, params["final_norm"])
+    logits = x if hidden else output_logits(cfg, params, x)
     return logits, Cache(_write(cache, written, pos, valid, new_lengths, cfg.mla), new_lengths)
 
 
