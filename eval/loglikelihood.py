@@ -45,11 +45,17 @@ def fine_bucket(n: int, minimum: int = 1) -> int:
     return max(minimum, -(-n // step) * step)
 
 
-def loglikelihoods(cfg: ModelConfig, params: dict[str, Any], requests: Sequence[Request], batch_size: int = 8,
-                   max_length: int | None = None, bar: tqdm | None = None) -> np.ndarray:
-    """Summed log-likelihood (float64) of each request's scored tokens (:func:`request_scores`)."""
-    return np.asarray([ll for ll, _ in request_scores(cfg, params, requests, batch_size, max_length, bar)],
-                      np.float64)
+def fit_rows(requests: Sequence[Request], max_length: int | None) -> list[list[int]]:
+    """Each request's tokens, checked (it scores at least one and at most all of its targets, and no more than
+    ``max_length``) and cut from the left to ``max_length`` inputs and their targets (None: not cut)."""
+    rows = []
+    for toks, n in requests:
+        if n < 1 or n > len(toks) - 1:
+            raise ValueError(f"a request scores {n} of {len(toks) - 1} targets")
+        if max_length is not None and n > max_length:
+            raise UserError(f"a continuation of {n} tokens does not fit the model's {max_length}-token context")
+        rows.append(list(toks)[-(max_length + 1):] if max_length is not None else list(toks))
+    return rows
 
 
 def request_scores(cfg: ModelConfig, params: dict[str, Any], requests: Sequence[Request], batch_size: int = 8,
@@ -62,13 +68,7 @@ def request_scores(cfg: ModelConfig, params: dict[str, Any], requests: Sequence[
     tokens from the left; its scored tokens must fit.
     """
     max_length = max_length or cfg.max_position_embeddings
-    rows = []
-    for toks, n in requests:
-        if n < 1 or n > len(toks) - 1:
-            raise ValueError(f"a request scores {n} of {len(toks) - 1} targets")
-        if n > max_length:
-            raise UserError(f"a continuation of {n} tokens does not fit the model's {max_length}-token context")
-        rows.append(list(toks)[-(max_length + 1):])  # max_length inputs, their targets
+    rows = fit_rows(requests, max_length)
     out: list[tuple[float, bool]] = [(0.0, False)] * len(rows)
     # Longest first: rows of one batch have similar lengths, so little padding is computed.
     order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))

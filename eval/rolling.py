@@ -23,10 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from eval.loglikelihood import Request, bucket, fine_bucket, request_scores
+from eval.loglikelihood import Request, bucket, fine_bucket, fit_rows, request_scores
 from zoo.config import ModelConfig
 from zoo.decode import Cache, forward_step, init_cache
-from zoo.errors import UserError
 from zoo.logps import token_logps
 from zoo.model import stored_head
 
@@ -39,12 +38,13 @@ def chunked_scores(cfg: ModelConfig, params: dict[str, Any], requests: Sequence[
     power of two)."""
     if chunk < 1:
         raise ValueError(f"chunk {chunk}: must be at least 1")
+    rows_in = fit_rows(requests, None)
     out: list[tuple[float, bool]] = [(0.0, False)] * len(requests)
-    order = sorted(range(len(requests)), key=lambda i: -len(requests[i][0]))
+    order = sorted(range(len(requests)), key=lambda i: -len(rows_in[i]))
     dtype = params["embed"].dtype
     for start in range(0, len(order), batch_size):
         idx = order[start:start + batch_size]
-        longest = len(requests[idx[0]][0]) - 1
+        longest = len(rows_in[idx[0]]) - 1
         slots = bucket(longest)  # every position has its own slot: the ring never wraps
         step, width = chunk_widths(longest, chunk)
         rows = min(batch_size, bucket(len(idx), 1))  # a short last batch: fewer rows (a power of two)
@@ -53,9 +53,7 @@ def chunked_scores(cfg: ModelConfig, params: dict[str, Any], requests: Sequence[
         scored = np.zeros((rows, width), bool)
         valid = np.zeros((rows, width), bool)
         for r, i in enumerate(idx):
-            toks, n = list(requests[i][0]), requests[i][1]
-            if n < 1 or n > len(toks) - 1:
-                raise ValueError(f"a request scores {n} of {len(toks) - 1} targets")
+            toks, n = rows_in[i], requests[i][1]
             m = len(toks) - 1
             inputs[r, :m], targets[r, :m], valid[r, :m] = toks[:-1], toks[1:], True
             scored[r, m - n:m] = True
@@ -111,20 +109,14 @@ def window_scores(cfg: ModelConfig, params: dict[str, Any], requests: Sequence[R
     batched rows (:func:`eval.loglikelihood.request_scores`), longer ones through the cache
     (:func:`chunked_scores`). A request longer than ``max_length`` (default: the model's context) loses tokens
     from the left, as in :func:`eval.loglikelihood.request_scores`; ``chunk`` None never chunks."""
-    max_length = max_length or cfg.max_position_embeddings
-    for _, n in requests:
-        if n > max_length:
-            raise UserError(f"a continuation of {n} tokens does not fit the model's {max_length}-token context")
-    cut = [(list(t)[-(max_length + 1):], n) for t, n in requests]
-    long = [i for i, (t, _) in enumerate(cut) if chunk is not None and len(t) - 1 > chunk]
-    if not long:
-        return request_scores(cfg, params, cut, batch_size, max_length, bar)
-    chunked = set(long)
-    short = [i for i in range(len(cut)) if i not in chunked]
+    cut = list(zip(fit_rows(requests, max_length or cfg.max_position_embeddings), (n for _, n in requests)))
+    is_long = [chunk is not None and len(t) - 1 > chunk for t, _ in cut]
+    long = [i for i, x in enumerate(is_long) if x]
+    short = [i for i, x in enumerate(is_long) if not x]
     out: list[tuple[float, bool]] = [(0.0, False)] * len(cut)
-    for i, s in zip(long, chunked_scores(cfg, params, [cut[i] for i in long], chunk, batch_size, bar)):
-        out[i] = s
-    if short:
-        for i, s in zip(short, request_scores(cfg, params, [cut[i] for i in short], batch_size, max_length, bar)):
+    if long:
+        for i, s in zip(long, chunked_scores(cfg, params, [cut[i] for i in long], chunk, batch_size, bar)):
             out[i] = s
+    for i, s in zip(short, request_scores(cfg, params, [cut[i] for i in short], batch_size, max_length, bar)):
+        out[i] = s
     return out

@@ -96,7 +96,7 @@ def test_continuation_loglikelihood_equals_forward(model):
     cfg, params = model
     rng = np.random.RandomState(0)
     requests = [(rng.randint(0, 256, n).tolist(), k) for n, k in ((5, 2), (19, 7), (3, 2), (40, 1), (12, 11))]
-    got = loglikelihood.loglikelihoods(cfg, params, requests, batch_size=2)  # padded rows, several batches
+    got = [ll for ll, _ in loglikelihood.request_scores(cfg, params, requests, batch_size=2)]  # several batches
     want = [ref_logprobs(cfg, params, t)[-k:].sum() for t, k in requests]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
@@ -104,8 +104,7 @@ def test_continuation_loglikelihood_equals_forward(model):
 def test_rows_read_in_chunks_through_the_cache_equal_forward(model):
     """A row read `chunk` tokens per pass through the KV cache scores as one plain forward pass of the whole row:
     rows of different lengths in one batch (padding), a chunk that does not divide the row, and a model with
-    sliding-window layers whose ring is shorter than the row (it wraps). (Every batch's cache has 64 slots, so
-    the passes compile once per view.)"""
+    sliding-window layers whose ring is shorter than the row (it wraps)."""
     cfg, params = model
     sliding = dataclasses.replace(cfg, sliding_window=6, layer_types=("sliding", "full"))
     rng = np.random.RandomState(3)
@@ -124,13 +123,8 @@ def test_rows_read_in_chunks_through_the_cache_equal_forward(model):
     assert flags == [True, False]
     # window_scores: rows up to `chunk` inputs as plain rows, longer ones chunked, answers in the requests' order.
     mixed = rolling.window_scores(cfg, params, requests, batch_size=2, chunk=24)
-    np.testing.assert_allclose([ll for ll, _ in mixed], [ll for ll, _ in got_full(cfg, params, requests)],
-                               rtol=1e-5, atol=1e-5)
-
-
-def got_full(cfg, params, requests):
-    """Plain batched rows (no chunks) of the same requests."""
-    return loglikelihood.request_scores(cfg, params, requests, batch_size=2)
+    plain = loglikelihood.request_scores(cfg, params, requests, batch_size=2)
+    np.testing.assert_allclose([ll for ll, _ in mixed], [ll for ll, _ in plain], rtol=1e-5, atol=1e-5)
 
 
 def test_shared_context_choices_equal_forward(model, monkeypatch):
@@ -177,11 +171,11 @@ def test_context_continuation_split(tok):
 def test_one_compilation_per_shape(model):
     cfg, params = model
     rng = np.random.RandomState(2)
-    loglikelihood.loglikelihoods(cfg, params, [(rng.randint(0, 256, 9).tolist(), 3)], batch_size=4)
+    loglikelihood.request_scores(cfg, params, [(rng.randint(0, 256, 9).tolist(), 3)], batch_size=4)
     before = loglikelihood._row_scores._cache_size()
     # Other lengths in the same bucket, other parameter values: the compiled program is reused.
     params2 = jax.tree.map(lambda x: x * 1.01, params)
-    loglikelihood.loglikelihoods(cfg, params2, [(rng.randint(0, 256, n).tolist(), 2) for n in (4, 13, 17)],
+    loglikelihood.request_scores(cfg, params2, [(rng.randint(0, 256, n).tolist(), 2) for n in (4, 13, 17)],
                                  batch_size=4)
     assert loglikelihood._row_scores._cache_size() == before
 
