@@ -36,7 +36,7 @@ import sys
 import tempfile
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         passed = ratio_rss <= TARGET_RATIO
         result = {
             "benchmark": "convert_memory_fp8" if args.fp8 else "convert_memory",
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
             "machine": mach,
             "code": code,
             "checkpoint_bytes": ckpt_bytes,

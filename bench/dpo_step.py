@@ -73,7 +73,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from sides import adapter_params, check_targets, emit, merge_rounds, run_child  # bench/sides.py (the script's folder)
 
 SIDES = ("base", "ckpt", "precomputed", "trl")

@@ -23,14 +23,14 @@ import shutil
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convert_memory import CONFIG as LLAMA32_1B  # noqa: E402
-from convert_memory import GiB, TARGET_RATIO, build_checkpoint, code_version, machine, run_zoo, time_copy  # noqa: E402
+from convert_memory import TARGET_RATIO, GiB, build_checkpoint, code_version, machine, run_zoo, time_copy  # noqa: E402
 
 # meta-llama/Meta-Llama-3-8B config.json (untied embeddings), bf16.
 LLAMA3_8B = {
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     m = machine()
     result = {
         "benchmark": "export_memory", "shape": args.shape, "code": code,
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": m,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": m,
         "checkpoint_bytes": size, "copy_s": round(copy_s, 2),
         "convert_s": round(conv["wall_s"], 2), "convert_peak_rss_bytes": conv["peak_rss_bytes"],
         "export_s": round(exp["wall_s"], 2), "export_peak_rss_bytes": exp["peak_rss_bytes"],

@@ -320,9 +320,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_lmzoo(args.ckpt, args.data, args.seq_len, args)))
         return 0
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/sides.py
+    from sides import check_targets, emit
+
     from convert import convert
     from convert.export import export
-    from sides import check_targets, emit
     from zoo.registry import bundled_gguf
     from zoo.tokenizer import load_tokenizer
 

@@ -74,8 +74,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from sides import check_targets, emit, merge_rounds, run_child  # bench/sides.py (the script's folder)
+
 from zoo.params import param_specs
 
 SIDES = ("lora", "full", "peft", "qlora", "lora_bf16")

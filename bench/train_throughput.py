@@ -36,10 +36,9 @@ def run_jax(ckpt: str, batch: int, seq: int, steps: int) -> dict:
     """Time lmzoo's train step (pretrain.step.make_step) on one CPU device."""
     import jax
     import optax
-
-    import zoo
     from jax.sharding import NamedSharding, PartitionSpec
 
+    import zoo
     from pretrain.flops import flops_per_token
     from pretrain.step import init_state, make_step
     from zoo.sharding import make_mesh

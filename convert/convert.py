@@ -10,18 +10,17 @@ import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
-from zoo.checkpoint import HF_CONFIG_FILE, TOKENIZER_DIR, CheckpointWriter, atomic_output, prepare_output
-from zoo.config import ModelConfig
-from zoo.errors import UserError
-from zoo.memory import release_free_memory
-from zoo.params import param_specs
-
 from convert import fp8, mtp
 from convert.hf_config import model_config_from_hf, source_format
 from convert.safetensors_out import write_streaming
 from convert.source import Source, open_source
 from convert.tables import BoundRule, table_for
 from convert.transforms import TRANSFORMS
+from zoo.checkpoint import HF_CONFIG_FILE, TOKENIZER_DIR, CheckpointWriter, atomic_output, prepare_output
+from zoo.config import ModelConfig
+from zoo.errors import UserError
+from zoo.memory import release_free_memory
+from zoo.params import param_specs
 
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 

@@ -22,13 +22,6 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from zoo.checkpoint import HF_CONFIG_FILE, TOKENIZER_DIR, ParamReader, atomic_output, read_meta
-from zoo.config import ModelConfig
-from zoo.errors import UserError
-from zoo.loading import param_reader
-from zoo.memory import release_free_memory
-from zoo.params import param_specs
-
 from convert.convert import DTYPES, shape_only
 from convert.hf_config import export_hf_config
 from convert.mtp import EXTRA_FILE
@@ -36,6 +29,12 @@ from convert.readers import SafetensorsFolder
 from convert.safetensors_out import ST_NAMES, encode_header
 from convert.tables import table_for
 from convert.transforms import TRANSFORMS
+from zoo.checkpoint import HF_CONFIG_FILE, TOKENIZER_DIR, ParamReader, atomic_output, read_meta
+from zoo.config import ModelConfig
+from zoo.errors import UserError
+from zoo.loading import param_reader
+from zoo.memory import release_free_memory
+from zoo.params import param_specs
 
 DEFAULT_MAX_SHARD = "5GB"
 

@@ -18,9 +18,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from zoo.errors import UserError
-
 from convert.readers import SafetensorsFolder
+from zoo.errors import UserError
 
 FP8_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
 SCALE_SUFFIX = "_scale_inv"

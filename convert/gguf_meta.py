@@ -9,8 +9,9 @@ tables: llama.cpp metadata keys -> Hugging Face config fields, and
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from zoo.errors import UserError
 

@@ -21,17 +21,16 @@ from typing import Any
 
 import numpy as np
 
+from convert.convert import DTYPES, shape_only
+from convert.export import DTYPES_ALL, ST_NAMES, PlannedTensor, assign_shards, safetensors_header
+from convert.tables import BoundRule, table_for
+from convert.transforms import TRANSFORMS
 from zoo.adapter import base_location
 from zoo.checkpoint import MODEL_FILE, atomic_output, load_param_numpy, read_meta
 from zoo.config import ModelConfig
 from zoo.errors import UserError
 from zoo.lora import HF_TO_ZOO
 from zoo.params import param_specs
-
-from convert.convert import DTYPES, shape_only
-from convert.export import DTYPES_ALL, ST_NAMES, PlannedTensor, assign_shards, safetensors_header
-from convert.tables import BoundRule, table_for
-from convert.transforms import TRANSFORMS
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

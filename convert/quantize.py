@@ -14,14 +14,13 @@ from pathlib import Path
 
 import numpy as np
 
+from convert.mtp import EXTRA_FILE
 from zoo import quant, quant_checkpoint
 from zoo.checkpoint import HF_CONFIG_FILE, TOKENIZER_DIR, CheckpointWriter, atomic_output, read_meta
 from zoo.config import ModelConfig
 from zoo.errors import UserError
 from zoo.loading import param_reader, quantized_param
 from zoo.params import param_specs
-
-from convert.mtp import EXTRA_FILE
 
 
 def quantize_checkpoint(src: str | Path, out: str | Path, kind: str = "nf4", double: bool = False,

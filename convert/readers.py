@@ -228,7 +228,7 @@ class GGUFFile:
         return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _dequantizable(qtype: Any) -> bool:
     """Whether the ``gguf`` package dequantizes this tensor type (tried on one zero block: it has no public list)."""
     import gguf

@@ -6,14 +6,14 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
-
-from zoo import registry
-from zoo.errors import UserError
+from typing import Any
 
 from convert.readers import GGUFFile, SafetensorsFolder
+from zoo import registry
+from zoo.errors import UserError
 
 # What a conversion needs from a Hub repo: never pickled weights.
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.jinja", "*.txt", "*.tiktoken"]

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from zoo.errors import UserError
-
 from pretrain.config import TrainConfig
 from sft.config import ChatDataSection
+from zoo.errors import UserError
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo")  # dpo/losses.py
 

@@ -62,8 +62,8 @@ from typing import Any
 
 import numpy as np
 
-from sft.formats import BadRow, parse_messages
 from sft.chat import ChatTemplate, as_template, assistant_spans
+from sft.formats import BadRow, parse_messages
 from sft.masks import TokenizeStats, bos_head, special_affixes, split_whole, with_eos
 
 CHOSEN, REJECTED, PROMPT = 1, 2, 3  # the segment ids of a pair's answers and of its shared prompt
@@ -282,8 +282,8 @@ def pair_documents(rows: Iterable[tuple[int, dict[str, Any]]], tokenizer: Any,
     ``drop_long``, left out. ``shared_prompt`` picks the row layout (see the
     module docstring).
     """
-    from zoo.row_origin import bad_row, row_where
     from zoo.errors import UserError
+    from zoo.row_origin import bad_row, row_where
 
     out: dict[int, dict[str, np.ndarray]] = {}
     skipped, too_long, first_bad = 0, set(), ""

@@ -31,7 +31,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from zoo.batching import score_documents
 from zoo.config import ModelConfig
-from zoo.errors import UserError
 
 CACHE_DIR = "reference_logps"
 CACHE_VERSION = "3"  # bump when what is cached changes meaning (3: + params dtype and chat template)

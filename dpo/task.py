@@ -31,24 +31,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zoo.config import ModelConfig
-from zoo.errors import UserError
-from zoo.params import flatten
-
-from pretrain.config import TrainConfig, data_sources
 from dpo.config import DPOConfig
-from zoo.datafiles import indexed_rows, load_dataset_rows
+from dpo.data import CHOSEN, REJECTED, pair_documents
+from dpo.losses import REFERENCE_FREE, preference_loss, rpo_nll_scale
+from dpo.reference import cached_reference_logps, compute_reference_logps, load_reference, resolve_checkpoint
+from pretrain.config import TrainConfig, data_sources
 from pretrain.dtypes import DTYPES
 from pretrain.mixture import source_config
 from pretrain.preflight import check_untrainable, untrainable
 from pretrain.task import RowSource, Task
 from sft.task import chat_template_of
-
-from dpo.data import CHOSEN, REJECTED, pair_documents
+from zoo.batching import Document
+from zoo.config import ModelConfig
+from zoo.datafiles import indexed_rows, load_dataset_rows
+from zoo.errors import UserError
 from zoo.logps import batch_logps
+from zoo.params import flatten
 from zoo.quant import cast_params
-from dpo.losses import REFERENCE_FREE, preference_loss, rpo_nll_scale
-from dpo.reference import cached_reference_logps, compute_reference_logps, load_reference, resolve_checkpoint
 
 # The metrics each step logs (TRL's names), besides `loss`: means over the global batch's pairs.
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",

@@ -84,7 +84,7 @@ def eval_command(args: argparse.Namespace) -> None:
     report = {
         "checkpoint": str(Path(args.ckpt).absolute()),
         "lmzoo_version": zoo.__version__,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "settings": {"tasks": [t.name for t in tasks], "limit": args.limit, "batch_size": args.batch_size,
                      "num_fewshot": args.num_fewshot, "chat_template": args.chat_template, "dtype": args.dtype,
                      "devices": f"{jax.devices()[0].platform} x{jax.device_count()}"},

@@ -148,7 +148,7 @@ class LmzooLM(TemplateLM):
         """(log-likelihood, greedy) of each tokenized request, in order (see the module's docstring)."""
         out: list[tuple[float, bool] | None] = [None] * len(requests)
         groups: dict[tuple[int, ...], list[int]] = {}
-        for i, (_, ctx, cont) in enumerate(requests):
+        for i, (_, ctx, _cont) in enumerate(requests):
             groups.setdefault(tuple(ctx), []).append(i)
         # A shared context goes through the cache once when its continuations are short beside the window;
         # long continuations are rows of their own (read in chunks through the cache when longer than `chunk`).

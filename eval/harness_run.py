@@ -87,7 +87,7 @@ def harness_command(args: argparse.Namespace) -> None:
         return
     samples = results.pop("samples", None)
     report = {"checkpoint": str(Path(ckpt).absolute()), "backend": "lmzoo",
-              "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "timings": {"load_s": round(t_load, 3), "eval_s": round(t_total - t_load, 3)}, **results}
     write_atomic(out, json.dumps(report, indent=2, default=str) + "\n")
     print(f"wrote {out}")

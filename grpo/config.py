@@ -10,12 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from zoo.errors import UserError
-
+from grpo.losses import IMPORTANCE_LEVELS, LOSS_TYPES, SCALE_REWARDS
 from pretrain.config import TrainConfig
 from sft.config import ChatDataSection
-
-from grpo.losses import IMPORTANCE_LEVELS, LOSS_TYPES, SCALE_REWARDS
+from zoo.errors import UserError
 
 
 @dataclass

@@ -23,9 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from zoo.errors import UserError
-
 from grpo import verifiers
+from zoo.errors import UserError
 
 # The arguments the trainer passes every reward function by name (TRL's); a data column or a grpo.rewards key of
 # the same name would collide with them.

@@ -37,17 +37,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from zoo.batching import Document, replicated_batch
-from zoo.config import ModelConfig
-from zoo.datafiles import indexed_rows, load_dataset_rows
-from zoo.errors import UserError
-from zoo.logps import batch_logps
-from zoo.loading import load_reference
-from zoo.lora import lora_scale
-from zoo.row_origin import bad_row, row_where
-from zoo.quant import cast_params
-
 from eval.generate import Sampler
+from grpo import losses
+from grpo.config import GRPOConfig
+from grpo.rewards import load_rewards
+from grpo.rollout import RolloutSpec, assemble, sample_group_completions
 from pretrain import distributed
 from pretrain.config import TrainConfig
 from pretrain.dtypes import DTYPES
@@ -55,11 +49,15 @@ from pretrain.task import RowSource, Task
 from sft.chat import render, template_text
 from sft.formats import BadRow
 from sft.task import chat_template_of
-
-from grpo import losses
-from grpo.config import GRPOConfig
-from grpo.rewards import load_rewards
-from grpo.rollout import RolloutSpec, assemble, sample_group_completions
+from zoo.batching import Document, replicated_batch
+from zoo.config import ModelConfig
+from zoo.datafiles import indexed_rows, load_dataset_rows
+from zoo.errors import UserError
+from zoo.loading import load_reference
+from zoo.logps import batch_logps
+from zoo.lora import lora_scale
+from zoo.quant import cast_params
+from zoo.row_origin import bad_row, row_where
 
 COMPLETIONS_FILE = "completions.jsonl"
 SAMPLER_DIFF = "logps/sampler_max_diff"  # max |sampler log p - trainer log p| over the batch's completion tokens

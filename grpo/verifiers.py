@@ -119,8 +119,8 @@ def last_number(text: str) -> float | None:
             if den:
                 return (-1 if frac[1] else 1) * num / den
     last = None
-    for last in _NUMBER.finditer(text):
-        pass
+    for match in _NUMBER.finditer(text):
+        last = match
     return None if last is None else _parse_number(last[0])
 
 

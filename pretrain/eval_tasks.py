@@ -9,11 +9,10 @@ from typing import Any
 
 import jax
 
+from pretrain.config import TrainConfig
 from zoo.config import ModelConfig
 from zoo.errors import UserError
 from zoo.lora import LoraConfig, merge_lora
-
-from pretrain.config import TrainConfig
 
 
 class TrainingEval:

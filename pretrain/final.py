@@ -7,16 +7,14 @@ from pathlib import Path
 
 import jax
 
-from zoo.adapter import adapter_meta
-from zoo.checkpoint import (HF_CONFIG_FILE, TOKENIZER_DIR, CheckpointWriter, read_meta, remove_stale_scratch,
-                            save_params)
-from zoo.config import ModelConfig
-from zoo.lora import LoraConfig, lora_specs
-from zoo.params import param_specs
-
 from pretrain import distributed
 from pretrain.config import TrainConfig
 from pretrain.setup import frozen_base_quant
+from zoo.adapter import adapter_meta
+from zoo.checkpoint import HF_CONFIG_FILE, TOKENIZER_DIR, CheckpointWriter, read_meta, remove_stale_scratch, save_params
+from zoo.config import ModelConfig
+from zoo.lora import LoraConfig, lora_specs
+from zoo.params import param_specs
 
 
 def write_final(out: Path, cfg: TrainConfig, mcfg: ModelConfig, params: dict, src: Path | None, tok_dir: Path,

@@ -9,13 +9,12 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from zoo.errors import UserError
-
 from pretrain.config import TrainConfig
 from pretrain.data import LaneBatches, lane_dataset
 from pretrain.mixture import mixture_data
 from pretrain.sources import RunData, epoch_unit, read_source
 from pretrain.task import Task
+from zoo.errors import UserError
 
 
 def owned_rows(sharding: NamedSharding, shape: tuple[int, int, int]) -> tuple[list[int], list[int]]:

@@ -24,12 +24,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from zoo.batching import Document
-
 from pretrain.config import DataSource, TrainConfig, data_sources
 from pretrain.data import LaneBatches, fit_documents, mixed_lane_dataset
 from pretrain.sources import RunData, SourceShare, epoch_unit, read_source
 from pretrain.task import Task
+from zoo.batching import Document
 
 GLOBAL_EVAL = "eval"  # the name of data.eval_path's eval set in RunData.eval_sets
 

@@ -15,12 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from zoo.batching import Document, to_model_batch
-from zoo.errors import UserError
-
 from pretrain import distributed
 from pretrain.config import TrainConfig
 from pretrain.data import packed_batches, tokens_of
+from zoo.batching import Document, to_model_batch
+from zoo.errors import UserError
+
 
 def trained_targets(doc: Document, seq_len: int) -> int:
     """The targets ``doc`` trains once cut to a row of ``seq_len + 1`` tokens (plain ids: every target)."""
@@ -107,8 +107,8 @@ def check_eval(docs: list[Document], cfg: TrainConfig, micro: int, packing: str)
         where = f"data.eval_fraction {d.eval_fraction} of data.path {d.path}"
     size = f"{len(docs)} examples, {sum(len(tokens_of(x)) for x in docs)} tokens"
     if not docs:
-        cut = ("none fits data.seq_len + 1 = {} tokens (data.long_examples: drop); raise data.seq_len"
-               .format(d.seq_len + 1) if d.long_examples == "drop" else "add eval examples")
+        cut = (f"none fits data.seq_len + 1 = {d.seq_len + 1} tokens (data.long_examples: drop); raise data.seq_len"
+                if d.long_examples == "drop" else "add eval examples")
         raise UserError(f"the eval set ({where}) has no usable example: {cut}")
     row = "examples" if packing == "none" else f"rows of data.seq_len + 1 = {d.seq_len + 1} tokens"
     if not fills_batch(docs, cfg, micro, packing):

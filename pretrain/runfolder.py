@@ -18,9 +18,8 @@ from typing import Any
 
 import yaml
 
-from zoo.errors import UserError
-
 from pretrain.config import TrainConfig, config_keys
+from zoo.errors import UserError
 
 CONFIG_FILE = "config.yaml"
 # Keys a resumed run may change freely (a key or a whole section). Anything else is a change of the run itself.

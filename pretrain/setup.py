@@ -7,6 +7,8 @@ from pathlib import Path
 
 import jax
 
+from pretrain.config import TrainConfig
+from pretrain.dtypes import DTYPES
 from zoo.checkpoint import read_config
 from zoo.config import ModelConfig
 from zoo.errors import UserError
@@ -15,9 +17,6 @@ from zoo.lora import LoraConfig, init_lora, lora_specs
 from zoo.params import init_params, nest, param_specs
 from zoo.sharding import named_sharding
 from zoo.tokenizer import holds_tokenizer, tokenizer_dir
-
-from pretrain.config import TrainConfig
-from pretrain.dtypes import DTYPES
 
 
 def load_model(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> tuple[ModelConfig, dict, Path | None, Path]:

@@ -12,14 +12,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from zoo.batching import Document
-from zoo.errors import UserError
-
 from pretrain import distributed
 from pretrain.config import DataSource, TrainConfig
 from pretrain.data import LaneBatches, fit_documents, lane_rows, split_rows, tokens_of
 from pretrain.preflight import check_untrainable
 from pretrain.task import Task
+from zoo.batching import Document
+from zoo.errors import UserError
 
 
 @dataclasses.dataclass

@@ -9,10 +9,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from pretrain.task import PretrainTask, Task
 from zoo.config import ModelConfig
 from zoo.memory import release_free_memory
-
-from pretrain.task import PretrainTask, Task
 
 
 def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any, remat: str = "none",

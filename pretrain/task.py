@@ -15,16 +15,15 @@ from typing import Any, ClassVar
 
 import jax
 
+from pretrain.config import TrainConfig
+from pretrain.data import tokenize_rows
+from pretrain.preflight import keeps_a_target
 from zoo.batching import Document
 from zoo.config import ModelConfig
 from zoo.datafiles import load_rows
 from zoo.loss import next_token_nll_sum
 from zoo.model import forward, stored_head
 from zoo.quant import cast_params
-
-from pretrain.config import TrainConfig
-from pretrain.data import tokenize_rows
-from pretrain.preflight import keeps_a_target
 
 
 @dataclass

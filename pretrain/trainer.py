@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import sys
-from collections.abc import Sequence
 import time
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 
@@ -24,26 +24,25 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
-from zoo.console import is_terminal
-from zoo.errors import UserError
-from zoo.batching import replicated_batch, to_model_batch
-from zoo.lora import lora_scale
-from zoo.sharding import make_mesh
-from zoo.tokenizer import load_tokenizer
-
 from pretrain import distributed, preflight, runfolder, runlog
 from pretrain.config import TrainConfig, to_yaml
 from pretrain.data import packed_batches
 from pretrain.dtypes import DTYPES
+from pretrain.eval_tasks import TrainingEval
 from pretrain.final import write_final
 from pretrain.flops import flops_per_token, peak_flops
-from pretrain.sources import describe as describe_mixture
 from pretrain.lanes import check_same_processes, global_batch, run_data
 from pretrain.optim import build_optimizer, lr_schedule
-from pretrain.eval_tasks import TrainingEval
 from pretrain.setup import init_adapters, load_model, lora_settings, quantize_frozen_base
+from pretrain.sources import describe as describe_mixture
 from pretrain.step import extra_means, init_state, make_step
 from pretrain.task import PretrainTask, Task
+from zoo.batching import replicated_batch, to_model_batch
+from zoo.console import is_terminal
+from zoo.errors import UserError
+from zoo.lora import lora_scale
+from zoo.sharding import make_mesh
+from zoo.tokenizer import load_tokenizer
 
 
 def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = None, fresh: bool = False,

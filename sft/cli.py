@@ -48,8 +48,8 @@ def _inspect(cfg, n: int, color: bool) -> None:
 
 
 def _inspect_source(task, cfg, tokenizer, n: int, color: bool) -> None:
-    from zoo.row_origin import row_where
     from sft.masks import render_mask
+    from zoo.row_origin import row_where
 
     rows = task.load(cfg.data.path, cfg)
     docs, bad = task.documents(rows, tokenizer, cfg.data.path, cfg.data.skip_bad_rows, list(range(min(n, len(rows)))))

@@ -9,9 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from zoo.errors import UserError
-
 from pretrain.config import DataSection, DataSource, TrainConfig
+from zoo.errors import UserError
 
 
 @dataclass

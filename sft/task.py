@@ -7,16 +7,16 @@ from typing import Any
 
 import jax
 
-from zoo.config import ModelConfig
-from zoo.errors import UserError
-
 from pretrain.config import TrainConfig
-from sft.config import SFTConfig
-from zoo.datafiles import indexed_rows, load_dataset_rows
 from pretrain.task import RowSource, Task, next_token_loss_sums
 from sft.chat import ChatTemplate, parse_date
+from sft.config import SFTConfig
 from sft.formats import detect_format
 from sft.masks import tokenize_indexed
+from zoo.batching import Document
+from zoo.config import ModelConfig
+from zoo.datafiles import indexed_rows, load_dataset_rows
+from zoo.errors import UserError
 
 
 def chat_template_of(cfg: TrainConfig) -> ChatTemplate:

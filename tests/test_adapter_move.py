@@ -22,8 +22,8 @@ from zoo.checkpoint import MODEL_FILE, CheckpointWriter, read_meta, save_params
 from zoo.cli import main
 from zoo.config import ModelConfig
 from zoo.errors import UserError
-from zoo.lora import LoraConfig, lora_specs
 from zoo.loading import load_params
+from zoo.lora import LoraConfig, lora_specs
 from zoo.params import flatten, nest, param_specs
 
 CFG = ModelConfig(family="llama", vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -135,7 +135,7 @@ def test_a_changed_base_is_refused_naming_both_paths(tmp_path, capsys):
 
 def test_the_relative_base_comes_first_then_the_recorded_one(tmp_path):
     base = write_base(tmp_path / "work" / "base")
-    sft = write_run(base, tmp_path / "work" / "sft", SFT, seed=1)
+    write_run(base, tmp_path / "work" / "sft", SFT, seed=1)
     # A copy of the run beside another base: the relative path leads to a changed base, the recorded one is fine.
     copy = tmp_path / "copy"
     shutil.copytree(tmp_path / "work" / "sft", copy / "sft")

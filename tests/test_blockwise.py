@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from flax import nnx
 
 from zoo.blocks import ACTIVATIONS, dense, glu_down, normed_dense, rms_norm

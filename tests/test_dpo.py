@@ -14,8 +14,8 @@ import pytest
 
 import zoo
 from dpo.cli import main as dpo_main
-from dpo.task import DPOTask
 from dpo.config import DPOConfig
+from dpo.task import DPOTask
 from pretrain.config import load_config
 from pretrain.trainer import train
 from tests.tiny import SMOLLM2_TINY, copy_smollm2_tiny, hf_logits, kill_after_checkpoint, log_softmax, make_llama
@@ -387,8 +387,8 @@ def test_shared_prompt_rows_score_each_answer_as_its_own_sequence(setup, lora):
     import jax.numpy as jnp
 
     from dpo.data import CHOSEN, REJECTED, normalize_pair, pair_document, tokenize_pair
-    from zoo.logps import batch_logps
     from zoo.batching import padded, to_model_batch
+    from zoo.logps import batch_logps
     from zoo.lora import LoraConfig, init_lora, lora_scale
 
     root, tok, _ = setup
@@ -441,8 +441,8 @@ def test_sliding_window_models_keep_the_two_copy_layout(setup, tmp_path):
 def test_demo_pair_scores_equal_transformers_log_probabilities(setup):
     """The main job's held-out pair scores (demo.job.pair_logps, the DPO row layout with a shared prompt)
     are each answer's summed token log-probabilities given its prompt, as transformers computes them."""
-    from dpo.data import normalize_pair, tokenize_pair
     from demo.job import pair_logps
+    from dpo.data import normalize_pair, tokenize_pair
 
     root, tok, models = setup
     pairs = _pairs(5, seed=3)

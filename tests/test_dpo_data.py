@@ -5,10 +5,19 @@ import json
 import numpy as np
 import pytest
 
-from dpo.data import (CHOSEN, PROMPT, REJECTED, PairTokens, fit_pair, normalize_pair, pair_document, pair_length,
-                      tokenize_pair)
-from dpo.task import DPOTask
 from dpo.config import DPOConfig
+from dpo.data import (
+    CHOSEN,
+    PROMPT,
+    REJECTED,
+    PairTokens,
+    fit_pair,
+    normalize_pair,
+    pair_document,
+    pair_length,
+    tokenize_pair,
+)
+from dpo.task import DPOTask
 from pretrain.config import load_config
 from sft.formats import BadRow
 from zoo.errors import UserError

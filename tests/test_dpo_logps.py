@@ -67,8 +67,8 @@ def test_a_tied_head_is_read_in_place_not_transposed(monkeypatch):
     [hidden, vocab] copy of it (embed.T would be one, 108 MiB at SmolLM2's size, carried through the
     chunk loop)."""
     import zoo.loss
-    from zoo.logps import batch_logps
     from zoo.config import ModelConfig
+    from zoo.logps import batch_logps
     from zoo.params import init_params
 
     cfg = ModelConfig(family="llama", vocab_size=80, hidden_size=48, intermediate_size=96, num_layers=2,

@@ -12,16 +12,15 @@ on a tiny model against transformers' log-probabilities.
 
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
 import dpo.task
+from dpo.config import DPOConfig
 from dpo.data import CHOSEN, PROMPT, REJECTED
 from dpo.task import DPOTask
-from dpo.config import DPOConfig
 from pretrain.config import load_config
 from pretrain.step import make_step
 from pretrain.trainer import train

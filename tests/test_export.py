@@ -66,7 +66,7 @@ def test_transformers_loads_export_without_missing_or_unexpected_keys(tmp_path):
     assert main(["export", str(tmp_path / "zoo"), "--out", str(tmp_path / "back"), "--max-shard-size", "60KB"]) == 0
     back = tmp_path / "back"
     assert (back / "model.safetensors.index.json").is_file()
-    assert (back / ("model-00001-of-%05d.safetensors" % len(list(back.glob("model-*.safetensors"))))).is_file()
+    assert (back / (f"model-00001-of-{len(list(back.glob('model-*.safetensors'))):05d}.safetensors")).is_file()
     index = json.loads((back / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"].values()) == {p.name for p in back.glob("model-*.safetensors")}
     # The loading info is what transformers' "not used" / "newly initialized" warnings report.

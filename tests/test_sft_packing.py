@@ -6,8 +6,8 @@ import numpy as np
 from flax import nnx
 
 from pretrain.data import fit_documents, packed_batches
-from zoo.batching import to_model_batch
 from pretrain.task import next_token_loss_sums
+from zoo.batching import to_model_batch
 from zoo.config import ModelConfig
 from zoo.model import Decoder
 

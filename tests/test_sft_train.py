@@ -8,9 +8,9 @@ import pytest
 
 import zoo
 from pretrain.config import load_config
-from sft.config import SFTConfig
 from pretrain.trainer import train
 from sft.cli import main as sft_main
+from sft.config import SFTConfig
 from sft.task import SFTTask
 from tests.tiny import copy_smollm2_tiny
 from zoo.cli import main as zoo_main
@@ -190,7 +190,6 @@ def test_lora_kill_and_resume_is_bit_identical(setup, tmp_path, monkeypatch):
     """...also when the run resumes on another day, with a template that writes today's date (strftime_now)."""
     import transformers.utils.chat_template_utils as ctu
 
-    import pretrain.trainer as trainer
 
     root, tok = setup
     dated = tmp_path / "dated.jinja"  # ChatML with a Llama-3.2-style date line in the system turn
@@ -323,7 +322,6 @@ QLORA = (*LORA, "lora.base_quant=nf4", "lora.base_quant_double=true")
 
 
 def test_qlora_sft_trains_resumes_and_merges_into_the_dequantized_base(setup, tmp_path, monkeypatch, capsys):
-    import pretrain.trainer as trainer
     from zoo import quant
     from zoo.adapter import load_adapters, lora_config
     from zoo.lora import lora_scale

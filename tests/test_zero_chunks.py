@@ -14,8 +14,8 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 import zoo
-from tests.tiny import make_hf
 import zoo.checkpoint
+from tests.tiny import make_hf
 from zoo.cli import main
 
 

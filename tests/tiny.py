@@ -7,7 +7,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-
 _BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
 

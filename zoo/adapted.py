@@ -19,7 +19,6 @@ import jax.numpy as jnp
 from zoo.blocks import dense, dense_unnamed, normed_dense, rms_norm
 from zoo.config import ModelConfig
 
-
 # Every weight that can carry a LoRA adapter, in a fixed order: its index is folded into the layer's dropout
 # key, so each adapted projection draws its own mask (q's adapter never sees v's mask).
 ADAPTABLE = ("q", "k", "v", "o", "gate", "up", "down", "expert_gate", "expert_up", "expert_down",

@@ -37,8 +37,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from zoo.checkpoint import (MODEL_FILE, PARAMS_DIR, ParamReader, StoredSection, load_param_numpy, np_dtype,
-                            orbax_v1, read_meta)
+from zoo.checkpoint import (
+    MODEL_FILE,
+    PARAMS_DIR,
+    ParamReader,
+    StoredSection,
+    load_param_numpy,
+    np_dtype,
+    orbax_v1,
+    read_meta,
+)
 from zoo.config import ModelConfig
 from zoo.errors import UserError
 from zoo.lora import LoraConfig, lora_delta, lora_scale, lora_specs, target_modules

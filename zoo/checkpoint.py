@@ -310,7 +310,7 @@ def verify_complete(ckpt: str | os.PathLike, section: str | None = None,
                 rng, n = _shard_index_range(sharding, chunk)
                 checks.append((p, key, rng, n, (sharding, chunk, pos, shape, itemsize)))
     reads = [kv.read(key, byte_range=rng) for _, key, rng, _, _ in checks]
-    for (p, key, rng, n, shard), fut in zip(checks, reads):
+    for (p, key, _rng, n, shard), fut in zip(checks, reads):
         try:
             r = fut.result()
             value = r.value if r.state == "value" else b""

@@ -160,7 +160,7 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """Inverse of :meth:`to_dict`; unknown keys are an error."""
         d = dict(d)
         names = {f.name for f in dataclasses.fields(cls)}
