@@ -70,6 +70,7 @@ def convert(source: str, out: str | Path, dtype: str | None = None, progress: bo
     """
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    cast_to = None if dtype is None else DTYPES[dtype]
     out = Path(out)
     prepare_output(out)
     src = open_source(source)
@@ -81,7 +82,7 @@ def convert(source: str, out: str | Path, dtype: str | None = None, progress: bo
         if scaling is None:
             fp8.refuse_unscaled_fp8(src.reader, src.description)
         else:
-            src.reader = fp8.DequantizingReader(src.reader, scaling, DTYPES.get(dtype) or fp8.DEFAULT_DTYPE,
+            src.reader = fp8.DequantizingReader(src.reader, scaling, cast_to or fp8.DEFAULT_DTYPE,
                                                 src.description)
             stored_config.pop("quantization_config")  # the checkpoint holds the dequantized weights
     extra = mtp.mtp_tensors(src.reader.names(), src.hf_config)
@@ -110,7 +111,7 @@ def convert(source: str, out: str | Path, dtype: str | None = None, progress: bo
                    unit="tensor", disable=None if progress is None else not progress)
         # Whole parameters first; stacked ones are reserved, then streamed slice by slice.
         for rule in rules:
-            dt = DTYPES.get(dtype) or src.reader.dtype(rule.hf_names()[0])
+            dt = cast_to or src.reader.dtype(rule.hf_names()[0])
             if rule.stacked:
                 writer.reserve(rule.zoo, specs[rule.zoo].shape, dt, specs[rule.zoo].axes, rule.slice_axes)
                 continue
@@ -120,12 +121,12 @@ def convert(source: str, out: str | Path, dtype: str | None = None, progress: bo
             release_free_memory()
         for rule in rules:
             if rule.stacked:
-                dt = DTYPES.get(dtype) or src.reader.dtype(rule.hf_names()[0])
+                dt = cast_to or src.reader.dtype(rule.hf_names()[0])
                 bar.set_postfix_str(rule.zoo)
                 writer.write_slices(rule.zoo, ((ix, build_piece(src, cfg, rule, ix, dt)) for ix in _counted(rule.indices(), bar)))
         if keep_mtp:
             bar.set_postfix_str("multi-token prediction")
-            kept = [(n, src.reader.shape(n), DTYPES.get(dtype) or src.reader.dtype(n)) for n in extra]
+            kept = [(n, src.reader.shape(n), cast_to or src.reader.dtype(n)) for n in extra]
             write_streaming(folder / mtp.EXTRA_FILE, kept, lambda n: _counted_read(src, n, bar))
         bar.close()
         src.save_tokenizer(folder / TOKENIZER_DIR)

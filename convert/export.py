@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from convert.readers import SafetensorsFolder
 from convert.safetensors_out import ST_NAMES, encode_header
 from convert.tables import table_for
 from convert.transforms import TRANSFORMS
-from zoo.checkpoint import HF_CONFIG_FILE, TOKENIZER_DIR, ParamReader, atomic_output, read_meta
+from zoo.checkpoint import HF_CONFIG_FILE, TOKENIZER_DIR, ParamSource, atomic_output, read_meta
 from zoo.config import ModelConfig
 from zoo.errors import UserError
 from zoo.loading import param_reader
@@ -88,7 +89,7 @@ def plan_tensors(cfg: ModelConfig, meta: dict[str, Any], dtype: str | None) -> l
         piece = spec.shape[rule.slice_axes:]
         shape = tuple(TRANSFORMS[rule.transform].inverse(shape_only(piece), cfg).shape)
         for ix in rule.indices():
-            layer = rule.layers[ix[0]] if ix else (-1 if rule.zoo == "embed" else cfg.num_layers)
+            layer = rule.layers[ix[0]] if rule.layers is not None else (-1 if rule.zoo == "embed" else cfg.num_layers)
             t = PlannedTensor(rule.hf_name(ix), rule.zoo, ix or None, rule.transform, shape, dt)
             keyed.append(((layer, pos, ix[1:]), t))
     keyed.sort(key=lambda kt: kt[0])
@@ -207,13 +208,13 @@ def _write_shards(ckpt: Path, cfg: ModelConfig, tensors: list[PlannedTensor], n:
                 extra = SafetensorsFolder(ckpt, [ckpt / EXTRA_FILE])
                 for t in items:
                     x = np.ascontiguousarray(extra.get(t.name), dtype=DTYPES_ALL[t.dtype])
-                    os.pwrite(fds[t.shard], memoryview(x.reshape(-1).view(np.uint8)), data_start[t.shard] + t.offset)
+                    os.pwrite(fds[t.shard], x.reshape(-1).view(np.uint8).data, data_start[t.shard] + t.offset)
                     del x
                 continue
             param = param_reader(ckpt, zoo_path)
             for t in items:
                 for offset, x in _hf_pieces(param, t, cfg):
-                    os.pwrite(fds[t.shard], memoryview(x.reshape(-1).view(np.uint8)), data_start[t.shard] + t.offset + offset)
+                    os.pwrite(fds[t.shard], x.reshape(-1).view(np.uint8).data, data_start[t.shard] + t.offset + offset)
                     del x
             del param
             release_free_memory()
@@ -227,7 +228,7 @@ _ROW_AXIS = {"identity": 0, "transpose": 1}
 _BLOCK_BYTES = 64 * 2**20
 
 
-def _hf_pieces(param: ParamReader, t: PlannedTensor, cfg: ModelConfig):
+def _hf_pieces(param: ParamSource, t: PlannedTensor, cfg: ModelConfig) -> Iterator[tuple[int, np.ndarray]]:
     """(byte offset within the HF tensor, contiguous array) pieces that make up tensor ``t``.
 
     A per-layer tensor is one piece. A large un-stacked one (embeddings, lm_head)
@@ -280,7 +281,7 @@ def _common_dtype(tensors: list[PlannedTensor]) -> str:
     by: dict[str, int] = {}
     for t in tensors:
         by[t.dtype] = by.get(t.dtype, 0) + t.nbytes
-    return max(by, key=by.get)
+    return max(by, key=lambda d: by[d])
 
 
 def planned_files(ckpt: str | Path, dtype: str | None = None, max_shard_size: str = DEFAULT_MAX_SHARD) -> list[tuple[str, int]]:

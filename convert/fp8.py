@@ -18,7 +18,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from convert.readers import SafetensorsFolder
+from convert.readers import TensorReader
 from zoo.errors import UserError
 
 FP8_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
@@ -83,7 +83,7 @@ class DequantizingReader:
     The counts (tensors dequantized, bytes read, bytes produced) feed the converter's summary line.
     """
 
-    reader: SafetensorsFolder
+    reader: TensorReader
     block: BlockScaling
     out_dtype: np.dtype
     where: str
@@ -146,7 +146,7 @@ class DequantizingReader:
                 f"{human_bytes(self.bytes_in)} in (weights + scales), {human_bytes(self.bytes_out)} out")
 
 
-def refuse_unscaled_fp8(reader: SafetensorsFolder, where: str) -> None:
+def refuse_unscaled_fp8(reader: TensorReader, where: str) -> None:
     """An FP8 tensor in a checkpoint whose config declares no FP8 quantization: nothing says how to scale it."""
     for name in reader.names():
         if reader.dtype(name) in FP8_DTYPES:

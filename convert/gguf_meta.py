@@ -167,7 +167,8 @@ def _byte_level_bpe(meta: dict[str, Any]):
         t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
         for i, t in enumerate(meta["tokenizer.ggml.tokens"])
     }
-    return GPT2Tokenizer(vocab=vocab, merges=_merges(meta, vocab))
+    # transformers annotates merges as str | list[str], but hands them to tokenizers' BPE, which takes pairs
+    return GPT2Tokenizer(vocab=vocab, merges=_merges(meta, vocab))  # type: ignore[arg-type]
 
 
 def _sentencepiece_bpe(meta: dict[str, Any]):
@@ -190,7 +191,9 @@ def _gemma_sentencepiece(meta: dict[str, Any]):
     tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in meta["tokenizer.ggml.tokens"]]
     vocab = {t: i for i, t in enumerate(tokens)}
     order = {t: -float(i) for i, t in enumerate(tokens)}
-    return GemmaTokenizer(vocab=vocab, merges=_merges({**meta, "tokenizer.ggml.tokens": tokens}, vocab, order))
+    merges = _merges({**meta, "tokenizer.ggml.tokens": tokens}, vocab, order)
+    # transformers annotates merges as str | list[str], but hands them to tokenizers' BPE, which takes pairs
+    return GemmaTokenizer(vocab=vocab, merges=merges)  # type: ignore[arg-type]
 
 
 def _merges(meta: dict[str, Any], vocab: dict[str, int],
@@ -227,7 +230,7 @@ def build_tokenizer(meta: dict[str, Any], where: str):
     kind = meta.get("tokenizer.ggml.model")
     if kind not in TOKENIZER_BUILDERS or "tokenizer.ggml.tokens" not in meta:
         raise UserError(f"{where}: GGUF tokenizer {kind!r} is not supported (supported: {', '.join(TOKENIZER_BUILDERS)})")
-    builder = ARCH_TOKENIZER_BUILDERS.get((meta.get("general.architecture"), kind), TOKENIZER_BUILDERS[kind])
+    builder = ARCH_TOKENIZER_BUILDERS.get((meta.get("general.architecture", ""), kind), TOKENIZER_BUILDERS[kind])
     tok = builder(meta)
     tokens, types = meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.token_type") or []
     # A control token outside the byte alphabet of a byte-level vocabulary is a llama.cpp mislabel;
@@ -243,7 +246,7 @@ def build_tokenizer(meta: dict[str, Any], where: str):
     if user:
         tok.add_tokens(user)
     backend = tok.backend_tokenizer
-    split = PRE_TOKENIZER_SPLITS.get(meta.get("tokenizer.ggml.pre"))
+    split = PRE_TOKENIZER_SPLITS.get(meta.get("tokenizer.ggml.pre", ""))
     if split is not None:
         backend.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(split), behavior="isolated"),

@@ -103,15 +103,15 @@ def _rope(params: dict[str, Any], c: Any, where: str) -> RopeConfig:
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     if kind not in SUPPORTED_ROPE:
         raise UserError(f"{where}: rope type {kind!r} is not supported; supported: {SUPPORTED_ROPE}")
+    # A value of the HF config, as it comes (int() turns a bad one into the caller's error).
+    original_max: Any = params.get("original_max_position_embeddings") or getattr(c, "max_position_embeddings", 8192)
     return RopeConfig(
         theta=float(params.get("rope_theta", getattr(c, "rope_theta", None) or 10000.0)),
         kind=kind,
         factor=float(params.get("factor", 1.0)),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(
-            params.get("original_max_position_embeddings") or getattr(c, "max_position_embeddings", 8192)
-        ),
+        original_max_position_embeddings=int(original_max),
         beta_fast=float(params.get("beta_fast") or 32.0),
         beta_slow=float(params.get("beta_slow") or 1.0),
         mscale=_opt_float(params.get("mscale")),
@@ -135,7 +135,7 @@ def _moe_fields(traits: FamilyTraits, c: Any, where: str) -> dict[str, Any]:
         return {}
     if getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
         raise UserError(f"{where}: attention_bias / mlp_bias are not supported for {traits.architecture}")
-    out = dict(
+    out: dict[str, Any] = dict(
         num_experts=int(c.n_routed_experts), experts_per_token=int(c.num_experts_per_tok),
         moe_intermediate_size=int(c.moe_intermediate_size), shared_experts=int(c.n_shared_experts or 0),
         dense_layers=int(c.first_k_dense_replace or 0), router_scale=float(c.routed_scaling_factor),
@@ -174,7 +174,7 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
         local = _rope(rp.get("sliding_attention") or {}, c, where)
     else:
         rope = local = _rope(rp, c, where)
-    window = getattr(c, "sliding_window", None)
+    window: Any = getattr(c, "sliding_window", None)  # int() below turns a bad one into a UserError
     raw_types = getattr(c, "layer_types", None)
     n = int(c.num_hidden_layers)
     if traits.sliding_on_every_layer:
@@ -376,7 +376,7 @@ def export_hf_config(cfg: ModelConfig, source: dict[str, Any] | None, dtype: str
             keep = source_format(source) == "hf" and model_config_from_hf(source) == cfg
         except UserError:
             keep = False
-    if keep:
+    if keep and source is not None:  # keep: source fits
         if not (source.get("architectures") and "transformers_version" in source):
             return _save_pretrained_dict(source, arch, dtype)
         out = dict(source)

@@ -144,7 +144,7 @@ def plan_adapter(ckpt: str | os.PathLike, meta: dict[str, Any], dtype: str | Non
             for ix in rule.indices():
                 module = PEFT_PREFIX + rule.hf_name(ix).removesuffix(".weight")
                 name = f"{module}.lora_{part.upper()}.weight"
-                layer = rule.layers[ix[0]] if ix else -1
+                layer = rule.layers[ix[0]] if rule.layers is not None else -1
                 keyed.append(((layer, pos, part), PlannedTensor(name, f"{rule.zoo}.{part}", ix or None,
                                                                 rule.transform, shape, dt)))
     keyed.sort(key=lambda kt: kt[0])
@@ -246,7 +246,7 @@ def _write_weights(ckpt: Path, meta: dict[str, Any], tensors: list[PlannedTensor
             if tuple(x.shape) != t.shape:
                 raise UserError(f"{ckpt}: adapter {t.zoo} does not match its base weight (got {x.shape} for "
                                 f"{t.name}, want {t.shape}); the checkpoint is damaged")
-            f.write(memoryview(x.reshape(-1).view(np.uint8)))
+            f.write(x.reshape(-1).view(np.uint8).data)
 
 
 def planned_adapter_files(ckpt: str | os.PathLike, dtype: str | None = None) -> list[tuple[str, int]]:

@@ -35,8 +35,9 @@ def quantize_checkpoint(src: str | Path, out: str | Path, kind: str = "nf4", dou
         raise UserError("--double-quant applies to --quant nf4 only")
     src = Path(src)
     meta = read_meta(src)
-    if quant_checkpoint.is_quantized(meta):
-        raise UserError(f"{src} is already stored quantized ({quant_checkpoint.describe(*quant_checkpoint.settings(meta))}); "
+    already = quant_checkpoint.settings(meta)
+    if already is not None:
+        raise UserError(f"{src} is already stored quantized ({quant_checkpoint.describe(*already)}); "
                         "quantize the float checkpoint it came from instead")
     cfg = ModelConfig.from_dict(meta["config"])
     specs = param_specs(cfg)

@@ -1,7 +1,8 @@
-"""Streaming tensor readers: safetensors folders (memory-mapped) and GGUF files.
+"""Streaming tensor readers: safetensors folders (plain file reads, no memory map) and GGUF files.
 
 Both hand out one tensor at a time as a fresh NumPy array, so a conversion
-never holds more than the tensors it is working on.
+never holds more than the tensors it is working on. :class:`TensorReader` is
+what a conversion needs of either (and of convert.fp8's dequantizing reader).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import functools
 import json
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import ml_dtypes
 import numpy as np
@@ -34,6 +35,18 @@ _ST_DTYPES = {
     "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
     "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
 }
+
+
+class TensorReader(Protocol):
+    """Tensors by name, each read on demand."""
+
+    def names(self) -> list[str]: ...
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def dtype(self, name: str) -> np.dtype: ...
+
+    def get(self, name: str) -> np.ndarray: ...
 
 
 class SafetensorsFolder:
@@ -139,7 +152,7 @@ class SafetensorsFolder:
         out = np.empty(shape, dtype)
         with open(path, "rb") as fh:
             fh.seek(start)
-            got = fh.readinto(memoryview(out.reshape(-1).view(np.uint8)))
+            got = fh.readinto(out.reshape(-1).view(np.uint8).data)
         if got != end - start:
             raise UserError(f"{path} is truncated: could not read tensor {name!r}; download it again")
         return out

@@ -41,7 +41,7 @@ def write_streaming(path: Path, tensors: Iterable[tuple[str, tuple[int, ...], np
             x = np.ascontiguousarray(read(name), dtype=dtype)
             if tuple(x.shape) != tuple(shape):
                 raise RuntimeError(f"{name}: read {x.shape}, planned {shape}")
-            os.pwrite(fd, memoryview(x.reshape(-1).view(np.uint8)), len(header) + at)
+            os.pwrite(fd, x.reshape(-1).view(np.uint8).data, len(header) + at)
             del x
     finally:
         os.close(fd)

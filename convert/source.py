@@ -9,9 +9,9 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
-from convert.readers import GGUFFile, SafetensorsFolder
+from convert.readers import GGUFFile, SafetensorsFolder, TensorReader
 from zoo import registry
 from zoo.errors import UserError
 
@@ -31,7 +31,7 @@ class Source:
     description: str
     fmt: str  # "hf" (safetensors names) or "gguf" (llama.cpp names)
     hf_config: dict[str, Any]
-    reader: SafetensorsFolder | GGUFFile  # or, for an FP8 checkpoint, convert.fp8.DequantizingReader in front
+    reader: TensorReader  # SafetensorsFolder or GGUFFile; for an FP8 checkpoint convert.fp8.DequantizingReader in front
     save_tokenizer: Callable[[Path], None]
 
 
@@ -65,6 +65,7 @@ def _open_named(entry: registry.ZooEntry) -> Source:
     folder = _hub_snapshot(entry.hf_repo, what, fallback=gguf is not None)
     if folder is not None:
         return _open_folder(folder, what)
+    assert gguf is not None  # no folder comes back without a fallback
     why = "HF_HUB_OFFLINE is set" if _offline() else "the Hub is not reachable"
     print(f"{entry.name}: using the bundled GGUF file {gguf} (package {entry.gguf_package}; {entry.hf_repo} is "
           f"not in the local Hugging Face cache and {why})", file=sys.stderr)
@@ -106,6 +107,14 @@ def _open_gguf(path: Path) -> Source:
 
 def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+
+
+@overload
+def _hub_snapshot(repo_id: str, what: str, fallback: Literal[False] = False) -> Path: ...
+
+
+@overload
+def _hub_snapshot(repo_id: str, what: str, fallback: bool) -> Path | None: ...
 
 
 def _hub_snapshot(repo_id: str, what: str, fallback: bool = False) -> Path | None:

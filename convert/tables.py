@@ -78,6 +78,7 @@ class BoundRule:
         """The HF tensor at ``index`` of the stacked axes."""
         if not index:
             return self.hf
+        assert self.layers is not None, f"{self.zoo} is not stacked: it has no index {index}"
         return self.hf.format(i=self.layers[index[0]], j=index[1] if len(index) > 1 else 0)
 
     def hf_names(self) -> list[str]:
@@ -85,7 +86,7 @@ class BoundRule:
         return [self.hf_name(ix) for ix in self.indices()]
 
 
-def _moe_rules(L: str, style: str) -> list[Rule]:
+def _moe_rules(L: str, style: str | None) -> list[Rule]:
     if style == "mixtral":
         E = L + "block_sparse_moe."
         return [

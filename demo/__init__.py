@@ -1,6 +1,6 @@
-"""The fine-tuning main job (`zoo demo`): convert, score, LoRA SFT, score again, LoRA DPO, export, chat.
+"""The fine-tuning main job (`zoo demo`): convert, score, LoRA SFT, score again, LoRA DPO, LoRA GRPO, export, chat.
 
-The top floor: it drives convert/, eval/, pretrain/, sft/ and dpo/ (demo/job.py); its dataset is demo/data/.
+The top floor: it drives convert/, eval/, pretrain/, sft/, dpo/ and grpo/ (demo/job.py); its dataset is demo/data/.
 This file holds only the default chat prompt, so that the `zoo` parser can show it in `zoo demo --help`
 without loading the job.
 """

@@ -144,8 +144,8 @@ def pair_logps(ckpt: Path, tok: Any, pairs: list[dict[str, Any]], seq_len: int =
 
     cfg = zoo.read_config(ckpt)
     params = zoo.load_params(ckpt, dtype=np.float32)
-    docs, _, _ = pair_documents(enumerate(pairs), tok, None, "prefs", False, seq_len + 1, False)
-    docs = [docs[i] for i in range(len(pairs))]
+    by_pair, _, _ = pair_documents(enumerate(pairs), tok, None, "prefs", False, seq_len + 1, False)
+    docs = [by_pair[i] for i in range(len(pairs))]
     with tqdm(total=len(docs), desc=desc or "score pairs", unit="pair", file=sys.stderr,
               disable=None) as bar:  # a bar on a terminal only
         scores = score_documents(cfg, params, docs, seq_len + 1, rows, on_batch=bar.update)
@@ -236,7 +236,10 @@ def heldout_rewards(ckpt: Path, tok: Any, rows: list[dict[str, Any]], new_tokens
 
     def reward(ids: list[list[int]], answers: list[str]) -> float:
         texts = tok.batch_decode(ids, skip_special_tokens=True)
-        return float(np.mean(final_number([None] * len(texts), texts, ids, answer=answers)))
+        scores = final_number([None] * len(texts), texts, ids, answer=answers)
+        if any(x is None for x in scores):  # final_number gives None for a row whose answer is not a number
+            raise ValueError("every held-out GRPO row needs a numeric answer")
+        return float(np.mean([x for x in scores if x is not None]))
 
     greedy = generate(cfg, params, prompts, GenerationConfig(max_new_tokens=new_tokens, eos_ids=eos))
     drawn = generate(cfg, params, [p for p in prompts for _ in range(samples)],

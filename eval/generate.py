@@ -2,28 +2,28 @@
 
 One jitted prefill over the right-padded prompts, then a Python loop over a
 jitted one-token step (forward with the cache, then sample) with fixed
-shapes, so a batch compiles twice (prefill and step) per length bucket,
-whatever the number of tokens. Sampling draws from ``jax.random`` keyed by
-the seed and the step, so a seed reproduces its tokens.
+shapes, so a batch compiles its prefill once per length bucket and its step
+once per cache view (:data:`VIEW` slots) it reaches, whatever the number of
+tokens. Sampling draws from ``jax.random`` keyed by the seed and the step, so
+a seed reproduces its tokens.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
 from zoo.config import ModelConfig
 from zoo.decode import Cache, forward_step, init_cache
 from zoo.errors import UserError
-from zoo.tokenizer import load_tokenizer
 
 BUCKET = 32  # prompt and cache lengths are rounded up to a multiple of this: fewer compilations
 VIEW = 256  # a step reads the cache slots up to the filled length rounded up to this (one compile per bucket)
@@ -130,7 +130,8 @@ def generate(cfg: ModelConfig, params: dict[str, Any], prompts: Sequence[Sequenc
     dtype = params["embed"].dtype
     # Parameters on a mesh (zoo.load shards them over all local devices): the cache is sharded like them.
     sharding = getattr(params["embed"], "sharding", None)
-    mesh = sharding.mesh if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1 else None
+    mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None  # a placed array's: concrete
+    mesh = mesh if isinstance(mesh, Mesh) and mesh.size > 1 else None
     cache = init_cache(cfg, b, _round_up(plen + gen.max_new_tokens), dtype, mesh)
     sampler = Sampler(float(gen.temperature), int(gen.top_k), float(gen.top_p))
     key = jax.random.PRNGKey(gen.seed)
@@ -148,12 +149,12 @@ def generate(cfg: ModelConfig, params: dict[str, Any], prompts: Sequence[Sequenc
             view = min(_round_up(longest + i, VIEW), max_len)
             following = _step(cfg, params, nxt, cache, sampler, jax.random.fold_in(key, i + 1), view)
         host = np.asarray(nxt)
-        for r in np.flatnonzero(~done):
-            tok = int(host[r])
-            out[r].append(tok)
+        for row in np.flatnonzero(~done).tolist():
+            tok = int(host[row])
+            out[row].append(tok)
             if on_token is not None:
-                on_token(int(r), tok)
-            done[r] = tok in eos or _hit_stop(out[r], gen.stop, tokenizer)
+                on_token(row, tok)
+            done[row] = tok in eos or _hit_stop(out[row], gen.stop, tokenizer)
         if following is None or done.all():
             break
         nxt, cache = following
@@ -170,17 +171,10 @@ def _hit_stop(tokens: list[int], stop: tuple[str, ...], tokenizer: Any) -> bool:
     return any(s in tail for s in stop)
 
 
-def greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int] = frozenset()) -> list[int]:
-    """Greedy continuation of ``prompt_ids`` by a :class:`zoo.model.Decoder` (only the new tokens, cut after EOS)."""
-    return greedy_batch(model, [prompt_ids], max_new_tokens, eos_ids)[0]
-
-
-def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int] = frozenset(),
-                 pad_id: int = 0) -> list[list[int]]:
-    """Greedy continuations of several prompts at once (each returned without its prompt, cut after EOS).
-
-    ``pad_id`` is accepted for compatibility; padding is masked, so its value never matters.
-    """
+def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int,
+                 eos_ids: AbstractSet[int] = frozenset()) -> list[list[int]]:
+    """Greedy continuations of several prompts at once by a :class:`zoo.model.Decoder` (each returned without
+    its prompt, cut after EOS)."""
     gen = GenerationConfig(max_new_tokens=max_new_tokens, eos_ids=tuple(sorted(eos_ids)))
     return generate(model.cfg, model.param_dict(), prompts, gen)
 
@@ -191,14 +185,3 @@ def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)
-
-
-def chat_completion(ckpt: str | Path, prompt: str, max_new_tokens: int = 48) -> str:
-    """Apply the checkpoint's chat template to one user turn and return the greedy reply."""
-    import zoo
-
-    tok = load_tokenizer(ckpt)
-    model = zoo.load(ckpt, dtype=np.float32)
-    eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
-    new = greedy(model, chat_ids(tok, [{"role": "user", "content": prompt}]), max_new_tokens, eos)
-    return tok.decode(new, skip_special_tokens=True)

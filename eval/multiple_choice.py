@@ -90,8 +90,8 @@ def mc_metrics(lls: Sequence[Sequence[float]], choices: Sequence[Sequence[str]],
     gold index), ``acc_norm`` (the same after dividing each by its choice's length in characters) and
     ``acc_bytes`` (by its length in UTF-8 bytes), each with its standard error."""
     hits: dict[str, list[bool]] = {"acc": [], "acc_norm": [], "acc_bytes": []}
-    for ll, ch, g in zip(lls, choices, golds):
-        ll = np.asarray(ll, np.float64)
+    for row, ch, g in zip(lls, choices, golds):
+        ll = np.asarray(row, np.float64)
         gold = set(g) if isinstance(g, (list, tuple, set)) else {g}
         chars = np.asarray([max(1, len(c)) for c in ch], np.float64)  # choices are never empty (mc_questions)
         nbytes = np.asarray([max(1, len(c.encode("utf-8"))) for c in ch], np.float64)
@@ -129,9 +129,9 @@ def choice_scores(cfg: ModelConfig, params: dict[str, Any], questions: Sequence[
     max_length = max_length or cfg.max_position_embeddings
     if not use_cache:
         requests, where = [], []
-        for q, (ctx, conts) in enumerate(questions):
+        for q, (context, conts) in enumerate(questions):
             for j, cont in enumerate(conts):
-                requests.append((ctx + cont, len(cont)))
+                requests.append((context + cont, len(cont)))
                 where.append((q, j))
         got = request_scores(cfg, params, requests, batch_size, max_length, bar)
         out: list[list[tuple[float, bool]]] = [[(0.0, False)] * len(conts) for _, conts in questions]

@@ -64,7 +64,9 @@ def score_perplexity(cfg: ModelConfig, params: dict[str, Any], tokenizer: Any, t
     window = min(task.opt("window", 512), cfg.max_position_embeddings)
     overlap = task.options.get("overlap")
     prefix = prefix_token(tokenizer)
-    requests, owner, docs = [], [], []
+    requests: list[Request] = []
+    owner: list[int] = []
+    docs: list[dict[str, Any]] = []
     for row in rows:
         text = field_of(row, field, task)
         ids = encode(tokenizer, text, special=True)

@@ -114,7 +114,7 @@ def window_scores(cfg: ModelConfig, params: dict[str, Any], requests: Sequence[R
     long = [i for i, x in enumerate(is_long) if x]
     short = [i for i, x in enumerate(is_long) if not x]
     out: list[tuple[float, bool]] = [(0.0, False)] * len(cut)
-    if long:
+    if long and chunk is not None:  # (rows are long only with a chunk)
         for i, s in zip(long, chunked_scores(cfg, params, [cut[i] for i in long], chunk, batch_size, bar)):
             out[i] = s
     for i, s in zip(short, request_scores(cfg, params, [cut[i] for i in short], batch_size, max_length, bar)):

@@ -42,11 +42,11 @@ def evaluate(cfg: ModelConfig, params: dict[str, Any], tokenizer: Any, tasks: st
     if chunk is not None and chunk < 1:
         raise UserError(f"--chunk {chunk}: must be at least 1")
     if isinstance(tasks, str):
-        tasks = resolve_tasks(tasks)
+        resolved = resolve_tasks(tasks)
     else:
-        tasks = [t if isinstance(t, Task) else resolve_tasks([t])[0] for t in tasks]
+        resolved = [t if isinstance(t, Task) else resolve_tasks([t])[0] for t in tasks]
     results: dict[str, Any] = {}
-    for task in tasks:
+    for task in resolved:
         t0 = time.perf_counter()
         rows = task.rows(limit)
         settings: dict[str, Any] = {"limit": limit, "batch_size": batch_size}

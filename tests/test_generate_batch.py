@@ -5,7 +5,7 @@ import numpy as np
 from flax import nnx
 
 from eval.exact_match import Scored, accuracy, chat_prompts
-from eval.generate import greedy, greedy_batch
+from eval.generate import greedy_batch
 from zoo.config import ModelConfig
 from zoo.model import Decoder
 
@@ -18,7 +18,7 @@ def test_batched_greedy_equals_one_at_a_time():
     model = Decoder(CFG, jax.tree.map(lambda x: x * 6.0 if x.ndim > 1 else x, model.param_dict()))
     rng = np.random.RandomState(0)
     prompts = [rng.randint(1, 64, n).tolist() for n in (3, 11, 7, 1)]
-    one = [greedy(model, p, 6) for p in prompts]
+    one = [greedy_batch(model, [p], 6)[0] for p in prompts]
     assert len({tuple(x) for x in one}) > 1  # the prompts lead to different continuations
     assert greedy_batch(model, prompts, 6) == one
     # Stopping: a row ends right after its first EOS, the others go on.

@@ -50,6 +50,20 @@ def _hand_made(n: int, seed: int) -> np.ndarray:
     return x
 
 
+def ref_dequantize(f, n: int) -> np.ndarray:
+    """The n float32 values of NF4 fields (bitsandbytes' ``dequantize_4bit``: code * absmax, the absmax
+    first rebuilt from its 8-bit codes under double quantization)."""
+    codes = np.stack([f.packed >> 4, f.packed & 15], axis=-1).reshape(-1)[:n]
+    absmax = f.absmax if f.absmax2 is None else (
+        quant.DYNAMIC_CODE[f.absmax] * np.repeat(f.absmax2, 256)[:f.absmax.size] + np.float32(f.offset))
+    return (NF4[codes] * np.repeat(absmax.astype(np.float32), 64)[:n]).astype(np.float32)
+
+
+def dequantized(x: np.ndarray, double: bool = False) -> np.ndarray:
+    """zoo.quant.dequantize of a flat vector quantized as one HF [1, n] matrix, flat."""
+    return np.asarray(quant.dequantize(quant.quantize(x.reshape(-1, 1), 0, 1, double=double))).reshape(-1)
+
+
 @pytest.mark.parametrize("n", [64, 63, 130, 4096 + 17, 200 * 64])
 def test_nf4_matches_bitsandbytes_formula(n):
     x = _hand_made(n, n)
@@ -57,7 +71,7 @@ def test_nf4_matches_bitsandbytes_formula(n):
     got = quant.nf4_quantize(x)
     assert got.packed.tobytes() == packed
     assert np.array_equal(got.absmax, absmax)
-    assert np.array_equal(quant.nf4_dequantize(got, n).view(np.uint32), values.view(np.uint32))
+    assert np.array_equal(dequantized(x).view(np.uint32), values.view(np.uint32))
     if n >= 128:
         assert got.packed[0] >> 4 == 7  # -0.0 quantizes as 0.0
         assert np.all(got.absmax[1] == 0) and packed[32:64] == bytes([0x77] * 32)  # zero block: code 7
@@ -105,7 +119,8 @@ def test_double_quantization_matches_its_formula(blocks):
     assert np.array_equal(got.absmax, q) and np.array_equal(got.absmax2, a2) and np.float32(got.offset) == offset
     assert got.packed.tobytes() == plain.packed.tobytes()
     want = (quant.DYNAMIC_CODE[q] * np.repeat(a2, 256)[:q.size] + offset).astype(np.float32)
-    assert np.array_equal(quant.nf4_absmax(got), want)
+    codes = np.stack([plain.packed >> 4, plain.packed & 15], axis=-1).reshape(-1)[:x.size]
+    assert np.array_equal(dequantized(x, double=True), (NF4[codes] * np.repeat(want, 64)[:x.size]).astype(np.float32))
 
 
 def test_against_bitsandbytes_itself():
@@ -121,7 +136,7 @@ def test_against_bitsandbytes_itself():
         ours = quant.nf4_quantize(w.reshape(-1))
         assert np.array_equal(q.numpy().reshape(-1), ours.packed), shape
         assert np.array_equal(st.absmax.numpy(), ours.absmax), shape
-        assert np.array_equal(F.dequantize_4bit(q, st).numpy().reshape(-1), quant.nf4_dequantize(ours, w.size))
+        assert np.array_equal(F.dequantize_4bit(q, st).numpy().reshape(-1), dequantized(w.reshape(-1)))
         q2, st2 = F.quantize_4bit(torch.from_numpy(w), blocksize=64, quant_type="nf4", compress_statistics=True)
         dq = quant.nf4_quantize(w.reshape(-1), double=True)
         assert np.array_equal(q2.numpy().reshape(-1), dq.packed)
@@ -155,7 +170,7 @@ def test_quantize_lays_out_each_matrix_as_hugging_face_does():
             hf = w[layer].reshape(32, 40).T  # HF o_proj.weight [embed, heads * head_dim]
             f = quant.nf4_quantize(hf.reshape(-1), double)
             assert np.array_equal(np.asarray(qw.data["packed"][layer]), f.packed)
-            want = quant.nf4_dequantize(f, hf.size).reshape(40, 32).T.reshape(4, 8, 40)
+            want = ref_dequantize(f, hf.size).reshape(40, 32).T.reshape(4, 8, 40)
             assert np.array_equal(np.asarray(quant.dequantize(qw))[layer], want)
     q8 = quant.quantize(w, lead=1, contract=2, kind="int8")
     hf0 = w[0].reshape(32, 40).T
@@ -173,9 +188,14 @@ def test_nf4_double_quant_is_at_most_4_13_bits_per_parameter():
 
     cfg = tiny_config("llama", hidden_size=256, intermediate_size=512)
     params = flatten(init_params(cfg, jax.random.PRNGKey(0)))
-    q = quant.quantize_base(cfg, params, "nf4", double=True, progress=False)
-    nbytes, count = quant.base_bits(q)
-    assert count == sum(int(np.prod(params[p].shape)) for p in quant.quantized_paths(cfg))
+    paths = quant.quantized_paths(cfg)
+
+    def bits(double: bool) -> tuple[int, int]:  # (bytes, parameters) of the quantized projections
+        qs = [quant.quantize(np.asarray(params[p]), *paths[p], "nf4", double) for p in paths]
+        return sum(q.nbytes for q in qs), sum(int(np.prod(q.lead + q.shape)) for q in qs)
+
+    nbytes, count = bits(double=True)
+    assert count == sum(int(np.prod(params[p].shape)) for p in paths)
     assert 8 * nbytes / count <= 4.13, 8 * nbytes / count
-    single = quant.base_bits(quant.quantize_base(cfg, params, "nf4", progress=False))
+    single = bits(double=False)
     assert 8 * single[0] / single[1] == pytest.approx(4.5, abs=0.01)  # 4 bits + a float32 per 64

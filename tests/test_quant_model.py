@@ -27,6 +27,12 @@ def tiny_config(family: str = "llama", **overrides):
     return model_config_from_hf({**base, **hf, **overrides})
 
 
+def _quantized(cfg, flat: dict) -> dict:
+    """``flat`` with every zoo.quant.quantized_paths projection quantized (NF4, double quantization)."""
+    paths = quant.quantized_paths(cfg)
+    return {k: quant.quantize(np.asarray(v), *paths[k], "nf4", True) if k in paths else v for k, v in flat.items()}
+
+
 def _dequantized(flat: dict) -> dict:
     return {k: quant.dequantize(v) if isinstance(v, quant.QuantizedWeight) else v for k, v in flat.items()}
 
@@ -35,7 +41,7 @@ def _dequantized(flat: dict) -> dict:
 def setup(request):
     cfg = tiny_config(request.param)
     flat = flatten(init_params(cfg, jax.random.PRNGKey(0), std=0.1))
-    qflat = quant.quantize_base(cfg, flat, "nf4", double=True, progress=False)
+    qflat = _quantized(cfg, flat)
     lcfg = LoraConfig(rank=4, alpha=8.0, targets="all")
     lora = init_lora(cfg, lcfg, jax.random.PRNGKey(1))
     lora = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.PRNGKey(2), a.shape), lora)  # B != 0
@@ -106,14 +112,14 @@ def test_backward_pass_keeps_the_base_quantized(setup):
 MESH_CHILD = """
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
-from tests.test_quant_model import tiny_config, _loss
+from tests.test_quant_model import tiny_config, _loss, _quantized
 from zoo import quant
 from zoo.lora import LoraConfig, init_lora
 from zoo.params import flatten, init_params, nest
 from zoo.sharding import make_mesh
 assert len(jax.devices()) == 8
 cfg = tiny_config("mixtral")
-qflat = quant.quantize_base(cfg, flatten(init_params(cfg, jax.random.PRNGKey(0), std=0.1)), "nf4", True, False)
+qflat = _quantized(cfg, flatten(init_params(cfg, jax.random.PRNGKey(0), std=0.1)))
 lcfg = LoraConfig(rank=4, alpha=8.0)
 lora = jax.tree.map(lambda a: a + 0.05, init_lora(cfg, lcfg, jax.random.PRNGKey(1)))
 tokens = jax.random.randint(jax.random.PRNGKey(3), (8, 16), 0, cfg.vocab_size)

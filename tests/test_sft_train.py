@@ -346,7 +346,8 @@ def test_qlora_sft_trains_resumes_and_merges_into_the_dequantized_base(setup, tm
     # The merged model is the dequantized base plus the adapters: what the adapters were trained beside.
     merged = zoo.load(final := full)
     base = flatten(zoo.load_params(root / "zoo"))
-    qbase = quant.quantize_base(merged.cfg, base, "nf4", double=True, progress=False)
+    paths = quant.quantized_paths(merged.cfg)
+    qbase = {k: quant.quantize(np.asarray(v), *paths[k], "nf4", True) if k in paths else v for k, v in base.items()}
     deq = nest({k: quant.dequantize(v) if isinstance(v, quant.QuantizedWeight) else v for k, v in qbase.items()})
     tokens = jax.numpy.asarray(np.arange(1, 21, dtype=np.int32)[None])
     trained = forward(merged.cfg, nest(qbase), tokens, lora=a, lora_scale=lora_scale(lora_config(meta)))

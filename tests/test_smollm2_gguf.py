@@ -48,7 +48,7 @@ def test_checkpoint_carries_chat_template(smollm2):
 
 
 def test_greedy_chat_completion_matches_transformers_generate(smollm2):
-    from eval.generate import greedy
+    from eval.generate import greedy_batch
 
     out, hf, tok = smollm2
     prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
@@ -57,4 +57,4 @@ def test_greedy_chat_completion_matches_transformers_generate(smollm2):
     with torch.no_grad():
         ref = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None,
                           pad_token_id=0)[0, len(ids):].tolist()
-    assert greedy(zoo.load(out), ids, 12) == ref
+    assert greedy_batch(zoo.load(out), [ids], 12)[0] == ref

@@ -40,7 +40,7 @@ import numpy as np
 from zoo.checkpoint import (
     MODEL_FILE,
     PARAMS_DIR,
-    ParamReader,
+    ParamSource,
     StoredSection,
     load_param_numpy,
     np_dtype,
@@ -237,11 +237,12 @@ class MergedParamReader:
     """
 
     def __init__(self, ckpt: str | os.PathLike, meta: dict[str, Any], path: str,
-                 base: ParamReader | MergedParamReader):
+                 base: ParamSource):
         self.base = base
         self.shape, self.dtype = self.base.shape, self.base.dtype
         self.scale = meta["lora"]["scale"]
-        self.a = self.b = None
+        self.a: np.ndarray | None = None
+        self.b: np.ndarray | None = None
         if f"{path}.a" in meta["lora"]["params"]:
             # Adapters are small (rank r): read whole.
             self.a = load_param_numpy(ckpt, f"{path}.a", meta["lora"]["params"][f"{path}.a"])
@@ -262,7 +263,7 @@ class MergedParamReader:
         if index is None:
             return self.read_block(0, None, None)
         w = self.base.read(index)
-        if self.a is None:
+        if self.a is None or self.b is None:  # set together: both or neither
             return w
         idx = index if isinstance(index, tuple) else (index,)
         return self._merge(w, self.a[idx], self.b[idx], self.lead - len(idx))
@@ -270,7 +271,7 @@ class MergedParamReader:
     def read_block(self, axis: int, start: int | None, stop: int | None, squeeze: bool = False) -> np.ndarray:
         """``param[..., start:stop, ...]`` along ``axis`` (a leading, stacked axis) with the adapter merged."""
         w = self.base.read_block(axis, start, stop)
-        if self.a is not None:
+        if self.a is not None and self.b is not None:
             if axis >= self.lead:
                 raise ValueError("merged reads slice only the stacked leading axes")
             idx = (slice(None),) * axis + (slice(start, stop),)

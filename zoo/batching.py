@@ -91,7 +91,7 @@ def stacked(docs: Sequence[Document], length: int, rows: int) -> dict[str, np.nd
 
 def replicated_batch(b: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
     """Global arrays laid out as ``sharding`` from a batch every process holds whole."""
-    return {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx]) for k, v in b.items()}
+    return {k: jax.make_array_from_callback(v.shape, sharding, v.__getitem__) for k, v in b.items()}
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3))

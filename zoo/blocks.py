@@ -179,11 +179,13 @@ def _normed_dense_bwd(eps: float, offset: float, res: tuple,
     """(dx, dnorm_w, dws): the normed x recomputed once, its gradient summed over the weights."""
     x, norm_w, r, ws = res
     n = _normalize(x, norm_w, r, offset)
-    dn, dws = None, []
+    dn: jax.Array | None = None
+    dws = []
     for w, g in zip(ws, gs):
         dn_w, dw = _dense_bwd(None, 1, (n, w), g)
         dn = dn_w if dn is None else dn + dn_w
         dws.append(dw)
+    assert dn is not None, "normed_dense needs at least one weight"
     dx, dnorm = _rms_norm_bwd(eps, offset, (x, norm_w, r), dn)
     return dx, dnorm, tuple(dws)
 

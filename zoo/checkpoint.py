@@ -28,7 +28,7 @@ import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -144,12 +144,12 @@ class CheckpointWriter:
         self._committed = False
         self._ctx = _save_context()
 
-    def add(self, path: str, array: np.ndarray | jax.Array, axes: tuple[str, ...] = ()) -> None:
+    def add(self, path: str, array: np.ndarray | jax.Array, axes: tuple[str | None, ...] = ()) -> None:
         """Write one whole parameter (dotted path); the caller may free it afterwards."""
         self._save(path, array)
         self.params[path] = {"shape": list(array.shape), "dtype": str(array.dtype), "axes": list(axes)}
 
-    def reserve(self, path: str, shape: tuple[int, ...], dtype: Any, axes: tuple[str, ...], slice_axes: int) -> None:
+    def reserve(self, path: str, shape: tuple[int, ...], dtype: Any, axes: tuple[str | None, ...], slice_axes: int) -> None:
         """Declare a parameter whose data :meth:`write_slices` supplies later, ``slice_axes`` leading axes at a time."""
         dtype = np.dtype(dtype)
         self._save(path, np.zeros((1,), dtype))  # registers the key in Orbax's tree metadata
@@ -283,7 +283,8 @@ def verify_complete(ckpt: str | os.PathLike, section: str | None = None,
         kv = ts.KvStore.open(f"file://{state}/").result()
     keys = set(kv.list().result())
     zarr = {p: kv.read(f"{p}/zarr.json".encode()) for p in table}
-    checks = []  # (parameter, chunk key, byte range, how to judge the bytes read)
+    # (parameter, chunk key, byte range, bytes expected, the shard's layout for an inner-chunk check or None)
+    checks: list[tuple[str, bytes, slice, int, tuple[Any, ...] | None]] = []
     for p, info in table.items():
         if str(tuple(p.split("."))) not in tree:
             raise RuntimeError(f"{ckpt}: parameter '{p}' is not in Orbax's tree metadata")
@@ -500,6 +501,18 @@ def load_param_numpy(ckpt: str | os.PathLike, path: str, info: dict[str, Any] | 
     for part in path.split("."):
         tree = tree[part]
     return tree
+
+
+class ParamSource(Protocol):
+    """What streams one parameter: :class:`ParamReader`, :class:`zoo.adapter.MergedParamReader` (adapters merged
+    in) and :class:`zoo.quant_checkpoint.DequantizedParamReader` (a quantized checkpoint's, dequantized)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    def read(self, index: int | tuple[int, ...] | None = None) -> np.ndarray: ...
+
+    def read_block(self, axis: int, start: int | None, stop: int | None, squeeze: bool = False) -> np.ndarray: ...
 
 
 class ParamReader:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -172,7 +171,3 @@ class ModelConfig:
         types = d.pop("layer_types", None)
         return cls(rope=RopeConfig(**rope), rope_local=RopeConfig(**local) if local else None,
                    layer_types=tuple(types) if types is not None else None, **d)
-
-    def to_json(self) -> str:
-        """Pretty JSON text."""
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)

@@ -112,10 +112,10 @@ def _columns_differ(path: str, columns: dict[Path, list[str]]) -> str | None:
     def files(fs: list[Path]) -> str:
         return ", ".join(str(f) for f in fs[:2]) + (f" (+{len(fs) - 2} more)" if len(fs) > 2 else "")
 
-    def cols(c: tuple[str, ...]) -> str:
+    def named(c: tuple[str, ...]) -> str:
         return ", ".join(_ordered(c)) or "no columns"
 
-    parts = "; ".join(f"{files(fs)} has {cols(c)}" for c, fs in groups.items())
+    parts = "; ".join(f"{files(fs)} has {named(c)}" for c, fs in groups.items())
     sources = ", ".join(f"{{path: {fs[0]}}}" for fs in groups.values())
     return (f"data.path {path}: its files have different columns ({parts}); put one format per folder, or list "
             f"each format as its own source: data.path: [{sources}]")

@@ -38,9 +38,9 @@ def load_dataset_rows(path: str, split: str = "train") -> tuple[Any, str]:
     if not files or not files[0].exists():
         raise UserError(f"data.path {path}: no such file or folder (or no .jsonl/.json/.parquet/.txt in it)")
     fmts = {SUFFIX_FORMATS.get(f.suffix) for f in files}
-    if None in fmts or len(fmts) != 1:
+    fmt = fmts.pop() if len(fmts) == 1 else None
+    if fmt is None:
         raise UserError(f"data.path {path}: use one of {', '.join(SUFFIX_FORMATS)} files (one kind per run)")
-    fmt = fmts.pop()
     if fmt in ("json", "text"):  # pyarrow may take bytes that are not UTF-8, and fail on reading the row later
         bad = utf8_problem(files)
         if bad:

@@ -74,6 +74,7 @@ def _kind_sizes(cfg: ModelConfig, max_len: int) -> dict[str, int]:
     """Ring size of each layer kind."""
     sizes = {"full": max_len}
     if "sliding" in cfg.kinds:
+        assert cfg.sliding_window is not None  # ModelConfig refuses sliding layers without a window
         sizes["sliding"] = min(cfg.sliding_window, max_len)
     return sizes
 
@@ -166,11 +167,13 @@ def _attend_split(qg: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Arr
     s = scores[0] if len(scores) == 1 else jnp.concatenate(scores, axis=-1)
     dt = parts[-1][1].dtype
     probs = jax.nn.softmax(s, axis=-1).astype(dt)
-    out, at = None, 0
+    out: jax.Array | None = None
+    at = 0
     for k, v, _ in parts:
         n = k.shape[3]
         o = jnp.einsum("bhgts,bhsd->bhgtd", probs[..., at:at + n], v.astype(dt))
         out, at = (o if out is None else out + o), at + n
+    assert out is not None, "no key sets to attend to"
     b, hk, g, t, dv = out.shape
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hk * g * dv)
 
@@ -178,7 +181,7 @@ def _attend_split(qg: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Arr
 def _gqa_attention(x: jax.Array, p: dict, c: dict | None, cos: jax.Array, sin: jax.Array,
                    masks: tuple[jax.Array | None, jax.Array], window: int | None,
                    cfg: ModelConfig, lora: dict | None = None,
-                   lora_scale: float | jax.Array | None = None) -> tuple[jax.Array, dict]:
+                   lora_scale: float | jax.Array = 1.0) -> tuple[jax.Array, dict]:
     """One layer's attention over cache ``c`` (k [b, hk, d, S], v [b, hk, S, d]; None when empty) and the new tokens
     (``lora``: the layer's adapters, beside the base matmuls as in training).
 
@@ -190,6 +193,7 @@ def _gqa_attention(x: jax.Array, p: dict, c: dict | None, cos: jax.Array, sin: j
         # An empty cache: the tokens attend to each other only, blockwise as in training (causal blocks skipped).
         att = causal_attention(qg, kh, vh, new_ok[:, None], cfg, window)
     else:
+        assert old_ok is not None, "a cache read has its mask"
         att = _attend_split(qg, [(c["k"], c["v"], old_ok), (kh.transpose(0, 1, 3, 2), vh, new_ok)], cfg)
     return output_projection(att, p, cfg, lora=lora, lora_scale=lora_scale), {"k": k, "v": v}
 
@@ -278,6 +282,7 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, ca
     """
     if lora is not None and lora_scale is None:
         raise ValueError("forward_step: lora adapters need lora_scale (zoo.lora.lora_scale(lora_cfg))")
+    scale: float | jax.Array = 1.0 if lora_scale is None else lora_scale  # read only with adapters
     if cfg.capacity_factor is not None:
         cfg = dataclasses.replace(cfg, capacity_factor=None)
     b, t = tokens.shape
@@ -308,9 +313,9 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, ca
         def attend(x: jax.Array) -> tuple[jax.Array, dict]:
             if cfg.mla:
                 return _mla_attention(norm(cfg, x, p["attn_norm"]), p, c, *ropes[kind], masks[kind], cfg, mla_absorb)
-            return _gqa_attention(x, p, c, *ropes[kind], masks[kind], windows[kind], cfg, lp, lora_scale)
+            return _gqa_attention(x, p, c, *ropes[kind], masks[kind], windows[kind], cfg, lp, scale)
 
-        x, new, _ = decoder_layer(cfg, x, p, attend, moe, valid, lp, lora_scale)
+        x, new, _ = decoder_layer(cfg, x, p, attend, moe, valid, lp, scale)
         return x, new
 
     written: dict[str, dict[str, list]] = {}

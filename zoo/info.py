@@ -81,9 +81,9 @@ def info_command(args: argparse.Namespace) -> None:
     rows = [("parameter", "shape", "dtype", "logical axes", "disk chunk", "chunks")]
     for name, p in params.items():
         ch = chunks.get(name)
-        n = _prod(-(-s // c) for s, c in zip(p["shape"], ch)) if ch else "?"
+        stored = str(_prod(-(-s // c) for s, c in zip(p["shape"], ch))) if ch else "?"
         rows.append((name, "x".join(map(str, p["shape"])), p["dtype"], ",".join(a or "-" for a in p["axes"]),
-                     "x".join(map(str, ch)) if ch else "?", str(n)))
+                     "x".join(map(str, ch)) if ch else "?", stored))
     print_table(rows)
 
 

@@ -16,7 +16,7 @@ of the three [tokens, hidden] x [hidden, vocab] matmuls of the policy's head.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +37,7 @@ def batch_logps(mcfg: ModelConfig, params: dict, mb: dict, remat: str = "none", 
     moe = mcfg.num_experts > 0
     out = forward(mcfg, params, mb["inputs"], mb["segment_ids"], mb["positions"], return_aux=moe, remat=remat,
                   return_hidden=True, prefix_ids=mb.get("prefix_ids"), **forward_kwargs)
-    hidden, aux = out if moe else (out, None)
+    hidden, aux = cast(tuple[jax.Array, dict], out) if moe else (cast(jax.Array, out), None)  # by return_aux
     head_grad = forward_kwargs.get("lora") is None
     # The head as stored: a tied embedding read in place, where embed.T would be a [hidden, vocab] copy
     # (108 MiB at SmolLM2's size) in every step that scores a batch.

@@ -1,9 +1,12 @@
-"""The zoo decoder: one Flax NNX module, driven by ModelConfig, scanning stacked layers.
+"""The zoo decoder as pure functions of a ModelConfig and a nested dict of parameters, scanning stacked layers.
 
-Besides :func:`forward` it holds the parts of the forward pass that the
-cached forward of :mod:`zoo.decode` runs as well: the embedding, one decoder
-layer around its attention (:func:`decoder_layer`), the segment scans over a
-stack of layers (:func:`scan_segments`) and the output head.
+:func:`forward` is the training forward pass (logits, or the final hidden
+states, and MoE router statistics). Beside it are the parts that the cached
+forward of :mod:`zoo.decode` runs as well: the embedding, one decoder layer
+around its attention (:func:`decoder_layer`), the segment scans over a stack
+of layers (:func:`scan_segments`) and the output head. :class:`Decoder` is a
+thin Flax NNX module over the same parameters (``nnx.Param`` with logical
+axes) whose call runs the jitted :func:`forward`.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Literal, overload
 
 import jax
 import jax.numpy as jnp
@@ -137,7 +140,7 @@ def output_logits(cfg: ModelConfig, params: dict[str, Any], h: jax.Array) -> jax
 
 
 def decoder_layer(cfg: ModelConfig, x: jax.Array, p: dict, attend: Callable[[jax.Array], tuple[jax.Array, Any]],
-                  moe: bool, valid: jax.Array, lora: dict | None = None, lora_scale: float | jax.Array | None = 1.0,
+                  moe: bool, valid: jax.Array, lora: dict | None = None, lora_scale: float | jax.Array = 1.0,
                   drop: LoraDropout | None = None) -> tuple[jax.Array, Any, dict]:
     """One decoder layer: x + attention, then x + MLP (each output post-normed where the family does).
 
@@ -160,6 +163,60 @@ def decoder_layer(cfg: ModelConfig, x: jax.Array, p: dict, attend: Callable[[jax
     if cfg.post_norms:
         h = norm(cfg, h, p["post_mlp_norm"])
     return x + h, extra, stats
+
+
+@overload
+def forward(
+    cfg: ModelConfig,
+    params: dict[str, Any],
+    tokens: jax.Array,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+    return_aux: Literal[False] = False,
+    remat: str = "none",
+    lora: dict[str, Any] | None = None,
+    lora_scale: float | jax.Array | None = None,
+    lora_dropout: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+    return_hidden: bool = False,
+    prefix_ids: jax.Array | None = None,
+) -> jax.Array: ...
+
+
+@overload
+def forward(
+    cfg: ModelConfig,
+    params: dict[str, Any],
+    tokens: jax.Array,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+    return_aux: Literal[True] = ...,
+    remat: str = "none",
+    lora: dict[str, Any] | None = None,
+    lora_scale: float | jax.Array | None = None,
+    lora_dropout: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+    return_hidden: bool = False,
+    prefix_ids: jax.Array | None = None,
+) -> tuple[jax.Array, dict]: ...
+
+
+@overload
+def forward(
+    cfg: ModelConfig,
+    params: dict[str, Any],
+    tokens: jax.Array,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+    return_aux: bool = ...,
+    remat: str = "none",
+    lora: dict[str, Any] | None = None,
+    lora_scale: float | jax.Array | None = None,
+    lora_dropout: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+    return_hidden: bool = False,
+    prefix_ids: jax.Array | None = None,
+) -> jax.Array | tuple[jax.Array, dict]: ...
 
 
 def forward(
@@ -210,6 +267,7 @@ def forward(
     """
     if lora is not None and lora_scale is None:
         raise ValueError("forward: lora adapters need lora_scale (zoo.lora.lora_scale(lora_cfg))")
+    scale: float | jax.Array = 1.0 if lora_scale is None else lora_scale  # read only with adapters
     drop_keys = _dropout_keys(cfg, lora, lora_dropout, dropout_rng)
     b, t = tokens.shape
     if segment_ids is None:
@@ -230,12 +288,12 @@ def forward(
             if cfg.mla:  # MLA has no adapters (zoo.lora)
                 return mla_attention(norm(cfg, x, p["attn_norm"]), p, *ropes[kind], masks[kind], cfg, window), None
             return attention(x, p, *ropes[kind], masks[kind], cfg, window, norm_w=p["attn_norm"], lora=lp,
-                             lora_scale=lora_scale, drop=drop), None
+                             lora_scale=scale, drop=drop), None
 
-        x, _, stats = decoder_layer(cfg, x, p, attend, moe, valid, lp, lora_scale, drop)
+        x, _, stats = decoder_layer(cfg, x, p, attend, moe, valid, lp, scale, drop)
         return x, stats
 
-    layer_stats = []
+    layer_stats: list[dict] = []
     for prefix, start, stop, moe in cfg.layer_groups:
         # The LoRA adapters (stacked like their weights) and the layers' dropout keys are sliced and
         # scanned with the weights, so the scan body never indexes a stack.

@@ -126,6 +126,7 @@ def _experts_capacity(x: jax.Array, ids: jax.Array, weights: jax.Array, valid: j
                       drop: LoraDropout | None = None) -> tuple[jax.Array, jax.Array]:
     n, k = ids.shape
     X = cfg.num_experts
+    assert cfg.capacity_factor is not None  # moe_mlp routes dropless without one
     cap = max(1, math.ceil(cfg.capacity_factor * n * k / X))
     act = ACTIVATIONS[cfg.hidden_act]
     onehot = jax.nn.one_hot(ids, X, dtype=jnp.int32) * valid[:, None, None].astype(jnp.int32)  # [N, k, X]

@@ -117,21 +117,6 @@ def nf4_quantize(flat: np.ndarray, double: bool = False) -> NF4Fields:
     return NF4Fields(packed, q, absmax2, float(offset))
 
 
-def nf4_absmax(fields: NF4Fields) -> np.ndarray:
-    """The float32 absmax per block, undoing double quantization."""
-    if fields.absmax2 is None:
-        return fields.absmax
-    a2 = np.repeat(fields.absmax2, ABSMAX_BLOCK)[: fields.absmax.size]
-    return (DYNAMIC_CODE[fields.absmax] * a2 + np.float32(fields.offset)).astype(np.float32)
-
-
-def nf4_dequantize(fields: NF4Fields, n: int) -> np.ndarray:
-    """The n float32 values (bitsandbytes' ``dequantize_4bit``: code * absmax, in float32)."""
-    idx = np.stack([fields.packed >> 4, fields.packed & 15], axis=-1).reshape(-1)[:n]
-    absmax = np.repeat(nf4_absmax(fields), NF4_BLOCK)[:n]
-    return (NF4_CODE[idx] * absmax).astype(np.float32)
-
-
 # --- the pytree the model reads ------------------------------------------------------------------------
 
 
@@ -164,11 +149,6 @@ class QuantizedWeight:
         return len(self.lead) + len(self.shape)
 
     @property
-    def full_shape(self) -> tuple[int, ...]:
-        """Shape of the float weight this stands for."""
-        return self.lead + self.shape
-
-    @property
     def nbytes(self) -> int:
         """Bytes of its stored fields."""
         return sum(int(x.size) * np.dtype(x.dtype).itemsize for x in self.data.values())
@@ -185,8 +165,8 @@ def _quantize_matrix(hf: np.ndarray, kind: str, double: bool) -> dict[str, np.nd
         scale = (np.float32(127.0) / np.maximum(absmax, np.float32(1e-38))).astype(np.float32)
         return {"q": np.round(hf * scale[:, None]).astype(np.int8), "absmax": absmax}
     f = nf4_quantize(hf.reshape(-1), double)
-    if double:
-        return {"packed": f.packed, "qabsmax": f.absmax, "absmax2": f.absmax2, "offset": np.float32(f.offset)}
+    if f.absmax2 is not None:  # double quantization
+        return {"packed": f.packed, "qabsmax": f.absmax, "absmax2": f.absmax2, "offset": np.asarray(f.offset, np.float32)}
     return {"packed": f.packed, "absmax": f.absmax}
 
 
@@ -198,7 +178,8 @@ def quantize_matrices(read: Callable[[tuple[int, ...]], np.ndarray], lead_shape:
     if kind not in KINDS:
         raise ValueError(f"quantize: kind must be one of {KINDS}, got {kind!r}")
     parts: dict[str, list] = {}
-    shape, name = (), None
+    shape: tuple[int, ...] = ()
+    name = ""  # set by the first matrix
     for index in np.ndindex(*lead_shape):
         m = np.asarray(read(index))
         m = m.astype(dtype) if dtype is not None else m
@@ -283,27 +264,6 @@ def quantized_paths(cfg: Any) -> dict[str, tuple[int, int]]:
         lead = 2 if "expert" in spec.axes[:2] else 1
         out[path] = (lead, _CONTRACT.get(name, 1))
     return out
-
-
-def quantize_base(cfg: Any, flat_params: dict[str, Any], kind: str = "nf4", double: bool = False,
-                  progress: bool | None = None) -> dict[str, Any]:
-    """``flat_params`` (dotted path -> array) with every :func:`quantized_paths` weight quantized, one weight
-    at a time on the host (``jax.device_get`` of that weight only), the rest unchanged."""
-    from tqdm import tqdm
-
-    paths = quantized_paths(cfg)
-    out = dict(flat_params)
-    for path in tqdm([p for p in paths if p in out], desc=f"quantize ({kind})", unit="param",
-                     disable=None if progress is None else not progress):
-        lead, contract = paths[path]
-        out[path] = quantize(np.asarray(jax.device_get(out[path])), lead, contract, kind, double)
-    return out
-
-
-def base_bits(flat_params: dict[str, Any]) -> tuple[int, int]:
-    """(bytes, parameters) of the quantized weights of a params tree: bits per parameter = 8 * bytes / params."""
-    qs = [w for w in flat_params.values() if isinstance(w, QuantizedWeight)]
-    return sum(q.nbytes for q in qs), sum(math.prod(q.full_shape) for q in qs)
 
 
 def cast_params(params: Any, dtype: Any) -> Any:

@@ -9,21 +9,20 @@ leading ``[layers (, experts)]`` axes, as a :class:`zoo.quant.QuantizedWeight` h
 
 Readers: :func:`load_params` (dequantized, sharded: ``zoo.load``), :class:`DequantizedParamReader` (one layer at a
 time: ``zoo export``), :func:`load_quantized` (the fields as they are: a QLoRA run's frozen base, no
-re-quantization) and :func:`bits_on_disk`.
+re-quantization).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
 from zoo import quant
-from zoo.checkpoint import PARAMS_DIR, STATE_DIR, StoredSection, load_param_numpy, load_stored_params, np_dtype
+from zoo.checkpoint import StoredSection, load_param_numpy, load_stored_params, np_dtype
 from zoo.config import ModelConfig
 from zoo.params import ParamSpec, flatten, nest, param_specs
 
@@ -116,6 +115,7 @@ class DequantizedParamReader:
 
     def _dequantize(self, index: tuple) -> np.ndarray:
         qw = self._fields
+        assert qw is not None, "a projection's fields (other parameters read through _plain)"
         qw = quant.QuantizedWeight({k: v[index] for k, v in qw.data.items()}, qw.kind, qw.shape, qw.contract, qw.dtype)
         return np.asarray(quant.dequantize(qw))
 
@@ -160,24 +160,6 @@ def load_params(ckpt: str | os.PathLike, meta: dict[str, Any], mesh: jax.shardin
             if dtype is not None:
                 host = host.astype(dtype)
             sharding = named_sharding(mesh, specs[p].axes, specs[p].shape)
-            flat[p] = jax.make_array_from_callback(host.shape, sharding, lambda idx, h=host: h[idx])
+            flat[p] = jax.make_array_from_callback(host.shape, sharding, host.__getitem__)
             del host
     return nest(flat)
-
-
-def bits_on_disk(ckpt: str | os.PathLike, meta: dict[str, Any]) -> tuple[int, int]:
-    """(bytes the quantized projections' fields occupy in the checkpoint's store, parameters they stand for):
-    the chunks' stored lengths, listed from the OCDBT store (not the arrays' nominal sizes)."""
-    import tensorstore as ts
-
-    state = Path(ckpt).absolute() / PARAMS_DIR / STATE_DIR
-    kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{state}/"}).result()
-    proj = _projections(meta)
-    prefixes = tuple(f"{p}." for p in proj)
-    nbytes = 0
-    for key in kv.list().result():
-        name = key.decode()
-        if name.startswith(prefixes) and not name.endswith("zarr.json"):
-            nbytes += len(kv.read(key).result().value)
-    params = sum(math.prod(meta["params"][p]["shape"]) for p in proj)
-    return nbytes, params

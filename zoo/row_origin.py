@@ -8,7 +8,7 @@ loaded dataset's rows come from (:func:`remember_origin`).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from zoo.errors import UserError
@@ -26,7 +26,7 @@ class RowOrigin:
     number. Nothing is read until a row is named (only errors do).
     """
 
-    def __init__(self, label: str, files: list[Path] = (), fmt: str = ""):
+    def __init__(self, label: str, files: Sequence[Path] = (), fmt: str = ""):
         self.label, self.files, self.fmt = label, list(files), fmt
         self._counts: dict[Path, int] = {}
 

@@ -60,7 +60,7 @@ def logical_to_spec(
     for i, name in enumerate(logical_axes):
         rule = LOGICAL_RULES.get(name) if name else None
         axes = (rule,) if isinstance(rule, str) else tuple(rule or ())
-        keep = []
+        keep: list[str] = []
         for ax in axes:
             if ax in used:
                 continue
