@@ -37,6 +37,7 @@ from dpo.losses import REFERENCE_FREE, preference_loss, rpo_nll_scale
 from dpo.reference import cached_reference_logps, compute_reference_logps, load_reference, resolve_checkpoint
 from pretrain.config import TrainConfig, data_sources
 from pretrain.dtypes import DTYPES
+from pretrain.metrics import LossOutput, Mean, Metric, Ratio
 from pretrain.mixture import source_config
 from pretrain.preflight import check_untrainable, untrainable
 from pretrain.task import RowSource, Task
@@ -188,8 +189,9 @@ class DPOTask(Task):
 
     def loss_sums(self, mcfg: ModelConfig, params: dict, mb: dict, compute: Any, remat: str,
                   *, frozen_inputs: dict | None = None, totals: dict | None = None, step: jax.Array | None = None,
-                  **forward_kwargs: Any) -> tuple[jax.Array, tuple]:
-        """(objective, (sum of per-pair losses, pair count, {metric: sum over pairs})) of a micro-batch.
+                  **forward_kwargs: Any) -> LossOutput:
+        """A micro-batch's sum of per-pair losses over its pair count, each metric a :class:`Mean` over pairs
+        (TRL's ``logits/*`` a :class:`Ratio` over answer tokens).
 
         ``totals`` (:meth:`batch_totals` of the global batch, passed by the step) weigh the
         ``dpo.sft_weight`` NLL term; without them the micro-batch is taken as the whole batch.
@@ -230,14 +232,14 @@ class DPOTask(Task):
             "rewards/accuracies": (rw_c > rw_r).astype(jnp.float32), "rewards/margins": rw_c - rw_r,
             "logps/chosen": terms.chosen_logps, "logps/rejected": terms.rejected_logps,
         }
-        extras = {k: (v * keep).sum() for k, v in per_pair.items()}
+        extras: dict[str, Metric] = {k: Mean((v * keep).sum()) for k, v in per_pair.items()}
         # TRL's logits/*: the mean logit over the vocabulary, averaged over every chosen (rejected) answer
-        # token of the batch, so longer answers weigh more: a (sum, token count) pair, divided by the loop.
+        # token of the batch, so longer answers weigh more: a ratio of its own.
         for name, wa in (("logits/chosen", wc), ("logits/rejected", wr)):
             wk = wa * keep[:, None]
-            extras[name] = ((mean_logit * wk).sum(), wk.sum())
+            extras[name] = Ratio((mean_logit * wk).sum(), wk.sum())
         objective = total + (aux["loss"] * n if aux is not None else 0.0)
-        return objective, (sg(total), n, extras)
+        return LossOutput(objective, sg(total), n, extras)
 
     def _at_reference(self, lora: dict | None, step: jax.Array | None) -> jax.Array | bool:
         """Whether the policy is the reference itself (a traced bool), or False where it cannot be known:

@@ -20,7 +20,7 @@ position and multi-process plumbing apply unchanged. Each step
 
 The loop then makes ``num_iterations`` optimizer updates on that batch; the
 loss (:meth:`GRPOTask.loss_sums`) is the clipped surrogate with the k3 KL,
-normalized as ``loss_type`` says through the loop's (sum, count) pairs, so
+normalized as ``loss_type`` says through :class:`pretrain.metrics.Ratio` metrics, so
 ``grad_accum`` and the mesh change nothing (``bnpo`` excepted: it normalizes
 per micro-batch, as TRL's per-device batch does).
 """
@@ -45,6 +45,7 @@ from grpo.rollout import RolloutSpec, assemble, sample_group_completions
 from pretrain import distributed
 from pretrain.config import TrainConfig
 from pretrain.dtypes import DTYPES
+from pretrain.metrics import LossOutput, Max, Metric, Ratio
 from pretrain.task import RowSource, Task
 from sft.chat import render, template_text
 from sft.formats import BadRow
@@ -71,7 +72,6 @@ class GRPOTask(Task):
     config_class = GRPOConfig
     online = True
     key_metrics = ("reward", "reward_std", "completions/mean_length")
-    max_metrics = (SAMPLER_DIFF,)
 
     def __init__(self, cfg: GRPOConfig):
         super().__init__(cfg)
@@ -317,8 +317,9 @@ class GRPOTask(Task):
 
     def loss_sums(self, mcfg: ModelConfig, params: dict, mb: dict, compute: Any, remat: str, *,
                   frozen_inputs: Any = None, totals: Any = None, step: jax.Array | None = None,
-                  **forward_kwargs: Any) -> tuple[jax.Array, tuple]:
-        """(objective, (loss sum, count, {metric: (sum, count) or max})) of a micro-batch of rollout rows."""
+                  **forward_kwargs: Any) -> LossOutput:
+        """A micro-batch of rollout rows' loss sum and count, its token means as :class:`Ratio` metrics and the
+        sampler's log-probability gap as a :class:`Max`."""
         g = self.grpo
         p = cast_params(params, compute)
         logp, entropy, aux = batch_logps(mcfg, p, mb, remat, temperature=float(g.temperature), entropy=True,
@@ -333,19 +334,19 @@ class GRPOTask(Task):
         total, n = losses.loss_sum_count(terms["loss"], mask, g.loss_type, g.max_completion_length)
         sg = jax.lax.stop_gradient
         if g.importance_sampling_level == "sequence":  # one ratio per completion: TRL counts clipped sequences
-            clip_of = lambda x: losses.masked_mean_sums(x[:, :1], jnp.ones_like(x[:, :1]))  # noqa: E731
+            clip_of = lambda x: Ratio(*losses.masked_mean_sums(x[:, :1], jnp.ones_like(x[:, :1])))  # noqa: E731
         else:
-            clip_of = lambda x: losses.masked_mean_sums(x, mask)  # noqa: E731
-        extras = {
-            "kl": losses.masked_mean_sums(sg(terms["kl"]), mask),
-            "entropy": losses.masked_mean_sums(entropy, mask),
+            clip_of = lambda x: Ratio(*losses.masked_mean_sums(x, mask))  # noqa: E731
+        extras: dict[str, Metric] = {
+            "kl": Ratio(*losses.masked_mean_sums(sg(terms["kl"]), mask)),
+            "entropy": Ratio(*losses.masked_mean_sums(entropy, mask)),
             "clip_ratio/low_mean": clip_of(terms["low_clip"]),
             "clip_ratio/high_mean": clip_of(terms["high_clip"]),
             "clip_ratio/region_mean": clip_of(terms["region_clip"]),
-            SAMPLER_DIFF: jnp.max(jnp.abs(mb["sampler_logps"] - sg(old)) * mask),
+            SAMPLER_DIFF: Max(jnp.max(jnp.abs(mb["sampler_logps"] - sg(old)) * mask)),
         }
         objective = total + (aux["loss"] * n if aux is not None else 0.0)
-        return objective, (sg(total), n, extras)
+        return LossOutput(objective, sg(total), n, extras)
 
 
 def _to_host(x: jax.Array) -> np.ndarray:

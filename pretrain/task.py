@@ -17,6 +17,7 @@ import jax
 
 from pretrain.config import TrainConfig
 from pretrain.data import tokenize_rows
+from pretrain.metrics import LossOutput
 from pretrain.preflight import keeps_a_target
 from zoo.batching import Document
 from zoo.config import ModelConfig
@@ -53,7 +54,6 @@ class Task:
       own rows (reported like ``data.long_examples``);
     * ``reads_step``: the train step passes its optimizer step as ``step``;
     * ``key_metrics``: the task's metrics a plain log line shows beside the loss;
-    * ``max_metrics``: extra metrics combined over micro-batches by their maximum, not summed;
     * ``group_size``: how many consecutive rows of a batch read the same document (1: each its own);
     * an *online* task (``online``) makes each step's batch itself: :meth:`rollout` turns the global batch of
       data rows (documents padded to ``data.seq_len + 1``, every feature) into the model batch the step
@@ -65,7 +65,6 @@ class Task:
     config_class: ClassVar[type[TrainConfig]] = TrainConfig  # the config schema the task reads
     reads_step: ClassVar[bool] = False
     key_metrics: ClassVar[tuple[str, ...]] = ()
-    max_metrics: ClassVar[tuple[str, ...]] = ()
     online: ClassVar[bool] = False
 
     def __init__(self, cfg: TrainConfig | None = None):
@@ -84,13 +83,13 @@ class Task:
 
     def loss_sums(self, mcfg: ModelConfig, params: dict, mb: dict, compute: Any, remat: str, *,
                   frozen_inputs: Any = None, totals: Any = None, step: jax.Array | None = None,
-                  **forward_kwargs: Any) -> tuple[jax.Array, tuple]:
-        """(objective to differentiate, (loss sum, target count[, {name: extra sum}])) of one micro-batch.
+                  **forward_kwargs: Any) -> LossOutput:
+        """One micro-batch's :class:`LossOutput`: the objective to differentiate, the loss sum and its count,
+        and the task's metrics, each declaring its reduction (:mod:`pretrain.metrics`).
 
         ``forward_kwargs`` (LoRA adapters, scale, dropout rate and key) go to
-        the model's forward pass. The named extra sums are accumulated like the
-        loss and logged divided by the count (eval: with an ``eval_`` prefix); a
-        ``(sum, count)`` pair in place of a sum is logged as its own ratio.
+        the model's forward pass. The metrics are combined over micro-batches
+        and logged finished (eval: with an ``eval_`` prefix).
         """
         raise NotImplementedError
 
@@ -122,7 +121,7 @@ class Task:
 
 
 def next_token_loss_sums(mcfg: ModelConfig, params: dict, mb: dict, compute: Any, remat: str,
-                         **forward_kwargs: Any) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+                         **forward_kwargs: Any) -> LossOutput:
     """Weighted next-token cross-entropy sums (plus MoE router losses) of a micro-batch.
 
     Sums, not means: the step divides by the target count of the whole global
@@ -140,7 +139,7 @@ def next_token_loss_sums(mcfg: ModelConfig, params: dict, mb: dict, compute: Any
                            head_grad=forward_kwargs.get("lora") is None, vocab_major=vocab_major)
     n = mb["weights"].sum()
     total = s + (aux["loss"] * n if moe else 0.0)
-    return total, (s, n)
+    return LossOutput(total, s, n)
 
 
 class PretrainTask(Task):
@@ -158,6 +157,6 @@ class PretrainTask(Task):
 
     def loss_sums(self, mcfg: ModelConfig, params: dict, mb: dict, compute: Any, remat: str, *,
                   frozen_inputs: Any = None, totals: Any = None, step: jax.Array | None = None,
-                  **forward_kwargs: Any) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+                  **forward_kwargs: Any) -> LossOutput:
         """Next-token cross-entropy over every target."""
         return next_token_loss_sums(mcfg, params, mb, compute, remat, **forward_kwargs)

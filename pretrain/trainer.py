@@ -35,7 +35,8 @@ from pretrain.lanes import check_same_processes, global_batch, run_data
 from pretrain.optim import build_optimizer, lr_schedule
 from pretrain.setup import init_adapters, load_model, lora_settings, quantize_frozen_base
 from pretrain.sources import describe as describe_mixture
-from pretrain.step import extra_means, init_state, make_step
+from pretrain.metrics import LossOutput
+from pretrain.step import init_state, make_step
 from pretrain.task import PretrainTask, Task
 from zoo.batching import replicated_batch, to_model_batch
 from zoo.console import is_terminal
@@ -256,20 +257,17 @@ def _eval_loss(eval_fn, params: dict, docs: list, cfg: TrainConfig, micro: int, 
     packed batches of the eval documents."""
     it = packed_batches(docs, cfg.data.seq_len, micro, cfg.seed, 1, packing)
     sharding = NamedSharding(mesh, PartitionSpec(("data", "fsdp"), None))
-    total, count, extra = 0.0, 0.0, {}
+    total: LossOutput | None = None
     for _ in range(max_batches):
         try:
             b = to_model_batch(next(it))
         except StopIteration:
             break
-        s, n, *rest = eval_fn(params, replicated_batch(b, sharding))
-        total, count = total + float(s), count + float(n)
-        for k, v in (rest[0] if rest else {}).items():
-            v = tuple(float(x) for x in v) if isinstance(v, tuple) else float(v)
-            extra[k] = jax.tree.map(lambda a, b: a + b, extra[k], v) if k in extra else v
-    if count == 0:
+        one = jax.tree.map(float, eval_fn(params, replicated_batch(b, sharding)))
+        total = one if total is None else total.combine(one)
+    if total is None or total.count == 0:
         raise UserError("the eval data is shorter than one batch of seq_len tokens; add data or lower data.seq_len")
-    return {"eval_loss": total / count, **{f"eval_{k}": float(v) for k, v in extra_means(extra, count).items()}}
+    return {"eval_loss": total.loss / total.count, **{f"eval_{k}": float(v) for k, v in total.means().items()}}
 
 
 class _StopOnSignal:

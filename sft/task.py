@@ -8,6 +8,7 @@ from typing import Any
 import jax
 
 from pretrain.config import TrainConfig
+from pretrain.metrics import LossOutput
 from pretrain.task import RowSource, Task, next_token_loss_sums
 from sft.chat import ChatTemplate, parse_date
 from sft.config import SFTConfig
@@ -62,6 +63,6 @@ class SFTTask(Task):
 
     def loss_sums(self, mcfg: ModelConfig, params: dict, mb: dict, compute: Any, remat: str, *,
                   frozen_inputs: Any = None, totals: Any = None, step: jax.Array | None = None,
-                  **forward_kwargs: Any) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+                  **forward_kwargs: Any) -> LossOutput:
         """Next-token cross-entropy over the trained (masked-in) targets only."""
         return next_token_loss_sums(mcfg, params, mb, compute, remat, **forward_kwargs)

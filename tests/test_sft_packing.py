@@ -58,8 +58,8 @@ def test_packed_loss_equals_examples_run_one_by_one():
         s = n = 0.0
         for b in batches:
             mb = {k: jnp.asarray(v) for k, v in to_model_batch(b).items()}
-            _, (bs, bn) = next_token_loss_sums(CFG, params, mb, jnp.float32, "none")
-            s, n = s + float(bs), n + float(bn)
+            out = next_token_loss_sums(CFG, params, mb, jnp.float32, "none")
+            s, n = s + float(out.loss), n + float(out.count)
         return s, n
 
     packed = sums(_all_rows(docs, "best_fit"))
