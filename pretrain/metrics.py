@@ -14,7 +14,7 @@ know how to combine over micro-batches (and eval batches) and how to finish:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Union
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -63,7 +63,7 @@ class Max:
         return self.value
 
 
-Metric = Union[Mean, Ratio, Max]
+Metric = Mean | Ratio | Max
 
 
 def is_metric(x: Any) -> bool:

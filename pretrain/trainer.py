@@ -32,10 +32,10 @@ from pretrain.eval_tasks import TrainingEval
 from pretrain.final import write_final
 from pretrain.flops import flops_per_token, peak_flops
 from pretrain.lanes import check_same_processes, global_batch, run_data
+from pretrain.metrics import LossOutput
 from pretrain.optim import build_optimizer, lr_schedule
 from pretrain.setup import init_adapters, load_model, lora_settings, quantize_frozen_base
 from pretrain.sources import describe as describe_mixture
-from pretrain.metrics import LossOutput
 from pretrain.step import init_state, make_step
 from pretrain.task import PretrainTask, Task
 from zoo.batching import replicated_batch, to_model_batch
