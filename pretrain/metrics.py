@@ -14,7 +14,7 @@ know how to combine over micro-batches (and eval batches) and how to finish:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -85,7 +85,7 @@ class LossOutput:
     def combine(self, other: LossOutput) -> LossOutput:
         """Two micro-batches' outputs as one: sums added, each metric combined by its own reduction."""
         return LossOutput(self.objective + other.objective, self.loss + other.loss, self.count + other.count,
-                          {k: m.combine(other.metrics[k]) for k, m in self.metrics.items()})
+                          {k: m.combine(cast(Any, other.metrics[k])) for k, m in self.metrics.items()})
 
     def means(self, count: Any = None) -> dict[str, Any]:
         """The metrics finished: each divided by ``count`` (default: this output's count) or by its own."""

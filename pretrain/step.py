@@ -105,7 +105,7 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any,
         updates, opt_state = tx.update(g, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": out.loss / n, "grad_norm": optax.tree.norm(g), "target_tokens": n,
-                   "padding": 1.0 - (batch["segment_ids"] != 0).mean(), "task": out.means(n)}
+                   "padding": 1.0 - (batch.segment_ids != 0).mean(), "task": out.means(n)}
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     if state_sharding is None:
@@ -143,10 +143,11 @@ def _compile(lowered: Any) -> Any:
         return lowered.compile()
 
 
-def compile_then_trim(jitted: Any) -> Any:
+class CompileThenTrim:
     """``jitted``, but each new argument signature is compiled ahead of its first run (on the CPU with
     :data:`CPU_COMPILER_OPTIONS`) and the compiler's freed memory handed back to the system
-    (:func:`zoo.memory.release_free_memory`) before the step's own buffers are allocated.
+    (:func:`zoo.memory.release_free_memory`) before the step's own buffers are allocated; :meth:`lower` lowers
+    it (from ``jax.ShapeDtypeStruct`` s too: a step compiled without data).
 
     XLA frees its working memory after compiling, but glibc keeps it in the
     heap; left there, it sits under the first step's peak, and the
@@ -154,18 +155,26 @@ def compile_then_trim(jitted: Any) -> Any:
     temporaries (0.27 GB on SmolLM2-135M's train step). Later calls with the
     same shapes, dtypes and shardings run the executable compiled then.
     """
-    compiled: dict[str, Any] = {}
 
-    def call(*args: Any, **kwargs: Any) -> Any:
+    def __init__(self, jitted: Any):
+        self.jitted = jitted
+        self.compiled: dict[str, Any] = {}
+
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
+        """The jitted function lowered for these arguments (arrays or ``jax.ShapeDtypeStruct`` s)."""
+        return self.jitted.lower(*args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         sig = jax.tree.map(lambda a: (getattr(a, "shape", None), getattr(a, "dtype", None),
                                       str(getattr(a, "sharding", None))), (args, kwargs))
         key = str(jax.tree.structure(sig)) + str(jax.tree.leaves(sig))
-        if key not in compiled:
-            compiled[key] = _compile(jitted.lower(*args, **kwargs))
+        if key not in self.compiled:
+            self.compiled[key] = _compile(self.lower(*args, **kwargs))
             release_free_memory()
-        return compiled[key](*args, **kwargs)
+        return self.compiled[key](*args, **kwargs)
 
-    return call
+
+compile_then_trim = CompileThenTrim
 
 
 def init_state(tx: optax.GradientTransformation, params: dict, mesh: jax.sharding.Mesh) -> dict:
