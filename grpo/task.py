@@ -42,12 +42,12 @@ from grpo import losses
 from grpo.config import GRPOConfig
 from grpo.rewards import load_rewards
 from grpo.rollout import RolloutSpec, assemble, sample_group_completions
-from pretrain.batch import RolloutBatch
+from pretrain.batch import Rollout, RolloutBatch
 from pretrain.config import TrainConfig
 from pretrain.dtypes import DTYPES
 from pretrain.hooks import Hook, JsonlLog, StepInfo
 from pretrain.metrics import LossOutput, Max, Metric, Ratio
-from pretrain.task import Documents, Rollout, RowSource, RunContext, Task, Tokenizer
+from pretrain.task import Documents, RowSource, RunContext, Task, Tokenizer
 from sft.chat import render, template_text
 from sft.formats import BadRow
 from sft.task import chat_template_of

@@ -1,4 +1,5 @@
-"""Model batches as typed pytrees: :class:`TokenBatch` (what every task's rows hold) and the tasks' subclasses.
+"""Model batches as typed pytrees: :class:`TokenBatch` (what every task's rows hold), the tasks' subclasses, and
+an online task's :class:`Rollout` (the batch it made, with what it measured).
 
 A batch's arrays are [..., rows, length]: the step's global batch is
 [grad_accum, micro, seq_len], one micro-batch [micro, seq_len]. A field a
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import jax
@@ -89,3 +91,24 @@ class RolloutBatch(TokenBatch):
     def dtypes(cls) -> dict[str, Any]:
         return {**TokenBatch.dtypes(), "sampler_logps": FLOAT, "advantages": FLOAT, "old_logps": FLOAT,
                 "ref_logps": FLOAT}
+
+
+@dataclass
+class Rollout:
+    """What an online task's :meth:`Task.rollout` made for one step: the model batch the step trains on, the
+    metrics it measured (logged with the step's), and how its time and tokens went, from which
+    :meth:`timing` reports the step's split between making the batch and training on it."""
+
+    batch: TokenBatch
+    metrics: dict[str, float]
+    generation_s: float = 0.0  # seconds spent generating
+    rollout_s: float = 0.0  # seconds spent making the batch in all
+    tokens: int = 0  # the tokens the step's updates train on (every update's)
+    log: list[dict[str, Any]] = field(default_factory=list)  # records for the task's own step log (its hooks)
+
+    def timing(self, step_time: float) -> dict[str, float]:
+        """The share of the step spent generating, and tokens per second of training and of the whole step
+        (the loop's own count, batch_size x data.seq_len, would measure data rows, not the tokens trained)."""
+        return {"generation_share": self.generation_s / step_time if step_time > 0 else 0.0,
+                "train_tokens_per_sec": self.tokens / max(step_time - self.rollout_s, 1e-9),
+                "tokens_per_sec": self.tokens / max(step_time, 1e-9)}

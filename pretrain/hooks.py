@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pretrain.task import Rollout
+from pretrain.batch import Rollout
 
 
 @dataclass

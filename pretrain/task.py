@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 import jax
 from jax.typing import DTypeLike
 
-from pretrain.batch import TokenBatch
+from pretrain.batch import Rollout, TokenBatch
 from pretrain.config import TrainConfig
 from pretrain.data import tokenize_rows
+from pretrain.hooks import Hook
 from pretrain.metrics import LossOutput
 from pretrain.preflight import keeps_a_target
 from zoo.batching import Document
@@ -90,27 +91,6 @@ class RunContext:
     lora: LoraConfig | None
     params: dict
     reads: list[DataRead]
-
-
-@dataclass
-class Rollout:
-    """What an online task's :meth:`Task.rollout` made for one step: the model batch the step trains on, the
-    metrics it measured (logged with the step's), and how its time and tokens went, from which
-    :meth:`timing` reports the step's split between making the batch and training on it."""
-
-    batch: TokenBatch
-    metrics: dict[str, float]
-    generation_s: float = 0.0  # seconds spent generating
-    rollout_s: float = 0.0  # seconds spent making the batch in all
-    tokens: int = 0  # the tokens the step's updates train on (every update's)
-    log: list[dict[str, Any]] = field(default_factory=list)  # records for the task's own step log (its hooks)
-
-    def timing(self, step_time: float) -> dict[str, float]:
-        """The share of the step spent generating, and tokens per second of training and of the whole step
-        (the loop's own count, batch_size x data.seq_len, would measure data rows, not the tokens trained)."""
-        return {"generation_share": self.generation_s / step_time if step_time > 0 else 0.0,
-                "train_tokens_per_sec": self.tokens / max(step_time - self.rollout_s, 1e-9),
-                "tokens_per_sec": self.tokens / max(step_time, 1e-9)}
 
 
 class Task:

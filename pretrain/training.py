@@ -14,12 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from pretrain.batch import TokenBatch
+from pretrain.batch import Rollout, TokenBatch
 from pretrain.config import TrainConfig
 from pretrain.hooks import StepInfo
 from pretrain.lanes import global_batch
 from pretrain.rundata import RunData
-from pretrain.task import Rollout, Task
+from pretrain.task import Task
 from zoo.batching import to_model_batch
 from zoo.errors import UserError
 
