@@ -114,6 +114,7 @@ def run_lmzoo(side: str, ckpt: str, ref_ckpt: str, pairs: str, args: argparse.Na
     from dpo.task import DPOTask
     from pretrain.config import load_config
     from pretrain.trainer import train
+    from zoo.checkpoint import read_meta
 
     reference = {"base": "base", "ckpt": ref_ckpt, "precomputed": "precomputed"}[side]
     steps = WARMUP + args.steps
@@ -135,9 +136,11 @@ def run_lmzoo(side: str, ckpt: str, ref_ckpt: str, pairs: str, args: argparse.Na
         metrics = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
         adapters = Path(out) / "final"
         n_trainable = adapter_params(adapters)
+        training = read_meta(adapters)["training"]
+        cut = training.get("truncated_long_examples", training.get("dropped_long_examples", 0))
     times = [m["step_time"] for m in metrics]
     return {"times": times[WARMUP:], "warmup_s": times[:WARMUP], "losses": [m["loss"] for m in metrics],
-            "trainable_params": n_trainable, "train_s": total, "cut_pairs": len(task.too_long),
+            "trainable_params": n_trainable, "train_s": total, "cut_pairs": cut,
             "rewards/accuracies": [m.get("rewards/accuracies") for m in metrics]}
 
 

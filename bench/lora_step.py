@@ -134,6 +134,7 @@ def run_jax(ckpt: str, batch: int, seq: int, steps: int, rank: int | None, alpha
     from jax.sharding import NamedSharding, PartitionSpec
 
     import zoo
+    from pretrain.batch import TokenBatch
     from pretrain.setup import init_adapters
     from pretrain.step import init_state, make_step
     from zoo.lora import LoraConfig, lora_scale
@@ -175,7 +176,7 @@ def run_jax(ckpt: str, batch: int, seq: int, steps: int, rank: int | None, alpha
     t = _tokens(batch, seq, cfg.vocab_size)
     b = {"inputs": t[:, :-1], "targets": t[:, 1:], "weights": np.ones((batch, seq), np.float32),
          "segment_ids": np.ones((batch, seq), np.int32), "positions": np.tile(np.arange(seq, dtype=np.int32), (batch, 1))}
-    b = jax.device_put({k: v[None] for k, v in b.items()}, batch_sharding)  # [grad_accum=1, micro, seq]
+    b = TokenBatch.of(jax.device_put({k: v[None] for k, v in b.items()}, batch_sharding))  # [grad_accum=1, micro, seq]
     del params, trainable  # the state (and frozen) hold them
     loaded_rss, loaded_peak = _rss(), _peak_rss()  # the weights, adapters and optimizer state in place
     _reset_peak()  # from here VmHWM is the steps' own peak (sides.run_child keeps the larger of the two)

@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> dict:
     from jax.sharding import NamedSharding, PartitionSpec
 
     from convert.hf_config import model_config_from_hf
+    from pretrain.batch import TokenBatch
     from pretrain.flops import KNOWN_PEAK_TFLOPS, flops_per_token
     from pretrain.step import init_state, make_step
     from zoo.params import init_params, nest, param_specs
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace) -> dict:
     batch = {"inputs": tokens[..., :-1], "targets": tokens[..., 1:], "weights": np.ones((1, b, t), np.float32),
              "segment_ids": np.ones((1, b, t), np.int32),
              "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (1, b, t)).copy()}
-    batch = jax.device_put(batch, batch_sharding)
+    batch = TokenBatch.of(jax.device_put(batch, batch_sharding))
     times = []
     for i in range(args.steps + 2):  # two warm-up steps (compilation)
         t0 = time.perf_counter()

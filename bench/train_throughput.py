@@ -39,6 +39,7 @@ def run_jax(ckpt: str, batch: int, seq: int, steps: int) -> dict:
     from jax.sharding import NamedSharding, PartitionSpec
 
     import zoo
+    from pretrain.batch import TokenBatch
     from pretrain.flops import flops_per_token
     from pretrain.step import init_state, make_step
     from zoo.sharding import make_mesh
@@ -53,7 +54,7 @@ def run_jax(ckpt: str, batch: int, seq: int, steps: int) -> dict:
     t = _tokens(batch, seq, cfg.vocab_size)
     b = {"inputs": t[:, :-1], "targets": t[:, 1:], "weights": np.ones((batch, seq), np.float32),
          "segment_ids": np.ones((batch, seq), np.int32), "positions": np.tile(np.arange(seq, dtype=np.int32), (batch, 1))}
-    b = jax.device_put({k: v[None] for k, v in b.items()}, batch_sharding)  # one micro-batch
+    b = TokenBatch.of(jax.device_put({k: v[None] for k, v in b.items()}, batch_sharding))  # one micro-batch
     times, losses = [], []
     # Two warm-up steps (the first compiles; the step's layouts are pinned, so only once).
     for i in range(steps + 2):

@@ -58,7 +58,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -164,14 +164,14 @@ def tokenize_pair(pair: Pair, tokenizer: Any, chat_template: ChatTemplate | str 
     BadRow for an unusable pair. A boundary merge is counted in ``stats``."""
     if pair.is_chat:
         template = as_template(chat_template)
-        texts = [_chat_texts(tokenizer, pair.prompt, a, template, name)
+        texts = [_chat_texts(tokenizer, cast(list, pair.prompt), cast(list, a), template, name)
                  for a, name in ((pair.chosen, "chosen"), (pair.rejected, "rejected"))]
         if texts[0][0] != texts[1][0]:
             raise BadRow("the chat template renders the prompt differently before 'chosen' and before 'rejected', "
                          "so the two answers have no common prompt")
         head = bos_head(tokenizer, texts[0][0] + texts[0][1])
     else:
-        texts = [(pair.prompt, pair.chosen), (pair.prompt, pair.rejected)]
+        texts = [(cast(str, pair.prompt), cast(str, pair.chosen)), (cast(str, pair.prompt), cast(str, pair.rejected))]
         head = special_affixes(tokenizer)[0]
     sides = []
     for prompt_text, answer_text in texts:

@@ -35,11 +35,12 @@ from dpo.config import DPOConfig
 from dpo.data import CHOSEN, REJECTED, pair_documents
 from dpo.losses import REFERENCE_FREE, preference_loss, rpo_nll_scale
 from dpo.reference import cached_reference_logps, compute_reference_logps, load_reference, resolve_checkpoint
-from pretrain.config import TrainConfig, data_sources
+from pretrain.batch import PairBatch
+from pretrain.config import TrainConfig
 from pretrain.dtypes import DTYPES
-from pretrain.mixture import source_config
+from pretrain.metrics import LossOutput, Mean, Metric, Ratio
 from pretrain.preflight import check_untrainable, untrainable
-from pretrain.task import RowSource, Task
+from pretrain.task import Documents, RowSource, RunContext, Task, Tokenizer
 from sft.task import chat_template_of
 from zoo.batching import Document
 from zoo.config import ModelConfig
@@ -62,6 +63,7 @@ class DPOTask(Task):
     config_class = DPOConfig
     reads_step = True  # the train step passes its optimizer step to loss_sums (pretrain/step.py)
     key_metrics = ("rewards/accuracies", "rewards/margins")  # what a plain log line shows besides the loss
+    batch_class = PairBatch
 
     def __init__(self, cfg: DPOConfig):
         super().__init__(cfg)
@@ -87,29 +89,33 @@ class DPOTask(Task):
         if missing:
             raise UserError(f"data.path {path}: preference rows need 'chosen' and 'rejected' fields (and "
                             f"optionally 'prompt'); missing {', '.join(missing)} (columns: {ds.column_names})")
-        return RowSource(ds, "pairs")
+        return RowSource(ds, "pairs", path)
 
-    def documents(self, rows: RowSource, tokenizer: Any, path: str, skip_bad: bool,
-                  indices: list[int] | None = None) -> tuple[dict[int, Document], int]:
-        """One row document per usable pair (with its cached reference log-probabilities when precomputed)."""
+    def documents(self, rows: RowSource, tokenizer: Tokenizer, path: str, skip_bad: bool,
+                  indices: list[int] | None = None) -> Documents:
+        """One row document per usable pair (with its cached reference log-probabilities when precomputed).
+
+        Reads what :meth:`prepare` set up (the layout, the cached log-probabilities), as the loop's order
+        (:class:`pretrain.task.Task`) has it; before ``prepare`` it lays pairs out as ``dpo.share_prompt`` says
+        and cannot attach precomputed log-probabilities."""
         docs, bad, too_long = pair_documents(indexed_rows(rows.ds, indices), tokenizer, self.chat_template, path,
                                              skip_bad, self.max_len, self.drop_long, self.shared_prompt)
-        self.too_long |= too_long
         if self.mode == "precomputed":
             cached = self.ref_logps[path]
             for i, d in docs.items():
                 d["ref_logps"] = cached[i]
-        return docs, bad
+        return Documents(docs, bad, too_long)
 
     # ---- the reference ----------------------------------------------------------------------------------
 
-    def prepare(self, cfg: TrainConfig, mcfg: ModelConfig, params: dict, mesh: jax.sharding.Mesh,
-                tokenizer: Any) -> dict | None:
-        """Set up the reference before training; returns the reference params the step needs (a path), else None.
+    def prepare(self, ctx: RunContext) -> dict | None:
+        """Set up the reference and the pair layout before any documents are made; returns the reference params
+        the step needs (a path), else None.
 
-        ``params`` are the starting weights (LoRA: the frozen base).
+        ``ctx.params`` are the starting weights (LoRA: the frozen base).
         """
-        lora = cfg.lora.rank > 0
+        cfg, mcfg, params, mesh = ctx.cfg, ctx.mcfg, ctx.params, ctx.mesh
+        lora = ctx.lora is not None
         self.shared_prompt = self.dpo.share_prompt and "sliding" not in mcfg.kinds
         if self.mode == "base" and not lora:
             raise UserError("full fine-tuning (lora.rank: 0) needs a reference model besides the trained one: set "
@@ -121,37 +127,32 @@ class DPOTask(Task):
             self.reference_is_start = _equal_weights(reference, params)
             return reference
         if self.mode == "precomputed":
-            self._precompute(cfg, mcfg, params, mesh, tokenizer)
+            self._precompute(ctx)
             self.reference_is_start = not self.dpo.reference_model  # scored with ``params`` themselves
         return None
 
-    def _precompute(self, cfg: TrainConfig, mcfg: ModelConfig, params: dict, mesh: jax.sharding.Mesh,
-                    tokenizer: Any) -> None:
+    def _precompute(self, ctx: RunContext) -> None:
+        """Score every pair of the run's data (``ctx.reads``) with the reference, or read the cached scores."""
         from pathlib import Path
 
         from pretrain import distributed
 
+        cfg, mcfg, params, mesh = ctx.cfg, ctx.mcfg, ctx.params, ctx.mesh
         source = self.dpo.reference_model or cfg.model.path
         if cfg.model.init == "random" and not self.dpo.reference_model:
             raise UserError("dpo.reference: precomputed with model.init: random needs dpo.reference_model "
                             "(a zoo checkpoint to score the pairs with)")
-        weights = resolve_checkpoint(source)
+        weights = resolve_checkpoint(str(source))
         d = cfg.data
-        mixture = isinstance(d.path, list)
-        reads = []  # (path, the config it is read with, whether it is training data)
-        for src in data_sources(cfg):  # one source for a plain data.path
-            scfg = source_config(cfg, src) if mixture else cfg
-            reads += [(src.path, scfg, True)] + ([(scfg.data.eval_path, scfg, False)] if scfg.data.eval_path else [])
-        if mixture and d.eval_path:
-            reads.append((d.eval_path, cfg, False))
         docs = {}
-        for path, scfg, training in reads:
-            rows = self.load(path, scfg)
-            docs[path], _, _ = pair_documents(indexed_rows(rows.ds), tokenizer, self.chat_template, path,
-                                              d.skip_bad_rows, self.max_len, self.drop_long, self.shared_prompt)
-            if training:  # the loop checks this too, but only after the cache below is written into output_dir
-                check_untrainable(*untrainable(docs[path].values(), d.seq_len, self.trainable), cfg,
-                                  f"data.path {path}")
+        for read in ctx.reads:
+            rows = self.load(read.path, read.cfg)
+            docs[read.path], _, _ = pair_documents(indexed_rows(rows.ds), ctx.tokenizer, self.chat_template,
+                                                   read.path, d.skip_bad_rows, self.max_len, self.drop_long,
+                                                   self.shared_prompt)
+            if read.training:  # the loop checks this too, but only after the cache below is written into output_dir
+                check_untrainable(*untrainable(docs[read.path].values(), d.seq_len, self.trainable), cfg,
+                                  f"data.path {read.path}")
         compute = DTYPES[cfg.dtype.compute]
 
         def score(documents: list) -> list:
@@ -180,16 +181,22 @@ class DPOTask(Task):
 
     # ---- (params, batch) -> loss sums -------------------------------------------------------------------
 
-    def batch_totals(self, batch: dict) -> dict[str, jax.Array]:
+    def batch_layout(self, grad_accum: int, micro: int, seq_len: int) -> PairBatch:
+        """Pair rows: a shared prompt's ``prefix_ids`` (as :meth:`prepare` decided), precomputed ``ref_logps``."""
+        fields = ("prefix_ids",) * self.shared_prompt + ("ref_logps",) * (self.mode == "precomputed")
+        return PairBatch.layout((grad_accum, micro, seq_len), fields)
+
+    def batch_totals(self, batch: PairBatch) -> dict[str, jax.Array]:
         """{pairs, chosen_tokens} of a whole batch (any leading axes: the step's global batch, every
         micro-batch and device): the counts RPO's token-mean NLL divides by (:func:`rpo_nll_scale`)."""
         wc, _, keep = _answer_masks(batch)
         return {"pairs": keep.sum(), "chosen_tokens": (wc.sum(-1) * keep).sum()}
 
-    def loss_sums(self, mcfg: ModelConfig, params: dict, mb: dict, compute: Any, remat: str,
+    def loss_sums(self, mcfg: ModelConfig, params: dict, mb: PairBatch, compute: Any, remat: str,
                   *, frozen_inputs: dict | None = None, totals: dict | None = None, step: jax.Array | None = None,
-                  **forward_kwargs: Any) -> tuple[jax.Array, tuple]:
-        """(objective, (sum of per-pair losses, pair count, {metric: sum over pairs})) of a micro-batch.
+                  **forward_kwargs: Any) -> LossOutput:
+        """A micro-batch's sum of per-pair losses over its pair count, each metric a :class:`Mean` over pairs
+        (TRL's ``logits/*`` a :class:`Ratio` over answer tokens).
 
         ``totals`` (:meth:`batch_totals` of the global batch, passed by the step) weigh the
         ``dpo.sft_weight`` NLL term; without them the micro-batch is taken as the whole batch.
@@ -197,14 +204,15 @@ class DPOTask(Task):
         full fine-tuning's step 1, where the policy is still its starting weights.
         """
         p = cast_params(params, compute)
-        pol, mean_logit, aux = batch_logps(mcfg, p, mb, remat, **forward_kwargs)
+        arrays = mb.arrays()
+        pol, mean_logit, aux = batch_logps(mcfg, p, arrays, remat, **forward_kwargs)
         if self.mode == "precomputed":
-            ref = mb["ref_logps"].astype(jnp.float32)
+            ref = mb.ref_logps.astype(jnp.float32)
         elif self.mode == "base":  # the same base weights, adapters off: no second copy of the model
-            ref = jax.lax.stop_gradient(batch_logps(mcfg, p, mb)[0])
+            ref = jax.lax.stop_gradient(batch_logps(mcfg, p, arrays)[0])
         elif self.mode == "path":
             r = cast_params(frozen_inputs, compute)  # the reference checkpoint's params
-            ref = jax.lax.stop_gradient(batch_logps(mcfg, r, mb)[0])
+            ref = jax.lax.stop_gradient(batch_logps(mcfg, r, arrays)[0])
         else:
             ref = jnp.zeros_like(pol)
         wc, wr, keep = _answer_masks(mb)
@@ -230,14 +238,14 @@ class DPOTask(Task):
             "rewards/accuracies": (rw_c > rw_r).astype(jnp.float32), "rewards/margins": rw_c - rw_r,
             "logps/chosen": terms.chosen_logps, "logps/rejected": terms.rejected_logps,
         }
-        extras = {k: (v * keep).sum() for k, v in per_pair.items()}
+        extras: dict[str, Metric] = {k: Mean((v * keep).sum()) for k, v in per_pair.items()}
         # TRL's logits/*: the mean logit over the vocabulary, averaged over every chosen (rejected) answer
-        # token of the batch, so longer answers weigh more: a (sum, token count) pair, divided by the loop.
+        # token of the batch, so longer answers weigh more: a ratio of its own.
         for name, wa in (("logits/chosen", wc), ("logits/rejected", wr)):
             wk = wa * keep[:, None]
-            extras[name] = ((mean_logit * wk).sum(), wk.sum())
+            extras[name] = Ratio((mean_logit * wk).sum(), wk.sum())
         objective = total + (aux["loss"] * n if aux is not None else 0.0)
-        return objective, (sg(total), n, extras)
+        return LossOutput(objective, sg(total), n, extras)
 
     def _at_reference(self, lora: dict | None, step: jax.Array | None) -> jax.Array | bool:
         """Whether the policy is the reference itself (a traced bool), or False where it cannot be known:
@@ -260,7 +268,7 @@ def _adapters_off(lora: dict) -> jax.Array:
 
 def _equal_weights(a: dict, b: dict) -> bool:
     """Whether two parameter trees (the same model's, laid out alike) hold equal weights, leaf by leaf."""
-    if jax.tree.structure(a) != jax.tree.structure(b):
+    if str(jax.tree.structure(a)) != str(jax.tree.structure(b)):
         return False
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     if any(x.shape != y.shape or x.dtype != y.dtype for x, y in zip(la, lb)):
@@ -269,10 +277,10 @@ def _equal_weights(a: dict, b: dict) -> bool:
     return bool(np.asarray(jax.device_get(same)))
 
 
-def _answer_masks(batch: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _answer_masks(batch: PairBatch) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(chosen-answer token weights, rejected-answer token weights, 1.0 for each row holding a whole pair)
     of a batch's rows (rows without both answers, e.g. padding rows, count for nothing)."""
-    w, seg = batch["weights"], batch["segment_ids"]
+    w, seg = batch.weights, batch.segment_ids
     wc, wr = w * (seg == CHOSEN), w * (seg == REJECTED)
     keep = (wc.sum(-1) > 0) & (wr.sum(-1) > 0)
     return wc, wr, keep.astype(jnp.float32)

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -251,7 +251,7 @@ def load_rewards(specs: Sequence[Any] | str, weights: Sequence[float] | None = N
                         "or a module:function)")
     if weights is not None:
         if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence):
-            weights = [weights]
+            weights = [cast(Any, weights)]
         try:
             weights = [float(w) for w in weights]
         except (TypeError, ValueError):

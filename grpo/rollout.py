@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -64,7 +65,7 @@ def sample_group_completions(cfg: ModelConfig, params: dict, tokens: jax.Array, 
     entries past its length are 0. ``lora`` adapters (with ``lora_scale``) run
     beside the base matmuls, as in the training forward pass.
     """
-    adapters = {"lora": lora, "lora_scale": lora_scale}
+    adapters: dict[str, Any] = {"lora": lora, "lora_scale": lora_scale}
     b, p = tokens.shape
     g, t = spec.group, spec.new_tokens
     first_tokens, first_valid = tokens[::g], valid[::g]

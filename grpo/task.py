@@ -20,14 +20,14 @@ position and multi-process plumbing apply unchanged. Each step
 
 The loop then makes ``num_iterations`` optimizer updates on that batch; the
 loss (:meth:`GRPOTask.loss_sums`) is the clipped surrogate with the k3 KL,
-normalized as ``loss_type`` says through the loop's (sum, count) pairs, so
+normalized as ``loss_type`` says through :class:`pretrain.metrics.Ratio` metrics, so
 ``grad_accum`` and the mesh change nothing (``bnpo`` excepted: it normalizes
 per micro-batch, as TRL's per-device batch does).
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -42,10 +42,12 @@ from grpo import losses
 from grpo.config import GRPOConfig
 from grpo.rewards import load_rewards
 from grpo.rollout import RolloutSpec, assemble, sample_group_completions
-from pretrain import distributed
+from pretrain.batch import Rollout, RolloutBatch
 from pretrain.config import TrainConfig
 from pretrain.dtypes import DTYPES
-from pretrain.task import RowSource, Task
+from pretrain.hooks import Hook, JsonlLog, StepInfo
+from pretrain.metrics import LossOutput, Max, Metric, Ratio
+from pretrain.task import Documents, RowSource, RunContext, Task, Tokenizer
 from sft.chat import render, template_text
 from sft.formats import BadRow
 from sft.task import chat_template_of
@@ -70,8 +72,8 @@ class GRPOTask(Task):
     packing = "none"  # one prompt per row
     config_class = GRPOConfig
     online = True
+    batch_class = RolloutBatch
     key_metrics = ("reward", "reward_std", "completions/mean_length")
-    max_metrics = (SAMPLER_DIFF,)
 
     def __init__(self, cfg: GRPOConfig):
         super().__init__(cfg)
@@ -82,11 +84,6 @@ class GRPOTask(Task):
         self.updates_per_step = cfg.grpo.num_iterations
         self.rewards = load_rewards(cfg.grpo.rewards, cfg.grpo.reward_weights)  # a bad spec fails before loading
         self.field = cfg.data.prompt_field
-        self.dataset: Any = None  # the prompt rows (prompts and the columns the rewards read); one data.path
-        self.path: str | None = None
-        self._measured: dict[str, float] = {}  # the last rollout's metrics
-        self._timing = (0.0, 0.0, 0)  # the last rollout's (generation seconds, rollout seconds, trained tokens)
-        self._trimmed = False
 
     # ---- rows -> prompt documents ------------------------------------------------------------------------
 
@@ -96,14 +93,13 @@ class GRPOTask(Task):
         if self.field not in ds.column_names:
             raise UserError(f"data.path {path}: GRPO rows need a '{self.field}' field (a string, or a list of "
                             f"messages); columns: {ds.column_names} (data.prompt_field names another column)")
-        self.dataset, self.path = ds, path
-        return RowSource(ds, self.field)
+        return RowSource(ds, self.field, path)
 
-    def documents(self, rows: RowSource, tokenizer: Any, path: str, skip_bad: bool,
-                  indices: list[int] | None = None) -> tuple[dict[int, Document], int]:
+    def documents(self, rows: RowSource, tokenizer: Tokenizer, path: str, skip_bad: bool,
+                  indices: list[int] | None = None) -> Documents:
         """Each prompt's token ids (a message list rendered with the chat template and its generation
         prompt, a string as it is, as TRL does), with its row index as the feature ``row``."""
-        docs, bad = {}, 0
+        docs, bad, too_long = {}, 0, set()
         limit = self.cfg.data.seq_len
         for i, row in indexed_rows(rows.ds, indices):
             try:
@@ -114,12 +110,12 @@ class GRPOTask(Task):
                     continue
                 raise bad_row(path, i, e) from None
             if len(ids) > limit:
-                self.too_long.add(i)
+                too_long.add(i)
                 if self.cfg.data.long_examples == "drop":
                     continue
                 ids = ids[-limit:]  # the end holds the question and the generation prompt (TRL keeps it too)
             docs[i] = {"tokens": np.asarray(ids, np.int32), "row": np.full(len(ids), i, np.int32)}
-        return docs, bad
+        return Documents(docs, bad, too_long)
 
     def _prompt_ids(self, prompt: Any, tokenizer: Any) -> list[int]:
         if isinstance(prompt, str):
@@ -141,16 +137,13 @@ class GRPOTask(Task):
 
     # ---- set-up ------------------------------------------------------------------------------------------
 
-    def prepare(self, cfg: GRPOConfig, mcfg: ModelConfig, params: dict, mesh: jax.sharding.Mesh,
-                tokenizer: Any) -> dict | None:
+    def prepare(self, ctx: RunContext) -> dict | None:
         """Compile-ready rollout functions; returns the reference checkpoint's params when ``grpo.reference``
         is a path and ``beta`` > 0 (the step's frozen inputs), else None."""
-        from pretrain.setup import lora_settings
-
-        g = self.grpo
+        g, cfg, mcfg, mesh, tokenizer = self.grpo, ctx.cfg, ctx.mcfg, ctx.mesh, ctx.tokenizer
         self.mcfg, self.tokenizer = mcfg, tokenizer
         self.compute = DTYPES[cfg.dtype.compute]
-        self.lora_cfg = lora_settings(cfg, Path(cfg.model.path or ".")) if cfg.lora.rank else None
+        self.lora_cfg = ctx.lora
         eos = {tokenizer.eos_token_id} - {None}
         self.eos_ids = tuple(sorted(eos))
         if not self.eos_ids:
@@ -177,7 +170,7 @@ class GRPOTask(Task):
         self._compile(cfg)
         return frozen_inputs
 
-    def _compile(self, cfg: GRPOConfig) -> None:
+    def _compile(self, cfg: TrainConfig) -> None:
         """The jitted pieces of a rollout, each laid out as the train step reads its batch."""
         mcfg, spec, compute, shape = self.mcfg, self.spec, self.compute, self.batch_shape
         lora_cfg = self.lora_cfg
@@ -197,13 +190,13 @@ class GRPOTask(Task):
         def layout(tokens, seg, completions, lengths, sampler_logps, advantages, trained):
             out = assemble(tokens.reshape(b, -1), seg.reshape(b, -1) > 0, completions, lengths,
                            {"sampler_logps": sampler_logps}, {"advantages": advantages}, trained)
-            return {k: v.reshape(shape + v.shape[1:]) for k, v in out.items()}
+            return RolloutBatch.of({k: v.reshape(shape + v.shape[1:]) for k, v in out.items()})
 
-        def logps(params: dict, batch: dict, **forward_kwargs: Any) -> jax.Array:
-            flat = {k: v.reshape((b,) + v.shape[2:]) for k, v in batch.items()}
+        def logps(params: dict, batch: RolloutBatch, **forward_kwargs: Any) -> jax.Array:
+            flat = jax.tree.map(lambda v: v.reshape((b,) + v.shape[2:]), batch)
             p = cast_params(params, compute)
-            lp = batch_logps(mcfg, p, flat, temperature=temperature, **forward_kwargs)[0]
-            return (lp * flat["weights"]).reshape(shape + lp.shape[1:])
+            lp = batch_logps(mcfg, p, flat.arrays(), temperature=temperature, **forward_kwargs)[0]
+            return (lp * flat.weights).reshape(shape + lp.shape[1:])
 
         self._sample = jax.jit(sample)
         self._layout = jax.jit(layout, out_shardings=self.sharding)
@@ -216,10 +209,11 @@ class GRPOTask(Task):
 
     # ---- each step: sample, score, lay out -----------------------------------------------------------------
 
-    def rollout(self, params: Any, frozen: Any, frozen_inputs: Any, rows: dict[str, jax.Array],
-                step: int) -> dict[str, jax.Array]:
+    def rollout(self, params: dict, frozen: dict | None, frozen_inputs: Any, rows: dict[str, jax.Array],
+                step: int, source: RowSource) -> Rollout:
         """The step's training batch: G completions per prompt from the current policy, their rewards and
-        advantages, laid out as prompt + completion rows."""
+        advantages, laid out as prompt + completion rows; with the rollout's metrics (TRL's names) and, on a
+        ``grpo.log_completions_every`` step, the completions to log (:meth:`hooks`)."""
         g = self.grpo
         t0 = time.perf_counter()
         lora = params if self.lora_cfg is not None else None
@@ -230,7 +224,7 @@ class GRPOTask(Task):
         t_gen = time.perf_counter() - t0
         row_h = _to_host(rows["row"])[..., 0].reshape(-1)
 
-        ds = self.dataset
+        ds = source.ds
         records = {int(i): ds[int(i)] for i in np.unique(row_h)}
         ids = [comp_h[r, :len_h[r]].tolist() for r in range(len(row_h))]
         texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
@@ -239,7 +233,7 @@ class GRPOTask(Task):
         completions_in = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)]
         columns = {k: [records[int(i)][k] for i in row_h] for k in ds.column_names if k != self.field}
         per_fn, total = self.rewards.compute(prompts, completions_in, ids, columns,
-                                             lambda r: row_where(self.path, int(row_h[r])))
+                                             lambda r: row_where(source.path, int(row_h[r])))
         adv, std, zero_std = (np.asarray(x) for x in
                               losses.advantages(jnp.asarray(total, jnp.float32), g.num_generations, g.scale_rewards))
         ended = np.isin(comp_h[np.arange(len(len_h)), len_h - 1], self.eos_ids)
@@ -250,11 +244,11 @@ class GRPOTask(Task):
         batch = self._layout(rows["tokens"], rows["tokens_segment_ids"], completions, lengths, sampler_logps,
                              given["adv"], given["trained"])
         if g.num_iterations > 1:  # the policy that sampled, kept for the later updates' ratios
-            batch["old_logps"] = self._policy_logps(base, lora, batch)
+            batch = dataclasses.replace(batch, old_logps=self._policy_logps(base, lora, batch))
         if self.reference == "base":  # the LoRA base, adapters off
-            batch["ref_logps"] = self._logps(frozen, batch)
+            batch = dataclasses.replace(batch, ref_logps=self._logps(frozen, batch))
         elif self.reference == "path":
-            batch["ref_logps"] = self._logps(frozen_inputs, batch)
+            batch = dataclasses.replace(batch, ref_logps=self._logps(frozen_inputs, batch))
         t_roll = time.perf_counter() - t0
 
         n_tokens = int(len_h.sum())
@@ -271,81 +265,78 @@ class GRPOTask(Task):
             seen = col[~np.isnan(col)]
             m[f"reward/{name}/mean"] = float(seen.mean()) if len(seen) else float("nan")
             m[f"reward/{name}/std"] = float(seen.std(ddof=1)) if len(seen) > 1 else 0.0
-        self._measured, self._timing = m, (t_gen, t_roll, real * g.num_iterations)
         every = g.log_completions_every
-        if distributed.is_primary():
-            self._trim_completions(step)
-            if every and (step + 1) % every == 0:
-                self._log_completions(step + 1, prompts, texts, ids, per_fn, total, adv)
-        return batch
+        log = self._completions(step + 1, prompts, texts, ids, per_fn, total, adv) \
+            if every and (step + 1) % every == 0 else []
+        return Rollout(batch, m, t_gen, t_roll, real * g.num_iterations, log)
 
-    def step_metrics(self, step_time: float) -> dict[str, float]:
-        """The rollout's metrics (TRL's names), and how the step's time split between generating and training."""
-        m = dict(self._measured)
-        gen, roll, tokens = self._timing
-        m["generation_share"] = gen / step_time if step_time > 0 else 0.0
-        m["train_tokens_per_sec"] = tokens / max(step_time - roll, 1e-9)
-        # The loop's own count (batch_size x data.seq_len) measures prompt rows; this step's tokens are the
-        # prompts and completions it trained on.
-        m["tokens_per_sec"] = tokens / max(step_time, 1e-9)
-        return m
+    def hooks(self, out: Path, primary: bool) -> list[Hook]:
+        """The completions log (``completions.jsonl`` of the run folder; the primary process writes it)."""
+        return [CompletionsLog(out / COMPLETIONS_FILE)] if primary else []
 
-    def _trim_completions(self, step: int) -> None:
-        """On a run's first step (a resume, maybe): drop the logged completions of steps after ``step``."""
-        if self._trimmed:
-            return
-        self._trimmed = True
-        f = Path(self.cfg.output_dir) / COMPLETIONS_FILE
-        if f.is_file():
-            keep = [x for x in f.read_text().splitlines() if x.strip() and json.loads(x)["step"] <= step]
-            f.write_text("".join(x + "\n" for x in keep))
-
-    def _log_completions(self, step: int, prompts: list, texts: list[str], ids: list[list[int]],
-                         per_fn: np.ndarray, total: np.ndarray, adv: np.ndarray) -> None:
-        f = Path(self.cfg.output_dir) / COMPLETIONS_FILE
-        f.parent.mkdir(parents=True, exist_ok=True)
-        with f.open("a") as out:
-            for r in range(len(texts)):
-                rec = {"step": step, "prompt": prompts[r], "completion": texts[r], "completion_ids": ids[r],
-                       "reward": float(total[r]), "advantage": float(adv[r])}
-                for j, name in enumerate(self.rewards.names):
-                    v = per_fn[r, j]
-                    rec[name] = None if np.isnan(v) else float(v)
-                out.write(json.dumps(rec) + "\n")
+    def _completions(self, step: int, prompts: list, texts: list[str], ids: list[list[int]],
+                     per_fn: np.ndarray, total: np.ndarray, adv: np.ndarray) -> list[dict[str, Any]]:
+        """One record per completion of the step (loop step ``step``, 1-based), its rewards and advantage."""
+        out = []
+        for r in range(len(texts)):
+            rec = {"step": step, "prompt": prompts[r], "completion": texts[r], "completion_ids": ids[r],
+                   "reward": float(total[r]), "advantage": float(adv[r])}
+            for j, name in enumerate(self.rewards.names):
+                v = per_fn[r, j]
+                rec[name] = None if np.isnan(v) else float(v)
+            out.append(rec)
+        return out
 
     # ---- (params, batch) -> loss sums ----------------------------------------------------------------------
 
-    def loss_sums(self, mcfg: ModelConfig, params: dict, mb: dict, compute: Any, remat: str, *,
+    def batch_layout(self, grad_accum: int, micro: int, seq_len: int) -> RolloutBatch:
+        """Prompt + completion rows: ``seq_len + 1`` prompt tokens and ``grpo.max_completion_length`` completion
+        tokens, less one (inputs and targets); ``old_logps`` with ``num_iterations`` > 1, ``ref_logps`` with
+        ``beta`` > 0."""
+        g = self.grpo
+        fields = ("old_logps",) * (g.num_iterations > 1) + ("ref_logps",) * (g.beta > 0)
+        return RolloutBatch.layout((grad_accum, micro, seq_len + g.max_completion_length), fields)
+
+    def loss_sums(self, mcfg: ModelConfig, params: dict, mb: RolloutBatch, compute: Any, remat: str, *,
                   frozen_inputs: Any = None, totals: Any = None, step: jax.Array | None = None,
-                  **forward_kwargs: Any) -> tuple[jax.Array, tuple]:
-        """(objective, (loss sum, count, {metric: (sum, count) or max})) of a micro-batch of rollout rows."""
+                  **forward_kwargs: Any) -> LossOutput:
+        """A micro-batch of rollout rows' loss sum and count, its token means as :class:`Ratio` metrics and the
+        sampler's log-probability gap as a :class:`Max`."""
         g = self.grpo
         p = cast_params(params, compute)
-        logp, entropy, aux = batch_logps(mcfg, p, mb, remat, temperature=float(g.temperature), entropy=True,
+        logp, entropy, aux = batch_logps(mcfg, p, mb.arrays(), remat, temperature=float(g.temperature), entropy=True,
                                          **forward_kwargs)
-        mask = mb["weights"]
-        old = mb["old_logps"] if "old_logps" in mb else jax.lax.stop_gradient(logp)
-        ref = mb.get("ref_logps")
-        adv = mb["advantages"][:, 0]  # one value per row, broadcast over its tokens
+        mask = mb.weights
+        old = jax.lax.stop_gradient(logp) if mb.old_logps is None else mb.old_logps
+        ref = mb.ref_logps
+        adv = mb.advantages[:, 0]  # one value per row, broadcast over its tokens
         terms = losses.token_terms(logp, old, ref, adv, mask, g.epsilon,
                                    g.epsilon if g.epsilon_high is None else g.epsilon_high, g.beta,
                                    g.importance_sampling_level)
         total, n = losses.loss_sum_count(terms["loss"], mask, g.loss_type, g.max_completion_length)
         sg = jax.lax.stop_gradient
         if g.importance_sampling_level == "sequence":  # one ratio per completion: TRL counts clipped sequences
-            clip_of = lambda x: losses.masked_mean_sums(x[:, :1], jnp.ones_like(x[:, :1]))  # noqa: E731
+            clip_of = lambda x: Ratio(*losses.masked_mean_sums(x[:, :1], jnp.ones_like(x[:, :1])))  # noqa: E731
         else:
-            clip_of = lambda x: losses.masked_mean_sums(x, mask)  # noqa: E731
-        extras = {
-            "kl": losses.masked_mean_sums(sg(terms["kl"]), mask),
-            "entropy": losses.masked_mean_sums(entropy, mask),
+            clip_of = lambda x: Ratio(*losses.masked_mean_sums(x, mask))  # noqa: E731
+        extras: dict[str, Metric] = {
+            "kl": Ratio(*losses.masked_mean_sums(sg(terms["kl"]), mask)),
+            "entropy": Ratio(*losses.masked_mean_sums(entropy, mask)),
             "clip_ratio/low_mean": clip_of(terms["low_clip"]),
             "clip_ratio/high_mean": clip_of(terms["high_clip"]),
             "clip_ratio/region_mean": clip_of(terms["region_clip"]),
-            SAMPLER_DIFF: jnp.max(jnp.abs(mb["sampler_logps"] - sg(old)) * mask),
+            SAMPLER_DIFF: Max(jnp.max(jnp.abs(mb.sampler_logps - sg(old)) * mask)),
         }
         objective = total + (aux["loss"] * n if aux is not None else 0.0)
-        return objective, (sg(total), n, extras)
+        return LossOutput(objective, sg(total), n, extras)
+
+
+class CompletionsLog(JsonlLog):
+    """GRPO's completions log: what each rollout gave to log, appended after its step."""
+
+    def on_step(self, info: StepInfo) -> None:
+        if info.rollout is not None and info.rollout.log:
+            self.write(info.rollout.log)
 
 
 def _to_host(x: jax.Array) -> np.ndarray:

@@ -170,7 +170,7 @@ def final_number(prompts: list, completions: list, completion_ids: list, answer:
 
 
 def _check_tolerance(tolerance: Any) -> None:
-    if isinstance(tolerance, bool) or not isinstance(tolerance, numbers.Real) or not tolerance >= 0:
+    if isinstance(tolerance, bool) or not isinstance(tolerance, numbers.Real) or not float(tolerance) >= 0:
         raise UserError(f"the final_number reward's tolerance must be a number >= 0 (relative: |x - answer| <= "
                         f"tolerance * max(1, |answer|)), got {tolerance!r}")
 
@@ -220,7 +220,7 @@ def _length_limits(max_length: Any, cache: Any) -> tuple[int, int]:
                         f"got {max_length!r}")
     if cache is None:
         cache = max_length // 4
-    if isinstance(cache, bool) or not isinstance(cache, numbers.Integral) or not 0 <= cache <= max_length:
+    if isinstance(cache, bool) or not isinstance(cache, numbers.Integral) or not 0 <= int(cache) <= int(max_length):
         raise UserError(f"the length_penalty reward's cache must be a whole number of tokens from 0 to max_length="
                         f"{max_length}, got {cache!r}")
     return int(max_length), int(cache)

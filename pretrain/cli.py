@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pretrain import distributed
 from zoo.console import run_cli
+
+if TYPE_CHECKING:
+    from pretrain.task import Task
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,7 +51,7 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
                         "epochs, logging, eval and checkpoint cadence and the mesh may always change")
 
 
-def train_command(args: argparse.Namespace, task_class: Callable[[], type] | None = None) -> None:
+def train_command(args: argparse.Namespace, task_class: Callable[[], type[Task]] | None = None) -> None:
     """The body of every `train` command: resolve the config with the task's schema (``--print-config`` prints it
     and stops), join the other processes, train (the task of ``task_class()``, a class imported on demand;
     default pretraining) and name the final model."""

@@ -15,9 +15,10 @@ import dataclasses
 import difflib
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import yaml
 
@@ -240,7 +241,7 @@ class TrainConfig:
         if self.max_steps is None and self.epochs is None:
             raise UserError("config needs `max_steps` or `epochs`")
         for key in ("batch_size", "grad_accum", "data.seq_len", "log_every"):
-            obj = self
+            obj: Any = self
             for part in key.split("."):
                 obj = getattr(obj, part)
             if obj < 1:
@@ -256,7 +257,7 @@ def _keys(cls: type, prefix: str = "") -> list[str]:
     for f in dataclasses.fields(cls):
         t = _resolve(cls, f.name)
         if dataclasses.is_dataclass(t):
-            out += _keys(t, f"{prefix}{f.name}.")
+            out += _keys(cast(type, t), f"{prefix}{f.name}.")
         else:
             out.append(prefix + f.name)
     return out
@@ -317,14 +318,14 @@ def _build(cls: type, data: dict[str, Any], prefix: str = "", root: type | None 
             raise UserError(f"unknown config key '{key}'{hint}")
         t = _resolve(cls, k)
         if key == "data.path" and isinstance(v, list):  # a mixture of sources
-            kwargs[k] = _source_list(key, v, cls.source_class)
+            kwargs[k] = _source_list(key, v, cast(Any, cls).source_class)
             continue
         if dataclasses.is_dataclass(t):
             if isinstance(v, str) and t is ModelSection:
                 v = {"path": v}  # `model: ckpt/llama` is short for `model.path`
             if not isinstance(v, dict):
                 raise UserError(f"config key '{key}' must be a mapping of its sub-keys, got {v!r}")
-            kwargs[k] = _build(t, v, key + ".", root)
+            kwargs[k] = _build(cast(type, t), v, key + ".", root)
         else:
             kwargs[k] = _coerce(key, v, t)
             choices = fields[k].metadata.get("choices")
@@ -347,7 +348,7 @@ def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
     d[parts[-1]] = value
 
 
-def load_config(path: str | Path | None, overrides: list[str] = (),
+def load_config(path: str | Path | None, overrides: Sequence[str] = (),
                 schema: type[TrainConfig] | None = None) -> TrainConfig:
     """Read a YAML config (safely) and apply `key.sub=value` overrides, as ``schema`` (a task's ``config_class``;
     default :class:`TrainConfig`, pretraining's) says."""

@@ -223,6 +223,7 @@ class LaneBatches(grain.DatasetIterator):
         for lane, s in zip(self._lanes, lanes):
             lane.set_state(_tuples(s))
         if self._sources:
+            assert counts is not None  # checked above
             self._documents = [int(x) for x in counts["documents"]]
             self._tokens = [int(x) for x in counts["tokens"]]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -52,8 +52,8 @@ def settings(args: argparse.Namespace) -> dict[str, Any] | None:
     if missing:
         raise UserError(f"a multi-process run needs {', '.join(missing)} as well (or their JAX_* environment "
                         "variables), or --distributed to detect the cluster")
-    if not 0 <= got["process_id"] < got["num_processes"]:
-        raise UserError(f"--process-id {got['process_id']} must be in 0..{got['num_processes'] - 1}")
+    if not 0 <= int(cast(Any, got["process_id"])) < int(cast(Any, got["num_processes"])):
+        raise UserError(f"--process-id {got['process_id']} must be in 0..{int(cast(Any, got['num_processes'])) - 1}")
     return got
 
 
@@ -64,7 +64,7 @@ def initialize(args: argparse.Namespace) -> None:
         return
     import jax
 
-    platforms = os.environ.get("JAX_PLATFORMS", "") or str(jax.config.jax_platforms or "")
+    platforms = os.environ.get("JAX_PLATFORMS", "") or str(getattr(jax.config, "jax_platforms", None) or "")
     if platforms in ("", "cpu") or "cpu" in platforms.split(","):
         # CPU collectives across processes need gloo (the default has none).
         jax.config.update("jax_cpu_collectives_implementation", "gloo")

@@ -5,7 +5,7 @@ eval/harness.py when the eval extra is installed)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import jax
 
@@ -51,7 +51,7 @@ class TrainingEval:
         """``{"eval/TASK/METRIC": value}`` for the current weights (LoRA adapters merged into a temporary copy)."""
         from eval.scoring import evaluate
 
-        weights = merge_lora(self.mcfg, frozen, params, self.lora_cfg) if self.lora_cfg else params
+        weights = merge_lora(self.mcfg, cast(dict, frozen), params, self.lora_cfg) if self.lora_cfg else params
         out: dict[str, float] = {}
         if self.tasks:
             res = evaluate(self.mcfg, weights, self.tokenizer, self.tasks, limit=self.cfg.eval.limit,

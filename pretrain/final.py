@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import cast
 
 import jax
 
@@ -34,12 +35,12 @@ def write_final(out: Path, cfg: TrainConfig, mcfg: ModelConfig, params: dict, sr
         scratch.mkdir()
     distributed.sync("lmzoo-final-scratch")
     try:
-        stored = save_params(scratch, params, {k: s.axes for k, s in specs.items()})
+        stored = save_params(scratch, params, {k: cast(tuple[str, ...], s.axes) for k, s in specs.items()})
         distributed.sync("lmzoo-final-params")
         if primary:
             writer = CheckpointWriter(scratch)
             # An adapter checkpoint describes the merged model: the base's parameter table, the adapters apart.
-            writer.adopt(read_meta(src)["params"] if lora else stored)
+            writer.adopt(read_meta(cast(Path, src))["params"] if lora else stored)
             if tok_dir.is_dir():
                 shutil.copytree(tok_dir, scratch / TOKENIZER_DIR)
             if src is not None and (src / HF_CONFIG_FILE).is_file():
@@ -50,7 +51,7 @@ def write_final(out: Path, cfg: TrainConfig, mcfg: ModelConfig, params: dict, sr
             # The base is named relative to `final` (where the scratch folder ends up), so run and base move together.
             q = frozen_base_quant(cfg, src) if lora else None
             quant = {"kind": q[0], "double": q[1]} if q else None
-            extra = {"lora": adapter_meta(lora, src, stored, final, quant)} if lora else {}
+            extra = {"lora": adapter_meta(lora, cast(Path, src), stored, final, quant)} if lora else {}
             writer.finish(mcfg, source=str(src or cfg.model.config), source_format="train", training=training, **extra)
             if final.exists():
                 shutil.rmtree(final)

@@ -131,3 +131,32 @@ def move_aside(out: Path) -> Path | None:
         dest = out.with_name(f"{out.name}.old-{stamp}-{n}")
     out.rename(dest)
     return dest
+
+
+def open_run(out: Path, cfg: TrainConfig, fresh: bool, allowed: Sequence[str]) -> Path | None:
+    """Get ``out`` ready for a run: ``fresh`` moves an old run aside; else a finished run's ``final`` is returned
+    (nothing to train), and a resumed run's config changes (only what ``allowed`` and :data:`MAY_CHANGE`
+    permit) are reported. None: train."""
+    import sys
+
+    from pretrain import distributed
+
+    primary = distributed.is_primary()
+    if fresh:
+        moved = move_aside(out) if primary else None
+        distributed.sync("lmzoo-fresh")
+        if moved:
+            print(f"--fresh: moved the old run in {out} to {moved}", file=sys.stderr)
+        return None
+    changes = config_changes(out, cfg, allowed)
+    done = finished_run(out, cfg)
+    if done is not None:
+        if primary:
+            steps = checkpoint_steps(out)[-1]
+            print(f"{out}: the run is complete (step {steps} of {steps}; final model {done}); nothing to train "
+                  f"(raise max_steps to train on, or pass --fresh to start over)")
+        return done
+    if changes and primary:
+        print("continuing with changes: " + "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changes),
+              file=sys.stderr)
+    return None

@@ -1,48 +1,26 @@
 """A run's logs: ``metrics.jsonl`` (the record), TensorBoard (drawn from it), and plain lines where no bar is shown.
 
-``metrics.jsonl`` is the one source of truth. A resumed run trims it (and any
-other per-step JSONL log, e.g. ``completions*.jsonl``) to the step it restored,
-and draws ``tensorboard/`` again from what is kept, so every step appears once
-however often the run was stopped, killed or resumed.
+``metrics.jsonl`` is the one source of truth. :class:`RunLog` is the loop's
+metrics hook: started at the step a run restored, it trims the file to it
+(:func:`pretrain.hooks.trim_jsonl`) and draws ``tensorboard/`` again from
+what is kept, so every step appears once however often the run was stopped,
+killed or resumed. Other per-step logs belong to their own hooks.
 """
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from pretrain.hooks import Hook, JsonlLog, StepInfo
+
 METRICS_FILE = "metrics.jsonl"
-STEP_LOGS = (METRICS_FILE, "completions*.jsonl")  # per-step JSONL logs of a run folder, each record with a "step"
 BOARD_DIR = "tensorboard"
 # Fields of a record that measure the machine, not the run: they differ between two runs of the same config.
 TIMING_FIELDS = ("tokens_per_sec", "step_time", "mfu")
-
-
-def trim_step_logs(out: Path, step: int) -> list[dict[str, Any]]:
-    """Drop every record after ``step`` (and a line torn by a kill) from the run's per-step logs; return the
-    metrics records kept. Each file is rewritten whole, then renamed over the old one."""
-    kept_metrics: list[dict[str, Any]] = []
-    for pattern in STEP_LOGS:
-        for f in sorted(out.glob(pattern)):
-            kept, lines = [], f.read_text(errors="replace").splitlines()
-            for line in lines:
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue  # a line torn by a kill -9: never complete, so never part of the record
-                if isinstance(rec, dict) and int(rec.get("step", 0)) <= step:
-                    kept.append(rec)
-            if len(kept) != len(lines):
-                tmp = f.with_name(f.name + ".trim")
-                tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-                tmp.replace(f)
-            if f.name == METRICS_FILE:
-                kept_metrics = kept
-    return kept_metrics
 
 
 def add_scalars(board: Any, rec: dict[str, Any]) -> None:
@@ -71,31 +49,43 @@ def _duration(s: float | None) -> str:
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
-class RunLog:
-    """The per-step logs of the primary process: metrics.jsonl, TensorBoard and, off a terminal, a plain line.
+class RunLog(Hook):
+    """The metrics hook of the primary process: metrics.jsonl, TensorBoard and, off a terminal, a plain line,
+    every ``every`` steps and at the last.
 
-    Opening it at ``start`` trims the logs to that step and redraws TensorBoard
-    from the records kept (see the module docstring).
+    Starting it at a step trims the logs to that step and redraws TensorBoard
+    from the records kept (see the module docstring); ``last`` is then the
+    restored step's record, if it was logged.
     """
 
-    def __init__(self, out: Path, start: int, total: int, plain: bool, key_metrics: list[str] | None,
-                 writer_cls: type, stream: TextIO | None = None):
-        records = trim_step_logs(out, start)
-        # TensorBoard holds whatever steps a killed run wrote; drawing it again from the record drops them.
-        shutil.rmtree(out / BOARD_DIR, ignore_errors=True)
-        self.board = writer_cls(str(out / BOARD_DIR))
-        for rec in records:
-            add_scalars(self.board, rec)
-        self.last: dict[str, Any] = records[-1] if records else {}  # the restored step's record, if it was logged
-        self.file = open(out / METRICS_FILE, "a")
+    def __init__(self, out: Path, total: int, plain: bool, key_metrics: list[str] | None, writer_cls: type,
+                 every: int = 1, stream: TextIO | None = None):
+        self.out, self.writer_cls, self.every = out, writer_cls, every
+        self.log = JsonlLog(out / METRICS_FILE)
+        self.board: Any = None
+        self.last: dict[str, Any] = {}
         self.total, self.plain, self.keys = total, plain, key_metrics
         self.stream = stream or sys.stdout
         self._first: tuple[float, int] | None = None  # (time, step) of the first record: the eta's baseline
 
+    def start(self, step: int) -> None:
+        self.log.start(step)
+        records = self.log.kept
+        # TensorBoard holds whatever steps a killed run wrote; drawing it again from the record drops them.
+        shutil.rmtree(self.out / BOARD_DIR, ignore_errors=True)
+        self.board = self.writer_cls(str(self.out / BOARD_DIR))
+        for rec in records:
+            add_scalars(self.board, rec)
+        self.last = records[-1] if records else {}
+        self.log.write([])  # the file exists from the start, if empty
+
+    def on_step(self, info: StepInfo) -> None:
+        if info.step % self.every == 0 or info.last:
+            self.record(info.record)
+
     def record(self, rec: dict[str, Any]) -> None:
         """Append one step's record (flushed: a kill loses at most the line being written)."""
-        self.file.write(json.dumps(rec) + "\n")
-        self.file.flush()
+        self.log.write([rec])
         add_scalars(self.board, rec)
         if self.plain:
             print(format_line(rec, self.total, self._eta(rec), self._keys(rec)), file=self.stream, flush=True)
@@ -119,5 +109,6 @@ class RunLog:
 
     def close(self) -> None:
         """Flush and close the files."""
-        self.file.close()
-        self.board.close()
+        self.log.close()
+        if self.board is not None:
+            self.board.close()

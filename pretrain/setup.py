@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import cast
 
 import jax
 
@@ -26,8 +27,9 @@ def load_model(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> tuple[ModelConfig, 
         from convert.hf_config import model_config_from_hf
         from zoo import registry
 
-        src = Path(cfg.model.config)
-        hf = json.loads(src.read_text()) if src.is_file() else registry.get(cfg.model.config).hf_config
+        name = cast(str, cfg.model.config)  # model.init: random needs it (TrainConfig checks)
+        src = Path(name)
+        hf = json.loads(src.read_text()) if src.is_file() else registry.get(name).hf_config
         if hf is None:
             raise UserError(f"model.config {cfg.model.config}: no built-in config; give a config.json path")
         mcfg = model_config_from_hf(hf, f"model.config {cfg.model.config}")
@@ -37,7 +39,7 @@ def load_model(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> tuple[ModelConfig, 
         # No host inputs: every process builds the same global arrays, each its own shards.
         params = jax.jit(lambda: init_params(mcfg, jax.random.PRNGKey(cfg.seed), pdt), out_shardings=shard)()
         return mcfg, params, None, tokenizer_folder(cfg)
-    ckpt = _resolve_checkpoint(cfg.model.path)
+    ckpt = _resolve_checkpoint(cast(str, cfg.model.path))
     mcfg = read_config(ckpt)
     if frozen_base_quant(cfg, ckpt):  # QLoRA: the projections come next, one at a time (quantize_frozen_base)
         from zoo.quant import quantized_paths
@@ -57,7 +59,7 @@ def tokenizer_folder(cfg: TrainConfig) -> Path:
     if cfg.model.tokenizer or cfg.model.init == "random":
         folder = Path(cfg.model.tokenizer or "")
     else:
-        folder = tokenizer_dir(_resolve_checkpoint(cfg.model.path))
+        folder = tokenizer_dir(_resolve_checkpoint(cast(str, cfg.model.path)))
     if not holds_tokenizer(folder):
         raise UserError(f"no tokenizer in {folder}; set model.tokenizer to a tokenizer folder")
     return folder
@@ -120,7 +122,7 @@ def quantize_frozen_base(cfg: TrainConfig, mcfg: ModelConfig, params: dict, mesh
     del params
     pdt = DTYPES[cfg.dtype.params]
     for path in quant.quantized_paths(mcfg):
-        flat[path] = quant.place(quantized_param(ckpt, path, *q, dtype=pdt), mesh)
+        flat[path] = quant.place(quantized_param(cast(Path, ckpt), path, *q, dtype=pdt), mesh)
     return nest(flat)
 
 

@@ -1,10 +1,8 @@
-"""One data source read into this process's lanes, the run's data as the loop sees it, and a mixture's shares.
+"""One data source read into this process's lanes (a plain ``data.path``, or one source of a mixture).
 
-:func:`read_source` reads a ``data.path`` (one source, or one source of a
-mixture: pretrain/mixture.py), tokenizes the rows of this process's lanes and
-the eval rows, and checks before step 1 that the data can train.
-:class:`RunData` is what the loop reads: the batches, the eval documents and
-what was left out; for a mixture, the realized share of each source.
+:func:`read_source` reads a ``data.path``, tokenizes the rows of this
+process's lanes and the eval rows, and checks before step 1 that the data can
+train. The run's data as a whole is pretrain/rundata.py's.
 """
 
 from __future__ import annotations
@@ -13,36 +11,12 @@ import dataclasses
 from typing import Any
 
 from pretrain import distributed
-from pretrain.config import DataSource, TrainConfig
-from pretrain.data import LaneBatches, fit_documents, lane_rows, split_rows, tokens_of
+from pretrain.config import TrainConfig
+from pretrain.data import fit_documents, lane_rows, split_rows, tokens_of
 from pretrain.preflight import check_untrainable
-from pretrain.task import Task
+from pretrain.task import RowSource, Task
 from zoo.batching import Document
 from zoo.errors import UserError
-
-
-@dataclasses.dataclass
-class RunData:
-    """This process's view of the run's data."""
-
-    batches: LaneBatches  # this process's rows of every global batch
-    rows: list[int]  # the flat global-batch rows (lanes) this process feeds, in its local order
-    packing: str  # how documents become rows (pretrain.data.PACKING)
-    too_long: int  # training documents longer than seq_len + 1 (truncated or dropped, data.long_examples)
-    eval_docs: list[Document]
-    total_steps: int
-    skipped: int  # bad rows skipped over the whole run (all processes)
-    sources: list[DataSource] = dataclasses.field(default_factory=list)  # a mixture's sources; [] for one data.path
-    # A mixture's eval documents by source name (and "eval" for data.eval_path); eval_docs holds them all.
-    eval_sets: dict[str, list[Document]] = dataclasses.field(default_factory=dict)
-
-    def mixture_report(self) -> dict[str, dict[str, Any]]:
-        """{source name: {path, weight, documents, tokens, realized_fraction, token_fraction}}: what the batches
-        drawn so far took from each source of a mixture ({} for one data.path). In a multi-process run every
-        process must call it (it sums the processes' counts)."""
-        if not self.sources:
-            return {}
-        return mixture_report(self.sources, *self.batches.mixture_counts())
 
 
 def epoch_unit(cfg: TrainConfig, packing: str, group_size: int = 1) -> int:
@@ -60,6 +34,7 @@ class SourceShare:
     skipped: int  # bad rows skipped, training and eval (all processes)
     per_epoch: int  # training tokens (packed rows) or documents (one per row) of all lanes (all processes)
     eval_docs: list[Document]
+    rows: RowSource  # the source's rows, as the task loaded them
 
 
 def read_source(cfg: TrainConfig, task: Task, tokenizer: Any, vocab: int, mine: list[int], counted: list[int],
@@ -67,6 +42,7 @@ def read_source(cfg: TrainConfig, task: Task, tokenizer: Any, vocab: int, mine: 
     """Read ``cfg.data.path`` (one source; ``where`` names it in errors), tokenize this process's lanes' rows
     and the eval rows (``cfg.data.eval_path``, else ``eval_fraction`` held out, split with ``seed``)."""
     d = cfg.data
+    assert isinstance(d.path, str)  # one source: a mixture reads each of its own (pretrain/mixture.py)
     rows = task.load(d.path, cfg)
     order, eval_rows = split_rows(len(rows), 0.0 if d.eval_path else eval_fraction,
                                   cfg.seed if seed is None else seed)
@@ -82,13 +58,15 @@ def read_source(cfg: TrainConfig, task: Task, tokenizer: Any, vocab: int, mine: 
     counted = [r for r in counted if r % g == 0]
     failed: UserError | None = None
     docs: dict[int, Document] = {}
+    cut: set[int] = set()
     try:
-        docs, _ = task.documents(rows, tokenizer, d.path, d.skip_bad_rows, [i for r in mine for i in lanes[r]])
+        made = task.documents(rows, tokenizer, d.path, d.skip_bad_rows, [i for r in mine for i in lanes[r]])
+        docs, cut = dict(made.docs), made.too_long
     except UserError as e:  # a bad row in this process's share: every process must stop, not just this one
         failed = e
     if distributed.any_process(failed is not None):
         raise failed or UserError(f"{d.path}: another process found a bad row (its error names it)")
-    too_long: set[int] = set(task.too_long)  # tasks that fit their own rows cut some already
+    too_long: set[int] = set(cut)  # tasks that fit their own rows cut some already
     whole = docs  # before cutting (the lengths an error names)
     if packing == "best_fit":  # whole documents only: a longer one must be cut or left out first
         docs, too_long = fit_documents(docs, d.seq_len + 1, d.long_examples)
@@ -130,31 +108,13 @@ def read_source(cfg: TrainConfig, task: Task, tokenizer: Any, vocab: int, mine: 
         per_epoch = distributed.total(sum(len(lane_docs[r]) for r in counted))
     eval_docs: list[Document] = []
     if d.eval_path:
-        edocs, ebad = task.documents(task.load(d.eval_path, cfg), tokenizer, d.eval_path, d.skip_bad_rows)
-        eval_docs = list(edocs.values())
-        skipped += ebad
+        made = task.documents(task.load(d.eval_path, cfg), tokenizer, d.eval_path, d.skip_bad_rows)
+        eval_docs = list(made.docs.values())
+        skipped += made.bad
     elif len(eval_rows):
-        edocs, ebad = task.documents(rows, tokenizer, d.path, d.skip_bad_rows, list(eval_rows))
-        eval_docs = [edocs[i] for i in sorted(edocs)]
-        skipped += ebad
+        made = task.documents(rows, tokenizer, d.path, d.skip_bad_rows, list(eval_rows))
+        eval_docs = [made.docs[i] for i in sorted(made.docs)]
+        skipped += made.bad
     if packing == "best_fit":
         eval_docs = list(fit_documents(dict(enumerate(eval_docs)), d.seq_len + 1, d.long_examples)[0].values())
-    return SourceShare(lane_docs, n_long, skipped, per_epoch, eval_docs)
-
-
-def mixture_report(sources: list[DataSource], documents: list[int], tokens: list[int]) -> dict[str, dict[str, Any]]:
-    """{source name: {path, weight (normalized), documents, tokens, realized_fraction (of the documents),
-    token_fraction}} from this process's counts, summed over all processes (every process must call it)."""
-    documents = [distributed.total(int(x)) for x in documents]
-    tokens = [distributed.total(int(x)) for x in tokens]
-    wsum, dsum, tsum = sum(s.weight for s in sources), sum(documents), sum(tokens)
-    return {s.name: {"path": s.path, "weight": s.weight / wsum, "documents": n, "tokens": t,
-                     "realized_fraction": n / dsum if dsum else 0.0, "token_fraction": t / tsum if tsum else 0.0}
-            for s, n, t in zip(sources, documents, tokens)}
-
-
-def describe(report: dict[str, dict[str, Any]]) -> str:
-    """One line for the log: each source's realized share of the documents (and tokens) against its weight."""
-    return "data mixture: " + ", ".join(
-        f"{name} {r['realized_fraction']:.3f} of documents (weight {r['weight']:.3f}; {r['documents']} documents, "
-        f"{r['tokens']} tokens, {r['token_fraction']:.3f} of tokens)" for name, r in report.items())
+    return SourceShare(lane_docs, n_long, skipped, per_epoch, eval_docs, rows)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from pretrain.metrics import LossOutput
 from pretrain.task import PretrainTask, Task
 from zoo.config import ModelConfig
 from zoo.memory import release_free_memory
@@ -36,11 +37,10 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any,
     The task's frozen inputs (what its ``prepare`` returned: a reference
     model, say; sharded as ``frozen_inputs_sharding``) come as the keyword
     argument ``frozen_inputs`` and reach ``loss_sums`` under that name, never
-    differentiated. A task may return ``(loss sum, count, extra sums)``: the
-    extra sums (a dict) are accumulated like the loss and reported, divided by
-    the count, under ``metrics["task"]``; an extra given as a (sum, count) pair
-    is reported as its own ratio over the global batch (a token-weighted mean,
-    say), see :func:`extra_means`. Evaluation returns the task's sums.
+    differentiated. The task returns a :class:`pretrain.metrics.LossOutput`:
+    its outputs over the micro-batches are combined (each metric by its own
+    reduction) and reported, finished, under ``metrics["task"]``. Evaluation
+    returns the task's :class:`LossOutput` of the eval batch.
 
     The task's ``batch_totals(batch)``, computed once on the whole global batch
     (every micro-batch, every device; in evaluation, the eval batch), reaches
@@ -53,14 +53,18 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any,
     task = task or PretrainTask()
     dropout = lora_scale is not None and lora_dropout > 0
 
-    def loss_sums(trainable: dict, mb: dict, frozen: Any, frozen_inputs: Any = None,
-                  rng: jax.Array | None = None, totals: Any = None,
-                  step_number: jax.Array | None = None) -> tuple[jax.Array, tuple]:
+    def loss_of(trainable: dict, mb: Any, frozen: Any, frozen_inputs: Any = None,
+                rng: jax.Array | None = None, totals: Any = None,
+                step_number: jax.Array | None = None) -> LossOutput:
         kw = {"frozen_inputs": frozen_inputs, "totals": totals, "step": step_number}
         if lora_scale is None:
             return task.loss_sums(mcfg, trainable, mb, compute, remat, **kw)
         return task.loss_sums(mcfg, frozen, mb, compute, remat, lora=trainable, lora_scale=lora_scale,
                               lora_dropout=lora_dropout, dropout_rng=rng, **kw)
+
+    def objective(*args: Any) -> tuple[jax.Array, LossOutput]:
+        out = loss_of(*args)
+        return out.objective, out
 
     def dropout_rngs(step_number: jax.Array, micro_batches: int) -> jax.Array | None:
         """One dropout key per micro-batch of this step ([micro_batches]), or None without dropout."""
@@ -69,41 +73,39 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any,
         key = jax.random.fold_in(jax.random.key(seed), step_number)
         return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(micro_batches))
 
-    def evaluate(params: dict, batch: dict, frozen: Any = None, frozen_inputs: Any = None) -> tuple:
-        return loss_sums(params, batch, frozen, frozen_inputs, totals=task.batch_totals(batch))[1]
+    def evaluate(params: dict, batch: Any, frozen: Any = None, frozen_inputs: Any = None) -> LossOutput:
+        return loss_of(params, batch, frozen, frozen_inputs, totals=task.batch_totals(batch))
 
-    def step(state: dict, batch: dict, frozen: Any = None, frozen_inputs: Any = None) -> tuple[dict, dict]:
-        grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
+    def step(state: dict, batch: Any, frozen: Any = None, frozen_inputs: Any = None) -> tuple[dict, dict]:
+        grad_fn = jax.value_and_grad(objective, has_aux=True)
         totals = task.batch_totals(batch)  # over the global batch, not one micro-batch
         number = state["step"] if task.reads_step else None
 
-        def micro(carry, xs):
-            g_acc, sums_acc = carry
+        def micro(carry: tuple[dict, LossOutput], xs: Any) -> tuple[tuple[dict, LossOutput], None]:
+            g_acc, out_acc = carry
             mb, rng = xs
-            (_, sums), g = grad_fn(state["params"], mb, frozen, frozen_inputs, rng, totals, number)
-            return (jax.tree.map(jnp.add, g_acc, g), combine_sums(sums_acc, sums, task.max_metrics)), None
+            (_, out), g = grad_fn(state["params"], mb, frozen, frozen_inputs, rng, totals, number)
+            return (jax.tree.map(jnp.add, g_acc, g), out_acc.combine(out)), None
 
         micro_batches = jax.tree.leaves(batch)[0].shape[0]
         rngs = dropout_rngs(state["step"], micro_batches)
         if micro_batches == 1:
             # No accumulation: skip the scan, whose gradient carry costs full-size copies.
-            (_, sums), g = grad_fn(state["params"], jax.tree.map(lambda x: x[0], batch), frozen, frozen_inputs,
-                                   None if rngs is None else rngs[0], totals, number)
+            (_, out), g = grad_fn(state["params"], jax.tree.map(lambda x: x[0], batch), frozen, frozen_inputs,
+                                  None if rngs is None else rngs[0], totals, number)
         else:
             zeros = jax.tree.map(jnp.zeros_like, state["params"])
-            shapes = jax.eval_shape(lambda: loss_sums(state["params"], jax.tree.map(lambda x: x[0], batch), frozen,
-                                                      frozen_inputs, None if rngs is None else rngs[0], totals,
-                                                      number)[1])
-            sums0 = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
-            (g, sums), _ = jax.lax.scan(micro, (zeros, sums0), (batch, rngs))
-        loss, n, *extra = sums
-        n = jnp.maximum(n, 1.0)
+            shapes = jax.eval_shape(lambda: loss_of(state["params"], jax.tree.map(lambda x: x[0], batch), frozen,
+                                                    frozen_inputs, None if rngs is None else rngs[0], totals,
+                                                    number))
+            out0 = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+            (g, out), _ = jax.lax.scan(micro, (zeros, out0), (batch, rngs))
+        n = jnp.maximum(out.count, 1.0)
         g = jax.tree.map(lambda x: x / n, g)
         updates, opt_state = tx.update(g, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss / n, "grad_norm": optax.tree.norm(g), "target_tokens": n,
-                   "padding": 1.0 - (batch["segment_ids"] != 0).mean(),
-                   "task": extra_means(extra[0] if extra else {}, n, task.max_metrics)}
+        metrics = {"loss": out.loss / n, "grad_norm": optax.tree.norm(g), "target_tokens": n,
+                   "padding": 1.0 - (batch.segment_ids != 0).mean(), "task": out.means(n)}
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     if state_sharding is None:
@@ -119,21 +121,6 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any,
         return step_jit(state, batch, frozen, frozen_inputs)
 
     return sharded_step, compile_then_trim(jax.jit(evaluate, out_shardings=replicated))
-
-
-def combine_sums(a: tuple, b: tuple, max_metrics: tuple[str, ...] = ()) -> tuple:
-    """Two micro-batches' loss sums added, except the extra metrics named in ``max_metrics`` (their maximum)."""
-    out = jax.tree.map(jnp.add, a, b)
-    if len(a) > 2 and max_metrics:
-        out[2].update({k: jnp.maximum(a[2][k], b[2][k]) for k in max_metrics if k in a[2]})
-    return out
-
-
-def extra_means(sums: dict, n: Any, max_metrics: tuple[str, ...] = ()) -> dict:
-    """A task's extra metric sums as means: a plain sum divided by the task's count ``n``, a
-    (sum, count) pair by its own count (0 where that count is 0); those named in ``max_metrics`` as they are."""
-    return {k: v if k in max_metrics else v[0] / jnp.maximum(v[1], 1e-30) if isinstance(v, tuple) else v / n
-            for k, v in sums.items()}
 
 
 # XLA:CPU's memory-optimized instruction scheduler: the default (concurrency-optimized) one starts independent
@@ -156,10 +143,11 @@ def _compile(lowered: Any) -> Any:
         return lowered.compile()
 
 
-def compile_then_trim(jitted: Any) -> Any:
+class CompileThenTrim:
     """``jitted``, but each new argument signature is compiled ahead of its first run (on the CPU with
     :data:`CPU_COMPILER_OPTIONS`) and the compiler's freed memory handed back to the system
-    (:func:`zoo.memory.release_free_memory`) before the step's own buffers are allocated.
+    (:func:`zoo.memory.release_free_memory`) before the step's own buffers are allocated; :meth:`lower` lowers
+    it (from ``jax.ShapeDtypeStruct`` s too: a step compiled without data).
 
     XLA frees its working memory after compiling, but glibc keeps it in the
     heap; left there, it sits under the first step's peak, and the
@@ -167,18 +155,26 @@ def compile_then_trim(jitted: Any) -> Any:
     temporaries (0.27 GB on SmolLM2-135M's train step). Later calls with the
     same shapes, dtypes and shardings run the executable compiled then.
     """
-    compiled: dict[str, Any] = {}
 
-    def call(*args: Any, **kwargs: Any) -> Any:
+    def __init__(self, jitted: Any):
+        self.jitted = jitted
+        self.compiled: dict[str, Any] = {}
+
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
+        """The jitted function lowered for these arguments (arrays or ``jax.ShapeDtypeStruct`` s)."""
+        return self.jitted.lower(*args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         sig = jax.tree.map(lambda a: (getattr(a, "shape", None), getattr(a, "dtype", None),
                                       str(getattr(a, "sharding", None))), (args, kwargs))
         key = str(jax.tree.structure(sig)) + str(jax.tree.leaves(sig))
-        if key not in compiled:
-            compiled[key] = _compile(jitted.lower(*args, **kwargs))
+        if key not in self.compiled:
+            self.compiled[key] = _compile(self.lower(*args, **kwargs))
             release_free_memory()
-        return compiled[key](*args, **kwargs)
+        return self.compiled[key](*args, **kwargs)
 
-    return call
+
+compile_then_trim = CompileThenTrim
 
 
 def init_state(tx: optax.GradientTransformation, params: dict, mesh: jax.sharding.Mesh) -> dict:

@@ -1,8 +1,14 @@
-"""What a training run trains for: a task turns dataset rows into token documents and computes loss sums.
+"""What a training run trains for: the seam between the loop (pretrain/trainer.py) and a task.
 
-The loop (pretrain/trainer.py) never learns which task it runs. :class:`Task`
-is the seam: two required methods (rows -> documents, (params, batch) -> loss
-sums) and optional hooks with no-op defaults. Pretraining is the simplest task:
+The loop never learns which task it runs. :class:`Task` is the seam, called in
+one fixed order: :meth:`Task.load` (rows of a data path) and
+:meth:`Task.prepare` (once, with the :class:`RunContext`, after the model
+loads and before any documents are made; it returns the step's frozen
+inputs), then :meth:`Task.documents` (rows -> token documents, a
+:class:`Documents`), then each step :meth:`Task.loss_sums` ((params, batch) ->
+a :class:`pretrain.metrics.LossOutput` whose metrics declare their own
+reduction), and for an online task :meth:`Task.rollout` (data rows -> the
+:class:`Rollout` the step trains on) first. Pretraining is the simplest task:
 every token of a text document is a target. A task also names its config
 schema (``config_class``: :class:`pretrain.config.TrainConfig` or a subclass
 with its own section and data keys), so the config system composes it.
@@ -10,54 +16,103 @@ with its own section and data keys), so the config system composes it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import jax
+from jax.typing import DTypeLike
 
+from pretrain.batch import Rollout, TokenBatch
 from pretrain.config import TrainConfig
 from pretrain.data import tokenize_rows
+from pretrain.hooks import Hook
+from pretrain.metrics import LossOutput
 from pretrain.preflight import keeps_a_target
 from zoo.batching import Document
 from zoo.config import ModelConfig
 from zoo.datafiles import load_rows
+from zoo.lora import LoraConfig
 from zoo.loss import next_token_nll_sum
 from zoo.model import forward, stored_head
 from zoo.quant import cast_params
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase as Tokenizer
+
+    from pretrain.hooks import Hook
+else:
+    Tokenizer = Any
+
 
 @dataclass
 class RowSource:
-    """A dataset's rows and the column(s) a task reads from them."""
+    """A dataset's rows, the column(s) a task reads from them, and the path they were read from."""
 
-    ds: Any
+    ds: Any  # a datasets.Dataset (or anything indexable by row with column_names)
     field: str
+    path: str = ""
 
     def __len__(self) -> int:
         return len(self.ds)
 
 
+@dataclass
+class Documents:
+    """What :meth:`Task.documents` made of some rows: documents by row index, the bad rows it skipped, and the
+    row indices it cut or dropped to fit its own rows (reported like ``data.long_examples``)."""
+
+    docs: Mapping[int, Document]
+    bad: int = 0
+    too_long: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class DataRead:
+    """One data file a run reads: its path, the config it is read with (a mixture source's own data keys) and
+    whether it is training data (else eval data)."""
+
+    path: str
+    cfg: TrainConfig
+    training: bool
+
+
+@dataclass
+class RunContext:
+    """What :meth:`Task.prepare` may read of the run: its config, the model's, the mesh, the tokenizer, the LoRA
+    settings (None: full fine-tuning), the starting params (the frozen base with LoRA) and the data files the run
+    reads (:func:`pretrain.rundata.data_reads`)."""
+
+    cfg: TrainConfig
+    mcfg: ModelConfig
+    mesh: jax.sharding.Mesh
+    tokenizer: Tokenizer
+    lora: LoraConfig | None
+    params: dict
+    reads: list[DataRead]
+
+
 class Task:
-    """The seams of the shared loop; subclasses implement :meth:`load`, :meth:`documents` and :meth:`loss_sums`.
+    """The seam of the shared loop; subclasses implement :meth:`load`, :meth:`documents` and :meth:`loss_sums`.
 
-    The optional hooks have no-op defaults, so the loop calls them on every task:
+    The loop calls, in this order: :meth:`load` for each data path, :meth:`prepare` once (after the model
+    loads), :meth:`documents` for the rows it reads, then the step (:meth:`batch_totals`, :meth:`loss_sums`;
+    :meth:`rollout` first for an online task). A task keeps what ``prepare`` set up for ``documents`` and the
+    step; the loop never sets a task's attributes. The optional methods have no-op defaults:
 
-    * :meth:`prepare`, called once after the model loads, returns the task's
-      *frozen inputs* (a reference model's params, say): the train and eval
-      steps pass them to :meth:`loss_sums` as the keyword ``frozen_inputs``,
-      never differentiated;
-    * :meth:`batch_totals` gives counts over the whole global batch, passed to
-      each micro-batch's :meth:`loss_sums` as ``totals``;
+    * :meth:`prepare` returns the task's *frozen inputs* (a reference model's params, say): the train and eval
+      steps pass them to :meth:`loss_sums` as the keyword ``frozen_inputs``, never differentiated;
+    * :meth:`batch_totals` gives counts over the whole global batch, passed to each micro-batch's
+      :meth:`loss_sums` as ``totals``;
     * :meth:`trainable` says whether a document (cut to a row) trains anything;
-    * ``too_long`` collects the row indices the task cut or dropped to fit its
-      own rows (reported like ``data.long_examples``);
+    * :meth:`hooks` gives the task's own step hooks (a log file of its own, say);
     * ``reads_step``: the train step passes its optimizer step as ``step``;
     * ``key_metrics``: the task's metrics a plain log line shows beside the loss;
-    * ``max_metrics``: extra metrics combined over micro-batches by their maximum, not summed;
     * ``group_size``: how many consecutive rows of a batch read the same document (1: each its own);
     * an *online* task (``online``) makes each step's batch itself: :meth:`rollout` turns the global batch of
-      data rows (documents padded to ``data.seq_len + 1``, every feature) into the model batch the step
-      trains on, ``updates_per_step`` times, and :meth:`step_metrics` reports what it measured.
+      data rows (documents padded to ``data.seq_len + 1``, every feature) into the :class:`Rollout` the step
+      trains on, ``updates_per_step`` times.
     """
 
     method: ClassVar[str] = "pretrain"  # recorded in the final checkpoint's training provenance
@@ -65,11 +120,10 @@ class Task:
     config_class: ClassVar[type[TrainConfig]] = TrainConfig  # the config schema the task reads
     reads_step: ClassVar[bool] = False
     key_metrics: ClassVar[tuple[str, ...]] = ()
-    max_metrics: ClassVar[tuple[str, ...]] = ()
     online: ClassVar[bool] = False
+    batch_class: ClassVar[type[TokenBatch]] = TokenBatch  # the model batch the step reads
 
     def __init__(self, cfg: TrainConfig | None = None):
-        self.too_long: set[int] = set()
         self.group_size = 1
         self.updates_per_step = 1
 
@@ -77,30 +131,38 @@ class Task:
         """The rows of a local file/folder or Hub dataset."""
         raise NotImplementedError
 
-    def documents(self, rows: RowSource, tokenizer: Any, path: str, skip_bad: bool,
-                  indices: list[int] | None = None) -> tuple[dict[int, Document], int]:
-        """(documents by row index, number of bad rows skipped) for the rows at ``indices`` (default all)."""
+    def documents(self, rows: RowSource, tokenizer: Tokenizer, path: str, skip_bad: bool,
+                  indices: list[int] | None = None) -> Documents:
+        """The :class:`Documents` of the rows at ``indices`` (default all)."""
         raise NotImplementedError
 
-    def loss_sums(self, mcfg: ModelConfig, params: dict, mb: dict, compute: Any, remat: str, *,
+    def batch(self, arrays: dict[str, jax.Array]) -> TokenBatch:
+        """The typed model batch of a model-batch dict (zoo.batching.to_model_batch's)."""
+        return self.batch_class.of(arrays)
+
+    def batch_layout(self, grad_accum: int, micro: int, seq_len: int) -> TokenBatch:
+        """The step's global batch ([grad_accum, micro, seq_len] rows) as ``jax.ShapeDtypeStruct`` s, so the step
+        can be lowered and compiled without data (call after :meth:`prepare` where that decides the layout)."""
+        return self.batch_class.layout((grad_accum, micro, seq_len))
+
+    def loss_sums(self, mcfg: ModelConfig, params: dict, mb: Any, compute: DTypeLike, remat: str, *,
                   frozen_inputs: Any = None, totals: Any = None, step: jax.Array | None = None,
-                  **forward_kwargs: Any) -> tuple[jax.Array, tuple]:
-        """(objective to differentiate, (loss sum, target count[, {name: extra sum}])) of one micro-batch.
+                  **forward_kwargs: Any) -> LossOutput:
+        """One micro-batch's :class:`LossOutput` (``mb``: a :attr:`batch_class`): the objective to differentiate,
+        the loss sum and its count, and the task's metrics, each declaring its reduction (:mod:`pretrain.metrics`).
 
         ``forward_kwargs`` (LoRA adapters, scale, dropout rate and key) go to
-        the model's forward pass. The named extra sums are accumulated like the
-        loss and logged divided by the count (eval: with an ``eval_`` prefix); a
-        ``(sum, count)`` pair in place of a sum is logged as its own ratio.
+        the model's forward pass. The metrics are combined over micro-batches
+        and logged finished (eval: with an ``eval_`` prefix).
         """
         raise NotImplementedError
 
-    def prepare(self, cfg: TrainConfig, mcfg: ModelConfig, params: dict, mesh: jax.sharding.Mesh,
-                tokenizer: Any) -> Any:
-        """Set up before training (``params``: the starting weights, the base with LoRA); returns the frozen
-        inputs the step passes to :meth:`loss_sums`, or None (the default: nothing)."""
+    def prepare(self, ctx: RunContext) -> Any:
+        """Set up before any documents are made (``ctx.params``: the starting weights, the base with LoRA);
+        returns the frozen inputs the step passes to :meth:`loss_sums`, or None (the default: nothing)."""
         return None
 
-    def batch_totals(self, batch: dict) -> Any:
+    def batch_totals(self, batch: Any) -> Any:
         """Counts over the whole global batch (any leading axes) that one micro-batch cannot see; None by default."""
         return None
 
@@ -108,21 +170,20 @@ class Task:
         """Whether ``doc``, cut to a row of ``seq_len + 1`` tokens, trains anything (default: keeps a target)."""
         return keeps_a_target(doc, seq_len)
 
-    def rollout(self, params: Any, frozen: Any, frozen_inputs: Any, rows: dict[str, jax.Array],
-                step: int) -> dict[str, jax.Array]:
-        """An online task's model batch for loop step ``step`` (0-based) from the global data rows ``rows``
-        ([accum, micro, seq_len + 1] each), made with the current weights (``params``, the trained ones; the
-        frozen base with LoRA). Only called when ``online``."""
+    def rollout(self, params: dict, frozen: dict | None, frozen_inputs: Any, rows: dict[str, jax.Array],
+                step: int, source: RowSource) -> Rollout:
+        """An online task's :class:`Rollout` for loop step ``step`` (0-based) from the global data rows ``rows``
+        ([accum, micro, seq_len + 1] each; ``source``: the rows they were read from), made with the current
+        weights (``params``, the trained ones; ``frozen``, the base with LoRA). Only called when ``online``."""
         raise NotImplementedError
 
-    def step_metrics(self, step_time: float) -> dict[str, float]:
-        """What the task measured in the step just taken (``step_time`` seconds in all), logged with its
-        metrics; none by default."""
-        return {}
+    def hooks(self, out: Path, primary: bool) -> list[Hook]:
+        """The task's own step hooks (:class:`pretrain.hooks.Hook`) for the run folder ``out``; none by default."""
+        return []
 
 
-def next_token_loss_sums(mcfg: ModelConfig, params: dict, mb: dict, compute: Any, remat: str,
-                         **forward_kwargs: Any) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+def next_token_loss_sums(mcfg: ModelConfig, params: dict, mb: TokenBatch, compute: DTypeLike, remat: str,
+                         **forward_kwargs: Any) -> LossOutput:
     """Weighted next-token cross-entropy sums (plus MoE router losses) of a micro-batch.
 
     Sums, not means: the step divides by the target count of the whole global
@@ -130,17 +191,17 @@ def next_token_loss_sums(mcfg: ModelConfig, params: dict, mb: dict, compute: Any
     """
     moe = mcfg.num_experts > 0
     p = cast_params(params, compute)
-    out = forward(mcfg, p, mb["inputs"], mb["segment_ids"], mb["positions"], return_aux=moe, remat=remat,
+    out = forward(mcfg, p, mb.inputs, mb.segment_ids, mb.positions, return_aux=moe, remat=remat,
                   return_hidden=True, **forward_kwargs)
-    hidden, aux = out if moe else (out, None)
+    hidden, aux = cast(tuple[jax.Array, dict], out) if moe else (cast(jax.Array, out), None)
     # Fused head + loss in chunks (zoo.loss): the [batch, seq, vocab] logits are never stored. With LoRA
     # adapters the head is frozen, so its gradient is not even computed.
     head, vocab_major = stored_head(mcfg, p)
-    s = next_token_nll_sum(hidden, head, mb["targets"], mb["weights"], mcfg.final_softcap,
+    s = next_token_nll_sum(hidden, head, mb.targets, mb.weights, mcfg.final_softcap,
                            head_grad=forward_kwargs.get("lora") is None, vocab_major=vocab_major)
-    n = mb["weights"].sum()
-    total = s + (aux["loss"] * n if moe else 0.0)
-    return total, (s, n)
+    n = mb.weights.sum()
+    total = s + (aux["loss"] * n if aux is not None else 0.0)
+    return LossOutput(total, s, n)
 
 
 class PretrainTask(Task):
@@ -149,15 +210,15 @@ class PretrainTask(Task):
     def load(self, path: str, cfg: TrainConfig) -> RowSource:
         """The rows of ``path`` and its text column (``data.text_field``)."""
         ds, field = load_rows(path, cfg.data.text_field, cfg.data.split)
-        return RowSource(ds, field)
+        return RowSource(ds, field, path)
 
-    def documents(self, rows: RowSource, tokenizer: Any, path: str, skip_bad: bool,
-                  indices: list[int] | None = None) -> tuple[dict[int, Document], int]:
+    def documents(self, rows: RowSource, tokenizer: Tokenizer, path: str, skip_bad: bool,
+                  indices: list[int] | None = None) -> Documents:
         """Token ids (+ EOS) of each text row."""
-        return tokenize_rows(rows.ds, rows.field, tokenizer, path, skip_bad, indices)
+        return Documents(*tokenize_rows(rows.ds, rows.field, tokenizer, path, skip_bad, indices))
 
-    def loss_sums(self, mcfg: ModelConfig, params: dict, mb: dict, compute: Any, remat: str, *,
+    def loss_sums(self, mcfg: ModelConfig, params: dict, mb: TokenBatch, compute: DTypeLike, remat: str, *,
                   frozen_inputs: Any = None, totals: Any = None, step: jax.Array | None = None,
-                  **forward_kwargs: Any) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+                  **forward_kwargs: Any) -> LossOutput:
         """Next-token cross-entropy over every target."""
         return next_token_loss_sums(mcfg, params, mb, compute, remat, **forward_kwargs)

@@ -52,7 +52,7 @@ import datetime as _dt
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from sft.formats import BadRow
 from zoo.errors import UserError
@@ -125,15 +125,15 @@ def _fixed_clock(date: str) -> Iterator[None]:
 
     class _Day(_dt.datetime):
         @classmethod
-        def now(cls, tz: Any = None) -> _dt.datetime:  # noqa: ARG003 - the signature of datetime.now
-            return day
+        def now(cls, tz: Any = None) -> _Day:  # noqa: ARG003 - the signature of datetime.now
+            return cast(_Day, day)
 
     saved = ctu.datetime
-    ctu.datetime = _Day
+    setattr(ctu, "datetime", _Day)  # noqa: B010 - a module attribute mypy takes for the class
     try:
         yield
     finally:
-        ctu.datetime = saved
+        setattr(ctu, "datetime", saved)  # noqa: B010
 
 
 def render(tokenizer: Any, messages: list[dict[str, Any]], template: ChatTemplate, source: str,
@@ -210,7 +210,7 @@ def assistant_spans(tokenizer: Any, messages: list[dict[str, Any]], turns: list[
     full = r.text(n, False)
     if _GENERATION.search(r.source):
         return full, _generation_spans(tokenizer, messages, turns, template, r.source, full)
-    spans = []
+    spans: list[tuple[int, int]] = []
     for k in turns:
         x = r.content_end(n, False, k)
         # End: through the end-of-turn text the template writes after this turn's content, as far as F agrees.
@@ -245,10 +245,10 @@ def _generation_spans(tokenizer: Any, messages: list[dict[str, Any]], turns: lis
     from transformers.utils.chat_template_utils import render_jinja_template
 
     with _fixed_clock(template.date):
-        texts, indices = render_jinja_template(
+        texts, indices = cast(Any, render_jinja_template)(
             conversations=[messages], chat_template=source, return_assistant_tokens_mask=True,
             add_generation_prompt=False, **{**tokenizer.special_tokens_map, **template.kwargs})
-    blocks = [tuple(s) for s in indices[0]]
+    blocks: list[tuple[int, int]] = [(int(s[0]), int(s[1])) for s in indices[0]]
     assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if texts[0] != full or len(blocks) != len(assistants):
         raise TemplateMismatch(f"{template.name} has {len(blocks)} generation block(s) for {len(assistants)} "

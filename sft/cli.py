@@ -52,7 +52,8 @@ def _inspect_source(task, cfg, tokenizer, n: int, color: bool) -> None:
     from zoo.row_origin import row_where
 
     rows = task.load(cfg.data.path, cfg)
-    docs, bad = task.documents(rows, tokenizer, cfg.data.path, cfg.data.skip_bad_rows, list(range(min(n, len(rows)))))
+    made = task.documents(rows, tokenizer, cfg.data.path, cfg.data.skip_bad_rows, list(range(min(n, len(rows)))))
+    docs, bad = made.docs, made.bad
     print(f"{cfg.data.path}: {len(rows)} rows, format {rows.field}")
     limit = cfg.data.seq_len + 1
     for i, d in docs.items():

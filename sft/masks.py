@@ -35,7 +35,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -78,7 +78,7 @@ def tokenize_example(example: Example, tokenizer: Any, chat_template: ChatTempla
     elif example.text is not None:
         ids, mask = _plain("", example.text, tokenizer, stats)
     else:
-        ids, mask = _plain(example.prompt, example.completion, tokenizer, stats)
+        ids, mask = _plain(cast(str, example.prompt), cast(str, example.completion), tokenizer, stats)
     if len(ids):
         mask[0] = False  # nothing predicts the first token
     if not mask.any():
@@ -236,7 +236,7 @@ def _plain(prompt: str, completion: str, tokenizer: Any,
 
 def _chat(example: Example, tokenizer: Any, template: ChatTemplate) -> tuple[np.ndarray, np.ndarray]:
     """Ids of the rendered conversation, its trained assistant turns' tokens masked in."""
-    full, spans = assistant_spans(tokenizer, example.messages, example.trained_turns(), template)
+    full, spans = assistant_spans(tokenizer, cast(list, example.messages), example.trained_turns(), template)
     ids, offsets = _offsets(full, tokenizer)
     mask = token_mask(offsets, spans)
     head = bos_head(tokenizer, full)

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import jax
 
+from pretrain.batch import TokenBatch
 from pretrain.config import TrainConfig
-from pretrain.task import RowSource, Task, next_token_loss_sums
+from pretrain.metrics import LossOutput
+from pretrain.task import Documents, RowSource, Task, Tokenizer, next_token_loss_sums
 from sft.chat import ChatTemplate, parse_date
-from sft.config import SFTConfig
+from sft.config import ChatDataSection, SFTConfig, SFTDataSection
 from sft.formats import detect_format
 from sft.masks import tokenize_indexed
-from zoo.batching import Document
 from zoo.config import ModelConfig
 from zoo.datafiles import indexed_rows, load_dataset_rows
 from zoo.errors import UserError
@@ -22,7 +23,7 @@ from zoo.errors import UserError
 def chat_template_of(cfg: TrainConfig) -> ChatTemplate:
     """The run's chat template: the Jinja file ``data.chat_template`` (None: the tokenizer's own), its variables
     (``data.template_kwargs``) and the fixed day its ``strftime_now`` reads (``data.template_date``)."""
-    d = cfg.data
+    d = cast(ChatDataSection, cfg.data)  # every chat task's data section is one (sft/config.py)
     parse_date(d.template_date)  # a bad date is a config error before any row is read
     if d.chat_template is None:
         return ChatTemplate(kwargs=dict(d.template_kwargs), date=d.template_date)
@@ -48,20 +49,20 @@ class SFTTask(Task):
         """The rows of ``path`` and their format (``data.format``, or detected from the columns)."""
         ds, _ = load_dataset_rows(path, cfg.data.split)
         try:  # cfg's own data.format: each source of a mixture reads with its own (pretrain/mixture.py)
-            fmt = detect_format(list(ds.column_names), cfg.data.format)
+            fmt = detect_format(list(ds.column_names), cast(SFTDataSection, cfg.data).format)
         except UserError as e:
             raise UserError(f"data.path {path}: {e}") from None
-        return RowSource(ds, fmt)
+        return RowSource(ds, fmt, path)
 
-    def documents(self, rows: RowSource, tokenizer: Any, path: str, skip_bad: bool,
-                  indices: list[int] | None = None) -> tuple[dict[int, Document], int]:
+    def documents(self, rows: RowSource, tokenizer: Tokenizer, path: str, skip_bad: bool,
+                  indices: list[int] | None = None) -> Documents:
         """{tokens, loss_mask} of each usable row; a bad row is an error naming file and row, or skipped."""
         out, bad = tokenize_indexed(indexed_rows(rows.ds, indices), rows.field, tokenizer, self.chat_template,
                                     path, skip_bad)
-        return {i: {"tokens": ids, "loss_mask": mask} for i, (ids, mask) in out.items()}, bad
+        return Documents({i: {"tokens": ids, "loss_mask": mask} for i, (ids, mask) in out.items()}, bad)
 
-    def loss_sums(self, mcfg: ModelConfig, params: dict, mb: dict, compute: Any, remat: str, *,
+    def loss_sums(self, mcfg: ModelConfig, params: dict, mb: TokenBatch, compute: Any, remat: str, *,
                   frozen_inputs: Any = None, totals: Any = None, step: jax.Array | None = None,
-                  **forward_kwargs: Any) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+                  **forward_kwargs: Any) -> LossOutput:
         """Next-token cross-entropy over the trained (masked-in) targets only."""
         return next_token_loss_sums(mcfg, params, mb, compute, remat, **forward_kwargs)

@@ -422,6 +422,8 @@ def test_sliding_window_models_keep_the_two_copy_layout(setup, tmp_path):
 
     import jax.numpy as jnp
 
+    from pretrain.task import RunContext
+    from zoo.lora import LoraConfig
     from zoo.model import forward
 
     root, _, _ = setup
@@ -431,7 +433,8 @@ def test_sliding_window_models_keep_the_two_copy_layout(setup, tmp_path):
     off = _cfg(root, tmp_path / "run", "lora.rank=4", "max_steps=1", "dpo.share_prompt=false")
     for c, model, shared in ((cfg, mcfg, True), (cfg, sliding, False), (off, mcfg, False)):
         task = DPOTask(c)
-        assert task.prepare(c, model, {}, None, None) is None  # reference: base needs nothing prepared
+        ctx = RunContext(c, model, None, None, LoraConfig(rank=4), {}, [])
+        assert task.prepare(ctx) is None  # reference: base needs nothing prepared
         assert task.shared_prompt is shared
     tokens = jnp.zeros((1, 8), jnp.int32)
     with pytest.raises(ValueError, match="sliding-window"):

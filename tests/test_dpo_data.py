@@ -183,8 +183,8 @@ def test_bad_rows_name_file_and_row_or_are_skipped(tok, tmp_path):
     src = task.load(str(f), _cfg(f))
     with pytest.raises(UserError, match=r"prefs.jsonl, line 2: field 'chosen' is missing.*skip_bad_rows"):
         task.documents(src, tok, str(f), False)
-    docs, bad = task.documents(src, tok, str(f), True)
-    assert bad == 2 and sorted(docs) == [0, 3]
+    made = task.documents(src, tok, str(f), True)
+    assert made.bad == 2 and sorted(made.docs) == [0, 3]
 
 
 def test_conversations_without_shared_prompt_name_the_row(tok, tmp_path):
@@ -227,12 +227,13 @@ def test_long_pairs_are_counted_and_truncated_or_dropped(tok, tmp_path):
                  + json.dumps({"prompt": "short", "chosen": "a", "rejected": "b"}) + "\n")
     cfg = _cfg(f, "data.seq_len=40")
     task = DPOTask(cfg)
-    docs, _ = task.documents(task.load(str(f), cfg), tok, str(f), False)
-    assert task.too_long == {0} and len(docs[0]["tokens"]) <= 41 and sorted(docs) == [0, 1]
+    made = task.documents(task.load(str(f), cfg), tok, str(f), False)
+    docs = made.docs
+    assert made.too_long == {0} and len(docs[0]["tokens"]) <= 41 and sorted(docs) == [0, 1]
     cfg = _cfg(f, "data.seq_len=40", "data.long_examples=drop")
     task = DPOTask(cfg)
-    docs, _ = task.documents(task.load(str(f), cfg), tok, str(f), False)
-    assert task.too_long == {0} and sorted(docs) == [1]
+    made = task.documents(task.load(str(f), cfg), tok, str(f), False)
+    assert made.too_long == {0} and sorted(made.docs) == [1]
 
 
 @pytest.mark.parametrize("override, message", [

@@ -10,8 +10,11 @@ loss type and batch split costs one tiny compilation; the last runs `dpo train`
 on a tiny model against transformers' log-probabilities.
 """
 
+import dataclasses
 import math
+from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -21,6 +24,7 @@ import dpo.task
 from dpo.config import DPOConfig
 from dpo.data import CHOSEN, PROMPT, REJECTED
 from dpo.task import DPOTask
+from pretrain.batch import PairBatch
 from pretrain.config import load_config
 from pretrain.step import make_step
 from pretrain.trainer import train
@@ -117,6 +121,16 @@ def _rows(a: dict) -> dict[str, np.ndarray]:
     return rows
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FakePairs(PairBatch):
+    """Pair rows with the fixed per-token numbers _fake_batch_logps reads in place of a forward pass."""
+
+    fake_logps: Any
+    fake_coef: Any
+    fake_logits: Any
+
+
 def _fake_batch_logps(mcfg, params, mb, remat="none", **kw):
     """zoo.logps.batch_logps with the forward pass replaced by the batch's fixed per-token log-probabilities,
     moved by the one parameter ``b`` along ``fake_coef``."""
@@ -131,7 +145,7 @@ def _step_metrics(loss_type: str, sft_weight: float, micro_batches: int, monkeyp
                              f"dpo.simpo_gamma={GAMMA}",
                              f"dpo.label_smoothing={EPS if loss_type == 'robust' else 0.0}"], DPOConfig)
     rows = _rows(_answers())
-    batch = {k: jnp.asarray(v.reshape(micro_batches, -1, SEQ)) for k, v in rows.items()}
+    batch = FakePairs.of({k: jnp.asarray(v.reshape(micro_batches, -1, SEQ)) for k, v in rows.items()})
     step, _ = make_step(None, optax.sgd(0.0), jnp.float32, task=DPOTask(cfg))
     params = {"b": jnp.zeros((), jnp.float32)}
     state = {"params": params, "opt_state": optax.sgd(0.0).init(params), "step": jnp.zeros((), jnp.int32)}

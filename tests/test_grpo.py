@@ -303,8 +303,9 @@ def test_the_example_config_reads_and_its_prompts_fit(smollm2_tokenizer):
                       [f"data.path={root / 'demo' / 'data' / 'grpo_train.jsonl'}"], GRPOConfig)
     task = GRPOTask(cfg)
     rows = task.load(cfg.data.path, cfg)
-    docs, bad = task.documents(rows, AutoTokenizer.from_pretrained(str(smollm2_tokenizer)), cfg.data.path, False)
-    assert bad == 0 and not task.too_long and len(docs) == len(rows)
+    made = task.documents(rows, AutoTokenizer.from_pretrained(str(smollm2_tokenizer)), cfg.data.path, False)
+    docs = made.docs
+    assert made.bad == 0 and not made.too_long and len(docs) == len(rows)
     assert max(len(d["tokens"]) for d in docs.values()) <= cfg.data.seq_len
 
 

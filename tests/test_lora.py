@@ -400,6 +400,7 @@ def test_train_step_dropout_depends_on_seed_step_and_micro_batch_only():
     evaluation applies none."""
     import optax
 
+    from pretrain.batch import TokenBatch
     from pretrain.step import init_state, make_step
     from zoo.sharding import make_mesh
 
@@ -411,8 +412,8 @@ def test_train_step_dropout_depends_on_seed_step_and_micro_batch_only():
     mb = {"inputs": t[:, :-1], "targets": t[:, 1:], "weights": np.ones(t[:, 1:].shape, np.float32),
           "segment_ids": np.ones(t[:, 1:].shape, np.int32),
           "positions": np.tile(np.arange(t.shape[1] - 1, dtype=np.int32), (t.shape[0], 1))}
-    one = {k: jnp.asarray(v[None]) for k, v in mb.items()}
-    two = {k: jnp.asarray(np.stack([v, v])) for k, v in mb.items()}  # the same micro-batch twice
+    one = TokenBatch.of({k: jnp.asarray(v[None]) for k, v in mb.items()})
+    two = TokenBatch.of({k: jnp.asarray(np.stack([v, v])) for k, v in mb.items()})  # the same micro-batch twice
 
     def steps(rate: float, seed: int = 0):
         return make_step(cfg, tx, jnp.float32, "none", None, None, None, lora_scale(lc), None,
@@ -437,6 +438,6 @@ def test_train_step_dropout_depends_on_seed_step_and_micro_batch_only():
     assert abs(float(plain[0](state(), two, params)[1]["loss"]) - base) < 1e-6
     assert abs(float(dropped[0](state(), two, params)[1]["loss"]) - loss) > 1e-5
     # Evaluation applies no dropout: the trained adapters evaluate as without dropout, bit for bit.
-    batch = {k: v[0] for k, v in one.items()}
-    assert [float(x) for x in dropped[1](s0["params"], batch, params)] == \
-        [float(x) for x in plain[1](s0["params"], batch, params)]
+    batch = jax.tree.map(lambda v: v[0], one)
+    assert [float(x) for x in jax.tree.leaves(dropped[1](s0["params"], batch, params))] == \
+        [float(x) for x in jax.tree.leaves(plain[1](s0["params"], batch, params))]

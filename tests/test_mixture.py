@@ -11,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import zoo
 from pretrain.cli import main as pretrain_main
 from pretrain.config import data_sources, load_config, to_yaml
-from pretrain.lanes import run_data
+from pretrain.rundata import read_run_data
 from pretrain.trainer import train
 from sft.config import SFTConfig
 from sft.task import SFTTask
@@ -55,7 +55,7 @@ def _cfg(root, out, *overrides):
 def _data(cfg, tok):
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "fsdp"))
     sharding = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"), None))
-    return run_data(cfg, SFTTask(cfg), tok, len(tok), sharding, cfg.batch_size)
+    return read_run_data(cfg, SFTTask(cfg), tok, len(tok), sharding, cfg.batch_size)
 
 
 def test_mixture_draws_its_weights_and_reports_them(setup, tmp_path):
@@ -126,7 +126,7 @@ def test_interrupted_mixture_run_resumes_bit_for_bit(setup, tmp_path, monkeypatc
     root, _ = setup
     cfg = _cfg(root, tmp_path / "full", "max_steps=4")
     full = train(cfg, progress=False, task=SFTTask(cfg))
-    import pretrain.trainer as trainer
+    import pretrain.training as trainer
 
     real, calls = trainer.to_model_batch, []
 

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pretrain.batch import TokenBatch
 from pretrain.data import fit_documents, packed_batches
 from pretrain.task import next_token_loss_sums
 from zoo.batching import to_model_batch
@@ -57,9 +58,9 @@ def test_packed_loss_equals_examples_run_one_by_one():
     def sums(batches):
         s = n = 0.0
         for b in batches:
-            mb = {k: jnp.asarray(v) for k, v in to_model_batch(b).items()}
-            _, (bs, bn) = next_token_loss_sums(CFG, params, mb, jnp.float32, "none")
-            s, n = s + float(bs), n + float(bn)
+            mb = TokenBatch.of({k: jnp.asarray(v) for k, v in to_model_batch(b).items()})
+            out = next_token_loss_sums(CFG, params, mb, jnp.float32, "none")
+            s, n = s + float(out.loss), n + float(out.count)
         return s, n
 
     packed = sums(_all_rows(docs, "best_fit"))

@@ -49,8 +49,9 @@ def test_documents_train_only_assistant_tokens(setup):
     task = SFTTask(cfg)
     rows = task.load(cfg.data.path, cfg)
     assert rows.field == "messages"
-    docs, bad = task.documents(rows, tok, cfg.data.path, False, [0, 1])
-    assert bad == 0
+    made = task.documents(rows, tok, cfg.data.path, False, [0, 1])
+    docs = made.docs
+    assert made.bad == 0
     for i, d in docs.items():
         answer = rows.ds[i]["messages"][2]["content"]
         trained = tok.decode(d["tokens"][d["loss_mask"]])
@@ -170,7 +171,7 @@ def _clock(day: int):
 
 def _killed_after_step_4(cfg, monkeypatch) -> None:
     """Run ``cfg`` and stop it (KeyboardInterrupt) as step 5's batch arrives, after step 4 was checkpointed."""
-    import pretrain.trainer as trainer
+    import pretrain.training as trainer
 
     real, calls = trainer.to_model_batch, []
 

@@ -91,7 +91,7 @@ def jax_leaves(tree):
 
 def test_interrupted_run_resumes_to_the_same_result(setup, tmp_path, monkeypatch):
     full = train(_cfg(setup, tmp_path / "full", "max_steps=6"), progress=False)
-    import pretrain.trainer as trainer
+    import pretrain.training as trainer
 
     real = trainer.to_model_batch
     calls = []

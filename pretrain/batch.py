@@ -1,0 +1,114 @@
+"""Model batches as typed pytrees: :class:`TokenBatch` (what every task's rows hold), the tasks' subclasses, and
+an online task's :class:`Rollout` (the batch it made, with what it measured).
+
+A batch's arrays are [..., rows, length]: the step's global batch is
+[grad_accum, micro, seq_len], one micro-batch [micro, seq_len]. A field a
+batch may lack (a shared prompt's ``prefix_ids``, say) is None there. Each
+class knows its layout (:meth:`TokenBatch.layout`: the batch as
+``jax.ShapeDtypeStruct`` s), so a step can be lowered and compiled without data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+
+B = TypeVar("B", bound="TokenBatch")
+
+INT, FLOAT = jnp.int32, jnp.float32
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenBatch:
+    """Rows of tokens: each position's input and target token, the target's loss weight, the position's
+    segment (0: padding) and its position in the segment; ``prefix_ids``: a shared prefix's ids, aligned with the
+    inputs (zoo.model.forward), or None."""
+
+    inputs: Any
+    targets: Any
+    weights: Any
+    segment_ids: Any
+    positions: Any
+    prefix_ids: Any = None
+
+    @classmethod
+    def of(cls: type[B], arrays: Mapping[str, Any]) -> B:
+        """The batch of the model-batch dict ``arrays`` (zoo.batching.to_model_batch's): its fields by name,
+        None where absent; other keys are left out."""
+        return cls(**{f.name: arrays.get(f.name) for f in dataclasses.fields(cls)})
+
+    def arrays(self) -> dict[str, Any]:
+        """The fields that are there, as the dict zoo's model functions read."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
+    @classmethod
+    def dtypes(cls) -> dict[str, Any]:
+        """Each field's dtype (for :meth:`layout`)."""
+        return {"inputs": INT, "targets": INT, "weights": FLOAT, "segment_ids": INT, "positions": INT,
+                "prefix_ids": INT}
+
+    @classmethod
+    def layout(cls: type[B], shape: tuple[int, ...], fields: tuple[str, ...] = ()) -> B:
+        """The batch of ``shape`` ([grad_accum, micro, seq_len], say) as ``jax.ShapeDtypeStruct`` s: every
+        required field, and the optional ones named in ``fields``."""
+        kinds = cls.dtypes()
+        out = {f.name: jax.ShapeDtypeStruct(shape, kinds[f.name])
+               for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING or f.name in fields}
+        return cls(**out)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PairBatch(TokenBatch):
+    """Preference pairs (dpo/data.py), with the reference's per-token log-probabilities when precomputed."""
+
+    ref_logps: Any = None
+
+    @classmethod
+    def dtypes(cls) -> dict[str, Any]:
+        return {**TokenBatch.dtypes(), "ref_logps": FLOAT}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutBatch(TokenBatch):
+    """Prompt + completion rows of an online rollout (grpo/rollout.py): the sampler's per-token
+    log-probabilities, each row's advantage (broadcast over its tokens), and, when computed, the policy's
+    before the update (``old_logps``) and the reference's (``ref_logps``)."""
+
+    sampler_logps: Any
+    advantages: Any
+    old_logps: Any = None
+    ref_logps: Any = None
+
+    @classmethod
+    def dtypes(cls) -> dict[str, Any]:
+        return {**TokenBatch.dtypes(), "sampler_logps": FLOAT, "advantages": FLOAT, "old_logps": FLOAT,
+                "ref_logps": FLOAT}
+
+
+@dataclass
+class Rollout:
+    """What an online task's :meth:`Task.rollout` made for one step: the model batch the step trains on, the
+    metrics it measured (logged with the step's), and how its time and tokens went, from which
+    :meth:`timing` reports the step's split between making the batch and training on it."""
+
+    batch: TokenBatch
+    metrics: dict[str, float]
+    generation_s: float = 0.0  # seconds spent generating
+    rollout_s: float = 0.0  # seconds spent making the batch in all
+    tokens: int = 0  # the tokens the step's updates train on (every update's)
+    log: list[dict[str, Any]] = field(default_factory=list)  # records for the task's own step log (its hooks)
+
+    def timing(self, step_time: float) -> dict[str, float]:
+        """The share of the step spent generating, and tokens per second of training and of the whole step
+        (the loop's own count, batch_size x data.seq_len, would measure data rows, not the tokens trained)."""
+        return {"generation_share": self.generation_s / step_time if step_time > 0 else 0.0,
+                "train_tokens_per_sec": self.tokens / max(step_time - self.rollout_s, 1e-9),
+                "tokens_per_sec": self.tokens / max(step_time, 1e-9)}

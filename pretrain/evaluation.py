@@ -1,0 +1,73 @@
+"""The evaluation hook: every ``eval_every`` steps and at the last, the eval loss (per source of a mixture too)
+and the scored benchmarks (pretrain/eval_tasks.py), added to the step's metrics record."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from pretrain import preflight
+from pretrain.batch import TokenBatch
+from pretrain.config import TrainConfig
+from pretrain.data import packed_batches
+from pretrain.eval_tasks import TrainingEval
+from pretrain.hooks import Hook, StepInfo
+from pretrain.metrics import LossOutput
+from pretrain.rundata import RunData
+from zoo.batching import Document, replicated_batch, to_model_batch
+from zoo.errors import UserError
+
+
+class Evaluation(Hook):
+    """Eval loss over ``data``'s eval documents with ``eval_fn`` (the step's, frozen inputs bound; ``batch_of``
+    types its batches) and the scored benchmarks (``scored``), every ``eval_every`` steps and at the last."""
+
+    def __init__(self, cfg: TrainConfig, data: RunData, micro: int, mesh: jax.sharding.Mesh,
+                 eval_fn: Callable[..., LossOutput], batch_of: Callable[[dict], TokenBatch], scored: TrainingEval,
+                 frozen: dict | None, primary: bool):
+        self.cfg, self.data, self.micro, self.mesh, self.batch_of = cfg, data, micro, mesh, batch_of
+        self.eval_fn, self.scored, self.frozen = eval_fn, scored, frozen
+        # A mixture's eval loss per source too (`eval_loss/NAME`), for each source eval set that fills a batch.
+        self.eval_sets: dict[str, list[Document]] = {}
+        for name, docs in (data.eval_sets if len(data.eval_sets) > 1 and cfg.eval_every else {}).items():
+            if preflight.fills_batch(docs, cfg, micro, data.packing):
+                self.eval_sets[name] = docs
+            elif primary:
+                print(f"warning: the eval set of source {name} ({len(docs)} examples) cannot fill one eval batch of "
+                      f"{micro} rows: it counts in eval_loss, but gets no eval_loss/{name} of its own",
+                      file=sys.stderr)
+
+    def on_step(self, info: StepInfo) -> None:
+        cfg = self.cfg
+        if not cfg.eval_every or not (info.step % cfg.eval_every == 0 or info.last):
+            return
+        params = info.state["params"]
+        if self.data.eval_docs:
+            info.record.update(self.loss(params, self.data.eval_docs))
+            for name, docs in self.eval_sets.items():
+                info.record[f"eval_loss/{name}"] = self.loss(params, docs)["eval_loss"]
+        if self.scored:
+            info.record.update(self.scored(params, self.frozen))
+
+    def loss(self, params: dict, docs: list[Document], max_batches: int = 50) -> dict[str, float]:
+        """{eval_loss: mean per-target loss, eval_<name>: the task's other metrics} over (up to ``max_batches``)
+        packed batches of the eval documents."""
+        cfg = self.cfg
+        it = packed_batches(docs, cfg.data.seq_len, self.micro, cfg.seed, 1, self.data.packing)
+        sharding = NamedSharding(self.mesh, PartitionSpec(("data", "fsdp"), None))
+        total: LossOutput | None = None
+        for _ in range(max_batches):
+            try:
+                b = to_model_batch(next(it))
+            except StopIteration:
+                break
+            one: Any = jax.tree.map(float, self.eval_fn(params, self.batch_of(replicated_batch(b, sharding))))
+            total = one if total is None else total.combine(one)
+        if total is None or total.count == 0:
+            raise UserError("the eval data is shorter than one batch of seq_len tokens; add data or lower "
+                            "data.seq_len")
+        return {"eval_loss": total.loss / total.count, **{f"eval_{k}": float(v) for k, v in total.means().items()}}

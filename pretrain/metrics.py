@@ -1,0 +1,93 @@
+"""What a task's loss returns: :class:`LossOutput`, with each metric declaring its own reduction.
+
+A micro-batch's loss is a sum (the step divides by the global batch's count,
+so ``grad_accum`` and the mesh change nothing). Its metrics are pytrees that
+know how to combine over micro-batches (and eval batches) and how to finish:
+
+* :class:`Mean` — a sum, finished divided by the task's count (a mean over the
+  task's unit: target tokens, pairs);
+* :class:`Ratio` — its own (sum, count), finished as their ratio (a token mean
+  over some other set of tokens, say);
+* :class:`Max` — a value, combined by its maximum and finished as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, cast
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Mean:
+    """A sum, logged divided by the task's count."""
+
+    sum: Any
+
+    def combine(self, other: Mean) -> Mean:
+        return Mean(self.sum + other.sum)
+
+    def finish(self, count: Any) -> Any:
+        return self.sum / count
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Ratio:
+    """A (sum, count) pair, logged as its own ratio (0 where its count is 0)."""
+
+    sum: Any
+    count: Any
+
+    def combine(self, other: Ratio) -> Ratio:
+        return Ratio(self.sum + other.sum, self.count + other.count)
+
+    def finish(self, count: Any) -> Any:
+        return self.sum / jnp.maximum(self.count, 1e-30)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Max:
+    """A value, combined by its maximum and logged as it is."""
+
+    value: Any
+
+    def combine(self, other: Max) -> Max:
+        return Max(jnp.maximum(self.value, other.value))
+
+    def finish(self, count: Any) -> Any:
+        return self.value
+
+
+Metric = Mean | Ratio | Max
+
+
+def is_metric(x: Any) -> bool:
+    """Whether ``x`` is a metric (a pytree node to stop at when mapping over a metrics dict)."""
+    return isinstance(x, (Mean, Ratio, Max))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LossOutput:
+    """One micro-batch's loss: the objective to differentiate, the loss sum and count it is logged as, and the
+    task's other metrics by name."""
+
+    objective: Any
+    loss: Any
+    count: Any
+    metrics: dict[str, Metric] = dataclasses.field(default_factory=dict)
+
+    def combine(self, other: LossOutput) -> LossOutput:
+        """Two micro-batches' outputs as one: sums added, each metric combined by its own reduction."""
+        return LossOutput(self.objective + other.objective, self.loss + other.loss, self.count + other.count,
+                          {k: m.combine(cast(Any, other.metrics[k])) for k, m in self.metrics.items()})
+
+    def means(self, count: Any = None) -> dict[str, Any]:
+        """The metrics finished: each divided by ``count`` (default: this output's count) or by its own."""
+        n = self.count if count is None else count
+        return {k: m.finish(n) for k, m in self.metrics.items()}
