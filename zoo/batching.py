@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import jax
 import numpy as np
@@ -26,7 +26,7 @@ from zoo.config import ModelConfig
 from zoo.logps import batch_logps
 from zoo.quant import cast_params
 
-Document = np.ndarray | dict[str, np.ndarray]
+Document: TypeAlias = np.ndarray | dict[str, np.ndarray]
 
 
 def features(doc: Document) -> dict[str, np.ndarray]:
