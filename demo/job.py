@@ -112,7 +112,7 @@ DPO_BETA = 0.1
 DPO_SEQ_LEN = 104  # a pair's row: prompt + chosen + rejected + 1 (the prompt shared); the longest demo pair is 101
 
 
-def _dpo_config(opts: DemoOptions, sft_final: Path):
+def dpo_config(opts: DemoOptions, sft_final: Path):
     """LoRA DPO on top of the SFT model (its adapter checkpoint as the base), the SFT model as the reference."""
     from dpo.config import DPOConfig
     from pretrain.config import load_config
@@ -166,7 +166,7 @@ def _dpo_stage(opts: DemoOptions, report: _Report, sft_final: Path, tok: Any) ->
                              f"{n_train} preference pairs, {opts.dpo_steps} steps; {len(pairs)} held-out pairs "
                              f"scored before and after")
     c0, r0 = pair_logps(sft_final, tok, pairs, desc="SFT model")
-    cfg = _dpo_config(opts, sft_final)
+    cfg = dpo_config(opts, sft_final)
     shutil.rmtree(opts.out / "dpo", ignore_errors=True)
     dpo_final = train(cfg, task=DPOTask(cfg))
     c1, r1 = pair_logps(dpo_final, tok, pairs, desc="DPO model")
@@ -198,7 +198,7 @@ GRPO_EVAL_SAMPLES = 2  # sampled completions per held-out prompt (temperature 1,
 GRPO_EVAL_SEED = 1234
 
 
-def _grpo_config(opts: DemoOptions):
+def grpo_config(opts: DemoOptions):
     """LoRA GRPO on the base model (the converted Instruct checkpoint) with the final_number verifier."""
     from grpo.config import GRPOConfig
     from pretrain.config import load_config
@@ -259,7 +259,7 @@ def _grpo_stage(opts: DemoOptions, report: _Report, tok: Any) -> dict[str, Any]:
                               f"{GRPO_GROUP} completions a step) on {n_train} arithmetic prompts, {opts.grpo_steps} "
                               f"steps; {len(rows)} held-out prompts scored before and after")
     g0, s0 = heldout_rewards(opts.ckpt, tok, rows)
-    cfg = _grpo_config(opts)
+    cfg = grpo_config(opts)
     shutil.rmtree(opts.out / "grpo", ignore_errors=True)
     grpo_final = train(cfg, task=GRPOTask(cfg))
     g1, s1 = heldout_rewards(grpo_final, tok, rows)

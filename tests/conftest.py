@@ -1,4 +1,4 @@
-"""Test-wide settings (CPU JAX, no network, quiet libraries) and the SmolLM2 models the suite shares."""
+"""Test-wide settings (CPU JAX, no network, quiet libraries) and the models the suite shares."""
 
 import os
 
@@ -82,13 +82,46 @@ def smollm2_tokenizer(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def smollm2_tiny(tmp_path_factory, smollm2_tokenizer):
-    """The training tests' model, built once per session: SmolLM2's tokenizer at ``tok`` and a tiny random Llama
-    of its vocabulary (tests/tiny.py) at ``hf`` and converted at ``zoo``. Shared: copy it into a module's own
-    folder (tests.tiny.copy_smollm2_tiny) rather than write beside it."""
-    from tests.tiny import smollm2_tiny_zoo
+def tiny_lm(tmp_path_factory, smollm2_tokenizer):
+    """The training tests' model, built once per session: a 512-id byte-level BPE tokenizer with SmolLM2's special
+    tokens and chat template at ``tok`` and a tiny random Llama of its vocabulary at ``hf`` and converted at
+    ``zoo`` (tests/helpers.py: tiny_lm_zoo). Shared: copy it into a module's own folder
+    (tests.helpers.copy_tiny_lm) rather than write beside it."""
+    from tests.helpers import tiny_lm_zoo
 
-    return built_once(tmp_path_factory, "smollm2_tiny", lambda f: smollm2_tiny_zoo(f, tokenizer=smollm2_tokenizer))
+    return built_once(tmp_path_factory, "tiny_lm", lambda f: tiny_lm_zoo(f, like=smollm2_tokenizer))
+
+
+@pytest.fixture(scope="session")
+def dpo_models(tmp_path_factory, tiny_lm):
+    """The DPO tests' models (tests/test_dpo*.py), built once per run: in a folder of this worker's own (the tests
+    write their data beside them), the tokenizer at ``tok``, the policy (the session's tiny model, seed 0) at
+    ``hf_policy`` and converted at ``policy``, a reference of the same shapes (seed 1) at ``hf_reference`` and
+    ``reference``, and preference rows ``four.jsonl`` and ``prefs.jsonl``.
+    Returns (folder, tokenizer, {"policy", "reference"}: transformers' eager fp32 models)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.helpers import TINY_LM, dpo_pairs, make_llama, write_jsonl
+    from zoo.cli import main
+
+    def build(folder):
+        tok = AutoTokenizer.from_pretrained(str(tiny_lm / "tok"))
+        make_llama(folder / "hf_reference", seed=1, vocab_size=len(tok), **TINY_LM)
+        assert main(["convert", str(folder / "hf_reference"), "--out", str(folder / "reference")]) == 0
+
+    reference = built_once(tmp_path_factory, "dpo_reference", build)
+    root = tmp_path_factory.mktemp("dpo_models")
+    for src, name in ((tiny_lm / "tok", "tok"), (tiny_lm / "hf", "hf_policy"), (tiny_lm / "zoo", "policy"),
+                      (reference / "hf_reference", "hf_reference"), (reference / "reference", "reference")):
+        shutil.copytree(src, root / name)
+    write_jsonl(root / "four.jsonl", dpo_pairs(4))
+    write_jsonl(root / "prefs.jsonl", dpo_pairs(96, seed=1))
+    tok = AutoTokenizer.from_pretrained(str(root / "tok"))
+    models = {name: AutoModelForCausalLM.from_pretrained(root / f"hf_{name}", attn_implementation="eager").eval()
+              for name in ("policy", "reference")}
+    return root, tok, models
 
 
 @pytest.fixture(scope="session")

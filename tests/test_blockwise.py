@@ -1,9 +1,6 @@
 """The hand-written backward passes (blockwise attention, dense, glu_down, rms_norm) against autodiff of the
 plain formulas, and what the layer scan keeps for the backward pass."""
 
-import contextlib
-import io
-import re
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tests.helpers import saved_residuals
 from zoo.blocks import ACTIVATIONS, dense, glu_down, normed_dense, rms_norm
 from zoo.blockwise import blockwise_attention, key_ranges
 from zoo.config import ModelConfig
@@ -27,10 +25,13 @@ def _plain_attention(q, k, v, mask, scale, cap):
     return jnp.einsum("bhgqk,bhkd->bhgqd", jax.nn.softmax(s, axis=-1), v)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cap", [None, 5.0])
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("block", [16, 50, 64])
 def test_blockwise_attention_matches_plain_softmax_and_its_gradients(cap, window, block):
+    """Slow (about 43 s in a loaded 2-worker baseline): XLA compiles each of its model configurations (forward and
+    gradients) on CPU."""
     rng = np.random.RandomState(0)
     b, kv, g, t, d = 2, 2, 3, 50, 8  # 3 query heads per key/value head; blocks that do not divide t
     q, k, v, dout = (jnp.asarray(rng.randn(*s), jnp.float32)
@@ -155,16 +156,7 @@ def test_normed_dense_gradients_equal_autodiff_of_norm_then_matmuls(offset):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
-def _saved_residuals(f, *args) -> list[tuple[tuple[int, ...], str]]:
-    """(shape, source) of what autodiff keeps for f's backward pass, from JAX's public printout."""
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        jax.ad_checkpoint.print_saved_residuals(f, *args)
-    rows = [re.match(r"\w+\[([\d,]*)\] (.*)", line) for line in out.getvalue().splitlines()]
-    assert rows and all(rows), out.getvalue()
-    return [(tuple(int(d) for d in m.group(1).split(",") if d), m.group(2)) for m in rows]
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("kinds", [None, ("sliding", "full")])
 def test_layer_scan_does_not_stack_copies_of_the_weights(kinds):
     """The backward pass needs each layer's matrices. With one kind of layer they must be the parameters
@@ -175,7 +167,7 @@ def test_layer_scan_does_not_stack_copies_of_the_weights(kinds):
                       num_heads=4, num_kv_heads=2, head_dim=8, **extra)
     params = Decoder(cfg, rngs=nnx.Rngs(0)).param_dict()
     tokens = jnp.asarray(np.random.RandomState(0).randint(0, 64, (2, 16)), jnp.int32)
-    residuals = _saved_residuals(lambda p: forward(cfg, p, tokens).sum(), params)
+    residuals = saved_residuals(lambda p: forward(cfg, p, tokens).sum(), params)
     period = len(kinds or ("full",))
     weights = {(a.shape[0] // period,) + a.shape[1:] for a in jax.tree.leaves(params["layers"]) if a.ndim > 2}
     kept = [(shape, src) for shape, src in residuals if shape in weights]

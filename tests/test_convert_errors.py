@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiny import kill_midway, make_llama
+from tests.helpers import kill_midway, make_llama
 from zoo.cli import main
 
 
@@ -136,6 +136,7 @@ def test_cli_error_has_no_traceback_and_exit_2(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_killed_conversion_leaves_no_checkpoint(tmp_path):
     """kill -9 in the middle of writing: --out never appears (only a hidden scratch folder may)."""
     src = tmp_path / "big"

@@ -11,7 +11,7 @@ import torch
 
 import zoo
 from eval.generate import GenerationConfig, generate
-from tests.tiny import FAMILIES, make_hf, random_tokens
+from tests.helpers import FAMILIES, make_hf, random_tokens
 from zoo.cli import main
 from zoo.decode import forward_cached_jit, init_cache
 from zoo.model import forward
@@ -36,6 +36,7 @@ def tiny(tmp_path_factory):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_cached_logits_equal_full_forward(tiny, family):
     """Prefill of prompts of different lengths, a multi-token chunk with padding, then one token at a
@@ -73,6 +74,7 @@ def _hf_greedy(hf, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_greedy_equals_transformers_generate(tiny, family):
     hf, cfg, params = tiny(family)
@@ -81,6 +83,7 @@ def test_greedy_equals_transformers_generate(tiny, family):
     assert got == _hf_greedy(hf, prompt, 12)  # 17 tokens: past the sliding window
 
 
+@pytest.mark.slow
 def test_batched_prompts_equal_one_by_one(tiny):
     _, cfg, params = tiny("gemma2")
     rng = np.random.RandomState(3)
@@ -95,7 +98,10 @@ def test_batched_prompts_equal_one_by_one(tiny):
     assert got == [o[:o.index(eos) + 1] if eos in o else o for o in one]
 
 
+@pytest.mark.slow
 def test_sampling_is_reproducible(tiny):
+    """Slow (about 36 s in a loaded 2-worker baseline): XLA compiles each of its model configurations (forward and
+    gradients) on CPU."""
     _, cfg, params = tiny("llama")
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
 
@@ -116,7 +122,9 @@ def test_sampling_is_reproducible(tiny):
 CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
 
 
+@pytest.mark.slow
 def test_smollm2_greedy_equals_transformers_generate(smollm2):
+    """Slow (slow lane): the real SmolLM2-135M generates on both sides."""
     from eval.generate import chat_ids
 
     out, hf, tok = smollm2
@@ -127,7 +135,9 @@ def test_smollm2_greedy_equals_transformers_generate(smollm2):
         assert g == _hf_greedy(hf, prompt, 32)
 
 
+@pytest.mark.slow
 def test_cli_generate(smollm2, tmp_path, capsys):
+    """Slow (slow lane): `zoo generate` on the real SmolLM2-135M."""
     out, _, tok = smollm2
     capsys.readouterr()
     assert main(["generate", str(out), "--prompt", "What is the capital of France?", "--chat",
@@ -163,12 +173,14 @@ def test_cli_generate_user_errors(tmp_path, capsys, monkeypatch, args):
     assert err.startswith("error: ") and err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_cli_generate_on_adapter_checkpoint(smollm2, tmp_path, capsys):
-    """A training run's final folder (LoRA adapters over a base) generates as the merged model."""
+    """A training run's final folder (LoRA adapters over a base) generates as the merged model.
+    Slow (slow lane): an adapter of the real SmolLM2-135M generates."""
     import shutil
 
     from eval.generate import chat_ids
-    from tests.test_peft_export import write_adapter_checkpoint
+    from tests.helpers import write_adapter_checkpoint
     from zoo.lora import LoraConfig
 
     out, _, tok = smollm2
@@ -212,9 +224,11 @@ print(json.dumps({"devices": jax.device_count(), "tokens": out, "specs": seen}))
 """
 
 
+@pytest.mark.slow
 def test_generation_on_an_8_device_mesh_equals_one_device(tmp_path):
     """zoo.load shards the parameters over 8 (simulated) devices; the cache is sharded like them, and the
-    tokens are those of one device."""
+    tokens are those of one device.
+    Slow (slow lane): a subprocess on 8 simulated devices compiles the generation loop."""
     import os
     import subprocess
     import sys
@@ -234,10 +248,13 @@ def test_generation_on_an_8_device_mesh_equals_one_device(tmp_path):
     assert got["specs"] and all(s != "PartitionSpec()" for s in got["specs"])  # sharded, not replicated
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "gemma2", "deepseek_v3"])
 def test_generation_shortcuts_equal_forward_cached(tiny, family):
     """forward_step's fresh prefill (prompts attend to themselves only), last-position logits and a view of
-    the first slots give forward_cached's logits and cache."""
+    the first slots give forward_cached's logits and cache.
+    Slow (about 44 s in a loaded 2-worker baseline): XLA compiles each of its model configurations (forward and
+    gradients) on CPU."""
     import jax
 
     from zoo.decode import forward_step
@@ -261,6 +278,7 @@ def test_generation_shortcuts_equal_forward_cached(tiny, family):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_view_buckets_and_pipelining_keep_the_tokens(tiny, monkeypatch):
     """Steps reading only the filled slots (small buckets: several per generation) and the step launched
     before the previous token is read give the same tokens, and EOS still cuts each row right after it."""

@@ -27,10 +27,10 @@ def test_held_out_sums_never_occur_in_training_in_either_order():
 
 
 def test_the_stage_runs_lora_grpo_with_the_final_number_verifier(tmp_path):
-    from demo.job import DemoOptions, _grpo_config
+    from demo.job import DemoOptions, grpo_config
     from grpo.task import GRPOTask
 
-    cfg = _grpo_config(DemoOptions(ckpt=tmp_path / "ckpt", out=tmp_path / "out"))
+    cfg = grpo_config(DemoOptions(ckpt=tmp_path / "ckpt", out=tmp_path / "out"))
     assert cfg.max_steps == 6 and cfg.batch_size == 32 and cfg.grpo.num_generations == 4
     assert cfg.lora.rank == 16 and cfg.grpo.rewards == ["final_number"] and cfg.grpo.beta == 0
     task = GRPOTask(cfg)  # the reward loads (a shipped verifier)

@@ -54,10 +54,10 @@ def test_pairs_are_checkable_and_held_out():
 
 
 def test_demo_dpo_config():
-    from demo.job import DemoOptions, _dpo_config
+    from demo.job import DemoOptions, dpo_config
 
     opts = DemoOptions(ckpt=Path("/nonexistent/ckpt"), out=Path("/tmp/out"), dpo_steps=5)
-    cfg = _dpo_config(opts, Path("/tmp/out/run/final"))
+    cfg = dpo_config(opts, Path("/tmp/out/run/final"))
     assert cfg.model.path == "/tmp/out/run/final" and cfg.max_steps == 5 and cfg.lora.rank == 16
     assert cfg.dpo.reference == "base" and cfg.dpo.loss_type == "sigmoid"
     assert cfg.data.path.endswith("prefs_train.jsonl")

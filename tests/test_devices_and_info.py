@@ -6,8 +6,9 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
-from tests.tiny import hf_logits, make_llama, mean_kl, random_tokens
+from tests.helpers import hf_logits, make_llama, mean_kl, random_tokens
 from zoo.cli import main
 
 SCRIPT = r"""
@@ -26,7 +27,9 @@ print(json.dumps({"gate_devices": len(gate.sharding.device_set),
 """
 
 
+@pytest.mark.slow
 def test_loads_sharded_on_8_devices_with_same_logits(tmp_path):
+    """Slow (slow lane): a subprocess on 8 simulated devices loads the model and compiles its forward."""
     hf = make_llama(tmp_path / "hf", hidden_size=64, intermediate_size=128)
     assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "zoo")]) == 0
     tokens = random_tokens(hf.config.vocab_size)

@@ -14,71 +14,29 @@ import pytest
 
 import zoo
 from dpo.cli import main as dpo_main
-from dpo.config import DPOConfig
 from dpo.task import DPOTask
-from pretrain.config import load_config
 from pretrain.trainer import train
-from tests.tiny import SMOLLM2_TINY, copy_smollm2_tiny, hf_logits, kill_after_checkpoint, log_softmax, make_llama
+from tests.helpers import (
+    DPO_LORA,
+    TINY_LM,
+    UNEVEN_PAIRS,
+    dpo_cfg,
+    dpo_pairs,
+    hf_logits,
+    hf_logps,
+    kill_after_checkpoint,
+    log_softmax,
+    read_metrics,
+    write_jsonl,
+)
 from zoo.cli import main as zoo_main
 
-COLORS = "red blue green yellow black white".split()
-SMALL = SMOLLM2_TINY  # the policy is the session's tiny SmolLM2-vocabulary Llama (seed 0)
-
-
-def _pairs(n: int, seed: int = 0) -> list[dict]:
-    rng = np.random.RandomState(seed)
-    rows = []
-    for _ in range(n):
-        c, o = rng.choice(COLORS, 2, replace=False)
-        rows.append({"prompt": f"colour {c}:", "chosen": f" {c} {c}", "rejected": f" {o} {o}"})
-    return rows
-
-
-def _write(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+SMALL = TINY_LM  # the policy is the session's tiny Llama (seed 0, 512-id vocabulary)
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, smollm2_tiny):
-    import shutil
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    # Built once per session (tests/test_dpo_trl_exact.py imports this fixture): a second module reloads them.
-    root = tmp_path_factory.getbasetemp() / "dpo_models"
-    if (root / "built").is_file():
-        tok = AutoTokenizer.from_pretrained(str(root / "tok"))
-        models = {name: AutoModelForCausalLM.from_pretrained(root / f"hf_{name}", attn_implementation="eager").eval()
-                  for name in ("policy", "reference")}
-        return root, tok, models
-    # The policy: the session's tiny model (make_llama, seed 0); the reference: the same shapes, seed 1.
-    tok = copy_smollm2_tiny(smollm2_tiny, root, names=("tok",))
-    shutil.copytree(smollm2_tiny / "hf", root / "hf_policy")
-    shutil.copytree(smollm2_tiny / "zoo", root / "policy")
-    models = {"policy": AutoModelForCausalLM.from_pretrained(root / "hf_policy", attn_implementation="eager").eval(),
-              "reference": make_llama(root / "hf_reference", seed=1, vocab_size=len(tok), **SMALL)}
-    assert zoo_main(["convert", str(root / "hf_reference"), "--out", str(root / "reference")]) == 0
-    _write(root / "four.jsonl", _pairs(4))
-    _write(root / "prefs.jsonl", _pairs(96, seed=1))
-    (root / "built").touch()
-    return root, tok, models
-
-
-def _cfg(root, out, *overrides, data="prefs.jsonl"):
-    return load_config(None, [f"model.path={root / 'policy'}", f"model.tokenizer={root / 'tok'}",
-                              f"data.path={root / data}", "data.seq_len=32", "batch_size=4",
-                              "schedule.name=constant", "log_every=1", "checkpoint.every=100",
-                              f"output_dir={out}", *overrides], DPOConfig)
-
-
-def _metrics(out) -> list[dict]:
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def _hf_logps(model, prompt: list[int], answer: list[int]) -> float:
-    lp = log_softmax(hf_logits(model, np.asarray([prompt + answer]))[0])
-    return float(sum(lp[len(prompt) - 1 + j, a] for j, a in enumerate(answer)))
+def setup(dpo_models):
+    return dpo_models  # (folder, tokenizer, transformers models): conftest.py
 
 
 def _logsig(x: float) -> float:
@@ -99,25 +57,28 @@ LOSSES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(LOSSES))
 def test_step_one_metrics_equal_transformers(setup, tmp_path, name):
     """A separate reference checkpoint: step 1's loss and rewards equal a computation from transformers'
-    logits of the two models (all four pairs are in the first batch)."""
+    logits of the two models (all four pairs are in the first batch).
+    Slow (about 37 s in a loaded 2-worker baseline): whole training runs through the loop, each compiling its step
+    configuration."""
     root, tok, models = setup
     beta = 0.1
     overrides, per_pair = LOSSES[name]
     out = tmp_path / "run"
-    cfg = _cfg(root, out, "max_steps=1", f"dpo.beta={beta}", f"dpo.reference={root / 'reference'}", *overrides,
+    cfg = dpo_cfg(root, out, "max_steps=1", f"dpo.beta={beta}", f"dpo.reference={root / 'reference'}", *overrides,
                data="four.jsonl")
     train(cfg, progress=False, task=DPOTask(cfg))
-    got = _metrics(out)[0]
+    got = read_metrics(out)[0]
     losses, rc, rr, nll_sum, chosen_tokens = [], [], [], 0.0, 0
-    for row in _pairs(4):
+    for row in dpo_pairs(4):
         prompt = tok(row["prompt"])["input_ids"]
         c = tok(row["chosen"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         r = tok(row["rejected"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        pc, pr = _hf_logps(models["policy"], prompt, c), _hf_logps(models["policy"], prompt, r)
-        qc, qr = _hf_logps(models["reference"], prompt, c), _hf_logps(models["reference"], prompt, r)
+        pc, pr = hf_logps(models["policy"], prompt, c), hf_logps(models["policy"], prompt, r)
+        qc, qr = hf_logps(models["reference"], prompt, c), hf_logps(models["reference"], prompt, r)
         nll_sum, chosen_tokens = nll_sum - pc, chosen_tokens + len(c)
         if name == "simpo":  # CPOTrainer: reference-free, on mean per-token log-probabilities, a target margin
             pc, pr = pc / len(c), pr / len(r)
@@ -141,24 +102,17 @@ def test_step_one_metrics_equal_transformers(setup, tmp_path, name):
     assert got["rewards/accuracies"] == np.mean(np.asarray(rc) > np.asarray(rr))
 
 
-# Preference rows whose answers have unequal lengths (a mean of per-pair means differs from a token mean).
-UNEVEN = [{"prompt": "colour red:", "chosen": " red", "rejected": " blue blue blue blue"},
-          {"prompt": "colour green:", "chosen": " green green green", "rejected": " black"},
-          {"prompt": "colour white:", "chosen": " white white", "rejected": " yellow yellow yellow"},
-          {"prompt": "colour blue:", "chosen": " blue blue blue blue blue", "rejected": " red red"}]
-
-
 def test_step_one_logps_and_logits_are_trl_means(setup, tmp_path):
     """logps/* are means over pairs of summed answer log-probabilities; logits/* are TRL's mean logit over
     the vocabulary averaged over every answer token of the batch (token-weighted: answers of unequal
     length here, so a mean of per-pair means would differ), from transformers' logits."""
     root, tok, models = setup
-    rows = UNEVEN
-    _write(root / "uneven.jsonl", rows)
+    rows = UNEVEN_PAIRS
+    write_jsonl(root / "uneven.jsonl", rows)
     out = tmp_path / "run"
-    cfg = _cfg(root, out, "max_steps=1", f"dpo.reference={root / 'reference'}", data="uneven.jsonl")
+    cfg = dpo_cfg(root, out, "max_steps=1", f"dpo.reference={root / 'reference'}", data="uneven.jsonl")
     train(cfg, progress=False, task=DPOTask(cfg))
-    got = _metrics(out)[0]
+    got = read_metrics(out)[0]
     logps = {"chosen": [], "rejected": []}
     logit_sums, lengths = {"chosen": 0.0, "rejected": 0.0}, {"chosen": [], "rejected": []}
     for row in rows:
@@ -167,7 +121,7 @@ def test_step_one_logps_and_logits_are_trl_means(setup, tmp_path):
             answer = tok(row[side], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
             logits = hf_logits(models["policy"], np.asarray([prompt + answer]))[0]
             at = slice(len(prompt) - 1, len(prompt) - 1 + len(answer))  # the positions predicting the answer
-            logps[side].append(_hf_logps(models["policy"], prompt, answer))
+            logps[side].append(hf_logps(models["policy"], prompt, answer))
             logit_sums[side] += float(logits[at].mean(-1).sum())
             lengths[side].append(len(answer))
     for side in ("chosen", "rejected"):
@@ -184,8 +138,7 @@ def test_step_one_logps_and_logits_are_trl_means(setup, tmp_path):
     assert abs(np.mean(mean_of_means) - got["logits/chosen"]) > 1e-4 * abs(got["logits/chosen"])
 
 
-LORA = ("lora.rank=8", "lora.alpha=16")
-LORA_SGD = ("optimizer.name=sgd", "optimizer.learning_rate=0.5", *LORA)  # updates proportional to the gradients
+LORA_SGD = ("optimizer.name=sgd", "optimizer.learning_rate=0.5", *DPO_LORA)  # updates proportional to the gradients
 
 
 @pytest.fixture(scope="module")
@@ -211,16 +164,19 @@ def lora_base_run(setup, tmp_path_factory):
         return counted, evaluate
 
     out = tmp_path_factory.mktemp("dpo_lora") / "run"
-    cfg = _cfg(root, out, "max_steps=2", *LORA_SGD)
+    cfg = dpo_cfg(root, out, "max_steps=2", *LORA_SGD)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(trainer, "make_step", spy)
         train(cfg, progress=False, task=DPOTask(cfg))
     return out, copies
 
 
+@pytest.mark.slow
 def test_lora_base_reference_starts_at_log2_with_one_copy_of_the_base(lora_base_run):
+    """Slow (about 45 s in a loaded 2-worker baseline): XLA compiles each of its model configurations (forward and
+    gradients) on CPU."""
     out, copies = lora_base_run
-    recs = _metrics(out)
+    recs = read_metrics(out)
     assert abs(recs[0]["loss"] - math.log(2)) < 1e-6 and abs(recs[0]["rewards/margins"]) < 1e-6
     assert recs[1]["loss"] != recs[0]["loss"]  # the adapters moved
     assert copies == [2, 2]  # the base's embed and lm_head, once each: no reference copy
@@ -235,7 +191,10 @@ def test_full_fine_tuning_needs_a_reference(setup, tmp_path, capsys):
     assert len(err) == 1 and "needs a reference model" in err[0] and "dpo.reference" in err[0]
 
 
+@pytest.mark.slow
 def test_precomputed_reference_equals_live_and_is_cached(setup, lora_base_run, tmp_path, monkeypatch, capsys):
+    """Slow (about 40 s in a loaded 2-worker baseline): whole training runs through the loop, each compiling its step
+    configuration."""
     import dpo.task
 
     root, _, _ = setup
@@ -255,31 +214,34 @@ def test_precomputed_reference_equals_live_and_is_cached(setup, lora_base_run, t
     monkeypatch.setattr(dpo.task, "compute_reference_logps", spy)
     monkeypatch.setattr(dpo.task, "cached_reference_logps", spy_cached)
     out = tmp_path / "pre"
-    pre = _cfg(root, out, "max_steps=2", "dpo.reference=precomputed", *common)
+    pre = dpo_cfg(root, out, "max_steps=2", "dpo.reference=precomputed", *common)
     capsys.readouterr()
     train(pre, progress=False, task=DPOTask(pre))
     assert calls == [1] and "cache miss" in capsys.readouterr().err
     assert len(list((out / "reference_logps").glob("*.npz"))) == 1
     assert keyed == [("float32", {"source": None, "kwargs": {}, "date": "2024-07-26"})]
-    a, b = _metrics(live_out), _metrics(out)
+    a, b = read_metrics(live_out), read_metrics(out)
     for k in ("loss", "rewards/chosen", "rewards/rejected", "logps/chosen"):
         np.testing.assert_allclose([r[k] for r in b], [r[k] for r in a], rtol=1e-5, atol=1e-7, err_msg=k)
     # A rerun (here: resuming for one more step) reads the cache and never runs the reference pass.
-    more = _cfg(root, out, "max_steps=3", "dpo.reference=precomputed", *common)
+    more = dpo_cfg(root, out, "max_steps=3", "dpo.reference=precomputed", *common)
     train(more, progress=False, task=DPOTask(more))
     assert calls == [1] and "cache hit" in capsys.readouterr().err
-    assert _metrics(out)[-1]["step"] == 3
+    assert read_metrics(out)[-1]["step"] == 3
 
 
+@pytest.mark.slow
 def test_training_on_preferences_drives_accuracy_up(setup, tmp_path):
     """Full fine-tuning against a frozen copy of the start: the implicit reward learns the preference;
-    eval logs the same metrics with an eval_ prefix, and `zoo plot` draws the rewards."""
+    eval logs the same metrics with an eval_ prefix, and `zoo plot` draws the rewards.
+    Slow (about 70 s in a loaded 2-worker baseline): whole training runs through the loop, each compiling its step
+    configuration."""
     root, _, _ = setup
     out = tmp_path / "run"
-    cfg = _cfg(root, out, "max_steps=30", "batch_size=8", "optimizer.learning_rate=3e-3",
+    cfg = dpo_cfg(root, out, "max_steps=30", "batch_size=8", "optimizer.learning_rate=3e-3",
                f"dpo.reference={root / 'policy'}", "data.eval_fraction=0.1", "eval_every=15")
     final = train(cfg, progress=False, task=DPOTask(cfg))
-    recs = _metrics(out)
+    recs = read_metrics(out)
     assert np.mean([r["rewards/accuracies"] for r in recs[-5:]]) > 0.9
     assert recs[-1]["loss"] < 0.5 * math.log(2)
     evals = [r for r in recs if "eval_loss" in r]
@@ -301,28 +263,34 @@ def sgd_run(setup, tmp_path_factory):
     8-device meshes must follow it. Returns (run folder, final checkpoint)."""
     root, _, _ = setup
     out = tmp_path_factory.mktemp("dpo_sgd") / "run"
-    cfg = _cfg(root, out, *_sgd(root))
+    cfg = dpo_cfg(root, out, *_sgd(root))
     return out, train(cfg, progress=False, task=DPOTask(cfg))
 
 
+@pytest.mark.slow
 def test_grad_accum_2_equals_one_batch_twice_as_large(setup, sgd_run, tmp_path):
+    """Slow (about 93 s in a loaded 2-worker baseline): whole training runs through the loop, each compiling its step
+    configuration."""
     root, _, _ = setup
     a_out, fa = sgd_run  # grad_accum 1
-    b = _cfg(root, tmp_path / "b", *_sgd(root), "grad_accum=2")
+    b = dpo_cfg(root, tmp_path / "b", *_sgd(root), "grad_accum=2")
     fb = train(b, progress=False, task=DPOTask(b))
-    ma, mb = _metrics(a_out), _metrics(tmp_path / "b")
+    ma, mb = read_metrics(a_out), read_metrics(tmp_path / "b")
     for k in ("loss", "rewards/chosen", "rewards/accuracies", "logits/chosen"):
         np.testing.assert_allclose([r[k] for r in mb], [r[k] for r in ma], rtol=1e-5, atol=1e-7, err_msg=k)
     for x, y in zip(jax.tree.leaves(zoo.load_params(fa)), jax.tree.leaves(zoo.load_params(fb))):
         np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_kill_9_and_resume_is_bit_identical(setup, tmp_path):
     """`dpo train` SIGKILLed after its step-4 checkpoint, then rerun, ends where the uninterrupted run does
-    (precomputed reference log-probabilities ride in the checkpointed data lanes; grad_accum 2)."""
+    (precomputed reference log-probabilities ride in the checkpointed data lanes; grad_accum 2).
+    Slow (slow lane): `dpo train` runs three times in subprocesses (whole, killed, resumed), each importing and
+    compiling."""
     root, _, _ = setup
-    common = ["max_steps=6", "checkpoint.every=2", "grad_accum=2", "dpo.reference=precomputed", *LORA]
-    cfg = _cfg(root, tmp_path / "full", *common)
+    common = ["max_steps=6", "checkpoint.every=2", "grad_accum=2", "dpo.reference=precomputed", *DPO_LORA]
+    cfg = dpo_cfg(root, tmp_path / "full", *common)
     full = train(cfg, progress=False, task=DPOTask(cfg))
     out = tmp_path / "killed"
     args = [f"model.path={root / 'policy'}", f"model.tokenizer={root / 'tok'}", f"data.path={root / 'prefs.jsonl'}",
@@ -332,14 +300,14 @@ def test_kill_9_and_resume_is_bit_identical(setup, tmp_path):
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     assert (out / "checkpoints" / "4").is_dir() and not (out / "checkpoints" / "6").exists()
     assert not (out / "final").exists()
-    resumed = train(_cfg(root, out, *common), progress=False, task=DPOTask(_cfg(root, out, *common)))
+    resumed = train(dpo_cfg(root, out, *common), progress=False, task=DPOTask(dpo_cfg(root, out, *common)))
     from zoo.adapter import load_adapters
 
     a = load_adapters(full, zoo.checkpoint.read_meta(full))
     b = load_adapters(resumed, zoo.checkpoint.read_meta(resumed))
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    ma, mb = _metrics(tmp_path / "full"), _metrics(out)
+    ma, mb = read_metrics(tmp_path / "full"), read_metrics(out)
     assert [r["loss"] for r in mb[-2:]] == [r["loss"] for r in ma[-2:]]
 
 
@@ -362,11 +330,13 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_8_devices_match_one_device(setup, sgd_run, tmp_path):
     """Full fine-tuning with a checkpoint reference (sharded like the policy) on 8 devices: fsdp, and
-    data x fsdp x tensor, follow the one-device losses."""
+    data x fsdp x tensor, follow the one-device losses.
+    Slow (slow lane): a subprocess on 8 simulated devices trains DPO with its own compilations."""
     root, _, _ = setup
-    ref = [r["loss"] for r in _metrics(sgd_run[0])]
+    ref = [r["loss"] for r in read_metrics(sgd_run[0])]
     base = [f"model.path={root / 'policy'}", f"model.tokenizer={root / 'tok'}",
             f"data.path={root / 'prefs.jsonl'}", "data.seq_len=32", "schedule.name=constant", "log_every=1",
             "checkpoint.every=100", *_sgd(root)]
@@ -380,10 +350,13 @@ def test_8_devices_match_one_device(setup, sgd_run, tmp_path):
         np.testing.assert_allclose(losses, ref, rtol=1e-5, err_msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lora", [False, True])
 def test_shared_prompt_rows_score_each_answer_as_its_own_sequence(setup, lora):
     """A row holding the prompt once (its answers reading it as a shared prefix) gives every answer token the
-    log-probability the plain two-copy layout gives it (1e-5), with and without LoRA adapters."""
+    log-probability the plain two-copy layout gives it (1e-5), with and without LoRA adapters.
+    Slow (about 51 s in a loaded 2-worker baseline): XLA compiles each of its model configurations (forward and
+    gradients) on CPU."""
     import jax.numpy as jnp
 
     from dpo.data import CHOSEN, REJECTED, normalize_pair, pair_document, tokenize_pair
@@ -400,11 +373,11 @@ def test_shared_prompt_rows_score_each_answer_as_its_own_sequence(setup, lora):
         ad = init_lora(cfg, lc, jax.random.key(0))
         kw = {"lora": jax.tree.map(lambda a: a + 0.1 * jax.random.normal(jax.random.key(1), a.shape), ad),
               "lora_scale": lora_scale(lc)}
-    pairs = [tokenize_pair(normalize_pair(r), tok) for r in _pairs(3) + [
+    pairs = [tokenize_pair(normalize_pair(r), tok) for r in dpo_pairs(3) + [
         {"prompt": "a longer prompt with several words in it:", "chosen": " yes", "rejected": " no, not at all"}]]
     sums = {}
     for shared in (True, False):
-        docs = [padded(pair_document(t, shared), 48) for t in pairs]
+        docs = [padded(pair_document(t, shared), 64) for t in pairs]  # both layouts of every pair whole
         b = to_model_batch({k: np.stack([d[k] for d in docs]) for k in docs[0]})
         assert ("prefix_ids" in b) == shared
         logp, _, _ = batch_logps(cfg, params, {k: jnp.asarray(v) for k, v in b.items()}, **kw)
@@ -415,6 +388,7 @@ def test_shared_prompt_rows_score_each_answer_as_its_own_sequence(setup, lora):
     np.testing.assert_allclose(sums[True], sums[False], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_sliding_window_models_keep_the_two_copy_layout(setup, tmp_path):
     """Sliding windows count row indices, which a shared prompt would stretch: such models get the plain
     layout (as `dpo.share_prompt: false` asks), and the model refuses prefix ids outright."""
@@ -427,10 +401,10 @@ def test_sliding_window_models_keep_the_two_copy_layout(setup, tmp_path):
     from zoo.model import forward
 
     root, _, _ = setup
-    cfg = _cfg(root, tmp_path / "run", "lora.rank=4", "max_steps=1")
+    cfg = dpo_cfg(root, tmp_path / "run", "lora.rank=4", "max_steps=1")
     mcfg = zoo.read_config(root / "policy")
     sliding = dataclasses.replace(mcfg, sliding_window=8, layer_types=("sliding", "full"))
-    off = _cfg(root, tmp_path / "run", "lora.rank=4", "max_steps=1", "dpo.share_prompt=false")
+    off = dpo_cfg(root, tmp_path / "run", "lora.rank=4", "max_steps=1", "dpo.share_prompt=false")
     for c, model, shared in ((cfg, mcfg, True), (cfg, sliding, False), (off, mcfg, False)):
         task = DPOTask(c)
         ctx = RunContext(c, model, None, None, LoraConfig(rank=4), {}, [])
@@ -448,7 +422,7 @@ def test_demo_pair_scores_equal_transformers_log_probabilities(setup):
     from dpo.data import normalize_pair, tokenize_pair
 
     root, tok, models = setup
-    pairs = _pairs(5, seed=3)
+    pairs = dpo_pairs(5, seed=3)
     chosen, rejected = pair_logps(root / "policy", tok, pairs, seq_len=32, rows=4)
     for i, row in enumerate(pairs):
         t = tokenize_pair(normalize_pair(row), tok)

@@ -8,8 +8,11 @@ import pytest
 from zoo.logps import token_logps
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("softcap", [None, 5.0])
 def test_frozen_head_logps_and_gradients_match_the_plain_computation(monkeypatch, softcap):
+    """Slow (about 58 s in a loaded 2-worker baseline): XLA compiles each of its model configurations (forward and
+    gradients) on CPU."""
     import zoo.loss
 
     monkeypatch.setattr(zoo.loss, "CHUNK_ELEMENTS", 3 * 2 * 40)  # 3 positions per chunk: 4 chunks, one padded
@@ -62,6 +65,7 @@ def test_frozen_head_path_skips_the_recomputed_logits(monkeypatch):
     assert flops(False) < 0.8 * flops(True)
 
 
+@pytest.mark.slow
 def test_a_tied_head_is_read_in_place_not_transposed(monkeypatch):
     """batch_logps scores with the tied embedding as stored: the compiled scoring pass holds no
     [hidden, vocab] copy of it (embed.T would be one, 108 MiB at SmolLM2's size, carried through the

@@ -9,27 +9,30 @@ import pytest
 
 from dpo.task import DPOTask
 from pretrain.trainer import train
-from tests.test_dpo import LORA, _cfg, _metrics, setup  # noqa: F401 (setup: the tiny models)
+from tests.helpers import DPO_LORA, dpo_cfg, read_metrics
 
 MODES = {
-    "lora_base": LORA,  # dpo.reference: base, the adapters off (B = 0: the policy is the base)
+    "lora_base": DPO_LORA,  # dpo.reference: base, the adapters off (B = 0: the policy is the base)
     "full_path": ("dpo.reference={policy}",),  # full fine-tuning against a checkpoint of the start
-    "lora_precomputed": ("dpo.reference=precomputed", *LORA),
+    "lora_precomputed": ("dpo.reference=precomputed", *DPO_LORA),
     "full_precomputed": ("dpo.reference=precomputed",),
 }
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
 
 
 def _step_one(root, out, mode) -> dict:
-    cfg = _cfg(root, out, "max_steps=1", *[o.format(policy=root / "policy") for o in MODES[mode]],
+    cfg = dpo_cfg(root, out, "max_steps=1", *[o.format(policy=root / "policy") for o in MODES[mode]],
                data="four.jsonl")
     train(cfg, progress=False, task=DPOTask(cfg))
-    return _metrics(out)[0]
+    return read_metrics(out)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
-def test_step_one_rewards_are_exactly_zero(setup, tmp_path, monkeypatch, mode):
-    root, _, _ = setup
+def test_step_one_rewards_are_exactly_zero(dpo_models, tmp_path, monkeypatch, mode):
+    """Slow (about 38 s in a loaded 2-worker baseline): XLA compiles each of its model configurations (forward and
+    gradients) on CPU."""
+    root, _, _ = dpo_models
     got = _step_one(root, tmp_path / "exact", mode)
     rewards = {k: got[k] for k in REWARDS}
     assert rewards == dict.fromkeys(REWARDS, 0.0), rewards

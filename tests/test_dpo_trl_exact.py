@@ -28,7 +28,7 @@ from pretrain.batch import PairBatch
 from pretrain.config import load_config
 from pretrain.step import make_step
 from pretrain.trainer import train
-from tests.test_dpo import UNEVEN, _cfg, _hf_logps, _metrics, _write, setup  # noqa: F401 (setup: the tiny models)
+from tests.helpers import UNEVEN_PAIRS, dpo_cfg, hf_logps, read_metrics, write_jsonl
 
 BETA, EPS, GAMMA, SFT = 0.1, 0.1, 0.5, 0.7
 PROMPT_LEN, SEQ = 2, 16
@@ -211,27 +211,28 @@ def test_ipo_rewards_and_logps_are_summed_and_only_the_loss_is_normalized(monkey
 
 # ---- end to end: a tiny model, transformers' log-probabilities -------------------------------------------
 
-def test_ipo_with_sft_weight_step_one_equals_trl_from_transformers(setup, tmp_path):  # noqa: F811
+@pytest.mark.slow
+def test_ipo_with_sft_weight_step_one_equals_trl_from_transformers(dpo_models, tmp_path):
     """`dpo train`, ipo with sft_weight, two micro-batches, answers of unequal length: step 1's loss and
     every reward and logps metric equal TRL's formulas on transformers' log-probabilities of the policy and
     the reference checkpoint."""
-    root, tok, models = setup
-    rows = UNEVEN
-    _write(root / "uneven_ipo.jsonl", rows)
+    root, tok, models = dpo_models
+    rows = UNEVEN_PAIRS
+    write_jsonl(root / "uneven_ipo.jsonl", rows)
     out = tmp_path / "run"
-    cfg = _cfg(root, out, "max_steps=1", "grad_accum=2", "dpo.loss_type=ipo", f"dpo.beta={BETA}",
+    cfg = dpo_cfg(root, out, "max_steps=1", "grad_accum=2", "dpo.loss_type=ipo", f"dpo.beta={BETA}",
                f"dpo.sft_weight={SFT}", f"dpo.reference={root / 'reference'}", data="uneven_ipo.jsonl")
     train(cfg, progress=False, task=DPOTask(cfg))
-    got = _metrics(out)[0]
+    got = read_metrics(out)[0]
     pc, pr, qc, qr, nc, nr = [], [], [], [], [], []
     for row in rows:
         prompt = tok(row["prompt"])["input_ids"]
         c = tok(row["chosen"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         r = tok(row["rejected"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        pc.append(_hf_logps(models["policy"], prompt, c))
-        pr.append(_hf_logps(models["policy"], prompt, r))
-        qc.append(_hf_logps(models["reference"], prompt, c))
-        qr.append(_hf_logps(models["reference"], prompt, r))
+        pc.append(hf_logps(models["policy"], prompt, c))
+        pr.append(hf_logps(models["policy"], prompt, r))
+        qc.append(hf_logps(models["reference"], prompt, c))
+        qr.append(hf_logps(models["reference"], prompt, r))
         nc.append(len(c))
         nr.append(len(r))
     pc, pr, qc, qr, nc, nr = map(np.asarray, (pc, pr, qc, qr, nc, nr))

@@ -1,7 +1,7 @@
 """`zoo eval --harness`: our lm-eval backend (eval/harness.py) against lm-eval's own `hf` backend, offline.
 
 The tasks are lm-eval task YAMLs written here over local JSONL (lm-eval's ``--include_path`` way), run through
-``lm_eval.simple_evaluate`` on both backends on the same weights: the tiny random Llama of SmolLM2's vocabulary and
+``lm_eval.simple_evaluate`` on both backends on the same weights: the training tests' tiny random Llama (512-id vocabulary) and
 the real SmolLM2-135M-Instruct. Multiple choice: acc and acc_norm identical, every request's log-likelihood
 within 1e-3; rolling perplexity over documents longer than the window: word/byte perplexity and bits per byte
 within 1e-4 relative; generate_until with stop sequences: identical greedy outputs.
@@ -104,16 +104,18 @@ def task_folder(tmp_path_factory):
     return _write_tasks(tmp_path_factory.mktemp("harness_tasks"))
 
 
-def test_tiny_model_matches_lm_evals_hf_backend(smollm2_tiny, task_folder):
+@pytest.mark.slow
+def test_tiny_model_matches_lm_evals_hf_backend(tiny_lm, task_folder):
+    """Slow (slow lane): an oracle run, lm-eval's simple_evaluate of every task on both backends."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import zoo
     from eval.harness import LmzooLM
 
-    tok = AutoTokenizer.from_pretrained(str(smollm2_tiny / "tok"))
-    hf = AutoModelForCausalLM.from_pretrained(str(smollm2_tiny / "hf"), dtype=torch.float32).eval()
-    model = zoo.load(smollm2_tiny / "zoo")
+    tok = AutoTokenizer.from_pretrained(str(tiny_lm / "tok"))
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_lm / "hf"), dtype=torch.float32).eval()
+    model = zoo.load(tiny_lm / "zoo")
     # chunk < WINDOW: every full window (and every long multiple-choice row) is read through the KV cache in
     # chunks, and still gives lm-eval's numbers (the SmolLM2 test below reads each window whole).
     ours = _evaluate(LmzooLM(model=model, tokenizer=tok, batch_size=4, max_length=WINDOW, chunk=CHUNK), task_folder)
@@ -145,7 +147,9 @@ def _native_equals_harness(model, tok, folder, harness):
         assert abs(a - b) <= 1e-4 * abs(b), (m, a, b)
 
 
+@pytest.mark.slow
 def test_smollm2_matches_lm_evals_hf_backend(smollm2, task_folder):
+    """Slow (slow lane): an oracle run of lm-eval on the real SmolLM2-135M, on both backends."""
     import zoo
     from eval.harness import LmzooLM
 
@@ -154,7 +158,9 @@ def test_smollm2_matches_lm_evals_hf_backend(smollm2, task_folder):
     _compare(ours, _evaluate(_hf_side(hf, tok), task_folder))
 
 
+@pytest.mark.slow
 def test_zoo_eval_harness_cli_writes_results_and_samples(smollm2, task_folder, tmp_path, capsys):
+    """Slow (slow lane): lm-eval's tasks on the real SmolLM2-135M."""
     from eval.harness_run import samples_path
     from zoo.cli import main
 
@@ -169,6 +175,7 @@ def test_zoo_eval_harness_cli_writes_results_and_samples(smollm2, task_folder, t
     assert "zoo_mc" in capsys.readouterr().out  # lm-eval's table
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv, words", [
     (["--harness", "no_such_task_xyz"], ["--harness no_such_task_xyz", "not an lm-eval task"]),
     (["--harness", "zoo_mc", "--include-path", "/nonexistent/tasks"], ["--include-path", "no such folder"]),
@@ -177,21 +184,21 @@ def test_zoo_eval_harness_cli_writes_results_and_samples(smollm2, task_folder, t
     (["--harness", "zoo_mc", "--chunk", "0"], ["--chunk 0", "at least 1"]),
     (["--tasks", "wikitext_tiny", "--max-length", "64"], ["--max-length", "--harness"]),
 ])
-def test_harness_user_errors_are_one_line(smollm2_tiny, task_folder, argv, words, capsys):
+def test_harness_user_errors_are_one_line(tiny_lm, task_folder, argv, words, capsys):
     from zoo.cli import main
 
     extra = ["--include-path", str(task_folder)] if "--include-path" not in argv else []
-    assert main(["eval", str(smollm2_tiny / "zoo"), *argv, *extra]) == 2
+    assert main(["eval", str(tiny_lm / "zoo"), *argv, *extra]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and all(w in err for w in words), err
 
 
-def test_harness_without_lm_eval_names_the_extra(smollm2_tiny, monkeypatch, capsys):
+def test_harness_without_lm_eval_names_the_extra(tiny_lm, monkeypatch, capsys):
     import sys
 
     from zoo.cli import main
 
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval raises ImportError, as without the extra
-    assert main(["eval", str(smollm2_tiny / "zoo"), "--harness", "arc_easy"]) == 2
+    assert main(["eval", str(tiny_lm / "zoo"), "--harness", "arc_easy"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "lmzoo[eval]" in err, err

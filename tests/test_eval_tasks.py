@@ -92,7 +92,10 @@ def ref_continuation(cfg, params, ctx, cont):
     return float(ref_logprobs(cfg, params, ctx + cont)[len(ctx) - 1:].sum())
 
 
+@pytest.mark.slow
 def test_continuation_loglikelihood_equals_forward(model):
+    """Slow (about 36 s in a loaded 2-worker baseline): XLA compiles each of its model configurations (forward and
+    gradients) on CPU."""
     cfg, params = model
     rng = np.random.RandomState(0)
     requests = [(rng.randint(0, 256, n).tolist(), k) for n, k in ((5, 2), (19, 7), (3, 2), (40, 1), (12, 11))]
@@ -101,10 +104,13 @@ def test_continuation_loglikelihood_equals_forward(model):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_rows_read_in_chunks_through_the_cache_equal_forward(model):
     """A row read `chunk` tokens per pass through the KV cache scores as one plain forward pass of the whole row:
     rows of different lengths in one batch (padding), a chunk that does not divide the row, and a model with
-    sliding-window layers whose ring is shorter than the row (it wraps)."""
+    sliding-window layers whose ring is shorter than the row (it wraps).
+    Slow (about 46 s in a loaded 2-worker baseline): XLA compiles each of its model configurations (forward and
+    gradients) on CPU."""
     cfg, params = model
     sliding = dataclasses.replace(cfg, sliding_window=6, layer_types=("sliding", "full"))
     rng = np.random.RandomState(3)
@@ -127,10 +133,13 @@ def test_rows_read_in_chunks_through_the_cache_equal_forward(model):
     np.testing.assert_allclose([ll for ll, _ in mixed], [ll for ll, _ in plain], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_shared_context_choices_equal_forward(model, monkeypatch):
     """Choices extending one prefilled context (KV cache) score as full forward passes of context + choice do:
     any number of choices per question, choices sharing all but their last token (one extension row), one-token
-    choices, one pass over copies of the cache or batch_size rows at a time."""
+    choices, one pass over copies of the cache or batch_size rows at a time.
+    Slow (about 35 s in a loaded 2-worker baseline): XLA compiles each of its model configurations (forward and
+    gradients) on CPU."""
     cfg, params = model
     rng = np.random.RandomState(1)
     questions = [(rng.randint(0, 256, c).tolist(), [rng.randint(0, 256, k).tolist() for k in ks])
@@ -195,6 +204,7 @@ def test_acc_norm_hand_computation():
     assert m["acc"] == 0.5
 
 
+@pytest.mark.slow
 def test_multiple_choice_task_matches_brute_force(model, tok, tmp_path):
     cfg, params = model
     rng = np.random.RandomState(3)
@@ -380,6 +390,7 @@ def test_bad_task_files(tmp_path, text, fix):
     assert fix in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_evaluate_in_memory(model, tok, tmp_path):
     """The training loop's entry point: in-memory params, Task objects, every kind."""
     cfg, params = model
@@ -412,7 +423,10 @@ def ckpt(model, tok, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_cli_writes_results_json(ckpt, tmp_path, capsys):
+    """Slow (about 31 s in a loaded 2-worker baseline): XLA compiles each of its model configurations (forward and
+    gradients) on CPU."""
     from zoo.cli import main
 
     out = tmp_path / "sub" / "results.json"

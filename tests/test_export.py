@@ -7,7 +7,7 @@ import torch
 from safetensors import safe_open
 
 from convert.hf_config import model_config_from_hf
-from tests.tiny import kill_midway, make_llama
+from tests.helpers import hf_tensors, kill_midway, make_llama
 from zoo.cli import main
 
 # Config fields that change what the model computes (and how it is identified).
@@ -27,17 +27,6 @@ FAMILY_MODELS = {
 }
 
 
-def _tensors(folder):
-    """name -> (dtype string, raw bytes) of every tensor in a HF folder."""
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(f, framework="pt") as fh:
-            for name in fh.keys():
-                t = fh.get_tensor(name)
-                out[name] = (str(t.dtype), t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return out
-
-
 def _config(folder):
     return json.loads((folder / "config.json").read_text())
 
@@ -47,7 +36,7 @@ def test_round_trip_is_bit_identical(tmp_path, family):
     FAMILY_MODELS[family](tmp_path / "hf")
     assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "zoo")]) == 0
     assert main(["export", str(tmp_path / "zoo"), "--out", str(tmp_path / "back")]) == 0
-    src, back = _tensors(tmp_path / "hf"), _tensors(tmp_path / "back")
+    src, back = hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "back")
     assert sorted(src) == sorted(back)
     for name in src:
         assert src[name][0] == back[name][0], name
@@ -82,6 +71,7 @@ def test_transformers_loads_export_without_missing_or_unexpected_keys(tmp_path):
     assert "AutoModelForCausalLM.from_pretrained" in card and "lossless" in card
 
 
+@pytest.mark.slow
 def test_smollm2_export_has_tokenizer_and_chat_template(tmp_path):
     from transformers import AutoTokenizer
 
@@ -102,7 +92,7 @@ def test_export_dtype_cast(tmp_path):
     make_llama(tmp_path / "hf")
     assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "zoo")]) == 0
     assert main(["export", str(tmp_path / "zoo"), "--out", str(tmp_path / "b"), "--dtype", "bfloat16"]) == 0
-    assert {d for d, _ in _tensors(tmp_path / "b").values()} == {"torch.bfloat16"}
+    assert {d for d, _ in hf_tensors(tmp_path / "b").values()} == {"torch.bfloat16"}
     assert _config(tmp_path / "b").get("torch_dtype", _config(tmp_path / "b").get("dtype")) == "bfloat16"
 
 
@@ -171,4 +161,4 @@ def test_streaming_read_paths_are_bit_identical(tmp_path, monkeypatch, path):
     make_llama(tmp_path / "hf", vocab_size=101)  # untied: lm_head goes through the transpose path
     assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "zoo")]) == 0
     assert main(["export", str(tmp_path / "zoo"), "--out", str(tmp_path / "back")]) == 0
-    assert _tensors(tmp_path / "hf") == _tensors(tmp_path / "back")
+    assert hf_tensors(tmp_path / "hf") == hf_tensors(tmp_path / "back")

@@ -13,7 +13,7 @@ import gguf
 import numpy as np
 import pytest
 
-from tests.tiny import _BASE, FAMILIES, make_hf
+from tests.helpers import BASE, FAMILIES, make_hf
 from zoo.cli import main
 from zoo.registry import bundled_gguf as smollm2_gguf
 
@@ -110,7 +110,7 @@ def _minimal_config(family: str) -> dict:
     import transformers
 
     cls, _, defaults = FAMILIES[family]
-    return {"model_type": getattr(transformers, cls).model_type, **_BASE, **defaults}
+    return {"model_type": getattr(transformers, cls).model_type, **BASE, **defaults}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -191,9 +191,9 @@ def test_smollm2_gguf_config_is_complete():
 
 def _tiny_llama_gguf(path: Path) -> Path:
     """A complete tiny llama GGUF (every tensor convert needs; sentencepiece vocabulary)."""
-    from tests.test_gguf_meta import _spm_vocab
+    from tests.helpers import spm_vocab
 
-    tokens, scores, types = _spm_vocab()
+    tokens, scores, types = spm_vocab()
     hidden, inter, heads, kv, hd, layers = 32, 48, 4, 2, 8, 2
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("tiny-test-llama")

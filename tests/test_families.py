@@ -8,8 +8,7 @@ import pytest
 import torch
 
 import zoo
-from tests.test_export import _tensors
-from tests.tiny import FAMILIES, hf_logits, make_hf, mean_kl, random_tokens
+from tests.helpers import FAMILIES, hf_logits, hf_tensors, make_hf, mean_kl, random_tokens
 from zoo.cli import main
 
 DENSE = ["mistral", "gemma", "gemma2", "gemma3", "qwen2", "qwen3"]
@@ -35,7 +34,7 @@ def test_round_trip_is_bit_identical(tmp_path, family):
     make_hf(tmp_path / "hf", family)
     assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "zoo")]) == 0
     assert main(["export", str(tmp_path / "zoo"), "--out", str(tmp_path / "back")]) == 0
-    assert _tensors(tmp_path / "hf") == _tensors(tmp_path / "back")
+    assert hf_tensors(tmp_path / "hf") == hf_tensors(tmp_path / "back")
     a = json.loads((tmp_path / "hf" / "config.json").read_text())
     b = json.loads((tmp_path / "back" / "config.json").read_text())
     assert {k: v for k, v in a.items() if "dtype" not in k} == {k: v for k, v in b.items() if "dtype" not in k}
@@ -58,6 +57,7 @@ def test_generated_config_reproduces_the_model(tmp_path, family):
     np.testing.assert_array_equal(hf_logits(back, tokens), hf_logits(hf, tokens))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3"])
 def test_packed_rows_with_sliding_window(tmp_path, family):
     make_hf(tmp_path / "hf", family)
@@ -96,7 +96,7 @@ def test_gemma3_multimodal_converts_language_model(tmp_path, capsys):
     model = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision.to_dict(),
                                                         mm_tokens_per_image=4, image_token_index=95)).eval()
     model.config._attn_implementation = "eager"
-    from tests.tiny import randomize
+    from tests.helpers import randomize
 
     randomize(model)
     model.save_pretrained(tmp_path / "hf")

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from convert.fp8 import BlockScaling, dequantize
-from tests.tiny import make_hf, mean_kl, random_tokens
+from tests.helpers import make_hf, mean_kl, random_tokens
 from zoo.cli import main
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -181,6 +181,7 @@ def deepseek_fp8(tmp_path_factory):
     return root, deq
 
 
+@pytest.mark.slow
 def test_tiny_deepseek_v3_fp8_converts_to_transformers_logits(deepseek_fp8, capsys):
     root, deq = deepseek_fp8
     with safe_open(root / "fp8" / "model.safetensors", "pt") as f:  # the tooling made what DeepSeek ships
@@ -310,13 +311,14 @@ def test_keep_mtp_without_an_mtp_layer_is_a_user_error(llama_fp8, tmp_path, caps
     assert not (tmp_path / "zoo").exists()
 
 
+@pytest.mark.slow
 def test_zoo_convert_deepseek_r1_by_name(deepseek_fp8, tmp_path):
     """The registry name resolves to the Hub repository, found in the local cache (here: the tiny FP8 model)."""
-    from tests.test_registry_cache import _zoo, lay_out_hf_cache
+    from tests.helpers import lay_out_hf_cache, zoo_offline
 
     root, _ = deepseek_fp8
     lay_out_hf_cache(tmp_path / "cache", "deepseek-ai/DeepSeek-R1", root / "fp8")
-    p = _zoo(["convert", "deepseek-r1", "--out", str(tmp_path / "zoo"), "--dtype", "float32"], tmp_path / "cache")
+    p = zoo_offline(["convert", "deepseek-r1", "--out", str(tmp_path / "zoo"), "--dtype", "float32"], tmp_path / "cache")
     assert p.returncode == 0, p.stderr
     assert "fp8: dequantized" in p.stderr and "dropped the multi-token-prediction layer" in p.stderr
     _logits_match(_transformers(root / "ref"), tmp_path / "zoo", 96)
@@ -351,7 +353,9 @@ def _convert_peak(hf: Path, out: Path) -> int:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_fp8_conversion_memory_is_bounded_by_the_largest_tensor(tmp_path):
     """An FP8 llama (~125 MB, its projections dequantizing to 180 MiB of bf16) converts within the peak memory of
-    the same model stored in bf16, plus a couple of its largest dequantized tensors: one tensor at a time."""
+    the same model stored in bf16, plus a couple of its largest dequantized tensors: one tensor at a time.
+    Slow (about 87 s in a loaded 2-worker baseline): XLA compiles each of its model configurations (forward and
+    gradients) on CPU."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from bench.convert_memory import build_checkpoint, build_fp8_checkpoint
 

@@ -17,6 +17,7 @@ def _plain(x, head, targets, weights, cap):
     return -(jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0] * weights).sum()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cap", [None, 3.0])
 @pytest.mark.parametrize("shape", [(2, 37, 16, 50), (3, 8, 8, 300)])
 def test_fused_loss_and_gradients_equal_the_plain_ones(monkeypatch, cap, shape):

@@ -2,6 +2,7 @@
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 from eval.exact_match import Scored, accuracy, chat_prompts
@@ -13,6 +14,7 @@ CFG = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_si
                   num_heads=4, num_kv_heads=2, head_dim=8)
 
 
+@pytest.mark.slow
 def test_batched_greedy_equals_one_at_a_time():
     model = Decoder(CFG, rngs=nnx.Rngs(0))
     model = Decoder(CFG, jax.tree.map(lambda x: x * 6.0 if x.ndim > 1 else x, model.param_dict()))

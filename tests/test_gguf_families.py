@@ -35,9 +35,17 @@ from convert.gguf_meta import hf_config
 from convert.hf_config import model_config_from_hf
 from convert.readers import GGUFFile
 from convert.source import open_source
-from tests.test_gguf_meta import CONVERSATION, MIXED, _assert_same_tokenizer, spm_pieces
-from tests.test_runtime_without_test_extras import REPO, TEST_ONLY
-from tests.tiny import hf_logits, make_hf, random_tokens
+from tests.helpers import (
+    CONVERSATION,
+    MIXED,
+    REPO,
+    TEST_ONLY,
+    assert_same_tokenizer,
+    hf_logits,
+    make_hf,
+    random_tokens,
+    spm_pieces,
+)
 from zoo.checkpoint import TOKENIZER_DIR, load_param_numpy, read_meta
 from zoo.cli import main
 
@@ -293,12 +301,12 @@ def test_tokenizer_matches_transformers(files, converted, family):
         ref = GemmaTokenizer.from_pretrained(str(w.path.parent), gguf_file=w.path.name)
         text = ("the quick brown fox jumps over the lazy dog; hello world! système naïve Ünknown → 😀 "
                 "numbers  one   two    three,\n<start_of_turn>user inline<end_of_turn> tokenizer pieces ") * 2
-        _assert_same_tokenizer(ours, ref, text, CONVERSATION[1:])
+        assert_same_tokenizer(ours, ref, text, CONVERSATION[1:])
         assert ours("the fox")["input_ids"][0] == 2  # <bos>, from the file's add_bos_token
         assert "\u2581\u2581" in ours.tokenize("a  b")  # a stored whitespace run, found as Gemma spells it
     else:
         ref = AutoTokenizer.from_pretrained(str(w.path.parent), gguf_file=w.path.name)
-        _assert_same_tokenizer(ours, ref, MIXED, CONVERSATION)
+        assert_same_tokenizer(ours, ref, MIXED, CONVERSATION)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -381,7 +389,9 @@ def test_export_loads_in_transformers_with_the_same_logits(files, converted, fam
     assert tok(MIXED)["input_ids"] == ours(MIXED)["input_ids"]
 
 
+@pytest.mark.slow
 def test_conversion_without_torch_is_bit_identical(files, converted, tmp_path):
+    """Slow (slow lane): a subprocess converts every family's GGUF file again, without torch."""
     site = tmp_path / "blocked"
     site.mkdir()
     (site / "sitecustomize.py").write_text(f"import sys\nfor name in {TEST_ONLY!r}:\n    sys.modules[name] = None\n")

@@ -8,23 +8,9 @@ import pytest
 from transformers import AutoConfig, AutoTokenizer
 
 from convert.source import open_source
+from tests.helpers import CONVERSATION, MIXED, assert_same_tokenizer, spm_vocab
 from zoo.cli import main
 from zoo.registry import bundled_gguf as smollm2_gguf
-
-MIXED = (
-    "Hello, world! The café's crème brûlée costs €12.50 — naïve façade.\n"
-    "日本語のテキストと한국어 문장, Ελληνικά και русский текст. Emoji: 😀🚀👍🏽\n"
-    "    indented code: def f(x): return x**2  # comment\n\ttabs\tand\r\nCRLF lines...\n"
-    "Numbers 1234567 and 3.14159, URLs https://example.com/a?b=c&d=e, don't won't I'm we'll.\n"
-    "<|im_start|>special tokens inline<|im_end|> and <|endoftext|> too; <repo_name> user tokens.\n"
-    "   leading spaces, trailing spaces   \n\n\nmultiple blank lines"
-)
-CONVERSATION = [
-    {"role": "system", "content": "You are a terse assistant. Answer in one word."},
-    {"role": "user", "content": "What colour is the sky on a clear day?"},
-    {"role": "assistant", "content": "Blue."},
-    {"role": "user", "content": "And grass? Ünïcödé, please 😀"},
-]
 
 
 def _reference_tokenizer(path: Path):
@@ -37,32 +23,16 @@ def _ours(path: Path, tmp_path: Path):
     return src.hf_config, AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
 
 
-def _assert_same_tokenizer(ours, ref, text: str, conversation=None):
-    assert len(text) >= 200
-    assert ours(text)["input_ids"] == ref(text)["input_ids"]
-    ids = ref(text)["input_ids"]
-    assert ours.decode(ids) == ref.decode(ids)
-    assert ours.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
-    for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
-        assert getattr(ours, name) == getattr(ref, name), name
-    assert len(ours) == len(ref)
-    if conversation is not None:
-        for gen in (False, True):
-            a = ours.apply_chat_template(conversation, add_generation_prompt=gen, tokenize=False)
-            b = ref.apply_chat_template(conversation, add_generation_prompt=gen, tokenize=False)
-            assert a == b
-            assert ours(a, add_special_tokens=False)["input_ids"] == ref(b, add_special_tokens=False)["input_ids"]
-            assert ours.apply_chat_template(conversation, add_generation_prompt=gen, tokenize=True) == \
-                ref.apply_chat_template(conversation, add_generation_prompt=gen, tokenize=True)
-
-
+@pytest.mark.slow
 def test_smollm2_config_and_tokenizer_match_transformers(smollm2_tokenizer):
+    """Slow (about 39 s in a loaded 2-worker baseline): XLA compiles each of its model configurations (forward and
+    gradients) on CPU."""
     path = smollm2_gguf()
     # Ours: what _ours() gives, the tokenizer rebuilt once per session (conftest.py: smollm2_tokenizer).
     config, ours = open_source(str(path)).hf_config, AutoTokenizer.from_pretrained(str(smollm2_tokenizer))
     assert config == AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
     ref = _reference_tokenizer(path)
-    _assert_same_tokenizer(ours, ref, MIXED, CONVERSATION)
+    assert_same_tokenizer(ours, ref, MIXED, CONVERSATION)
     # The chat template carries the system turn, and there is exactly one BOS-free start.
     text = ours.apply_chat_template(CONVERSATION, tokenize=False)
     assert text.startswith("<|im_start|>system\nYou are a terse") and text.count("<|im_start|>") == 4
@@ -78,32 +48,6 @@ def test_checkpoint_tokenizer_is_the_rebuilt_one(smollm2_tokenizer):
 
 
 # --- files written here, to reach the other table rows (sentencepiece vocabularies, split regexes, untied heads)
-
-_WORDS = ("the quick brown fox jumps over lazy dog hello world tokenizer pieces merge merges byte fallback "
-          "lower upper case numbers one two three système naïve").split()
-
-
-def spm_pieces(words) -> list[str]:
-    """Every substring of each "\u2581word", shortest first: a sentencepiece vocabulary that spells the words."""
-    pieces: list[str] = []
-    for word in words:
-        w = "\u2581" + word
-        for n in range(1, len(w) + 1):
-            for i in range(len(w) - n + 1):
-                if w[i:i + n] not in pieces:
-                    pieces.append(w[i:i + n])
-    return sorted(pieces, key=lambda p: (len(p), p))
-
-
-def _spm_vocab() -> tuple[list[str], list[float], list[int]]:
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    types = [2, 3, 3] + [6] * 256  # UNKNOWN, CONTROL, BYTE (gguf.TokenType)
-    pieces = spm_pieces(_WORDS)
-    tokens += pieces + ["<|user|>"]
-    types += [1] * len(pieces) + [4]  # NORMAL, USER_DEFINED
-    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))] + [0.0]
-    return tokens, scores, types
-
 
 def _write_gguf(path: Path, tokenizer: str, tokens, types, *, scores=None, merges=None, pre=None,
                 add_bos=None, untied=False) -> Path:
@@ -149,17 +93,18 @@ SPM_TEXT = ("the quick brown fox jumps over the lazy dog; hello world! système 
 
 
 def test_sentencepiece_vocabulary_matches_transformers(tmp_path):
-    tokens, scores, types = _spm_vocab()
+    tokens, scores, types = spm_vocab()
     path = _write_gguf(tmp_path / "spm.gguf", "llama", tokens, types, scores=scores, untied=True)
     config, ours = _ours(path, tmp_path)
     assert config == AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
     assert config["tie_word_embeddings"] is False and config["vocab_size"] == len(tokens)
     ref = _reference_tokenizer(path)
-    _assert_same_tokenizer(ours, ref, SPM_TEXT, CONVERSATION[:3])
+    assert_same_tokenizer(ours, ref, SPM_TEXT, CONVERSATION[:3])
     # llama.cpp adds BOS to a sentencepiece vocabulary that does not say otherwise: exactly one.
     assert ours("the fox")["input_ids"].count(1) == 1 and ours("the fox")["input_ids"][0] == 1
 
 
+@pytest.mark.slow
 def test_byte_level_split_regex_and_user_tokens_match_transformers(tmp_path):
     smol = gguf.GGUFReader(str(smollm2_gguf()))
     tokens = smol.fields["tokenizer.ggml.tokens"].contents()
@@ -171,7 +116,7 @@ def test_byte_level_split_regex_and_user_tokens_match_transformers(tmp_path):
     assert config == AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
     assert config["tie_word_embeddings"] is True
     ref = _reference_tokenizer(path)
-    _assert_same_tokenizer(ours, ref, MIXED, CONVERSATION)
+    assert_same_tokenizer(ours, ref, MIXED, CONVERSATION)
     assert ours("x")["input_ids"][0] == 1  # add_bos_token from the file
 
 

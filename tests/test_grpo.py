@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.tiny import kill_after_checkpoint, make_llama
+from tests.helpers import kill_after_checkpoint, make_llama
 
 WORDS = "red blue green gold pink gray teal plum rust sand mint navy lime ruby jade onyx".split()
 LOW = set(WORDS[:8])  # the synthetic task's reward: the share of completion words from the first half
@@ -79,10 +79,13 @@ def _metrics(out: Path) -> list[dict]:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_sampler_logps_equal_a_teacher_forced_forward(setup):
     """What the sampler says each drawn token's log-probability is (softmax of the logits over the temperature,
     before top-k cuts them) is what the trainer computes on the laid-out rows, to 1e-5 in float32; with LoRA
-    adapters too (run beside the base matmuls in both)."""
+    adapters too (run beside the base matmuls in both).
+    Slow (about 91 s in a loaded 2-worker baseline): XLA compiles each of its model configurations (forward and
+    gradients) on CPU."""
     import zoo
     from eval.generate import Sampler
     from grpo.rollout import RolloutSpec, assemble, sample_group_completions
@@ -125,10 +128,13 @@ def test_sampler_logps_equal_a_teacher_forced_forward(setup):
     assert len({tuple(c) for c in comp[:g]}) > 1
 
 
+@pytest.mark.slow
 def test_grpo_raises_the_reward_without_recompiling(setup, tmp_path):
     """A synthetic verifiable task (the share of completion words from half the vocabulary, about 0.5 at random):
     the mean reward rises by at least 0.3 within 100 steps (here 40, at a lower learning rate than the
-    module's default), and no step after the first compiles anything."""
+    module's default), and no step after the first compiles anything.
+    Slow (about 43 s in a loaded 2-worker baseline): whole training runs through the loop, each compiling its step
+    configuration."""
     from jax._src.dispatch import JAXPR_TRACE_EVENT
 
     from grpo.task import GRPOTask
@@ -165,11 +171,14 @@ def test_grpo_raises_the_reward_without_recompiling(setup, tmp_path):
     assert set(logged[0]) >= {"step", "prompt", "completion", "completion_ids", "low_words"}
 
 
+@pytest.mark.slow
 def test_kill_9_and_resume_is_bit_identical(setup, tmp_path):
     """`grpo train` SIGKILLed after its step-2 checkpoint and rerun ends with the weights, metrics and logged
     completions of the run that never stopped (sampling keys come from the seed and the step; the data position
     is checkpointed; completions.jsonl is trimmed to the restored step). LoRA, mu = 2, beta > 0 (the base as
-    the reference)."""
+    the reference).
+    Slow (slow lane): `grpo train` runs in subprocesses (killed, resumed), each importing and compiling its sampler
+    and step."""
     import os
     import signal
     import subprocess
@@ -248,10 +257,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_follow_the_one_process_run(setup, tmp_path):
     """2 processes x 2 CPU devices (gloo; fsdp over 4 devices; each process feeding its own rows, sampling its
     shard of the batch, every process scoring the whole batch) draw the completions the one-device run draws
-    and train like it."""
+    and train like it. Slow (slow lane): two `grpo train` processes (gloo) each import, compile and train."""
     import os
     import subprocess
     import sys
@@ -322,6 +332,7 @@ def test_a_bad_prompt_row_names_its_line(setup, tmp_path, capsys):
     assert "bad.jsonl, line 2" in err and "'prompt' is a int" in err and "Traceback" not in err, err
 
 
+@pytest.mark.slow
 def test_truncated_completions_are_counted_and_optionally_masked(setup, tmp_path):
     """Completions that hit grpo.max_completion_length are counted (completions/clipped_ratio) and, with
     grpo.mask_truncated, weigh nothing. Checked through dr_grpo's loss at step 1 (ratio 1, beta 0), computed here

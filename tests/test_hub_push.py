@@ -8,18 +8,15 @@ Hub's URL, a fake token, no saved login (HF_HOME in tmp), online.
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.fake_hub import FakeHub
+from tests.helpers import TOKEN, assert_token_not_leaked, zoo_export
 
-TOKEN = "hf_fake_secret_token_123"
 COMMIT_MESSAGE = "Upload model exported with lmzoo"
 CORE_FILES = {"config.json", "model.safetensors", "generation_config.json", "README.md"}
 
@@ -27,7 +24,7 @@ CORE_FILES = {"config.json", "model.safetensors", "generation_config.json", "REA
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> tuple[Path, Path]:
     """(tiny HF folder, its zoo checkpoint), made once for the module."""
-    from tests.tiny import make_llama
+    from tests.helpers import make_llama
     from zoo.cli import main
 
     root = tmp_path_factory.mktemp("hub_push")
@@ -41,31 +38,11 @@ def ckpt(models) -> Path:
     return models[1]
 
 
-def zoo_export(tmp_path: Path, endpoint: str, *args: str) -> subprocess.CompletedProcess:
-    """Run `zoo export ARGS` in a fresh interpreter pointed at ``endpoint``; TMPDIR is tmp_path/'tmp'."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("HF_", "HUGGING_FACE_", "HUGGINGFACE_")) and k != "TRANSFORMERS_OFFLINE"}
-    (tmp_path / "tmp").mkdir(exist_ok=True)
-    env.update(
-        HF_ENDPOINT=endpoint, HF_TOKEN=TOKEN, HF_HUB_OFFLINE="0", HF_HUB_DISABLE_XET="1",
-        HF_HUB_DISABLE_TELEMETRY="1", HF_HOME=str(tmp_path / "hf_home"), JAX_PLATFORMS="cpu",
-        TMPDIR=str(tmp_path / "tmp"), NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost",
-    )
-    return subprocess.run(
-        [sys.executable, "-m", "zoo.cli", "export", *args], env=env, cwd=tmp_path,
-        capture_output=True, text=True, timeout=300,
-    )
-
-
-def assert_token_not_leaked(proc: subprocess.CompletedProcess) -> None:
-    assert TOKEN not in proc.stdout
-    assert TOKEN not in proc.stderr
-
-
 def folder_files(folder: Path) -> dict[str, bytes]:
     return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow
 def test_push_with_out_and_private(tmp_path, ckpt):
     out = tmp_path / "out"
     with FakeHub(token=TOKEN) as hub:
@@ -94,6 +71,7 @@ def test_push_with_out_and_private(tmp_path, ckpt):
         assert TOKEN.encode() not in data, name
 
 
+@pytest.mark.slow
 def test_push_without_out_to_branch(tmp_path, models):
     from safetensors.numpy import load, load_file
 
@@ -148,6 +126,7 @@ def test_dry_run_sends_nothing(tmp_path, ckpt):
     assert list((tmp_path / "tmp").iterdir()) == []
 
 
+@pytest.mark.slow
 def test_unauthorized_hub_is_one_error_line(tmp_path, ckpt):
     with FakeHub(token=TOKEN, fail={"create_repo": 401}) as hub:
         proc = zoo_export(tmp_path, hub.url, str(ckpt), "--push-to-hub", "me/tiny-denied")
@@ -166,6 +145,7 @@ def test_unauthorized_hub_is_one_error_line(tmp_path, ckpt):
     assert list((tmp_path / "tmp").iterdir()) == []
 
 
+@pytest.mark.slow
 def test_unreachable_hub_is_one_error_line(tmp_path, ckpt):
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

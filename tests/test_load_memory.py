@@ -41,6 +41,7 @@ PROBE = textwrap.dedent("""
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_loading_holds_the_weights_once(tmp_path):
+    """Slow (about 56 s in a loaded 2-worker baseline): commands in subprocesses, each importing and compiling."""
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(CONFIG))
     ckpt = tmp_path / "ckpt"
@@ -61,19 +62,22 @@ def test_restore_groups_are_bounded_ordered_and_complete():
     import jax
     import numpy as np
 
-    from zoo.checkpoint import _restore_groups
+    from zoo.checkpoint import restore_groups
 
     mib = 2**20
     sizes = {"a": 10, "b": 30, "c": 5, "d": 30, "e": 1, "f": 29}  # MiB of float32
     abstract = {k: jax.ShapeDtypeStruct((v * mib // 4,), np.float32) for k, v in sizes.items()}
-    groups = _restore_groups(abstract, floor=0)
+    groups = restore_groups(abstract, floor=0)
     assert [p for g in groups for p in g] == list(sizes)
     assert all(sum(sizes[p] for p in g) <= 30 for g in groups)
     assert groups == [["a"], ["b"], ["c"], ["d"], ["e", "f"]]
-    assert _restore_groups(abstract, floor=200 * mib) == [list(sizes)]
+    assert restore_groups(abstract, floor=200 * mib) == [list(sizes)]
 
 
+@pytest.mark.slow
 def test_a_small_model_restores_in_one_call_and_groups_restore_the_same_values(tmp_path, monkeypatch):
+    """Slow (about 39 s in a loaded 2-worker baseline): XLA compiles each of its model configurations (forward and
+    gradients) on CPU."""
     import numpy as np
     import orbax.checkpoint.experimental.v1 as ocp
 
@@ -89,8 +93,8 @@ def test_a_small_model_restores_in_one_call_and_groups_restore_the_same_values(t
     monkeypatch.setattr(ocp, "load", lambda *a, **k: calls.append(1) or load(*a, **k))
     whole = flatten(zc.load_stored_params(ckpt))
     assert len(calls) == 1  # one restore (each costs Orbax set-up, and a gc pass between groups)
-    real_groups = zc._restore_groups
-    monkeypatch.setattr(zc, "_restore_groups", lambda a: real_groups(a, floor=0))
+    real_groups = zc.restore_groups
+    monkeypatch.setattr(zc, "restore_groups", lambda a: real_groups(a, floor=0))
     grouped = flatten(zc.load_stored_params(ckpt))
     assert len(calls) > 2
     assert grouped.keys() == whole.keys()

@@ -13,61 +13,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.test_blockwise import _saved_residuals
+from tests.helpers import LORA_CONFIGS, LORA_TOKENS, lora_base_params, random_lora, saved_residuals
 from zoo.config import ModelConfig
 from zoo.errors import UserError
-from zoo.lora import LoraConfig, init_lora, lora_scale, lora_specs, merge_lora
+from zoo.lora import LoraConfig, lora_scale, lora_specs, merge_lora
 from zoo.model import forward
 from zoo.params import flatten, nest, param_specs
-
-_BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4, num_kv_heads=2,
-             head_dim=16)
-CONFIGS = {
-    "llama": ModelConfig(family="llama", **_BASE),
-    # Gemma 2: (1 + w) norms, post norms, soft-caps, tied embeddings, and (sliding, full) blocks, so the
-    # adapters are sliced with period 2 like their weights.
-    "gemma2": ModelConfig(family="gemma2", **{**_BASE, "num_layers": 4}, norm_offset=1.0, embed_scale=True,
-                          post_norms=True, hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=24,
-                          attn_softcap=4.0, final_softcap=6.0, sliding_window=7, tie_word_embeddings=True,
-                          layer_types=("sliding", "full") * 2),
-    "mixtral": ModelConfig(family="mixtral", **_BASE, num_experts=4, experts_per_token=2,
-                           moe_intermediate_size=48),
-    # DeepSeek-V3-like: MLA attention (no adapters), a dense first layer, shared experts, sigmoid routing.
-    "deepseek": ModelConfig(family="deepseek_v3", **{**_BASE, "num_kv_heads": 4}, num_experts=8,
-                            experts_per_token=2, moe_intermediate_size=16, shared_experts=1, dense_layers=1,
-                            router_score="sigmoid", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-                            v_head_dim=8),
-}
-TOKENS = jnp.asarray(np.random.RandomState(0).randint(0, 96, (2, 12)), jnp.int32)
-
 
 _merge = jax.jit(merge_lora, static_argnums=(0, 3))
 _forward = jax.jit(forward, static_argnums=(0,))
 
 
-@functools.cache
-def _params(cfg: ModelConfig) -> dict:
-    """Random base weights ~ N(0, 0.02) (drawn with NumPy: jax.random compiles a kernel per shape, slowly)."""
-    rng = np.random.RandomState(0)
-    flat = {path: jnp.asarray(rng.normal(0, 0.02, spec.shape) if spec.init == "normal" else
-                              np.full(spec.shape, 1.0 if spec.init == "ones" else 0.0), jnp.float32)
-            for path, spec in sorted(param_specs(cfg).items())}
-    return nest(flat)
-
-
-def _lora(cfg: ModelConfig, lc: LoraConfig, random: bool = False) -> dict:
-    """Fresh adapters (B = 0), or with ``random`` every A and B random non-zero (a zero B hides most mistakes)."""
-    lora = init_lora(cfg, lc, jax.random.key(1))
-    if not random:
-        return lora
-    rng = np.random.RandomState(2)
-    return jax.tree.map(lambda a: jnp.asarray(rng.normal(0, 0.1, a.shape), jnp.float32), lora)
-
-
 def _logits(cfg: ModelConfig, params: dict, lora: dict | None = None, scale: float | None = None) -> np.ndarray:
-    """Jitted forward on TOKENS (the scale is traced, so scales share one compilation)."""
+    """Jitted forward on LORA_TOKENS (the scale is traced, so scales share one compilation)."""
     scale = None if lora is None else jnp.float32(scale)
-    return np.asarray(_forward(cfg, params, TOKENS, lora=lora, lora_scale=scale))
+    return np.asarray(_forward(cfg, params, LORA_TOKENS, lora=lora, lora_scale=scale))
 
 
 def _max_diff(a, b) -> float:
@@ -76,9 +36,9 @@ def _max_diff(a, b) -> float:
 
 @pytest.mark.parametrize("name", ["llama", "gemma2"])
 def test_fresh_adapters_leave_the_model_unchanged(name):
-    cfg, lc = CONFIGS[name], LoraConfig(rank=4)
-    params = _params(cfg)
-    lora = _lora(cfg, lc)
+    cfg, lc = LORA_CONFIGS[name], LoraConfig(rank=4)
+    params = lora_base_params(cfg)
+    lora = random_lora(cfg, lc)
     assert all(float(jnp.abs(v).max()) > 0 for k, v in flatten(lora).items() if k.endswith(".a"))
     base = _logits(cfg, params)
     got = _logits(cfg, params, lora, lora_scale(lc))
@@ -108,11 +68,11 @@ ADAPTED = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_adapters_equal_merged_weights(case):
     name, lc = CASES[case]
-    cfg = CONFIGS[name]
+    cfg = LORA_CONFIGS[name]
     if case == "mixtral-capacity":
         cfg = dataclasses.replace(cfg, capacity_factor=4.0)  # roomy: no token dropped
-    params = _params(cfg)
-    lora = _lora(cfg, lc, random=True)
+    params = lora_base_params(cfg)
+    lora = random_lora(cfg, lc, random=True)
     if case in ADAPTED:
         assert {p.rpartition(".")[0] for p in flatten(lora)} == ADAPTED[case]
     got = _logits(cfg, params, lora, lora_scale(lc))
@@ -125,10 +85,10 @@ def test_adapters_equal_merged_weights(case):
 def test_rslora_scales_by_the_square_root_of_the_rank():
     assert lora_scale(LoraConfig(rank=16, alpha=32.0)) == 2.0
     assert lora_scale(LoraConfig(rank=16, alpha=32.0, rslora=True)) == 8.0
-    cfg = CONFIGS["llama"]
-    params = _params(cfg)
+    cfg = LORA_CONFIGS["llama"]
+    params = lora_base_params(cfg)
     plain, rs = LoraConfig(rank=4, alpha=4.0), LoraConfig(rank=4, alpha=4.0, rslora=True)  # scale 1 vs 2
-    lora = _lora(cfg, plain, random=True)
+    lora = random_lora(cfg, plain, random=True)
     a = _logits(cfg, params, lora, lora_scale(plain))
     b = _logits(cfg, params, lora, lora_scale(rs))
     assert _max_diff(a, b) > 1e-2
@@ -137,15 +97,15 @@ def test_rslora_scales_by_the_square_root_of_the_rank():
 
 
 def _loss(cfg, params, lora, scale):
-    logp = jax.nn.log_softmax(forward(cfg, params, TOKENS, lora=lora, lora_scale=scale))
-    return -jnp.take_along_axis(logp[:, :-1], TOKENS[:, 1:, None], -1).mean()
+    logp = jax.nn.log_softmax(forward(cfg, params, LORA_TOKENS, lora=lora, lora_scale=scale))
+    return -jnp.take_along_axis(logp[:, :-1], LORA_TOKENS[:, 1:, None], -1).mean()
 
 
 @pytest.mark.parametrize("name", ["llama", "mixtral"])
 def test_gradients_reach_b_first_and_a_only_through_b(name):
-    cfg, lc = CONFIGS[name], LoraConfig(rank=4)
-    params = _params(cfg)
-    lora = _lora(cfg, lc)
+    cfg, lc = LORA_CONFIGS[name], LoraConfig(rank=4)
+    params = lora_base_params(cfg)
+    lora = random_lora(cfg, lc)
     grad = jax.jit(jax.grad(lambda l, p: _loss(cfg, p, l, lora_scale(lc))))  # params: not differentiated
     g = flatten(grad(lora, params))
     assert set(g) == set(flatten(lora))
@@ -164,10 +124,10 @@ def test_gradients_reach_b_first_and_a_only_through_b(name):
 def test_adapter_gradients_skip_the_base_weight_gradients():
     """Differentiating the adapters only must not compute the base weights' gradients (the price of merging
     A @ B into W): about 2/3 of the flops of a full backward pass (forward, dx, no dW)."""
-    cfg = dataclasses.replace(CONFIGS["llama"], hidden_size=256, intermediate_size=512, head_dim=64,
+    cfg = dataclasses.replace(LORA_CONFIGS["llama"], hidden_size=256, intermediate_size=512, head_dim=64,
                               num_layers=2)
     lc = LoraConfig(rank=4)
-    params, lora = _params(cfg), _lora(cfg, lc)
+    params, lora = lora_base_params(cfg), random_lora(cfg, lc)
 
     def flops(argnums):
         f = jax.jit(jax.grad(lambda p, l: _loss(cfg, p, l, 2.0), argnums))
@@ -180,11 +140,11 @@ def test_adapters_keep_no_extra_activations_and_no_weight_copies():
     """The A matmuls share the fused norm + projection (normed_dense, glu_dense), so LoRA keeps no normed x
     for the backward pass: still three [tokens, embed] arrays per layer, and the adapters are read from
     the argument, never from stacked copies."""
-    cfg = dataclasses.replace(CONFIGS["llama"], num_layers=4)
+    cfg = dataclasses.replace(LORA_CONFIGS["llama"], num_layers=4)
     lc = LoraConfig(rank=4)
-    params, lora = _params(cfg), _lora(cfg, lc)
-    tokens = TOKENS[:, :8]
-    residuals = _saved_residuals(lambda l: forward(cfg, params, tokens, lora=l, lora_scale=2.0).sum(), lora)
+    params, lora = lora_base_params(cfg), random_lora(cfg, lc)
+    tokens = LORA_TOKENS[:, :8]
+    residuals = saved_residuals(lambda l: forward(cfg, params, tokens, lora=l, lora_scale=2.0).sum(), lora)
     assert sum(shape == (4, 2, 8, 64) for shape, _ in residuals) == 3, residuals
     adapter_shapes = {v.shape for v in flatten(lora).values()}  # stacked over layers, as scanned
     kept = [(shape, src) for shape, src in residuals if shape in adapter_shapes]
@@ -194,8 +154,8 @@ def test_adapters_keep_no_extra_activations_and_no_weight_copies():
 def test_bfloat16_base_with_float32_adapters():
     """float32 adapters on a bfloat16 base: the adapter path runs in float32 and is cast back, the gradients
     stay float32, and the result is the float32 model's up to bfloat16 rounding."""
-    cfg, lc = CONFIGS["llama"], LoraConfig(rank=4)
-    params, lora = _params(cfg), _lora(cfg, lc, random=True)
+    cfg, lc = LORA_CONFIGS["llama"], LoraConfig(rank=4)
+    params, lora = lora_base_params(cfg), random_lora(cfg, lc, random=True)
     half = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
     got = _logits(cfg, half, lora, lora_scale(lc))
     want = _logits(cfg, params, lora, lora_scale(lc))
@@ -207,7 +167,7 @@ def test_bfloat16_base_with_float32_adapters():
 
 
 def test_specs_follow_the_base_weight_axes():
-    cfg = CONFIGS["mixtral"]
+    cfg = LORA_CONFIGS["mixtral"]
     base, specs = param_specs(cfg), lora_specs(cfg, LoraConfig(rank=4))
     assert specs["layers.q.a"].shape == (3, 64, 4) and specs["layers.q.a"].axes == ("layers", "embed", None)
     assert specs["layers.q.b"].shape == (3, 4, 4, 16)
@@ -229,25 +189,25 @@ def test_bad_targets_are_user_errors():
     with pytest.raises(UserError, match="not a valid regex"):
         LoraConfig(targets="(q_proj")
     with pytest.raises(UserError, match="MLA"):
-        lora_specs(CONFIGS["deepseek"], LoraConfig(targets=["q_proj", "o_proj"]))
-    cfg = CONFIGS["llama"]
+        lora_specs(LORA_CONFIGS["deepseek"], LoraConfig(targets=["q_proj", "o_proj"]))
+    cfg = LORA_CONFIGS["llama"]
     with pytest.raises(ValueError, match="lora_scale"):
-        forward(cfg, _params(cfg), TOKENS, lora=_lora(cfg, LoraConfig(rank=4)))
+        forward(cfg, lora_base_params(cfg), LORA_TOKENS, lora=random_lora(cfg, LoraConfig(rank=4)))
 
 
 MESH_SCRIPT = r"""
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
-from tests.test_lora import CONFIGS, TOKENS, _lora, _params
+from tests.helpers import LORA_CONFIGS, LORA_TOKENS, lora_base_params, random_lora
 from zoo.lora import LoraConfig, lora_scale, lora_specs
 from zoo.model import forward
 from zoo.params import flatten, nest, param_specs
 from zoo.sharding import make_mesh, named_sharding
 assert len(jax.devices()) == 8
-cfg, lc = CONFIGS["llama"], LoraConfig(rank=4)
-params = _params(cfg)
-lora = _lora(cfg, lc, random=True)
-f = jax.jit(lambda p, l: forward(cfg, p, TOKENS, lora=l, lora_scale=lora_scale(lc)))
+cfg, lc = LORA_CONFIGS["llama"], LoraConfig(rank=4)
+params = lora_base_params(cfg)
+lora = random_lora(cfg, lc, random=True)
+f = jax.jit(lambda p, l: forward(cfg, p, LORA_TOKENS, lora=l, lora_scale=lora_scale(lc)))
 one = np.asarray(f(params, lora))
 out = {}
 for name, sizes in {"fsdp8": dict(fsdp=8), "fsdp2-tensor4": dict(fsdp=2, tensor=4)}.items():
@@ -264,7 +224,9 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_sharded_adapters_on_8_devices_equal_one_device():
+    """Slow (slow lane): a subprocess on 8 simulated devices compiles the forward once per sharding."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     p = subprocess.run([sys.executable, "-c", MESH_SCRIPT], capture_output=True, text=True, env=env, timeout=600,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -286,8 +248,8 @@ DROP_KEY = jax.random.key(7)
 
 def _dropped_logits(cfg: ModelConfig, params: dict, lora: dict, scale: float, rate: float,
                     key: jax.Array | None = DROP_KEY) -> np.ndarray:
-    """Jitted forward on TOKENS with LoRA dropout ``rate`` drawn from ``key``."""
-    return np.asarray(_forward_drop(cfg, params, TOKENS, lora=lora, lora_scale=jnp.float32(scale),
+    """Jitted forward on LORA_TOKENS with LoRA dropout ``rate`` drawn from ``key``."""
+    return np.asarray(_forward_drop(cfg, params, LORA_TOKENS, lora=lora, lora_scale=jnp.float32(scale),
                                     lora_dropout=rate, dropout_rng=key))
 
 
@@ -297,14 +259,14 @@ DROPOUT_MODELS = ["llama", "gemma2", "mixtral", "deepseek"]
 @pytest.mark.parametrize("name", DROPOUT_MODELS)
 def test_no_dropout_rate_or_no_key_is_exactly_the_plain_forward(name):
     """Rate 0, or no key (evaluation), gives today's logits bit for bit, from the same fused program."""
-    cfg, lc = CONFIGS[name], LoraConfig(rank=4)
-    params, lora = _params(cfg), _lora(cfg, lc, random=True)
+    cfg, lc = LORA_CONFIGS[name], LoraConfig(rank=4)
+    params, lora = lora_base_params(cfg), random_lora(cfg, lc, random=True)
     want = _logits(cfg, params, lora, lora_scale(lc))
     assert np.array_equal(_dropped_logits(cfg, params, lora, lora_scale(lc), 0.0), want)
     assert np.array_equal(_dropped_logits(cfg, params, lora, lora_scale(lc), 0.5, None), want)
 
     def program(**kw):
-        return str(jax.make_jaxpr(lambda l: forward(cfg, params, TOKENS, lora=l, lora_scale=2.0, **kw))(lora))
+        return str(jax.make_jaxpr(lambda l: forward(cfg, params, LORA_TOKENS, lora=l, lora_scale=2.0, **kw))(lora))
 
     plain = program()
     assert program(lora_dropout=0.0, dropout_rng=DROP_KEY) == plain
@@ -314,9 +276,9 @@ def test_no_dropout_rate_or_no_key_is_exactly_the_plain_forward(name):
 
 @pytest.mark.parametrize("name", DROPOUT_MODELS)
 def test_dropout_is_deterministic_and_touches_only_the_adapter_branch(name):
-    cfg, lc = CONFIGS[name], LoraConfig(rank=4)
-    params = _params(cfg)
-    lora = _lora(cfg, lc, random=True)
+    cfg, lc = LORA_CONFIGS[name], LoraConfig(rank=4)
+    params = lora_base_params(cfg)
+    lora = random_lora(cfg, lc, random=True)
     scale = lora_scale(lc)
     plain = _logits(cfg, params, lora, scale)
     a = _dropped_logits(cfg, params, lora, scale, 0.5)
@@ -325,10 +287,11 @@ def test_dropout_is_deterministic_and_touches_only_the_adapter_branch(name):
     assert _max_diff(a, _dropped_logits(cfg, params, lora, scale, 0.5, jax.random.key(8))) > 1e-3
     # With B = 0 the adapter branch is zero whatever its input: if the base weights read the dropped x,
     # the logits would move. They are the base model's exactly.
-    fresh = _lora(cfg, lc)
+    fresh = random_lora(cfg, lc)
     assert np.array_equal(_dropped_logits(cfg, params, fresh, scale, 0.5), _logits(cfg, params))
 
 
+@pytest.mark.slow
 def test_dropout_is_unbiased():
     """Inverted dropout keeps the adapter's expected output: averaged over 64 masks, the logits come
     much closer to the no-dropout ones than any single sample does (the noise of the mean is 1/8 of a
@@ -337,12 +300,12 @@ def test_dropout_is_unbiased():
     A small scale keeps the logits linear in the adapters' outputs: the expectation passes through the
     adapter's matmuls, not through the softmax and activations after them (with large adapters that
     nonlinearity alone moves the mean)."""
-    cfg, lc = CONFIGS["llama"], LoraConfig(rank=4)
-    params, lora = _params(cfg), _lora(cfg, lc, random=True)
+    cfg, lc = LORA_CONFIGS["llama"], LoraConfig(rank=4)
+    params, lora = lora_base_params(cfg), random_lora(cfg, lc, random=True)
     scale = 0.05
     plain = _logits(cfg, params, lora, scale)
     keys = jax.random.split(jax.random.key(3), 64)
-    samples = np.asarray(jax.jit(jax.vmap(lambda k: forward(cfg, params, TOKENS, lora=lora, lora_scale=scale,
+    samples = np.asarray(jax.jit(jax.vmap(lambda k: forward(cfg, params, LORA_TOKENS, lora=lora, lora_scale=scale,
                                                             lora_dropout=0.5, dropout_rng=k)))(keys))
 
     def rms(x):
@@ -372,19 +335,22 @@ def _dropout_grad(cfg: ModelConfig, remat: str, lora: dict, params: dict, key: j
     """d(next-token loss)/d(adapters) with LoRA dropout 0.5 drawn from ``key`` (traced: one compilation)."""
 
     def loss(l):
-        logits = forward(cfg, params, TOKENS, remat=remat, lora=l, lora_scale=2.0, lora_dropout=0.5,
+        logits = forward(cfg, params, LORA_TOKENS, remat=remat, lora=l, lora_scale=2.0, lora_dropout=0.5,
                          dropout_rng=key)
         logp = jax.nn.log_softmax(logits)
-        return -jnp.take_along_axis(logp[:, :-1], TOKENS[:, 1:, None], -1).mean()
+        return -jnp.take_along_axis(logp[:, :-1], LORA_TOKENS[:, 1:, None], -1).mean()
 
     return jax.grad(loss)(lora)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,remat", [("llama", "full"), ("gemma2", "save_dots"), ("mixtral", "none"),
                                         ("deepseek", "none")])
 def test_adapter_gradients_with_dropout_are_finite(name, remat):
-    cfg, lc = CONFIGS[name], LoraConfig(rank=4)
-    params, lora = _params(cfg), _lora(cfg, lc, random=True)
+    """Slow (about 31 s in a loaded 2-worker baseline): XLA compiles each of its model configurations (forward and
+    gradients) on CPU."""
+    cfg, lc = LORA_CONFIGS[name], LoraConfig(rank=4)
+    params, lora = lora_base_params(cfg), random_lora(cfg, lc, random=True)
     g = flatten(_dropout_grad(cfg, remat, lora, params, DROP_KEY))
     other = flatten(_dropout_grad(cfg, remat, lora, params, jax.random.key(8)))
     assert set(g) == set(flatten(lora))
@@ -394,21 +360,24 @@ def test_adapter_gradients_with_dropout_are_finite(name, remat):
     assert max(_max_diff(g[p], other[p]) for p in g) > 1e-4  # the masks reach the gradients
 
 
+@pytest.mark.slow
 def test_train_step_dropout_depends_on_seed_step_and_micro_batch_only():
     """The LoRA train step draws its masks from (seed, step, micro-batch): the same state and batch give
     the same update (so a resumed run is bit-identical), another step or micro-batch other masks, and
-    evaluation applies none."""
+    evaluation applies none.
+    Slow (about 73 s in a loaded 2-worker baseline): XLA compiles each of its model configurations (forward and
+    gradients) on CPU."""
     import optax
 
     from pretrain.batch import TokenBatch
     from pretrain.step import init_state, make_step
     from zoo.sharding import make_mesh
 
-    cfg, lc = CONFIGS["llama"], LoraConfig(rank=4, dropout=0.5)
-    params, lora = _params(cfg), _lora(cfg, lc, random=True)
+    cfg, lc = LORA_CONFIGS["llama"], LoraConfig(rank=4, dropout=0.5)
+    params, lora = lora_base_params(cfg), random_lora(cfg, lc, random=True)
     tx = optax.sgd(0.1)
     mesh = make_mesh(devices=jax.devices()[:1])
-    t = np.asarray(TOKENS)
+    t = np.asarray(LORA_TOKENS)
     mb = {"inputs": t[:, :-1], "targets": t[:, 1:], "weights": np.ones(t[:, 1:].shape, np.float32),
           "segment_ids": np.ones(t[:, 1:].shape, np.int32),
           "positions": np.tile(np.arange(t.shape[1] - 1, dtype=np.int32), (t.shape[0], 1))}

@@ -15,17 +15,17 @@ from pretrain.rundata import read_run_data
 from pretrain.trainer import train
 from sft.config import SFTConfig
 from sft.task import SFTTask
-from tests.tiny import copy_smollm2_tiny
+from tests.helpers import copy_tiny_lm
 
 COLORS = "red blue green yellow black white".split()
 SHAPES = "circle square triangle star".split()
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, smollm2_tiny):
+def setup(tmp_path_factory, tiny_lm):
     """A tiny model and two SFT sources in two formats: `messages` (colours) and prompt/completion (shapes)."""
     root = tmp_path_factory.mktemp("mix")
-    tok = copy_smollm2_tiny(smollm2_tiny, root)
+    tok = copy_tiny_lm(tiny_lm, root)
     rng = np.random.RandomState(0)
     with open(root / "colours.jsonl", "w") as f:
         for _ in range(96):
@@ -122,6 +122,7 @@ def test_same_seed_same_draws_and_exact_resume_of_the_data(setup, tmp_path):
         assert set(x) == set(y) and all(np.array_equal(x[k], y[k]) for k in x)
 
 
+@pytest.mark.slow
 def test_interrupted_mixture_run_resumes_bit_for_bit(setup, tmp_path, monkeypatch):
     root, _ = setup
     cfg = _cfg(root, tmp_path / "full", "max_steps=4")
@@ -157,6 +158,7 @@ def test_interrupted_mixture_run_resumes_bit_for_bit(setup, tmp_path, monkeypatc
     assert len(state["mixture"]["documents"]) == 2 and min(state["mixture"]["documents"]) > 0
 
 
+@pytest.mark.slow
 def test_eval_loss_per_source_and_the_report_in_final(setup, tmp_path, capsys):
     root, _ = setup
     # grad_accum 4: an eval batch is one row, which each source's 4 held-out examples fill.

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tests.helpers import count_eqns
 from zoo.config import ModelConfig
 from zoo.model import Decoder, forward
 from zoo.params import param_specs
@@ -22,6 +23,7 @@ def _random_model(cfg=CFG, seed=0):
     return Decoder(cfg, params)
 
 
+@pytest.mark.slow
 def test_packed_rows_equal_documents_run_alone():
     model = _random_model()
     rng = np.random.RandomState(0)
@@ -56,19 +58,7 @@ def _jaxpr_size(num_layers: int) -> int:
     from zoo.params import nest
 
     jaxpr = jax.make_jaxpr(lambda p, t: forward(cfg, p, t))(nest(params), jax.ShapeDtypeStruct((1, 8), jnp.int32))
-    return _count_eqns(jaxpr.jaxpr), "scan" in str(jaxpr)
-
-
-def _count_eqns(jaxpr) -> int:
-    """Equations in a jaxpr, including those of nested jaxprs (scan bodies, pjit calls)."""
-    n = 0
-    for eqn in jaxpr.eqns:
-        n += 1
-        for v in eqn.params.values():
-            inner = getattr(v, "jaxpr", v)
-            if hasattr(inner, "eqns"):
-                n += _count_eqns(inner)
-    return n
+    return count_eqns(jaxpr.jaxpr), "scan" in str(jaxpr)
 
 
 def test_program_size_does_not_grow_with_depth():
@@ -90,7 +80,7 @@ def test_layer_patterns_compile_independent_of_depth(pattern, period):
         from zoo.params import nest
 
         f = jax.make_jaxpr(lambda p, t: forward(cfg, p, t))
-        return _count_eqns(f(nest(params), jax.ShapeDtypeStruct((1, 8), jnp.int32)).jaxpr)
+        return count_eqns(f(nest(params), jax.ShapeDtypeStruct((1, 8), jnp.int32)).jaxpr)
 
     assert size(2, 0) == size(10, 0)
     assert size(2, 1) == size(10, 1)  # a remainder costs the same at any depth
@@ -120,8 +110,11 @@ def test_mesh_size_errors_are_clear():
         make_mesh(data=2, fsdp=2, devices=[jax.devices()[0]])
 
 
+@pytest.mark.slow
 def test_remat_policies_keep_gradients_and_cut_saved_activations():
     # Twelve layers, so that the activations saved across layers outweigh one layer's scratch memory.
+    """Slow (about 48 s in a loaded 2-worker baseline): XLA compiles each of its model configurations (forward and
+    gradients) on CPU."""
     cfg = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=12,
                       num_heads=4, num_kv_heads=2, head_dim=8)
     params = Decoder(cfg, rngs=nnx.Rngs(0)).param_dict()
@@ -157,10 +150,13 @@ def test_mlp_chunk_counts_divide_the_sequence():
     assert mlp_chunks(1024, 7) == 7  # never more chunks than positions
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lora", [False, True])
 def test_chunked_mlp_equals_one_pass_and_shrinks_the_backward(monkeypatch, lora):
     """The MLP scanned over sequence chunks gives the one-pass logits and gradients (base weights, or LoRA
-    adapters over a frozen base), and the backward pass's [tokens, mlp] temporaries shrink with the chunk."""
+    adapters over a frozen base), and the backward pass's [tokens, mlp] temporaries shrink with the chunk.
+    Slow (about 36 s in a loaded 2-worker baseline): XLA compiles each of its model configurations (forward and
+    gradients) on CPU."""
     from zoo import mlp as zoo_mlp
     from zoo.lora import LoraConfig, init_lora, lora_scale
 

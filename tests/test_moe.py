@@ -12,8 +12,7 @@ import pytest
 import torch
 
 import zoo
-from tests.test_export import _tensors
-from tests.tiny import hf_logits, make_hf, mean_kl, random_tokens
+from tests.helpers import hf_logits, hf_tensors, make_hf, mean_kl, random_tokens
 from zoo.cli import main
 
 VARIANTS = {
@@ -35,6 +34,7 @@ def _convert(tmp_path, variant):
     return hf
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_logits_match_transformers(tmp_path, variant):
     hf = _convert(tmp_path, variant)
@@ -50,7 +50,7 @@ def test_logits_match_transformers(tmp_path, variant):
 def test_round_trip_is_bit_identical(tmp_path, variant):
     _convert(tmp_path, variant)
     assert main(["export", str(tmp_path / "zoo"), "--out", str(tmp_path / "back")]) == 0
-    assert _tensors(tmp_path / "hf") == _tensors(tmp_path / "back")
+    assert hf_tensors(tmp_path / "hf") == hf_tensors(tmp_path / "back")
 
 
 def test_experts_and_dense_layers_are_stacked(tmp_path):
@@ -82,6 +82,7 @@ def test_load_balancing_loss_matches_transformers(tmp_path):
     assert counts.shape == (3, 4) and counts.sum() == 3 * tokens.size * 2  # layers x experts; k=2 per token
 
 
+@pytest.mark.slow
 def test_aux_losses_on_a_hand_computed_example():
     """Independent numbers: 2 tokens, 2 experts, top-1, uniform logits for token 0."""
     from zoo.config import ModelConfig
@@ -109,6 +110,7 @@ def test_aux_losses_on_a_hand_computed_example():
     assert float(aux["loss"]) == pytest.approx(0.5 * lb + 0.1 * z, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_capacity_factor_drops_and_reports(tmp_path):
     import dataclasses
 
@@ -143,8 +145,10 @@ print(json.dumps({"spec": [str(s) for s in gate.sharding.spec], "shard": list(ga
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["mixtral", "deepseek-v3"])
 def test_expert_parallel_on_8_devices(tmp_path, variant):
+    """Slow (slow lane): a subprocess on 8 simulated devices per variant loads the model expert-parallel."""
     hf = _convert(tmp_path, variant)
     tokens = random_tokens(hf.config.vocab_size, seq=SEQ)
     np.save(tmp_path / "tokens.npy", tokens)
@@ -160,8 +164,11 @@ def test_expert_parallel_on_8_devices(tmp_path, variant):
     np.testing.assert_allclose(np.load(tmp_path / "logits.npy"), one, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_tiny_deepseek_v3_registry_entry_builds_and_exports(tmp_path):
-    """`zoo init deepseek-v3-tiny` -> export -> transformers builds the same model."""
+    """`zoo init deepseek-v3-tiny` -> export -> transformers builds the same model.
+    Slow (about 96 s in a loaded 2-worker baseline): XLA compiles each of its model configurations (forward and
+    gradients) on CPU."""
     from transformers import AutoModelForCausalLM
 
     assert main(["init", "deepseek-v3-tiny", "--out", str(tmp_path / "zoo"), "--seed", "3"]) == 0
@@ -193,7 +200,7 @@ def test_fp8_weights_are_refused_clearly(tmp_path, capsys):
 def test_moe_stacks_compile_independent_of_depth():
     import dataclasses
 
-    from tests.test_model import _count_eqns
+    from tests.helpers import count_eqns
     from zoo.config import ModelConfig
     from zoo.model import forward
     from zoo.params import nest, param_specs
@@ -207,6 +214,6 @@ def test_moe_stacks_compile_independent_of_depth():
         cfg = dataclasses.replace(base, num_layers=layers, dense_layers=dense)
         params = {k: jax.ShapeDtypeStruct(s.shape, jnp.float32) for k, s in param_specs(cfg).items()}
         f = jax.make_jaxpr(lambda p, t: forward(cfg, p, t))
-        return _count_eqns(f(nest(params), jax.ShapeDtypeStruct((1, 8), jnp.int32)).jaxpr)
+        return count_eqns(f(nest(params), jax.ShapeDtypeStruct((1, 8), jnp.int32)).jaxpr)
 
     assert size(3, 1) == size(12, 3)

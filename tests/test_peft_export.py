@@ -13,7 +13,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -23,33 +22,13 @@ import zoo
 from convert.peft import LORA_LAYOUTS, base_model_ref, hub_repo_of
 from convert.tables import table_for
 from convert.transforms import TRANSFORMS
-from tests.tiny import hf_logits, make_hf, random_tokens
-from zoo.adapter import adapter_meta
-from zoo.checkpoint import CheckpointWriter, read_meta, save_params
+from tests.helpers import hf_logits, make_hf, random_tokens, write_adapter_checkpoint
 from zoo.cli import main
 from zoo.config import ModelConfig
-from zoo.lora import LoraConfig, init_lora, lora_delta, lora_specs
-from zoo.params import flatten, nest
+from zoo.lora import LoraConfig, lora_delta, lora_specs
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TOL = 1e-4
-
-
-def write_adapter_checkpoint(base: Path, out: Path, lora_cfg: LoraConfig, seed: int = 0) -> Path:
-    """An adapter checkpoint of ``base`` laid out as pretrain/final.py writes one, with B random too."""
-    cfg = zoo.read_config(base)
-    flat = {p: np.asarray(v) for p, v in flatten(init_lora(cfg, lora_cfg, jax.random.key(seed))).items()}
-    rng = np.random.RandomState(seed)
-    # init_lora's B is zero (the adapter would change nothing); a random B makes every delta count.
-    flat = {p: v if p.endswith(".a") else rng.normal(0.0, 0.1, v.shape).astype(v.dtype) for p, v in flat.items()}
-    specs = lora_specs(cfg, lora_cfg)
-    out.mkdir()
-    stored = save_params(out, nest(flat), {p: s.axes for p, s in specs.items()})
-    writer = CheckpointWriter(out)
-    writer.adopt(read_meta(base)["params"])
-    writer.finish(cfg, source=str(base), source_format="train", training={"method": "sft", "steps": 3},
-                  lora=adapter_meta(lora_cfg, base, stored))
-    return out
 
 
 @dataclass
@@ -102,7 +81,7 @@ def llama(built) -> Setup:
 
 
 def load_hf(folder: Path):
-    """A float32 transformers model from ``folder``, eager attention (what tests/tiny.py models use)."""
+    """A float32 transformers model from ``folder``, eager attention (what tests/helpers.py models use)."""
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager").eval()
@@ -162,6 +141,7 @@ def test_layouts_turn_each_zoo_delta_into_peft_factors():
     assert seen == set(LORA_LAYOUTS)
 
 
+@pytest.mark.slow
 def test_peft_loads_every_adapter_key(setup):
     config = json.loads((setup.peft_dir / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM"
@@ -253,7 +233,7 @@ def test_dry_run_lists_the_adapter_files(llama, tmp_path, capsys):
 
 def test_push_adapter_to_fake_hub_without_torch_or_peft(llama, tmp_path, monkeypatch):
     from tests.fake_hub import FakeHub
-    from tests.test_hub_push import TOKEN, assert_token_not_leaked, zoo_export
+    from tests.helpers import TOKEN, assert_token_not_leaked, zoo_export
 
     # Run-time code must not need the test-only packages: the subprocess sees them as not installed.
     blocked = tmp_path / "blocked"

@@ -123,7 +123,9 @@ def test_double_quantization_matches_its_formula(blocks):
     assert np.array_equal(dequantized(x, double=True), (NF4[codes] * np.repeat(want, 64)[:x.size]).astype(np.float32))
 
 
+@pytest.mark.slow
 def test_against_bitsandbytes_itself():
+    """Slow (slow lane): an oracle run, bitsandbytes' own CPU kernels."""
     import bitsandbytes.functional as F  # in the test extra: a missing one fails here, loudly
     import torch
     assert np.array_equal(quant.DYNAMIC_CODE, F.create_dynamic_map(signed=True).numpy())
@@ -180,10 +182,11 @@ def test_quantize_lays_out_each_matrix_as_hugging_face_does():
     assert quant.dequantize(qw, jnp.bfloat16).dtype == jnp.bfloat16
 
 
+@pytest.mark.slow
 def test_nf4_double_quant_is_at_most_4_13_bits_per_parameter():
     import jax
 
-    from tests.test_quant_model import tiny_config
+    from tests.helpers import tiny_config
     from zoo.params import flatten, init_params
 
     cfg = tiny_config("llama", hidden_size=256, intermediate_size=512)

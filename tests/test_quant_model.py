@@ -8,29 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.helpers import lora_lm_loss, quantized_projections, tiny_config
 from zoo import quant
-from zoo.lora import LoraConfig, init_lora, lora_scale
-from zoo.model import forward
+from zoo.lora import LoraConfig, init_lora
 from zoo.params import flatten, init_params, nest
-
-
-def tiny_config(family: str = "llama", **overrides):
-    """A tiny ModelConfig of ``family``, from transformers-style config fields."""
-    from convert.hf_config import model_config_from_hf
-
-    base = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False)
-    hf = {"llama": dict(architectures=["LlamaForCausalLM"], model_type="llama"),
-          "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2"),
-          "mixtral": dict(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=4,
-                          num_experts_per_tok=2, intermediate_size=32)}[family]
-    return model_config_from_hf({**base, **hf, **overrides})
-
-
-def _quantized(cfg, flat: dict) -> dict:
-    """``flat`` with every zoo.quant.quantized_paths projection quantized (NF4, double quantization)."""
-    paths = quant.quantized_paths(cfg)
-    return {k: quant.quantize(np.asarray(v), *paths[k], "nf4", True) if k in paths else v for k, v in flat.items()}
 
 
 def _dequantized(flat: dict) -> dict:
@@ -41,7 +22,7 @@ def _dequantized(flat: dict) -> dict:
 def setup(request):
     cfg = tiny_config(request.param)
     flat = flatten(init_params(cfg, jax.random.PRNGKey(0), std=0.1))
-    qflat = _quantized(cfg, flat)
+    qflat = quantized_projections(cfg, flat)
     lcfg = LoraConfig(rank=4, alpha=8.0, targets="all")
     lora = init_lora(cfg, lcfg, jax.random.PRNGKey(1))
     lora = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.PRNGKey(2), a.shape), lora)  # B != 0
@@ -49,13 +30,10 @@ def setup(request):
     return cfg, qflat, lcfg, lora, tokens
 
 
-def _loss(cfg, params, lora, lcfg, tokens, remat="none"):
-    logits = forward(cfg, params, tokens, lora=lora, lora_scale=lora_scale(lcfg), remat=remat)
-    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32))
-    return -jnp.take_along_axis(logp, tokens[:, 1:, None], -1).mean()
-
-
+@pytest.mark.slow
 def test_every_projection_is_quantized_and_nothing_else(setup):
+    """Slow (about 82 s in a loaded 2-worker baseline): XLA compiles each of its model configurations (forward and
+    gradients) on CPU."""
     cfg, qflat, *_ = setup
     quantized = {k for k, v in qflat.items() if isinstance(v, quant.QuantizedWeight)}
     assert quantized == set(quant.quantized_paths(cfg))
@@ -65,23 +43,27 @@ def test_every_projection_is_quantized_and_nothing_else(setup):
     assert not any(n in k for k in quantized for n in ("embed", "head", "norm", "router", "bias"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_adapter_gradients_equal_lora_on_the_dequantized_weights(setup, remat):
+    """Slow (about 153 s in a loaded 2-worker baseline): XLA compiles each of its model configurations (forward and
+    gradients) on CPU."""
     cfg, qflat, lcfg, lora, tokens = setup
     if remat == "full" and cfg.num_experts:
         remat = "save_dots"  # the third policy, on the MoE model
     q_params, d_params = nest(qflat), nest(_dequantized(qflat))
-    lq, gq = jax.value_and_grad(lambda l: _loss(cfg, q_params, l, lcfg, tokens, remat))(lora)
-    ld, gd = jax.value_and_grad(lambda l: _loss(cfg, d_params, l, lcfg, tokens, remat))(lora)
+    lq, gq = jax.value_and_grad(lambda l: lora_lm_loss(cfg, q_params, l, lcfg, tokens, remat))(lora)
+    ld, gd = jax.value_and_grad(lambda l: lora_lm_loss(cfg, d_params, l, lcfg, tokens, remat))(lora)
     assert abs(float(lq) - float(ld)) <= 1e-6
     for a, b in zip(jax.tree.leaves(gq), jax.tree.leaves(gd)):
         assert np.abs(np.asarray(a) - np.asarray(b)).max() <= 1e-5
     assert max(float(np.abs(np.asarray(g)).max()) for g in jax.tree.leaves(gq)) > 1e-4  # the check has teeth
 
 
+@pytest.mark.slow
 def test_the_quantized_base_gets_no_gradient(setup):
     cfg, qflat, lcfg, lora, tokens = setup
-    grads = jax.grad(lambda p: _loss(cfg, p, lora, lcfg, tokens), allow_int=True)(nest(qflat))
+    grads = jax.grad(lambda p: lora_lm_loss(cfg, p, lora, lcfg, tokens), allow_int=True)(nest(qflat))
     for path, g in flatten(grads).items():
         if path in quant.quantized_paths(cfg):
             continue
@@ -101,29 +83,29 @@ def test_backward_pass_keeps_the_base_quantized(setup):
     cfg, qflat, lcfg, lora, tokens = setup
     stacked = {tuple(quant.dequantize(v).shape) for v in qflat.values() if isinstance(v, quant.QuantizedWeight)}
     per_layer = {s[1:] for s in stacked}
-    res = saved_residuals(lambda l: _loss(cfg, nest(qflat), l, lcfg, tokens), lora)
+    res = saved_residuals(lambda l: lora_lm_loss(cfg, nest(qflat), l, lcfg, tokens), lora)
     floats = [r[0] for r in res if jnp.issubdtype(r[0].dtype, jnp.floating)]
     assert not [r for r in floats if tuple(r.shape) in stacked | per_layer], floats
     # ... while on the float base, the same step does keep them (the check can fail)
-    res_d = saved_residuals(lambda l: _loss(cfg, nest(_dequantized(qflat)), l, lcfg, tokens), lora)
+    res_d = saved_residuals(lambda l: lora_lm_loss(cfg, nest(_dequantized(qflat)), l, lcfg, tokens), lora)
     assert [r for r, _ in res_d if tuple(r.shape) in stacked | per_layer]
 
 
 MESH_CHILD = """
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
-from tests.test_quant_model import tiny_config, _loss, _quantized
+from tests.helpers import lora_lm_loss, quantized_projections, tiny_config
 from zoo import quant
 from zoo.lora import LoraConfig, init_lora
 from zoo.params import flatten, init_params, nest
 from zoo.sharding import make_mesh
 assert len(jax.devices()) == 8
 cfg = tiny_config("mixtral")
-qflat = _quantized(cfg, flatten(init_params(cfg, jax.random.PRNGKey(0), std=0.1)))
+qflat = quantized_projections(cfg, flatten(init_params(cfg, jax.random.PRNGKey(0), std=0.1)))
 lcfg = LoraConfig(rank=4, alpha=8.0)
 lora = jax.tree.map(lambda a: a + 0.05, init_lora(cfg, lcfg, jax.random.PRNGKey(1)))
 tokens = jax.random.randint(jax.random.PRNGKey(3), (8, 16), 0, cfg.vocab_size)
-step = jax.jit(jax.value_and_grad(lambda l, p, t: _loss(cfg, nest(p), l, lcfg, t)))
+step = jax.jit(jax.value_and_grad(lambda l, p, t: lora_lm_loss(cfg, nest(p), l, lcfg, t)))
 one = step(jax.device_put(lora, jax.devices()[0]), jax.device_put(qflat, jax.devices()[0]),
            jax.device_put(tokens, jax.devices()[0]))
 mesh = make_mesh(data=2, fsdp=4)
@@ -142,7 +124,9 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_qlora_on_an_8_device_mesh_equals_one_device():
+    """Slow (slow lane): a subprocess on 8 simulated devices compiles the QLoRA step on one device and on the mesh."""
     import os
     import subprocess
     import sys
@@ -154,9 +138,12 @@ def test_qlora_on_an_8_device_mesh_equals_one_device():
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_kv_cache_decoding_reads_the_quantized_base(setup):
     """Generation (training-time eval tasks, GRPO's rollouts) runs on the quantized base as on its dequantized
-    weights."""
+    weights.
+    Slow (about 58 s in a loaded 2-worker baseline): XLA compiles each of its model configurations (forward and
+    gradients) on CPU."""
     from zoo.decode import forward_cached, init_cache
 
     cfg, qflat, *_ = setup

@@ -36,9 +36,12 @@ def models(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, kind, double", [("llama", "nf4", True), ("llama", "int8", False),
                                                 ("mixtral", "nf4", False)])
 def test_quantized_checkpoint_holds_qloras_fields_and_loads_dequantized(models, tmp_path, capsys, name, kind, double):
+    """Slow (about 120 s in a loaded 2-worker baseline): whole training runs through the loop, each compiling its
+    step configuration."""
     src, out = models / name, tmp_path / "q"
     args = ["quantize", str(src), "--out", str(out), "--quant", kind] + (["--double-quant"] if double else [])
     assert zoo_main(args) == 0

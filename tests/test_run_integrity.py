@@ -19,7 +19,7 @@ from pretrain.config import load_config
 from pretrain.runfolder import checkpoint_steps
 from pretrain.runlog import TIMING_FIELDS
 from pretrain.trainer import train
-from tests.tiny import copy_smollm2_tiny
+from tests.helpers import copy_tiny_lm
 
 WORDS = "the a cat dog sat ran on under mat log red blue big small quickly slowly and then".split()
 COLORS = "red blue green yellow black white".split()
@@ -27,9 +27,9 @@ SYSTEM = "You are a careful assistant. Read the user's colour and repeat it twic
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, smollm2_tiny):
+def setup(tmp_path_factory, tiny_lm):
     root = tmp_path_factory.mktemp("integrity")
-    copy_smollm2_tiny(smollm2_tiny, root)
+    copy_tiny_lm(tiny_lm, root)
     rng = np.random.RandomState(0)
     lines = [{"text": " ".join(rng.choice(WORDS[:8], rng.randint(5, 30)))} for _ in range(200)]
     (root / "text.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -152,7 +152,10 @@ def test_inspect_shows_rows_as_they_will_be_trained(setup, capsys):
 
 # ---- 2-5. exact reruns, protected run folders, plain logs -------------------------------------------------------
 
+@pytest.mark.slow
 def test_finished_rerun_config_drift_resume_with_changes_and_fresh(setup, tmp_path, capsys):
+    """Slow (about 41 s in a loaded 2-worker baseline): whole training runs through the loop, each compiling its step
+    configuration."""
     out = tmp_path / "run"
     base = _args(setup, out, "text.jsonl", "checkpoint.every=2", "log_every=2")
     train(load_config(None, [*base, "max_steps=5"]), progress=False)
@@ -228,10 +231,12 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
+@pytest.mark.slow
 def test_random_kills_then_resume_equal_an_uninterrupted_run(setup, tmp_path, capsys):
     """kill -9 at random points (before/after a metrics record, before/after a checkpoint save, i.e. between
     checkpoint and metrics writes too), resume each time: every log line and the final parameters equal an
-    uninterrupted run's, and TensorBoard holds each step once."""
+    uninterrupted run's, and TensorBoard holds each step once.
+    Slow (slow lane): training subprocesses SIGKILLed at random points and resumed, each importing and compiling."""
     rng = random.Random()
     extra = ("max_steps=8", "checkpoint.every=3", "log_every=1")
     full = train(load_config(None, _args(setup, tmp_path / "full", "text.jsonl", *extra)), progress=False)

@@ -9,14 +9,11 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from tests.helpers import REPO, TEST_ONLY
 from zoo.registry import bundled_gguf as smollm2_gguf
-
-TEST_ONLY = ("torch", "peft", "trl", "accelerate", "bitsandbytes")
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +41,9 @@ def test_the_block_works(env):
         assert r.returncode != 0 and f"import of {name} halted" in r.stderr, (name, r.stderr[-500:])
 
 
+@pytest.mark.slow
 def test_convert_and_generate_without_torch(env, tmp_path):
+    """Slow (slow lane): `zoo convert` and `zoo generate` of the real SmolLM2 GGUF file in subprocesses."""
     out = tmp_path / "smol"
     r = _run(env, "-m", "zoo.cli", "convert", str(smollm2_gguf()), "--out", str(out))
     assert r.returncode == 0, r.stderr[-3000:]

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from pretrain.batch import TokenBatch
@@ -50,7 +51,10 @@ def test_best_fit_keeps_examples_whole_and_pads_little():
     assert len(rows) <= int(np.ceil(total / (SEQ + 1))) + 1 and padding < 0.1
 
 
+@pytest.mark.slow
 def test_packed_loss_equals_examples_run_one_by_one():
+    """Slow (about 66 s in a loaded 2-worker baseline): XLA compiles each of its model configurations (forward and
+    gradients) on CPU."""
     model = Decoder(CFG, rngs=nnx.Rngs(0))
     params = jax.tree.map(lambda x: x * 4.0 if x.ndim > 1 else x, model.param_dict())
     docs = _docs()

@@ -12,16 +12,16 @@ from pretrain.trainer import train
 from sft.cli import main as sft_main
 from sft.config import SFTConfig
 from sft.task import SFTTask
-from tests.tiny import copy_smollm2_tiny
+from tests.helpers import copy_tiny_lm
 from zoo.cli import main as zoo_main
 
 COLORS = "red blue green yellow black white".split()
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, smollm2_tiny):
+def setup(tmp_path_factory, tiny_lm):
     root = tmp_path_factory.mktemp("sft")
-    tok = copy_smollm2_tiny(smollm2_tiny, root)
+    tok = copy_tiny_lm(tiny_lm, root)
     rng = np.random.RandomState(0)
     with open(root / "chat.jsonl", "w") as f:
         for _ in range(240):
@@ -59,6 +59,8 @@ def test_documents_train_only_assistant_tokens(setup):
 
 
 def test_sft_lowers_train_and_eval_loss(setup, tmp_path):
+    """The fast lane's end-to-end SFT run: over 30 s in the baseline (a training run and its compilations,
+    with SmolLM2's vocabulary then)."""
     root, _ = setup
     out = tmp_path / "run"
     cfg = _cfg(root, out, "max_steps=20", "eval_every=10", "batch_size=8")  # steps 16-20: < 0.15x steps 1-3
@@ -91,7 +93,10 @@ def test_row_without_assistant_turn_names_file_and_row(setup, tmp_path, capsys):
     assert len(err) == 1 and "bad.jsonl, line 1:" in err[0] and "skip_bad_rows" in err[0]
 
 
+@pytest.mark.slow
 def test_grad_accum_2_equals_one_batch_twice_as_large(setup, tmp_path):
+    """Slow (about 52 s in a loaded 2-worker baseline): whole training runs through the loop, each compiling its step
+    configuration."""
     root, _ = setup
     sgd = ("max_steps=3", "optimizer.name=sgd", "optimizer.learning_rate=0.5", "data.eval_fraction=0")
     cfg_a = _cfg(root, tmp_path / "a", *sgd, "grad_accum=1")
@@ -108,7 +113,10 @@ def test_grad_accum_2_equals_one_batch_twice_as_large(setup, tmp_path):
 LORA = ("lora.rank=16", "lora.alpha=32", "optimizer.learning_rate=0.01")
 
 
+@pytest.mark.slow
 def test_lora_sft_trains_only_adapters_and_final_merges(setup, tmp_path, capsys):
+    """Slow (about 98 s in a loaded 2-worker baseline): whole training runs through the loop, each compiling its step
+    configuration."""
     root, _ = setup
     out = tmp_path / "lora"
     cfg = _cfg(root, out, "max_steps=40", "batch_size=8", *LORA)
@@ -187,8 +195,11 @@ def _killed_after_step_4(cfg, monkeypatch) -> None:
     monkeypatch.setattr(trainer, "to_model_batch", real)
 
 
+@pytest.mark.slow
 def test_lora_kill_and_resume_is_bit_identical(setup, tmp_path, monkeypatch):
-    """...also when the run resumes on another day, with a template that writes today's date (strftime_now)."""
+    """...also when the run resumes on another day, with a template that writes today's date (strftime_now).
+    Slow (about 30 s in a loaded 2-worker baseline): whole training runs through the loop, each compiling its step
+    configuration."""
     import transformers.utils.chat_template_utils as ctu
 
 
@@ -233,7 +244,9 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_lora_on_8_devices_matches_one_device(setup, tmp_path):
+    """Slow (slow lane): a subprocess on 8 simulated devices trains LoRA SFT with its own compilations."""
     import os
     import subprocess
     import sys
@@ -257,9 +270,12 @@ def test_lora_on_8_devices_matches_one_device(setup, tmp_path):
         np.testing.assert_allclose(losses, ref, rtol=1e-5, err_msg=name)
 
 
+@pytest.mark.slow
 def test_eval_tasks_during_training_score_the_live_weights(setup, tmp_path):
     """eval.tasks run every eval_every steps on the current (LoRA-merged) weights: metrics.jsonl and TensorBoard
-    carry them, and the last values equal `zoo eval`'s scoring of the saved final checkpoint."""
+    carry them, and the last values equal `zoo eval`'s scoring of the saved final checkpoint.
+    Slow (about 99 s in a loaded 2-worker baseline): whole training runs through the loop, each compiling its step
+    configuration."""
     from eval.scoring import evaluate
 
     root, tok = setup
@@ -322,7 +338,10 @@ def test_eval_tasks_need_eval_every(setup, tmp_path, capsys):
 QLORA = (*LORA, "lora.base_quant=nf4", "lora.base_quant_double=true")
 
 
+@pytest.mark.slow
 def test_qlora_sft_trains_resumes_and_merges_into_the_dequantized_base(setup, tmp_path, monkeypatch, capsys):
+    """Slow (about 122 s in a loaded 2-worker baseline): whole training runs through the loop, each compiling its
+    step configuration."""
     from zoo import quant
     from zoo.adapter import load_adapters, lora_config
     from zoo.lora import lora_scale

@@ -5,10 +5,11 @@ these tests check that conversion; tests/test_decode.py generates with the same 
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
 
 import zoo
-from tests.tiny import mean_kl
+from tests.helpers import mean_kl
 
 TEXT = """The history of the bicycle is a story of many small improvements. Early machines in the
 nineteenth century had no pedals at all: riders pushed themselves along with their feet. Later
@@ -25,7 +26,9 @@ Electric motors have added another chapter to the story, letting older riders cl
 and helping delivery workers carry heavy loads across busy cities every single day."""
 
 
+@pytest.mark.slow
 def test_real_text_logits_match(smollm2):
+    """Slow (slow lane): the real SmolLM2-135M on both sides."""
     out, hf, tok = smollm2
     ids = tok(TEXT)["input_ids"]
     assert 250 <= len(ids) <= 400
@@ -41,13 +44,17 @@ def test_real_text_logits_match(smollm2):
     assert nll < 4.0
 
 
+@pytest.mark.slow
 def test_checkpoint_carries_chat_template(smollm2):
+    """Slow (slow lane): needs the real SmolLM2-135M's conversion."""
     out, _, tok = smollm2
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
     assert "<|im_start|>user" in text and text.rstrip().endswith("<|im_start|>assistant")
 
 
+@pytest.mark.slow
 def test_greedy_chat_completion_matches_transformers_generate(smollm2):
+    """Slow (slow lane): the real SmolLM2-135M generates on both sides."""
     from eval.generate import greedy_batch
 
     out, hf, tok = smollm2

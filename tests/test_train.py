@@ -8,16 +8,16 @@ import pytest
 import zoo
 from pretrain.config import load_config
 from pretrain.trainer import train
-from tests.tiny import copy_smollm2_tiny
+from tests.helpers import copy_tiny_lm
 from zoo.cli import main as zoo_main
 
 WORDS = "the a cat dog sat ran on under mat log red blue big small quickly slowly and then".split()
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, smollm2_tiny):
+def setup(tmp_path_factory, tiny_lm):
     root = tmp_path_factory.mktemp("train")
-    copy_smollm2_tiny(smollm2_tiny, root)
+    copy_tiny_lm(tiny_lm, root)
     rng = np.random.RandomState(0)
     with open(root / "data.jsonl", "w") as f:
         for _ in range(300):
@@ -39,6 +39,8 @@ def _losses(out):
 
 
 def test_loss_decreases_and_final_is_a_zoo_checkpoint(setup, tmp_path):
+    """The fast lane's end-to-end pretraining run: over 30 s in the baseline (a training run and its compilations,
+    with SmolLM2's vocabulary then)."""
     final = train(_cfg(setup, tmp_path / "run", "max_steps=25", "batch_size=8"), progress=False)
     losses = _losses(tmp_path / "run")
     assert len(losses) == 25
@@ -74,7 +76,10 @@ def sgd_run(setup, tmp_path_factory):
     return out, train(_cfg(setup, out, f"max_steps={SGD_STEPS}", *SGD), progress=False)
 
 
+@pytest.mark.slow
 def test_grad_accum_equals_one_larger_step(setup, sgd_run, tmp_path):
+    """Slow (about 40 s in a loaded 2-worker baseline): whole training runs through the loop, each compiling its step
+    configuration."""
     one, a = sgd_run  # grad_accum=1
     b = train(_cfg(setup, tmp_path / "b", f"max_steps={SGD_STEPS}", "grad_accum=4", *SGD), progress=False)
     np.testing.assert_allclose(_losses(one), _losses(tmp_path / "b"), rtol=1e-5)
@@ -89,7 +94,10 @@ def jax_leaves(tree):
     return jax.tree.leaves(tree)
 
 
+@pytest.mark.slow
 def test_interrupted_run_resumes_to_the_same_result(setup, tmp_path, monkeypatch):
+    """Slow (about 33 s in a loaded 2-worker baseline): whole training runs through the loop, each compiling its step
+    configuration."""
     full = train(_cfg(setup, tmp_path / "full", "max_steps=6"), progress=False)
     import pretrain.training as trainer
 
@@ -129,7 +137,9 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_meshes_on_8_devices_match_one_device(setup, sgd_run, tmp_path):
+    """Slow (slow lane): a subprocess on 8 simulated devices trains three meshes, each compiling its own step."""
     import os
     import subprocess
     import sys
@@ -148,7 +158,9 @@ def test_meshes_on_8_devices_match_one_device(setup, sgd_run, tmp_path):
         np.testing.assert_allclose(losses, ref, rtol=1e-5, err_msg=name)
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_exits_2(setup, tmp_path):
+    """Slow (slow lane): a `pretrain train` subprocess imports and compiles before the signal."""
     import os
     import signal
     import subprocess
@@ -176,6 +188,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_2(setup, tmp_path):
     assert saved and max(saved) >= 1  # checkpoint.every would never have saved one
 
 
+@pytest.mark.slow
 def test_bad_rows_name_file_and_row_or_are_skipped(setup, tmp_path, capsys):
     from pretrain.cli import main
 
@@ -191,12 +204,15 @@ def test_bad_rows_name_file_and_row_or_are_skipped(setup, tmp_path, capsys):
     assert meta["training"]["skipped_rows"] == 2
 
 
-def test_train_from_scratch_with_random_init(setup, tmp_path, capsys):
+@pytest.mark.slow
+def test_train_from_scratch_with_random_init(setup, smollm2_tokenizer, tmp_path, capsys):
+    """Slow (about 76 s in a loaded 2-worker baseline): whole training runs through the loop, each compiling its step
+    configuration."""
     from pretrain.cli import main
 
-    tiny = ["model.init=random", "model.config=deepseek-v3-tiny", f"model.tokenizer={setup / 'tok'}",
+    tiny = ["model.init=random", "model.config=deepseek-v3-tiny", f"model.tokenizer={smollm2_tokenizer}",
             f"data.path={setup / 'data.jsonl'}", "max_steps=1", f"output_dir={tmp_path / 'x'}"]
-    assert main(["train", *tiny]) == 2  # its 512-token vocabulary cannot hold this tokenizer's ids
+    assert main(["train", *tiny]) == 2  # its 512-token vocabulary cannot hold SmolLM2's 49152 ids
     assert "vocab_size 512" in capsys.readouterr().err
     final = train(load_config(None, [
         "model.init=random", f"model.config={setup / 'hf' / 'config.json'}", f"model.tokenizer={setup / 'tok'}",
@@ -236,6 +252,7 @@ def test_unpacked_rows_hold_one_document_each(setup, tmp_path):
     assert len(_losses(out)) == 3 and zoo.read_config(final).num_layers == 2
 
 
+@pytest.mark.slow
 def test_remat_policies_train_like_no_remat(setup, sgd_run, tmp_path):
     none, _ = sgd_run
     train(_cfg(setup, tmp_path / "full", f"max_steps={SGD_STEPS}", *SGD, "remat=full"), progress=False)
@@ -257,6 +274,7 @@ def test_hub_dataset_name_offline_is_a_clear_error(setup, tmp_path, capsys, monk
     assert len(err) == 1 and "no-such-org/no-such-dataset" in err[0] and "Hub dataset" in err[0]
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(setup, tmp_path, capsys):
     from pretrain.cli import main
 
@@ -273,6 +291,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(setup, tmp_path, c
     assert steps  # the last good one is kept
 
 
+@pytest.mark.slow
 def test_corrupted_latest_checkpoint_falls_back_to_previous(setup, tmp_path, capsys):
     cfg = _cfg(setup, tmp_path / "c", "max_steps=4", "checkpoint.every=1", "checkpoint.keep=5")
     train(cfg, progress=False)
@@ -318,6 +337,7 @@ def test_mesh_larger_than_the_machine_is_a_clear_error(setup, tmp_path, capsys):
     assert len(err) == 1 and "needs 4 devices" in err[0]
 
 
+@pytest.mark.slow
 def test_eval_loss_and_mfu_are_logged(setup, tmp_path):
     cfg = _cfg(setup, tmp_path / "ev", "max_steps=4", "data.eval_fraction=0.2", "eval_every=2", "peak_tflops=1.0")
     train(cfg, progress=False)
@@ -367,8 +387,10 @@ def two_processes(setup, tmp_path_factory):
     return out, [(p.returncode, *r) for p, r in zip(procs, results)]
 
 
+@pytest.mark.slow
 def test_two_processes_follow_the_one_process_trajectory(sgd_run, two_processes):
-    """2 processes x 2 CPU devices (gloo), each reading only its own rows, train like 1 process on 1 device."""
+    """2 processes x 2 CPU devices (gloo), each reading only its own rows, train like 1 process on 1 device.
+    Slow (slow lane): two `pretrain train` processes (fixture two_processes) each import, compile and train."""
     one, ref = sgd_run
     out, results = two_processes
     for rc, _, err in results:
@@ -383,10 +405,12 @@ def test_two_processes_follow_the_one_process_trajectory(sgd_run, two_processes)
         np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_training_process_never_imports_torch(two_processes):
     """torch is installed here (a test oracle), but the loop needs none of it: neither the tokenizer nor
     the TensorBoard writer may pull it in (0.25 GB of RSS in every training process). The processes: the
-    two of ``two_processes``, each a whole `pretrain train` run to its final checkpoint."""
+    two of ``two_processes``, each a whole `pretrain train` run to its final checkpoint.
+    Slow (slow lane): it reads the runs of the two_processes fixture."""
     out, results = two_processes
     for rc, stdout, err in results:
         assert rc == 0, err[-2000:]

@@ -15,7 +15,7 @@ from safetensors.numpy import load_file, save_file
 
 import zoo
 import zoo.checkpoint
-from tests.tiny import make_hf
+from tests.helpers import make_hf
 from zoo.cli import main
 
 
@@ -62,6 +62,7 @@ def _tiny_gemma_config(path):
     return path
 
 
+@pytest.mark.slow
 def test_zoo_init_of_a_gemma_with_zero_norms_loads(tmp_path):
     # `zoo init` starts a Gemma's norms at zero (it scales by 1 + w).
     src = _tiny_gemma_config(tmp_path / "gemma.json")
@@ -86,6 +87,7 @@ def _word_tokenizer(folder):
 WORDS = "the a cat dog sat ran on under mat log".split()
 
 
+@pytest.mark.slow
 def test_lora_run_with_zero_adapters_checkpoints_and_loads(tmp_path):
     # Fresh adapters have B = 0; with learning rate 0 they stay zero, in the run's Orbax checkpoints and in
     # `final` (written by save_params). Both must read back: the checkpoint restores as the resume does,

@@ -455,7 +455,7 @@ def load_stored_params(
     # on SmolLM2-135M: 0.63 GB above the weights restoring all at once, of which 0.4 GB could stay resident).
     # A model that fits in one group (tests' tiny ones) restores in one call, without a collection (a full
     # gc.collect() takes 0.25 s with transformers imported).
-    groups = _restore_groups(abstract)
+    groups = restore_groups(abstract)
     ctx = ocp.Context()
     ctx.pytree.loading.partial_load = paths is not None or len(groups) > 1
     flat = {}
@@ -468,7 +468,7 @@ def load_stored_params(
     return nest(flat)
 
 
-def _restore_groups(abstract: dict[str, jax.ShapeDtypeStruct], floor: int = 64 << 20) -> list[list[str]]:
+def restore_groups(abstract: dict[str, jax.ShapeDtypeStruct], floor: int = 64 << 20) -> list[list[str]]:
     """``abstract``'s parameter names in consecutive groups of at most max(largest parameter, ``floor``) bytes."""
     size = {p: int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for p, a in abstract.items()}
     budget = max([floor, *size.values()])
