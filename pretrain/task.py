@@ -40,8 +40,6 @@ from zoo.quant import cast_params
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase as Tokenizer
-
-    from pretrain.hooks import Hook
 else:
     Tokenizer = Any
 
