@@ -198,9 +198,12 @@ def test_cli_generate_on_adapter_checkpoint(smollm2, tmp_path, capsys):
     assert not np.allclose(merged.param_dict()["layers"]["q"], base.param_dict()["layers"]["q"])  # merged
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("absorb", [False, True])
 def test_mla_expanded_and_absorbed_attention(tiny, absorb):
-    """Both ways of attending over cached MLA latents (chosen by cost in practice) match the full forward."""
+    """Both ways of attending over cached MLA latents (chosen by cost in practice) match the full forward.
+
+    Slow (slow lane): compiles the MLA cached forward both ways (about 16 s)."""
     _, cfg, params = tiny("deepseek_v3")
     _check_cached_logits(cfg, params, partial(forward_cached_jit, mla_absorb=absorb))
 

@@ -76,8 +76,11 @@ def test_the_quantized_base_gets_no_gradient(setup):
             assert leaf.dtype == jax.dtypes.float0 or not np.any(np.asarray(leaf)), path
 
 
+@pytest.mark.slow
 def test_backward_pass_keeps_the_base_quantized(setup):
-    """No float array the size of a stacked projection is saved for the backward pass."""
+    """No float array the size of a stacked projection is saved for the backward pass.
+
+    Slow (slow lane): builds and quantizes a tiny model per family (10-17 s each)."""
     from jax._src.ad_checkpoint import saved_residuals  # what jax.ad_checkpoint.print_saved_residuals prints
 
     cfg, qflat, lcfg, lora, tokens = setup

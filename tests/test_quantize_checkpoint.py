@@ -97,7 +97,9 @@ def bits_on_disk(ckpt, meta) -> tuple[int, int]:
     return nbytes, sum(int(np.prod(meta["params"][p]["shape"])) for p in proj)
 
 
+@pytest.mark.slow
 def test_nf4_double_quant_storage_is_at_most_4_13_bits(models, tmp_path):
+    """Slow (slow lane): the module's three `zoo init` models take about 18 s to build."""
     out = tmp_path / "q"
     assert zoo_main(["quantize", str(models / "wide"), "--out", str(out), "--double-quant"]) == 0
     meta = read_meta(out)
@@ -113,11 +115,13 @@ def test_nf4_double_quant_storage_is_at_most_4_13_bits(models, tmp_path):
     assert sum(int(np.prod(meta["params"][p]["shape"])) for p in held) == params
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra, words", [
     (["--quant", "int8", "--double-quant"], ["--double-quant", "nf4"]),
     ([], ["already stored quantized", "NF4"]),
 ])
 def test_quantize_errors_are_one_line_and_write_nothing(models, tmp_path, capsys, extra, words):
+    """Slow (slow lane): the module's three `zoo init` models take about 18 s to build."""
     src = models / "mixtral"
     if not extra:  # quantizing a quantized checkpoint
         assert zoo_main(["quantize", str(src), "--out", str(tmp_path / "once")]) == 0
@@ -130,7 +134,9 @@ def test_quantize_errors_are_one_line_and_write_nothing(models, tmp_path, capsys
     assert not list(tmp_path.glob(".q.incomplete-*"))
 
 
+@pytest.mark.slow
 def test_dequantized_reader_slices_match_the_whole(models, tmp_path):
+    """Slow (slow lane): the module's three `zoo init` models take about 18 s to build."""
     from zoo.loading import param_reader
 
     out = tmp_path / "q"
