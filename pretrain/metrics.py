@@ -66,11 +66,6 @@ class Max:
 Metric = Mean | Ratio | Max
 
 
-def is_metric(x: Any) -> bool:
-    """Whether ``x`` is a metric (a pytree node to stop at when mapping over a metrics dict)."""
-    return isinstance(x, (Mean, Ratio, Max))
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LossOutput:
