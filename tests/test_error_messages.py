@@ -67,6 +67,25 @@ def test_a_line_that_is_json_but_not_an_object_is_named(tmp_path, capsys):
     assert f"{f}, line 2:" in msg and "array" in msg and "not an object" in msg
 
 
+@pytest.mark.parametrize("task_name", ["sft", "grpo"])
+@pytest.mark.parametrize("content, how", [("", "the file is empty"), ("\n  \n\n", "the file holds only blank lines")])
+def test_an_empty_jsonl_says_it_has_no_rows(task_name, content, how, tmp_path, capsys):
+    """An empty JSONL (0 bytes, or blank lines only) said `cannot read it (StopIteration)` in sft and grpo: it is
+    a file with no rows, named (issue 41, item 9)."""
+    from grpo.task import GRPOTask
+    from sft.task import SFTTask
+
+    f = tmp_path / "train.jsonl"
+    f.write_text(content)
+    (tmp_path / "rewards.py").write_text("def zero(prompts, completions, **columns):\n    return [0.0] * len(prompts)\n")
+    task_class = {"sft": SFTTask, "grpo": GRPOTask}[task_name]
+    reward = [f"grpo.rewards=[{tmp_path / 'rewards.py'}:zero]"] if task_name == "grpo" else []
+    cfg = load_config(None, ["model.path=unused", f"data.path={f}", "max_steps=1", *reward], task_class.config_class)
+    task = task_class(cfg)
+    msg = _fails(capsys, lambda: task.load(str(f), cfg))
+    assert msg == f"error: data.path {f}: no rows in it ({how}); add rows, or point data.path at another file"
+
+
 # ---- (b) a folder of mixed formats ---------------------------------------------------------------------------
 
 def test_folder_of_mixed_formats_names_the_files_and_their_columns(tmp_path, capsys):

@@ -29,6 +29,30 @@ def unreadable(path: str, files: list[Path], fmt: str) -> str | None:
     return None
 
 
+def no_rows(path: str, files: list[Path], fmt: str) -> str | None:
+    """When no file of ``files`` holds a row (empty, only blank lines, an empty JSON array): one line saying so
+    (`datasets` says ``StopIteration`` or "corresponds to no data"), else None."""
+    how = [_why_empty(f, fmt) for f in files]
+    if not how or None in how:
+        return None
+    what = f"the file {how[0]}" if len(files) == 1 else f"each of its {len(files)} files is empty"
+    return f"data.path {path}: no rows in it ({what}); add rows, or point data.path at another file"
+
+
+def _why_empty(f: Path, fmt: str) -> str | None:
+    """How ``f`` holds no rows ("is empty", ...), or None when it may hold some."""
+    if f.stat().st_size == 0:
+        return "is empty"
+    if fmt == "json" and is_json_array(f):
+        try:
+            return "is an empty JSON array" if json.loads(f.read_bytes().decode("utf-8-sig")) == [] else None
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return None
+    if fmt in ("json", "text") and not any(line.strip(JSON_SPACE) for line in file_lines(f)):
+        return "holds only blank lines"
+    return None
+
+
 def _json_problem(path: str, files: list[Path]) -> str | None:
     """The first bad line of the JSON files, else how their columns differ."""
     shapes = {}

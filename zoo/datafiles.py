@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from zoo.datafile_problems import unreadable, utf8_problem
+from zoo.datafile_problems import no_rows, unreadable, utf8_problem
 from zoo.errors import UserError
 from zoo.row_origin import remember_origin
 
@@ -54,9 +54,13 @@ def load_dataset_rows(path: str, split: str = "train") -> tuple[Any, str]:
         ds = datasets.load_dataset(fmt, data_files=[str(f) for f in files], split="train")
     except Exception as e:  # datasets raises many kinds for unreadable files: find the cause ourselves
         first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-        raise UserError(unreadable(path, files, fmt) or f"data.path {path}: cannot read it ({first})") from None
+        raise UserError(unreadable(path, files, fmt) or no_rows(path, files, fmt)
+                        or f"data.path {path}: cannot read it ({first})") from None
     finally:
         ds_log.setLevel(level)
+    if len(ds) == 0:  # read, but no rows (a parquet file without any): say so here, not as a failure downstream
+        raise UserError(no_rows(path, files, fmt)
+                        or f"data.path {path}: no rows in it; add rows, or point data.path at another file")
     remember_origin(path, files, fmt)
     return ds, fmt
 
