@@ -7,6 +7,7 @@ TRL config carries over key by key (``mask_truncated_completions`` is
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,41 +21,38 @@ from zoo.errors import UserError
 class GrpoSection:
     """Group relative policy optimization (`grpo train`, grpo/): rollouts, rewards, the loss and the reference."""
 
-    num_generations: int = 8  # G: completions sampled per prompt (a group); batch_size counts completions
-    max_completion_length: int = 512  # new tokens per completion at most (decoding has this fixed shape)
-    temperature: float = 1.0  # sampling temperature (> 0); the trainer's log-probabilities use it too
-    top_p: float = 1.0  # nucleus sampling (1.0: off)
-    top_k: int = 0  # keep the k most likely tokens (0: off)
+    # G: completions sampled per prompt (a group); batch_size counts completions
+    num_generations: int = field(default=8, metadata={"range": "[2, inf)", "why": "a group compares its completions"})
+    # new tokens per completion at most (decoding has this fixed shape)
+    max_completion_length: int = field(default=512, metadata={"range": "[1, inf)"})
+    # sampling temperature; the trainer's log-probabilities use it too
+    temperature: float = field(default=1.0, metadata={
+        "range": "(0, inf)", "why": "greedy decoding makes a group's completions equal"})
+    top_p: float = field(default=1.0, metadata={"range": "(0, 1]"})  # nucleus sampling (1.0: off)
+    top_k: int = field(default=0, metadata={"range": "[0, inf)"})  # keep the k most likely tokens (0: off)
     # reward functions: a shipped verifier's name (exact_match, final_number, format, length_penalty), a
     # `module:function` or `path/to/file.py:function`; or a mapping {function: ..., name: ..., other keys are
     # keyword arguments of the function}
     rewards: list[Any] = field(default_factory=list)
-    reward_weights: list[float] | None = None  # one weight per reward function (None: all 1)
+    # one weight per reward function (None: all 1); any finite number (a negative one penalizes), not all 0
+    reward_weights: list[float] | None = None
     loss_type: str = field(default="dapo", metadata={"choices": LOSS_TYPES})
     scale_rewards: str = field(default="group", metadata={"choices": SCALE_REWARDS})
-    epsilon: float = 0.2  # the ratio is clipped below at 1 - epsilon
-    epsilon_high: float | None = None  # ... and above at 1 + epsilon_high (None: epsilon; DAPO's clip-higher)
-    num_iterations: int = 1  # mu: optimizer updates per rollout batch (> 1 reuses it with its old log-probs)
+    epsilon: float = field(default=0.2, metadata={"range": "(0, inf)"})  # the ratio is clipped below at 1 - epsilon
+    # ... and above at 1 + epsilon_high (None: epsilon; DAPO's clip-higher)
+    epsilon_high: float | None = field(default=None, metadata={"range": "(0, inf)"})
+    # mu: optimizer updates per rollout batch (> 1 reuses it with its old log-probs)
+    num_iterations: int = field(default=1, metadata={"range": "[1, inf)"})
     importance_sampling_level: str = field(default="token", metadata={"choices": IMPORTANCE_LEVELS})
-    beta: float = 0.0  # weight of the k3 KL to the reference (0: no reference pass at all)
+    # weight of the k3 KL to the reference (0: no reference pass at all)
+    beta: float = field(default=0.0, metadata={"range": "[0, inf)"})
     reference: str = "base"  # beta > 0: base (LoRA: the adapters switched off) | a zoo checkpoint path
     mask_truncated: bool = False  # completions that hit max_completion_length train nothing
-    log_completions_every: int = 10  # write every completion of every Nth step to completions.jsonl (0: never)
+    # write every completion of every Nth step to completions.jsonl (0: never)
+    log_completions_every: int = field(default=10, metadata={"range": "[0, inf)"})
 
     def check(self) -> None:
-        """The settings in range and consistent."""
-        if self.num_generations < 2:
-            raise UserError(f"grpo.num_generations must be at least 2 (a group compares its completions), "
-                            f"got {self.num_generations}")
-        if self.max_completion_length < 1:
-            raise UserError(f"grpo.max_completion_length must be at least 1, got {self.max_completion_length}")
-        if not self.temperature > 0:
-            raise UserError(f"grpo.temperature must be positive (greedy decoding makes a group's completions "
-                            f"equal), got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise UserError(f"grpo.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise UserError(f"grpo.top_k must be 0 (off) or positive, got {self.top_k}")
+        """The rewards named and weighted consistently (each number's range is its field's ``range``)."""
         if isinstance(self.rewards, str):  # `grpo.rewards=a:f,b:g` on the command line
             self.rewards = [r.strip() for r in self.rewards.split(",") if r.strip()]
         if not self.rewards:
@@ -66,23 +64,24 @@ class GrpoSection:
             if len(self.reward_weights) != len(self.rewards):
                 raise UserError(f"grpo.reward_weights has {len(self.reward_weights)} weights for "
                                 f"{len(self.rewards)} reward functions; give one per function")
-            try:
-                self.reward_weights = [float(w) for w in self.reward_weights]
-            except (TypeError, ValueError):
-                raise UserError(f"grpo.reward_weights must be numbers, got {self.reward_weights!r}") from None
-        if not self.epsilon > 0:
-            raise UserError(f"grpo.epsilon must be positive, got {self.epsilon}")
-        if self.epsilon_high is not None and not self.epsilon_high > 0:
-            raise UserError(f"grpo.epsilon_high must be positive (or null: epsilon), got {self.epsilon_high}")
-        if self.num_iterations < 1:
-            raise UserError(f"grpo.num_iterations must be at least 1, got {self.num_iterations}")
-        if self.beta < 0:
-            raise UserError(f"grpo.beta must be at least 0, got {self.beta}")
+            self.reward_weights = _reward_weights(self.reward_weights)
         if not self.reference.strip():
             raise UserError("grpo.reference must be base or a zoo checkpoint path, got ''")
-        if self.log_completions_every < 0:
-            raise UserError(f"grpo.log_completions_every must be 0 (never) or positive, got "
-                            f"{self.log_completions_every}")
+
+
+def _reward_weights(weights: list[Any]) -> list[float]:
+    """``grpo.reward_weights`` as floats: finite (a negative weight penalizes what its function rewards), and not
+    all 0 (the total reward would be 0 for every completion: no advantage, nothing learned)."""
+    try:
+        out = [float(w) for w in weights]
+    except (TypeError, ValueError):
+        raise UserError(f"grpo.reward_weights must be numbers, got {weights!r}") from None
+    if not all(math.isfinite(w) for w in out):
+        raise UserError(f"grpo.reward_weights must be finite numbers, got {weights!r}")
+    if not any(out):
+        raise UserError(f"grpo.reward_weights are all 0 ({weights!r}): every completion's reward would be 0 and "
+                        "nothing is learned; give at least one function a nonzero weight")
+    return out
 
 
 @dataclass
@@ -90,7 +89,8 @@ class PromptDataSection(ChatDataSection):
     """GRPO's data keys: rows with a prompt (text, or a message list rendered with the chat template)."""
 
     prompt_field: str = "prompt"  # the column holding each row's prompt; the other columns go to the rewards
-    seq_len: int = 512  # the longest prompt, in tokens (longer ones: data.long_examples, truncate keeps the end)
+    # the longest prompt, in tokens (longer ones: data.long_examples, truncate keeps the end)
+    seq_len: int = field(default=512, metadata={"range": "[1, inf)"})
 
 
 @dataclass

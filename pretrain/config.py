@@ -5,14 +5,18 @@ schema by subclassing it (its own config section, and a subclass of
 :class:`DataSection` for its data keys) and naming it as its ``config_class``;
 :func:`load_config` reads any schema alike. Unknown keys name the nearest valid
 key of that schema; wrong types name the key and the expected type; a key whose
-field metadata lists ``choices`` must be one of them; ``--print-config`` shows
-the resolved config with defaults. Each section may check itself (``check``).
+field metadata lists ``choices`` must be one of them, and a numeric key whose
+metadata gives a ``range`` (an interval, :func:`check_range`) must lie in it
+(no float key may be NaN or infinite); ``--print-config`` shows the resolved
+config with defaults. Each section may check itself (``check``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import re
 import types
 import typing
 from collections.abc import Sequence
@@ -41,7 +45,7 @@ class DataSource:
     """One source of a data mixture (``data.path`` as a list); unset keys fall back to the ``data.*`` ones."""
 
     path: str
-    weight: float = 1.0  # relative: the weights are normalized over the sources
+    weight: float = field(default=1.0, metadata={"range": "(0, inf)"})  # relative: normalized over the sources
     name: str | None = None  # in the mixture report and eval metrics; None: the file name without its suffix
     text_field: str | None = None  # None: data.text_field
     split: str | None = None  # None: data.split
@@ -59,24 +63,20 @@ class DataSection:
     path: str | list[dict[str, Any]] | None = None
     split: str = "train"  # the split of a Hub dataset
     text_field: str = "text"
-    seq_len: int = 512
+    seq_len: int = field(default=512, metadata={"range": "[1, inf)"})
     packing: bool = True  # false: one document per row, truncated/padded to seq_len
     # whole examples (best-fit packing, or rows a task lays out itself) longer than seq_len + 1: truncate | drop
     long_examples: str = field(default="truncate", metadata={"choices": ("truncate", "drop")})
-    max_untrainable_fraction: float = 0.5  # stop before step 1 if more examples than this lose every trained
-    # token to truncation (a seq_len too short for the data)
+    # stop before step 1 if more examples than this lose every trained token to truncation (a seq_len too short)
+    max_untrainable_fraction: float = field(default=0.5, metadata={"range": "[0, 1]"})
     eval_path: str | None = None
-    eval_fraction: float = 0.0
+    eval_fraction: float = field(default=0.0, metadata={"range": "[0, 1)"})
     skip_bad_rows: bool = False
 
     def check(self) -> None:
         """Cross-field checks of the data keys."""
         if not self.path:
             raise UserError("config needs `data.path` (a jsonl/json/parquet/txt file or folder)")
-        if not 0.0 <= self.eval_fraction < 1.0:
-            raise UserError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}")
-        if not 0.0 <= self.max_untrainable_fraction <= 1.0:
-            raise UserError(f"data.max_untrainable_fraction must be in [0, 1], got {self.max_untrainable_fraction}")
 
 
 def data_sources(cfg: TrainConfig) -> list[DataSource]:
@@ -119,11 +119,9 @@ def _source_list(key: str, value: list, source_class: type[DataSource]) -> list[
                 hint = f"; did you mean '{at}.{near[0]}'?" if near else f"; valid keys: {', '.join(fields)}"
                 raise UserError(f"unknown config key '{at}.{k}'{hint}")
             src[k] = _coerce(f"{at}.{k}", v, hints[k])
+            _check_field(f"{at}.{k}", src[k], fields[k])
         if not src.get("path"):
             raise UserError(f"config key '{at}.path' is missing; each source needs a path")
-        weight = src.get("weight", 1.0)
-        if not weight > 0 or weight == float("inf"):
-            raise UserError(f"config key '{at}.weight' must be a positive number, got {weight}")
         if src.get("name") is not None:
             if src["name"] in names:
                 raise UserError(f"config key '{at}.name': {src['name']!r} names two sources; give each its own")
@@ -137,12 +135,13 @@ class OptimizerSection:
     """optax optimizer settings."""
 
     name: str = field(default="adamw", metadata={"choices": ("adamw", "adafactor", "sgd", "lion")})
-    learning_rate: float = 3e-4
-    weight_decay: float = 0.0
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0
+    # 0 is allowed: the weights stay as they are (a run that only measures); a negative rate climbs the loss
+    learning_rate: float = field(default=3e-4, metadata={"range": "[0, inf)"})
+    weight_decay: float = field(default=0.0, metadata={"range": "[0, inf)"})
+    b1: float = field(default=0.9, metadata={"range": "[0, 1)"})  # sgd: the momentum
+    b2: float = field(default=0.95, metadata={"range": "[0, 1)"})
+    eps: float = field(default=1e-8, metadata={"range": "(0, inf)"})
+    grad_clip: float = field(default=1.0, metadata={"range": "[0, inf)"})  # the global norm; 0: no clipping
 
 
 @dataclass
@@ -150,8 +149,8 @@ class ScheduleSection:
     """Learning-rate schedule."""
 
     name: str = field(default="cosine", metadata={"choices": ("constant", "cosine", "linear", "wsd")})
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.1
+    warmup_steps: int = field(default=0, metadata={"range": "[0, inf)"})
+    min_lr_ratio: float = field(default=0.1, metadata={"range": "[0, 1]"})
 
 
 @dataclass
@@ -176,17 +175,17 @@ class DtypeSection:
 class CheckpointSection:
     """How often checkpoints are saved and how many are kept."""
 
-    every: int = 500
-    keep: int = 3
+    every: int = field(default=500, metadata={"range": "[1, inf)"})
+    keep: int = field(default=3, metadata={"range": "[1, inf)"})
 
 
 @dataclass
 class LoraSection:
     """LoRA adapters (zoo/lora.py); rank 0 trains the full model instead."""
 
-    rank: int = 0
-    alpha: float = 16.0
-    dropout: float = 0.0
+    rank: int = field(default=0, metadata={"range": "[0, inf)"})
+    alpha: float = field(default=16.0, metadata={"range": "(0, inf)"})
+    dropout: float = field(default=0.0, metadata={"range": "[0, 1)"})
     targets: list[str] | str = "all"  # HF module names (q_proj ... down_proj), a comma list, "all", or a regex
     rslora: bool = False  # scale by alpha/sqrt(rank) instead of alpha/rank
     base_quant: str | None = None  # QLoRA: store the frozen base quantized, "nf4" (bitsandbytes' NF4) or "int8"
@@ -200,8 +199,8 @@ class EvalSection:
     # shipped task names (`zoo eval --list-tasks`), task YAML paths, or lm-evaluation-harness task names (the eval
     # extra; `zoo eval --harness`), e.g. [prose, arc_easy]
     tasks: list[str] | str = field(default_factory=list)
-    limit: int | None = 32  # examples per task (None: all)
-    batch_size: int = 8
+    limit: int | None = field(default=32, metadata={"range": "[1, inf)"})  # examples per task (None: all)
+    batch_size: int = field(default=8, metadata={"range": "[1, inf)"})
     include_path: str | None = None  # a folder of your own lm-eval task YAMLs, for harness task names
 
 
@@ -211,11 +210,12 @@ class TrainConfig:
 
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
-    batch_size: int = 8
-    grad_accum: int = 1
-    max_steps: int | None = None
-    epochs: int | None = None
-    seed: int = 0
+    batch_size: int = field(default=8, metadata={"range": "[1, inf)"})
+    grad_accum: int = field(default=1, metadata={"range": "[1, inf)"})
+    # the run's length (one of the two is needed): max_steps steps if set, else epochs passes over the data
+    max_steps: int | None = field(default=None, metadata={"range": "[1, inf)"})
+    epochs: int | None = field(default=None, metadata={"range": "[1, inf)"})
+    seed: int = field(default=0, metadata={"range": "[0, 4294967295]"})  # numpy's and grain's seeds are 32-bit
     output_dir: str = "runs/run"
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     schedule: ScheduleSection = field(default_factory=ScheduleSection)
@@ -225,10 +225,11 @@ class TrainConfig:
     remat: str = field(default="none", metadata={"choices": ("none", "full", "save_dots")})
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     lora: LoraSection = field(default_factory=LoraSection)
-    log_every: int = 10
-    eval_every: int = 0
+    log_every: int = field(default=10, metadata={"range": "[1, inf)"})
+    eval_every: int = field(default=0, metadata={"range": "[0, inf)"})  # 0: no eval during training
     eval: EvalSection = field(default_factory=EvalSection)
-    peak_tflops: float | None = None  # per device, for MFU; None: detected for known accelerators, else no MFU
+    # per device, for MFU; None: detected for known accelerators, else no MFU
+    peak_tflops: float | None = field(default=None, metadata={"range": "(0, inf)"})
 
     def check(self) -> None:
         """Cross-field checks that types alone cannot express (a task's schema extends them)."""
@@ -240,12 +241,6 @@ class TrainConfig:
         self.data.check()
         if self.max_steps is None and self.epochs is None:
             raise UserError("config needs `max_steps` or `epochs`")
-        for key in ("batch_size", "grad_accum", "data.seq_len", "log_every"):
-            obj: Any = self
-            for part in key.split("."):
-                obj = getattr(obj, part)
-            if obj < 1:
-                raise UserError(f"config key '{key}' must be at least 1, got {obj}")
         if self.batch_size % self.grad_accum:
             raise UserError(f"batch_size={self.batch_size} must be a multiple of grad_accum={self.grad_accum}")
         if self.eval.tasks and not self.eval_every:
@@ -295,14 +290,53 @@ def _coerce(key: str, value: Any, t: Any) -> Any:
         if base is float:
             if isinstance(value, bool):
                 raise ValueError
-            return float(value)  # also "3e-4", which YAML 1.1 reads as a string
+            number = float(value)  # also "3e-4", which YAML 1.1 reads as a string
+            if not math.isfinite(number):  # no key means anything by NaN or infinity: they ruin a run silently
+                raise UserError(f"config key '{key}' must be a finite number, got {value!r}")
+            return number
         if base is str:
             if isinstance(value, (dict, list)):
                 raise ValueError
             return str(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: int(.inf)
         raise UserError(f"config key '{key}' must be {_type_name(t)}, got {value!r}") from None
     return value
+
+
+_INTERVAL = re.compile(r"^([\[(])\s*([^,\s]+)\s*,\s*([^\])\s]+)\s*([\])])$")
+
+
+def check_range(key: str, value: float, interval: str, why: str = "") -> None:
+    """A UserError unless ``value`` lies in ``interval`` (``"[0, 1)"``, ``"(0, inf)"``: brackets closed, parentheses
+    open); the message names the key, the allowed range (and ``why``, when given) and the value."""
+    m = _INTERVAL.match(interval)
+    if m is None:
+        raise ValueError(f"{key}: bad range {interval!r} in the schema")
+    lo, hi = float(m[2]), float(m[3])
+    above = lo < value if m[1] == "(" else lo <= value
+    below = value < hi if m[4] == ")" else value <= hi
+    if not (above and below):
+        reason = f" ({why})" if why else ""
+        raise UserError(f"config key '{key}' must be {_range_words(m[1], lo, hi, interval)}{reason}, got {value!r}")
+
+
+def _range_words(opening: str, lo: float, hi: float, interval: str) -> str:
+    """An interval as the errors say it: "positive", "at least 1", or "in [0, 1)"."""
+    if hi != math.inf:
+        return f"in {interval}"
+    if opening == "(":
+        return "positive" if lo == 0 else f"greater than {lo:g}"
+    return f"at least {lo:g}"
+
+
+def _check_field(key: str, value: Any, f: dataclasses.Field) -> None:
+    """The value of field ``f`` (already of its type) among its ``choices`` and in its ``range`` (null passes)."""
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise UserError(f"config key '{key}' is {value!r}; choose one of {', '.join(choices)}")
+    interval = f.metadata.get("range")
+    if interval and isinstance(value, (int, float)) and not isinstance(value, bool):
+        check_range(key, value, interval, f.metadata.get("why", ""))
 
 
 def _build(cls: type, data: dict[str, Any], prefix: str = "", root: type | None = None) -> Any:
@@ -328,9 +362,7 @@ def _build(cls: type, data: dict[str, Any], prefix: str = "", root: type | None 
             kwargs[k] = _build(cast(type, t), v, key + ".", root)
         else:
             kwargs[k] = _coerce(key, v, t)
-            choices = fields[k].metadata.get("choices")
-            if choices and kwargs[k] not in choices:
-                raise UserError(f"config key '{key}' is {kwargs[k]!r}; choose one of {', '.join(choices)}")
+            _check_field(key, kwargs[k], fields[k])
     return cls(**kwargs)
 
 

@@ -53,7 +53,7 @@ def tokenize_rows(ds: Any, field: str, tokenizer: Any, path: str, skip_bad: bool
 
 def split_rows(n: int, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """(train row order, eval rows): one seeded shuffle of all rows, the first ``eval_fraction`` held out."""
-    order = np.random.RandomState(seed).permutation(n)
+    order = np.random.RandomState(seed % SEEDS).permutation(n)
     cut = max(1, int(n * eval_fraction)) if eval_fraction > 0 else 0
     return order[cut:], np.sort(order[:cut])
 
@@ -72,6 +72,8 @@ def tokens_of(doc: np.ndarray | dict[str, np.ndarray]) -> np.ndarray:
 # plain text), "best_fit" (whole documents into the row they fit best: little padding, none cut; examples),
 # "none" (one document per row, truncated or padded).
 PACKING = ("concat", "best_fit", "none")
+# numpy's and grain's seeds are 32-bit: a lane's seed (the run's seed * 1_000_003 + the lane) is taken modulo this
+SEEDS = 2**32
 PACKING_BINS = 32  # open rows best-fit chooses among: more fit tighter, at the cost of buffered documents
 
 
@@ -81,7 +83,7 @@ def _mode(packing: bool | str) -> str:
 
 def _stream(docs: list, seed: int, epochs: int | None) -> grain.MapDataset:
     """``docs`` as features, shuffled (reshuffled each pass), ``epochs`` passes (None: endless)."""
-    return grain.MapDataset.source(docs).shuffle(seed=seed).repeat(epochs).map(features)
+    return grain.MapDataset.source(docs).shuffle(seed=seed % SEEDS).repeat(epochs).map(features)
 
 
 # Lanes read documents already in memory, so grain's prefetch threads only cost: its default (16 threads and a
@@ -102,7 +104,7 @@ def _pack(ds: grain.MapDataset, example: dict[str, np.ndarray], seq_len: int, se
     lengths = {k: seq_len + 1 for k in example}
     if mode == "best_fit":
         return ge.BestFitPackIterDataset(ds.to_iter_dataset(NO_PREFETCH), length_struct=lengths,
-                                         num_packing_bins=PACKING_BINS, seed=seed, shuffle_bins=False)
+                                         num_packing_bins=PACKING_BINS, seed=seed % SEEDS, shuffle_bins=False)
     return ge.ConcatThenSplitIterDataset(ds.to_iter_dataset(NO_PREFETCH), length_struct=lengths)
 
 
@@ -130,7 +132,7 @@ def _tag(source: int, doc: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 def source_seed(seed: int, source: int) -> int:
     """The shuffle seed of ``source`` in the lane of seed ``seed`` (source 0: the lane's own)."""
-    return (seed + 104_729 * source) % 2**32
+    return (seed + 104_729 * source) % SEEDS
 
 
 def mixed_lane_dataset(sources: list[list], weights: list[float], seq_len: int, seed: int, packing: bool | str):

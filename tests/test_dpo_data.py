@@ -238,8 +238,8 @@ def test_long_pairs_are_counted_and_truncated_or_dropped(tok, tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     ("dpo.loss_type=kto", "config key 'dpo.loss_type' is 'kto'; choose one of sigmoid, ipo, hinge, robust, simpo"),
-    ("dpo.beta=0", "dpo.beta must be positive"),
-    ("dpo.label_smoothing=0.5", "dpo.label_smoothing must be in [0, 0.5)"),
+    ("dpo.beta=0", "config key 'dpo.beta' must be positive, got 0.0"),
+    ("dpo.label_smoothing=0.5", "config key 'dpo.label_smoothing' must be in [0, 0.5), got 0.5"),
     ("dpo.reference_model=x", "dpo.reference_model is read only with dpo.reference: precomputed"),
 ])
 def test_config_validation(override, message, tmp_path):
