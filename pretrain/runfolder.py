@@ -59,17 +59,23 @@ def finished_run(out: Path, cfg: TrainConfig) -> Path | None:
     return out / "final"
 
 
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict):
-        out: dict[str, Any] = {}
-        for k, v in tree.items():
-            out.update(_flat(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: tree}
+def changed_keys(old: Any, new: Any, key: str = "", in_list: bool = False) -> list[tuple[str, Any, Any]]:
+    """What differs between two config trees, each change named as precisely as it can be ((key, old, new)
+    each): a mapping key by key, a list item by item when both lists are as long (``data.path[1].weight: 0.3
+    -> 0.5``), else the whole value (a source added, a path that became a mixture). Config keys are compared
+    when both sides have them (one an older version did not have yet had its default then); a mapping inside a
+    list (a source, a reward function's settings) only key by key when both have the same keys."""
+    if isinstance(old, dict) and isinstance(new, dict) and (not in_list or old.keys() == new.keys()):
+        return [c for k, v in new.items() if k in old
+                for c in changed_keys(old[k], v, f"{key}.{k}" if key else str(k), in_list)]
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        return [c for i, (a, b) in enumerate(zip(old, new)) for c in changed_keys(a, b, f"{key}[{i}]", True)]
+    return [(key, old, new)] if old != new else []
 
 
 def _covered(key: str, names: Sequence[str]) -> bool:
-    return any(key == n or key.startswith(n + ".") for n in names)
+    """Whether ``key`` (``data.path[1].weight``) is one of ``names`` or lies in one (``data.path``, ``data``)."""
+    return any(key == n or key.startswith((n + ".", n + "[")) for n in names)
 
 
 def parse_changes(spec: Sequence[str] | str | None, schema: type[TrainConfig] | None = None) -> list[str]:
@@ -81,7 +87,7 @@ def parse_changes(spec: Sequence[str] | str | None, schema: type[TrainConfig] | 
     names = [n.strip() for item in items for n in item.split(",") if n.strip()]
     valid = config_keys(schema)
     for n in names:
-        if not any(k == n or k.startswith(n + ".") for k in valid):
+        if not any(k == n.split("[")[0] or k.startswith(n + ".") for k in valid):  # `data.path[1].weight` too
             import difflib
 
             near = difflib.get_close_matches(n, valid, n=1, cutoff=0.6)
@@ -97,17 +103,15 @@ def config_changes(out: Path, cfg: TrainConfig, allowed: Sequence[str] = ()) -> 
     if not saved.is_file() or not holds_run(out):
         return []
     try:
-        old = _flat(yaml.safe_load(saved.read_text()) or {})
+        old = yaml.safe_load(saved.read_text()) or {}
     except yaml.YAMLError:
         raise UserError(f"{saved} is not valid YAML; restore it, or start over with --fresh") from None
-    new = _flat(dataclasses.asdict(cfg))
-    # A key the old run's version did not have yet had its default then: only keys both sides know are compared.
-    changes = [(k, old[k], v) for k, v in new.items()
-               if k in old and old[k] != v and not _covered(k, MAY_CHANGE)]
+    changes = [c for c in changed_keys(old, dataclasses.asdict(cfg)) if not _covered(c[0], MAY_CHANGE)]
     unlisted = [c for c in changes if not _covered(c[0], allowed)]
     if unlisted:
         listed = "; ".join(f"{k}: {_show(a)} -> {_show(b)}" for k, a, b in unlisted)
-        keys = ",".join(k for k, _, _ in unlisted)
+        # a list item's change is allowed by naming the list (data.path): no [N] for the shell to glob
+        keys = ",".join(dict.fromkeys(k.split("[")[0] for k, _, _ in unlisted))
         raise UserError(f"{out} holds a run with another config ({listed}); rerun with its values, pass "
                         f"--resume-with-changes {keys} to continue it with the new ones, --fresh to start over (the "
                         f"old run is moved aside), or use another output_dir")

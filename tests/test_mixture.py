@@ -12,10 +12,12 @@ import zoo
 from pretrain.cli import main as pretrain_main
 from pretrain.config import data_sources, load_config, to_yaml
 from pretrain.rundata import read_run_data
+from pretrain.runfolder import config_changes
 from pretrain.trainer import train
 from sft.config import SFTConfig
 from sft.task import SFTTask
 from tests.helpers import copy_tiny_lm
+from zoo.errors import UserError
 
 COLORS = "red blue green yellow black white".split()
 SHAPES = "circle square triangle star".split()
@@ -220,3 +222,56 @@ def test_print_config_round_trips_a_mixture(tmp_path, capsys):
     assert [(s.name, s.weight) for s in data_sources(cfg)] == [("a", 2.0), ("b", 1.0)]
     assert [s.path for s in data_sources(load_config(None, ["model.path=m", "max_steps=1", "data.path=x.jsonl"]))] \
         == ["x.jsonl"]  # a plain path is one source
+
+
+# ---- a source's keys from the command line: data.path[N].key=value (issue 41, item 12) ---------------------------
+
+MIX = "data.path=[{path: a.jsonl, weight: 0.7}, b.jsonl]"  # the second source a plain path
+
+
+def _mix(*overrides):
+    return load_config(None, ["model.path=m", "max_steps=1", MIX, *overrides], SFTConfig)
+
+
+def test_an_override_sets_one_key_of_one_source():
+    cfg = _mix("data.path[1].weight=0.5", "data.path[1].format=prompt_completion", "data.path[0].name=chat")
+    assert [(s.path, s.weight, s.format, s.name) for s in data_sources(cfg)] == [
+        ("a.jsonl", 0.7, None, "chat"), ("b.jsonl", 0.5, "prompt_completion", "b")]
+    assert [s.path for s in data_sources(_mix("data.path[0]=c.jsonl"))] == ["c.jsonl", "b.jsonl"]  # a whole source
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.path.1.weight=0.5", "override 'data.path.1.weight': index a list as data.path[1], e.g. "
+                               "data.path[1].weight=..."),
+    ("data.path[2].weight=0.5", "override 'data.path[2].weight': data.path has 2 items (index 0 to 1), no item 2"),
+    ("data.path[1].weight=-1", "config key 'data.path[1].weight' must be positive, got -1.0"),
+    ("data.path[1].wieght=1", "unknown config key 'data.path[1].wieght'; did you mean 'data.path[1].weight'?"),
+    ("data.path[-1].weight=1", "override 'data.path[-1].weight': write a list item as name[N] (N = 0, 1, ...)"),
+])
+def test_a_bad_source_override_is_a_clear_error(override, message):
+    with pytest.raises(UserError) as e:
+        _mix(override)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
+def test_indexing_a_plain_path_is_a_clear_error():
+    with pytest.raises(UserError) as e:
+        load_config(None, ["model.path=m", "max_steps=1", "data.path=a.jsonl", "data.path[0].weight=2"], SFTConfig)
+    assert str(e.value).startswith("override 'data.path[0].weight': data.path is 'a.jsonl', not a list")
+
+
+def test_resume_names_the_one_source_key_that_changed(tmp_path):
+    """A changed weight was reported as both whole source lists; it is named as the one key it is."""
+    out = tmp_path / "run"
+    (out / "checkpoints" / "2").mkdir(parents=True)  # a run that a rerun continues
+    (out / "config.yaml").write_text(to_yaml(_mix(f"output_dir={out}")))
+    changed = _mix(f"output_dir={out}", "data.path[1].weight=0.5")
+    with pytest.raises(UserError) as e:
+        config_changes(out, changed)
+    assert str(e.value).startswith(f"{out} holds a run with another config (data.path[1].weight: 1.0 -> 0.5); ")
+    assert "--resume-with-changes data.path " in str(e.value)
+    assert config_changes(out, changed, ["data.path"]) == [("data.path[1].weight", 1.0, 0.5)]
+    assert config_changes(out, changed, ["data.path[1].weight"]) == [("data.path[1].weight", 1.0, 0.5)]
+    # A source added: the lists no longer pair item by item, so the whole list is the change.
+    added = _mix(f"output_dir={out}", "data.path=[a.jsonl, b.jsonl, c.jsonl]")
+    assert [k for k, _, _ in config_changes(out, added, ["data"])] == ["data.path"]
