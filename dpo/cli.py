@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from dpo.config import DPOConfig
 from pretrain.cli import add_train_command, train_command
 from zoo.console import run_cli
 
@@ -29,7 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return DPOTask
 
-    return run_cli(lambda: train_command(args, dpo_task))
+    return run_cli(lambda: train_command(args, DPOConfig, dpo_task))
 
 
 if __name__ == "__main__":

@@ -37,6 +37,9 @@ def eval_command(args: argparse.Namespace) -> None:
                         "tasks set window: in their task file)")
     if args.num_fewshot is not None and args.num_fewshot < 0:
         raise UserError(f"--num-fewshot {args.num_fewshot}: must be 0 or more")
+    from eval.harness_run import check_out
+
+    check_out(args.out)  # before anything loads: the results are never lost for want of a place to write them
     if getattr(args, "harness", None):
         if args.tasks:
             raise UserError("give either --tasks (lmzoo's task files) or --harness (lm-eval's task names), not both")
@@ -56,22 +59,22 @@ def eval_command(args: argparse.Namespace) -> None:
     import time
     from pathlib import Path
 
+    from eval.tasks import resolve_tasks
+
+    t0 = time.perf_counter()
+    tasks = resolve_tasks(args.tasks)  # bad task files fail here, before JAX and the model load
+    for t in tasks:
+        t.rows(1)  # ... and so do missing or unreadable data files
+
     import jax
     import ml_dtypes
     import numpy as np
 
     import zoo
     from eval.scoring import evaluate
-    from eval.tasks import resolve_tasks
     from zoo.tokenizer import load_tokenizer
 
-    t0 = time.perf_counter()
-    tasks = resolve_tasks(args.tasks)  # bad task files fail here, before the model loads
-    for t in tasks:
-        t.rows(1)  # ... and so do missing or unreadable data files
     out = Path(args.out) if args.out else None
-    if out is not None and out.is_dir():
-        raise UserError(f"--out {out} is a folder; give a file path such as {out / 'results.json'}")
     tokenizer = load_tokenizer(args.ckpt)
     model = zoo.load(args.ckpt, dtype=np.float32 if args.dtype == "float32" else ml_dtypes.bfloat16)
     cfg, params = model.cfg, model.param_dict()

@@ -39,11 +39,11 @@ from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
-from tqdm.auto import tqdm
 
 from eval.generate import GenerationConfig, generate
 from eval.loglikelihood import bucket
 from eval.multiple_choice import choice_scores
+from eval.progress import progress_bar
 from eval.rolling import DEFAULT_CHUNK, window_scores
 
 TokenRequest = tuple[tuple[str, str], list[int], list[int]]  # ((context, continuation), context ids, continuation ids)
@@ -156,8 +156,7 @@ class LmzooLM(TemplateLM):
                   if len(idx) > 1 and bucket(max(len(requests[i][2]) for i in idx), 1) <= self.max_length // 2]
         in_shared = {i for _, idx in shared for i in idx}
         single = [i for i in range(len(requests)) if i not in in_shared]
-        with tqdm(total=len(requests), desc="loglikelihood", unit="request",
-                  disable=disable_tqdm or not self.progress) as bar:
+        with progress_bar(len(requests), "loglikelihood", "request", self.progress and not disable_tqdm) as bar:
             if shared:
                 got = choice_scores(self.cfg, self.params, [(list(ctx), [requests[i][2] for i in idx])
                                                             for ctx, idx in shared],
@@ -187,8 +186,7 @@ class LmzooLM(TemplateLM):
             counts.append(len(pairs))
         # Windows are rows of their own, never a shared context's extensions: every document's first window
         # has the same one-token context (the prefix token), and its continuation is the window.
-        with tqdm(total=len(windows), desc="loglikelihood_rolling", unit="window",
-                  disable=disable_tqdm or not self.progress) as bar:
+        with progress_bar(len(windows), "loglikelihood_rolling", "window", self.progress and not disable_tqdm) as bar:
             scores = window_scores(self.cfg, self.params, [(ctx + cont, len(cont)) for _, ctx, cont in windows],
                                    self.batch_size, self.max_length, self.chunk, bar)
         out, at = [], 0
@@ -207,8 +205,7 @@ class LmzooLM(TemplateLM):
         by_kwargs: dict[str, list[int]] = {}
         for i, r in enumerate(requests):
             by_kwargs.setdefault(json.dumps(r.args[1], sort_keys=True, default=str), []).append(i)
-        with tqdm(total=len(requests), desc="generate_until", unit="request",
-                  disable=disable_tqdm or not self.progress) as bar:
+        with progress_bar(len(requests), "generate_until", "request", self.progress and not disable_tqdm) as bar:
             for idx in by_kwargs.values():
                 kw = normalize_gen_kwargs(dict(requests[idx[0]].args[1]), self.max_gen_toks)
                 until = handle_stop_sequences(kw.pop("until", None), eos=eos)

@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import difflib
+import functools
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -31,11 +33,18 @@ def require_lm_eval() -> None:
 
 
 def task_manager(include_path: str | None) -> Any:
-    """lm-eval's TaskManager over its library plus ``include_path`` (a folder that must exist)."""
-    from lm_eval.tasks import TaskManager
-
+    """lm-eval's TaskManager over its library plus ``include_path`` (a folder that must exist), built once per
+    process for each folder: indexing lm-eval's whole library takes about 13 s, so the names are checked before
+    the model loads and the run that follows reuses the index."""
     if include_path is not None and not Path(include_path).is_dir():
         raise UserError(f"--include-path {include_path}: no such folder (give a folder of lm-eval task YAMLs)")
+    return _task_manager(None if include_path is None else str(Path(include_path).resolve()))
+
+
+@functools.cache
+def _task_manager(include_path: str | None) -> Any:
+    from lm_eval.tasks import TaskManager
+
     return TaskManager(include_path=include_path)
 
 
@@ -60,8 +69,6 @@ def harness_command(args: argparse.Namespace) -> None:
 
     ckpt = str(checkpoint_dir(args.ckpt))
     out = Path(args.out) if args.out else None
-    if out is not None and out.is_dir():
-        raise UserError(f"--out {out} is a folder; give a file path such as {out / 'results.json'}")
     names = [n.strip() for n in args.harness.split(",") if n.strip()]
     manager = task_manager(args.include_path)
     check_task_names(names, manager)  # before the model loads
@@ -96,6 +103,24 @@ def harness_command(args: argparse.Namespace) -> None:
         lines = (json.dumps({"task": task, **item}, default=str) for task, items in samples.items() for item in items)
         write_atomic(path, "".join(line + "\n" for line in lines))
         print(f"wrote {path}")
+
+
+def check_out(out: str | None) -> None:
+    """``--out`` can be written, checked before anything loads or is scored (results are not lost at the end):
+    not a folder, and its folder exists or can be made. Nothing is created here: a run that fails writes nothing."""
+    if out is None:
+        return
+    path = Path(out)
+    if path.is_dir():
+        raise UserError(f"--out {out} is a folder; give a file path such as {path / 'results.json'}")
+    folder = path.absolute().parent
+    while not folder.exists():  # the nearest folder that is there: write_atomic makes the rest
+        folder = folder.parent
+    if not folder.is_dir():
+        raise UserError(f"--out {out}: its folder cannot be made, {folder} is a file; give a path in a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UserError(f"--out {out}: cannot write in {folder} (permission denied); give a path in a folder "
+                        "you can write")
 
 
 def samples_path(out: Path) -> Path:

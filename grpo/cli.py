@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from grpo.config import GRPOConfig
 from pretrain.cli import add_train_command, train_command
 from zoo.console import run_cli
 
@@ -32,7 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return GRPOTask
 
-    return run_cli(lambda: train_command(args, grpo_task))
+    return run_cli(lambda: train_command(args, GRPOConfig, grpo_task))
 
 
 if __name__ == "__main__":

@@ -11,10 +11,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from grpo.losses import IMPORTANCE_LEVELS, LOSS_TYPES, SCALE_REWARDS
 from pretrain.config import TrainConfig
 from sft.config import ChatDataSection
 from zoo.errors import UserError
+
+# The settings grpo/losses.py implements; here, so that a config is read and checked without importing JAX.
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
+SCALE_REWARDS = ("group", "batch", "none")
+IMPORTANCE_LEVELS = ("token", "sequence")
 
 
 @dataclass

@@ -42,9 +42,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
-SCALE_REWARDS = ("group", "batch", "none")
-IMPORTANCE_LEVELS = ("token", "sequence")
+from grpo.config import IMPORTANCE_LEVELS, LOSS_TYPES, SCALE_REWARDS
 
 STD_EPS = 1e-4  # TRL adds it to the std before dividing (not a max): a zero-std group's advantages stay 0
 

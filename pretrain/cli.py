@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pretrain import distributed
+from pretrain.config import TrainConfig, load_config, to_yaml
 from zoo.console import run_cli
 
 if TYPE_CHECKING:
@@ -51,21 +52,25 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
                         "epochs, logging, eval and checkpoint cadence and the mesh may always change")
 
 
-def train_command(args: argparse.Namespace, task_class: Callable[[], type[Task]] | None = None) -> None:
-    """The body of every `train` command: resolve the config with the task's schema (``--print-config`` prints it
-    and stops), join the other processes, train (the task of ``task_class()``, a class imported on demand;
-    default pretraining) and name the final model."""
-    from pretrain.config import load_config, to_yaml
-    from pretrain.task import PretrainTask
+def train_command(args: argparse.Namespace, schema: type[TrainConfig] = TrainConfig,
+                  task_class: Callable[[], type[Task]] | None = None) -> None:
+    """The body of every `train` command: resolve the config with ``schema``, the task's config class (default
+    pretraining's; ``--print-config`` prints it and stops), join the other processes, train (the task of
+    ``task_class()``, a class imported on demand; default pretraining) and name the final model.
 
-    cls = task_class() if task_class else PretrainTask
-    cfg = load_config(args.config, list(args.overrides), cls.config_class)
+    The config is read and checked before JAX, the model code or transformers is imported: a config error comes
+    at once, so ``schema`` comes from the task's light config module, not from its task class."""
+    cfg = load_config(args.config, list(args.overrides), schema)
     if args.print_config:
         print(to_yaml(cfg), end="")
         return
     distributed.initialize(args)
+    from pretrain.task import PretrainTask
     from pretrain.trainer import train
 
+    cls = task_class() if task_class else PretrainTask
+    if cls.config_class is not schema:  # a command wired to the wrong schema: a bug, not a user error
+        raise TypeError(f"{cls.__name__} reads {cls.config_class.__name__}, not {schema.__name__}")
     final = train(cfg, task=cls(cfg), fresh=args.fresh,
                   resume_with_changes=args.resume_with_changes)
     if distributed.is_primary():

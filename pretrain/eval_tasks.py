@@ -15,30 +15,38 @@ from zoo.errors import UserError
 from zoo.lora import LoraConfig, merge_lora
 
 
+def read_eval_tasks(cfg: TrainConfig) -> tuple[list[Any], list[str], Any]:
+    """``eval.tasks`` read and checked: (`zoo eval`'s tasks, lm-eval task names, lm-eval's TaskManager or None).
+    Task files and lm-eval names are checked here; the trainer calls it before the model loads, so a bad name is
+    said at once (reading it again is cheap: lm-eval's index is built once per process)."""
+    from eval.tasks import resolve_tasks, shipped_tasks
+
+    spec = cfg.eval.tasks
+    items = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec or []) if s and s.strip()]
+    shipped = shipped_tasks()
+    native = [s for s in items if s in shipped or s.endswith((".yaml", ".yml")) or Path(s).exists()]
+    harness = [s for s in items if s not in native]
+    tasks = resolve_tasks(native) if native else []
+    manager = None
+    if harness:
+        from eval.harness_run import check_task_names, require_lm_eval, task_manager
+
+        try:
+            require_lm_eval()
+        except UserError:
+            raise UserError(f"eval.tasks {', '.join(harness)}: not shipped tasks nor task files; as "
+                            "lm-evaluation-harness task names they need the eval extra: pip install "
+                            "'lmzoo[eval]'") from None
+        manager = task_manager(cfg.eval.include_path)
+        check_task_names(harness, manager, "eval.tasks")
+    return tasks, harness, manager
+
+
 class TrainingEval:
     """The run's eval tasks, read and checked once before the first step, then scored on the live weights."""
 
     def __init__(self, cfg: TrainConfig, mcfg: ModelConfig, tokenizer: Any, lora_cfg: LoraConfig | None):
-        from eval.tasks import resolve_tasks, shipped_tasks
-
-        spec = cfg.eval.tasks
-        items = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec or []) if s and s.strip()]
-        shipped = shipped_tasks()
-        native = [s for s in items if s in shipped or s.endswith((".yaml", ".yml")) or Path(s).exists()]
-        self.harness = [s for s in items if s not in native]
-        self.tasks = resolve_tasks(native) if native else []
-        self.manager = None
-        if self.harness:
-            from eval.harness_run import check_task_names, require_lm_eval, task_manager
-
-            try:
-                require_lm_eval()
-            except UserError:
-                raise UserError(f"eval.tasks {', '.join(self.harness)}: not shipped tasks nor task files; as "
-                                "lm-evaluation-harness task names they need the eval extra: pip install "
-                                "'lmzoo[eval]'") from None
-            self.manager = task_manager(cfg.eval.include_path)
-            check_task_names(self.harness, self.manager, "eval.tasks")
+        self.tasks, self.harness, self.manager = read_eval_tasks(cfg)
         if (self.tasks or self.harness) and jax.process_count() > 1:
             raise UserError("eval.tasks runs in single-process training only; score the run's checkpoints "
                             "with `zoo eval` instead")

@@ -31,7 +31,7 @@ from pretrain import distributed, preflight, runfolder, runlog
 from pretrain.checkpoints import Checkpoints
 from pretrain.config import TrainConfig, to_yaml
 from pretrain.dtypes import DTYPES
-from pretrain.eval_tasks import TrainingEval
+from pretrain.eval_tasks import TrainingEval, read_eval_tasks
 from pretrain.evaluation import Evaluation
 from pretrain.final import write_final
 from pretrain.flops import flops_per_token, peak_flops
@@ -67,6 +67,7 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
     done = runfolder.open_run(out, cfg, fresh, runfolder.parse_changes(resume_with_changes, type(cfg)))
     if done is not None:
         return done
+    read_eval_tasks(cfg)  # task files and lm-eval task names: said before the model loads
     mesh = _mesh(cfg)
     micro = cfg.batch_size // cfg.grad_accum
     task = task or PretrainTask(cfg)

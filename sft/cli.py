@@ -8,7 +8,9 @@ from collections.abc import Sequence
 
 from pretrain import distributed
 from pretrain.cli import add_run_flags, train_command
-from zoo.console import run_cli
+from pretrain.config import load_config
+from sft.config import SFTConfig
+from zoo.console import run_cli, use_color
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             s.add_argument("-n", type=int, default=3, help="how many examples to show (default 3)")
             s.add_argument("--no-color", action="store_true",
-                           help="mark trained tokens with [[ ]] instead of a green background")
+                           help="mark trained tokens with [[ ]] instead of a green background (always so off a "
+                                "terminal, or with the NO_COLOR environment variable set)")
     return p
 
 
@@ -83,10 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def body() -> None:
         if args.command == "inspect":
-            from pretrain.config import load_config
-            from sft.config import SFTConfig
-
-            _inspect(load_config(args.config, list(args.overrides), SFTConfig), args.n, not args.no_color)
+            color = not args.no_color and use_color(sys.stdout)  # no escape codes in a file or a pipe
+            _inspect(load_config(args.config, list(args.overrides), SFTConfig), args.n, color)
             return
 
         def sft_task() -> type:
@@ -94,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return SFTTask
 
-        train_command(args, sft_task)
+        train_command(args, SFTConfig, sft_task)
 
     return run_cli(body)
 

@@ -31,7 +31,13 @@ def cmd_info(args: argparse.Namespace) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
-    """`zoo convert` -> convert/cli.py."""
+    """`zoo convert` -> convert/cli.py; an unknown registry name is said first, before the converter loads JAX."""
+    from pathlib import Path
+
+    from zoo import registry
+
+    if registry.looks_like_name(args.source) and not Path(args.source).expanduser().exists():
+        registry.get(args.source)  # convert.source.open_source reads a bare name that is no path the same way
     from convert.cli import convert_command
 
     convert_command(args)

@@ -7,6 +7,7 @@ On the ground floor, so that each package's CLI can use them without importing a
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import TextIO
@@ -15,17 +16,31 @@ from zoo.errors import UserError
 
 
 def run_cli(fn: Callable[[], int | None]) -> int:
-    """Run a command body: UserError -> 'error: ...' on stderr and exit code 2."""
+    """Run a command body: UserError -> 'error: ...' on stderr and exit code 2; a reader that went away early
+    (``zoo info CKPT | head``) -> a quiet exit."""
     # transformers warns at import that PyTorch is missing; lmzoo never needs it, so users need not read that.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     try:
-        return fn() or 0
+        code = fn() or 0
+        sys.stdout.flush()  # here, not at exit: a closed pipe is then caught below
+        return code
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        return _reader_gone()
+
+
+def _reader_gone() -> int:
+    """The end of a command whose stdout reader closed the pipe: what is left unwritten goes nowhere (Python's
+    own flush at exit would fail again, with a traceback), and the exit code is a shell's for SIGPIPE."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
 
 
 def print_table(rows: Sequence[Sequence[str]]) -> None:
@@ -52,3 +67,8 @@ def is_terminal(stream: TextIO) -> bool:
         return stream.isatty() and os.environ.get("TERM") != "dumb"
     except (AttributeError, ValueError):
         return False
+
+
+def use_color(stream: TextIO) -> bool:
+    """Whether to write ANSI colours to ``stream``: on a terminal, unless NO_COLOR is set (https://no-color.org)."""
+    return is_terminal(stream) and not os.environ.get("NO_COLOR")
