@@ -53,7 +53,10 @@ def export_command(args: argparse.Namespace) -> None:
     args.ckpt = str(checkpoint_dir(args.ckpt))
     if args.push_to_hub:
         check_repo_id(args.push_to_hub)
-    write, planned = _export_writer(args)
+    if args.base_out and not args.adapter:
+        raise UserError("--base-out applies to --adapter only: without it the whole model is exported")
+    base_out = _adapter_base_out(args) if args.adapter else None
+    write, planned = _export_writer(args, base_out)
     if args.dry_run:
         files = planned()
         where = [str(Path(args.out).absolute())] if args.out else []
@@ -66,6 +69,8 @@ def export_command(args: argparse.Namespace) -> None:
     if args.out:
         out = write(args.out, args.overwrite, hint)
         print(f"wrote {out}")
+        if base_out:
+            print(f"wrote {base_out}  (the adapter's base model)")
         if args.push_to_hub:
             print(f"pushed: {push_folder(out, args.push_to_hub, args.private, args.revision)}")
         return
@@ -74,16 +79,35 @@ def export_command(args: argparse.Namespace) -> None:
         print(f"pushed: {push_folder(out, args.push_to_hub, args.private, args.revision)}")
 
 
-def _export_writer(args: argparse.Namespace) -> tuple[Callable[[str | Path, bool, str], Path],
-                                                      Callable[[], list[tuple[str, int]]]]:
-    """(write(out, overwrite, repo_hint) -> folder, planned() -> [(file, size)]) for the kind of export asked."""
+def _adapter_base_out(args: argparse.Namespace) -> Path | None:
+    """Where `zoo export --adapter` exports the adapter's base: --base-out, else beside --out when the adapter
+    needs it (a base stored quantized, convert/peft.py); a note when it needs one and there is nowhere to put it."""
+    import sys
+
+    from convert.peft import adapter_meta_of, default_base_out, quantized_base
+
+    if args.base_out:
+        return Path(args.base_out).absolute()
+    if args.out:
+        return default_base_out(args.ckpt, args.out)
+    base = quantized_base(args.ckpt, adapter_meta_of(args.ckpt))
+    if base is not None:
+        print(f"note: the adapter's base {base} is stored quantized, which transformers does not read; add "
+              "--base-out DIR to export it dequantized and name that folder as the adapter's base", file=sys.stderr)
+    return None
+
+
+def _export_writer(args: argparse.Namespace, base_out: Path | None
+                   ) -> tuple[Callable[[str | Path, bool, str], Path], Callable[[], list[tuple[str, int]]]]:
+    """(write(out, overwrite, repo_hint) -> folder, planned() -> [(file, size)]) for the kind of export asked;
+    ``base_out``: where an adapter export writes its base (:func:`_adapter_base_out`)."""
     if args.adapter:
         from convert.peft import export_adapter, planned_adapter_files
 
         if args.max_shard_size is not None:
             raise UserError("--max-shard-size does not apply to --adapter: the adapter is one small safetensors file")
-        return (lambda out, overwrite, hint: export_adapter(args.ckpt, out, overwrite, args.dtype, hint),
-                lambda: planned_adapter_files(args.ckpt, args.dtype))
+        return (lambda out, overwrite, hint: export_adapter(args.ckpt, out, overwrite, args.dtype, hint, base_out),
+                lambda: planned_adapter_files(args.ckpt, args.dtype, base_out))
     from convert.export import DEFAULT_MAX_SHARD, export, planned_files
 
     size = args.max_shard_size or DEFAULT_MAX_SHARD

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -16,7 +17,7 @@ from convert.safetensors_out import write_streaming
 from convert.source import Source, open_source
 from convert.tables import BoundRule, table_for
 from convert.transforms import TRANSFORMS
-from zoo.checkpoint import HF_CONFIG_FILE, TOKENIZER_DIR, CheckpointWriter, atomic_output, prepare_output
+from zoo.checkpoint import HF_CONFIG_FILE, HUB_ID, TOKENIZER_DIR, CheckpointWriter, atomic_output, prepare_output
 from zoo.config import ModelConfig
 from zoo.errors import UserError
 from zoo.memory import release_free_memory
@@ -131,7 +132,8 @@ def convert(source: str, out: str | Path, dtype: str | None = None, progress: bo
         bar.close()
         src.save_tokenizer(folder / TOKENIZER_DIR)
         (folder / HF_CONFIG_FILE).write_text(json.dumps(stored_config, indent=2, default=str) + "\n")
-        writer.finish(cfg, source=src.description, source_format=fmt)
+        hub: dict[str, Any] = {HUB_ID: src.hub_id} if src.hub_id else {}  # the Hub repo these weights are
+        writer.finish(cfg, source=src.description, source_format=fmt, **hub)
     if isinstance(src.reader, fp8.DequantizingReader):
         print(src.reader.summary(), file=sys.stderr)
     return out.absolute()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,11 +21,12 @@ from typing import Any
 import numpy as np
 
 from convert.convert import DTYPES, shape_only
-from convert.export import DTYPES_ALL, ST_NAMES, PlannedTensor, assign_shards, safetensors_header
+from convert.export import DTYPES_ALL, ST_NAMES, PlannedTensor, assign_shards, export, planned_files, safetensors_header
 from convert.tables import BoundRule, table_for
 from convert.transforms import TRANSFORMS
-from zoo.adapter import base_location
-from zoo.checkpoint import MODEL_FILE, atomic_output, load_param_numpy, read_meta
+from zoo import quant_checkpoint
+from zoo.adapter import base_checkpoint, base_location
+from zoo.checkpoint import MODEL_FILE, atomic_output, hub_id, hub_weights, load_param_numpy, prepare_output, read_meta
 from zoo.config import ModelConfig
 from zoo.errors import UserError
 from zoo.lora import HF_TO_ZOO
@@ -64,21 +64,6 @@ def _flat_b(b: np.ndarray) -> np.ndarray:
 _FLAT = LoraLayout(_flat_a, _flat_b)
 LORA_LAYOUTS: dict[str, LoraLayout] = {"transpose": _FLAT, "q_in": _FLAT, "kv_in": _FLAT, "o_out": _FLAT}
 
-# A registry entry's description ends in "(owner/repo)"; a Hub source is the bare repo id.
-_REPO_ID = r"[\w.-]+/[\w.-]+"
-
-
-def hub_repo_of(source: str) -> str | None:
-    """The Hub repo id a checkpoint's ``source`` names, or None (a local folder or GGUF file)."""
-    m = re.search(rf"\(({_REPO_ID})\)$", source)
-    if m:
-        return m.group(1)
-    # A relative local folder can look like owner/repo too; `zoo convert` prefers an existing folder, so do we.
-    if re.fullmatch(_REPO_ID, source) and not source.startswith(".") and not Path(source).exists():
-        return source
-    return None
-
-
 def adapter_meta_of(ckpt: str | os.PathLike) -> dict[str, Any]:
     """model.json of an adapter checkpoint; a UserError naming ``ckpt`` for any other checkpoint."""
     meta = read_meta(ckpt)
@@ -88,22 +73,48 @@ def adapter_meta_of(ckpt: str | os.PathLike) -> dict[str, Any]:
     return meta
 
 
-def base_model_ref(ckpt: str | os.PathLike, meta: dict[str, Any]) -> str:
-    """peft's ``base_model_name_or_path``: the base's Hub repo id if its source names one, else the base's path.
-
-    Only the base's model.json is read (found as zoo.adapter finds it: beside a moved run too), so a base
-    gone or changed still exports (with its recorded path). A base converted from a multimodal Gemma 3
-    repo gets its path too: the adapter's module names are those of the text-only model that `zoo export`
-    writes, not of the repo's multimodal one.
-    """
-    base = base_location(ckpt, meta)  # a base moved together with the run: its model.json there
+def _base_meta(base: Path) -> dict[str, Any] | None:
+    """The base's model.json, or None when it is gone or unreadable (a PEFT export only names the base)."""
     try:
-        base_meta = json.loads((base / MODEL_FILE).read_text())
+        return json.loads((base / MODEL_FILE).read_text())
     except (OSError, ValueError):
-        return str(base)
-    if base_meta.get("source_format") != "hf":
-        return str(base)
-    return hub_repo_of(str(base_meta.get("source", ""))) or str(base)
+        return None
+
+
+def base_model_ref(ckpt: str | os.PathLike, meta: dict[str, Any], base_out: str | os.PathLike | None = None) -> str:
+    """peft's ``base_model_name_or_path``: the folder ``base_out`` when the base is exported there beside the
+    adapter, else the Hub repo id whose model the base is, else the base checkpoint's path.
+
+    The repo comes from the adapter checkpoint's own record (``base_hub_id``), so a run exported without its
+    base still names it; for checkpoints written before that record, from the base's model.json (found as
+    zoo.adapter finds it: beside a moved run too). A base converted from a multimodal Gemma 3 repo gets its
+    path: the adapter's module names are those of the text-only model that `zoo export` writes, not of the
+    repo's multimodal one.
+    """
+    if base_out is not None:
+        return str(Path(base_out).absolute())
+    if meta["lora"].get("base_hub_id"):
+        return str(meta["lora"]["base_hub_id"])
+    base = base_location(ckpt, meta)  # a base moved together with the run: its model.json there
+    base_meta = _base_meta(base)
+    return (hub_weights(base_meta) if base_meta else None) or str(base)
+
+
+def quantized_base(ckpt: str | os.PathLike, meta: dict[str, Any]) -> Path | None:
+    """The base checkpoint when it is stored quantized (`zoo quantize`: a QLoRA base), which transformers cannot
+    read: the adapter needs its dequantized export beside it. None for any other base."""
+    base = base_location(ckpt, meta)
+    base_meta = _base_meta(base)
+    return base if base_meta is not None and quant_checkpoint.is_quantized(base_meta) else None
+
+
+def default_base_out(ckpt: str | os.PathLike, out: str | os.PathLike) -> Path | None:
+    """Where ``zoo export --adapter --out OUT`` writes the adapter's base when it has to: ``OUT-base`` beside
+    ``OUT`` for a base stored quantized (:func:`quantized_base`); None (no base export) otherwise."""
+    if quantized_base(ckpt, adapter_meta_of(ckpt)) is None:
+        return None
+    out = Path(out).absolute()
+    return out.with_name(out.name + "-base")
 
 
 def _adapted_rules(cfg: ModelConfig, meta: dict[str, Any], ckpt: str | os.PathLike) -> list[BoundRule]:
@@ -187,17 +198,52 @@ def peft_config(meta: dict[str, Any], base_ref: str, target_modules: list[str]) 
     }
 
 
-def adapter_card(meta: dict[str, Any], base_ref: str, targets: list[str], repo_hint: str) -> str:
-    """README.md of the adapter folder: base model, LoRA settings, how to load it with peft."""
+def _base_story(ckpt: str | os.PathLike, meta: dict[str, Any], base_ref: str, base_out: str | os.PathLike | None
+                ) -> tuple[str, bool]:
+    """(what the card says the base is, whether transformers loads ``base_ref`` as it is)."""
+    base = base_location(ckpt, meta)
+    base_meta = _base_meta(base) or {}
+    origin = hub_id(base_meta) or meta["lora"].get("base_hub_id")
+    came = f" It comes from the Hub's `{origin}`." if origin else ""
+    stored = quant_checkpoint.settings(base_meta)
+    if base_out is not None:
+        if stored:
+            how = (f", dequantized: `{base}` stores its projections quantized ({quant_checkpoint.describe(*stored)}, "
+                   "`zoo quantize`), and the adapters were trained beside those weights (QLoRA)")
+        else:
+            how = ", merged with its own adapters" if "lora" in base_meta else ""
+        text = (f"The base model is `{base_ref}`, which `zoo export --adapter` wrote beside this adapter from the "
+                f"lmzoo checkpoint `{base}`{how}.{came}")
+        loads = True
+    elif base_ref == str(base):
+        text = (f"The base model is the lmzoo checkpoint `{base}`, which transformers does not read: export it with "
+                f"`zoo export {base} --out BASE` and load the adapter onto BASE.{came}")
+        loads = False
+    else:
+        text = (f"The base model is the Hub's `{base_ref}`: the adapters were trained on lmzoo's conversion of it "
+                "(`zoo convert`).")
+        loads = True
+    asked = meta["lora"].get("base_quant")
+    if asked and not stored:  # QLoRA on a float base: quantized at load, as the run quantized it
+        text += (f" The adapters were trained beside its projections quantized "
+                 f"({quant_checkpoint.describe(asked['kind'], bool(asked.get('double')))}, QLoRA): on the float "
+                 f"base they give nearly the model they were trained in, and `zoo export {ckpt}` writes that "
+                 "model exactly, merged.")
+    return text, loads
+
+
+def adapter_card(ckpt: str | os.PathLike, meta: dict[str, Any], base_ref: str, targets: list[str], repo_hint: str,
+                 base_out: str | os.PathLike | None = None) -> str:
+    """README.md of the adapter folder: base model (what it is, and where), LoRA settings, how to load it."""
     info, training = meta["lora"], meta.get("training") or {}
-    repo = hub_repo_of(base_ref)
+    story, loads = _base_story(ckpt, meta, base_ref, base_out)
     front = ["---", "library_name: peft", "tags:", "- lmzoo", "- lora"]
-    if repo:
-        front.append(f"base_model: {repo}")
+    if loads and base_out is None:  # a Hub repo: the Hub links the adapter to it
+        front.append(f"base_model: {base_ref}")
     front.append("---")
     how = f"Trained with lmzoo ({training.get('method', 'training')}"
     how += f", {training['steps']} steps)." if training.get("steps") is not None else ")."
-    if repo:  # peft fetches the base itself
+    if loads:  # peft loads the base itself, from the Hub or the exported folder
         load = ["from peft import AutoPeftModelForCausalLM",
                 f'model = AutoPeftModelForCausalLM.from_pretrained("{repo_hint}")']
     else:  # the base is a zoo checkpoint: transformers reads its export
@@ -208,27 +254,44 @@ def adapter_card(meta: dict[str, Any], base_ref: str, targets: list[str], repo_h
         "", f"# {repo_hint}", "",
         f"A LoRA adapter for `{base_ref}`: rank {info['rank']}, alpha {info['alpha']}"
         f"{' (rsLoRA)' if info['rslora'] else ''}, on {', '.join(targets)}. {how}", "",
+        "## Base model", "", story, "",
         "## How to load", "", "```python", *load, "```", "",
     ])
 
 
+def _check_base_out(out: Path, base_out: Path, overwrite: bool) -> None:
+    """Both destinations free (or ``overwrite``) and apart, before anything is written."""
+    if base_out == out or out in base_out.parents or base_out in out.parents:
+        raise UserError(f"--base-out {base_out} and --out {out} overlap; give the base a folder of its own")
+    prepare_output(out, overwrite)
+    prepare_output(base_out, overwrite)
+
+
 def export_adapter(ckpt: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False,
-                   dtype: str | None = None, repo_hint: str | None = None) -> Path:
+                   dtype: str | None = None, repo_hint: str | None = None,
+                   base_out: str | os.PathLike | None = None) -> Path:
     """Write adapter checkpoint ``ckpt`` as a PEFT adapter folder at ``out`` (atomically); returns ``out``.
 
-    ``dtype`` casts the adapters (default: as stored). A non-adapter checkpoint, a non-empty
-    ``out`` without ``overwrite``, or adapters peft has no layout for are UserErrors.
+    ``dtype`` casts the adapters (default: as stored). With ``base_out`` the base checkpoint is exported there
+    first (as ``zoo export`` writes it: dequantized when stored quantized, merged when an adapter checkpoint)
+    and the adapter names that folder as its base. A non-adapter checkpoint, a non-empty ``out`` (or
+    ``base_out``) without ``overwrite``, or adapters peft has no layout for are UserErrors.
     """
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     meta = adapter_meta_of(ckpt)
     tensors = plan_adapter(ckpt, meta, dtype)
     out = Path(out).absolute()
-    base_ref, targets = base_model_ref(ckpt, meta), target_modules_of(tensors)
+    if base_out is not None:
+        base_out = Path(base_out).absolute()
+        _check_base_out(out, base_out, overwrite)
+        export(base_checkpoint(ckpt, meta), base_out, dtype, overwrite=overwrite, repo_hint=base_out.name)
+    base_ref, targets = base_model_ref(ckpt, meta, base_out), target_modules_of(tensors)
     with atomic_output(out, overwrite) as tmp:
         _write_weights(Path(ckpt), meta, tensors, tmp / ADAPTER_WEIGHTS)
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config(meta, base_ref, targets), indent=2) + "\n")
-        (tmp / "README.md").write_text(adapter_card(meta, base_ref, targets, repo_hint or out.name))
+        card = adapter_card(ckpt, meta, base_ref, targets, repo_hint or out.name, base_out)
+        (tmp / "README.md").write_text(card)
     return out
 
 
@@ -249,9 +312,15 @@ def _write_weights(ckpt: Path, meta: dict[str, Any], tensors: list[PlannedTensor
             f.write(x.reshape(-1).view(np.uint8).data)
 
 
-def planned_adapter_files(ckpt: str | os.PathLike, dtype: str | None = None) -> list[tuple[str, int]]:
-    """(file name, size in bytes; 0 = small, generated) of everything :func:`export_adapter` would write."""
+def planned_adapter_files(ckpt: str | os.PathLike, dtype: str | None = None,
+                          base_out: str | os.PathLike | None = None) -> list[tuple[str, int]]:
+    """(file name, size in bytes; 0 = small, generated) of everything :func:`export_adapter` would write; the
+    base's files (with ``base_out``) named by their path in ``base_out``."""
     meta = adapter_meta_of(ckpt)
     tensors = plan_adapter(ckpt, meta, dtype)
     weights = len(safetensors_header(tensors)) + sum(t.nbytes for t in tensors)
-    return [(ADAPTER_CONFIG, 0), (ADAPTER_WEIGHTS, weights), ("README.md", 0)]
+    files = [(ADAPTER_CONFIG, 0), (ADAPTER_WEIGHTS, weights), ("README.md", 0)]
+    if base_out is not None:
+        where = Path(base_out).absolute()
+        files += [(str(where / name), size) for name, size in planned_files(base_checkpoint(ckpt, meta), dtype)]
+    return files

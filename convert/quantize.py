@@ -16,7 +16,14 @@ import numpy as np
 
 from convert.mtp import EXTRA_FILE
 from zoo import quant, quant_checkpoint
-from zoo.checkpoint import HF_CONFIG_FILE, TOKENIZER_DIR, CheckpointWriter, atomic_output, read_meta
+from zoo.checkpoint import (
+    HF_CONFIG_FILE,
+    TOKENIZER_DIR,
+    CheckpointWriter,
+    atomic_output,
+    provenance_of,
+    read_meta,
+)
 from zoo.config import ModelConfig
 from zoo.errors import UserError
 from zoo.loading import param_reader, quantized_param
@@ -66,5 +73,5 @@ def quantize_checkpoint(src: str | Path, out: str | Path, kind: str = "nf4", dou
                 shutil.copyfile(src / name, folder / name)
         section = quant_checkpoint.QuantSection(kind=kind, double=double, bits_per_param=round(bits, 4), params=stored)
         writer.finish(cfg, manifest=meta["params"], source=str(src.absolute()), source_format="quantize",
-                      **{quant_checkpoint.SECTION: section})
+                      **provenance_of(meta), **{quant_checkpoint.SECTION: section})
     return Path(out).absolute(), bits

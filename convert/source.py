@@ -33,6 +33,7 @@ class Source:
     hf_config: dict[str, Any]
     reader: TensorReader  # SafetensorsFolder or GGUFFile; for an FP8 checkpoint convert.fp8.DequantizingReader in front
     save_tokenizer: Callable[[Path], None]
+    hub_id: str | None = None  # the Hub repo these files are (model.json's hub_id): None for a GGUF or other folder
 
 
 def open_source(source: str) -> Source:
@@ -45,11 +46,11 @@ def open_source(source: str) -> Source:
     if path.exists():
         if not path.is_dir():
             raise UserError(f"{source} is neither a model folder nor a .gguf file")
-        return _open_folder(path, str(path))
+        return _open_folder(path, str(path), hub_cache_repo(path))
     if registry.looks_like_name(source):
         return _open_named(registry.get(source))
     if source.count("/") == 1 and not source.startswith((".", "/", "~")):
-        return _open_folder(_hub_snapshot(source, source), source)
+        return _open_folder(_hub_snapshot(source, source), source, source)
     raise UserError(f"{source}: no such folder or file, and not a registry name or Hub repo id")
 
 
@@ -64,7 +65,7 @@ def _open_named(entry: registry.ZooEntry) -> Source:
     gguf = registry.bundled_gguf(entry.name, required=False)
     folder = _hub_snapshot(entry.hf_repo, what, fallback=gguf is not None)
     if folder is not None:
-        return _open_folder(folder, what)
+        return _open_folder(folder, what, entry.hf_repo)
     assert gguf is not None  # no folder comes back without a fallback
     why = "HF_HUB_OFFLINE is set" if _offline() else "the Hub is not reachable"
     print(f"{entry.name}: using the bundled GGUF file {gguf} (package {entry.gguf_package}; {entry.hf_repo} is "
@@ -72,7 +73,16 @@ def _open_named(entry: registry.ZooEntry) -> Source:
     return _open_gguf(gguf)
 
 
-def _open_folder(folder: Path, description: str) -> Source:
+def hub_cache_repo(folder: Path) -> str | None:
+    """The Hub repo id of a snapshot folder of the Hugging Face cache (``.../models--OWNER--NAME/snapshots/REV``),
+    or None for any other folder. The Hub forbids ``--`` in repo names, so the folder name splits unambiguously."""
+    parts = folder.absolute().parts
+    if len(parts) < 3 or parts[-2] != "snapshots" or not parts[-3].startswith("models--"):
+        return None
+    return "/".join(parts[-3].removeprefix("models--").split("--"))
+
+
+def _open_folder(folder: Path, description: str, hub_id: str | None = None) -> Source:
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
         raise UserError(f"{folder}: no config.json; a Hugging Face model folder needs config.json beside its weights")
@@ -89,7 +99,7 @@ def _open_folder(folder: Path, description: str) -> Source:
             for f in found:
                 shutil.copyfile(f, dest / f.name)
 
-    return Source(description, "hf", hf_config, reader, save_tokenizer)
+    return Source(description, "hf", hf_config, reader, save_tokenizer, hub_id)
 
 
 def _open_gguf(path: Path) -> Source:

@@ -12,7 +12,15 @@ from pretrain import distributed
 from pretrain.config import TrainConfig
 from pretrain.setup import frozen_base_quant
 from zoo.adapter import adapter_meta
-from zoo.checkpoint import HF_CONFIG_FILE, TOKENIZER_DIR, CheckpointWriter, read_meta, remove_stale_scratch, save_params
+from zoo.checkpoint import (
+    HF_CONFIG_FILE,
+    TOKENIZER_DIR,
+    CheckpointWriter,
+    provenance_of,
+    read_meta,
+    remove_stale_scratch,
+    save_params,
+)
 from zoo.config import ModelConfig
 from zoo.lora import LoraConfig, lora_specs
 from zoo.params import param_specs
@@ -52,7 +60,10 @@ def write_final(out: Path, cfg: TrainConfig, mcfg: ModelConfig, params: dict, sr
             q = frozen_base_quant(cfg, src) if lora else None
             quant = {"kind": q[0], "double": q[1]} if q else None
             extra = {"lora": adapter_meta(lora, cast(Path, src), stored, final, quant)} if lora else {}
-            writer.finish(mcfg, source=str(src or cfg.model.config), source_format="train", training=training, **extra)
+            # A run derives from its starting checkpoint: the Hub repo that came from, if any, is this run's too.
+            carried = provenance_of(read_meta(src)) if src is not None else {}
+            writer.finish(mcfg, source=str(src or cfg.model.config), source_format="train", training=training,
+                          **carried, **extra)
             if final.exists():
                 shutil.rmtree(final)
             scratch.replace(final)

@@ -32,8 +32,10 @@ SFT = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj"))
 DPO = LoraConfig(rank=2, alpha=4.0, targets=("q_proj", "o_proj"))
 
 
-def write_base(folder: Path, cfg: ModelConfig = CFG, dtype: str = "float32", seed: int = 0) -> Path:
-    """A zoo checkpoint of random weights (what `zoo convert` would leave, less tokenizer and HF config)."""
+def write_base(folder: Path, cfg: ModelConfig = CFG, dtype: str = "float32", seed: int = 0,
+               provenance: dict | None = None) -> Path:
+    """A zoo checkpoint of random weights (what `zoo convert` would leave, less tokenizer and HF config);
+    ``provenance``: its model.json's source entries (default: a random init's)."""
     import ml_dtypes
 
     np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
@@ -44,7 +46,7 @@ def write_base(folder: Path, cfg: ModelConfig = CFG, dtype: str = "float32", see
     stored = save_params(folder, nest(flat), {p: s.axes for p, s in specs.items()})
     writer = CheckpointWriter(folder)
     writer.adopt(stored)
-    writer.finish(cfg, source="random", source_format="init")
+    writer.finish(cfg, **(provenance or {"source": "random", "source_format": "init"}))
     return folder
 
 
@@ -179,3 +181,25 @@ def test_old_adapter_checkpoints_with_only_the_absolute_path_still_load(tmp_path
     shutil.move(base, tmp_path / "gone")
     assert refusal(sft) == (f"{sft} is a LoRA adapter of base checkpoint {base}, which is missing; put the base "
                             "back there (or export the merged model where both exist)")
+
+
+def test_runs_carry_the_hub_repo_of_their_base_and_peft_names_it_only_for_its_model(tmp_path):
+    """A run keeps the Hub repo its base was converted from (model.json's hub_id), and its adapters record that
+    their base is that repo's model (lora.base_hub_id), so the PEFT export names the repo even without the base
+    at hand; adapters over that run are over another model (the run merged): they name the run, not the repo."""
+    repo = "owner/tiny"
+    base = write_base(tmp_path / "base", provenance={"source": repo, "source_format": "hf", "hub_id": repo})
+    sft = write_run(base, tmp_path / "sft", SFT, seed=1)
+    dpo = write_run(sft, tmp_path / "dpo", DPO, seed=2)
+    assert read_meta(sft)["hub_id"] == read_meta(dpo)["hub_id"] == repo
+    assert read_meta(sft)["lora"]["base_hub_id"] == repo and "base_hub_id" not in read_meta(dpo)["lora"]
+
+    shutil.move(tmp_path / "sft", tmp_path / "elsewhere")  # the SFT run alone: its base is not beside it
+    shutil.rmtree(base)
+    assert main(["export", str(tmp_path / "elsewhere" / "final"), "--adapter", "--out", str(tmp_path / "p1")]) == 0
+    assert json.loads((tmp_path / "p1" / "adapter_config.json").read_text())["base_model_name_or_path"] == repo
+    shutil.move(tmp_path / "elsewhere", tmp_path / "sft")
+    assert main(["export", str(dpo), "--adapter", "--out", str(tmp_path / "p2")]) == 0
+    assert json.loads((tmp_path / "p2" / "adapter_config.json").read_text())["base_model_name_or_path"] == \
+        str(tmp_path / "sft" / "final")
+    assert f"It comes from the Hub's `{repo}`" in (tmp_path / "p2" / "README.md").read_text()

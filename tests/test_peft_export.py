@@ -19,10 +19,11 @@ import pytest
 import torch
 
 import zoo
-from convert.peft import LORA_LAYOUTS, base_model_ref, hub_repo_of
+from convert.peft import LORA_LAYOUTS, adapter_card, base_model_ref
 from convert.tables import table_for
 from convert.transforms import TRANSFORMS
-from tests.helpers import hf_logits, make_hf, random_tokens, write_adapter_checkpoint
+from tests.helpers import hf_logits, lay_out_hf_cache, make_hf, random_tokens, write_adapter_checkpoint
+from zoo.checkpoint import hub_repo_of, read_meta
 from zoo.cli import main
 from zoo.config import ModelConfig
 from zoo.lora import LoraConfig, lora_delta, lora_specs
@@ -217,6 +218,13 @@ def test_bad_requests_are_one_line_errors(llama, tmp_path, capsys):
                  "--max-shard-size", "1GB"]) == 2
     assert "--max-shard-size" in _one_error_line(capsys)
 
+    assert main(["export", str(llama.base), "--out", str(tmp_path / "z"), "--base-out", str(tmp_path / "b")]) == 2
+    assert "--base-out applies to --adapter only" in _one_error_line(capsys)
+    assert main(["export", str(llama.adapter), "--adapter", "--out", str(tmp_path / "z"),
+                 "--base-out", str(tmp_path / "z" / "base")]) == 2
+    assert "overlap" in _one_error_line(capsys)
+    assert sorted(tmp_path.iterdir()) == []  # nothing written by any of them
+
 
 def test_dry_run_lists_the_adapter_files(llama, tmp_path, capsys):
     assert main(["export", str(llama.adapter), "--adapter", "--push-to-hub", "me/tiny-lora", "--dry-run"]) == 0
@@ -275,3 +283,84 @@ def test_base_model_ref(tmp_path, source, fmt, want):
         base.mkdir()
         (base / "model.json").write_text(json.dumps({"source": source, "source_format": fmt}))
     assert base_model_ref(tmp_path / "adapter", {"lora": {"base": str(base)}}) == (want or str(base))
+
+
+HUB_REPO = "lmzoo-tests/tiny-llama"
+
+
+def test_adapter_of_a_hub_conversion_names_the_repo(llama, tmp_path, monkeypatch):
+    """`zoo convert` records the Hub repo a checkpoint came from (a repo id through the Hub cache, or a folder of
+    that cache), the adapter checkpoint keeps it, and the PEFT export names the repo: where the base is, and
+    where the run is exported without its base."""
+    import huggingface_hub.constants
+
+    lay_out_hf_cache(tmp_path / "cache", HUB_REPO, llama.hf)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    snapshot = tmp_path / "cache" / ("models--" + HUB_REPO.replace("/", "--")) / "snapshots" / ("0" * 40)
+    lora = LoraConfig(rank=4, alpha=8.0, targets=["q_proj", "v_proj"])
+    for source, name in ((HUB_REPO, "by_id"), (str(snapshot), "by_folder")):
+        assert main(["convert", source, "--out", str(tmp_path / name / "base")]) == 0
+        assert read_meta(tmp_path / name / "base")["hub_id"] == HUB_REPO
+        write_adapter_checkpoint(tmp_path / name / "base", tmp_path / name / "run", lora)
+    (tmp_path / "by_id" / "base").rename(tmp_path / "by_id" / "gone")  # the run alone, as if copied elsewhere
+    for name in ("by_id", "by_folder"):
+        out = tmp_path / name / "peft"
+        assert main(["export", str(tmp_path / name / "run"), "--adapter", "--out", str(out)]) == 0
+        assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == HUB_REPO, name
+        card = (out / "README.md").read_text()
+        assert f"base_model: {HUB_REPO}\n" in card and f"The base model is the Hub's `{HUB_REPO}`" in card
+        assert "AutoPeftModelForCausalLM.from_pretrained" in card
+
+
+def test_qlora_adapter_names_its_dequantized_export_which_autopeft_loads(llama, tmp_path, capsys):
+    """An adapter over a base stored quantized (`zoo quantize`) exports with the dequantized base beside it
+    (OUT-base), names that folder as its base, and says so in its card: AutoPeftModelForCausalLM loads the
+    adapter alone and gives the model the adapters were trained in (the merged export: the dequantized base
+    plus the adapters). int8 rather than NF4: the export does not depend on the kind, and int8 compiles less."""
+    from peft import AutoPeftModelForCausalLM
+
+    assert main(["quantize", str(llama.base), "--out", str(tmp_path / "q8"), "--quant", "int8"]) == 0
+    run = write_adapter_checkpoint(tmp_path / "q8", tmp_path / "run", LoraConfig(rank=8, alpha=16.0,
+                                                                                 targets=ALL_TARGETS))
+    peft_dir, base_dir = tmp_path / "peft", tmp_path / "peft-base"
+    capsys.readouterr()
+    assert main(["export", str(run), "--adapter", "--out", str(peft_dir), "--dry-run"]) == 0
+    assert f"{base_dir}/model.safetensors" in capsys.readouterr().out  # the dry run lists the base's files too
+    assert main(["export", str(run), "--adapter", "--out", str(peft_dir)]) == 0
+    assert f"wrote {base_dir}" in capsys.readouterr().out
+    assert json.loads((peft_dir / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base_dir)
+    card = (peft_dir / "README.md").read_text()
+    assert f"The base model is `{base_dir}`" in card and "dequantized" in card and str(tmp_path / "q8") in card
+    assert "(INT8, `zoo quantize`)" in card and "QLoRA" in card and "base_model:" not in card
+    assert "AutoPeftModelForCausalLM.from_pretrained" in card
+
+    model = AutoPeftModelForCausalLM.from_pretrained(str(peft_dir), dtype=torch.float32,
+                                                     attn_implementation="eager").eval()
+    assert main(["export", str(run), "--out", str(tmp_path / "merged")]) == 0
+    want = hf_logits(load_hf(tmp_path / "merged"), llama.tokens)
+    assert np.abs(want - hf_logits(load_hf(llama.hf), llama.tokens)).max() > 0.1  # adapters (and int8) count
+    assert np.abs(hf_logits(model, llama.tokens) - want).max() <= TOL
+
+
+def test_card_of_an_adapter_over_a_local_base_says_what_the_base_is(llama):
+    """A base converted from a local folder has no Hub repo: the adapter names the lmzoo checkpoint, and its
+    card says that transformers does not read it and how to export it."""
+    card = (llama.peft_dir / "README.md").read_text()
+    assert (f"The base model is the lmzoo checkpoint `{llama.base}`, which transformers does not read: export it "
+            f"with `zoo export {llama.base} --out BASE`") in card
+    assert "base_model:" not in card and "PeftModel.from_pretrained(base" in card
+
+
+def test_card_of_qlora_adapters_over_a_float_hub_base(tmp_path):
+    """Adapters trained with lora.base_quant on a float base converted from the Hub name the repo; the card says
+    that training quantized the base, and which export is the exact model."""
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "model.json").write_text(json.dumps({"source": "owner/tiny", "source_format": "hf"}))
+    meta = {"lora": {"base": str(base), "base_quant": {"kind": "nf4", "double": True}, "rank": 4, "alpha": 8.0,
+                     "rslora": False}}
+    ref = base_model_ref(tmp_path / "run", meta)
+    card = adapter_card(tmp_path / "run", meta, ref, ["q_proj"], "me/qlora")
+    assert ref == "owner/tiny" and "base_model: owner/tiny\n" in card
+    assert "trained beside its projections quantized (NF4, double quantization, QLoRA)" in card
+    assert f"`zoo export {tmp_path / 'run'}` writes that model exactly" in card

@@ -19,9 +19,11 @@ The base is referred to by three fields of the ``lora`` entry:
   run moved together with its base still finds it;
 - ``base_digest``: sha256 digests of the base's config and of its parameter manifest
   (names, shapes, dtypes; for a base that is itself an adapter checkpoint, its
-  adapters' too), so a base that changed since training is refused.
+  adapters' too), so a base that changed since training is refused;
 
-The two newer fields are optional additions within format version 1: older lmzoo
+and, when the base is a Hub repo's model as converted, ``base_hub_id``: that repo's id.
+
+The newer fields are optional additions within format version 1: older lmzoo
 ignores them and reads ``base`` as before, and checkpoints without them load as
 before (the recorded path, unchecked).
 """
@@ -42,6 +44,7 @@ from zoo.checkpoint import (
     PARAMS_DIR,
     ParamSource,
     StoredSection,
+    hub_weights,
     load_param_numpy,
     np_dtype,
     orbax_v1,
@@ -197,7 +200,9 @@ def adapter_meta(lora_cfg: LoraConfig, base: Path, adapter_params: dict[str, dic
     ``ckpt`` is the folder the adapter checkpoint ends up in (not a scratch folder renamed onto it later):
     ``base_relative`` is relative to it. Without ``ckpt`` only the absolute path is recorded.
     ``base_quant`` ({"kind", "double"}) records adapters trained on a quantized base (QLoRA): merging then adds
-    them to the dequantized base, the weights they were trained beside.
+    them to the dequantized base, the weights they were trained beside. ``base_hub_id`` records the Hub repo
+    whose model the base is (:func:`zoo.checkpoint.hub_weights`), so that a PEFT export names it even where
+    the base is not at hand.
     """
     base = Path(base).absolute()
     ref: dict[str, Any] = {"base": str(base)}
@@ -206,7 +211,11 @@ def adapter_meta(lora_cfg: LoraConfig, base: Path, adapter_params: dict[str, dic
             ref["base_relative"] = os.path.relpath(os.path.normpath(base), os.path.normpath(Path(ckpt).absolute()))
         except ValueError:  # no relative path between them (Windows: another drive)
             pass
-    ref["base_digest"] = base_digest(read_meta(base))
+    base_meta = read_meta(base)
+    ref["base_digest"] = base_digest(base_meta)
+    repo = hub_weights(base_meta)
+    if repo:  # the base is that Hub repo's model as it is: a PEFT export names the repo
+        ref["base_hub_id"] = repo
     return AdapterSection({"rank": lora_cfg.rank, "alpha": lora_cfg.alpha, "rslora": lora_cfg.rslora,
                            "target_modules": list(target_modules(lora_cfg)), "scale": lora_scale(lora_cfg),
                            **ref, **({"base_quant": base_quant} if base_quant else {}), "params": adapter_params})

@@ -152,7 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "adapter, as a PEFT folder (adapter_config.json + adapter_model.safetensors) that "
                         "peft.PeftModel.from_pretrained loads onto the base model. Without it, an adapter checkpoint "
                         "exports as the merged model")
-    s.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
+    s.add_argument("--base-out", metavar="DIR",
+                   help="with --adapter: also export the adapter's base model here (dequantized when `zoo quantize` "
+                        "stored it quantized, merged when it is an adapter checkpoint) and name this folder as the "
+                        "adapter's base_model_name_or_path. Default: OUT-base beside --out for a base stored "
+                        "quantized (QLoRA), none otherwise")
+    s.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (and --base-out) folder")
     s.add_argument("--push-to-hub", metavar="USER/REPO",
                    help="upload to this Hub repo (created if needed); the token comes from HF_TOKEN or `hf auth login`")
     s.add_argument("--private", action="store_true", help="create the Hub repo as private")
