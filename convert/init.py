@@ -33,7 +33,9 @@ def init_random(source: str, out: str | Path, seed: int = 0, dtype: str = "float
         hf = entry.hf_config
     cfg = model_config_from_hf(hf, source)
     specs = param_specs(cfg)
-    params = flatten(init_params(cfg, jax.random.PRNGKey(seed), DTYPES[dtype], std))
+    # One jitted program draws every tensor: op by op, each new shape compiled its own (a tiny model's dozens of
+    # shapes cost seconds, more than the draws).
+    params = flatten(jax.jit(lambda key: init_params(cfg, key, DTYPES[dtype], std))(jax.random.PRNGKey(seed)))
     with atomic_output(out) as folder:
         writer = CheckpointWriter(folder)
         for path in sorted(params):

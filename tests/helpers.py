@@ -374,6 +374,13 @@ def zoo_offline(args, cache: Path):
     return subprocess.run([sys.executable, "-m", "zoo.cli", *args], capture_output=True, text=True, env=env, timeout=300)
 
 
+def devices_env(n: int) -> dict[str, str]:
+    """The environment of a subprocess that simulates ``n`` CPU devices, keeping the suite's other XLA flags."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform")]
+    return {**os.environ, "XLA_FLAGS": " ".join([*flags, f"--xla_force_host_platform_device_count={n}"]),
+            "JAX_PLATFORMS": "cpu"}
+
+
 TEST_ONLY = ("torch", "peft", "trl", "accelerate", "bitsandbytes")
 
 

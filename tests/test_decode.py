@@ -11,7 +11,7 @@ import torch
 
 import zoo
 from eval.generate import GenerationConfig, generate
-from tests.helpers import FAMILIES, make_hf, random_tokens
+from tests.helpers import FAMILIES, devices_env, make_hf, random_tokens
 from zoo.cli import main
 from zoo.decode import forward_cached_jit, init_cache
 from zoo.model import forward
@@ -232,7 +232,6 @@ def test_generation_on_an_8_device_mesh_equals_one_device(tmp_path):
     """zoo.load shards the parameters over 8 (simulated) devices; the cache is sharded like them, and the
     tokens are those of one device.
     Slow (slow lane): a subprocess on 8 simulated devices compiles the generation loop."""
-    import os
     import subprocess
     import sys
 
@@ -242,7 +241,7 @@ def test_generation_on_an_8_device_mesh_equals_one_device(tmp_path):
     rng = np.random.RandomState(5)
     prompts = [rng.randint(0, model.cfg.vocab_size, n).tolist() for n in (4, 9, 6, 13)]
     want = generate(model.cfg, model.param_dict(), prompts, GenerationConfig(max_new_tokens=10))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = devices_env(8)
     r = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, str(tmp_path / "zoo"), json.dumps(prompts)], env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

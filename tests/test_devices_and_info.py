@@ -1,14 +1,13 @@
 """zoo.load on 8 simulated devices, and `zoo info`."""
 
 import json
-import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from tests.helpers import hf_logits, make_llama, mean_kl, random_tokens
+from tests.helpers import devices_env, hf_logits, make_llama, mean_kl, random_tokens
 from zoo.cli import main
 
 SCRIPT = r"""
@@ -34,7 +33,7 @@ def test_loads_sharded_on_8_devices_with_same_logits(tmp_path):
     assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "zoo")]) == 0
     tokens = random_tokens(hf.config.vocab_size)
     np.save(tmp_path / "tokens.npy", tokens)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = devices_env(8)
     p = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "zoo"), str(tmp_path / "tokens.npy"),
                         str(tmp_path / "logits.npy")], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]

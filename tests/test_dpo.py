@@ -20,6 +20,7 @@ from tests.helpers import (
     DPO_LORA,
     TINY_LM,
     UNEVEN_PAIRS,
+    devices_env,
     dpo_cfg,
     dpo_pairs,
     hf_logits,
@@ -340,7 +341,7 @@ def test_8_devices_match_one_device(setup, sgd_run, tmp_path):
     base = [f"model.path={root / 'policy'}", f"model.tokenizer={root / 'tok'}",
             f"data.path={root / 'prefs.jsonl'}", "data.seq_len=32", "schedule.name=constant", "log_every=1",
             "checkpoint.every=100", *_sgd(root)]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = devices_env(8)
     p = subprocess.run([sys.executable, "-c", MESH_SCRIPT, json.dumps(base), str(tmp_path)],
                        capture_output=True, text=True, env=env, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers import kill_after_checkpoint, make_llama
+from tests.helpers import devices_env, kill_after_checkpoint, make_llama
 
 WORDS = "red blue green gold pink gray teal plum rust sand mint navy lime ruby jade onyx".split()
 LOW = set(WORDS[:8])  # the synthetic task's reward: the share of completion words from the first half
@@ -262,7 +262,6 @@ def test_two_processes_follow_the_one_process_run(setup, tmp_path):
     """2 processes x 2 CPU devices (gloo; fsdp over 4 devices; each process feeding its own rows, sampling its
     shard of the batch, every process scoring the whole batch) draw the completions the one-device run draws
     and train like it. Slow (slow lane): two `grpo train` processes (gloo) each import, compile and train."""
-    import os
     import subprocess
     import sys
 
@@ -277,7 +276,7 @@ def test_two_processes_follow_the_one_process_run(setup, tmp_path):
             f"data.path={setup / 'prompts.jsonl'}", "data.seq_len=8", "batch_size=16", "grpo.num_generations=4",
             "grpo.max_completion_length=6", f"grpo.rewards=[{setup / 'rewards.py'}:low_words]", "log_every=1",
             "schedule.name=constant", "checkpoint.every=1000", f"output_dir={tmp_path / 'two'}", *common]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    env = devices_env(2)
     port = _free_port()
     run = "import sys; from grpo.cli import main; sys.exit(main(sys.argv[1:]))"
     procs = [subprocess.Popen([sys.executable, "-c", run, *args, "--coordinator", f"localhost:{port}",

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers import LORA_CONFIGS, LORA_TOKENS, lora_base_params, random_lora, saved_residuals
+from tests.helpers import LORA_CONFIGS, LORA_TOKENS, devices_env, lora_base_params, random_lora, saved_residuals
 from zoo.config import ModelConfig
 from zoo.errors import UserError
 from zoo.lora import LoraConfig, lora_scale, lora_specs, merge_lora
@@ -227,7 +227,7 @@ print(json.dumps(out))
 @pytest.mark.slow
 def test_sharded_adapters_on_8_devices_equal_one_device():
     """Slow (slow lane): a subprocess on 8 simulated devices compiles the forward once per sharding."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = devices_env(8)
     p = subprocess.run([sys.executable, "-c", MESH_SCRIPT], capture_output=True, text=True, env=env, timeout=600,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert p.returncode == 0, p.stderr[-3000:]

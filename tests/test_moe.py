@@ -1,7 +1,6 @@
 """Mixture of experts: Mixtral, DeepSeek-V2 (MLA, with and without q_lora_rank) and DeepSeek-V3."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -12,7 +11,7 @@ import pytest
 import torch
 
 import zoo
-from tests.helpers import hf_logits, hf_tensors, make_hf, mean_kl, random_tokens
+from tests.helpers import devices_env, hf_logits, hf_tensors, make_hf, mean_kl, random_tokens
 from zoo.cli import main
 
 VARIANTS = {
@@ -153,7 +152,7 @@ def test_expert_parallel_on_8_devices(tmp_path, variant):
     tokens = random_tokens(hf.config.vocab_size, seq=SEQ)
     np.save(tmp_path / "tokens.npy", tokens)
     one = np.asarray(zoo.load(tmp_path / "zoo")(jnp.asarray(tokens)))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = devices_env(8)
     p = subprocess.run([sys.executable, "-c", EXPERT_SCRIPT, str(tmp_path / "zoo"), str(tmp_path / "tokens.npy"),
                         str(tmp_path / "logits.npy")], capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]

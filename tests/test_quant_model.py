@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers import lora_lm_loss, quantized_projections, tiny_config
+from tests.helpers import devices_env, lora_lm_loss, quantized_projections, tiny_config
 from zoo import quant
 from zoo.lora import LoraConfig, init_lora
 from zoo.params import flatten, init_params, nest
@@ -130,12 +130,11 @@ print("ok")
 @pytest.mark.slow
 def test_qlora_on_an_8_device_mesh_equals_one_device():
     """Slow (slow lane): a subprocess on 8 simulated devices compiles the QLoRA step on one device and on the mesh."""
-    import os
     import subprocess
     import sys
     from pathlib import Path
 
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = devices_env(8)
     p = subprocess.run([sys.executable, "-c", MESH_CHILD], capture_output=True, text=True, env=env, timeout=600,
                        cwd=Path(__file__).resolve().parent.parent)
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-3000:]

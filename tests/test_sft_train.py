@@ -12,7 +12,7 @@ from pretrain.trainer import train
 from sft.cli import main as sft_main
 from sft.config import SFTConfig
 from sft.task import SFTTask
-from tests.helpers import copy_tiny_lm
+from tests.helpers import copy_tiny_lm, devices_env
 from zoo.cli import main as zoo_main
 
 COLORS = "red blue green yellow black white".split()
@@ -248,7 +248,6 @@ print(json.dumps(out))
 @pytest.mark.slow
 def test_lora_on_8_devices_matches_one_device(setup, tmp_path):
     """Slow (slow lane): a subprocess on 8 simulated devices trains LoRA SFT with its own compilations."""
-    import os
     import subprocess
     import sys
 
@@ -261,7 +260,7 @@ def test_lora_on_8_devices_matches_one_device(setup, tmp_path):
     base = [f"model.path={root / 'zoo'}", f"model.tokenizer={root / 'tok'}", f"data.path={root / 'chat.jsonl'}",
             "data.seq_len=64", "batch_size=8", "schedule.name=constant", "log_every=1", "checkpoint.every=100",
             *extra]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = devices_env(8)
     p = subprocess.run([sys.executable, "-c", LORA_MESH_SCRIPT, json.dumps(base), str(tmp_path)],
                        capture_output=True, text=True, env=env, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]

@@ -8,7 +8,7 @@ import pytest
 import zoo
 from pretrain.config import load_config
 from pretrain.trainer import train
-from tests.helpers import copy_tiny_lm
+from tests.helpers import copy_tiny_lm, devices_env
 from zoo.cli import main as zoo_main
 
 WORDS = "the a cat dog sat ran on under mat log red blue big small quickly slowly and then".split()
@@ -140,7 +140,6 @@ print(json.dumps(out))
 @pytest.mark.slow
 def test_meshes_on_8_devices_match_one_device(setup, sgd_run, tmp_path):
     """Slow (slow lane): a subprocess on 8 simulated devices trains three meshes, each compiling its own step."""
-    import os
     import subprocess
     import sys
 
@@ -148,7 +147,7 @@ def test_meshes_on_8_devices_match_one_device(setup, sgd_run, tmp_path):
     base = [f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}", f"data.path={setup / 'data.jsonl'}",
             "data.seq_len=32", "batch_size=8", "schedule.name=constant", "log_every=1", "checkpoint.every=2",
             f"max_steps={SGD_STEPS}", *SGD]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = devices_env(8)
     p = subprocess.run([sys.executable, "-c", MESH_SCRIPT, json.dumps(base), str(tmp_path)], capture_output=True,
                        text=True, env=env, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -365,7 +364,6 @@ TRAIN_THEN_TELL_TORCH = ("import sys; from pretrain.cli import main; rc = main([
 def two_processes(setup, tmp_path_factory):
     """`pretrain train` as 2 processes x 2 CPU devices (gloo), SGD_STEPS steps like ``sgd_run`` (grad_accum 2), each
     process saying at exit whether it imported torch. Returns (run folder, [(returncode, stdout, stderr)] by process)."""
-    import os
     import subprocess
     import sys
 
@@ -373,7 +371,7 @@ def two_processes(setup, tmp_path_factory):
     args = [f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}", f"data.path={setup / 'data.jsonl'}",
             "data.seq_len=32", "batch_size=8", "grad_accum=2", "schedule.name=constant", "log_every=1",
             "checkpoint.every=2", f"output_dir={out}", f"max_steps={SGD_STEPS}", *SGD]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    env = devices_env(2)
     port = _free_port()
     procs = [subprocess.Popen([sys.executable, "-c", TRAIN_THEN_TELL_TORCH, *args, "--coordinator",
                                f"localhost:{port}", "--num-processes", "2", "--process-id", str(i)],
