@@ -37,7 +37,9 @@ class GrpoSection:
     num_iterations: int = 1  # mu: optimizer updates per rollout batch (> 1 reuses it with its old log-probs)
     importance_sampling_level: str = field(default="token", metadata={"choices": IMPORTANCE_LEVELS})
     beta: float = 0.0  # weight of the k3 KL to the reference (0: no reference pass at all)
-    reference: str = "base"  # beta > 0: base (LoRA: the adapters switched off) | a zoo checkpoint path
+    # beta > 0: base, the model the run starts from (LoRA: the base, adapters off; full fine-tuning: a frozen copy of
+    # the starting checkpoint, as TRL) | a zoo checkpoint path
+    reference: str = "base"
     mask_truncated: bool = False  # completions that hit max_completion_length train nothing
     log_completions_every: int = 10  # write every completion of every Nth step to completions.jsonl (0: never)
 
