@@ -50,7 +50,9 @@ class GrpoSection:
     importance_sampling_level: str = field(default="token", metadata={"choices": IMPORTANCE_LEVELS})
     # weight of the k3 KL to the reference (0: no reference pass at all)
     beta: float = field(default=0.0, metadata={"range": "[0, inf)"})
-    reference: str = "base"  # beta > 0: base (LoRA: the adapters switched off) | a zoo checkpoint path
+    # beta > 0: base, the model the run starts from (LoRA: the base, adapters off; full fine-tuning: a frozen copy of
+    # the starting checkpoint, as TRL) | a zoo checkpoint path
+    reference: str = "base"
     mask_truncated: bool = False  # completions that hit max_completion_length train nothing
     # write every completion of every Nth step to completions.jsonl (0: never)
     log_completions_every: int = field(default=10, metadata={"range": "[0, inf)"})

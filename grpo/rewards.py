@@ -90,6 +90,21 @@ class RewardSet:
     def __repr__(self) -> str:
         return f"RewardSet({', '.join(f'{n}*{w:g}' for n, w in zip(self.names, self.weights))})"
 
+    def check_columns(self, columns: Sequence[str], label: str) -> None:
+        """A UserError when a shipped verifier's data column (:func:`grpo.verifiers.needed_columns`) is not among
+        ``columns`` (the data columns the reward functions get, the prompt's aside; ``label`` names the data):
+        it would score None on every row, and the run would learn nothing while exiting 0. A user's function
+        reads whatever columns it likes (None where absent is its own convention), so it is not checked."""
+        for rf in self.functions:
+            shipped = verifiers.shipped_name(rf.fn)
+            missing = [c for c in verifiers.needed_columns(shipped, rf.kwargs) if c not in columns] if shipped else []
+            if missing:
+                hint = columns[0] if len(columns) == 1 else "COLUMN"
+                raise UserError(f"{label}: reward function {rf.name} needs the column '{missing[0]}' (each row's "
+                                f"reference answer), and the rows' columns besides the prompt are "
+                                f"{', '.join(columns) or 'none'}; name the column that holds the answers: "
+                                f"grpo.rewards: [{{function: {shipped}, answer_field: {hint}}}]")
+
     def compute(self, prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Sequence[Sequence[int]],
                 columns: Mapping[str, Sequence[Any]], where: Callable[[int], str]) -> tuple[np.ndarray, np.ndarray]:
         """Score B completions: ``(per_function, total)``.
@@ -301,7 +316,7 @@ def _check_kwargs(label: str, fn: Callable, kwargs: dict[str, Any]) -> None:
     if clash:
         raise UserError(f"grpo.rewards entry {label!r}: {clash[0]!r} is an argument the trainer passes every reward "
                         f"function; remove the key")
-    shipped = next((n for n, f in verifiers.SHIPPED.items() if f is fn), None)
+    shipped = verifiers.shipped_name(fn)
     if shipped:
         verifiers.check_options(shipped, kwargs)  # they take **columns, so a misspelt option must be caught here
         return

@@ -42,6 +42,7 @@ from grpo import losses
 from grpo.config import GRPOConfig
 from grpo.rewards import load_rewards
 from grpo.rollout import RolloutSpec, assemble, sample_group_completions
+from pretrain import distributed
 from pretrain.batch import Rollout, RolloutBatch
 from pretrain.config import TrainConfig
 from pretrain.dtypes import DTYPES
@@ -88,11 +89,14 @@ class GRPOTask(Task):
     # ---- rows -> prompt documents ------------------------------------------------------------------------
 
     def load(self, path: str, cfg: TrainConfig) -> RowSource:
-        """The rows of ``path``; they need the prompt column (``data.prompt_field``)."""
+        """The rows of ``path``; they need the prompt column (``data.prompt_field``) and the columns the shipped
+        verifiers read (their answers)."""
         ds, _ = load_dataset_rows(path, cfg.data.split)
         if self.field not in ds.column_names:
             raise UserError(f"data.path {path}: GRPO rows need a '{self.field}' field (a string, or a list of "
                             f"messages); columns: {ds.column_names} (data.prompt_field names another column)")
+        # A shipped verifier without its answers' column would score None everywhere and learn nothing.
+        self.rewards.check_columns([c for c in ds.column_names if c != self.field], f"data.path {path}")
         return RowSource(ds, self.field, path)
 
     def documents(self, rows: RowSource, tokenizer: Tokenizer, path: str, skip_bad: bool,
@@ -138,8 +142,9 @@ class GRPOTask(Task):
     # ---- set-up ------------------------------------------------------------------------------------------
 
     def prepare(self, ctx: RunContext) -> dict | None:
-        """Compile-ready rollout functions; returns the reference checkpoint's params when ``grpo.reference``
-        is a path and ``beta`` > 0 (the step's frozen inputs), else None."""
+        """Compile-ready rollout functions; with ``beta`` > 0 returns the reference's params (the step's frozen
+        inputs): the ``grpo.reference`` checkpoint, or with full fine-tuning and ``grpo.reference: base`` (the
+        default) the starting model; None otherwise (LoRA's reference is the frozen base, adapters off)."""
         g, cfg, mcfg, mesh, tokenizer = self.grpo, ctx.cfg, ctx.mcfg, ctx.mesh, ctx.tokenizer
         self.mcfg, self.tokenizer = mcfg, tokenizer
         self.compute = DTYPES[cfg.dtype.compute]
@@ -157,18 +162,29 @@ class GRPOTask(Task):
         self.reference = None
         frozen_inputs = None
         if g.beta > 0:
-            if g.reference == "base":
-                if self.lora_cfg is None:
-                    raise UserError("grpo.beta > 0 with full fine-tuning (lora.rank: 0) needs a reference model "
-                                    "besides the trained one: set grpo.reference to a zoo checkpoint path (e.g. the "
-                                    "model you start from); grpo.reference: base is the LoRA base, adapters off")
-                self.reference = "base"
+            if g.reference == "base" and self.lora_cfg is not None:
+                self.reference = "base"  # the frozen base the loop holds anyway, run with the adapters off
+            elif g.reference == "base":
+                frozen_inputs = self._starting_model(ctx)
+                self.reference = "inputs"
             else:
-                frozen_inputs = load_reference(g.reference, "grpo.reference", "base, with LoRA", mcfg, mesh,
-                                               DTYPES[cfg.dtype.params])
-                self.reference = "path"
+                frozen_inputs = load_reference(g.reference, "grpo.reference", "base: the starting model", mcfg,
+                                               mesh, DTYPES[cfg.dtype.params])
+                self.reference = "inputs"
         self._compile(cfg)
         return frozen_inputs
+
+    def _starting_model(self, ctx: RunContext) -> dict:
+        """Full fine-tuning's default reference (TRL's): the model the run starts from, a frozen copy of the params
+        as loaded (``model.path``, or the seeded random init), taken before the train step, which donates the
+        trained params' buffers, ever runs. A resumed run loads the starting model before restoring its
+        checkpoint, so its reference is the starting model too, never the weights it resumes."""
+        where = f"model.path {ctx.cfg.model.path}" if ctx.cfg.model.init != "random" else "model.init: random"
+        if distributed.is_primary():
+            print(f"grpo.reference: the starting model ({where}), kept frozen beside the trained weights (grpo.beta "
+                  f"{self.grpo.beta:g} with full fine-tuning; grpo.reference: PATH names another checkpoint)",
+                  flush=True)
+        return jax.tree.map(lambda x: x.copy(), ctx.params)
 
     def _compile(self, cfg: TrainConfig) -> None:
         """The jitted pieces of a rollout, each laid out as the train step reads its batch."""
@@ -247,7 +263,7 @@ class GRPOTask(Task):
             batch = dataclasses.replace(batch, old_logps=self._policy_logps(base, lora, batch))
         if self.reference == "base":  # the LoRA base, adapters off
             batch = dataclasses.replace(batch, ref_logps=self._logps(frozen, batch))
-        elif self.reference == "path":
+        elif self.reference == "inputs":  # the starting model (full fine-tuning) or a grpo.reference checkpoint
             batch = dataclasses.replace(batch, ref_logps=self._logps(frozen_inputs, batch))
         t_roll = time.perf_counter() - t0
 
@@ -260,32 +276,15 @@ class GRPOTask(Task):
             "completions/max_length": float(len_h.max()), "completions/clipped_ratio": float(truncated.mean()),
             "rollout_tokens_per_sec": n_tokens / max(t_gen, 1e-9),
         }
-        for j, name in enumerate(self.rewards.names):
-            col = per_fn[:, j]
-            seen = col[~np.isnan(col)]
-            m[f"reward/{name}/mean"] = float(seen.mean()) if len(seen) else float("nan")
-            m[f"reward/{name}/std"] = float(seen.std(ddof=1)) if len(seen) > 1 else 0.0
+        m.update(reward_metrics(self.rewards.names, per_fn))
         every = g.log_completions_every
-        log = self._completions(step + 1, prompts, texts, ids, per_fn, total, adv) \
+        log = completion_records(step + 1, prompts, texts, ids, self.rewards.names, per_fn, total, adv) \
             if every and (step + 1) % every == 0 else []
         return Rollout(batch, m, t_gen, t_roll, real * g.num_iterations, log)
 
     def hooks(self, out: Path, primary: bool) -> list[Hook]:
         """The completions log (``completions.jsonl`` of the run folder; the primary process writes it)."""
         return [CompletionsLog(out / COMPLETIONS_FILE)] if primary else []
-
-    def _completions(self, step: int, prompts: list, texts: list[str], ids: list[list[int]],
-                     per_fn: np.ndarray, total: np.ndarray, adv: np.ndarray) -> list[dict[str, Any]]:
-        """One record per completion of the step (loop step ``step``, 1-based), its rewards and advantage."""
-        out = []
-        for r in range(len(texts)):
-            rec = {"step": step, "prompt": prompts[r], "completion": texts[r], "completion_ids": ids[r],
-                   "reward": float(total[r]), "advantage": float(adv[r])}
-            for j, name in enumerate(self.rewards.names):
-                v = per_fn[r, j]
-                rec[name] = None if np.isnan(v) else float(v)
-            out.append(rec)
-        return out
 
     # ---- (params, batch) -> loss sums ----------------------------------------------------------------------
 
@@ -320,15 +319,43 @@ class GRPOTask(Task):
         else:
             clip_of = lambda x: Ratio(*losses.masked_mean_sums(x, mask))  # noqa: E731
         extras: dict[str, Metric] = {
-            "kl": Ratio(*losses.masked_mean_sums(sg(terms["kl"]), mask)),
             "entropy": Ratio(*losses.masked_mean_sums(entropy, mask)),
             "clip_ratio/low_mean": clip_of(terms["low_clip"]),
             "clip_ratio/high_mean": clip_of(terms["high_clip"]),
             "clip_ratio/region_mean": clip_of(terms["region_clip"]),
             SAMPLER_DIFF: Max(jnp.max(jnp.abs(mb.sampler_logps - sg(old)) * mask)),
         }
+        if g.beta > 0:  # as TRL: no reference, no kl metric (it would be a constant 0)
+            extras["kl"] = Ratio(*losses.masked_mean_sums(sg(terms["kl"]), mask))
         objective = total + (aux["loss"] * n if aux is not None else 0.0)
         return LossOutput(objective, sg(total), n, extras)
+
+
+def reward_metrics(names: list[str], per_fn: np.ndarray) -> dict[str, float]:
+    """Each reward function's mean and std over the batch's completions it scored, under TRL's names
+    ``rewards/{name}/mean`` and ``rewards/{name}/std`` (``per_fn`` [B, F], NaN where a function returned None).
+    A function that scored none has NaN for both (TRL's nanmean and nanstd; the metrics log writes null)."""
+    m = {}
+    for j, name in enumerate(names):
+        col = per_fn[:, j]
+        seen = col[~np.isnan(col)]
+        m[f"rewards/{name}/mean"] = float(seen.mean()) if len(seen) else float("nan")
+        m[f"rewards/{name}/std"] = float(seen.std(ddof=1)) if len(seen) > 1 else 0.0 if len(seen) else float("nan")
+    return m
+
+
+def completion_records(step: int, prompts: list, texts: list[str], ids: list[list[int]], names: list[str],
+                       per_fn: np.ndarray, total: np.ndarray, adv: np.ndarray) -> list[dict[str, Any]]:
+    """One ``completions.jsonl`` record per completion of loop step ``step`` (1-based): its prompt, text, ids,
+    weighted total ``reward``, ``advantage``, and each function's value (None: did not apply) under
+    ``rewards`` by function name, a namespace of their own, so that no function's name (``reward``, ``step``)
+    can overwrite a field of the record."""
+    out = []
+    for r in range(len(texts)):
+        out.append({"step": step, "prompt": prompts[r], "completion": texts[r], "completion_ids": ids[r],
+                    "reward": float(total[r]), "advantage": float(adv[r]),
+                    "rewards": {name: None if np.isnan(v) else float(v) for name, v in zip(names, per_fn[r])}})
+    return out
 
 
 class CompletionsLog(JsonlLog):

@@ -7,7 +7,9 @@ completion's text is then its last message's content); ``completion_ids`` the co
 completion, or None where it does not apply (TRL's convention: such rewards drop out of the weighted sum).
 
 The options a ``grpo.rewards`` mapping may give each function are in :data:`OPTIONS`, checked when the
-rewards are loaded (:func:`check_options`) so that a typo fails before the model loads, not at step 1.
+rewards are loaded (:func:`check_options`) so that a typo fails before the model loads, not at step 1. The
+data columns each needs (:func:`needed_columns`: exact_match's and final_number's answers, the ``answer``
+column or the one their ``answer_field`` names) are checked against the rows before step 1.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 from zoo.errors import UserError
 
 Reward = float | None
+ANSWER = "answer"  # the column exact_match and final_number read by default (their option answer_field: another)
 
 # --------------------------------------------------------------------------------------------- completion text
 
@@ -52,18 +55,24 @@ def _column(values: Sequence[Any] | None, n: int) -> Sequence[Any]:
     return [None] * n if values is None else values
 
 
+def _answers(answer: Sequence[Any] | None, answer_field: str, columns: dict[str, Any], n: int) -> Sequence[Any]:
+    """The reference answers: the ``answer`` column, or the column ``answer_field`` names (n Nones when the
+    dataset lacks it; `grpo train` stops before step 1 instead: :func:`needed_columns`)."""
+    return _column(answer if answer_field == ANSWER else columns.get(answer_field), n)
+
+
 # ------------------------------------------------------------------------------------------------ exact_match
 
 
 def exact_match(prompts: list, completions: list, completion_ids: list, answer: Sequence[Any] | None = None,
-                ignore_case: bool = False, **_: Any) -> list[Reward]:
+                ignore_case: bool = False, answer_field: str = ANSWER, **columns: Any) -> list[Reward]:
     """1.0 when the completion's text, stripped of surrounding whitespace, equals the row's ``answer`` (``str()``
     of it, stripped), else 0.0; with ``ignore_case`` both are case-folded first. An answer that is a list or
-    tuple holds several accepted answers (any one matches). None where the answer is None or the dataset has no
-    ``answer`` column."""
+    tuple holds several accepted answers (any one matches). ``answer_field`` names another column that holds
+    the answers (e.g. ``target``). None where the answer is None or the dataset has no such column."""
     out: list[Reward] = []
     fold = str.casefold if ignore_case else (lambda s: s)
-    for completion, a in zip(completions, _column(answer, len(completions)), strict=True):
+    for completion, a in zip(completions, _answers(answer, answer_field, columns, len(completions)), strict=True):
         if a is None:
             out.append(None)
             continue
@@ -148,7 +157,7 @@ def _answer_number(a: Any) -> float | None:
 
 
 def final_number(prompts: list, completions: list, completion_ids: list, answer: Sequence[Any] | None = None,
-                 tolerance: float = 1e-6, **_: Any) -> list[Reward]:
+                 tolerance: float = 1e-6, answer_field: str = ANSWER, **columns: Any) -> list[Reward]:
     """1.0 when the completion's final number x is the row's ``answer`` a, |x - a| <= tolerance * max(1, |a|),
     else 0.0 (also 0.0 when the completion has no number).
 
@@ -156,10 +165,10 @@ def final_number(prompts: list, completions: list, completion_ids: list, answer:
     precedence over the text; a boxed ``\\frac{a}{b}`` is a/b), else the last number in its text: integers and
     decimals, a leading minus sign, thousands separators removed (1,234 is 1234). None where the answer is
     missing, or not a number (a string such as "1,234" or "-0.5" is one; GSM8K's "... #### 72" is not: put
-    the number in a column of its own)."""
+    the number in a column of its own). ``answer_field`` names another column that holds the answers."""
     _check_tolerance(tolerance)
     out: list[Reward] = []
-    for completion, a in zip(completions, _column(answer, len(completions)), strict=True):
+    for completion, a in zip(completions, _answers(answer, answer_field, columns, len(completions)), strict=True):
         ref = _answer_number(a)
         if ref is None:
             out.append(None)
@@ -248,8 +257,20 @@ SHIPPED: dict[str, Callable[..., list[Reward]]] = {
     "exact_match": exact_match, "final_number": final_number, "format": format, "length_penalty": length_penalty}
 # The keys a grpo.rewards mapping may give each (the rest of a function's keyword arguments are data columns).
 OPTIONS: dict[str, tuple[str, ...]] = {
-    "exact_match": ("ignore_case",), "final_number": ("tolerance",), "format": ("pattern", "mode"),
-    "length_penalty": ("max_length", "cache")}
+    "exact_match": ("ignore_case", "answer_field"), "final_number": ("tolerance", "answer_field"),
+    "format": ("pattern", "mode"), "length_penalty": ("max_length", "cache")}
+
+
+def shipped_name(fn: Callable) -> str | None:
+    """The catalog name of a shipped reward function, None for any other function."""
+    return next((n for n, f in SHIPPED.items() if f is fn), None)
+
+
+def needed_columns(name: str, options: dict[str, Any]) -> tuple[str, ...]:
+    """The data columns shipped function ``name`` reads with its grpo.rewards ``options``: the answers' column
+    (``answer``, or its ``answer_field``) for exact_match and final_number, none for the others. Without it
+    every reward would be None (nothing learned), so `grpo train` checks the rows have it before step 1."""
+    return (options.get("answer_field", ANSWER),) if "answer_field" in OPTIONS[name] else ()
 
 
 def check_options(name: str, options: dict[str, Any]) -> None:
@@ -260,6 +281,9 @@ def check_options(name: str, options: dict[str, Any]) -> None:
     if unknown:
         raise UserError(f"the {name} reward has no option {', '.join(map(repr, unknown))}; its options: "
                         f"{', '.join(OPTIONS[name])}")
+    field = options.get("answer_field", ANSWER)
+    if "answer_field" in OPTIONS[name] and (not isinstance(field, str) or not field.strip()):
+        raise UserError(f"the {name} reward's answer_field must be a data column's name, got {field!r}")
     if name == "exact_match" and not isinstance(options.get("ignore_case", False), bool):
         raise UserError(f"the exact_match reward's ignore_case must be true or false, got {options['ignore_case']!r}")
     if name == "final_number":

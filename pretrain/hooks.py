@@ -12,6 +12,7 @@ however often the run was stopped, killed or resumed.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,22 @@ class Hook:
         """At the end of the run, however it ends."""
 
 
+def json_line(record: Any) -> str:
+    """``record`` as one line of strict JSON: a non-finite float (NaN, a metric over nothing; inf) is written
+    null, since NaN and Infinity are no JSON and strict readers reject the line."""
+    return json.dumps(_finite(record)) + "\n"
+
+
+def _finite(x: Any) -> Any:
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
 def trim_jsonl(path: Path, step: int) -> list[dict[str, Any]]:
     """Drop every record of the JSONL log ``path`` after ``step`` (and a line torn by a kill); return the records
     kept. The file (if any) is rewritten whole, then renamed over the old one."""
@@ -66,7 +83,7 @@ def trim_jsonl(path: Path, step: int) -> list[dict[str, Any]]:
             kept.append(rec)
     if len(kept) != len(lines):
         tmp = path.with_name(path.name + ".trim")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp.write_text("".join(json_line(r) for r in kept))
         tmp.replace(path)
     return kept
 
@@ -84,11 +101,11 @@ class JsonlLog(Hook):
         self.kept = trim_jsonl(self.path, step)
 
     def write(self, records: list[dict[str, Any]]) -> None:
-        """Append ``records``, each one line."""
+        """Append ``records``, each one line of strict JSON (:func:`json_line`)."""
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a")
-        self._file.write("".join(json.dumps(r) + "\n" for r in records))
+        self._file.write("".join(json_line(r) for r in records))
         self._file.flush()
 
     def close(self) -> None:

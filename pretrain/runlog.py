@@ -9,6 +9,7 @@ killed or resumed. Other per-step logs belong to their own hooks.
 
 from __future__ import annotations
 
+import math
 import shutil
 import sys
 import time
@@ -24,9 +25,10 @@ TIMING_FIELDS = ("tokens_per_sec", "step_time", "mfu")
 
 
 def add_scalars(board: Any, rec: dict[str, Any]) -> None:
-    """One metrics record into TensorBoard (``train/<name>``, or ``eval/...`` as named)."""
+    """One metrics record into TensorBoard (``train/<name>``, or ``eval/...`` as named); a non-finite value is
+    left out, as metrics.jsonl writes it null (TensorBoard is drawn again from that file on a resume)."""
     for k, v in rec.items():
-        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
             board.add_scalar(k if k.startswith("eval/") else f"train/{k}", v, rec["step"])
 
 
@@ -84,7 +86,8 @@ class RunLog(Hook):
             self.record(info.record)
 
     def record(self, rec: dict[str, Any]) -> None:
-        """Append one step's record (flushed: a kill loses at most the line being written)."""
+        """Append one step's record (flushed: a kill loses at most the line being written; strict JSON, a
+        non-finite value written null: :func:`pretrain.hooks.json_line`)."""
         self.log.write([rec])
         add_scalars(self.board, rec)
         if self.plain:

@@ -42,6 +42,11 @@ def low_words(prompts, completions, completion_ids, **columns):
 def picky(prompts, completions, completion_ids, answer, **columns):
     """Raises on the rows whose answer is 'boom'."""
     return [1.0 / (a != "boom") if a == "boom" else 0.0 for a in answer]
+
+
+def applies_to_none(prompts, completions, completion_ids, **columns):
+    """Does not apply to any completion."""
+    return [None] * len(completions)
 '''
 
 
@@ -168,7 +173,8 @@ def test_grpo_raises_the_reward_without_recompiling(setup, tmp_path):
     assert last - first >= 0.3, (first, last)
     logged = [json.loads(x) for x in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
     assert {x["step"] for x in logged} == {20, 40} and len(logged) == 2 * 16
-    assert set(logged[0]) >= {"step", "prompt", "completion", "completion_ids", "low_words"}
+    assert set(logged[0]) >= {"step", "prompt", "completion", "completion_ids", "rewards"}
+    assert set(logged[0]["rewards"]) == {"low_words"}
 
 
 @pytest.mark.slow
@@ -214,6 +220,54 @@ def test_kill_9_and_resume_is_bit_identical(setup, tmp_path):
     assert ca == (out / "completions.jsonl").read_text() and len(ca.splitlines()) == 4 * 16
 
 
+def _strict(line: str) -> dict:
+    """A JSON line parsed as strict readers do: NaN and Infinity are errors, not numbers."""
+    def reject(name: str) -> None:
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(line, parse_constant=reject)
+
+
+def test_records_and_metrics_keep_trls_names_and_strict_json(setup, tmp_path):
+    """One step at beta 0 with a reward function named `reward` that applies to no completion: completions.jsonl
+    keeps the weighted total as `reward` and each function's value under `rewards` (a function named like a
+    record field overwrites nothing); metrics.jsonl names the per-function metrics `rewards/{fn}/mean|std`, as
+    TRL's GRPOTrainer, logs no `kl` without a reference (TRL neither), and writes the all-None function's mean as
+    null, never NaN (strict JSON)."""
+    from grpo.task import GRPOTask
+    from pretrain.trainer import train
+
+    rewards = setup / "rewards.py"
+    cfg = _cfg(setup, tmp_path / "run", "max_steps=1", "grpo.log_completions_every=1",
+               f"grpo.rewards=[{rewards}:low_words, {{function: {rewards}:applies_to_none, name: reward}}]")
+    train(cfg, task=GRPOTask(cfg), progress=False)
+    (line,) = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    m = _strict(line)
+    rows = [_strict(x) for x in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    assert len(rows) == 16 and all(r["rewards"]["reward"] is None for r in rows)
+    low = [r["rewards"]["low_words"] for r in rows]
+    assert [r["reward"] for r in rows] == low and len(set(low)) > 1  # the total: low_words alone (None drops out)
+    assert "kl" not in m and not [k for k in m if k.startswith("reward/")]
+    assert m["rewards/low_words/mean"] == pytest.approx(np.mean(low))
+    assert m["rewards/low_words/std"] == pytest.approx(np.std(low, ddof=1))
+    assert m["rewards/reward/mean"] is None and m["reward"] == pytest.approx(np.mean(low))
+
+
+def test_completion_records_keep_each_functions_value_in_its_own_namespace():
+    """completions.jsonl's record: functions named `reward`, `advantage`, `step`, `prompt` leave the record's own
+    fields (the weighted total, the advantage, the step, the prompt) as they are."""
+    from grpo.task import completion_records
+
+    names = ["reward", "advantage", "step", "prompt"]
+    per_fn = np.array([[0.0, 1.0, 2.0, np.nan], [1.0, np.nan, 0.5, 0.25]])
+    recs = completion_records(7, ["p1", "p2"], ["a", "b"], [[1], [2, 3]], names, per_fn, np.array([-0.78, 3.0]),
+                              np.array([0.5, -0.5]))
+    assert recs[0] == {"step": 7, "prompt": "p1", "completion": "a", "completion_ids": [1], "reward": -0.78,
+                       "advantage": 0.5, "rewards": {"reward": 0.0, "advantage": 1.0, "step": 2.0, "prompt": None}}
+    assert recs[1]["reward"] == 3.0 and recs[1]["rewards"] == {"reward": 1.0, "advantage": None, "step": 0.5,
+                                                               "prompt": 0.25}
+
+
 def test_a_reward_that_raises_is_a_clean_error(setup, tmp_path, capsys):
     from grpo.cli import main
 
@@ -234,7 +288,6 @@ def test_a_reward_that_raises_is_a_clean_error(setup, tmp_path, capsys):
     ("batch_size=10", "multiple of grpo.num_generations=4"),
     ("grpo.num_generations=1", "at least 2"),
     ("grpo.rewards=[no_such_verifier]", "no_such_verifier"),
-    ("grpo.beta=0.1", "reference model"),
 ])
 def test_config_errors_are_clear(setup, tmp_path, capsys, override, message):
     from grpo.cli import main
@@ -247,6 +300,25 @@ def test_config_errors_are_clear(setup, tmp_path, capsys, override, message):
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
     assert not (tmp_path / "run" / "final").exists()
+
+
+def test_a_verifier_without_its_answer_column_stops_before_step_one(setup, tmp_path, capsys):
+    """exact_match on rows whose answers are in `target`, not `answer`: rather than scoring None everywhere and
+    learning nothing, `grpo train` stops before step 1 with one line naming the column it needs, the columns the
+    rows have and the option that maps them, and writes no run folder."""
+    from grpo.cli import main
+
+    data = tmp_path / "targets.jsonl"
+    data.write_text("".join(json.dumps({"prompt": w, "target": w}) + "\n" for w in WORDS))
+    args = ["train", f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}", f"data.path={data}",
+            "data.seq_len=8", "batch_size=8", "grpo.num_generations=4", "grpo.max_completion_length=2",
+            "grpo.rewards=[exact_match]", "max_steps=1", f"output_dir={tmp_path / 'run'}"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert "exact_match needs the column 'answer'" in err and "besides the prompt are target" in err, err
+    assert "{function: exact_match, answer_field: target}" in err, err
+    assert not (tmp_path / "run").exists()
 
 
 def _free_port() -> int:
@@ -291,7 +363,7 @@ def test_two_processes_follow_the_one_process_run(setup, tmp_path):
         assert p.returncode == 0, err[-3000:]
     one, two = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
     assert [m["reward"] for m in two] == [m["reward"] for m in one]
-    for k in ("loss", "grad_norm", "entropy", "kl"):
+    for k in ("loss", "grad_norm", "entropy"):
         np.testing.assert_allclose([m[k] for m in two], [m[k] for m in one], rtol=1e-5, atol=1e-6, err_msg=k)
     logged = [(json.loads(x)["completion"]) for x in (tmp_path / "two" / "completions.jsonl").read_text().splitlines()]
     assert logged == [json.loads(x)["completion"] for x in
@@ -354,13 +426,28 @@ def test_truncated_completions_are_counted_and_optionally_masked(setup, tmp_path
         assert m["loss"] == pytest.approx(want, abs=1e-6), mask
 
 
-def test_a_checkpoint_reference_starts_at_zero_kl_and_drifts(setup, tmp_path):
+def test_full_fine_tuning_kl_is_to_the_starting_checkpoint_by_default_and_after_a_resume(setup, tmp_path, capsys):
     """Full fine-tuning with grpo.beta > 0 against a reference checkpoint (the starting model): the k3 KL is 0
-    while the policy is the reference (step 1) and grows once it moves."""
+    while the policy is the reference (step 1) and grows once it moves. Without grpo.reference the reference is the
+    starting checkpoint (TRL's default), said in the log, and stays so across a resume (not the resumed weights,
+    against which step 3's KL would be 0 again): run for 2 steps, then resumed for a 3rd, it logs what the run
+    with the checkpoint named logs."""
     from grpo.task import GRPOTask
     from pretrain.trainer import train
 
-    cfg = _cfg(setup, tmp_path / "run", "max_steps=3", "grpo.beta=0.1", f"grpo.reference={setup / 'zoo'}")
+    cfg = _cfg(setup, tmp_path / "named", "max_steps=3", "grpo.beta=0.1", f"grpo.reference={setup / 'zoo'}")
     train(cfg, task=GRPOTask(cfg), progress=False)
-    kl = [m["kl"] for m in _metrics(tmp_path / "run")]
+    named = _metrics(tmp_path / "named")
+    kl = [m["kl"] for m in named]
     assert abs(kl[0]) < 1e-6 and kl[2] > 1e-4, kl
+    capsys.readouterr()
+    for steps in (2, 3):
+        cfg = _cfg(setup, tmp_path / "default", f"max_steps={steps}", "checkpoint.every=1", "grpo.beta=0.1")
+        train(cfg, task=GRPOTask(cfg), progress=False)
+        printed = capsys.readouterr().out
+        said = [x for x in printed.splitlines() if x.startswith("grpo.reference:")]
+        assert len(said) == 1 and f"the starting model (model.path {setup / 'zoo'})" in said[0], said
+        assert ("Resuming from step 2" in printed) == (steps == 3)
+    skip = {"step_time", "tokens_per_sec", "rollout_tokens_per_sec", "train_tokens_per_sec", "generation_share"}
+    assert [{k: v for k, v in m.items() if k not in skip} for m in _metrics(tmp_path / "default")] == \
+        [{k: v for k, v in m.items() if k not in skip} for m in named]

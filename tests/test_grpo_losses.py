@@ -306,3 +306,32 @@ def test_on_policy_gradient_is_reinforce_with_the_group_mean_baseline(loss_type,
     assert np.abs(want).max() > 1e-2  # a real gradient, not two zeros
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
+
+
+@pytest.mark.parametrize("beta", BETAS)
+def test_what_the_loss_logs_at_one_update_per_batch(beta):
+    """The logged `loss` at num_iterations 1 (the ratio is 1, nothing clips), as the README says: per token -A
+    plus beta x its k3 KL, normalized as the loss type says. With beta 0, grpo's mean over completions of their
+    token means is the mean advantage, 0 (a group's advantages sum to 0); dapo's token mean weighs each
+    completion's advantage by its length L, -sum(A L) / sum(L), not 0 on unequal lengths (positive where the
+    longer completions score below their group, as in a run where they ramble and miss); dr_grpo's is
+    -sum(A L) / (B T_max); bnpo's (one micro-batch) dapo's."""
+    rng = np.random.RandomState(1)
+    lengths = np.array([7, 2, 5, 1, 3, 6, 4, 7])
+    mask = (np.arange(T)[None] < lengths[:, None]).astype(np.float32)
+    r = np.array([[0.1, 0.9, 0.3, 1.0], [0.7, 0.2, 0.5, 0.0]])  # the longer, the lower
+    adv = ((r - r.mean(1, keepdims=True)) / (r.std(1, ddof=1, keepdims=True) + 1e-4)).reshape(-1)
+    logp = -rng.exponential(1.0, (8, T))
+    ref = logp + 0.3 * rng.randn(8, T)
+    kl = (np.exp(ref - logp) - (ref - logp) - 1) * mask
+    want = {"grpo": (-adv + beta * kl.sum(1) / lengths).mean(),
+            "dapo": (-(adv * lengths).sum() + beta * kl.sum()) / lengths.sum(),
+            "dr_grpo": (-(adv * lengths).sum() + beta * kl.sum()) / (8 * T)}
+    want["bnpo"] = want["dapo"]
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    terms = token_terms(f32(logp), f32(logp), f32(ref), f32(adv), mask, EPS_LOW, EPS_HIGH, beta, "token")
+    for loss_type, value in want.items():
+        got = float(combine([loss_sum_count(terms["loss"], mask, loss_type, T)]))
+        np.testing.assert_allclose(got, value, rtol=1e-5, atol=1e-6, err_msg=loss_type)
+    if beta == 0:
+        assert abs(want["grpo"]) < 1e-12 and want["dapo"] > 0.3, want  # positive: long completions scored low

@@ -49,6 +49,26 @@ def test_exact_match_without_an_answer_column_does_not_apply():
     assert score(exact_match, ["a"], other=["a"]) == [None]  # other columns are ignored
 
 
+def test_answer_field_names_the_answers_column():
+    """exact_match and final_number read their answers from the column answer_field names (default: answer), and
+    the set of rewards says which column each shipped verifier needs: a missing one is a UserError naming it, the
+    rows' columns and the option; a user's function is not checked (its columns are its own)."""
+    assert score(exact_match, ["x", "y"], answer=["y", "y"], answer_field="target", target=["x", "z"]) == [1.0, 0.0]
+    assert score(final_number, ["is 4", "is 5"], answer_field="target", target=["4", "4"]) == [1.0, 0.0]
+    rs = load_rewards([{"function": "exact_match", "answer_field": "target"}, "final_number", lambda **_: [0.0]])
+    rs.check_columns(["answer", "target"], "data.path d.jsonl")
+    with pytest.raises(UserError, match="data.path d.jsonl: reward function final_number needs the column 'answer' "
+                                        r".* besides the prompt are target; .*\{function: final_number, "
+                                        r"answer_field: target\}"):
+        rs.check_columns(["target"], "data.path d.jsonl")
+    with pytest.raises(UserError, match="reward function exact_match needs the column 'target' .* are answer, x; "
+                                        r".*answer_field: COLUMN\}"):
+        rs.check_columns(["answer", "x"], "data.path d.jsonl")
+    load_rewards([lambda **_: [0.0]]).check_columns([], "data.path d.jsonl")
+    with pytest.raises(UserError, match="answer_field must be a data column's name, got 3"):
+        load_rewards([{"function": "exact_match", "answer_field": 3}])
+
+
 # ------------------------------------------------------------------------------------------------ final_number
 
 @pytest.mark.parametrize("text, answer, reward", [

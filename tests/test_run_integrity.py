@@ -203,6 +203,44 @@ def test_finished_rerun_config_drift_resume_with_changes_and_fresh(setup, tmp_pa
     assert [r["step"] for r in _records(out)] == [2] and "Resuming" not in cap.out
 
 
+def test_the_metrics_log_is_strict_json_with_non_finite_values_as_null(tmp_path):
+    """A NaN metric (a mean over nothing: a reward that applied to no completion) or an infinite one becomes null
+    in metrics.jsonl, which strict JSON readers parse (NaN and Infinity are no JSON), and stays out of
+    TensorBoard; a resume that trims a file an older version wrote with NaN rewrites it strict too."""
+    from pretrain.runlog import RunLog
+
+    scalars = []
+
+    class Board:
+        def __init__(self, folder):
+            pass
+
+        def add_scalar(self, tag, value, step):
+            scalars.append(tag)
+
+        def close(self):
+            pass
+
+    def strict(line):
+        return json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} in {line}"))
+
+    log = RunLog(tmp_path, 2, False, None, Board)
+    log.start(0)
+    for step in (1, 2):
+        log.record({"step": step, "loss": 0.5, "rewards/f/mean": float("nan"), "x": [float("inf"), 1.0],
+                    "y": {"z": -float("inf")}})
+    log.close()
+    want = {"step": 1, "loss": 0.5, "rewards/f/mean": None, "x": [None, 1.0], "y": {"z": None}}
+    assert [strict(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [want, {**want, "step": 2}]
+    assert scalars == ["train/loss"] * 2
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": float("nan")}) + "\n"
+                                                    for s in (1, 2)))  # NaN: json.dumps' default
+    log = RunLog(tmp_path, 2, False, None, Board)
+    log.start(1)  # a resume at step 1 trims the file
+    log.close()
+    assert [strict(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [{"step": 1, "loss": None}]
+
+
 KILLER = r"""
 import os, signal, sys
 import orbax.checkpoint as ocp
