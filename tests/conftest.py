@@ -38,14 +38,16 @@ def jax_compilation_cache(tmp_path_factory):
     folder.mkdir(exist_ok=True)
     settings = {"JAX_COMPILATION_CACHE_DIR": str(folder), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                 "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",  # -1: entries of any size
-                # A size limit (never reached) turns on the cache's file lock: readers and writers in several
-                # processes never see half an entry.
-                "JAX_COMPILATION_CACHE_MAX_SIZE": str(1 << 40)}
+                # No size limit (-1): a limit turns on JAX's LRU eviction, whose every write lists, stats and reads
+                # the access time of every entry under one lock the other processes wait on: quadratic in the
+                # suite's few thousand entries (minutes of a whole run). Without it a reader that meets an entry
+                # still being written fails to decompress it, warns and compiles (jax's _cache_read).
+                "JAX_COMPILATION_CACHE_MAX_SIZE": "-1"}
     os.environ.update(settings)
     jax.config.update("jax_compilation_cache_dir", str(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    jax.config.update("jax_compilation_cache_max_size", 1 << 40)
+    jax.config.update("jax_compilation_cache_max_size", -1)
     yield folder
     for name in settings:
         os.environ.pop(name, None)
