@@ -1,15 +1,17 @@
-"""Benchmark (accelerator): MFU of lmzoo's train step on Llama-3.2-1B- and Llama-3-8B-shaped models.
+"""Benchmark (accelerator): MFU of lmzoo's train step on Llama-3.2-1B- and Llama-3.1-8B-shaped models.
 
-Random weights (the shapes are what matter), seq 4096, bf16 compute on fp32 master weights, AdamW,
-the same jitted, sharded step `pretrain train` runs (pretrain.step.make_step) over all local
-devices (FSDP). Prints step time, tokens/s and MFU against the device's dense bf16 peak (or
---peak-tflops). An 8B model's fp32 weights + Adam moments need 128 GB, so --layers trims the depth
-to fit one device; MFU per layer is what the trim preserves.
+Random weights (the shapes are what matter), bf16 compute, AdamW, the same jitted, sharded step `pretrain train`
+and `sft train` run (pretrain.step.make_step) over all local devices (FSDP): full fine-tuning, or LoRA (``--lora
+RANK``) on every attention and MLP projection of a frozen base. Prints step time, tokens/s and MFU against the
+device's dense bf16 peak (or --peak-tflops), with the model FLOPs the step needs (pretrain.flops: 6 x the active
+matmul parameters per token for full fine-tuning, 4 x for a frozen base, plus causal attention), never XLA's
+estimate. An 8B model's fp32 weights + Adam moments need 128 GB: on one device use ``--params bfloat16`` (weights
+and Adam's moments in bf16) or trim the depth with --layers (MFU per layer is what the trim preserves).
 
 Usage (on a GPU/TPU machine)::
 
-    python bench/train_mfu_gpu.py --model 1b --batch 4
-    python bench/train_mfu_gpu.py --model 8b --layers 8 --batch 2 --remat save_dots
+    python bench/train_mfu_gpu.py --model 8b --lora 16 --params bfloat16 --batch 4 --remat save_dots
+    python bench/train_mfu_gpu.py --model 8b --params bfloat16 --batch 2 --remat save_dots
     python bench/train_mfu_gpu.py --model 1b --seq 256 --layers 1 --batch 1 --steps 1 --peak-tflops 1   # CPU smoke
 """
 
@@ -43,7 +45,10 @@ def hf_config(model: str, layers: int | None) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    """Build the model on a (fsdp = all devices) mesh and time the train step."""
+    """Build the model on a (fsdp = all devices) mesh and time the train step (full fine-tuning, or LoRA on
+    every attention and MLP projection of a frozen base with ``--lora``)."""
+    import dataclasses
+
     import jax
     import jax.numpy as jnp
     import optax
@@ -53,38 +58,59 @@ def run(args: argparse.Namespace) -> dict:
     from pretrain.batch import TokenBatch
     from pretrain.flops import KNOWN_PEAK_TFLOPS, flops_per_token
     from pretrain.step import init_state, make_step
+    from zoo.kernels import kernel_for
+    from zoo.lora import LoraConfig, init_lora, lora_scale, lora_specs
     from zoo.params import init_params, nest, param_specs
     from zoo.sharding import make_mesh, named_sharding
 
     cfg = model_config_from_hf(hf_config(args.model, args.layers), args.model)
+    cfg = dataclasses.replace(cfg, attention=args.attention)
     mesh = make_mesh(devices=jax.devices())
+    pdt = jnp.dtype(args.params)
     specs = param_specs(cfg)
     shard = nest({k: named_sharding(mesh, s.axes, s.shape) for k, s in specs.items()})
-    params = jax.jit(lambda: init_params(cfg, jax.random.PRNGKey(0), jnp.float32), out_shardings=shard)()
+    params = jax.jit(lambda: init_params(cfg, jax.random.PRNGKey(0), pdt), out_shardings=shard)()
     tx = optax.adamw(1e-4)
+    lora = LoraConfig(rank=args.lora, alpha=2.0 * args.lora) if args.lora else None
+    frozen = frozen_sharding = None
+    if lora:
+        lspecs = lora_specs(cfg, lora)
+        lshard = nest({k: named_sharding(mesh, s.axes, s.shape) for k, s in lspecs.items()})
+        frozen, frozen_sharding = params, jax.tree.map(lambda x: x.sharding, params)
+        params = jax.jit(lambda: init_lora(cfg, lora, jax.random.PRNGKey(1), "float32"), out_shardings=lshard)()
     state = init_state(tx, params, mesh)
     batch_sharding = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"), None))
-    step, _ = make_step(cfg, tx, jnp.bfloat16, args.remat, jax.tree.map(lambda x: x.sharding, state), batch_sharding)
+    step, _ = make_step(cfg, tx, jnp.bfloat16, args.remat, jax.tree.map(lambda x: x.sharding, state), batch_sharding,
+                        lora_scale=lora_scale(lora) if lora else None, frozen_sharding=frozen_sharding)
     b, t = args.batch * len(jax.devices()), args.seq
     tokens = np.random.RandomState(0).randint(0, cfg.vocab_size, (1, b, t + 1)).astype(np.int32)
     batch = {"inputs": tokens[..., :-1], "targets": tokens[..., 1:], "weights": np.ones((1, b, t), np.float32),
              "segment_ids": np.ones((1, b, t), np.int32),
              "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (1, b, t)).copy()}
     batch = TokenBatch.of(jax.device_put(batch, batch_sharding))
-    times = []
-    for i in range(args.steps + 2):  # two warm-up steps (compilation)
+    times, compile_s = [], 0.0
+    dtypes_before = [x.dtype for x in jax.tree.leaves(state)]
+    for i in range(args.steps + 2):  # two warm-up steps (the first compiles; the second must not)
         t0 = time.perf_counter()
-        state, m = step(state, batch)
+        state, m = step(state, batch, frozen)
         float(m["loss"])
+        if i == 0:
+            compile_s = time.perf_counter() - t0
         if i >= 2:
             times.append(time.perf_counter() - t0)
     kind = jax.devices()[0].device_kind
     peak = args.peak_tflops or next((v for k, v in KNOWN_PEAK_TFLOPS.items() if k.lower() in kind.lower()), None)
     med = statistics.median(times)
-    flops = flops_per_token(cfg, t) * b * t
+    flops = flops_per_token(cfg, t, frozen_base=lora is not None) * b * t
+    mem = jax.devices()[0].memory_stats() or {}
     return {"model": args.model, "layers": cfg.num_layers, "device": kind, "devices": len(jax.devices()),
-            "batch": b, "seq": t, "remat": args.remat, "median_step_s": med, "tokens_per_s": b * t / med,
-            "mfu": flops / med / (peak * 1e12 * len(jax.devices())) if peak else None}
+            "mode": f"lora r{args.lora}" if lora else "full", "params": args.params,
+            "attention": kernel_for(cfg, jnp.bfloat16), "batch": b, "seq": t, "remat": args.remat,
+            "first_step_s": compile_s, "median_step_s": med, "step_s": times, "tokens_per_s": b * t / med,
+            "model_tflops_per_step": flops / 1e12,
+            "mfu": flops / med / (peak * 1e12 * len(jax.devices())) if peak else None,
+            "state_dtypes_kept": dtypes_before == [x.dtype for x in jax.tree.leaves(state)],
+            "peak_bytes_in_use": mem.get("peak_bytes_in_use")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,12 +123,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="timed steps after two warm-ups (default 5)")
     ap.add_argument("--remat", choices=["none", "full", "save_dots"], default="save_dots",
                     help="activation rematerialization (default save_dots)")
+    ap.add_argument("--lora", type=int, default=0, help="LoRA rank on every projection of a frozen base (default 0: "
+                    "full fine-tuning)")
+    ap.add_argument("--params", choices=["float32", "bfloat16"], default="float32",
+                    help="parameter (master weight) dtype (default float32); compute is bfloat16")
+    ap.add_argument("--attention", choices=["auto", "blockwise", "cudnn"], default="auto",
+                    help="the attention kernel (model.attention; default auto: cuDNN on NVIDIA GPUs)")
     ap.add_argument("--peak-tflops", type=float, help="per-device peak; default: detected for known accelerators")
     args = ap.parse_args(argv)
     r = run(args)
     mfu = f"{r['mfu'] * 100:.1f}%" if r["mfu"] is not None else "n/a (unknown peak)"
-    print(f"{r['model']} ({r['layers']} layers) on {r['devices']}x {r['device']}: batch {r['batch']} x seq "
-          f"{r['seq']}, step {r['median_step_s']:.3f} s, {r['tokens_per_s']:.0f} tokens/s, MFU {mfu}")
+    print(f"{r['model']} ({r['layers']} layers, {r['mode']}, {r['attention']} attention, remat {r['remat']}) on "
+          f"{r['devices']}x {r['device']}: batch {r['batch']} x seq {r['seq']}, step {r['median_step_s']:.3f} s, "
+          f"{r['tokens_per_s']:.0f} tokens/s, MFU {mfu}")
     print(json.dumps(r))
     return 0
 

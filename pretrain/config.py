@@ -29,6 +29,7 @@ from typing import Any, ClassVar, cast
 
 import yaml
 
+from zoo.config import ATTENTION_KERNELS
 from zoo.errors import UserError
 
 
@@ -41,6 +42,9 @@ class ModelSection:
     init: str = field(default="pretrained", metadata={"choices": ("pretrained", "random")})
     config: str | None = None  # for init: random — a registry entry with a built-in config, or a config.json
     tokenizer: str | None = None  # a tokenizer folder (or zoo checkpoint); default: the model checkpoint's
+    # the training forward's attention kernel (zoo.kernels): auto = cuDNN flash attention on NVIDIA GPUs where it
+    # applies (16-bit compute), else the blockwise XLA path
+    attention: str = field(default="auto", metadata={"choices": ATTENTION_KERNELS})
 
 
 @dataclass

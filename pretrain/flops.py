@@ -27,8 +27,12 @@ def peak_flops(cfg: TrainConfig) -> float | None:
     return None
 
 
-def flops_per_token(mcfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x (matmul parameters active per token) + causal attention scores."""
+def flops_per_token(mcfg: ModelConfig, seq_len: int, frozen_base: bool = False) -> float:
+    """Training FLOPs per token: 6 x (matmul parameters active per token) + causal attention scores.
+
+    With ``frozen_base`` (LoRA, QLoRA) the base weights get no gradient: their matmuls cost 4 x (forward and the
+    backward's input gradient), not 6 x; the attention scores' backward is the same either way, and the
+    adapters' own few FLOPs are left out."""
     specs = param_specs(mcfg)
     active = 0
     for path, spec in specs.items():
@@ -39,4 +43,4 @@ def flops_per_token(mcfg: ModelConfig, seq_len: int) -> float:
             n = n * mcfg.experts_per_token // mcfg.num_experts
         active += n
     attn_width = mcfg.num_heads * (mcfg.head_dim if not mcfg.mla else mcfg.qk_nope_head_dim + mcfg.qk_rope_head_dim)
-    return 6.0 * active + 6.0 * mcfg.num_layers * attn_width * seq_len  # QK^T and PV, halved for causality
+    return (4.0 if frozen_base else 6.0) * active + 6.0 * mcfg.num_layers * attn_width * seq_len  # QK^T and PV, halved for causality

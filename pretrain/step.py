@@ -101,7 +101,10 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any,
             out0 = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
             (g, out), _ = jax.lax.scan(micro, (zeros, out0), (batch, rngs))
         n = jnp.maximum(out.count, 1.0)
-        g = jax.tree.map(lambda x: x / n, g)
+        # Back to each parameter's dtype: a bfloat16 gradient divided by the float32 count would come out float32,
+        # and Adam's moments with it, so step 2 would need another program (and the donated state could not be
+        # reused, and the state would double).
+        g = jax.tree.map(lambda x: (x / n).astype(x.dtype), g)
         updates, opt_state = tx.update(g, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": out.loss / n, "grad_norm": optax.tree.norm(g), "target_tokens": n,

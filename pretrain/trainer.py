@@ -45,6 +45,7 @@ from pretrain.task import PretrainTask, RunContext, Task
 from pretrain.training import Training
 from zoo.console import is_terminal
 from zoo.errors import UserError
+from zoo.kernels import check_platform, kernel_for
 from zoo.lora import lora_scale
 from zoo.sharding import make_mesh
 from zoo.tokenizer import load_tokenizer
@@ -64,6 +65,7 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
     """
     out = Path(cfg.output_dir).absolute()
     primary = distributed.is_primary()
+    check_platform(cfg.model.attention, cfg.dtype.compute)  # before anything is written
     done = runfolder.open_run(out, cfg, fresh, runfolder.parse_changes(resume_with_changes, type(cfg)))
     if done is not None:
         return done
@@ -72,6 +74,8 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
     micro = cfg.batch_size // cfg.grad_accum
     task = task or PretrainTask(cfg)
     mcfg, params, src_ckpt, tok_dir = load_model(cfg, mesh)
+    mcfg = dataclasses.replace(mcfg, attention=cfg.model.attention)  # a run's choice, never saved (zoo.kernels)
+    kernel_for(mcfg, DTYPES[cfg.dtype.compute])  # model.attention: cudnn on a model it cannot run: said now
     params = quantize_frozen_base(cfg, mcfg, params, mesh, src_ckpt)  # QLoRA; unchanged without lora.base_quant
     tokenizer = load_tokenizer(tok_dir)
     lora_cfg = lora_settings(cfg, src_ckpt)
@@ -118,7 +122,7 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
     hooks: list[Hook] = [evaluation, *task.hooks(out, primary), *([log] if log else []), checkpoints]
     training = Training(cfg, task, step_fn, data, batch_sharding, (cfg.grad_accum, micro, cfg.data.seq_len), frozen,
                         frozen_inputs, schedule, state,
-                        flops_per_token(mcfg, cfg.data.seq_len) * cfg.batch_size * cfg.data.seq_len, peak_flops(cfg))
+                        flops_per_token(mcfg, cfg.data.seq_len, frozen_base=lora_cfg is not None) * cfg.batch_size * cfg.data.seq_len, peak_flops(cfg))
     bar = tqdm(total=total, initial=start, desc="train", unit="step", disable=not (primary and bar_wanted))
     stop = _StopOnSignal()
 

@@ -56,3 +56,22 @@ def test_train_step_compiles_from_the_task_layout_alone(name):
     assert metrics["loss"].shape == () and set(metrics) >= {"loss", "grad_norm", "task"}
     one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batch)
     assert evaluate.lower(params, one).compile() is not None
+
+
+@pytest.mark.parametrize("accum", [1, ACCUM])
+def test_bfloat16_state_keeps_its_dtypes_through_a_step(accum):
+    """bfloat16 parameters: every leaf of the state after a step has the dtype it had (Adam's moments too), so
+    step 2 runs step 1's program on the donated buffers (a gradient divided by the float32 token count came out
+    float32 and took Adam's moments with it)."""
+    from pretrain.step import make_step
+
+    task = _task("pretrain")
+    tx = optax.adamw(1e-3)
+    params = jax.eval_shape(lambda: init_params(TINY, jax.random.key(0), jnp.bfloat16))
+    state = {"params": params, "opt_state": jax.eval_shape(tx.init, params),
+             "step": jax.ShapeDtypeStruct((), jnp.int32)}
+    step, _ = make_step(TINY, tx, jnp.bfloat16, task=task)
+    after, _ = jax.eval_shape(step.jitted, state, task.batch_layout(accum, MICRO, SEQ))
+    dtypes = lambda tree: [(jax.tree_util.keystr(k), x.dtype) for k, x in jax.tree_util.tree_leaves_with_path(tree)]
+    assert dtypes(after) == dtypes(state)
+    assert {x.dtype for x in jax.tree.leaves(state["params"])} == {jnp.dtype(jnp.bfloat16)}

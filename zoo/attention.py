@@ -16,6 +16,7 @@ from zoo.adapted import LoraDropout, adapted_dense, layer_adapters, projections
 from zoo.blocks import rms_norm
 from zoo.blockwise import blockwise_attention, query_block
 from zoo.config import ModelConfig
+from zoo.kernels import cudnn_attention, kernel_for
 from zoo.rope import apply_rope
 
 
@@ -86,10 +87,13 @@ def attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, mask: jax.A
     is the sliding window it was built with, which lets whole key blocks
     outside it be skipped. With ``norm_w`` x is first RMS-normed by it.
     ``lora`` holds this layer's LoRA adapters by weight name (q, k, v, o);
-    ``drop`` applies LoRA dropout to their inputs.
+    ``drop`` applies LoRA dropout to their inputs. ``cfg.attention`` picks the kernel (:mod:`zoo.kernels`).
     """
     q, k, v = qkv_heads(x, p, cos, sin, cfg, norm_w, lora, lora_scale, drop)
-    out = causal_attention(*head_major(q, k, v), mask, cfg, window)
+    if kernel_for(cfg, q.dtype) == "cudnn":  # cfg.attention (zoo.kernels); the cached forward stays blockwise
+        out = cudnn_attention(*head_major(q, k, v), mask, cfg.attn_scale)
+    else:
+        out = causal_attention(*head_major(q, k, v), mask, cfg, window)
     return output_projection(out, p, cfg, lora, lora_scale, drop)
 
 
@@ -123,6 +127,7 @@ def mla_attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, mask: j
     mask: ``window`` only keeps the signature of :func:`attention`, as full scores are computed here)."""
     dn, dr = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
     q_nope, q_pe, latent, k_pe = mla_heads(x, p, cos, sin, cfg)
+    kernel_for(cfg, q_nope.dtype)  # model.attention: cudnn is an error here (zoo.kernels.cudnn_obstacle)
     kv = jnp.einsum("btr,rhd->bthd", latent, p["kv_b"])
     k_nope, v = kv[..., :dn], kv[..., dn:]
     q = jnp.concatenate([q_nope, q_pe], axis=-1)

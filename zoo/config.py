@@ -34,6 +34,9 @@ class RopeConfig:
 
 
 LAYER_KINDS = ("full", "sliding")
+# How the training forward attends (zoo.kernels): "auto" picks by platform and model (cuDNN's flash attention on
+# NVIDIA GPUs where it applies, else the blockwise XLA path); the others ask for one kernel.
+ATTENTION_KERNELS = ("auto", "blockwise", "cudnn")
 
 
 @dataclass(frozen=True)
@@ -100,8 +103,14 @@ class ModelConfig:
     # How the Hugging Face checkpoint orders RoPE dims (DeepSeek interleaves pairs). The zoo
     # always stores rotate-half order; only conversion and export read this.
     hf_rope_interleave: bool = False
+    # Not architecture: which attention kernel the training forward runs (ATTENTION_KERNELS). It is never saved
+    # (to_dict leaves it out) and set per run (model.attention, zoo.load(..., attention=)); it takes part in
+    # equality and hashing, so jitted functions keyed by the config compile once per kernel.
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_KERNELS:
+            raise UserError(f"model config: attention {self.attention!r} is not one of {', '.join(ATTENTION_KERNELS)}")
         if self.num_heads % self.num_kv_heads:
             raise UserError(
                 f"model config: num_heads={self.num_heads} is not a multiple of "
@@ -155,8 +164,16 @@ class ModelConfig:
         return self.layer_types or ("full",) * self.num_layers
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (nested dataclasses become dicts)."""
-        return dataclasses.asdict(self)
+        """A JSON-ready dict (nested dataclasses become dicts) of the architecture: ``attention``, a run's
+        choice, is left out."""
+        d = dataclasses.asdict(self)
+        d.pop("attention")
+        return d
+
+    def architecture(self) -> ModelConfig:
+        """This config with the run's choices (``attention``) at their defaults: compare these to ask whether
+        two configs are one model."""
+        return dataclasses.replace(self, attention="auto")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:

@@ -12,6 +12,7 @@ this module; nothing below imports it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -85,9 +86,11 @@ def quantized_param(ckpt: str | os.PathLike, path: str, kind: str, double: bool 
     return quant.quantize_matrices(param_reader(ckpt, path).read, lead_shape, contract, kind, double, dtype)
 
 
-def load(ckpt: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, dtype: Any = None) -> Decoder:
-    """Load a zoo checkpoint as a :class:`zoo.model.Decoder` on all local devices (or ``mesh``)."""
-    cfg = read_config(ckpt)
+def load(ckpt: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, dtype: Any = None,
+         attention: str = "auto") -> Decoder:
+    """Load a zoo checkpoint as a :class:`zoo.model.Decoder` on all local devices (or ``mesh``); ``attention``
+    is its forward's kernel (``auto``, ``blockwise`` or ``cudnn``: :mod:`zoo.kernels`)."""
+    cfg = dataclasses.replace(read_config(ckpt), attention=attention)
     return Decoder(cfg, load_params(ckpt, mesh, dtype))
 
 
@@ -109,7 +112,7 @@ def load_reference(path: str, key: str, also: str, mcfg: ModelConfig, mesh: jax.
     from zoo.errors import UserError
 
     ckpt = reference_dir(path, key, also)
-    if read_config(ckpt) != mcfg:
+    if read_config(ckpt).architecture() != mcfg.architecture():
         raise UserError(f"{key} {path}: its architecture differs from the policy's (a reference must be the same "
                         "model, e.g. the checkpoint the policy starts from)")
     return load_params(ckpt, mesh, dtype)

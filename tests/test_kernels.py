@@ -1,0 +1,163 @@
+"""The attention kernel choice (model.attention, zoo.kernels): where each kernel runs, what cuDNN refuses, and, on
+an NVIDIA GPU (marked ``gpu``), cuDNN's flash attention against the blockwise path on the masks the families use."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from zoo.blockwise import blockwise_attention, query_block
+from zoo.config import ModelConfig
+from zoo.errors import UserError
+from zoo.kernels import check_platform, cudnn_attention, cudnn_obstacle, kernel_for
+from zoo.masks import attention_mask
+
+
+def _cfg(**kw) -> ModelConfig:
+    base = dict(family="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=8,
+                num_kv_heads=2, head_dim=64)
+    return ModelConfig(**{**base, **kw})
+
+
+def test_attention_is_a_runs_choice_never_saved():
+    cfg = _cfg(attention="blockwise")
+    assert "attention" not in cfg.to_dict()
+    assert ModelConfig.from_dict(cfg.to_dict()).attention == "auto"
+    assert cfg != _cfg() and cfg.architecture() == _cfg()  # jit caches keyed by the config tell them apart
+    with pytest.raises(UserError, match="attention 'flash' is not one of auto, blockwise, cudnn"):
+        _cfg(attention="flash")
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the CPU's answers")
+def test_on_the_cpu_auto_is_blockwise_and_cudnn_an_error():
+    assert kernel_for(_cfg(), jnp.bfloat16) == "blockwise"
+    assert kernel_for(_cfg(attention="blockwise"), jnp.bfloat16) == "blockwise"
+    with pytest.raises(UserError, match="cuDNN attention runs on NVIDIA GPUs, not on cpu"):
+        kernel_for(_cfg(attention="cudnn"), jnp.bfloat16)
+    with pytest.raises(UserError, match="runs on NVIDIA GPUs"):
+        check_platform("cudnn", "bfloat16")
+    check_platform("auto", "float32")
+    check_platform("blockwise", "float32")
+
+
+def test_what_cudnn_cannot_run_is_named():
+    assert cudnn_obstacle(_cfg(), jnp.bfloat16) is None
+    assert "soft-cap" in cudnn_obstacle(_cfg(attn_softcap=50.0), jnp.bfloat16)
+    assert "head_dim 256" in cudnn_obstacle(_cfg(head_dim=256), jnp.bfloat16)
+    assert "float32" in cudnn_obstacle(_cfg(), jnp.float32)
+    mla = _cfg(kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    assert "latent" in cudnn_obstacle(mla, jnp.bfloat16)
+
+
+def test_train_with_cudnn_on_the_cpu_stops_before_writing(tmp_path, capsys):
+    if jax.default_backend() == "gpu":
+        pytest.skip("the CPU's answer")
+    from pretrain.cli import main
+
+    f = tmp_path / "run.yaml"
+    f.write_text(f"model:\n  init: random\n  config: deepseek-v3-tiny\n  tokenizer: tok\n  attention: cudnn\n"
+                 f"data:\n  path: d.jsonl\nmax_steps: 1\ndtype:\n  compute: bfloat16\n"
+                 f"output_dir: {tmp_path / 'run'}\n")
+    assert main(["train", "--config", str(f)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: model.attention cudnn: cuDNN attention runs on NVIDIA GPUs, not on cpu; use attention: "
+                   "auto or blockwise"]
+    assert not (tmp_path / "run").exists()
+
+
+def _qkv(b, t, hk, g, d, seed=0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+    q = jax.random.normal(ks[0], (b, hk, g, t, d), jnp.float32)
+    k = jax.random.normal(ks[1], (b, hk, t, d), jnp.float32)
+    v = jax.random.normal(ks[2], (b, hk, t, d), jnp.float32)
+    return q, k, v
+
+
+SEGMENTS = {
+    "one document": lambda t: np.ones((2, t), np.int32),
+    "packed with padding": lambda t: np.stack([np.r_[np.full(t // 3, 1), np.full(t // 3, 2),
+                                                     np.zeros(t - 2 * (t // 3))],
+                                               np.r_[np.full(t - 7, 1), np.full(7, 2)]]).astype(np.int32),
+}
+
+
+def test_the_cudnn_call_reads_and_writes_the_blockwise_layouts():
+    """The same jax.nn.dot_product_attention call through XLA (so on the CPU) equals the blockwise path in float32:
+    GQA's head order, the packed-document mask with its window, and the output layout."""
+    b, t, hk, g, d = 2, 96, 2, 3, 16
+    q, k, v = _qkv(b, t, hk, g, d)
+    for segments, window in (("packed with padding", None), ("packed with padding", 24), ("one document", None)):
+        mask = attention_mask(jnp.asarray(SEGMENTS[segments](t)), window)
+        want = blockwise_attention(q, k, v, mask, d ** -0.5, None, window, 32)
+        got = cudnn_attention(q, k, v, mask, d ** -0.5, implementation="xla")
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
+# --- on an NVIDIA GPU ---------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 96])
+@pytest.mark.parametrize("segments", sorted(SEGMENTS))
+@pytest.mark.parametrize("d", [64, 128])
+def test_cudnn_equals_blockwise_outputs_and_gradients(segments, window, d):
+    """bfloat16 q/k/v through cuDNN and through the blockwise path, both against the blockwise path in float32 on
+    the same (rounded) inputs: cuDNN's error is within bfloat16's, as the blockwise kernel's own is."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs an NVIDIA GPU")
+    b, t, hk, g = 2, 512, 2, 4
+    q, k, v = (x.astype(jnp.bfloat16) for x in _qkv(b, t, hk, g, d))
+    mask = attention_mask(jnp.asarray(SEGMENTS[segments](t)), window)
+    scale = d ** -0.5
+    cot = jax.random.normal(jax.random.PRNGKey(9), (b, t, hk * g * d), jnp.float32)
+
+    def blockwise(q, k, v):
+        return blockwise_attention(q, k, v, mask, scale, None, window, query_block(t))
+
+    def cudnn(q, k, v):
+        return cudnn_attention(q, k, v, mask, scale)
+
+    def value_and_grads(f, dtype):
+        args = tuple(x.astype(dtype) for x in (q, k, v))
+        out, vjp = jax.vjp(jax.jit(f), *args)
+        return [np.asarray(x, np.float32) for x in (out, *vjp(cot.astype(dtype)))]
+
+    ref = value_and_grads(blockwise, jnp.float32)
+    ours = value_and_grads(cudnn, jnp.bfloat16)
+    theirs = value_and_grads(blockwise, jnp.bfloat16)
+    for name, r, o, th in zip(("out", "dq", "dk", "dv"), ref, ours, theirs, strict=True):
+        err_cudnn = np.abs(o - r).max() / (np.abs(r).max() + 1e-6)
+        err_blockwise = np.abs(th - r).max() / (np.abs(r).max() + 1e-6)
+        print(f"{segments}, window {window}, d {d}: {name} relative error cudnn {err_cudnn:.2e}, "
+              f"blockwise {err_blockwise:.2e}")
+        assert err_cudnn < max(2 * err_blockwise, 1e-2), (name, err_cudnn, err_blockwise)
+
+
+@pytest.mark.gpu
+def test_a_model_step_with_cudnn_equals_blockwise():
+    """A tiny Llama's bfloat16 loss and gradients through the model with each kernel: within bfloat16's rounding."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs an NVIDIA GPU")
+    from zoo.loss import next_token_nll_sum
+    from zoo.model import forward, head_weight
+    from zoo.params import init_params
+
+    cfg = _cfg(num_heads=4, num_kv_heads=2, head_dim=64, hidden_size=256, intermediate_size=512, vocab_size=512)
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), init_params(cfg, jax.random.PRNGKey(0)))
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 257), 0, cfg.vocab_size)
+    seg = jnp.asarray(SEGMENTS["packed with padding"](257))
+
+    def loss(p, kernel):
+        c = dataclasses.replace(cfg, attention=kernel)
+        h = forward(c, p, tokens[:, :-1], seg[:, :-1], return_hidden=True)
+        weights = (seg[:, 1:] != 0).astype(jnp.float32)
+        return next_token_nll_sum(h, head_weight(c, p), tokens[:, 1:], weights) / weights.sum()
+
+    got = {k: jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, k) for k in ("blockwise", "cudnn")}
+    assert kernel_for(dataclasses.replace(cfg, attention="auto"), jnp.bfloat16) == "cudnn"
+    (lb, gb), (lc, gc) = got["blockwise"], got["cudnn"]
+    assert abs(float(lb) - float(lc)) < 2e-2 * abs(float(lb))
+    for a, c in zip(jax.tree.leaves(gb), jax.tree.leaves(gc), strict=True):
+        a, c = np.asarray(a, np.float32), np.asarray(c, np.float32)
+        assert np.abs(a - c).max() <= 0.05 * np.abs(a).max() + 1e-6
