@@ -40,7 +40,7 @@ from pretrain.config import TrainConfig
 from pretrain.dtypes import DTYPES
 from pretrain.metrics import LossOutput, Mean, Metric, Ratio
 from pretrain.preflight import check_untrainable, untrainable
-from pretrain.task import Documents, RowSource, RunContext, Task, Tokenizer
+from pretrain.task import Documents, LayoutContext, RowSource, RunContext, Task, Tokenizer
 from sft.task import chat_template_of
 from zoo.batching import Document
 from zoo.config import ModelConfig
@@ -130,6 +130,17 @@ class DPOTask(Task):
             self._precompute(ctx)
             self.reference_is_start = not self.dpo.reference_model  # scored with ``params`` themselves
         return None
+
+    def compile_layout(self, ctx: LayoutContext) -> dict | None:
+        """:meth:`prepare`'s decisions without reading anything, for ``--compile-only``: the shared-prompt layout,
+        and a reference model (``dpo.reference`` a path) shaped and sharded like the params; None otherwise
+        (``precomputed`` scores come in the batch, ``base`` is LoRA's frozen base)."""
+        self.shared_prompt = self.dpo.share_prompt and "sliding" not in ctx.mcfg.kinds
+        if self.mode == "base" and ctx.lora is None:
+            raise UserError("full fine-tuning (lora.rank: 0) needs a reference model besides the trained one: set "
+                            "dpo.reference to a zoo checkpoint path or to precomputed")
+        self.reference_is_start = self.mode != "path"
+        return ctx.params if self.mode == "path" else None
 
     def _precompute(self, ctx: RunContext) -> None:
         """Score every pair of the run's data (``ctx.reads``) with the reference, or read the cached scores."""

@@ -48,7 +48,7 @@ from pretrain.config import TrainConfig
 from pretrain.dtypes import DTYPES
 from pretrain.hooks import Hook, JsonlLog, StepInfo
 from pretrain.metrics import LossOutput, Max, Metric, Ratio
-from pretrain.task import Documents, RowSource, RunContext, Task, Tokenizer
+from pretrain.task import Documents, LayoutContext, RowSource, RunContext, Task, Tokenizer
 from sft.chat import render, template_text
 from sft.formats import BadRow
 from sft.task import chat_template_of
@@ -173,6 +173,15 @@ class GRPOTask(Task):
                 self.reference = "inputs"
         self._compile(cfg)
         return frozen_inputs
+
+    def compile_layout(self, ctx: LayoutContext) -> Any:
+        """The update step's frozen inputs for ``--compile-only``: with ``beta`` > 0, a reference model shaped
+        and sharded like the params (the starting model of full fine-tuning, or ``grpo.reference``'s
+        checkpoint), which the run holds beside the trained weights; None otherwise."""
+        g = self.grpo
+        if g.beta > 0 and not (g.reference == "base" and ctx.lora is not None):
+            return ctx.params
+        return None
 
     def _starting_model(self, ctx: RunContext) -> dict:
         """Full fine-tuning's default reference (TRL's): the model the run starts from, a frozen copy of the params

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from pretrain import distributed
 from pretrain.config import TrainConfig, load_config, to_yaml
 from zoo.console import run_cli
+from zoo.errors import UserError
 
 if TYPE_CHECKING:
     from pretrain.task import Task
@@ -36,8 +37,23 @@ def add_train_command(sub: Any, command: str, what: str, example: str, more: str
     s.add_argument("--print-config", action="store_true",
                    help="print the fully resolved config (with defaults) and exit")
     add_run_flags(s)
+    add_compile_flags(s)
     distributed.add_flags(s)
     return s
+
+
+def add_compile_flags(parser: argparse.ArgumentParser) -> None:
+    """``--compile-only`` and its flags (pretrain.compile_only): the run's step compiled for a TPU slice."""
+    g = parser.add_argument_group("compile for a TPU slice from this machine, without TPUs, weights or data")
+    g.add_argument("--compile-only", action="store_true",
+                   help="compile the run's train step for --topology and report its bytes per chip; nothing is "
+                        "trained or written (exit 0: fits, 3: does not fit, 2: an error). `model` may also be a "
+                        "registry name (llama3.1-8b) or a config.json. Needs the tpu extra (libtpu)")
+    g.add_argument("--topology", metavar="NAME",
+                   help="the TPU slice, e.g. v5e:2x4, v5p:2x2x2, v6e:16x16 (with --compile-only)")
+    g.add_argument("--report", metavar="FILE.json", help="also write the report as JSON (with --compile-only)")
+    g.add_argument("--num-slices", type=int, default=1, metavar="N",
+                   help="slices of --topology joined over the data-center network (default 1)")
 
 
 def add_run_flags(parser: argparse.ArgumentParser) -> None:
@@ -53,17 +69,30 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def train_command(args: argparse.Namespace, schema: type[TrainConfig] = TrainConfig,
-                  task_class: Callable[[], type[Task]] | None = None) -> None:
+                  task_class: Callable[[], type[Task]] | None = None) -> int | None:
     """The body of every `train` command: resolve the config with ``schema``, the task's config class (default
     pretraining's; ``--print-config`` prints it and stops), join the other processes, train (the task of
     ``task_class()``, a class imported on demand; default pretraining) and name the final model.
 
     The config is read and checked before JAX, the model code or transformers is imported: a config error comes
     at once, so ``schema`` comes from the task's light config module, not from its task class."""
+    compiling = getattr(args, "compile_only", False)
+    if not compiling and (getattr(args, "topology", None) or getattr(args, "report", None)):
+        raise UserError("--topology and --report go with --compile-only")
+    if compiling and not args.topology:
+        raise UserError("--compile-only needs --topology, e.g. --topology v5e:2x4")
+    if compiling and args.num_slices < 1:
+        raise UserError(f"--num-slices must be at least 1, got {args.num_slices}")
     cfg = load_config(args.config, list(args.overrides), schema)
     if args.print_config:
         print(to_yaml(cfg), end="")
-        return
+        return None
+    if compiling:
+        from pretrain.compile_only import compile_only
+        from pretrain.task import PretrainTask
+
+        cls = task_class() if task_class else PretrainTask
+        return compile_only(cfg, cls(cfg), args.topology, args.report, args.num_slices)
     distributed.initialize(args)
     from pretrain.task import PretrainTask
     from pretrain.trainer import train
@@ -75,6 +104,8 @@ def train_command(args: argparse.Namespace, schema: type[TrainConfig] = TrainCon
                   resume_with_changes=args.resume_with_changes)
     if distributed.is_primary():
         print(f"final model: {final}")
+    return None
+
 
 
 def main(argv: Sequence[str] | None = None) -> int:

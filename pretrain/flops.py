@@ -38,6 +38,8 @@ def flops_per_token(mcfg: ModelConfig, seq_len: int, frozen_base: bool = False) 
     for path, spec in specs.items():
         if path == "embed" and not mcfg.tie_word_embeddings:
             continue  # a gather, not a matmul
+        if spec.init != "normal":
+            continue  # norms' scales and biases (initialized to ones and zeros): elementwise, not matmuls
         n = int(np.prod(spec.shape))
         if "expert_" in path:
             n = n * mcfg.experts_per_token // mcfg.num_experts

@@ -74,11 +74,16 @@ def _resolve_checkpoint(path: str) -> Path:
 
 def lora_settings(cfg: TrainConfig, base: Path | None) -> LoraConfig | None:
     """The run's LoRA settings (None when ``lora.rank`` is 0: full fine-tuning)."""
+    if cfg.lora.rank and base is None:
+        raise UserError("lora needs a pretrained base checkpoint (model.path), not model.init: random")
+    return lora_config(cfg)
+
+
+def lora_config(cfg: TrainConfig) -> LoraConfig | None:
+    """The config's LoRA settings as a :class:`zoo.lora.LoraConfig` (None when ``lora.rank`` is 0)."""
     lo = cfg.lora
     if lo.rank == 0:
         return None
-    if base is None:
-        raise UserError("lora needs a pretrained base checkpoint (model.path), not model.init: random")
     targets = lo.targets
     if isinstance(targets, str) and "," in targets:  # `lora.targets=q_proj,v_proj` on the command line
         targets = [t.strip() for t in targets.split(",") if t.strip()]

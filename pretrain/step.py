@@ -114,16 +114,28 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any,
     if state_sharding is None:
         return compile_then_trim(jax.jit(step, donate_argnums=0)), compile_then_trim(jax.jit(evaluate))
     replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
+    platform = batch_sharding.mesh.devices.flat[0].platform  # the mesh's, not the default backend's
     step_jit = compile_then_trim(jax.jit(
         step, donate_argnums=0,
         in_shardings=(state_sharding, batch_sharding, frozen_sharding, frozen_inputs_sharding),
-        out_shardings=(state_sharding, replicated)))
+        out_shardings=(state_sharding, replicated)), platform)
+    return ShardedStep(step_jit), compile_then_trim(jax.jit(evaluate, out_shardings=replicated), platform)
 
-    def sharded_step(state: dict, batch: dict, frozen: Any = None, *, frozen_inputs: Any = None) -> tuple[dict, dict]:
-        # jit's in_shardings name every positional argument: fill in the optional ones.
-        return step_jit(state, batch, frozen, frozen_inputs)
 
-    return sharded_step, compile_then_trim(jax.jit(evaluate, out_shardings=replicated))
+class ShardedStep:
+    """The sharded train step: ``step(state, batch, frozen=None, *, frozen_inputs=None)`` (jit's in_shardings name
+    every positional argument, so the optional ones are filled in); :meth:`lower` lowers it without running."""
+
+    def __init__(self, jitted: CompileThenTrim):
+        self.jitted = jitted
+
+    def __call__(self, state: dict, batch: Any, frozen: Any = None, *, frozen_inputs: Any = None) -> tuple[dict, dict]:
+        return self.jitted(state, batch, frozen, frozen_inputs)
+
+    def lower(self, state: Any, batch: Any, frozen: Any = None, *, frozen_inputs: Any = None) -> Any:
+        """The step lowered for these arguments (``jax.ShapeDtypeStruct`` s with shardings: no data, no devices'
+        memory); ``compile_lowered(lowered, platform)`` compiles it with the platform's options."""
+        return self.jitted.lower(state, batch, frozen, frozen_inputs)
 
 
 # XLA:CPU's memory-optimized instruction scheduler: the default (concurrency-optimized) one starts independent
@@ -133,10 +145,11 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any,
 CPU_COMPILER_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
 
 
-def _compile(lowered: Any) -> Any:
-    """``lowered.compile()``, with :data:`CPU_COMPILER_OPTIONS` on the CPU (plainly where this jaxlib's
-    XLA does not know them)."""
-    if jax.default_backend() != "cpu":
+def compile_lowered(lowered: Any, platform: str | None = None) -> Any:
+    """``lowered.compile()``, with :data:`CPU_COMPILER_OPTIONS` for a CPU program (plainly where this jaxlib's
+    XLA does not know them). ``platform`` is the program's (its mesh's devices'; default JAX's default backend):
+    a TPU program compiled from a CPU host gets no CPU options."""
+    if (platform or jax.default_backend()) != "cpu":
         return lowered.compile()
     try:
         return lowered.compile(compiler_options=CPU_COMPILER_OPTIONS)
@@ -159,8 +172,9 @@ class CompileThenTrim:
     same shapes, dtypes and shardings run the executable compiled then.
     """
 
-    def __init__(self, jitted: Any):
+    def __init__(self, jitted: Any, platform: str | None = None):
         self.jitted = jitted
+        self.platform = platform
         self.compiled: dict[str, Any] = {}
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
@@ -172,7 +186,7 @@ class CompileThenTrim:
                                       str(getattr(a, "sharding", None))), (args, kwargs))
         key = str(jax.tree.structure(sig)) + str(jax.tree.leaves(sig))
         if key not in self.compiled:
-            self.compiled[key] = _compile(self.lower(*args, **kwargs))
+            self.compiled[key] = compile_lowered(self.lower(*args, **kwargs), self.platform)
             release_free_memory()
         return self.compiled[key](*args, **kwargs)
 
@@ -180,13 +194,28 @@ class CompileThenTrim:
 compile_then_trim = CompileThenTrim
 
 
-def init_state(tx: optax.GradientTransformation, params: dict, mesh: jax.sharding.Mesh) -> dict:
-    """The train state {params, opt_state, step}; optimizer moments take their parameter's sharding."""
+def state_shardings(tx: optax.GradientTransformation, params: Any, mesh: jax.sharding.Mesh) -> tuple[Any, Any]:
+    """(optimizer state's shardings, the step counter's): each moment takes its parameter's sharding (arrays or
+    ``jax.ShapeDtypeStruct`` s with shardings); factored (adafactor) and scalar state is small: replicated."""
     replicated = NamedSharding(mesh, PartitionSpec())
     opt_sharding = optax.tree_map_params(
-        # Factored (adafactor) and scalar state is small: replicated.
         tx, lambda s, p: p.sharding if s.shape == p.shape else replicated, jax.eval_shape(tx.init, params), params,
         transform_non_params=lambda _: replicated, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    return opt_sharding, replicated
+
+
+def init_state(tx: optax.GradientTransformation, params: dict, mesh: jax.sharding.Mesh) -> dict:
+    """The train state {params, opt_state, step}; optimizer moments take their parameter's sharding."""
+    opt_sharding, replicated = state_shardings(tx, params, mesh)
     opt_state, step = jax.jit(lambda p: (tx.init(p), jnp.zeros((), jnp.int32)),
                               out_shardings=(opt_sharding, replicated))(params)
     return {"params": params, "opt_state": opt_state, "step": step}
+
+
+def state_layout(tx: optax.GradientTransformation, params: Any, mesh: jax.sharding.Mesh) -> dict:
+    """:func:`init_state`'s state as ``jax.ShapeDtypeStruct`` s with their shardings, from abstract ``params``
+    (nothing computed or allocated): what ``--compile-only`` lowers the step with."""
+    opt_sharding, replicated = state_shardings(tx, params, mesh)
+    opt = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                       jax.eval_shape(tx.init, params), opt_sharding)
+    return {"params": params, "opt_state": opt, "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)}

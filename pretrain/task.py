@@ -91,6 +91,19 @@ class RunContext:
     reads: list[DataRead]
 
 
+@dataclass(frozen=True)
+class LayoutContext:
+    """What :meth:`Task.compile_layout` may read for ``--compile-only``: the config, the model's config, the mesh
+    (of a TPU topology's devices), the LoRA settings and the starting params as ``jax.ShapeDtypeStruct`` s with
+    their shardings. No tokenizer, no data, no weights."""
+
+    cfg: TrainConfig
+    mcfg: ModelConfig
+    mesh: jax.sharding.Mesh
+    lora: LoraConfig | None
+    params: Any
+
+
 class Task:
     """The seam of the shared loop; subclasses implement :meth:`load`, :meth:`documents` and :meth:`loss_sums`.
 
@@ -158,6 +171,12 @@ class Task:
     def prepare(self, ctx: RunContext) -> Any:
         """Set up before any documents are made (``ctx.params``: the starting weights, the base with LoRA);
         returns the frozen inputs the step passes to :meth:`loss_sums`, or None (the default: nothing)."""
+        return None
+
+    def compile_layout(self, ctx: LayoutContext) -> Any:
+        """For ``--compile-only`` (:mod:`pretrain.compile_only`): set up what :meth:`prepare` would for the step
+        (nothing read, nothing computed) and return its frozen inputs as ``jax.ShapeDtypeStruct`` s with
+        shardings, or None (the default: nothing)."""
         return None
 
     def batch_totals(self, batch: Any) -> Any:

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from pretrain import distributed
-from pretrain.cli import add_run_flags, train_command
+from pretrain.cli import add_compile_flags, add_run_flags, train_command
 from pretrain.config import load_config
 from sft.config import SFTConfig
 from zoo.console import run_cli, use_color
@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
             s.add_argument("--print-config", action="store_true",
                            help="print the fully resolved config (with defaults) and exit")
             add_run_flags(s)
+            add_compile_flags(s)
             distributed.add_flags(s)
         else:
             s.add_argument("-n", type=int, default=3, help="how many examples to show (default 3)")
@@ -84,18 +85,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `sft` console script."""
     args = build_parser().parse_args(argv)
 
-    def body() -> None:
+    def body() -> int | None:
         if args.command == "inspect":
             color = not args.no_color and use_color(sys.stdout)  # no escape codes in a file or a pipe
             _inspect(load_config(args.config, list(args.overrides), SFTConfig), args.n, color)
-            return
+            return None
 
         def sft_task() -> type:
             from sft.task import SFTTask  # jax and the model only once a command runs: --help stays fast
 
             return SFTTask
 
-        train_command(args, SFTConfig, sft_task)
+        return train_command(args, SFTConfig, sft_task)
 
     return run_cli(body)
 

@@ -15,11 +15,34 @@ from typing import TextIO
 from zoo.errors import UserError
 
 
+def skip_absent_tpus() -> None:
+    """On a machine with the libtpu wheel (the ``tpu`` extra, for ``--compile-only``) but no TPU and no GPU
+    plugin, JAX would start its TPU plugin anyway and libtpu prints lines about the host it is not on to stderr
+    (TPU_ACCELERATOR_TYPE, worker hostnames, an INVALID_ARGUMENT) above the command's own output: JAX is told
+    to use the CPU (JAX_PLATFORMS=cpu) there. A JAX_PLATFORMS the user set is left as it is; ``--compile-only``
+    compiles for TPUs under it all the same."""
+    import glob
+    import importlib.metadata
+    import importlib.util
+
+    if "JAX_PLATFORMS" in os.environ or importlib.util.find_spec("libtpu") is None:
+        return
+    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):  # TPU chips (v4/v5e: accel; v5p/v6e: vfio)
+        return
+    names = {(d.metadata["Name"] or "").lower().replace("_", "-") for d in importlib.metadata.distributions()}
+    if any(n.startswith(("jax-cuda", "jax-rocm")) for n in names):
+        return
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    if "jax" in sys.modules:  # imported already: JAX read the variable then; backends start on first use
+        sys.modules["jax"].config.update("jax_platforms", "cpu")
+
+
 def run_cli(fn: Callable[[], int | None]) -> int:
     """Run a command body: UserError -> 'error: ...' on stderr and exit code 2; a reader that went away early
     (``zoo info CKPT | head``) -> a quiet exit."""
     # transformers warns at import that PyTorch is missing; lmzoo never needs it, so users need not read that.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    skip_absent_tpus()
     try:
         code = fn() or 0
         sys.stdout.flush()  # here, not at exit: a closed pipe is then caught below

@@ -7,6 +7,7 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
+from zoo import released_configs as released
 from zoo.errors import UserError
 
 
@@ -45,10 +46,14 @@ _ENTRIES = [
     ZooEntry("llama2-7b", "llama", "meta-llama/Llama-2-7b-hf", 6.74e9, "Llama 2, multi-head attention"),
     ZooEntry("llama3-8b", "llama", "meta-llama/Meta-Llama-3-8B", 8.03e9, "Llama 3, GQA"),
     ZooEntry("llama3-8b-instruct", "llama", "meta-llama/Meta-Llama-3-8B-Instruct", 8.03e9, "Llama 3 chat"),
-    ZooEntry("llama3.1-8b", "llama", "meta-llama/Llama-3.1-8B", 8.03e9, "Llama 3.1, llama3 RoPE scaling"),
-    ZooEntry("llama3.1-8b-instruct", "llama", "meta-llama/Llama-3.1-8B-Instruct", 8.03e9, "Llama 3.1 chat"),
-    ZooEntry("llama3.1-70b", "llama", "meta-llama/Llama-3.1-70B", 70.55e9, "Llama 3.1 70B"),
-    ZooEntry("llama3.2-1b", "llama", "meta-llama/Llama-3.2-1B", 1.24e9, "Llama 3.2, tied embeddings"),
+    ZooEntry("llama3.1-8b", "llama", "meta-llama/Llama-3.1-8B", 8.03e9, "Llama 3.1, llama3 RoPE scaling",
+             hf_config=released.LLAMA_3_1_8B),
+    ZooEntry("llama3.1-8b-instruct", "llama", "meta-llama/Llama-3.1-8B-Instruct", 8.03e9, "Llama 3.1 chat",
+             hf_config=released.LLAMA_3_1_8B),
+    ZooEntry("llama3.1-70b", "llama", "meta-llama/Llama-3.1-70B", 70.55e9, "Llama 3.1 70B",
+             hf_config=released.LLAMA_3_1_70B),
+    ZooEntry("llama3.2-1b", "llama", "meta-llama/Llama-3.2-1B", 1.24e9, "Llama 3.2, tied embeddings",
+             hf_config=released.LLAMA_3_2_1B),
     ZooEntry("llama3.2-1b-instruct", "llama", "meta-llama/Llama-3.2-1B-Instruct", 1.24e9, "Llama 3.2 chat"),
     ZooEntry("llama3.2-3b", "llama", "meta-llama/Llama-3.2-3B", 3.21e9, "Llama 3.2 3B"),
     ZooEntry("llama3.2-3b-instruct", "llama", "meta-llama/Llama-3.2-3B-Instruct", 3.21e9, "Llama 3.2 3B chat"),

@@ -1,0 +1,274 @@
+"""``train --compile-only --topology NAME``: the run's train step compiled for a TPU slice from this machine.
+
+The step is the one the run would execute (:func:`pretrain.step.make_step`: the mesh, the shardings, remat,
+LoRA, the task's loss and frozen inputs), lowered from ``jax.ShapeDtypeStruct`` s (the task's declared batch
+layout, the parameters' specs, the optimizer's state shapes) over the devices of
+``jax.experimental.topologies.get_topology_desc``: no weights, no data, no device memory, no TPU. The compiler's
+``memory_analysis()`` gives the bytes a chip needs; FLOPs come from the model's arithmetic
+(:mod:`pretrain.flops`), never XLA's estimates (which count a loop body once).
+
+Exit codes: 0 fits, 3 does not fit, 2 a user error (no libtpu, an unknown topology, a config that cannot run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from pretrain.config import TrainConfig
+from zoo.errors import UserError
+
+GIB = 2**30
+# HBM per chip by device kind (jax's device_kind of the topology's devices).
+HBM_GIB = {"TPU v4": 32, "TPU v5 lite": 16, "TPU v5e": 16, "TPU v5p": 95, "TPU v5": 95, "TPU v6 lite": 32,
+           "TPU v6e": 32}
+DOES_NOT_FIT = 3
+
+
+def hbm_bytes(kind: str) -> int:
+    """HBM bytes per chip of a TPU device kind (longest matching name first: "TPU v5 lite" before "TPU v5")."""
+    for name in sorted(HBM_GIB, key=len, reverse=True):
+        if kind.lower().startswith(name.lower()):
+            return HBM_GIB[name] * GIB
+    raise UserError(f"--topology: no HBM size known for device kind {kind!r} (known: {', '.join(HBM_GIB)})")
+
+
+def topology_devices(name: str, num_slices: int = 1) -> list:
+    """The devices of TPU topology ``name`` (e.g. ``v5e:2x4``, ``v5p:2x2x2``), compiled for from this machine.
+
+    libtpu's start-up lines about the host it is not on are held back, and shown only if the topology fails."""
+    if importlib.util.find_spec("libtpu") is None:
+        raise UserError("--compile-only needs the TPU compiler: pip install 'lmzoo[tpu]' (the libtpu wheel)")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other processes (pytest -n 2) may hold it too
+    from jax.experimental import topologies
+
+    with tempfile.TemporaryFile() as held:
+        saved = os.dup(2)
+        os.dup2(held.fileno(), 2)
+        try:
+            topo = topologies.get_topology_desc(platform="tpu", topology_name=name, num_slices=num_slices)
+            error = None
+        except Exception as e:  # libtpu's INVALID_ARGUMENT for a name it does not know
+            error = str(e).splitlines()[0]
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+    if error is not None:
+        raise UserError(f"--topology {name}: {error.removeprefix('INVALID_ARGUMENT: ')} (names look like v5e:2x4, "
+                        "v5p:2x2x2, v6e:16x16, v4:2x2x1)")
+    return list(topo.devices)
+
+
+def model_config(cfg: TrainConfig) -> Any:
+    """The run's ModelConfig read without weights: ``model.path`` as a zoo checkpoint, a registry name
+    (``llama3.1-8b``) or a Hugging Face ``config.json``; or ``model.config`` with ``model.init: random``."""
+    from convert.hf_config import model_config_from_hf
+    from zoo import registry
+    from zoo.checkpoint import read_config
+
+    name = cfg.model.config if cfg.model.init == "random" else cfg.model.path
+    if not name:
+        raise UserError("--compile-only needs model (a zoo checkpoint, a registry name or a config.json)")
+    src = Path(name)
+    if src.is_dir() and (src / "model.json").is_file():
+        return read_config(src)
+    if src.is_file():
+        try:
+            hf = json.loads(src.read_text())
+        except (OSError, ValueError) as e:
+            raise UserError(f"model {name}: not a readable config.json ({e})") from None
+        return model_config_from_hf(hf, f"model {name}")
+    try:
+        entry = registry.get(name)
+    except UserError as e:
+        raise UserError(f"model {name}: not a zoo checkpoint or a config.json, and {e}") from None
+    if entry.hf_config is None:
+        raise UserError(f"model {name}: the registry has no built-in config for it; give its config.json")
+    return model_config_from_hf(entry.hf_config, f"model {name}")
+
+
+@dataclasses.dataclass
+class Report:
+    """What ``--compile-only`` found: the keys of ``--report`` JSON."""
+
+    topology: str
+    chips: int
+    hbm_bytes_per_chip: int
+    fits: bool
+    bytes_per_chip: dict[str, int]
+    model_flops_per_step: float
+    tokens_per_step: int
+    compile_seconds: float
+    device_kind: str = ""
+    remat: str = ""
+    mesh: dict[str, int] = dataclasses.field(default_factory=dict)
+    advice: list[str] = dataclasses.field(default_factory=list)
+
+
+def _shard_bytes(tree: Any) -> int:
+    """Bytes one chip holds of ``tree``'s arrays (``jax.ShapeDtypeStruct`` s with shardings): the largest shard."""
+    import jax
+
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+        total += math.prod(shape) * x.dtype.itemsize
+    return total
+
+
+def compile_only(cfg: TrainConfig, task: Any, topology: str, report_path: str | None = None,
+                 num_slices: int = 1) -> int:
+    """Compile the run's train step for ``topology`` and report bytes per chip; returns the exit code (0 fits,
+    3 does not)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from pretrain.dtypes import DTYPES
+    from pretrain.flops import flops_per_token
+    from pretrain.optim import build_optimizer, lr_schedule
+    from pretrain.setup import check_base_quant, lora_config
+    from pretrain.step import compile_lowered, make_step, state_layout
+    from pretrain.task import LayoutContext
+    from zoo.kernels import kernel_for
+    from zoo.lora import lora_scale, lora_specs
+    from zoo.params import nest, param_specs
+    from zoo.sharding import make_mesh, named_sharding
+
+    check_base_quant(cfg)
+    if cfg.lora.base_quant:
+        raise UserError("--compile-only does not build QLoRA's quantized base yet (lora.base_quant): compile the "
+                        "LoRA run without it for now")
+    devices = topology_devices(topology, num_slices)
+    kind = devices[0].device_kind
+    hbm = hbm_bytes(kind)
+    mcfg = dataclasses.replace(model_config(cfg), attention=cfg.model.attention)
+    sizes = dataclasses.asdict(cfg.mesh)
+    try:
+        mesh = make_mesh(**sizes, devices=devices)
+    except ValueError as e:
+        raise UserError(f"mesh {sizes} on {topology} ({len(devices)} chips): {e}") from None
+    micro = cfg.batch_size // cfg.grad_accum
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    if micro % shards:
+        raise UserError(f"batch_size/grad_accum = {micro} sequences must divide over data x fsdp = {shards} chips "
+                        f"of {topology}")
+    compute, pdt = DTYPES[cfg.dtype.compute], DTYPES[cfg.dtype.params]
+    if kernel_for(mcfg, compute) != "blockwise":  # checked here too: the TPU program has no cuDNN
+        raise UserError("model.attention cudnn runs on NVIDIA GPUs, not on TPU")
+
+    def abstract(specs: dict, dtype: Any) -> dict:
+        return nest({k: jax.ShapeDtypeStruct(s.shape, dtype, sharding=named_sharding(mesh, s.axes, s.shape))
+                     for k, s in specs.items()})
+
+    params = abstract(param_specs(mcfg), pdt)
+    lora = lora_config(cfg)
+    frozen = params if lora else None
+    trainable = abstract(lora_specs(mcfg, lora), jnp.float32) if lora else params
+    frozen_inputs = task.compile_layout(LayoutContext(cfg, mcfg, mesh, lora, params))
+    tx = build_optimizer(cfg, lr_schedule(cfg, max(1, cfg.max_steps or 1)))
+    state = state_layout(tx, trainable, mesh)
+    batch_sharding = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"), None))
+    step, _ = make_step(mcfg, tx, compute, cfg.remat, jax.tree.map(lambda x: x.sharding, state), batch_sharding,
+                        task, lora_scale(lora) if lora else None, jax.tree.map(lambda x: x.sharding, frozen),
+                        lora_dropout=lora.dropout if lora else 0.0, seed=cfg.seed,
+                        frozen_inputs_sharding=jax.tree.map(lambda x: x.sharding, frozen_inputs))
+    layout = task.batch_layout(cfg.grad_accum, micro, cfg.data.seq_len)
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_sharding), layout)
+    started = time.perf_counter()
+    refused = None
+    try:
+        compiled = compile_lowered(step.lower(state, batch, frozen, frozen_inputs=frozen_inputs), "tpu")
+    except Exception as e:  # the TPU compiler refuses a program over the chip's HBM: its figure is the answer
+        refused = compiler_refusal(str(e))
+        if refused is None:
+            raise
+    seconds = time.perf_counter() - started
+    inputs = _shard_bytes(state) + _shard_bytes(frozen) + _shard_bytes(frozen_inputs) + _shard_bytes(batch)
+    if refused is None:
+        mem = compiled.memory_analysis()
+        arguments = int(mem.argument_size_in_bytes)
+        outputs = max(0, int(mem.output_size_in_bytes) - int(mem.alias_size_in_bytes))  # donated state is reused
+        temps = int(mem.temp_size_in_bytes)
+        code = int(mem.generated_code_size_in_bytes)
+    else:  # the temporaries the compiler needed; the arguments are the shards the step reads
+        arguments, outputs, temps, code = inputs, 0, refused[0], 0
+    parts = {"params": _shard_bytes(params) + _shard_bytes(frozen_inputs),
+             "optimizer": _shard_bytes(state["opt_state"]),
+             "adapters": _shard_bytes(trainable) if lora else 0,
+             "activations": temps,
+             "outputs": outputs,
+             "total": arguments + temps + outputs + code}
+    rows, row_len = math.prod(layout.inputs.shape[:2]), layout.inputs.shape[2]  # GRPO's rows hold completions too
+    tokens = rows * row_len
+    rep = Report(topology=topology + (f" x{num_slices}" if num_slices > 1 else ""), chips=len(devices),
+                 hbm_bytes_per_chip=hbm, fits=parts["total"] <= hbm, bytes_per_chip=parts,
+                 model_flops_per_step=flops_per_token(mcfg, row_len, frozen_base=lora is not None) * tokens,
+                 tokens_per_step=tokens, compile_seconds=round(seconds, 2), device_kind=kind, remat=cfg.remat,
+                 mesh=dict(mesh.shape))
+    if refused is not None:
+        rep.fits = False
+    if not rep.fits:
+        rep.advice = advice(cfg, parts, hbm if refused is None else refused[1])
+        if refused is not None:
+            rep.advice.append(f"the TPU compiler refused the program: {refused[2]}")
+    print(table(rep))
+    if report_path:
+        Path(report_path).write_text(json.dumps(dataclasses.asdict(rep), indent=1) + "\n")
+    return 0 if rep.fits else DOES_NOT_FIT
+
+
+def compiler_refusal(message: str) -> tuple[int, int, str] | None:
+    """(temporaries' bytes, the HBM the compiler had, its line) of the TPU compiler's out-of-memory refusal
+    ("the total memory required for HLO temporaries (19.30G) exceeds available HBM (15.75G)"), else None."""
+    import re
+
+    m = re.search(r"temporaries \(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)", message)
+    if "RESOURCE_EXHAUSTED" not in message or m is None:
+        return None
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    line = next(x for x in message.splitlines() if "exceeds available HBM" in x)
+    return (int(float(m[1]) * scale[m[2]]), int(float(m[3]) * scale[m[4]]),
+            line.split("E1000: ")[-1].strip())
+
+
+def advice(cfg: TrainConfig, parts: dict[str, int], hbm: int) -> list[str]:
+    """What to change when the step does not fit: the largest parts first, each with its remedy."""
+    over = parts["total"] - hbm
+    says = {
+        "activations": ("activations (the step's temporaries) are the largest part: set remat: full"
+                        if cfg.remat != "full" else "activations are the largest part even with remat: full: "
+                        "lower batch_size per chip (raise grad_accum to keep the global batch) or data.seq_len"),
+        "params": "the weights: spread them over more chips (a larger slice, mesh.fsdp: -1) or train LoRA",
+        "optimizer": "the optimizer state: shard it over more chips (a larger slice) or use LoRA, or "
+                     "dtype.params: bfloat16 (its moments follow the weights' dtype)",
+        "adapters": "the adapters: a smaller lora.rank",
+        "outputs": "the step's outputs beyond the donated state: lower batch_size per chip",
+    }
+    ranked = sorted((k for k in says if parts.get(k)), key=lambda k: -parts[k])
+    lines = [f"over by {over / GIB:.2f} GiB of {hbm / GIB:.2f} GiB a chip"]
+    lines += [f"{k} {parts[k] / GIB:.2f} GiB: {says[k]}" for k in ranked[:3]]
+    return lines
+
+
+def table(rep: Report) -> str:
+    """The report as a small table of GiB per chip."""
+    rows = [("topology", f"{rep.topology} ({rep.chips} chips, {rep.device_kind}, "
+                         f"{rep.hbm_bytes_per_chip / GIB:.2f} GiB HBM a chip)"),
+            ("mesh", " x ".join(f"{k} {v}" for k, v in rep.mesh.items() if v > 1) or "one chip"),
+            ("remat", rep.remat)]
+    rows += [(f"{k} GiB/chip", f"{v / GIB:.3f}") for k, v in rep.bytes_per_chip.items()]
+    rows += [("fits", "yes" if rep.fits else "NO"),
+             ("model TFLOPs/step", f"{rep.model_flops_per_step / 1e12:.3f}"),
+             ("tokens/step", str(rep.tokens_per_step)), ("compile s", f"{rep.compile_seconds:.1f}")]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    lines += [f"  {a}" for a in rep.advice]
+    return "\n".join(lines)
