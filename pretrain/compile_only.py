@@ -137,7 +137,7 @@ def compile_only(cfg: TrainConfig, task: Any, topology: str, report_path: str | 
     from pretrain.setup import check_base_quant, lora_config
     from pretrain.step import compile_lowered, make_step, state_layout
     from pretrain.task import LayoutContext
-    from zoo.kernels import kernel_for
+    from zoo.kernels import kernel_for, target
     from zoo.lora import lora_scale, lora_specs
     from zoo.params import nest, param_specs
     from zoo.sharding import make_mesh, named_sharding
@@ -185,7 +185,9 @@ def compile_only(cfg: TrainConfig, task: Any, topology: str, report_path: str | 
     started = time.perf_counter()
     refused = None
     try:
-        compiled = compile_lowered(step.lower(state, batch, frozen, frozen_inputs=frozen_inputs), "tpu")
+        with target("tpu", len(devices)):  # backend-dependent sizes and kernels follow the TPU, not this host
+            lowered = step.lower(state, batch, frozen, frozen_inputs=frozen_inputs)
+        compiled = compile_lowered(lowered, "tpu")
     except Exception as e:  # the TPU compiler refuses a program over the chip's HBM: its figure is the answer
         refused = compiler_refusal(str(e))
         if refused is None:

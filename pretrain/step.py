@@ -13,6 +13,7 @@ from pretrain.metrics import LossOutput
 from pretrain.task import PretrainTask, Task
 from zoo.config import ModelConfig
 from zoo.memory import release_free_memory
+from zoo.sharding import activation_mesh
 
 
 def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any, remat: str = "none",
@@ -114,12 +115,13 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any,
     if state_sharding is None:
         return compile_then_trim(jax.jit(step, donate_argnums=0)), compile_then_trim(jax.jit(evaluate))
     replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
-    platform = batch_sharding.mesh.devices.flat[0].platform  # the mesh's, not the default backend's
+    mesh = batch_sharding.mesh
+    platform = mesh.devices.flat[0].platform  # the mesh's, not the default backend's
     step_jit = compile_then_trim(jax.jit(
         step, donate_argnums=0,
         in_shardings=(state_sharding, batch_sharding, frozen_sharding, frozen_inputs_sharding),
-        out_shardings=(state_sharding, replicated)), platform)
-    return ShardedStep(step_jit), compile_then_trim(jax.jit(evaluate, out_shardings=replicated), platform)
+        out_shardings=(state_sharding, replicated)), platform, mesh)
+    return ShardedStep(step_jit), compile_then_trim(jax.jit(evaluate, out_shardings=replicated), platform, mesh)
 
 
 class ShardedStep:
@@ -172,14 +174,17 @@ class CompileThenTrim:
     same shapes, dtypes and shardings run the executable compiled then.
     """
 
-    def __init__(self, jitted: Any, platform: str | None = None):
+    def __init__(self, jitted: Any, platform: str | None = None, mesh: jax.sharding.Mesh | None = None):
         self.jitted = jitted
         self.platform = platform
+        self.mesh = mesh
         self.compiled: dict[str, Any] = {}
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
-        """The jitted function lowered for these arguments (arrays or ``jax.ShapeDtypeStruct`` s)."""
-        return self.jitted.lower(*args, **kwargs)
+        """The jitted function lowered for these arguments (arrays or ``jax.ShapeDtypeStruct`` s), its activations
+        kept split over ``mesh``'s batch axes (:func:`zoo.sharding.batch_sharded`)."""
+        with activation_mesh(self.mesh):
+            return self.jitted.lower(*args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         sig = jax.tree.map(lambda a: (getattr(a, "shape", None), getattr(a, "dtype", None),

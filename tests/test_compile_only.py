@@ -135,3 +135,20 @@ def test_commands_on_a_cpu_machine_with_libtpu_stay_quiet(tmp_path):
                            str(tmp_path / "zoo")], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "TPU" not in proc.stderr and "INVALID_ARGUMENT" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
+def test_activations_stay_split_over_the_chips(tmp_path):
+    """Slow (a 10 s TPU compile): full fine-tuning over an FSDP mesh of 4 chips keeps each chip's rows only. The
+    partitioner, unconstrained, laid the layers' saved gate and up out for the whole global batch on every chip
+    (51 MB here; Llama-3.1-8B on v5p:2x2x2: two 14 GiB buffers a chip); split, a chip's share is a quarter."""
+    mid = {**TINY, "vocab_size": 1024, "hidden_size": 512, "intermediate_size": 2048, "num_attention_heads": 8,
+           "head_dim": 64}
+    f = _config(tmp_path, mid, "dtype:\n  params: bfloat16\n  compute: bfloat16\ndata:\n  seq_len: 512\n"
+                              f"  path: {tmp_path / 'absent.jsonl'}\n")
+    report = tmp_path / "report.json"
+    assert _main("pretrain")(["train", "--config", str(f), "--compile-only", "--topology", "v5e:2x2",
+                              "--report", str(report)]) == 0
+    rep = json.loads(report.read_text())
+    gate_and_up_whole_batch = 2 * 8 * 512 * 2048 * 2 * 2  # layers x rows x seq x mlp x bf16 x (gate, up)
+    assert rep["bytes_per_chip"]["activations"] < 1.5 * gate_and_up_whole_batch / 4

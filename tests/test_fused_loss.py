@@ -60,12 +60,14 @@ def test_one_chunk_holds_about_chunk_elements_logits():
     assert zoo.loss.chunk_length(96, 2, 48) == 48  # a tiny model: one chunk
 
 
-def test_on_accelerators_a_chunk_is_thick_and_per_device(monkeypatch):
+def test_on_accelerators_a_chunk_is_thick_and_per_device():
     """On a GPU or TPU the chunk counts each device's share of the batch and about 2^27 logits: 1,044 tokens of
     Llama 3's vocabulary at 4 rows a device, whatever the device count (CPU-sized chunks gave 64-token matmuls)."""
-    monkeypatch.setattr(zoo.loss.jax, "default_backend", lambda: "gpu")
+    from zoo.kernels import target
+
     for devices in (1, 8):
-        monkeypatch.setattr(zoo.loss.jax, "device_count", lambda n=devices: n)
-        c = zoo.loss.chunk_length(128256, 4 * devices, 4096)
-        assert c == 2**27 // (128256 * 4) == 261
-    assert zoo.loss.chunk_length(128256, 4, 128) == 128  # never past the sequence
+        with target("gpu", devices):
+            assert zoo.loss.chunk_length(128256, 4 * devices, 4096) == 2**27 // (128256 * 4) == 261
+    with target("tpu", 8):
+        assert zoo.loss.chunk_length(128256, 32, 128) == 128  # never past the sequence
+    assert zoo.loss.chunk_length(128256, 4, 4096) == zoo.loss.CHUNK_ELEMENTS // (128256 * 4)  # the CPU's again

@@ -148,6 +148,10 @@ def test_mlp_chunk_counts_divide_the_sequence():
     assert mlp_chunks(1, MLP_CHUNK_TOKENS) == 1  # small batches run in one pass
     assert mlp_chunks(3, 1000) == 2  # the largest divisor of seq within the token budget
     assert mlp_chunks(1024, 7) == 7  # never more chunks than positions
+    from zoo.kernels import target
+
+    with target("tpu", 8):
+        assert mlp_chunks(16, 512) == 1  # a chip's own [tokens, mlp] buffers are small beside its HBM
 
 
 @pytest.mark.slow

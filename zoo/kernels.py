@@ -13,6 +13,9 @@ key tiles above the diagonal.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Literal
 
 import jax
@@ -37,9 +40,31 @@ def cudnn_obstacle(cfg: ModelConfig, dtype: jnp.dtype) -> str | None:
     return None
 
 
+_TARGET: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar("target", default=None)
+
+
 def platform() -> str:
-    """The platform the program is built for: JAX's default backend ("cpu", "gpu", "tpu")."""
-    return jax.default_backend()
+    """The platform the program is built for ("cpu", "gpu", "tpu"): JAX's default backend, or the one
+    :func:`target` names while a program for other devices is traced (``--compile-only`` on a CPU host)."""
+    t = _TARGET.get()
+    return t[0] if t else jax.default_backend()
+
+
+def device_count() -> int:
+    """How many devices the program is built for (:func:`target`'s, else JAX's)."""
+    t = _TARGET.get()
+    return t[1] if t else jax.device_count()
+
+
+@contextlib.contextmanager
+def target(platform_name: str, devices: int) -> Iterator[None]:
+    """Trace programs for ``devices`` devices of ``platform_name`` (sizes that depend on the backend, such as
+    the loss's and the MLP's chunks, and ``auto`` kernels, follow it) while this is open."""
+    token = _TARGET.set((platform_name, devices))
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
 
 
 def check_platform(attention: str, compute: str) -> None:

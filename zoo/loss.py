@@ -30,9 +30,11 @@ def chunk_length(vocab: int, batch: int, seq: int) -> int:
     """Sequence positions per chunk, at most ``seq``: about :data:`CHUNK_ELEMENTS` logits over the batch on the
     CPU; on accelerators about :data:`ACCELERATOR_CHUNK_ELEMENTS` over each device's share of the batch (the
     batch axis is the one the mesh shards)."""
-    if jax.default_backend() == "cpu":
+    from zoo.kernels import device_count, platform
+
+    if platform() == "cpu":
         return max(1, min(seq, CHUNK_ELEMENTS // (vocab * batch)))
-    local = -(-batch // jax.device_count())
+    local = -(-batch // device_count())
     return max(1, min(seq, ACCELERATOR_CHUNK_ELEMENTS // (vocab * local)))
 
 

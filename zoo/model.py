@@ -29,6 +29,7 @@ from zoo.mlp import mlp
 from zoo.moe import aux_losses, moe_mlp
 from zoo.params import flatten, init_params, nest, param_specs
 from zoo.rope import rope_tables_by_kind
+from zoo.sharding import batch_sharded
 
 
 @dataclass(frozen=True)
@@ -151,10 +152,11 @@ def decoder_layer(cfg: ModelConfig, x: jax.Array, p: dict, attend: Callable[[jax
     dense :func:`zoo.mlp.mlp`; ``lora``/``lora_scale``/``drop`` are this
     layer's adapters and their dropout. Returns (x, attend's extra, router statistics; {} when dense).
     """
+    x = batch_sharded(x)  # the residual stream keeps the batch split (zoo.sharding.batch_sharded)
     h, extra = attend(x)
     if cfg.post_norms:
         h = norm(cfg, h, p["post_attn_norm"])
-    x = x + h
+    x = batch_sharded(x + h)
     stats: dict = {}
     if moe:
         h, stats = moe_mlp(norm(cfg, x, p["mlp_norm"]), p, cfg, valid, lora=lora, lora_scale=lora_scale, drop=drop)
@@ -162,7 +164,7 @@ def decoder_layer(cfg: ModelConfig, x: jax.Array, p: dict, attend: Callable[[jax
         h = mlp(x, p, cfg, norm_w=p["mlp_norm"], lora=lora, lora_scale=lora_scale, drop=drop)
     if cfg.post_norms:
         h = norm(cfg, h, p["post_mlp_norm"])
-    return x + h, extra, stats
+    return batch_sharded(x + h), extra, stats
 
 
 @overload
