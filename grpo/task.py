@@ -58,7 +58,7 @@ from zoo.datafiles import indexed_rows, load_dataset_rows
 from zoo.errors import UserError
 from zoo.loading import load_reference
 from zoo.logps import batch_logps
-from zoo.lora import lora_scale
+from zoo.lora import LoraConfig, lora_scale
 from zoo.quant import cast_params
 from zoo.row_origin import bad_row, row_where
 
@@ -146,20 +146,12 @@ class GRPOTask(Task):
         inputs): the ``grpo.reference`` checkpoint, or with full fine-tuning and ``grpo.reference: base`` (the
         default) the starting model; None otherwise (LoRA's reference is the frozen base, adapters off)."""
         g, cfg, mcfg, mesh, tokenizer = self.grpo, ctx.cfg, ctx.mcfg, ctx.mesh, ctx.tokenizer
-        self.mcfg, self.tokenizer = mcfg, tokenizer
-        self.compute = DTYPES[cfg.dtype.compute]
-        self.lora_cfg = ctx.lora
+        self.tokenizer = tokenizer
         eos = {tokenizer.eos_token_id} - {None}
-        self.eos_ids = tuple(sorted(eos))
-        if not self.eos_ids:
+        if not eos:
             raise UserError("the tokenizer has no EOS token: completions could never end before "
                             "grpo.max_completion_length")
-        self.spec = RolloutSpec(g.num_generations, g.max_completion_length,
-                                Sampler(float(g.temperature), int(g.top_k), float(g.top_p)), self.eos_ids)
-        self.sharding = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"), None))
-        self.replicated = NamedSharding(mesh, PartitionSpec())
-        self.batch_shape = (cfg.grad_accum, cfg.batch_size // cfg.grad_accum)
-        self.reference = None
+        self._setup(cfg, mcfg, mesh, ctx.lora, tuple(sorted(eos)))
         frozen_inputs = None
         if g.beta > 0:
             if g.reference == "base" and self.lora_cfg is not None:
@@ -174,14 +166,40 @@ class GRPOTask(Task):
         self._compile(cfg)
         return frozen_inputs
 
+    def _setup(self, cfg: TrainConfig, mcfg: ModelConfig, mesh: jax.sharding.Mesh, lora: LoraConfig | None,
+               eos_ids: tuple[int, ...]) -> None:
+        """What :meth:`prepare` and :meth:`compile_layout` both set up: the rollout's settings and layouts."""
+        g = self.grpo
+        self.mcfg, self.lora_cfg, self.eos_ids = mcfg, lora, eos_ids
+        self.compute = DTYPES[cfg.dtype.compute]
+        self.spec = RolloutSpec(g.num_generations, g.max_completion_length,
+                                Sampler(float(g.temperature), int(g.top_k), float(g.top_p)), self.eos_ids)
+        self.sharding = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"), None))
+        self.replicated = NamedSharding(mesh, PartitionSpec())
+        self.batch_shape = (cfg.grad_accum, cfg.batch_size // cfg.grad_accum)
+        self.reference = None
+
     def compile_layout(self, ctx: LayoutContext) -> Any:
         """The update step's frozen inputs for ``--compile-only``: with ``beta`` > 0, a reference model shaped
         and sharded like the params (the starting model of full fine-tuning, or ``grpo.reference``'s
-        checkpoint), which the run holds beside the trained weights; None otherwise."""
+        checkpoint), which the run holds beside the trained weights; None otherwise. Sets up the rollout's
+        programs too (:meth:`compile_programs`; the EOS id only fills a constant, so any id does)."""
         g = self.grpo
+        self._setup(ctx.cfg, ctx.mcfg, ctx.mesh, ctx.lora, (ctx.mcfg.vocab_size - 1,))
+        self._compile(ctx.cfg)
         if g.beta > 0 and not (g.reference == "base" and ctx.lora is not None):
             return ctx.params
         return None
+
+    def compile_programs(self, trainable: Any, frozen: Any) -> dict[str, Any]:
+        """The sampler lowered for ``--compile-only`` (after :meth:`compile_layout`): G completions of
+        ``grpo.max_completion_length`` tokens for the step's prompts, from the policy's weights."""
+        cfg = self.cfg
+        rows = jax.ShapeDtypeStruct(self.batch_shape + (cfg.data.seq_len + 1,), jnp.int32, sharding=self.sharding)
+        step = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated)
+        lora = trainable if self.lora_cfg is not None else None
+        base = frozen if self.lora_cfg is not None else trainable
+        return {"sampler": self._sample.lower(base, lora, rows, rows, step)}
 
     def _starting_model(self, ctx: RunContext) -> dict:
         """Full fine-tuning's default reference (TRL's): the model the run starts from, a frozen copy of the params

@@ -110,6 +110,8 @@ class Report:
     remat: str = ""
     mesh: dict[str, int] = dataclasses.field(default_factory=dict)
     advice: list[str] = dataclasses.field(default_factory=list)
+    # The task's other programs (GRPO's sampler): their temporaries and their total beside the resident state.
+    programs: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
 
 def _shard_bytes(tree: Any) -> int:
@@ -192,6 +194,15 @@ def compile_only(cfg: TrainConfig, task: Any, topology: str, report_path: str | 
         refused = compiler_refusal(str(e))
         if refused is None:
             raise
+    programs = {}
+    with target("tpu", len(devices)):
+        lowered_programs = task.compile_programs(trainable, frozen)
+    for name, low in lowered_programs.items():  # the sampler runs beside the resident train state
+        mem_p = compile_lowered(low, "tpu").memory_analysis()
+        own = int(mem_p.argument_size_in_bytes) + int(mem_p.temp_size_in_bytes) + max(
+            0, int(mem_p.output_size_in_bytes) - int(mem_p.alias_size_in_bytes)) + int(mem_p.generated_code_size_in_bytes)
+        programs[name] = {"temporaries": int(mem_p.temp_size_in_bytes),
+                          "total": own + _shard_bytes(state["opt_state"]) + _shard_bytes(frozen_inputs)}
     seconds = time.perf_counter() - started
     inputs = _shard_bytes(state) + _shard_bytes(frozen) + _shard_bytes(frozen_inputs) + _shard_bytes(batch)
     if refused is None:
@@ -215,6 +226,9 @@ def compile_only(cfg: TrainConfig, task: Any, topology: str, report_path: str | 
                  model_flops_per_step=flops_per_token(mcfg, row_len, frozen_base=lora is not None) * tokens,
                  tokens_per_step=tokens, compile_seconds=round(seconds, 2), device_kind=kind, remat=cfg.remat,
                  mesh=dict(mesh.shape))
+    if programs:
+        rep.programs = programs
+        rep.fits = rep.fits and all(p["total"] <= hbm for p in programs.values())
     if refused is not None:
         rep.fits = False
     if not rep.fits:
@@ -267,6 +281,8 @@ def table(rep: Report) -> str:
             ("mesh", " x ".join(f"{k} {v}" for k, v in rep.mesh.items() if v > 1) or "one chip"),
             ("remat", rep.remat)]
     rows += [(f"{k} GiB/chip", f"{v / GIB:.3f}") for k, v in rep.bytes_per_chip.items()]
+    rows += [(f"{name} GiB/chip", f"{p['total'] / GIB:.3f} (temporaries {p['temporaries'] / GIB:.3f})")
+             for name, p in rep.programs.items()]
     rows += [("fits", "yes" if rep.fits else "NO"),
              ("model TFLOPs/step", f"{rep.model_flops_per_step / 1e12:.3f}"),
              ("tokens/step", str(rep.tokens_per_step)), ("compile s", f"{rep.compile_seconds:.1f}")]

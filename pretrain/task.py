@@ -173,6 +173,11 @@ class Task:
         returns the frozen inputs the step passes to :meth:`loss_sums`, or None (the default: nothing)."""
         return None
 
+    def compile_programs(self, trainable: Any, frozen: Any) -> dict[str, Any]:
+        """For ``--compile-only``, after :meth:`compile_layout`: the task's other device programs (an online
+        task's sampler, say), lowered from the abstract trained params and frozen base, by name; {} by default."""
+        return {}
+
     def compile_layout(self, ctx: LayoutContext) -> Any:
         """For ``--compile-only`` (:mod:`pretrain.compile_only`): set up what :meth:`prepare` would for the step
         (nothing read, nothing computed) and return its frozen inputs as ``jax.ShapeDtypeStruct`` s with

@@ -68,6 +68,10 @@ def test_a_small_run_compiles_for_a_4_chip_slice_and_reports(tmp_path, capsys, c
     row = 64 + (8 if command == "grpo" else 0)  # GRPO's rows: the prompt and its completion
     assert rep["tokens_per_step"] == 8 * row
     assert rep["model_flops_per_step"] == pytest.approx(_flops(TINY, row, 8 * row, factor), rel=1e-9)
+    sampler = rep.get("programs", {}).get("sampler")  # GRPO's sampler, compiled beside its update
+    assert (sampler is not None) == (command == "grpo")
+    if sampler:
+        assert sampler["total"] > sampler["temporaries"] > 0 and "sampler GiB/chip" in out.out
     assert "fits" in out.out and "v5e:2x2 (4 chips, TPU v5 lite" in out.out
     assert not (tmp_path / "run").exists()  # nothing written but the report
 
