@@ -177,7 +177,7 @@ class GRPOTask(Task):
         self.sharding = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"), None))
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self.batch_shape = (cfg.grad_accum, cfg.batch_size // cfg.grad_accum)
-        self.reference = None
+        self.reference: str | None = None  # "base" or "inputs" with beta > 0 (prepare decides)
 
     def compile_layout(self, ctx: LayoutContext) -> Any:
         """The update step's frozen inputs for ``--compile-only``: with ``beta`` > 0, a reference model shaped
