@@ -85,6 +85,7 @@ class GRPOTask(Task):
         self.updates_per_step = cfg.grpo.num_iterations
         self.rewards = load_rewards(cfg.grpo.rewards, cfg.grpo.reward_weights)  # a bad spec fails before loading
         self.field = cfg.data.prompt_field
+        self.reference: str | None = None  # "base" or "inputs" with beta > 0 (prepare decides)
 
     # ---- rows -> prompt documents ------------------------------------------------------------------------
 
@@ -177,7 +178,7 @@ class GRPOTask(Task):
         self.sharding = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"), None))
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self.batch_shape = (cfg.grad_accum, cfg.batch_size // cfg.grad_accum)
-        self.reference: str | None = None  # "base" or "inputs" with beta > 0 (prepare decides)
+        self.reference = None
 
     def compile_layout(self, ctx: LayoutContext) -> Any:
         """The update step's frozen inputs for ``--compile-only``: with ``beta`` > 0, a reference model shaped
