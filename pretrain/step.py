@@ -114,12 +114,13 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any,
     if state_sharding is None:
         return compile_then_trim(jax.jit(step, donate_argnums=0)), compile_then_trim(jax.jit(evaluate))
     replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
-    platform = batch_sharding.mesh.devices.flat[0].platform  # the mesh's, not the default backend's
+    mesh = batch_sharding.mesh
+    platform = mesh.devices.flat[0].platform  # the mesh's, not the default backend's
     step_jit = compile_then_trim(jax.jit(
         step, donate_argnums=0,
         in_shardings=(state_sharding, batch_sharding, frozen_sharding, frozen_inputs_sharding),
-        out_shardings=(state_sharding, replicated)), platform)
-    return ShardedStep(step_jit), compile_then_trim(jax.jit(evaluate, out_shardings=replicated), platform)
+        out_shardings=(state_sharding, replicated)), platform, mesh)
+    return ShardedStep(step_jit), compile_then_trim(jax.jit(evaluate, out_shardings=replicated), platform, mesh)
 
 
 class ShardedStep:
@@ -170,16 +171,23 @@ class CompileThenTrim:
     process's peak RSS is the compile's garbage plus the step's
     temporaries (0.27 GB on SmolLM2-135M's train step). Later calls with the
     same shapes, dtypes and shardings run the executable compiled then.
+
+    With ``mesh`` it is traced under ``jax.set_mesh(mesh)``: the attention kernel's choice (:mod:`zoo.kernels`)
+    sees the program's platform, and splash attention shards itself over the mesh (:mod:`zoo.splash`).
     """
 
-    def __init__(self, jitted: Any, platform: str | None = None):
+    def __init__(self, jitted: Any, platform: str | None = None, mesh: jax.sharding.Mesh | None = None):
         self.jitted = jitted
         self.platform = platform
+        self.mesh = mesh
         self.compiled: dict[str, Any] = {}
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         """The jitted function lowered for these arguments (arrays or ``jax.ShapeDtypeStruct`` s)."""
-        return self.jitted.lower(*args, **kwargs)
+        if self.mesh is None:
+            return self.jitted.lower(*args, **kwargs)
+        with jax.set_mesh(self.mesh):
+            return self.jitted.lower(*args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         sig = jax.tree.map(lambda a: (getattr(a, "shape", None), getattr(a, "dtype", None),

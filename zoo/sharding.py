@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
@@ -47,7 +47,7 @@ def make_mesh(
 
 
 def logical_to_spec(
-    logical_axes: Sequence[str | None], shape: Sequence[int] | None = None, mesh: Mesh | None = None
+    logical_axes: Sequence[str | None], shape: Sequence[int] | None = None, mesh: Mesh | AbstractMesh | None = None
 ) -> PartitionSpec:
     """PartitionSpec for ``logical_axes`` under the rule table.
 
