@@ -13,6 +13,7 @@ from pretrain.metrics import LossOutput
 from pretrain.task import PretrainTask, Task
 from zoo.config import ModelConfig
 from zoo.memory import release_free_memory
+from zoo.sharding import mesh_context
 
 
 def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any, remat: str = "none",
@@ -184,9 +185,7 @@ class CompileThenTrim:
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         """The jitted function lowered for these arguments (arrays or ``jax.ShapeDtypeStruct`` s)."""
-        if self.mesh is None:
-            return self.jitted.lower(*args, **kwargs)
-        with jax.set_mesh(self.mesh):
+        with mesh_context(self.mesh):
             return self.jitted.lower(*args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -44,6 +46,12 @@ def make_mesh(
     if math.prod(sizes) != len(devices):
         raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, {len(devices)} exist")
     return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
+
+
+def mesh_context(mesh: Mesh | AbstractMesh | None) -> contextlib.AbstractContextManager[Any]:
+    """``jax.set_mesh(mesh)`` for a concrete mesh (else nothing): functions traced under it see the mesh (and its
+    platform), so splash attention shards itself over it (:mod:`zoo.splash`, :func:`zoo.kernels.platform`)."""
+    return jax.set_mesh(mesh) if isinstance(mesh, Mesh) else contextlib.nullcontext()
 
 
 def logical_to_spec(

@@ -12,10 +12,11 @@ the kernel itself (its MHA form takes fewer key/value heads than query heads: qu
 head n // group, the order of :func:`zoo.attention.head_major`), mapped over the batch. Query/key heads of
 another size than value heads (DeepSeek's latent attention) are fine for it too.
 
-Under a mesh (``jax.set_mesh``, which :func:`pretrain.step.make_step` enters when it traces a sharded step) the
-kernel runs in :func:`jax.shard_map` over the batch axes (data, fsdp), and over ``tensor`` on the heads when
-it divides the key/value heads, so each chip attends its own rows and heads; without one it runs on the
-whole arrays. Off a TPU it runs in Pallas's interpret mode (slow: for tests).
+Under a mesh (``jax.set_mesh``: :func:`zoo.sharding.mesh_context`, entered where a sharded train step, the
+scoring of :func:`zoo.batching.score_documents` and GRPO's log-probabilities are traced) the kernel runs in
+:func:`jax.shard_map` over the batch axes (data, fsdp), and over ``tensor`` on the heads when it divides the
+key/value heads, so each chip attends its own rows and heads; without one it runs on the whole arrays as XLA
+places them. Off a TPU it runs in Pallas's interpret mode (slow: for tests).
 """
 
 from __future__ import annotations
