@@ -15,7 +15,7 @@ from zoo.attention import splash_heads
 from zoo.blockwise import blockwise_attention, query_block
 from zoo.config import ModelConfig
 from zoo.errors import UserError
-from zoo.kernels import kernel_for, uses_splash
+from zoo.kernels import check_platform, kernel_for, uses_splash
 from zoo.masks import attention_mask
 from zoo.model import forward
 from zoo.params import init_params
@@ -165,6 +165,12 @@ def test_what_splash_cannot_run_is_a_user_error_and_auto_keeps_it_on_blockwise(m
     assert not uses_splash(auto, 128, prefix=True) and not uses_splash(auto, 100)
     assert kernel_for(auto, jnp.bfloat16, 128, prefix=True) == "blockwise"
     assert kernel_for(dataclasses.replace(cfg, attention="blockwise"), jnp.bfloat16, 128) == "blockwise"
+    monkeypatch.setattr("zoo.kernels.platform", lambda: "gpu")
+    with pytest.raises(UserError, match="splash attention is a TPU kernel .interpreted on CPUs, for tests., not for "
+                                        "GPUs; use attention: auto or blockwise"):
+        check_platform("splash", "bfloat16")
+    with pytest.raises(UserError, match="not for GPUs"):
+        kernel_for(cfg, jnp.bfloat16, 128)
 
 
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64,

@@ -64,6 +64,8 @@ def uses_splash(cfg: ModelConfig, seq: int | None = None, prefix: bool = False) 
     ``auto`` on a TPU where it can."""
     obstacle = splash_obstacle(seq, prefix)
     if cfg.attention == "splash":
+        if platform() == "gpu":  # interpret mode is for tests on CPUs; a GPU has cuDNN and the blockwise path
+            obstacle = "splash attention is a TPU kernel (interpreted on CPUs, for tests), not for GPUs"
         if obstacle:
             raise UserError(f"model.attention splash: {obstacle}; use attention: auto or blockwise")
         return True
@@ -88,6 +90,9 @@ def check_platform(attention: str, compute: str) -> None:
         if compute not in ("bfloat16", "float16"):
             raise UserError(f"model.attention cudnn: cuDNN's kernel takes 16-bit inputs, not {compute}; set "
                             "dtype.compute: bfloat16")
+    if attention == "splash" and platform() == "gpu":
+        raise UserError("model.attention splash: splash attention is a TPU kernel (interpreted on CPUs, for tests), "
+                        "not for GPUs; use attention: auto or blockwise")
 
 
 def kernel_for(cfg: ModelConfig, dtype: jnp.dtype, seq: int | None = None, prefix: bool = False) -> str:
