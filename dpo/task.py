@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dpo.config import DPOConfig
+from dpo.config import DPOConfig, DpoSection
 from dpo.data import CHOSEN, REJECTED, pair_documents
 from dpo.losses import REFERENCE_FREE, preference_loss, rpo_nll_scale
 from dpo.reference import cached_reference_logps, compute_reference_logps, load_reference, resolve_checkpoint
@@ -53,6 +53,18 @@ from zoo.quant import cast_params
 # The metrics each step logs (TRL's names), besides `loss`: means over the global batch's pairs.
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected", "logits/chosen", "logits/rejected")
+
+
+def _shared_prompt(dpo: DpoSection, mcfg: ModelConfig) -> bool:
+    """Whether pairs share one copy of their prompt: ``dpo.share_prompt``, except for models with sliding-window
+    layers (zoo.masks). ``model.attention: splash`` cannot read a shared prompt (zoo.kernels): said here, before
+    any documents, with what to change."""
+    shared = dpo.share_prompt and "sliding" not in mcfg.kinds
+    if shared and mcfg.attention == "splash":
+        raise UserError("model.attention splash cannot read DPO's shared prompts (an answer reads its prompt's "
+                        "segment; splash's segment ids only pair equal ids): set dpo.share_prompt: false, or "
+                        "attention: auto or blockwise")
+    return shared
 
 
 class DPOTask(Task):
@@ -116,7 +128,7 @@ class DPOTask(Task):
         """
         cfg, mcfg, params, mesh = ctx.cfg, ctx.mcfg, ctx.params, ctx.mesh
         lora = ctx.lora is not None
-        self.shared_prompt = self.dpo.share_prompt and "sliding" not in mcfg.kinds
+        self.shared_prompt = _shared_prompt(self.dpo, mcfg)
         if self.mode == "base" and not lora:
             raise UserError("full fine-tuning (lora.rank: 0) needs a reference model besides the trained one: set "
                             "dpo.reference to a zoo checkpoint path (e.g. the model you start from) or to "
@@ -135,7 +147,7 @@ class DPOTask(Task):
         """:meth:`prepare`'s decisions without reading anything, for ``--compile-only``: the shared-prompt layout,
         and a reference model (``dpo.reference`` a path) shaped and sharded like the params; None otherwise
         (``precomputed`` scores come in the batch, ``base`` is LoRA's frozen base)."""
-        self.shared_prompt = self.dpo.share_prompt and "sliding" not in ctx.mcfg.kinds
+        self.shared_prompt = _shared_prompt(self.dpo, ctx.mcfg)
         if self.mode == "base" and ctx.lora is None:
             raise UserError("full fine-tuning (lora.rank: 0) needs a reference model besides the trained one: set "
                             "dpo.reference to a zoo checkpoint path or to precomputed")

@@ -61,6 +61,7 @@ from zoo.logps import batch_logps
 from zoo.lora import LoraConfig, lora_scale
 from zoo.quant import cast_params
 from zoo.row_origin import bad_row, row_where
+from zoo.sharding import mesh_context
 
 COMPLETIONS_FILE = "completions.jsonl"
 SAMPLER_DIFF = "logps/sampler_max_diff"  # max |sampler log p - trainer log p| over the batch's completion tokens
@@ -287,12 +288,13 @@ class GRPOTask(Task):
         given = replicated_batch({"adv": adv.astype(np.float32), "trained": trained}, self.replicated)
         batch = self._layout(rows["tokens"], rows["tokens_segment_ids"], completions, lengths, sampler_logps,
                              given["adv"], given["trained"])
-        if g.num_iterations > 1:  # the policy that sampled, kept for the later updates' ratios
-            batch = dataclasses.replace(batch, old_logps=self._policy_logps(base, lora, batch))
-        if self.reference == "base":  # the LoRA base, adapters off
-            batch = dataclasses.replace(batch, ref_logps=self._logps(frozen, batch))
-        elif self.reference == "inputs":  # the starting model (full fine-tuning) or a grpo.reference checkpoint
-            batch = dataclasses.replace(batch, ref_logps=self._logps(frozen_inputs, batch))
+        with mesh_context(self.sharding.mesh):  # traced for the mesh: splash attention shards itself (zoo.splash)
+            if g.num_iterations > 1:  # the policy that sampled, kept for the later updates' ratios
+                batch = dataclasses.replace(batch, old_logps=self._policy_logps(base, lora, batch))
+            if self.reference == "base":  # the LoRA base, adapters off
+                batch = dataclasses.replace(batch, ref_logps=self._logps(frozen, batch))
+            elif self.reference == "inputs":  # the starting model (full fine-tuning) or a grpo.reference checkpoint
+                batch = dataclasses.replace(batch, ref_logps=self._logps(frozen_inputs, batch))
         t_roll = time.perf_counter() - t0
 
         n_tokens = int(len_h.sum())

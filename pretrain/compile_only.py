@@ -139,7 +139,7 @@ def compile_only(cfg: TrainConfig, task: Any, topology: str, report_path: str | 
     from pretrain.setup import check_base_quant, lora_config
     from pretrain.step import compile_lowered, make_step, state_layout
     from pretrain.task import LayoutContext
-    from zoo.kernels import kernel_for, target
+    from zoo.kernels import target
     from zoo.lora import lora_scale, lora_specs
     from zoo.params import nest, param_specs
     from zoo.sharding import make_mesh, named_sharding
@@ -163,7 +163,7 @@ def compile_only(cfg: TrainConfig, task: Any, topology: str, report_path: str | 
         raise UserError(f"batch_size/grad_accum = {micro} sequences must divide over data x fsdp = {shards} chips "
                         f"of {topology}")
     compute, pdt = DTYPES[cfg.dtype.compute], DTYPES[cfg.dtype.params]
-    if kernel_for(mcfg, compute) != "blockwise":  # checked here too: the TPU program has no cuDNN
+    if mcfg.attention == "cudnn":  # checked here too: the TPU program has no cuDNN
         raise UserError("model.attention cudnn runs on NVIDIA GPUs, not on TPU")
 
     def abstract(specs: dict, dtype: Any) -> dict:

@@ -43,7 +43,7 @@ class ModelSection:
     config: str | None = None  # for init: random — a registry entry with a built-in config, or a config.json
     tokenizer: str | None = None  # a tokenizer folder (or zoo checkpoint); default: the model checkpoint's
     # the training forward's attention kernel (zoo.kernels): auto = cuDNN flash attention on NVIDIA GPUs where it
-    # applies (16-bit compute), else the blockwise XLA path
+    # applies (16-bit compute), splash (Pallas) on TPUs where it applies, else the blockwise XLA path
     attention: str = field(default="auto", metadata={"choices": ATTENTION_KERNELS})
 
 

@@ -13,7 +13,7 @@ from pretrain.metrics import LossOutput
 from pretrain.task import PretrainTask, Task
 from zoo.config import ModelConfig
 from zoo.memory import release_free_memory
-from zoo.sharding import activation_mesh
+from zoo.sharding import mesh_context
 
 
 def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any, remat: str = "none",
@@ -172,6 +172,9 @@ class CompileThenTrim:
     process's peak RSS is the compile's garbage plus the step's
     temporaries (0.27 GB on SmolLM2-135M's train step). Later calls with the
     same shapes, dtypes and shardings run the executable compiled then.
+
+    With ``mesh`` it is traced under ``jax.set_mesh(mesh)``: the attention kernel's choice (:mod:`zoo.kernels`)
+    sees the program's platform, and splash attention shards itself over the mesh (:mod:`zoo.splash`).
     """
 
     def __init__(self, jitted: Any, platform: str | None = None, mesh: jax.sharding.Mesh | None = None):
@@ -181,9 +184,10 @@ class CompileThenTrim:
         self.compiled: dict[str, Any] = {}
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
-        """The jitted function lowered for these arguments (arrays or ``jax.ShapeDtypeStruct`` s), its activations
-        kept split over ``mesh``'s batch axes (:func:`zoo.sharding.batch_sharded`)."""
-        with activation_mesh(self.mesh):
+        """The jitted function lowered for these arguments (arrays or ``jax.ShapeDtypeStruct`` s), under ``mesh``
+        (:func:`zoo.sharding.mesh_context`): activations keep the batch split (:func:`zoo.sharding.batch_sharded`)
+        and splash attention shards itself over it."""
+        with mesh_context(self.mesh):
             return self.jitted.lower(*args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -26,7 +26,7 @@ def test_attention_is_a_runs_choice_never_saved():
     assert "attention" not in cfg.to_dict()
     assert ModelConfig.from_dict(cfg.to_dict()).attention == "auto"
     assert cfg != _cfg() and cfg.architecture() == _cfg()  # jit caches keyed by the config tell them apart
-    with pytest.raises(UserError, match="attention 'flash' is not one of auto, blockwise, cudnn"):
+    with pytest.raises(UserError, match="attention 'flash' is not one of auto, blockwise, cudnn, splash"):
         _cfg(attention="flash")
 
 

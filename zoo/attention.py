@@ -16,7 +16,7 @@ from zoo.adapted import LoraDropout, adapted_dense, layer_adapters, projections
 from zoo.blocks import rms_norm
 from zoo.blockwise import blockwise_attention, query_block
 from zoo.config import ModelConfig
-from zoo.kernels import cudnn_attention, kernel_for
+from zoo.kernels import cudnn_attention, kernel_for, platform
 from zoo.rope import apply_rope
 
 
@@ -65,6 +65,17 @@ def causal_attention(qg: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     return blockwise_attention(qg, k, v, mask, cfg.attn_scale, cfg.attn_softcap, window, query_block(qg.shape[3]))
 
 
+def splash_heads(qg: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, cfg: ModelConfig,
+                 window: int | None = None, cap: float | None = None) -> jax.Array:
+    """:func:`causal_attention` through the splash kernel (:mod:`zoo.splash`), with no mask: causal by index within
+    the documents of ``segment_ids`` [b, t] (None: one per row), ``window`` wide; interpreted off a TPU."""
+    from zoo.splash import splash_attention
+
+    if segment_ids is None:
+        segment_ids = jnp.ones(qg.shape[:1] + qg.shape[3:4], jnp.int32)
+    return splash_attention(qg, k, v, segment_ids, cfg.attn_scale, cap, window, interpret=platform() != "tpu")
+
+
 def output_projection(out: jax.Array, p: dict, cfg: ModelConfig, lora: dict | None = None,
                       lora_scale: float | jax.Array = 1.0, drop: LoraDropout | None = None) -> jax.Array:
     """The attention output [b, t, heads * head_dim] through ``o`` (plus its bias and LoRA adapter) -> [b, t, embed].
@@ -78,9 +89,10 @@ def output_projection(out: jax.Array, p: dict, cfg: ModelConfig, lora: dict | No
     return out
 
 
-def attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, mask: jax.Array, cfg: ModelConfig,
+def attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, mask: jax.Array | None, cfg: ModelConfig,
               window: int | None = None, norm_w: jax.Array | None = None, lora: dict | None = None,
-              lora_scale: float | jax.Array = 1.0, drop: LoraDropout | None = None) -> jax.Array:
+              lora_scale: float | jax.Array = 1.0, drop: LoraDropout | None = None,
+              segment_ids: jax.Array | None = None) -> jax.Array:
     """Grouped-query self-attention of one layer; x [batch, seq, embed].
 
     ``mask`` [batch, 1, q, k] is causal (see :func:`zoo.masks.attention_mask`); ``window``
@@ -88,9 +100,12 @@ def attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, mask: jax.A
     outside it be skipped. With ``norm_w`` x is first RMS-normed by it.
     ``lora`` holds this layer's LoRA adapters by weight name (q, k, v, o);
     ``drop`` applies LoRA dropout to their inputs. ``cfg.attention`` picks the kernel (:mod:`zoo.kernels`).
+    ``mask`` None: the splash kernel (:func:`zoo.kernels.uses_splash`), which reads ``segment_ids`` [b, t] instead.
     """
     q, k, v = qkv_heads(x, p, cos, sin, cfg, norm_w, lora, lora_scale, drop)
-    if kernel_for(cfg, q.dtype) == "cudnn":  # cfg.attention (zoo.kernels); the cached forward stays blockwise
+    if mask is None:
+        out = splash_heads(*head_major(q, k, v), segment_ids, cfg, window, cfg.attn_softcap)
+    elif kernel_for(cfg, q.dtype) == "cudnn":  # cfg.attention (zoo.kernels); the cached forward stays blockwise
         out = cudnn_attention(*head_major(q, k, v), mask, cfg.attn_scale)
     else:
         out = causal_attention(*head_major(q, k, v), mask, cfg, window)
@@ -120,18 +135,25 @@ def mla_heads(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array,
     return q[..., :dn], apply_rope(q[..., dn:], cos, sin), latent, k_pe
 
 
-def mla_attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, mask: jax.Array,
-                  cfg: ModelConfig, window: int | None = None) -> jax.Array:
+def mla_attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, mask: jax.Array | None,
+                  cfg: ModelConfig, window: int | None = None, segment_ids: jax.Array | None = None) -> jax.Array:
     """DeepSeek's multi-head latent attention of (already normed) x: q and kv through low-rank latents,
     a shared RoPE key (see :func:`mla_heads`); ``mask`` [b, 1, q, k] (a sliding window is already in the
-    mask: ``window`` only keeps the signature of :func:`attention`, as full scores are computed here)."""
+    mask: ``window`` only keeps the signature of :func:`attention`, as full scores are computed here).
+    ``mask`` None: the splash kernel (its query/key heads may differ in size from its value heads) over the
+    documents of ``segment_ids``, ``window`` wide."""
     dn, dr = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
     q_nope, q_pe, latent, k_pe = mla_heads(x, p, cos, sin, cfg)
-    kernel_for(cfg, q_nope.dtype)  # model.attention: cudnn is an error here (zoo.kernels.cudnn_obstacle)
+    if mask is not None:
+        kernel_for(cfg, q_nope.dtype)  # model.attention: cudnn is an error here (zoo.kernels.cudnn_obstacle)
     kv = jnp.einsum("btr,rhd->bthd", latent, p["kv_b"])
     k_nope, v = kv[..., :dn], kv[..., dn:]
     q = jnp.concatenate([q_nope, q_pe], axis=-1)
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None], k_nope.shape[:-1] + (dr,))], axis=-1)
+    if mask is None:  # one query head per key/value head: [b, h, 1, t, d], as head_major's
+        qg = q.transpose(0, 2, 1, 3)[:, :, None]
+        out = splash_heads(qg, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), segment_ids, cfg, window)
+        return jnp.einsum("bthd,hde->bte", out.reshape(v.shape), p["o"])
     scores = jnp.einsum("bqhd,bshd->bhqs", q, k).astype(jnp.float32) * cfg.attn_scale
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)

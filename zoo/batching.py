@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding
 from zoo.config import ModelConfig
 from zoo.logps import batch_logps
 from zoo.quant import cast_params
+from zoo.sharding import mesh_context
 
 Document: TypeAlias = np.ndarray | dict[str, np.ndarray]
 
@@ -121,8 +122,12 @@ def score_documents(cfg: ModelConfig, params: dict, documents: Sequence[Document
     for start in range(0, len(documents), rows):
         chunk = documents[start:start + rows]
         b = stacked(chunk, length, rows)
-        batch = replicated_batch(b, sharding) if sharding is not None else b
-        got = np.asarray(jax.device_get(_target_logps(cfg, params, batch, compute)), np.float32)
+        if sharding is None:
+            got = np.asarray(jax.device_get(_target_logps(cfg, params, b, compute)), np.float32)
+        else:
+            with mesh_context(sharding.mesh):  # traced for the mesh: splash attention shards itself (zoo.splash)
+                logps = _target_logps(cfg, params, replicated_batch(b, sharding), compute)
+            got = np.asarray(jax.device_get(logps), np.float32)
         for j, d in enumerate(chunk):
             n = min(len(features(d)["tokens"]), length)
             per_token = np.zeros(n, np.float32)

@@ -35,8 +35,9 @@ class RopeConfig:
 
 LAYER_KINDS = ("full", "sliding")
 # How the training forward attends (zoo.kernels): "auto" picks by platform and model (cuDNN's flash attention on
-# NVIDIA GPUs where it applies, else the blockwise XLA path); the others ask for one kernel.
-ATTENTION_KERNELS = ("auto", "blockwise", "cudnn")
+# NVIDIA GPUs where it applies, splash's Pallas kernel on TPUs where it applies, else the blockwise XLA path); the
+# others ask for one kernel.
+ATTENTION_KERNELS = ("auto", "blockwise", "cudnn", "splash")
 
 
 @dataclass(frozen=True)

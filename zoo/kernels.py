@@ -1,14 +1,21 @@
 """Which attention kernel the training forward runs, and the kernels other than the blockwise XLA path.
 
 ``ModelConfig.attention`` names it: ``blockwise`` (:mod:`zoo.blockwise`, every platform), ``cudnn`` (cuDNN's
-flash attention through :func:`jax.nn.dot_product_attention`, NVIDIA GPUs) or ``auto``: cuDNN where it applies
-on an NVIDIA GPU, else blockwise. cuDNN's fused kernel takes 16-bit q/k/v of one head size up to 128 (so not
-DeepSeek's latent attention, whose query/key and value heads differ) and no logit soft-cap (Gemma 2): ``auto``
-keeps those on the blockwise path, and ``cudnn`` asked for them is an error naming the reason.
+flash attention through :func:`jax.nn.dot_product_attention`, NVIDIA GPUs), ``splash`` (the Pallas TPU kernel,
+:mod:`zoo.splash`; in Pallas's interpret mode off a TPU, for tests) or ``auto``: cuDNN where it applies on an
+NVIDIA GPU, splash where it applies on a TPU, else blockwise. cuDNN's fused kernel takes 16-bit q/k/v of one
+head size up to 128 (so not DeepSeek's latent attention, whose query/key and value heads differ) and no logit
+soft-cap (Gemma 2): ``auto`` keeps those on the blockwise path, and ``cudnn`` asked for them is an error naming
+the reason.
 
 Both kernels see the same boolean mask (:func:`zoo.masks.attention_mask`: causal within each packed document,
 windowed, shared prefixes); cuDNN gets it as an additive bias beside its causal mask type, so it also skips the
-key tiles above the diagonal.
+key tiles above the diagonal. Splash gets no mask at all: the segment ids and the window
+(:func:`zoo.model.forward` then builds none). It cannot express DPO's shared prefixes (a token reading another
+segment) and needs sequences in whole 128-token blocks: :func:`splash_obstacle`.
+
+The platform is the one the program is built for: the devices of the mesh in context (``jax.set_mesh``, as a
+sharded train step is traced: a TPU program compiled from a CPU host is a TPU program), else JAX's default.
 """
 
 from __future__ import annotations
@@ -40,26 +47,62 @@ def cudnn_obstacle(cfg: ModelConfig, dtype: jnp.dtype) -> str | None:
     return None
 
 
+def splash_obstacle(seq: int | None = None, prefix: bool = False) -> str | None:
+    """Why splash attention cannot run the attention of rows of ``seq`` tokens (None: not known yet), with DPO's
+    shared prefixes when ``prefix`` (:func:`zoo.masks.attention_mask`'s ``prefix_ids``); None: it can. Any model
+    can: grouped-query heads, Gemma 2's soft-cap, sliding windows, latent attention's unequal head sizes."""
+    from zoo.splash import LANES
+
+    if prefix:
+        return ("shared prefixes (prefix_ids, DPO's pairs) let a token read another segment, and splash's segment "
+                "ids only pair equal ids")
+    if seq is not None and seq % LANES:
+        return f"sequence length {seq} is not a multiple of splash's {LANES}-token blocks"
+    return None
+
+
+def uses_splash(cfg: ModelConfig, seq: int | None = None, prefix: bool = False) -> bool:
+    """Whether the training forward's attention is splash for rows of ``seq`` tokens (with shared prefixes when
+    ``prefix``): ``splash`` asked for (a :class:`zoo.errors.UserError` naming the reason where it cannot run), or
+    ``auto`` on a TPU where it can."""
+    obstacle = splash_obstacle(seq, prefix)
+    if cfg.attention == "splash":
+        if platform() == "gpu":  # interpret mode is for tests on CPUs; a GPU has cuDNN and the blockwise path
+            obstacle = "splash attention is a TPU kernel (interpreted on CPUs, for tests), not for GPUs"
+        if obstacle:
+            raise UserError(f"model.attention splash: {obstacle}; use attention: auto or blockwise")
+        return True
+    return cfg.attention == "auto" and obstacle is None and platform() == "tpu"
+
+
 _TARGET: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar("target", default=None)
 
 
 def platform() -> str:
-    """The platform the program is built for ("cpu", "gpu", "tpu"): JAX's default backend, or the one
-    :func:`target` names while a program for other devices is traced (``--compile-only`` on a CPU host)."""
+    """The platform the program is built for ("cpu", "gpu", "tpu"): the one :func:`target` names while a program
+    for other devices is traced, else the context mesh's devices' (``jax.set_mesh``), else JAX's default backend."""
     t = _TARGET.get()
-    return t[0] if t else jax.default_backend()
+    if t:
+        return t[0]
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+    return getattr(device, "platform", None) or jax.default_backend()
 
 
 def device_count() -> int:
-    """How many devices the program is built for (:func:`target`'s, else JAX's)."""
+    """How many devices the program is built for: :func:`target`'s, else the context mesh's, else JAX's."""
     t = _TARGET.get()
-    return t[1] if t else jax.device_count()
+    if t:
+        return t[1]
+    mesh = jax.sharding.get_abstract_mesh()
+    return jax.device_count() if mesh.empty else mesh.size
 
 
 @contextlib.contextmanager
 def target(platform_name: str, devices: int) -> Iterator[None]:
     """Trace programs for ``devices`` devices of ``platform_name`` (sizes that depend on the backend, such as
-    the loss's and the MLP's chunks, and ``auto`` kernels, follow it) while this is open."""
+    the loss's and the MLP's chunks, and ``auto`` kernels, follow it) while this is open: for programs traced
+    without a mesh in context (GRPO's sampler under ``--compile-only``)."""
     token = _TARGET.set((platform_name, devices))
     try:
         yield
@@ -77,14 +120,20 @@ def check_platform(attention: str, compute: str) -> None:
         if compute not in ("bfloat16", "float16"):
             raise UserError(f"model.attention cudnn: cuDNN's kernel takes 16-bit inputs, not {compute}; set "
                             "dtype.compute: bfloat16")
+    if attention == "splash" and platform() == "gpu":
+        raise UserError("model.attention splash: splash attention is a TPU kernel (interpreted on CPUs, for tests), "
+                        "not for GPUs; use attention: auto or blockwise")
 
 
-def kernel_for(cfg: ModelConfig, dtype: jnp.dtype) -> str:
-    """The kernel (``blockwise`` or ``cudnn``) the training forward runs for ``cfg.attention`` and q's dtype.
+def kernel_for(cfg: ModelConfig, dtype: jnp.dtype, seq: int | None = None, prefix: bool = False) -> str:
+    """The kernel (``blockwise``, ``cudnn`` or ``splash``) the training forward runs for ``cfg.attention``, q's
+    dtype, rows of ``seq`` tokens (None: not known yet) and shared prefixes (``prefix``).
 
-    ``cudnn`` asked for where it cannot run is a :class:`zoo.errors.UserError` naming the reason."""
+    ``cudnn`` or ``splash`` asked for where it cannot run is a :class:`zoo.errors.UserError` naming the reason."""
     if cfg.attention == "blockwise":
         return "blockwise"
+    if uses_splash(cfg, seq, prefix):
+        return "splash"
     obstacle = cudnn_obstacle(cfg, dtype)
     if cfg.attention == "cudnn":
         if platform() != "gpu":

@@ -89,7 +89,7 @@ def quantized_param(ckpt: str | os.PathLike, path: str, kind: str, double: bool 
 def load(ckpt: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, dtype: Any = None,
          attention: str = "auto") -> Decoder:
     """Load a zoo checkpoint as a :class:`zoo.model.Decoder` on all local devices (or ``mesh``); ``attention``
-    is its forward's kernel (``auto``, ``blockwise`` or ``cudnn``: :mod:`zoo.kernels`)."""
+    is its forward's kernel (``auto``, ``blockwise``, ``cudnn`` or ``splash``: :mod:`zoo.kernels`)."""
     cfg = dataclasses.replace(read_config(ckpt), attention=attention)
     return Decoder(cfg, load_params(ckpt, mesh, dtype))
 

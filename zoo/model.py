@@ -24,6 +24,7 @@ from zoo.adapted import LoraDropout
 from zoo.attention import attention, mla_attention
 from zoo.blocks import ACTIVATIONS, dense, rms_norm, soft_cap
 from zoo.config import ModelConfig
+from zoo.kernels import uses_splash
 from zoo.masks import attention_mask, kind_window
 from zoo.mlp import mlp
 from zoo.moe import aux_losses, moe_mlp
@@ -277,7 +278,10 @@ def forward(
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     ropes = rope_tables_by_kind(cfg, positions)
-    masks = {kind: attention_mask(segment_ids, kind_window(cfg, kind), prefix_ids) for kind in ropes}
+    # The splash kernel (zoo.kernels) reads the segment ids and windows itself: no [b, 1, t, t] mask is built.
+    splash = uses_splash(cfg, t, prefix_ids is not None)
+    masks = {kind: None if splash else attention_mask(segment_ids, kind_window(cfg, kind), prefix_ids)
+             for kind in ropes}
     valid = segment_ids != 0
     x = embed_tokens(cfg, params, tokens)
 
@@ -288,9 +292,10 @@ def forward(
 
         def attend(x: jax.Array) -> tuple[jax.Array, None]:
             if cfg.mla:  # MLA has no adapters (zoo.lora)
-                return mla_attention(norm(cfg, x, p["attn_norm"]), p, *ropes[kind], masks[kind], cfg, window), None
+                return mla_attention(norm(cfg, x, p["attn_norm"]), p, *ropes[kind], masks[kind], cfg, window,
+                                     segment_ids), None
             return attention(x, p, *ropes[kind], masks[kind], cfg, window, norm_w=p["attn_norm"], lora=lp,
-                             lora_scale=scale, drop=drop), None
+                             lora_scale=scale, drop=drop, segment_ids=segment_ids), None
 
         x, _, stats = decoder_layer(cfg, x, p, attend, moe, valid, lp, scale, drop)
         return x, stats

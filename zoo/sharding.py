@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
@@ -48,8 +48,14 @@ def make_mesh(
     return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
 
 
+def mesh_context(mesh: Mesh | AbstractMesh | None) -> contextlib.AbstractContextManager[Any]:
+    """``jax.set_mesh(mesh)`` for a concrete mesh (else nothing): functions traced under it see the mesh (and its
+    platform), so splash attention shards itself over it (:mod:`zoo.splash`, :func:`zoo.kernels.platform`)."""
+    return jax.set_mesh(mesh) if isinstance(mesh, Mesh) else contextlib.nullcontext()
+
+
 def logical_to_spec(
-    logical_axes: Sequence[str | None], shape: Sequence[int] | None = None, mesh: Mesh | None = None
+    logical_axes: Sequence[str | None], shape: Sequence[int] | None = None, mesh: Mesh | AbstractMesh | None = None
 ) -> PartitionSpec:
     """PartitionSpec for ``logical_axes`` under the rule table.
 
@@ -81,33 +87,18 @@ def named_sharding(mesh: Mesh, logical_axes: Sequence[str | None], shape: Sequen
     return NamedSharding(mesh, logical_to_spec(logical_axes, shape, mesh))
 
 
-# The mesh a program's activations are laid out on while it is traced (see activation_mesh).
-_ACTIVATION_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("activation_mesh", default=None)
-
-
-@contextlib.contextmanager
-def activation_mesh(mesh: Mesh | None) -> Iterator[None]:
-    """Trace with :func:`batch_sharded` constraining activations to ``mesh`` (the train step's, set while it is
-    lowered: pretrain.step.CompileThenTrim)."""
-    token = _ACTIVATION_MESH.set(mesh)
-    try:
-        yield
-    finally:
-        _ACTIVATION_MESH.reset(token)
-
-
 def batch_sharded(x: jax.Array) -> jax.Array:
-    """``x`` [batch, ...] with its batch axis split over the mesh's (data, fsdp) axes and its other axes left to
-    the compiler, while :func:`activation_mesh` names a mesh (else x as it is).
+    """``x`` [batch, ...] with its batch axis split over the (data, fsdp) axes of the mesh in context
+    (:func:`mesh_context`, set while the train step is lowered) and its other axes left to the compiler; x as it
+    is without a mesh.
 
     Without it the SPMD partitioner may lay activations out replicated: FSDP splits the weights' embedding axis
     over the same mesh axis that splits the batch, and for x @ W it chose to gather x. Llama-3.1-8B on 8 TPU
     chips then kept the scan's gate and up for the global batch on every chip (two 14 GiB buffers a chip)."""
-    mesh = _ACTIVATION_MESH.get()
-    if mesh is None or x.ndim == 0:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or x.ndim == 0:
         return x
     axes = tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1)
     if not axes or x.shape[0] % math.prod(mesh.shape[a] for a in axes):
         return x
-    spec = PartitionSpec(axes, *([PartitionSpec.UNCONSTRAINED] * (x.ndim - 1)))
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(axes, *([PartitionSpec.UNCONSTRAINED] * (x.ndim - 1))))
