@@ -113,23 +113,31 @@ def run(args: argparse.Namespace) -> dict:
             "peak_bytes_in_use": mem.get("peak_bytes_in_use")}
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse flags, run, print a line per result and the JSON."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", choices=sorted(SHAPES), default="1b", help="model shape (default 1b)")
+def add_step_flags(ap: argparse.ArgumentParser, model: str = "1b", steps: int = 5) -> None:
+    """The flags both sides of the benchmark share (this file's and bench/train_mfu_torch.py's): the model's
+    shape, the batch, the timed steps, LoRA's rank and the peak."""
+    ap.add_argument("--model", choices=sorted(SHAPES), default=model, help=f"model shape (default {model})")
     ap.add_argument("--layers", type=int, help="trim the depth to this many layers (to fit memory)")
     ap.add_argument("--batch", type=int, default=4, help="sequences per device (default 4)")
     ap.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
-    ap.add_argument("--steps", type=int, default=5, help="timed steps after two warm-ups (default 5)")
+    ap.add_argument("--steps", type=int, default=steps, help=f"timed steps after two warm-ups (default {steps})")
+    ap.add_argument("--lora", type=int, default=0, help="LoRA rank on every attention and MLP projection of a "
+                    "frozen base (default 0: full fine-tuning)")
+    ap.add_argument("--peak-tflops", type=float, help="per-device peak; default: detected for known accelerators")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse flags, run, print a line per result and the JSON."""
+    from zoo.config import ATTENTION_KERNELS
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_step_flags(ap)
     ap.add_argument("--remat", choices=["none", "full", "save_dots"], default="save_dots",
                     help="activation rematerialization (default save_dots)")
-    ap.add_argument("--lora", type=int, default=0, help="LoRA rank on every projection of a frozen base (default 0: "
-                    "full fine-tuning)")
     ap.add_argument("--params", choices=["float32", "bfloat16"], default="float32",
                     help="parameter (master weight) dtype (default float32); compute is bfloat16")
-    ap.add_argument("--attention", choices=["auto", "blockwise", "cudnn"], default="auto",
+    ap.add_argument("--attention", choices=ATTENTION_KERNELS, default="auto",
                     help="the attention kernel (model.attention; default auto: cuDNN on NVIDIA GPUs)")
-    ap.add_argument("--peak-tflops", type=float, help="per-device peak; default: detected for known accelerators")
     args = ap.parse_args(argv)
     r = run(args)
     mfu = f"{r['mfu'] * 100:.1f}%" if r["mfu"] is not None else "n/a (unknown peak)"

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.train_mfu_gpu import SHAPES, hf_config  # noqa: E402
+from bench.train_mfu_gpu import add_step_flags, hf_config  # noqa: E402
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -91,13 +91,7 @@ def run(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """Parse flags, run, print a line and the JSON."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", choices=sorted(SHAPES), default="8b", help="model shape (default 8b)")
-    ap.add_argument("--layers", type=int, help="trim the depth to this many layers")
-    ap.add_argument("--batch", type=int, default=4, help="sequences per step (default 4)")
-    ap.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
-    ap.add_argument("--steps", type=int, default=3, help="timed steps after two warm-ups (default 3)")
-    ap.add_argument("--lora", type=int, default=0, help="peft LoRA rank on all linear layers (default 0: full)")
-    ap.add_argument("--peak-tflops", type=float, help="per-device peak; default: detected for known accelerators")
+    add_step_flags(ap, model="8b", steps=3)
     r = run(ap.parse_args(argv))
     mfu = f"{r['mfu'] * 100:.1f}%" if r["mfu"] is not None else "n/a"
     print(f"{r['side']} {r['model']} ({r['layers']} layers, {r['mode']}) on {r['device']}: batch {r['batch']} x seq "

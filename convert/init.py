@@ -21,16 +21,7 @@ def init_random(source: str, out: str | Path, seed: int = 0, dtype: str = "float
     or a config.json path. Norms start at their identity, biases at zero, matrices ~ N(0, std)."""
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
-    if Path(source).is_file():
-        try:
-            hf = json.loads(Path(source).read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise UserError(f"{source} is not valid JSON ({e})") from None
-    else:
-        entry = registry.get(source)
-        if entry.hf_config is None:
-            raise UserError(f"{source} has no built-in config; `zoo init` takes a tiny entry or a config.json path")
-        hf = entry.hf_config
+    hf = registry.hf_config_of(source, "zoo init")
     cfg = model_config_from_hf(hf, source)
     specs = param_specs(cfg)
     # One jitted program draws every tensor: op by op, each new shape compiled its own (a tiny model's dozens of

@@ -79,19 +79,8 @@ def model_config(cfg: TrainConfig) -> Any:
     src = Path(name)
     if src.is_dir() and (src / "model.json").is_file():
         return read_config(src)
-    if src.is_file():
-        try:
-            hf = json.loads(src.read_text())
-        except (OSError, ValueError) as e:
-            raise UserError(f"model {name}: not a readable config.json ({e})") from None
-        return model_config_from_hf(hf, f"model {name}")
-    try:
-        entry = registry.get(name)
-    except UserError as e:
-        raise UserError(f"model {name}: not a zoo checkpoint or a config.json, and {e}") from None
-    if entry.hf_config is None:
-        raise UserError(f"model {name}: the registry has no built-in config for it; give its config.json")
-    return model_config_from_hf(entry.hf_config, f"model {name}")
+    key = "model.config" if cfg.model.init == "random" else "model"
+    return model_config_from_hf(registry.hf_config_of(name, key), f"{key} {name}")
 
 
 @dataclasses.dataclass
@@ -139,7 +128,7 @@ def compile_only(cfg: TrainConfig, task: Any, topology: str, report_path: str | 
     from pretrain.setup import check_base_quant, lora_config
     from pretrain.step import compile_lowered, make_step, state_layout
     from pretrain.task import LayoutContext
-    from zoo.kernels import target
+    from zoo.kernels import check_platform, target
     from zoo.lora import lora_scale, lora_specs
     from zoo.params import nest, param_specs
     from zoo.sharding import make_mesh, named_sharding
@@ -163,8 +152,8 @@ def compile_only(cfg: TrainConfig, task: Any, topology: str, report_path: str | 
         raise UserError(f"batch_size/grad_accum = {micro} sequences must divide over data x fsdp = {shards} chips "
                         f"of {topology}")
     compute, pdt = DTYPES[cfg.dtype.compute], DTYPES[cfg.dtype.params]
-    if mcfg.attention == "cudnn":  # checked here too: the TPU program has no cuDNN
-        raise UserError("model.attention cudnn runs on NVIDIA GPUs, not on TPU")
+    with target("tpu", len(devices)):  # the TPU program has no cuDNN: said as a run on TPUs would say it
+        check_platform(cfg.model.attention, cfg.dtype.compute)
 
     def abstract(specs: dict, dtype: Any) -> dict:
         return nest({k: jax.ShapeDtypeStruct(s.shape, dtype, sharding=named_sharding(mesh, s.axes, s.shape))
@@ -186,33 +175,24 @@ def compile_only(cfg: TrainConfig, task: Any, topology: str, report_path: str | 
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_sharding), layout)
     started = time.perf_counter()
     refused = None
+    with target("tpu", len(devices)):  # backend-dependent sizes and kernels follow the TPU, not this host
+        lowered = step.lower(state, batch, frozen, frozen_inputs=frozen_inputs)
+        lowered_programs = task.compile_programs(trainable, frozen)
     try:
-        with target("tpu", len(devices)):  # backend-dependent sizes and kernels follow the TPU, not this host
-            lowered = step.lower(state, batch, frozen, frozen_inputs=frozen_inputs)
-        compiled = compile_lowered(lowered, "tpu")
+        arguments, temps, outputs, code = _compiled_bytes(compile_lowered(lowered, "tpu"))
     except Exception as e:  # the TPU compiler refuses a program over the chip's HBM: its figure is the answer
         refused = compiler_refusal(str(e))
         if refused is None:
             raise
+        # the temporaries the compiler needed; the arguments are the shards the step reads
+        arguments = _shard_bytes(state) + _shard_bytes(frozen) + _shard_bytes(frozen_inputs) + _shard_bytes(batch)
+        temps, outputs, code = refused[0], 0, 0
     programs = {}
-    with target("tpu", len(devices)):
-        lowered_programs = task.compile_programs(trainable, frozen)
     for name, low in lowered_programs.items():  # the sampler runs beside the resident train state
-        mem_p = compile_lowered(low, "tpu").memory_analysis()
-        own = int(mem_p.argument_size_in_bytes) + int(mem_p.temp_size_in_bytes) + max(
-            0, int(mem_p.output_size_in_bytes) - int(mem_p.alias_size_in_bytes)) + int(mem_p.generated_code_size_in_bytes)
-        programs[name] = {"temporaries": int(mem_p.temp_size_in_bytes),
-                          "total": own + _shard_bytes(state["opt_state"]) + _shard_bytes(frozen_inputs)}
+        p_parts = _compiled_bytes(compile_lowered(low, "tpu"))
+        programs[name] = {"temporaries": p_parts[1],
+                          "total": sum(p_parts) + _shard_bytes(state["opt_state"]) + _shard_bytes(frozen_inputs)}
     seconds = time.perf_counter() - started
-    inputs = _shard_bytes(state) + _shard_bytes(frozen) + _shard_bytes(frozen_inputs) + _shard_bytes(batch)
-    if refused is None:
-        mem = compiled.memory_analysis()
-        arguments = int(mem.argument_size_in_bytes)
-        outputs = max(0, int(mem.output_size_in_bytes) - int(mem.alias_size_in_bytes))  # donated state is reused
-        temps = int(mem.temp_size_in_bytes)
-        code = int(mem.generated_code_size_in_bytes)
-    else:  # the temporaries the compiler needed; the arguments are the shards the step reads
-        arguments, outputs, temps, code = inputs, 0, refused[0], 0
     parts = {"params": _shard_bytes(params) + _shard_bytes(frozen_inputs),
              "optimizer": _shard_bytes(state["opt_state"]),
              "adapters": _shard_bytes(trainable) if lora else 0,
@@ -239,6 +219,15 @@ def compile_only(cfg: TrainConfig, task: Any, topology: str, report_path: str | 
     if report_path:
         Path(report_path).write_text(json.dumps(dataclasses.asdict(rep), indent=1) + "\n")
     return 0 if rep.fits else DOES_NOT_FIT
+
+
+def _compiled_bytes(compiled: Any) -> tuple[int, int, int, int]:
+    """(arguments, temporaries, outputs not aliased to a donated argument, code) bytes a chip of a compiled
+    program (``memory_analysis()``)."""
+    mem = compiled.memory_analysis()
+    outputs = max(0, int(mem.output_size_in_bytes) - int(mem.alias_size_in_bytes))  # donated state is reused
+    return (int(mem.argument_size_in_bytes), int(mem.temp_size_in_bytes), outputs,
+            int(mem.generated_code_size_in_bytes))
 
 
 def compiler_refusal(message: str) -> tuple[int, int, str] | None:

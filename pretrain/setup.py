@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import cast
 
@@ -28,11 +27,7 @@ def load_model(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> tuple[ModelConfig, 
         from zoo import registry
 
         name = cast(str, cfg.model.config)  # model.init: random needs it (TrainConfig checks)
-        src = Path(name)
-        hf = json.loads(src.read_text()) if src.is_file() else registry.get(name).hf_config
-        if hf is None:
-            raise UserError(f"model.config {cfg.model.config}: no built-in config; give a config.json path")
-        mcfg = model_config_from_hf(hf, f"model.config {cfg.model.config}")
+        mcfg = model_config_from_hf(registry.hf_config_of(name, "model.config"), f"model.config {name}")
         specs = param_specs(mcfg)
         shard = jax.tree.map(lambda s: named_sharding(mesh, s.axes, s.shape), nest(specs),
                              is_leaf=lambda x: isinstance(x, type(next(iter(specs.values())))))

@@ -156,3 +156,19 @@ def test_activations_stay_split_over_the_chips(tmp_path):
     rep = json.loads(report.read_text())
     gate_and_up_whole_batch = 2 * 8 * 512 * 2048 * 2 * 2  # layers x rows x seq x mlp x bf16 x (gate, up)
     assert rep["bytes_per_chip"]["activations"] < 1.5 * gate_and_up_whole_batch / 4
+
+
+def test_a_model_named_without_weights_is_a_config_json_or_a_released_config(tmp_path):
+    """`--compile-only`'s model, `model.config` and `zoo init` read names one way (zoo.registry.hf_config_of)."""
+    from zoo.registry import hf_config_of
+
+    assert hf_config_of("llama3.1-8b", "model")["num_hidden_layers"] == 32
+    (tmp_path / "c.json").write_text(json.dumps(TINY))
+    assert hf_config_of(str(tmp_path / "c.json"), "model") == TINY
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(UserError, match=r"^model: .*bad.json is not valid JSON"):
+        hf_config_of(str(tmp_path / "bad.json"), "model")
+    with pytest.raises(UserError, match="^zoo init: llama3-8b has no built-in config; give its config.json path"):
+        hf_config_of("llama3-8b", "zoo init")
+    with pytest.raises(UserError, match="unknown model name 'llama9'"):
+        hf_config_of("llama9", "model.config")

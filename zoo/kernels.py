@@ -67,10 +67,7 @@ def uses_splash(cfg: ModelConfig, seq: int | None = None, prefix: bool = False) 
     ``auto`` on a TPU where it can."""
     obstacle = splash_obstacle(seq, prefix)
     if cfg.attention == "splash":
-        if platform() == "gpu":  # interpret mode is for tests on CPUs; a GPU has cuDNN and the blockwise path
-            obstacle = "splash attention is a TPU kernel (interpreted on CPUs, for tests), not for GPUs"
-        if obstacle:
-            raise UserError(f"model.attention splash: {obstacle}; use attention: auto or blockwise")
+        _refuse("splash", platform_obstacle("splash") or obstacle)
         return True
     return cfg.attention == "auto" and obstacle is None and platform() == "tpu"
 
@@ -110,19 +107,30 @@ def target(platform_name: str, devices: int) -> Iterator[None]:
         _TARGET.reset(token)
 
 
+def platform_obstacle(attention: str) -> str | None:
+    """Why the kernel ``attention`` cannot run on this program's platform (None: it can, or it is not a kernel
+    bound to one)."""
+    if attention == "cudnn" and platform() != "gpu":
+        return f"cuDNN attention runs on NVIDIA GPUs, not on {platform()}"
+    if attention == "splash" and platform() == "gpu":  # interpret mode is for tests on CPUs; a GPU has cuDNN
+        return "splash attention is a TPU kernel (interpreted on CPUs, for tests), not for GPUs"
+    return None
+
+
+def _refuse(attention: str, obstacle: str | None) -> None:
+    """The one-line UserError of ``model.attention`` asked for where it cannot run (nothing when ``obstacle`` is
+    None)."""
+    if obstacle:
+        raise UserError(f"model.attention {attention}: {obstacle}; use attention: auto or blockwise")
+
+
 def check_platform(attention: str, compute: str) -> None:
     """A :class:`zoo.errors.UserError` when ``attention`` (a config's ``model.attention``) cannot run here with
     compute dtype ``compute`` whatever the model: said before a run writes anything."""
-    if attention == "cudnn":
-        if platform() != "gpu":
-            raise UserError(f"model.attention cudnn: cuDNN attention runs on NVIDIA GPUs, not on {platform()}; "
-                            "use attention: auto or blockwise")
-        if compute not in ("bfloat16", "float16"):
-            raise UserError(f"model.attention cudnn: cuDNN's kernel takes 16-bit inputs, not {compute}; set "
-                            "dtype.compute: bfloat16")
-    if attention == "splash" and platform() == "gpu":
-        raise UserError("model.attention splash: splash attention is a TPU kernel (interpreted on CPUs, for tests), "
-                        "not for GPUs; use attention: auto or blockwise")
+    _refuse(attention, platform_obstacle(attention))
+    if attention == "cudnn" and compute not in ("bfloat16", "float16"):
+        raise UserError(f"model.attention cudnn: cuDNN's kernel takes 16-bit inputs, not {compute}; set "
+                        "dtype.compute: bfloat16")
 
 
 def kernel_for(cfg: ModelConfig, dtype: jnp.dtype, seq: int | None = None, prefix: bool = False) -> str:
@@ -136,10 +144,7 @@ def kernel_for(cfg: ModelConfig, dtype: jnp.dtype, seq: int | None = None, prefi
         return "splash"
     obstacle = cudnn_obstacle(cfg, dtype)
     if cfg.attention == "cudnn":
-        if platform() != "gpu":
-            obstacle = f"cuDNN attention runs on NVIDIA GPUs, not on {platform()}"
-        if obstacle:
-            raise UserError(f"model.attention cudnn: {obstacle}; use attention: auto or blockwise")
+        _refuse("cudnn", platform_obstacle("cudnn") or obstacle)
         return "cudnn"
     return "cudnn" if obstacle is None and platform() == "gpu" and _cuda() else "blockwise"
 

@@ -19,6 +19,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from zoo.kernels import device_count, platform
+
 CHUNK_ELEMENTS = 2**23  # on the CPU, logits per chunk (32 MiB of float32) over the whole batch
 # On accelerators, logits per chunk on each device (512 MiB of float32: 1,024 tokens of a 128k vocabulary): the
 # chunk's matmul must be thick enough for a matrix unit. CPU-sized chunks gave 64-token matmuls on an H200
@@ -30,8 +32,6 @@ def chunk_length(vocab: int, batch: int, seq: int) -> int:
     """Sequence positions per chunk, at most ``seq``: about :data:`CHUNK_ELEMENTS` logits over the batch on the
     CPU; on accelerators about :data:`ACCELERATOR_CHUNK_ELEMENTS` over each device's share of the batch (the
     batch axis is the one the mesh shards)."""
-    from zoo.kernels import device_count, platform
-
     if platform() == "cpu":
         return max(1, min(seq, CHUNK_ELEMENTS // (vocab * batch)))
     local = -(-batch // device_count())

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from zoo.adapted import LoraDropout, layer_adapters, lora_branch, lora_out, projections
 from zoo.blocks import ACTIVATIONS, glu_dense, glu_down
 from zoo.config import ModelConfig
+from zoo.kernels import platform
 from zoo.sharding import batch_sharded
 
 MLP_CHUNK_TOKENS = 1024  # tokens per MLP chunk (see mlp): [1024, mlp] buffers instead of [batch * seq, mlp]
@@ -24,8 +25,6 @@ def mlp_chunks(batch: int, seq: int) -> int:
     On a TPU slice the chunks cost memory rather than save it: the scan's saved gate and up came out with the
     global batch on every chip (Llama-3.1-8B, 8 chips, 2048 tokens a chip: two 14 GiB buffers a chip, by the
     compiler's memory report), and a chip's own [tokens, mlp] buffers are small beside its HBM."""
-    from zoo.kernels import platform
-
     if platform() != "cpu":
         return 1
     most = batch * seq // MLP_CHUNK_TOKENS

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,6 +119,21 @@ def get(name: str) -> ZooEntry:
     close = difflib.get_close_matches(name, list(REGISTRY), n=3, cutoff=0.5)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
     raise UserError(f"unknown model name '{name}'{hint} (`zoo list` shows them all)")
+
+
+def hf_config_of(source: str, where: str) -> dict:
+    """The Hugging Face config of ``source``: a config.json path, or a registry name with a built-in config (tiny
+    entries, released configs). Errors name ``where`` (the command or config key that gave ``source``)."""
+    path = Path(source)
+    if path.is_file():
+        try:
+            return json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise UserError(f"{where}: {source} is not valid JSON ({e})") from None
+    entry = get(source)
+    if entry.hf_config is None:
+        raise UserError(f"{where}: {source} has no built-in config; give its config.json path")
+    return entry.hf_config
 
 
 # The model lmzoo runs with nothing downloaded (`zoo demo`, the tests, the benchmarks): its GGUF file ships in a
