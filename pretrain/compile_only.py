@@ -101,6 +101,8 @@ class Report:
     advice: list[str] = dataclasses.field(default_factory=list)
     # The task's other programs (GRPO's sampler): their temporaries and their total beside the resident state.
     programs: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    # The step's largest temporary buffers, with their shapes and the line of the model that makes them.
+    largest_buffers: list[str] = dataclasses.field(default_factory=list)
 
 
 def _shard_bytes(tree: Any) -> int:
@@ -124,6 +126,7 @@ def compile_only(cfg: TrainConfig, task: Any, topology: str, report_path: str | 
 
     from pretrain.dtypes import DTYPES
     from pretrain.flops import flops_per_token
+    from pretrain.hlo_buffers import largest_buffers
     from pretrain.optim import build_optimizer, lr_schedule
     from pretrain.setup import check_base_quant, lora_config
     from pretrain.step import compile_lowered, make_step, state_layout
@@ -178,8 +181,9 @@ def compile_only(cfg: TrainConfig, task: Any, topology: str, report_path: str | 
     with target("tpu", len(devices)):  # backend-dependent sizes and kernels follow the TPU, not this host
         lowered = step.lower(state, batch, frozen, frozen_inputs=frozen_inputs)
         lowered_programs = task.compile_programs(trainable, frozen)
+    dump = tempfile.TemporaryDirectory(prefix="lmzoo-hlo-")  # the compiler's buffer report, read for largest_buffers
     try:
-        arguments, temps, outputs, code = _compiled_bytes(compile_lowered(lowered, "tpu"))
+        arguments, temps, outputs, code = _compiled_bytes(compile_lowered(lowered, "tpu", dump_options(dump.name)))
     except Exception as e:  # the TPU compiler refuses a program over the chip's HBM: its figure is the answer
         refused = compiler_refusal(str(e))
         if refused is None:
@@ -211,14 +215,24 @@ def compile_only(cfg: TrainConfig, task: Any, topology: str, report_path: str | 
         rep.fits = rep.fits and all(p["total"] <= hbm for p in programs.values())
     if refused is not None:
         rep.fits = False
+    rep.largest_buffers = [b.line() for b in largest_buffers(dump.name)]
+    dump.cleanup()
     if not rep.fits:
         rep.advice = advice(cfg, parts, hbm if refused is None else refused[1])
         if refused is not None:
             rep.advice.append(f"the TPU compiler refused the program: {refused[2]}")
+        rep.advice += [f"largest buffer {line}" for line in rep.largest_buffers]
     print(table(rep))
     if report_path:
         Path(report_path).write_text(json.dumps(dataclasses.asdict(rep), indent=1) + "\n")
     return 0 if rep.fits else DOES_NOT_FIT
+
+
+def dump_options(folder: str) -> dict[str, Any]:
+    """XLA options that write the optimized program's buffer assignment and memory report into ``folder`` (and no
+    pass-by-pass dumps): what :func:`pretrain.hlo_buffers.largest_buffers` reads, written even when the compiler
+    refuses the program for want of HBM."""
+    return {"xla_dump_to": folder, "xla_dump_hlo_pass_re": "NONE"}
 
 
 def _compiled_bytes(compiled: Any) -> tuple[int, int, int, int]:

@@ -147,12 +147,13 @@ class ShardedStep:
 CPU_COMPILER_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
 
 
-def compile_lowered(lowered: Any, platform: str | None = None) -> Any:
+def compile_lowered(lowered: Any, platform: str | None = None, options: dict[str, Any] | None = None) -> Any:
     """``lowered.compile()``, with :data:`CPU_COMPILER_OPTIONS` for a CPU program (plainly where this jaxlib's
     XLA does not know them). ``platform`` is the program's (its mesh's devices'; default JAX's default backend):
-    a TPU program compiled from a CPU host gets no CPU options."""
+    a TPU program compiled from a CPU host gets no CPU options, only ``options`` (XLA debug options, such as
+    ``xla_dump_to``)."""
     if (platform or jax.default_backend()) != "cpu":
-        return lowered.compile()
+        return lowered.compile(compiler_options=options) if options else lowered.compile()
     try:
         return lowered.compile(compiler_options=CPU_COMPILER_OPTIONS)
     except Exception as e:  # an unknown option or enum value: the scheduler is an optimization, not a need

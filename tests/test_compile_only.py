@@ -87,6 +87,12 @@ def test_a_run_that_cannot_fit_exits_3_and_says_what_to_change(tmp_path, capsys)
     assert code == 3 and rep["fits"] is False and rep["bytes_per_chip"]["total"] > 16 * 2**30
     assert rep["advice"][0].startswith("over by ") and any("remat: full" in a for a in rep["advice"])
     assert "NO" in out and "over by" in out
+    # The largest buffers, by the compiler's buffer report: the MLP's float32 [batch, seq, intermediate] kept for
+    # the backward pass of each of the 4 layers (4 x 2 rows x 2048 x 14336 x 4 bytes = 896 MiB), named by the
+    # line of the model that makes it.
+    largest = [a for a in rep["advice"] if a.startswith("largest buffer ")]
+    assert largest and largest == [f"largest buffer {b}" for b in rep["largest_buffers"]]
+    assert any("896 MiB" in a and "f32[4,2,2048,14336]" in a and "zoo/" in a for a in largest), largest
 
 
 @pytest.mark.parametrize("args,message", [
