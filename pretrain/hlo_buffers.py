@@ -36,7 +36,8 @@ class Buffer:
 
 
 def _report_rows(text: str) -> list[tuple[int, int, str]]:
-    """(bytes, offset, shapes) of the default memory space's rows in XLA's memory-usage report, largest first."""
+    """(bytes, offset, shapes) of the default memory space's rows in XLA's memory-usage report (a section per
+    allocation: the parameters', the outputs', the temporaries'), largest first."""
     rows = []
     for line in text.split("Memory Space:")[1].splitlines() if "Memory Space:" in text else []:
         m = _ROW.match(line)
@@ -138,6 +139,8 @@ def largest_buffers(dump: str | Path, count: int = 3) -> list[Buffer]:
     ids, named = _frames(hlo.read_text())
     out: list[Buffer] = []
     for size, offset, shapes in _report_rows(report.read_text()):
+        if (size, offset) not in values:  # a row of another allocation (a parameter's, an output's)
+            continue
         where = ""
         for name in values.get((size, offset), []):
             if ids.get(name) in named:

@@ -178,3 +178,20 @@ def test_a_model_named_without_weights_is_a_config_json_or_a_released_config(tmp
         hf_config_of("llama3-8b", "zoo init")
     with pytest.raises(UserError, match="unknown model name 'llama9'"):
         hf_config_of("llama9", "model.config")
+
+
+@pytest.mark.parametrize("name,published,last_digit", [
+    ("llama3.1-8b", 8.03e9, 0.01e9), ("llama3.1-70b", 70.55e9, 0.01e9), ("llama3.2-1b", 1.24e9, 0.01e9),
+    ("deepseek-v3", 671e9, 1e9)])
+def test_released_configs_have_their_published_parameter_counts(name, published, last_digit):
+    """The configs `--compile-only` compiles for registry names build the models their authors published (Meta's
+    and DeepSeek's parameter counts; DeepSeek-V3's 671B leave out its 14B multi-token-prediction module)."""
+    import math
+
+    from convert.hf_config import model_config_from_hf
+    from zoo.params import param_specs
+    from zoo.registry import hf_config_of
+
+    cfg = model_config_from_hf(hf_config_of(name, "model"), name)
+    # published counts are rounded: within half a unit of their last digit
+    assert abs(sum(math.prod(s.shape) for s in param_specs(cfg).values()) - published) <= last_digit / 2

@@ -21,3 +21,19 @@ LLAMA_3_1_70B = {**_LLAMA, "hidden_size": 8192, "intermediate_size": 28672, "num
 LLAMA_3_2_1B = {**_LLAMA, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "tie_word_embeddings": True,
                 "rope_scaling": {**_LLAMA3_ROPE_8K, "factor": 32.0}}
+
+# deepseek-ai/DeepSeek-V3's config.json (its FP8 quantization_config and the multi-token-prediction layer, which
+# transformers does not build, left out): MLA, 256 routed experts (8 a token, sigmoid group-limited routing), one
+# shared expert, three dense first layers, YaRN.
+DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
+               "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+               "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
+               "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512,
+               "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+               "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+               "moe_layer_freq": 1, "first_k_dense_replace": 3, "norm_topk_prob": True, "scoring_func": "sigmoid",
+               "hidden_act": "silu", "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "rope_theta": 10000,
+               "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                "original_max_position_embeddings": 4096, "type": "yarn"},
+               "attention_bias": False, "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False,
+               "torch_dtype": "bfloat16"}
