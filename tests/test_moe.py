@@ -163,6 +163,64 @@ def test_expert_parallel_on_8_devices(tmp_path, variant):
     np.testing.assert_allclose(np.load(tmp_path / "logits.npy"), one, atol=1e-5, rtol=0)
 
 
+EP_TRAIN_SCRIPT = r"""
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+import zoo
+from zoo.lora import LoraConfig, init_lora, lora_scale, lora_specs
+from zoo.model import forward
+from zoo.params import flatten, nest, param_specs
+from zoo.sharding import make_mesh, named_sharding
+model = zoo.load(sys.argv[1])
+cfg = model.cfg
+params = jax.tree.map(lambda a: a.astype(jnp.float32), model.param_dict())
+lcfg = LoraConfig(rank=4, alpha=8, targets="all-linear")
+# adapters with B != 0, so that both their gradients and their outputs count
+adapters = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(2), a.shape),
+                        init_lora(cfg, lcfg, jax.random.key(1)))
+rng = np.random.default_rng(0)
+tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (4, 32)), jnp.int32)
+seg = jnp.asarray(np.repeat([[1] * 20 + [2] * 8 + [0] * 4], 4, 0), jnp.int32)  # packed, with padding
+
+def loss(params, adapters, tokens, seg):
+    logits, aux = forward(cfg, params, tokens, segment_ids=seg, return_aux=True, lora=adapters,
+                          lora_scale=lora_scale(lcfg))
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]), tokens[:, 1:, None], -1)[..., 0]
+    return (nll * (seg[:, 1:] > 0)).sum() / (seg[:, 1:] > 0).sum() + aux["loss"]
+
+grad = jax.value_and_grad(loss, argnums=(0, 1))
+one = jax.jit(grad)(params, adapters, tokens, seg)  # one device: the dropless path as written
+mesh = make_mesh(data=1, fsdp=2, tensor=1, expert=4)
+put = lambda tree, specs: nest({k: jax.device_put(v, named_sharding(mesh, specs[k].axes, v.shape))
+                               for k, v in flatten(tree).items()})
+rows = named_sharding(mesh, ("batch", None), tokens.shape)
+with jax.set_mesh(mesh):  # as the train step is lowered (zoo.sharding.mesh_context)
+    step = jax.jit(grad)
+    lowered = step.lower(put(params, param_specs(cfg)), put(adapters, lora_specs(cfg, lcfg)),
+                         jax.device_put(tokens, rows), jax.device_put(seg, rows))
+    many = step(put(params, param_specs(cfg)), put(adapters, lora_specs(cfg, lcfg)),
+                jax.device_put(tokens, rows), jax.device_put(seg, rows))
+diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(many)))
+print(json.dumps({"diff": diff, "loss": [float(one[0]), float(many[0])],
+                  "manual": "sdy.manual_computation" in lowered.as_text() or "shard_map" in lowered.as_text()}))
+"""
+
+
+@pytest.mark.slow
+def test_expert_parallel_training_equals_one_device(tmp_path):
+    """Slow (a subprocess on 8 simulated devices, two compilations of a tiny DeepSeek-V3's loss and gradients).
+    Under the train step's mesh context with an expert axis, the routed experts run expert-parallel
+    (zoo.moe._experts_parallel: each device its experts, a psum over the axis): the loss and the gradients of the
+    weights and of LoRA adapters on every projection equal the one-device dropless run's (float32, 1e-6)."""
+    assert main(["init", "deepseek-v3-tiny", "--out", str(tmp_path / "ckpt"), "--seed", "3"]) == 0
+    p = subprocess.run([sys.executable, "-c", EP_TRAIN_SCRIPT, str(tmp_path / "ckpt")], capture_output=True,
+                       text=True, env=devices_env(8), timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["manual"], "the experts did not run expert-parallel"
+    assert out["loss"][0] == pytest.approx(out["loss"][1], abs=1e-6) and out["diff"] <= 1e-6, out
+
+
 @pytest.mark.slow
 def test_tiny_deepseek_v3_registry_entry_builds_and_exports(tmp_path):
     """`zoo init deepseek-v3-tiny` -> export -> transformers builds the same model.
