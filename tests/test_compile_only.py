@@ -62,7 +62,8 @@ def test_a_small_run_compiles_for_a_4_chip_slice_and_reports(tmp_path, capsys, c
     assert KEYS <= set(rep) and rep["fits"] is True
     assert rep["topology"] == "v5e:2x2" and rep["chips"] == 4 and rep["hbm_bytes_per_chip"] == 16 * 2**30
     parts = rep["bytes_per_chip"]
-    assert set(parts) == {"params", "optimizer", "adapters", "activations", "outputs", "total"}
+    assert set(parts) == {"params", "optimizer", "adapters", "activations", "outputs", "total", "host"}
+    assert parts["host"] == 0  # nothing offloaded without remat: offload
     assert parts["total"] >= parts["params"] + parts["optimizer"] + parts["adapters"] + parts["activations"] > 0
     assert (parts["adapters"] > 0) == ("lora" in extra) and parts["optimizer"] > 0
     row = 64 + (8 if command == "grpo" else 0)  # GRPO's rows: the prompt and its completion
