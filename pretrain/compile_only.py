@@ -83,6 +83,12 @@ def model_config(cfg: TrainConfig) -> Any:
     return model_config_from_hf(registry.hf_config_of(name, key), f"{key} {name}")
 
 
+def _zoo_checkpoint(cfg: TrainConfig) -> Path | None:
+    """``model.path`` when it is a zoo checkpoint folder (one stored quantized gives QLoRA its settings), else None."""
+    src = Path(cfg.model.path or "")
+    return src if cfg.model.init != "random" and (src / "model.json").is_file() else None
+
+
 @dataclasses.dataclass
 class Report:
     """What ``--compile-only`` found: the keys of ``--report`` JSON."""
@@ -128,18 +134,16 @@ def compile_only(cfg: TrainConfig, task: Any, topology: str, report_path: str | 
     from pretrain.flops import flops_per_token
     from pretrain.hlo_buffers import largest_buffers
     from pretrain.optim import build_optimizer, lr_schedule
-    from pretrain.setup import check_base_quant, lora_config
+    from pretrain.setup import check_base_quant, frozen_base_quant, lora_config
     from pretrain.step import compile_lowered, make_step, state_layout
     from pretrain.task import LayoutContext
     from zoo.kernels import check_platform, target
     from zoo.lora import lora_scale, lora_specs
-    from zoo.params import nest, param_specs
+    from zoo.params import flatten, nest, param_specs
+    from zoo.quant import abstract_base
     from zoo.sharding import make_mesh, named_sharding
 
     check_base_quant(cfg)
-    if cfg.lora.base_quant:
-        raise UserError("--compile-only does not build QLoRA's quantized base yet (lora.base_quant): compile the "
-                        "LoRA run without it for now")
     devices = topology_devices(topology, num_slices)
     kind = devices[0].device_kind
     hbm = hbm_bytes(kind)
@@ -164,6 +168,9 @@ def compile_only(cfg: TrainConfig, task: Any, topology: str, report_path: str | 
 
     params = abstract(param_specs(mcfg), pdt)
     lora = lora_config(cfg)
+    quantized = frozen_base_quant(cfg, _zoo_checkpoint(cfg)) if lora else None
+    if quantized is not None:  # QLoRA: the projections as the run places them quantized (pretrain.setup)
+        params = nest({**flatten(params), **abstract_base(mcfg, *quantized, pdt, mesh)})
     frozen = params if lora else None
     trainable = abstract(lora_specs(mcfg, lora), jnp.float32) if lora else params
     frozen_inputs = task.compile_layout(LayoutContext(cfg, mcfg, mesh, lora, params))
@@ -182,8 +189,11 @@ def compile_only(cfg: TrainConfig, task: Any, topology: str, report_path: str | 
         lowered = step.lower(state, batch, frozen, frozen_inputs=frozen_inputs)
         lowered_programs = task.compile_programs(trainable, frozen)
     dump = tempfile.TemporaryDirectory(prefix="lmzoo-hlo-")  # the compiler's buffer report, read for largest_buffers
+    host = 0
     try:
-        arguments, temps, outputs, code = _compiled_bytes(compile_lowered(lowered, "tpu", dump_options(dump.name)))
+        compiled = compile_lowered(lowered, "tpu", dump_options(dump.name))
+        arguments, temps, outputs, code = _compiled_bytes(compiled)
+        host = _host_bytes(compiled)
     except Exception as e:  # the TPU compiler refuses a program over the chip's HBM: its figure is the answer
         refused = compiler_refusal(str(e))
         if refused is None:
@@ -202,7 +212,8 @@ def compile_only(cfg: TrainConfig, task: Any, topology: str, report_path: str | 
              "adapters": _shard_bytes(trainable) if lora else 0,
              "activations": temps,
              "outputs": outputs,
-             "total": arguments + temps + outputs + code}
+             "total": arguments + temps + outputs + code,
+             "host": host}  # beside the HBM total: the host memory remat: offload keeps activations in
     rows, row_len = math.prod(layout.inputs.shape[:2]), layout.inputs.shape[2]  # GRPO's rows hold completions too
     tokens = rows * row_len
     rep = Report(topology=topology + (f" x{num_slices}" if num_slices > 1 else ""), chips=len(devices),
@@ -244,6 +255,15 @@ def _compiled_bytes(compiled: Any) -> tuple[int, int, int, int]:
             int(mem.generated_code_size_in_bytes))
 
 
+def _host_bytes(compiled: Any) -> int:
+    """Bytes of a chip's host's memory the compiled program uses (``memory_analysis()``'s host_* fields: what
+    ``remat: offload`` keeps there); 0 when nothing is offloaded."""
+    mem = compiled.memory_analysis()
+    field = lambda name: int(getattr(mem, f"host_{name}_size_in_bytes", 0) or 0)  # noqa: E731
+    return (field("argument") + field("temp") + max(0, field("output") - field("alias"))
+            + field("generated_code"))
+
+
 def compiler_refusal(message: str) -> tuple[int, int, str] | None:
     """(temporaries' bytes, the HBM the compiler had, its line) of the TPU compiler's out-of-memory refusal
     ("the total memory required for HLO temporaries (19.30G) exceeds available HBM (15.75G)"), else None."""
@@ -262,9 +282,14 @@ def advice(cfg: TrainConfig, parts: dict[str, int], hbm: int) -> list[str]:
     """What to change when the step does not fit: the largest parts first, each with its remedy."""
     over = parts["total"] - hbm
     says = {
-        "activations": ("activations (the step's temporaries) are the largest part: set remat: full"
-                        if cfg.remat != "full" else "activations are the largest part even with remat: full: "
-                        "lower batch_size per chip (raise grad_accum to keep the global batch) or data.seq_len"),
+        "activations": {"full": "activations are the largest part even with remat: full: set remat: offload (the "
+                                "layers' inputs kept in host memory), or lower batch_size per chip (raise "
+                                "grad_accum to keep the global batch) or data.seq_len",
+                        "offload": "activations are the largest part even with remat: offload: lower batch_size "
+                                   "per chip (raise grad_accum to keep the global batch) or data.seq_len"
+                        }.get(cfg.remat, "activations (the step's temporaries) are the largest part: set remat: "
+                                         "full, or remat: offload (the layers' inputs and matmul outputs kept in "
+                                         "host memory)"),
         "params": "the weights: spread them over more chips (a larger slice, mesh.fsdp: -1) or train LoRA",
         "optimizer": "the optimizer state: shard it over more chips (a larger slice) or use LoRA, or "
                      "dtype.params: bfloat16 (its moments follow the weights' dtype)",
@@ -283,7 +308,8 @@ def table(rep: Report) -> str:
                          f"{rep.hbm_bytes_per_chip / GIB:.2f} GiB HBM a chip)"),
             ("mesh", " x ".join(f"{k} {v}" for k, v in rep.mesh.items() if v > 1) or "one chip"),
             ("remat", rep.remat)]
-    rows += [(f"{k} GiB/chip", f"{v / GIB:.3f}") for k, v in rep.bytes_per_chip.items()]
+    rows += [(f"{'host memory' if k == 'host' else k} GiB/chip", f"{v / GIB:.3f}")
+             for k, v in rep.bytes_per_chip.items()]
     rows += [(f"{name} GiB/chip", f"{p['total'] / GIB:.3f} (temporaries {p['temporaries'] / GIB:.3f})")
              for name, p in rep.programs.items()]
     rows += [("fits", "yes" if rep.fits else "NO"),

@@ -228,8 +228,9 @@ class TrainConfig:
     schedule: ScheduleSection = field(default_factory=ScheduleSection)
     mesh: MeshSection = field(default_factory=MeshSection)
     dtype: DtypeSection = field(default_factory=DtypeSection)
-    # none | full (recompute each layer in backward) | save_dots (keep weight matmuls)
-    remat: str = field(default="none", metadata={"choices": ("none", "full", "save_dots")})
+    # none | full (recompute each layer in backward) | save_dots (keep weight matmuls) | offload (keep the layers'
+    # inputs and the weight matmuls' outputs in host memory: zoo.model.REMAT_POLICIES)
+    remat: str = field(default="none", metadata={"choices": ("none", "full", "save_dots", "offload")})
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     lora: LoraSection = field(default_factory=LoraSection)
     log_every: int = field(default=10, metadata={"range": "[1, inf)"})

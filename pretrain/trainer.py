@@ -45,7 +45,7 @@ from pretrain.task import PretrainTask, RunContext, Task
 from pretrain.training import Training
 from zoo.console import is_terminal
 from zoo.errors import UserError
-from zoo.kernels import check_platform, kernel_for
+from zoo.kernels import check_platform, check_rows, kernel_for
 from zoo.lora import lora_scale
 from zoo.sharding import make_mesh
 from zoo.tokenizer import load_tokenizer
@@ -66,13 +66,14 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
     out = Path(cfg.output_dir).absolute()
     primary = distributed.is_primary()
     check_platform(cfg.model.attention, cfg.dtype.compute)  # before anything is written
+    task = task or PretrainTask(cfg)
+    check_rows(cfg.model.attention, task.batch_layout(1, 1, cfg.data.seq_len).inputs.shape[-1])  # GRPO's are longer
     done = runfolder.open_run(out, cfg, fresh, runfolder.parse_changes(resume_with_changes, type(cfg)))
     if done is not None:
         return done
     read_eval_tasks(cfg)  # task files and lm-eval task names: said before the model loads
     mesh = _mesh(cfg)
     micro = cfg.batch_size // cfg.grad_accum
-    task = task or PretrainTask(cfg)
     mcfg, params, src_ckpt, tok_dir = load_model(cfg, mesh)
     mcfg = dataclasses.replace(mcfg, attention=cfg.model.attention)  # a run's choice, never saved (zoo.kernels)
     kernel_for(mcfg, DTYPES[cfg.dtype.compute])  # model.attention: cudnn on a model it cannot run: said now

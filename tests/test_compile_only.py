@@ -41,6 +41,19 @@ def _flops(m: dict, seq: int, tokens: int, factor: float) -> float:
     return (factor * weights + 6 * n * h * d * seq) * tokens
 
 
+def _param_count(m: dict) -> int:
+    """A Llama config's parameters, written out: projections, embedding and head (untied), norms."""
+    return _projection_count(m) + 2 * m["vocab_size"] * m["hidden_size"] + (2 * m["num_hidden_layers"] + 1) * \
+        m["hidden_size"]
+
+
+def _projection_count(m: dict) -> int:
+    """The weights of a Llama config's attention and MLP projections (what QLoRA quantizes)."""
+    e, f, h, kv, d, n = (m[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                        "num_key_value_heads", "head_dim", "num_hidden_layers"))
+    return n * (2 * e * h * d + 2 * e * kv * d + 3 * e * f)
+
+
 @pytest.mark.parametrize("command,extra,factor", [
     ("pretrain", "", 6.0),
     ("sft", "lora:\n  rank: 4\n", 4.0),
@@ -62,9 +75,12 @@ def test_a_small_run_compiles_for_a_4_chip_slice_and_reports(tmp_path, capsys, c
     assert KEYS <= set(rep) and rep["fits"] is True
     assert rep["topology"] == "v5e:2x2" and rep["chips"] == 4 and rep["hbm_bytes_per_chip"] == 16 * 2**30
     parts = rep["bytes_per_chip"]
-    assert set(parts) == {"params", "optimizer", "adapters", "activations", "outputs", "total"}
+    assert set(parts) == {"params", "optimizer", "adapters", "activations", "outputs", "total", "host"}
+    assert parts["host"] == 0  # nothing offloaded without remat: offload
     assert parts["total"] >= parts["params"] + parts["optimizer"] + parts["adapters"] + parts["activations"] > 0
     assert (parts["adapters"] > 0) == ("lora" in extra) and parts["optimizer"] > 0
+    if command == "pretrain":  # Adam's two float32 moments sharded like the weights over fsdp 4 (+ step counters)
+        assert 0 <= parts["optimizer"] - 2 * 4 * _param_count(TINY) // 4 < 64
     row = 64 + (8 if command == "grpo" else 0)  # GRPO's rows: the prompt and its completion
     assert rep["tokens_per_step"] == 8 * row
     assert rep["model_flops_per_step"] == pytest.approx(_flops(TINY, row, 8 * row, factor), rel=1e-9)
@@ -195,3 +211,47 @@ def test_released_configs_have_their_published_parameter_counts(name, published,
     cfg = model_config_from_hf(hf_config_of(name, "model"), name)
     # published counts are rounded: within half a unit of their last digit
     assert abs(sum(math.prod(s.shape) for s in param_specs(cfg).values()) - published) <= last_digit / 2
+
+
+def test_qlora_compiles_with_its_base_quantized(tmp_path, capsys):
+    """QLoRA (lora.base_quant: nf4) under --compile-only: the projections' packed codes and absmax as the run would
+    shard them over fsdp 4, so a chip holds 4.5 bits a projection weight (64-value blocks, a float32 absmax each)
+    beside the bfloat16 embedding, head and norms: below the bfloat16 LoRA run's 16 bits. No weights are read."""
+    f = _config(tmp_path, TINY, "dtype:\n  params: bfloat16\n  compute: bfloat16\nlora:\n  rank: 4\n"
+                                "  base_quant: nf4\n")
+    report = tmp_path / "report.json"
+    assert _main("sft")(["train", "--config", str(f), "--compile-only", "--topology", "v5e:2x2",
+                         "--report", str(report)]) == 0, capsys.readouterr().err
+    params = json.loads(report.read_text())["bytes_per_chip"]["params"]
+    proj, rest = _projection_count(TINY), _param_count(TINY) - _projection_count(TINY)
+    assert params == (2 * rest + proj // 2 + 4 * proj // 64) // 4
+    assert params < 2 * _param_count(TINY) // 4 / 1.9  # the bfloat16 LoRA run's weights a chip
+
+
+def test_remat_offload_keeps_the_saved_activations_in_host_memory(tmp_path, capsys):
+    """remat: offload compiles for v5e:2x2 and its report counts the host memory: at least every layer's input and
+    its gate and up (float32, a chip's 2 rows of 128 tokens), at most every named activation (the input and the
+    six projections' outputs) of one layer more than there are (the compiler stages a layer's copies in host
+    memory too). Widths are multiples of 128, so the TPU's tiles add no padding."""
+    m = {**TINY, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 1, "num_key_value_heads": 1,
+         "head_dim": 128}
+    f = _config(tmp_path, m, f"remat: offload\ndata:\n  seq_len: 128\n  path: {tmp_path / 'absent.jsonl'}\n")
+    report = tmp_path / "report.json"
+    assert _main("pretrain")(["train", "--config", str(f), "--compile-only", "--topology", "v5e:2x2",
+                              "--report", str(report)]) == 0
+    rep = json.loads(report.read_text())
+    tokens, layers, host = 2 * 128, 2, rep["bytes_per_chip"]["host"]
+    assert rep["remat"] == "offload"
+    assert layers * tokens * (128 + 2 * 256) * 4 <= host <= (layers + 1) * tokens * (6 * 128 + 2 * 256) * 4, host
+    assert "host memory GiB/chip" in capsys.readouterr().out
+
+
+def test_advice_names_remat_offload_for_activations():
+    from pretrain.compile_only import advice
+    from pretrain.config import load_config
+
+    parts = {"params": 1, "optimizer": 1, "adapters": 0, "activations": 20 * 2**30, "outputs": 0,
+             "total": 20 * 2**30 + 2}
+    for remat in ("none", "full"):
+        cfg = load_config(None, ["model.path=none", "data.path=none", "max_steps=1", f"remat={remat}"])
+        assert any("remat: offload" in line for line in advice(cfg, parts, 16 * 2**30)), remat

@@ -192,3 +192,26 @@ def test_chunked_mlp_equals_one_pass_and_shrinks_the_backward(monkeypatch, lora)
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)
     t1, t8 = (c.memory_analysis().temp_size_in_bytes for c in (whole, chunked))
     assert t8 < 0.75 * t1, (t8, t1)
+
+
+def test_remat_offload_gives_the_loss_and_gradients_of_no_remat():
+    """``remat: offload`` (the layers' inputs and projections' outputs kept in host memory) runs on the CPU, where
+    host and device memory are one, and gives no-remat's loss and gradients (float32, one step's worth)."""
+    cfg = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3,
+                      num_heads=4, num_kv_heads=2, head_dim=8)
+    params = Decoder(cfg, rngs=nnx.Rngs(0)).param_dict()
+    tokens = jnp.asarray(np.random.RandomState(0).randint(0, 64, (2, 32)), jnp.int32)
+
+    def loss(p, remat):
+        logp = jax.nn.log_softmax(forward(cfg, p, tokens, remat=remat))
+        return -jnp.take_along_axis(logp[:, :-1], tokens[:, 1:, None], -1).mean()
+
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(lambda p: loss(p, "none")))(params)
+    off = jax.value_and_grad(lambda p: loss(p, "offload"))
+    # The residuals go to the host (the CPU's lowering then drops the copies): each layer's input and its
+    # projections' outputs, stacked over the 3 layers (gate's and up's [3, 2, 32, 64] among them).
+    assert "f32<host>[3,2,32,64]" in str(jax.make_jaxpr(off)(params))
+    got_loss, got_grads = jax.jit(off)(params)
+    np.testing.assert_allclose(float(got_loss), float(ref_loss), rtol=1e-6)
+    for x, y in zip(jax.tree.leaves(ref_grads), jax.tree.leaves(got_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-6, atol=1e-6)

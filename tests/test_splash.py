@@ -222,3 +222,32 @@ def test_dpo_with_shared_prompts_and_splash_stops_before_compiling(tmp_path, cap
     assert capsys.readouterr().err.strip().splitlines() == [
         "error: model.attention splash cannot read DPO's shared prompts (an answer reads its prompt's segment; "
         "splash's segment ids only pair equal ids): set dpo.share_prompt: false, or attention: auto or blockwise"]
+
+
+@pytest.mark.parametrize("command,extra", [("pretrain", []), ("grpo", ["grpo.rewards=[final_number]",
+                                                                       "grpo.max_completion_length=28"])])
+def test_rows_splash_cannot_run_are_refused_before_the_run_folder_is_written(tmp_path, command, extra):
+    """model.attention splash with rows that are not whole 128-token blocks (GRPO's rows: the prompt and its
+    completion, 128 + 28) is said with the other config checks, before anything is read or written."""
+    import importlib
+
+    from pretrain.config import load_config
+    from pretrain.trainer import train
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    config_class = getattr(importlib.import_module(f"{command}.config"), f"{command.upper()}Config", None)
+    common = ["model.init=random", f"model.config={tmp_path / 'config.json'}", f"data.path={tmp_path / 'absent'}",
+              "model.attention=splash", "max_steps=1", f"output_dir={tmp_path / 'run'}",
+              f"model.tokenizer={tmp_path / 'absent-tokenizer'}"]
+    task = None
+    if command == "grpo":
+        from grpo.task import GRPOTask
+
+        cfg = load_config(None, common + extra + ["data.seq_len=128"], config_class)
+        task = GRPOTask(cfg)
+    else:
+        cfg = load_config(None, common + ["data.seq_len=100"])
+    with pytest.raises(UserError, match=r"^model.attention splash: sequence length (100|156) is not a multiple of "
+                                        r"splash's 128-token blocks"):
+        train(cfg, progress=False, task=task)
+    assert not (tmp_path / "run").exists()

@@ -133,6 +133,14 @@ def check_platform(attention: str, compute: str) -> None:
                         "dtype.compute: bfloat16")
 
 
+def check_rows(attention: str, seq: int) -> None:
+    """A :class:`zoo.errors.UserError` when ``attention`` (a config's ``model.attention``) is ``splash`` and rows of
+    ``seq`` tokens (the task's row length) are not whole splash blocks: said with the other config checks, before a
+    run writes anything, rather than when the step is first traced."""
+    if attention == "splash":
+        _refuse("splash", splash_obstacle(seq))
+
+
 def kernel_for(cfg: ModelConfig, dtype: jnp.dtype, seq: int | None = None, prefix: bool = False) -> str:
     """The kernel (``blockwise``, ``cudnn`` or ``splash``) the training forward runs for ``cfg.attention``, q's
     dtype, rows of ``seq`` tokens (None: not known yet) and shared prefixes (``prefix``).

@@ -19,6 +19,7 @@ from typing import Any, Literal, overload
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from zoo.adapted import LoraDropout
 from zoo.attention import attention, mla_attention
@@ -80,12 +81,20 @@ def layer_segments(kinds: tuple[str, ...], max_period: int = 12) -> list[Segment
     return out
 
 
+LAYER_INPUT = "layer_input"  # each layer's input x, named for remat: offload (scan_segments)
+
 REMAT_POLICIES = {
     "full": None,  # save nothing inside a layer
     # The weight matmuls' outputs: zoo.blocks.dense names them (its custom VJP hides the dot itself).
     "save_dots": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
         jax.checkpoint_policies.save_only_these_names("dense")),
+    # MaxText's decoder_layer_input: offload: the layers' inputs and the projections' outputs (what save_dots
+    # keeps on the device) copied to the host's pinned memory in the forward pass and back in the backward, the
+    # rest recomputed. A CPU has these memory kinds too (one memory in fact): the same program runs there.
+    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=[LAYER_INPUT, "dense"],
+        offload_src="device", offload_dst="pinned_host"),
 }
 
 
@@ -111,7 +120,7 @@ def scan_segments(x: jax.Array, kinds: tuple[str, ...], layer_inputs: Callable[[
         def block(x: jax.Array, xs: list, kinds: tuple[str, ...] = seg.kinds):
             outs = []
             for inputs, kind in zip(xs, kinds):
-                x, out = layer(x, inputs, kind)
+                x, out = layer(checkpoint_name(x, LAYER_INPUT), inputs, kind)
                 outs.append(out)
             return x, jax.tree.map(lambda *a: jnp.stack(a), *outs) if stack else outs
 
@@ -245,7 +254,9 @@ def forward(
     returns the router losses and statistics of :func:`zoo.moe.aux_losses`.
     ``remat`` trades compute for memory in training: "full" recomputes each
     layer in the backward pass, "save_dots" keeps only the weight matmuls'
-    outputs (attention scores and elementwise work are recomputed).
+    outputs (attention scores and elementwise work are recomputed); "offload"
+    keeps the layers' inputs and those outputs in the host's memory instead
+    of the device's (:data:`REMAT_POLICIES`).
 
     ``lora`` is a LoRA adapter tree keyed like ``params`` (see
     :func:`zoo.lora.init_lora`): each adapted projection adds

@@ -293,18 +293,41 @@ def as_trained(cfg: Any, params: dict[str, Any], kind: str, double: bool = False
     return nest(flat)
 
 
-def place(qw: QuantizedWeight, mesh: jax.sharding.Mesh) -> QuantizedWeight:
-    """``qw``'s fields as global arrays on ``mesh``: each field's last axis (the flattened blocks of one matrix)
-    split over the ``fsdp`` axis where it divides, as FSDP splits the float weight; replicated otherwise.
-    Every process holds the same host copy, so each takes its own shards from it."""
+def field_sharding(shape: tuple[int, ...], mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
+    """The sharding of one quantized field of ``shape`` on ``mesh``: its last axis (the flattened blocks of one
+    matrix) split over the ``fsdp`` axis where it divides, as FSDP splits the float weight; replicated otherwise."""
     from jax.sharding import NamedSharding, PartitionSpec
 
     fsdp = mesh.shape.get("fsdp", 1)
+    split = len(shape) >= 1 and fsdp > 1 and shape[-1] % fsdp == 0 and shape[-1] >= fsdp
+    return NamedSharding(mesh, PartitionSpec(*([None] * (len(shape) - 1)), "fsdp") if split else PartitionSpec())
+
+
+def place(qw: QuantizedWeight, mesh: jax.sharding.Mesh) -> QuantizedWeight:
+    """``qw``'s fields as global arrays on ``mesh``, each sharded by :func:`field_sharding`.
+    Every process holds the same host copy, so each takes its own shards from it."""
 
     def put(x):
         x = np.asarray(x)
-        split = x.ndim >= 1 and fsdp > 1 and x.shape[-1] % fsdp == 0 and x.shape[-1] >= fsdp
-        spec = PartitionSpec(*([None] * (x.ndim - 1)), "fsdp") if split else PartitionSpec()
-        return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda idx: x[idx])
+        return jax.make_array_from_callback(x.shape, field_sharding(x.shape, mesh), lambda idx: x[idx])
 
     return jax.tree.map(put, qw)
+
+
+def abstract_base(cfg: Any, kind: str, double: bool, dtype: Any, mesh: jax.sharding.Mesh) -> dict[str, QuantizedWeight]:
+    """Each projection of :func:`quantized_paths` as the :class:`QuantizedWeight` a QLoRA run would place
+    (:func:`place`), its fields ``jax.ShapeDtypeStruct`` s with their shardings: nothing read or quantized
+    (``--compile-only``). ``dtype`` is what it dequantizes to (the run's ``dtype.params``)."""
+    from zoo.params import param_specs
+    from zoo.quant_checkpoint import field_shapes
+
+    specs = param_specs(cfg)
+    out = {}
+    for path, (lead, contract) in quantized_paths(cfg).items():
+        lead_shape, shape = specs[path].shape[:lead], specs[path].shape[lead:]
+        data = {}
+        for name, (one, dt) in field_shapes(kind, double, shape, contract).items():
+            full = tuple(lead_shape) + tuple(one)
+            data[name] = jax.ShapeDtypeStruct(full, jnp.dtype(dt), sharding=field_sharding(full, mesh))
+        out[path] = QuantizedWeight(data, kind, tuple(shape), contract, jnp.dtype(dtype).name)
+    return out
