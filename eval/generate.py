@@ -19,10 +19,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
 
 from zoo.config import ModelConfig
-from zoo.decode import Cache, forward_step, init_cache
+from zoo.decode import Cache, forward_step, init_cache, place_for_decoding
 from zoo.errors import UserError
 
 BUCKET = 32  # prompt and cache lengths are rounded up to a multiple of this: fewer compilations
@@ -128,10 +127,9 @@ def generate(cfg: ModelConfig, params: dict[str, Any], prompts: Sequence[Sequenc
     for r, p in enumerate(prompts):
         buf[r, :len(p)], valid[r, :len(p)] = p, True
     dtype = params["embed"].dtype
-    # Parameters on a mesh (zoo.load shards them over all local devices): the cache is sharded like them.
-    sharding = getattr(params["embed"], "sharding", None)
-    mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None  # a placed array's: concrete
-    mesh = mesh if isinstance(mesh, Mesh) and mesh.size > 1 else None
+    # Parameters on a mesh (zoo.load shards them over all local devices, FSDP): decoding lays them out
+    # tensor-parallel once, so no token step gathers a weight, and splits the cache like their heads.
+    params, mesh = place_for_decoding(cfg, params)
     cache = init_cache(cfg, b, _round_up(plen + gen.max_new_tokens), dtype, mesh)
     sampler = Sampler(float(gen.temperature), int(gen.top_k), float(gen.top_p))
     key = jax.random.PRNGKey(gen.seed)

@@ -24,10 +24,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from eval.generate import Sampler, sample_next
 from zoo.config import ModelConfig
-from zoo.decode import Cache, forward_step, init_cache
+from zoo.decode import Cache, cache_shardings, forward_step, init_cache
 
 
 @dataclass(frozen=True)
@@ -53,26 +54,34 @@ def _draw(logits: jax.Array, key: jax.Array, spec: RolloutSpec) -> tuple[jax.Arr
     return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
 
 
-@partial(jax.jit, static_argnums=(0, 4))
+@partial(jax.jit, static_argnums=(0, 4), static_argnames="mesh")
 def sample_group_completions(cfg: ModelConfig, params: dict, tokens: jax.Array, valid: jax.Array,
                              spec: RolloutSpec, key: jax.Array, lora: dict | None = None,
-                             lora_scale: float | jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                             lora_scale: float | jax.Array | None = None,
+                             mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(completions [B, T] int32, their sampler log-probabilities [B, T] float32, lengths [B] int32).
 
     ``tokens``/``valid`` [B, P]: right-padded prompts, rows ``k*G .. k*G+G-1``
     the same prompt (only row ``k*G`` is read). A completion ends with its
     first token of ``spec.eos_ids`` (counted in its length) or at T tokens;
     entries past its length are 0. ``lora`` adapters (with ``lora_scale``) run
-    beside the base matmuls, as in the training forward pass.
+    beside the base matmuls, as in the training forward pass. With ``mesh``
+    (static: the train step's) the cache is laid out as :func:`zoo.decode.init_cache`
+    lays it out there (split like the kv heads), the layout ``--compile-only``
+    reports. The weights stay as they come: with the rows unconstrained, the
+    partitioner contracts FSDP's embed split in place (all-reduces of
+    activations), gathering no weight (checked on v5e:2x4's compiled sampler).
     """
     adapters: dict[str, Any] = {"lora": lora, "lora_scale": lora_scale}
     b, p = tokens.shape
     g, t = spec.group, spec.new_tokens
     first_tokens, first_valid = tokens[::g], valid[::g]
-    cache = init_cache(cfg, b // g, p + t, params["embed"].dtype)
+    cache = init_cache(cfg, b // g, p + t, params["embed"].dtype, mesh)
     last = jnp.maximum(first_valid.sum(1) - 1, 0)
     logits, cache = forward_step(cfg, params, first_tokens, cache, first_valid, fresh=True, last=last, **adapters)
     logits, cache = jnp.repeat(logits, g, axis=0), _repeat_rows(cache, g)
+    if mesh is not None:  # the b rows' cache, laid out as the step reads it
+        cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cfg, b, p + t, mesh))
     eos = jnp.asarray(spec.eos_ids or (-1,), jnp.int32)
 
     tok, logp = _draw(logits, jax.random.fold_in(key, 0), spec)

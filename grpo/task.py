@@ -55,6 +55,7 @@ from sft.task import chat_template_of
 from zoo.batching import Document, replicated_batch
 from zoo.config import ModelConfig
 from zoo.datafiles import indexed_rows, load_dataset_rows
+from zoo.decode import kv_cache_bytes
 from zoo.errors import UserError
 from zoo.loading import load_reference
 from zoo.logps import batch_logps
@@ -176,6 +177,7 @@ class GRPOTask(Task):
         self.compute = DTYPES[cfg.dtype.compute]
         self.spec = RolloutSpec(g.num_generations, g.max_completion_length,
                                 Sampler(float(g.temperature), int(g.top_k), float(g.top_p)), self.eos_ids)
+        self.mesh = mesh
         self.sharding = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"), None))
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self.batch_shape = (cfg.grad_accum, cfg.batch_size // cfg.grad_accum)
@@ -202,6 +204,13 @@ class GRPOTask(Task):
         lora = trainable if self.lora_cfg is not None else None
         base = frozen if self.lora_cfg is not None else trainable
         return {"sampler": self._sample.lower(base, lora, rows, rows, step)}
+
+    def program_kv_cache(self) -> dict[str, int]:
+        """Bytes a chip holds of the sampler's KV cache (:meth:`compile_programs`' rows: the step's prompts, G
+        completions each, ``max_completion_length`` new tokens), laid out as the sampler lays it out."""
+        rows = self.batch_shape[0] * self.batch_shape[1]
+        slots = self.cfg.data.seq_len + 1 + self.spec.new_tokens
+        return {"sampler": kv_cache_bytes(self.mcfg, rows, slots, self.compute, self.mesh)}
 
     def _starting_model(self, ctx: RunContext) -> dict:
         """Full fine-tuning's default reference (TRL's): the model the run starts from, a frozen copy of the params
@@ -230,7 +239,7 @@ class GRPOTask(Task):
             key = jax.random.fold_in(jax.random.fold_in(jax.random.key(cfg.seed), 0x67727),
                                      step)  # its own stream: LoRA dropout folds the step into key(seed)
             return sample_group_completions(mcfg, policy, tokens.reshape(b, -1), seg.reshape(b, -1) > 0, spec, key,
-                                            lora, scale)
+                                            lora, scale, mesh=self.mesh)
 
         def layout(tokens, seg, completions, lengths, sampler_logps, advantages, trained):
             out = assemble(tokens.reshape(b, -1), seg.reshape(b, -1) > 0, completions, lengths,

@@ -69,17 +69,22 @@ def topology_devices(name: str, num_slices: int = 1) -> list:
 def model_config(cfg: TrainConfig) -> Any:
     """The run's ModelConfig read without weights: ``model.path`` as a zoo checkpoint, a registry name
     (``llama3.1-8b``) or a Hugging Face ``config.json``; or ``model.config`` with ``model.init: random``."""
+    name = cfg.model.config if cfg.model.init == "random" else cfg.model.path
+    if not name:
+        raise UserError("--compile-only needs model (a zoo checkpoint, a registry name or a config.json)")
+    return model_config_of(name, "model.config" if cfg.model.init == "random" else "model")
+
+
+def model_config_of(name: str, key: str) -> Any:
+    """The ModelConfig of ``name`` read without weights: a zoo checkpoint folder, a registry name with a released
+    config or a Hugging Face ``config.json``; errors name ``key`` (the flag or config key that gave it)."""
     from convert.hf_config import model_config_from_hf
     from zoo import registry
     from zoo.checkpoint import read_config
 
-    name = cfg.model.config if cfg.model.init == "random" else cfg.model.path
-    if not name:
-        raise UserError("--compile-only needs model (a zoo checkpoint, a registry name or a config.json)")
-    src = Path(name)
+    src = Path(name).expanduser()
     if src.is_dir() and (src / "model.json").is_file():
         return read_config(src)
-    key = "model.config" if cfg.model.init == "random" else "model"
     return model_config_from_hf(registry.hf_config_of(name, key), f"{key} {name}")
 
 
@@ -202,10 +207,13 @@ def compile_only(cfg: TrainConfig, task: Any, topology: str, report_path: str | 
         arguments = _shard_bytes(state) + _shard_bytes(frozen) + _shard_bytes(frozen_inputs) + _shard_bytes(batch)
         temps, outputs, code = refused[0], 0, 0
     programs = {}
+    caches = task.program_kv_cache()
     for name, low in lowered_programs.items():  # the sampler runs beside the resident train state
         p_parts = _compiled_bytes(compile_lowered(low, "tpu"))
         programs[name] = {"temporaries": p_parts[1],
                           "total": sum(p_parts) + _shard_bytes(state["opt_state"]) + _shard_bytes(frozen_inputs)}
+        if name in caches:  # a sampler's cache lives in its temporaries
+            programs[name]["kv_cache"] = caches[name]
     seconds = time.perf_counter() - started
     parts = {"params": _shard_bytes(params) + _shard_bytes(frozen_inputs),
              "optimizer": _shard_bytes(state["opt_state"]),
@@ -310,7 +318,8 @@ def table(rep: Report) -> str:
             ("remat", rep.remat)]
     rows += [(f"{'host memory' if k == 'host' else k} GiB/chip", f"{v / GIB:.3f}")
              for k, v in rep.bytes_per_chip.items()]
-    rows += [(f"{name} GiB/chip", f"{p['total'] / GIB:.3f} (temporaries {p['temporaries'] / GIB:.3f})")
+    rows += [(f"{name} GiB/chip", f"{p['total'] / GIB:.3f} (temporaries {p['temporaries'] / GIB:.3f}"
+                                  + (f", KV cache {p['kv_cache'] / GIB:.3f})" if "kv_cache" in p else ")"))
              for name, p in rep.programs.items()]
     rows += [("fits", "yes" if rep.fits else "NO"),
              ("model TFLOPs/step", f"{rep.model_flops_per_step / 1e12:.3f}"),

@@ -178,6 +178,11 @@ class Task:
         task's sampler, say), lowered from the abstract trained params and frozen base, by name; {} by default."""
         return {}
 
+    def program_kv_cache(self) -> dict[str, int]:
+        """For ``--compile-only``, after :meth:`compile_programs`: bytes a chip holds of each program's KV cache
+        (a sampler's), by program name; {} by default."""
+        return {}
+
     def compile_layout(self, ctx: LayoutContext) -> Any:
         """For ``--compile-only`` (:mod:`pretrain.compile_only`): set up what :meth:`prepare` would for the step
         (nothing read, nothing computed) and return its frozen inputs as ``jax.ShapeDtypeStruct`` s with

@@ -71,11 +71,11 @@ def cmd_plot(args: argparse.Namespace) -> None:
     plot_command(args)
 
 
-def cmd_generate(args: argparse.Namespace) -> None:
+def cmd_generate(args: argparse.Namespace) -> int | None:
     """`zoo generate` -> eval/generate_cli.py."""
     from eval.generate_cli import generate_command
 
-    generate_command(args)
+    return generate_command(args)
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -192,7 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Continue a prompt with a zoo checkpoint (converted, or a training run's final/ folder: LoRA "
                     "adapters are merged on load), printing tokens as they come. Greedy unless --temperature > 0. "
                     "With --prompts-file, complete every line of a JSONL file in batches instead.")
-    s.add_argument("ckpt", metavar="CKPT", help="path of a zoo checkpoint folder (with tokenizer/)")
+    s.add_argument("ckpt", metavar="CKPT", help="path of a zoo checkpoint folder (with tokenizer/); with "
+                                               "--compile-only also a registry name (llama3.1-8b) or a config.json")
     s.add_argument("--prompt", metavar="TEXT",
                    help="the text to continue (with --chat: the user message answered under the chat template)")
     s.add_argument("--chat", action="store_true",
@@ -219,6 +220,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--stop", nargs="+", action="extend", metavar="STR",
                    help="stop once the text contains any of these strings (the output ends before it; the flag may "
                         "repeat); generation also stops at the tokenizer's end-of-sequence token")
+    g = s.add_argument_group("compile for a TPU slice from this machine, without TPUs, weights or a tokenizer")
+    g.add_argument("--compile-only", action="store_true",
+                   help="compile generation's programs (prefill and the one-token step) for --batch-size prompts of "
+                        "--prompt-length tokens and --max-new-tokens for --topology, and report bytes per chip "
+                        "(weights, KV cache, temporaries); nothing is generated (exit 0: fits, 3: does not fit, 2: "
+                        "an error). Needs the tpu extra (libtpu)")
+    g.add_argument("--topology", metavar="NAME",
+                   help="the TPU slice, e.g. v5e:2x4, v5p:2x2x2, v6e:16x16 (with --compile-only)")
+    g.add_argument("--report", metavar="FILE.json", help="also write the report as JSON (with --compile-only)")
+    g.add_argument("--num-slices", type=int, default=1, metavar="N",
+                   help="slices of --topology joined over the data-center network (default 1)")
+    g.add_argument("--prompt-length", type=int, default=None, metavar="N",
+                   help="with --compile-only: tokens of the longest prompt (default 512)")
     s.set_defaults(fn=cmd_generate)
 
     s = sub.add_parser(

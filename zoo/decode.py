@@ -41,7 +41,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from zoo.attention import causal_attention, head_major, mla_heads, output_projection, qkv_heads
 from zoo.blocks import soft_cap
@@ -90,28 +90,84 @@ def _entry_shapes(cfg: ModelConfig, n: int, batch: int, slots: int) -> dict[str,
             "v": (lead + (slots, cfg.head_dim), axes + ("sequence", "head_dim"))}
 
 
+def _cache_tree(cfg: ModelConfig, batch: int, max_len: int, make: Any) -> Cache:
+    """A cache whose every array is ``make(shape, logical axes, dtype or None)`` (None: the cache's own dtype)."""
+    sizes = _kind_sizes(cfg, max_len)
+    layers: dict[str, dict[str, dict[str, Any]]] = {}
+    for prefix, start, stop, _ in cfg.layer_groups:
+        kinds = cfg.kinds[start:stop]
+        layers[prefix] = {
+            kind: {name: make(shape, axes, None)
+                   for name, (shape, axes) in _entry_shapes(cfg, kinds.count(kind), batch, sizes[kind]).items()}
+            for kind in sorted(set(kinds))}
+    return Cache(layers, make((batch,), ("batch",), jnp.int32))
+
+
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = jnp.float32,
                mesh: Mesh | None = None) -> Cache:
     """An empty cache for ``batch`` rows of up to ``max_len`` tokens each (prompt and generated together).
 
-    With ``mesh`` every array is placed by :mod:`zoo.sharding`'s rule table,
-    like the parameters: rows on data/fsdp, kv heads on the tensor axis.
+    With ``mesh`` every array is placed as :func:`cache_shardings` says: split
+    like the heads of the weights laid out for decoding, rows on data.
     """
-    from zoo.sharding import named_sharding
-
     def make(shape: tuple[int, ...], axes: tuple, dt: Any) -> jax.Array:
-        a = jnp.zeros(shape, dt)
-        return a if mesh is None else jax.device_put(a, named_sharding(mesh, axes, shape))
+        a = jnp.zeros(shape, dt or dtype)
+        return a if mesh is None else jax.device_put(a, _decode_sharding(mesh, axes, shape))
 
-    sizes = _kind_sizes(cfg, max_len)
-    layers: dict[str, dict[str, dict[str, jax.Array]]] = {}
-    for prefix, start, stop, _ in cfg.layer_groups:
-        kinds = cfg.kinds[start:stop]
-        layers[prefix] = {
-            kind: {name: make(shape, axes, dtype)
-                   for name, (shape, axes) in _entry_shapes(cfg, kinds.count(kind), batch, sizes[kind]).items()}
-            for kind in sorted(set(kinds))}
-    return Cache(layers, make((batch,), ("batch",), jnp.int32))
+    return _cache_tree(cfg, batch, max_len, make)
+
+
+def abstract_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any, mesh: Mesh) -> Cache:
+    """:func:`init_cache`'s arrays as ``jax.ShapeDtypeStruct`` s with their shardings on ``mesh`` (nothing
+    allocated): for compiling generation without a device (``zoo generate --compile-only``)."""
+    return _cache_tree(cfg, batch, max_len, lambda shape, axes, dt: jax.ShapeDtypeStruct(
+        shape, dt or dtype, sharding=_decode_sharding(mesh, axes, shape)))
+
+
+def cache_shardings(cfg: ModelConfig, batch: int, max_len: int, mesh: Mesh) -> Cache:
+    """The shardings of :func:`init_cache`'s arrays on ``mesh`` (a Cache of NamedShardings)."""
+    return _cache_tree(cfg, batch, max_len, lambda shape, axes, dt: _decode_sharding(mesh, axes, shape))
+
+
+def kv_cache_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype: Any, mesh: Mesh) -> int:
+    """Bytes one chip holds of the keys/values of a cache of ``batch`` rows and ``max_len`` slots laid out by
+    :func:`init_cache` on ``mesh`` (its shards: the shape over each dimension's split)."""
+    import math
+
+    total = 0
+    for s in jax.tree.leaves(abstract_cache(cfg, batch, max_len, dtype, mesh).layers):
+        total += math.prod(s.sharding.shard_shape(s.shape)) * s.dtype.itemsize
+    return total
+
+
+def _decode_sharding(mesh: Mesh, axes: tuple, shape: tuple[int, ...]) -> NamedSharding:
+    from zoo.sharding import DECODE_RULES, named_sharding
+
+    return named_sharding(mesh, axes, shape, DECODE_RULES)
+
+
+def decode_shardings(cfg: ModelConfig, mesh: Mesh) -> dict[str, Any]:
+    """Where each weight lives while decoding on ``mesh`` (a nested dict like the parameters).
+
+    :data:`zoo.sharding.DECODE_RULES`: tensor-parallel over the tensor and
+    fsdp axes (heads, mlp, vocab split; embed whole), so a token step keeps
+    every weight resident instead of all-gathering FSDP's embed-split weights
+    at each token; the cache (:func:`init_cache`) is split like the k/v heads.
+    """
+    from zoo.params import nest, param_specs
+
+    return nest({k: _decode_sharding(mesh, s.axes, s.shape) for k, s in param_specs(cfg).items()})
+
+
+def place_for_decoding(cfg: ModelConfig, params: dict[str, Any]) -> tuple[dict[str, Any], Mesh | None]:
+    """(``params`` laid out for decoding, their mesh): moved once to :func:`decode_shardings` when they lie on a
+    mesh of several devices (as :func:`zoo.load` places them), else as they are with None. Arrays already so
+    laid out are not copied."""
+    sharding = getattr(params["embed"], "sharding", None)
+    mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None  # a placed array's: concrete
+    if not isinstance(mesh, Mesh) or mesh.size == 1:
+        return params, None
+    return jax.device_put(params, decode_shardings(cfg, mesh)), mesh
 
 
 def _slot_positions(lengths: jax.Array, slots: int) -> jax.Array:

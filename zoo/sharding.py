@@ -29,6 +29,21 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "expert": "expert",
 }
 
+# Decoding's table: a token step reads every weight once for a few rows, so gathering FSDP's embed-split weights at
+# every token (a layer's worth of temporaries, and its bytes over the links, per token) costs far more than the
+# step. Decoding lays the weights out tensor-parallel over the fsdp axis as well (heads / mlp / vocab split, embed
+# whole): each chip keeps its slice resident and a step moves only activations (all-reduces of [rows, embed]).
+# The KV cache follows its heads (split like the k/v weights where they divide), its rows over data.
+DECODE_RULES: dict[str, str | tuple[str, ...] | None] = {
+    **LOGICAL_RULES,
+    "batch": "data",
+    "embed": None,
+    "vocab": ("tensor", "fsdp"),
+    "mlp": ("tensor", "fsdp"),
+    "heads": ("tensor", "fsdp"),
+    "kv_heads": ("tensor", "fsdp"),
+}
+
 
 def make_mesh(
     data: int = 1, fsdp: int = -1, tensor: int = 1, expert: int = 1, devices: Sequence | None = None
@@ -55,18 +70,20 @@ def mesh_context(mesh: Mesh | AbstractMesh | None) -> contextlib.AbstractContext
 
 
 def logical_to_spec(
-    logical_axes: Sequence[str | None], shape: Sequence[int] | None = None, mesh: Mesh | AbstractMesh | None = None
+    logical_axes: Sequence[str | None], shape: Sequence[int] | None = None, mesh: Mesh | AbstractMesh | None = None,
+    rules: dict[str, str | tuple[str, ...] | None] | None = None,
 ) -> PartitionSpec:
-    """PartitionSpec for ``logical_axes`` under the rule table.
+    """PartitionSpec for ``logical_axes`` under the rule table (``rules``; default :data:`LOGICAL_RULES`).
 
     With ``shape`` and ``mesh`` given, a mesh axis that does not divide its
     dimension (or is already used by an earlier dimension) is dropped, so any
     model loads on any mesh: that dimension is replicated instead.
     """
+    rules = LOGICAL_RULES if rules is None else rules
     used: set[str] = set()
     out = []
     for i, name in enumerate(logical_axes):
-        rule = LOGICAL_RULES.get(name) if name else None
+        rule = rules.get(name) if name else None
         axes = (rule,) if isinstance(rule, str) else tuple(rule or ())
         keep: list[str] = []
         for ax in axes:
@@ -82,9 +99,10 @@ def logical_to_spec(
     return PartitionSpec(*out)
 
 
-def named_sharding(mesh: Mesh, logical_axes: Sequence[str | None], shape: Sequence[int]) -> NamedSharding:
-    """NamedSharding of an array with these logical axes on ``mesh``."""
-    return NamedSharding(mesh, logical_to_spec(logical_axes, shape, mesh))
+def named_sharding(mesh: Mesh, logical_axes: Sequence[str | None], shape: Sequence[int],
+                   rules: dict[str, str | tuple[str, ...] | None] | None = None) -> NamedSharding:
+    """NamedSharding of an array with these logical axes on ``mesh`` (under ``rules``, default the training table)."""
+    return NamedSharding(mesh, logical_to_spec(logical_axes, shape, mesh, rules))
 
 
 def batch_sharded(x: jax.Array) -> jax.Array:
