@@ -54,9 +54,8 @@ def splash_obstacle(seq: int | None = None, prefix: bool = False) -> str | None:
     """Why splash attention cannot run the attention of rows of ``seq`` tokens (None: not known yet), with DPO's
     shared prefixes when ``prefix`` (:func:`zoo.masks.attention_mask`'s ``prefix_ids``); None: it can. Any model
     can: grouped-query heads, Gemma 2's soft-cap, sliding windows, latent attention's unequal head sizes."""
-    from zoo.splash import LANES
-
     from zoo.context import context_size
+    from zoo.splash import LANES
 
     if prefix:
         return ("shared prefixes (prefix_ids, DPO's pairs) let a token read another segment, and splash's segment "
