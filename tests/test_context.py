@@ -96,3 +96,44 @@ def test_rows_must_split_over_the_context_devices():
     with pytest.raises(UserError, match=r"^data.seq_len 30 must be a multiple of mesh.context 4 "):
         load_config(None, ["model.path=x", "data.path=d.jsonl", "max_steps=1", "data.seq_len=30",
                            "mesh.context=4"]).check()
+
+
+SPLASH = r"""
+import dataclasses, json
+import jax, jax.numpy as jnp, numpy as np
+from zoo.attention import attend
+from zoo.config import ModelConfig
+from zoo.masks import visibility
+from zoo.sharding import make_mesh
+rng = np.random.RandomState(0)
+b, hk, g, t, d = 2, 1, 2, 256, 16
+q, k, v, dout = (jnp.asarray(rng.randn(*s), jnp.float32)
+                 for s in [(b, hk, g, t, d), (b, hk, t, d), (b, hk, t, d), (b, t, hk * g * d)])
+seg = jnp.asarray(np.stack([np.r_[np.full(100, 1), np.full(120, 2), np.zeros(36)], np.ones(t)]).astype(np.int32))
+cfg = ModelConfig(family="llama", vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=2,
+                  num_kv_heads=1, head_dim=d, attention="blockwise", attn_softcap=5.0)
+out = {}
+for window in (None, 50):
+    f = lambda q, k, v, c: jnp.sum(attend(q, k, v, visibility(seg, window), c) * dout)
+    want = jax.value_and_grad(f, (0, 1, 2))(q, k, v, cfg)
+    with jax.set_mesh(make_mesh(fsdp=1, context=2, devices=jax.devices())):
+        got = jax.jit(jax.value_and_grad(f, (0, 1, 2)), static_argnums=3)(
+            q, k, v, dataclasses.replace(cfg, attention="splash"))
+    out[str(window)] = [[np.asarray(a).tolist(), np.asarray(c).tolist()]
+                        for a, c in zip(jax.tree.leaves(got), jax.tree.leaves(want))]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_splash_under_context_parallelism_equals_blockwise_on_one_device():
+    """Slow (a 2-device subprocess, interpret-mode splash: about 20 s): each of 2 context shards runs the splash
+    kernel of its own query offset against the gathered keys (packed documents, padding, soft-cap; full and
+    sliding-window masks); the attention's value and dq, dk, dv equal the unsharded blockwise path."""
+    p = subprocess.run([sys.executable, "-c", SPLASH], capture_output=True, text=True, env=devices_env(2),
+                       timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for window, pairs in json.loads(p.stdout.strip().splitlines()[-1]).items():
+        for name, (got, want) in zip(("value", "dq", "dk", "dv"), pairs):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5,
+                                       err_msg=f"window {window}: {name}")

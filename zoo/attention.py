@@ -87,6 +87,10 @@ def attend(qg: jax.Array, k: jax.Array, v: jax.Array, vis: Visibility, cfg: Mode
     kernel = kernel_for(cfg, qg.dtype, qg.shape[3], vis.prefix_ids is not None)
 
     def run(qg: jax.Array, k: jax.Array, v: jax.Array, vis: Visibility) -> jax.Array:
+        if kernel == "splash" and k.shape[2] != qg.shape[3]:  # a context shard's queries, the gathered keys
+            from zoo.splash import splash_shard
+
+            return splash_shard(qg, k, v, vis, cfg.attn_scale, cfg.attn_softcap, interpret=platform() != "tpu")
         if kernel == "splash":
             return splash_heads(qg, k, v, vis.segment_ids, cfg, vis.window, cfg.attn_softcap)
         if kernel == "cudnn":

@@ -60,10 +60,11 @@ def splash_obstacle(seq: int | None = None, prefix: bool = False) -> str | None:
     if prefix:
         return ("shared prefixes (prefix_ids, DPO's pairs) let a token read another segment, and splash's segment "
                 "ids only pair equal ids")
-    if context_size() > 1:
-        return ("context parallelism (mesh.context) needs each device's queries offset among the gathered keys, "
-                "which zoo's splash call does not take yet")
-    if seq is not None and seq % LANES:
+    n = context_size()
+    if seq is not None and seq % (LANES * n):
+        if n > 1:
+            return (f"sequence length {seq} does not split over mesh.context {n} into whole {LANES}-token blocks "
+                    "of splash's")
         return f"sequence length {seq} is not a multiple of splash's {LANES}-token blocks"
     return None
 
