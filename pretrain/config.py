@@ -168,6 +168,9 @@ class MeshSection:
     fsdp: int = -1
     tensor: int = 1
     expert: int = 1
+    # context parallelism: each row's tokens split over this many devices (attention gathers the keys); for rows
+    # too long for one device's activations. Must divide data.seq_len
+    context: int = field(default=1, metadata={"range": "[1, inf)"})
 
 
 @dataclass
@@ -249,6 +252,9 @@ class TrainConfig:
         self.data.check()
         if self.max_steps is None and self.epochs is None:
             raise UserError("config needs `max_steps` or `epochs`")
+        if self.mesh.context > 1 and self.data.seq_len % self.mesh.context:
+            raise UserError(f"data.seq_len {self.data.seq_len} must be a multiple of mesh.context "
+                            f"{self.mesh.context} (each device attends an equal block of every row)")
         if self.batch_size % self.grad_accum:
             raise UserError(f"batch_size={self.batch_size} must be a multiple of grad_accum={self.grad_accum}")
         if self.eval.tasks and not self.eval_every:

@@ -12,7 +12,7 @@ from tests.helpers import saved_residuals
 from zoo.blocks import ACTIVATIONS, dense, glu_down, normed_dense, rms_norm
 from zoo.blockwise import blockwise_attention, key_ranges
 from zoo.config import ModelConfig
-from zoo.masks import attention_mask
+from zoo.masks import Visibility, attention_mask, visibility
 from zoo.model import Decoder, forward
 
 
@@ -40,8 +40,8 @@ def test_blockwise_attention_matches_plain_softmax_and_its_gradients(cap, window
     seg = jnp.asarray(np.repeat([[1] * 20 + [2] * 25 + [0] * 5], b, axis=0), jnp.int32)
     mask = attention_mask(seg, window)
 
-    def got(q, k, v):
-        out = blockwise_attention(q, k, v, mask, 0.3, cap, window, block)  # [b, t, kv * g * d]
+    def got(q, k, v):  # each block's mask built in the block from the segment ids
+        out = blockwise_attention(q, k, v, visibility(seg, window), 0.3, cap, window, block)  # [b, t, kv * g * d]
         return out.reshape(b, t, kv, g, d).transpose(0, 2, 3, 1, 4)
 
     def want(q, k, v):
@@ -54,10 +54,29 @@ def test_blockwise_attention_matches_plain_softmax_and_its_gradients(cap, window
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5, err_msg=f"d{name}")
 
 
+@pytest.mark.parametrize("window, prefix", [(None, False), (5, False), (None, True)])
+def test_visibility_blocks_are_the_whole_masks_blocks(window, prefix):
+    """Each block a Visibility builds (a context shard's queries too: offset, the keys' ids gathered) equals the
+    same block of attention_mask's whole [t, t] mask: packed documents, padding, a window, shared prefixes."""
+    t = 24
+    seg = jnp.asarray([[1] * 7 + [2] * 9 + [3] * 5 + [0] * 3, [4] * 10 + [5] * 14], jnp.int32)
+    pre = jnp.asarray([[0] * 7 + [1] * 9 + [1] * 5 + [0] * 3, [0] * 10 + [4] * 14], jnp.int32) if prefix else None
+    whole = np.asarray(attention_mask(seg, window, pre))[:, 0]
+    for qs, qe, ks, ke in [(0, 24, 0, 24), (5, 13, 2, 20), (16, 24, 8, 24)]:
+        np.testing.assert_array_equal(np.asarray(visibility(seg, window, pre).block(qs, qe, ks, ke)),
+                                      whole[:, qs:qe, ks:ke])
+    for shard in range(3):  # 3 devices of 8 queries each, every one seeing all 24 keys
+        rows = slice(8 * shard, 8 * shard + 8)
+        vis = Visibility(seg[:, rows], seg, None if pre is None else pre[:, rows], jnp.int32(8 * shard), window)
+        np.testing.assert_array_equal(np.asarray(vis.block(0, 8, 0, t)), whole[:, rows])
+
+
 def test_key_ranges_skip_the_blocks_a_causal_window_cannot_see():
     assert key_ranges(10, 4, None) == [(0, 4, 0, 4), (4, 8, 0, 8), (8, 10, 0, 10)]
     # Query 8 with window 3 sees keys 6..8: the first six keys are never scored.
     assert key_ranges(10, 4, 3) == [(0, 4, 0, 4), (4, 8, 2, 8), (8, 10, 6, 10)]
+    # A context shard's queries (offset known only on the device) score every gathered key.
+    assert key_ranges(8, 4, 3, keys=16) == [(0, 4, 0, 16), (4, 8, 0, 16)]
 
 
 def test_blockwise_attention_skips_the_masked_blocks():

@@ -258,3 +258,30 @@ def test_advice_names_remat_offload_for_activations():
     for remat in ("none", "full"):
         cfg = load_config(None, ["model.path=none", "data.path=none", "max_steps=1", f"remat={remat}"])
         assert any("remat: offload" in line for line in advice(cfg, parts, 16 * 2**30)), remat
+
+
+@pytest.mark.slow
+def test_context_parallelism_compiles_with_the_keys_gathered_over_the_context_chips(tmp_path, capsys, monkeypatch):
+    """Slow (a 15 s TPU compile): mesh.context 2 x fsdp 2 on v5e:2x2. The compiled step's attention all-gathers
+    each layer's keys/values over the context pairs of chips (a chip's [4 rows, 2 heads, 32 tokens, 16] to the
+    row's 64 tokens: its sequence is split), and the report's mesh shows the context axis."""
+    import pretrain.step as step
+
+    texts = []
+    compile_lowered = step.compile_lowered
+
+    def keep_hlo(lowered, platform=None, options=None):
+        compiled = compile_lowered(lowered, platform, options)
+        texts.append(compiled.as_text())
+        return compiled
+
+    monkeypatch.setattr(step, "compile_lowered", keep_hlo)
+    f = _config(tmp_path, TINY, "mesh:\n  fsdp: 2\n  context: 2\n")
+    report = tmp_path / "report.json"
+    assert _main("pretrain")(["train", "--config", str(f), "--compile-only", "--topology", "v5e:2x2",
+                              "--report", str(report)]) == 0
+    out = capsys.readouterr().out
+    rep = json.loads(report.read_text())
+    assert rep["mesh"]["context"] == 2 and rep["mesh"]["fsdp"] == 2 and "fsdp 2 x context 2" in out
+    gathers = [line for line in texts[0].splitlines() if "all-gather(" in line and "shard_map/all_gather" in line]
+    assert any("[4,2,64,16]" in line and "dimensions={2}" in line for line in gathers), gathers

@@ -12,7 +12,7 @@ from zoo.blockwise import blockwise_attention, query_block
 from zoo.config import ModelConfig
 from zoo.errors import UserError
 from zoo.kernels import check_platform, cudnn_attention, cudnn_obstacle, kernel_for
-from zoo.masks import attention_mask
+from zoo.masks import attention_mask, visibility
 
 
 def _cfg(**kw) -> ModelConfig:
@@ -84,15 +84,22 @@ SEGMENTS = {
 
 
 def test_the_cudnn_call_reads_and_writes_the_blockwise_layouts():
-    """The same jax.nn.dot_product_attention call through XLA (so on the CPU) equals the blockwise path in float32:
-    GQA's head order, the packed-document mask with its window, and the output layout."""
+    """The same jax.nn.dot_product_attention call through XLA (so on the CPU) equals the blockwise path under the
+    whole boolean mask in float32: GQA's head order, the packed-document mask with its window, and the output
+    layout; rows of one document each (``packed`` False) through the causal mask type, the rows' lengths and the
+    local window instead of a mask (the padding's own rows are not compared: no target reads them)."""
     b, t, hk, g, d = 2, 96, 2, 3, 16
     q, k, v = _qkv(b, t, hk, g, d)
-    for segments, window in (("packed with padding", None), ("packed with padding", 24), ("one document", None)):
-        mask = attention_mask(jnp.asarray(SEGMENTS[segments](t)), window)
-        want = blockwise_attention(q, k, v, mask, d ** -0.5, None, window, 32)
-        got = cudnn_attention(q, k, v, mask, d ** -0.5, implementation="xla")
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+    padded = np.stack([np.r_[np.ones(t - 10), np.zeros(10)], np.ones(t)]).astype(np.int32)
+    for seg, window, packed in ((SEGMENTS["packed with padding"](t), None, True),
+                                (SEGMENTS["packed with padding"](t), 24, True),
+                                (SEGMENTS["one document"](t), None, False), (padded, None, False), (padded, 24, False)):
+        want = blockwise_attention(q, k, v, attention_mask(jnp.asarray(seg), window), d ** -0.5, None, window, 32)
+        got = cudnn_attention(q, k, v, visibility(jnp.asarray(seg), window, packed=packed), d ** -0.5,
+                              implementation="xla")
+        real = (seg != 0)[..., None]
+        np.testing.assert_allclose(np.asarray(got) * real, np.asarray(want) * real, atol=1e-5, rtol=1e-5,
+                                   err_msg=f"window {window}, packed {packed}")
 
 
 # --- on an NVIDIA GPU ---------------------------------------------------------------------------------------------
@@ -109,6 +116,8 @@ def test_cudnn_equals_blockwise_outputs_and_gradients(segments, window, d):
     b, t, hk, g = 2, 512, 2, 4
     q, k, v = (x.astype(jnp.bfloat16) for x in _qkv(b, t, hk, g, d))
     mask = attention_mask(jnp.asarray(SEGMENTS[segments](t)), window)
+    # Rows of one document go through cuDNN's causal mask type and lengths, packed ones through the mask.
+    vis = visibility(jnp.asarray(SEGMENTS[segments](t)), window, packed=segments != "one document")
     scale = d ** -0.5
     cot = jax.random.normal(jax.random.PRNGKey(9), (b, t, hk * g * d), jnp.float32)
 
@@ -116,7 +125,7 @@ def test_cudnn_equals_blockwise_outputs_and_gradients(segments, window, d):
         return blockwise_attention(q, k, v, mask, scale, None, window, query_block(t))
 
     def cudnn(q, k, v):
-        return cudnn_attention(q, k, v, mask, scale)
+        return cudnn_attention(q, k, v, vis, scale)
 
     def value_and_grads(f, dtype):
         args = tuple(x.astype(dtype) for x in (q, k, v))

@@ -99,8 +99,10 @@ def test_every_parameter_carries_logical_axes():
 def test_rule_table_maps_to_mesh_axes_and_drops_what_does_not_divide():
     devices = [jax.devices()[0]]
     mesh = make_mesh(devices=devices)
-    assert logical_to_spec(("layers", "embed", "heads", "head_dim")) == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
-    assert logical_to_spec(("batch", "sequence")) == jax.sharding.PartitionSpec(("data", "fsdp"), None)
+    # The weights' embedding axis is shared by the FSDP and the context-parallel devices (zoo.context).
+    assert logical_to_spec(("layers", "embed", "heads", "head_dim")) == jax.sharding.PartitionSpec(
+        None, ("fsdp", "context"), "tensor", None)
+    assert logical_to_spec(("batch", "sequence")) == jax.sharding.PartitionSpec(("data", "fsdp"), "context")
     # On a 1-device mesh nothing is split.
     assert logical_to_spec(("vocab", "embed"), (80, 48), mesh) == jax.sharding.PartitionSpec(None, None)
 

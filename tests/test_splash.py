@@ -120,19 +120,21 @@ def test_a_models_loss_and_gradients_with_splash_equal_blockwise(cfg):
                                    err_msg=jax.tree_util.keystr(path))
 
 
-def test_no_seq_by_seq_mask_on_the_splash_path():
-    """The splash forward builds no [t, t] array (the jaxpr of the model's forward, t = 384: 128-token blocks)."""
+def test_no_seq_by_seq_mask_on_the_splash_or_blockwise_path():
+    """Neither the splash nor the blockwise forward builds a [t, t] array (the jaxpr of the model's forward,
+    t = 384: 128-token blocks): splash reads the segment ids, blockwise builds each block's mask in the block."""
     cfg = dataclasses.replace(GEMMA2ISH, attention="splash")
     params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype),
                           jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0), jnp.float32)))
     tokens = jax.ShapeDtypeStruct((2, 384), jnp.int32)
 
-    def squares(attention):
-        c = dataclasses.replace(cfg, attention=attention)
-        return re.findall(r"\[[\d,]*384,384\]", str(jax.make_jaxpr(lambda p, x: forward(c, p, x, x))(params, tokens)))
+    def squares(f, *args):
+        return re.findall(r"\[[\d,]*384,384\]", str(jax.make_jaxpr(f)(*args)))
 
-    assert squares("blockwise")  # the blockwise path builds its [b, 1, t, t] mask: the check sees such arrays
-    assert squares("splash") == []
+    assert squares(lambda x: attention_mask(x, 7), tokens)  # a whole mask: the check sees such arrays
+    for attention in ("blockwise", "splash"):
+        c = dataclasses.replace(cfg, attention=attention)
+        assert squares(lambda p, x: forward(c, p, x, x), params, tokens) == [], attention
 
 
 def test_block_sizes_are_the_largest_tile_dividing_the_sequence():

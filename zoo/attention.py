@@ -16,7 +16,9 @@ from zoo.adapted import LoraDropout, adapted_dense, layer_adapters, projections
 from zoo.blocks import rms_norm
 from zoo.blockwise import blockwise_attention, query_block
 from zoo.config import ModelConfig
+from zoo.context import context_attention, context_size
 from zoo.kernels import cudnn_attention, kernel_for, platform
+from zoo.masks import Visibility
 from zoo.rope import apply_rope
 
 
@@ -54,9 +56,10 @@ def head_major(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax
     return qg, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
 
-def causal_attention(qg: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, cfg: ModelConfig,
+def causal_attention(qg: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | Visibility, cfg: ModelConfig,
                      window: int | None = None) -> jax.Array:
-    """Softmax attention of head-major q/k/v (:func:`head_major`) under a causal ``mask`` [b, 1, t, t].
+    """Softmax attention of head-major q/k/v (:func:`head_major`) under a causal ``mask``: a
+    :class:`zoo.masks.Visibility` (each block's mask built in the block) or bool [b, 1, t, t] (the cached forward's).
 
     Computed in query blocks (:func:`zoo.blockwise.blockwise_attention`), so
     key blocks that the causal mask (and ``window``, the sliding window the
@@ -76,6 +79,27 @@ def splash_heads(qg: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Arr
     return splash_attention(qg, k, v, segment_ids, cfg.attn_scale, cap, window, interpret=platform() != "tpu")
 
 
+def attend(qg: jax.Array, k: jax.Array, v: jax.Array, vis: Visibility, cfg: ModelConfig) -> jax.Array:
+    """Causal attention of head-major q [b, kv, g, t, d], k [b, kv, t, d], v [b, kv, t, dv] under ``vis`` (its
+    window too), logits soft-capped by ``cfg.attn_softcap``, through the kernel of ``cfg.attention`` (:func:`zoo.kernels.kernel_for`);
+    -> [b, t, kv * g * dv]. With the mesh's ``context`` axis over 1 the sequence is split over it
+    (:func:`zoo.context.context_attention`): each device attends its queries to the gathered keys."""
+    kernel = kernel_for(cfg, qg.dtype, qg.shape[3], vis.prefix_ids is not None)
+
+    def run(qg: jax.Array, k: jax.Array, v: jax.Array, vis: Visibility) -> jax.Array:
+        if kernel == "splash" and k.shape[2] != qg.shape[3]:  # a context shard's queries, the gathered keys
+            from zoo.splash import splash_shard
+
+            return splash_shard(qg, k, v, vis, cfg.attn_scale, cfg.attn_softcap, interpret=platform() != "tpu")
+        if kernel == "splash":
+            return splash_heads(qg, k, v, vis.segment_ids, cfg, vis.window, cfg.attn_softcap)
+        if kernel == "cudnn":
+            return cudnn_attention(qg, k, v, vis, cfg.attn_scale)
+        return causal_attention(qg, k, v, vis, cfg, vis.window)
+
+    return context_attention(run, qg, k, v, vis) if context_size() > 1 else run(qg, k, v, vis)
+
+
 def output_projection(out: jax.Array, p: dict, cfg: ModelConfig, lora: dict | None = None,
                       lora_scale: float | jax.Array = 1.0, drop: LoraDropout | None = None) -> jax.Array:
     """The attention output [b, t, heads * head_dim] through ``o`` (plus its bias and LoRA adapter) -> [b, t, embed].
@@ -89,26 +113,19 @@ def output_projection(out: jax.Array, p: dict, cfg: ModelConfig, lora: dict | No
     return out
 
 
-def attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, mask: jax.Array | None, cfg: ModelConfig,
-              window: int | None = None, norm_w: jax.Array | None = None, lora: dict | None = None,
-              lora_scale: float | jax.Array = 1.0, drop: LoraDropout | None = None,
-              segment_ids: jax.Array | None = None) -> jax.Array:
+def attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, vis: Visibility, cfg: ModelConfig,
+              norm_w: jax.Array | None = None, lora: dict | None = None, lora_scale: float | jax.Array = 1.0,
+              drop: LoraDropout | None = None) -> jax.Array:
     """Grouped-query self-attention of one layer; x [batch, seq, embed].
 
-    ``mask`` [batch, 1, q, k] is causal (see :func:`zoo.masks.attention_mask`); ``window``
-    is the sliding window it was built with, which lets whole key blocks
-    outside it be skipped. With ``norm_w`` x is first RMS-normed by it.
+    ``vis`` says which keys each query sees (:class:`zoo.masks.Visibility`: packed documents, the layer's
+    sliding window, shared prefixes); no kernel builds it as a [seq, seq] mask except cuDNN's for packed rows
+    (:func:`zoo.kernels.cudnn_attention`). With ``norm_w`` x is first RMS-normed by it.
     ``lora`` holds this layer's LoRA adapters by weight name (q, k, v, o);
-    ``drop`` applies LoRA dropout to their inputs. ``cfg.attention`` picks the kernel (:mod:`zoo.kernels`).
-    ``mask`` None: the splash kernel (:func:`zoo.kernels.uses_splash`), which reads ``segment_ids`` [b, t] instead.
+    ``drop`` applies LoRA dropout to their inputs. ``cfg.attention`` picks the kernel (:func:`attend`).
     """
     q, k, v = qkv_heads(x, p, cos, sin, cfg, norm_w, lora, lora_scale, drop)
-    if mask is None:
-        out = splash_heads(*head_major(q, k, v), segment_ids, cfg, window, cfg.attn_softcap)
-    elif kernel_for(cfg, q.dtype) == "cudnn":  # cfg.attention (zoo.kernels); the cached forward stays blockwise
-        out = cudnn_attention(*head_major(q, k, v), mask, cfg.attn_scale)
-    else:
-        out = causal_attention(*head_major(q, k, v), mask, cfg, window)
+    out = attend(*head_major(q, k, v), vis, cfg)
     return output_projection(out, p, cfg, lora, lora_scale, drop)
 
 
@@ -135,27 +152,18 @@ def mla_heads(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array,
     return q[..., :dn], apply_rope(q[..., dn:], cos, sin), latent, k_pe
 
 
-def mla_attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, mask: jax.Array | None,
-                  cfg: ModelConfig, window: int | None = None, segment_ids: jax.Array | None = None) -> jax.Array:
+def mla_attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, vis: Visibility,
+                  cfg: ModelConfig) -> jax.Array:
     """DeepSeek's multi-head latent attention of (already normed) x: q and kv through low-rank latents,
-    a shared RoPE key (see :func:`mla_heads`); ``mask`` [b, 1, q, k] (a sliding window is already in the
-    mask: ``window`` only keeps the signature of :func:`attention`, as full scores are computed here).
-    ``mask`` None: the splash kernel (its query/key heads may differ in size from its value heads) over the
-    documents of ``segment_ids``, ``window`` wide."""
+    a shared RoPE key (see :func:`mla_heads`), attending under ``vis`` (:func:`attend`: blockwise, or splash,
+    whose query/key heads may differ in size from its value heads; cuDNN cannot)."""
     dn, dr = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
     q_nope, q_pe, latent, k_pe = mla_heads(x, p, cos, sin, cfg)
-    if mask is not None:
-        kernel_for(cfg, q_nope.dtype)  # model.attention: cudnn is an error here (zoo.kernels.cudnn_obstacle)
     kv = jnp.einsum("btr,rhd->bthd", latent, p["kv_b"])
     k_nope, v = kv[..., :dn], kv[..., dn:]
     q = jnp.concatenate([q_nope, q_pe], axis=-1)
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None], k_nope.shape[:-1] + (dr,))], axis=-1)
-    if mask is None:  # one query head per key/value head: [b, h, 1, t, d], as head_major's
-        qg = q.transpose(0, 2, 1, 3)[:, :, None]
-        out = splash_heads(qg, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), segment_ids, cfg, window)
-        return jnp.einsum("bthd,hde->bte", out.reshape(v.shape), p["o"])
-    scores = jnp.einsum("bqhd,bshd->bhqs", q, k).astype(jnp.float32) * cfg.attn_scale
-    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bhqs,bshd->bqhd", probs, v)
-    return jnp.einsum("bthd,hde->bte", out, p["o"])
+    # One query head per key/value head: [b, h, 1, t, d], as head_major's.
+    qg = q.transpose(0, 2, 1, 3)[:, :, None]
+    out = attend(qg, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), vis, cfg)
+    return jnp.einsum("bthd,hde->bte", out.reshape(v.shape), p["o"])

@@ -19,6 +19,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from zoo.masks import Visibility
+
 NEG = float(jnp.finfo(jnp.float32).min)
 BLOCK = 128  # the shortest query block (measured best on the CPU at seq 512; 64 was no faster)
 
@@ -28,14 +30,28 @@ def query_block(t: int) -> int:
     return max(BLOCK, -(-t // 8))
 
 
-def key_ranges(t: int, block: int, window: int | None) -> list[tuple[int, int, int, int]]:
-    """(q_start, q_end, k_start, k_end) per query block: the keys a causal (windowed) block can see."""
+def key_ranges(t: int, block: int, window: int | None, keys: int | None = None) -> list[tuple[int, int, int, int]]:
+    """(q_start, q_end, k_start, k_end) per query block: the keys a causal (windowed) block can see.
+
+    ``keys`` (default t) is how many keys there are: more than t under context parallelism (:mod:`zoo.context`),
+    where the queries' offset among the keys is only known on the device, so every block scores all keys.
+    """
+    if keys is not None and keys != t:
+        return [(qs, min(qs + block, t), 0, keys) for qs in range(0, t, block)]
     out = []
     for qs in range(0, t, block):
         qe = min(qs + block, t)
         ks = 0 if window is None else max(0, qs - window + 1)
         out.append((qs, qe, ks, qe))
     return out
+
+
+def _block_mask(mask: jax.Array | Visibility, qs: int, qe: int, ks: int, ke: int) -> jax.Array:
+    """The [b, 1, q, k] mask of one block: built inside it from a :class:`zoo.masks.Visibility`, or sliced from a
+    whole boolean mask (the cached forward's over its new tokens, :mod:`zoo.decode`)."""
+    if isinstance(mask, Visibility):
+        return mask.block(qs, qe, ks, ke)[:, None]
+    return mask[:, :, qs:qe, ks:ke]
 
 
 def _scores(qb: jax.Array, kb: jax.Array, mb: jax.Array, scale: float, cap: float | None):
@@ -49,14 +65,16 @@ def _scores(qb: jax.Array, kb: jax.Array, mb: jax.Array, scale: float, cap: floa
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float,
+def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | Visibility, scale: float,
                         cap: float | None, window: int | None, block: int) -> jax.Array:
     """Softmax attention ``softmax(mask(cap(q k^T * scale))) v`` computed per block of queries.
 
     q [b, kv_heads, group, t, d] (the query heads of each key/value head),
-    k and v [b, kv_heads, t, d], mask bool [b, 1, t, t] (causal, and
-    windowed when ``window`` is set: keys outside ``key_ranges`` must be
-    masked). Returns [b, t, kv_heads * group * d] in v's dtype: the heads
+    k [b, kv_heads, s, d] and v [b, kv_heads, s, dv] (s = t, or the whole
+    sequence of keys under context parallelism), ``mask`` a
+    :class:`zoo.masks.Visibility` (each block's mask built in the block) or
+    bool [b, 1, t, t] (causal, and windowed when ``window`` is set: keys
+    outside ``key_ranges`` must be masked). Returns [b, t, kv_heads * group * dv] in v's dtype: the heads
     concatenated per token, ready for the output projection, which keeps this
     same array for its own backward pass (so it is stored once, not twice).
     """
@@ -69,16 +87,16 @@ def _token_major(out: jax.Array) -> jax.Array:
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h * g * d)
 
 
-def _head_major(x: jax.Array, like: jax.Array) -> jax.Array:
-    """Inverse of :func:`_token_major`, to the [b, kv, g, t, d] shape of ``like``."""
-    b, h, g, t, d = like.shape
-    return x.reshape(b, t, h, g, d).transpose(0, 2, 3, 1, 4)
+def _head_major(x: jax.Array, q: jax.Array) -> jax.Array:
+    """Inverse of :func:`_token_major`: [b, t, kv * g * dv] -> [b, kv, g, t, dv], the heads of ``q``."""
+    b, h, g, t, _ = q.shape
+    return x.reshape(b, t, h, g, -1).transpose(0, 2, 3, 1, 4)
 
 
 def _forward(q, k, v, mask, scale, cap, window, block):
     outs, lses = [], []
-    for qs, qe, ks, ke in key_ranges(q.shape[3], block, window):
-        s, _ = _scores(q[:, :, :, qs:qe], k[:, :, ks:ke], mask[:, :, qs:qe, ks:ke], scale, cap)
+    for qs, qe, ks, ke in key_ranges(q.shape[3], block, window, k.shape[2]):
+        s, _ = _scores(q[:, :, :, qs:qe], k[:, :, ks:ke], _block_mask(mask, qs, qe, ks, ke), scale, cap)
         m = jnp.max(s, axis=-1, keepdims=True)
         e = jnp.exp(s - m)
         denom = jnp.sum(e, axis=-1, keepdims=True)
@@ -97,9 +115,9 @@ def _bwd(scale, cap, window, block, res, dout):
     dq_blocks = []
     dk = jnp.zeros(k.shape, jnp.float32)
     dv = jnp.zeros(v.shape, jnp.float32)
-    for qs, qe, ks, ke in key_ranges(q.shape[3], block, window):
+    for qs, qe, ks, ke in key_ranges(q.shape[3], block, window, k.shape[2]):
         qb, kb, vb = q[:, :, :, qs:qe], k[:, :, ks:ke], v[:, :, ks:ke]
-        s, th = _scores(qb, kb, mask[:, :, qs:qe, ks:ke], scale, cap)
+        s, th = _scores(qb, kb, _block_mask(mask, qs, qe, ks, ke), scale, cap)
         p = jnp.exp(s - lse[..., qs:qe, None])
         dob = dout[:, :, :, qs:qe]
         dv = dv.at[:, :, ks:ke].add(jnp.einsum("bhgqk,bhgqd->bhkd", p.astype(v.dtype), dob,
@@ -112,7 +130,7 @@ def _bwd(scale, cap, window, block, res, dout):
         dq_blocks.append(jnp.einsum("bhgqk,bhkd->bhgqd", ds, kb))
         dk = dk.at[:, :, ks:ke].add(jnp.einsum("bhgqk,bhgqd->bhkd", ds, qb, preferred_element_type=jnp.float32))
     dq = jnp.concatenate(dq_blocks, axis=3)
-    return dq, dk.astype(k.dtype), dv.astype(v.dtype), None
+    return dq, dk.astype(k.dtype), dv.astype(v.dtype), None  # the mask (or its integer ids) has no gradient
 
 
 blockwise_attention.defvjp(_forward, _bwd)

@@ -8,10 +8,12 @@ head size up to 128 (so not DeepSeek's latent attention, whose query/key and val
 soft-cap (Gemma 2): ``auto`` keeps those on the blockwise path, and ``cudnn`` asked for them is an error naming
 the reason.
 
-Both kernels see the same boolean mask (:func:`zoo.masks.attention_mask`: causal within each packed document,
-windowed, shared prefixes); cuDNN gets it as an additive bias beside its causal mask type, so it also skips the
-key tiles above the diagonal. Splash gets no mask at all: the segment ids and the window
-(:func:`zoo.model.forward` then builds none). It cannot express DPO's shared prefixes (a token reading another
+No kernel gets a [seq, seq] mask built in advance: the blockwise path builds each block's mask inside the block
+from a :class:`zoo.masks.Visibility` (segment ids, row offsets, the window, shared prefixes). cuDNN takes rows
+of one document each through its causal mask type and the rows' lengths (and the window); packed rows and
+shared prefixes still need the boolean mask, which :func:`cudnn_attention` builds and passes as an additive
+bias beside its causal mask type (so it also skips the key tiles above the diagonal). Splash gets no mask at
+all: the segment ids and the window. It cannot express DPO's shared prefixes (a token reading another
 segment) and needs sequences in whole 128-token blocks: :func:`splash_obstacle`.
 
 The platform is the one the program is built for: the devices of the mesh in context (``jax.set_mesh``, as a
@@ -23,13 +25,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 
 from zoo.config import ModelConfig
 from zoo.errors import UserError
+from zoo.masks import Visibility
 
 CUDNN_MAX_HEAD_DIM = 128
 
@@ -51,12 +54,17 @@ def splash_obstacle(seq: int | None = None, prefix: bool = False) -> str | None:
     """Why splash attention cannot run the attention of rows of ``seq`` tokens (None: not known yet), with DPO's
     shared prefixes when ``prefix`` (:func:`zoo.masks.attention_mask`'s ``prefix_ids``); None: it can. Any model
     can: grouped-query heads, Gemma 2's soft-cap, sliding windows, latent attention's unequal head sizes."""
+    from zoo.context import context_size
     from zoo.splash import LANES
 
     if prefix:
         return ("shared prefixes (prefix_ids, DPO's pairs) let a token read another segment, and splash's segment "
                 "ids only pair equal ids")
-    if seq is not None and seq % LANES:
+    n = context_size()
+    if seq is not None and seq % (LANES * n):
+        if n > 1:
+            return (f"sequence length {seq} does not split over mesh.context {n} into whole {LANES}-token blocks "
+                    "of splash's")
         return f"sequence length {seq} is not a multiple of splash's {LANES}-token blocks"
     return None
 
@@ -164,14 +172,30 @@ def _cuda() -> bool:
     return "nvidia" in device.device_kind.lower() or "cuda" in version.lower()
 
 
-def cudnn_attention(qg: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float,
+def cudnn_attention(qg: jax.Array, k: jax.Array, v: jax.Array, vis: Visibility, scale: float,
                     implementation: Literal["cudnn", "xla"] = "cudnn") -> jax.Array:
     """cuDNN flash attention of head-major q/k/v (:func:`zoo.attention.head_major`: q [b, kv, group, t, d],
-    k and v [b, kv, t, d]) under the boolean ``mask`` [b, 1, t, t]; returns [b, t, kv * group * d], the layout
-    of :func:`zoo.blockwise.blockwise_attention` (query head n reads key/value head n // group in both).
-    ``implementation="xla"`` runs the same call through XLA (any platform: the layouts checked on the CPU)."""
+    k and v [b, kv, s, d]) under ``vis`` (:class:`zoo.masks.Visibility`); returns [b, t, kv * group * d], the
+    layout of :func:`zoo.blockwise.blockwise_attention` (query head n reads key/value head n // group in both).
+    ``implementation="xla"`` runs the same call through XLA (any platform: the layouts checked on the CPU).
+
+    Rows of one document each (``vis.packed`` False: one document, then padding) need no mask: cuDNN's causal
+    mask with each row's length as its query and key/value sequence lengths, and the window as its
+    ``local_window_size``. Packed rows, shared prefixes and context parallelism's query blocks (s > t) still get
+    the boolean mask [b, 1, t, s], built whole here and passed as a bias (this API has no segment ids): the
+    one place the training forward builds one."""
     b, hk, g, t, d = qg.shape
+    s = k.shape[2]
     q = qg.transpose(0, 3, 1, 2, 4).reshape(b, t, hk * g, d)
-    out = jax.nn.dot_product_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask=mask,
-                                       scale=scale, is_causal=True, implementation=implementation)
+    kw: dict[str, Any] = {}
+    if not vis.packed and vis.prefix_ids is None and s == t:
+        lengths = jnp.sum(vis.segment_ids != 0, axis=1, dtype=jnp.int32)
+        kw = {"query_seq_lengths": lengths, "key_value_seq_lengths": lengths}
+        if vis.window is not None:
+            kw["local_window_size"] = (vis.window - 1, 0)
+    else:
+        kw["mask"] = vis.block(0, t, 0, s)[:, None]
+    # cuDNN's causal mask type aligns query i with key i: not the case for a context shard's queries (s > t).
+    out = jax.nn.dot_product_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), scale=scale,
+                                       is_causal=s == t, implementation=implementation, **kw)
     return out.reshape(b, t, hk * g * d)

@@ -25,8 +25,7 @@ from zoo.adapted import LoraDropout
 from zoo.attention import attention, mla_attention
 from zoo.blocks import ACTIVATIONS, dense, rms_norm, soft_cap
 from zoo.config import ModelConfig
-from zoo.kernels import uses_splash
-from zoo.masks import attention_mask, kind_window
+from zoo.masks import kind_window, visibility
 from zoo.mlp import mlp
 from zoo.moe import aux_losses, moe_mlp
 from zoo.params import flatten, init_params, nest, param_specs
@@ -278,35 +277,36 @@ def forward(
     ``prefix_ids`` [batch, seq] name, per token, one more segment whose
     earlier tokens it attends to (a shared prefix; see
     :func:`zoo.masks.attention_mask`); not for sliding-window models.
+
+    Under a mesh with a ``context`` axis over 1 (``jax.set_mesh``) the activations' sequence is split over it
+    and attention gathers the keys (:mod:`zoo.context`); t must divide by its size.
     """
     if lora is not None and lora_scale is None:
         raise ValueError("forward: lora adapters need lora_scale (zoo.lora.lora_scale(lora_cfg))")
     scale: float | jax.Array = 1.0 if lora_scale is None else lora_scale  # read only with adapters
     drop_keys = _dropout_keys(cfg, lora, lora_dropout, dropout_rng)
     b, t = tokens.shape
+    packed = segment_ids is not None
     if segment_ids is None:
         segment_ids = jnp.ones((b, t), jnp.int32)
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     ropes = rope_tables_by_kind(cfg, positions)
-    # The splash kernel (zoo.kernels) reads the segment ids and windows itself: no [b, 1, t, t] mask is built.
-    splash = uses_splash(cfg, t, prefix_ids is not None)
-    masks = {kind: None if splash else attention_mask(segment_ids, kind_window(cfg, kind), prefix_ids)
-             for kind in ropes}
+    # What each layer kind's queries see, from the segment ids: no kernel gets a [b, 1, t, t] mask built here
+    # (zoo.masks.Visibility; zoo.kernels).
+    seen = {kind: visibility(segment_ids, kind_window(cfg, kind), prefix_ids, packed) for kind in ropes}
     valid = segment_ids != 0
     x = embed_tokens(cfg, params, tokens)
 
     def layer(x: jax.Array, inputs: tuple, kind: str, moe: bool) -> tuple[jax.Array, dict]:
         p, lp, key = inputs
-        window = kind_window(cfg, kind)
         drop = None if key is None else LoraDropout(lora_dropout, key)
 
         def attend(x: jax.Array) -> tuple[jax.Array, None]:
             if cfg.mla:  # MLA has no adapters (zoo.lora)
-                return mla_attention(norm(cfg, x, p["attn_norm"]), p, *ropes[kind], masks[kind], cfg, window,
-                                     segment_ids), None
-            return attention(x, p, *ropes[kind], masks[kind], cfg, window, norm_w=p["attn_norm"], lora=lp,
-                             lora_scale=scale, drop=drop, segment_ids=segment_ids), None
+                return mla_attention(norm(cfg, x, p["attn_norm"]), p, *ropes[kind], seen[kind], cfg), None
+            return attention(x, p, *ropes[kind], seen[kind], cfg, norm_w=p["attn_norm"], lora=lp,
+                             lora_scale=scale, drop=drop), None
 
         x, _, stats = decoder_layer(cfg, x, p, attend, moe, valid, lp, scale, drop)
         return x, stats

@@ -11,16 +11,18 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "tensor", "expert")
+MESH_AXES = ("data", "fsdp", "context", "tensor", "expert")
 
 # The one table. A logical name maps to a mesh axis, a tuple of mesh axes, or
 # None (replicated). FSDP shards the embedding dimension of every weight;
-# tensor parallelism splits heads / mlp / vocab, Megatron style.
+# tensor parallelism splits heads / mlp / vocab, Megatron style. Context
+# parallelism splits the sequence (zoo.context); its devices also share the
+# weights' embedding dimension, as FSDP's do, since they hold the same rows.
 LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": ("data", "fsdp"),
-    "sequence": None,
+    "sequence": "context",
     "vocab": "tensor",
-    "embed": "fsdp",
+    "embed": ("fsdp", "context"),
     "mlp": "tensor",
     "heads": "tensor",
     "kv_heads": "tensor",
@@ -46,11 +48,12 @@ DECODE_RULES: dict[str, str | tuple[str, ...] | None] = {
 
 
 def make_mesh(
-    data: int = 1, fsdp: int = -1, tensor: int = 1, expert: int = 1, devices: Sequence | None = None
+    data: int = 1, fsdp: int = -1, tensor: int = 1, expert: int = 1, devices: Sequence | None = None,
+    context: int = 1,
 ) -> Mesh:
-    """A (data, fsdp, tensor, expert) mesh; one size may be -1 for 'all remaining devices'."""
+    """A (data, fsdp, context, tensor, expert) mesh; one size may be -1 for 'all remaining devices'."""
     devices = list(devices if devices is not None else jax.devices())
-    sizes = [data, fsdp, tensor, expert]
+    sizes = [data, fsdp, context, tensor, expert]
     if sizes.count(-1) > 1:
         raise ValueError("at most one mesh axis may be -1")
     known = math.prod(s for s in sizes if s != -1)
@@ -106,9 +109,9 @@ def named_sharding(mesh: Mesh, logical_axes: Sequence[str | None], shape: Sequen
 
 
 def batch_sharded(x: jax.Array) -> jax.Array:
-    """``x`` [batch, ...] with its batch axis split over the (data, fsdp) axes of the mesh in context
-    (:func:`mesh_context`, set while the train step is lowered) and its other axes left to the compiler; x as it
-    is without a mesh.
+    """``x`` [batch, seq, ...] with its batch axis split over the (data, fsdp) axes of the mesh in context
+    (:func:`mesh_context`, set while the train step is lowered), its sequence over ``context`` (context
+    parallelism, :mod:`zoo.context`) and its other axes left to the compiler; x as it is without a mesh.
 
     Without it the SPMD partitioner may lay activations out replicated: FSDP splits the weights' embedding axis
     over the same mesh axis that splits the batch, and for x @ W it chose to gather x. Llama-3.1-8B on 8 TPU
@@ -117,6 +120,11 @@ def batch_sharded(x: jax.Array) -> jax.Array:
     if mesh.empty or x.ndim == 0:
         return x
     axes = tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1)
-    if not axes or x.shape[0] % math.prod(mesh.shape[a] for a in axes):
+    rows = axes if axes and not x.shape[0] % math.prod(mesh.shape[a] for a in axes) else None
+    context = mesh.shape.get("context", 1)
+    seq = "context" if context > 1 and x.ndim > 1 and not x.shape[1] % context else None
+    if rows is None and seq is None:
         return x
-    return jax.lax.with_sharding_constraint(x, PartitionSpec(axes, *([PartitionSpec.UNCONSTRAINED] * (x.ndim - 1))))
+    rest = [PartitionSpec.UNCONSTRAINED] * (x.ndim - 1 - (seq is not None))
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(rows or PartitionSpec.UNCONSTRAINED,
+                                                             *((seq,) if seq else ()), *rest))

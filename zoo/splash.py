@@ -33,6 +33,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import (
 )
 from jax.sharding import PartitionSpec
 
+from zoo.masks import Visibility
 from zoo.sharding import logical_to_spec
 
 LANES = 128  # the kernel's blocks are multiples of a TPU vreg's 128 lanes, so the sequence must be too
@@ -53,11 +54,14 @@ def block_sizes(t: int) -> BlockSizes:
                       block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
 
 
-def _kernel(t: int, heads: int, window: int | None, cap: float | None, interpret: bool):
-    """The splash kernel (one row: q [heads, t, d], k and v [kv_heads, t, .]) for a causal mask, windowed with
-    ``window`` (``0 <= q - k < window``), soft-capped by ``cap``. Made at each trace (its block summary becomes
-    the program's constants); the NumPy work behind it is cached by JAX's splash module."""
-    mask = CausalMask((t, t)) if window is None else LocalMask((t, t), (window - 1, 0), 0)
+def _kernel(t: int, heads: int, window: int | None, cap: float | None, interpret: bool, keys: int | None = None,
+            offset: int = 0):
+    """The splash kernel (one row: q [heads, t, d], k and v [kv_heads, keys, .]; keys default t) for a causal
+    mask, windowed with ``window`` (``0 <= q - k < window``), soft-capped by ``cap``, query i being key row
+    ``offset + i`` (a context shard's). Made at each trace (its block summary becomes the program's constants);
+    the NumPy work behind it is cached by JAX's splash module."""
+    shape = (t, keys or t)
+    mask = CausalMask(shape, offset) if window is None else LocalMask(shape, (window - 1, 0), offset)
     return make_splash_mha_single_device(MultiHeadMask([mask] * heads), block_sizes=block_sizes(t),
                                          attn_logits_soft_cap=cap, interpret=interpret)
 
@@ -94,4 +98,27 @@ def splash_attention(qg: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax
         rows = jax.shard_map(rows, mesh=mesh, in_specs=(heads, heads, heads, PartitionSpec(spec[0], None)),
                              out_specs=heads, check_vma=False)
     out = rows(q, k, v, seg)  # [b, heads, t, dv]
+    return out.transpose(0, 2, 1, 3).reshape(b, t, -1)
+
+
+def splash_shard(qg: jax.Array, k: jax.Array, v: jax.Array, vis: Visibility, scale: float, cap: float | None = None,
+                 interpret: bool = False) -> jax.Array:
+    """:func:`splash_attention` of one context shard, inside :func:`zoo.context.context_attention`'s shard_map:
+    this device's queries qg [b, kv, g, t, d] against the gathered keys k [b, kv, n * t, d] and values, the
+    queries' and keys' segment ids and the queries' offset from ``vis``. The kernel's mask is static, so there is
+    one kernel per shard (its offset i * t: each skips its own hidden key blocks), and the device runs its own
+    through :func:`jax.lax.switch`."""
+    b, hk, g, t, d = qg.shape
+    keys = k.shape[2]
+    if t % LANES:
+        raise ValueError(f"splash_shard: a context shard's {t} tokens are not a multiple of {LANES}")
+    q = (qg * jnp.asarray(scale, qg.dtype)).reshape(b, hk * g, t, d)
+
+    def shard(i: int):
+        kernel = _kernel(t, hk * g, vis.window, cap, interpret, keys, i * t)
+        return lambda *a: jax.vmap(lambda q, k, v, qs, ks: kernel(q, k, v, segment_ids=SegmentIds(qs, ks)))(*a)
+
+    branches = [shard(i) for i in range(keys // t)]
+    out = jax.lax.switch(vis.offset // t, branches, q, k, v, vis.segment_ids.astype(jnp.int32),
+                         vis.key_segment_ids.astype(jnp.int32))
     return out.transpose(0, 2, 1, 3).reshape(b, t, -1)
