@@ -19,13 +19,10 @@ if TYPE_CHECKING:  # annotations only: JAX and the model load inside the command
 
 def generate_command(args: argparse.Namespace) -> int | None:
     """`zoo generate CKPT`: continue a prompt (or answer it as a chat turn with --chat), streaming; or complete a
-    JSONL file of prompts; with --compile-only, compile generation for a TPU slice instead (the exit code)."""
-    compiling = getattr(args, "compile_only", False)
-    if not compiling and (getattr(args, "topology", None) or getattr(args, "report", None)
-                          or getattr(args, "prompt_length", None) is not None):
+    JSONL file of prompts (`zoo generate --compile-only`: :func:`pretrain.generate_compile.generate_compile_command`)."""
+    if (getattr(args, "topology", None) or getattr(args, "report", None)
+            or getattr(args, "prompt_length", None) is not None):  # --compile-only goes to pretrain.generate_compile
         raise UserError("--topology, --report and --prompt-length go with --compile-only")
-    if compiling:
-        return _compile_only(args)
     if (args.prompt is None) == (args.prompts_file is None):
         raise UserError("zoo generate needs exactly one of --prompt TEXT and --prompts-file IN.jsonl")
     if args.prompts_file is not None and not args.out:
@@ -58,24 +55,6 @@ def generate_command(args: argparse.Namespace) -> int | None:
     return None
 
 
-def _compile_only(args: argparse.Namespace) -> int:
-    """`zoo generate MODEL --compile-only --topology NAME`: generation's programs compiled for a TPU slice
-    (:mod:`eval.generate_compile`), for the flags' batch, prompt length, new tokens and sampling."""
-    if not args.topology:
-        raise UserError("--compile-only needs --topology, e.g. --topology v5e:2x4")
-    if args.num_slices < 1:
-        raise UserError(f"--num-slices must be at least 1, got {args.num_slices}")
-    if (args.max_new_tokens < 1 or args.batch_size < 1 or args.temperature < 0 or args.top_k < 0
-            or not 0 < args.top_p <= 1):
-        raise UserError("need --max-new-tokens >= 1, --batch-size >= 1, --temperature >= 0, --top-k >= 0 "
-                        "and 0 < --top-p <= 1")
-    from eval.generate import Sampler
-    from eval.generate_compile import compile_generation
-
-    sampler = Sampler(float(args.temperature), int(args.top_k), float(args.top_p))
-    prompt_length = 512 if args.prompt_length is None else args.prompt_length
-    return compile_generation(args.ckpt, args.topology, args.batch_size, prompt_length, args.max_new_tokens,
-                              sampler, args.report, args.num_slices)
 
 
 def _eos_ids(ckpt: str, tok: Any) -> tuple[int, ...]:

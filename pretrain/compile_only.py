@@ -145,7 +145,7 @@ def compile_only(cfg: TrainConfig, task: Any, topology: str, report_path: str | 
     from zoo.kernels import check_platform, target
     from zoo.lora import lora_scale, lora_specs
     from zoo.params import flatten, nest, param_specs
-    from zoo.quant import abstract_base
+    from zoo.quant_checkpoint import abstract_base
     from zoo.sharding import make_mesh, named_sharding
 
     check_base_quant(cfg)

@@ -84,8 +84,8 @@ def test_a_token_step_on_an_fsdp_mesh_gathers_no_weight(tmp_path):
     weights."""
     import jax.numpy as jnp
 
-    from eval.generate_compile import lower_generation
     from pretrain.compile_only import model_config_of, topology_devices
+    from pretrain.generate_compile import lower_generation
     from pretrain.step import compile_lowered
     from zoo.sharding import make_mesh
 

@@ -190,8 +190,8 @@ def test_a_tpu_train_step_compiled_here_runs_the_splash_kernel_sharded(tmp_path,
     texts = []
     compile_lowered = step_mod.compile_lowered
 
-    def keep_text(lowered, platform=None):
-        compiled = compile_lowered(lowered, platform)
+    def keep_text(lowered, platform=None, options=None):
+        compiled = compile_lowered(lowered, platform, options)
         texts.append(compiled.as_text())
         return compiled
 

@@ -72,7 +72,12 @@ def cmd_plot(args: argparse.Namespace) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int | None:
-    """`zoo generate` -> eval/generate_cli.py."""
+    """`zoo generate` -> eval/generate_cli.py; with --compile-only -> pretrain/generate_compile.py (it compiles with
+    the train commands' TPU helpers, a floor above eval)."""
+    if getattr(args, "compile_only", False):
+        from pretrain.generate_compile import generate_compile_command
+
+        return generate_compile_command(args)
     from eval.generate_cli import generate_command
 
     return generate_command(args)

@@ -43,7 +43,7 @@ def attention_mask(segment_ids: jax.Array, window: int | None = None,
     allowed = k <= q
     if window is not None:
         if prefix_ids is not None:
-            raise ValueError("attention_mask: shared prefixes (prefix_ids) need full attention, not a sliding-window "
+            raise ValueError("attention_mask: shared prefixes (prefix_ids) need full attention, not a sliding-window mask "
                              "mask (its window counts row indices)")
         allowed &= q - k < window
     same = segment_ids[:, :, None] == segment_ids[:, None, :]
@@ -93,6 +93,6 @@ def visibility(segment_ids: jax.Array, window: int | None = None, prefix_ids: ja
     """The :class:`Visibility` of one packed batch (queries and keys the same rows): :func:`attention_mask`'s
     mask, never built whole."""
     if window is not None and prefix_ids is not None:
-        raise ValueError("visibility: shared prefixes (prefix_ids) need full attention, not a sliding window "
+        raise ValueError("visibility: shared prefixes (prefix_ids) need full attention, not a sliding-window mask "
                          "(its window counts row indices)")
     return Visibility(segment_ids, segment_ids, prefix_ids, jnp.zeros((), jnp.int32), window, packed)

@@ -313,21 +313,3 @@ def place(qw: QuantizedWeight, mesh: jax.sharding.Mesh) -> QuantizedWeight:
 
     return jax.tree.map(put, qw)
 
-
-def abstract_base(cfg: Any, kind: str, double: bool, dtype: Any, mesh: jax.sharding.Mesh) -> dict[str, QuantizedWeight]:
-    """Each projection of :func:`quantized_paths` as the :class:`QuantizedWeight` a QLoRA run would place
-    (:func:`place`), its fields ``jax.ShapeDtypeStruct`` s with their shardings: nothing read or quantized
-    (``--compile-only``). ``dtype`` is what it dequantizes to (the run's ``dtype.params``)."""
-    from zoo.params import param_specs
-    from zoo.quant_checkpoint import field_shapes
-
-    specs = param_specs(cfg)
-    out = {}
-    for path, (lead, contract) in quantized_paths(cfg).items():
-        lead_shape, shape = specs[path].shape[:lead], specs[path].shape[lead:]
-        data = {}
-        for name, (one, dt) in field_shapes(kind, double, shape, contract).items():
-            full = tuple(lead_shape) + tuple(one)
-            data[name] = jax.ShapeDtypeStruct(full, jnp.dtype(dt), sharding=field_sharding(full, mesh))
-        out[path] = QuantizedWeight(data, kind, tuple(shape), contract, jnp.dtype(dtype).name)
-    return out

@@ -163,3 +163,21 @@ def load_params(ckpt: str | os.PathLike, meta: dict[str, Any], mesh: jax.shardin
             flat[p] = jax.make_array_from_callback(host.shape, sharding, host.__getitem__)
             del host
     return nest(flat)
+
+
+def abstract_base(cfg: Any, kind: str, double: bool, dtype: Any, mesh: jax.sharding.Mesh) -> dict[str, quant.QuantizedWeight]:
+    """Each projection of :func:`zoo.quant.quantized_paths` as the :class:`QuantizedWeight` a QLoRA run would place
+    (:func:`zoo.quant.place`), its fields ``jax.ShapeDtypeStruct`` s with their shardings: nothing read or quantized
+    (``--compile-only``). ``dtype`` is what it dequantizes to (the run's ``dtype.params``)."""
+    import jax.numpy as jnp
+
+    specs = param_specs(cfg)
+    out = {}
+    for path, (lead, contract) in quant.quantized_paths(cfg).items():
+        lead_shape, shape = specs[path].shape[:lead], specs[path].shape[lead:]
+        data = {}
+        for name, (one, dt) in field_shapes(kind, double, shape, contract).items():
+            full = tuple(lead_shape) + tuple(one)
+            data[name] = jax.ShapeDtypeStruct(full, jnp.dtype(dt), sharding=quant.field_sharding(full, mesh))
+        out[path] = quant.QuantizedWeight(data, kind, tuple(shape), contract, jnp.dtype(dtype).name)
+    return out

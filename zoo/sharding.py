@@ -94,7 +94,7 @@ def logical_to_spec(
                 continue
             if mesh is not None and shape is not None:
                 size = mesh.shape[ax] * math.prod(mesh.shape[a] for a in keep)
-                if size == 1 or shape[i] % size:
+                if mesh.shape[ax] == 1 or shape[i] % size:  # an axis of one device splits nothing: left out
                     continue
             keep.append(ax)
         used.update(keep)

@@ -13,6 +13,7 @@ Exit codes: 0 fits, 3 does not fit, 2 a user error.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import time
@@ -192,3 +193,21 @@ def table(rep: GenerateReport) -> str:
     width = max(len(k) for k, _ in rows)
     return "\n".join([f"{k:<{width}}  {v}" for k, v in rows] + [f"  {a}" for a in rep.advice])
 
+
+def generate_compile_command(args: argparse.Namespace) -> int:
+    """`zoo generate MODEL --compile-only --topology NAME`: generation's programs compiled for a TPU slice
+    (:func:`compile_generation`), for the flags' batch, prompt length, new tokens and sampling."""
+    if not args.topology:
+        raise UserError("--compile-only needs --topology, e.g. --topology v5e:2x4")
+    if args.num_slices < 1:
+        raise UserError(f"--num-slices must be at least 1, got {args.num_slices}")
+    if (args.max_new_tokens < 1 or args.batch_size < 1 or args.temperature < 0 or args.top_k < 0
+            or not 0 < args.top_p <= 1):
+        raise UserError("need --max-new-tokens >= 1, --batch-size >= 1, --temperature >= 0, --top-k >= 0 "
+                        "and 0 < --top-p <= 1")
+    from eval.generate import Sampler
+
+    sampler = Sampler(float(args.temperature), int(args.top_k), float(args.top_p))
+    prompt_length = 512 if args.prompt_length is None else args.prompt_length
+    return compile_generation(args.ckpt, args.topology, args.batch_size, prompt_length, args.max_new_tokens,
+                              sampler, args.report, args.num_slices)
