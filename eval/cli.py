@@ -76,7 +76,8 @@ def eval_command(args: argparse.Namespace) -> None:
 
     out = Path(args.out) if args.out else None
     tokenizer = load_tokenizer(args.ckpt)
-    model = zoo.load(args.ckpt, dtype=np.float32 if args.dtype == "float32" else ml_dtypes.bfloat16)
+    model = zoo.load(args.ckpt, dtype=np.float32 if args.dtype == "float32" else ml_dtypes.bfloat16,
+                     attention=getattr(args, "attention", "auto"))
     cfg, params = model.cfg, model.param_dict()
     t_load = time.perf_counter() - t0
     res = evaluate(cfg, params, tokenizer, tasks, limit=args.limit, batch_size=args.batch_size,

@@ -467,6 +467,18 @@ def test_cli_bad_task_path_is_one_line(ckpt, tmp_path, capsys):
     assert "no_such_task" in err and "records" in err and err.count("\n") == 1
 
 
+def test_cli_attention_kernel_reaches_the_scoring_forward(ckpt, tmp_path, capsys):
+    """`zoo eval --attention cudnn` on this CPU machine: the perplexity forward asks for cuDNN's kernel and is refused
+    in one line (it reached the model: the perplexity task runs the full forward), with nothing written."""
+    from zoo.cli import main
+
+    assert main(["eval", str(ckpt), "--tasks", "prose", "--limit", "1", "--attention", "cudnn",
+                 "--out", str(tmp_path / "r.json")]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # after the task's progress line
+    assert last.startswith("error: model.attention cudnn: cuDNN attention runs on NVIDIA GPUs"), last
+    assert not (tmp_path / "r.json").exists()
+
+
 def test_fine_bucket_widths():
     """Multiple choice pads to three significant bits: exact below 8, then four widths per power of two."""
     assert [loglikelihood.fine_bucket(n) for n in (1, 5, 7, 8, 9, 14, 15, 17, 69, 100, 129)] == \

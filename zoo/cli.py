@@ -13,6 +13,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from zoo.config import ATTENTION_KERNELS
 from zoo.console import run_cli
 
 
@@ -255,6 +256,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="apply the tokenizer's chat template to generation prompts (default: each task's setting)")
     s.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="compute dtype of the parameters (default float32)")
+    s.add_argument("--attention", choices=ATTENTION_KERNELS, default="auto",
+                   help="the attention kernel of the full forward that scores perplexity and rolling tasks: auto "
+                        "(the default: cuDNN flash attention on an NVIDIA GPU, splash on a TPU, blockwise on the "
+                        "CPU), blockwise, cudnn, or splash (interpreted off a TPU: slow, for checks); the KV-cache "
+                        "paths (multiple choice, generation) attend over cache slots")
     s.add_argument("--out", metavar="JSON", help="write the results here as JSON")
     s.add_argument("--list-tasks", action="store_true", help="list the shipped tasks and exit")
     s.add_argument("--harness", metavar="T1,T2",
