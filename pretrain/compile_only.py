@@ -140,7 +140,7 @@ def compile_only(cfg: TrainConfig, task: Any, topology: str, report_path: str | 
     from pretrain.hlo_buffers import largest_buffers
     from pretrain.optim import build_optimizer, lr_schedule
     from pretrain.setup import check_base_quant, frozen_base_quant, lora_config
-    from pretrain.step import compile_lowered, make_step, state_layout
+    from pretrain.step import compile_lowered, make_step, state_layout, tpu_compiler_options
     from pretrain.task import LayoutContext
     from zoo.kernels import check_platform, target
     from zoo.lora import lora_scale, lora_specs
@@ -196,7 +196,7 @@ def compile_only(cfg: TrainConfig, task: Any, topology: str, report_path: str | 
     dump = tempfile.TemporaryDirectory(prefix="lmzoo-hlo-")  # the compiler's buffer report, read for largest_buffers
     host = 0
     try:
-        compiled = compile_lowered(lowered, "tpu", dump_options(dump.name))
+        compiled = compile_lowered(lowered, "tpu", {**dump_options(dump.name), **tpu_compiler_options(kind)})
         arguments, temps, outputs, code = _compiled_bytes(compiled)
         host = _host_bytes(compiled)
     except Exception as e:  # the TPU compiler refuses a program over the chip's HBM: its figure is the answer
@@ -209,7 +209,7 @@ def compile_only(cfg: TrainConfig, task: Any, topology: str, report_path: str | 
     programs = {}
     caches = task.program_kv_cache()
     for name, low in lowered_programs.items():  # the sampler runs beside the resident train state
-        p_parts = _compiled_bytes(compile_lowered(low, "tpu"))
+        p_parts = _compiled_bytes(compile_lowered(low, "tpu", tpu_compiler_options(kind)))
         programs[name] = {"temporaries": p_parts[1],
                           "total": sum(p_parts) + _shard_bytes(state["opt_state"]) + _shard_bytes(frozen_inputs)}
         if name in caches:  # a sampler's cache lives in its temporaries

@@ -147,12 +147,23 @@ class ShardedStep:
 CPU_COMPILER_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
 
 
+def tpu_compiler_options(kind: str) -> dict[str, str]:
+    """Compiler options for a TPU of device kind ``kind``: Mosaic kernels' scoped VMEM raised to 64 MiB on v5 and
+    v6 chips (128 MiB of VMEM a core on v5e and v6e; compiled on v5p too), as MaxText raises it for its larger
+    models. At libtpu's default, the expert-parallel grouped matmul of DeepSeek-V3's LoRA adapters (its backward,
+    f32[64, 7168, 16]) was refused: "Ran out of memory in memory space vmem". Nothing on other kinds."""
+    k = kind.lower()
+    return {"xla_tpu_scoped_vmem_limit_kib": "65536"} if k.startswith(("tpu v5", "tpu v6", "tpu7")) else {}
+
+
 def compile_lowered(lowered: Any, platform: str | None = None, options: dict[str, Any] | None = None) -> Any:
     """``lowered.compile()``, with :data:`CPU_COMPILER_OPTIONS` for a CPU program (plainly where this jaxlib's
     XLA does not know them). ``platform`` is the program's (its mesh's devices'; default JAX's default backend):
     a TPU program compiled from a CPU host gets no CPU options, only ``options`` (XLA debug options, such as
-    ``xla_dump_to``)."""
+    ``xla_dump_to``, and :func:`tpu_compiler_options`); on a TPU host the TPU's own options are added."""
     if (platform or jax.default_backend()) != "cpu":
+        if jax.default_backend() == "tpu":
+            options = {**tpu_compiler_options(jax.devices()[0].device_kind), **(options or {})}
         return lowered.compile(compiler_options=options) if options else lowered.compile()
     try:
         return lowered.compile(compiler_options=CPU_COMPILER_OPTIONS)
