@@ -45,7 +45,7 @@ flax's config):
   ``batch_size`` = chips, ``remat: none``, ``dtype`` bfloat16 for params and compute, ``lora.rank``. lmzoo's
   adapters are float32 (and so their Adam moments); a full fine-tuning's moments follow the bfloat16 weights.
 
-Bytes a chip are the TPU compiler's (``memory_analysis()``, through ``pretrain.compile_only._compiled_bytes``):
+Bytes a chip are the TPU compiler's (``memory_analysis()``, through ``pretrain.compile_only.compiled_bytes``):
 arguments, temporaries, outputs not aliased to a donated argument, and the program's code; total = their sum
 (lmzoo's report gives ``total``, ``activations`` = temporaries and ``outputs``; its arguments + code are the rest).
 A program the compiler refuses as over the chip's HBM reports the temporaries the compiler needed (its message)
@@ -101,7 +101,7 @@ def tunix_side(case: Case, seq: int, layers: int | None) -> dict:
     from tunix.sft import peft_trainer
     from tunix.sft import utils as sft_utils
 
-    from pretrain.compile_only import _compiled_bytes, _shard_bytes, compiler_refusal, hbm_bytes, topology_devices
+    from pretrain.compile_only import compiled_bytes, compiler_refusal, hbm_bytes, shard_bytes, topology_devices
     from pretrain.step import compile_lowered
 
     devices = topology_devices(case.topology)
@@ -155,20 +155,20 @@ def tunix_side(case: Case, seq: int, layers: int | None) -> dict:
     lowered = step.lower(model, optimizer, inputs)
     refused = None
     try:
-        arguments, temps, outputs, code = _compiled_bytes(compile_lowered(lowered, "tpu"))
+        arguments, temps, outputs, code = compiled_bytes(compile_lowered(lowered, "tpu"))
     except Exception as e:  # over the chip's HBM: the compiler's figure for the temporaries is the answer
         refused = compiler_refusal(str(e))
         if refused is None:
             raise
-        arguments, temps, outputs, code = _shard_bytes(abstract) + _shard_bytes(inputs), refused[0], 0, 0
+        arguments, temps, outputs, code = shard_bytes(abstract) + shard_bytes(inputs), refused[0], 0, 0
     seconds = time.perf_counter() - started
     trained = nnx.state(model, nnx.LoRAParam if case.lora_rank else nnx.Param)
     opt_state = nnx.state(optimizer)
     return {"arguments": arguments, "temporaries": temps, "outputs": outputs, "code": code,
             "total": arguments + temps + outputs + code, "compile_seconds": round(seconds, 1),
             "refused": refused[2] if refused else None, "hbm_bytes_per_chip": hbm_bytes(devices[0].device_kind),
-            "weights_bytes": _shard_bytes(nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))), "trained_bytes": _shard_bytes(trained),
-            "optimizer_bytes": _shard_bytes(opt_state),
+            "weights_bytes": shard_bytes(nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))), "trained_bytes": shard_bytes(trained),
+            "optimizer_bytes": shard_bytes(opt_state),
             "dtypes": {"weights": "bfloat16", "trained": _dtype_of(trained), "optimizer": _dtype_of(opt_state)}}
 
 

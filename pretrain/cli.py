@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from pretrain import distributed
 from pretrain.config import TrainConfig, load_config, to_yaml
-from zoo.console import run_cli
+from zoo.console import add_topology_flags, run_cli
 from zoo.errors import UserError
 
 if TYPE_CHECKING:
@@ -49,11 +49,7 @@ def add_compile_flags(parser: argparse.ArgumentParser) -> None:
                    help="compile the run's train step for --topology and report its bytes per chip; nothing is "
                         "trained or written (exit 0: fits, 3: does not fit, 2: an error). `model` may also be a "
                         "registry name (llama3.1-8b) or a config.json. Needs the tpu extra (libtpu)")
-    g.add_argument("--topology", metavar="NAME",
-                   help="the TPU slice, e.g. v5e:2x4, v5p:2x2x2, v6e:16x16 (with --compile-only)")
-    g.add_argument("--report", metavar="FILE.json", help="also write the report as JSON (with --compile-only)")
-    g.add_argument("--num-slices", type=int, default=1, metavar="N",
-                   help="slices of --topology joined over the data-center network (default 1)")
+    add_topology_flags(g)
 
 
 def add_run_flags(parser: argparse.ArgumentParser) -> None:

@@ -116,7 +116,7 @@ class Report:
     largest_buffers: list[str] = dataclasses.field(default_factory=list)
 
 
-def _shard_bytes(tree: Any) -> int:
+def shard_bytes(tree: Any) -> int:
     """Bytes one chip holds of ``tree``'s arrays (``jax.ShapeDtypeStruct`` s with shardings): the largest shard."""
     import jax
 
@@ -140,7 +140,7 @@ def compile_only(cfg: TrainConfig, task: Any, topology: str, report_path: str | 
     from pretrain.hlo_buffers import largest_buffers
     from pretrain.optim import build_optimizer, lr_schedule
     from pretrain.setup import check_base_quant, frozen_base_quant, lora_config
-    from pretrain.step import compile_lowered, make_step, state_layout, tpu_compiler_options
+    from pretrain.step import compile_lowered, make_step, state_layout
     from pretrain.task import LayoutContext
     from zoo.kernels import check_platform, target
     from zoo.lora import lora_scale, lora_specs
@@ -196,28 +196,28 @@ def compile_only(cfg: TrainConfig, task: Any, topology: str, report_path: str | 
     dump = tempfile.TemporaryDirectory(prefix="lmzoo-hlo-")  # the compiler's buffer report, read for largest_buffers
     host = 0
     try:
-        compiled = compile_lowered(lowered, "tpu", {**dump_options(dump.name), **tpu_compiler_options(kind)})
-        arguments, temps, outputs, code = _compiled_bytes(compiled)
+        compiled = compile_lowered(lowered, "tpu", dump_options(dump.name), kind)
+        arguments, temps, outputs, code = compiled_bytes(compiled)
         host = _host_bytes(compiled)
     except Exception as e:  # the TPU compiler refuses a program over the chip's HBM: its figure is the answer
         refused = compiler_refusal(str(e))
         if refused is None:
             raise
         # the temporaries the compiler needed; the arguments are the shards the step reads
-        arguments = _shard_bytes(state) + _shard_bytes(frozen) + _shard_bytes(frozen_inputs) + _shard_bytes(batch)
+        arguments = shard_bytes(state) + shard_bytes(frozen) + shard_bytes(frozen_inputs) + shard_bytes(batch)
         temps, outputs, code = refused[0], 0, 0
     programs = {}
     caches = task.program_kv_cache()
     for name, low in lowered_programs.items():  # the sampler runs beside the resident train state
-        p_parts = _compiled_bytes(compile_lowered(low, "tpu", tpu_compiler_options(kind)))
+        p_parts = compiled_bytes(compile_lowered(low, "tpu", device_kind=kind))
         programs[name] = {"temporaries": p_parts[1],
-                          "total": sum(p_parts) + _shard_bytes(state["opt_state"]) + _shard_bytes(frozen_inputs)}
+                          "total": sum(p_parts) + shard_bytes(state["opt_state"]) + shard_bytes(frozen_inputs)}
         if name in caches:  # a sampler's cache lives in its temporaries
             programs[name]["kv_cache"] = caches[name]
     seconds = time.perf_counter() - started
-    parts = {"params": _shard_bytes(params) + _shard_bytes(frozen_inputs),
-             "optimizer": _shard_bytes(state["opt_state"]),
-             "adapters": _shard_bytes(trainable) if lora else 0,
+    parts = {"params": shard_bytes(params) + shard_bytes(frozen_inputs),
+             "optimizer": shard_bytes(state["opt_state"]),
+             "adapters": shard_bytes(trainable) if lora else 0,
              "activations": temps,
              "outputs": outputs,
              "total": arguments + temps + outputs + code,
@@ -254,7 +254,7 @@ def dump_options(folder: str) -> dict[str, Any]:
     return {"xla_dump_to": folder, "xla_dump_hlo_pass_re": "NONE"}
 
 
-def _compiled_bytes(compiled: Any) -> tuple[int, int, int, int]:
+def compiled_bytes(compiled: Any) -> tuple[int, int, int, int]:
     """(arguments, temporaries, outputs not aliased to a donated argument, code) bytes a chip of a compiled
     program (``memory_analysis()``)."""
     mem = compiled.memory_analysis()

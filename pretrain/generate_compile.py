@@ -23,11 +23,11 @@ from typing import Any
 from pretrain.compile_only import (
     DOES_NOT_FIT,
     GIB,
-    _compiled_bytes,
-    _shard_bytes,
+    compiled_bytes,
     compiler_refusal,
     hbm_bytes,
     model_config_of,
+    shard_bytes,
     topology_devices,
 )
 from zoo.errors import UserError
@@ -141,16 +141,16 @@ def compile_generation(model: str, topology: str, batch: int, prompt_length: int
     refused = None
     for name, program in low.programs.items():
         try:
-            sizes = _compiled_bytes(compile_lowered(program, "tpu"))
+            sizes = compiled_bytes(compile_lowered(program, "tpu", device_kind=kind))
         except Exception as e:  # the compiler refuses a program over the chip's HBM: its figure is the answer
             refused = compiler_refusal(str(e))
             if refused is None:
                 raise
-            programs[name] = {"temporaries": refused[0], "total": _shard_bytes((params, cache)) + refused[0]}
+            programs[name] = {"temporaries": refused[0], "total": shard_bytes((params, cache)) + refused[0]}
             break
         programs[name] = {"temporaries": sizes[1], "total": sum(sizes)}
     seconds = time.perf_counter() - started
-    weights, kv = _shard_bytes(params), kv_cache_bytes(cfg, batch, max_len, pdt, mesh)
+    weights, kv = shard_bytes(params), kv_cache_bytes(cfg, batch, max_len, pdt, mesh)
     parts = {"weights": weights, "kv_cache": kv, "temporaries": max(p["temporaries"] for p in programs.values()),
              "total": max(p["total"] for p in programs.values())}
     rep = GenerateReport(topology=topology + (f" x{num_slices}" if num_slices > 1 else ""), chips=len(devices),

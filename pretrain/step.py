@@ -156,14 +156,14 @@ def tpu_compiler_options(kind: str) -> dict[str, str]:
     return {"xla_tpu_scoped_vmem_limit_kib": "65536"} if k.startswith(("tpu v5", "tpu v6", "tpu7")) else {}
 
 
-def compile_lowered(lowered: Any, platform: str | None = None, options: dict[str, Any] | None = None) -> Any:
+def compile_lowered(lowered: Any, platform: str | None = None, options: dict[str, Any] | None = None,
+                    device_kind: str | None = None) -> Any:
     """``lowered.compile()``, with :data:`CPU_COMPILER_OPTIONS` for a CPU program (plainly where this jaxlib's
     XLA does not know them). ``platform`` is the program's (its mesh's devices'; default JAX's default backend):
-    a TPU program compiled from a CPU host gets no CPU options, only ``options`` (XLA debug options, such as
-    ``xla_dump_to``, and :func:`tpu_compiler_options`); on a TPU host the TPU's own options are added."""
+    a program for another platform gets no CPU options, but :func:`tpu_compiler_options` for its ``device_kind``
+    (default: this host's first device's) and ``options`` (XLA debug options, such as ``xla_dump_to``)."""
     if (platform or jax.default_backend()) != "cpu":
-        if jax.default_backend() == "tpu":
-            options = {**tpu_compiler_options(jax.devices()[0].device_kind), **(options or {})}
+        options = {**tpu_compiler_options(device_kind or jax.devices()[0].device_kind), **(options or {})}
         return lowered.compile(compiler_options=options) if options else lowered.compile()
     try:
         return lowered.compile(compiler_options=CPU_COMPILER_OPTIONS)

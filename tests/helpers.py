@@ -553,3 +553,20 @@ def lora_lm_loss(cfg, params, lora, lcfg, tokens, remat="none"):
     logits = forward(cfg, params, tokens, lora=lora, lora_scale=lora_scale(lcfg), remat=remat)
     logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32))
     return -jnp.take_along_axis(logp, tokens[:, 1:, None], -1).mean()
+
+
+def keep_compiled_text(monkeypatch) -> list[str]:
+    """The HLO text of every program ``pretrain.step.compile_lowered`` compiles from here on (appended as each
+    is compiled), for tests that read what the TPU compiler made of a step."""
+    import pretrain.step as step
+
+    texts: list[str] = []
+    compile_lowered = step.compile_lowered
+
+    def keep(*args, **kwargs):
+        compiled = compile_lowered(*args, **kwargs)
+        texts.append(compiled.as_text())
+        return compiled
+
+    monkeypatch.setattr(step, "compile_lowered", keep)
+    return texts

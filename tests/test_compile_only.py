@@ -265,17 +265,9 @@ def test_context_parallelism_compiles_with_the_keys_gathered_over_the_context_ch
     """Slow (a 15 s TPU compile): mesh.context 2 x fsdp 2 on v5e:2x2. The compiled step's attention all-gathers
     each layer's keys/values over the context pairs of chips (a chip's [4 rows, 2 heads, 32 tokens, 16] to the
     row's 64 tokens: its sequence is split), and the report's mesh shows the context axis."""
-    import pretrain.step as step
+    from tests.helpers import keep_compiled_text
 
-    texts = []
-    compile_lowered = step.compile_lowered
-
-    def keep_hlo(lowered, platform=None, options=None):
-        compiled = compile_lowered(lowered, platform, options)
-        texts.append(compiled.as_text())
-        return compiled
-
-    monkeypatch.setattr(step, "compile_lowered", keep_hlo)
+    texts = keep_compiled_text(monkeypatch)
     f = _config(tmp_path, TINY, "mesh:\n  fsdp: 2\n  context: 2\n")
     report = tmp_path / "report.json"
     assert _main("pretrain")(["train", "--config", str(f), "--compile-only", "--topology", "v5e:2x2",

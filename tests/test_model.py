@@ -112,19 +112,26 @@ def test_mesh_size_errors_are_clear():
         make_mesh(data=2, fsdp=2, devices=[jax.devices()[0]])
 
 
+def _remat_case(num_layers: int, rows: int, seq: int):
+    """A tiny Llama's params and its next-token loss(params, remat) on fixed random tokens [rows, seq]."""
+    cfg = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=num_layers,
+                      num_heads=4, num_kv_heads=2, head_dim=8)
+    params = Decoder(cfg, rngs=nnx.Rngs(0)).param_dict()
+    tokens = jnp.asarray(np.random.RandomState(0).randint(0, 64, (rows, seq)), jnp.int32)
+
+    def loss(p, remat):
+        logp = jax.nn.log_softmax(forward(cfg, p, tokens, remat=remat))
+        return -jnp.take_along_axis(logp[:, :-1], tokens[:, 1:, None], -1).mean()
+
+    return params, loss
+
+
 @pytest.mark.slow
 def test_remat_policies_keep_gradients_and_cut_saved_activations():
     # Twelve layers, so that the activations saved across layers outweigh one layer's scratch memory.
     """Slow (about 48 s in a loaded 2-worker baseline): XLA compiles each of its model configurations (forward and
     gradients) on CPU."""
-    cfg = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=12,
-                      num_heads=4, num_kv_heads=2, head_dim=8)
-    params = Decoder(cfg, rngs=nnx.Rngs(0)).param_dict()
-    tokens = jnp.asarray(np.random.RandomState(0).randint(0, 64, (4, 256)), jnp.int32)
-
-    def loss(p, remat):
-        logp = jax.nn.log_softmax(forward(cfg, p, tokens, remat=remat))
-        return -jnp.take_along_axis(logp[:, :-1], tokens[:, 1:, None], -1).mean()
+    params, loss = _remat_case(num_layers=12, rows=4, seq=256)
 
     def grad_fn(remat):
         return jax.jit(jax.grad(lambda p: loss(p, remat)))
@@ -199,14 +206,7 @@ def test_chunked_mlp_equals_one_pass_and_shrinks_the_backward(monkeypatch, lora)
 def test_remat_offload_gives_the_loss_and_gradients_of_no_remat():
     """``remat: offload`` (the layers' inputs and projections' outputs kept in host memory) runs on the CPU, where
     host and device memory are one, and gives no-remat's loss and gradients (float32, one step's worth)."""
-    cfg = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3,
-                      num_heads=4, num_kv_heads=2, head_dim=8)
-    params = Decoder(cfg, rngs=nnx.Rngs(0)).param_dict()
-    tokens = jnp.asarray(np.random.RandomState(0).randint(0, 64, (2, 32)), jnp.int32)
-
-    def loss(p, remat):
-        logp = jax.nn.log_softmax(forward(cfg, p, tokens, remat=remat))
-        return -jnp.take_along_axis(logp[:, :-1], tokens[:, 1:, None], -1).mean()
+    params, loss = _remat_case(num_layers=3, rows=2, seq=32)
 
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(lambda p: loss(p, "none")))(params)
     off = jax.value_and_grad(lambda p: loss(p, "offload"))

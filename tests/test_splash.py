@@ -184,18 +184,10 @@ def test_a_tpu_train_step_compiled_here_runs_the_splash_kernel_sharded(tmp_path,
     """`train --compile-only --topology v5e:2x2` with model.attention auto (a TPU program: splash) compiles a
     step whose HLO holds the Mosaic kernels (tpu_custom_call: forward, dq, dk/dv), each chip's on its own 4 of
     the 8 rows (fsdp = 2) and 2 of the 4 query heads (tensor = 2, one key/value head each): shard_map."""
-    import pretrain.step as step_mod
     from pretrain.cli import main
+    from tests.helpers import keep_compiled_text
 
-    texts = []
-    compile_lowered = step_mod.compile_lowered
-
-    def keep_text(lowered, platform=None, options=None):
-        compiled = compile_lowered(lowered, platform, options)
-        texts.append(compiled.as_text())
-        return compiled
-
-    monkeypatch.setattr(step_mod, "compile_lowered", keep_text)
+    texts = keep_compiled_text(monkeypatch)
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     f = tmp_path / "run.yaml"
     f.write_text(f"model: {tmp_path / 'config.json'}\ndata:\n  path: {tmp_path / 'absent.jsonl'}\n  seq_len: 128\n"

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from zoo.config import ATTENTION_KERNELS
-from zoo.console import run_cli
+from zoo.console import add_topology_flags, run_cli
 
 
 def cmd_list(args: argparse.Namespace) -> None:
@@ -232,11 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "--prompt-length tokens and --max-new-tokens for --topology, and report bytes per chip "
                         "(weights, KV cache, temporaries); nothing is generated (exit 0: fits, 3: does not fit, 2: "
                         "an error). Needs the tpu extra (libtpu)")
-    g.add_argument("--topology", metavar="NAME",
-                   help="the TPU slice, e.g. v5e:2x4, v5p:2x2x2, v6e:16x16 (with --compile-only)")
-    g.add_argument("--report", metavar="FILE.json", help="also write the report as JSON (with --compile-only)")
-    g.add_argument("--num-slices", type=int, default=1, metavar="N",
-                   help="slices of --topology joined over the data-center network (default 1)")
+    add_topology_flags(g)
     g.add_argument("--prompt-length", type=int, default=None, metavar="N",
                    help="with --compile-only: tokens of the longest prompt (default 512)")
     s.set_defaults(fn=cmd_generate)

@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
-from typing import TextIO
+from typing import Any, TextIO
 
 from zoo.errors import UserError
 
@@ -95,3 +95,13 @@ def is_terminal(stream: TextIO) -> bool:
 def use_color(stream: TextIO) -> bool:
     """Whether to write ANSI colours to ``stream``: on a terminal, unless NO_COLOR is set (https://no-color.org)."""
     return is_terminal(stream) and not os.environ.get("NO_COLOR")
+
+
+def add_topology_flags(group: Any) -> None:
+    """``--topology``, ``--report`` and ``--num-slices``: the flags every ``--compile-only`` shares (train commands'
+    and ``zoo generate``'s), added to argparse ``group``."""
+    group.add_argument("--topology", metavar="NAME",
+                       help="the TPU slice, e.g. v5e:2x4, v5p:2x2x2, v6e:16x16 (with --compile-only)")
+    group.add_argument("--report", metavar="FILE.json", help="also write the report as JSON (with --compile-only)")
+    group.add_argument("--num-slices", type=int, default=1, metavar="N",
+                       help="slices of --topology joined over the data-center network (default 1)")

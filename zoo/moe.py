@@ -110,6 +110,9 @@ def _experts_dropless(x: jax.Array, ids: jax.Array, weights: jax.Array, p: dict,
     return jnp.zeros_like(x).at[token].add(y)
 
 
+EXPERT_WEIGHTS = ("expert_gate", "expert_up", "expert_down")
+
+
 def _expert_mesh(p: dict, lora: dict | None, drop: LoraDropout | None) -> jax.sharding.AbstractMesh | None:
     """The context mesh (:func:`zoo.sharding.mesh_context`, set while a train step is lowered) when it splits the
     experts (an ``expert`` axis over 1) and the experts can run split (plain weights: not QLoRA's quantized
@@ -123,8 +126,6 @@ def _expert_mesh(p: dict, lora: dict | None, drop: LoraDropout | None) -> jax.sh
         return None
     return mesh
 
-
-EXPERT_WEIGHTS = ("expert_gate", "expert_up", "expert_down")
 
 
 def _experts_parallel(x: jax.Array, ids: jax.Array, weights: jax.Array, p: dict, cfg: ModelConfig,
@@ -150,11 +151,12 @@ def _experts_parallel(x: jax.Array, ids: jax.Array, weights: jax.Array, p: dict,
     adapters = {name: ad for name, ad in (lora or {}).items() if name in EXPERT_WEIGHTS}
     expert_split = P("expert")  # the other axes of a stack gathered, as FSDP gathers a layer's weights
 
-    fixed = isinstance(scale, (int, float))  # a Python float stays one (weakly typed), as in _experts_dropless
+    # a Python float stays one (weakly typed, closed over), as in _experts_dropless; a traced scale goes in
+    static_scale = scale if isinstance(scale, (int, float)) else None
 
     def local(xb, ids, wb, stacks, adapters, scale):
         x, weights = xb[0], wb[0]
-        scale = scale_value if fixed else scale
+        scale = scale if static_scale is None else static_scale
         first = jax.lax.axis_index("expert") * local_x
         mine = (ids >= first) & (ids < first + local_x)
         flat = jnp.where(mine, ids - first, local_x).reshape(-1)  # other experts' assignments sort last
@@ -180,10 +182,9 @@ def _experts_parallel(x: jax.Array, ids: jax.Array, weights: jax.Array, p: dict,
                         in_specs=(per_device, rows, per_device, {n_: expert_split for n_ in stacks},
                                   {n_: {"a": expert_split, "b": expert_split} for n_ in adapters}, P()),
                         out_specs=rows)
-    scale_value = scale
     nx = mesh.shape["expert"]
     return run(jnp.broadcast_to(x, (nx, *x.shape)), ids, jnp.broadcast_to(weights, (nx, *weights.shape)), stacks,
-               adapters, jnp.zeros((), jnp.float32) if fixed else scale)
+               adapters, jnp.zeros((), jnp.float32) if static_scale is not None else scale)
 
 
 def _per_expert(buf: jax.Array, p: dict, name: str, lora: dict | None, scale,
