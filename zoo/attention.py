@@ -84,7 +84,7 @@ def attend(qg: jax.Array, k: jax.Array, v: jax.Array, vis: Visibility, cfg: Mode
     window too), logits soft-capped by ``cfg.attn_softcap``, through the kernel of ``cfg.attention`` (:func:`zoo.kernels.kernel_for`);
     -> [b, t, kv * g * dv]. With the mesh's ``context`` axis over 1 the sequence is split over it
     (:func:`zoo.context.context_attention`): each device attends its queries to the gathered keys."""
-    kernel = kernel_for(cfg, qg.dtype, qg.shape[3], vis.prefix_ids is not None)
+    kernel = kernel_for(cfg, qg.dtype, qg.shape[3], vis.prefix_ids is not None, vis.segments)
 
     def run(qg: jax.Array, k: jax.Array, v: jax.Array, vis: Visibility) -> jax.Array:
         if kernel == "splash" and k.shape[2] != qg.shape[3]:  # a context shard's queries, the gathered keys
@@ -119,8 +119,7 @@ def attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, vis: Visibi
     """Grouped-query self-attention of one layer; x [batch, seq, embed].
 
     ``vis`` says which keys each query sees (:class:`zoo.masks.Visibility`: packed documents, the layer's
-    sliding window, shared prefixes); no kernel builds it as a [seq, seq] mask except cuDNN's for packed rows
-    (:func:`zoo.kernels.cudnn_attention`). With ``norm_w`` x is first RMS-normed by it.
+    sliding window, shared prefixes); no kernel builds it as a [seq, seq] mask (:mod:`zoo.kernels`). With ``norm_w`` x is first RMS-normed by it.
     ``lora`` holds this layer's LoRA adapters by weight name (q, k, v, o);
     ``drop`` applies LoRA dropout to their inputs. ``cfg.attention`` picks the kernel (:func:`attend`).
     """

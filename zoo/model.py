@@ -244,12 +244,15 @@ def forward(
     dropout_rng: jax.Array | None = None,
     return_hidden: bool = False,
     prefix_ids: jax.Array | None = None,
+    max_segments: int | None = None,
 ) -> jax.Array | tuple[jax.Array, dict]:
     """Logits [batch, seq, vocab] (float32) of the decoder for int tokens [batch, seq].
 
     ``segment_ids`` marks packed documents (attention never crosses a change
     of id; id 0 is padding); ``positions`` restart at each document. Both
-    default to one document per row. With ``return_aux`` (MoE models) it also
+    default to one document per row. ``max_segments`` (static) bounds the
+    documents a row of ``segment_ids`` holds (None: no bound known), which
+    lets cuDNN's kernel take packed rows without a mask (:mod:`zoo.kernels`). With ``return_aux`` (MoE models) it also
     returns the router losses and statistics of :func:`zoo.moe.aux_losses`.
     ``remat`` trades compute for memory in training: "full" recomputes each
     layer in the backward pass, "save_dots" keeps only the weight matmuls'
@@ -286,15 +289,14 @@ def forward(
     scale: float | jax.Array = 1.0 if lora_scale is None else lora_scale  # read only with adapters
     drop_keys = _dropout_keys(cfg, lora, lora_dropout, dropout_rng)
     b, t = tokens.shape
-    packed = segment_ids is not None
     if segment_ids is None:
-        segment_ids = jnp.ones((b, t), jnp.int32)
+        segment_ids, max_segments = jnp.ones((b, t), jnp.int32), 1
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     ropes = rope_tables_by_kind(cfg, positions)
     # What each layer kind's queries see, from the segment ids: no kernel gets a [b, 1, t, t] mask built here
     # (zoo.masks.Visibility; zoo.kernels).
-    seen = {kind: visibility(segment_ids, kind_window(cfg, kind), prefix_ids, packed) for kind in ropes}
+    seen = {kind: visibility(segment_ids, kind_window(cfg, kind), prefix_ids, max_segments) for kind in ropes}
     valid = segment_ids != 0
     x = embed_tokens(cfg, params, tokens)
 
