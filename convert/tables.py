@@ -208,6 +208,8 @@ TABLES: dict[tuple[str, str], list[Rule]] = {
     ("gemma3", "hf-gemma3-multimodal"): decoder_table("language_model.model."),
     ("mixtral", "hf"): decoder_table(moe="mixtral"),
     **{(f, "hf"): decoder_table(moe="deepseek") for f in ("deepseek_v2", "deepseek_v3")},
+    # Qwen3-MoE and GLM-4.5 name their experts, router (and GLM's selection bias, shared experts) as DeepSeek does.
+    **{(f, "hf"): decoder_table(moe="deepseek") for f in ("qwen3_moe", "glm4_moe")},
     ("llama", "gguf"): LLAMA_GGUF,
     **{(f, "gguf"): gguf_table() for f in GGUF_FAMILIES},
 }
@@ -222,8 +224,8 @@ def table_for(family: str, fmt: str, cfg: ModelConfig) -> list[BoundRule]:
                 out.append(BoundRule(rule.zoo, rule.hf, rule.transform))
             continue
         name = rule.zoo.split(".", 1)[1]
-        for prefix, start, stop, moe in cfg.layer_groups:
+        for prefix, layers, moe in cfg.layer_stacks:
             if rule.applies(cfg, moe):
                 experts = cfg.num_experts if "{j}" in rule.hf else 0
-                out.append(BoundRule(f"{prefix}.{name}", rule.hf, rule.transform, tuple(range(start, stop)), experts))
+                out.append(BoundRule(f"{prefix}.{name}", rule.hf, rule.transform, layers, experts))
     return out
