@@ -379,8 +379,10 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
 def _moe_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
     """The HF config fields of a Qwen3-MoE or GLM-4.5 model's experts, RoPE and QK norm (see
     :func:`_qwen3_moe_fields`, :func:`_glm4_moe_fields`)."""
+    # Their config classes declare no head_dim (the attention reads it, else hidden / heads): always written, as
+    # every released config writes it.
     shared = dict(num_experts_per_tok=cfg.experts_per_token, moe_intermediate_size=cfg.moe_intermediate_size,
-                  norm_topk_prob=cfg.router_norm_topk)
+                  norm_topk_prob=cfg.router_norm_topk, head_dim=cfg.head_dim)
     if cfg.family == "qwen3_moe":
         return dict(shared, num_experts=cfg.num_experts, router_aux_loss_coef=cfg.aux_loss_coef,
                     decoder_sparse_step=cfg.decoder_sparse_step, mlp_only_layers=list(cfg.mlp_only_layers),
@@ -389,7 +391,7 @@ def _moe_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
     return dict(shared, n_routed_experts=cfg.num_experts, n_shared_experts=cfg.shared_experts,
                 first_k_dense_replace=cfg.dense_layers, routed_scaling_factor=cfg.router_scale,
                 n_group=cfg.router_groups, topk_group=cfg.router_topk_groups, use_qk_norm=cfg.qk_norm,
-                rope_parameters=rope)
+                rope_parameters=rope, num_nextn_predict_layers=0)  # the model has no MTP layer (convert/mtp.py)
 
 
 def _save_pretrained_dict(hf: dict[str, Any], architecture: str, dtype: str) -> dict[str, Any]:
