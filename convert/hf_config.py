@@ -134,7 +134,7 @@ def _opt_float(x: Any) -> float | None:
 def _qwen3_moe_fields(c: Any, where: str) -> dict[str, Any]:
     """ModelConfig fields of Qwen3-MoE's experts: softmax top-k routing, MoE on every ``decoder_sparse_step``-th
     layer but those of ``mlp_only_layers`` (the others dense)."""
-    step = int(c.decoder_sparse_step or 1)
+    step = 1 if c.decoder_sparse_step is None else int(c.decoder_sparse_step)
     if step < 1:
         raise UserError(f"{where}: decoder_sparse_step={step} must be at least 1")
     return dict(num_experts=int(c.num_experts), experts_per_token=int(c.num_experts_per_tok),

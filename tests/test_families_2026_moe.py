@@ -135,6 +135,16 @@ def test_moe_layers_sit_where_transformers_puts_them():
                 ("dense_layers", 6, 7, 4)]
 
 
+def test_decoder_sparse_step_below_one_is_one_line():
+    from convert.hf_config import model_config_from_hf
+    from zoo.errors import UserError
+    from zoo.registry import hf_config_of
+
+    bad = dict(hf_config_of("qwen3-30b-a3b", "model"), decoder_sparse_step=0)
+    with pytest.raises(UserError, match=r"^x/config.json: decoder_sparse_step=0 must be at least 1$"):
+        model_config_from_hf(bad, "x/config.json")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family,overrides", [
     ("qwen3_moe", dict(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[], norm_topk_prob=False)),

@@ -139,7 +139,7 @@ class ModelConfig:
         """How many dimensions of each head RoPE rotates (the leading ones, under ``partial_rotary_factor``)."""
         if self.mla:
             return self.qk_rope_head_dim
-        return int(self.head_dim * self.partial_rotary_factor) if self.partial_rotary_factor != 1.0 else self.head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def attn_scale(self) -> float:

@@ -376,8 +376,8 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, ca
 
     written: dict[str, dict[str, list]] = {prefix: {kind: [] for kind in group} for prefix, group in cache.layers.items()}
     for prefix, start, stop, moe, first in cfg.layer_runs:
-        # A run's layers are its stack's layers first.. (layer_runs); their cache entries follow the stack's
-        # earlier layers of their kind.
+        # A run is its stack's layers first .. first + (stop - start) (ModelConfig.layer_runs): each layer's cache
+        # entry comes after those of the stack's earlier layers of its kind.
         stack = next(layers for p, layers, _ in cfg.layer_stacks if p == prefix)
         kinds = tuple(cfg.kinds[i] for i in stack[:first]) + cfg.kinds[start:stop]
         group = cache.layers[prefix]
