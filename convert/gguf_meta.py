@@ -52,9 +52,16 @@ CONFIG_KEYS: dict[str, dict[str, str]] = {
     # transformers' GGUF reader drops it.
     "gemma3": {**_GEMMA_KEYS, "attention.sliding_window": "sliding_window",
                "rope.scaling.type": "rope_scaling.rope_type", "rope.scaling.factor": "rope_scaling.factor"},
+    # Qwen3-MoE: every layer MoE. transformers' GGUF reader drops expert_feed_forward_length (falling back to
+    # 768, Qwen3-30B-A3B's), which llama.cpp writes.
+    "qwen3moe": {**_BASE_KEYS, "attention.key_length": "head_dim", "expert_count": "num_experts",
+                 "expert_used_count": "num_experts_per_tok", "expert_feed_forward_length": "moe_intermediate_size"},
 }
 # GGUF architecture -> HF model_type, where they differ (a Gemma 3 file holds only the text model).
-MODEL_TYPES = {"gemma3": "gemma3_text"}
+MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}
+# Config fields a GGUF file of the architecture implies without a key: llama.cpp's qwen3moe graph always
+# renormalizes the top-k routing weights (as transformers' GGUF reader sets too).
+CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {"qwen3moe": {"norm_topk_prob": True}}
 
 # Special token ids: HF config field <- tokenizer metadata key.
 TOKEN_ID_KEYS = {
@@ -139,6 +146,7 @@ def hf_config(meta: dict[str, Any], tensor_names: list[str], where: str) -> dict
             raw.setdefault(outer, {})[inner] = meta[f"{arch}.{key}"]
         else:
             raw[field] = meta[f"{arch}.{key}"]
+    raw.update(CONFIG_DEFAULTS.get(arch, {}))
     scaling = raw.pop("rope_scaling", None)
     if scaling and scaling.get("rope_type", "none") != "none":  # llama.cpp's "none" is no scaling
         raw["rope_scaling"] = scaling

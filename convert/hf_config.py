@@ -24,7 +24,7 @@ class FamilyTraits:
     norm_offset: float = 0.0
     embed_scale: bool = False
     post_norms: bool = False
-    qk_norm: bool = False
+    qk_norm: str | bool = False  # a config field name to read (GLM-4.5's use_qk_norm), or a fixed value
     # Bias flags: a config field name to read, or a fixed value.
     qkv_bias: str | bool = "attention_bias"
     o_bias: str | bool = "attention_bias"
@@ -34,7 +34,8 @@ class FamilyTraits:
     final_softcap_field: str | None = None
     uses_query_pre_attn_scalar: bool = False
     sliding_on_every_layer: bool = False  # Mistral: one window for all layers, no layer_types
-    moe: str | None = None  # "mixtral" | "deepseek_v2" | "deepseek_v3": how routing is configured
+    moe: str | None = None  # "mixtral" | "deepseek_v2" | "deepseek_v3" | "qwen3_moe" | "glm4_moe": how routing is configured
+    partial_rotary: bool = False  # RoPE rotates rope_parameters' partial_rotary_factor of each head (GLM-4.5)
 
 
 FAMILIES: dict[str, FamilyTraits] = {
@@ -57,6 +58,11 @@ FAMILIES: dict[str, FamilyTraits] = {
                                 moe="deepseek_v2"),
     "deepseek_v3": FamilyTraits("deepseek_v3", "DeepseekV3ForCausalLM", qkv_bias=False, o_bias=False,
                                 moe="deepseek_v3"),
+    "qwen3_moe": FamilyTraits("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True, sliding_on_every_layer=True,
+                              moe="qwen3_moe"),
+    # GLM-4.5's o_proj never has a bias, whatever attention_bias says.
+    "glm4_moe": FamilyTraits("glm4_moe", "Glm4MoeForCausalLM", qk_norm="use_qk_norm", o_bias=False, moe="glm4_moe",
+                             partial_rotary=True),
 }
 
 # architecture -> (family, source format of its weight names)
@@ -125,8 +131,35 @@ def _opt_float(x: Any) -> float | None:
     return None if x is None else float(x)
 
 
+def _qwen3_moe_fields(c: Any, where: str) -> dict[str, Any]:
+    """ModelConfig fields of Qwen3-MoE's experts: softmax top-k routing, MoE on every ``decoder_sparse_step``-th
+    layer but those of ``mlp_only_layers`` (the others dense)."""
+    step = 1 if c.decoder_sparse_step is None else int(c.decoder_sparse_step)
+    if step < 1:
+        raise UserError(f"{where}: decoder_sparse_step={step} must be at least 1")
+    return dict(num_experts=int(c.num_experts), experts_per_token=int(c.num_experts_per_tok),
+                moe_intermediate_size=int(c.moe_intermediate_size), router_score="softmax",
+                router_norm_topk=bool(c.norm_topk_prob), aux_loss_coef=float(c.router_aux_loss_coef or 0.0),
+                decoder_sparse_step=step, mlp_only_layers=tuple(sorted({int(i) for i in c.mlp_only_layers or ()})))
+
+
+def _glm4_moe_fields(c: Any) -> dict[str, Any]:
+    """ModelConfig fields of GLM-4.5's experts: DeepSeek-V3's sigmoid group-limited routing with a selection
+    bias, shared experts and dense first layers, on ordinary (not latent) attention."""
+    return dict(num_experts=int(c.n_routed_experts), experts_per_token=int(c.num_experts_per_tok),
+                moe_intermediate_size=int(c.moe_intermediate_size), shared_experts=int(c.n_shared_experts or 0),
+                dense_layers=int(c.first_k_dense_replace or 0), router_scale=float(c.routed_scaling_factor),
+                router_score="sigmoid", router_norm_topk=bool(c.norm_topk_prob), router_bias=True,
+                router_groups=int(c.n_group or 1), router_topk_groups=int(c.topk_group or 1),
+                router_group_score="top2")
+
+
 def _moe_fields(traits: FamilyTraits, c: Any, where: str) -> dict[str, Any]:
     """ModelConfig fields of the mixture-of-experts and latent-attention families."""
+    if traits.moe == "qwen3_moe":
+        return _qwen3_moe_fields(c, where)
+    if traits.moe == "glm4_moe":
+        return _glm4_moe_fields(c)
     if traits.moe == "mixtral":
         return dict(num_experts=int(c.num_local_experts), experts_per_token=int(c.num_experts_per_tok),
                     moe_intermediate_size=int(c.intermediate_size), router_score="softmax", router_norm_topk=True,
@@ -192,6 +225,8 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
         act = "gelu_pytorch_tanh"  # transformers itself swaps the legacy exact GELU for the tanh one
     heads, hidden = int(c.num_attention_heads), int(c.hidden_size)
     moe = _moe_fields(traits, c, where)
+    if traits.partial_rotary:
+        moe["partial_rotary_factor"] = float(rp.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0)))
     head_dim = int(getattr(c, "head_dim", None) or hidden // heads)
     kv_heads = int(getattr(c, "num_key_value_heads", None) or heads)
     if moe.get("kv_lora_rank"):
@@ -222,7 +257,7 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
             norm_offset=traits.norm_offset,
             embed_scale=traits.embed_scale,
             post_norms=traits.post_norms,
-            qk_norm=traits.qk_norm,
+            qk_norm=_flag(traits.qk_norm, c),
             query_pre_attn_scalar=float(c.query_pre_attn_scalar) if traits.uses_query_pre_attn_scalar else None,
             attn_softcap=float(attn_cap) if attn_cap else None,
             final_softcap=float(final_cap) if final_cap else None,
@@ -322,6 +357,8 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
     if t.moe == "mixtral":
         out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
                    router_aux_loss_coef=cfg.aux_loss_coef)
+    elif t.moe in ("qwen3_moe", "glm4_moe"):
+        out.update(_moe_hf_fields(cfg))
     elif t.moe:
         out.update(
             n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
@@ -337,6 +374,24 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
         else:
             out.update(norm_topk_prob=cfg.router_norm_topk, rope_interleave=cfg.hf_rope_interleave)
     return out
+
+
+def _moe_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
+    """The HF config fields of a Qwen3-MoE or GLM-4.5 model's experts, RoPE and QK norm (see
+    :func:`_qwen3_moe_fields`, :func:`_glm4_moe_fields`)."""
+    # Their config classes declare no head_dim (the attention reads it, else hidden / heads): always written, as
+    # every released config writes it.
+    shared = dict(num_experts_per_tok=cfg.experts_per_token, moe_intermediate_size=cfg.moe_intermediate_size,
+                  norm_topk_prob=cfg.router_norm_topk, head_dim=cfg.head_dim)
+    if cfg.family == "qwen3_moe":
+        return dict(shared, num_experts=cfg.num_experts, router_aux_loss_coef=cfg.aux_loss_coef,
+                    decoder_sparse_step=cfg.decoder_sparse_step, mlp_only_layers=list(cfg.mlp_only_layers),
+                    use_sliding_window="sliding" in cfg.kinds)
+    rope = dict(_rope_dict(cfg.rope), partial_rotary_factor=cfg.partial_rotary_factor)
+    return dict(shared, n_routed_experts=cfg.num_experts, n_shared_experts=cfg.shared_experts,
+                first_k_dense_replace=cfg.dense_layers, routed_scaling_factor=cfg.router_scale,
+                n_group=cfg.router_groups, topk_group=cfg.router_topk_groups, use_qk_norm=cfg.qk_norm,
+                rope_parameters=rope, num_nextn_predict_layers=0)  # the model has no MTP layer (convert/mtp.py)
 
 
 def _save_pretrained_dict(hf: dict[str, Any], architecture: str, dtype: str) -> dict[str, Any]:

@@ -198,6 +198,20 @@ def gguf_table(rope_permuted: bool = False) -> list[Rule]:
 LLAMA_GGUF = gguf_table(rope_permuted=True)
 GGUF_FAMILIES = ("gemma", "gemma2", "gemma3", "qwen2", "qwen3")
 
+
+def gguf_moe_table() -> list[Rule]:
+    """llama.cpp's names for a MoE decoder whose every layer is MoE (``qwen3moe``): :func:`gguf_table`'s, with the
+    router ``ffn_gate_inp`` and each layer's experts as one 3D tensor ``ffn_{gate,up,down}_exps`` [experts, out,
+    in] in place of the dense MLP (a GGUF file has no dense layers between MoE ones)."""
+    dense = {"layers.gate", "layers.up", "layers.down"}
+    return [r for r in gguf_table() if r.zoo not in dense] + [
+        Rule("layers.router", _B + "ffn_gate_inp.weight", "transpose", when="moe"),
+        Rule("layers.expert_gate", _B + "ffn_gate_exps.weight", "experts_transpose", when="moe"),
+        Rule("layers.expert_up", _B + "ffn_up_exps.weight", "experts_transpose", when="moe"),
+        Rule("layers.expert_down", _B + "ffn_down_exps.weight", "experts_transpose", when="moe"),
+    ]
+
+
 HF_DECODER = decoder_table()
 
 # (family, source format) -> table. Every Hugging Face family shares the decoder naming.
@@ -208,8 +222,11 @@ TABLES: dict[tuple[str, str], list[Rule]] = {
     ("gemma3", "hf-gemma3-multimodal"): decoder_table("language_model.model."),
     ("mixtral", "hf"): decoder_table(moe="mixtral"),
     **{(f, "hf"): decoder_table(moe="deepseek") for f in ("deepseek_v2", "deepseek_v3")},
+    # Qwen3-MoE and GLM-4.5 name their experts, router (and GLM's selection bias, shared experts) as DeepSeek does.
+    **{(f, "hf"): decoder_table(moe="deepseek") for f in ("qwen3_moe", "glm4_moe")},
     ("llama", "gguf"): LLAMA_GGUF,
     **{(f, "gguf"): gguf_table() for f in GGUF_FAMILIES},
+    ("qwen3_moe", "gguf"): gguf_moe_table(),
 }
 
 
@@ -222,8 +239,8 @@ def table_for(family: str, fmt: str, cfg: ModelConfig) -> list[BoundRule]:
                 out.append(BoundRule(rule.zoo, rule.hf, rule.transform))
             continue
         name = rule.zoo.split(".", 1)[1]
-        for prefix, start, stop, moe in cfg.layer_groups:
+        for prefix, layers, moe in cfg.layer_stacks:
             if rule.applies(cfg, moe):
                 experts = cfg.num_experts if "{j}" in rule.hf else 0
-                out.append(BoundRule(f"{prefix}.{name}", rule.hf, rule.transform, tuple(range(start, stop)), experts))
+                out.append(BoundRule(f"{prefix}.{name}", rule.hf, rule.transform, layers, experts))
     return out

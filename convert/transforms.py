@@ -154,5 +154,7 @@ TRANSFORMS["mla_o_out"] = Transform(
     lambda w, cfg: w.T.reshape(cfg.num_heads, cfg.v_head_dim, w.shape[0]),
     lambda w, cfg: w.reshape(-1, w.shape[-1]).T,
 )
+# A stack of expert weights [experts, out, in] (llama.cpp's ffn_*_exps) <-> zoo [experts, in, out].
+TRANSFORMS["experts_transpose"] = Transform(lambda w, cfg: w.swapaxes(-1, -2), lambda w, cfg: w.swapaxes(-1, -2))
 TRANSFORMS["gguf_q_in"] = _compose("gguf_unpermute_q", "q_in")
 TRANSFORMS["gguf_k_in"] = _compose("gguf_unpermute_k", "kv_in")

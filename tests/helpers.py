@@ -67,6 +67,15 @@ FAMILIES = {
         n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                          "original_max_position_embeddings": 32, "mscale": 1.0, "mscale_all_dim": 1.0})),
+    # Layer 1 dense (mlp_only_layers) between MoE layers 0 and 2.
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        head_dim=16, intermediate_size=96, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, mlp_only_layers=[1], rope_theta=1000000.0)),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+        head_dim=16, num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=16, n_routed_experts=8,
+        num_experts_per_tok=3, n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
+        num_nextn_predict_layers=0)),
 }
 
 

@@ -108,6 +108,12 @@ class ModelConfig:
     # (to_dict leaves it out) and set per run (model.attention, zoo.load(..., attention=)); it takes part in
     # equality and hashing, so jitted functions keyed by the config compile once per kernel.
     attention: str = "auto"
+    # Qwen3-MoE's placement of MoE layers: layer i is MoE when (i + 1) % decoder_sparse_step == 0 and i is not
+    # in mlp_only_layers (and i >= dense_layers); the others keep a dense MLP, wherever they sit.
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    # The share of each head's dimensions RoPE rotates (GLM-4.5: 0.5, the first half; the rest pass through).
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KERNELS:
@@ -130,8 +136,10 @@ class ModelConfig:
 
     @property
     def rope_dim(self) -> int:
-        """How many dimensions of each head RoPE rotates."""
-        return self.qk_rope_head_dim if self.mla else self.head_dim
+        """How many dimensions of each head RoPE rotates (the leading ones, under ``partial_rotary_factor``)."""
+        if self.mla:
+            return self.qk_rope_head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def attn_scale(self) -> float:
@@ -158,6 +166,41 @@ class ModelConfig:
         if self.dense_layers:
             return [("dense_layers", 0, self.dense_layers, False), ("layers", self.dense_layers, n, True)]
         return [("layers", 0, n, True)]
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer i runs the routed experts (else a dense MLP): past the first ``dense_layers``, on every
+        ``decoder_sparse_step``-th layer, not in ``mlp_only_layers``."""
+        return (bool(self.num_experts) and i >= self.dense_layers and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def layer_stacks(self) -> list[tuple[str, tuple[int, ...], bool]]:
+        """(parameter prefix, the layers it stacks in order, is MoE) of each stack, ordered by first layer.
+
+        Dense models have one stack, ``layers``; MoE models keep their MoE
+        layers in ``layers`` and their dense ones (first layers, or any
+        layers: Qwen3-MoE's ``mlp_only_layers``) in ``dense_layers``.
+        """
+        stacks: dict[str, tuple[list[int], bool]] = {}
+        for i in range(self.num_layers):
+            moe = self.is_moe_layer(i)
+            prefix = "dense_layers" if self.num_experts and not moe else "layers"
+            stacks.setdefault(prefix, ([], moe))[0].append(i)
+        return [(prefix, tuple(layers), moe) for prefix, (layers, moe) in stacks.items()]
+
+    @property
+    def layer_runs(self) -> list[tuple[str, int, int, bool, int]]:
+        """(parameter prefix, first layer, end layer, is MoE, index of the first layer in its stack) of each run of
+        consecutive layers of one stack, in layer order: one run per stack unless dense layers sit between MoE
+        ones. The forward passes scan each run over its slice of the stack."""
+        runs: list[tuple[str, int, int, bool, int]] = []
+        for prefix, layers, moe in self.layer_stacks:
+            for k, i in enumerate(layers):
+                if k == 0 or layers[k - 1] != i - 1:
+                    runs.append((prefix, i, i + 1, moe, k))
+                else:
+                    runs[-1] = (prefix, runs[-1][1], i + 1, moe, runs[-1][4])
+        return sorted(runs, key=lambda r: r[1])
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -187,5 +230,7 @@ class ModelConfig:
         rope = d.pop("rope", {}) or {}
         local = d.pop("rope_local", None)
         types = d.pop("layer_types", None)
+        if "mlp_only_layers" in d:
+            d["mlp_only_layers"] = tuple(d["mlp_only_layers"])  # JSON lists; configs are hashed (jit keys)
         return cls(rope=RopeConfig(**rope), rope_local=RopeConfig(**local) if local else None,
                    layer_types=tuple(types) if types is not None else None, **d)

@@ -47,7 +47,7 @@ from zoo.attention import causal_attention, head_major, mla_heads, output_projec
 from zoo.blocks import soft_cap
 from zoo.config import ModelConfig
 from zoo.masks import kind_window
-from zoo.model import Segment, decoder_layer, embed_tokens, norm, output_logits, scan_segments
+from zoo.model import Segment, decoder_layer, embed_tokens, norm, output_logits, scan_segments, stack_slice
 from zoo.rope import rope_tables_by_kind
 
 NEG = float(jnp.finfo(jnp.float32).min)
@@ -94,8 +94,8 @@ def _cache_tree(cfg: ModelConfig, batch: int, max_len: int, make: Any) -> Cache:
     """A cache whose every array is ``make(shape, logical axes, dtype or None)`` (None: the cache's own dtype)."""
     sizes = _kind_sizes(cfg, max_len)
     layers: dict[str, dict[str, dict[str, Any]]] = {}
-    for prefix, start, stop, _ in cfg.layer_groups:
-        kinds = cfg.kinds[start:stop]
+    for prefix, stack, _ in cfg.layer_stacks:
+        kinds = tuple(cfg.kinds[i] for i in stack)
         layers[prefix] = {
             kind: {name: make(shape, axes, None)
                    for name, (shape, axes) in _entry_shapes(cfg, kinds.count(kind), batch, sizes[kind]).items()}
@@ -374,24 +374,27 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, ca
         x, new, _ = decoder_layer(cfg, x, p, attend, moe, valid, lp, scale)
         return x, new
 
-    written: dict[str, dict[str, list]] = {}
-    for prefix, start, stop, moe in cfg.layer_groups:
-        kinds = cfg.kinds[start:stop]
+    written: dict[str, dict[str, list]] = {prefix: {kind: [] for kind in group} for prefix, group in cache.layers.items()}
+    for prefix, start, stop, moe, first in cfg.layer_runs:
+        # A run is its stack's layers first .. first + (stop - start) (ModelConfig.layer_runs): each layer's cache
+        # entry comes after those of the stack's earlier layers of its kind.
+        stack = next(layers for p, layers, _ in cfg.layer_stacks if p == prefix)
+        kinds = tuple(cfg.kinds[i] for i in stack[:first]) + cfg.kinds[start:stop]
         group = cache.layers[prefix]
-        adapters = (lora or {}).get(prefix)  # stacked like the weights, sliced with them
+        stacked = stack_slice((params[prefix], (lora or {}).get(prefix)), first, stop - start)  # adapters: like weights
 
-        def inputs(seg: Segment, j: int) -> tuple[dict, dict | None, dict | None]:
-            i0, step = _kind_slice(kinds, seg, j)
+        def inputs(seg: Segment, j: int, kinds: tuple[str, ...] = kinds, group: dict = group,
+                   stacked: tuple = stacked, first: int = first) -> tuple[dict, dict | None, dict | None]:
+            i0, step = _kind_slice(kinds, dataclasses.replace(seg, start=seg.start + first), j)
             cached = None if fresh else jax.tree.map(lambda a: a[i0: i0 + seg.repeats * step: step],
                                                      group[seg.kinds[j]])
-            return (*seg.at(j, (params[prefix], adapters)), cached)
+            return (*seg.at(j, stacked), cached)
 
-        x, done = scan_segments(x, kinds, inputs, partial(layer, moe=moe))
+        x, done = scan_segments(x, cfg.kinds[start:stop], inputs, partial(layer, moe=moe))
         # Each layer's new entries with its index in its kind's stack, in the order _write concatenates them.
-        written[prefix] = {kind: [] for kind in group}
         for seg, news in done:
             for j, (kind, new) in enumerate(zip(seg.kinds, news)):
-                i0, step = _kind_slice(kinds, seg, j)
+                i0, step = _kind_slice(kinds, dataclasses.replace(seg, start=seg.start + first), j)
                 written[prefix][kind].append((jnp.arange(seg.repeats) * step + i0, new))
 
     if last is not None:

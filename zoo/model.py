@@ -314,12 +314,12 @@ def forward(
         return x, stats
 
     layer_stats: list[dict] = []
-    for prefix, start, stop, moe in cfg.layer_groups:
+    for prefix, start, stop, moe, first in cfg.layer_runs:
         # The LoRA adapters (stacked like their weights) and the layers' dropout keys are sliced and
         # scanned with the weights, so the scan body never indexes a stack.
         adapters = (lora or {}).get(prefix)
         keys = None if drop_keys is None or adapters is None else drop_keys[start:stop]
-        stacked = (params[prefix], adapters, keys)
+        stacked = stack_slice((params[prefix], adapters), first, stop - start) + (keys,)
         x, done = scan_segments(x, cfg.kinds[start:stop], lambda seg, j: seg.at(j, stacked), partial(layer, moe=moe),
                                 remat, stack=moe)
         if moe:
@@ -333,6 +333,12 @@ def forward(
         return logits, {}
     stats = jax.tree.map(lambda *a: jnp.concatenate(a), *layer_stats)
     return logits, aux_losses(stats, cfg)
+
+
+def stack_slice(tree: Any, first: int, n: int) -> Any:
+    """Layers ``first`` to ``first + n`` of every array of ``tree`` stacked over a stack's layers (the whole tree,
+    untouched, when that is the whole stack: a run of :attr:`ModelConfig.layer_runs` usually is)."""
+    return jax.tree.map(lambda a: a if first == 0 and a.shape[0] == n else a[first:first + n], tree)
 
 
 def stored_head(cfg: ModelConfig, params: dict[str, Any]) -> tuple[jax.Array, bool]:

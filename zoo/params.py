@@ -88,8 +88,8 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
     E, V = cfg.hidden_size, cfg.vocab_size
     unit = "ones" if cfg.norm_offset == 0 else "zeros"
     s: dict[str, ParamSpec] = {"embed": ParamSpec((V, E), ("vocab", "embed"), "normal")}
-    for prefix, start, stop, moe in cfg.layer_groups:
-        for name, spec in _layer_specs(cfg, stop - start, moe).items():
+    for prefix, layers, moe in cfg.layer_stacks:
+        for name, spec in _layer_specs(cfg, len(layers), moe).items():
             s[f"{prefix}.{name}"] = spec
     s["final_norm"] = ParamSpec((E,), ("embed",), unit)
     if not cfg.tie_word_embeddings:

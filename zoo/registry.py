@@ -110,6 +110,18 @@ _ENTRIES = [
              "DeepSeek-R1-0528 (FP8 block-scaled on the Hub)"),
     ZooEntry("deepseek-v3-tiny", "deepseek_v3", "", 0.0, "DeepSeek-V3 architecture, tiny, random (zoo init)",
              DEEPSEEK_V3_TINY),
+    ZooEntry("qwen3-30b-a3b", "qwen3_moe", "Qwen/Qwen3-30B-A3B-Base", 30.5e9,
+             "Qwen3-MoE base: 128 experts, 8 a token (3.3B active)", hf_config=released.QWEN3_30B_A3B),
+    ZooEntry("qwen3-30b-a3b-instruct", "qwen3_moe", "Qwen/Qwen3-30B-A3B", 30.5e9,
+             "Qwen3-MoE post-trained (chat/thinking)", hf_config=released.QWEN3_30B_A3B),
+    ZooEntry("qwen3-235b-a22b", "qwen3_moe", "Qwen/Qwen3-235B-A22B", 235e9,
+             "Qwen3-MoE 235B post-trained: 128 experts, 8 a token (22B active)", hf_config=released.QWEN3_235B_A22B),
+    ZooEntry("glm-4.5", "glm4_moe", "zai-org/GLM-4.5", 355e9,
+             "GLM-4.5: 160 experts + 1 shared, sigmoid routing, partial RoPE (32B active)", hf_config=released.GLM_4_5),
+    ZooEntry("glm-4.5-air", "glm4_moe", "zai-org/GLM-4.5-Air", 106e9,
+             "GLM-4.5-Air: 128 experts + 1 shared (12B active)", hf_config=released.GLM_4_5_AIR),
+    ZooEntry("glm-4.6", "glm4_moe", "zai-org/GLM-4.6", 355e9, "GLM-4.6: GLM-4.5's architecture, 200K context",
+             hf_config=released.GLM_4_6),
 ]
 
 REGISTRY: dict[str, ZooEntry] = {e.name: e for e in _ENTRIES}

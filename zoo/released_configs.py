@@ -37,3 +37,40 @@ DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepse
                                 "original_max_position_embeddings": 4096, "type": "yarn"},
                "attention_bias": False, "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False,
                "torch_dtype": "bfloat16"}
+
+# Qwen/Qwen3-30B-A3B's config.json: 128 experts (8 a token, softmax routing, renormalized), every layer MoE
+# (decoder_sparse_step 1, no mlp_only_layers), q/k norms, no sliding window.
+_QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
+              "head_dim": 128, "hidden_act": "silu", "num_key_value_heads": 4, "num_experts": 128,
+              "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
+              "router_aux_loss_coef": 0.001, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+              "max_position_embeddings": 40960, "use_sliding_window": False, "sliding_window": None,
+              "attention_bias": False, "tie_word_embeddings": False, "bos_token_id": 151643,
+              "eos_token_id": 151645, "torch_dtype": "bfloat16"}
+
+QWEN3_30B_A3B = {**_QWEN3_MOE, "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+                 "num_hidden_layers": 48, "num_attention_heads": 32, "max_window_layers": 48}
+
+QWEN3_235B_A22B = {**_QWEN3_MOE, "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+                   "num_hidden_layers": 94, "num_attention_heads": 64, "max_window_layers": 94}
+
+# zai-org/GLM-4.5's config.json (its multi-token-prediction layer, which transformers does not build, left out):
+# 160 routed experts (8 a token, sigmoid routing with a selection bias), one shared expert, three dense first
+# layers, q/k/v biases, q/k norms, RoPE on half of each head.
+GLM_4_5 = {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "vocab_size": 151552,
+           "hidden_size": 5120, "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_hidden_layers": 92,
+           "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128, "n_routed_experts": 160,
+           "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "n_group": 1,
+           "topk_group": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "use_qk_norm": True,
+           "attention_bias": True, "partial_rotary_factor": 0.5, "rope_theta": 1000000,
+           "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+           "tie_word_embeddings": False, "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338],
+           "torch_dtype": "bfloat16"}
+
+# zai-org/GLM-4.6: GLM-4.5's architecture with a 200K context.
+GLM_4_6 = {**GLM_4_5, "max_position_embeddings": 202752}
+
+# zai-org/GLM-4.5-Air: 128 routed experts, one dense first layer, no q/k norms, routed weights unscaled.
+GLM_4_5_AIR = {**GLM_4_5, "hidden_size": 4096, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+               "num_hidden_layers": 46, "n_routed_experts": 128, "first_k_dense_replace": 1,
+               "routed_scaling_factor": 1.0, "use_qk_norm": False}

@@ -82,7 +82,13 @@ def rope_tables(positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) 
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate-half RoPE on x [batch, seq, heads, head_dim] (the Hugging Face layout)."""
+    """Rotate-half RoPE on x [batch, seq, heads, head_dim] (the Hugging Face layout).
+
+    Tables narrower than the head (partial rotary: GLM-4.5) rotate its leading dimensions, rotate-half within
+    them as transformers' ``apply_rotary_pos_emb`` does, and pass the rest through."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], axis=-1)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     c, s = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
