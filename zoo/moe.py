@@ -120,11 +120,15 @@ def _expert_mesh(p: dict, lora: dict | None, drop: LoraDropout | None) -> jax.sh
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.shape.get("expert", 1) == 1 or drop is not None:
         return None
-    if any(isinstance(p[n], QuantizedWeight) for n in EXPERT_WEIGHTS):
-        return None
-    if p["expert_gate"].shape[0] % mesh.shape["expert"]:
+    if _num_experts(p["expert_gate"]) % mesh.shape["expert"]:
         return None
     return mesh
+
+
+def _num_experts(w: jax.Array | QuantizedWeight) -> int:
+    """The expert count of one layer's expert stack, float [experts, in, out] or quantized (QLoRA: its fields
+    keep the leading expert axis, so expert parallelism splits them as it splits a float stack)."""
+    return w.lead[0] if isinstance(w, QuantizedWeight) else w.shape[0]
 
 
 
