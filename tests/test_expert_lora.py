@@ -16,8 +16,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers import (LORA_CONFIGS, LORA_TOKENS, devices_env, hf_logits, lora_base_params, make_hf,
-                           random_lora, random_tokens, write_adapter_checkpoint)
+from tests.helpers import (
+    LORA_CONFIGS,
+    LORA_TOKENS,
+    devices_env,
+    hf_logits,
+    lora_base_params,
+    make_hf,
+    random_lora,
+    random_tokens,
+    write_adapter_checkpoint,
+)
 from zoo import quant
 from zoo.errors import UserError
 from zoo.lora import LoraConfig, lora_scale, lora_specs, target_modules
@@ -354,7 +363,7 @@ def test_peft_loads_expert_adapters_with_equal_logits(bases, tmp_path, family, l
     assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     saved = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
     experts, layer = (4, 0) if family == "mixtral" else (8, 3)  # deepseek_v3's two first layers are dense
-    fused = "base_model.model.model.layers.{}.mlp.experts.base_layer.lora_A.weight".format(layer)
+    fused = f"base_model.model.model.layers.{layer}.mlp.experts.base_layer.lora_A.weight"
     if family == "mixtral":
         assert config["target_modules"] == ["q_proj", "o_proj"]
         assert (config["rank_pattern"], config["alpha_pattern"]) == ({"mlp.experts.gate_up_proj": 8},
