@@ -10,10 +10,13 @@ axis is replicated), so :func:`zoo.sharding.named_sharding` shards each
 adapter like its base on any mesh.
 
 Targets use Hugging Face module names (``q_proj`` ... ``down_proj``), as peft
-does; ``experts.gate_proj`` ... (:data:`EXPERT_TARGETS`) narrow an MLP name to the routed experts, the shared
-experts or the dense MLP, and the MoE router is never adapted (naming it is an error). DeepSeek's multi-head latent attention (q_a/q_b/kv_a/kv_b/o of an MLA
-model) has no adapters: attention targets are skipped on MLA models, and only
-the MLP projections (dense, routed experts and shared experts) are adapted.
+does; ``experts.gate_proj`` ... (:data:`EXPERT_TARGETS`) narrow an MLP name to
+the routed experts, the shared experts or the dense MLP, and the MoE router is
+never adapted (naming it is an error). Each routed expert has its own adapter,
+run inside the grouped expert matmul (:mod:`zoo.moe`). DeepSeek's multi-head
+latent attention (q_a/q_b/kv_a/kv_b/o of an MLA model) has no adapters:
+attention targets are skipped on MLA models, and only the MLP projections
+(dense, routed experts and shared experts) are adapted.
 """
 
 from __future__ import annotations
@@ -112,8 +115,8 @@ def _peft_path(name: str) -> str:
 
 
 def _fewest(names: list[str]) -> tuple[str, ...]:
-    """``names`` without those whose weights names earlier in :data:`HF_TO_ZOO` order already cover (a regex that
-    picks ``gate_proj`` also picks ``experts.gate_proj``: the record keeps ``gate_proj``)."""
+    """``names`` less those whose weights the names before them (in :data:`HF_TO_ZOO` order) already cover: a
+    regex that picks ``gate_proj`` also picks ``experts.gate_proj``, and the record keeps ``gate_proj``."""
     kept: list[str] = []
     covered: set[str] = set()
     for n in HF_TO_ZOO:
@@ -124,6 +127,7 @@ def _fewest(names: list[str]) -> tuple[str, ...]:
 
 
 def _refuse_router(names: list[str] | tuple[str, ...]) -> None:
+    """A UserError when ``names`` name the MoE router: it routes, it is not adapted."""
     router = [n for n in names if n in ROUTER_NAMES]
     if router:
         raise UserError(f"lora: targets name the MoE router ({', '.join(router)}), which stays frozen; name the "
