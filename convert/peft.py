@@ -365,9 +365,11 @@ def export_adapter(ckpt: str | os.PathLike, out: str | os.PathLike, overwrite: b
     base_ref, targets = base_model_ref(ckpt, meta, base_out), target_modules_of(tensors)
     with atomic_output(out, overwrite) as tmp:
         _write_weights(Path(ckpt), meta, tensors, tmp / ADAPTER_WEIGHTS)
-        config = {**peft_config(meta, base_ref, targets), **experts_config(meta)}
+        experts = experts_config(meta)
+        config = {**peft_config(meta, base_ref, targets), **experts}
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-        card = adapter_card(ckpt, meta, base_ref, targets, repo_hint or out.name, base_out)
+        card = adapter_card(ckpt, meta, base_ref, targets + experts.get("target_parameters", []),
+                            repo_hint or out.name, base_out)
         (tmp / "README.md").write_text(card)
     return out
 

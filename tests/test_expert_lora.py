@@ -372,6 +372,8 @@ def test_peft_loads_expert_adapters_with_equal_logits(bases, tmp_path, family, l
     else:
         assert config["target_modules"] == [] and config["rank_pattern"] == {} and config["use_rslora"]
         assert saved[fused].shape == (4 * experts, 64)
+    card = (tmp_path / "peft" / "README.md").read_text()
+    assert "mlp.experts.gate_up_proj, mlp.experts.down_proj" in card  # the card names what the adapter adapts
     diff, teeth = _peft_logits_against_ours(hf, adapter, tmp_path / "peft")
     assert teeth > 0.1 and diff <= TOL, (diff, teeth)
 
