@@ -115,17 +115,21 @@ EXPERT_WEIGHTS = ("expert_gate", "expert_up", "expert_down")
 
 def _expert_mesh(p: dict, lora: dict | None, drop: LoraDropout | None) -> jax.sharding.AbstractMesh | None:
     """The context mesh (:func:`zoo.sharding.mesh_context`, set while a train step is lowered) when it splits the
-    experts (an ``expert`` axis over 1) and the experts can run split (plain weights: not QLoRA's quantized
-    stacks; no LoRA dropout); else None (the dropless path as written, partitioned by the compiler)."""
+    experts (an ``expert`` axis over 1, dividing the experts) and the experts can run split (float or QLoRA's
+    quantized stacks alike; no LoRA dropout); else None (the dropless path as written, partitioned by the
+    compiler)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.shape.get("expert", 1) == 1 or drop is not None:
         return None
-    if any(isinstance(p[n], QuantizedWeight) for n in EXPERT_WEIGHTS):
-        return None
-    if p["expert_gate"].shape[0] % mesh.shape["expert"]:
+    if _num_experts(p["expert_gate"]) % mesh.shape["expert"]:
         return None
     return mesh
 
+
+def _num_experts(w: jax.Array | QuantizedWeight) -> int:
+    """The expert count of one layer's expert stack, float [experts, in, out] or quantized (QLoRA: its fields
+    keep the leading expert axis, so expert parallelism splits them as it splits a float stack)."""
+    return w.lead[0] if isinstance(w, QuantizedWeight) else w.shape[0]
 
 
 def _experts_parallel(x: jax.Array, ids: jax.Array, weights: jax.Array, p: dict, cfg: ModelConfig,
@@ -138,7 +142,9 @@ def _experts_parallel(x: jax.Array, ids: jax.Array, weights: jax.Array, p: dict,
     Left to the compiler, the dropless path's sort and grouped matmul over every expert were not split: each chip
     held every expert's weights of a layer and the rows of the global batch (DeepSeek-V3 on 64 v5p chips:
     seven 7 GiB [tokens x 8, 7168] buffers a chip). Here a chip holds its experts and its rows' assignments.
-    Exact: the same sums as :func:`_experts_dropless` (rows of other experts are zeroed, not approximated)."""
+    Exact: the same sums as :func:`_experts_dropless` (rows of other experts are zeroed, not approximated).
+    A QLoRA stack goes in the same way (each quantized field split on its leading expert axis) and each device
+    dequantizes only its own experts; LoRA adapters, stacked on the expert axis, are split with their experts."""
     from jax.sharding import PartitionSpec as P
 
     from zoo.sharding import logical_to_spec
