@@ -346,6 +346,7 @@ def _peft_logits_against_ours(hf: Path, adapter: Path, peft_dir: Path) -> tuple[
 @pytest.mark.parametrize("family,lc", [
     ("mixtral", LoraConfig(rank=4, alpha=8.0, targets=["q_proj", "o_proj", *EXPERTS])),
     ("deepseek_v3", LoraConfig(rank=4, alpha=6.0, rslora=True, targets=["experts.gate_proj", "experts.down_proj"])),
+    ("qwen3_moe", LoraConfig(rank=4, alpha=8.0, targets=["q_proj", "o_proj", *EXPERTS])),
 ])
 def test_peft_loads_expert_adapters_with_equal_logits(bases, tmp_path, family, lc):
     """Slow (a conversion, the export, and peft + transformers on each tiny model: about 20 s each).
@@ -362,9 +363,10 @@ def test_peft_loads_expert_adapters_with_equal_logits(bases, tmp_path, family, l
     config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     saved = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
-    experts, layer = (4, 0) if family == "mixtral" else (8, 3)  # deepseek_v3's two first layers are dense
+    # deepseek_v3's two first layers are dense, qwen3_moe's layer 1 (mlp_only_layers)
+    experts, layer = {"mixtral": (4, 0), "deepseek_v3": (8, 3), "qwen3_moe": (8, 2)}[family]
     fused = f"base_model.model.model.layers.{layer}.mlp.experts.base_layer.lora_A.weight"
-    if family == "mixtral":
+    if family != "deepseek_v3":
         assert config["target_modules"] == ["q_proj", "o_proj"]
         assert (config["rank_pattern"], config["alpha_pattern"]) == ({"mlp.experts.gate_up_proj": 8},
                                                                      {"mlp.experts.gate_up_proj": 16})
