@@ -16,7 +16,7 @@ from convert.hf_config import model_config_from_hf, source_format
 from convert.safetensors_out import write_streaming
 from convert.source import Source, open_source
 from convert.tables import BoundRule, table_for
-from convert.transforms import TRANSFORMS
+from convert.transforms import TRANSFORMS, hf_shape
 from zoo.checkpoint import HF_CONFIG_FILE, HUB_ID, TOKENIZER_DIR, CheckpointWriter, atomic_output, prepare_output
 from zoo.config import ModelConfig
 from zoo.errors import UserError
@@ -37,7 +37,7 @@ def check_source(src: Source, cfg: ModelConfig, rules: list[BoundRule]) -> None:
     have = set(src.reader.names())
     for rule in rules:
         piece = specs[rule.zoo].shape[rule.slice_axes:]
-        want = TRANSFORMS[rule.transform].inverse(shape_only(piece), cfg).shape
+        want = hf_shape(rule.transform, piece, cfg)
         for name in rule.hf_names():
             if name not in have:
                 raise UserError(f"{src.description}: tensor {name!r} is missing from the checkpoint")

@@ -107,6 +107,21 @@ def _moe_rules(L: str, style: str | None) -> list[Rule]:
             Rule("layers.shared_up", M + "shared_experts.up_proj.weight", "transpose", when="moe&shared_experts"),
             Rule("layers.shared_down", M + "shared_experts.down_proj.weight", "transpose", when="moe&shared_experts"),
         ]
+    if style == "gpt_oss":
+        # transformers' GptOssExperts: one [experts, embed, 2 x mlp] gate_up_proj per layer, gate and up
+        # interleaved column by column, and per-expert biases; the router's bias is on its logits.
+        M, X = L + "mlp.", L + "mlp.experts."
+        return [
+            Rule("layers.sinks", L + "self_attn.sinks", when="attn_sinks"),
+            Rule("layers.router", M + "router.weight", "transpose", when="moe"),
+            Rule("layers.router_logit_bias", M + "router.bias", when="moe&router_logits_bias"),
+            Rule("layers.expert_gate", X + "gate_up_proj", "even_columns", when="moe"),
+            Rule("layers.expert_up", X + "gate_up_proj", "odd_columns", when="moe"),
+            Rule("layers.expert_gate_bias", X + "gate_up_proj_bias", "even_columns", when="moe&expert_bias"),
+            Rule("layers.expert_up_bias", X + "gate_up_proj_bias", "odd_columns", when="moe&expert_bias"),
+            Rule("layers.expert_down", X + "down_proj", when="moe"),
+            Rule("layers.expert_down_bias", X + "down_proj_bias", when="moe&expert_bias"),
+        ]
     return []
 
 
@@ -208,6 +223,7 @@ TABLES: dict[tuple[str, str], list[Rule]] = {
     ("gemma3", "hf-gemma3-multimodal"): decoder_table("language_model.model."),
     ("mixtral", "hf"): decoder_table(moe="mixtral"),
     **{(f, "hf"): decoder_table(moe="deepseek") for f in ("deepseek_v2", "deepseek_v3")},
+    ("gpt_oss", "hf"): decoder_table(moe="gpt_oss"),
     ("llama", "gguf"): LLAMA_GGUF,
     **{(f, "gguf"): gguf_table() for f in GGUF_FAMILIES},
 }

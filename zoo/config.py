@@ -108,6 +108,14 @@ class ModelConfig:
     # (to_dict leaves it out) and set per run (model.attention, zoo.load(..., attention=)); it takes part in
     # equality and hashing, so jitted functions keyed by the config compile once per kernel.
     attention: str = "auto"
+    # gpt-oss: a learned per-head logit in every softmax's denominator (attention sinks), a bias on the router's
+    # logits and on every expert projection, and the clamped SwiGLU of its experts (swiglu_limit None: the plain
+    # GLU of hidden_act): gate clamped above, up both sides, gate * sigmoid(alpha * gate) * (up + 1).
+    attn_sinks: bool = False
+    router_logits_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KERNELS:
