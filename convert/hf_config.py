@@ -174,8 +174,12 @@ def gpt_oss_fields(c: Any) -> dict[str, Any]:
 
 def gpt_oss_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
     """The gpt-oss fields of a Hugging Face config for ``cfg`` (the inverse of :func:`gpt_oss_fields`, and the
-    layer kinds, which GptOssConfig would otherwise make alternate)."""
-    return dict(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+    layer kinds, which GptOssConfig would otherwise make alternate). Its YaRN parameters name beta_fast and
+    beta_slow even at their defaults, as GptOssConfig's own and the released configs do."""
+    rope = _rope_dict(cfg.rope)
+    if cfg.rope.kind == "yarn":
+        rope.update(beta_fast=cfg.rope.beta_fast, beta_slow=cfg.rope.beta_slow)
+    return dict(rope_parameters=rope, num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
                 router_aux_loss_coef=cfg.aux_loss_coef, swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha,
                 layer_types=[{"full": "full_attention", "sliding": "sliding_attention"}[k] for k in cfg.kinds],
                 sliding_window=cfg.sliding_window)

@@ -108,6 +108,12 @@ _ENTRIES = [
              hf_config=released.DEEPSEEK_V3),
     ZooEntry("deepseek-r1-0528", "deepseek_v3", "deepseek-ai/DeepSeek-R1-0528", 671e9,
              "DeepSeek-R1-0528 (FP8 block-scaled on the Hub)"),
+    ZooEntry("gpt-oss-20b", "gpt_oss", "openai/gpt-oss-20b", 20.91e9,
+             "gpt-oss-20b: 32 experts, attention sinks (MXFP4 experts on the Hub: dequantized while converting)",
+             hf_config=released.GPT_OSS_20B),
+    ZooEntry("gpt-oss-120b", "gpt_oss", "openai/gpt-oss-120b", 116.83e9,
+             "gpt-oss-120b: 128 experts, attention sinks (MXFP4 experts on the Hub: dequantized while converting)",
+             hf_config=released.GPT_OSS_120B),
     ZooEntry("deepseek-v3-tiny", "deepseek_v3", "", 0.0, "DeepSeek-V3 architecture, tiny, random (zoo init)",
              DEEPSEEK_V3_TINY),
 ]
