@@ -52,7 +52,8 @@ def dequantize(blocks: np.ndarray, scales: np.ndarray, dtype: np.dtype) -> np.nd
         vals[..., 0::2] = FP4_VALUES[blk & 0x0F]
         vals[..., 1::2] = FP4_VALUES[blk >> 4]
         # ldexp, as torch.ldexp: exact (0.5 * 2^128 is finite, 0 * 2^128 is 0), overflow only past float32's range
-        vals = np.ldexp(vals, (scales[x].astype(np.int32) - 127)[..., None])
+        with np.errstate(over="ignore"):  # E8M0 255 (NaN in the spec) overflows as in torch: inf
+            vals = np.ldexp(vals, (scales[x].astype(np.int32) - 127)[..., None])
         out[x] = vals.reshape(rows, g * 2 * BLOCK_BYTES).T.astype(dtype)
     return out
 

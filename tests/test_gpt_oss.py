@@ -1,0 +1,349 @@
+"""gpt-oss in the one decoder (attention sinks, alternating sliding/full layers, biased router and experts, the
+clamped SwiGLU, YaRN without truncation) against transformers, and its MXFP4 releases dequantized while converting.
+
+Greedy KV-cache decoding against transformers' generate, and the cached forward against the full one, run for
+gpt-oss through tests/helpers.py FAMILIES in tests/test_decode.py (slow lane), as for every family.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+import zoo
+from tests.helpers import FAMILIES, hf_logits, hf_tensors, make_hf, mean_kl, random_tokens
+from zoo.cli import main
+
+SEQ = 24  # past the sliding window (7) of the tiny model
+BF16 = np.dtype(ml_dtypes.bfloat16)
+EXPERTS = ("gate_up_proj", "down_proj")  # what gpt-oss's releases store in MXFP4
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(transformers model, folder with hf/ and zoo/): the tiny gpt-oss of tests/helpers.py, converted once."""
+    root = tmp_path_factory.mktemp("gpt-oss")
+    hf = make_hf(root / "hf", "gpt_oss")
+    assert main(["convert", str(root / "hf"), "--out", str(root / "zoo")]) == 0
+    return hf, root
+
+
+def test_logits_match_transformers_past_the_window(tiny):
+    hf, root = tiny
+    cfg = zoo.read_config(root / "zoo")
+    assert cfg.attn_sinks and cfg.expert_bias and cfg.router_logits_bias and cfg.swiglu_limit == 1.5
+    assert cfg.kinds == ("sliding", "full", "sliding", "full") and not cfg.rope.truncate
+    tokens = random_tokens(hf.config.vocab_size, seq=SEQ)
+    ref = hf_logits(hf, tokens)
+    got = np.asarray(zoo.load(root / "zoo")(jnp.asarray(tokens)))
+    assert np.abs(got - ref).max() <= 1e-4
+    assert mean_kl(ref, got) <= 1e-6
+    assert ref.std() > 0.5
+
+
+def test_round_trip_is_bit_identical(tiny):
+    _, root = tiny
+    assert main(["export", str(root / "zoo"), "--out", str(root / "back")]) == 0
+    assert hf_tensors(root / "hf") == hf_tensors(root / "back")  # gate_up_proj interleaved again, biases too
+    a = json.loads((root / "hf" / "config.json").read_text())
+    b = json.loads((root / "back" / "config.json").read_text())
+    assert {k: v for k, v in a.items() if "dtype" not in k} == {k: v for k, v in b.items() if "dtype" not in k}
+
+
+def test_generated_config_reproduces_the_model(tiny, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    hf, root = tiny
+    shutil.copytree(root / "zoo", tmp_path / "zoo", ignore=shutil.ignore_patterns("hf_config.json"))
+    assert main(["export", str(tmp_path / "zoo"), "--out", str(tmp_path / "back")]) == 0
+    back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), dtype=torch.float32).eval()
+    back.config._attn_implementation = "eager"
+    assert type(back).__name__ == FAMILIES["gpt_oss"][1]
+    tokens = random_tokens(hf.config.vocab_size, seq=SEQ)
+    np.testing.assert_array_equal(hf_logits(back, tokens), hf_logits(hf, tokens))
+
+
+def _dense_sink_attention(q, k, v, sinks, scale, window):
+    """An independent reference: every score, a causal (windowed) mask, one sink column per head in the softmax
+    (transformers' eager_attention_forward), the sink's probability dropped. q [b, kv, g, t, d] -> [b, t, kv*g*d]."""
+    t = q.shape[3]
+    s = jnp.einsum("bhgqd,bhkd->bhgqk", q, k) * scale
+    i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+    ok = (j <= i) if window is None else (j <= i) & (i - j < window)
+    s = jnp.where(ok, s, -jnp.inf)
+    sink = jnp.broadcast_to(sinks.reshape(1, q.shape[1], q.shape[2], 1, 1), s.shape[:-1] + (1,))
+    p = jax.nn.softmax(jnp.concatenate([s, sink], -1), -1)[..., :-1]
+    out = jnp.einsum("bhgqk,bhkd->bhgqd", p, v)
+    return out.transpose(0, 3, 1, 2, 4).reshape(q.shape[0], t, -1)
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_sinks_forward_and_gradients_match_a_dense_softmax(window):
+    """The blockwise kernel (two query blocks, the window skipping a key block) with sinks: its output and the
+    gradients of q, k, v and the sinks (its hand-written backward) against autodiff of a dense softmax."""
+    from zoo.blockwise import blockwise_attention
+
+    ks = jax.random.split(jax.random.PRNGKey(0), 5)
+    b, hk, g, t, d = 1, 2, 2, 200, 8
+    q = jax.random.normal(ks[0], (b, hk, g, t, d))
+    k = jax.random.normal(ks[1], (b, hk, t, d))
+    v = jax.random.normal(ks[2], (b, hk, t, d))
+    sinks = 2.0 * jax.random.normal(ks[3], (hk * g,))
+    w = jax.random.normal(ks[4], (b, t, hk * g * d))
+    mask = jnp.ones((b, 1, t, t), bool) & (jnp.arange(t)[:, None] >= jnp.arange(t)[None, :])
+    if window is not None:
+        mask &= jnp.arange(t)[:, None] - jnp.arange(t)[None, :] < window
+
+    def ours(q, k, v, sinks):
+        return jnp.sum(blockwise_attention(q, k, v, mask, 0.3, None, window, 128, sinks) * w)
+
+    def ref(q, k, v, sinks):
+        return jnp.sum(_dense_sink_attention(q, k, v, sinks, 0.3, window) * w)
+
+    np.testing.assert_allclose(ours(q, k, v, sinks), ref(q, k, v, sinks), rtol=1e-5)
+    for got, want in zip(jax.grad(ours, (0, 1, 2, 3))(q, k, v, sinks), jax.grad(ref, (0, 1, 2, 3))(q, k, v, sinks)):
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
+    # the sinks take part: without them the output differs
+    assert abs(float(ours(q, k, v, sinks) - ours(q, k, v, jnp.full_like(sinks, -1e9)))) > 1e-2
+
+
+def test_kernels_without_sinks_refuse_in_one_line(tiny):
+    """cuDNN's and splash's kernels have no sinks: asked for, one line; ``auto`` keeps the blockwise path."""
+    import dataclasses
+
+    from zoo.errors import UserError
+    from zoo.kernels import cudnn_obstacle, kernel_for, target
+
+    _, root = tiny
+    cfg = zoo.read_config(root / "zoo")
+    assert "sinks" in cudnn_obstacle(cfg, jnp.bfloat16)
+    with pytest.raises(UserError) as e:
+        kernel_for(dataclasses.replace(cfg, attention="splash"), jnp.float32, 256)
+    assert "splash" in str(e.value) and "sinks" in str(e.value) and "\n" not in str(e.value)
+    with target("tpu", 1):
+        assert kernel_for(cfg, jnp.bfloat16, 256) == "blockwise"
+
+
+def test_registry_param_counts_are_the_released_ones():
+    """openai/gpt-oss-20b and -120b: 20.91B and 116.83B parameters (OpenAI's model card)."""
+    from convert.hf_config import model_config_from_hf
+    from zoo.params import count_params
+    from zoo.registry import get
+
+    for name, billions in (("gpt-oss-20b", 20.91), ("gpt-oss-120b", 116.83)):
+        cfg = model_config_from_hf(get(name).hf_config)
+        assert round(count_params(cfg) / 1e9, 2) == billions
+        assert cfg.kinds[:2] == ("sliding", "full") and cfg.sliding_window == 128 and cfg.swiglu_limit == 7.0
+
+
+# --- MXFP4 ------------------------------------------------------------------------------------------------------
+
+FP4_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+
+
+def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The test's own MXFP4 quantizer, for transformers' layout w [E, in, out] (blocks of 32 along ``in``):
+    per block the smallest power of two putting its amax within 6, each value rounded to the nearest E2M1.
+    Returns (blocks uint8 [E, out, in/32, 16], scales uint8 [E, out, in/32])."""
+    e, n_in, n_out = w.shape
+    x = w.transpose(0, 2, 1).reshape(e, n_out, n_in // 32, 32).astype(np.float32)
+    amax = np.abs(x).max(-1)
+    exp = np.where(amax > 0, np.ceil(np.log2(np.maximum(amax, 1e-30) / 6.0)), 0).astype(np.int32)
+    q = x / np.exp2(exp)[..., None]
+    code = np.abs(np.abs(q)[..., None] - FP4_MAGNITUDES).argmin(-1).astype(np.uint8) | ((q < 0) << 3).astype(np.uint8)
+    blocks = (code[..., 0::2] | (code[..., 1::2] << 4)).astype(np.uint8)
+    return np.ascontiguousarray(blocks), np.ascontiguousarray((exp + 127).astype(np.uint8))  # C order for the file
+
+
+def test_mxfp4_dequantize_equals_transformers_bit_for_bit():
+    """Every E2M1 code and every E8M0 scale byte (255 included), to bf16 and float32."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from convert.mxfp4 import dequantize
+
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (3, 256, 2, 16), dtype=np.uint8)
+    blocks[0, :, 0] = np.arange(256, dtype=np.uint8).reshape(16, 16).repeat(16, 0)
+    scales = rng.integers(0, 256, (3, 256, 2), dtype=np.uint8)
+    scales[1, :, 0] = np.arange(256, dtype=np.uint8)
+    for tdt, dt, bits in ((torch.bfloat16, BF16, torch.int16), (torch.float32, np.dtype(np.float32), torch.int32)):
+        want = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=tdt)
+        got = dequantize(blocks, scales, dt)
+        assert got.dtype == dt and got.shape == tuple(want.shape) == (3, 64, 256)
+        assert np.array_equal(got.view(want.view(bits).numpy().dtype), want.view(bits).numpy())
+
+
+def _mxfp4_folder(hf_dir: Path, dest: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """``hf_dir`` as gpt-oss's releases store it: experts' weights as _blocks/_scales, quantization_config mxfp4.
+    Returns name -> (blocks, scales) of each quantized weight."""
+    dest.mkdir(parents=True)
+    with safe_open(hf_dir / "model.safetensors", "np") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    packed = {}
+    for name in list(tensors):
+        if name.endswith(EXPERTS):
+            packed[name] = quantize_mxfp4(tensors.pop(name))
+            tensors[name + "_blocks"], tensors[name + "_scales"] = packed[name]
+    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (dest / "config.json").write_text(json.dumps(cfg))
+    return packed
+
+
+@pytest.fixture(scope="module")
+def mxfp4(tiny):
+    _, root = tiny
+    return _mxfp4_folder(root / "hf", root / "mxfp4"), root / "mxfp4"
+
+
+def test_mxfp4_checkpoint_converts_to_transformers_logits(tiny, mxfp4, tmp_path, capsys):
+    """The oracle: transformers' model with its experts dequantized by transformers' own MXFP4 function."""
+    import copy
+
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    hf, _ = tiny
+    packed, folder = mxfp4
+    ref_model = copy.deepcopy(hf)
+    state = ref_model.state_dict()
+    for name, (blocks, scales) in packed.items():
+        state[name] = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
+                                                 dtype=torch.float32)
+    ref_model.load_state_dict(state)
+    capsys.readouterr()
+    assert main(["convert", str(folder), "--out", str(tmp_path / "zoo"), "--dtype", "float32"]) == 0
+    assert "mxfp4: dequantized" in capsys.readouterr().err
+    assert "quantization_config" not in json.loads((tmp_path / "zoo" / "hf_config.json").read_text())
+    tokens = random_tokens(hf.config.vocab_size, seq=SEQ)
+    ref = hf_logits(ref_model, tokens)
+    got = np.asarray(zoo.load(tmp_path / "zoo")(jnp.asarray(tokens)))
+    assert np.abs(got - ref).max() <= 1e-4
+    assert mean_kl(ref, got) <= 1e-6
+    assert ref.std() > 0.5
+
+
+W = "model.layers.1.mlp.experts.down_proj"
+
+
+def _edit(src: Path, dest: Path, tensors: dict | None = None, config: dict | None = None) -> Path:
+    shutil.copytree(src, dest)
+    if tensors:
+        with safe_open(src / "model.safetensors", "np") as f:
+            t = {k: f.get_tensor(k) for k in f.keys()}
+        for k, v in tensors.items():
+            t.pop(k) if v is None else t.__setitem__(k, v)
+        save_file(t, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    if config:
+        cfg = json.loads((src / "config.json").read_text())
+        cfg.update(config)
+        (dest / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
+    return dest
+
+
+@pytest.mark.parametrize("case, edit, words", [
+    ("missing scales", dict(tensors={W + "_scales": None}), [repr(W + "_blocks"), repr(W + "_scales")]),
+    ("misshapen scales", dict(tensors={W + "_scales": np.zeros((4, 64, 2), np.uint8)}),
+     [repr(W + "_scales"), "(4, 64, 2)", "(4, 64, 1)"]),
+    ("undeclared", dict(config={"quantization_config": None}), ["mlp.experts.", "_blocks'", "mxfp4",
+                                                                 "quantization_config"]),
+])
+def test_mxfp4_user_errors_are_one_line(mxfp4, tmp_path, capsys, case, edit, words):
+    src = _edit(mxfp4[1], tmp_path / "src", **edit)
+    capsys.readouterr()
+    assert main(["convert", str(src), "--out", str(tmp_path / "zoo")]) == 2, case
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    assert all(w in err[0] for w in words), err[0]
+    assert not (tmp_path / "zoo").exists()
+
+
+PROBE = textwrap.dedent("""
+    import json, sys
+    def status(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    from convert.convert import convert
+    import jax; jax.numpy.zeros(1).block_until_ready()
+    import orbax.checkpoint  # noqa: F401  (imports are not the conversion's cost)
+    before = status("VmHWM")
+    convert(sys.argv[1], sys.argv[2], progress=False)
+    print(json.dumps({"peak": status("VmHWM"), "before": before}))
+""")
+
+
+def _convert_peak(hf: Path, out: Path) -> int:
+    """Bytes the conversion of ``hf`` raised the process's peak RSS by, in a fresh process."""
+    p = subprocess.run([sys.executable, "-c", PROBE, str(hf), str(out)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    m = json.loads(p.stdout.strip().splitlines()[-1])
+    return m["peak"] - m["before"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_mxfp4_conversion_memory_is_bounded_by_the_largest_tensor(tmp_path):
+    """A gpt-oss whose experts (~39 MB of MXFP4) dequantize to 144 MiB of bf16 converts within the peak of the same
+    model stored in bf16 plus two of its largest dequantized tensors and 32 MiB: FP8's bound (tests/test_fp8.py).
+    Holding the dequantized experts would stand above it. Slow (two conversions in fresh processes)."""
+    from convert.mxfp4 import dequantize
+
+    layers, experts, hidden, inter = 6, 8, 512, 1024
+    cfg = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 256, "hidden_size": hidden,
+           "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 64, "num_local_experts": experts, "num_experts_per_tok": 2, "sliding_window": 128,
+           "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+    rng = np.random.default_rng(0)
+
+    def bf16(*shape):
+        return rng.standard_normal(shape, np.float32).astype(BF16)
+
+    quantized, plain = {}, {}
+    for name, shape in (("embed_tokens.weight", (256, hidden)), ("norm.weight", (hidden,))):
+        quantized["model." + name] = plain["model." + name] = bf16(*shape)
+    quantized["lm_head.weight"] = plain["lm_head.weight"] = bf16(256, hidden)
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        dense = {a + "q_proj.weight": (256, hidden), a + "k_proj.weight": (128, hidden),
+                 a + "v_proj.weight": (128, hidden), a + "o_proj.weight": (hidden, 256), a + "q_proj.bias": (256,),
+                 a + "k_proj.bias": (128,), a + "v_proj.bias": (128,), a + "o_proj.bias": (hidden,),
+                 a + "sinks": (4,), p + "input_layernorm.weight": (hidden,),
+                 p + "post_attention_layernorm.weight": (hidden,), p + "mlp.router.weight": (experts, hidden),
+                 p + "mlp.router.bias": (experts,), p + "mlp.experts.gate_up_proj_bias": (experts, 2 * inter),
+                 p + "mlp.experts.down_proj_bias": (experts, hidden)}
+        for name, shape in dense.items():
+            quantized[name] = plain[name] = bf16(*shape)
+        for name, (rows, n_in) in (("gate_up_proj", (2 * inter, hidden)), ("down_proj", (hidden, inter))):
+            blocks = rng.integers(0, 256, (experts, rows, n_in // 32, 16), dtype=np.uint8)
+            scales = rng.integers(120, 130, (experts, rows, n_in // 32), dtype=np.uint8)
+            quantized[p + f"mlp.experts.{name}_blocks"], quantized[p + f"mlp.experts.{name}_scales"] = blocks, scales
+            plain[p + f"mlp.experts.{name}"] = dequantize(blocks, scales, BF16)
+    for folder, tensors, extra in ((tmp_path / "mxfp4", quantized, {"quantization_config": {"quant_method": "mxfp4"}}),
+                                   (tmp_path / "bf16", plain, {})):
+        folder.mkdir()
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        (folder / "config.json").write_text(json.dumps({**cfg, **extra}))
+    del quantized, plain
+    mib = 2**20
+    largest = experts * hidden * 2 * inter * 2  # a layer's gate_up_proj in bf16 (16 MiB)
+    dequantized = layers * experts * 3 * hidden * inter * 2  # every expert weight, in bf16
+    assert dequantized >= 144 * mib
+    mxfp4_peak = _convert_peak(tmp_path / "mxfp4", tmp_path / "zoo-mxfp4")
+    bf16_peak = _convert_peak(tmp_path / "bf16", tmp_path / "zoo-bf16")
+    assert mxfp4_peak <= bf16_peak + 2 * largest + 32 * mib, (mxfp4_peak / mib, bf16_peak / mib)
