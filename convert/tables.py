@@ -210,6 +210,37 @@ def gguf_table(rope_permuted: bool = False) -> list[Rule]:
     ]
 
 
+def gpt_oss_gguf_table() -> list[Rule]:
+    """llama.cpp's names for gpt-oss (GGUF architecture ``gpt-oss``, convert_hf_to_gguf.py's GptOssModel): the
+    pre-MLP norm is ``post_attention_norm``, the sinks ``attn_sinks``, the router ``ffn_gate_inp`` with its bias,
+    and gate and up are separate expert stacks [experts, out, in] (gate_up_proj's even and odd columns) with
+    their biases; MXFP4 experts are dequantized by the gguf package."""
+    return [
+        Rule("embed", "token_embd.weight"),
+        Rule("layers.attn_norm", _B + "attn_norm.weight"),
+        Rule("layers.q", _B + "attn_q.weight", "q_in"),
+        Rule("layers.k", _B + "attn_k.weight", "kv_in"),
+        Rule("layers.v", _B + "attn_v.weight", "kv_in"),
+        Rule("layers.o", _B + "attn_output.weight", "o_out"),
+        Rule("layers.q_bias", _B + "attn_q.bias", "q_bias", when="qkv_bias"),
+        Rule("layers.k_bias", _B + "attn_k.bias", "kv_bias", when="qkv_bias"),
+        Rule("layers.v_bias", _B + "attn_v.bias", "kv_bias", when="qkv_bias"),
+        Rule("layers.o_bias", _B + "attn_output.bias", when="o_bias"),
+        Rule("layers.sinks", _B + "attn_sinks.weight", when="attn_sinks"),
+        Rule("layers.mlp_norm", _B + "post_attention_norm.weight"),
+        Rule("layers.router", _B + "ffn_gate_inp.weight", "transpose"),
+        Rule("layers.router_logit_bias", _B + "ffn_gate_inp.bias", when="router_logits_bias"),
+        Rule("layers.expert_gate", _B + "ffn_gate_exps.weight", "swap_last"),
+        Rule("layers.expert_up", _B + "ffn_up_exps.weight", "swap_last"),
+        Rule("layers.expert_down", _B + "ffn_down_exps.weight", "swap_last"),
+        Rule("layers.expert_gate_bias", _B + "ffn_gate_exps.bias", when="expert_bias"),
+        Rule("layers.expert_up_bias", _B + "ffn_up_exps.bias", when="expert_bias"),
+        Rule("layers.expert_down_bias", _B + "ffn_down_exps.bias", when="expert_bias"),
+        Rule("final_norm", "output_norm.weight"),
+        Rule("lm_head", "output.weight", "transpose", when="!tie_word_embeddings"),
+    ]
+
+
 LLAMA_GGUF = gguf_table(rope_permuted=True)
 GGUF_FAMILIES = ("gemma", "gemma2", "gemma3", "qwen2", "qwen3")
 
@@ -226,6 +257,7 @@ TABLES: dict[tuple[str, str], list[Rule]] = {
     ("gpt_oss", "hf"): decoder_table(moe="gpt_oss"),
     ("llama", "gguf"): LLAMA_GGUF,
     **{(f, "gguf"): gguf_table() for f in GGUF_FAMILIES},
+    ("gpt_oss", "gguf"): gpt_oss_gguf_table(),
 }
 
 

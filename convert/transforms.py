@@ -154,6 +154,8 @@ TRANSFORMS["mla_o_out"] = Transform(
     lambda w, cfg: w.T.reshape(cfg.num_heads, cfg.v_head_dim, w.shape[0]),
     lambda w, cfg: w.reshape(-1, w.shape[-1]).T,
 )
+# A stack of torch Linear weights [experts, out, in] (llama.cpp's *_exps) <-> the zoo's [experts, in, out].
+TRANSFORMS["swap_last"] = Transform(lambda w, cfg: w.swapaxes(-1, -2), lambda w, cfg: w.swapaxes(-1, -2))
 TRANSFORMS["gguf_q_in"] = _compose("gguf_unpermute_q", "q_in")
 TRANSFORMS["gguf_k_in"] = _compose("gguf_unpermute_k", "kv_in")
 

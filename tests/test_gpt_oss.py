@@ -272,6 +272,101 @@ def test_mxfp4_user_errors_are_one_line(mxfp4, tmp_path, capsys, case, edit, wor
     assert not (tmp_path / "zoo").exists()
 
 
+# --- GGUF -------------------------------------------------------------------------------------------------------
+
+
+def ggml_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """HF MXFP4 blocks [..., G, 16] (byte j: elements 2j low, 2j + 1 high) and scales [..., G] as GGML MXFP4
+    bytes [..., G * 17]: per block its E8M0 byte, then 16 bytes holding elements j (low nibble) and j + 16 (high),
+    as llama.cpp's convert_hf_to_gguf.py repacks gpt-oss. Written here, apart from convert/ and the gguf package."""
+    codes = np.stack([blocks & 0x0F, blocks >> 4], -1).reshape(*blocks.shape[:-1], 32)
+    qs = codes[..., :16] | (codes[..., 16:] << 4)
+    return np.ascontiguousarray(np.concatenate([scales[..., None], qs], -1).reshape(*blocks.shape[:-2], -1))
+
+
+def write_gpt_oss_gguf(hf, packed: dict, path: Path) -> None:
+    """The tiny gpt-oss as llama.cpp writes it (architecture ``gpt-oss``): experts MXFP4 (the MXFP4 folder's own
+    blocks, repacked; gate and up apart), the rest F32, a small byte-level BPE vocabulary."""
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+
+    c = hf.config
+    w = gguf.GGUFWriter(str(path), "gpt-oss")
+    w.add_name("tiny-gpt-oss")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_expert_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(c.rope_parameters["factor"])
+    w.add_rope_scaling_orig_ctx_len(c.rope_parameters["original_max_position_embeddings"])
+    w.add_sliding_window(c.sliding_window)
+    w.add_expert_count(c.num_local_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    tokens = [chr(i) for i in range(33, 127)] + ["\u0120", "\u0120a"]
+    assert len(tokens) == c.vocab_size
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * len(tokens))
+    w.add_token_merges(["\u0120 a"])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    state = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
+    tensors = {"token_embd.weight": state["model.embed_tokens.weight"], "output_norm.weight": state["model.norm.weight"],
+               "output.weight": state["lm_head.weight"]}
+    for i in range(c.num_hidden_layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        for ours, theirs in (("attn_norm.weight", "input_layernorm.weight"),
+                             ("post_attention_norm.weight", "post_attention_layernorm.weight"),
+                             ("attn_sinks.weight", "self_attn.sinks"), ("ffn_gate_inp.weight", "mlp.router.weight"),
+                             ("ffn_gate_inp.bias", "mlp.router.bias"), ("ffn_down_exps.bias", "mlp.experts.down_proj_bias")):
+            tensors[b + ours] = state[p + theirs]
+        for ours, theirs in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"), ("attn_output", "o_proj")):
+            tensors[b + ours + ".weight"] = state[p + f"self_attn.{theirs}.weight"]
+            tensors[b + ours + ".bias"] = state[p + f"self_attn.{theirs}.bias"]
+        gate_up_bias = state[p + "mlp.experts.gate_up_proj_bias"]
+        tensors[b + "ffn_gate_exps.bias"], tensors[b + "ffn_up_exps.bias"] = gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]
+    for name, x in tensors.items():
+        w.add_tensor(name, np.ascontiguousarray(x, np.float32))
+    for i in range(c.num_hidden_layers):
+        blocks, scales = packed[f"model.layers.{i}.mlp.experts.gate_up_proj"]
+        for name, rows in (("ffn_gate_exps", slice(0, None, 2)), ("ffn_up_exps", slice(1, None, 2))):
+            w.add_tensor(f"blk.{i}.{name}.weight", ggml_mxfp4(blocks[:, rows], scales[:, rows]), raw_dtype=Q.MXFP4)
+        w.add_tensor(f"blk.{i}.ffn_down_exps.weight",
+                     ggml_mxfp4(*packed[f"model.layers.{i}.mlp.experts.down_proj"]), raw_dtype=Q.MXFP4)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gguf_converts_to_the_logits_of_the_safetensors_conversion(tiny, mxfp4, tmp_path):
+    """The same MXFP4 experts (dequantized by the gguf package there, by convert/mxfp4.py here) and F32 rest:
+    the GGUF file's conversion and the MXFP4 safetensors folder's give the same model. A GGUF file cannot state
+    the SwiGLU limit (llama.cpp fixes it at the released models' 7.0) nor the aux-loss coefficient: the folder's
+    config says those values here."""
+    import dataclasses
+
+    hf, _ = tiny
+    packed, folder = mxfp4
+    folder = _edit(folder, tmp_path / "st", config={"swiglu_limit": 7.0, "router_aux_loss_coef": 0.001})
+    write_gpt_oss_gguf(hf, packed, tmp_path / "tiny.gguf")
+    assert main(["convert", str(tmp_path / "tiny.gguf"), "--out", str(tmp_path / "zoo-gguf")]) == 0
+    assert main(["convert", str(folder), "--out", str(tmp_path / "zoo-st"), "--dtype", "float32"]) == 0
+    a, b = zoo.load(tmp_path / "zoo-gguf"), zoo.load(tmp_path / "zoo-st")
+    assert a.cfg.rms_norm_eps == pytest.approx(b.cfg.rms_norm_eps)  # stored as float32 in the file
+    assert dataclasses.replace(a.cfg, rms_norm_eps=b.cfg.rms_norm_eps) == b.cfg
+    tokens = jnp.asarray(random_tokens(hf.config.vocab_size, seq=SEQ))
+    np.testing.assert_allclose(np.asarray(a(tokens)), np.asarray(b(tokens)), atol=1e-5, rtol=0)
+
+
 PROBE = textwrap.dedent("""
     import json, sys
     def status(key):
