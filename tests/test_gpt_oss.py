@@ -442,3 +442,53 @@ def test_mxfp4_conversion_memory_is_bounded_by_the_largest_tensor(tmp_path):
     mxfp4_peak = _convert_peak(tmp_path / "mxfp4", tmp_path / "zoo-mxfp4")
     bf16_peak = _convert_peak(tmp_path / "bf16", tmp_path / "zoo-bf16")
     assert mxfp4_peak <= bf16_peak + 2 * largest + 32 * mib, (mxfp4_peak / mib, bf16_peak / mib)
+
+
+# --- context parallelism: sinks in the sharded attention ---------------------------------------------------------
+
+CONTEXT_SCRIPT = r"""
+import json
+import jax, jax.numpy as jnp, numpy as np
+from zoo.config import ModelConfig
+from zoo.model import forward
+from zoo.params import flatten, init_params, nest, param_specs
+from zoo.sharding import make_mesh, named_sharding
+
+cfg = ModelConfig(family="gpt_oss", vocab_size=64, hidden_size=32, intermediate_size=16, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8, attention="blockwise", layer_types=("sliding", "full"), sliding_window=5,
+                  qkv_bias=True, o_bias=True, num_experts=4, experts_per_token=2, moe_intermediate_size=16,
+                  attn_sinks=True, router_logits_bias=True, expert_bias=True, swiglu_limit=1.5)
+flat = flatten(init_params(cfg, jax.random.PRNGKey(1)))
+flat["layers.sinks"] = 2.0 * jax.random.normal(jax.random.PRNGKey(2), flat["layers.sinks"].shape)
+tokens = jnp.asarray(np.random.RandomState(0).randint(0, 64, (2, 32)), jnp.int32)
+
+def loss(flat, tokens):
+    return jnp.mean(jax.nn.log_softmax(forward(cfg, nest(flat), tokens))[..., 0])
+
+f = jax.value_and_grad(loss)
+ref, g_ref = jax.jit(f)(flat, tokens)
+mesh = make_mesh(fsdp=2, context=4, devices=jax.devices())
+specs = param_specs(cfg)
+placed = {k: jax.device_put(v, named_sharding(mesh, specs[k].axes, v.shape)) for k, v in flat.items()}
+with jax.set_mesh(mesh):
+    lowered = jax.jit(f).lower(placed, tokens)
+got, g = lowered.compile()(placed, tokens)
+rel = max(float(np.max(np.abs(np.asarray(g[k]) - np.asarray(g_ref[k]))) / (np.max(np.abs(np.asarray(g_ref[k]))) + 1e-12))
+          for k in g)
+print(json.dumps({"loss": float(got), "ref": float(ref), "grad_rel": rel, "sinks_grad": float(jnp.abs(g["layers.sinks"]).max())}))
+"""
+
+
+@pytest.mark.slow
+def test_context_parallel_attention_keeps_the_sinks():
+    """Slow (an 8-device subprocess, two compiles): the sequence split over mesh.context 4 (x fsdp 2), each device's
+    queries attending the gathered keys with the sinks, equals one device in loss and every gradient (the sinks'
+    included)."""
+    from tests.helpers import devices_env
+
+    p = subprocess.run([sys.executable, "-c", CONTEXT_SCRIPT], capture_output=True, text=True, env=devices_env(8),
+                       timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    np.testing.assert_allclose(r["loss"], r["ref"], rtol=1e-5)
+    assert r["grad_rel"] < 1e-5 and r["sinks_grad"] > 0, r
