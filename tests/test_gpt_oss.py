@@ -441,6 +441,7 @@ def test_mxfp4_conversion_memory_is_bounded_by_the_largest_tensor(tmp_path):
     assert dequantized >= 144 * mib
     mxfp4_peak = _convert_peak(tmp_path / "mxfp4", tmp_path / "zoo-mxfp4")
     bf16_peak = _convert_peak(tmp_path / "bf16", tmp_path / "zoo-bf16")
+    print(f"peaks MiB: mxfp4 {mxfp4_peak / mib:.1f}, bf16 {bf16_peak / mib:.1f}")
     assert mxfp4_peak <= bf16_peak + 2 * largest + 32 * mib, (mxfp4_peak / mib, bf16_peak / mib)
 
 
