@@ -23,13 +23,13 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from convert.convert import DTYPES, shape_only
+from convert.convert import DTYPES
 from convert.hf_config import export_hf_config
 from convert.mtp import EXTRA_FILE
 from convert.readers import SafetensorsFolder
 from convert.safetensors_out import ST_NAMES, encode_header
 from convert.tables import table_for
-from convert.transforms import TRANSFORMS
+from convert.transforms import TRANSFORMS, hf_shape, join_interleaved
 from zoo.checkpoint import HF_CONFIG_FILE, TOKENIZER_DIR, ParamSource, atomic_output, read_meta
 from zoo.config import ModelConfig
 from zoo.errors import UserError
@@ -66,6 +66,9 @@ class PlannedTensor:
     dtype: str
     shard: int = 0
     offset: int = 0  # within the shard's data section
+    # A fused tensor (convert.transforms.INTERLEAVED): (zoo parameter, transform) of each of its parts, the
+    # first being ``zoo``/``transform``; empty for a tensor of one parameter.
+    parts: tuple[tuple[str, str], ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -87,13 +90,27 @@ def plan_tensors(cfg: ModelConfig, meta: dict[str, Any], dtype: str | None) -> l
         if dt not in ST_NAMES:
             raise UserError(f"parameter {rule.zoo} has dtype {dt}, which safetensors export does not support")
         piece = spec.shape[rule.slice_axes:]
-        shape = tuple(TRANSFORMS[rule.transform].inverse(shape_only(piece), cfg).shape)
+        shape = hf_shape(rule.transform, piece, cfg)
         for ix in rule.indices():
             layer = rule.layers[ix[0]] if rule.layers is not None else (-1 if rule.zoo == "embed" else cfg.num_layers)
             t = PlannedTensor(rule.hf_name(ix), rule.zoo, ix or None, rule.transform, shape, dt)
             keyed.append(((layer, pos, ix[1:]), t))
     keyed.sort(key=lambda kt: kt[0])
-    return [t for _, t in keyed]
+    return _fuse([t for _, t in keyed])
+
+
+def _fuse(tensors: list[PlannedTensor]) -> list[PlannedTensor]:
+    """The plan with the parts of each fused HF tensor (several zoo parameters, one name) made one tensor."""
+    out: list[PlannedTensor] = []
+    by_name: dict[str, PlannedTensor] = {}
+    for t in tensors:
+        first = by_name.get(t.name)
+        if first is None:
+            by_name[t.name] = t
+            out.append(t)
+            continue
+        first.parts = (first.parts or ((first.zoo, first.transform),)) + ((t.zoo, t.transform),)
+    return out
 
 
 # PlannedTensor.zoo of a tensor kept beside the model under its HF name (convert/mtp.py), written as stored.
@@ -213,7 +230,7 @@ def _write_shards(ckpt: Path, cfg: ModelConfig, tensors: list[PlannedTensor], n:
                 continue
             param = param_reader(ckpt, zoo_path)
             for t in items:
-                for offset, x in _hf_pieces(param, t, cfg):
+                for offset, x in (_fused_piece(ckpt, param, t, cfg) if t.parts else _hf_pieces(param, t, cfg)):
                     os.pwrite(fds[t.shard], x.reshape(-1).view(np.uint8).data, data_start[t.shard] + t.offset + offset)
                     del x
             del param
@@ -249,6 +266,18 @@ def _hf_pieces(param: ParamSource, t: PlannedTensor, cfg: ModelConfig) -> Iterat
         b = min(a + step, t.shape[0])
         x = np.ascontiguousarray(TRANSFORMS[t.transform].inverse(param.read_block(axis, a, b), cfg), dtype=dt)
         yield a * row_bytes, x
+
+
+def _fused_piece(ckpt: Path, param: ParamSource, t: PlannedTensor, cfg: ModelConfig) -> Iterator[tuple[int, np.ndarray]]:
+    """The one piece of fused tensor ``t``: each part read (at t's layer) and written into its columns."""
+    parts = []
+    for zoo_path, transform in t.parts:
+        x = (param if zoo_path == t.zoo else param_reader(ckpt, zoo_path)).read(t.index)
+        parts.append((transform, TRANSFORMS[transform].inverse(x, cfg)))
+    x = join_interleaved(parts, DTYPES_ALL[t.dtype])
+    if tuple(x.shape) != t.shape:
+        raise UserError(f"parameter {t.zoo} does not match its config (got {x.shape}, want {t.shape})")
+    yield 0, x
 
 
 def _write_side_files(ckpt: Path, meta: dict[str, Any], cfg: ModelConfig, tensors: list[PlannedTensor], n: int,

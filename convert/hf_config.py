@@ -63,6 +63,7 @@ FAMILIES: dict[str, FamilyTraits] = {
     # GLM-4.5's o_proj never has a bias, whatever attention_bias says.
     "glm4_moe": FamilyTraits("glm4_moe", "Glm4MoeForCausalLM", qk_norm="use_qk_norm", o_bias=False, moe="glm4_moe",
                              partial_rotary=True),
+    "gpt_oss": FamilyTraits("gpt_oss", "GptOssForCausalLM", moe="gpt_oss"),
 }
 
 # architecture -> (family, source format of its weight names)
@@ -160,6 +161,8 @@ def _moe_fields(traits: FamilyTraits, c: Any, where: str) -> dict[str, Any]:
         return _qwen3_moe_fields(c, where)
     if traits.moe == "glm4_moe":
         return _glm4_moe_fields(c)
+    if traits.moe == "gpt_oss":
+        return gpt_oss_fields(c)
     if traits.moe == "mixtral":
         return dict(num_experts=int(c.num_local_experts), experts_per_token=int(c.num_experts_per_tok),
                     moe_intermediate_size=int(c.intermediate_size), router_score="softmax", router_norm_topk=True,
@@ -190,6 +193,29 @@ def _moe_fields(traits: FamilyTraits, c: Any, where: str) -> dict[str, Any]:
                    router_groups=int(c.n_group or 1), router_topk_groups=int(c.topk_group or 1),
                    router_group_score="top2", hf_rope_interleave=bool(getattr(c, "rope_interleave", True)))
     return out
+
+
+def gpt_oss_fields(c: Any) -> dict[str, Any]:
+    """ModelConfig fields of a gpt-oss config (transformers' GptOssConfig): experts with biases and the clamped
+    SwiGLU, a router with a bias on its logits (softmax over the top k), attention sinks."""
+    return dict(num_experts=int(c.num_local_experts), experts_per_token=int(c.num_experts_per_tok),
+                moe_intermediate_size=int(c.intermediate_size), router_score="softmax", router_norm_topk=True,
+                aux_loss_coef=float(getattr(c, "router_aux_loss_coef", 0.0) or 0.0), attn_sinks=True,
+                router_logits_bias=True, expert_bias=True, swiglu_limit=float(c.swiglu_limit),
+                swiglu_alpha=float(c.swiglu_alpha))
+
+
+def gpt_oss_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
+    """The gpt-oss fields of a Hugging Face config for ``cfg`` (the inverse of :func:`gpt_oss_fields`, and the
+    layer kinds, which GptOssConfig would otherwise make alternate). Its YaRN parameters name beta_fast and
+    beta_slow even at their defaults, as GptOssConfig's own and the released configs do."""
+    rope = _rope_dict(cfg.rope)
+    if cfg.rope.kind == "yarn":
+        rope.update(beta_fast=cfg.rope.beta_fast, beta_slow=cfg.rope.beta_slow)
+    return dict(rope_parameters=rope, num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+                router_aux_loss_coef=cfg.aux_loss_coef, swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha,
+                layer_types=[{"full": "full_attention", "sliding": "sliding_attention"}[k] for k in cfg.kinds],
+                sliding_window=cfg.sliding_window)
 
 
 def _flag(value: str | bool, c: Any) -> bool:
@@ -354,7 +380,9 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.family == "gemma3":
         out["rope_parameters"] = {"full_attention": _rope_dict(cfg.rope),
                                   "sliding_attention": _rope_dict(cfg.rope_local or cfg.rope)}
-    if t.moe == "mixtral":
+    if t.moe == "gpt_oss":
+        out.update(gpt_oss_hf_fields(cfg))
+    elif t.moe == "mixtral":
         out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
                    router_aux_loss_coef=cfg.aux_loss_coef)
     elif t.moe in ("qwen3_moe", "glm4_moe"):

@@ -107,6 +107,21 @@ def _moe_rules(L: str, style: str | None) -> list[Rule]:
             Rule("layers.shared_up", M + "shared_experts.up_proj.weight", "transpose", when="moe&shared_experts"),
             Rule("layers.shared_down", M + "shared_experts.down_proj.weight", "transpose", when="moe&shared_experts"),
         ]
+    if style == "gpt_oss":
+        # transformers' GptOssExperts: one [experts, embed, 2 x mlp] gate_up_proj per layer, gate and up
+        # interleaved column by column, and per-expert biases; the router's bias is on its logits.
+        M, X = L + "mlp.", L + "mlp.experts."
+        return [
+            Rule("layers.sinks", L + "self_attn.sinks", when="attn_sinks"),
+            Rule("layers.router", M + "router.weight", "transpose", when="moe"),
+            Rule("layers.router_logit_bias", M + "router.bias", when="moe&router_logits_bias"),
+            Rule("layers.expert_gate", X + "gate_up_proj", "even_columns", when="moe"),
+            Rule("layers.expert_up", X + "gate_up_proj", "odd_columns", when="moe"),
+            Rule("layers.expert_gate_bias", X + "gate_up_proj_bias", "even_columns", when="moe&expert_bias"),
+            Rule("layers.expert_up_bias", X + "gate_up_proj_bias", "odd_columns", when="moe&expert_bias"),
+            Rule("layers.expert_down", X + "down_proj", when="moe"),
+            Rule("layers.expert_down_bias", X + "down_proj_bias", when="moe&expert_bias"),
+        ]
     return []
 
 
@@ -195,6 +210,37 @@ def gguf_table(rope_permuted: bool = False) -> list[Rule]:
     ]
 
 
+def gpt_oss_gguf_table() -> list[Rule]:
+    """llama.cpp's names for gpt-oss (GGUF architecture ``gpt-oss``, convert_hf_to_gguf.py's GptOssModel): the
+    pre-MLP norm is ``post_attention_norm``, the sinks ``attn_sinks``, the router ``ffn_gate_inp`` with its bias,
+    and gate and up are separate expert stacks [experts, out, in] (gate_up_proj's even and odd columns) with
+    their biases; MXFP4 experts are dequantized by the gguf package."""
+    return [
+        Rule("embed", "token_embd.weight"),
+        Rule("layers.attn_norm", _B + "attn_norm.weight"),
+        Rule("layers.q", _B + "attn_q.weight", "q_in"),
+        Rule("layers.k", _B + "attn_k.weight", "kv_in"),
+        Rule("layers.v", _B + "attn_v.weight", "kv_in"),
+        Rule("layers.o", _B + "attn_output.weight", "o_out"),
+        Rule("layers.q_bias", _B + "attn_q.bias", "q_bias", when="qkv_bias"),
+        Rule("layers.k_bias", _B + "attn_k.bias", "kv_bias", when="qkv_bias"),
+        Rule("layers.v_bias", _B + "attn_v.bias", "kv_bias", when="qkv_bias"),
+        Rule("layers.o_bias", _B + "attn_output.bias", when="o_bias"),
+        Rule("layers.sinks", _B + "attn_sinks.weight", when="attn_sinks"),
+        Rule("layers.mlp_norm", _B + "post_attention_norm.weight"),
+        Rule("layers.router", _B + "ffn_gate_inp.weight", "transpose"),
+        Rule("layers.router_logit_bias", _B + "ffn_gate_inp.bias", when="router_logits_bias"),
+        Rule("layers.expert_gate", _B + "ffn_gate_exps.weight", "swap_last"),
+        Rule("layers.expert_up", _B + "ffn_up_exps.weight", "swap_last"),
+        Rule("layers.expert_down", _B + "ffn_down_exps.weight", "swap_last"),
+        Rule("layers.expert_gate_bias", _B + "ffn_gate_exps.bias", when="expert_bias"),
+        Rule("layers.expert_up_bias", _B + "ffn_up_exps.bias", when="expert_bias"),
+        Rule("layers.expert_down_bias", _B + "ffn_down_exps.bias", when="expert_bias"),
+        Rule("final_norm", "output_norm.weight"),
+        Rule("lm_head", "output.weight", "transpose", when="!tie_word_embeddings"),
+    ]
+
+
 LLAMA_GGUF = gguf_table(rope_permuted=True)
 GGUF_FAMILIES = ("gemma", "gemma2", "gemma3", "qwen2", "qwen3")
 
@@ -227,6 +273,8 @@ TABLES: dict[tuple[str, str], list[Rule]] = {
     ("llama", "gguf"): LLAMA_GGUF,
     **{(f, "gguf"): gguf_table() for f in GGUF_FAMILIES},
     ("qwen3_moe", "gguf"): gguf_moe_table(),
+    ("gpt_oss", "hf"): decoder_table(moe="gpt_oss"),
+    ("gpt_oss", "gguf"): gpt_oss_gguf_table(),
 }
 
 

@@ -76,6 +76,12 @@ FAMILIES = {
         num_experts_per_tok=3, n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
         routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
         num_nextn_predict_layers=0)),
+    # Alternating sliding (window 7) and full layers, sinks, biased router and experts, YaRN without truncation.
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        num_hidden_layers=4, head_dim=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=7, swiglu_limit=1.5, router_aux_loss_coef=0.02,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})),
 }
 
 

@@ -57,15 +57,17 @@ def head_major(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax
 
 
 def causal_attention(qg: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | Visibility, cfg: ModelConfig,
-                     window: int | None = None) -> jax.Array:
+                     window: int | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """Softmax attention of head-major q/k/v (:func:`head_major`) under a causal ``mask``: a
     :class:`zoo.masks.Visibility` (each block's mask built in the block) or bool [b, 1, t, t] (the cached forward's).
 
     Computed in query blocks (:func:`zoo.blockwise.blockwise_attention`), so
     key blocks that the causal mask (and ``window``, the sliding window the
-    mask was built with) hide are skipped. Returns [b, t, heads * head_dim].
+    mask was built with) hide are skipped. ``sinks`` [heads]: gpt-oss's attention sinks (one more logit per head
+    in the softmax's denominator). Returns [b, t, heads * head_dim].
     """
-    return blockwise_attention(qg, k, v, mask, cfg.attn_scale, cfg.attn_softcap, window, query_block(qg.shape[3]))
+    return blockwise_attention(qg, k, v, mask, cfg.attn_scale, cfg.attn_softcap, window, query_block(qg.shape[3]),
+                               sinks)
 
 
 def splash_heads(qg: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, cfg: ModelConfig,
@@ -79,11 +81,13 @@ def splash_heads(qg: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Arr
     return splash_attention(qg, k, v, segment_ids, cfg.attn_scale, cap, window, interpret=platform() != "tpu")
 
 
-def attend(qg: jax.Array, k: jax.Array, v: jax.Array, vis: Visibility, cfg: ModelConfig) -> jax.Array:
+def attend(qg: jax.Array, k: jax.Array, v: jax.Array, vis: Visibility, cfg: ModelConfig,
+           sinks: jax.Array | None = None) -> jax.Array:
     """Causal attention of head-major q [b, kv, g, t, d], k [b, kv, t, d], v [b, kv, t, dv] under ``vis`` (its
     window too), logits soft-capped by ``cfg.attn_softcap``, through the kernel of ``cfg.attention`` (:func:`zoo.kernels.kernel_for`);
     -> [b, t, kv * g * dv]. With the mesh's ``context`` axis over 1 the sequence is split over it
-    (:func:`zoo.context.context_attention`): each device attends its queries to the gathered keys."""
+    (:func:`zoo.context.context_attention`): each device attends its queries to the gathered keys. ``sinks``
+    [heads] (gpt-oss's attention sinks) only the blockwise kernel takes (:func:`zoo.kernels.sinks_obstacle`)."""
     kernel = kernel_for(cfg, qg.dtype, qg.shape[3], vis.prefix_ids is not None, vis.segments)
 
     def run(qg: jax.Array, k: jax.Array, v: jax.Array, vis: Visibility) -> jax.Array:
@@ -95,7 +99,7 @@ def attend(qg: jax.Array, k: jax.Array, v: jax.Array, vis: Visibility, cfg: Mode
             return splash_heads(qg, k, v, vis.segment_ids, cfg, vis.window, cfg.attn_softcap)
         if kernel == "cudnn":
             return cudnn_attention(qg, k, v, vis, cfg.attn_scale)
-        return causal_attention(qg, k, v, vis, cfg, vis.window)
+        return causal_attention(qg, k, v, vis, cfg, vis.window, sinks)
 
     return context_attention(run, qg, k, v, vis) if context_size() > 1 else run(qg, k, v, vis)
 
@@ -124,7 +128,7 @@ def attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, vis: Visibi
     ``drop`` applies LoRA dropout to their inputs. ``cfg.attention`` picks the kernel (:func:`attend`).
     """
     q, k, v = qkv_heads(x, p, cos, sin, cfg, norm_w, lora, lora_scale, drop)
-    out = attend(*head_major(q, k, v), vis, cfg)
+    out = attend(*head_major(q, k, v), vis, cfg, p["sinks"] if cfg.attn_sinks else None)
     return output_projection(out, p, cfg, lora, lora_scale, drop)
 
 

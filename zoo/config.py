@@ -114,6 +114,14 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
     # The share of each head's dimensions RoPE rotates (GLM-4.5: 0.5, the first half; the rest pass through).
     partial_rotary_factor: float = 1.0
+    # gpt-oss: a learned per-head logit in every softmax's denominator (attention sinks), a bias on the router's
+    # logits and on every expert projection, and the clamped SwiGLU of its experts (swiglu_limit None: the plain
+    # GLU of hidden_act): gate clamped above, up both sides, gate * sigmoid(alpha * gate) * (up + 1).
+    attn_sinks: bool = False
+    router_logits_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KERNELS:

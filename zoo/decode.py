@@ -212,14 +212,19 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, cfg: Mode
 
 
 def _attend_split(qg: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
-                  cfg: ModelConfig) -> jax.Array:
+                  cfg: ModelConfig, sinks: jax.Array | None = None) -> jax.Array:
     """Softmax attention over several key sets at once: qg [b, hk, g, t, d] and per part transposed keys
-    [b, hk, d, s], values [b, hk, s, dv] and mask [b, t, s]; one softmax over all parts' keys. -> [b, t, hq * dv]."""
+    [b, hk, d, s], values [b, hk, s, dv] and mask [b, t, s]; one softmax over all parts' keys (and, with ``sinks``
+    [hq], gpt-oss's one sink logit per head, whose probability is dropped). -> [b, t, hq * dv]."""
     scores = []
     for k, _, m in parts:
         s = jnp.einsum("bhgtd,bhds->bhgts", qg, k.astype(qg.dtype), preferred_element_type=jnp.float32)
         s = soft_cap(s * cfg.attn_scale, cfg.attn_softcap)
         scores.append(jnp.where(m[:, None, None], s, NEG))
+    if sinks is not None:
+        b, hk, g, t, _ = scores[0].shape
+        sink = sinks.astype(jnp.float32).reshape(1, hk, g, 1, 1)
+        scores.append(jnp.broadcast_to(sink, (b, hk, g, t, 1)))
     s = scores[0] if len(scores) == 1 else jnp.concatenate(scores, axis=-1)
     dt = parts[-1][1].dtype
     probs = jax.nn.softmax(s, axis=-1).astype(dt)
@@ -245,12 +250,13 @@ def _gqa_attention(x: jax.Array, p: dict, c: dict | None, cos: jax.Array, sin: j
     q, k, v = qkv_heads(x, p, cos, sin, cfg, p["attn_norm"], lora=lora, lora_scale=lora_scale)
     qg, kh, vh = head_major(q, k, v)
     old_ok, new_ok = masks
+    sinks = p["sinks"] if cfg.attn_sinks else None
     if c is None:
         # An empty cache: the tokens attend to each other only, blockwise as in training (causal blocks skipped).
-        att = causal_attention(qg, kh, vh, new_ok[:, None], cfg, window)
+        att = causal_attention(qg, kh, vh, new_ok[:, None], cfg, window, sinks)
     else:
         assert old_ok is not None, "a cache read has its mask"
-        att = _attend_split(qg, [(c["k"], c["v"], old_ok), (kh.transpose(0, 1, 3, 2), vh, new_ok)], cfg)
+        att = _attend_split(qg, [(c["k"], c["v"], old_ok), (kh.transpose(0, 1, 3, 2), vh, new_ok)], cfg, sinks)
     return output_projection(att, p, cfg, lora=lora, lora_scale=lora_scale), {"k": k, "v": v}
 
 

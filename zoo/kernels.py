@@ -44,6 +44,8 @@ def cudnn_obstacle(cfg: ModelConfig, dtype: jnp.dtype) -> str | None:
         return "multi-head latent attention has query/key heads of another size than its value heads"
     if cfg.attn_softcap is not None:
         return "cuDNN's kernel has no attention logit soft-cap (attn_softcap)"
+    if cfg.attn_sinks:
+        return sinks_obstacle("cuDNN's")
     if cfg.head_dim > CUDNN_MAX_HEAD_DIM:
         return f"head_dim {cfg.head_dim} is over cuDNN's {CUDNN_MAX_HEAD_DIM}"
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
@@ -98,11 +100,17 @@ def splash_obstacle(seq: int | None = None, prefix: bool = False) -> str | None:
     return None
 
 
+def sinks_obstacle(kernel: str) -> str:
+    """Why ``kernel`` (cuDNN's, splash's) cannot run a model with attention sinks (gpt-oss): the blockwise path
+    alone adds each head's sink logit to the softmax's denominator."""
+    return f"{kernel} kernel has no attention sinks (gpt-oss's per-head softmax logit); the blockwise path has"
+
+
 def uses_splash(cfg: ModelConfig, seq: int | None = None, prefix: bool = False) -> bool:
     """Whether the training forward's attention is splash for rows of ``seq`` tokens (with shared prefixes when
     ``prefix``): ``splash`` asked for (a :class:`zoo.errors.UserError` naming the reason where it cannot run), or
     ``auto`` on a TPU where it can."""
-    obstacle = splash_obstacle(seq, prefix)
+    obstacle = splash_obstacle(seq, prefix) or (sinks_obstacle("splash's") if cfg.attn_sinks else None)
     if cfg.attention == "splash":
         _refuse("splash", platform_obstacle("splash") or obstacle)
         return True

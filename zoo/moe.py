@@ -27,6 +27,8 @@ STAT_KEYS = ("expert_counts", "router_prob_sum", "router_lse_sq_sum", "dropped_t
 def route(x: jax.Array, p: dict, cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Top-k expert ids [N, k], their weights [N, k] and the raw router logits [N, X] for tokens x [N, E]."""
     logits = jnp.dot(x.astype(jnp.float32), p["router"].astype(jnp.float32))
+    if cfg.router_logits_bias:  # gpt-oss: a bias on the logits themselves (selection and weights)
+        logits = logits + p["router_logit_bias"].astype(jnp.float32)
     scores = jax.nn.sigmoid(logits) if cfg.router_score == "sigmoid" else jax.nn.softmax(logits, axis=-1)
     select = scores + p["router_bias"].astype(jnp.float32) if cfg.router_bias else scores
     if cfg.router_groups > 1:
@@ -44,6 +46,27 @@ def route(x: jax.Array, p: dict, cfg: ModelConfig) -> tuple[jax.Array, jax.Array
     if cfg.router_norm_topk:
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
     return ids, weights * cfg.router_scale, logits
+
+
+def expert_glu(gate: jax.Array, up: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The experts' gated activation: act(gate) * up, or with ``swiglu_limit`` gpt-oss's clamped SwiGLU
+    (transformers' GptOssExperts._apply_gate: gate clamped above, up both sides, (up + 1) * gate * sigmoid(alpha
+    * gate))."""
+    if cfg.swiglu_limit is None:
+        return ACTIVATIONS[cfg.hidden_act](gate) * up
+    limit = cfg.swiglu_limit
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * cfg.swiglu_alpha))
+
+
+def _with_bias(y: jax.Array, p: dict, name: str, experts: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """y [N, out], rows sorted by expert (``experts`` [N], each row's expert), plus each row's expert's bias of
+    weight ``name`` where the model has expert biases (gpt-oss)."""
+    if not cfg.expert_bias:
+        return y
+    b = p[name + "_bias"]
+    return y + b[jnp.clip(experts, 0, b.shape[0] - 1)].astype(y.dtype)
 
 
 def _adapter_input(x: jax.Array, name: str, drop: LoraDropout | None) -> jax.Array:
@@ -97,20 +120,21 @@ def _experts_dropless(x: jax.Array, ids: jax.Array, weights: jax.Array, p: dict,
                       lora: dict | None = None, scale: float | jax.Array = 1.0,
                       drop: LoraDropout | None = None) -> jax.Array:
     n, k = ids.shape
-    act = ACTIVATIONS[cfg.hidden_act]
     flat = ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     token = order // k
     sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
     xs = x[token]
-    h = (act(_ragged(xs, p, "expert_gate", sizes, lora, scale, drop))
-         * _ragged(xs, p, "expert_up", sizes, lora, scale, drop))
-    y = _ragged(h, p, "expert_down", sizes, lora, scale, drop)
+    rows = flat[order]
+    h = expert_glu(_with_bias(_ragged(xs, p, "expert_gate", sizes, lora, scale, drop), p, "expert_gate", rows, cfg),
+                   _with_bias(_ragged(xs, p, "expert_up", sizes, lora, scale, drop), p, "expert_up", rows, cfg), cfg)
+    y = _with_bias(_ragged(h, p, "expert_down", sizes, lora, scale, drop), p, "expert_down", rows, cfg)
     y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
     return jnp.zeros_like(x).at[token].add(y)
 
 
 EXPERT_WEIGHTS = ("expert_gate", "expert_up", "expert_down")
+EXPERT_BIASES = ("expert_gate_bias", "expert_up_bias", "expert_down_bias")  # gpt-oss (cfg.expert_bias)
 
 
 def _expert_mesh(p: dict, lora: dict | None, drop: LoraDropout | None) -> jax.sharding.AbstractMesh | None:
@@ -151,9 +175,8 @@ def _experts_parallel(x: jax.Array, ids: jax.Array, weights: jax.Array, p: dict,
 
     n, k = ids.shape
     local_x = cfg.num_experts // mesh.shape["expert"]
-    act = ACTIVATIONS[cfg.hidden_act]
     rows = logical_to_spec(("batch", None), x.shape, mesh)
-    stacks = {name: p[name] for name in EXPERT_WEIGHTS}
+    stacks = {name: p[name] for name in EXPERT_WEIGHTS + (EXPERT_BIASES if cfg.expert_bias else ())}
     adapters = {name: ad for name, ad in (lora or {}).items() if name in EXPERT_WEIGHTS}
     expert_split = P("expert")  # the other axes of a stack gathered, as FSDP gathers a layer's weights
 
@@ -173,9 +196,12 @@ def _experts_parallel(x: jax.Array, ids: jax.Array, weights: jax.Array, p: dict,
         # matmul, whose outputs there (and gradients into them) are not defined: zeroed on the way in and out.
         ours = (flat[order] < local_x)[:, None]
         xs = jnp.where(ours, x[token], 0)
-        h = (act(_ragged(xs, stacks, "expert_gate", sizes, adapters, scale))
-             * _ragged(xs, stacks, "expert_up", sizes, adapters, scale))
-        y = _ragged(h, stacks, "expert_down", sizes, adapters, scale)
+        ex = flat[order]  # past the local experts for other experts' rows: zeroed below, whatever bias they get
+        h = expert_glu(_with_bias(_ragged(xs, stacks, "expert_gate", sizes, adapters, scale), stacks, "expert_gate",
+                                  ex, cfg),
+                       _with_bias(_ragged(xs, stacks, "expert_up", sizes, adapters, scale), stacks, "expert_up", ex,
+                                  cfg), cfg)
+        y = _with_bias(_ragged(h, stacks, "expert_down", sizes, adapters, scale), stacks, "expert_down", ex, cfg)
         w = jnp.where(mine, weights, 0).reshape(-1)[order]
         y = jnp.where(ours, y * w[:, None].astype(y.dtype), 0)
         return jax.lax.psum(jnp.zeros_like(x).at[token].add(y), "expert")
@@ -211,7 +237,6 @@ def _experts_capacity(x: jax.Array, ids: jax.Array, weights: jax.Array, valid: j
     X = cfg.num_experts
     assert cfg.capacity_factor is not None  # moe_mlp routes dropless without one
     cap = max(1, math.ceil(cfg.capacity_factor * n * k / X))
-    act = ACTIVATIONS[cfg.hidden_act]
     onehot = jax.nn.one_hot(ids, X, dtype=jnp.int32) * valid[:, None, None].astype(jnp.int32)  # [N, k, X]
     # Slot of each assignment in its expert's buffer: earlier tokens (and earlier choices) first.
     flat = onehot.transpose(1, 0, 2).reshape(n * k, X)
@@ -220,9 +245,10 @@ def _experts_capacity(x: jax.Array, ids: jax.Array, weights: jax.Array, valid: j
     dropped = ((onehot > 0) & ~kept).sum()
     dispatch = (kept[..., None] & (slot[..., None] == jnp.arange(cap))).astype(x.dtype)  # [N, k, X, C]
     buf = jnp.einsum("nkxc,ne->xce", dispatch, x)
-    h = (act(_per_expert(buf, p, "expert_gate", lora, scale, drop))
-         * _per_expert(buf, p, "expert_up", lora, scale, drop))
-    out = _per_expert(h, p, "expert_down", lora, scale, drop)
+    bias = {n: p[n + "_bias"][:, None].astype(x.dtype) if cfg.expert_bias else 0 for n in EXPERT_WEIGHTS}
+    h = expert_glu(_per_expert(buf, p, "expert_gate", lora, scale, drop) + bias["expert_gate"],
+                   _per_expert(buf, p, "expert_up", lora, scale, drop) + bias["expert_up"], cfg)
+    out = _per_expert(h, p, "expert_down", lora, scale, drop) + bias["expert_down"]
     combine = dispatch * weights[..., None, None].astype(x.dtype)
     return jnp.einsum("nkxc,xce->ne", combine, out), dropped
 

@@ -55,6 +55,12 @@ def _layer_specs(cfg: ModelConfig, L: int, moe: bool) -> dict[str, ParamSpec]:
         s["expert_gate"] = ParamSpec((L, X, E, M), lay + ("expert", "embed", "mlp"), "normal")
         s["expert_up"] = ParamSpec((L, X, E, M), lay + ("expert", "embed", "mlp"), "normal")
         s["expert_down"] = ParamSpec((L, X, M, E), lay + ("expert", "mlp", "embed"), "normal")
+        if cfg.router_logits_bias:
+            s["router_logit_bias"] = ParamSpec((L, X), lay + (None,), "zeros")
+        if cfg.expert_bias:
+            s["expert_gate_bias"] = ParamSpec((L, X, M), lay + ("expert", "mlp"), "zeros")
+            s["expert_up_bias"] = ParamSpec((L, X, M), lay + ("expert", "mlp"), "zeros")
+            s["expert_down_bias"] = ParamSpec((L, X, E), lay + ("expert", "embed"), "zeros")
         if cfg.shared_experts:
             S = M * cfg.shared_experts
             s["shared_gate"] = ParamSpec((L, E, S), lay + ("embed", "mlp"), "normal")
@@ -73,6 +79,8 @@ def _layer_specs(cfg: ModelConfig, L: int, moe: bool) -> dict[str, ParamSpec]:
     if cfg.qk_norm:
         s["q_norm"] = ParamSpec((L, D), lay + ("head_dim",), unit)
         s["k_norm"] = ParamSpec((L, D), lay + ("head_dim",), unit)
+    if cfg.attn_sinks:
+        s["sinks"] = ParamSpec((L, H), lay + ("heads",), "zeros")
     if cfg.post_norms:
         s["post_attn_norm"] = ParamSpec((L, E), lay + ("embed",), unit)
         s["post_mlp_norm"] = ParamSpec((L, E), lay + ("embed",), unit)

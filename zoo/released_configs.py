@@ -74,3 +74,22 @@ GLM_4_6 = {**GLM_4_5, "max_position_embeddings": 202752}
 GLM_4_5_AIR = {**GLM_4_5, "hidden_size": 4096, "intermediate_size": 10944, "moe_intermediate_size": 1408,
                "num_hidden_layers": 46, "n_routed_experts": 128, "first_k_dense_replace": 1,
                "routed_scaling_factor": 1.0, "use_qk_norm": False}
+# openai/gpt-oss-20b's and gpt-oss-120b's config.json (their MXFP4 quantization_config left out: the experts are
+# dequantized while converting): sliding (128) and full layers alternating, 64 query heads of 64 over 8 key/value
+# heads, attention sinks, 32 or 128 experts (4 a token) with biases and the clamped SwiGLU, YaRN over 4096.
+_GPT_OSS = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 201088,
+            "hidden_size": 2880, "intermediate_size": 2880, "head_dim": 64, "num_attention_heads": 64,
+            "num_key_value_heads": 8, "num_experts_per_tok": 4, "experts_per_token": 4, "sliding_window": 128,
+            "attention_bias": True, "attention_dropout": 0.0, "hidden_act": "silu", "initial_context_length": 4096,
+            "initializer_range": 0.02, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+            "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                             "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
+            "rope_theta": 150000, "router_aux_loss_coef": 0.9, "swiglu_limit": 7.0, "tie_word_embeddings": False,
+            "output_router_logits": False, "use_cache": True, "eos_token_id": 200002, "pad_token_id": 199999,
+            "torch_dtype": "bfloat16"}
+
+GPT_OSS_20B = {**_GPT_OSS, "num_hidden_layers": 24, "num_local_experts": 32,
+               "layer_types": ["sliding_attention", "full_attention"] * 12}
+
+GPT_OSS_120B = {**_GPT_OSS, "num_hidden_layers": 36, "num_local_experts": 128,
+                "layer_types": ["sliding_attention", "full_attention"] * 18}
