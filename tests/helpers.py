@@ -67,6 +67,25 @@ FAMILIES = {
         n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                          "original_max_position_embeddings": 32, "mscale": 1.0, "mscale_all_dim": 1.0})),
+    # NoPE every 2nd layer (layer 1 of 3), tied embeddings.
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(
+        no_rope_layer_interval=2, rope_theta=50000.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # Post-norm blocks, full-width q/k norms.
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(rope_theta=500000.0)),
+    # OLMo 3: sliding layers (window 7) around a full one, YaRN on the full layer only.
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", dict(
+        num_hidden_layers=4, sliding_window=7, rope_parameters={
+            "full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0,
+                               "original_max_position_embeddings": 32, "attention_factor": 1.2},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}})),
+    # Phi-4-mini's shape of attention: fused qkv/gate_up, partial rotary (12 of 16), LongRoPE (its short factors
+    # up to 24 positions, the long ones past), sliding window on every layer (wider than the tests' rows).
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
+        tie_word_embeddings=True, max_position_embeddings=256, original_max_position_embeddings=24,
+        sliding_window=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0, 1.1, 1.3, 1.2, 1.0, 1.5], "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
+            "original_max_position_embeddings": 24})),
 }
 
 

@@ -14,8 +14,8 @@ from zoo.errors import UserError
 class RopeConfig:
     """Rotary position embedding settings.
 
-    ``kind`` is the Hugging Face ``rope_type``: ``default``, ``linear`` or
-    ``llama3``. The scaling fields are only read by the kinds that use them.
+    ``kind`` is the Hugging Face ``rope_type``: ``default``, ``linear``,
+    ``llama3``, ``yarn`` or ``longrope``. The scaling fields are only read by the kinds that use them.
     """
 
     theta: float = 10000.0
@@ -31,6 +31,15 @@ class RopeConfig:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
     truncate: bool = True
+    # LongRoPE (Phi-3/Phi-4): per-frequency divisors of the inverse frequencies, the short ones up to
+    # original_max_position_embeddings tokens, the long ones past it (``factor`` sets the attention factor).
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        # JSON gives lists; the config must stay hashable (it is a static argument of jitted functions).
+        for name in ("short_factor", "long_factor"):
+            object.__setattr__(self, name, tuple(float(x) for x in getattr(self, name)))
 
 
 LAYER_KINDS = ("full", "sliding")
@@ -108,8 +117,22 @@ class ModelConfig:
     # (to_dict leaves it out) and set per run (model.attention, zoo.load(..., attention=)); it takes part in
     # equality and hashing, so jitted functions keyed by the config compile once per kernel.
     attention: str = "auto"
+    # Layers whose attention applies no RoPE (SmolLM3's NoPE layers), by index.
+    nope_layers: tuple[int, ...] = ()
+    # False: no norm before attention and MLP (OLMo 2/3, whose only layer norms are the post_norms).
+    pre_norms: bool = True
+    # How q_norm/k_norm span a token's q and k: "head" normalizes each head (Qwen 3, Gemma 3); "all" all heads
+    # at once, one RMS over heads * head_dim (OLMo 2/3).
+    qk_norm_span: str = "head"
+    # The leading fraction of each head's dimensions that RoPE rotates (Phi-3/Phi-4); the rest pass unrotated.
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "nope_layers", tuple(int(i) for i in self.nope_layers))
+        if self.qk_norm_span not in ("head", "all"):
+            raise UserError(f"model config: qk_norm_span {self.qk_norm_span!r} is not one of head, all")
+        if any(not 0 <= i < self.num_layers for i in self.nope_layers):
+            raise UserError(f"model config: nope_layers must be layer indices below {self.num_layers}")
         if self.attention not in ATTENTION_KERNELS:
             raise UserError(f"model config: attention {self.attention!r} is not one of {', '.join(ATTENTION_KERNELS)}")
         if self.num_heads % self.num_kv_heads:
@@ -131,7 +154,7 @@ class ModelConfig:
     @property
     def rope_dim(self) -> int:
         """How many dimensions of each head RoPE rotates."""
-        return self.qk_rope_head_dim if self.mla else self.head_dim
+        return self.qk_rope_head_dim if self.mla else int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def attn_scale(self) -> float:

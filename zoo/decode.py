@@ -48,7 +48,7 @@ from zoo.blocks import soft_cap
 from zoo.config import ModelConfig
 from zoo.masks import kind_window
 from zoo.model import Segment, decoder_layer, embed_tokens, norm, output_logits, scan_segments
-from zoo.rope import rope_tables_by_kind
+from zoo.rope import layer_rope, rope_flags, rope_tables_by_kind
 
 NEG = float(jnp.finfo(jnp.float32).min)
 
@@ -242,7 +242,7 @@ def _gqa_attention(x: jax.Array, p: dict, c: dict | None, cos: jax.Array, sin: j
     (``lora``: the layer's adapters, beside the base matmuls as in training).
 
     Returns (output, new k/v [b, t, hk, d])."""
-    q, k, v = qkv_heads(x, p, cos, sin, cfg, p["attn_norm"], lora=lora, lora_scale=lora_scale)
+    q, k, v = qkv_heads(x, p, cos, sin, cfg, p.get("attn_norm"), lora=lora, lora_scale=lora_scale)
     qg, kh, vh = head_major(q, k, v)
     old_ok, new_ok = masks
     if c is None:
@@ -347,7 +347,7 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, ca
     pos = cache.lengths[:, None] + jnp.cumsum(vi, axis=1) - vi
     new_lengths = cache.lengths + vi.sum(1)
 
-    ropes = rope_tables_by_kind(cfg, pos)
+    ropes = rope_tables_by_kind(cfg, pos, valid)
     slots = {kind: arrays["latent" if cfg.mla else "v"].shape[2 if cfg.mla else 3]
              for group in cache.layers.values() for kind, arrays in group.items()}
     # Slots read per kind: none when fresh, the first `view` when every row fits in them.
@@ -357,9 +357,9 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, ca
              for kind, n in read.items()}
     x = embed_tokens(cfg, params, tokens)
 
-    def layer(x: jax.Array, inputs: tuple[dict, dict | None, dict | None], kind: str,
+    def layer(x: jax.Array, inputs: tuple[dict, dict | None, jax.Array | None, dict | None], kind: str,
               moe: bool) -> tuple[jax.Array, dict]:
-        p, lp, c = inputs
+        p, lp, rope_on, c = inputs
         n = read[kind]
         if c is not None and n < slots[kind]:
             # One layer's arrays: MLA [b, S, r], k [b, hk, d, S], v [b, hk, S, d].
@@ -369,7 +369,8 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, ca
         def attend(x: jax.Array) -> tuple[jax.Array, dict]:
             if cfg.mla:
                 return _mla_attention(norm(cfg, x, p["attn_norm"]), p, c, *ropes[kind], masks[kind], cfg, mla_absorb)
-            return _gqa_attention(x, p, c, *ropes[kind], masks[kind], windows[kind], cfg, lp, scale)
+            return _gqa_attention(x, p, c, *layer_rope(ropes[kind], rope_on), masks[kind], windows[kind], cfg, lp,
+                                  scale)
 
         x, new, _ = decoder_layer(cfg, x, p, attend, moe, valid, lp, scale)
         return x, new
@@ -379,12 +380,13 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, ca
         kinds = cfg.kinds[start:stop]
         group = cache.layers[prefix]
         adapters = (lora or {}).get(prefix)  # stacked like the weights, sliced with them
+        flags = rope_flags(cfg, start, stop)  # NoPE layers' (SmolLM3), sliced with the weights
 
-        def inputs(seg: Segment, j: int) -> tuple[dict, dict | None, dict | None]:
+        def inputs(seg: Segment, j: int) -> tuple[dict, dict | None, jax.Array | None, dict | None]:
             i0, step = _kind_slice(kinds, seg, j)
             cached = None if fresh else jax.tree.map(lambda a: a[i0: i0 + seg.repeats * step: step],
                                                      group[seg.kinds[j]])
-            return (*seg.at(j, (params[prefix], adapters)), cached)
+            return (*seg.at(j, (params[prefix], adapters, flags)), cached)
 
         x, done = scan_segments(x, kinds, inputs, partial(layer, moe=moe))
         # Each layer's new entries with its index in its kind's stack, in the order _write concatenates them.
