@@ -242,7 +242,8 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
         )
     except (TypeError, ValueError, AttributeError) as e:
         raise UserError(f"{where}: cannot read the model config ({e})") from None
-    if getattr(c, "pretraining_tp", 1) not in (1, None):
+    # SmolLM3's model never reads pretraining_tp (its release's config says 2).
+    if getattr(c, "pretraining_tp", 1) not in (1, None) and family != "smollm3":
         raise UserError(f"{where}: pretraining_tp={c.pretraining_tp} is not supported; set it to 1")
     from zoo.blocks import ACTIVATIONS
 

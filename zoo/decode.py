@@ -46,6 +46,7 @@ from jax.sharding import Mesh, NamedSharding
 from zoo.attention import causal_attention, head_major, mla_heads, output_projection, qkv_heads
 from zoo.blocks import soft_cap
 from zoo.config import ModelConfig
+from zoo.longrope_cache import switch_to_long
 from zoo.masks import kind_window
 from zoo.model import Segment, decoder_layer, embed_tokens, norm, output_logits, scan_segments
 from zoo.rope import layer_rope, rope_flags, rope_tables_by_kind
@@ -346,6 +347,8 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, ca
     vi = valid.astype(jnp.int32)
     pos = cache.lengths[:, None] + jnp.cumsum(vi, axis=1) - vi
     new_lengths = cache.lengths + vi.sum(1)
+    if cfg.rope.kind == "longrope" and not fresh:  # Phi-3: past original_max_position_embeddings, long factors
+        cache = Cache(switch_to_long(cfg, cache.layers, cache.lengths, new_lengths, _slot_positions), cache.lengths)
 
     ropes = rope_tables_by_kind(cfg, pos, valid)
     slots = {kind: arrays["latent" if cfg.mla else "v"].shape[2 if cfg.mla else 3]
