@@ -94,6 +94,16 @@ class SplitReader:
         return np.ascontiguousarray(self.inner.get(fused)[a:b])
 
 
+def fused_module(cfg: ModelConfig, hf_name: str) -> str | None:
+    """The fused tensor (``...qkv_proj.weight``) that HF tensor ``hf_name`` is a part of in ``cfg``'s family, or
+    None when it is a tensor of its own."""
+    for f in FUSIONS.get(cfg.family, ()):
+        for part in f.parts:
+            if hf_name.endswith("." + part):
+                return hf_name[: len(hf_name) - len(part)] + f.fused
+    return None
+
+
 def split_fused(reader: Any, cfg: ModelConfig, description: str) -> Any:
     """``reader`` as the conversion tables read it: a :class:`SplitReader` for families with fused tensors."""
     return SplitReader(reader, cfg, description) if cfg.family in FUSIONS else reader

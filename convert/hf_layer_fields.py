@@ -85,6 +85,4 @@ def write_layer_fields(cfg: ModelConfig, out: dict[str, Any]) -> None:
             out["rope_parameters"] = _longrope_dict(cfg)
         # Phi-3's config keeps it at the top level too (Phi-4's 16384 is not the class default of 4096).
         out["original_max_position_embeddings"] = cfg.rope.original_max_position_embeddings
-        out["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor
-        if cfg.partial_rotary_factor != 1.0:
-            out["partial_rotary_factor"] = cfg.partial_rotary_factor
+        out["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor  # where transformers reads it

@@ -130,6 +130,20 @@ def test_fused_tensor_of_the_wrong_size_is_one_line(tmp_path, capsys):
     assert not (tmp_path / "zoo").exists()
 
 
+def test_peft_export_of_fused_projections_is_refused_in_one_line(converted, tmp_path, capsys):
+    """Phi-3's q/k/v and gate/up are one Linear each in transformers: adapters on them have no PEFT layout."""
+    from tests.helpers import write_adapter_checkpoint
+    from zoo.lora import LoraConfig
+
+    _, root = converted("phi3")
+    adapter = write_adapter_checkpoint(root / "zoo", tmp_path / "lora", LoraConfig(rank=2, targets=["q_proj", "o_proj"]))
+    capsys.readouterr()
+    assert main(["export", str(adapter), "--adapter", "--out", str(tmp_path / "peft")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "layers.q have no PEFT layout: phi3's qkv_proj is one module" in err
+    assert not (tmp_path / "peft").exists()
+
+
 # Registry name -> (published parameter count, what its config must give).
 RELEASED = {
     "smollm3-3b": (3.08e9, dict(nope_layers=tuple(range(3, 36, 4)), tie_word_embeddings=True)),
@@ -147,7 +161,7 @@ def test_released_configs(name):
     """Each registry entry's released config: the model's size as published, its traits, and the config.json
     export generates for it from the model alone: every field as transformers' own config class gives it for
     the released one, and the RoPE transformers reads from it the released one's. (Left out: the token ids and
-    SmolLM3's pretraining_tp, which no model reads; the RoPE's spelling, which the release gives in an older
+    SmolLM3's pretraining_tp, which no model reads; the RoPE's spelling, which the releases give in an older
     format.)"""
     from transformers import AutoConfig
 
@@ -166,7 +180,9 @@ def test_released_configs(name):
     ref = AutoConfig.for_model(entry.hf_config["model_type"],
                                **{k: v for k, v in entry.hf_config.items() if k not in skip}).to_diff_dict()
     ours = export_hf_config(cfg, None, "bfloat16")
-    drop = skip | {"dtype", "transformers_version", "pretraining_tp", "rope_parameters"}
+    # Phi-4-mini's release also spells partial_rotary_factor at the top level, its older place (rope_parameters
+    # holds it, compared below).
+    drop = skip | {"dtype", "transformers_version", "pretraining_tp", "rope_parameters", "partial_rotary_factor"}
     assert {k: v for k, v in ours.items() if k not in drop} == {k: v for k, v in ref.items() if k not in drop}
     rope = AutoConfig.for_model(ours["model_type"], **{k: v for k, v in ours.items() if k not in skip}).rope_parameters
     assert _rope_values(rope) == _rope_values(ref["rope_parameters"])
