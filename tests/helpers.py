@@ -86,10 +86,10 @@ FAMILIES = {
                                "original_max_position_embeddings": 32, "attention_factor": 1.2},
             "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}})),
     # Phi-4-mini's shape of attention: fused qkv/gate_up, partial rotary (12 of 16), LongRoPE (its short factors
-    # up to 24 positions, the long ones past), sliding window on every layer (wider than the tests' rows).
+    # up to 24 positions, the long ones past), sliding window (16) on every layer.
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
         tie_word_embeddings=True, max_position_embeddings=256, original_max_position_embeddings=24,
-        sliding_window=64, **OWN_TOKEN_IDS["phi3"], rope_parameters={
+        sliding_window=16, **OWN_TOKEN_IDS["phi3"], rope_parameters={
             "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
             "short_factor": [1.0, 1.1, 1.3, 1.2, 1.0, 1.5], "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
             "original_max_position_embeddings": 24})),
