@@ -12,6 +12,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from convert import fp8, mtp, mxfp4
+from convert.fused import split_fused
 from convert.hf_config import model_config_from_hf, source_format
 from convert.safetensors_out import write_streaming
 from convert.source import Source, open_source
@@ -95,6 +96,8 @@ def convert(source: str, out: str | Path, dtype: str | None = None, progress: bo
         raise UserError(f"--keep-mtp: {src.description} has no multi-token-prediction layer to keep "
                         "(its config sets no num_nextn_predict_layers, or the checkpoint has no tensors past "
                         "num_hidden_layers); convert without --keep-mtp")
+    if fmt == "hf":
+        src.reader = split_fused(src.reader, cfg, src.description)  # Phi-3's qkv_proj as q/k/v_proj, ...
     rules = table_for(cfg.family, fmt, cfg)
     check_source(src, cfg, rules)
     if fmt == "hf-gemma3-multimodal":

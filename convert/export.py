@@ -24,6 +24,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from convert.convert import DTYPES
+from convert.fused import fuse_planned, place_parts
 from convert.hf_config import export_hf_config
 from convert.mtp import EXTRA_FILE
 from convert.readers import SafetensorsFolder
@@ -196,15 +197,18 @@ def export(
     cfg = ModelConfig.from_dict(meta["config"])
     out = Path(out).absolute()
     tensors = plan_tensors(cfg, meta, dtype) + plan_extra_tensors(Path(ckpt), dtype)
+    tensors, parts = fuse_planned(cfg, tensors)  # Phi-3's q/k/v_proj written as one qkv_proj, ...
     n = assign_shards(tensors, parse_size(max_shard_size))
     with atomic_output(out, overwrite) as tmp:
-        _write_shards(Path(ckpt), cfg, tensors, n, tmp, progress)
+        _write_shards(Path(ckpt), cfg, tensors, n, tmp, progress, place_parts(tensors, parts))
         _write_side_files(Path(ckpt), meta, cfg, tensors, n, tmp, dtype, repo_hint or out.name)
     return out
 
 
 def _write_shards(ckpt: Path, cfg: ModelConfig, tensors: list[PlannedTensor], n: int, tmp: Path,
-                  progress: bool | None) -> None:
+                  progress: bool | None, writes: list[PlannedTensor] | None = None) -> None:
+    """The shard files of ``tensors`` (their headers), filled from ``writes`` (default: ``tensors``; a fused
+    tensor's parts instead of it: :func:`convert.fused.place_parts`)."""
     fds, data_start = [], []
     try:
         for i in range(n):
@@ -216,7 +220,7 @@ def _write_shards(ckpt: Path, cfg: ModelConfig, tensors: list[PlannedTensor], n:
             os.ftruncate(fd, len(header) + sum(t.nbytes for t in mine))
             data_start.append(len(header))
         by_param: dict[str, list[PlannedTensor]] = {}
-        for t in tensors:
+        for t in tensors if writes is None else writes:
             by_param.setdefault(t.zoo, []).append(t)
         bar = tqdm(by_param.items(), desc="export", unit="param", disable=None if progress is None else not progress)
         for zoo_path, items in bar:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from convert.hf_layer_fields import read_layer_fields, read_longrope, write_layer_fields
 from zoo.config import ModelConfig, RopeConfig
 from zoo.errors import UserError
 
@@ -64,6 +65,12 @@ FAMILIES: dict[str, FamilyTraits] = {
     "glm4_moe": FamilyTraits("glm4_moe", "Glm4MoeForCausalLM", qk_norm="use_qk_norm", o_bias=False, moe="glm4_moe",
                              partial_rotary=True),
     "gpt_oss": FamilyTraits("gpt_oss", "GptOssForCausalLM", moe="gpt_oss"),
+    # SmolLM3 (NoPE layers), OLMo 2/3 (post-norms only, q/k norms over all heads; OLMo 3's sliding layers) and
+    # Phi-3/Phi-4 (fused qkv_proj/gate_up_proj: convert.fused; partial rotary, LongRoPE): convert.hf_layer_fields.
+    "smollm3": FamilyTraits("smollm3", "SmolLM3ForCausalLM", mlp_bias="mlp_bias"),
+    "olmo2": FamilyTraits("olmo2", "Olmo2ForCausalLM", post_norms=True, qk_norm=True),
+    "olmo3": FamilyTraits("olmo3", "Olmo3ForCausalLM", post_norms=True, qk_norm=True),
+    "phi3": FamilyTraits("phi3", "Phi3ForCausalLM", qkv_bias=False, o_bias=False, sliding_on_every_layer=True),
 }
 
 # architecture -> (family, source format of its weight names)
@@ -76,7 +83,7 @@ MODEL_TYPES: dict[str, tuple[str, str]] = {
     "gemma3": ("gemma3", "hf-gemma3-multimodal"),
 }
 
-SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn", "longrope")
 LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
 
 
@@ -112,7 +119,7 @@ def _rope(params: dict[str, Any], c: Any, where: str) -> RopeConfig:
         raise UserError(f"{where}: rope type {kind!r} is not supported; supported: {SUPPORTED_ROPE}")
     # A value of the HF config, as it comes (int() turns a bad one into the caller's error).
     original_max: Any = params.get("original_max_position_embeddings") or getattr(c, "max_position_embeddings", 8192)
-    return RopeConfig(
+    rope = RopeConfig(
         theta=float(params.get("rope_theta", getattr(c, "rope_theta", None) or 10000.0)),
         kind=kind,
         factor=float(params.get("factor", 1.0)),
@@ -126,6 +133,7 @@ def _rope(params: dict[str, Any], c: Any, where: str) -> RopeConfig:
         attention_factor=_opt_float(params.get("attention_factor")),
         truncate=bool(params.get("truncate", True)),
     )
+    return read_longrope(rope, params, c) if kind == "longrope" else rope
 
 
 def _opt_float(x: Any) -> float | None:
@@ -291,10 +299,12 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
             layer_types=kinds if sliding else None,
             rope_local=local if sliding and local != rope else None,
             **moe,
+            **read_layer_fields(family, c, rp),
         )
     except (TypeError, ValueError, AttributeError) as e:
         raise UserError(f"{where}: cannot read the model config ({e})") from None
-    if getattr(c, "pretraining_tp", 1) not in (1, None):
+    # SmolLM3's model never reads pretraining_tp (its release's config says 2).
+    if getattr(c, "pretraining_tp", 1) not in (1, None) and family != "smollm3":
         raise UserError(f"{where}: pretraining_tp={c.pretraining_tp} is not supported; set it to 1")
     from zoo.blocks import ACTIVATIONS
 
@@ -401,6 +411,7 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
             out["topk_method"] = "group_limited_greedy" if cfg.router_groups > 1 else "greedy"
         else:
             out.update(norm_topk_prob=cfg.router_norm_topk, rope_interleave=cfg.hf_rope_interleave)
+    write_layer_fields(cfg, out)
     return out
 
 

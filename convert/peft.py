@@ -24,6 +24,7 @@ import numpy as np
 from convert import peft_experts
 from convert.convert import DTYPES, shape_only
 from convert.export import DTYPES_ALL, ST_NAMES, PlannedTensor, assign_shards, export, planned_files, safetensors_header
+from convert.fused import fused_module
 from convert.tables import BoundRule, table_for
 from convert.transforms import TRANSFORMS
 from zoo import quant_checkpoint
@@ -138,6 +139,11 @@ def _adapted_rules(cfg: ModelConfig, meta: dict[str, Any], ckpt: str | os.PathLi
                 raise UserError(f"{ckpt}: adapters on routed experts ({rule.zoo}) have no PEFT layout for "
                                 f"{cfg.family}; export the merged model instead (zoo export without --adapter)")
             continue
+        fused = fused_module(cfg, rule.hf)
+        if fused is not None:  # Phi-3: one Linear (qkv_proj, gate_up_proj) where the zoo has one adapter a part
+            raise UserError(f"{ckpt}: adapters on {rule.zoo} have no PEFT layout: {cfg.family}'s "
+                            f"{fused.rsplit('.', 2)[-2]} is one module in transformers, which peft adapts as a whole; "
+                            "export the merged model instead (zoo export without --adapter)")
         if rule.transform not in LORA_LAYOUTS or not rule.hf.endswith(".weight"):
             raise UserError(f"{ckpt}: adapters on {rule.zoo} ({rule.transform} layout) have no PEFT layout; "
                             "export the merged model instead (zoo export without --adapter)")

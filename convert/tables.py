@@ -11,6 +11,7 @@ mixture-of-experts layers.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -173,6 +174,15 @@ def decoder_table(prefix: str = "model.", moe: str | None = None) -> list[Rule]:
     ]
 
 
+def post_norm_table() -> list[Rule]:
+    """OLMo 2/3's naming: the shared decoder's without the pre-norms (``input_layernorm``, the pre-MLP norm),
+    whose blocks norm only attention's and the MLP's outputs (``post_attention_layernorm``,
+    ``post_feedforward_layernorm``), and whose q/k norms span all heads: [heads * head_dim] <-> [heads, head_dim]."""
+    full_width = {"layers.q_norm": "q_bias", "layers.k_norm": "kv_bias"}
+    return [dataclasses.replace(r, transform=full_width.get(r.zoo, r.transform))
+            for r in decoder_table() if r.zoo not in ("layers.attn_norm", "layers.mlp_norm")]
+
+
 _B = "blk.{i}."
 
 
@@ -270,6 +280,9 @@ TABLES: dict[tuple[str, str], list[Rule]] = {
     **{(f, "hf"): decoder_table(moe="deepseek") for f in ("deepseek_v2", "deepseek_v3")},
     # Qwen3-MoE and GLM-4.5 name their experts, router (and GLM's selection bias, shared experts) as DeepSeek does.
     **{(f, "hf"): decoder_table(moe="deepseek") for f in ("qwen3_moe", "glm4_moe")},
+    # SmolLM3 shares the naming; Phi-3/Phi-4 too once their fused qkv_proj / gate_up_proj are split (convert.fused).
+    **{(f, "hf"): HF_DECODER for f in ("smollm3", "phi3")},
+    **{(f, "hf"): post_norm_table() for f in ("olmo2", "olmo3")},
     ("llama", "gguf"): LLAMA_GGUF,
     **{(f, "gguf"): gguf_table() for f in GGUF_FAMILIES},
     ("qwen3_moe", "gguf"): gguf_moe_table(),

@@ -38,9 +38,17 @@ def qkv_heads(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, cfg: ModelC
     if cfg.qkv_bias:
         q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
     if cfg.qk_norm:
-        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, cfg.norm_offset)
-        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+        q, k = qk_norm(q, p["q_norm"], cfg), qk_norm(k, p["k_norm"], cfg)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def qk_norm(x: jax.Array, w: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """RMSNorm of q or k [b, t, heads, head_dim] by w: per head (w [head_dim]), or with ``qk_norm_span`` "all"
+    over all heads at once (w [heads, head_dim]: OLMo 2/3 normalize the whole projection output)."""
+    if cfg.qk_norm_span == "all":
+        flat = rms_norm(x.reshape(*x.shape[:2], -1), w.reshape(-1), cfg.rms_norm_eps, cfg.norm_offset)
+        return flat.reshape(x.shape)
+    return rms_norm(x, w, cfg.rms_norm_eps, cfg.norm_offset)
 
 
 def head_major(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

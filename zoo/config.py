@@ -14,8 +14,8 @@ from zoo.errors import UserError
 class RopeConfig:
     """Rotary position embedding settings.
 
-    ``kind`` is the Hugging Face ``rope_type``: ``default``, ``linear`` or
-    ``llama3``. The scaling fields are only read by the kinds that use them.
+    ``kind`` is the Hugging Face ``rope_type``: ``default``, ``linear``,
+    ``llama3``, ``yarn`` or ``longrope``. The scaling fields are only read by the kinds that use them.
     """
 
     theta: float = 10000.0
@@ -31,6 +31,15 @@ class RopeConfig:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
     truncate: bool = True
+    # LongRoPE (Phi-3/Phi-4): per-frequency divisors of the inverse frequencies, the short ones up to
+    # original_max_position_embeddings tokens, the long ones past it (``factor`` sets the attention factor).
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        # JSON gives lists; the config must stay hashable (it is a static argument of jitted functions).
+        for name in ("short_factor", "long_factor"):
+            object.__setattr__(self, name, tuple(float(x) for x in getattr(self, name)))
 
 
 LAYER_KINDS = ("full", "sliding")
@@ -112,7 +121,7 @@ class ModelConfig:
     # in mlp_only_layers (and i >= dense_layers); the others keep a dense MLP, wherever they sit.
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
-    # The share of each head's dimensions RoPE rotates (GLM-4.5: 0.5, the first half; the rest pass through).
+    # The share of each head's dimensions RoPE rotates (GLM-4.5: 0.5, Phi-4-mini 0.75: the leading ones; the rest pass through).
     partial_rotary_factor: float = 1.0
     # gpt-oss: a learned per-head logit in every softmax's denominator (attention sinks), a bias on the router's
     # logits and on every expert projection, and the clamped SwiGLU of its experts (swiglu_limit None: the plain
@@ -122,8 +131,20 @@ class ModelConfig:
     expert_bias: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    # Layers whose attention applies no RoPE (SmolLM3's NoPE layers), by index.
+    nope_layers: tuple[int, ...] = ()
+    # False: no norm before attention and MLP (OLMo 2/3, whose only layer norms are the post_norms).
+    pre_norms: bool = True
+    # How q_norm/k_norm span a token's q and k: "head" normalizes each head (Qwen 3, Gemma 3); "all" all heads
+    # at once, one RMS over heads * head_dim (OLMo 2/3).
+    qk_norm_span: str = "head"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "nope_layers", tuple(int(i) for i in self.nope_layers))
+        if self.qk_norm_span not in ("head", "all"):
+            raise UserError(f"model config: qk_norm_span {self.qk_norm_span!r} is not one of head, all")
+        if any(not 0 <= i < self.num_layers for i in self.nope_layers):
+            raise UserError(f"model config: nope_layers must be layer indices below {self.num_layers}")
         if self.attention not in ATTENTION_KERNELS:
             raise UserError(f"model config: attention {self.attention!r} is not one of {', '.join(ATTENTION_KERNELS)}")
         if self.num_heads % self.num_kv_heads:

@@ -46,9 +46,10 @@ from jax.sharding import Mesh, NamedSharding
 from zoo.attention import causal_attention, head_major, mla_heads, output_projection, qkv_heads
 from zoo.blocks import soft_cap
 from zoo.config import ModelConfig
+from zoo.longrope_cache import switch_to_long
 from zoo.masks import kind_window
 from zoo.model import Segment, decoder_layer, embed_tokens, norm, output_logits, scan_segments, stack_slice
-from zoo.rope import rope_tables_by_kind
+from zoo.rope import layer_rope, rope_flags, rope_tables_by_kind
 
 NEG = float(jnp.finfo(jnp.float32).min)
 
@@ -247,7 +248,7 @@ def _gqa_attention(x: jax.Array, p: dict, c: dict | None, cos: jax.Array, sin: j
     (``lora``: the layer's adapters, beside the base matmuls as in training).
 
     Returns (output, new k/v [b, t, hk, d])."""
-    q, k, v = qkv_heads(x, p, cos, sin, cfg, p["attn_norm"], lora=lora, lora_scale=lora_scale)
+    q, k, v = qkv_heads(x, p, cos, sin, cfg, p.get("attn_norm"), lora=lora, lora_scale=lora_scale)
     qg, kh, vh = head_major(q, k, v)
     old_ok, new_ok = masks
     sinks = p["sinks"] if cfg.attn_sinks else None
@@ -352,8 +353,10 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, ca
     vi = valid.astype(jnp.int32)
     pos = cache.lengths[:, None] + jnp.cumsum(vi, axis=1) - vi
     new_lengths = cache.lengths + vi.sum(1)
+    if cfg.rope.kind == "longrope" and not fresh:  # Phi-3: past original_max_position_embeddings, long factors
+        cache = Cache(switch_to_long(cfg, cache.layers, cache.lengths, new_lengths, _slot_positions), cache.lengths)
 
-    ropes = rope_tables_by_kind(cfg, pos)
+    ropes = rope_tables_by_kind(cfg, pos, valid)
     slots = {kind: arrays["latent" if cfg.mla else "v"].shape[2 if cfg.mla else 3]
              for group in cache.layers.values() for kind, arrays in group.items()}
     # Slots read per kind: none when fresh, the first `view` when every row fits in them.
@@ -363,9 +366,9 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, ca
              for kind, n in read.items()}
     x = embed_tokens(cfg, params, tokens)
 
-    def layer(x: jax.Array, inputs: tuple[dict, dict | None, dict | None], kind: str,
+    def layer(x: jax.Array, inputs: tuple[dict, dict | None, jax.Array | None, dict | None], kind: str,
               moe: bool) -> tuple[jax.Array, dict]:
-        p, lp, c = inputs
+        p, lp, rope_on, c = inputs
         n = read[kind]
         if c is not None and n < slots[kind]:
             # One layer's arrays: MLA [b, S, r], k [b, hk, d, S], v [b, hk, S, d].
@@ -375,7 +378,8 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, ca
         def attend(x: jax.Array) -> tuple[jax.Array, dict]:
             if cfg.mla:
                 return _mla_attention(norm(cfg, x, p["attn_norm"]), p, c, *ropes[kind], masks[kind], cfg, mla_absorb)
-            return _gqa_attention(x, p, c, *ropes[kind], masks[kind], windows[kind], cfg, lp, scale)
+            return _gqa_attention(x, p, c, *layer_rope(ropes[kind], rope_on), masks[kind], windows[kind], cfg, lp,
+                                  scale)
 
         x, new, _ = decoder_layer(cfg, x, p, attend, moe, valid, lp, scale)
         return x, new
@@ -387,10 +391,13 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, ca
         stack = next(layers for p, layers, _ in cfg.layer_stacks if p == prefix)
         kinds = tuple(cfg.kinds[i] for i in stack[:first]) + cfg.kinds[start:stop]
         group = cache.layers[prefix]
-        stacked = stack_slice((params[prefix], (lora or {}).get(prefix)), first, stop - start)  # adapters: like weights
+        # Adapters and the NoPE layers' flags (SmolLM3) are stacked like the weights and sliced with them.
+        stacked = stack_slice((params[prefix], (lora or {}).get(prefix)), first, stop - start) + (
+            rope_flags(cfg, start, stop),)
 
         def inputs(seg: Segment, j: int, kinds: tuple[str, ...] = kinds, group: dict = group,
-                   stacked: tuple = stacked, first: int = first) -> tuple[dict, dict | None, dict | None]:
+                   stacked: tuple = stacked, first: int = first) -> tuple[dict, dict | None, jax.Array | None,
+                                                                          dict | None]:
             i0, step = _kind_slice(kinds, dataclasses.replace(seg, start=seg.start + first), j)
             cached = None if fresh else jax.tree.map(lambda a: a[i0: i0 + seg.repeats * step: step],
                                                      group[seg.kinds[j]])

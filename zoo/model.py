@@ -29,7 +29,7 @@ from zoo.masks import kind_window, visibility
 from zoo.mlp import mlp
 from zoo.moe import aux_losses, moe_mlp
 from zoo.params import flatten, init_params, nest, param_specs
-from zoo.rope import rope_tables_by_kind
+from zoo.rope import layer_rope, rope_flags, rope_tables_by_kind
 from zoo.sharding import batch_sharded
 
 
@@ -169,8 +169,8 @@ def decoder_layer(cfg: ModelConfig, x: jax.Array, p: dict, attend: Callable[[jax
     stats: dict = {}
     if moe:
         h, stats = moe_mlp(norm(cfg, x, p["mlp_norm"]), p, cfg, valid, lora=lora, lora_scale=lora_scale, drop=drop)
-    else:
-        h = mlp(x, p, cfg, norm_w=p["mlp_norm"], lora=lora, lora_scale=lora_scale, drop=drop)
+    else:  # without pre-norms (OLMo 2/3) the MLP reads x itself
+        h = mlp(x, p, cfg, norm_w=p.get("mlp_norm"), lora=lora, lora_scale=lora_scale, drop=drop)
     if cfg.post_norms:
         h = norm(cfg, h, p["post_mlp_norm"])
     return batch_sharded(x + h), extra, stats
@@ -301,14 +301,15 @@ def forward(
     x = embed_tokens(cfg, params, tokens)
 
     def layer(x: jax.Array, inputs: tuple, kind: str, moe: bool) -> tuple[jax.Array, dict]:
-        p, lp, key = inputs
+        p, lp, key, rope_on = inputs
         drop = None if key is None else LoraDropout(lora_dropout, key)
 
         def attend(x: jax.Array) -> tuple[jax.Array, None]:
             if cfg.mla:  # MLA has no adapters (zoo.lora)
                 return mla_attention(norm(cfg, x, p["attn_norm"]), p, *ropes[kind], seen[kind], cfg), None
-            return attention(x, p, *ropes[kind], seen[kind], cfg, norm_w=p["attn_norm"], lora=lp,
-                             lora_scale=scale, drop=drop), None
+            # Without pre-norms (OLMo 2/3) attention reads x itself; a NoPE layer's q and k are not rotated.
+            return attention(x, p, *layer_rope(ropes[kind], rope_on), seen[kind], cfg, norm_w=p.get("attn_norm"),
+                             lora=lp, lora_scale=scale, drop=drop), None
 
         x, _, stats = decoder_layer(cfg, x, p, attend, moe, valid, lp, scale, drop)
         return x, stats
@@ -319,7 +320,7 @@ def forward(
         # scanned with the weights, so the scan body never indexes a stack.
         adapters = (lora or {}).get(prefix)
         keys = None if drop_keys is None or adapters is None else drop_keys[start:stop]
-        stacked = stack_slice((params[prefix], adapters), first, stop - start) + (keys,)
+        stacked = stack_slice((params[prefix], adapters), first, stop - start) + (keys, rope_flags(cfg, start, stop))
         x, done = scan_segments(x, cfg.kinds[start:stop], lambda seg, j: seg.at(j, stacked), partial(layer, moe=moe),
                                 remat, stack=moe)
         if moe:

@@ -76,7 +76,10 @@ def _layer_specs(cfg: ModelConfig, L: int, moe: bool) -> dict[str, ParamSpec]:
         s["v_bias"] = ParamSpec((L, K, D), lay + ("kv_heads", "head_dim"), "zeros")
     if cfg.o_bias:
         s["o_bias"] = ParamSpec((L, E), lay + ("embed",), "zeros")
-    if cfg.qk_norm:
+    if cfg.qk_norm and cfg.qk_norm_span == "all":  # one weight per element of all heads (OLMo 2/3)
+        s["q_norm"] = ParamSpec((L, H, D), lay + ("heads", "head_dim"), unit)
+        s["k_norm"] = ParamSpec((L, K, D), lay + ("kv_heads", "head_dim"), unit)
+    elif cfg.qk_norm:
         s["q_norm"] = ParamSpec((L, D), lay + ("head_dim",), unit)
         s["k_norm"] = ParamSpec((L, D), lay + ("head_dim",), unit)
     if cfg.attn_sinks:
@@ -88,6 +91,8 @@ def _layer_specs(cfg: ModelConfig, L: int, moe: bool) -> dict[str, ParamSpec]:
         s["gate_bias"] = ParamSpec((L, F), lay + ("mlp",), "zeros")
         s["up_bias"] = ParamSpec((L, F), lay + ("mlp",), "zeros")
         s["down_bias"] = ParamSpec((L, E), lay + ("embed",), "zeros")
+    if not cfg.pre_norms:  # OLMo 2/3: the post-norms are a layer's only norms
+        del s["attn_norm"], s["mlp_norm"]
     return s
 
 
