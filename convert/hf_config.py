@@ -36,7 +36,6 @@ class FamilyTraits:
     uses_query_pre_attn_scalar: bool = False
     sliding_on_every_layer: bool = False  # Mistral: one window for all layers, no layer_types
     moe: str | None = None  # "mixtral" | "deepseek_v2" | "deepseek_v3" | "qwen3_moe" | "glm4_moe": how routing is configured
-    partial_rotary: bool = False  # RoPE rotates rope_parameters' partial_rotary_factor of each head (GLM-4.5)
 
 
 FAMILIES: dict[str, FamilyTraits] = {
@@ -62,8 +61,7 @@ FAMILIES: dict[str, FamilyTraits] = {
     "qwen3_moe": FamilyTraits("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True, sliding_on_every_layer=True,
                               moe="qwen3_moe"),
     # GLM-4.5's o_proj never has a bias, whatever attention_bias says.
-    "glm4_moe": FamilyTraits("glm4_moe", "Glm4MoeForCausalLM", qk_norm="use_qk_norm", o_bias=False, moe="glm4_moe",
-                             partial_rotary=True),
+    "glm4_moe": FamilyTraits("glm4_moe", "Glm4MoeForCausalLM", qk_norm="use_qk_norm", o_bias=False, moe="glm4_moe"),
     "gpt_oss": FamilyTraits("gpt_oss", "GptOssForCausalLM", moe="gpt_oss"),
     # SmolLM3 (NoPE layers), OLMo 2/3 (post-norms only, q/k norms over all heads; OLMo 3's sliding layers) and
     # Phi-3/Phi-4 (fused qkv_proj/gate_up_proj: convert.fused; partial rotary, LongRoPE): convert.hf_layer_fields.
@@ -259,8 +257,6 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
         act = "gelu_pytorch_tanh"  # transformers itself swaps the legacy exact GELU for the tanh one
     heads, hidden = int(c.num_attention_heads), int(c.hidden_size)
     moe = _moe_fields(traits, c, where)
-    if traits.partial_rotary:
-        moe["partial_rotary_factor"] = float(rp.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0)))
     head_dim = int(getattr(c, "head_dim", None) or hidden // heads)
     kv_heads = int(getattr(c, "num_key_value_heads", None) or heads)
     if moe.get("kv_lora_rank"):
