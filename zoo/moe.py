@@ -3,7 +3,7 @@
 Experts are stacked ``[experts, ...]`` in one parameter per projection and
 sharded over the ``expert`` mesh axis. The default dispatch is exact
 (dropless): assignments are sorted by expert and run through one grouped
-matmul (``jax.lax.ragged_dot``). With ``capacity_factor`` set, each expert
+matmul (``jax.lax.ragged_dot`` on TPUs, tiles of one expert elsewhere: :mod:`zoo.grouped`). With ``capacity_factor`` set, each expert
 takes at most ``ceil(capacity_factor * tokens * k / experts)`` tokens in
 fixed-size buffers (GShard-style dispatch/combine einsums: static shapes,
 faster on accelerators) and the tokens over capacity are dropped and counted.
@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from zoo.adapted import LoraDropout, lora_out
 from zoo.blocks import ACTIVATIONS, dense
 from zoo.config import ModelConfig
+from zoo.grouped import grouped_matmul
 from zoo.quant import QuantizedWeight, materialize
 
 STAT_KEYS = ("expert_counts", "router_prob_sum", "router_lse_sq_sum", "dropped_tokens", "tokens")
@@ -82,21 +83,21 @@ def _ragged(xs: jax.Array, p: dict, name: str, sizes: jax.Array, lora: dict | No
     With ``drop`` each row (one token's assignment to one expert) gets its own dropout mask, as each
     expert's own dropout would give it."""
     w = p[name]
-    y = _frozen_ragged_dot(xs, w, sizes) if isinstance(w, QuantizedWeight) else jax.lax.ragged_dot(xs, w, sizes)
+    y = _frozen_ragged_dot(xs, w, sizes) if isinstance(w, QuantizedWeight) else grouped_matmul(xs, w, sizes)
     ad = (lora or {}).get(name)
     if ad is None:
         return y
     xs = _adapter_input(xs, name, drop)
-    # ragged_dot wants one dtype: the adapter path runs in the adapters' (float32 adapters on a bf16 base).
-    u = jax.lax.ragged_dot(xs.astype(ad["a"].dtype), ad["a"], sizes)
-    return y + (scale * jax.lax.ragged_dot(u, ad["b"].astype(u.dtype), sizes)).astype(y.dtype)
+    # One dtype: the adapter path runs in the adapters' (float32 adapters on a bf16 base).
+    u = grouped_matmul(xs.astype(ad["a"].dtype), ad["a"], sizes)
+    return y + (scale * grouped_matmul(u, ad["b"].astype(u.dtype), sizes)).astype(y.dtype)
 
 
 @jax.custom_vjp
 def _frozen_ragged_dot(xs: jax.Array, qw: QuantizedWeight, sizes: jax.Array) -> jax.Array:
     """ragged_dot with a quantized (QLoRA) expert stack [X, in, out]: dequantized here and again in the
     backward pass, which keeps the quantized stack rather than a float copy and gives it no gradient."""
-    return jax.lax.ragged_dot(xs, materialize(qw).astype(xs.dtype), sizes)
+    return grouped_matmul(xs, materialize(qw).astype(xs.dtype), sizes)
 
 
 def _frozen_ragged_dot_fwd(xs, qw, sizes):
@@ -110,7 +111,7 @@ def _frozen_ragged_dot_bwd(res, g):
 
     qw, sizes = res
     w = jnp.swapaxes(materialize(qw), -1, -2).astype(g.dtype)
-    return jax.lax.ragged_dot(g, w, sizes), zero_cotangent(qw), np.zeros(sizes.shape, jax.dtypes.float0)
+    return grouped_matmul(g, w, sizes), zero_cotangent(qw), np.zeros(sizes.shape, jax.dtypes.float0)
 
 
 _frozen_ragged_dot.defvjp(_frozen_ragged_dot_fwd, _frozen_ragged_dot_bwd)
