@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 # Chunks of tiles are multiplied together, their weights gathered: at most this many weight elements a chunk.
-CHUNK_WEIGHT_ELEMENTS = 1 << 22
+CHUNK_WEIGHT_ELEMENTS = 1 << 18
 
 
 def tile_rows(rows: int, groups: int) -> int:
@@ -50,10 +50,71 @@ def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, platform: str |
     row = jnp.arange(m, dtype=jnp.int32)
     group = jnp.searchsorted(ends, row, side="right")  # G past the last group's rows
     grp = jnp.minimum(group, g - 1)
-    # Each row's place in the tiled layout: its group's first tile, then its offset in the group.
+    # Each row's place in the tiled layout (its group's first tile, then its offset in the group), and each
+    # place's row (m: none): the two are inverse, so rows move either way by a gather.
     dest = jnp.where(group < g, (tile_ends[grp] - per_group[grp]) * tile + row - starts[grp], tiles * tile)
-    xt = jnp.zeros((tiles * tile, k), x.dtype).at[dest].set(x, mode="drop").reshape(tiles, tile, k)
     owner = jnp.minimum(jnp.searchsorted(tile_ends, jnp.arange(tiles, dtype=jnp.int32), side="right"), g - 1)
-    chunk = max(1, min(tiles, CHUNK_WEIGHT_ELEMENTS // max(k * n, 1)))
-    yt = jax.lax.map(lambda a: jnp.dot(a[0], w[a[1]]), (xt, owner), batch_size=chunk)
-    return yt.reshape(tiles * tile, n).at[dest].get(mode="fill", fill_value=0)
+    first = tile_ends[owner] - per_group[owner]  # each tile's group's first tile
+    at = jnp.arange(tiles * tile, dtype=jnp.int32) - jnp.repeat(first, tile) * tile
+    src = jnp.where(at < jnp.repeat(sizes[owner], tile), jnp.repeat(starts[owner], tile) + at, m)
+    return _tiled(x, w, src, dest, owner)
+
+
+def _rows(x: jax.Array, index: jax.Array) -> jax.Array:
+    return x.at[index].get(mode="fill", fill_value=0)
+
+
+def _chunk(tiles: int, k: int, n: int) -> int:
+    return max(1, min(tiles, CHUNK_WEIGHT_ELEMENTS // max(k * n, 1)))
+
+
+def _tile_products(xt: jax.Array, w: jax.Array, owner: jax.Array, transposed: bool = False) -> jax.Array:
+    """Each tile [tiles, tile, k] times its group's weight ``w[owner]`` [k, n] (``transposed``: w [n, k], times
+    its transpose, read in place), a chunk of tiles at a time."""
+    chunk = _chunk(xt.shape[0], w.shape[1], w.shape[2])
+    contract = int(transposed)  # w[e] is [k, n], or [n, k] read transposed
+
+    def product(a: tuple) -> jax.Array:
+        return jax.lax.dot_general(a[0], w[a[1]], (((1,), (contract,)), ((), ())))
+
+    return jax.lax.map(product, (xt, owner), batch_size=chunk)
+
+
+@jax.custom_vjp
+def _tiled(x: jax.Array, w: jax.Array, src: jax.Array, dest: jax.Array, owner: jax.Array) -> jax.Array:
+    """The grouped matmul over tiles: rows to tiles (``src``), each tile by its group's weight (``owner``),
+    rows back (``dest``). Its backward pass is grouped matmuls too (as Megablox's): the rows' gradient through
+    the transposed weights, and each weight's as the sum over its tiles of x_tile^T dy_tile, so autodiff stores
+    no gathered weights and XLA drops the weights' part where they are frozen."""
+    m, k = x.shape
+    tiles = owner.shape[0]
+    xt = _rows(x, src).reshape(tiles, -1, k)
+    return _rows(_tile_products(xt, w, owner).reshape(-1, w.shape[2]), dest)
+
+
+def _tiled_fwd(x, w, src, dest, owner):
+    return _tiled(x, w, src, dest, owner), (x, w, src, dest, owner)
+
+
+def _tiled_bwd(res, dy):
+    x, w, src, dest, owner = res
+    tiles, k, n = owner.shape[0], w.shape[1], w.shape[2]
+    dyt = _rows(dy, src).reshape(tiles, -1, n)
+    dx = _rows(_tile_products(dyt, w, owner, transposed=True).reshape(-1, k), dest)
+    xt = _rows(x, src).reshape(tiles, -1, k)
+    chunk = _chunk(tiles, k, n)
+    pad = -tiles % chunk  # whole chunks: the padding tiles add zeros to group 0
+    xt, dyt = (jnp.pad(a, ((0, pad), (0, 0), (0, 0))) for a in (xt, dyt))
+    own = jnp.pad(owner, (0, pad))
+
+    def add(dw: jax.Array, c: tuple) -> tuple[jax.Array, None]:
+        xc, dc, oc = c
+        return dw.at[oc].add(jnp.einsum("tik,tin->tkn", xc, dc).astype(dw.dtype)), None
+
+    split = lambda a: a.reshape((-1, chunk) + a.shape[1:])  # noqa: E731
+    dw, _ = jax.lax.scan(add, jnp.zeros(w.shape, jnp.result_type(x.dtype, dy.dtype)),
+                         (split(xt), split(dyt), split(own)))
+    return dx.astype(x.dtype), dw.astype(w.dtype), None, None, None
+
+
+_tiled.defvjp(_tiled_fwd, _tiled_bwd)
