@@ -407,7 +407,7 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
             out["topk_method"] = "group_limited_greedy" if cfg.router_groups > 1 else "greedy"
         else:
             out.update(norm_topk_prob=cfg.router_norm_topk, rope_interleave=cfg.hf_rope_interleave)
-    write_layer_fields(cfg, out)
+    write_layer_fields(cfg, out, _rope_dict)
     return out
 
 

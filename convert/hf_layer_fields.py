@@ -10,6 +10,7 @@ config classes spell them, so an exported config.json is the one
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from zoo.config import ModelConfig, RopeConfig
@@ -64,8 +65,9 @@ def _longrope_dict(cfg: ModelConfig) -> dict[str, Any]:
     return d
 
 
-def write_layer_fields(cfg: ModelConfig, out: dict[str, Any]) -> None:
-    """Complete (in place) the HF config fields ``out`` of ``cfg`` with this module's families' own."""
+def write_layer_fields(cfg: ModelConfig, out: dict[str, Any], rope_dict: Callable[[RopeConfig], dict]) -> None:
+    """Complete (in place) the HF config fields ``out`` of ``cfg`` with this module's families' own
+    (``rope_dict``: a RoPE's rope_parameters, convert.hf_config's)."""
     if cfg.family == "smollm3":
         interval, derived = _nope_interval(cfg)
         out["no_rope_layer_interval"] = interval
@@ -76,10 +78,8 @@ def write_layer_fields(cfg: ModelConfig, out: dict[str, Any]) -> None:
         out.pop("layer_types", None)
         out.pop("sliding_window", None)
     elif cfg.family == "olmo3":  # RoPE per layer type (YaRN on the full-attention layers of the releases)
-        from convert.hf_config import _rope_dict
-
-        out["rope_parameters"] = {"full_attention": _rope_dict(cfg.rope),
-                                  "sliding_attention": _rope_dict(cfg.rope_local or cfg.rope)}
+        out["rope_parameters"] = {"full_attention": rope_dict(cfg.rope),
+                                  "sliding_attention": rope_dict(cfg.rope_local or cfg.rope)}
     elif cfg.family == "phi3":
         if cfg.rope.kind == "longrope":
             out["rope_parameters"] = _longrope_dict(cfg)

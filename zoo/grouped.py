@@ -111,10 +111,27 @@ def _tiled_bwd(res, dy):
         xc, dc, oc = c
         return dw.at[oc].add(jnp.einsum("tik,tin->tkn", xc, dc).astype(dw.dtype)), None
 
-    split = lambda a: a.reshape((-1, chunk) + a.shape[1:])  # noqa: E731
-    dw, _ = jax.lax.scan(add, jnp.zeros(w.shape, jnp.result_type(x.dtype, dy.dtype)),
-                         (split(xt), split(dyt), split(own)))
-    return dx.astype(x.dtype), dw.astype(w.dtype), None, None, None
+    xs = tuple(a.reshape((-1, chunk) + a.shape[1:]) for a in (xt, dyt, own))
+    # The first chunk's sum starts the carry, so inside a shard_map (expert parallelism) the carry varies over the
+    # mesh axes its inputs vary over, as the sums it takes in do.
+    dw, _ = add(jnp.zeros(w.shape, jnp.result_type(x.dtype, dy.dtype)), tuple(a[0] for a in xs))
+    dw, _ = jax.lax.scan(add, dw, tuple(a[1:] for a in xs))
+    return _like(dx, x), _like(dw, w), None, None, None
+
+
+def _varying(a: jax.Array) -> frozenset:
+    """The shard_map axes ``a`` varies over (none outside one)."""
+    mat = getattr(jax.typeof(a), "mat", None)
+    return frozenset(getattr(mat, "varying", ()) or ())
+
+
+def _like(ct: jax.Array, primal: jax.Array) -> jax.Array:
+    """The cotangent ``ct`` as ``primal``'s: its dtype, and summed over the shard_map axes it varies over and the
+    primal does not (a weight replicated over fsdp gets the sum of every fsdp shard's rows' contributions)."""
+    extra = _varying(ct) - _varying(primal)
+    if extra:
+        ct = jax.lax.psum(ct, tuple(sorted(extra)))
+    return ct.astype(primal.dtype)
 
 
 _tiled.defvjp(_tiled_fwd, _tiled_bwd)
