@@ -31,6 +31,9 @@ class RopeConfig:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
     truncate: bool = True
+    # Gemma 4's "proportional" kind: only this fraction of each head's dims rotates (the rest get frequency 0),
+    # the exponents still taken over the whole head.
+    proportional_fraction: float = 1.0
 
 
 LAYER_KINDS = ("full", "sliding")
@@ -108,6 +111,18 @@ class ModelConfig:
     # (to_dict leaves it out) and set per run (model.attention, zoo.load(..., attention=)); it takes part in
     # equality and hashing, so jitted functions keyed by the config compile once per kernel.
     attention: str = "auto"
+    # Gemma 4. Full layers' attention dims where they differ from the sliding layers' (0: the same); with
+    # global_head_dim set, the attention weights of full layers are stacked apart (``global_q`` ...: zoo.layer_layout).
+    global_head_dim: int = 0
+    global_kv_heads: int = 0
+    attention_k_eq_v: bool = False  # full layers' values are their keys' projection (no v weight: global_v absent)
+    v_norm: bool = False  # values RMS-normed per head, without a weight
+    kv_shared_layers: int = 0  # the last n layers attend with the keys/values of the last earlier layer of their kind
+    double_wide_mlp: bool = False  # the KV-shared layers' MLP is 2 x intermediate_size wide
+    per_layer_input_size: int = 0  # per-layer input embeddings (PLE) of this width per layer; 0: none
+    per_layer_vocab_size: int = 0
+    layer_scalars: bool = False  # each layer's output is multiplied by its own scalar
+    parallel_moe: bool = False  # the MoE block runs beside the dense MLP, with its own norms and per-expert scales
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KERNELS:
@@ -153,6 +168,10 @@ class ModelConfig:
         layers have ``dense_layers`` then ``layers``; each stack is scanned.
         """
         n = self.num_layers
+        if self.kv_shared_layers:
+            # Gemma 4: the KV-shared layers have no key/value weights (and maybe a wider MLP): a stack of their own.
+            first = n - self.kv_shared_layers
+            return [("layers", 0, first, self.num_experts > 0), ("shared_layers", first, n, self.num_experts > 0)]
         if not self.num_experts:
             return [("layers", 0, n, False)]
         if self.dense_layers:

@@ -36,6 +36,8 @@ def rope_inv_freq(rope: RopeConfig, rot_dim: int) -> np.ndarray:
         return np.where(medium, smoothed, scaled).astype(np.float32)
     if rope.kind == "yarn":
         return _yarn_inv_freq(rope, rot_dim)
+    if rope.kind == "proportional":
+        return _proportional_inv_freq(rope, rot_dim)
     raise ValueError(f"unsupported rope kind {rope.kind!r}")
 
 
@@ -57,6 +59,17 @@ def _yarn_inv_freq(rope: RopeConfig, dim: int) -> np.ndarray:
     extrapolation = 1 - ramp
     inv = (1 / (factor * pos_freqs)) * (1 - extrapolation) + (1 / pos_freqs) * extrapolation
     return inv.astype(np.float32)
+
+
+def _proportional_inv_freq(rope: RopeConfig, dim: int) -> np.ndarray:
+    """Gemma 4's proportional RoPE: the first ``proportional_fraction`` of the angles keep the frequencies of a
+    full-width RoPE (exponents over the whole head), the rest get frequency 0 (cos 1, sin 0: those dims pass
+    through unrotated), all divided by ``factor``, as transformers computes them."""
+    angles = int(rope.proportional_fraction * dim // 2)
+    exponent = np.arange(0, 2 * angles, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    rotated = (1.0 / (np.float32(rope.theta) ** exponent)).astype(np.float32)
+    inv = np.concatenate([rotated, np.zeros(dim // 2 - angles, np.float32)])
+    return (inv / np.float32(rope.factor)).astype(np.float32)
 
 
 def rope_attention_factor(rope: RopeConfig) -> float:
@@ -97,7 +110,9 @@ def rope_tables_by_kind(cfg: ModelConfig, positions: jax.Array) -> dict[str, tup
     same RoPE. The training forward and the cached forward both take their
     tables from here, so their angles cannot drift apart.
     """
-    tables = {"full": rope_tables(positions, rope_inv_freq(cfg.rope, cfg.rope_dim), rope_attention_factor(cfg.rope))}
+    # Gemma 4's full layers have heads of their own width (global_head_dim).
+    full_dim = cfg.global_head_dim or cfg.rope_dim
+    tables = {"full": rope_tables(positions, rope_inv_freq(cfg.rope, full_dim), rope_attention_factor(cfg.rope))}
     if "sliding" in cfg.kinds:
         local = cfg.rope_local or cfg.rope
         tables["sliding"] = rope_tables(positions, rope_inv_freq(local, cfg.rope_dim), rope_attention_factor(local))
