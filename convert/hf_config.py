@@ -309,6 +309,8 @@ def _implied_head_dim(model_type: str, hidden: int, heads: int) -> int:
     from transformers import AutoConfig
 
     c = AutoConfig.for_model(model_type, hidden_size=hidden, num_attention_heads=heads)
+    if model_type == "gemma4_text":
+        c.allow_global_per_layer_attribute_access = True  # its head_dim: the sliding layers'
     return int(getattr(c, "head_dim", None) or hidden // heads)
 
 

@@ -70,7 +70,7 @@ FAMILIES = {
     # Gemma 4 (text): wider full-layer heads with one key/value head, per-layer inputs, the last 3 layers reusing
     # keys/values (MLP doubled), proportional partial RoPE on full layers; tests/test_gemma4.py has its MoE variant.
     "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(
-        head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True, num_hidden_layers=6,
+        head_dim=8, global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True, num_hidden_layers=6,
         sliding_window=7, layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
         hidden_size_per_layer_input=8, vocab_size_per_layer_input=96, num_kv_shared_layers=3,
         use_double_wide_mlp=True, final_logit_softcapping=6.0,

@@ -46,8 +46,10 @@ from jax.sharding import Mesh, NamedSharding
 from zoo.attention import causal_attention, head_major, mla_heads, output_projection, qkv_heads
 from zoo.blocks import soft_cap
 from zoo.config import ModelConfig
+from zoo.layer_layout import is_kv_shared, kind_config, layer_output, layer_weights, store_layers
 from zoo.masks import kind_window
 from zoo.model import Segment, decoder_layer, embed_tokens, norm, output_logits, scan_segments
+from zoo.per_layer_inputs import per_layer_inputs
 from zoo.rope import rope_tables_by_kind
 
 NEG = float(jnp.finfo(jnp.float32).min)
@@ -96,9 +98,12 @@ def _cache_tree(cfg: ModelConfig, batch: int, max_len: int, make: Any) -> Cache:
     layers: dict[str, dict[str, dict[str, Any]]] = {}
     for prefix, start, stop, _ in cfg.layer_groups:
         kinds = cfg.kinds[start:stop]
+        if is_kv_shared(cfg, prefix):
+            layers[prefix] = {}  # Gemma 4's KV-shared layers read their stored layers' entries: none of their own
+            continue
         layers[prefix] = {
-            kind: {name: make(shape, axes, None)
-                   for name, (shape, axes) in _entry_shapes(cfg, kinds.count(kind), batch, sizes[kind]).items()}
+            kind: {name: make(shape, axes, None) for name, (shape, axes)
+                   in _entry_shapes(kind_config(cfg, kind), kinds.count(kind), batch, sizes[kind]).items()}
             for kind in sorted(set(kinds))}
     return Cache(layers, make((batch,), ("batch",), jnp.int32))
 
@@ -237,12 +242,14 @@ def _attend_split(qg: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Arr
 def _gqa_attention(x: jax.Array, p: dict, c: dict | None, cos: jax.Array, sin: jax.Array,
                    masks: tuple[jax.Array | None, jax.Array], window: int | None,
                    cfg: ModelConfig, lora: dict | None = None,
-                   lora_scale: float | jax.Array = 1.0) -> tuple[jax.Array, dict]:
+                   lora_scale: float | jax.Array = 1.0,
+                   shared_kv: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, dict]:
     """One layer's attention over cache ``c`` (k [b, hk, d, S], v [b, hk, S, d]; None when empty) and the new tokens
-    (``lora``: the layer's adapters, beside the base matmuls as in training).
+    (``lora``: the layer's adapters, beside the base matmuls as in training). A KV-shared layer (Gemma 4) gets
+    its stored layer's cache as ``c`` and that layer's new keys/values as ``shared_kv``.
 
     Returns (output, new k/v [b, t, hk, d])."""
-    q, k, v = qkv_heads(x, p, cos, sin, cfg, p["attn_norm"], lora=lora, lora_scale=lora_scale)
+    q, k, v = qkv_heads(x, p, cos, sin, cfg, p["attn_norm"], lora=lora, lora_scale=lora_scale, shared_kv=shared_kv)
     qg, kh, vh = head_major(q, k, v)
     old_ok, new_ok = masks
     if c is None:
@@ -356,10 +363,16 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, ca
     masks = {kind: _mask(pos, valid, _slot_positions(cache.lengths, n)[:, :n] if n else None, windows[kind])
              for kind, n in read.items()}
     x = embed_tokens(cfg, params, tokens)
+    ple = per_layer_inputs(cfg, params, tokens, x) if cfg.per_layer_input_size else None
+    # Gemma 4: kind -> (the stored layer's cache, its new keys/values), read by the KV-shared layers.
+    stored: dict[str, tuple[dict | None, tuple[jax.Array, jax.Array]]] = {}
 
-    def layer(x: jax.Array, inputs: tuple[dict, dict | None, dict | None], kind: str,
-              moe: bool) -> tuple[jax.Array, dict]:
-        p, lp, c = inputs
+    def layer(x: jax.Array, inputs: tuple, kind: str, moe: bool, prefix: str) -> tuple[jax.Array, dict | None]:
+        p, lp, c, pli = inputs
+        reuse = None
+        if is_kv_shared(cfg, prefix):
+            c, reuse = stored[kind]
+        kcfg = kind_config(cfg, kind)
         n = read[kind]
         if c is not None and n < slots[kind]:
             # One layer's arrays: MLA [b, S, r], k [b, hk, d, S], v [b, hk, S, d].
@@ -369,24 +382,40 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, ca
         def attend(x: jax.Array) -> tuple[jax.Array, dict]:
             if cfg.mla:
                 return _mla_attention(norm(cfg, x, p["attn_norm"]), p, c, *ropes[kind], masks[kind], cfg, mla_absorb)
-            return _gqa_attention(x, p, c, *ropes[kind], masks[kind], windows[kind], cfg, lp, scale)
+            return _gqa_attention(x, p, c, *ropes[kind], masks[kind], windows[kind], kcfg, lp, scale, reuse)
 
-        x, new, _ = decoder_layer(cfg, x, p, attend, moe, valid, lp, scale)
-        return x, new
+        x, new, _ = decoder_layer(cfg, x, p, attend, moe, valid, lp, scale, per_layer=pli)
+        return x, (None if reuse is not None else new)  # a KV-shared layer writes nothing
 
     written: dict[str, dict[str, list]] = {}
     for prefix, start, stop, moe in cfg.layer_groups:
         kinds = cfg.kinds[start:stop]
         group = cache.layers[prefix]
         adapters = (lora or {}).get(prefix)  # stacked like the weights, sliced with them
+        pl = None if ple is None else ple[start:stop]
 
-        def inputs(seg: Segment, j: int) -> tuple[dict, dict | None, dict | None]:
+        def inputs(seg: Segment, j: int, prefix: str = prefix, kinds: tuple[str, ...] = kinds, group: dict = group,
+                   adapters: dict | None = adapters, pl: jax.Array | None = pl) -> tuple:
             i0, step = _kind_slice(kinds, seg, j)
-            cached = None if fresh else jax.tree.map(lambda a: a[i0: i0 + seg.repeats * step: step],
-                                                     group[seg.kinds[j]])
-            return (*seg.at(j, (params[prefix], adapters)), cached)
+            cached = None if fresh or seg.kinds[j] not in group else jax.tree.map(
+                lambda a: a[i0: i0 + seg.repeats * step: step], group[seg.kinds[j]])
+            if cfg.global_head_dim:  # Gemma 4: the attention weights are stacked per kind (zoo.layer_layout)
+                w = layer_weights(cfg, params[prefix], kinds, seg, j)
+                a = None if adapters is None else layer_weights(cfg, adapters, kinds, seg, j)
+            else:
+                w, a = seg.at(j, (params[prefix], adapters))
+            return w, a, cached, seg.at(j, pl)
 
-        x, done = scan_segments(x, kinds, inputs, partial(layer, moe=moe))
+        x, done = scan_segments(x, kinds, inputs, partial(layer, moe=moe, prefix=prefix))
+        if is_kv_shared(cfg, prefix):
+            written[prefix] = {}
+            continue
+        if cfg.kv_shared_layers:
+            for kind, i in store_layers(cfg).items():
+                at = cfg.kinds[:i].count(kind)  # the stored layer's index in its kind's cache stack
+                own = None if fresh else jax.tree.map(lambda a: a[at], group[kind])
+                new = layer_output(done, i - start, False)
+                stored[kind] = (own, (new["k"], new["v"]))
         # Each layer's new entries with its index in its kind's stack, in the order _write concatenates them.
         written[prefix] = {kind: [] for kind in group}
         for seg, news in done:
