@@ -110,6 +110,15 @@ _ENTRIES = [
              "DeepSeek-R1-0528 (FP8 block-scaled on the Hub)"),
     ZooEntry("deepseek-v3-tiny", "deepseek_v3", "", 0.0, "DeepSeek-V3 architecture, tiny, random (zoo init)",
              DEEPSEEK_V3_TINY),
+    # Gemma 4: the text weights of the multimodal checkpoints (parameter counts: the language model's).
+    *(ZooEntry(f"gemma4-{size.lower()}{it}", "gemma4", f"google/gemma-4-{size}{it}", n, desc + chat,
+               hf_config=config)
+      for size, n, desc, config in (
+          ("E2B", 4.63e9, "Gemma 4 E2B: per-layer inputs, KV-shared layers", released.GEMMA4_E2B),
+          ("E4B", 7.46e9, "Gemma 4 E4B: per-layer inputs, KV-shared layers", released.GEMMA4_E4B),
+          ("26B-A4B", 25.2e9, "Gemma 4 26B-A4B: 128 experts beside a dense MLP", released.GEMMA4_26B_A4B),
+          ("31B", 30.7e9, "Gemma 4 31B", released.GEMMA4_31B))
+      for it, chat in (("", ""), ("-it", " (chat)"))),
 ]
 
 REGISTRY: dict[str, ZooEntry] = {e.name: e for e in _ENTRIES}
