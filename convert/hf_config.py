@@ -74,7 +74,7 @@ MODEL_TYPES: dict[str, tuple[str, str]] = {
     "gemma4": ("gemma4", "hf-gemma4-multimodal"),
 }
 
-SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
 SUPPORTED_ROPE += ("proportional",)  # Gemma 4's global layers
 LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
 

@@ -30,8 +30,8 @@ from zoo.layer_layout import is_kv_shared, kind_config, layer_output, layer_weig
 from zoo.masks import kind_window, visibility
 from zoo.mlp import mlp
 from zoo.moe import aux_losses, moe_mlp, parallel_moe_block
-from zoo.per_layer_inputs import add_per_layer_input, per_layer_inputs
 from zoo.params import flatten, init_params, nest, param_specs
+from zoo.per_layer_inputs import add_per_layer_input, per_layer_inputs
 from zoo.rope import rope_tables_by_kind
 from zoo.sharding import batch_sharded
 
