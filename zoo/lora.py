@@ -42,6 +42,7 @@ ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 # How many axes after the leading layers (and expert) axes are W's input: o contracts heads and head_dim.
 _CONTRACT = {"o": 2}
+_CONTRACT["global_o"] = 2  # Gemma 4's full layers' o (zoo.layer_layout)
 _ALL = ("all", "all-linear")
 
 
@@ -113,7 +114,12 @@ def _target_suffixes(cfg: ModelConfig, lora_cfg: LoraConfig) -> set[str]:
     names = target_modules(lora_cfg)
     if cfg.mla:  # MLA's projections have no adapters (see the module docstring)
         names = tuple(n for n in names if n not in ATTENTION_TARGETS)
-    return {s for n in names for s in HF_TO_ZOO[n]}
+    suffixes = {s for n in names for s in HF_TO_ZOO[n]}
+    if cfg.global_head_dim:  # Gemma 4: full layers' attention weights are stacked apart (zoo.layer_layout)
+        from zoo.layer_layout import ATTENTION_WEIGHTS, GLOBAL
+
+        suffixes |= {GLOBAL + s for s in suffixes if s in ATTENTION_WEIGHTS}
+    return suffixes
 
 
 def _lead(spec: ParamSpec) -> int:
