@@ -192,11 +192,13 @@ def run_jax(ckpt: str, batch: int, seq: int, steps: int, rank: int | None, alpha
 
 
 def run_peft(source: str, batch: int, seq: int, steps: int, rank: int, alpha: float, remat: str = "full",
-             warmup_steps: int = WARMUP) -> dict:
+             warmup_steps: int = WARMUP, target_parameters: list[str] | None = None) -> dict:
     """Time transformers + peft LoRA with torch.optim.AdamW over the adapters, on the same tokens.
 
     ``remat`` other than none turns on transformers' gradient checkpointing (each decoder layer recomputed
-    in the backward pass, as lmzoo's ``remat: full``; non-reentrant, so it needs no input gradients)."""
+    in the backward pass, as lmzoo's ``remat: full``; non-reentrant, so it needs no input gradients).
+    ``target_parameters``: peft's adapters on parameters rather than modules (a MoE's fused 3-D expert weights,
+    ``mlp.experts.gate_up_proj``), beside the modules of TARGETS."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -210,7 +212,9 @@ def run_peft(source: str, batch: int, seq: int, steps: int, rank: int, alpha: fl
     if remat != "none":
         model.config.use_cache = False
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(TARGETS), lora_dropout=0.0))
+    extra = {"target_parameters": list(target_parameters)} if target_parameters else {}
+    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(TARGETS), lora_dropout=0.0,
+                                             **extra))
     model.train()
     trainable = [q for q in model.parameters() if q.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-4)
@@ -254,6 +258,8 @@ def _child(which: str, args: argparse.Namespace, ckpt: str, gguf: str) -> dict:
            "--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq),
            "--rank", str(args.rank), "--alpha", str(args.alpha), "--remat", args.remat,
            "--warmup", str(args.warmup), "--compute", args.compute]
+    if args.peft_target_parameters:
+        cmd += ["--peft-target-parameters", args.peft_target_parameters]
     if which == "qlora":
         cmd += ["--base", "nf4"]
     elif which == "lora_bf16":
@@ -285,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"comma-separated sides to run, of {', '.join(SIDES)} (default {','.join(DEFAULT_SIDES)}; "
                          "qlora: NF4 base with double quantization; lora_bf16: LoRA on a bfloat16 base; a check "
                          "runs when both of its sides ran)")
+    ap.add_argument("--peft-target-parameters", default="",
+                    help="comma-separated parameter names the peft side also adapts (peft's target_parameters), for "
+                         "a MoE's fused expert weights, e.g. mlp.experts.gate_up_proj,mlp.experts.down_proj (lmzoo's "
+                         "gate_proj/up_proj/down_proj targets adapt every expert's)")
     ap.add_argument("--out", "--json", dest="out", type=Path, help="also write the result JSON here")
     ap.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
@@ -298,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.child == "peft":
         print(json.dumps(run_peft(args.gguf, args.batch, args.seq, args.steps, args.rank, args.alpha, args.remat,
-                                  args.warmup)))
+                                  args.warmup, [x for x in args.peft_target_parameters.split(",") if x])))
         return 0
     sides = tuple(x for x in SIDES if x in args.sides.split(","))
     unknown = set(args.sides.split(",")) - set(SIDES)

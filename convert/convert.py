@@ -11,12 +11,13 @@ import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
-from convert import fp8, mtp
+from convert import fp8, mtp, mxfp4
+from convert.fused import split_fused
 from convert.hf_config import model_config_from_hf, source_format
 from convert.safetensors_out import write_streaming
 from convert.source import Source, open_source
 from convert.tables import BoundRule, table_for
-from convert.transforms import TRANSFORMS
+from convert.transforms import TRANSFORMS, hf_shape
 from zoo.checkpoint import HF_CONFIG_FILE, HUB_ID, TOKENIZER_DIR, CheckpointWriter, atomic_output, prepare_output
 from zoo.config import ModelConfig
 from zoo.errors import UserError
@@ -37,7 +38,7 @@ def check_source(src: Source, cfg: ModelConfig, rules: list[BoundRule]) -> None:
     have = set(src.reader.names())
     for rule in rules:
         piece = specs[rule.zoo].shape[rule.slice_axes:]
-        want = TRANSFORMS[rule.transform].inverse(shape_only(piece), cfg).shape
+        want = hf_shape(rule.transform, piece, cfg)
         for name in rule.hf_names():
             if name not in have:
                 raise UserError(f"{src.description}: tensor {name!r} is missing from the checkpoint")
@@ -78,7 +79,11 @@ def convert(source: str, out: str | Path, dtype: str | None = None, progress: bo
     cfg = model_config_from_hf(src.hf_config, f"{src.description}: config")
     fmt = src.fmt if src.fmt == "gguf" else source_format(src.hf_config)
     stored_config = dict(src.hf_config)
-    if src.fmt != "gguf":
+    if src.fmt != "gguf" and mxfp4.declared(src.hf_config):  # gpt-oss's experts: dequantized while streaming
+        src.reader = mxfp4.DequantizingReader(src.reader, cast_to or mxfp4.DEFAULT_DTYPE, src.description)
+        stored_config.pop("quantization_config")
+    elif src.fmt != "gguf":
+        mxfp4.refuse_undeclared(src.reader, src.description)
         scaling = fp8.block_scaling(src.hf_config, f"{src.description}: config")
         if scaling is None:
             fp8.refuse_unscaled_fp8(src.reader, src.description)
@@ -91,6 +96,8 @@ def convert(source: str, out: str | Path, dtype: str | None = None, progress: bo
         raise UserError(f"--keep-mtp: {src.description} has no multi-token-prediction layer to keep "
                         "(its config sets no num_nextn_predict_layers, or the checkpoint has no tensors past "
                         "num_hidden_layers); convert without --keep-mtp")
+    if fmt == "hf":
+        src.reader = split_fused(src.reader, cfg, src.description)  # Phi-3's qkv_proj as q/k/v_proj, ...
     rules = table_for(cfg.family, fmt, cfg)
     check_source(src, cfg, rules)
     if fmt in ("hf-gemma3-multimodal", "hf-gemma4-multimodal"):
@@ -134,7 +141,7 @@ def convert(source: str, out: str | Path, dtype: str | None = None, progress: bo
         (folder / HF_CONFIG_FILE).write_text(json.dumps(stored_config, indent=2, default=str) + "\n")
         hub: dict[str, Any] = {HUB_ID: src.hub_id} if src.hub_id else {}  # the Hub repo these weights are
         writer.finish(cfg, source=src.description, source_format=fmt, **hub)
-    if isinstance(src.reader, fp8.DequantizingReader):
+    if isinstance(src.reader, (fp8.DequantizingReader, mxfp4.DequantizingReader)):
         print(src.reader.summary(), file=sys.stderr)
     return out.absolute()
 

@@ -23,13 +23,14 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from convert.convert import DTYPES, shape_only
+from convert.convert import DTYPES
+from convert.fused import fuse_planned, place_parts
 from convert.hf_config import export_hf_config
 from convert.mtp import EXTRA_FILE
 from convert.readers import SafetensorsFolder
 from convert.safetensors_out import ST_NAMES, encode_header
 from convert.tables import table_for
-from convert.transforms import TRANSFORMS
+from convert.transforms import TRANSFORMS, hf_shape, join_interleaved
 from zoo.checkpoint import HF_CONFIG_FILE, TOKENIZER_DIR, ParamSource, atomic_output, read_meta
 from zoo.config import ModelConfig
 from zoo.errors import UserError
@@ -66,6 +67,9 @@ class PlannedTensor:
     dtype: str
     shard: int = 0
     offset: int = 0  # within the shard's data section
+    # A fused tensor (convert.transforms.INTERLEAVED): (zoo parameter, transform) of each of its parts, the
+    # first being ``zoo``/``transform``; empty for a tensor of one parameter.
+    parts: tuple[tuple[str, str], ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -87,13 +91,27 @@ def plan_tensors(cfg: ModelConfig, meta: dict[str, Any], dtype: str | None) -> l
         if dt not in ST_NAMES:
             raise UserError(f"parameter {rule.zoo} has dtype {dt}, which safetensors export does not support")
         piece = spec.shape[rule.slice_axes:]
-        shape = tuple(TRANSFORMS[rule.transform].inverse(shape_only(piece), cfg).shape)
+        shape = hf_shape(rule.transform, piece, cfg)
         for ix in rule.indices():
             layer = rule.layers[ix[0]] if rule.layers is not None else (-1 if rule.zoo == "embed" else cfg.num_layers)
             t = PlannedTensor(rule.hf_name(ix), rule.zoo, ix or None, rule.transform, shape, dt)
             keyed.append(((layer, pos, ix[1:]), t))
     keyed.sort(key=lambda kt: kt[0])
-    return [t for _, t in keyed]
+    return _fuse([t for _, t in keyed])
+
+
+def _fuse(tensors: list[PlannedTensor]) -> list[PlannedTensor]:
+    """The plan with the parts of each fused HF tensor (several zoo parameters, one name) made one tensor."""
+    out: list[PlannedTensor] = []
+    by_name: dict[str, PlannedTensor] = {}
+    for t in tensors:
+        first = by_name.get(t.name)
+        if first is None:
+            by_name[t.name] = t
+            out.append(t)
+            continue
+        first.parts = (first.parts or ((first.zoo, first.transform),)) + ((t.zoo, t.transform),)
+    return out
 
 
 # PlannedTensor.zoo of a tensor kept beside the model under its HF name (convert/mtp.py), written as stored.
@@ -179,15 +197,18 @@ def export(
     cfg = ModelConfig.from_dict(meta["config"])
     out = Path(out).absolute()
     tensors = plan_tensors(cfg, meta, dtype) + plan_extra_tensors(Path(ckpt), dtype)
+    tensors, parts = fuse_planned(cfg, tensors)  # Phi-3's q/k/v_proj written as one qkv_proj, ...
     n = assign_shards(tensors, parse_size(max_shard_size))
     with atomic_output(out, overwrite) as tmp:
-        _write_shards(Path(ckpt), cfg, tensors, n, tmp, progress)
+        _write_shards(Path(ckpt), cfg, tensors, n, tmp, progress, place_parts(tensors, parts))
         _write_side_files(Path(ckpt), meta, cfg, tensors, n, tmp, dtype, repo_hint or out.name)
     return out
 
 
 def _write_shards(ckpt: Path, cfg: ModelConfig, tensors: list[PlannedTensor], n: int, tmp: Path,
-                  progress: bool | None) -> None:
+                  progress: bool | None, writes: list[PlannedTensor] | None = None) -> None:
+    """The shard files of ``tensors`` (their headers), filled from ``writes`` (default: ``tensors``; a fused
+    tensor's parts instead of it: :func:`convert.fused.place_parts`)."""
     fds, data_start = [], []
     try:
         for i in range(n):
@@ -199,7 +220,7 @@ def _write_shards(ckpt: Path, cfg: ModelConfig, tensors: list[PlannedTensor], n:
             os.ftruncate(fd, len(header) + sum(t.nbytes for t in mine))
             data_start.append(len(header))
         by_param: dict[str, list[PlannedTensor]] = {}
-        for t in tensors:
+        for t in tensors if writes is None else writes:
             by_param.setdefault(t.zoo, []).append(t)
         bar = tqdm(by_param.items(), desc="export", unit="param", disable=None if progress is None else not progress)
         for zoo_path, items in bar:
@@ -213,7 +234,7 @@ def _write_shards(ckpt: Path, cfg: ModelConfig, tensors: list[PlannedTensor], n:
                 continue
             param = param_reader(ckpt, zoo_path)
             for t in items:
-                for offset, x in _hf_pieces(param, t, cfg):
+                for offset, x in (_fused_piece(ckpt, param, t, cfg) if t.parts else _hf_pieces(param, t, cfg)):
                     os.pwrite(fds[t.shard], x.reshape(-1).view(np.uint8).data, data_start[t.shard] + t.offset + offset)
                     del x
             del param
@@ -249,6 +270,18 @@ def _hf_pieces(param: ParamSource, t: PlannedTensor, cfg: ModelConfig) -> Iterat
         b = min(a + step, t.shape[0])
         x = np.ascontiguousarray(TRANSFORMS[t.transform].inverse(param.read_block(axis, a, b), cfg), dtype=dt)
         yield a * row_bytes, x
+
+
+def _fused_piece(ckpt: Path, param: ParamSource, t: PlannedTensor, cfg: ModelConfig) -> Iterator[tuple[int, np.ndarray]]:
+    """The one piece of fused tensor ``t``: each part read (at t's layer) and written into its columns."""
+    parts = []
+    for zoo_path, transform in t.parts:
+        x = (param if zoo_path == t.zoo else param_reader(ckpt, zoo_path)).read(t.index)
+        parts.append((transform, TRANSFORMS[transform].inverse(x, cfg)))
+    x = join_interleaved(parts, DTYPES_ALL[t.dtype])
+    if tuple(x.shape) != t.shape:
+        raise UserError(f"parameter {t.zoo} does not match its config (got {x.shape}, want {t.shape})")
+    yield 0, x
 
 
 def _write_side_files(ckpt: Path, meta: dict[str, Any], cfg: ModelConfig, tensors: list[PlannedTensor], n: int,

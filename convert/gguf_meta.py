@@ -52,9 +52,28 @@ CONFIG_KEYS: dict[str, dict[str, str]] = {
     # transformers' GGUF reader drops it.
     "gemma3": {**_GEMMA_KEYS, "attention.sliding_window": "sliding_window",
                "rope.scaling.type": "rope_scaling.rope_type", "rope.scaling.factor": "rope_scaling.factor"},
+    # Qwen3-MoE: every layer MoE. transformers' GGUF reader drops expert_feed_forward_length (falling back to
+    # 768, Qwen3-30B-A3B's), which llama.cpp writes.
+    "qwen3moe": {**_BASE_KEYS, "attention.key_length": "head_dim", "expert_count": "num_experts",
+                 "expert_used_count": "num_experts_per_tok", "expert_feed_forward_length": "moe_intermediate_size"},
 }
+# gpt-oss, as llama.cpp's convert_hf_to_gguf.py writes it: experts, window and YaRN (its scaling type, factor
+# and original context; the betas are GptOssConfig's defaults).
+CONFIG_KEYS["gpt-oss"] = {**_BASE_KEYS, "attention.key_length": "head_dim",
+                          "attention.sliding_window": "sliding_window", "expert_count": "num_local_experts",
+                          "expert_used_count": "num_experts_per_tok", "expert_feed_forward_length": "intermediate_size",
+                          "rope.scaling.type": "rope_scaling.rope_type", "rope.scaling.factor": "rope_scaling.factor",
+                          "rope.scaling.original_context_length": "rope_scaling.original_max_position_embeddings"}
+# Settings a file cannot state, as the architecture's released models have them (dotted: a key of a nested dict,
+# set only where the file gives that dict): gpt-oss's YaRN does not round its correction range (its config.json's
+# truncate: false), whatever llama.cpp's own RoPE does.
+ARCH_SETTINGS: dict[str, dict[str, Any]] = {"gpt-oss": {"rope_scaling.truncate": False}}
+
 # GGUF architecture -> HF model_type, where they differ (a Gemma 3 file holds only the text model).
-MODEL_TYPES = {"gemma3": "gemma3_text"}
+MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
+# Config fields a GGUF file of the architecture implies without a key: llama.cpp's qwen3moe graph always
+# renormalizes the top-k routing weights (as transformers' GGUF reader sets too).
+CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {"qwen3moe": {"norm_topk_prob": True}}
 
 # Special token ids: HF config field <- tokenizer metadata key.
 TOKEN_ID_KEYS = {
@@ -139,6 +158,11 @@ def hf_config(meta: dict[str, Any], tensor_names: list[str], where: str) -> dict
             raw.setdefault(outer, {})[inner] = meta[f"{arch}.{key}"]
         else:
             raw[field] = meta[f"{arch}.{key}"]
+    raw.update(CONFIG_DEFAULTS.get(arch, {}))
+    for field, value in ARCH_SETTINGS.get(arch, {}).items():
+        outer, _, inner = field.partition(".")
+        if outer in raw:
+            raw[outer][inner] = value
     scaling = raw.pop("rope_scaling", None)
     if scaling and scaling.get("rope_type", "none") != "none":  # llama.cpp's "none" is no scaling
         raw["rope_scaling"] = scaling

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from convert.hf_layer_fields import read_layer_fields, read_longrope, write_layer_fields
 from zoo.config import ModelConfig, RopeConfig
 from zoo.errors import UserError
 
@@ -24,7 +25,7 @@ class FamilyTraits:
     norm_offset: float = 0.0
     embed_scale: bool = False
     post_norms: bool = False
-    qk_norm: bool = False
+    qk_norm: str | bool = False  # a config field name to read (GLM-4.5's use_qk_norm), or a fixed value
     # Bias flags: a config field name to read, or a fixed value.
     qkv_bias: str | bool = "attention_bias"
     o_bias: str | bool = "attention_bias"
@@ -34,7 +35,7 @@ class FamilyTraits:
     final_softcap_field: str | None = None
     uses_query_pre_attn_scalar: bool = False
     sliding_on_every_layer: bool = False  # Mistral: one window for all layers, no layer_types
-    moe: str | None = None  # "mixtral" | "deepseek_v2" | "deepseek_v3": how routing is configured
+    moe: str | None = None  # "mixtral" | "deepseek_v2" | "deepseek_v3" | "qwen3_moe" | "glm4_moe": how routing is configured
 
 
 FAMILIES: dict[str, FamilyTraits] = {
@@ -57,10 +58,21 @@ FAMILIES: dict[str, FamilyTraits] = {
                                 moe="deepseek_v2"),
     "deepseek_v3": FamilyTraits("deepseek_v3", "DeepseekV3ForCausalLM", qkv_bias=False, o_bias=False,
                                 moe="deepseek_v3"),
+    "qwen3_moe": FamilyTraits("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True, sliding_on_every_layer=True,
+                              moe="qwen3_moe"),
+    # GLM-4.5's o_proj never has a bias, whatever attention_bias says.
+    "glm4_moe": FamilyTraits("glm4_moe", "Glm4MoeForCausalLM", qk_norm="use_qk_norm", o_bias=False, moe="glm4_moe"),
+    "gpt_oss": FamilyTraits("gpt_oss", "GptOssForCausalLM", moe="gpt_oss"),
+    # SmolLM3 (NoPE layers), OLMo 2/3 (post-norms only, q/k norms over all heads; OLMo 3's sliding layers) and
+    # Phi-3/Phi-4 (fused qkv_proj/gate_up_proj: convert.fused; partial rotary, LongRoPE): convert.hf_layer_fields.
+    "smollm3": FamilyTraits("smollm3", "SmolLM3ForCausalLM", mlp_bias="mlp_bias"),
+    "olmo2": FamilyTraits("olmo2", "Olmo2ForCausalLM", post_norms=True, qk_norm=True),
+    "olmo3": FamilyTraits("olmo3", "Olmo3ForCausalLM", post_norms=True, qk_norm=True),
+    "phi3": FamilyTraits("phi3", "Phi3ForCausalLM", qkv_bias=False, o_bias=False, sliding_on_every_layer=True),
+    # Gemma 4 (text): plain x * w norms (no offset); the rest of its traits are read by _gemma4_fields.
+    "gemma4": FamilyTraits("gemma4_text", "Gemma4ForCausalLM", embed_scale=True, post_norms=True, qk_norm=True,
+                           act_field="hidden_activation", final_softcap_field="final_logit_softcapping"),
 }
-# Gemma 4 (text): plain x * w norms (no offset); the rest of its traits are read by _gemma4_fields.
-FAMILIES["gemma4"] = FamilyTraits("gemma4_text", "Gemma4ForCausalLM", embed_scale=True, post_norms=True, qk_norm=True,
-                                  act_field="hidden_activation", final_softcap_field="final_logit_softcapping")
 
 # architecture -> (family, source format of its weight names)
 ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -74,8 +86,7 @@ MODEL_TYPES: dict[str, tuple[str, str]] = {
     "gemma4": ("gemma4", "hf-gemma4-multimodal"),
 }
 
-SUPPORTED_ROPE: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
-SUPPORTED_ROPE += ("proportional",)  # Gemma 4's global layers
+SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn", "longrope", "proportional")  # proportional: Gemma 4
 LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
 
 
@@ -111,7 +122,7 @@ def _rope(params: dict[str, Any], c: Any, where: str) -> RopeConfig:
         raise UserError(f"{where}: rope type {kind!r} is not supported; supported: {SUPPORTED_ROPE}")
     # A value of the HF config, as it comes (int() turns a bad one into the caller's error).
     original_max: Any = params.get("original_max_position_embeddings") or getattr(c, "max_position_embeddings", 8192)
-    return RopeConfig(
+    rope = RopeConfig(
         theta=float(params.get("rope_theta", getattr(c, "rope_theta", None) or 10000.0)),
         kind=kind,
         factor=float(params.get("factor", 1.0)),
@@ -126,14 +137,44 @@ def _rope(params: dict[str, Any], c: Any, where: str) -> RopeConfig:
         truncate=bool(params.get("truncate", True)),
         proportional_fraction=float(params.get("partial_rotary_factor") or 1.0) if kind == "proportional" else 1.0,
     )
+    return read_longrope(rope, params, c) if kind == "longrope" else rope
 
 
 def _opt_float(x: Any) -> float | None:
     return None if x is None else float(x)
 
 
+def _qwen3_moe_fields(c: Any, where: str) -> dict[str, Any]:
+    """ModelConfig fields of Qwen3-MoE's experts: softmax top-k routing, MoE on every ``decoder_sparse_step``-th
+    layer but those of ``mlp_only_layers`` (the others dense)."""
+    step = 1 if c.decoder_sparse_step is None else int(c.decoder_sparse_step)
+    if step < 1:
+        raise UserError(f"{where}: decoder_sparse_step={step} must be at least 1")
+    return dict(num_experts=int(c.num_experts), experts_per_token=int(c.num_experts_per_tok),
+                moe_intermediate_size=int(c.moe_intermediate_size), router_score="softmax",
+                router_norm_topk=bool(c.norm_topk_prob), aux_loss_coef=float(c.router_aux_loss_coef or 0.0),
+                decoder_sparse_step=step, mlp_only_layers=tuple(sorted({int(i) for i in c.mlp_only_layers or ()})))
+
+
+def _glm4_moe_fields(c: Any) -> dict[str, Any]:
+    """ModelConfig fields of GLM-4.5's experts: DeepSeek-V3's sigmoid group-limited routing with a selection
+    bias, shared experts and dense first layers, on ordinary (not latent) attention."""
+    return dict(num_experts=int(c.n_routed_experts), experts_per_token=int(c.num_experts_per_tok),
+                moe_intermediate_size=int(c.moe_intermediate_size), shared_experts=int(c.n_shared_experts or 0),
+                dense_layers=int(c.first_k_dense_replace or 0), router_scale=float(c.routed_scaling_factor),
+                router_score="sigmoid", router_norm_topk=bool(c.norm_topk_prob), router_bias=True,
+                router_groups=int(c.n_group or 1), router_topk_groups=int(c.topk_group or 1),
+                router_group_score="top2")
+
+
 def _moe_fields(traits: FamilyTraits, c: Any, where: str) -> dict[str, Any]:
     """ModelConfig fields of the mixture-of-experts and latent-attention families."""
+    if traits.moe == "qwen3_moe":
+        return _qwen3_moe_fields(c, where)
+    if traits.moe == "glm4_moe":
+        return _glm4_moe_fields(c)
+    if traits.moe == "gpt_oss":
+        return gpt_oss_fields(c)
     if traits.moe == "mixtral":
         return dict(num_experts=int(c.num_local_experts), experts_per_token=int(c.num_experts_per_tok),
                     moe_intermediate_size=int(c.intermediate_size), router_score="softmax", router_norm_topk=True,
@@ -164,6 +205,29 @@ def _moe_fields(traits: FamilyTraits, c: Any, where: str) -> dict[str, Any]:
                    router_groups=int(c.n_group or 1), router_topk_groups=int(c.topk_group or 1),
                    router_group_score="top2", hf_rope_interleave=bool(getattr(c, "rope_interleave", True)))
     return out
+
+
+def gpt_oss_fields(c: Any) -> dict[str, Any]:
+    """ModelConfig fields of a gpt-oss config (transformers' GptOssConfig): experts with biases and the clamped
+    SwiGLU, a router with a bias on its logits (softmax over the top k), attention sinks."""
+    return dict(num_experts=int(c.num_local_experts), experts_per_token=int(c.num_experts_per_tok),
+                moe_intermediate_size=int(c.intermediate_size), router_score="softmax", router_norm_topk=True,
+                aux_loss_coef=float(getattr(c, "router_aux_loss_coef", 0.0) or 0.0), attn_sinks=True,
+                router_logits_bias=True, expert_bias=True, swiglu_limit=float(c.swiglu_limit),
+                swiglu_alpha=float(c.swiglu_alpha))
+
+
+def gpt_oss_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
+    """The gpt-oss fields of a Hugging Face config for ``cfg`` (the inverse of :func:`gpt_oss_fields`, and the
+    layer kinds, which GptOssConfig would otherwise make alternate). Its YaRN parameters name beta_fast and
+    beta_slow even at their defaults, as GptOssConfig's own and the released configs do."""
+    rope = _rope_dict(cfg.rope)
+    if cfg.rope.kind == "yarn":
+        rope.update(beta_fast=cfg.rope.beta_fast, beta_slow=cfg.rope.beta_slow)
+    return dict(rope_parameters=rope, num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+                router_aux_loss_coef=cfg.aux_loss_coef, swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha,
+                layer_types=[{"full": "full_attention", "sliding": "sliding_attention"}[k] for k in cfg.kinds],
+                sliding_window=cfg.sliding_window)
 
 
 def _gemma4_fields(c: Any, where: str) -> dict[str, Any]:
@@ -257,7 +321,7 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
             norm_offset=traits.norm_offset,
             embed_scale=traits.embed_scale,
             post_norms=traits.post_norms,
-            qk_norm=traits.qk_norm,
+            qk_norm=_flag(traits.qk_norm, c),
             query_pre_attn_scalar=float(c.query_pre_attn_scalar) if traits.uses_query_pre_attn_scalar else None,
             attn_softcap=float(attn_cap) if attn_cap else None,
             final_softcap=float(final_cap) if final_cap else None,
@@ -265,6 +329,7 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
             layer_types=kinds if sliding else None,
             rope_local=local if sliding and local != rope else None,
             **moe,
+            **read_layer_fields(family, c, rp),
         )
     except (TypeError, ValueError, AttributeError) as e:
         raise UserError(f"{where}: cannot read the model config ({e})") from None
@@ -272,7 +337,8 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
         import dataclasses
 
         cfg = dataclasses.replace(cfg, **_gemma4_fields(c, where))
-    if getattr(c, "pretraining_tp", 1) not in (1, None):
+    # SmolLM3's model never reads pretraining_tp (its release's config says 2).
+    if getattr(c, "pretraining_tp", 1) not in (1, None) and family != "smollm3":
         raise UserError(f"{where}: pretraining_tp={c.pretraining_tp} is not supported; set it to 1")
     from zoo.blocks import ACTIVATIONS
 
@@ -362,9 +428,13 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
                                   "sliding_attention": _rope_dict(cfg.rope_local or cfg.rope)}
     if cfg.family == "gemma4":
         out.update(_gemma4_hf_fields(cfg))
-    if t.moe == "mixtral":
+    if t.moe == "gpt_oss":
+        out.update(gpt_oss_hf_fields(cfg))
+    elif t.moe == "mixtral":
         out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
                    router_aux_loss_coef=cfg.aux_loss_coef)
+    elif t.moe in ("qwen3_moe", "glm4_moe"):
+        out.update(_moe_hf_fields(cfg))
     elif t.moe:
         out.update(
             n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
@@ -379,7 +449,26 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
             out["topk_method"] = "group_limited_greedy" if cfg.router_groups > 1 else "greedy"
         else:
             out.update(norm_topk_prob=cfg.router_norm_topk, rope_interleave=cfg.hf_rope_interleave)
+    write_layer_fields(cfg, out)
     return out
+
+
+def _moe_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
+    """The HF config fields of a Qwen3-MoE or GLM-4.5 model's experts, RoPE and QK norm (see
+    :func:`_qwen3_moe_fields`, :func:`_glm4_moe_fields`)."""
+    # Their config classes declare no head_dim (the attention reads it, else hidden / heads): always written, as
+    # every released config writes it.
+    shared = dict(num_experts_per_tok=cfg.experts_per_token, moe_intermediate_size=cfg.moe_intermediate_size,
+                  norm_topk_prob=cfg.router_norm_topk, head_dim=cfg.head_dim)
+    if cfg.family == "qwen3_moe":
+        return dict(shared, num_experts=cfg.num_experts, router_aux_loss_coef=cfg.aux_loss_coef,
+                    decoder_sparse_step=cfg.decoder_sparse_step, mlp_only_layers=list(cfg.mlp_only_layers),
+                    use_sliding_window="sliding" in cfg.kinds)
+    rope = dict(_rope_dict(cfg.rope), partial_rotary_factor=cfg.partial_rotary_factor)
+    return dict(shared, n_routed_experts=cfg.num_experts, n_shared_experts=cfg.shared_experts,
+                first_k_dense_replace=cfg.dense_layers, routed_scaling_factor=cfg.router_scale,
+                n_group=cfg.router_groups, topk_group=cfg.router_topk_groups, use_qk_norm=cfg.qk_norm,
+                rope_parameters=rope, num_nextn_predict_layers=0)  # the model has no MTP layer (convert/mtp.py)
 
 
 def _gemma4_hf_fields(cfg: ModelConfig) -> dict[str, Any]:

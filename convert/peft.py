@@ -12,6 +12,7 @@ Written with numpy and JSON only: peft and torch stay test-only dependencies.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,8 +21,10 @@ from typing import Any
 
 import numpy as np
 
+from convert import peft_experts
 from convert.convert import DTYPES, shape_only
 from convert.export import DTYPES_ALL, ST_NAMES, PlannedTensor, assign_shards, export, planned_files, safetensors_header
+from convert.fused import fused_module
 from convert.tables import BoundRule, table_for
 from convert.transforms import TRANSFORMS
 from zoo import quant_checkpoint
@@ -118,34 +121,112 @@ def default_base_out(ckpt: str | os.PathLike, out: str | os.PathLike) -> Path | 
 
 
 def _adapted_rules(cfg: ModelConfig, meta: dict[str, Any], ckpt: str | os.PathLike) -> list[BoundRule]:
-    """The export rules of the adapted weights, in the table's (Hub) order; refuses what peft cannot load."""
+    """The export rules of the adapted weights, in the table's (Hub) order; refuses what peft cannot load.
+
+    Routed experts' rules are among them only where :mod:`convert.peft_experts` has the family's layout."""
     adapted = {p.rpartition(".")[0] for p in meta["lora"]["params"]}
     rules = [r for r in table_for(cfg.family, "hf", cfg) if r.zoo in adapted]
     missing = adapted - {r.zoo for r in rules}
     if missing:
         raise UserError(f"{ckpt}: adapters on {sorted(missing)}, which the {cfg.family} export table does not name; "
                         "the checkpoint is damaged")
+    layout = peft_experts.layout_of(cfg)
     for rule in rules:
         if rule.experts:
-            # transformers fuses routed experts into one parameter per projection: no Linear for peft to wrap.
-            raise UserError(f"{ckpt}: adapters on routed experts ({rule.zoo}) have no PEFT layout; export the "
-                            "merged model instead (zoo export without --adapter)")
+            if layout is None:
+                # transformers fuses routed experts into one parameter per projection: no Linear for peft to wrap,
+                # and no target_parameters layout known here for this family.
+                raise UserError(f"{ckpt}: adapters on routed experts ({rule.zoo}) have no PEFT layout for "
+                                f"{cfg.family}; export the merged model instead (zoo export without --adapter)")
+            continue
+        fused = fused_module(cfg, rule.hf)
+        if fused is not None:  # Phi-3: one Linear (qkv_proj, gate_up_proj) where the zoo has one adapter a part
+            raise UserError(f"{ckpt}: adapters on {rule.zoo} have no PEFT layout: {cfg.family}'s "
+                            f"{fused.rsplit('.', 2)[-2]} is one module in transformers, which peft adapts as a whole; "
+                            "export the merged model instead (zoo export without --adapter)")
         if rule.transform not in LORA_LAYOUTS or not rule.hf.endswith(".weight"):
             raise UserError(f"{ckpt}: adapters on {rule.zoo} ({rule.transform} layout) have no PEFT layout; "
                             "export the merged model instead (zoo export without --adapter)")
+        leaf = rule.hf.removesuffix(".weight").rpartition(".")[2]
+        if layout is not None and leaf in layout.rewritten:
+            raise UserError(f"{ckpt}: adapters on {rule.zoo} ({leaf}) cannot load in peft: for a {cfg.family} model "
+                            f"peft rewrites {leaf} targets to the fused routed experts; export the merged model "
+                            "instead, or train with targets experts.gate_proj, experts.up_proj, experts.down_proj")
     return rules
+
+
+def _expert_tensors(cfg: ModelConfig, meta: dict[str, Any], rules: list[BoundRule], dtype: str | None
+                    ) -> list[tuple[tuple[int, int, str], PlannedTensor]]:
+    """The routed experts' adapter tensors in peft's target_parameters layout (:mod:`convert.peft_experts`),
+    keyed for :func:`plan_adapter`'s order. ``PlannedTensor.zoo`` is ``<stack>.<fused parameter>.<a|b>``."""
+    layout = peft_experts.layout_of(cfg)
+    stacks = dict.fromkeys(r.zoo.rpartition(".")[0] for r in rules if r.experts)
+    if layout is None or not stacks:
+        return []
+    stored, r = meta["lora"]["params"], meta["lora"]["rank"]
+    specs = param_specs(cfg)
+    keyed = []
+    for stack in stacks:
+        layers = next(rule.layers for rule in rules if rule.experts and rule.zoo.startswith(stack + "."))
+        assert layers is not None  # expert rules are stacked over their layers
+        adapted = {name for name in peft_experts.EXPERT_WEIGHTS if f"{stack}.{name}" in {x.zoo for x in rules}}
+        fused = peft_experts.adapted_params(layout, adapted)
+        for pos, (param, parts) in enumerate(fused):
+            spec_a, spec_b = specs[f"{stack}.{parts[0]}"], specs[f"{stack}.{parts[-1]}"]
+            experts = spec_a.shape[1]
+            rank = peft_experts.fused_rank(r, parts)
+            fan_in = math.prod(spec_a.shape[2:2 + peft_experts.CONTRACT])
+            fan_out = len(param.parts) * math.prod(spec_b.shape[2 + peft_experts.CONTRACT:])
+            for part, shape in (("a", (rank * experts, fan_in)), ("b", (fan_out, rank * experts))):
+                dt = dtype or stored[f"{stack}.{parts[0]}.{part}"]["dtype"]
+                if dt not in ST_NAMES:
+                    raise UserError(f"adapter {stack}.{parts[0]}.{part} has dtype {dt}, which safetensors export "
+                                    "does not support")
+                for i, layer in enumerate(layers):
+                    module = PEFT_PREFIX + peft_experts.module_key(layout, layer, pos, len(fused))
+                    keyed.append(((layer, 10**6 + pos, part),
+                                  PlannedTensor(f"{module}.lora_{part.upper()}.weight", f"{stack}.{param.name}.{part}",
+                                                (i,), peft_experts.TRANSFORM, shape, dt)))
+    return keyed
+
+
+def experts_config(meta: dict[str, Any]) -> dict[str, Any]:
+    """The adapter_config.json fields of the routed experts' adapters: ``target_parameters`` and the fused
+    parameters' ``rank_pattern`` / ``alpha_pattern`` (their rank is the rank times the parts adapted, their
+    scale the parts' own); empty without expert adapters."""
+    cfg = ModelConfig.from_dict(meta["config"])
+    layout = peft_experts.layout_of(cfg)
+    if layout is None:
+        return {}
+    info = meta["lora"]
+    adapted = {p.rpartition(".")[0].rpartition(".")[2] for p in info["params"]}
+    fused = peft_experts.adapted_params(layout, adapted)
+    if not fused:
+        return {}
+    targets = [peft_experts.target_parameter(layout, param) for param, _ in fused]
+    ranks, alphas = {}, {}
+    for (_, parts), key in zip(fused, targets, strict=True):
+        if len(parts) > 1:
+            ranks[key] = peft_experts.fused_rank(info["rank"], parts)
+            alpha = peft_experts.fused_alpha(info["alpha"], bool(info["rslora"]), parts)
+            alphas[key] = int(alpha) if float(alpha).is_integer() else alpha
+    return {"target_parameters": targets, "rank_pattern": ranks, "alpha_pattern": alphas}
 
 
 def plan_adapter(ckpt: str | os.PathLike, meta: dict[str, Any], dtype: str | None = None) -> list[PlannedTensor]:
     """Every tensor of ``adapter_model.safetensors``, layer by layer in module order, with its offset.
 
     ``PlannedTensor.zoo`` is the adapter parameter (``layers.q.a``), ``index`` its layer and
-    ``transform`` the base weight's export transform (the key into :data:`LORA_LAYOUTS`).
+    ``transform`` the base weight's export transform (the key into :data:`LORA_LAYOUTS`); routed experts'
+    tensors (transform ``peft_experts.TRANSFORM``) follow their layer's other adapters.
     """
     cfg = ModelConfig.from_dict(meta["config"])
     specs, stored, r = param_specs(cfg), meta["lora"]["params"], meta["lora"]["rank"]
-    keyed = []
-    for pos, rule in enumerate(_adapted_rules(cfg, meta, ckpt)):
+    rules = _adapted_rules(cfg, meta, ckpt)
+    keyed = _expert_tensors(cfg, meta, rules, dtype)
+    for pos, rule in enumerate(rules):
+        if rule.experts:
+            continue
         piece = specs[rule.zoo].shape[rule.slice_axes:]
         out_f, in_f = TRANSFORMS[rule.transform].inverse(shape_only(piece), cfg).shape
         for part, shape in (("a", (r, in_f)), ("b", (out_f, r))):
@@ -166,7 +247,8 @@ def plan_adapter(ckpt: str | os.PathLike, meta: dict[str, Any], dtype: str | Non
 
 def target_modules_of(tensors: list[PlannedTensor]) -> list[str]:
     """peft's ``target_modules``: the exported modules' own names, in :data:`HF_TO_ZOO` order first."""
-    names = {t.name.removesuffix(".weight").rsplit(".", 2)[-2] for t in tensors}
+    names = {t.name.removesuffix(".weight").rsplit(".", 2)[-2] for t in tensors
+             if t.transform != peft_experts.TRANSFORM}
     return [n for n in HF_TO_ZOO if n in names] + sorted(names - set(HF_TO_ZOO))
 
 
@@ -289,8 +371,11 @@ def export_adapter(ckpt: str | os.PathLike, out: str | os.PathLike, overwrite: b
     base_ref, targets = base_model_ref(ckpt, meta, base_out), target_modules_of(tensors)
     with atomic_output(out, overwrite) as tmp:
         _write_weights(Path(ckpt), meta, tensors, tmp / ADAPTER_WEIGHTS)
-        (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config(meta, base_ref, targets), indent=2) + "\n")
-        card = adapter_card(ckpt, meta, base_ref, targets, repo_hint or out.name, base_out)
+        experts = experts_config(meta)
+        config = {**peft_config(meta, base_ref, targets), **experts}
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        card = adapter_card(ckpt, meta, base_ref, targets + experts.get("target_parameters", []),
+                            repo_hint or out.name, base_out)
         (tmp / "README.md").write_text(card)
     return out
 
@@ -298,14 +383,19 @@ def export_adapter(ckpt: str | os.PathLike, out: str | os.PathLike, overwrite: b
 def _write_weights(ckpt: Path, meta: dict[str, Any], tensors: list[PlannedTensor], path: Path) -> None:
     stored = meta["lora"]["params"]
     # Adapters are rank-r slivers of the model: read each whole, once.
-    arrays = {p: load_param_numpy(ckpt, p, stored[p]) for p in dict.fromkeys(t.zoo for t in tensors)}
+    arrays = {p: load_param_numpy(ckpt, p, stored[p]) for p in stored}
+    experts = peft_experts.layout_of(ModelConfig.from_dict(meta["config"]))
     with open(path, "wb") as f:
         f.write(safetensors_header(tensors))
         for t in tensors:
-            layout = LORA_LAYOUTS[t.transform]
-            fn = layout.a if t.zoo.endswith(".a") else layout.b
-            x = arrays[t.zoo] if t.index is None else arrays[t.zoo][t.index]
-            x = np.ascontiguousarray(fn(x), dtype=DTYPES_ALL[t.dtype])
+            if t.transform == peft_experts.TRANSFORM:
+                assert experts is not None and t.index is not None  # planned only with the family's layout
+                x = peft_experts.fused_factor(experts, t.zoo, arrays, t.index[0])
+            else:
+                layout = LORA_LAYOUTS[t.transform]
+                fn = layout.a if t.zoo.endswith(".a") else layout.b
+                x = fn(arrays[t.zoo] if t.index is None else arrays[t.zoo][t.index])
+            x = np.ascontiguousarray(x, dtype=DTYPES_ALL[t.dtype])
             if tuple(x.shape) != t.shape:
                 raise UserError(f"{ckpt}: adapter {t.zoo} does not match its base weight (got {x.shape} for "
                                 f"{t.name}, want {t.shape}); the checkpoint is damaged")

@@ -11,6 +11,7 @@ mixture-of-experts layers.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -108,6 +109,21 @@ def _moe_rules(L: str, style: str | None) -> list[Rule]:
             Rule("layers.shared_up", M + "shared_experts.up_proj.weight", "transpose", when="moe&shared_experts"),
             Rule("layers.shared_down", M + "shared_experts.down_proj.weight", "transpose", when="moe&shared_experts"),
         ]
+    if style == "gpt_oss":
+        # transformers' GptOssExperts: one [experts, embed, 2 x mlp] gate_up_proj per layer, gate and up
+        # interleaved column by column, and per-expert biases; the router's bias is on its logits.
+        M, X = L + "mlp.", L + "mlp.experts."
+        return [
+            Rule("layers.sinks", L + "self_attn.sinks", when="attn_sinks"),
+            Rule("layers.router", M + "router.weight", "transpose", when="moe"),
+            Rule("layers.router_logit_bias", M + "router.bias", when="moe&router_logits_bias"),
+            Rule("layers.expert_gate", X + "gate_up_proj", "even_columns", when="moe"),
+            Rule("layers.expert_up", X + "gate_up_proj", "odd_columns", when="moe"),
+            Rule("layers.expert_gate_bias", X + "gate_up_proj_bias", "even_columns", when="moe&expert_bias"),
+            Rule("layers.expert_up_bias", X + "gate_up_proj_bias", "odd_columns", when="moe&expert_bias"),
+            Rule("layers.expert_down", X + "down_proj", when="moe"),
+            Rule("layers.expert_down_bias", X + "down_proj_bias", when="moe&expert_bias"),
+        ]
     return []
 
 
@@ -159,6 +175,15 @@ def decoder_table(prefix: str = "model.", moe: str | None = None) -> list[Rule]:
     ]
 
 
+def post_norm_table() -> list[Rule]:
+    """OLMo 2/3's naming: the shared decoder's without the pre-norms (``input_layernorm``, the pre-MLP norm),
+    whose blocks norm only attention's and the MLP's outputs (``post_attention_layernorm``,
+    ``post_feedforward_layernorm``), and whose q/k norms span all heads: [heads * head_dim] <-> [heads, head_dim]."""
+    full_width = {"layers.q_norm": "q_bias", "layers.k_norm": "kv_bias"}
+    return [dataclasses.replace(r, transform=full_width.get(r.zoo, r.transform))
+            for r in decoder_table() if r.zoo not in ("layers.attn_norm", "layers.mlp_norm")]
+
+
 _B = "blk.{i}."
 
 
@@ -196,8 +221,53 @@ def gguf_table(rope_permuted: bool = False) -> list[Rule]:
     ]
 
 
+def gpt_oss_gguf_table() -> list[Rule]:
+    """llama.cpp's names for gpt-oss (GGUF architecture ``gpt-oss``, convert_hf_to_gguf.py's GptOssModel): the
+    pre-MLP norm is ``post_attention_norm``, the sinks ``attn_sinks``, the router ``ffn_gate_inp`` with its bias,
+    and gate and up are separate expert stacks [experts, out, in] (gate_up_proj's even and odd columns) with
+    their biases; MXFP4 experts are dequantized by the gguf package."""
+    return [
+        Rule("embed", "token_embd.weight"),
+        Rule("layers.attn_norm", _B + "attn_norm.weight"),
+        Rule("layers.q", _B + "attn_q.weight", "q_in"),
+        Rule("layers.k", _B + "attn_k.weight", "kv_in"),
+        Rule("layers.v", _B + "attn_v.weight", "kv_in"),
+        Rule("layers.o", _B + "attn_output.weight", "o_out"),
+        Rule("layers.q_bias", _B + "attn_q.bias", "q_bias", when="qkv_bias"),
+        Rule("layers.k_bias", _B + "attn_k.bias", "kv_bias", when="qkv_bias"),
+        Rule("layers.v_bias", _B + "attn_v.bias", "kv_bias", when="qkv_bias"),
+        Rule("layers.o_bias", _B + "attn_output.bias", when="o_bias"),
+        Rule("layers.sinks", _B + "attn_sinks.weight", when="attn_sinks"),
+        Rule("layers.mlp_norm", _B + "post_attention_norm.weight"),
+        Rule("layers.router", _B + "ffn_gate_inp.weight", "transpose"),
+        Rule("layers.router_logit_bias", _B + "ffn_gate_inp.bias", when="router_logits_bias"),
+        Rule("layers.expert_gate", _B + "ffn_gate_exps.weight", "swap_last"),
+        Rule("layers.expert_up", _B + "ffn_up_exps.weight", "swap_last"),
+        Rule("layers.expert_down", _B + "ffn_down_exps.weight", "swap_last"),
+        Rule("layers.expert_gate_bias", _B + "ffn_gate_exps.bias", when="expert_bias"),
+        Rule("layers.expert_up_bias", _B + "ffn_up_exps.bias", when="expert_bias"),
+        Rule("layers.expert_down_bias", _B + "ffn_down_exps.bias", when="expert_bias"),
+        Rule("final_norm", "output_norm.weight"),
+        Rule("lm_head", "output.weight", "transpose", when="!tie_word_embeddings"),
+    ]
+
+
 LLAMA_GGUF = gguf_table(rope_permuted=True)
 GGUF_FAMILIES = ("gemma", "gemma2", "gemma3", "qwen2", "qwen3")
+
+
+def gguf_moe_table() -> list[Rule]:
+    """llama.cpp's names for a MoE decoder whose every layer is MoE (``qwen3moe``): :func:`gguf_table`'s, with the
+    router ``ffn_gate_inp`` and each layer's experts as one 3D tensor ``ffn_{gate,up,down}_exps`` [experts, out,
+    in] in place of the dense MLP (a GGUF file has no dense layers between MoE ones)."""
+    dense = {"layers.gate", "layers.up", "layers.down"}
+    return [r for r in gguf_table() if r.zoo not in dense] + [
+        Rule("layers.router", _B + "ffn_gate_inp.weight", "transpose", when="moe"),
+        Rule("layers.expert_gate", _B + "ffn_gate_exps.weight", "experts_transpose", when="moe"),
+        Rule("layers.expert_up", _B + "ffn_up_exps.weight", "experts_transpose", when="moe"),
+        Rule("layers.expert_down", _B + "ffn_down_exps.weight", "experts_transpose", when="moe"),
+    ]
+
 
 HF_DECODER = decoder_table()
 
@@ -209,8 +279,16 @@ TABLES: dict[tuple[str, str], list[Rule]] = {
     ("gemma3", "hf-gemma3-multimodal"): decoder_table("language_model.model."),
     ("mixtral", "hf"): decoder_table(moe="mixtral"),
     **{(f, "hf"): decoder_table(moe="deepseek") for f in ("deepseek_v2", "deepseek_v3")},
+    # Qwen3-MoE and GLM-4.5 name their experts, router (and GLM's selection bias, shared experts) as DeepSeek does.
+    **{(f, "hf"): decoder_table(moe="deepseek") for f in ("qwen3_moe", "glm4_moe")},
+    # SmolLM3 shares the naming; Phi-3/Phi-4 too once their fused qkv_proj / gate_up_proj are split (convert.fused).
+    **{(f, "hf"): HF_DECODER for f in ("smollm3", "phi3")},
+    **{(f, "hf"): post_norm_table() for f in ("olmo2", "olmo3")},
     ("llama", "gguf"): LLAMA_GGUF,
     **{(f, "gguf"): gguf_table() for f in GGUF_FAMILIES},
+    ("qwen3_moe", "gguf"): gguf_moe_table(),
+    ("gpt_oss", "hf"): decoder_table(moe="gpt_oss"),
+    ("gpt_oss", "gguf"): gpt_oss_gguf_table(),
 }
 
 
@@ -251,8 +329,8 @@ def gemma4_table(prefix: str = "model.") -> list[Rule]:
         Rule("layers.router", L + "router.proj.weight", "transpose", when=moe),
         Rule("layers.router_scale", L + "router.scale", when=moe),
         Rule("layers.expert_scale", L + "router.per_expert_scale", when=moe),
-        Rule("layers.expert_gate_up", L + "experts.gate_up_proj", "experts_in", when=moe),
-        Rule("layers.expert_down", L + "experts.down_proj", "experts_in", when=moe),
+        Rule("layers.expert_gate_up", L + "experts.gate_up_proj", "experts_transpose", when=moe),
+        Rule("layers.expert_down", L + "experts.down_proj", "experts_transpose", when=moe),
         Rule("layers.mlp_post_norm", L + "post_feedforward_layernorm_1.weight", when=moe),
         Rule("layers.moe_norm", L + "pre_feedforward_layernorm_2.weight", when=moe),
         Rule("layers.moe_post_norm", L + "post_feedforward_layernorm_2.weight", when=moe),
@@ -280,13 +358,14 @@ def table_for(family: str, fmt: str, cfg: ModelConfig) -> list[BoundRule]:
                 out.append(BoundRule(rule.zoo, rule.hf, rule.transform))
             continue
         name = rule.zoo.split(".", 1)[1]
-        for prefix, start, stop, moe in cfg.layer_groups:
+        for prefix, layers, moe in cfg.layer_stacks:
             if rule.applies(cfg, moe):
                 experts = cfg.num_experts if "{j}" in rule.hf else 0
-                layers = tuple(i for i in range(start, stop) if rule.kind is None or cfg.kinds[i] == rule.kind)
                 if (rule.kind is not None or cfg.kv_shared_layers) and f"{prefix}.{name}" not in specs:
                     continue  # Gemma 4: no such weight in this stack (no layer of the kind; KV-shared; k_eq_v)
-                out.append(BoundRule(f"{prefix}.{name}", rule.hf, rule.transform, layers, experts))
+                # A kind-split rule stacks the layers of its kind only.
+                own = layers if rule.kind is None else tuple(i for i in layers if cfg.kinds[i] == rule.kind)
+                out.append(BoundRule(f"{prefix}.{name}", rule.hf, rule.transform, own, experts))
     return out
 
 

@@ -228,14 +228,15 @@ class DPOTask(Task):
         """
         p = cast_params(params, compute)
         arrays = mb.arrays()
-        pol, mean_logit, aux = batch_logps(mcfg, p, arrays, remat, **forward_kwargs)
+        rows = 3  # documents in a pair's row: its two answers, and the prompt they share as a prefix (dpo/data.py)
+        pol, mean_logit, aux = batch_logps(mcfg, p, arrays, remat, max_segments=rows, **forward_kwargs)
         if self.mode == "precomputed":
             ref = mb.ref_logps.astype(jnp.float32)
         elif self.mode == "base":  # the same base weights, adapters off: no second copy of the model
-            ref = jax.lax.stop_gradient(batch_logps(mcfg, p, arrays)[0])
+            ref = jax.lax.stop_gradient(batch_logps(mcfg, p, arrays, max_segments=rows)[0])
         elif self.mode == "path":
             r = cast_params(frozen_inputs, compute)  # the reference checkpoint's params
-            ref = jax.lax.stop_gradient(batch_logps(mcfg, r, arrays)[0])
+            ref = jax.lax.stop_gradient(batch_logps(mcfg, r, arrays, max_segments=rows)[0])
         else:
             ref = jnp.zeros_like(pol)
         wc, wr, keep = _answer_masks(mb)

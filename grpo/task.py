@@ -249,7 +249,7 @@ class GRPOTask(Task):
         def logps(params: dict, batch: RolloutBatch, **forward_kwargs: Any) -> jax.Array:
             flat = jax.tree.map(lambda v: v.reshape((b,) + v.shape[2:]), batch)
             p = cast_params(params, compute)
-            lp = batch_logps(mcfg, p, flat.arrays(), temperature=temperature, **forward_kwargs)[0]
+            lp = batch_logps(mcfg, p, flat.arrays(), temperature=temperature, max_segments=1, **forward_kwargs)[0]
             return (lp * flat.weights).reshape(shape + lp.shape[1:])
 
         self._sample = jax.jit(sample)
@@ -342,8 +342,9 @@ class GRPOTask(Task):
         sampler's log-probability gap as a :class:`Max`."""
         g = self.grpo
         p = cast_params(params, compute)
+        # A rollout row is one document (prompt + completion, then padding: grpo.rollout.layout).
         logp, entropy, aux = batch_logps(mcfg, p, mb.arrays(), remat, temperature=float(g.temperature), entropy=True,
-                                         **forward_kwargs)
+                                         max_segments=1, **forward_kwargs)
         mask = mb.weights
         old = jax.lax.stop_gradient(logp) if mb.old_logps is None else mb.old_logps
         ref = mb.ref_logps

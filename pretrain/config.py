@@ -72,6 +72,9 @@ class DataSection:
     text_field: str = "text"
     seq_len: int = field(default=512, metadata={"range": "[1, inf)"})
     packing: bool = True  # false: one document per row, truncated/padded to seq_len
+    # best-fit packing (sft): at most this many documents a row (None: as many as fit). NVIDIA GPUs' cuDNN attention
+    # takes packed rows only with a bound (each document's start and length; its statistics grow with it), e.g. 16
+    max_segments: int | None = field(default=None, metadata={"range": "[1, inf)"})
     # whole examples (best-fit packing, or rows a task lays out itself) longer than seq_len + 1: truncate | drop
     long_examples: str = field(default="truncate", metadata={"choices": ("truncate", "drop")})
     # stop before step 1 if more examples than this lose every trained token to truncation (a seq_len too short)

@@ -93,9 +93,11 @@ def _stream(docs: list, seed: int, epochs: int | None) -> grain.MapDataset:
 NO_PREFETCH = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
 
 
-def _pack(ds: grain.MapDataset, example: dict[str, np.ndarray], seq_len: int, seed: int, packing: bool | str):
+def _pack(ds: grain.MapDataset, example: dict[str, np.ndarray], seq_len: int, seed: int, packing: bool | str,
+          max_segments: int | None = None):
     """A grain dataset of rows {tokens, segment ids, positions[, loss_mask]} of seq_len + 1 tokens from the
-    documents of ``ds`` (features like ``example``), packed as ``packing`` says (see PACKING)."""
+    documents of ``ds`` (features like ``example``), packed as ``packing`` says (see PACKING); best-fit rows hold
+    at most ``max_segments`` documents (None: as many as fit)."""
     import grain.experimental as ge
 
     mode = _mode(packing)
@@ -104,18 +106,21 @@ def _pack(ds: grain.MapDataset, example: dict[str, np.ndarray], seq_len: int, se
     lengths = {k: seq_len + 1 for k in example}
     if mode == "best_fit":
         return ge.BestFitPackIterDataset(ds.to_iter_dataset(NO_PREFETCH), length_struct=lengths,
-                                         num_packing_bins=PACKING_BINS, seed=seed % SEEDS, shuffle_bins=False)
+                                         num_packing_bins=PACKING_BINS, seed=seed % SEEDS, shuffle_bins=False,
+                                         max_sequences_per_bin=max_segments)
     return ge.ConcatThenSplitIterDataset(ds.to_iter_dataset(NO_PREFETCH), length_struct=lengths)
 
 
-def _rows(docs: list, seq_len: int, seed: int, packing: bool | str, epochs: int | None):
+def _rows(docs: list, seq_len: int, seed: int, packing: bool | str, epochs: int | None,
+          max_segments: int | None = None):
     """A grain dataset of packed rows of seq_len + 1 tokens from shuffled ``docs`` (see _pack)."""
-    return _pack(_stream(docs, seed, epochs), features(docs[0]), seq_len, seed, packing)
+    return _pack(_stream(docs, seed, epochs), features(docs[0]), seq_len, seed, packing, max_segments)
 
 
-def lane_dataset(docs: list, seq_len: int, seed: int, packing: bool | str):
-    """One lane: an endless grain iterator of rows from ``docs`` (reshuffled each pass)."""
-    return iter(_rows(docs, seq_len, seed, packing, None))
+def lane_dataset(docs: list, seq_len: int, seed: int, packing: bool | str, max_segments: int | None = None):
+    """One lane: an endless grain iterator of rows from ``docs`` (reshuffled each pass; best-fit rows of at most
+    ``max_segments`` documents)."""
+    return iter(_rows(docs, seq_len, seed, packing, None, max_segments))
 
 
 # A mixture lane tags each token with its source: SOURCE is -(s + 1) on a document's first token, s + 1 on the
@@ -135,7 +140,8 @@ def source_seed(seed: int, source: int) -> int:
     return (seed + 104_729 * source) % SEEDS
 
 
-def mixed_lane_dataset(sources: list[list], weights: list[float], seq_len: int, seed: int, packing: bool | str):
+def mixed_lane_dataset(sources: list[list], weights: list[float], seq_len: int, seed: int, packing: bool | str,
+                       max_segments: int | None = None):
     """One lane of a mixture: an endless grain iterator of packed rows from grain's mix of the sources' document
     streams (each shuffled, reshuffled each pass) in proportion to ``weights``.
 
@@ -148,7 +154,7 @@ def mixed_lane_dataset(sources: list[list], weights: list[float], seq_len: int, 
     streams = [_stream(docs, source_seed(seed, s), None).map(functools.partial(_tag, s))
                for s, docs in enumerate(sources)]
     mixed = grain.MapDataset.mix(streams, weights)
-    return iter(_pack(mixed, _tag(0, features(sources[0][0])), seq_len, seed, packing))
+    return iter(_pack(mixed, _tag(0, features(sources[0][0])), seq_len, seed, packing, max_segments))
 
 
 def fit_documents(docs: dict[int, Any], max_len: int, long: str) -> tuple[dict[int, Any], set[int]]:
@@ -239,6 +245,6 @@ def _tuples(x: Any) -> Any:
 
 
 def packed_batches(docs: list, seq_len: int, batch: int, seed: int, epochs: int | None,
-                   packing: bool | str = True):
+                   packing: bool | str = True, max_segments: int | None = None):
     """A grain iterator of whole batches from one stream of ``docs`` (used for the small eval set)."""
-    return iter(_rows(docs, seq_len, seed, packing, epochs).batch(batch, drop_remainder=True))
+    return iter(_rows(docs, seq_len, seed, packing, epochs, max_segments).batch(batch, drop_remainder=True))

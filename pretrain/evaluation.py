@@ -57,7 +57,7 @@ class Evaluation(Hook):
         """{eval_loss: mean per-target loss, eval_<name>: the task's other metrics} over (up to ``max_batches``)
         packed batches of the eval documents."""
         cfg = self.cfg
-        it = packed_batches(docs, cfg.data.seq_len, self.micro, cfg.seed, 1, self.data.packing)
+        it = packed_batches(docs, cfg.data.seq_len, self.micro, cfg.seed, 1, self.data.packing, cfg.data.max_segments)
         sharding = NamedSharding(self.mesh, PartitionSpec(("data", "fsdp"), None))
         total: LossOutput | None = None
         for _ in range(max_batches):

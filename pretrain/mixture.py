@@ -70,7 +70,7 @@ def mixture_data(cfg: TrainConfig, task: Task, tokenizer: Any, vocab: int, mine:
     per_epoch = sum(s.per_epoch for s in shares) // epoch_unit(cfg, packing)
     total = cfg.max_steps or max(1, per_epoch) * (cfg.epochs or 1)
     mixed = [mixed_lane_dataset([s.lane_docs[r] for s in shares], weights, d.seq_len, cfg.seed * 1_000_003 + r,
-                                packing) for r in mine]
+                                packing, d.max_segments) for r in mine]
     first = set(counted)
     batches = LaneBatches(mixed, len(sources), [r in first for r in mine])
     eval_sets = {str(src.name): s.eval_docs for src, s in zip(sources, shares) if s.eval_docs}

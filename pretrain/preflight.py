@@ -90,7 +90,7 @@ def check_first_batch(batches: Any, cfg: TrainConfig) -> None:
 def fills_batch(docs: list[Document], cfg: TrainConfig, micro: int, packing: str) -> bool:
     """Whether ``docs`` fill at least one eval batch of ``micro`` rows."""
     try:
-        next(packed_batches(docs, cfg.data.seq_len, micro, cfg.seed, 1, packing))
+        next(packed_batches(docs, cfg.data.seq_len, micro, cfg.seed, 1, packing, cfg.data.max_segments))
     except StopIteration:
         return False
     return True

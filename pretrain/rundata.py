@@ -81,6 +81,7 @@ def read_run_data(cfg: TrainConfig, task: Task, tokenizer: Tokenizer, vocab: int
     g = task.group_size
     total = cfg.max_steps or max(1, share.per_epoch // epoch_unit(cfg, packing, g)) * (cfg.epochs or 1)
     # The rows of one group (task.group_size) read the same lane with the same seed: the same documents.
-    batches = LaneBatches([lane_dataset(share.lane_docs[r], d.seq_len, cfg.seed * 1_000_003 + r // g, packing)
+    batches = LaneBatches([lane_dataset(share.lane_docs[r], d.seq_len, cfg.seed * 1_000_003 + r // g, packing,
+                                        d.max_segments)
                            for r in mine])
     return RunData(batches, mine, packing, share.n_long, share.eval_docs, total, share.skipped, source=share.rows)

@@ -33,6 +33,7 @@ from pretrain.preflight import keeps_a_target
 from zoo.batching import Document
 from zoo.config import ModelConfig
 from zoo.datafiles import load_rows
+from zoo.errors import UserError
 from zoo.lora import LoraConfig
 from zoo.loss import next_token_nll_sum
 from zoo.model import forward, stored_head
@@ -137,6 +138,16 @@ class Task:
     def __init__(self, cfg: TrainConfig | None = None):
         self.group_size = 1
         self.updates_per_step = 1
+        # The most documents a packed batch row holds (None: no bound, or rows the task lays out itself), for
+        # kernels that take documents rather than segment ids (zoo.kernels.cudnn_attention): one without
+        # packing, data.max_segments with best-fit packing.
+        self.row_segments: int | None = None
+        if cfg is not None and self.packing != "none":
+            d = cfg.data
+            if d.max_segments is not None and self.packing != "best_fit":
+                raise UserError(f"data.max_segments: {self.method} concatenates documents into rows with no bound "
+                                "on their number; remove it (it bounds best-fit packing, as sft train's)")
+            self.row_segments = 1 if not d.packing else d.max_segments if self.packing == "best_fit" else None
 
     def load(self, path: str, cfg: TrainConfig) -> RowSource:
         """The rows of a local file/folder or Hub dataset."""
@@ -248,4 +259,5 @@ class PretrainTask(Task):
                   frozen_inputs: Any = None, totals: Any = None, step: jax.Array | None = None,
                   **forward_kwargs: Any) -> LossOutput:
         """Next-token cross-entropy over every target."""
-        return next_token_loss_sums(mcfg, params, mb, compute, remat, **forward_kwargs)
+        return next_token_loss_sums(mcfg, params, mb, compute, remat, max_segments=self.row_segments,
+                                    **forward_kwargs)

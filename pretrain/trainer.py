@@ -67,7 +67,8 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
     primary = distributed.is_primary()
     check_platform(cfg.model.attention, cfg.dtype.compute)  # before anything is written
     task = task or PretrainTask(cfg)
-    check_rows(cfg.model.attention, task.batch_layout(1, 1, cfg.data.seq_len).inputs.shape[-1])  # GRPO's are longer
+    check_rows(cfg.model.attention, task.batch_layout(1, 1, cfg.data.seq_len).inputs.shape[-1],  # GRPO's are longer
+               task.row_segments if task.packing != "none" else 1)  # DPO's shared prefixes: said when traced
     done = runfolder.open_run(out, cfg, fresh, runfolder.parse_changes(resume_with_changes, type(cfg)))
     if done is not None:
         return done

@@ -65,4 +65,5 @@ class SFTTask(Task):
                   frozen_inputs: Any = None, totals: Any = None, step: jax.Array | None = None,
                   **forward_kwargs: Any) -> LossOutput:
         """Next-token cross-entropy over the trained (masked-in) targets only."""
-        return next_token_loss_sums(mcfg, params, mb, compute, remat, **forward_kwargs)
+        return next_token_loss_sums(mcfg, params, mb, compute, remat, max_segments=self.row_segments,
+                                    **forward_kwargs)

@@ -33,6 +33,13 @@ from zoo.params import flatten, nest, param_specs
 BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
 
+# Families whose tiny models set their own token ids: the config classes' defaults (SmolLM3's pad id 128004,
+# Phi-3's 32000) lie past the tiny vocabulary, where torch refuses a padding index. A config generated from the
+# model alone (no source config.json) has the defaults: token ids are not architecture.
+OWN_TOKEN_IDS = {"smollm3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
+                 "phi3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)}
+
+
 # family -> (transformers config class, model class, defaults on top of BASE)
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False)),
@@ -79,8 +86,41 @@ FAMILIES = {
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                             "rope_theta": 1000000.0}})),
+    # Layer 1 dense (mlp_only_layers) between MoE layers 0 and 2.
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        head_dim=16, intermediate_size=96, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, mlp_only_layers=[1], rope_theta=1000000.0)),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+        head_dim=16, num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=16, n_routed_experts=8,
+        num_experts_per_tok=3, n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
+        num_nextn_predict_layers=0)),
+    # Alternating sliding (window 7) and full layers, sinks, biased router and experts, YaRN without truncation.
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        num_hidden_layers=4, head_dim=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=7, swiglu_limit=1.5, router_aux_loss_coef=0.02,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})),
+    # NoPE every 2nd layer (layer 1 of 3), tied embeddings.
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(
+        no_rope_layer_interval=2, rope_theta=50000.0, **OWN_TOKEN_IDS["smollm3"])),
+    # Post-norm blocks, full-width q/k norms.
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(rope_theta=500000.0)),
+    # OLMo 3: sliding layers (window 7) around a full one, YaRN on the full layer only.
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", dict(
+        num_hidden_layers=4, sliding_window=7, rope_parameters={
+            "full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0,
+                               "original_max_position_embeddings": 32, "attention_factor": 1.2},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}})),
+    # Phi-4-mini's shape of attention: fused qkv/gate_up, partial rotary (12 of 16), LongRoPE (its short factors
+    # up to 24 positions, the long ones past), sliding window (16) on every layer.
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
+        tie_word_embeddings=True, max_position_embeddings=256, original_max_position_embeddings=24,
+        sliding_window=16, **OWN_TOKEN_IDS["phi3"], rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0, 1.1, 1.3, 1.2, 1.0, 1.5], "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
+            "original_max_position_embeddings": 24})),
 }
-
 
 def randomize(model) -> None:
     """Larger-than-default weights (and non-trivial norms/biases) give peaked distributions,

@@ -11,7 +11,7 @@ import pytest
 from zoo.blockwise import blockwise_attention, query_block
 from zoo.config import ModelConfig
 from zoo.errors import UserError
-from zoo.kernels import check_platform, cudnn_attention, cudnn_obstacle, kernel_for
+from zoo.kernels import check_platform, cudnn_attention, cudnn_obstacle, cudnn_rows_obstacle, kernel_for, packed_layout
 from zoo.masks import attention_mask, visibility
 
 
@@ -49,6 +49,14 @@ def test_what_cudnn_cannot_run_is_named():
     assert "float32" in cudnn_obstacle(_cfg(), jnp.float32)
     mla = _cfg(kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
     assert "latent" in cudnn_obstacle(mla, jnp.bfloat16)
+    # Rows it takes without a [seq, seq] mask: a bound on their documents, no shared prefixes.
+    assert cudnn_rows_obstacle(1) is None and cudnn_rows_obstacle(16) is None
+    assert "set data.max_segments" in cudnn_rows_obstacle(None)
+    assert "shared prefixes" in cudnn_rows_obstacle(3, prefix=True)
+    with pytest.raises(ValueError, match="shared prefixes"):
+        q, k, v = _qkv(1, 8, 1, 1, 8)
+        cudnn_attention(q, k, v, visibility(jnp.ones((1, 8), jnp.int32), prefix_ids=jnp.ones((1, 8), jnp.int32),
+                                            segments=3), 1.0)
 
 
 def test_train_with_cudnn_on_the_cpu_stops_before_writing(tmp_path, capsys):
@@ -84,22 +92,54 @@ SEGMENTS = {
 
 
 def test_the_cudnn_call_reads_and_writes_the_blockwise_layouts():
-    """The same jax.nn.dot_product_attention call through XLA (so on the CPU) equals the blockwise path under the
-    whole boolean mask in float32: GQA's head order, the packed-document mask with its window, and the output
-    layout; rows of one document each (``packed`` False) through the causal mask type, the rows' lengths and the
-    local window instead of a mask (the padding's own rows are not compared: no target reads them)."""
+    """Rows of one document each (``segments`` 1): the same jax.nn.dot_product_attention call through XLA (so on
+    the CPU), with the causal mask type, the rows' lengths and the local window and no mask, equals the blockwise
+    path under the whole boolean mask in float32: GQA's head order, padding and the output layout. The padding's
+    own rows come out 0 (no target reads them)."""
     b, t, hk, g, d = 2, 96, 2, 3, 16
     q, k, v = _qkv(b, t, hk, g, d)
     padded = np.stack([np.r_[np.ones(t - 10), np.zeros(10)], np.ones(t)]).astype(np.int32)
-    for seg, window, packed in ((SEGMENTS["packed with padding"](t), None, True),
-                                (SEGMENTS["packed with padding"](t), 24, True),
-                                (SEGMENTS["one document"](t), None, False), (padded, None, False), (padded, 24, False)):
+    for seg, window in ((SEGMENTS["one document"](t), None), (padded, None), (padded, 24)):
         want = blockwise_attention(q, k, v, attention_mask(jnp.asarray(seg), window), d ** -0.5, None, window, 32)
-        got = cudnn_attention(q, k, v, visibility(jnp.asarray(seg), window, packed=packed), d ** -0.5,
+        got = cudnn_attention(q, k, v, visibility(jnp.asarray(seg), window, segments=1), d ** -0.5,
                               implementation="xla")
         real = (seg != 0)[..., None]
-        np.testing.assert_allclose(np.asarray(got) * real, np.asarray(want) * real, atol=1e-5, rtol=1e-5,
-                                   err_msg=f"window {window}, packed {packed}")
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want) * real, atol=1e-5, rtol=1e-5,
+                                   err_msg=f"window {window}")
+
+
+def test_packed_layout_names_each_document_by_its_start_and_length():
+    """cuDNN's packed layout of packed rows (the documents' starts and lengths, -1 past the last, [b, M] and
+    [b, M + 1]): by hand, then as a mask read the way cuDNN documents it (a query sees the earlier keys of its own
+    document, within the window) through XLA's attention, equal to the blockwise path under the segment ids."""
+    seg = np.array([[1, 1, 1, 2, 2, 0, 0], [5, 6, 6, 6, 6, 6, 6], [0, 0, 0, 0, 0, 0, 0]], np.int32)
+    lengths, starts = packed_layout(jnp.asarray(seg), 3)
+    assert np.asarray(lengths).tolist() == [[3, 2, -1], [1, 6, -1], [-1, -1, -1]]
+    assert np.asarray(starts).tolist() == [[0, 3, -1, -1], [0, 1, -1, -1], [-1, -1, -1, -1]]
+    assert np.asarray(packed_layout(jnp.asarray(seg), 1)[0]).tolist() == [[3], [1], [-1]]  # more: left out
+
+    b, t, hk, g, d = 2, 96, 2, 3, 16
+    q, k, v = _qkv(b, t, hk, g, d)
+    seg = np.stack([np.r_[np.full(30, 1), np.full(40, 2), np.full(6, 3), np.zeros(20)],
+                    np.r_[np.full(50, 4), np.full(46, 7)]]).astype(np.int32)
+    lengths, starts = (np.asarray(x) for x in packed_layout(jnp.asarray(seg), 4))
+    doc = np.full((b, t), -1)
+    for r in range(b):
+        for j in range(4):
+            if lengths[r, j] > 0:
+                doc[r, starts[r, j]:starts[r, j] + lengths[r, j]] = j
+    i = np.arange(t)
+    for window in (None, 24):
+        sees = (doc[:, :, None] == doc[:, None, :]) & (doc[:, :, None] >= 0) & (i[None, None] <= i[None, :, None])
+        if window is not None:
+            sees &= i[None, :, None] - i[None, None] < window
+        qh = q.transpose(0, 3, 1, 2, 4).reshape(b, t, hk * g, d)
+        got = jax.nn.dot_product_attention(qh, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
+                                           mask=jnp.asarray(sees)[:, None], scale=d ** -0.5, implementation="xla")
+        want = blockwise_attention(q, k, v, attention_mask(jnp.asarray(seg), window), d ** -0.5, None, window, 32)
+        real = (seg != 0)[..., None]
+        np.testing.assert_allclose(np.asarray(got).reshape(b, t, -1) * real, np.asarray(want) * real, atol=1e-5,
+                                   rtol=1e-5, err_msg=f"window {window}")
 
 
 # --- on an NVIDIA GPU ---------------------------------------------------------------------------------------------
@@ -116,13 +156,15 @@ def test_cudnn_equals_blockwise_outputs_and_gradients(segments, window, d):
     b, t, hk, g = 2, 512, 2, 4
     q, k, v = (x.astype(jnp.bfloat16) for x in _qkv(b, t, hk, g, d))
     mask = attention_mask(jnp.asarray(SEGMENTS[segments](t)), window)
-    # Rows of one document go through cuDNN's causal mask type and lengths, packed ones through the mask.
-    vis = visibility(jnp.asarray(SEGMENTS[segments](t)), window, packed=segments != "one document")
+    # Rows of one document go through cuDNN's causal mask type and lengths, packed ones through its packed layout.
+    vis = visibility(jnp.asarray(SEGMENTS[segments](t)), window, segments=1 if segments == "one document" else 4)
     scale = d ** -0.5
     cot = jax.random.normal(jax.random.PRNGKey(9), (b, t, hk * g * d), jnp.float32)
 
-    def blockwise(q, k, v):
-        return blockwise_attention(q, k, v, mask, scale, None, window, query_block(t))
+    real = jnp.asarray(SEGMENTS[segments](t) != 0)[..., None]
+
+    def blockwise(q, k, v):  # padding rows read as 0, as cuDNN's come out
+        return jnp.where(real, blockwise_attention(q, k, v, mask, scale, None, window, query_block(t)), 0)
 
     def cudnn(q, k, v):
         return cudnn_attention(q, k, v, vis, scale)
@@ -159,7 +201,7 @@ def test_a_model_step_with_cudnn_equals_blockwise():
 
     def loss(p, kernel):
         c = dataclasses.replace(cfg, attention=kernel)
-        h = forward(c, p, tokens[:, :-1], seg[:, :-1], return_hidden=True)
+        h = forward(c, p, tokens[:, :-1], seg[:, :-1], return_hidden=True, max_segments=2)
         weights = (seg[:, 1:] != 0).astype(jnp.float32)
         return next_token_nll_sum(h, head_weight(c, p), tokens[:, 1:], weights) / weights.sum()
 
@@ -170,3 +212,33 @@ def test_a_model_step_with_cudnn_equals_blockwise():
     for a, c in zip(jax.tree.leaves(gb), jax.tree.leaves(gc), strict=True):
         a, c = np.asarray(a, np.float32), np.asarray(c, np.float32)
         assert np.abs(a - c).max() <= 0.05 * np.abs(a).max() + 1e-6
+
+
+def test_cudnn_packed_rows_trace_without_a_seq_by_seq_array(monkeypatch):
+    """The packed layout's forward and backward as traced for a Hopper GPU (cuDNN's version and compute capability
+    stood in for, as on a GPU host): cuDNN's own fused calls and no [seq, seq] array anywhere (the old path built
+    the whole [b, 1, t, t] mask)."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91000)
+    monkeypatch.setattr(fa, "check_compute_capability", lambda capability: True)
+    b, t, hk, g, d = 2, 384, 2, 2, 64  # t unlike any other size
+    q, k = jnp.zeros((b, hk, g, t, d), jnp.bfloat16), jnp.zeros((b, hk, t, d), jnp.bfloat16)
+
+    def loss(q, k, v, seg):
+        return cudnn_attention(q, k, v, visibility(seg, 64, segments=8), d ** -0.5).astype(jnp.float32).sum()
+
+    traced = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, k, jnp.ones((b, t), jnp.int32))
+    shapes, names = [], set()
+
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            names.add(e.primitive.name)
+            shapes.extend(tuple(v.aval.shape) for v in e.outvars)
+            for p in e.params.values():
+                if hasattr(p, "jaxpr"):
+                    walk(p.jaxpr)
+
+    walk(traced.jaxpr)
+    assert {"dot_product_attention_fwd_wrapper", "dot_product_attention_bwd_wrapper"} <= names
+    assert shapes and not [s for s in shapes if s.count(t) >= 2]

@@ -274,3 +274,29 @@ def test_moe_stacks_compile_independent_of_depth():
         return count_eqns(f(nest(params), jax.ShapeDtypeStruct((1, 8), jnp.int32)).jaxpr)
 
     assert size(3, 1) == size(12, 3)
+
+
+@pytest.mark.parametrize("rows,groups", [(61, 5), (640, 32)])
+def test_the_tiled_grouped_matmul_equals_ragged_dot(rows, groups):
+    """Off TPUs the experts' grouped matmul runs in tiles of one expert each (zoo.grouped: XLA's CPU ragged_dot
+    multiplies every row by every expert): equal to jax.lax.ragged_dot, values and both gradients, with an empty
+    group, unequal groups and rows past the groups' total (which come out 0)."""
+    from zoo.grouped import grouped_matmul
+
+    rng = np.random.RandomState(rows)
+    sizes = rng.multinomial(rows - 3, np.ones(groups) / groups).astype(np.int32)
+    sizes[1] = 0
+    sizes[0] += rows - 3 - sizes.sum()
+    x = jnp.asarray(rng.randn(rows, 24), jnp.float32)
+    w = jnp.asarray(rng.randn(groups, 24, 10), jnp.float32)
+    cot = jnp.asarray(rng.randn(rows, 10), jnp.float32)
+
+    def run(f):
+        y, vjp = jax.vjp(lambda x, w: f(x, w, jnp.asarray(sizes)), x, w)
+        return (y, *vjp(cot))
+
+    want = run(jax.lax.ragged_dot)
+    got = run(lambda x, w, s: grouped_matmul(x, w, s, platform="cpu"))
+    for name, a, b in zip(("y", "dx", "dw"), want, got, strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-4, err_msg=name)
+    assert not np.asarray(got[0][-3:]).any()

@@ -51,6 +51,31 @@ def test_best_fit_keeps_examples_whole_and_pads_little():
     assert len(rows) <= int(np.ceil(total / (SEQ + 1))) + 1 and padding < 0.1
 
 
+def test_max_segments_bounds_the_examples_a_row_holds(tmp_path):
+    """data.max_segments: best-fit rows of at most that many examples, each still whole and seen once (what cuDNN's
+    packed layout is promised); pretraining's concatenated rows have no bound, so it is a one-line error there."""
+    docs = _docs()
+    rows = [b for b in packed_batches(docs, SEQ, 1, 0, 1, "best_fit", max_segments=2)]
+    counts = [len(set(b["tokens_segment_ids"][0][b["tokens_segment_ids"][0] > 0].tolist())) for b in rows]
+    assert max(counts) == 2 and max(len(set(b["tokens_segment_ids"][0].tolist()) - {0})
+                                    for b in _all_rows(docs, "best_fit")) > 2  # unbounded rows hold more
+    seen = sorted(b["tokens"][0][b["tokens_segment_ids"][0] == s].tolist()
+                  for b in rows for s in set(b["tokens_segment_ids"][0].tolist()) - {0})
+    assert seen == sorted(d["tokens"].tolist() for d in docs)
+
+    from pretrain.config import load_config
+    from pretrain.task import PretrainTask
+    from sft.config import SFTConfig
+    from sft.task import SFTTask
+    from zoo.errors import UserError
+
+    f = tmp_path / "c.yaml"
+    f.write_text("model:\n  path: m\ndata:\n  path: d.jsonl\n  max_segments: 8\nmax_steps: 1\n")
+    with pytest.raises(UserError, match="^data.max_segments: pretrain concatenates documents into rows with no bound"):
+        PretrainTask(load_config(f))
+    assert SFTTask(load_config(f, schema=SFTConfig)).row_segments == 8
+
+
 @pytest.mark.slow
 def test_packed_loss_equals_examples_run_one_by_one():
     """Slow (about 66 s in a loaded 2-worker baseline): XLA compiles each of its model configurations (forward and

@@ -180,10 +180,14 @@ TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_siz
         "head_dim": 16, "tie_word_embeddings": False}
 
 
-def test_a_tpu_train_step_compiled_here_runs_the_splash_kernel_sharded(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("mesh,per_chip", [("fsdp: 2\n  tensor: 2", "f32[4,2,128,16]"),
+                                           ("data: 1\n  fsdp: 1\n  tensor: 4", "f32[8,4,128,16]")])
+def test_a_tpu_train_step_compiled_here_runs_the_splash_kernel_sharded(tmp_path, capsys, monkeypatch, mesh, per_chip):
     """`train --compile-only --topology v5e:2x2` with model.attention auto (a TPU program: splash) compiles a
     step whose HLO holds the Mosaic kernels (tpu_custom_call: forward, dq, dk/dv), each chip's on its own 4 of
-    the 8 rows (fsdp = 2) and 2 of the 4 query heads (tensor = 2, one key/value head each): shard_map."""
+    the 8 rows (fsdp = 2) and 2 of the 4 query heads (tensor = 2, one key/value head each): shard_map. Where
+    nothing splits (2 key/value heads over tensor = 4) the kernel still runs in a shard_map, every row and head
+    on each chip: Mosaic kernels cannot be partitioned automatically (a traceback before)."""
     from pretrain.cli import main
     from tests.helpers import keep_compiled_text
 
@@ -191,15 +195,15 @@ def test_a_tpu_train_step_compiled_here_runs_the_splash_kernel_sharded(tmp_path,
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     f = tmp_path / "run.yaml"
     f.write_text(f"model: {tmp_path / 'config.json'}\ndata:\n  path: {tmp_path / 'absent.jsonl'}\n  seq_len: 128\n"
-                 f"batch_size: 8\nmax_steps: 1\noutput_dir: {tmp_path / 'run'}\nmesh:\n  fsdp: 2\n  tensor: 2\n")
+                 f"batch_size: 8\nmax_steps: 1\noutput_dir: {tmp_path / 'run'}\nmesh:\n  {mesh}\n")
     assert main(["train", "--config", str(f), "--compile-only", "--topology", "v5e:2x2"]) == 0, capsys.readouterr()
     kernels = [line.split(" = ")[0].strip() for line in texts[-1].splitlines()
                if 'custom_call_target="tpu_custom_call"' in line]
     assert {k.split("_segmented")[0].lstrip("%") for k in kernels} == {"splash_mha_fwd", "splash_mha_dq",
                                                                          "splash_mha_dkv"}
-    # The forward kernels' outputs: one chip's 4 rows x 2 query heads x 128 tokens x head_dim 16.
+    # The forward kernels' outputs: one chip's rows x query heads x 128 tokens x head_dim 16.
     forward_lines = [line for line in texts[-1].splitlines() if "%splash_mha_fwd" in line.split(" = ")[0]]
-    assert forward_lines and all("f32[4,2,128,16]" in line.split(" custom-call(")[0] for line in forward_lines)
+    assert forward_lines and all(per_chip in line.split(" custom-call(")[0] for line in forward_lines)
 
 
 def test_dpo_with_shared_prompts_and_splash_stops_before_compiling(tmp_path, capsys):

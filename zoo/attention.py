@@ -45,14 +45,23 @@ def qkv_heads(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, cfg: ModelC
     if cfg.qkv_bias:
         q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
     if cfg.qk_norm:
-        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, cfg.norm_offset)
-        k = None if k is None else rms_norm(k, p["k_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+        q = qk_norm(q, p["q_norm"], cfg)
+        k = None if k is None else qk_norm(k, p["k_norm"], cfg)
     if shared_kv is not None:
         return apply_rope(q, cos, sin), *shared_kv
     assert k is not None and v is not None, "a layer without key weights needs shared_kv"
     if cfg.v_norm:
         v = rms_norm(v, jnp.ones(v.shape[-1:], v.dtype), cfg.rms_norm_eps)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def qk_norm(x: jax.Array, w: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """RMSNorm of q or k [b, t, heads, head_dim] by w: per head (w [head_dim]), or with ``qk_norm_span`` "all"
+    over all heads at once (w [heads, head_dim]: OLMo 2/3 normalize the whole projection output)."""
+    if cfg.qk_norm_span == "all":
+        flat = rms_norm(x.reshape(*x.shape[:2], -1), w.reshape(-1), cfg.rms_norm_eps, cfg.norm_offset)
+        return flat.reshape(x.shape)
+    return rms_norm(x, w, cfg.rms_norm_eps, cfg.norm_offset)
 
 
 def head_major(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -69,15 +78,17 @@ def head_major(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax
 
 
 def causal_attention(qg: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | Visibility, cfg: ModelConfig,
-                     window: int | None = None) -> jax.Array:
+                     window: int | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """Softmax attention of head-major q/k/v (:func:`head_major`) under a causal ``mask``: a
     :class:`zoo.masks.Visibility` (each block's mask built in the block) or bool [b, 1, t, t] (the cached forward's).
 
     Computed in query blocks (:func:`zoo.blockwise.blockwise_attention`), so
     key blocks that the causal mask (and ``window``, the sliding window the
-    mask was built with) hide are skipped. Returns [b, t, heads * head_dim].
+    mask was built with) hide are skipped. ``sinks`` [heads]: gpt-oss's attention sinks (one more logit per head
+    in the softmax's denominator). Returns [b, t, heads * head_dim].
     """
-    return blockwise_attention(qg, k, v, mask, cfg.attn_scale, cfg.attn_softcap, window, query_block(qg.shape[3]))
+    return blockwise_attention(qg, k, v, mask, cfg.attn_scale, cfg.attn_softcap, window, query_block(qg.shape[3]),
+                               sinks)
 
 
 def splash_heads(qg: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, cfg: ModelConfig,
@@ -91,12 +102,14 @@ def splash_heads(qg: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Arr
     return splash_attention(qg, k, v, segment_ids, cfg.attn_scale, cap, window, interpret=platform() != "tpu")
 
 
-def attend(qg: jax.Array, k: jax.Array, v: jax.Array, vis: Visibility, cfg: ModelConfig) -> jax.Array:
+def attend(qg: jax.Array, k: jax.Array, v: jax.Array, vis: Visibility, cfg: ModelConfig,
+           sinks: jax.Array | None = None) -> jax.Array:
     """Causal attention of head-major q [b, kv, g, t, d], k [b, kv, t, d], v [b, kv, t, dv] under ``vis`` (its
     window too), logits soft-capped by ``cfg.attn_softcap``, through the kernel of ``cfg.attention`` (:func:`zoo.kernels.kernel_for`);
     -> [b, t, kv * g * dv]. With the mesh's ``context`` axis over 1 the sequence is split over it
-    (:func:`zoo.context.context_attention`): each device attends its queries to the gathered keys."""
-    kernel = kernel_for(cfg, qg.dtype, qg.shape[3], vis.prefix_ids is not None)
+    (:func:`zoo.context.context_attention`): each device attends its queries to the gathered keys. ``sinks``
+    [heads] (gpt-oss's attention sinks) only the blockwise kernel takes (:func:`zoo.kernels.sinks_obstacle`)."""
+    kernel = kernel_for(cfg, qg.dtype, qg.shape[3], vis.prefix_ids is not None, vis.segments)
 
     def run(qg: jax.Array, k: jax.Array, v: jax.Array, vis: Visibility) -> jax.Array:
         if kernel == "splash" and k.shape[2] != qg.shape[3]:  # a context shard's queries, the gathered keys
@@ -107,7 +120,7 @@ def attend(qg: jax.Array, k: jax.Array, v: jax.Array, vis: Visibility, cfg: Mode
             return splash_heads(qg, k, v, vis.segment_ids, cfg, vis.window, cfg.attn_softcap)
         if kernel == "cudnn":
             return cudnn_attention(qg, k, v, vis, cfg.attn_scale)
-        return causal_attention(qg, k, v, vis, cfg, vis.window)
+        return causal_attention(qg, k, v, vis, cfg, vis.window, sinks)
 
     return context_attention(run, qg, k, v, vis) if context_size() > 1 else run(qg, k, v, vis)
 
@@ -131,14 +144,13 @@ def attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, vis: Visibi
     """Grouped-query self-attention of one layer; x [batch, seq, embed].
 
     ``vis`` says which keys each query sees (:class:`zoo.masks.Visibility`: packed documents, the layer's
-    sliding window, shared prefixes); no kernel builds it as a [seq, seq] mask except cuDNN's for packed rows
-    (:func:`zoo.kernels.cudnn_attention`). With ``norm_w`` x is first RMS-normed by it.
+    sliding window, shared prefixes); no kernel builds it as a [seq, seq] mask (:mod:`zoo.kernels`). With ``norm_w`` x is first RMS-normed by it.
     ``lora`` holds this layer's LoRA adapters by weight name (q, k, v, o);
     ``drop`` applies LoRA dropout to their inputs. ``cfg.attention`` picks the kernel (:func:`attend`).
     ``shared_kv``: a KV-shared layer's keys and values [b, t, kv_heads, head_dim] (see :func:`qkv_heads`).
     """
     q, k, v = qkv_heads(x, p, cos, sin, cfg, norm_w, lora, lora_scale, drop, shared_kv)
-    out = attend(*head_major(q, k, v), vis, cfg)
+    out = attend(*head_major(q, k, v), vis, cfg, p["sinks"] if cfg.attn_sinks else None)
     return output_projection(out, p, cfg, lora, lora_scale, drop)
 
 

@@ -66,7 +66,7 @@ def _scores(qb: jax.Array, kb: jax.Array, mb: jax.Array, scale: float, cap: floa
 
 @partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | Visibility, scale: float,
-                        cap: float | None, window: int | None, block: int) -> jax.Array:
+                        cap: float | None, window: int | None, block: int, sinks: jax.Array | None = None) -> jax.Array:
     """Softmax attention ``softmax(mask(cap(q k^T * scale))) v`` computed per block of queries.
 
     q [b, kv_heads, group, t, d] (the query heads of each key/value head),
@@ -77,8 +77,16 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arra
     outside ``key_ranges`` must be masked). Returns [b, t, kv_heads * group * dv] in v's dtype: the heads
     concatenated per token, ready for the output projection, which keeps this
     same array for its own backward pass (so it is stored once, not twice).
+
+    ``sinks`` [kv_heads * group] (gpt-oss's attention sinks): one more logit per query head in every row's
+    softmax denominator, attending to nothing (its probability is dropped), so a row may attend to less than 1.
     """
-    return _forward(q, k, v, mask, scale, cap, window, block)[0]
+    return _forward(q, k, v, mask, scale, cap, window, block, sinks)[0]
+
+
+def _sink_logits(sinks: jax.Array, q: jax.Array) -> jax.Array:
+    """Sinks [heads] as float32 [1, kv, g, 1, 1], the query heads of q [b, kv, g, t, d] (head n = kv * g + group)."""
+    return sinks.astype(jnp.float32).reshape(q.shape[1], q.shape[2])[None, :, :, None, None]
 
 
 def _token_major(out: jax.Array) -> jax.Array:
@@ -93,22 +101,27 @@ def _head_major(x: jax.Array, q: jax.Array) -> jax.Array:
     return x.reshape(b, t, h, g, -1).transpose(0, 2, 3, 1, 4)
 
 
-def _forward(q, k, v, mask, scale, cap, window, block):
+def _forward(q, k, v, mask, scale, cap, window, block, sinks=None):
     outs, lses = [], []
+    sink = None if sinks is None else _sink_logits(sinks, q)
     for qs, qe, ks, ke in key_ranges(q.shape[3], block, window, k.shape[2]):
         s, _ = _scores(q[:, :, :, qs:qe], k[:, :, ks:ke], _block_mask(mask, qs, qe, ks, ke), scale, cap)
         m = jnp.max(s, axis=-1, keepdims=True)
+        if sink is not None:
+            m = jnp.maximum(m, sink)
         e = jnp.exp(s - m)
         denom = jnp.sum(e, axis=-1, keepdims=True)
+        if sink is not None:  # the sink's share of the denominator; it adds nothing to the output
+            denom = denom + jnp.exp(sink - m)
         p = (e / denom).astype(v.dtype)
         outs.append(jnp.einsum("bhgqk,bhkd->bhgqd", p, v[:, :, ks:ke]))
         lses.append(m[..., 0] + jnp.log(denom[..., 0]))
     out = _token_major(jnp.concatenate(outs, axis=3))
-    return out, (q, k, v, mask, out, jnp.concatenate(lses, axis=3))
+    return out, (q, k, v, mask, out, jnp.concatenate(lses, axis=3), sinks)
 
 
 def _bwd(scale, cap, window, block, res, dout):
-    q, k, v, mask, out, lse = res
+    q, k, v, mask, out, lse, sinks = res
     out, dout = _head_major(out, q), _head_major(dout, q)
     # D_i = sum_d dout_i * out_i: the softmax backward's row term, once for all blocks.
     rows = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
@@ -130,7 +143,14 @@ def _bwd(scale, cap, window, block, res, dout):
         dq_blocks.append(jnp.einsum("bhgqk,bhkd->bhgqd", ds, kb))
         dk = dk.at[:, :, ks:ke].add(jnp.einsum("bhgqk,bhgqd->bhkd", ds, qb, preferred_element_type=jnp.float32))
     dq = jnp.concatenate(dq_blocks, axis=3)
-    return dq, dk.astype(k.dtype), dv.astype(v.dtype), None  # the mask (or its integer ids) has no gradient
+    dsinks = None
+    if sinks is not None:
+        # d out / d sink = -p_sink * out per row, so dL/d sink = -sum over rows of p_sink * D (D = dout . out);
+        # the keys' ds above is unchanged (lse holds the sink, D sums over the real keys alone).
+        p_sink = jnp.exp(_sink_logits(sinks, q)[..., 0] - lse)
+        dsinks = -(p_sink * rows).sum(axis=(0, 3)).reshape(sinks.shape).astype(sinks.dtype)
+    # the mask (or its integer ids) has no gradient
+    return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, dsinks
 
 
 blockwise_attention.defvjp(_forward, _bwd)

@@ -14,8 +14,8 @@ from zoo.errors import UserError
 class RopeConfig:
     """Rotary position embedding settings.
 
-    ``kind`` is the Hugging Face ``rope_type``: ``default``, ``linear`` or
-    ``llama3``. The scaling fields are only read by the kinds that use them.
+    ``kind`` is the Hugging Face ``rope_type``: ``default``, ``linear``,
+    ``llama3``, ``yarn`` or ``longrope``. The scaling fields are only read by the kinds that use them.
     """
 
     theta: float = 10000.0
@@ -34,6 +34,15 @@ class RopeConfig:
     # Gemma 4's "proportional" kind: only this fraction of each head's dims rotates (the rest get frequency 0),
     # the exponents still taken over the whole head.
     proportional_fraction: float = 1.0
+    # LongRoPE (Phi-3/Phi-4): per-frequency divisors of the inverse frequencies, the short ones up to
+    # original_max_position_embeddings tokens, the long ones past it (``factor`` sets the attention factor).
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        # JSON gives lists; the config must stay hashable (it is a static argument of jitted functions).
+        for name in ("short_factor", "long_factor"):
+            object.__setattr__(self, name, tuple(float(x) for x in getattr(self, name)))
 
 
 LAYER_KINDS = ("full", "sliding")
@@ -123,8 +132,34 @@ class ModelConfig:
     per_layer_vocab_size: int = 0
     layer_scalars: bool = False  # each layer's output is multiplied by its own scalar
     parallel_moe: bool = False  # the MoE block runs beside the dense MLP, with its own norms and per-expert scales
+    # Qwen3-MoE's placement of MoE layers: layer i is MoE when (i + 1) % decoder_sparse_step == 0 and i is not
+    # in mlp_only_layers (and i >= dense_layers); the others keep a dense MLP, wherever they sit.
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    # The share of each head's dimensions RoPE rotates (GLM-4.5: 0.5, Phi-4-mini 0.75: the leading ones; the rest pass through).
+    partial_rotary_factor: float = 1.0
+    # gpt-oss: a learned per-head logit in every softmax's denominator (attention sinks), a bias on the router's
+    # logits and on every expert projection, and the clamped SwiGLU of its experts (swiglu_limit None: the plain
+    # GLU of hidden_act): gate clamped above, up both sides, gate * sigmoid(alpha * gate) * (up + 1).
+    attn_sinks: bool = False
+    router_logits_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    # Layers whose attention applies no RoPE (SmolLM3's NoPE layers), by index.
+    nope_layers: tuple[int, ...] = ()
+    # False: no norm before attention and MLP (OLMo 2/3, whose only layer norms are the post_norms).
+    pre_norms: bool = True
+    # How q_norm/k_norm span a token's q and k: "head" normalizes each head (Qwen 3, Gemma 3); "all" all heads
+    # at once, one RMS over heads * head_dim (OLMo 2/3).
+    qk_norm_span: str = "head"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "nope_layers", tuple(int(i) for i in self.nope_layers))
+        if self.qk_norm_span not in ("head", "all"):
+            raise UserError(f"model config: qk_norm_span {self.qk_norm_span!r} is not one of head, all")
+        if any(not 0 <= i < self.num_layers for i in self.nope_layers):
+            raise UserError(f"model config: nope_layers must be layer indices below {self.num_layers}")
         if self.attention not in ATTENTION_KERNELS:
             raise UserError(f"model config: attention {self.attention!r} is not one of {', '.join(ATTENTION_KERNELS)}")
         if self.num_heads % self.num_kv_heads:
@@ -145,8 +180,10 @@ class ModelConfig:
 
     @property
     def rope_dim(self) -> int:
-        """How many dimensions of each head RoPE rotates."""
-        return self.qk_rope_head_dim if self.mla else self.head_dim
+        """How many dimensions of each head RoPE rotates (the leading ones, under ``partial_rotary_factor``)."""
+        if self.mla:
+            return self.qk_rope_head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def attn_scale(self) -> float:
@@ -168,15 +205,50 @@ class ModelConfig:
         layers have ``dense_layers`` then ``layers``; each stack is scanned.
         """
         n = self.num_layers
-        if self.kv_shared_layers:
-            # Gemma 4: the KV-shared layers have no key/value weights (and maybe a wider MLP): a stack of their own.
-            first = n - self.kv_shared_layers
-            return [("layers", 0, first, self.num_experts > 0), ("shared_layers", first, n, self.num_experts > 0)]
         if not self.num_experts:
             return [("layers", 0, n, False)]
         if self.dense_layers:
             return [("dense_layers", 0, self.dense_layers, False), ("layers", self.dense_layers, n, True)]
         return [("layers", 0, n, True)]
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer i runs the routed experts (else a dense MLP): past the first ``dense_layers``, on every
+        ``decoder_sparse_step``-th layer, not in ``mlp_only_layers``."""
+        return (bool(self.num_experts) and i >= self.dense_layers and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def layer_stacks(self) -> list[tuple[str, tuple[int, ...], bool]]:
+        """(parameter prefix, the layers it stacks in order, is MoE) of each stack, ordered by first layer.
+
+        Dense models have one stack, ``layers``; MoE models keep their MoE
+        layers in ``layers`` and their dense ones (first layers, or any
+        layers: Qwen3-MoE's ``mlp_only_layers``) in ``dense_layers``. Gemma 4's
+        last ``kv_shared_layers`` layers have no key/value weights (and maybe a
+        wider MLP): a stack of their own, ``shared_layers`` (:mod:`zoo.layer_layout`).
+        """
+        stacks: dict[str, tuple[list[int], bool]] = {}
+        for i in range(self.num_layers):
+            moe = self.is_moe_layer(i)
+            prefix = "dense_layers" if self.num_experts and not moe else "layers"
+            if i >= self.num_layers - self.kv_shared_layers:
+                prefix = "shared_layers"
+            stacks.setdefault(prefix, ([], moe))[0].append(i)
+        return [(prefix, tuple(layers), moe) for prefix, (layers, moe) in stacks.items()]
+
+    @property
+    def layer_runs(self) -> list[tuple[str, int, int, bool, int]]:
+        """(parameter prefix, first layer, end layer, is MoE, index of the first layer in its stack) of each run of
+        consecutive layers of one stack, in layer order: one run per stack unless dense layers sit between MoE
+        ones. The forward passes scan each run over its slice of the stack."""
+        runs: list[tuple[str, int, int, bool, int]] = []
+        for prefix, layers, moe in self.layer_stacks:
+            for k, i in enumerate(layers):
+                if k == 0 or layers[k - 1] != i - 1:
+                    runs.append((prefix, i, i + 1, moe, k))
+                else:
+                    runs[-1] = (prefix, runs[-1][1], i + 1, moe, runs[-1][4])
+        return sorted(runs, key=lambda r: r[1])
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -206,5 +278,7 @@ class ModelConfig:
         rope = d.pop("rope", {}) or {}
         local = d.pop("rope_local", None)
         types = d.pop("layer_types", None)
+        if "mlp_only_layers" in d:
+            d["mlp_only_layers"] = tuple(d["mlp_only_layers"])  # JSON lists; configs are hashed (jit keys)
         return cls(rope=RopeConfig(**rope), rope_local=RopeConfig(**local) if local else None,
                    layer_types=tuple(types) if types is not None else None, **d)

@@ -50,7 +50,7 @@ def context_attention(attend: Attend, qg: jax.Array, k: jax.Array, v: jax.Array,
         offset = jax.lax.axis_index(AXIS) * qg.shape[3]
         k, v = (jax.lax.all_gather(x, AXIS, axis=2, tiled=True) for x in (k, v))
         keys = jax.lax.all_gather(seg, AXIS, axis=1, tiled=True)
-        return attend(qg, k, v, Visibility(seg, keys, pre[0] if pre else None, offset, vis.window, vis.packed))
+        return attend(qg, k, v, Visibility(seg, keys, pre[0] if pre else None, offset, vis.window, vis.segments))
 
     kv = P(rows, heads, AXIS, None)
     args = [qg, k, v, vis.segment_ids] + ([vis.prefix_ids] if vis.prefix_ids is not None else [])

@@ -46,11 +46,19 @@ from jax.sharding import Mesh, NamedSharding
 from zoo.attention import causal_attention, head_major, mla_heads, output_projection, qkv_heads
 from zoo.blocks import soft_cap
 from zoo.config import ModelConfig
-from zoo.layer_layout import is_kv_shared, kind_config, layer_output, layer_weights, store_layers
+from zoo.layer_layout import (
+    is_kv_shared,
+    kind_config,
+    kind_stack_slice,
+    layer_output,
+    layer_weights,
+    store_layers,
+)
+from zoo.longrope_cache import switch_to_long
 from zoo.masks import kind_window
-from zoo.model import Segment, decoder_layer, embed_tokens, norm, output_logits, scan_segments
+from zoo.model import Segment, decoder_layer, embed_tokens, norm, output_logits, scan_segments, stack_slice
 from zoo.per_layer_inputs import per_layer_inputs
-from zoo.rope import rope_tables_by_kind
+from zoo.rope import layer_rope, rope_flags, rope_tables_by_kind
 
 NEG = float(jnp.finfo(jnp.float32).min)
 
@@ -96,8 +104,8 @@ def _cache_tree(cfg: ModelConfig, batch: int, max_len: int, make: Any) -> Cache:
     """A cache whose every array is ``make(shape, logical axes, dtype or None)`` (None: the cache's own dtype)."""
     sizes = _kind_sizes(cfg, max_len)
     layers: dict[str, dict[str, dict[str, Any]]] = {}
-    for prefix, start, stop, _ in cfg.layer_groups:
-        kinds = cfg.kinds[start:stop]
+    for prefix, stack, _ in cfg.layer_stacks:
+        kinds = tuple(cfg.kinds[i] for i in stack)
         if is_kv_shared(cfg, prefix):
             layers[prefix] = {}  # Gemma 4's KV-shared layers read their stored layers' entries: none of their own
             continue
@@ -217,14 +225,19 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, cfg: Mode
 
 
 def _attend_split(qg: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
-                  cfg: ModelConfig) -> jax.Array:
+                  cfg: ModelConfig, sinks: jax.Array | None = None) -> jax.Array:
     """Softmax attention over several key sets at once: qg [b, hk, g, t, d] and per part transposed keys
-    [b, hk, d, s], values [b, hk, s, dv] and mask [b, t, s]; one softmax over all parts' keys. -> [b, t, hq * dv]."""
+    [b, hk, d, s], values [b, hk, s, dv] and mask [b, t, s]; one softmax over all parts' keys (and, with ``sinks``
+    [hq], gpt-oss's one sink logit per head, whose probability is dropped). -> [b, t, hq * dv]."""
     scores = []
     for k, _, m in parts:
         s = jnp.einsum("bhgtd,bhds->bhgts", qg, k.astype(qg.dtype), preferred_element_type=jnp.float32)
         s = soft_cap(s * cfg.attn_scale, cfg.attn_softcap)
         scores.append(jnp.where(m[:, None, None], s, NEG))
+    if sinks is not None:
+        b, hk, g, t, _ = scores[0].shape
+        sink = sinks.astype(jnp.float32).reshape(1, hk, g, 1, 1)
+        scores.append(jnp.broadcast_to(sink, (b, hk, g, t, 1)))
     s = scores[0] if len(scores) == 1 else jnp.concatenate(scores, axis=-1)
     dt = parts[-1][1].dtype
     probs = jax.nn.softmax(s, axis=-1).astype(dt)
@@ -249,15 +262,17 @@ def _gqa_attention(x: jax.Array, p: dict, c: dict | None, cos: jax.Array, sin: j
     its stored layer's cache as ``c`` and that layer's new keys/values as ``shared_kv``.
 
     Returns (output, new k/v [b, t, hk, d])."""
-    q, k, v = qkv_heads(x, p, cos, sin, cfg, p["attn_norm"], lora=lora, lora_scale=lora_scale, shared_kv=shared_kv)
+    q, k, v = qkv_heads(x, p, cos, sin, cfg, p.get("attn_norm"), lora=lora, lora_scale=lora_scale,
+                        shared_kv=shared_kv)
     qg, kh, vh = head_major(q, k, v)
     old_ok, new_ok = masks
+    sinks = p["sinks"] if cfg.attn_sinks else None
     if c is None:
         # An empty cache: the tokens attend to each other only, blockwise as in training (causal blocks skipped).
-        att = causal_attention(qg, kh, vh, new_ok[:, None], cfg, window)
+        att = causal_attention(qg, kh, vh, new_ok[:, None], cfg, window, sinks)
     else:
         assert old_ok is not None, "a cache read has its mask"
-        att = _attend_split(qg, [(c["k"], c["v"], old_ok), (kh.transpose(0, 1, 3, 2), vh, new_ok)], cfg)
+        att = _attend_split(qg, [(c["k"], c["v"], old_ok), (kh.transpose(0, 1, 3, 2), vh, new_ok)], cfg, sinks)
     return output_projection(att, p, cfg, lora=lora, lora_scale=lora_scale), {"k": k, "v": v}
 
 
@@ -353,8 +368,10 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, ca
     vi = valid.astype(jnp.int32)
     pos = cache.lengths[:, None] + jnp.cumsum(vi, axis=1) - vi
     new_lengths = cache.lengths + vi.sum(1)
+    if cfg.rope.kind == "longrope" and not fresh:  # Phi-3: past original_max_position_embeddings, long factors
+        cache = Cache(switch_to_long(cfg, cache.layers, cache.lengths, new_lengths, _slot_positions), cache.lengths)
 
-    ropes = rope_tables_by_kind(cfg, pos)
+    ropes = rope_tables_by_kind(cfg, pos, valid)
     slots = {kind: arrays["latent" if cfg.mla else "v"].shape[2 if cfg.mla else 3]
              for group in cache.layers.values() for kind, arrays in group.items()}
     # Slots read per kind: none when fresh, the first `view` when every row fits in them.
@@ -368,7 +385,7 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, ca
     stored: dict[str, tuple[dict | None, tuple[jax.Array, jax.Array]]] = {}
 
     def layer(x: jax.Array, inputs: tuple, kind: str, moe: bool, prefix: str) -> tuple[jax.Array, dict | None]:
-        p, lp, c, pli = inputs
+        p, lp, rope_on, pli, c = inputs
         reuse = None
         if is_kv_shared(cfg, prefix):
             c, reuse = stored[kind]
@@ -382,45 +399,54 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, ca
         def attend(x: jax.Array) -> tuple[jax.Array, dict]:
             if cfg.mla:
                 return _mla_attention(norm(cfg, x, p["attn_norm"]), p, c, *ropes[kind], masks[kind], cfg, mla_absorb)
-            return _gqa_attention(x, p, c, *ropes[kind], masks[kind], windows[kind], kcfg, lp, scale, reuse)
+            return _gqa_attention(x, p, c, *layer_rope(ropes[kind], rope_on), masks[kind], windows[kind], kcfg, lp,
+                                  scale, reuse)
 
         x, new, _ = decoder_layer(cfg, x, p, attend, moe, valid, lp, scale, per_layer=pli)
         return x, (None if reuse is not None else new)  # a KV-shared layer writes nothing
 
-    written: dict[str, dict[str, list]] = {}
-    for prefix, start, stop, moe in cfg.layer_groups:
-        kinds = cfg.kinds[start:stop]
+    written: dict[str, dict[str, list]] = {prefix: {kind: [] for kind in group} for prefix, group in cache.layers.items()}
+    for prefix, start, stop, moe, first in cfg.layer_runs:
+        # A run is its stack's layers first .. first + (stop - start) (ModelConfig.layer_runs): each layer's cache
+        # entry comes after those of the stack's earlier layers of its kind.
+        stack = next(layers for p, layers, _ in cfg.layer_stacks if p == prefix)
+        kinds = tuple(cfg.kinds[i] for i in stack[:first]) + cfg.kinds[start:stop]
         group = cache.layers[prefix]
-        adapters = (lora or {}).get(prefix)  # stacked like the weights, sliced with them
-        pl = None if ple is None else ple[start:stop]
+        # Adapters, the NoPE layers' flags (SmolLM3) and Gemma 4's per-layer inputs are stacked like the weights
+        # and sliced with them.
+        weights = (params[prefix], (lora or {}).get(prefix))
+        if cfg.global_head_dim:  # Gemma 4: full layers' attention weights are stacked apart (zoo.layer_layout)
+            weights = kind_stack_slice(cfg, weights, tuple(cfg.kinds[i] for i in stack), first, stop - start)
+        else:
+            weights = stack_slice(weights, first, stop - start)
+        stacked = weights + (rope_flags(cfg, start, stop), None if ple is None else ple[start:stop])
 
-        def inputs(seg: Segment, j: int, prefix: str = prefix, kinds: tuple[str, ...] = kinds, group: dict = group,
-                   adapters: dict | None = adapters, pl: jax.Array | None = pl) -> tuple:
-            i0, step = _kind_slice(kinds, seg, j)
+        def inputs(seg: Segment, j: int, kinds: tuple[str, ...] = kinds, group: dict = group,
+                   stacked: tuple = stacked, first: int = first, start: int = start, stop: int = stop) -> tuple:
+            i0, step = _kind_slice(kinds, dataclasses.replace(seg, start=seg.start + first), j)
             cached = None if fresh or seg.kinds[j] not in group else jax.tree.map(
                 lambda a: a[i0: i0 + seg.repeats * step: step], group[seg.kinds[j]])
-            if cfg.global_head_dim:  # Gemma 4: the attention weights are stacked per kind (zoo.layer_layout)
-                w = layer_weights(cfg, params[prefix], kinds, seg, j)
-                a = None if adapters is None else layer_weights(cfg, adapters, kinds, seg, j)
-            else:
-                w, a = seg.at(j, (params[prefix], adapters))
-            return w, a, cached, seg.at(j, pl)
+            if not cfg.global_head_dim:
+                return (*seg.at(j, stacked), cached)
+            # Gemma 4: a block position's attention weights are a strided slice of its kind's stack.
+            w, a, *rest = stacked
+            run = cfg.kinds[start:stop]
+            return (layer_weights(cfg, w, run, seg, j), None if a is None else layer_weights(cfg, a, run, seg, j),
+                    *seg.at(j, tuple(rest)), cached)
 
-        x, done = scan_segments(x, kinds, inputs, partial(layer, moe=moe, prefix=prefix))
+        x, done = scan_segments(x, cfg.kinds[start:stop], inputs, partial(layer, moe=moe, prefix=prefix))
         if is_kv_shared(cfg, prefix):
-            written[prefix] = {}
-            continue
-        if cfg.kv_shared_layers:
-            for kind, i in store_layers(cfg).items():
-                at = cfg.kinds[:i].count(kind)  # the stored layer's index in its kind's cache stack
+            continue  # a KV-shared layer writes nothing
+        for kind, i in store_layers(cfg).items() if cfg.kv_shared_layers else ():
+            if start <= i < stop:  # Gemma 4: the stored layer's cache (before this step's writes) and new keys/values
+                at = kinds[:first + i - start].count(kind)  # its index in its kind's cache stack
                 own = None if fresh else jax.tree.map(lambda a: a[at], group[kind])
                 new = layer_output(done, i - start, False)
                 stored[kind] = (own, (new["k"], new["v"]))
         # Each layer's new entries with its index in its kind's stack, in the order _write concatenates them.
-        written[prefix] = {kind: [] for kind in group}
         for seg, news in done:
             for j, (kind, new) in enumerate(zip(seg.kinds, news)):
-                i0, step = _kind_slice(kinds, seg, j)
+                i0, step = _kind_slice(kinds, dataclasses.replace(seg, start=seg.start + first), j)
                 written[prefix][kind].append((jnp.arange(seg.repeats) * step + i0, new))
 
     if last is not None:

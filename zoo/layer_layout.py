@@ -94,6 +94,23 @@ def group_specs(cfg: ModelConfig, specs: dict[str, Any], kinds: tuple[str, ...],
     return out
 
 
+def stack_kinds(cfg: ModelConfig, prefix: str) -> tuple[str, ...]:
+    """The kinds of the layers of stack ``prefix`` (:attr:`zoo.config.ModelConfig.layer_stacks`), in order."""
+    return next(tuple(cfg.kinds[i] for i in layers) for p, layers, _ in cfg.layer_stacks if p == prefix)
+
+
+def kind_stack_slice(cfg: ModelConfig, trees: tuple, kinds: tuple[str, ...], first: int, n: int) -> tuple:
+    """:func:`zoo.model.stack_slice` of stacks laid out by kind: layers ``first`` to ``first + n`` of a stack
+    whose layers have ``kinds``, from each tree of ``trees`` (weights or adapters by name; None stays None): a
+    weight of every layer is sliced there, a kind-split one (:func:`kind_split`) at its kind's layers among them."""
+    def one(name: str, a: Any) -> Any:
+        owner = kind_split(cfg, name)
+        lo, hi = (first, first + n) if owner is None else (kinds[:first].count(owner), kinds[:first + n].count(owner))
+        return jax.tree.map(lambda x: x if lo == 0 and x.shape[0] == hi else x[lo:hi], a)
+
+    return tuple(None if tree is None else {name: one(name, a) for name, a in tree.items()} for tree in trees)
+
+
 def layer_weights(cfg: ModelConfig, stack: dict[str, Any], kinds: tuple[str, ...], seg: Any, j: int) -> dict[str, Any]:
     """The weights of the layers at block position j of segment ``seg`` (of a stack whose layers have ``kinds``),
     under the names one layer reads (``q``, not ``global_q``): :meth:`zoo.model.Segment.at` for the weights of

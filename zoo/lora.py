@@ -10,9 +10,13 @@ axis is replicated), so :func:`zoo.sharding.named_sharding` shards each
 adapter like its base on any mesh.
 
 Targets use Hugging Face module names (``q_proj`` ... ``down_proj``), as peft
-does. DeepSeek's multi-head latent attention (q_a/q_b/kv_a/kv_b/o of an MLA
-model) has no adapters: attention targets are skipped on MLA models, and only
-the MLP projections (dense, routed experts and shared experts) are adapted.
+does; ``experts.gate_proj`` ... (:data:`EXPERT_TARGETS`) narrow an MLP name to
+the routed experts, the shared experts or the dense MLP, and the MoE router is
+never adapted (naming it is an error). Each routed expert has its own adapter,
+run inside the grouped expert matmul (:mod:`zoo.moe`). DeepSeek's multi-head
+latent attention (q_a/q_b/kv_a/kv_b/o of an MLA model) has no adapters:
+attention targets are skipped on MLA models, and only the MLP projections
+(dense, routed experts and shared experts) are adapted.
 """
 
 from __future__ import annotations
@@ -39,6 +43,25 @@ HF_TO_ZOO: dict[str, tuple[str, ...]] = {
     "down_proj": ("down", "expert_down", "shared_down"),
 }
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# Narrower MoE names, matched like peft's suffixes: ``experts.X`` is every routed expert's X (transformers 5 keeps
+# them fused as ``mlp.experts.gate_up_proj`` [experts, 2 * mlp, embed] and ``mlp.experts.down_proj``, the names
+# peft's ``target_parameters`` take), ``shared_experts.X`` DeepSeek's shared experts, ``mlp.X`` the dense MLP only.
+EXPERT_TARGETS: dict[str, tuple[str, ...]] = {
+    "mlp.gate_proj": ("gate",),
+    "mlp.up_proj": ("up",),
+    "mlp.down_proj": ("down",),
+    "experts.gate_proj": ("expert_gate",),
+    "experts.up_proj": ("expert_up",),
+    "experts.down_proj": ("expert_down",),
+    "experts.gate_up_proj": ("expert_gate", "expert_up"),
+    "shared_experts.gate_proj": ("shared_gate",),
+    "shared_experts.up_proj": ("shared_up",),
+    "shared_experts.down_proj": ("shared_down",),
+}
+HF_TO_ZOO.update(EXPERT_TARGETS)
+BASE_TARGETS = (*ATTENTION_TARGETS, "gate_proj", "up_proj", "down_proj")  # what "all" names: every projection
+# The MoE router's Hugging Face names (Mixtral's block_sparse_moe.gate, DeepSeek's mlp.gate): it stays frozen.
+ROUTER_NAMES = ("gate", "router", "mlp.gate", "block_sparse_moe.gate", "mlp.router")
 
 # How many axes after the leading layers (and expert) axes are W's input: o contracts heads and head_dim.
 _CONTRACT = {"o": 2}
@@ -50,10 +73,13 @@ _ALL = ("all", "all-linear")
 class LoraConfig:
     """LoRA hyper-parameters.
 
-    ``targets``: a list of Hugging Face module names (keys of :data:`HF_TO_ZOO`),
-    ``"all"`` (every attention and MLP projection, experts included), or a
-    regex, matched in full against each module name or its peft-style path
-    (``model.layers.0.self_attn.q_proj``, ``model.layers.0.mlp.gate_proj``).
+    ``targets``: a list of Hugging Face module names (keys of :data:`HF_TO_ZOO`:
+    ``gate_proj`` names the dense MLP's, every expert's and the shared experts'
+    gate, ``experts.gate_proj`` only the routed experts'), ``"all"`` (every
+    attention and MLP projection, experts included), or a regex, matched in
+    full against each module name or its peft-style path
+    (``model.layers.0.self_attn.q_proj``, ``model.layers.0.mlp.experts.gate_proj``).
+    The router is not a target: naming it is a UserError.
     ``rslora`` scales by alpha/sqrt(rank) instead of alpha/rank. ``dropout`` is
     peft's ``lora_dropout``: in training each adapter reads its input with that
     fraction of elements zeroed (the rest scaled by 1/(1 - dropout)), while the
@@ -83,8 +109,30 @@ def lora_scale(lora_cfg: LoraConfig) -> float:
 
 
 def _peft_path(name: str) -> str:
+    if name.startswith("mlp."):
+        return f"model.layers.0.{name}"
     block = "self_attn" if name in ATTENTION_TARGETS else "mlp"
     return f"model.layers.0.{block}.{name}"
+
+
+def _fewest(names: list[str]) -> tuple[str, ...]:
+    """``names`` less those whose weights the names before them (in :data:`HF_TO_ZOO` order) already cover: a
+    regex that picks ``gate_proj`` also picks ``experts.gate_proj``, and the record keeps ``gate_proj``."""
+    kept: list[str] = []
+    covered: set[str] = set()
+    for n in HF_TO_ZOO:
+        if n in names and not set(HF_TO_ZOO[n]) <= covered:
+            kept.append(n)
+            covered.update(HF_TO_ZOO[n])
+    return tuple(kept)
+
+
+def _refuse_router(names: list[str] | tuple[str, ...]) -> None:
+    """A UserError when ``names`` name the MoE router: it routes, it is not adapted."""
+    router = [n for n in names if n in ROUTER_NAMES]
+    if router:
+        raise UserError(f"lora: targets name the MoE router ({', '.join(router)}), which stays frozen; name the "
+                        "expert projections instead (experts.gate_proj, experts.up_proj, experts.down_proj)")
 
 
 def target_modules(lora_cfg: LoraConfig) -> tuple[str, ...]:
@@ -93,15 +141,17 @@ def target_modules(lora_cfg: LoraConfig) -> tuple[str, ...]:
     t = lora_cfg.targets
     if isinstance(t, str):
         if t in _ALL:
-            return tuple(HF_TO_ZOO)
+            return BASE_TARGETS
+        _refuse_router([t])
         try:
             pattern = re.compile(t)
         except re.error as e:
             raise UserError(f"lora: targets {t!r} is not a valid regex ({e}); or list names from {valid}") from e
-        picked = tuple(n for n in HF_TO_ZOO if pattern.fullmatch(n) or pattern.fullmatch(_peft_path(n)))
+        picked = _fewest([n for n in HF_TO_ZOO if pattern.fullmatch(n) or pattern.fullmatch(_peft_path(n))])
         if not picked:
             raise UserError(f"lora: targets regex {t!r} matches none of {valid}")
         return picked
+    _refuse_router(t)
     unknown = [n for n in t if n not in HF_TO_ZOO]
     if unknown:
         raise UserError(f"lora: unknown target modules {unknown}; valid: {valid} (or \"all\", or a regex)")

@@ -53,7 +53,7 @@ def attention_mask(segment_ids: jax.Array, window: int | None = None,
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=("segment_ids", "key_segment_ids", "prefix_ids", "offset"),
-         meta_fields=("window", "packed"))
+         meta_fields=("window", "segments"))
 @dataclass(frozen=True)
 class Visibility:
     """Which keys each query of a packed batch sees, as :func:`attention_mask` says, but built one block at a time
@@ -63,8 +63,9 @@ class Visibility:
     unless context parallelism gathered the keys: :mod:`zoo.context`); ``prefix_ids`` [b, tq] or None, the
     queries' shared prefixes; ``offset`` the row index of the first query among the keys (0, or the shard's
     start under context parallelism: a traced int32); ``window`` the sliding window (None: full attention);
-    ``packed`` False promises one document per row, then padding (a kernel may then take the rows' lengths
-    instead of segment ids: :func:`zoo.kernels.cudnn_attention`).
+    ``segments`` the most documents a row holds, each one contiguous run of its id (1: one document, then
+    padding; None: no bound known), so a kernel may take each document's start and length instead of
+    segment ids (:func:`zoo.kernels.cudnn_attention`).
     """
 
     segment_ids: jax.Array
@@ -72,7 +73,7 @@ class Visibility:
     prefix_ids: jax.Array | None
     offset: jax.Array
     window: int | None
-    packed: bool = True
+    segments: int | None = None
 
     def block(self, qs: int, qe: int, ks: int, ke: int) -> jax.Array:
         """Boolean [b, qe - qs, ke - ks]: whether query row qs.. sees key row ks.. (rows local to this array)."""
@@ -89,10 +90,10 @@ class Visibility:
 
 
 def visibility(segment_ids: jax.Array, window: int | None = None, prefix_ids: jax.Array | None = None,
-               packed: bool = True) -> Visibility:
+               segments: int | None = None) -> Visibility:
     """The :class:`Visibility` of one packed batch (queries and keys the same rows): :func:`attention_mask`'s
     mask, never built whole."""
     if window is not None and prefix_ids is not None:
         raise ValueError("visibility: shared prefixes (prefix_ids) need full attention, not a sliding-window mask "
                          "(its window counts row indices)")
-    return Visibility(segment_ids, segment_ids, prefix_ids, jnp.zeros((), jnp.int32), window, packed)
+    return Visibility(segment_ids, segment_ids, prefix_ids, jnp.zeros((), jnp.int32), window, segments)

@@ -26,13 +26,21 @@ from zoo.attention import attend as attend_heads
 from zoo.attention import attention, head_major, mla_attention, output_projection, qkv_heads
 from zoo.blocks import ACTIVATIONS, dense, rms_norm, soft_cap
 from zoo.config import ModelConfig
-from zoo.layer_layout import is_kv_shared, kind_config, layer_output, layer_weights, store_layers
+from zoo.layer_layout import (
+    is_kv_shared,
+    kind_config,
+    kind_stack_slice,
+    layer_output,
+    layer_weights,
+    stack_kinds,
+    store_layers,
+)
 from zoo.masks import kind_window, visibility
 from zoo.mlp import mlp
 from zoo.moe import aux_losses, moe_mlp, parallel_moe_block
 from zoo.params import flatten, init_params, nest, param_specs
 from zoo.per_layer_inputs import add_per_layer_input, per_layer_inputs
-from zoo.rope import rope_tables_by_kind
+from zoo.rope import layer_rope, rope_flags, rope_tables_by_kind
 from zoo.sharding import batch_sharded
 
 
@@ -178,8 +186,8 @@ def decoder_layer(cfg: ModelConfig, x: jax.Array, p: dict, attend: Callable[[jax
         h, stats = parallel_moe_block(x, p, cfg, valid, lora=lora, lora_scale=lora_scale, drop=drop)
     elif moe:
         h, stats = moe_mlp(norm(cfg, x, p["mlp_norm"]), p, cfg, valid, lora=lora, lora_scale=lora_scale, drop=drop)
-    else:
-        h = mlp(x, p, cfg, norm_w=p["mlp_norm"], lora=lora, lora_scale=lora_scale, drop=drop)
+    else:  # without pre-norms (OLMo 2/3) the MLP reads x itself
+        h = mlp(x, p, cfg, norm_w=p.get("mlp_norm"), lora=lora, lora_scale=lora_scale, drop=drop)
     if cfg.post_norms:
         h = norm(cfg, h, p["post_mlp_norm"])
     x = batch_sharded(x + h)
@@ -258,12 +266,15 @@ def forward(
     dropout_rng: jax.Array | None = None,
     return_hidden: bool = False,
     prefix_ids: jax.Array | None = None,
+    max_segments: int | None = None,
 ) -> jax.Array | tuple[jax.Array, dict]:
     """Logits [batch, seq, vocab] (float32) of the decoder for int tokens [batch, seq].
 
     ``segment_ids`` marks packed documents (attention never crosses a change
     of id; id 0 is padding); ``positions`` restart at each document. Both
-    default to one document per row. With ``return_aux`` (MoE models) it also
+    default to one document per row. ``max_segments`` (static) bounds the
+    documents a row of ``segment_ids`` holds (None: no bound known), which
+    lets cuDNN's kernel take packed rows without a mask (:mod:`zoo.kernels`). With ``return_aux`` (MoE models) it also
     returns the router losses and statistics of :func:`zoo.moe.aux_losses`.
     ``remat`` trades compute for memory in training: "full" recomputes each
     layer in the backward pass, "save_dots" keeps only the weight matmuls'
@@ -300,15 +311,14 @@ def forward(
     scale: float | jax.Array = 1.0 if lora_scale is None else lora_scale  # read only with adapters
     drop_keys = _dropout_keys(cfg, lora, lora_dropout, dropout_rng)
     b, t = tokens.shape
-    packed = segment_ids is not None
     if segment_ids is None:
-        segment_ids = jnp.ones((b, t), jnp.int32)
+        segment_ids, max_segments = jnp.ones((b, t), jnp.int32), 1
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     ropes = rope_tables_by_kind(cfg, positions)
     # What each layer kind's queries see, from the segment ids: no kernel gets a [b, 1, t, t] mask built here
     # (zoo.masks.Visibility; zoo.kernels).
-    seen = {kind: visibility(segment_ids, kind_window(cfg, kind), prefix_ids, packed) for kind in ropes}
+    seen = {kind: visibility(segment_ids, kind_window(cfg, kind), prefix_ids, max_segments) for kind in ropes}
     valid = segment_ids != 0
     x = embed_tokens(cfg, params, tokens)
     # Gemma 4: each layer's per-layer input [layers, b, t, width], scanned with the layers' weights.
@@ -317,48 +327,55 @@ def forward(
     shared: dict[str, tuple[jax.Array, jax.Array]] = {}  # kind -> the keys/values the KV-shared layers reuse
 
     def layer(x: jax.Array, inputs: tuple, kind: str, moe: bool, prefix: str) -> tuple[jax.Array, Any]:
-        p, lp, key, pli = inputs
+        p, lp, key, rope_on, pli = inputs
         drop = None if key is None else LoraDropout(lora_dropout, key)
         kcfg = kind_config(cfg, kind)
 
         def attend(x: jax.Array) -> tuple[jax.Array, Any]:
             if cfg.mla:  # MLA has no adapters (zoo.lora)
                 return mla_attention(norm(cfg, x, p["attn_norm"]), p, *ropes[kind], seen[kind], cfg), None
+            # Without pre-norms (OLMo 2/3) attention reads x itself; a NoPE layer's q and k are not rotated.
+            cos, sin = layer_rope(ropes[kind], rope_on)
             if sharing:  # Gemma 4: a layer's keys/values go out to the KV-shared layers, which take them in
                 reuse = shared[kind] if is_kv_shared(cfg, prefix) else None
-                q, k, v = qkv_heads(x, p, *ropes[kind], kcfg, p["attn_norm"], lp, scale, drop, reuse)
-                out = attend_heads(*head_major(q, k, v), seen[kind], kcfg)
+                q, k, v = qkv_heads(x, p, cos, sin, kcfg, p.get("attn_norm"), lp, scale, drop, reuse)
+                out = attend_heads(*head_major(q, k, v), seen[kind], kcfg, p["sinks"] if cfg.attn_sinks else None)
                 return output_projection(out, p, kcfg, lp, scale, drop), None if reuse is not None else (k, v)
-            return attention(x, p, *ropes[kind], seen[kind], kcfg, norm_w=p["attn_norm"], lora=lp,
-                             lora_scale=scale, drop=drop), None
+            return attention(x, p, cos, sin, seen[kind], kcfg, norm_w=p.get("attn_norm"), lora=lp, lora_scale=scale,
+                             drop=drop), None
 
         x, kv, stats = decoder_layer(cfg, x, p, attend, moe, valid, lp, scale, drop, pli)
         return x, ((stats, kv) if sharing else stats)
 
     layer_stats: list[dict] = []
-    for prefix, start, stop, moe in cfg.layer_groups:
+    for prefix, start, stop, moe, first in cfg.layer_runs:
         # The LoRA adapters (stacked like their weights) and the layers' dropout keys are sliced and
         # scanned with the weights, so the scan body never indexes a stack.
         adapters = (lora or {}).get(prefix)
         keys = None if drop_keys is None or adapters is None else drop_keys[start:stop]
         kinds = cfg.kinds[start:stop]
-        stacked = (params[prefix], adapters, keys, None if ple is None else ple[start:stop])
+        weights = (params[prefix], adapters)
+        if cfg.global_head_dim:  # Gemma 4: full layers' attention weights are stacked apart (zoo.layer_layout)
+            weights = kind_stack_slice(cfg, weights, stack_kinds(cfg, prefix), first, stop - start)
+        else:
+            weights = stack_slice(weights, first, stop - start)
+        stacked = weights + (keys, rope_flags(cfg, start, stop), None if ple is None else ple[start:stop])
 
         def inputs(seg: Segment, j: int, stacked: tuple = stacked, kinds: tuple[str, ...] = kinds) -> tuple:
             if not cfg.global_head_dim:
                 return seg.at(j, stacked)
-            # Gemma 4: the attention weights are stacked per kind (zoo.layer_layout).
-            w, a, k, pl = stacked
+            # Gemma 4: a block position's attention weights are a strided slice of its kind's stack.
+            w, a, *rest = stacked
             return (layer_weights(cfg, w, kinds, seg, j), None if a is None else layer_weights(cfg, a, kinds, seg, j),
-                    *seg.at(j, (k, pl)))
+                    *seg.at(j, tuple(rest)))
 
         x, done = scan_segments(x, kinds, inputs, partial(layer, moe=moe, prefix=prefix), remat,
                                 stack=moe and not sharing)
         if sharing:
             # Per-layer outputs come per block position (the kinds' keys differ in shape): the stored layers'
             # keys/values, and the statistics in layer order.
-            if not is_kv_shared(cfg, prefix):
-                shared.update({kind: layer_output(done, i - start, False)[1] for kind, i in store_layers(cfg).items()})
+            shared.update({kind: layer_output(done, i - start, False)[1] for kind, i in store_layers(cfg).items()
+                           if start <= i < stop})
             if moe:
                 layer_stats.extend(jax.tree.map(lambda *a: jnp.stack(a, 1).reshape((-1,) + a[0].shape[1:]),
                                                 *[o[0] for o in outs]) for _, outs in done)
@@ -373,6 +390,12 @@ def forward(
         return logits, {}
     stats = jax.tree.map(lambda *a: jnp.concatenate(a), *layer_stats)
     return logits, aux_losses(stats, cfg)
+
+
+def stack_slice(tree: Any, first: int, n: int) -> Any:
+    """Layers ``first`` to ``first + n`` of every array of ``tree`` stacked over a stack's layers (the whole tree,
+    untouched, when that is the whole stack: a run of :attr:`ModelConfig.layer_runs` usually is)."""
+    return jax.tree.map(lambda a: a if first == 0 and a.shape[0] == n else a[first:first + n], tree)
 
 
 def stored_head(cfg: ModelConfig, params: dict[str, Any]) -> tuple[jax.Array, bool]:

@@ -3,7 +3,7 @@
 Experts are stacked ``[experts, ...]`` in one parameter per projection and
 sharded over the ``expert`` mesh axis. The default dispatch is exact
 (dropless): assignments are sorted by expert and run through one grouped
-matmul (``jax.lax.ragged_dot``). With ``capacity_factor`` set, each expert
+matmul (``jax.lax.ragged_dot`` on TPUs, tiles of one expert elsewhere: :mod:`zoo.grouped`). With ``capacity_factor`` set, each expert
 takes at most ``ceil(capacity_factor * tokens * k / experts)`` tokens in
 fixed-size buffers (GShard-style dispatch/combine einsums: static shapes,
 faster on accelerators) and the tokens over capacity are dropped and counted.
@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from zoo.adapted import LoraDropout, lora_out
 from zoo.blocks import ACTIVATIONS, dense
 from zoo.config import ModelConfig
+from zoo.grouped import grouped_matmul
 from zoo.quant import QuantizedWeight, materialize
 
 STAT_KEYS = ("expert_counts", "router_prob_sum", "router_lse_sq_sum", "dropped_tokens", "tokens")
@@ -27,6 +28,8 @@ STAT_KEYS = ("expert_counts", "router_prob_sum", "router_lse_sq_sum", "dropped_t
 def route(x: jax.Array, p: dict, cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Top-k expert ids [N, k], their weights [N, k] and the raw router logits [N, X] for tokens x [N, E]."""
     logits = jnp.dot(x.astype(jnp.float32), p["router"].astype(jnp.float32))
+    if cfg.router_logits_bias:  # gpt-oss: a bias on the logits themselves (selection and weights)
+        logits = logits + p["router_logit_bias"].astype(jnp.float32)
     scores = jax.nn.sigmoid(logits) if cfg.router_score == "sigmoid" else jax.nn.softmax(logits, axis=-1)
     select = scores + p["router_bias"].astype(jnp.float32) if cfg.router_bias else scores
     if cfg.router_groups > 1:
@@ -46,6 +49,27 @@ def route(x: jax.Array, p: dict, cfg: ModelConfig) -> tuple[jax.Array, jax.Array
     return ids, weights * cfg.router_scale, logits
 
 
+def expert_glu(gate: jax.Array, up: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The experts' gated activation: act(gate) * up, or with ``swiglu_limit`` gpt-oss's clamped SwiGLU
+    (transformers' GptOssExperts._apply_gate: gate clamped above, up both sides, (up + 1) * gate * sigmoid(alpha
+    * gate))."""
+    if cfg.swiglu_limit is None:
+        return ACTIVATIONS[cfg.hidden_act](gate) * up
+    limit = cfg.swiglu_limit
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * cfg.swiglu_alpha))
+
+
+def _with_bias(y: jax.Array, p: dict, name: str, experts: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """y [N, out], rows sorted by expert (``experts`` [N], each row's expert), plus each row's expert's bias of
+    weight ``name`` where the model has expert biases (gpt-oss)."""
+    if not cfg.expert_bias:
+        return y
+    b = p[name + "_bias"]
+    return y + b[jnp.clip(experts, 0, b.shape[0] - 1)].astype(y.dtype)
+
+
 def _adapter_input(x: jax.Array, name: str, drop: LoraDropout | None) -> jax.Array:
     """What the adapter of weight ``name`` reads: x, or x with LoRA dropout (the base weight still reads x)."""
     return x if drop is None else drop(x, name)
@@ -59,21 +83,21 @@ def _ragged(xs: jax.Array, p: dict, name: str, sizes: jax.Array, lora: dict | No
     With ``drop`` each row (one token's assignment to one expert) gets its own dropout mask, as each
     expert's own dropout would give it."""
     w = p[name]
-    y = _frozen_ragged_dot(xs, w, sizes) if isinstance(w, QuantizedWeight) else jax.lax.ragged_dot(xs, w, sizes)
+    y = _frozen_ragged_dot(xs, w, sizes) if isinstance(w, QuantizedWeight) else grouped_matmul(xs, w, sizes)
     ad = (lora or {}).get(name)
     if ad is None:
         return y
     xs = _adapter_input(xs, name, drop)
-    # ragged_dot wants one dtype: the adapter path runs in the adapters' (float32 adapters on a bf16 base).
-    u = jax.lax.ragged_dot(xs.astype(ad["a"].dtype), ad["a"], sizes)
-    return y + (scale * jax.lax.ragged_dot(u, ad["b"].astype(u.dtype), sizes)).astype(y.dtype)
+    # One dtype: the adapter path runs in the adapters' (float32 adapters on a bf16 base).
+    u = grouped_matmul(xs.astype(ad["a"].dtype), ad["a"], sizes)
+    return y + (scale * grouped_matmul(u, ad["b"].astype(u.dtype), sizes)).astype(y.dtype)
 
 
 @jax.custom_vjp
 def _frozen_ragged_dot(xs: jax.Array, qw: QuantizedWeight, sizes: jax.Array) -> jax.Array:
     """ragged_dot with a quantized (QLoRA) expert stack [X, in, out]: dequantized here and again in the
     backward pass, which keeps the quantized stack rather than a float copy and gives it no gradient."""
-    return jax.lax.ragged_dot(xs, materialize(qw).astype(xs.dtype), sizes)
+    return grouped_matmul(xs, materialize(qw).astype(xs.dtype), sizes)
 
 
 def _frozen_ragged_dot_fwd(xs, qw, sizes):
@@ -87,7 +111,7 @@ def _frozen_ragged_dot_bwd(res, g):
 
     qw, sizes = res
     w = jnp.swapaxes(materialize(qw), -1, -2).astype(g.dtype)
-    return jax.lax.ragged_dot(g, w, sizes), zero_cotangent(qw), np.zeros(sizes.shape, jax.dtypes.float0)
+    return grouped_matmul(g, w, sizes), zero_cotangent(qw), np.zeros(sizes.shape, jax.dtypes.float0)
 
 
 _frozen_ragged_dot.defvjp(_frozen_ragged_dot_fwd, _frozen_ragged_dot_bwd)
@@ -97,35 +121,40 @@ def _experts_dropless(x: jax.Array, ids: jax.Array, weights: jax.Array, p: dict,
                       lora: dict | None = None, scale: float | jax.Array = 1.0,
                       drop: LoraDropout | None = None) -> jax.Array:
     n, k = ids.shape
-    act = ACTIVATIONS[cfg.hidden_act]
     flat = ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     token = order // k
     sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
     xs = x[token]
-    h = (act(_ragged(xs, p, "expert_gate", sizes, lora, scale, drop))
-         * _ragged(xs, p, "expert_up", sizes, lora, scale, drop))
-    y = _ragged(h, p, "expert_down", sizes, lora, scale, drop)
+    rows = flat[order]
+    h = expert_glu(_with_bias(_ragged(xs, p, "expert_gate", sizes, lora, scale, drop), p, "expert_gate", rows, cfg),
+                   _with_bias(_ragged(xs, p, "expert_up", sizes, lora, scale, drop), p, "expert_up", rows, cfg), cfg)
+    y = _with_bias(_ragged(h, p, "expert_down", sizes, lora, scale, drop), p, "expert_down", rows, cfg)
     y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
     return jnp.zeros_like(x).at[token].add(y)
 
 
 EXPERT_WEIGHTS = ("expert_gate", "expert_up", "expert_down")
+EXPERT_BIASES = ("expert_gate_bias", "expert_up_bias", "expert_down_bias")  # gpt-oss (cfg.expert_bias)
 
 
 def _expert_mesh(p: dict, lora: dict | None, drop: LoraDropout | None) -> jax.sharding.AbstractMesh | None:
     """The context mesh (:func:`zoo.sharding.mesh_context`, set while a train step is lowered) when it splits the
-    experts (an ``expert`` axis over 1) and the experts can run split (plain weights: not QLoRA's quantized
-    stacks; no LoRA dropout); else None (the dropless path as written, partitioned by the compiler)."""
+    experts (an ``expert`` axis over 1, dividing the experts) and the experts can run split (float or QLoRA's
+    quantized stacks alike; no LoRA dropout); else None (the dropless path as written, partitioned by the
+    compiler)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.shape.get("expert", 1) == 1 or drop is not None:
         return None
-    if any(isinstance(p[n], QuantizedWeight) for n in EXPERT_WEIGHTS):
-        return None
-    if p["expert_gate"].shape[0] % mesh.shape["expert"]:
+    if _num_experts(p["expert_gate"]) % mesh.shape["expert"]:
         return None
     return mesh
 
+
+def _num_experts(w: jax.Array | QuantizedWeight) -> int:
+    """The expert count of one layer's expert stack, float [experts, in, out] or quantized (QLoRA: its fields
+    keep the leading expert axis, so expert parallelism splits them as it splits a float stack)."""
+    return w.lead[0] if isinstance(w, QuantizedWeight) else w.shape[0]
 
 
 def _experts_parallel(x: jax.Array, ids: jax.Array, weights: jax.Array, p: dict, cfg: ModelConfig,
@@ -138,16 +167,17 @@ def _experts_parallel(x: jax.Array, ids: jax.Array, weights: jax.Array, p: dict,
     Left to the compiler, the dropless path's sort and grouped matmul over every expert were not split: each chip
     held every expert's weights of a layer and the rows of the global batch (DeepSeek-V3 on 64 v5p chips:
     seven 7 GiB [tokens x 8, 7168] buffers a chip). Here a chip holds its experts and its rows' assignments.
-    Exact: the same sums as :func:`_experts_dropless` (rows of other experts are zeroed, not approximated)."""
+    Exact: the same sums as :func:`_experts_dropless` (rows of other experts are zeroed, not approximated).
+    A QLoRA stack goes in the same way (each quantized field split on its leading expert axis) and each device
+    dequantizes only its own experts; LoRA adapters, stacked on the expert axis, are split with their experts."""
     from jax.sharding import PartitionSpec as P
 
     from zoo.sharding import logical_to_spec
 
     n, k = ids.shape
     local_x = cfg.num_experts // mesh.shape["expert"]
-    act = ACTIVATIONS[cfg.hidden_act]
     rows = logical_to_spec(("batch", None), x.shape, mesh)
-    stacks = {name: p[name] for name in EXPERT_WEIGHTS}
+    stacks = {name: p[name] for name in EXPERT_WEIGHTS + (EXPERT_BIASES if cfg.expert_bias else ())}
     adapters = {name: ad for name, ad in (lora or {}).items() if name in EXPERT_WEIGHTS}
     expert_split = P("expert")  # the other axes of a stack gathered, as FSDP gathers a layer's weights
 
@@ -167,9 +197,12 @@ def _experts_parallel(x: jax.Array, ids: jax.Array, weights: jax.Array, p: dict,
         # matmul, whose outputs there (and gradients into them) are not defined: zeroed on the way in and out.
         ours = (flat[order] < local_x)[:, None]
         xs = jnp.where(ours, x[token], 0)
-        h = (act(_ragged(xs, stacks, "expert_gate", sizes, adapters, scale))
-             * _ragged(xs, stacks, "expert_up", sizes, adapters, scale))
-        y = _ragged(h, stacks, "expert_down", sizes, adapters, scale)
+        ex = flat[order]  # past the local experts for other experts' rows: zeroed below, whatever bias they get
+        h = expert_glu(_with_bias(_ragged(xs, stacks, "expert_gate", sizes, adapters, scale), stacks, "expert_gate",
+                                  ex, cfg),
+                       _with_bias(_ragged(xs, stacks, "expert_up", sizes, adapters, scale), stacks, "expert_up", ex,
+                                  cfg), cfg)
+        y = _with_bias(_ragged(h, stacks, "expert_down", sizes, adapters, scale), stacks, "expert_down", ex, cfg)
         w = jnp.where(mine, weights, 0).reshape(-1)[order]
         y = jnp.where(ours, y * w[:, None].astype(y.dtype), 0)
         return jax.lax.psum(jnp.zeros_like(x).at[token].add(y), "expert")
@@ -205,7 +238,6 @@ def _experts_capacity(x: jax.Array, ids: jax.Array, weights: jax.Array, valid: j
     X = cfg.num_experts
     assert cfg.capacity_factor is not None  # moe_mlp routes dropless without one
     cap = max(1, math.ceil(cfg.capacity_factor * n * k / X))
-    act = ACTIVATIONS[cfg.hidden_act]
     onehot = jax.nn.one_hot(ids, X, dtype=jnp.int32) * valid[:, None, None].astype(jnp.int32)  # [N, k, X]
     # Slot of each assignment in its expert's buffer: earlier tokens (and earlier choices) first.
     flat = onehot.transpose(1, 0, 2).reshape(n * k, X)
@@ -214,9 +246,10 @@ def _experts_capacity(x: jax.Array, ids: jax.Array, weights: jax.Array, valid: j
     dropped = ((onehot > 0) & ~kept).sum()
     dispatch = (kept[..., None] & (slot[..., None] == jnp.arange(cap))).astype(x.dtype)  # [N, k, X, C]
     buf = jnp.einsum("nkxc,ne->xce", dispatch, x)
-    h = (act(_per_expert(buf, p, "expert_gate", lora, scale, drop))
-         * _per_expert(buf, p, "expert_up", lora, scale, drop))
-    out = _per_expert(h, p, "expert_down", lora, scale, drop)
+    bias = {n: p[n + "_bias"][:, None].astype(x.dtype) if cfg.expert_bias else 0 for n in EXPERT_WEIGHTS}
+    h = expert_glu(_per_expert(buf, p, "expert_gate", lora, scale, drop) + bias["expert_gate"],
+                   _per_expert(buf, p, "expert_up", lora, scale, drop) + bias["expert_up"], cfg)
+    out = _per_expert(h, p, "expert_down", lora, scale, drop) + bias["expert_down"]
     combine = dispatch * weights[..., None, None].astype(x.dtype)
     return jnp.einsum("nkxc,xce->ne", combine, out), dropped
 

@@ -55,6 +55,12 @@ def _layer_specs(cfg: ModelConfig, L: int, moe: bool) -> dict[str, ParamSpec]:
         s["expert_gate"] = ParamSpec((L, X, E, M), lay + ("expert", "embed", "mlp"), "normal")
         s["expert_up"] = ParamSpec((L, X, E, M), lay + ("expert", "embed", "mlp"), "normal")
         s["expert_down"] = ParamSpec((L, X, M, E), lay + ("expert", "mlp", "embed"), "normal")
+        if cfg.router_logits_bias:
+            s["router_logit_bias"] = ParamSpec((L, X), lay + (None,), "zeros")
+        if cfg.expert_bias:
+            s["expert_gate_bias"] = ParamSpec((L, X, M), lay + ("expert", "mlp"), "zeros")
+            s["expert_up_bias"] = ParamSpec((L, X, M), lay + ("expert", "mlp"), "zeros")
+            s["expert_down_bias"] = ParamSpec((L, X, E), lay + ("expert", "embed"), "zeros")
         if cfg.shared_experts:
             S = M * cfg.shared_experts
             s["shared_gate"] = ParamSpec((L, E, S), lay + ("embed", "mlp"), "normal")
@@ -70,9 +76,14 @@ def _layer_specs(cfg: ModelConfig, L: int, moe: bool) -> dict[str, ParamSpec]:
         s["v_bias"] = ParamSpec((L, K, D), lay + ("kv_heads", "head_dim"), "zeros")
     if cfg.o_bias:
         s["o_bias"] = ParamSpec((L, E), lay + ("embed",), "zeros")
-    if cfg.qk_norm:
+    if cfg.qk_norm and cfg.qk_norm_span == "all":  # one weight per element of all heads (OLMo 2/3)
+        s["q_norm"] = ParamSpec((L, H, D), lay + ("heads", "head_dim"), unit)
+        s["k_norm"] = ParamSpec((L, K, D), lay + ("kv_heads", "head_dim"), unit)
+    elif cfg.qk_norm:
         s["q_norm"] = ParamSpec((L, D), lay + ("head_dim",), unit)
         s["k_norm"] = ParamSpec((L, D), lay + ("head_dim",), unit)
+    if cfg.attn_sinks:
+        s["sinks"] = ParamSpec((L, H), lay + ("heads",), "zeros")
     if cfg.post_norms:
         s["post_attn_norm"] = ParamSpec((L, E), lay + ("embed",), unit)
         s["post_mlp_norm"] = ParamSpec((L, E), lay + ("embed",), unit)
@@ -80,6 +91,8 @@ def _layer_specs(cfg: ModelConfig, L: int, moe: bool) -> dict[str, ParamSpec]:
         s["gate_bias"] = ParamSpec((L, F), lay + ("mlp",), "zeros")
         s["up_bias"] = ParamSpec((L, F), lay + ("mlp",), "zeros")
         s["down_bias"] = ParamSpec((L, E), lay + ("embed",), "zeros")
+    if not cfg.pre_norms:  # OLMo 2/3: the post-norms are a layer's only norms
+        del s["attn_norm"], s["mlp_norm"]
     s.update(_gemma4_layer_specs(cfg, L, moe))
     return s
 
@@ -115,12 +128,12 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
     E, V = cfg.hidden_size, cfg.vocab_size
     unit = "ones" if cfg.norm_offset == 0 else "zeros"
     s: dict[str, ParamSpec] = {"embed": ParamSpec((V, E), ("vocab", "embed"), "normal")}
-    for prefix, start, stop, moe in cfg.layer_groups:
-        group = _layer_specs(cfg, stop - start, moe)
+    for prefix, layers, moe in cfg.layer_stacks:
+        group = _layer_specs(cfg, len(layers), moe)
         if cfg.global_head_dim or cfg.kv_shared_layers:
             from zoo.layer_layout import group_specs
 
-            group = group_specs(cfg, group, cfg.kinds[start:stop], prefix)
+            group = group_specs(cfg, group, tuple(cfg.kinds[i] for i in layers), prefix)
         if cfg.parallel_moe and moe:
             group.pop("expert_gate")  # Gemma 4 stores them fused: expert_gate_up
             group.pop("expert_up")

@@ -293,23 +293,31 @@ def as_trained(cfg: Any, params: dict[str, Any], kind: str, double: bool = False
     return nest(flat)
 
 
-def field_sharding(shape: tuple[int, ...], mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
+def field_sharding(shape: tuple[int, ...], mesh: jax.sharding.Mesh,
+                   expert_axis: int | None = None) -> jax.sharding.NamedSharding:
     """The sharding of one quantized field of ``shape`` on ``mesh``: its last axis (the flattened blocks of one
-    matrix) split over the ``fsdp`` axis where it divides, as FSDP splits the float weight; replicated otherwise."""
+    matrix) split over the ``fsdp`` axis where it divides, as FSDP splits the float weight; replicated otherwise.
+    ``expert_axis`` (an expert stack's fields: axis 1, after the layers) is split over the ``expert`` axis where
+    it divides, as the float stack's is, so expert parallelism finds each device's experts in place."""
     from jax.sharding import NamedSharding, PartitionSpec
 
-    fsdp = mesh.shape.get("fsdp", 1)
-    split = len(shape) >= 1 and fsdp > 1 and shape[-1] % fsdp == 0 and shape[-1] >= fsdp
-    return NamedSharding(mesh, PartitionSpec(*([None] * (len(shape) - 1)), "fsdp") if split else PartitionSpec())
+    fsdp, expert = mesh.shape.get("fsdp", 1), mesh.shape.get("expert", 1)
+    axes: list[str | None] = [None] * len(shape)
+    if expert_axis is not None and expert_axis < len(shape) and expert > 1 and shape[expert_axis] % expert == 0:
+        axes[expert_axis] = "expert"
+    if len(shape) >= 1 and axes[-1] is None and fsdp > 1 and shape[-1] % fsdp == 0 and shape[-1] >= fsdp:
+        axes[-1] = "fsdp"
+    return NamedSharding(mesh, PartitionSpec(*axes) if any(axes) else PartitionSpec())
 
 
 def place(qw: QuantizedWeight, mesh: jax.sharding.Mesh) -> QuantizedWeight:
-    """``qw``'s fields as global arrays on ``mesh``, each sharded by :func:`field_sharding`.
-    Every process holds the same host copy, so each takes its own shards from it."""
+    """``qw``'s fields as global arrays on ``mesh``, each sharded by :func:`field_sharding` (an expert stack's
+    over the ``expert`` axis too). Every process holds the same host copy, so each takes its own shards from it."""
+    expert_axis = 1 if len(qw.lead) == 2 else None  # [layers, experts, ...]
 
     def put(x):
         x = np.asarray(x)
-        return jax.make_array_from_callback(x.shape, field_sharding(x.shape, mesh), lambda idx: x[idx])
+        return jax.make_array_from_callback(x.shape, field_sharding(x.shape, mesh, expert_axis), lambda idx: x[idx])
 
     return jax.tree.map(put, qw)
 

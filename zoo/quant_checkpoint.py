@@ -178,6 +178,7 @@ def abstract_base(cfg: Any, kind: str, double: bool, dtype: Any, mesh: jax.shard
         data = {}
         for name, (one, dt) in field_shapes(kind, double, shape, contract).items():
             full = tuple(lead_shape) + tuple(one)
-            data[name] = jax.ShapeDtypeStruct(full, jnp.dtype(dt), sharding=quant.field_sharding(full, mesh))
+            data[name] = jax.ShapeDtypeStruct(full, jnp.dtype(dt),
+                                              sharding=quant.field_sharding(full, mesh, 1 if lead == 2 else None))
         out[path] = quant.QuantizedWeight(data, kind, tuple(shape), contract, jnp.dtype(dtype).name)
     return out

@@ -78,3 +78,113 @@ GEMMA4_31B = _gemma4({"hidden_size": 5376, "intermediate_size": 21504, "num_hidd
                       "num_attention_heads": 32, "num_key_value_heads": 16, "num_global_key_value_heads": 4,
                       "attention_k_eq_v": True, "sliding_window": 1024, "hidden_size_per_layer_input": 0,
                       "num_kv_shared_layers": 0, "max_position_embeddings": 262144}, 6)
+# Qwen/Qwen3-30B-A3B's config.json: 128 experts (8 a token, softmax routing, renormalized), every layer MoE
+# (decoder_sparse_step 1, no mlp_only_layers), q/k norms, no sliding window.
+_QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
+              "head_dim": 128, "hidden_act": "silu", "num_key_value_heads": 4, "num_experts": 128,
+              "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
+              "router_aux_loss_coef": 0.001, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+              "max_position_embeddings": 40960, "use_sliding_window": False, "sliding_window": None,
+              "attention_bias": False, "tie_word_embeddings": False, "bos_token_id": 151643,
+              "eos_token_id": 151645, "torch_dtype": "bfloat16"}
+
+QWEN3_30B_A3B = {**_QWEN3_MOE, "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+                 "num_hidden_layers": 48, "num_attention_heads": 32, "max_window_layers": 48}
+
+QWEN3_235B_A22B = {**_QWEN3_MOE, "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+                   "num_hidden_layers": 94, "num_attention_heads": 64, "max_window_layers": 94}
+
+# zai-org/GLM-4.5's config.json (its multi-token-prediction layer, which transformers does not build, left out):
+# 160 routed experts (8 a token, sigmoid routing with a selection bias), one shared expert, three dense first
+# layers, q/k/v biases, q/k norms, RoPE on half of each head.
+GLM_4_5 = {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "vocab_size": 151552,
+           "hidden_size": 5120, "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_hidden_layers": 92,
+           "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128, "n_routed_experts": 160,
+           "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "n_group": 1,
+           "topk_group": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "use_qk_norm": True,
+           "attention_bias": True, "partial_rotary_factor": 0.5, "rope_theta": 1000000,
+           "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+           "tie_word_embeddings": False, "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338],
+           "torch_dtype": "bfloat16"}
+
+# zai-org/GLM-4.6: GLM-4.5's architecture with a 200K context.
+GLM_4_6 = {**GLM_4_5, "max_position_embeddings": 202752}
+
+# zai-org/GLM-4.5-Air: 128 routed experts, one dense first layer, no q/k norms, routed weights unscaled.
+GLM_4_5_AIR = {**GLM_4_5, "hidden_size": 4096, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+               "num_hidden_layers": 46, "n_routed_experts": 128, "first_k_dense_replace": 1,
+               "routed_scaling_factor": 1.0, "use_qk_norm": False}
+# openai/gpt-oss-20b's and gpt-oss-120b's config.json (their MXFP4 quantization_config left out: the experts are
+# dequantized while converting): sliding (128) and full layers alternating, 64 query heads of 64 over 8 key/value
+# heads, attention sinks, 32 or 128 experts (4 a token) with biases and the clamped SwiGLU, YaRN over 4096.
+_GPT_OSS = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 201088,
+            "hidden_size": 2880, "intermediate_size": 2880, "head_dim": 64, "num_attention_heads": 64,
+            "num_key_value_heads": 8, "num_experts_per_tok": 4, "experts_per_token": 4, "sliding_window": 128,
+            "attention_bias": True, "attention_dropout": 0.0, "hidden_act": "silu", "initial_context_length": 4096,
+            "initializer_range": 0.02, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+            "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                             "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
+            "rope_theta": 150000, "router_aux_loss_coef": 0.9, "swiglu_limit": 7.0, "tie_word_embeddings": False,
+            "output_router_logits": False, "use_cache": True, "eos_token_id": 200002, "pad_token_id": 199999,
+            "torch_dtype": "bfloat16"}
+
+GPT_OSS_20B = {**_GPT_OSS, "num_hidden_layers": 24, "num_local_experts": 32,
+               "layer_types": ["sliding_attention", "full_attention"] * 12}
+
+GPT_OSS_120B = {**_GPT_OSS, "num_hidden_layers": 36, "num_local_experts": 128,
+                "layer_types": ["sliding_attention", "full_attention"] * 18}
+# HuggingFaceTB/SmolLM3-3B: Llama-shaped with every 4th layer NoPE (no_rope_layers), tied embeddings. Its
+# pretraining_tp of 2 is a leftover that SmolLM3's transformers model never reads.
+SMOLLM3_3B = {"architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", "vocab_size": 128256,
+              "hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36, "num_attention_heads": 16,
+              "num_key_value_heads": 4, "hidden_act": "silu", "max_position_embeddings": 65536,
+              "rms_norm_eps": 1e-6, "rope_theta": 5000000.0, "rope_scaling": None, "attention_bias": False,
+              "mlp_bias": False, "tie_word_embeddings": True, "use_sliding_window": False, "sliding_window": None,
+              "no_rope_layer_interval": 4, "no_rope_layers": [int((i + 1) % 4 != 0) for i in range(36)],
+              "pretraining_tp": 2, "bos_token_id": 128000, "eos_token_id": 128012, "pad_token_id": 128004,
+              "torch_dtype": "bfloat16"}
+
+# allenai/OLMo-2-1124-7B and -13B: post-norm blocks, q/k norms over all heads, no biases.
+_OLMO2 = {"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", "vocab_size": 100352, "hidden_act": "silu",
+          "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 500000, "rope_scaling": None,
+          "attention_bias": False, "tie_word_embeddings": False, "eos_token_id": 100257, "pad_token_id": 100277,
+          "torch_dtype": "float32"}
+OLMO_2_7B = {**_OLMO2, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+             "num_attention_heads": 32, "num_key_value_heads": 32}
+OLMO_2_13B = {**_OLMO2, "hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 40,
+              "num_attention_heads": 40, "num_key_value_heads": 40}
+
+# allenai/Olmo-3-1025-7B: OLMo 2's blocks, three sliding-window layers (4096) to a full one, YaRN on the full ones.
+OLMO_3_7B = {"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "vocab_size": 100278, "hidden_size": 4096,
+             "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+             "num_key_value_heads": 32, "hidden_act": "silu", "max_position_embeddings": 65536,
+             "rms_norm_eps": 1e-6, "rope_theta": 500000, "attention_bias": False, "tie_word_embeddings": False,
+             "rope_scaling": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192,
+                              "attention_factor": 1.2079441541679836, "beta_fast": 32.0, "beta_slow": 1.0},
+             "sliding_window": 4096,
+             "layer_types": ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(32)],
+             "eos_token_id": 100257, "pad_token_id": 100277, "torch_dtype": "bfloat16"}
+
+# microsoft/phi-4 (Phi3ForCausalLM): fused qkv_proj and gate_up_proj, GQA 40/10, no RoPE scaling.
+PHI_4 = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab_size": 100352, "hidden_size": 5120,
+         "intermediate_size": 17920, "num_hidden_layers": 40, "num_attention_heads": 40, "num_key_value_heads": 10,
+         "hidden_act": "silu", "max_position_embeddings": 16384, "original_max_position_embeddings": 16384,
+         "rms_norm_eps": 1e-5, "rope_theta": 250000, "rope_scaling": None, "sliding_window": None,
+         "tie_word_embeddings": False, "bos_token_id": 100257, "eos_token_id": 100257, "pad_token_id": 100257,
+         "torch_dtype": "bfloat16"}
+
+# microsoft/Phi-4-mini-instruct: partial rotary (96 of 128 dimensions), LongRoPE from 4096 to 131072 positions.
+PHI_4_MINI_LONG_FACTOR = [
+    1, 1.118320672, 1.250641126, 1.398617824, 1.564103225, 1.74916897, 1.956131817, 2.187582649, 2.446418898,
+    2.735880826, 3.059592084, 3.421605075, 3.826451687, 4.279200023, 4.785517845, 5.351743533, 5.984965424,
+    6.693110555, 7.485043894, 8.370679318, 9.36110372, 10.4687158, 11.70738129, 13.09260651, 14.64173252,
+    16.37415215, 18.31155283, 20.47818807, 22.90118105, 25.61086418, 28.64115884, 32.03, 32.1, 32.13, 32.23, 32.6,
+    32.61, 32.64, 32.66, 32.7, 32.71, 32.93, 32.97, 33.28, 33.49, 33.5, 44.16, 47.77]
+PHI_4_MINI = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab_size": 200064, "hidden_size": 3072,
+              "intermediate_size": 8192, "num_hidden_layers": 32, "num_attention_heads": 24,
+              "num_key_value_heads": 8, "hidden_act": "silu", "max_position_embeddings": 131072,
+              "original_max_position_embeddings": 4096, "partial_rotary_factor": 0.75, "rms_norm_eps": 1e-5,
+              "rope_theta": 10000.0, "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48,
+                                                      "long_factor": PHI_4_MINI_LONG_FACTOR},
+              "sliding_window": 262144, "tie_word_embeddings": True, "bos_token_id": 199999,
+              "eos_token_id": 199999, "pad_token_id": 199999, "torch_dtype": "bfloat16"}

@@ -1,8 +1,10 @@
 """Rotary position embeddings: inverse frequencies per RoPE kind, cos/sin tables, the rotation itself.
 
-The kinds follow transformers' ``rope_type``: default, linear, llama3 and
-yarn, computed in float32 numpy exactly as transformers computes them, so
-converted checkpoints see the same angles.
+The kinds follow transformers' ``rope_type``: default, linear, llama3, yarn,
+longrope and (Gemma 4) proportional, computed in float32 numpy exactly as transformers computes
+them, so converted checkpoints see the same angles. RoPE may rotate only the
+leading ``cfg.rope_dim`` dimensions of a head (partial rotary), and layers
+listed in ``cfg.nope_layers`` apply none (:func:`layer_rope`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zoo.config import ModelConfig, RopeConfig
+from zoo.layer_layout import kind_config
 
 
 def rope_inv_freq(rope: RopeConfig, rot_dim: int) -> np.ndarray:
@@ -38,6 +41,8 @@ def rope_inv_freq(rope: RopeConfig, rot_dim: int) -> np.ndarray:
         return _yarn_inv_freq(rope, rot_dim)
     if rope.kind == "proportional":
         return _proportional_inv_freq(rope, rot_dim)
+    if rope.kind == "longrope":
+        return longrope_inv_freq(rope, rot_dim, long=False)
     raise ValueError(f"unsupported rope kind {rope.kind!r}")
 
 
@@ -72,8 +77,24 @@ def _proportional_inv_freq(rope: RopeConfig, dim: int) -> np.ndarray:
     return (inv / np.float32(rope.factor)).astype(np.float32)
 
 
+def longrope_inv_freq(rope: RopeConfig, dim: int, long: bool) -> np.ndarray:
+    """LongRoPE's inverse frequencies: the default ones divided by the short (or ``long``) factors, as
+    transformers' ``_compute_longrope_parameters``."""
+    factors = np.asarray(rope.long_factor if long else rope.short_factor, np.float32)
+    if factors.shape != (dim // 2,):
+        raise ValueError(f"longrope needs {dim // 2} factors, got {factors.shape[0]}")
+    shape = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    return (np.float32(1.0) / (factors * np.float32(rope.theta) ** shape)).astype(np.float32)
+
+
 def rope_attention_factor(rope: RopeConfig) -> float:
-    """The factor YaRN multiplies cos/sin by (1.0 for the other kinds)."""
+    """The factor YaRN and LongRoPE multiply cos/sin by (1.0 for the other kinds)."""
+    if rope.kind == "longrope":
+        if rope.attention_factor is not None:
+            return rope.attention_factor
+        if rope.factor <= 1.0:
+            return 1.0
+        return math.sqrt(1 + math.log(rope.factor) / math.log(rope.original_max_position_embeddings))
     if rope.kind != "yarn":
         return 1.0
     if rope.attention_factor is not None:
@@ -95,25 +116,66 @@ def rope_tables(positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) 
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate-half RoPE on x [batch, seq, heads, head_dim] (the Hugging Face layout)."""
+    """Rotate-half RoPE on x [batch, seq, heads, head_dim] (the Hugging Face layout).
+
+    Tables narrower than the head (partial rotary: GLM-4.5, Phi-4) rotate its leading dimensions, rotate-half
+    within them as transformers' ``apply_rotary_pos_emb`` does, and pass the rest through."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], axis=-1)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     c, s = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
     return x * c + rotated * s
 
 
-def rope_tables_by_kind(cfg: ModelConfig, positions: jax.Array) -> dict[str, tuple[jax.Array, jax.Array]]:
+def _tables(rope: RopeConfig, dim: int, positions: jax.Array,
+            valid: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables of one RoPE for ``positions``.
+
+    LongRoPE switches, as transformers does, on the call's length: the long factors for every position
+    when the furthest one (of the ``valid`` tokens) is at or past original_max_position_embeddings, else
+    the short ones. A KV cache keeps the keys roped as they were when written.
+    """
+    scale = rope_attention_factor(rope)
+    if rope.kind != "longrope":
+        return rope_tables(positions, rope_inv_freq(rope, dim), scale)
+    short = rope_tables(positions, longrope_inv_freq(rope, dim, long=False), scale)
+    long = rope_tables(positions, longrope_inv_freq(rope, dim, long=True), scale)
+    seen = positions if valid is None else jnp.where(valid, positions, 0)
+    use_long = jnp.max(seen) + 1 > rope.original_max_position_embeddings
+    return jnp.where(use_long, long[0], short[0]), jnp.where(use_long, long[1], short[1])
+
+
+def layer_rope(tables: tuple[jax.Array, jax.Array], rope_on: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """One layer's (cos, sin): as they are, or with ``rope_on`` 0 (a NoPE layer, :func:`rope_flags`) the
+    identity rotation (cos 1, sin 0), so the layer's q and k pass unrotated."""
+    if rope_on is None:
+        return tables
+    cos, sin = tables
+    return jnp.where(rope_on > 0, cos, 1.0).astype(cos.dtype), jnp.where(rope_on > 0, sin, 0.0).astype(sin.dtype)
+
+
+def rope_flags(cfg: ModelConfig, start: int, stop: int) -> jax.Array | None:
+    """Per layer of ``start:stop``, 1.0 where it applies RoPE and 0.0 where it is a NoPE layer, to be scanned
+    with the layers' weights; None when every layer applies RoPE (no flag enters the program)."""
+    if not cfg.nope_layers:
+        return None
+    return jnp.asarray([0.0 if i in cfg.nope_layers else 1.0 for i in range(start, stop)], jnp.float32)
+
+
+def rope_tables_by_kind(cfg: ModelConfig, positions: jax.Array,
+                        valid: jax.Array | None = None) -> dict[str, tuple[jax.Array, jax.Array]]:
     """(cos, sin) tables for integer positions [batch, seq] per layer kind of ``cfg``.
 
     "full" layers use ``cfg.rope``; "sliding" ones (when the model has any)
     use ``cfg.rope_local`` where it differs (Gemma 3's local RoPE), else the
     same RoPE. The training forward and the cached forward both take their
-    tables from here, so their angles cannot drift apart.
+    tables from here, so their angles cannot drift apart. ``valid`` [batch, seq]
+    marks the real tokens (LongRoPE's choice of factors reads only theirs).
     """
-    # Gemma 4's full layers have heads of their own width (global_head_dim).
-    full_dim = cfg.global_head_dim or cfg.rope_dim
-    tables = {"full": rope_tables(positions, rope_inv_freq(cfg.rope, full_dim), rope_attention_factor(cfg.rope))}
+    # Gemma 4's full layers have heads of their own width (global_head_dim: zoo.layer_layout.kind_config).
+    tables = {"full": _tables(cfg.rope, kind_config(cfg, "full").rope_dim, positions, valid)}
     if "sliding" in cfg.kinds:
-        local = cfg.rope_local or cfg.rope
-        tables["sliding"] = rope_tables(positions, rope_inv_freq(local, cfg.rope_dim), rope_attention_factor(local))
+        tables["sliding"] = _tables(cfg.rope_local or cfg.rope, cfg.rope_dim, positions, valid)
     return tables

@@ -93,7 +93,10 @@ def splash_attention(qg: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax
 
     mesh = jax.sharding.get_abstract_mesh()
     spec = _row_head_spec(mesh, b, hk)
-    if any(ax is not None for ax in spec):
+    # Any mesh of several devices: Mosaic kernels cannot be partitioned automatically, so the kernel runs in a
+    # shard_map even where nothing splits (rows and heads then repeated on each device of the axes that cannot
+    # split them: an expert-only mesh, heads that do not divide over tensor).
+    if not mesh.empty and mesh.size > 1:
         heads = PartitionSpec(*spec, None, None)
         rows = jax.shard_map(rows, mesh=mesh, in_specs=(heads, heads, heads, PartitionSpec(spec[0], None)),
                              out_specs=heads, check_vma=False)

@@ -1,0 +1,88 @@
+"""The config.json fields of SmolLM3, OLMo 2/3 and Phi-3/Phi-4 beyond the shared ones, both ways.
+
+Read into ModelConfig: NoPE layers (SmolLM3's ``no_rope_layers``), blocks
+whose only norms are post-norms and q/k norms over all heads (OLMo 2/3),
+partial rotary and LongRoPE (Phi-3/Phi-4). Written back as transformers'
+config classes spell them, so an exported config.json is the one
+``save_pretrained`` writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from zoo.config import ModelConfig, RopeConfig
+
+# family -> (pre_norms, qk_norm_span): OLMo 2/3 norm only the outputs of attention and MLP, and their q/k norms
+# are one RMSNorm over all heads' q (k) at once.
+_LAYOUT = {"olmo2": (False, "all"), "olmo3": (False, "all")}
+
+
+def read_layer_fields(family: str, c: Any, rope_params: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig fields of this family's config object ``c`` (transformers' own, with its defaults and
+    derived fields) beyond the shared ones; ``rope_params`` is its standardized ``rope_parameters``."""
+    pre_norms, span = _LAYOUT.get(family, (True, "head"))
+    out: dict[str, Any] = dict(pre_norms=pre_norms, qk_norm_span=span)
+    uses_rope = getattr(c, "no_rope_layers", None)  # SmolLM3: 1 where a layer applies RoPE, 0 for NoPE
+    if uses_rope is not None:
+        out["nope_layers"] = tuple(i for i, on in enumerate(uses_rope) if not on)
+    factor = rope_params.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", None))
+    if factor is not None:
+        out["partial_rotary_factor"] = float(factor)
+    return out
+
+
+def read_longrope(rope: RopeConfig, params: dict[str, Any], c: Any) -> RopeConfig:
+    """``rope`` with LongRoPE's fields from its rope parameters: the short/long factors, and the scaling
+    factor transformers derives when the config gives none (max_position_embeddings over the original)."""
+    factor = params.get("factor")
+    if factor is None:
+        factor = int(c.max_position_embeddings) / rope.original_max_position_embeddings
+    return dataclasses.replace(rope, factor=float(factor), short_factor=tuple(params.get("short_factor") or ()),
+                               long_factor=tuple(params.get("long_factor") or ()))
+
+
+def _nope_interval(cfg: ModelConfig) -> tuple[int, bool]:
+    """(no_rope_layer_interval, whether it alone gives cfg's NoPE layers): SmolLM3's config class derives
+    ``no_rope_layers`` from the interval (every n-th layer NoPE); its default is 4."""
+    for n in [4, *range(1, cfg.num_layers + 2)]:
+        if tuple(i for i in range(cfg.num_layers) if (i + 1) % n == 0) == cfg.nope_layers:
+            return n, True
+    return 4, False
+
+
+def _longrope_dict(cfg: ModelConfig) -> dict[str, Any]:
+    r = cfg.rope
+    d: dict[str, Any] = {"rope_type": "longrope", "rope_theta": r.theta, "short_factor": list(r.short_factor),
+                         "long_factor": list(r.long_factor),
+                         "original_max_position_embeddings": r.original_max_position_embeddings}
+    if r.factor != cfg.max_position_embeddings / r.original_max_position_embeddings:
+        d["factor"] = r.factor  # else transformers derives it
+    if r.attention_factor is not None:
+        d["attention_factor"] = r.attention_factor
+    return d
+
+
+def write_layer_fields(cfg: ModelConfig, out: dict[str, Any]) -> None:
+    """Complete (in place) the HF config fields ``out`` of ``cfg`` with this module's families' own."""
+    if cfg.family == "smollm3":
+        interval, derived = _nope_interval(cfg)
+        out["no_rope_layer_interval"] = interval
+        if not derived:
+            out["no_rope_layers"] = [0 if i in cfg.nope_layers else 1 for i in range(cfg.num_layers)]
+        out["use_sliding_window"] = "sliding" in cfg.kinds
+    elif cfg.family == "olmo2":  # no sliding layers in OLMo 2's config class
+        out.pop("layer_types", None)
+        out.pop("sliding_window", None)
+    elif cfg.family == "olmo3":  # RoPE per layer type (YaRN on the full-attention layers of the releases)
+        from convert.hf_config import _rope_dict
+
+        out["rope_parameters"] = {"full_attention": _rope_dict(cfg.rope),
+                                  "sliding_attention": _rope_dict(cfg.rope_local or cfg.rope)}
+    elif cfg.family == "phi3":
+        if cfg.rope.kind == "longrope":
+            out["rope_parameters"] = _longrope_dict(cfg)
+        # Phi-3's config keeps it at the top level too (Phi-4's 16384 is not the class default of 4096).
+        out["original_max_position_embeddings"] = cfg.rope.original_max_position_embeddings
+        out["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor  # where transformers reads it

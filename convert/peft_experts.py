@@ -1,0 +1,143 @@
+"""Routed experts' LoRA adapters in PEFT's ``target_parameters`` layout (peft's ``lora.ParamWrapper``).
+
+transformers 5 keeps a MoE layer's experts fused, as parameters of one module, not as a Linear per expert:
+Mixtral's, DeepSeek-V2/V3's (and Qwen-MoE's) ``mlp.experts.gate_up_proj`` [experts, 2 * mlp, embed] (each
+expert's gate rows, then its up rows) and ``mlp.experts.down_proj`` [experts, embed, mlp]. peft 0.21 adapts
+such a parameter with ``target_parameters``: ``lora_A.weight`` [rank * experts, in] holds expert e's A in
+rows ``e * rank ...`` (expert-major) and ``lora_B.weight`` [out, rank * experts] its B in columns
+``j * experts + e`` (rank-major), so that expert e's delta is ``scaling * B_e @ A_e`` ([out, in], the
+parameter's own layout, or its transpose for experts stored [in, out] as gpt-oss's).
+
+The zoo adapts gate and up apart (``expert_gate``, ``expert_up``: A [experts, embed, r], B [experts, r, mlp]);
+their one fused parameter gets an adapter of rank ``r`` times the parts adapted: the parts' A stacked on the
+rank axis and their B block-diagonal (zero where a part has none), with ``rank_pattern`` and
+``alpha_pattern`` keeping the scale ``alpha / r`` (rsLoRA: ``alpha / sqrt(r)``). That is what peft's own
+conversion of per-expert adapters does (``PeftConcatenate``), so the delta of each part is unchanged.
+
+peft wraps a module once per targeted parameter, nesting the wrappers in the module's parameter order: the
+first targeted parameter's adapter sits under ``base_layer.`` once per later one.
+
+Families missing from :data:`EXPERTS_LAYOUTS` have no layout here, and their expert adapters are refused.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from zoo.config import ModelConfig
+
+EXPERT_WEIGHTS = ("expert_gate", "expert_up", "expert_down")  # the zoo's routed experts' weights
+CONTRACT = 1  # input axes of an expert weight [experts, *in, *out] after the expert axis
+TRANSFORM = "peft_experts"  # PlannedTensor.transform of these tensors (no weight transform of the export tables)
+
+
+@dataclass(frozen=True)
+class FusedParam:
+    """One parameter of transformers' experts module and the zoo expert weights fused in it.
+
+    ``parts`` are in the order they fill the parameter's output features; ``interleaved``: they alternate
+    feature by feature (gpt-oss's gate/up) instead of following one another in blocks.
+    """
+
+    name: str
+    parts: tuple[str, ...]
+    interleaved: bool = False
+
+
+@dataclass(frozen=True)
+class ExpertsLayout:
+    """Where a family's experts live in transformers 5 and how peft 0.21 sees them.
+
+    ``module``: the experts module (``{i}``: the layer); ``params``: its adaptable parameters, in the module's
+    parameter order. ``rewritten``: Linear names that peft rewrites, for this model type, into the fused
+    experts' ``target_parameters`` (its conversion of transformers-4 adapters), so an adapter on a Linear of
+    that name (a dense MLP, the shared experts) cannot be loaded as one.
+    """
+
+    module: str
+    params: tuple[FusedParam, ...]
+    rewritten: tuple[str, ...] = ()
+
+
+_GATE_UP_DOWN = (FusedParam("gate_up_proj", ("expert_gate", "expert_up")), FusedParam("down_proj", ("expert_down",)))
+
+# family -> its experts' layout (a line per family; a family without one has no PEFT layout for expert adapters).
+EXPERTS_LAYOUTS: dict[str, ExpertsLayout] = {
+    "mixtral": ExpertsLayout("model.layers.{i}.mlp.experts", _GATE_UP_DOWN, ("w1", "w2", "w3")),
+    "deepseek_v2": ExpertsLayout("model.layers.{i}.mlp.experts", _GATE_UP_DOWN, ("gate_proj", "up_proj", "down_proj")),
+    "deepseek_v3": ExpertsLayout("model.layers.{i}.mlp.experts", _GATE_UP_DOWN, ("gate_proj", "up_proj", "down_proj")),
+    "qwen3_moe": ExpertsLayout("model.layers.{i}.mlp.experts", _GATE_UP_DOWN, ("gate_proj", "up_proj", "down_proj")),
+}
+
+
+def target_parameter(layout: ExpertsLayout, fused: FusedParam) -> str:
+    """peft's ``target_parameters`` entry (matched as a suffix of ``<module path>.<parameter>``)."""
+    return f"{layout.module.rsplit('{i}.', 1)[-1]}.{fused.name}"
+
+
+def adapted_params(layout: ExpertsLayout, adapted: set[str]) -> list[tuple[FusedParam, tuple[str, ...]]]:
+    """(fused parameter, its parts that have adapters) for every parameter with at least one, in module order."""
+    out = []
+    for fused in layout.params:
+        parts = tuple(p for p in fused.parts if p in adapted)
+        if parts:
+            out.append((fused, parts))
+    return out
+
+
+def module_key(layout: ExpertsLayout, layer: int, position: int, count: int) -> str:
+    """The module path of the ``position``-th of ``count`` wrapped parameters of layer ``layer``'s experts."""
+    return layout.module.format(i=layer) + ".base_layer" * (count - 1 - position)
+
+
+def fused_rank(rank: int, parts: tuple[str, ...]) -> int:
+    """The rank of a fused parameter's adapter: ``rank`` for each adapted part."""
+    return rank * len(parts)
+
+
+def fused_alpha(alpha: float, rslora: bool, parts: tuple[str, ...]) -> float:
+    """The alpha that gives the fused adapter (rank ``rank * len(parts)``) the parts' own scale."""
+    n = len(parts)
+    return alpha * (math.sqrt(n) if rslora else n)
+
+
+def lora_a(fused: FusedParam, parts: tuple[str, ...], a: dict[str, np.ndarray]) -> np.ndarray:
+    """peft's ``lora_A.weight`` [rank * parts * experts, in] from one layer's zoo A of each adapted part
+    (``a[part]`` [experts, *in, r]): expert-major rows, the parts' ranks one after another in each expert."""
+    stacked = np.concatenate([a[p].reshape(a[p].shape[0], -1, a[p].shape[-1]) for p in parts], axis=-1)
+    experts, fan_in, r = stacked.shape
+    return np.ascontiguousarray(stacked.transpose(0, 2, 1).reshape(experts * r, fan_in))
+
+
+def lora_b(fused: FusedParam, parts: tuple[str, ...], b: dict[str, np.ndarray]) -> np.ndarray:
+    """peft's ``lora_B.weight`` [out, rank * parts * experts] from one layer's zoo B of each adapted part
+    (``b[part]`` [experts, r, *out]): per expert block-diagonal over the fused parts (zeros for parts without
+    an adapter), its columns rank-major (column ``j * experts + e``)."""
+    first = b[parts[0]]
+    experts, r = first.shape[:2]
+    width = math.prod(first.shape[2:])
+    n = len(fused.parts)
+    full = np.zeros((experts, n * width, r * len(parts)), first.dtype)  # [experts, out, fused rank]
+    for q, part in enumerate(parts):
+        f = fused.parts.index(part)
+        rows = slice(f, None, n) if fused.interleaved else slice(f * width, (f + 1) * width)
+        full[:, rows, q * r:(q + 1) * r] = b[part].reshape(experts, r, width).transpose(0, 2, 1)
+    return np.ascontiguousarray(full.transpose(1, 2, 0).reshape(n * width, -1))
+
+
+def fused_factor(layout: ExpertsLayout, key: str, arrays: dict[str, np.ndarray], index: int) -> np.ndarray:
+    """The lora_A or lora_B tensor ``key`` (``<stack>.<fused parameter>.<a|b>``) of stack layer ``index``, built
+    from the adapters in ``arrays`` (zoo adapter path -> stacked array)."""
+    stack, name, part = key.rsplit(".", 2)
+    fused = next(p for p in layout.params if p.name == name)
+    parts = tuple(p for p in fused.parts if f"{stack}.{p}.{part}" in arrays)
+    pieces = {p: arrays[f"{stack}.{p}.{part}"][index] for p in parts}
+    return lora_a(fused, parts, pieces) if part == "a" else lora_b(fused, parts, pieces)
+
+
+def layout_of(cfg: ModelConfig) -> ExpertsLayout | None:
+    """The family's experts layout, or None when peft has none here."""
+    return EXPERTS_LAYOUTS.get(cfg.family)
