@@ -151,3 +151,21 @@ def test_bidirectional_attention_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "use_bidirectional_attention" in err[0] and "causal" in err[0]
     assert not (tmp_path / "zoo").exists()
+
+
+def test_lora_targets_reach_full_layers_and_skip_experts():
+    """LoRA on Gemma 4's 26B-A4B: "all" adapts both kinds' attention (the full layers' global_* stacks; no
+    global_v: values come from the keys) and the dense MLP, never the routed experts (gate and up fused in one
+    stack: not adaptable); naming only the experts is a one-line error."""
+    from convert.hf_config import model_config_from_hf
+    from zoo.errors import UserError
+    from zoo.lora import LoraConfig, lora_specs
+    from zoo.registry import get
+
+    cfg = model_config_from_hf(get("gemma4-26b-a4b").hf_config)
+    adapted = {path.rsplit(".", 1)[0] for path in lora_specs(cfg, LoraConfig(targets="all"))}
+    assert adapted == {f"layers.{n}" for n in ("q", "k", "v", "o", "global_q", "global_k", "global_o",
+                                               "gate", "up", "down")}
+    with pytest.raises(UserError) as e:
+        lora_specs(cfg, LoraConfig(targets=["experts.down_proj"]))
+    assert "\n" not in str(e.value) and "routed experts have no adapters" in str(e.value)
