@@ -169,3 +169,17 @@ def test_lora_targets_reach_full_layers_and_skip_experts():
     with pytest.raises(UserError) as e:
         lora_specs(cfg, LoraConfig(targets=["experts.down_proj"]))
     assert "\n" not in str(e.value) and "routed experts have no adapters" in str(e.value)
+
+
+def test_run_of_a_kind_split_stack():
+    """A run of layers 2-4 (sliding, sliding, full) of a stack of 6 (s f s s f s): every-layer weights give
+    layers 2-4, the sliding-only stack its 2nd and 3rd sliding layers, the full-only one its 2nd full layer."""
+    from zoo.config import ModelConfig
+    from zoo.layer_layout import kind_stack_slice
+
+    kinds = ("sliding", "full", "sliding", "sliding", "full", "sliding")
+    cfg = ModelConfig("gemma4", 8, 4, 4, 6, 1, 1, 2, global_head_dim=4, layer_types=kinds, sliding_window=2)
+    stack = {"q": np.arange(4), "global_q": np.arange(2) + 10, "gate": np.arange(6) + 100}
+    got, none = kind_stack_slice(cfg, (stack, None), kinds, 2, 3)
+    assert none is None
+    assert {k: v.tolist() for k, v in got.items()} == {"q": [1, 2], "global_q": [11], "gate": [102, 103, 104]}
