@@ -7,9 +7,11 @@ sliding ones, so their attention weights cannot share one stack with the sliding
 names (``layers.q`` [sliding layers, ...]) and the full layers' under ``global_`` names (``layers.global_q``
 [full layers, ...]); every other weight stays stacked over all the stack's layers. A layer at one position of a
 repeated block (:class:`zoo.model.Segment`) reads its kind's weights as a strided slice, as the KV cache's
-per-kind stacks are read (:func:`zoo.decode._kind_slice`).
+per-kind stacks are read (:func:`zoo.decode._kind_slice`); a run of a stack's layers
+(:attr:`zoo.config.ModelConfig.layer_runs`) takes its part of each kind's stack (:func:`kind_stack_slice`).
 
-The last ``cfg.kv_shared_layers`` layers (their own stack, ``shared_layers``) have no key/value weights: each
+The last ``cfg.kv_shared_layers`` layers (their own stack, ``shared_layers``:
+:attr:`zoo.config.ModelConfig.layer_stacks`) have no key/value weights: each
 attends with the keys and values of the last earlier layer of its kind (:func:`store_layers`).
 """
 
