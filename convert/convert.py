@@ -100,7 +100,7 @@ def convert(source: str, out: str | Path, dtype: str | None = None, progress: bo
         src.reader = split_fused(src.reader, cfg, src.description)  # Phi-3's qkv_proj as q/k/v_proj, ...
     rules = table_for(cfg.family, fmt, cfg)
     check_source(src, cfg, rules)
-    if fmt == "hf-gemma3-multimodal":
+    if fmt in ("hf-gemma3-multimodal", "hf-gemma4-multimodal"):
         left = len(src.reader.names()) - sum(len(r.hf_names()) for r in rules)
         print(f"note: {src.description} is multimodal: converting its language model; the vision tower and "
               f"projector ({left} tensors) are left out", file=sys.stderr)

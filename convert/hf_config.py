@@ -69,19 +69,24 @@ FAMILIES: dict[str, FamilyTraits] = {
     "olmo2": FamilyTraits("olmo2", "Olmo2ForCausalLM", post_norms=True, qk_norm=True),
     "olmo3": FamilyTraits("olmo3", "Olmo3ForCausalLM", post_norms=True, qk_norm=True),
     "phi3": FamilyTraits("phi3", "Phi3ForCausalLM", qkv_bias=False, o_bias=False, sliding_on_every_layer=True),
+    # Gemma 4 (text): plain x * w norms (no offset); the rest of its traits are read by _gemma4_fields.
+    "gemma4": FamilyTraits("gemma4_text", "Gemma4ForCausalLM", embed_scale=True, post_norms=True, qk_norm=True,
+                           act_field="hidden_activation", final_softcap_field="final_logit_softcapping"),
 }
 
 # architecture -> (family, source format of its weight names)
 ARCHITECTURES: dict[str, tuple[str, str]] = {
     **{t.architecture: (f, "hf") for f, t in FAMILIES.items()},
     "Gemma3ForConditionalGeneration": ("gemma3", "hf-gemma3-multimodal"),
+    "Gemma4ForConditionalGeneration": ("gemma4", "hf-gemma4-multimodal"),
 }
 MODEL_TYPES: dict[str, tuple[str, str]] = {
     **{t.model_type: (f, "hf") for f, t in FAMILIES.items()},
     "gemma3": ("gemma3", "hf-gemma3-multimodal"),
+    "gemma4": ("gemma4", "hf-gemma4-multimodal"),
 }
 
-SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn", "longrope")
+SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn", "longrope", "proportional")  # proportional: Gemma 4
 LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
 
 
@@ -130,6 +135,7 @@ def _rope(params: dict[str, Any], c: Any, where: str) -> RopeConfig:
         mscale_all_dim=_opt_float(params.get("mscale_all_dim")),
         attention_factor=_opt_float(params.get("attention_factor")),
         truncate=bool(params.get("truncate", True)),
+        proportional_fraction=float(params.get("partial_rotary_factor") or 1.0) if kind == "proportional" else 1.0,
     )
     return read_longrope(rope, params, c) if kind == "longrope" else rope
 
@@ -224,6 +230,31 @@ def gpt_oss_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
                 sliding_window=cfg.sliding_window)
 
 
+def _gemma4_fields(c: Any, where: str) -> dict[str, Any]:
+    """Gemma 4's ModelConfig fields: the full layers' head dims (transformers' per_layer_config), KV sharing,
+    per-layer inputs, layer scalars, values normed, attention unscaled, and the MoE block beside the MLP."""
+    if getattr(c, "use_bidirectional_attention", None):
+        raise UserError(f"{where}: use_bidirectional_attention={c.use_bidirectional_attention!r} is not supported; "
+                        "lmzoo's Gemma 4 is causal (leave it unset)")
+    n, shared = int(c.num_hidden_layers), int(c.num_kv_shared_layers or 0)
+    if shared >= n:
+        raise UserError(f"{where}: num_kv_shared_layers={shared} leaves no layer to compute keys/values; "
+                        f"set it below num_hidden_layers={n}")
+    full = [i for i, t in enumerate(c.layer_types) if t == "full_attention"]
+    lc = c.per_layer_config[full[0]] if full else c
+    ple = int(c.hidden_size_per_layer_input or 0)
+    out: dict[str, Any] = dict(
+        query_pre_attn_scalar=1.0,  # transformers' Gemma 4 attention scales q.k by 1 (its q/k norms set the scale)
+        global_head_dim=int(lc.head_dim), global_kv_heads=int(lc.num_key_value_heads),
+        attention_k_eq_v=bool(c.attention_k_eq_v), v_norm=True, kv_shared_layers=shared,
+        double_wide_mlp=bool(c.use_double_wide_mlp) and shared > 0, per_layer_input_size=ple,
+        per_layer_vocab_size=int(c.vocab_size_per_layer_input) if ple else 0, layer_scalars=True)
+    if c.enable_moe_block:
+        out.update(num_experts=int(c.num_experts), experts_per_token=int(c.top_k_experts),
+                   moe_intermediate_size=int(c.moe_intermediate_size), router_norm_topk=True, parallel_moe=True)
+    return out
+
+
 def _flag(value: str | bool, c: Any) -> bool:
     return bool(getattr(c, value, False)) if isinstance(value, str) else value
 
@@ -233,6 +264,9 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
     family, fmt = family_of(hf, where)
     traits = FAMILIES[family]
     top, c = _parse(hf, where)
+    if family == "gemma4":
+        # Its head_dim / kv heads are the sliding layers'; _gemma4_fields reads the full layers' own.
+        c.allow_global_per_layer_attribute_access = True
     rp = dict(getattr(c, "rope_parameters", None) or {})
     if "full_attention" in rp or "sliding_attention" in rp:
         rope = _rope(rp.get("full_attention") or {}, c, where)
@@ -299,6 +333,10 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
         )
     except (TypeError, ValueError, AttributeError) as e:
         raise UserError(f"{where}: cannot read the model config ({e})") from None
+    if family == "gemma4":
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg, **_gemma4_fields(c, where))
     # SmolLM3's model never reads pretraining_tp (its release's config says 2).
     if getattr(c, "pretraining_tp", 1) not in (1, None) and family != "smollm3":
         raise UserError(f"{where}: pretraining_tp={c.pretraining_tp} is not supported; set it to 1")
@@ -337,6 +375,8 @@ def _implied_head_dim(model_type: str, hidden: int, heads: int) -> int:
     from transformers import AutoConfig
 
     c = AutoConfig.for_model(model_type, hidden_size=hidden, num_attention_heads=heads)
+    if model_type == "gemma4_text":
+        c.allow_global_per_layer_attribute_access = True  # its head_dim: the sliding layers'
     return int(getattr(c, "head_dim", None) or hidden // heads)
 
 
@@ -386,6 +426,8 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.family == "gemma3":
         out["rope_parameters"] = {"full_attention": _rope_dict(cfg.rope),
                                   "sliding_attention": _rope_dict(cfg.rope_local or cfg.rope)}
+    if cfg.family == "gemma4":
+        out.update(_gemma4_hf_fields(cfg))
     if t.moe == "gpt_oss":
         out.update(gpt_oss_hf_fields(cfg))
     elif t.moe == "mixtral":
@@ -427,6 +469,29 @@ def _moe_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
                 first_k_dense_replace=cfg.dense_layers, routed_scaling_factor=cfg.router_scale,
                 n_group=cfg.router_groups, topk_group=cfg.router_topk_groups, use_qk_norm=cfg.qk_norm,
                 rope_parameters=rope, num_nextn_predict_layers=0)  # the model has no MTP layer (convert/mtp.py)
+
+
+def _gemma4_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
+    """Gemma 4's config.json fields of ``cfg`` (inverse of :func:`_gemma4_fields`)."""
+    rope = _rope_dict(cfg.rope)
+    if cfg.rope.kind == "proportional":
+        rope["partial_rotary_factor"] = cfg.rope.proportional_fraction
+        if cfg.rope.factor != 1.0:
+            rope["factor"] = cfg.rope.factor
+    out: dict[str, Any] = {
+        "rope_parameters": {"full_attention": rope, "sliding_attention": _rope_dict(cfg.rope_local or cfg.rope)},
+        "global_head_dim": cfg.global_head_dim,
+        # transformers reads num_global_key_value_heads only with attention_k_eq_v
+        "num_global_key_value_heads": cfg.global_kv_heads if cfg.attention_k_eq_v else None,
+        "attention_k_eq_v": cfg.attention_k_eq_v, "num_kv_shared_layers": cfg.kv_shared_layers,
+        "use_double_wide_mlp": cfg.double_wide_mlp, "hidden_size_per_layer_input": cfg.per_layer_input_size,
+        "vocab_size_per_layer_input": cfg.per_layer_vocab_size or cfg.vocab_size,
+        "enable_moe_block": cfg.parallel_moe,
+    }
+    if cfg.parallel_moe:
+        out.update(num_experts=cfg.num_experts, top_k_experts=cfg.experts_per_token,
+                   moe_intermediate_size=cfg.moe_intermediate_size)
+    return out
 
 
 def _save_pretrained_dict(hf: dict[str, Any], architecture: str, dtype: str) -> dict[str, Any]:

@@ -27,6 +27,7 @@ class Rule:
     hf: str
     transform: str = "identity"
     when: str | None = None
+    kind: str | None = None  # stacked over the layers of this kind only (Gemma 4's kind-split attention weights)
 
     def applies(self, cfg: ModelConfig, moe: bool = False) -> bool:
         """Whether this rule is part of a model with config ``cfg`` (in a MoE stack when ``moe``)."""
@@ -291,9 +292,66 @@ TABLES: dict[tuple[str, str], list[Rule]] = {
 }
 
 
+def gemma4_table(prefix: str = "model.") -> list[Rule]:
+    """Gemma 4's text decoder (Gemma4ForCausalLM; ``model.language_model.`` inside Gemma4ForConditionalGeneration).
+
+    The attention weights of sliding and full layers are stacked apart (:mod:`zoo.layer_layout`): a rule with
+    ``kind`` stacks the layers of that kind only. KV-shared layers have no key/value weights and full layers of a
+    model with attention_k_eq_v no value weight: :func:`table_for` binds only the parameters the model has.
+    """
+    L = prefix + "layers.{i}."
+    A = L + "self_attn."
+    attn = []
+    for kind, pre, g in (("sliding", "", ""), ("full", "global_", "global_")):
+        attn += [
+            Rule(f"layers.{pre}q", A + "q_proj.weight", g + "q_in", kind=kind),
+            Rule(f"layers.{pre}k", A + "k_proj.weight", g + "kv_in", kind=kind),
+            Rule(f"layers.{pre}v", A + "v_proj.weight", g + "kv_in", kind=kind),
+            Rule(f"layers.{pre}o", A + "o_proj.weight", g + "o_out", kind=kind),
+            Rule(f"layers.{pre}q_norm", A + "q_norm.weight", kind=kind),
+            Rule(f"layers.{pre}k_norm", A + "k_norm.weight", kind=kind),
+        ]
+    ple, moe = "per_layer_input_size", "moe"
+    return [
+        Rule("embed", prefix + "embed_tokens.weight"),
+        Rule("layers.attn_norm", L + "input_layernorm.weight"),
+        *attn,
+        Rule("layers.post_attn_norm", L + "post_attention_layernorm.weight"),
+        Rule("layers.mlp_norm", L + "pre_feedforward_layernorm.weight"),
+        Rule("layers.post_mlp_norm", L + "post_feedforward_layernorm.weight"),
+        Rule("layers.gate", L + "mlp.gate_proj.weight", "transpose"),
+        Rule("layers.up", L + "mlp.up_proj.weight", "transpose"),
+        Rule("layers.down", L + "mlp.down_proj.weight", "transpose"),
+        Rule("layers.layer_scalar", L + "layer_scalar", when="layer_scalars"),
+        Rule("layers.ple_gate", L + "per_layer_input_gate.weight", "transpose", when=ple),
+        Rule("layers.ple_proj", L + "per_layer_projection.weight", "transpose", when=ple),
+        Rule("layers.ple_norm", L + "post_per_layer_input_norm.weight", when=ple),
+        Rule("layers.router", L + "router.proj.weight", "transpose", when=moe),
+        Rule("layers.router_scale", L + "router.scale", when=moe),
+        Rule("layers.expert_scale", L + "router.per_expert_scale", when=moe),
+        Rule("layers.expert_gate_up", L + "experts.gate_up_proj", "experts_transpose", when=moe),
+        Rule("layers.expert_down", L + "experts.down_proj", "experts_transpose", when=moe),
+        Rule("layers.mlp_post_norm", L + "post_feedforward_layernorm_1.weight", when=moe),
+        Rule("layers.moe_norm", L + "pre_feedforward_layernorm_2.weight", when=moe),
+        Rule("layers.moe_post_norm", L + "post_feedforward_layernorm_2.weight", when=moe),
+        Rule("ple_embed", prefix + "embed_tokens_per_layer.weight", when=ple),
+        Rule("ple_model_proj", prefix + "per_layer_model_projection.weight", "transpose", when=ple),
+        Rule("ple_proj_norm", prefix + "per_layer_projection_norm.weight", when=ple),
+        Rule("final_norm", prefix + "norm.weight"),
+        Rule("lm_head", "lm_head.weight", "transpose", when="!tie_word_embeddings"),
+    ]
+
+
+TABLES[("gemma4", "hf")] = gemma4_table()
+# Gemma4ForConditionalGeneration as stored on the Hub (every released Gemma 4): the text model sits under
+# `model.language_model.`; the vision and audio towers are not converted.
+TABLES[("gemma4", "hf-gemma4-multimodal")] = gemma4_table("model.language_model.")
+
+
 def table_for(family: str, fmt: str, cfg: ModelConfig) -> list[BoundRule]:
     """The rules of a model of this family/config in source format ``fmt``, placed in its layer stacks."""
     out: list[BoundRule] = []
+    specs = _specs(cfg) if cfg.global_head_dim or cfg.kv_shared_layers else {}
     for rule in TABLES[(family, fmt)]:
         if not rule.stacked:
             if rule.applies(cfg):
@@ -303,5 +361,16 @@ def table_for(family: str, fmt: str, cfg: ModelConfig) -> list[BoundRule]:
         for prefix, layers, moe in cfg.layer_stacks:
             if rule.applies(cfg, moe):
                 experts = cfg.num_experts if "{j}" in rule.hf else 0
-                out.append(BoundRule(f"{prefix}.{name}", rule.hf, rule.transform, layers, experts))
+                if (rule.kind is not None or cfg.kv_shared_layers) and f"{prefix}.{name}" not in specs:
+                    continue  # Gemma 4: no such weight in this stack (no layer of the kind; KV-shared; k_eq_v)
+                # A kind-split rule stacks the layers of its kind only.
+                own = layers if rule.kind is None else tuple(i for i in layers if cfg.kinds[i] == rule.kind)
+                out.append(BoundRule(f"{prefix}.{name}", rule.hf, rule.transform, own, experts))
     return out
+
+
+def _specs(cfg: ModelConfig) -> dict:
+    """The model's parameter specs (which stacked weights exist)."""
+    from zoo.params import param_specs
+
+    return param_specs(cfg)

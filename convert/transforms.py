@@ -162,6 +162,19 @@ TRANSFORMS["gguf_q_in"] = _compose("gguf_unpermute_q", "q_in")
 TRANSFORMS["gguf_k_in"] = _compose("gguf_unpermute_k", "kv_in")
 
 
+def _global(name: str) -> Transform:
+    """Transform ``name`` of a Gemma 4 full layer: with that kind's head_dim and kv heads (zoo.layer_layout)."""
+    from zoo.layer_layout import kind_config
+
+    t = TRANSFORMS[name]
+    return Transform(lambda w, cfg: t.forward(w, kind_config(cfg, "full")),
+                     lambda w, cfg: t.inverse(w, kind_config(cfg, "full")))
+
+
+TRANSFORMS["global_q_in"] = _global("q_in")
+TRANSFORMS["global_kv_in"] = _global("kv_in")
+TRANSFORMS["global_o_out"] = _global("o_out")
+
 # Fused Hugging Face tensors (gpt-oss's gate_up_proj): a zoo parameter that is part ``position`` of ``count``
 # interleaved along the HF tensor's last axis. Converting slices the part out; export writes every part of the
 # tensor into its columns (convert/export.py), and the HF tensor is ``count`` times as wide as the part.

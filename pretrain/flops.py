@@ -38,6 +38,8 @@ def flops_per_token(mcfg: ModelConfig, seq_len: int, frozen_base: bool = False) 
     for path, spec in specs.items():
         if path == "embed" and not mcfg.tie_word_embeddings:
             continue  # a gather, not a matmul
+        if path == "ple_embed":
+            continue  # Gemma 4's per-layer input embedding: a gather too
         if spec.init != "normal":
             continue  # norms' scales and biases (initialized to ones and zeros): elementwise, not matmuls
         n = int(np.prod(spec.shape))
@@ -45,4 +47,7 @@ def flops_per_token(mcfg: ModelConfig, seq_len: int, frozen_base: bool = False) 
             n = n * mcfg.experts_per_token // mcfg.num_experts
         active += n
     attn_width = mcfg.num_heads * (mcfg.head_dim if not mcfg.mla else mcfg.qk_nope_head_dim + mcfg.qk_rope_head_dim)
-    return (4.0 if frozen_base else 6.0) * active + 6.0 * mcfg.num_layers * attn_width * seq_len  # QK^T and PV, halved for causality
+    widths = mcfg.num_layers * attn_width
+    if mcfg.global_head_dim:  # Gemma 4: full layers' heads are global_head_dim wide
+        widths = sum(mcfg.num_heads * (mcfg.global_head_dim if k == "full" else mcfg.head_dim) for k in mcfg.kinds)
+    return (4.0 if frozen_base else 6.0) * active + 6.0 * widths * seq_len  # QK^T and PV, halved for causality

@@ -74,6 +74,18 @@ FAMILIES = {
         n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                          "original_max_position_embeddings": 32, "mscale": 1.0, "mscale_all_dim": 1.0})),
+    # Gemma 4 (text): wider full-layer heads with one key/value head, per-layer inputs, the last 3 layers reusing
+    # keys/values (MLP doubled), proportional partial RoPE on full layers; tests/test_gemma4.py has its MoE variant.
+    # Per-layer inputs 16 wide: at 8, the RMS norm of each layer's projected input amplified float32 rounding to
+    # 1.1-1.3e-5 between cached decoding and the full forward (tests/test_decode.py bounds it at 1e-5); 4.5e-6 here.
+    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(
+        head_dim=8, global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True, num_hidden_layers=6,
+        sliding_window=7, layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        hidden_size_per_layer_input=16, vocab_size_per_layer_input=96, num_kv_shared_layers=3,
+        use_double_wide_mlp=True, final_logit_softcapping=6.0,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                            "rope_theta": 1000000.0}})),
     # Layer 1 dense (mlp_only_layers) between MoE layers 0 and 2.
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         head_dim=16, intermediate_size=96, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
@@ -124,6 +136,8 @@ def randomize(model) -> None:
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3 selection bias
                 buf.copy_(0.1 * torch.randn_like(buf))
+            if name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale (a buffer, saved)
+                buf.copy_(1.0 + 0.2 * torch.randn_like(buf))
 
 
 def make_hf(folder: Path, family: str = "llama", seed: int = 0, dtype=None, save_kwargs=None, **overrides):

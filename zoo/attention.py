@@ -24,21 +24,34 @@ from zoo.rope import apply_rope
 
 def qkv_heads(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, cfg: ModelConfig,
               norm_w: jax.Array | None = None, lora: dict | None = None, lora_scale: float | jax.Array = 1.0,
-              drop: LoraDropout | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+              drop: LoraDropout | None = None,
+              shared_kv: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Roped q and k, and v, [batch, seq, heads, head_dim] (biases and q/k norms applied) of one attention layer.
 
     With ``norm_w`` x is first RMS-normed by it (fused with the projections:
     see :func:`zoo.adapted.projections`); ``lora``/``lora_scale``/``drop`` are
-    this layer's q/k/v adapters and their dropout.
+    this layer's q/k/v adapters and their dropout. Gemma 4: a layer without a
+    ``v`` weight takes its values from the key projection (before the key's
+    norm and RoPE), ``cfg.v_norm`` RMS-normalizes values without a weight, and
+    a KV-shared layer (no ``k``) returns ``shared_kv``, another layer's keys and values.
     """
     b, t, _ = x.shape
-    names = ("q", "k", "v")
-    qkv = projections(x, (p["q"], p["k"], p["v"]), cfg, norm_w, layer_adapters(lora, names), lora_scale, drop, names)
-    q, k, v = (y.reshape(b, t, -1, cfg.head_dim) for y in qkv)
+    names = tuple(n for n in ("q", "k", "v") if n in p)
+    ys = projections(x, tuple(p[n] for n in names), cfg, norm_w, layer_adapters(lora, names), lora_scale, drop,
+                     names)
+    heads = dict(zip(names, (y.reshape(b, t, -1, cfg.head_dim) for y in ys)))
+    q, k = heads["q"], heads.get("k")
+    v = heads.get("v", k)
     if cfg.qkv_bias:
         q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
     if cfg.qk_norm:
-        q, k = qk_norm(q, p["q_norm"], cfg), qk_norm(k, p["k_norm"], cfg)
+        q = qk_norm(q, p["q_norm"], cfg)
+        k = None if k is None else qk_norm(k, p["k_norm"], cfg)
+    if shared_kv is not None:
+        return apply_rope(q, cos, sin), *shared_kv
+    assert k is not None and v is not None, "a layer without key weights needs shared_kv"
+    if cfg.v_norm:
+        v = rms_norm(v, jnp.ones(v.shape[-1:], v.dtype), cfg.rms_norm_eps)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
@@ -127,15 +140,16 @@ def output_projection(out: jax.Array, p: dict, cfg: ModelConfig, lora: dict | No
 
 def attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, vis: Visibility, cfg: ModelConfig,
               norm_w: jax.Array | None = None, lora: dict | None = None, lora_scale: float | jax.Array = 1.0,
-              drop: LoraDropout | None = None) -> jax.Array:
+              drop: LoraDropout | None = None, shared_kv: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """Grouped-query self-attention of one layer; x [batch, seq, embed].
 
     ``vis`` says which keys each query sees (:class:`zoo.masks.Visibility`: packed documents, the layer's
     sliding window, shared prefixes); no kernel builds it as a [seq, seq] mask (:mod:`zoo.kernels`). With ``norm_w`` x is first RMS-normed by it.
     ``lora`` holds this layer's LoRA adapters by weight name (q, k, v, o);
     ``drop`` applies LoRA dropout to their inputs. ``cfg.attention`` picks the kernel (:func:`attend`).
+    ``shared_kv``: a KV-shared layer's keys and values [b, t, kv_heads, head_dim] (see :func:`qkv_heads`).
     """
-    q, k, v = qkv_heads(x, p, cos, sin, cfg, norm_w, lora, lora_scale, drop)
+    q, k, v = qkv_heads(x, p, cos, sin, cfg, norm_w, lora, lora_scale, drop, shared_kv)
     out = attend(*head_major(q, k, v), vis, cfg, p["sinks"] if cfg.attn_sinks else None)
     return output_projection(out, p, cfg, lora, lora_scale, drop)
 

@@ -31,6 +31,9 @@ class RopeConfig:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
     truncate: bool = True
+    # Gemma 4's "proportional" kind: only this fraction of each head's dims rotates (the rest get frequency 0),
+    # the exponents still taken over the whole head.
+    proportional_fraction: float = 1.0
     # LongRoPE (Phi-3/Phi-4): per-frequency divisors of the inverse frequencies, the short ones up to
     # original_max_position_embeddings tokens, the long ones past it (``factor`` sets the attention factor).
     short_factor: tuple[float, ...] = ()
@@ -117,6 +120,18 @@ class ModelConfig:
     # (to_dict leaves it out) and set per run (model.attention, zoo.load(..., attention=)); it takes part in
     # equality and hashing, so jitted functions keyed by the config compile once per kernel.
     attention: str = "auto"
+    # Gemma 4. Full layers' attention dims where they differ from the sliding layers' (0: the same); with
+    # global_head_dim set, the attention weights of full layers are stacked apart (``global_q`` ...: zoo.layer_layout).
+    global_head_dim: int = 0
+    global_kv_heads: int = 0
+    attention_k_eq_v: bool = False  # full layers' values are their keys' projection (no v weight: global_v absent)
+    v_norm: bool = False  # values RMS-normed per head, without a weight
+    kv_shared_layers: int = 0  # the last n layers attend with the keys/values of the last earlier layer of their kind
+    double_wide_mlp: bool = False  # the KV-shared layers' MLP is 2 x intermediate_size wide
+    per_layer_input_size: int = 0  # per-layer input embeddings (PLE) of this width per layer; 0: none
+    per_layer_vocab_size: int = 0
+    layer_scalars: bool = False  # each layer's output is multiplied by its own scalar
+    parallel_moe: bool = False  # the MoE block runs beside the dense MLP, with its own norms and per-expert scales
     # Qwen3-MoE's placement of MoE layers: layer i is MoE when (i + 1) % decoder_sparse_step == 0 and i is not
     # in mlp_only_layers (and i >= dense_layers); the others keep a dense MLP, wherever they sit.
     decoder_sparse_step: int = 1
@@ -208,12 +223,16 @@ class ModelConfig:
 
         Dense models have one stack, ``layers``; MoE models keep their MoE
         layers in ``layers`` and their dense ones (first layers, or any
-        layers: Qwen3-MoE's ``mlp_only_layers``) in ``dense_layers``.
+        layers: Qwen3-MoE's ``mlp_only_layers``) in ``dense_layers``. Gemma 4's
+        last ``kv_shared_layers`` layers have no key/value weights (and maybe a
+        wider MLP): a stack of their own, ``shared_layers`` (:mod:`zoo.layer_layout`).
         """
         stacks: dict[str, tuple[list[int], bool]] = {}
         for i in range(self.num_layers):
             moe = self.is_moe_layer(i)
             prefix = "dense_layers" if self.num_experts and not moe else "layers"
+            if i >= self.num_layers - self.kv_shared_layers:
+                prefix = "shared_layers"
             stacks.setdefault(prefix, ([], moe))[0].append(i)
         return [(prefix, tuple(layers), moe) for prefix, (layers, moe) in stacks.items()]
 

@@ -46,9 +46,18 @@ from jax.sharding import Mesh, NamedSharding
 from zoo.attention import causal_attention, head_major, mla_heads, output_projection, qkv_heads
 from zoo.blocks import soft_cap
 from zoo.config import ModelConfig
+from zoo.layer_layout import (
+    is_kv_shared,
+    kind_config,
+    kind_stack_slice,
+    layer_output,
+    layer_weights,
+    store_layers,
+)
 from zoo.longrope_cache import switch_to_long
 from zoo.masks import kind_window
 from zoo.model import Segment, decoder_layer, embed_tokens, norm, output_logits, scan_segments, stack_slice
+from zoo.per_layer_inputs import per_layer_inputs
 from zoo.rope import layer_rope, rope_flags, rope_tables_by_kind
 
 NEG = float(jnp.finfo(jnp.float32).min)
@@ -97,9 +106,12 @@ def _cache_tree(cfg: ModelConfig, batch: int, max_len: int, make: Any) -> Cache:
     layers: dict[str, dict[str, dict[str, Any]]] = {}
     for prefix, stack, _ in cfg.layer_stacks:
         kinds = tuple(cfg.kinds[i] for i in stack)
+        if is_kv_shared(cfg, prefix):
+            layers[prefix] = {}  # Gemma 4's KV-shared layers read their stored layers' entries: none of their own
+            continue
         layers[prefix] = {
-            kind: {name: make(shape, axes, None)
-                   for name, (shape, axes) in _entry_shapes(cfg, kinds.count(kind), batch, sizes[kind]).items()}
+            kind: {name: make(shape, axes, None) for name, (shape, axes)
+                   in _entry_shapes(kind_config(cfg, kind), kinds.count(kind), batch, sizes[kind]).items()}
             for kind in sorted(set(kinds))}
     return Cache(layers, make((batch,), ("batch",), jnp.int32))
 
@@ -243,12 +255,15 @@ def _attend_split(qg: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Arr
 def _gqa_attention(x: jax.Array, p: dict, c: dict | None, cos: jax.Array, sin: jax.Array,
                    masks: tuple[jax.Array | None, jax.Array], window: int | None,
                    cfg: ModelConfig, lora: dict | None = None,
-                   lora_scale: float | jax.Array = 1.0) -> tuple[jax.Array, dict]:
+                   lora_scale: float | jax.Array = 1.0,
+                   shared_kv: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, dict]:
     """One layer's attention over cache ``c`` (k [b, hk, d, S], v [b, hk, S, d]; None when empty) and the new tokens
-    (``lora``: the layer's adapters, beside the base matmuls as in training).
+    (``lora``: the layer's adapters, beside the base matmuls as in training). A KV-shared layer (Gemma 4) gets
+    its stored layer's cache as ``c`` and that layer's new keys/values as ``shared_kv``.
 
     Returns (output, new k/v [b, t, hk, d])."""
-    q, k, v = qkv_heads(x, p, cos, sin, cfg, p.get("attn_norm"), lora=lora, lora_scale=lora_scale)
+    q, k, v = qkv_heads(x, p, cos, sin, cfg, p.get("attn_norm"), lora=lora, lora_scale=lora_scale,
+                        shared_kv=shared_kv)
     qg, kh, vh = head_major(q, k, v)
     old_ok, new_ok = masks
     sinks = p["sinks"] if cfg.attn_sinks else None
@@ -365,10 +380,16 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, ca
     masks = {kind: _mask(pos, valid, _slot_positions(cache.lengths, n)[:, :n] if n else None, windows[kind])
              for kind, n in read.items()}
     x = embed_tokens(cfg, params, tokens)
+    ple = per_layer_inputs(cfg, params, tokens, x) if cfg.per_layer_input_size else None
+    # Gemma 4: kind -> (the stored layer's cache, its new keys/values), read by the KV-shared layers.
+    stored: dict[str, tuple[dict | None, tuple[jax.Array, jax.Array]]] = {}
 
-    def layer(x: jax.Array, inputs: tuple[dict, dict | None, jax.Array | None, dict | None], kind: str,
-              moe: bool) -> tuple[jax.Array, dict]:
-        p, lp, rope_on, c = inputs
+    def layer(x: jax.Array, inputs: tuple, kind: str, moe: bool, prefix: str) -> tuple[jax.Array, dict | None]:
+        p, lp, rope_on, pli, c = inputs
+        reuse = None
+        if is_kv_shared(cfg, prefix):
+            c, reuse = stored[kind]
+        kcfg = kind_config(cfg, kind)
         n = read[kind]
         if c is not None and n < slots[kind]:
             # One layer's arrays: MLA [b, S, r], k [b, hk, d, S], v [b, hk, S, d].
@@ -378,11 +399,11 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, ca
         def attend(x: jax.Array) -> tuple[jax.Array, dict]:
             if cfg.mla:
                 return _mla_attention(norm(cfg, x, p["attn_norm"]), p, c, *ropes[kind], masks[kind], cfg, mla_absorb)
-            return _gqa_attention(x, p, c, *layer_rope(ropes[kind], rope_on), masks[kind], windows[kind], cfg, lp,
-                                  scale)
+            return _gqa_attention(x, p, c, *layer_rope(ropes[kind], rope_on), masks[kind], windows[kind], kcfg, lp,
+                                  scale, reuse)
 
-        x, new, _ = decoder_layer(cfg, x, p, attend, moe, valid, lp, scale)
-        return x, new
+        x, new, _ = decoder_layer(cfg, x, p, attend, moe, valid, lp, scale, per_layer=pli)
+        return x, (None if reuse is not None else new)  # a KV-shared layer writes nothing
 
     written: dict[str, dict[str, list]] = {prefix: {kind: [] for kind in group} for prefix, group in cache.layers.items()}
     for prefix, start, stop, moe, first in cfg.layer_runs:
@@ -391,19 +412,37 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, ca
         stack = next(layers for p, layers, _ in cfg.layer_stacks if p == prefix)
         kinds = tuple(cfg.kinds[i] for i in stack[:first]) + cfg.kinds[start:stop]
         group = cache.layers[prefix]
-        # Adapters and the NoPE layers' flags (SmolLM3) are stacked like the weights and sliced with them.
-        stacked = stack_slice((params[prefix], (lora or {}).get(prefix)), first, stop - start) + (
-            rope_flags(cfg, start, stop),)
+        # Adapters, the NoPE layers' flags (SmolLM3) and Gemma 4's per-layer inputs are stacked like the weights
+        # and sliced with them.
+        weights = (params[prefix], (lora or {}).get(prefix))
+        if cfg.global_head_dim:  # Gemma 4: full layers' attention weights are stacked apart (zoo.layer_layout)
+            weights = kind_stack_slice(cfg, weights, tuple(cfg.kinds[i] for i in stack), first, stop - start)
+        else:
+            weights = stack_slice(weights, first, stop - start)
+        stacked = weights + (rope_flags(cfg, start, stop), None if ple is None else ple[start:stop])
 
         def inputs(seg: Segment, j: int, kinds: tuple[str, ...] = kinds, group: dict = group,
-                   stacked: tuple = stacked, first: int = first) -> tuple[dict, dict | None, jax.Array | None,
-                                                                          dict | None]:
+                   stacked: tuple = stacked, first: int = first, start: int = start, stop: int = stop) -> tuple:
             i0, step = _kind_slice(kinds, dataclasses.replace(seg, start=seg.start + first), j)
-            cached = None if fresh else jax.tree.map(lambda a: a[i0: i0 + seg.repeats * step: step],
-                                                     group[seg.kinds[j]])
-            return (*seg.at(j, stacked), cached)
+            cached = None if fresh or seg.kinds[j] not in group else jax.tree.map(
+                lambda a: a[i0: i0 + seg.repeats * step: step], group[seg.kinds[j]])
+            if not cfg.global_head_dim:
+                return (*seg.at(j, stacked), cached)
+            # Gemma 4: a block position's attention weights are a strided slice of its kind's stack.
+            w, a, *rest = stacked
+            run = cfg.kinds[start:stop]
+            return (layer_weights(cfg, w, run, seg, j), None if a is None else layer_weights(cfg, a, run, seg, j),
+                    *seg.at(j, tuple(rest)), cached)
 
-        x, done = scan_segments(x, cfg.kinds[start:stop], inputs, partial(layer, moe=moe))
+        x, done = scan_segments(x, cfg.kinds[start:stop], inputs, partial(layer, moe=moe, prefix=prefix))
+        if is_kv_shared(cfg, prefix):
+            continue  # a KV-shared layer writes nothing
+        for kind, i in store_layers(cfg).items() if cfg.kv_shared_layers else ():
+            if start <= i < stop:  # Gemma 4: the stored layer's cache (before this step's writes) and new keys/values
+                at = kinds[:first + i - start].count(kind)  # its index in its kind's cache stack
+                own = None if fresh else jax.tree.map(lambda a: a[at], group[kind])
+                new = layer_output(done, i - start, False)
+                stored[kind] = (own, (new["k"], new["v"]))
         # Each layer's new entries with its index in its kind's stack, in the order _write concatenates them.
         for seg, news in done:
             for j, (kind, new) in enumerate(zip(seg.kinds, news)):

@@ -16,7 +16,10 @@ never adapted (naming it is an error). Each routed expert has its own adapter,
 run inside the grouped expert matmul (:mod:`zoo.moe`). DeepSeek's multi-head
 latent attention (q_a/q_b/kv_a/kv_b/o of an MLA model) has no adapters:
 attention targets are skipped on MLA models, and only the MLP projections
-(dense, routed experts and shared experts) are adapted.
+(dense, routed experts and shared experts) are adapted. Gemma 4's routed
+experts (gate and up fused in one ``expert_gate_up`` stack) have none either:
+expert targets are skipped on its MoE models, its dense MLP and attention
+(the full layers' ``global_*`` weights too) are adapted.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ ROUTER_NAMES = ("gate", "router", "mlp.gate", "block_sparse_moe.gate", "mlp.rout
 
 # How many axes after the leading layers (and expert) axes are W's input: o contracts heads and head_dim.
 _CONTRACT = {"o": 2}
+_CONTRACT["global_o"] = 2  # Gemma 4's full layers' o (zoo.layer_layout)
 _ALL = ("all", "all-linear")
 
 
@@ -163,7 +167,14 @@ def _target_suffixes(cfg: ModelConfig, lora_cfg: LoraConfig) -> set[str]:
     names = target_modules(lora_cfg)
     if cfg.mla:  # MLA's projections have no adapters (see the module docstring)
         names = tuple(n for n in names if n not in ATTENTION_TARGETS)
-    return {s for n in names for s in HF_TO_ZOO[n]}
+    suffixes = {s for n in names for s in HF_TO_ZOO[n]}
+    if cfg.parallel_moe:  # Gemma 4's routed experts have no adapters (see the module docstring)
+        suffixes -= {"expert_gate", "expert_up", "expert_down"}
+    if cfg.global_head_dim:  # Gemma 4: full layers' attention weights are stacked apart (zoo.layer_layout)
+        from zoo.layer_layout import ATTENTION_WEIGHTS, GLOBAL
+
+        suffixes |= {GLOBAL + s for s in suffixes if s in ATTENTION_WEIGHTS}
+    return suffixes
 
 
 def _lead(spec: ParamSpec) -> int:
@@ -198,7 +209,8 @@ def lora_specs(cfg: ModelConfig, lora_cfg: LoraConfig) -> dict[str, ParamSpec]:
             out[f"{path}.a"], out[f"{path}.b"] = adapter_specs(spec, suffix, lora_cfg.rank)
     if not out:
         raise UserError(f"lora: targets {lora_cfg.targets!r} name no weight of this {cfg.family} model"
-                        + (" (MLA attention has no adapters)" if cfg.mla else ""))
+                        + (" (MLA attention has no adapters)" if cfg.mla else "")
+                        + (" (its routed experts have no adapters)" if cfg.parallel_moe else ""))
     return out
 
 

@@ -22,13 +22,24 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from zoo.adapted import LoraDropout
-from zoo.attention import attention, mla_attention
+from zoo.attention import attend as attend_heads
+from zoo.attention import attention, head_major, mla_attention, output_projection, qkv_heads
 from zoo.blocks import ACTIVATIONS, dense, rms_norm, soft_cap
 from zoo.config import ModelConfig
+from zoo.layer_layout import (
+    is_kv_shared,
+    kind_config,
+    kind_stack_slice,
+    layer_output,
+    layer_weights,
+    stack_kinds,
+    store_layers,
+)
 from zoo.masks import kind_window, visibility
 from zoo.mlp import mlp
-from zoo.moe import aux_losses, moe_mlp
+from zoo.moe import aux_losses, moe_mlp, parallel_moe_block
 from zoo.params import flatten, init_params, nest, param_specs
+from zoo.per_layer_inputs import add_per_layer_input, per_layer_inputs
 from zoo.rope import layer_rope, rope_flags, rope_tables_by_kind
 from zoo.sharding import batch_sharded
 
@@ -151,7 +162,7 @@ def output_logits(cfg: ModelConfig, params: dict[str, Any], h: jax.Array) -> jax
 
 def decoder_layer(cfg: ModelConfig, x: jax.Array, p: dict, attend: Callable[[jax.Array], tuple[jax.Array, Any]],
                   moe: bool, valid: jax.Array, lora: dict | None = None, lora_scale: float | jax.Array = 1.0,
-                  drop: LoraDropout | None = None) -> tuple[jax.Array, Any, dict]:
+                  drop: LoraDropout | None = None, per_layer: jax.Array | None = None) -> tuple[jax.Array, Any, dict]:
     """One decoder layer: x + attention, then x + MLP (each output post-normed where the family does).
 
     ``attend(x)`` is the layer's attention, returning (output, anything else:
@@ -159,7 +170,11 @@ def decoder_layer(cfg: ModelConfig, x: jax.Array, p: dict, attend: Callable[[jax
     forward share everything around it. ``moe`` picks :func:`zoo.moe.moe_mlp`
     (``valid`` [batch, seq] marks the tokens its statistics count) over the
     dense :func:`zoo.mlp.mlp`; ``lora``/``lora_scale``/``drop`` are this
-    layer's adapters and their dropout. Returns (x, attend's extra, router statistics; {} when dense).
+    layer's adapters and their dropout. Gemma 4: ``cfg.parallel_moe`` runs
+    :func:`zoo.moe.parallel_moe_block` (dense MLP and experts side by side);
+    ``per_layer`` [batch, seq, width] is this layer's per-layer input
+    (:mod:`zoo.per_layer_inputs`), added after the MLP; ``cfg.layer_scalars``
+    then scales the layer's output. Returns (x, attend's extra, router statistics; {} when dense).
     """
     x = batch_sharded(x)  # the residual stream keeps the batch split (zoo.sharding.batch_sharded)
     h, extra = attend(x)
@@ -167,13 +182,20 @@ def decoder_layer(cfg: ModelConfig, x: jax.Array, p: dict, attend: Callable[[jax
         h = norm(cfg, h, p["post_attn_norm"])
     x = batch_sharded(x + h)
     stats: dict = {}
-    if moe:
+    if moe and cfg.parallel_moe:
+        h, stats = parallel_moe_block(x, p, cfg, valid, lora=lora, lora_scale=lora_scale, drop=drop)
+    elif moe:
         h, stats = moe_mlp(norm(cfg, x, p["mlp_norm"]), p, cfg, valid, lora=lora, lora_scale=lora_scale, drop=drop)
     else:  # without pre-norms (OLMo 2/3) the MLP reads x itself
         h = mlp(x, p, cfg, norm_w=p.get("mlp_norm"), lora=lora, lora_scale=lora_scale, drop=drop)
     if cfg.post_norms:
         h = norm(cfg, h, p["post_mlp_norm"])
-    return batch_sharded(x + h), extra, stats
+    x = batch_sharded(x + h)
+    if per_layer is not None:
+        x = add_per_layer_input(cfg, x, p, per_layer)
+    if cfg.layer_scalars:
+        x = x * p["layer_scalar"].astype(x.dtype)
+    return x, extra, stats
 
 
 @overload
@@ -299,20 +321,31 @@ def forward(
     seen = {kind: visibility(segment_ids, kind_window(cfg, kind), prefix_ids, max_segments) for kind in ropes}
     valid = segment_ids != 0
     x = embed_tokens(cfg, params, tokens)
+    # Gemma 4: each layer's per-layer input [layers, b, t, width], scanned with the layers' weights.
+    ple = per_layer_inputs(cfg, params, tokens, x) if cfg.per_layer_input_size else None
+    sharing = cfg.kv_shared_layers > 0
+    shared: dict[str, tuple[jax.Array, jax.Array]] = {}  # kind -> the keys/values the KV-shared layers reuse
 
-    def layer(x: jax.Array, inputs: tuple, kind: str, moe: bool) -> tuple[jax.Array, dict]:
-        p, lp, key, rope_on = inputs
+    def layer(x: jax.Array, inputs: tuple, kind: str, moe: bool, prefix: str) -> tuple[jax.Array, Any]:
+        p, lp, key, rope_on, pli = inputs
         drop = None if key is None else LoraDropout(lora_dropout, key)
+        kcfg = kind_config(cfg, kind)
 
-        def attend(x: jax.Array) -> tuple[jax.Array, None]:
+        def attend(x: jax.Array) -> tuple[jax.Array, Any]:
             if cfg.mla:  # MLA has no adapters (zoo.lora)
                 return mla_attention(norm(cfg, x, p["attn_norm"]), p, *ropes[kind], seen[kind], cfg), None
             # Without pre-norms (OLMo 2/3) attention reads x itself; a NoPE layer's q and k are not rotated.
-            return attention(x, p, *layer_rope(ropes[kind], rope_on), seen[kind], cfg, norm_w=p.get("attn_norm"),
-                             lora=lp, lora_scale=scale, drop=drop), None
+            cos, sin = layer_rope(ropes[kind], rope_on)
+            if sharing:  # Gemma 4: a layer's keys/values go out to the KV-shared layers, which take them in
+                reuse = shared[kind] if is_kv_shared(cfg, prefix) else None
+                q, k, v = qkv_heads(x, p, cos, sin, kcfg, p.get("attn_norm"), lp, scale, drop, reuse)
+                out = attend_heads(*head_major(q, k, v), seen[kind], kcfg, p["sinks"] if cfg.attn_sinks else None)
+                return output_projection(out, p, kcfg, lp, scale, drop), None if reuse is not None else (k, v)
+            return attention(x, p, cos, sin, seen[kind], kcfg, norm_w=p.get("attn_norm"), lora=lp, lora_scale=scale,
+                             drop=drop), None
 
-        x, _, stats = decoder_layer(cfg, x, p, attend, moe, valid, lp, scale, drop)
-        return x, stats
+        x, kv, stats = decoder_layer(cfg, x, p, attend, moe, valid, lp, scale, drop, pli)
+        return x, ((stats, kv) if sharing else stats)
 
     layer_stats: list[dict] = []
     for prefix, start, stop, moe, first in cfg.layer_runs:
@@ -320,10 +353,33 @@ def forward(
         # scanned with the weights, so the scan body never indexes a stack.
         adapters = (lora or {}).get(prefix)
         keys = None if drop_keys is None or adapters is None else drop_keys[start:stop]
-        stacked = stack_slice((params[prefix], adapters), first, stop - start) + (keys, rope_flags(cfg, start, stop))
-        x, done = scan_segments(x, cfg.kinds[start:stop], lambda seg, j: seg.at(j, stacked), partial(layer, moe=moe),
-                                remat, stack=moe)
-        if moe:
+        kinds = cfg.kinds[start:stop]
+        weights = (params[prefix], adapters)
+        if cfg.global_head_dim:  # Gemma 4: full layers' attention weights are stacked apart (zoo.layer_layout)
+            weights = kind_stack_slice(cfg, weights, stack_kinds(cfg, prefix), first, stop - start)
+        else:
+            weights = stack_slice(weights, first, stop - start)
+        stacked = weights + (keys, rope_flags(cfg, start, stop), None if ple is None else ple[start:stop])
+
+        def inputs(seg: Segment, j: int, stacked: tuple = stacked, kinds: tuple[str, ...] = kinds) -> tuple:
+            if not cfg.global_head_dim:
+                return seg.at(j, stacked)
+            # Gemma 4: a block position's attention weights are a strided slice of its kind's stack.
+            w, a, *rest = stacked
+            return (layer_weights(cfg, w, kinds, seg, j), None if a is None else layer_weights(cfg, a, kinds, seg, j),
+                    *seg.at(j, tuple(rest)))
+
+        x, done = scan_segments(x, kinds, inputs, partial(layer, moe=moe, prefix=prefix), remat,
+                                stack=moe and not sharing)
+        if sharing:
+            # Per-layer outputs come per block position (the kinds' keys differ in shape): the stored layers'
+            # keys/values, and the statistics in layer order.
+            shared.update({kind: layer_output(done, i - start, False)[1] for kind, i in store_layers(cfg).items()
+                           if start <= i < stop})
+            if moe:
+                layer_stats.extend(jax.tree.map(lambda *a: jnp.stack(a, 1).reshape((-1,) + a[0].shape[1:]),
+                                                *[o[0] for o in outs]) for _, outs in done)
+        elif moe:
             # Each segment's statistics are [repeats, period, ...]: layer order once flattened.
             layer_stats.extend(jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), ys) for _, ys in done)
     x = norm(cfg, x, params["final_norm"])
@@ -396,6 +452,11 @@ class Decoder(nnx.Module):
             self.dense_layers = nnx.Dict(tree.pop("dense_layers"))
         if "lm_head" in tree:
             self.lm_head = tree.pop("lm_head")
+        if "shared_layers" in tree:  # Gemma 4's KV-shared layers
+            self.shared_layers = nnx.Dict(tree.pop("shared_layers"))
+        for name in ("ple_embed", "ple_model_proj", "ple_proj_norm"):  # Gemma 4's per-layer inputs
+            if name in tree:
+                setattr(self, name, tree.pop(name))
 
     def param_dict(self) -> dict[str, Any]:
         """Parameters as a plain nested dict of arrays."""

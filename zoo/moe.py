@@ -322,3 +322,46 @@ def aux_losses(stats: dict, cfg: ModelConfig) -> dict:
         "expert_counts": stats["expert_counts"],
         "dropped_tokens": stats["dropped_tokens"].sum(),
     }
+
+
+def parallel_moe_block(x: jax.Array, p: dict, cfg: ModelConfig, valid: jax.Array, lora: dict | None = None,
+                       lora_scale: float | jax.Array = 1.0, drop: LoraDropout | None = None) -> tuple[jax.Array, dict]:
+    """Gemma 4's MoE block for the residual stream x [batch, seq, embed]: the dense MLP of ``mlp_norm(x)`` (normed
+    by ``mlp_post_norm``) plus the routed experts of ``moe_norm(x)`` (normed by ``moe_post_norm``); returns their
+    sum and the router statistics (as :func:`moe_mlp`'s).
+
+    The router reads x RMS-normed without a weight, times ``router_scale`` and 1/sqrt(embed); the top-k softmax
+    weights are renormalized, then multiplied by each chosen expert's ``expert_scale``. The experts' gate and up
+    are stored fused (``expert_gate_up`` [X, embed, 2 * moe_mlp], gate first)."""
+    from zoo.blocks import rms_norm
+    from zoo.mlp import mlp
+
+    b, t, e = x.shape
+    eps, off = cfg.rms_norm_eps, cfg.norm_offset
+    dense_out = rms_norm(mlp(x, p, cfg, norm_w=p["mlp_norm"], lora=lora, lora_scale=lora_scale, drop=drop),
+                         p["mlp_post_norm"], eps, off)
+    xf, vf = x.reshape(-1, e), valid.reshape(-1)
+    r = rms_norm(xf, jnp.ones((e,), xf.dtype), eps) * p["router_scale"] * e**-0.5
+    ids, weights, logits = route(r, p, cfg)
+    weights = weights * p["expert_scale"].astype(weights.dtype)[ids]
+    m_ = cfg.moe_intermediate_size
+    experts = {**p, "expert_gate": p["expert_gate_up"][..., :m_], "expert_up": p["expert_gate_up"][..., m_:]}
+    xe = rms_norm(xf, p["moe_norm"], eps, off)
+    mesh = _expert_mesh(experts, lora, drop) if cfg.capacity_factor is None else None
+    if mesh is not None:
+        out, dropped = _experts_parallel(xe, ids, weights, experts, cfg, mesh, lora, lora_scale), jnp.zeros((), jnp.int32)
+    elif cfg.capacity_factor is None:
+        out, dropped = _experts_dropless(xe, ids, weights, experts, cfg, lora, lora_scale, drop), jnp.zeros((), jnp.int32)
+    else:
+        out, dropped = _experts_capacity(xe, ids, weights, vf, experts, cfg, lora, lora_scale, drop)
+    routed = rms_norm(out.reshape(b, t, e), p["moe_post_norm"], eps, off)
+    m = vf.astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    stats = {
+        "expert_counts": (jax.nn.one_hot(ids, cfg.num_experts).sum(1) * m[:, None]).sum(0),
+        "router_prob_sum": (probs * m[:, None]).sum(0),
+        "router_lse_sq_sum": (jax.nn.logsumexp(logits, axis=-1) ** 2 * m).sum(),
+        "dropped_tokens": dropped.astype(jnp.float32),
+        "tokens": m.sum(),
+    }
+    return dense_out + routed, stats

@@ -93,6 +93,33 @@ def _layer_specs(cfg: ModelConfig, L: int, moe: bool) -> dict[str, ParamSpec]:
         s["down_bias"] = ParamSpec((L, E), lay + ("embed",), "zeros")
     if not cfg.pre_norms:  # OLMo 2/3: the post-norms are a layer's only norms
         del s["attn_norm"], s["mlp_norm"]
+    s.update(_gemma4_layer_specs(cfg, L, moe))
+    return s
+
+
+def _gemma4_layer_specs(cfg: ModelConfig, L: int, moe: bool) -> dict[str, ParamSpec]:
+    """Gemma 4's weights of a stack of L layers: layer scalars, the per-layer input's gate, projection and norm,
+    and the MoE block's dense MLP beside it, extra norms, router scale, per-expert scale and fused gate/up stack."""
+    E, F, lay = cfg.hidden_size, cfg.intermediate_size, ("layers",)
+    unit = "ones" if cfg.norm_offset == 0 else "zeros"
+    s: dict[str, ParamSpec] = {}
+    if cfg.layer_scalars:
+        s["layer_scalar"] = ParamSpec((L, 1), lay + (None,), "ones")
+    if cfg.per_layer_input_size:
+        P = cfg.per_layer_input_size
+        s["ple_gate"] = ParamSpec((L, E, P), lay + ("embed", None), "normal")
+        s["ple_proj"] = ParamSpec((L, P, E), lay + (None, "embed"), "normal")
+        s["ple_norm"] = ParamSpec((L, E), lay + ("embed",), unit)
+    if cfg.parallel_moe and moe:
+        X, M = cfg.num_experts, cfg.moe_intermediate_size
+        s["gate"] = ParamSpec((L, E, F), lay + ("embed", "mlp"), "normal")
+        s["up"] = ParamSpec((L, E, F), lay + ("embed", "mlp"), "normal")
+        s["down"] = ParamSpec((L, F, E), lay + ("mlp", "embed"), "normal")
+        s["expert_gate_up"] = ParamSpec((L, X, E, 2 * M), lay + ("expert", "embed", "mlp"), "normal")
+        for name in ("mlp_post_norm", "moe_norm", "moe_post_norm"):
+            s[name] = ParamSpec((L, E), lay + ("embed",), unit)
+        s["router_scale"] = ParamSpec((L, E), lay + ("embed",), "ones")
+        s["expert_scale"] = ParamSpec((L, X), lay + (None,), "ones")
     return s
 
 
@@ -102,8 +129,23 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
     unit = "ones" if cfg.norm_offset == 0 else "zeros"
     s: dict[str, ParamSpec] = {"embed": ParamSpec((V, E), ("vocab", "embed"), "normal")}
     for prefix, layers, moe in cfg.layer_stacks:
-        for name, spec in _layer_specs(cfg, len(layers), moe).items():
+        group = _layer_specs(cfg, len(layers), moe)
+        if cfg.global_head_dim or cfg.kv_shared_layers:
+            from zoo.layer_layout import group_specs
+
+            group = group_specs(cfg, group, tuple(cfg.kinds[i] for i in layers), prefix)
+        if cfg.parallel_moe and moe:
+            group.pop("expert_gate")  # Gemma 4 stores them fused: expert_gate_up
+            group.pop("expert_up")
+        for name, spec in group.items():
             s[f"{prefix}.{name}"] = spec
+    if cfg.per_layer_input_size:
+        P = cfg.num_layers * cfg.per_layer_input_size
+        # Its width (layers x per-layer width: 8960 for E2B, 2.35B parameters in all) is split like embed's, over
+        # fsdp: left whole, every chip held the table (9.4 GB in float32 on each chip of a v5e:2x2 compile).
+        s["ple_embed"] = ParamSpec((cfg.per_layer_vocab_size, P), ("vocab", "embed"), "normal")
+        s["ple_model_proj"] = ParamSpec((E, P), ("embed", None), "normal")
+        s["ple_proj_norm"] = ParamSpec((cfg.per_layer_input_size,), (None,), unit)
     s["final_norm"] = ParamSpec((E,), ("embed",), unit)
     if not cfg.tie_word_embeddings:
         s["lm_head"] = ParamSpec((E, V), ("embed", "vocab"), "normal")

@@ -127,6 +127,15 @@ _ENTRIES = [
              "Phi-4-mini chat: partial rotary, LongRoPE to 128K", hf_config=released.PHI_4_MINI),
     ZooEntry("deepseek-v3-tiny", "deepseek_v3", "", 0.0, "DeepSeek-V3 architecture, tiny, random (zoo init)",
              DEEPSEEK_V3_TINY),
+    # Gemma 4: the text weights of the multimodal checkpoints (parameter counts: the language model's).
+    *(ZooEntry(f"gemma4-{size.lower()}{it}", "gemma4", f"google/gemma-4-{size}{it}", n, desc + chat,
+               hf_config=config)
+      for size, n, desc, config in (
+          ("E2B", 4.63e9, "Gemma 4 E2B: per-layer inputs, KV-shared layers", released.GEMMA4_E2B),
+          ("E4B", 7.46e9, "Gemma 4 E4B: per-layer inputs, KV-shared layers", released.GEMMA4_E4B),
+          ("26B-A4B", 25.2e9, "Gemma 4 26B-A4B: 128 experts beside a dense MLP", released.GEMMA4_26B_A4B),
+          ("31B", 30.7e9, "Gemma 4 31B", released.GEMMA4_31B))
+      for it, chat in (("", ""), ("-it", " (chat)"))),
     ZooEntry("qwen3-30b-a3b", "qwen3_moe", "Qwen/Qwen3-30B-A3B-Base", 30.5e9,
              "Qwen3-MoE base: 128 experts, 8 a token (3.3B active)", hf_config=released.QWEN3_30B_A3B),
     ZooEntry("qwen3-30b-a3b-instruct", "qwen3_moe", "Qwen/Qwen3-30B-A3B", 30.5e9,

@@ -38,6 +38,46 @@ DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepse
                "attention_bias": False, "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False,
                "torch_dtype": "bfloat16"}
 
+# Gemma 4's text configs as google/gemma-4-* publish them (Gemma4ForConditionalGeneration; the vision and audio
+# towers' configs left out: lmzoo converts the language model). The rest of each text config is
+# Gemma4TextConfig's defaults: RoPE theta 1e4 on sliding layers, proportional RoPE (a quarter of the dims,
+# theta 1e6) on full ones, GELU (tanh), final soft-cap 30, tied embeddings, vocabulary 262144.
+_GEMMA4_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0}}
+_GEMMA4_TEXT = {"model_type": "gemma4_text", "vocab_size": 262144, "head_dim": 256, "global_head_dim": 512,
+                "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": 30.0,
+                "tie_word_embeddings": True, "rope_parameters": _GEMMA4_ROPE, "attention_bias": False}
+
+
+def _gemma4(text: dict, period: int) -> dict:
+    """A Gemma4ForConditionalGeneration config of this text config, its layers sliding but every ``period``-th."""
+    n = text["num_hidden_layers"]
+    types = ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n)]
+    return {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "tie_word_embeddings": True,
+            "text_config": {**_GEMMA4_TEXT, **text, "layer_types": types}, "torch_dtype": "bfloat16"}
+
+
+# E2B/E4B: per-layer inputs, the last layers reuse keys/values; E2B's reusing layers have a double-wide MLP.
+GEMMA4_E2B = _gemma4({"hidden_size": 1536, "intermediate_size": 6144, "num_hidden_layers": 35,
+                      "num_attention_heads": 8, "num_key_value_heads": 1, "sliding_window": 512,
+                      "hidden_size_per_layer_input": 256, "vocab_size_per_layer_input": 262144,
+                      "num_kv_shared_layers": 20, "use_double_wide_mlp": True, "attention_k_eq_v": False,
+                      "max_position_embeddings": 131072}, 5)
+GEMMA4_E4B = _gemma4({"hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 42,
+                      "num_attention_heads": 8, "num_key_value_heads": 2, "sliding_window": 512,
+                      "hidden_size_per_layer_input": 256, "vocab_size_per_layer_input": 262144,
+                      "num_kv_shared_layers": 18, "use_double_wide_mlp": False, "attention_k_eq_v": False,
+                      "max_position_embeddings": 131072}, 6)
+# 26B-A4B: 128 experts (8 a token) beside a dense MLP in every layer; full layers take values from their keys.
+GEMMA4_26B_A4B = _gemma4({"hidden_size": 2816, "intermediate_size": 2112, "num_hidden_layers": 30,
+                          "num_attention_heads": 16, "num_key_value_heads": 8, "num_global_key_value_heads": 2,
+                          "attention_k_eq_v": True, "sliding_window": 1024, "hidden_size_per_layer_input": 0,
+                          "num_kv_shared_layers": 0, "enable_moe_block": True, "num_experts": 128,
+                          "top_k_experts": 8, "moe_intermediate_size": 704, "max_position_embeddings": 262144}, 6)
+GEMMA4_31B = _gemma4({"hidden_size": 5376, "intermediate_size": 21504, "num_hidden_layers": 60,
+                      "num_attention_heads": 32, "num_key_value_heads": 16, "num_global_key_value_heads": 4,
+                      "attention_k_eq_v": True, "sliding_window": 1024, "hidden_size_per_layer_input": 0,
+                      "num_kv_shared_layers": 0, "max_position_embeddings": 262144}, 6)
 # Qwen/Qwen3-30B-A3B's config.json: 128 experts (8 a token, softmax routing, renormalized), every layer MoE
 # (decoder_sparse_step 1, no mlp_only_layers), q/k norms, no sliding window.
 _QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,

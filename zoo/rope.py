@@ -1,7 +1,7 @@
 """Rotary position embeddings: inverse frequencies per RoPE kind, cos/sin tables, the rotation itself.
 
-The kinds follow transformers' ``rope_type``: default, linear, llama3, yarn
-and longrope, computed in float32 numpy exactly as transformers computes
+The kinds follow transformers' ``rope_type``: default, linear, llama3, yarn,
+longrope and (Gemma 4) proportional, computed in float32 numpy exactly as transformers computes
 them, so converted checkpoints see the same angles. RoPE may rotate only the
 leading ``cfg.rope_dim`` dimensions of a head (partial rotary), and layers
 listed in ``cfg.nope_layers`` apply none (:func:`layer_rope`).
@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zoo.config import ModelConfig, RopeConfig
+from zoo.layer_layout import kind_config
 
 
 def rope_inv_freq(rope: RopeConfig, rot_dim: int) -> np.ndarray:
@@ -38,6 +39,8 @@ def rope_inv_freq(rope: RopeConfig, rot_dim: int) -> np.ndarray:
         return np.where(medium, smoothed, scaled).astype(np.float32)
     if rope.kind == "yarn":
         return _yarn_inv_freq(rope, rot_dim)
+    if rope.kind == "proportional":
+        return _proportional_inv_freq(rope, rot_dim)
     if rope.kind == "longrope":
         return longrope_inv_freq(rope, rot_dim, long=False)
     raise ValueError(f"unsupported rope kind {rope.kind!r}")
@@ -61,6 +64,17 @@ def _yarn_inv_freq(rope: RopeConfig, dim: int) -> np.ndarray:
     extrapolation = 1 - ramp
     inv = (1 / (factor * pos_freqs)) * (1 - extrapolation) + (1 / pos_freqs) * extrapolation
     return inv.astype(np.float32)
+
+
+def _proportional_inv_freq(rope: RopeConfig, dim: int) -> np.ndarray:
+    """Gemma 4's proportional RoPE: the first ``proportional_fraction`` of the angles keep the frequencies of a
+    full-width RoPE (exponents over the whole head), the rest get frequency 0 (cos 1, sin 0: those dims pass
+    through unrotated), all divided by ``factor``, as transformers computes them."""
+    angles = int(rope.proportional_fraction * dim // 2)
+    exponent = np.arange(0, 2 * angles, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    rotated = (1.0 / (np.float32(rope.theta) ** exponent)).astype(np.float32)
+    inv = np.concatenate([rotated, np.zeros(dim // 2 - angles, np.float32)])
+    return (inv / np.float32(rope.factor)).astype(np.float32)
 
 
 def longrope_inv_freq(rope: RopeConfig, dim: int, long: bool) -> np.ndarray:
@@ -160,7 +174,8 @@ def rope_tables_by_kind(cfg: ModelConfig, positions: jax.Array,
     tables from here, so their angles cannot drift apart. ``valid`` [batch, seq]
     marks the real tokens (LongRoPE's choice of factors reads only theirs).
     """
-    tables = {"full": _tables(cfg.rope, cfg.rope_dim, positions, valid)}
+    # Gemma 4's full layers have heads of their own width (global_head_dim: zoo.layer_layout.kind_config).
+    tables = {"full": _tables(cfg.rope, kind_config(cfg, "full").rope_dim, positions, valid)}
     if "sliding" in cfg.kinds:
         tables["sliding"] = _tables(cfg.rope_local or cfg.rope, cfg.rope_dim, positions, valid)
     return tables

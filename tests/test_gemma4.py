@@ -1,0 +1,185 @@
+"""Gemma 4 (text) in the one decoder, against transformers' Gemma4ForCausalLM: per-layer inputs, KV-shared layers,
+wider full-attention heads (values from the keys), proportional partial RoPE, layer scalars, and the MoE block
+beside the MLP; decoding with the KV-shared layers reading their stored layer's cache; round trips; the registry's
+released configs."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import zoo
+from tests.helpers import BASE, FAMILIES, hf_logits, hf_tensors, make_hf, mean_kl, random_tokens
+from zoo.cli import main
+
+SEQ = 40  # past the sliding window (7): the KV-shared sliding layers reuse a windowed layer's keys
+# The MoE variant: 4 experts (top 2) beside the MLP in every layer, the last 2 layers KV-shared (one of each
+# kind), no per-layer inputs, full layers' values their own projection (attention_k_eq_v off).
+MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16, num_kv_shared_layers=2,
+           hidden_size_per_layer_input=0, use_double_wide_mlp=False, attention_k_eq_v=False,
+           layer_types=["sliding_attention", "full_attention"] + ["sliding_attention"] * 3 + ["full_attention"])
+VARIANTS = {"dense": {}, "moe": MOE}
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """variant -> (folder with hf/ and zoo/, transformers' model), each converted once."""
+    made = {}
+
+    def get(variant):
+        if variant not in made:
+            root = tmp_path_factory.mktemp(f"gemma4-{variant}")
+            hf = make_hf(root / "hf", "gemma4", **VARIANTS[variant])
+            assert main(["convert", str(root / "hf"), "--out", str(root / "zoo")]) == 0
+            made[variant] = (root, hf)
+        return made[variant]
+
+    return get
+
+
+@pytest.mark.parametrize("variant", [
+    "dense", pytest.param("moe", marks=pytest.mark.slow)])  # slow (slow lane): 11-19 s, its own compilation
+def test_logits_match_transformers(converted, variant):
+    root, hf = converted(variant)
+    cfg = zoo.read_config(root / "zoo")
+    assert cfg.family == "gemma4" and cfg.kv_shared_layers > 0 and cfg.global_head_dim == 16
+    assert cfg.parallel_moe == (variant == "moe")
+    meta = zoo.checkpoint.read_meta(root / "zoo")["params"]
+    # KV-shared layers have no key/value weights; full layers' attention weights are stacked apart.
+    assert not any(p.startswith("shared_layers.") and p.split(".")[1] in ("k", "v", "global_k", "global_v")
+                   for p in meta)
+    assert meta["layers.global_q"]["shape"][-1] == 16 and meta["layers.q"]["shape"][-1] == 8
+    tokens = random_tokens(hf.config.vocab_size, seq=SEQ)
+    ref = hf_logits(hf, tokens)
+    got = np.asarray(zoo.load(root / "zoo")(jnp.asarray(tokens)))
+    assert np.abs(got - ref).max() <= 1e-4
+    assert mean_kl(ref, got) <= 1e-6
+    assert ref.std() > 0.5
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_round_trip_and_generated_config(converted, variant, tmp_path):
+    """`zoo export` gives back the same tensors and config.json; without the source config, the config it writes
+    builds the same model in transformers."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    root, hf = converted(variant)
+    assert main(["export", str(root / "zoo"), "--out", str(tmp_path / "back")]) == 0
+    assert hf_tensors(root / "hf") == hf_tensors(tmp_path / "back")
+    a = json.loads((root / "hf" / "config.json").read_text())
+    b = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert {k: v for k, v in a.items() if "dtype" not in k} == {k: v for k, v in b.items() if "dtype" not in k}
+    shutil.copytree(root / "zoo", tmp_path / "zoo")
+    (tmp_path / "zoo" / "hf_config.json").unlink()
+    assert main(["export", str(tmp_path / "zoo"), "--out", str(tmp_path / "gen")]) == 0
+    back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "gen"), dtype=torch.float32).eval()
+    back.config._attn_implementation = "eager"
+    assert type(back).__name__ == "Gemma4ForCausalLM"
+    tokens = random_tokens(hf.config.vocab_size, seq=SEQ)
+    np.testing.assert_array_equal(hf_logits(back, tokens), hf_logits(hf, tokens))
+
+
+@pytest.mark.slow
+def test_greedy_decoding_equals_transformers_generate(converted):
+    """KV-cache generation (the KV-shared layers attend over their stored layers' ring caches, past the window)
+    gives transformers' greedy tokens. Slow (slow lane; 6-15 s): generation's prefill and step compilations."""
+    from eval.generate import GenerationConfig, generate
+
+    root, hf = converted("dense")
+    model = zoo.load(root / "zoo")
+    prompt = random_tokens(hf.config.vocab_size, batch=1, seq=9, seed=3)[0].tolist()
+    got = generate(model.cfg, model.param_dict(), [prompt], GenerationConfig(max_new_tokens=12))[0]
+    with torch.no_grad():
+        # The mask given: the prompt holds id 0, which generate would otherwise take for padding.
+        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert got == out[0, len(prompt):].tolist()  # 21 tokens: past the sliding window
+
+
+def test_multimodal_checkpoint_converts_language_model(tmp_path, capsys):
+    """The released checkpoints are Gemma4ForConditionalGeneration: the text model under model.language_model."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    from tests.helpers import randomize
+
+    torch.manual_seed(0)
+    text = {**BASE, **FAMILIES["gemma4"][2]}
+    model = Gemma4ForConditionalGeneration(Gemma4Config(text_config=text, vision_config=None,
+                                                        audio_config=None)).eval()
+    model.config.get_text_config()._attn_implementation = "eager"
+    randomize(model)
+    model.save_pretrained(tmp_path / "hf")
+    assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "zoo")]) == 0
+    tokens = random_tokens(96, seq=SEQ)
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
+    got = np.asarray(zoo.load(tmp_path / "zoo")(jnp.asarray(tokens)))
+    assert np.abs(got - ref).max() <= 1e-4 and mean_kl(ref, got) <= 1e-6
+
+
+def test_released_configs():
+    """The registry's Gemma 4 configs read as the published models: Google's total parameter counts for the
+    text-only 26B-A4B and 31B (25.2B, 30.7B), and each size's layer layout."""
+    from convert.hf_config import model_config_from_hf
+    from zoo.params import count_params
+    from zoo.registry import get
+
+    cfgs = {name: model_config_from_hf(get(f"gemma4-{name}").hf_config) for name in ("e2b", "e4b", "26b-a4b", "31b")}
+    assert round(count_params(cfgs["26b-a4b"]) / 1e9, 1) == 25.2
+    assert round(count_params(cfgs["31b"]) / 1e9, 1) == 30.7
+    e2b = cfgs["e2b"]
+    assert (e2b.kv_shared_layers, e2b.double_wide_mlp, e2b.per_layer_input_size) == (20, True, 256)
+    assert e2b.kinds[:5] == ("sliding",) * 4 + ("full",) and (e2b.head_dim, e2b.global_head_dim) == (256, 512)
+    assert cfgs["e4b"].kinds[:6] == ("sliding",) * 5 + ("full",) and cfgs["e4b"].kv_shared_layers == 18
+    moe = cfgs["26b-a4b"]
+    assert (moe.num_experts, moe.experts_per_token, moe.parallel_moe, moe.attention_k_eq_v) == (128, 8, True, True)
+    assert (moe.global_kv_heads, cfgs["31b"].global_kv_heads) == (2, 4)
+    assert get("gemma4-e2b-it").hf_repo == "google/gemma-4-E2B-it"
+
+
+def test_bidirectional_attention_is_refused(tmp_path, capsys):
+    make_hf(tmp_path / "hf", "gemma4")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    cfg["use_bidirectional_attention"] = "all"
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    capsys.readouterr()
+    assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "zoo")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "use_bidirectional_attention" in err[0] and "causal" in err[0]
+    assert not (tmp_path / "zoo").exists()
+
+
+def test_lora_targets_reach_full_layers_and_skip_experts():
+    """LoRA on Gemma 4's 26B-A4B: "all" adapts both kinds' attention (the full layers' global_* stacks; no
+    global_v: values come from the keys) and the dense MLP, never the routed experts (gate and up fused in one
+    stack: not adaptable); naming only the experts is a one-line error."""
+    from convert.hf_config import model_config_from_hf
+    from zoo.errors import UserError
+    from zoo.lora import LoraConfig, lora_specs
+    from zoo.registry import get
+
+    cfg = model_config_from_hf(get("gemma4-26b-a4b").hf_config)
+    adapted = {path.rsplit(".", 1)[0] for path in lora_specs(cfg, LoraConfig(targets="all"))}
+    assert adapted == {f"layers.{n}" for n in ("q", "k", "v", "o", "global_q", "global_k", "global_o",
+                                               "gate", "up", "down")}
+    with pytest.raises(UserError) as e:
+        lora_specs(cfg, LoraConfig(targets=["experts.down_proj"]))
+    assert "\n" not in str(e.value) and "routed experts have no adapters" in str(e.value)
+
+
+def test_run_of_a_kind_split_stack():
+    """A run of layers 2-4 (sliding, sliding, full) of a stack of 6 (s f s s f s): every-layer weights give
+    layers 2-4, the sliding-only stack its 2nd and 3rd sliding layers, the full-only one its 2nd full layer."""
+    from zoo.config import ModelConfig
+    from zoo.layer_layout import kind_stack_slice
+
+    kinds = ("sliding", "full", "sliding", "sliding", "full", "sliding")
+    cfg = ModelConfig("gemma4", 8, 4, 4, 6, 1, 1, 2, global_head_dim=4, layer_types=kinds, sliding_window=2)
+    stack = {"q": np.arange(4), "global_q": np.arange(2) + 10, "gate": np.arange(6) + 100}
+    got, none = kind_stack_slice(cfg, (stack, None), kinds, 2, 3)
+    assert none is None
+    assert {k: v.tolist() for k, v in got.items()} == {"q": [1, 2], "global_q": [11], "gate": [102, 103, 104]}
