@@ -18,6 +18,7 @@ attends with the keys and values of the last earlier layer of its kind (:func:`s
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -60,12 +61,12 @@ def is_kv_shared(cfg: ModelConfig, prefix: str) -> bool:
     return bool(cfg.kv_shared_layers) and prefix == "shared_layers"
 
 
-def group_specs(cfg: ModelConfig, specs: dict[str, Any], kinds: tuple[str, ...], prefix: str) -> dict[str, Any]:
+def group_specs(cfg: ModelConfig, specs: dict[str, Any], kinds: tuple[str, ...], prefix: str,
+                kind_specs: Callable[[ModelConfig, int], dict[str, Any]]) -> dict[str, Any]:
     """One stack's specs (:func:`zoo.params._layer_specs`, all stacked over its len(kinds) layers) laid out as
     this module says: the attention weights split by kind, none for keys/values in a KV-shared stack, and the
-    KV-shared layers' MLP doubled where ``double_wide_mlp``."""
-    from zoo.params import ParamSpec
-
+    KV-shared layers' MLP doubled where ``double_wide_mlp``. ``kind_specs(kind_cfg, n)``: the specs of n dense
+    layers of one kind's config (zoo.params passes its own, so this module does not import it)."""
     out = dict(specs)
     shared = is_kv_shared(cfg, prefix)
     if shared:
@@ -75,18 +76,16 @@ def group_specs(cfg: ModelConfig, specs: dict[str, Any], kinds: tuple[str, ...],
             F = 2 * cfg.intermediate_size
             for name in ("gate", "up"):
                 s = out[name]
-                out[name] = ParamSpec(s.shape[:-1] + (F,), s.axes, s.init)
+                out[name] = dataclasses.replace(s, shape=s.shape[:-1] + (F,))
             s = out["down"]
-            out["down"] = ParamSpec((s.shape[0], F) + s.shape[2:], s.axes, s.init)
+            out["down"] = dataclasses.replace(s, shape=(s.shape[0], F) + s.shape[2:])
     if not cfg.global_head_dim:
         return out
-    from zoo.params import _layer_specs  # the per-kind dims of one kind's layers
-
     for name in ATTENTION_WEIGHTS:
         out.pop(name, None)
     for kind in ("sliding", "full"):
         n = kinds.count(kind)
-        own = _layer_specs(kind_config(cfg, kind), n, False)
+        own = kind_specs(kind_config(cfg, kind), n)  # the per-kind dims of one kind's layers
         for name in ATTENTION_WEIGHTS:
             if not n or name not in own or (shared and name in KV_WEIGHTS):
                 continue

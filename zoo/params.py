@@ -133,7 +133,8 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
         if cfg.global_head_dim or cfg.kv_shared_layers:
             from zoo.layer_layout import group_specs
 
-            group = group_specs(cfg, group, tuple(cfg.kinds[i] for i in layers), prefix)
+            group = group_specs(cfg, group, tuple(cfg.kinds[i] for i in layers), prefix,
+                                lambda c, n: _layer_specs(c, n, False))
         if cfg.parallel_moe and moe:
             group.pop("expert_gate")  # Gemma 4 stores them fused: expert_gate_up
             group.pop("expert_up")
