@@ -1,5 +1,6 @@
-"""Qwen3-MoE (qwen3_moe) and GLM-4.5 (glm4_moe) in the one decoder, against transformers: logits, greedy KV-cache
-decoding, the export round trip, a generated config; the released configs' parameter counts; GGUF qwen3moe.
+"""Qwen3-MoE (qwen3_moe) and GLM-4.5 (glm4_moe) in the one decoder, against transformers: logits, the variants'
+greedy KV-cache decoding (the tiny models' own: tests/test_decode.py over FAMILIES), the export round trip, a
+generated config; the released configs' parameter counts; GGUF qwen3moe.
 
 The tiny Qwen3-MoE (tests/helpers.py FAMILIES) has a dense layer between two MoE layers (``mlp_only_layers``), so
 its MoE stack is scanned in two runs; the tiny GLM-4.5 has a dense first layer, sigmoid group-limited routing
@@ -54,22 +55,6 @@ def test_logits_match_transformers(converted, family):
     assert np.abs(got - ref).max() <= 1e-4
     assert mean_kl(ref, got) <= 1e-6
     assert ref.std() > 0.5  # peaked enough for the comparison to have teeth
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("family", MOE_2026)
-def test_greedy_equals_transformers_generate(converted, family):
-    """KV-cache decoding (prefill, then one token at a time through each run of each stack) picks the tokens
-    transformers' generate picks. Slow (slow lane: about 12 s each on a loaded machine, the prefill's and the
-    token step's compilations)."""
-    hf, _, ckpt = converted(family)
-    model = zoo.load(ckpt)
-    prompt = random_tokens(hf.config.vocab_size, batch=1, seq=5, seed=2)[0].tolist()
-    got = generate(model.cfg, model.param_dict(), [prompt], GenerationConfig(max_new_tokens=12))[0]
-    with torch.no_grad():
-        want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                           pad_token_id=0)[0, len(prompt):].tolist()
-    assert got == want
 
 
 @pytest.mark.parametrize("family", MOE_2026)

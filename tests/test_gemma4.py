@@ -1,6 +1,6 @@
 """Gemma 4 (text) in the one decoder, against transformers' Gemma4ForCausalLM: per-layer inputs, KV-shared layers,
 wider full-attention heads (values from the keys), proportional partial RoPE, layer scalars, and the MoE block
-beside the MLP; decoding with the KV-shared layers reading their stored layer's cache; round trips; the registry's
+beside the MLP (greedy decoding against generate, the KV-shared layers reading their stored layer's cache: tests/test_decode.py over FAMILIES); round trips; the registry's
 released configs."""
 
 import json
@@ -81,23 +81,6 @@ def test_round_trip_and_generated_config(converted, variant, tmp_path):
     assert type(back).__name__ == "Gemma4ForCausalLM"
     tokens = random_tokens(hf.config.vocab_size, seq=SEQ)
     np.testing.assert_array_equal(hf_logits(back, tokens), hf_logits(hf, tokens))
-
-
-@pytest.mark.slow
-def test_greedy_decoding_equals_transformers_generate(converted):
-    """KV-cache generation (the KV-shared layers attend over their stored layers' ring caches, past the window)
-    gives transformers' greedy tokens. Slow (slow lane; 6-15 s): generation's prefill and step compilations."""
-    from eval.generate import GenerationConfig, generate
-
-    root, hf = converted("dense")
-    model = zoo.load(root / "zoo")
-    prompt = random_tokens(hf.config.vocab_size, batch=1, seq=9, seed=3)[0].tolist()
-    got = generate(model.cfg, model.param_dict(), [prompt], GenerationConfig(max_new_tokens=12))[0]
-    with torch.no_grad():
-        # The mask given: the prompt holds id 0, which generate would otherwise take for padding.
-        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                          max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert got == out[0, len(prompt):].tolist()  # 21 tokens: past the sliding window
 
 
 def test_multimodal_checkpoint_converts_language_model(tmp_path, capsys):
