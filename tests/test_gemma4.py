@@ -1,7 +1,7 @@
 """Gemma 4 (text) in the one decoder, against transformers' Gemma4ForCausalLM: per-layer inputs, KV-shared layers,
 wider full-attention heads (values from the keys), proportional partial RoPE, layer scalars, and the MoE block
-beside the MLP (greedy decoding against generate, the KV-shared layers reading their stored layer's cache: tests/test_decode.py over FAMILIES); round trips; the registry's
-released configs."""
+beside the MLP; round trips; the registry's released configs. Greedy decoding against generate, the KV-shared
+layers reading their stored layer's cache, is tests/test_decode.py's over FAMILIES."""
 
 import json
 
