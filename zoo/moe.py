@@ -275,29 +275,13 @@ def moe_mlp(x: jax.Array, p: dict, cfg: ModelConfig, valid: jax.Array, lora: dic
     xf = x.reshape(-1, e)
     vf = valid.reshape(-1)
     ids, weights, logits = route(xf, p, cfg)
-    mesh = _expert_mesh(p, lora, drop) if cfg.capacity_factor is None else None
-    if mesh is not None:
-        out = _experts_parallel(xf, ids, weights, p, cfg, mesh, lora, lora_scale)
-        dropped = jnp.zeros((), jnp.int32)
-    elif cfg.capacity_factor is None:
-        out = _experts_dropless(xf, ids, weights, p, cfg, lora, lora_scale, drop)
-        dropped = jnp.zeros((), jnp.int32)
-    else:
-        out, dropped = _experts_capacity(xf, ids, weights, vf, p, cfg, lora, lora_scale, drop)
+    out, dropped = _dispatch(xf, ids, weights, vf, p, cfg, lora, lora_scale, drop)
     if cfg.shared_experts:
         act = ACTIVATIONS[cfg.hidden_act]
         h = (act(_shared(xf, p, "shared_gate", lora, lora_scale, drop))
              * _shared(xf, p, "shared_up", lora, lora_scale, drop))
         out = out + _shared(h, p, "shared_down", lora, lora_scale, drop)
-    m = vf.astype(jnp.float32)
-    probs = jax.nn.softmax(logits, axis=-1)
-    stats = {
-        "expert_counts": (jax.nn.one_hot(ids, cfg.num_experts).sum(1) * m[:, None]).sum(0),
-        "router_prob_sum": (probs * m[:, None]).sum(0),
-        "router_lse_sq_sum": (jax.nn.logsumexp(logits, axis=-1) ** 2 * m).sum(),
-        "dropped_tokens": dropped.astype(jnp.float32),
-        "tokens": m.sum(),
-    }
+    stats = _router_stats(logits, ids, dropped, vf, cfg)
     return out.reshape(b, t, e), stats
 
 
@@ -347,14 +331,27 @@ def parallel_moe_block(x: jax.Array, p: dict, cfg: ModelConfig, valid: jax.Array
     m_ = cfg.moe_intermediate_size
     experts = {**p, "expert_gate": p["expert_gate_up"][..., :m_], "expert_up": p["expert_gate_up"][..., m_:]}
     xe = rms_norm(xf, p["moe_norm"], eps, off)
-    mesh = _expert_mesh(experts, lora, drop) if cfg.capacity_factor is None else None
-    if mesh is not None:
-        out, dropped = _experts_parallel(xe, ids, weights, experts, cfg, mesh, lora, lora_scale), jnp.zeros((), jnp.int32)
-    elif cfg.capacity_factor is None:
-        out, dropped = _experts_dropless(xe, ids, weights, experts, cfg, lora, lora_scale, drop), jnp.zeros((), jnp.int32)
-    else:
-        out, dropped = _experts_capacity(xe, ids, weights, vf, experts, cfg, lora, lora_scale, drop)
+    out, dropped = _dispatch(xe, ids, weights, vf, experts, cfg, lora, lora_scale, drop)
     routed = rms_norm(out.reshape(b, t, e), p["moe_post_norm"], eps, off)
+    return dense_out + routed, _router_stats(logits, ids, dropped, vf, cfg)
+
+
+def _dispatch(x: jax.Array, ids: jax.Array, weights: jax.Array, valid: jax.Array, p: dict, cfg: ModelConfig,
+              lora: dict | None, lora_scale: float | jax.Array, drop: LoraDropout | None
+              ) -> tuple[jax.Array, jax.Array]:
+    """(the experts' weighted sum for tokens x [N, E], tokens dropped over capacity): expert-parallel under a mesh
+    with an expert axis, else dropless, or capacity-bound with ``capacity_factor``."""
+    mesh = _expert_mesh(p, lora, drop) if cfg.capacity_factor is None else None
+    if mesh is not None:
+        return _experts_parallel(x, ids, weights, p, cfg, mesh, lora, lora_scale), jnp.zeros((), jnp.int32)
+    if cfg.capacity_factor is None:
+        return _experts_dropless(x, ids, weights, p, cfg, lora, lora_scale, drop), jnp.zeros((), jnp.int32)
+    return _experts_capacity(x, ids, weights, valid, p, cfg, lora, lora_scale, drop)
+
+
+def _router_stats(logits: jax.Array, ids: jax.Array, dropped: jax.Array, vf: jax.Array,
+                  cfg: ModelConfig) -> dict[str, jax.Array]:
+    """One layer's router statistics (:data:`STAT_KEYS`) over its real tokens (``vf`` [N])."""
     m = vf.astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
     stats = {
@@ -364,4 +361,4 @@ def parallel_moe_block(x: jax.Array, p: dict, cfg: ModelConfig, valid: jax.Array
         "dropped_tokens": dropped.astype(jnp.float32),
         "tokens": m.sum(),
     }
-    return dense_out + routed, stats
+    return stats
