@@ -79,8 +79,10 @@ def convert(source: str, out: str | Path, dtype: str | None = None, progress: bo
     cfg = model_config_from_hf(src.hf_config, f"{src.description}: config")
     fmt = src.fmt if src.fmt == "gguf" else source_format(src.hf_config)
     stored_config = dict(src.hf_config)
+    dequantizing: fp8.DequantizingReader | mxfp4.DequantizingReader | None = None  # its summary ends the run
     if src.fmt != "gguf" and mxfp4.declared(src.hf_config):  # gpt-oss's experts: dequantized while streaming
-        src.reader = mxfp4.DequantizingReader(src.reader, cast_to or mxfp4.DEFAULT_DTYPE, src.description)
+        src.reader = dequantizing = mxfp4.DequantizingReader(src.reader, cast_to or mxfp4.DEFAULT_DTYPE,
+                                                             src.description)
         stored_config.pop("quantization_config")
     elif src.fmt != "gguf":
         mxfp4.refuse_undeclared(src.reader, src.description)
@@ -88,8 +90,8 @@ def convert(source: str, out: str | Path, dtype: str | None = None, progress: bo
         if scaling is None:
             fp8.refuse_unscaled_fp8(src.reader, src.description)
         else:
-            src.reader = fp8.DequantizingReader(src.reader, scaling, cast_to or fp8.DEFAULT_DTYPE,
-                                                src.description)
+            src.reader = dequantizing = fp8.DequantizingReader(src.reader, scaling, cast_to or fp8.DEFAULT_DTYPE,
+                                                               src.description)
             stored_config.pop("quantization_config")  # the checkpoint holds the dequantized weights
     extra = mtp.mtp_tensors(src.reader.names(), src.hf_config)
     if keep_mtp and not extra:
@@ -141,8 +143,8 @@ def convert(source: str, out: str | Path, dtype: str | None = None, progress: bo
         (folder / HF_CONFIG_FILE).write_text(json.dumps(stored_config, indent=2, default=str) + "\n")
         hub: dict[str, Any] = {HUB_ID: src.hub_id} if src.hub_id else {}  # the Hub repo these weights are
         writer.finish(cfg, source=src.description, source_format=fmt, **hub)
-    if isinstance(src.reader, (fp8.DequantizingReader, mxfp4.DequantizingReader)):
-        print(src.reader.summary(), file=sys.stderr)
+    if dequantizing is not None:
+        print(dequantizing.summary(), file=sys.stderr)
     return out.absolute()
 
 

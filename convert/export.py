@@ -24,13 +24,13 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from convert.convert import DTYPES
-from convert.fused import fuse_planned, place_parts
+from convert.fused import fuse_planned, fused_named, join
 from convert.hf_config import export_hf_config
 from convert.mtp import EXTRA_FILE
 from convert.readers import SafetensorsFolder
 from convert.safetensors_out import ST_NAMES, encode_header
 from convert.tables import table_for
-from convert.transforms import TRANSFORMS, hf_shape, join_interleaved
+from convert.transforms import TRANSFORMS, hf_shape
 from zoo.checkpoint import HF_CONFIG_FILE, TOKENIZER_DIR, ParamSource, atomic_output, read_meta
 from zoo.config import ModelConfig
 from zoo.errors import UserError
@@ -67,8 +67,8 @@ class PlannedTensor:
     dtype: str
     shard: int = 0
     offset: int = 0  # within the shard's data section
-    # A fused tensor (convert.transforms.INTERLEAVED): (zoo parameter, transform) of each of its parts, the
-    # first being ``zoo``/``transform``; empty for a tensor of one parameter.
+    # A fused tensor (convert.fused): (zoo parameter, transform) of each of its parts, the first being
+    # ``zoo``/``transform``; empty for a tensor of one parameter.
     parts: tuple[tuple[str, str], ...] = ()
 
     @property
@@ -81,7 +81,8 @@ DTYPES_ALL = {**DTYPES, "float16": np.dtype(np.float16), "float64": np.dtype(np.
 
 
 def plan_tensors(cfg: ModelConfig, meta: dict[str, Any], dtype: str | None) -> list[PlannedTensor]:
-    """Every HF tensor of the export, in the Hub's order (embeddings, layer by layer, norm, head)."""
+    """Every HF tensor of the export, in the Hub's order (embeddings, layer by layer, norm, head); the parts of a
+    fused tensor (Phi-3's q/k/v_proj, gpt-oss's experts' gate/up) planned as that one tensor (convert.fused)."""
     specs = param_specs(cfg)
     rules = table_for(cfg.family, "hf", cfg)
     keyed = []
@@ -97,21 +98,7 @@ def plan_tensors(cfg: ModelConfig, meta: dict[str, Any], dtype: str | None) -> l
             t = PlannedTensor(rule.hf_name(ix), rule.zoo, ix or None, rule.transform, shape, dt)
             keyed.append(((layer, pos, ix[1:]), t))
     keyed.sort(key=lambda kt: kt[0])
-    return _fuse([t for _, t in keyed])
-
-
-def _fuse(tensors: list[PlannedTensor]) -> list[PlannedTensor]:
-    """The plan with the parts of each fused HF tensor (several zoo parameters, one name) made one tensor."""
-    out: list[PlannedTensor] = []
-    by_name: dict[str, PlannedTensor] = {}
-    for t in tensors:
-        first = by_name.get(t.name)
-        if first is None:
-            by_name[t.name] = t
-            out.append(t)
-            continue
-        first.parts = (first.parts or ((first.zoo, first.transform),)) + ((t.zoo, t.transform),)
-    return out
+    return fuse_planned(cfg, [t for _, t in keyed])
 
 
 # PlannedTensor.zoo of a tensor kept beside the model under its HF name (convert/mtp.py), written as stored.
@@ -197,18 +184,17 @@ def export(
     cfg = ModelConfig.from_dict(meta["config"])
     out = Path(out).absolute()
     tensors = plan_tensors(cfg, meta, dtype) + plan_extra_tensors(Path(ckpt), dtype)
-    tensors, parts = fuse_planned(cfg, tensors)  # Phi-3's q/k/v_proj written as one qkv_proj, ...
     n = assign_shards(tensors, parse_size(max_shard_size))
     with atomic_output(out, overwrite) as tmp:
-        _write_shards(Path(ckpt), cfg, tensors, n, tmp, progress, place_parts(tensors, parts))
+        _write_shards(Path(ckpt), cfg, tensors, n, tmp, progress)
         _write_side_files(Path(ckpt), meta, cfg, tensors, n, tmp, dtype, repo_hint or out.name)
     return out
 
 
 def _write_shards(ckpt: Path, cfg: ModelConfig, tensors: list[PlannedTensor], n: int, tmp: Path,
-                  progress: bool | None, writes: list[PlannedTensor] | None = None) -> None:
-    """The shard files of ``tensors`` (their headers), filled from ``writes`` (default: ``tensors``; a fused
-    tensor's parts instead of it: :func:`convert.fused.place_parts`)."""
+                  progress: bool | None) -> None:
+    """The shard files of ``tensors``: their headers, then each tensor at its offset, one zoo parameter (a fused
+    tensor: its parts' parameters) at a time."""
     fds, data_start = [], []
     try:
         for i in range(n):
@@ -220,7 +206,7 @@ def _write_shards(ckpt: Path, cfg: ModelConfig, tensors: list[PlannedTensor], n:
             os.ftruncate(fd, len(header) + sum(t.nbytes for t in mine))
             data_start.append(len(header))
         by_param: dict[str, list[PlannedTensor]] = {}
-        for t in tensors if writes is None else writes:
+        for t in tensors:
             by_param.setdefault(t.zoo, []).append(t)
         bar = tqdm(by_param.items(), desc="export", unit="param", disable=None if progress is None else not progress)
         for zoo_path, items in bar:
@@ -232,12 +218,13 @@ def _write_shards(ckpt: Path, cfg: ModelConfig, tensors: list[PlannedTensor], n:
                     os.pwrite(fds[t.shard], x.reshape(-1).view(np.uint8).data, data_start[t.shard] + t.offset)
                     del x
                 continue
-            param = param_reader(ckpt, zoo_path)
+            # A fused tensor's parts are read together, layer by layer: a reader each, opened once.
+            readers: dict[str, ParamSource] = {p: param_reader(ckpt, p) for p, _ in items[0].parts or [(zoo_path, "")]}
             for t in items:
-                for offset, x in (_fused_piece(ckpt, param, t, cfg) if t.parts else _hf_pieces(param, t, cfg)):
+                for offset, x in (_fused_piece(readers, t, cfg) if t.parts else _hf_pieces(readers[zoo_path], t, cfg)):
                     os.pwrite(fds[t.shard], x.reshape(-1).view(np.uint8).data, data_start[t.shard] + t.offset + offset)
                     del x
-            del param
+            del readers
             release_free_memory()
     finally:
         for fd in fds:
@@ -272,13 +259,11 @@ def _hf_pieces(param: ParamSource, t: PlannedTensor, cfg: ModelConfig) -> Iterat
         yield a * row_bytes, x
 
 
-def _fused_piece(ckpt: Path, param: ParamSource, t: PlannedTensor, cfg: ModelConfig) -> Iterator[tuple[int, np.ndarray]]:
-    """The one piece of fused tensor ``t``: each part read (at t's layer) and written into its columns."""
-    parts = []
-    for zoo_path, transform in t.parts:
-        x = (param if zoo_path == t.zoo else param_reader(ckpt, zoo_path)).read(t.index)
-        parts.append((transform, TRANSFORMS[transform].inverse(x, cfg)))
-    x = join_interleaved(parts, DTYPES_ALL[t.dtype])
+def _fused_piece(readers: dict[str, ParamSource], t: PlannedTensor, cfg: ModelConfig
+                 ) -> Iterator[tuple[int, np.ndarray]]:
+    """The one piece of fused tensor ``t``: each part read (at t's layer) and placed in it (convert.fused)."""
+    parts = [TRANSFORMS[transform].inverse(readers[zoo_path].read(t.index), cfg) for zoo_path, transform in t.parts]
+    x = join(fused_named(cfg, t.name), parts, DTYPES_ALL[t.dtype])
     if tuple(x.shape) != t.shape:
         raise UserError(f"parameter {t.zoo} does not match its config (got {x.shape}, want {t.shape})")
     yield 0, x

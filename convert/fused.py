@@ -1,12 +1,13 @@
-"""Fused Hugging Face tensors (Phi-3/Phi-4's ``qkv_proj`` and ``gate_up_proj``): split while converting, fused
-back bit for bit while exporting.
+"""Fused Hugging Face tensors: one tensor of the checkpoint holding several zoo parameters, split while converting
+and joined back bit for bit while exporting.
 
-A fused Linear weight is its parts' rows one after another ([q; k; v], [gate; up]), so a part is a row block
-of it and, row-major, a contiguous byte range. Converting, :class:`SplitReader` stands in front of the
-checkpoint's reader and shows each fused tensor as its parts under the names the shared decoder table reads
-(``q_proj``, ``gate_proj``, ...). Exporting, :func:`fuse_planned` replaces the planned part tensors by their
-fused tensor in the files' headers, and :func:`place_parts` writes each part at its byte offset inside it,
-one zoo parameter at a time as for any other tensor.
+A :class:`Fusion` is data: the fused tensor's name, the names its parts go by in the conversion tables, the axis
+they share, and how they fill it, in blocks one after another (Phi-3/Phi-4's ``qkv_proj`` [q; k; v] and
+``gate_up_proj`` [gate; up] rows) or interleaved one index at a time (gpt-oss's experts' ``gate_up_proj``
+[experts, embed, 2 x mlp], gate in the even columns, up in the odd). Converting, :class:`SplitReader` stands in
+front of the checkpoint's reader and shows each fused tensor as its parts, under the names the family's table
+reads (``q_proj``, ``mlp.experts.gate_proj``, ...). Exporting, :func:`fuse_planned` replaces the planned part
+tensors by their fused tensor, and :func:`join` builds it from its parts, one layer at a time.
 """
 
 from __future__ import annotations
@@ -23,27 +24,84 @@ from zoo.errors import UserError
 
 @dataclass(frozen=True)
 class Fusion:
-    """One fused tensor of a layer: its name and its parts' names (suffixes after the layer's prefix)."""
+    """One fused tensor of a layer: its name and its parts' names (suffixes after the layer's prefix).
+
+    ``sizes``: how long each part is along ``axis`` (``qkv``: q, k and v heads * head_dim; ``mlp``: the MLP
+    width each; ``expert_mlp``: the routed experts' width each). ``interleaved``: the parts alternate index by
+    index along ``axis`` instead of following one another in blocks.
+    """
 
     fused: str
     parts: tuple[str, ...]
-    rows: str  # "qkv": q, k, v heads * head_dim; "gate_up": the MLP width twice
+    sizes: str
+    axis: int = 0
+    interleaved: bool = False
 
-    def part_rows(self, cfg: ModelConfig) -> tuple[int, ...]:
-        """Rows of each part, in order."""
-        if self.rows == "qkv":
+    def part_sizes(self, cfg: ModelConfig) -> tuple[int, ...]:
+        """Each part's length along ``axis``, in order."""
+        if self.sizes == "qkv":
             d = cfg.head_dim
             return cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d
-        return cfg.intermediate_size, cfg.intermediate_size
+        width = cfg.moe_intermediate_size if self.sizes == "expert_mlp" else cfg.intermediate_size
+        return (width,) * len(self.parts)
+
+    def selections(self, sizes: tuple[int, ...]) -> list[tuple[Any, ...]]:
+        """Each part's index into the fused tensor (its parts ``sizes`` long along ``axis``)."""
+        lead = (Ellipsis,) if self.axis < 0 else (slice(None),) * self.axis
+        if self.interleaved:
+            n = len(self.parts)
+            return [(*lead, slice(k, None, n)) for k in range(n)]
+        ends = np.cumsum((0, *sizes))
+        return [(*lead, slice(int(a), int(b))) for a, b in zip(ends[:-1], ends[1:])]
+
+    def check(self, shape: tuple[int, ...], cfg: ModelConfig, name: str, where: str) -> tuple[int, ...]:
+        """The parts' sizes when fused tensor ``name`` has the shape the config implies; else a one-line UserError."""
+        sizes = self.part_sizes(cfg)
+        if not shape or shape[self.axis] != sum(sizes):
+            what = "rows" if self.axis == 0 else "columns"
+            raise UserError(f"{where}: tensor {name!r} has shape {tuple(shape)} but the config implies "
+                            f"{sum(sizes)} {what} ({' + '.join(map(str, sizes))})")
+        return sizes
 
 
+# family -> its fused tensors (a line per family; the tables name the parts).
 FUSIONS: dict[str, tuple[Fusion, ...]] = {
     "phi3": (
         Fusion("self_attn.qkv_proj.weight", ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                                              "self_attn.v_proj.weight"), "qkv"),
-        Fusion("mlp.gate_up_proj.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "gate_up"),
+        Fusion("mlp.gate_up_proj.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "mlp"),
+    ),
+    # transformers' GptOssExperts: [experts, embed, 2 x mlp] and [experts, 2 x mlp], gate and up column by column.
+    "gpt_oss": (
+        Fusion("mlp.experts.gate_up_proj", ("mlp.experts.gate_proj", "mlp.experts.up_proj"), "expert_mlp",
+               axis=-1, interleaved=True),
+        Fusion("mlp.experts.gate_up_proj_bias", ("mlp.experts.gate_proj_bias", "mlp.experts.up_proj_bias"),
+               "expert_mlp", axis=-1, interleaved=True),
     ),
 }
+
+
+def _prefix(name: str, suffix: str) -> str | None:
+    """``name`` minus ``suffix`` (a whole dotted component), or None when ``name`` does not end with it."""
+    if name == suffix:
+        return ""
+    return name[: len(name) - len(suffix)] if name.endswith("." + suffix) else None
+
+
+def split(x: np.ndarray, fusion: Fusion, sizes: tuple[int, ...], position: int) -> np.ndarray:
+    """Part ``position`` of fused tensor ``x`` (copied, contiguous)."""
+    return np.ascontiguousarray(x[fusion.selections(sizes)[position]])
+
+
+def join(fusion: Fusion, parts: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
+    """The fused tensor of ``parts`` (each in the HF layout, in ``fusion.parts`` order), as ``dtype``."""
+    axis = fusion.axis % parts[0].ndim
+    sizes = tuple(p.shape[axis] for p in parts)
+    shape = (*parts[0].shape[:axis], sum(sizes), *parts[0].shape[axis + 1:])
+    out = np.empty(shape, dtype)
+    for sel, p in zip(fusion.selections(sizes), parts, strict=True):
+        out[sel] = p
+    return out
 
 
 class SplitReader:
@@ -51,24 +109,15 @@ class SplitReader:
 
     def __init__(self, inner: Any, cfg: ModelConfig, description: str):
         self.inner, self.cfg, self.description = inner, cfg, description
-        # part name -> (fused name, first row, end row)
-        self.parts: dict[str, tuple[str, int, int]] = {}
+        # part name -> (fused name, its Fusion, the parts' sizes, the part's position)
+        self.parts: dict[str, tuple[str, Fusion, tuple[int, ...], int]] = {}
         for name in inner.names():
             for f in FUSIONS.get(cfg.family, ()):
-                if name.endswith("." + f.fused) or name == f.fused:
-                    self._split(name, f)
-
-    def _split(self, name: str, f: Fusion) -> None:
-        prefix = name[: len(name) - len(f.fused)]
-        rows = f.part_rows(self.cfg)
-        have = self.inner.shape(name)
-        if len(have) != 2 or have[0] != sum(rows):
-            raise UserError(f"{self.description}: tensor {name!r} has shape {tuple(have)} but the config implies "
-                            f"{sum(rows)} rows ({' + '.join(map(str, rows))})")
-        start = 0
-        for part, n in zip(f.parts, rows):
-            self.parts[prefix + part] = (name, start, start + n)
-            start += n
+                prefix = _prefix(name, f.fused)
+                if prefix is not None:
+                    sizes = f.check(tuple(inner.shape(name)), cfg, name, description)
+                    for k, part in enumerate(f.parts):
+                        self.parts[prefix + part] = (name, f, sizes, k)
 
     def names(self) -> list[str]:
         """The inner reader's tensors, each fused one replaced by its parts."""
@@ -76,32 +125,47 @@ class SplitReader:
         return [n for n in self.inner.names() if n not in fused] + list(self.parts)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        """A tensor's shape (a part's: its rows of the fused tensor)."""
+        """A tensor's shape (a part's: its share of the fused tensor)."""
         if name not in self.parts:
             return tuple(self.inner.shape(name))
-        fused, a, b = self.parts[name]
-        return (b - a, *self.inner.shape(fused)[1:])
+        fused, f, sizes, k = self.parts[name]
+        shape = list(self.inner.shape(fused))
+        shape[f.axis] = sizes[k]
+        return tuple(shape)
 
     def dtype(self, name: str) -> np.dtype:
         """A tensor's dtype (a part's: the fused tensor's)."""
         return self.inner.dtype(self.parts[name][0] if name in self.parts else name)
 
     def get(self, name: str) -> np.ndarray:
-        """A tensor (a part: its rows of the fused tensor, copied)."""
+        """A tensor (a part: its share of the fused tensor, copied)."""
         if name not in self.parts:
             return self.inner.get(name)
-        fused, a, b = self.parts[name]
-        return np.ascontiguousarray(self.inner.get(fused)[a:b])
+        fused, f, sizes, k = self.parts[name]
+        return split(self.inner.get(fused), f, sizes, k)
+
+
+def fusion_of(cfg: ModelConfig, hf_name: str) -> tuple[str, Fusion, int] | None:
+    """(the fused tensor's name, its :class:`Fusion`, the part's position) for HF tensor ``hf_name`` when it is
+    a part of a fused tensor in ``cfg``'s family; None when it is a tensor of its own."""
+    for f in FUSIONS.get(cfg.family, ()):
+        for k, part in enumerate(f.parts):
+            prefix = _prefix(hf_name, part)
+            if prefix is not None:
+                return prefix + f.fused, f, k
+    return None
+
+
+def fused_named(cfg: ModelConfig, name: str) -> Fusion:
+    """The :class:`Fusion` of fused tensor ``name`` in ``cfg``'s family."""
+    return next(f for f in FUSIONS[cfg.family] if _prefix(name, f.fused) is not None)
 
 
 def fused_module(cfg: ModelConfig, hf_name: str) -> str | None:
     """The fused tensor (``...qkv_proj.weight``) that HF tensor ``hf_name`` is a part of in ``cfg``'s family, or
     None when it is a tensor of its own."""
-    for f in FUSIONS.get(cfg.family, ()):
-        for part in f.parts:
-            if hf_name.endswith("." + part):
-                return hf_name[: len(hf_name) - len(part)] + f.fused
-    return None
+    found = fusion_of(cfg, hf_name)
+    return None if found is None else found[0]
 
 
 def split_fused(reader: Any, cfg: ModelConfig, description: str) -> Any:
@@ -109,46 +173,27 @@ def split_fused(reader: Any, cfg: ModelConfig, description: str) -> Any:
     return SplitReader(reader, cfg, description) if cfg.family in FUSIONS else reader
 
 
-def fuse_planned(cfg: ModelConfig, planned: list) -> tuple[list, dict[str, list]]:
-    """(the export's file tensors: each fused tensor's parts replaced by it, in its first part's place; fused
-    name -> its parts in row order). ``planned`` are :class:`convert.export.PlannedTensor`."""
+def fuse_planned(cfg: ModelConfig, planned: list) -> list:
+    """The export's file tensors: each fused tensor's parts replaced by it, in its first part's place, with its
+    parts' (zoo parameter, transform) in ``parts``. ``planned`` are :class:`convert.export.PlannedTensor`."""
     by_name = {t.name: t for t in planned}
-    parts: dict[str, list] = {}
-    first: dict[str, str] = {}  # first part's name -> fused name
+    fused: dict[str, Any] = {}  # first part's name -> the fused tensor
     taken: set[str] = set()
     for t in planned:
-        for f in FUSIONS.get(cfg.family, ()):
-            if not t.name.endswith("." + f.parts[0]):
-                continue
-            prefix = t.name[: len(t.name) - len(f.parts[0])]
-            group = [by_name[prefix + p] for p in f.parts]
-            if len({g.dtype for g in group}) != 1:
-                raise UserError(f"cannot fuse {prefix + f.fused}: its parts have dtypes "
-                                f"{sorted({g.dtype for g in group})}; export with --dtype")
-            parts[prefix + f.fused] = group
-            first[t.name] = prefix + f.fused
-            taken.update(g.name for g in group)
-    out = []
-    for t in planned:
-        if t.name in first:
-            group = parts[first[t.name]]
-            rows = sum(g.shape[0] for g in group)
-            out.append(dataclasses.replace(t, name=first[t.name], shape=(rows, *t.shape[1:])))
-        elif t.name not in taken:
-            out.append(t)
-    return out, parts
-
-
-def place_parts(tensors: list, parts: dict[str, list]) -> list:
-    """The tensors to write: ``tensors`` (placed in their shards) with each fused one replaced by its parts,
-    each at its byte offset inside the fused tensor."""
-    out = []
-    for t in tensors:
-        if t.name not in parts:
-            out.append(t)
+        found = fusion_of(cfg, t.name)
+        if found is None or found[2] != 0:
             continue
-        at = t.offset
-        for p in parts[t.name]:
-            out.append(dataclasses.replace(p, shard=t.shard, offset=at))
-            at += p.nbytes
-    return out
+        name, f, _ = found
+        prefix = name[: len(name) - len(f.fused)]
+        if any(prefix + p not in by_name for p in f.parts):
+            continue  # not every part planned: the tensors stay apart (no such export today)
+        group = [by_name[prefix + p] for p in f.parts]
+        if len({g.dtype for g in group}) != 1:
+            raise UserError(f"cannot fuse {name}: its parts have dtypes {sorted({g.dtype for g in group})}; "
+                            "export with --dtype")
+        shape = list(t.shape)
+        shape[f.axis] = sum(g.shape[f.axis] for g in group)
+        fused[t.name] = dataclasses.replace(t, name=name, shape=tuple(shape),
+                                            parts=tuple((g.zoo, g.transform) for g in group))
+        taken.update(g.name for g in group)
+    return [fused[t.name] if t.name in fused else t for t in planned if t.name in fused or t.name not in taken]

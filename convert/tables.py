@@ -111,16 +111,17 @@ def _moe_rules(L: str, style: str | None) -> list[Rule]:
         ]
     if style == "gpt_oss":
         # transformers' GptOssExperts: one [experts, embed, 2 x mlp] gate_up_proj per layer, gate and up
-        # interleaved column by column, and per-expert biases; the router's bias is on its logits.
+        # interleaved column by column (convert.fused names its parts gate_proj / up_proj), and per-expert
+        # biases; the router's bias is on its logits.
         M, X = L + "mlp.", L + "mlp.experts."
         return [
             Rule("layers.sinks", L + "self_attn.sinks", when="attn_sinks"),
             Rule("layers.router", M + "router.weight", "transpose", when="moe"),
             Rule("layers.router_logit_bias", M + "router.bias", when="moe&router_logits_bias"),
-            Rule("layers.expert_gate", X + "gate_up_proj", "even_columns", when="moe"),
-            Rule("layers.expert_up", X + "gate_up_proj", "odd_columns", when="moe"),
-            Rule("layers.expert_gate_bias", X + "gate_up_proj_bias", "even_columns", when="moe&expert_bias"),
-            Rule("layers.expert_up_bias", X + "gate_up_proj_bias", "odd_columns", when="moe&expert_bias"),
+            Rule("layers.expert_gate", X + "gate_proj", when="moe"),
+            Rule("layers.expert_up", X + "up_proj", when="moe"),
+            Rule("layers.expert_gate_bias", X + "gate_proj_bias", when="moe&expert_bias"),
+            Rule("layers.expert_up_bias", X + "up_proj_bias", when="moe&expert_bias"),
             Rule("layers.expert_down", X + "down_proj", when="moe"),
             Rule("layers.expert_down_bias", X + "down_proj_bias", when="moe&expert_bias"),
         ]

@@ -175,29 +175,9 @@ TRANSFORMS["global_q_in"] = _global("q_in")
 TRANSFORMS["global_kv_in"] = _global("kv_in")
 TRANSFORMS["global_o_out"] = _global("o_out")
 
-# Fused Hugging Face tensors (gpt-oss's gate_up_proj): a zoo parameter that is part ``position`` of ``count``
-# interleaved along the HF tensor's last axis. Converting slices the part out; export writes every part of the
-# tensor into its columns (convert/export.py), and the HF tensor is ``count`` times as wide as the part.
-INTERLEAVED: dict[str, tuple[int, int]] = {"even_columns": (0, 2), "odd_columns": (1, 2)}
-TRANSFORMS["even_columns"] = Transform(lambda w, cfg: w[..., 0::2], lambda w, cfg: w)
-TRANSFORMS["odd_columns"] = Transform(lambda w, cfg: w[..., 1::2], lambda w, cfg: w)
-
 
 def hf_shape(transform: str, piece: tuple[int, ...], cfg: ModelConfig) -> tuple[int, ...]:
     """The shape of the HF tensor that a zoo piece of shape ``piece`` comes from through ``transform`` (computed
     on a zero-stride array: no memory)."""
     empty = np.lib.stride_tricks.as_strided(np.zeros(1, np.int8), piece, (0,) * len(piece))
-    shape = tuple(TRANSFORMS[transform].inverse(empty, cfg).shape)
-    if transform in INTERLEAVED:
-        shape = shape[:-1] + (shape[-1] * INTERLEAVED[transform][1],)
-    return shape
-
-
-def join_interleaved(parts: list[tuple[str, np.ndarray]], dtype: np.dtype) -> np.ndarray:
-    """One fused HF tensor from its parts, (transform, part in HF layout) each (see :data:`INTERLEAVED`)."""
-    first = parts[0][1]
-    count = INTERLEAVED[parts[0][0]][1]
-    out = np.empty(first.shape[:-1] + (first.shape[-1] * count,), dtype)
-    for transform, x in parts:
-        out[..., INTERLEAVED[transform][0]::count] = x
-    return out
+    return tuple(TRANSFORMS[transform].inverse(empty, cfg).shape)
