@@ -24,7 +24,7 @@ import numpy as np
 from convert import peft_experts
 from convert.convert import DTYPES, shape_only
 from convert.export import DTYPES_ALL, ST_NAMES, PlannedTensor, assign_shards, export, planned_files, safetensors_header
-from convert.fused import fused_module
+from convert.fused import fused_named, fusion_of, join
 from convert.tables import BoundRule, table_for
 from convert.transforms import TRANSFORMS
 from zoo import quant_checkpoint
@@ -66,6 +66,9 @@ def _flat_b(b: np.ndarray) -> np.ndarray:
 # permutation too, and no adapter targets them (MLA attention has no adapters; GGUF is not an export format).
 _FLAT = LoraLayout(_flat_a, _flat_b)
 LORA_LAYOUTS: dict[str, LoraLayout] = {"transpose": _FLAT, "q_in": _FLAT, "kv_in": _FLAT, "o_out": _FLAT}
+# PlannedTensor.transform of a fused Linear's adapter (Phi-3's qkv_proj, gate_up_proj: convert.fused): its parts'
+# adapters as one of rank ``rank`` times the parts adapted, as convert.peft_experts lays out fused experts.
+FUSED = "fused_linear"
 
 def adapter_meta_of(ckpt: str | os.PathLike) -> dict[str, Any]:
     """model.json of an adapter checkpoint; a UserError naming ``ckpt`` for any other checkpoint."""
@@ -139,11 +142,12 @@ def _adapted_rules(cfg: ModelConfig, meta: dict[str, Any], ckpt: str | os.PathLi
                 raise UserError(f"{ckpt}: adapters on routed experts ({rule.zoo}) have no PEFT layout for "
                                 f"{cfg.family}; export the merged model instead (zoo export without --adapter)")
             continue
-        fused = fused_module(cfg, rule.hf)
-        if fused is not None:  # Phi-3: one Linear (qkv_proj, gate_up_proj) where the zoo has one adapter a part
+        fused = fusion_of(cfg, rule.hf)
+        if fused is not None and (fused[1].interleaved or fused[1].axis != 0):
+            # Its parts' rows are not blocks of a Linear's output features: no block-diagonal lora_B holds them.
             raise UserError(f"{ckpt}: adapters on {rule.zoo} have no PEFT layout: {cfg.family}'s "
-                            f"{fused.rsplit('.', 2)[-2]} is one module in transformers, which peft adapts as a whole; "
-                            "export the merged model instead (zoo export without --adapter)")
+                            f"{fused[0].rsplit('.', 2)[-2]} is one module in transformers, which peft adapts as a "
+                            "whole; export the merged model instead (zoo export without --adapter)")
         if rule.transform not in LORA_LAYOUTS or not rule.hf.endswith(".weight"):
             raise UserError(f"{ckpt}: adapters on {rule.zoo} ({rule.transform} layout) have no PEFT layout; "
                             "export the merged model instead (zoo export without --adapter)")
@@ -190,6 +194,98 @@ def _expert_tensors(cfg: ModelConfig, meta: dict[str, Any], rules: list[BoundRul
     return keyed
 
 
+def _fused_groups(cfg: ModelConfig, rules: list[BoundRule]) -> dict[str, list[BoundRule | None]]:
+    """Fused HF Linear (its name, ``{i}`` for the layer) -> the rule of each of its parts, in the fused tensor's
+    order (None for a part without adapters): the adapted rules that :mod:`convert.fused` fuses."""
+    groups: dict[str, list[BoundRule | None]] = {}
+    for rule in rules:
+        found = fusion_of(cfg, rule.hf)
+        if found is not None and not rule.experts:
+            name, fusion, k = found
+            groups.setdefault(name, [None] * len(fusion.parts))[k] = rule
+    return groups
+
+
+def _fused_key(parts: list[BoundRule | None]) -> str:
+    """``PlannedTensor.zoo`` of a fused Linear's adapter (before ``.a``/``.b``): its parts' zoo parameters in
+    order, ``-`` for a part without adapters, joined by ``+``."""
+    return "+".join("-" if r is None else r.zoo for r in parts)
+
+
+def _fused_tensors(cfg: ModelConfig, meta: dict[str, Any], rules: list[BoundRule], dtype: str | None
+                   ) -> list[tuple[tuple[int, int, str], PlannedTensor]]:
+    """The adapter tensors of fused Linears (transform :data:`FUSED`), keyed for :func:`plan_adapter`'s order:
+    lora_A [rank * adapted parts, in] (the parts' A stacked on the rank axis) and lora_B [out, rank * adapted
+    parts] (their B block-diagonal, zero rows for a part without adapters)."""
+    specs, stored, r = param_specs(cfg), meta["lora"]["params"], meta["lora"]["rank"]
+    keyed = []
+    for name, parts in _fused_groups(cfg, rules).items():
+        adapted = [rule for rule in parts if rule is not None]
+        first = adapted[0]
+        assert first.layers is not None  # fused tensors are per layer
+        fan_in = TRANSFORMS[first.transform].inverse(shape_only(specs[first.zoo].shape[1:]), cfg).shape[1]
+        rows = sum(fused_named(cfg, name).part_sizes(cfg))
+        pos = min(rules.index(rule) for rule in adapted)
+        key = _fused_key(parts)
+        for part, shape in (("a", (r * len(adapted), fan_in)), ("b", (rows, r * len(adapted)))):
+            dts = {stored[f"{rule.zoo}.{part}"]["dtype"] for rule in adapted}
+            if dtype is None and len(dts) != 1:
+                raise UserError(f"adapters on {', '.join(rule.zoo for rule in adapted)} have dtypes {sorted(dts)} "
+                                f"but peft adapts {name.rsplit('.', 2)[-2]} as one module; export with --dtype")
+            dt = dtype or dts.pop()
+            if dt not in ST_NAMES:
+                raise UserError(f"adapter {first.zoo}.{part} has dtype {dt}, which safetensors export does not support")
+            for ix in first.indices():
+                module = PEFT_PREFIX + name.format(i=first.layers[ix[0]]).removesuffix(".weight")
+                keyed.append(((first.layers[ix[0]], pos, part),
+                              PlannedTensor(f"{module}.lora_{part.upper()}.weight", f"{key}.{part}", ix, FUSED,
+                                            shape, dt)))
+    return keyed
+
+
+def _fused_factor(cfg: ModelConfig, t: PlannedTensor, arrays: dict[str, np.ndarray]) -> np.ndarray:
+    """lora_A or lora_B of fused-Linear adapter tensor ``t`` (:func:`_fused_tensors`) from the zoo adapters
+    (path -> stacked array): A by :func:`convert.peft_experts.lora_a` (one expert), B's blocks placed in the
+    fused tensor's rows by :func:`convert.fused.join`."""
+    key, _, part = t.zoo.rpartition(".")
+    paths = key.split("+")
+    adapted = tuple(p for p in paths if p != "-")
+    assert t.index is not None
+    if part == "a":  # every export transform of a fused part flattens [*in, r] in order (LORA_LAYOUTS)
+        one = {p: arrays[f"{p}.a"][t.index][None] for p in adapted}
+        return peft_experts.lora_a(peft_experts.FusedParam(key, adapted), adapted, one)
+    fusion = fused_named(cfg, t.name.removesuffix(".lora_B.weight") + ".weight")
+    transforms = {rule.zoo: rule.transform for rule in table_for(cfg.family, "hf", cfg)}
+    r = arrays[f"{adapted[0]}.b"].shape[1]
+    dt = arrays[f"{adapted[0]}.b"].dtype
+    blocks = []
+    for p, size in zip(paths, fusion.part_sizes(cfg), strict=True):
+        block = np.zeros((size, r * len(adapted)), dt)
+        if p != "-":
+            q = adapted.index(p)
+            block[:, q * r:(q + 1) * r] = LORA_LAYOUTS[transforms[p]].b(arrays[f"{p}.b"][t.index])
+        blocks.append(block)
+    return join(fusion, blocks, dt)
+
+
+def fused_config(meta: dict[str, Any]) -> dict[str, Any]:
+    """``rank_pattern`` / ``alpha_pattern`` entries of the fused Linears whose adapter joins several parts' (rank
+    ``rank`` times the parts adapted, scale the parts' own: :func:`convert.peft_experts.fused_alpha`)."""
+    cfg = ModelConfig.from_dict(meta["config"])
+    info = meta["lora"]
+    adapted = {p.rpartition(".")[0] for p in info["params"]}
+    rules = [r for r in table_for(cfg.family, "hf", cfg) if r.zoo in adapted]
+    ranks, alphas = {}, {}
+    for name, parts in _fused_groups(cfg, rules).items():
+        zoo = tuple(rule.zoo for rule in parts if rule is not None)
+        if len(zoo) > 1:
+            leaf = name.removesuffix(".weight").rpartition(".")[2]
+            ranks[leaf] = peft_experts.fused_rank(info["rank"], zoo)
+            alpha = peft_experts.fused_alpha(info["alpha"], bool(info["rslora"]), zoo)
+            alphas[leaf] = int(alpha) if float(alpha).is_integer() else alpha
+    return {"rank_pattern": ranks, "alpha_pattern": alphas}
+
+
 def experts_config(meta: dict[str, Any]) -> dict[str, Any]:
     """The adapter_config.json fields of the routed experts' adapters: ``target_parameters`` and the fused
     parameters' ``rank_pattern`` / ``alpha_pattern`` (their rank is the rank times the parts adapted, their
@@ -223,9 +319,9 @@ def plan_adapter(ckpt: str | os.PathLike, meta: dict[str, Any], dtype: str | Non
     cfg = ModelConfig.from_dict(meta["config"])
     specs, stored, r = param_specs(cfg), meta["lora"]["params"], meta["lora"]["rank"]
     rules = _adapted_rules(cfg, meta, ckpt)
-    keyed = _expert_tensors(cfg, meta, rules, dtype)
+    keyed = _expert_tensors(cfg, meta, rules, dtype) + _fused_tensors(cfg, meta, rules, dtype)
     for pos, rule in enumerate(rules):
-        if rule.experts:
+        if rule.experts or fusion_of(cfg, rule.hf) is not None:
             continue
         piece = specs[rule.zoo].shape[rule.slice_axes:]
         out_f, in_f = TRANSFORMS[rule.transform].inverse(shape_only(piece), cfg).shape
@@ -253,7 +349,8 @@ def target_modules_of(tensors: list[PlannedTensor]) -> list[str]:
 
 
 def peft_config(meta: dict[str, Any], base_ref: str, target_modules: list[str]) -> dict[str, Any]:
-    """The ``adapter_config.json`` content (peft's LoraConfig fields; peft fills the rest with defaults)."""
+    """The ``adapter_config.json`` content (peft's LoraConfig fields; peft fills the rest with defaults), the
+    fused Linears' rank and alpha patterns (:func:`fused_config`) included."""
     info = meta["lora"]
     alpha = info["alpha"]
     return {
@@ -273,8 +370,7 @@ def peft_config(meta: dict[str, Any], base_ref: str, target_modules: list[str]) 
         "init_lora_weights": True,
         "layers_to_transform": None,
         "layers_pattern": None,
-        "rank_pattern": {},
-        "alpha_pattern": {},
+        **fused_config(meta),
         "use_dora": False,
         "lora_bias": False,
     }
@@ -372,7 +468,9 @@ def export_adapter(ckpt: str | os.PathLike, out: str | os.PathLike, overwrite: b
     with atomic_output(out, overwrite) as tmp:
         _write_weights(Path(ckpt), meta, tensors, tmp / ADAPTER_WEIGHTS)
         experts = experts_config(meta)
-        config = {**peft_config(meta, base_ref, targets), **experts}
+        config = peft_config(meta, base_ref, targets)
+        for key, value in experts.items():  # the fused experts' patterns join the fused Linears'
+            config[key] = {**config[key], **value} if isinstance(value, dict) else value
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         card = adapter_card(ckpt, meta, base_ref, targets + experts.get("target_parameters", []),
                             repo_hint or out.name, base_out)
@@ -391,6 +489,8 @@ def _write_weights(ckpt: Path, meta: dict[str, Any], tensors: list[PlannedTensor
             if t.transform == peft_experts.TRANSFORM:
                 assert experts is not None and t.index is not None  # planned only with the family's layout
                 x = peft_experts.fused_factor(experts, t.zoo, arrays, t.index[0])
+            elif t.transform == FUSED:
+                x = _fused_factor(ModelConfig.from_dict(meta["config"]), t, arrays)
             else:
                 layout = LORA_LAYOUTS[t.transform]
                 fn = layout.a if t.zoo.endswith(".a") else layout.b

@@ -130,18 +130,49 @@ def test_fused_tensor_of_the_wrong_size_is_one_line(tmp_path, capsys):
     assert not (tmp_path / "zoo").exists()
 
 
-def test_peft_export_of_fused_projections_is_refused_in_one_line(converted, tmp_path, capsys):
-    """Phi-3's q/k/v and gate/up are one Linear each in transformers: adapters on them have no PEFT layout."""
+def test_peft_export_of_fused_projections_loads_in_peft_with_our_logits(converted, tmp_path):
+    """Phi-3's q/k/v and gate/up are one Linear each in transformers: the parts' adapters export as one adapter of
+    rank 2 x parts adapted (A stacked, B block-diagonal; k has none here, so its rows of lora_B are zero) with rank
+    and alpha patterns keeping alpha / r. peft 0.21 loads every key and gives our merged forward's logits; parts
+    stored in different dtypes cannot be one module's adapter without --dtype (one line)."""
+    from peft import PeftModel
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM
+
+    from convert.peft import adapter_meta_of, plan_adapter
     from tests.helpers import write_adapter_checkpoint
+    from zoo.errors import UserError
     from zoo.lora import LoraConfig
 
-    _, root = converted("phi3")
-    adapter = write_adapter_checkpoint(root / "zoo", tmp_path / "lora", LoraConfig(rank=2, targets=["q_proj", "o_proj"]))
-    capsys.readouterr()
-    assert main(["export", str(adapter), "--adapter", "--out", str(tmp_path / "peft")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "layers.q have no PEFT layout: phi3's qkv_proj is one module" in err
-    assert not (tmp_path / "peft").exists()
+    hf, root = converted("phi3")
+    lora = LoraConfig(rank=2, alpha=3.0, targets=["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj"])
+    adapter = write_adapter_checkpoint(root / "zoo", tmp_path / "lora", lora)
+    assert main(["export", str(adapter), "--adapter", "--out", str(tmp_path / "peft")]) == 0
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["o_proj", "gate_up_proj", "qkv_proj"]
+    assert config["rank_pattern"] == {"qkv_proj": 4, "gate_up_proj": 4}
+    assert config["alpha_pattern"] == {"qkv_proj": 6, "gate_up_proj": 6}
+    saved = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
+    qkv_b = saved["base_model.model.model.layers.0.self_attn.qkv_proj.lora_B.weight"]
+    q, kv = hf.config.num_attention_heads * 16, hf.config.num_key_value_heads * 16
+    assert qkv_b.shape == (q + 2 * kv, 4) and not qkv_b[q:q + kv].any() and qkv_b[q + kv:, 2:].any()
+
+    base = AutoModelForCausalLM.from_pretrained(str(root / "hf"), dtype=torch.float32,
+                                                attn_implementation="eager").eval()
+    model = PeftModel.from_pretrained(base, str(tmp_path / "peft")).eval()
+    result = model.load_adapter(str(tmp_path / "peft"), adapter_name="again")
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    tokens = random_tokens(hf.config.vocab_size, seq=20)
+    ours = np.asarray(zoo.load(adapter)(jnp.asarray(tokens)))
+    with model.disable_adapter():
+        assert np.abs(hf_logits(model, tokens) - ours).max() > 0.1  # the adapters matter: the check has teeth
+    assert np.abs(hf_logits(model, tokens) - ours).max() <= 1e-4
+
+    meta = adapter_meta_of(adapter)
+    meta["lora"]["params"]["layers.v.a"]["dtype"] = "bfloat16"
+    with pytest.raises(UserError, match=r"layers.q, layers.v have dtypes \['bfloat16', 'float32'\] but peft adapts "
+                                        r"qkv_proj as one module; export with --dtype"):
+        plan_adapter(adapter, meta)
 
 
 # Registry name -> (published parameter count, what its config must give).
