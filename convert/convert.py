@@ -12,6 +12,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from convert import fp8, mtp, mxfp4
+from convert.dequantizing import DequantizingReader
 from convert.fused import split_fused
 from convert.hf_config import model_config_from_hf, source_format
 from convert.safetensors_out import write_streaming
@@ -79,7 +80,7 @@ def convert(source: str, out: str | Path, dtype: str | None = None, progress: bo
     cfg = model_config_from_hf(src.hf_config, f"{src.description}: config")
     fmt = src.fmt if src.fmt == "gguf" else source_format(src.hf_config)
     stored_config = dict(src.hf_config)
-    dequantizing: fp8.DequantizingReader | mxfp4.DequantizingReader | None = None  # its summary ends the run
+    dequantizing: DequantizingReader | None = None  # its summary ends the run
     if src.fmt != "gguf" and mxfp4.declared(src.hf_config):  # gpt-oss's experts: dequantized while streaming
         src.reader = dequantizing = mxfp4.DequantizingReader(src.reader, cast_to or mxfp4.DEFAULT_DTYPE,
                                                              src.description)

@@ -3,7 +3,7 @@
 DeepSeek-V3/R1's Hub weights, and the FP8 releases of other families, store every linear
 projection as float8_e4m3fn with a float32 ``<name>_scale_inv`` holding one scale per
 128 x 128 block; embeddings, the head, norms and the router stay in bf16. A
-:class:`DequantizingReader` stands in front of the safetensors reader and hands the
+:class:`DequantizingReader` (convert/dequantizing.py) stands in front of the safetensors reader and hands the
 converter each FP8 weight already dequantized, one tensor at a time, by DeepSeek's own
 formula ``out[i, j] = dtype(float32(w[i, j]) * scale_inv[i // 128, j // 128])``: the
 converter never sees a scale, and memory stays bounded by the largest tensor.
@@ -12,12 +12,13 @@ converter never sees a scale, and memory stays bounded by the largest tensor.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
+from convert import dequantizing
 from convert.readers import TensorReader
 from zoo.errors import UserError
 
@@ -75,75 +76,49 @@ def dequantize(w: np.ndarray, scale_inv: np.ndarray, block: BlockScaling, dtype:
     return out
 
 
-@dataclass
-class DequantizingReader:
-    """A safetensors reader whose FP8 weights read as dequantized tensors and whose scales are hidden.
+class DequantizingReader(dequantizing.DequantizingReader):
+    """A safetensors reader whose FP8 weights read as dequantized tensors and whose scales are hidden
+    (:class:`convert.dequantizing.DequantizingReader`, by :func:`dequantize` with ``block``'s grid).
 
     ``out_dtype`` is what the dequantized weights come out as (the conversion's ``--dtype``, else bf16).
-    The counts (tensors dequantized, bytes read, bytes produced) feed the converter's summary line.
     """
 
-    reader: TensorReader
-    block: BlockScaling
-    out_dtype: np.dtype
-    where: str
-    quantized: dict[str, str] = field(default_factory=dict)  # weight -> its scale tensor
-    dequantized: int = 0
-    bytes_in: int = 0
-    bytes_out: int = 0
+    def __init__(self, reader: TensorReader, block: BlockScaling, out_dtype: np.dtype, where: str):
+        self.block = block
+        super().__init__(reader, out_dtype, where)
 
-    def __post_init__(self) -> None:
+    def _find(self) -> None:
         have = set(self.reader.names())
+        scales: dict[str, str] = {}  # weight -> its scale tensor
         for name in self.reader.names():
             if name.endswith(SCALE_SUFFIX):
                 weight = name[: -len(SCALE_SUFFIX)]
                 if weight not in have:
                     raise UserError(f"{self.where}: scale {name!r} has no weight {weight!r} beside it")
-                self.quantized[weight] = name
+                scales[weight] = name
         for name in self.reader.names():
             fp8 = self.reader.dtype(name) in FP8_DTYPES
-            if fp8 and name not in self.quantized:
+            if fp8 and name not in scales:
                 raise UserError(f"{self.where}: FP8 tensor {name!r} has no {name + SCALE_SUFFIX!r} beside it")
-            if name in self.quantized:
+            if name in scales:
                 if not fp8:
                     raise UserError(f"{self.where}: tensor {name!r} has a scale but is stored as "
                                     f"{self.reader.dtype(name)}, not FP8")
-                shape, grid = self.reader.shape(name), self.reader.shape(self.quantized[name])
+                shape, grid = self.reader.shape(name), self.reader.shape(scales[name])
                 if len(shape) != 2 or tuple(grid) != scale_grid(shape, self.block):
                     want = scale_grid(shape, self.block) if len(shape) == 2 else "a 2-D weight"
-                    raise UserError(f"{self.where}: {self.quantized[name]!r} has shape {tuple(grid)}, but weight "
+                    raise UserError(f"{self.where}: {scales[name]!r} has shape {tuple(grid)}, but weight "
                                     f"{tuple(shape)} in {self.block.rows}x{self.block.cols} blocks needs {want}")
+        self.quantized = {w: (w, s) for w, s in scales.items()}
 
-    def names(self) -> list[str]:
-        """Every tensor but the scales."""
-        return [n for n in self.reader.names() if not n.endswith(SCALE_SUFFIX)]
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        """Shape of a tensor without reading it."""
-        return self.reader.shape(name)
-
-    def dtype(self, name: str) -> np.dtype:
-        """The dtype a tensor reads as: ``out_dtype`` for FP8 weights, the stored one otherwise."""
-        return self.out_dtype if name in self.quantized else self.reader.dtype(name)
-
-    def get(self, name: str) -> np.ndarray:
-        """One tensor; an FP8 weight dequantized with its block scales."""
-        if name not in self.quantized:
-            return self.reader.get(name)
-        w, s = self.reader.get(name), self.reader.get(self.quantized[name])
-        out = dequantize(w, s, self.block, self.out_dtype)
-        self.dequantized += 1
-        self.bytes_in += w.nbytes + s.nbytes
-        self.bytes_out += out.nbytes
-        return out
+    def _dequantize(self, *stored: np.ndarray) -> np.ndarray:
+        w, scale_inv = stored
+        return dequantize(w, scale_inv, self.block, self.out_dtype)
 
     def summary(self) -> str:
         """One line: what was dequantized, bytes in and out."""
-        from zoo.console import human_bytes
-
-        return (f"fp8: dequantized {self.dequantized} of {len(self.quantized)} FP8 tensors "
-                f"({self.block.rows}x{self.block.cols} blocks) to {self.out_dtype.name}: "
-                f"{human_bytes(self.bytes_in)} in (weights + scales), {human_bytes(self.bytes_out)} out")
+        return self._summary(f"fp8: dequantized {self.dequantized} of {len(self.quantized)} FP8 tensors "
+                             f"({self.block.rows}x{self.block.cols} blocks)", "weights + scales")
 
 
 def refuse_unscaled_fp8(reader: TensorReader, where: str) -> None:

@@ -3,7 +3,7 @@
 gpt-oss ships its experts' weights (``gate_up_proj``, ``down_proj``) as ``<name>_blocks`` (uint8, two E2M1
 values a byte, low nibble first, 32 values a block: [experts, rows, blocks, 16]) and ``<name>_scales`` (uint8
 E8M0, one power of two ``2^(s - 127)`` a block: [experts, rows, blocks]); everything else is bf16. A
-:class:`DequantizingReader` stands in front of the safetensors reader, as convert/fp8.py's does for FP8, and hands
+:class:`DequantizingReader` (convert/dequantizing.py) stands in front of the safetensors reader, as for FP8, and hands
 the converter each such weight dequantized, one tensor at a time (one expert at a time inside it), in
 transformers' layout [experts, blocks * 32, rows] and by transformers' own formula
 (``transformers.integrations.mxfp4.convert_moe_packed_tensors``): ``dtype(ldexp(float32(lut[code]), s - 127))``. The converter never sees a block or a scale.
@@ -11,12 +11,12 @@ transformers' layout [experts, blocks * 32, rows] and by transformers' own formu
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
+from convert import dequantizing
 from convert.readers import TensorReader
 from zoo.errors import UserError
 
@@ -58,21 +58,13 @@ def dequantize(blocks: np.ndarray, scales: np.ndarray, dtype: np.dtype) -> np.nd
     return out
 
 
-@dataclass
-class DequantizingReader:
+class DequantizingReader(dequantizing.DequantizingReader):
     """A safetensors reader whose MXFP4 weights read as dequantized tensors (under their name without
-    ``_blocks``) and whose blocks and scales are hidden. ``out_dtype`` is what the dequantized weights come out as
-    (the conversion's ``--dtype``, else bf16). The counts feed the converter's summary line."""
+    ``_blocks``) and whose blocks and scales are hidden (:class:`convert.dequantizing.DequantizingReader`, by
+    :func:`dequantize`). ``out_dtype`` is what the dequantized weights come out as (the conversion's ``--dtype``,
+    else bf16)."""
 
-    reader: TensorReader
-    out_dtype: np.dtype
-    where: str
-    quantized: dict[str, tuple[str, str]] = field(default_factory=dict)  # weight -> (its blocks, its scales)
-    dequantized: int = 0
-    bytes_in: int = 0
-    bytes_out: int = 0
-
-    def __post_init__(self) -> None:
+    def _find(self) -> None:
         have = set(self.reader.names())
         for name in self.reader.names():
             if name.endswith(SCALES) and name[: -len(SCALES)] + BLOCKS not in have:
@@ -92,39 +84,17 @@ class DequantizingReader:
                                 f"{shape} need uint8 {shape[:-1]} (one E8M0 scale a block of 32)")
             self.quantized[weight] = (name, scales)
 
-    def names(self) -> list[str]:
-        """Every tensor, MXFP4 weights by their own name, their blocks and scales hidden."""
-        hidden = {n for pair in self.quantized.values() for n in pair}
-        return [n for n in self.reader.names() if n not in hidden] + list(self.quantized)
+    def _shape(self, weight: str) -> tuple[int, ...]:
+        return dequantized_shape(tuple(self.reader.shape(self.quantized[weight][0])))
 
-    def shape(self, name: str) -> tuple[int, ...]:
-        """Shape of a tensor (an MXFP4 weight's once dequantized) without reading it."""
-        if name in self.quantized:
-            return dequantized_shape(tuple(self.reader.shape(self.quantized[name][0])))
-        return self.reader.shape(name)
-
-    def dtype(self, name: str) -> np.dtype:
-        """The dtype a tensor reads as: ``out_dtype`` for MXFP4 weights, the stored one otherwise."""
-        return self.out_dtype if name in self.quantized else self.reader.dtype(name)
-
-    def get(self, name: str) -> np.ndarray:
-        """One tensor; an MXFP4 weight dequantized from its blocks and scales."""
-        if name not in self.quantized:
-            return self.reader.get(name)
-        blocks, scales = (self.reader.get(n) for n in self.quantized[name])
-        out = dequantize(blocks, scales, self.out_dtype)
-        self.dequantized += 1
-        self.bytes_in += blocks.nbytes + scales.nbytes
-        self.bytes_out += out.nbytes
-        return out
+    def _dequantize(self, *stored: np.ndarray) -> np.ndarray:
+        blocks, scales = stored
+        return dequantize(blocks, scales, self.out_dtype)
 
     def summary(self) -> str:
         """One line: what was dequantized, bytes in and out."""
-        from zoo.console import human_bytes
-
-        return (f"mxfp4: dequantized {self.dequantized} reads of {len(self.quantized)} MXFP4 tensors to "
-                f"{self.out_dtype.name}: {human_bytes(self.bytes_in)} in (blocks + scales), "
-                f"{human_bytes(self.bytes_out)} out")
+        return self._summary(f"mxfp4: dequantized {self.dequantized} reads of {len(self.quantized)} MXFP4 tensors",
+                             "blocks + scales")
 
 
 def refuse_undeclared(reader: TensorReader, where: str) -> None:

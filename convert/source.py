@@ -31,7 +31,7 @@ class Source:
     description: str
     fmt: str  # "hf" (safetensors names) or "gguf" (llama.cpp names)
     hf_config: dict[str, Any]
-    reader: TensorReader  # SafetensorsFolder or GGUFFile; for an FP8 checkpoint convert.fp8.DequantizingReader in front
+    reader: TensorReader  # SafetensorsFolder or GGUFFile; for an FP8 or MXFP4 checkpoint a DequantizingReader in front
     save_tokenizer: Callable[[Path], None]
     hub_id: str | None = None  # the Hub repo these files are (model.json's hub_id): None for a GGUF or other folder
 
