@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import zoo
+from convert.export import planned_files
 from eval.generate import GenerationConfig, generate
 from tests.helpers import FAMILIES, hf_logits, hf_tensors, make_hf, mean_kl, random_tokens
 from zoo.cli import main
@@ -59,6 +60,8 @@ def test_round_trip_is_bit_identical(converted, family):
     _, root = converted(family)
     assert main(["export", str(root / "zoo"), "--out", str(root / "back")]) == 0
     assert hf_tensors(root / "hf") == hf_tensors(root / "back")  # Phi-3: qkv_proj, gate_up_proj fused again
+    shards = {n: size for n, size in planned_files(root / "zoo") if n.endswith(".safetensors")}
+    assert shards == {n: (root / "back" / n).stat().st_size for n in shards}  # the dry run's sizes: the fused ones
     a = json.loads((root / "hf" / "config.json").read_text())
     b = json.loads((root / "back" / "config.json").read_text())
     assert {k: v for k, v in a.items() if "dtype" not in k} == {k: v for k, v in b.items() if "dtype" not in k}
