@@ -161,13 +161,6 @@ def fused_named(cfg: ModelConfig, name: str) -> Fusion:
     return next(f for f in FUSIONS[cfg.family] if _prefix(name, f.fused) is not None)
 
 
-def fused_module(cfg: ModelConfig, hf_name: str) -> str | None:
-    """The fused tensor (``...qkv_proj.weight``) that HF tensor ``hf_name`` is a part of in ``cfg``'s family, or
-    None when it is a tensor of its own."""
-    found = fusion_of(cfg, hf_name)
-    return None if found is None else found[0]
-
-
 def split_fused(reader: Any, cfg: ModelConfig, description: str) -> Any:
     """``reader`` as the conversion tables read it: a :class:`SplitReader` for families with fused tensors."""
     return SplitReader(reader, cfg, description) if cfg.family in FUSIONS else reader
