@@ -307,6 +307,9 @@ def test_fused_factors_give_each_experts_delta():
     woven = FusedParam("gate_up_proj", ("expert_gate", "expert_up"), interleaved=True)
     want = np.stack([gate, up], axis=2).reshape(experts, 2 * mlp, embed)  # rows gate0, up0, gate1, up1 ...
     np.testing.assert_allclose(peft_delta(lora_a(woven, both, a), lora_b(woven, both, b)), want, atol=1e-12)
+    want = np.stack([np.zeros_like(up), up], axis=2).reshape(experts, 2 * mlp, embed)  # up alone: gate rows zero
+    np.testing.assert_allclose(peft_delta(lora_a(woven, ("expert_up",), a), lora_b(woven, ("expert_up",), b)), want,
+                               atol=1e-12)
 
 
 @pytest.fixture(scope="module")
