@@ -135,7 +135,7 @@ def _adapted_rules(cfg: ModelConfig, meta: dict[str, Any], ckpt: str | os.PathLi
                         "the checkpoint is damaged")
     layout = peft_experts.layout_of(cfg)
     for rule in rules:
-        if rule.experts:
+        if peft_experts.is_expert_weight(rule.zoo):
             if layout is None:
                 # transformers fuses routed experts into one parameter per projection: no Linear for peft to wrap,
                 # and no target_parameters layout known here for this family.
@@ -164,14 +164,15 @@ def _expert_tensors(cfg: ModelConfig, meta: dict[str, Any], rules: list[BoundRul
     """The routed experts' adapter tensors in peft's target_parameters layout (:mod:`convert.peft_experts`),
     keyed for :func:`plan_adapter`'s order. ``PlannedTensor.zoo`` is ``<stack>.<fused parameter>.<a|b>``."""
     layout = peft_experts.layout_of(cfg)
-    stacks = dict.fromkeys(r.zoo.rpartition(".")[0] for r in rules if r.experts)
+    experts_rules = [r for r in rules if peft_experts.is_expert_weight(r.zoo)]
+    stacks = dict.fromkeys(r.zoo.rpartition(".")[0] for r in experts_rules)
     if layout is None or not stacks:
         return []
     stored, r = meta["lora"]["params"], meta["lora"]["rank"]
     specs = param_specs(cfg)
     keyed = []
     for stack in stacks:
-        layers = next(rule.layers for rule in rules if rule.experts and rule.zoo.startswith(stack + "."))
+        layers = next(rule.layers for rule in experts_rules if rule.zoo.startswith(stack + "."))
         assert layers is not None  # expert rules are stacked over their layers
         adapted = {name for name in peft_experts.EXPERT_WEIGHTS if f"{stack}.{name}" in {x.zoo for x in rules}}
         fused = peft_experts.adapted_params(layout, adapted)
@@ -200,7 +201,7 @@ def _fused_groups(cfg: ModelConfig, rules: list[BoundRule]) -> dict[str, list[Bo
     groups: dict[str, list[BoundRule | None]] = {}
     for rule in rules:
         found = fusion_of(cfg, rule.hf)
-        if found is not None and not rule.experts:
+        if found is not None and not peft_experts.is_expert_weight(rule.zoo):
             name, fusion, k = found
             groups.setdefault(name, [None] * len(fusion.parts))[k] = rule
     return groups
@@ -321,7 +322,7 @@ def plan_adapter(ckpt: str | os.PathLike, meta: dict[str, Any], dtype: str | Non
     rules = _adapted_rules(cfg, meta, ckpt)
     keyed = _expert_tensors(cfg, meta, rules, dtype) + _fused_tensors(cfg, meta, rules, dtype)
     for pos, rule in enumerate(rules):
-        if rule.experts or fusion_of(cfg, rule.hf) is not None:
+        if peft_experts.is_expert_weight(rule.zoo) or fusion_of(cfg, rule.hf) is not None:
             continue
         piece = specs[rule.zoo].shape[rule.slice_axes:]
         out_f, in_f = TRANSFORMS[rule.transform].inverse(shape_only(piece), cfg).shape

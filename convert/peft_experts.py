@@ -1,12 +1,15 @@
 """Routed experts' LoRA adapters in PEFT's ``target_parameters`` layout (peft's ``lora.ParamWrapper``).
 
 transformers 5 keeps a MoE layer's experts fused, as parameters of one module, not as a Linear per expert:
-Mixtral's, DeepSeek-V2/V3's (and Qwen-MoE's) ``mlp.experts.gate_up_proj`` [experts, 2 * mlp, embed] (each
-expert's gate rows, then its up rows) and ``mlp.experts.down_proj`` [experts, embed, mlp]. peft 0.21 adapts
+Mixtral's, DeepSeek-V2/V3's, Qwen3-MoE's and GLM-4.5's ``mlp.experts.gate_up_proj`` [experts, 2 * mlp, embed]
+(each expert's gate rows, then its up rows) and ``mlp.experts.down_proj`` [experts, embed, mlp]; gpt-oss's
+``gate_up_proj`` [experts, embed, 2 * mlp] (gate and up alternating column by column) and ``down_proj``
+[experts, mlp, embed], stored [in, out] (its experts module says ``is_transposed``). peft 0.21 adapts
 such a parameter with ``target_parameters``: ``lora_A.weight`` [rank * experts, in] holds expert e's A in
 rows ``e * rank ...`` (expert-major) and ``lora_B.weight`` [out, rank * experts] its B in columns
 ``j * experts + e`` (rank-major), so that expert e's delta is ``scaling * B_e @ A_e`` ([out, in], the
-parameter's own layout, or its transpose for experts stored [in, out] as gpt-oss's).
+parameter's own layout, or its transpose for experts stored [in, out] as gpt-oss's): the factors are the same
+for both orientations. Biases (gpt-oss's ``gate_up_proj_bias``, ``down_proj_bias``) are not adapted.
 
 The zoo adapts gate and up apart (``expert_gate``, ``expert_up``: A [experts, embed, r], B [experts, r, mlp]);
 their one fused parameter gets an adapter of rank ``r`` times the parts adapted: the parts' A stacked on the
@@ -70,7 +73,18 @@ EXPERTS_LAYOUTS: dict[str, ExpertsLayout] = {
     "deepseek_v2": ExpertsLayout("model.layers.{i}.mlp.experts", _GATE_UP_DOWN, ("gate_proj", "up_proj", "down_proj")),
     "deepseek_v3": ExpertsLayout("model.layers.{i}.mlp.experts", _GATE_UP_DOWN, ("gate_proj", "up_proj", "down_proj")),
     "qwen3_moe": ExpertsLayout("model.layers.{i}.mlp.experts", _GATE_UP_DOWN, ("gate_proj", "up_proj", "down_proj")),
+    "glm4_moe": ExpertsLayout("model.layers.{i}.mlp.experts", _GATE_UP_DOWN, ("gate_proj", "up_proj", "down_proj")),
+    # peft has no v4 conversion for gpt-oss (whose experts were always fused): no Linear name is rewritten.
+    "gpt_oss": ExpertsLayout("model.layers.{i}.mlp.experts", (
+        FusedParam("gate_up_proj", ("expert_gate", "expert_up"), interleaved=True),
+        FusedParam("down_proj", ("expert_down",)))),
 }
+
+
+def is_expert_weight(zoo_path: str) -> bool:
+    """Whether the zoo weight ``zoo_path`` (``layers.expert_gate``) is a routed expert stack of :data:`EXPERT_WEIGHTS`
+    (whether its export rule stacks a tensor per expert, as Mixtral's, or reads one fused tensor, as gpt-oss's)."""
+    return zoo_path.rpartition(".")[2] in EXPERT_WEIGHTS
 
 
 def target_parameter(layout: ExpertsLayout, fused: FusedParam) -> str:

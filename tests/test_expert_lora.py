@@ -307,6 +307,9 @@ def test_fused_factors_give_each_experts_delta():
     woven = FusedParam("gate_up_proj", ("expert_gate", "expert_up"), interleaved=True)
     want = np.stack([gate, up], axis=2).reshape(experts, 2 * mlp, embed)  # rows gate0, up0, gate1, up1 ...
     np.testing.assert_allclose(peft_delta(lora_a(woven, both, a), lora_b(woven, both, b)), want, atol=1e-12)
+    want = np.stack([np.zeros_like(up), up], axis=2).reshape(experts, 2 * mlp, embed)  # up alone: gate rows zero
+    np.testing.assert_allclose(peft_delta(lora_a(woven, ("expert_up",), a), lora_b(woven, ("expert_up",), b)), want,
+                               atol=1e-12)
 
 
 @pytest.fixture(scope="module")
@@ -351,12 +354,15 @@ def _peft_logits_against_ours(hf: Path, adapter: Path, peft_dir: Path) -> tuple[
     ("mixtral", LoraConfig(rank=4, alpha=8.0, targets=["q_proj", "o_proj", *EXPERTS])),
     ("deepseek_v3", LoraConfig(rank=4, alpha=6.0, rslora=True, targets=["experts.gate_proj", "experts.down_proj"])),
     ("qwen3_moe", LoraConfig(rank=4, alpha=8.0, targets=["q_proj", "o_proj", *EXPERTS])),
+    ("glm4_moe", LoraConfig(rank=4, alpha=8.0, targets=["q_proj", "o_proj", *EXPERTS])),
+    ("gpt_oss", LoraConfig(rank=4, alpha=8.0, targets=["q_proj", "o_proj", *EXPERTS])),
 ])
 def test_peft_loads_expert_adapters_with_equal_logits(bases, tmp_path, family, lc):
     """Slow (a conversion, the export, and peft + transformers on each tiny model: about 20 s each).
     `zoo export --adapter` writes the experts' adapters as peft's target_parameters on transformers 5's fused
     mlp.experts.gate_up_proj / down_proj (rank and alpha patterns where gate and up share one), which peft 0.21
-    loads key for key with our logits (1e-4); DeepSeek's case adapts gate without up, with rsLoRA."""
+    loads key for key with our logits (1e-4); DeepSeek's case adapts gate without up, with rsLoRA; gpt-oss's
+    gate_up_proj is stored [in, out] with gate and up interleaved, its SwiGLU clamped (limit 1.5 bites here)."""
     from safetensors.numpy import load_file
 
     from zoo.cli import main
@@ -367,8 +373,9 @@ def test_peft_loads_expert_adapters_with_equal_logits(bases, tmp_path, family, l
     config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     saved = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
-    # deepseek_v3's two first layers are dense, qwen3_moe's layer 1 (mlp_only_layers)
-    experts, layer = {"mixtral": (4, 0), "deepseek_v3": (8, 3), "qwen3_moe": (8, 2)}[family]
+    # deepseek_v3's two first layers are dense, qwen3_moe's layer 1 (mlp_only_layers), glm4_moe's layer 0
+    experts, layer = {"mixtral": (4, 0), "deepseek_v3": (8, 3), "qwen3_moe": (8, 2), "glm4_moe": (8, 1),
+                      "gpt_oss": (4, 0)}[family]
     fused = f"base_model.model.model.layers.{layer}.mlp.experts.base_layer.lora_A.weight"
     if family != "deepseek_v3":
         assert config["target_modules"] == ["q_proj", "o_proj"]
@@ -392,9 +399,10 @@ def _one_error_line(capsys) -> str:
 
 @pytest.mark.slow
 def test_peft_export_refuses_what_peft_cannot_express(bases, tmp_path, capsys, monkeypatch):
-    """Slow (a DeepSeek-V3 conversion). peft 0.21 rewrites a deepseek_v3 model's gate_proj / up_proj / down_proj
-    targets to the fused routed experts, so adapters on its shared experts (or dense MLP) cannot load as such: one
-    line, nothing written; a family without a fused-experts layout refuses its expert adapters in one line."""
+    """Slow (a DeepSeek-V3 and a GLM-4.5 conversion, shared with the test above). peft 0.21 rewrites a
+    deepseek_v3 (or glm4_moe) model's gate_proj / up_proj / down_proj targets to the fused routed experts, so
+    adapters on its shared experts (or dense MLP) cannot load as such: one line, nothing written; a family without
+    a fused-experts layout refuses its expert adapters in one line."""
     from convert import peft_experts
     from zoo.cli import main
 
@@ -405,6 +413,13 @@ def test_peft_export_refuses_what_peft_cannot_express(bases, tmp_path, capsys, m
     assert main(["export", str(adapter), "--adapter", "--out", str(tmp_path / "out")]) == 2
     line = _one_error_line(capsys)
     assert "layers.shared_up" in line and "peft rewrites up_proj" in line and "export the merged model" in line
+    assert not (tmp_path / "out").exists()
+    _, glm = bases["glm4_moe"]  # GLM-4.5's dense first layer: a Linear down_proj that peft rewrites too
+    dense = write_adapter_checkpoint(glm, tmp_path / "dense", LoraConfig(rank=2, targets=["mlp.down_proj", *EXPERTS]))
+    capsys.readouterr()  # the conversion's progress
+    assert main(["export", str(dense), "--adapter", "--out", str(tmp_path / "out")]) == 2
+    line = _one_error_line(capsys)
+    assert "dense_layers.down" in line and "glm4_moe model peft rewrites down_proj" in line
     assert not (tmp_path / "out").exists()
     experts = write_adapter_checkpoint(base, tmp_path / "experts", LoraConfig(rank=2, targets=EXPERTS))
     monkeypatch.delitem(peft_experts.EXPERTS_LAYOUTS, "deepseek_v3")
