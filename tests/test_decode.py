@@ -36,11 +36,21 @@ def tiny(tmp_path_factory):
     return get
 
 
+# The families whose cached attention differs from every other's: windows (mistral, gemma2/3, olmo3), soft-capping,
+# MLA (deepseek_v2; deepseek_v3's both ways in test_mla_expanded_and_absorbed_attention), KV-shared layers (gemma4),
+# sinks (gpt_oss), partial rotary (glm4_moe), NoPE layers (smollm3), LongRoPE's switch (phi3). The others (gemma,
+# qwen2, qwen3, mixtral, qwen3_moe, olmo2) differ from llama only before the cache or after attention, and decode
+# against transformers' generate in test_greedy_equals_transformers_generate like every family.
+CACHE_FAMILIES = ["llama", "mistral", "gemma2", "gemma3", "deepseek_v2", "gemma4", "glm4_moe", "gpt_oss", "smollm3",
+                  "olmo3", "phi3"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", CACHE_FAMILIES)
 def test_cached_logits_equal_full_forward(tiny, family):
     """Prefill of prompts of different lengths, a multi-token chunk with padding, then one token at a
     time: every real token's logits equal the full forward pass's at its position."""
+    assert set(CACHE_FAMILIES) <= set(FAMILIES)
     _, cfg, params = tiny(family)
     _check_cached_logits(cfg, params, forward_cached_jit)
 
@@ -53,7 +63,7 @@ def _check_cached_logits(cfg, params, fwd):
     # (tokens to take per row) per call: a ragged prefill, a padded chunk, then single tokens.
     plan = [(5, 9), (3, 2)] + [(1, 1)] * (SEQ - 11)
     for take in plan:
-        t = max(take)
+        t = 1 if max(take) == 1 else 9  # the prefill's width for the padded chunk too: two programs, not three
         toks = np.zeros((2, t), np.int32)
         valid = np.zeros((2, t), bool)
         for r, n in enumerate(take):
@@ -274,7 +284,7 @@ def test_generation_shortcuts_equal_forward_cached(tiny, family):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
     step = jnp.asarray(seqs[:, :1])
     want, _ = forward_cached_jit(cfg, params, step, cache)
-    for view in (12, 16, 40):
+    for view in (12, 40):  # exactly the filled slots; more (a bucket) but fewer than the cache's
         got, _ = jax.jit(partial(forward_step, cfg, view=view))(params, step, cache)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
 

@@ -93,3 +93,20 @@ def test_list_shows_required_models(capsys):
                        ("deepseek-v3-tiny", "(built-in config: zoo init)")]:
         line = next(l for l in out.splitlines() if l.startswith(name + " "))
         assert line.rstrip().endswith(repo), line
+
+
+def test_info_names_the_dense_layers_of_a_moe_model():
+    """`zoo info`'s experts line names the dense layers wherever they sit: first layers (DeepSeek's
+    first_k_dense_replace), Qwen3-MoE's mlp_only_layers and decoder_sparse_step, or none."""
+    from dataclasses import replace
+
+    from zoo.config import ModelConfig
+    from zoo.info import dense_layer_text
+
+    cfg = ModelConfig("qwen3_moe", vocab_size=64, hidden_size=16, intermediate_size=32, num_heads=2, num_kv_heads=1,
+                      head_dim=8, num_layers=4, num_experts=8, experts_per_token=2, mlp_only_layers=(1, 3))
+    assert dense_layer_text(cfg) == "layers 1, 3 dense (of 4)"
+    assert dense_layer_text(replace(cfg, mlp_only_layers=())) == "every layer MoE"
+    assert dense_layer_text(replace(cfg, mlp_only_layers=(), dense_layers=1)) == "first 1 layer dense"
+    assert dense_layer_text(replace(cfg, mlp_only_layers=(), dense_layers=3)) == "first 3 layers dense"
+    assert dense_layer_text(replace(cfg, mlp_only_layers=(), decoder_sparse_step=2)) == "layers 0, 2 dense (of 4)"

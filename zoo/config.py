@@ -197,20 +197,6 @@ class ModelConfig:
             return scale
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
-    @property
-    def layer_groups(self) -> list[tuple[str, int, int, bool]]:
-        """(parameter prefix, first layer, end layer, is MoE) of each stack of layers.
-
-        Dense models have one stack, ``layers``; MoE models with dense first
-        layers have ``dense_layers`` then ``layers``; each stack is scanned.
-        """
-        n = self.num_layers
-        if not self.num_experts:
-            return [("layers", 0, n, False)]
-        if self.dense_layers:
-            return [("dense_layers", 0, self.dense_layers, False), ("layers", self.dense_layers, n, True)]
-        return [("layers", 0, n, True)]
-
     def is_moe_layer(self, i: int) -> bool:
         """Whether layer i runs the routed experts (else a dense MLP): past the first ``dense_layers``, on every
         ``decoder_sparse_step``-th layer, not in ``mlp_only_layers``."""

@@ -9,6 +9,7 @@ import argparse
 from collections.abc import Iterable
 from pathlib import Path
 
+from zoo.config import ModelConfig
 from zoo.console import print_table
 
 
@@ -50,7 +51,7 @@ def info_command(args: argparse.Namespace) -> None:
     )
     if cfg.get("num_experts"):
         print(f"experts     {cfg['num_experts']} routed (top-{cfg['experts_per_token']}), "
-              f"{cfg.get('shared_experts', 0)} shared, first {cfg.get('dense_layers', 0)} layers dense")
+              f"{cfg.get('shared_experts', 0)} shared, {dense_layer_text(ModelConfig.from_dict(cfg))}")
     lora = meta.get("lora")
     if lora:
         # An adapter checkpoint: the table above describes the merged model; on disk are the adapters only.
@@ -110,3 +111,14 @@ def _chunk_shapes(params_dir: Path) -> dict[str, tuple[int, ...]]:
         if sm is not None and sm.chunk_shape is not None:
             out[k] = tuple(sm.chunk_shape)
     return out
+
+
+def dense_layer_text(cfg: ModelConfig) -> str:
+    """How a MoE model's dense layers read: "every layer MoE", "first 3 layers dense" or the dense layers'
+    indices (Qwen3-MoE's ``mlp_only_layers``, a ``decoder_sparse_step`` over 1)."""
+    dense = [i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)]
+    if not dense:
+        return "every layer MoE"
+    if dense == list(range(len(dense))):
+        return f"first {len(dense)} layer{'s' if len(dense) > 1 else ''} dense"
+    return f"layers {', '.join(map(str, dense))} dense (of {cfg.num_layers})"
