@@ -66,6 +66,8 @@ def _flat_b(b: np.ndarray) -> np.ndarray:
 # permutation too, and no adapter targets them (MLA attention has no adapters; GGUF is not an export format).
 _FLAT = LoraLayout(_flat_a, _flat_b)
 LORA_LAYOUTS: dict[str, LoraLayout] = {"transpose": _FLAT, "q_in": _FLAT, "kv_in": _FLAT, "o_out": _FLAT}
+# Gemma 4's full layers' attention: the same layouts at that kind's head_dim (convert.transforms._global).
+LORA_LAYOUTS.update({"global_q_in": _FLAT, "global_kv_in": _FLAT, "global_o_out": _FLAT})
 
 def adapter_meta_of(ckpt: str | os.PathLike) -> dict[str, Any]:
     """model.json of an adapter checkpoint; a UserError naming ``ckpt`` for any other checkpoint."""
@@ -132,7 +134,7 @@ def _adapted_rules(cfg: ModelConfig, meta: dict[str, Any], ckpt: str | os.PathLi
                         "the checkpoint is damaged")
     layout = peft_experts.layout_of(cfg)
     for rule in rules:
-        if rule.experts:
+        if peft_experts.is_experts(rule):
             if layout is None:
                 # transformers fuses routed experts into one parameter per projection: no Linear for peft to wrap,
                 # and no target_parameters layout known here for this family.
@@ -160,14 +162,14 @@ def _expert_tensors(cfg: ModelConfig, meta: dict[str, Any], rules: list[BoundRul
     """The routed experts' adapter tensors in peft's target_parameters layout (:mod:`convert.peft_experts`),
     keyed for :func:`plan_adapter`'s order. ``PlannedTensor.zoo`` is ``<stack>.<fused parameter>.<a|b>``."""
     layout = peft_experts.layout_of(cfg)
-    stacks = dict.fromkeys(r.zoo.rpartition(".")[0] for r in rules if r.experts)
+    stacks = dict.fromkeys(r.zoo.rpartition(".")[0] for r in rules if peft_experts.is_experts(r))
     if layout is None or not stacks:
         return []
     stored, r = meta["lora"]["params"], meta["lora"]["rank"]
     specs = param_specs(cfg)
     keyed = []
     for stack in stacks:
-        layers = next(rule.layers for rule in rules if rule.experts and rule.zoo.startswith(stack + "."))
+        layers = next(rule.layers for rule in rules if peft_experts.is_experts(rule) and rule.zoo.startswith(stack + "."))
         assert layers is not None  # expert rules are stacked over their layers
         adapted = {name for name in peft_experts.EXPERT_WEIGHTS if f"{stack}.{name}" in {x.zoo for x in rules}}
         fused = peft_experts.adapted_params(layout, adapted)
@@ -225,7 +227,7 @@ def plan_adapter(ckpt: str | os.PathLike, meta: dict[str, Any], dtype: str | Non
     rules = _adapted_rules(cfg, meta, ckpt)
     keyed = _expert_tensors(cfg, meta, rules, dtype)
     for pos, rule in enumerate(rules):
-        if rule.experts:
+        if peft_experts.is_experts(rule):
             continue
         piece = specs[rule.zoo].shape[rule.slice_axes:]
         out_f, in_f = TRANSFORMS[rule.transform].inverse(shape_only(piece), cfg).shape
