@@ -84,6 +84,53 @@ def test_round_trip_and_generated_config(converted, variant, tmp_path):
     np.testing.assert_array_equal(hf_logits(back, tokens), hf_logits(hf, tokens))
 
 
+def _peft_export(converted, variant, tmp_path):
+    """(transformers' folder, an adapter checkpoint on every target, its `zoo export --adapter` folder)."""
+    from tests.helpers import write_adapter_checkpoint
+    from zoo.lora import LoraConfig
+
+    root, _ = converted(variant)
+    adapter = write_adapter_checkpoint(root / "zoo", tmp_path / "adapter", LoraConfig(rank=4, alpha=8.0))
+    assert main(["export", str(adapter), "--adapter", "--out", str(tmp_path / "peft")]) == 0
+    return root / "hf", adapter, tmp_path / "peft"
+
+
+def test_adapter_exports_in_peft_layout(converted, tmp_path):
+    """`zoo export --adapter` of adapters on every target of the MoE variant: the full layers' global_* as their
+    layers' q/k/v/o_proj (wider heads), the experts' as peft's target_parameters on the fused experts.gate_up_proj
+    (one adapter: rank 4 a expert, no rank pattern) and down_proj, in each layer's experts module."""
+    from safetensors.numpy import load_file
+
+    _, _, peft = _peft_export(converted, "moe", tmp_path)
+    config = json.loads((peft / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["experts.gate_up_proj", "experts.down_proj"]
+    assert config["rank_pattern"] == {} and config["alpha_pattern"] == {} and config["r"] == 4
+    assert config["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    saved = {k: v.shape for k, v in load_file(str(peft / "adapter_model.safetensors")).items()}
+    layer = "base_model.model.model.layers.{}."
+    full, sliding, shared = layer.format(1), layer.format(0), layer.format(5)  # layer 5: KV-shared, full
+    assert saved[full + "self_attn.q_proj.lora_B.weight"] == (4 * 16, 4)  # 4 heads of the full layers' 16
+    assert saved[sliding + "self_attn.q_proj.lora_B.weight"] == (4 * 8, 4)
+    assert shared + "self_attn.k_proj.lora_A.weight" not in saved  # KV-shared layers have no keys
+    # gate_up_proj [4 experts, 2 x 16, 64]: its wrapper nests under down_proj's
+    assert saved[full + "experts.base_layer.lora_A.weight"] == (4 * 4, 64)
+    assert saved[full + "experts.base_layer.lora_B.weight"] == (2 * 16, 4 * 4)
+    assert saved[shared + "experts.lora_B.weight"] == (64, 4 * 4)  # down_proj [4 experts, 64, 16]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_peft_loads_adapters_with_our_logits(converted, tmp_path, variant):
+    """Slow (peft and transformers on the model, our forward: 10-20 s each). peft 0.21 loads the exported adapters
+    (every target: both kinds' attention, the dense MLP, the MoE variant's experts as target_parameters) key for
+    key onto transformers' Gemma 4 and gives our forward's logits of the adapter checkpoint (1e-4); the dense
+    variant's full layers take values from the keys, its KV-shared layers' MLP is doubled."""
+    from tests.test_expert_lora import _peft_logits_against_ours
+
+    diff, teeth = _peft_logits_against_ours(*_peft_export(converted, variant, tmp_path))
+    assert teeth > 0.1 and diff <= 1e-4, (diff, teeth)
+
+
 def test_multimodal_checkpoint_converts_language_model(tmp_path, capsys):
     """The released checkpoints are Gemma4ForConditionalGeneration: the text model under model.language_model."""
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
