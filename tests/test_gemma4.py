@@ -98,7 +98,7 @@ def _peft_export(converted, variant, tmp_path):
 def test_adapter_exports_in_peft_layout(converted, tmp_path):
     """`zoo export --adapter` of adapters on every target of the MoE variant: the full layers' global_* as their
     layers' q/k/v/o_proj (wider heads), the experts' as peft's target_parameters on the fused experts.gate_up_proj
-    (one adapter: rank 4 a expert, no rank pattern) and down_proj, in each layer's experts module."""
+    (one adapter: rank 4 per expert, no rank pattern) and down_proj, in each layer's experts module."""
     from safetensors.numpy import load_file
 
     _, _, peft = _peft_export(converted, "moe", tmp_path)
@@ -258,7 +258,10 @@ def test_expert_adapters_equal_a_dense_loop(base):
     """The MoE block with adapters on its dense MLP and its experts (the fused gate/up stack and down, one per
     expert, run inside the grouped matmuls: 2 base + 4 adapter ragged_dots as traced for a TPU) gives the dense
     loop's output and adapter gradients; on an NF4 base (QLoRA: the fused stack and down quantized per expert,
-    the dense MLP per layer) the loop reads the dequantized weights. Every adapter has a gradient."""
+    the dense MLP per layer) the loop reads the dequantized weights, and the experts run capacity-bound (buffers
+    of 24 per expert: none dropped) there. Every adapter has a gradient."""
+    import dataclasses
+
     from tests.helpers import lora_base_params, random_lora
     from tests.test_expert_lora import _ragged_dots
     from zoo import quant
@@ -269,6 +272,7 @@ def test_expert_adapters_equal_a_dense_loop(base):
 
     cfg = _moe_config()
     lc = LoraConfig(rank=2, targets=["gate_proj", "up_proj", "down_proj"])
+    run = dataclasses.replace(cfg, capacity_factor=4.0) if base == "nf4" else cfg
     p = {k: v[0] for k, v in lora_base_params(cfg)["layers"].items()}  # the first layer's weights
     rng = np.random.RandomState(3)
     p = {k: v * 10 if k.startswith(("expert_", "router")) else v for k, v in p.items()}  # weights ~0.2: teeth
@@ -285,7 +289,7 @@ def test_expert_adapters_equal_a_dense_loop(base):
     scale = 2.0
 
     def ours(lora):
-        return parallel_moe_block(x, p, cfg, jnp.ones(x.shape[:2], bool), lora, scale)[0]
+        return parallel_moe_block(x, p, run, jnp.ones(x.shape[:2], bool), lora, scale)[0]
 
     def loop(lora):
         return _moe_block_loop(x.reshape(-1, cfg.hidden_size), ref_p, lora, scale, cfg).reshape(x.shape)
@@ -297,8 +301,9 @@ def test_expert_adapters_equal_a_dense_loop(base):
         np.testing.assert_allclose(np.asarray(flatten(got_g)[path]), np.asarray(g), atol=1e-5, rtol=1e-4,
                                    err_msg=path)
         assert float(jnp.abs(g).max()) > 1e-3, path  # each adapter matters: the comparison has teeth
-    with target("tpu", 1):
-        assert _ragged_dots(jax.make_jaxpr(ours)(lora).jaxpr) == 6
+    if base == "float":  # dropless
+        with target("tpu", 1):
+            assert _ragged_dots(jax.make_jaxpr(ours)(lora).jaxpr) == 6
 
 
 def _first(tree: dict) -> dict:
