@@ -121,7 +121,7 @@ def test_adapter_exports_in_peft_layout(converted, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_peft_loads_adapters_with_our_logits(converted, tmp_path, variant):
-    """Slow (peft and transformers on the model, our forward: 10-20 s each). peft 0.21 loads the exported adapters
+    """Slow (peft and transformers on the model, our forward: 5-25 s each). peft 0.21 loads the exported adapters
     (every target: both kinds' attention, the dense MLP, the MoE variant's experts as target_parameters) key for
     key onto transformers' Gemma 4 and gives our forward's logits of the adapter checkpoint (1e-4); the dense
     variant's full layers take values from the keys, its KV-shared layers' MLP is doubled."""
