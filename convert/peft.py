@@ -69,6 +69,8 @@ LORA_LAYOUTS: dict[str, LoraLayout] = {"transpose": _FLAT, "q_in": _FLAT, "kv_in
 # PlannedTensor.transform of a fused Linear's adapter (Phi-3's qkv_proj, gate_up_proj: convert.fused): its parts'
 # adapters as one of rank ``rank`` times the parts adapted, as convert.peft_experts lays out fused experts.
 FUSED = "fused_linear"
+# Gemma 4's full layers' attention: the same layouts at that kind's head_dim (convert.transforms._global).
+LORA_LAYOUTS.update({"global_q_in": _FLAT, "global_kv_in": _FLAT, "global_o_out": _FLAT})
 
 def adapter_meta_of(ckpt: str | os.PathLike) -> dict[str, Any]:
     """model.json of an adapter checkpoint; a UserError naming ``ckpt`` for any other checkpoint."""

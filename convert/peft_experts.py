@@ -16,6 +16,8 @@ their one fused parameter gets an adapter of rank ``r`` times the parts adapted:
 rank axis and their B block-diagonal (zero where a part has none), with ``rank_pattern`` and
 ``alpha_pattern`` keeping the scale ``alpha / r`` (rsLoRA: ``alpha / sqrt(r)``). That is what peft's own
 conversion of per-expert adapters does (``PeftConcatenate``), so the delta of each part is unchanged.
+Gemma 4's zoo stack is fused as transformers' is (``expert_gate_up`` [experts, embed, 2 * mlp], of
+``layers.{i}.experts.gate_up_proj``), with one adapter of its own: its parameter has one part, of rank ``r``.
 
 peft wraps a module once per targeted parameter, nesting the wrappers in the module's parameter order: the
 first targeted parameter's adapter sits under ``base_layer.`` once per later one.
@@ -32,7 +34,7 @@ import numpy as np
 
 from zoo.config import ModelConfig
 
-EXPERT_WEIGHTS = ("expert_gate", "expert_up", "expert_down")  # the zoo's routed experts' weights
+EXPERT_WEIGHTS = ("expert_gate", "expert_up", "expert_down", "expert_gate_up")  # the zoo's routed experts' weights
 CONTRACT = 1  # input axes of an expert weight [experts, *in, *out] after the expert axis
 TRANSFORM = "peft_experts"  # PlannedTensor.transform of these tensors (no weight transform of the export tables)
 
@@ -78,6 +80,8 @@ EXPERTS_LAYOUTS: dict[str, ExpertsLayout] = {
     "gpt_oss": ExpertsLayout("model.layers.{i}.mlp.experts", (
         FusedParam("gate_up_proj", ("expert_gate", "expert_up"), interleaved=True),
         FusedParam("down_proj", ("expert_down",)))),
+    "gemma4": ExpertsLayout("model.layers.{i}.experts", (FusedParam("gate_up_proj", ("expert_gate_up",)),
+                                                         FusedParam("down_proj", ("expert_down",)))),
 }
 
 

@@ -5,6 +5,7 @@ layers reading their stored layer's cache, is tests/test_decode.py's over FAMILI
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -83,6 +84,53 @@ def test_round_trip_and_generated_config(converted, variant, tmp_path):
     np.testing.assert_array_equal(hf_logits(back, tokens), hf_logits(hf, tokens))
 
 
+def _peft_export(converted, variant, tmp_path):
+    """(transformers' folder, an adapter checkpoint on every target, its `zoo export --adapter` folder)."""
+    from tests.helpers import write_adapter_checkpoint
+    from zoo.lora import LoraConfig
+
+    root, _ = converted(variant)
+    adapter = write_adapter_checkpoint(root / "zoo", tmp_path / "adapter", LoraConfig(rank=4, alpha=8.0))
+    assert main(["export", str(adapter), "--adapter", "--out", str(tmp_path / "peft")]) == 0
+    return root / "hf", adapter, tmp_path / "peft"
+
+
+def test_adapter_exports_in_peft_layout(converted, tmp_path):
+    """`zoo export --adapter` of adapters on every target of the MoE variant: the full layers' global_* as their
+    layers' q/k/v/o_proj (wider heads), the experts' as peft's target_parameters on the fused experts.gate_up_proj
+    (one adapter: rank 4 per expert, no rank pattern) and down_proj, in each layer's experts module."""
+    from safetensors.numpy import load_file
+
+    _, _, peft = _peft_export(converted, "moe", tmp_path)
+    config = json.loads((peft / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["experts.gate_up_proj", "experts.down_proj"]
+    assert config["rank_pattern"] == {} and config["alpha_pattern"] == {} and config["r"] == 4
+    assert config["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    saved = {k: v.shape for k, v in load_file(str(peft / "adapter_model.safetensors")).items()}
+    layer = "base_model.model.model.layers.{}."
+    full, sliding, shared = layer.format(1), layer.format(0), layer.format(5)  # layer 5: KV-shared, full
+    assert saved[full + "self_attn.q_proj.lora_B.weight"] == (4 * 16, 4)  # 4 heads of the full layers' 16
+    assert saved[sliding + "self_attn.q_proj.lora_B.weight"] == (4 * 8, 4)
+    assert shared + "self_attn.k_proj.lora_A.weight" not in saved  # KV-shared layers have no keys
+    # gate_up_proj [4 experts, 2 x 16, 64]: its wrapper nests under down_proj's
+    assert saved[full + "experts.base_layer.lora_A.weight"] == (4 * 4, 64)
+    assert saved[full + "experts.base_layer.lora_B.weight"] == (2 * 16, 4 * 4)
+    assert saved[shared + "experts.lora_B.weight"] == (64, 4 * 4)  # down_proj [4 experts, 64, 16]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_peft_loads_adapters_with_our_logits(converted, tmp_path, variant):
+    """Slow (peft and transformers on the model, our forward: 5-25 s each). peft 0.21 loads the exported adapters
+    (every target: both kinds' attention, the dense MLP, the MoE variant's experts as target_parameters) key for
+    key onto transformers' Gemma 4 and gives our forward's logits of the adapter checkpoint (1e-4); the dense
+    variant's full layers take values from the keys, its KV-shared layers' MLP is doubled."""
+    from tests.test_expert_lora import _peft_logits_against_ours
+
+    diff, teeth = _peft_logits_against_ours(*_peft_export(converted, variant, tmp_path))
+    assert teeth > 0.1 and diff <= 1e-4, (diff, teeth)
+
+
 def test_multimodal_checkpoint_converts_language_model(tmp_path, capsys):
     """The released checkpoints are Gemma4ForConditionalGeneration: the text model under model.language_model."""
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
@@ -136,10 +184,10 @@ def test_bidirectional_attention_is_refused(tmp_path, capsys):
     assert not (tmp_path / "zoo").exists()
 
 
-def test_lora_targets_reach_full_layers_and_skip_experts():
+def test_lora_targets_reach_full_layers_and_fused_experts():
     """LoRA on Gemma 4's 26B-A4B: "all" adapts both kinds' attention (the full layers' global_* stacks; no
-    global_v: values come from the keys) and the dense MLP, never the routed experts (gate and up fused in one
-    stack: not adaptable); naming only the experts is a one-line error."""
+    global_v: values come from the keys), the dense MLP and the routed experts: gate and up as their one fused
+    stack (experts.gate_up_proj names the same), down; naming only gate or up of the experts is a one-line error."""
     from convert.hf_config import model_config_from_hf
     from zoo.errors import UserError
     from zoo.lora import LoraConfig, lora_specs
@@ -148,10 +196,148 @@ def test_lora_targets_reach_full_layers_and_skip_experts():
     cfg = model_config_from_hf(get("gemma4-26b-a4b").hf_config)
     adapted = {path.rsplit(".", 1)[0] for path in lora_specs(cfg, LoraConfig(targets="all"))}
     assert adapted == {f"layers.{n}" for n in ("q", "k", "v", "o", "global_q", "global_k", "global_o",
-                                               "gate", "up", "down")}
-    with pytest.raises(UserError) as e:
-        lora_specs(cfg, LoraConfig(targets=["experts.down_proj"]))
-    assert "\n" not in str(e.value) and "routed experts have no adapters" in str(e.value)
+                                               "gate", "up", "down", "expert_gate_up", "expert_down")}
+    specs = lora_specs(cfg, LoraConfig(rank=4, targets=["experts.gate_up_proj", "experts.down_proj"]))
+    assert {p.rsplit(".", 1)[0] for p in specs} == {"layers.expert_gate_up", "layers.expert_down"}
+    # one adapter per expert on the fused stack [layers, 128 experts, embed, 2 x 704]
+    assert specs["layers.expert_gate_up.a"].shape == (30, 128, 2816, 4)
+    assert specs["layers.expert_gate_up.b"].shape == (30, 128, 4, 2 * 704)
+    assert specs["layers.expert_gate_up.b"].axes == ("layers", "expert", None, "mlp")
+    for targets in (["experts.gate_proj"], ["q_proj", "up_proj"]):
+        with pytest.raises(UserError) as e:
+            lora_specs(cfg, LoraConfig(targets=targets))
+        assert "\n" not in str(e.value) and "fuses gate and up in one weight" in str(e.value)
+        assert "experts.gate_up_proj" in str(e.value)
+
+
+def _moe_config(**overrides):
+    """The MoE variant's ModelConfig, as `zoo convert` reads it from transformers' config."""
+    from transformers import Gemma4TextConfig
+
+    from convert.hf_config import model_config_from_hf
+
+    return model_config_from_hf(Gemma4TextConfig(**{**BASE, **FAMILIES["gemma4"][2], **MOE, **overrides}).to_dict())
+
+
+def _moe_block_loop(x, p, lora, scale, cfg):
+    """Gemma 4's MoE block written out for tokens x [N, E]: the dense GeGLU MLP of the normed x (post-normed)
+    plus every expert on every token (a dense loop), each weighted by its routing weight (zero where the token did
+    not pick it: softmax of the router on the weightless-normed x times router_scale / sqrt(E), top 2, renormalized,
+    times the expert's scale); each expert's gate and up the two halves of its fused weight, whose adapter is one."""
+    eps, E, M = cfg.rms_norm_eps, cfg.hidden_size, cfg.moe_intermediate_size
+
+    def norm(h, w=None):
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
+        return h if w is None else h * w  # Gemma 4's norms scale by w (no 1 + w)
+
+    def proj(h, name, e=None):
+        w, a, b = p[name], lora[name]["a"], lora[name]["b"]
+        if e is not None:
+            w, a, b = w[e], a[e], b[e]
+        return h @ w + scale * (h @ a) @ b
+
+    def act(h):
+        return jax.nn.gelu(h, approximate=True)
+
+    hn = norm(x, p["mlp_norm"])
+    dense = norm(proj(act(proj(hn, "gate")) * proj(hn, "up"), "down"), p["mlp_post_norm"])
+    probs = jax.nn.softmax((norm(x) * p["router_scale"] * E**-0.5) @ p["router"], axis=-1)
+    kth = jnp.sort(probs, axis=-1)[:, -cfg.experts_per_token][:, None]
+    picked = jnp.where(probs >= kth, probs, 0.0)
+    picked = picked / picked.sum(-1, keepdims=True) * p["expert_scale"]
+    xe = norm(x, p["moe_norm"])
+    out = jnp.zeros_like(x)
+    for e in range(cfg.num_experts):
+        gate_up = proj(xe, "expert_gate_up", e)
+        out = out + picked[:, e:e + 1] * proj(act(gate_up[:, :M]) * gate_up[:, M:], "expert_down", e)
+    return dense + norm(out, p["moe_post_norm"])
+
+
+@pytest.mark.parametrize("base", ["float", pytest.param("nf4", marks=pytest.mark.slow)])  # 6 s each
+def test_expert_adapters_equal_a_dense_loop(base):
+    """The MoE block with adapters on its dense MLP and its experts (the fused gate/up stack and down, one per
+    expert, run inside the grouped matmuls: 2 base + 4 adapter ragged_dots as traced for a TPU) gives the dense
+    loop's output and adapter gradients; on an NF4 base (QLoRA: the fused stack and down quantized per expert,
+    the dense MLP per layer) the loop reads the dequantized weights, and the experts run capacity-bound (buffers
+    of 24 per expert: none dropped) there. Every adapter has a gradient."""
+    import dataclasses
+
+    from tests.helpers import lora_base_params, random_lora
+    from tests.test_expert_lora import _ragged_dots
+    from zoo import quant
+    from zoo.kernels import target
+    from zoo.lora import LoraConfig
+    from zoo.moe import parallel_moe_block
+    from zoo.params import flatten
+
+    cfg = _moe_config()
+    lc = LoraConfig(rank=2, targets=["gate_proj", "up_proj", "down_proj"])
+    run = dataclasses.replace(cfg, capacity_factor=4.0) if base == "nf4" else cfg
+    p = {k: v[0] for k, v in lora_base_params(cfg)["layers"].items()}  # the first layer's weights
+    rng = np.random.RandomState(3)
+    p = {k: v * 10 if k.startswith(("expert_", "router")) else v for k, v in p.items()}  # weights ~0.2: teeth
+    p.update({k: jnp.asarray(rng.uniform(0.5, 1.5, p[k].shape), jnp.float32)
+              for k in ("mlp_norm", "mlp_post_norm", "moe_norm", "moe_post_norm", "router_scale", "expert_scale")})
+    lora = _first(random_lora(cfg, lc, random=True)["layers"])
+    assert set(lora) == {"gate", "up", "down", "expert_gate_up", "expert_down"}
+    if base == "nf4":
+        lead = {"gate": 0, "up": 0, "down": 0, "expert_gate_up": 1, "expert_down": 1}
+        p = {k: quant.quantize(np.asarray(v), lead[k], 1, "nf4", True) if k in lead else v for k, v in p.items()}
+    ref_p = {k: quant.materialize(v) for k, v in p.items()}
+    x = jnp.asarray(rng.normal(0, 1, (2, 6, cfg.hidden_size)), jnp.float32)
+    cot = jnp.asarray(rng.normal(0, 1, x.shape), jnp.float32)
+    scale = 2.0
+
+    def ours(lora):
+        return parallel_moe_block(x, p, run, jnp.ones(x.shape[:2], bool), lora, scale)[0]
+
+    def loop(lora):
+        return _moe_block_loop(x.reshape(-1, cfg.hidden_size), ref_p, lora, scale, cfg).reshape(x.shape)
+
+    got, got_g = jax.jit(jax.value_and_grad(lambda lo: jnp.sum(ours(lo) * cot)))(lora)
+    want, want_g = jax.jit(jax.value_and_grad(lambda lo: jnp.sum(loop(lo) * cot)))(lora)
+    assert abs(float(got) - float(want)) <= 1e-4 * abs(float(want))
+    for path, g in flatten(want_g).items():
+        np.testing.assert_allclose(np.asarray(flatten(got_g)[path]), np.asarray(g), atol=1e-5, rtol=1e-4,
+                                   err_msg=path)
+        assert float(jnp.abs(g).max()) > 1e-3, path  # each adapter matters: the comparison has teeth
+    if base == "float":  # dropless
+        with target("tpu", 1):
+            assert _ragged_dots(jax.make_jaxpr(ours)(lora).jaxpr) == 6
+
+
+def _first(tree: dict) -> dict:
+    return {k: jax.tree.map(lambda a: a[0], v) for k, v in tree.items()}
+
+
+@pytest.mark.slow
+def test_qlora_quantizes_full_layers_and_experts():
+    """Slow (two compilations of a model's loss and adapter gradients: 15-40 s on a loaded machine). A QLoRA base of Gemma 4 (MoE,
+    a sliding and a full layer) stores every projection quantized: both kinds' attention (the full layers'
+    global_* stacks), the dense MLP, the experts' fused gate/up stack and down; the loss and the gradients of
+    adapters on all of them equal those on the dequantized base."""
+    from tests.helpers import lora_base_params, lora_lm_loss, quantized_projections, random_lora
+    from zoo import quant
+    from zoo.lora import LoraConfig
+    from zoo.params import flatten, nest
+
+    cfg = _moe_config(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+                      num_kv_shared_layers=0)
+    qflat = quantized_projections(cfg, flatten(lora_base_params(cfg)))
+    quantized = {k.removeprefix("layers.") for k, v in qflat.items() if isinstance(v, quant.QuantizedWeight)}
+    assert quantized == {"q", "k", "v", "o", "global_q", "global_k", "global_v", "global_o", "gate", "up", "down",
+                         "expert_gate_up", "expert_down"}
+    lc = LoraConfig(rank=4, alpha=8.0, targets="all")
+    lora = random_lora(cfg, lc, random=True)
+    assert {p.rsplit(".", 2)[-2] for p in flatten(lora)} == quantized  # an adapter beside each
+    tokens = jnp.asarray(np.random.RandomState(3).randint(0, cfg.vocab_size, (2, 16)), jnp.int32)
+    dequantized = nest(jax.jit(lambda q: {k: quant.materialize(v) for k, v in q.items()})(qflat))  # one compile
+    step = jax.jit(jax.value_and_grad(lambda lo, params: lora_lm_loss(cfg, params, lo, lc, tokens)))
+    (lq, gq), (ld, gd) = step(lora, nest(qflat)), step(lora, dequantized)
+    assert abs(float(lq) - float(ld)) <= 1e-6
+    for path, g in flatten(gd).items():
+        assert np.abs(np.asarray(flatten(gq)[path]) - np.asarray(g)).max() <= 1e-5, path
+        assert float(jnp.abs(g).max()) > 1e-5, path  # every adapter counts
 
 
 def test_run_of_a_kind_split_stack():

@@ -124,21 +124,26 @@ def assert_peft_loads_every_key(model, adapter_dir: Path) -> None:
 
 
 def test_layouts_turn_each_zoo_delta_into_peft_factors():
-    """For every adapted weight of the dense table: lora_B @ lora_A is the export transform of A @ B."""
-    cfg = ModelConfig(family="llama", vocab_size=32, hidden_size=24, intermediate_size=40, num_layers=1,
-                      num_heads=3, num_kv_heads=1, head_dim=8)
-    specs = lora_specs(cfg, LoraConfig(rank=4, targets="all"))
-    rules = {r.zoo: r for r in table_for("llama", "hf", cfg)}
+    """For every adapted weight of the dense table (and Gemma 4's, whose full layers' attention is stacked apart
+    with wider heads): lora_B @ lora_A is the export transform of A @ B."""
+    llama = ModelConfig(family="llama", vocab_size=32, hidden_size=24, intermediate_size=40, num_layers=1,
+                        num_heads=3, num_kv_heads=1, head_dim=8)
+    gemma4 = ModelConfig(family="gemma4", vocab_size=32, hidden_size=24, intermediate_size=40, num_layers=2,
+                         num_heads=3, num_kv_heads=3, head_dim=8, global_head_dim=16, global_kv_heads=1,
+                         layer_types=("sliding", "full"), sliding_window=4)
     rng = np.random.RandomState(0)
     seen = set()
-    for path in sorted({p.rpartition(".")[0] for p in specs}):
-        rule = rules[path]
-        a = rng.normal(size=specs[f"{path}.a"].shape[1:]).astype(np.float32)  # one layer
-        b = rng.normal(size=specs[f"{path}.b"].shape[1:]).astype(np.float32)
-        want = TRANSFORMS[rule.transform].inverse(np.asarray(lora_delta(a, b, 1.0, 0)), cfg)
-        layout = LORA_LAYOUTS[rule.transform]
-        np.testing.assert_allclose(layout.b(b) @ layout.a(a), want, rtol=1e-5, atol=1e-5, err_msg=path)
-        seen.add(rule.transform)
+    for cfg in (llama, gemma4):
+        specs = lora_specs(cfg, LoraConfig(rank=4, targets="all"))
+        rules = {r.zoo: r for r in table_for(cfg.family, "hf", cfg)}
+        for path in sorted({p.rpartition(".")[0] for p in specs}):
+            rule = rules[path]
+            a = rng.normal(size=specs[f"{path}.a"].shape[1:]).astype(np.float32)  # one layer
+            b = rng.normal(size=specs[f"{path}.b"].shape[1:]).astype(np.float32)
+            want = TRANSFORMS[rule.transform].inverse(np.asarray(lora_delta(a, b, 1.0, 0)), cfg)
+            layout = LORA_LAYOUTS[rule.transform]
+            np.testing.assert_allclose(layout.b(b) @ layout.a(a), want, rtol=1e-5, atol=1e-5, err_msg=path)
+            seen.add(rule.transform)
     assert seen == set(LORA_LAYOUTS)
 
 

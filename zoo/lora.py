@@ -17,9 +17,12 @@ run inside the grouped expert matmul (:mod:`zoo.moe`). DeepSeek's multi-head
 latent attention (q_a/q_b/kv_a/kv_b/o of an MLA model) has no adapters:
 attention targets are skipped on MLA models, and only the MLP projections
 (dense, routed experts and shared experts) are adapted. Gemma 4's routed
-experts (gate and up fused in one ``expert_gate_up`` stack) have none either:
-expert targets are skipped on its MoE models, its dense MLP and attention
-(the full layers' ``global_*`` weights too) are adapted.
+experts keep gate and up fused in one ``expert_gate_up`` stack, as
+transformers' ``experts.gate_up_proj``: naming gate and up (or
+``experts.gate_up_proj``) gives that stack one adapter per expert, as peft's
+``target_parameters`` does; naming one of the two alone is an error. Its
+dense MLP and attention (the full layers' ``global_*`` weights too) are
+adapted as any model's.
 """
 
 from __future__ import annotations
@@ -168,8 +171,13 @@ def _target_suffixes(cfg: ModelConfig, lora_cfg: LoraConfig) -> set[str]:
     if cfg.mla:  # MLA's projections have no adapters (see the module docstring)
         names = tuple(n for n in names if n not in ATTENTION_TARGETS)
     suffixes = {s for n in names for s in HF_TO_ZOO[n]}
-    if cfg.parallel_moe:  # Gemma 4's routed experts have no adapters (see the module docstring)
-        suffixes -= {"expert_gate", "expert_up", "expert_down"}
+    fused = suffixes & {"expert_gate", "expert_up"}
+    if cfg.parallel_moe and fused:  # Gemma 4's experts: gate and up one stack, adapted whole (module docstring)
+        if len(fused) == 1:
+            raise UserError(f"lora: targets {lora_cfg.targets!r} adapt the routed experts' {fused.pop()[7:]} "
+                            "alone, but Gemma 4 fuses gate and up in one weight; name both (or "
+                            "experts.gate_up_proj), or narrow the MLP's names to mlp.gate_proj, mlp.up_proj")
+        suffixes = (suffixes - fused) | {"expert_gate_up"}
     if cfg.global_head_dim:  # Gemma 4: full layers' attention weights are stacked apart (zoo.layer_layout)
         from zoo.layer_layout import ATTENTION_WEIGHTS, GLOBAL
 
@@ -209,8 +217,7 @@ def lora_specs(cfg: ModelConfig, lora_cfg: LoraConfig) -> dict[str, ParamSpec]:
             out[f"{path}.a"], out[f"{path}.b"] = adapter_specs(spec, suffix, lora_cfg.rank)
     if not out:
         raise UserError(f"lora: targets {lora_cfg.targets!r} name no weight of this {cfg.family} model"
-                        + (" (MLA attention has no adapters)" if cfg.mla else "")
-                        + (" (its routed experts have no adapters)" if cfg.parallel_moe else ""))
+                        + (" (MLA attention has no adapters)" if cfg.mla else ""))
     return out
 
 

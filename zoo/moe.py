@@ -127,8 +127,7 @@ def _experts_dropless(x: jax.Array, ids: jax.Array, weights: jax.Array, p: dict,
     sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
     xs = x[token]
     rows = flat[order]
-    h = expert_glu(_with_bias(_ragged(xs, p, "expert_gate", sizes, lora, scale, drop), p, "expert_gate", rows, cfg),
-                   _with_bias(_ragged(xs, p, "expert_up", sizes, lora, scale, drop), p, "expert_up", rows, cfg), cfg)
+    h = expert_glu(*_gate_up(xs, p, sizes, lora, scale, drop, rows, cfg), cfg)
     y = _with_bias(_ragged(h, p, "expert_down", sizes, lora, scale, drop), p, "expert_down", rows, cfg)
     y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
     return jnp.zeros_like(x).at[token].add(y)
@@ -136,6 +135,26 @@ def _experts_dropless(x: jax.Array, ids: jax.Array, weights: jax.Array, p: dict,
 
 EXPERT_WEIGHTS = ("expert_gate", "expert_up", "expert_down")
 EXPERT_BIASES = ("expert_gate_bias", "expert_up_bias", "expert_down_bias")  # gpt-oss (cfg.expert_bias)
+FUSED_GATE_UP = "expert_gate_up"  # Gemma 4's experts' gate and up in one stack [X, embed, 2 * moe_mlp], gate first
+
+
+def _gate_up(xs: jax.Array, p: dict, sizes: jax.Array, lora: dict | None, scale, drop: LoraDropout | None,
+             rows: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """(gate, up) of rows xs [N, in] (sorted by expert, ``rows`` each row's expert) through their experts: one
+    grouped matmul per stack (plus its adapter and bias), or one of the fused stack (Gemma 4), whose adapter is one
+    on the fused weight, as peft's on transformers' ``experts.gate_up_proj``."""
+    if FUSED_GATE_UP in p:
+        y = _ragged(xs, p, FUSED_GATE_UP, sizes, lora, scale, drop)
+        return y[:, :y.shape[-1] // 2], y[:, y.shape[-1] // 2:]
+    return (_with_bias(_ragged(xs, p, "expert_gate", sizes, lora, scale, drop), p, "expert_gate", rows, cfg),
+            _with_bias(_ragged(xs, p, "expert_up", sizes, lora, scale, drop), p, "expert_up", rows, cfg))
+
+
+def _stack_names(p: dict, cfg: ModelConfig) -> tuple[str, ...]:
+    """The names of one layer's expert stacks (weights and biases) in ``p``."""
+    if FUSED_GATE_UP in p:
+        return FUSED_GATE_UP, "expert_down"
+    return EXPERT_WEIGHTS + (EXPERT_BIASES if cfg.expert_bias else ())
 
 
 def _expert_mesh(p: dict, lora: dict | None, drop: LoraDropout | None) -> jax.sharding.AbstractMesh | None:
@@ -146,7 +165,7 @@ def _expert_mesh(p: dict, lora: dict | None, drop: LoraDropout | None) -> jax.sh
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.shape.get("expert", 1) == 1 or drop is not None:
         return None
-    if _num_experts(p["expert_gate"]) % mesh.shape["expert"]:
+    if _num_experts(p["expert_down"]) % mesh.shape["expert"]:
         return None
     return mesh
 
@@ -177,8 +196,8 @@ def _experts_parallel(x: jax.Array, ids: jax.Array, weights: jax.Array, p: dict,
     n, k = ids.shape
     local_x = cfg.num_experts // mesh.shape["expert"]
     rows = logical_to_spec(("batch", None), x.shape, mesh)
-    stacks = {name: p[name] for name in EXPERT_WEIGHTS + (EXPERT_BIASES if cfg.expert_bias else ())}
-    adapters = {name: ad for name, ad in (lora or {}).items() if name in EXPERT_WEIGHTS}
+    stacks = {name: p[name] for name in _stack_names(p, cfg)}
+    adapters = {name: ad for name, ad in (lora or {}).items() if name in stacks}
     expert_split = P("expert")  # the other axes of a stack gathered, as FSDP gathers a layer's weights
 
     # a Python float stays one (weakly typed, closed over), as in _experts_dropless; a traced scale goes in
@@ -198,10 +217,7 @@ def _experts_parallel(x: jax.Array, ids: jax.Array, weights: jax.Array, p: dict,
         ours = (flat[order] < local_x)[:, None]
         xs = jnp.where(ours, x[token], 0)
         ex = flat[order]  # past the local experts for other experts' rows: zeroed below, whatever bias they get
-        h = expert_glu(_with_bias(_ragged(xs, stacks, "expert_gate", sizes, adapters, scale), stacks, "expert_gate",
-                                  ex, cfg),
-                       _with_bias(_ragged(xs, stacks, "expert_up", sizes, adapters, scale), stacks, "expert_up", ex,
-                                  cfg), cfg)
+        h = expert_glu(*_gate_up(xs, stacks, sizes, adapters, scale, None, ex, cfg), cfg)
         y = _with_bias(_ragged(h, stacks, "expert_down", sizes, adapters, scale), stacks, "expert_down", ex, cfg)
         w = jnp.where(mine, weights, 0).reshape(-1)[order]
         y = jnp.where(ours, y * w[:, None].astype(y.dtype), 0)
@@ -247,8 +263,12 @@ def _experts_capacity(x: jax.Array, ids: jax.Array, weights: jax.Array, valid: j
     dispatch = (kept[..., None] & (slot[..., None] == jnp.arange(cap))).astype(x.dtype)  # [N, k, X, C]
     buf = jnp.einsum("nkxc,ne->xce", dispatch, x)
     bias = {n: p[n + "_bias"][:, None].astype(x.dtype) if cfg.expert_bias else 0 for n in EXPERT_WEIGHTS}
-    h = expert_glu(_per_expert(buf, p, "expert_gate", lora, scale, drop) + bias["expert_gate"],
-                   _per_expert(buf, p, "expert_up", lora, scale, drop) + bias["expert_up"], cfg)
+    if FUSED_GATE_UP in p:  # Gemma 4 (no expert biases)
+        gate, up = jnp.split(_per_expert(buf, p, FUSED_GATE_UP, lora, scale, drop), 2, axis=-1)
+    else:
+        gate = _per_expert(buf, p, "expert_gate", lora, scale, drop) + bias["expert_gate"]
+        up = _per_expert(buf, p, "expert_up", lora, scale, drop) + bias["expert_up"]
+    h = expert_glu(gate, up, cfg)
     out = _per_expert(h, p, "expert_down", lora, scale, drop) + bias["expert_down"]
     combine = dispatch * weights[..., None, None].astype(x.dtype)
     return jnp.einsum("nkxc,xce->ne", combine, out), dropped
@@ -316,7 +336,9 @@ def parallel_moe_block(x: jax.Array, p: dict, cfg: ModelConfig, valid: jax.Array
 
     The router reads x RMS-normed without a weight, times ``router_scale`` and 1/sqrt(embed); the top-k softmax
     weights are renormalized, then multiplied by each chosen expert's ``expert_scale``. The experts' gate and up
-    are stored fused (``expert_gate_up`` [X, embed, 2 * moe_mlp], gate first)."""
+    are stored fused (``expert_gate_up`` [X, embed, 2 * moe_mlp], gate first) and run fused, a LoRA adapter on
+    them as on one weight (``lora["expert_gate_up"]``: A [X, embed, r], B [X, r, 2 * moe_mlp]); the router is not
+    adapted."""
     from zoo.blocks import rms_norm
     from zoo.mlp import mlp
 
@@ -328,10 +350,8 @@ def parallel_moe_block(x: jax.Array, p: dict, cfg: ModelConfig, valid: jax.Array
     r = rms_norm(xf, jnp.ones((e,), xf.dtype), eps) * p["router_scale"] * e**-0.5
     ids, weights, logits = route(r, p, cfg)
     weights = weights * p["expert_scale"].astype(weights.dtype)[ids]
-    m_ = cfg.moe_intermediate_size
-    experts = {**p, "expert_gate": p["expert_gate_up"][..., :m_], "expert_up": p["expert_gate_up"][..., m_:]}
     xe = rms_norm(xf, p["moe_norm"], eps, off)
-    out, dropped = _dispatch(xe, ids, weights, vf, experts, cfg, lora, lora_scale, drop)
+    out, dropped = _dispatch(xe, ids, weights, vf, p, cfg, lora, lora_scale, drop)
     routed = rms_norm(out.reshape(b, t, e), p["moe_post_norm"], eps, off)
     return dense_out + routed, _router_stats(logits, ids, dropped, vf, cfg)
 

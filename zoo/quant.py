@@ -246,8 +246,10 @@ def zero_cotangent(qw: QuantizedWeight) -> QuantizedWeight:
 
 # The layers' linear projections (zoo.adapted.ADAPTABLE), and how many axes of each are its input.
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down", "expert_gate", "expert_up", "expert_down",
-               "shared_gate", "shared_up", "shared_down")
-_CONTRACT = {"o": 2}
+               "shared_gate", "shared_up", "shared_down",
+               # Gemma 4's full layers' attention (zoo.layer_layout's global_*) and its experts' fused gate/up stack
+               "global_q", "global_k", "global_v", "global_o", "expert_gate_up")
+_CONTRACT = {"o": 2, "global_o": 2}
 
 
 def quantized_paths(cfg: Any) -> dict[str, tuple[int, int]]:
