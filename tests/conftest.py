@@ -154,3 +154,31 @@ def smollm2(tmp_path_factory):
     hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
     return out, hf, tok
+
+
+@pytest.fixture(scope="session")
+def tiny_family(tmp_path_factory):
+    """family -> (transformers' model, folder): tests/helpers.py FAMILIES' tiny random model of ``family`` at its
+    defaults, saved at ``<folder>/hf`` and `zoo convert`ed at ``<folder>/zoo`` once per run (the workers share
+    the folders: the conversion is the cost; each worker rebuilds the same seeded model in memory, which is
+    cheap). The folder is shared read-only: a module that writes beside it takes a folder of its own
+    (:func:`tests.helpers.beside`)."""
+    import tempfile
+
+    from tests.helpers import make_hf
+    from zoo.cli import main
+
+    made = {}
+
+    def build(family, folder):
+        make_hf(folder / "hf", family)
+        assert main(["convert", str(folder / "hf"), "--out", str(folder / "zoo")]) == 0
+
+    def get(family):
+        if family not in made:
+            root = built_once(tmp_path_factory, f"family_{family}", lambda folder: build(family, folder))
+            with tempfile.TemporaryDirectory() as scratch:
+                made[family] = make_hf(os.path.join(scratch, "hf"), family), root  # the same seed: the same model
+        return made[family]
+
+    return get

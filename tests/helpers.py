@@ -624,3 +624,12 @@ def keep_compiled_text(monkeypatch) -> list[str]:
 
     monkeypatch.setattr(step, "compile_lowered", keep)
     return texts
+
+
+def beside(shared: Path, folder: Path) -> Path:
+    """``folder`` with ``hf`` and ``zoo`` linked to the shared ``shared/hf`` and ``shared/zoo`` (conftest.py's
+    ``tiny_family``), for tests that write their outputs beside the model's folders."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("hf", "zoo"):
+        (folder / name).symlink_to(shared / name, target_is_directory=True)
+    return folder

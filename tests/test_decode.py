@@ -20,15 +20,13 @@ SEQ = 20  # longer than every sliding window (7) of the tiny families
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """family -> (transformers model, zoo config, zoo params), converted once per family."""
+def tiny(tiny_family):
+    """family -> (transformers model, zoo config, zoo params): conftest.py's tiny_family, loaded once."""
     made = {}
 
     def get(family):
         if family not in made:
-            root = tmp_path_factory.mktemp(family)
-            hf = make_hf(root / "hf", family)
-            assert main(["convert", str(root / "hf"), "--out", str(root / "zoo")]) == 0
+            hf, root = tiny_family(family)
             model = zoo.load(root / "zoo")
             made[family] = (hf, model.cfg, model.param_dict())
         return made[family]

@@ -22,7 +22,6 @@ from tests.helpers import (
     devices_env,
     hf_logits,
     lora_base_params,
-    make_hf,
     random_lora,
     random_tokens,
     write_adapter_checkpoint,
@@ -314,16 +313,13 @@ def test_fused_factors_give_each_experts_delta():
 
 
 @pytest.fixture(scope="module")
-def bases(tmp_path_factory):
-    """family -> (HF folder, zoo base), each converted on first use and shared by the module's tests."""
-    from zoo.cli import main
+def bases(tiny_family):
+    """family -> (HF folder, zoo base), shared read-only (conftest.py's tiny_family)."""
 
     class Lazy(dict):
         def __missing__(self, family: str) -> tuple[Path, Path]:
-            root = tmp_path_factory.mktemp(f"elora_{family}")
-            make_hf(root / "hf", family)
-            assert main(["convert", str(root / "hf"), "--out", str(root / "base")]) == 0
-            self[family] = (root / "hf", root / "base")
+            _, root = tiny_family(family)
+            self[family] = (root / "hf", root / "zoo")
             return self[family]
 
     return Lazy()

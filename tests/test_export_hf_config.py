@@ -46,16 +46,15 @@ def _export(ckpt: Path, out: Path, *args: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    """family -> (save_pretrained's config.json, its `zoo convert`ed checkpoint, a scratch folder), made once."""
+def converted(tmp_path_factory, tiny_family):
+    """family -> (save_pretrained's config.json, its `zoo convert`ed checkpoint, a scratch folder), made once
+    (conftest.py's tiny_family)."""
     done = {}
 
     def get(family):
         if family not in done:
-            root = tmp_path_factory.mktemp(family)
-            make_hf(root / "hf", family)
-            assert main(["convert", str(root / "hf"), "--out", str(root / "zoo")]) == 0
-            done[family] = _read(root / "hf"), root / "zoo", root
+            _, shared = tiny_family(family)
+            done[family] = _read(shared / "hf"), shared / "zoo", tmp_path_factory.mktemp(family)
         return done[family]
 
     return get

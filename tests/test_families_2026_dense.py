@@ -15,7 +15,7 @@ import torch
 import zoo
 from convert.export import planned_files
 from eval.generate import GenerationConfig, generate
-from tests.helpers import FAMILIES, hf_logits, hf_tensors, make_hf, mean_kl, random_tokens
+from tests.helpers import FAMILIES, beside, hf_logits, hf_tensors, make_hf, mean_kl, random_tokens
 from zoo.cli import main
 from zoo.model import forward
 
@@ -24,16 +24,15 @@ SEQ = 40  # past OLMo 3's sliding window (7) and Phi-3's original_max_position_e
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    """family -> (transformers model, its folder, the converted zoo checkpoint), made once per family."""
+def converted(tmp_path_factory, tiny_family):
+    """family -> (transformers model, its folder: hf/, the converted zoo/, and room for outputs), made once
+    (conftest.py's tiny_family)."""
     made = {}
 
     def get(family):
         if family not in made:
-            root = tmp_path_factory.mktemp(family)
-            hf = make_hf(root / "hf", family)
-            assert main(["convert", str(root / "hf"), "--out", str(root / "zoo")]) == 0
-            made[family] = hf, root
+            hf, shared = tiny_family(family)
+            made[family] = hf, beside(shared, tmp_path_factory.mktemp(family))
         return made[family]
 
     return get

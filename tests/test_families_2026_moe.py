@@ -29,15 +29,14 @@ SEQ = 24
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    """family -> (transformers model, its saved folder, the zoo checkpoint), each converted once."""
+def converted(tiny_family):
+    """family -> (transformers model, its saved folder, the zoo checkpoint), shared read-only (conftest.py's
+    tiny_family)."""
     made = {}
 
     def get(family):
         if family not in made:
-            root = tmp_path_factory.mktemp(family)
-            hf = make_hf(root / "hf", family)
-            assert main(["convert", str(root / "hf"), "--out", str(root / "zoo")]) == 0
+            hf, root = tiny_family(family)
             made[family] = (hf, root / "hf", root / "zoo")
         return made[family]
 

@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 import zoo
-from tests.helpers import FAMILIES, hf_logits, hf_tensors, make_hf, mean_kl, random_tokens
+from tests.helpers import FAMILIES, beside, hf_logits, hf_tensors, mean_kl, random_tokens
 from zoo.cli import main
 
 SEQ = 24  # past the sliding window (7) of the tiny model
@@ -33,12 +33,11 @@ EXPERTS = ("gate_up_proj", "down_proj")  # what gpt-oss's releases store in MXFP
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """(transformers model, folder with hf/ and zoo/): the tiny gpt-oss of tests/helpers.py, converted once."""
-    root = tmp_path_factory.mktemp("gpt-oss")
-    hf = make_hf(root / "hf", "gpt_oss")
-    assert main(["convert", str(root / "hf"), "--out", str(root / "zoo")]) == 0
-    return hf, root
+def tiny(tmp_path_factory, tiny_family):
+    """(transformers model, folder with hf/ and zoo/ and room for outputs): the tiny gpt-oss of tests/helpers.py
+    (conftest.py's tiny_family)."""
+    hf, shared = tiny_family("gpt_oss")
+    return hf, beside(shared, tmp_path_factory.mktemp("gpt-oss"))
 
 
 def test_logits_match_transformers_past_the_window(tiny):
