@@ -203,7 +203,7 @@ def test_training_steps_move_only_the_expert_adapters():
 # --- sharded over the expert axis, expert-parallel (float and QLoRA bases), 8 simulated devices ---------------
 
 EP_SCRIPT = r"""
-import json
+import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from zoo import quant
 from zoo.config import ModelConfig
@@ -212,23 +212,28 @@ from zoo.model import forward
 from zoo.params import flatten, nest, param_specs
 from zoo.sharding import make_mesh, named_sharding
 
-cfg = ModelConfig(family="mixtral", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
-                  num_kv_heads=2, head_dim=16, num_experts=8, experts_per_token=2, moe_intermediate_size=16)
-lc = LoraConfig(rank=2, alpha=4.0, targets=["experts.gate_proj", "experts.up_proj", "experts.down_proj"])
-rng = np.random.RandomState(0)
-flat = {k: rng.normal(0, 0.1 if s.init == "normal" else 0, s.shape).astype(np.float32) + (s.init == "ones")
-        for k, s in param_specs(cfg).items()}
-adapters = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(2), a.shape),
-                        init_lora(cfg, lc, jax.random.key(1)))
-tokens = jnp.asarray(rng.randint(0, cfg.vocab_size, (4, 16)), jnp.int32)
+mixtral = ModelConfig(family="mixtral", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                      num_kv_heads=2, head_dim=16, num_experts=8, experts_per_token=2, moe_intermediate_size=16)
+cases = {"mixtral": (mixtral, ["experts.gate_proj", "experts.up_proj", "experts.down_proj"], "expert_gate"),
+         # Gemma 4's MoE block: one fused gate/up stack beside a dense MLP, its adapter one
+         "gemma4": (ModelConfig.from_dict(json.loads(sys.argv[1])), ["experts.gate_up_proj", "experts.down_proj"],
+                    "expert_gate_up")}
 mesh = make_mesh(data=1, fsdp=2, tensor=1, expert=4)
 out = {}
-for base in ("nf4",):  # a float base: tests/test_moe.py's expert-parallel training (LoRA on every weight)
-    params = dict(flat)
-    if base == "nf4":
-        for path, (lead, contract) in quant.quantized_paths(cfg).items():
-            if "expert" in path:
-                params[path] = quant.quantize(params[path], lead, contract, "nf4", True)
+for name, (cfg, targets, gate) in cases.items():
+    lc = LoraConfig(rank=2, alpha=4.0, targets=targets)
+    rng = np.random.RandomState(0)
+    # experts and router 10x the rest, so that routing is far from uniform and every expert's adapter counts
+    flat = {k: rng.normal(0, (1.0 if "expert" in k or "router" in k else 0.1) if s.init == "normal" else 0,
+                          s.shape).astype(np.float32) + (s.init == "ones")
+            for k, s in param_specs(cfg).items()}
+    adapters = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(2), a.shape),
+                            init_lora(cfg, lc, jax.random.key(1)))
+    tokens = jnp.asarray(rng.randint(0, cfg.vocab_size, (4, 16)), jnp.int32)
+    params = dict(flat)  # a QLoRA base: the experts' stacks in NF4 (a float base: test_moe.py's expert-parallel run)
+    for path, (lead, contract) in quant.quantized_paths(cfg).items():
+        if "expert" in path:
+            params[path] = quant.quantize(params[path], lead, contract, "nf4", True)
 
     def loss(adapters, params):
         logits = forward(cfg, params, tokens, lora=adapters, lora_scale=lora_scale(lc))
@@ -247,36 +252,47 @@ for base in ("nf4",):  # a float base: tests/test_moe.py's expert-parallel train
         lowered = step.lower(placed_lora, placed)
         many = step(placed_lora, placed)
     diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(many)))
-    a = flatten(placed_lora)["layers.expert_gate.a"]
-    q = flatten(placed)["layers.expert_gate"]
-    out[base] = {"diff": diff, "loss": [float(one[0]), float(many[0])],
-                 "teeth": max(float(jnp.abs(g).max()) for g in jax.tree.leaves(one[1])),
+    a = flatten(placed_lora)[f"layers.{gate}.a"]
+    q = flatten(placed)[f"layers.{gate}"]
+    out[name] = {"diff": diff, "loss": [float(one[0]), float(many[0])], "experts": cfg.num_experts,
+                 "teeth": min(float(jnp.abs(g).max()) for g in jax.tree.leaves(one[1])),
                  "manual": "sdy.manual_computation" in lowered.as_text() or "shard_map" in lowered.as_text(),
                  "adapter_spec": [str(s) for s in a.sharding.spec], "adapter_shard": list(a.addressable_shards[0].data.shape),
-                 "quant_spec": [str(s) for s in q.data["packed"].sharding.spec] if base == "nf4" else None}
+                 "adapter_shape": list(a.shape), "quant_spec": [str(s) for s in q.data["packed"].sharding.spec]}
 print(json.dumps(out))
 """
 
 
 @pytest.mark.slow
 def test_expert_adapters_shard_over_the_expert_axis_and_run_expert_parallel():
-    """Slow (a subprocess on 8 simulated devices, two compilations of a tiny Mixtral's loss and adapter
-    gradients). On a (fsdp 2, expert 4) mesh each expert adapter is split over the expert axis like its stack (a
-    quarter of the experts a device), the experts run expert-parallel (shard_map), and the loss and adapter
-    gradients equal the one-device run's on an NF4 (QLoRA) base whose quantized expert fields are placed split
-    over the expert axis too. (A float base with adapters on every weight, experts included: test_moe.py's
-    test_expert_parallel_training_equals_one_device.)"""
-    p = subprocess.run([sys.executable, "-c", EP_SCRIPT], capture_output=True, text=True, env=devices_env(8),
-                       timeout=600)
+    """Slow (a subprocess on 8 simulated devices, four compilations of tiny models' loss and adapter gradients).
+    On a (fsdp 2, expert 4) mesh each expert adapter is split over the expert axis like its stack (a quarter of
+    the experts a device), the experts run expert-parallel (shard_map), and the loss and adapter gradients equal
+    the one-device run's, on NF4 (QLoRA) bases whose quantized expert fields are placed split over the expert axis
+    too: a Mixtral (gate, up and down apart) and a Gemma 4 MoE block (one fused gate/up stack). (A float base with
+    adapters on every weight, experts included: test_moe.py's test_expert_parallel_training_equals_one_device.)"""
+    from transformers import Gemma4TextConfig
+
+    from convert.hf_config import model_config_from_hf
+    from tests.helpers import BASE, FAMILIES
+
+    gemma4 = model_config_from_hf(Gemma4TextConfig(**{
+        **BASE, **FAMILIES["gemma4"][2], "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+        "moe_intermediate_size": 16, "num_hidden_layers": 2, "num_kv_shared_layers": 0,
+        "hidden_size_per_layer_input": 0, "layer_types": ["sliding_attention", "full_attention"]}).to_dict())
+    p = subprocess.run([sys.executable, "-c", EP_SCRIPT, json.dumps(gemma4.to_dict())], capture_output=True,
+                       text=True, env=devices_env(8), timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
-    for base, r in out.items():
-        assert r["manual"], f"{base}: the experts did not run expert-parallel"
+    assert set(out) == {"mixtral", "gemma4"}
+    for name, r in out.items():
+        assert r["manual"], f"{name}: the experts did not run expert-parallel"
         # [layers, experts / 4, embed / 2 (fsdp, as its base), rank]
-        assert r["adapter_spec"][:2] == ["None", "expert"] and r["adapter_shard"] == [2, 2, 16, 2], r
-        assert r["loss"][0] == pytest.approx(r["loss"][1], abs=1e-6) and r["diff"] <= 1e-6, (base, r)
-        assert r["teeth"] > 1e-4, r
-    assert out["nf4"]["quant_spec"][:2] == ["None", "expert"], out["nf4"]
+        assert r["adapter_spec"][:2] == ["None", "expert"], (name, r)
+        assert r["adapter_shard"][1] == r["experts"] // 4 and r["adapter_shard"][2] == r["adapter_shape"][2] // 2, r
+        assert r["loss"][0] == pytest.approx(r["loss"][1], abs=1e-6) and r["diff"] <= 1e-6, (name, r)
+        assert r["teeth"] > 1e-4, (name, r)
+        assert r["quant_spec"][:2] == ["None", "expert"], (name, r)
 
 
 # --- PEFT export: target_parameters on transformers 5's fused experts, loaded by peft -------------------------
