@@ -278,10 +278,11 @@ def test_moe_stacks_compile_independent_of_depth():
 
 @pytest.mark.parametrize("rows,groups", [(61, 5), (640, 32)])
 def test_the_tiled_grouped_matmul_equals_ragged_dot(rows, groups):
-    """Off TPUs the experts' grouped matmul runs in tiles of one expert each (zoo.grouped: XLA's CPU ragged_dot
+    """Off TPUs the experts' grouped matmul runs in blocks of one expert each (zoo.grouped: XLA's CPU ragged_dot
     multiplies every row by every expert): equal to jax.lax.ragged_dot, values and both gradients, with an empty
-    group, unequal groups and rows past the groups' total (which come out 0)."""
-    from zoo.grouped import grouped_matmul
+    group, unequal groups and rows past the groups' total (which come out 0). So is the one with each group's LoRA
+    adapter in the same blocks (grouped_matmul_lora), against three ragged_dots: values and every gradient."""
+    from zoo.grouped import grouped_matmul, grouped_matmul_lora
 
     rng = np.random.RandomState(rows)
     sizes = rng.multinomial(rows - 3, np.ones(groups) / groups).astype(np.int32)
@@ -289,14 +290,27 @@ def test_the_tiled_grouped_matmul_equals_ragged_dot(rows, groups):
     sizes[0] += rows - 3 - sizes.sum()
     x = jnp.asarray(rng.randn(rows, 24), jnp.float32)
     w = jnp.asarray(rng.randn(groups, 24, 10), jnp.float32)
+    a = jnp.asarray(rng.randn(groups, 24, 4), jnp.float32)
+    b = jnp.asarray(rng.randn(groups, 4, 10), jnp.float32)
     cot = jnp.asarray(rng.randn(rows, 10), jnp.float32)
+    s = jnp.asarray(sizes)
 
-    def run(f):
-        y, vjp = jax.vjp(lambda x, w: f(x, w, jnp.asarray(sizes)), x, w)
+    def run(f, *args):
+        y, vjp = jax.vjp(f, *args)
         return (y, *vjp(cot))
 
-    want = run(jax.lax.ragged_dot)
-    got = run(lambda x, w, s: grouped_matmul(x, w, s, platform="cpu"))
-    for name, a, b in zip(("y", "dx", "dw"), want, got, strict=True):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-4, err_msg=name)
+    want = run(lambda x, w: jax.lax.ragged_dot(x, w, s), x, w)
+    got = run(lambda x, w: grouped_matmul(x, w, s, platform="cpu"), x, w)
+    for name, u, v in zip(("y", "dx", "dw"), want, got, strict=True):
+        np.testing.assert_allclose(np.asarray(v), np.asarray(u), rtol=1e-5, atol=1e-4, err_msg=name)
     assert not np.asarray(got[0][-3:]).any()
+
+    def lora_ref(x, w, a, b, scale):
+        return jax.lax.ragged_dot(x, w, s) + scale * jax.lax.ragged_dot(jax.lax.ragged_dot(x, a, s), b, s)
+
+    args = (x, w, a, b, jnp.float32(0.7))
+    want = run(lora_ref, *args)
+    got = run(lambda *args: grouped_matmul_lora(*args, s, platform="cpu"), *args)
+    for name, u, v in zip(("y", "dx", "dw", "da", "db", "dscale"), want, got, strict=True):
+        np.testing.assert_allclose(np.asarray(v), np.asarray(u), rtol=1e-5, atol=1e-4, err_msg=name)
+    assert not np.asarray(got[0][-3:]).any() and not np.asarray(got[1][-3:]).any()

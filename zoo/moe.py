@@ -3,7 +3,7 @@
 Experts are stacked ``[experts, ...]`` in one parameter per projection and
 sharded over the ``expert`` mesh axis. The default dispatch is exact
 (dropless): assignments are sorted by expert and run through one grouped
-matmul (``jax.lax.ragged_dot`` on TPUs, tiles of one expert elsewhere: :mod:`zoo.grouped`). With ``capacity_factor`` set, each expert
+matmul (``jax.lax.ragged_dot`` on TPUs, blocks of one expert elsewhere: :mod:`zoo.grouped`). With ``capacity_factor`` set, each expert
 takes at most ``ceil(capacity_factor * tokens * k / experts)`` tokens in
 fixed-size buffers (GShard-style dispatch/combine einsums: static shapes,
 faster on accelerators) and the tokens over capacity are dropped and counted.
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from zoo.adapted import LoraDropout, lora_out
 from zoo.blocks import ACTIVATIONS, dense
 from zoo.config import ModelConfig
-from zoo.grouped import grouped_matmul
+from zoo.grouped import grouped_matmul, grouped_matmul_lora
 from zoo.quant import QuantizedWeight, materialize
 
 STAT_KEYS = ("expert_counts", "router_prob_sum", "router_lse_sq_sum", "dropped_tokens", "tokens")
@@ -83,8 +83,10 @@ def _ragged(xs: jax.Array, p: dict, name: str, sizes: jax.Array, lora: dict | No
     With ``drop`` each row (one token's assignment to one expert) gets its own dropout mask, as each
     expert's own dropout would give it."""
     w = p[name]
-    y = _frozen_ragged_dot(xs, w, sizes) if isinstance(w, QuantizedWeight) else grouped_matmul(xs, w, sizes)
     ad = (lora or {}).get(name)
+    if ad is not None and drop is None and not isinstance(w, QuantizedWeight):
+        return grouped_matmul_lora(xs, w, ad["a"], ad["b"], scale, sizes)  # off TPUs, in the base's own loop
+    y = _frozen_ragged_dot(xs, w, sizes) if isinstance(w, QuantizedWeight) else grouped_matmul(xs, w, sizes)
     if ad is None:
         return y
     xs = _adapter_input(xs, name, drop)
