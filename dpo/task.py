@@ -38,7 +38,7 @@ from dpo.reference import cached_reference_logps, compute_reference_logps, load_
 from pretrain.batch import PairBatch
 from pretrain.config import TrainConfig
 from pretrain.dtypes import DTYPES
-from pretrain.metrics import LossOutput, Mean, Metric, Ratio
+from pretrain.metrics import LossOutput, Mean, Metric, MicroMean, Ratio
 from pretrain.preflight import check_untrainable, untrainable
 from pretrain.task import Documents, LayoutContext, RowSource, RunContext, Task, Tokenizer
 from sft.task import chat_template_of
@@ -219,7 +219,7 @@ class DPOTask(Task):
                   *, frozen_inputs: dict | None = None, totals: dict | None = None, step: jax.Array | None = None,
                   **forward_kwargs: Any) -> LossOutput:
         """A micro-batch's sum of per-pair losses over its pair count, each metric a :class:`Mean` over pairs
-        (TRL's ``logits/*`` a :class:`Ratio` over answer tokens).
+        (TRL's ``logits/*`` a token mean per micro-batch, a :class:`MicroMean` over micro-batches).
 
         ``totals`` (:meth:`batch_totals` of the global batch, passed by the step) weigh the
         ``dpo.sft_weight`` NLL term; without them the micro-batch is taken as the whole batch.
@@ -264,10 +264,11 @@ class DPOTask(Task):
         }
         extras: dict[str, Metric] = {k: Mean((v * keep).sum()) for k, v in per_pair.items()}
         # TRL's logits/*: the mean logit over the vocabulary, averaged over every chosen (rejected) answer
-        # token of the batch, so longer answers weigh more: a ratio of its own.
+        # token of the micro-batch (all devices), so longer answers weigh more; TRL appends one such value per
+        # micro-batch and logs their plain mean, so micro-batches with fewer answer tokens weigh as much.
         for name, wa in (("logits/chosen", wc), ("logits/rejected", wr)):
             wk = wa * keep[:, None]
-            extras[name] = Ratio((mean_logit * wk).sum(), wk.sum())
+            extras[name] = MicroMean(Ratio((mean_logit * wk).sum(), wk.sum()).finish(None), jnp.float32(1.0))
         objective = total + (aux["loss"] * n if aux is not None else 0.0)
         return LossOutput(objective, sg(total), n, extras)
 

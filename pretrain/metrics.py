@@ -8,7 +8,8 @@ know how to combine over micro-batches (and eval batches) and how to finish:
   task's unit: target tokens, pairs);
 * :class:`Ratio` — its own (sum, count), finished as their ratio (a token mean
   over some other set of tokens, say);
-* :class:`Max` — a value, combined by its maximum and finished as it is.
+* :class:`Max` — a value, combined by its maximum and finished as it is;
+* :class:`MicroMean` — one value per micro-batch, finished as their mean over micro-batches.
 """
 
 from __future__ import annotations
@@ -63,7 +64,24 @@ class Max:
         return self.value
 
 
-Metric = Mean | Ratio | Max
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MicroMean:
+    """A value per micro-batch (its ``sum``) and how many micro-batches it holds, logged as their plain mean:
+    TRL's metrics that each micro-batch appends once (e.g. DPO's ``logits/*``, a token mean within the
+    micro-batch), averaged over the step's micro-batches however many tokens each held."""
+
+    sum: Any
+    batches: Any
+
+    def combine(self, other: MicroMean) -> MicroMean:
+        return MicroMean(self.sum + other.sum, self.batches + other.batches)
+
+    def finish(self, count: Any) -> Any:
+        return self.sum / jnp.maximum(self.batches, 1.0)
+
+
+Metric = Mean | Ratio | Max | MicroMean
 
 
 @jax.tree_util.register_dataclass

@@ -174,10 +174,15 @@ def test_step_metrics_and_gradient_equal_trl(loss_type, monkeypatch):
         for k, v in want.items():
             np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-6, err_msg=f"{k}, {micro_batches} micro")
         np.testing.assert_allclose(got["grad_norm"], abs(slope), rtol=1e-4, err_msg=f"{micro_batches} micro")
-    # logits/*: TRL's token-weighted mean logit over the answers' tokens.
-    a = _answers()
-    for side, s in (("chosen", "c"), ("rejected", "r")):
-        np.testing.assert_allclose(got[f"logits/{side}"], np.concatenate(a[f"logit_{s}"]).mean(), rtol=1e-5)
+        # logits/*: as DPOTrainer._compute_loss logs them, the token-weighted mean logit over one micro-batch's
+        # answer tokens, appended once per micro-batch and averaged by DPOTrainer.log (4 and 7 chosen tokens
+        # per half: a token mean over the whole batch would differ).
+        a = _answers()
+        for side, s in (("chosen", "c"), ("rejected", "r")):
+            halves = np.array_split(np.arange(len(a[f"logit_{s}"])), micro_batches)
+            want_logit = np.mean([np.concatenate([a[f"logit_{s}"][i] for i in h]).mean() for h in halves])
+            np.testing.assert_allclose(got[f"logits/{side}"], want_logit, rtol=1e-5,
+                                       err_msg=f"logits/{side}, {micro_batches} micro")
 
 
 def test_sft_weight_is_one_token_mean_over_the_global_batch(monkeypatch):
