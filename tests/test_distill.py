@@ -1,0 +1,106 @@
+"""GKD (distill/): the generalized JSD against a NumPy (float64) transcription of TRL 1.16's
+``GKDTrainer.generalized_jsd_loss`` (trl/experimental/gkd/gkd_trainer.py), and the ``distill:`` keys' errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from distill.config import DistillSection, check_same_tokenizer
+from distill.losses import jsd_sum_count
+from zoo.errors import UserError
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def _kl_div(inp: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """torch.nn.functional.kl_div(inp, target, reduction='none', log_target=True): exp(t) * (t - inp)."""
+    return np.exp(target) * (target - inp)
+
+
+def trl_generalized_jsd(student: np.ndarray, teacher: np.ndarray, labels: np.ndarray, beta: float,
+                        temperature: float) -> float:
+    """TRL 1.16 generalized_jsd_loss, reduction 'batchmean' with labels (-100 ignored), transcribed."""
+    s = _log_softmax(student / temperature)
+    t = _log_softmax(teacher / temperature)
+    if beta == 0:
+        jsd = _kl_div(s, t)
+    elif beta == 1:
+        jsd = _kl_div(t, s)
+    else:
+        mix = np.logaddexp(s + np.log1p(-beta), t + np.log(beta))
+        jsd = beta * _kl_div(mix, t) + (1 - beta) * _kl_div(mix, s)
+    mask = labels != -100
+    jsd = jsd[mask]  # [N, V] (TRL sums every element: over positions and vocabulary)
+    return float(jsd.sum() / max(mask.sum(), 1))
+
+
+@pytest.mark.parametrize("beta,temperature", [(0.0, 1.0), (1.0, 1.0), (0.3, 1.0), (0.5, 2.0)])
+def test_jsd_matches_trl_in_micro_batches(beta: float, temperature: float) -> None:
+    """Unequal completion lengths (one row fully masked), split into 1, 2 and 4 micro-batches whose
+    (sum, count) pairs combine into TRL's loss on the whole batch (its num_items_in_batch normalization)."""
+    rng = np.random.default_rng(0)
+    b, t, v = 4, 6, 11
+    student = rng.normal(size=(b, t, v)) * 2
+    teacher = rng.normal(size=(b, t, v)) * 2
+    lengths = [6, 2, 0, 4]
+    labels = np.full((b, t), -100)
+    for i, n in enumerate(lengths):
+        labels[i, t - n:] = 1
+    want = trl_generalized_jsd(student, teacher, labels, beta, temperature)
+    for micro in (1, 2, 4):
+        tot = cnt = 0.0
+        for chunk in np.split(np.arange(b), micro):
+            s, c = jsd_sum_count(student[chunk].astype(np.float32), teacher[chunk].astype(np.float32),
+                                 labels[chunk] != -100, beta, temperature)
+            tot, cnt = tot + float(s), cnt + float(c)
+        assert tot / max(cnt, 1.0) == pytest.approx(want, rel=1e-5, abs=1e-6), (micro, beta, temperature)
+
+
+def test_jsd_gradient_matches_finite_differences() -> None:
+    """The student's gradient (the teacher's is stopped) against float64 central differences of TRL's formula."""
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(1)
+    student = rng.normal(size=(2, 3, 5))
+    teacher = rng.normal(size=(2, 3, 5))
+    labels = np.array([[1, 1, -100], [-100, 1, 1]])
+    beta = 0.4
+
+    def ours(x: jax.Array) -> jax.Array:
+        s, c = jsd_sum_count(x, jnp.asarray(teacher, jnp.float32), jnp.asarray(labels != -100), beta)
+        return s / c
+
+    grad = np.asarray(jax.grad(ours)(jnp.asarray(student, jnp.float32)))
+    eps = 1e-6
+    for idx in [(0, 0, 0), (0, 1, 3), (1, 2, 4), (1, 0, 2)]:
+        up, dn = student.copy(), student.copy()
+        up[idx] += eps
+        dn[idx] -= eps
+        fd = (trl_generalized_jsd(up, teacher, labels, beta, 1.0)
+              - trl_generalized_jsd(dn, teacher, labels, beta, 1.0)) / (2 * eps)
+        assert grad[idx] == pytest.approx(fd, abs=1e-5), idx
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"lmbda": 1.5}, "distill.lmbda"), ({"beta": -0.1}, "distill.beta"), ({"temperature": 0}, "distill.temperature"),
+    ({"max_new_tokens": 0}, "distill.max_new_tokens"), ({"seq_kd": "yes"}, "distill.seq_kd"),
+])
+def test_distill_keys_one_line_errors(kwargs: dict, words: str) -> None:
+    """Each out-of-range key: one line naming it."""
+    with pytest.raises(UserError) as e:
+        DistillSection(teacher="t", **kwargs).check()
+    assert words in str(e.value) and "\n" not in str(e.value)
+    DistillSection(teacher="t").check()  # TRL's defaults pass
+
+
+def test_teacher_with_another_tokenizer_is_one_line() -> None:
+    """A teacher whose vocabulary differs from the student's is refused, naming the teacher."""
+    check_same_tokenizer({"a": 0, "b": 1}, {"a": 0, "b": 1}, "t")
+    with pytest.raises(UserError) as e:
+        check_same_tokenizer({"a": 0, "b": 1}, {"a": 0, "c": 1}, "ckpt/teacher")
+    assert "ckpt/teacher" in str(e.value) and "tokenizer" in str(e.value) and "\n" not in str(e.value)
