@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from zoo.errors import UserError
 
@@ -42,3 +43,21 @@ def check_same_tokenizer(student_vocab: dict[str, int], teacher_vocab: dict[str,
         raise UserError(f"distill.teacher {teacher}: its tokenizer differs from the student's "
                         f"({len(teacher_vocab)} vs {len(student_vocab)} tokens); use a teacher with the same "
                         f"tokenizer")
+
+
+def load_teacher(ctx: Any) -> tuple[Any, dict]:
+    """The frozen teacher of ``distill.teacher`` (its own config: it may be deeper or wider than the student),
+    loaded on the run's mesh; its tokenizer must be the student's. Returns (its model config, its params)."""
+    from pretrain.dtypes import DTYPES
+    from zoo.checkpoint import read_config
+    from zoo.loading import load_params
+    from zoo.paths import checkpoint_dir
+    from zoo.tokenizer import load_tokenizer
+
+    d: DistillSection = ctx.cfg.distill
+    if d.lmbda > 0 or d.seq_kd:
+        raise UserError(f"distill.lmbda {d.lmbda} / distill.seq_kd {d.seq_kd}: sampled completions are not "
+                        "supported yet; set distill.lmbda: 0 and distill.seq_kd: false (the dataset's completions)")
+    ckpt = checkpoint_dir(str(d.teacher), "distill.teacher")
+    check_same_tokenizer(ctx.tokenizer.get_vocab(), load_tokenizer(ckpt).get_vocab(), str(d.teacher))
+    return read_config(ckpt), load_params(ckpt, ctx.mesh, DTYPES[ctx.cfg.dtype.params])

@@ -104,3 +104,47 @@ def test_teacher_with_another_tokenizer_is_one_line() -> None:
     with pytest.raises(UserError) as e:
         check_same_tokenizer({"a": 0, "b": 1}, {"a": 0, "c": 1}, "ckpt/teacher")
     assert "ckpt/teacher" in str(e.value) and "tokenizer" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_sft_train_with_a_deeper_wider_teacher(dpo_models, tmp_path) -> None:
+    """`sft train` with distill.teacher (3 layers, hidden 48: not the student's shapes), lmbda 0: the step-1 loss
+    is TRL's generalized JSD of the student's and teacher's HF logits on the trained tokens (beta 0.5)."""
+    from transformers import AutoModelForCausalLM
+
+    from pretrain.config import load_config
+    from pretrain.trainer import train
+    from sft.config import SFTConfig
+    from sft.task import SFTTask
+    from tests.helpers import SGD_STEP_ONE, TINY_LM, hf_logits, make_llama, read_metrics, write_jsonl
+    from zoo.cli import main
+
+    root, tok, _ = dpo_models
+    make_llama(tmp_path / "hf_teacher", seed=3, vocab_size=len(tok),
+               **{**TINY_LM, "hidden_size": 48, "num_hidden_layers": 3})
+    tok.save_pretrained(tmp_path / "hf_teacher")
+    assert main(["convert", str(tmp_path / "hf_teacher"), "--out", str(tmp_path / "teacher")]) == 0
+    rows = [{"prompt": "colour red:", "completion": " red"}, {"prompt": "the cat", "completion": " sat on the mat"}]
+    write_jsonl(tmp_path / "pc.jsonl", rows)
+    cfg = load_config(None, [f"model.path={root / 'policy'}", f"model.tokenizer={root / 'tok'}",
+                             f"data.path={tmp_path / 'pc.jsonl'}", "data.seq_len=32", "batch_size=2",
+                             "log_every=1", "checkpoint.every=100", f"output_dir={tmp_path / 'ours'}",
+                             *SGD_STEP_ONE, f"distill.teacher={tmp_path / 'teacher'}", "distill.lmbda=0"],
+                      SFTConfig)
+    train(cfg, progress=False, task=SFTTask(cfg))
+    got = read_metrics(tmp_path / "ours")[0]
+    task = SFTTask(cfg)
+    docs = task.documents(task.load(str(tmp_path / "pc.jsonl"), cfg), tok, "pc", False).docs
+    teacher = AutoModelForCausalLM.from_pretrained(tmp_path / "hf_teacher", attn_implementation="eager").eval()
+    student = AutoModelForCausalLM.from_pretrained(root / "hf_policy", attn_implementation="eager").eval()
+    total = count = 0.0
+    for d in docs.values():
+        ids, mask = np.asarray(d["tokens"]), np.asarray(d["loss_mask"]).astype(bool)
+        labels = np.where(mask[1:], ids[1:], -100)[None]  # TRL's shifted labels: logits at i predict token i + 1
+        s, t = hf_logits(student, ids[None])[:, :-1], hf_logits(teacher, ids[None])[:, :-1]
+        n = int((labels != -100).sum())
+        total += trl_generalized_jsd(s.astype(np.float64), t.astype(np.float64), labels, 0.5, 1.0) * n
+        count += n
+    assert count > 0
+    np.testing.assert_allclose(got["loss"], total / count, rtol=1e-5)
+
