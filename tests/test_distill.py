@@ -148,3 +148,60 @@ def test_sft_train_with_a_deeper_wider_teacher(dpo_models, tmp_path) -> None:
     assert count > 0
     np.testing.assert_allclose(got["loss"], total / count, rtol=1e-5)
 
+
+
+@pytest.mark.slow
+def test_gkd_step_one_equals_trl_trainer(dpo_models, tmp_path) -> None:
+    """lmbda 0 (the dataset's completions): one SGD step against TRL 1.16's own GKDTrainer with a deeper, wider
+    teacher: loss, grad_norm and every weight's change within 1e-5. The step is SGD at lr 100 (both sides): at lr 1
+    the changes of weights near 1 (norms) are ~2e-4, where one float32 ulp of the stored weight (6e-8) exceeds
+    1e-5 of the change."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl.experimental.gkd import GKDConfig, GKDTrainer
+    from trl.experimental.utils import DataCollatorForChatML
+
+    from pretrain.config import load_config
+    from pretrain.trainer import train
+    from sft.config import SFTConfig
+    from sft.task import SFTTask
+    from tests.helpers import SGD_STEP_ONE, TINY_LM, assert_same_change, assert_same_metrics, exported_change
+    from tests.helpers import make_llama, read_metrics, trl_step_one, write_jsonl
+    from zoo.cli import main
+
+    root, tok, _ = dpo_models
+    make_llama(tmp_path / "hf_teacher", seed=3, vocab_size=len(tok),
+               **{**TINY_LM, "hidden_size": 48, "num_hidden_layers": 3})
+    tok.save_pretrained(tmp_path / "hf_teacher")
+    assert main(["convert", str(tmp_path / "hf_teacher"), "--out", str(tmp_path / "teacher")]) == 0
+    rows = [{"messages": [{"role": "user", "content": "colour red:"}, {"role": "assistant", "content": "red"}]},
+            {"messages": [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "sat on the mat"}]}]
+    write_jsonl(tmp_path / "m.jsonl", rows)
+
+    def load(p):
+        return AutoModelForCausalLM.from_pretrained(p, attn_implementation="eager", dtype=torch.float32)
+
+    def collate(examples: list) -> dict:
+        # TRL's ChatML collator also labels the "\n" after the answer's <|im_end|>, which SFT's assistant-only
+        # mask leaves out (a data-layout difference, not the loss's): unlabel each row's last real token
+        b = chatml(examples)
+        last = b["attention_mask"].cumsum(-1).argmax(-1)
+        b["labels"][torch.arange(len(last)), last] = -100
+        return b
+
+    chatml = DataCollatorForChatML(tokenizer=tok, max_length=64)
+    want, trl_change = trl_step_one(GKDTrainer, GKDConfig, load(root / "hf_policy"), tmp_path / "trl",
+                                    dict(teacher_model=load(tmp_path / "hf_teacher"), data_collator=collate,
+                                         train_dataset=Dataset.from_list(rows), processing_class=tok),
+                                    lmbda=0.0, beta=0.5, per_device_train_batch_size=2, max_length=64,
+                                    learning_rate=100.0)
+    cfg = load_config(None, [f"model.path={root / 'policy'}", f"model.tokenizer={root / 'tok'}",
+                             f"data.path={tmp_path / 'm.jsonl'}", "data.seq_len=64", "batch_size=2",
+                             "log_every=1", "checkpoint.every=100", f"output_dir={tmp_path / 'ours'}",
+                             *SGD_STEP_ONE, "optimizer.learning_rate=100", f"distill.teacher={tmp_path / 'teacher'}",
+                             "distill.lmbda=0"], SFTConfig)
+    train(cfg, progress=False, task=SFTTask(cfg))
+    got = read_metrics(tmp_path / "ours")[0]
+    assert_same_metrics(got, want, ("loss", "grad_norm"))
+    assert_same_change(exported_change(tmp_path / "ours" / "final", root / "hf_policy", tmp_path / "exp"), trl_change)
