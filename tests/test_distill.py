@@ -166,8 +166,17 @@ def test_gkd_step_one_equals_trl_trainer(dpo_models, tmp_path) -> None:
     from pretrain.trainer import train
     from sft.config import SFTConfig
     from sft.task import SFTTask
-    from tests.helpers import SGD_STEP_ONE, TINY_LM, assert_same_change, assert_same_metrics, exported_change
-    from tests.helpers import make_llama, read_metrics, trl_step_one, write_jsonl
+    from tests.helpers import (
+        SGD_STEP_ONE,
+        TINY_LM,
+        assert_same_change,
+        assert_same_metrics,
+        exported_change,
+        make_llama,
+        read_metrics,
+        trl_step_one,
+        write_jsonl,
+    )
     from zoo.cli import main
 
     root, tok, _ = dpo_models
