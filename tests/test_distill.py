@@ -214,3 +214,16 @@ def test_gkd_step_one_equals_trl_trainer(dpo_models, tmp_path) -> None:
     got = read_metrics(tmp_path / "ours")[0]
     assert_same_metrics(got, want, ("loss", "grad_norm"))
     assert_same_change(exported_change(tmp_path / "ours" / "final", root / "hf_policy", tmp_path / "exp"), trl_change)
+
+
+@pytest.mark.parametrize("kwargs", [{"lmbda": 0.5}, {"lmbda": 0.0, "seq_kd": True}])
+def test_sampled_completions_refused_in_one_line(kwargs: dict) -> None:
+    """Sampled completions (lmbda > 0, seq_kd) are not implemented yet: one line, before any checkpoint is read."""
+    from types import SimpleNamespace
+
+    from distill.config import load_teacher
+
+    ctx = SimpleNamespace(cfg=SimpleNamespace(distill=DistillSection(teacher="/nonexistent", **kwargs)))
+    with pytest.raises(UserError) as e:
+        load_teacher(ctx)
+    assert "distill.lmbda" in str(e.value) and "\n" not in str(e.value)
