@@ -10,7 +10,7 @@ import jax
 from pretrain.batch import TokenBatch
 from pretrain.config import TrainConfig
 from pretrain.metrics import LossOutput
-from pretrain.task import Documents, RowSource, RunContext, Task, Tokenizer, next_token_loss_sums
+from pretrain.task import Documents, LayoutContext, RowSource, RunContext, Task, Tokenizer, next_token_loss_sums
 from sft.chat import ChatTemplate, parse_date
 from sft.config import ChatDataSection, SFTConfig, SFTDataSection
 from sft.formats import detect_format
@@ -83,3 +83,10 @@ class SFTTask(Task):
 
         self.teacher_mcfg, teacher = load_teacher(ctx)
         return teacher
+
+    def compile_layout(self, ctx: LayoutContext) -> None:
+        """For ``--compile-only``: no frozen inputs; a teacher (``distill.teacher``) is not laid out yet, so it is
+        refused rather than compiled as plain SFT."""
+        if cast(SFTConfig, ctx.cfg).distill.teacher is not None:
+            raise UserError("--compile-only does not lay out distill.teacher yet; leave distill out to compile the "
+                            "student's SFT step")
