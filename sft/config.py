@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from distill.config import DistillSection
 from pretrain.config import DataSection, DataSource, TrainConfig
 from zoo.errors import UserError
 
@@ -49,3 +50,9 @@ class SFTConfig(TrainConfig):
     """Everything an SFT run needs (`sft train`)."""
 
     data: SFTDataSection = field(default_factory=SFTDataSection)
+    distill: DistillSection = field(default_factory=DistillSection)  # GKD: a teacher's distributions (distill/)
+
+    def check(self) -> None:
+        """The shared checks, then the ``distill:`` section's."""
+        super().check()
+        self.distill.check()

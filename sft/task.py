@@ -10,7 +10,7 @@ import jax
 from pretrain.batch import TokenBatch
 from pretrain.config import TrainConfig
 from pretrain.metrics import LossOutput
-from pretrain.task import Documents, RowSource, Task, Tokenizer, next_token_loss_sums
+from pretrain.task import Documents, LayoutContext, RowSource, RunContext, Task, Tokenizer, next_token_loss_sums
 from sft.chat import ChatTemplate, parse_date
 from sft.config import ChatDataSection, SFTConfig, SFTDataSection
 from sft.formats import detect_format
@@ -44,6 +44,8 @@ class SFTTask(Task):
     def __init__(self, cfg: SFTConfig):
         super().__init__(cfg)
         self.chat_template = chat_template_of(cfg)
+        self.distill = cfg.distill
+        self.teacher_mcfg: ModelConfig | None = None  # distill.teacher's config, once prepare loaded it
 
     def load(self, path: str, cfg: TrainConfig) -> RowSource:
         """The rows of ``path`` and their format (``data.format``, or detected from the columns)."""
@@ -65,5 +67,26 @@ class SFTTask(Task):
                   frozen_inputs: Any = None, totals: Any = None, step: jax.Array | None = None,
                   **forward_kwargs: Any) -> LossOutput:
         """Next-token cross-entropy over the trained (masked-in) targets only."""
+        if frozen_inputs is not None:  # distill.teacher: GKD's generalized JSD against the teacher (distill/)
+            from distill.losses import distill_loss_sums
+
+            return distill_loss_sums(mcfg, params, self.teacher_mcfg, frozen_inputs, mb, compute, remat,
+                                     self.distill.beta, **forward_kwargs)
         return next_token_loss_sums(mcfg, params, mb, compute, remat, max_segments=self.row_segments,
                                     **forward_kwargs)
+
+    def prepare(self, ctx: RunContext) -> dict | None:
+        """With ``distill.teacher``: the frozen teacher's params (the step's frozen inputs); else None."""
+        if cast(SFTConfig, ctx.cfg).distill.teacher is None:
+            return None
+        from distill.config import load_teacher
+
+        self.teacher_mcfg, teacher = load_teacher(ctx)
+        return teacher
+
+    def compile_layout(self, ctx: LayoutContext) -> None:
+        """For ``--compile-only``: no frozen inputs; a teacher (``distill.teacher``) is not laid out yet, so it is
+        refused rather than compiled as plain SFT."""
+        if cast(SFTConfig, ctx.cfg).distill.teacher is not None:
+            raise UserError("--compile-only does not lay out distill.teacher yet; leave distill out to compile the "
+                            "student's SFT step")
