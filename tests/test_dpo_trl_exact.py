@@ -6,8 +6,9 @@ its ``"sft"`` loss term, ``loss_type=[..., "sft"], loss_weights=[1, w]``) and
 CPOTrainer (``loss_type="simpo"``, ``cpo_alpha``). The first tests run the real
 train step (pretrain/step.py, with the DPO task) on fixed per-token
 log-probabilities, the model's forward pass replaced by a lookup, so every
-loss type and batch split costs one tiny compilation; the last runs `dpo train`
-on a tiny model against transformers' log-probabilities.
+loss type and batch split costs one tiny compilation; the last two run `dpo train`
+on a tiny model, against transformers' log-probabilities and against one step of
+TRL's own DPOTrainer (metrics and every weight's change).
 """
 
 import dataclasses
@@ -251,3 +252,37 @@ def test_ipo_with_sft_weight_step_one_equals_trl_from_transformers(dpo_models, t
     for k, v in want.items():
         np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-7, err_msg=k)
     assert not math.isclose(nll, np.mean(-pc / nc), rel_tol=1e-3)  # the per-pair mean would be caught
+
+
+# ---- end to end: TRL's own DPOTrainer ----------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_sigmoid_step_one_equals_trl_dpo_trainer(dpo_models, tmp_path):
+    """One SGD step of `dpo train` (sigmoid, a reference checkpoint, two micro-batches, answers of unequal length)
+    against one step of trl.DPOTrainer on the same transformers models: loss, grad_norm, every reward, logps and
+    logits metric, and every weight's change (minus the gradient) within 1e-5."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import DPOConfig as TRLDPOConfig
+    from trl import DPOTrainer
+
+    from tests.helpers import SGD_STEP_ONE, assert_same_change, assert_same_metrics, exported_change, trl_step_one
+
+    root, tok, _ = dpo_models
+    write_jsonl(root / "uneven_trl.jsonl", UNEVEN_PAIRS)
+
+    def load(name):
+        return AutoModelForCausalLM.from_pretrained(root / name, attn_implementation="eager", dtype=torch.float32)
+
+    want, trl_change = trl_step_one(
+        DPOTrainer, TRLDPOConfig, load("hf_policy"), tmp_path / "trl",
+        dict(ref_model=load("hf_reference"), train_dataset=Dataset.from_list(UNEVEN_PAIRS), processing_class=tok),
+        beta=BETA, per_device_train_batch_size=2, gradient_accumulation_steps=2)
+    cfg = dpo_cfg(root, tmp_path / "ours", *SGD_STEP_ONE, "grad_accum=2", f"dpo.beta={BETA}",
+                  f"dpo.reference={root / 'reference'}", data="uneven_trl.jsonl")
+    train(cfg, progress=False, task=DPOTask(cfg))
+    assert_same_metrics(read_metrics(tmp_path / "ours")[0], want,
+                        ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins",
+                         "rewards/accuracies", "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected"))
+    assert_same_change(exported_change(tmp_path / "ours" / "final", root / "hf_policy", tmp_path / "exp"), trl_change)
