@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from zoo.errors import UserError
@@ -10,31 +10,17 @@ from zoo.errors import UserError
 
 @dataclass
 class DistillSection:
-    """On-policy distillation keys; ``teacher`` None means no distillation (plain SFT)."""
+    """On-policy distillation keys; ``teacher`` None means no distillation (plain SFT). The config loader checks
+    each key's type and ``range`` (pretrain/config.py), one line naming the key."""
 
     teacher: str | None = None  # the teacher checkpoint (same tokenizer as the student's)
-    lmbda: float = 0.5  # probability that a micro-batch's completions are the student's own samples
-    beta: float = 0.5  # JSD interpolation: 0 forward KL, 1 reverse KL
-    temperature: float = 0.9  # sampling temperature of the student's (and seq_kd teacher's) completions
-    max_new_tokens: int = 128  # completion length of sampled completions
+    # probability that a micro-batch's completions are the student's own samples
+    lmbda: float = field(default=0.5, metadata={"range": "[0, 1]"})
+    beta: float = field(default=0.5, metadata={"range": "[0, 1]"})  # JSD interpolation: 0 forward KL, 1 reverse KL
+    # sampling temperature of the student's (and seq_kd teacher's) completions
+    temperature: float = field(default=0.9, metadata={"range": "(0, inf)"})
+    max_new_tokens: int = field(default=128, metadata={"range": "[1, inf)"})  # length of sampled completions
     seq_kd: bool = False  # off-policy micro-batches use teacher-generated completions instead of the dataset's
-
-    def check(self) -> None:
-        """Each key in its range, one line naming the key and the fix."""
-        if self.teacher is not None and not str(self.teacher):
-            raise UserError("distill.teacher must be a checkpoint path (or leave it out for plain SFT)")
-        for key in ("lmbda", "beta"):
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= float(v) <= 1.0:
-                raise UserError(f"distill.{key} must be a number in [0, 1], got {v!r}")
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not float(t) > 0.0:
-            raise UserError(f"distill.temperature must be a number > 0, got {t!r}")
-        n = self.max_new_tokens
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise UserError(f"distill.max_new_tokens must be an integer >= 1, got {n!r}")
-        if not isinstance(self.seq_kd, bool):
-            raise UserError(f"distill.seq_kd must be true or false, got {self.seq_kd!r}")
 
 
 def check_same_tokenizer(student_vocab: dict[str, int], teacher_vocab: dict[str, int], teacher: str) -> None:

@@ -57,5 +57,5 @@ def distill_loss_sums(mcfg: Any, params: dict, teacher_mcfg: Any, teacher: dict,
     s_logits = forward(mcfg, cast_params(params, compute), mb.inputs, mb.segment_ids, mb.positions, remat=remat,
                        **forward_kwargs)
     t_logits = forward(teacher_mcfg, cast_params(teacher, compute), mb.inputs, mb.segment_ids, mb.positions)
-    total, n = jsd_sum_count(s_logits, jax.lax.stop_gradient(t_logits), mb.weights > 0, beta)
+    total, n = jsd_sum_count(s_logits, t_logits, mb.weights > 0, beta)  # no teacher gradient: see generalized_jsd
     return LossOutput(total, total, n)

@@ -51,8 +51,3 @@ class SFTConfig(TrainConfig):
 
     data: SFTDataSection = field(default_factory=SFTDataSection)
     distill: DistillSection = field(default_factory=DistillSection)  # GKD: a teacher's distributions (distill/)
-
-    def check(self) -> None:
-        """The shared checks, then the ``distill:`` section's."""
-        super().check()
-        self.distill.check()

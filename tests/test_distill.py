@@ -8,6 +8,8 @@ import pytest
 
 from distill.config import DistillSection, check_same_tokenizer
 from distill.losses import jsd_sum_count
+from pretrain.config import load_config
+from sft.config import SFTConfig
 from zoo.errors import UserError
 
 
@@ -86,16 +88,15 @@ def test_jsd_gradient_matches_finite_differences() -> None:
         assert grad[idx] == pytest.approx(fd, abs=1e-5), idx
 
 
-@pytest.mark.parametrize("kwargs,words", [
-    ({"lmbda": 1.5}, "distill.lmbda"), ({"beta": -0.1}, "distill.beta"), ({"temperature": 0}, "distill.temperature"),
-    ({"max_new_tokens": 0}, "distill.max_new_tokens"), ({"seq_kd": "yes"}, "distill.seq_kd"),
-])
-def test_distill_keys_one_line_errors(kwargs: dict, words: str) -> None:
-    """Each out-of-range key: one line naming it."""
+@pytest.mark.parametrize("override", ["distill.lmbda=1.5", "distill.beta=-0.1", "distill.temperature=0",
+                                      "distill.max_new_tokens=0", "distill.seq_kd=maybe"])
+def test_distill_keys_one_line_errors(override: str) -> None:
+    """Each out-of-range key, as `sft train` reads it: one line naming it."""
+    base = ["model=m", "data.path=d", "max_steps=1", "distill.teacher=t"]
     with pytest.raises(UserError) as e:
-        DistillSection(teacher="t", **kwargs).check()
-    assert words in str(e.value) and "\n" not in str(e.value)
-    DistillSection(teacher="t").check()  # TRL's defaults pass
+        load_config(None, [*base, override], SFTConfig)
+    assert override.split("=")[0] in str(e.value) and "\n" not in str(e.value)
+    assert load_config(None, base, SFTConfig).distill == DistillSection(teacher="t")  # TRL's defaults pass
 
 
 def test_teacher_with_another_tokenizer_is_one_line() -> None:
@@ -106,31 +107,43 @@ def test_teacher_with_another_tokenizer_is_one_line() -> None:
     assert "ckpt/teacher" in str(e.value) and "tokenizer" in str(e.value) and "\n" not in str(e.value)
 
 
+def _deeper_wider_teacher(tok, folder) -> None:
+    """A teacher of 3 layers and hidden size 48 (not the student's shapes) with the student's tokenizer, at
+    ``folder/hf_teacher`` and converted at ``folder/teacher``."""
+    from tests.helpers import TINY_LM, make_llama
+    from zoo.cli import main
+
+    make_llama(folder / "hf_teacher", seed=3, vocab_size=len(tok), **{**TINY_LM, "hidden_size": 48, "num_hidden_layers": 3})
+    tok.save_pretrained(folder / "hf_teacher")
+    assert main(["convert", str(folder / "hf_teacher"), "--out", str(folder / "teacher")]) == 0
+
+
+def _distill_cfg(root, tmp_path, data: str, seq_len: int, *overrides: str) -> SFTConfig:
+    """`sft train` of dpo_models' policy on ``tmp_path/data`` with distill.teacher (lmbda 0), one SGD step."""
+    from tests.helpers import SGD_STEP_ONE
+
+    return load_config(None, [f"model.path={root / 'policy'}", f"model.tokenizer={root / 'tok'}",
+                              f"data.path={tmp_path / data}", f"data.seq_len={seq_len}", "batch_size=2",
+                              "log_every=1", "checkpoint.every=100", f"output_dir={tmp_path / 'ours'}",
+                              *SGD_STEP_ONE, *overrides, f"distill.teacher={tmp_path / 'teacher'}",
+                              "distill.lmbda=0"], SFTConfig)
+
+
 @pytest.mark.slow
 def test_sft_train_with_a_deeper_wider_teacher(dpo_models, tmp_path) -> None:
     """`sft train` with distill.teacher (3 layers, hidden 48: not the student's shapes), lmbda 0: the step-1 loss
     is TRL's generalized JSD of the student's and teacher's HF logits on the trained tokens (beta 0.5)."""
     from transformers import AutoModelForCausalLM
 
-    from pretrain.config import load_config
     from pretrain.trainer import train
-    from sft.config import SFTConfig
     from sft.task import SFTTask
-    from tests.helpers import SGD_STEP_ONE, TINY_LM, hf_logits, make_llama, read_metrics, write_jsonl
-    from zoo.cli import main
+    from tests.helpers import hf_logits, read_metrics, write_jsonl
 
     root, tok, _ = dpo_models
-    make_llama(tmp_path / "hf_teacher", seed=3, vocab_size=len(tok),
-               **{**TINY_LM, "hidden_size": 48, "num_hidden_layers": 3})
-    tok.save_pretrained(tmp_path / "hf_teacher")
-    assert main(["convert", str(tmp_path / "hf_teacher"), "--out", str(tmp_path / "teacher")]) == 0
+    _deeper_wider_teacher(tok, tmp_path)
     rows = [{"prompt": "colour red:", "completion": " red"}, {"prompt": "the cat", "completion": " sat on the mat"}]
     write_jsonl(tmp_path / "pc.jsonl", rows)
-    cfg = load_config(None, [f"model.path={root / 'policy'}", f"model.tokenizer={root / 'tok'}",
-                             f"data.path={tmp_path / 'pc.jsonl'}", "data.seq_len=32", "batch_size=2",
-                             "log_every=1", "checkpoint.every=100", f"output_dir={tmp_path / 'ours'}",
-                             *SGD_STEP_ONE, f"distill.teacher={tmp_path / 'teacher'}", "distill.lmbda=0"],
-                      SFTConfig)
+    cfg = _distill_cfg(root, tmp_path, "pc.jsonl", 32)
     train(cfg, progress=False, task=SFTTask(cfg))
     got = read_metrics(tmp_path / "ours")[0]
     task = SFTTask(cfg)
@@ -162,28 +175,19 @@ def test_gkd_step_one_equals_trl_trainer(dpo_models, tmp_path) -> None:
     from trl.experimental.gkd import GKDConfig, GKDTrainer
     from trl.experimental.utils import DataCollatorForChatML
 
-    from pretrain.config import load_config
     from pretrain.trainer import train
-    from sft.config import SFTConfig
     from sft.task import SFTTask
     from tests.helpers import (
-        SGD_STEP_ONE,
-        TINY_LM,
         assert_same_change,
         assert_same_metrics,
         exported_change,
-        make_llama,
         read_metrics,
         trl_step_one,
         write_jsonl,
     )
-    from zoo.cli import main
 
     root, tok, _ = dpo_models
-    make_llama(tmp_path / "hf_teacher", seed=3, vocab_size=len(tok),
-               **{**TINY_LM, "hidden_size": 48, "num_hidden_layers": 3})
-    tok.save_pretrained(tmp_path / "hf_teacher")
-    assert main(["convert", str(tmp_path / "hf_teacher"), "--out", str(tmp_path / "teacher")]) == 0
+    _deeper_wider_teacher(tok, tmp_path)
     rows = [{"messages": [{"role": "user", "content": "colour red:"}, {"role": "assistant", "content": "red"}]},
             {"messages": [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "sat on the mat"}]}]
     write_jsonl(tmp_path / "m.jsonl", rows)
@@ -205,11 +209,7 @@ def test_gkd_step_one_equals_trl_trainer(dpo_models, tmp_path) -> None:
                                          train_dataset=Dataset.from_list(rows), processing_class=tok),
                                     lmbda=0.0, beta=0.5, per_device_train_batch_size=2, max_length=64,
                                     learning_rate=100.0)
-    cfg = load_config(None, [f"model.path={root / 'policy'}", f"model.tokenizer={root / 'tok'}",
-                             f"data.path={tmp_path / 'm.jsonl'}", "data.seq_len=64", "batch_size=2",
-                             "log_every=1", "checkpoint.every=100", f"output_dir={tmp_path / 'ours'}",
-                             *SGD_STEP_ONE, "optimizer.learning_rate=100", f"distill.teacher={tmp_path / 'teacher'}",
-                             "distill.lmbda=0"], SFTConfig)
+    cfg = _distill_cfg(root, tmp_path, "m.jsonl", 64, "optimizer.learning_rate=100")
     train(cfg, progress=False, task=SFTTask(cfg))
     got = read_metrics(tmp_path / "ours")[0]
     assert_same_metrics(got, want, ("loss", "grad_norm"))
