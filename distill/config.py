@@ -41,9 +41,25 @@ def load_teacher(ctx: Any) -> tuple[Any, dict]:
     from zoo.tokenizer import load_tokenizer
 
     d: DistillSection = ctx.cfg.distill
-    if d.lmbda > 0 or d.seq_kd:
-        raise UserError(f"distill.lmbda {d.lmbda} / distill.seq_kd {d.seq_kd}: sampled completions are not "
-                        "supported yet; set distill.lmbda: 0 and distill.seq_kd: false (the dataset's completions)")
     ckpt = checkpoint_dir(str(d.teacher), "distill.teacher")
     check_same_tokenizer(ctx.tokenizer.get_vocab(), load_tokenizer(ckpt).get_vocab(), str(d.teacher))
     return read_config(ckpt), load_params(ckpt, ctx.mesh, DTYPES[ctx.cfg.dtype.params])
+
+
+def abstract_teacher(ctx: Any) -> tuple[Any, dict]:
+    """For ``--compile-only``: the teacher's model config, read without weights (a zoo checkpoint, a registry
+    name or a config.json), and its params as ``jax.ShapeDtypeStruct`` s sharded on the run's mesh."""
+    import dataclasses
+
+    import jax
+
+    from pretrain.compile_only import model_config_of
+    from pretrain.dtypes import DTYPES
+    from zoo.params import nest, param_specs
+    from zoo.sharding import named_sharding
+
+    mcfg = dataclasses.replace(model_config_of(str(ctx.cfg.distill.teacher), "distill.teacher"),
+                               attention=ctx.mcfg.attention)
+    dtype = DTYPES[ctx.cfg.dtype.params]
+    return mcfg, nest({k: jax.ShapeDtypeStruct(s.shape, dtype, sharding=named_sharding(ctx.mesh, s.axes, s.shape))
+                       for k, s in param_specs(mcfg).items()})

@@ -58,4 +58,7 @@ def distill_loss_sums(mcfg: Any, params: dict, teacher_mcfg: Any, teacher: dict,
                        **forward_kwargs)
     t_logits = forward(teacher_mcfg, cast_params(teacher, compute), mb.inputs, mb.segment_ids, mb.positions)
     total, n = jsd_sum_count(s_logits, t_logits, mb.weights > 0, beta)  # no teacher gradient: see generalized_jsd
+    data_weights = getattr(mb, "data_weights", None)
+    if data_weights is not None:  # sampled completions (distill/online.py): TRL divides by the dataset's count
+        n = (data_weights > 0).sum().astype(jnp.float32)
     return LossOutput(total, total, n)

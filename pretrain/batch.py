@@ -93,6 +93,20 @@ class RolloutBatch(TokenBatch):
                 "ref_logps": FLOAT}
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistillBatch(TokenBatch):
+    """On-policy distillation rows (distill/online.py): the dataset's row, or its prompt with a sampled completion,
+    and ``data_weights``, the dataset row's own target weights whatever the row now holds (TRL counts the batch's
+    target tokens before sampling: its loss divides by them)."""
+
+    data_weights: Any = None
+
+    @classmethod
+    def dtypes(cls) -> dict[str, Any]:
+        return {**TokenBatch.dtypes(), "data_weights": FLOAT}
+
+
 @dataclass
 class Rollout:
     """What an online task's :meth:`Task.rollout` made for one step: the model batch the step trains on, the

@@ -62,6 +62,61 @@ def test_jsd_matches_trl_in_micro_batches(beta: float, temperature: float) -> No
         assert tot / max(cnt, 1.0) == pytest.approx(want, rel=1e-5, abs=1e-6), (micro, beta, temperature)
 
 
+def test_step_loss_and_gradient_equal_trl_in_micro_batches(monkeypatch) -> None:
+    """The real train step (SFT's task with distill.teacher) on rows of unequal trained lengths, the forward
+    pass replaced by a lookup (student logits ``S + b * C``, teacher ``T``), in 1, 2 and 4 micro-batches: the
+    loss is TRL's (every micro-batch's JSD sum over its labels, over num_items_in_batch, which TRL counts on the
+    dataset's labels before sampling: here ``data_weights``, another count than the trained tokens'), and so is
+    the gradient in b (a central difference of the transcription)."""
+    import jax.numpy as jnp
+    import optax
+
+    import zoo.model
+    from pretrain.batch import DistillBatch
+    from pretrain.step import make_step
+    from sft.task import SFTTask
+
+    rng = np.random.default_rng(2)
+    rows, t, v, beta = 4, 5, 7, 0.3
+    ids = np.arange(rows * t).reshape(rows, t) + 1  # each position its own token id: the lookup's key
+    s_tab, c_tab, t_tab = (rng.normal(size=(rows * t + 1, v)) for _ in range(3))
+    weights = np.zeros((rows, t))
+    for r, n in enumerate((5, 1, 3, 2)):
+        weights[r, t - n:] = 1
+    data_weights = np.zeros((rows, t))
+    for r, n in enumerate((2, 4, 0, 3)):
+        data_weights[r, :n] = 1
+
+    def fake_forward(mcfg, params, inputs, *args, **kwargs):
+        if "b" in params:
+            return jnp.asarray(s_tab, jnp.float32)[inputs] + params["b"] * jnp.asarray(c_tab, jnp.float32)[inputs]
+        return jnp.asarray(t_tab, jnp.float32)[inputs]
+
+    def want(b: float) -> float:
+        labels = np.where(weights > 0, 1, -100)
+        n = labels != -100
+        return trl_generalized_jsd(s_tab[ids] + b * c_tab[ids], t_tab[ids], labels, beta, 1.0) * n.sum() \
+            / data_weights.sum()
+
+    monkeypatch.setattr(zoo.model, "forward", fake_forward)
+    cfg = load_config(None, ["model.path=none", "data.path=none", "max_steps=1", "distill.teacher=t",
+                             "distill.lmbda=0.5", f"distill.beta={beta}"], SFTConfig)
+    task = SFTTask(cfg)
+    slope = (want(1e-4) - want(-1e-4)) / 2e-4
+    for micro in (1, 2, 4):
+        arrays = {"inputs": ids, "targets": ids, "weights": weights, "segment_ids": np.ones_like(ids),
+                  "positions": np.tile(np.arange(t), (rows, 1)), "data_weights": data_weights}
+        batch = DistillBatch.of({k: jnp.asarray(x.reshape(micro, rows // micro, t),
+                                                jnp.float32 if "weights" in k else jnp.int32)
+                                 for k, x in arrays.items()})
+        step, _ = make_step(None, optax.sgd(0.0), jnp.float32, task=task)
+        params = {"b": jnp.zeros((), jnp.float32)}
+        state = {"params": params, "opt_state": optax.sgd(0.0).init(params), "step": jnp.zeros((), jnp.int32)}
+        _, m = step(state, batch, frozen_inputs={"t": jnp.zeros(())})
+        assert float(m["loss"]) == pytest.approx(want(0.0), rel=1e-5), micro
+        assert float(m["grad_norm"]) == pytest.approx(abs(slope), rel=1e-4), micro
+
+
 def test_jsd_gradient_matches_finite_differences() -> None:
     """The student's gradient (the teacher's is stopped) against float64 central differences of TRL's formula."""
     import jax
@@ -125,8 +180,8 @@ def _distill_cfg(root, tmp_path, data: str, seq_len: int, *overrides: str) -> SF
     return load_config(None, [f"model.path={root / 'policy'}", f"model.tokenizer={root / 'tok'}",
                               f"data.path={tmp_path / data}", f"data.seq_len={seq_len}", "batch_size=2",
                               "log_every=1", "checkpoint.every=100", f"output_dir={tmp_path / 'ours'}",
-                              *SGD_STEP_ONE, *overrides, f"distill.teacher={tmp_path / 'teacher'}",
-                              "distill.lmbda=0"], SFTConfig)
+                              *SGD_STEP_ONE, f"distill.teacher={tmp_path / 'teacher'}", "distill.lmbda=0",
+                              *overrides], SFTConfig)
 
 
 @pytest.mark.slow
@@ -164,11 +219,15 @@ def test_sft_train_with_a_deeper_wider_teacher(dpo_models, tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_gkd_step_one_equals_trl_trainer(dpo_models, tmp_path) -> None:
-    """lmbda 0 (the dataset's completions): one SGD step against TRL 1.16's own GKDTrainer with a deeper, wider
-    teacher: loss, grad_norm and every weight's change within 1e-5. The step is SGD at lr 100 (both sides): at lr 1
-    the changes of weights near 1 (norms) are ~2e-4, where one float32 ulp of the stored weight (6e-8) exceeds
-    1e-5 of the change."""
+@pytest.mark.parametrize("mode", ["dataset", "on_policy", "seq_kd"])
+def test_gkd_step_one_equals_trl_trainer(dpo_models, tmp_path, mode: str) -> None:
+    """One SGD step against TRL 1.16's own GKDTrainer with a deeper, wider teacher, two rows in two micro-batches:
+    loss, grad_norm and every weight's change within 1e-5, on the dataset's completions (lmbda 0), on the
+    student's samples (lmbda 1) and on the teacher's (lmbda 0, seq_kd). Both sides sample at temperature 1e-6, so
+    each draw is the argmax on either side; the loss divides by the dataset's completion tokens on both (TRL's
+    num_items_in_batch is counted before sampling). The step is SGD at lr 100 (both sides): at lr 1 the changes
+    of weights near 1 (norms) are ~2e-4, where one float32 ulp of the stored weight (6e-8) exceeds 1e-5 of the
+    change."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
@@ -191,6 +250,7 @@ def test_gkd_step_one_equals_trl_trainer(dpo_models, tmp_path) -> None:
     rows = [{"messages": [{"role": "user", "content": "colour red:"}, {"role": "assistant", "content": "red"}]},
             {"messages": [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "sat on the mat"}]}]
     write_jsonl(tmp_path / "m.jsonl", rows)
+    lmbda, seq_kd = {"dataset": (0.0, False), "on_policy": (1.0, False), "seq_kd": (0.0, True)}[mode]
 
     def load(p):
         return AutoModelForCausalLM.from_pretrained(p, attn_implementation="eager", dtype=torch.float32)
@@ -204,26 +264,72 @@ def test_gkd_step_one_equals_trl_trainer(dpo_models, tmp_path) -> None:
         return b
 
     chatml = DataCollatorForChatML(tokenizer=tok, max_length=64)
+    # one row per micro-batch: TRL's generate left-pads a batch's prompts, and its training forward then counts
+    # positions from the padding (our rows start each prompt at 0)
     want, trl_change = trl_step_one(GKDTrainer, GKDConfig, load(root / "hf_policy"), tmp_path / "trl",
                                     dict(teacher_model=load(tmp_path / "hf_teacher"), data_collator=collate,
                                          train_dataset=Dataset.from_list(rows), processing_class=tok),
-                                    lmbda=0.0, beta=0.5, per_device_train_batch_size=2, max_length=64,
-                                    learning_rate=100.0)
-    cfg = _distill_cfg(root, tmp_path, "m.jsonl", 64, "optimizer.learning_rate=100")
+                                    lmbda=lmbda, seq_kd=seq_kd, beta=0.5, per_device_train_batch_size=1,
+                                    gradient_accumulation_steps=2, max_length=64, learning_rate=100.0,
+                                    temperature=1e-6, max_new_tokens=5)
+    cfg = _distill_cfg(root, tmp_path, "m.jsonl", 64, "optimizer.learning_rate=100", "grad_accum=2",
+                       f"distill.lmbda={lmbda}", f"distill.seq_kd={str(seq_kd).lower()}",
+                       "distill.temperature=1e-6", "distill.max_new_tokens=5")
     train(cfg, progress=False, task=SFTTask(cfg))
     got = read_metrics(tmp_path / "ours")[0]
     assert_same_metrics(got, want, ("loss", "grad_norm"))
     assert_same_change(exported_change(tmp_path / "ours" / "final", root / "hf_policy", tmp_path / "exp"), trl_change)
 
 
-@pytest.mark.parametrize("kwargs", [{"lmbda": 0.5}, {"lmbda": 0.0, "seq_kd": True}])
-def test_sampled_completions_refused_in_one_line(kwargs: dict) -> None:
-    """Sampled completions (lmbda > 0, seq_kd) are not implemented yet: one line, before any checkpoint is read."""
-    from types import SimpleNamespace
+@pytest.mark.slow
+def test_compile_only_lays_out_the_teacher_and_both_samplers(tmp_path, capsys) -> None:
+    """`sft train --compile-only` with a wider teacher (a config.json: no weights, no data), student samples and
+    seq_kd: the step compiles for v5e:2x2 with the teacher as a frozen input, and both samplers are compiled
+    and reported with their KV caches (k and v x layers x rows x kv heads x head_dim x slots x float32)."""
+    import json
 
-    from distill.config import load_teacher
+    from sft.cli import main
 
-    ctx = SimpleNamespace(cfg=SimpleNamespace(distill=DistillSection(teacher="/nonexistent", **kwargs)))
-    with pytest.raises(UserError) as e:
-        load_teacher(ctx)
-    assert "distill.lmbda" in str(e.value) and "\n" not in str(e.value)
+    student = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+               "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "head_dim": 16, "tie_word_embeddings": False}
+    teacher = {**student, "hidden_size": 96, "num_hidden_layers": 3, "num_key_value_heads": 4}
+    (tmp_path / "student.json").write_text(json.dumps(student))
+    (tmp_path / "teacher.json").write_text(json.dumps(teacher))
+    f = tmp_path / "run.yaml"
+    f.write_text(f"model: {tmp_path / 'student.json'}\ndata:\n  path: {tmp_path / 'absent.jsonl'}\n  seq_len: 32\n"
+                 f"batch_size: 8\ngrad_accum: 2\nmax_steps: 1\noutput_dir: {tmp_path / 'run'}\nlora:\n  rank: 4\n"
+                 f"distill:\n  teacher: {tmp_path / 'teacher.json'}\n  lmbda: 0.5\n  seq_kd: true\n"
+                 f"  max_new_tokens: 8\n")
+    report = tmp_path / "report.json"
+    code = main(["train", "--config", str(f), "--compile-only", "--topology", "v5e:2x2", "--report", str(report)])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    rep = json.loads(report.read_text())
+    programs = rep["programs"]
+    assert set(programs) == {"sampler", "teacher_sampler"}
+    slots, rows = 32 + 1 + 8, 4  # one micro-batch's prompts (batch 8 over grad_accum 2)
+    assert programs["sampler"]["kv_cache"] == 2 * 2 * rows * 2 * 16 * slots * 4  # 2 kv heads on each of 4 chips
+    assert programs["teacher_sampler"]["kv_cache"] == 2 * 3 * rows * 4 * 16 * slots * 4 // 4  # 4 kv heads split
+    assert rep["tokens_per_step"] == 8 * (32 + 8)
+    assert not (tmp_path / "run").exists()
+
+
+def test_coins_are_the_seed_and_steps_and_prompts_end_before_the_last_answer() -> None:
+    """The on-policy coin of each micro-batch depends on (seed, step) alone, with rate lmbda (0: never, 1:
+    always); a row's sampling prompt is every token before its last trained span (a multi-turn row keeps its
+    first answer in the prompt), and a row that trains nothing has no prompt."""
+    import jax.numpy as jnp
+
+    from distill.online import coins, prompts
+
+    assert np.array_equal(coins(3, 7, 4, 0.5), coins(3, 7, 4, 0.5))
+    draws = np.concatenate([coins(3, s, 4, 0.3) for s in range(500)])
+    assert abs(draws.mean() - 0.3) < 0.04 and not np.array_equal(coins(3, 7, 64, 0.5), coins(3, 8, 64, 0.5))
+    assert not coins(0, 0, 64, 0.0).any() and coins(0, 0, 64, 1.0).all()
+    tokens = jnp.asarray([[5, 6, 7, 8, 9, 10, 11, 0], [5, 6, 7, 8, 0, 0, 0, 0]])
+    mask = jnp.asarray([[0, 0, 1, 1, 0, 0, 1, 0], [0, 0, 0, 0, 0, 0, 0, 0]])
+    seg = jnp.asarray([[1] * 7 + [0], [1] * 4 + [0] * 4])
+    p, valid = prompts(tokens, mask, seg)
+    np.testing.assert_array_equal(np.asarray(valid), [[1, 1, 1, 1, 1, 1, 0, 0], [0] * 8])
+    np.testing.assert_array_equal(np.asarray(p)[0], [5, 6, 7, 8, 9, 10, 0, 0])
