@@ -279,6 +279,11 @@ def test_gkd_step_one_equals_trl_trainer(dpo_models, tmp_path, mode: str) -> Non
     got = read_metrics(tmp_path / "ours")[0]
     assert_same_metrics(got, want, ("loss", "grad_norm"))
     assert_same_change(exported_change(tmp_path / "ours" / "final", root / "hf_policy", tmp_path / "exp"), trl_change)
+    if mode == "on_policy":  # LoRA: fresh adapters add nothing, so its student samples and scores as the base does
+        lora = _distill_cfg(root, tmp_path, "m.jsonl", 64, "grad_accum=2", "distill.lmbda=1", "lora.rank=2",
+                            "distill.temperature=1e-6", "distill.max_new_tokens=5", f"output_dir={tmp_path / 'lora'}")
+        train(lora, progress=False, task=SFTTask(lora))
+        assert read_metrics(tmp_path / "lora")[0]["loss"] == pytest.approx(want["loss"], rel=1e-5)
 
 
 @pytest.mark.slow
