@@ -8,7 +8,8 @@ from pretrain.config import TrainConfig
 from sft.config import ChatDataSection
 from zoo.errors import UserError
 
-LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo")  # dpo/losses.py
+LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo", "cpo")  # dpo/losses.py
+REFERENCE_FREE = ("simpo", "orpo", "cpo")  # losses that read the policy alone (dpo.reference: none)
 
 
 @dataclass
@@ -22,17 +23,37 @@ class DpoSection:
     simpo_gamma: float = 0.5  # simpo's target reward margin (any finite number)
     # RPO (TRL's "sft" term): adds this times one mean NLL over the batch's chosen tokens
     sft_weight: float = field(default=0.0, metadata={"range": "[0, inf)"})
-    reference: str = "base"  # base (LoRA: the adapters switched off) | precomputed | a zoo checkpoint path
+    # base (LoRA: the adapters switched off) | precomputed | a zoo checkpoint path | none (orpo, cpo, simpo);
+    # unset: base, or none for the reference-free losses
+    reference: str | None = None
     reference_model: str | None = None  # precomputed: the checkpoint scored once; None: the starting weights
+    # CPO (Xu et al. 2024): the weight of its NLL term on the chosen answers (TRL CPOConfig's cpo_alpha)
+    cpo_alpha: float = field(default=1.0, metadata={"range": "[0, inf)"})
     share_prompt: bool = True  # one copy of a pair's prompt, read by both answers (off: prompt+chosen | prompt+rejected)
 
     def check(self) -> None:
-        """The reference named consistently (each constant's range is its field's ``range``)."""
-        if not self.reference.strip():
-            raise UserError("dpo.reference must be base, precomputed or a zoo checkpoint path, got ''")
+        """The reference named consistently with the loss (each constant's range is its field's ``range``)."""
+        free = self.loss_type in REFERENCE_FREE
+        if self.reference is not None and not self.reference.strip():
+            raise UserError("dpo.reference must be base, precomputed, none or a zoo checkpoint path, got ''")
+        if free and self.reference not in (None, "none"):
+            raise UserError(f"dpo.loss_type {self.loss_type} uses no reference model (it compares the policy's own "
+                            f"answers), but dpo.reference is {self.reference}: remove dpo.reference or set it to none")
+        if not free and self.reference == "none":
+            raise UserError(f"dpo.loss_type {self.loss_type} needs a reference model: set dpo.reference to base "
+                            "(LoRA), precomputed or a checkpoint path, or use a reference-free loss (orpo, cpo, simpo)")
         if self.reference_model is not None and self.reference != "precomputed":
             raise UserError("dpo.reference_model is read only with dpo.reference: precomputed; for a live reference "
                             "checkpoint set dpo.reference to its path")
+        if self.sft_weight and self.loss_type in ("orpo", "cpo"):
+            raise UserError(f"dpo.sft_weight adds RPO's NLL term, which dpo.loss_type {self.loss_type} has built in "
+                            "(orpo: weight 1; cpo: dpo.cpo_alpha): remove dpo.sft_weight")
+
+    @property
+    def reference_mode(self) -> str:
+        """How the reference is read: none, base, precomputed or path (a checkpoint)."""
+        ref = self.reference or ("none" if self.loss_type in REFERENCE_FREE else "base")
+        return ref if ref in ("none", "base", "precomputed") else "path"
 
 
 @dataclass

@@ -32,6 +32,20 @@ log-probabilities, ``n_c``, ``n_r`` the answers' token counts,
   (CPOTrainer's ``average_log_prob``): ``h = m_c - m_r - gamma / beta``
   (``gamma = dpo.simpo_gamma``), loss ``-(1 - eps) logsigmoid(beta h) - eps
   logsigmoid(-beta h)``, rewards ``beta * m``, logps ``m``.
+* ``orpo`` — ORPO, Hong et al. 2024, "ORPO: Monolithic Preference Optimization
+  without Reference Model" (arXiv:2403.07691), as TRL 1.16's
+  ``trl.experimental.orpo.ORPOTrainer`` computes it: on the mean per-token
+  log-probabilities ``m_c``, ``m_r``, the log odds ratio
+  ``l = (m_c - m_r) - (log(1 - exp(m_c)) - log(1 - exp(m_r)))``, the per-pair
+  loss ``-beta logsigmoid(l)``, rewards ``beta * m``, logps ``m``; the trainer
+  adds the NLL of the chosen sequence, prompt AND answer (dpo/task.py).
+* ``cpo`` — CPO, Xu et al. 2024, "Contrastive Preference Optimization: Pushing
+  the Boundaries of LLM Performance in Machine Translation" (arXiv:2401.08417),
+  as TRL 1.16's ``trl.experimental.cpo.CPOTrainer`` (``loss_type="sigmoid"``)
+  computes it: ``-(1 - eps) logsigmoid(beta (pi_c - pi_r)) - eps logsigmoid(-beta
+  (pi_c - pi_r))`` on the summed log-probabilities, no reference, rewards
+  ``beta * pi``; the trainer adds ``cpo_alpha`` times the NLL of the chosen answer
+  (dpo/task.py).
 
 Rewards are ``beta * (pi - ref)`` of each answer (summed; SimPO: ``beta * m``),
 detached, and the logged logps are ``pi`` (SimPO: ``m``), as TRL logs them
@@ -57,8 +71,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo")
-REFERENCE_FREE = ("simpo",)
+LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo", "cpo")
+REFERENCE_FREE = ("simpo", "orpo", "cpo")
 
 
 class PairTerms(NamedTuple):
@@ -69,6 +83,7 @@ class PairTerms(NamedTuple):
     rejected_rewards: jax.Array  # TRL's rewards/rejected per pair
     chosen_logps: jax.Array  # TRL's logps/chosen per pair: summed (SimPO: mean per token)
     rejected_logps: jax.Array  # TRL's logps/rejected per pair
+    log_odds: jax.Array | None = None  # ORPO: the log odds ratio of chosen over rejected per pair (else None)
 
 
 def preference_loss(loss_type: str, chosen: jax.Array, rejected: jax.Array, ref_chosen: jax.Array,
@@ -97,6 +112,18 @@ def preference_loss(loss_type: str, chosen: jax.Array, rejected: jax.Array, ref_
         h = mc - mr - simpo_gamma / beta
         losses = -jax.nn.log_sigmoid(beta * h) * (1 - eps) - jax.nn.log_sigmoid(-beta * h) * eps
         return PairTerms(losses, beta * sg(mc), beta * sg(mr), sg(mc), sg(mr))
+    if loss_type == "orpo":
+        # ORPOTrainer.odds_ratio_loss on the mean per-token log-probabilities; the trainer subtracts the mean of
+        # beta * logsigmoid(log_odds) from its NLL, so the per-pair loss is its negative.
+        mc, mr = chosen / nc, rejected / nr
+        log_odds = (mc - mr) - (log1mexp(mc) - log1mexp(mr))
+        losses = -beta * jax.nn.log_sigmoid(log_odds)
+        return PairTerms(losses, beta * sg(mc), beta * sg(mr), sg(mc), sg(mr), sg(log_odds))
+    if loss_type == "cpo":
+        # CPOTrainer.cpo_loss, loss_type "sigmoid" (alpha 0): the summed log-probabilities, no reference
+        h = chosen - rejected
+        losses = -jax.nn.log_sigmoid(beta * h) * (1 - eps) - jax.nn.log_sigmoid(-beta * h) * eps
+        return PairTerms(losses, beta * sg(chosen), beta * sg(rejected), sg(chosen), sg(rejected))
     chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
     if at_reference is not False:
         chosen_ratio = jnp.where(at_reference, chosen - sg(chosen), chosen_ratio)
@@ -114,6 +141,14 @@ def preference_loss(loss_type: str, chosen: jax.Array, rejected: jax.Array, ref_
     else:
         raise ValueError(f"unknown dpo.loss_type {loss_type!r}; choose one of {', '.join(LOSS_TYPES)}")
     return PairTerms(losses, beta * sg(chosen_ratio), beta * sg(rejected_ratio), sg(chosen), sg(rejected))
+
+
+def log1mexp(x: jax.Array) -> jax.Array:
+    """``log(1 - exp(x))`` for ``x < 0``, branched at ``-log 2`` as TRL's ORPO ``log1mexp`` is (Maechler 2012,
+    "Accurately Computing log(1 - exp(-|a|))"): ``log1p(-exp(x))`` below it, ``log(-expm1(x))`` above."""
+    t = -0.6931471805599453
+    safe_lo, safe_hi = jnp.minimum(x, t), jnp.maximum(x, t)  # each branch on its own domain: finite gradients
+    return jnp.where(x < t, jnp.log1p(-jnp.exp(safe_lo)), jnp.log(-jnp.expm1(safe_hi)))
 
 
 def rpo_nll_scale(pairs: jax.Array, chosen_tokens: jax.Array) -> jax.Array:

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpo.config import DPOConfig, DpoSection
-from dpo.data import CHOSEN, REJECTED, pair_documents
-from dpo.losses import REFERENCE_FREE, preference_loss, rpo_nll_scale
+from dpo.data import CHOSEN, PROMPT, REJECTED, pair_documents
+from dpo.losses import preference_loss, rpo_nll_scale
 from dpo.reference import cached_reference_logps, compute_reference_logps, load_reference, resolve_checkpoint
 from pretrain.batch import PairBatch
 from pretrain.config import TrainConfig
@@ -83,7 +83,7 @@ class DPOTask(Task):
         self.chat_template = chat_template_of(cfg)
         self.max_len = cfg.data.seq_len + 1
         self.drop_long = cfg.data.long_examples == "drop"
-        self.mode = "none" if cfg.dpo.loss_type in REFERENCE_FREE else _mode(cfg.dpo.reference)
+        self.mode = cfg.dpo.reference_mode  # none, base, precomputed or path
         self.ref_logps: dict[str, dict[int, np.ndarray]] = {}
         # One copy of each pair's prompt, shared by its answers (dpo/data.py), unless dpo.share_prompt is off;
         # prepare() turns it off for models with sliding-window layers.
@@ -135,7 +135,7 @@ class DPOTask(Task):
                             "precomputed; dpo.reference: base is the LoRA base with its adapters off")
         self.reference_is_start = self.mode == "base"  # the base is where LoRA starts
         if self.mode == "path":
-            reference = load_reference(self.dpo.reference, mcfg, mesh, DTYPES[cfg.dtype.params])
+            reference = load_reference(str(self.dpo.reference), mcfg, mesh, DTYPES[cfg.dtype.params])
             self.reference_is_start = _equal_weights(reference, params)
             return reference
         if self.mode == "precomputed":
@@ -269,8 +269,36 @@ class DPOTask(Task):
         for name, wa in (("logits/chosen", wc), ("logits/rejected", wr)):
             wk = wa * keep[:, None]
             extras[name] = MicroMean(Ratio((mean_logit * wk).sum(), wk.sum()).finish(None), jnp.float32(1.0))
+        if self.dpo.loss_type in ("orpo", "cpo"):
+            total = total + self._own_nll(pol, mb, wc, keep, n, extras)
+        if terms.log_odds is not None:  # ORPO's log odds ratio, and the mean of its logsigmoid
+            extras["log_odds_chosen"] = Mean((terms.log_odds * keep).sum())
+            extras["log_odds_ratio"] = Mean((jax.nn.log_sigmoid(terms.log_odds) * keep).sum())
         objective = total + (aux["loss"] * n if aux is not None else 0.0)
         return LossOutput(objective, sg(total), n, extras)
+
+    def _own_nll(self, pol: jax.Array, mb: PairBatch, wc: jax.Array, keep: jax.Array, n: jax.Array,
+                 extras: dict[str, Metric]) -> jax.Array:
+        """ORPO's and CPO's NLL term of a micro-batch, weighted for the step's division by the global pair count;
+        logs it as ``nll_loss``.
+
+        TRL's trainers take a token mean over the micro-batch (``CrossEntropyLoss`` on the chosen rows: ORPO over
+        the whole chosen sequence, prompt and answer; CPO over the chosen answer) and average the micro-batches'
+        losses. Each micro-batch's mean enters times its pair count, so the step's division by the global pair
+        count gives that average wherever the micro-batches hold equal pair counts (TRL's batches always do)."""
+        if self.dpo.loss_type == "orpo":
+            seg = mb.segment_ids
+            after = jnp.concatenate([seg[:, 1:], jnp.zeros_like(seg[:, :1])], axis=1)
+            # every target of prompt + chosen: the prompt segment's (its last predicts the chosen segment's first
+            # token, the prompt's last) and the chosen segment's own (dpo/data.py's layout, shared prompt or not)
+            mask = ((seg == PROMPT) | ((seg == CHOSEN) & (after == CHOSEN))).astype(jnp.float32)
+            weight = 1.0
+        else:
+            mask, weight = wc, self.dpo.cpo_alpha
+        mask = mask * keep[:, None]
+        nll = -(pol * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+        extras["nll_loss"] = MicroMean(jax.lax.stop_gradient(nll) * (weight > 0), jnp.float32(1.0))
+        return weight * nll * n if weight > 0 else jnp.float32(0.0)
 
     def _at_reference(self, lora: dict | None, step: jax.Array | None) -> jax.Array | bool:
         """Whether the policy is the reference itself (a traced bool), or False where it cannot be known:
@@ -309,8 +337,4 @@ def _answer_masks(batch: PairBatch) -> tuple[jax.Array, jax.Array, jax.Array]:
     wc, wr = w * (seg == CHOSEN), w * (seg == REJECTED)
     keep = (wc.sum(-1) > 0) & (wr.sum(-1) > 0)
     return wc, wr, keep.astype(jnp.float32)
-
-
-def _mode(reference: str) -> str:
-    return reference if reference in ("base", "precomputed") else "path"
 

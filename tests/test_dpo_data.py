@@ -237,14 +237,22 @@ def test_long_pairs_are_counted_and_truncated_or_dropped(tok, tmp_path):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("dpo.loss_type=kto", "config key 'dpo.loss_type' is 'kto'; choose one of sigmoid, ipo, hinge, robust, simpo"),
+    ("dpo.loss_type=xyz", "config key 'dpo.loss_type' is 'xyz'; choose one of sigmoid, ipo, hinge, robust, simpo"),
     ("dpo.beta=0", "config key 'dpo.beta' must be positive, got 0.0"),
     ("dpo.label_smoothing=0.5", "config key 'dpo.label_smoothing' must be in [0, 0.5), got 0.5"),
     ("dpo.reference_model=x", "dpo.reference_model is read only with dpo.reference: precomputed"),
+    ("dpo.loss_type=orpo dpo.reference=base", "dpo.loss_type orpo uses no reference model (it compares the "
+                                              "policy's own answers), but dpo.reference is base: remove"),
+    ("dpo.loss_type=cpo dpo.reference=ckpt/ref", "dpo.loss_type cpo uses no reference model"),
+    ("dpo.reference=none", "dpo.loss_type sigmoid needs a reference model: set dpo.reference to base (LoRA), "
+                           "precomputed or a checkpoint path, or use a reference-free loss (orpo, cpo, simpo)"),
+    ("dpo.loss_type=orpo dpo.sft_weight=0.5", "dpo.sft_weight adds RPO's NLL term, which dpo.loss_type orpo has "
+                                              "built in"),
+    ("dpo.loss_type=cpo dpo.cpo_alpha=-1", "config key 'dpo.cpo_alpha' must be"),
 ])
 def test_config_validation(override, message, tmp_path):
     with pytest.raises(UserError) as e:
-        _cfg(tmp_path / "d.jsonl", override)
+        _cfg(tmp_path / "d.jsonl", *override.split())
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
@@ -254,7 +262,7 @@ def test_print_config_shows_the_dpo_keys(capsys):
     assert main(["train", "--print-config", "model.path=m", "data.path=d.jsonl", "max_steps=1",
                  "dpo.loss_type=ipo"]) == 0
     out = capsys.readouterr().out
-    assert "dpo:\n  loss_type: ipo\n  beta: 0.1\n" in out and "reference: base" in out
+    assert "dpo:\n  loss_type: ipo\n  beta: 0.1\n" in out and "reference: null" in out
 
 
 def test_reference_cache_key_covers_dtype_template_and_tokens():

@@ -100,25 +100,39 @@ def _answers(seed: int = 0) -> dict[str, list]:
     return out
 
 
-def _rows(a: dict) -> dict[str, np.ndarray]:
-    """Model-batch rows [pairs, SEQ] the way dpo/data.py lays a pair out: prompt, chosen, rejected, padding."""
+def _prompt_logps(seed: int = 0) -> tuple[list, list]:
+    """Per-token log-probabilities of each pair's PROMPT_LEN prompt targets (read by ORPO's NLL alone), and
+    their directions in ``b``; a stream of their own, so _answers' numbers stay as they were."""
+    rng = np.random.RandomState(seed + 100)
+    pairs = len(CHOSEN_LENS)
+    return [rng.uniform(-3.0, -0.1, PROMPT_LEN) for _ in range(pairs)], \
+        [rng.uniform(-1.0, 1.0, PROMPT_LEN) for _ in range(pairs)]
+
+
+def _rows(a: dict, read_prompt: bool = False) -> dict[str, np.ndarray]:
+    """Model-batch rows [pairs, SEQ] the way dpo/data.py lays a pair out: the prompt's targets, then each
+    answer's (its last token's position, which predicts the next segment, weighs nothing), then padding.
+    ``read_prompt``: the prompt's targets hold _prompt_logps (ORPO's NLL reads them), else garbage."""
     pairs = len(CHOSEN_LENS)
     rows = {k: np.zeros((pairs, SEQ), np.float32) for k in ("weights", "fake_logps", "ref_logps", "fake_coef",
                                                               "fake_logits")}
     rows["segment_ids"] = np.zeros((pairs, SEQ), np.int32)
+    prompt_logps, prompt_coef = _prompt_logps()
     for i in range(pairs):
         rows["segment_ids"][i, :PROMPT_LEN] = PROMPT
         at = PROMPT_LEN
         for side, seg in (("c", CHOSEN), ("r", REJECTED)):
             n = len(a[f"pol_{side}"][i])
             span = slice(at, at + n)
-            rows["segment_ids"][i, span], rows["weights"][i, span] = seg, 1.0
+            rows["segment_ids"][i, at:at + n + 1], rows["weights"][i, span] = seg, 1.0
             rows["fake_logps"][i, span], rows["ref_logps"][i, span] = a[f"pol_{side}"][i], a[f"ref_{side}"][i]
             rows["fake_coef"][i, span], rows["fake_logits"][i, span] = a[f"coef_{side}"][i], a[f"logit_{side}"][i]
             # Garbage outside the answers: it must never be read.
             rows["fake_logps"][i, at + n:] = rows["ref_logps"][i, at + n:] = -50.0
-            at += n
+            at += n + 1
         rows["fake_logps"][i, :PROMPT_LEN] = rows["ref_logps"][i, :PROMPT_LEN] = -50.0
+        if read_prompt:
+            rows["fake_logps"][i, :PROMPT_LEN], rows["fake_coef"][i, :PROMPT_LEN] = prompt_logps[i], prompt_coef[i]
     return rows
 
 
@@ -138,14 +152,17 @@ def _fake_batch_logps(mcfg, params, mb, remat="none", **kw):
     return mb["fake_logps"] + params["b"] * mb["fake_coef"], mb["fake_logits"], None
 
 
-def _step_metrics(loss_type: str, sft_weight: float, micro_batches: int, monkeypatch) -> dict[str, float]:
+def _step_metrics(loss_type: str, sft_weight: float, micro_batches: int, monkeypatch, *overrides: str
+                  ) -> dict[str, float]:
     """One train step's metrics (and |dL/db| as grad_norm) on the fixed pairs, split into ``micro_batches``."""
     monkeypatch.setattr(dpo.task, "batch_logps", _fake_batch_logps)
-    cfg = load_config(None, ["model.path=none", "data.path=none", "max_steps=1", "dpo.reference=precomputed",
+    free = loss_type in ("simpo", "orpo", "cpo")
+    cfg = load_config(None, ["model.path=none", "data.path=none", "max_steps=1",
+                             f"dpo.reference={'none' if free else 'precomputed'}",
                              f"dpo.loss_type={loss_type}", f"dpo.beta={BETA}", f"dpo.sft_weight={sft_weight}",
                              f"dpo.simpo_gamma={GAMMA}",
-                             f"dpo.label_smoothing={EPS if loss_type == 'robust' else 0.0}"], DPOConfig)
-    rows = _rows(_answers())
+                             f"dpo.label_smoothing={EPS if loss_type == 'robust' else 0.0}", *overrides], DPOConfig)
+    rows = _rows(_answers(), read_prompt=loss_type == "orpo")
     batch = FakePairs.of({k: jnp.asarray(v.reshape(micro_batches, -1, SEQ)) for k, v in rows.items()})
     step, _ = make_step(None, optax.sgd(0.0), jnp.float32, task=DPOTask(cfg))
     params = {"b": jnp.zeros((), jnp.float32)}
@@ -184,6 +201,67 @@ def test_step_metrics_and_gradient_equal_trl(loss_type, monkeypatch):
             want_logit = np.mean([np.concatenate([a[f"logit_{s}"][i] for i in h]).mean() for h in halves])
             np.testing.assert_allclose(got[f"logits/{side}"], want_logit, rtol=1e-5,
                                        err_msg=f"logits/{side}, {micro_batches} micro")
+
+
+def _log1mexp(x: np.ndarray) -> np.ndarray:
+    return np.where(x < -math.log(2), np.log1p(-np.exp(x)), np.log(-np.expm1(x)))
+
+
+def trl_orpo_cpo(loss_type: str, micro_batches: int, b: float = 0.0, eps: float = 0.0,
+                 alpha: float = 1.0) -> dict[str, float]:
+    """TRL 1.16's ORPOTrainer / CPOTrainer step metrics on the fixed pairs moved by ``b``, written out: each
+    micro-batch's get_batch_loss_metrics (ORPO: nll over the chosen prompt and answer tokens minus mean(beta *
+    logsigmoid(log_odds)) on mean logps; CPO: mean sigmoid loss on summed logps plus alpha * nll over the chosen
+    answer tokens), then the Trainer's average over the micro-batches (its loss / gradient_accumulation_steps) and
+    the stored metrics' mean (ORPOTrainer.log / CPOTrainer.log)."""
+    a = _answers()
+    pp, pc_ = _prompt_logps()
+    move = {s: [x + b * c for x, c in zip(a[f"pol_{s}"], a[f"coef_{s}"])] for s in ("c", "r")}
+    prompt = [x + b * c for x, c in zip(pp, pc_)]
+    per_micro: list[dict[str, float]] = []
+    for h in np.array_split(np.arange(len(CHOSEN_LENS)), micro_batches):
+        sc = np.array([move["c"][i].sum() for i in h])
+        sr = np.array([move["r"][i].sum() for i in h])
+        if loss_type == "orpo":
+            mc = sc / np.array([len(move["c"][i]) for i in h])
+            mr = sr / np.array([len(move["r"][i]) for i in h])
+            log_odds = (mc - mr) - (_log1mexp(mc) - _log1mexp(mr))
+            ratio = _logsigmoid(log_odds)
+            # chosen_nll_loss: CrossEntropyLoss over every (shifted) token of prompt + chosen
+            nll = -np.concatenate([np.concatenate([prompt[i], move["c"][i]]) for i in h]).mean()
+            loss = nll - (BETA * ratio).mean()
+            rc, rr, lc, lr = BETA * mc, BETA * mr, mc, mr
+            extra = {"log_odds_ratio": ratio.mean(), "log_odds_chosen": log_odds.mean()}
+        else:
+            logits = sc - sr
+            losses = -_logsigmoid(BETA * logits) * (1 - eps) - _logsigmoid(-BETA * logits) * eps
+            nll = -np.concatenate([move["c"][i] for i in h]).mean() if alpha else 0.0
+            loss = losses.mean() + alpha * nll
+            rc, rr, lc, lr = BETA * sc, BETA * sr, sc, sr
+            extra = {}
+        per_micro.append({"loss": loss, "nll_loss": nll, "rewards/chosen": rc.mean(), "rewards/rejected": rr.mean(),
+                          "rewards/accuracies": (rc > rr).mean(), "rewards/margins": (rc - rr).mean(),
+                          "logps/chosen": lc.mean(), "logps/rejected": lr.mean(), **extra})
+    return {k: float(np.mean([m[k] for m in per_micro])) for k in per_micro[0]}
+
+
+@pytest.mark.parametrize("loss_type,eps,alpha", [("orpo", 0.0, 1.0), ("cpo", EPS, 0.6), ("cpo", 0.0, 0.0)])
+def test_orpo_and_cpo_step_metrics_and_gradient_equal_trl(loss_type, eps, alpha, monkeypatch):
+    """ORPO and CPO without a reference: the step's loss, nll_loss, rewards/*, logps/* (and ORPO's log odds)
+    equal TRL's trainers written out, on answers of unequal length in 1, 2 and 4 micro-batches (the NLL is a
+    token mean per micro-batch, averaged over them: 4 and 7 chosen tokens per half), and so does the gradient."""
+    h = 1e-4
+    for micro in (1, 2, 4):
+        want = trl_orpo_cpo(loss_type, micro, eps=eps, alpha=alpha)
+        slope = (trl_orpo_cpo(loss_type, micro, h, eps, alpha)["loss"]
+                 - trl_orpo_cpo(loss_type, micro, -h, eps, alpha)["loss"]) / (2 * h)
+        got = _step_metrics(loss_type, 0.0, micro, monkeypatch, f"dpo.label_smoothing={eps}",
+                            f"dpo.cpo_alpha={alpha}")
+        for k, v in want.items():
+            np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-6, err_msg=f"{k}, {micro} micro")
+        np.testing.assert_allclose(got["grad_norm"], abs(slope), rtol=1e-4, err_msg=f"{micro} micro")
+    one, two = trl_orpo_cpo(loss_type, 1, eps=eps, alpha=alpha), trl_orpo_cpo(loss_type, 2, eps=eps, alpha=alpha)
+    assert alpha == 0 or abs(one["nll_loss"] - two["nll_loss"]) > 1e-4  # the split matters (rtol 1e-5 sees it)
 
 
 def test_sft_weight_is_one_token_mean_over_the_global_batch(monkeypatch):
@@ -285,4 +363,43 @@ def test_sigmoid_step_one_equals_trl_dpo_trainer(dpo_models, tmp_path):
     assert_same_metrics(read_metrics(tmp_path / "ours")[0], want,
                         ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins",
                          "rewards/accuracies", "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected"))
+    assert_same_change(exported_change(tmp_path / "ours" / "final", root / "hf_policy", tmp_path / "exp"), trl_change)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_type", ["orpo", "cpo"])
+def test_orpo_and_cpo_step_one_equal_trl_trainers(dpo_models, tmp_path, loss_type):
+    """One SGD step of `dpo train` (no reference, two micro-batches, answers of unequal length) against one step
+    of trl.experimental's ORPOTrainer / CPOTrainer on the same transformers model: loss, grad_norm, nll_loss,
+    every reward and logps metric (ORPO: its log odds too), and every weight's change within 1e-5."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import SGD_STEP_ONE, assert_same_change, assert_same_metrics, exported_change, trl_step_one
+
+    if loss_type == "orpo":
+        from trl.experimental.orpo import ORPOConfig as Config
+        from trl.experimental.orpo import ORPOTrainer as Trainer
+    else:
+        from trl.experimental.cpo import CPOConfig as Config
+        from trl.experimental.cpo import CPOTrainer as Trainer
+    root, tok, _ = dpo_models
+    # ORPOTrainer and CPOTrainer put the tokenizer's BOS before every prompt (add_bos_token_if_needed), where
+    # DPOTrainer and dpo/data.py add only the special tokens the tokenizer itself adds (none for this one): the
+    # prompts start with the BOS text, which both sides then keep as it is
+    pairs = [{**row, "prompt": tok.bos_token + row["prompt"]} for row in UNEVEN_PAIRS]
+    write_jsonl(tmp_path / "uneven_bos.jsonl", pairs)
+    model = AutoModelForCausalLM.from_pretrained(root / "hf_policy", attn_implementation="eager",
+                                                 dtype=torch.float32)
+    want, trl_change = trl_step_one(Trainer, Config, model, tmp_path / "trl",
+                                    dict(train_dataset=Dataset.from_list(pairs), processing_class=tok),
+                                    beta=BETA, per_device_train_batch_size=2, gradient_accumulation_steps=2)
+    cfg = dpo_cfg(root, tmp_path / "ours", *SGD_STEP_ONE, "grad_accum=2", f"dpo.beta={BETA}",
+                  f"dpo.loss_type={loss_type}", f"data.path={tmp_path / 'uneven_bos.jsonl'}")
+    train(cfg, progress=False, task=DPOTask(cfg))
+    keys = ("loss", "grad_norm", "nll_loss", "rewards/chosen", "rewards/rejected", "rewards/margins",
+            "rewards/accuracies", "logps/chosen", "logps/rejected")
+    assert_same_metrics(read_metrics(tmp_path / "ours")[0], want,
+                        keys + (("log_odds_ratio", "log_odds_chosen") if loss_type == "orpo" else ()))
     assert_same_change(exported_change(tmp_path / "ours" / "final", root / "hf_policy", tmp_path / "exp"), trl_change)

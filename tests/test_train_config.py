@@ -185,3 +185,24 @@ def test_the_largest_seed_the_config_accepts_shuffles_the_lanes():
     docs = [{"tokens": np.arange(i, i + 5, dtype=np.int32)} for i in range(4)]
     row = next(lane_dataset(docs, 8, seed * 1_000_003 + 3, "concat"))
     assert sorted(order) == list(range(10)) and row["tokens"].shape == (9,)
+
+
+def test_every_example_config_loads_with_its_command(tmp_path):
+    """Each examples/**/*.yaml is a valid config of the command its folder names (keys, types, ranges and the
+    sections' own checks), so an example never drifts from the schema; no model or data is read."""
+    from pathlib import Path
+
+    from dpo.config import DPOConfig
+    from grpo.config import GRPOConfig
+    from pretrain.config import TrainConfig, load_config
+    from sft.config import SFTConfig
+
+    schema = {"dpo": DPOConfig, "grpo": GRPOConfig, "finetune": SFTConfig, "distill": SFTConfig,
+              "examples": TrainConfig}
+    files = sorted((Path(__file__).parent.parent / "examples").rglob("*.yaml"))
+    assert len(files) >= 5
+    for f in files:
+        cls = schema.get(f.parent.name)
+        assert cls is not None, f"{f}: which command's config is it? (add its folder here)"
+        cfg = load_config(str(f), [], cls)
+        assert cfg.max_steps, f
