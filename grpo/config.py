@@ -19,6 +19,9 @@ from zoo.errors import UserError
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
 SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_LEVELS = ("token", "sequence")
+# how a completion's advantage is estimated (grpo/losses.py): GRPO's group-relative one, RLOO's leave-one-out
+# (TRL's RLOOTrainer, its own loss), REINFORCE++ with or without its group-mean baseline (OpenRLHF)
+ADVANTAGES = ("group", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 
 
 @dataclass
@@ -40,6 +43,11 @@ class GrpoSection:
     rewards: list[Any] = field(default_factory=list)
     # one weight per reward function (None: all 1); any finite number (a negative one penalizes), not all 0
     reward_weights: list[float] | None = None
+    advantage: str = field(default="group", metadata={"choices": ADVANTAGES})
+    # rloo: (A - mean) / (std + 1e-4) over the batch's scorable completions (TRL RLOOConfig.normalize_advantages)
+    normalize_advantages: bool = False
+    # rloo, reinforce_pp*: [low, high] the rewards are clipped to before anything else (None: no clipping)
+    reward_clip_range: list[float] | None = None
     loss_type: str = field(default="dapo", metadata={"choices": LOSS_TYPES})
     scale_rewards: str = field(default="group", metadata={"choices": SCALE_REWARDS})
     epsilon: float = field(default=0.2, metadata={"range": "(0, inf)"})  # the ratio is clipped below at 1 - epsilon
@@ -73,6 +81,17 @@ class GrpoSection:
             self.reward_weights = _reward_weights(self.reward_weights)
         if not self.reference.strip():
             raise UserError("grpo.reference must be base or a zoo checkpoint path, got ''")
+        if self.reward_clip_range is not None:
+            r = self.reward_clip_range
+            if not (isinstance(r, list) and len(r) == 2 and all(isinstance(x, (int, float)) for x in r)
+                    and r[0] < r[1]):
+                raise UserError(f"grpo.reward_clip_range must be [low, high] with low < high, got {r}")
+            if self.advantage == "group":
+                raise UserError("grpo.reward_clip_range is read by grpo.advantage rloo, reinforce_pp and "
+                                "reinforce_pp_baseline; remove it, or choose one of them")
+        if self.normalize_advantages and self.advantage != "rloo":
+            raise UserError("grpo.normalize_advantages is RLOO's (grpo.advantage: rloo); group advantages are "
+                            "scaled by grpo.scale_rewards and REINFORCE++'s are always whitened")
 
 
 def _reward_weights(weights: list[Any]) -> list[float]:

@@ -182,3 +182,78 @@ def masked_mean_sums(x: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Arra
     global token mean TRL logs (kl, entropy, clip ratios)."""
     m = jnp.asarray(mask).astype(bool)
     return jnp.where(m, jnp.asarray(x, jnp.float32), 0.0).sum(), m.sum().astype(jnp.float32)
+
+
+def rloo_advantages(rewards: jax.Array, group: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
+    """RLOO's leave-one-out advantages (TRL 1.16 ``RLOOTrainer._generate_and_score_completions``): each
+    completion's reward minus the mean of its group's OTHER scorable completions.
+
+    ``rewards`` [B] (consecutive ``group`` rows a prompt's completions; NaN: unscorable, left out of every
+    baseline: the divisor is the group's scorable count - 1). A group with one scorable completion has no
+    baseline (0/0) and, like the unscorable rows, gets advantage 0. ``normalize``: ``(A - nanmean(A)) /
+    (nanstd(A) + 1e-4)`` over the batch's scorable rows first. Returns (advantages [B], each group's unbiased
+    std [B / group], the zero-std flag TRL logs as ``frac_reward_zero_std``)."""
+    r = jnp.asarray(rewards, jnp.float32)
+    grouped = r.reshape(-1, group)
+    valid = ~jnp.isnan(grouped)
+    scorable = valid.sum(1, keepdims=True).astype(jnp.float32)
+    total = jnp.where(valid, grouped, 0.0).sum(1, keepdims=True)
+    adv = r - ((total - grouped) / (scorable - 1.0)).reshape(-1)  # NaN rows stay NaN; one scorable: 0/0
+    if normalize:
+        mean, std = _nan_mean_std(adv, axis=None)
+        adv = (adv - mean.reshape(())) / (std.reshape(()) + STD_EPS)
+    group_std = _nan_mean_std(grouped, axis=1)[1][:, 0] if group > 1 else jnp.zeros(grouped.shape[:1])
+    return jnp.nan_to_num(adv, nan=0.0), group_std
+
+
+def rloo_sequence_terms(logp: jax.Array, old_logp: jax.Array, adv: jax.Array, mask: jax.Array,
+                        epsilon_low: float, epsilon_high: float) -> dict[str, jax.Array]:
+    """RLOO's per-sequence loss (TRL 1.16 ``RLOOTrainer._compute_loss``): one importance ratio per completion,
+    ``exp`` of its SUMMED log-ratio (``logps - old_logps`` of the masked sums), clipped as PPO clips,
+    ``-min(ratio * A, clip(ratio) * A)``; the trainer averages it over the completions. Returns [B] arrays:
+    ``loss`` and TRL's per-sequence clip flags ``low_clip``, ``high_clip``, ``region_clip``."""
+    m = jnp.asarray(mask).astype(bool)
+    log_ratio = jnp.where(m, jnp.asarray(logp, jnp.float32) - jnp.asarray(old_logp, jnp.float32), 0.0).sum(-1)
+    ratio = jnp.exp(log_ratio)
+    a = jnp.asarray(adv, jnp.float32)
+    loss = -jnp.minimum(ratio * a, jnp.clip(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high) * a)
+    low, high = (ratio < 1.0 - epsilon_low) & (a < 0), (ratio > 1.0 + epsilon_high) & (a > 0)
+    return {"loss": loss, "low_clip": low.astype(jnp.float32), "high_clip": high.astype(jnp.float32),
+            "region_clip": (low | high).astype(jnp.float32)}
+
+
+def reinforce_pp_advantages(rewards: jax.Array, weights: jax.Array, kl: jax.Array | None, beta: float,
+                            baseline_group: int | None, clip: tuple[float, float] | None = None) -> jax.Array:
+    """REINFORCE++'s per-token advantages (Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning
+    Large Language Models", arXiv:2501.03262), as OpenRLHF computes them
+    (openrlhf/trainer/ppo_utils/experience_maker.py: ``advantage_estimator`` "reinforce" and, with
+    ``baseline_group``, "reinforce_baseline"; ``compute_reward`` in openrlhf/models/utils.py):
+
+    1. "reinforce_baseline": each reward minus its group's mean (``baseline_group`` rows a group);
+    2. clipped to ``clip`` (``reward_clip_range``);
+    3. a per-token reward: ``-beta * kl`` on every completion token (``kl`` [B, T], the k1 estimate
+       ``old - ref``; None: 0), plus the sequence's reward on its last completion token;
+    4. returns: the reverse cumulative sum over the completion (gamma 1);
+    5. whitened over every completion token of the batch: ``(G - mean) * rsqrt(max(var, 1e-8))`` with the
+       token-weighted mean and (population) variance.
+
+    ``rewards`` [B] (NaN: unscorable, taken as 0), ``weights`` [B, T] the completion tokens (aligned with the
+    targets). Returns [B, T] float32, 0 off the completion."""
+    r = jnp.nan_to_num(jnp.asarray(rewards, jnp.float32), nan=0.0)
+    if baseline_group:
+        g = r.reshape(-1, baseline_group)
+        r = (g - g.mean(1, keepdims=True)).reshape(-1)
+    if clip is not None:
+        r = jnp.clip(r, clip[0], clip[1])
+    w = jnp.asarray(weights, jnp.float32)
+    on = w > 0
+    t = w.shape[1]
+    last = t - 1 - jnp.argmax(on[:, ::-1], axis=1)  # each row's last completion token
+    tok = jnp.where(on.any(1, keepdims=True) & (jnp.arange(t)[None] == last[:, None]), r[:, None], 0.0)
+    if kl is not None and beta > 0:
+        tok = tok - beta * jnp.where(on, jnp.asarray(kl, jnp.float32), 0.0)
+    returns = jnp.cumsum(tok[:, ::-1], axis=1)[:, ::-1]
+    n = jnp.maximum(w.sum(), 1.0)
+    mean = (returns * w).sum() / n
+    var = (((returns - mean) ** 2) * w).sum() / n
+    return jnp.where(on, (returns - mean) * jax.lax.rsqrt(jnp.maximum(var, 1e-8)), 0.0)

@@ -254,6 +254,10 @@ class GRPOTask(Task):
 
         self._sample = jax.jit(sample)
         self._layout = jax.jit(layout, out_shardings=self.sharding)
+        beta = float(self.grpo.beta)
+        self._reinforce_pp = jax.jit(lambda r, w, kl, group, clip: losses.reinforce_pp_advantages(r, w, kl, beta, group,
+                                                                                                clip),
+                                     static_argnums=(3, 4))
         self._logps = jax.jit(logps, out_shardings=self.sharding)
         if lora_cfg is not None:
             self._policy_logps = jax.jit(lambda base, lora, batch: logps(base, batch, lora=lora, lora_scale=scale),
@@ -288,29 +292,42 @@ class GRPOTask(Task):
         columns = {k: [records[int(i)][k] for i in row_h] for k in ds.column_names if k != self.field}
         per_fn, total = self.rewards.compute(prompts, completions_in, ids, columns,
                                              lambda r: row_where(source.path, int(row_h[r])))
-        adv, std, zero_std = (np.asarray(x) for x in
-                              losses.advantages(jnp.asarray(total, jnp.float32), g.num_generations, g.scale_rewards))
         ended = np.isin(comp_h[np.arange(len(len_h)), len_h - 1], self.eos_ids)
         truncated = ~ended
         trained = ~truncated if g.mask_truncated else np.ones_like(truncated)
-
+        m: dict[str, float] = {}
+        if g.advantage == "group":
+            adv, std, zero_std = (np.asarray(x) for x in
+                                  losses.advantages(jnp.asarray(total, jnp.float32), g.num_generations,
+                                                    g.scale_rewards))
+            m.update({"reward_std": float(np.mean(std)), "frac_reward_zero_std": float(np.mean(zero_std))})
+        else:
+            adv = np.zeros(len(total), np.float32)
         given = replicated_batch({"adv": adv.astype(np.float32), "trained": trained}, self.replicated)
         batch = self._layout(rows["tokens"], rows["tokens_segment_ids"], completions, lengths, sampler_logps,
                              given["adv"], given["trained"])
         with mesh_context(self.sharding.mesh):  # traced for the mesh: splash attention shards itself (zoo.splash)
-            if g.num_iterations > 1:  # the policy that sampled, kept for the later updates' ratios
-                batch = dataclasses.replace(batch, old_logps=self._policy_logps(base, lora, batch))
+            old = ref = None
+            if g.num_iterations > 1 or (g.advantage != "group" and g.beta > 0):
+                old = self._policy_logps(base, lora, batch)  # the policy that sampled (RLOO: its KL's first term)
             if self.reference == "base":  # the LoRA base, adapters off
-                batch = dataclasses.replace(batch, ref_logps=self._logps(frozen, batch))
+                ref = self._logps(frozen, batch)
             elif self.reference == "inputs":  # the starting model (full fine-tuning) or a grpo.reference checkpoint
-                batch = dataclasses.replace(batch, ref_logps=self._logps(frozen_inputs, batch))
+                ref = self._logps(frozen_inputs, batch)
+        if g.advantage != "group":  # the KL to the reference goes into the reward; the estimator's advantages
+            batch, adv, more = self._estimator_advantages(batch, per_fn, total, old, ref, rows, completions, lengths,
+                                                          sampler_logps, trained)
+            m.update(more)
+        if g.num_iterations > 1:
+            batch = dataclasses.replace(batch, old_logps=old)
+        if ref is not None:
+            batch = dataclasses.replace(batch, ref_logps=ref)
         t_roll = time.perf_counter() - t0
 
         n_tokens = int(len_h.sum())
         real = int(_to_host(rows["tokens_segment_ids"] > 0).sum()) + n_tokens
-        m: dict[str, float] = {
-            "reward": float(np.mean(total)), "reward_std": float(np.mean(std)),
-            "frac_reward_zero_std": float(np.mean(zero_std)),
+        m = {
+            "reward": float(np.mean(total)), **m,
             "completions/mean_length": float(len_h.mean()), "completions/min_length": float(len_h.min()),
             "completions/max_length": float(len_h.max()), "completions/clipped_ratio": float(truncated.mean()),
             "rollout_tokens_per_sec": n_tokens / max(t_gen, 1e-9),
@@ -320,6 +337,48 @@ class GRPOTask(Task):
         log = completion_records(step + 1, prompts, texts, ids, self.rewards.names, per_fn, total, adv) \
             if every and (step + 1) % every == 0 else []
         return Rollout(batch, m, t_gen, t_roll, real * g.num_iterations, log)
+
+    def _estimator_advantages(self, batch: RolloutBatch, per_fn: np.ndarray, total: np.ndarray, old: Any, ref: Any,
+                              rows: dict, completions: Any, lengths: Any, sampler_logps: Any,
+                              trained: np.ndarray) -> tuple[RolloutBatch, np.ndarray, dict[str, float]]:
+        """RLOO's or REINFORCE++'s advantages (grpo.advantage) for the laid-out batch, with their metrics (TRL
+        RLOOTrainer's names). ``old``/``ref``: the sampling policy's and the reference's per-token
+        log-probabilities (None without ``beta``)."""
+        g = self.grpo
+        clip = (float(g.reward_clip_range[0]), float(g.reward_clip_range[1])) if g.reward_clip_range else None
+        w = batch.weights
+        kl_tok = None if old is None or ref is None else old - ref  # k1, the first-order estimate both use
+        m: dict[str, float] = {}
+        if kl_tok is not None:  # TRL: the completion tokens' mean of old - ref
+            m["kl"] = float(_to_host((kl_tok * w).sum() / jnp.maximum(w.sum(), 1.0)))
+        if g.advantage == "rloo":
+            r = total.astype(np.float64).copy()
+            if per_fn.shape[1]:
+                r[np.isnan(per_fn).all(1)] = np.nan  # unscorable: out of every baseline, advantage 0
+            if clip is not None:
+                r = np.clip(r, clip[0], clip[1])
+            if kl_tok is not None:  # the sequence's summed KL, subtracted from its reward
+                r = r - g.beta * _to_host((kl_tok * w).sum(-1)).reshape(-1)
+            adv_j, group_std = losses.rloo_advantages(jnp.asarray(r, jnp.float32), g.num_generations,
+                                                      g.normalize_advantages)
+            adv = np.asarray(adv_j)
+            shown = np.where(np.isnan(per_fn).all(1), np.nan, total) if per_fn.shape[1] else total
+            m.update({"reward_std": float(np.nanstd(shown, ddof=1)) if np.isfinite(shown).sum() > 1 else 0.0,
+                      "frac_reward_zero_std": float(np.mean(np.isclose(np.asarray(group_std), 0.0)))})
+            given = replicated_batch({"adv": adv.astype(np.float32), "trained": trained}, self.replicated)
+            batch = self._layout(rows["tokens"], rows["tokens_segment_ids"], completions, lengths, sampler_logps,
+                                 given["adv"], given["trained"])
+            return batch, adv, m
+        group = g.num_generations if g.advantage == "reinforce_pp_baseline" else None
+        flat = lambda x: x.reshape((-1,) + x.shape[2:])  # noqa: E731
+        adv_tok = self._reinforce_pp(jnp.asarray(total, jnp.float32), flat(w),
+                                     None if kl_tok is None else flat(kl_tok), group, clip)
+        batch = dataclasses.replace(batch, advantages=adv_tok.reshape(w.shape))
+        grouped = total.reshape(-1, g.num_generations)
+        m.update({"reward_std": float(np.mean(grouped.std(1, ddof=1))),
+                  "frac_reward_zero_std": float(np.mean(np.isclose(grouped.std(1, ddof=1), 0.0)))})
+        w_h, adv_h = _to_host(flat(w)), _to_host(adv_tok)
+        return batch, (adv_h * w_h).sum(-1) / np.maximum(w_h.sum(-1), 1.0), m  # each row's mean, for the log
 
     def hooks(self, out: Path, primary: bool) -> list[Hook]:
         """The completions log (``completions.jsonl`` of the run folder; the primary process writes it)."""
@@ -348,24 +407,36 @@ class GRPOTask(Task):
         mask = mb.weights
         old = jax.lax.stop_gradient(logp) if mb.old_logps is None else mb.old_logps
         ref = mb.ref_logps
-        adv = mb.advantages[:, 0]  # one value per row, broadcast over its tokens
-        terms = losses.token_terms(logp, old, ref, adv, mask, g.epsilon,
-                                   g.epsilon if g.epsilon_high is None else g.epsilon_high, g.beta,
-                                   g.importance_sampling_level)
-        total, n = losses.loss_sum_count(terms["loss"], mask, g.loss_type, g.max_completion_length)
+        eps_high = g.epsilon if g.epsilon_high is None else g.epsilon_high
         sg = jax.lax.stop_gradient
+        if g.advantage == "rloo":  # RLOOTrainer's own loss: one summed-log-ratio importance ratio per completion
+            seq = losses.rloo_sequence_terms(logp, old, mb.advantages[:, 0], mask, g.epsilon, eps_high)
+            total, n = seq["loss"].sum(), jnp.float32(seq["loss"].shape[0])
+            one = lambda x: Ratio(x.sum(), jnp.float32(x.shape[0]))  # noqa: E731
+            extras: dict[str, Metric] = {"entropy": Ratio(*losses.masked_mean_sums(entropy, mask)),
+                                         "clip_ratio/low_mean": one(seq["low_clip"]),
+                                         "clip_ratio/high_mean": one(seq["high_clip"]),
+                                         "clip_ratio/region_mean": one(seq["region_clip"]),
+                                         SAMPLER_DIFF: Max(jnp.max(jnp.abs(mb.sampler_logps - sg(old)) * mask))}
+            return LossOutput(total + (aux["loss"] * n if aux is not None else 0.0), sg(total), n, extras)
+        # group: one value per row, broadcast over its tokens; REINFORCE++: one per token
+        adv = mb.advantages[:, 0] if g.advantage == "group" else mb.advantages
+        # RLOO and REINFORCE++ put the KL into the reward (the rollout): no KL term in the loss
+        terms = losses.token_terms(logp, old, ref, adv, mask, g.epsilon, eps_high,
+                                   g.beta if g.advantage == "group" else 0.0, g.importance_sampling_level)
+        total, n = losses.loss_sum_count(terms["loss"], mask, g.loss_type, g.max_completion_length)
         if g.importance_sampling_level == "sequence":  # one ratio per completion: TRL counts clipped sequences
             clip_of = lambda x: Ratio(*losses.masked_mean_sums(x[:, :1], jnp.ones_like(x[:, :1])))  # noqa: E731
         else:
             clip_of = lambda x: Ratio(*losses.masked_mean_sums(x, mask))  # noqa: E731
-        extras: dict[str, Metric] = {
+        extras = {
             "entropy": Ratio(*losses.masked_mean_sums(entropy, mask)),
             "clip_ratio/low_mean": clip_of(terms["low_clip"]),
             "clip_ratio/high_mean": clip_of(terms["high_clip"]),
             "clip_ratio/region_mean": clip_of(terms["region_clip"]),
             SAMPLER_DIFF: Max(jnp.max(jnp.abs(mb.sampler_logps - sg(old)) * mask)),
         }
-        if g.beta > 0:  # as TRL: no reference, no kl metric (it would be a constant 0)
+        if g.beta > 0 and g.advantage == "group":  # as TRL: no reference, no kl metric (it would be a constant 0)
             extras["kl"] = Ratio(*losses.masked_mean_sums(sg(terms["kl"]), mask))
         objective = total + (aux["loss"] * n if aux is not None else 0.0)
         return LossOutput(objective, sg(total), n, extras)

@@ -288,6 +288,10 @@ def test_a_reward_that_raises_is_a_clean_error(setup, tmp_path, capsys):
     ("batch_size=10", "multiple of grpo.num_generations=4"),
     ("grpo.num_generations=1", "at least 2"),
     ("grpo.rewards=[no_such_verifier]", "no_such_verifier"),
+    ("grpo.advantage=ppo", "choose one of group, rloo, reinforce_pp, reinforce_pp_baseline"),
+    ("grpo.reward_clip_range=[1,-1]", "grpo.reward_clip_range must be [low, high] with low < high, got [1, -1]"),
+    ("grpo.reward_clip_range=[-1,1]", "grpo.reward_clip_range is read by grpo.advantage rloo"),
+    ("grpo.normalize_advantages=true", "grpo.normalize_advantages is RLOO's (grpo.advantage: rloo)"),
 ])
 def test_config_errors_are_clear(setup, tmp_path, capsys, override, message):
     from grpo.cli import main
@@ -451,3 +455,37 @@ def test_full_fine_tuning_kl_is_to_the_starting_checkpoint_by_default_and_after_
     skip = {"step_time", "tokens_per_sec", "rollout_tokens_per_sec", "train_tokens_per_sec", "generation_share"}
     assert [{k: v for k, v in m.items() if k not in skip} for m in _metrics(tmp_path / "default")] == \
         [{k: v for k, v in m.items() if k not in skip} for m in named]
+
+
+@pytest.mark.parametrize("advantage", ["rloo", "reinforce_pp_baseline"])
+def test_rloo_and_reinforce_pp_steps_use_their_advantages_and_log_trls_names(setup, tmp_path, advantage):
+    """One step of each estimator with a KL to the starting model (beta > 0, put into the reward): RLOO's logged
+    advantages are the leave-one-out ones of the logged rewards less beta x each completion's summed KL
+    (checked through the zero-KL identity at beta 0 below), REINFORCE++'s are whitened per token (mean 0 over the
+    batch's completion tokens); both log TRL RLOOTrainer's names (kl, reward_std, frac_reward_zero_std, clip
+    ratios) and a finite loss."""
+    from grpo.task import GRPOTask
+    from pretrain.trainer import train
+
+    def run(out, steps, *extra):
+        cfg = _cfg(setup, tmp_path / out, f"max_steps={steps}", "grpo.log_completions_every=1",
+                   f"grpo.advantage={advantage}", *extra)
+        train(cfg, task=GRPOTask(cfg), progress=False)
+        rows = [_strict(x) for x in (tmp_path / out / "completions.jsonl").read_text().splitlines()]
+        return _strict((tmp_path / out / "metrics.jsonl").read_text().splitlines()[-1]), \
+            [x for x in rows if x["step"] == steps]
+
+    m, rows = run("kl", 2, "grpo.beta=0.05")  # step 2: the policy has left the reference (step 1's KL is 0)
+    assert {"kl", "reward_std", "frac_reward_zero_std", "clip_ratio/region_mean", "entropy"} <= set(m)
+    assert np.isfinite(m["loss"]) and m["kl"] != 0
+    r = np.array([x["reward"] for x in rows]).reshape(-1, 4)
+    adv = np.array([x["advantage"] for x in rows]).reshape(-1, 4)
+    if advantage == "rloo":
+        m0, rows0 = run("plain", 1)  # beta 0: the advantages are exactly leave-one-out's, 4/3 of the deviation
+        adv0 = np.array([x["advantage"] for x in rows0]).reshape(-1, 4)
+        r0 = np.array([x["reward"] for x in rows0]).reshape(-1, 4)
+        np.testing.assert_allclose(adv0, (r0 - r0.mean(1, keepdims=True)) * 4 / 3, rtol=1e-5, atol=1e-6)
+        assert not np.allclose(adv, (r - r.mean(1, keepdims=True)) * 4 / 3, atol=1e-4)  # the KL moved them
+        assert m0["reward_std"] == pytest.approx(r0.std(ddof=1), rel=1e-5)  # the batch's, not the groups' mean
+    else:
+        assert np.abs(adv).max() > 0.1 and "kl" in m
