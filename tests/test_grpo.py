@@ -489,3 +489,75 @@ def test_rloo_and_reinforce_pp_steps_use_their_advantages_and_log_trls_names(set
         assert m0["reward_std"] == pytest.approx(r0.std(ddof=1), rel=1e-5)  # the batch's, not the groups' mean
     else:
         assert np.abs(adv).max() > 0.1 and "kl" in m
+
+
+@pytest.mark.slow
+def test_rloo_step_one_equals_trl_rloo_trainer(setup, tmp_path, monkeypatch):
+    """One SGD step of `grpo train` with grpo.advantage rloo against one step of TRL 1.16's own RLOOTrainer on the
+    same transformers model, both sides given the same completions (a fixed function of each prompt's tokens and
+    its place in the group, ending with EOS after 1 to 4 tokens), two prompts of four completions in two
+    micro-batches: loss, grad_norm, reward, reward_std, frac_reward_zero_std, the clip ratios and every weight's
+    change within 1e-5."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import RLOOConfig, RLOOTrainer
+
+    import grpo.task
+    from grpo.task import GRPOTask
+    from pretrain.trainer import train
+    from tests.helpers import SGD_STEP_ONE, assert_same_change, assert_same_metrics, exported_change, trl_step_one
+
+    g, vocab, eos = 4, 18, 1
+
+    def completion(first: int, k: int) -> list[int]:
+        return [(first * 3 + k * 5 + j * 11) % (vocab - 2) + 2 for j in range(k + 1)] + [eos]
+
+    (tmp_path / "score.py").write_text(
+        "def id_score(prompts, completions, completion_ids, **kw):\n"
+        "    return [(sum(ids) % 7) / 7 + len(ids) / 10 for ids in completion_ids]\n")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("score", tmp_path / "score.py")
+    score = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(score)
+    prompts = [{"prompt": "red blue green"}, {"prompt": "gold pink gray"}]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+
+    class FixedCompletions(RLOOTrainer):
+        def _generate_single_turn(self, prompt_ids, images, multimodal_fields):
+            seen: dict = {}
+            out = []
+            for ids in prompt_ids:  # each prompt's G rows are consecutive, as our groups are
+                k = seen.get(tuple(ids), 0)
+                seen[tuple(ids)] = k + 1
+                out.append(completion(ids[0], k))
+            return out
+
+    def fixed_sampler(cfg, params, tokens, valid, spec, key, *args, **kwargs):
+        b, t = tokens.shape[0], spec.new_tokens
+        table = np.zeros((vocab, g, t), np.int32)
+        for first in range(vocab):
+            for k in range(g):
+                c = completion(first, k)
+                table[first, k, :len(c)] = c
+        k = jnp.arange(b) % g
+        comp = jnp.asarray(table)[tokens[:, 0], k]
+        return comp, jnp.zeros((b, t), jnp.float32), (k + 2).astype(jnp.int32)
+
+    tok = AutoTokenizer.from_pretrained(setup / "tok")
+    model = AutoModelForCausalLM.from_pretrained(setup / "hf", attn_implementation="eager", dtype=torch.float32)
+    want, trl_change = trl_step_one(FixedCompletions, RLOOConfig, model, tmp_path / "trl",
+                                    dict(reward_funcs=[score.id_score], train_dataset=Dataset.from_list(prompts),
+                                         processing_class=tok),
+                                    num_generations=g, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                                    max_completion_length=5, beta=0.0)
+    monkeypatch.setattr(grpo.task, "sample_group_completions", fixed_sampler)
+    cfg = _cfg(setup, tmp_path / "ours", *SGD_STEP_ONE, "max_steps=1", "batch_size=8", "grad_accum=2",
+               "grpo.max_completion_length=5", "grpo.advantage=rloo", f"data.path={tmp_path / 'p.jsonl'}",
+               f"grpo.rewards=[{tmp_path / 'score.py'}:id_score]", "data.seq_len=3")
+    train(cfg, task=GRPOTask(cfg), progress=False)
+    got = _metrics(tmp_path / "ours")[0]
+    assert_same_metrics(got, want, ("loss", "grad_norm", "reward", "reward_std", "frac_reward_zero_std",
+                                    "clip_ratio/region_mean"))
+    assert_same_change(exported_change(tmp_path / "ours" / "final", setup / "hf", tmp_path / "exp"), trl_change)
