@@ -26,6 +26,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def dpo_task() -> type:
+        import dpo.kto  # noqa: F401  (KTOTask: DPOTask.for_config picks it for dpo.loss_type kto)
         from dpo.task import DPOTask  # jax and the model only once a command runs: --help stays fast
 
         return DPOTask

@@ -8,7 +8,7 @@ from pretrain.config import TrainConfig
 from sft.config import ChatDataSection
 from zoo.errors import UserError
 
-LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo", "cpo")  # dpo/losses.py
+LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo", "cpo", "kto")  # dpo/losses.py
 REFERENCE_FREE = ("simpo", "orpo", "cpo")  # losses that read the policy alone (dpo.reference: none)
 
 
@@ -29,6 +29,9 @@ class DpoSection:
     reference_model: str | None = None  # precomputed: the checkpoint scored once; None: the starting weights
     # CPO (Xu et al. 2024): the weight of its NLL term on the chosen answers (TRL CPOConfig's cpo_alpha)
     cpo_alpha: float = field(default=1.0, metadata={"range": "[0, inf)"})
+    # KTO (Ethayarajh et al. 2024): the weights of the desirable and undesirable rows' losses (TRL KTOConfig's)
+    desirable_weight: float = field(default=1.0, metadata={"range": "(0, inf)"})
+    undesirable_weight: float = field(default=1.0, metadata={"range": "(0, inf)"})
     share_prompt: bool = True  # one copy of a pair's prompt, read by both answers (off: prompt+chosen | prompt+rejected)
 
     def check(self) -> None:
@@ -48,6 +51,9 @@ class DpoSection:
         if self.sft_weight and self.loss_type in ("orpo", "cpo"):
             raise UserError(f"dpo.sft_weight adds RPO's NLL term, which dpo.loss_type {self.loss_type} has built in "
                             "(orpo: weight 1; cpo: dpo.cpo_alpha): remove dpo.sft_weight")
+        if self.sft_weight and self.loss_type == "kto":
+            raise UserError("dpo.sft_weight adds RPO's NLL term to pair losses; dpo.loss_type kto has none (TRL's "
+                            "KTOTrainer neither): remove dpo.sft_weight")
 
     @property
     def reference_mode(self) -> str:

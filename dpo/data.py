@@ -164,7 +164,7 @@ def tokenize_pair(pair: Pair, tokenizer: Any, chat_template: ChatTemplate | str 
     BadRow for an unusable pair. A boundary merge is counted in ``stats``."""
     if pair.is_chat:
         template = as_template(chat_template)
-        texts = [_chat_texts(tokenizer, cast(list, pair.prompt), cast(list, a), template, name)
+        texts = [chat_texts(tokenizer, cast(list, pair.prompt), cast(list, a), template, name)
                  for a, name in ((pair.chosen, "chosen"), (pair.rejected, "rejected"))]
         if texts[0][0] != texts[1][0]:
             raise BadRow("the chat template renders the prompt differently before 'chosen' and before 'rejected', "
@@ -197,7 +197,7 @@ def tokenize_pair(pair: Pair, tokenizer: Any, chat_template: ChatTemplate | str 
     return PairTokens(i32(prompt), i32(chosen), i32(rejected), i32(pc[shared:]), i32(pr[shared:]))
 
 
-def _chat_texts(tokenizer: Any, prompt: list[dict[str, str]], answer: list[dict[str, str]],
+def chat_texts(tokenizer: Any, prompt: list[dict[str, str]], answer: list[dict[str, str]],
                 template: ChatTemplate, name: str) -> tuple[str, str]:
     """(the prompt's text, the answer's text) inside the render of ``prompt + answer``: the answer from its first
     assistant turn's start to its last one's end-of-turn token."""

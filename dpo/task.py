@@ -78,6 +78,8 @@ class DPOTask(Task):
     batch_class = PairBatch
 
     def __init__(self, cfg: DPOConfig):
+        if cfg.dpo.loss_type == "kto" and type(self) is DPOTask:  # a caller's bug: the command picks KTOTask
+            raise ValueError("dpo.loss_type kto is dpo.kto.KTOTask's (Task.for_config picks it)")
         super().__init__(cfg)
         self.dpo = cfg.dpo
         self.chat_template = chat_template_of(cfg)
@@ -110,13 +112,19 @@ class DPOTask(Task):
         Reads what :meth:`prepare` set up (the layout, the cached log-probabilities), as the loop's order
         (:class:`pretrain.task.Task`) has it; before ``prepare`` it lays pairs out as ``dpo.share_prompt`` says
         and cannot attach precomputed log-probabilities."""
-        docs, bad, too_long = pair_documents(indexed_rows(rows.ds, indices), tokenizer, self.chat_template, path,
-                                             skip_bad, self.max_len, self.drop_long, self.shared_prompt)
+        docs, bad, too_long = self.row_documents(rows, tokenizer, path, skip_bad, indices)
         if self.mode == "precomputed":
             cached = self.ref_logps[path]
             for i, d in docs.items():
                 d["ref_logps"] = cached[i]
         return Documents(docs, bad, too_long)
+
+    def row_documents(self, rows: RowSource, tokenizer: Tokenizer, path: str, skip_bad: bool,
+                      indices: list[int] | None = None) -> tuple[dict[int, dict[str, np.ndarray]], int, set[int]]:
+        """(pair documents by row index, bad rows skipped, rows too long) of the rows at ``indices`` (default all),
+        laid out as :meth:`prepare` decided: what :meth:`documents` returns and the precomputed reference scores."""
+        return pair_documents(indexed_rows(rows.ds, indices), tokenizer, self.chat_template, path, skip_bad,
+                              self.max_len, self.drop_long, self.shared_prompt)
 
     # ---- the reference ----------------------------------------------------------------------------------
 
@@ -170,9 +178,7 @@ class DPOTask(Task):
         docs = {}
         for read in ctx.reads:
             rows = self.load(read.path, read.cfg)
-            docs[read.path], _, _ = pair_documents(indexed_rows(rows.ds), ctx.tokenizer, self.chat_template,
-                                                   read.path, d.skip_bad_rows, self.max_len, self.drop_long,
-                                                   self.shared_prompt)
+            docs[read.path] = self.row_documents(rows, ctx.tokenizer, read.path, d.skip_bad_rows)[0]
             if read.training:  # the loop checks this too, but only after the cache below is written into output_dir
                 check_untrainable(*untrainable(docs[read.path].values(), d.seq_len, self.trainable), cfg,
                                   f"data.path {read.path}")
@@ -230,15 +236,7 @@ class DPOTask(Task):
         arrays = mb.arrays()
         rows = 3  # documents in a pair's row: its two answers, and the prompt they share as a prefix (dpo/data.py)
         pol, mean_logit, aux = batch_logps(mcfg, p, arrays, remat, max_segments=rows, **forward_kwargs)
-        if self.mode == "precomputed":
-            ref = mb.ref_logps.astype(jnp.float32)
-        elif self.mode == "base":  # the same base weights, adapters off: no second copy of the model
-            ref = jax.lax.stop_gradient(batch_logps(mcfg, p, arrays, max_segments=rows)[0])
-        elif self.mode == "path":
-            r = cast_params(frozen_inputs, compute)  # the reference checkpoint's params
-            ref = jax.lax.stop_gradient(batch_logps(mcfg, r, arrays, max_segments=rows)[0])
-        else:
-            ref = jnp.zeros_like(pol)
+        ref = self.reference_logps(mcfg, p, mb, frozen_inputs, compute) if self.mode != "none" else jnp.zeros_like(pol)
         wc, wr, keep = _answer_masks(mb)
         chosen, rejected = (pol * wc).sum(-1), (pol * wr).sum(-1)
         ref_c, ref_r = (ref * wc).sum(-1), (ref * wr).sum(-1)
@@ -299,6 +297,17 @@ class DPOTask(Task):
         nll = -(pol * mask).sum() / jnp.maximum(mask.sum(), 1.0)
         extras["nll_loss"] = MicroMean(jax.lax.stop_gradient(nll) * (weight > 0), jnp.float32(1.0))
         return weight * nll * n if weight > 0 else jnp.float32(0.0)
+
+    def reference_logps(self, mcfg: ModelConfig, p: dict, mb: PairBatch, frozen_inputs: Any, compute: Any
+                        ) -> jax.Array:
+        """The reference's per-token log-probabilities of a micro-batch's rows, not differentiated: read from the
+        batch (precomputed), the base with the adapters off (``p``: the cast params), or the checkpoint passed as
+        the step's frozen inputs."""
+        if self.mode == "precomputed":
+            return mb.ref_logps.astype(jnp.float32)
+        weights = p if self.mode == "base" else cast_params(frozen_inputs, compute)  # base: no second copy
+        # each row holds three documents: two answers and the prompt they share (dpo/data.py)
+        return jax.lax.stop_gradient(batch_logps(mcfg, weights, mb.arrays(), max_segments=3)[0])
 
     def _at_reference(self, lora: dict | None, step: jax.Array | None) -> jax.Array | bool:
         """Whether the policy is the reference itself (a traced bool), or False where it cannot be known:

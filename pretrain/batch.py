@@ -77,6 +77,19 @@ class PairBatch(TokenBatch):
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class KTOBatch(PairBatch):
+    """KTO rows (dpo/kto_data.py): the pair layout with each row's ``label`` (1.0 desirable, 0.0 undesirable) on
+    every token."""
+
+    label: Any = None
+
+    @classmethod
+    def dtypes(cls) -> dict[str, Any]:
+        return {**PairBatch.dtypes(), "label": FLOAT}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RolloutBatch(TokenBatch):
     """Prompt + completion rows of an online rollout (grpo/rollout.py): the sampler's per-token
     log-probabilities, each row's advantage (broadcast over its tokens), and, when computed, the policy's

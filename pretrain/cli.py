@@ -88,7 +88,7 @@ def train_command(args: argparse.Namespace, schema: type[TrainConfig] = TrainCon
         from pretrain.task import PretrainTask
 
         cls = task_class() if task_class else PretrainTask
-        return compile_only(cfg, cls(cfg), args.topology, args.report, args.num_slices)
+        return compile_only(cfg, cls.for_config(cfg), args.topology, args.report, args.num_slices)
     distributed.initialize(args)
     from pretrain.task import PretrainTask
     from pretrain.trainer import train
@@ -96,7 +96,7 @@ def train_command(args: argparse.Namespace, schema: type[TrainConfig] = TrainCon
     cls = task_class() if task_class else PretrainTask
     if cls.config_class is not schema:  # a command wired to the wrong schema: a bug, not a user error
         raise TypeError(f"{cls.__name__} reads {cls.config_class.__name__}, not {schema.__name__}")
-    final = train(cfg, task=cls(cfg), fresh=args.fresh,
+    final = train(cfg, task=cls.for_config(cfg), fresh=args.fresh,
                   resume_with_changes=args.resume_with_changes)
     if distributed.is_primary():
         print(f"final model: {final}")

@@ -149,6 +149,20 @@ class Task:
                                 "on their number; remove it (it bounds best-fit packing, as sft train's)")
             self.row_segments = 1 if not d.packing else d.max_segments if self.packing == "best_fit" else None
 
+    @classmethod
+    def for_config(cls, cfg: TrainConfig) -> Task:
+        """The task that runs ``cfg``: the first imported subclass that :meth:`handles` it (a command imports its
+        variants, e.g. dpo's KTO), else this class."""
+        for sub in cls.__subclasses__():
+            if sub.handles(cfg):
+                return sub(cfg)
+        return cls(cfg)
+
+    @classmethod
+    def handles(cls, cfg: TrainConfig) -> bool:
+        """Whether this variant of its parent task runs ``cfg`` (:meth:`for_config`); False by default."""
+        return False
+
     def load(self, path: str, cfg: TrainConfig) -> RowSource:
         """The rows of a local file/folder or Hub dataset."""
         raise NotImplementedError
