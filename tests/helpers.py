@@ -6,6 +6,7 @@ Test modules import from here (and conftest.py's fixtures), never from one anoth
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import io
@@ -15,6 +16,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -692,3 +694,25 @@ def assert_same_metrics(ours: dict, trl: dict, names) -> None:
     """Each named step metric of ours equals TRL's logged one (rtol 1e-5; atol 1e-7 for values near 0)."""
     for k in names:
         np.testing.assert_allclose(float(ours[k]), float(trl[k]), rtol=1e-5, atol=1e-7, err_msg=k)
+
+
+# --- a forward pass replaced by a lookup (the preference tests' NumPy transcriptions through the real step) --------
+
+from pretrain.batch import KTOBatch  # noqa: E402
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LookupRows(KTOBatch):
+    """Pair-layout rows (DPO's, or KTO's with ``label``) carrying fixed per-token numbers that
+    :func:`lookup_batch_logps` reads in place of a forward pass."""
+
+    fake_logps: Any
+    fake_coef: Any
+    fake_logits: Any
+
+
+def lookup_batch_logps(mcfg, params, mb, remat="none", **kw):
+    """zoo.logps.batch_logps with the forward pass replaced by the batch's fixed per-token log-probabilities,
+    moved by the one parameter ``b`` along ``fake_coef`` (its mean logits: ``fake_logits``)."""
+    return mb["fake_logps"] + params["b"] * mb["fake_coef"], mb["fake_logits"], None

@@ -11,11 +11,8 @@ on a tiny model, against transformers' log-probabilities and against one step of
 TRL's own DPOTrainer (metrics and every weight's change).
 """
 
-import dataclasses
 import math
-from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -25,11 +22,10 @@ import dpo.task
 from dpo.config import DPOConfig
 from dpo.data import CHOSEN, PROMPT, REJECTED
 from dpo.task import DPOTask
-from pretrain.batch import PairBatch
 from pretrain.config import load_config
 from pretrain.step import make_step
 from pretrain.trainer import train
-from tests.helpers import UNEVEN_PAIRS, dpo_cfg, hf_logps, read_metrics, write_jsonl
+from tests.helpers import UNEVEN_PAIRS, LookupRows, dpo_cfg, hf_logps, lookup_batch_logps, read_metrics, write_jsonl
 
 BETA, EPS, GAMMA, SFT = 0.1, 0.1, 0.5, 0.7
 PROMPT_LEN, SEQ = 2, 16
@@ -136,26 +132,10 @@ def _rows(a: dict, read_prompt: bool = False) -> dict[str, np.ndarray]:
     return rows
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class FakePairs(PairBatch):
-    """Pair rows with the fixed per-token numbers _fake_batch_logps reads in place of a forward pass."""
-
-    fake_logps: Any
-    fake_coef: Any
-    fake_logits: Any
-
-
-def _fake_batch_logps(mcfg, params, mb, remat="none", **kw):
-    """zoo.logps.batch_logps with the forward pass replaced by the batch's fixed per-token log-probabilities,
-    moved by the one parameter ``b`` along ``fake_coef``."""
-    return mb["fake_logps"] + params["b"] * mb["fake_coef"], mb["fake_logits"], None
-
-
 def _step_metrics(loss_type: str, sft_weight: float, micro_batches: int, monkeypatch, *overrides: str
                   ) -> dict[str, float]:
     """One train step's metrics (and |dL/db| as grad_norm) on the fixed pairs, split into ``micro_batches``."""
-    monkeypatch.setattr(dpo.task, "batch_logps", _fake_batch_logps)
+    monkeypatch.setattr(dpo.task, "batch_logps", lookup_batch_logps)
     free = loss_type in ("simpo", "orpo", "cpo")
     cfg = load_config(None, ["model.path=none", "data.path=none", "max_steps=1",
                              f"dpo.reference={'none' if free else 'precomputed'}",
@@ -163,7 +143,7 @@ def _step_metrics(loss_type: str, sft_weight: float, micro_batches: int, monkeyp
                              f"dpo.simpo_gamma={GAMMA}",
                              f"dpo.label_smoothing={EPS if loss_type == 'robust' else 0.0}", *overrides], DPOConfig)
     rows = _rows(_answers(), read_prompt=loss_type == "orpo")
-    batch = FakePairs.of({k: jnp.asarray(v.reshape(micro_batches, -1, SEQ)) for k, v in rows.items()})
+    batch = LookupRows.of({k: jnp.asarray(v.reshape(micro_batches, -1, SEQ)) for k, v in rows.items()})
     step, _ = make_step(None, optax.sgd(0.0), jnp.float32, task=DPOTask(cfg))
     params = {"b": jnp.zeros((), jnp.float32)}
     state = {"params": params, "opt_state": optax.sgd(0.0).init(params), "step": jnp.zeros((), jnp.int32)}

@@ -5,10 +5,6 @@ SGD step against KTOTrainer itself."""
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -20,9 +16,9 @@ from dpo.config import DPOConfig
 from dpo.data import CHOSEN, PROMPT, REJECTED
 from dpo.kto import KTOTask
 from dpo.task import DPOTask
-from pretrain.batch import KTOBatch
 from pretrain.config import load_config
 from pretrain.step import make_step
+from tests.helpers import LookupRows, lookup_batch_logps
 from zoo.errors import UserError
 
 BETA, WD, WU = 0.1, 1.3, 0.7
@@ -78,20 +74,6 @@ def trl_kto(micro: int, b: float = 0.0) -> dict[str, float]:
     return {"loss": float(np.mean(losses)), **{k: float(np.mean(v)) for k, v in logged.items()}}
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class FakeKTO(KTOBatch):
-    """KTO rows with the fixed per-token numbers the fake batch_logps reads in place of a forward pass."""
-
-    fake_logps: Any
-    fake_coef: Any
-    fake_logits: Any
-
-
-def _fake_batch_logps(mcfg, params, mb, remat="none", **kw):
-    return mb["fake_logps"] + params["b"] * mb["fake_coef"], mb["fake_logits"], None
-
-
 def _rows() -> dict[str, np.ndarray]:
     """Pair-layout rows: the prompt's targets, the completion (segment 1), the mismatched completion (segment
     2; each segment's last position predicts the next segment and weighs nothing), the label on every token."""
@@ -117,14 +99,14 @@ def _rows() -> dict[str, np.ndarray]:
 
 
 def _step(micro: int, monkeypatch) -> dict[str, float]:
-    monkeypatch.setattr(dpo.task, "batch_logps", _fake_batch_logps)
-    monkeypatch.setattr(dpo.kto, "batch_logps", _fake_batch_logps)
+    monkeypatch.setattr(dpo.task, "batch_logps", lookup_batch_logps)
+    monkeypatch.setattr(dpo.kto, "batch_logps", lookup_batch_logps)
     cfg = load_config(None, ["model.path=none", "data.path=none", "max_steps=1", "dpo.reference=precomputed",
                              "dpo.loss_type=kto", f"dpo.beta={BETA}", f"dpo.desirable_weight={WD}",
                              f"dpo.undesirable_weight={WU}", "batch_size=8", f"grad_accum={micro}"], DPOConfig)
     task = DPOTask.for_config(cfg)  # what `dpo train` builds
     assert isinstance(task, KTOTask)
-    batch = FakeKTO.of({k: jnp.asarray(v.reshape(micro, -1, SEQ)) for k, v in _rows().items()})
+    batch = LookupRows.of({k: jnp.asarray(v.reshape(micro, -1, SEQ)) for k, v in _rows().items()})
     step, _ = make_step(None, optax.sgd(0.0), jnp.float32, task=task)
     params = {"b": jnp.zeros((), jnp.float32)}
     state = {"params": params, "opt_state": optax.sgd(0.0).init(params), "step": jnp.ones((), jnp.int32)}
