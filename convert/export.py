@@ -31,7 +31,7 @@ from convert.readers import SafetensorsFolder
 from convert.safetensors_out import ST_NAMES, encode_header
 from convert.tables import table_for
 from convert.transforms import TRANSFORMS, hf_shape
-from zoo.checkpoint import HF_CONFIG_FILE, TOKENIZER_DIR, ParamSource, atomic_output, read_meta
+from zoo.checkpoint import HF_CONFIG_FILE, TOKENIZER_DIR, WEIGHT_FILES, ParamSource, atomic_output, read_meta
 from zoo.config import ModelConfig
 from zoo.errors import UserError
 from zoo.loading import param_reader
@@ -156,13 +156,15 @@ def model_card(meta: dict[str, Any], cfg: ModelConfig, repo_hint: str) -> str:
                 "unchanged: a lossless round trip."]
     from zoo.params import count_params
 
+    kind, auto = ("reward model (a sequence classifier, one score)", "AutoModelForSequenceClassification") \
+        if cfg.num_labels else ("causal language model", "AutoModelForCausalLM")
     return "\n".join(front + [
         "", f"# {repo_hint}", "",
-        f"A {cfg.family}-family causal language model ({count_params(cfg):,} parameters).", "",
+        f"A {cfg.family}-family {kind} ({count_params(cfg):,} parameters).", "",
         "## What was done", "", *done, "",
         "## How to load", "", "```python",
-        "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        f'model = AutoModelForCausalLM.from_pretrained("{repo_hint}")',
+        f"from transformers import {auto}, AutoTokenizer",
+        f'model = {auto}.from_pretrained("{repo_hint}")',
         f'tokenizer = AutoTokenizer.from_pretrained("{repo_hint}")',
         "```", "",
     ])
@@ -286,7 +288,8 @@ def _write_side_files(ckpt: Path, meta: dict[str, Any], cfg: ModelConfig, tensor
     tok = ckpt / TOKENIZER_DIR
     if tok.is_dir():
         for f in tok.iterdir():
-            if f.is_file():
+            # never over what the export wrote (weights, config.json), nor stray weights of a model's folder
+            if f.is_file() and not (tmp / f.name).exists() and not any(f.match(w) for w in WEIGHT_FILES):
                 shutil.copyfile(f, tmp / f.name)
     if not (tmp / "generation_config.json").is_file():
         gen = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf.get(k) is not None}

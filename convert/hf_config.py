@@ -75,8 +75,11 @@ FAMILIES: dict[str, FamilyTraits] = {
 }
 
 # architecture -> (family, source format of its weight names)
+CLASSIFIER = ("ForCausalLM", "ForSequenceClassification")  # a family's LM class name -> its reward-model class
 ARCHITECTURES: dict[str, tuple[str, str]] = {
     **{t.architecture: (f, "hf") for f, t in FAMILIES.items()},
+    # reward models (rm/): the family's decoder with a scalar head ``score`` on the last token
+    **{t.architecture.replace(*CLASSIFIER): (f, "hf") for f, t in FAMILIES.items() if CLASSIFIER[0] in t.architecture},
     "Gemma3ForConditionalGeneration": ("gemma3", "hf-gemma3-multimodal"),
     "Gemma4ForConditionalGeneration": ("gemma4", "hf-gemma4-multimodal"),
 }
@@ -337,6 +340,12 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
         import dataclasses
 
         cfg = dataclasses.replace(cfg, **_gemma4_fields(c, where))
+    if any(a.endswith(CLASSIFIER[1]) for a in hf.get("architectures") or []):  # a reward model's score head
+        import dataclasses
+
+        pad = getattr(top, "pad_token_id", None)
+        cfg = dataclasses.replace(cfg, num_labels=int(getattr(top, "num_labels", 1)),
+                                  pad_token_id=int(pad) if pad is not None else None)
     # SmolLM3's model never reads pretraining_tp (its release's config says 2).
     if getattr(c, "pretraining_tp", 1) not in (1, None) and family != "smollm3":
         raise UserError(f"{where}: pretraining_tp={c.pretraining_tp} is not supported; set it to 1")
@@ -385,7 +394,7 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
     longer fits); :func:`export_hf_config` completes them through the family's config class."""
     t = FAMILIES[cfg.family]
     out: dict[str, Any] = {
-        "architectures": [t.architecture],
+        "architectures": [t.architecture.replace(*CLASSIFIER) if cfg.num_labels else t.architecture],
         "model_type": t.model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
@@ -397,6 +406,7 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
         "rms_norm_eps": cfg.rms_norm_eps,
         "max_position_embeddings": cfg.max_position_embeddings,
         "tie_word_embeddings": cfg.tie_word_embeddings,
+        **({"num_labels": cfg.num_labels, "pad_token_id": cfg.pad_token_id} if cfg.num_labels else {}),
         t.act_field: cfg.hidden_act,
         "rope_parameters": _rope_dict(cfg.rope),
     }
@@ -525,6 +535,8 @@ def export_hf_config(cfg: ModelConfig, source: dict[str, Any] | None, dtype: str
     file carries ``architectures`` and every field transformers writes for the family.
     """
     arch = FAMILIES[cfg.family].architecture
+    if cfg.num_labels:
+        arch = arch.replace(*CLASSIFIER)
     keep = False
     if source is not None:
         try:
@@ -542,6 +554,6 @@ def export_hf_config(cfg: ModelConfig, source: dict[str, Any] | None, dtype: str
         return out
     gen = hf_config_from_model(cfg)
     for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        if source and k in source:
+        if source and k in source and not (k == "pad_token_id" and cfg.num_labels):  # a classifier's is its own
             gen[k] = source[k]
     return _save_pretrained_dict(gen, arch, dtype)

@@ -172,7 +172,8 @@ def decoder_table(prefix: str = "model.", moe: str | None = None) -> list[Rule]:
         Rule("layers.down_bias", L + "mlp.down_proj.bias", when="mlp_bias&!moe"),
         *_moe_rules(L, moe),
         Rule("final_norm", prefix + "norm.weight"),
-        Rule("lm_head", "lm_head.weight", "transpose", when="!tie_word_embeddings"),
+        Rule("lm_head", "lm_head.weight", "transpose", when="!tie_word_embeddings&!num_labels"),
+        Rule("score", "score.weight", "transpose", when="num_labels"),  # *ForSequenceClassification's head
     ]
 
 

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dpo.config import DPOConfig, DpoSection
+from dpo.config import DPOConfig
 from dpo.data import CHOSEN, PROMPT, REJECTED, pair_documents
 from dpo.losses import preference_loss, rpo_nll_scale
 from dpo.reference import cached_reference_logps, compute_reference_logps, load_reference, resolve_checkpoint
@@ -55,11 +55,21 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
            "logps/rejected", "logits/chosen", "logits/rejected")
 
 
-def _shared_prompt(dpo: DpoSection, mcfg: ModelConfig) -> bool:
+def load_pair_rows(path: str, cfg: TrainConfig, need: str) -> RowSource:
+    """The rows of ``path`` as preference pairs; one line (``need``: what the rows need) when a column is
+    missing."""
+    ds, _ = load_dataset_rows(path, cfg.data.split)
+    missing = [c for c in ("chosen", "rejected") if c not in ds.column_names]
+    if missing:
+        raise UserError(f"data.path {path}: {need}; missing {', '.join(missing)} (columns: {ds.column_names})")
+    return RowSource(ds, "pairs", path)
+
+
+def shared_prompt_layout(share: bool, mcfg: ModelConfig) -> bool:
     """Whether pairs share one copy of their prompt: ``dpo.share_prompt``, except for models with sliding-window
     layers (zoo.masks). ``model.attention: splash`` cannot read a shared prompt (zoo.kernels): said here, before
     any documents, with what to change."""
-    shared = dpo.share_prompt and "sliding" not in mcfg.kinds
+    shared = share and "sliding" not in mcfg.kinds
     if shared and mcfg.attention == "splash":
         raise UserError("model.attention splash cannot read DPO's shared prompts (an answer reads its prompt's "
                         "segment; splash's segment ids only pair equal ids): set dpo.share_prompt: false, or "
@@ -98,12 +108,8 @@ class DPOTask(Task):
 
     def load(self, path: str, cfg: TrainConfig) -> RowSource:
         """The rows of ``path``; they need ``chosen`` and ``rejected`` columns (``prompt`` is optional)."""
-        ds, _ = load_dataset_rows(path, cfg.data.split)
-        missing = [c for c in ("chosen", "rejected") if c not in ds.column_names]
-        if missing:
-            raise UserError(f"data.path {path}: preference rows need 'chosen' and 'rejected' fields (and "
-                            f"optionally 'prompt'); missing {', '.join(missing)} (columns: {ds.column_names})")
-        return RowSource(ds, "pairs", path)
+        return load_pair_rows(path, cfg, "preference rows need 'chosen' and 'rejected' fields (and optionally "
+                                         "'prompt')")
 
     def documents(self, rows: RowSource, tokenizer: Tokenizer, path: str, skip_bad: bool,
                   indices: list[int] | None = None) -> Documents:
@@ -136,7 +142,7 @@ class DPOTask(Task):
         """
         cfg, mcfg, params, mesh = ctx.cfg, ctx.mcfg, ctx.params, ctx.mesh
         lora = ctx.lora is not None
-        self.shared_prompt = _shared_prompt(self.dpo, mcfg)
+        self.shared_prompt = shared_prompt_layout(self.dpo.share_prompt, mcfg)
         if self.mode == "base" and not lora:
             raise UserError("full fine-tuning (lora.rank: 0) needs a reference model besides the trained one: set "
                             "dpo.reference to a zoo checkpoint path (e.g. the model you start from) or to "
@@ -155,7 +161,7 @@ class DPOTask(Task):
         """:meth:`prepare`'s decisions without reading anything, for ``--compile-only``: the shared-prompt layout,
         and a reference model (``dpo.reference`` a path) shaped and sharded like the params; None otherwise
         (``precomputed`` scores come in the batch, ``base`` is LoRA's frozen base)."""
-        self.shared_prompt = _shared_prompt(self.dpo, ctx.mcfg)
+        self.shared_prompt = shared_prompt_layout(self.dpo.share_prompt, ctx.mcfg)
         if self.mode == "base" and ctx.lora is None:
             raise UserError("full fine-tuning (lora.rank: 0) needs a reference model besides the trained one: set "
                             "dpo.reference to a zoo checkpoint path or to precomputed")

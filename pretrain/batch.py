@@ -90,6 +90,18 @@ class KTOBatch(PairBatch):
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class RewardBatch(PairBatch):
+    """Reward-model pairs (rm/): the pair layout with each pair's ``margin`` on every token (0 without one)."""
+
+    margin: Any = None
+
+    @classmethod
+    def dtypes(cls) -> dict[str, Any]:
+        return {**PairBatch.dtypes(), "margin": FLOAT}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RolloutBatch(TokenBatch):
     """Prompt + completion rows of an online rollout (grpo/rollout.py): the sampler's per-token
     log-probabilities, each row's advantage (broadcast over its tokens), and, when computed, the policy's

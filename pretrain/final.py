@@ -15,6 +15,7 @@ from zoo.adapter import adapter_meta
 from zoo.checkpoint import (
     HF_CONFIG_FILE,
     TOKENIZER_DIR,
+    WEIGHT_FILES,
     CheckpointWriter,
     provenance_of,
     read_meta,
@@ -49,8 +50,8 @@ def write_final(out: Path, cfg: TrainConfig, mcfg: ModelConfig, params: dict, sr
             writer = CheckpointWriter(scratch)
             # An adapter checkpoint describes the merged model: the base's parameter table, the adapters apart.
             writer.adopt(read_meta(cast(Path, src))["params"] if lora else stored)
-            if tok_dir.is_dir():
-                shutil.copytree(tok_dir, scratch / TOKENIZER_DIR)
+            if tok_dir.is_dir():  # its tokenizer files: model.tokenizer may name a whole model's folder
+                shutil.copytree(tok_dir, scratch / TOKENIZER_DIR, ignore=shutil.ignore_patterns(*WEIGHT_FILES))
             if src is not None and (src / HF_CONFIG_FILE).is_file():
                 shutil.copyfile(src / HF_CONFIG_FILE, scratch / HF_CONFIG_FILE)
             training = {"method": method, "data": cfg.data.path, "steps": last.get("step"),

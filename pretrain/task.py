@@ -193,6 +193,12 @@ class Task:
         """
         raise NotImplementedError
 
+    def adapt_model(self, mcfg: ModelConfig, params: dict, mesh: jax.sharding.Mesh, tokenizer: Tokenizer,
+                    seed: int) -> tuple[ModelConfig, dict]:
+        """The model the task trains, from the one loaded (``params`` sharded on ``mesh``): unchanged by default;
+        a reward model (rm/) swaps the LM head for its score head. Called before :meth:`prepare`."""
+        return mcfg, params
+
     def prepare(self, ctx: RunContext) -> Any:
         """Set up before any documents are made (``ctx.params``: the starting weights, the base with LoRA);
         returns the frozen inputs the step passes to :meth:`loss_sums`, or None (the default: nothing)."""

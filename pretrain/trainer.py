@@ -80,6 +80,7 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
     kernel_for(mcfg, DTYPES[cfg.dtype.compute])  # model.attention: cudnn on a model it cannot run: said now
     params = quantize_frozen_base(cfg, mcfg, params, mesh, src_ckpt)  # QLoRA; unchanged without lora.base_quant
     tokenizer = load_tokenizer(tok_dir)
+    mcfg, params = task.adapt_model(mcfg, params, mesh, tokenizer, cfg.seed)  # a reward model: its score head
     lora_cfg = lora_settings(cfg, src_ckpt)
     # A task may need inputs of its own beside the trained weights (a reference model), or a pass with the
     # starting weights before training (reference log-probabilities computed once): before any documents.

@@ -33,6 +33,7 @@ def bad_config(tmp_path):
     ("sft.cli", ["train", "--config", "{bad}"], ["optimizer.learning_rat", "optimizer.learning_rate"]),
     ("sft.cli", ["inspect", "--config", "{bad}"], ["optimizer.learning_rat"]),
     ("dpo.cli", ["train", "--config", "{bad}"], ["optimizer.learning_rat"]),
+    ("rm.cli", ["train", "--config", "{bad}"], ["optimizer.learning_rat"]),
     ("grpo.cli", ["train", "model.path=ckpt", "data.path=rows.jsonl", "max_steps=1", "optimizer.learning_rate=oops"],
      ["optimizer.learning_rate", "oops"]),
     ("pretrain.cli", ["train", "--config", "{bad}"], ["optimizer.learning_rat"]),

@@ -10,7 +10,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_console_scripts():
     scripts = {e.name: e.value for e in entry_points(group="console_scripts") if e.dist and e.dist.name == "lmzoo"}
-    assert set(scripts) == {"zoo", "sft", "dpo", "grpo", "pretrain"}  # no `eval`, no `convert`
+    # no `eval`, no `convert`, no `rm` (it would shadow the shell's rm): reward models are `reward`
+    assert set(scripts) == {"zoo", "sft", "dpo", "grpo", "pretrain", "reward"}
     for value in scripts.values():
         mod, fn = value.split(":")
         assert callable(getattr(importlib.import_module(mod), fn))
@@ -18,7 +19,7 @@ def test_console_scripts():
 
 # The floors: a module imports only from its own floor's package or lower ones. zoo/ is the ground floor;
 # convert/ and eval/ stand on it, pretrain/ on them (training-time evaluation), the tasks above, the main job on top.
-FLOORS = {"zoo": 0, "convert": 1, "eval": 1, "pretrain": 2, "sft": 3, "dpo": 4, "grpo": 4, "demo": 5}
+FLOORS = {"zoo": 0, "convert": 1, "eval": 1, "pretrain": 2, "sft": 3, "dpo": 4, "grpo": 4, "rm": 4, "demo": 5}
 DISPATCHER = "zoo.cli"  # the `zoo` command: it reaches up, lazily inside its functions, to run a command's body
 
 

@@ -195,10 +195,11 @@ def test_every_example_config_loads_with_its_command(tmp_path):
     from dpo.config import DPOConfig
     from grpo.config import GRPOConfig
     from pretrain.config import TrainConfig, load_config
+    from rm.config import RMConfig
     from sft.config import SFTConfig
 
     schema = {"dpo": DPOConfig, "grpo": GRPOConfig, "finetune": SFTConfig, "distill": SFTConfig,
-              "examples": TrainConfig}
+              "reward": RMConfig, "examples": TrainConfig}
     files = sorted((Path(__file__).parent.parent / "examples").rglob("*.yaml"))
     assert len(files) >= 5
     for f in files:

@@ -44,6 +44,9 @@ MODEL_FILE = "model.json"
 PARAMS_DIR = "params"
 STATE_DIR = "state"  # where Orbax's partial saves put the OCDBT store inside params/
 TOKENIZER_DIR = "tokenizer"
+# a model folder's weight files, never part of a tokenizer (a tokenizer folder may be a whole model's)
+WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.gguf", "*.pt",
+                "*.pth", "*.msgpack", "*.h5")
 HF_CONFIG_FILE = "hf_config.json"
 
 

@@ -77,6 +77,12 @@ class ModelConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)
     max_position_embeddings: int = 8192
     tie_word_embeddings: bool = False
+    # > 0: a sequence classifier (a reward model, rm/): a head ``score`` [hidden, num_labels] read at each
+    # sequence's last token (transformers' *ForSequenceClassification); 0: a causal LM
+    num_labels: int = 0
+    # a classifier's padding id: its score reads each sequence's last token that is not it, as transformers'
+    # *ForSequenceClassification pools (None: the last token)
+    pad_token_id: int | None = None
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False

@@ -148,8 +148,10 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
         s["ple_model_proj"] = ParamSpec((E, P), ("embed", None), "normal")
         s["ple_proj_norm"] = ParamSpec((cfg.per_layer_input_size,), (None,), unit)
     s["final_norm"] = ParamSpec((E,), ("embed",), unit)
-    if not cfg.tie_word_embeddings:
+    if not cfg.tie_word_embeddings and not cfg.num_labels:  # a reward model has no LM head (its score instead)
         s["lm_head"] = ParamSpec((E, V), ("embed", "vocab"), "normal")
+    if cfg.num_labels:  # a reward model's scalar head (rm/)
+        s["score"] = ParamSpec((E, cfg.num_labels), ("embed", None), "normal")
     return s
 
 

@@ -1,0 +1,1 @@
+"""Reward models: Bradley-Terry scorers trained on preference pairs (`reward train`)."""

@@ -1,0 +1,38 @@
+"""The `reward` command: `reward train --config run.yaml [key.sub=value ...]` (a Bradley-Terry reward model on the
+shared loop). Not `rm`: that name would shadow the shell's `rm` for everyone who installs lmzoo."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from pretrain.cli import add_train_command, train_command
+from rm.config import RMConfig
+from zoo.console import run_cli
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `reward` (every flag documented)."""
+    p = argparse.ArgumentParser(prog="reward", description="lmzoo reward models (Bradley-Terry on preference "
+                                                           "pairs) on the shared training loop.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_train_command(sub, "reward", "train a reward model on preference pairs (prompt, chosen, rejected) from a YAML "
+                      "config", "rm.center_rewards_coefficient=0.01 optimizer.learning_rate=1e-5")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `reward` console script (and of `python -m rm`)."""
+    args = build_parser().parse_args(argv)
+
+    def reward_task() -> type:
+        from rm.task import RewardTask  # jax and the model only once a command runs: --help stays fast
+
+        return RewardTask
+
+    return run_cli(lambda: train_command(args, RMConfig, reward_task))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

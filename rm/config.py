@@ -1,0 +1,25 @@
+"""The reward model's config schema: the ``rm:`` section and the chat-template data keys of preference pairs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pretrain.config import TrainConfig
+from sft.config import ChatDataSection
+
+
+@dataclass
+class RmSection:
+    """Reward-model training (`reward train`, rm/): TRL 1.16 RewardConfig's loss keys."""
+
+    # adds this times mean((r_chosen + r_rejected)^2): scores centred on 0 (Eisenstein et al. 2023); None: off
+    center_rewards_coefficient: float | None = field(default=None, metadata={"range": "[0, inf)"})
+    margin_field: str = "margin"  # an optional column: a pair's margin, subtracted from r_chosen - r_rejected
+
+
+@dataclass
+class RMConfig(TrainConfig):
+    """Everything a reward-model run needs (`reward train`)."""
+
+    data: ChatDataSection = field(default_factory=ChatDataSection)
+    rm: RmSection = field(default_factory=RmSection)

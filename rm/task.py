@@ -1,0 +1,192 @@
+"""A Bradley-Terry reward model as a task of the shared loop, equal to TRL 1.16's ``RewardTrainer``.
+
+The model is the decoder with a scalar head ``score`` [hidden, 1] read at each sequence's last token that is
+not the padding token, as transformers' ``*ForSequenceClassification`` pools (its ``pad_token_id``: TRL sets the
+tokenizer's pad token, else its EOS). Started from a causal LM, the run swaps the LM head for a fresh score head
+(``N(0, 0.02)``, transformers' ``initializer_range``, from the run's seed); started from a reward model (a
+converted ``*ForSequenceClassification``, or a reward run's final checkpoint), it keeps its head. ``zoo export``
+writes the family's ``*ForSequenceClassification`` folder.
+
+A batch row is one preference pair in DPO's layout (dpo/data.py): the prompt once, then prompt + chosen and
+prompt + rejected as two segments reading it as a shared prefix, so a pair costs one forward pass over
+``prompt + chosen + rejected + 1`` tokens, and each sequence's score reads the hidden state of its own last token.
+Each row ends with one padding token so that the rejected sequence's last token is an input position.
+
+The loss (Stiennon et al. 2020, "Learning to summarize from human feedback", arXiv:2009.01325; Ouyang et al.
+2022, arXiv:2203.02155) per pair is ``-logsigmoid(r_c - r_r - margin)`` (``margin``: the pair's
+``rm.margin_field`` column, Touvron et al. 2023's Llama 2 margin, else 0) plus
+``rm.center_rewards_coefficient * (r_c + r_r)^2`` (Eisenstein et al. 2023, "Helping or Herding?",
+arXiv:2312.09244), averaged over a micro-batch's pairs and the micro-batches (TRL: the loss / gradient
+accumulation). Metrics, TRL's names and definitions, each once per micro-batch and averaged: ``min_reward``,
+``mean_reward``, ``max_reward`` (over both scores of every pair), ``accuracy`` (r_c > r_r), ``margin``
+(r_c - r_r).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from typing import Any, cast
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dpo.data import CHOSEN, REJECTED, pair_documents
+from dpo.task import load_pair_rows, shared_prompt_layout
+from pretrain.batch import PairBatch, RewardBatch
+from pretrain.config import TrainConfig
+from pretrain.metrics import LossOutput, Metric, MicroMean
+from pretrain.task import Documents, LayoutContext, RowSource, RunContext, Task, Tokenizer
+from rm.config import RMConfig
+from sft.formats import BadRow
+from sft.task import chat_template_of
+from zoo.batching import Document
+from zoo.config import ModelConfig
+from zoo.datafiles import indexed_rows
+from zoo.errors import UserError
+from zoo.quant import cast_params
+
+INIT_STD = 0.02  # transformers' initializer_range default: how a fresh score head is drawn
+
+
+def last_positions(segment_ids: jax.Array, inputs: jax.Array, segment: int, pad: int | None) -> jax.Array:
+    """Each row's last input position of ``segment`` whose token is not ``pad`` (transformers' pooling: the
+    rightmost non-padding token); 0 where the row has none."""
+    on = segment_ids == segment
+    if pad is not None:
+        on = on & (inputs != pad)
+    n = on.shape[-1]
+    return jnp.where(on.any(-1), n - 1 - jnp.argmax(on[:, ::-1], axis=-1), 0)
+
+
+def pair_scores(mcfg: ModelConfig, params: dict, mb: PairBatch, remat: str = "none",
+                **forward_kwargs: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(chosen scores [rows], rejected scores [rows], the MoE router loss or 0) of a batch of pair rows: the score
+    head on each sequence's last non-padding token (``params`` already in the compute dtype)."""
+    from zoo.model import forward
+
+    moe = mcfg.num_experts > 0
+    out = forward(mcfg, params, mb.inputs, mb.segment_ids, mb.positions, return_aux=moe, remat=remat,
+                  return_hidden=True, prefix_ids=mb.prefix_ids, **forward_kwargs)
+    hidden, aux = cast(tuple[jax.Array, dict], out) if moe else (cast(jax.Array, out), None)
+    head = params["score"].astype(jnp.float32)[:, 0]
+    rows = jnp.arange(hidden.shape[0])
+    scores = [(hidden[rows, last_positions(mb.segment_ids, mb.inputs, seg, mcfg.pad_token_id)]
+               .astype(jnp.float32) @ head) for seg in (CHOSEN, REJECTED)]
+    return scores[0], scores[1], aux["loss"] if aux is not None else jnp.float32(0.0)
+
+
+class RewardTask(Task):
+    """A Bradley-Terry reward model on (prompt, chosen, rejected) rows (module docstring)."""
+
+    method = "reward"
+    packing = "none"  # each pair is one row, laid out by dpo/data.py
+    config_class = RMConfig
+    key_metrics = ("accuracy", "margin")
+    batch_class = RewardBatch
+
+    def __init__(self, cfg: RMConfig):
+        super().__init__(cfg)
+        if cfg.lora.rank:
+            raise UserError("reward train fine-tunes the whole model in this version (the score head trains with "
+                            "it): set lora.rank: 0")
+        self.rm = cfg.rm
+        self.chat_template = chat_template_of(cfg)
+        self.max_len = cfg.data.seq_len  # data.seq_len + 1 tokens a row, the last a padding token (see above)
+        self.drop_long = cfg.data.long_examples == "drop"
+        self.shared_prompt = True
+
+    def load(self, path: str, cfg: TrainConfig) -> RowSource:
+        """The rows of ``path``; a reward model learns from preference pairs: ``chosen`` and ``rejected``."""
+        return load_pair_rows(path, cfg, "a reward model trains on preference pairs: rows need 'chosen' and "
+                                         f"'rejected' fields (and optionally 'prompt' and '{self.rm.margin_field}')")
+
+    def documents(self, rows: RowSource, tokenizer: Tokenizer, path: str, skip_bad: bool,
+                  indices: list[int] | None = None) -> Documents:
+        """One row per usable pair, ending with a padding token, each with its margin (0 without the column)."""
+        from zoo.row_origin import bad_row
+
+        docs, bad, too_long = pair_documents(indexed_rows(rows.ds, indices), tokenizer, self.chat_template, path,
+                                             skip_bad, self.max_len, self.drop_long, self.shared_prompt)
+        has_margin = self.rm.margin_field in rows.ds.column_names
+        out = {}
+        for i, d in docs.items():
+            margin = rows.ds[i][self.rm.margin_field] if has_margin else 0.0
+            if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
+                if not skip_bad:
+                    raise bad_row(path, i, BadRow(f"field '{self.rm.margin_field}' is {margin!r}, not a number"))
+                bad += 1
+                continue
+            d = {k: np.concatenate([v, np.zeros(1, v.dtype)]) for k, v in d.items()}  # the trailing padding token
+            d["margin"] = np.full(len(d["tokens"]), float(margin), np.float32)
+            out[i] = d
+        return Documents(out, bad, too_long)
+
+    def trainable(self, doc: Document, seq_len: int) -> bool:
+        """Whether the pair, cut to fit, still has both answers."""
+        seg, mask = doc["tokens_segment_ids"], doc["loss_mask"]
+        return bool((mask & (seg == CHOSEN)).any() and (mask & (seg == REJECTED)).any())
+
+    def adapt_model(self, mcfg: ModelConfig, params: dict, mesh: jax.sharding.Mesh, tokenizer: Tokenizer,
+                    seed: int) -> tuple[ModelConfig, dict]:
+        """A causal LM becomes a reward model: its LM head dropped, a score head drawn; a reward model is kept."""
+        if mcfg.num_labels:
+            return mcfg, params
+        from pretrain import distributed
+        from zoo.params import param_specs
+        from zoo.sharding import named_sharding
+
+        tok = cast(Any, tokenizer)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id  # TRL's padding rule
+        mcfg = dataclasses.replace(mcfg, num_labels=1, pad_token_id=pad)
+        spec = param_specs(mcfg)["score"]
+        dtype = params["final_norm"].dtype
+        key = jax.random.fold_in(jax.random.key(seed), 0x73636F)  # its own stream
+        score = jax.jit(lambda: (INIT_STD * jax.random.normal(key, spec.shape)).astype(dtype),
+                        out_shardings=named_sharding(mesh, spec.axes, spec.shape))()
+        if distributed.is_primary():
+            print(f"reward model: a score head [{mcfg.hidden_size}, 1] drawn from N(0, {INIT_STD}) (seed {seed}) "
+                  f"replaces the LM head; scores read each sequence's last token that is not id {pad}",
+                  file=sys.stderr)
+        return mcfg, {**{k: v for k, v in params.items() if k != "lm_head"}, "score": score}
+
+    def prepare(self, ctx: RunContext) -> None:
+        """The pair layout (one copy of the prompt, except for models with sliding-window layers)."""
+        self.shared_prompt = shared_prompt_layout(True, ctx.mcfg)
+
+    def compile_layout(self, ctx: LayoutContext) -> None:
+        """Not laid out for ``--compile-only`` in this version (the score head is added when a run loads)."""
+        raise UserError("--compile-only does not lay out reward models yet; compile the same model's `sft train` "
+                        "step for its memory")
+
+    def batch_layout(self, grad_accum: int, micro: int, seq_len: int) -> RewardBatch:
+        """Pair rows with each pair's margin (and a shared prompt's ``prefix_ids``)."""
+        return RewardBatch.layout((grad_accum, micro, seq_len), ("prefix_ids",) * self.shared_prompt + ("margin",))
+
+    def loss_sums(self, mcfg: ModelConfig, params: dict, mb: PairBatch, compute: Any, remat: str, *,
+                  frozen_inputs: Any = None, totals: Any = None, step: jax.Array | None = None,
+                  **forward_kwargs: Any) -> LossOutput:
+        """A micro-batch's summed pair losses over its pair count; TRL's metrics once per micro-batch."""
+        rc, rr, aux = pair_scores(mcfg, cast_params(params, compute), mb, remat, **forward_kwargs)
+        seg = mb.segment_ids
+        keep = ((seg == CHOSEN).any(-1) & (seg == REJECTED).any(-1)).astype(jnp.float32)
+        margin = cast(RewardBatch, mb).margin[:, 0]
+        per = -jax.nn.log_sigmoid(rc - rr - margin)
+        if self.rm.center_rewards_coefficient is not None:
+            per = per + self.rm.center_rewards_coefficient * (rc + rr) ** 2
+        n = keep.sum()
+        total = (per * keep).sum()
+        sg = jax.lax.stop_gradient
+        both = jnp.concatenate([rc, rr])
+        kept = jnp.concatenate([keep, keep]) > 0
+        one = jnp.float32(1.0)
+        extras: dict[str, Metric] = {
+            "min_reward": MicroMean(sg(jnp.min(jnp.where(kept, both, jnp.inf))), one),
+            "max_reward": MicroMean(sg(jnp.max(jnp.where(kept, both, -jnp.inf))), one),
+            "mean_reward": MicroMean(sg((both * kept).sum() / jnp.maximum(kept.sum(), 1.0)), one),
+            "accuracy": MicroMean(sg(((rc > rr) * keep).sum() / jnp.maximum(n, 1.0)), one),
+            "margin": MicroMean(sg(((rc - rr) * keep).sum() / jnp.maximum(n, 1.0)), one),
+        }
+        return LossOutput(total + aux * n, sg(total), n, extras)

@@ -1,0 +1,148 @@
+"""Reward models (rm/, `reward train`): TRL 1.16 RewardTrainer's loss and metrics, the score head against
+transformers' *ForSequenceClassification (convert and export), the one-line errors, and one SGD step against
+RewardTrainer itself."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pretrain.config import load_config
+from rm.config import RMConfig
+from zoo.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def reward_models(dpo_models, tmp_path_factory):
+    """dpo_models' tiny policy as a transformers LlamaForSequenceClassification (its score head seeded), at
+    ``hf_rm`` and converted by `zoo convert` at ``rm``. Returns (folder, dpo_models' folder, tokenizer)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from zoo.cli import main
+
+    root, tok, _ = dpo_models
+    out = tmp_path_factory.mktemp("reward_models")
+    torch.manual_seed(5)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    model = AutoModelForSequenceClassification.from_pretrained(root / "hf_policy", num_labels=1, pad_token_id=pad)
+    model.save_pretrained(out / "hf_rm")
+    tok.save_pretrained(out / "hf_rm")
+    assert main(["convert", str(out / "hf_rm"), "--out", str(out / "rm")]) == 0
+    return out, root, tok
+
+
+def _cfg(folder, tok_dir, out, data, *overrides) -> RMConfig:
+    return load_config(None, [f"model.path={folder}", f"model.tokenizer={tok_dir}", f"data.path={data}",
+                              "data.seq_len=32", "batch_size=4", "log_every=1", "checkpoint.every=100",
+                              f"output_dir={out}", *overrides], RMConfig)
+
+
+def test_converted_scores_equal_transformers_and_export_round_trips(reward_models, tmp_path):
+    """`zoo convert` of a LlamaForSequenceClassification keeps its score head and padding id: our score of a
+    prompt + answer (the last token that is not padding, in the pair layout of a training row) equals
+    transformers' logits; `zoo export` writes a LlamaForSequenceClassification that loads with equal scores."""
+    import jax.numpy as jnp
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from dpo.data import normalize_pair, pair_document, tokenize_pair
+    from pretrain.batch import PairBatch
+    from rm.task import pair_scores
+    from tests.helpers import UNEVEN_PAIRS
+    from zoo.batching import to_model_batch
+    from zoo.checkpoint import read_config
+    from zoo.cli import main
+    from zoo.loading import load_params
+
+    out, _, tok = reward_models
+    mcfg, params = read_config(out / "rm"), load_params(out / "rm")
+    assert mcfg.num_labels == 1 and "score" in params and "lm_head" not in params
+    hf = AutoModelForSequenceClassification.from_pretrained(out / "hf_rm").eval()
+    assert main(["export", str(out / "rm"), "--out", str(tmp_path / "exp")]) == 0
+    assert json.loads((tmp_path / "exp" / "config.json").read_text())["architectures"] == \
+        ["LlamaForSequenceClassification"]
+    back = AutoModelForSequenceClassification.from_pretrained(tmp_path / "exp").eval()
+    for row in UNEVEN_PAIRS[:2]:
+        t = tokenize_pair(normalize_pair(row), tok)
+        doc = pair_document(t)
+        doc = {k: np.concatenate([v, np.zeros(1, v.dtype)])[None] for k, v in doc.items()}
+        mb = PairBatch.of({k: jnp.asarray(v) for k, v in to_model_batch(doc).items()})
+        rc, rr, _ = pair_scores(mcfg, params, mb)
+        for ours, answer in ((rc, t.chosen), (rr, t.rejected)):
+            ids = torch.tensor([np.concatenate([t.prompt, answer]).tolist()])
+            for model in (hf, back):
+                np.testing.assert_allclose(float(ours[0]), float(model(ids).logits[0, 0]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_reward_step_one_equals_trl_reward_trainer(reward_models, tmp_path):
+    """One SGD step of `reward train` (a margin column, center_rewards_coefficient, two micro-batches, answers of
+    unequal length) against one step of trl.RewardTrainer on the same LlamaForSequenceClassification: loss,
+    grad_norm, min/mean/max_reward, accuracy, margin and every weight's change (the score head's too) within
+    1e-5."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForSequenceClassification
+    from trl import RewardConfig, RewardTrainer
+
+    from pretrain.trainer import train
+    from rm.task import RewardTask
+    from tests.helpers import (
+        SGD_STEP_ONE,
+        UNEVEN_PAIRS,
+        assert_same_change,
+        assert_same_metrics,
+        exported_change,
+        read_metrics,
+        trl_step_one,
+        write_jsonl,
+    )
+
+    out, _, tok = reward_models
+    rows = [{**r, "margin": m} for r, m in zip(UNEVEN_PAIRS, (0.5, 0.0, 1.5, -0.25))]
+    write_jsonl(tmp_path / "pairs.jsonl", rows)
+    model = AutoModelForSequenceClassification.from_pretrained(out / "hf_rm", dtype=torch.float32,
+                                                               attn_implementation="eager")
+    want, trl_change = trl_step_one(RewardTrainer, RewardConfig, model, tmp_path / "trl",
+                                    dict(train_dataset=Dataset.from_list(rows), processing_class=tok),
+                                    per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                                    center_rewards_coefficient=0.01, learning_rate=100.0)
+    cfg = _cfg(out / "rm", out / "hf_rm", tmp_path / "ours", tmp_path / "pairs.jsonl", *SGD_STEP_ONE,
+               "optimizer.learning_rate=100", "grad_accum=2", "rm.center_rewards_coefficient=0.01")
+    train(cfg, progress=False, task=RewardTask(cfg))
+    got = read_metrics(tmp_path / "ours")[0]
+    assert_same_metrics(got, want, ("loss", "grad_norm", "min_reward", "mean_reward", "max_reward", "accuracy",
+                                    "margin"))
+    assert_same_change(exported_change(tmp_path / "ours" / "final", out / "hf_rm", tmp_path / "exp"), trl_change)
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([{"prompt": "a", "completion": " b", "label": True}], "a reward model trains on preference pairs: rows need "
+                                                           "'chosen' and 'rejected' fields"),
+    ([{"prompt": "a", "chosen": " b", "rejected": " c", "margin": "big"}], "line 1: field 'margin' is 'big', not a "
+                                                                            "number"),
+])
+def test_bad_reward_rows_are_one_line(reward_models, tmp_path, rows, message):
+    from rm.task import RewardTask
+    from tests.helpers import write_jsonl
+
+    out, _, tok = reward_models
+    write_jsonl(tmp_path / "bad.jsonl", rows)
+    cfg = _cfg(out / "rm", out / "hf_rm", tmp_path / "run", tmp_path / "bad.jsonl", "max_steps=1")
+    task = RewardTask(cfg)
+    with pytest.raises(UserError) as e:
+        task.documents(task.load(str(tmp_path / "bad.jsonl"), cfg), tok, str(tmp_path / "bad.jsonl"), False)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_reward_command_refuses_lora_in_one_line(reward_models, tmp_path, capsys):
+    from rm.cli import main
+
+    out, _, _ = reward_models
+    assert main(["train", f"model.path={out / 'rm'}", f"data.path={tmp_path / 'x.jsonl'}", "max_steps=1",
+                 "lora.rank=4", f"output_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "lora.rank: 0" in err[0]
