@@ -90,6 +90,12 @@ class RewardSet:
     def __repr__(self) -> str:
         return f"RewardSet({', '.join(f'{n}*{w:g}' for n, w in zip(self.names, self.weights))})"
 
+    def prepare(self, mesh: Any, compute: Any) -> None:
+        """Load what a reward function holds on the devices (a reward model's weights, on the run's ``mesh``)."""
+        for rf in self.functions:
+            if hasattr(rf.fn, "prepare"):
+                rf.fn.prepare(mesh, compute)
+
     def check_columns(self, columns: Sequence[str], label: str) -> None:
         """A UserError when a shipped verifier's data column (:func:`grpo.verifiers.needed_columns`) is not among
         ``columns`` (the data columns the reward functions get, the prompt's aside; ``label`` names the data):
@@ -338,6 +344,10 @@ def _name_of(fn: Callable) -> str:
 def _resolve(text: str, spec: Any) -> Callable:
     """A SPEC string as the function it names."""
     where = f"grpo.rewards entry {spec!r}"
+    from grpo.reward_model import is_reward_model, reward_model
+
+    if is_reward_model(text):  # rm:PATH, a reward model scored in process (grpo/reward_model.py)
+        return reward_model(text)
     if ":" not in text:
         if text in verifiers.SHIPPED:
             return verifiers.SHIPPED[text]

@@ -155,6 +155,7 @@ class GRPOTask(Task):
             raise UserError("the tokenizer has no EOS token: completions could never end before "
                             "grpo.max_completion_length")
         self._setup(cfg, mcfg, mesh, ctx.lora, tuple(sorted(eos)))
+        self.rewards.prepare(mesh, self.compute)  # reward models (rm:PATH): their weights, loaded once
         frozen_inputs = None
         if g.beta > 0:
             if g.reference == "base" and self.lora_cfg is not None:

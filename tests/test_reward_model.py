@@ -146,3 +146,66 @@ def test_reward_command_refuses_lora_in_one_line(reward_models, tmp_path, capsys
                  "lora.rank=4", f"output_dir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "lora.rank: 0" in err[0]
+
+
+def _hf_scores(model, tok, texts: list[str]) -> np.ndarray:
+    """transformers' scores of texts as TRL's GRPOTrainer scores a reward model's inputs: no added special
+    tokens, right-padded."""
+    inputs = tok(texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
+    return model(**inputs).logits[:, 0].detach().numpy()
+
+
+def test_grpo_reward_model_scores_completions_as_trl_does(reward_models, tmp_path):
+    """grpo.rewards ["rm:PATH"]: the reward model, loaded once on the mesh, scores plain and conversational
+    prompt + completion texts as transformers' LlamaForSequenceClassification does on TRL's inputs; a causal LM
+    named as a reward model is one line."""
+    import jax.numpy as jnp
+    from transformers import AutoModelForSequenceClassification
+
+    from grpo.rewards import load_rewards
+    from zoo.sharding import make_mesh
+
+    out, root, tok = reward_models
+    rewards = load_rewards([f"rm:{out / 'rm'}"])
+    assert rewards.names == ["rm_rm"]
+    rewards.prepare(make_mesh(), jnp.float32)
+    hf = AutoModelForSequenceClassification.from_pretrained(out / "hf_rm").eval()
+    prompts = ["colour red:", "the cat", "colour blue: and then"]
+    completions = [" red", " sat on the mat", " blue blue"]
+    per_fn, total = rewards.compute(prompts, completions, [[1]] * 3, {}, lambda r: f"row {r}")
+    np.testing.assert_allclose(total, _hf_scores(hf, tok, [p + c for p, c in zip(prompts, completions)]),
+                               rtol=1e-4, atol=1e-5)
+    chats = [[{"role": "user", "content": p}] for p in prompts]
+    answers = [[{"role": "assistant", "content": c.strip()}] for c in completions]
+    _, chat_total = rewards.compute(chats, answers, [[1]] * 3, {}, lambda r: f"row {r}")
+    texts = [tok.apply_chat_template(p + a, tokenize=False) for p, a in zip(chats, answers)]
+    np.testing.assert_allclose(chat_total, _hf_scores(hf, tok, texts), rtol=1e-4, atol=1e-5)
+    with pytest.raises(UserError) as e:
+        load_rewards([f"rm:{root / 'policy'}"])
+    assert "is a causal LM, not a reward model" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_grpo_step_with_a_reward_model(reward_models, tmp_path):
+    """One `grpo train` step whose reward is the reward model: each completion's logged reward is transformers'
+    score of its prompt + completion text."""
+    from transformers import AutoModelForSequenceClassification
+
+    from grpo.config import GRPOConfig
+    from grpo.task import GRPOTask
+    from pretrain.trainer import train
+    from tests.helpers import write_jsonl
+
+    out, root, tok = reward_models
+    write_jsonl(tmp_path / "p.jsonl", [{"prompt": "colour red:"}, {"prompt": "the cat"}])
+    cfg = load_config(None, [f"model.path={root / 'policy'}", f"model.tokenizer={root / 'tok'}",
+                             f"data.path={tmp_path / 'p.jsonl'}", "data.seq_len=8", "batch_size=4",
+                             "grpo.num_generations=2", "grpo.max_completion_length=4", f"grpo.rewards=[rm:{out / 'rm'}]",
+                             "max_steps=1", "grpo.log_completions_every=1", f"output_dir={tmp_path / 'run'}"],
+                      GRPOConfig)
+    train(cfg, task=GRPOTask(cfg), progress=False)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    hf = AutoModelForSequenceClassification.from_pretrained(out / "hf_rm").eval()
+    want = _hf_scores(hf, tok, [r["prompt"] + r["completion"] for r in rows])
+    np.testing.assert_allclose([r["rewards"]["rm_rm"] for r in rows], want, rtol=1e-4, atol=1e-5)
+    assert len(rows) == 4

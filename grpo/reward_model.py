@@ -1,0 +1,100 @@
+"""A reward model as a GRPO reward function: ``grpo.rewards: ["rm:PATH"]`` (PATH: a reward model checkpoint,
+from `reward train` or a converted ``*ForSequenceClassification``).
+
+It scores completions in process, as TRL 1.16's GRPOTrainer scores them with a reward model
+(``_calculate_rewards``): each prompt + completion is one text (a conversation rendered with the reward
+model's own chat template, ``apply_chat_template`` of the messages; plain text joined as it is), tokenized by the
+reward model's tokenizer without added special tokens, right-padded, and scored at its last token that is not
+padding (rm/task.py). The weights are loaded once, on the run's mesh, when the task prepares (a frozen input
+of the rollout: no second process, nothing reloaded per step), and the scoring is one jitted program per padded
+length (lengths are rounded up to a multiple of :data:`BUCKET`, so a run compiles it a few times at most).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from zoo.errors import UserError
+
+PREFIX = "rm:"
+BUCKET = 64  # padded lengths are multiples of it: few compilations
+
+
+class RewardModelScorer:
+    """The reward function of ``rm:PATH`` (module docstring); call :meth:`prepare` before scoring."""
+
+    def __init__(self, path: str):
+        from zoo.checkpoint import read_config
+        from zoo.paths import checkpoint_dir
+
+        self.path = checkpoint_dir(path, f"grpo.rewards entry '{PREFIX}{path}'")
+        self.mcfg = read_config(self.path)
+        if not self.mcfg.num_labels:
+            raise UserError(f"grpo.rewards entry '{PREFIX}{path}' is a causal LM, not a reward model; train one with "
+                            "`reward train` (or convert a *ForSequenceClassification)")
+        name = self.path.parent.name if self.path.name == "final" else self.path.name
+        self.__name__ = f"rm_{name}"  # its name in the logs: rewards/rm_NAME/mean
+        self.params: Any = None
+
+    def prepare(self, mesh: Any, compute: Any) -> None:
+        """Load the weights on ``mesh`` and the tokenizer, once."""
+        import jax
+
+        from rm.task import last_positions
+        from zoo.loading import load_params
+        from zoo.model import forward
+        from zoo.quant import cast_params
+        from zoo.tokenizer import load_tokenizer
+
+        self.tokenizer = load_tokenizer(self.path)
+        self.params = load_params(self.path, mesh)
+        mcfg = self.mcfg
+
+        def score(params: dict, tokens: Any, lengths: Any) -> Any:
+            import jax.numpy as jnp
+
+            p = cast_params(params, compute)
+            n = tokens.shape[1]
+            seg = (jnp.arange(n)[None] < lengths[:, None]).astype(jnp.int32)
+            pos = jnp.where(seg > 0, jnp.arange(n)[None], 0)
+            hidden = forward(mcfg, p, tokens, seg, pos, return_hidden=True)
+            last = last_positions(seg, tokens, 1, mcfg.pad_token_id)
+            return hidden[jnp.arange(tokens.shape[0]), last].astype(jnp.float32) @ p["score"].astype(jnp.float32)[:, 0]
+
+        self._score = jax.jit(score)
+
+    def texts(self, prompts: list, completions: list) -> list[str]:
+        """Each prompt + completion as the reward model reads it (TRL's rule)."""
+        out = []
+        for p, c in zip(prompts, completions):
+            if isinstance(p, list):  # a conversation: the reward model's own template renders it whole
+                out.append(self.tokenizer.apply_chat_template(p + c, tokenize=False))
+            else:
+                out.append(p + c)
+        return out
+
+    def __call__(self, prompts: list, completions: list, **columns: Any) -> list[float]:
+        """The reward model's score of each completion."""
+        if self.params is None:
+            raise RuntimeError("RewardModelScorer.prepare was not called")
+        ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in self.texts(prompts, completions)]
+        pad = self.mcfg.pad_token_id if self.mcfg.pad_token_id is not None else 0
+        width = -(-max(len(x) for x in ids) // BUCKET) * BUCKET
+        tokens = np.full((len(ids), width), pad, np.int32)
+        for i, x in enumerate(ids):
+            tokens[i, :len(x)] = x
+        lengths = np.array([len(x) for x in ids], np.int32)
+        return [float(v) for v in np.asarray(self._score(self.params, tokens, lengths))]
+
+
+def is_reward_model(spec: str) -> bool:
+    """Whether a grpo.rewards string names a reward model (``rm:PATH``)."""
+    return spec.startswith(PREFIX)
+
+
+def reward_model(spec: str) -> RewardModelScorer:
+    """The scorer of ``rm:PATH``."""
+    return RewardModelScorer(str(Path(spec[len(PREFIX):]).expanduser()))
