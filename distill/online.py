@@ -10,7 +10,7 @@ accumulation: with probability ``lmbda`` the student samples the micro-batch's c
 
 A row's prompt is everything before its last trained span (the last assistant turn's answer; TRL's ChatML
 collator prompts with every message but the last). The sampler is the KV-cache decoder GRPO uses
-(grpo/rollout.py), at ``distill.temperature`` with no top-k or top-p cut (TRL's ``top_k=0, top_p=1``), up to
+(eval/rollout.py), at ``distill.temperature`` with no top-k or top-p cut (TRL's ``top_k=0, top_p=1``), up to
 ``distill.max_new_tokens`` tokens, the first EOS included and trained. Every batch, sampled or not, has rows of
 ``data.seq_len + distill.max_new_tokens`` tokens, so the step compiles once.
 
@@ -32,7 +32,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from eval.generate import Sampler
-from grpo.rollout import RolloutSpec, assemble, sample_group_completions
+from eval.rollout import RolloutSpec, assemble, sample_group_completions
 from pretrain.batch import DistillBatch, Rollout
 from zoo.config import ModelConfig
 from zoo.quant import cast_params

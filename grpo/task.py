@@ -6,7 +6,7 @@ The data rows are prompts. A batch of ``batch_size`` rows holds
 position and multi-process plumbing apply unchanged. Each step
 (:meth:`GRPOTask.rollout`):
 
-1. samples one completion per row with the current policy (grpo/rollout.py:
+1. samples one completion per row with the current policy (eval/rollout.py:
    the prompt prefilled once per group, one fixed-shape decoding program;
    LoRA adapters beside the base matmuls, as in training), with a key from the seed and
    the step, so a resumed run draws what the uninterrupted run drew;
@@ -38,10 +38,10 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from eval.generate import Sampler
+from eval.rollout import RolloutSpec, assemble, sample_group_completions
 from grpo import losses
 from grpo.config import GRPOConfig
 from grpo.rewards import load_rewards
-from grpo.rollout import RolloutSpec, assemble, sample_group_completions
 from pretrain import distributed
 from pretrain.batch import Rollout, RolloutBatch
 from pretrain.config import TrainConfig
@@ -402,7 +402,7 @@ class GRPOTask(Task):
         sampler's log-probability gap as a :class:`Max`."""
         g = self.grpo
         p = cast_params(params, compute)
-        # A rollout row is one document (prompt + completion, then padding: grpo.rollout.layout).
+        # A rollout row is one document (prompt + completion, then padding: eval.rollout.layout).
         logp, entropy, aux = batch_logps(mcfg, p, mb.arrays(), remat, temperature=float(g.temperature), entropy=True,
                                          max_segments=1, **forward_kwargs)
         mask = mb.weights

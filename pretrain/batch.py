@@ -103,7 +103,7 @@ class RewardBatch(PairBatch):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RolloutBatch(TokenBatch):
-    """Prompt + completion rows of an online rollout (grpo/rollout.py): the sampler's per-token
+    """Prompt + completion rows of an online rollout (eval/rollout.py): the sampler's per-token
     log-probabilities, each row's advantage (broadcast over its tokens), and, when computed, the policy's
     before the update (``old_logps``) and the reference's (``ref_logps``)."""
 

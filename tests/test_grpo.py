@@ -93,7 +93,7 @@ def test_sampler_logps_equal_a_teacher_forced_forward(setup):
     gradients) on CPU."""
     import zoo
     from eval.generate import Sampler
-    from grpo.rollout import RolloutSpec, assemble, sample_group_completions
+    from eval.rollout import RolloutSpec, assemble, sample_group_completions
     from zoo.logps import batch_logps
 
     model = zoo.load(setup / "zoo", dtype=np.float32)
@@ -457,6 +457,7 @@ def test_full_fine_tuning_kl_is_to_the_starting_checkpoint_by_default_and_after_
         [{k: v for k, v in m.items() if k not in skip} for m in named]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("advantage", ["rloo", "reinforce_pp_baseline"])
 def test_rloo_and_reinforce_pp_steps_use_their_advantages_and_log_trls_names(setup, tmp_path, advantage):
     """One step of each estimator with a KL to the starting model (beta > 0, put into the reward): RLOO's logged

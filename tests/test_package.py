@@ -19,7 +19,8 @@ def test_console_scripts():
 
 # The floors: a module imports only from its own floor's package or lower ones. zoo/ is the ground floor;
 # convert/ and eval/ stand on it, pretrain/ on them (training-time evaluation), the tasks above, the main job on top.
-FLOORS = {"zoo": 0, "convert": 1, "eval": 1, "pretrain": 2, "sft": 3, "dpo": 4, "grpo": 4, "rm": 4, "demo": 5}
+FLOORS = {"zoo": 0, "convert": 1, "eval": 1, "pretrain": 2, "sft": 3, "distill": 3, "dpo": 4, "grpo": 4, "rm": 4,
+          "demo": 5}
 DISPATCHER = "zoo.cli"  # the `zoo` command: it reaches up, lazily inside its functions, to run a command's body
 
 
