@@ -690,10 +690,21 @@ def assert_same_change(ours: dict[str, np.ndarray], trl: dict[str, np.ndarray], 
     assert moved, "no tensor moved: the comparison would pass on a step that did nothing"
 
 
-def assert_same_metrics(ours: dict, trl: dict, names) -> None:
-    """Each named step metric of ours equals TRL's logged one (rtol 1e-5; atol 1e-7 for values near 0)."""
+def assert_same_metrics(ours: dict, trl: dict, names, operands: dict | None = None) -> None:
+    """Each named step metric of ours equals TRL's logged one within 1e-5: relative to the metric, or, for a metric
+    that is a difference of larger numbers (``operands[name]``: their magnitude; DPO's rewards are beta times a
+    log-probability sum minus another), relative to those, since float32 sums of them agree to about 1e-7 of
+    their size and a small difference inherits that error (atol 1e-7 at least, for values near 0)."""
     for k in names:
-        np.testing.assert_allclose(float(ours[k]), float(trl[k]), rtol=1e-5, atol=1e-7, err_msg=k)
+        atol = max(1e-7, 1e-5 * abs(float((operands or {}).get(k, 0.0))))
+        np.testing.assert_allclose(float(ours[k]), float(trl[k]), rtol=1e-5, atol=atol, err_msg=k)
+
+
+def reward_operands(metrics: dict, beta: float) -> dict[str, float]:
+    """The magnitudes DPO-style rewards are differences of: beta x each answer's summed log-probability
+    (``logps/*``), for :func:`assert_same_metrics`."""
+    scale = beta * max(abs(float(metrics["logps/chosen"])), abs(float(metrics["logps/rejected"])))
+    return {k: scale for k in ("rewards/chosen", "rewards/rejected", "rewards/margins")}
 
 
 # --- a forward pass replaced by a lookup (the preference tests' NumPy transcriptions through the real step) --------

@@ -307,8 +307,11 @@ def test_ipo_with_sft_weight_step_one_equals_trl_from_transformers(dpo_models, t
     want = {"loss": ipo.mean() + SFT * nll, "rewards/chosen": rc.mean(), "rewards/rejected": rr.mean(),
             "rewards/accuracies": float(np.mean(rc > rr)), "rewards/margins": (rc - rr).mean(),
             "logps/chosen": pc.mean(), "logps/rejected": pr.mean()}
+    # rewards are beta x (policy sum - reference sum): within 1e-5 of those sums' size (tests.helpers)
+    scale = BETA * max(abs(pc).max(), abs(pr).max(), abs(qc).max(), abs(qr).max())
     for k, v in want.items():
-        np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-7, err_msg=k)
+        atol = 1e-5 * scale if k.startswith("rewards/") and k != "rewards/accuracies" else 1e-7
+        np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=atol, err_msg=k)
     assert not math.isclose(nll, np.mean(-pc / nc), rel_tol=1e-3)  # the per-pair mean would be caught
 
 
@@ -325,7 +328,14 @@ def test_sigmoid_step_one_equals_trl_dpo_trainer(dpo_models, tmp_path):
     from trl import DPOConfig as TRLDPOConfig
     from trl import DPOTrainer
 
-    from tests.helpers import SGD_STEP_ONE, assert_same_change, assert_same_metrics, exported_change, trl_step_one
+    from tests.helpers import (
+        SGD_STEP_ONE,
+        assert_same_change,
+        assert_same_metrics,
+        exported_change,
+        reward_operands,
+        trl_step_one,
+    )
 
     root, tok, _ = dpo_models
     write_jsonl(root / "uneven_trl.jsonl", UNEVEN_PAIRS)
@@ -342,7 +352,8 @@ def test_sigmoid_step_one_equals_trl_dpo_trainer(dpo_models, tmp_path):
     train(cfg, progress=False, task=DPOTask(cfg))
     assert_same_metrics(read_metrics(tmp_path / "ours")[0], want,
                         ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins",
-                         "rewards/accuracies", "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected"))
+                         "rewards/accuracies", "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected"),
+                        reward_operands(want, BETA))
     assert_same_change(exported_change(tmp_path / "ours" / "final", root / "hf_policy", tmp_path / "exp"), trl_change)
 
 

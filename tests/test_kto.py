@@ -213,6 +213,7 @@ def test_kto_step_one_equals_trl_kto_trainer(dpo_models, tmp_path):
         dpo_cfg,
         exported_change,
         read_metrics,
+        reward_operands,
         trl_step_one,
         write_jsonl,
     )
@@ -235,7 +236,8 @@ def test_kto_step_one_equals_trl_kto_trainer(dpo_models, tmp_path):
     train(cfg, progress=False, task=KTOTask(cfg))
     got = read_metrics(tmp_path / "ours")[0]
     assert_same_metrics(got, want, ("loss", "grad_norm", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins",
-                                    "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected"))
+                                    "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected"),
+                        reward_operands(want, BETA))
     assert got["kl"] > 0  # the reference differs from the policy: the KL term is exercised
     assert_same_change(exported_change(tmp_path / "ours" / "final", root / "hf_policy", tmp_path / "exp"), trl_change)
 
