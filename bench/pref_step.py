@@ -1,13 +1,14 @@
-"""Benchmark: one train step of KTO (LoRA) or of a reward model (full fine-tuning) on SmolLM2-135M: lmzoo against
-TRL 1.16's KTOTrainer + peft and RewardTrainer, side by side.
+"""Benchmark: one train step of KTO (LoRA) or of a reward model (full fine-tuning or LoRA) on SmolLM2-135M: lmzoo
+against TRL 1.16's KTOTrainer + peft and RewardTrainer (+ peft), side by side.
 
 Command (from the repository root, virtualenv active, ``pip install -e '.[bench]'`` for TRL and peft)::
 
     python bench/pref_step.py --objective kto --rounds 2 --steps 3 --out kto_step.json
     python bench/pref_step.py --objective reward --rounds 2 --steps 3 --out rm_step.json
+    python bench/pref_step.py --objective reward --lora --rounds 2 --steps 3 --out rm_lora_step.json
 
-Options: ``--objective kto|reward --seq 256 --batch 8 --steps 3 --rounds 2 --rank 16 --alpha 32 --remat full
---out FILE`` (defaults shown). The data are bench/dpo_step.py's (``write_pairs``): ``--batch`` preference pairs
+Options: ``--objective kto|reward --lora --seq 256 --batch 8 --steps 3 --rounds 2 --rank 16 --alpha 32 --remat
+full --out FILE`` (defaults shown; ``--lora``: a reward model with LoRA). The data are bench/dpo_step.py's (``write_pairs``): ``--batch`` preference pairs
 per step of random single-token words, a prompt of seq/2 tokens and two answers of seq/2 tokens (seq/2 - 1
 words + EOS), so both trainers tokenize them to the same ids.
 
@@ -18,7 +19,8 @@ words + EOS), so both trainers tokenize them to the same ids.
   ``seq`` tokens.
 * ``--objective reward``: ``reward train`` against RewardTrainer, full fine-tuning (a fresh score head on
   SmolLM2's decoder on both sides), ``--batch`` pairs per step: lmzoo one row of ``seq/2 + 2 x seq/2 + 2`` tokens
-  per pair, TRL two sequences of ``seq`` tokens.
+  per pair, TRL two sequences of ``seq`` tokens. With ``--lora``: LoRA rank/alpha on the seven projections, the
+  score head trained whole beside them (peft's SEQ_CLS ``modules_to_save`` on TRL's side).
 
 Both sides: float32, AdamW (lr 1e-4 for LoRA, 1e-5 for full fine-tuning; no weight decay; constant schedule;
 gradient clipping at norm 1), the same weights (lmzoo's checkpoint converted from the bundled GGUF; TRL loads its
@@ -49,7 +51,7 @@ BETA = 0.1
 
 
 def _lr(args: argparse.Namespace) -> float:
-    return 1e-4 if args.objective == "kto" else 1e-5
+    return 1e-4 if args.objective == "kto" or args.lora else 1e-5
 
 
 def run_lmzoo(ckpt: str, pairs: str, args: argparse.Namespace) -> dict:
@@ -77,8 +79,10 @@ def run_lmzoo(ckpt: str, pairs: str, args: argparse.Namespace) -> dict:
             from rm.config import RMConfig
             from rm.task import RewardTask
 
-            cfg = load_config(None, [*common, f"data.seq_len={p + 2 * (args.seq - p) + 1}", f"output_dir={out}"],
-                              RMConfig)
+            lora = [f"lora.rank={args.rank}", f"lora.alpha={args.alpha}",
+                    f"lora.targets={','.join(TARGETS)}"] if args.lora else []
+            cfg = load_config(None, [*common, f"data.seq_len={p + 2 * (args.seq - p) + 1}", *lora,
+                                     f"output_dir={out}"], RMConfig)
             task = RewardTask(cfg)
         train(cfg, progress=False, task=task)  # type: ignore[arg-type]
         metrics = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
@@ -129,8 +133,14 @@ def run_trl(hf_dir: str, ckpt: str, pairs: str, args: argparse.Namespace) -> dic
             from trl import RewardConfig, RewardTrainer
 
             model = AutoModelForSequenceClassification.from_pretrained(hf_dir, dtype=torch.float32, num_labels=1)
+            rm_peft = None
+            if args.lora:
+                from peft import LoraConfig
+
+                rm_peft = LoraConfig(r=args.rank, lora_alpha=args.alpha, target_modules=list(TARGETS),
+                                     lora_dropout=0.0, task_type="SEQ_CLS")
             trainer = RewardTrainer(model=model, args=RewardConfig(output_dir=out, **settings), train_dataset=ds,
-                                    processing_class=tok, callbacks=[Timer()])
+                                    processing_class=tok, peft_config=rm_peft, callbacks=[Timer()])
         trainer.train()
     return {"times": times[WARMUP:], "warmup_s": times[:WARMUP], "losses": losses,
             "threads": torch.get_num_threads()}
@@ -144,8 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="rounds of both sides, rotating which goes first")
     ap.add_argument("--batch", type=int, default=8, help="rows per step: KTO rows, or reward pairs (default 8)")
     ap.add_argument("--seq", type=int, default=256, help="tokens per sequence: prompt + one answer (default 256)")
-    ap.add_argument("--rank", type=int, default=16, help="LoRA rank, KTO (default 16)")
-    ap.add_argument("--alpha", type=float, default=32.0, help="LoRA alpha, KTO (default 32)")
+    ap.add_argument("--lora", action="store_true", help="reward: train with LoRA (the score head whole) on both sides")
+    ap.add_argument("--rank", type=int, default=16, help="LoRA rank, KTO and reward --lora (default 16)")
+    ap.add_argument("--alpha", type=float, default=32.0, help="LoRA alpha, KTO and reward --lora (default 32)")
     ap.add_argument("--remat", choices=("none", "full", "save_dots"), default="full",
                     help="lmzoo's `remat` (default full); TRL's gradient_checkpointing is on unless none")
     ap.add_argument("--out", type=Path, help="also write the result JSON here")
@@ -181,13 +192,13 @@ def main(argv: list[str] | None = None) -> int:
                 cmd = [sys.executable, os.path.abspath(__file__), "--child", which, "--ckpt", ckpt, "--hf", hf,
                        "--pairs", pairs, "--objective", args.objective, "--steps", str(args.steps), "--batch",
                        str(args.batch), "--seq", str(args.seq), "--rank", str(args.rank), "--alpha", str(args.alpha),
-                       "--remat", args.remat]
+                       "--remat", args.remat, *(["--lora"] if args.lora else [])]
                 runs[which].append(run_child(cmd, which))
     res = {s: merge_rounds(runs[s]) for s in SIDES}
     for r in res.values():
         r["median_step_s"] = statistics.median(r["times"])
         r["rows_per_s"] = args.batch / r["median_step_s"]
-    how = f"LoRA rank {args.rank}" if args.objective == "kto" else "full fine-tuning"
+    how = f"LoRA rank {args.rank}" if args.objective == "kto" or args.lora else "full fine-tuning"
     print(f"machine: {os.cpu_count()} CPUs; SmolLM2-135M, {args.objective}, {args.batch} "
           f"{'rows' if args.objective == 'kto' else 'pairs'} x {args.seq} tokens per step, float32, AdamW, {how}; "
           f"remat {args.remat}")
@@ -203,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         ("lmzoo / TRL throughput", trl["median_step_s"] / lm["median_step_s"], ">=", 1.5, per_round["throughput"]),
         ("lmzoo / TRL peak RSS", lm["peak_rss_bytes"] / trl["peak_rss_bytes"], "<=", 0.5, per_round["rss"])])
     emit({"benchmark": "pref_step", "objective": args.objective, "model": "SmolLM2-135M", "batch": args.batch,
-          "seq": args.seq, "steps": args.steps, "rounds": args.rounds, "remat": args.remat, "cpus": os.cpu_count(),
+          "seq": args.seq, "steps": args.steps, "rounds": args.rounds, "remat": args.remat, "lora": args.lora, "cpus": os.cpu_count(),
           "lmzoo": lm, "trl": trl, "per_round": per_round, "checks": checks,
           "all_pass": all(c["pass"] for c in checks.values())}, args.out)
     return 0

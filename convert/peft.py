@@ -32,7 +32,7 @@ from zoo.adapter import base_checkpoint, base_location
 from zoo.checkpoint import MODEL_FILE, atomic_output, hub_id, hub_weights, load_param_numpy, prepare_output, read_meta
 from zoo.config import ModelConfig
 from zoo.errors import UserError
-from zoo.lora import HF_TO_ZOO
+from zoo.lora import HF_TO_ZOO, WHOLE_WEIGHTS, whole_weights
 from zoo.params import param_specs
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -71,6 +71,16 @@ LORA_LAYOUTS: dict[str, LoraLayout] = {"transpose": _FLAT, "q_in": _FLAT, "kv_in
 FUSED = "fused_linear"
 # Gemma 4's full layers' attention: the same layouts at that kind's head_dim (convert.transforms._global).
 LORA_LAYOUTS.update({"global_q_in": _FLAT, "global_kv_in": _FLAT, "global_o_out": _FLAT})
+# PlannedTensor.transform prefix of a weight trained whole (a reward model's score head, zoo.lora.whole_weights):
+# written as the merged model's tensor, under peft's name for a module to save (``base_model.model.score.weight``),
+# followed by the table's own export transform.
+WHOLE = "whole:"
+
+
+def _adapter_paths(meta: dict[str, Any]) -> set[str]:
+    """The base weights an adapter checkpoint's LoRA pairs adapt (not the weights it trained whole)."""
+    return {p.rpartition(".")[0] for p in meta["lora"]["params"]
+            if p not in whole_weights(ModelConfig.from_dict(meta["config"]))}
 
 def adapter_meta_of(ckpt: str | os.PathLike) -> dict[str, Any]:
     """model.json of an adapter checkpoint; a UserError naming ``ckpt`` for any other checkpoint."""
@@ -129,7 +139,7 @@ def _adapted_rules(cfg: ModelConfig, meta: dict[str, Any], ckpt: str | os.PathLi
     """The export rules of the adapted weights, in the table's (Hub) order; refuses what peft cannot load.
 
     Routed experts' rules are among them only where :mod:`convert.peft_experts` has the family's layout."""
-    adapted = {p.rpartition(".")[0] for p in meta["lora"]["params"]}
+    adapted = _adapter_paths(meta)
     rules = [r for r in table_for(cfg.family, "hf", cfg) if r.zoo in adapted]
     missing = adapted - {r.zoo for r in rules}
     if missing:
@@ -276,7 +286,7 @@ def fused_config(meta: dict[str, Any]) -> dict[str, Any]:
     ``rank`` times the parts adapted, scale the parts' own: :func:`convert.peft_experts.fused_alpha`)."""
     cfg = ModelConfig.from_dict(meta["config"])
     info = meta["lora"]
-    adapted = {p.rpartition(".")[0] for p in info["params"]}
+    adapted = _adapter_paths(meta)
     rules = [r for r in table_for(cfg.family, "hf", cfg) if r.zoo in adapted]
     ranks, alphas = {}, {}
     for name, parts in _fused_groups(cfg, rules).items():
@@ -298,7 +308,7 @@ def experts_config(meta: dict[str, Any]) -> dict[str, Any]:
     if layout is None:
         return {}
     info = meta["lora"]
-    adapted = {p.rpartition(".")[0].rpartition(".")[2] for p in info["params"]}
+    adapted = {p.rpartition(".")[2] for p in _adapter_paths(meta)}
     fused = peft_experts.adapted_params(layout, adapted)
     if not fused:
         return {}
@@ -339,26 +349,47 @@ def plan_adapter(ckpt: str | os.PathLike, meta: dict[str, Any], dtype: str | Non
                 keyed.append(((layer, pos, part), PlannedTensor(name, f"{rule.zoo}.{part}", ix or None,
                                                                 rule.transform, shape, dt)))
     keyed.sort(key=lambda kt: kt[0])
-    tensors = [t for _, t in keyed]
+    tensors = [t for _, t in keyed] + _whole_tensors(cfg, meta, dtype)
     assign_shards(tensors, max_bytes=2**63)  # one file: adapters are small
     return tensors
+
+
+def _whole_tensors(cfg: ModelConfig, meta: dict[str, Any], dtype: str | None) -> list[PlannedTensor]:
+    """The weights trained whole (:func:`zoo.lora.whole_weights`) as the merged model's tensors under peft's
+    names, after the adapters (peft's own order: modules to save last)."""
+    specs, stored = param_specs(cfg), meta["lora"]["params"]
+    rules = {r.zoo: r for r in table_for(cfg.family, "hf", cfg)}
+    out = []
+    for p in whole_weights(cfg):
+        rule = rules[p]
+        shape = TRANSFORMS[rule.transform].inverse(shape_only(specs[p].shape), cfg).shape
+        dt = dtype or stored[p]["dtype"]
+        out.append(PlannedTensor(PEFT_PREFIX + rule.hf, p, None, WHOLE + rule.transform, tuple(shape), dt))
+    return out
+
+
+def modules_to_save(tensors: list[PlannedTensor]) -> list[str]:
+    """peft's ``modules_to_save``: the modules of the weights trained whole (a reward model's ``score``)."""
+    return [t.name.removeprefix(PEFT_PREFIX).removesuffix(".weight") for t in tensors if t.transform.startswith(WHOLE)]
 
 
 def target_modules_of(tensors: list[PlannedTensor]) -> list[str]:
     """peft's ``target_modules``: the exported modules' own names, in :data:`HF_TO_ZOO` order first."""
     names = {t.name.removesuffix(".weight").rsplit(".", 2)[-2] for t in tensors
-             if t.transform != peft_experts.TRANSFORM}
+             if t.transform != peft_experts.TRANSFORM and not t.transform.startswith(WHOLE)}
     return [n for n in HF_TO_ZOO if n in names] + sorted(names - set(HF_TO_ZOO))
 
 
-def peft_config(meta: dict[str, Any], base_ref: str, target_modules: list[str]) -> dict[str, Any]:
+def peft_config(meta: dict[str, Any], base_ref: str, target_modules: list[str],
+                saved: list[str] | None = None) -> dict[str, Any]:
     """The ``adapter_config.json`` content (peft's LoraConfig fields; peft fills the rest with defaults), the
-    fused Linears' rank and alpha patterns (:func:`fused_config`) included."""
+    fused Linears' rank and alpha patterns (:func:`fused_config`) included. ``saved``: the modules trained whole
+    (:func:`modules_to_save`), which make it a sequence classifier's adapter (peft's SEQ_CLS)."""
     info = meta["lora"]
     alpha = info["alpha"]
     return {
         "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
+        "task_type": "SEQ_CLS" if saved else "CAUSAL_LM",
         "base_model_name_or_path": base_ref,
         "revision": None,
         "inference_mode": True,
@@ -369,7 +400,7 @@ def peft_config(meta: dict[str, Any], base_ref: str, target_modules: list[str]) 
         "lora_dropout": 0.0,  # dropout only acts in training; the export is for inference
         "bias": "none",
         "fan_in_fan_out": False,  # the weights are torch Linear [out, in], not GPT-2 Conv1D
-        "modules_to_save": None,
+        "modules_to_save": saved or None,
         "init_lora_weights": True,
         "layers_to_transform": None,
         "layers_pattern": None,
@@ -424,12 +455,14 @@ def adapter_card(ckpt: str | os.PathLike, meta: dict[str, Any], base_ref: str, t
     front.append("---")
     how = f"Trained with lmzoo ({training.get('method', 'training')}"
     how += f", {training['steps']} steps)." if training.get("steps") is not None else ")."
+    # A reward model's adapter (its score head saved whole) loads onto the base read as a sequence classifier.
+    kind = "SequenceClassification" if set(WHOLE_WEIGHTS) & set(info.get("params", {})) else "CausalLM"
     if loads:  # peft loads the base itself, from the Hub or the exported folder
-        load = ["from peft import AutoPeftModelForCausalLM",
-                f'model = AutoPeftModelForCausalLM.from_pretrained("{repo_hint}")']
+        load = [f"from peft import AutoPeftModelFor{kind}",
+                f'model = AutoPeftModelFor{kind}.from_pretrained("{repo_hint}")']
     else:  # the base is a zoo checkpoint: transformers reads its export
-        load = ["from peft import PeftModel", "from transformers import AutoModelForCausalLM",
-                f'base = AutoModelForCausalLM.from_pretrained("BASE")  # zoo export {base_ref} --out BASE',
+        load = ["from peft import PeftModel", f"from transformers import AutoModelFor{kind}",
+                f'base = AutoModelFor{kind}.from_pretrained("BASE")  # zoo export {base_ref} --out BASE',
                 f'model = PeftModel.from_pretrained(base, "{repo_hint}")']
     return "\n".join(front + [
         "", f"# {repo_hint}", "",
@@ -471,7 +504,7 @@ def export_adapter(ckpt: str | os.PathLike, out: str | os.PathLike, overwrite: b
     with atomic_output(out, overwrite) as tmp:
         _write_weights(Path(ckpt), meta, tensors, tmp / ADAPTER_WEIGHTS)
         experts = experts_config(meta)
-        config = peft_config(meta, base_ref, targets)
+        config = peft_config(meta, base_ref, targets, modules_to_save(tensors))
         for key, value in experts.items():  # the fused experts' patterns join the fused Linears'
             config[key] = {**config[key], **value} if isinstance(value, dict) else value
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
@@ -494,6 +527,8 @@ def _write_weights(ckpt: Path, meta: dict[str, Any], tensors: list[PlannedTensor
                 x = peft_experts.fused_factor(experts, t.zoo, arrays, t.index[0])
             elif t.transform == FUSED:
                 x = _fused_factor(ModelConfig.from_dict(meta["config"]), t, arrays)
+            elif t.transform.startswith(WHOLE):
+                x = TRANSFORMS[t.transform.removeprefix(WHOLE)].inverse(arrays[t.zoo], ModelConfig.from_dict(meta["config"]))
             else:
                 layout = LORA_LAYOUTS[t.transform]
                 fn = layout.a if t.zoo.endswith(".a") else layout.b

@@ -8,10 +8,17 @@ reward model's tokenizer without added special tokens, right-padded, and scored 
 padding (rm/task.py). The weights are loaded once, on the run's mesh, when the task prepares (a frozen input
 of the rollout: no second process, nothing reloaded per step), and the scoring is one jitted program per padded
 length (lengths are rounded up to a multiple of :data:`BUCKET`, so a run compiles it a few times at most).
+
+A reward model trained with LoRA over the checkpoint a LoRA policy starts from shares the policy's frozen base
+(:class:`SharedBase`): only its adapters and score head are loaded, and it scores as it trained, the adapters
+beside the base weights; the base is not held twice. Any other reward model is loaded whole (an adapter
+checkpoint merged), on the policy's mesh.
 """
 
 from __future__ import annotations
 
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +28,17 @@ from zoo.errors import UserError
 
 PREFIX = "rm:"
 BUCKET = 64  # padded lengths are multiples of it: few compilations
+
+
+@dataclass(frozen=True)
+class SharedBase:
+    """A LoRA policy's frozen base, which a reward model with LoRA adapters over the same checkpoint reads instead
+    of a copy: the checkpoint it was loaded from, its QLoRA quantization ({"kind", "double"} or None, as adapter
+    checkpoints record it) and the params the run holds."""
+
+    checkpoint: Path
+    quant: dict | None
+    params: dict
 
 
 class RewardModelScorer:
@@ -39,28 +57,44 @@ class RewardModelScorer:
         self.__name__ = f"rm_{name}"  # its name in the logs: rewards/rm_NAME/mean
         self.params: Any = None
 
-    def prepare(self, mesh: Any, compute: Any) -> None:
-        """Load the weights on ``mesh`` and the tokenizer, once."""
+    def prepare(self, mesh: Any, compute: Any, shared: SharedBase | None = None) -> None:
+        """Load the weights on ``mesh`` and the tokenizer, once; only the adapters where the reward model's base is
+        ``shared`` (module docstring)."""
         import jax
 
         from rm.task import last_positions
+        from zoo.adapter import load_adapters
+        from zoo.checkpoint import read_meta
         from zoo.loading import load_params
         from zoo.model import forward
         from zoo.quant import cast_params
         from zoo.tokenizer import load_tokenizer
 
         self.tokenizer = load_tokenizer(self.path)
-        self.params = load_params(self.path, mesh)
+        meta = read_meta(self.path)
+        self.shares_base = shared is not None and _same_base(self.path, meta, shared)
+        scale: float | None = None
+        if self.shares_base:
+            assert shared is not None
+            scale = float(meta["lora"]["scale"])
+            self.params = {"base": shared.params, "adapters": load_adapters(self.path, meta, mesh)}
+            print(f"reward model {self.__name__}: its LoRA adapters over the policy's frozen base (not loaded twice)",
+                  file=sys.stderr)
+        else:
+            self.params = {"base": load_params(self.path, mesh), "adapters": None}
         mcfg = self.mcfg
 
         def score(params: dict, tokens: Any, lengths: Any) -> Any:
             import jax.numpy as jnp
 
-            p = cast_params(params, compute)
+            p = cast_params(params["base"], compute)
+            lora = params["adapters"]
+            if lora is not None:  # the base a causal LM's: its LM head unused, the head the adapters'
+                p = {**{k: v for k, v in p.items() if k != "lm_head"}, "score": lora["score"].astype(compute)}
             n = tokens.shape[1]
             seg = (jnp.arange(n)[None] < lengths[:, None]).astype(jnp.int32)
             pos = jnp.where(seg > 0, jnp.arange(n)[None], 0)
-            hidden = forward(mcfg, p, tokens, seg, pos, return_hidden=True)
+            hidden = forward(mcfg, p, tokens, seg, pos, return_hidden=True, lora=lora, lora_scale=scale)
             last = last_positions(seg, tokens, 1, mcfg.pad_token_id)
             return hidden[jnp.arange(tokens.shape[0]), last].astype(jnp.float32) @ p["score"].astype(jnp.float32)[:, 0]
 
@@ -88,6 +122,16 @@ class RewardModelScorer:
             tokens[i, :len(x)] = x
         lengths = np.array([len(x) for x in ids], np.int32)
         return [float(v) for v in np.asarray(self._score(self.params, tokens, lengths))]
+
+
+def _same_base(path: Path, meta: dict, shared: SharedBase) -> bool:
+    """Whether the reward model at ``path`` is LoRA adapters trained beside exactly the ``shared`` base weights: the
+    same base checkpoint, quantized alike."""
+    from zoo.adapter import base_checkpoint, is_adapter
+
+    if not is_adapter(meta) or meta["lora"].get("base_quant") != shared.quant:
+        return False
+    return base_checkpoint(path, meta).resolve() == Path(shared.checkpoint).resolve()
 
 
 def is_reward_model(spec: str) -> bool:

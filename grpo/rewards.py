@@ -90,11 +90,13 @@ class RewardSet:
     def __repr__(self) -> str:
         return f"RewardSet({', '.join(f'{n}*{w:g}' for n, w in zip(self.names, self.weights))})"
 
-    def prepare(self, mesh: Any, compute: Any) -> None:
-        """Load what a reward function holds on the devices (a reward model's weights, on the run's ``mesh``)."""
+    def prepare(self, mesh: Any, compute: Any, shared: Any = None) -> None:
+        """Load what a reward function holds on the devices (a reward model's weights, on the run's ``mesh``);
+        ``shared``: a LoRA policy's frozen base (:class:`grpo.reward_model.SharedBase`), which a reward model's
+        adapters over the same checkpoint read instead of a copy."""
         for rf in self.functions:
             if hasattr(rf.fn, "prepare"):
-                rf.fn.prepare(mesh, compute)
+                rf.fn.prepare(mesh, compute, shared)
 
     def check_columns(self, columns: Sequence[str], label: str) -> None:
         """A UserError when a shipped verifier's data column (:func:`grpo.verifiers.needed_columns`) is not among

@@ -41,6 +41,7 @@ from eval.generate import Sampler
 from eval.rollout import RolloutSpec, assemble, sample_group_completions
 from grpo import losses
 from grpo.config import GRPOConfig
+from grpo.reward_model import SharedBase
 from grpo.rewards import load_rewards
 from pretrain import distributed
 from pretrain.batch import Rollout, RolloutBatch
@@ -48,6 +49,7 @@ from pretrain.config import TrainConfig
 from pretrain.dtypes import DTYPES
 from pretrain.hooks import Hook, JsonlLog, StepInfo
 from pretrain.metrics import LossOutput, Max, Metric, Ratio
+from pretrain.setup import frozen_base_quant
 from pretrain.task import Documents, LayoutContext, RowSource, RunContext, Task, Tokenizer
 from sft.chat import render, template_text
 from sft.formats import BadRow
@@ -155,7 +157,7 @@ class GRPOTask(Task):
             raise UserError("the tokenizer has no EOS token: completions could never end before "
                             "grpo.max_completion_length")
         self._setup(cfg, mcfg, mesh, ctx.lora, tuple(sorted(eos)))
-        self.rewards.prepare(mesh, self.compute)  # reward models (rm:PATH): their weights, loaded once
+        self.rewards.prepare(mesh, self.compute, self._shared_base(ctx))  # reward models (rm:PATH), loaded once
         frozen_inputs = None
         if g.beta > 0:
             if g.reference == "base" and self.lora_cfg is not None:
@@ -169,6 +171,14 @@ class GRPOTask(Task):
                 self.reference = "inputs"
         self._compile(cfg)
         return frozen_inputs
+
+    @staticmethod
+    def _shared_base(ctx: RunContext) -> SharedBase | None:
+        """A LoRA run's frozen base, which a LoRA reward model over the same checkpoint reads instead of a copy."""
+        if ctx.lora is None or ctx.source is None:
+            return None
+        q = frozen_base_quant(ctx.cfg, ctx.source)
+        return SharedBase(ctx.source, {"kind": q[0], "double": q[1]} if q else None, ctx.params)
 
     def _setup(self, cfg: TrainConfig, mcfg: ModelConfig, mesh: jax.sharding.Mesh, lora: LoraConfig | None,
                eos_ids: tuple[int, ...]) -> None:

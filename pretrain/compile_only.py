@@ -152,7 +152,8 @@ def compile_only(cfg: TrainConfig, task: Any, topology: str, report_path: str | 
     devices = topology_devices(topology, num_slices)
     kind = devices[0].device_kind
     hbm = hbm_bytes(kind)
-    mcfg = dataclasses.replace(model_config(cfg), attention=cfg.model.attention)
+    # The model the task trains (a reward model's score head in place of the LM head), as a run makes it.
+    mcfg = task.adapt_config(dataclasses.replace(model_config(cfg), attention=cfg.model.attention))
     sizes = dataclasses.asdict(cfg.mesh)
     try:
         mesh = make_mesh(**sizes, devices=devices)

@@ -23,7 +23,7 @@ from zoo.checkpoint import (
     save_params,
 )
 from zoo.config import ModelConfig
-from zoo.lora import LoraConfig, lora_specs
+from zoo.lora import LoraConfig, lora_specs, whole_weights
 from zoo.params import param_specs
 
 
@@ -49,7 +49,7 @@ def write_final(out: Path, cfg: TrainConfig, mcfg: ModelConfig, params: dict, sr
         if primary:
             writer = CheckpointWriter(scratch)
             # An adapter checkpoint describes the merged model: the base's parameter table, the adapters apart.
-            writer.adopt(read_meta(cast(Path, src))["params"] if lora else stored)
+            writer.adopt(merged_table(mcfg, read_meta(cast(Path, src))["params"], stored) if lora else stored)
             if tok_dir.is_dir():  # its tokenizer files: model.tokenizer may name a whole model's folder
                 shutil.copytree(tok_dir, scratch / TOKENIZER_DIR, ignore=shutil.ignore_patterns(*WEIGHT_FILES))
             if src is not None and (src / HF_CONFIG_FILE).is_file():
@@ -73,3 +73,16 @@ def write_final(out: Path, cfg: TrainConfig, mcfg: ModelConfig, params: dict, sr
             shutil.rmtree(scratch, ignore_errors=True)
     distributed.sync("lmzoo-final-done")
     return final
+
+
+def merged_table(mcfg: ModelConfig, base: dict[str, dict], adapters: dict[str, dict]) -> dict[str, dict]:
+    """The parameter table of the model an adapter checkpoint describes: its base's, with the weights trained
+    whole (a reward model's score head) in the dtype of the base's final norm, as :func:`zoo.lora.merge_lora`
+    merges them, and a causal base's LM head gone where the run made it a reward model."""
+    whole = whole_weights(mcfg)
+    if not whole:
+        return base
+    table = {k: v for k, v in base.items() if k != "lm_head"}
+    for p in whole:
+        table[p] = {**adapters[p], "dtype": base.get(p, base["final_norm"])["dtype"]}
+    return table

@@ -13,8 +13,8 @@ from zoo.checkpoint import read_config
 from zoo.config import ModelConfig
 from zoo.errors import UserError
 from zoo.loading import load_params
-from zoo.lora import LoraConfig, init_lora, lora_specs
-from zoo.params import init_params, nest, param_specs
+from zoo.lora import LoraConfig, init_lora, lora_specs, whole_weights
+from zoo.params import flatten, init_params, nest, param_specs
 from zoo.sharding import named_sharding
 from zoo.tokenizer import holds_tokenizer, tokenizer_dir
 
@@ -113,7 +113,6 @@ def quantize_frozen_base(cfg: TrainConfig, mcfg: ModelConfig, params: dict, mesh
     stored quantized gives its fields as they are."""
     from zoo import quant
     from zoo.loading import quantized_param
-    from zoo.params import flatten
 
     q = frozen_base_quant(cfg, ckpt)
     if q is None:
@@ -145,9 +144,13 @@ def check_base_quant(cfg: TrainConfig) -> None:
         raise UserError("lora.base_quant needs a pretrained base checkpoint (model.path), not model.init: random")
 
 
-def init_adapters(mcfg: ModelConfig, lora_cfg: LoraConfig, seed: int, mesh: jax.sharding.Mesh) -> dict:
-    """Fresh float32 adapters (B = 0: the model starts as the base), each sharded like its base weight."""
+def init_adapters(mcfg: ModelConfig, lora_cfg: LoraConfig, seed: int, mesh: jax.sharding.Mesh,
+                  params: dict | None = None) -> dict:
+    """Fresh float32 adapters (B = 0: the model starts as the base), each sharded like its base weight; the
+    weights trained whole (a reward model's score head, :func:`zoo.lora.whole_weights`) start as ``params``'."""
     specs = lora_specs(mcfg, lora_cfg)
     shard = nest({p: named_sharding(mesh, s.axes, s.shape) for p, s in specs.items()})
+    whole = {p: v for p, v in flatten(params or {}).items() if p in whole_weights(mcfg)}
     # No host inputs: every process builds the same global arrays, each its own shards.
-    return jax.jit(lambda: init_lora(mcfg, lora_cfg, jax.random.PRNGKey(seed + 1), "float32"), out_shardings=shard)()
+    return jax.jit(lambda w: init_lora(mcfg, lora_cfg, jax.random.PRNGKey(seed + 1), "float32", nest(w)),
+                   out_shardings=shard)(whole)

@@ -80,8 +80,8 @@ class DataRead:
 @dataclass
 class RunContext:
     """What :meth:`Task.prepare` may read of the run: its config, the model's, the mesh, the tokenizer, the LoRA
-    settings (None: full fine-tuning), the starting params (the frozen base with LoRA) and the data files the run
-    reads (:func:`pretrain.rundata.data_reads`)."""
+    settings (None: full fine-tuning), the starting params (the frozen base with LoRA), the data files the run
+    reads (:func:`pretrain.rundata.data_reads`) and the checkpoint the params came from (None: model.init random)."""
 
     cfg: TrainConfig
     mcfg: ModelConfig
@@ -90,6 +90,7 @@ class RunContext:
     lora: LoraConfig | None
     params: dict
     reads: list[DataRead]
+    source: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -198,6 +199,11 @@ class Task:
         """The model the task trains, from the one loaded (``params`` sharded on ``mesh``): unchanged by default;
         a reward model (rm/) swaps the LM head for its score head. Called before :meth:`prepare`."""
         return mcfg, params
+
+    def adapt_config(self, mcfg: ModelConfig) -> ModelConfig:
+        """The config of the model :meth:`adapt_model` would make, read without weights or tokenizer (for
+        ``--compile-only``: the shapes only): unchanged by default."""
+        return mcfg
 
     def prepare(self, ctx: RunContext) -> Any:
         """Set up before any documents are made (``ctx.params``: the starting weights, the base with LoRA);

@@ -84,7 +84,7 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
     lora_cfg = lora_settings(cfg, src_ckpt)
     # A task may need inputs of its own beside the trained weights (a reference model), or a pass with the
     # starting weights before training (reference log-probabilities computed once): before any documents.
-    frozen_inputs = task.prepare(RunContext(cfg, mcfg, mesh, tokenizer, lora_cfg, params, data_reads(cfg)))
+    frozen_inputs = task.prepare(RunContext(cfg, mcfg, mesh, tokenizer, lora_cfg, params, data_reads(cfg), src_ckpt))
     batch_sharding = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"), None))
     data = read_run_data(cfg, task, tokenizer, mcfg.vocab_size, batch_sharding, micro)
     _check_data(cfg, task, data, micro, primary)
@@ -94,7 +94,7 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
     tx = build_optimizer(cfg, schedule)
     # With LoRA only the adapters are trained (state["params"]); the base is a frozen, undifferentiated input.
     frozen = params if lora_cfg else None
-    state = init_state(tx, init_adapters(mcfg, lora_cfg, cfg.seed, mesh) if lora_cfg else params, mesh)
+    state = init_state(tx, init_adapters(mcfg, lora_cfg, cfg.seed, mesh, params) if lora_cfg else params, mesh)
     step_fn, eval_fn = make_step(mcfg, tx, DTYPES[cfg.dtype.compute], cfg.remat,
                                  jax.tree.map(lambda x: x.sharding, state), batch_sharding,
                                  task, lora_scale(lora_cfg) if lora_cfg else None,

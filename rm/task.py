@@ -5,7 +5,9 @@ not the padding token, as transformers' ``*ForSequenceClassification`` pools (it
 tokenizer's pad token, else its EOS). Started from a causal LM, the run swaps the LM head for a fresh score head
 (``N(0, 0.02)``, transformers' ``initializer_range``, from the run's seed); started from a reward model (a
 converted ``*ForSequenceClassification``, or a reward run's final checkpoint), it keeps its head. ``zoo export``
-writes the family's ``*ForSequenceClassification`` folder.
+writes the family's ``*ForSequenceClassification`` folder. With LoRA the head trains whole beside the adapters,
+as peft's ``modules_to_save`` (its SEQ_CLS task type) trains it: the adapter checkpoint stores it, the merged
+model is a reward model, and ``zoo export --adapter`` writes it as peft's ``score`` module to save.
 
 A batch row is one preference pair in DPO's layout (dpo/data.py): the prompt once, then prompt + chosen and
 prompt + rejected as two segments reading it as a shared prefix, so a pair costs one forward pass over
@@ -45,7 +47,6 @@ from sft.task import chat_template_of
 from zoo.batching import Document
 from zoo.config import ModelConfig
 from zoo.datafiles import indexed_rows
-from zoo.errors import UserError
 from zoo.quant import cast_params
 
 INIT_STD = 0.02  # transformers' initializer_range default: how a fresh score head is drawn
@@ -71,7 +72,10 @@ def pair_scores(mcfg: ModelConfig, params: dict, mb: PairBatch, remat: str = "no
     out = forward(mcfg, params, mb.inputs, mb.segment_ids, mb.positions, return_aux=moe, remat=remat,
                   return_hidden=True, prefix_ids=mb.prefix_ids, **forward_kwargs)
     hidden, aux = cast(tuple[jax.Array, dict], out) if moe else (cast(jax.Array, out), None)
-    head = params["score"].astype(jnp.float32)[:, 0]
+    # With LoRA the head trains whole beside the adapters (zoo.lora.whole_weights), in the compute dtype as the
+    # full model's would.
+    trained = (forward_kwargs.get("lora") or {}).get("score")
+    head = (params["score"] if trained is None else trained.astype(params["score"].dtype)).astype(jnp.float32)[:, 0]
     rows = jnp.arange(hidden.shape[0])
     scores = [(hidden[rows, last_positions(mb.segment_ids, mb.inputs, seg, mcfg.pad_token_id)]
                .astype(jnp.float32) @ head) for seg in (CHOSEN, REJECTED)]
@@ -89,9 +93,6 @@ class RewardTask(Task):
 
     def __init__(self, cfg: RMConfig):
         super().__init__(cfg)
-        if cfg.lora.rank:
-            raise UserError("reward train fine-tunes the whole model in this version (the score head trains with "
-                            "it): set lora.rank: 0")
         self.rm = cfg.rm
         self.chat_template = chat_template_of(cfg)
         self.max_len = cfg.data.seq_len  # data.seq_len + 1 tokens a row, the last a padding token (see above)
@@ -156,10 +157,16 @@ class RewardTask(Task):
         """The pair layout (one copy of the prompt, except for models with sliding-window layers)."""
         self.shared_prompt = shared_prompt_layout(True, ctx.mcfg)
 
+    def adapt_config(self, mcfg: ModelConfig) -> ModelConfig:
+        """A causal LM's config as the reward model's (a score head, no LM head); the padding id, unknown without
+        the tokenizer, is the config's or 0: it changes no shape."""
+        if mcfg.num_labels:
+            return mcfg
+        return dataclasses.replace(mcfg, num_labels=1, pad_token_id=mcfg.pad_token_id or 0)
+
     def compile_layout(self, ctx: LayoutContext) -> None:
-        """Not laid out for ``--compile-only`` in this version (the score head is added when a run loads)."""
-        raise UserError("--compile-only does not lay out reward models yet; compile the same model's `sft train` "
-                        "step for its memory")
+        """The pair layout, as :meth:`prepare` picks it; no frozen inputs."""
+        self.shared_prompt = shared_prompt_layout(True, ctx.mcfg)
 
     def batch_layout(self, grad_accum: int, micro: int, seq_len: int) -> RewardBatch:
         """Pair rows with each pair's margin (and a shared prompt's ``prefix_ids``)."""

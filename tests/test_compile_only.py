@@ -60,6 +60,7 @@ def _projection_count(m: dict) -> int:
     ("dpo", "lora:\n  rank: 4\n", 4.0),
     ("grpo", "lora:\n  rank: 4\ngrpo:\n  rewards: [final_number]\n  num_generations: 2\n"
              "  max_completion_length: 8\n  beta: 0.1\n", 4.0),
+    ("rm", "lora:\n  rank: 4\n", 4.0),
 ])
 def test_a_small_run_compiles_for_a_4_chip_slice_and_reports(tmp_path, capsys, command, extra, factor):
     """The step of each train command compiles for v5e:2x2 (4 chips) from its config alone: the JSON report's
@@ -83,7 +84,9 @@ def test_a_small_run_compiles_for_a_4_chip_slice_and_reports(tmp_path, capsys, c
         assert 0 <= parts["optimizer"] - 2 * 4 * _param_count(TINY) // 4 < 64
     row = 64 + (8 if command == "grpo" else 0)  # GRPO's rows: the prompt and its completion
     assert rep["tokens_per_step"] == 8 * row
-    assert rep["model_flops_per_step"] == pytest.approx(_flops(TINY, row, 8 * row, factor), rel=1e-9)
+    # A reward model's head is [hidden, 1]: a vocabulary of one in the arithmetic
+    head = {**TINY, "vocab_size": 1} if command == "rm" else TINY
+    assert rep["model_flops_per_step"] == pytest.approx(_flops(head, row, 8 * row, factor), rel=1e-9)
     sampler = rep.get("programs", {}).get("sampler")  # GRPO's sampler, compiled beside its update
     assert (sampler is not None) == (command == "grpo")
     if sampler:

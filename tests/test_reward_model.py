@@ -138,14 +138,87 @@ def test_bad_reward_rows_are_one_line(reward_models, tmp_path, rows, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
-def test_reward_command_refuses_lora_in_one_line(reward_models, tmp_path, capsys):
-    from rm.cli import main
+@pytest.mark.slow
+def test_lora_reward_model_equals_trl_with_peft_and_exports_as_peft_loads_it(reward_models, tmp_path, capsys):
+    """A LoRA reward model started from a causal LM: the score head trains whole beside the adapters, as peft's
+    SEQ_CLS ``modules_to_save`` trains it. One SGD step against trl.RewardTrainer on a peft model whose head is
+    the one our run drew: loss and every reward metric within 1e-5, and the head's change within 1e-5 (the
+    adapters' own change depends on A's random draw, which differs). The adapter checkpoint reads as a reward
+    model: `zoo export` writes a LlamaForSequenceClassification, and `zoo export --adapter` a SEQ_CLS adapter
+    that peft loads onto the causal base with the same scores; as the reward of a LoRA GRPO run on the same base
+    it reads the policy's frozen base (the base loaded once) and scores as the merged model."""
+    import jax
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForSequenceClassification
+    from trl import RewardConfig, RewardTrainer
 
-    out, _, _ = reward_models
-    assert main(["train", f"model.path={out / 'rm'}", f"data.path={tmp_path / 'x.jsonl'}", "max_steps=1",
-                 "lora.rank=4", f"output_dir={tmp_path / 'run'}"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "lora.rank: 0" in err[0]
+    from grpo.config import GRPOConfig
+    from grpo.task import GRPOTask
+    from pretrain.trainer import train
+    from rm.task import RewardTask
+    from tests.helpers import SGD_STEP_ONE, UNEVEN_PAIRS, assert_same_metrics, read_metrics, trl_step_one, write_jsonl
+    from zoo.checkpoint import read_config
+    from zoo.cli import main
+    from zoo.loading import load_params
+    from zoo.sharding import make_mesh
+
+    out, root, tok = reward_models
+    write_jsonl(tmp_path / "pairs.jsonl", UNEVEN_PAIRS)
+    lora = ("lora.rank=4", "lora.alpha=8", "lora.targets=q_proj,v_proj")
+    cfg = _cfg(root / "policy", root / "tok", tmp_path / "ours", tmp_path / "pairs.jsonl", *SGD_STEP_ONE,
+               "optimizer.learning_rate=100", "grad_accum=2", *lora)
+    task = RewardTask(cfg)
+    # The head our run draws (its starting point, from the run's seed), given to the torch model.
+    _, drawn = task.adapt_model(read_config(root / "policy"), load_params(root / "policy"), make_mesh(), tok, cfg.seed)
+    head0 = np.asarray(jax.device_get(drawn["score"]), np.float64)
+    train(cfg, progress=False, task=task)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    model = AutoModelForSequenceClassification.from_pretrained(root / "hf_policy", num_labels=1, pad_token_id=pad,
+                                                               dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        model.score.weight.copy_(torch.tensor(head0.T))
+    peft_model = get_peft_model(model, LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8,
+                                                  target_modules=["q_proj", "v_proj"]))
+    want, trl_change = trl_step_one(RewardTrainer, RewardConfig, peft_model, tmp_path / "trl",
+                                    dict(train_dataset=Dataset.from_list(UNEVEN_PAIRS), processing_class=tok),
+                                    per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=100.0)
+    assert_same_metrics(read_metrics(tmp_path / "ours")[0], want,
+                        ("loss", "min_reward", "mean_reward", "max_reward", "accuracy", "margin"))
+
+    final = tmp_path / "ours" / "final"
+    assert main(["export", str(final), "--out", str(tmp_path / "merged")]) == 0
+    merged = AutoModelForSequenceClassification.from_pretrained(tmp_path / "merged").eval()
+    head_change = merged.score.weight.detach().numpy().astype(np.float64) - head0.T
+    trl_head = trl_change["base_model.model.score.modules_to_save.default.weight"]
+    assert np.abs(trl_head).max() > 0
+    np.testing.assert_allclose(head_change, trl_head, rtol=0, atol=1e-5 * np.abs(trl_head).max())
+
+    assert main(["export", str(final), "--adapter", "--out", str(tmp_path / "adapter")]) == 0
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["task_type"] == "SEQ_CLS" and config["modules_to_save"] == ["score"]
+    assert "AutoModelForSequenceClassification" in (tmp_path / "adapter" / "README.md").read_text()
+    base = AutoModelForSequenceClassification.from_pretrained(root / "hf_policy", num_labels=1, pad_token_id=pad)
+    loaded = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    texts = [r["prompt"] + r["chosen"] for r in UNEVEN_PAIRS]
+    np.testing.assert_allclose(_hf_scores(loaded, tok, texts), _hf_scores(merged, tok, texts), rtol=1e-5, atol=1e-5)
+
+    # As a GRPO reward of a LoRA policy on the same base: only its adapters load, beside the policy's frozen base,
+    # and each completion's reward is the merged model's score.
+    write_jsonl(tmp_path / "p.jsonl", [{"prompt": "colour red:"}, {"prompt": "the cat"}])
+    grpo = load_config(None, [f"model.path={root / 'policy'}", f"model.tokenizer={root / 'tok'}",
+                              f"data.path={tmp_path / 'p.jsonl'}", "data.seq_len=8", "batch_size=4", "lora.rank=2",
+                              "grpo.num_generations=2", "grpo.max_completion_length=4", f"grpo.rewards=[rm:{final}]",
+                              "max_steps=1", "grpo.log_completions_every=1", f"output_dir={tmp_path / 'grpo'}"],
+                       GRPOConfig)
+    capsys.readouterr()
+    train(grpo, task=GRPOTask(grpo), progress=False)
+    assert "its LoRA adapters over the policy's frozen base (not loaded twice)" in capsys.readouterr().err
+    rows = [json.loads(x) for x in (tmp_path / "grpo" / "completions.jsonl").read_text().splitlines()]
+    np.testing.assert_allclose([r["rewards"]["rm_ours"] for r in rows],
+                               _hf_scores(merged, tok, [r["prompt"] + r["completion"] for r in rows]),
+                               rtol=1e-4, atol=1e-5)
 
 
 def _hf_scores(model, tok, texts: list[str]) -> np.ndarray:

@@ -295,3 +295,23 @@ class MergedParamReader:
             w = np.asarray(dequantize(quantize(w, lead, contract, kind, double))).astype(w.dtype)
         delta = np.asarray(lora_delta(a, b, self.scale, lead))
         return (w.astype(np.float32) + delta).astype(w.dtype)
+
+
+class WholeWeightReader:
+    """A weight an adapter checkpoint stores whole (a LoRA reward model's score head, :func:`zoo.lora.whole_weights`),
+    read as the merged model has it: in the dtype of model.json's parameter table (the :class:`zoo.checkpoint.
+    ParamReader` interface). It is small ([hidden, num_labels]): read whole."""
+
+    def __init__(self, ckpt: str | os.PathLike, meta: dict[str, Any], path: str):
+        self.dtype = np_dtype(meta["params"][path]["dtype"])
+        self.array = load_param_numpy(ckpt, path, meta["lora"]["params"][path]).astype(self.dtype)
+        self.shape = self.array.shape
+
+    def read(self, index: int | tuple[int, ...] | None = None) -> np.ndarray:
+        """The weight (``index=None``) or its slice ``[index]``."""
+        return self.array if index is None else self.array[index]
+
+    def read_block(self, axis: int, start: int | None, stop: int | None, squeeze: bool = False) -> np.ndarray:
+        """``weight[..., start:stop, ...]`` along ``axis``."""
+        w = self.array[(slice(None),) * axis + (slice(start, stop),)]
+        return w.squeeze(axis) if squeeze else w

@@ -20,10 +20,10 @@ from typing import Any
 import jax
 
 from zoo import checkpoint, quant, quant_checkpoint
-from zoo.adapter import MergedParamReader, base_checkpoint, is_adapter, load_adapters, lora_config
+from zoo.adapter import MergedParamReader, WholeWeightReader, base_checkpoint, is_adapter, load_adapters, lora_config
 from zoo.checkpoint import ParamReader, read_config, read_meta
 from zoo.config import ModelConfig
-from zoo.lora import merge_lora
+from zoo.lora import merge_lora, whole_weights
 from zoo.model import Decoder
 from zoo.params import param_specs
 from zoo.sharding import make_mesh
@@ -48,8 +48,9 @@ def load_params(
         return checkpoint.load_stored_params(ckpt, mesh, dtype, paths)
     mesh = mesh or make_mesh()
     base_ckpt = base_checkpoint(ckpt, meta)
-    base = load_params(base_ckpt, mesh, dtype, paths)
     cfg = ModelConfig.from_dict(meta["config"])
+    whole = whole_weights(cfg)  # stored with the adapters (a reward model's score head), maybe not in the base
+    base = load_params(base_ckpt, mesh, dtype, None if paths is None else [p for p in paths if p not in whole])
     # QLoRA adapters merge into the dequantized base they were trained beside: a float base is quantized and
     # dequantized as training did; a base stored quantized (`zoo quantize`) already loads dequantized.
     if meta["lora"].get("base_quant") and not quant_checkpoint.is_quantized(read_meta(base_ckpt)):
@@ -61,13 +62,15 @@ def load_params(
 
 
 def param_reader(ckpt: str | os.PathLike, path: str
-                 ) -> ParamReader | MergedParamReader | quant_checkpoint.DequantizedParamReader:
+                 ) -> ParamReader | MergedParamReader | WholeWeightReader | quant_checkpoint.DequantizedParamReader:
     """A streaming reader of one parameter; for an adapter checkpoint, of the merged parameter; for a quantized
     checkpoint, of the dequantized parameter."""
     meta = read_meta(ckpt)
     if quant_checkpoint.is_quantized(meta):
         return quant_checkpoint.DequantizedParamReader(ckpt, meta, path)
     if is_adapter(meta):
+        if path in meta["lora"]["params"]:  # trained whole beside the adapters (zoo.lora.whole_weights)
+            return WholeWeightReader(ckpt, meta, path)
         return MergedParamReader(ckpt, meta, path, param_reader(base_checkpoint(ckpt, meta), path))
     return ParamReader(ckpt, path)
 

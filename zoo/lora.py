@@ -73,6 +73,15 @@ ROUTER_NAMES = ("gate", "router", "mlp.gate", "block_sparse_moe.gate", "mlp.rout
 _CONTRACT = {"o": 2}
 _CONTRACT["global_o"] = 2  # Gemma 4's full layers' o (zoo.layer_layout)
 _ALL = ("all", "all-linear")
+# Weights a LoRA run trains whole beside the adapters, stored in the adapter tree under their own path: peft's
+# ``modules_to_save``, which its SEQ_CLS task type fills with the classification head. A reward model's score head
+# (``num_labels``) is new or task-specific, so no frozen copy of it could serve; it is [hidden, num_labels], small.
+WHOLE_WEIGHTS = ("score",)
+
+
+def whole_weights(cfg: ModelConfig) -> tuple[str, ...]:
+    """The weights of ``cfg`` that a LoRA run trains whole (:data:`WHOLE_WEIGHTS`): a reward model's score head."""
+    return ("score",) if cfg.num_labels else ()
 
 
 @dataclass(frozen=True)
@@ -204,7 +213,8 @@ def adapter_specs(spec: ParamSpec, suffix: str, rank: int) -> tuple[ParamSpec, P
 
 
 def lora_specs(cfg: ModelConfig, lora_cfg: LoraConfig) -> dict[str, ParamSpec]:
-    """Every adapter parameter, by dotted path: ``<base path>.a`` and ``<base path>.b``.
+    """Every adapter parameter, by dotted path: ``<base path>.a`` and ``<base path>.b``; and the weights trained
+    whole (:func:`whole_weights`) under their own path, with their own spec.
 
     A UserError when the targets name no weight of this model (e.g. only
     attention targets on an MLA model).
@@ -218,11 +228,15 @@ def lora_specs(cfg: ModelConfig, lora_cfg: LoraConfig) -> dict[str, ParamSpec]:
     if not out:
         raise UserError(f"lora: targets {lora_cfg.targets!r} name no weight of this {cfg.family} model"
                         + (" (MLA attention has no adapters)" if cfg.mla else ""))
+    specs = param_specs(cfg)
+    out.update({p: specs[p] for p in whole_weights(cfg)})
     return out
 
 
-def init_lora(cfg: ModelConfig, lora_cfg: LoraConfig, key: Any, dtype: Any = "float32") -> dict[str, Any]:
-    """Fresh adapters (nested dict keyed like the params): A ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)), B = 0.
+def init_lora(cfg: ModelConfig, lora_cfg: LoraConfig, key: Any, dtype: Any = "float32",
+              base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Fresh adapters (nested dict keyed like the params): A ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)), B = 0; the
+    weights trained whole (:func:`whole_weights`) start as ``base``'s, in ``dtype``.
 
     That A is peft's default (kaiming-uniform with a=sqrt(5)); B = 0 makes the
     model at step 0 exactly the base. Pure, so it can be jitted with out_shardings.
@@ -241,8 +255,14 @@ def init_lora(cfg: ModelConfig, lora_cfg: LoraConfig, key: Any, dtype: Any = "fl
         bound = 1.0 / math.sqrt(math.prod(spec.shape[_lead(spec):-1]))  # 1/sqrt(fan_in)
         flat[path] = (bound * u[offset:offset + n].reshape(spec.shape)).astype(dtype)
         offset += n
+    whole = whole_weights(cfg)
+    if whole and base is None:
+        raise ValueError(f"init_lora: {cfg.family} with num_labels trains {whole} whole; pass the base params")
+    base_flat = flatten(base or {})
     for path, spec in specs:
-        if spec.init != "lora_a":
+        if path in whole:
+            flat[path] = jnp.asarray(base_flat[path]).astype(dtype)
+        elif spec.init != "lora_a":
             flat[path] = jnp.zeros(spec.shape, dtype)
     return nest(flat)
 
@@ -261,7 +281,9 @@ def lora_delta(a: Any, b: Any, scale: float, lead: int) -> Any:
 
 def merge_lora(cfg: ModelConfig, params: dict[str, Any], lora: dict[str, Any],
                lora_cfg: LoraConfig) -> dict[str, Any]:
-    """Base params with each targeted W replaced by W + scale * A @ B, in W's dtype (for load/export).
+    """Base params with each targeted W replaced by W + scale * A @ B, in W's dtype (for load/export); the weights
+    trained whole replace the base's (a reward model's score head, in the dtype of the base's final norm where
+    the base is a causal LM: its LM head is dropped then, as the run dropped it).
 
     Only for inference or export: training must keep A and B separate (the
     gradient of a merged weight costs a full weight gradient).
@@ -270,7 +292,12 @@ def merge_lora(cfg: ModelConfig, params: dict[str, Any], lora: dict[str, Any],
     specs = param_specs(cfg)
     flat, adapters = flatten(params), flatten(lora)
     out = dict(flat)
-    for path in {p.rpartition(".")[0] for p in adapters}:
+    whole = whole_weights(cfg)
+    if whole:
+        out.pop("lm_head", None)
+    for path in whole:
+        out[path] = adapters[path].astype(flat.get(path, flat["final_norm"]).dtype)
+    for path in {p.rpartition(".")[0] for p in adapters if p not in whole}:
         if path not in flat:
             raise UserError(f"lora: adapter for {path!r}, which this {cfg.family} model does not have")
         w = flat[path]
