@@ -113,7 +113,7 @@ def sample_group_completions(cfg: ModelConfig, params: dict, tokens: jax.Array, 
 
 def assemble(tokens: jax.Array, valid: jax.Array, completions: jax.Array, lengths: jax.Array,
              per_token: dict[str, jax.Array], per_row: dict[str, jax.Array],
-             trained: jax.Array) -> dict[str, jax.Array]:
+             trained: jax.Array, model: jax.Array | None = None) -> dict[str, jax.Array]:
     """The model batch of prompt + completion rows ([B, P + T - 1] each, ready for the loss).
 
     ``tokens``/``valid`` [B, P] right-padded prompts, ``completions`` [B, T]
@@ -121,7 +121,9 @@ def assemble(tokens: jax.Array, valid: jax.Array, completions: jax.Array, length
     completion token) come back aligned with the targets (0 elsewhere),
     ``per_row`` arrays [B] broadcast over each row. ``trained`` [B] bool:
     rows whose completion tokens are weighted (the others weigh nothing,
-    e.g. truncated completions with ``grpo.mask_truncated``).
+    e.g. truncated completions with ``grpo.mask_truncated``). ``model`` [B, T]
+    bool: which completion tokens the policy chose (the others, a tool's
+    answer in an episode, weigh nothing); None: all of them.
     """
     b, p = tokens.shape
     t = completions.shape[1]
@@ -144,6 +146,9 @@ def assemble(tokens: jax.Array, valid: jax.Array, completions: jax.Array, length
         "weights": (target_completion & trained[:, None]).astype(jnp.float32),
     }
     at = ci[:, 1:]
+    if model is not None:
+        chosen = jnp.take_along_axis(model, at, axis=1) & target_completion
+        out["weights"] = out["weights"] * chosen.astype(jnp.float32)
     for name, x in per_token.items():
         out[name] = jnp.where(target_completion, jnp.take_along_axis(x, at, axis=1), 0).astype(x.dtype)
     for name, x in per_row.items():

@@ -64,14 +64,37 @@ class GrpoSection:
     mask_truncated: bool = False  # completions that hit max_completion_length train nothing
     # write every completion of every Nth step to completions.jsonl (0: never)
     log_completions_every: int = field(default=10, metadata={"range": "[0, inf)"})
+    # functions the model may call over several turns: `module:function` or `path/to/file.py:function`, their type
+    # hints and docstrings the schemas the chat template shows (grpo/tools.py)
+    tools: list[str] = field(default_factory=list)
+    # TRL's environment_factory: `path/to/file.py:factory` (one instance per rollout, its public methods the
+    # tools, reset(**row) starts an episode, get_reward() scores it), or {name: factory} picked by each row's
+    # `environment` column
+    environment: Any = None
+    # assistant turns per episode at most (None: until max_completion_length, which tools' tokens share)
+    max_turns: int | None = field(default=None, metadata={"range": "[1, inf)"})
+    tool_timeout: float = field(default=10.0, metadata={"range": "(0, inf)"})  # seconds a tool call may take
+    # how tool calls are read from the model's text: auto (the chat template's family), hermes, llama3_json,
+    # mistral, mistral_args, or path/to/file.py:function
+    tool_parser: str = "auto"
+
+    @property
+    def agentic(self) -> bool:
+        """Whether episodes run over several turns with tools (grpo.tools or grpo.environment)."""
+        return bool(self.tools) or self.environment is not None
 
     def check(self) -> None:
         """The rewards named and weighted consistently (each number's range is its field's ``range``)."""
         if isinstance(self.rewards, str):  # `grpo.rewards=a:f,b:g` on the command line
             self.rewards = [r.strip() for r in self.rewards.split(",") if r.strip()]
-        if not self.rewards:
+        if isinstance(self.tools, str):
+            self.tools = [t.strip() for t in self.tools.split(",") if t.strip()]
+        if not self.rewards and self.environment is None:  # an environment may score episodes itself (get_reward)
             raise UserError("grpo.rewards is empty; name at least one reward function (e.g. grpo.rewards=[final_number] "
                             "or a module:function)")
+        if self.max_turns is not None and not self.agentic:
+            raise UserError("grpo.max_turns counts the turns of episodes with tools; set grpo.tools or "
+                            "grpo.environment, or remove grpo.max_turns")
         if self.reward_weights is not None:
             if isinstance(self.reward_weights, (int, float)):
                 self.reward_weights = [self.reward_weights]

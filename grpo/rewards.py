@@ -361,6 +361,12 @@ def _resolve(text: str, spec: Any) -> Callable:
             hint = f"; for a function in a module, separate them with a colon: {module}:{attr}"
         raise UserError(f"{where}: no shipped reward function {text!r} (shipped: {', '.join(verifiers.SHIPPED)}); "
                         f"or give module:function or path/to/file.py:function{hint}")
+    return load_callable(text, where)
+
+
+def load_callable(text: str, where: str) -> Callable:
+    """The function ``module:function`` or ``path/to/file.py:function`` names (``module:Class.method`` reaches
+    inside); one-line UserErrors that start with ``where`` (the setting that named it)."""
     source, _, attr = text.rpartition(":")  # the last colon: a Windows drive letter may hold another
     if not source or not attr:
         raise UserError(f"{where}: give module:function or path/to/file.py:function (both sides of the colon)")

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -40,9 +40,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 from eval.generate import Sampler
 from eval.rollout import RolloutSpec, assemble, sample_group_completions
 from grpo import losses
+from grpo.agentic import Agent, Episodes
 from grpo.config import GRPOConfig
 from grpo.reward_model import SharedBase
-from grpo.rewards import load_rewards
+from grpo.rewards import RewardFunction, RewardSet, load_rewards
+from grpo.tools import ENVIRONMENT_FIELD, EnvironmentReward, Environments, load_tools
 from pretrain import distributed
 from pretrain.batch import Rollout, RolloutBatch
 from pretrain.config import TrainConfig
@@ -87,9 +89,24 @@ class GRPOTask(Task):
         self.chat_template = chat_template_of(cfg)
         self.group_size = cfg.grpo.num_generations
         self.updates_per_step = cfg.grpo.num_iterations
-        self.rewards = load_rewards(cfg.grpo.rewards, cfg.grpo.reward_weights)  # a bad spec fails before loading
+        self.agent: Agent | None = None
+        if cfg.grpo.agentic:  # episodes of several turns with tools (grpo/agentic.py), checked before loading
+            environments = Environments(cfg.grpo.environment) if cfg.grpo.environment is not None else None
+            self.agent = Agent(cfg, load_tools(cfg.grpo.tools), environments)
+        self.rewards = self._rewards(cfg)  # a bad spec fails before loading
         self.field = cfg.data.prompt_field
         self.reference: str | None = None  # "base" or "inputs" with beta > 0 (prepare decides)
+
+    def _rewards(self, cfg: GRPOConfig) -> RewardSet:
+        """grpo.rewards, and an environment class's ``get_reward`` as one more source of weight 1 (TRL's)."""
+        g = cfg.grpo
+        envs = self.agent.environments if self.agent is not None else None
+        extra = [RewardFunction(c.__name__, EnvironmentReward(envs, c)) for c in envs.reward_classes] if envs else []
+        if not g.rewards and not extra:
+            raise UserError("grpo.rewards is empty and grpo.environment's class defines no get_reward(); name a "
+                            "reward function, or give the environment a get_reward method")
+        own = load_rewards(g.rewards, g.reward_weights) if g.rewards else RewardSet([])
+        return RewardSet(own.functions + extra, [*own.weights, *[1.0] * len(extra)])
 
     # ---- rows -> prompt documents ------------------------------------------------------------------------
 
@@ -97,7 +114,8 @@ class GRPOTask(Task):
         """The rows of ``path``; they need the prompt column (``data.prompt_field``) and the columns the shipped
         verifiers read (their answers)."""
         ds, _ = load_dataset_rows(path, cfg.data.split)
-        if self.field not in ds.column_names:
+        envs = self.agent.environments if self.agent is not None else None
+        if self.field not in ds.column_names and envs is None:  # an environment may supply the prompt (reset)
             raise UserError(f"data.path {path}: GRPO rows need a '{self.field}' field (a string, or a list of "
                             f"messages); columns: {ds.column_names} (data.prompt_field names another column)")
         # A shipped verifier without its answers' column would score None everywhere and learn nothing.
@@ -112,7 +130,7 @@ class GRPOTask(Task):
         limit = self.cfg.data.seq_len
         for i, row in indexed_rows(rows.ds, indices):
             try:
-                ids = self._prompt_ids(row.get(self.field), tokenizer)
+                ids = self._prompt_ids(row.get(self.field), tokenizer, row)
             except BadRow as e:
                 if skip_bad:
                     bad += 1
@@ -126,7 +144,15 @@ class GRPOTask(Task):
             docs[i] = {"tokens": np.asarray(ids, np.int32), "row": np.full(len(ids), i, np.int32)}
         return Documents(docs, bad, too_long)
 
-    def _prompt_ids(self, prompt: Any, tokenizer: Any) -> list[int]:
+    def _prompt_ids(self, prompt: Any, tokenizer: Any, row: dict | None = None) -> list[int]:
+        if self.agent is not None:  # rendered with the tools the row's episodes may call
+            envs = self.agent.environments
+            if envs is not None:
+                name = envs.pick(row or {}, f"field '{ENVIRONMENT_FIELD}'")
+                if prompt is None:
+                    prompt = [{"role": "user", "content": ""}]
+                return self.agent.prompt_ids(prompt, self.agent.tool_functions(envs.kinds[name].pool[0], name))
+            return self.agent.prompt_ids(prompt, self.agent.tool_functions(None, None))
         if isinstance(prompt, str):
             text = prompt
         elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
@@ -157,6 +183,8 @@ class GRPOTask(Task):
             raise UserError("the tokenizer has no EOS token: completions could never end before "
                             "grpo.max_completion_length")
         self._setup(cfg, mcfg, mesh, ctx.lora, tuple(sorted(eos)))
+        if self.agent is not None:
+            self.agent.prepare(tokenizer, self.chat_template, mcfg, self.eos_ids, self.spec.sampler, self.compute)
         self.rewards.prepare(mesh, self.compute, self._shared_base(ctx))  # reward models (rm:PATH), loaded once
         frozen_inputs = None
         if g.beta > 0:
@@ -243,18 +271,18 @@ class GRPOTask(Task):
         temperature = float(self.grpo.temperature)
 
         scale = None if lora_cfg is None else lora_scale(lora_cfg)
+        self._scale = scale
 
         def sample(base: dict, lora: dict | None, tokens: jax.Array, seg: jax.Array, step: jax.Array):
             # The weights as the train step computes with them: cast to the compute dtype, adapters beside.
             policy = cast_params(base, compute)
-            key = jax.random.fold_in(jax.random.fold_in(jax.random.key(cfg.seed), 0x67727),
-                                     step)  # its own stream: LoRA dropout folds the step into key(seed)
+            key = self._rollout_key(step)
             return sample_group_completions(mcfg, policy, tokens.reshape(b, -1), seg.reshape(b, -1) > 0, spec, key,
                                             lora, scale, mesh=self.mesh)
 
-        def layout(tokens, seg, completions, lengths, sampler_logps, advantages, trained):
+        def layout(tokens, seg, completions, lengths, sampler_logps, advantages, trained, model=None):
             out = assemble(tokens.reshape(b, -1), seg.reshape(b, -1) > 0, completions, lengths,
-                           {"sampler_logps": sampler_logps}, {"advantages": advantages}, trained)
+                           {"sampler_logps": sampler_logps}, {"advantages": advantages}, trained, model)
             return RolloutBatch.of({k: v.reshape(shape + v.shape[1:]) for k, v in out.items()})
 
         def logps(params: dict, batch: RolloutBatch, **forward_kwargs: Any) -> jax.Array:
@@ -276,6 +304,10 @@ class GRPOTask(Task):
         else:
             self._policy_logps = jax.jit(lambda base, lora, batch: logps(base, batch), out_shardings=self.sharding)
 
+    def _rollout_key(self, step: Any) -> jax.Array:
+        """The sampling key of a step: its own stream (LoRA dropout folds the step into key(seed))."""
+        return jax.random.fold_in(jax.random.fold_in(jax.random.key(self.cfg.seed), 0x67727), step)
+
     # ---- each step: sample, score, lay out -----------------------------------------------------------------
 
     def rollout(self, params: dict, frozen: dict | None, frozen_inputs: Any, rows: dict[str, jax.Array],
@@ -287,23 +319,44 @@ class GRPOTask(Task):
         t0 = time.perf_counter()
         lora = params if self.lora_cfg is not None else None
         base = frozen if self.lora_cfg is not None else params
-        completions, sampler_logps, lengths = self._sample(base, lora, rows["tokens"], rows["tokens_segment_ids"],
-                                                           np.int32(step))
-        comp_h, len_h = _to_host(completions), _to_host(lengths)
-        t_gen = time.perf_counter() - t0
         row_h = _to_host(rows["row"])[..., 0].reshape(-1)
-
         ds = source.ds
         records = {int(i): ds[int(i)] for i in np.unique(row_h)}
-        ids = [comp_h[r, :len_h[r]].tolist() for r in range(len(row_h))]
-        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
-        prompts = [records[int(i)][self.field] for i in row_h]
-        chat = [not isinstance(p, str) for p in prompts]
-        completions_in = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)]
+        where = lambda r: row_where(source.path, int(row_h[r]))  # noqa: E731
+        episodes: Episodes | None = None
+        model = None
+        if self.agent is None:
+            completions, sampler_logps, lengths = self._sample(base, lora, rows["tokens"], rows["tokens_segment_ids"],
+                                                               np.int32(step))
+            comp_h, len_h = _to_host(completions), _to_host(lengths)
+            t_gen = time.perf_counter() - t0
+            ids = [comp_h[r, :len_h[r]].tolist() for r in range(len(row_h))]
+            texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+            prompts = [records[int(i)][self.field] for i in row_h]
+            chat = [not isinstance(p, str) for p in prompts]
+            completions_in: list[Any] = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)]
+            ended = np.isin(comp_h[np.arange(len(len_h)), len_h - 1], self.eos_ids)
+            prompt_rows = {"tokens": rows["tokens"], "tokens_segment_ids": rows["tokens_segment_ids"]}
+            n_model = len_h
+        else:  # episodes of several turns with tools (grpo/agentic.py)
+            episodes = self.agent.run(cast(dict, base), lora, self._scale, [records[int(i)] for i in row_h],
+                                      self._rollout_key(step), where)
+            t_gen = time.perf_counter() - t0
+            comp_h, len_h = episodes.tokens, episodes.lengths
+            ids = [comp_h[r, :len_h[r]].tolist() for r in range(len(row_h))]
+            texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+            prompts, completions_in, ended = episodes.prompts, episodes.completions, episodes.ended
+            shape = self.batch_shape
+            placed = replicated_batch({"tokens": episodes.prompt_tokens.reshape(shape + (-1,)),
+                                       "tokens_segment_ids": episodes.prompt_valid.reshape(shape + (-1,)),
+                                       "completions": comp_h, "sampler_logps": episodes.logps, "lengths": len_h,
+                                       "model": episodes.model}, self.replicated)
+            prompt_rows = {k: placed[k] for k in ("tokens", "tokens_segment_ids")}
+            completions, sampler_logps, lengths, model = (placed[k] for k in ("completions", "sampler_logps",
+                                                                              "lengths", "model"))
+            n_model = episodes.model.sum(1)  # TRL counts the model's tokens only
         columns = {k: [records[int(i)][k] for i in row_h] for k in ds.column_names if k != self.field}
-        per_fn, total = self.rewards.compute(prompts, completions_in, ids, columns,
-                                             lambda r: row_where(source.path, int(row_h[r])))
-        ended = np.isin(comp_h[np.arange(len(len_h)), len_h - 1], self.eos_ids)
+        per_fn, total = self.rewards.compute(prompts, completions_in, ids, columns, where)
         truncated = ~ended
         trained = ~truncated if g.mask_truncated else np.ones_like(truncated)
         m: dict[str, float] = {}
@@ -315,8 +368,8 @@ class GRPOTask(Task):
         else:
             adv = np.zeros(len(total), np.float32)
         given = replicated_batch({"adv": adv.astype(np.float32), "trained": trained}, self.replicated)
-        batch = self._layout(rows["tokens"], rows["tokens_segment_ids"], completions, lengths, sampler_logps,
-                             given["adv"], given["trained"])
+        batch = self._layout(prompt_rows["tokens"], prompt_rows["tokens_segment_ids"], completions, lengths,
+                             sampler_logps, given["adv"], given["trained"], model)
         with mesh_context(self.sharding.mesh):  # traced for the mesh: splash attention shards itself (zoo.splash)
             old = ref = None
             if g.num_iterations > 1 or (g.advantage != "group" and g.beta > 0):
@@ -326,8 +379,8 @@ class GRPOTask(Task):
             elif self.reference == "inputs":  # the starting model (full fine-tuning) or a grpo.reference checkpoint
                 ref = self._logps(frozen_inputs, batch)
         if g.advantage != "group":  # the KL to the reference goes into the reward; the estimator's advantages
-            batch, adv, more = self._estimator_advantages(batch, per_fn, total, old, ref, rows, completions, lengths,
-                                                          sampler_logps, trained)
+            batch, adv, more = self._estimator_advantages(batch, per_fn, total, old, ref, prompt_rows, completions,
+                                                          lengths, sampler_logps, trained, model)
             m.update(more)
         if g.num_iterations > 1:
             batch = dataclasses.replace(batch, old_logps=old)
@@ -336,22 +389,27 @@ class GRPOTask(Task):
         t_roll = time.perf_counter() - t0
 
         n_tokens = int(len_h.sum())
-        real = int(_to_host(rows["tokens_segment_ids"] > 0).sum()) + n_tokens
+        real = int(_to_host(prompt_rows["tokens_segment_ids"] > 0).sum()) + n_tokens
         m = {
             "reward": float(np.mean(total)), **m,
-            "completions/mean_length": float(len_h.mean()), "completions/min_length": float(len_h.min()),
-            "completions/max_length": float(len_h.max()), "completions/clipped_ratio": float(truncated.mean()),
+            "completions/mean_length": float(n_model.mean()), "completions/min_length": float(n_model.min()),
+            "completions/max_length": float(n_model.max()), "completions/clipped_ratio": float(truncated.mean()),
             "rollout_tokens_per_sec": n_tokens / max(t_gen, 1e-9),
         }
         m.update(reward_metrics(self.rewards.names, per_fn))
+        if episodes is not None:
+            m.update(episodes.metrics())
         every = g.log_completions_every
         log = completion_records(step + 1, prompts, texts, ids, self.rewards.names, per_fn, total, adv) \
             if every and (step + 1) % every == 0 else []
+        if log and episodes is not None:  # whole episodes: messages, turns, calls and answers
+            log = [{**rec, **ep} for rec, ep in zip(log, episodes.records())]
         return Rollout(batch, m, t_gen, t_roll, real * g.num_iterations, log)
 
     def _estimator_advantages(self, batch: RolloutBatch, per_fn: np.ndarray, total: np.ndarray, old: Any, ref: Any,
                               rows: dict, completions: Any, lengths: Any, sampler_logps: Any,
-                              trained: np.ndarray) -> tuple[RolloutBatch, np.ndarray, dict[str, float]]:
+                              trained: np.ndarray, model: Any = None) -> tuple[RolloutBatch, np.ndarray,
+                                                                                dict[str, float]]:
         """RLOO's or REINFORCE++'s advantages (grpo.advantage) for the laid-out batch, with their metrics (TRL
         RLOOTrainer's names). ``old``/``ref``: the sampling policy's and the reference's per-token
         log-probabilities (None without ``beta``)."""
@@ -378,7 +436,7 @@ class GRPOTask(Task):
                       "frac_reward_zero_std": float(np.mean(np.isclose(np.asarray(group_std), 0.0)))})
             given = replicated_batch({"adv": adv.astype(np.float32), "trained": trained}, self.replicated)
             batch = self._layout(rows["tokens"], rows["tokens_segment_ids"], completions, lengths, sampler_logps,
-                                 given["adv"], given["trained"])
+                                 given["adv"], given["trained"], model)
             return batch, adv, m
         group = g.num_generations if g.advantage == "reinforce_pp_baseline" else None
         flat = lambda x: x.reshape((-1,) + x.shape[2:])  # noqa: E731

@@ -137,15 +137,17 @@ def _fixed_clock(date: str) -> Iterator[None]:
 
 
 def render(tokenizer: Any, messages: list[dict[str, Any]], template: ChatTemplate, source: str,
-           generation_prompt: bool) -> str:
+           generation_prompt: bool, tools: list[Any] | None = None) -> str:
     """The template's text for ``messages`` (raises UserError for a template that does not compile, BadRow for
-    a row it refuses, e.g. roles that do not alternate)."""
+    a row it refuses, e.g. roles that do not alternate); ``tools``: the functions (or JSON schemas) the
+    template describes to the model, as transformers' ``tools=``."""
     import jinja2
 
+    extra = {"tools": tools} if tools else {}  # none at all, not []: Llama's template renders tool text for []
     try:
         with _fixed_clock(template.date):
             return tokenizer.apply_chat_template(messages, chat_template=source, tokenize=False,
-                                                 add_generation_prompt=generation_prompt, **template.kwargs)
+                                                 add_generation_prompt=generation_prompt, **template.kwargs, **extra)
     except jinja2.TemplateSyntaxError as e:  # the same for every row: a configuration error
         raise UserError(f"{template.name} does not compile: {e}") from None
     except UserError:

@@ -1,0 +1,144 @@
+"""GRPO's rollouts with tools and environments: each rollout an episode of several turns (grpo/episodes.py).
+
+:class:`Agent` turns a step's dataset rows into episodes and back into what the step trains on:
+
+- each rollout's prompt is rendered with the tools it may call (the chat template's ``tools``: ``grpo.tools``
+  plus its environment's methods) after its environment's ``reset(**row)`` (whose text is appended to the last
+  user message), and tokenized; a prompt longer than ``data.seq_len`` keeps its end, as GRPO's prompts do;
+- the episodes run on one KV cache per rollout (:class:`eval.turns.CachedTurns`), turn after turn;
+- :class:`Episodes` holds the arrays the update lays out (prompt rows, the episode's tokens and the sampler's
+  log-probabilities, and which tokens are the model's), the messages the rewards read (TRL's completions: the
+  assistant and tool messages), the metrics (``num_turns``, ``tool_calls``, ``tool_failures``, TRL's
+  ``tools/call_frequency`` and ``tools/failure_frequency``, and ``turns/clipped_ratio``: the share of turns cut
+  by the budget) and the completions log's records of whole episodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from eval.generate import Sampler
+from eval.turns import CachedTurns
+from grpo.config import GRPOConfig
+from grpo.episodes import Episode, EpisodeSettings, run_episodes, tool_suffix
+from grpo.tool_calls import parser_for
+from grpo.tools import Environments
+from sft.chat import ChatTemplate, render, template_text
+from sft.formats import BadRow
+from zoo.config import ModelConfig
+from zoo.errors import UserError
+
+
+@dataclass
+class Episodes:
+    """A step's episodes as arrays (rows x prompt width, rows x budget) and as what the rewards and the log read."""
+
+    prompt_tokens: np.ndarray  # [B, P] int32, right-padded
+    prompt_valid: np.ndarray  # [B, P] int32 (1 on the prompt)
+    tokens: np.ndarray  # [B, T] int32: the episode after the prompt, the model's and the tools' tokens
+    logps: np.ndarray  # [B, T] float32: the sampler's log-probability of each model token, 0 elsewhere
+    model: np.ndarray  # [B, T] bool: the model's tokens
+    lengths: np.ndarray  # [B] int32
+    ended: np.ndarray  # [B] bool: the last turn ended with its end-of-turn token
+    prompts: list[Any]  # each rollout's prompt messages, after its environment's reset
+    episodes: list[Episode]
+
+    @property
+    def completions(self) -> list[list[dict[str, Any]]]:
+        """TRL's completions: each episode's assistant and tool messages."""
+        return [e.messages for e in self.episodes]
+
+    def metrics(self) -> dict[str, float]:
+        """The episodes' metrics (module docstring)."""
+        calls = sum(e.tool_calls for e in self.episodes)
+        failures = sum(e.tool_failures for e in self.episodes)
+        turns = [t for e in self.episodes for t in e.turns]
+        return {"num_turns": float(np.mean([len(e.turns) for e in self.episodes])),
+                "tool_calls": float(calls), "tool_failures": float(failures),
+                "tools/call_frequency": calls / len(self.episodes),
+                "tools/failure_frequency": failures / calls if calls else 0.0,
+                "turns/clipped_ratio": float(np.mean([t.truncated for t in turns])) if turns else 0.0}
+
+    def records(self) -> list[dict[str, Any]]:
+        """Each episode for ``completions.jsonl``: its messages and turns (tokens, text, calls, answers)."""
+        return [{"messages": e.messages, "turns": [t.__dict__ for t in e.turns],
+                 "tool_calls": e.tool_calls, "tool_failures": e.tool_failures} for e in self.episodes]
+
+
+class Agent:
+    """What a GRPO run with ``grpo.tools`` or ``grpo.environment`` needs to run episodes (module docstring)."""
+
+    def __init__(self, cfg: GRPOConfig, tools: list[Callable], environments: Environments | None):
+        self.cfg, self.g = cfg, cfg.grpo
+        self.tools, self.environments = tools, environments
+        if self.g.tool_parser != "auto":  # a name or a function: said before the model loads
+            parser_for(self.g.tool_parser, "")
+
+    def prepare(self, tokenizer: Any, template: ChatTemplate, mcfg: ModelConfig, eos_ids: tuple[int, ...],
+                sampler: Sampler, compute: Any) -> None:
+        """The parser and the tools' suffix for this tokenizer and template (one-line errors before step 1)."""
+        self.tokenizer, self.template, self.mcfg = tokenizer, template, mcfg
+        self.source = template_text(tokenizer, template)
+        self.sampler, self.compute, self.eos_ids = sampler, compute, eos_ids
+        self.parser = parser_for(self.g.tool_parser, self.source)
+        self.suffix = tool_suffix(tokenizer, lambda msgs, gen: render(tokenizer, msgs, template, self.source, gen),
+                                  eos_ids)
+
+    def tool_functions(self, instance: Any, name: str | None) -> list[Callable]:
+        """The functions a rollout may call: ``grpo.tools`` and its environment instance's methods."""
+        own = [getattr(instance, m) for m in self.environments.tool_names(name)] if self.environments else []
+        return [*self.tools, *own]
+
+    def prompt_ids(self, prompt: Any, tools: list[Callable]) -> list[int]:
+        """A prompt's ids, rendered with ``tools`` and its generation prompt, cut to its last ``data.seq_len``."""
+        if not (isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt)):
+            raise BadRow("episodes with tools need a conversational prompt (a list of messages), got "
+                         f"{type(prompt).__name__}")
+        text = render(self.tokenizer, prompt, self.template, self.source, True, tools or None)
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return ids[-self.cfg.data.seq_len:]
+
+    def run(self, base: dict, lora: Any, scale: Any, rows: list[dict[str, Any]], key: jax.Array,
+            where: Callable[[int], str]) -> Episodes:
+        """The episodes of a step's rollouts (``rows``: each rollout's dataset row, G in a row per prompt)."""
+        field = self.cfg.data.prompt_field
+        names = [self.environments.pick(r, where(i)) for i, r in enumerate(rows)] if self.environments else []
+        instances = self.environments.draw(names) if self.environments else [None] * len(rows)
+        prompts, ids, tool_maps = [], [], []
+        for i, row in enumerate(rows):
+            prompt = row.get(field)
+            if prompt is None and self.environments is not None:
+                prompt = [{"role": "user", "content": ""}]  # TRL: an environment may supply the whole prompt
+            if self.environments is not None:
+                obs = self.environments.reset(instances[i], row)
+                if isinstance(obs, str) and isinstance(prompt, list) and prompt:
+                    prompt = prompt[:-1] + [{**prompt[-1], "content": str(prompt[-1].get("content", "")) + obs}]
+            fns = self.tool_functions(instances[i], names[i] if names else None)
+            try:
+                ids.append(self.prompt_ids(prompt, fns))
+            except BadRow as bad:
+                raise UserError(f"{where(i)}: {bad}") from None
+            prompts.append(prompt)
+            tool_maps.append({f.__name__: f for f in fns})
+        width = self.cfg.data.seq_len + 1
+        budget = self.g.max_completion_length
+        decoder = CachedTurns(self.mcfg, base, self.sampler, self.eos_ids, budget, key, lora, scale, self.compute)
+        settings = EpisodeSettings(budget, self.g.max_turns, self.eos_ids, float(self.g.tool_timeout), self.parser,
+                                   lambda t: self.tokenizer.decode(t, skip_special_tokens=False), self.suffix)
+        finished = [lambda e=e: bool(getattr(e, "done", False)) for e in instances]  # an environment's own end
+        episodes = run_episodes(decoder, ids, width, tool_maps, settings, finished)
+        b = len(rows)
+        out = Episodes(np.zeros((b, width), np.int32), np.zeros((b, width), np.int32),
+                       np.zeros((b, budget), np.int32), np.zeros((b, budget), np.float32),
+                       np.zeros((b, budget), bool), np.zeros(b, np.int32), np.zeros(b, bool), prompts, episodes)
+        for r, (p, e) in enumerate(zip(ids, episodes)):
+            out.prompt_tokens[r, :len(p)], out.prompt_valid[r, :len(p)] = p, 1
+            n = len(e.tokens)
+            out.tokens[r, :n], out.logps[r, :n], out.model[r, :n] = e.tokens, e.logps, e.model
+            out.lengths[r], out.ended[r] = n, e.ended
+        return out
