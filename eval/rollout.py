@@ -50,7 +50,8 @@ def _repeat_rows(cache: Cache, g: int) -> Cache:
 def _draw(logits: jax.Array, key: jax.Array, spec: RolloutSpec) -> tuple[jax.Array, jax.Array]:
     """(next token [b], its log-probability [b] under softmax(logits / temperature)) from logits [b, vocab]."""
     tok = sample_next(logits, key, spec.sampler)
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / spec.sampler.temperature, axis=-1)
+    temperature = spec.sampler.temperature if spec.sampler.temperature > 0 else 1.0  # greedy: the plain softmax
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
     return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
 
 

@@ -54,20 +54,25 @@ class Episodes:
         return [e.messages for e in self.episodes]
 
     def metrics(self) -> dict[str, float]:
-        """The episodes' metrics (module docstring)."""
-        calls = sum(e.tool_calls for e in self.episodes)
-        failures = sum(e.tool_failures for e in self.episodes)
-        turns = [t for e in self.episodes for t in e.turns]
-        return {"num_turns": float(np.mean([len(e.turns) for e in self.episodes])),
-                "tool_calls": float(calls), "tool_failures": float(failures),
-                "tools/call_frequency": calls / len(self.episodes),
-                "tools/failure_frequency": failures / calls if calls else 0.0,
-                "turns/clipped_ratio": float(np.mean([t.truncated for t in turns])) if turns else 0.0}
+        """The episodes' metrics (:func:`episode_metrics`)."""
+        return episode_metrics(self.episodes)
 
     def records(self) -> list[dict[str, Any]]:
         """Each episode for ``completions.jsonl``: its messages and turns (tokens, text, calls, answers)."""
         return [{"messages": e.messages, "turns": [t.__dict__ for t in e.turns],
                  "tool_calls": e.tool_calls, "tool_failures": e.tool_failures} for e in self.episodes]
+
+
+def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
+    """Episodes' metrics (module docstring): turns, calls and failures, TRL's frequencies, turns cut short."""
+    calls = sum(e.tool_calls for e in episodes)
+    failures = sum(e.tool_failures for e in episodes)
+    turns = [t for e in episodes for t in e.turns]
+    return {"num_turns": float(np.mean([len(e.turns) for e in episodes])),
+            "tool_calls": float(calls), "tool_failures": float(failures),
+            "tools/call_frequency": calls / len(episodes),
+            "tools/failure_frequency": failures / calls if calls else 0.0,
+            "turns/clipped_ratio": float(np.mean([t.truncated for t in turns])) if turns else 0.0}
 
 
 class Agent:
@@ -104,8 +109,9 @@ class Agent:
         return ids[-self.cfg.data.seq_len:]
 
     def run(self, base: dict, lora: Any, scale: Any, rows: list[dict[str, Any]], key: jax.Array,
-            where: Callable[[int], str]) -> Episodes:
-        """The episodes of a step's rollouts (``rows``: each rollout's dataset row, G in a row per prompt)."""
+            where: Callable[[int], str], sampler: Sampler | None = None) -> Episodes:
+        """The episodes of a step's rollouts (``rows``: each rollout's dataset row, G in a row per prompt);
+        ``sampler``: another sampling than the run's (greedy, for held-out prompts)."""
         field = self.cfg.data.prompt_field
         names = [self.environments.pick(r, where(i)) for i, r in enumerate(rows)] if self.environments else []
         instances = self.environments.draw(names) if self.environments else [None] * len(rows)
@@ -127,7 +133,8 @@ class Agent:
             tool_maps.append({f.__name__: f for f in fns})
         width = self.cfg.data.seq_len + 1
         budget = self.g.max_completion_length
-        decoder = CachedTurns(self.mcfg, base, self.sampler, self.eos_ids, budget, key, lora, scale, self.compute)
+        decoder = CachedTurns(self.mcfg, base, sampler or self.sampler, self.eos_ids, budget, key, lora, scale,
+                              self.compute)
         settings = EpisodeSettings(budget, self.g.max_turns, self.eos_ids, float(self.g.tool_timeout), self.parser,
                                    lambda t: self.tokenizer.decode(t, skip_special_tokens=False), self.suffix)
         finished = [lambda e=e: bool(getattr(e, "done", False)) for e in instances]  # an environment's own end

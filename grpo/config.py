@@ -159,6 +159,6 @@ class GRPOConfig(TrainConfig):
                             f"{max(g, self.batch_size // g * g)}")
         if isinstance(self.data.path, list):
             raise UserError("grpo train reads one prompt dataset: data.path must be a single path, not a mixture")
-        if self.data.eval_path or self.data.eval_fraction:
-            raise UserError("grpo train has no eval loss: leave data.eval_path and data.eval_fraction unset (score "
-                            "held-out prompts with `zoo eval`, or eval.tasks during training)")
+        if (self.data.eval_path or self.data.eval_fraction) and not self.eval_every:
+            raise UserError("data.eval_path / data.eval_fraction are GRPO's held-out prompts, scored every eval_every "
+                            "steps: set eval_every (e.g. eval_every=50)")

@@ -425,3 +425,16 @@ def _load_file(source: str, where: str) -> Any:
             raise
         raise UserError(f"{where}: loading {source} failed: {type(e).__name__}: {_one_line(e)}") from e
     return module
+
+
+def reward_metrics(names: list[str], per_fn: np.ndarray) -> dict[str, float]:
+    """Each reward function's mean and std over the batch's completions it scored, under TRL's names
+    ``rewards/{name}/mean`` and ``rewards/{name}/std`` (``per_fn`` [B, F], NaN where a function returned None).
+    A function that scored none has NaN for both (TRL's nanmean and nanstd; the metrics log writes null)."""
+    m = {}
+    for j, name in enumerate(names):
+        col = per_fn[:, j]
+        seen = col[~np.isnan(col)]
+        m[f"rewards/{name}/mean"] = float(seen.mean()) if len(seen) else float("nan")
+        m[f"rewards/{name}/std"] = float(seen.std(ddof=1)) if len(seen) > 1 else 0.0 if len(seen) else float("nan")
+    return m

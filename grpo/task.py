@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -43,7 +44,7 @@ from grpo import losses
 from grpo.agentic import Agent, Episodes
 from grpo.config import GRPOConfig
 from grpo.reward_model import SharedBase
-from grpo.rewards import RewardFunction, RewardSet, load_rewards
+from grpo.rewards import RewardFunction, RewardSet, load_rewards, reward_metrics
 from grpo.tools import ENVIRONMENT_FIELD, EnvironmentReward, Environments, load_tools
 from pretrain import distributed
 from pretrain.batch import Rollout, RolloutBatch
@@ -69,6 +70,29 @@ from zoo.row_origin import bad_row, row_where
 from zoo.sharding import mesh_context
 
 COMPLETIONS_FILE = "completions.jsonl"
+GREEDY = Sampler(0.0, 0, 1.0)
+
+
+@dataclasses.dataclass
+class Completed:
+    """A batch of prompts completed (:meth:`GRPOTask.complete`): what the rewards read, their scores, and the
+    arrays the update lays out."""
+
+    prompts: list[Any]
+    ids: list[list[int]]
+    texts: list[str]
+    ended: np.ndarray  # [B] the completion (its last turn) ended with EOS
+    per_fn: np.ndarray
+    total: np.ndarray
+    len_h: np.ndarray  # [B] tokens after the prompt (an episode's tools' too)
+    n_model: np.ndarray  # [B] of them the model's
+    episodes: Episodes | None
+    prompt_rows: dict[str, Any]
+    completions: Any
+    lengths: Any
+    sampler_logps: Any
+    model: Any
+    t_gen: float
 SAMPLER_DIFF = "logps/sampler_max_diff"  # max |sampler log p - trainer log p| over the batch's completion tokens
 
 
@@ -273,10 +297,11 @@ class GRPOTask(Task):
         scale = None if lora_cfg is None else lora_scale(lora_cfg)
         self._scale = scale
 
-        def sample(base: dict, lora: dict | None, tokens: jax.Array, seg: jax.Array, step: jax.Array):
+        def sample(base: dict, lora: dict | None, tokens: jax.Array, seg: jax.Array, step: jax.Array,
+                   spec: RolloutSpec = spec, held_out: bool = False):
             # The weights as the train step computes with them: cast to the compute dtype, adapters beside.
             policy = cast_params(base, compute)
-            key = self._rollout_key(step)
+            key = self._rollout_key(step, held_out)
             return sample_group_completions(mcfg, policy, tokens.reshape(b, -1), seg.reshape(b, -1) > 0, spec, key,
                                             lora, scale, mesh=self.mesh)
 
@@ -292,6 +317,11 @@ class GRPOTask(Task):
             return (lp * flat.weights).reshape(shape + lp.shape[1:])
 
         self._sample = jax.jit(sample)
+        # Held-out prompts (grpo/held_out.py): the run's sampling on their own key stream, and greedy, one
+        # completion per prompt (a group of one).
+        self._sample_held_out = jax.jit(partial(sample, held_out=True))
+        self._sample_greedy = jax.jit(partial(sample, spec=RolloutSpec(1, spec.new_tokens, GREEDY, spec.eos_ids),
+                                              held_out=True))
         self._layout = jax.jit(layout, out_shardings=self.sharding)
         beta = float(self.grpo.beta)
         self._reinforce_pp = jax.jit(lambda r, w, kl, group, clip: losses.reinforce_pp_advantages(r, w, kl, beta, group,
@@ -304,9 +334,11 @@ class GRPOTask(Task):
         else:
             self._policy_logps = jax.jit(lambda base, lora, batch: logps(base, batch), out_shardings=self.sharding)
 
-    def _rollout_key(self, step: Any) -> jax.Array:
-        """The sampling key of a step: its own stream (LoRA dropout folds the step into key(seed))."""
-        return jax.random.fold_in(jax.random.fold_in(jax.random.key(self.cfg.seed), 0x67727), step)
+    def _rollout_key(self, step: Any, held_out: bool = False) -> jax.Array:
+        """The sampling key of a step: its own stream (LoRA dropout folds the step into key(seed)); held-out
+        prompts' samples have another, so evaluating never changes what training draws."""
+        root = jax.random.fold_in(jax.random.key(self.cfg.seed), 0x67727)
+        return jax.random.fold_in(jax.random.fold_in(root, 0xE7A1) if held_out else root, step)
 
     # ---- each step: sample, score, lay out -----------------------------------------------------------------
 
@@ -319,44 +351,13 @@ class GRPOTask(Task):
         t0 = time.perf_counter()
         lora = params if self.lora_cfg is not None else None
         base = frozen if self.lora_cfg is not None else params
-        row_h = _to_host(rows["row"])[..., 0].reshape(-1)
-        ds = source.ds
-        records = {int(i): ds[int(i)] for i in np.unique(row_h)}
-        where = lambda r: row_where(source.path, int(row_h[r]))  # noqa: E731
-        episodes: Episodes | None = None
-        model = None
-        if self.agent is None:
-            completions, sampler_logps, lengths = self._sample(base, lora, rows["tokens"], rows["tokens_segment_ids"],
-                                                               np.int32(step))
-            comp_h, len_h = _to_host(completions), _to_host(lengths)
-            t_gen = time.perf_counter() - t0
-            ids = [comp_h[r, :len_h[r]].tolist() for r in range(len(row_h))]
-            texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
-            prompts = [records[int(i)][self.field] for i in row_h]
-            chat = [not isinstance(p, str) for p in prompts]
-            completions_in: list[Any] = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)]
-            ended = np.isin(comp_h[np.arange(len(len_h)), len_h - 1], self.eos_ids)
-            prompt_rows = {"tokens": rows["tokens"], "tokens_segment_ids": rows["tokens_segment_ids"]}
-            n_model = len_h
-        else:  # episodes of several turns with tools (grpo/agentic.py)
-            episodes = self.agent.run(cast(dict, base), lora, self._scale, [records[int(i)] for i in row_h],
-                                      self._rollout_key(step), where)
-            t_gen = time.perf_counter() - t0
-            comp_h, len_h = episodes.tokens, episodes.lengths
-            ids = [comp_h[r, :len_h[r]].tolist() for r in range(len(row_h))]
-            texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
-            prompts, completions_in, ended = episodes.prompts, episodes.completions, episodes.ended
-            shape = self.batch_shape
-            placed = replicated_batch({"tokens": episodes.prompt_tokens.reshape(shape + (-1,)),
-                                       "tokens_segment_ids": episodes.prompt_valid.reshape(shape + (-1,)),
-                                       "completions": comp_h, "sampler_logps": episodes.logps, "lengths": len_h,
-                                       "model": episodes.model}, self.replicated)
-            prompt_rows = {k: placed[k] for k in ("tokens", "tokens_segment_ids")}
-            completions, sampler_logps, lengths, model = (placed[k] for k in ("completions", "sampler_logps",
-                                                                              "lengths", "model"))
-            n_model = episodes.model.sum(1)  # TRL counts the model's tokens only
-        columns = {k: [records[int(i)][k] for i in row_h] for k in ds.column_names if k != self.field}
-        per_fn, total = self.rewards.compute(prompts, completions_in, ids, columns, where)
+        done = self.complete(cast(dict, base), lora, rows, step, source)
+        t_gen = done.t_gen
+        prompts, ids, texts, ended, per_fn, total = (done.prompts, done.ids, done.texts, done.ended, done.per_fn,
+                                                     done.total)
+        prompt_rows, completions, lengths, sampler_logps, model = (done.prompt_rows, done.completions, done.lengths,
+                                                                   done.sampler_logps, done.model)
+        len_h, n_model, episodes = done.len_h, done.n_model, done.episodes
         truncated = ~ended
         trained = ~truncated if g.mask_truncated else np.ones_like(truncated)
         m: dict[str, float] = {}
@@ -405,6 +406,73 @@ class GRPOTask(Task):
         if log and episodes is not None:  # whole episodes: messages, turns, calls and answers
             log = [{**rec, **ep} for rec, ep in zip(log, episodes.records())]
         return Rollout(batch, m, t_gen, t_roll, real * g.num_iterations, log)
+
+    def complete(self, base: dict, lora: Any, rows: dict[str, Any], step: int, source: RowSource,
+                 mode: str = "train") -> Completed:
+        """Complete a batch of prompt rows and score the completions (``mode``: ``train``, the step's own draws;
+        ``held_out``, the run's sampling on the held-out key stream; ``greedy``, one greedy completion per row)."""
+        t0 = time.perf_counter()
+        row_h = _to_host(rows["row"])[..., 0].reshape(-1)
+        ds = source.ds
+        records = {int(i): ds[int(i)] for i in np.unique(row_h)}
+        where = lambda r: row_where(source.path, int(row_h[r]))  # noqa: E731
+        episodes: Episodes | None = None
+        model = None
+        if self.agent is None:
+            sample = {"train": self._sample, "held_out": self._sample_held_out, "greedy": self._sample_greedy}[mode]
+            completions, sampler_logps, lengths = sample(base, lora, rows["tokens"], rows["tokens_segment_ids"],
+                                                         np.int32(step))
+            comp_h, len_h = _to_host(completions), _to_host(lengths)
+            t_gen = time.perf_counter() - t0
+            ids = [comp_h[r, :len_h[r]].tolist() for r in range(len(row_h))]
+            texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+            prompts = [records[int(i)][self.field] for i in row_h]
+            chat = [not isinstance(p, str) for p in prompts]
+            completions_in: list[Any] = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)]
+            ended = np.isin(comp_h[np.arange(len(len_h)), len_h - 1], self.eos_ids)
+            prompt_rows = {"tokens": rows["tokens"], "tokens_segment_ids": rows["tokens_segment_ids"]}
+            n_model = len_h
+        else:  # episodes of several turns with tools (grpo/agentic.py)
+            sampler = GREEDY if mode == "greedy" else None
+            episodes = self.agent.run(base, lora, self._scale, [records[int(i)] for i in row_h],
+                                      self._rollout_key(step, mode != "train"), where, sampler)
+            t_gen = time.perf_counter() - t0
+            comp_h, len_h = episodes.tokens, episodes.lengths
+            ids = [comp_h[r, :len_h[r]].tolist() for r in range(len(row_h))]
+            texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+            prompts, completions_in, ended = episodes.prompts, episodes.completions, episodes.ended
+            shape = self.batch_shape
+            placed = replicated_batch({"tokens": episodes.prompt_tokens.reshape(shape + (-1,)),
+                                       "tokens_segment_ids": episodes.prompt_valid.reshape(shape + (-1,)),
+                                       "completions": comp_h, "sampler_logps": episodes.logps, "lengths": len_h,
+                                       "model": episodes.model}, self.replicated)
+            prompt_rows = {k: placed[k] for k in ("tokens", "tokens_segment_ids")}
+            completions, sampler_logps, lengths, model = (placed[k] for k in ("completions", "sampler_logps",
+                                                                              "lengths", "model"))
+            n_model = episodes.model.sum(1)  # TRL counts the model's tokens only
+        columns = {k: [records[int(i)][k] for i in row_h] for k in ds.column_names if k != self.field}
+        per_fn, total = self.rewards.compute(prompts, completions_in, ids, columns, where)
+        return Completed(prompts, ids, texts, np.asarray(ended), per_fn, total, len_h, np.asarray(n_model), episodes,
+                         prompt_rows, completions, lengths, sampler_logps, model, t_gen)
+
+    def eval_rows(self, source: RowSource | None) -> RowSource:
+        """The rows the held-out prompts come from: data.eval_path's (read once), else the training rows that
+        data.eval_fraction holds out of."""
+        path = self.cfg.data.eval_path
+        if path is None:
+            assert source is not None, "data.eval_fraction holds prompts out of the training rows"
+            return source
+        if getattr(self, "_eval_rows", None) is None:
+            self._eval_rows = self.load(path, self.cfg)
+        return self._eval_rows
+
+    def eval_metrics(self, params: dict, frozen: dict | None, docs: list[Document], source: RowSource | None,
+                     step: int) -> dict[str, float] | None:
+        """The rewards of the held-out prompts (data.eval_path or data.eval_fraction), sampled as the run samples
+        and greedy, under TRL's eval names (grpo/held_out.py)."""
+        from grpo.held_out import held_out_metrics
+
+        return held_out_metrics(self, params, frozen, docs, source, step)
 
     def _estimator_advantages(self, batch: RolloutBatch, per_fn: np.ndarray, total: np.ndarray, old: Any, ref: Any,
                               rows: dict, completions: Any, lengths: Any, sampler_logps: Any,
@@ -509,19 +577,6 @@ class GRPOTask(Task):
             extras["kl"] = Ratio(*losses.masked_mean_sums(sg(terms["kl"]), mask))
         objective = total + (aux["loss"] * n if aux is not None else 0.0)
         return LossOutput(objective, sg(total), n, extras)
-
-
-def reward_metrics(names: list[str], per_fn: np.ndarray) -> dict[str, float]:
-    """Each reward function's mean and std over the batch's completions it scored, under TRL's names
-    ``rewards/{name}/mean`` and ``rewards/{name}/std`` (``per_fn`` [B, F], NaN where a function returned None).
-    A function that scored none has NaN for both (TRL's nanmean and nanstd; the metrics log writes null)."""
-    m = {}
-    for j, name in enumerate(names):
-        col = per_fn[:, j]
-        seen = col[~np.isnan(col)]
-        m[f"rewards/{name}/mean"] = float(seen.mean()) if len(seen) else float("nan")
-        m[f"rewards/{name}/std"] = float(seen.std(ddof=1)) if len(seen) > 1 else 0.0 if len(seen) else float("nan")
-    return m
 
 
 def completion_records(step: int, prompts: list, texts: list[str], ids: list[list[int]], names: list[str],

@@ -28,8 +28,9 @@ class Evaluation(Hook):
 
     def __init__(self, cfg: TrainConfig, data: RunData, micro: int, mesh: jax.sharding.Mesh,
                  eval_fn: Callable[..., LossOutput], batch_of: Callable[[dict], TokenBatch], scored: TrainingEval,
-                 frozen: dict | None, primary: bool):
+                 frozen: dict | None, primary: bool, own: Callable[..., dict[str, float] | None] | None = None):
         self.cfg, self.data, self.micro, self.mesh, self.batch_of = cfg, data, micro, mesh, batch_of
+        self.own = own  # the task's own held-out metrics (Task.eval_metrics), in place of the eval loss
         self.eval_fn, self.scored, self.frozen = eval_fn, scored, frozen
         # A mixture's eval loss per source too (`eval_loss/NAME`), for each source eval set that fills a batch.
         self.eval_sets: dict[str, list[Document]] = {}
@@ -46,7 +47,11 @@ class Evaluation(Hook):
         if not cfg.eval_every or not (info.step % cfg.eval_every == 0 or info.last):
             return
         params = info.state["params"]
-        if self.data.eval_docs:
+        own = self.own(params, self.frozen, self.data.eval_docs, self.data.source, info.step) \
+            if self.own is not None and self.data.eval_docs else None
+        if own is not None:
+            info.record.update(own)
+        elif self.data.eval_docs:
             info.record.update(self.loss(params, self.data.eval_docs))
             for name, docs in self.eval_sets.items():
                 info.record[f"eval_loss/{name}"] = self.loss(params, docs)["eval_loss"]

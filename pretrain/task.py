@@ -200,6 +200,13 @@ class Task:
         a reward model (rm/) swaps the LM head for its score head. Called before :meth:`prepare`."""
         return mcfg, params
 
+    def eval_metrics(self, params: dict, frozen: dict | None, docs: list[Document], source: RowSource | None,
+                     step: int) -> dict[str, float] | None:
+        """The task's own metrics of the held-out documents ``docs`` every ``eval_every`` steps (``params``: the
+        trained weights, ``frozen``: LoRA's base, ``source``: the training rows), or None (the default): the eval
+        loss instead. GRPO's are the held-out prompts' rewards (grpo/held_out.py)."""
+        return None
+
     def adapt_config(self, mcfg: ModelConfig) -> ModelConfig:
         """The config of the model :meth:`adapt_model` would make, read without weights or tokenizer (for
         ``--compile-only``: the shapes only): unchanged by default."""

@@ -102,7 +102,8 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
                                  lora_dropout=lora_cfg.dropout if lora_cfg else 0.0, seed=cfg.seed,
                                  frozen_inputs_sharding=jax.tree.map(lambda x: x.sharding, frozen_inputs))
     evaluation = Evaluation(cfg, data, micro, mesh, partial(eval_fn, frozen=frozen, frozen_inputs=frozen_inputs),
-                            task.batch, TrainingEval(cfg, mcfg, tokenizer, lora_cfg), frozen, primary)
+                            task.batch, TrainingEval(cfg, mcfg, tokenizer, lora_cfg), frozen, primary,
+                            task.eval_metrics)
 
     # A fresh run whose first step fails on the user's inputs (an online task's reward function, say) leaves
     # nothing behind: what it wrote into a folder that held nothing before is removed.
@@ -180,7 +181,7 @@ def _check_data(cfg: TrainConfig, task: Task, data: RunData, micro: int, primary
               f"{what} (data.long_examples)", file=sys.stderr)
     if not task.online:  # an online task's rows are prompts: it makes what trains itself
         preflight.check_first_batch(data.batches, cfg)
-    if data.eval_docs and cfg.eval_every:
+    if data.eval_docs and cfg.eval_every and not task.online:  # an online task's held-out rows are prompts too
         preflight.check_eval(data.eval_docs, cfg, micro, data.packing)
 
 

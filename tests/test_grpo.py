@@ -562,3 +562,41 @@ def test_rloo_step_one_equals_trl_rloo_trainer(setup, tmp_path, monkeypatch):
     assert_same_metrics(got, want, ("loss", "grad_norm", "reward", "reward_std", "frac_reward_zero_std",
                                     "clip_ratio/region_mean"))
     assert_same_change(exported_change(tmp_path / "ours" / "final", setup / "hf", tmp_path / "exp"), trl_change)
+
+
+def test_held_out_rewards_are_logged_and_leave_training_unchanged(setup, tmp_path):
+    """data.eval_path every eval_every steps: TRL's eval names, sampled and greedy. Training draws and learns
+    exactly as without the evaluation (its samples have their own key stream); the last step's greedy reward is
+    low_words of the final model's greedy completions of the held-out prompts, made by `zoo generate`'s decoder
+    (an independent path: eval/generate.py)."""
+    import zoo
+    from eval.generate import greedy_batch
+    from grpo.task import GRPOTask
+    from pretrain.trainer import train
+    from tests.helpers import write_jsonl
+
+    held = [{"prompt": " ".join(WORDS[i:i + 3])} for i in range(0, 15, 3)]  # 5 prompts: a padded last batch
+    write_jsonl(tmp_path / "held.jsonl", held)
+    plain = _cfg(setup, tmp_path / "plain", "max_steps=2")
+    train(plain, task=GRPOTask(plain), progress=False)
+    cfg = _cfg(setup, tmp_path / "eval", "max_steps=2", f"data.eval_path={tmp_path / 'held.jsonl'}", "eval_every=1")
+    train(cfg, task=GRPOTask(cfg), progress=False)
+    timing = ("step_time", "tokens_per_sec", "rollout_tokens_per_sec", "train_tokens_per_sec", "generation_share")
+    with_eval = _metrics(tmp_path / "eval")
+    for a, b in zip(_metrics(tmp_path / "plain"), with_eval):
+        assert {k: v for k, v in a.items() if k not in timing} == \
+            {k: v for k, v in b.items() if k not in timing and not k.startswith("eval_")}
+    last = with_eval[-1]
+    for prefix in ("eval_", "eval_greedy_"):
+        assert {f"{prefix}reward", f"{prefix}reward_std", f"{prefix}rewards/low_words/mean",
+                f"{prefix}completions/mean_length", f"{prefix}completions/clipped_ratio"} <= set(last)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(setup / "tok"))
+    model = zoo.load(tmp_path / "eval" / "final", dtype=np.float32)
+    prompts = [tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in held]
+    outs = greedy_batch(model, prompts, 6, {tok.eos_token_id})
+    texts = tok.batch_decode(outs, skip_special_tokens=True)
+    want = [sum(w in LOW for w in t.split()) / max(len(o), 1) for t, o in zip(texts, outs)]
+    assert last["eval_greedy_reward"] == pytest.approx(float(np.mean(want)), abs=1e-6)
+    assert last["eval_greedy_completions/mean_length"] == pytest.approx(np.mean([len(o) for o in outs]))

@@ -482,8 +482,9 @@ def test_the_laid_out_batch_weighs_only_the_models_tokens():
 @pytest.mark.slow
 def test_kill_and_resume_with_tools_is_bit_identical(tiny_lm, tmp_path):
     """A model that ends a turn after a few sampled tokens (the end-of-turn token about a third of the time), a
-    tool called every turn: killed (SIGKILL) after step 2's checkpoint and resumed, the run's metrics,
-    completions.jsonl (whole episodes) and final adapters equal those of a run never stopped.
+    tool called every turn: killed (SIGKILL) after step 2's checkpoint and resumed, the run's metrics (the
+    held-out prompts' rewards and episodes at steps 2 and 4 among them), completions.jsonl (whole episodes) and
+    final adapters equal those of a run never stopped.
     Slow: `grpo train` in subprocesses."""
     import os
     import signal
@@ -498,12 +499,14 @@ def test_kill_and_resume_with_tools_is_bit_identical(tiny_lm, tmp_path):
 
     root = _ending_model(tiny_lm, tmp_path / "model", 1.0)
     write_jsonl(tmp_path / "p.jsonl", [{"prompt": [{"role": "user", "content": w}]} for w in ("a", "b", "c")])
+    write_jsonl(tmp_path / "held.jsonl", [{"prompt": [{"role": "user", "content": w}]} for w in ("d", "e", "f")])
     args = lambda out: ["train", f"model.path={root / 'zoo'}", f"model.tokenizer={tiny_lm / 'tok'}",  # noqa: E731
                         f"data.path={tmp_path / 'p.jsonl'}", f"data.chat_template={TEMPLATES / 'qwen2.5.jinja'}",
                         "data.seq_len=160", "batch_size=4", "grpo.num_generations=2", "grpo.max_completion_length=60",
                         f"grpo.tools=[{root / 'tools.py'}:add]", f"grpo.tool_parser={root / 'tools.py'}:always_add",
                         f"grpo.rewards=[{root / 'tools.py'}:one]", "grpo.max_turns=3", "lora.rank=2",
                         "grpo.log_completions_every=1", "checkpoint.every=2", "max_steps=4", "log_every=1",
+                        f"data.eval_path={tmp_path / 'held.jsonl'}", "eval_every=2",
                         "optimizer.learning_rate=3e-2", f"output_dir={out}"]
     assert main(args(tmp_path / "whole")) == 0
     out = tmp_path / "killed"
@@ -516,6 +519,9 @@ def test_kill_and_resume_with_tools_is_bit_identical(tiny_lm, tmp_path):
     mb = [{k: v for k, v in m.items() if k not in skip} for m in read_metrics(out)]
     assert ma == mb and len(ma) == 4
     assert sum(m["tool_calls"] for m in ma) > 4 and len({m["completions/mean_length"] for m in ma}) > 1
+    for m in ma[1::2]:  # the held-out prompts' rewards and episodes at steps 2 and 4, equal across the resume
+        assert {"eval_reward", "eval_greedy_reward", "eval_num_turns", "eval_tool_calls",
+                "eval_greedy_tools/call_frequency", "eval_rewards/one/mean"} <= set(m)
     assert (tmp_path / "whole" / "completions.jsonl").read_text() == (out / "completions.jsonl").read_text()
     a = zoo.load(tmp_path / "whole" / "final", dtype=np.float32).param_dict()
     b = zoo.load(out / "final", dtype=np.float32).param_dict()

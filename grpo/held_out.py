@@ -1,0 +1,105 @@
+"""The reward on held-out prompts while GRPO trains, to catch reward hacking (TRL's eval loop, trl#2959).
+
+Every ``eval_every`` steps (and at the last) the prompts of ``data.eval_path`` (or the ``data.eval_fraction``
+held out of ``data.path``) are completed twice with the current policy and scored by the run's rewards:
+
+- with the run's sampling, ``grpo.num_generations`` completions per prompt, logged under TRL's eval names:
+  ``eval_reward``, ``eval_reward_std`` (the mean of the groups' standard deviations, as ``reward_std``),
+  ``eval_rewards/<function>/mean`` and ``/std``, ``eval_completions/mean_length`` (the model's tokens),
+  ``eval_completions/clipped_ratio`` and, with tools, ``eval_num_turns``, ``eval_tool_calls``,
+  ``eval_tool_failures``, ``eval_tools/call_frequency``, ``eval_tools/failure_frequency``;
+- greedy, one completion per prompt: the same names under ``eval_greedy_`` (its ``reward_std`` is over the
+  prompts).
+
+The samples use a key stream of their own, folded from the run's seed and the step, so evaluating changes nothing
+that training draws, and a resumed run evaluates exactly as a run never stopped. The prompts are completed in
+batches of the train step's shape (the sampler compiled for training is reused; greedy compiles once more); the
+last batch is filled with copies of its last prompt, which are not counted. Every held-out prompt is used each
+time: keep the held-out set as small as the signal allows.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, cast
+
+import numpy as np
+
+from grpo.config import GRPOConfig
+from grpo.rewards import RewardSet, reward_metrics
+from pretrain.task import RowSource
+from zoo.batching import Document, replicated_batch
+from zoo.lora import LoraConfig
+
+
+class Completes(Protocol):
+    """What of :class:`grpo.task.GRPOTask` the held-out evaluation reads (the task imports this module)."""
+
+    cfg: GRPOConfig
+    lora_cfg: LoraConfig | None
+    batch_shape: tuple[int, int]
+    group_size: int
+    replicated: Any
+    rewards: RewardSet
+
+    def eval_rows(self, source: RowSource | None) -> RowSource: ...
+
+    def complete(self, base: dict, lora: Any, rows: dict[str, Any], step: int, source: RowSource,
+                 mode: str = "train") -> Any: ...
+
+
+def _std(x: np.ndarray) -> float:
+    return float(x.std(ddof=1)) if len(x) > 1 else 0.0
+
+
+def held_out_metrics(task: Completes, params: dict, frozen: dict | None, docs: list[Document],
+                     source: RowSource | None, step: int) -> dict[str, float]:
+    """The held-out prompts' metrics at ``step`` (module docstring); ``source``: the training rows (what
+    ``data.eval_fraction`` holds out of), ``docs``: the held-out prompts' documents."""
+    cfg = task.cfg
+    rows_source = task.eval_rows(source)
+    lora = params if task.lora_cfg is not None else None
+    base = frozen if task.lora_cfg is not None else params
+    shape = task.batch_shape
+    b = shape[0] * shape[1]
+    width = cfg.data.seq_len + 1
+    out: dict[str, float] = {}
+    for mode, group, prefix in (("held_out", task.group_size, "eval_"), ("greedy", 1, "eval_greedy_")):
+        per = b // group
+        totals, per_fns, lengths, ended, episodes = [], [], [], [], []
+        for start in range(0, len(docs), per):
+            chunk = docs[start:start + per]
+            n = len(chunk)
+            chunk = chunk + [chunk[-1]] * (per - n)
+            tokens = np.zeros((b, width), np.int32)
+            seg = np.zeros((b, width), np.int32)
+            row = np.zeros((b, width), np.int32)
+            for k, d in enumerate(chunk):
+                ids = d["tokens"]
+                for j in range(k * group, (k + 1) * group):
+                    tokens[j, :len(ids)], seg[j, :len(ids)], row[j] = ids, 1, int(d["row"][0])
+            placed = replicated_batch({"tokens": tokens.reshape(shape + (width,)),
+                                       "tokens_segment_ids": seg.reshape(shape + (width,)),
+                                       "row": row.reshape(shape + (width,))}, task.replicated)
+            done = task.complete(cast(dict, base), lora, placed, step, rows_source, mode)
+            keep = n * group
+            totals.append(done.total[:keep])
+            per_fns.append(done.per_fn[:keep])
+            lengths.append(done.n_model[:keep])
+            ended.append(done.ended[:keep])
+            if done.episodes is not None:
+                episodes += done.episodes.episodes[:keep]
+        total, per_fn = np.concatenate(totals), np.concatenate(per_fns)
+        m: dict[str, Any] = {
+            "reward": float(total.mean()),
+            "reward_std": (float(np.mean([_std(x) for x in total.reshape(-1, group)])) if group > 1
+                           else _std(total)),
+            "completions/mean_length": float(np.concatenate(lengths).mean()),
+            "completions/clipped_ratio": float(1.0 - np.concatenate(ended).mean()),
+            **reward_metrics(task.rewards.names, per_fn),
+        }
+        if episodes:
+            from grpo.agentic import episode_metrics
+
+            m.update(episode_metrics(episodes))
+        out.update({prefix + k: v for k, v in m.items()})
+    return out
