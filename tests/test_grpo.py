@@ -564,6 +564,7 @@ def test_rloo_step_one_equals_trl_rloo_trainer(setup, tmp_path, monkeypatch):
     assert_same_change(exported_change(tmp_path / "ours" / "final", setup / "hf", tmp_path / "exp"), trl_change)
 
 
+@pytest.mark.slow
 def test_held_out_rewards_are_logged_and_leave_training_unchanged(setup, tmp_path):
     """data.eval_path every eval_every steps: TRL's eval names, sampled and greedy. Training draws and learns
     exactly as without the evaluation (its samples have their own key stream); the last step's greedy reward is

@@ -398,6 +398,7 @@ def _grpo_cfg(root, tok_dir, out, *overrides):
                               f"output_dir={out}", *overrides], GRPOConfig)
 
 
+@pytest.mark.slow
 def test_grpo_train_with_tools_masks_the_answers_and_logs_whole_episodes(eager, tmp_path):
     """`grpo train` with grpo.tools and a parser that reads every turn as add(2, 3): each episode is three turns
     (max_turns) of one end-of-turn token, two calls and their answers between them, rendered by the template.
@@ -427,6 +428,7 @@ def test_grpo_train_with_tools_masks_the_answers_and_logs_whole_episodes(eager, 
         assert "<tool_response>\n5\n</tool_response>" in r["completion"]
 
 
+@pytest.mark.slow
 def test_grpo_train_with_an_environment_resets_scores_and_counts(eager, tmp_path):
     """grpo.environment: one Counter per rollout, reset from its row (its text appended to the user's
     message), its bump method the model's tool, its get_reward a reward source named Counter."""
