@@ -9,7 +9,9 @@ position and multi-process plumbing apply unchanged. Each step
 1. samples one completion per row with the current policy (eval/rollout.py:
    the prompt prefilled once per group, one fixed-shape decoding program;
    LoRA adapters beside the base matmuls, as in training), with a key from the seed and
-   the step, so a resumed run draws what the uninterrupted run drew;
+   the step, so a resumed run draws what the uninterrupted run drew; with
+   ``grpo.tools`` or ``grpo.environment`` one episode of several turns per row
+   instead (grpo/agentic.py), the tools' tokens masked out of what trains;
 2. decodes them and calls the reward functions (grpo/rewards.py) on every
    process, for the whole batch;
 3. computes group-relative advantages (grpo/losses.py) and lays out prompt +
@@ -22,7 +24,8 @@ The loop then makes ``num_iterations`` optimizer updates on that batch; the
 loss (:meth:`GRPOTask.loss_sums`) is the clipped surrogate with the k3 KL,
 normalized as ``loss_type`` says through :class:`pretrain.metrics.Ratio` metrics, so
 ``grad_accum`` and the mesh change nothing (``bnpo`` excepted: it normalizes
-per micro-batch, as TRL's per-device batch does).
+per micro-batch, as TRL's per-device batch does). Every ``eval_every`` steps the
+held-out prompts are completed and scored (grpo/held_out.py).
 """
 
 from __future__ import annotations
