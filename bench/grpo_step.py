@@ -50,6 +50,18 @@ steps/s, rollout tokens/s, train tokens/s and generation share (medians over the
 largest over rounds), the mean completion length and reward, trainable parameters; the lmzoo / TRL ratios per
 round and over all rounds.
 
+Multi-turn (``--calculator``): the calculator example's episodes (examples/agents/) on both sides. The prompts
+are examples/agents/data/train.jsonl (run examples/agents/make_problems.py first), rendered by Qwen 2.5's chat
+template (TRL's ``qwen2_5_chat_template``, the one tool template TRL can parse for a ChatML tokenizer; set on
+both sides). The environment is examples/agents/calculator.py's ``calculator``: lmzoo's ``grpo.environment``,
+TRL's ``environment_factory``. Up to 3 assistant turns (lmzoo ``grpo.max_turns: 3``, TRL
+``max_tool_calling_iterations=2``), and ``--new-tokens`` for the whole episode on both sides. ``--model`` is
+the zoo checkpoint both start from (default: the bundled SmolLM2), e.g. the example's warm start
+runs/calc-sft/final, whose episodes call the calculator; TRL gets its ``zoo export``. TRL's generation time
+sums its turns::
+
+    python bench/grpo_step.py --calculator --model runs/calc-sft/final --prompts 4 --rounds 1 --steps 2 --warmup 1
+
 Targets:
 
 - lmzoo step throughput (steps/s) >= 1.5 x TRL's GRPOTrainer;
@@ -127,13 +139,31 @@ def write_prompts(path: Path, n_rows: int) -> None:
             f.write(json.dumps({"prompt": [{"role": "user", "content": q}], "answer": str(ans)}) + "\n")
 
 
-def prompt_lengths(path: Path, tokenizer) -> list[int]:
-    """Each row's prompt in tokens, rendered with the tokenizer's chat template and the generation prompt."""
+def prompt_lengths(path: Path, tokenizer, tools: list | None = None) -> list[int]:
+    """Each row's prompt in tokens, rendered with the tokenizer's chat template and the generation prompt (with
+    ``tools``: Qwen 2.5's template, describing them, as the calculator mode renders it)."""
     out = []
+    extra = {"tools": tools, "chat_template": QWEN_TEMPLATE.read_text()} if tools else {}
     for line in path.read_text().splitlines():
-        text = tokenizer.apply_chat_template(json.loads(line)["prompt"], add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(json.loads(line)["prompt"], add_generation_prompt=True, tokenize=False,
+                                             **extra)
         out.append(len(tokenizer(text, add_special_tokens=False)["input_ids"]))
     return out
+
+
+AGENTS = REPO / "examples" / "agents"
+QWEN_TEMPLATE = REPO / "tests" / "data" / "chat_templates" / "qwen2.5.jinja"  # TRL's qwen2_5_chat_template
+
+
+def _calculator_factory():
+    """examples/agents/calculator.py's factory (the TRL side's environment_factory)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_calculator", AGENTS / "calculator.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.calculator
 
 
 def run_lmzoo(ckpt: str, data: str, seq_len: int, args: argparse.Namespace) -> dict:
@@ -159,6 +189,8 @@ def run_lmzoo(ckpt: str, data: str, seq_len: int, args: argparse.Namespace) -> d
             "optimizer.grad_clip=1.0",  # TRL's (transformers') AdamW and max_grad_norm
             "schedule.name=constant", "schedule.warmup_steps=0", f"remat={args.remat}", "log_every=1",
             "eval_every=0", f"checkpoint.every={10 * steps}", "checkpoint.keep=1", f"output_dir={out}", "seed=0",
+            *([f"grpo.environment={AGENTS / 'calculator.py'}:calculator", "grpo.max_turns=3",
+               f"data.chat_template={QWEN_TEMPLATE}"] if args.calculator else []),
         ], GRPOConfig)
         t0 = time.perf_counter()
         train(cfg, progress=False, task=GRPOTask(cfg))
@@ -191,6 +223,8 @@ def run_trl(hf_dir: str, ckpt: str, data: str, args: argparse.Namespace) -> dict
     # loaded with gguf_file= (it counts as quantized), and this way both sides start from the same float32 weights.
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(str(Path(ckpt) / "tokenizer"))  # the tokenizer the lmzoo side uses
+    if args.calculator:
+        tok.chat_template = QWEN_TEMPLATE.read_text()
     ds = Dataset.from_list([json.loads(x) for x in Path(data).read_text().splitlines()])
     steps: list[dict] = []  # per optimizer step: its time, generation time and tokens
     history: list[dict] = []  # TRL's logged metrics, one dict per step
@@ -218,11 +252,13 @@ def run_trl(hf_dir: str, ckpt: str, data: str, args: argparse.Namespace) -> dict
             learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, adam_beta1=0.9, adam_beta2=0.999,
             adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0, max_steps=args.warmup + args.steps,
             gradient_checkpointing=args.remat != "none", logging_steps=1, report_to=[], save_strategy="no",
-            dataloader_num_workers=0, disable_dropout=True, log_completions=False)
+            dataloader_num_workers=0, disable_dropout=True, log_completions=False,
+            **({"max_tool_calling_iterations": 2} if args.calculator else {}))
         peft_cfg = LoraConfig(r=args.rank, lora_alpha=args.alpha, target_modules=list(TARGETS), lora_dropout=0.0,
                               task_type="CAUSAL_LM")
+        env = {"environment_factory": _calculator_factory()} if args.calculator else {}
         trainer = GRPOTrainer(model=model, reward_funcs=number_reward, args=cfg, train_dataset=ds,
-                              processing_class=tok, peft_config=peft_cfg, callbacks=[Timer()])
+                              processing_class=tok, peft_config=peft_cfg, callbacks=[Timer()], **env)
         generate = trainer._generate_single_turn  # the rollouts: pad the prompts, model.generate, cut at EOS
 
         def timed_generate(prompt_ids, *a, **kw):
@@ -239,7 +275,7 @@ def run_trl(hf_dir: str, ckpt: str, data: str, args: argparse.Namespace) -> dict
         total = time.perf_counter() - t0
         n_trainable = sum(q.numel() for q in trainer.model.parameters() if q.requires_grad)
     if len(steps) != args.warmup + args.steps or any(s["gen_s"] <= 0 for s in steps):
-        raise SystemExit(f"TRL: expected {args.warmup + args.steps} steps, each generating once; got {steps}")
+        raise SystemExit(f"TRL: expected {args.warmup + args.steps} steps, each generating; got {steps}")
     w = args.warmup
     col = lambda key: [x.get(key) for x in history]  # noqa: E731
     return {"times": [s["time"] for s in steps][w:], "warmup_s": [s["time"] for s in steps][:w],
@@ -261,7 +297,8 @@ def _child(which: str, args: argparse.Namespace, paths: dict, seq_len: int) -> d
     cmd = [sys.executable, os.path.abspath(__file__), "--child", which, "--ckpt", paths["ckpt"], "--hf", paths["hf"],
            "--data", paths["data"], "--seq-len", str(seq_len), "--prompts", str(args.prompts),
            "--generations", str(args.generations), "--new-tokens", str(args.new_tokens), "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--rank", str(args.rank), "--alpha", str(args.alpha), "--remat", args.remat]
+           "--warmup", str(args.warmup), "--rank", str(args.rank), "--alpha", str(args.alpha), "--remat", args.remat,
+           *(["--calculator"] if args.calculator else [])]
     return run_child(cmd, NAMES[which], 12)
 
 
@@ -305,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="lmzoo's `remat` setting (default full, as bench/dpo_step.py); TRL's "
                          "gradient_checkpointing is on unless none")
     ap.add_argument("--side", choices=SIDES, help="run this side only (no ratios, no targets)")
+    ap.add_argument("--calculator", action="store_true",
+                    help="multi-turn: the calculator example's environment and prompts on both sides")
+    ap.add_argument("--model", help="the zoo checkpoint both sides start from (default: the bundled SmolLM2)")
     ap.add_argument("--out", "--json", dest="out", type=Path, help="also write the result JSON here")
     ap.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
     ap.add_argument("--seq-len", type=int, help=argparse.SUPPRESS)
@@ -333,12 +373,22 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         paths = {"ckpt": str(Path(tmp) / "smol"), "hf": str(Path(tmp) / "smol_hf"),
                  "data": str(Path(tmp) / "prompts.jsonl")}
-        convert(str(bundled_gguf()), paths["ckpt"], progress=False)
+        if args.model:
+            paths["ckpt"] = str(Path(args.model).expanduser().absolute())
+        else:
+            convert(str(bundled_gguf()), paths["ckpt"], progress=False)
         if "trl" in sides:
             export(paths["ckpt"], paths["hf"], progress=False)  # TRL's side: the same float32 weights as safetensors
-        # Enough prompts for every step of a side (no epoch boundary inside the timed steps).
-        write_prompts(Path(paths["data"]), max(256, args.prompts * (args.warmup + args.steps)))
-        lengths = prompt_lengths(Path(paths["data"]), load_tokenizer(paths["ckpt"]))
+        tools = None
+        if args.calculator:
+            import shutil
+
+            shutil.copyfile(AGENTS / "data" / "train.jsonl", paths["data"])
+            tools = [_calculator_factory()().calculate]
+        else:
+            # Enough prompts for every step of a side (no epoch boundary inside the timed steps).
+            write_prompts(Path(paths["data"]), max(256, args.prompts * (args.warmup + args.steps)))
+        lengths = prompt_lengths(Path(paths["data"]), load_tokenizer(paths["ckpt"]), tools)
         seq_len = -(-max(lengths) // 16) * 16  # lmzoo's data.seq_len: the longest prompt, rounded up
         for rnd in range(args.rounds):
             order = sides[rnd % len(sides):] + sides[:rnd % len(sides)]
@@ -362,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{_fmt(r['median_generation_share'], '.2f', 10)}{r['peak_rss_bytes'] / 2**30:>7.2f} GiB"
               f"{_fmt(r['mean_completion_length'], '.1f', 10)}{_fmt(r['mean_reward'], '.3f', 8)}{n:>11}")
 
-    result = {"benchmark": "grpo_step", "remat": args.remat, "prompts": args.prompts, "generations": args.generations,
+    result = {"benchmark": "grpo_step", "calculator": args.calculator, "model": args.model, "remat": args.remat, "prompts": args.prompts, "generations": args.generations,
               "completions": completions, "new_tokens": args.new_tokens, "prompt_tokens": [min(lengths), max(lengths)],
               "lmzoo_seq_len": seq_len, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
               "rank": args.rank, "alpha": args.alpha, "lr": LR, "targets": list(TARGETS), "cpus": os.cpu_count(),
