@@ -121,7 +121,10 @@ class Agent:
             if prompt is None and self.environments is not None:
                 prompt = [{"role": "user", "content": ""}]  # TRL: an environment may supply the whole prompt
             if self.environments is not None:
-                obs = self.environments.reset(instances[i], row)
+                try:
+                    obs = self.environments.reset(instances[i], row)
+                except UserError as err:
+                    raise UserError(f"{err} on {where(i)}") from None
                 if isinstance(obs, str) and isinstance(prompt, list) and prompt:
                     prompt = prompt[:-1] + [{**prompt[-1], "content": str(prompt[-1].get("content", "")) + obs}]
             fns = self.tool_functions(instances[i], names[i] if names else None)

@@ -92,6 +92,20 @@ def call_id(n: int) -> str:
     return f"call{n:05d}"
 
 
+def _parse(parser: Callable[[str], ParsedTurn], text: str) -> ParsedTurn:
+    """A turn read by ``parser``; a parser that raises or returns something else is the config's error, in one
+    line (a shipped parser never raises: what it cannot read is a malformed call)."""
+    try:
+        parsed = parser(text)
+    except Exception as e:  # noqa: BLE001 - a user's parser (grpo.tool_parser: file.py:function)
+        raise UserError(f"grpo.tool_parser {getattr(parser, '__name__', parser)} raised {type(e).__name__}: "
+                        f"{' '.join(str(e).split())[:300]} on the turn {text[:80]!r}") from e
+    if not isinstance(parsed, ParsedTurn):
+        raise UserError(f"grpo.tool_parser {getattr(parser, '__name__', parser)} returned a "
+                        f"{type(parsed).__name__}; return grpo.tool_calls.ParsedTurn(content, calls, errors)")
+    return parsed
+
+
 def _message(parsed: ParsedTurn, calls: list[ToolCall], ids: list[str]) -> dict[str, Any]:
     msg: dict[str, Any] = {"role": "assistant", "content": parsed.content}
     if calls:
@@ -120,7 +134,7 @@ def run_episodes(decoder: TurnDecoder, prompts: list[list[int]], width: int, too
             ep.add(toks, logps[r], True)
             ended = bool(toks) and toks[-1] in s.eos_ids
             ep.ended = ended
-            parsed = s.parser(s.decode(toks[:-1] if ended else toks))
+            parsed = _parse(s.parser, s.decode(toks[:-1] if ended else toks))
             calls = list(parsed.calls)
             ids = [c.id or call_id(ep.tool_calls + k + 1) for k, c in enumerate(calls)]
             message = _message(parsed, calls, ids)

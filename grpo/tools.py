@@ -153,7 +153,11 @@ class Environments:
     def reset(self, instance: Any, row: Mapping[str, Any]) -> Any:
         """``instance.reset(**row)`` (the dict form leaves out the ``environment`` column); its observation."""
         args = {k: v for k, v in row.items() if not (self.multi and k == ENVIRONMENT_FIELD)}
-        return instance.reset(**args)
+        try:
+            return instance.reset(**args)
+        except Exception as e:  # noqa: BLE001 - the user's environment: one line, naming it
+            raise UserError(f"grpo.environment: {type(instance).__name__}.reset raised {type(e).__name__}: "
+                            f"{' '.join(str(e).split())[:300]}") from e
 
 
 class EnvironmentReward:
@@ -169,7 +173,11 @@ class EnvironmentReward:
         envs = self.environments.batch
         if len(envs) != len(completions):
             raise RuntimeError("EnvironmentReward: the rollout's environments are not this batch's")
-        return [cast(Any, e).get_reward() if type(e) is self.cls else None for e in envs]
+        try:
+            return [cast(Any, e).get_reward() if type(e) is self.cls else None for e in envs]
+        except Exception as e:  # noqa: BLE001 - the user's environment: one line, naming it
+            raise UserError(f"grpo.environment: {self.cls.__name__}.get_reward raised {type(e).__name__}: "
+                            f"{' '.join(str(e).split())[:300]}") from e
 
 
 @dataclass

@@ -597,3 +597,41 @@ def test_the_dict_form_picks_each_rows_environment(tmp_path):
     assert first[0].count == 3
     with pytest.raises(UserError, match="environment 'maze' is none of grpo.environment's"):
         envs.pick({"environment": "maze"}, "row 3")
+
+
+def test_a_broken_parser_or_environment_is_one_line(tok, tmp_path):
+    """A user's parser that raises or returns something else, an environment whose reset or get_reward raises:
+    one-line errors naming them (a tool that raises is the model's feedback; these are the config's bugs)."""
+    import dataclasses
+
+    from grpo.tools import EnvironmentReward, Environments
+
+    source = (TEMPLATES / "qwen2.5.jinja").read_text()
+    s, (eos,) = _settings(tok, source)
+    prompt = _ids(tok, "hi")
+
+    def boom(text):
+        raise KeyError("calls")
+
+    for parser, message in ((boom, "grpo.tool_parser boom raised KeyError: 'calls' on the turn 'ok'"),
+                            (lambda text: [], "returned a list; return grpo.tool_calls.ParsedTurn")):
+        with pytest.raises(UserError) as e:
+            run_episodes(Scripted([[_ids(tok, "ok") + [eos]]]), [prompt], len(prompt), [{}],
+                         dataclasses.replace(s, parser=parser))
+        assert message in str(e.value) and "\n" not in str(e.value)
+
+    (tmp_path / "envs.py").write_text(
+        "class Bad:\n"
+        "    def reset(self, **row):\n"
+        "        if row.get('fail'):\n"
+        "            raise ValueError('no such level')\n"
+        "    def get_reward(self):\n"
+        "        return 1 / 0\n"
+        "def bad():\n"
+        "    return Bad()\n")
+    envs = Environments(f"{tmp_path / 'envs.py'}:bad")
+    (inst,) = envs.draw([None])
+    with pytest.raises(UserError, match=r"^grpo.environment: Bad.reset raised ValueError: no such level$"):
+        envs.reset(inst, {"fail": True})
+    with pytest.raises(UserError, match=r"^grpo.environment: Bad.get_reward raised ZeroDivisionError"):
+        EnvironmentReward(envs, type(inst))(["p"], ["c"])
