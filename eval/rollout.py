@@ -47,10 +47,11 @@ def _repeat_rows(cache: Cache, g: int) -> Cache:
     return Cache(layers, jnp.repeat(cache.lengths, g, axis=0))
 
 
-def _draw(logits: jax.Array, key: jax.Array, spec: RolloutSpec) -> tuple[jax.Array, jax.Array]:
-    """(next token [b], its log-probability [b] under softmax(logits / temperature)) from logits [b, vocab]."""
-    tok = sample_next(logits, key, spec.sampler)
-    temperature = spec.sampler.temperature if spec.sampler.temperature > 0 else 1.0  # greedy: the plain softmax
+def draw(logits: jax.Array, key: jax.Array, sampler: Sampler) -> tuple[jax.Array, jax.Array]:
+    """(next token [b], its log-probability [b] under softmax(logits / temperature)) from logits [b, vocab]: the
+    distribution the trainer computes (greedy: the plain softmax's)."""
+    tok = sample_next(logits, key, sampler)
+    temperature = sampler.temperature if sampler.temperature > 0 else 1.0
     logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
     return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
 
@@ -85,7 +86,7 @@ def sample_group_completions(cfg: ModelConfig, params: dict, tokens: jax.Array, 
         cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cfg, b, p + t, mesh))
     eos = jnp.asarray(spec.eos_ids or (-1,), jnp.int32)
 
-    tok, logp = _draw(logits, jax.random.fold_in(key, 0), spec)
+    tok, logp = draw(logits, jax.random.fold_in(key, 0), spec.sampler)
     out = jnp.zeros((b, t), jnp.int32).at[:, 0].set(tok)
     out_logp = jnp.zeros((b, t), jnp.float32).at[:, 0].set(logp)
     done = jnp.isin(tok, eos)
@@ -97,7 +98,7 @@ def sample_group_completions(cfg: ModelConfig, params: dict, tokens: jax.Array, 
     def step(carry):
         i, tok, cache, out, out_logp, done = carry
         logits, cache = forward_step(cfg, params, tok[:, None], cache, **adapters)
-        nxt, logp = _draw(logits[:, 0], jax.random.fold_in(key, i), spec)
+        nxt, logp = draw(logits[:, 0], jax.random.fold_in(key, i), spec.sampler)
         # Rows that have ended keep decoding (one shape for all) but write nothing.
         nxt, logp = jnp.where(done, 0, nxt), jnp.where(done, 0.0, logp)
         out = jax.lax.dynamic_update_slice(out, nxt[:, None], (0, i))

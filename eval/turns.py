@@ -26,20 +26,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.generate import Sampler, sample_next
+from eval.generate import Sampler
+from eval.rollout import draw
 from zoo.config import ModelConfig
 from zoo.decode import Cache, forward_step, init_cache
 from zoo.quant import cast_params
 
 EXTEND_BUCKET = 16
-
-
-def _draw(logits: jax.Array, key: jax.Array, sampler: Sampler) -> tuple[jax.Array, jax.Array]:
-    """(next token [b], its log-probability [b] under softmax(logits / temperature)): rollout's rule."""
-    tok = sample_next(logits, key, sampler)
-    temperature = sampler.temperature if sampler.temperature > 0 else 1.0
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
-    return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
 
 
 # The weights are cast to the compute dtype inside each program (``compute``, static), as the train step casts
@@ -64,7 +57,7 @@ def _turn(cfg: ModelConfig, compute: Any, params: dict, cache: Cache, logits: ja
     b = logits.shape[0]
     eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
     stopped = ~active | (room <= 0)
-    tok, logp = _draw(logits, jax.random.fold_in(key, 0), sampler)
+    tok, logp = draw(logits, jax.random.fold_in(key, 0), sampler)
     out = jnp.zeros((b, budget), jnp.int32).at[:, 0].set(jnp.where(stopped, 0, tok))
     out_logp = jnp.zeros((b, budget), jnp.float32).at[:, 0].set(jnp.where(stopped, 0.0, logp))
     n = jnp.where(stopped, 0, 1)
@@ -79,7 +72,7 @@ def _turn(cfg: ModelConfig, compute: Any, params: dict, cache: Cache, logits: ja
         # A row that has stopped is fed nothing: its cache keeps its conversation exactly.
         logits, cache = forward_step(cfg, params, tok[:, None], cache, (~done)[:, None], lora=lora,
                                      lora_scale=lora_scale)
-        nxt, lp = _draw(logits[:, 0], jax.random.fold_in(key, i), sampler)
+        nxt, lp = draw(logits[:, 0], jax.random.fold_in(key, i), sampler)
         out = jax.lax.dynamic_update_slice(out, jnp.where(done, 0, nxt)[:, None], (0, i))
         out_logp = jax.lax.dynamic_update_slice(out_logp, jnp.where(done, 0.0, lp)[:, None], (0, i))
         n = jnp.where(done, n, i + 1)

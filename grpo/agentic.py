@@ -99,6 +99,21 @@ class Agent:
         own = [getattr(instance, m) for m in self.environments.tool_names(name)] if self.environments else []
         return [*self.tools, *own]
 
+    def prompt_of(self, row: dict[str, Any]) -> Any:
+        """A row's prompt; with an environment it may be absent (TRL: an empty user message, which the
+        environment's ``reset`` text fills)."""
+        prompt = row.get(self.cfg.data.prompt_field)
+        if prompt is None and self.environments is not None:
+            prompt = [{"role": "user", "content": ""}]
+        return prompt
+
+    def document_ids(self, row: dict[str, Any], where: str) -> list[int]:
+        """A row's prompt ids as its documents hold them (before any rollout): rendered with the tools of its
+        environment's probed instance (an environment's ``reset`` text is added per rollout)."""
+        name = self.environments.pick(row, where) if self.environments else None
+        instance = self.environments.kinds[name].pool[0] if self.environments else None
+        return self.prompt_ids(self.prompt_of(row), self.tool_functions(instance, name))
+
     def prompt_ids(self, prompt: Any, tools: list[Callable]) -> list[int]:
         """A prompt's ids, rendered with ``tools`` and its generation prompt, cut to its last ``data.seq_len``."""
         if not (isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt)):
@@ -112,14 +127,11 @@ class Agent:
             where: Callable[[int], str], sampler: Sampler | None = None) -> Episodes:
         """The episodes of a step's rollouts (``rows``: each rollout's dataset row, G in a row per prompt);
         ``sampler``: another sampling than the run's (greedy, for held-out prompts)."""
-        field = self.cfg.data.prompt_field
         names = [self.environments.pick(r, where(i)) for i, r in enumerate(rows)] if self.environments else []
         instances = self.environments.draw(names) if self.environments else [None] * len(rows)
         prompts, ids, tool_maps = [], [], []
         for i, row in enumerate(rows):
-            prompt = row.get(field)
-            if prompt is None and self.environments is not None:
-                prompt = [{"role": "user", "content": ""}]  # TRL: an environment may supply the whole prompt
+            prompt = self.prompt_of(row)
             if self.environments is not None:
                 try:
                     obs = self.environments.reset(instances[i], row)

@@ -171,15 +171,9 @@ class GRPOTask(Task):
             docs[i] = {"tokens": np.asarray(ids, np.int32), "row": np.full(len(ids), i, np.int32)}
         return Documents(docs, bad, too_long)
 
-    def _prompt_ids(self, prompt: Any, tokenizer: Any, row: dict | None = None) -> list[int]:
+    def _prompt_ids(self, prompt: Any, tokenizer: Any, row: dict) -> list[int]:
         if self.agent is not None:  # rendered with the tools the row's episodes may call
-            envs = self.agent.environments
-            if envs is not None:
-                name = envs.pick(row or {}, f"field '{ENVIRONMENT_FIELD}'")
-                if prompt is None:
-                    prompt = [{"role": "user", "content": ""}]
-                return self.agent.prompt_ids(prompt, self.agent.tool_functions(envs.kinds[name].pool[0], name))
-            return self.agent.prompt_ids(prompt, self.agent.tool_functions(None, None))
+            return self.agent.document_ids(row, f"field '{ENVIRONMENT_FIELD}'")
         if isinstance(prompt, str):
             text = prompt
         elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
@@ -426,12 +420,6 @@ class GRPOTask(Task):
             completions, sampler_logps, lengths = sample(base, lora, rows["tokens"], rows["tokens_segment_ids"],
                                                          np.int32(step))
             comp_h, len_h = _to_host(completions), _to_host(lengths)
-            t_gen = time.perf_counter() - t0
-            ids = [comp_h[r, :len_h[r]].tolist() for r in range(len(row_h))]
-            texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
-            prompts = [records[int(i)][self.field] for i in row_h]
-            chat = [not isinstance(p, str) for p in prompts]
-            completions_in: list[Any] = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)]
             ended = np.isin(comp_h[np.arange(len(len_h)), len_h - 1], self.eos_ids)
             prompt_rows = {"tokens": rows["tokens"], "tokens_segment_ids": rows["tokens_segment_ids"]}
             n_model = len_h
@@ -439,11 +427,7 @@ class GRPOTask(Task):
             sampler = GREEDY if mode == "greedy" else None
             episodes = self.agent.run(base, lora, self._scale, [records[int(i)] for i in row_h],
                                       self._rollout_key(step, mode != "train"), where, sampler)
-            t_gen = time.perf_counter() - t0
-            comp_h, len_h = episodes.tokens, episodes.lengths
-            ids = [comp_h[r, :len_h[r]].tolist() for r in range(len(row_h))]
-            texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
-            prompts, completions_in, ended = episodes.prompts, episodes.completions, episodes.ended
+            comp_h, len_h, ended = episodes.tokens, episodes.lengths, episodes.ended
             shape = self.batch_shape
             placed = replicated_batch({"tokens": episodes.prompt_tokens.reshape(shape + (-1,)),
                                        "tokens_segment_ids": episodes.prompt_valid.reshape(shape + (-1,)),
@@ -453,6 +437,15 @@ class GRPOTask(Task):
             completions, sampler_logps, lengths, model = (placed[k] for k in ("completions", "sampler_logps",
                                                                               "lengths", "model"))
             n_model = episodes.model.sum(1)  # TRL counts the model's tokens only
+        t_gen = time.perf_counter() - t0
+        ids = [comp_h[r, :len_h[r]].tolist() for r in range(len(row_h))]
+        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        if episodes is None:
+            prompts = [records[int(i)][self.field] for i in row_h]
+            completions_in: list[Any] = [t if isinstance(p, str) else [{"role": "assistant", "content": t}]
+                                         for t, p in zip(texts, prompts)]
+        else:  # TRL's completions of an episode: its assistant and tool messages
+            prompts, completions_in = episodes.prompts, episodes.completions
         columns = {k: [records[int(i)][k] for i in row_h] for k in ds.column_names if k != self.field}
         per_fn, total = self.rewards.compute(prompts, completions_in, ids, columns, where)
         return Completed(prompts, ids, texts, np.asarray(ended), per_fn, total, len_h, np.asarray(n_model), episodes,

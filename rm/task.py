@@ -141,7 +141,7 @@ class RewardTask(Task):
 
         tok = cast(Any, tokenizer)
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id  # TRL's padding rule
-        mcfg = dataclasses.replace(mcfg, num_labels=1, pad_token_id=pad)
+        mcfg = dataclasses.replace(self.adapt_config(mcfg), pad_token_id=pad)
         spec = param_specs(mcfg)["score"]
         dtype = params["final_norm"].dtype
         key = jax.random.fold_in(jax.random.key(seed), 0x73636F)  # its own stream

@@ -81,7 +81,7 @@ WHOLE_WEIGHTS = ("score",)
 
 def whole_weights(cfg: ModelConfig) -> tuple[str, ...]:
     """The weights of ``cfg`` that a LoRA run trains whole (:data:`WHOLE_WEIGHTS`): a reward model's score head."""
-    return ("score",) if cfg.num_labels else ()
+    return WHOLE_WEIGHTS if cfg.num_labels else ()
 
 
 @dataclass(frozen=True)
