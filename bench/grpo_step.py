@@ -8,7 +8,8 @@ CPUs)::
     python bench/grpo_step.py --rounds 3 --steps 3 --out grpo_step.json
 
 Options: ``--prompts 16 --generations 4 --new-tokens 64 --rank 16 --alpha 32 --steps 3 --warmup 2 --rounds 3
---remat full --out FILE`` (defaults shown); ``--side lmzoo|trl`` runs one side only (no targets). A quick smoke
+--remat full --out FILE`` (defaults shown); ``--plain-rows`` lays lmzoo's update out as TRL does, one prompt +
+completion row each (``grpo.share_prompt: false``), to measure what sharing each group's prompt saves; ``--side lmzoo|trl`` runs one side only (no targets). A quick smoke
 test (a few minutes)::
 
     python bench/grpo_step.py --prompts 2 --generations 2 --new-tokens 8 --steps 1 --warmup 1 --rounds 1
@@ -191,6 +192,7 @@ def run_lmzoo(ckpt: str, data: str, seq_len: int, args: argparse.Namespace) -> d
             "eval_every=0", f"checkpoint.every={10 * steps}", "checkpoint.keep=1", f"output_dir={out}", "seed=0",
             *([f"grpo.environment={AGENTS / 'calculator.py'}:calculator", "grpo.max_turns=3",
                f"data.chat_template={QWEN_TEMPLATE}"] if args.calculator else []),
+            *(["grpo.share_prompt=false"] if args.plain_rows else []),
         ], GRPOConfig)
         t0 = time.perf_counter()
         train(cfg, progress=False, task=GRPOTask(cfg))
@@ -298,7 +300,7 @@ def _child(which: str, args: argparse.Namespace, paths: dict, seq_len: int) -> d
            "--data", paths["data"], "--seq-len", str(seq_len), "--prompts", str(args.prompts),
            "--generations", str(args.generations), "--new-tokens", str(args.new_tokens), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--rank", str(args.rank), "--alpha", str(args.alpha), "--remat", args.remat,
-           *(["--calculator"] if args.calculator else [])]
+           *(["--calculator"] if args.calculator else []), *(["--plain-rows"] if args.plain_rows else [])]
     return run_child(cmd, NAMES[which], 12)
 
 
@@ -344,6 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--side", choices=SIDES, help="run this side only (no ratios, no targets)")
     ap.add_argument("--calculator", action="store_true",
                     help="multi-turn: the calculator example's environment and prompts on both sides")
+    ap.add_argument("--plain-rows", action="store_true",
+                    help="lmzoo's update on one prompt + completion row each (grpo.share_prompt: false), as TRL "
+                         "lays rows out; default: each group's prompt once in its row")
     ap.add_argument("--model", help="the zoo checkpoint both sides start from (default: the bundled SmolLM2)")
     ap.add_argument("--out", "--json", dest="out", type=Path, help="also write the result JSON here")
     ap.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
@@ -412,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{_fmt(r['median_generation_share'], '.2f', 10)}{r['peak_rss_bytes'] / 2**30:>7.2f} GiB"
               f"{_fmt(r['mean_completion_length'], '.1f', 10)}{_fmt(r['mean_reward'], '.3f', 8)}{n:>11}")
 
-    result = {"benchmark": "grpo_step", "calculator": args.calculator, "model": args.model, "remat": args.remat, "prompts": args.prompts, "generations": args.generations,
+    result = {"benchmark": "grpo_step", "calculator": args.calculator, "model": args.model, "remat": args.remat,
+              "share_prompt": not args.plain_rows, "prompts": args.prompts, "generations": args.generations,
               "completions": completions, "new_tokens": args.new_tokens, "prompt_tokens": [min(lengths), max(lengths)],
               "lmzoo_seq_len": seq_len, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
               "rank": args.rank, "alpha": args.alpha, "lr": LR, "targets": list(TARGETS), "cpus": os.cpu_count(),

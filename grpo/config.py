@@ -62,6 +62,10 @@ class GrpoSection:
     # the starting checkpoint, as TRL) | a zoo checkpoint path
     reference: str = "base"
     mask_truncated: bool = False  # completions that hit max_completion_length train nothing
+    # the update reads each group's prompt once, its G completions after it (eval.rollout.assemble_groups), where
+    # the model and mesh allow it (no sliding-window layers, attention auto or blockwise, whole groups per shard
+    # of each micro-batch); off: one prompt + completion row each, as TRL lays them out
+    share_prompt: bool = True
     # write every completion of every Nth step to completions.jsonl (0: never)
     log_completions_every: int = field(default=10, metadata={"range": "[0, inf)"})
     # functions the model may call over several turns: `module:function` or `path/to/file.py:function`, their type

@@ -42,7 +42,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from eval.generate import Sampler
-from eval.rollout import RolloutSpec, assemble, sample_group_completions
+from eval.rollout import RolloutSpec, assemble, assemble_groups, completion_view, sample_group_completions
 from grpo import losses
 from grpo.agentic import Agent, Episodes
 from grpo.config import GRPOConfig
@@ -242,6 +242,7 @@ class GRPOTask(Task):
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self.batch_shape = (cfg.grad_accum, cfg.batch_size // cfg.grad_accum)
         self.reference = None
+        self.grouped = shares_prompts(g, mcfg, mesh, self.batch_shape[1])
 
     def compile_layout(self, ctx: LayoutContext) -> Any:
         """The update step's frozen inputs for ``--compile-only``: with ``beta`` > 0, a reference model shaped
@@ -303,14 +304,17 @@ class GRPOTask(Task):
                                             lora, scale, mesh=self.mesh)
 
         def layout(tokens, seg, completions, lengths, sampler_logps, advantages, trained, model=None):
-            out = assemble(tokens.reshape(b, -1), seg.reshape(b, -1) > 0, completions, lengths,
-                           {"sampler_logps": sampler_logps}, {"advantages": advantages}, trained, model)
-            return RolloutBatch.of({k: v.reshape(shape + v.shape[1:]) for k, v in out.items()})
+            args = (tokens.reshape(b, -1), seg.reshape(b, -1) > 0, completions, lengths,
+                    {"sampler_logps": sampler_logps}, {"advantages": advantages}, trained)
+            out = assemble_groups(*args, spec.group, model) if self.grouped else assemble(*args, model)
+            return RolloutBatch.of({k: v.reshape(shape[:1] + (-1,) + v.shape[1:]) for k, v in out.items()})
 
         def logps(params: dict, batch: RolloutBatch, **forward_kwargs: Any) -> jax.Array:
-            flat = jax.tree.map(lambda v: v.reshape((b,) + v.shape[2:]), batch)
+            flat = jax.tree.map(lambda v: v.reshape((-1,) + v.shape[2:]), batch)
             p = cast_params(params, compute)
-            lp = batch_logps(mcfg, p, flat.arrays(), temperature=temperature, max_segments=1, **forward_kwargs)[0]
+            lp = batch_logps(mcfg, p, flat.arrays(), temperature=temperature, max_segments=self._segments,
+                             **forward_kwargs)[0]
+            lp = self._completions(lp)
             return (lp * flat.weights).reshape(shape + lp.shape[1:])
 
         self._sample = jax.jit(sample)
@@ -330,6 +334,18 @@ class GRPOTask(Task):
                                          out_shardings=self.sharding)
         else:
             self._policy_logps = jax.jit(lambda base, lora, batch: logps(base, batch), out_shardings=self.sharding)
+
+    @property
+    def _segments(self) -> int:
+        """The documents a row of the update holds: a group's prompt and its completions, or one."""
+        return self.spec.group + 1 if self.grouped else 1
+
+    def _completions(self, x: jax.Array) -> jax.Array:
+        """A per-position array of the update's rows as one row per completion (eval.rollout.completion_view),
+        aligned with the batch's per-completion arrays; as it is with one row per completion."""
+        if not self.grouped:
+            return x
+        return completion_view(x, self.cfg.data.seq_len + 1, self.spec.group, self.spec.new_tokens)
 
     def _rollout_key(self, step: Any, held_out: bool = False) -> jax.Array:
         """The sampling key of a step: its own stream (LoRA dropout folds the step into key(seed)); held-out
@@ -525,7 +541,14 @@ class GRPOTask(Task):
         ``beta`` > 0."""
         g = self.grpo
         fields = ("old_logps",) * (g.num_iterations > 1) + ("ref_logps",) * (g.beta > 0)
-        return RolloutBatch.layout((grad_accum, micro, seq_len + g.max_completion_length), fields)
+        if not getattr(self, "grouped", False):
+            return RolloutBatch.layout((grad_accum, micro, seq_len + g.max_completion_length), fields)
+        # One row per group (eval.rollout.assemble_groups); the per-completion arrays one row per completion.
+        G, t = g.num_generations, g.max_completion_length
+        rows = RolloutBatch.layout((grad_accum, micro // G, seq_len + G * (t + 1)), ("prefix_ids",))
+        tokens = RolloutBatch.layout((grad_accum, micro, t), fields)
+        return dataclasses.replace(tokens, **{k: getattr(rows, k) for k in
+                                              ("inputs", "targets", "segment_ids", "positions", "prefix_ids")})
 
     def loss_sums(self, mcfg: ModelConfig, params: dict, mb: RolloutBatch, compute: Any, remat: str, *,
                   frozen_inputs: Any = None, totals: Any = None, step: jax.Array | None = None,
@@ -536,7 +559,8 @@ class GRPOTask(Task):
         p = cast_params(params, compute)
         # A rollout row is one document (prompt + completion, then padding: eval.rollout.layout).
         logp, entropy, aux = batch_logps(mcfg, p, mb.arrays(), remat, temperature=float(g.temperature), entropy=True,
-                                         max_segments=1, **forward_kwargs)
+                                         max_segments=self._segments, **forward_kwargs)
+        logp, entropy = self._completions(logp), self._completions(entropy)  # one row per completion
         mask = mb.weights
         old = jax.lax.stop_gradient(logp) if mb.old_logps is None else mb.old_logps
         ref = mb.ref_logps
@@ -573,6 +597,17 @@ class GRPOTask(Task):
             extras["kl"] = Ratio(*losses.masked_mean_sums(sg(terms["kl"]), mask))
         objective = total + (aux["loss"] * n if aux is not None else 0.0)
         return LossOutput(objective, sg(total), n, extras)
+
+
+def shares_prompts(g: Any, mcfg: ModelConfig, mesh: jax.sharding.Mesh, micro: int) -> bool:
+    """Whether the update lays each group out in one row with its prompt once (``grpo.share_prompt``): not for
+    models with sliding-window layers (their windows count row indices: zoo.masks), nor for the splash and cuDNN
+    kernels (they cannot read a shared prefix: zoo.kernels), and only with whole groups in every shard of a
+    micro-batch (the rows are split over data and fsdp as they are)."""
+    shards = int(mesh.shape.get("data", 1)) * int(mesh.shape.get("fsdp", 1))
+    G = g.num_generations
+    return (g.share_prompt and "sliding" not in mcfg.kinds and mcfg.attention in ("auto", "blockwise")
+            and micro % G == 0 and (micro // G) % shards == 0)
 
 
 def completion_records(step: int, prompts: list, texts: list[str], ids: list[list[int]], names: list[str],

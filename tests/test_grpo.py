@@ -88,12 +88,13 @@ def _metrics(out: Path) -> list[dict]:
 def test_sampler_logps_equal_a_teacher_forced_forward(setup):
     """What the sampler says each drawn token's log-probability is (softmax of the logits over the temperature,
     before top-k cuts them) is what the trainer computes on the laid-out rows, to 1e-5 in float32; with LoRA
-    adapters too (run beside the base matmuls in both).
+    adapters too (run beside the base matmuls in both); and on the rows that share each group's prompt
+    (grpo.share_prompt: one row per group, each completion reading the one copy of its prompt).
     Slow (about 91 s in a loaded 2-worker baseline): XLA compiles each of its model configurations (forward and
     gradients) on CPU."""
     import zoo
     from eval.generate import Sampler
-    from eval.rollout import RolloutSpec, assemble, sample_group_completions
+    from eval.rollout import RolloutSpec, assemble, assemble_groups, completion_view, sample_group_completions
     from zoo.logps import batch_logps
 
     model = zoo.load(setup / "zoo", dtype=np.float32)
@@ -129,6 +130,19 @@ def test_sampler_logps_equal_a_teacher_forced_forward(setup):
         n = valid[r].sum()
         assert list(np.asarray(b["inputs"])[r, :n]) == list(tokens[r, :n])
         assert list(np.asarray(b["targets"])[r][w[r]]) == list(comp[r, :lengths[r]])
+        if temperature == 1.0 and adapters is None:
+            continue  # the shared-prompt rows: with top-k and with adapters (one compilation each)
+        trained = np.ones(len(tokens), bool)
+        trained[4] = False  # a masked completion (grpo.mask_truncated) weighs nothing in either layout
+        shared = assemble_groups(jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(comp), jnp.asarray(lengths),
+                                 {"sampler": jnp.asarray(logps)}, {}, jnp.asarray(trained), g)
+        assert shared["inputs"].shape == (len(prompts), p - 1 + g * (t + 1))  # one row per group
+        per_pos = batch_logps(cfg, params, shared, temperature=temperature, max_segments=g + 1, **kw)[0]
+        got = np.asarray(completion_view(per_pos, p, g, t))
+        w = np.asarray(shared["weights"]) > 0
+        assert w.sum() == lengths.sum() - lengths[4] and not w[4].any()
+        np.testing.assert_allclose(got[w], logps[w], atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(shared["sampler"]), logps)
     # The G rows of a group share the prompt, not the draw.
     assert len({tuple(c) for c in comp[:g]}) > 1
 
@@ -175,6 +189,30 @@ def test_grpo_raises_the_reward_without_recompiling(setup, tmp_path):
     assert {x["step"] for x in logged} == {20, 40} and len(logged) == 2 * 16
     assert set(logged[0]) >= {"step", "prompt", "completion", "completion_ids", "rewards"}
     assert set(logged[0]["rewards"]) == {"low_words"}
+
+
+@pytest.mark.slow
+def test_shared_prompt_rows_train_as_one_row_per_completion(setup, tmp_path):
+    """grpo.share_prompt (the default) lays each group out in one row, its prompt once: the same run with it off
+    (one prompt + completion row each, TRL's layout) logs the same rewards, loss, grad norm, entropy, KL and clip
+    ratios within 1e-5 at every step, with the policy's old log-probabilities (num_iterations 2), a reference
+    (beta) and two micro-batches. Slow (about 20 s): two runs, each compiling its step."""
+    from grpo.task import GRPOTask
+    from pretrain.trainer import train
+
+    logs = {}
+    for share in (True, False):
+        cfg = _cfg(setup, tmp_path / str(share), "max_steps=3", "grad_accum=2", "grpo.num_iterations=2",
+                   "grpo.beta=0.1", f"grpo.share_prompt={str(share).lower()}")
+        task = GRPOTask(cfg)
+        train(cfg, task=task, progress=False)
+        assert task.grouped is share
+        logs[share] = _metrics(tmp_path / str(share))
+    keys = ("reward", "loss", "grad_norm", "entropy", "kl", "clip_ratio/region_mean", "completions/mean_length")
+    assert len(logs[True]) == len(logs[False]) == 3
+    for on, off in zip(logs[True], logs[False]):
+        for k in keys:
+            np.testing.assert_allclose(on[k], off[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
 @pytest.mark.slow
