@@ -75,7 +75,29 @@ def sample_next(logits: jax.Array, key: jax.Array, s: Sampler) -> jax.Array:
         drop_sorted = jnp.cumsum(probs, axis=-1) - probs >= s.top_p
         drop = jnp.zeros_like(drop_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
         logits = jnp.where(drop, -jnp.inf, logits)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+    return categorical(key, logits)
+
+
+CATEGORICAL_BLOCK = 128  # vocabulary entries per block of :func:`categorical`'s first draw
+
+
+def categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
+    """A draw [b] int32 from softmax(``logits`` [b, vocab]) per row (-inf entries never drawn), in two exact
+    stages: a block of CATEGORICAL_BLOCK entries with probability its share of the mass (its logsumexp), then an
+    entry of that block in proportion to its probability within it.
+
+    The distribution is ``jax.random.categorical``'s, but its Gumbel draw over the whole vocabulary, one random
+    number and two logarithms per entry, costs about 57 ms a decoding step for 64 rows of a 49,152-entry
+    vocabulary on a 2-CPU machine, a quarter of a 135M model's step; this draws vocab / 128 + 128 numbers a row
+    instead (about 5 ms)."""
+    b, v = logits.shape
+    block = min(CATEGORICAL_BLOCK, v)
+    pad = (-v) % block
+    blocks = jnp.pad(logits.astype(jnp.float32), ((0, 0), (0, pad)), constant_values=-jnp.inf).reshape(b, -1, block)
+    k_block, k_entry = jax.random.split(key)
+    which = jax.random.categorical(k_block, jax.nn.logsumexp(blocks, axis=-1), axis=-1)
+    inside = jnp.take_along_axis(blocks, which[:, None, None], axis=1)[:, 0]
+    return (which * block + jax.random.categorical(k_entry, inside, axis=-1)).astype(jnp.int32)
 
 
 @partial(jax.jit, static_argnums=(0, 5), donate_argnums=(4,))

@@ -30,6 +30,8 @@ from eval.generate import Sampler, sample_next
 from zoo.config import ModelConfig
 from zoo.decode import Cache, cache_shardings, forward_step, init_cache
 
+VIEW_BLOCK = 16  # decoding steps per block of the rollout's loop: each block reads the cache slots it can have filled
+
 
 @dataclass(frozen=True)
 class RolloutSpec:
@@ -91,21 +93,33 @@ def sample_group_completions(cfg: ModelConfig, params: dict, tokens: jax.Array, 
     out_logp = jnp.zeros((b, t), jnp.float32).at[:, 0].set(logp)
     done = jnp.isin(tok, eos)
 
-    def more(carry):
-        i, _, _, _, _, done = carry
-        return (i < t) & ~jnp.all(done)
+    def block(end: int):
+        # Steps i < end append token i - 1: no row holds more than p + end - 1 tokens, so the cache slots past them
+        # are not read (zoo.decode.forward_step's view).
+        view = min(p + end - 1, p + t)
 
-    def step(carry):
-        i, tok, cache, out, out_logp, done = carry
-        logits, cache = forward_step(cfg, params, tok[:, None], cache, **adapters)
-        nxt, logp = draw(logits[:, 0], jax.random.fold_in(key, i), spec.sampler)
-        # Rows that have ended keep decoding (one shape for all) but write nothing.
-        nxt, logp = jnp.where(done, 0, nxt), jnp.where(done, 0.0, logp)
-        out = jax.lax.dynamic_update_slice(out, nxt[:, None], (0, i))
-        out_logp = jax.lax.dynamic_update_slice(out_logp, logp[:, None], (0, i))
-        return i + 1, nxt, cache, out, out_logp, done | jnp.isin(nxt, eos)
+        def more(carry):
+            i, _, _, _, _, done = carry
+            return (i < end) & ~jnp.all(done)
 
-    _, _, _, out, out_logp, _ = jax.lax.while_loop(more, step, (jnp.int32(1), tok, cache, out, out_logp, done))
+        def step(carry):
+            i, tok, cache, out, out_logp, done = carry
+            logits, cache = forward_step(cfg, params, tok[:, None], cache, view=view, **adapters)
+            nxt, logp = draw(logits[:, 0], jax.random.fold_in(key, i), spec.sampler)
+            # Rows that have ended keep decoding (one shape for all) but write nothing.
+            nxt, logp = jnp.where(done, 0, nxt), jnp.where(done, 0.0, logp)
+            out = jax.lax.dynamic_update_slice(out, nxt[:, None], (0, i))
+            out_logp = jax.lax.dynamic_update_slice(out_logp, logp[:, None], (0, i))
+            return i + 1, nxt, cache, out, out_logp, done | jnp.isin(nxt, eos)
+
+        return lambda carry: jax.lax.while_loop(more, step, carry)
+
+    carry = (jnp.int32(1), tok, cache, out, out_logp, done)
+    # The loop in blocks of VIEW_BLOCK steps, each reading only the slots its steps can have filled; a block whose
+    # rows have all ended runs no step.
+    for end in range(min(VIEW_BLOCK, t), t + VIEW_BLOCK, VIEW_BLOCK):
+        carry = block(min(end, t))(carry)
+    _, _, _, out, out_logp, _ = carry
     ended = jnp.isin(out, eos)
     first_end = jnp.argmax(ended, axis=1)
     lengths = jnp.where(ended.any(1), first_end + 1, t).astype(jnp.int32)

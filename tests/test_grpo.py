@@ -453,18 +453,19 @@ def test_truncated_completions_are_counted_and_optionally_masked(setup, tmp_path
     from grpo.task import GRPOTask
     from pretrain.trainer import train
 
+    n = 5  # max_completion_length: about a quarter of the completions end before it (EOS is 1 of 18 ids)
     for mask in (False, True):
         out = tmp_path / f"mask_{mask}"
-        cfg = _cfg(setup, out, "max_steps=1", "grpo.max_completion_length=3", f"grpo.mask_truncated={mask}",
+        cfg = _cfg(setup, out, "max_steps=1", f"grpo.max_completion_length={n}", f"grpo.mask_truncated={mask}",
                    "grpo.loss_type=dr_grpo", "grpo.log_completions_every=1")
         train(cfg, task=GRPOTask(cfg), progress=False)
         (m,) = _metrics(out)
         rows = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
-        cut = [len(r["completion_ids"]) == 3 and r["completion_ids"][-1] != 1 for r in rows]  # id 1: </s>
+        cut = [len(r["completion_ids"]) == n and r["completion_ids"][-1] != 1 for r in rows]  # id 1: </s>
         assert 0 < sum(cut) < len(rows)  # both kinds in the batch (a fixed seed)
         assert m["completions/clipped_ratio"] == pytest.approx(sum(cut) / len(rows))
         trained = [not c or not mask for c in cut]
-        want = -sum(r["advantage"] * len(r["completion_ids"]) * t for r, t in zip(rows, trained)) / (len(rows) * 3)
+        want = -sum(r["advantage"] * len(r["completion_ids"]) * t for r, t in zip(rows, trained)) / (len(rows) * n)
         assert m["loss"] == pytest.approx(want, abs=1e-6), mask
 
 

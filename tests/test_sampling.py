@@ -1,0 +1,56 @@
+"""The sampler's draws follow softmax(logits / temperature), cut to the top-k and top-p tokens, counted over many
+draws against the probabilities computed here in NumPy."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eval.generate import Sampler, sample_next
+
+V = 300  # three blocks of the two-stage draw, the last one padded
+DRAWS = 60_000
+
+
+def _softmax(z: np.ndarray) -> np.ndarray:
+    e = np.exp(z - z.max())
+    return e / e.sum()
+
+
+def _frequencies(logits: np.ndarray, sampler: Sampler) -> np.ndarray:
+    """Each token's share of DRAWS draws for one row of logits (the rows of a batch drawn at once)."""
+    rows = 200
+    batch = jnp.asarray(np.broadcast_to(logits, (rows, V)), jnp.float32)
+    draw = jax.jit(jax.vmap(lambda k: sample_next(batch, k, sampler)))
+    tokens = np.asarray(draw(jax.random.split(jax.random.key(0), DRAWS // rows))).ravel()
+    assert tokens.min() >= 0 and tokens.max() < V
+    return np.bincount(tokens, minlength=V) / tokens.size
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 7, 1.0), (1.0, 0, 0.5)])
+def test_draws_follow_the_samplers_distribution(temperature, top_k, top_p):
+    rng = np.random.RandomState(1)
+    logits = rng.randn(V) * 2.0
+    logits[250:] -= 3.0  # the last block (and its padding) holds little mass: a wrong block weight shows there
+    z = logits / temperature
+    keep = np.ones(V, bool)
+    if top_k:
+        keep &= z >= np.sort(z)[-top_k]
+    if top_p < 1.0:
+        order = np.argsort(-z)
+        p_sorted = _softmax(z[order])
+        before = np.cumsum(p_sorted) - p_sorted
+        keep[order[before >= top_p]] = False
+    want = _softmax(np.where(keep, z, -np.inf))
+    got = _frequencies(logits, Sampler(temperature, top_k, top_p))
+    assert (got[~keep] == 0).all()  # a cut token is never drawn
+    sigma = np.sqrt(want * (1 - want) / DRAWS)
+    assert np.all(np.abs(got - want) <= 5 * sigma + 1e-9), np.max(np.abs(got - want) / np.maximum(sigma, 1e-12))
+    assert 0.5 * np.abs(got - want).sum() < 0.03  # total variation
+
+
+def test_rows_draw_independently_and_minus_infinity_is_never_drawn():
+    logits = np.zeros((4, V), np.float32)
+    logits[:, ::2] = -np.inf  # only odd tokens
+    tok = np.asarray(sample_next(jnp.asarray(logits), jax.random.key(3), Sampler(1.0, 0, 1.0)))
+    assert (tok % 2 == 1).all() and len(set(tok.tolist())) > 1
