@@ -51,6 +51,10 @@ def export_command(args: argparse.Namespace) -> None:
     from zoo.paths import checkpoint_dir
 
     args.ckpt = str(checkpoint_dir(args.ckpt))
+    if args.eval_results:
+        from convert.model_card import read_eval_results
+
+        read_eval_results(args.eval_results)  # a bad results file is said before anything is planned or written
     if args.push_to_hub:
         check_repo_id(args.push_to_hub)
     if args.base_out and not args.adapter:
@@ -100,16 +104,20 @@ def _adapter_base_out(args: argparse.Namespace) -> Path | None:
 def _export_writer(args: argparse.Namespace, base_out: Path | None
                    ) -> tuple[Callable[[str | Path, bool, str], Path], Callable[[], list[tuple[str, int]]]]:
     """(write(out, overwrite, repo_hint) -> folder, planned() -> [(file, size)]) for the kind of export asked;
-    ``base_out``: where an adapter export writes its base (:func:`_adapter_base_out`)."""
+    ``base_out``: where an adapter export writes its base (:func:`_adapter_base_out`). The card lists the
+    scores of --eval-results, when given."""
+    eval_results = args.eval_results
     if args.adapter:
         from convert.peft import export_adapter, planned_adapter_files
 
         if args.max_shard_size is not None:
             raise UserError("--max-shard-size does not apply to --adapter: the adapter is one small safetensors file")
-        return (lambda out, overwrite, hint: export_adapter(args.ckpt, out, overwrite, args.dtype, hint, base_out),
+        return (lambda out, overwrite, hint: export_adapter(args.ckpt, out, overwrite, args.dtype, hint, base_out,
+                                                            eval_results),
                 lambda: planned_adapter_files(args.ckpt, args.dtype, base_out))
     from convert.export import DEFAULT_MAX_SHARD, export, planned_files
 
     size = args.max_shard_size or DEFAULT_MAX_SHARD
-    return (lambda out, overwrite, hint: export(args.ckpt, out, args.dtype, size, overwrite, repo_hint=hint),
+    return (lambda out, overwrite, hint: export(args.ckpt, out, args.dtype, size, overwrite, repo_hint=hint,
+                                                eval_results=eval_results),
             lambda: planned_files(args.ckpt, args.dtype, size))

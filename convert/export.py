@@ -26,12 +26,31 @@ from tqdm.auto import tqdm
 from convert.convert import DTYPES
 from convert.fused import fuse_planned, fused_named, join
 from convert.hf_config import export_hf_config
+from convert.model_card import (
+    EvalResults,
+    Origin,
+    card_data,
+    eval_lines,
+    origin_of,
+    read_eval_results,
+    render,
+    training_lines,
+    training_of,
+)
 from convert.mtp import EXTRA_FILE
 from convert.readers import SafetensorsFolder
 from convert.safetensors_out import ST_NAMES, encode_header
 from convert.tables import table_for
 from convert.transforms import TRANSFORMS, hf_shape
-from zoo.checkpoint import HF_CONFIG_FILE, TOKENIZER_DIR, WEIGHT_FILES, ParamSource, atomic_output, read_meta
+from zoo.checkpoint import (
+    HF_CONFIG_FILE,
+    TOKENIZER_DIR,
+    WEIGHT_FILES,
+    ParamSource,
+    atomic_output,
+    hub_id,
+    read_meta,
+)
 from zoo.config import ModelConfig
 from zoo.errors import UserError
 from zoo.loading import param_reader
@@ -137,31 +156,38 @@ def safetensors_header(tensors: list[PlannedTensor]) -> bytes:
                                    "data_offsets": [t.offset, t.offset + t.nbytes]} for t in tensors})
 
 
-def model_card(meta: dict[str, Any], cfg: ModelConfig, repo_hint: str) -> str:
-    """README.md for the exported folder: base model, what was done, how to load it."""
-    source = meta.get("source", "unknown")
-    base = re.search(r"\(([\w.-]+/[\w.-]+)\)$", source) or re.fullmatch(r"([\w.-]+/[\w.-]+)", source)
-    front = ["---", "library_name: transformers", "tags:", "- lmzoo"]
-    if base:
-        front.append(f"base_model: {base.group(1)}")
-    front.append("---")
-    training = meta.get("training")
-    if training:
-        done = [f"Fine-tuned with lmzoo ({training.get('method', 'training')}).", ""]
-        for key in ("data", "steps", "final_metrics"):
-            if key in training:
-                done.append(f"- **{key.replace('_', ' ')}**: {training[key]}")
-    else:
-        done = [f"Converted with lmzoo from `{source}` ({meta.get('source_format', 'hf')}) and exported back "
-                "unchanged: a lossless round trip."]
+def model_card(meta: dict[str, Any], cfg: ModelConfig, repo_hint: str, ckpt: str | Path | None = None,
+               eval_results: EvalResults | None = None) -> str:
+    """README.md for the exported folder: its metadata (base model, license, tags, datasets), the model, what was
+    done (a trained checkpoint: method, hyperparameters, data, final metrics: convert/model_card.py), the `zoo
+    eval` results when given, and how to load it. ``ckpt``: where the checkpoint is (its run folder's records and
+    the checkpoints it started from are read from there; without it, only model.json's)."""
     from zoo.params import count_params
 
+    source = meta.get("source", "unknown")
+    origin = origin_of(ckpt, meta) if ckpt is not None else Origin(hub_id(meta))
+    training = training_of(ckpt, meta)
     kind, auto = ("reward model (a sequence classifier, one score)", "AutoModelForSequenceClassification") \
         if cfg.num_labels else ("causal language model", "AutoModelForCausalLM")
-    return "\n".join(front + [
-        "", f"# {repo_hint}", "",
+    data = card_data("transformers", origin, training, base_model=origin.hub_repo,
+                     pipeline_tag="text-classification" if cfg.num_labels else "text-generation")
+    if meta.get("training"):
+        record = meta["training"]
+        came = f", which derives from the Hub's `{origin.hub_repo}`" if origin.hub_repo and origin.hub_repo != source else ""
+        steps = f", {record['steps']} steps" if record.get("steps") is not None else ""
+        merged = (f"; its LoRA adapters (rank {meta['lora'].get('rank')}) are merged into the weights"
+                  if meta.get("lora") else "")
+        done = [f"Trained with lmzoo ({record.get('method', 'training')}{steps}) from `{source}`{came}{merged}.", ""]
+        if training is not None:
+            done += training_lines(training)
+    else:
+        done = [f"Converted with lmzoo from `{source}` ({meta.get('source_format', 'hf')}) and exported back "
+                "unchanged: a lossless round trip.", ""]
+    return render(data, [
+        f"# {repo_hint}", "",
         f"A {cfg.family}-family {kind} ({count_params(cfg):,} parameters).", "",
-        "## What was done", "", *done, "",
+        "## What was done", "", *done,
+        *eval_lines(eval_results),
         "## How to load", "", "```python",
         f"from transformers import {auto}, AutoTokenizer",
         f'model = {auto}.from_pretrained("{repo_hint}")',
@@ -178,10 +204,15 @@ def export(
     overwrite: bool = False,
     repo_hint: str | None = None,
     progress: bool | None = None,
+    eval_results: str | Path | None = None,
 ) -> Path:
-    """Write checkpoint ``ckpt`` as a Hugging Face folder at ``out`` (atomically); returns ``out``."""
+    """Write checkpoint ``ckpt`` as a Hugging Face folder at ``out`` (atomically); returns ``out``.
+
+    ``eval_results``: a `zoo eval --out` results file, whose scores the model card lists (read before anything
+    is written: a bad file writes nothing)."""
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    results = read_eval_results(eval_results) if eval_results is not None else None
     meta = read_meta(ckpt)
     cfg = ModelConfig.from_dict(meta["config"])
     out = Path(out).absolute()
@@ -189,7 +220,7 @@ def export(
     n = assign_shards(tensors, parse_size(max_shard_size))
     with atomic_output(out, overwrite) as tmp:
         _write_shards(Path(ckpt), cfg, tensors, n, tmp, progress)
-        _write_side_files(Path(ckpt), meta, cfg, tensors, n, tmp, dtype, repo_hint or out.name)
+        _write_side_files(Path(ckpt), meta, cfg, tensors, n, tmp, dtype, repo_hint or out.name, results)
     return out
 
 
@@ -272,7 +303,7 @@ def _fused_piece(readers: dict[str, ParamSource], t: PlannedTensor, cfg: ModelCo
 
 
 def _write_side_files(ckpt: Path, meta: dict[str, Any], cfg: ModelConfig, tensors: list[PlannedTensor], n: int,
-                      tmp: Path, dtype: str | None, repo_hint: str) -> None:
+                      tmp: Path, dtype: str | None, repo_hint: str, eval_results: EvalResults | None = None) -> None:
     if n > 1:
         index = {
             "metadata": {"total_size": sum(t.nbytes for t in tensors)},
@@ -294,7 +325,7 @@ def _write_side_files(ckpt: Path, meta: dict[str, Any], cfg: ModelConfig, tensor
     if not (tmp / "generation_config.json").is_file():
         gen = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf.get(k) is not None}
         (tmp / "generation_config.json").write_text(json.dumps({**gen, "_from_model_config": True}, indent=2) + "\n")
-    (tmp / "README.md").write_text(model_card(meta, cfg, repo_hint))
+    (tmp / "README.md").write_text(model_card(meta, cfg, repo_hint, ckpt, eval_results))
 
 
 def _common_dtype(tensors: list[PlannedTensor]) -> str:

@@ -25,6 +25,16 @@ from convert import peft_experts
 from convert.convert import DTYPES, shape_only
 from convert.export import DTYPES_ALL, ST_NAMES, PlannedTensor, assign_shards, export, planned_files, safetensors_header
 from convert.fused import fused_named, fusion_of, join
+from convert.model_card import (
+    EvalResults,
+    card_data,
+    eval_lines,
+    origin_of,
+    read_eval_results,
+    render,
+    training_lines,
+    training_of,
+)
 from convert.tables import BoundRule, table_for
 from convert.transforms import TRANSFORMS
 from zoo import quant_checkpoint
@@ -445,18 +455,23 @@ def _base_story(ckpt: str | os.PathLike, meta: dict[str, Any], base_ref: str, ba
 
 
 def adapter_card(ckpt: str | os.PathLike, meta: dict[str, Any], base_ref: str, targets: list[str], repo_hint: str,
-                 base_out: str | os.PathLike | None = None) -> str:
-    """README.md of the adapter folder: base model (what it is, and where), LoRA settings, how to load it."""
+                 base_out: str | os.PathLike | None = None, eval_results: EvalResults | None = None) -> str:
+    """README.md of the adapter folder: its metadata (base model where it is a Hub repo, the base's license,
+    tags, datasets), the base model (what it is, and where), LoRA settings, how it was trained (method,
+    hyperparameters, data, final metrics: convert/model_card.py), the `zoo eval` results when given, and how
+    to load it."""
     info, training = meta["lora"], meta.get("training") or {}
     story, loads = _base_story(ckpt, meta, base_ref, base_out)
-    front = ["---", "library_name: peft", "tags:", "- lmzoo", "- lora"]
-    if loads and base_out is None:  # a Hub repo: the Hub links the adapter to it
-        front.append(f"base_model: {base_ref}")
-    front.append("---")
+    trained = training_of(ckpt, meta)
+    data = card_data("peft", origin_of(ckpt, meta), trained, tags=["lora"], pipeline_tag="text-generation",
+                     # a Hub repo: the Hub links the adapter to it
+                     base_model=base_ref if loads and base_out is None else None)
     how = f"Trained with lmzoo ({training.get('method', 'training')}"
     how += f", {training['steps']} steps)." if training.get("steps") is not None else ")."
     # A reward model's adapter (its score head saved whole) loads onto the base read as a sequence classifier.
     kind = "SequenceClassification" if set(WHOLE_WEIGHTS) & set(info.get("params", {})) else "CausalLM"
+    if kind == "SequenceClassification":
+        data.pipeline_tag = "text-classification"
     if loads:  # peft loads the base itself, from the Hub or the exported folder
         load = [f"from peft import AutoPeftModelFor{kind}",
                 f'model = AutoPeftModelFor{kind}.from_pretrained("{repo_hint}")']
@@ -464,11 +479,13 @@ def adapter_card(ckpt: str | os.PathLike, meta: dict[str, Any], base_ref: str, t
         load = ["from peft import PeftModel", f"from transformers import AutoModelFor{kind}",
                 f'base = AutoModelFor{kind}.from_pretrained("BASE")  # zoo export {base_ref} --out BASE',
                 f'model = PeftModel.from_pretrained(base, "{repo_hint}")']
-    return "\n".join(front + [
-        "", f"# {repo_hint}", "",
+    return render(data, [
+        f"# {repo_hint}", "",
         f"A LoRA adapter for `{base_ref}`: rank {info['rank']}, alpha {info['alpha']}"
         f"{' (rsLoRA)' if info['rslora'] else ''}, on {', '.join(targets)}. {how}", "",
         "## Base model", "", story, "",
+        *(["## Training", "", *training_lines(trained)] if trained is not None else []),
+        *eval_lines(eval_results),
         "## How to load", "", "```python", *load, "```", "",
     ])
 
@@ -483,16 +500,18 @@ def _check_base_out(out: Path, base_out: Path, overwrite: bool) -> None:
 
 def export_adapter(ckpt: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False,
                    dtype: str | None = None, repo_hint: str | None = None,
-                   base_out: str | os.PathLike | None = None) -> Path:
+                   base_out: str | os.PathLike | None = None, eval_results: str | os.PathLike | None = None) -> Path:
     """Write adapter checkpoint ``ckpt`` as a PEFT adapter folder at ``out`` (atomically); returns ``out``.
 
     ``dtype`` casts the adapters (default: as stored). With ``base_out`` the base checkpoint is exported there
     first (as ``zoo export`` writes it: dequantized when stored quantized, merged when an adapter checkpoint)
-    and the adapter names that folder as its base. A non-adapter checkpoint, a non-empty ``out`` (or
-    ``base_out``) without ``overwrite``, or adapters peft has no layout for are UserErrors.
+    and the adapter names that folder as its base. ``eval_results``: a `zoo eval --out` results file, whose
+    scores the card lists. A non-adapter checkpoint, a non-empty ``out`` (or ``base_out``) without
+    ``overwrite``, adapters peft has no layout for, or an unreadable results file are UserErrors.
     """
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    results = read_eval_results(eval_results) if eval_results is not None else None
     meta = adapter_meta_of(ckpt)
     tensors = plan_adapter(ckpt, meta, dtype)
     out = Path(out).absolute()
@@ -509,7 +528,7 @@ def export_adapter(ckpt: str | os.PathLike, out: str | os.PathLike, overwrite: b
             config[key] = {**config[key], **value} if isinstance(value, dict) else value
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         card = adapter_card(ckpt, meta, base_ref, targets + experts.get("target_parameters", []),
-                            repo_hint or out.name, base_out)
+                            repo_hint or out.name, base_out, results)
         (tmp / "README.md").write_text(card)
     return out
 

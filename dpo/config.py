@@ -16,7 +16,9 @@ REFERENCE_FREE = ("simpo", "orpo", "cpo")  # losses that read the policy alone (
 class DpoSection:
     """Preference optimization (`dpo train`, dpo/): the loss, its constants and the reference model."""
 
+    # the objective (TRL's names): sigmoid is DPO; ipo, hinge, robust, the reference-free orpo, cpo and simpo, kto
     loss_type: str = field(default="sigmoid", metadata={"choices": LOSS_TYPES})
+    # the implicit reward's scale (DPO's beta): higher keeps the policy closer to the reference
     beta: float = field(default=0.1, metadata={"range": "(0, inf)"})
     # sigmoid (conservative DPO), robust and simpo: the assumed label-noise rate
     label_smoothing: float = field(default=0.0, metadata={"range": "[0, 0.5)"})
@@ -31,7 +33,7 @@ class DpoSection:
     cpo_alpha: float = field(default=1.0, metadata={"range": "[0, inf)"})
     # KTO (Ethayarajh et al. 2024): the weights of the desirable and undesirable rows' losses (TRL KTOConfig's)
     desirable_weight: float = field(default=1.0, metadata={"range": "(0, inf)"})
-    undesirable_weight: float = field(default=1.0, metadata={"range": "(0, inf)"})
+    undesirable_weight: float = field(default=1.0, metadata={"range": "(0, inf)"})  # (see desirable_weight)
     share_prompt: bool = True  # one copy of a pair's prompt, read by both answers (off: prompt+chosen | prompt+rejected)
 
     def check(self) -> None:

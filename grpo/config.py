@@ -43,18 +43,24 @@ class GrpoSection:
     rewards: list[Any] = field(default_factory=list)
     # one weight per reward function (None: all 1); any finite number (a negative one penalizes), not all 0
     reward_weights: list[float] | None = None
+    # how each completion's advantage is estimated: group (GRPO's), rloo (TRL's RLOOTrainer, its own loss),
+    # reinforce_pp or reinforce_pp_baseline (REINFORCE++, the KL in the reward)
     advantage: str = field(default="group", metadata={"choices": ADVANTAGES})
     # rloo: (A - mean) / (std + 1e-4) over the batch's scorable completions (TRL RLOOConfig.normalize_advantages)
     normalize_advantages: bool = False
     # rloo, reinforce_pp*: [low, high] the rewards are clipped to before anything else (None: no clipping)
     reward_clip_range: list[float] | None = None
+    # how token losses are averaged (TRL's): grpo per sequence, dr_grpo over max_completion_length, dapo over the
+    # batch's tokens, bnpo over each micro-batch's
     loss_type: str = field(default="dapo", metadata={"choices": LOSS_TYPES})
+    # advantages divided by the rewards' std of the group, of the batch, or not at all (Dr. GRPO)
     scale_rewards: str = field(default="group", metadata={"choices": SCALE_REWARDS})
     epsilon: float = field(default=0.2, metadata={"range": "(0, inf)"})  # the ratio is clipped below at 1 - epsilon
     # ... and above at 1 + epsilon_high (None: epsilon; DAPO's clip-higher)
     epsilon_high: float | None = field(default=None, metadata={"range": "(0, inf)"})
     # mu: optimizer updates per rollout batch (> 1 reuses it with its old log-probs)
     num_iterations: int = field(default=1, metadata={"range": "[1, inf)"})
+    # one importance ratio per token (GRPO) or per sequence (GSPO: the mean log ratio of the completion)
     importance_sampling_level: str = field(default="token", metadata={"choices": IMPORTANCE_LEVELS})
     # weight of the k3 KL to the reference (0: no reference pass at all)
     beta: float = field(default=0.0, metadata={"range": "[0, inf)"})

@@ -37,7 +37,7 @@ from zoo.errors import UserError
 class ModelSection:
     """What to train: a zoo checkpoint path or registry name, or a random init from a config."""
 
-    path: str | None = None
+    path: str | None = None  # a zoo checkpoint folder (`zoo convert`'s, or a run's final/) or a registry name
     # "pretrained" (load `path`) | "random" (build from `config`)
     init: str = field(default="pretrained", metadata={"choices": ("pretrained", "random")})
     config: str | None = None  # for init: random — a registry entry with a built-in config, or a config.json
@@ -51,7 +51,7 @@ class ModelSection:
 class DataSource:
     """One source of a data mixture (``data.path`` as a list); unset keys fall back to the ``data.*`` ones."""
 
-    path: str
+    path: str  # a local file/folder or a Hugging Face Hub dataset name
     weight: float = field(default=1.0, metadata={"range": "(0, inf)"})  # relative: normalized over the sources
     name: str | None = None  # in the mixture report and eval metrics; None: the file name without its suffix
     text_field: str | None = None  # None: data.text_field
@@ -69,7 +69,8 @@ class DataSection:
     # (DataSource keys, e.g. [{path: a.jsonl, weight: 0.7}, b.jsonl]), stored as plain mappings (JSON/YAML as is)
     path: str | list[dict[str, Any]] | None = None
     split: str = "train"  # the split of a Hub dataset
-    text_field: str = "text"
+    text_field: str = "text"  # the column holding each row's text (pretraining)
+    # tokens per row (each row holds seq_len + 1 tokens: inputs and shifted targets)
     seq_len: int = field(default=512, metadata={"range": "[1, inf)"})
     packing: bool = True  # false: one document per row, truncated/padded to seq_len
     # best-fit packing (sft): at most this many documents a row (None: as many as fit). NVIDIA GPUs' cuDNN attention
@@ -79,9 +80,10 @@ class DataSection:
     long_examples: str = field(default="truncate", metadata={"choices": ("truncate", "drop")})
     # stop before step 1 if more examples than this lose every trained token to truncation (a seq_len too short)
     max_untrainable_fraction: float = field(default=0.5, metadata={"range": "[0, 1]"})
-    eval_path: str | None = None
+    eval_path: str | None = None  # a held-out eval set (file/folder or Hub name), scored every eval_every steps
+    # the share of the training rows held out for eval instead (a seeded split), when eval_path is not set
     eval_fraction: float = field(default=0.0, metadata={"range": "[0, 1)"})
-    skip_bad_rows: bool = False
+    skip_bad_rows: bool = False  # malformed rows are counted and skipped (false: the first one stops the run)
 
     def check(self) -> None:
         """Cross-field checks of the data keys."""
@@ -144,13 +146,13 @@ def _source_list(key: str, value: list, source_class: type[DataSource]) -> list[
 class OptimizerSection:
     """optax optimizer settings."""
 
-    name: str = field(default="adamw", metadata={"choices": ("adamw", "adafactor", "sgd", "lion")})
+    name: str = field(default="adamw", metadata={"choices": ("adamw", "adafactor", "sgd", "lion")})  # optax's
     # 0 is allowed: the weights stay as they are (a run that only measures); a negative rate climbs the loss
     learning_rate: float = field(default=3e-4, metadata={"range": "[0, inf)"})
-    weight_decay: float = field(default=0.0, metadata={"range": "[0, inf)"})
+    weight_decay: float = field(default=0.0, metadata={"range": "[0, inf)"})  # decoupled (AdamW's), every weight
     b1: float = field(default=0.9, metadata={"range": "[0, 1)"})  # sgd: the momentum
-    b2: float = field(default=0.95, metadata={"range": "[0, 1)"})
-    eps: float = field(default=1e-8, metadata={"range": "(0, inf)"})
+    b2: float = field(default=0.95, metadata={"range": "[0, 1)"})  # the second moment's decay (adamw, lion)
+    eps: float = field(default=1e-8, metadata={"range": "(0, inf)"})  # added to the second moment's root (adamw)
     grad_clip: float = field(default=1.0, metadata={"range": "[0, inf)"})  # the global norm; 0: no clipping
 
 
@@ -158,8 +160,10 @@ class OptimizerSection:
 class ScheduleSection:
     """Learning-rate schedule."""
 
+    # the learning rate's shape after the warmup (wsd: warmup, stable, then a linear decay over the last 20%)
     name: str = field(default="cosine", metadata={"choices": ("constant", "cosine", "linear", "wsd")})
-    warmup_steps: int = field(default=0, metadata={"range": "[0, inf)"})
+    warmup_steps: int = field(default=0, metadata={"range": "[0, inf)"})  # linear from 0 to the learning rate
+    # the decaying schedules' final rate, as a share of optimizer.learning_rate
     min_lr_ratio: float = field(default=0.1, metadata={"range": "[0, 1]"})
 
 
@@ -167,10 +171,10 @@ class ScheduleSection:
 class MeshSection:
     """Device mesh sizes; -1 means all remaining devices."""
 
-    data: int = 1
-    fsdp: int = -1
-    tensor: int = 1
-    expert: int = 1
+    data: int = 1  # data parallelism: replicas of the weights, each given its share of the batch
+    fsdp: int = -1  # fully sharded data parallelism: the batch and the weights, gradients and moments split
+    tensor: int = 1  # tensor parallelism: the attention heads and MLP width split (Megatron's layout)
+    expert: int = 1  # expert parallelism: a mixture of experts' experts split (MoE models)
     # context parallelism: each row's tokens split over this many devices (attention gathers the keys); for rows
     # too long for one device's activations. Must divide data.seq_len
     context: int = field(default=1, metadata={"range": "[1, inf)"})
@@ -180,7 +184,9 @@ class MeshSection:
 class DtypeSection:
     """Master-weight and compute dtypes."""
 
+    # the stored (master) weights and the optimizer's moments
     params: str = field(default="float32", metadata={"choices": ("float32", "bfloat16")})
+    # the forward and backward passes' matmuls (the weights cast to it each step)
     compute: str = field(default="float32", metadata={"choices": ("float32", "bfloat16")})
 
 
@@ -188,17 +194,17 @@ class DtypeSection:
 class CheckpointSection:
     """How often checkpoints are saved and how many are kept."""
 
-    every: int = field(default=500, metadata={"range": "[1, inf)"})
-    keep: int = field(default=3, metadata={"range": "[1, inf)"})
+    every: int = field(default=500, metadata={"range": "[1, inf)"})  # steps between checkpoints (and the last)
+    keep: int = field(default=3, metadata={"range": "[1, inf)"})  # the newest checkpoints kept (older are deleted)
 
 
 @dataclass
 class LoraSection:
     """LoRA adapters (zoo/lora.py); rank 0 trains the full model instead."""
 
-    rank: int = field(default=0, metadata={"range": "[0, inf)"})
-    alpha: float = field(default=16.0, metadata={"range": "(0, inf)"})
-    dropout: float = field(default=0.0, metadata={"range": "[0, 1)"})
+    rank: int = field(default=0, metadata={"range": "[0, inf)"})  # r: the adapters' inner size (0: no LoRA)
+    alpha: float = field(default=16.0, metadata={"range": "(0, inf)"})  # the update is scaled by alpha / rank
+    dropout: float = field(default=0.0, metadata={"range": "[0, 1)"})  # on the adapters' input, in training only
     targets: list[str] | str = "all"  # HF module names (q_proj ... down_proj), a comma list, "all", or a regex
     rslora: bool = False  # scale by alpha/sqrt(rank) instead of alpha/rank
     base_quant: str | None = None  # QLoRA: store the frozen base quantized, "nf4" (bitsandbytes' NF4) or "int8"
@@ -213,7 +219,7 @@ class EvalSection:
     # extra; `zoo eval --harness`), e.g. [prose, arc_easy]
     tasks: list[str] | str = field(default_factory=list)
     limit: int | None = field(default=32, metadata={"range": "[1, inf)"})  # examples per task (None: all)
-    batch_size: int = field(default=8, metadata={"range": "[1, inf)"})
+    batch_size: int = field(default=8, metadata={"range": "[1, inf)"})  # examples scored at once
     include_path: str | None = None  # a folder of your own lm-eval task YAMLs, for harness task names
 
 
@@ -223,13 +229,14 @@ class TrainConfig:
 
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
-    batch_size: int = field(default=8, metadata={"range": "[1, inf)"})
+    batch_size: int = field(default=8, metadata={"range": "[1, inf)"})  # rows per optimizer step (all devices)
+    # micro-batches per step (batch_size / grad_accum rows each): the same update with less activation memory
     grad_accum: int = field(default=1, metadata={"range": "[1, inf)"})
     # the run's length (one of the two is needed): max_steps steps if set, else epochs passes over the data
     max_steps: int | None = field(default=None, metadata={"range": "[1, inf)"})
-    epochs: int | None = field(default=None, metadata={"range": "[1, inf)"})
+    epochs: int | None = field(default=None, metadata={"range": "[1, inf)"})  # passes over the data (no max_steps)
     seed: int = field(default=0, metadata={"range": "[0, 4294967295]"})  # numpy's and grain's seeds are 32-bit
-    output_dir: str = "runs/run"
+    output_dir: str = "runs/run"  # the run folder: checkpoints, final/, metrics.jsonl, logs (a rerun resumes)
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     schedule: ScheduleSection = field(default_factory=ScheduleSection)
     mesh: MeshSection = field(default_factory=MeshSection)
@@ -239,7 +246,7 @@ class TrainConfig:
     remat: str = field(default="none", metadata={"choices": ("none", "full", "save_dots", "offload")})
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     lora: LoraSection = field(default_factory=LoraSection)
-    log_every: int = field(default=10, metadata={"range": "[1, inf)"})
+    log_every: int = field(default=10, metadata={"range": "[1, inf)"})  # steps between log lines and metrics
     eval_every: int = field(default=0, metadata={"range": "[0, inf)"})  # 0: no eval during training
     eval: EvalSection = field(default_factory=EvalSection)
     # per device, for MFU; None: detected for known accelerators, else no MFU

@@ -169,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--private", action="store_true", help="create the Hub repo as private")
     s.add_argument("--revision", metavar="BRANCH", help="upload to this branch (created if needed; default main)")
     s.add_argument("--dry-run", action="store_true", help="list the files that would be written/uploaded and where; write nothing")
+    s.add_argument("--eval-results", metavar="FILE",
+                   help="a `zoo eval --out` results JSON (lmzoo's tasks or --harness): the model card (README.md, which "
+                        "--push-to-hub uploads too) lists its scores as a task / metric / value table")
     s.set_defaults(fn=cmd_export)
 
     s = sub.add_parser(

