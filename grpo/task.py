@@ -123,6 +123,7 @@ class GRPOTask(Task):
         self.rewards = self._rewards(cfg)  # a bad spec fails before loading
         self.field = cfg.data.prompt_field
         self.reference: str | None = None  # "base" or "inputs" with beta > 0 (prepare decides)
+        self.grouped = False  # the update's rows share each group's prompt (shares_prompts; set up with the mesh)
 
     def _rewards(self, cfg: GRPOConfig) -> RewardSet:
         """grpo.rewards, and an environment class's ``get_reward`` as one more source of weight 1 (TRL's)."""
@@ -541,7 +542,7 @@ class GRPOTask(Task):
         ``beta`` > 0."""
         g = self.grpo
         fields = ("old_logps",) * (g.num_iterations > 1) + ("ref_logps",) * (g.beta > 0)
-        if not getattr(self, "grouped", False):
+        if not self.grouped:
             return RolloutBatch.layout((grad_accum, micro, seq_len + g.max_completion_length), fields)
         # One row per group (eval.rollout.assemble_groups); the per-completion arrays one row per completion.
         G, t = g.num_generations, g.max_completion_length

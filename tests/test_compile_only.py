@@ -82,11 +82,13 @@ def test_a_small_run_compiles_for_a_4_chip_slice_and_reports(tmp_path, capsys, c
     assert (parts["adapters"] > 0) == ("lora" in extra) and parts["optimizer"] > 0
     if command == "pretrain":  # Adam's two float32 moments sharded like the weights over fsdp 4 (+ step counters)
         assert 0 <= parts["optimizer"] - 2 * 4 * _param_count(TINY) // 4 < 64
-    row = 64 + (8 if command == "grpo" else 0)  # GRPO's rows: the prompt and its completion
-    assert rep["tokens_per_step"] == 8 * row
+    rows, row = 8, 64
+    if command == "grpo":  # one row per group of G = 2 (grpo.share_prompt, whole groups on each of the 4 chips):
+        rows, row = 8 // 2, 64 + 2 * (8 + 1)  # the prompt once, then each completion after the prompt's last token
+    assert rep["tokens_per_step"] == rows * row
     # A reward model's head is [hidden, 1]: a vocabulary of one in the arithmetic
     head = {**TINY, "vocab_size": 1} if command == "rm" else TINY
-    assert rep["model_flops_per_step"] == pytest.approx(_flops(head, row, 8 * row, factor), rel=1e-9)
+    assert rep["model_flops_per_step"] == pytest.approx(_flops(head, row, rows * row, factor), rel=1e-9)
     sampler = rep.get("programs", {}).get("sampler")  # GRPO's sampler, compiled beside its update
     assert (sampler is not None) == (command == "grpo")
     if sampler:
