@@ -28,12 +28,12 @@ from convert.fused import fuse_planned, fused_named, join
 from convert.hf_config import export_hf_config
 from convert.model_card import (
     EvalResults,
-    Origin,
     card_data,
     eval_lines,
     origin_of,
     read_eval_results,
     render,
+    trained_with,
     training_lines,
     training_of,
 )
@@ -42,15 +42,7 @@ from convert.readers import SafetensorsFolder
 from convert.safetensors_out import ST_NAMES, encode_header
 from convert.tables import table_for
 from convert.transforms import TRANSFORMS, hf_shape
-from zoo.checkpoint import (
-    HF_CONFIG_FILE,
-    TOKENIZER_DIR,
-    WEIGHT_FILES,
-    ParamSource,
-    atomic_output,
-    hub_id,
-    read_meta,
-)
+from zoo.checkpoint import HF_CONFIG_FILE, TOKENIZER_DIR, WEIGHT_FILES, ParamSource, atomic_output, read_meta
 from zoo.config import ModelConfig
 from zoo.errors import UserError
 from zoo.loading import param_reader
@@ -156,16 +148,16 @@ def safetensors_header(tensors: list[PlannedTensor]) -> bytes:
                                    "data_offsets": [t.offset, t.offset + t.nbytes]} for t in tensors})
 
 
-def model_card(meta: dict[str, Any], cfg: ModelConfig, repo_hint: str, ckpt: str | Path | None = None,
+def model_card(meta: dict[str, Any], cfg: ModelConfig, repo_hint: str, ckpt: str | Path,
                eval_results: EvalResults | None = None) -> str:
     """README.md for the exported folder: its metadata (base model, license, tags, datasets), the model, what was
     done (a trained checkpoint: method, hyperparameters, data, final metrics: convert/model_card.py), the `zoo
     eval` results when given, and how to load it. ``ckpt``: where the checkpoint is (its run folder's records and
-    the checkpoints it started from are read from there; without it, only model.json's)."""
+    the checkpoints it started from are read from there)."""
     from zoo.params import count_params
 
     source = meta.get("source", "unknown")
-    origin = origin_of(ckpt, meta) if ckpt is not None else Origin(hub_id(meta))
+    origin = origin_of(ckpt, meta)
     training = training_of(ckpt, meta)
     kind, auto = ("reward model (a sequence classifier, one score)", "AutoModelForSequenceClassification") \
         if cfg.num_labels else ("causal language model", "AutoModelForCausalLM")
@@ -174,10 +166,9 @@ def model_card(meta: dict[str, Any], cfg: ModelConfig, repo_hint: str, ckpt: str
     if meta.get("training"):
         record = meta["training"]
         came = f", which derives from the Hub's `{origin.hub_repo}`" if origin.hub_repo and origin.hub_repo != source else ""
-        steps = f", {record['steps']} steps" if record.get("steps") is not None else ""
         merged = (f"; its LoRA adapters (rank {meta['lora'].get('rank')}) are merged into the weights"
                   if meta.get("lora") else "")
-        done = [f"Trained with lmzoo ({record.get('method', 'training')}{steps}) from `{source}`{came}{merged}.", ""]
+        done = [f"{trained_with(record)} from `{source}`{came}{merged}.", ""]
         if training is not None:
             done += training_lines(training)
     else:

@@ -34,6 +34,7 @@ from zoo.adapter import base_location
 from zoo.checkpoint import hub_id
 from zoo.datafiles import SUFFIX_FORMATS, looks_like_hub_name
 from zoo.errors import UserError
+from zoo.jsonl import read_records
 from zoo.paths import MODEL_FILE
 from zoo.row_origin import JSON_SPACE, file_lines, is_json_array
 
@@ -280,19 +281,9 @@ def origin_of(ckpt: str | os.PathLike, meta: dict[str, Any]) -> Origin:
 
 # --- how it was trained --------------------------------------------------------------------------------------
 
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    """The records of a JSON-lines file (a line cut short by a kill is skipped); [] when there is none."""
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
-            out.append(rec)
-    return out
+def _step_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines log that name their step (a line cut short by a kill is skipped)."""
+    return [rec for rec in read_records(path)[0] if isinstance(rec.get("step"), int)]
 
 
 def _is_eval_key(key: str) -> bool:
@@ -383,13 +374,13 @@ def training_data(record: dict[str, Any], config: dict[str, Any] | None) -> tupl
     return train, evals
 
 
-def training_of(ckpt: str | os.PathLike | None, meta: dict[str, Any]) -> Training | None:
-    """What ``ckpt``'s records say of its training (``ckpt`` None: model.json's ``meta`` alone, no run folder);
+def training_of(ckpt: str | os.PathLike, meta: dict[str, Any]) -> Training | None:
+    """What ``ckpt``'s records (model.json's ``meta`` and its run folder's files) say of its training;
     None for a checkpoint that was not trained (converted, initialized, quantized)."""
     record = meta.get("training")
     if not isinstance(record, dict):
         return None
-    run = run_folder(Path(ckpt)) if ckpt is not None else None
+    run = run_folder(Path(ckpt))
     config: dict[str, Any] | None = None
     if run is not None and (run / CONFIG_FILE).is_file():
         try:
@@ -402,11 +393,17 @@ def training_of(ckpt: str | os.PathLike | None, meta: dict[str, Any]) -> Trainin
         method = "distill"
     data, evals = training_data(record, config)
     steps = record.get("steps")
-    records = [r for r in _jsonl(run / METRICS_FILE) if steps is None or r["step"] <= steps] if run else []
+    records = [r for r in _step_records(run / METRICS_FILE) if steps is None or r["step"] <= steps] if run else []
     last = records[-1] if records else {}
     evaluated = [r for r in records if any(_is_eval_key(k) for k in r)]
     return Training(method, record, config, meta.get("lora"), data, evals, last,
                     evaluated[-1] if evaluated else {})
+
+
+def trained_with(record: dict[str, Any]) -> str:
+    """"Trained with lmzoo (METHOD, N steps)": how a card opens its account of model.json's training record."""
+    steps = f", {record['steps']} steps" if record.get("steps") is not None else ""
+    return f"Trained with lmzoo ({record.get('method', 'training')}{steps})"
 
 
 def method_text(t: Training) -> str:

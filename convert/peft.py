@@ -32,6 +32,7 @@ from convert.model_card import (
     origin_of,
     read_eval_results,
     render,
+    trained_with,
     training_lines,
     training_of,
 )
@@ -466,8 +467,7 @@ def adapter_card(ckpt: str | os.PathLike, meta: dict[str, Any], base_ref: str, t
     data = card_data("peft", origin_of(ckpt, meta), trained, tags=["lora"], pipeline_tag="text-generation",
                      # a Hub repo: the Hub links the adapter to it
                      base_model=base_ref if loads and base_out is None else None)
-    how = f"Trained with lmzoo ({training.get('method', 'training')}"
-    how += f", {training['steps']} steps)." if training.get("steps") is not None else ")."
+    how = f"{trained_with(training)}."
     # A reward model's adapter (its score head saved whole) loads onto the base read as a sequence classifier.
     kind = "SequenceClassification" if set(WHOLE_WEIGHTS) & set(info.get("params", {})) else "CausalLM"
     if kind == "SequenceClassification":

@@ -45,7 +45,7 @@ from eval.generate import Sampler
 from eval.rollout import RolloutSpec, assemble, assemble_groups, completion_view, sample_group_completions
 from grpo import losses
 from grpo.agentic import Agent, Episodes
-from grpo.config import GRPOConfig
+from grpo.config import GRPOConfig, GrpoSection
 from grpo.reward_model import SharedBase
 from grpo.rewards import RewardFunction, RewardSet, load_rewards, reward_metrics
 from grpo.tools import ENVIRONMENT_FIELD, EnvironmentReward, Environments, load_tools
@@ -558,10 +558,11 @@ class GRPOTask(Task):
         sampler's log-probability gap as a :class:`Max`."""
         g = self.grpo
         p = cast_params(params, compute)
-        # A rollout row is one document (prompt + completion, then padding: eval.rollout.layout).
+        # A rollout row is one document (prompt + completion, then padding: eval.rollout.assemble), or a group's
+        # prompt and its G completions (assemble_groups), read back one row per completion.
         logp, entropy, aux = batch_logps(mcfg, p, mb.arrays(), remat, temperature=float(g.temperature), entropy=True,
                                          max_segments=self._segments, **forward_kwargs)
-        logp, entropy = self._completions(logp), self._completions(entropy)  # one row per completion
+        logp, entropy = self._completions(logp), self._completions(entropy)
         mask = mb.weights
         old = jax.lax.stop_gradient(logp) if mb.old_logps is None else mb.old_logps
         ref = mb.ref_logps
@@ -600,7 +601,7 @@ class GRPOTask(Task):
         return LossOutput(objective, sg(total), n, extras)
 
 
-def shares_prompts(g: Any, mcfg: ModelConfig, mesh: jax.sharding.Mesh, micro: int) -> bool:
+def shares_prompts(g: GrpoSection, mcfg: ModelConfig, mesh: jax.sharding.Mesh, micro: int) -> bool:
     """Whether the update lays each group out in one row with its prompt once (``grpo.share_prompt``): not for
     models with sliding-window layers (their windows count row indices: zoo.masks), nor for the splash and cuDNN
     kernels (they cannot read a shared prefix: zoo.kernels), and only with whole groups in every shard of a

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.batch import Rollout
+from zoo.jsonl import read_records
 
 
 @dataclass
@@ -71,17 +72,9 @@ def _finite(x: Any) -> Any:
 def trim_jsonl(path: Path, step: int) -> list[dict[str, Any]]:
     """Drop every record of the JSONL log ``path`` after ``step`` (and a line torn by a kill); return the records
     kept. The file (if any) is rewritten whole, then renamed over the old one."""
-    if not path.is_file():
-        return []
-    kept, lines = [], path.read_text(errors="replace").splitlines()
-    for line in lines:
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue  # a line torn by a kill -9: never complete, so never part of the record
-        if isinstance(rec, dict) and int(rec.get("step", 0)) <= step:
-            kept.append(rec)
-    if len(kept) != len(lines):
+    records, lines = read_records(path)
+    kept = [rec for rec in records if int(rec.get("step", 0)) <= step]
+    if len(kept) != lines:
         tmp = path.with_name(path.name + ".trim")
         tmp.write_text("".join(json_line(r) for r in kept))
         tmp.replace(path)
