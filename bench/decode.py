@@ -18,7 +18,7 @@ float32) from the same prompts: chat prompts of different lengths through the to
 greedy, EOS ignored on both sides (so both do the same work):
 
 - ``lmzoo``: ``eval.generate.generate`` (one jitted prefill over the right-padded prompts, then a jitted
-  one-token step on the KV cache of ``zoo.decode``, float32), ``GenerationConfig(eos_ids=())``;
+  one-token step on the KV cache of ``zoo.model.decode``, float32), ``GenerationConfig(eos_ids=())``;
 - ``transformers``: ``model.generate(input_ids, attention_mask, do_sample=False, max_new_tokens=...)``
   on the left-padded batch with its dynamic KV cache, ``eos_token_id=None`` and ``min_new_tokens`` = the
   new tokens, torch threads = all CPUs (--torch-threads).
@@ -115,7 +115,7 @@ def run_lmzoo(ckpt: str, prompts: dict, new: int, reps: int) -> dict:
 
     import zoo
     from eval.generate import GenerationConfig, generate
-    from zoo.sharding import make_mesh
+    from zoo.model.sharding import make_mesh
 
     comp = _compile_listener()
     cfg = zoo.read_config(ckpt)
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     batches = [int(b) for b in args.batches.split(",") if b]
     sweep = [int(n) for n in args.sweep.split(",") if n]
-    from zoo.registry import bundled_gguf
+    from zoo.registry.catalogue import bundled_gguf
 
     gguf = str(bundled_gguf())
     load_before = os.getloadavg()
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = str(Path(tmp) / "smol")
         from convert import convert
-        from zoo.tokenizer import load_tokenizer
+        from zoo.data.tokenizer import load_tokenizer
 
         convert(gguf, ckpt, progress=False)
         prompts = _prompts(load_tokenizer(ckpt), batches, sweep)

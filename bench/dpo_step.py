@@ -38,7 +38,7 @@ a prompt of seq/2 tokens and two answers of seq/2 tokens each (seq/2 - 1 words +
   none>, ...)``, torch threads = all CPUs; TRL's own data path (a ``datasets.Dataset`` of the same pair
   strings). Timed by a ``TrainerCallback`` from ``on_step_begin`` to ``on_step_end``.
 
-The lmzoo sides run the real ``pretrain.trainer.train(cfg, task=dpo.task.DPOTask(cfg))`` with ``max_steps`` =
+The lmzoo sides run the real ``pretrain.loop.train(cfg, task=dpo.task.DPOTask(cfg))`` with ``max_steps`` =
 2 + --steps. lmzoo's layout (dpo/data.py): a pair is one row holding its prompt once, both answers reading it as a
 shared prefix, so ``seq/2 + 2 * seq/2 + 1`` tokens (``data.seq_len`` = 3 x seq/2, the least that cuts no pair);
 with ``--two-copies`` (``dpo.share_prompt: false``) the row is prompt + chosen | prompt + rejected, 2 x seq tokens,
@@ -113,8 +113,8 @@ def run_lmzoo(side: str, ckpt: str, ref_ckpt: str, pairs: str, args: argparse.Na
     from dpo.config import DPOConfig
     from dpo.task import DPOTask
     from pretrain.config import load_config
-    from pretrain.trainer import train
-    from zoo.checkpoint import read_meta
+    from pretrain.loop import train
+    from zoo.checkpoints.format import read_meta
 
     reference = {"base": "base", "ckpt": ref_ckpt, "precomputed": "precomputed"}[side]
     steps = WARMUP + args.steps
@@ -208,15 +208,15 @@ def _prepare(args: argparse.Namespace, tmp: Path, trl_side: bool) -> tuple[dict,
     are the same single-token words; TRL's side loads the copy's ``zoo export`` and the same tokenizer."""
     from convert import convert
     from convert.export import export
-    from zoo.registry import bundled_gguf
+    from zoo.registry.catalogue import bundled_gguf
 
     gguf = str(bundled_gguf())
     paths = {"ckpt": str(tmp / "policy"), "ref_ckpt": str(tmp / "reference"), "hf": str(tmp / "policy_hf"),
              "pairs": str(tmp / "pairs.jsonl")}
     if args.model:
         import zoo
-        from zoo.params import param_specs
-        from zoo.tokenizer import TOKENIZER_DIR
+        from zoo.data.tokenizer import TOKENIZER_DIR
+        from zoo.model.params import param_specs
 
         convert(gguf, str(tmp / "smol"), progress=False)  # only for its tokenizer
         for dst in (paths["ckpt"], paths["ref_ckpt"]):  # the same model, copied twice: a separate reference
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(run_lmzoo(args.child, args.ckpt, args.ref_ckpt, args.pairs, args)))
         return 0
-    from zoo.tokenizer import load_tokenizer
+    from zoo.data.tokenizer import load_tokenizer
 
     sides = tuple(x for x in SIDES if x in args.sides.split(","))
     if set(args.sides.split(",")) - set(SIDES) or not sides:

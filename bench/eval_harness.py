@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     import zoo
     from eval.harness import LmzooLM
     from zoo.cli import main as zoo_main
-    from zoo.registry import bundled_gguf
+    from zoo.registry.catalogue import bundled_gguf
 
     gguf = bundled_gguf()
     if not (Path(args.ckpt) / "model.json").is_file():

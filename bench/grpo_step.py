@@ -28,7 +28,7 @@ below (1.0 when the last number of the completion equals the answer), which lmzo
 trainer draws its prompts in its own order, and the sampled completions differ (their lengths, hence the
 work of a step, too: the table shows each side's mean completion length):
 
-- ``lmzoo``: a child process runs the real ``pretrain.trainer.train(cfg, task=grpo.task.GRPOTask(cfg))``
+- ``lmzoo``: a child process runs the real ``pretrain.loop.train(cfg, task=grpo.task.GRPOTask(cfg))``
   (``grpo train``) with ``max_steps`` = warmup + steps, ``batch_size`` = prompts x G (completions),
   ``data.seq_len`` = the longest rendered prompt rounded up to a multiple of 16, ``remat`` = ``--remat``;
   its step times and per-step numbers are those of ``output_dir/metrics.jsonl``: ``step_time``,
@@ -172,7 +172,7 @@ def run_lmzoo(ckpt: str, data: str, seq_len: int, args: argparse.Namespace) -> d
     from grpo.config import GRPOConfig
     from grpo.task import GRPOTask
     from pretrain.config import load_config
-    from pretrain.trainer import train
+    from pretrain.loop import train
 
     os.chdir(REPO)  # grpo.rewards names this file relative to the repository root
     steps = args.warmup + args.steps
@@ -369,8 +369,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from convert import convert
     from convert.export import export
-    from zoo.registry import bundled_gguf
-    from zoo.tokenizer import load_tokenizer
+    from zoo.data.tokenizer import load_tokenizer
+    from zoo.registry.catalogue import bundled_gguf
 
     sides = (args.side,) if args.side else SIDES
     completions = args.prompts * args.generations

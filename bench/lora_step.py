@@ -23,7 +23,7 @@ float32) on the same random tokens, global batch 8 x seq 512, fp32, AdamW (lr 1e
 - ``lmzoo LoRA``: the step ``pretrain train`` compiles with ``lora.rank`` set -- fresh adapters
   (``pretrain.setup.init_adapters``, rank 16, alpha 32, on q, k, v, o, gate, up, down; B = 0 as in
   training) are the train state, the base weights a frozen, undifferentiated third argument of
-  ``pretrain.step.make_step``'s step;
+  ``pretrain.jit_step.make_step``'s step;
 - ``lmzoo full``: the same step without LoRA (all weights trained), as in ``bench/train_throughput.py``;
 - ``PyTorch+peft``: transformers' ``LlamaForCausalLM`` wrapped by ``peft.get_peft_model`` with the
   same LoRA settings (lora_dropout 0), ``torch.optim.AdamW`` over the trainable parameters only,
@@ -76,7 +76,7 @@ from pathlib import Path
 import numpy as np
 from sides import check_targets, emit, merge_rounds, run_child  # bench/sides.py (the script's folder)
 
-from zoo.params import param_specs
+from zoo.model.params import param_specs
 
 SIDES = ("lora", "full", "peft", "qlora", "lora_bf16")
 NAMES = {"lora": "lmzoo LoRA", "full": "lmzoo full", "peft": "PyTorch+peft", "qlora": "lmzoo QLoRA",
@@ -135,20 +135,20 @@ def run_jax(ckpt: str, batch: int, seq: int, steps: int, rank: int | None, alpha
 
     import zoo
     from pretrain.batch import TokenBatch
+    from pretrain.jit_step import init_state, make_step
     from pretrain.setup import init_adapters
-    from pretrain.step import init_state, make_step
-    from zoo.lora import LoraConfig, lora_scale
-    from zoo.sharding import make_mesh
+    from zoo.lora.adapters import LoraConfig, lora_scale
+    from zoo.model.sharding import make_mesh
 
     cfg = zoo.read_config(ckpt)
     mesh = make_mesh(devices=jax.devices()[:1])
     jax.numpy.zeros(1).block_until_ready()
     rss0 = _rss()  # the runtime, before any weight
     if base == "nf4":  # as pretrain.setup loads a QLoRA base: the projections one at a time, each quantized
-        from zoo import quant
-        from zoo.loading import quantized_param
+        from zoo.checkpoints.loading import quantized_param
         from zoo.memory import release_free_memory
-        from zoo.params import flatten, nest
+        from zoo.model import quant
+        from zoo.model.params import flatten, nest
 
         skip = quant.quantized_paths(cfg)
         flat = flatten(zoo.load_params(ckpt, mesh, np.float32, paths=[p for p in param_specs(cfg) if p not in skip]))
@@ -160,7 +160,7 @@ def run_jax(ckpt: str, batch: int, seq: int, steps: int, rank: int | None, alpha
         params = zoo.load_params(ckpt, mesh, dtype=jax.numpy.bfloat16 if base == "bfloat16" else np.float32)
     tx = optax.adamw(1e-4)
     batch_sharding = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"), None))
-    if rank:  # as pretrain.trainer.train builds it with lora.rank > 0
+    if rank:  # as pretrain.loop.train builds it with lora.rank > 0
         lora_cfg = LoraConfig(rank=rank, alpha=alpha, targets=list(TARGETS))
         frozen = params
         trainable = init_adapters(cfg, lora_cfg, 0, mesh)
@@ -245,7 +245,7 @@ def _model(model: str | None, tmp: Path, torch_side: bool) -> tuple[str, str, st
         n = sum(math.prod(s.shape) for s in param_specs(cfg).values())
         return str(Path(model).absolute()), hf, f"{Path(model).name} ({cfg.family}, {n / 1e6:,.{0 if n >= 1e7 else 2}f}M parameters)"
     from convert import convert
-    from zoo.registry import bundled_gguf
+    from zoo.registry.catalogue import bundled_gguf
 
     gguf = str(bundled_gguf())
     ckpt = str(tmp / "smol")

@@ -57,7 +57,7 @@ def _lr(args: argparse.Namespace) -> float:
 def run_lmzoo(ckpt: str, pairs: str, args: argparse.Namespace) -> dict:
     """`dpo train` (kto) or `reward train` on the shared loop for 2 + steps steps; step times from metrics.jsonl."""
     from pretrain.config import load_config
-    from pretrain.trainer import train
+    from pretrain.loop import train
 
     steps = WARMUP + args.steps
     p = args.seq // 2
@@ -174,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from convert import convert
     from convert.export import export
-    from zoo.registry import bundled_gguf
-    from zoo.tokenizer import load_tokenizer
+    from zoo.data.tokenizer import load_tokenizer
+    from zoo.registry.catalogue import bundled_gguf
 
     runs: dict[str, list[dict]] = {s: [] for s in SIDES}
     with tempfile.TemporaryDirectory() as tmp:

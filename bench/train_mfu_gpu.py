@@ -1,7 +1,7 @@
 """Benchmark (accelerator): MFU of lmzoo's train step on Llama-3.2-1B- and Llama-3.1-8B-shaped models.
 
 Random weights (the shapes are what matter), bf16 compute, AdamW, the same jitted, sharded step `pretrain train`
-and `sft train` run (pretrain.step.make_step) over all local devices (FSDP): full fine-tuning, or LoRA (``--lora
+and `sft train` run (pretrain.jit_step.make_step) over all local devices (FSDP): full fine-tuning, or LoRA (``--lora
 RANK``) on every attention and MLP projection of a frozen base. Prints step time, tokens/s and MFU against the
 device's dense bf16 peak (or --peak-tflops), with the model FLOPs the step needs (pretrain.flops: 6 x the active
 matmul parameters per token for full fine-tuning, 4 x for a frozen base, plus causal attention), never XLA's
@@ -57,11 +57,11 @@ def run(args: argparse.Namespace) -> dict:
     from convert.hf_config import model_config_from_hf
     from pretrain.batch import TokenBatch
     from pretrain.flops import KNOWN_PEAK_TFLOPS, flops_per_token
-    from pretrain.step import init_state, make_step
-    from zoo.kernels import kernel_for
-    from zoo.lora import LoraConfig, init_lora, lora_scale, lora_specs
-    from zoo.params import init_params, nest, param_specs
-    from zoo.sharding import make_mesh, named_sharding
+    from pretrain.jit_step import init_state, make_step
+    from zoo.kernels.choice import kernel_for
+    from zoo.lora.adapters import LoraConfig, init_lora, lora_scale, lora_specs
+    from zoo.model.params import init_params, nest, param_specs
+    from zoo.model.sharding import make_mesh, named_sharding
 
     cfg = model_config_from_hf(hf_config(args.model, args.layers), args.model)
     cfg = dataclasses.replace(cfg, attention=args.attention)
@@ -128,7 +128,7 @@ def add_step_flags(ap: argparse.ArgumentParser, model: str = "1b", steps: int = 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse flags, run, print a line per result and the JSON."""
-    from zoo.config import ATTENTION_KERNELS
+    from zoo.model.config import ATTENTION_KERNELS
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_step_flags(ap)

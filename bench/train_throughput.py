@@ -33,7 +33,7 @@ def _tokens(batch: int, seq: int, vocab: int) -> np.ndarray:
 
 
 def run_jax(ckpt: str, batch: int, seq: int, steps: int) -> dict:
-    """Time lmzoo's train step (pretrain.step.make_step) on one CPU device."""
+    """Time lmzoo's train step (pretrain.jit_step.make_step) on one CPU device."""
     import jax
     import optax
     from jax.sharding import NamedSharding, PartitionSpec
@@ -41,8 +41,8 @@ def run_jax(ckpt: str, batch: int, seq: int, steps: int) -> dict:
     import zoo
     from pretrain.batch import TokenBatch
     from pretrain.flops import flops_per_token
-    from pretrain.step import init_state, make_step
-    from zoo.sharding import make_mesh
+    from pretrain.jit_step import init_state, make_step
+    from zoo.model.sharding import make_mesh
 
     cfg = zoo.read_config(ckpt)
     mesh = make_mesh(devices=jax.devices()[:1])
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child == "torch":
         print(json.dumps(run_torch(args.gguf, args.batch, args.seq, args.steps)))
         return 0
-    from zoo.registry import bundled_gguf
+    from zoo.registry.catalogue import bundled_gguf
 
     gguf = str(bundled_gguf())
     # The peak is measured before and after the runs and the better one kept: on a shared machine one

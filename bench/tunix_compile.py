@@ -102,7 +102,7 @@ def tunix_side(case: Case, seq: int, layers: int | None) -> dict:
     from tunix.sft import utils as sft_utils
 
     from pretrain.compile_only import compiled_bytes, compiler_refusal, hbm_bytes, shard_bytes, topology_devices
-    from pretrain.step import compile_lowered
+    from pretrain.jit_step import compile_lowered
 
     devices = topology_devices(case.topology)
     mesh = Mesh(np.array(devices).reshape(len(devices), 1), ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2)
@@ -186,7 +186,7 @@ def lmzoo_side(case: Case, seq: int, layers: int | None, attention: str) -> dict
         t = Path(tmp)
         model = case.lmzoo_model
         if layers:  # the registry's released config with fewer layers
-            from zoo.registry import hf_config_of
+            from zoo.registry.catalogue import hf_config_of
 
             (t / "config.json").write_text(json.dumps({**hf_config_of(model, "model"), "num_hidden_layers": layers}))
             model = str(t / "config.json")

@@ -31,7 +31,7 @@ def init_command(args: argparse.Namespace) -> None:
 def quantize_command(args: argparse.Namespace) -> None:
     """`zoo quantize CKPT --out DIR`: the checkpoint with its projections stored quantized (convert/quantize.py)."""
     from convert.quantize import quantize_checkpoint
-    from zoo.paths import checkpoint_dir
+    from zoo.checkpoints.paths import checkpoint_dir
 
     out, bits = quantize_checkpoint(checkpoint_dir(args.ckpt), args.out, args.quant, args.double_quant)
     print(f"wrote {out}  ({bits:.3f} bits per quantized parameter)")
@@ -48,7 +48,7 @@ def export_command(args: argparse.Namespace) -> None:
         raise UserError("zoo export needs --out DIR, --push-to-hub USER/REPO, or both")
     if (args.private or args.revision) and not args.push_to_hub:
         raise UserError("--private and --revision only apply with --push-to-hub USER/REPO")
-    from zoo.paths import checkpoint_dir
+    from zoo.checkpoints.paths import checkpoint_dir
 
     args.ckpt = str(checkpoint_dir(args.ckpt))
     if args.eval_results:

@@ -19,11 +19,18 @@ from convert.safetensors_out import write_streaming
 from convert.source import Source, open_source
 from convert.tables import BoundRule, table_for
 from convert.transforms import TRANSFORMS, hf_shape
-from zoo.checkpoint import HF_CONFIG_FILE, HUB_ID, TOKENIZER_DIR, CheckpointWriter, atomic_output, prepare_output
-from zoo.config import ModelConfig
+from zoo.checkpoints.format import (
+    HF_CONFIG_FILE,
+    HUB_ID,
+    TOKENIZER_DIR,
+    CheckpointWriter,
+    atomic_output,
+    prepare_output,
+)
 from zoo.errors import UserError
 from zoo.memory import release_free_memory
-from zoo.params import param_specs
+from zoo.model.config import ModelConfig
+from zoo.model.params import param_specs
 
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 

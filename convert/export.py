@@ -3,8 +3,8 @@
 The layout of every shard is planned up front from the checkpoint's parameter
 table (names, shapes, dtypes), so each shard file gets its final header at
 once; then parameters are read one at a time (layer by layer, see
-:class:`zoo.checkpoint.ParamReader`; an adapter checkpoint's merged with its
-adapters, :func:`zoo.loading.param_reader`) and each per-layer tensor is written at
+:class:`zoo.checkpoints.format.ParamReader`; an adapter checkpoint's merged with its
+adapters, :func:`zoo.checkpoints.loading.param_reader`) and each per-layer tensor is written at
 its planned offset. Memory stays bounded by one
 parameter, while the shards keep the Hub's layer-major order.
 """
@@ -42,12 +42,12 @@ from convert.readers import SafetensorsFolder
 from convert.safetensors_out import ST_NAMES, encode_header
 from convert.tables import table_for
 from convert.transforms import TRANSFORMS, hf_shape
-from zoo.checkpoint import HF_CONFIG_FILE, TOKENIZER_DIR, WEIGHT_FILES, ParamSource, atomic_output, read_meta
-from zoo.config import ModelConfig
+from zoo.checkpoints.format import HF_CONFIG_FILE, TOKENIZER_DIR, WEIGHT_FILES, ParamSource, atomic_output, read_meta
+from zoo.checkpoints.loading import param_reader
 from zoo.errors import UserError
-from zoo.loading import param_reader
 from zoo.memory import release_free_memory
-from zoo.params import param_specs
+from zoo.model.config import ModelConfig
+from zoo.model.params import param_specs
 
 DEFAULT_MAX_SHARD = "5GB"
 
@@ -154,7 +154,7 @@ def model_card(meta: dict[str, Any], cfg: ModelConfig, repo_hint: str, ckpt: str
     done (a trained checkpoint: method, hyperparameters, data, final metrics: convert/model_card.py), the `zoo
     eval` results when given, and how to load it. ``ckpt``: where the checkpoint is (its run folder's records and
     the checkpoints it started from are read from there)."""
-    from zoo.params import count_params
+    from zoo.model.params import count_params
 
     source = meta.get("source", "unknown")
     origin = origin_of(ckpt, meta)

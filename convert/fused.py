@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from zoo.config import ModelConfig
 from zoo.errors import UserError
+from zoo.model.config import ModelConfig
 
 
 @dataclass(frozen=True)

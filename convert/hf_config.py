@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from convert.hf_layer_fields import read_layer_fields, read_longrope, write_layer_fields
-from zoo.config import ModelConfig, RopeConfig
 from zoo.errors import UserError
+from zoo.model.config import ModelConfig, RopeConfig
 
 
 @dataclass(frozen=True)
@@ -349,7 +349,7 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
     # SmolLM3's model never reads pretraining_tp (its release's config says 2).
     if getattr(c, "pretraining_tp", 1) not in (1, None) and family != "smollm3":
         raise UserError(f"{where}: pretraining_tp={c.pretraining_tp} is not supported; set it to 1")
-    from zoo.blocks import ACTIVATIONS
+    from zoo.layers.blocks import ACTIVATIONS
 
     if cfg.hidden_act not in ACTIVATIONS:
         raise UserError(f"{where}: activation {cfg.hidden_act!r} is not supported; supported: {sorted(ACTIVATIONS)}")

@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from zoo.config import ModelConfig, RopeConfig
+from zoo.model.config import ModelConfig, RopeConfig
 
 # family -> (pre_norms, qk_norm_span): OLMo 2/3 norm only the outputs of attention and MLP, and their q/k norms
 # are one RMSNorm over all heads' q (k) at once.

@@ -10,10 +10,10 @@ import numpy as np
 
 from convert.convert import DTYPES
 from convert.hf_config import model_config_from_hf
-from zoo import registry
-from zoo.checkpoint import HF_CONFIG_FILE, CheckpointWriter, atomic_output
+from zoo.checkpoints.format import HF_CONFIG_FILE, CheckpointWriter, atomic_output
 from zoo.errors import UserError
-from zoo.params import flatten, init_params, param_specs
+from zoo.model.params import flatten, init_params, param_specs
+from zoo.registry import catalogue as registry
 
 
 def init_random(source: str, out: str | Path, seed: int = 0, dtype: str = "float32", std: float = 0.02) -> Path:

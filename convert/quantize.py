@@ -1,8 +1,8 @@
 """`zoo quantize`: store a zoo checkpoint's projections quantized (NF4 or int8), once, for QLoRA bases.
 
-The output is a zoo checkpoint in the layout :mod:`zoo.quant_checkpoint` describes: ``zoo.load`` and ``zoo
+The output is a zoo checkpoint in the layout :mod:`zoo.checkpoints.quantized` describes: ``zoo.load`` and ``zoo
 export`` read it dequantized, and a LoRA run with it as ``model.path`` trains on the stored fields as they are
-(QLoRA, no re-quantization at load). The source is read one layer at a time (:func:`zoo.loading.param_reader`:
+(QLoRA, no re-quantization at load). The source is read one layer at a time (:func:`zoo.checkpoints.loading.param_reader`:
 a converted checkpoint, a training run's ``final``, an adapter checkpoint merged), so memory holds one float
 layer and one projection's fields.
 """
@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from convert.mtp import EXTRA_FILE
-from zoo import quant, quant_checkpoint
-from zoo.checkpoint import (
+from zoo.checkpoints import quantized as quant_checkpoint
+from zoo.checkpoints.format import (
     HF_CONFIG_FILE,
     TOKENIZER_DIR,
     CheckpointWriter,
@@ -24,15 +24,16 @@ from zoo.checkpoint import (
     provenance_of,
     read_meta,
 )
-from zoo.config import ModelConfig
+from zoo.checkpoints.loading import param_reader, quantized_param
 from zoo.errors import UserError
-from zoo.loading import param_reader, quantized_param
-from zoo.params import param_specs
+from zoo.model import quant
+from zoo.model.config import ModelConfig
+from zoo.model.params import param_specs
 
 
 def quantize_checkpoint(src: str | Path, out: str | Path, kind: str = "nf4", double: bool = False,
                         progress: bool | None = None) -> tuple[Path, float]:
-    """Write ``src`` with every :func:`zoo.quant.quantized_paths` projection quantized into ``out``;
+    """Write ``src`` with every :func:`zoo.model.quant.quantized_paths` projection quantized into ``out``;
     returns (the output folder, bits per quantized parameter as stored)."""
     from tqdm import tqdm
 

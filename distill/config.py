@@ -35,10 +35,10 @@ def load_teacher(ctx: Any) -> tuple[Any, dict]:
     """The frozen teacher of ``distill.teacher`` (its own config: it may be deeper or wider than the student),
     loaded on the run's mesh; its tokenizer must be the student's. Returns (its model config, its params)."""
     from pretrain.dtypes import DTYPES
-    from zoo.checkpoint import read_config
-    from zoo.loading import load_params
-    from zoo.paths import checkpoint_dir
-    from zoo.tokenizer import load_tokenizer
+    from zoo.checkpoints.format import read_config
+    from zoo.checkpoints.loading import load_params
+    from zoo.checkpoints.paths import checkpoint_dir
+    from zoo.data.tokenizer import load_tokenizer
 
     d: DistillSection = ctx.cfg.distill
     ckpt = checkpoint_dir(str(d.teacher), "distill.teacher")
@@ -55,8 +55,8 @@ def abstract_teacher(ctx: Any) -> tuple[Any, dict]:
 
     from pretrain.compile_only import model_config_of
     from pretrain.dtypes import DTYPES
-    from zoo.params import nest, param_specs
-    from zoo.sharding import named_sharding
+    from zoo.model.params import nest, param_specs
+    from zoo.model.sharding import named_sharding
 
     mcfg = dataclasses.replace(model_config_of(str(ctx.cfg.distill.teacher), "distill.teacher"),
                                attention=ctx.mcfg.attention)

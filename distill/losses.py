@@ -51,8 +51,8 @@ def distill_loss_sums(mcfg: Any, params: dict, teacher_mcfg: Any, teacher: dict,
     step divides by the global batch's target count. TRL's ``compute_loss`` calls ``generalized_jsd_loss``
     without a temperature, so the loss is at temperature 1 (``distill.temperature`` is the sampler's)."""
     from pretrain.metrics import LossOutput
-    from zoo.model import forward
-    from zoo.quant import cast_params
+    from zoo.model.decoder import forward
+    from zoo.model.quant import cast_params
 
     s_logits = forward(mcfg, cast_params(params, compute), mb.inputs, mb.segment_ids, mb.positions, remat=remat,
                        **forward_kwargs)

@@ -34,8 +34,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from eval.generate import Sampler
 from eval.rollout import RolloutSpec, assemble, sample_group_completions
 from pretrain.batch import DistillBatch, Rollout
-from zoo.config import ModelConfig
-from zoo.quant import cast_params
+from zoo.model.config import ModelConfig
+from zoo.model.quant import cast_params
 
 STREAM = 0x676B64  # folded into the seed: sampling keys and coins of their own (GRPO's and dropout's differ)
 
@@ -58,7 +58,7 @@ def prompts(tokens: jax.Array, loss_mask: jax.Array, segment_ids: jax.Array) -> 
 
 
 def dataset_rows(rows: dict[str, jax.Array], width: int) -> dict[str, jax.Array]:
-    """The model batch of dataset rows ([..., n] -> [..., width], padded; zoo.batching.to_model_batch's
+    """The model batch of dataset rows ([..., n] -> [..., width], padded; zoo.data.batching.to_model_batch's
     fields), its own target weights as ``data_weights`` too."""
     tok, seg, pos = rows["tokens"], rows["tokens_segment_ids"], rows["tokens_positions"]
     same = (seg[..., 1:] == seg[..., :-1]) & (seg[..., 1:] != 0) & rows["loss_mask"][..., 1:].astype(bool)
@@ -129,7 +129,7 @@ class Sampling:
 
     def kv_cache_bytes(self) -> dict[str, int]:
         """Bytes a chip holds of each sampler's KV cache (:meth:`lowered`'s programs)."""
-        from zoo.decode import kv_cache_bytes
+        from zoo.model.decode import kv_cache_bytes
 
         slots = self.seq_len + 1 + self.spec.new_tokens
         out = {"sampler": kv_cache_bytes(self.student, self.shape[1], slots, self.compute, self.mesh)}

@@ -35,7 +35,7 @@ Batch layout (the one-forward-pass choice): a pair is ONE row of at most
 ``data.seq_len + 1`` tokens, and by default its prompt is in it once:
 ``[prompt[:-1] | prompt[-1] + chosen | prompt[-1] + rejected]``, as
 segments 3, 1 and 2. Both answer segments attend to the prompt segment as a
-shared prefix (the model's ``prefix_ids``; see :func:`zoo.masks.attention_mask`)
+shared prefix (the model's ``prefix_ids``; see :func:`zoo.model.masks.attention_mask`)
 and to their own earlier tokens, never to each other, with positions that
 continue the prompt's; the prompt's last token opens each answer segment,
 since its output predicts that answer's first token. Each answer's tokens
@@ -277,13 +277,13 @@ def pair_documents(rows: Iterable[tuple[int, dict[str, Any]]], tokenizer: Any,
                    shared_prompt: bool = True) -> tuple[dict[int, dict[str, np.ndarray]], int, set[int]]:
     """(pair documents by row index, bad rows skipped, row indices too long for ``max_len`` tokens).
 
-    A bad row raises ``UserError("{file}, line {n}: ...")`` (:func:`zoo.row_origin.bad_row`) unless
+    A bad row raises ``UserError("{file}, line {n}: ...")`` (:func:`zoo.data.row_origin.bad_row`) unless
     ``skip_bad_rows``; a too-long pair is cut (see :func:`fit_pair`) or, with
     ``drop_long``, left out. ``shared_prompt`` picks the row layout (see the
     module docstring).
     """
+    from zoo.data.row_origin import bad_row, row_where
     from zoo.errors import UserError
-    from zoo.row_origin import bad_row, row_where
 
     out: dict[int, dict[str, np.ndarray]] = {}
     skipped, too_long, first_bad = 0, set(), ""

@@ -37,11 +37,11 @@ from pretrain.batch import KTOBatch, PairBatch
 from pretrain.config import TrainConfig
 from pretrain.metrics import LossOutput, Metric, MicroMean, Ratio
 from pretrain.task import RowSource, Tokenizer
-from zoo.batching import Document
-from zoo.config import ModelConfig
-from zoo.datafiles import load_dataset_rows
-from zoo.logps import batch_logps
-from zoo.quant import cast_params
+from zoo.data.batching import Document
+from zoo.data.files import load_dataset_rows
+from zoo.model.config import ModelConfig
+from zoo.model.logps import batch_logps
+from zoo.model.quant import cast_params
 
 METRICS = ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected",
            "logits/chosen", "logits/rejected")

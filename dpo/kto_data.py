@@ -109,7 +109,7 @@ def kto_documents(rows: list[dict[str, Any]], indices: list[int] | None, tokeniz
     """(documents by row index, bad rows skipped, rows too long) of the rows at ``indices`` (default all), each
     with its ``label`` (1.0 or 0.0 on every token). ``chunk``: the micro-batch's rows, the size of the chunks the
     KL completions rotate within (over ALL rows, whatever ``indices``)."""
-    from zoo.row_origin import bad_row
+    from zoo.data.row_origin import bad_row
 
     template = as_template(chat_template)
     cache: dict[int, tuple[list[int], list[int], bool] | None] = {}

@@ -29,8 +29,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from zoo.batching import score_documents
-from zoo.config import ModelConfig
+from zoo.data.batching import score_documents
+from zoo.model.config import ModelConfig
 
 CACHE_DIR = "reference_logps"
 CACHE_VERSION = "3"  # bump when what is cached changes meaning (3: + params dtype and chat template)
@@ -41,14 +41,14 @@ REFERENCE_ALSO = "base or precomputed"  # what dpo.reference may be besides a ch
 
 def resolve_checkpoint(path: str) -> Path:
     """The zoo checkpoint folder ``path`` of a reference, or a UserError."""
-    from zoo.loading import reference_dir
+    from zoo.checkpoints.loading import reference_dir
 
     return reference_dir(path, "dpo.reference", REFERENCE_ALSO)
 
 
 def load_reference(path: str, mcfg: ModelConfig, mesh: jax.sharding.Mesh, dtype: Any) -> dict:
     """The frozen reference checkpoint at ``path``, sharded like the policy (it must have the policy's shapes)."""
-    from zoo.loading import load_reference as load
+    from zoo.checkpoints.loading import load_reference as load
 
     return load(path, "dpo.reference", REFERENCE_ALSO, mcfg, mesh, dtype)
 
@@ -56,8 +56,8 @@ def load_reference(path: str, mcfg: ModelConfig, mesh: jax.sharding.Mesh, dtype:
 def checkpoint_digest(path: Path) -> str:
     """sha256 over the names and bytes of every file of a checkpoint folder (the reference weights), and of
     its base checkpoint's when it is an adapter checkpoint (its weights are the merged model)."""
-    from zoo.adapter import base_checkpoint
-    from zoo.checkpoint import read_meta
+    from zoo.checkpoints.adapter import base_checkpoint
+    from zoo.checkpoints.format import read_meta
 
     h = hashlib.sha256()
     for f in sorted(p for p in path.rglob("*") if p.is_file()):

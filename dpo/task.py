@@ -42,13 +42,13 @@ from pretrain.metrics import LossOutput, Mean, Metric, MicroMean, Ratio
 from pretrain.preflight import check_untrainable, untrainable
 from pretrain.task import Documents, LayoutContext, RowSource, RunContext, Task, Tokenizer
 from sft.task import chat_template_of
-from zoo.batching import Document
-from zoo.config import ModelConfig
-from zoo.datafiles import indexed_rows, load_dataset_rows
+from zoo.data.batching import Document
+from zoo.data.files import indexed_rows, load_dataset_rows
 from zoo.errors import UserError
-from zoo.logps import batch_logps
-from zoo.params import flatten
-from zoo.quant import cast_params
+from zoo.model.config import ModelConfig
+from zoo.model.logps import batch_logps
+from zoo.model.params import flatten
+from zoo.model.quant import cast_params
 
 # The metrics each step logs (TRL's names), besides `loss`: means over the global batch's pairs.
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -67,7 +67,7 @@ def load_pair_rows(path: str, cfg: TrainConfig, need: str) -> RowSource:
 
 def shared_prompt_layout(share: bool, mcfg: ModelConfig) -> bool:
     """Whether pairs share one copy of their prompt: ``dpo.share_prompt``, except for models with sliding-window
-    layers (zoo.masks). ``model.attention: splash`` cannot read a shared prompt (zoo.kernels): said here, before
+    layers (zoo.model.masks). ``model.attention: splash`` cannot read a shared prompt (zoo.kernels.choice): said here, before
     any documents, with what to change."""
     shared = share and "sliding" not in mcfg.kinds
     if shared and mcfg.attention == "splash":
@@ -83,7 +83,7 @@ class DPOTask(Task):
     method = "dpo"
     packing = "none"  # each pair is one row, its two sequences laid out by the task (dpo/data.py)
     config_class = DPOConfig
-    reads_step = True  # the train step passes its optimizer step to loss_sums (pretrain/step.py)
+    reads_step = True  # the train step passes its optimizer step to loss_sums (pretrain/jit_step.py)
     key_metrics = ("rewards/accuracies", "rewards/margins")  # what a plain log line shows besides the loss
     batch_class = PairBatch
 

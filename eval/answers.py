@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: eval.tasks reads task files and data, which `zoo generate` never needs
-    from eval.tasks import Task
+    from eval.task_files import Task
 
 
 def cut_at_stop(text: str, stop: Sequence[str]) -> str:

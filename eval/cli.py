@@ -1,6 +1,6 @@
 """`zoo eval` and `zoo plot`: the bodies of those `zoo` commands (zoo/cli.py parses their flags).
 
-`zoo eval` scores a checkpoint on perplexity, multiple-choice and generation tasks (see eval/tasks.py); the heavy
+`zoo eval` scores a checkpoint on perplexity, multiple-choice and generation tasks (see eval/task_files.py); the heavy
 modules (JAX, the model, transformers) load inside :func:`eval_command`. `zoo plot` draws a run's curves.
 """
 
@@ -50,7 +50,7 @@ def eval_command(args: argparse.Namespace) -> None:
         raise UserError("--include-path adds lm-eval task YAMLs: use it with --harness")
     if not args.ckpt or not args.tasks:
         raise UserError("zoo eval needs CKPT and --tasks T1,T2 (see `zoo eval --list-tasks`) or --harness T1,T2")
-    from zoo.paths import checkpoint_dir
+    from zoo.checkpoints.paths import checkpoint_dir
 
     args.ckpt = str(checkpoint_dir(args.ckpt))  # a missing path or a run folder: said before anything loads
 
@@ -59,7 +59,7 @@ def eval_command(args: argparse.Namespace) -> None:
     import time
     from pathlib import Path
 
-    from eval.tasks import resolve_tasks
+    from eval.task_files import resolve_tasks
 
     t0 = time.perf_counter()
     tasks = resolve_tasks(args.tasks)  # bad task files fail here, before JAX and the model load
@@ -72,7 +72,7 @@ def eval_command(args: argparse.Namespace) -> None:
 
     import zoo
     from eval.scoring import evaluate
-    from zoo.tokenizer import load_tokenizer
+    from zoo.data.tokenizer import load_tokenizer
 
     out = Path(args.out) if args.out else None
     tokenizer = load_tokenizer(args.ckpt)
@@ -122,7 +122,7 @@ def print_results(report: dict[str, Any]) -> None:
 
 def _list_tasks() -> None:
     """Print the shipped tasks."""
-    from eval.tasks import load_task, shipped_tasks
+    from eval.task_files import load_task, shipped_tasks
 
     rows = [("task", "kind", "version", "description")]
     for name, path in shipped_tasks().items():

@@ -1,4 +1,4 @@
-"""Text generation with a zoo model on the KV cache of :mod:`zoo.decode`.
+"""Text generation with a zoo model on the KV cache of :mod:`zoo.model.decode`.
 
 One jitted prefill over the right-padded prompts, then a Python loop over a
 jitted one-token step (forward with the cache, then sample) with fixed
@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zoo.config import ModelConfig
-from zoo.decode import Cache, forward_step, init_cache, place_for_decoding
 from zoo.errors import UserError
+from zoo.model.config import ModelConfig
+from zoo.model.decode import Cache, forward_step, init_cache, place_for_decoding
 
 BUCKET = 32  # prompt and cache lengths are rounded up to a multiple of this: fewer compilations
 VIEW = 256  # a step reads the cache slots up to the filled length rounded up to this (one compile per bucket)
@@ -193,7 +193,7 @@ def _hit_stop(tokens: list[int], stop: tuple[str, ...], tokenizer: Any) -> bool:
 
 def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int,
                  eos_ids: AbstractSet[int] = frozenset()) -> list[list[int]]:
-    """Greedy continuations of several prompts at once by a :class:`zoo.model.Decoder` (each returned without
+    """Greedy continuations of several prompts at once by a :class:`zoo.model.decoder.Decoder` (each returned without
     its prompt, cut after EOS)."""
     gen = GenerationConfig(max_new_tokens=max_new_tokens, eos_ids=tuple(sorted(eos_ids)))
     return generate(model.cfg, model.param_dict(), prompts, gen)

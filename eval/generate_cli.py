@@ -14,7 +14,7 @@ from zoo.errors import UserError
 
 if TYPE_CHECKING:  # annotations only: JAX and the model load inside the command
     from eval.generate import GenerationConfig
-    from zoo.model import Decoder
+    from zoo.model.decoder import Decoder
 
 
 def generate_command(args: argparse.Namespace) -> int | None:
@@ -33,7 +33,7 @@ def generate_command(args: argparse.Namespace) -> int | None:
             or not 0 < args.top_p <= 1):
         raise UserError("need --max-new-tokens >= 1, --batch-size >= 1, --temperature >= 0, --top-k >= 0 "
                         "and 0 < --top-p <= 1")
-    from zoo.paths import checkpoint_dir
+    from zoo.checkpoints.paths import checkpoint_dir
 
     args.ckpt = str(checkpoint_dir(args.ckpt))
     rows = _read_prompt_rows(Path(args.prompts_file)) if args.prompts_file else None
@@ -41,7 +41,7 @@ def generate_command(args: argparse.Namespace) -> int | None:
 
     import zoo
     from eval.generate import GenerationConfig
-    from zoo.tokenizer import load_tokenizer
+    from zoo.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(args.ckpt)
     model = zoo.load(args.ckpt, dtype=np.float32)
@@ -61,7 +61,7 @@ def _eos_ids(ckpt: str, tok: Any) -> tuple[int, ...]:
     """End-of-sequence ids: the tokenizer's, plus the source config's (Llama 3 chat models end turns with another)."""
     import json
 
-    from zoo.checkpoint import HF_CONFIG_FILE
+    from zoo.checkpoints.format import HF_CONFIG_FILE
 
     ids = {tok.eos_token_id} - {None}
     path = Path(ckpt) / HF_CONFIG_FILE

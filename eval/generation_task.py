@@ -16,9 +16,9 @@ from eval.answers import is_correct, scored_answer
 from eval.generate import GenerationConfig, generate
 from eval.loglikelihood import encode
 from eval.progress import progress_bar
-from eval.tasks import Task, fewshot_pool, field_of, format_row, joined
-from zoo.config import ModelConfig
+from eval.task_files import Task, fewshot_pool, field_of, format_row, joined
 from zoo.errors import UserError
+from zoo.model.config import ModelConfig
 
 Generator = Callable[[list[list[int]]], list[list[int]]]  # a batch of prompts -> each one's new tokens
 

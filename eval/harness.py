@@ -54,7 +54,7 @@ class LmzooLM(TemplateLM):
     """An lm-eval model answering on a zoo checkpoint (converted, a training run's ``final``, a run folder).
 
     ``pretrained``: the checkpoint path (or give a loaded ``model``, a
-    :class:`zoo.model.Decoder`, and its ``tokenizer``). ``batch_size``: rows per
+    :class:`zoo.model.decoder.Decoder`, and its ``tokenizer``). ``batch_size``: rows per
     forward pass (questions per pass for shared contexts, prompts per generation
     batch). ``max_length``: the context in tokens (default the model's
     ``max_position_embeddings``, as lm-eval's ``hf`` backend reads it).
@@ -81,8 +81,8 @@ class LmzooLM(TemplateLM):
             import ml_dtypes
 
             import zoo
-            from zoo.paths import checkpoint_dir
-            from zoo.tokenizer import load_tokenizer
+            from zoo.checkpoints.paths import checkpoint_dir
+            from zoo.data.tokenizer import load_tokenizer
 
             ckpt = str(checkpoint_dir(pretrained))
             model = zoo.load(ckpt, dtype=np.float32 if dtype == "float32" else ml_dtypes.bfloat16)

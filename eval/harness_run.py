@@ -65,7 +65,7 @@ def harness_command(args: argparse.Namespace) -> None:
     require_lm_eval()
     if not args.ckpt:
         raise UserError("zoo eval --harness needs CKPT")
-    from zoo.paths import checkpoint_dir
+    from zoo.checkpoints.paths import checkpoint_dir
 
     ckpt = str(checkpoint_dir(args.ckpt))
     out = Path(args.out) if args.out else None

@@ -21,10 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from zoo.config import ModelConfig
 from zoo.errors import UserError
-from zoo.logps import token_logps
-from zoo.model import forward, stored_head
+from zoo.model.config import ModelConfig
+from zoo.model.decoder import forward, stored_head
+from zoo.model.logps import token_logps
 
 Request = tuple[list[int], int]  # (tokens, how many of the last targets are scored)
 MIN_BUCKET = 16
@@ -94,7 +94,7 @@ def request_scores(cfg: ModelConfig, params: dict[str, Any], requests: Sequence[
 def _row_scores(cfg: ModelConfig, params: dict[str, Any], inputs: jax.Array, targets: jax.Array,
                 scored: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(summed log p(target) over the scored positions [rows], all of them the argmax [rows]) of one batch of
-    right-padded rows; the vocabulary is projected in chunks (:func:`zoo.logps.token_logps`), never whole."""
+    right-padded rows; the vocabulary is projected in chunks (:func:`zoo.model.logps.token_logps`), never whole."""
     hidden = forward(cfg, params, inputs, return_hidden=True)
     head, vocab_major = stored_head(cfg, params)
     logp, greedy = token_logps(hidden, head, targets, cfg.final_softcap, head_grad=False, vocab_major=vocab_major,

@@ -1,7 +1,7 @@
 """`multiple_choice` tasks: acc and acc_norm from the log-likelihood of each choice after its question's context.
 
 A batch of questions' contexts is prefilled once into the KV cache of
-:mod:`zoo.decode`, and every choice extends that same cache, so the shared
+:mod:`zoo.model.decode`, and every choice extends that same cache, so the shared
 context is computed once per question; choices that differ only in their last
 token (`` 65`` / `` 68``) share one extension row, scored at its last position
 once per choice (lm-evaluation-harness's hf backend shares their forward pass
@@ -24,16 +24,16 @@ from tqdm.auto import tqdm
 
 from eval.loglikelihood import bucket, context_continuation, fine_bucket, request_scores
 from eval.progress import progress_bar
-from eval.tasks import Task, fewshot_pool, field_of, format_row, joined
-from zoo.config import ModelConfig
-from zoo.decode import Cache, forward_cached, forward_step, init_cache
+from eval.task_files import Task, fewshot_pool, field_of, format_row, joined
 from zoo.errors import UserError
+from zoo.model.config import ModelConfig
+from zoo.model.decode import Cache, forward_cached, forward_step, init_cache
 
 
 def mc_questions(tokenizer: Any, task: Task, rows: list[dict], num_fewshot: int | None = None,
                  ) -> list[tuple[list[int], list[list[int]], list[str], list[int]]]:
     """(context ids, each choice's ids, the choices, the gold indices) of each row, the task's ``description``
-    and few-shot examples (:func:`eval.tasks.fewshot_pool`) in the context."""
+    and few-shot examples (:func:`eval.task_files.fewshot_pool`) in the context."""
     k = task.opt("num_fewshot", 0) if num_fewshot is None else num_fewshot
     delim = task.opt("target_delimiter", " ")
     sep = task.opt("fewshot_separator", "\n\n")
@@ -122,7 +122,7 @@ def choice_scores(cfg: ModelConfig, params: dict[str, Any], questions: Sequence[
     """(summed log-likelihood, whether every token is the argmax) of each choice given its question's context.
 
     With ``use_cache`` a batch of contexts is prefilled once into the KV cache
-    (:mod:`zoo.decode`) and every choice extends that same cache; without it,
+    (:mod:`zoo.model.decode`) and every choice extends that same cache; without it,
     each (context, choice) pair is one full row (the context recomputed per
     choice). Both give the same numbers.
     """

@@ -20,9 +20,9 @@ from typing import Any
 from eval.loglikelihood import Request, encode, prefix_token
 from eval.progress import progress_bar
 from eval.rolling import DEFAULT_CHUNK, window_scores
-from eval.tasks import Task, field_of
-from zoo.config import ModelConfig
+from eval.task_files import Task, field_of
 from zoo.errors import UserError
+from zoo.model.config import ModelConfig
 
 
 def document_requests(tokens: list[int], prefix: int, window: int, overlap: int | None = None) -> list[Request]:

@@ -2,13 +2,13 @@
 
 A rolling-perplexity window (lm-evaluation-harness's ``max_length``: by default
 the model's whole context, 8k to 128k tokens) need not be one forward row. Here
-each row goes through :func:`zoo.decode.forward_step` ``chunk`` tokens at a
+each row goes through :func:`zoo.model.decode.forward_step` ``chunk`` tokens at a
 time: every chunk attends to the keys and values the earlier chunks left in
 the cache, so the row's scores are those of one full-length pass (the same
 numbers as lm-eval's ``hf`` backend reading the window whole), while a pass's
 activations are those of ``chunk`` tokens and attention reads only the filled
 part of the cache. The vocabulary is projected in pieces
-(:func:`zoo.logps.token_logps`), never whole.
+(:func:`zoo.model.logps.token_logps`), never whole.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from eval.loglikelihood import Request, bucket, fine_bucket, fit_rows, request_scores
-from zoo.config import ModelConfig
-from zoo.decode import Cache, forward_step, init_cache
-from zoo.logps import token_logps
-from zoo.model import stored_head
+from zoo.model.config import ModelConfig
+from zoo.model.decode import Cache, forward_step, init_cache
+from zoo.model.decoder import stored_head
+from zoo.model.logps import token_logps
 
 
 def chunked_scores(cfg: ModelConfig, params: dict[str, Any], requests: Sequence[Request], chunk: int,

@@ -27,8 +27,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from eval.generate import Sampler, sample_next
-from zoo.config import ModelConfig
-from zoo.decode import Cache, cache_shardings, forward_step, init_cache
+from zoo.model.config import ModelConfig
+from zoo.model.decode import Cache, cache_shardings, forward_step, init_cache
 
 VIEW_BLOCK = 16  # decoding steps per block of the rollout's loop: each block reads the cache slots it can have filled
 
@@ -70,7 +70,7 @@ def sample_group_completions(cfg: ModelConfig, params: dict, tokens: jax.Array, 
     first token of ``spec.eos_ids`` (counted in its length) or at T tokens;
     entries past its length are 0. ``lora`` adapters (with ``lora_scale``) run
     beside the base matmuls, as in the training forward pass. With ``mesh``
-    (static: the train step's) the cache is laid out as :func:`zoo.decode.init_cache`
+    (static: the train step's) the cache is laid out as :func:`zoo.model.decode.init_cache`
     lays it out there (split like the kv heads), the layout ``--compile-only``
     reports. The weights stay as they come: with the rows unconstrained, the
     partitioner contracts FSDP's embed split in place (all-reduces of
@@ -95,7 +95,7 @@ def sample_group_completions(cfg: ModelConfig, params: dict, tokens: jax.Array, 
 
     def block(end: int):
         # Steps i < end append token i - 1: no row holds more than p + end - 1 tokens, so the cache slots past them
-        # are not read (zoo.decode.forward_step's view).
+        # are not read (zoo.model.decode.forward_step's view).
         view = min(p + end - 1, p + t)
 
         def more(carry):

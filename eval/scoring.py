@@ -18,9 +18,9 @@ from eval.generation_task import greedy_generator, score_generation
 from eval.multiple_choice import score_multiple_choice
 from eval.perplexity import score_perplexity
 from eval.rolling import DEFAULT_CHUNK
-from eval.tasks import Task, resolve_tasks
-from zoo.config import ModelConfig
+from eval.task_files import Task, resolve_tasks
 from zoo.errors import UserError
+from zoo.model.config import ModelConfig
 
 
 def evaluate(cfg: ModelConfig, params: dict[str, Any], tokenizer: Any, tasks: str | Sequence[str | Task],

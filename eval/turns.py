@@ -28,9 +28,9 @@ import numpy as np
 
 from eval.generate import Sampler
 from eval.rollout import draw
-from zoo.config import ModelConfig
-from zoo.decode import Cache, forward_step, init_cache
-from zoo.quant import cast_params
+from zoo.model.config import ModelConfig
+from zoo.model.decode import Cache, forward_step, init_cache
+from zoo.model.quant import cast_params
 
 EXTEND_BUCKET = 16
 

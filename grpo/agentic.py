@@ -30,8 +30,8 @@ from grpo.tool_calls import parser_for
 from grpo.tools import Environments
 from sft.chat import ChatTemplate, render, template_text
 from sft.formats import BadRow
-from zoo.config import ModelConfig
 from zoo.errors import UserError
+from zoo.model.config import ModelConfig
 
 
 @dataclass

@@ -27,8 +27,8 @@ import numpy as np
 from grpo.config import GRPOConfig
 from grpo.rewards import RewardSet, reward_metrics
 from pretrain.task import RowSource
-from zoo.batching import Document, replicated_batch
-from zoo.lora import LoraConfig
+from zoo.data.batching import Document, replicated_batch
+from zoo.lora.adapters import LoraConfig
 
 
 class Completes(Protocol):

@@ -45,8 +45,8 @@ class RewardModelScorer:
     """The reward function of ``rm:PATH`` (module docstring); call :meth:`prepare` before scoring."""
 
     def __init__(self, path: str):
-        from zoo.checkpoint import read_config
-        from zoo.paths import checkpoint_dir
+        from zoo.checkpoints.format import read_config
+        from zoo.checkpoints.paths import checkpoint_dir
 
         self.path = checkpoint_dir(path, f"grpo.rewards entry '{PREFIX}{path}'")
         self.mcfg = read_config(self.path)
@@ -63,12 +63,12 @@ class RewardModelScorer:
         import jax
 
         from rm.task import last_positions
-        from zoo.adapter import load_adapters
-        from zoo.checkpoint import read_meta
-        from zoo.loading import load_params
-        from zoo.model import forward
-        from zoo.quant import cast_params
-        from zoo.tokenizer import load_tokenizer
+        from zoo.checkpoints.adapter import load_adapters
+        from zoo.checkpoints.format import read_meta
+        from zoo.checkpoints.loading import load_params
+        from zoo.data.tokenizer import load_tokenizer
+        from zoo.model.decoder import forward
+        from zoo.model.quant import cast_params
 
         self.tokenizer = load_tokenizer(self.path)
         meta = read_meta(self.path)
@@ -127,7 +127,7 @@ class RewardModelScorer:
 def _same_base(path: Path, meta: dict, shared: SharedBase) -> bool:
     """Whether the reward model at ``path`` is LoRA adapters trained beside exactly the ``shared`` base weights: the
     same base checkpoint, quantized alike."""
-    from zoo.adapter import base_checkpoint, is_adapter
+    from zoo.checkpoints.adapter import base_checkpoint, is_adapter
 
     if not is_adapter(meta) or meta["lora"].get("base_quant") != shared.quant:
         return False

@@ -60,17 +60,17 @@ from pretrain.task import Documents, LayoutContext, RowSource, RunContext, Task,
 from sft.chat import render, template_text
 from sft.formats import BadRow
 from sft.task import chat_template_of
-from zoo.batching import Document, replicated_batch
-from zoo.config import ModelConfig
-from zoo.datafiles import indexed_rows, load_dataset_rows
-from zoo.decode import kv_cache_bytes
+from zoo.checkpoints.loading import load_reference
+from zoo.data.batching import Document, replicated_batch
+from zoo.data.files import indexed_rows, load_dataset_rows
+from zoo.data.row_origin import bad_row, row_where
 from zoo.errors import UserError
-from zoo.loading import load_reference
-from zoo.logps import batch_logps
-from zoo.lora import LoraConfig, lora_scale
-from zoo.quant import cast_params
-from zoo.row_origin import bad_row, row_where
-from zoo.sharding import mesh_context
+from zoo.lora.adapters import LoraConfig, lora_scale
+from zoo.model.config import ModelConfig
+from zoo.model.decode import kv_cache_bytes
+from zoo.model.logps import batch_logps
+from zoo.model.quant import cast_params
+from zoo.model.sharding import mesh_context
 
 COMPLETIONS_FILE = "completions.jsonl"
 GREEDY = Sampler(0.0, 0, 1.0)
@@ -385,7 +385,7 @@ class GRPOTask(Task):
         given = replicated_batch({"adv": adv.astype(np.float32), "trained": trained}, self.replicated)
         batch = self._layout(prompt_rows["tokens"], prompt_rows["tokens_segment_ids"], completions, lengths,
                              sampler_logps, given["adv"], given["trained"], model)
-        with mesh_context(self.sharding.mesh):  # traced for the mesh: splash attention shards itself (zoo.splash)
+        with mesh_context(self.sharding.mesh):  # traced for the mesh: splash attention shards itself (zoo.kernels.splash)
             old = ref = None
             if g.num_iterations > 1 or (g.advantage != "group" and g.beta > 0):
                 old = self._policy_logps(base, lora, batch)  # the policy that sampled (RLOO: its KL's first term)
@@ -603,8 +603,8 @@ class GRPOTask(Task):
 
 def shares_prompts(g: GrpoSection, mcfg: ModelConfig, mesh: jax.sharding.Mesh, micro: int) -> bool:
     """Whether the update lays each group out in one row with its prompt once (``grpo.share_prompt``): not for
-    models with sliding-window layers (their windows count row indices: zoo.masks), nor for the splash and cuDNN
-    kernels (they cannot read a shared prefix: zoo.kernels), and only with whole groups in every shard of a
+    models with sliding-window layers (their windows count row indices: zoo.model.masks), nor for the splash and cuDNN
+    kernels (they cannot read a shared prefix: zoo.kernels.choice), and only with whole groups in every shard of a
     micro-batch (the rows are split over data and fsdp as they are)."""
     shards = int(mesh.shape.get("data", 1)) * int(mesh.shape.get("fsdp", 1))
     G = g.num_generations

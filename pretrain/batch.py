@@ -28,7 +28,7 @@ INT, FLOAT = jnp.int32, jnp.float32
 class TokenBatch:
     """Rows of tokens: each position's input and target token, the target's loss weight, the position's
     segment (0: padding) and its position in the segment; ``prefix_ids``: a shared prefix's ids, aligned with the
-    inputs (zoo.model.forward), or None."""
+    inputs (zoo.model.decoder.forward), or None."""
 
     inputs: Any
     targets: Any
@@ -39,7 +39,7 @@ class TokenBatch:
 
     @classmethod
     def of(cls: type[B], arrays: Mapping[str, Any]) -> B:
-        """The batch of the model-batch dict ``arrays`` (zoo.batching.to_model_batch's): its fields by name,
+        """The batch of the model-batch dict ``arrays`` (zoo.data.batching.to_model_batch's): its fields by name,
         None where absent; other keys are left out."""
         return cls(**{f.name: arrays.get(f.name) for f in dataclasses.fields(cls)})
 

@@ -10,8 +10,8 @@ from typing import Any
 import jax
 
 from pretrain.config import TrainConfig
+from pretrain.data.lanes import check_same_processes
 from pretrain.hooks import Hook, StepInfo
-from pretrain.lanes import check_same_processes
 from zoo.errors import UserError
 
 

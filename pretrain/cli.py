@@ -90,8 +90,8 @@ def train_command(args: argparse.Namespace, schema: type[TrainConfig] = TrainCon
         cls = task_class() if task_class else PretrainTask
         return compile_only(cfg, cls.for_config(cfg), args.topology, args.report, args.num_slices)
     distributed.initialize(args)
+    from pretrain.loop import train
     from pretrain.task import PretrainTask
-    from pretrain.trainer import train
 
     cls = task_class() if task_class else PretrainTask
     if cls.config_class is not schema:  # a command wired to the wrong schema: a bug, not a user error

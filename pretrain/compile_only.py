@@ -1,6 +1,6 @@
 """``train --compile-only --topology NAME``: the run's train step compiled for a TPU slice from this machine.
 
-The step is the one the run would execute (:func:`pretrain.step.make_step`: the mesh, the shardings, remat,
+The step is the one the run would execute (:func:`pretrain.jit_step.make_step`: the mesh, the shardings, remat,
 LoRA, the task's loss and frozen inputs), lowered from ``jax.ShapeDtypeStruct`` s (the task's declared batch
 layout, the parameters' specs, the optimizer's state shapes) over the devices of
 ``jax.experimental.topologies.get_topology_desc``: no weights, no data, no device memory, no TPU. The compiler's
@@ -79,8 +79,8 @@ def model_config_of(name: str, key: str) -> Any:
     """The ModelConfig of ``name`` read without weights: a zoo checkpoint folder, a registry name with a released
     config or a Hugging Face ``config.json``; errors name ``key`` (the flag or config key that gave it)."""
     from convert.hf_config import model_config_from_hf
-    from zoo import registry
-    from zoo.checkpoint import read_config
+    from zoo.checkpoints.format import read_config
+    from zoo.registry import catalogue as registry
 
     src = Path(name).expanduser()
     if src.is_dir() and (src / "model.json").is_file():
@@ -138,15 +138,15 @@ def compile_only(cfg: TrainConfig, task: Any, topology: str, report_path: str | 
     from pretrain.dtypes import DTYPES
     from pretrain.flops import flops_per_token
     from pretrain.hlo_buffers import largest_buffers
+    from pretrain.jit_step import compile_lowered, make_step, state_layout
     from pretrain.optim import build_optimizer, lr_schedule
     from pretrain.setup import check_base_quant, frozen_base_quant, lora_config
-    from pretrain.step import compile_lowered, make_step, state_layout
     from pretrain.task import LayoutContext
-    from zoo.kernels import check_platform, target
-    from zoo.lora import lora_scale, lora_specs
-    from zoo.params import flatten, nest, param_specs
-    from zoo.quant_checkpoint import abstract_base
-    from zoo.sharding import make_mesh, named_sharding
+    from zoo.checkpoints.quantized import abstract_base
+    from zoo.kernels.choice import check_platform, target
+    from zoo.lora.adapters import lora_scale, lora_specs
+    from zoo.model.params import flatten, nest, param_specs
+    from zoo.model.sharding import make_mesh, named_sharding
 
     check_base_quant(cfg)
     devices = topology_devices(topology, num_slices)

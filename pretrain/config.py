@@ -29,8 +29,8 @@ from typing import Any, ClassVar, cast
 
 import yaml
 
-from zoo.config import ATTENTION_KERNELS
 from zoo.errors import UserError
+from zoo.model.config import ATTENTION_KERNELS
 
 
 @dataclass
@@ -42,7 +42,7 @@ class ModelSection:
     init: str = field(default="pretrained", metadata={"choices": ("pretrained", "random")})
     config: str | None = None  # for init: random — a registry entry with a built-in config, or a config.json
     tokenizer: str | None = None  # a tokenizer folder (or zoo checkpoint); default: the model checkpoint's
-    # the training forward's attention kernel (zoo.kernels): auto = cuDNN flash attention on NVIDIA GPUs where it
+    # the training forward's attention kernel (zoo.kernels.choice): auto = cuDNN flash attention on NVIDIA GPUs where it
     # applies (16-bit compute), splash (Pallas) on TPUs where it applies, else the blockwise XLA path
     attention: str = field(default="auto", metadata={"choices": ATTENTION_KERNELS})
 
@@ -200,7 +200,7 @@ class CheckpointSection:
 
 @dataclass
 class LoraSection:
-    """LoRA adapters (zoo/lora.py); rank 0 trains the full model instead."""
+    """LoRA adapters (zoo/lora/adapters.py); rank 0 trains the full model instead."""
 
     rank: int = field(default=0, metadata={"range": "[0, inf)"})  # r: the adapters' inner size (0: no LoRA)
     alpha: float = field(default=16.0, metadata={"range": "(0, inf)"})  # the update is scaled by alpha / rank
@@ -242,7 +242,7 @@ class TrainConfig:
     mesh: MeshSection = field(default_factory=MeshSection)
     dtype: DtypeSection = field(default_factory=DtypeSection)
     # none | full (recompute each layer in backward) | save_dots (keep weight matmuls) | offload (keep the layers'
-    # inputs and the weight matmuls' outputs in host memory: zoo.model.REMAT_POLICIES)
+    # inputs and the weight matmuls' outputs in host memory: zoo.model.decoder.REMAT_POLICIES)
     remat: str = field(default="none", metadata={"choices": ("none", "full", "save_dots", "offload")})
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     lora: LoraSection = field(default_factory=LoraSection)

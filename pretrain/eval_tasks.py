@@ -10,16 +10,16 @@ from typing import Any, cast
 import jax
 
 from pretrain.config import TrainConfig
-from zoo.config import ModelConfig
 from zoo.errors import UserError
-from zoo.lora import LoraConfig, merge_lora
+from zoo.lora.adapters import LoraConfig, merge_lora
+from zoo.model.config import ModelConfig
 
 
 def read_eval_tasks(cfg: TrainConfig) -> tuple[list[Any], list[str], Any]:
     """``eval.tasks`` read and checked: (`zoo eval`'s tasks, lm-eval task names, lm-eval's TaskManager or None).
     Task files and lm-eval names are checked here; the trainer calls it before the model loads, so a bad name is
     said at once (reading it again is cheap: lm-eval's index is built once per process)."""
-    from eval.tasks import resolve_tasks, shipped_tasks
+    from eval.task_files import resolve_tasks, shipped_tasks
 
     spec = cfg.eval.tasks
     items = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec or []) if s and s.strip()]

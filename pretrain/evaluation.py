@@ -13,12 +13,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 from pretrain import preflight
 from pretrain.batch import TokenBatch
 from pretrain.config import TrainConfig
-from pretrain.data import packed_batches
+from pretrain.data.pipeline import packed_batches
+from pretrain.data.run import RunData
 from pretrain.eval_tasks import TrainingEval
 from pretrain.hooks import Hook, StepInfo
 from pretrain.metrics import LossOutput
-from pretrain.rundata import RunData
-from zoo.batching import Document, replicated_batch, to_model_batch
+from zoo.data.batching import Document, replicated_batch, to_model_batch
 from zoo.errors import UserError
 
 

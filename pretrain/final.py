@@ -11,8 +11,8 @@ import jax
 from pretrain import distributed
 from pretrain.config import TrainConfig
 from pretrain.setup import frozen_base_quant
-from zoo.adapter import adapter_meta
-from zoo.checkpoint import (
+from zoo.checkpoints.adapter import adapter_meta
+from zoo.checkpoints.format import (
     HF_CONFIG_FILE,
     TOKENIZER_DIR,
     WEIGHT_FILES,
@@ -22,9 +22,9 @@ from zoo.checkpoint import (
     remove_stale_scratch,
     save_params,
 )
-from zoo.config import ModelConfig
-from zoo.lora import LoraConfig, lora_specs, whole_weights
-from zoo.params import param_specs
+from zoo.lora.adapters import LoraConfig, lora_specs, whole_weights
+from zoo.model.config import ModelConfig
+from zoo.model.params import param_specs
 
 
 def write_final(out: Path, cfg: TrainConfig, mcfg: ModelConfig, params: dict, src: Path | None, tok_dir: Path,
@@ -32,7 +32,7 @@ def write_final(out: Path, cfg: TrainConfig, mcfg: ModelConfig, params: dict, sr
     """Write ``out/final`` as a zoo checkpoint, atomically; every process writes its own shards.
 
     With ``lora`` the params are the adapters: ``final`` is then an adapter
-    checkpoint (zoo/adapter.py) that refers to its base ``src``.
+    checkpoint (zoo/checkpoints/adapter.py) that refers to its base ``src``.
     """
     specs = lora_specs(mcfg, lora) if lora else param_specs(mcfg)
     final = out / "final"
@@ -77,7 +77,7 @@ def write_final(out: Path, cfg: TrainConfig, mcfg: ModelConfig, params: dict, sr
 
 def merged_table(mcfg: ModelConfig, base: dict[str, dict], adapters: dict[str, dict]) -> dict[str, dict]:
     """The parameter table of the model an adapter checkpoint describes: its base's, with the weights trained
-    whole (a reward model's score head) in the dtype of the base's final norm, as :func:`zoo.lora.merge_lora`
+    whole (a reward model's score head) in the dtype of the base's final norm, as :func:`zoo.lora.adapters.merge_lora`
     merges them, and a causal base's LM head gone where the run made it a reward model."""
     whole = whole_weights(mcfg)
     if not whole:

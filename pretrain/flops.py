@@ -6,8 +6,8 @@ import jax
 import numpy as np
 
 from pretrain.config import TrainConfig
-from zoo.config import ModelConfig
-from zoo.params import param_specs
+from zoo.model.config import ModelConfig
+from zoo.model.params import param_specs
 
 KNOWN_PEAK_TFLOPS = {  # dense bf16 per device
     "H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0, "TPU v4": 275.0, "TPU v5 lite": 197.0,

@@ -3,7 +3,7 @@
 The programs are the ones :func:`eval.generate.generate` runs for a batch of prompts: the prefill of the padded
 prompts and the one-token step at every cache view it reaches (:data:`eval.generate.VIEW`), on the mesh
 ``zoo.load`` builds (every chip on fsdp), with the weights laid out for decoding
-(:func:`zoo.decode.decode_shardings`) and the KV cache sharded like their heads (:func:`zoo.decode.abstract_cache`).
+(:func:`zoo.model.decode.decode_shardings`) and the KV cache sharded like their heads (:func:`zoo.model.decode.abstract_cache`).
 They are lowered from ``jax.ShapeDtypeStruct`` s over the topology's devices (no weights, no tokenizer, no TPU);
 the compiler's ``memory_analysis()`` gives each chip's bytes. The helpers are train ``--compile-only`` 's
 (:mod:`pretrain.compile_only`).
@@ -89,9 +89,9 @@ def lower_generation(cfg: Any, mesh: Any, batch: int, prompt_length: int, max_ne
     from jax.sharding import NamedSharding, PartitionSpec
 
     from eval.generate import _prefill, _round_up, _step
-    from zoo.decode import abstract_cache, decode_shardings
-    from zoo.kernels import target
-    from zoo.params import flatten, nest, param_specs
+    from zoo.kernels.choice import target
+    from zoo.model.decode import abstract_cache, decode_shardings
+    from zoo.model.params import flatten, nest, param_specs
 
     placed = flatten(decode_shardings(cfg, mesh))
     params = nest({k: jax.ShapeDtypeStruct(s.shape, dtype, sharding=placed[k])
@@ -122,9 +122,9 @@ def compile_generation(model: str, topology: str, batch: int, prompt_length: int
     for ``topology``; print the table, write ``report_path`` and return the exit code (0 fits, 3 does not)."""
     import jax.numpy as jnp
 
-    from pretrain.step import compile_lowered
-    from zoo.decode import kv_cache_bytes
-    from zoo.sharding import make_mesh
+    from pretrain.jit_step import compile_lowered
+    from zoo.model.decode import kv_cache_bytes
+    from zoo.model.sharding import make_mesh
 
     if batch < 1 or prompt_length < 1 or max_new_tokens < 1:
         raise UserError("--compile-only needs --batch-size >= 1, --prompt-length >= 1 and --max-new-tokens >= 1")

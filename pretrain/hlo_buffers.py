@@ -30,7 +30,7 @@ class Buffer:
     count: int = 1  # buffers of this size, shapes and place
 
     def line(self) -> str:
-        """``"2 x 896 MiB: f32[4,2,2048,14336] (normed_dense, zoo/blocks.py:159)"``."""
+        """``"2 x 896 MiB: f32[4,2,2048,14336] (normed_dense, zoo/layers/blocks.py:159)"``."""
         times = f"{self.count} x " if self.count > 1 else ""
         return f"{times}{self.size / MIB:,.0f} MiB: {self.shapes}" + (f" ({self.where})" if self.where else "")
 
@@ -117,7 +117,7 @@ def _full_size(shapes: str, size: int) -> str:
 
 
 def _short(path: str) -> str:
-    """``/x/y/zoo/mlp.py`` -> ``zoo/mlp.py``: the path from the package folder down."""
+    """``/x/y/zoo/mlp.py`` -> ``zoo/layers/mlp.py``: the path from the package folder down."""
     parts = Path(path).parts
     for i, p in enumerate(parts):
         if p in ("zoo", "pretrain", "sft", "dpo", "grpo", "eval", "convert"):

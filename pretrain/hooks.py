@@ -1,6 +1,6 @@
 """What the loop does after each training step, as hooks: each owns its files and trims them on a resume.
 
-The loop (pretrain/trainer.py) yields a :class:`StepInfo` per step; every
+The loop (pretrain/loop.py) yields a :class:`StepInfo` per step; every
 :class:`Hook` sees it. A hook opens at the step the run starts from (0, or the
 restored checkpoint's), and a hook that writes a per-step JSONL log trims it
 there with :func:`trim_jsonl`, the one atomic trim: every record after that
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.batch import Rollout
-from zoo.jsonl import read_records
+from zoo.data.jsonl import read_records
 
 
 @dataclass

@@ -17,8 +17,8 @@ import numpy as np
 
 from pretrain import distributed
 from pretrain.config import TrainConfig
-from pretrain.data import packed_batches, tokens_of
-from zoo.batching import Document, to_model_batch
+from pretrain.data.pipeline import packed_batches, tokens_of
+from zoo.data.batching import Document, to_model_batch
 from zoo.errors import UserError
 
 

@@ -9,14 +9,14 @@ import jax
 
 from pretrain.config import TrainConfig
 from pretrain.dtypes import DTYPES
-from zoo.checkpoint import read_config
-from zoo.config import ModelConfig
+from zoo.checkpoints.format import read_config
+from zoo.checkpoints.loading import load_params
+from zoo.data.tokenizer import holds_tokenizer, tokenizer_dir
 from zoo.errors import UserError
-from zoo.loading import load_params
-from zoo.lora import LoraConfig, init_lora, lora_specs, whole_weights
-from zoo.params import flatten, init_params, nest, param_specs
-from zoo.sharding import named_sharding
-from zoo.tokenizer import holds_tokenizer, tokenizer_dir
+from zoo.lora.adapters import LoraConfig, init_lora, lora_specs, whole_weights
+from zoo.model.config import ModelConfig
+from zoo.model.params import flatten, init_params, nest, param_specs
+from zoo.model.sharding import named_sharding
 
 
 def load_model(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> tuple[ModelConfig, dict, Path | None, Path]:
@@ -24,7 +24,7 @@ def load_model(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> tuple[ModelConfig, 
     pdt = DTYPES[cfg.dtype.params]
     if cfg.model.init == "random":
         from convert.hf_config import model_config_from_hf
-        from zoo import registry
+        from zoo.registry import catalogue as registry
 
         name = cast(str, cfg.model.config)  # model.init: random needs it (TrainConfig checks)
         mcfg = model_config_from_hf(registry.hf_config_of(name, "model.config"), f"model.config {name}")
@@ -37,7 +37,7 @@ def load_model(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> tuple[ModelConfig, 
     ckpt = _resolve_checkpoint(cast(str, cfg.model.path))
     mcfg = read_config(ckpt)
     if frozen_base_quant(cfg, ckpt):  # QLoRA: the projections come next, one at a time (quantize_frozen_base)
-        from zoo.quant import quantized_paths
+        from zoo.model.quant import quantized_paths
 
         skip = quantized_paths(mcfg)
         return mcfg, load_params(ckpt, mesh, pdt, paths=[p for p in param_specs(mcfg) if p not in skip]), ckpt, \
@@ -49,7 +49,7 @@ def tokenizer_folder(cfg: TrainConfig) -> Path:
     """The run's tokenizer folder: ``model.tokenizer``, else the model checkpoint's own.
 
     A folder without tokenizer files is a UserError here, naming the setting
-    that gives one (zoo.tokenizer.load_tokenizer reads the folder afterwards).
+    that gives one (zoo.data.tokenizer.load_tokenizer reads the folder afterwards).
     """
     if cfg.model.tokenizer or cfg.model.init == "random":
         folder = Path(cfg.model.tokenizer or "")
@@ -62,7 +62,7 @@ def tokenizer_folder(cfg: TrainConfig) -> Path:
 
 def _resolve_checkpoint(path: str) -> Path:
     """The zoo checkpoint folder of ``model.path`` (a run folder, a missing path: a UserError saying what to give)."""
-    from zoo.paths import checkpoint_dir
+    from zoo.checkpoints.paths import checkpoint_dir
 
     return checkpoint_dir(path, "model.path")
 
@@ -75,7 +75,7 @@ def lora_settings(cfg: TrainConfig, base: Path | None) -> LoraConfig | None:
 
 
 def lora_config(cfg: TrainConfig) -> LoraConfig | None:
-    """The config's LoRA settings as a :class:`zoo.lora.LoraConfig` (None when ``lora.rank`` is 0)."""
+    """The config's LoRA settings as a :class:`zoo.lora.adapters.LoraConfig` (None when ``lora.rank`` is 0)."""
     lo = cfg.lora
     if lo.rank == 0:
         return None
@@ -89,8 +89,8 @@ def frozen_base_quant(cfg: TrainConfig, ckpt: Path | None) -> tuple[str, bool] |
     """How the run's frozen base is quantized, (kind, double) or None: ``lora.base_quant``, or for a LoRA run on
     a checkpoint stored quantized (``zoo quantize``), the checkpoint's own quantization (a different
     ``lora.base_quant`` is an error: the float weights are not there to quantize otherwise)."""
-    from zoo import quant_checkpoint
-    from zoo.checkpoint import read_meta
+    from zoo.checkpoints import quantized as quant_checkpoint
+    from zoo.checkpoints.format import read_meta
 
     check_base_quant(cfg)
     lo = cfg.lora
@@ -108,11 +108,11 @@ def frozen_base_quant(cfg: TrainConfig, ckpt: Path | None) -> tuple[str, bool] |
 def quantize_frozen_base(cfg: TrainConfig, mcfg: ModelConfig, params: dict, mesh: jax.sharding.Mesh,
                          ckpt: Path | None) -> dict:
     """QLoRA (:func:`frozen_base_quant`): ``params`` (loaded by :func:`load_model` without the projections) plus
-    each projection of ``ckpt`` loaded, quantized (zoo/quant.py) and placed one at a time, so the float base is
-    never whole in memory; the quantized fields are split over ``fsdp`` (:func:`zoo.quant.place`). A checkpoint
+    each projection of ``ckpt`` loaded, quantized (zoo/model/quant.py) and placed one at a time, so the float base is
+    never whole in memory; the quantized fields are split over ``fsdp`` (:func:`zoo.model.quant.place`). A checkpoint
     stored quantized gives its fields as they are."""
-    from zoo import quant
-    from zoo.loading import quantized_param
+    from zoo.checkpoints.loading import quantized_param
+    from zoo.model import quant
 
     q = frozen_base_quant(cfg, ckpt)
     if q is None:
@@ -127,7 +127,7 @@ def quantize_frozen_base(cfg: TrainConfig, mcfg: ModelConfig, params: dict, mesh
 
 def check_base_quant(cfg: TrainConfig) -> None:
     """The QLoRA settings make sense (before anything is loaded or written)."""
-    from zoo import quant
+    from zoo.model import quant
 
     lo = cfg.lora
     if lo.base_quant is None:
@@ -147,7 +147,7 @@ def check_base_quant(cfg: TrainConfig) -> None:
 def init_adapters(mcfg: ModelConfig, lora_cfg: LoraConfig, seed: int, mesh: jax.sharding.Mesh,
                   params: dict | None = None) -> dict:
     """Fresh float32 adapters (B = 0: the model starts as the base), each sharded like its base weight; the
-    weights trained whole (a reward model's score head, :func:`zoo.lora.whole_weights`) start as ``params``'."""
+    weights trained whole (a reward model's score head, :func:`zoo.lora.adapters.whole_weights`) start as ``params``'."""
     specs = lora_specs(mcfg, lora_cfg)
     shard = nest({p: named_sharding(mesh, s.axes, s.shape) for p, s in specs.items()})
     whole = {p: v for p, v in flatten(params or {}).items() if p in whole_weights(mcfg)}

@@ -1,4 +1,4 @@
-"""What a training run trains for: the seam between the loop (pretrain/trainer.py) and a task.
+"""What a training run trains for: the seam between the loop (pretrain/loop.py) and a task.
 
 The loop never learns which task it runs. :class:`Task` is the seam, called in
 one fixed order: :meth:`Task.load` (rows of a data path) and
@@ -26,18 +26,18 @@ from jax.typing import DTypeLike
 
 from pretrain.batch import Rollout, TokenBatch
 from pretrain.config import TrainConfig
-from pretrain.data import tokenize_rows
+from pretrain.data.pipeline import tokenize_rows
 from pretrain.hooks import Hook
 from pretrain.metrics import LossOutput
 from pretrain.preflight import keeps_a_target
-from zoo.batching import Document
-from zoo.config import ModelConfig
-from zoo.datafiles import load_rows
+from zoo.data.batching import Document
+from zoo.data.files import load_rows
 from zoo.errors import UserError
-from zoo.lora import LoraConfig
-from zoo.loss import next_token_nll_sum
-from zoo.model import forward, stored_head
-from zoo.quant import cast_params
+from zoo.lora.adapters import LoraConfig
+from zoo.model.config import ModelConfig
+from zoo.model.decoder import forward, stored_head
+from zoo.model.loss import next_token_nll_sum
+from zoo.model.quant import cast_params
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase as Tokenizer
@@ -81,7 +81,7 @@ class DataRead:
 class RunContext:
     """What :meth:`Task.prepare` may read of the run: its config, the model's, the mesh, the tokenizer, the LoRA
     settings (None: full fine-tuning), the starting params (the frozen base with LoRA), the data files the run
-    reads (:func:`pretrain.rundata.data_reads`) and the checkpoint the params came from (None: model.init random)."""
+    reads (:func:`pretrain.data.run.data_reads`) and the checkpoint the params came from (None: model.init random)."""
 
     cfg: TrainConfig
     mcfg: ModelConfig
@@ -140,7 +140,7 @@ class Task:
         self.group_size = 1
         self.updates_per_step = 1
         # The most documents a packed batch row holds (None: no bound, or rows the task lays out itself), for
-        # kernels that take documents rather than segment ids (zoo.kernels.cudnn_attention): one without
+        # kernels that take documents rather than segment ids (zoo.kernels.choice.cudnn_attention): one without
         # packing, data.max_segments with best-fit packing.
         self.row_segments: int | None = None
         if cfg is not None and self.packing != "none":
@@ -174,7 +174,7 @@ class Task:
         raise NotImplementedError
 
     def batch(self, arrays: dict[str, jax.Array]) -> TokenBatch:
-        """The typed model batch of a model-batch dict (zoo.batching.to_model_batch's)."""
+        """The typed model batch of a model-batch dict (zoo.data.batching.to_model_batch's)."""
         return self.batch_class.of(arrays)
 
     def batch_layout(self, grad_accum: int, micro: int, seq_len: int) -> TokenBatch:
@@ -265,7 +265,7 @@ def next_token_loss_sums(mcfg: ModelConfig, params: dict, mb: TokenBatch, comput
     out = forward(mcfg, p, mb.inputs, mb.segment_ids, mb.positions, return_aux=moe, remat=remat,
                   return_hidden=True, **forward_kwargs)
     hidden, aux = cast(tuple[jax.Array, dict], out) if moe else (cast(jax.Array, out), None)
-    # Fused head + loss in chunks (zoo.loss): the [batch, seq, vocab] logits are never stored. With LoRA
+    # Fused head + loss in chunks (zoo.model.loss): the [batch, seq, vocab] logits are never stored. With LoRA
     # adapters the head is frozen, so its gradient is not even computed.
     head, vocab_major = stored_head(mcfg, p)
     s = next_token_nll_sum(hidden, head, mb.targets, mb.weights, mcfg.final_softcap,

@@ -44,10 +44,10 @@ from pretrain.task import Documents, LayoutContext, RowSource, RunContext, Task,
 from rm.config import RMConfig
 from sft.formats import BadRow
 from sft.task import chat_template_of
-from zoo.batching import Document
-from zoo.config import ModelConfig
-from zoo.datafiles import indexed_rows
-from zoo.quant import cast_params
+from zoo.data.batching import Document
+from zoo.data.files import indexed_rows
+from zoo.model.config import ModelConfig
+from zoo.model.quant import cast_params
 
 INIT_STD = 0.02  # transformers' initializer_range default: how a fresh score head is drawn
 
@@ -66,13 +66,13 @@ def pair_scores(mcfg: ModelConfig, params: dict, mb: PairBatch, remat: str = "no
                 **forward_kwargs: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(chosen scores [rows], rejected scores [rows], the MoE router loss or 0) of a batch of pair rows: the score
     head on each sequence's last non-padding token (``params`` already in the compute dtype)."""
-    from zoo.model import forward
+    from zoo.model.decoder import forward
 
     moe = mcfg.num_experts > 0
     out = forward(mcfg, params, mb.inputs, mb.segment_ids, mb.positions, return_aux=moe, remat=remat,
                   return_hidden=True, prefix_ids=mb.prefix_ids, **forward_kwargs)
     hidden, aux = cast(tuple[jax.Array, dict], out) if moe else (cast(jax.Array, out), None)
-    # With LoRA the head trains whole beside the adapters (zoo.lora.whole_weights), in the compute dtype as the
+    # With LoRA the head trains whole beside the adapters (zoo.lora.adapters.whole_weights), in the compute dtype as the
     # full model's would.
     trained = (forward_kwargs.get("lora") or {}).get("score")
     head = (params["score"] if trained is None else trained.astype(params["score"].dtype)).astype(jnp.float32)[:, 0]
@@ -107,7 +107,7 @@ class RewardTask(Task):
     def documents(self, rows: RowSource, tokenizer: Tokenizer, path: str, skip_bad: bool,
                   indices: list[int] | None = None) -> Documents:
         """One row per usable pair, ending with a padding token, each with its margin (0 without the column)."""
-        from zoo.row_origin import bad_row
+        from zoo.data.row_origin import bad_row
 
         docs, bad, too_long = pair_documents(indexed_rows(rows.ds, indices), tokenizer, self.chat_template, path,
                                              skip_bad, self.max_len, self.drop_long, self.shared_prompt)
@@ -136,8 +136,8 @@ class RewardTask(Task):
         if mcfg.num_labels:
             return mcfg, params
         from pretrain import distributed
-        from zoo.params import param_specs
-        from zoo.sharding import named_sharding
+        from zoo.model.params import param_specs
+        from zoo.model.sharding import named_sharding
 
         tok = cast(Any, tokenizer)
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id  # TRL's padding rule

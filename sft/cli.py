@@ -39,10 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _inspect(cfg, n: int, color: bool) -> None:
     from pretrain.config import data_sources
-    from pretrain.mixture import source_config
+    from pretrain.data.mixture import source_config
     from pretrain.setup import tokenizer_folder
     from sft.task import SFTTask
-    from zoo.tokenizer import load_tokenizer
+    from zoo.data.tokenizer import load_tokenizer
 
     task = SFTTask(cfg)
     tokenizer = load_tokenizer(tokenizer_folder(cfg))
@@ -53,7 +53,7 @@ def _inspect(cfg, n: int, color: bool) -> None:
 
 def _inspect_source(task, cfg, tokenizer, n: int, color: bool) -> None:
     from sft.masks import render_mask
-    from zoo.row_origin import row_where
+    from zoo.data.row_origin import row_where
 
     rows = task.load(cfg.data.path, cfg)
     made = task.documents(rows, tokenizer, cfg.data.path, cfg.data.skip_bad_rows, list(range(min(n, len(rows)))))

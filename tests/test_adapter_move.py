@@ -17,14 +17,14 @@ import pytest
 
 from pretrain.config import TrainConfig
 from pretrain.final import write_final
-from zoo.adapter import base_checkpoint
-from zoo.checkpoint import MODEL_FILE, CheckpointWriter, read_meta, save_params
+from zoo.checkpoints.adapter import base_checkpoint
+from zoo.checkpoints.format import MODEL_FILE, CheckpointWriter, read_meta, save_params
+from zoo.checkpoints.loading import load_params
 from zoo.cli import main
-from zoo.config import ModelConfig
 from zoo.errors import UserError
-from zoo.loading import load_params
-from zoo.lora import LoraConfig, lora_specs
-from zoo.params import flatten, nest, param_specs
+from zoo.lora.adapters import LoraConfig, lora_specs
+from zoo.model.config import ModelConfig
+from zoo.model.params import flatten, nest, param_specs
 
 CFG = ModelConfig(family="llama", vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=16)

@@ -9,11 +9,11 @@ import pytest
 from flax import nnx
 
 from tests.helpers import saved_residuals
-from zoo.blocks import ACTIVATIONS, dense, glu_down, normed_dense, rms_norm
-from zoo.blockwise import blockwise_attention, key_ranges
-from zoo.config import ModelConfig
-from zoo.masks import Visibility, attention_mask, visibility
-from zoo.model import Decoder, forward
+from zoo.kernels.blockwise import blockwise_attention, key_ranges
+from zoo.layers.blocks import ACTIVATIONS, dense, glu_down, normed_dense, rms_norm
+from zoo.model.config import ModelConfig
+from zoo.model.decoder import Decoder, forward
+from zoo.model.masks import Visibility, attention_mask, visibility
 
 
 def _plain_attention(q, k, v, mask, scale, cap):

@@ -97,7 +97,7 @@ def _harness_task(folder):
 
 def test_unknown_harness_task_of_a_training_run_is_named_before_the_model_loads(local_task_index, tmp_path,
                                                                                  monkeypatch, capsys):
-    from pretrain import trainer
+    from pretrain import loop as trainer
     from pretrain.config import load_config
 
     def loaded(*args, **kwargs):

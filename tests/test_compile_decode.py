@@ -86,8 +86,8 @@ def test_a_token_step_on_an_fsdp_mesh_gathers_no_weight(tmp_path):
 
     from pretrain.compile_only import model_config_of, topology_devices
     from pretrain.generate_compile import lower_generation
-    from pretrain.step import compile_lowered
-    from zoo.sharding import make_mesh
+    from pretrain.jit_step import compile_lowered
+    from zoo.model.sharding import make_mesh
 
     wide = {**GQA, "vocab_size": 512, "hidden_size": 256, "intermediate_size": 1024, "head_dim": 32}
     cfg = model_config_of(_model(tmp_path, wide), "model")

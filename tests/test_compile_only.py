@@ -189,8 +189,8 @@ def test_activations_stay_split_over_the_chips(tmp_path):
 
 
 def test_a_model_named_without_weights_is_a_config_json_or_a_released_config(tmp_path):
-    """`--compile-only`'s model, `model.config` and `zoo init` read names one way (zoo.registry.hf_config_of)."""
-    from zoo.registry import hf_config_of
+    """`--compile-only`'s model, `model.config` and `zoo init` read names one way (zoo.registry.catalogue.hf_config_of)."""
+    from zoo.registry.catalogue import hf_config_of
 
     assert hf_config_of("llama3.1-8b", "model")["num_hidden_layers"] == 32
     (tmp_path / "c.json").write_text(json.dumps(TINY))
@@ -213,8 +213,8 @@ def test_released_configs_have_their_published_parameter_counts(name, published,
     import math
 
     from convert.hf_config import model_config_from_hf
-    from zoo.params import param_specs
-    from zoo.registry import hf_config_of
+    from zoo.model.params import param_specs
+    from zoo.registry.catalogue import hf_config_of
 
     cfg = model_config_from_hf(hf_config_of(name, "model"), name)
     # published counts are rounded: within half a unit of their last digit

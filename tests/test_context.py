@@ -1,4 +1,4 @@
-"""Context parallelism (mesh.context, zoo.context): the sequence split over devices, attention gathering the keys.
+"""Context parallelism (mesh.context, zoo.model.context): the sequence split over devices, attention gathering the keys.
 Loss and gradients on 8 simulated devices against one device, and the config's refusal of rows that do not split."""
 
 import json
@@ -20,9 +20,9 @@ import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from pretrain.batch import TokenBatch
 from pretrain.task import next_token_loss_sums
-from zoo.config import ModelConfig
-from zoo.params import init_params, param_specs, nest
-from zoo.sharding import make_mesh, named_sharding
+from zoo.model.config import ModelConfig
+from zoo.model.params import init_params, param_specs, nest
+from zoo.model.sharding import make_mesh, named_sharding
 
 def positions(seg):
     pos = np.zeros_like(seg)
@@ -55,7 +55,7 @@ for name, cfg in models.items():
         mesh = make_mesh(**sizes, devices=jax.devices())
         specs = param_specs(cfg)
         p = nest({k: jax.device_put(v, named_sharding(mesh, specs[k].axes, v.shape))
-                  for k, v in __import__("zoo.params", fromlist=["flatten"]).flatten(params).items()})
+                  for k, v in __import__("zoo.model.params", fromlist=["flatten"]).flatten(params).items()})
         rows = NamedSharding(mesh, P(("data", "fsdp"), None))
         b = jax.tree.map(lambda x: jax.device_put(x, rows), batch)
         with jax.set_mesh(mesh):
@@ -101,10 +101,10 @@ def test_rows_must_split_over_the_context_devices():
 SPLASH = r"""
 import dataclasses, json
 import jax, jax.numpy as jnp, numpy as np
-from zoo.attention import attend
-from zoo.config import ModelConfig
-from zoo.masks import visibility
-from zoo.sharding import make_mesh
+from zoo.layers.attention import attend
+from zoo.model.config import ModelConfig
+from zoo.model.masks import visibility
+from zoo.model.sharding import make_mesh
 rng = np.random.RandomState(0)
 b, hk, g, t, d = 2, 1, 2, 256, 16
 q, k, v, dout = (jnp.asarray(rng.randn(*s), jnp.float32)

@@ -1,4 +1,4 @@
-"""KV-cache decoding (zoo.decode) and generation (eval.generate, `zoo generate`) against the full forward
+"""KV-cache decoding (zoo.model.decode) and generation (eval.generate, `zoo generate`) against the full forward
 pass and transformers' generate."""
 
 import json
@@ -13,8 +13,8 @@ import zoo
 from eval.generate import GenerationConfig, generate
 from tests.helpers import FAMILIES, devices_env, make_hf, random_tokens
 from zoo.cli import main
-from zoo.decode import forward_cached_jit, init_cache
-from zoo.model import forward
+from zoo.model.decode import forward_cached_jit, init_cache
+from zoo.model.decoder import forward
 
 SEQ = 20  # longer than every sliding window (7) of the tiny families
 
@@ -188,7 +188,7 @@ def test_cli_generate_on_adapter_checkpoint(smollm2, tmp_path, capsys):
 
     from eval.generate import chat_ids
     from tests.helpers import write_adapter_checkpoint
-    from zoo.lora import LoraConfig
+    from zoo.lora.adapters import LoraConfig
 
     out, _, tok = smollm2
     adapter = write_adapter_checkpoint(out, tmp_path / "final", LoraConfig(rank=2, alpha=4.0, targets=["q_proj"]))
@@ -266,7 +266,7 @@ def test_generation_shortcuts_equal_forward_cached(tiny, family):
     gradients) on CPU."""
     import jax
 
-    from zoo.decode import forward_step
+    from zoo.model.decode import forward_step
 
     _, cfg, params = tiny(family)
     seqs = random_tokens(cfg.vocab_size, batch=2, seq=12, seed=4)

@@ -52,8 +52,8 @@ def test_info_describes_checkpoint(tmp_path, capsys):
     capsys.readouterr()
     assert main(["info", str(tmp_path / "zoo")]) == 0
     out = capsys.readouterr().out
-    from zoo.checkpoint import read_config
-    from zoo.params import count_params
+    from zoo.checkpoints.format import read_config
+    from zoo.model.params import count_params
 
     n = count_params(read_config(tmp_path / "zoo"))
     assert "llama" in out and f"{n:,}" in out and "float32" in out
@@ -100,8 +100,8 @@ def test_info_names_the_dense_layers_of_a_moe_model():
     first_k_dense_replace), Qwen3-MoE's mlp_only_layers and decoder_sparse_step, or none."""
     from dataclasses import replace
 
-    from zoo.config import ModelConfig
     from zoo.info import dense_layer_text
+    from zoo.model.config import ModelConfig
 
     cfg = ModelConfig("qwen3_moe", vocab_size=64, hidden_size=16, intermediate_size=32, num_heads=2, num_kv_heads=1,
                       head_dim=8, num_layers=4, num_experts=8, experts_per_token=2, mlp_only_layers=(1, 3))

@@ -71,9 +71,9 @@ def test_step_loss_and_gradient_equal_trl_in_micro_batches(monkeypatch) -> None:
     import jax.numpy as jnp
     import optax
 
-    import zoo.model
+    import zoo.model.decoder
     from pretrain.batch import DistillBatch
-    from pretrain.step import make_step
+    from pretrain.jit_step import make_step
     from sft.task import SFTTask
 
     rng = np.random.default_rng(2)
@@ -98,7 +98,7 @@ def test_step_loss_and_gradient_equal_trl_in_micro_batches(monkeypatch) -> None:
         return trl_generalized_jsd(s_tab[ids] + b * c_tab[ids], t_tab[ids], labels, beta, 1.0) * n.sum() \
             / data_weights.sum()
 
-    monkeypatch.setattr(zoo.model, "forward", fake_forward)
+    monkeypatch.setattr(zoo.model.decoder, "forward", fake_forward)
     cfg = load_config(None, ["model.path=none", "data.path=none", "max_steps=1", "distill.teacher=t",
                              "distill.lmbda=0.5", f"distill.beta={beta}"], SFTConfig)
     task = SFTTask(cfg)
@@ -190,7 +190,7 @@ def test_sft_train_with_a_deeper_wider_teacher(dpo_models, tmp_path) -> None:
     is TRL's generalized JSD of the student's and teacher's HF logits on the trained tokens (beta 0.5)."""
     from transformers import AutoModelForCausalLM
 
-    from pretrain.trainer import train
+    from pretrain.loop import train
     from sft.task import SFTTask
     from tests.helpers import hf_logits, read_metrics, write_jsonl
 
@@ -234,7 +234,7 @@ def test_gkd_step_one_equals_trl_trainer(dpo_models, tmp_path, mode: str) -> Non
     from trl.experimental.gkd import GKDConfig, GKDTrainer
     from trl.experimental.utils import DataCollatorForChatML
 
-    from pretrain.trainer import train
+    from pretrain.loop import train
     from sft.task import SFTTask
     from tests.helpers import (
         assert_same_change,

@@ -15,7 +15,7 @@ import pytest
 import zoo
 from dpo.cli import main as dpo_main
 from dpo.task import DPOTask
-from pretrain.trainer import train
+from pretrain.loop import train
 from tests.helpers import (
     DPO_LORA,
     TINY_LM,
@@ -148,7 +148,7 @@ def lora_base_run(setup, tmp_path_factory):
     """2 LoRA steps (LORA_SGD) against the base as the reference (the default for LoRA), trained once, counting
     after each step the live arrays of the base's embed or lm_head shape. The live-reference trajectory that the
     precomputed reference must reproduce. Returns (run folder, counts)."""
-    import pretrain.trainer as trainer
+    import pretrain.loop as trainer
 
     root, tok, _ = setup
     shapes = {(len(tok), SMALL["hidden_size"]), (SMALL["hidden_size"], len(tok))}  # embed, lm_head
@@ -249,7 +249,7 @@ def test_training_on_preferences_drives_accuracy_up(setup, tmp_path):
     evals = [r for r in recs if "eval_loss" in r]
     assert len(evals) == 2 and evals[-1]["eval_rewards/accuracies"] > 0.9
     assert evals[-1]["eval_rewards/margins"] > evals[0]["eval_rewards/margins"]
-    assert zoo.checkpoint.read_meta(final)["training"]["method"] == "dpo"
+    assert zoo.checkpoints.format.read_meta(final)["training"]["method"] == "dpo"
     assert zoo_main(["plot", str(out)]) == 0 and (out / "curves.png").is_file()
 
 
@@ -305,10 +305,10 @@ def test_kill_9_and_resume_is_bit_identical(setup, tmp_path):
     assert (out / "checkpoints" / "4").is_dir() and not (out / "checkpoints" / "6").exists()
     assert not (out / "final").exists()
     resumed = train(dpo_cfg(root, out, *common), progress=False, task=DPOTask(dpo_cfg(root, out, *common)))
-    from zoo.adapter import load_adapters
+    from zoo.checkpoints.adapter import load_adapters
 
-    a = load_adapters(full, zoo.checkpoint.read_meta(full))
-    b = load_adapters(resumed, zoo.checkpoint.read_meta(resumed))
+    a = load_adapters(full, zoo.checkpoints.format.read_meta(full))
+    b = load_adapters(resumed, zoo.checkpoints.format.read_meta(resumed))
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     ma, mb = read_metrics(tmp_path / "full"), read_metrics(out)
@@ -320,7 +320,7 @@ import json, sys
 import jax
 from dpo.config import DPOConfig
 from pretrain.config import load_config
-from pretrain.trainer import train
+from pretrain.loop import train
 from dpo.task import DPOTask
 assert len(jax.devices()) == 8
 base = json.loads(sys.argv[1])
@@ -364,9 +364,9 @@ def test_shared_prompt_rows_score_each_answer_as_its_own_sequence(setup, lora):
     import jax.numpy as jnp
 
     from dpo.data import CHOSEN, REJECTED, normalize_pair, pair_document, tokenize_pair
-    from zoo.batching import padded, to_model_batch
-    from zoo.logps import batch_logps
-    from zoo.lora import LoraConfig, init_lora, lora_scale
+    from zoo.data.batching import padded, to_model_batch
+    from zoo.lora.adapters import LoraConfig, init_lora, lora_scale
+    from zoo.model.logps import batch_logps
 
     root, tok, _ = setup
     cfg = zoo.read_config(root / "policy")
@@ -401,8 +401,8 @@ def test_sliding_window_models_keep_the_two_copy_layout(setup, tmp_path):
     import jax.numpy as jnp
 
     from pretrain.task import RunContext
-    from zoo.lora import LoraConfig
-    from zoo.model import forward
+    from zoo.lora.adapters import LoraConfig
+    from zoo.model.decoder import forward
 
     root, _, _ = setup
     cfg = dpo_cfg(root, tmp_path / "run", "lora.rank=4", "max_steps=1")

@@ -80,7 +80,7 @@ def test_pair_row_layout_segments_positions_and_mask(tok):
     assert "tokens_prefix_ids" not in d and pair_length(t, False) == len(d["tokens"])
     # Through the batch transform: the targets trained in segment 1 are exactly the chosen answer's tokens,
     # and the first token of segment 2 is not predicted from segment 1's last.
-    from zoo.batching import padded, to_model_batch
+    from zoo.data.batching import padded, to_model_batch
 
     b = to_model_batch({k: v[None] for k, v in padded(d, 128).items()})
     w, seg = b["weights"][0] > 0, b["segment_ids"][0]
@@ -102,7 +102,7 @@ def test_shared_prompt_layout_holds_the_prompt_once(tok):
                                   list(range(p - 1)) + list(range(p - 1, p + c)) + list(range(p - 1, p + r)))
     np.testing.assert_array_equal(d["loss_mask"], [0] * p + [1] * c + [0] + [1] * r)
     assert len(d["tokens"]) == pair_length(t) == p + c + r + 1 < pair_length(t, False)
-    from zoo.batching import padded, to_model_batch
+    from zoo.data.batching import padded, to_model_batch
 
     b = to_model_batch({k: v[None] for k, v in padded(d, 128).items()})
     w, seg = b["weights"][0] > 0, b["segment_ids"][0]
@@ -116,11 +116,11 @@ def test_shared_prompt_mask_gives_each_answer_exactly_its_own_context():
     earlier tokens: never the other answer, never padding."""
     import jax.numpy as jnp
 
-    from zoo.masks import attention_mask
+    from zoo.model.masks import attention_mask
 
     t = PairTokens(np.arange(10, 14, dtype=np.int32), np.arange(100, 103, dtype=np.int32),
                    np.arange(200, 202, dtype=np.int32))
-    from zoo.batching import padded
+    from zoo.data.batching import padded
 
     d = padded(pair_document(t), 14)  # 4 + 3 + 2 + 1 = 10 tokens, then 4 of padding
     m = np.asarray(attention_mask(jnp.asarray(d["tokens_segment_ids"][None]),

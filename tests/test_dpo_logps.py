@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zoo.logps import token_logps
+from zoo.model.logps import token_logps
 
 
 @pytest.mark.slow
@@ -13,9 +13,9 @@ from zoo.logps import token_logps
 def test_frozen_head_logps_and_gradients_match_the_plain_computation(monkeypatch, softcap):
     """Slow (about 58 s in a loaded 2-worker baseline): XLA compiles each of its model configurations (forward and
     gradients) on CPU."""
-    import zoo.loss
+    import zoo.model.loss
 
-    monkeypatch.setattr(zoo.loss, "CHUNK_ELEMENTS", 3 * 2 * 40)  # 3 positions per chunk: 4 chunks, one padded
+    monkeypatch.setattr(zoo.model.loss, "CHUNK_ELEMENTS", 3 * 2 * 40)  # 3 positions per chunk: 4 chunks, one padded
     rng = np.random.RandomState(0)
     x = jnp.asarray(rng.randn(2, 11, 8), jnp.float32)
     head = jnp.asarray(rng.randn(8, 40) * 0.5, jnp.float32)
@@ -51,9 +51,9 @@ def test_frozen_head_logps_and_gradients_match_the_plain_computation(monkeypatch
 def test_frozen_head_path_skips_the_recomputed_logits(monkeypatch):
     """With the loss value needed too (as in training), the fused path costs fewer FLOPs than the
     rematerialized one: no second logits matmul."""
-    import zoo.loss
+    import zoo.model.loss
 
-    monkeypatch.setattr(zoo.loss, "CHUNK_ELEMENTS", 16 * 2 * 512)  # 4 chunks of 16 positions
+    monkeypatch.setattr(zoo.model.loss, "CHUNK_ELEMENTS", 16 * 2 * 512)  # 4 chunks of 16 positions
     x = jnp.ones((2, 64, 32), jnp.float32)
     head = jnp.ones((32, 512), jnp.float32)
     y = jnp.zeros((2, 64), jnp.int32)
@@ -70,15 +70,15 @@ def test_a_tied_head_is_read_in_place_not_transposed(monkeypatch):
     """batch_logps scores with the tied embedding as stored: the compiled scoring pass holds no
     [hidden, vocab] copy of it (embed.T would be one, 108 MiB at SmolLM2's size, carried through the
     chunk loop)."""
-    import zoo.loss
-    from zoo.config import ModelConfig
-    from zoo.logps import batch_logps
-    from zoo.params import init_params
+    import zoo.model.loss
+    from zoo.model.config import ModelConfig
+    from zoo.model.logps import batch_logps
+    from zoo.model.params import init_params
 
     cfg = ModelConfig(family="llama", vocab_size=80, hidden_size=48, intermediate_size=96, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=12, tie_word_embeddings=True)
     params = init_params(cfg, jax.random.key(0))
-    monkeypatch.setattr(zoo.loss, "CHUNK_ELEMENTS", 3 * 2 * 80)  # 3 positions per chunk: a loop of 4 chunks
+    monkeypatch.setattr(zoo.model.loss, "CHUNK_ELEMENTS", 3 * 2 * 80)  # 3 positions per chunk: a loop of 4 chunks
     t = 12
     mb = {"inputs": jnp.zeros((2, t), jnp.int32), "targets": jnp.zeros((2, t), jnp.int32),
           "segment_ids": jnp.ones((2, t), jnp.int32), "positions": jnp.tile(jnp.arange(t, dtype=jnp.int32), (2, 1))}

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dpo.task import DPOTask
-from pretrain.trainer import train
+from pretrain.loop import train
 from tests.helpers import DPO_LORA, dpo_cfg, read_metrics
 
 MODES = {

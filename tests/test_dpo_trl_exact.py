@@ -4,7 +4,7 @@ The expected numbers are TRL's formulas written out here in NumPy (float64),
 not our code: DPOTrainer._compute_loss for sigmoid, hinge, robust and ipo (and
 its ``"sft"`` loss term, ``loss_type=[..., "sft"], loss_weights=[1, w]``) and
 CPOTrainer (``loss_type="simpo"``, ``cpo_alpha``). The first tests run the real
-train step (pretrain/step.py, with the DPO task) on fixed per-token
+train step (pretrain/jit_step.py, with the DPO task) on fixed per-token
 log-probabilities, the model's forward pass replaced by a lookup, so every
 loss type and batch split costs one tiny compilation; the last two run `dpo train`
 on a tiny model, against transformers' log-probabilities and against one step of
@@ -23,8 +23,8 @@ from dpo.config import DPOConfig
 from dpo.data import CHOSEN, PROMPT, REJECTED
 from dpo.task import DPOTask
 from pretrain.config import load_config
-from pretrain.step import make_step
-from pretrain.trainer import train
+from pretrain.jit_step import make_step
+from pretrain.loop import train
 from tests.helpers import UNEVEN_PAIRS, LookupRows, dpo_cfg, hf_logps, lookup_batch_logps, read_metrics, write_jsonl
 
 BETA, EPS, GAMMA, SFT = 0.1, 0.1, 0.5, 0.7

@@ -39,7 +39,7 @@ def _cfg(data, schema=None):
 # ---- (a) a malformed JSONL line ------------------------------------------------------------------------------
 
 def test_malformed_jsonl_line_names_file_line_and_cause(tmp_path, capsys):
-    from zoo.datafiles import load_dataset_rows
+    from zoo.data.files import load_dataset_rows
 
     f = tmp_path / "train.jsonl"
     # line 3 is blank (datasets skips it); line 4 misses a comma
@@ -50,7 +50,7 @@ def test_malformed_jsonl_line_names_file_line_and_cause(tmp_path, capsys):
 
 def test_a_line_that_is_not_utf8_is_named_before_datasets_reads_it(tmp_path, capsys):
     """pyarrow takes such bytes and fails later, on reading the row ("Invalid encoding in string")."""
-    from zoo.datafiles import load_dataset_rows
+    from zoo.data.files import load_dataset_rows
 
     f = tmp_path / "train.jsonl"
     f.write_bytes(GOOD.encode() + '{"text": "café"}\n'.encode("latin-1"))
@@ -59,7 +59,7 @@ def test_a_line_that_is_not_utf8_is_named_before_datasets_reads_it(tmp_path, cap
 
 
 def test_a_line_that_is_json_but_not_an_object_is_named(tmp_path, capsys):
-    from zoo.datafiles import load_dataset_rows
+    from zoo.data.files import load_dataset_rows
 
     f = tmp_path / "train.jsonl"
     f.write_text(GOOD + '["the", "cat"]\n' + GOOD)
@@ -89,7 +89,7 @@ def test_an_empty_jsonl_says_it_has_no_rows(task_name, content, how, tmp_path, c
 # ---- (b) a folder of mixed formats ---------------------------------------------------------------------------
 
 def test_folder_of_mixed_formats_names_the_files_and_their_columns(tmp_path, capsys):
-    from zoo.datafiles import load_dataset_rows
+    from zoo.data.files import load_dataset_rows
 
     d = tmp_path / "data"
     d.mkdir()
@@ -215,7 +215,7 @@ def test_smollm2_offline_and_uncached_uses_the_bundled_gguf(tmp_path, monkeypatc
     import huggingface_hub.constants
 
     from convert.source import open_source
-    from zoo.registry import bundled_gguf as smollm2_gguf
+    from zoo.registry.catalogue import bundled_gguf as smollm2_gguf
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))

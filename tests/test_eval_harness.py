@@ -131,7 +131,7 @@ def _native_equals_harness(model, tok, folder, harness):
     """`zoo eval`'s own tasks over the same items give the harness's acc, acc_norm, per-choice log-likelihoods
     and rolling perplexities (lm-eval's definitions)."""
     from eval.scoring import evaluate
-    from eval.tasks import task_from_dict
+    from eval.task_files import task_from_dict
 
     mc = task_from_dict({"kind": "multiple_choice", "data": str(folder / "mc.jsonl"),
                          "context": "Question: {question}\nAnswer: ", "choices": "choices", "gold": "gold"},

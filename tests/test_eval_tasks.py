@@ -15,9 +15,9 @@ import pytest
 from flax import nnx
 
 from eval import answers, generation_task, loglikelihood, multiple_choice, perplexity, rolling, scoring
-from eval.tasks import load_task, resolve_tasks, shipped_tasks, task_from_dict
-from zoo.config import ModelConfig
-from zoo.model import Decoder, forward
+from eval.task_files import load_task, resolve_tasks, shipped_tasks, task_from_dict
+from zoo.model.config import ModelConfig
+from zoo.model.decoder import Decoder, forward
 
 CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -408,8 +408,8 @@ def test_evaluate_in_memory(model, tok, tmp_path):
 
 @pytest.fixture(scope="module")
 def ckpt(model, tok, tmp_path_factory):
-    from zoo.checkpoint import TOKENIZER_DIR, CheckpointWriter, atomic_output
-    from zoo.params import flatten, param_specs
+    from zoo.checkpoints.format import TOKENIZER_DIR, CheckpointWriter, atomic_output
+    from zoo.model.params import flatten, param_specs
 
     cfg, params = model
     out = tmp_path_factory.mktemp("eval") / "ckpt"

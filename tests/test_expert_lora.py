@@ -26,10 +26,10 @@ from tests.helpers import (
     random_tokens,
     write_adapter_checkpoint,
 )
-from zoo import quant
 from zoo.errors import UserError
-from zoo.lora import LoraConfig, lora_scale, lora_specs, target_modules
-from zoo.params import flatten
+from zoo.lora.adapters import LoraConfig, lora_scale, lora_specs, target_modules
+from zoo.model import quant
+from zoo.model.params import flatten
 
 EXPERTS = ["experts.gate_proj", "experts.up_proj", "experts.down_proj"]
 TOL = 1e-4
@@ -113,7 +113,7 @@ def test_expert_adapter_gradients_equal_a_dense_loop(base):
     """moe_mlp's dropless path (one ragged_dot per projection and per adapter factor, whatever the expert count)
     gives the dense loop's output and adapter gradients; on an NF4 base (QLoRA) the loop reads the dequantized
     stacks. Every adapter (A and B of the experts' and the shared expert's three projections) has a gradient."""
-    from zoo.moe import moe_mlp
+    from zoo.layers.moe import moe_mlp
 
     lc = LoraConfig(rank=2, targets=[*EXPERTS, "shared_experts.gate_proj", "shared_experts.up_proj",
                                      "shared_experts.down_proj"])
@@ -143,8 +143,8 @@ def test_expert_adapter_gradients_equal_a_dense_loop(base):
                                    err_msg=path)
         assert float(jnp.abs(g).max()) > 1e-3, path  # each adapter matters: the comparison has teeth
     # grouped, not a loop: 3 base + 6 adapter grouped matmuls, whatever the expert count (ragged_dot as traced for
-    # a TPU; other platforms tile it: zoo.grouped)
-    from zoo.kernels import target
+    # a TPU; other platforms tile it: zoo.layers.grouped)
+    from zoo.kernels.choice import target
 
     with target("tpu", 1):
         assert _ragged_dots(jax.make_jaxpr(ours)(lora).jaxpr) == 9
@@ -163,14 +163,14 @@ def _ragged_dots(jaxpr) -> int:
 
 
 def test_training_steps_move_only_the_expert_adapters():
-    """Three optimizer steps of the LoRA train step (pretrain.step) with expert targets: every expert adapter
+    """Three optimizer steps of the LoRA train step (pretrain.jit_step) with expert targets: every expert adapter
     moves (A too, after B left zero), the base weights are a frozen input left as they were, no other weight has
     an adapter, and the loss falls."""
     import optax
 
     from pretrain.batch import TokenBatch
-    from pretrain.step import init_state, make_step
-    from zoo.sharding import make_mesh
+    from pretrain.jit_step import init_state, make_step
+    from zoo.model.sharding import make_mesh
 
     cfg, lc = dataclasses.replace(MOE, num_layers=1, shared_experts=0), LoraConfig(rank=4, alpha=8.0, targets=EXPERTS)
     params = lora_base_params(cfg)
@@ -205,12 +205,12 @@ def test_training_steps_move_only_the_expert_adapters():
 EP_SCRIPT = r"""
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
-from zoo import quant
-from zoo.config import ModelConfig
-from zoo.lora import LoraConfig, init_lora, lora_scale, lora_specs
-from zoo.model import forward
-from zoo.params import flatten, nest, param_specs
-from zoo.sharding import make_mesh, named_sharding
+from zoo.model import quant
+from zoo.model.config import ModelConfig
+from zoo.lora.adapters import LoraConfig, init_lora, lora_scale, lora_specs
+from zoo.model.decoder import forward
+from zoo.model.params import flatten, nest, param_specs
+from zoo.model.sharding import make_mesh, named_sharding
 
 mixtral = ModelConfig(family="mixtral", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
                       num_kv_heads=2, head_dim=16, num_experts=8, experts_per_token=2, moe_intermediate_size=16)

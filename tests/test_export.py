@@ -75,7 +75,7 @@ def test_transformers_loads_export_without_missing_or_unexpected_keys(tmp_path):
 def test_smollm2_export_has_tokenizer_and_chat_template(tmp_path):
     from transformers import AutoTokenizer
 
-    from zoo.registry import bundled_gguf as smollm2_gguf
+    from zoo.registry.catalogue import bundled_gguf as smollm2_gguf
 
     assert main(["convert", str(smollm2_gguf()), "--out", str(tmp_path / "zoo"), "--dtype", "bfloat16"]) == 0
     assert main(["export", str(tmp_path / "zoo"), "--out", str(tmp_path / "hf")]) == 0
@@ -152,12 +152,12 @@ def test_streaming_read_paths_are_bit_identical(tmp_path, monkeypatch, path):
     """The big-model code paths on a tiny model: embeddings/lm_head in row blocks, and
     the Orbax restore used for checkpoints that TensorStore cannot open directly."""
     import convert.export
-    import zoo.checkpoint
+    import zoo.checkpoints.format
 
     if path == "row-blocks":
         monkeypatch.setattr(convert.export, "_BLOCK_BYTES", 1000)  # a few rows per block
     else:
-        monkeypatch.setattr(zoo.checkpoint.ParamReader, "_open_store", lambda self: None)
+        monkeypatch.setattr(zoo.checkpoints.format.ParamReader, "_open_store", lambda self: None)
     make_llama(tmp_path / "hf", vocab_size=101)  # untied: lm_head goes through the transpose path
     assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "zoo")]) == 0
     assert main(["export", str(tmp_path / "zoo"), "--out", str(tmp_path / "back")]) == 0

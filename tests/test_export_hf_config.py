@@ -15,7 +15,7 @@ import pytest
 
 from tests.helpers import BASE, FAMILIES, OWN_TOKEN_IDS, make_hf
 from zoo.cli import main
-from zoo.registry import bundled_gguf as smollm2_gguf
+from zoo.registry.catalogue import bundled_gguf as smollm2_gguf
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -134,7 +134,7 @@ def test_registry_init_config_matches_save_pretrained(tmp_path):
     """`zoo init deepseek-v3-tiny` stores the registry's config; its export config (computed here
     from what init stores, without the slow random init of the weights) is save_pretrained's."""
     from convert.hf_config import export_hf_config, model_config_from_hf
-    from zoo.registry import DEEPSEEK_V3_TINY
+    from zoo.registry.catalogue import DEEPSEEK_V3_TINY
 
     make_hf(tmp_path / "hf", "deepseek_v3",
             **{k: v for k, v in DEEPSEEK_V3_TINY.items() if k not in ("architectures", "model_type")})

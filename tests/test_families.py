@@ -109,7 +109,7 @@ def test_gemma3_multimodal_converts_language_model(tmp_path, capsys):
         ref = model(input_ids=torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
     got = np.asarray(zoo.load(tmp_path / "zoo")(jnp.asarray(tokens)))
     assert np.abs(got - ref).max() <= 1e-4 and mean_kl(ref, got) <= 1e-6
-    meta = zoo.checkpoint.read_meta(tmp_path / "zoo")
+    meta = zoo.checkpoints.format.read_meta(tmp_path / "zoo")
     assert not any("vision" in p for p in meta["params"])
     # Exported as the text-only Gemma3ForCausalLM.
     assert main(["export", str(tmp_path / "zoo"), "--out", str(tmp_path / "back")]) == 0

@@ -17,7 +17,7 @@ from convert.export import planned_files
 from eval.generate import GenerationConfig, generate
 from tests.helpers import FAMILIES, beside, hf_logits, hf_tensors, make_hf, mean_kl, random_tokens
 from zoo.cli import main
-from zoo.model import forward
+from zoo.model.decoder import forward
 
 DENSE_2026 = ["smollm3", "olmo2", "olmo3", "phi3"]
 SEQ = 40  # past OLMo 3's sliding window (7) and Phi-3's original_max_position_embeddings (24): its long factors
@@ -144,7 +144,7 @@ def test_peft_export_of_fused_projections_loads_in_peft_with_our_logits(converte
     from convert.peft import adapter_meta_of, plan_adapter
     from tests.helpers import write_adapter_checkpoint
     from zoo.errors import UserError
-    from zoo.lora import LoraConfig
+    from zoo.lora.adapters import LoraConfig
 
     hf, root = converted("phi3")
     lora = LoraConfig(rank=2, alpha=3.0, targets=["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj"])
@@ -199,8 +199,8 @@ def test_released_configs(name):
     from transformers import AutoConfig
 
     from convert.hf_config import export_hf_config, model_config_from_hf
-    from zoo.params import count_params
-    from zoo.registry import REGISTRY
+    from zoo.model.params import count_params
+    from zoo.registry.catalogue import REGISTRY
 
     entry = REGISTRY[name]
     published, traits = RELEASED[name]

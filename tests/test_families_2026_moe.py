@@ -21,7 +21,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 import zoo
 from eval.generate import GenerationConfig, generate
 from tests.helpers import FAMILIES, hf_logits, hf_tensors, make_hf, mean_kl, random_tokens
-from zoo.checkpoint import load_param_numpy, read_meta
+from zoo.checkpoints.format import load_param_numpy, read_meta
 from zoo.cli import main
 
 MOE_2026 = ["qwen3_moe", "glm4_moe"]
@@ -122,7 +122,7 @@ def test_moe_layers_sit_where_transformers_puts_them():
 def test_decoder_sparse_step_below_one_is_one_line():
     from convert.hf_config import model_config_from_hf
     from zoo.errors import UserError
-    from zoo.registry import hf_config_of
+    from zoo.registry.catalogue import hf_config_of
 
     bad = dict(hf_config_of("qwen3-30b-a3b", "model"), decoder_sparse_step=0)
     with pytest.raises(UserError, match=r"^x/config.json: decoder_sparse_step=0 must be at least 1$"):
@@ -172,8 +172,8 @@ def test_released_configs_have_their_published_parameter_counts(name, total, act
     import math
 
     from convert.hf_config import model_config_from_hf
-    from zoo.params import param_specs
-    from zoo.registry import get, hf_config_of
+    from zoo.model.params import param_specs
+    from zoo.registry.catalogue import get, hf_config_of
 
     assert get(name).family in MOE_2026
     cfg = model_config_from_hf(hf_config_of(name, "model"), name)

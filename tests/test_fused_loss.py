@@ -1,12 +1,12 @@
-"""The fused, chunked head + cross-entropy (zoo.loss) equals the plain logits -> log_softmax computation."""
+"""The fused, chunked head + cross-entropy (zoo.model.loss) equals the plain logits -> log_softmax computation."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import zoo.loss
-from zoo.loss import next_token_nll_sum
+import zoo.model.loss
+from zoo.model.loss import next_token_nll_sum
 
 
 def _plain(x, head, targets, weights, cap):
@@ -23,7 +23,7 @@ def _plain(x, head, targets, weights, cap):
 def test_fused_loss_and_gradients_equal_the_plain_ones(monkeypatch, cap, shape):
     b, t, h, v = shape
     # Chunks of 3 positions: several chunks, and padding in the last one when 3 does not divide t.
-    monkeypatch.setattr(zoo.loss, "CHUNK_ELEMENTS", 3 * v * b)
+    monkeypatch.setattr(zoo.model.loss, "CHUNK_ELEMENTS", 3 * v * b)
     r = np.random.RandomState(1)
     x = jnp.asarray(r.randn(b, t, h), jnp.float32)
     head = jnp.asarray(r.randn(h, v) * 0.5, jnp.float32)
@@ -56,18 +56,18 @@ def test_fused_loss_and_gradients_equal_the_plain_ones(monkeypatch, cap, shape):
 
 
 def test_one_chunk_holds_about_chunk_elements_logits():
-    assert zoo.loss.chunk_length(49152, 8, 512) == zoo.loss.CHUNK_ELEMENTS // (49152 * 8)
-    assert zoo.loss.chunk_length(96, 2, 48) == 48  # a tiny model: one chunk
+    assert zoo.model.loss.chunk_length(49152, 8, 512) == zoo.model.loss.CHUNK_ELEMENTS // (49152 * 8)
+    assert zoo.model.loss.chunk_length(96, 2, 48) == 48  # a tiny model: one chunk
 
 
 def test_on_accelerators_a_chunk_is_thick_and_per_device():
     """On a GPU or TPU the chunk counts each device's share of the batch and about 2^27 logits: 1,044 tokens of
     Llama 3's vocabulary at 4 rows a device, whatever the device count (CPU-sized chunks gave 64-token matmuls)."""
-    from zoo.kernels import target
+    from zoo.kernels.choice import target
 
     for devices in (1, 8):
         with target("gpu", devices):
-            assert zoo.loss.chunk_length(128256, 4 * devices, 4096) == 2**27 // (128256 * 4) == 261
+            assert zoo.model.loss.chunk_length(128256, 4 * devices, 4096) == 2**27 // (128256 * 4) == 261
     with target("tpu", 8):
-        assert zoo.loss.chunk_length(128256, 32, 128) == 128  # never past the sequence
-    assert zoo.loss.chunk_length(128256, 4, 4096) == zoo.loss.CHUNK_ELEMENTS // (128256 * 4)  # the CPU's again
+        assert zoo.model.loss.chunk_length(128256, 32, 128) == 128  # never past the sequence
+    assert zoo.model.loss.chunk_length(128256, 4, 4096) == zoo.model.loss.CHUNK_ELEMENTS // (128256 * 4)  # the CPU's again

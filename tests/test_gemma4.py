@@ -47,7 +47,7 @@ def test_logits_match_transformers(converted, variant):
     cfg = zoo.read_config(root / "zoo")
     assert cfg.family == "gemma4" and cfg.kv_shared_layers > 0 and cfg.global_head_dim == 16
     assert cfg.parallel_moe == (variant == "moe")
-    meta = zoo.checkpoint.read_meta(root / "zoo")["params"]
+    meta = zoo.checkpoints.format.read_meta(root / "zoo")["params"]
     # KV-shared layers have no key/value weights; full layers' attention weights are stacked apart.
     assert not any(p.startswith("shared_layers.") and p.split(".")[1] in ("k", "v", "global_k", "global_v")
                    for p in meta)
@@ -87,7 +87,7 @@ def test_round_trip_and_generated_config(converted, variant, tmp_path):
 def _peft_export(converted, variant, tmp_path):
     """(transformers' folder, an adapter checkpoint on every target, its `zoo export --adapter` folder)."""
     from tests.helpers import write_adapter_checkpoint
-    from zoo.lora import LoraConfig
+    from zoo.lora.adapters import LoraConfig
 
     root, _ = converted(variant)
     adapter = write_adapter_checkpoint(root / "zoo", tmp_path / "adapter", LoraConfig(rank=4, alpha=8.0))
@@ -156,8 +156,8 @@ def test_released_configs():
     """The registry's Gemma 4 configs read as the published models: Google's total parameter counts for the
     text-only 26B-A4B and 31B (25.2B, 30.7B), and each size's layer layout."""
     from convert.hf_config import model_config_from_hf
-    from zoo.params import count_params
-    from zoo.registry import get
+    from zoo.model.params import count_params
+    from zoo.registry.catalogue import get
 
     cfgs = {name: model_config_from_hf(get(f"gemma4-{name}").hf_config) for name in ("e2b", "e4b", "26b-a4b", "31b")}
     assert round(count_params(cfgs["26b-a4b"]) / 1e9, 1) == 25.2
@@ -190,8 +190,8 @@ def test_lora_targets_reach_full_layers_and_fused_experts():
     stack (experts.gate_up_proj names the same), down; naming only gate or up of the experts is a one-line error."""
     from convert.hf_config import model_config_from_hf
     from zoo.errors import UserError
-    from zoo.lora import LoraConfig, lora_specs
-    from zoo.registry import get
+    from zoo.lora.adapters import LoraConfig, lora_specs
+    from zoo.registry.catalogue import get
 
     cfg = model_config_from_hf(get("gemma4-26b-a4b").hf_config)
     adapted = {path.rsplit(".", 1)[0] for path in lora_specs(cfg, LoraConfig(targets="all"))}
@@ -264,11 +264,11 @@ def test_expert_adapters_equal_a_dense_loop(base):
 
     from tests.helpers import lora_base_params, random_lora
     from tests.test_expert_lora import _ragged_dots
-    from zoo import quant
-    from zoo.kernels import target
-    from zoo.lora import LoraConfig
-    from zoo.moe import parallel_moe_block
-    from zoo.params import flatten
+    from zoo.kernels.choice import target
+    from zoo.layers.moe import parallel_moe_block
+    from zoo.lora.adapters import LoraConfig
+    from zoo.model import quant
+    from zoo.model.params import flatten
 
     cfg = _moe_config()
     lc = LoraConfig(rank=2, targets=["gate_proj", "up_proj", "down_proj"])
@@ -317,9 +317,9 @@ def test_qlora_quantizes_full_layers_and_experts():
     global_* stacks), the dense MLP, the experts' fused gate/up stack and down; the loss and the gradients of
     adapters on all of them equal those on the dequantized base."""
     from tests.helpers import lora_base_params, lora_lm_loss, quantized_projections, random_lora
-    from zoo import quant
-    from zoo.lora import LoraConfig
-    from zoo.params import flatten, nest
+    from zoo.lora.adapters import LoraConfig
+    from zoo.model import quant
+    from zoo.model.params import flatten, nest
 
     cfg = _moe_config(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
                       num_kv_shared_layers=0)
@@ -343,8 +343,8 @@ def test_qlora_quantizes_full_layers_and_experts():
 def test_run_of_a_kind_split_stack():
     """A run of layers 2-4 (sliding, sliding, full) of a stack of 6 (s f s s f s): every-layer weights give
     layers 2-4, the sliding-only stack its 2nd and 3rd sliding layers, the full-only one its 2nd full layer."""
-    from zoo.config import ModelConfig
-    from zoo.layer_layout import kind_stack_slice
+    from zoo.model.config import ModelConfig
+    from zoo.model.layer_layout import kind_stack_slice
 
     kinds = ("sliding", "full", "sliding", "sliding", "full", "sliding")
     cfg = ModelConfig("gemma4", 8, 4, 4, 6, 1, 1, 2, global_head_dim=4, layer_types=kinds, sliding_window=2)

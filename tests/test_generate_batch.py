@@ -7,8 +7,8 @@ from flax import nnx
 
 from eval.exact_match import Scored, accuracy, chat_prompts
 from eval.generate import greedy_batch
-from zoo.config import ModelConfig
-from zoo.model import Decoder
+from zoo.model.config import ModelConfig
+from zoo.model.decoder import Decoder
 
 CFG = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=8)

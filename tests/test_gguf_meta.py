@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoTokenizer
 from convert.source import open_source
 from tests.helpers import CONVERSATION, MIXED, assert_same_tokenizer, spm_vocab
 from zoo.cli import main
-from zoo.registry import bundled_gguf as smollm2_gguf
+from zoo.registry.catalogue import bundled_gguf as smollm2_gguf
 
 
 def _reference_tokenizer(path: Path):

@@ -93,7 +93,7 @@ def _dense_sink_attention(q, k, v, sinks, scale, window):
 def test_sinks_forward_and_gradients_match_a_dense_softmax(window):
     """The blockwise kernel (two query blocks, the window skipping a key block) with sinks: its output and the
     gradients of q, k, v and the sinks (its hand-written backward) against autodiff of a dense softmax."""
-    from zoo.blockwise import blockwise_attention
+    from zoo.kernels.blockwise import blockwise_attention
 
     ks = jax.random.split(jax.random.PRNGKey(0), 5)
     b, hk, g, t, d = 1, 2, 2, 200, 8
@@ -124,7 +124,7 @@ def test_kernels_without_sinks_refuse_in_one_line(tiny):
     import dataclasses
 
     from zoo.errors import UserError
-    from zoo.kernels import cudnn_obstacle, kernel_for, target
+    from zoo.kernels.choice import cudnn_obstacle, kernel_for, target
 
     _, root = tiny
     cfg = zoo.read_config(root / "zoo")
@@ -139,8 +139,8 @@ def test_kernels_without_sinks_refuse_in_one_line(tiny):
 def test_registry_param_counts_are_the_released_ones():
     """openai/gpt-oss-20b and -120b: 20.91B and 116.83B parameters (OpenAI's model card)."""
     from convert.hf_config import model_config_from_hf
-    from zoo.params import count_params
-    from zoo.registry import get
+    from zoo.model.params import count_params
+    from zoo.registry.catalogue import get
 
     for name, billions in (("gpt-oss-20b", 20.91), ("gpt-oss-120b", 116.83)):
         cfg = model_config_from_hf(get(name).hf_config)
@@ -449,15 +449,15 @@ def test_mxfp4_conversion_memory_is_bounded_by_the_largest_tensor(tmp_path):
 SHARDED_PATHS_SCRIPT = r"""
 import dataclasses, json
 import jax, jax.numpy as jnp, numpy as np
-from zoo.config import ModelConfig
-from zoo.model import forward
-from zoo.params import flatten, init_params, nest, param_specs
-from zoo.sharding import make_mesh, named_sharding
-import zoo.moe
+from zoo.model.config import ModelConfig
+from zoo.model.decoder import forward
+from zoo.model.params import flatten, init_params, nest, param_specs
+from zoo.model.sharding import make_mesh, named_sharding
+import zoo.layers.moe
 
 traced = []  # the expert-parallel path, counted as it is traced
-_parallel = zoo.moe._experts_parallel
-zoo.moe._experts_parallel = lambda *a, **k: traced.append(1) or _parallel(*a, **k)
+_parallel = zoo.layers.moe._experts_parallel
+zoo.layers.moe._experts_parallel = lambda *a, **k: traced.append(1) or _parallel(*a, **k)
 cfg = ModelConfig(family="gpt_oss", vocab_size=64, hidden_size=32, intermediate_size=16, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, attention="blockwise", layer_types=("sliding", "full"), sliding_window=5,
                   qkv_bias=True, o_bias=True, num_experts=4, experts_per_token=2, moe_intermediate_size=16,

@@ -95,7 +95,7 @@ def test_sampler_logps_equal_a_teacher_forced_forward(setup):
     import zoo
     from eval.generate import Sampler
     from eval.rollout import RolloutSpec, assemble, assemble_groups, completion_view, sample_group_completions
-    from zoo.logps import batch_logps
+    from zoo.model.logps import batch_logps
 
     model = zoo.load(setup / "zoo", dtype=np.float32)
     # Doubled weights: more peaked distributions than the random init's, so top-k cuts something.
@@ -106,7 +106,7 @@ def test_sampler_logps_equal_a_teacher_forced_forward(setup):
     valid = np.zeros_like(tokens, bool)
     for i, pr in enumerate(prompts):
         tokens[i * g:(i + 1) * g, :len(pr)], valid[i * g:(i + 1) * g, :len(pr)] = pr, True
-    from zoo.lora import LoraConfig, init_lora, lora_scale
+    from zoo.lora.adapters import LoraConfig, init_lora, lora_scale
 
     lora_cfg = LoraConfig(rank=4, alpha=8.0, targets="all")
     lora = init_lora(cfg, lora_cfg, jax.random.key(1))  # B = 0: nonzero B below, so the adapters add something
@@ -157,7 +157,7 @@ def test_grpo_raises_the_reward_without_recompiling(setup, tmp_path):
     from jax._src.dispatch import JAXPR_TRACE_EVENT
 
     from grpo.task import GRPOTask
-    from pretrain.trainer import train
+    from pretrain.loop import train
 
     traces: list[str] = []
     seen: list[int] = []
@@ -198,7 +198,7 @@ def test_shared_prompt_rows_train_as_one_row_per_completion(setup, tmp_path):
     ratios within 1e-5 at every step, with the policy's old log-probabilities (num_iterations 2), a reference
     (beta) and two micro-batches. Slow (about 20 s): two runs, each compiling its step."""
     from grpo.task import GRPOTask
-    from pretrain.trainer import train
+    from pretrain.loop import train
 
     logs = {}
     for share in (True, False):
@@ -273,7 +273,7 @@ def test_records_and_metrics_keep_trls_names_and_strict_json(setup, tmp_path):
     TRL's GRPOTrainer, logs no `kl` without a reference (TRL neither), and writes the all-None function's mean as
     null, never NaN (strict JSON)."""
     from grpo.task import GRPOTask
-    from pretrain.trainer import train
+    from pretrain.loop import train
 
     rewards = setup / "rewards.py"
     cfg = _cfg(setup, tmp_path / "run", "max_steps=1", "grpo.log_completions_every=1",
@@ -380,7 +380,7 @@ def test_two_processes_follow_the_one_process_run(setup, tmp_path):
     import sys
 
     from grpo.task import GRPOTask
-    from pretrain.trainer import train
+    from pretrain.loop import train
 
     common = ["max_steps=3", "grad_accum=2", "optimizer.name=sgd", "optimizer.learning_rate=0.5",
               "grpo.log_completions_every=1", "grpo.num_iterations=2"]
@@ -451,7 +451,7 @@ def test_truncated_completions_are_counted_and_optionally_masked(setup, tmp_path
     grpo.mask_truncated, weigh nothing. Checked through dr_grpo's loss at step 1 (ratio 1, beta 0), computed here
     from the logged completions: -sum over trained completions of advantage x length / (batch x max length)."""
     from grpo.task import GRPOTask
-    from pretrain.trainer import train
+    from pretrain.loop import train
 
     n = 5  # max_completion_length: about a quarter of the completions end before it (EOS is 1 of 18 ids)
     for mask in (False, True):
@@ -476,7 +476,7 @@ def test_full_fine_tuning_kl_is_to_the_starting_checkpoint_by_default_and_after_
     against which step 3's KL would be 0 again): run for 2 steps, then resumed for a 3rd, it logs what the run
     with the checkpoint named logs."""
     from grpo.task import GRPOTask
-    from pretrain.trainer import train
+    from pretrain.loop import train
 
     cfg = _cfg(setup, tmp_path / "named", "max_steps=3", "grpo.beta=0.1", f"grpo.reference={setup / 'zoo'}")
     train(cfg, task=GRPOTask(cfg), progress=False)
@@ -505,7 +505,7 @@ def test_rloo_and_reinforce_pp_steps_use_their_advantages_and_log_trls_names(set
     batch's completion tokens); both log TRL RLOOTrainer's names (kl, reward_std, frac_reward_zero_std, clip
     ratios) and a finite loss."""
     from grpo.task import GRPOTask
-    from pretrain.trainer import train
+    from pretrain.loop import train
 
     def run(out, steps, *extra):
         cfg = _cfg(setup, tmp_path / out, f"max_steps={steps}", "grpo.log_completions_every=1",
@@ -545,7 +545,7 @@ def test_rloo_step_one_equals_trl_rloo_trainer(setup, tmp_path, monkeypatch):
 
     import grpo.task
     from grpo.task import GRPOTask
-    from pretrain.trainer import train
+    from pretrain.loop import train
     from tests.helpers import SGD_STEP_ONE, assert_same_change, assert_same_metrics, exported_change, trl_step_one
 
     g, vocab, eos = 4, 18, 1
@@ -612,7 +612,7 @@ def test_held_out_rewards_are_logged_and_leave_training_unchanged(setup, tmp_pat
     import zoo
     from eval.generate import greedy_batch
     from grpo.task import GRPOTask
-    from pretrain.trainer import train
+    from pretrain.loop import train
     from tests.helpers import write_jsonl
 
     held = [{"prompt": " ".join(WORDS[i:i + 3])} for i in range(0, 15, 3)]  # 5 prompts: a padded last batch

@@ -243,9 +243,9 @@ def test_turns_on_one_cache_equal_a_fresh_forward_of_the_whole_conversation(tiny
 
     from eval.generate import Sampler
     from eval.turns import CachedTurns
-    from zoo.checkpoint import read_config
-    from zoo.loading import load_params
-    from zoo.model import forward
+    from zoo.checkpoints.format import read_config
+    from zoo.checkpoints.loading import load_params
+    from zoo.model.decoder import forward
 
     cfg, params = read_config(tiny_lm / "zoo"), load_params(tiny_lm / "zoo")
     prompts = [[5, 17, 33, 2, 9], [7, 8]]
@@ -405,7 +405,7 @@ def test_grpo_train_with_tools_masks_the_answers_and_logs_whole_episodes(eager, 
     The metrics count them; completions.jsonl holds whole episodes; and the update trains the model's tokens
     only (completions/mean_length counts the 3 model tokens per episode, as TRL counts them)."""
     from grpo.task import GRPOTask
-    from pretrain.trainer import train
+    from pretrain.loop import train
     from tests.helpers import read_metrics, write_jsonl
 
     root, tok_dir = eager
@@ -433,7 +433,7 @@ def test_grpo_train_with_an_environment_resets_scores_and_counts(eager, tmp_path
     """grpo.environment: one Counter per rollout, reset from its row (its text appended to the user's
     message), its bump method the model's tool, its get_reward a reward source named Counter."""
     from grpo.task import GRPOTask
-    from pretrain.trainer import train
+    from pretrain.loop import train
     from tests.helpers import read_metrics, write_jsonl
 
     root, tok_dir = eager

@@ -1,4 +1,4 @@
-"""The attention kernel choice (model.attention, zoo.kernels): where each kernel runs, what cuDNN refuses, and, on
+"""The attention kernel choice (model.attention, zoo.kernels.choice): where each kernel runs, what cuDNN refuses, and, on
 an NVIDIA GPU (marked ``gpu``), cuDNN's flash attention against the blockwise path on the masks the families use."""
 
 import dataclasses
@@ -8,11 +8,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zoo.blockwise import blockwise_attention, query_block
-from zoo.config import ModelConfig
 from zoo.errors import UserError
-from zoo.kernels import check_platform, cudnn_attention, cudnn_obstacle, cudnn_rows_obstacle, kernel_for, packed_layout
-from zoo.masks import attention_mask, visibility
+from zoo.kernels.blockwise import blockwise_attention, query_block
+from zoo.kernels.choice import (
+    check_platform,
+    cudnn_attention,
+    cudnn_obstacle,
+    cudnn_rows_obstacle,
+    kernel_for,
+    packed_layout,
+)
+from zoo.model.config import ModelConfig
+from zoo.model.masks import attention_mask, visibility
 
 
 def _cfg(**kw) -> ModelConfig:
@@ -190,9 +197,9 @@ def test_a_model_step_with_cudnn_equals_blockwise():
     """A tiny Llama's bfloat16 loss and gradients through the model with each kernel: within bfloat16's rounding."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs an NVIDIA GPU")
-    from zoo.loss import next_token_nll_sum
-    from zoo.model import forward, head_weight
-    from zoo.params import init_params
+    from zoo.model.decoder import forward, head_weight
+    from zoo.model.loss import next_token_nll_sum
+    from zoo.model.params import init_params
 
     cfg = _cfg(num_heads=4, num_kv_heads=2, head_dim=64, hidden_size=256, intermediate_size=512, vocab_size=512)
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), init_params(cfg, jax.random.PRNGKey(0)))

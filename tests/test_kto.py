@@ -17,7 +17,7 @@ from dpo.data import CHOSEN, PROMPT, REJECTED
 from dpo.kto import KTOTask
 from dpo.task import DPOTask
 from pretrain.config import load_config
-from pretrain.step import make_step
+from pretrain.jit_step import make_step
 from tests.helpers import LookupRows, lookup_batch_logps
 from zoo.errors import UserError
 
@@ -205,7 +205,7 @@ def test_kto_step_one_equals_trl_kto_trainer(dpo_models, tmp_path):
     from transformers import AutoModelForCausalLM
     from trl import KTOConfig, KTOTrainer
 
-    from pretrain.trainer import train
+    from pretrain.loop import train
     from tests.helpers import (
         SGD_STEP_ONE,
         assert_same_change,
@@ -247,7 +247,7 @@ def test_kto_references_base_and_precomputed(dpo_models, tmp_path):
     """`dpo train` with LoRA and dpo.reference: base (the adapters off): at step 1 the policy is its reference, so every reward
     and the KL are exactly 0 and the loss is the weighted 1 - sigmoid(0) = 0.5 mean. Precomputed scores of the
     reference checkpoint give the live checkpoint's step-1 metrics."""
-    from pretrain.trainer import train
+    from pretrain.loop import train
     from tests.helpers import DPO_LORA, dpo_cfg, read_metrics, write_jsonl
 
     root, _, _ = dpo_models

@@ -48,7 +48,7 @@ def test_rope_scaling_changes_logits(tmp_path):
 def test_bfloat16_conversion_casts_every_parameter(tmp_path):
     make_llama(tmp_path / "hf")
     assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "zoo"), "--dtype", "bfloat16"]) == 0
-    meta = zoo.checkpoint.read_meta(tmp_path / "zoo")
+    meta = zoo.checkpoints.format.read_meta(tmp_path / "zoo")
     assert {p["dtype"] for p in meta["params"].values()} == {"bfloat16"}
     params = zoo.load_params(tmp_path / "zoo")
     assert params["layers"]["q"].dtype == jnp.bfloat16

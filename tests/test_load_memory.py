@@ -1,4 +1,4 @@
-"""Loading a checkpoint costs its weights in memory, not twice its weights (zoo.checkpoint.load_stored_params)."""
+"""Loading a checkpoint costs its weights in memory, not twice its weights (zoo.checkpoints.format.load_stored_params)."""
 
 import json
 import subprocess
@@ -19,7 +19,7 @@ PROBE = textwrap.dedent("""
     import gc, json, sys
     import jax, numpy as np
     import zoo
-    from zoo.sharding import make_mesh
+    from zoo.model.sharding import make_mesh
 
     def status(key):
         for line in open("/proc/self/status"):
@@ -62,7 +62,7 @@ def test_restore_groups_are_bounded_ordered_and_complete():
     import jax
     import numpy as np
 
-    from zoo.checkpoint import restore_groups
+    from zoo.checkpoints.format import restore_groups
 
     mib = 2**20
     sizes = {"a": 10, "b": 30, "c": 5, "d": 30, "e": 1, "f": 29}  # MiB of float32
@@ -81,8 +81,8 @@ def test_a_small_model_restores_in_one_call_and_groups_restore_the_same_values(t
     import numpy as np
     import orbax.checkpoint.experimental.v1 as ocp
 
-    import zoo.checkpoint as zc
-    from zoo.params import flatten
+    import zoo.checkpoints.format as zc
+    from zoo.model.params import flatten
 
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({**CONFIG, "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,

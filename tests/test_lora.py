@@ -1,4 +1,4 @@
-"""LoRA adapters (zoo.lora): beside the base matmuls in the layer scan, equal to merged weights, sharded like
+"""LoRA adapters (zoo.lora.adapters): beside the base matmuls in the layer scan, equal to merged weights, sharded like
 their base, gradients for the adapters only."""
 
 import dataclasses
@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from tests.helpers import LORA_CONFIGS, LORA_TOKENS, devices_env, lora_base_params, random_lora, saved_residuals
-from zoo.config import ModelConfig
 from zoo.errors import UserError
-from zoo.lora import LoraConfig, lora_scale, lora_specs, merge_lora
-from zoo.model import forward
-from zoo.params import flatten, nest, param_specs
+from zoo.lora.adapters import LoraConfig, lora_scale, lora_specs, merge_lora
+from zoo.model.config import ModelConfig
+from zoo.model.decoder import forward
+from zoo.model.params import flatten, nest, param_specs
 
 _merge = jax.jit(merge_lora, static_argnums=(0, 3))
 _forward = jax.jit(forward, static_argnums=(0,))
@@ -199,10 +199,10 @@ MESH_SCRIPT = r"""
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from tests.helpers import LORA_CONFIGS, LORA_TOKENS, lora_base_params, random_lora
-from zoo.lora import LoraConfig, lora_scale, lora_specs
-from zoo.model import forward
-from zoo.params import flatten, nest, param_specs
-from zoo.sharding import make_mesh, named_sharding
+from zoo.lora.adapters import LoraConfig, lora_scale, lora_specs
+from zoo.model.decoder import forward
+from zoo.model.params import flatten, nest, param_specs
+from zoo.model.sharding import make_mesh, named_sharding
 assert len(jax.devices()) == 8
 cfg, lc = LORA_CONFIGS["llama"], LoraConfig(rank=4)
 params = lora_base_params(cfg)
@@ -318,7 +318,7 @@ def test_dropout_is_unbiased():
 
 
 def test_dropout_masks_differ_per_projection_and_scale_the_kept_inputs():
-    from zoo.adapted import LoraDropout
+    from zoo.lora.projections import LoraDropout
 
     x = jnp.ones((4, 8, 64), jnp.float32)
     key1, key2 = jax.random.split(jax.random.key(0))
@@ -371,8 +371,8 @@ def test_train_step_dropout_depends_on_seed_step_and_micro_batch_only():
     import optax
 
     from pretrain.batch import TokenBatch
-    from pretrain.step import init_state, make_step
-    from zoo.sharding import make_mesh
+    from pretrain.jit_step import init_state, make_step
+    from zoo.model.sharding import make_mesh
 
     cfg, lc = LORA_CONFIGS["llama"], LoraConfig(rank=4, dropout=0.5)
     params, lora = lora_base_params(cfg), random_lora(cfg, lc, random=True)

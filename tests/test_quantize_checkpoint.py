@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 import zoo
-from zoo import quant, quant_checkpoint
-from zoo.checkpoint import read_meta
+from zoo.checkpoints import quantized as quant_checkpoint
+from zoo.checkpoints.format import read_meta
 from zoo.cli import main as zoo_main
-from zoo.params import flatten
+from zoo.model import quant
+from zoo.model.params import flatten
 
 # Matrices of >= 256 x 256 values: with fewer than 256 blocks of 64 a matrix's double-quantization block and its
 # offset are not amortized (4.14 bits at 64 x 64), as in bitsandbytes.
@@ -86,7 +87,7 @@ def bits_on_disk(ckpt, meta) -> tuple[int, int]:
     the chunks' stored lengths, listed from the OCDBT store (not the arrays' nominal sizes)."""
     import tensorstore as ts
 
-    from zoo.checkpoint import PARAMS_DIR, STATE_DIR
+    from zoo.checkpoints.format import PARAMS_DIR, STATE_DIR
 
     state = ckpt.absolute() / PARAMS_DIR / STATE_DIR
     kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{state}/"}).result()
@@ -137,7 +138,7 @@ def test_quantize_errors_are_one_line_and_write_nothing(models, tmp_path, capsys
 @pytest.mark.slow
 def test_dequantized_reader_slices_match_the_whole(models, tmp_path):
     """Slow (slow lane): the module's three `zoo init` models take about 18 s to build."""
-    from zoo.loading import param_reader
+    from zoo.checkpoints.loading import param_reader
 
     out = tmp_path / "q"
     assert zoo_main(["quantize", str(models / "mixtral"), "--out", str(out)]) == 0

@@ -27,7 +27,7 @@ def test_registry_name_resolves_from_local_cache(tmp_path):
     got = np.asarray(zoo.load(out)(jnp.asarray(tokens)))
     ref = hf_logits(hf, tokens)
     assert np.abs(got - ref).max() <= 1e-4 and mean_kl(ref, got) <= 1e-6
-    meta = zoo.checkpoint.read_meta(out)
+    meta = zoo.checkpoints.format.read_meta(out)
     assert "HuggingFaceTB/SmolLM2-135M-Instruct" in meta["source"]
     assert meta["hub_id"] == "HuggingFaceTB/SmolLM2-135M-Instruct"  # the repo the registry name resolved to
 

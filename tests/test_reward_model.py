@@ -52,10 +52,10 @@ def test_converted_scores_equal_transformers_and_export_round_trips(reward_model
     from pretrain.batch import PairBatch
     from rm.task import pair_scores
     from tests.helpers import UNEVEN_PAIRS
-    from zoo.batching import to_model_batch
-    from zoo.checkpoint import read_config
+    from zoo.checkpoints.format import read_config
+    from zoo.checkpoints.loading import load_params
     from zoo.cli import main
-    from zoo.loading import load_params
+    from zoo.data.batching import to_model_batch
 
     out, _, tok = reward_models
     mcfg, params = read_config(out / "rm"), load_params(out / "rm")
@@ -88,7 +88,7 @@ def test_reward_step_one_equals_trl_reward_trainer(reward_models, tmp_path):
     from transformers import AutoModelForSequenceClassification
     from trl import RewardConfig, RewardTrainer
 
-    from pretrain.trainer import train
+    from pretrain.loop import train
     from rm.task import RewardTask
     from tests.helpers import (
         SGD_STEP_ONE,
@@ -156,13 +156,13 @@ def test_lora_reward_model_equals_trl_with_peft_and_exports_as_peft_loads_it(rew
 
     from grpo.config import GRPOConfig
     from grpo.task import GRPOTask
-    from pretrain.trainer import train
+    from pretrain.loop import train
     from rm.task import RewardTask
     from tests.helpers import SGD_STEP_ONE, UNEVEN_PAIRS, assert_same_metrics, read_metrics, trl_step_one, write_jsonl
-    from zoo.checkpoint import read_config
+    from zoo.checkpoints.format import read_config
+    from zoo.checkpoints.loading import load_params
     from zoo.cli import main
-    from zoo.loading import load_params
-    from zoo.sharding import make_mesh
+    from zoo.model.sharding import make_mesh
 
     out, root, tok = reward_models
     write_jsonl(tmp_path / "pairs.jsonl", UNEVEN_PAIRS)
@@ -236,7 +236,7 @@ def test_grpo_reward_model_scores_completions_as_trl_does(reward_models, tmp_pat
     from transformers import AutoModelForSequenceClassification
 
     from grpo.rewards import load_rewards
-    from zoo.sharding import make_mesh
+    from zoo.model.sharding import make_mesh
 
     out, root, tok = reward_models
     rewards = load_rewards([f"rm:{out / 'rm'}"])
@@ -266,7 +266,7 @@ def test_grpo_step_with_a_reward_model(reward_models, tmp_path):
 
     from grpo.config import GRPOConfig
     from grpo.task import GRPOTask
-    from pretrain.trainer import train
+    from pretrain.loop import train
     from tests.helpers import write_jsonl
 
     out, root, tok = reward_models

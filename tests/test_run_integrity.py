@@ -16,9 +16,9 @@ import pytest
 import zoo
 from pretrain.cli import main as pretrain_main
 from pretrain.config import load_config
+from pretrain.loop import train
 from pretrain.runfolder import checkpoint_steps
 from pretrain.runlog import TIMING_FIELDS
-from pretrain.trainer import train
 from tests.helpers import copy_tiny_lm
 
 WORDS = "the a cat dog sat ran on under mat log red blue big small quickly slowly and then".split()

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from tests.helpers import REPO, TEST_ONLY
-from zoo.registry import bundled_gguf as smollm2_gguf
+from zoo.registry.catalogue import bundled_gguf as smollm2_gguf
 
 
 @pytest.fixture(scope="module")

@@ -70,7 +70,7 @@ class Style:
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory):
     from convert.source import open_source
-    from zoo.registry import bundled_gguf as smollm2_gguf
+    from zoo.registry.catalogue import bundled_gguf as smollm2_gguf
 
     folder = tmp_path_factory.mktemp("smollm2_tok")
     open_source(str(smollm2_gguf())).save_tokenizer(folder)

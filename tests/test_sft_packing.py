@@ -7,11 +7,11 @@ import pytest
 from flax import nnx
 
 from pretrain.batch import TokenBatch
-from pretrain.data import fit_documents, packed_batches
+from pretrain.data.pipeline import fit_documents, packed_batches
 from pretrain.task import next_token_loss_sums
-from zoo.batching import to_model_batch
-from zoo.config import ModelConfig
-from zoo.model import Decoder
+from zoo.data.batching import to_model_batch
+from zoo.model.config import ModelConfig
+from zoo.model.decoder import Decoder
 
 CFG = ModelConfig(family="llama", vocab_size=80, hidden_size=48, intermediate_size=96, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=16)

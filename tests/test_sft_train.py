@@ -8,7 +8,7 @@ import pytest
 
 import zoo
 from pretrain.config import load_config
-from pretrain.trainer import train
+from pretrain.loop import train
 from sft.cli import main as sft_main
 from sft.config import SFTConfig
 from sft.task import SFTTask
@@ -70,7 +70,7 @@ def test_sft_lowers_train_and_eval_loss(setup, tmp_path):
     evals = [r["eval_loss"] for r in recs if "eval_loss" in r]
     assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:3])
     assert len(evals) == 2 and evals[-1] < evals[0]
-    assert zoo.checkpoint.read_meta(final)["training"]["method"] == "sft"
+    assert zoo.checkpoints.format.read_meta(final)["training"]["method"] == "sft"
 
 
 def test_inspect_highlights_assistant_text(setup, capsys):
@@ -127,7 +127,7 @@ def test_lora_sft_trains_only_adapters_and_final_merges(setup, tmp_path, capsys)
     # its output can get; untrained adapters would stay at the first losses.
     assert np.mean(losses[-5:]) < 0.75 * np.mean(losses[:3])
     assert len(evals) == 2 and evals[-1] < evals[0]
-    meta = zoo.checkpoint.read_meta(final)
+    meta = zoo.checkpoints.format.read_meta(final)
     assert meta["lora"]["rank"] == 16 and meta["lora"]["base"] == str(root / "zoo")
     assert set(meta["lora"]["params"]) == {f"layers.{w}.{ab}" for w in ("q", "k", "v", "o", "gate", "up", "down")
                                            for ab in "ab"}
@@ -141,12 +141,12 @@ def test_lora_sft_trains_only_adapters_and_final_merges(setup, tmp_path, capsys)
     step_dir = max((out / "checkpoints").iterdir(), key=lambda p: int(p.name) if p.name.isdigit() else -1)
     tree = ocp.PyTreeCheckpointer().metadata(step_dir / "state").item_metadata.tree
     shapes = [tuple(x.shape) for x in jax.tree.leaves(tree["opt_state"]) if hasattr(x, "shape") and x.shape]
-    base_shapes = {tuple(v["shape"]) for v in zoo.checkpoint.read_meta(root / "zoo")["params"].values()}
+    base_shapes = {tuple(v["shape"]) for v in zoo.checkpoints.format.read_meta(root / "zoo")["params"].values()}
     assert shapes and not (set(shapes) & base_shapes)
     # zoo.load merges: its logits equal the base forward with the adapters beside it.
-    from zoo.adapter import load_adapters, lora_config
-    from zoo.lora import lora_scale
-    from zoo.model import forward
+    from zoo.checkpoints.adapter import load_adapters, lora_config
+    from zoo.lora.adapters import lora_scale
+    from zoo.model.decoder import forward
 
     merged = zoo.load(final)
     base = zoo.load_params(root / "zoo")
@@ -180,7 +180,7 @@ def _clock(day: int):
 
 def _killed_after_step_4(cfg, monkeypatch) -> None:
     """Run ``cfg`` and stop it (KeyboardInterrupt) as step 5's batch arrives, after step 4 was checkpointed."""
-    import pretrain.training as trainer
+    import pretrain.steps as trainer
 
     real, calls = trainer.to_model_batch, []
 
@@ -218,10 +218,10 @@ def test_lora_kill_and_resume_is_bit_identical(setup, tmp_path, monkeypatch):
     assert "02 Jul 2031" in tok.apply_chat_template([{"role": "user", "content": "x"}], chat_template=dated.read_text(),
                                                     tokenize=False)
     resumed = train(cfg, progress=False, task=SFTTask(cfg))
-    from zoo.adapter import load_adapters
+    from zoo.checkpoints.adapter import load_adapters
 
-    a = load_adapters(full, zoo.checkpoint.read_meta(full))
-    b = load_adapters(resumed, zoo.checkpoint.read_meta(resumed))
+    a = load_adapters(full, zoo.checkpoints.format.read_meta(full))
+    b = load_adapters(resumed, zoo.checkpoints.format.read_meta(resumed))
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
@@ -231,7 +231,7 @@ import json, sys
 import jax
 from pretrain.config import load_config
 from sft.config import SFTConfig
-from pretrain.trainer import train
+from pretrain.loop import train
 from sft.task import SFTTask
 assert len(jax.devices()) == 8
 base = json.loads(sys.argv[1])
@@ -344,11 +344,10 @@ QLORA = (*LORA, "lora.base_quant=nf4", "lora.base_quant_double=true")
 def test_qlora_sft_trains_resumes_and_merges_into_the_dequantized_base(setup, tmp_path, monkeypatch, capsys):
     """Slow (about 122 s in a loaded 2-worker baseline): whole training runs through the loop, each compiling its
     step configuration."""
-    from zoo import quant
-    from zoo.adapter import load_adapters, lora_config
-    from zoo.lora import lora_scale
-    from zoo.model import forward
-    from zoo.params import flatten, nest
+    from zoo.checkpoints.adapter import load_adapters, lora_config
+    from zoo.lora.adapters import lora_scale
+    from zoo.model.decoder import forward, quant
+    from zoo.model.params import flatten, nest
 
     root, _ = setup
     common = ("max_steps=6", "checkpoint.every=2", "data.eval_fraction=0", *QLORA)
@@ -356,13 +355,13 @@ def test_qlora_sft_trains_resumes_and_merges_into_the_dequantized_base(setup, tm
     full = train(cfg, progress=False, task=SFTTask(cfg))
     losses = [json.loads(x)["loss"] for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
     assert losses[-1] < losses[0]
-    meta = zoo.checkpoint.read_meta(full)
+    meta = zoo.checkpoints.format.read_meta(full)
     assert meta["lora"]["base_quant"] == {"kind": "nf4", "double": True}
     # killed after step 4's checkpoint, then resumed: bit-identical adapters.
     cfg = _cfg(root, tmp_path / "resumed", *common)
     _killed_after_step_4(cfg, monkeypatch)
     resumed = train(cfg, progress=False, task=SFTTask(cfg))
-    a, b = load_adapters(full, meta), load_adapters(resumed, zoo.checkpoint.read_meta(resumed))
+    a, b = load_adapters(full, meta), load_adapters(resumed, zoo.checkpoints.format.read_meta(resumed))
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     # The merged model is the dequantized base plus the adapters: what the adapters were trained beside.
@@ -391,7 +390,7 @@ def test_qlora_sft_trains_resumes_and_merges_into_the_dequantized_base(setup, tm
     assert zoo_main(["quantize", str(root / "zoo"), "--out", str(tmp_path / "nf4"), "--double-quant"]) == 0
     cfg = _cfg(root, tmp_path / "stored", *common[:-2], f"model.path={tmp_path / 'nf4'}")
     stored = train(cfg, progress=False, task=SFTTask(cfg))
-    smeta = zoo.checkpoint.read_meta(stored)
+    smeta = zoo.checkpoints.format.read_meta(stored)
     assert smeta["lora"]["base_quant"] == {"kind": "nf4", "double": True}
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(load_adapters(stored, smeta))):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -1,4 +1,4 @@
-"""Splash attention (model.attention: splash, zoo.splash): the Pallas TPU kernel in interpret mode against the
+"""Splash attention (model.attention: splash, zoo.kernels.splash): the Pallas TPU kernel in interpret mode against the
 blockwise path (outputs and gradients, float32), a whole model's loss and gradients, what it cannot run, and a
 TPU program compiled on this CPU machine that holds the kernel."""
 
@@ -11,15 +11,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zoo.attention import splash_heads
-from zoo.blockwise import blockwise_attention, query_block
-from zoo.config import ModelConfig
 from zoo.errors import UserError
-from zoo.kernels import check_platform, kernel_for, uses_splash
-from zoo.masks import attention_mask
-from zoo.model import forward
-from zoo.params import init_params
-from zoo.splash import block_sizes
+from zoo.kernels.blockwise import blockwise_attention, query_block
+from zoo.kernels.choice import check_platform, kernel_for, uses_splash
+from zoo.kernels.splash import block_sizes
+from zoo.layers.attention import splash_heads
+from zoo.model.config import ModelConfig
+from zoo.model.decoder import forward
+from zoo.model.masks import attention_mask
+from zoo.model.params import init_params
 
 
 def _packed(t: int) -> np.ndarray:
@@ -48,7 +48,7 @@ CASES = {  # t, kv heads, query heads per kv head, head dim, segment ids, window
 
 @pytest.mark.parametrize("case", CASES)
 def test_splash_equals_blockwise_with_gradients(case):
-    """Interpret-mode splash against zoo.blockwise (itself checked against plain softmax and transformers): the
+    """Interpret-mode splash against zoo.kernels.blockwise (itself checked against plain softmax and transformers): the
     outputs and dq, dk, dv in float32. Sequences of 384 take three 128-token blocks, so the kernel's skipping of
     the blocks above the diagonal and left of the window is exercised."""
     t, hk, g, d, segments, window, cap = CASES[case]
@@ -162,12 +162,12 @@ def test_what_splash_cannot_run_is_a_user_error_and_auto_keeps_it_on_blockwise(m
 
     auto = dataclasses.replace(cfg, attention="auto")
     assert uses_splash(auto, 128) == (jax.default_backend() == "tpu")  # here: a CPU program
-    monkeypatch.setattr("zoo.kernels.platform", lambda: "tpu")
+    monkeypatch.setattr("zoo.kernels.choice.platform", lambda: "tpu")
     assert uses_splash(auto, 128) and kernel_for(auto, jnp.bfloat16, 128) == "splash"
     assert not uses_splash(auto, 128, prefix=True) and not uses_splash(auto, 100)
     assert kernel_for(auto, jnp.bfloat16, 128, prefix=True) == "blockwise"
     assert kernel_for(dataclasses.replace(cfg, attention="blockwise"), jnp.bfloat16, 128) == "blockwise"
-    monkeypatch.setattr("zoo.kernels.platform", lambda: "gpu")
+    monkeypatch.setattr("zoo.kernels.choice.platform", lambda: "gpu")
     with pytest.raises(UserError, match="splash attention is a TPU kernel .interpreted on CPUs, for tests., not for "
                                         "GPUs; use attention: auto or blockwise"):
         check_platform("splash", "bfloat16")
@@ -230,7 +230,7 @@ def test_rows_splash_cannot_run_are_refused_before_the_run_folder_is_written(tmp
     import importlib
 
     from pretrain.config import load_config
-    from pretrain.trainer import train
+    from pretrain.loop import train
 
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     config_class = getattr(importlib.import_module(f"{command}.config"), f"{command.upper()}Config", None)

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from zoo.config import ModelConfig
-from zoo.params import init_params
+from zoo.model.config import ModelConfig
+from zoo.model.params import init_params
 
 TINY = ModelConfig(family="llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
                    num_kv_heads=1, head_dim=16)
@@ -41,7 +41,7 @@ def _task(name: str):
 
 @pytest.mark.parametrize("name", ["pretrain", "sft", "dpo", "grpo"])
 def test_train_step_compiles_from_the_task_layout_alone(name):
-    from pretrain.step import make_step
+    from pretrain.jit_step import make_step
 
     task = _task(name)
     tx = optax.adamw(1e-3)
@@ -63,7 +63,7 @@ def test_bfloat16_state_keeps_its_dtypes_through_a_step(accum):
     """bfloat16 parameters: every leaf of the state after a step has the dtype it had (Adam's moments too), so
     step 2 runs step 1's program on the donated buffers (a gradient divided by the float32 token count came out
     float32 and took Adam's moments with it)."""
-    from pretrain.step import make_step
+    from pretrain.jit_step import make_step
 
     task = _task("pretrain")
     tx = optax.adamw(1e-3)

@@ -7,7 +7,7 @@ import pytest
 
 import zoo
 from pretrain.config import load_config
-from pretrain.trainer import train
+from pretrain.loop import train
 from tests.helpers import copy_tiny_lm, devices_env
 from zoo.cli import main as zoo_main
 
@@ -49,7 +49,7 @@ def test_loss_decreases_and_final_is_a_zoo_checkpoint(setup, tmp_path):
     assert {"step", "loss", "learning_rate", "grad_norm", "tokens_seen", "tokens_per_sec", "step_time", "mfu"} <= set(rec)
     model = zoo.load(final)  # zoo.load reads the trained model
     assert model.cfg.num_layers == 2
-    meta = zoo.checkpoint.read_meta(final)
+    meta = zoo.checkpoints.format.read_meta(final)
     assert meta["training"]["method"] == "pretrain" and meta["training"]["steps"] == 25
     assert zoo_main(["export", str(final), "--out", str(tmp_path / "hf")]) == 0  # and zoo export too
     events = list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
@@ -99,7 +99,7 @@ def test_interrupted_run_resumes_to_the_same_result(setup, tmp_path, monkeypatch
     """Slow (about 33 s in a loaded 2-worker baseline): whole training runs through the loop, each compiling its step
     configuration."""
     full = train(_cfg(setup, tmp_path / "full", "max_steps=6"), progress=False)
-    import pretrain.training as trainer
+    import pretrain.steps as trainer
 
     real = trainer.to_model_batch
     calls = []
@@ -124,7 +124,7 @@ MESH_SCRIPT = r"""
 import json, sys
 import jax
 from pretrain.config import load_config
-from pretrain.trainer import train
+from pretrain.loop import train
 assert len(jax.devices()) == 8
 base = json.loads(sys.argv[1])
 out = {}
@@ -199,7 +199,7 @@ def test_bad_rows_name_file_and_row_or_are_skipped(setup, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "bad.jsonl, line 2:" in err[0] and "skip_bad_rows" in err[0]
     assert main(args + ["data.skip_bad_rows=true"]) == 0
-    meta = zoo.checkpoint.read_meta(tmp_path / "o" / "final")
+    meta = zoo.checkpoints.format.read_meta(tmp_path / "o" / "final")
     assert meta["training"]["skipped_rows"] == 2
 
 
@@ -218,7 +218,7 @@ def test_train_from_scratch_with_random_init(setup, smollm2_tokenizer, tmp_path,
         f"data.path={setup / 'data.jsonl'}", "data.seq_len=16", "batch_size=2", "max_steps=2",
         f"output_dir={tmp_path / 'scratch'}"]), progress=False)
     assert zoo.read_config(final).family == "llama"
-    assert zoo.checkpoint.read_meta(final)["training"]["steps"] == 2
+    assert zoo.checkpoints.format.read_meta(final)["training"]["steps"] == 2
 
 
 def test_missing_tokenizer_is_a_clear_error(setup, tmp_path, capsys):
@@ -233,8 +233,8 @@ def test_missing_tokenizer_is_a_clear_error(setup, tmp_path, capsys):
 
 
 def test_unpacked_rows_hold_one_document_each(setup, tmp_path):
-    from pretrain.data import lane_dataset
-    from zoo.batching import to_model_batch
+    from pretrain.data.pipeline import lane_dataset
+    from zoo.data.batching import to_model_batch
 
     docs = [np.arange(1, 6, dtype=np.int32), np.arange(10, 30, dtype=np.int32)]
     rows = [next(it) for it in [lane_dataset(docs, 8, 0, packing=False)] for _ in range(4)]
@@ -397,7 +397,7 @@ def test_two_processes_follow_the_one_process_trajectory(sgd_run, two_processes)
     np.testing.assert_allclose(_losses(out), _losses(one), rtol=1e-5)  # one metrics file, SGD_STEPS rows
     saved = out / "checkpoints" / str(SGD_STEPS) / "data"
     assert sorted(f.name for f in saved.glob("process_*.json")) == ["process_0-of-2.json", "process_1-of-2.json"]
-    meta = zoo.checkpoint.read_meta(out / "final")
+    meta = zoo.checkpoints.format.read_meta(out / "final")
     assert meta["training"]["processes"] == 2 and meta["training"]["devices"] == 4
     for x, y in zip(jax_leaves(zoo.load_params(ref)), jax_leaves(zoo.load_params(out / "final"))):
         np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-5)
@@ -426,7 +426,7 @@ def test_steps_compile_ahead_once_per_shape_then_trim(monkeypatch):
     import jax
     import jax.numpy as jnp
 
-    import pretrain.step as step_mod
+    import pretrain.jit_step as step_mod
 
     events = []
     monkeypatch.setattr(step_mod, "release_free_memory", lambda: events.append("trim"))
@@ -467,7 +467,7 @@ def test_steps_still_compile_where_xla_does_not_know_the_scheduler_option(monkey
     import jax
     import jax.numpy as jnp
 
-    import pretrain.step as step_mod
+    import pretrain.jit_step as step_mod
 
     monkeypatch.setattr(step_mod, "CPU_COMPILER_OPTIONS", {"xla_cpu_no_such_option_here": 1})
     f = step_mod.compile_then_trim(jax.jit(lambda x: x * 3))

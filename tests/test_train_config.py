@@ -178,7 +178,7 @@ def test_the_largest_seed_the_config_accepts_shuffles_the_lanes():
     it, so the largest seed reads its data (grain refused any seed from 4295 on)."""
     import numpy as np
 
-    from pretrain.data import lane_dataset, split_rows
+    from pretrain.data.pipeline import lane_dataset, split_rows
 
     seed = load_config(None, [*_base("sft"), "seed=4294967295"], _schema("sft")).seed
     order, _ = split_rows(10, 0.0, seed)

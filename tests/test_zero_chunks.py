@@ -14,7 +14,7 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 import zoo
-import zoo.checkpoint
+import zoo.checkpoints.format
 from tests.helpers import make_hf
 from zoo.cli import main
 
@@ -51,7 +51,7 @@ def test_deepseek_v3_with_zero_correction_bias_converts_and_loads(tmp_path):
     assert bias and all(not np.asarray(b).any() for b in bias)
 
 
-# Writers' own check (zoo.checkpoint.verify_complete) and the other writers: `zoo init`, training runs.
+# Writers' own check (zoo.checkpoints.format.verify_complete) and the other writers: `zoo init`, training runs.
 
 def _tiny_gemma_config(path):
     from transformers import GemmaConfig
@@ -95,8 +95,8 @@ def test_lora_run_with_zero_adapters_checkpoints_and_loads(tmp_path):
     import orbax.checkpoint as ocp
 
     from pretrain.config import load_config
-    from pretrain.trainer import train
-    from zoo.params import flatten
+    from pretrain.loop import train
+    from zoo.model.params import flatten
 
     vocab = _word_tokenizer(tmp_path / "tok")
     make_hf(tmp_path / "hf", "llama", vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -109,9 +109,9 @@ def test_lora_run_with_zero_adapters_checkpoints_and_loads(tmp_path):
         f"model.path={tmp_path / 'zoo'}", f"model.tokenizer={tmp_path / 'tok'}", f"data.path={tmp_path / 'data.jsonl'}",
         "data.seq_len=16", "batch_size=4", "optimizer.learning_rate=0.0", "schedule.name=constant", "log_every=1",
         "checkpoint.every=1", "lora.rank=4", "max_steps=2", f"output_dir={tmp_path / 'run'}"]), progress=False)
-    meta = zoo.checkpoint.read_meta(final)
+    meta = zoo.checkpoints.format.read_meta(final)
     b = [p for p in meta["lora"]["params"] if p.endswith(".b")]
-    assert b and all(not zoo.checkpoint.load_param_numpy(final, p, meta["lora"]["params"][p]).any() for p in b)
+    assert b and all(not zoo.checkpoints.format.load_param_numpy(final, p, meta["lora"]["params"][p]).any() for p in b)
     merged, base = zoo.load(final).param_dict(), zoo.load(tmp_path / "zoo").param_dict()
     np.testing.assert_array_equal(np.asarray(merged["layers"]["q"]), np.asarray(base["layers"]["q"]))
     with ocp.CheckpointManager(tmp_path / "run" / "checkpoints") as manager:
@@ -157,13 +157,13 @@ def test_verifier_catches_a_deleted_chunk(tmp_path, key):
     make_hf(tmp_path / "hf", "llama")
     assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "zoo")]) == 0
     ckpt = tmp_path / "zoo"
-    zoo.checkpoint.verify_complete(ckpt)
+    zoo.checkpoints.format.verify_complete(ckpt)
     kv = _store(ckpt)
     assert key.encode() in kv.list().result()
     kv.delete_range(ts_range(key)).result()
     param = key.split("/")[0]
     with pytest.raises(RuntimeError, match=rf"parameter '{param}'"):
-        zoo.checkpoint.verify_complete(ckpt)
+        zoo.checkpoints.format.verify_complete(ckpt)
 
 
 def ts_range(key):
@@ -196,7 +196,7 @@ def test_verifier_catches_a_missing_inner_chunk_of_a_shard(tmp_path):
         ts.open(spec, create=True, delete_existing=True).result().write(data).result()
 
     rewrite(True)
-    zoo.checkpoint.verify_complete(ckpt)
+    zoo.checkpoints.format.verify_complete(ckpt)
     rewrite(False)
     with pytest.raises(RuntimeError, match=r"parameter 'final_norm' is incomplete: shard final_norm/c/0 lacks"):
-        zoo.checkpoint.verify_complete(ckpt)
+        zoo.checkpoints.format.verify_complete(ckpt)

@@ -13,8 +13,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from zoo.config import ATTENTION_KERNELS
 from zoo.console import add_topology_flags, run_cli
+from zoo.model.config import ATTENTION_KERNELS
 
 
 def cmd_list(args: argparse.Namespace) -> None:
@@ -35,7 +35,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
     """`zoo convert` -> convert/cli.py; an unknown registry name is said first, before the converter loads JAX."""
     from pathlib import Path
 
-    from zoo import registry
+    from zoo.registry import catalogue as registry
 
     if registry.looks_like_name(args.source) and not Path(args.source).expanduser().exists():
         registry.get(args.source)  # convert.source.open_source reads a bare name that is no path the same way

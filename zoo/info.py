@@ -9,13 +9,13 @@ import argparse
 from collections.abc import Iterable
 from pathlib import Path
 
-from zoo.config import ModelConfig
 from zoo.console import print_table
+from zoo.model.config import ModelConfig
 
 
 def list_command(args: argparse.Namespace) -> None:
     """`zoo list`: print the registry as a table."""
-    from zoo.registry import REGISTRY, human_count
+    from zoo.registry.catalogue import REGISTRY, human_count
 
     rows = [("name", "family", "params", "hugging face repo")]
     rows += [(e.name, e.family, human_count(e.params) if e.params else "tiny", e.hf_repo or "(built-in config: zoo init)")
@@ -25,10 +25,10 @@ def list_command(args: argparse.Namespace) -> None:
 
 def info_command(args: argparse.Namespace) -> None:
     """`zoo info CKPT`: describe a checkpoint: family, size, dtype, shapes and on-disk layout."""
-    # Imported here: zoo.checkpoint loads JAX, which `zoo list` (sharing this module) does not need.
-    from zoo.checkpoint import PARAMS_DIR, read_meta
-    from zoo.paths import checkpoint_dir
-    from zoo.registry import human_count
+    # Imported here: zoo.checkpoints.format loads JAX, which `zoo list` (sharing this module) does not need.
+    from zoo.checkpoints.format import PARAMS_DIR, read_meta
+    from zoo.checkpoints.paths import checkpoint_dir
+    from zoo.registry.catalogue import human_count
 
     args.ckpt = str(checkpoint_dir(args.ckpt))
     meta = read_meta(args.ckpt)
@@ -58,7 +58,7 @@ def info_command(args: argparse.Namespace) -> None:
         n = sum(_prod(p["shape"]) for p in lora["params"].values())
         print(f"lora        rank {lora['rank']}, alpha {lora['alpha']:g}{', rslora' if lora['rslora'] else ''}, "
               f"{human_count(n)} ({n:,}) adapter parameters on {', '.join(lora['target_modules'])}")
-        from zoo.adapter import base_location  # noqa: PLC0415 - only adapter checkpoints need it
+        from zoo.checkpoints.adapter import base_location  # noqa: PLC0415 - only adapter checkpoints need it
 
         print(f"base        {base_location(args.ckpt, meta)}  (merged on load and export)")
         bq = lora.get("base_quant")
@@ -69,7 +69,7 @@ def info_command(args: argparse.Namespace) -> None:
         params = lora["params"]
     q = meta.get("quantized")
     if q:  # `zoo quantize`: the table above is the float model; on disk the projections are quantized fields
-        from zoo.quant_checkpoint import describe  # noqa: PLC0415 - only quantized checkpoints need it
+        from zoo.checkpoints.quantized import describe  # noqa: PLC0415 - only quantized checkpoints need it
 
         n = sum(_prod(meta["params"][p.rpartition(".")[0]]["shape"]) for p in q["params"]
                 if p not in meta["params"] and p.endswith((".packed", ".q")))
@@ -103,7 +103,7 @@ def _chunk_shapes(params_dir: Path) -> dict[str, tuple[int, ...]]:
         tree = ocp.metadata(params_dir.absolute()).metadata
     except Exception:
         return {}
-    from zoo.params import flatten
+    from zoo.model.params import flatten
 
     out = {}
     for k, v in flatten(dict(tree)).items():

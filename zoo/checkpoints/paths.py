@@ -1,0 +1,49 @@
+"""Checkpoint paths given by a user: what is there, and the way to the right one when it is not a checkpoint.
+
+Every command that takes a zoo checkpoint (``zoo generate``, ``zoo eval``,
+``zoo export``, ``zoo info``, training's ``model.path``) resolves it here, so a
+missing path, a training run's folder (its checkpoint is ``RUN/final``) and a
+folder that is some other thing each get one line that says what to give.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from zoo.errors import UserError
+
+MODEL_FILE = "model.json"  # zoo.checkpoints.format.MODEL_FILE (not imported: that module loads JAX)
+RUN_MARKS = ("final", "checkpoints", "metrics.jsonl", "config.yaml")  # what a training run's output_dir holds
+
+
+def checkpoint_dir(path: str | Path, what: str = "") -> Path:
+    """The zoo checkpoint folder at ``path``, or a UserError that says what ``path`` is and what to give instead.
+
+    ``what`` names where the path came from (``"model.path"``); it starts the message.
+    """
+    p = Path(path).expanduser()
+    label = f"{what} {path}" if what else str(path)
+    if (p / MODEL_FILE).is_file():
+        return p
+    if not p.exists():
+        raise UserError(f"{label}: no such checkpoint (no such file or folder){_named_model_hint(str(path))}")
+    if p.is_dir() and any((p / m).exists() for m in RUN_MARKS):
+        final = p / "final"
+        if (final / MODEL_FILE).is_file():
+            raise UserError(f"{label} is a training run, not a checkpoint; use its final checkpoint: {final}")
+        raise UserError(f"{label} is a training run that has not finished (no checkpoint in {final} yet); run it "
+                        f"again to resume it, then use {final}")
+    if (p.is_file() and p.suffix == ".gguf") or (p.is_dir() and (p / "config.json").is_file()):
+        raise UserError(f"{label} is not a zoo checkpoint but a model to convert: "
+                        f"`zoo convert {path} --out DIR`, then use DIR")
+    raise UserError(f"{label} is not a zoo checkpoint (no {MODEL_FILE}); create one with "
+                    "`zoo convert SOURCE --out DIR` (or `zoo init`), or give a training run's final/ folder")
+
+
+def _named_model_hint(name: str) -> str:
+    """For a registry name given as a path: how to make the checkpoint it names."""
+    from zoo.registry import catalogue as registry
+
+    if registry.looks_like_name(name) and name in registry.REGISTRY:
+        return f"; {name} is a model of the zoo: convert it first with `zoo convert {name} --out ckpt/{name}`"
+    return ""

@@ -1,0 +1,194 @@
+"""Self-attention of one decoder layer: grouped-query attention and DeepSeek's multi-head latent attention.
+
+The projections into heads (:func:`qkv_heads`, :func:`mla_heads`), the
+head-major layout of the attention kernels (:func:`head_major`) and the
+output projection (:func:`output_projection`) are separate functions so that
+the cached forward of :mod:`zoo.model.decode` runs exactly the same code around its
+own cache reads and writes; only attending over cache slots differs there.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from zoo.kernels.blockwise import blockwise_attention, query_block
+from zoo.kernels.choice import cudnn_attention, kernel_for, platform
+from zoo.layers.blocks import rms_norm
+from zoo.lora.projections import LoraDropout, adapted_dense, layer_adapters, projections
+from zoo.model.config import ModelConfig
+from zoo.model.context import context_attention, context_size
+from zoo.model.masks import Visibility
+from zoo.model.rope import apply_rope
+
+
+def qkv_heads(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, cfg: ModelConfig,
+              norm_w: jax.Array | None = None, lora: dict | None = None, lora_scale: float | jax.Array = 1.0,
+              drop: LoraDropout | None = None,
+              shared_kv: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Roped q and k, and v, [batch, seq, heads, head_dim] (biases and q/k norms applied) of one attention layer.
+
+    With ``norm_w`` x is first RMS-normed by it (fused with the projections:
+    see :func:`zoo.lora.projections.projections`); ``lora``/``lora_scale``/``drop`` are
+    this layer's q/k/v adapters and their dropout. Gemma 4: a layer without a
+    ``v`` weight takes its values from the key projection (before the key's
+    norm and RoPE), ``cfg.v_norm`` RMS-normalizes values without a weight, and
+    a KV-shared layer (no ``k``) returns ``shared_kv``, another layer's keys and values.
+    """
+    b, t, _ = x.shape
+    names = tuple(n for n in ("q", "k", "v") if n in p)
+    ys = projections(x, tuple(p[n] for n in names), cfg, norm_w, layer_adapters(lora, names), lora_scale, drop,
+                     names)
+    heads = dict(zip(names, (y.reshape(b, t, -1, cfg.head_dim) for y in ys)))
+    q, k = heads["q"], heads.get("k")
+    v = heads.get("v", k)
+    if cfg.qkv_bias:
+        q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
+    if cfg.qk_norm:
+        q = qk_norm(q, p["q_norm"], cfg)
+        k = None if k is None else qk_norm(k, p["k_norm"], cfg)
+    if shared_kv is not None:
+        return apply_rope(q, cos, sin), *shared_kv
+    assert k is not None and v is not None, "a layer without key weights needs shared_kv"
+    if cfg.v_norm:
+        v = rms_norm(v, jnp.ones(v.shape[-1:], v.dtype), cfg.rms_norm_eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def qk_norm(x: jax.Array, w: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """RMSNorm of q or k [b, t, heads, head_dim] by w: per head (w [head_dim]), or with ``qk_norm_span`` "all"
+    over all heads at once (w [heads, head_dim]: OLMo 2/3 normalize the whole projection output)."""
+    if cfg.qk_norm_span == "all":
+        flat = rms_norm(x.reshape(*x.shape[:2], -1), w.reshape(-1), cfg.rms_norm_eps, cfg.norm_offset)
+        return flat.reshape(x.shape)
+    return rms_norm(x, w, cfg.rms_norm_eps, cfg.norm_offset)
+
+
+def head_major(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q [b, t, hq, d], k and v [b, t, hk, d] -> q [b, hk, group, t, d], k and v [b, hk, t, d].
+
+    Each key/value head comes with its group of query heads, so grouped-query
+    attention folds the group into the rows of one matmul per key/value head
+    and never repeats K/V (see :func:`zoo.kernels.blockwise.blockwise_attention`).
+    """
+    b, t, hq, d = q.shape
+    hk = k.shape[2]
+    qg = q.reshape(b, t, hk, hq // hk, d).transpose(0, 2, 3, 1, 4)
+    return qg, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+
+def causal_attention(qg: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | Visibility, cfg: ModelConfig,
+                     window: int | None = None, sinks: jax.Array | None = None) -> jax.Array:
+    """Softmax attention of head-major q/k/v (:func:`head_major`) under a causal ``mask``: a
+    :class:`zoo.model.masks.Visibility` (each block's mask built in the block) or bool [b, 1, t, t] (the cached forward's).
+
+    Computed in query blocks (:func:`zoo.kernels.blockwise.blockwise_attention`), so
+    key blocks that the causal mask (and ``window``, the sliding window the
+    mask was built with) hide are skipped. ``sinks`` [heads]: gpt-oss's attention sinks (one more logit per head
+    in the softmax's denominator). Returns [b, t, heads * head_dim].
+    """
+    return blockwise_attention(qg, k, v, mask, cfg.attn_scale, cfg.attn_softcap, window, query_block(qg.shape[3]),
+                               sinks)
+
+
+def splash_heads(qg: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, cfg: ModelConfig,
+                 window: int | None = None, cap: float | None = None) -> jax.Array:
+    """:func:`causal_attention` through the splash kernel (:mod:`zoo.kernels.splash`), with no mask: causal by index within
+    the documents of ``segment_ids`` [b, t] (None: one per row), ``window`` wide; interpreted off a TPU."""
+    from zoo.kernels.splash import splash_attention
+
+    if segment_ids is None:
+        segment_ids = jnp.ones(qg.shape[:1] + qg.shape[3:4], jnp.int32)
+    return splash_attention(qg, k, v, segment_ids, cfg.attn_scale, cap, window, interpret=platform() != "tpu")
+
+
+def attend(qg: jax.Array, k: jax.Array, v: jax.Array, vis: Visibility, cfg: ModelConfig,
+           sinks: jax.Array | None = None) -> jax.Array:
+    """Causal attention of head-major q [b, kv, g, t, d], k [b, kv, t, d], v [b, kv, t, dv] under ``vis`` (its
+    window too), logits soft-capped by ``cfg.attn_softcap``, through the kernel of ``cfg.attention`` (:func:`zoo.kernels.choice.kernel_for`);
+    -> [b, t, kv * g * dv]. With the mesh's ``context`` axis over 1 the sequence is split over it
+    (:func:`zoo.model.context.context_attention`): each device attends its queries to the gathered keys. ``sinks``
+    [heads] (gpt-oss's attention sinks) only the blockwise kernel takes (:func:`zoo.kernels.choice.sinks_obstacle`)."""
+    kernel = kernel_for(cfg, qg.dtype, qg.shape[3], vis.prefix_ids is not None, vis.segments)
+
+    def run(qg: jax.Array, k: jax.Array, v: jax.Array, vis: Visibility) -> jax.Array:
+        if kernel == "splash" and k.shape[2] != qg.shape[3]:  # a context shard's queries, the gathered keys
+            from zoo.kernels.splash import splash_shard
+
+            return splash_shard(qg, k, v, vis, cfg.attn_scale, cfg.attn_softcap, interpret=platform() != "tpu")
+        if kernel == "splash":
+            return splash_heads(qg, k, v, vis.segment_ids, cfg, vis.window, cfg.attn_softcap)
+        if kernel == "cudnn":
+            return cudnn_attention(qg, k, v, vis, cfg.attn_scale)
+        return causal_attention(qg, k, v, vis, cfg, vis.window, sinks)
+
+    return context_attention(run, qg, k, v, vis) if context_size() > 1 else run(qg, k, v, vis)
+
+
+def output_projection(out: jax.Array, p: dict, cfg: ModelConfig, lora: dict | None = None,
+                      lora_scale: float | jax.Array = 1.0, drop: LoraDropout | None = None) -> jax.Array:
+    """The attention output [b, t, heads * head_dim] through ``o`` (plus its bias and LoRA adapter) -> [b, t, embed].
+
+    ``o`` keeps its stored [heads, head_dim, embed] shape (``contract=2``),
+    so the backward pass reads the parameter itself.
+    """
+    out = adapted_dense(out, p["o"], layer_adapters(lora, ("o",))[0], lora_scale, contract=2, drop=drop, name="o")
+    if cfg.o_bias:
+        out = out + p["o_bias"]
+    return out
+
+
+def attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, vis: Visibility, cfg: ModelConfig,
+              norm_w: jax.Array | None = None, lora: dict | None = None, lora_scale: float | jax.Array = 1.0,
+              drop: LoraDropout | None = None, shared_kv: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+    """Grouped-query self-attention of one layer; x [batch, seq, embed].
+
+    ``vis`` says which keys each query sees (:class:`zoo.model.masks.Visibility`: packed documents, the layer's
+    sliding window, shared prefixes); no kernel builds it as a [seq, seq] mask (:mod:`zoo.kernels.choice`). With ``norm_w`` x is first RMS-normed by it.
+    ``lora`` holds this layer's LoRA adapters by weight name (q, k, v, o);
+    ``drop`` applies LoRA dropout to their inputs. ``cfg.attention`` picks the kernel (:func:`attend`).
+    ``shared_kv``: a KV-shared layer's keys and values [b, t, kv_heads, head_dim] (see :func:`qkv_heads`).
+    """
+    q, k, v = qkv_heads(x, p, cos, sin, cfg, norm_w, lora, lora_scale, drop, shared_kv)
+    out = attend(*head_major(q, k, v), vis, cfg, p["sinks"] if cfg.attn_sinks else None)
+    return output_projection(out, p, cfg, lora, lora_scale, drop)
+
+
+def mla_heads(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array,
+              cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """MLA's projections of (already normed) x [b, t, embed]: q_nope and roped q_pe [b, t, heads, .],
+    the normed kv latent [b, t, kv_lora_rank] and the roped shared key k_pe [b, t, qk_rope_head_dim].
+
+    The latent and k_pe are what a KV cache keeps (:mod:`zoo.model.decode`); the
+    per-head keys and values are expanded from the latent through ``kv_b``.
+    The RoPE dimensions are stored de-interleaved (the converter permutes
+    them), so the usual rotate-half RoPE applies.
+    """
+    dn, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    if cfg.q_lora_rank:
+        # transformers hard-codes eps=1e-6 for the two latent norms.
+        q = jnp.einsum("btc,chd->bthd", rms_norm(x @ p["q_a"], p["q_a_norm"], 1e-6), p["q_b"])
+    else:
+        q = jnp.einsum("bte,ehd->bthd", x, p["q"])
+    kv = x @ p["kv_a"]
+    latent = rms_norm(kv[..., :r], p["kv_a_norm"], 1e-6)
+    # The shared key is one "head" for apply_rope's [b, t, heads, d] layout.
+    k_pe = apply_rope(kv[..., None, r:], cos, sin)[:, :, 0]
+    return q[..., :dn], apply_rope(q[..., dn:], cos, sin), latent, k_pe
+
+
+def mla_attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, vis: Visibility,
+                  cfg: ModelConfig) -> jax.Array:
+    """DeepSeek's multi-head latent attention of (already normed) x: q and kv through low-rank latents,
+    a shared RoPE key (see :func:`mla_heads`), attending under ``vis`` (:func:`attend`: blockwise, or splash,
+    whose query/key heads may differ in size from its value heads; cuDNN cannot)."""
+    dn, dr = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    q_nope, q_pe, latent, k_pe = mla_heads(x, p, cos, sin, cfg)
+    kv = jnp.einsum("btr,rhd->bthd", latent, p["kv_b"])
+    k_nope, v = kv[..., :dn], kv[..., dn:]
+    q = jnp.concatenate([q_nope, q_pe], axis=-1)
+    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None], k_nope.shape[:-1] + (dr,))], axis=-1)
+    # One query head per key/value head: [b, h, 1, t, d], as head_major's.
+    qg = q.transpose(0, 2, 1, 3)[:, :, None]
+    out = attend(qg, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), vis, cfg)
+    return jnp.einsum("bthd,hde->bte", out.reshape(v.shape), p["o"])

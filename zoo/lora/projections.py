@@ -1,0 +1,128 @@
+"""LoRA adapters beside the base matmuls: the adapter branch, its dropout, and adapted projections.
+
+An adapter {"a", "b"} of weight W adds ``scale * (x @ A) @ B`` to ``x @ W``.
+It always runs beside the base matmul, never merged into W (a merged
+weight's gradient would cost a full weight gradient), and where it can its
+A matmul joins the base weights' fused norm + projection (:mod:`zoo.layers.blocks`),
+so LoRA keeps no extra normed copy of x. The adapter trees themselves
+(specs, init, merge) live in :mod:`zoo.lora.adapters`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from zoo.layers.blocks import dense, dense_unnamed, normed_dense, rms_norm
+from zoo.model.config import ModelConfig
+
+# Every weight that can carry a LoRA adapter, in a fixed order: its index is folded into the layer's dropout
+# key, so each adapted projection draws its own mask (q's adapter never sees v's mask).
+ADAPTABLE = ("q", "k", "v", "o", "gate", "up", "down", "expert_gate", "expert_up", "expert_down",
+             "shared_gate", "shared_up", "shared_down", "expert_gate_up")  # the last: Gemma 4's fused experts
+
+
+@dataclass(frozen=True)
+class LoraDropout:
+    """LoRA dropout within one layer: ``rate`` and that layer's PRNG ``key``.
+
+    Calling it on an adapter's input x zeroes each element with probability
+    ``rate`` and scales the rest by 1/(1 - rate) (inverted dropout, so the
+    expected adapter output is unchanged). Only the adapter branch sees the
+    dropped input, as peft's ``scale * B(A(dropout(x)))``: the base weight
+    still multiplies x itself.
+    """
+
+    rate: float | jax.Array
+    key: jax.Array
+
+    def __call__(self, x: jax.Array, name: str) -> jax.Array:
+        """x with dropout applied, the mask drawn from this layer's key and the adapted weight ``name``."""
+        keep = 1.0 - self.rate
+        mask = jax.random.bernoulli(jax.random.fold_in(self.key, ADAPTABLE.index(name)), keep, x.shape)
+        return jnp.where(mask, x / keep, 0).astype(x.dtype)
+
+
+def lora_branch(x: jax.Array, adapter: dict, scale: float | jax.Array, dtype: Any, contract: int = 1) -> jax.Array:
+    """``scale * (x @ A) @ B`` on its own (not fused with a base matmul), cast to ``dtype``.
+
+    Used where A cannot join a fused base matmul: beside a single weight
+    (:func:`adapted_dense`) and on inputs the base weight does not read
+    (LoRA dropout's dropped copies).
+    """
+    return lora_out(dense(x, adapter["a"], contract=contract), adapter["b"], scale, dtype)
+
+
+def lora_out(u: jax.Array, b: jax.Array, scale: float | jax.Array, dtype: Any) -> jax.Array:
+    """A LoRA adapter's output, ``scale * u @ B`` for u = x @ A [..., rank], cast to the base output's dtype.
+
+    Not named "dense": under ``remat: save_dots`` only the small u is kept and
+    this [tokens, out] product is recomputed (one rank-r matmul).
+    """
+    return (scale * dense_unnamed(u, b)).astype(dtype)
+
+
+def adapted_dense(x: jax.Array, w: jax.Array, adapter: dict | None, scale: float | jax.Array,
+                  contract: int = 1, drop: LoraDropout | None = None, name: str = "o") -> jax.Array:
+    """:func:`dense` of x and w, plus ``scale * (x @ A) @ B`` when ``adapter`` ({"a", "b"}) is given.
+
+    The adapter runs beside the base matmul, never merged into w: a merged
+    weight's gradient would cost as much as a full weight gradient. With
+    ``drop`` the adapter's x is ``drop(x, name)`` (the base's stays x).
+    """
+    y = dense(x, w, contract=contract)
+    if adapter is None:
+        return y
+    return y + lora_branch(x if drop is None else drop(x, name), adapter, scale, y.dtype, contract)
+
+
+def projections(x: jax.Array, ws: tuple[jax.Array, ...], cfg: ModelConfig,
+                norm_w: jax.Array | None = None, adapters: tuple[dict | None, ...] | None = None,
+                lora_scale: float | jax.Array = 1.0, drop: LoraDropout | None = None,
+                names: tuple[str, ...] = ()) -> tuple[jax.Array, ...]:
+    """x @ w for each w in ws; with ``norm_w``, of the RMS-normed x (see :func:`normed_dense`).
+
+    ``adapters`` (one LoRA {"a", "b"} or None per w) add ``lora_scale * (x @ A) @ B``.
+    The A matmuls go through the same :func:`normed_dense` as the base weights,
+    so the normed x is still not kept for the backward pass. With ``drop``
+    (LoRA dropout; ``names`` name the weights) see :func:`_dropped_projections`.
+    """
+    adapters = adapters or (None,) * len(ws)
+    if drop is not None and any(ad is not None for ad in adapters):
+        return _dropped_projections(x, ws, cfg, norm_w, adapters, lora_scale, drop, names)
+    a_ws = tuple(ad["a"] for ad in adapters if ad is not None)
+    if norm_w is None:
+        ys = tuple(dense(x, w) for w in ws + a_ws)
+    else:
+        ys = normed_dense(x, norm_w, ws + a_ws, cfg.rms_norm_eps, cfg.norm_offset)
+    out, us = list(ys[:len(ws)]), iter(ys[len(ws):])
+    for i, ad in enumerate(adapters):
+        if ad is not None:
+            out[i] = out[i] + lora_out(next(us), ad["b"], lora_scale, out[i].dtype)
+    return tuple(out)
+
+
+def _dropped_projections(x: jax.Array, ws: tuple[jax.Array, ...], cfg: ModelConfig, norm_w: jax.Array | None,
+                         adapters: tuple[dict | None, ...], lora_scale: float | jax.Array, drop: LoraDropout,
+                         names: tuple[str, ...]) -> tuple[jax.Array, ...]:
+    """:func:`projections` with LoRA dropout: the base matmuls stay fused on x, each adapter runs apart.
+
+    The A matmuls cannot share the fused norm + projection here, since each
+    adapter reads its own dropped copy of the (normed) x, which the base
+    weights must not see. That copy is kept for the adapter's backward pass:
+    dropout costs activation memory, which is why it is off by default.
+    """
+    ys = list(projections(x, ws, cfg, norm_w))
+    n = x if norm_w is None else rms_norm(x, norm_w, cfg.rms_norm_eps, cfg.norm_offset)
+    for i, (ad, name) in enumerate(zip(adapters, names, strict=True)):
+        if ad is not None:
+            ys[i] = ys[i] + lora_branch(drop(n, name), ad, lora_scale, ys[i].dtype)
+    return tuple(ys)
+
+
+def layer_adapters(lora: dict | None, names: tuple[str, ...]) -> tuple[dict | None, ...]:
+    """The LoRA adapter of each named weight of one layer (None where it has none)."""
+    return tuple((lora or {}).get(n) for n in names)

@@ -1,0 +1,59 @@
+"""Context parallelism: the sequence of the activations split over the mesh's ``context`` axis.
+
+Everything but attention is per token, so GSPMD partitions it from the activations' shardings
+(:func:`zoo.model.sharding.batch_sharded` puts the sequence on ``context``). Attention needs every earlier key: it
+runs under :func:`jax.shard_map` over the mesh, where each device keeps its block of queries, all-gathers the
+keys, values and the keys' segment ids over ``context``, and attends with its queries' global row indices
+(``offset = axis_index * t_local``: :class:`zoo.model.masks.Visibility`), so packed documents, padding, windows and
+shared prefixes mean what they mean unsharded. The backward pass is the kernel's own (the blockwise custom VJP);
+the all-gather's transpose is a reduce-scatter, so each device gets back the key and value gradients of its
+own block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from zoo.model.masks import Visibility
+from zoo.model.sharding import logical_to_spec
+
+AXIS = "context"
+
+
+def context_size() -> int:
+    """How many devices split the sequence: the ``context`` axis of the mesh in context (``jax.set_mesh``), else 1."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or AXIS not in mesh.axis_names:
+        return 1
+    return int(mesh.shape[AXIS])
+
+
+Attend = Callable[[jax.Array, jax.Array, jax.Array, Visibility], jax.Array]
+
+
+def context_attention(attend: Attend, qg: jax.Array, k: jax.Array, v: jax.Array, vis: Visibility) -> jax.Array:
+    """``attend(qg, k, v, vis)`` (head-major q [b, kv, g, t, d], k [b, kv, t, d], v [b, kv, t, dv] ->
+    [b, t, kv * g * dv]) with the sequence split over the mesh's ``context`` axis: each device attends its queries
+    to all keys (gathered), rows over (data, fsdp) and key/value heads over ``tensor`` where they divide."""
+    mesh = jax.sharding.get_abstract_mesh()
+    b, hk, _, t, _ = qg.shape
+    n = context_size()
+    if t % n:
+        raise ValueError(f"context_attention: sequence length {t} does not split over mesh.context = {n}")
+    rows, heads = logical_to_spec(("batch", "kv_heads"), (b, hk), mesh)
+    seq = P(rows, AXIS)
+
+    def local(qg: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array, *pre: jax.Array) -> jax.Array:
+        offset = jax.lax.axis_index(AXIS) * qg.shape[3]
+        k, v = (jax.lax.all_gather(x, AXIS, axis=2, tiled=True) for x in (k, v))
+        keys = jax.lax.all_gather(seg, AXIS, axis=1, tiled=True)
+        return attend(qg, k, v, Visibility(seg, keys, pre[0] if pre else None, offset, vis.window, vis.segments))
+
+    kv = P(rows, heads, AXIS, None)
+    args = [qg, k, v, vis.segment_ids] + ([vis.prefix_ids] if vis.prefix_ids is not None else [])
+    in_specs = (P(rows, heads, None, AXIS, None), kv, kv, seq) + ((seq,) if len(args) > 4 else ())
+    # check_vma off: Pallas kernels (splash) declare no varying manual axes on their outputs.
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P(rows, AXIS, heads), check_vma=False)(*args)

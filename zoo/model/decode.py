@@ -1,0 +1,495 @@
+"""Incremental decoding: a KV cache and a cache-aware forward pass of the zoo decoder.
+
+:func:`forward_cached` runs the same code as :func:`zoo.model.decoder.forward`
+(embedding, :func:`zoo.model.decoder.decoder_layer` with its norms and MLP / MoE,
+the segment scans of :func:`zoo.model.decoder.scan_segments`, the projections into
+heads and out of them from :mod:`zoo.layers.attention`, RoPE tables, output head)
+on t new tokens per row, attending to what the cache holds plus the new
+tokens, and returns the cache with the new keys/values written. What is its
+own is the cache: ring slots, masks over them, attention split between the
+cached slots and the new tokens, and the writes. Prefill (t = prompt length)
+and decoding (t = 1) are the same function.
+
+Every cache is a ring of S slots: position p lives in slot p % S. Full layers
+get S = ``max_len``, so nothing wraps while the sequence fits; sliding-window
+layers get S = min(sliding_window, max_len), since a query never looks
+further back than the window. New tokens attend to the old slots and to each
+other (not to the cache after writing), so a chunk longer than the ring still
+sees every key its mask allows; only the last S positions are then written.
+MLA layers (DeepSeek) cache the normed kv latent and the roped shared key,
+and expand them into per-head keys and values at each call.
+
+Keys and values are stored head-major, keys transposed ([.., kv_heads,
+head_dim, S]) and values not ([.., kv_heads, S, head_dim]): the layouts in
+which the score and value products take their right-hand operand, so that no
+step transposes (copies) the cache. The cached slots and the new tokens are
+scored separately and share one softmax: the cache is never concatenated with
+the new keys. Generation (:mod:`eval.generate`) uses the static shortcuts of
+:func:`forward_step`: ``fresh`` (an empty cache: the prompt attends to itself
+only, blockwise like the training forward, instead of to max_len empty slots
+too), ``view`` (only the first ``view`` slots can be filled: the rest is not
+read, so a step's cost follows the filled length, not max_len) and ``last``
+(only one position per row goes through the output head).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+
+from zoo.layers.attention import causal_attention, head_major, mla_heads, output_projection, qkv_heads
+from zoo.layers.blocks import soft_cap
+from zoo.model.config import ModelConfig
+from zoo.model.decoder import Segment, decoder_layer, embed_tokens, norm, output_logits, scan_segments, stack_slice
+from zoo.model.layer_layout import (
+    is_kv_shared,
+    kind_config,
+    kind_stack_slice,
+    layer_output,
+    layer_weights,
+    store_layers,
+)
+from zoo.model.longrope import switch_to_long
+from zoo.model.masks import kind_window
+from zoo.model.per_layer_inputs import per_layer_inputs
+from zoo.model.rope import layer_rope, rope_flags, rope_tables_by_kind
+
+NEG = float(jnp.finfo(jnp.float32).min)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Cache:
+    """Per-layer keys/values and each row's length.
+
+    ``layers[prefix][kind]`` holds, for the layers of that parameter stack
+    (``layers`` / ``dense_layers``) and kind (``full`` / ``sliding``) in
+    order, stacked arrays ``k`` [n, batch, kv_heads, head_dim, S] (roped
+    keys, transposed) and ``v`` [n, batch, kv_heads, S, head_dim], or for
+    MLA ``latent`` [n, batch, S, kv_lora_rank] and ``k_pe`` [n, batch, S, qk_rope_head_dim]. ``lengths`` [batch] int32
+    counts the tokens of each row already in the cache.
+    """
+
+    layers: dict[str, dict[str, dict[str, jax.Array]]]
+    lengths: jax.Array
+
+
+def _kind_sizes(cfg: ModelConfig, max_len: int) -> dict[str, int]:
+    """Ring size of each layer kind."""
+    sizes = {"full": max_len}
+    if "sliding" in cfg.kinds:
+        assert cfg.sliding_window is not None  # ModelConfig refuses sliding layers without a window
+        sizes["sliding"] = min(cfg.sliding_window, max_len)
+    return sizes
+
+
+def _entry_shapes(cfg: ModelConfig, n: int, batch: int, slots: int) -> dict[str, tuple[tuple[int, ...], tuple]]:
+    """name -> (shape, logical axes) of one kind's cache arrays for n layers."""
+    lead, axes = (n, batch, slots), ("layers", "batch", "sequence")
+    if cfg.mla:
+        return {"latent": (lead + (cfg.kv_lora_rank,), axes + (None,)),
+                "k_pe": (lead + (cfg.qk_rope_head_dim,), axes + ("head_dim",))}
+    lead, axes = (n, batch, cfg.num_kv_heads), ("layers", "batch", "kv_heads")
+    return {"k": (lead + (cfg.head_dim, slots), axes + ("head_dim", "sequence")),
+            "v": (lead + (slots, cfg.head_dim), axes + ("sequence", "head_dim"))}
+
+
+def _cache_tree(cfg: ModelConfig, batch: int, max_len: int, make: Any) -> Cache:
+    """A cache whose every array is ``make(shape, logical axes, dtype or None)`` (None: the cache's own dtype)."""
+    sizes = _kind_sizes(cfg, max_len)
+    layers: dict[str, dict[str, dict[str, Any]]] = {}
+    for prefix, stack, _ in cfg.layer_stacks:
+        kinds = tuple(cfg.kinds[i] for i in stack)
+        if is_kv_shared(cfg, prefix):
+            layers[prefix] = {}  # Gemma 4's KV-shared layers read their stored layers' entries: none of their own
+            continue
+        layers[prefix] = {
+            kind: {name: make(shape, axes, None) for name, (shape, axes)
+                   in _entry_shapes(kind_config(cfg, kind), kinds.count(kind), batch, sizes[kind]).items()}
+            for kind in sorted(set(kinds))}
+    return Cache(layers, make((batch,), ("batch",), jnp.int32))
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = jnp.float32,
+               mesh: Mesh | None = None) -> Cache:
+    """An empty cache for ``batch`` rows of up to ``max_len`` tokens each (prompt and generated together).
+
+    With ``mesh`` every array is placed as :func:`cache_shardings` says: split
+    like the heads of the weights laid out for decoding, rows on data.
+    """
+    def make(shape: tuple[int, ...], axes: tuple, dt: Any) -> jax.Array:
+        a = jnp.zeros(shape, dt or dtype)
+        return a if mesh is None else jax.device_put(a, _decode_sharding(mesh, axes, shape))
+
+    return _cache_tree(cfg, batch, max_len, make)
+
+
+def abstract_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any, mesh: Mesh) -> Cache:
+    """:func:`init_cache`'s arrays as ``jax.ShapeDtypeStruct`` s with their shardings on ``mesh`` (nothing
+    allocated): for compiling generation without a device (``zoo generate --compile-only``)."""
+    return _cache_tree(cfg, batch, max_len, lambda shape, axes, dt: jax.ShapeDtypeStruct(
+        shape, dt or dtype, sharding=_decode_sharding(mesh, axes, shape)))
+
+
+def cache_shardings(cfg: ModelConfig, batch: int, max_len: int, mesh: Mesh) -> Cache:
+    """The shardings of :func:`init_cache`'s arrays on ``mesh`` (a Cache of NamedShardings)."""
+    return _cache_tree(cfg, batch, max_len, lambda shape, axes, dt: _decode_sharding(mesh, axes, shape))
+
+
+def kv_cache_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype: Any, mesh: Mesh) -> int:
+    """Bytes one chip holds of the keys/values of a cache of ``batch`` rows and ``max_len`` slots laid out by
+    :func:`init_cache` on ``mesh`` (its shards: the shape over each dimension's split)."""
+    import math
+
+    total = 0
+    for s in jax.tree.leaves(abstract_cache(cfg, batch, max_len, dtype, mesh).layers):
+        total += math.prod(s.sharding.shard_shape(s.shape)) * s.dtype.itemsize
+    return total
+
+
+def _decode_sharding(mesh: Mesh, axes: tuple, shape: tuple[int, ...]) -> NamedSharding:
+    from zoo.model.sharding import DECODE_RULES, named_sharding
+
+    return named_sharding(mesh, axes, shape, DECODE_RULES)
+
+
+def decode_shardings(cfg: ModelConfig, mesh: Mesh) -> dict[str, Any]:
+    """Where each weight lives while decoding on ``mesh`` (a nested dict like the parameters).
+
+    :data:`zoo.model.sharding.DECODE_RULES`: tensor-parallel over the tensor and
+    fsdp axes (heads, mlp, vocab split; embed whole), so a token step keeps
+    every weight resident instead of all-gathering FSDP's embed-split weights
+    at each token; the cache (:func:`init_cache`) is split like the k/v heads.
+    """
+    from zoo.model.params import nest, param_specs
+
+    return nest({k: _decode_sharding(mesh, s.axes, s.shape) for k, s in param_specs(cfg).items()})
+
+
+def place_for_decoding(cfg: ModelConfig, params: dict[str, Any]) -> tuple[dict[str, Any], Mesh | None]:
+    """(``params`` laid out for decoding, their mesh): moved once to :func:`decode_shardings` when they lie on a
+    mesh of several devices (as :func:`zoo.load` places them), else as they are with None. Arrays already so
+    laid out are not copied."""
+    sharding = getattr(params["embed"], "sharding", None)
+    mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None  # a placed array's: concrete
+    if not isinstance(mesh, Mesh) or mesh.size == 1:
+        return params, None
+    return jax.device_put(params, decode_shardings(cfg, mesh)), mesh
+
+
+def _slot_positions(lengths: jax.Array, slots: int) -> jax.Array:
+    """Absolute position held by each slot [batch, S] of a ring, -1 where the slot is still empty."""
+    s = jnp.arange(slots)[None, :]
+    last = lengths[:, None] - 1 - s  # >= 0 iff the slot has been written
+    return jnp.where(last >= 0, s + slots * (jnp.maximum(last, 0) // slots), -1)
+
+
+def _mask(pos: jax.Array, valid: jax.Array, old_pos: jax.Array | None,
+          window: int | None) -> tuple[jax.Array | None, jax.Array]:
+    """Which keys each new query may attend to: old slots [batch, t, S] (None without), new tokens [batch, t, t]."""
+    q = pos[:, :, None]
+    new = pos[:, None, :]
+    new_ok = valid[:, None, :] & (new <= q)
+    if window is not None:
+        new_ok = new_ok & (q - new < window)
+    if old_pos is None:
+        return None, new_ok
+    old = old_pos[:, None, :]
+    old_ok = old >= 0
+    if window is not None:
+        old_ok = old_ok & (q - old < window)
+    return jnp.broadcast_to(old_ok, q.shape[:2] + old.shape[2:]), new_ok
+
+
+def _joint_mask(old_ok: jax.Array | None, new_ok: jax.Array) -> jax.Array:
+    return new_ok if old_ok is None else jnp.concatenate([old_ok, new_ok], axis=-1)
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Grouped-query softmax attention: q [b, t, hq, d], k [b, s, hk, d], v [b, s, hk, dv] -> [b, t, hq * dv]."""
+    b, t, hq, d = q.shape
+    hk = k.shape[2]
+    qg = q.reshape(b, t, hk, hq // hk, d)
+    s = jnp.einsum("bthgd,bshd->bhgts", qg, k, preferred_element_type=jnp.float32) * cfg.attn_scale
+    s = soft_cap(s, cfg.attn_softcap)
+    s = jnp.where(mask[:, None, None], s, NEG)
+    probs = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bhgts,bshd->bthgd", probs, v)
+    return out.reshape(b, t, -1)
+
+
+def _attend_split(qg: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
+                  cfg: ModelConfig, sinks: jax.Array | None = None) -> jax.Array:
+    """Softmax attention over several key sets at once: qg [b, hk, g, t, d] and per part transposed keys
+    [b, hk, d, s], values [b, hk, s, dv] and mask [b, t, s]; one softmax over all parts' keys (and, with ``sinks``
+    [hq], gpt-oss's one sink logit per head, whose probability is dropped). -> [b, t, hq * dv]."""
+    scores = []
+    for k, _, m in parts:
+        s = jnp.einsum("bhgtd,bhds->bhgts", qg, k.astype(qg.dtype), preferred_element_type=jnp.float32)
+        s = soft_cap(s * cfg.attn_scale, cfg.attn_softcap)
+        scores.append(jnp.where(m[:, None, None], s, NEG))
+    if sinks is not None:
+        b, hk, g, t, _ = scores[0].shape
+        sink = sinks.astype(jnp.float32).reshape(1, hk, g, 1, 1)
+        scores.append(jnp.broadcast_to(sink, (b, hk, g, t, 1)))
+    s = scores[0] if len(scores) == 1 else jnp.concatenate(scores, axis=-1)
+    dt = parts[-1][1].dtype
+    probs = jax.nn.softmax(s, axis=-1).astype(dt)
+    out: jax.Array | None = None
+    at = 0
+    for k, v, _ in parts:
+        n = k.shape[3]
+        o = jnp.einsum("bhgts,bhsd->bhgtd", probs[..., at:at + n], v.astype(dt))
+        out, at = (o if out is None else out + o), at + n
+    assert out is not None, "no key sets to attend to"
+    b, hk, g, t, dv = out.shape
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hk * g * dv)
+
+
+def _gqa_attention(x: jax.Array, p: dict, c: dict | None, cos: jax.Array, sin: jax.Array,
+                   masks: tuple[jax.Array | None, jax.Array], window: int | None,
+                   cfg: ModelConfig, lora: dict | None = None,
+                   lora_scale: float | jax.Array = 1.0,
+                   shared_kv: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, dict]:
+    """One layer's attention over cache ``c`` (k [b, hk, d, S], v [b, hk, S, d]; None when empty) and the new tokens
+    (``lora``: the layer's adapters, beside the base matmuls as in training). A KV-shared layer (Gemma 4) gets
+    its stored layer's cache as ``c`` and that layer's new keys/values as ``shared_kv``.
+
+    Returns (output, new k/v [b, t, hk, d])."""
+    q, k, v = qkv_heads(x, p, cos, sin, cfg, p.get("attn_norm"), lora=lora, lora_scale=lora_scale,
+                        shared_kv=shared_kv)
+    qg, kh, vh = head_major(q, k, v)
+    old_ok, new_ok = masks
+    sinks = p["sinks"] if cfg.attn_sinks else None
+    if c is None:
+        # An empty cache: the tokens attend to each other only, blockwise as in training (causal blocks skipped).
+        att = causal_attention(qg, kh, vh, new_ok[:, None], cfg, window, sinks)
+    else:
+        assert old_ok is not None, "a cache read has its mask"
+        att = _attend_split(qg, [(c["k"], c["v"], old_ok), (kh.transpose(0, 1, 3, 2), vh, new_ok)], cfg, sinks)
+    return output_projection(att, p, cfg, lora=lora, lora_scale=lora_scale), {"k": k, "v": v}
+
+
+def _mla_attention(x: jax.Array, p: dict, c: dict | None, cos: jax.Array, sin: jax.Array,
+                   masks: tuple[jax.Array | None, jax.Array], cfg: ModelConfig,
+                   absorb: bool | None) -> tuple[jax.Array, dict]:
+    """:func:`zoo.layers.attention.mla_attention` over cache ``c`` (latent, k_pe; None when empty); x is already normed.
+
+    ``absorb`` None picks the cheaper of expanding the latents into per-head
+    keys and values (prefill) and absorbing kv_b into the queries and the
+    output (decoding); True/False force one.
+    """
+    dn = cfg.qk_nope_head_dim
+    q_nope, q_pe, latent, k_pe = mla_heads(x, p, cos, sin, cfg)
+    if c is None:
+        all_latent, all_pe = latent, k_pe
+    else:
+        all_latent = jnp.concatenate([c["latent"].astype(latent.dtype), latent], axis=1)
+        all_pe = jnp.concatenate([c["k_pe"].astype(k_pe.dtype), k_pe], axis=1)
+    mask = _joint_mask(*masks)
+    w_k, w_v = p["kv_b"][..., :dn], p["kv_b"][..., dn:]
+    if absorb is None:
+        absorb = _absorb_is_cheaper(cfg, x.shape[1], all_latent.shape[1])
+    if absorb:
+        # q.k_nope = (q_nope W_k^T).latent and probs.v = (probs.latent) W_v: per-head keys/values never exist.
+        q_lat = jnp.einsum("bthd,rhd->bthr", q_nope, w_k)
+        s = (jnp.einsum("bthr,bsr->bhts", q_lat, all_latent)
+             + jnp.einsum("bthd,bsd->bhts", q_pe, all_pe)).astype(jnp.float32) * cfg.attn_scale
+        s = jnp.where(mask[:, None], s, NEG)
+        probs = jax.nn.softmax(s, axis=-1).astype(latent.dtype)
+        out = jnp.einsum("bthr,rhd->bthd", jnp.einsum("bhts,bsr->bthr", probs, all_latent), w_v)
+    else:
+        k_nope, v = jnp.einsum("bsr,rhd->bshd", all_latent, w_k), jnp.einsum("bsr,rhd->bshd", all_latent, w_v)
+        k = jnp.concatenate([k_nope, jnp.broadcast_to(all_pe[:, :, None], k_nope.shape[:-1] + all_pe.shape[-1:])],
+                            axis=-1)
+        q = jnp.concatenate([q_nope, q_pe], axis=-1)
+        out = _attend(q, k, v, mask, cfg).reshape(q.shape[:3] + v.shape[-1:])
+    return jnp.einsum("bthd,hde->bte", out, p["o"]), {"latent": latent, "k_pe": k_pe}
+
+
+def _absorb_is_cheaper(cfg: ModelConfig, t: int, s: int) -> bool:
+    """Whether absorbed MLA takes fewer multiply-adds than expanded for t queries over s keys."""
+    h, r, dn, dr, dv = (cfg.num_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                        cfg.v_head_dim)
+    expanded = s * r * h * (dn + dv) + t * s * h * (dn + dr + dv)
+    absorbed = t * h * r * (dn + dv) + t * s * h * (2 * r + dr)
+    return absorbed < expanded
+
+
+def forward_cached(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, cache: Cache,
+                   valid: jax.Array | None = None, mla_absorb: bool | None = None) -> tuple[jax.Array, Cache]:
+    """Logits [b, t, vocab] (float32) of t new tokens per row, and the cache with them appended.
+
+    Row r's tokens take positions ``cache.lengths[r] + (number of valid tokens
+    before them)`` (``lengths + arange(t)`` when all are valid) and attend
+    causally to the cache and to each other. ``valid`` [b, t] bool marks real
+    tokens: padding is neither attended to, nor written, nor counted into
+    ``lengths`` (its logits are meaningless). Jit it with ``cfg`` static: one
+    compilation per (batch, t, max_len). MoE layers route every token
+    (dropless, whatever ``capacity_factor`` says: generation drops no token).
+    A full-attention cache must have room for every position (``max_len``);
+    past it, the oldest entries would be overwritten. ``mla_absorb`` (static)
+    forces one way of MLA attention (see :func:`_mla_attention`); by default
+    the cheaper is taken.
+    """
+    return forward_step(cfg, params, tokens, cache, valid, mla_absorb)
+
+
+def forward_step(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, cache: Cache,
+                 valid: jax.Array | None = None, mla_absorb: bool | None = None, *, fresh: bool = False,
+                 view: int | None = None, last: jax.Array | None = None, lora: dict | None = None,
+                 lora_scale: float | jax.Array | None = None, hidden: bool = False) -> tuple[jax.Array, Cache]:
+    """:func:`forward_cached` with generation's shortcuts (``fresh`` and ``view`` static), and LoRA adapters.
+
+    ``fresh``: the cache is empty (every length 0), so its slots are not read.
+    ``view``: every row's ``cache.lengths`` is at most ``view``, so only the
+    first ``view`` slots of a ring can hold anything and the rest are not read.
+    ``last`` [b] int: return only the logits [b, vocab] of position ``last[r]``
+    of each row (the output head runs on b positions instead of b * t).
+    ``lora`` (a tree of :func:`zoo.lora.adapters.init_lora`, with ``lora_scale``): each
+    adapted projection adds its adapter beside the base matmul, as the
+    training forward does (no merged copy of the weights exists).
+    ``hidden`` (static): return the final normed hidden states [b, t, hidden]
+    instead of the logits, for a caller that projects the vocabulary in pieces.
+    """
+    if lora is not None and lora_scale is None:
+        raise ValueError("forward_step: lora adapters need lora_scale (zoo.lora.adapters.lora_scale(lora_cfg))")
+    scale: float | jax.Array = 1.0 if lora_scale is None else lora_scale  # read only with adapters
+    if cfg.capacity_factor is not None:
+        cfg = dataclasses.replace(cfg, capacity_factor=None)
+    b, t = tokens.shape
+    valid = jnp.ones((b, t), bool) if valid is None else valid.astype(bool)
+    vi = valid.astype(jnp.int32)
+    pos = cache.lengths[:, None] + jnp.cumsum(vi, axis=1) - vi
+    new_lengths = cache.lengths + vi.sum(1)
+    if cfg.rope.kind == "longrope" and not fresh:  # Phi-3: past original_max_position_embeddings, long factors
+        cache = Cache(switch_to_long(cfg, cache.layers, cache.lengths, new_lengths, _slot_positions), cache.lengths)
+
+    ropes = rope_tables_by_kind(cfg, pos, valid)
+    slots = {kind: arrays["latent" if cfg.mla else "v"].shape[2 if cfg.mla else 3]
+             for group in cache.layers.values() for kind, arrays in group.items()}
+    # Slots read per kind: none when fresh, the first `view` when every row fits in them.
+    read = {kind: 0 if fresh else (s if view is None else min(s, view)) for kind, s in slots.items()}
+    windows = {kind: kind_window(cfg, kind) for kind in slots}
+    masks = {kind: _mask(pos, valid, _slot_positions(cache.lengths, n)[:, :n] if n else None, windows[kind])
+             for kind, n in read.items()}
+    x = embed_tokens(cfg, params, tokens)
+    ple = per_layer_inputs(cfg, params, tokens, x) if cfg.per_layer_input_size else None
+    # Gemma 4: kind -> (the stored layer's cache, its new keys/values), read by the KV-shared layers.
+    stored: dict[str, tuple[dict | None, tuple[jax.Array, jax.Array]]] = {}
+
+    def layer(x: jax.Array, inputs: tuple, kind: str, moe: bool, prefix: str) -> tuple[jax.Array, dict | None]:
+        p, lp, rope_on, pli, c = inputs
+        reuse = None
+        if is_kv_shared(cfg, prefix):
+            c, reuse = stored[kind]
+        kcfg = kind_config(cfg, kind)
+        n = read[kind]
+        if c is not None and n < slots[kind]:
+            # One layer's arrays: MLA [b, S, r], k [b, hk, d, S], v [b, hk, S, d].
+            c = ({name: a[:, :n] for name, a in c.items()} if cfg.mla
+                 else {"k": c["k"][..., :n], "v": c["v"][:, :, :n]})
+
+        def attend(x: jax.Array) -> tuple[jax.Array, dict]:
+            if cfg.mla:
+                return _mla_attention(norm(cfg, x, p["attn_norm"]), p, c, *ropes[kind], masks[kind], cfg, mla_absorb)
+            return _gqa_attention(x, p, c, *layer_rope(ropes[kind], rope_on), masks[kind], windows[kind], kcfg, lp,
+                                  scale, reuse)
+
+        x, new, _ = decoder_layer(cfg, x, p, attend, moe, valid, lp, scale, per_layer=pli)
+        return x, (None if reuse is not None else new)  # a KV-shared layer writes nothing
+
+    written: dict[str, dict[str, list]] = {prefix: {kind: [] for kind in group} for prefix, group in cache.layers.items()}
+    for prefix, start, stop, moe, first in cfg.layer_runs:
+        # A run is its stack's layers first .. first + (stop - start) (ModelConfig.layer_runs): each layer's cache
+        # entry comes after those of the stack's earlier layers of its kind.
+        stack = next(layers for p, layers, _ in cfg.layer_stacks if p == prefix)
+        kinds = tuple(cfg.kinds[i] for i in stack[:first]) + cfg.kinds[start:stop]
+        group = cache.layers[prefix]
+        # Adapters, the NoPE layers' flags (SmolLM3) and Gemma 4's per-layer inputs are stacked like the weights
+        # and sliced with them.
+        weights = (params[prefix], (lora or {}).get(prefix))
+        if cfg.global_head_dim:  # Gemma 4: full layers' attention weights are stacked apart (zoo.model.layer_layout)
+            weights = kind_stack_slice(cfg, weights, tuple(cfg.kinds[i] for i in stack), first, stop - start)
+        else:
+            weights = stack_slice(weights, first, stop - start)
+        stacked = weights + (rope_flags(cfg, start, stop), None if ple is None else ple[start:stop])
+
+        def inputs(seg: Segment, j: int, kinds: tuple[str, ...] = kinds, group: dict = group,
+                   stacked: tuple = stacked, first: int = first, start: int = start, stop: int = stop) -> tuple:
+            i0, step = _kind_slice(kinds, dataclasses.replace(seg, start=seg.start + first), j)
+            cached = None if fresh or seg.kinds[j] not in group else jax.tree.map(
+                lambda a: a[i0: i0 + seg.repeats * step: step], group[seg.kinds[j]])
+            if not cfg.global_head_dim:
+                return (*seg.at(j, stacked), cached)
+            # Gemma 4: a block position's attention weights are a strided slice of its kind's stack.
+            w, a, *rest = stacked
+            run = cfg.kinds[start:stop]
+            return (layer_weights(cfg, w, run, seg, j), None if a is None else layer_weights(cfg, a, run, seg, j),
+                    *seg.at(j, tuple(rest)), cached)
+
+        x, done = scan_segments(x, cfg.kinds[start:stop], inputs, partial(layer, moe=moe, prefix=prefix))
+        if is_kv_shared(cfg, prefix):
+            continue  # a KV-shared layer writes nothing
+        for kind, i in store_layers(cfg).items() if cfg.kv_shared_layers else ():
+            if start <= i < stop:  # Gemma 4: the stored layer's cache (before this step's writes) and new keys/values
+                at = kinds[:first + i - start].count(kind)  # its index in its kind's cache stack
+                own = None if fresh else jax.tree.map(lambda a: a[at], group[kind])
+                new = layer_output(done, i - start, False)
+                stored[kind] = (own, (new["k"], new["v"]))
+        # Each layer's new entries with its index in its kind's stack, in the order _write concatenates them.
+        for seg, news in done:
+            for j, (kind, new) in enumerate(zip(seg.kinds, news)):
+                i0, step = _kind_slice(kinds, dataclasses.replace(seg, start=seg.start + first), j)
+                written[prefix][kind].append((jnp.arange(seg.repeats) * step + i0, new))
+
+    if last is not None:
+        x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
+    x = norm(cfg, x, params["final_norm"])
+    logits = x if hidden else output_logits(cfg, params, x)
+    return logits, Cache(_write(cache, written, pos, valid, new_lengths, cfg.mla), new_lengths)
+
+
+def _kind_slice(kinds: tuple[str, ...], seg: Segment, j: int) -> tuple[int, int]:
+    """(start, stride) of the layers at block position j of ``seg`` within their kind's cache stack.
+
+    Layers of one kind are stacked in order, so one block position's layers
+    are a strided slice of that stack.
+    """
+    kind = seg.kinds[j]
+    return kinds[:seg.start + j].count(kind), seg.kinds.count(kind)
+
+
+def _write(cache: Cache, written: dict, pos: jax.Array, valid: jax.Array,
+           new_lengths: jax.Array, mla: bool) -> dict:
+    """The cache arrays with each layer's new entries scattered into their ring slots.
+
+    Only the last S positions of each row go in (earlier ones would collide
+    in the ring and are out of every later query's reach); padding never does.
+    """
+    out: dict[str, dict[str, dict[str, jax.Array]]] = {}
+    rows = jnp.arange(pos.shape[0])[None, :, None]
+    for prefix, group in cache.layers.items():
+        out[prefix] = {}
+        for kind, arrays in group.items():
+            s = arrays["latent"].shape[2] if mla else arrays["v"].shape[3]
+            keep = valid & (pos >= new_lengths[:, None] - s)
+            slot = jnp.where(keep, pos % s, s)[None]  # slot s is out of range: dropped
+            idx = jnp.concatenate([i for i, _ in written[prefix][kind]])[:, None, None]
+            new = {name: jnp.concatenate([n[name] for _, n in written[prefix][kind]]) for name in arrays}
+            # new [n, b, t, ...]: the indexed elements of every array, in the order of numpy's advanced indexing.
+            at = {"latent": (idx, rows, slot), "k_pe": (idx, rows, slot),
+                  "k": (idx, rows, slice(None), slice(None), slot), "v": (idx, rows, slice(None), slot)}
+            out[prefix][kind] = {name: a.at[at[name]].set(new[name].astype(a.dtype), mode="drop")
+                                 for name, a in arrays.items()}
+    return out
+
+
+forward_cached_jit = jax.jit(forward_cached, static_argnums=0, static_argnames="mla_absorb")
+""":func:`forward_cached`, compiled per config and shape (the cache is not donated)."""

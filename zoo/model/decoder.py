@@ -1,0 +1,471 @@
+"""The zoo decoder as pure functions of a ModelConfig and a nested dict of parameters, scanning stacked layers.
+
+:func:`forward` is the training forward pass (logits, or the final hidden
+states, and MoE router statistics). Beside it are the parts that the cached
+forward of :mod:`zoo.model.decode` runs as well: the embedding, one decoder layer
+around its attention (:func:`decoder_layer`), the segment scans over a stack
+of layers (:func:`scan_segments`) and the output head. :class:`Decoder` is a
+thin Flax NNX module over the same parameters (``nnx.Param`` with logical
+axes) whose call runs the jitted :func:`forward`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Literal, overload
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from zoo.layers.attention import attend as attend_heads
+from zoo.layers.attention import attention, head_major, mla_attention, output_projection, qkv_heads
+from zoo.layers.blocks import ACTIVATIONS, dense, rms_norm, soft_cap
+from zoo.layers.mlp import mlp
+from zoo.layers.moe import aux_losses, moe_mlp, parallel_moe_block
+from zoo.lora.projections import LoraDropout
+from zoo.model.config import ModelConfig
+from zoo.model.layer_layout import (
+    is_kv_shared,
+    kind_config,
+    kind_stack_slice,
+    layer_output,
+    layer_weights,
+    stack_kinds,
+    store_layers,
+)
+from zoo.model.masks import kind_window, visibility
+from zoo.model.params import flatten, init_params, nest, param_specs
+from zoo.model.per_layer_inputs import add_per_layer_input, per_layer_inputs
+from zoo.model.rope import layer_rope, rope_flags, rope_tables_by_kind
+from zoo.model.sharding import batch_sharded
+
+
+@dataclass(frozen=True)
+class Segment:
+    """``repeats`` consecutive copies of a block of layers of the given kinds, from layer ``start``."""
+
+    start: int
+    repeats: int
+    kinds: tuple[str, ...]
+
+    @property
+    def stop(self) -> int:
+        """One past the last layer of the segment."""
+        return self.start + self.repeats * len(self.kinds)
+
+    def at(self, j: int, tree: Any) -> Any:
+        """The segment's layers at block position j, from a tree stacked over the layers of its stack.
+
+        A strided slice ([repeats, ...]; all of the stack when the period is
+        1), so each layer's weights enter the scan body as scanned inputs
+        themselves: the backward pass then reads them from the parameters,
+        not from a stacked copy.
+        """
+        return jax.tree.map(lambda a: a[self.start + j : self.stop : len(self.kinds)], tree)
+
+
+def layer_segments(kinds: tuple[str, ...], max_period: int = 12) -> list[Segment]:
+    """Cover the layer sequence with repeated blocks, greedily taking the block that covers most.
+
+    Llama: one segment of L x (full). Gemma 2: (sliding, full) x L/2. Gemma 3
+    with 26 layers: (5 sliding, full) x 4, then (sliding) x 2. Each segment is
+    one scan whose body unrolls only its block, so the program size depends on
+    the pattern, never on the depth.
+    """
+    out, i, n = [], 0, len(kinds)
+    while i < n:
+        best = Segment(i, 1, kinds[i : i + 1])
+        for p in range(1, min(max_period, n - i) + 1):
+            block = kinds[i : i + p]
+            reps = 1
+            while kinds[i + reps * p : i + (reps + 1) * p] == block:
+                reps += 1
+            if reps > 1 and reps * p > (best.stop - i):
+                best = Segment(i, reps, block)
+        out.append(best)
+        i = best.stop
+    return out
+
+
+LAYER_INPUT = "layer_input"  # each layer's input x, named for remat: offload (scan_segments)
+
+REMAT_POLICIES = {
+    "full": None,  # save nothing inside a layer
+    # The weight matmuls' outputs: zoo.layers.blocks.dense names them (its custom VJP hides the dot itself).
+    "save_dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names("dense")),
+    # MaxText's decoder_layer_input: offload: the layers' inputs and the projections' outputs (what save_dots
+    # keeps on the device) copied to the host's pinned memory in the forward pass and back in the backward, the
+    # rest recomputed. A CPU has these memory kinds too (one memory in fact): the same program runs there.
+    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=[LAYER_INPUT, "dense"],
+        offload_src="device", offload_dst="pinned_host"),
+}
+
+
+def scan_segments(x: jax.Array, kinds: tuple[str, ...], layer_inputs: Callable[[Segment, int], Any],
+                  layer: Callable[[jax.Array, Any, str], tuple[jax.Array, Any]], remat: str = "none",
+                  stack: bool = False) -> tuple[jax.Array, list[tuple[Segment, Any]]]:
+    """x through one stack of layers of ``kinds``: one :func:`jax.lax.scan` per segment of
+    :func:`layer_segments`, whose body unrolls the segment's block, so compile time does not grow with depth.
+
+    ``layer_inputs(seg, j)`` gives the scanned inputs of block position j
+    (leading axis ``seg.repeats``: see :meth:`Segment.at`); ``layer(x, inputs,
+    kind)`` runs one layer and returns (x, output). ``remat`` wraps each
+    block in :func:`jax.checkpoint` with that policy (:data:`REMAT_POLICIES`).
+    Returns x and, per segment, the layers' outputs: a list over block
+    positions of outputs stacked over repeats, or with ``stack`` one tree
+    [repeats, period, ...] (stacked inside the scan: for small per-layer
+    statistics, read back in layer order by a reshape).
+    """
+    done = []
+    for seg in layer_segments(kinds):
+        xs = [layer_inputs(seg, j) for j in range(len(seg.kinds))]
+
+        def block(x: jax.Array, xs: list, kinds: tuple[str, ...] = seg.kinds):
+            outs = []
+            for inputs, kind in zip(xs, kinds):
+                x, out = layer(checkpoint_name(x, LAYER_INPUT), inputs, kind)
+                outs.append(out)
+            return x, jax.tree.map(lambda *a: jnp.stack(a), *outs) if stack else outs
+
+        if remat != "none":
+            block = jax.checkpoint(block, policy=REMAT_POLICIES[remat], prevent_cse=False)
+        x, outs = jax.lax.scan(block, x, xs)
+        done.append((seg, outs))
+    return x, done
+
+
+def norm(cfg: ModelConfig, x: jax.Array, w: jax.Array) -> jax.Array:
+    """RMSNorm of x by weight w with the model's epsilon and weight offset."""
+    return rms_norm(x, w, cfg.rms_norm_eps, cfg.norm_offset)
+
+
+def embed_tokens(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array) -> jax.Array:
+    """The input embeddings [batch, seq, hidden] of int tokens (scaled by sqrt(hidden) where the family does)."""
+    x = jnp.take(params["embed"], tokens, axis=0)
+    if cfg.embed_scale:
+        # transformers casts the normalizer to the embedding dtype first.
+        x = x * jnp.asarray(cfg.hidden_size**0.5, dtype=x.dtype)
+    return x
+
+
+def output_logits(cfg: ModelConfig, params: dict[str, Any], h: jax.Array) -> jax.Array:
+    """Float32 logits [..., vocab] of final normed hidden states h [..., hidden] (soft-capped where configured)."""
+    return soft_cap(dense(h, head_weight(cfg, params), jnp.float32), cfg.final_softcap)
+
+
+def decoder_layer(cfg: ModelConfig, x: jax.Array, p: dict, attend: Callable[[jax.Array], tuple[jax.Array, Any]],
+                  moe: bool, valid: jax.Array, lora: dict | None = None, lora_scale: float | jax.Array = 1.0,
+                  drop: LoraDropout | None = None, per_layer: jax.Array | None = None) -> tuple[jax.Array, Any, dict]:
+    """One decoder layer: x + attention, then x + MLP (each output post-normed where the family does).
+
+    ``attend(x)`` is the layer's attention, returning (output, anything else:
+    the cached forward's new keys/values), so the training and the cached
+    forward share everything around it. ``moe`` picks :func:`zoo.layers.moe.moe_mlp`
+    (``valid`` [batch, seq] marks the tokens its statistics count) over the
+    dense :func:`zoo.layers.mlp.mlp`; ``lora``/``lora_scale``/``drop`` are this
+    layer's adapters and their dropout. Gemma 4: ``cfg.parallel_moe`` runs
+    :func:`zoo.layers.moe.parallel_moe_block` (dense MLP and experts side by side);
+    ``per_layer`` [batch, seq, width] is this layer's per-layer input
+    (:mod:`zoo.model.per_layer_inputs`), added after the MLP; ``cfg.layer_scalars``
+    then scales the layer's output. Returns (x, attend's extra, router statistics; {} when dense).
+    """
+    x = batch_sharded(x)  # the residual stream keeps the batch split (zoo.model.sharding.batch_sharded)
+    h, extra = attend(x)
+    if cfg.post_norms:
+        h = norm(cfg, h, p["post_attn_norm"])
+    x = batch_sharded(x + h)
+    stats: dict = {}
+    if moe and cfg.parallel_moe:
+        h, stats = parallel_moe_block(x, p, cfg, valid, lora=lora, lora_scale=lora_scale, drop=drop)
+    elif moe:
+        h, stats = moe_mlp(norm(cfg, x, p["mlp_norm"]), p, cfg, valid, lora=lora, lora_scale=lora_scale, drop=drop)
+    else:  # without pre-norms (OLMo 2/3) the MLP reads x itself
+        h = mlp(x, p, cfg, norm_w=p.get("mlp_norm"), lora=lora, lora_scale=lora_scale, drop=drop)
+    if cfg.post_norms:
+        h = norm(cfg, h, p["post_mlp_norm"])
+    x = batch_sharded(x + h)
+    if per_layer is not None:
+        x = add_per_layer_input(cfg, x, p, per_layer)
+    if cfg.layer_scalars:
+        x = x * p["layer_scalar"].astype(x.dtype)
+    return x, extra, stats
+
+
+@overload
+def forward(
+    cfg: ModelConfig,
+    params: dict[str, Any],
+    tokens: jax.Array,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+    return_aux: Literal[False] = False,
+    remat: str = "none",
+    lora: dict[str, Any] | None = None,
+    lora_scale: float | jax.Array | None = None,
+    lora_dropout: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+    return_hidden: bool = False,
+    prefix_ids: jax.Array | None = None,
+) -> jax.Array: ...
+
+
+@overload
+def forward(
+    cfg: ModelConfig,
+    params: dict[str, Any],
+    tokens: jax.Array,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+    return_aux: Literal[True] = ...,
+    remat: str = "none",
+    lora: dict[str, Any] | None = None,
+    lora_scale: float | jax.Array | None = None,
+    lora_dropout: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+    return_hidden: bool = False,
+    prefix_ids: jax.Array | None = None,
+) -> tuple[jax.Array, dict]: ...
+
+
+@overload
+def forward(
+    cfg: ModelConfig,
+    params: dict[str, Any],
+    tokens: jax.Array,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+    return_aux: bool = ...,
+    remat: str = "none",
+    lora: dict[str, Any] | None = None,
+    lora_scale: float | jax.Array | None = None,
+    lora_dropout: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+    return_hidden: bool = False,
+    prefix_ids: jax.Array | None = None,
+) -> jax.Array | tuple[jax.Array, dict]: ...
+
+
+def forward(
+    cfg: ModelConfig,
+    params: dict[str, Any],
+    tokens: jax.Array,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+    return_aux: bool = False,
+    remat: str = "none",
+    lora: dict[str, Any] | None = None,
+    lora_scale: float | jax.Array | None = None,
+    lora_dropout: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+    return_hidden: bool = False,
+    prefix_ids: jax.Array | None = None,
+    max_segments: int | None = None,
+) -> jax.Array | tuple[jax.Array, dict]:
+    """Logits [batch, seq, vocab] (float32) of the decoder for int tokens [batch, seq].
+
+    ``segment_ids`` marks packed documents (attention never crosses a change
+    of id; id 0 is padding); ``positions`` restart at each document. Both
+    default to one document per row. ``max_segments`` (static) bounds the
+    documents a row of ``segment_ids`` holds (None: no bound known), which
+    lets cuDNN's kernel take packed rows without a mask (:mod:`zoo.kernels.choice`). With ``return_aux`` (MoE models) it also
+    returns the router losses and statistics of :func:`zoo.layers.moe.aux_losses`.
+    ``remat`` trades compute for memory in training: "full" recomputes each
+    layer in the backward pass, "save_dots" keeps only the weight matmuls'
+    outputs (attention scores and elementwise work are recomputed); "offload"
+    keeps the layers' inputs and those outputs in the host's memory instead
+    of the device's (:data:`REMAT_POLICIES`).
+
+    ``lora`` is a LoRA adapter tree keyed like ``params`` (see
+    :func:`zoo.lora.adapters.init_lora`): each adapted projection adds
+    ``lora_scale * (x @ A) @ B`` (``lora_scale`` from :func:`zoo.lora.adapters.lora_scale`)
+    beside its base matmul. The adapters are scanned with their layers.
+
+    ``lora_dropout`` (a Python float, so static under jit) with a ``dropout_rng``
+    key applies LoRA dropout, for training: each adapter reads
+    ``dropout(x)`` (every element of every token kept with probability
+    1 - p and scaled by 1/(1 - p), a fresh mask per adapted projection and
+    layer) while its base weight reads x. Without the key, or with p = 0,
+    no dropout: the forward pass is the plain one (as for evaluation).
+
+    With ``return_hidden`` it returns the final normed hidden states
+    [batch, seq, hidden] in place of the logits (the head is then applied by
+    the caller, e.g. :func:`zoo.model.loss.next_token_nll_sum` with
+    :func:`head_weight`), so no [tokens, vocab] array need exist.
+
+    ``prefix_ids`` [batch, seq] name, per token, one more segment whose
+    earlier tokens it attends to (a shared prefix; see
+    :func:`zoo.model.masks.attention_mask`); not for sliding-window models.
+
+    Under a mesh with a ``context`` axis over 1 (``jax.set_mesh``) the activations' sequence is split over it
+    and attention gathers the keys (:mod:`zoo.model.context`); t must divide by its size.
+    """
+    if lora is not None and lora_scale is None:
+        raise ValueError("forward: lora adapters need lora_scale (zoo.lora.adapters.lora_scale(lora_cfg))")
+    scale: float | jax.Array = 1.0 if lora_scale is None else lora_scale  # read only with adapters
+    drop_keys = _dropout_keys(cfg, lora, lora_dropout, dropout_rng)
+    b, t = tokens.shape
+    if segment_ids is None:
+        segment_ids, max_segments = jnp.ones((b, t), jnp.int32), 1
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    ropes = rope_tables_by_kind(cfg, positions)
+    # What each layer kind's queries see, from the segment ids: no kernel gets a [b, 1, t, t] mask built here
+    # (zoo.model.masks.Visibility; zoo.kernels.choice).
+    seen = {kind: visibility(segment_ids, kind_window(cfg, kind), prefix_ids, max_segments) for kind in ropes}
+    valid = segment_ids != 0
+    x = embed_tokens(cfg, params, tokens)
+    # Gemma 4: each layer's per-layer input [layers, b, t, width], scanned with the layers' weights.
+    ple = per_layer_inputs(cfg, params, tokens, x) if cfg.per_layer_input_size else None
+    sharing = cfg.kv_shared_layers > 0
+    shared: dict[str, tuple[jax.Array, jax.Array]] = {}  # kind -> the keys/values the KV-shared layers reuse
+
+    def layer(x: jax.Array, inputs: tuple, kind: str, moe: bool, prefix: str) -> tuple[jax.Array, Any]:
+        p, lp, key, rope_on, pli = inputs
+        drop = None if key is None else LoraDropout(lora_dropout, key)
+        kcfg = kind_config(cfg, kind)
+
+        def attend(x: jax.Array) -> tuple[jax.Array, Any]:
+            if cfg.mla:  # MLA has no adapters (zoo.lora.adapters)
+                return mla_attention(norm(cfg, x, p["attn_norm"]), p, *ropes[kind], seen[kind], cfg), None
+            # Without pre-norms (OLMo 2/3) attention reads x itself; a NoPE layer's q and k are not rotated.
+            cos, sin = layer_rope(ropes[kind], rope_on)
+            if sharing:  # Gemma 4: a layer's keys/values go out to the KV-shared layers, which take them in
+                reuse = shared[kind] if is_kv_shared(cfg, prefix) else None
+                q, k, v = qkv_heads(x, p, cos, sin, kcfg, p.get("attn_norm"), lp, scale, drop, reuse)
+                out = attend_heads(*head_major(q, k, v), seen[kind], kcfg, p["sinks"] if cfg.attn_sinks else None)
+                return output_projection(out, p, kcfg, lp, scale, drop), None if reuse is not None else (k, v)
+            return attention(x, p, cos, sin, seen[kind], kcfg, norm_w=p.get("attn_norm"), lora=lp, lora_scale=scale,
+                             drop=drop), None
+
+        x, kv, stats = decoder_layer(cfg, x, p, attend, moe, valid, lp, scale, drop, pli)
+        return x, ((stats, kv) if sharing else stats)
+
+    layer_stats: list[dict] = []
+    for prefix, start, stop, moe, first in cfg.layer_runs:
+        # The LoRA adapters (stacked like their weights) and the layers' dropout keys are sliced and
+        # scanned with the weights, so the scan body never indexes a stack.
+        adapters = (lora or {}).get(prefix)
+        keys = None if drop_keys is None or adapters is None else drop_keys[start:stop]
+        kinds = cfg.kinds[start:stop]
+        weights = (params[prefix], adapters)
+        if cfg.global_head_dim:  # Gemma 4: full layers' attention weights are stacked apart (zoo.model.layer_layout)
+            weights = kind_stack_slice(cfg, weights, stack_kinds(cfg, prefix), first, stop - start)
+        else:
+            weights = stack_slice(weights, first, stop - start)
+        stacked = weights + (keys, rope_flags(cfg, start, stop), None if ple is None else ple[start:stop])
+
+        def inputs(seg: Segment, j: int, stacked: tuple = stacked, kinds: tuple[str, ...] = kinds) -> tuple:
+            if not cfg.global_head_dim:
+                return seg.at(j, stacked)
+            # Gemma 4: a block position's attention weights are a strided slice of its kind's stack.
+            w, a, *rest = stacked
+            return (layer_weights(cfg, w, kinds, seg, j), None if a is None else layer_weights(cfg, a, kinds, seg, j),
+                    *seg.at(j, tuple(rest)))
+
+        x, done = scan_segments(x, kinds, inputs, partial(layer, moe=moe, prefix=prefix), remat,
+                                stack=moe and not sharing)
+        if sharing:
+            # Per-layer outputs come per block position (the kinds' keys differ in shape): the stored layers'
+            # keys/values, and the statistics in layer order.
+            shared.update({kind: layer_output(done, i - start, False)[1] for kind, i in store_layers(cfg).items()
+                           if start <= i < stop})
+            if moe:
+                layer_stats.extend(jax.tree.map(lambda *a: jnp.stack(a, 1).reshape((-1,) + a[0].shape[1:]),
+                                                *[o[0] for o in outs]) for _, outs in done)
+        elif moe:
+            # Each segment's statistics are [repeats, period, ...]: layer order once flattened.
+            layer_stats.extend(jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), ys) for _, ys in done)
+    x = norm(cfg, x, params["final_norm"])
+    logits = x if return_hidden else output_logits(cfg, params, x)
+    if not return_aux:
+        return logits
+    if not layer_stats:
+        return logits, {}
+    stats = jax.tree.map(lambda *a: jnp.concatenate(a), *layer_stats)
+    return logits, aux_losses(stats, cfg)
+
+
+def stack_slice(tree: Any, first: int, n: int) -> Any:
+    """Layers ``first`` to ``first + n`` of every array of ``tree`` stacked over a stack's layers (the whole tree,
+    untouched, when that is the whole stack: a run of :attr:`ModelConfig.layer_runs` usually is)."""
+    return jax.tree.map(lambda a: a if first == 0 and a.shape[0] == n else a[first:first + n], tree)
+
+
+def stored_head(cfg: ModelConfig, params: dict[str, Any]) -> tuple[jax.Array, bool]:
+    """(the output head as stored, whether it is vocab-major): a tied embedding [vocab, hidden] as it is,
+    for losses that read it in place (``vocab_major``), else ``lm_head`` [hidden, vocab]."""
+    tied = cfg.tie_word_embeddings
+    return (params["embed"] if tied else params["lm_head"]), tied
+
+
+def head_weight(cfg: ModelConfig, params: dict[str, Any]) -> jax.Array:
+    """The output head [hidden, vocab]: the transposed embedding when tied, else ``lm_head``."""
+    return params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+
+
+def _dropout_keys(cfg: ModelConfig, lora: dict | None, rate: float | jax.Array,
+                  rng: jax.Array | None) -> jax.Array | None:
+    """One LoRA-dropout key per layer [num_layers], or None when no dropout applies.
+
+    None without adapters, without a key, or with a rate of exactly 0: the
+    forward pass then keeps the adapters fused with their base matmuls. A
+    traced rate cannot be checked, so it always takes the dropout path.
+    """
+    if lora is None or rng is None:
+        return None
+    if isinstance(rate, (int, float)) and rate <= 0:
+        return None
+    return jax.random.split(rng, cfg.num_layers)
+
+
+class Decoder(nnx.Module):
+    """A decoder-only language model of any zoo family.
+
+    Every parameter is an ``nnx.Param`` carrying ``logical_axes`` metadata,
+    which :mod:`zoo.model.sharding` maps to mesh axes.
+    """
+
+    def __init__(self, cfg: ModelConfig, params: dict[str, Any] | None = None, *, rngs: nnx.Rngs | None = None,
+                 dtype: Any = jnp.float32):
+        if cfg.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {cfg.hidden_act!r}")
+        self.cfg = cfg
+        specs = param_specs(cfg)
+        if params is None:
+            params = init_params(cfg, (rngs or nnx.Rngs(0)).params(), dtype)
+        flat = flatten(params)
+        missing = set(specs) - set(flat)
+        if missing:
+            raise ValueError(f"missing parameters: {sorted(missing)}")
+        tree = nest({p: nnx.Param(flat[p], logical_axes=specs[p].axes) for p in specs})
+        self.embed = tree.pop("embed")
+        self.final_norm = tree.pop("final_norm")
+        self.layers = nnx.Dict(tree.pop("layers"))
+        if "dense_layers" in tree:
+            self.dense_layers = nnx.Dict(tree.pop("dense_layers"))
+        if "lm_head" in tree:
+            self.lm_head = tree.pop("lm_head")
+        if "shared_layers" in tree:  # Gemma 4's KV-shared layers
+            self.shared_layers = nnx.Dict(tree.pop("shared_layers"))
+        for name in ("ple_embed", "ple_model_proj", "ple_proj_norm"):  # Gemma 4's per-layer inputs
+            if name in tree:
+                setattr(self, name, tree.pop(name))
+
+    def param_dict(self) -> dict[str, Any]:
+        """Parameters as a plain nested dict of arrays."""
+        return nnx.to_pure_dict(nnx.state(self, nnx.Param))
+
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None, return_aux: bool = False):
+        """Logits [batch, seq, vocab] for int32 tokens [batch, seq] (and router aux with ``return_aux``)."""
+        return _jit_forward(self.cfg, self.param_dict(), tokens, segment_ids, positions, return_aux)
+
+
+_jit_forward = jax.jit(forward, static_argnums=(0, 5))

@@ -1,0 +1,99 @@
+"""Attention masks of the training forward (causal within each packed document, optionally windowed)
+and the sliding window of each layer kind.
+
+The cached forward (:mod:`zoo.model.decode`) builds its own masks over cache
+slots, with the same windows; :func:`attention_mask` is over the rows of
+one packed batch. The training forward builds none of them whole: its
+kernels get a :class:`Visibility` (segment ids, row offsets, the window,
+shared prefixes) and build each block's mask inside the block
+(:mod:`zoo.kernels.blockwise`), or read the segment ids themselves (splash).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from zoo.model.config import ModelConfig
+
+
+def kind_window(cfg: ModelConfig, kind: str) -> int | None:
+    """The sliding window of layers of ``kind`` ("sliding" / "full"): None for full attention."""
+    return cfg.sliding_window if kind == "sliding" else None
+
+
+def attention_mask(segment_ids: jax.Array, window: int | None = None,
+                   prefix_ids: jax.Array | None = None) -> jax.Array:
+    """Boolean [batch, 1, q, k] (broadcast over heads): causal within each packed document, nothing across.
+
+    With ``window`` W a query sees only the W most recent keys, itself included
+    (``0 <= q - k < W``, as transformers' sliding-window masks). Within a
+    document index distance equals position distance, so packing is exact.
+
+    ``prefix_ids`` [batch, seq] (0 = none) let a token also see the earlier
+    tokens of one other segment, its shared prefix: a DPO pair's two answers
+    both read the one copy of their prompt (dpo/data.py). Index distance then
+    exceeds position distance, so this does not combine with ``window``.
+    """
+    t = segment_ids.shape[1]
+    q, k = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+    allowed = k <= q
+    if window is not None:
+        if prefix_ids is not None:
+            raise ValueError("attention_mask: shared prefixes (prefix_ids) need full attention, not a sliding-window mask "
+                             "mask (its window counts row indices)")
+        allowed &= q - k < window
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    if prefix_ids is not None:
+        same |= (prefix_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] != 0)
+    return (allowed[None] & same)[:, None]
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=("segment_ids", "key_segment_ids", "prefix_ids", "offset"),
+         meta_fields=("window", "segments"))
+@dataclass(frozen=True)
+class Visibility:
+    """Which keys each query of a packed batch sees, as :func:`attention_mask` says, but built one block at a time
+    (:meth:`block`), so no [seq, seq] array exists.
+
+    ``segment_ids`` [b, tq] are the queries' documents, ``key_segment_ids`` [b, tk] the keys' (the same array
+    unless context parallelism gathered the keys: :mod:`zoo.model.context`); ``prefix_ids`` [b, tq] or None, the
+    queries' shared prefixes; ``offset`` the row index of the first query among the keys (0, or the shard's
+    start under context parallelism: a traced int32); ``window`` the sliding window (None: full attention);
+    ``segments`` the most documents a row holds, each one contiguous run of its id (1: one document, then
+    padding; None: no bound known), so a kernel may take each document's start and length instead of
+    segment ids (:func:`zoo.kernels.choice.cudnn_attention`).
+    """
+
+    segment_ids: jax.Array
+    key_segment_ids: jax.Array
+    prefix_ids: jax.Array | None
+    offset: jax.Array
+    window: int | None
+    segments: int | None = None
+
+    def block(self, qs: int, qe: int, ks: int, ke: int) -> jax.Array:
+        """Boolean [b, qe - qs, ke - ks]: whether query row qs.. sees key row ks.. (rows local to this array)."""
+        q = self.offset + jnp.arange(qs, qe, dtype=jnp.int32)[:, None]
+        k = jnp.arange(ks, ke, dtype=jnp.int32)[None, :]
+        allowed = k <= q
+        if self.window is not None:
+            allowed &= q - k < self.window
+        qseg, kseg = self.segment_ids[:, qs:qe, None], self.key_segment_ids[:, None, ks:ke]
+        same = qseg == kseg
+        if self.prefix_ids is not None:
+            same |= (self.prefix_ids[:, qs:qe, None] == kseg) & (kseg != 0)
+        return allowed[None] & same
+
+
+def visibility(segment_ids: jax.Array, window: int | None = None, prefix_ids: jax.Array | None = None,
+               segments: int | None = None) -> Visibility:
+    """The :class:`Visibility` of one packed batch (queries and keys the same rows): :func:`attention_mask`'s
+    mask, never built whole."""
+    if window is not None and prefix_ids is not None:
+        raise ValueError("visibility: shared prefixes (prefix_ids) need full attention, not a sliding-window mask "
+                         "(its window counts row indices)")
+    return Visibility(segment_ids, segment_ids, prefix_ids, jnp.zeros((), jnp.int32), window, segments)
