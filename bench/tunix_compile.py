@@ -45,7 +45,7 @@ flax's config):
   ``batch_size`` = chips, ``remat: none``, ``dtype`` bfloat16 for params and compute, ``lora.rank``. lmzoo's
   adapters are float32 (and so their Adam moments); a full fine-tuning's moments follow the bfloat16 weights.
 
-Bytes a chip are the TPU compiler's (``memory_analysis()``, through ``pretrain.compile_only.compiled_bytes``):
+Bytes a chip are the TPU compiler's (``memory_analysis()``, through ``zoo.compiled.chip_bytes.compiled_bytes``):
 arguments, temporaries, outputs not aliased to a donated argument, and the program's code; total = their sum
 (lmzoo's report gives ``total``, ``activations`` = temporaries and ``outputs``; its arguments + code are the rest).
 A program the compiler refuses as over the chip's HBM reports the temporaries the compiler needed (its message)
@@ -101,8 +101,9 @@ def tunix_side(case: Case, seq: int, layers: int | None) -> dict:
     from tunix.sft import peft_trainer
     from tunix.sft import utils as sft_utils
 
-    from pretrain.compile_only import compiled_bytes, compiler_refusal, hbm_bytes, shard_bytes, topology_devices
-    from pretrain.jit_step import compile_lowered
+    from zoo.compiled.chip_bytes import compiled_bytes, compiler_refusal, shard_bytes
+    from zoo.compiled.compiler import compile_lowered
+    from zoo.compiled.topology import hbm_bytes, topology_devices
 
     devices = topology_devices(case.topology)
     mesh = Mesh(np.array(devices).reshape(len(devices), 1), ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2)

@@ -19,9 +19,9 @@ if TYPE_CHECKING:  # annotations only: JAX and the model load inside the command
 
 def generate_command(args: argparse.Namespace) -> int | None:
     """`zoo generate CKPT`: continue a prompt (or answer it as a chat turn with --chat), streaming; or complete a
-    JSONL file of prompts (`zoo generate --compile-only`: :func:`pretrain.generate_compile.generate_compile_command`)."""
+    JSONL file of prompts (`zoo generate --compile-only`: :func:`eval.generate_compile.generate_compile_command`)."""
     if (getattr(args, "topology", None) or getattr(args, "report", None)
-            or getattr(args, "prompt_length", None) is not None):  # --compile-only goes to pretrain.generate_compile
+            or getattr(args, "prompt_length", None) is not None):  # --compile-only goes to eval.generate_compile
         raise UserError("--topology, --report and --prompt-length go with --compile-only")
     if (args.prompt is None) == (args.prompts_file is None):
         raise UserError("zoo generate needs exactly one of --prompt TEXT and --prompts-file IN.jsonl")

@@ -5,7 +5,8 @@ LoRA, the task's loss and frozen inputs), lowered from ``jax.ShapeDtypeStruct`` 
 layout, the parameters' specs, the optimizer's state shapes) over the devices of
 ``jax.experimental.topologies.get_topology_desc``: no weights, no data, no device memory, no TPU. The compiler's
 ``memory_analysis()`` gives the bytes a chip needs; FLOPs come from the model's arithmetic
-(:mod:`pretrain.flops`), never XLA's estimates (which count a loop body once).
+(:mod:`pretrain.flops`), never XLA's estimates (which count a loop body once). What it shares with generation's
+``--compile-only`` (the topology, each chip's bytes, the largest buffers) is in :mod:`zoo.compiled`.
 
 Exit codes: 0 fits, 3 does not fit, 2 a user error (no libtpu, an unknown topology, a config that cannot run).
 """
@@ -13,57 +14,16 @@ Exit codes: 0 fits, 3 does not fit, 2 a user error (no libtpu, an unknown topolo
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import math
-import os
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from pretrain.config import TrainConfig
+from zoo.compiled.topology import GIB
 from zoo.errors import UserError
-
-GIB = 2**30
-# HBM per chip by device kind (jax's device_kind of the topology's devices).
-HBM_GIB = {"TPU v4": 32, "TPU v5 lite": 16, "TPU v5e": 16, "TPU v5p": 95, "TPU v5": 95, "TPU v6 lite": 32,
-           "TPU v6e": 32}
-DOES_NOT_FIT = 3
-
-
-def hbm_bytes(kind: str) -> int:
-    """HBM bytes per chip of a TPU device kind (longest matching name first: "TPU v5 lite" before "TPU v5")."""
-    for name in sorted(HBM_GIB, key=len, reverse=True):
-        if kind.lower().startswith(name.lower()):
-            return HBM_GIB[name] * GIB
-    raise UserError(f"--topology: no HBM size known for device kind {kind!r} (known: {', '.join(HBM_GIB)})")
-
-
-def topology_devices(name: str, num_slices: int = 1) -> list:
-    """The devices of TPU topology ``name`` (e.g. ``v5e:2x4``, ``v5p:2x2x2``), compiled for from this machine.
-
-    libtpu's start-up lines about the host it is not on are held back, and shown only if the topology fails."""
-    if importlib.util.find_spec("libtpu") is None:
-        raise UserError("--compile-only needs the TPU compiler: pip install 'lmzoo[tpu]' (the libtpu wheel)")
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other processes (pytest -n 2) may hold it too
-    from jax.experimental import topologies
-
-    with tempfile.TemporaryFile() as held:
-        saved = os.dup(2)
-        os.dup2(held.fileno(), 2)
-        try:
-            topo = topologies.get_topology_desc(platform="tpu", topology_name=name, num_slices=num_slices)
-            error = None
-        except Exception as e:  # libtpu's INVALID_ARGUMENT for a name it does not know
-            error = str(e).splitlines()[0]
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-    if error is not None:
-        raise UserError(f"--topology {name}: {error.removeprefix('INVALID_ARGUMENT: ')} (names look like v5e:2x4, "
-                        "v5p:2x2x2, v6e:16x16, v4:2x2x1)")
-    return list(topo.devices)
 
 
 def model_config(cfg: TrainConfig) -> Any:
@@ -116,54 +76,86 @@ class Report:
     largest_buffers: list[str] = dataclasses.field(default_factory=list)
 
 
-def shard_bytes(tree: Any) -> int:
-    """Bytes one chip holds of ``tree``'s arrays (``jax.ShapeDtypeStruct`` s with shardings): the largest shard."""
-    import jax
+@dataclasses.dataclass
+class AbstractRun:
+    """The run's set-up as ``jax.ShapeDtypeStruct`` s with shardings on a topology's mesh: the model, the
+    trained and frozen weights, the task's frozen inputs, the train state, the batch and its step."""
 
-    total = 0
-    for x in jax.tree.leaves(tree):
-        shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
-        total += math.prod(shape) * x.dtype.itemsize
-    return total
+    mcfg: Any
+    mesh: Any
+    lora: Any
+    params: Any
+    frozen: Any
+    trainable: Any
+    frozen_inputs: Any
+    state: Any
+    batch: Any
+    step: Any
 
 
 def compile_only(cfg: TrainConfig, task: Any, topology: str, report_path: str | None = None,
                  num_slices: int = 1) -> int:
     """Compile the run's train step for ``topology`` and report bytes per chip; returns the exit code (0 fits,
     3 does not)."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from pretrain.dtypes import DTYPES
-    from pretrain.flops import flops_per_token
-    from pretrain.hlo_buffers import largest_buffers
-    from pretrain.jit_step import compile_lowered, make_step, state_layout
-    from pretrain.optim import build_optimizer, lr_schedule
-    from pretrain.setup import check_base_quant, frozen_base_quant, lora_config
-    from pretrain.task import LayoutContext
-    from zoo.checkpoints.quantized import abstract_base
-    from zoo.kernels.choice import check_platform, target
-    from zoo.lora.adapters import lora_scale, lora_specs
-    from zoo.model.params import flatten, nest, param_specs
-    from zoo.model.sharding import make_mesh, named_sharding
+    from pretrain.setup import check_base_quant
+    from zoo.compiled.chip_bytes import DOES_NOT_FIT
+    from zoo.compiled.hlo_buffers import largest_buffers
+    from zoo.compiled.topology import hbm_bytes, topology_devices
+    from zoo.kernels.choice import target
 
     check_base_quant(cfg)
     devices = topology_devices(topology, num_slices)
     kind = devices[0].device_kind
     hbm = hbm_bytes(kind)
+    run = abstract_run(cfg, task, topology, devices)
+    started = time.perf_counter()
+    with target("tpu", len(devices)):  # backend-dependent sizes and kernels follow the TPU, not this host
+        lowered = run.step.lower(run.state, run.batch, run.frozen, frozen_inputs=run.frozen_inputs)
+        lowered_programs = task.compile_programs(run.trainable, run.frozen)
+    dump = tempfile.TemporaryDirectory(prefix="lmzoo-hlo-")  # the compiler's buffer report, read for largest_buffers
+    parts, refused = _compile_step(run, lowered, kind, dump.name)
+    programs = _compile_programs(run, lowered_programs, task.program_kv_cache(), kind)
+    seconds = time.perf_counter() - started
+    rep = _report(cfg, run, topology, num_slices, len(devices), kind, hbm, parts, seconds)
+    if programs:
+        rep.programs = programs
+        rep.fits = rep.fits and all(p["total"] <= hbm for p in programs.values())
+    if refused is not None:
+        rep.fits = False
+    rep.largest_buffers = [b.line() for b in largest_buffers(dump.name)]
+    dump.cleanup()
+    if not rep.fits:
+        rep.advice = advice(cfg, parts, hbm if refused is None else refused[1])
+        if refused is not None:
+            rep.advice.append(f"the TPU compiler refused the program: {refused[2]}")
+        rep.advice += [f"largest buffer {line}" for line in rep.largest_buffers]
+    print(table(rep))
+    if report_path:
+        Path(report_path).write_text(json.dumps(dataclasses.asdict(rep), indent=1) + "\n")
+    return 0 if rep.fits else DOES_NOT_FIT
+
+
+def abstract_run(cfg: TrainConfig, task: Any, topology: str, devices: list) -> AbstractRun:
+    """The run's :class:`AbstractRun` on the mesh of ``devices`` (a TPU topology's): the model the task trains,
+    its weights laid out as a run places them (QLoRA's quantized base too), and the sharded train step."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from pretrain.dtypes import DTYPES
+    from pretrain.jit_step import make_step, state_layout
+    from pretrain.optim import build_optimizer, lr_schedule
+    from pretrain.setup import frozen_base_quant, lora_config
+    from pretrain.task import LayoutContext
+    from zoo.checkpoints.quantized import abstract_base
+    from zoo.kernels.choice import check_platform, target
+    from zoo.lora.adapters import lora_scale, lora_specs
+    from zoo.model.params import flatten, nest, param_specs
+    from zoo.model.sharding import named_sharding
+
     # The model the task trains (a reward model's score head in place of the LM head), as a run makes it.
     mcfg = task.adapt_config(dataclasses.replace(model_config(cfg), attention=cfg.model.attention))
-    sizes = dataclasses.asdict(cfg.mesh)
-    try:
-        mesh = make_mesh(**sizes, devices=devices)
-    except ValueError as e:
-        raise UserError(f"mesh {sizes} on {topology} ({len(devices)} chips): {e}") from None
-    micro = cfg.batch_size // cfg.grad_accum
-    shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    if micro % shards:
-        raise UserError(f"batch_size/grad_accum = {micro} sequences must divide over data x fsdp = {shards} chips "
-                        f"of {topology}")
+    mesh = _topology_mesh(cfg, topology, devices)
     compute, pdt = DTYPES[cfg.dtype.compute], DTYPES[cfg.dtype.params]
     with target("tpu", len(devices)):  # the TPU program has no cuDNN: said as a run on TPUs would say it
         check_platform(cfg.model.attention, cfg.dtype.compute)
@@ -187,104 +179,89 @@ def compile_only(cfg: TrainConfig, task: Any, topology: str, report_path: str | 
                         task, lora_scale(lora) if lora else None, jax.tree.map(lambda x: x.sharding, frozen),
                         lora_dropout=lora.dropout if lora else 0.0, seed=cfg.seed,
                         frozen_inputs_sharding=jax.tree.map(lambda x: x.sharding, frozen_inputs))
-    layout = task.batch_layout(cfg.grad_accum, micro, cfg.data.seq_len)
+    layout = task.batch_layout(cfg.grad_accum, cfg.batch_size // cfg.grad_accum, cfg.data.seq_len)
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_sharding), layout)
-    started = time.perf_counter()
+    return AbstractRun(mcfg, mesh, lora, params, frozen, trainable, frozen_inputs, state, batch, step)
+
+
+def _topology_mesh(cfg: TrainConfig, topology: str, devices: list) -> Any:
+    """The run's mesh (``cfg.mesh``) over the topology's devices, checked against the batch it splits."""
+    from zoo.model.sharding import make_mesh
+
+    sizes = dataclasses.asdict(cfg.mesh)
+    try:
+        mesh = make_mesh(**sizes, devices=devices)
+    except ValueError as e:
+        raise UserError(f"mesh {sizes} on {topology} ({len(devices)} chips): {e}") from None
+    micro = cfg.batch_size // cfg.grad_accum
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    if micro % shards:
+        raise UserError(f"batch_size/grad_accum = {micro} sequences must divide over data x fsdp = {shards} chips "
+                        f"of {topology}")
+    return mesh
+
+
+def _compile_step(run: AbstractRun, lowered: Any, kind: str, dump: str) -> tuple[dict[str, int],
+                                                                               tuple[int, int, str] | None]:
+    """(bytes a chip by part, the compiler's refusal or None) of the lowered train step compiled for TPU chips of
+    ``kind``, its buffer report dumped into ``dump``."""
+    from zoo.compiled.chip_bytes import compiled_bytes, compiler_refusal, host_bytes, shard_bytes
+    from zoo.compiled.compiler import compile_lowered, dump_options
+
     refused = None
-    with target("tpu", len(devices)):  # backend-dependent sizes and kernels follow the TPU, not this host
-        lowered = step.lower(state, batch, frozen, frozen_inputs=frozen_inputs)
-        lowered_programs = task.compile_programs(trainable, frozen)
-    dump = tempfile.TemporaryDirectory(prefix="lmzoo-hlo-")  # the compiler's buffer report, read for largest_buffers
     host = 0
     try:
-        compiled = compile_lowered(lowered, "tpu", dump_options(dump.name), kind)
+        compiled = compile_lowered(lowered, "tpu", dump_options(dump), kind)
         arguments, temps, outputs, code = compiled_bytes(compiled)
-        host = _host_bytes(compiled)
+        host = host_bytes(compiled)
     except Exception as e:  # the TPU compiler refuses a program over the chip's HBM: its figure is the answer
         refused = compiler_refusal(str(e))
         if refused is None:
             raise
         # the temporaries the compiler needed; the arguments are the shards the step reads
-        arguments = shard_bytes(state) + shard_bytes(frozen) + shard_bytes(frozen_inputs) + shard_bytes(batch)
+        arguments = (shard_bytes(run.state) + shard_bytes(run.frozen) + shard_bytes(run.frozen_inputs)
+                     + shard_bytes(run.batch))
         temps, outputs, code = refused[0], 0, 0
-    programs = {}
-    caches = task.program_kv_cache()
-    for name, low in lowered_programs.items():  # the sampler runs beside the resident train state
-        p_parts = compiled_bytes(compile_lowered(low, "tpu", device_kind=kind))
-        programs[name] = {"temporaries": p_parts[1],
-                          "total": sum(p_parts) + shard_bytes(state["opt_state"]) + shard_bytes(frozen_inputs)}
-        if name in caches:  # a sampler's cache lives in its temporaries
-            programs[name]["kv_cache"] = caches[name]
-    seconds = time.perf_counter() - started
-    parts = {"params": shard_bytes(params) + shard_bytes(frozen_inputs),
-             "optimizer": shard_bytes(state["opt_state"]),
-             "adapters": shard_bytes(trainable) if lora else 0,
+    parts = {"params": shard_bytes(run.params) + shard_bytes(run.frozen_inputs),
+             "optimizer": shard_bytes(run.state["opt_state"]),
+             "adapters": shard_bytes(run.trainable) if run.lora else 0,
              "activations": temps,
              "outputs": outputs,
              "total": arguments + temps + outputs + code,
              "host": host}  # beside the HBM total: the host memory remat: offload keeps activations in
-    rows, row_len = math.prod(layout.inputs.shape[:2]), layout.inputs.shape[2]  # GRPO's rows hold completions too
+    return parts, refused
+
+
+def _compile_programs(run: AbstractRun, lowered: dict[str, Any], caches: dict[str, int],
+                      kind: str) -> dict[str, dict[str, int]]:
+    """The task's other programs (a sampler) compiled: each one's temporaries and its total beside the resident
+    train state (and its KV cache, where it has one)."""
+    from zoo.compiled.chip_bytes import compiled_bytes, shard_bytes
+    from zoo.compiled.compiler import compile_lowered
+
+    programs = {}
+    for name, low in lowered.items():  # the sampler runs beside the resident train state
+        p_parts = compiled_bytes(compile_lowered(low, "tpu", device_kind=kind))
+        programs[name] = {"temporaries": p_parts[1],
+                          "total": sum(p_parts) + shard_bytes(run.state["opt_state"]) + shard_bytes(run.frozen_inputs)}
+        if name in caches:  # a sampler's cache lives in its temporaries
+            programs[name]["kv_cache"] = caches[name]
+    return programs
+
+
+def _report(cfg: TrainConfig, run: AbstractRun, topology: str, num_slices: int, chips: int, kind: str, hbm: int,
+            parts: dict[str, int], seconds: float) -> Report:
+    """The :class:`Report` of the train step: its bytes a chip, whether they fit, its tokens and model FLOPs."""
+    from pretrain.flops import flops_per_token
+
+    inputs = run.batch.inputs.shape
+    rows, row_len = math.prod(inputs[:2]), inputs[2]  # GRPO's rows hold completions too
     tokens = rows * row_len
-    rep = Report(topology=topology + (f" x{num_slices}" if num_slices > 1 else ""), chips=len(devices),
-                 hbm_bytes_per_chip=hbm, fits=parts["total"] <= hbm, bytes_per_chip=parts,
-                 model_flops_per_step=flops_per_token(mcfg, row_len, frozen_base=lora is not None) * tokens,
-                 tokens_per_step=tokens, compile_seconds=round(seconds, 2), device_kind=kind, remat=cfg.remat,
-                 mesh=dict(mesh.shape))
-    if programs:
-        rep.programs = programs
-        rep.fits = rep.fits and all(p["total"] <= hbm for p in programs.values())
-    if refused is not None:
-        rep.fits = False
-    rep.largest_buffers = [b.line() for b in largest_buffers(dump.name)]
-    dump.cleanup()
-    if not rep.fits:
-        rep.advice = advice(cfg, parts, hbm if refused is None else refused[1])
-        if refused is not None:
-            rep.advice.append(f"the TPU compiler refused the program: {refused[2]}")
-        rep.advice += [f"largest buffer {line}" for line in rep.largest_buffers]
-    print(table(rep))
-    if report_path:
-        Path(report_path).write_text(json.dumps(dataclasses.asdict(rep), indent=1) + "\n")
-    return 0 if rep.fits else DOES_NOT_FIT
-
-
-def dump_options(folder: str) -> dict[str, Any]:
-    """XLA options that write the optimized program's buffer assignment and memory report into ``folder`` (and no
-    pass-by-pass dumps): what :func:`pretrain.hlo_buffers.largest_buffers` reads, written even when the compiler
-    refuses the program for want of HBM."""
-    return {"xla_dump_to": folder, "xla_dump_hlo_pass_re": "NONE"}
-
-
-def compiled_bytes(compiled: Any) -> tuple[int, int, int, int]:
-    """(arguments, temporaries, outputs not aliased to a donated argument, code) bytes a chip of a compiled
-    program (``memory_analysis()``)."""
-    mem = compiled.memory_analysis()
-    outputs = max(0, int(mem.output_size_in_bytes) - int(mem.alias_size_in_bytes))  # donated state is reused
-    return (int(mem.argument_size_in_bytes), int(mem.temp_size_in_bytes), outputs,
-            int(mem.generated_code_size_in_bytes))
-
-
-def _host_bytes(compiled: Any) -> int:
-    """Bytes of a chip's host's memory the compiled program uses (``memory_analysis()``'s host_* fields: what
-    ``remat: offload`` keeps there); 0 when nothing is offloaded."""
-    mem = compiled.memory_analysis()
-    field = lambda name: int(getattr(mem, f"host_{name}_size_in_bytes", 0) or 0)  # noqa: E731
-    return (field("argument") + field("temp") + max(0, field("output") - field("alias"))
-            + field("generated_code"))
-
-
-def compiler_refusal(message: str) -> tuple[int, int, str] | None:
-    """(temporaries' bytes, the HBM the compiler had, its line) of the TPU compiler's out-of-memory refusal
-    ("the total memory required for HLO temporaries (19.30G) exceeds available HBM (15.75G)"), else None."""
-    import re
-
-    m = re.search(r"temporaries \(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)", message)
-    if "RESOURCE_EXHAUSTED" not in message or m is None:
-        return None
-    scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-    line = next(x for x in message.splitlines() if "exceeds available HBM" in x)
-    return (int(float(m[1]) * scale[m[2]]), int(float(m[3]) * scale[m[4]]),
-            line.split("E1000: ")[-1].strip())
+    return Report(topology=topology + (f" x{num_slices}" if num_slices > 1 else ""), chips=chips,
+                  hbm_bytes_per_chip=hbm, fits=parts["total"] <= hbm, bytes_per_chip=parts,
+                  model_flops_per_step=flops_per_token(run.mcfg, row_len, frozen_base=run.lora is not None) * tokens,
+                  tokens_per_step=tokens, compile_seconds=round(seconds, 2), device_kind=kind, remat=cfg.remat,
+                  mesh=dict(run.mesh.shape))
 
 
 def advice(cfg: TrainConfig, parts: dict[str, int], hbm: int) -> list[str]:

@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from pretrain.metrics import LossOutput
 from pretrain.task import PretrainTask, Task
+from zoo.compiled.compiler import compile_lowered
 from zoo.memory import release_free_memory
 from zoo.model.config import ModelConfig
 from zoo.model.sharding import mesh_context
@@ -136,46 +137,13 @@ class ShardedStep:
 
     def lower(self, state: Any, batch: Any, frozen: Any = None, *, frozen_inputs: Any = None) -> Any:
         """The step lowered for these arguments (``jax.ShapeDtypeStruct`` s with shardings: no data, no devices'
-        memory); ``compile_lowered(lowered, platform)`` compiles it with the platform's options."""
+        memory); ``zoo.compiled.compiler.compile_lowered(lowered, platform)`` compiles it with the platform's options."""
         return self.jitted.lower(state, batch, frozen, frozen_inputs)
-
-
-# XLA:CPU's memory-optimized instruction scheduler: the default (concurrency-optimized) one starts independent
-# work early, so more of a step's temporaries are alive at once. Measured on SmolLM2-135M, remat full: a LoRA
-# fine-tuning step's temporaries 0.59 -> 0.55 GiB, full fine-tuning's 1.07 -> 1.03, a LoRA preference step's
-# 0.91 -> 0.82 (8 pairs of 768 tokens), with step times the same within the machine's noise.
-CPU_COMPILER_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
-
-
-def tpu_compiler_options(kind: str) -> dict[str, str]:
-    """Compiler options for a TPU of device kind ``kind``: Mosaic kernels' scoped VMEM raised to 64 MiB on v5 and
-    v6 chips (128 MiB of VMEM a core on v5e and v6e; compiled on v5p too), as MaxText raises it for its larger
-    models. At libtpu's default, the expert-parallel grouped matmul of DeepSeek-V3's LoRA adapters (its backward,
-    f32[64, 7168, 16]) was refused: "Ran out of memory in memory space vmem". Nothing on other kinds."""
-    k = kind.lower()
-    return {"xla_tpu_scoped_vmem_limit_kib": "65536"} if k.startswith(("tpu v5", "tpu v6", "tpu7")) else {}
-
-
-def compile_lowered(lowered: Any, platform: str | None = None, options: dict[str, Any] | None = None,
-                    device_kind: str | None = None) -> Any:
-    """``lowered.compile()``, with :data:`CPU_COMPILER_OPTIONS` for a CPU program (plainly where this jaxlib's
-    XLA does not know them). ``platform`` is the program's (its mesh's devices'; default JAX's default backend):
-    a program for another platform gets no CPU options, but :func:`tpu_compiler_options` for its ``device_kind``
-    (default: this host's first device's) and ``options`` (XLA debug options, such as ``xla_dump_to``)."""
-    if (platform or jax.default_backend()) != "cpu":
-        options = {**tpu_compiler_options(device_kind or jax.devices()[0].device_kind), **(options or {})}
-        return lowered.compile(compiler_options=options) if options else lowered.compile()
-    try:
-        return lowered.compile(compiler_options=CPU_COMPILER_OPTIONS)
-    except Exception as e:  # an unknown option or enum value: the scheduler is an optimization, not a need
-        if not any(k in str(e) for k in CPU_COMPILER_OPTIONS):
-            raise
-        return lowered.compile()
 
 
 class CompileThenTrim:
     """``jitted``, but each new argument signature is compiled ahead of its first run (on the CPU with
-    :data:`CPU_COMPILER_OPTIONS`) and the compiler's freed memory handed back to the system
+    :data:`zoo.compiled.compiler.CPU_COMPILER_OPTIONS`) and the compiler's freed memory handed back to the system
     (:func:`zoo.memory.release_free_memory`) before the step's own buffers are allocated; :meth:`lower` lowers
     it (from ``jax.ShapeDtypeStruct`` s too: a step compiled without data).
 

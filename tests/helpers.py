@@ -612,9 +612,9 @@ def lora_lm_loss(cfg, params, lora, lcfg, tokens, remat="none"):
 
 
 def keep_compiled_text(monkeypatch) -> list[str]:
-    """The HLO text of every program ``pretrain.jit_step.compile_lowered`` compiles from here on (appended as each
-    is compiled), for tests that read what the TPU compiler made of a step."""
-    import pretrain.jit_step as step
+    """The HLO text of every program ``zoo.compiled.compiler.compile_lowered`` compiles from here on (appended as
+    each is compiled), for tests that read what the TPU compiler made of a step."""
+    import zoo.compiled.compiler as step
 
     texts: list[str] = []
     compile_lowered = step.compile_lowered

@@ -84,9 +84,10 @@ def test_a_token_step_on_an_fsdp_mesh_gathers_no_weight(tmp_path):
     weights."""
     import jax.numpy as jnp
 
-    from pretrain.compile_only import model_config_of, topology_devices
-    from pretrain.generate_compile import lower_generation
-    from pretrain.jit_step import compile_lowered
+    from eval.generate_compile import lower_generation
+    from pretrain.compile_only import model_config_of
+    from zoo.compiled.compiler import compile_lowered
+    from zoo.compiled.topology import topology_devices
     from zoo.model.sharding import make_mesh
 
     wide = {**GQA, "vocab_size": 512, "hidden_size": 256, "intermediate_size": 1024, "head_dim": 32}

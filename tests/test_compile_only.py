@@ -135,16 +135,16 @@ def test_user_errors_are_one_line_exit_2(tmp_path, capsys, args, message):
 def test_without_libtpu_the_error_names_the_extra(tmp_path, capsys, monkeypatch):
     import importlib.util
 
-    from pretrain import compile_only
+    from zoo.compiled import topology
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(compile_only.importlib.util, "find_spec", lambda n, *a: None if n == "libtpu" else real(n, *a))
+    monkeypatch.setattr(topology.importlib.util, "find_spec", lambda n, *a: None if n == "libtpu" else real(n, *a))
     with pytest.raises(UserError, match=r"pip install 'lmzoo\[tpu\]'"):
-        compile_only.topology_devices("v5e:2x2")
+        topology.topology_devices("v5e:2x2")
 
 
 def test_hbm_per_chip_by_device_kind():
-    from pretrain.compile_only import hbm_bytes
+    from zoo.compiled.topology import hbm_bytes
 
     gib = 2**30
     assert [hbm_bytes(k) // gib for k in ("TPU v4", "TPU v5 lite", "TPU v5", "TPU v5p", "TPU v6 lite")] == \

@@ -427,6 +427,7 @@ def test_steps_compile_ahead_once_per_shape_then_trim(monkeypatch):
     import jax.numpy as jnp
 
     import pretrain.jit_step as step_mod
+    from zoo.compiled import compiler
 
     events = []
     monkeypatch.setattr(step_mod, "release_free_memory", lambda: events.append("trim"))
@@ -457,7 +458,7 @@ def test_steps_compile_ahead_once_per_shape_then_trim(monkeypatch):
     f = step_mod.compile_then_trim(Recorder(lambda x, y: x * 2 + (0 if y is None else y)))
     a, b = jnp.ones(3), jnp.ones(5)
     assert float(f(a, None).sum()) == 6 and float(f(a, None).sum()) == 6 and float(f(b, a[0]).sum()) == 15
-    opts = step_mod.CPU_COMPILER_OPTIONS
+    opts = compiler.CPU_COMPILER_OPTIONS
     assert opts == {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
     assert events == [("compile", opts), "trim", "run", "run", ("compile", opts), "trim", "run"]
 
@@ -468,7 +469,8 @@ def test_steps_still_compile_where_xla_does_not_know_the_scheduler_option(monkey
     import jax.numpy as jnp
 
     import pretrain.jit_step as step_mod
+    from zoo.compiled import compiler
 
-    monkeypatch.setattr(step_mod, "CPU_COMPILER_OPTIONS", {"xla_cpu_no_such_option_here": 1})
+    monkeypatch.setattr(compiler, "CPU_COMPILER_OPTIONS", {"xla_cpu_no_such_option_here": 1})
     f = step_mod.compile_then_trim(jax.jit(lambda x: x * 3))
     assert float(f(jnp.ones(4)).sum()) == 12

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MIB = 2**20
+# lmzoo's packages: a frame's file is named from its package folder down.
+PACKAGES = ("zoo", "convert", "eval", "pretrain", "sft", "dpo", "rm", "grpo", "distill", "demo")
 _ROW = re.compile(r"^\s*[\d.]+\w+\(\s*\d+%\);\s*([\d.]+)(\w+);\s*(\d+);\s*\d+;\s*(.*)$")
 _VALUE = re.compile(r"^ value: <\d+ ([^ {]+)(?:\{[^}]*\})? @\d+> \(size=(\d+),offset=(\d+)\)")
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
@@ -117,10 +119,10 @@ def _full_size(shapes: str, size: int) -> str:
 
 
 def _short(path: str) -> str:
-    """``/x/y/zoo/mlp.py`` -> ``zoo/layers/mlp.py``: the path from the package folder down."""
+    """``/x/y/zoo/layers/mlp.py`` -> ``zoo/layers/mlp.py``: the path from the package folder down."""
     parts = Path(path).parts
     for i, p in enumerate(parts):
-        if p in ("zoo", "pretrain", "sft", "dpo", "grpo", "eval", "convert"):
+        if p in PACKAGES:
             return "/".join(parts[i:])
     return Path(path).name
 

@@ -5,8 +5,8 @@ prompts and the one-token step at every cache view it reaches (:data:`eval.gener
 ``zoo.load`` builds (every chip on fsdp), with the weights laid out for decoding
 (:func:`zoo.model.decode.decode_shardings`) and the KV cache sharded like their heads (:func:`zoo.model.decode.abstract_cache`).
 They are lowered from ``jax.ShapeDtypeStruct`` s over the topology's devices (no weights, no tokenizer, no TPU);
-the compiler's ``memory_analysis()`` gives each chip's bytes. The helpers are train ``--compile-only`` 's
-(:mod:`pretrain.compile_only`).
+the compiler's ``memory_analysis()`` gives each chip's bytes, reported as train ``--compile-only`` reports its own
+(:mod:`zoo.compiled`).
 
 Exit codes: 0 fits, 3 does not fit, 2 a user error.
 """
@@ -17,19 +17,12 @@ import argparse
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pretrain.compile_only import (
-    DOES_NOT_FIT,
-    GIB,
-    compiled_bytes,
-    compiler_refusal,
-    hbm_bytes,
-    model_config_of,
-    shard_bytes,
-    topology_devices,
-)
+from zoo.compiled.chip_bytes import DOES_NOT_FIT, compiled_bytes, compiler_refusal, shard_bytes
+from zoo.compiled.topology import GIB, hbm_bytes, topology_devices
 from zoo.errors import UserError
 
 
@@ -114,21 +107,19 @@ def lower_generation(cfg: Any, mesh: Any, batch: int, prompt_length: int, max_ne
     return Lowered(lowered, params, cache, max_len)
 
 
-def compile_generation(model: str, topology: str, batch: int, prompt_length: int, max_new_tokens: int,
+def compile_generation(cfg: Any, topology: str, batch: int, prompt_length: int, max_new_tokens: int,
                        sampler: Any, report_path: str | None = None, num_slices: int = 1,
                        dtype: str = "float32") -> int:
-    """Compile generation's programs for ``batch`` prompts of ``prompt_length`` tokens and ``max_new_tokens``
-    (with ``sampler``, a :class:`eval.generate.Sampler`; weights in ``dtype``, as ``zoo generate`` loads them)
-    for ``topology``; print the table, write ``report_path`` and return the exit code (0 fits, 3 does not)."""
+    """Compile generation's programs of the model ``cfg`` (its ModelConfig) for ``batch`` prompts of
+    ``prompt_length`` tokens and ``max_new_tokens`` (with ``sampler``, a :class:`eval.generate.Sampler`; weights
+    in ``dtype``, as ``zoo generate`` loads them) for ``topology``; print the table, write ``report_path`` and
+    return the exit code (0 fits, 3 does not)."""
     import jax.numpy as jnp
 
-    from pretrain.jit_step import compile_lowered
+    from zoo.compiled.compiler import compile_lowered
     from zoo.model.decode import kv_cache_bytes
     from zoo.model.sharding import make_mesh
 
-    if batch < 1 or prompt_length < 1 or max_new_tokens < 1:
-        raise UserError("--compile-only needs --batch-size >= 1, --prompt-length >= 1 and --max-new-tokens >= 1")
-    cfg = model_config_of(model, "zoo generate")
     devices = topology_devices(topology, num_slices)
     kind = devices[0].device_kind
     hbm = hbm_bytes(kind)
@@ -194,9 +185,12 @@ def table(rep: GenerateReport) -> str:
     return "\n".join([f"{k:<{width}}  {v}" for k, v in rows] + [f"  {a}" for a in rep.advice])
 
 
-def generate_compile_command(args: argparse.Namespace) -> int:
+def generate_compile_command(args: argparse.Namespace, model_config_of: Callable[[str, str], Any]) -> int:
     """`zoo generate MODEL --compile-only --topology NAME`: generation's programs compiled for a TPU slice
-    (:func:`compile_generation`), for the flags' batch, prompt length, new tokens and sampling."""
+    (:func:`compile_generation`), for the flags' batch, prompt length, new tokens and sampling. The model's config
+    is read without weights by ``model_config_of(name, key)`` (a zoo checkpoint, a registry name or a Hugging Face
+    ``config.json``; the command passes :func:`pretrain.compile_only.model_config_of`, which reads Hugging Face
+    configs with convert/)."""
     if not args.topology:
         raise UserError("--compile-only needs --topology, e.g. --topology v5e:2x4")
     if args.num_slices < 1:
@@ -205,9 +199,11 @@ def generate_compile_command(args: argparse.Namespace) -> int:
             or not 0 < args.top_p <= 1):
         raise UserError("need --max-new-tokens >= 1, --batch-size >= 1, --temperature >= 0, --top-k >= 0 "
                         "and 0 < --top-p <= 1")
+    prompt_length = 512 if args.prompt_length is None else args.prompt_length
+    if prompt_length < 1:
+        raise UserError("--compile-only needs --batch-size >= 1, --prompt-length >= 1 and --max-new-tokens >= 1")
     from eval.generate import Sampler
 
     sampler = Sampler(float(args.temperature), int(args.top_k), float(args.top_p))
-    prompt_length = 512 if args.prompt_length is None else args.prompt_length
-    return compile_generation(args.ckpt, args.topology, args.batch_size, prompt_length, args.max_new_tokens,
+    return compile_generation(model_config_of(args.ckpt, "zoo generate"), args.topology, args.batch_size, prompt_length, args.max_new_tokens,
                               sampler, args.report, args.num_slices)
