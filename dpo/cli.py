@@ -5,10 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from dpo.config import DPOConfig
 from pretrain.cli import add_train_command, train_command
 from zoo.console import run_cli
+
+if TYPE_CHECKING:
+    from pretrain.task import Task
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,17 +25,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def dpo_tasks() -> tuple[type[Task], ...]:
+    """The tasks `dpo train` runs, each variant before the task it varies (pretrain.task.task_for): KTO for
+    ``dpo.loss_type: kto``, else DPO."""
+    from dpo.kto import KTOTask  # jax and the model only once a command runs: --help stays fast
+    from dpo.task import DPOTask
+
+    return (KTOTask, DPOTask)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `dpo` console script."""
     args = build_parser().parse_args(argv)
 
-    def dpo_task() -> type:
-        import dpo.kto  # noqa: F401  (KTOTask: DPOTask.for_config picks it for dpo.loss_type kto)
-        from dpo.task import DPOTask  # jax and the model only once a command runs: --help stays fast
-
-        return DPOTask
-
-    return run_cli(lambda: train_command(args, DPOConfig, dpo_task))
+    return run_cli(lambda: train_command(args, DPOConfig, dpo_tasks))
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ def kto_terms(completion: jax.Array, mismatched: jax.Array, ref_completion: jax.
 
 class KTOTask(DPOTask):
     """KTO on (prompt, completion, label) rows; `dpo train` runs it for ``dpo.loss_type: kto``
-    (:meth:`pretrain.task.Task.for_config`)."""
+    (listed before DPO in dpo/cli.py's tasks: :func:`pretrain.task.task_for`)."""
 
     method = "kto"
     key_metrics = ("kl", "rewards/margins")

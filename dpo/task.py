@@ -89,7 +89,7 @@ class DPOTask(Task):
 
     def __init__(self, cfg: DPOConfig):
         if cfg.dpo.loss_type == "kto" and type(self) is DPOTask:  # a caller's bug: the command picks KTOTask
-            raise ValueError("dpo.loss_type kto is dpo.kto.KTOTask's (Task.for_config picks it)")
+            raise ValueError("dpo.loss_type kto is dpo.kto.KTOTask's (`dpo train` picks it: pretrain.task.task_for)")
         super().__init__(cfg)
         self.dpo = cfg.dpo
         self.chat_template = chat_template_of(cfg)

@@ -5,10 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from grpo.config import GRPOConfig
 from pretrain.cli import add_train_command, train_command
 from zoo.console import run_cli
+
+if TYPE_CHECKING:
+    from pretrain.task import Task
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,16 +28,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def grpo_tasks() -> tuple[type[Task], ...]:
+    """The tasks `grpo train` runs (pretrain.task.task_for)."""
+    from grpo.task import GRPOTask  # jax and the model only once a command runs: --help stays fast
+
+    return (GRPOTask,)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `grpo` console script."""
     args = build_parser().parse_args(argv)
 
-    def grpo_task() -> type:
-        from grpo.task import GRPOTask  # jax and the model only once a command runs: --help stays fast
-
-        return GRPOTask
-
-    return run_cli(lambda: train_command(args, GRPOConfig, grpo_task))
+    return run_cli(lambda: train_command(args, GRPOConfig, grpo_tasks))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from zoo.console import add_topology_flags, run_cli
 from zoo.errors import UserError
 
 if TYPE_CHECKING:
+    from pretrain.hooks import Hooks
     from pretrain.task import Task
 
 
@@ -65,10 +66,12 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def train_command(args: argparse.Namespace, schema: type[TrainConfig] = TrainConfig,
-                  task_class: Callable[[], type[Task]] | None = None) -> int | None:
+                  tasks: Callable[[], Sequence[type[Task]]] | None = None) -> int | None:
     """The body of every `train` command: resolve the config with ``schema``, the task's config class (default
-    pretraining's; ``--print-config`` prints it and stops), join the other processes, train (the task of
-    ``task_class()``, a class imported on demand; default pretraining) and name the final model.
+    pretraining's; ``--print-config`` prints it and stops), join the other processes, train and name the final
+    model. The task is the first of the command's ``tasks()`` (classes imported on demand, each variant before the
+    task it varies; default pretraining) that handles the config (:func:`pretrain.task.task_for`); the run's
+    hooks are the command's (:func:`training_hooks`).
 
     The config is read and checked before JAX, the model code or transformers is imported: a config error comes
     at once, so ``schema`` comes from the task's light config module, not from its task class."""
@@ -83,24 +86,38 @@ def train_command(args: argparse.Namespace, schema: type[TrainConfig] = TrainCon
     if args.print_config:
         print(to_yaml(cfg), end="")
         return None
+    from pretrain.task import PretrainTask, task_for
+
+    classes = tasks() if tasks else (PretrainTask,)
     if compiling:
         from pretrain.compile_only import compile_only
-        from pretrain.task import PretrainTask
 
-        cls = task_class() if task_class else PretrainTask
-        return compile_only(cfg, cls.for_config(cfg), args.topology, args.report, args.num_slices)
+        return compile_only(cfg, task_for(cfg, classes), args.topology, args.report, args.num_slices)
     distributed.initialize(args)
     from pretrain.loop import train
-    from pretrain.task import PretrainTask
 
-    cls = task_class() if task_class else PretrainTask
-    if cls.config_class is not schema:  # a command wired to the wrong schema: a bug, not a user error
-        raise TypeError(f"{cls.__name__} reads {cls.config_class.__name__}, not {schema.__name__}")
-    final = train(cfg, task=cls.for_config(cfg), fresh=args.fresh,
-                  resume_with_changes=args.resume_with_changes)
+    for cls in classes:
+        if cls.config_class is not schema:  # a command wired to the wrong schema: a bug, not a user error
+            raise TypeError(f"{cls.__name__} reads {cls.config_class.__name__}, not {schema.__name__}")
+    final = train(cfg, task=task_for(cfg, classes), fresh=args.fresh, resume_with_changes=args.resume_with_changes,
+                  hooks=training_hooks(cfg))
     if distributed.is_primary():
         print(f"final model: {final}")
     return None
+
+
+def training_hooks(cfg: TrainConfig) -> Hooks:
+    """The hooks every training command adds to the loop's own: the scored ``eval.tasks`` every ``eval_every``
+    steps (eval/during_training.py; read and checked now, before the model loads)."""
+    from pretrain.hooks import Hooks
+
+    hooks = Hooks()
+    if cfg.eval.tasks:
+        from eval.during_training import ScoredTasks  # the command composes the run: the loop names no evaluator
+
+        hooks.add(ScoredTasks(cfg.eval.tasks, cfg.eval.include_path, cfg.eval.limit, cfg.eval.batch_size),
+                  every=cfg.eval_every)
+    return hooks
 
 
 

@@ -1,5 +1,7 @@
-"""The evaluation hook: every ``eval_every`` steps and at the last, the eval loss (per source of a mixture too)
-and the scored benchmarks (pretrain/eval_tasks.py), added to the step's metrics record."""
+"""The evaluation hook: every ``eval_every`` steps and at the last (its period, pretrain/loop.py), the eval loss
+(per source of a mixture too) or the task's own held-out metrics, added to the step's metrics record. Scored
+benchmarks (``eval.tasks``) are a hook of their own, added by the training commands
+(eval/during_training.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,6 @@ from pretrain.batch import TokenBatch
 from pretrain.config import TrainConfig
 from pretrain.data.pipeline import packed_batches
 from pretrain.data.run import RunData
-from pretrain.eval_tasks import TrainingEval
 from pretrain.hooks import Hook, StepInfo
 from pretrain.metrics import LossOutput
 from zoo.data.batching import Document, replicated_batch, to_model_batch
@@ -24,14 +25,14 @@ from zoo.errors import UserError
 
 class Evaluation(Hook):
     """Eval loss over ``data``'s eval documents with ``eval_fn`` (the step's, frozen inputs bound; ``batch_of``
-    types its batches) and the scored benchmarks (``scored``), every ``eval_every`` steps and at the last."""
+    types its batches), or the task's own held-out metrics (``own``), at each step it is passed."""
 
     def __init__(self, cfg: TrainConfig, data: RunData, micro: int, mesh: jax.sharding.Mesh,
-                 eval_fn: Callable[..., LossOutput], batch_of: Callable[[dict], TokenBatch], scored: TrainingEval,
-                 frozen: dict | None, primary: bool, own: Callable[..., dict[str, float] | None] | None = None):
+                 eval_fn: Callable[..., LossOutput], batch_of: Callable[[dict], TokenBatch], frozen: dict | None,
+                 primary: bool, own: Callable[..., dict[str, float] | None] | None = None):
         self.cfg, self.data, self.micro, self.mesh, self.batch_of = cfg, data, micro, mesh, batch_of
         self.own = own  # the task's own held-out metrics (Task.eval_metrics), in place of the eval loss
-        self.eval_fn, self.scored, self.frozen = eval_fn, scored, frozen
+        self.eval_fn, self.frozen = eval_fn, frozen
         # A mixture's eval loss per source too (`eval_loss/NAME`), for each source eval set that fills a batch.
         self.eval_sets: dict[str, list[Document]] = {}
         for name, docs in (data.eval_sets if len(data.eval_sets) > 1 and cfg.eval_every else {}).items():
@@ -43,9 +44,6 @@ class Evaluation(Hook):
                       file=sys.stderr)
 
     def on_step(self, info: StepInfo) -> None:
-        cfg = self.cfg
-        if not cfg.eval_every or not (info.step % cfg.eval_every == 0 or info.last):
-            return
         params = info.state["params"]
         own = self.own(params, self.frozen, self.data.eval_docs, self.data.source, info.step) \
             if self.own is not None and self.data.eval_docs else None
@@ -55,8 +53,6 @@ class Evaluation(Hook):
             info.record.update(self.loss(params, self.data.eval_docs))
             for name, docs in self.eval_sets.items():
                 info.record[f"eval_loss/{name}"] = self.loss(params, docs)["eval_loss"]
-        if self.scored:
-            info.record.update(self.scored(params, self.frozen))
 
     def loss(self, params: dict, docs: list[Document], max_batches: int = 50) -> dict[str, float]:
         """{eval_loss: mean per-target loss, eval_<name>: the task's other metrics} over (up to ``max_batches``)

@@ -1,7 +1,13 @@
 """What the loop does after each training step, as hooks: each owns its files and trims them on a resume.
 
-The loop (pretrain/loop.py) yields a :class:`StepInfo` per step; every
-:class:`Hook` sees it. A hook opens at the step the run starts from (0, or the
+The loop (pretrain/loop.py) yields a :class:`StepInfo` per step; a run's
+:class:`Hooks` pass it to each :class:`Hook` in the order they were added,
+every ``every`` steps and at the last (:meth:`Hooks.add`, the one public call;
+``train(hooks=...)`` takes a caller's). The built-in hooks are added through it
+in this order: evaluation (every ``eval_every``), the caller's (the training
+commands add scored ``eval.tasks``: eval/during_training.py), the task's own,
+the metrics log and checkpoints (every step). A hook learns the run's model
+once it is loaded (:meth:`Hook.setup`) and opens at the step the run starts from (0, or the
 restored checkpoint's), and a hook that writes a per-step JSONL log trims it
 there with :func:`trim_jsonl`, the one atomic trim: every record after that
 step, and any line torn by a kill, is dropped, and the file is rewritten whole
@@ -15,10 +21,12 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from pretrain.batch import Rollout
 from zoo.data.jsonl import read_records
+from zoo.lora.adapters import LoraConfig
+from zoo.model.config import ModelConfig
 
 
 @dataclass
@@ -40,17 +48,75 @@ class StepInfo:
         return self.step == self.total
 
 
-class Hook:
-    """A step hook; every method is a no-op by default."""
+@dataclass(frozen=True)
+class RunModel:
+    """The model a run trains, as a hook may read it once it is loaded: its config, the tokenizer, the LoRA
+    settings (None: full fine-tuning) and the frozen base LoRA's adapters sit on (None without LoRA)."""
+
+    mcfg: ModelConfig
+    tokenizer: Any
+    lora: LoraConfig | None
+    frozen: dict | None
+
+
+class Hook(Protocol):
+    """A step hook: a class that subclasses it gets a no-op for every method it leaves out; one that cannot
+    import the loop (eval/'s) is a hook by having the four methods."""
+
+    def setup(self, model: RunModel) -> None:
+        """Once the model is loaded, before :meth:`start`."""
+        return None
 
     def start(self, step: int) -> None:
         """The run (re)starts after ``step`` steps: drop what the hook wrote for later steps."""
+        return None
 
     def on_step(self, info: StepInfo) -> None:
-        """After each step."""
+        """After each step the hook's period passes it (:meth:`Hooks.add`)."""
+        return None
 
     def close(self) -> None:
         """At the end of the run, however it ends."""
+        return None
+
+
+class Hooks:
+    """A run's hooks in the order added, each with its period."""
+
+    def __init__(self) -> None:
+        self.added: list[tuple[Hook, int]] = []
+
+    def add(self, hook: Hook, every: int = 1) -> None:
+        """Run ``hook`` after every ``every``-th step and after the last (``every=1``: each step; 0: never, though
+        it is still set up, started and closed)."""
+        if every < 0:
+            raise ValueError(f"a hook's period is a step count >= 0, got {every}")
+        self.added.append((hook, every))
+
+    def extend(self, other: Hooks) -> None:
+        """Add ``other``'s hooks, in their order, with their periods."""
+        self.added += other.added
+
+    def setup(self, model: RunModel) -> None:
+        """Tell every hook the run's model."""
+        for hook, _ in self.added:
+            hook.setup(model)
+
+    def start(self, step: int) -> None:
+        """Open every hook at the step the run starts from."""
+        for hook, _ in self.added:
+            hook.start(step)
+
+    def on_step(self, info: StepInfo) -> None:
+        """Pass the step to each hook whose period it is (or the last step)."""
+        for hook, every in self.added:
+            if every and (info.step % every == 0 or info.last):
+                hook.on_step(info)
+
+    def close(self) -> None:
+        """Close every hook."""
+        for hook, _ in self.added:
+            hook.close()
 
 
 def json_line(record: Any) -> str:

@@ -7,9 +7,11 @@ which one it runs. :func:`train` composes the run: the model and the task's
 the run's data (pretrain/data/run.py ``read_run_data``), the jitted step
 (pretrain/jit_step.py), the train state (restored by the checkpointing hook), then
 the steps (pretrain/steps.py, each a :class:`~pretrain.hooks.StepInfo`)
-and after each the hooks, in order: evaluation, the task's own (GRPO's
-completions log), metrics (pretrain/runlog.py) and checkpoints. Each hook owns
-its files and trims them to the step a resumed run starts from. The loss is
+and after each the hooks (:class:`~pretrain.hooks.Hooks`, each added with its
+period), in order: evaluation, the caller's (``train(hooks=...)``: the
+training commands' scored ``eval.tasks``), the task's own (GRPO's completions
+log), metrics (pretrain/runlog.py) and checkpoints. Each hook owns its files
+and trims them to the step a resumed run starts from. The loss is
 normalized by the number of target tokens in the whole global batch, so
 ``grad_accum`` and how the batch is split across devices change nothing.
 """
@@ -22,6 +24,7 @@ import sys
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -33,11 +36,10 @@ from pretrain.config import TrainConfig, to_yaml
 from pretrain.data.mixture import describe as describe_mixture
 from pretrain.data.run import RunData, data_reads, read_run_data
 from pretrain.dtypes import DTYPES
-from pretrain.eval_tasks import TrainingEval, read_eval_tasks
 from pretrain.evaluation import Evaluation
 from pretrain.final import write_final
 from pretrain.flops import flops_per_token, peak_flops
-from pretrain.hooks import Hook
+from pretrain.hooks import Hooks, RunModel
 from pretrain.jit_step import init_state, make_step
 from pretrain.optim import build_optimizer, lr_schedule
 from pretrain.setup import init_adapters, load_model, lora_settings, quantize_frozen_base
@@ -47,12 +49,41 @@ from zoo.console import is_terminal
 from zoo.data.tokenizer import load_tokenizer
 from zoo.errors import UserError
 from zoo.kernels.choice import check_platform, check_rows, kernel_for
-from zoo.lora.adapters import lora_scale
+from zoo.lora.adapters import LoraConfig, lora_scale
+from zoo.model.config import ModelConfig
 from zoo.model.sharding import make_mesh
 
 
+@dataclasses.dataclass
+class _Run:
+    """What :func:`train` sets up before the first step: the model and the task's frozen inputs on the mesh, the
+    data, the optimizer's schedule, the jitted step and the train state."""
+
+    mesh: jax.sharding.Mesh
+    micro: int
+    mcfg: ModelConfig
+    params: dict
+    src_ckpt: Path | None
+    tok_dir: Path
+    tokenizer: Any
+    lora_cfg: LoraConfig | None
+    frozen_inputs: Any
+    batch_sharding: NamedSharding
+    data: RunData
+    schedule: Any = None
+    state: dict = dataclasses.field(default_factory=dict)
+    step_fn: Any = None
+    eval_fn: Any = None
+
+    @property
+    def frozen(self) -> dict | None:
+        """With LoRA only the adapters are trained (``state["params"]``); the base is a frozen, undifferentiated
+        input of the step."""
+        return self.params if self.lora_cfg else None
+
+
 def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = None, fresh: bool = False,
-          resume_with_changes: Sequence[str] | str = ()) -> Path:
+          resume_with_changes: Sequence[str] | str = (), hooks: Hooks | None = None) -> Path:
     """Run (or resume) training of ``task`` (default: pretraining); returns ``output_dir/final``.
 
     In a multi-process run every process calls this with the same config; the
@@ -61,7 +92,9 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
     (False); None picks the bar on a terminal. A rerun in a folder that holds a
     run continues it, if its config changes only what ``runfolder.MAY_CHANGE``
     allows or ``resume_with_changes`` names; ``fresh`` moves an old run aside
-    and starts over.
+    and starts over. ``hooks``: the caller's step hooks (:meth:`pretrain.hooks.Hooks.add`), run after the
+    evaluation and before the task's own, the metrics log and the checkpoints (what they add to a step's record is
+    logged and saved).
     """
     out = Path(cfg.output_dir).absolute()
     primary = distributed.is_primary()
@@ -72,7 +105,42 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
     done = runfolder.open_run(out, cfg, fresh, runfolder.parse_changes(resume_with_changes, type(cfg)))
     if done is not None:
         return done
-    read_eval_tasks(cfg)  # task files and lm-eval task names: said before the model loads
+    run = _set_up(cfg, task, primary)
+    _build_step(cfg, task, run)
+    # A fresh run whose first step fails on the user's inputs (an online task's reward function, say) leaves
+    # nothing behind: what it wrote into a folder that held nothing before is removed.
+    held_before = out.exists() and any(out.iterdir())
+    out.mkdir(parents=True, exist_ok=True)
+    checkpoints = Checkpoints(out, cfg, run.data.batches)
+    run.state, start, restored_from = checkpoints.restore(run.state)
+    total = run.data.total_steps
+    if start > total:
+        raise UserError(f"{out} holds a run at step {start}, past this config's {total} steps (max_steps, epochs); "
+                        f"raise max_steps, or start over with --fresh")
+    if primary and restored_from is not None:
+        print(f"Resuming from step {start} (checkpoint {restored_from})", flush=True)
+    if primary:
+        (out / runfolder.CONFIG_FILE).write_text(to_yaml(cfg))
+    bar_wanted = is_terminal(sys.stdout) if progress is None else progress
+    log = runlog.RunLog(out, total, not bar_wanted, list(task.key_metrics) or None, summary_writer(),
+                        cfg.log_every) if primary else None
+    run_hooks = _run_hooks(cfg, task, run, out, primary, hooks or Hooks(), log, checkpoints)
+    training = Training(cfg, task, run.step_fn, run.data, run.batch_sharding,
+                        (cfg.grad_accum, run.micro, cfg.data.seq_len), run.frozen, run.frozen_inputs, run.schedule,
+                        run.state, flops_per_token(run.mcfg, cfg.data.seq_len, frozen_base=run.lora_cfg is not None)
+                        * cfg.batch_size * cfg.data.seq_len, peak_flops(cfg))
+    try:
+        last = _take_steps(training, run_hooks, checkpoints, start, total, log, primary and bar_wanted, out)
+    finally:
+        if training.failed_first_step and not held_before and primary:
+            shutil.rmtree(out, ignore_errors=True)
+    return write_final(out, cfg, run.mcfg, training.state["params"], run.src_ckpt, run.tok_dir, last,
+                       _data_report(cfg, run.data, primary), task.method, run.lora_cfg)
+
+
+def _set_up(cfg: TrainConfig, task: Task, primary: bool) -> _Run:
+    """The mesh, the model the task trains (QLoRA's quantized base; a reward model's score head), the task's
+    frozen inputs and the run's data, each checked before anything is written."""
     mesh = _mesh(cfg)
     micro = cfg.batch_size // cfg.grad_accum
     mcfg, params, src_ckpt, tok_dir = load_model(cfg, mesh)
@@ -88,46 +156,49 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
     batch_sharding = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"), None))
     data = read_run_data(cfg, task, tokenizer, mcfg.vocab_size, batch_sharding, micro)
     _check_data(cfg, task, data, micro, primary)
+    return _Run(mesh, micro, mcfg, params, src_ckpt, tok_dir, tokenizer, lora_cfg, frozen_inputs, batch_sharding,
+                data)
 
+
+def _build_step(cfg: TrainConfig, task: Task, run: _Run) -> None:
+    """The optimizer's schedule, the train state (adapters or the whole model) and the jitted train and eval
+    steps, set on ``run``."""
     # The schedule counts optimizer updates: an online task may make several per step (its batch reused).
-    schedule = lr_schedule(cfg, data.total_steps * task.updates_per_step)
-    tx = build_optimizer(cfg, schedule)
-    # With LoRA only the adapters are trained (state["params"]); the base is a frozen, undifferentiated input.
-    frozen = params if lora_cfg else None
-    state = init_state(tx, init_adapters(mcfg, lora_cfg, cfg.seed, mesh, params) if lora_cfg else params, mesh)
-    step_fn, eval_fn = make_step(mcfg, tx, DTYPES[cfg.dtype.compute], cfg.remat,
-                                 jax.tree.map(lambda x: x.sharding, state), batch_sharding,
-                                 task, lora_scale(lora_cfg) if lora_cfg else None,
-                                 jax.tree.map(lambda x: x.sharding, frozen),
-                                 lora_dropout=lora_cfg.dropout if lora_cfg else 0.0, seed=cfg.seed,
-                                 frozen_inputs_sharding=jax.tree.map(lambda x: x.sharding, frozen_inputs))
-    evaluation = Evaluation(cfg, data, micro, mesh, partial(eval_fn, frozen=frozen, frozen_inputs=frozen_inputs),
-                            task.batch, TrainingEval(cfg, mcfg, tokenizer, lora_cfg), frozen, primary,
-                            task.eval_metrics)
+    run.schedule = lr_schedule(cfg, run.data.total_steps * task.updates_per_step)
+    tx = build_optimizer(cfg, run.schedule)
+    lora_cfg = run.lora_cfg
+    trained = init_adapters(run.mcfg, lora_cfg, cfg.seed, run.mesh, run.params) if lora_cfg else run.params
+    run.state = init_state(tx, trained, run.mesh)
+    run.step_fn, run.eval_fn = make_step(
+        run.mcfg, tx, DTYPES[cfg.dtype.compute], cfg.remat, jax.tree.map(lambda x: x.sharding, run.state),
+        run.batch_sharding, task, lora_scale(lora_cfg) if lora_cfg else None,
+        jax.tree.map(lambda x: x.sharding, run.frozen), lora_dropout=lora_cfg.dropout if lora_cfg else 0.0,
+        seed=cfg.seed, frozen_inputs_sharding=jax.tree.map(lambda x: x.sharding, run.frozen_inputs))
 
-    # A fresh run whose first step fails on the user's inputs (an online task's reward function, say) leaves
-    # nothing behind: what it wrote into a folder that held nothing before is removed.
-    held_before = out.exists() and any(out.iterdir())
-    out.mkdir(parents=True, exist_ok=True)
-    checkpoints = Checkpoints(out, cfg, data.batches)
-    state, start, restored_from = checkpoints.restore(state)
-    total = data.total_steps
-    if start > total:
-        raise UserError(f"{out} holds a run at step {start}, past this config's {total} steps (max_steps, epochs); "
-                        f"raise max_steps, or start over with --fresh")
-    if primary and restored_from is not None:
-        print(f"Resuming from step {start} (checkpoint {restored_from})", flush=True)
-    if primary:
-        (out / runfolder.CONFIG_FILE).write_text(to_yaml(cfg))
 
-    bar_wanted = is_terminal(sys.stdout) if progress is None else progress
-    log = runlog.RunLog(out, total, not bar_wanted, list(task.key_metrics) or None, summary_writer(),
-                        cfg.log_every) if primary else None
-    hooks: list[Hook] = [evaluation, *task.hooks(out, primary), *([log] if log else []), checkpoints]
-    training = Training(cfg, task, step_fn, data, batch_sharding, (cfg.grad_accum, micro, cfg.data.seq_len), frozen,
-                        frozen_inputs, schedule, state,
-                        flops_per_token(mcfg, cfg.data.seq_len, frozen_base=lora_cfg is not None) * cfg.batch_size * cfg.data.seq_len, peak_flops(cfg))
-    bar = tqdm(total=total, initial=start, desc="train", unit="step", disable=not (primary and bar_wanted))
+def _run_hooks(cfg: TrainConfig, task: Task, run: _Run, out: Path, primary: bool, caller: Hooks,
+               log: runlog.RunLog | None, checkpoints: Checkpoints) -> Hooks:
+    """The run's hooks in order: evaluation, the caller's, the task's own, the metrics log and checkpoints; each
+    set up with the run's model."""
+    hooks = Hooks()
+    hooks.add(Evaluation(cfg, run.data, run.micro, run.mesh,
+                         partial(run.eval_fn, frozen=run.frozen, frozen_inputs=run.frozen_inputs), task.batch,
+                         run.frozen, primary, task.eval_metrics), every=cfg.eval_every)
+    hooks.extend(caller)
+    for hook in task.hooks(out, primary):
+        hooks.add(hook)
+    if log:
+        hooks.add(log)
+    hooks.add(checkpoints)  # every step: its manager keeps checkpoint.every (and saves on a preemption notice)
+    hooks.setup(RunModel(run.mcfg, run.tokenizer, run.lora_cfg, run.frozen))
+    return hooks
+
+
+def _take_steps(training: Training, hooks: Hooks, checkpoints: Checkpoints, start: int, total: int,
+                log: runlog.RunLog | None, bar_wanted: bool, out: Path) -> dict:
+    """Steps ``start`` .. ``total``, the hooks after each, a signal stopping the run at a step boundary (its
+    checkpoint saved); returns the last step's metrics record (the log's last if no step is left to run)."""
+    bar = tqdm(total=total, initial=start, desc="train", unit="step", disable=not bar_wanted)
     stop = _StopOnSignal()
 
     def before(step: int) -> None:
@@ -137,12 +208,10 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
                             f"checkpoint saved in {out}, run the same command to resume")
 
     try:
-        for h in hooks:
-            h.start(start)
+        hooks.start(start)
         last = dict(log.last) if log else {}  # what `final` records if no step is left to run (killed before it)
         for info in training.steps(start, total, before):
-            for h in hooks:
-                h.on_step(info)
+            hooks.on_step(info)
             last = info.record
             bar.set_postfix(loss=f"{info.loss:.4f}", tok_s=f"{last['tokens_per_sec']:.0f}",
                             pad=f"{last['padding_fraction']:.2f}")
@@ -150,12 +219,8 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
     finally:
         stop.restore()
         bar.close()
-        for h in hooks:
-            h.close()
-        if training.failed_first_step and not held_before and primary:
-            shutil.rmtree(out, ignore_errors=True)
-    return write_final(out, cfg, mcfg, training.state["params"], src_ckpt, tok_dir, last,
-                       _data_report(cfg, data, primary), task.method, lora_cfg)
+        hooks.close()
+    return last
 
 
 def _mesh(cfg: TrainConfig) -> jax.sharding.Mesh:

@@ -16,7 +16,7 @@ with its own section and data keys), so the config system composes it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, cast
@@ -151,18 +151,10 @@ class Task:
             self.row_segments = 1 if not d.packing else d.max_segments if self.packing == "best_fit" else None
 
     @classmethod
-    def for_config(cls, cfg: TrainConfig) -> Task:
-        """The task that runs ``cfg``: the first imported subclass that :meth:`handles` it (a command imports its
-        variants, e.g. dpo's KTO), else this class."""
-        for sub in cls.__subclasses__():
-            if sub.handles(cfg):
-                return sub(cfg)
-        return cls(cfg)
-
-    @classmethod
     def handles(cls, cfg: TrainConfig) -> bool:
-        """Whether this variant of its parent task runs ``cfg`` (:meth:`for_config`); False by default."""
-        return False
+        """Whether this task runs ``cfg`` (:func:`task_for`): True by default; a variant of a task (KTO of DPO's)
+        says which configs are its own, and its command lists it before the task it varies."""
+        return True
 
     def load(self, path: str, cfg: TrainConfig) -> RowSource:
         """The rows of a local file/folder or Hub dataset."""
@@ -273,6 +265,15 @@ def next_token_loss_sums(mcfg: ModelConfig, params: dict, mb: TokenBatch, comput
     n = mb.weights.sum()
     total = s + (aux["loss"] * n if aux is not None else 0.0)
     return LossOutput(total, s, n)
+
+
+def task_for(cfg: TrainConfig, classes: Sequence[type[Task]]) -> Task:
+    """The task that runs ``cfg``: made from the first of ``classes`` (the ones a command can run, each variant
+    before the task it varies: ``dpo train``'s KTO before DPO) whose :meth:`Task.handles` is true."""
+    for cls in classes:
+        if cls.handles(cfg):
+            return cls(cfg)
+    raise TypeError(f"none of {[c.__name__ for c in classes]} runs this config")  # a command's list: a bug
 
 
 class PretrainTask(Task):

@@ -6,10 +6,14 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from pretrain.cli import add_train_command, train_command
 from rm.config import RMConfig
 from zoo.console import run_cli
+
+if TYPE_CHECKING:
+    from pretrain.task import Task
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,16 +26,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def reward_tasks() -> tuple[type[Task], ...]:
+    """The tasks `reward train` runs (pretrain.task.task_for)."""
+    from rm.task import RewardTask  # jax and the model only once a command runs: --help stays fast
+
+    return (RewardTask,)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `reward` console script (and of `python -m rm`)."""
     args = build_parser().parse_args(argv)
 
-    def reward_task() -> type:
-        from rm.task import RewardTask  # jax and the model only once a command runs: --help stays fast
-
-        return RewardTask
-
-    return run_cli(lambda: train_command(args, RMConfig, reward_task))
+    return run_cli(lambda: train_command(args, RMConfig, reward_tasks))
 
 
 if __name__ == "__main__":

@@ -5,12 +5,16 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from pretrain import distributed
 from pretrain.cli import add_compile_flags, add_run_flags, train_command
 from pretrain.config import load_config
 from sft.config import SFTConfig
 from zoo.console import run_cli, use_color
+
+if TYPE_CHECKING:
+    from pretrain.task import Task
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,6 +85,13 @@ def _inspect_source(task, cfg, tokenizer, n: int, color: bool) -> None:
         print(f"({bad} bad rows skipped)")
 
 
+def sft_tasks() -> tuple[type[Task], ...]:
+    """The tasks `sft train` runs, each variant before the task it varies (pretrain.task.task_for)."""
+    from sft.task import SFTTask  # jax and the model only once a command runs: --help stays fast
+
+    return (SFTTask,)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `sft` console script."""
     args = build_parser().parse_args(argv)
@@ -91,12 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _inspect(load_config(args.config, list(args.overrides), SFTConfig), args.n, color)
             return None
 
-        def sft_task() -> type:
-            from sft.task import SFTTask  # jax and the model only once a command runs: --help stays fast
-
-            return SFTTask
-
-        return train_command(args, SFTConfig, sft_task)
+        return train_command(args, SFTConfig, sft_tasks)
 
     return run_cli(body)
 

@@ -98,6 +98,7 @@ def _harness_task(folder):
 def test_unknown_harness_task_of_a_training_run_is_named_before_the_model_loads(local_task_index, tmp_path,
                                                                                  monkeypatch, capsys):
     from pretrain import loop as trainer
+    from pretrain.cli import training_hooks
     from pretrain.config import load_config
 
     def loaded(*args, **kwargs):
@@ -107,7 +108,7 @@ def test_unknown_harness_task_of_a_training_run_is_named_before_the_model_loads(
     tasks = _harness_task(tmp_path)
     cfg = load_config(None, ["model.path=ckpt", "data.path=rows.jsonl", "max_steps=1", "eval_every=1",
                              "eval.tasks=[zoo_mcq]", f"eval.include_path={tasks}", f"output_dir={tmp_path / 'run'}"])
-    assert run_cli(lambda: trainer.train(cfg, progress=False)) == 2
+    assert run_cli(lambda: trainer.train(cfg, progress=False, hooks=training_hooks(cfg))) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "eval.tasks zoo_mcq: not an lm-eval task" in err, err
     assert "did you mean zoo_mc" in err

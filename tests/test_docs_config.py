@@ -73,7 +73,7 @@ def test_reference_documents_the_schema_each_cli_reads(command, monkeypatch):
     """The reference's table of commands is what each CLI passes to train_command (read by a spy, not assumed)."""
     seen: list[type] = []
 
-    def spy(args, schema=TrainConfig, task_class=None):
+    def spy(args, schema=TrainConfig, tasks=None):
         seen.append(schema)
 
     monkeypatch.setattr(CLIS[command], "train_command", spy)

@@ -12,12 +12,13 @@ import pytest
 
 import dpo.kto
 import dpo.task
+from dpo.cli import dpo_tasks
 from dpo.config import DPOConfig
 from dpo.data import CHOSEN, PROMPT, REJECTED
 from dpo.kto import KTOTask
-from dpo.task import DPOTask
 from pretrain.config import load_config
 from pretrain.jit_step import make_step
+from pretrain.task import task_for
 from tests.helpers import LookupRows, lookup_batch_logps
 from zoo.errors import UserError
 
@@ -104,7 +105,7 @@ def _step(micro: int, monkeypatch) -> dict[str, float]:
     cfg = load_config(None, ["model.path=none", "data.path=none", "max_steps=1", "dpo.reference=precomputed",
                              "dpo.loss_type=kto", f"dpo.beta={BETA}", f"dpo.desirable_weight={WD}",
                              f"dpo.undesirable_weight={WU}", "batch_size=8", f"grad_accum={micro}"], DPOConfig)
-    task = DPOTask.for_config(cfg)  # what `dpo train` builds
+    task = task_for(cfg, dpo_tasks())  # what `dpo train` builds
     assert isinstance(task, KTOTask)
     batch = LookupRows.of({k: jnp.asarray(v.reshape(micro, -1, SEQ)) for k, v in _rows().items()})
     step, _ = make_step(None, optax.sgd(0.0), jnp.float32, task=task)

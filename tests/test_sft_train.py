@@ -277,6 +277,7 @@ def test_eval_tasks_during_training_score_the_live_weights(setup, tmp_path):
     Slow (about 99 s in a loaded 2-worker baseline): whole training runs through the loop, each compiling its step
     configuration."""
     from eval.scoring import evaluate
+    from pretrain.cli import training_hooks
 
     root, tok = setup
     (tmp_path / "colours.jsonl").write_text("".join(
@@ -299,7 +300,7 @@ def test_eval_tasks_during_training_score_the_live_weights(setup, tmp_path):
     out = tmp_path / "run"
     cfg = _cfg(root, out, "max_steps=4", "eval_every=2", "lora.rank=4", "lora.alpha=8",
                f"eval.tasks={tmp_path / 'colours.yaml'},{tmp_path / 'text.yaml'},hmc", f"eval.include_path={harness}")
-    final = train(cfg, progress=False, task=SFTTask(cfg))
+    final = train(cfg, progress=False, task=SFTTask(cfg), hooks=training_hooks(cfg))  # the hooks `sft train` adds
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     scored = [r for r in recs if "eval/text/ppl" in r]
     assert [r["step"] for r in scored] == [2, 4]
