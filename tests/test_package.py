@@ -18,7 +18,8 @@ def test_console_scripts():
 
 
 # The floors: a module imports only from its own floor's package or lower ones. zoo/ is the ground floor;
-# convert/ and eval/ stand on it, pretrain/ on them (training-time evaluation), the tasks above, the main job on top.
+# convert/ and eval/ stand on it, pretrain/ on them (its commands compose eval/'s hooks; convert.hf_config), the
+# tasks above, the main job on top.
 FLOORS = {"zoo": 0, "convert": 1, "eval": 1, "pretrain": 2, "sft": 3, "distill": 3, "dpo": 4, "grpo": 4, "rm": 4,
           "demo": 5}
 DISPATCHER = "zoo.cli"  # the `zoo` command: it reaches up, lazily inside its functions, to run a command's body
@@ -82,3 +83,18 @@ def test_zoo_imports_nothing_of_the_upper_floors():
                 names = [node.module]
             for n in names:
                 assert n.split(".")[0] not in upper, f"{f.name} imports {n}"
+
+
+def test_pretrain_names_no_task_converter_or_evaluator():
+    """pretrain/ is the loop every task shares: its modules import only zoo/ and pretrain/ (and convert.hf_config's
+    model_config_from_hf, until it moves into zoo/). A command module (``*/cli.py``) composes a run, so it may reach
+    up, lazily inside its functions (the scored ``eval.tasks`` hook of eval/during_training.py)."""
+    allowed = {"zoo", "pretrain"}
+    for f in (ROOT / "pretrain").rglob("*.py"):
+        tree = ast.parse(f.read_text())
+        for node in tree.body if f.name == "cli.py" else ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
+            for n in names:
+                assert n.split(".")[0] not in set(FLOORS) - allowed or n == "convert.hf_config", \
+                    f"{f.relative_to(ROOT)} imports {n}"
