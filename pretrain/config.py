@@ -6,21 +6,18 @@ schema by subclassing it (its own config section, and a subclass of
 :func:`load_config` reads any schema alike. Unknown keys name the nearest valid
 key of that schema; wrong types name the key and the expected type; a key whose
 field metadata lists ``choices`` must be one of them, and a numeric key whose
-metadata gives a ``range`` (an interval, :func:`check_range`) must lie in it
+metadata gives a ``range`` (an interval, :func:`pretrain.config_values.check_range`) must lie in it
 (no float key may be NaN or infinite); ``--print-config`` shows the resolved
 config with defaults. Each section may check itself (``check``).
 
 An override indexes a list with ``[N]``: ``data.path[1].weight=0.5`` sets the
-weight of a mixture's second source (:func:`load_config`).
+weight of a mixture's second source (:func:`load_config`, :mod:`pretrain.config_overrides`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
-import re
-import types
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,6 +26,8 @@ from typing import Any, ClassVar, cast
 
 import yaml
 
+from pretrain.config_overrides import set_override
+from pretrain.config_values import check_field, coerce, field_type, schema_keys
 from zoo.errors import UserError
 from zoo.model.config import ATTENTION_KERNELS
 
@@ -130,8 +129,8 @@ def _source_list(key: str, value: list, source_class: type[DataSource]) -> list[
                 near = difflib.get_close_matches(str(k), list(fields), n=1, cutoff=0.6)
                 hint = f"; did you mean '{at}.{near[0]}'?" if near else f"; valid keys: {', '.join(fields)}"
                 raise UserError(f"unknown config key '{at}.{k}'{hint}")
-            src[k] = _coerce(f"{at}.{k}", v, hints[k])
-            _check_field(f"{at}.{k}", src[k], fields[k])
+            src[k] = coerce(f"{at}.{k}", v, hints[k])
+            check_field(f"{at}.{k}", src[k], fields[k])
         if not src.get("path"):
             raise UserError(f"config key '{at}.path' is missing; each source needs a path")
         if src.get("name") is not None:
@@ -271,98 +270,6 @@ class TrainConfig:
             raise UserError("eval.tasks are scored every eval_every steps; set eval_every (e.g. eval_every=100)")
 
 
-def _keys(cls: type, prefix: str = "") -> list[str]:
-    out = []
-    for f in dataclasses.fields(cls):
-        t = _resolve(cls, f.name)
-        if dataclasses.is_dataclass(t):
-            out += _keys(cast(type, t), f"{prefix}{f.name}.")
-        else:
-            out.append(prefix + f.name)
-    return out
-
-
-def _resolve(cls: type, name: str) -> Any:
-    return typing.get_type_hints(cls)[name]
-
-
-def _type_name(t: Any) -> str:
-    args = [a for a in typing.get_args(t) if a is not type(None)]
-    base = args[0] if args else t
-    name = getattr(base, "__name__", str(base))
-    return f"{name} or null" if type(None) in typing.get_args(t) else name
-
-
-def _coerce(key: str, value: Any, t: Any) -> Any:
-    optional = type(None) in typing.get_args(t)
-    if value is None:
-        if optional:
-            return None
-        raise UserError(f"config key '{key}' must be {_type_name(t)}, not null")
-    base = next((a for a in typing.get_args(t) if a is not type(None)), t) if isinstance(t, types.UnionType) else t
-    try:
-        if base is bool:
-            if isinstance(value, bool):
-                return value
-            if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
-                return value.lower() in ("true", "yes", "1")
-            raise ValueError
-        if base is int:
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                raise ValueError
-            return int(value)
-        if base is float:
-            if isinstance(value, bool):
-                raise ValueError
-            number = float(value)  # also "3e-4", which YAML 1.1 reads as a string
-            if not math.isfinite(number):  # no key means anything by NaN or infinity: they ruin a run silently
-                raise UserError(f"config key '{key}' must be a finite number, got {value!r}")
-            return number
-        if base is str:
-            if isinstance(value, (dict, list)):
-                raise ValueError
-            return str(value)
-    except (TypeError, ValueError, OverflowError):  # OverflowError: int(.inf)
-        raise UserError(f"config key '{key}' must be {_type_name(t)}, got {value!r}") from None
-    return value
-
-
-_INTERVAL = re.compile(r"^([\[(])\s*([^,\s]+)\s*,\s*([^\])\s]+)\s*([\])])$")
-
-
-def check_range(key: str, value: float, interval: str, why: str = "") -> None:
-    """A UserError unless ``value`` lies in ``interval`` (``"[0, 1)"``, ``"(0, inf)"``: brackets closed, parentheses
-    open); the message names the key, the allowed range (and ``why``, when given) and the value."""
-    m = _INTERVAL.match(interval)
-    if m is None:
-        raise ValueError(f"{key}: bad range {interval!r} in the schema")
-    lo, hi = float(m[2]), float(m[3])
-    above = lo < value if m[1] == "(" else lo <= value
-    below = value < hi if m[4] == ")" else value <= hi
-    if not (above and below):
-        reason = f" ({why})" if why else ""
-        raise UserError(f"config key '{key}' must be {_range_words(m[1], lo, hi, interval)}{reason}, got {value!r}")
-
-
-def _range_words(opening: str, lo: float, hi: float, interval: str) -> str:
-    """An interval as the errors say it: "positive", "at least 1", or "in [0, 1)"."""
-    if hi != math.inf:
-        return f"in {interval}"
-    if opening == "(":
-        return "positive" if lo == 0 else f"greater than {lo:g}"
-    return f"at least {lo:g}"
-
-
-def _check_field(key: str, value: Any, f: dataclasses.Field) -> None:
-    """The value of field ``f`` (already of its type) among its ``choices`` and in its ``range`` (null passes)."""
-    choices = f.metadata.get("choices")
-    if choices and value not in choices:
-        raise UserError(f"config key '{key}' is {value!r}; choose one of {', '.join(choices)}")
-    interval = f.metadata.get("range")
-    if interval and isinstance(value, (int, float)) and not isinstance(value, bool):
-        check_range(key, value, interval, f.metadata.get("why", ""))
-
-
 def _build(cls: type, data: dict[str, Any], prefix: str = "", root: type | None = None) -> Any:
     root = root or cls
     kwargs = {}
@@ -370,11 +277,11 @@ def _build(cls: type, data: dict[str, Any], prefix: str = "", root: type | None 
     for k, v in data.items():
         key = prefix + str(k)
         if k not in fields:
-            valid = _keys(root)
+            valid = schema_keys(root)
             near = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
             hint = f"; did you mean '{near[0]}'?" if near else f"; valid keys: {', '.join(valid)}"
             raise UserError(f"unknown config key '{key}'{hint}")
-        t = _resolve(cls, k)
+        t = field_type(cls, k)
         if key == "data.path" and isinstance(v, list):  # a mixture of sources
             kwargs[k] = _source_list(key, v, cast(Any, cls).source_class)
             continue
@@ -385,66 +292,9 @@ def _build(cls: type, data: dict[str, Any], prefix: str = "", root: type | None 
                 raise UserError(f"config key '{key}' must be a mapping of its sub-keys, got {v!r}")
             kwargs[k] = _build(cast(type, t), v, key + ".", root)
         else:
-            kwargs[k] = _coerce(key, v, t)
-            _check_field(key, kwargs[k], fields[k])
+            kwargs[k] = coerce(key, v, t)
+            check_field(key, kwargs[k], fields[k])
     return cls(**kwargs)
-
-
-_PART = re.compile(r"([^\[\]]+)(?:\[(\d+)\])?")  # `weight`, or `path[1]`: a list item
-
-
-def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
-    """Put an override's ``value`` at ``dotted`` in ``tree``, making mappings on the way; ``name[N]`` is item N of
-    a list the tree already holds (``data.path[1].weight``: the weight of a mixture's second source)."""
-    parts = dotted.split(".")
-    node = tree
-    for n, part in enumerate(parts):
-        m = _PART.fullmatch(part)
-        if m is None:
-            raise UserError(f"override {dotted!r}: write a list item as name[N] (N = 0, 1, ...), e.g. "
-                            "data.path[1].weight=0.5")
-        name, index = m[1], m[2]
-        key = ".".join([*parts[:n], name])
-        last = n == len(parts) - 1
-        if not last and index is None and parts[n + 1].isdigit():  # `data.path.1.weight`
-            raise UserError(f"override {dotted!r}: index a list as {key}[{parts[n + 1]}], e.g. "
-                            f"{key}[{parts[n + 1]}]{''.join('.' + q for q in parts[n + 2:])}=...")
-        if index is not None:
-            items, i = _list_of(node, name, int(index), key, dotted), int(index)
-            if last:
-                items[i] = value
-                return
-            if isinstance(items[i], str) and key == "data.path":  # a source given as a plain path
-                items[i] = {"path": items[i]}
-            if not isinstance(items[i], dict):
-                raise UserError(f"override {dotted!r}: {key}[{i}] is {items[i]!r}, not a mapping of keys")
-            node = items[i]
-            continue
-        if last:
-            node[name] = value
-            return
-        nxt = node.get(name)
-        if isinstance(nxt, str) and key == "model":
-            nxt = {"path": nxt}
-        if isinstance(nxt, list):
-            raise UserError(f"override {dotted!r}: {key} is a list; name one of its {len(nxt)} items as {key}[N], "
-                            f"e.g. {key}[0].{parts[n + 1]}=...")
-        if not isinstance(nxt, dict):
-            nxt = {}
-        node[name] = nxt
-        node = nxt
-
-
-def _list_of(node: dict[str, Any], name: str, index: int, key: str, dotted: str) -> list[Any]:
-    """The list ``node[name]`` that an override's ``key[index]`` names, checked to hold item ``index``."""
-    items = node.get(name)
-    if not isinstance(items, list):
-        raise UserError(f"override {dotted!r}: {key} is {'unset' if items is None else repr(items)}, not a list; "
-                        "[N] names an item of a list that the config file (or an earlier override) sets")
-    if not 0 <= index < len(items):
-        span = f" (index 0 to {len(items) - 1})" if items else ""
-        raise UserError(f"override {dotted!r}: {key} has {len(items)} items{span}, no item {index}")
-    return items
 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = (),
@@ -470,7 +320,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (),
             value = yaml.safe_load(raw) if raw else ""
         except (yaml.YAMLError, ValueError):  # ValueError: YAML reads 2025-13-40 as a date, and fails
             value = raw
-        _set(tree, key.strip(), value)
+        set_override(tree, key.strip(), value)
     cfg = _build(schema or TrainConfig, tree)
     cfg.check()
     return cfg
@@ -479,7 +329,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (),
 def config_keys(schema: type[TrainConfig] | None = None) -> list[str]:
     """Every dotted config key of ``schema`` (default :class:`TrainConfig`; ``data.seq_len``, ...), in declaration
     order."""
-    return _keys(schema or TrainConfig)
+    return schema_keys(schema or TrainConfig)
 
 
 def to_yaml(cfg: TrainConfig) -> str:

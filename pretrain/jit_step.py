@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -53,7 +54,28 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any,
     updates made so far) as ``step`` in the train step; evaluation passes None.
     """
     task = task or PretrainTask()
-    dropout = lora_scale is not None and lora_dropout > 0
+    loss_of = _loss_of(task, mcfg, compute, remat, lora_scale, lora_dropout)
+    step = _train_step(task, tx, loss_of, seed if lora_scale is not None and lora_dropout > 0 else None)
+
+    def evaluate(params: dict, batch: Any, frozen: Any = None, frozen_inputs: Any = None) -> LossOutput:
+        return loss_of(params, batch, frozen, frozen_inputs, totals=task.batch_totals(batch))
+
+    if state_sharding is None:
+        return compile_then_trim(jax.jit(step, donate_argnums=0)), compile_then_trim(jax.jit(evaluate))
+    replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
+    mesh = batch_sharding.mesh
+    platform = mesh.devices.flat[0].platform  # the mesh's, not the default backend's
+    step_jit = compile_then_trim(jax.jit(
+        step, donate_argnums=0,
+        in_shardings=(state_sharding, batch_sharding, frozen_sharding, frozen_inputs_sharding),
+        out_shardings=(state_sharding, replicated)), platform, mesh)
+    return ShardedStep(step_jit), compile_then_trim(jax.jit(evaluate, out_shardings=replicated), platform, mesh)
+
+
+def _loss_of(task: Task, mcfg: ModelConfig, compute: Any, remat: str, lora_scale: float | None,
+             lora_dropout: float) -> Callable[..., LossOutput]:
+    """The task's loss of a micro-batch as a function of the trained weights: the whole model's, or with
+    ``lora_scale`` LoRA's adapters on the frozen base (the third argument), dropout drawn from ``rng``."""
 
     def loss_of(trainable: dict, mb: Any, frozen: Any, frozen_inputs: Any = None,
                 rng: jax.Array | None = None, totals: Any = None,
@@ -64,19 +86,25 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any,
         return task.loss_sums(mcfg, frozen, mb, compute, remat, lora=trainable, lora_scale=lora_scale,
                               lora_dropout=lora_dropout, dropout_rng=rng, **kw)
 
+    return loss_of
+
+
+def _train_step(task: Task, tx: optax.GradientTransformation, loss_of: Callable[..., LossOutput],
+                dropout_seed: int | None) -> Callable[..., tuple[dict, dict]]:
+    """The train step (not yet jitted): gradients of ``loss_of`` accumulated over the batch's micro-batches,
+    divided by the global batch's count, one optimizer update; LoRA dropout keys from ``dropout_seed`` (None: no
+    dropout)."""
+
     def objective(*args: Any) -> tuple[jax.Array, LossOutput]:
         out = loss_of(*args)
         return out.objective, out
 
     def dropout_rngs(step_number: jax.Array, micro_batches: int) -> jax.Array | None:
         """One dropout key per micro-batch of this step ([micro_batches]), or None without dropout."""
-        if not dropout:
+        if dropout_seed is None:
             return None
-        key = jax.random.fold_in(jax.random.key(seed), step_number)
+        key = jax.random.fold_in(jax.random.key(dropout_seed), step_number)
         return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(micro_batches))
-
-    def evaluate(params: dict, batch: Any, frozen: Any = None, frozen_inputs: Any = None) -> LossOutput:
-        return loss_of(params, batch, frozen, frozen_inputs, totals=task.batch_totals(batch))
 
     def step(state: dict, batch: Any, frozen: Any = None, frozen_inputs: Any = None) -> tuple[dict, dict]:
         grad_fn = jax.value_and_grad(objective, has_aux=True)
@@ -113,16 +141,7 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any,
                    "padding": 1.0 - (batch.segment_ids != 0).mean(), "task": out.means(n)}
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
-    if state_sharding is None:
-        return compile_then_trim(jax.jit(step, donate_argnums=0)), compile_then_trim(jax.jit(evaluate))
-    replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
-    mesh = batch_sharding.mesh
-    platform = mesh.devices.flat[0].platform  # the mesh's, not the default backend's
-    step_jit = compile_then_trim(jax.jit(
-        step, donate_argnums=0,
-        in_shardings=(state_sharding, batch_sharding, frozen_sharding, frozen_inputs_sharding),
-        out_shardings=(state_sharding, replicated)), platform, mesh)
-    return ShardedStep(step_jit), compile_then_trim(jax.jit(evaluate, out_shardings=replicated), platform, mesh)
+    return step
 
 
 class ShardedStep:
