@@ -92,6 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return None
 
         def sft_task() -> type:
+            import sft.gkd  # noqa: F401  (GKD's tasks: SFTTask.for_config picks one for distill.teacher)
             from sft.task import SFTTask  # jax and the model only once a command runs: --help stays fast
 
             return SFTTask
