@@ -23,7 +23,7 @@ dataset's completion tokens.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -31,11 +31,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from distill.batch import DistillBatch
 from eval.generate import Sampler
-from eval.rollout import RolloutSpec, assemble, sample_group_completions
-from pretrain.batch import DistillBatch, Rollout
+from eval.rollout import RolloutEngine, RolloutSpec, assemble
+from pretrain.batch import Rollout
 from zoo.model.config import ModelConfig
-from zoo.model.quant import cast_params
 
 STREAM = 0x676B64  # folded into the seed: sampling keys and coins of their own (GRPO's and dropout's differ)
 
@@ -72,7 +72,7 @@ def dataset_rows(rows: dict[str, jax.Array], width: int) -> dict[str, jax.Array]
 
 @dataclass
 class Sampling:
-    """The compiled pieces of GKD's sampled batches for one run (built by :meth:`SFTTask.prepare`)."""
+    """The compiled pieces of GKD's sampled batches for one run (built by the SFT task's GKD variant, sft/gkd.py)."""
 
     student: ModelConfig
     teacher: ModelConfig
@@ -85,26 +85,32 @@ class Sampling:
     compute: Any
     mesh: jax.sharding.Mesh
     lora_scale: Any = None
+    batch_sharding: NamedSharding = field(init=False)
+    # The student's and the teacher's samplers (eval.rollout.RolloutEngine), and their jitted programs:
+    # (weights, adapters, key, rows, micro-batch index) -> (completions, their log-probabilities, lengths).
+    engines: dict[str, RolloutEngine] = field(init=False)
+    programs: dict[str, Any] = field(init=False)
+    _sampled: Any = field(init=False)
+    _dataset: Any = field(init=False)
+    _stack: Any = field(init=False)
 
     def __post_init__(self) -> None:
-        a, m = self.shape
         width = self.seq_len + self.spec.new_tokens
         rows_sharding = NamedSharding(self.mesh, PartitionSpec(("data", "fsdp"), None))
         self.batch_sharding = NamedSharding(self.mesh, PartitionSpec(None, ("data", "fsdp"), None))
 
-        def sample(mcfg: ModelConfig, params: dict, lora: dict | None, rows: dict, a: jax.Array, key: jax.Array):
-            tok, valid = prompts(rows["tokens"][a], rows["loss_mask"][a], rows["tokens_segment_ids"][a])
-            return sample_group_completions(mcfg, cast_params(params, self.compute), tok, valid, self.spec, key,
-                                            lora, self.lora_scale, mesh=self.mesh)[::2]
+        def prompts_of(rows: dict, a: jax.Array) -> tuple[jax.Array, jax.Array]:
+            return prompts(rows["tokens"][a], rows["loss_mask"][a], rows["tokens_segment_ids"][a])
 
         def sampled(rows: dict, a: jax.Array, completions: jax.Array, lengths: jax.Array) -> dict:
-            tok, valid = prompts(rows["tokens"][a], rows["loss_mask"][a], rows["tokens_segment_ids"][a])
+            tok, valid = prompts_of(rows, a)
             out = assemble(tok, valid, completions, lengths, {}, {}, valid.any(-1))
             out["data_weights"] = dataset_rows({k: v[a] for k, v in rows.items()}, width)["weights"]
             return out
 
-        self._student = jax.jit(lambda *x: sample(self.student, *x))
-        self._teacher = jax.jit(lambda p, *x: sample(self.teacher, p, None, *x))
+        self.engines = {"sampler": RolloutEngine(self.student, self.compute, self.mesh, self.lora_scale),
+                        "teacher_sampler": RolloutEngine(self.teacher, self.compute, self.mesh)}
+        self.programs = {k: e.program(self.spec, prompts_of) for k, e in self.engines.items()}
         self._sampled = jax.jit(sampled, out_shardings=rows_sharding)
         self._dataset = jax.jit(lambda rows, a: dataset_rows({k: v[a] for k, v in rows.items()}, width),
                                 out_shardings=rows_sharding)
@@ -122,20 +128,15 @@ class Sampling:
         i = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
         key = jax.eval_shape(lambda: jax.random.key(0))
         key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated)
-        out = {"sampler": self._student.lower(base, lora, rows, i, key)}
+        out = {"sampler": self.programs["sampler"].lower(base, lora, key, rows, i)}
         if self.seq_kd:
-            out["teacher_sampler"] = self._teacher.lower(teacher, rows, i, key)
+            out["teacher_sampler"] = self.programs["teacher_sampler"].lower(teacher, None, key, rows, i)
         return out
 
     def kv_cache_bytes(self) -> dict[str, int]:
         """Bytes a chip holds of each sampler's KV cache (:meth:`lowered`'s programs)."""
-        from zoo.model.decode import kv_cache_bytes
-
-        slots = self.seq_len + 1 + self.spec.new_tokens
-        out = {"sampler": kv_cache_bytes(self.student, self.shape[1], slots, self.compute, self.mesh)}
-        if self.seq_kd:
-            out["teacher_sampler"] = kv_cache_bytes(self.teacher, self.shape[1], slots, self.compute, self.mesh)
-        return out
+        names = ("sampler", "teacher_sampler") if self.seq_kd else ("sampler",)
+        return {k: self.engines[k].kv_cache_bytes(self.shape[1], self.seq_len + 1, self.spec) for k in names}
 
     def key(self, step: int, a: int) -> jax.Array:
         """The sampling key of micro-batch ``a`` of loop step ``step``."""
@@ -155,9 +156,9 @@ class Sampling:
             if on[a] or self.seq_kd:
                 g0 = time.perf_counter()
                 if on[a]:
-                    completions, n = self._student(base, lora, rows, i, self.key(step, a))
+                    completions, _, n = self.programs["sampler"](base, lora, self.key(step, a), rows, i)
                 else:
-                    completions, n = self._teacher(teacher, rows, i, self.key(step, a))
+                    completions, _, n = self.programs["teacher_sampler"](teacher, None, self.key(step, a), rows, i)
                 lengths.append(np.asarray(jax.device_get(n)))
                 gen += time.perf_counter() - g0
                 parts.append(self._sampled(rows, i, completions, n))

@@ -14,10 +14,15 @@ step, so the same step of the same run draws the same tokens.
 padding removed) and computes the model batch: inputs, targets, segments,
 positions, the trained completion tokens as weights, and per-token arrays
 aligned with the targets (advantages, the sampler's log-probabilities).
+
+:class:`RolloutEngine` is the sampler of online training (GRPO's rollouts,
+GKD's sampled completions): its programs run :func:`sample_group_completions`
+on the weights as the train step computes with them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -28,7 +33,8 @@ from jax.sharding import Mesh
 
 from eval.generate import Sampler, sample_next
 from zoo.model.config import ModelConfig
-from zoo.model.decode import Cache, cache_shardings, forward_step, init_cache
+from zoo.model.decode import Cache, cache_shardings, forward_step, init_cache, kv_cache_bytes
+from zoo.model.quant import cast_params
 
 VIEW_BLOCK = 16  # decoding steps per block of the rollout's loop: each block reads the cache slots it can have filled
 
@@ -125,6 +131,34 @@ def sample_group_completions(cfg: ModelConfig, params: dict, tokens: jax.Array, 
     lengths = jnp.where(ended.any(1), first_end + 1, t).astype(jnp.int32)
     keep = jnp.arange(t)[None] < lengths[:, None]
     return jnp.where(keep, out, 0), jnp.where(keep, out_logp, 0.0), lengths
+
+
+class RolloutEngine:
+    """One model's sampler for online training: jitted programs that complete a batch of prompts (G completions
+    each, :func:`sample_group_completions`) from the weights as the train step computes with them (cast to
+    ``compute``, LoRA adapters beside with ``lora_scale``), the KV cache laid out on ``mesh`` as the step's
+    batch is."""
+
+    def __init__(self, mcfg: ModelConfig, compute: Any, mesh: Mesh, lora_scale: float | jax.Array | None = None):
+        self.mcfg, self.compute, self.mesh, self.lora_scale = mcfg, compute, mesh, lora_scale
+
+    def program(self, spec: RolloutSpec, prompts: Callable[..., tuple[jax.Array, jax.Array]],
+                key_of: Callable[[Any], jax.Array] = lambda key: key) -> Any:
+        """The jitted ``(base, lora, key_input, *inputs) -> (completions, sampler log-probabilities, lengths)``:
+        ``prompts(*inputs)`` gives the right-padded prompts and their valid mask ([B, P] each: how a task's
+        rows hold them), ``key_of(key_input)`` the sampling key (derived inside the program: a step number, say);
+        ``lora``: the adapters (None: the base alone)."""
+
+        def run(base: dict, lora: dict | None, key_input: Any, *inputs: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+            tokens, valid = prompts(*inputs)
+            return sample_group_completions(self.mcfg, cast_params(base, self.compute), tokens, valid, spec,
+                                            key_of(key_input), lora, self.lora_scale, mesh=self.mesh)
+
+        return jax.jit(run)
+
+    def kv_cache_bytes(self, rows: int, prompt: int, spec: RolloutSpec) -> int:
+        """Bytes a chip holds of a program's KV cache for ``rows`` rows of ``prompt``-token prompts."""
+        return kv_cache_bytes(self.mcfg, rows, prompt + spec.new_tokens, self.compute, self.mesh)
 
 
 def assemble(tokens: jax.Array, valid: jax.Array, completions: jax.Array, lengths: jax.Array,

@@ -26,7 +26,7 @@ from eval.generate import Sampler
 from eval.turns import CachedTurns
 from grpo.config import GRPOConfig
 from grpo.episodes import Episode, EpisodeSettings, run_episodes, tool_suffix
-from grpo.tool_calls import parser_for
+from grpo.tool_calls import Parser, parser_for
 from grpo.tools import Environments
 from sft.chat import ChatTemplate, render, template_text
 from sft.formats import BadRow
@@ -75,6 +75,22 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
             "turns/clipped_ratio": float(np.mean([t.truncated for t in turns])) if turns else 0.0}
 
 
+@dataclass
+class Prepared:
+    """What :meth:`Agent.prepare` set up for a run's tokenizer, template and model: the template's source, the
+    tool-call parser and the tools' suffix, and the sampler's settings."""
+
+    tokenizer: Any
+    template: ChatTemplate
+    source: str
+    mcfg: ModelConfig
+    sampler: Sampler
+    compute: Any
+    eos_ids: tuple[int, ...]
+    parser: Parser
+    suffix: Callable[[dict[str, Any], list[dict[str, Any]]], list[int]]
+
+
 class Agent:
     """What a GRPO run with ``grpo.tools`` or ``grpo.environment`` needs to run episodes (module docstring)."""
 
@@ -83,16 +99,19 @@ class Agent:
         self.tools, self.environments = tools, environments
         if self.g.tool_parser != "auto":  # a name or a function: said before the model loads
             parser_for(self.g.tool_parser, "")
+        self.ready: Prepared | None = None  # set up by prepare
 
     def prepare(self, tokenizer: Any, template: ChatTemplate, mcfg: ModelConfig, eos_ids: tuple[int, ...],
                 sampler: Sampler, compute: Any) -> None:
         """The parser and the tools' suffix for this tokenizer and template (one-line errors before step 1)."""
-        self.tokenizer, self.template, self.mcfg = tokenizer, template, mcfg
-        self.source = template_text(tokenizer, template)
-        self.sampler, self.compute, self.eos_ids = sampler, compute, eos_ids
-        self.parser = parser_for(self.g.tool_parser, self.source)
-        self.suffix = tool_suffix(tokenizer, lambda msgs, gen: render(tokenizer, msgs, template, self.source, gen),
-                                  eos_ids)
+        source = template_text(tokenizer, template)
+        parser = parser_for(self.g.tool_parser, source)
+        suffix = tool_suffix(tokenizer, lambda msgs, gen: render(tokenizer, msgs, template, source, gen), eos_ids)
+        self.ready = Prepared(tokenizer, template, source, mcfg, sampler, compute, eos_ids, parser, suffix)
+
+    def _ready(self) -> Prepared:
+        assert self.ready is not None, "prepare first"
+        return self.ready
 
     def tool_functions(self, instance: Any, name: str | None) -> list[Callable]:
         """The functions a rollout may call: ``grpo.tools`` and its environment instance's methods."""
@@ -119,8 +138,9 @@ class Agent:
         if not (isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt)):
             raise BadRow("episodes with tools need a conversational prompt (a list of messages), got "
                          f"{type(prompt).__name__}")
-        text = render(self.tokenizer, prompt, self.template, self.source, True, tools or None)
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        p = self._ready()
+        text = render(p.tokenizer, prompt, p.template, p.source, True, tools or None)
+        ids = p.tokenizer(text, add_special_tokens=False)["input_ids"]
         return ids[-self.cfg.data.seq_len:]
 
     def run(self, base: dict, lora: Any, scale: Any, rows: list[dict[str, Any]], key: jax.Array,
@@ -148,10 +168,11 @@ class Agent:
             tool_maps.append({f.__name__: f for f in fns})
         width = self.cfg.data.seq_len + 1
         budget = self.g.max_completion_length
-        decoder = CachedTurns(self.mcfg, base, sampler or self.sampler, self.eos_ids, budget, key, lora, scale,
-                              self.compute)
-        settings = EpisodeSettings(budget, self.g.max_turns, self.eos_ids, float(self.g.tool_timeout), self.parser,
-                                   lambda t: self.tokenizer.decode(t, skip_special_tokens=False), self.suffix)
+        ready = self._ready()
+        decoder = CachedTurns(ready.mcfg, base, sampler or ready.sampler, ready.eos_ids, budget, key, lora, scale,
+                              ready.compute)
+        settings = EpisodeSettings(budget, self.g.max_turns, ready.eos_ids, float(self.g.tool_timeout), ready.parser,
+                                   lambda t: ready.tokenizer.decode(t, skip_special_tokens=False), ready.suffix)
         finished = [lambda e=e: bool(getattr(e, "done", False)) for e in instances]  # an environment's own end
         episodes = run_episodes(decoder, ids, width, tool_maps, settings, finished)
         b = len(rows)

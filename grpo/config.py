@@ -19,9 +19,12 @@ from zoo.errors import UserError
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
 SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_LEVELS = ("token", "sequence")
-# how a completion's advantage is estimated (grpo/losses.py): GRPO's group-relative one, RLOO's leave-one-out
-# (TRL's RLOOTrainer, its own loss), REINFORCE++ with or without its group-mean baseline (OpenRLHF)
-ADVANTAGES = ("group", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+# how a completion's advantage is estimated (grpo/advantages.py, one class by each name): GRPO's group-relative
+# one, RLOO's leave-one-out (TRL's RLOOTrainer, its own loss), REINFORCE++ with or without its group-mean baseline
+# (OpenRLHF); with the keys of its own each reads
+ESTIMATOR_KEYS = {"group": (), "rloo": ("reward_clip_range", "normalize_advantages"),
+                  "reinforce_pp": ("reward_clip_range",), "reinforce_pp_baseline": ("reward_clip_range",)}
+ADVANTAGES = tuple(ESTIMATOR_KEYS)
 
 
 @dataclass
@@ -119,10 +122,10 @@ class GrpoSection:
             if not (isinstance(r, list) and len(r) == 2 and all(isinstance(x, (int, float)) for x in r)
                     and r[0] < r[1]):
                 raise UserError(f"grpo.reward_clip_range must be [low, high] with low < high, got {r}")
-            if self.advantage == "group":
+            if "reward_clip_range" not in ESTIMATOR_KEYS[self.advantage]:
                 raise UserError("grpo.reward_clip_range is read by grpo.advantage rloo, reinforce_pp and "
                                 "reinforce_pp_baseline; remove it, or choose one of them")
-        if self.normalize_advantages and self.advantage != "rloo":
+        if self.normalize_advantages and "normalize_advantages" not in ESTIMATOR_KEYS[self.advantage]:
             raise UserError("grpo.normalize_advantages is RLOO's (grpo.advantage: rloo); group advantages are "
                             "scaled by grpo.scale_rewards and REINFORCE++'s are always whitened")
 

@@ -28,20 +28,17 @@ from grpo.config import GRPOConfig
 from grpo.rewards import RewardSet, reward_metrics
 from pretrain.task import RowSource
 from zoo.data.batching import Document, replicated_batch
-from zoo.lora.adapters import LoraConfig
 
 
 class Completes(Protocol):
-    """What of :class:`grpo.task.GRPOTask` the held-out evaluation reads (the task imports this module)."""
+    """What of :class:`grpo.rollouts.Rollouts` the held-out evaluation reads."""
 
     cfg: GRPOConfig
-    lora_cfg: LoraConfig | None
+    lora: bool  # the trained params are LoRA adapters (beside the frozen base)
     batch_shape: tuple[int, int]
     group_size: int
     replicated: Any
     rewards: RewardSet
-
-    def eval_rows(self, source: RowSource | None) -> RowSource: ...
 
     def complete(self, base: dict, lora: Any, rows: dict[str, Any], step: int, source: RowSource,
                  mode: str = "train") -> Any: ...
@@ -52,13 +49,12 @@ def _std(x: np.ndarray) -> float:
 
 
 def held_out_metrics(task: Completes, params: dict, frozen: dict | None, docs: list[Document],
-                     source: RowSource | None, step: int) -> dict[str, float]:
-    """The held-out prompts' metrics at ``step`` (module docstring); ``source``: the training rows (what
-    ``data.eval_fraction`` holds out of), ``docs``: the held-out prompts' documents."""
+                     rows_source: RowSource, step: int) -> dict[str, float]:
+    """The held-out prompts' metrics at ``step`` (module docstring); ``rows_source``: the rows they come from,
+    ``docs``: the held-out prompts' documents."""
     cfg = task.cfg
-    rows_source = task.eval_rows(source)
-    lora = params if task.lora_cfg is not None else None
-    base = frozen if task.lora_cfg is not None else params
+    lora = params if task.lora else None
+    base = frozen if task.lora else params
     shape = task.batch_shape
     b = shape[0] * shape[1]
     width = cfg.data.seq_len + 1
@@ -84,10 +80,10 @@ def held_out_metrics(task: Completes, params: dict, frozen: dict | None, docs: l
             keep = n * group
             totals.append(done.total[:keep])
             per_fns.append(done.per_fn[:keep])
-            lengths.append(done.n_model[:keep])
-            ended.append(done.ended[:keep])
-            if done.episodes is not None:
-                episodes += done.episodes.episodes[:keep]
+            lengths.append(done.drawn.n_model[:keep])
+            ended.append(done.drawn.ended[:keep])
+            if done.drawn.episodes is not None:
+                episodes += done.drawn.episodes.episodes[:keep]
         total, per_fn = np.concatenate(totals), np.concatenate(per_fns)
         m: dict[str, Any] = {
             "reward": float(total.mean()),

@@ -55,7 +55,11 @@ class RewardModelScorer:
                             "`reward train` (or convert a *ForSequenceClassification)")
         name = self.path.parent.name if self.path.name == "final" else self.path.name
         self.__name__ = f"rm_{name}"  # its name in the logs: rewards/rm_NAME/mean
+        # Set by prepare: the weights, the tokenizer, whether the base is the policy's, the jitted scorer.
         self.params: Any = None
+        self.tokenizer: Any = None
+        self.shares_base = False
+        self._score: Any = None
 
     def prepare(self, mesh: Any, compute: Any, shared: SharedBase | None = None) -> None:
         """Load the weights on ``mesh`` and the tokenizer, once; only the adapters where the reward model's base is

@@ -100,38 +100,6 @@ class RewardBatch(PairBatch):
         return {**PairBatch.dtypes(), "margin": FLOAT}
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RolloutBatch(TokenBatch):
-    """Prompt + completion rows of an online rollout (eval/rollout.py): the sampler's per-token
-    log-probabilities, each row's advantage (broadcast over its tokens), and, when computed, the policy's
-    before the update (``old_logps``) and the reference's (``ref_logps``)."""
-
-    sampler_logps: Any
-    advantages: Any
-    old_logps: Any = None
-    ref_logps: Any = None
-
-    @classmethod
-    def dtypes(cls) -> dict[str, Any]:
-        return {**TokenBatch.dtypes(), "sampler_logps": FLOAT, "advantages": FLOAT, "old_logps": FLOAT,
-                "ref_logps": FLOAT}
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DistillBatch(TokenBatch):
-    """On-policy distillation rows (distill/online.py): the dataset's row, or its prompt with a sampled completion,
-    and ``data_weights``, the dataset row's own target weights whatever the row now holds (TRL counts the batch's
-    target tokens before sampling: its loss divides by them)."""
-
-    data_weights: Any = None
-
-    @classmethod
-    def dtypes(cls) -> dict[str, Any]:
-        return {**TokenBatch.dtypes(), "data_weights": FLOAT}
-
-
 @dataclass
 class Rollout:
     """What an online task's :meth:`Task.rollout` made for one step: the model batch the step trains on, the

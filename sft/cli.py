@@ -87,9 +87,10 @@ def _inspect_source(task, cfg, tokenizer, n: int, color: bool) -> None:
 
 def sft_tasks() -> tuple[type[Task], ...]:
     """The tasks `sft train` runs, each variant before the task it varies (pretrain.task.task_for)."""
-    from sft.task import SFTTask  # jax and the model only once a command runs: --help stays fast
+    from sft.gkd import GKDTask, OnlineGKDTask  # jax and the model only once a command runs: --help stays fast
+    from sft.task import SFTTask
 
-    return (SFTTask,)
+    return (OnlineGKDTask, GKDTask, SFTTask)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

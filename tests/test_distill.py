@@ -9,6 +9,8 @@ import pytest
 from distill.config import DistillSection, check_same_tokenizer
 from distill.losses import jsd_sum_count
 from pretrain.config import load_config
+from pretrain.task import task_for
+from sft.cli import sft_tasks  # the tasks `sft train` picks from: a GKD variant for distill.teacher
 from sft.config import SFTConfig
 from zoo.errors import UserError
 
@@ -72,9 +74,8 @@ def test_step_loss_and_gradient_equal_trl_in_micro_batches(monkeypatch) -> None:
     import optax
 
     import zoo.model.decoder
-    from pretrain.batch import DistillBatch
+    from distill.batch import DistillBatch
     from pretrain.jit_step import make_step
-    from sft.task import SFTTask
 
     rng = np.random.default_rng(2)
     rows, t, v, beta = 4, 5, 7, 0.3
@@ -101,7 +102,7 @@ def test_step_loss_and_gradient_equal_trl_in_micro_batches(monkeypatch) -> None:
     monkeypatch.setattr(zoo.model.decoder, "forward", fake_forward)
     cfg = load_config(None, ["model.path=none", "data.path=none", "max_steps=1", "distill.teacher=t",
                              "distill.lmbda=0.5", f"distill.beta={beta}"], SFTConfig)
-    task = SFTTask(cfg)
+    task = task_for(cfg, sft_tasks())
     slope = (want(1e-4) - want(-1e-4)) / 2e-4
     for micro in (1, 2, 4):
         arrays = {"inputs": ids, "targets": ids, "weights": weights, "segment_ids": np.ones_like(ids),
@@ -191,7 +192,6 @@ def test_sft_train_with_a_deeper_wider_teacher(dpo_models, tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 
     from pretrain.loop import train
-    from sft.task import SFTTask
     from tests.helpers import hf_logits, read_metrics, write_jsonl
 
     root, tok, _ = dpo_models
@@ -199,9 +199,9 @@ def test_sft_train_with_a_deeper_wider_teacher(dpo_models, tmp_path) -> None:
     rows = [{"prompt": "colour red:", "completion": " red"}, {"prompt": "the cat", "completion": " sat on the mat"}]
     write_jsonl(tmp_path / "pc.jsonl", rows)
     cfg = _distill_cfg(root, tmp_path, "pc.jsonl", 32)
-    train(cfg, progress=False, task=SFTTask(cfg))
+    train(cfg, progress=False, task=task_for(cfg, sft_tasks()))
     got = read_metrics(tmp_path / "ours")[0]
-    task = SFTTask(cfg)
+    task = task_for(cfg, sft_tasks())
     docs = task.documents(task.load(str(tmp_path / "pc.jsonl"), cfg), tok, "pc", False).docs
     teacher = AutoModelForCausalLM.from_pretrained(tmp_path / "hf_teacher", attn_implementation="eager").eval()
     student = AutoModelForCausalLM.from_pretrained(root / "hf_policy", attn_implementation="eager").eval()
@@ -235,7 +235,6 @@ def test_gkd_step_one_equals_trl_trainer(dpo_models, tmp_path, mode: str) -> Non
     from trl.experimental.utils import DataCollatorForChatML
 
     from pretrain.loop import train
-    from sft.task import SFTTask
     from tests.helpers import (
         assert_same_change,
         assert_same_metrics,
@@ -275,14 +274,14 @@ def test_gkd_step_one_equals_trl_trainer(dpo_models, tmp_path, mode: str) -> Non
     cfg = _distill_cfg(root, tmp_path, "m.jsonl", 64, "optimizer.learning_rate=100", "grad_accum=2",
                        f"distill.lmbda={lmbda}", f"distill.seq_kd={str(seq_kd).lower()}",
                        "distill.temperature=1e-6", "distill.max_new_tokens=5")
-    train(cfg, progress=False, task=SFTTask(cfg))
+    train(cfg, progress=False, task=task_for(cfg, sft_tasks()))
     got = read_metrics(tmp_path / "ours")[0]
     assert_same_metrics(got, want, ("loss", "grad_norm"))
     assert_same_change(exported_change(tmp_path / "ours" / "final", root / "hf_policy", tmp_path / "exp"), trl_change)
     if mode == "on_policy":  # LoRA: fresh adapters add nothing, so its student samples and scores as the base does
         lora = _distill_cfg(root, tmp_path, "m.jsonl", 64, "grad_accum=2", "distill.lmbda=1", "lora.rank=2",
                             "distill.temperature=1e-6", "distill.max_new_tokens=5", f"output_dir={tmp_path / 'lora'}")
-        train(lora, progress=False, task=SFTTask(lora))
+        train(lora, progress=False, task=task_for(lora, sft_tasks()))
         assert read_metrics(tmp_path / "lora")[0]["loss"] == pytest.approx(want["loss"], rel=1e-5)
 
 
@@ -338,3 +337,21 @@ def test_coins_are_the_seed_and_steps_and_prompts_end_before_the_last_answer() -
     p, valid = prompts(tokens, mask, seg)
     np.testing.assert_array_equal(np.asarray(valid), [[1, 1, 1, 1, 1, 1, 0, 0], [0] * 8])
     np.testing.assert_array_equal(np.asarray(p)[0], [5, 6, 7, 8, 9, 10, 0, 0])
+
+
+def test_a_distill_config_picks_its_gkd_task() -> None:
+    """GKD is a variant of the SFT task chosen by the config, as dpo's KTO is: a teacher without sampled
+    completions is GKDTask (SFT's packed rows), with them OnlineGKDTask (online, one example per row); without a
+    teacher, plain SFT."""
+    from sft.gkd import GKDTask, OnlineGKDTask
+    from sft.task import SFTTask
+
+    def pick(*overrides: str) -> SFTTask:
+        base = ["model.path=none", "data.path=none", "max_steps=1"]
+        return task_for(load_config(None, [*base, *overrides], SFTConfig), sft_tasks())
+
+    assert type(pick()) is SFTTask
+    offline = pick("distill.teacher=t", "distill.lmbda=0")
+    assert type(offline) is GKDTask and not offline.online and offline.packing == "best_fit"
+    for sampled in (pick("distill.teacher=t"), pick("distill.teacher=t", "distill.lmbda=0", "distill.seq_kd=true")):
+        assert type(sampled) is OnlineGKDTask and sampled.online and sampled.packing == "none"

@@ -294,7 +294,7 @@ def test_records_and_metrics_keep_trls_names_and_strict_json(setup, tmp_path):
 def test_completion_records_keep_each_functions_value_in_its_own_namespace():
     """completions.jsonl's record: functions named `reward`, `advantage`, `step`, `prompt` leave the record's own
     fields (the weighted total, the advantage, the step, the prompt) as they are."""
-    from grpo.task import completion_records
+    from grpo.completions_log import completion_records
 
     names = ["reward", "advantage", "step", "prompt"]
     per_fn = np.array([[0.0, 1.0, 2.0, np.nan], [1.0, np.nan, 0.5, 0.25]])
@@ -543,7 +543,7 @@ def test_rloo_step_one_equals_trl_rloo_trainer(setup, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import RLOOConfig, RLOOTrainer
 
-    import grpo.task
+    import eval.rollout
     from grpo.task import GRPOTask
     from pretrain.loop import train
     from tests.helpers import SGD_STEP_ONE, assert_same_change, assert_same_metrics, exported_change, trl_step_one
@@ -592,7 +592,7 @@ def test_rloo_step_one_equals_trl_rloo_trainer(setup, tmp_path, monkeypatch):
                                          processing_class=tok),
                                     num_generations=g, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                                     max_completion_length=5, beta=0.0)
-    monkeypatch.setattr(grpo.task, "sample_group_completions", fixed_sampler)
+    monkeypatch.setattr(eval.rollout, "sample_group_completions", fixed_sampler)
     cfg = _cfg(setup, tmp_path / "ours", *SGD_STEP_ONE, "max_steps=1", "batch_size=8", "grad_accum=2",
                "grpo.max_completion_length=5", "grpo.advantage=rloo", f"data.path={tmp_path / 'p.jsonl'}",
                f"grpo.rewards=[{tmp_path / 'score.py'}:id_score]", "data.seq_len=3")

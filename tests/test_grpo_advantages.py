@@ -136,3 +136,18 @@ def test_reinforce_pp_advantages_match_openrlhf(beta, baseline, clip):
         assert all(np.ptp(got[i, on[i]]) < 1e-6 for i in range(B))
     else:
         assert np.ptp(got[0, on[0]]) > 1e-3
+
+
+def test_every_advantage_setting_names_one_estimator_class():
+    """``grpo.advantage`` picks its estimator from a table by name (grpo/advantages.py): every name the config
+    accepts has its class, and only those; the group estimator's KL is a term of the loss, the others' in the
+    reward (they read the sampling policy's log-probabilities)."""
+    from grpo.advantages import ESTIMATORS, TokenSurrogate, estimator_of
+    from grpo.config import ADVANTAGES, GrpoSection
+
+    assert set(ESTIMATORS) == set(ADVANTAGES)
+    for name in ADVANTAGES:
+        est = estimator_of(GrpoSection(advantage=name))
+        assert type(est).name == name
+        assert est.needs_old == (name != "group")
+        assert (isinstance(est, TokenSurrogate) and est.beta_in_loss) == (name == "group")

@@ -1,0 +1,92 @@
+"""GRPO's device programs for one run: the samplers (eval.rollout.RolloutEngine), the update's layout, the
+policy's and the reference's log-probabilities and REINFORCE++'s advantages, each jitted once and laid out as the
+train step reads its batch."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from eval.generate import Sampler
+from eval.rollout import RolloutEngine, RolloutSpec, assemble, assemble_groups
+from grpo import losses
+from grpo.batch import RolloutBatch, UpdateRows
+from grpo.config import GRPOConfig
+from zoo.model.config import ModelConfig
+from zoo.model.logps import batch_logps
+from zoo.model.quant import cast_params
+
+GREEDY = Sampler(0.0, 0, 1.0)
+
+
+def rollout_key(seed: int, step: Any, held_out: bool = False) -> jax.Array:
+    """The sampling key of a step: its own stream (LoRA dropout folds the step into key(seed)); held-out
+    prompts' samples have another, so evaluating never changes what training draws."""
+    root = jax.random.fold_in(jax.random.key(seed), 0x67727)
+    return jax.random.fold_in(jax.random.fold_in(root, 0xE7A1) if held_out else root, step)
+
+
+class Programs:
+    """The jitted pieces of a GRPO run's rollouts (module docstring). ``lora_scale`` None: full fine-tuning."""
+
+    def __init__(self, cfg: GRPOConfig, mcfg: ModelConfig, mesh: jax.sharding.Mesh, compute: Any,
+                 lora_scale: float | None, eos_ids: tuple[int, ...], rows: UpdateRows):
+        g = cfg.grpo
+        self.mcfg, self.compute, self.rows, self.lora_scale = mcfg, compute, rows, lora_scale
+        self.temperature = float(g.temperature)
+        self.spec = RolloutSpec(g.num_generations, g.max_completion_length,
+                                Sampler(float(g.temperature), int(g.top_k), float(g.top_p)), eos_ids)
+        self.shape = (cfg.grad_accum, cfg.batch_size // cfg.grad_accum)
+        self.sharding = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"), None))
+        self.replicated = NamedSharding(mesh, PartitionSpec())
+        self.engine = RolloutEngine(mcfg, compute, mesh, lora_scale)
+        b = self.shape[0] * self.shape[1]
+
+        def prompts(tokens: jax.Array, seg: jax.Array) -> tuple[jax.Array, jax.Array]:
+            return tokens.reshape(b, -1), seg.reshape(b, -1) > 0
+
+        # (base, lora, step, tokens, segment ids): the step's draws; held-out prompts (grpo/held_out.py): the run's
+        # sampling on their own key stream, and greedy, one completion per prompt (a group of one).
+        self.sample = self.engine.program(self.spec, prompts, partial(rollout_key, cfg.seed))
+        self.sample_held_out = self.engine.program(self.spec, prompts, partial(rollout_key, cfg.seed, held_out=True))
+        greedy = RolloutSpec(1, self.spec.new_tokens, GREEDY, eos_ids)
+        self.sample_greedy = self.engine.program(greedy, prompts, partial(rollout_key, cfg.seed, held_out=True))
+        self.layout = jax.jit(self._layout, out_shardings=self.sharding)
+        self.logps = jax.jit(self._logps, out_shardings=self.sharding)
+        if lora_scale is not None:
+            self.policy_logps = jax.jit(lambda base, lora, batch: self._logps(base, batch, lora=lora,
+                                                                              lora_scale=lora_scale),
+                                        out_shardings=self.sharding)
+        else:
+            self.policy_logps = jax.jit(lambda base, lora, batch: self._logps(base, batch),
+                                        out_shardings=self.sharding)
+        beta = float(g.beta)
+        self.reinforce_pp = jax.jit(lambda r, w, kl, group, clip: losses.reinforce_pp_advantages(r, w, kl, beta,
+                                                                                               group, clip),
+                                    static_argnums=(3, 4))
+
+    def _layout(self, tokens: jax.Array, seg: jax.Array, completions: jax.Array, lengths: jax.Array,
+                sampler_logps: jax.Array, advantages: jax.Array, trained: jax.Array,
+                model: jax.Array | None = None) -> RolloutBatch:
+        """The update's batch of the step's prompts and completions ([grad_accum, micro, ...] rows)."""
+        shape, b = self.shape, self.shape[0] * self.shape[1]
+        args = (tokens.reshape(b, -1), seg.reshape(b, -1) > 0, completions, lengths,
+                {"sampler_logps": sampler_logps}, {"advantages": advantages}, trained)
+        out = assemble_groups(*args, self.spec.group, model) if self.rows.grouped else assemble(*args, model)
+        return RolloutBatch.of({k: v.reshape(shape[:1] + (-1,) + v.shape[1:]) for k, v in out.items()})
+
+    def _logps(self, params: dict, batch: RolloutBatch, **forward_kwargs: Any) -> jax.Array:
+        """Per-token log-probabilities of the batch's completion tokens (0 elsewhere), no gradient taken."""
+        flat = jax.tree.map(lambda v: v.reshape((-1,) + v.shape[2:]), batch)
+        p = cast_params(params, self.compute)
+        lp = batch_logps(self.mcfg, p, flat.arrays(), temperature=self.temperature, max_segments=self.rows.segments,
+                         **forward_kwargs)[0]
+        lp = self.rows.completions(lp)
+        return (lp * flat.weights).reshape(self.shape + lp.shape[1:])
+
+    def kv_cache_bytes(self, prompt: int) -> int:
+        """Bytes a chip holds of the sampler's KV cache: the step's rows, ``prompt``-token prompts."""
+        return self.engine.kv_cache_bytes(self.shape[0] * self.shape[1], prompt, self.spec)

@@ -1,0 +1,223 @@
+"""GRPO's rollouts, set up once a run's model and mesh are known: each step samples, scores and lays out its
+batch (grpo/task.py's docstring tells the steps).
+
+:class:`Rollouts` holds what a run set up for them (the programs, the rewards, the estimator, the reference's
+source, the tokenizer) and makes a step's :class:`pretrain.batch.Rollout`; :meth:`Rollouts.complete` completes
+and scores a batch of prompt rows, for training and for the held-out prompts (grpo/held_out.py) alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any, cast
+
+import jax
+import numpy as np
+
+from grpo.advantages import Estimator, Scored
+from grpo.agentic import Agent, Episodes
+from grpo.batch import RolloutBatch
+from grpo.completions_log import completion_records
+from grpo.config import GRPOConfig
+from grpo.programs import GREEDY, Programs, rollout_key
+from grpo.rewards import RewardSet, reward_metrics
+from pretrain.batch import Rollout
+from pretrain.task import RowSource, Tokenizer
+from zoo.data.batching import replicated_batch
+from zoo.data.row_origin import row_where
+from zoo.model.sharding import mesh_context
+
+
+@dataclass
+class Drawn:
+    """A batch of prompt rows' completions as the sampler (or the episodes) drew them: on the host
+    (``comp_h``, ``len_h``, ``ended``, ``n_model``: the model's tokens of each) and on the devices, laid out as
+    the update reads them (``prompt_rows``, ``completions``, ``lengths``, ``sampler_logps``; ``model``: which
+    completion tokens the policy chose, None: all)."""
+
+    comp_h: np.ndarray
+    len_h: np.ndarray  # [B] tokens after the prompt (an episode's tools' too)
+    ended: np.ndarray  # [B] the completion (its last turn) ended with EOS
+    n_model: np.ndarray
+    prompt_rows: dict[str, Any]
+    completions: Any
+    lengths: Any
+    sampler_logps: Any
+    model: Any = None
+    episodes: Episodes | None = None
+
+
+@dataclass
+class Completed:
+    """A batch of prompts completed (:meth:`Rollouts.complete`): what the rewards read, their scores, and the
+    completions as drawn."""
+
+    prompts: list[Any]
+    ids: list[list[int]]
+    texts: list[str]
+    per_fn: np.ndarray
+    total: np.ndarray
+    drawn: Drawn
+    t_gen: float
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """A global array whole on this host (gathered from every process in a multi-process run)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+class Rollouts:
+    """A run's rollouts (module docstring). ``reference``: where the reference's weights are ("base": LoRA's
+    frozen base, adapters off; "inputs": the step's frozen inputs; None: no reference); ``agent``: episodes of
+    several turns with tools (grpo/agentic.py), prepared, or None."""
+
+    def __init__(self, cfg: GRPOConfig, programs: Programs, rewards: RewardSet, estimator: Estimator,
+                 tokenizer: Tokenizer | None, agent: Agent | None, reference: str | None):
+        self.cfg, self.g, self.programs = cfg, cfg.grpo, programs
+        self.rewards, self.estimator, self.tokenizer, self.agent = rewards, estimator, tokenizer, agent
+        self.reference = reference
+        self.field = cfg.data.prompt_field
+        self.group_size = cfg.grpo.num_generations
+        self.batch_shape = programs.shape
+        self.replicated = programs.replicated
+        self.lora = programs.lora_scale is not None
+
+    def rollout(self, params: dict, frozen: dict | None, frozen_inputs: Any, rows: dict[str, jax.Array],
+                step: int, source: RowSource) -> Rollout:
+        """The step's training batch: G completions per prompt from the current policy, their rewards and
+        advantages, laid out as prompt + completion rows; with the rollout's metrics (TRL's names) and, on a
+        ``grpo.log_completions_every`` step, the completions to log."""
+        g = self.g
+        t0 = time.perf_counter()
+        lora = params if self.lora else None
+        base = frozen if self.lora else params
+        done = self.complete(cast(dict, base), lora, rows, step, source)
+        truncated = ~done.drawn.ended
+        trained = ~truncated if g.mask_truncated else np.ones_like(truncated)
+        adv, m = self.estimator.row_advantages(done.total)
+        relayout = lambda a: self._layout(done.drawn, a, trained)  # noqa: E731
+        batch = relayout(adv.astype(np.float32))
+        old, ref = self._logps(base, lora, frozen, frozen_inputs, batch)
+        batch, adv, more = self.estimator.finish(Scored(batch, adv, done.per_fn, done.total, old, ref, relayout,
+                                                        self.programs.reinforce_pp, to_host))
+        m.update(more)
+        if g.num_iterations > 1:
+            batch = dataclasses.replace(batch, old_logps=old)
+        if ref is not None:
+            batch = dataclasses.replace(batch, ref_logps=ref)
+        t_roll = time.perf_counter() - t0
+        drawn = done.drawn
+        real = int(to_host(drawn.prompt_rows["tokens_segment_ids"] > 0).sum()) + int(drawn.len_h.sum())
+        return Rollout(batch, self._metrics(done, m, truncated), done.t_gen, t_roll, real * g.num_iterations,
+                       self._log(step, done, adv))
+
+    def _layout(self, drawn: Drawn, adv: np.ndarray, trained: np.ndarray) -> RolloutBatch:
+        """The update's batch of the drawn completions with per-row advantages ``adv``."""
+        given = replicated_batch({"adv": adv.astype(np.float32), "trained": trained}, self.replicated)
+        rows = drawn.prompt_rows
+        return self.programs.layout(rows["tokens"], rows["tokens_segment_ids"], drawn.completions, drawn.lengths,
+                                    drawn.sampler_logps, given["adv"], given["trained"], drawn.model)
+
+    def _logps(self, base: Any, lora: Any, frozen: Any, frozen_inputs: Any,
+               batch: RolloutBatch) -> tuple[jax.Array | None, jax.Array | None]:
+        """(the sampling policy's per-token log-probabilities, the reference's), each where the step reads it."""
+        g, p = self.g, self.programs
+        with mesh_context(p.sharding.mesh):  # traced for the mesh: splash attention shards itself (zoo.kernels.splash)
+            old = ref = None
+            if g.num_iterations > 1 or (self.estimator.needs_old and g.beta > 0):
+                old = p.policy_logps(base, lora, batch)  # the policy that sampled (RLOO: its KL's first term)
+            if self.reference == "base":  # the LoRA base, adapters off
+                ref = p.logps(frozen, batch)
+            elif self.reference == "inputs":  # the starting model (full fine-tuning) or a grpo.reference checkpoint
+                ref = p.logps(frozen_inputs, batch)
+        return old, ref
+
+    def _metrics(self, done: Completed, m: dict[str, float], truncated: np.ndarray) -> dict[str, float]:
+        """The rollout's metrics under TRL's names (``m``: the estimator's)."""
+        drawn = done.drawn
+        n_model = drawn.n_model
+        out = {
+            "reward": float(np.mean(done.total)), **m,
+            "completions/mean_length": float(n_model.mean()), "completions/min_length": float(n_model.min()),
+            "completions/max_length": float(n_model.max()), "completions/clipped_ratio": float(truncated.mean()),
+            "rollout_tokens_per_sec": int(drawn.len_h.sum()) / max(done.t_gen, 1e-9),
+        }
+        out.update(reward_metrics(self.rewards.names, done.per_fn))
+        if drawn.episodes is not None:
+            out.update(drawn.episodes.metrics())
+        return out
+
+    def _log(self, step: int, done: Completed, adv: np.ndarray) -> list[dict[str, Any]]:
+        """The completions log's records of loop step ``step`` (0-based), on a ``grpo.log_completions_every``
+        step; whole episodes with tools (messages, turns, calls and answers)."""
+        every = self.g.log_completions_every
+        if not every or (step + 1) % every:
+            return []
+        log = completion_records(step + 1, done.prompts, done.texts, done.ids, self.rewards.names, done.per_fn,
+                                 done.total, adv)
+        if done.drawn.episodes is not None:
+            log = [{**rec, **ep} for rec, ep in zip(log, done.drawn.episodes.records())]
+        return log
+
+    def complete(self, base: dict, lora: Any, rows: dict[str, Any], step: int, source: RowSource,
+                 mode: str = "train") -> Completed:
+        """Complete a batch of prompt rows and score the completions (``mode``: ``train``, the step's own draws;
+        ``held_out``, the run's sampling on the held-out key stream; ``greedy``, one greedy completion per row)."""
+        assert self.tokenizer is not None, "set up for compiling only"
+        t0 = time.perf_counter()
+        row_h = to_host(rows["row"])[..., 0].reshape(-1)
+        ds = source.ds
+        records = {int(i): ds[int(i)] for i in np.unique(row_h)}
+        where = lambda r: row_where(source.path, int(row_h[r]))  # noqa: E731
+        if self.agent is None:
+            drawn = self._sample(base, lora, rows, step, mode)
+        else:
+            drawn = self._episodes(base, lora, [records[int(i)] for i in row_h], step, mode, where)
+        t_gen = time.perf_counter() - t0
+        comp_h, len_h = drawn.comp_h, drawn.len_h
+        ids = [comp_h[r, :len_h[r]].tolist() for r in range(len(row_h))]
+        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        if drawn.episodes is None:
+            prompts = [records[int(i)][self.field] for i in row_h]
+            completions_in: list[Any] = [t if isinstance(p, str) else [{"role": "assistant", "content": t}]
+                                         for t, p in zip(texts, prompts)]
+        else:  # TRL's completions of an episode: its assistant and tool messages
+            prompts, completions_in = drawn.episodes.prompts, drawn.episodes.completions
+        columns = {k: [records[int(i)][k] for i in row_h] for k in ds.column_names if k != self.field}
+        per_fn, total = self.rewards.compute(prompts, completions_in, ids, columns, where)
+        return Completed(prompts, ids, texts, per_fn, total, drawn, t_gen)
+
+    def _sample(self, base: dict, lora: Any, rows: dict[str, Any], step: int, mode: str) -> Drawn:
+        """One completion per row from the sampler of ``mode`` (:meth:`complete`)."""
+        p = self.programs
+        sample = {"train": p.sample, "held_out": p.sample_held_out, "greedy": p.sample_greedy}[mode]
+        completions, sampler_logps, lengths = sample(base, lora, np.int32(step), rows["tokens"],
+                                                     rows["tokens_segment_ids"])
+        comp_h, len_h = to_host(completions), to_host(lengths)
+        ended = np.isin(comp_h[np.arange(len(len_h)), len_h - 1], p.spec.eos_ids)
+        prompt_rows = {"tokens": rows["tokens"], "tokens_segment_ids": rows["tokens_segment_ids"]}
+        return Drawn(comp_h, len_h, np.asarray(ended), np.asarray(len_h), prompt_rows, completions, lengths,
+                     sampler_logps)
+
+    def _episodes(self, base: dict, lora: Any, records: list[dict[str, Any]], step: int, mode: str,
+                  where: Any) -> Drawn:
+        """One episode of several turns with tools per row (grpo/agentic.py), laid out on the devices."""
+        assert self.agent is not None
+        sampler = GREEDY if mode == "greedy" else None
+        episodes = self.agent.run(base, lora, self.programs.lora_scale, records,
+                                  rollout_key(self.cfg.seed, step, mode != "train"), where, sampler)
+        shape = self.batch_shape
+        placed = replicated_batch({"tokens": episodes.prompt_tokens.reshape(shape + (-1,)),
+                                   "tokens_segment_ids": episodes.prompt_valid.reshape(shape + (-1,)),
+                                   "completions": episodes.tokens, "sampler_logps": episodes.logps,
+                                   "lengths": episodes.lengths, "model": episodes.model}, self.replicated)
+        prompt_rows = {k: placed[k] for k in ("tokens", "tokens_segment_ids")}
+        n_model = episodes.model.sum(1)  # TRL counts the model's tokens only
+        return Drawn(episodes.tokens, episodes.lengths, np.asarray(episodes.ended), np.asarray(n_model), prompt_rows,
+                     placed["completions"], placed["lengths"], placed["sampler_logps"], placed["model"], episodes)

@@ -1,0 +1,138 @@
+"""GKD (on-policy distillation, distill/) as variants of the SFT task, chosen by the config (``distill:``) as
+dpo's KTO is by ``dpo.loss_type``: `sft train` lists them before SFTTask (sft/cli.py ``sft_tasks``) and
+:func:`pretrain.task.task_for` picks the first that :meth:`~pretrain.task.Task.handles` the config.
+
+- :class:`GKDTask`: ``distill.teacher`` with no sampled completions (``lmbda`` 0, no ``seq_kd``): SFT's rows,
+  packed as SFT packs them, trained on the teacher's token distributions (the generalized JSD,
+  distill/losses.py);
+- :class:`OnlineGKDTask`: with sampled completions: an online task that makes each step's batch itself, one
+  example per row, from the dataset's rows and the student's (or the teacher's) samples (distill/online.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import jax
+
+from distill.batch import DistillBatch
+from distill.config import DistillSection, abstract_teacher, load_teacher
+from distill.losses import distill_loss_sums
+from distill.online import Sampling, sampling
+from pretrain.batch import Rollout, TokenBatch
+from pretrain.config import TrainConfig
+from pretrain.dtypes import DTYPES
+from pretrain.metrics import LossOutput
+from pretrain.task import LayoutContext, RowSource, RunContext
+from sft.config import SFTConfig
+from sft.task import SFTTask
+from zoo.errors import UserError
+from zoo.lora.adapters import lora_scale
+from zoo.model.config import ModelConfig
+
+
+def samples(d: DistillSection) -> bool:
+    """Whether a GKD run trains on sampled completions (the student's with ``lmbda`` > 0, the teacher's with
+    ``seq_kd``), which makes its task an online one."""
+    return d.lmbda > 0 or d.seq_kd
+
+
+class GKDTask(SFTTask):
+    """SFT rows trained on ``distill.teacher``'s token distributions (module docstring)."""
+
+    @classmethod
+    def handles(cls, cfg: TrainConfig) -> bool:
+        """``distill.teacher`` set, no sampled completions."""
+        d = cast(SFTConfig, cfg).distill
+        return d.teacher is not None and not samples(d)
+
+    def __init__(self, cfg: SFTConfig):
+        super().__init__(cfg)
+        self.distill = cfg.distill
+        self.teacher_mcfg: ModelConfig | None = None  # distill.teacher's config, once prepare (or compile_layout) read it
+
+    def loss_sums(self, mcfg: ModelConfig, params: dict, mb: TokenBatch, compute: Any, remat: str, *,
+                  frozen_inputs: Any = None, totals: Any = None, step: jax.Array | None = None,
+                  **forward_kwargs: Any) -> LossOutput:
+        """GKD's generalized JSD against the teacher (``frozen_inputs``: its params), summed over the trained
+        targets (distill/losses.py)."""
+        return distill_loss_sums(mcfg, params, cast(ModelConfig, self.teacher_mcfg), frozen_inputs, mb, compute,
+                                 remat, self.distill.beta, **forward_kwargs)
+
+    def prepare(self, ctx: RunContext) -> dict:
+        """The frozen teacher's params (the step's frozen inputs), loaded on the run's mesh."""
+        self.teacher_mcfg, teacher = load_teacher(ctx)
+        return teacher
+
+    def compile_layout(self, ctx: LayoutContext) -> Any:
+        """For ``--compile-only``: the teacher's params as ``jax.ShapeDtypeStruct`` s laid out as a run loads them
+        (its config read from its checkpoint, registry name or config.json; no weights)."""
+        self.teacher_mcfg, teacher = abstract_teacher(ctx)
+        return teacher
+
+
+class OnlineGKDTask(GKDTask):
+    """GKD with sampled completions (module docstring): each micro-batch the dataset's, or its prompts with the
+    student's (probability ``distill.lmbda``) or, with ``distill.seq_kd``, the teacher's completions."""
+
+    online = True
+    packing = "none"  # one example per row: a row's prompt is completed in place
+    batch_class = DistillBatch
+
+    @classmethod
+    def handles(cls, cfg: TrainConfig) -> bool:
+        """``distill.teacher`` set, with sampled completions."""
+        d = cast(SFTConfig, cfg).distill
+        return d.teacher is not None and samples(d)
+
+    def __init__(self, cfg: SFTConfig):
+        super().__init__(cfg)
+        self.sampling: Sampling | None = None  # set up by prepare (or compile_layout)
+        self.abstract_teacher: Any = None  # compile_layout's teacher, which compile_programs lowers with
+
+    def prepare(self, ctx: RunContext) -> dict:
+        """The teacher's params, and the samplers set up."""
+        teacher = super().prepare(ctx)
+        eos = tuple(sorted({ctx.tokenizer.eos_token_id} - {None}))
+        if not eos:
+            raise UserError("distill.lmbda/seq_kd: the tokenizer has no EOS token, so sampled completions could "
+                            "never end before distill.max_new_tokens")
+        self.sampling = self._sampling(ctx.cfg, ctx.mcfg, ctx.mesh, eos, ctx.lora)
+        return teacher
+
+    def _sampling(self, cfg: TrainConfig, mcfg: ModelConfig, mesh: jax.sharding.Mesh, eos: tuple[int, ...],
+                  lora: Any) -> Sampling:
+        return sampling(cfg, mcfg, cast(ModelConfig, self.teacher_mcfg), mesh, eos,
+                        lora_scale(lora) if lora is not None else None, DTYPES[cfg.dtype.compute])
+
+    def batch_layout(self, grad_accum: int, micro: int, seq_len: int) -> DistillBatch:
+        """Rows ``distill.max_new_tokens`` longer than SFT's, and the dataset's own target weights."""
+        return DistillBatch.layout((grad_accum, micro, seq_len + self.distill.max_new_tokens), ("data_weights",))
+
+    def rollout(self, params: dict, frozen: dict | None, frozen_inputs: Any, rows: dict[str, jax.Array],
+                step: int, source: RowSource) -> Rollout:
+        """GKD's step batch: each micro-batch the dataset's, or its prompts with sampled completions
+        (distill/online.py)."""
+        assert self.sampling is not None, "prepare first"
+        return self.sampling.rollout(params, frozen, frozen_inputs, rows, step)
+
+    def compile_layout(self, ctx: LayoutContext) -> Any:
+        """For ``--compile-only``: the teacher's params (:meth:`GKDTask.compile_layout`), and the samplers
+        :meth:`compile_programs` lowers (the EOS id only fills a constant of the sampler: any id does)."""
+        self.abstract_teacher = super().compile_layout(ctx)
+        self.sampling = self._sampling(ctx.cfg, ctx.mcfg, ctx.mesh, (ctx.mcfg.vocab_size - 1,), ctx.lora)
+        return self.abstract_teacher
+
+    def compile_programs(self, trainable: Any, frozen: Any) -> dict[str, Any]:
+        """The samplers lowered for ``--compile-only`` (after :meth:`compile_layout`): the student's, and with
+        ``distill.seq_kd`` the teacher's, each for one micro-batch's prompts."""
+        assert self.sampling is not None, "compile_layout first"
+        lora = trainable if self.sampling.lora_scale is not None else None
+        base = frozen if lora is not None else trainable
+        return self.sampling.lowered(base, lora, self.abstract_teacher)
+
+    def program_kv_cache(self) -> dict[str, int]:
+        """Bytes a chip holds of each sampler's KV cache (one micro-batch of prompts, ``distill.max_new_tokens``
+        new tokens)."""
+        assert self.sampling is not None, "compile_layout first"
+        return self.sampling.kv_cache_bytes()
