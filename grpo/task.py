@@ -41,6 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from chat.config import chat_template_of
+from chat.formats import BadRow
+from chat.templates import render, template_text
 from eval.generate import Sampler
 from eval.rollout import RolloutSpec, assemble, assemble_groups, completion_view, sample_group_completions
 from grpo import losses
@@ -57,9 +60,6 @@ from pretrain.hooks import Hook, JsonlLog, StepInfo
 from pretrain.metrics import LossOutput, Max, Metric, Ratio
 from pretrain.setup import frozen_base_quant
 from pretrain.task import Documents, LayoutContext, RowSource, RunContext, Task, Tokenizer
-from sft.chat import render, template_text
-from sft.formats import BadRow
-from sft.task import chat_template_of
 from zoo.checkpoints.loading import load_reference
 from zoo.data.batching import Document, replicated_batch
 from zoo.data.files import indexed_rows, load_dataset_rows

@@ -65,43 +65,6 @@ class TokenBatch:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PairBatch(TokenBatch):
-    """Preference pairs (dpo/data.py), with the reference's per-token log-probabilities when precomputed."""
-
-    ref_logps: Any = None
-
-    @classmethod
-    def dtypes(cls) -> dict[str, Any]:
-        return {**TokenBatch.dtypes(), "ref_logps": FLOAT}
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class KTOBatch(PairBatch):
-    """KTO rows (dpo/kto_data.py): the pair layout with each row's ``label`` (1.0 desirable, 0.0 undesirable) on
-    every token."""
-
-    label: Any = None
-
-    @classmethod
-    def dtypes(cls) -> dict[str, Any]:
-        return {**PairBatch.dtypes(), "label": FLOAT}
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RewardBatch(PairBatch):
-    """Reward-model pairs (rm/): the pair layout with each pair's ``margin`` on every token (0 without one)."""
-
-    margin: Any = None
-
-    @classmethod
-    def dtypes(cls) -> dict[str, Any]:
-        return {**PairBatch.dtypes(), "margin": FLOAT}
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True, kw_only=True)
 class RolloutBatch(TokenBatch):
     """Prompt + completion rows of an online rollout (eval/rollout.py): the sampler's per-token
     log-probabilities, each row's advantage (broadcast over its tokens), and, when computed, the policy's
