@@ -25,7 +25,7 @@ fusions, e.g. another ``exp`` kernel in the attention softmax), whatever the cod
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -63,7 +63,7 @@ class DPOTask(Task):
     config_class = DPOConfig
     reads_step = True  # the train step passes its optimizer step to loss_sums (pretrain/jit_step.py)
     key_metrics = ("rewards/accuracies", "rewards/margins")  # what a plain log line shows besides the loss
-    batch_class = PairBatch
+    batch_class: ClassVar[type[PairBatch]] = PairBatch  # declared: KTOTask narrows it to KTOBatch
 
     def __init__(self, cfg: DPOConfig):
         if cfg.dpo.loss_type == "kto" and type(self) is DPOTask:  # a caller's bug: the command picks KTOTask
