@@ -39,7 +39,7 @@ a prompt of seq/2 tokens and two answers of seq/2 tokens each (seq/2 - 1 words +
   strings). Timed by a ``TrainerCallback`` from ``on_step_begin`` to ``on_step_end``.
 
 The lmzoo sides run the real ``pretrain.loop.train(cfg, task=dpo.task.DPOTask(cfg))`` with ``max_steps`` =
-2 + --steps. lmzoo's layout (dpo/data.py): a pair is one row holding its prompt once, both answers reading it as a
+2 + --steps. lmzoo's layout (prefs/pairs.py): a pair is one row holding its prompt once, both answers reading it as a
 shared prefix, so ``seq/2 + 2 * seq/2 + 1`` tokens (``data.seq_len`` = 3 x seq/2, the least that cuts no pair);
 with ``--two-copies`` (``dpo.share_prompt: false``) the row is prompt + chosen | prompt + rejected, 2 x seq tokens,
 the same tokens TRL computes (chosen and rejected as two sequences of a batch of 2 x pairs);
@@ -145,7 +145,7 @@ def run_lmzoo(side: str, ckpt: str, ref_ckpt: str, pairs: str, args: argparse.Na
 
 
 def _row_len(args: argparse.Namespace) -> int:
-    """Tokens in lmzoo's row of one pair (dpo/data.py): prompt + both answers + 1 with the prompt shared, else
+    """Tokens in lmzoo's row of one pair (prefs/pairs.py): prompt + both answers + 1 with the prompt shared, else
     2 x seq. ``data.seq_len`` is this minus one (a row holds seq_len + 1 tokens), the least that cuts no pair."""
     p = args.seq // 2
     return 2 * args.seq if args.two_copies else p + 2 * (args.seq - p) + 1

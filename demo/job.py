@@ -130,7 +130,7 @@ def pair_logps(ckpt: Path, tok: Any, pairs: list[dict[str, Any]], seq_len: int =
                rows: int = 24, desc: str = "") -> tuple[Any, Any]:
     """Summed log-probabilities (chosen, rejected), one per pair, of the model in ``ckpt``.
 
-    The pairs are tokenized and laid out as DPO trains on them (dpo/data.py: one row per pair, the prompt
+    The pairs are tokenized and laid out as DPO trains on them (prefs/pairs.py: one row per pair, the prompt
     once, read by both answers as a shared prefix), and each answer's tokens' log-probabilities summed
     (zoo.data.batching.score_documents, the DPO reference pass's scorer), so the numbers are the ``logps/chosen``
     and ``logps/rejected`` the DPO loss reads.
@@ -139,7 +139,7 @@ def pair_logps(ckpt: Path, tok: Any, pairs: list[dict[str, Any]], seq_len: int =
     from tqdm.auto import tqdm
 
     import zoo
-    from dpo.data import CHOSEN, REJECTED, pair_documents
+    from prefs.pairs import CHOSEN, REJECTED, pair_documents
     from zoo.data.batching import score_documents
 
     cfg = zoo.read_config(ckpt)

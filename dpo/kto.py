@@ -5,7 +5,7 @@ as ``trl.KTOTrainer._compute_loss`` computes it on one micro-batch:
 
 * ``r = pi(y|x) - ref(y|x)``, the summed log-ratio of each row's completion;
 * the KL estimate ``z = clamp(mean over the micro-batch's rows of (pi(y'|x) - ref(y'|x)), min=0)``, detached,
-  ``y'`` the mismatched completion of the row (dpo/kto_data.py); one value for the whole micro-batch (TRL
+  ``y'`` the mismatched completion of the row (prefs/unpaired.py); one value for the whole micro-batch (TRL
   gathers it over the processes: here the micro-batch spans every device);
 * desirable rows ``desirable_weight * (1 - sigmoid(beta (r - z)))``, undesirable rows
   ``undesirable_weight * (1 - sigmoid(beta (z - r)))``, averaged over the micro-batch's rows; the Trainer then
@@ -30,10 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpo.config import DPOConfig
-from dpo.data import CHOSEN, REJECTED
-from dpo.kto_data import check_chunk, kto_columns, kto_documents, unpaired_rows
 from dpo.task import DPOTask
-from pretrain.batch import KTOBatch, PairBatch
+from prefs.batch import KTOBatch, PairBatch
+from prefs.pairs import CHOSEN, REJECTED
+from prefs.unpaired import check_chunk, kto_columns, kto_documents, unpaired_rows
 from pretrain.config import TrainConfig
 from pretrain.metrics import LossOutput, Metric, MicroMean, Ratio
 from pretrain.task import RowSource, Tokenizer

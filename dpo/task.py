@@ -1,6 +1,6 @@
 """Preference optimization (DPO and its variants) as a task of the shared training loop.
 
-A batch row is one pair (dpo/data.py): its prompt once, then the chosen
+A batch row is one pair (prefs/pairs.py): its prompt once, then the chosen
 answer as segment 1 and the rejected one as segment 2, both reading the
 prompt as a shared prefix, in one forward pass. The loss sums of a
 micro-batch are the per-pair losses (dpo/losses.py) summed over its pairs,
@@ -25,25 +25,25 @@ fusions, e.g. another ``exp`` kernel in the attention softmax), whatever the cod
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from chat.config import chat_template_of
 from dpo.config import DPOConfig
-from dpo.data import CHOSEN, PROMPT, REJECTED, pair_documents
 from dpo.losses import preference_loss, rpo_nll_scale
 from dpo.reference import cached_reference_logps, compute_reference_logps, load_reference, resolve_checkpoint
-from pretrain.batch import PairBatch
+from prefs.batch import PairBatch
+from prefs.pairs import CHOSEN, PROMPT, REJECTED, load_pair_rows, pair_documents, shared_prompt_layout
 from pretrain.config import TrainConfig
 from pretrain.dtypes import DTYPES
 from pretrain.metrics import LossOutput, Mean, Metric, MicroMean, Ratio
 from pretrain.preflight import check_untrainable, untrainable
 from pretrain.task import Documents, LayoutContext, RowSource, RunContext, Task, Tokenizer
-from sft.task import chat_template_of
 from zoo.data.batching import Document
-from zoo.data.files import indexed_rows, load_dataset_rows
+from zoo.data.files import indexed_rows
 from zoo.errors import UserError
 from zoo.model.config import ModelConfig
 from zoo.model.logps import batch_logps
@@ -55,37 +55,15 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
            "logps/rejected", "logits/chosen", "logits/rejected")
 
 
-def load_pair_rows(path: str, cfg: TrainConfig, need: str) -> RowSource:
-    """The rows of ``path`` as preference pairs; one line (``need``: what the rows need) when a column is
-    missing."""
-    ds, _ = load_dataset_rows(path, cfg.data.split)
-    missing = [c for c in ("chosen", "rejected") if c not in ds.column_names]
-    if missing:
-        raise UserError(f"data.path {path}: {need}; missing {', '.join(missing)} (columns: {ds.column_names})")
-    return RowSource(ds, "pairs", path)
-
-
-def shared_prompt_layout(share: bool, mcfg: ModelConfig) -> bool:
-    """Whether pairs share one copy of their prompt: ``dpo.share_prompt``, except for models with sliding-window
-    layers (zoo.model.masks). ``model.attention: splash`` cannot read a shared prompt (zoo.kernels.choice): said here, before
-    any documents, with what to change."""
-    shared = share and "sliding" not in mcfg.kinds
-    if shared and mcfg.attention == "splash":
-        raise UserError("model.attention splash cannot read DPO's shared prompts (an answer reads its prompt's "
-                        "segment; splash's segment ids only pair equal ids): set dpo.share_prompt: false, or "
-                        "attention: auto or blockwise")
-    return shared
-
-
 class DPOTask(Task):
     """Direct preference optimization and its variants on (prompt, chosen, rejected) rows."""
 
     method = "dpo"
-    packing = "none"  # each pair is one row, its two sequences laid out by the task (dpo/data.py)
+    packing = "none"  # each pair is one row, its two sequences laid out by the task (prefs/pairs.py)
     config_class = DPOConfig
     reads_step = True  # the train step passes its optimizer step to loss_sums (pretrain/jit_step.py)
     key_metrics = ("rewards/accuracies", "rewards/margins")  # what a plain log line shows besides the loss
-    batch_class = PairBatch
+    batch_class: ClassVar[type[PairBatch]] = PairBatch  # declared: KTOTask narrows it to KTOBatch
 
     def __init__(self, cfg: DPOConfig):
         if cfg.dpo.loss_type == "kto" and type(self) is DPOTask:  # a caller's bug: the command picks KTOTask
@@ -97,7 +75,7 @@ class DPOTask(Task):
         self.drop_long = cfg.data.long_examples == "drop"
         self.mode = cfg.dpo.reference_mode  # none, base, precomputed or path
         self.ref_logps: dict[str, dict[int, np.ndarray]] = {}
-        # One copy of each pair's prompt, shared by its answers (dpo/data.py), unless dpo.share_prompt is off;
+        # One copy of each pair's prompt, shared by its answers (prefs/pairs.py), unless dpo.share_prompt is off;
         # prepare() turns it off for models with sliding-window layers.
         self.shared_prompt = cfg.dpo.share_prompt
         # Whether the reference is the policy's starting model (prepare() finds out): then the policy is
@@ -208,7 +186,7 @@ class DPOTask(Task):
 
     def trainable(self, doc: Document, seq_len: int) -> bool:
         """Whether a pair document (already cut to fit) still compares two answers: each keeps a trained token
-        (a pair cut to less than half its prompt or an answer keeps none: dpo.data.keeps_meaning), and what is
+        (a pair cut to less than half its prompt or an answer keeps none: prefs.pairs.keeps_meaning), and what is
         kept of them differs (identical kept answers prefer nothing)."""
         mask, seg, tokens = doc["loss_mask"], doc["tokens_segment_ids"], doc["tokens"]
         chosen, rejected = tokens[mask & (seg == CHOSEN)], tokens[mask & (seg == REJECTED)]
@@ -240,7 +218,7 @@ class DPOTask(Task):
         """
         p = cast_params(params, compute)
         arrays = mb.arrays()
-        rows = 3  # documents in a pair's row: its two answers, and the prompt they share as a prefix (dpo/data.py)
+        rows = 3  # documents in a pair's row: its two answers, and the prompt they share as a prefix (prefs/pairs.py)
         pol, mean_logit, aux = batch_logps(mcfg, p, arrays, remat, max_segments=rows, **forward_kwargs)
         ref = self.reference_logps(mcfg, p, mb, frozen_inputs, compute) if self.mode != "none" else jnp.zeros_like(pol)
         wc, wr, keep = _answer_masks(mb)
@@ -294,7 +272,7 @@ class DPOTask(Task):
             seg = mb.segment_ids
             after = jnp.concatenate([seg[:, 1:], jnp.zeros_like(seg[:, :1])], axis=1)
             # every target of prompt + chosen: the prompt segment's (its last predicts the chosen segment's first
-            # token, the prompt's last) and the chosen segment's own (dpo/data.py's layout, shared prompt or not)
+            # token, the prompt's last) and the chosen segment's own (prefs/pairs.py's layout, shared prompt or not)
             mask = ((seg == PROMPT) | ((seg == CHOSEN) & (after == CHOSEN))).astype(jnp.float32)
             weight = 1.0
         else:
@@ -309,10 +287,10 @@ class DPOTask(Task):
         """The reference's per-token log-probabilities of a micro-batch's rows, not differentiated: read from the
         batch (precomputed), the base with the adapters off (``p``: the cast params), or the checkpoint passed as
         the step's frozen inputs."""
-        if self.mode == "precomputed":
-            return mb.ref_logps.astype(jnp.float32)
+        if self.mode == "precomputed":  # the batch carries them (batch_layout)
+            return cast(jax.Array, mb.ref_logps).astype(jnp.float32)
         weights = p if self.mode == "base" else cast_params(frozen_inputs, compute)  # base: no second copy
-        # each row holds three documents: two answers and the prompt they share (dpo/data.py)
+        # each row holds three documents: two answers and the prompt they share (prefs/pairs.py)
         return jax.lax.stop_gradient(batch_logps(mcfg, weights, mb.arrays(), max_segments=3)[0])
 
     def _at_reference(self, lora: dict | None, step: jax.Array | None) -> jax.Array | bool:

@@ -211,7 +211,7 @@ def assemble_groups(tokens: jax.Array, valid: jax.Array, completions: jax.Array,
                     group: int, model: jax.Array | None = None) -> dict[str, jax.Array]:
     """The model batch of :func:`assemble` with each group's prompt in its row once: one row per group,
     ``[prompt[:-1] | prompt[-1] + completion 1 | ... | prompt[-1] + completion G]`` (DPO's shared-prompt layout,
-    dpo/data.py).
+    prefs/pairs.py).
 
     The prompt's tokens but its last are segment ``G + 1``, at the row's start; completion j is segment j + 1 in
     a slot of its own at the fixed offset ``P - 1 + j (T + 1)``, opened by the prompt's last token (whose output

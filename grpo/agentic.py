@@ -22,14 +22,14 @@ from typing import Any
 import jax
 import numpy as np
 
+from chat.formats import BadRow
+from chat.templates import ChatTemplate, render, template_text
 from eval.generate import Sampler
 from eval.turns import CachedTurns
 from grpo.config import GRPOConfig
 from grpo.episodes import Episode, EpisodeSettings, run_episodes, tool_suffix
 from grpo.tool_calls import Parser, parser_for
 from grpo.tools import Environments
-from sft.chat import ChatTemplate, render, template_text
-from sft.formats import BadRow
 from zoo.errors import UserError
 from zoo.model.config import ModelConfig
 

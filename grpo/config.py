@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from chat.config import ChatDataSection
 from pretrain.config import TrainConfig
-from sft.config import ChatDataSection
 from zoo.errors import UserError
 
 # The settings grpo/losses.py implements; here, so that a config is read and checked without importing JAX.

@@ -5,7 +5,7 @@ It scores completions in process, as TRL 1.16's GRPOTrainer scores them with a r
 (``_calculate_rewards``): each prompt + completion is one text (a conversation rendered with the reward
 model's own chat template, ``apply_chat_template`` of the messages; plain text joined as it is), tokenized by the
 reward model's tokenizer without added special tokens, right-padded, and scored at its last token that is not
-padding (rm/task.py). The weights are loaded once, on the run's mesh, when the task prepares (a frozen input
+padding (zoo/model/pooling.py). The weights are loaded once, on the run's mesh, when the task prepares (a frozen input
 of the rollout: no second process, nothing reloaded per step), and the scoring is one jitted program per padded
 length (lengths are rounded up to a multiple of :data:`BUCKET`, so a run compiles it a few times at most).
 
@@ -66,12 +66,12 @@ class RewardModelScorer:
         ``shared`` (module docstring)."""
         import jax
 
-        from rm.task import last_positions
         from zoo.checkpoints.adapter import load_adapters
         from zoo.checkpoints.format import read_meta
         from zoo.checkpoints.loading import load_params
         from zoo.data.tokenizer import load_tokenizer
         from zoo.model.decoder import forward
+        from zoo.model.pooling import last_positions
         from zoo.model.quant import cast_params
 
         self.tokenizer = load_tokenizer(self.path)

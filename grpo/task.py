@@ -38,6 +38,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from chat.config import chat_template_of
+from chat.formats import BadRow
+from chat.templates import render, template_text
 from grpo.advantages import estimator_of
 from grpo.agentic import Agent
 from grpo.batch import RolloutBatch, UpdateRows, shares_prompts
@@ -56,9 +59,6 @@ from pretrain.hooks import Hook
 from pretrain.metrics import LossOutput, Max
 from pretrain.setup import frozen_base_quant
 from pretrain.task import Documents, LayoutContext, RowSource, RunContext, Task, Tokenizer
-from sft.chat import render, template_text
-from sft.formats import BadRow
-from sft.task import chat_template_of
 from zoo.checkpoints.loading import load_reference
 from zoo.data.batching import Document
 from zoo.data.files import indexed_rows, load_dataset_rows

@@ -63,43 +63,6 @@ class TokenBatch:
         return cls(**out)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PairBatch(TokenBatch):
-    """Preference pairs (dpo/data.py), with the reference's per-token log-probabilities when precomputed."""
-
-    ref_logps: Any = None
-
-    @classmethod
-    def dtypes(cls) -> dict[str, Any]:
-        return {**TokenBatch.dtypes(), "ref_logps": FLOAT}
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class KTOBatch(PairBatch):
-    """KTO rows (dpo/kto_data.py): the pair layout with each row's ``label`` (1.0 desirable, 0.0 undesirable) on
-    every token."""
-
-    label: Any = None
-
-    @classmethod
-    def dtypes(cls) -> dict[str, Any]:
-        return {**PairBatch.dtypes(), "label": FLOAT}
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RewardBatch(PairBatch):
-    """Reward-model pairs (rm/): the pair layout with each pair's ``margin`` on every token (0 without one)."""
-
-    margin: Any = None
-
-    @classmethod
-    def dtypes(cls) -> dict[str, Any]:
-        return {**PairBatch.dtypes(), "margin": FLOAT}
-
-
 @dataclass
 class Rollout:
     """What an online task's :meth:`Task.rollout` made for one step: the model batch the step trains on, the

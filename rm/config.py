@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from chat.config import ChatDataSection
 from pretrain.config import TrainConfig
-from sft.config import ChatDataSection
 
 
 @dataclass

@@ -9,7 +9,7 @@ writes the family's ``*ForSequenceClassification`` folder. With LoRA the head tr
 as peft's ``modules_to_save`` (its SEQ_CLS task type) trains it: the adapter checkpoint stores it, the merged
 model is a reward model, and ``zoo export --adapter`` writes it as peft's ``score`` module to save.
 
-A batch row is one preference pair in DPO's layout (dpo/data.py): the prompt once, then prompt + chosen and
+A batch row is one preference pair in DPO's layout (prefs/pairs.py): the prompt once, then prompt + chosen and
 prompt + rejected as two segments reading it as a shared prefix, so a pair costs one forward pass over
 ``prompt + chosen + rejected + 1`` tokens, and each sequence's score reads the hidden state of its own last token.
 Each row ends with one padding token so that the rejected sequence's last token is an input position.
@@ -35,31 +35,34 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dpo.data import CHOSEN, REJECTED, pair_documents
-from dpo.task import load_pair_rows, shared_prompt_layout
-from pretrain.batch import PairBatch, RewardBatch
+from chat.config import chat_template_of
+from chat.formats import BadRow
+from prefs.batch import PairBatch
+from prefs.pairs import CHOSEN, REJECTED, load_pair_rows, pair_documents, shared_prompt_layout
+from pretrain.batch import FLOAT
 from pretrain.config import TrainConfig
 from pretrain.metrics import LossOutput, Metric, MicroMean
 from pretrain.task import Documents, LayoutContext, RowSource, RunContext, Task, Tokenizer
 from rm.config import RMConfig
-from sft.formats import BadRow
-from sft.task import chat_template_of
 from zoo.data.batching import Document
 from zoo.data.files import indexed_rows
 from zoo.model.config import ModelConfig
+from zoo.model.pooling import last_positions
 from zoo.model.quant import cast_params
 
 INIT_STD = 0.02  # transformers' initializer_range default: how a fresh score head is drawn
 
 
-def last_positions(segment_ids: jax.Array, inputs: jax.Array, segment: int, pad: int | None) -> jax.Array:
-    """Each row's last input position of ``segment`` whose token is not ``pad`` (transformers' pooling: the
-    rightmost non-padding token); 0 where the row has none."""
-    on = segment_ids == segment
-    if pad is not None:
-        on = on & (inputs != pad)
-    n = on.shape[-1]
-    return jnp.where(on.any(-1), n - 1 - jnp.argmax(on[:, ::-1], axis=-1), 0)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RewardBatch(PairBatch):
+    """Reward-model pairs: the pair layout with each pair's ``margin`` on every token (0 without one)."""
+
+    margin: jax.Array  # every reward row has one (0 without the column)
+
+    @classmethod
+    def dtypes(cls) -> dict[str, Any]:
+        return {**PairBatch.dtypes(), "margin": FLOAT}
 
 
 def pair_scores(mcfg: ModelConfig, params: dict, mb: PairBatch, remat: str = "none",
@@ -86,7 +89,7 @@ class RewardTask(Task):
     """A Bradley-Terry reward model on (prompt, chosen, rejected) rows (module docstring)."""
 
     method = "reward"
-    packing = "none"  # each pair is one row, laid out by dpo/data.py
+    packing = "none"  # each pair is one row, laid out by prefs/pairs.py
     config_class = RMConfig
     key_metrics = ("accuracy", "margin")
     batch_class = RewardBatch

@@ -1,1 +1,1 @@
-"""lmzoo sft: supervised fine-tuning (full or LoRA) on the shared loop: example formats, chat templates, loss masks."""
+"""lmzoo sft: supervised fine-tuning (full or LoRA) on the shared loop; its rows, templates and masks are chat/'s."""

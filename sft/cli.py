@@ -56,7 +56,7 @@ def _inspect(cfg, n: int, color: bool) -> None:
 
 
 def _inspect_source(task, cfg, tokenizer, n: int, color: bool) -> None:
-    from sft.masks import render_mask
+    from chat.loss_masks import render_mask
     from zoo.data.row_origin import row_where
 
     rows = task.load(cfg.data.path, cfg)

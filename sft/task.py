@@ -3,40 +3,25 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, cast
 
 import jax
 
+from chat.config import chat_template_of
+from chat.formats import detect_format
+from chat.loss_masks import tokenize_indexed
 from pretrain.batch import TokenBatch
 from pretrain.config import TrainConfig
 from pretrain.metrics import LossOutput
 from pretrain.task import Documents, RowSource, Task, Tokenizer, next_token_loss_sums
-from sft.chat import ChatTemplate, parse_date
-from sft.config import ChatDataSection, SFTConfig, SFTDataSection
-from sft.formats import detect_format
-from sft.masks import tokenize_indexed
+from sft.config import SFTConfig, SFTDataSection
 from zoo.data.files import indexed_rows, load_dataset_rows
 from zoo.errors import UserError
 from zoo.model.config import ModelConfig
 
 
-def chat_template_of(cfg: TrainConfig) -> ChatTemplate:
-    """The run's chat template: the Jinja file ``data.chat_template`` (None: the tokenizer's own), its variables
-    (``data.template_kwargs``) and the fixed day its ``strftime_now`` reads (``data.template_date``)."""
-    d = cast(ChatDataSection, cfg.data)  # every chat task's data section is one (sft/config.py)
-    parse_date(d.template_date)  # a bad date is a config error before any row is read
-    if d.chat_template is None:
-        return ChatTemplate(kwargs=dict(d.template_kwargs), date=d.template_date)
-    p = Path(d.chat_template).expanduser()
-    if not p.is_file():
-        raise UserError(f"data.chat_template {d.chat_template}: no such file (give a Jinja chat-template file)")
-    return ChatTemplate(source=p.read_text(), kwargs=dict(d.template_kwargs), date=d.template_date,
-                        name=f"data.chat_template {d.chat_template}")
-
-
 class SFTTask(Task):
-    """Completion-only / assistant-only next-token loss over SFT rows (see sft/formats.py for the formats)."""
+    """Completion-only / assistant-only next-token loss over SFT rows (see chat/formats.py for the formats)."""
 
     method = "sft"
     packing = "best_fit"  # an example is never cut across rows (its prompt would lose its answer)

@@ -709,7 +709,7 @@ def reward_operands(metrics: dict, beta: float) -> dict[str, float]:
 
 # --- a forward pass replaced by a lookup (the preference tests' NumPy transcriptions through the real step) --------
 
-from pretrain.batch import KTOBatch  # noqa: E402
+from prefs.batch import KTOBatch  # noqa: E402
 
 
 @jax.tree_util.register_dataclass

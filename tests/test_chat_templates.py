@@ -24,10 +24,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dpo.data import normalize_pair, tokenize_pair
-from sft.chat import ChatTemplate, render
-from sft.formats import BadRow, Example, normalize
-from sft.masks import TokenizeStats, render_mask, tokenize_example, tokenize_rows
+from chat.formats import BadRow, Example, normalize
+from chat.loss_masks import TokenizeStats, render_mask, tokenize_example, tokenize_rows
+from chat.templates import ChatTemplate, render
+from prefs.pairs import normalize_pair, tokenize_pair
 from zoo.errors import UserError
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
@@ -349,9 +349,9 @@ def test_the_template_files_are_the_published_ones():
 
 
 def test_bad_template_kwargs_and_date_are_config_errors(tmp_path):
+    from chat.config import chat_template_of
     from pretrain.config import load_config
     from sft.config import SFTConfig
-    from sft.task import chat_template_of
 
     f = tmp_path / "d.jsonl"
     f.write_text(json.dumps({"messages": CONVERSATION}) + "\n")

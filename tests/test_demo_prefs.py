@@ -31,7 +31,7 @@ def test_shipped_pairs_are_what_make_prefs_writes(tmp_path, monkeypatch):
 
 
 def test_pairs_are_checkable_and_held_out():
-    from dpo.data import normalize_pair
+    from prefs.pairs import normalize_pair
 
     train, held_out = _rows("prefs_train.jsonl"), _rows("prefs_eval.jsonl")
     assert 150 <= len(train) <= 300 and 24 <= len(held_out) <= 48

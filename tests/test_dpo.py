@@ -363,7 +363,7 @@ def test_shared_prompt_rows_score_each_answer_as_its_own_sequence(setup, lora):
     gradients) on CPU."""
     import jax.numpy as jnp
 
-    from dpo.data import CHOSEN, REJECTED, normalize_pair, pair_document, tokenize_pair
+    from prefs.pairs import CHOSEN, REJECTED, normalize_pair, pair_document, tokenize_pair
     from zoo.data.batching import padded, to_model_batch
     from zoo.lora.adapters import LoraConfig, init_lora, lora_scale
     from zoo.model.logps import batch_logps
@@ -423,7 +423,7 @@ def test_demo_pair_scores_equal_transformers_log_probabilities(setup):
     """The main job's held-out pair scores (demo.job.pair_logps, the DPO row layout with a shared prompt)
     are each answer's summed token log-probabilities given its prompt, as transformers computes them."""
     from demo.job import pair_logps
-    from dpo.data import normalize_pair, tokenize_pair
+    from prefs.pairs import normalize_pair, tokenize_pair
 
     root, tok, models = setup
     pairs = dpo_pairs(5, seed=3)

@@ -5,8 +5,10 @@ import json
 import numpy as np
 import pytest
 
+from chat.formats import BadRow
 from dpo.config import DPOConfig
-from dpo.data import (
+from dpo.task import DPOTask
+from prefs.pairs import (
     CHOSEN,
     PROMPT,
     REJECTED,
@@ -17,9 +19,7 @@ from dpo.data import (
     pair_length,
     tokenize_pair,
 )
-from dpo.task import DPOTask
 from pretrain.config import load_config
-from sft.formats import BadRow
 from zoo.errors import UserError
 
 
@@ -268,8 +268,8 @@ def test_print_config_shows_the_dpo_keys(capsys):
 def test_reference_cache_key_covers_dtype_template_and_tokens():
     """A stale cache is never reused: the key changes with the params dtype, the template (its text,
     variables and date) and the tokens; it is stable for the same inputs."""
+    from chat.templates import ChatTemplate
     from dpo.reference import cache_key
-    from sft.chat import ChatTemplate
 
     doc = {"tokens": np.arange(5, dtype=np.int32), "loss_mask": np.ones(5, bool)}
     docs = {"p.jsonl": {0: doc}}

@@ -20,8 +20,8 @@ import pytest
 
 import dpo.task
 from dpo.config import DPOConfig
-from dpo.data import CHOSEN, PROMPT, REJECTED
 from dpo.task import DPOTask
+from prefs.pairs import CHOSEN, PROMPT, REJECTED
 from pretrain.config import load_config
 from pretrain.jit_step import make_step
 from pretrain.loop import train
@@ -106,7 +106,7 @@ def _prompt_logps(seed: int = 0) -> tuple[list, list]:
 
 
 def _rows(a: dict, read_prompt: bool = False) -> dict[str, np.ndarray]:
-    """Model-batch rows [pairs, SEQ] the way dpo/data.py lays a pair out: the prompt's targets, then each
+    """Model-batch rows [pairs, SEQ] the way prefs/pairs.py lays a pair out: the prompt's targets, then each
     answer's (its last token's position, which predicts the next segment, weighs nothing), then padding.
     ``read_prompt``: the prompt's targets hold _prompt_logps (ORPO's NLL reads them), else garbage."""
     pairs = len(CHOSEN_LENS)
@@ -377,7 +377,7 @@ def test_orpo_and_cpo_step_one_equal_trl_trainers(dpo_models, tmp_path, loss_typ
         from trl.experimental.cpo import CPOTrainer as Trainer
     root, tok, _ = dpo_models
     # ORPOTrainer and CPOTrainer put the tokenizer's BOS before every prompt (add_bos_token_if_needed), where
-    # DPOTrainer and dpo/data.py add only the special tokens the tokenizer itself adds (none for this one): the
+    # DPOTrainer and prefs/pairs.py add only the special tokens the tokenizer itself adds (none for this one): the
     # prompts start with the BOS text, which both sides then keep as it is
     pairs = [{**row, "prompt": tok.bos_token + row["prompt"]} for row in UNEVEN_PAIRS]
     write_jsonl(tmp_path / "uneven_bos.jsonl", pairs)

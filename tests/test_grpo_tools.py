@@ -148,7 +148,7 @@ class Scripted:
 
 
 def _settings(tok, source, budget=200, max_turns=None):
-    from sft.chat import ChatTemplate, render
+    from chat.templates import ChatTemplate, render
 
     eos = (tok.convert_tokens_to_ids("<|im_end|>"),)
     template = ChatTemplate(source=source)

@@ -1,4 +1,4 @@
-"""KTO (`dpo.loss_type: kto`, dpo/kto.py, dpo/kto_data.py) against TRL 1.16's KTOTrainer: its loss, KL and
+"""KTO (`dpo.loss_type: kto`, dpo/kto.py, prefs/unpaired.py) against TRL 1.16's KTOTrainer: its loss, KL and
 metrics written out in NumPy (float64) through the real train step in 1, 2 and 4 micro-batches, its data rules
 (paired rows unpacked, completions rotated within micro-batch chunks for the KL), the one-line errors, and one
 SGD step against KTOTrainer itself."""
@@ -14,8 +14,8 @@ import dpo.kto
 import dpo.task
 from dpo.cli import dpo_tasks
 from dpo.config import DPOConfig
-from dpo.data import CHOSEN, PROMPT, REJECTED
 from dpo.kto import KTOTask
+from prefs.pairs import CHOSEN, PROMPT, REJECTED
 from pretrain.config import load_config
 from pretrain.jit_step import make_step
 from pretrain.task import task_for

@@ -18,10 +18,14 @@ def test_console_scripts():
 
 
 # The floors: a module imports only from its own floor's package or lower ones. zoo/ is the ground floor;
-# convert/ and eval/ stand on it, pretrain/ on them (its commands compose eval/'s hooks; convert.hf_config), the
-# tasks above, the main job on top.
-FLOORS = {"zoo": 0, "convert": 1, "eval": 1, "pretrain": 2, "sft": 3, "distill": 3, "dpo": 4, "grpo": 4, "rm": 4,
-          "demo": 5}
+# convert/ and eval/ stand on it, pretrain/ on them (its commands compose eval/'s hooks), then the shared floors of the
+# post-training half: chat/ (templates, renders, row formats, loss masks) and prefs/ on it (preference rows and
+# their batches); the tasks above, siblings, and the main job on top.
+FLOORS = {"zoo": 0, "convert": 1, "eval": 1, "pretrain": 2, "chat": 3, "prefs": 4,
+          "sft": 5, "dpo": 5, "rm": 5, "grpo": 5, "distill": 5, "demo": 6}
+TASKS = {"sft", "dpo", "rm", "grpo", "distill"}
+# The one arrow between tasks: GKD is SFT with a teacher (sft/ reads distill/'s teacher, losses and sampler).
+TASK_ARROWS = {("sft", "distill")}
 DISPATCHER = "zoo.cli"  # the `zoo` command: it reaches up, lazily inside its functions, to run a command's body
 
 
@@ -98,3 +102,16 @@ def test_pretrain_names_no_task_converter_or_evaluator():
             for n in names:
                 assert n.split(".")[0] not in set(FLOORS) - allowed or n == "convert.hf_config", \
                     f"{f.relative_to(ROOT)} imports {n}"
+
+
+def test_no_task_imports_another():
+    """The tasks are siblings on the shared floors: none imports another (lazily inside functions neither), but
+    for sft -> distill."""
+    modules = _modules()
+    for m, f in modules.items():
+        own = m.split(".")[0]
+        if own not in TASKS:
+            continue
+        for t in _imports(f, modules):
+            other = t.split(".")[0]
+            assert other == own or other not in TASKS or (own, other) in TASK_ARROWS, f"{m} imports the task {t}"

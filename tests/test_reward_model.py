@@ -48,8 +48,8 @@ def test_converted_scores_equal_transformers_and_export_round_trips(reward_model
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    from dpo.data import normalize_pair, pair_document, tokenize_pair
-    from pretrain.batch import PairBatch
+    from prefs.batch import PairBatch
+    from prefs.pairs import normalize_pair, pair_document, tokenize_pair
     from rm.task import pair_scores
     from tests.helpers import UNEVEN_PAIRS
     from zoo.checkpoints.format import read_config

@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sft.formats import BadRow, Example, detect_format, normalize
-from sft.masks import GREEN, RESET, TemplateMismatch, render_mask, tokenize_example, tokenize_rows
+from chat.formats import BadRow, Example, detect_format, normalize
+from chat.loss_masks import GREEN, RESET, render_mask, tokenize_example, tokenize_rows
+from chat.spans import TemplateMismatch
 from zoo.errors import UserError
 
 # Meta-Llama-3-8B-Instruct's chat template.

@@ -35,7 +35,7 @@ def attention_mask(segment_ids: jax.Array, window: int | None = None,
 
     ``prefix_ids`` [batch, seq] (0 = none) let a token also see the earlier
     tokens of one other segment, its shared prefix: a DPO pair's two answers
-    both read the one copy of their prompt (dpo/data.py). Index distance then
+    both read the one copy of their prompt (prefs/pairs.py). Index distance then
     exceeds position distance, so this does not combine with ``window``.
     """
     t = segment_ids.shape[1]

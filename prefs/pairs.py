@@ -14,7 +14,7 @@ Row shapes (columns ``prompt`` (optional), ``chosen``, ``rejected``):
 
 Conversations are rendered with the chat template (``data.chat_template`` or
 the tokenizer's, with ``data.template_kwargs``), each answer inside the whole
-conversation ``prompt + answer`` as sft/chat.py locates an assistant turn:
+conversation ``prompt + answer`` as chat/spans.py locates an assistant turn:
 from after the header the model is prompted with, through the template's
 end-of-turn token (the separator written after it, ChatML's ``\\n``, is a
 prompt-side token and is left out, as in SFT). The text before the answer is
@@ -58,13 +58,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from sft.chat import ChatTemplate, as_template, assistant_spans
-from sft.formats import BadRow, parse_messages
-from sft.masks import TokenizeStats, bos_head, special_affixes, split_whole, with_eos
+from chat.formats import BadRow, parse_messages
+from chat.loss_masks import TokenizeStats, bos_head, special_affixes, split_whole, with_eos
+from chat.spans import assistant_spans
+from chat.templates import ChatTemplate, as_template
+from zoo.errors import UserError
+
+if TYPE_CHECKING:
+    from pretrain.config import TrainConfig
+    from pretrain.task import RowSource
+    from zoo.model.config import ModelConfig
 
 CHOSEN, REJECTED, PROMPT = 1, 2, 3  # the segment ids of a pair's answers and of its shared prompt
 
@@ -246,6 +253,18 @@ def keeps_meaning(whole: PairTokens, kept: PairTokens) -> bool:
                                                   (whole.rejected, kept.rejected)))
 
 
+def shared_prompt_layout(share: bool, mcfg: ModelConfig) -> bool:
+    """Whether pairs share one copy of their prompt: ``share`` (``dpo.share_prompt``), except for models with
+    sliding-window layers (zoo.model.masks). ``model.attention: splash`` cannot read a shared prompt
+    (zoo.kernels.choice): said here, before any documents, with what to change."""
+    shared = share and "sliding" not in mcfg.kinds
+    if shared and mcfg.attention == "splash":
+        raise UserError("model.attention splash cannot read DPO's shared prompts (an answer reads its prompt's "
+                        "segment; splash's segment ids only pair equal ids): set dpo.share_prompt: false, or "
+                        "attention: auto or blockwise")
+    return shared
+
+
 def pair_document(t: PairTokens, shared_prompt: bool = True) -> dict[str, np.ndarray]:
     """The row features of a pair: tokens, loss_mask (the answer tokens), its own segment ids and positions,
     and, with the prompt shared, each token's prefix segment (``tokens_prefix_ids``; see the module docstring)."""
@@ -271,6 +290,19 @@ def pair_document(t: PairTokens, shared_prompt: bool = True) -> dict[str, np.nda
     return doc
 
 
+def load_pair_rows(path: str, cfg: TrainConfig, need: str) -> RowSource:
+    """The rows of ``path`` as preference pairs; one line (``need``: what the rows need) when a column is
+    missing."""
+    from pretrain.task import RowSource
+    from zoo.data.files import load_dataset_rows
+
+    ds, _ = load_dataset_rows(path, cfg.data.split)
+    missing = [c for c in ("chosen", "rejected") if c not in ds.column_names]
+    if missing:
+        raise UserError(f"data.path {path}: {need}; missing {', '.join(missing)} (columns: {ds.column_names})")
+    return RowSource(ds, "pairs", path)
+
+
 def pair_documents(rows: Iterable[tuple[int, dict[str, Any]]], tokenizer: Any,
                    chat_template: ChatTemplate | str | None,
                    path: str, skip_bad_rows: bool, max_len: int, drop_long: bool,
@@ -283,7 +315,6 @@ def pair_documents(rows: Iterable[tuple[int, dict[str, Any]]], tokenizer: Any,
     module docstring).
     """
     from zoo.data.row_origin import bad_row, row_where
-    from zoo.errors import UserError
 
     out: dict[int, dict[str, np.ndarray]] = {}
     skipped, too_long, first_bad = 0, set(), ""

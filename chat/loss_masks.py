@@ -1,4 +1,4 @@
-"""SFT examples -> token ids + loss masks.
+"""Examples (chat/formats.py) -> token ids + loss masks, and the whole-text tokenization every chat task shares.
 
 ``mask[i]`` is True when token ``i`` is a training target, i.e. the loss on
 predicting ``ids[i]`` from ``ids[:i]`` counts. ``mask[0]`` is always False:
@@ -20,7 +20,7 @@ nothing precedes the first token, so it is never predicted (a trainer uses
 * conversations: rendered with the chat template; the ids are those of the
   whole render (tokenized without added special tokens, as
   ``apply_chat_template`` does), and each trained assistant turn's span in
-  that render (sft/chat.py: its content and end-of-turn token(s) as the
+  that render (chat/spans.py: its content and end-of-turn token(s) as the
   template writes them at that position, found without assuming that a
   prefix renders as a prefix) is mapped onto the tokens by their offsets: a
   token is trained when it overlaps a span. Whitespace the template writes
@@ -39,13 +39,14 @@ from typing import Any, cast
 
 import numpy as np
 
-from sft.chat import ChatTemplate, TemplateMismatch, as_template, assistant_spans
-from sft.formats import BadRow, Example, normalize
+from chat.formats import BadRow, Example, normalize
+from chat.spans import assistant_spans
+from chat.templates import ChatTemplate, as_template
 from zoo.errors import UserError
 
 GREEN, RESET = "\x1b[42m", "\x1b[0m"
 PLAIN_OPEN, PLAIN_CLOSE = "[[", "]]"
-__all__ = ["TemplateMismatch", "TokenizeStats", "tokenize_example", "tokenize_rows", "tokenize_indexed",
+__all__ = ["TokenizeStats", "tokenize_example", "tokenize_rows", "tokenize_indexed",
            "render_mask", "encode", "special_affixes", "split_whole", "token_mask", "bos_head", "with_eos"]
 
 
@@ -67,7 +68,7 @@ def tokenize_example(example: Example, tokenizer: Any, chat_template: ChatTempla
                      stats: TokenizeStats | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Token ids (int32) and loss mask (bool, True = trained) of one example.
 
-    ``chat_template`` (a :class:`sft.chat.ChatTemplate`, or a Jinja string)
+    ``chat_template`` (a :class:`chat.templates.ChatTemplate`, or a Jinja string)
     replaces the tokenizer's own for conversations and carries the template
     variables. Raises BadRow when the row cannot be used (including when no
     token would be trained) and UserError for configuration problems (no chat
@@ -151,7 +152,7 @@ def _runs(ids: list[int], mask: list[bool]) -> list[tuple[bool, list[int]]]:
     return runs
 
 
-# ---- shared by SFT and DPO: whole-text tokenization and character spans -> tokens -----------------------
+# ---- shared by every chat task (SFT, preference pairs): whole-text tokenization, character spans -> tokens ---
 
 
 def encode(text: str, tokenizer: Any) -> list[int]:

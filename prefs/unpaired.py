@@ -8,13 +8,13 @@ Rows (TRL 1.16 ``KTOTrainer``'s dataset formats):
   ``chosen`` labelled true and ``rejected`` false, in TRL's order (``unpair_preference_dataset``: for each
   block of 1000 rows, every chosen completion, then every rejected one).
 
-Each row is tokenized as DPO tokenizes an answer (dpo/data.py: prompt + completion as one text, split at the
+Each row is tokenized as DPO tokenizes an answer (prefs/pairs.py: prompt + completion as one text, split at the
 prompt's last whole token; a string completion ends with one EOS). The KL term (Ethayarajh et al. 2024, "KTO:
 Model Alignment as Prospect Theoretic Optimization", arXiv:2402.01306, Eq. (7)) reads each prompt with a
 completion of ANOTHER row: as TRL builds it, the completions are rotated by one within consecutive chunks of
 rows of one micro-batch's size, in the data's order, ``(x_1, y_n), (x_2, y_1), ..., (x_n, y_{n-1})``, token by
 token (the other row's completion ids after this row's prompt ids). A row is then one pair-layout row
-(dpo/data.py): its prompt once, its completion as segment 1 and the mismatched completion as segment 2, both
+(prefs/pairs.py): its prompt once, its completion as segment 1 and the mismatched completion as segment 2, both
 reading the prompt as a shared prefix, so one forward pass scores both.
 """
 
@@ -24,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from dpo.data import PairTokens, chat_texts, fit_pair, keeps_meaning, normalize_pair, pair_document
-from sft.chat import ChatTemplate, as_template
-from sft.formats import BadRow, parse_messages
-from sft.masks import bos_head, special_affixes, split_whole, with_eos
+from chat.formats import BadRow, parse_messages
+from chat.loss_masks import bos_head, special_affixes, split_whole, with_eos
+from chat.templates import ChatTemplate, as_template
+from prefs.pairs import PairTokens, chat_texts, fit_pair, keeps_meaning, normalize_pair, pair_document
 from zoo.errors import UserError
 
 UNPAIR_BLOCK = 1000  # the rows datasets.map hands TRL's unpair_preference_dataset at once (its default batch)

@@ -1,4 +1,4 @@
-"""SFT data formats: which columns a dataset has, and one row -> one `Example`.
+"""Row formats of chat and instruction data: which columns a dataset has, and one row -> one `Example`.
 
 Five row shapes are understood (the columns that identify them in brackets):
 
