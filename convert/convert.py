@@ -14,7 +14,6 @@ from tqdm.auto import tqdm
 from convert import fp8, mtp, mxfp4
 from convert.dequantizing import DequantizingReader
 from convert.fused import split_fused
-from convert.hf_config import model_config_from_hf, source_format
 from convert.safetensors_out import write_streaming
 from convert.source import Source, open_source
 from convert.tables import BoundRule, table_for
@@ -30,6 +29,8 @@ from zoo.checkpoints.format import (
 from zoo.errors import UserError
 from zoo.memory import release_free_memory
 from zoo.model.config import ModelConfig
+from zoo.model.from_hf import model_config_from_hf
+from zoo.model.hf_families import source_format
 from zoo.model.params import param_specs
 
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}

@@ -198,7 +198,8 @@ def test_released_configs(name):
     format.)"""
     from transformers import AutoConfig
 
-    from convert.hf_config import export_hf_config, model_config_from_hf
+    from convert.hf_config import export_hf_config
+    from zoo.model.from_hf import model_config_from_hf
     from zoo.model.params import count_params
     from zoo.registry.catalogue import REGISTRY
 
