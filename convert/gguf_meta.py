@@ -121,6 +121,52 @@ _ARRAY_KEYS = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml
                "tokenizer.ggml.scores"}
 
 
+# GGUF metadata value types (the GGUF spec's gguf_metadata_value_type): fixed sizes in bytes, 8 a string, 9 an array.
+_GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def header_string(path: Path, key: str) -> str | None:
+    """A string key of a GGUF file's metadata (``general.license``), or None (no such file, key or string).
+
+    Reads the metadata's key-value pairs up to ``key``, skipping values unread: gguf's GGUFReader parses the
+    whole file (its tokenizer's arrays, every tensor's info), seconds for a key the header has first."""
+    import struct
+
+    def string(f: Any) -> bytes:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return bytes(f.read(n))
+
+    def skip(f: Any, kind: int) -> None:
+        if kind == _GGUF_STRING:
+            string(f)
+        elif kind == _GGUF_ARRAY:
+            item, count = struct.unpack("<IQ", f.read(12))
+            if item in _GGUF_SIZES:
+                f.seek(_GGUF_SIZES[item] * count, 1)
+            else:
+                for _ in range(count):
+                    skip(f, item)
+        else:
+            f.seek(_GGUF_SIZES[kind], 1)
+
+    try:
+        with open(path, "rb") as f:
+            magic, version, _tensors, kvs = struct.unpack("<4sIQQ", f.read(24))
+            if magic != b"GGUF" or version < 2:
+                return None
+            for _ in range(kvs):
+                name, (kind,) = string(f), struct.unpack("<I", f.read(4))
+                if name.decode("utf-8", "replace") == key:
+                    if kind != _GGUF_STRING:
+                        return None
+                    return string(f).decode("utf-8", "replace") or None
+                skip(f, kind)
+    except (OSError, struct.error, KeyError):  # unreadable or cut short: the card only loses a line
+        return None
+    return None
+
+
 def read_metadata(reader: Any) -> dict[str, Any]:
     """The metadata of an open ``gguf.GGUFReader`` as plain Python values."""
     import gguf

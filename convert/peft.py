@@ -22,20 +22,12 @@ from typing import Any
 import numpy as np
 
 from convert import peft_experts
+from convert.card_origin import origin_of
+from convert.card_training import trained_with, training_of
 from convert.convert import DTYPES, shape_only
 from convert.export import DTYPES_ALL, ST_NAMES, PlannedTensor, assign_shards, export, planned_files, safetensors_header
 from convert.fused import fused_named, fusion_of, join
-from convert.model_card import (
-    EvalResults,
-    card_data,
-    eval_lines,
-    origin_of,
-    read_eval_results,
-    render,
-    trained_with,
-    training_lines,
-    training_of,
-)
+from convert.model_card import EvalResults, card_data, eval_lines, read_eval_results, render, training_lines
 from convert.tables import BoundRule, table_for
 from convert.transforms import TRANSFORMS
 from zoo.checkpoints import quantized as quant_checkpoint

@@ -25,7 +25,8 @@ fusions, e.g. another ``exp`` kernel in the attention softmax), whatever the cod
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +43,7 @@ from pretrain.metrics import LossOutput, Mean, Metric, MicroMean, Ratio
 from pretrain.preflight import check_untrainable, untrainable
 from pretrain.task import Documents, LayoutContext, RowSource, RunContext, Task, Tokenizer
 from sft.task import chat_template_of
+from zoo.checkpoints.method_card import MethodCard, settings
 from zoo.data.batching import Document
 from zoo.data.files import indexed_rows, load_dataset_rows
 from zoo.errors import UserError
@@ -77,6 +79,14 @@ def shared_prompt_layout(share: bool, mcfg: ModelConfig) -> bool:
     return shared
 
 
+# What each dpo.loss_type is, as a model card names it (dpo/losses.py; kto: dpo/kto.py's KTOTask).
+LOSS_NAMES = {
+    "sigmoid": "DPO, sigmoid loss", "ipo": "IPO", "hinge": "DPO, hinge loss (SLiC)", "robust": "robust DPO",
+    "simpo": "SimPO (reference-free)", "orpo": "ORPO (odds-ratio preference optimization, reference-free)",
+    "cpo": "CPO (contrastive preference optimization, reference-free)",
+}
+
+
 class DPOTask(Task):
     """Direct preference optimization and its variants on (prompt, chosen, rejected) rows."""
 
@@ -103,6 +113,16 @@ class DPOTask(Task):
         # Whether the reference is the policy's starting model (prepare() finds out): then the policy is
         # the reference until it moves (see loss_sums).
         self.reference_is_start = False
+
+    @classmethod
+    def card(cls, cfg: TrainConfig) -> MethodCard:
+        """The loss named (tagged too, unless DPO's own sigmoid) and the keys it reads."""
+        loss = cast(DPOConfig, cfg).dpo.loss_type
+        keys = ("dpo.loss_type", "dpo.beta", "dpo.label_smoothing", *(("dpo.simpo_gamma",) if loss == "simpo" else ()),
+                *(("dpo.cpo_alpha",) if loss == "cpo" else ()), "dpo.sft_weight", "dpo.reference")
+        return MethodCard(f"{LOSS_NAMES.get(loss, loss)}: preference optimization (`dpo.loss_type: {loss}`)",
+                          ("dpo", *((loss,) if loss != "sigmoid" else ())),
+                          settings(dataclasses.asdict(cfg), keys, ("dpo.label_smoothing", "dpo.sft_weight")))
 
     # ---- rows -> documents ------------------------------------------------------------------------------
 

@@ -61,6 +61,7 @@ from sft.chat import render, template_text
 from sft.formats import BadRow
 from sft.task import chat_template_of
 from zoo.checkpoints.loading import load_reference
+from zoo.checkpoints.method_card import MethodCard, settings
 from zoo.data.batching import Document, replicated_batch
 from zoo.data.files import indexed_rows, load_dataset_rows
 from zoo.data.row_origin import bad_row, row_where
@@ -124,6 +125,22 @@ class GRPOTask(Task):
         self.field = cfg.data.prompt_field
         self.reference: str | None = None  # "base" or "inputs" with beta > 0 (prepare decides)
         self.grouped = False  # the update's rows share each group's prompt (shares_prompts; set up with the mesh)
+
+    # The keys a GRPO run's card lists (those whose 0 / false / [] means "off" left out then).
+    CARD_KEYS = ("num_generations", "max_completion_length", "temperature", "top_p", "top_k", "loss_type",
+                 "advantage", "scale_rewards", "normalize_advantages", "epsilon", "epsilon_high", "beta",
+                 "num_iterations", "importance_sampling_level", "rewards", "reward_weights", "tools", "environment",
+                 "max_turns")
+
+    @classmethod
+    def card(cls, cfg: TrainConfig) -> MethodCard:
+        """GRPO with its loss, advantage estimator (group, RLOO, REINFORCE++) and group size, and its keys."""
+        g = cast(GRPOConfig, cfg).grpo
+        return MethodCard("GRPO (group relative policy optimization: online RL on sampled completions), "
+                          f"loss `{g.loss_type}`, advantage `{g.advantage}`, {g.num_generations} completions per "
+                          "prompt", ("grpo",),
+                          settings(dataclasses.asdict(cfg), [f"grpo.{k}" for k in cls.CARD_KEYS],
+                                   ("grpo.beta", "grpo.normalize_advantages", "grpo.tools", "grpo.top_k")))
 
     def _rewards(self, cfg: GRPOConfig) -> RewardSet:
         """grpo.rewards, and an environment class's ``get_reward`` as one more source of weight 1 (TRL's)."""

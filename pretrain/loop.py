@@ -155,7 +155,7 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
         if training.failed_first_step and not held_before and primary:
             shutil.rmtree(out, ignore_errors=True)
     return write_final(out, cfg, mcfg, training.state["params"], src_ckpt, tok_dir, last,
-                       _data_report(cfg, data, primary), task.method, lora_cfg)
+                       _data_report(cfg, data, primary), task.method, lora_cfg, task.card(cfg))
 
 
 def _mesh(cfg: TrainConfig) -> jax.sharding.Mesh:

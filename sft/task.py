@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, cast
 
@@ -15,6 +16,7 @@ from sft.chat import ChatTemplate, parse_date
 from sft.config import ChatDataSection, SFTConfig, SFTDataSection
 from sft.formats import detect_format
 from sft.masks import tokenize_indexed
+from zoo.checkpoints.method_card import MethodCard, settings
 from zoo.data.files import indexed_rows, load_dataset_rows
 from zoo.errors import UserError
 from zoo.model.config import ModelConfig
@@ -54,6 +56,18 @@ class SFTTask(Task):
         self.distill = d
         self.teacher_mcfg: ModelConfig | None = None  # distill.teacher's config, once prepare loaded it
         self.sampling: Any = None  # distill.online.Sampling, once prepare set it up
+
+    @classmethod
+    def card(cls, cfg: TrainConfig) -> MethodCard:
+        """Supervised fine-tuning; with ``distill.teacher``, knowledge distillation (GKD) and its keys."""
+        teacher = cast(SFTConfig, cfg).distill.teacher
+        if not teacher:
+            return MethodCard("supervised fine-tuning (SFT)", ("sft",))
+        keys = ("distill.teacher", "distill.lmbda", "distill.beta", "distill.temperature", "distill.max_new_tokens",
+                "distill.seq_kd")
+        return MethodCard("knowledge distillation (GKD: the student learns the teacher's token distributions), "
+                          f"from the teacher `{teacher}`", ("distillation",),
+                          settings(dataclasses.asdict(cfg), keys, ("distill.seq_kd",)))
 
     def load(self, path: str, cfg: TrainConfig) -> RowSource:
         """The rows of ``path`` and their format (``data.format``, or detected from the columns)."""
