@@ -31,7 +31,7 @@ class Origin:
     license: str | None = None
 
 
-def _meta_at(folder: Path) -> dict[str, Any] | None:
+def meta_at(folder: Path) -> dict[str, Any] | None:
     """model.json of the checkpoint at ``folder``, or None (gone, unreadable)."""
     try:
         meta = json.loads((folder / MODEL_FILE).read_text())
@@ -107,7 +107,7 @@ def origin_of(ckpt: str | os.PathLike, meta: dict[str, Any]) -> Origin:
             nxt = Path(source).expanduser()
         else:
             break
-        m_next = _meta_at(nxt)
+        m_next = meta_at(nxt)
         if m_next is None:
             break
         here, m = nxt, m_next

@@ -2,7 +2,7 @@
 convert/card_origin.py), how it was trained (method, hyperparameters, data, final metrics: convert/card_training.py)
 and how it scored (`zoo eval --out` results), rendered as Markdown.
 
-Shared by the model's card (convert/export.py) and the PEFT adapter's (convert/peft.py). The metadata (front
+Shared by the model's card (convert/export.py) and the PEFT adapter's (convert/peft_card.py). The metadata (front
 matter) is huggingface_hub's ``ModelCardData``, so the Hub reads ``base_model``, ``license``, ``datasets``, ...
 """
 
