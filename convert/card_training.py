@@ -177,8 +177,8 @@ def training_of(ckpt: str | os.PathLike, meta: dict[str, Any]) -> Training | Non
     records = [r for r in _step_records(run / METRICS_FILE) if steps is None or r["step"] <= steps] if run else []
     last = records[-1] if records else {}
     evaluated = [r for r in records if any(is_eval_key(k) for k in r)]
-    return Training(str(record.get("method") or "training"), MethodCard.of_record(record), record, config, meta.get("lora"), data, evals, last,
-                    evaluated[-1] if evaluated else {})
+    return Training(str(record.get("method") or "training"), MethodCard.of_record(record), record, config,
+                    meta.get("lora"), data, evals, last, evaluated[-1] if evaluated else {})
 
 
 def trained_with(record: dict[str, Any]) -> str:

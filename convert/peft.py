@@ -6,7 +6,9 @@ with ``delta W = scale * B @ A`` on a torch Linear weight W [out, in]. Module
 paths come from the conversion tables (the HF weight name minus ``.weight``),
 so they are the names of the merged model that ``zoo export`` writes.
 
-Written with numpy and JSON only: peft and torch stay test-only dependencies.
+The tensors' plan (names, layouts, offsets) is convert/peft_plan.py's, the adapter's card and the base it names
+convert/peft_card.py's; this module writes the folder. Written with numpy and JSON only: peft and torch stay
+test-only dependencies.
 """
 
 from __future__ import annotations
@@ -153,7 +155,7 @@ def peft_config(meta: dict[str, Any], base_ref: str, target_modules: list[str],
 
 
 def _fused_factor(cfg: ModelConfig, t: PlannedTensor, arrays: dict[str, np.ndarray]) -> np.ndarray:
-    """lora_A or lora_B of fused-Linear adapter tensor ``t`` (:func:`_fused_tensors`) from the zoo adapters
+    """lora_A or lora_B of fused-Linear adapter tensor ``t`` (planned by convert.peft_plan) from the zoo adapters
     (path -> stacked array): A by :func:`convert.peft_experts.lora_a` (one expert), B's blocks placed in the
     fused tensor's rows by :func:`convert.fused.join`."""
     key, _, part = t.zoo.rpartition(".")

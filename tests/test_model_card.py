@@ -103,9 +103,10 @@ def metrics(run: Path) -> list[dict]:
 def card_record(task: type[Task], config: dict, lora: dict | None = None) -> dict:
     """The card a run of ``task`` with ``config`` (a config tree, as config.yaml holds it) records in its final
     checkpoint (pretrain/final.py), read from the task."""
-    overrides = [f"{section}.{key}={json.dumps(value)}" if isinstance(values, dict) else f"{section}={json.dumps(values)}"
-                 for section, values in config.items() for key, value in (values.items() if isinstance(values, dict)
-                                                                          else [(None, None)])]
+    flat = {f"{section}.{key}": value for section, values in config.items() if isinstance(values, dict)
+            for key, value in values.items()}
+    flat.update({key: value for key, value in config.items() if not isinstance(value, dict)})
+    overrides = [f"{key}={json.dumps(value)}" for key, value in flat.items()]
     # What any run needs (never read here): a model and data, unless ``config`` gives its own.
     needs = [f"{section}.path={path}" for section, path in (("model", "base"), ("data", "rows.jsonl"))
              if section not in config]
@@ -213,7 +214,8 @@ def test_cards_of_a_run_folder_written_by_hand(in_cache, tmp_path):
     write_adapter_checkpoint(in_cache / "base", run / "final", LoraConfig(rank=2, alpha=4.0, targets=["q_proj"]))
     meta = json.loads((run / "final" / "model.json").read_text())
     config = {"data": {"path": str(tmp_path / "prefs.jsonl"), "seq_len": 32}, "batch_size": 2,
-              "optimizer": {"name": "adamw", "learning_rate": 5e-6}, "schedule": {"name": "linear", "min_lr_ratio": 0.0},
+              "optimizer": {"name": "adamw", "learning_rate": 5e-6},
+              "schedule": {"name": "linear", "min_lr_ratio": 0.0},
               "dpo": {"loss_type": "orpo", "beta": 0.25, "cpo_alpha": 1.0}}
     meta["training"] = {"method": "dpo", "steps": 3, "data": str(tmp_path / "prefs.jsonl"),
                         "card": card_record(DPOTask, config, meta["lora"])}
@@ -319,7 +321,8 @@ def card_of(tmp_path: Path, task: type[Task], config: dict) -> str:
      ["knowledge distillation (GKD", "from the teacher `runs/teacher/final`", "| `distill.lmbda` | 0.5 |"]),
     (RewardTask, {"rm": {"center_rewards_coefficient": 0.01}},
      ["reward modelling", "| `rm.center_rewards_coefficient` | 0.01 |"]),
-    (PretrainTask, {"model": {"init": "random", "config": "llama-tiny", "tokenizer": "tok"}, "optimizer": {"learning_rate": 3e-4}},
+    (PretrainTask, {"model": {"init": "random", "config": "llama-tiny", "tokenizer": "tok"},
+                    "optimizer": {"learning_rate": 3e-4}},
      ["pretraining (next-token prediction), from a random initialization", "| `optimizer.learning_rate` | 0.0003 |"]),
 ])
 def test_each_method_is_named_with_its_own_keys(tmp_path, task, config, says):
