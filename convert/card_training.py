@@ -83,7 +83,7 @@ def run_folder(ckpt: Path) -> Path | None:
 
 
 def config_value(config: dict[str, Any] | None, key: str) -> Any:
-    """The value of dotted ``key`` (``dpo.beta``) in a resolved config tree; None when absent."""
+    """The value of dotted ``key`` (``data.split``) in a resolved config tree; None when absent."""
     node: Any = config
     for part in key.split("."):
         if not isinstance(node, dict) or part not in node:
