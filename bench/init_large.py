@@ -27,8 +27,8 @@ import numpy as np
 def init_streamed(config: str, out: str, dtype: str = "bfloat16", seed: int = 0, std: float = 0.02) -> Path:
     """Write the random checkpoint of the Hugging Face ``config`` (a config.json path) to ``out``."""
     from convert.convert import DTYPES
-    from convert.hf_config import model_config_from_hf
     from zoo.checkpoints.format import HF_CONFIG_FILE, CheckpointWriter, atomic_output
+    from zoo.model.from_hf import model_config_from_hf
     from zoo.model.params import param_specs
 
     hf = json.loads(Path(config).read_text())

@@ -33,8 +33,8 @@ def run(args: argparse.Namespace) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from convert.hf_config import model_config_from_hf
     from pretrain.flops import KNOWN_PEAK_TFLOPS, flops_per_token
+    from zoo.model.from_hf import model_config_from_hf
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     raw = hf_config(args.model, args.layers)

@@ -14,7 +14,6 @@ from tqdm.auto import tqdm
 from convert import fp8, mtp, mxfp4
 from convert.dequantizing import DequantizingReader
 from convert.fused import split_fused
-from convert.hf_config import model_config_from_hf, source_format
 from convert.safetensors_out import write_streaming
 from convert.source import Source, open_source
 from convert.tables import BoundRule, table_for
@@ -30,6 +29,8 @@ from zoo.checkpoints.format import (
 from zoo.errors import UserError
 from zoo.memory import release_free_memory
 from zoo.model.config import ModelConfig
+from zoo.model.from_hf import model_config_from_hf
+from zoo.model.hf_families import source_format
 from zoo.model.params import param_specs
 
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
@@ -69,6 +70,47 @@ def _counted(items, bar):
         bar.update()
 
 
+def _dequantizing(src: Source, cast_to: np.dtype | None, stored_config: dict[str, Any]
+                  ) -> DequantizingReader | None:
+    """A Hugging Face source's quantized weights dequantized while streaming (gpt-oss's MXFP4 experts, FP8 block
+    scaling), its reader swapped for one that does it and ``stored_config`` rid of its ``quantization_config``
+    (the checkpoint holds the dequantized weights); None for a source without (a quantized tensor the config
+    does not declare is refused)."""
+    if src.fmt == "gguf":
+        return None
+    dequantizing: DequantizingReader
+    if mxfp4.declared(src.hf_config):  # gpt-oss's experts
+        dequantizing = mxfp4.DequantizingReader(src.reader, cast_to or mxfp4.DEFAULT_DTYPE, src.description)
+    else:
+        mxfp4.refuse_undeclared(src.reader, src.description)
+        scaling = fp8.block_scaling(src.hf_config, f"{src.description}: config")
+        if scaling is None:
+            fp8.refuse_unscaled_fp8(src.reader, src.description)
+            return None
+        dequantizing = fp8.DequantizingReader(src.reader, scaling, cast_to or fp8.DEFAULT_DTYPE, src.description)
+    src.reader = dequantizing
+    stored_config.pop("quantization_config")
+    return dequantizing
+
+
+def _note_left_out(src: Source, fmt: str, rules: list[BoundRule], dropped: list[str],
+                   stored_config: dict[str, Any]) -> None:
+    """Notes on what the conversion leaves out: a multimodal model's vision tower, and the multi-token-prediction
+    layer's tensors ``dropped`` (``stored_config`` then says the checkpoint has none)."""
+    if fmt in ("hf-gemma3-multimodal", "hf-gemma4-multimodal"):
+        left = len(src.reader.names()) - sum(len(r.hf_names()) for r in rules)
+        print(f"note: {src.description} is multimodal: converting its language model; the vision tower and "
+              f"projector ({left} tensors) are left out", file=sys.stderr)
+    if dropped:
+        size = sum(int(np.prod(src.reader.shape(n), dtype=np.int64)) * src.reader.dtype(n).itemsize for n in dropped)
+        from zoo.console import human_bytes
+
+        print(f"note: dropped the multi-token-prediction layer ({len(dropped)} tensors, {human_bytes(size)} as "
+              f"converted, from {dropped[0].rsplit('.', 3)[0]}.*): lmzoo's model does not run it; --keep-mtp keeps "
+              "it for export", file=sys.stderr)
+        stored_config["num_nextn_predict_layers"] = 0  # what the checkpoint holds
+
+
 def convert(source: str, out: str | Path, dtype: str | None = None, progress: bool | None = None,
             keep_mtp: bool = False) -> Path:
     """Convert SOURCE into a zoo checkpoint at ``out``; returns the checkpoint path.
@@ -87,20 +129,7 @@ def convert(source: str, out: str | Path, dtype: str | None = None, progress: bo
     cfg = model_config_from_hf(src.hf_config, f"{src.description}: config")
     fmt = src.fmt if src.fmt == "gguf" else source_format(src.hf_config)
     stored_config = dict(src.hf_config)
-    dequantizing: DequantizingReader | None = None  # its summary ends the run
-    if src.fmt != "gguf" and mxfp4.declared(src.hf_config):  # gpt-oss's experts: dequantized while streaming
-        src.reader = dequantizing = mxfp4.DequantizingReader(src.reader, cast_to or mxfp4.DEFAULT_DTYPE,
-                                                             src.description)
-        stored_config.pop("quantization_config")
-    elif src.fmt != "gguf":
-        mxfp4.refuse_undeclared(src.reader, src.description)
-        scaling = fp8.block_scaling(src.hf_config, f"{src.description}: config")
-        if scaling is None:
-            fp8.refuse_unscaled_fp8(src.reader, src.description)
-        else:
-            src.reader = dequantizing = fp8.DequantizingReader(src.reader, scaling, cast_to or fp8.DEFAULT_DTYPE,
-                                                               src.description)
-            stored_config.pop("quantization_config")  # the checkpoint holds the dequantized weights
+    dequantizing = _dequantizing(src, cast_to, stored_config)  # its summary ends the run
     extra = mtp.mtp_tensors(src.reader.names(), src.hf_config)
     if keep_mtp and not extra:
         raise UserError(f"--keep-mtp: {src.description} has no multi-token-prediction layer to keep "
@@ -110,18 +139,7 @@ def convert(source: str, out: str | Path, dtype: str | None = None, progress: bo
         src.reader = split_fused(src.reader, cfg, src.description)  # Phi-3's qkv_proj as q/k/v_proj, ...
     rules = table_for(cfg.family, fmt, cfg)
     check_source(src, cfg, rules)
-    if fmt in ("hf-gemma3-multimodal", "hf-gemma4-multimodal"):
-        left = len(src.reader.names()) - sum(len(r.hf_names()) for r in rules)
-        print(f"note: {src.description} is multimodal: converting its language model; the vision tower and "
-              f"projector ({left} tensors) are left out", file=sys.stderr)
-    if extra and not keep_mtp:
-        size = sum(int(np.prod(src.reader.shape(n), dtype=np.int64)) * src.reader.dtype(n).itemsize for n in extra)
-        from zoo.console import human_bytes
-
-        print(f"note: dropped the multi-token-prediction layer ({len(extra)} tensors, {human_bytes(size)} as "
-              f"converted, from {extra[0].rsplit('.', 3)[0]}.*): lmzoo's model does not run it; --keep-mtp keeps "
-              "it for export", file=sys.stderr)
-        stored_config["num_nextn_predict_layers"] = 0  # what the checkpoint holds
+    _note_left_out(src, fmt, rules, [] if keep_mtp else extra, stored_config)
     specs = param_specs(cfg)
     with atomic_output(out) as folder:
         writer = CheckpointWriter(folder)

@@ -23,20 +23,12 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from convert.card_origin import origin_of
+from convert.card_training import trained_with, training_of
 from convert.convert import DTYPES
 from convert.fused import fuse_planned, fused_named, join
 from convert.hf_config import export_hf_config
-from convert.model_card import (
-    EvalResults,
-    card_data,
-    eval_lines,
-    origin_of,
-    read_eval_results,
-    render,
-    trained_with,
-    training_lines,
-    training_of,
-)
+from convert.model_card import EvalResults, card_data, eval_lines, read_eval_results, render, training_lines
 from convert.mtp import EXTRA_FILE
 from convert.readers import SafetensorsFolder
 from convert.safetensors_out import ST_NAMES, encode_header

@@ -1,17 +1,21 @@
 """A GGUF file's model config and tokenizer, rebuilt from its metadata without torch.
 
 transformers reads GGUF metadata through code that imports torch, which is only a
-test dependency here. The same result is rebuilt from the ``gguf`` package's reader
-and transformers' tokenizer classes (which need only ``tokenizers``), driven by
+test dependency here. The same result is rebuilt from the file's header (read here,
+:func:`read_header`: the one GGUF metadata reader, the model card's too) and
+transformers' tokenizer classes (which need only ``tokenizers``), driven by
 tables: llama.cpp metadata keys -> Hugging Face config fields, and
 ``tokenizer.ggml.model`` / ``tokenizer.ggml.pre`` -> how the tokenizer is built.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import struct
+from collections.abc import Callable, Container
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
+
+import numpy as np
 
 from zoo.errors import UserError
 
@@ -121,19 +125,106 @@ _ARRAY_KEYS = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml
                "tokenizer.ggml.scores"}
 
 
-def read_metadata(reader: Any) -> dict[str, Any]:
-    """The metadata of an open ``gguf.GGUFReader`` as plain Python values."""
-    import gguf
+# GGUF metadata value types (the GGUF spec's gguf_metadata_value_type): the numpy type of each fixed-size one
+# (without its byte order), 8 a string, 9 an array.
+_GGUF_NUMBERS = {0: "u1", 1: "i1", 2: "u2", 3: "i2", 4: "u4", 5: "i4", 6: "f4", 7: "b1", 10: "u8", 11: "i8", 12: "f8"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
 
+
+class _Header:
+    """A GGUF file's header read in order: its key-value pairs, each value read or skipped unread."""
+
+    def __init__(self, f: BinaryIO):
+        self.f = f
+        magic = f.read(4)
+        (version,) = struct.unpack("<I", f.read(4))
+        if magic != b"GGUF":
+            raise ValueError("not a GGUF file")
+        # A big-endian file's version reads byte-swapped (gguf's GGUFReader tells them apart the same way).
+        self.order = ">" if version & 0xFFFF == 0 else "<"
+        version = version if self.order == "<" else struct.unpack(">I", struct.pack("<I", version))[0]
+        if version < 2:
+            raise ValueError(f"GGUF version {version} (lmzoo reads 2 and later)")
+        self.tensors, self.pairs = struct.unpack(self.order + "QQ", f.read(16))
+
+    def _u(self, fmt: str) -> int:
+        return struct.unpack(self.order + fmt, self.f.read(struct.calcsize(fmt)))[0]
+
+    def key(self) -> tuple[str, int]:
+        """The next pair's key and value type."""
+        return self.string().decode("utf-8", "replace"), self._u("I")
+
+    def string(self) -> bytes:
+        return bytes(self.f.read(self._u("Q")))
+
+    def value(self, kind: int) -> Any:
+        """A value of type ``kind`` as gguf's ``ReaderField.contents()`` gives it (an array: a list); a string
+        that is not UTF-8 is a UnicodeDecodeError, after the value is read."""
+        if kind == _GGUF_STRING:
+            return self.string().decode("utf-8")
+        if kind == _GGUF_ARRAY:
+            item, count = self._u("I"), self._u("Q")
+            if item in _GGUF_NUMBERS:
+                dtype = np.dtype(self.order + _GGUF_NUMBERS[item])
+                return np.frombuffer(self.f.read(dtype.itemsize * count), dtype).tolist()
+            items = [self.string() if item == _GGUF_STRING else self.value(item) for _ in range(count)]
+            return [x.decode("utf-8") for x in items] if item == _GGUF_STRING else items
+        dtype = np.dtype(self.order + _GGUF_NUMBERS[kind])
+        return np.frombuffer(self.f.read(dtype.itemsize), dtype).tolist()[0]
+
+    def skip(self, kind: int) -> None:
+        """Pass a value of type ``kind`` unread."""
+        if kind == _GGUF_STRING:
+            self.f.seek(self._u("Q"), 1)
+        elif kind == _GGUF_ARRAY:
+            item, count = self._u("I"), self._u("Q")
+            if item in _GGUF_NUMBERS:
+                self.f.seek(np.dtype(_GGUF_NUMBERS[item]).itemsize * count, 1)
+            else:
+                for _ in range(count):
+                    self.skip(item)
+        else:
+            self.f.seek(np.dtype(_GGUF_NUMBERS[kind]).itemsize, 1)
+
+
+def read_header(path: str | Path, arrays: Container[str] = (), until: str | None = None) -> dict[str, Any]:
+    """The metadata of GGUF file ``path`` as plain Python values, read from its header alone: arrays only those
+    named in ``arrays`` (the others skipped unread: a tokenizer's vocabulary is most of a header), up to the key
+    ``until`` when given. A value that is not valid UTF-8 is left out, as transformers leaves a malformed optional
+    field out. A file that is not GGUF, or is cut short: ValueError, struct.error or OSError."""
     out: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if field.types and field.types[0] == gguf.GGUFValueType.ARRAY and key not in _ARRAY_KEYS:
-            continue
-        try:
-            out[key] = field.contents()
-        except Exception:  # a malformed optional field is left out, as transformers does
-            continue
+    with open(path, "rb") as f:
+        header = _Header(f)
+        for _ in range(header.pairs):
+            key, kind = header.key()
+            if kind == _GGUF_ARRAY and key not in arrays:
+                header.skip(kind)
+            else:
+                try:
+                    out[key] = header.value(kind)
+                except UnicodeDecodeError:
+                    pass
+            if key == until:
+                break
     return out
+
+
+def header_string(path: Path, key: str) -> str | None:
+    """A string key of a GGUF file's metadata (``general.license``), or None (no such file, key or string):
+    the header read up to ``key`` only."""
+    try:
+        value = read_header(path, until=key).get(key)
+    except (OSError, ValueError, KeyError, struct.error):  # unreadable or cut short: the card only loses a line
+        return None
+    return value if isinstance(value, str) and value else None
+
+
+def read_metadata(path: str | Path) -> dict[str, Any]:
+    """The metadata of GGUF file ``path`` that a conversion reads: every key, the tokenizer's arrays whole."""
+    try:
+        return read_header(path, _ARRAY_KEYS)
+    except (OSError, ValueError, KeyError, struct.error) as e:
+        raise UserError(f"{path}: cannot read its GGUF metadata ({e})") from None
 
 
 def hf_config(meta: dict[str, Any], tensor_names: list[str], where: str) -> dict[str, Any]:

@@ -1,47 +1,17 @@
-"""The config.json fields of SmolLM3, OLMo 2/3 and Phi-3/Phi-4 beyond the shared ones, both ways.
+"""The config.json fields of SmolLM3, OLMo 2/3 and Phi-3/Phi-4 beyond the shared ones, as an export writes them.
 
-Read into ModelConfig: NoPE layers (SmolLM3's ``no_rope_layers``), blocks
-whose only norms are post-norms and q/k norms over all heads (OLMo 2/3),
-partial rotary and LongRoPE (Phi-3/Phi-4). Written back as transformers'
-config classes spell them, so an exported config.json is the one
-``save_pretrained`` writes.
+NoPE layers (SmolLM3's ``no_rope_layers``), OLMo 2/3's layer layout, partial
+rotary and LongRoPE (Phi-3/Phi-4), written as transformers' config classes
+spell them, so an exported config.json is the one ``save_pretrained`` writes
+(:func:`zoo.model.from_hf.read_layer_fields` reads them).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 from zoo.model.config import ModelConfig, RopeConfig
-
-# family -> (pre_norms, qk_norm_span): OLMo 2/3 norm only the outputs of attention and MLP, and their q/k norms
-# are one RMSNorm over all heads' q (k) at once.
-_LAYOUT = {"olmo2": (False, "all"), "olmo3": (False, "all")}
-
-
-def read_layer_fields(family: str, c: Any, rope_params: dict[str, Any]) -> dict[str, Any]:
-    """ModelConfig fields of this family's config object ``c`` (transformers' own, with its defaults and
-    derived fields) beyond the shared ones; ``rope_params`` is its standardized ``rope_parameters``."""
-    pre_norms, span = _LAYOUT.get(family, (True, "head"))
-    out: dict[str, Any] = dict(pre_norms=pre_norms, qk_norm_span=span)
-    uses_rope = getattr(c, "no_rope_layers", None)  # SmolLM3: 1 where a layer applies RoPE, 0 for NoPE
-    if uses_rope is not None:
-        out["nope_layers"] = tuple(i for i, on in enumerate(uses_rope) if not on)
-    factor = rope_params.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", None))
-    if factor is not None:
-        out["partial_rotary_factor"] = float(factor)
-    return out
-
-
-def read_longrope(rope: RopeConfig, params: dict[str, Any], c: Any) -> RopeConfig:
-    """``rope`` with LongRoPE's fields from its rope parameters: the short/long factors, and the scaling
-    factor transformers derives when the config gives none (max_position_embeddings over the original)."""
-    factor = params.get("factor")
-    if factor is None:
-        factor = int(c.max_position_embeddings) / rope.original_max_position_embeddings
-    return dataclasses.replace(rope, factor=float(factor), short_factor=tuple(params.get("short_factor") or ()),
-                               long_factor=tuple(params.get("long_factor") or ()))
 
 
 def _nope_interval(cfg: ModelConfig) -> tuple[int, bool]:

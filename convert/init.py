@@ -9,9 +9,9 @@ import jax
 import numpy as np
 
 from convert.convert import DTYPES
-from convert.hf_config import model_config_from_hf
 from zoo.checkpoints.format import HF_CONFIG_FILE, CheckpointWriter, atomic_output
 from zoo.errors import UserError
+from zoo.model.from_hf import model_config_from_hf
 from zoo.model.params import flatten, init_params, param_specs
 from zoo.registry import catalogue as registry
 

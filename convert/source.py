@@ -106,7 +106,7 @@ def _open_gguf(path: Path) -> Source:
     from convert.gguf_meta import build_tokenizer, hf_config, read_metadata
 
     reader = GGUFFile(path)
-    meta = read_metadata(reader.reader)
+    meta = read_metadata(path)
     hf = hf_config(meta, reader.names(), str(path))
 
     def save_tokenizer(dest: Path) -> None:

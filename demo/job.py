@@ -279,20 +279,27 @@ def _grpo_stage(opts: DemoOptions, report: _Report, tok: Any) -> dict[str, Any]:
     ]}
 
 
-def run_demo(opts: DemoOptions) -> None:
-    """Run the whole main job and print one summary table."""
+def _score(ckpt: Path, tok: Any, held_out: list[dict], opts: DemoOptions, desc: str) -> tuple[list, str]:
+    """(exact-match results on ``held_out``, the greedy answer to the demo's prompt) of the model at ``ckpt``."""
     import numpy as np
 
     import zoo
-    from convert import convert
-    from eval.exact_match import accuracy, score_exact_match
+    from eval.exact_match import score_exact_match
     from eval.generate import greedy_batch
-    from pretrain.loop import train
-    from sft.task import SFTTask
-    from zoo.data.tokenizer import load_tokenizer
+
+    model = zoo.load(ckpt, dtype=np.float32)
+    results = score_exact_match(model, tok, held_out, opts.max_new_tokens, desc=desc)
+    chat = tok.apply_chat_template([{"role": "user", "content": opts.prompt}], add_generation_prompt=True,
+                                   tokenize=True, return_dict=False)
+    answer = greedy_batch(model, [list(chat)], opts.max_new_tokens, {tok.eos_token_id})[0]
+    return results, tok.decode(answer, skip_special_tokens=True)
+
+
+def _convert_stage(opts: DemoOptions, report: _Report) -> None:
+    """Stage 1: the bundled GGUF file as a zoo checkpoint at ``opts.ckpt`` (kept when already there)."""
+    from convert import convert
     from zoo.registry.catalogue import bundled_gguf
 
-    report = _Report()
     _stage(report, "convert", 1, f"convert SmolLM2-135M-Instruct -> {opts.ckpt}")
     if not (opts.ckpt / "model.json").is_file():
         convert(str(bundled_gguf()), opts.ckpt)
@@ -300,16 +307,32 @@ def run_demo(opts: DemoOptions) -> None:
         print("already converted", file=sys.stderr)
     _done(report, "convert")
 
+
+def _export_stage(opts: DemoOptions, report: _Report, final: Path) -> tuple[Path, Path]:
+    """Stage 7: (the merged model's folder, the PEFT adapter's) exported from the SFT run's ``final``."""
+    from convert.export import export
+    from convert.peft import export_adapter
+
+    _stage(report, "export", 7, "export the merged SFT model and its PEFT adapter")
+    merged = export(final, opts.out / "merged", overwrite=True, repo_hint="smollm2-135m-records", progress=True)
+    adapter = export_adapter(final, opts.out / "adapter", overwrite=True)
+    _done(report, "export")
+    return merged, adapter
+
+
+def run_demo(opts: DemoOptions) -> None:
+    """Run the whole main job and print one summary table."""
+    from eval.exact_match import accuracy
+    from pretrain.loop import train
+    from sft.task import SFTTask
+    from zoo.data.tokenizer import load_tokenizer
+
+    report = _Report()
+    _convert_stage(opts, report)
     tok = load_tokenizer(opts.ckpt)
     held_out = _rows(DEMO_DATA / "records_eval.jsonl", opts.eval_examples)
     _stage(report, "score_base", 2, f"score the base model on {len(held_out)} held-out examples")
-    base = zoo.load(opts.ckpt, dtype=np.float32)
-    before = score_exact_match(base, tok, held_out, opts.max_new_tokens, desc="base")
-    chat = tok.apply_chat_template([{"role": "user", "content": opts.prompt}], add_generation_prompt=True,
-                                   tokenize=True, return_dict=False)
-    eos = {tok.eos_token_id}
-    base_answer = tok.decode(greedy_batch(base, [list(chat)], opts.max_new_tokens, eos)[0], skip_special_tokens=True)
-    del base
+    before, base_answer = _score(opts.ckpt, tok, held_out, opts, "base")
     _done(report, "score_base")
 
     cfg = _train_config(opts)
@@ -321,23 +344,13 @@ def run_demo(opts: DemoOptions) -> None:
     _done(report, "train")
 
     _stage(report, "score_tuned", 4, "score the fine-tuned model (adapters merged on load)")
-    tuned = zoo.load(final, dtype=np.float32)
-    after = score_exact_match(tuned, tok, held_out, opts.max_new_tokens, desc="fine-tuned")
-    tuned_answer = tok.decode(greedy_batch(tuned, [list(chat)], opts.max_new_tokens, eos)[0],
-                              skip_special_tokens=True)
-    del tuned
+    after, tuned_answer = _score(final, tok, held_out, opts, "fine-tuned")
     _done(report, "score_tuned")
 
     dpo = _dpo_stage(opts, report, final, tok) if opts.dpo_steps > 0 else None
     grpo = _grpo_stage(opts, report, tok) if opts.grpo_steps > 0 else None
 
-    _stage(report, "export", 7, "export the merged SFT model and its PEFT adapter")
-    from convert.export import export
-    from convert.peft import export_adapter
-
-    merged = export(final, opts.out / "merged", overwrite=True, repo_hint="smollm2-135m-records", progress=True)
-    adapter = export_adapter(final, opts.out / "adapter", overwrite=True)
-    _done(report, "export")
+    merged, adapter = _export_stage(opts, report, final)
 
     _stage(report, "chat", 8, "chat with the fine-tuned model")
     print(f"user: {opts.prompt}")

@@ -23,6 +23,7 @@ completion and the mismatched completion of a row in the same pass.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, cast
 
 import jax
@@ -37,6 +38,7 @@ from prefs.unpaired import check_chunk, kto_columns, kto_documents, unpaired_row
 from pretrain.config import TrainConfig
 from pretrain.metrics import LossOutput, Metric, MicroMean, Ratio
 from pretrain.task import RowSource, Tokenizer
+from zoo.checkpoints.method_card import MethodCard, settings
 from zoo.data.batching import Document
 from zoo.data.files import load_dataset_rows
 from zoo.model.config import ModelConfig
@@ -82,6 +84,13 @@ class KTOTask(DPOTask):
         # TRL rotates the completions within chunks of one device batch; ours is the micro-batch (all devices)
         self.chunk = cfg.batch_size // cfg.grad_accum
         check_chunk(self.chunk)
+
+    @classmethod
+    def card(cls, cfg: TrainConfig) -> MethodCard:
+        """KTO and the keys it reads (its weights of desirable and undesirable rows)."""
+        keys = ("dpo.loss_type", "dpo.beta", "dpo.desirable_weight", "dpo.undesirable_weight", "dpo.reference")
+        return MethodCard("KTO (Kahneman-Tversky optimization, on rows labelled desirable or undesirable)", ("kto",),
+                          settings(dataclasses.asdict(cfg), keys))
 
     def load(self, path: str, cfg: TrainConfig) -> RowSource:
         """The rows of ``path`` as unpaired (prompt, completion, label) rows, paired rows unpacked as TRL does."""

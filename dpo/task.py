@@ -25,6 +25,7 @@ fusions, e.g. another ``exp`` kernel in the attention softmax), whatever the cod
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar, cast
 
 import jax
@@ -42,6 +43,7 @@ from pretrain.dtypes import DTYPES
 from pretrain.metrics import LossOutput, Mean, Metric, MicroMean, Ratio
 from pretrain.preflight import check_untrainable, untrainable
 from pretrain.task import Documents, LayoutContext, RowSource, RunContext, Task, Tokenizer
+from zoo.checkpoints.method_card import MethodCard, settings
 from zoo.data.batching import Document
 from zoo.data.files import indexed_rows
 from zoo.errors import UserError
@@ -53,6 +55,14 @@ from zoo.model.quant import cast_params
 # The metrics each step logs (TRL's names), besides `loss`: means over the global batch's pairs.
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected", "logits/chosen", "logits/rejected")
+
+
+# What each dpo.loss_type is, as a model card names it (dpo/losses.py; kto: dpo/kto.py's KTOTask).
+LOSS_NAMES = {
+    "sigmoid": "DPO, sigmoid loss", "ipo": "IPO", "hinge": "DPO, hinge loss (SLiC)", "robust": "robust DPO",
+    "simpo": "SimPO (reference-free)", "orpo": "ORPO (odds-ratio preference optimization, reference-free)",
+    "cpo": "CPO (contrastive preference optimization, reference-free)",
+}
 
 
 class DPOTask(Task):
@@ -81,6 +91,16 @@ class DPOTask(Task):
         # Whether the reference is the policy's starting model (prepare() finds out): then the policy is
         # the reference until it moves (see loss_sums).
         self.reference_is_start = False
+
+    @classmethod
+    def card(cls, cfg: TrainConfig) -> MethodCard:
+        """The loss named (tagged too, unless DPO's own sigmoid) and the keys it reads."""
+        loss = cast(DPOConfig, cfg).dpo.loss_type
+        keys = ("dpo.loss_type", "dpo.beta", "dpo.label_smoothing", *(("dpo.simpo_gamma",) if loss == "simpo" else ()),
+                *(("dpo.cpo_alpha",) if loss == "cpo" else ()), "dpo.sft_weight", "dpo.reference")
+        return MethodCard(f"{LOSS_NAMES.get(loss, loss)}: preference optimization (`dpo.loss_type: {loss}`)",
+                          ("dpo", *((loss,) if loss != "sigmoid" else ())),
+                          settings(dataclasses.asdict(cfg), keys, ("dpo.label_smoothing", "dpo.sft_weight")))
 
     # ---- rows -> documents ------------------------------------------------------------------------------
 

@@ -31,8 +31,9 @@ is grpo/completions_log.py's hook.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +61,7 @@ from pretrain.metrics import LossOutput, Max
 from pretrain.setup import frozen_base_quant
 from pretrain.task import Documents, LayoutContext, RowSource, RunContext, Task, Tokenizer
 from zoo.checkpoints.loading import load_reference
+from zoo.checkpoints.method_card import MethodCard, settings
 from zoo.data.batching import Document
 from zoo.data.files import indexed_rows, load_dataset_rows
 from zoo.data.row_origin import bad_row
@@ -100,6 +102,22 @@ class GRPOTask(Task):
         self.rows = UpdateRows(False, g.num_generations, cfg.data.seq_len + 1, g.max_completion_length)
         self.rollouts: Rollouts | None = None  # set up by prepare (or compile_layout: no tokenizer)
         self._eval_rows: RowSource | None = None  # data.eval_path's rows, read once
+
+    # The keys a GRPO run's card lists (those whose 0 / false / [] means "off" left out then).
+    CARD_KEYS = ("num_generations", "max_completion_length", "temperature", "top_p", "top_k", "loss_type",
+                 "advantage", "scale_rewards", "normalize_advantages", "epsilon", "epsilon_high", "beta",
+                 "num_iterations", "importance_sampling_level", "rewards", "reward_weights", "tools", "environment",
+                 "max_turns")
+
+    @classmethod
+    def card(cls, cfg: TrainConfig) -> MethodCard:
+        """GRPO with its loss, advantage estimator (group, RLOO, REINFORCE++) and group size, and its keys."""
+        g = cast(GRPOConfig, cfg).grpo
+        return MethodCard("GRPO (group relative policy optimization: online RL on sampled completions), "
+                          f"loss `{g.loss_type}`, advantage `{g.advantage}`, {g.num_generations} completions per "
+                          "prompt", ("grpo",),
+                          settings(dataclasses.asdict(cfg), [f"grpo.{k}" for k in cls.CARD_KEYS],
+                                   ("grpo.beta", "grpo.normalize_advantages", "grpo.tools", "grpo.top_k")))
 
     def _rewards(self, cfg: GRPOConfig) -> RewardSet:
         """grpo.rewards, and an environment class's ``get_reward`` as one more source of weight 1 (TRL's)."""

@@ -38,8 +38,8 @@ def model_config(cfg: TrainConfig) -> Any:
 def model_config_of(name: str, key: str) -> Any:
     """The ModelConfig of ``name`` read without weights: a zoo checkpoint folder, a registry name with a released
     config or a Hugging Face ``config.json``; errors name ``key`` (the flag or config key that gave it)."""
-    from convert.hf_config import model_config_from_hf
     from zoo.checkpoints.format import read_config
+    from zoo.model.from_hf import model_config_from_hf
     from zoo.registry import catalogue as registry
 
     src = Path(name).expanduser()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import jax
 
@@ -22,17 +24,29 @@ from zoo.checkpoints.format import (
     remove_stale_scratch,
     save_params,
 )
+from zoo.checkpoints.method_card import MethodCard, adapter_settings, settings
 from zoo.lora.adapters import LoraConfig, lora_specs, whole_weights
 from zoo.model.config import ModelConfig
 from zoo.model.params import param_specs
 
+# The settings every run's card lists (config keys, in the card's order), before LoRA's and the task's own; those
+# whose 0 / false means "off" are left out then, and the final learning-rate ratio where the schedule has none.
+RUN_KEYS = ("optimizer.name", "optimizer.learning_rate", "optimizer.weight_decay", "optimizer.grad_clip",
+            "schedule.name", "schedule.warmup_steps", "schedule.min_lr_ratio", "batch_size", "grad_accum",
+            "data.seq_len", "data.chat_template", "epochs", "seed", "dtype.params", "dtype.compute")
+OFF_WHEN_FALSY = ("optimizer.weight_decay", "optimizer.grad_clip", "schedule.warmup_steps", "epochs")
+DECAYING_SCHEDULES = ("cosine", "linear", "wsd")
+
 
 def write_final(out: Path, cfg: TrainConfig, mcfg: ModelConfig, params: dict, src: Path | None, tok_dir: Path,
-                last: dict, data_report: dict, method: str = "pretrain", lora: LoraConfig | None = None) -> Path:
+                last: dict, data_report: dict, method: str = "pretrain", lora: LoraConfig | None = None,
+                card: MethodCard | None = None) -> Path:
     """Write ``out/final`` as a zoo checkpoint, atomically; every process writes its own shards.
 
     With ``lora`` the params are the adapters: ``final`` is then an adapter
     checkpoint (zoo/checkpoints/adapter.py) that refers to its base ``src``.
+    ``card``: what the task's model card says of its method (:meth:`pretrain.task.Task.card`), recorded in the
+    training record with the run's settings (:func:`recorded_card`).
     """
     specs = lora_specs(mcfg, lora) if lora else param_specs(mcfg)
     final = out / "final"
@@ -61,6 +75,8 @@ def write_final(out: Path, cfg: TrainConfig, mcfg: ModelConfig, params: dict, sr
             q = frozen_base_quant(cfg, src) if lora else None
             quant = {"kind": q[0], "double": q[1]} if q else None
             extra = {"lora": adapter_meta(lora, cast(Path, src), stored, final, quant)} if lora else {}
+            if card is not None:
+                training["card"] = recorded_card(cfg, card, extra.get("lora")).record()
             # A run derives from its starting checkpoint: the Hub repo that came from, if any, is this run's too.
             carried = provenance_of(read_meta(src)) if src is not None else {}
             writer.finish(mcfg, source=str(src or cfg.model.config), source_format="train", training=training,
@@ -86,3 +102,15 @@ def merged_table(mcfg: ModelConfig, base: dict[str, dict], adapters: dict[str, d
     for p in whole:
         table[p] = {**adapters[p], "dtype": base.get(p, base["final_norm"])["dtype"]}
     return table
+
+
+def recorded_card(cfg: TrainConfig, card: MethodCard, lora: Mapping[str, Any] | None) -> MethodCard:
+    """The task's ``card`` as the final checkpoint records it: its hyperparameters after every run's settings
+    (optimizer, schedule, batch, sequence length, ...) and, for an adapter checkpoint, LoRA's (``lora``: its
+    model.json entry), with the values of ``cfg`` (what the run folder's config.yaml holds)."""
+    tree = dataclasses.asdict(cfg)
+    keys = [k for k in RUN_KEYS if k != "schedule.min_lr_ratio" or cfg.schedule.name in DECAYING_SCHEDULES]
+    run = settings(tree, keys, OFF_WHEN_FALSY)
+    if lora:
+        run += adapter_settings(lora) + settings(tree, ("lora.dropout", "lora.base_quant"), ("lora.dropout",))
+    return dataclasses.replace(card, hyperparameters=run + card.hyperparameters)

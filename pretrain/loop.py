@@ -135,7 +135,7 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
         if training.failed_first_step and not held_before and primary:
             shutil.rmtree(out, ignore_errors=True)
     return write_final(out, cfg, run.mcfg, training.state["params"], run.src_ckpt, run.tok_dir, last,
-                       _data_report(cfg, run.data, primary), task.method, run.lora_cfg)
+                       _data_report(cfg, run.data, primary), task.method, run.lora_cfg, task.card(cfg))
 
 
 def _set_up(cfg: TrainConfig, task: Task, primary: bool) -> _Run:

@@ -23,7 +23,7 @@ def load_model(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> tuple[ModelConfig, 
     """(model config, sharded params, source checkpoint or None, tokenizer folder)."""
     pdt = DTYPES[cfg.dtype.params]
     if cfg.model.init == "random":
-        from convert.hf_config import model_config_from_hf
+        from zoo.model.from_hf import model_config_from_hf
         from zoo.registry import catalogue as registry
 
         name = cast(str, cfg.model.config)  # model.init: random needs it (TrainConfig checks)

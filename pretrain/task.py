@@ -30,6 +30,7 @@ from pretrain.data.pipeline import tokenize_rows
 from pretrain.hooks import Hook
 from pretrain.metrics import LossOutput
 from pretrain.preflight import keeps_a_target
+from zoo.checkpoints.method_card import MethodCard
 from zoo.data.batching import Document
 from zoo.data.files import load_rows
 from zoo.errors import UserError
@@ -155,6 +156,14 @@ class Task:
         """Whether this task runs ``cfg`` (:func:`task_for`): True by default; a variant of a task (KTO of DPO's)
         says which configs are its own, and its command lists it before the task it varies."""
         return True
+
+    @classmethod
+    def card(cls, cfg: TrainConfig) -> MethodCard:
+        """What the model card of ``cfg``'s run says of its method: its name, Hub tags and the task's own key
+        hyperparameters (the final checkpoint records it, pretrain/final.py, with every run's settings).
+        Pretraining's: next-token prediction, no keys of its own."""
+        init = ", from a random initialization" if cfg.model.init == "random" else ""
+        return MethodCard(f"pretraining (next-token prediction){init}", ("pretraining",))
 
     def load(self, path: str, cfg: TrainConfig) -> RowSource:
         """The rows of a local file/folder or Hub dataset."""

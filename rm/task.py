@@ -44,6 +44,7 @@ from pretrain.config import TrainConfig
 from pretrain.metrics import LossOutput, Metric, MicroMean
 from pretrain.task import Documents, LayoutContext, RowSource, RunContext, Task, Tokenizer
 from rm.config import RMConfig
+from zoo.checkpoints.method_card import MethodCard, settings
 from zoo.data.batching import Document
 from zoo.data.files import indexed_rows
 from zoo.model.config import ModelConfig
@@ -101,6 +102,12 @@ class RewardTask(Task):
         self.max_len = cfg.data.seq_len  # data.seq_len + 1 tokens a row, the last a padding token (see above)
         self.drop_long = cfg.data.long_examples == "drop"
         self.shared_prompt = True
+
+    @classmethod
+    def card(cls, cfg: TrainConfig) -> MethodCard:
+        """Reward modelling and its centering coefficient."""
+        return MethodCard("reward modelling (a sequence classifier trained on preference pairs, Bradley-Terry)",
+                          ("reward-model",), settings(dataclasses.asdict(cfg), ("rm.center_rewards_coefficient",)))
 
     def load(self, path: str, cfg: TrainConfig) -> RowSource:
         """The rows of ``path``; a reward model learns from preference pairs: ``chosen`` and ``rejected``."""

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, cast
 
 import jax
@@ -15,6 +16,7 @@ from pretrain.config import TrainConfig
 from pretrain.metrics import LossOutput
 from pretrain.task import Documents, RowSource, Task, Tokenizer, next_token_loss_sums
 from sft.config import SFTConfig, SFTDataSection
+from zoo.checkpoints.method_card import MethodCard, settings
 from zoo.data.files import indexed_rows, load_dataset_rows
 from zoo.errors import UserError
 from zoo.model.config import ModelConfig
@@ -30,6 +32,18 @@ class SFTTask(Task):
     def __init__(self, cfg: SFTConfig):
         super().__init__(cfg)
         self.chat_template = chat_template_of(cfg)
+
+    @classmethod
+    def card(cls, cfg: TrainConfig) -> MethodCard:
+        """Supervised fine-tuning; with ``distill.teacher``, knowledge distillation (GKD) and its keys."""
+        teacher = cast(SFTConfig, cfg).distill.teacher
+        if not teacher:
+            return MethodCard("supervised fine-tuning (SFT)", ("sft",))
+        keys = ("distill.teacher", "distill.lmbda", "distill.beta", "distill.temperature", "distill.max_new_tokens",
+                "distill.seq_kd")
+        return MethodCard("knowledge distillation (GKD: the student learns the teacher's token distributions), "
+                          f"from the teacher `{teacher}`", ("distillation",),
+                          settings(dataclasses.asdict(cfg), keys, ("distill.seq_kd",)))
 
     def load(self, path: str, cfg: TrainConfig) -> RowSource:
         """The rows of ``path`` and their format (``data.format``, or detected from the columns)."""

@@ -491,7 +491,7 @@ def assert_token_not_leaked(proc: subprocess.CompletedProcess) -> None:
 
 def tiny_config(family: str = "llama", **overrides):
     """A tiny ModelConfig of ``family``, from transformers-style config fields."""
-    from convert.hf_config import model_config_from_hf
+    from zoo.model.from_hf import model_config_from_hf
 
     base = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False)

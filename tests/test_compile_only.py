@@ -212,7 +212,7 @@ def test_released_configs_have_their_published_parameter_counts(name, published,
     and DeepSeek's parameter counts; DeepSeek-V3's 671B leave out its 14B multi-token-prediction module)."""
     import math
 
-    from convert.hf_config import model_config_from_hf
+    from zoo.model.from_hf import model_config_from_hf
     from zoo.model.params import param_specs
     from zoo.registry.catalogue import hf_config_of
 

@@ -273,8 +273,8 @@ def test_expert_adapters_shard_over_the_expert_axis_and_run_expert_parallel():
     adapters on every weight, experts included: test_moe.py's test_expert_parallel_training_equals_one_device.)"""
     from transformers import Gemma4TextConfig
 
-    from convert.hf_config import model_config_from_hf
     from tests.helpers import BASE, FAMILIES
+    from zoo.model.from_hf import model_config_from_hf
 
     gemma4 = model_config_from_hf(Gemma4TextConfig(**{
         **BASE, **FAMILIES["gemma4"][2], "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,

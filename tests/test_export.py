@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from convert.hf_config import model_config_from_hf
 from tests.helpers import hf_tensors, kill_midway, make_llama
 from zoo.cli import main
+from zoo.model.from_hf import model_config_from_hf
 
 # Config fields that change what the model computes (and how it is identified).
 FORWARD_FIELDS = [

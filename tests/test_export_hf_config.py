@@ -91,7 +91,7 @@ def test_older_transformers_config_is_kept_as_written(converted):
     """A Hub config.json written by an older transformers (top-level rope_theta, torch_dtype) is
     already complete for the version that wrote it: it is kept as it is (only its dtype updated),
     not rewritten in this version's format, which older versions could not read."""
-    from convert.hf_config import model_config_from_hf
+    from zoo.model.from_hf import model_config_from_hf
 
     ref, ckpt, root = converted("llama")
     legacy = {k: v for k, v in ref.items() if k not in ("rope_parameters", "dtype")}
@@ -133,7 +133,8 @@ def test_zoo_init_then_export_matches_save_pretrained(converted, tmp_path):
 def test_registry_init_config_matches_save_pretrained(tmp_path):
     """`zoo init deepseek-v3-tiny` stores the registry's config; its export config (computed here
     from what init stores, without the slow random init of the weights) is save_pretrained's."""
-    from convert.hf_config import export_hf_config, model_config_from_hf
+    from convert.hf_config import export_hf_config
+    from zoo.model.from_hf import model_config_from_hf
     from zoo.registry.catalogue import DEEPSEEK_V3_TINY
 
     make_hf(tmp_path / "hf", "deepseek_v3",
@@ -171,8 +172,9 @@ def test_smollm2_gguf_config_is_complete():
     0.5 GB of weights. (test_gguf_meta shows the stored config is transformers' own GGUF config.)"""
     from transformers import LlamaConfig
 
-    from convert.hf_config import export_hf_config, model_config_from_hf
+    from convert.hf_config import export_hf_config
     from convert.source import open_source
+    from zoo.model.from_hf import model_config_from_hf
 
     stored = json.loads(json.dumps(open_source(str(smollm2_gguf())).hf_config, default=str))  # as convert writes it
     ours = export_hf_config(model_config_from_hf(stored), stored, "float32")

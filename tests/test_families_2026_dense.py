@@ -141,7 +141,8 @@ def test_peft_export_of_fused_projections_loads_in_peft_with_our_logits(converte
     from safetensors.numpy import load_file
     from transformers import AutoModelForCausalLM
 
-    from convert.peft import adapter_meta_of, plan_adapter
+    from convert.peft import adapter_meta_of
+    from convert.peft_plan import plan_adapter
     from tests.helpers import write_adapter_checkpoint
     from zoo.errors import UserError
     from zoo.lora.adapters import LoraConfig
@@ -198,7 +199,8 @@ def test_released_configs(name):
     format.)"""
     from transformers import AutoConfig
 
-    from convert.hf_config import export_hf_config, model_config_from_hf
+    from convert.hf_config import export_hf_config
+    from zoo.model.from_hf import model_config_from_hf
     from zoo.model.params import count_params
     from zoo.registry.catalogue import REGISTRY
 

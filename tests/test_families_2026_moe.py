@@ -89,7 +89,7 @@ def test_moe_layers_sit_where_transformers_puts_them():
     layers as transformers' own decoder layers do; the stacks and the runs scanned follow."""
     import transformers
 
-    from convert.hf_config import model_config_from_hf
+    from zoo.model.from_hf import model_config_from_hf
 
     tiny = dict(vocab_size=16, hidden_size=8, intermediate_size=8, num_attention_heads=2, num_key_value_heads=1,
                 head_dim=4, moe_intermediate_size=4, num_experts_per_tok=2)
@@ -120,8 +120,8 @@ def test_moe_layers_sit_where_transformers_puts_them():
 
 
 def test_decoder_sparse_step_below_one_is_one_line():
-    from convert.hf_config import model_config_from_hf
     from zoo.errors import UserError
+    from zoo.model.from_hf import model_config_from_hf
     from zoo.registry.catalogue import hf_config_of
 
     bad = dict(hf_config_of("qwen3-30b-a3b", "model"), decoder_sparse_step=0)
@@ -171,7 +171,7 @@ RELEASED = [
 def test_released_configs_have_their_published_parameter_counts(name, total, active, embeddings_active, last_digit):
     import math
 
-    from convert.hf_config import model_config_from_hf
+    from zoo.model.from_hf import model_config_from_hf
     from zoo.model.params import param_specs
     from zoo.registry.catalogue import get, hf_config_of
 

@@ -155,7 +155,7 @@ def test_multimodal_checkpoint_converts_language_model(tmp_path, capsys):
 def test_released_configs():
     """The registry's Gemma 4 configs read as the published models: Google's total parameter counts for the
     text-only 26B-A4B and 31B (25.2B, 30.7B), and each size's layer layout."""
-    from convert.hf_config import model_config_from_hf
+    from zoo.model.from_hf import model_config_from_hf
     from zoo.model.params import count_params
     from zoo.registry.catalogue import get
 
@@ -188,9 +188,9 @@ def test_lora_targets_reach_full_layers_and_fused_experts():
     """LoRA on Gemma 4's 26B-A4B: "all" adapts both kinds' attention (the full layers' global_* stacks; no
     global_v: values come from the keys), the dense MLP and the routed experts: gate and up as their one fused
     stack (experts.gate_up_proj names the same), down; naming only gate or up of the experts is a one-line error."""
-    from convert.hf_config import model_config_from_hf
     from zoo.errors import UserError
     from zoo.lora.adapters import LoraConfig, lora_specs
+    from zoo.model.from_hf import model_config_from_hf
     from zoo.registry.catalogue import get
 
     cfg = model_config_from_hf(get("gemma4-26b-a4b").hf_config)
@@ -214,7 +214,7 @@ def _moe_config(**overrides):
     """The MoE variant's ModelConfig, as `zoo convert` reads it from transformers' config."""
     from transformers import Gemma4TextConfig
 
-    from convert.hf_config import model_config_from_hf
+    from zoo.model.from_hf import model_config_from_hf
 
     return model_config_from_hf(Gemma4TextConfig(**{**BASE, **FAMILIES["gemma4"][2], **MOE, **overrides}).to_dict())
 

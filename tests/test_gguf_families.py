@@ -32,7 +32,6 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 import zoo
 from convert.gguf_meta import hf_config
-from convert.hf_config import model_config_from_hf
 from convert.readers import GGUFFile
 from convert.source import open_source
 from tests.helpers import (
@@ -48,6 +47,7 @@ from tests.helpers import (
 )
 from zoo.checkpoints.format import TOKENIZER_DIR, load_param_numpy, read_meta
 from zoo.cli import main
+from zoo.model.from_hf import model_config_from_hf
 
 FAMILIES = ["gemma", "gemma2", "gemma3", "qwen2", "qwen3"]
 SEQ = 40  # longer than the sliding window (7)

@@ -138,7 +138,7 @@ def test_kernels_without_sinks_refuse_in_one_line(tiny):
 
 def test_registry_param_counts_are_the_released_ones():
     """openai/gpt-oss-20b and -120b: 20.91B and 116.83B parameters (OpenAI's model card)."""
-    from convert.hf_config import model_config_from_hf
+    from zoo.model.from_hf import model_config_from_hf
     from zoo.model.params import count_params
     from zoo.registry.catalogue import get
 

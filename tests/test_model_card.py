@@ -18,9 +18,17 @@ import pytest
 import yaml
 from huggingface_hub import ModelCard
 
-from convert.model_card import Origin, origin_of, read_eval_results, training_lines, training_of
+from convert.card_origin import Origin, origin_of
+from convert.card_training import training_of
+from convert.model_card import read_eval_results, training_lines
+from dpo.kto import KTOTask
+from dpo.task import DPOTask
+from grpo.task import GRPOTask
 from pretrain.config import load_config
+from pretrain.final import recorded_card
 from pretrain.loop import train
+from pretrain.task import PretrainTask, Task
+from rm.task import RewardTask
 from sft.config import SFTConfig
 from sft.task import SFTTask
 from tests.helpers import copy_tiny_lm, lay_out_hf_cache, write_jsonl
@@ -90,6 +98,20 @@ def export(*argv: str, eval_results: Path | None = None) -> None:
 
 def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def card_record(task: type[Task], config: dict, lora: dict | None = None) -> dict:
+    """The card a run of ``task`` with ``config`` (a config tree, as config.yaml holds it) records in its final
+    checkpoint (pretrain/final.py), read from the task."""
+    flat = {f"{section}.{key}": value for section, values in config.items() if isinstance(values, dict)
+            for key, value in values.items()}
+    flat.update({key: value for key, value in config.items() if not isinstance(value, dict)})
+    overrides = [f"{key}={json.dumps(value)}" for key, value in flat.items()]
+    # What any run needs (never read here): a model and data, unless ``config`` gives its own.
+    needs = [f"{section}.path={path}" for section, path in (("model", "base"), ("data", "rows.jsonl"))
+             if section not in config]
+    cfg = load_config(None, ["max_steps=1", *needs, *overrides], task.config_class)
+    return recorded_card(cfg, task.card(cfg), lora).record()
 
 
 @pytest.fixture(scope="module")
@@ -191,13 +213,15 @@ def test_cards_of_a_run_folder_written_by_hand(in_cache, tmp_path):
     run.mkdir()
     write_adapter_checkpoint(in_cache / "base", run / "final", LoraConfig(rank=2, alpha=4.0, targets=["q_proj"]))
     meta = json.loads((run / "final" / "model.json").read_text())
-    meta["training"] = {"method": "dpo", "steps": 3, "data": str(tmp_path / "prefs.jsonl")}
+    config = {"data": {"path": str(tmp_path / "prefs.jsonl"), "seq_len": 32}, "batch_size": 2,
+              "optimizer": {"name": "adamw", "learning_rate": 5e-6},
+              "schedule": {"name": "linear", "min_lr_ratio": 0.0},
+              "dpo": {"loss_type": "orpo", "beta": 0.25, "cpo_alpha": 1.0}}
+    meta["training"] = {"method": "dpo", "steps": 3, "data": str(tmp_path / "prefs.jsonl"),
+                        "card": card_record(DPOTask, config, meta["lora"])}
     (run / "final" / "model.json").write_text(json.dumps(meta))
     write_jsonl(tmp_path / "prefs.jsonl", [{"prompt": "p", "chosen": "a", "rejected": "b"}] * 7)
-    (run / "config.yaml").write_text(yaml.safe_dump({
-        "data": {"path": str(tmp_path / "prefs.jsonl"), "seq_len": 32}, "batch_size": 2,
-        "optimizer": {"name": "adamw", "learning_rate": 5e-6}, "schedule": {"name": "linear", "min_lr_ratio": 0.0},
-        "dpo": {"loss_type": "orpo", "beta": 0.25, "cpo_alpha": 1.0}}))
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
         {"step": 2, "loss": 0.9, "tokens_per_sec": 10.0}, {"step": 3, "loss": 0.7, "rewards/accuracies": 0.625},
         {"step": 4, "loss": 0.1})))  # past the checkpoint's steps: not its metrics
@@ -270,38 +294,41 @@ def test_license_of_a_local_folder_or_none(tmp_path):
     assert origin_of(tmp_path, meta) == Origin(None, "llama3.2")
 
 
-def card_of(tmp_path: Path, method: str, config: dict) -> str:
-    """The training section for a run folder written by hand: ``config`` as config.yaml, a final/ of ``method``."""
+def card_of(tmp_path: Path, task: type[Task], config: dict) -> str:
+    """The training section for a run folder written by hand: ``config`` as config.yaml, a final/ of ``task``
+    with the card it records."""
     (tmp_path / "final").mkdir()
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 0.5, "rewards/accuracies": 0.75}) + "\n")
-    t = training_of(tmp_path / "final", {"training": {"method": method, "steps": 1}})
+    t = training_of(tmp_path / "final", {"training": {"method": task.method, "steps": 1,
+                                                      "card": card_record(task, config)}})
     assert t is not None
     return "\n".join(training_lines(t))
 
 
-@pytest.mark.parametrize("method, config, says", [
-    ("dpo", {"dpo": {"loss_type": "orpo", "beta": 0.2, "simpo_gamma": 0.5, "cpo_alpha": 1.0}},
+@pytest.mark.parametrize("task, config, says", [
+    (DPOTask, {"dpo": {"loss_type": "orpo", "beta": 0.2, "simpo_gamma": 0.5, "cpo_alpha": 1.0}},
      ["ORPO (odds-ratio", "`dpo.loss_type: orpo`", "| `dpo.beta` | 0.2 |", "| rewards/accuracies | 0.75 |"]),
-    ("dpo", {"dpo": {"loss_type": "simpo", "beta": 2.0, "simpo_gamma": 0.5}},
+    (DPOTask, {"dpo": {"loss_type": "simpo", "beta": 2.0, "simpo_gamma": 0.5}},
      ["SimPO", "| `dpo.simpo_gamma` | 0.5 |"]),
-    ("kto", {"dpo": {"loss_type": "kto", "beta": 0.1, "desirable_weight": 1.33}},
+    (KTOTask, {"dpo": {"loss_type": "kto", "beta": 0.1, "desirable_weight": 1.33}},
      ["KTO (Kahneman-Tversky", "| `dpo.desirable_weight` | 1.33 |"]),
-    ("grpo", {"grpo": {"num_generations": 4, "loss_type": "dr_grpo", "advantage": "rloo", "beta": 0.0,
+    (GRPOTask, {"grpo": {"num_generations": 4, "loss_type": "dr_grpo", "advantage": "rloo", "beta": 0.0,
                        "rewards": ["final_number"]}},
      ["GRPO (group relative", "loss `dr_grpo`, advantage `rloo`, 4 completions", "| `grpo.num_generations` | 4 |",
       "| `grpo.rewards` | final_number |"]),
-    ("sft", {"distill": {"teacher": "runs/teacher/final", "lmbda": 0.5}},
+    (SFTTask, {"distill": {"teacher": "runs/teacher/final", "lmbda": 0.5}},
      ["knowledge distillation (GKD", "from the teacher `runs/teacher/final`", "| `distill.lmbda` | 0.5 |"]),
-    ("reward", {"rm": {"center_rewards_coefficient": 0.01}},
+    (RewardTask, {"rm": {"center_rewards_coefficient": 0.01}},
      ["reward modelling", "| `rm.center_rewards_coefficient` | 0.01 |"]),
-    ("pretrain", {"model": {"init": "random"}, "optimizer": {"learning_rate": 3e-4}},
+    (PretrainTask, {"model": {"init": "random", "config": "llama-tiny", "tokenizer": "tok"},
+                    "optimizer": {"learning_rate": 3e-4}},
      ["pretraining (next-token prediction), from a random initialization", "| `optimizer.learning_rate` | 0.0003 |"]),
 ])
-def test_each_method_is_named_with_its_own_keys(tmp_path, method, config, says):
+def test_each_method_is_named_with_its_own_keys(tmp_path, task, config, says):
     """Each method's name (a DPO run's loss variant, GRPO's loss and advantage, SFT with a teacher as
     distillation) and its own config keys; keys of another loss variant, or switched off, are left out."""
-    text = card_of(tmp_path, method, config)
+    text = card_of(tmp_path, task, config)
     for s in says:
         assert s in text, (s, text)
     assert "dpo.cpo_alpha" not in text and "grpo.beta" not in text

@@ -90,9 +90,9 @@ def test_zoo_imports_nothing_of_the_upper_floors():
 
 
 def test_pretrain_names_no_task_converter_or_evaluator():
-    """pretrain/ is the loop every task shares: its modules import only zoo/ and pretrain/ (and convert.hf_config's
-    model_config_from_hf, until it moves into zoo/). A command module (``*/cli.py``) composes a run, so it may reach
-    up, lazily inside its functions (the scored ``eval.tasks`` hook of eval/during_training.py)."""
+    """pretrain/ is the loop every task shares: its modules import only zoo/ and pretrain/. A command module
+    (``*/cli.py``) composes a run, so it may reach up, lazily inside its functions (the scored ``eval.tasks`` hook of
+    eval/during_training.py)."""
     allowed = {"zoo", "pretrain"}
     for f in (ROOT / "pretrain").rglob("*.py"):
         tree = ast.parse(f.read_text())
@@ -100,8 +100,7 @@ def test_pretrain_names_no_task_converter_or_evaluator():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
             for n in names:
-                assert n.split(".")[0] not in set(FLOORS) - allowed or n == "convert.hf_config", \
-                    f"{f.relative_to(ROOT)} imports {n}"
+                assert n.split(".")[0] not in set(FLOORS) - allowed, f"{f.relative_to(ROOT)} imports {n}"
 
 
 def test_no_task_imports_another():
@@ -115,3 +114,15 @@ def test_no_task_imports_another():
         for t in _imports(f, modules):
             other = t.split(".")[0]
             assert other == own or other not in TASKS or (own, other) in TASK_ARROWS, f"{m} imports the task {t}"
+
+
+def test_no_test_module_imports_another():
+    """Shared test code lives in the helper modules of tests/ (named by what they help), never in a test module
+    that another imports: a test module's import would run its tests' module-level set-up twice and tie two
+    files' fixtures together."""
+    for f in (ROOT / "tests").glob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            for n in names:
+                assert not n.split(".")[-1].startswith("test_"), f"{f.name} imports the test module {n}"

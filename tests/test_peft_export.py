@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import zoo
-from convert.peft import LORA_LAYOUTS, adapter_card, base_model_ref
+from convert.peft_card import adapter_card, base_model_ref
+from convert.peft_plan import LORA_LAYOUTS
 from convert.tables import table_for
 from convert.transforms import TRANSFORMS
 from tests.helpers import hf_logits, lay_out_hf_cache, make_hf, random_tokens, write_adapter_checkpoint

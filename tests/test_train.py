@@ -51,7 +51,12 @@ def test_loss_decreases_and_final_is_a_zoo_checkpoint(setup, tmp_path):
     assert model.cfg.num_layers == 2
     meta = zoo.checkpoints.format.read_meta(final)
     assert meta["training"]["method"] == "pretrain" and meta["training"]["steps"] == 25
+    # The task's card metadata, with the run's settings, recorded for `zoo export`'s card.
+    card = meta["training"]["card"]
+    assert card["name"] == "pretraining (next-token prediction)" and card["tags"] == ["pretraining"]
+    assert ["batch_size", 8] in card["hyperparameters"]
     assert zoo_main(["export", str(final), "--out", str(tmp_path / "hf")]) == 0  # and zoo export too
+    assert "**Method:** pretraining (next-token prediction)." in (tmp_path / "hf" / "README.md").read_text()
     events = list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
     assert events and b"train/loss" in events[0].read_bytes()
     assert zoo_main(["plot", str(tmp_path / "run"), "--out", str(tmp_path / "c.png")]) == 0
@@ -219,6 +224,7 @@ def test_train_from_scratch_with_random_init(setup, smollm2_tokenizer, tmp_path,
         f"output_dir={tmp_path / 'scratch'}"]), progress=False)
     assert zoo.read_config(final).family == "llama"
     assert zoo.checkpoints.format.read_meta(final)["training"]["steps"] == 2
+    assert "from a random initialization" in zoo.checkpoints.format.read_meta(final)["training"]["card"]["name"]
 
 
 def test_missing_tokenizer_is_a_clear_error(setup, tmp_path, capsys):

@@ -1,0 +1,104 @@
+"""The model families lmzoo reads from Hugging Face configs: how each one's config.json maps onto ModelConfig
+fields (one traits table, data rather than code), and which family and weight-name format a config names.
+
+Shared by the two directions: the import (:mod:`zoo.model.from_hf`) and the export (convert/hf_config.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from zoo.errors import UserError
+
+
+@dataclass(frozen=True)
+class FamilyTraits:
+    """How one family's HF config maps onto ModelConfig fields (data, not code)."""
+
+    model_type: str
+    architecture: str
+    norm_offset: float = 0.0
+    embed_scale: bool = False
+    post_norms: bool = False
+    qk_norm: str | bool = False  # a config field name to read (GLM-4.5's use_qk_norm), or a fixed value
+    # Bias flags: a config field name to read, or a fixed value.
+    qkv_bias: str | bool = "attention_bias"
+    o_bias: str | bool = "attention_bias"
+    mlp_bias: str | bool = False
+    act_field: str = "hidden_act"
+    attn_softcap_field: str | None = None
+    final_softcap_field: str | None = None
+    uses_query_pre_attn_scalar: bool = False
+    sliding_on_every_layer: bool = False  # Mistral: one window for all layers, no layer_types
+    moe: str | None = None  # "mixtral" | "deepseek_v2" | "deepseek_v3" | "qwen3_moe" | "glm4_moe": how routing is configured
+
+
+FAMILIES: dict[str, FamilyTraits] = {
+    "llama": FamilyTraits("llama", "LlamaForCausalLM", mlp_bias="mlp_bias"),
+    "mistral": FamilyTraits("mistral", "MistralForCausalLM", qkv_bias=False, o_bias=False,
+                            sliding_on_every_layer=True),
+    "gemma": FamilyTraits("gemma", "GemmaForCausalLM", norm_offset=1.0, embed_scale=True),
+    "gemma2": FamilyTraits("gemma2", "Gemma2ForCausalLM", norm_offset=1.0, embed_scale=True, post_norms=True,
+                           act_field="hidden_activation", attn_softcap_field="attn_logit_softcapping",
+                           final_softcap_field="final_logit_softcapping", uses_query_pre_attn_scalar=True),
+    # transformers' Gemma 3 never applies attn_logit_softcapping, whatever the config says.
+    "gemma3": FamilyTraits("gemma3_text", "Gemma3ForCausalLM", norm_offset=1.0, embed_scale=True, post_norms=True,
+                           qk_norm=True, act_field="hidden_activation", final_softcap_field="final_logit_softcapping",
+                           uses_query_pre_attn_scalar=True),
+    "qwen2": FamilyTraits("qwen2", "Qwen2ForCausalLM", qkv_bias=True, o_bias=False),
+    "qwen3": FamilyTraits("qwen3", "Qwen3ForCausalLM", qk_norm=True),
+    "mixtral": FamilyTraits("mixtral", "MixtralForCausalLM", qkv_bias=False, o_bias=False,
+                            sliding_on_every_layer=True, moe="mixtral"),
+    "deepseek_v2": FamilyTraits("deepseek_v2", "DeepseekV2ForCausalLM", qkv_bias=False, o_bias=False,
+                                moe="deepseek_v2"),
+    "deepseek_v3": FamilyTraits("deepseek_v3", "DeepseekV3ForCausalLM", qkv_bias=False, o_bias=False,
+                                moe="deepseek_v3"),
+    "qwen3_moe": FamilyTraits("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True, sliding_on_every_layer=True,
+                              moe="qwen3_moe"),
+    # GLM-4.5's o_proj never has a bias, whatever attention_bias says.
+    "glm4_moe": FamilyTraits("glm4_moe", "Glm4MoeForCausalLM", qk_norm="use_qk_norm", o_bias=False, moe="glm4_moe"),
+    "gpt_oss": FamilyTraits("gpt_oss", "GptOssForCausalLM", moe="gpt_oss"),
+    # SmolLM3 (NoPE layers), OLMo 2/3 (post-norms only, q/k norms over all heads; OLMo 3's sliding layers) and
+    # Phi-3/Phi-4 (fused qkv_proj/gate_up_proj: convert.fused; partial rotary, LongRoPE): read by zoo.model.from_hf,
+    # written by convert.hf_layer_fields.
+    "smollm3": FamilyTraits("smollm3", "SmolLM3ForCausalLM", mlp_bias="mlp_bias"),
+    "olmo2": FamilyTraits("olmo2", "Olmo2ForCausalLM", post_norms=True, qk_norm=True),
+    "olmo3": FamilyTraits("olmo3", "Olmo3ForCausalLM", post_norms=True, qk_norm=True),
+    "phi3": FamilyTraits("phi3", "Phi3ForCausalLM", qkv_bias=False, o_bias=False, sliding_on_every_layer=True),
+    # Gemma 4 (text): plain x * w norms (no offset); the rest of its traits are read by zoo.model.from_hf._gemma4_fields.
+    "gemma4": FamilyTraits("gemma4_text", "Gemma4ForCausalLM", embed_scale=True, post_norms=True, qk_norm=True,
+                           act_field="hidden_activation", final_softcap_field="final_logit_softcapping"),
+}
+
+# architecture -> (family, source format of its weight names)
+CLASSIFIER = ("ForCausalLM", "ForSequenceClassification")  # a family's LM class name -> its reward-model class
+ARCHITECTURES: dict[str, tuple[str, str]] = {
+    **{t.architecture: (f, "hf") for f, t in FAMILIES.items()},
+    # reward models (rm/): the family's decoder with a scalar head ``score`` on the last token
+    **{t.architecture.replace(*CLASSIFIER): (f, "hf") for f, t in FAMILIES.items() if CLASSIFIER[0] in t.architecture},
+    "Gemma3ForConditionalGeneration": ("gemma3", "hf-gemma3-multimodal"),
+    "Gemma4ForConditionalGeneration": ("gemma4", "hf-gemma4-multimodal"),
+}
+MODEL_TYPES: dict[str, tuple[str, str]] = {
+    **{t.model_type: (f, "hf") for f, t in FAMILIES.items()},
+    "gemma3": ("gemma3", "hf-gemma3-multimodal"),
+    "gemma4": ("gemma4", "hf-gemma4-multimodal"),
+}
+
+
+def family_of(hf: dict[str, Any], where: str) -> tuple[str, str]:
+    """(zoo family, weight-name format) of an HF config, or a UserError naming what is supported."""
+    archs = hf.get("architectures") or []
+    for a in archs:
+        if a in ARCHITECTURES:
+            return ARCHITECTURES[a]
+    if not archs and hf.get("model_type") in MODEL_TYPES:
+        return MODEL_TYPES[hf["model_type"]]
+    got = ", ".join(archs) or f"model_type={hf.get('model_type')!r}"
+    raise UserError(f"{where}: architecture {got} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}")
+
+
+def source_format(hf: dict[str, Any], where: str = "config.json") -> str:
+    """Which weight-name table a checkpoint with this config uses."""
+    return family_of(hf, where)[1]
