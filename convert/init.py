@@ -10,7 +10,8 @@ import numpy as np
 
 from convert.convert import DTYPES
 from convert.hf_config import model_config_from_hf
-from zoo.checkpoints.format import HF_CONFIG_FILE, CheckpointWriter, atomic_output
+from zoo.checkpoints.format import HF_CONFIG_FILE
+from zoo.checkpoints.writer import CheckpointWriter, atomic_output
 from zoo.errors import UserError
 from zoo.model.params import flatten, init_params, param_specs
 from zoo.registry import catalogue as registry

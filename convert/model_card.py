@@ -31,8 +31,8 @@ import yaml
 from huggingface_hub import ModelCard, ModelCardData
 
 from zoo.checkpoints.adapter import base_location
-from zoo.checkpoints.format import hub_id
 from zoo.checkpoints.paths import MODEL_FILE
+from zoo.checkpoints.provenance import hub_id
 from zoo.data.files import SUFFIX_FORMATS, looks_like_hub_name
 from zoo.data.jsonl import read_records
 from zoo.data.row_origin import JSON_SPACE, file_lines, is_json_array

@@ -46,7 +46,8 @@ from tests.helpers import (
     random_tokens,
     spm_pieces,
 )
-from zoo.checkpoints.format import TOKENIZER_DIR, load_param_numpy, read_meta
+from zoo.checkpoints.format import TOKENIZER_DIR, read_meta
+from zoo.checkpoints.readers import load_param_numpy
 from zoo.cli import main
 
 FAMILIES = ["gemma", "gemma2", "gemma3", "qwen2", "qwen3"]

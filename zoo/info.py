@@ -25,7 +25,7 @@ def list_command(args: argparse.Namespace) -> None:
 
 def info_command(args: argparse.Namespace) -> None:
     """`zoo info CKPT`: describe a checkpoint: family, size, dtype, shapes and on-disk layout."""
-    # Imported here: zoo.checkpoints.format loads JAX, which `zoo list` (sharing this module) does not need.
+    # Imported here: zoo.checkpoints.format loads NumPy, which `zoo list` (sharing this module) does not need.
     from zoo.checkpoints.format import PARAMS_DIR, read_meta
     from zoo.checkpoints.paths import checkpoint_dir
     from zoo.registry.catalogue import human_count
