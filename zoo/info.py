@@ -13,6 +13,11 @@ from zoo.console import print_table
 from zoo.model.config import ModelConfig
 
 
+def add_list_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """`zoo list`: its subparser of ``sub``, with its flags (zoo/cli.py sets what runs it)."""
+    return sub.add_parser("list", help="show the named models of the zoo")
+
+
 def list_command(args: argparse.Namespace) -> None:
     """`zoo list`: print the registry as a table."""
     from zoo.registry.catalogue import REGISTRY, human_count
@@ -21,6 +26,13 @@ def list_command(args: argparse.Namespace) -> None:
     rows += [(e.name, e.family, human_count(e.params) if e.params else "tiny", e.hf_repo or "(built-in config: zoo init)")
              for e in REGISTRY.values()]
     print_table(rows)
+
+
+def add_info_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """`zoo info`: its subparser of ``sub``, with its flags (zoo/cli.py sets what runs it)."""
+    p = sub.add_parser("info", help="describe a zoo checkpoint")
+    p.add_argument("ckpt", metavar="CKPT", help="path of a zoo checkpoint folder")
+    return p
 
 
 def info_command(args: argparse.Namespace) -> None:
