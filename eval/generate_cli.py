@@ -104,8 +104,6 @@ def generate_command(args: argparse.Namespace) -> int | None:
     return None
 
 
-
-
 def _eos_ids(ckpt: str, tok: Any) -> tuple[int, ...]:
     """End-of-sequence ids: the tokenizer's, plus the source config's (Llama 3 chat models end turns with another)."""
     import json

@@ -14,7 +14,7 @@ from zoo.model.config import ModelConfig
 
 
 def add_list_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """`zoo list`: its subparser of ``sub``, with its flags (zoo/cli.py sets what runs it)."""
+    """`zoo list`: its subparser of ``sub`` (no flags; zoo/cli.py sets what runs it)."""
     return sub.add_parser("list", help="show the named models of the zoo")
 
 

@@ -55,7 +55,6 @@ def np_dtype(name: str) -> np.dtype:
     return np.dtype(getattr(ml_dtypes, name)) if name in ("bfloat16",) else np.dtype(name)
 
 
-
 def read_meta(ckpt: str | os.PathLike) -> dict[str, Any]:
     """model.json of a checkpoint, validated (exists, parses, format version known)."""
     ckpt = Path(ckpt)
@@ -76,7 +75,6 @@ def read_meta(ckpt: str | os.PathLike) -> dict[str, Any]:
             f"{ckpt} has checkpoint format version {version}, newer than this lmzoo reads ({FORMAT_VERSION}); upgrade lmzoo"
         )
     return meta
-
 
 
 def read_config(ckpt: str | os.PathLike) -> ModelConfig:

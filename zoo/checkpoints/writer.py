@@ -40,7 +40,6 @@ class StoredSection(dict):
         raise NotImplementedError
 
 
-
 def _save_context() -> Any:
     ocp = orbax_v1()
     ctx = ocp.Context()
@@ -198,7 +197,6 @@ class CheckpointWriter:
             verify_complete(self.folder, sections[0], provenance[sections[0]].specs(cfg))
         else:
             verify_complete(self.folder)
-
 
 
 def save_params(folder: str | os.PathLike, params: dict[str, Any], axes: dict[str, tuple[str, ...]]) -> dict:

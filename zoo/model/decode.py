@@ -252,8 +252,6 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, ca
     return logits, Cache(_write(cache, written, pos, valid, new_lengths, cfg.mla), new_lengths)
 
 
-
-
 def _cached_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Array]], masks: dict[str, Any],
                   windows: dict[str, int | None], read: dict[str, int], slots: dict[str, int],
                   stored: dict[str, tuple[dict | None, tuple[jax.Array, jax.Array]]], valid: jax.Array,
