@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict]] = {s: [] for s in SIDES}
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = str(Path(tmp) / "smol")
-        from convert import convert
+        from convert.convert import convert
         from zoo.data.tokenizer import load_tokenizer
 
         convert(gguf, ckpt, progress=False)

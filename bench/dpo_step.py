@@ -206,7 +206,7 @@ def _prepare(args: argparse.Namespace, tmp: Path, trl_side: bool) -> tuple[dict,
     random model, which has no tokenizer): CKPT copied twice, each copy given SmolLM2's tokenizer (from the
     bundled GGUF; its ids, < 49,152, are valid in the larger vocabularies of Qwen2.5 and Llama 3), so the pairs
     are the same single-token words; TRL's side loads the copy's ``zoo export`` and the same tokenizer."""
-    from convert import convert
+    from convert.convert import convert
     from convert.export import export
     from zoo.registry.catalogue import bundled_gguf
 

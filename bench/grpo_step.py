@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/sides.py
     from sides import check_targets, emit
 
-    from convert import convert
+    from convert.convert import convert
     from convert.export import export
     from zoo.data.tokenizer import load_tokenizer
     from zoo.registry.catalogue import bundled_gguf

@@ -4,7 +4,7 @@
 them: at Llama-3-8B's shape in bfloat16 that is 16 GB of weights plus a float32 draw and its random bits for the
 largest stacked parameter (32 x 4096 x 14336: 7.5 GB each), more than a 24 GiB machine holds. This script writes
 the same kind of checkpoint (matrices ~ N(0, 0.02), norms at one, biases at zero; the same model.json, params
-and hf_config.json) with ``zoo.checkpoints.format.CheckpointWriter``: the stacked per-layer parameters reserved and
+and hf_config.json) with ``zoo.checkpoints.writer.CheckpointWriter``: the stacked per-layer parameters reserved and
 written slice by slice (one layer in memory at a time, numpy's generator), the others whole. The values differ
 from ``zoo init``'s (another generator); weights do not change a step's cost.
 
@@ -27,7 +27,8 @@ import numpy as np
 def init_streamed(config: str, out: str, dtype: str = "bfloat16", seed: int = 0, std: float = 0.02) -> Path:
     """Write the random checkpoint of the Hugging Face ``config`` (a config.json path) to ``out``."""
     from convert.convert import DTYPES
-    from zoo.checkpoints.format import HF_CONFIG_FILE, CheckpointWriter, atomic_output
+    from zoo.checkpoints.format import HF_CONFIG_FILE
+    from zoo.checkpoints.writer import CheckpointWriter, atomic_output
     from zoo.model.from_hf import model_config_from_hf
     from zoo.model.params import param_specs
 

@@ -244,7 +244,7 @@ def _model(model: str | None, tmp: Path, torch_side: bool) -> tuple[str, str, st
             export(model, hf)  # the same float32 weights, as transformers reads them
         n = sum(math.prod(s.shape) for s in param_specs(cfg).values())
         return str(Path(model).absolute()), hf, f"{Path(model).name} ({cfg.family}, {n / 1e6:,.{0 if n >= 1e7 else 2}f}M parameters)"
-    from convert import convert
+    from convert.convert import convert
     from zoo.registry.catalogue import bundled_gguf
 
     gguf = str(bundled_gguf())

@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(run_lmzoo(args.ckpt, args.pairs, args)))
         return 0
-    from convert import convert
+    from convert.convert import convert
     from convert.export import export
     from zoo.data.tokenizer import load_tokenizer
     from zoo.registry.catalogue import bundled_gguf

@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     peak_before = matmul_peak()
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = str(Path(tmp) / "smol")
-        from convert import convert
+        from convert.convert import convert
 
         convert(gguf, ckpt, progress=False)
         runs: dict[str, list[dict]] = {"jax": [], "torch": []}

@@ -1,5 +1,4 @@
-"""Hugging Face / GGUF <-> zoo checkpoint conversion (streaming, table-driven)."""
+"""Hugging Face / GGUF <-> zoo checkpoint conversion (streaming, table-driven): :func:`convert.convert.convert`.
 
-from convert.convert import convert
-
-__all__ = ["convert"]
+Nothing is imported here: `zoo` builds its parser from convert/cli.py, which must not load the converter or JAX.
+"""

@@ -16,8 +16,8 @@ import yaml
 
 from convert.gguf_meta import header_string
 from zoo.checkpoints.adapter import base_location
-from zoo.checkpoints.format import hub_id
 from zoo.checkpoints.paths import MODEL_FILE
+from zoo.checkpoints.provenance import hub_id
 
 # How far back the chain of starting checkpoints is followed (a run of a run of a quantized conversion ...).
 MAX_HOPS = 8

@@ -1,6 +1,7 @@
 """`zoo convert`, `zoo init`, `zoo quantize` and `zoo export`: the bodies of the `zoo` commands that convert/ drives.
 
-zoo/cli.py parses the flags and calls these lazily, so `zoo list` never imports the converter.
+Each command's flags are here beside its body; zoo/cli.py builds its parser from them and calls the bodies,
+which import the converter inside, so building the parser (`zoo list`, `zoo --help`) never loads it or JAX.
 """
 
 from __future__ import annotations
@@ -13,12 +14,45 @@ from zoo.console import human_bytes, print_table
 from zoo.errors import UserError
 
 
+def add_convert_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """`zoo convert`: its subparser of ``sub``, with its flags (zoo/cli.py sets what runs it)."""
+    p = sub.add_parser(
+        "convert", help="convert a Hugging Face model or GGUF file into a zoo checkpoint",
+        description="Convert SOURCE into a sharded Orbax zoo checkpoint, streaming one tensor at a time. "
+                    "FP8 block-scaled checkpoints (DeepSeek-V3/R1's Hub weights) and quantized GGUF files are "
+                    "dequantized on the way.",
+    )
+    p.add_argument("source", metavar="SOURCE",
+                   help="a registry name (see `zoo list`), a Hugging Face repo id, a local HF folder "
+                        "(config.json + *.safetensors, FP8 block-scaled included) or a .gguf file (dequantized)")
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder (must not exist or be empty)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="store parameters in this dtype (default: keep the source's dtype; float32 for GGUF, "
+                        "bfloat16 for FP8 weights)")
+    p.add_argument("--keep-mtp", action="store_true",
+                   help="keep a DeepSeek checkpoint's multi-token-prediction layer (layer 61 of V3/R1; dropped by "
+                        "default, since the model does not run it): its tensors are stored beside the model and "
+                        "`zoo export` writes them back")
+    return p
+
+
 def convert_command(args: argparse.Namespace) -> None:
     """`zoo convert SOURCE --out DIR`: convert a Hugging Face / GGUF model into a zoo checkpoint."""
-    from convert import convert
+    from convert.convert import convert
 
     out = convert(args.source, args.out, dtype=args.dtype, keep_mtp=args.keep_mtp)
     print(f"wrote {out}")
+
+
+def add_init_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """`zoo init`: its subparser of ``sub``, with its flags (zoo/cli.py sets what runs it)."""
+    p = sub.add_parser("init", help="create a random-weight checkpoint (tiny registry entries, or a config.json)")
+    p.add_argument("source", metavar="SOURCE",
+                   help="a registry entry with a built-in config (e.g. deepseek-v3-tiny) or a Hugging Face config.json")
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder (must not exist or be empty)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="parameter dtype (default float32)")
+    return p
 
 
 def init_command(args: argparse.Namespace) -> None:
@@ -28,6 +62,26 @@ def init_command(args: argparse.Namespace) -> None:
     print(f"wrote {init_random(args.source, args.out, args.seed, args.dtype)}")
 
 
+def add_quantize_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """`zoo quantize`: its subparser of ``sub``, with its flags (zoo/cli.py sets what runs it)."""
+    p = sub.add_parser(
+        "quantize", help="store a checkpoint's projections quantized (NF4 or int8): a QLoRA base made once",
+        description="Write CKPT with every layer's linear projections (attention, MLP, experts) quantized as "
+                    "bitsandbytes stores them (NF4: 64-value blocks, a float32 absmax each, bit-compatible; int8: one "
+                    "absmax per output row); embeddings, head and norms stay as they are. The output is a zoo "
+                    "checkpoint: zoo.load, zoo generate/eval and zoo export read it dequantized, and a LoRA run with "
+                    "it as model.path trains on the stored quantized base (QLoRA) without quantizing at load.",
+    )
+    p.add_argument("ckpt", metavar="CKPT", help="a zoo checkpoint (converted, a training run's final, or a run folder)")
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder (must not exist or be empty)")
+    p.add_argument("--quant", choices=["nf4", "int8"], default="nf4",
+                   help="nf4: 4-bit NormalFloat, as QLoRA (default); int8: 8-bit, as LLM.int8() stores weights")
+    p.add_argument("--double-quant", action="store_true",
+                   help="NF4 only: quantize the block absmax values too (8-bit, blocks of 256), 4.127 instead of "
+                        "4.5 bits per parameter (lora.base_quant_double)")
+    return p
+
+
 def quantize_command(args: argparse.Namespace) -> None:
     """`zoo quantize CKPT --out DIR`: the checkpoint with its projections stored quantized (convert/quantize.py)."""
     from convert.quantize import quantize_checkpoint
@@ -35,6 +89,42 @@ def quantize_command(args: argparse.Namespace) -> None:
 
     out, bits = quantize_checkpoint(checkpoint_dir(args.ckpt), args.out, args.quant, args.double_quant)
     print(f"wrote {out}  ({bits:.3f} bits per quantized parameter)")
+
+
+def add_export_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """`zoo export`: its subparser of ``sub``, with its flags (zoo/cli.py sets what runs it)."""
+    p = sub.add_parser(
+        "export", help="write a zoo checkpoint as a Hugging Face safetensors folder, and/or push it to the Hub",
+        description="Stream a zoo checkpoint (converted or trained) back into a folder that "
+                    "transformers.AutoModelForCausalLM.from_pretrained loads, optionally uploading it. "
+                    "With --adapter, write a LoRA adapter checkpoint as a PEFT adapter folder instead.",
+    )
+    p.add_argument("ckpt", metavar="CKPT", help="a zoo checkpoint folder (from `zoo convert` or a training run)")
+    p.add_argument("--out", metavar="DIR", help="output folder (refused if it exists and is not empty, unless --overwrite)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="write tensors in this dtype (default: the checkpoint's own dtype)")
+    p.add_argument("--max-shard-size", default=None, metavar="SIZE",
+                   help="largest safetensors shard, e.g. 5GB, 500MB, 2GiB (default 5GB; one model.safetensors when it fits)")
+    p.add_argument("--adapter", action="store_true",
+                   help="CKPT is a LoRA adapter checkpoint (from a training run with lora.rank > 0): write only the "
+                        "adapter, as a PEFT folder (adapter_config.json + adapter_model.safetensors) that "
+                        "peft.PeftModel.from_pretrained loads onto the base model. Without it, an adapter checkpoint "
+                        "exports as the merged model")
+    p.add_argument("--base-out", metavar="DIR",
+                   help="with --adapter: also export the adapter's base model here (dequantized when `zoo quantize` "
+                        "stored it quantized, merged when it is an adapter checkpoint) and name this folder as the "
+                        "adapter's base_model_name_or_path. Default: OUT-base beside --out for a base stored "
+                        "quantized (QLoRA), none otherwise")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (and --base-out) folder")
+    p.add_argument("--push-to-hub", metavar="USER/REPO",
+                   help="upload to this Hub repo (created if needed); the token comes from HF_TOKEN or `hf auth login`")
+    p.add_argument("--private", action="store_true", help="create the Hub repo as private")
+    p.add_argument("--revision", metavar="BRANCH", help="upload to this branch (created if needed; default main)")
+    p.add_argument("--dry-run", action="store_true", help="list the files that would be written/uploaded and where; write nothing")
+    p.add_argument("--eval-results", metavar="FILE",
+                   help="a `zoo eval --out` results JSON (lmzoo's tasks or --harness): the model card (README.md, which "
+                        "--push-to-hub uploads too) lists its scores as a task / metric / value table")
+    return p
 
 
 def export_command(args: argparse.Namespace) -> None:

@@ -18,14 +18,9 @@ from convert.safetensors_out import write_streaming
 from convert.source import Source, open_source
 from convert.tables import BoundRule, table_for
 from convert.transforms import TRANSFORMS, hf_shape
-from zoo.checkpoints.format import (
-    HF_CONFIG_FILE,
-    HUB_ID,
-    TOKENIZER_DIR,
-    CheckpointWriter,
-    atomic_output,
-    prepare_output,
-)
+from zoo.checkpoints.format import HF_CONFIG_FILE, TOKENIZER_DIR
+from zoo.checkpoints.provenance import HUB_ID
+from zoo.checkpoints.writer import CheckpointWriter, atomic_output, prepare_output
 from zoo.errors import UserError
 from zoo.memory import release_free_memory
 from zoo.model.config import ModelConfig

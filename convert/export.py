@@ -3,7 +3,7 @@
 The layout of every shard is planned up front from the checkpoint's parameter
 table (names, shapes, dtypes), so each shard file gets its final header at
 once; then parameters are read one at a time (layer by layer, see
-:class:`zoo.checkpoints.format.ParamReader`; an adapter checkpoint's merged with its
+:class:`zoo.checkpoints.readers.ParamReader`; an adapter checkpoint's merged with its
 adapters, :func:`zoo.checkpoints.loading.param_reader`) and each per-layer tensor is written at
 its planned offset. Memory stays bounded by one
 parameter, while the shards keep the Hub's layer-major order.
@@ -34,8 +34,10 @@ from convert.readers import SafetensorsFolder
 from convert.safetensors_out import ST_NAMES, encode_header
 from convert.tables import table_for
 from convert.transforms import TRANSFORMS, hf_shape
-from zoo.checkpoints.format import HF_CONFIG_FILE, TOKENIZER_DIR, WEIGHT_FILES, ParamSource, atomic_output, read_meta
+from zoo.checkpoints.format import HF_CONFIG_FILE, TOKENIZER_DIR, WEIGHT_FILES, read_meta
 from zoo.checkpoints.loading import param_reader
+from zoo.checkpoints.readers import ParamSource
+from zoo.checkpoints.writer import atomic_output
 from zoo.errors import UserError
 from zoo.memory import release_free_memory
 from zoo.model.config import ModelConfig

@@ -9,7 +9,8 @@ import jax
 import numpy as np
 
 from convert.convert import DTYPES
-from zoo.checkpoints.format import HF_CONFIG_FILE, CheckpointWriter, atomic_output
+from zoo.checkpoints.format import HF_CONFIG_FILE
+from zoo.checkpoints.writer import CheckpointWriter, atomic_output
 from zoo.errors import UserError
 from zoo.model.from_hf import model_config_from_hf
 from zoo.model.params import flatten, init_params, param_specs

@@ -41,13 +41,9 @@ from convert.tables import table_for
 from convert.transforms import TRANSFORMS
 from zoo.checkpoints import quantized as quant_checkpoint
 from zoo.checkpoints.adapter import base_checkpoint, base_location
-from zoo.checkpoints.format import (
-    MODEL_FILE,
-    atomic_output,
-    load_param_numpy,
-    prepare_output,
-    read_meta,
-)
+from zoo.checkpoints.format import MODEL_FILE, read_meta
+from zoo.checkpoints.readers import load_param_numpy
+from zoo.checkpoints.writer import atomic_output, prepare_output
 from zoo.errors import UserError
 from zoo.model.config import ModelConfig
 

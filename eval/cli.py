@@ -1,19 +1,63 @@
-"""`zoo eval` and `zoo plot`: the bodies of those `zoo` commands (zoo/cli.py parses their flags).
+"""`zoo eval` and `zoo plot`: the bodies of those `zoo` commands and their flags (zoo/cli.py builds the parser).
 
 `zoo eval` scores a checkpoint on perplexity, multiple-choice and generation tasks (see eval/task_files.py); the heavy
-modules (JAX, the model, transformers) load inside :func:`eval_command`. `zoo plot` draws a run's curves.
+modules (JAX, the model, transformers) load inside :func:`eval_command`, so building the parser stays light. `zoo plot` draws a run's curves.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from zoo.console import print_table
+from zoo.model.config import ATTENTION_KERNELS
 
 # Metrics shown in the console table, per task kind (the JSON has them all).
 SHOWN = {"perplexity": ("word_perplexity", "bits_per_byte", "ppl"), "multiple_choice": ("acc", "acc_norm", "acc_bytes"),
          "generation": ("exact_match",)}
+
+
+def add_eval_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """`zoo eval`: its subparser of ``sub``, with its flags (zoo/cli.py sets what runs it)."""
+    p = sub.add_parser(
+        "eval", help="score a checkpoint on perplexity, multiple-choice and generation tasks",
+        description="Score CKPT on each task of --tasks (shipped task names, see --list-tasks, or paths of task "
+                    "YAML files; format in eval/tasks/README.md). Prints a table; --out also writes JSON with the "
+                    "checkpoint, each task's name, version, metrics and settings, and timings.")
+    p.add_argument("ckpt", metavar="CKPT", nargs="?", help="a zoo checkpoint folder (with tokenizer/)")
+    p.add_argument("--tasks", metavar="T1,T2", help="comma-separated shipped task names and/or task YAML paths")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="score only the first N examples of each task")
+    p.add_argument("--batch-size", type=int, default=8, metavar="B", help="rows per forward pass (default 8)")
+    p.add_argument("--num-fewshot", type=int, default=None, metavar="K",
+                   help="solved examples before each question (default: each task's num_fewshot)")
+    p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
+                   help="apply the tokenizer's chat template to generation prompts (default: each task's setting)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="compute dtype of the parameters (default float32)")
+    p.add_argument("--attention", choices=ATTENTION_KERNELS, default="auto",
+                   help="the attention kernel of the full forward that scores perplexity and rolling tasks: auto "
+                        "(the default: cuDNN flash attention on an NVIDIA GPU, splash on a TPU, blockwise on the "
+                        "CPU), blockwise, cudnn, or splash (interpreted off a TPU: slow, for checks); the KV-cache "
+                        "paths (multiple choice, generation) attend over cache slots")
+    p.add_argument("--out", metavar="JSON", help="write the results here as JSON")
+    p.add_argument("--list-tasks", action="store_true", help="list the shipped tasks and exit")
+    p.add_argument("--harness", metavar="T1,T2",
+                   help="lm-evaluation-harness task (or group) names, e.g. mmlu,hellaswag,arc_easy, scored by "
+                        "lm-eval's own definitions on this model (needs the eval extra: pip install 'lmzoo[eval]')")
+    p.add_argument("--include-path", metavar="DIR",
+                   help="with --harness: a folder of your own lm-eval task YAMLs, found besides lm-eval's library")
+    p.add_argument("--max-length", type=int, default=None, metavar="N",
+                   help="with --harness: tokens of context per request, and the length of a rolling-perplexity "
+                        "window, as lm-eval's hf backend's max_length (default: the model's context)")
+    p.add_argument("--chunk", type=int, default=None, metavar="N",
+                   help="tokens per forward pass of a longer row (a long rolling window or a native perplexity "
+                        "window), which is read N tokens at a time through the KV cache: the same scores, a "
+                        "chunk's activation memory (default 2048, or a native task's own chunk: setting)")
+    p.add_argument("--log-samples", action="store_true",
+                   help="with --out: also write every scored item (inputs, per-choice log-likelihoods, predictions, "
+                        "targets) as JSONL beside it (OUT.samples.jsonl), one line per item with its task")
+    return p
 
 
 def eval_command(args: argparse.Namespace) -> None:
@@ -22,21 +66,7 @@ def eval_command(args: argparse.Namespace) -> None:
 
     if args.list_tasks:
         return _list_tasks()
-    if args.log_samples and not args.out:
-        raise UserError("--log-samples writes beside --out: give --out results.json too")
-    if args.limit is not None and args.limit < 1:
-        raise UserError(f"--limit {args.limit}: must be at least 1")
-    if args.batch_size < 1:
-        raise UserError(f"--batch-size {args.batch_size}: must be at least 1")
-    if args.chunk is not None and args.chunk < 1:
-        raise UserError(f"--chunk {args.chunk}: must be at least 1")
-    if args.max_length is not None and args.max_length < 2:
-        raise UserError(f"--max-length {args.max_length}: must be at least 2")
-    if args.max_length is not None and not getattr(args, "harness", None):
-        raise UserError("--max-length is lm-eval's context length: use it with --harness (native perplexity "
-                        "tasks set window: in their task file)")
-    if args.num_fewshot is not None and args.num_fewshot < 0:
-        raise UserError(f"--num-fewshot {args.num_fewshot}: must be 0 or more")
+    _check_flags(args)
     from eval.harness_run import check_out
 
     check_out(args.out)  # before anything loads: the results are never lost for want of a place to write them
@@ -55,9 +85,7 @@ def eval_command(args: argparse.Namespace) -> None:
     args.ckpt = str(checkpoint_dir(args.ckpt))  # a missing path or a run folder: said before anything loads
 
     import datetime
-    import json
     import time
-    from pathlib import Path
 
     from eval.task_files import resolve_tasks
 
@@ -98,14 +126,42 @@ def eval_command(args: argparse.Namespace) -> None:
     }
     print_results(report)
     if out is not None:
-        from eval.harness_run import samples_path, write_atomic
+        _write_report(out, report, logs if args.log_samples else None)
 
-        write_atomic(out, json.dumps(report, indent=2) + "\n")
-        print(f"wrote {out}")
-        if args.log_samples:
-            lines = (json.dumps({"task": name, **item}) for name, items in logs.items() for item in items)
-            write_atomic(samples_path(out), "".join(line + "\n" for line in lines))
-            print(f"wrote {samples_path(out)}")
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """`zoo eval`'s flags that are out of range or given without the flag they need: a UserError, before anything loads."""
+    from zoo.errors import UserError
+
+    if args.log_samples and not args.out:
+        raise UserError("--log-samples writes beside --out: give --out results.json too")
+    if args.limit is not None and args.limit < 1:
+        raise UserError(f"--limit {args.limit}: must be at least 1")
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size {args.batch_size}: must be at least 1")
+    if args.chunk is not None and args.chunk < 1:
+        raise UserError(f"--chunk {args.chunk}: must be at least 1")
+    if args.max_length is not None and args.max_length < 2:
+        raise UserError(f"--max-length {args.max_length}: must be at least 2")
+    if args.max_length is not None and not getattr(args, "harness", None):
+        raise UserError("--max-length is lm-eval's context length: use it with --harness (native perplexity "
+                        "tasks set window: in their task file)")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise UserError(f"--num-fewshot {args.num_fewshot}: must be 0 or more")
+
+
+def _write_report(out: Path, report: dict[str, Any], logs: dict[str, list[dict[str, Any]]] | None) -> None:
+    """Write the results JSON to ``out`` and, with ``logs`` (--log-samples), every scored item beside it."""
+    import json
+
+    from eval.harness_run import samples_path, write_atomic
+
+    write_atomic(out, json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+    if logs is not None:
+        lines = (json.dumps({"task": name, **item}) for name, items in logs.items() for item in items)
+        write_atomic(samples_path(out), "".join(line + "\n" for line in lines))
+        print(f"wrote {samples_path(out)}")
 
 
 def print_results(report: dict[str, Any]) -> None:
@@ -129,6 +185,14 @@ def _list_tasks() -> None:
         t = load_task(path)
         rows.append((name, t.kind, str(t.version), t.description))
     print_table(rows)
+
+
+def add_plot_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """`zoo plot`: its subparser of ``sub``, with its flags (zoo/cli.py sets what runs it)."""
+    p = sub.add_parser("plot", help="draw a training run's loss, eval-loss and learning-rate curves to a PNG")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a training run's output_dir (with metrics.jsonl)")
+    p.add_argument("--out", metavar="PNG", help="where to write the picture (default RUN_DIR/curves.png)")
+    return p
 
 
 def plot_command(args: argparse.Namespace) -> None:

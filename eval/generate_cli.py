@@ -1,6 +1,7 @@
 """`zoo generate`: the body of the command (streamed text for one prompt, or a JSONL file of prompts in batches).
 
-zoo/cli.py parses the flags and calls :func:`generate_command` lazily; the decoding itself is eval/generate.py.
+Its flags are here too (:func:`add_generate_parser`): zoo/cli.py imports this module to build its parser, so its
+top-level imports stay light, and calls :func:`generate_command`; the decoding itself is eval/generate.py.
 """
 
 from __future__ import annotations
@@ -10,11 +11,59 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from zoo.console import add_topology_flags
 from zoo.errors import UserError
 
 if TYPE_CHECKING:  # annotations only: JAX and the model load inside the command
     from eval.generate import GenerationConfig
     from zoo.model.decoder import Decoder
+
+
+def add_generate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """`zoo generate`: its subparser of ``sub``, with its flags (zoo/cli.py sets what runs it)."""
+    p = sub.add_parser(
+        "generate", help="generate text with a zoo checkpoint (KV-cache decoding, streamed)",
+        description="Continue a prompt with a zoo checkpoint (converted, or a training run's final/ folder: LoRA "
+                    "adapters are merged on load), printing tokens as they come. Greedy unless --temperature > 0. "
+                    "With --prompts-file, complete every line of a JSONL file in batches instead.")
+    p.add_argument("ckpt", metavar="CKPT", help="path of a zoo checkpoint folder (with tokenizer/); with "
+                                               "--compile-only also a registry name (llama3.1-8b) or a config.json")
+    p.add_argument("--prompt", metavar="TEXT",
+                   help="the text to continue (with --chat: the user message answered under the chat template)")
+    p.add_argument("--chat", action="store_true",
+                   help="apply the checkpoint's chat template: --prompt (and \"prompt\" lines) become a user turn "
+                        "and generation starts the assistant's reply")
+    p.add_argument("--system", metavar="TEXT", help="with --chat (or \"messages\" lines), a system turn put first")
+    p.add_argument("--prompts-file", metavar="IN.jsonl",
+                   help='instead of --prompt: one JSON object a line, {"prompt": TEXT} or {"messages": [...]} '
+                        '(chat messages, always under the chat template)')
+    p.add_argument("--out", metavar="OUT.jsonl",
+                   help='with --prompts-file: where to write each input line with a "completion" added')
+    p.add_argument("--batch-size", type=int, default=8, metavar="N",
+                   help="prompts generated together with --prompts-file (default 8)")
+    p.add_argument("--max-new-tokens", type=int, default=48, metavar="N",
+                   help="most tokens to generate per prompt (default 48)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="sampling temperature; 0 (the default) is greedy decoding")
+    p.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="sample only among the K most likely tokens (0: all; default 0)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="sample only among the most likely tokens whose probabilities sum to P (default 1.0: all)")
+    p.add_argument("--seed", type=int, default=0, metavar="S",
+                   help="random seed for sampling: same seed, same text (default 0)")
+    p.add_argument("--stop", nargs="+", action="extend", metavar="STR",
+                   help="stop once the text contains any of these strings (the output ends before it; the flag may "
+                        "repeat); generation also stops at the tokenizer's end-of-sequence token")
+    g = p.add_argument_group("compile for a TPU slice from this machine, without TPUs, weights or a tokenizer")
+    g.add_argument("--compile-only", action="store_true",
+                   help="compile generation's programs (prefill and the one-token step) for --batch-size prompts of "
+                        "--prompt-length tokens and --max-new-tokens for --topology, and report bytes per chip "
+                        "(weights, KV cache, temporaries); nothing is generated (exit 0: fits, 3: does not fit, 2: "
+                        "an error). Needs the tpu extra (libtpu)")
+    add_topology_flags(g)
+    g.add_argument("--prompt-length", type=int, default=None, metavar="N",
+                   help="with --compile-only: tokens of the longest prompt (default 512)")
+    return p
 
 
 def generate_command(args: argparse.Namespace) -> int | None:
@@ -53,8 +102,6 @@ def generate_command(args: argparse.Namespace) -> int | None:
     else:
         _generate_file(model, tok, rows, args, gen)
     return None
-
-
 
 
 def _eos_ids(ckpt: str, tok: Any) -> tuple[int, ...]:

@@ -14,17 +14,10 @@ from pretrain import distributed
 from pretrain.config import TrainConfig
 from pretrain.setup import frozen_base_quant
 from zoo.checkpoints.adapter import adapter_meta
-from zoo.checkpoints.format import (
-    HF_CONFIG_FILE,
-    TOKENIZER_DIR,
-    WEIGHT_FILES,
-    CheckpointWriter,
-    provenance_of,
-    read_meta,
-    remove_stale_scratch,
-    save_params,
-)
+from zoo.checkpoints.format import HF_CONFIG_FILE, TOKENIZER_DIR, WEIGHT_FILES, read_meta
 from zoo.checkpoints.method_card import MethodCard, adapter_settings, settings
+from zoo.checkpoints.provenance import provenance_of
+from zoo.checkpoints.writer import CheckpointWriter, remove_stale_scratch, save_params
 from zoo.lora.adapters import LoraConfig, lora_specs, whole_weights
 from zoo.model.config import ModelConfig
 from zoo.model.params import param_specs

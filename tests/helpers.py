@@ -26,7 +26,8 @@ from safetensors import safe_open
 
 import zoo
 from zoo.checkpoints.adapter import adapter_meta
-from zoo.checkpoints.format import CheckpointWriter, read_meta, save_params
+from zoo.checkpoints.format import read_meta
+from zoo.checkpoints.writer import CheckpointWriter, save_params
 from zoo.lora.adapters import LoraConfig, init_lora, lora_scale, lora_specs
 from zoo.model.config import ModelConfig
 from zoo.model.decoder import forward

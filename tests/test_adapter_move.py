@@ -18,8 +18,9 @@ import pytest
 from pretrain.config import TrainConfig
 from pretrain.final import write_final
 from zoo.checkpoints.adapter import base_checkpoint
-from zoo.checkpoints.format import MODEL_FILE, CheckpointWriter, read_meta, save_params
+from zoo.checkpoints.format import MODEL_FILE, read_meta
 from zoo.checkpoints.loading import load_params
+from zoo.checkpoints.writer import CheckpointWriter, save_params
 from zoo.cli import main
 from zoo.errors import UserError
 from zoo.lora.adapters import LoraConfig, lora_specs

@@ -109,11 +109,11 @@ def test_output_folder_not_empty(tmp_path, hf_dir, capsys):
 
 
 def test_failure_midway_leaves_nothing(tmp_path, hf_dir, capsys, monkeypatch):
-    import zoo.checkpoints.format
+    import zoo.checkpoints.writer
     from zoo.errors import UserError
 
     calls = []
-    real_add = zoo.checkpoints.format.CheckpointWriter.add
+    real_add = zoo.checkpoints.writer.CheckpointWriter.add
 
     def failing_add(self, *a, **k):
         calls.append(1)
@@ -121,7 +121,7 @@ def test_failure_midway_leaves_nothing(tmp_path, hf_dir, capsys, monkeypatch):
             raise UserError("disk full (simulated)")
         return real_add(self, *a, **k)
 
-    monkeypatch.setattr(zoo.checkpoints.format.CheckpointWriter, "add", failing_add)
+    monkeypatch.setattr(zoo.checkpoints.writer.CheckpointWriter, "add", failing_add)
     out = tmp_path / "out"
     _assert_clean_failure(*_run(["convert", str(hf_dir), "--out", str(out)], capsys), out, "simulated")
 

@@ -408,7 +408,8 @@ def test_evaluate_in_memory(model, tok, tmp_path):
 
 @pytest.fixture(scope="module")
 def ckpt(model, tok, tmp_path_factory):
-    from zoo.checkpoints.format import TOKENIZER_DIR, CheckpointWriter, atomic_output
+    from zoo.checkpoints.format import TOKENIZER_DIR
+    from zoo.checkpoints.writer import CheckpointWriter, atomic_output
     from zoo.model.params import flatten, param_specs
 
     cfg, params = model

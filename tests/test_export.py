@@ -152,12 +152,12 @@ def test_streaming_read_paths_are_bit_identical(tmp_path, monkeypatch, path):
     """The big-model code paths on a tiny model: embeddings/lm_head in row blocks, and
     the Orbax restore used for checkpoints that TensorStore cannot open directly."""
     import convert.export
-    import zoo.checkpoints.format
+    import zoo.checkpoints.readers
 
     if path == "row-blocks":
         monkeypatch.setattr(convert.export, "_BLOCK_BYTES", 1000)  # a few rows per block
     else:
-        monkeypatch.setattr(zoo.checkpoints.format.ParamReader, "_open_store", lambda self: None)
+        monkeypatch.setattr(zoo.checkpoints.readers.ParamReader, "_open_store", lambda self: None)
     make_llama(tmp_path / "hf", vocab_size=101)  # untied: lm_head goes through the transpose path
     assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "zoo")]) == 0
     assert main(["export", str(tmp_path / "zoo"), "--out", str(tmp_path / "back")]) == 0

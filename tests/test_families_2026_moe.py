@@ -21,7 +21,8 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 import zoo
 from eval.generate import GenerationConfig, generate
 from tests.helpers import FAMILIES, hf_logits, hf_tensors, make_hf, mean_kl, random_tokens
-from zoo.checkpoints.format import load_param_numpy, read_meta
+from zoo.checkpoints.format import read_meta
+from zoo.checkpoints.readers import load_param_numpy
 from zoo.cli import main
 
 MOE_2026 = ["qwen3_moe", "glm4_moe"]

@@ -45,7 +45,8 @@ from tests.helpers import (
     random_tokens,
     spm_pieces,
 )
-from zoo.checkpoints.format import TOKENIZER_DIR, load_param_numpy, read_meta
+from zoo.checkpoints.format import TOKENIZER_DIR, read_meta
+from zoo.checkpoints.readers import load_param_numpy
 from zoo.cli import main
 from zoo.model.from_hf import model_config_from_hf
 

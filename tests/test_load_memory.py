@@ -1,4 +1,4 @@
-"""Loading a checkpoint costs its weights in memory, not twice its weights (zoo.checkpoints.format.load_stored_params)."""
+"""Loading a checkpoint costs its weights in memory, not twice its weights (zoo.checkpoints.readers.load_stored_params)."""
 
 import json
 import subprocess
@@ -62,7 +62,7 @@ def test_restore_groups_are_bounded_ordered_and_complete():
     import jax
     import numpy as np
 
-    from zoo.checkpoints.format import restore_groups
+    from zoo.checkpoints.readers import restore_groups
 
     mib = 2**20
     sizes = {"a": 10, "b": 30, "c": 5, "d": 30, "e": 1, "f": 29}  # MiB of float32
@@ -81,7 +81,7 @@ def test_a_small_model_restores_in_one_call_and_groups_restore_the_same_values(t
     import numpy as np
     import orbax.checkpoint.experimental.v1 as ocp
 
-    import zoo.checkpoints.format as zc
+    import zoo.checkpoints.readers as zc
     from zoo.model.params import flatten
 
     cfg = tmp_path / "config.json"

@@ -24,7 +24,8 @@ from convert.peft_plan import LORA_LAYOUTS
 from convert.tables import table_for
 from convert.transforms import TRANSFORMS
 from tests.helpers import hf_logits, lay_out_hf_cache, make_hf, random_tokens, write_adapter_checkpoint
-from zoo.checkpoints.format import hub_repo_of, read_meta
+from zoo.checkpoints.format import read_meta
+from zoo.checkpoints.provenance import hub_repo_of
 from zoo.cli import main
 from zoo.lora.adapters import LoraConfig, lora_delta, lora_specs
 from zoo.model.config import ModelConfig

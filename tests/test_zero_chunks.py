@@ -15,6 +15,8 @@ from safetensors.numpy import load_file, save_file
 
 import zoo
 import zoo.checkpoints.format
+import zoo.checkpoints.readers
+import zoo.checkpoints.verify
 from tests.helpers import make_hf
 from zoo.cli import main
 
@@ -51,7 +53,7 @@ def test_deepseek_v3_with_zero_correction_bias_converts_and_loads(tmp_path):
     assert bias and all(not np.asarray(b).any() for b in bias)
 
 
-# Writers' own check (zoo.checkpoints.format.verify_complete) and the other writers: `zoo init`, training runs.
+# Writers' own check (zoo.checkpoints.verify.verify_complete) and the other writers: `zoo init`, training runs.
 
 def _tiny_gemma_config(path):
     from transformers import GemmaConfig
@@ -111,7 +113,7 @@ def test_lora_run_with_zero_adapters_checkpoints_and_loads(tmp_path):
         "checkpoint.every=1", "lora.rank=4", "max_steps=2", f"output_dir={tmp_path / 'run'}"]), progress=False)
     meta = zoo.checkpoints.format.read_meta(final)
     b = [p for p in meta["lora"]["params"] if p.endswith(".b")]
-    assert b and all(not zoo.checkpoints.format.load_param_numpy(final, p, meta["lora"]["params"][p]).any() for p in b)
+    assert b and all(not zoo.checkpoints.readers.load_param_numpy(final, p, meta["lora"]["params"][p]).any() for p in b)
     merged, base = zoo.load(final).param_dict(), zoo.load(tmp_path / "zoo").param_dict()
     np.testing.assert_array_equal(np.asarray(merged["layers"]["q"]), np.asarray(base["layers"]["q"]))
     with ocp.CheckpointManager(tmp_path / "run" / "checkpoints") as manager:
@@ -157,13 +159,13 @@ def test_verifier_catches_a_deleted_chunk(tmp_path, key):
     make_hf(tmp_path / "hf", "llama")
     assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "zoo")]) == 0
     ckpt = tmp_path / "zoo"
-    zoo.checkpoints.format.verify_complete(ckpt)
+    zoo.checkpoints.verify.verify_complete(ckpt)
     kv = _store(ckpt)
     assert key.encode() in kv.list().result()
     kv.delete_range(ts_range(key)).result()
     param = key.split("/")[0]
     with pytest.raises(RuntimeError, match=rf"parameter '{param}'"):
-        zoo.checkpoints.format.verify_complete(ckpt)
+        zoo.checkpoints.verify.verify_complete(ckpt)
 
 
 def ts_range(key):
@@ -196,7 +198,7 @@ def test_verifier_catches_a_missing_inner_chunk_of_a_shard(tmp_path):
         ts.open(spec, create=True, delete_existing=True).result().write(data).result()
 
     rewrite(True)
-    zoo.checkpoints.format.verify_complete(ckpt)
+    zoo.checkpoints.verify.verify_complete(ckpt)
     rewrite(False)
     with pytest.raises(RuntimeError, match=r"parameter 'final_norm' is incomplete: shard final_norm/c/0 lacks"):
-        zoo.checkpoints.format.verify_complete(ckpt)
+        zoo.checkpoints.verify.verify_complete(ckpt)

@@ -13,6 +13,11 @@ from zoo.console import print_table
 from zoo.model.config import ModelConfig
 
 
+def add_list_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """`zoo list`: its subparser of ``sub`` (no flags; zoo/cli.py sets what runs it)."""
+    return sub.add_parser("list", help="show the named models of the zoo")
+
+
 def list_command(args: argparse.Namespace) -> None:
     """`zoo list`: print the registry as a table."""
     from zoo.registry.catalogue import REGISTRY, human_count
@@ -23,9 +28,16 @@ def list_command(args: argparse.Namespace) -> None:
     print_table(rows)
 
 
+def add_info_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """`zoo info`: its subparser of ``sub``, with its flags (zoo/cli.py sets what runs it)."""
+    p = sub.add_parser("info", help="describe a zoo checkpoint")
+    p.add_argument("ckpt", metavar="CKPT", help="path of a zoo checkpoint folder")
+    return p
+
+
 def info_command(args: argparse.Namespace) -> None:
     """`zoo info CKPT`: describe a checkpoint: family, size, dtype, shapes and on-disk layout."""
-    # Imported here: zoo.checkpoints.format loads JAX, which `zoo list` (sharing this module) does not need.
+    # Imported here: zoo.checkpoints.format loads NumPy, which `zoo list` (sharing this module) does not need.
     from zoo.checkpoints.format import PARAMS_DIR, read_meta
     from zoo.checkpoints.paths import checkpoint_dir
     from zoo.registry.catalogue import human_count

@@ -39,17 +39,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from zoo.checkpoints.format import (
-    MODEL_FILE,
-    PARAMS_DIR,
-    ParamSource,
-    StoredSection,
-    hub_weights,
-    load_param_numpy,
-    np_dtype,
-    orbax_v1,
-    read_meta,
-)
+from zoo.checkpoints.format import MODEL_FILE, PARAMS_DIR, np_dtype, orbax_v1, read_meta
+from zoo.checkpoints.provenance import hub_weights
+from zoo.checkpoints.readers import ParamSource, load_param_numpy
+from zoo.checkpoints.writer import StoredSection
 from zoo.errors import UserError
 from zoo.lora.adapters import LoraConfig, lora_delta, lora_scale, lora_specs, target_modules
 from zoo.model.config import ModelConfig
@@ -60,8 +53,8 @@ from zoo.model.sharding import make_mesh, named_sharding
 class AdapterSection(StoredSection):
     """The ``lora`` entry of an adapter checkpoint's model.json (a dict, as :func:`adapter_meta` builds it).
 
-    A :class:`zoo.checkpoints.format.StoredSection`: the adapters it lists are what the checkpoint stores, so
-    :meth:`zoo.checkpoints.format.CheckpointWriter.finish` checks those, against the adapters its LoRA settings imply.
+    A :class:`zoo.checkpoints.writer.StoredSection`: the adapters it lists are what the checkpoint stores, so
+    :meth:`zoo.checkpoints.writer.CheckpointWriter.finish` checks those, against the adapters its LoRA settings imply.
     """
 
     def specs(self, cfg: ModelConfig) -> dict[str, ParamSpec]:
@@ -201,7 +194,7 @@ def adapter_meta(lora_cfg: LoraConfig, base: Path, adapter_params: dict[str, dic
     ``base_relative`` is relative to it. Without ``ckpt`` only the absolute path is recorded.
     ``base_quant`` ({"kind", "double"}) records adapters trained on a quantized base (QLoRA): merging then adds
     them to the dequantized base, the weights they were trained beside. ``base_hub_id`` records the Hub repo
-    whose model the base is (:func:`zoo.checkpoints.format.hub_weights`), so that a PEFT export names it even where
+    whose model the base is (:func:`zoo.checkpoints.provenance.hub_weights`), so that a PEFT export names it even where
     the base is not at hand.
     """
     base = Path(base).absolute()
@@ -238,7 +231,7 @@ def load_adapters(ckpt: str | os.PathLike, meta: dict[str, Any], mesh: jax.shard
 
 class MergedParamReader:
     """A base parameter with its adapter merged in, read whole or one leading-axis slice at a time
-    (the :class:`zoo.checkpoints.format.ParamReader` interface).
+    (the :class:`zoo.checkpoints.readers.ParamReader` interface).
 
     ``base`` reads the parameter ``path`` of the adapter checkpoint's base (:func:`base_checkpoint`); the base
     may itself be an adapter checkpoint (DPO's adapters over an SFT run's), read merged by another of these
@@ -299,7 +292,7 @@ class MergedParamReader:
 
 class WholeWeightReader:
     """A weight an adapter checkpoint stores whole (a LoRA reward model's score head, :func:`zoo.lora.adapters.whole_weights`),
-    read as the merged model has it: in the dtype of model.json's parameter table (the :class:`zoo.checkpoints.format.
+    read as the merged model has it: in the dtype of model.json's parameter table (the :class:`zoo.checkpoints.readers.
     ParamReader` interface). It is small ([hidden, num_labels]): read whole."""
 
     def __init__(self, ckpt: str | os.PathLike, meta: dict[str, Any], path: str):

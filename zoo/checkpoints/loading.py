@@ -1,11 +1,11 @@
 """Reading any zoo checkpoint as the model it describes: ``zoo.load``, ``zoo.load_params`` and streaming readers.
 
 A plain checkpoint (converted, or a full fine-tuning run) is read as it is
-stored (:mod:`zoo.checkpoints.format`). An adapter checkpoint (a LoRA run,
+stored (:mod:`zoo.checkpoints.readers`). An adapter checkpoint (a LoRA run,
 :mod:`zoo.checkpoints.adapter`) is read as its base checkpoint with the adapters merged in,
 resolved recursively: the base may itself be an adapter checkpoint.
 
-Layering, bottom up: :mod:`zoo.checkpoints.format` (plain checkpoint files) <-
+Layering, bottom up: :mod:`zoo.checkpoints.format`, ``readers`` and ``writer`` (plain checkpoint files) <-
 :mod:`zoo.checkpoints.adapter` (adapter checkpoints, their base, the merged reader) <-
 this module; nothing below imports it.
 """
@@ -19,7 +19,6 @@ from typing import Any
 
 import jax
 
-from zoo.checkpoints import format as checkpoint
 from zoo.checkpoints import quantized as quant_checkpoint
 from zoo.checkpoints.adapter import (
     MergedParamReader,
@@ -29,7 +28,8 @@ from zoo.checkpoints.adapter import (
     load_adapters,
     lora_config,
 )
-from zoo.checkpoints.format import ParamReader, read_config, read_meta
+from zoo.checkpoints.format import read_config, read_meta
+from zoo.checkpoints.readers import ParamReader, load_stored_params
 from zoo.lora.adapters import merge_lora, whole_weights
 from zoo.model import quant
 from zoo.model.config import ModelConfig
@@ -54,7 +54,7 @@ def load_params(
     if quant_checkpoint.is_quantized(meta):  # `zoo quantize`: the projections dequantized on load
         return quant_checkpoint.load_params(ckpt, meta, mesh or make_mesh(), dtype, paths)
     if not is_adapter(meta):
-        return checkpoint.load_stored_params(ckpt, mesh, dtype, paths)
+        return load_stored_params(ckpt, mesh, dtype, paths)
     mesh = mesh or make_mesh()
     base_ckpt = base_checkpoint(ckpt, meta)
     cfg = ModelConfig.from_dict(meta["config"])

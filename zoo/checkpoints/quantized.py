@@ -21,7 +21,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from zoo.checkpoints.format import StoredSection, load_param_numpy, load_stored_params, np_dtype
+from zoo.checkpoints.format import np_dtype
+from zoo.checkpoints.readers import load_param_numpy, load_stored_params
+from zoo.checkpoints.writer import StoredSection
 from zoo.model import quant
 from zoo.model.config import ModelConfig
 from zoo.model.params import ParamSpec, flatten, nest, param_specs
@@ -95,7 +97,7 @@ def load_quantized(ckpt: str | os.PathLike, meta: dict[str, Any], path: str, dty
 
 class DequantizedParamReader:
     """A parameter of a quantized checkpoint, read whole or one leading-axis slice (one layer) at a time, as
-    :class:`zoo.checkpoints.format.ParamReader` reads a float one: projections dequantized per layer, the rest as stored.
+    :class:`zoo.checkpoints.readers.ParamReader` reads a float one: projections dequantized per layer, the rest as stored.
 
     ``dequantized`` tells an adapter merged over this base that its weights are already the dequantized ones.
     """
@@ -103,7 +105,7 @@ class DequantizedParamReader:
     dequantized = True
 
     def __init__(self, ckpt: str | os.PathLike, meta: dict[str, Any], path: str):
-        from zoo.checkpoints.format import ParamReader
+        from zoo.checkpoints.readers import ParamReader
 
         info = meta["params"][path]
         self.shape, self.dtype = tuple(info["shape"]), np_dtype(info["dtype"])

@@ -2,12 +2,12 @@
 
 :func:`forward_cached` runs the same code as :func:`zoo.model.decoder.forward`
 (embedding, :func:`zoo.model.decoder.decoder_layer` with its norms and MLP / MoE,
-the segment scans of :func:`zoo.model.decoder.scan_segments`, the projections into
+the segment scans of :func:`zoo.model.layer_scan.scan_segments`, the projections into
 heads and out of them from :mod:`zoo.layers.attention`, RoPE tables, output head)
 on t new tokens per row, attending to what the cache holds plus the new
 tokens, and returns the cache with the new keys/values written. What is its
 own is the cache: ring slots, masks over them, attention split between the
-cached slots and the new tokens, and the writes. Prefill (t = prompt length)
+cached slots and the new tokens (:mod:`zoo.model.cached_attention`), and the writes. Prefill (t = prompt length)
 and decoding (t = 1) are the same function.
 
 Every cache is a ring of S slots: position p lives in slot p % S. Full layers
@@ -35,6 +35,7 @@ read, so a step's cost follows the filled length, not max_len) and ``last``
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -43,10 +44,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from zoo.layers.attention import causal_attention, head_major, mla_heads, output_projection, qkv_heads
-from zoo.layers.blocks import soft_cap
+from zoo.model.cached_attention import gqa_attention, mla_attention, new_token_masks, slot_positions
 from zoo.model.config import ModelConfig
-from zoo.model.decoder import Segment, decoder_layer, embed_tokens, norm, output_logits, scan_segments, stack_slice
+from zoo.model.decoder import decoder_layer, embed_tokens, norm, output_logits
 from zoo.model.layer_layout import (
     is_kv_shared,
     kind_config,
@@ -55,12 +55,11 @@ from zoo.model.layer_layout import (
     layer_weights,
     store_layers,
 )
+from zoo.model.layer_scan import Segment, scan_segments, stack_slice
 from zoo.model.longrope import switch_to_long
 from zoo.model.masks import kind_window
 from zoo.model.per_layer_inputs import per_layer_inputs
 from zoo.model.rope import layer_rope, rope_flags, rope_tables_by_kind
-
-NEG = float(jnp.finfo(jnp.float32).min)
 
 
 @jax.tree_util.register_dataclass
@@ -183,145 +182,6 @@ def place_for_decoding(cfg: ModelConfig, params: dict[str, Any]) -> tuple[dict[s
     return jax.device_put(params, decode_shardings(cfg, mesh)), mesh
 
 
-def _slot_positions(lengths: jax.Array, slots: int) -> jax.Array:
-    """Absolute position held by each slot [batch, S] of a ring, -1 where the slot is still empty."""
-    s = jnp.arange(slots)[None, :]
-    last = lengths[:, None] - 1 - s  # >= 0 iff the slot has been written
-    return jnp.where(last >= 0, s + slots * (jnp.maximum(last, 0) // slots), -1)
-
-
-def _mask(pos: jax.Array, valid: jax.Array, old_pos: jax.Array | None,
-          window: int | None) -> tuple[jax.Array | None, jax.Array]:
-    """Which keys each new query may attend to: old slots [batch, t, S] (None without), new tokens [batch, t, t]."""
-    q = pos[:, :, None]
-    new = pos[:, None, :]
-    new_ok = valid[:, None, :] & (new <= q)
-    if window is not None:
-        new_ok = new_ok & (q - new < window)
-    if old_pos is None:
-        return None, new_ok
-    old = old_pos[:, None, :]
-    old_ok = old >= 0
-    if window is not None:
-        old_ok = old_ok & (q - old < window)
-    return jnp.broadcast_to(old_ok, q.shape[:2] + old.shape[2:]), new_ok
-
-
-def _joint_mask(old_ok: jax.Array | None, new_ok: jax.Array) -> jax.Array:
-    return new_ok if old_ok is None else jnp.concatenate([old_ok, new_ok], axis=-1)
-
-
-def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Grouped-query softmax attention: q [b, t, hq, d], k [b, s, hk, d], v [b, s, hk, dv] -> [b, t, hq * dv]."""
-    b, t, hq, d = q.shape
-    hk = k.shape[2]
-    qg = q.reshape(b, t, hk, hq // hk, d)
-    s = jnp.einsum("bthgd,bshd->bhgts", qg, k, preferred_element_type=jnp.float32) * cfg.attn_scale
-    s = soft_cap(s, cfg.attn_softcap)
-    s = jnp.where(mask[:, None, None], s, NEG)
-    probs = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bhgts,bshd->bthgd", probs, v)
-    return out.reshape(b, t, -1)
-
-
-def _attend_split(qg: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
-                  cfg: ModelConfig, sinks: jax.Array | None = None) -> jax.Array:
-    """Softmax attention over several key sets at once: qg [b, hk, g, t, d] and per part transposed keys
-    [b, hk, d, s], values [b, hk, s, dv] and mask [b, t, s]; one softmax over all parts' keys (and, with ``sinks``
-    [hq], gpt-oss's one sink logit per head, whose probability is dropped). -> [b, t, hq * dv]."""
-    scores = []
-    for k, _, m in parts:
-        s = jnp.einsum("bhgtd,bhds->bhgts", qg, k.astype(qg.dtype), preferred_element_type=jnp.float32)
-        s = soft_cap(s * cfg.attn_scale, cfg.attn_softcap)
-        scores.append(jnp.where(m[:, None, None], s, NEG))
-    if sinks is not None:
-        b, hk, g, t, _ = scores[0].shape
-        sink = sinks.astype(jnp.float32).reshape(1, hk, g, 1, 1)
-        scores.append(jnp.broadcast_to(sink, (b, hk, g, t, 1)))
-    s = scores[0] if len(scores) == 1 else jnp.concatenate(scores, axis=-1)
-    dt = parts[-1][1].dtype
-    probs = jax.nn.softmax(s, axis=-1).astype(dt)
-    out: jax.Array | None = None
-    at = 0
-    for k, v, _ in parts:
-        n = k.shape[3]
-        o = jnp.einsum("bhgts,bhsd->bhgtd", probs[..., at:at + n], v.astype(dt))
-        out, at = (o if out is None else out + o), at + n
-    assert out is not None, "no key sets to attend to"
-    b, hk, g, t, dv = out.shape
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hk * g * dv)
-
-
-def _gqa_attention(x: jax.Array, p: dict, c: dict | None, cos: jax.Array, sin: jax.Array,
-                   masks: tuple[jax.Array | None, jax.Array], window: int | None,
-                   cfg: ModelConfig, lora: dict | None = None,
-                   lora_scale: float | jax.Array = 1.0,
-                   shared_kv: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, dict]:
-    """One layer's attention over cache ``c`` (k [b, hk, d, S], v [b, hk, S, d]; None when empty) and the new tokens
-    (``lora``: the layer's adapters, beside the base matmuls as in training). A KV-shared layer (Gemma 4) gets
-    its stored layer's cache as ``c`` and that layer's new keys/values as ``shared_kv``.
-
-    Returns (output, new k/v [b, t, hk, d])."""
-    q, k, v = qkv_heads(x, p, cos, sin, cfg, p.get("attn_norm"), lora=lora, lora_scale=lora_scale,
-                        shared_kv=shared_kv)
-    qg, kh, vh = head_major(q, k, v)
-    old_ok, new_ok = masks
-    sinks = p["sinks"] if cfg.attn_sinks else None
-    if c is None:
-        # An empty cache: the tokens attend to each other only, blockwise as in training (causal blocks skipped).
-        att = causal_attention(qg, kh, vh, new_ok[:, None], cfg, window, sinks)
-    else:
-        assert old_ok is not None, "a cache read has its mask"
-        att = _attend_split(qg, [(c["k"], c["v"], old_ok), (kh.transpose(0, 1, 3, 2), vh, new_ok)], cfg, sinks)
-    return output_projection(att, p, cfg, lora=lora, lora_scale=lora_scale), {"k": k, "v": v}
-
-
-def _mla_attention(x: jax.Array, p: dict, c: dict | None, cos: jax.Array, sin: jax.Array,
-                   masks: tuple[jax.Array | None, jax.Array], cfg: ModelConfig,
-                   absorb: bool | None) -> tuple[jax.Array, dict]:
-    """:func:`zoo.layers.attention.mla_attention` over cache ``c`` (latent, k_pe; None when empty); x is already normed.
-
-    ``absorb`` None picks the cheaper of expanding the latents into per-head
-    keys and values (prefill) and absorbing kv_b into the queries and the
-    output (decoding); True/False force one.
-    """
-    dn = cfg.qk_nope_head_dim
-    q_nope, q_pe, latent, k_pe = mla_heads(x, p, cos, sin, cfg)
-    if c is None:
-        all_latent, all_pe = latent, k_pe
-    else:
-        all_latent = jnp.concatenate([c["latent"].astype(latent.dtype), latent], axis=1)
-        all_pe = jnp.concatenate([c["k_pe"].astype(k_pe.dtype), k_pe], axis=1)
-    mask = _joint_mask(*masks)
-    w_k, w_v = p["kv_b"][..., :dn], p["kv_b"][..., dn:]
-    if absorb is None:
-        absorb = _absorb_is_cheaper(cfg, x.shape[1], all_latent.shape[1])
-    if absorb:
-        # q.k_nope = (q_nope W_k^T).latent and probs.v = (probs.latent) W_v: per-head keys/values never exist.
-        q_lat = jnp.einsum("bthd,rhd->bthr", q_nope, w_k)
-        s = (jnp.einsum("bthr,bsr->bhts", q_lat, all_latent)
-             + jnp.einsum("bthd,bsd->bhts", q_pe, all_pe)).astype(jnp.float32) * cfg.attn_scale
-        s = jnp.where(mask[:, None], s, NEG)
-        probs = jax.nn.softmax(s, axis=-1).astype(latent.dtype)
-        out = jnp.einsum("bthr,rhd->bthd", jnp.einsum("bhts,bsr->bthr", probs, all_latent), w_v)
-    else:
-        k_nope, v = jnp.einsum("bsr,rhd->bshd", all_latent, w_k), jnp.einsum("bsr,rhd->bshd", all_latent, w_v)
-        k = jnp.concatenate([k_nope, jnp.broadcast_to(all_pe[:, :, None], k_nope.shape[:-1] + all_pe.shape[-1:])],
-                            axis=-1)
-        q = jnp.concatenate([q_nope, q_pe], axis=-1)
-        out = _attend(q, k, v, mask, cfg).reshape(q.shape[:3] + v.shape[-1:])
-    return jnp.einsum("bthd,hde->bte", out, p["o"]), {"latent": latent, "k_pe": k_pe}
-
-
-def _absorb_is_cheaper(cfg: ModelConfig, t: int, s: int) -> bool:
-    """Whether absorbed MLA takes fewer multiply-adds than expanded for t queries over s keys."""
-    h, r, dn, dr, dv = (cfg.num_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
-                        cfg.v_head_dim)
-    expanded = s * r * h * (dn + dv) + t * s * h * (dn + dr + dv)
-    absorbed = t * h * r * (dn + dv) + t * s * h * (2 * r + dr)
-    return absorbed < expanded
-
-
 def forward_cached(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, cache: Cache,
                    valid: jax.Array | None = None, mla_absorb: bool | None = None) -> tuple[jax.Array, Cache]:
     """Logits [b, t, vocab] (float32) of t new tokens per row, and the cache with them appended.
@@ -335,7 +195,7 @@ def forward_cached(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, 
     (dropless, whatever ``capacity_factor`` says: generation drops no token).
     A full-attention cache must have room for every position (``max_len``);
     past it, the oldest entries would be overwritten. ``mla_absorb`` (static)
-    forces one way of MLA attention (see :func:`_mla_attention`); by default
+    forces one way of MLA attention (see :func:`zoo.model.cached_attention.mla_attention`); by default
     the cheaper is taken.
     """
     return forward_step(cfg, params, tokens, cache, valid, mla_absorb)
@@ -369,7 +229,7 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, ca
     pos = cache.lengths[:, None] + jnp.cumsum(vi, axis=1) - vi
     new_lengths = cache.lengths + vi.sum(1)
     if cfg.rope.kind == "longrope" and not fresh:  # Phi-3: past original_max_position_embeddings, long factors
-        cache = Cache(switch_to_long(cfg, cache.layers, cache.lengths, new_lengths, _slot_positions), cache.lengths)
+        cache = Cache(switch_to_long(cfg, cache.layers, cache.lengths, new_lengths, slot_positions), cache.lengths)
 
     ropes = rope_tables_by_kind(cfg, pos, valid)
     slots = {kind: arrays["latent" if cfg.mla else "v"].shape[2 if cfg.mla else 3]
@@ -377,12 +237,32 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, ca
     # Slots read per kind: none when fresh, the first `view` when every row fits in them.
     read = {kind: 0 if fresh else (s if view is None else min(s, view)) for kind, s in slots.items()}
     windows = {kind: kind_window(cfg, kind) for kind in slots}
-    masks = {kind: _mask(pos, valid, _slot_positions(cache.lengths, n)[:, :n] if n else None, windows[kind])
+    masks = {kind: new_token_masks(pos, valid, slot_positions(cache.lengths, n)[:, :n] if n else None, windows[kind])
              for kind, n in read.items()}
     x = embed_tokens(cfg, params, tokens)
     ple = per_layer_inputs(cfg, params, tokens, x) if cfg.per_layer_input_size else None
     # Gemma 4: kind -> (the stored layer's cache, its new keys/values), read by the KV-shared layers.
     stored: dict[str, tuple[dict | None, tuple[jax.Array, jax.Array]]] = {}
+    layer = _cached_layer(cfg, ropes, masks, windows, read, slots, stored, valid, scale, mla_absorb)
+    x, written = _run_cached_stacks(cfg, params, x, cache, layer, lora, ple, fresh, stored)
+    if last is not None:
+        x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
+    x = norm(cfg, x, params["final_norm"])
+    logits = x if hidden else output_logits(cfg, params, x)
+    return logits, Cache(_write(cache, written, pos, valid, new_lengths, cfg.mla), new_lengths)
+
+
+def _cached_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Array]], masks: dict[str, Any],
+                  windows: dict[str, int | None], read: dict[str, int], slots: dict[str, int],
+                  stored: dict[str, tuple[dict | None, tuple[jax.Array, jax.Array]]], valid: jax.Array,
+                  scale: float | jax.Array, mla_absorb: bool | None) -> Callable[..., tuple[jax.Array, dict | None]]:
+    """The cached forward's layer as :func:`_run_cached_stacks` scans it: ``layer(x, inputs, kind, moe, prefix)``.
+
+    ``inputs`` are one layer's (weights, adapters, NoPE flag, per-layer input, cache entry); by layer kind,
+    ``ropes``, ``masks`` and ``windows`` are the rope tables, masks and sliding windows, ``read`` the slots read
+    of the ``slots`` a ring has; ``valid`` [b, t] the real tokens. A KV-shared layer (Gemma 4) reads its stored layer's cache and new keys/values
+    from ``stored``. The layer's output is its new cache entries (None for a KV-shared layer: it writes nothing).
+    """
 
     def layer(x: jax.Array, inputs: tuple, kind: str, moe: bool, prefix: str) -> tuple[jax.Array, dict | None]:
         p, lp, rope_on, pli, c = inputs
@@ -398,13 +278,23 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, ca
 
         def attend(x: jax.Array) -> tuple[jax.Array, dict]:
             if cfg.mla:
-                return _mla_attention(norm(cfg, x, p["attn_norm"]), p, c, *ropes[kind], masks[kind], cfg, mla_absorb)
-            return _gqa_attention(x, p, c, *layer_rope(ropes[kind], rope_on), masks[kind], windows[kind], kcfg, lp,
+                return mla_attention(norm(cfg, x, p["attn_norm"]), p, c, *ropes[kind], masks[kind], cfg, mla_absorb)
+            return gqa_attention(x, p, c, *layer_rope(ropes[kind], rope_on), masks[kind], windows[kind], kcfg, lp,
                                   scale, reuse)
 
         x, new, _ = decoder_layer(cfg, x, p, attend, moe, valid, lp, scale, per_layer=pli)
         return x, (None if reuse is not None else new)  # a KV-shared layer writes nothing
 
+    return layer
+
+
+def _run_cached_stacks(cfg: ModelConfig, params: dict[str, Any], x: jax.Array, cache: Cache,
+                       layer: Callable[..., tuple[jax.Array, dict | None]], lora: dict | None, ple: jax.Array | None,
+                       fresh: bool, stored: dict[str, tuple[dict | None, tuple[jax.Array, jax.Array]]],
+                       ) -> tuple[jax.Array, dict[str, dict[str, list]]]:
+    """x through every run of :attr:`ModelConfig.layer_runs` on ``cache``; returns x and, per stack and kind, each
+    layer's new cache entries with its index in its kind's cache stack (what :func:`_write` scatters). Fills
+    ``stored`` (Gemma 4) as the layers whose keys/values the KV-shared layers reuse are done."""
     written: dict[str, dict[str, list]] = {prefix: {kind: [] for kind in group} for prefix, group in cache.layers.items()}
     for prefix, start, stop, moe, first in cfg.layer_runs:
         # A run is its stack's layers first .. first + (stop - start) (ModelConfig.layer_runs): each layer's cache
@@ -448,12 +338,7 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, ca
             for j, (kind, new) in enumerate(zip(seg.kinds, news)):
                 i0, step = _kind_slice(kinds, dataclasses.replace(seg, start=seg.start + first), j)
                 written[prefix][kind].append((jnp.arange(seg.repeats) * step + i0, new))
-
-    if last is not None:
-        x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
-    x = norm(cfg, x, params["final_norm"])
-    logits = x if hidden else output_logits(cfg, params, x)
-    return logits, Cache(_write(cache, written, pos, valid, new_lengths, cfg.mla), new_lengths)
+    return x, written
 
 
 def _kind_slice(kinds: tuple[str, ...], seg: Segment, j: int) -> tuple[int, int]:

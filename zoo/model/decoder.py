@@ -3,8 +3,8 @@
 :func:`forward` is the training forward pass (logits, or the final hidden
 states, and MoE router statistics). Beside it are the parts that the cached
 forward of :mod:`zoo.model.decode` runs as well: the embedding, one decoder layer
-around its attention (:func:`decoder_layer`), the segment scans over a stack
-of layers (:func:`scan_segments`) and the output head. :class:`Decoder` is a
+around its attention (:func:`decoder_layer`) and the output head; both scan
+their stacks of layers with :mod:`zoo.model.layer_scan`. :class:`Decoder` is a
 thin Flax NNX module over the same parameters (``nnx.Param`` with logical
 axes) whose call runs the jitted :func:`forward`.
 """
@@ -12,14 +12,12 @@ axes) whose call runs the jitted :func:`forward`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal, overload
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 
 from zoo.layers.attention import attend as attend_heads
 from zoo.layers.attention import attention, head_major, mla_attention, output_projection, qkv_heads
@@ -37,108 +35,12 @@ from zoo.model.layer_layout import (
     stack_kinds,
     store_layers,
 )
+from zoo.model.layer_scan import Segment, scan_segments, stack_slice
 from zoo.model.masks import kind_window, visibility
 from zoo.model.params import flatten, init_params, nest, param_specs
 from zoo.model.per_layer_inputs import add_per_layer_input, per_layer_inputs
 from zoo.model.rope import layer_rope, rope_flags, rope_tables_by_kind
 from zoo.model.sharding import batch_sharded
-
-
-@dataclass(frozen=True)
-class Segment:
-    """``repeats`` consecutive copies of a block of layers of the given kinds, from layer ``start``."""
-
-    start: int
-    repeats: int
-    kinds: tuple[str, ...]
-
-    @property
-    def stop(self) -> int:
-        """One past the last layer of the segment."""
-        return self.start + self.repeats * len(self.kinds)
-
-    def at(self, j: int, tree: Any) -> Any:
-        """The segment's layers at block position j, from a tree stacked over the layers of its stack.
-
-        A strided slice ([repeats, ...]; all of the stack when the period is
-        1), so each layer's weights enter the scan body as scanned inputs
-        themselves: the backward pass then reads them from the parameters,
-        not from a stacked copy.
-        """
-        return jax.tree.map(lambda a: a[self.start + j : self.stop : len(self.kinds)], tree)
-
-
-def layer_segments(kinds: tuple[str, ...], max_period: int = 12) -> list[Segment]:
-    """Cover the layer sequence with repeated blocks, greedily taking the block that covers most.
-
-    Llama: one segment of L x (full). Gemma 2: (sliding, full) x L/2. Gemma 3
-    with 26 layers: (5 sliding, full) x 4, then (sliding) x 2. Each segment is
-    one scan whose body unrolls only its block, so the program size depends on
-    the pattern, never on the depth.
-    """
-    out, i, n = [], 0, len(kinds)
-    while i < n:
-        best = Segment(i, 1, kinds[i : i + 1])
-        for p in range(1, min(max_period, n - i) + 1):
-            block = kinds[i : i + p]
-            reps = 1
-            while kinds[i + reps * p : i + (reps + 1) * p] == block:
-                reps += 1
-            if reps > 1 and reps * p > (best.stop - i):
-                best = Segment(i, reps, block)
-        out.append(best)
-        i = best.stop
-    return out
-
-
-LAYER_INPUT = "layer_input"  # each layer's input x, named for remat: offload (scan_segments)
-
-REMAT_POLICIES = {
-    "full": None,  # save nothing inside a layer
-    # The weight matmuls' outputs: zoo.layers.blocks.dense names them (its custom VJP hides the dot itself).
-    "save_dots": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        jax.checkpoint_policies.save_only_these_names("dense")),
-    # MaxText's decoder_layer_input: offload: the layers' inputs and the projections' outputs (what save_dots
-    # keeps on the device) copied to the host's pinned memory in the forward pass and back in the backward, the
-    # rest recomputed. A CPU has these memory kinds too (one memory in fact): the same program runs there.
-    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=[], names_which_can_be_offloaded=[LAYER_INPUT, "dense"],
-        offload_src="device", offload_dst="pinned_host"),
-}
-
-
-def scan_segments(x: jax.Array, kinds: tuple[str, ...], layer_inputs: Callable[[Segment, int], Any],
-                  layer: Callable[[jax.Array, Any, str], tuple[jax.Array, Any]], remat: str = "none",
-                  stack: bool = False) -> tuple[jax.Array, list[tuple[Segment, Any]]]:
-    """x through one stack of layers of ``kinds``: one :func:`jax.lax.scan` per segment of
-    :func:`layer_segments`, whose body unrolls the segment's block, so compile time does not grow with depth.
-
-    ``layer_inputs(seg, j)`` gives the scanned inputs of block position j
-    (leading axis ``seg.repeats``: see :meth:`Segment.at`); ``layer(x, inputs,
-    kind)`` runs one layer and returns (x, output). ``remat`` wraps each
-    block in :func:`jax.checkpoint` with that policy (:data:`REMAT_POLICIES`).
-    Returns x and, per segment, the layers' outputs: a list over block
-    positions of outputs stacked over repeats, or with ``stack`` one tree
-    [repeats, period, ...] (stacked inside the scan: for small per-layer
-    statistics, read back in layer order by a reshape).
-    """
-    done = []
-    for seg in layer_segments(kinds):
-        xs = [layer_inputs(seg, j) for j in range(len(seg.kinds))]
-
-        def block(x: jax.Array, xs: list, kinds: tuple[str, ...] = seg.kinds):
-            outs = []
-            for inputs, kind in zip(xs, kinds):
-                x, out = layer(checkpoint_name(x, LAYER_INPUT), inputs, kind)
-                outs.append(out)
-            return x, jax.tree.map(lambda *a: jnp.stack(a), *outs) if stack else outs
-
-        if remat != "none":
-            block = jax.checkpoint(block, policy=REMAT_POLICIES[remat], prevent_cse=False)
-        x, outs = jax.lax.scan(block, x, xs)
-        done.append((seg, outs))
-    return x, done
 
 
 def norm(cfg: ModelConfig, x: jax.Array, w: jax.Array) -> jax.Array:
@@ -252,22 +154,11 @@ def forward(
 ) -> jax.Array | tuple[jax.Array, dict]: ...
 
 
-def forward(
-    cfg: ModelConfig,
-    params: dict[str, Any],
-    tokens: jax.Array,
-    segment_ids: jax.Array | None = None,
-    positions: jax.Array | None = None,
-    return_aux: bool = False,
-    remat: str = "none",
-    lora: dict[str, Any] | None = None,
-    lora_scale: float | jax.Array | None = None,
-    lora_dropout: float = 0.0,
-    dropout_rng: jax.Array | None = None,
-    return_hidden: bool = False,
-    prefix_ids: jax.Array | None = None,
-    max_segments: int | None = None,
-) -> jax.Array | tuple[jax.Array, dict]:
+def forward(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, segment_ids: jax.Array | None = None,
+            positions: jax.Array | None = None, return_aux: bool = False, remat: str = "none",
+            lora: dict[str, Any] | None = None, lora_scale: float | jax.Array | None = None, lora_dropout: float = 0.0,
+            dropout_rng: jax.Array | None = None, return_hidden: bool = False, prefix_ids: jax.Array | None = None,
+            max_segments: int | None = None) -> jax.Array | tuple[jax.Array, dict]:
     """Logits [batch, seq, vocab] (float32) of the decoder for int tokens [batch, seq].
 
     ``segment_ids`` marks packed documents (attention never crosses a change
@@ -280,7 +171,7 @@ def forward(
     layer in the backward pass, "save_dots" keeps only the weight matmuls'
     outputs (attention scores and elementwise work are recomputed); "offload"
     keeps the layers' inputs and those outputs in the host's memory instead
-    of the device's (:data:`REMAT_POLICIES`).
+    of the device's (:data:`zoo.model.layer_scan.REMAT_POLICIES`).
 
     ``lora`` is a LoRA adapter tree keyed like ``params`` (see
     :func:`zoo.lora.adapters.init_lora`): each adapted projection adds
@@ -323,8 +214,30 @@ def forward(
     x = embed_tokens(cfg, params, tokens)
     # Gemma 4: each layer's per-layer input [layers, b, t, width], scanned with the layers' weights.
     ple = per_layer_inputs(cfg, params, tokens, x) if cfg.per_layer_input_size else None
-    sharing = cfg.kv_shared_layers > 0
     shared: dict[str, tuple[jax.Array, jax.Array]] = {}  # kind -> the keys/values the KV-shared layers reuse
+    layer = _training_layer(cfg, ropes, seen, valid, scale, lora_dropout, shared)
+    x, layer_stats = _run_stacks(cfg, params, x, layer, lora, drop_keys, ple, remat, shared)
+    x = norm(cfg, x, params["final_norm"])
+    logits = x if return_hidden else output_logits(cfg, params, x)
+    if not return_aux:
+        return logits
+    if not layer_stats:
+        return logits, {}
+    stats = jax.tree.map(lambda *a: jnp.concatenate(a), *layer_stats)
+    return logits, aux_losses(stats, cfg)
+
+
+def _training_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Array]], seen: dict[str, Any],
+                    valid: jax.Array, scale: float | jax.Array, lora_dropout: float,
+                    shared: dict[str, tuple[jax.Array, jax.Array]]) -> Callable[..., tuple[jax.Array, Any]]:
+    """The training forward's layer as :func:`_run_stacks` scans it: ``layer(x, inputs, kind, moe, prefix)``.
+
+    ``inputs`` are one layer's (weights, adapters, dropout key, NoPE flag, per-layer input); ``ropes`` and
+    ``seen`` the rope tables and visibility by layer kind. Gemma 4's KV-shared layers read their keys/values
+    from ``shared``, which :func:`_run_stacks` fills as the storing layers' stack is done; a storing layer's
+    output then carries its keys/values beside its router statistics.
+    """
+    sharing = cfg.kv_shared_layers > 0
 
     def layer(x: jax.Array, inputs: tuple, kind: str, moe: bool, prefix: str) -> tuple[jax.Array, Any]:
         p, lp, key, rope_on, pli = inputs
@@ -347,6 +260,16 @@ def forward(
         x, kv, stats = decoder_layer(cfg, x, p, attend, moe, valid, lp, scale, drop, pli)
         return x, ((stats, kv) if sharing else stats)
 
+    return layer
+
+
+def _run_stacks(cfg: ModelConfig, params: dict[str, Any], x: jax.Array, layer: Callable[..., tuple[jax.Array, Any]],
+                lora: dict[str, Any] | None, drop_keys: jax.Array | None, ple: jax.Array | None, remat: str,
+                shared: dict[str, tuple[jax.Array, jax.Array]]) -> tuple[jax.Array, list[dict]]:
+    """x through every run of :attr:`ModelConfig.layer_runs`, each with :func:`zoo.model.layer_scan.scan_segments`; returns x and the
+    MoE layers' router statistics in layer order (one tree per segment). Fills ``shared`` (Gemma 4's stored
+    keys/values) as the layers that store them are done."""
+    sharing = cfg.kv_shared_layers > 0
     layer_stats: list[dict] = []
     for prefix, start, stop, moe, first in cfg.layer_runs:
         # The LoRA adapters (stacked like their weights) and the layers' dropout keys are sliced and
@@ -382,20 +305,7 @@ def forward(
         elif moe:
             # Each segment's statistics are [repeats, period, ...]: layer order once flattened.
             layer_stats.extend(jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), ys) for _, ys in done)
-    x = norm(cfg, x, params["final_norm"])
-    logits = x if return_hidden else output_logits(cfg, params, x)
-    if not return_aux:
-        return logits
-    if not layer_stats:
-        return logits, {}
-    stats = jax.tree.map(lambda *a: jnp.concatenate(a), *layer_stats)
-    return logits, aux_losses(stats, cfg)
-
-
-def stack_slice(tree: Any, first: int, n: int) -> Any:
-    """Layers ``first`` to ``first + n`` of every array of ``tree`` stacked over a stack's layers (the whole tree,
-    untouched, when that is the whole stack: a run of :attr:`ModelConfig.layer_runs` usually is)."""
-    return jax.tree.map(lambda a: a if first == 0 and a.shape[0] == n else a[first:first + n], tree)
+    return x, layer_stats
 
 
 def stored_head(cfg: ModelConfig, params: dict[str, Any]) -> tuple[jax.Array, bool]:

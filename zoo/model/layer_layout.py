@@ -6,7 +6,7 @@ sliding ones, so their attention weights cannot share one stack with the sliding
 ``cfg.global_head_dim`` set, each stack of layers keeps the sliding layers' attention weights under their usual
 names (``layers.q`` [sliding layers, ...]) and the full layers' under ``global_`` names (``layers.global_q``
 [full layers, ...]); every other weight stays stacked over all the stack's layers. A layer at one position of a
-repeated block (:class:`zoo.model.decoder.Segment`) reads its kind's weights as a strided slice, as the KV cache's
+repeated block (:class:`zoo.model.layer_scan.Segment`) reads its kind's weights as a strided slice, as the KV cache's
 per-kind stacks are read (:func:`zoo.model.decode._kind_slice`); a run of a stack's layers
 (:attr:`zoo.model.config.ModelConfig.layer_runs`) takes its part of each kind's stack (:func:`kind_stack_slice`).
 
@@ -101,7 +101,7 @@ def stack_kinds(cfg: ModelConfig, prefix: str) -> tuple[str, ...]:
 
 
 def kind_stack_slice(cfg: ModelConfig, trees: tuple, kinds: tuple[str, ...], first: int, n: int) -> tuple:
-    """:func:`zoo.model.decoder.stack_slice` of stacks laid out by kind: layers ``first`` to ``first + n`` of a stack
+    """:func:`zoo.model.layer_scan.stack_slice` of stacks laid out by kind: layers ``first`` to ``first + n`` of a stack
     whose layers have ``kinds``, from each tree of ``trees`` (weights or adapters by name; None stays None): a
     weight of every layer is sliced there, a kind-split one (:func:`kind_split`) at its kind's layers among them."""
     def one(name: str, a: Any) -> Any:
@@ -114,7 +114,7 @@ def kind_stack_slice(cfg: ModelConfig, trees: tuple, kinds: tuple[str, ...], fir
 
 def layer_weights(cfg: ModelConfig, stack: dict[str, Any], kinds: tuple[str, ...], seg: Any, j: int) -> dict[str, Any]:
     """The weights of the layers at block position j of segment ``seg`` (of a stack whose layers have ``kinds``),
-    under the names one layer reads (``q``, not ``global_q``): :meth:`zoo.model.decoder.Segment.at` for the weights of
+    under the names one layer reads (``q``, not ``global_q``): :meth:`zoo.model.layer_scan.Segment.at` for the weights of
     every layer, the kind's strided slice for the kind-split ones."""
     kind = seg.kinds[j]
     i0, step = kinds[:seg.start + j].count(kind), seg.kinds.count(kind)
@@ -139,7 +139,7 @@ def store_layers(cfg: ModelConfig) -> dict[str, int]:
 
 
 def layer_output(done: list, i: int, stacked: bool) -> Any:
-    """Layer i's output (i counted within its stack) from :func:`zoo.model.decoder.scan_segments`' per-segment outputs."""
+    """Layer i's output (i counted within its stack) from :func:`zoo.model.layer_scan.scan_segments`' per-segment outputs."""
     for seg, outs in done:
         if seg.start <= i < seg.stop:
             r, j = divmod(i - seg.start, len(seg.kinds))

@@ -1,0 +1,120 @@
+"""Scanning a stack of layers: the layer sequence covered by repeated blocks (:func:`layer_segments`), one
+:func:`jax.lax.scan` per block (:func:`scan_segments`), the remat policies its body may run under, and a stack's
+layers sliced for a run of them (:func:`stack_slice`).
+
+Both the training forward (:mod:`zoo.model.decoder`) and the cached forward (:mod:`zoo.model.decode`) run their
+layers through these scans, so the program's size depends on the layer pattern, never on the depth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+
+@dataclass(frozen=True)
+class Segment:
+    """``repeats`` consecutive copies of a block of layers of the given kinds, from layer ``start``."""
+
+    start: int
+    repeats: int
+    kinds: tuple[str, ...]
+
+    @property
+    def stop(self) -> int:
+        """One past the last layer of the segment."""
+        return self.start + self.repeats * len(self.kinds)
+
+    def at(self, j: int, tree: Any) -> Any:
+        """The segment's layers at block position j, from a tree stacked over the layers of its stack.
+
+        A strided slice ([repeats, ...]; all of the stack when the period is
+        1), so each layer's weights enter the scan body as scanned inputs
+        themselves: the backward pass then reads them from the parameters,
+        not from a stacked copy.
+        """
+        return jax.tree.map(lambda a: a[self.start + j : self.stop : len(self.kinds)], tree)
+
+
+def layer_segments(kinds: tuple[str, ...], max_period: int = 12) -> list[Segment]:
+    """Cover the layer sequence with repeated blocks, greedily taking the block that covers most.
+
+    Llama: one segment of L x (full). Gemma 2: (sliding, full) x L/2. Gemma 3
+    with 26 layers: (5 sliding, full) x 4, then (sliding) x 2. Each segment is
+    one scan whose body unrolls only its block, so the program size depends on
+    the pattern, never on the depth.
+    """
+    out, i, n = [], 0, len(kinds)
+    while i < n:
+        best = Segment(i, 1, kinds[i : i + 1])
+        for p in range(1, min(max_period, n - i) + 1):
+            block = kinds[i : i + p]
+            reps = 1
+            while kinds[i + reps * p : i + (reps + 1) * p] == block:
+                reps += 1
+            if reps > 1 and reps * p > (best.stop - i):
+                best = Segment(i, reps, block)
+        out.append(best)
+        i = best.stop
+    return out
+
+
+LAYER_INPUT = "layer_input"  # each layer's input x, named for remat: offload (scan_segments)
+
+REMAT_POLICIES = {
+    "full": None,  # save nothing inside a layer
+    # The weight matmuls' outputs: zoo.layers.blocks.dense names them (its custom VJP hides the dot itself).
+    "save_dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names("dense")),
+    # MaxText's decoder_layer_input: offload: the layers' inputs and the projections' outputs (what save_dots
+    # keeps on the device) copied to the host's pinned memory in the forward pass and back in the backward, the
+    # rest recomputed. A CPU has these memory kinds too (one memory in fact): the same program runs there.
+    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=[LAYER_INPUT, "dense"],
+        offload_src="device", offload_dst="pinned_host"),
+}
+
+
+def scan_segments(x: jax.Array, kinds: tuple[str, ...], layer_inputs: Callable[[Segment, int], Any],
+                  layer: Callable[[jax.Array, Any, str], tuple[jax.Array, Any]], remat: str = "none",
+                  stack: bool = False) -> tuple[jax.Array, list[tuple[Segment, Any]]]:
+    """x through one stack of layers of ``kinds``: one :func:`jax.lax.scan` per segment of
+    :func:`layer_segments`, whose body unrolls the segment's block, so compile time does not grow with depth.
+
+    ``layer_inputs(seg, j)`` gives the scanned inputs of block position j
+    (leading axis ``seg.repeats``: see :meth:`Segment.at`); ``layer(x, inputs,
+    kind)`` runs one layer and returns (x, output). ``remat`` wraps each
+    block in :func:`jax.checkpoint` with that policy (:data:`REMAT_POLICIES`).
+    Returns x and, per segment, the layers' outputs: a list over block
+    positions of outputs stacked over repeats, or with ``stack`` one tree
+    [repeats, period, ...] (stacked inside the scan: for small per-layer
+    statistics, read back in layer order by a reshape).
+    """
+    done = []
+    for seg in layer_segments(kinds):
+        xs = [layer_inputs(seg, j) for j in range(len(seg.kinds))]
+
+        def block(x: jax.Array, xs: list, kinds: tuple[str, ...] = seg.kinds):
+            outs = []
+            for inputs, kind in zip(xs, kinds):
+                x, out = layer(checkpoint_name(x, LAYER_INPUT), inputs, kind)
+                outs.append(out)
+            return x, jax.tree.map(lambda *a: jnp.stack(a), *outs) if stack else outs
+
+        if remat != "none":
+            block = jax.checkpoint(block, policy=REMAT_POLICIES[remat], prevent_cse=False)
+        x, outs = jax.lax.scan(block, x, xs)
+        done.append((seg, outs))
+    return x, done
+
+
+def stack_slice(tree: Any, first: int, n: int) -> Any:
+    """Layers ``first`` to ``first + n`` of every array of ``tree`` stacked over a stack's layers (the whole tree,
+    untouched, when that is the whole stack: a run of :attr:`ModelConfig.layer_runs` usually is)."""
+    return jax.tree.map(lambda a: a if first == 0 and a.shape[0] == n else a[first:first + n], tree)
