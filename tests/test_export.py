@@ -7,7 +7,8 @@ import torch
 from safetensors import safe_open
 
 from convert.hf_config import model_config_from_hf
-from tests.helpers import hf_tensors, kill_midway, make_llama
+from tests.hf_models import hf_tensors, make_llama
+from tests.processes import kill_midway
 from zoo.cli import main
 
 # Config fields that change what the model computes (and how it is identified).

@@ -15,7 +15,7 @@ from safetensors.numpy import load_file, save_file
 
 import zoo
 import zoo.checkpoints.format
-from tests.helpers import make_hf
+from tests.hf_models import make_hf
 from zoo.cli import main
 
 
