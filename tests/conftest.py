@@ -94,9 +94,9 @@ def smollm2_tokenizer(tmp_path_factory):
 def tiny_lm(tmp_path_factory, smollm2_tokenizer):
     """The training tests' model, built once per session: a 512-id byte-level BPE tokenizer with SmolLM2's special
     tokens and chat template at ``tok`` and a tiny random Llama of its vocabulary at ``hf`` and converted at
-    ``zoo`` (tests/helpers.py: tiny_lm_zoo). Shared: copy it into a module's own folder
-    (tests.helpers.copy_tiny_lm) rather than write beside it."""
-    from tests.helpers import tiny_lm_zoo
+    ``zoo`` (tests/tiny_lm.py: tiny_lm_zoo). Shared: copy it into a module's own folder
+    (tests.tiny_lm.copy_tiny_lm) rather than write beside it."""
+    from tests.tiny_lm import tiny_lm_zoo
 
     return built_once(tmp_path_factory, "tiny_lm", lambda f: tiny_lm_zoo(f, like=smollm2_tokenizer))
 
@@ -112,7 +112,10 @@ def dpo_models(tmp_path_factory, tiny_lm):
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tests.helpers import TINY_LM, dpo_pairs, make_llama, write_jsonl
+    from tests.hf_models import make_llama
+    from tests.preference_data import dpo_pairs
+    from tests.run_files import write_jsonl
+    from tests.tiny_lm import TINY_LM
     from zoo.cli import main
 
     def build(folder):
@@ -158,14 +161,14 @@ def smollm2(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_family(tmp_path_factory):
-    """family -> (transformers' model, folder): tests/helpers.py FAMILIES' tiny random model of ``family`` at its
+    """family -> (transformers' model, folder): tests/hf_models.py FAMILIES' tiny random model of ``family`` at its
     defaults, saved at ``<folder>/hf`` and `zoo convert`ed at ``<folder>/zoo`` once per run (the workers share
     the folders: the conversion is the cost; each worker rebuilds the same seeded model in memory, which is
     cheap). The folder is shared read-only: a module that writes beside it takes a folder of its own
-    (:func:`tests.helpers.beside`)."""
+    (:func:`tests.hf_models.beside`)."""
     import tempfile
 
-    from tests.helpers import make_hf
+    from tests.hf_models import make_hf
     from zoo.cli import main
 
     made = {}

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.helpers import saved_residuals
+from tests.program_checks import saved_residuals
 from zoo.kernels.blockwise import blockwise_attention, key_ranges
 from zoo.layers.blocks import ACTIVATIONS, dense, glu_down, normed_dense, rms_norm
 from zoo.model.config import ModelConfig

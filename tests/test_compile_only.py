@@ -161,7 +161,7 @@ def test_commands_on_a_cpu_machine_with_libtpu_stay_quiet(tmp_path):
     import subprocess
     import sys
 
-    from tests.helpers import REPO
+    from tests.processes import REPO
 
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
@@ -270,7 +270,7 @@ def test_context_parallelism_compiles_with_the_keys_gathered_over_the_context_ch
     """Slow (a 15 s TPU compile): mesh.context 2 x fsdp 2 on v5e:2x2. The compiled step's attention all-gathers
     each layer's keys/values over the context pairs of chips (a chip's [4 rows, 2 heads, 32 tokens, 16] to the
     row's 64 tokens: its sequence is split), and the report's mesh shows the context axis."""
-    from tests.helpers import keep_compiled_text
+    from tests.program_checks import keep_compiled_text
 
     texts = keep_compiled_text(monkeypatch)
     f = _config(tmp_path, TINY, "mesh:\n  fsdp: 2\n  context: 2\n")

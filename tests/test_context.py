@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pretrain.config import load_config
-from tests.helpers import devices_env
+from tests.processes import devices_env
 from zoo.errors import UserError
 
 # One subprocess, 8 simulated CPU devices: a tiny Llama (packed rows, padding) and a tiny Gemma-2-like model

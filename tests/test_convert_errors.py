@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import kill_midway, make_llama
+from tests.hf_models import make_llama
+from tests.processes import kill_midway
 from zoo.cli import main
 
 

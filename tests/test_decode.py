@@ -11,7 +11,8 @@ import torch
 
 import zoo
 from eval.generate import GenerationConfig, generate
-from tests.helpers import FAMILIES, devices_env, make_hf, random_tokens
+from tests.hf_models import FAMILIES, make_hf, random_tokens
+from tests.processes import devices_env
 from zoo.cli import main
 from zoo.model.decode import forward_cached_jit, init_cache
 from zoo.model.decoder import forward
@@ -187,7 +188,7 @@ def test_cli_generate_on_adapter_checkpoint(smollm2, tmp_path, capsys):
     import shutil
 
     from eval.generate import chat_ids
-    from tests.helpers import write_adapter_checkpoint
+    from tests.lora_fixtures import write_adapter_checkpoint
     from zoo.lora.adapters import LoraConfig
 
     out, _, tok = smollm2

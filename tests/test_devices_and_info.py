@@ -7,7 +7,8 @@ import sys
 import numpy as np
 import pytest
 
-from tests.helpers import devices_env, hf_logits, make_llama, mean_kl, random_tokens
+from tests.hf_models import hf_logits, make_llama, mean_kl, random_tokens
+from tests.processes import devices_env
 from zoo.cli import main
 
 SCRIPT = r"""

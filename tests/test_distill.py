@@ -166,7 +166,8 @@ def test_teacher_with_another_tokenizer_is_one_line() -> None:
 def _deeper_wider_teacher(tok, folder) -> None:
     """A teacher of 3 layers and hidden size 48 (not the student's shapes) with the student's tokenizer, at
     ``folder/hf_teacher`` and converted at ``folder/teacher``."""
-    from tests.helpers import TINY_LM, make_llama
+    from tests.hf_models import make_llama
+    from tests.tiny_lm import TINY_LM
     from zoo.cli import main
 
     make_llama(folder / "hf_teacher", seed=3, vocab_size=len(tok), **{**TINY_LM, "hidden_size": 48, "num_hidden_layers": 3})
@@ -176,7 +177,7 @@ def _deeper_wider_teacher(tok, folder) -> None:
 
 def _distill_cfg(root, tmp_path, data: str, seq_len: int, *overrides: str) -> SFTConfig:
     """`sft train` of dpo_models' policy on ``tmp_path/data`` with distill.teacher (lmbda 0), one SGD step."""
-    from tests.helpers import SGD_STEP_ONE
+    from tests.trl_oracles import SGD_STEP_ONE
 
     return load_config(None, [f"model.path={root / 'policy'}", f"model.tokenizer={root / 'tok'}",
                               f"data.path={tmp_path / data}", f"data.seq_len={seq_len}", "batch_size=2",
@@ -192,7 +193,8 @@ def test_sft_train_with_a_deeper_wider_teacher(dpo_models, tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 
     from pretrain.loop import train
-    from tests.helpers import hf_logits, read_metrics, write_jsonl
+    from tests.hf_models import hf_logits
+    from tests.run_files import read_metrics, write_jsonl
 
     root, tok, _ = dpo_models
     _deeper_wider_teacher(tok, tmp_path)
@@ -235,14 +237,8 @@ def test_gkd_step_one_equals_trl_trainer(dpo_models, tmp_path, mode: str) -> Non
     from trl.experimental.utils import DataCollatorForChatML
 
     from pretrain.loop import train
-    from tests.helpers import (
-        assert_same_change,
-        assert_same_metrics,
-        exported_change,
-        read_metrics,
-        trl_step_one,
-        write_jsonl,
-    )
+    from tests.run_files import read_metrics, write_jsonl
+    from tests.trl_oracles import assert_same_change, assert_same_metrics, exported_change, trl_step_one
 
     root, tok, _ = dpo_models
     _deeper_wider_teacher(tok, tmp_path)

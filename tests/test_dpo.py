@@ -16,20 +16,11 @@ import zoo
 from dpo.cli import main as dpo_main
 from dpo.task import DPOTask
 from pretrain.loop import train
-from tests.helpers import (
-    DPO_LORA,
-    TINY_LM,
-    UNEVEN_PAIRS,
-    devices_env,
-    dpo_cfg,
-    dpo_pairs,
-    hf_logits,
-    hf_logps,
-    kill_after_checkpoint,
-    log_softmax,
-    read_metrics,
-    write_jsonl,
-)
+from tests.hf_models import hf_logits, hf_logps, log_softmax
+from tests.preference_data import DPO_LORA, UNEVEN_PAIRS, dpo_cfg, dpo_pairs
+from tests.processes import devices_env, kill_after_checkpoint
+from tests.run_files import read_metrics, write_jsonl
+from tests.tiny_lm import TINY_LM
 from zoo.cli import main as zoo_main
 
 SMALL = TINY_LM  # the policy is the session's tiny Llama (seed 0, 512-id vocabulary)

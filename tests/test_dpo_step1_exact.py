@@ -9,7 +9,8 @@ import pytest
 
 from dpo.task import DPOTask
 from pretrain.loop import train
-from tests.helpers import DPO_LORA, dpo_cfg, read_metrics
+from tests.preference_data import DPO_LORA, dpo_cfg
+from tests.run_files import read_metrics
 
 MODES = {
     "lora_base": DPO_LORA,  # dpo.reference: base, the adapters off (B = 0: the policy is the base)

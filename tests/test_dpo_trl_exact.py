@@ -25,7 +25,9 @@ from prefs.pairs import CHOSEN, PROMPT, REJECTED
 from pretrain.config import load_config
 from pretrain.jit_step import make_step
 from pretrain.loop import train
-from tests.helpers import UNEVEN_PAIRS, LookupRows, dpo_cfg, hf_logps, lookup_batch_logps, read_metrics, write_jsonl
+from tests.hf_models import hf_logps
+from tests.preference_data import UNEVEN_PAIRS, LookupRows, dpo_cfg, lookup_batch_logps
+from tests.run_files import read_metrics, write_jsonl
 
 BETA, EPS, GAMMA, SFT = 0.1, 0.1, 0.5, 0.7
 PROMPT_LEN, SEQ = 2, 16
@@ -307,7 +309,7 @@ def test_ipo_with_sft_weight_step_one_equals_trl_from_transformers(dpo_models, t
     want = {"loss": ipo.mean() + SFT * nll, "rewards/chosen": rc.mean(), "rewards/rejected": rr.mean(),
             "rewards/accuracies": float(np.mean(rc > rr)), "rewards/margins": (rc - rr).mean(),
             "logps/chosen": pc.mean(), "logps/rejected": pr.mean()}
-    # rewards are beta x (policy sum - reference sum): within 1e-5 of those sums' size (tests.helpers)
+    # rewards are beta x (policy sum - reference sum): within 1e-5 of those sums' size (assert_same_metrics)
     scale = BETA * max(abs(pc).max(), abs(pr).max(), abs(qc).max(), abs(qr).max())
     for k, v in want.items():
         atol = 1e-5 * scale if k.startswith("rewards/") and k != "rewards/accuracies" else 1e-7
@@ -328,7 +330,7 @@ def test_sigmoid_step_one_equals_trl_dpo_trainer(dpo_models, tmp_path):
     from trl import DPOConfig as TRLDPOConfig
     from trl import DPOTrainer
 
-    from tests.helpers import (
+    from tests.trl_oracles import (
         SGD_STEP_ONE,
         assert_same_change,
         assert_same_metrics,
@@ -367,7 +369,7 @@ def test_orpo_and_cpo_step_one_equal_trl_trainers(dpo_models, tmp_path, loss_typ
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
 
-    from tests.helpers import SGD_STEP_ONE, assert_same_change, assert_same_metrics, exported_change, trl_step_one
+    from tests.trl_oracles import SGD_STEP_ONE, assert_same_change, assert_same_metrics, exported_change, trl_step_one
 
     if loss_type == "orpo":
         from trl.experimental.orpo import ORPOConfig as Config

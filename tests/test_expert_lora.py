@@ -16,16 +16,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers import (
+from tests.lora_fixtures import (
     LORA_CONFIGS,
     LORA_TOKENS,
-    devices_env,
-    hf_logits,
     lora_base_params,
+    peft_logits_against_ours,
     random_lora,
-    random_tokens,
     write_adapter_checkpoint,
 )
+from tests.processes import devices_env
+from tests.program_checks import ragged_dots
 from zoo.errors import UserError
 from zoo.lora.adapters import LoraConfig, lora_scale, lora_specs, target_modules
 from zoo.model import quant
@@ -147,19 +147,7 @@ def test_expert_adapter_gradients_equal_a_dense_loop(base):
     from zoo.kernels.choice import target
 
     with target("tpu", 1):
-        assert _ragged_dots(jax.make_jaxpr(ours)(lora).jaxpr) == 9
-
-
-def _ragged_dots(jaxpr) -> int:
-    """ragged_dot equations in a jaxpr and the jaxprs nested in it (custom VJPs, pjit calls)."""
-    n = 0
-    for eqn in jaxpr.eqns:
-        n += eqn.primitive.name.startswith("ragged_dot")
-        for v in eqn.params.values():
-            inner = getattr(v, "jaxpr", v)
-            if hasattr(inner, "eqns"):
-                n += _ragged_dots(inner)
-    return n
+        assert ragged_dots(jax.make_jaxpr(ours)(lora).jaxpr) == 9
 
 
 def test_training_steps_move_only_the_expert_adapters():
@@ -273,7 +261,7 @@ def test_expert_adapters_shard_over_the_expert_axis_and_run_expert_parallel():
     adapters on every weight, experts included: test_moe.py's test_expert_parallel_training_equals_one_device.)"""
     from transformers import Gemma4TextConfig
 
-    from tests.helpers import BASE, FAMILIES
+    from tests.hf_models import BASE, FAMILIES
     from zoo.model.from_hf import model_config_from_hf
 
     gemma4 = model_config_from_hf(Gemma4TextConfig(**{
@@ -341,27 +329,6 @@ def bases(tiny_family):
     return Lazy()
 
 
-def _peft_logits_against_ours(hf: Path, adapter: Path, peft_dir: Path) -> tuple[float, float]:
-    """(max |peft - ours|, max |base - ours|): peft's logits with the exported adapter (which must load every key,
-    none left over) against our forward of the adapter checkpoint."""
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    import zoo
-
-    tokens = random_tokens(96, batch=2, seq=24)
-    hf_model = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32, attn_implementation="eager").eval()
-    base = hf_logits(hf_model, tokens)
-    model = PeftModel.from_pretrained(hf_model, str(peft_dir)).eval()
-    result = model.load_adapter(str(peft_dir), adapter_name="again")
-    assert result.missing_keys == [] and result.unexpected_keys == []
-    model.delete_adapter("again")
-    got = hf_logits(model, tokens)
-    ours = np.asarray(zoo.load(adapter)(jnp.asarray(tokens)))
-    return float(np.abs(got - ours).max()), float(np.abs(base - ours).max())
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("family,lc", [
     ("mixtral", LoraConfig(rank=4, alpha=8.0, targets=["q_proj", "o_proj", *EXPERTS])),
@@ -400,7 +367,7 @@ def test_peft_loads_expert_adapters_with_equal_logits(bases, tmp_path, family, l
         assert saved[fused].shape == (4 * experts, 64)
     card = (tmp_path / "peft" / "README.md").read_text()
     assert "mlp.experts.gate_up_proj, mlp.experts.down_proj" in card  # the card names what the adapter adapts
-    diff, teeth = _peft_logits_against_ours(hf, adapter, tmp_path / "peft")
+    diff, teeth = peft_logits_against_ours(hf, adapter, tmp_path / "peft")
     assert teeth > 0.1 and diff <= TOL, (diff, teeth)
 
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.helpers import hf_tensors, kill_midway, make_llama
+from tests.hf_models import hf_tensors, make_llama
+from tests.processes import kill_midway
 from zoo.cli import main
 from zoo.model.from_hf import model_config_from_hf
 

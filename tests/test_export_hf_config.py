@@ -13,7 +13,7 @@ import gguf
 import numpy as np
 import pytest
 
-from tests.helpers import BASE, FAMILIES, OWN_TOKEN_IDS, make_hf
+from tests.hf_models import BASE, FAMILIES, OWN_TOKEN_IDS, make_hf
 from zoo.cli import main
 from zoo.registry.catalogue import bundled_gguf as smollm2_gguf
 
@@ -192,7 +192,7 @@ def test_smollm2_gguf_config_is_complete():
 
 def _tiny_llama_gguf(path: Path) -> Path:
     """A complete tiny llama GGUF (every tensor convert needs; sentencepiece vocabulary)."""
-    from tests.helpers import spm_vocab
+    from tests.tokenizer_checks import spm_vocab
 
     tokens, scores, types = spm_vocab()
     hidden, inter, heads, kv, hd, layers = 32, 48, 4, 2, 8, 2

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import zoo
-from tests.helpers import FAMILIES, hf_logits, hf_tensors, make_hf, mean_kl, random_tokens
+from tests.hf_models import FAMILIES, hf_logits, hf_tensors, make_hf, mean_kl, random_tokens
 from zoo.cli import main
 
 DENSE = ["mistral", "gemma", "gemma2", "gemma3", "qwen2", "qwen3"]
@@ -96,7 +96,7 @@ def test_gemma3_multimodal_converts_language_model(tmp_path, capsys):
     model = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision.to_dict(),
                                                         mm_tokens_per_image=4, image_token_index=95)).eval()
     model.config._attn_implementation = "eager"
-    from tests.helpers import randomize
+    from tests.hf_models import randomize
 
     randomize(model)
     model.save_pretrained(tmp_path / "hf")

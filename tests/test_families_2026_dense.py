@@ -2,7 +2,7 @@
 (fused qkv_proj/gate_up_proj, partial rotary, LongRoPE) against transformers, round trips, and the released configs.
 
 Greedy KV-cache decoding of the tiny models against transformers' generate runs in test_decode (its families are
-tests.helpers.FAMILIES); here, the one case it does not reach: LongRoPE switching factors mid-generation."""
+tests.hf_models.FAMILIES); here, the one case it does not reach: LongRoPE switching factors mid-generation."""
 
 import dataclasses
 import json
@@ -15,7 +15,7 @@ import torch
 import zoo
 from convert.export import planned_files
 from eval.generate import GenerationConfig, generate
-from tests.helpers import FAMILIES, beside, hf_logits, hf_tensors, make_hf, mean_kl, random_tokens
+from tests.hf_models import FAMILIES, beside, hf_logits, hf_tensors, make_hf, mean_kl, random_tokens
 from zoo.cli import main
 from zoo.model.decoder import forward
 
@@ -143,7 +143,7 @@ def test_peft_export_of_fused_projections_loads_in_peft_with_our_logits(converte
 
     from convert.peft import adapter_meta_of
     from convert.peft_plan import plan_adapter
-    from tests.helpers import write_adapter_checkpoint
+    from tests.lora_fixtures import write_adapter_checkpoint
     from zoo.errors import UserError
     from zoo.lora.adapters import LoraConfig
 

@@ -2,7 +2,7 @@
 greedy KV-cache decoding (the tiny models' own: tests/test_decode.py over FAMILIES), the export round trip, a
 generated config; the released configs' parameter counts; GGUF qwen3moe.
 
-The tiny Qwen3-MoE (tests/helpers.py FAMILIES) has a dense layer between two MoE layers (``mlp_only_layers``), so
+The tiny Qwen3-MoE (tests/hf_models.py FAMILIES) has a dense layer between two MoE layers (``mlp_only_layers``), so
 its MoE stack is scanned in two runs; the tiny GLM-4.5 has a dense first layer, sigmoid group-limited routing
 with a selection bias, a shared expert, q/k/v biases, q/k norms and RoPE on half of each head.
 """
@@ -20,7 +20,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 import zoo
 from eval.generate import GenerationConfig, generate
-from tests.helpers import FAMILIES, hf_logits, hf_tensors, make_hf, mean_kl, random_tokens
+from tests.hf_models import FAMILIES, hf_logits, hf_tensors, make_hf, mean_kl, random_tokens
 from zoo.checkpoints.format import read_meta
 from zoo.checkpoints.readers import load_param_numpy
 from zoo.cli import main

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from convert.fp8 import BlockScaling, dequantize
-from tests.helpers import make_hf, mean_kl, random_tokens
+from tests.hf_models import make_hf, mean_kl, random_tokens
 from zoo.cli import main
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -314,7 +314,7 @@ def test_keep_mtp_without_an_mtp_layer_is_a_user_error(llama_fp8, tmp_path, caps
 @pytest.mark.slow
 def test_zoo_convert_deepseek_r1_by_name(deepseek_fp8, tmp_path):
     """The registry name resolves to the Hub repository, found in the local cache (here: the tiny FP8 model)."""
-    from tests.helpers import lay_out_hf_cache, zoo_offline
+    from tests.hub_runs import lay_out_hf_cache, zoo_offline
 
     root, _ = deepseek_fp8
     lay_out_hf_cache(tmp_path / "cache", "deepseek-ai/DeepSeek-R1", root / "fp8")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import zoo
-from tests.helpers import BASE, FAMILIES, hf_logits, hf_tensors, make_hf, mean_kl, random_tokens
+from tests.hf_models import BASE, FAMILIES, hf_logits, hf_tensors, make_hf, mean_kl, random_tokens
 from zoo.cli import main
 
 SEQ = 40  # past the sliding window (7): the KV-shared sliding layers reuse a windowed layer's keys
@@ -86,7 +86,7 @@ def test_round_trip_and_generated_config(converted, variant, tmp_path):
 
 def _peft_export(converted, variant, tmp_path):
     """(transformers' folder, an adapter checkpoint on every target, its `zoo export --adapter` folder)."""
-    from tests.helpers import write_adapter_checkpoint
+    from tests.lora_fixtures import write_adapter_checkpoint
     from zoo.lora.adapters import LoraConfig
 
     root, _ = converted(variant)
@@ -125,9 +125,9 @@ def test_peft_loads_adapters_with_our_logits(converted, tmp_path, variant):
     (every target: both kinds' attention, the dense MLP, the MoE variant's experts as target_parameters) key for
     key onto transformers' Gemma 4 and gives our forward's logits of the adapter checkpoint (1e-4); the dense
     variant's full layers take values from the keys, its KV-shared layers' MLP is doubled."""
-    from tests.test_expert_lora import _peft_logits_against_ours
+    from tests.lora_fixtures import peft_logits_against_ours
 
-    diff, teeth = _peft_logits_against_ours(*_peft_export(converted, variant, tmp_path))
+    diff, teeth = peft_logits_against_ours(*_peft_export(converted, variant, tmp_path))
     assert teeth > 0.1 and diff <= 1e-4, (diff, teeth)
 
 
@@ -135,7 +135,7 @@ def test_multimodal_checkpoint_converts_language_model(tmp_path, capsys):
     """The released checkpoints are Gemma4ForConditionalGeneration: the text model under model.language_model."""
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
-    from tests.helpers import randomize
+    from tests.hf_models import randomize
 
     torch.manual_seed(0)
     text = {**BASE, **FAMILIES["gemma4"][2]}
@@ -262,8 +262,8 @@ def test_expert_adapters_equal_a_dense_loop(base):
     of 24 per expert: none dropped) there. Every adapter has a gradient."""
     import dataclasses
 
-    from tests.helpers import lora_base_params, random_lora
-    from tests.test_expert_lora import _ragged_dots
+    from tests.lora_fixtures import lora_base_params, random_lora
+    from tests.program_checks import ragged_dots
     from zoo.kernels.choice import target
     from zoo.layers.moe import parallel_moe_block
     from zoo.lora.adapters import LoraConfig
@@ -303,7 +303,7 @@ def test_expert_adapters_equal_a_dense_loop(base):
         assert float(jnp.abs(g).max()) > 1e-3, path  # each adapter matters: the comparison has teeth
     if base == "float":  # dropless
         with target("tpu", 1):
-            assert _ragged_dots(jax.make_jaxpr(ours)(lora).jaxpr) == 6
+            assert ragged_dots(jax.make_jaxpr(ours)(lora).jaxpr) == 6
 
 
 def _first(tree: dict) -> dict:
@@ -316,7 +316,8 @@ def test_qlora_quantizes_full_layers_and_experts():
     a sliding and a full layer) stores every projection quantized: both kinds' attention (the full layers'
     global_* stacks), the dense MLP, the experts' fused gate/up stack and down; the loss and the gradients of
     adapters on all of them equal those on the dequantized base."""
-    from tests.helpers import lora_base_params, lora_lm_loss, quantized_projections, random_lora
+    from tests.lora_fixtures import lora_base_params, lora_lm_loss, random_lora
+    from tests.quant_fixtures import quantized_projections
     from zoo.lora.adapters import LoraConfig
     from zoo.model import quant
     from zoo.model.params import flatten, nest

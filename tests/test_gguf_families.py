@@ -34,17 +34,9 @@ import zoo
 from convert.gguf_meta import hf_config
 from convert.readers import GGUFFile
 from convert.source import open_source
-from tests.helpers import (
-    CONVERSATION,
-    MIXED,
-    REPO,
-    TEST_ONLY,
-    assert_same_tokenizer,
-    hf_logits,
-    make_hf,
-    random_tokens,
-    spm_pieces,
-)
+from tests.hf_models import hf_logits, make_hf, random_tokens
+from tests.processes import REPO, TEST_ONLY
+from tests.tokenizer_checks import CONVERSATION, MIXED, assert_same_tokenizer, spm_pieces
 from zoo.checkpoints.format import TOKENIZER_DIR, read_meta
 from zoo.checkpoints.readers import load_param_numpy
 from zoo.cli import main

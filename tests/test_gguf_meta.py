@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoConfig, AutoTokenizer
 
 from convert.source import open_source
-from tests.helpers import CONVERSATION, MIXED, assert_same_tokenizer, spm_vocab
+from tests.tokenizer_checks import CONVERSATION, MIXED, assert_same_tokenizer, spm_vocab
 from zoo.cli import main
 from zoo.registry.catalogue import bundled_gguf as smollm2_gguf
 

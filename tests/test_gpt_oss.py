@@ -2,7 +2,7 @@
 clamped SwiGLU, YaRN without truncation) against transformers, and its MXFP4 releases dequantized while converting.
 
 Greedy KV-cache decoding against transformers' generate, and the cached forward against the full one, run for
-gpt-oss through tests/helpers.py FAMILIES in tests/test_decode.py (slow lane), as for every family.
+gpt-oss through tests/hf_models.py FAMILIES in tests/test_decode.py (slow lane), as for every family.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 import zoo
-from tests.helpers import FAMILIES, beside, hf_logits, hf_tensors, mean_kl, random_tokens
+from tests.hf_models import FAMILIES, beside, hf_logits, hf_tensors, mean_kl, random_tokens
 from zoo.cli import main
 
 SEQ = 24  # past the sliding window (7) of the tiny model
@@ -34,7 +34,7 @@ EXPERTS = ("gate_up_proj", "down_proj")  # what gpt-oss's releases store in MXFP
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, tiny_family):
-    """(transformers model, folder with hf/ and zoo/ and room for outputs): the tiny gpt-oss of tests/helpers.py
+    """(transformers model, folder with hf/ and zoo/ and room for outputs): the tiny gpt-oss of tests/hf_models.py
     (conftest.py's tiny_family)."""
     hf, shared = tiny_family("gpt_oss")
     return hf, beside(shared, tmp_path_factory.mktemp("gpt-oss"))
@@ -499,7 +499,7 @@ def test_sharded_and_capacity_paths_keep_the_sinks_and_biases():
     gradient (1e-5), (a) the capacity path with room for every assignment and (b) expert parallelism (expert 4 x
     fsdp 2) keep the experts' biases and clamped SwiGLU; (c) the sequence split over mesh.context 4 (x fsdp 2),
     each device's queries attending the gathered keys, keeps the sinks."""
-    from tests.helpers import devices_env
+    from tests.processes import devices_env
 
     p = subprocess.run([sys.executable, "-c", SHARDED_PATHS_SCRIPT], capture_output=True, text=True,
                        env=devices_env(8), timeout=900)

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers import devices_env, kill_after_checkpoint, make_llama
+from tests.hf_models import make_llama
+from tests.processes import devices_env, kill_after_checkpoint
 
 WORDS = "red blue green gold pink gray teal plum rust sand mint navy lime ruby jade onyx".split()
 LOW = set(WORDS[:8])  # the synthetic task's reward: the share of completion words from the first half
@@ -546,7 +547,7 @@ def test_rloo_step_one_equals_trl_rloo_trainer(setup, tmp_path, monkeypatch):
     import eval.rollout
     from grpo.task import GRPOTask
     from pretrain.loop import train
-    from tests.helpers import SGD_STEP_ONE, assert_same_change, assert_same_metrics, exported_change, trl_step_one
+    from tests.trl_oracles import SGD_STEP_ONE, assert_same_change, assert_same_metrics, exported_change, trl_step_one
 
     g, vocab, eos = 4, 18, 1
 
@@ -613,7 +614,7 @@ def test_held_out_rewards_are_logged_and_leave_training_unchanged(setup, tmp_pat
     from eval.generate import greedy_batch
     from grpo.task import GRPOTask
     from pretrain.loop import train
-    from tests.helpers import write_jsonl
+    from tests.run_files import write_jsonl
 
     held = [{"prompt": " ".join(WORDS[i:i + 3])} for i in range(0, 15, 3)]  # 5 prompts: a padded last batch
     write_jsonl(tmp_path / "held.jsonl", held)

@@ -406,7 +406,7 @@ def test_grpo_train_with_tools_masks_the_answers_and_logs_whole_episodes(eager, 
     only (completions/mean_length counts the 3 model tokens per episode, as TRL counts them)."""
     from grpo.task import GRPOTask
     from pretrain.loop import train
-    from tests.helpers import read_metrics, write_jsonl
+    from tests.run_files import read_metrics, write_jsonl
 
     root, tok_dir = eager
     write_jsonl(tmp_path / "p.jsonl", [{"prompt": [{"role": "user", "content": "2 + 3?"}]},
@@ -434,7 +434,7 @@ def test_grpo_train_with_an_environment_resets_scores_and_counts(eager, tmp_path
     message), its bump method the model's tool, its get_reward a reward source named Counter."""
     from grpo.task import GRPOTask
     from pretrain.loop import train
-    from tests.helpers import read_metrics, write_jsonl
+    from tests.run_files import read_metrics, write_jsonl
 
     root, tok_dir = eager
     write_jsonl(tmp_path / "p.jsonl", [{"prompt": [{"role": "user", "content": "count"}], "start": 10},
@@ -497,7 +497,8 @@ def test_kill_and_resume_with_tools_is_bit_identical(tiny_lm, tmp_path):
 
     import zoo
     from grpo.cli import main
-    from tests.helpers import kill_after_checkpoint, read_metrics, write_jsonl
+    from tests.processes import kill_after_checkpoint
+    from tests.run_files import read_metrics, write_jsonl
 
     root = _ending_model(tiny_lm, tmp_path / "model", 1.0)
     write_jsonl(tmp_path / "p.jsonl", [{"prompt": [{"role": "user", "content": w}]} for w in ("a", "b", "c")])

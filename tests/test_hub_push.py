@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests.fake_hub import FakeHub
-from tests.helpers import TOKEN, assert_token_not_leaked, zoo_export
+from tests.hub_runs import TOKEN, assert_token_not_leaked, zoo_export
 
 COMMIT_MESSAGE = "Upload model exported with lmzoo"
 CORE_FILES = {"config.json", "model.safetensors", "generation_config.json", "README.md"}
@@ -24,7 +24,7 @@ CORE_FILES = {"config.json", "model.safetensors", "generation_config.json", "REA
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> tuple[Path, Path]:
     """(tiny HF folder, its zoo checkpoint), made once for the module."""
-    from tests.helpers import make_llama
+    from tests.hf_models import make_llama
     from zoo.cli import main
 
     root = tmp_path_factory.mktemp("hub_push")

@@ -19,7 +19,7 @@ from prefs.pairs import CHOSEN, PROMPT, REJECTED
 from pretrain.config import load_config
 from pretrain.jit_step import make_step
 from pretrain.task import task_for
-from tests.helpers import LookupRows, lookup_batch_logps
+from tests.preference_data import LookupRows, lookup_batch_logps
 from zoo.errors import UserError
 
 BETA, WD, WU = 0.1, 1.3, 0.7
@@ -143,7 +143,8 @@ def test_paired_rows_unpack_and_completions_rotate_as_trl_builds_them(dpo_models
     from datasets import Dataset
     from trl.data_utils import unpair_preference_dataset
 
-    from tests.helpers import UNEVEN_PAIRS, dpo_cfg, write_jsonl
+    from tests.preference_data import UNEVEN_PAIRS, dpo_cfg
+    from tests.run_files import write_jsonl
 
     root, tok, _ = dpo_models
     pairs = UNEVEN_PAIRS[:3]
@@ -176,7 +177,8 @@ def test_paired_rows_unpack_and_completions_rotate_as_trl_builds_them(dpo_models
     ([{"prompt": "a", "answer": " b"}], "KTO rows need 'prompt', 'completion' and 'label' fields"),
 ])
 def test_bad_kto_rows_are_one_line(dpo_models, tmp_path, rows, message):
-    from tests.helpers import dpo_cfg, write_jsonl
+    from tests.preference_data import dpo_cfg
+    from tests.run_files import write_jsonl
 
     root, tok, _ = dpo_models
     write_jsonl(tmp_path / "bad.jsonl", rows)
@@ -207,16 +209,15 @@ def test_kto_step_one_equals_trl_kto_trainer(dpo_models, tmp_path):
     from trl import KTOConfig, KTOTrainer
 
     from pretrain.loop import train
-    from tests.helpers import (
+    from tests.preference_data import dpo_cfg
+    from tests.run_files import read_metrics, write_jsonl
+    from tests.trl_oracles import (
         SGD_STEP_ONE,
         assert_same_change,
         assert_same_metrics,
-        dpo_cfg,
         exported_change,
-        read_metrics,
         reward_operands,
         trl_step_one,
-        write_jsonl,
     )
 
     root, tok, _ = dpo_models
@@ -249,7 +250,8 @@ def test_kto_references_base_and_precomputed(dpo_models, tmp_path):
     and the KL are exactly 0 and the loss is the weighted 1 - sigmoid(0) = 0.5 mean. Precomputed scores of the
     reference checkpoint give the live checkpoint's step-1 metrics."""
     from pretrain.loop import train
-    from tests.helpers import DPO_LORA, dpo_cfg, read_metrics, write_jsonl
+    from tests.preference_data import DPO_LORA, dpo_cfg
+    from tests.run_files import read_metrics, write_jsonl
 
     root, _, _ = dpo_models
     write_jsonl(tmp_path / "kto.jsonl", KTO_ROWS)

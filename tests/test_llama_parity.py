@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import zoo
-from tests.helpers import hf_logits, make_llama, mean_kl, random_tokens
+from tests.hf_models import hf_logits, make_llama, mean_kl, random_tokens
 from zoo.cli import main
 
 VARIANTS = {

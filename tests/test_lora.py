@@ -13,7 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers import LORA_CONFIGS, LORA_TOKENS, devices_env, lora_base_params, random_lora, saved_residuals
+from tests.lora_fixtures import LORA_CONFIGS, LORA_TOKENS, lora_base_params, random_lora
+from tests.processes import devices_env
+from tests.program_checks import saved_residuals
 from zoo.errors import UserError
 from zoo.lora.adapters import LoraConfig, lora_scale, lora_specs, merge_lora
 from zoo.model.config import ModelConfig
@@ -198,7 +200,7 @@ def test_bad_targets_are_user_errors():
 MESH_SCRIPT = r"""
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
-from tests.helpers import LORA_CONFIGS, LORA_TOKENS, lora_base_params, random_lora
+from tests.lora_fixtures import LORA_CONFIGS, LORA_TOKENS, lora_base_params, random_lora
 from zoo.lora.adapters import LoraConfig, lora_scale, lora_specs
 from zoo.model.decoder import forward
 from zoo.model.params import flatten, nest, param_specs

@@ -16,7 +16,7 @@ from pretrain.loop import train
 from pretrain.runfolder import config_changes
 from sft.config import SFTConfig
 from sft.task import SFTTask
-from tests.helpers import copy_tiny_lm
+from tests.tiny_lm import copy_tiny_lm
 from zoo.errors import UserError
 
 COLORS = "red blue green yellow black white".split()

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.helpers import count_eqns
+from tests.program_checks import count_eqns
 from zoo.model.config import ModelConfig
 from zoo.model.decoder import Decoder, forward
 from zoo.model.params import param_specs

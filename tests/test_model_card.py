@@ -31,7 +31,9 @@ from pretrain.task import PretrainTask, Task
 from rm.task import RewardTask
 from sft.config import SFTConfig
 from sft.task import SFTTask
-from tests.helpers import copy_tiny_lm, lay_out_hf_cache, write_jsonl
+from tests.hub_runs import lay_out_hf_cache
+from tests.run_files import write_jsonl
+from tests.tiny_lm import copy_tiny_lm
 from zoo.checkpoints.format import read_meta
 from zoo.cli import build_parser, main
 from zoo.errors import UserError
@@ -206,7 +208,7 @@ def test_cards_of_a_run_folder_written_by_hand(in_cache, tmp_path):
     """The fast lane's end-to-end check (no training): an adapter checkpoint in a run folder whose config.yaml,
     metrics.jsonl and data file are written here exports, merged and as a PEFT adapter, with cards that name
     the base repo and license, the method (an ORPO run), its keys, the data's rows and the last metrics."""
-    from tests.helpers import write_adapter_checkpoint
+    from tests.lora_fixtures import write_adapter_checkpoint
     from zoo.lora.adapters import LoraConfig
 
     run = tmp_path / "run"

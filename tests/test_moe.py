@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import zoo
-from tests.helpers import devices_env, hf_logits, hf_tensors, make_hf, mean_kl, random_tokens
+from tests.hf_models import hf_logits, hf_tensors, make_hf, mean_kl, random_tokens
+from tests.processes import devices_env
 from zoo.cli import main
 
 VARIANTS = {
@@ -257,7 +258,7 @@ def test_fp8_weights_are_refused_clearly(tmp_path, capsys):
 def test_moe_stacks_compile_independent_of_depth():
     import dataclasses
 
-    from tests.helpers import count_eqns
+    from tests.program_checks import count_eqns
     from zoo.model.config import ModelConfig
     from zoo.model.decoder import forward
     from zoo.model.params import nest, param_specs

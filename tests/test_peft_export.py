@@ -23,7 +23,9 @@ from convert.peft_card import adapter_card, base_model_ref
 from convert.peft_plan import LORA_LAYOUTS
 from convert.tables import table_for
 from convert.transforms import TRANSFORMS
-from tests.helpers import hf_logits, lay_out_hf_cache, make_hf, random_tokens, write_adapter_checkpoint
+from tests.hf_models import hf_logits, make_hf, random_tokens
+from tests.hub_runs import lay_out_hf_cache
+from tests.lora_fixtures import write_adapter_checkpoint
 from zoo.checkpoints.format import read_meta
 from zoo.checkpoints.provenance import hub_repo_of
 from zoo.cli import main
@@ -84,7 +86,7 @@ def llama(built) -> Setup:
 
 
 def load_hf(folder: Path):
-    """A float32 transformers model from ``folder``, eager attention (what tests/helpers.py models use)."""
+    """A float32 transformers model from ``folder``, eager attention (what tests/hf_models.py models use)."""
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager").eval()
@@ -248,7 +250,7 @@ def test_dry_run_lists_the_adapter_files(llama, tmp_path, capsys):
 
 def test_push_adapter_to_fake_hub_without_torch_or_peft(llama, tmp_path, monkeypatch):
     from tests.fake_hub import FakeHub
-    from tests.helpers import TOKEN, assert_token_not_leaked, zoo_export
+    from tests.hub_runs import TOKEN, assert_token_not_leaked, zoo_export
 
     # Run-time code must not need the test-only packages: the subprocess sees them as not installed.
     blocked = tmp_path / "blocked"

@@ -186,7 +186,7 @@ def test_quantize_lays_out_each_matrix_as_hugging_face_does():
 def test_nf4_double_quant_is_at_most_4_13_bits_per_parameter():
     import jax
 
-    from tests.helpers import tiny_config
+    from tests.quant_fixtures import tiny_config
     from zoo.model.params import flatten, init_params
 
     cfg = tiny_config("llama", hidden_size=256, intermediate_size=512)

@@ -8,7 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers import devices_env, lora_lm_loss, quantized_projections, tiny_config
+from tests.lora_fixtures import lora_lm_loss
+from tests.processes import devices_env
+from tests.quant_fixtures import quantized_projections, tiny_config
 from zoo.lora.adapters import LoraConfig, init_lora
 from zoo.model import quant
 from zoo.model.params import flatten, init_params, nest
@@ -99,7 +101,8 @@ def test_backward_pass_keeps_the_base_quantized(setup):
 MESH_CHILD = """
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
-from tests.helpers import lora_lm_loss, quantized_projections, tiny_config
+from tests.lora_fixtures import lora_lm_loss
+from tests.quant_fixtures import quantized_projections, tiny_config
 from zoo.model import quant
 from zoo.lora.adapters import LoraConfig, init_lora
 from zoo.model.params import flatten, init_params, nest

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers import hf_logits, lay_out_hf_cache, make_llama, mean_kl, random_tokens, zoo_offline
+from tests.hf_models import hf_logits, make_llama, mean_kl, random_tokens
+from tests.hub_runs import lay_out_hf_cache, zoo_offline
 
 
 @pytest.mark.slow

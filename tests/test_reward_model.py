@@ -51,7 +51,7 @@ def test_converted_scores_equal_transformers_and_export_round_trips(reward_model
     from prefs.batch import PairBatch
     from prefs.pairs import normalize_pair, pair_document, tokenize_pair
     from rm.task import pair_scores
-    from tests.helpers import UNEVEN_PAIRS
+    from tests.preference_data import UNEVEN_PAIRS
     from zoo.checkpoints.format import read_config
     from zoo.checkpoints.loading import load_params
     from zoo.cli import main
@@ -90,16 +90,9 @@ def test_reward_step_one_equals_trl_reward_trainer(reward_models, tmp_path):
 
     from pretrain.loop import train
     from rm.task import RewardTask
-    from tests.helpers import (
-        SGD_STEP_ONE,
-        UNEVEN_PAIRS,
-        assert_same_change,
-        assert_same_metrics,
-        exported_change,
-        read_metrics,
-        trl_step_one,
-        write_jsonl,
-    )
+    from tests.preference_data import UNEVEN_PAIRS
+    from tests.run_files import read_metrics, write_jsonl
+    from tests.trl_oracles import SGD_STEP_ONE, assert_same_change, assert_same_metrics, exported_change, trl_step_one
 
     out, _, tok = reward_models
     rows = [{**r, "margin": m} for r, m in zip(UNEVEN_PAIRS, (0.5, 0.0, 1.5, -0.25))]
@@ -127,7 +120,7 @@ def test_reward_step_one_equals_trl_reward_trainer(reward_models, tmp_path):
 ])
 def test_bad_reward_rows_are_one_line(reward_models, tmp_path, rows, message):
     from rm.task import RewardTask
-    from tests.helpers import write_jsonl
+    from tests.run_files import write_jsonl
 
     out, _, tok = reward_models
     write_jsonl(tmp_path / "bad.jsonl", rows)
@@ -158,7 +151,9 @@ def test_lora_reward_model_equals_trl_with_peft_and_exports_as_peft_loads_it(rew
     from grpo.task import GRPOTask
     from pretrain.loop import train
     from rm.task import RewardTask
-    from tests.helpers import SGD_STEP_ONE, UNEVEN_PAIRS, assert_same_metrics, read_metrics, trl_step_one, write_jsonl
+    from tests.preference_data import UNEVEN_PAIRS
+    from tests.run_files import read_metrics, write_jsonl
+    from tests.trl_oracles import SGD_STEP_ONE, assert_same_metrics, trl_step_one
     from zoo.checkpoints.format import read_config
     from zoo.checkpoints.loading import load_params
     from zoo.cli import main
@@ -267,7 +262,7 @@ def test_grpo_step_with_a_reward_model(reward_models, tmp_path):
     from grpo.config import GRPOConfig
     from grpo.task import GRPOTask
     from pretrain.loop import train
-    from tests.helpers import write_jsonl
+    from tests.run_files import write_jsonl
 
     out, root, tok = reward_models
     write_jsonl(tmp_path / "p.jsonl", [{"prompt": "colour red:"}, {"prompt": "the cat"}])

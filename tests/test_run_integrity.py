@@ -19,7 +19,7 @@ from pretrain.config import load_config
 from pretrain.loop import train
 from pretrain.runfolder import checkpoint_steps
 from pretrain.runlog import TIMING_FIELDS
-from tests.helpers import copy_tiny_lm
+from tests.tiny_lm import copy_tiny_lm
 
 WORDS = "the a cat dog sat ran on under mat log red blue big small quickly slowly and then".split()
 COLORS = "red blue green yellow black white".split()

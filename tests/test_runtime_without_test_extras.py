@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO, TEST_ONLY
+from tests.processes import REPO, TEST_ONLY
 from zoo.registry.catalogue import bundled_gguf as smollm2_gguf
 
 

@@ -12,7 +12,8 @@ from pretrain.loop import train
 from sft.cli import main as sft_main
 from sft.config import SFTConfig
 from sft.task import SFTTask
-from tests.helpers import copy_tiny_lm, devices_env
+from tests.processes import devices_env
+from tests.tiny_lm import copy_tiny_lm
 from zoo.cli import main as zoo_main
 
 COLORS = "red blue green yellow black white".split()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import zoo
-from tests.helpers import mean_kl
+from tests.hf_models import mean_kl
 
 TEXT = """The history of the bicycle is a story of many small improvements. Early machines in the
 nineteenth century had no pedals at all: riders pushed themselves along with their feet. Later

@@ -189,7 +189,7 @@ def test_a_tpu_train_step_compiled_here_runs_the_splash_kernel_sharded(tmp_path,
     nothing splits (2 key/value heads over tensor = 4) the kernel still runs in a shard_map, every row and head
     on each chip: Mosaic kernels cannot be partitioned automatically (a traceback before)."""
     from pretrain.cli import main
-    from tests.helpers import keep_compiled_text
+    from tests.program_checks import keep_compiled_text
 
     texts = keep_compiled_text(monkeypatch)
     (tmp_path / "config.json").write_text(json.dumps(TINY))

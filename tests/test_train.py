@@ -8,7 +8,8 @@ import pytest
 import zoo
 from pretrain.config import load_config
 from pretrain.loop import train
-from tests.helpers import copy_tiny_lm, devices_env
+from tests.processes import devices_env
+from tests.tiny_lm import copy_tiny_lm
 from zoo.cli import main as zoo_main
 
 WORDS = "the a cat dog sat ran on under mat log red blue big small quickly slowly and then".split()

@@ -17,7 +17,7 @@ import zoo
 import zoo.checkpoints.format
 import zoo.checkpoints.readers
 import zoo.checkpoints.verify
-from tests.helpers import make_hf
+from tests.hf_models import make_hf
 from zoo.cli import main
 
 

@@ -1,0 +1,56 @@
+"""`zoo` against the Hugging Face Hub: exports pushed to a fake Hub with a token that must not leak, and
+offline runs against a laid-out Hub cache."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+TOKEN = "hf_fake_secret_token_123"
+
+
+def zoo_export(tmp_path: Path, endpoint: str, *args: str) -> subprocess.CompletedProcess:
+    """Run `zoo export ARGS` in a fresh interpreter pointed at ``endpoint``; TMPDIR is tmp_path/'tmp'."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("HF_", "HUGGING_FACE_", "HUGGINGFACE_")) and k != "TRANSFORMERS_OFFLINE"}
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    env.update(
+        HF_ENDPOINT=endpoint, HF_TOKEN=TOKEN, HF_HUB_OFFLINE="0", HF_HUB_DISABLE_XET="1",
+        HF_HUB_DISABLE_TELEMETRY="1", HF_HOME=str(tmp_path / "hf_home"), JAX_PLATFORMS="cpu",
+        TMPDIR=str(tmp_path / "tmp"), NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost",
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "zoo.cli", "export", *args], env=env, cwd=tmp_path,
+        capture_output=True, text=True, timeout=300,
+    )
+
+
+def assert_token_not_leaked(proc: subprocess.CompletedProcess) -> None:
+    """The Hub token appears in neither of the command's outputs."""
+    assert TOKEN not in proc.stdout
+    assert TOKEN not in proc.stderr
+
+
+def lay_out_hf_cache(cache: Path, repo_id: str, files_dir: Path, revision: str = "0" * 40) -> None:
+    """Write the layout huggingface_hub's cache uses: blobs by hash, snapshot symlinks, refs/main."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / revision
+    snap.mkdir(parents=True)
+    for f in files_dir.iterdir():
+        data = f.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        os.symlink(os.path.relpath(blob, snap), snap / f.name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+
+
+def zoo_offline(args, cache: Path):
+    """Run `zoo ARGS` in a fresh interpreter, offline, with ``cache`` as its Hugging Face Hub cache."""
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu"}
+    env.pop("HF_HOME", None)
+    return subprocess.run([sys.executable, "-m", "zoo.cli", *args], capture_output=True, text=True, env=env, timeout=300)
