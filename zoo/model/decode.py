@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
+from zoo.lora.weights import Weights
 from zoo.model.cached_attention import gqa_attention, mla_attention, new_token_masks, slot_positions
 from zoo.model.config import ModelConfig
 from zoo.model.decoder import decoder_layer, embed_tokens, norm, output_logits
@@ -201,10 +202,10 @@ def forward_cached(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, 
     return forward_step(cfg, params, tokens, cache, valid, mla_absorb)
 
 
-def forward_step(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, cache: Cache,
+def forward_step(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax.Array, cache: Cache,
                  valid: jax.Array | None = None, mla_absorb: bool | None = None, *, fresh: bool = False,
-                 view: int | None = None, last: jax.Array | None = None, lora: dict | None = None,
-                 lora_scale: float | jax.Array | None = None, hidden: bool = False) -> tuple[jax.Array, Cache]:
+                 view: int | None = None, last: jax.Array | None = None,
+                 hidden: bool = False) -> tuple[jax.Array, Cache]:
     """:func:`forward_cached` with generation's shortcuts (``fresh`` and ``view`` static), and LoRA adapters.
 
     ``fresh``: the cache is empty (every length 0), so its slots are not read.
@@ -212,15 +213,15 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, ca
     first ``view`` slots of a ring can hold anything and the rest are not read.
     ``last`` [b] int: return only the logits [b, vocab] of position ``last[r]``
     of each row (the output head runs on b positions instead of b * t).
-    ``lora`` (a tree of :func:`zoo.lora.adapters.init_lora`, with ``lora_scale``): each
-    adapted projection adds its adapter beside the base matmul, as the
-    training forward does (no merged copy of the weights exists).
+    ``params``: the base alone, or :class:`zoo.lora.weights.Weights` with LoRA
+    adapters: each adapted projection adds its adapter beside the base matmul,
+    as the training forward does (no merged copy of the weights exists; no dropout).
     ``hidden`` (static): return the final normed hidden states [b, t, hidden]
     instead of the logits, for a caller that projects the vocabulary in pieces.
     """
-    if lora is not None and lora_scale is None:
-        raise ValueError("forward_step: lora adapters need lora_scale (zoo.lora.adapters.lora_scale(lora_cfg))")
-    scale: float | jax.Array = 1.0 if lora_scale is None else lora_scale  # read only with adapters
+    w = Weights.wrap(params)
+    params, lora = w.base, w.adapters
+    scale: float | jax.Array = 1.0 if w.scale is None else w.scale  # read only with adapters
     if cfg.capacity_factor is not None:
         cfg = dataclasses.replace(cfg, capacity_factor=None)
     b, t = tokens.shape

@@ -25,6 +25,7 @@ from zoo.layers.blocks import ACTIVATIONS, dense, rms_norm, soft_cap
 from zoo.layers.mlp import mlp
 from zoo.layers.moe import aux_losses, moe_mlp, parallel_moe_block
 from zoo.lora.projections import LoraDropout
+from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 from zoo.model.layer_layout import (
     is_kv_shared,
@@ -103,16 +104,12 @@ def decoder_layer(cfg: ModelConfig, x: jax.Array, p: dict, attend: Callable[[jax
 @overload
 def forward(
     cfg: ModelConfig,
-    params: dict[str, Any],
+    params: dict[str, Any] | Weights,
     tokens: jax.Array,
     segment_ids: jax.Array | None = None,
     positions: jax.Array | None = None,
     return_aux: Literal[False] = False,
     remat: str = "none",
-    lora: dict[str, Any] | None = None,
-    lora_scale: float | jax.Array | None = None,
-    lora_dropout: float = 0.0,
-    dropout_rng: jax.Array | None = None,
     return_hidden: bool = False,
     prefix_ids: jax.Array | None = None,
 ) -> jax.Array: ...
@@ -121,16 +118,12 @@ def forward(
 @overload
 def forward(
     cfg: ModelConfig,
-    params: dict[str, Any],
+    params: dict[str, Any] | Weights,
     tokens: jax.Array,
     segment_ids: jax.Array | None = None,
     positions: jax.Array | None = None,
     return_aux: Literal[True] = ...,
     remat: str = "none",
-    lora: dict[str, Any] | None = None,
-    lora_scale: float | jax.Array | None = None,
-    lora_dropout: float = 0.0,
-    dropout_rng: jax.Array | None = None,
     return_hidden: bool = False,
     prefix_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, dict]: ...
@@ -139,25 +132,20 @@ def forward(
 @overload
 def forward(
     cfg: ModelConfig,
-    params: dict[str, Any],
+    params: dict[str, Any] | Weights,
     tokens: jax.Array,
     segment_ids: jax.Array | None = None,
     positions: jax.Array | None = None,
     return_aux: bool = ...,
     remat: str = "none",
-    lora: dict[str, Any] | None = None,
-    lora_scale: float | jax.Array | None = None,
-    lora_dropout: float = 0.0,
-    dropout_rng: jax.Array | None = None,
     return_hidden: bool = False,
     prefix_ids: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, dict]: ...
 
 
-def forward(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, segment_ids: jax.Array | None = None,
+def forward(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax.Array, segment_ids: jax.Array | None = None,
             positions: jax.Array | None = None, return_aux: bool = False, remat: str = "none",
-            lora: dict[str, Any] | None = None, lora_scale: float | jax.Array | None = None, lora_dropout: float = 0.0,
-            dropout_rng: jax.Array | None = None, return_hidden: bool = False, prefix_ids: jax.Array | None = None,
+            return_hidden: bool = False, prefix_ids: jax.Array | None = None,
             max_segments: int | None = None) -> jax.Array | tuple[jax.Array, dict]:
     """Logits [batch, seq, vocab] (float32) of the decoder for int tokens [batch, seq].
 
@@ -173,13 +161,14 @@ def forward(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, segment
     keeps the layers' inputs and those outputs in the host's memory instead
     of the device's (:data:`zoo.model.layer_scan.REMAT_POLICIES`).
 
-    ``lora`` is a LoRA adapter tree keyed like ``params`` (see
-    :func:`zoo.lora.adapters.init_lora`): each adapted projection adds
-    ``lora_scale * (x @ A) @ B`` (``lora_scale`` from :func:`zoo.lora.adapters.lora_scale`)
+    ``params`` is the base alone, or :class:`zoo.lora.weights.Weights`: the
+    base with LoRA adapters (a tree keyed like the base, see
+    :func:`zoo.lora.adapters.init_lora`), each adapted projection adding
+    ``scale * (x @ A) @ B`` (the scale from :func:`zoo.lora.adapters.lora_scale`)
     beside its base matmul. The adapters are scanned with their layers.
 
-    ``lora_dropout`` (a Python float, so static under jit) with a ``dropout_rng``
-    key applies LoRA dropout, for training: each adapter reads
+    The weights' dropout rate (a Python float, so static under jit) with their
+    ``rng`` key applies LoRA dropout, for training: each adapter reads
     ``dropout(x)`` (every element of every token kept with probability
     1 - p and scaled by 1/(1 - p), a fresh mask per adapted projection and
     layer) while its base weight reads x. Without the key, or with p = 0,
@@ -197,10 +186,10 @@ def forward(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, segment
     Under a mesh with a ``context`` axis over 1 (``jax.set_mesh``) the activations' sequence is split over it
     and attention gathers the keys (:mod:`zoo.model.context`); t must divide by its size.
     """
-    if lora is not None and lora_scale is None:
-        raise ValueError("forward: lora adapters need lora_scale (zoo.lora.adapters.lora_scale(lora_cfg))")
-    scale: float | jax.Array = 1.0 if lora_scale is None else lora_scale  # read only with adapters
-    drop_keys = _dropout_keys(cfg, lora, lora_dropout, dropout_rng)
+    w = Weights.wrap(params)
+    params, lora, lora_dropout = w.base, w.adapters, w.dropout
+    scale: float | jax.Array = 1.0 if w.scale is None else w.scale  # read only with adapters
+    drop_keys = _dropout_keys(cfg, lora, lora_dropout, w.rng)
     b, t = tokens.shape
     if segment_ids is None:
         segment_ids, max_segments = jnp.ones((b, t), jnp.int32), 1
