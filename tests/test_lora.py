@@ -195,7 +195,7 @@ def test_bad_targets_are_user_errors():
         lora_specs(LORA_CONFIGS["deepseek"], LoraConfig(targets=["q_proj", "o_proj"]))
     cfg = LORA_CONFIGS["llama"]
     with pytest.raises(ValueError, match="lora_scale"):
-        forward(cfg, lora_base_params(cfg), LORA_TOKENS, lora=random_lora(cfg, LoraConfig(rank=4)))
+        forward(cfg, Weights(lora_base_params(cfg), random_lora(cfg, LoraConfig(rank=4))), LORA_TOKENS)
 
 
 MESH_SCRIPT = r"""
