@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
+from zoo.lora.projections import LayerLora
 from zoo.lora.weights import Weights
 from zoo.model.cached_attention import gqa_attention, mla_attention, new_token_masks, slot_positions
 from zoo.model.config import ModelConfig
@@ -267,6 +268,7 @@ def _cached_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Array]
 
     def layer(x: jax.Array, inputs: tuple, kind: str, moe: bool, prefix: str) -> tuple[jax.Array, dict | None]:
         p, lp, rope_on, pli, c = inputs
+        lora = None if lp is None else LayerLora(lp, scale)  # no dropout in decoding
         reuse = None
         if is_kv_shared(cfg, prefix):
             c, reuse = stored[kind]
@@ -280,10 +282,10 @@ def _cached_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Array]
         def attend(x: jax.Array) -> tuple[jax.Array, dict]:
             if cfg.mla:
                 return mla_attention(norm(cfg, x, p["attn_norm"]), p, c, *ropes[kind], masks[kind], cfg, mla_absorb)
-            return gqa_attention(x, p, c, *layer_rope(ropes[kind], rope_on), masks[kind], windows[kind], kcfg, lp,
-                                  scale, reuse)
+            return gqa_attention(x, p, c, *layer_rope(ropes[kind], rope_on), masks[kind], windows[kind], kcfg, lora,
+                                  reuse)
 
-        x, new, _ = decoder_layer(cfg, x, p, attend, moe, valid, lp, scale, per_layer=pli)
+        x, new, _ = decoder_layer(cfg, x, p, attend, moe, valid, lora, per_layer=pli)
         return x, (None if reuse is not None else new)  # a KV-shared layer writes nothing
 
     return layer

@@ -24,7 +24,7 @@ from zoo.layers.attention import attention, head_major, mla_attention, output_pr
 from zoo.layers.blocks import ACTIVATIONS, dense, rms_norm, soft_cap
 from zoo.layers.mlp import mlp
 from zoo.layers.moe import aux_losses, moe_mlp, parallel_moe_block
-from zoo.lora.projections import LoraDropout
+from zoo.lora.projections import LayerLora, LoraDropout
 from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 from zoo.model.layer_layout import (
@@ -64,16 +64,16 @@ def output_logits(cfg: ModelConfig, params: dict[str, Any], h: jax.Array) -> jax
 
 
 def decoder_layer(cfg: ModelConfig, x: jax.Array, p: dict, attend: Callable[[jax.Array], tuple[jax.Array, Any]],
-                  moe: bool, valid: jax.Array, lora: dict | None = None, lora_scale: float | jax.Array = 1.0,
-                  drop: LoraDropout | None = None, per_layer: jax.Array | None = None) -> tuple[jax.Array, Any, dict]:
+                  moe: bool, valid: jax.Array, lora: LayerLora | None = None,
+                  per_layer: jax.Array | None = None) -> tuple[jax.Array, Any, dict]:
     """One decoder layer: x + attention, then x + MLP (each output post-normed where the family does).
 
     ``attend(x)`` is the layer's attention, returning (output, anything else:
     the cached forward's new keys/values), so the training and the cached
     forward share everything around it. ``moe`` picks :func:`zoo.layers.moe.moe_mlp`
     (``valid`` [batch, seq] marks the tokens its statistics count) over the
-    dense :func:`zoo.layers.mlp.mlp`; ``lora``/``lora_scale``/``drop`` are this
-    layer's adapters and their dropout. Gemma 4: ``cfg.parallel_moe`` runs
+    dense :func:`zoo.layers.mlp.mlp`; ``lora`` is this layer's LoRA (adapters,
+    scale, dropout; None: none). Gemma 4: ``cfg.parallel_moe`` runs
     :func:`zoo.layers.moe.parallel_moe_block` (dense MLP and experts side by side);
     ``per_layer`` [batch, seq, width] is this layer's per-layer input
     (:mod:`zoo.model.per_layer_inputs`), added after the MLP; ``cfg.layer_scalars``
@@ -86,11 +86,11 @@ def decoder_layer(cfg: ModelConfig, x: jax.Array, p: dict, attend: Callable[[jax
     x = batch_sharded(x + h)
     stats: dict = {}
     if moe and cfg.parallel_moe:
-        h, stats = parallel_moe_block(x, p, cfg, valid, lora=lora, lora_scale=lora_scale, drop=drop)
+        h, stats = parallel_moe_block(x, p, cfg, valid, lora=lora)
     elif moe:
-        h, stats = moe_mlp(norm(cfg, x, p["mlp_norm"]), p, cfg, valid, lora=lora, lora_scale=lora_scale, drop=drop)
+        h, stats = moe_mlp(norm(cfg, x, p["mlp_norm"]), p, cfg, valid, lora=lora)
     else:  # without pre-norms (OLMo 2/3) the MLP reads x itself
-        h = mlp(x, p, cfg, norm_w=p.get("mlp_norm"), lora=lora, lora_scale=lora_scale, drop=drop)
+        h = mlp(x, p, cfg, norm_w=p.get("mlp_norm"), lora=lora)
     if cfg.post_norms:
         h = norm(cfg, h, p["post_mlp_norm"])
     x = batch_sharded(x + h)
@@ -231,6 +231,7 @@ def _training_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Arra
     def layer(x: jax.Array, inputs: tuple, kind: str, moe: bool, prefix: str) -> tuple[jax.Array, Any]:
         p, lp, key, rope_on, pli = inputs
         drop = None if key is None else LoraDropout(lora_dropout, key)
+        lora = None if lp is None else LayerLora(lp, scale, drop)
         kcfg = kind_config(cfg, kind)
 
         def attend(x: jax.Array) -> tuple[jax.Array, Any]:
@@ -240,13 +241,12 @@ def _training_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Arra
             cos, sin = layer_rope(ropes[kind], rope_on)
             if sharing:  # Gemma 4: a layer's keys/values go out to the KV-shared layers, which take them in
                 reuse = shared[kind] if is_kv_shared(cfg, prefix) else None
-                q, k, v = qkv_heads(x, p, cos, sin, kcfg, p.get("attn_norm"), lp, scale, drop, reuse)
+                q, k, v = qkv_heads(x, p, cos, sin, kcfg, p.get("attn_norm"), lora, reuse)
                 out = attend_heads(*head_major(q, k, v), seen[kind], kcfg, p["sinks"] if cfg.attn_sinks else None)
-                return output_projection(out, p, kcfg, lp, scale, drop), None if reuse is not None else (k, v)
-            return attention(x, p, cos, sin, seen[kind], kcfg, norm_w=p.get("attn_norm"), lora=lp, lora_scale=scale,
-                             drop=drop), None
+                return output_projection(out, p, kcfg, lora), None if reuse is not None else (k, v)
+            return attention(x, p, cos, sin, seen[kind], kcfg, norm_w=p.get("attn_norm"), lora=lora), None
 
-        x, kv, stats = decoder_layer(cfg, x, p, attend, moe, valid, lp, scale, drop, pli)
+        x, kv, stats = decoder_layer(cfg, x, p, attend, moe, valid, lora, pli)
         return x, ((stats, kv) if sharing else stats)
 
     return layer
