@@ -119,17 +119,17 @@ class KTOTask(DPOTask):
         """A micro-batch's summed KTO losses over its row count; TRL's metrics per micro-batch (module docstring).
         ``mb`` is a :class:`KTOBatch` (each row's ``label``)."""
         label = cast(KTOBatch, mb).label
-        w = weights.cast(compute)
+        policy = weights.cast(compute)
         arrays = mb.arrays()
-        pol, mean_logit, aux = batch_logps(mcfg, w, arrays, remat, max_segments=3)
-        ref = self.reference_logps(mcfg, w.base, mb, frozen_inputs, compute)
+        pol, mean_logit, aux = batch_logps(mcfg, policy, arrays, remat, max_segments=3)
+        ref = self.reference_logps(mcfg, policy.base, mb, frozen_inputs, compute)
         w, seg = mb.weights, mb.segment_ids
         wy, wz = w * (seg == CHOSEN), w * (seg == REJECTED)
         keep = ((wy.sum(-1) > 0) & (wz.sum(-1) > 0)).astype(jnp.float32)
         desirable = (label.max(-1) > 0).astype(jnp.float32)
         y, z = (pol * wy).sum(-1), (pol * wz).sum(-1)
         ref_y, ref_z = (ref * wy).sum(-1), (ref * wz).sum(-1)
-        at_reference = self._at_reference(w.adapters, step)
+        at_reference = self._at_reference(policy.adapters, step)
         if at_reference is not False:  # the policy is the reference: log-ratios exactly 0 (see dpo/task.py)
             sg = jax.lax.stop_gradient
             ref_y = jnp.where(at_reference, sg(y), ref_y)

@@ -237,18 +237,18 @@ class DPOTask(Task):
         ``step`` (the optimizer step the update starts from, passed by the train step) tells
         full fine-tuning's step 1, where the policy is still its starting weights.
         """
-        w = weights.cast(compute)
+        policy = weights.cast(compute)
         arrays = mb.arrays()
         rows = 3  # documents in a pair's row: its two answers, and the prompt they share as a prefix (prefs/pairs.py)
-        pol, mean_logit, aux = batch_logps(mcfg, w, arrays, remat, max_segments=rows)
-        ref = (self.reference_logps(mcfg, w.base, mb, frozen_inputs, compute) if self.mode != "none"
+        pol, mean_logit, aux = batch_logps(mcfg, policy, arrays, remat, max_segments=rows)
+        ref = (self.reference_logps(mcfg, policy.base, mb, frozen_inputs, compute) if self.mode != "none"
                else jnp.zeros_like(pol))
         wc, wr, keep = _answer_masks(mb)
         chosen, rejected = (pol * wc).sum(-1), (pol * wr).sum(-1)
         ref_c, ref_r = (ref * wc).sum(-1), (ref * wr).sum(-1)
         terms = preference_loss(self.dpo.loss_type, chosen, rejected, ref_c, ref_r, wc.sum(-1), wr.sum(-1),
                                 self.dpo.beta, self.dpo.label_smoothing, self.dpo.simpo_gamma,
-                                self._at_reference(w.adapters, step))
+                                self._at_reference(policy.adapters, step))
         n = keep.sum()
         total = (terms.losses * keep).sum()
         if self.dpo.sft_weight:
