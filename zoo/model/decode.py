@@ -221,7 +221,8 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax
     instead of the logits, for a caller that projects the vocabulary in pieces.
     """
     w = Weights.wrap(params)
-    params, lora = w.base, w.adapters
+    base: dict[str, Any] = w.base
+    lora = w.adapters
     scale: float | jax.Array = 1.0 if w.scale is None else w.scale  # read only with adapters
     if cfg.capacity_factor is not None:
         cfg = dataclasses.replace(cfg, capacity_factor=None)
@@ -241,16 +242,16 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax
     windows = {kind: kind_window(cfg, kind) for kind in slots}
     masks = {kind: new_token_masks(pos, valid, slot_positions(cache.lengths, n)[:, :n] if n else None, windows[kind])
              for kind, n in read.items()}
-    x = embed_tokens(cfg, params, tokens)
-    ple = per_layer_inputs(cfg, params, tokens, x) if cfg.per_layer_input_size else None
+    x = embed_tokens(cfg, base, tokens)
+    ple = per_layer_inputs(cfg, base, tokens, x) if cfg.per_layer_input_size else None
     # Gemma 4: kind -> (the stored layer's cache, its new keys/values), read by the KV-shared layers.
     stored: dict[str, tuple[dict | None, tuple[jax.Array, jax.Array]]] = {}
     layer = _cached_layer(cfg, ropes, masks, windows, read, slots, stored, valid, scale, mla_absorb)
-    x, written = _run_cached_stacks(cfg, params, x, cache, layer, lora, ple, fresh, stored)
+    x, written = _run_cached_stacks(cfg, base, x, cache, layer, lora, ple, fresh, stored)
     if last is not None:
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
-    x = norm(cfg, x, params["final_norm"])
-    logits = x if hidden else output_logits(cfg, params, x)
+    x = norm(cfg, x, base["final_norm"])
+    logits = x if hidden else output_logits(cfg, base, x)
     return logits, Cache(_write(cache, written, pos, valid, new_lengths, cfg.mla), new_lengths)
 
 

@@ -112,6 +112,7 @@ def forward(
     remat: str = "none",
     return_hidden: bool = False,
     prefix_ids: jax.Array | None = None,
+    max_segments: int | None = None,
 ) -> jax.Array: ...
 
 
@@ -126,6 +127,7 @@ def forward(
     remat: str = "none",
     return_hidden: bool = False,
     prefix_ids: jax.Array | None = None,
+    max_segments: int | None = None,
 ) -> tuple[jax.Array, dict]: ...
 
 
@@ -140,6 +142,7 @@ def forward(
     remat: str = "none",
     return_hidden: bool = False,
     prefix_ids: jax.Array | None = None,
+    max_segments: int | None = None,
 ) -> jax.Array | tuple[jax.Array, dict]: ...
 
 
@@ -187,7 +190,8 @@ def forward(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax.Arra
     and attention gathers the keys (:mod:`zoo.model.context`); t must divide by its size.
     """
     w = Weights.wrap(params)
-    params, lora, lora_dropout = w.base, w.adapters, w.dropout
+    base: dict[str, Any] = w.base
+    lora, lora_dropout = w.adapters, w.dropout
     scale: float | jax.Array = 1.0 if w.scale is None else w.scale  # read only with adapters
     drop_keys = _dropout_keys(cfg, lora, lora_dropout, w.rng)
     b, t = tokens.shape
@@ -200,14 +204,14 @@ def forward(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax.Arra
     # (zoo.model.masks.Visibility; zoo.kernels.choice).
     seen = {kind: visibility(segment_ids, kind_window(cfg, kind), prefix_ids, max_segments) for kind in ropes}
     valid = segment_ids != 0
-    x = embed_tokens(cfg, params, tokens)
+    x = embed_tokens(cfg, base, tokens)
     # Gemma 4: each layer's per-layer input [layers, b, t, width], scanned with the layers' weights.
-    ple = per_layer_inputs(cfg, params, tokens, x) if cfg.per_layer_input_size else None
+    ple = per_layer_inputs(cfg, base, tokens, x) if cfg.per_layer_input_size else None
     shared: dict[str, tuple[jax.Array, jax.Array]] = {}  # kind -> the keys/values the KV-shared layers reuse
     layer = _training_layer(cfg, ropes, seen, valid, scale, lora_dropout, shared)
-    x, layer_stats = _run_stacks(cfg, params, x, layer, lora, drop_keys, ple, remat, shared)
-    x = norm(cfg, x, params["final_norm"])
-    logits = x if return_hidden else output_logits(cfg, params, x)
+    x, layer_stats = _run_stacks(cfg, base, x, layer, lora, drop_keys, ple, remat, shared)
+    x = norm(cfg, x, base["final_norm"])
+    logits = x if return_hidden else output_logits(cfg, base, x)
     if not return_aux:
         return logits
     if not layer_stats:
@@ -217,7 +221,7 @@ def forward(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax.Arra
 
 
 def _training_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Array]], seen: dict[str, Any],
-                    valid: jax.Array, scale: float | jax.Array, lora_dropout: float,
+                    valid: jax.Array, scale: float | jax.Array, lora_dropout: float | jax.Array,
                     shared: dict[str, tuple[jax.Array, jax.Array]]) -> Callable[..., tuple[jax.Array, Any]]:
     """The training forward's layer as :func:`_run_stacks` scans it: ``layer(x, inputs, kind, moe, prefix)``.
 
