@@ -197,6 +197,7 @@ import jax, jax.numpy as jnp, numpy as np
 from zoo.model import quant
 from zoo.model.config import ModelConfig
 from zoo.lora.adapters import LoraConfig, init_lora, lora_scale, lora_specs
+from zoo.lora.weights import Weights
 from zoo.model.decoder import forward
 from zoo.model.params import flatten, nest, param_specs
 from zoo.model.sharding import make_mesh, named_sharding
@@ -225,7 +226,7 @@ for name, (cfg, targets, gate) in cases.items():
             params[path] = quant.quantize(params[path], lead, contract, "nf4", True)
 
     def loss(adapters, params):
-        logits = forward(cfg, params, tokens, lora=adapters, lora_scale=lora_scale(lc))
+        logits = forward(cfg, Weights(params, adapters, lora_scale(lc)), tokens)
         return -jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]), tokens[:, 1:, None], -1).mean()
 
     grad = jax.value_and_grad(loss)

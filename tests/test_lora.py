@@ -203,6 +203,7 @@ import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from tests.lora_fixtures import LORA_CONFIGS, LORA_TOKENS, lora_base_params, random_lora
 from zoo.lora.adapters import LoraConfig, lora_scale, lora_specs
+from zoo.lora.weights import Weights
 from zoo.model.decoder import forward
 from zoo.model.params import flatten, nest, param_specs
 from zoo.model.sharding import make_mesh, named_sharding
@@ -210,7 +211,7 @@ assert len(jax.devices()) == 8
 cfg, lc = LORA_CONFIGS["llama"], LoraConfig(rank=4)
 params = lora_base_params(cfg)
 lora = random_lora(cfg, lc, random=True)
-f = jax.jit(lambda p, l: forward(cfg, p, LORA_TOKENS, lora=l, lora_scale=lora_scale(lc)))
+f = jax.jit(lambda p, l: forward(cfg, Weights(p, l, lora_scale(lc)), LORA_TOKENS))
 one = np.asarray(f(params, lora))
 out = {}
 for name, sizes in {"fsdp8": dict(fsdp=8), "fsdp2-tensor4": dict(fsdp=2, tensor=4)}.items():
