@@ -44,18 +44,18 @@ def jsd_sum_count(student_logits: jax.Array, teacher_logits: jax.Array, mask: ja
     return jnp.where(m, jsd, 0.0).sum(), m.sum().astype(jnp.float32)
 
 
-def distill_loss_sums(mcfg: Any, params: dict, teacher_mcfg: Any, teacher: dict, mb: Any, compute: Any,
-                      remat: str, beta: float, **forward_kwargs: Any) -> Any:
+def distill_loss_sums(mcfg: Any, weights: Any, teacher_mcfg: Any, teacher: dict, mb: Any, compute: Any,
+                      remat: str, beta: float) -> Any:
     """A micro-batch's GKD loss as the step's :class:`LossOutput`: the generalized JSD between the student's and
-    the frozen teacher's next-token distributions at every trained target (``mb.weights`` > 0), summed; the
+    the frozen teacher's next-token distributions at every trained target (``mb.weights`` > 0), summed (the
+    student's ``weights``: a :class:`zoo.lora.weights.Weights`); the
     step divides by the global batch's target count. TRL's ``compute_loss`` calls ``generalized_jsd_loss``
     without a temperature, so the loss is at temperature 1 (``distill.temperature`` is the sampler's)."""
     from pretrain.metrics import LossOutput
     from zoo.model.decoder import forward
     from zoo.model.quant import cast_params
 
-    s_logits = forward(mcfg, cast_params(params, compute), mb.inputs, mb.segment_ids, mb.positions, remat=remat,
-                       **forward_kwargs)
+    s_logits = forward(mcfg, weights.cast(compute), mb.inputs, mb.segment_ids, mb.positions, remat=remat)
     t_logits = forward(teacher_mcfg, cast_params(teacher, compute), mb.inputs, mb.segment_ids, mb.positions)
     total, n = jsd_sum_count(s_logits, t_logits, mb.weights > 0, beta)  # no teacher gradient: see generalized_jsd
     data_weights = getattr(mb, "data_weights", None)

@@ -35,6 +35,7 @@ from distill.batch import DistillBatch
 from eval.generate import Sampler
 from eval.rollout import RolloutEngine, RolloutSpec, assemble
 from pretrain.batch import Rollout
+from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 
 STREAM = 0x676B64  # folded into the seed: sampling keys and coins of their own (GRPO's and dropout's differ)
@@ -87,7 +88,7 @@ class Sampling:
     lora_scale: Any = None
     batch_sharding: NamedSharding = field(init=False)
     # The student's and the teacher's samplers (eval.rollout.RolloutEngine), and their jitted programs:
-    # (weights, adapters, key, rows, micro-batch index) -> (completions, their log-probabilities, lengths).
+    # (weights, key, rows, micro-batch index) -> (completions, their log-probabilities, lengths).
     engines: dict[str, RolloutEngine] = field(init=False)
     programs: dict[str, Any] = field(init=False)
     _sampled: Any = field(init=False)
@@ -108,7 +109,7 @@ class Sampling:
             out["data_weights"] = dataset_rows({k: v[a] for k, v in rows.items()}, width)["weights"]
             return out
 
-        self.engines = {"sampler": RolloutEngine(self.student, self.compute, self.mesh, self.lora_scale),
+        self.engines = {"sampler": RolloutEngine(self.student, self.compute, self.mesh),
                         "teacher_sampler": RolloutEngine(self.teacher, self.compute, self.mesh)}
         self.programs = {k: e.program(self.spec, prompts_of) for k, e in self.engines.items()}
         self._sampled = jax.jit(sampled, out_shardings=rows_sharding)
@@ -118,9 +119,13 @@ class Sampling:
                                                              for k in parts[0]}),
                               out_shardings=self.batch_sharding)
 
-    def lowered(self, base: Any, lora: Any, teacher: Any) -> dict[str, Any]:
+    def weights(self, params: Any, frozen: Any) -> Weights:
+        """The student's weights: the trained ``params`` (LoRA's adapters on the ``frozen`` base, or the model)."""
+        return Weights.of(params, frozen, self.lora_scale)
+
+    def lowered(self, trainable: Any, frozen: Any, teacher: Any) -> dict[str, Any]:
         """For ``--compile-only``: the student's sampler (and with ``seq_kd`` the teacher's) lowered from
-        abstract weights, for one micro-batch of the step's rows."""
+        abstract weights (the trained ones, LoRA's base), for one micro-batch of the step's rows."""
         a, m = self.shape
         rows = {k: jax.ShapeDtypeStruct((a, m, self.seq_len + 1), jnp.int32, sharding=self.batch_sharding)
                 for k in ("tokens", "loss_mask", "tokens_segment_ids")}
@@ -128,9 +133,9 @@ class Sampling:
         i = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
         key = jax.eval_shape(lambda: jax.random.key(0))
         key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated)
-        out = {"sampler": self.programs["sampler"].lower(base, lora, key, rows, i)}
+        out = {"sampler": self.programs["sampler"].lower(self.weights(trainable, frozen), key, rows, i)}
         if self.seq_kd:
-            out["teacher_sampler"] = self.programs["teacher_sampler"].lower(teacher, None, key, rows, i)
+            out["teacher_sampler"] = self.programs["teacher_sampler"].lower(teacher, key, rows, i)
         return out
 
     def kv_cache_bytes(self) -> dict[str, int]:
@@ -147,8 +152,7 @@ class Sampling:
         """Loop step ``step``'s batch from its dataset rows ([accum, micro, seq_len + 1]): each micro-batch as
         its coin says (the module docstring), with the sampled share and lengths as metrics."""
         t0 = time.perf_counter()
-        lora = params if self.lora_scale is not None else None
-        base = frozen if lora is not None else params
+        weights = self.weights(params, frozen)
         on = coins(self.seed, step, self.shape[0], self.lmbda)
         parts, lengths, gen = [], [], 0.0
         for a in range(self.shape[0]):
@@ -156,9 +160,9 @@ class Sampling:
             if on[a] or self.seq_kd:
                 g0 = time.perf_counter()
                 if on[a]:
-                    completions, _, n = self.programs["sampler"](base, lora, self.key(step, a), rows, i)
+                    completions, _, n = self.programs["sampler"](weights, self.key(step, a), rows, i)
                 else:
-                    completions, _, n = self.programs["teacher_sampler"](teacher, None, self.key(step, a), rows, i)
+                    completions, _, n = self.programs["teacher_sampler"](teacher, self.key(step, a), rows, i)
                 lengths.append(np.asarray(jax.device_get(n)))
                 gen += time.perf_counter() - g0
                 parts.append(self._sampled(rows, i, completions, n))

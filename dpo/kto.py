@@ -41,9 +41,9 @@ from pretrain.task import RowSource, Tokenizer
 from zoo.checkpoints.method_card import MethodCard, settings
 from zoo.data.batching import Document
 from zoo.data.files import load_dataset_rows
+from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 from zoo.model.logps import batch_logps
-from zoo.model.quant import cast_params
 
 METRICS = ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected",
            "logits/chosen", "logits/rejected")
@@ -113,23 +113,23 @@ class KTOTask(DPOTask):
         fields = ("prefix_ids",) * self.shared_prompt + ("ref_logps",) * (self.mode == "precomputed") + ("label",)
         return KTOBatch.layout((grad_accum, micro, seq_len), fields)
 
-    def loss_sums(self, mcfg: ModelConfig, params: dict, mb: PairBatch, compute: Any, remat: str,
-                  *, frozen_inputs: dict | None = None, totals: dict | None = None, step: jax.Array | None = None,
-                  **forward_kwargs: Any) -> LossOutput:
+    def loss_sums(self, mcfg: ModelConfig, weights: Weights, mb: PairBatch, compute: Any, remat: str,
+                  *, frozen_inputs: dict | None = None, totals: dict | None = None,
+                  step: jax.Array | None = None) -> LossOutput:
         """A micro-batch's summed KTO losses over its row count; TRL's metrics per micro-batch (module docstring).
         ``mb`` is a :class:`KTOBatch` (each row's ``label``)."""
         label = cast(KTOBatch, mb).label
-        p = cast_params(params, compute)
+        policy = weights.cast(compute)
         arrays = mb.arrays()
-        pol, mean_logit, aux = batch_logps(mcfg, p, arrays, remat, max_segments=3, **forward_kwargs)
-        ref = self.reference_logps(mcfg, p, mb, frozen_inputs, compute)
+        pol, mean_logit, aux = batch_logps(mcfg, policy, arrays, remat, max_segments=3)
+        ref = self.reference_logps(mcfg, policy.base, mb, frozen_inputs, compute)
         w, seg = mb.weights, mb.segment_ids
         wy, wz = w * (seg == CHOSEN), w * (seg == REJECTED)
         keep = ((wy.sum(-1) > 0) & (wz.sum(-1) > 0)).astype(jnp.float32)
         desirable = (label.max(-1) > 0).astype(jnp.float32)
         y, z = (pol * wy).sum(-1), (pol * wz).sum(-1)
         ref_y, ref_z = (ref * wy).sum(-1), (ref * wz).sum(-1)
-        at_reference = self._at_reference(forward_kwargs.get("lora"), step)
+        at_reference = self._at_reference(policy.adapters, step)
         if at_reference is not False:  # the policy is the reference: log-ratios exactly 0 (see dpo/task.py)
             sg = jax.lax.stop_gradient
             ref_y = jnp.where(at_reference, sg(y), ref_y)

@@ -47,6 +47,7 @@ from zoo.checkpoints.method_card import MethodCard, settings
 from zoo.data.batching import Document
 from zoo.data.files import indexed_rows
 from zoo.errors import UserError
+from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 from zoo.model.logps import batch_logps
 from zoo.model.params import flatten
@@ -225,9 +226,9 @@ class DPOTask(Task):
         wc, _, keep = _answer_masks(batch)
         return {"pairs": keep.sum(), "chosen_tokens": (wc.sum(-1) * keep).sum()}
 
-    def loss_sums(self, mcfg: ModelConfig, params: dict, mb: PairBatch, compute: Any, remat: str,
-                  *, frozen_inputs: dict | None = None, totals: dict | None = None, step: jax.Array | None = None,
-                  **forward_kwargs: Any) -> LossOutput:
+    def loss_sums(self, mcfg: ModelConfig, weights: Weights, mb: PairBatch, compute: Any, remat: str,
+                  *, frozen_inputs: dict | None = None, totals: dict | None = None,
+                  step: jax.Array | None = None) -> LossOutput:
         """A micro-batch's sum of per-pair losses over its pair count, each metric a :class:`Mean` over pairs
         (TRL's ``logits/*`` a token mean per micro-batch, a :class:`MicroMean` over micro-batches).
 
@@ -236,17 +237,18 @@ class DPOTask(Task):
         ``step`` (the optimizer step the update starts from, passed by the train step) tells
         full fine-tuning's step 1, where the policy is still its starting weights.
         """
-        p = cast_params(params, compute)
+        policy = weights.cast(compute)
         arrays = mb.arrays()
         rows = 3  # documents in a pair's row: its two answers, and the prompt they share as a prefix (prefs/pairs.py)
-        pol, mean_logit, aux = batch_logps(mcfg, p, arrays, remat, max_segments=rows, **forward_kwargs)
-        ref = self.reference_logps(mcfg, p, mb, frozen_inputs, compute) if self.mode != "none" else jnp.zeros_like(pol)
+        pol, mean_logit, aux = batch_logps(mcfg, policy, arrays, remat, max_segments=rows)
+        ref = (self.reference_logps(mcfg, policy.base, mb, frozen_inputs, compute) if self.mode != "none"
+               else jnp.zeros_like(pol))
         wc, wr, keep = _answer_masks(mb)
         chosen, rejected = (pol * wc).sum(-1), (pol * wr).sum(-1)
         ref_c, ref_r = (ref * wc).sum(-1), (ref * wr).sum(-1)
         terms = preference_loss(self.dpo.loss_type, chosen, rejected, ref_c, ref_r, wc.sum(-1), wr.sum(-1),
                                 self.dpo.beta, self.dpo.label_smoothing, self.dpo.simpo_gamma,
-                                self._at_reference(forward_kwargs.get("lora"), step))
+                                self._at_reference(policy.adapters, step))
         n = keep.sum()
         total = (terms.losses * keep).sum()
         if self.dpo.sft_weight:
@@ -305,7 +307,7 @@ class DPOTask(Task):
     def reference_logps(self, mcfg: ModelConfig, p: dict, mb: PairBatch, frozen_inputs: Any, compute: Any
                         ) -> jax.Array:
         """The reference's per-token log-probabilities of a micro-batch's rows, not differentiated: read from the
-        batch (precomputed), the base with the adapters off (``p``: the cast params), or the checkpoint passed as
+        batch (precomputed), the base with the adapters off (``p``: the cast base), or the checkpoint passed as
         the step's frozen inputs."""
         if self.mode == "precomputed":  # the batch carries them (batch_layout)
             return cast(jax.Array, mb.ref_logps).astype(jnp.float32)

@@ -32,9 +32,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from eval.generate import Sampler, sample_next
+from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 from zoo.model.decode import Cache, cache_shardings, forward_step, init_cache, kv_cache_bytes
-from zoo.model.quant import cast_params
 
 VIEW_BLOCK = 16  # decoding steps per block of the rollout's loop: each block reads the cache slots it can have filled
 
@@ -65,30 +65,28 @@ def draw(logits: jax.Array, key: jax.Array, sampler: Sampler) -> tuple[jax.Array
 
 
 @partial(jax.jit, static_argnums=(0, 4), static_argnames="mesh")
-def sample_group_completions(cfg: ModelConfig, params: dict, tokens: jax.Array, valid: jax.Array,
-                             spec: RolloutSpec, key: jax.Array, lora: dict | None = None,
-                             lora_scale: float | jax.Array | None = None,
+def sample_group_completions(cfg: ModelConfig, params: dict | Weights, tokens: jax.Array, valid: jax.Array,
+                             spec: RolloutSpec, key: jax.Array,
                              mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(completions [B, T] int32, their sampler log-probabilities [B, T] float32, lengths [B] int32).
 
     ``tokens``/``valid`` [B, P]: right-padded prompts, rows ``k*G .. k*G+G-1``
     the same prompt (only row ``k*G`` is read). A completion ends with its
     first token of ``spec.eos_ids`` (counted in its length) or at T tokens;
-    entries past its length are 0. ``lora`` adapters (with ``lora_scale``) run
-    beside the base matmuls, as in the training forward pass. With ``mesh``
+    entries past its length are 0. ``params``: a model's, or :class:`zoo.lora.weights.Weights`
+    whose LoRA adapters run beside the base matmuls, as in the training forward pass. With ``mesh``
     (static: the train step's) the cache is laid out as :func:`zoo.model.decode.init_cache`
     lays it out there (split like the kv heads), the layout ``--compile-only``
     reports. The weights stay as they come: with the rows unconstrained, the
     partitioner contracts FSDP's embed split in place (all-reduces of
     activations), gathering no weight (checked on v5e:2x4's compiled sampler).
     """
-    adapters: dict[str, Any] = {"lora": lora, "lora_scale": lora_scale}
     b, p = tokens.shape
     g, t = spec.group, spec.new_tokens
     first_tokens, first_valid = tokens[::g], valid[::g]
-    cache = init_cache(cfg, b // g, p + t, params["embed"].dtype, mesh)
+    cache = init_cache(cfg, b // g, p + t, Weights.wrap(params).base["embed"].dtype, mesh)
     last = jnp.maximum(first_valid.sum(1) - 1, 0)
-    logits, cache = forward_step(cfg, params, first_tokens, cache, first_valid, fresh=True, last=last, **adapters)
+    logits, cache = forward_step(cfg, params, first_tokens, cache, first_valid, fresh=True, last=last)
     logits, cache = jnp.repeat(logits, g, axis=0), _repeat_rows(cache, g)
     if mesh is not None:  # the b rows' cache, laid out as the step reads it
         cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cfg, b, p + t, mesh))
@@ -110,7 +108,7 @@ def sample_group_completions(cfg: ModelConfig, params: dict, tokens: jax.Array, 
 
         def step(carry):
             i, tok, cache, out, out_logp, done = carry
-            logits, cache = forward_step(cfg, params, tok[:, None], cache, view=view, **adapters)
+            logits, cache = forward_step(cfg, params, tok[:, None], cache, view=view)
             nxt, logp = draw(logits[:, 0], jax.random.fold_in(key, i), spec.sampler)
             # Rows that have ended keep decoding (one shape for all) but write nothing.
             nxt, logp = jnp.where(done, 0, nxt), jnp.where(done, 0.0, logp)
@@ -136,23 +134,22 @@ def sample_group_completions(cfg: ModelConfig, params: dict, tokens: jax.Array, 
 class RolloutEngine:
     """One model's sampler for online training: jitted programs that complete a batch of prompts (G completions
     each, :func:`sample_group_completions`) from the weights as the train step computes with them (cast to
-    ``compute``, LoRA adapters beside with ``lora_scale``), the KV cache laid out on ``mesh`` as the step's
-    batch is."""
+    ``compute``, LoRA adapters beside), the KV cache laid out on ``mesh`` as the step's batch is."""
 
-    def __init__(self, mcfg: ModelConfig, compute: Any, mesh: Mesh, lora_scale: float | jax.Array | None = None):
-        self.mcfg, self.compute, self.mesh, self.lora_scale = mcfg, compute, mesh, lora_scale
+    def __init__(self, mcfg: ModelConfig, compute: Any, mesh: Mesh):
+        self.mcfg, self.compute, self.mesh = mcfg, compute, mesh
 
     def program(self, spec: RolloutSpec, prompts: Callable[..., tuple[jax.Array, jax.Array]],
                 key_of: Callable[[Any], jax.Array] = lambda key: key) -> Any:
-        """The jitted ``(base, lora, key_input, *inputs) -> (completions, sampler log-probabilities, lengths)``:
+        """The jitted ``(weights, key_input, *inputs) -> (completions, sampler log-probabilities, lengths)``:
         ``prompts(*inputs)`` gives the right-padded prompts and their valid mask ([B, P] each: how a task's
         rows hold them), ``key_of(key_input)`` the sampling key (derived inside the program: a step number, say);
-        ``lora``: the adapters (None: the base alone)."""
+        ``weights``: a model's params, or :class:`zoo.lora.weights.Weights` (LoRA's adapters beside their base)."""
 
-        def run(base: dict, lora: dict | None, key_input: Any, *inputs: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+        def run(weights: dict | Weights, key_input: Any, *inputs: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
             tokens, valid = prompts(*inputs)
-            return sample_group_completions(self.mcfg, cast_params(base, self.compute), tokens, valid, spec,
-                                            key_of(key_input), lora, self.lora_scale, mesh=self.mesh)
+            return sample_group_completions(self.mcfg, Weights.wrap(weights).cast(self.compute), tokens, valid, spec,
+                                            key_of(key_input), mesh=self.mesh)
 
         return jax.jit(run)
 

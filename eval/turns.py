@@ -28,9 +28,9 @@ import numpy as np
 
 from eval.generate import Sampler
 from eval.rollout import draw
+from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 from zoo.model.decode import Cache, forward_step, init_cache
-from zoo.model.quant import cast_params
 
 EXTEND_BUCKET = 16
 
@@ -40,20 +40,20 @@ EXTEND_BUCKET = 16
 
 
 @partial(jax.jit, static_argnums=(0, 1, 5))
-def _prefill(cfg: ModelConfig, compute: Any, params: dict, tokens: jax.Array, valid: jax.Array, slots: int,
-             lora: Any, lora_scale: Any) -> tuple[jax.Array, Cache]:
-    params = cast_params(params, compute)
-    cache = init_cache(cfg, tokens.shape[0], slots, params["embed"].dtype)
+def _prefill(cfg: ModelConfig, compute: Any, weights: Weights, tokens: jax.Array, valid: jax.Array,
+             slots: int) -> tuple[jax.Array, Cache]:
+    weights = weights.cast(compute)
+    cache = init_cache(cfg, tokens.shape[0], slots, weights.base["embed"].dtype)
     last = jnp.maximum(valid.sum(1) - 1, 0)
-    return forward_step(cfg, params, tokens, cache, valid, fresh=True, last=last, lora=lora, lora_scale=lora_scale)
+    return forward_step(cfg, weights, tokens, cache, valid, fresh=True, last=last)
 
 
 @partial(jax.jit, static_argnums=(0, 1, 6, 7, 8))
-def _turn(cfg: ModelConfig, compute: Any, params: dict, cache: Cache, logits: jax.Array, active: jax.Array,
-          budget: int, sampler: Sampler, eos_ids: tuple[int, ...], room: jax.Array, key: jax.Array, lora: Any,
-          lora_scale: Any) -> tuple[jax.Array, jax.Array, jax.Array, Cache]:
+def _turn(cfg: ModelConfig, compute: Any, weights: Weights, cache: Cache, logits: jax.Array, active: jax.Array,
+          budget: int, sampler: Sampler, eos_ids: tuple[int, ...], room: jax.Array,
+          key: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, Cache]:
     """(tokens [b, budget], their log-probabilities, counts [b], cache) of one turn of the ``active`` rows."""
-    params = cast_params(params, compute)
+    weights = weights.cast(compute)
     b = logits.shape[0]
     eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
     stopped = ~active | (room <= 0)
@@ -70,8 +70,7 @@ def _turn(cfg: ModelConfig, compute: Any, params: dict, cache: Cache, logits: ja
     def step(carry: tuple) -> tuple:
         i, tok, cache, out, out_logp, n, done = carry
         # A row that has stopped is fed nothing: its cache keeps its conversation exactly.
-        logits, cache = forward_step(cfg, params, tok[:, None], cache, (~done)[:, None], lora=lora,
-                                     lora_scale=lora_scale)
+        logits, cache = forward_step(cfg, weights, tok[:, None], cache, (~done)[:, None])
         nxt, lp = draw(logits[:, 0], jax.random.fold_in(key, i), sampler)
         out = jax.lax.dynamic_update_slice(out, jnp.where(done, 0, nxt)[:, None], (0, i))
         out_logp = jax.lax.dynamic_update_slice(out_logp, jnp.where(done, 0.0, lp)[:, None], (0, i))
@@ -84,25 +83,25 @@ def _turn(cfg: ModelConfig, compute: Any, params: dict, cache: Cache, logits: ja
 
 
 @partial(jax.jit, static_argnums=(0, 1))
-def _extend(cfg: ModelConfig, compute: Any, params: dict, cache: Cache, logits: jax.Array, tokens: jax.Array,
-            valid: jax.Array, lora: Any, lora_scale: Any) -> tuple[jax.Array, Cache]:
-    params = cast_params(params, compute)
+def _extend(cfg: ModelConfig, compute: Any, weights: Weights, cache: Cache, logits: jax.Array, tokens: jax.Array,
+            valid: jax.Array) -> tuple[jax.Array, Cache]:
+    weights = weights.cast(compute)
     fed = valid.any(1)
     last = jnp.maximum(valid.sum(1) - 1, 0)
-    new, cache = forward_step(cfg, params, tokens, cache, valid, last=last, lora=lora, lora_scale=lora_scale)
+    new, cache = forward_step(cfg, weights, tokens, cache, valid, last=last)
     return jnp.where(fed[:, None], new, logits), cache
 
 
 class CachedTurns:
-    """The turns of a batch of conversations on one cache (module docstring). ``params`` are the policy's weights,
-    computed with in ``compute`` (a dtype), with ``lora`` adapters and ``lora_scale`` beside (or None)."""
+    """The turns of a batch of conversations on one cache (module docstring). ``params`` are the policy's weights
+    (a model's params, or :class:`zoo.lora.weights.Weights` with LoRA adapters), computed with in ``compute``
+    (a dtype)."""
 
-    def __init__(self, cfg: ModelConfig, params: dict, sampler: Sampler, eos_ids: tuple[int, ...], budget: int,
-                 key: jax.Array, lora: Any = None, lora_scale: Any = None, compute: Any = jnp.float32):
-        self.cfg, self.params, self.sampler, self.eos_ids = cfg, params, sampler, tuple(eos_ids)
+    def __init__(self, cfg: ModelConfig, params: dict | Weights, sampler: Sampler, eos_ids: tuple[int, ...],
+                 budget: int, key: jax.Array, compute: Any = jnp.float32):
+        self.cfg, self.params, self.sampler, self.eos_ids = cfg, Weights.wrap(params), sampler, tuple(eos_ids)
         self.compute = jnp.dtype(compute)
         self.budget, self.key = budget, key
-        self.adapters = (lora, lora_scale)
         self.cache: Cache | None = None
         self.logits: jax.Array | None = None
 
@@ -113,7 +112,7 @@ class CachedTurns:
         for r, ids in enumerate(prompts):
             tokens[r, :len(ids)], valid[r, :len(ids)] = ids, True
         self.logits, self.cache = _prefill(self.cfg, self.compute, self.params, jnp.asarray(tokens), jnp.asarray(valid),
-                                           width + self.budget, *self.adapters)
+                                           width + self.budget)
 
     def turn(self, active: np.ndarray, room: np.ndarray, index: int) -> tuple[list[list[int]], list[list[float]]]:
         """Each active row's tokens of turn ``index`` (ending with its end-of-turn token, or cut at its ``room``)
@@ -121,7 +120,7 @@ class CachedTurns:
         assert self.cache is not None and self.logits is not None, "start() first"
         out, logp, n, self.cache = _turn(self.cfg, self.compute, self.params, self.cache, self.logits, jnp.asarray(active),
                                          self.budget, self.sampler, self.eos_ids, jnp.asarray(room, jnp.int32),
-                                         jax.random.fold_in(self.key, index), *self.adapters)
+                                         jax.random.fold_in(self.key, index))
         out_h, logp_h, n_h = np.asarray(out), np.asarray(logp), np.asarray(n)
         return ([out_h[r, :n_h[r]].tolist() for r in range(len(n_h))],
                 [logp_h[r, :n_h[r]].tolist() for r in range(len(n_h))])
@@ -136,4 +135,4 @@ class CachedTurns:
         for r, ids in rows.items():
             tokens[r, :len(ids)], valid[r, :len(ids)] = ids, True
         self.logits, self.cache = _extend(self.cfg, self.compute, self.params, self.cache, self.logits, jnp.asarray(tokens),
-                                          jnp.asarray(valid), *self.adapters)
+                                          jnp.asarray(valid))

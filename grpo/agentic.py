@@ -31,6 +31,7 @@ from grpo.episodes import Episode, EpisodeSettings, run_episodes, tool_suffix
 from grpo.tool_calls import Parser, parser_for
 from grpo.tools import Environments
 from zoo.errors import UserError
+from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 
 
@@ -143,9 +144,10 @@ class Agent:
         ids = p.tokenizer(text, add_special_tokens=False)["input_ids"]
         return ids[-self.cfg.data.seq_len:]
 
-    def run(self, base: dict, lora: Any, scale: Any, rows: list[dict[str, Any]], key: jax.Array,
+    def run(self, weights: Weights, rows: list[dict[str, Any]], key: jax.Array,
             where: Callable[[int], str], sampler: Sampler | None = None) -> Episodes:
-        """The episodes of a step's rollouts (``rows``: each rollout's dataset row, G in a row per prompt);
+        """The episodes of a step's rollouts with the policy's ``weights`` (``rows``: each rollout's dataset row, G in
+        a row per prompt);
         ``sampler``: another sampling than the run's (greedy, for held-out prompts)."""
         names = [self.environments.pick(r, where(i)) for i, r in enumerate(rows)] if self.environments else []
         instances = self.environments.draw(names) if self.environments else [None] * len(rows)
@@ -169,7 +171,7 @@ class Agent:
         width = self.cfg.data.seq_len + 1
         budget = self.g.max_completion_length
         ready = self._ready()
-        decoder = CachedTurns(ready.mcfg, base, sampler or ready.sampler, ready.eos_ids, budget, key, lora, scale,
+        decoder = CachedTurns(ready.mcfg, weights, sampler or ready.sampler, ready.eos_ids, budget, key,
                               ready.compute)
         settings = EpisodeSettings(budget, self.g.max_turns, ready.eos_ids, float(self.g.tool_timeout), ready.parser,
                                    lambda t: ready.tokenizer.decode(t, skip_special_tokens=False), ready.suffix)

@@ -20,7 +20,7 @@ time: keep the held-out set as small as the signal allows.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -28,19 +28,21 @@ from grpo.config import GRPOConfig
 from grpo.rewards import RewardSet, reward_metrics
 from pretrain.task import RowSource
 from zoo.data.batching import Document, replicated_batch
+from zoo.lora.weights import Weights
 
 
 class Completes(Protocol):
     """What of :class:`grpo.rollouts.Rollouts` the held-out evaluation reads."""
 
     cfg: GRPOConfig
-    lora: bool  # the trained params are LoRA adapters (beside the frozen base)
     batch_shape: tuple[int, int]
     group_size: int
     replicated: Any
     rewards: RewardSet
 
-    def complete(self, base: dict, lora: Any, rows: dict[str, Any], step: int, source: RowSource,
+    def weights(self, params: dict, frozen: dict | None) -> Weights: ...
+
+    def complete(self, weights: Weights, rows: dict[str, Any], step: int, source: RowSource,
                  mode: str = "train") -> Any: ...
 
 
@@ -53,8 +55,7 @@ def held_out_metrics(task: Completes, params: dict, frozen: dict | None, docs: l
     """The held-out prompts' metrics at ``step`` (module docstring); ``rows_source``: the rows they come from,
     ``docs``: the held-out prompts' documents."""
     cfg = task.cfg
-    lora = params if task.lora else None
-    base = frozen if task.lora else params
+    weights = task.weights(params, frozen)
     shape = task.batch_shape
     b = shape[0] * shape[1]
     width = cfg.data.seq_len + 1
@@ -76,7 +77,7 @@ def held_out_metrics(task: Completes, params: dict, frozen: dict | None, docs: l
             placed = replicated_batch({"tokens": tokens.reshape(shape + (width,)),
                                        "tokens_segment_ids": seg.reshape(shape + (width,)),
                                        "row": row.reshape(shape + (width,))}, task.replicated)
-            done = task.complete(cast(dict, base), lora, placed, step, rows_source, mode)
+            done = task.complete(weights, placed, step, rows_source, mode)
             keep = n * group
             totals.append(done.total[:keep])
             per_fns.append(done.per_fn[:keep])

@@ -15,9 +15,9 @@ from eval.rollout import RolloutEngine, RolloutSpec, assemble, assemble_groups
 from grpo import losses
 from grpo.batch import RolloutBatch, UpdateRows
 from grpo.config import GRPOConfig
+from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 from zoo.model.logps import batch_logps
-from zoo.model.quant import cast_params
 
 GREEDY = Sampler(0.0, 0, 1.0)
 
@@ -42,13 +42,13 @@ class Programs:
         self.shape = (cfg.grad_accum, cfg.batch_size // cfg.grad_accum)
         self.sharding = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"), None))
         self.replicated = NamedSharding(mesh, PartitionSpec())
-        self.engine = RolloutEngine(mcfg, compute, mesh, lora_scale)
+        self.engine = RolloutEngine(mcfg, compute, mesh)
         b = self.shape[0] * self.shape[1]
 
         def prompts(tokens: jax.Array, seg: jax.Array) -> tuple[jax.Array, jax.Array]:
             return tokens.reshape(b, -1), seg.reshape(b, -1) > 0
 
-        # (base, lora, step, tokens, segment ids): the step's draws; held-out prompts (grpo/held_out.py): the run's
+        # (weights, step, tokens, segment ids): the step's draws; held-out prompts (grpo/held_out.py): the run's
         # sampling on their own key stream, and greedy, one completion per prompt (a group of one).
         self.sample = self.engine.program(self.spec, prompts, partial(rollout_key, cfg.seed))
         self.sample_held_out = self.engine.program(self.spec, prompts, partial(rollout_key, cfg.seed, held_out=True))
@@ -56,13 +56,6 @@ class Programs:
         self.sample_greedy = self.engine.program(greedy, prompts, partial(rollout_key, cfg.seed, held_out=True))
         self.layout = jax.jit(self._layout, out_shardings=self.sharding)
         self.logps = jax.jit(self._logps, out_shardings=self.sharding)
-        if lora_scale is not None:
-            self.policy_logps = jax.jit(lambda base, lora, batch: self._logps(base, batch, lora=lora,
-                                                                              lora_scale=lora_scale),
-                                        out_shardings=self.sharding)
-        else:
-            self.policy_logps = jax.jit(lambda base, lora, batch: self._logps(base, batch),
-                                        out_shardings=self.sharding)
         beta = float(g.beta)
         self.reinforce_pp = jax.jit(lambda r, w, kl, group, clip: losses.reinforce_pp_advantages(r, w, kl, beta,
                                                                                                group, clip),
@@ -78,12 +71,13 @@ class Programs:
         out = assemble_groups(*args, self.spec.group, model) if self.rows.grouped else assemble(*args, model)
         return RolloutBatch.of({k: v.reshape(shape[:1] + (-1,) + v.shape[1:]) for k, v in out.items()})
 
-    def _logps(self, params: dict, batch: RolloutBatch, **forward_kwargs: Any) -> jax.Array:
-        """Per-token log-probabilities of the batch's completion tokens (0 elsewhere), no gradient taken."""
+    def _logps(self, params: dict | Weights, batch: RolloutBatch) -> jax.Array:
+        """Per-token log-probabilities of the batch's completion tokens (0 elsewhere), no gradient taken
+        (``params``: a model's, or the policy's :class:`zoo.lora.weights.Weights`)."""
         flat = jax.tree.map(lambda v: v.reshape((-1,) + v.shape[2:]), batch)
-        p = cast_params(params, self.compute)
-        lp = batch_logps(self.mcfg, p, flat.arrays(), temperature=self.temperature, max_segments=self.rows.segments,
-                         **forward_kwargs)[0]
+        p = Weights.wrap(params).cast(self.compute)
+        lp = batch_logps(self.mcfg, p, flat.arrays(), temperature=self.temperature,
+                         max_segments=self.rows.segments)[0]
         lp = self.rows.completions(lp)
         return (lp * flat.weights).reshape(self.shape + lp.shape[1:])
 

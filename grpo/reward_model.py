@@ -18,7 +18,7 @@ checkpoint merged), on the policy's mesh.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -70,37 +70,37 @@ class RewardModelScorer:
         from zoo.checkpoints.format import read_meta
         from zoo.checkpoints.loading import load_params
         from zoo.data.tokenizer import load_tokenizer
+        from zoo.lora.weights import Weights
         from zoo.model.decoder import forward
         from zoo.model.pooling import last_positions
-        from zoo.model.quant import cast_params
 
         self.tokenizer = load_tokenizer(self.path)
         meta = read_meta(self.path)
         self.shares_base = shared is not None and _same_base(self.path, meta, shared)
-        scale: float | None = None
         if self.shares_base:
             assert shared is not None
-            scale = float(meta["lora"]["scale"])
-            self.params = {"base": shared.params, "adapters": load_adapters(self.path, meta, mesh)}
+            self.params = Weights(shared.params, load_adapters(self.path, meta, mesh), float(meta["lora"]["scale"]))
             print(f"reward model {self.__name__}: its LoRA adapters over the policy's frozen base (not loaded twice)",
                   file=sys.stderr)
         else:
-            self.params = {"base": load_params(self.path, mesh), "adapters": None}
+            self.params = Weights(load_params(self.path, mesh))
         mcfg = self.mcfg
 
-        def score(params: dict, tokens: Any, lengths: Any) -> Any:
+        def score(weights: Weights, tokens: Any, lengths: Any) -> Any:
             import jax.numpy as jnp
 
-            p = cast_params(params["base"], compute)
-            lora = params["adapters"]
+            w = weights.cast(compute)
+            lora = w.adapters
             if lora is not None:  # the base a causal LM's: its LM head unused, the head the adapters'
-                p = {**{k: v for k, v in p.items() if k != "lm_head"}, "score": lora["score"].astype(compute)}
+                w = replace(w, base={**{k: v for k, v in w.base.items() if k != "lm_head"},
+                                     "score": lora["score"].astype(compute)})
             n = tokens.shape[1]
             seg = (jnp.arange(n)[None] < lengths[:, None]).astype(jnp.int32)
             pos = jnp.where(seg > 0, jnp.arange(n)[None], 0)
-            hidden = forward(mcfg, p, tokens, seg, pos, return_hidden=True, lora=lora, lora_scale=scale)
+            hidden = forward(mcfg, w, tokens, seg, pos, return_hidden=True)
             last = last_positions(seg, tokens, 1, mcfg.pad_token_id)
-            return hidden[jnp.arange(tokens.shape[0]), last].astype(jnp.float32) @ p["score"].astype(jnp.float32)[:, 0]
+            head = w.base["score"].astype(jnp.float32)[:, 0]
+            return hidden[jnp.arange(tokens.shape[0]), last].astype(jnp.float32) @ head
 
         self._score = jax.jit(score)
 

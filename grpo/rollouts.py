@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import jax
 import numpy as np
@@ -27,6 +27,7 @@ from pretrain.batch import Rollout
 from pretrain.task import RowSource, Tokenizer
 from zoo.data.batching import replicated_batch
 from zoo.data.row_origin import row_where
+from zoo.lora.weights import Weights
 from zoo.model.sharding import mesh_context
 
 
@@ -86,7 +87,10 @@ class Rollouts:
         self.group_size = cfg.grpo.num_generations
         self.batch_shape = programs.shape
         self.replicated = programs.replicated
-        self.lora = programs.lora_scale is not None
+
+    def weights(self, params: dict, frozen: dict | None) -> Weights:
+        """The policy's weights: the trained ``params`` (LoRA's adapters on the ``frozen`` base, or the model)."""
+        return Weights.of(params, frozen, self.programs.lora_scale)
 
     def rollout(self, params: dict, frozen: dict | None, frozen_inputs: Any, rows: dict[str, jax.Array],
                 step: int, source: RowSource) -> Rollout:
@@ -95,15 +99,14 @@ class Rollouts:
         ``grpo.log_completions_every`` step, the completions to log."""
         g = self.g
         t0 = time.perf_counter()
-        lora = params if self.lora else None
-        base = frozen if self.lora else params
-        done = self.complete(cast(dict, base), lora, rows, step, source)
+        weights = self.weights(params, frozen)
+        done = self.complete(weights, rows, step, source)
         truncated = ~done.drawn.ended
         trained = ~truncated if g.mask_truncated else np.ones_like(truncated)
         adv, m = self.estimator.row_advantages(done.total)
         relayout = lambda a: self._layout(done.drawn, a, trained)  # noqa: E731
         batch = relayout(adv.astype(np.float32))
-        old, ref = self._logps(base, lora, frozen, frozen_inputs, batch)
+        old, ref = self._logps(weights, frozen_inputs, batch)
         batch, adv, more = self.estimator.finish(Scored(batch, adv, done.per_fn, done.total, old, ref, relayout,
                                                         self.programs.reinforce_pp, to_host))
         m.update(more)
@@ -124,16 +127,16 @@ class Rollouts:
         return self.programs.layout(rows["tokens"], rows["tokens_segment_ids"], drawn.completions, drawn.lengths,
                                     drawn.sampler_logps, given["adv"], given["trained"], drawn.model)
 
-    def _logps(self, base: Any, lora: Any, frozen: Any, frozen_inputs: Any,
+    def _logps(self, weights: Weights, frozen_inputs: Any,
                batch: RolloutBatch) -> tuple[jax.Array | None, jax.Array | None]:
         """(the sampling policy's per-token log-probabilities, the reference's), each where the step reads it."""
         g, p = self.g, self.programs
         with mesh_context(p.sharding.mesh):  # traced for the mesh: splash attention shards itself (zoo.kernels.splash)
             old = ref = None
             if g.num_iterations > 1 or (self.estimator.needs_old and g.beta > 0):
-                old = p.policy_logps(base, lora, batch)  # the policy that sampled (RLOO: its KL's first term)
+                old = p.logps(weights, batch)  # the policy that sampled (RLOO: its KL's first term)
             if self.reference == "base":  # the LoRA base, adapters off
-                ref = p.logps(frozen, batch)
+                ref = p.logps(weights.base, batch)
             elif self.reference == "inputs":  # the starting model (full fine-tuning) or a grpo.reference checkpoint
                 ref = p.logps(frozen_inputs, batch)
         return old, ref
@@ -165,9 +168,10 @@ class Rollouts:
             log = [{**rec, **ep} for rec, ep in zip(log, done.drawn.episodes.records())]
         return log
 
-    def complete(self, base: dict, lora: Any, rows: dict[str, Any], step: int, source: RowSource,
+    def complete(self, weights: Weights, rows: dict[str, Any], step: int, source: RowSource,
                  mode: str = "train") -> Completed:
-        """Complete a batch of prompt rows and score the completions (``mode``: ``train``, the step's own draws;
+        """Complete a batch of prompt rows with the policy's ``weights`` and score the completions (``mode``:
+        ``train``, the step's own draws;
         ``held_out``, the run's sampling on the held-out key stream; ``greedy``, one greedy completion per row)."""
         assert self.tokenizer is not None, "set up for compiling only"
         t0 = time.perf_counter()
@@ -176,9 +180,9 @@ class Rollouts:
         records = {int(i): ds[int(i)] for i in np.unique(row_h)}
         where = lambda r: row_where(source.path, int(row_h[r]))  # noqa: E731
         if self.agent is None:
-            drawn = self._sample(base, lora, rows, step, mode)
+            drawn = self._sample(weights, rows, step, mode)
         else:
-            drawn = self._episodes(base, lora, [records[int(i)] for i in row_h], step, mode, where)
+            drawn = self._episodes(weights, [records[int(i)] for i in row_h], step, mode, where)
         t_gen = time.perf_counter() - t0
         comp_h, len_h = drawn.comp_h, drawn.len_h
         ids = [comp_h[r, :len_h[r]].tolist() for r in range(len(row_h))]
@@ -193,11 +197,11 @@ class Rollouts:
         per_fn, total = self.rewards.compute(prompts, completions_in, ids, columns, where)
         return Completed(prompts, ids, texts, per_fn, total, drawn, t_gen)
 
-    def _sample(self, base: dict, lora: Any, rows: dict[str, Any], step: int, mode: str) -> Drawn:
+    def _sample(self, weights: Weights, rows: dict[str, Any], step: int, mode: str) -> Drawn:
         """One completion per row from the sampler of ``mode`` (:meth:`complete`)."""
         p = self.programs
         sample = {"train": p.sample, "held_out": p.sample_held_out, "greedy": p.sample_greedy}[mode]
-        completions, sampler_logps, lengths = sample(base, lora, np.int32(step), rows["tokens"],
+        completions, sampler_logps, lengths = sample(weights, np.int32(step), rows["tokens"],
                                                      rows["tokens_segment_ids"])
         comp_h, len_h = to_host(completions), to_host(lengths)
         ended = np.isin(comp_h[np.arange(len(len_h)), len_h - 1], p.spec.eos_ids)
@@ -205,12 +209,12 @@ class Rollouts:
         return Drawn(comp_h, len_h, np.asarray(ended), np.asarray(len_h), prompt_rows, completions, lengths,
                      sampler_logps)
 
-    def _episodes(self, base: dict, lora: Any, records: list[dict[str, Any]], step: int, mode: str,
+    def _episodes(self, weights: Weights, records: list[dict[str, Any]], step: int, mode: str,
                   where: Any) -> Drawn:
         """One episode of several turns with tools per row (grpo/agentic.py), laid out on the devices."""
         assert self.agent is not None
         sampler = GREEDY if mode == "greedy" else None
-        episodes = self.agent.run(base, lora, self.programs.lora_scale, records,
+        episodes = self.agent.run(weights, records,
                                   rollout_key(self.cfg.seed, step, mode != "train"), where, sampler)
         shape = self.batch_shape
         placed = replicated_batch({"tokens": episodes.prompt_tokens.reshape(shape + (-1,)),

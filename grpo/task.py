@@ -67,9 +67,9 @@ from zoo.data.files import indexed_rows, load_dataset_rows
 from zoo.data.row_origin import bad_row
 from zoo.errors import UserError
 from zoo.lora.adapters import LoraConfig, lora_scale
+from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 from zoo.model.logps import batch_logps
-from zoo.model.quant import cast_params
 
 
 class GRPOTask(Task):
@@ -258,9 +258,7 @@ class GRPOTask(Task):
         p = self.rollouts.programs
         rows = jax.ShapeDtypeStruct(p.shape + (self.cfg.data.seq_len + 1,), jnp.int32, sharding=p.sharding)
         step = jax.ShapeDtypeStruct((), jnp.int32, sharding=p.replicated)
-        lora = trainable if p.lora_scale is not None else None
-        base = frozen if p.lora_scale is not None else trainable
-        return {"sampler": p.sample.lower(base, lora, step, rows, rows)}
+        return {"sampler": p.sample.lower(Weights.of(trainable, frozen, p.lora_scale), step, rows, rows)}
 
     def program_kv_cache(self) -> dict[str, int]:
         """Bytes a chip holds of the sampler's KV cache (:meth:`compile_programs`' rows: the step's prompts, G
@@ -323,17 +321,16 @@ class GRPOTask(Task):
         fields = ("old_logps",) * (g.num_iterations > 1) + ("ref_logps",) * (g.beta > 0)
         return self.rows.layout(grad_accum, micro, seq_len, fields)
 
-    def loss_sums(self, mcfg: ModelConfig, params: dict, mb: RolloutBatch, compute: Any, remat: str, *,
-                  frozen_inputs: Any = None, totals: Any = None, step: jax.Array | None = None,
-                  **forward_kwargs: Any) -> LossOutput:
+    def loss_sums(self, mcfg: ModelConfig, weights: Weights, mb: RolloutBatch, compute: Any, remat: str, *,
+                  frozen_inputs: Any = None, totals: Any = None, step: jax.Array | None = None) -> LossOutput:
         """A micro-batch of rollout rows' loss sum and count (the estimator's objective: grpo/advantages.py), its
         token means as :class:`pretrain.metrics.Ratio` metrics and the sampler's log-probability gap as a
         :class:`Max`."""
-        p = cast_params(params, compute)
+        w = weights.cast(compute)
         # A rollout row is one document (prompt + completion, then padding: eval.rollout.assemble), or a group's
         # prompt and its G completions (assemble_groups), read back one row per completion.
-        logp, entropy, aux = batch_logps(mcfg, p, mb.arrays(), remat, temperature=float(self.grpo.temperature),
-                                         entropy=True, max_segments=self.rows.segments, **forward_kwargs)
+        logp, entropy, aux = batch_logps(mcfg, w, mb.arrays(), remat, temperature=float(self.grpo.temperature),
+                                         entropy=True, max_segments=self.rows.segments)
         logp, entropy = self.rows.completions(logp), self.rows.completions(entropy)
         sg = jax.lax.stop_gradient
         old = sg(logp) if mb.old_logps is None else mb.old_logps

@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from pretrain.metrics import LossOutput
 from pretrain.task import PretrainTask, Task
 from zoo.compiled.compiler import compile_lowered
+from zoo.lora.weights import Weights
 from zoo.memory import release_free_memory
 from zoo.model.config import ModelConfig
 from zoo.model.sharding import mesh_context
@@ -75,16 +76,15 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any,
 def _loss_of(task: Task, mcfg: ModelConfig, compute: Any, remat: str, lora_scale: float | None,
              lora_dropout: float) -> Callable[..., LossOutput]:
     """The task's loss of a micro-batch as a function of the trained weights: the whole model's, or with
-    ``lora_scale`` LoRA's adapters on the frozen base (the third argument), dropout drawn from ``rng``."""
+    ``lora_scale`` LoRA's adapters on the frozen base (the third argument), dropout drawn from ``rng``; the task
+    gets them as one :class:`zoo.lora.weights.Weights`."""
 
     def loss_of(trainable: dict, mb: Any, frozen: Any, frozen_inputs: Any = None,
                 rng: jax.Array | None = None, totals: Any = None,
                 step_number: jax.Array | None = None) -> LossOutput:
-        kw = {"frozen_inputs": frozen_inputs, "totals": totals, "step": step_number}
-        if lora_scale is None:
-            return task.loss_sums(mcfg, trainable, mb, compute, remat, **kw)
-        return task.loss_sums(mcfg, frozen, mb, compute, remat, lora=trainable, lora_scale=lora_scale,
-                              lora_dropout=lora_dropout, dropout_rng=rng, **kw)
+        weights = Weights.of(trainable, frozen, lora_scale, lora_dropout, rng)
+        return task.loss_sums(mcfg, weights, mb, compute, remat, frozen_inputs=frozen_inputs, totals=totals,
+                              step=step_number)
 
     return loss_of
 

@@ -35,10 +35,10 @@ from zoo.data.batching import Document
 from zoo.data.files import load_rows
 from zoo.errors import UserError
 from zoo.lora.adapters import LoraConfig
+from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 from zoo.model.decoder import forward, stored_head
 from zoo.model.loss import next_token_nll_sum
-from zoo.model.quant import cast_params
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase as Tokenizer
@@ -183,15 +183,16 @@ class Task:
         can be lowered and compiled without data (call after :meth:`prepare` where that decides the layout)."""
         return self.batch_class.layout((grad_accum, micro, seq_len))
 
-    def loss_sums(self, mcfg: ModelConfig, params: dict, mb: Any, compute: DTypeLike, remat: str, *,
-                  frozen_inputs: Any = None, totals: Any = None, step: jax.Array | None = None,
-                  **forward_kwargs: Any) -> LossOutput:
+    def loss_sums(self, mcfg: ModelConfig, weights: Weights, mb: Any, compute: DTypeLike, remat: str, *,
+                  frozen_inputs: Any = None, totals: Any = None, step: jax.Array | None = None) -> LossOutput:
         """One micro-batch's :class:`LossOutput` (``mb``: a :attr:`batch_class`): the objective to differentiate,
         the loss sum and its count, and the task's metrics, each declaring its reduction (:mod:`pretrain.metrics`).
 
-        ``forward_kwargs`` (LoRA adapters, scale, dropout rate and key) go to
-        the model's forward pass. The metrics are combined over micro-batches
-        and logged finished (eval: with an ``eval_`` prefix).
+        ``weights`` (:class:`zoo.lora.weights.Weights`: the base, LoRA's
+        adapters, their scale and dropout) go to the model's forward pass; only
+        the trained ones (:attr:`Weights.trained`) are differentiated. The
+        metrics are combined over micro-batches and logged finished (eval:
+        with an ``eval_`` prefix).
         """
         raise NotImplementedError
 
@@ -254,23 +255,23 @@ class Task:
         return []
 
 
-def next_token_loss_sums(mcfg: ModelConfig, params: dict, mb: TokenBatch, compute: DTypeLike, remat: str,
-                         **forward_kwargs: Any) -> LossOutput:
+def next_token_loss_sums(mcfg: ModelConfig, weights: Weights, mb: TokenBatch, compute: DTypeLike, remat: str,
+                         max_segments: int | None = None) -> LossOutput:
     """Weighted next-token cross-entropy sums (plus MoE router losses) of a micro-batch.
 
     Sums, not means: the step divides by the target count of the whole global
     batch, so splitting it over devices or accumulation steps changes nothing.
     """
     moe = mcfg.num_experts > 0
-    p = cast_params(params, compute)
-    out = forward(mcfg, p, mb.inputs, mb.segment_ids, mb.positions, return_aux=moe, remat=remat,
-                  return_hidden=True, **forward_kwargs)
+    w = weights.cast(compute)
+    out = forward(mcfg, w, mb.inputs, mb.segment_ids, mb.positions, return_aux=moe, remat=remat,
+                  return_hidden=True, max_segments=max_segments)
     hidden, aux = cast(tuple[jax.Array, dict], out) if moe else (cast(jax.Array, out), None)
     # Fused head + loss in chunks (zoo.model.loss): the [batch, seq, vocab] logits are never stored. With LoRA
     # adapters the head is frozen, so its gradient is not even computed.
-    head, vocab_major = stored_head(mcfg, p)
+    head, vocab_major = stored_head(mcfg, w.base)
     s = next_token_nll_sum(hidden, head, mb.targets, mb.weights, mcfg.final_softcap,
-                           head_grad=forward_kwargs.get("lora") is None, vocab_major=vocab_major)
+                           head_grad=w.adapters is None, vocab_major=vocab_major)
     n = mb.weights.sum()
     total = s + (aux["loss"] * n if aux is not None else 0.0)
     return LossOutput(total, s, n)
@@ -298,9 +299,7 @@ class PretrainTask(Task):
         """Token ids (+ EOS) of each text row."""
         return Documents(*tokenize_rows(rows.ds, rows.field, tokenizer, path, skip_bad, indices))
 
-    def loss_sums(self, mcfg: ModelConfig, params: dict, mb: TokenBatch, compute: DTypeLike, remat: str, *,
-                  frozen_inputs: Any = None, totals: Any = None, step: jax.Array | None = None,
-                  **forward_kwargs: Any) -> LossOutput:
+    def loss_sums(self, mcfg: ModelConfig, weights: Weights, mb: TokenBatch, compute: DTypeLike, remat: str, *,
+                  frozen_inputs: Any = None, totals: Any = None, step: jax.Array | None = None) -> LossOutput:
         """Next-token cross-entropy over every target."""
-        return next_token_loss_sums(mcfg, params, mb, compute, remat, max_segments=self.row_segments,
-                                    **forward_kwargs)
+        return next_token_loss_sums(mcfg, weights, mb, compute, remat, max_segments=self.row_segments)

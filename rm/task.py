@@ -47,9 +47,9 @@ from rm.config import RMConfig
 from zoo.checkpoints.method_card import MethodCard, settings
 from zoo.data.batching import Document
 from zoo.data.files import indexed_rows
+from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 from zoo.model.pooling import last_positions
-from zoo.model.quant import cast_params
 
 INIT_STD = 0.02  # transformers' initializer_range default: how a fresh score head is drawn
 
@@ -66,20 +66,22 @@ class RewardBatch(PairBatch):
         return {**PairBatch.dtypes(), "margin": FLOAT}
 
 
-def pair_scores(mcfg: ModelConfig, params: dict, mb: PairBatch, remat: str = "none",
-                **forward_kwargs: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+def pair_scores(mcfg: ModelConfig, params: dict | Weights, mb: PairBatch,
+                remat: str = "none") -> tuple[jax.Array, jax.Array, jax.Array]:
     """(chosen scores [rows], rejected scores [rows], the MoE router loss or 0) of a batch of pair rows: the score
-    head on each sequence's last non-padding token (``params`` already in the compute dtype)."""
+    head on each sequence's last non-padding token (``params``: the base or :class:`zoo.lora.weights.Weights`,
+    already in the compute dtype)."""
     from zoo.model.decoder import forward
 
     moe = mcfg.num_experts > 0
     out = forward(mcfg, params, mb.inputs, mb.segment_ids, mb.positions, return_aux=moe, remat=remat,
-                  return_hidden=True, prefix_ids=mb.prefix_ids, **forward_kwargs)
+                  return_hidden=True, prefix_ids=mb.prefix_ids)
     hidden, aux = cast(tuple[jax.Array, dict], out) if moe else (cast(jax.Array, out), None)
     # With LoRA the head trains whole beside the adapters (zoo.lora.adapters.whole_weights), in the compute dtype as the
     # full model's would.
-    trained = (forward_kwargs.get("lora") or {}).get("score")
-    head = (params["score"] if trained is None else trained.astype(params["score"].dtype)).astype(jnp.float32)[:, 0]
+    w = Weights.wrap(params)
+    trained, base = (w.adapters or {}).get("score"), w.base["score"]
+    head = (base if trained is None else trained.astype(base.dtype)).astype(jnp.float32)[:, 0]
     rows = jnp.arange(hidden.shape[0])
     scores = [(hidden[rows, last_positions(mb.segment_ids, mb.inputs, seg, mcfg.pad_token_id)]
                .astype(jnp.float32) @ head) for seg in (CHOSEN, REJECTED)]
@@ -182,11 +184,10 @@ class RewardTask(Task):
         """Pair rows with each pair's margin (and a shared prompt's ``prefix_ids``)."""
         return RewardBatch.layout((grad_accum, micro, seq_len), ("prefix_ids",) * self.shared_prompt + ("margin",))
 
-    def loss_sums(self, mcfg: ModelConfig, params: dict, mb: PairBatch, compute: Any, remat: str, *,
-                  frozen_inputs: Any = None, totals: Any = None, step: jax.Array | None = None,
-                  **forward_kwargs: Any) -> LossOutput:
+    def loss_sums(self, mcfg: ModelConfig, weights: Weights, mb: PairBatch, compute: Any, remat: str, *,
+                  frozen_inputs: Any = None, totals: Any = None, step: jax.Array | None = None) -> LossOutput:
         """A micro-batch's summed pair losses over its pair count; TRL's metrics once per micro-batch."""
-        rc, rr, aux = pair_scores(mcfg, cast_params(params, compute), mb, remat, **forward_kwargs)
+        rc, rr, aux = pair_scores(mcfg, weights.cast(compute), mb, remat)
         seg = mb.segment_ids
         keep = ((seg == CHOSEN).any(-1) & (seg == REJECTED).any(-1)).astype(jnp.float32)
         margin = cast(RewardBatch, mb).margin[:, 0]

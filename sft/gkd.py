@@ -28,6 +28,7 @@ from sft.config import SFTConfig
 from sft.task import SFTTask
 from zoo.errors import UserError
 from zoo.lora.adapters import lora_scale
+from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 
 
@@ -51,13 +52,12 @@ class GKDTask(SFTTask):
         self.distill = cfg.distill
         self.teacher_mcfg: ModelConfig | None = None  # distill.teacher's config, once prepare (or compile_layout) read it
 
-    def loss_sums(self, mcfg: ModelConfig, params: dict, mb: TokenBatch, compute: Any, remat: str, *,
-                  frozen_inputs: Any = None, totals: Any = None, step: jax.Array | None = None,
-                  **forward_kwargs: Any) -> LossOutput:
+    def loss_sums(self, mcfg: ModelConfig, weights: Weights, mb: TokenBatch, compute: Any, remat: str, *,
+                  frozen_inputs: Any = None, totals: Any = None, step: jax.Array | None = None) -> LossOutput:
         """GKD's generalized JSD against the teacher (``frozen_inputs``: its params), summed over the trained
         targets (distill/losses.py)."""
-        return distill_loss_sums(mcfg, params, cast(ModelConfig, self.teacher_mcfg), frozen_inputs, mb, compute,
-                                 remat, self.distill.beta, **forward_kwargs)
+        return distill_loss_sums(mcfg, weights, cast(ModelConfig, self.teacher_mcfg), frozen_inputs, mb, compute,
+                                 remat, self.distill.beta)
 
     def prepare(self, ctx: RunContext) -> dict:
         """The frozen teacher's params (the step's frozen inputs), loaded on the run's mesh."""
@@ -127,9 +127,7 @@ class OnlineGKDTask(GKDTask):
         """The samplers lowered for ``--compile-only`` (after :meth:`compile_layout`): the student's, and with
         ``distill.seq_kd`` the teacher's, each for one micro-batch's prompts."""
         assert self.sampling is not None, "compile_layout first"
-        lora = trainable if self.sampling.lora_scale is not None else None
-        base = frozen if lora is not None else trainable
-        return self.sampling.lowered(base, lora, self.abstract_teacher)
+        return self.sampling.lowered(trainable, frozen, self.abstract_teacher)
 
     def program_kv_cache(self) -> dict[str, int]:
         """Bytes a chip holds of each sampler's KV cache (one micro-batch of prompts, ``distill.max_new_tokens``

@@ -19,6 +19,7 @@ from sft.config import SFTConfig, SFTDataSection
 from zoo.checkpoints.method_card import MethodCard, settings
 from zoo.data.files import indexed_rows, load_dataset_rows
 from zoo.errors import UserError
+from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 
 
@@ -61,9 +62,7 @@ class SFTTask(Task):
                                     path, skip_bad)
         return Documents({i: {"tokens": ids, "loss_mask": mask} for i, (ids, mask) in out.items()}, bad)
 
-    def loss_sums(self, mcfg: ModelConfig, params: dict, mb: TokenBatch, compute: Any, remat: str, *,
-                  frozen_inputs: Any = None, totals: Any = None, step: jax.Array | None = None,
-                  **forward_kwargs: Any) -> LossOutput:
+    def loss_sums(self, mcfg: ModelConfig, weights: Weights, mb: TokenBatch, compute: Any, remat: str, *,
+                  frozen_inputs: Any = None, totals: Any = None, step: jax.Array | None = None) -> LossOutput:
         """Next-token cross-entropy over the trained (masked-in) targets only."""
-        return next_token_loss_sums(mcfg, params, mb, compute, remat, max_segments=self.row_segments,
-                                    **forward_kwargs)
+        return next_token_loss_sums(mcfg, weights, mb, compute, remat, max_segments=self.row_segments)

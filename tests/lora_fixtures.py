@@ -17,6 +17,7 @@ from zoo.checkpoints.adapter import adapter_meta
 from zoo.checkpoints.format import read_meta
 from zoo.checkpoints.writer import CheckpointWriter, save_params
 from zoo.lora.adapters import LoraConfig, init_lora, lora_scale, lora_specs
+from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 from zoo.model.decoder import forward
 from zoo.model.params import flatten, nest, param_specs
@@ -63,7 +64,7 @@ def random_lora(cfg: ModelConfig, lc: LoraConfig, random: bool = False) -> dict:
 
 def lora_lm_loss(cfg, params, lora, lcfg, tokens, remat="none"):
     """Next-token cross-entropy (mean) of the model with adapters ``lora`` on ``tokens`` (tests/test_quant_model.py)."""
-    logits = forward(cfg, params, tokens, lora=lora, lora_scale=lora_scale(lcfg), remat=remat)
+    logits = forward(cfg, Weights(params, lora, lora_scale(lcfg)), tokens, remat=remat)
     logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32))
     return -jnp.take_along_axis(logp, tokens[:, 1:, None], -1).mean()
 

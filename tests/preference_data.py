@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from prefs.batch import KTOBatch
+from zoo.lora.weights import Weights
 
 DPO_COLORS = "red blue green yellow black white".split()
 
@@ -59,4 +60,5 @@ class LookupRows(KTOBatch):
 def lookup_batch_logps(mcfg, params, mb, remat="none", **kw):
     """zoo.model.logps.batch_logps with the forward pass replaced by the batch's fixed per-token log-probabilities,
     moved by the one parameter ``b`` along ``fake_coef`` (its mean logits: ``fake_logits``)."""
-    return mb["fake_logps"] + params["b"] * mb["fake_coef"], mb["fake_logits"], None
+    b = Weights.wrap(params).base["b"]
+    return mb["fake_logps"] + b * mb["fake_coef"], mb["fake_logits"], None

@@ -20,6 +20,7 @@ import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from pretrain.batch import TokenBatch
 from pretrain.task import next_token_loss_sums
+from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 from zoo.model.params import init_params, param_specs, nest
 from zoo.model.sharding import make_mesh, named_sharding
@@ -47,7 +48,7 @@ out = {}
 for name, cfg in models.items():
     params = init_params(cfg, jax.random.PRNGKey(1))
     def loss(p, b):
-        o = next_token_loss_sums(cfg, p, b, jnp.float32, "none")
+        o = next_token_loss_sums(cfg, Weights(p), b, jnp.float32, "none")
         return o.loss, o.count
     f = jax.value_and_grad(loss, has_aux=True)
     (ref, n), g_ref = jax.jit(f)(params, batch)

@@ -13,6 +13,7 @@ from pretrain.task import task_for
 from sft.cli import sft_tasks  # the tasks `sft train` picks from: a GKD variant for distill.teacher
 from sft.config import SFTConfig
 from zoo.errors import UserError
+from zoo.lora.weights import Weights
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -89,6 +90,7 @@ def test_step_loss_and_gradient_equal_trl_in_micro_batches(monkeypatch) -> None:
         data_weights[r, :n] = 1
 
     def fake_forward(mcfg, params, inputs, *args, **kwargs):
+        params = Weights.wrap(params).base
         if "b" in params:
             return jnp.asarray(s_tab, jnp.float32)[inputs] + params["b"] * jnp.asarray(c_tab, jnp.float32)[inputs]
         return jnp.asarray(t_tab, jnp.float32)[inputs]

@@ -114,6 +114,7 @@ def test_expert_adapter_gradients_equal_a_dense_loop(base):
     gives the dense loop's output and adapter gradients; on an NF4 base (QLoRA) the loop reads the dequantized
     stacks. Every adapter (A and B of the experts' and the shared expert's three projections) has a gradient."""
     from zoo.layers.moe import moe_mlp
+    from zoo.lora.projections import LayerLora
 
     lc = LoraConfig(rank=2, targets=[*EXPERTS, "shared_experts.gate_proj", "shared_experts.up_proj",
                                      "shared_experts.down_proj"])
@@ -129,7 +130,7 @@ def test_expert_adapter_gradients_equal_a_dense_loop(base):
     scale = 2.0
 
     def ours(lora):
-        return moe_mlp(x, p, MOE, jnp.ones(x.shape[:2], bool), lora, scale)[0]
+        return moe_mlp(x, p, MOE, jnp.ones(x.shape[:2], bool), LayerLora(lora, scale))[0]
 
     def loop(lora):
         return _dense_loop(x.reshape(-1, MOE.hidden_size), ref_p, lora, scale).reshape(x.shape)
@@ -196,6 +197,7 @@ import jax, jax.numpy as jnp, numpy as np
 from zoo.model import quant
 from zoo.model.config import ModelConfig
 from zoo.lora.adapters import LoraConfig, init_lora, lora_scale, lora_specs
+from zoo.lora.weights import Weights
 from zoo.model.decoder import forward
 from zoo.model.params import flatten, nest, param_specs
 from zoo.model.sharding import make_mesh, named_sharding
@@ -224,7 +226,7 @@ for name, (cfg, targets, gate) in cases.items():
             params[path] = quant.quantize(params[path], lead, contract, "nf4", True)
 
     def loss(adapters, params):
-        logits = forward(cfg, params, tokens, lora=adapters, lora_scale=lora_scale(lc))
+        logits = forward(cfg, Weights(params, adapters, lora_scale(lc)), tokens)
         return -jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]), tokens[:, 1:, None], -1).mean()
 
     grad = jax.value_and_grad(loss)

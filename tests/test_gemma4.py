@@ -267,6 +267,7 @@ def test_expert_adapters_equal_a_dense_loop(base):
     from zoo.kernels.choice import target
     from zoo.layers.moe import parallel_moe_block
     from zoo.lora.adapters import LoraConfig
+    from zoo.lora.projections import LayerLora
     from zoo.model import quant
     from zoo.model.params import flatten
 
@@ -289,7 +290,7 @@ def test_expert_adapters_equal_a_dense_loop(base):
     scale = 2.0
 
     def ours(lora):
-        return parallel_moe_block(x, p, run, jnp.ones(x.shape[:2], bool), lora, scale)[0]
+        return parallel_moe_block(x, p, run, jnp.ones(x.shape[:2], bool), LayerLora(lora, scale))[0]
 
     def loop(lora):
         return _moe_block_loop(x.reshape(-1, cfg.hidden_size), ref_p, lora, scale, cfg).reshape(x.shape)

@@ -108,6 +108,7 @@ def test_sampler_logps_equal_a_teacher_forced_forward(setup):
     for i, pr in enumerate(prompts):
         tokens[i * g:(i + 1) * g, :len(pr)], valid[i * g:(i + 1) * g, :len(pr)] = pr, True
     from zoo.lora.adapters import LoraConfig, init_lora, lora_scale
+    from zoo.lora.weights import Weights
 
     lora_cfg = LoraConfig(rank=4, alpha=8.0, targets="all")
     lora = init_lora(cfg, lora_cfg, jax.random.key(1))  # B = 0: nonzero B below, so the adapters add something
@@ -116,13 +117,13 @@ def test_sampler_logps_equal_a_teacher_forced_forward(setup):
         if str(path[-1]) == "['b']" else x, lora)
     for temperature, top_k, adapters in ((1.0, 0, None), (0.7, 5, None), (1.0, 0, lora)):
         spec = RolloutSpec(g, t, Sampler(temperature, top_k, 1.0), (1,))
-        kw = {} if adapters is None else {"lora": adapters, "lora_scale": lora_scale(lora_cfg)}
-        comp, logps, lengths = sample_group_completions(cfg, params, tokens, valid, spec, jax.random.key(3), **kw)
+        policy = Weights(params, adapters, None if adapters is None else lora_scale(lora_cfg))
+        comp, logps, lengths = sample_group_completions(cfg, policy, tokens, valid, spec, jax.random.key(3))
         comp, logps, lengths = np.asarray(comp), np.asarray(logps), np.asarray(lengths)
         assert (lengths >= 1).all() and (lengths <= t).all()
         b = assemble(jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(comp), jnp.asarray(lengths),
                      {"sampler": jnp.asarray(logps)}, {}, jnp.ones(len(tokens), bool))
-        trainer = np.asarray(batch_logps(cfg, params, b, temperature=temperature, **kw)[0])
+        trainer = np.asarray(batch_logps(cfg, policy, b, temperature=temperature)[0])
         w = np.asarray(b["weights"]) > 0
         assert w.sum() == lengths.sum()
         np.testing.assert_allclose(trainer[w], np.asarray(b["sampler"])[w], atol=1e-5)
@@ -138,7 +139,7 @@ def test_sampler_logps_equal_a_teacher_forced_forward(setup):
         shared = assemble_groups(jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(comp), jnp.asarray(lengths),
                                  {"sampler": jnp.asarray(logps)}, {}, jnp.asarray(trained), g)
         assert shared["inputs"].shape == (len(prompts), p - 1 + g * (t + 1))  # one row per group
-        per_pos = batch_logps(cfg, params, shared, temperature=temperature, max_segments=g + 1, **kw)[0]
+        per_pos = batch_logps(cfg, policy, shared, temperature=temperature, max_segments=g + 1)[0]
         got = np.asarray(completion_view(per_pos, p, g, t))
         w = np.asarray(shared["weights"]) > 0
         assert w.sum() == lengths.sum() - lengths[4] and not w[4].any()

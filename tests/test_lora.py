@@ -18,6 +18,7 @@ from tests.processes import devices_env
 from tests.program_checks import saved_residuals
 from zoo.errors import UserError
 from zoo.lora.adapters import LoraConfig, lora_scale, lora_specs, merge_lora
+from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 from zoo.model.decoder import forward
 from zoo.model.params import flatten, nest, param_specs
@@ -29,7 +30,7 @@ _forward = jax.jit(forward, static_argnums=(0,))
 def _logits(cfg: ModelConfig, params: dict, lora: dict | None = None, scale: float | None = None) -> np.ndarray:
     """Jitted forward on LORA_TOKENS (the scale is traced, so scales share one compilation)."""
     scale = None if lora is None else jnp.float32(scale)
-    return np.asarray(_forward(cfg, params, LORA_TOKENS, lora=lora, lora_scale=scale))
+    return np.asarray(_forward(cfg, Weights(params, lora, scale), LORA_TOKENS))
 
 
 def _max_diff(a, b) -> float:
@@ -99,7 +100,7 @@ def test_rslora_scales_by_the_square_root_of_the_rank():
 
 
 def _loss(cfg, params, lora, scale):
-    logp = jax.nn.log_softmax(forward(cfg, params, LORA_TOKENS, lora=lora, lora_scale=scale))
+    logp = jax.nn.log_softmax(forward(cfg, Weights(params, lora, scale), LORA_TOKENS))
     return -jnp.take_along_axis(logp[:, :-1], LORA_TOKENS[:, 1:, None], -1).mean()
 
 
@@ -146,7 +147,7 @@ def test_adapters_keep_no_extra_activations_and_no_weight_copies():
     lc = LoraConfig(rank=4)
     params, lora = lora_base_params(cfg), random_lora(cfg, lc)
     tokens = LORA_TOKENS[:, :8]
-    residuals = saved_residuals(lambda l: forward(cfg, params, tokens, lora=l, lora_scale=2.0).sum(), lora)
+    residuals = saved_residuals(lambda l: forward(cfg, Weights(params, l, 2.0), tokens).sum(), lora)
     assert sum(shape == (4, 2, 8, 64) for shape, _ in residuals) == 3, residuals
     adapter_shapes = {v.shape for v in flatten(lora).values()}  # stacked over layers, as scanned
     kept = [(shape, src) for shape, src in residuals if shape in adapter_shapes]
@@ -194,7 +195,7 @@ def test_bad_targets_are_user_errors():
         lora_specs(LORA_CONFIGS["deepseek"], LoraConfig(targets=["q_proj", "o_proj"]))
     cfg = LORA_CONFIGS["llama"]
     with pytest.raises(ValueError, match="lora_scale"):
-        forward(cfg, lora_base_params(cfg), LORA_TOKENS, lora=random_lora(cfg, LoraConfig(rank=4)))
+        forward(cfg, Weights(lora_base_params(cfg), random_lora(cfg, LoraConfig(rank=4))), LORA_TOKENS)
 
 
 MESH_SCRIPT = r"""
@@ -202,6 +203,7 @@ import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from tests.lora_fixtures import LORA_CONFIGS, LORA_TOKENS, lora_base_params, random_lora
 from zoo.lora.adapters import LoraConfig, lora_scale, lora_specs
+from zoo.lora.weights import Weights
 from zoo.model.decoder import forward
 from zoo.model.params import flatten, nest, param_specs
 from zoo.model.sharding import make_mesh, named_sharding
@@ -209,7 +211,7 @@ assert len(jax.devices()) == 8
 cfg, lc = LORA_CONFIGS["llama"], LoraConfig(rank=4)
 params = lora_base_params(cfg)
 lora = random_lora(cfg, lc, random=True)
-f = jax.jit(lambda p, l: forward(cfg, p, LORA_TOKENS, lora=l, lora_scale=lora_scale(lc)))
+f = jax.jit(lambda p, l: forward(cfg, Weights(p, l, lora_scale(lc)), LORA_TOKENS))
 one = np.asarray(f(params, lora))
 out = {}
 for name, sizes in {"fsdp8": dict(fsdp=8), "fsdp2-tensor4": dict(fsdp=2, tensor=4)}.items():
@@ -244,15 +246,14 @@ def test_sharded_adapters_on_8_devices_equal_one_device():
 
 # LoRA dropout (peft's lora_dropout): the adapter reads dropout(x), the base weight x; training only.
 
-_forward_drop = jax.jit(forward, static_argnums=(0,), static_argnames=("lora_dropout",))
+_forward_drop = jax.jit(forward, static_argnums=(0,))  # the dropout rate, a Python float: static in Weights
 DROP_KEY = jax.random.key(7)
 
 
 def _dropped_logits(cfg: ModelConfig, params: dict, lora: dict, scale: float, rate: float,
                     key: jax.Array | None = DROP_KEY) -> np.ndarray:
     """Jitted forward on LORA_TOKENS with LoRA dropout ``rate`` drawn from ``key``."""
-    return np.asarray(_forward_drop(cfg, params, LORA_TOKENS, lora=lora, lora_scale=jnp.float32(scale),
-                                    lora_dropout=rate, dropout_rng=key))
+    return np.asarray(_forward_drop(cfg, Weights(params, lora, jnp.float32(scale), rate, key), LORA_TOKENS))
 
 
 DROPOUT_MODELS = ["llama", "gemma2", "mixtral", "deepseek"]
@@ -268,12 +269,12 @@ def test_no_dropout_rate_or_no_key_is_exactly_the_plain_forward(name):
     assert np.array_equal(_dropped_logits(cfg, params, lora, lora_scale(lc), 0.5, None), want)
 
     def program(**kw):
-        return str(jax.make_jaxpr(lambda l: forward(cfg, params, LORA_TOKENS, lora=l, lora_scale=2.0, **kw))(lora))
+        return str(jax.make_jaxpr(lambda l: forward(cfg, Weights(params, l, 2.0, **kw), LORA_TOKENS))(lora))
 
     plain = program()
-    assert program(lora_dropout=0.0, dropout_rng=DROP_KEY) == plain
-    assert program(lora_dropout=0.5) == plain
-    assert program(lora_dropout=0.5, dropout_rng=DROP_KEY) != plain  # the comparison has teeth
+    assert program(dropout=0.0, rng=DROP_KEY) == plain
+    assert program(dropout=0.5) == plain
+    assert program(dropout=0.5, rng=DROP_KEY) != plain  # the comparison has teeth
 
 
 @pytest.mark.parametrize("name", DROPOUT_MODELS)
@@ -308,8 +309,8 @@ def test_dropout_is_unbiased():
     scale = 0.05
     plain = _logits(cfg, params, lora, scale)
     keys = jax.random.split(jax.random.key(3), 64)
-    samples = np.asarray(jax.jit(jax.vmap(lambda k: forward(cfg, params, LORA_TOKENS, lora=lora, lora_scale=scale,
-                                                            lora_dropout=0.5, dropout_rng=k)))(keys))
+    samples = np.asarray(jax.jit(jax.vmap(lambda k: forward(cfg, Weights(params, lora, scale, 0.5, k),
+                                                            LORA_TOKENS)))(keys))
 
     def rms(x):
         return float(np.sqrt(np.mean(np.square(x - plain))))
@@ -338,8 +339,7 @@ def _dropout_grad(cfg: ModelConfig, remat: str, lora: dict, params: dict, key: j
     """d(next-token loss)/d(adapters) with LoRA dropout 0.5 drawn from ``key`` (traced: one compilation)."""
 
     def loss(l):
-        logits = forward(cfg, params, LORA_TOKENS, remat=remat, lora=l, lora_scale=2.0, lora_dropout=0.5,
-                         dropout_rng=key)
+        logits = forward(cfg, Weights(params, l, 2.0, 0.5, key), LORA_TOKENS, remat=remat)
         logp = jax.nn.log_softmax(logits)
         return -jnp.take_along_axis(logp[:, :-1], LORA_TOKENS[:, 1:, None], -1).mean()
 

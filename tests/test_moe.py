@@ -169,6 +169,7 @@ import json, sys
 import jax, jax.numpy as jnp, numpy as np
 import zoo
 from zoo.lora.adapters import LoraConfig, init_lora, lora_scale, lora_specs
+from zoo.lora.weights import Weights
 from zoo.model.decoder import forward
 from zoo.model.params import flatten, nest, param_specs
 from zoo.model.sharding import make_mesh, named_sharding
@@ -184,8 +185,8 @@ tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (4, 32)), jnp.int32)
 seg = jnp.asarray(np.repeat([[1] * 20 + [2] * 8 + [0] * 4], 4, 0), jnp.int32)  # packed, with padding
 
 def loss(params, adapters, tokens, seg):
-    logits, aux = forward(cfg, params, tokens, segment_ids=seg, return_aux=True, lora=adapters,
-                          lora_scale=lora_scale(lcfg))
+    logits, aux = forward(cfg, Weights(params, adapters, lora_scale(lcfg)), tokens, segment_ids=seg,
+                          return_aux=True)
     nll = -jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]), tokens[:, 1:, None], -1)[..., 0]
     return (nll * (seg[:, 1:] > 0)).sum() / (seg[:, 1:] > 0).sum() + aux["loss"]
 

@@ -10,6 +10,7 @@ from pretrain.batch import TokenBatch
 from pretrain.data.pipeline import fit_documents, packed_batches
 from pretrain.task import next_token_loss_sums
 from zoo.data.batching import to_model_batch
+from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 from zoo.model.decoder import Decoder
 
@@ -88,7 +89,7 @@ def test_packed_loss_equals_examples_run_one_by_one():
         s = n = 0.0
         for b in batches:
             mb = TokenBatch.of({k: jnp.asarray(v) for k, v in to_model_batch(b).items()})
-            out = next_token_loss_sums(CFG, params, mb, jnp.float32, "none")
+            out = next_token_loss_sums(CFG, Weights(params), mb, jnp.float32, "none")
             s, n = s + float(out.loss), n + float(out.count)
         return s, n
 

@@ -147,6 +147,7 @@ def test_lora_sft_trains_only_adapters_and_final_merges(setup, tmp_path, capsys)
     # zoo.load merges: its logits equal the base forward with the adapters beside it.
     from zoo.checkpoints.adapter import load_adapters, lora_config
     from zoo.lora.adapters import lora_scale
+    from zoo.lora.weights import Weights
     from zoo.model.decoder import forward
 
     merged = zoo.load(final)
@@ -154,7 +155,7 @@ def test_lora_sft_trains_only_adapters_and_final_merges(setup, tmp_path, capsys)
     adapters = load_adapters(final, meta)
     tokens = jax.numpy.asarray(np.arange(1, 21, dtype=np.int32)[None])
     fwd = jax.jit(forward, static_argnums=0)  # one compilation, not one per operation
-    unmerged = fwd(merged.cfg, base, tokens, lora=adapters, lora_scale=lora_scale(lora_config(meta)))
+    unmerged = fwd(merged.cfg, Weights(base, adapters, lora_scale(lora_config(meta))), tokens)
     assert np.abs(np.asarray(merged(tokens)) - np.asarray(unmerged)).max() <= 1e-5
     assert np.abs(np.asarray(merged(tokens)) - np.asarray(fwd(merged.cfg, base, tokens))).max() > 1e-3
     # zoo export writes the merged model (streaming, one layer at a time).
@@ -348,6 +349,7 @@ def test_qlora_sft_trains_resumes_and_merges_into_the_dequantized_base(setup, tm
     step configuration."""
     from zoo.checkpoints.adapter import load_adapters, lora_config
     from zoo.lora.adapters import lora_scale
+    from zoo.lora.weights import Weights
     from zoo.model.decoder import forward, quant
     from zoo.model.params import flatten, nest
 
@@ -373,12 +375,13 @@ def test_qlora_sft_trains_resumes_and_merges_into_the_dequantized_base(setup, tm
     qbase = {k: quant.quantize(np.asarray(v), *paths[k], "nf4", True) if k in paths else v for k, v in base.items()}
     deq = nest({k: quant.dequantize(v) if isinstance(v, quant.QuantizedWeight) else v for k, v in qbase.items()})
     tokens = jax.numpy.asarray(np.arange(1, 21, dtype=np.int32)[None])
-    trained = forward(merged.cfg, nest(qbase), tokens, lora=a, lora_scale=lora_scale(lora_config(meta)))
-    beside = forward(merged.cfg, deq, tokens, lora=a, lora_scale=lora_scale(lora_config(meta)))
+    scale = lora_scale(lora_config(meta))
+    trained = forward(merged.cfg, Weights(nest(qbase), a, scale), tokens)
+    beside = forward(merged.cfg, Weights(deq, a, scale), tokens)
     assert np.abs(np.asarray(merged(tokens)) - np.asarray(trained)).max() <= 1e-5
     assert np.abs(np.asarray(trained) - np.asarray(beside)).max() <= 1e-5
-    assert np.abs(np.asarray(merged(tokens)) - np.asarray(forward(merged.cfg, nest(base), tokens, lora=a,
-                  lora_scale=lora_scale(lora_config(meta))))).max() > 1e-4  # the float base would differ
+    assert np.abs(np.asarray(merged(tokens)) - np.asarray(forward(merged.cfg, Weights(nest(base), a, scale),
+                                                                              tokens))).max() > 1e-4  # the float base would differ
     # zoo export streams the same merged weights (the dequantized base + adapters), one layer at a time.
     assert zoo_main(["export", str(final), "--out", str(tmp_path / "hf")]) == 0
     from safetensors.numpy import load_file

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from zoo.kernels.blockwise import blockwise_attention, query_block
 from zoo.kernels.choice import cudnn_attention, kernel_for, platform
 from zoo.layers.blocks import rms_norm
-from zoo.lora.projections import LoraDropout, adapted_dense, layer_adapters, projections
+from zoo.lora.projections import LayerLora, adapted_dense, projections
 from zoo.model.config import ModelConfig
 from zoo.model.context import context_attention, context_size
 from zoo.model.masks import Visibility
@@ -23,22 +23,20 @@ from zoo.model.rope import apply_rope
 
 
 def qkv_heads(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, cfg: ModelConfig,
-              norm_w: jax.Array | None = None, lora: dict | None = None, lora_scale: float | jax.Array = 1.0,
-              drop: LoraDropout | None = None,
+              norm_w: jax.Array | None = None, lora: LayerLora | None = None,
               shared_kv: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Roped q and k, and v, [batch, seq, heads, head_dim] (biases and q/k norms applied) of one attention layer.
 
     With ``norm_w`` x is first RMS-normed by it (fused with the projections:
-    see :func:`zoo.lora.projections.projections`); ``lora``/``lora_scale``/``drop`` are
-    this layer's q/k/v adapters and their dropout. Gemma 4: a layer without a
+    see :func:`zoo.lora.projections.projections`); ``lora`` is this layer's
+    LoRA (its q/k/v adapters, their scale and dropout). Gemma 4: a layer without a
     ``v`` weight takes its values from the key projection (before the key's
     norm and RoPE), ``cfg.v_norm`` RMS-normalizes values without a weight, and
     a KV-shared layer (no ``k``) returns ``shared_kv``, another layer's keys and values.
     """
     b, t, _ = x.shape
     names = tuple(n for n in ("q", "k", "v") if n in p)
-    ys = projections(x, tuple(p[n] for n in names), cfg, norm_w, layer_adapters(lora, names), lora_scale, drop,
-                     names)
+    ys = projections(x, tuple(p[n] for n in names), cfg, norm_w, lora, names)
     heads = dict(zip(names, (y.reshape(b, t, -1, cfg.head_dim) for y in ys)))
     q, k = heads["q"], heads.get("k")
     v = heads.get("v", k)
@@ -125,33 +123,31 @@ def attend(qg: jax.Array, k: jax.Array, v: jax.Array, vis: Visibility, cfg: Mode
     return context_attention(run, qg, k, v, vis) if context_size() > 1 else run(qg, k, v, vis)
 
 
-def output_projection(out: jax.Array, p: dict, cfg: ModelConfig, lora: dict | None = None,
-                      lora_scale: float | jax.Array = 1.0, drop: LoraDropout | None = None) -> jax.Array:
+def output_projection(out: jax.Array, p: dict, cfg: ModelConfig, lora: LayerLora | None = None) -> jax.Array:
     """The attention output [b, t, heads * head_dim] through ``o`` (plus its bias and LoRA adapter) -> [b, t, embed].
 
     ``o`` keeps its stored [heads, head_dim, embed] shape (``contract=2``),
     so the backward pass reads the parameter itself.
     """
-    out = adapted_dense(out, p["o"], layer_adapters(lora, ("o",))[0], lora_scale, contract=2, drop=drop, name="o")
+    out = adapted_dense(out, p["o"], lora, "o", contract=2)
     if cfg.o_bias:
         out = out + p["o_bias"]
     return out
 
 
 def attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, vis: Visibility, cfg: ModelConfig,
-              norm_w: jax.Array | None = None, lora: dict | None = None, lora_scale: float | jax.Array = 1.0,
-              drop: LoraDropout | None = None, shared_kv: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+              norm_w: jax.Array | None = None, lora: LayerLora | None = None,
+              shared_kv: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """Grouped-query self-attention of one layer; x [batch, seq, embed].
 
     ``vis`` says which keys each query sees (:class:`zoo.model.masks.Visibility`: packed documents, the layer's
     sliding window, shared prefixes); no kernel builds it as a [seq, seq] mask (:mod:`zoo.kernels.choice`). With ``norm_w`` x is first RMS-normed by it.
-    ``lora`` holds this layer's LoRA adapters by weight name (q, k, v, o);
-    ``drop`` applies LoRA dropout to their inputs. ``cfg.attention`` picks the kernel (:func:`attend`).
+    ``lora`` is this layer's LoRA: adapters by weight name (q, k, v, o), their scale and dropout. ``cfg.attention`` picks the kernel (:func:`attend`).
     ``shared_kv``: a KV-shared layer's keys and values [b, t, kv_heads, head_dim] (see :func:`qkv_heads`).
     """
-    q, k, v = qkv_heads(x, p, cos, sin, cfg, norm_w, lora, lora_scale, drop, shared_kv)
+    q, k, v = qkv_heads(x, p, cos, sin, cfg, norm_w, lora, shared_kv)
     out = attend(*head_major(q, k, v), vis, cfg, p["sinks"] if cfg.attn_sinks else None)
-    return output_projection(out, p, cfg, lora, lora_scale, drop)
+    return output_projection(out, p, cfg, lora)
 
 
 def mla_heads(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array,

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from zoo.kernels.choice import platform
 from zoo.layers.blocks import ACTIVATIONS, glu_dense, glu_down
-from zoo.lora.projections import LoraDropout, layer_adapters, lora_branch, lora_out, projections
+from zoo.lora.projections import LayerLora, adapter_of, lora_branch, lora_out, projections
 from zoo.model.config import ModelConfig
 from zoo.model.sharding import batch_sharded
 
@@ -31,12 +31,11 @@ def mlp_chunks(batch: int, seq: int) -> int:
     return max([n for n in range(1, min(most, seq) + 1) if seq % n == 0], default=1)
 
 
-def mlp(x: jax.Array, p: dict, cfg: ModelConfig, norm_w: jax.Array | None = None, lora: dict | None = None,
-        lora_scale: float | jax.Array = 1.0, drop: LoraDropout | None = None) -> jax.Array:
+def mlp(x: jax.Array, p: dict, cfg: ModelConfig, norm_w: jax.Array | None = None,
+        lora: LayerLora | None = None) -> jax.Array:
     """Gated MLP (SwiGLU / GeGLU): down(act(gate(x)) * up(x)); with ``norm_w`` x is first RMS-normed by it.
 
-    ``lora`` holds this layer's LoRA adapters by weight name (gate, up, down);
-    ``drop`` applies LoRA dropout to their inputs.
+    ``lora`` is this layer's LoRA: adapters by weight name (gate, up, down), their scale and dropout.
 
     The MLP works on each token alone, so a long batch runs as a scan over
     chunks of the sequence (:func:`mlp_chunks`), each about MLP_CHUNK_TOKENS
@@ -47,33 +46,33 @@ def mlp(x: jax.Array, p: dict, cfg: ModelConfig, norm_w: jax.Array | None = None
     are those of one pass up to float summation order of the weight gradients.
     """
     b, t, _ = x.shape
-    n = 1 if drop is not None else mlp_chunks(b, t)  # dropout masks are drawn for x's whole shape
+    dropout = lora is not None and lora.drop is not None
+    n = 1 if dropout else mlp_chunks(b, t)  # dropout masks are drawn for x's whole shape
     if n == 1:
-        return _mlp(x, p, cfg, norm_w, lora, lora_scale, drop)
+        return _mlp(x, p, cfg, norm_w, lora)
     xs = jnp.moveaxis(x.reshape(b, n, t // n, -1), 1, 0)
-    ys = jax.lax.map(lambda xc: _mlp(xc, p, cfg, norm_w, lora, lora_scale, None), xs)
+    ys = jax.lax.map(lambda xc: _mlp(xc, p, cfg, norm_w, lora), xs)  # no dropout here: one chunk above
     return jnp.moveaxis(ys, 0, 1).reshape(b, t, -1)
 
 
-def _mlp(x: jax.Array, p: dict, cfg: ModelConfig, norm_w: jax.Array | None, lora: dict | None,
-         lora_scale: float | jax.Array, drop: LoraDropout | None) -> jax.Array:
+def _mlp(x: jax.Array, p: dict, cfg: ModelConfig, norm_w: jax.Array | None, lora: LayerLora | None) -> jax.Array:
     """:func:`mlp` in one pass over x; the LoRA adapter of ``down`` joins :func:`zoo.layers.blocks.glu_dense` when it can."""
     names = ("gate", "up")
-    gate, up = projections(x, (p["gate"], p["up"]), cfg, norm_w, layer_adapters(lora, names), lora_scale, drop, names)
+    gate, up = projections(x, (p["gate"], p["up"]), cfg, norm_w, lora, names)
     gate, up = batch_sharded(gate), batch_sharded(up)  # kept for the backward pass: each chip its own rows
     if cfg.mlp_bias:
         gate, up = gate + p["gate_bias"], up + p["up_bias"]
-    down = layer_adapters(lora, ("down",))[0]
-    if down is None:
+    down = adapter_of(lora, "down")
+    if lora is None or down is None:
         out = glu_down(gate, up, p["down"], cfg.hidden_act)
-    elif drop is not None:
+    elif lora.drop is not None:
         # The adapter reads a dropped copy of act(gate) * up, so it cannot share glu_dense's product.
         out = glu_down(gate, up, p["down"], cfg.hidden_act)
         h = ACTIVATIONS[cfg.hidden_act](gate) * up
-        out = out + lora_branch(drop(h, "down"), down, lora_scale, out.dtype)
+        out = out + lora_branch(lora.drop(h, "down"), down, lora.scale, out.dtype)
     else:
         out, u = glu_dense(gate, up, (p["down"], down["a"]), cfg.hidden_act)
-        out = out + lora_out(u, down["b"], lora_scale, out.dtype)
+        out = out + lora_out(u, down["b"], lora.scale, out.dtype)
     if cfg.mlp_bias:
         out = out + p["down_bias"]
     return out

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from zoo.layers.blocks import ACTIVATIONS, dense
 from zoo.layers.grouped import grouped_matmul, grouped_matmul_lora
-from zoo.lora.projections import LoraDropout, lora_out
+from zoo.lora.projections import LayerLora, LoraDropout, adapter_of, drop_of, lora_out
 from zoo.model.config import ModelConfig
 from zoo.model.quant import QuantizedWeight, materialize
 
@@ -75,20 +75,20 @@ def _adapter_input(x: jax.Array, name: str, drop: LoraDropout | None) -> jax.Arr
     return x if drop is None else drop(x, name)
 
 
-def _ragged(xs: jax.Array, p: dict, name: str, sizes: jax.Array, lora: dict | None, scale,
-            drop: LoraDropout | None = None) -> jax.Array:
+def _ragged(xs: jax.Array, p: dict, name: str, sizes: jax.Array, lora: LayerLora | None) -> jax.Array:
     """xs [N, in] through each row's expert's weight ``name`` (rows sorted by expert, ``sizes`` per expert),
-    plus the expert's LoRA adapter, ``scale * (xs @ A) @ B``, when ``lora`` has one.
+    plus the expert's LoRA adapter, ``scale * (xs @ A) @ B``, when the layer's ``lora`` has one.
 
-    With ``drop`` each row (one token's assignment to one expert) gets its own dropout mask, as each
+    With LoRA dropout each row (one token's assignment to one expert) gets its own dropout mask, as each
     expert's own dropout would give it."""
     w = p[name]
-    ad = (lora or {}).get(name)
-    if ad is not None and drop is None and not isinstance(w, QuantizedWeight):
+    ad, drop = adapter_of(lora, name), drop_of(lora)
+    if lora is None or ad is None:
+        return _frozen_ragged_dot(xs, w, sizes) if isinstance(w, QuantizedWeight) else grouped_matmul(xs, w, sizes)
+    scale = lora.scale
+    if drop is None and not isinstance(w, QuantizedWeight):
         return grouped_matmul_lora(xs, w, ad["a"], ad["b"], scale, sizes)  # off TPUs, in the base's own loop
     y = _frozen_ragged_dot(xs, w, sizes) if isinstance(w, QuantizedWeight) else grouped_matmul(xs, w, sizes)
-    if ad is None:
-        return y
     xs = _adapter_input(xs, name, drop)
     # One dtype: the adapter path runs in the adapters' (float32 adapters on a bf16 base).
     u = grouped_matmul(xs.astype(ad["a"].dtype), ad["a"], sizes)
@@ -120,8 +120,7 @@ _frozen_ragged_dot.defvjp(_frozen_ragged_dot_fwd, _frozen_ragged_dot_bwd)
 
 
 def _experts_dropless(x: jax.Array, ids: jax.Array, weights: jax.Array, p: dict, cfg: ModelConfig,
-                      lora: dict | None = None, scale: float | jax.Array = 1.0,
-                      drop: LoraDropout | None = None) -> jax.Array:
+                      lora: LayerLora | None = None) -> jax.Array:
     n, k = ids.shape
     flat = ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)
@@ -129,8 +128,8 @@ def _experts_dropless(x: jax.Array, ids: jax.Array, weights: jax.Array, p: dict,
     sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
     xs = x[token]
     rows = flat[order]
-    h = expert_glu(*_gate_up(xs, p, sizes, lora, scale, drop, rows, cfg), cfg)
-    y = _with_bias(_ragged(h, p, "expert_down", sizes, lora, scale, drop), p, "expert_down", rows, cfg)
+    h = expert_glu(*_gate_up(xs, p, sizes, lora, rows, cfg), cfg)
+    y = _with_bias(_ragged(h, p, "expert_down", sizes, lora), p, "expert_down", rows, cfg)
     y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
     return jnp.zeros_like(x).at[token].add(y)
 
@@ -140,16 +139,16 @@ EXPERT_BIASES = ("expert_gate_bias", "expert_up_bias", "expert_down_bias")  # gp
 FUSED_GATE_UP = "expert_gate_up"  # Gemma 4's experts' gate and up in one stack [X, embed, 2 * moe_mlp], gate first
 
 
-def _gate_up(xs: jax.Array, p: dict, sizes: jax.Array, lora: dict | None, scale, drop: LoraDropout | None,
-             rows: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+def _gate_up(xs: jax.Array, p: dict, sizes: jax.Array, lora: LayerLora | None, rows: jax.Array,
+             cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """(gate, up) of rows xs [N, in] (sorted by expert, ``rows`` each row's expert) through their experts: one
     grouped matmul per stack (plus its adapter and bias), or one of the fused stack (Gemma 4), whose adapter is one
     on the fused weight, as peft's on transformers' ``experts.gate_up_proj``."""
     if FUSED_GATE_UP in p:
-        y = _ragged(xs, p, FUSED_GATE_UP, sizes, lora, scale, drop)
+        y = _ragged(xs, p, FUSED_GATE_UP, sizes, lora)
         return y[:, :y.shape[-1] // 2], y[:, y.shape[-1] // 2:]
-    return (_with_bias(_ragged(xs, p, "expert_gate", sizes, lora, scale, drop), p, "expert_gate", rows, cfg),
-            _with_bias(_ragged(xs, p, "expert_up", sizes, lora, scale, drop), p, "expert_up", rows, cfg))
+    return (_with_bias(_ragged(xs, p, "expert_gate", sizes, lora), p, "expert_gate", rows, cfg),
+            _with_bias(_ragged(xs, p, "expert_up", sizes, lora), p, "expert_up", rows, cfg))
 
 
 def _stack_names(p: dict, cfg: ModelConfig) -> tuple[str, ...]:
@@ -159,7 +158,7 @@ def _stack_names(p: dict, cfg: ModelConfig) -> tuple[str, ...]:
     return EXPERT_WEIGHTS + (EXPERT_BIASES if cfg.expert_bias else ())
 
 
-def _expert_mesh(p: dict, lora: dict | None, drop: LoraDropout | None) -> jax.sharding.AbstractMesh | None:
+def _expert_mesh(p: dict, drop: LoraDropout | None) -> jax.sharding.AbstractMesh | None:
     """The context mesh (:func:`zoo.model.sharding.mesh_context`, set while a train step is lowered) when it splits the
     experts (an ``expert`` axis over 1, dividing the experts) and the experts can run split (float or QLoRA's
     quantized stacks alike; no LoRA dropout); else None (the dropless path as written, partitioned by the
@@ -179,8 +178,7 @@ def _num_experts(w: jax.Array | QuantizedWeight) -> int:
 
 
 def _experts_parallel(x: jax.Array, ids: jax.Array, weights: jax.Array, p: dict, cfg: ModelConfig,
-                      mesh: jax.sharding.AbstractMesh, lora: dict | None = None,
-                      scale: float | jax.Array = 1.0) -> jax.Array:
+                      mesh: jax.sharding.AbstractMesh, lora: LayerLora | None = None) -> jax.Array:
     """:func:`_experts_dropless`, expert-parallel: each device of the ``expert`` axis keeps its own experts
     (the stacks' expert axis split over it) and runs, for the tokens of its (data, fsdp) rows, only the
     assignments to them; the experts' outputs are summed over the axis (a psum).
@@ -199,7 +197,8 @@ def _experts_parallel(x: jax.Array, ids: jax.Array, weights: jax.Array, p: dict,
     local_x = cfg.num_experts // mesh.shape["expert"]
     rows = logical_to_spec(("batch", None), x.shape, mesh)
     stacks = {name: p[name] for name in _stack_names(p, cfg)}
-    adapters = {name: ad for name, ad in (lora or {}).items() if name in stacks}
+    adapters = {name: ad for name, ad in (lora.adapters if lora else {}).items() if name in stacks}
+    scale = 1.0 if lora is None else lora.scale
     expert_split = P("expert")  # the other axes of a stack gathered, as FSDP gathers a layer's weights
 
     # a Python float stays one (weakly typed, closed over), as in _experts_dropless; a traced scale goes in
@@ -219,8 +218,9 @@ def _experts_parallel(x: jax.Array, ids: jax.Array, weights: jax.Array, p: dict,
         ours = (flat[order] < local_x)[:, None]
         xs = jnp.where(ours, x[token], 0)
         ex = flat[order]  # past the local experts for other experts' rows: zeroed below, whatever bias they get
-        h = expert_glu(*_gate_up(xs, stacks, sizes, adapters, scale, None, ex, cfg), cfg)
-        y = _with_bias(_ragged(h, stacks, "expert_down", sizes, adapters, scale), stacks, "expert_down", ex, cfg)
+        local_lora = LayerLora(adapters, scale)  # no dropout: it runs dropless (_expert_mesh)
+        h = expert_glu(*_gate_up(xs, stacks, sizes, local_lora, ex, cfg), cfg)
+        y = _with_bias(_ragged(h, stacks, "expert_down", sizes, local_lora), stacks, "expert_down", ex, cfg)
         w = jnp.where(mine, weights, 0).reshape(-1)[order]
         y = jnp.where(ours, y * w[:, None].astype(y.dtype), 0)
         return jax.lax.psum(jnp.zeros_like(x).at[token].add(y), "expert")
@@ -238,20 +238,18 @@ def _experts_parallel(x: jax.Array, ids: jax.Array, weights: jax.Array, p: dict,
                adapters, jnp.zeros((), jnp.float32) if static_scale is not None else scale)
 
 
-def _per_expert(buf: jax.Array, p: dict, name: str, lora: dict | None, scale,
-                drop: LoraDropout | None = None) -> jax.Array:
+def _per_expert(buf: jax.Array, p: dict, name: str, lora: LayerLora | None) -> jax.Array:
     """Each expert's buffer buf [X, C, in] through its weight ``name`` (plus its LoRA adapter, if any)."""
     y = jnp.einsum("xci,xio->xco", buf, materialize(p[name]))
-    ad = (lora or {}).get(name)
-    if ad is None:
+    ad = adapter_of(lora, name)
+    if lora is None or ad is None:
         return y
-    u = jnp.einsum("xci,xir->xcr", _adapter_input(buf, name, drop), ad["a"])
-    return y + (scale * jnp.einsum("xcr,xro->xco", u, ad["b"])).astype(y.dtype)
+    u = jnp.einsum("xci,xir->xcr", _adapter_input(buf, name, lora.drop), ad["a"])
+    return y + (lora.scale * jnp.einsum("xcr,xro->xco", u, ad["b"])).astype(y.dtype)
 
 
 def _experts_capacity(x: jax.Array, ids: jax.Array, weights: jax.Array, valid: jax.Array, p: dict,
-                      cfg: ModelConfig, lora: dict | None = None, scale: float | jax.Array = 1.0,
-                      drop: LoraDropout | None = None) -> tuple[jax.Array, jax.Array]:
+                      cfg: ModelConfig, lora: LayerLora | None = None) -> tuple[jax.Array, jax.Array]:
     n, k = ids.shape
     X = cfg.num_experts
     assert cfg.capacity_factor is not None  # moe_mlp routes dropless without one
@@ -266,43 +264,43 @@ def _experts_capacity(x: jax.Array, ids: jax.Array, weights: jax.Array, valid: j
     buf = jnp.einsum("nkxc,ne->xce", dispatch, x)
     bias = {n: p[n + "_bias"][:, None].astype(x.dtype) if cfg.expert_bias else 0 for n in EXPERT_WEIGHTS}
     if FUSED_GATE_UP in p:  # Gemma 4 (no expert biases)
-        gate, up = jnp.split(_per_expert(buf, p, FUSED_GATE_UP, lora, scale, drop), 2, axis=-1)
+        gate, up = jnp.split(_per_expert(buf, p, FUSED_GATE_UP, lora), 2, axis=-1)
     else:
-        gate = _per_expert(buf, p, "expert_gate", lora, scale, drop) + bias["expert_gate"]
-        up = _per_expert(buf, p, "expert_up", lora, scale, drop) + bias["expert_up"]
+        gate = _per_expert(buf, p, "expert_gate", lora) + bias["expert_gate"]
+        up = _per_expert(buf, p, "expert_up", lora) + bias["expert_up"]
     h = expert_glu(gate, up, cfg)
-    out = _per_expert(h, p, "expert_down", lora, scale, drop) + bias["expert_down"]
+    out = _per_expert(h, p, "expert_down", lora) + bias["expert_down"]
     combine = dispatch * weights[..., None, None].astype(x.dtype)
     return jnp.einsum("nkxc,xce->ne", combine, out), dropped
 
 
-def _shared(x: jax.Array, p: dict, name: str, lora: dict | None, scale,
-            drop: LoraDropout | None = None) -> jax.Array:
+def _shared(x: jax.Array, p: dict, name: str, lora: LayerLora | None) -> jax.Array:
     """x @ the shared experts' weight ``name`` (plus its LoRA adapter, if any)."""
     y = dense(x, p[name]) if isinstance(p[name], QuantizedWeight) else x @ p[name]
-    ad = (lora or {}).get(name)
-    return y if ad is None else y + lora_out(dense(_adapter_input(x, name, drop), ad["a"]), ad["b"], scale, y.dtype)
+    ad = adapter_of(lora, name)
+    if lora is None or ad is None:
+        return y
+    return y + lora_out(dense(_adapter_input(x, name, lora.drop), ad["a"]), ad["b"], lora.scale, y.dtype)
 
 
-def moe_mlp(x: jax.Array, p: dict, cfg: ModelConfig, valid: jax.Array, lora: dict | None = None,
-            lora_scale: float | jax.Array = 1.0, drop: LoraDropout | None = None) -> tuple[jax.Array, dict]:
+def moe_mlp(x: jax.Array, p: dict, cfg: ModelConfig, valid: jax.Array,
+            lora: LayerLora | None = None) -> tuple[jax.Array, dict]:
     """Routed experts (+ shared experts) for x [batch, seq, embed]; returns output and router statistics.
 
     ``valid`` [batch, seq] marks real tokens (padding is routed but not counted).
-    ``lora`` holds this layer's LoRA adapters by weight name (expert_gate ...
-    shared_down), each expert's adapter stacked on the expert axis like its weight; ``drop`` applies
-    LoRA dropout to their inputs.
+    ``lora`` is this layer's LoRA: adapters by weight name (expert_gate ...
+    shared_down), each expert's adapter stacked on the expert axis like its weight, their scale and
+    dropout.
     """
     b, t, e = x.shape
     xf = x.reshape(-1, e)
     vf = valid.reshape(-1)
     ids, weights, logits = route(xf, p, cfg)
-    out, dropped = _dispatch(xf, ids, weights, vf, p, cfg, lora, lora_scale, drop)
+    out, dropped = _dispatch(xf, ids, weights, vf, p, cfg, lora)
     if cfg.shared_experts:
         act = ACTIVATIONS[cfg.hidden_act]
-        h = (act(_shared(xf, p, "shared_gate", lora, lora_scale, drop))
-             * _shared(xf, p, "shared_up", lora, lora_scale, drop))
-        out = out + _shared(h, p, "shared_down", lora, lora_scale, drop)
+        h = act(_shared(xf, p, "shared_gate", lora)) * _shared(xf, p, "shared_up", lora)
+        out = out + _shared(h, p, "shared_down", lora)
     stats = _router_stats(logits, ids, dropped, vf, cfg)
     return out.reshape(b, t, e), stats
 
@@ -330,8 +328,8 @@ def aux_losses(stats: dict, cfg: ModelConfig) -> dict:
     }
 
 
-def parallel_moe_block(x: jax.Array, p: dict, cfg: ModelConfig, valid: jax.Array, lora: dict | None = None,
-                       lora_scale: float | jax.Array = 1.0, drop: LoraDropout | None = None) -> tuple[jax.Array, dict]:
+def parallel_moe_block(x: jax.Array, p: dict, cfg: ModelConfig, valid: jax.Array,
+                       lora: LayerLora | None = None) -> tuple[jax.Array, dict]:
     """Gemma 4's MoE block for the residual stream x [batch, seq, embed]: the dense MLP of ``mlp_norm(x)`` (normed
     by ``mlp_post_norm``) plus the routed experts of ``moe_norm(x)`` (normed by ``moe_post_norm``); returns their
     sum and the router statistics (as :func:`moe_mlp`'s).
@@ -346,29 +344,28 @@ def parallel_moe_block(x: jax.Array, p: dict, cfg: ModelConfig, valid: jax.Array
 
     b, t, e = x.shape
     eps, off = cfg.rms_norm_eps, cfg.norm_offset
-    dense_out = rms_norm(mlp(x, p, cfg, norm_w=p["mlp_norm"], lora=lora, lora_scale=lora_scale, drop=drop),
+    dense_out = rms_norm(mlp(x, p, cfg, norm_w=p["mlp_norm"], lora=lora),
                          p["mlp_post_norm"], eps, off)
     xf, vf = x.reshape(-1, e), valid.reshape(-1)
     r = rms_norm(xf, jnp.ones((e,), xf.dtype), eps) * p["router_scale"] * e**-0.5
     ids, weights, logits = route(r, p, cfg)
     weights = weights * p["expert_scale"].astype(weights.dtype)[ids]
     xe = rms_norm(xf, p["moe_norm"], eps, off)
-    out, dropped = _dispatch(xe, ids, weights, vf, p, cfg, lora, lora_scale, drop)
+    out, dropped = _dispatch(xe, ids, weights, vf, p, cfg, lora)
     routed = rms_norm(out.reshape(b, t, e), p["moe_post_norm"], eps, off)
     return dense_out + routed, _router_stats(logits, ids, dropped, vf, cfg)
 
 
 def _dispatch(x: jax.Array, ids: jax.Array, weights: jax.Array, valid: jax.Array, p: dict, cfg: ModelConfig,
-              lora: dict | None, lora_scale: float | jax.Array, drop: LoraDropout | None
-              ) -> tuple[jax.Array, jax.Array]:
+              lora: LayerLora | None) -> tuple[jax.Array, jax.Array]:
     """(the experts' weighted sum for tokens x [N, E], tokens dropped over capacity): expert-parallel under a mesh
     with an expert axis, else dropless, or capacity-bound with ``capacity_factor``."""
-    mesh = _expert_mesh(p, lora, drop) if cfg.capacity_factor is None else None
+    mesh = _expert_mesh(p, drop_of(lora)) if cfg.capacity_factor is None else None
     if mesh is not None:
-        return _experts_parallel(x, ids, weights, p, cfg, mesh, lora, lora_scale), jnp.zeros((), jnp.int32)
+        return _experts_parallel(x, ids, weights, p, cfg, mesh, lora), jnp.zeros((), jnp.int32)
     if cfg.capacity_factor is None:
-        return _experts_dropless(x, ids, weights, p, cfg, lora, lora_scale, drop), jnp.zeros((), jnp.int32)
-    return _experts_capacity(x, ids, weights, valid, p, cfg, lora, lora_scale, drop)
+        return _experts_dropless(x, ids, weights, p, cfg, lora), jnp.zeros((), jnp.int32)
+    return _experts_capacity(x, ids, weights, valid, p, cfg, lora)
 
 
 def _router_stats(logits: jax.Array, ids: jax.Array, dropped: jax.Array, vf: jax.Array,

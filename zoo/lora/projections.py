@@ -46,6 +46,32 @@ class LoraDropout:
         return jnp.where(mask, x / keep, 0).astype(x.dtype)
 
 
+@dataclass(frozen=True)
+class LayerLora:
+    """One layer's LoRA as its projections read it: ``adapters`` by weight name ({"a", "b"} each; a routed
+    expert's stacked on the expert axis like its weight), their ``scale``, and the layer's dropout (None: none).
+    The decoder makes one per layer from its :class:`zoo.lora.weights.Weights` (None where a layer has no
+    adapters), so the layers take one value rather than adapters, scale and dropout side by side."""
+
+    adapters: dict
+    scale: float | jax.Array = 1.0
+    drop: LoraDropout | None = None
+
+    def of(self, names: tuple[str, ...]) -> tuple[dict | None, ...]:
+        """The adapter of each named weight (None where it has none)."""
+        return tuple(self.adapters.get(n) for n in names)
+
+
+def adapter_of(lora: LayerLora | None, name: str) -> dict | None:
+    """The adapter of weight ``name`` in a layer's ``lora`` (None without LoRA, or where it has none)."""
+    return None if lora is None else lora.adapters.get(name)
+
+
+def drop_of(lora: LayerLora | None) -> LoraDropout | None:
+    """A layer's LoRA dropout (None without LoRA or without dropout)."""
+    return None if lora is None else lora.drop
+
+
 def lora_branch(x: jax.Array, adapter: dict, scale: float | jax.Array, dtype: Any, contract: int = 1) -> jax.Array:
     """``scale * (x @ A) @ B`` on its own (not fused with a base matmul), cast to ``dtype``.
 
@@ -65,34 +91,35 @@ def lora_out(u: jax.Array, b: jax.Array, scale: float | jax.Array, dtype: Any) -
     return (scale * dense_unnamed(u, b)).astype(dtype)
 
 
-def adapted_dense(x: jax.Array, w: jax.Array, adapter: dict | None, scale: float | jax.Array,
-                  contract: int = 1, drop: LoraDropout | None = None, name: str = "o") -> jax.Array:
-    """:func:`dense` of x and w, plus ``scale * (x @ A) @ B`` when ``adapter`` ({"a", "b"}) is given.
+def adapted_dense(x: jax.Array, w: jax.Array, lora: LayerLora | None, name: str, contract: int = 1) -> jax.Array:
+    """:func:`dense` of x and w, plus ``scale * (x @ A) @ B`` when the layer's ``lora`` has an adapter for ``name``.
 
     The adapter runs beside the base matmul, never merged into w: a merged
     weight's gradient would cost as much as a full weight gradient. With
-    ``drop`` the adapter's x is ``drop(x, name)`` (the base's stays x).
+    the layer's dropout the adapter's x is ``drop(x, name)`` (the base's stays x).
     """
     y = dense(x, w, contract=contract)
-    if adapter is None:
+    adapter = adapter_of(lora, name)
+    if lora is None or adapter is None:
         return y
-    return y + lora_branch(x if drop is None else drop(x, name), adapter, scale, y.dtype, contract)
+    drop = lora.drop
+    return y + lora_branch(x if drop is None else drop(x, name), adapter, lora.scale, y.dtype, contract)
 
 
 def projections(x: jax.Array, ws: tuple[jax.Array, ...], cfg: ModelConfig,
-                norm_w: jax.Array | None = None, adapters: tuple[dict | None, ...] | None = None,
-                lora_scale: float | jax.Array = 1.0, drop: LoraDropout | None = None,
+                norm_w: jax.Array | None = None, lora: LayerLora | None = None,
                 names: tuple[str, ...] = ()) -> tuple[jax.Array, ...]:
     """x @ w for each w in ws; with ``norm_w``, of the RMS-normed x (see :func:`normed_dense`).
 
-    ``adapters`` (one LoRA {"a", "b"} or None per w) add ``lora_scale * (x @ A) @ B``.
-    The A matmuls go through the same :func:`normed_dense` as the base weights,
-    so the normed x is still not kept for the backward pass. With ``drop``
-    (LoRA dropout; ``names`` name the weights) see :func:`_dropped_projections`.
+    The layer's ``lora`` adapters of the weights ``names`` name (one per w)
+    add ``scale * (x @ A) @ B``. The A matmuls go through the same
+    :func:`normed_dense` as the base weights, so the normed x is still not
+    kept for the backward pass. With LoRA dropout see :func:`_dropped_projections`.
     """
-    adapters = adapters or (None,) * len(ws)
-    if drop is not None and any(ad is not None for ad in adapters):
-        return _dropped_projections(x, ws, cfg, norm_w, adapters, lora_scale, drop, names)
+    adapters = (None,) * len(ws) if lora is None else lora.of(names)
+    if lora is not None and lora.drop is not None and any(ad is not None for ad in adapters):
+        return _dropped_projections(x, ws, cfg, norm_w, adapters, lora.scale, lora.drop, names)
+    lora_scale = 1.0 if lora is None else lora.scale
     a_ws = tuple(ad["a"] for ad in adapters if ad is not None)
     if norm_w is None:
         ys = tuple(dense(x, w) for w in ws + a_ws)
@@ -121,8 +148,3 @@ def _dropped_projections(x: jax.Array, ws: tuple[jax.Array, ...], cfg: ModelConf
         if ad is not None:
             ys[i] = ys[i] + lora_branch(drop(n, name), ad, lora_scale, ys[i].dtype)
     return tuple(ys)
-
-
-def layer_adapters(lora: dict | None, names: tuple[str, ...]) -> tuple[dict | None, ...]:
-    """The LoRA adapter of each named weight of one layer (None where it has none)."""
-    return tuple((lora or {}).get(n) for n in names)

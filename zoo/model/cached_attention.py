@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from zoo.layers.attention import causal_attention, head_major, mla_heads, output_projection, qkv_heads
 from zoo.layers.blocks import soft_cap
+from zoo.lora.projections import LayerLora
 from zoo.model.config import ModelConfig
 
 NEG = float(jnp.finfo(jnp.float32).min)
@@ -90,16 +91,14 @@ def attend_split(qg: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Arra
 
 def gqa_attention(x: jax.Array, p: dict, c: dict | None, cos: jax.Array, sin: jax.Array,
                    masks: tuple[jax.Array | None, jax.Array], window: int | None,
-                   cfg: ModelConfig, lora: dict | None = None,
-                   lora_scale: float | jax.Array = 1.0,
+                   cfg: ModelConfig, lora: LayerLora | None = None,
                    shared_kv: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, dict]:
     """One layer's attention over cache ``c`` (k [b, hk, d, S], v [b, hk, S, d]; None when empty) and the new tokens
-    (``lora``: the layer's adapters, beside the base matmuls as in training). A KV-shared layer (Gemma 4) gets
+    (``lora``: the layer's LoRA, its adapters beside the base matmuls as in training). A KV-shared layer (Gemma 4) gets
     its stored layer's cache as ``c`` and that layer's new keys/values as ``shared_kv``.
 
     Returns (output, new k/v [b, t, hk, d])."""
-    q, k, v = qkv_heads(x, p, cos, sin, cfg, p.get("attn_norm"), lora=lora, lora_scale=lora_scale,
-                        shared_kv=shared_kv)
+    q, k, v = qkv_heads(x, p, cos, sin, cfg, p.get("attn_norm"), lora=lora, shared_kv=shared_kv)
     qg, kh, vh = head_major(q, k, v)
     old_ok, new_ok = masks
     sinks = p["sinks"] if cfg.attn_sinks else None
@@ -109,7 +108,7 @@ def gqa_attention(x: jax.Array, p: dict, c: dict | None, cos: jax.Array, sin: ja
     else:
         assert old_ok is not None, "a cache read has its mask"
         att = attend_split(qg, [(c["k"], c["v"], old_ok), (kh.transpose(0, 1, 3, 2), vh, new_ok)], cfg, sinks)
-    return output_projection(att, p, cfg, lora=lora, lora_scale=lora_scale), {"k": k, "v": v}
+    return output_projection(att, p, cfg, lora=lora), {"k": k, "v": v}
 
 
 def mla_attention(x: jax.Array, p: dict, c: dict | None, cos: jax.Array, sin: jax.Array,

@@ -44,6 +44,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
+from zoo.lora.projections import LayerLora
+from zoo.lora.weights import Weights
 from zoo.model.cached_attention import gqa_attention, mla_attention, new_token_masks, slot_positions
 from zoo.model.config import ModelConfig
 from zoo.model.decoder import decoder_layer, embed_tokens, norm, output_logits
@@ -201,10 +203,10 @@ def forward_cached(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, 
     return forward_step(cfg, params, tokens, cache, valid, mla_absorb)
 
 
-def forward_step(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, cache: Cache,
+def forward_step(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax.Array, cache: Cache,
                  valid: jax.Array | None = None, mla_absorb: bool | None = None, *, fresh: bool = False,
-                 view: int | None = None, last: jax.Array | None = None, lora: dict | None = None,
-                 lora_scale: float | jax.Array | None = None, hidden: bool = False) -> tuple[jax.Array, Cache]:
+                 view: int | None = None, last: jax.Array | None = None,
+                 hidden: bool = False) -> tuple[jax.Array, Cache]:
     """:func:`forward_cached` with generation's shortcuts (``fresh`` and ``view`` static), and LoRA adapters.
 
     ``fresh``: the cache is empty (every length 0), so its slots are not read.
@@ -212,15 +214,16 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, ca
     first ``view`` slots of a ring can hold anything and the rest are not read.
     ``last`` [b] int: return only the logits [b, vocab] of position ``last[r]``
     of each row (the output head runs on b positions instead of b * t).
-    ``lora`` (a tree of :func:`zoo.lora.adapters.init_lora`, with ``lora_scale``): each
-    adapted projection adds its adapter beside the base matmul, as the
-    training forward does (no merged copy of the weights exists).
+    ``params``: the base alone, or :class:`zoo.lora.weights.Weights` with LoRA
+    adapters: each adapted projection adds its adapter beside the base matmul,
+    as the training forward does (no merged copy of the weights exists; no dropout).
     ``hidden`` (static): return the final normed hidden states [b, t, hidden]
     instead of the logits, for a caller that projects the vocabulary in pieces.
     """
-    if lora is not None and lora_scale is None:
-        raise ValueError("forward_step: lora adapters need lora_scale (zoo.lora.adapters.lora_scale(lora_cfg))")
-    scale: float | jax.Array = 1.0 if lora_scale is None else lora_scale  # read only with adapters
+    w = Weights.wrap(params)
+    base: dict[str, Any] = w.base
+    lora = w.adapters
+    scale: float | jax.Array = 1.0 if w.scale is None else w.scale  # read only with adapters
     if cfg.capacity_factor is not None:
         cfg = dataclasses.replace(cfg, capacity_factor=None)
     b, t = tokens.shape
@@ -239,16 +242,16 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, ca
     windows = {kind: kind_window(cfg, kind) for kind in slots}
     masks = {kind: new_token_masks(pos, valid, slot_positions(cache.lengths, n)[:, :n] if n else None, windows[kind])
              for kind, n in read.items()}
-    x = embed_tokens(cfg, params, tokens)
-    ple = per_layer_inputs(cfg, params, tokens, x) if cfg.per_layer_input_size else None
+    x = embed_tokens(cfg, base, tokens)
+    ple = per_layer_inputs(cfg, base, tokens, x) if cfg.per_layer_input_size else None
     # Gemma 4: kind -> (the stored layer's cache, its new keys/values), read by the KV-shared layers.
     stored: dict[str, tuple[dict | None, tuple[jax.Array, jax.Array]]] = {}
     layer = _cached_layer(cfg, ropes, masks, windows, read, slots, stored, valid, scale, mla_absorb)
-    x, written = _run_cached_stacks(cfg, params, x, cache, layer, lora, ple, fresh, stored)
+    x, written = _run_cached_stacks(cfg, base, x, cache, layer, lora, ple, fresh, stored)
     if last is not None:
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
-    x = norm(cfg, x, params["final_norm"])
-    logits = x if hidden else output_logits(cfg, params, x)
+    x = norm(cfg, x, base["final_norm"])
+    logits = x if hidden else output_logits(cfg, base, x)
     return logits, Cache(_write(cache, written, pos, valid, new_lengths, cfg.mla), new_lengths)
 
 
@@ -266,6 +269,7 @@ def _cached_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Array]
 
     def layer(x: jax.Array, inputs: tuple, kind: str, moe: bool, prefix: str) -> tuple[jax.Array, dict | None]:
         p, lp, rope_on, pli, c = inputs
+        lora = None if lp is None else LayerLora(lp, scale)  # no dropout in decoding
         reuse = None
         if is_kv_shared(cfg, prefix):
             c, reuse = stored[kind]
@@ -279,10 +283,10 @@ def _cached_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Array]
         def attend(x: jax.Array) -> tuple[jax.Array, dict]:
             if cfg.mla:
                 return mla_attention(norm(cfg, x, p["attn_norm"]), p, c, *ropes[kind], masks[kind], cfg, mla_absorb)
-            return gqa_attention(x, p, c, *layer_rope(ropes[kind], rope_on), masks[kind], windows[kind], kcfg, lp,
-                                  scale, reuse)
+            return gqa_attention(x, p, c, *layer_rope(ropes[kind], rope_on), masks[kind], windows[kind], kcfg, lora,
+                                  reuse)
 
-        x, new, _ = decoder_layer(cfg, x, p, attend, moe, valid, lp, scale, per_layer=pli)
+        x, new, _ = decoder_layer(cfg, x, p, attend, moe, valid, lora, per_layer=pli)
         return x, (None if reuse is not None else new)  # a KV-shared layer writes nothing
 
     return layer

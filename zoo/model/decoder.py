@@ -24,7 +24,8 @@ from zoo.layers.attention import attention, head_major, mla_attention, output_pr
 from zoo.layers.blocks import ACTIVATIONS, dense, rms_norm, soft_cap
 from zoo.layers.mlp import mlp
 from zoo.layers.moe import aux_losses, moe_mlp, parallel_moe_block
-from zoo.lora.projections import LoraDropout
+from zoo.lora.projections import LayerLora, LoraDropout
+from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 from zoo.model.layer_layout import (
     is_kv_shared,
@@ -63,16 +64,16 @@ def output_logits(cfg: ModelConfig, params: dict[str, Any], h: jax.Array) -> jax
 
 
 def decoder_layer(cfg: ModelConfig, x: jax.Array, p: dict, attend: Callable[[jax.Array], tuple[jax.Array, Any]],
-                  moe: bool, valid: jax.Array, lora: dict | None = None, lora_scale: float | jax.Array = 1.0,
-                  drop: LoraDropout | None = None, per_layer: jax.Array | None = None) -> tuple[jax.Array, Any, dict]:
+                  moe: bool, valid: jax.Array, lora: LayerLora | None = None,
+                  per_layer: jax.Array | None = None) -> tuple[jax.Array, Any, dict]:
     """One decoder layer: x + attention, then x + MLP (each output post-normed where the family does).
 
     ``attend(x)`` is the layer's attention, returning (output, anything else:
     the cached forward's new keys/values), so the training and the cached
     forward share everything around it. ``moe`` picks :func:`zoo.layers.moe.moe_mlp`
     (``valid`` [batch, seq] marks the tokens its statistics count) over the
-    dense :func:`zoo.layers.mlp.mlp`; ``lora``/``lora_scale``/``drop`` are this
-    layer's adapters and their dropout. Gemma 4: ``cfg.parallel_moe`` runs
+    dense :func:`zoo.layers.mlp.mlp`; ``lora`` is this layer's LoRA (adapters,
+    scale, dropout; None: none). Gemma 4: ``cfg.parallel_moe`` runs
     :func:`zoo.layers.moe.parallel_moe_block` (dense MLP and experts side by side);
     ``per_layer`` [batch, seq, width] is this layer's per-layer input
     (:mod:`zoo.model.per_layer_inputs`), added after the MLP; ``cfg.layer_scalars``
@@ -85,11 +86,11 @@ def decoder_layer(cfg: ModelConfig, x: jax.Array, p: dict, attend: Callable[[jax
     x = batch_sharded(x + h)
     stats: dict = {}
     if moe and cfg.parallel_moe:
-        h, stats = parallel_moe_block(x, p, cfg, valid, lora=lora, lora_scale=lora_scale, drop=drop)
+        h, stats = parallel_moe_block(x, p, cfg, valid, lora=lora)
     elif moe:
-        h, stats = moe_mlp(norm(cfg, x, p["mlp_norm"]), p, cfg, valid, lora=lora, lora_scale=lora_scale, drop=drop)
+        h, stats = moe_mlp(norm(cfg, x, p["mlp_norm"]), p, cfg, valid, lora=lora)
     else:  # without pre-norms (OLMo 2/3) the MLP reads x itself
-        h = mlp(x, p, cfg, norm_w=p.get("mlp_norm"), lora=lora, lora_scale=lora_scale, drop=drop)
+        h = mlp(x, p, cfg, norm_w=p.get("mlp_norm"), lora=lora)
     if cfg.post_norms:
         h = norm(cfg, h, p["post_mlp_norm"])
     x = batch_sharded(x + h)
@@ -103,61 +104,51 @@ def decoder_layer(cfg: ModelConfig, x: jax.Array, p: dict, attend: Callable[[jax
 @overload
 def forward(
     cfg: ModelConfig,
-    params: dict[str, Any],
+    params: dict[str, Any] | Weights,
     tokens: jax.Array,
     segment_ids: jax.Array | None = None,
     positions: jax.Array | None = None,
     return_aux: Literal[False] = False,
     remat: str = "none",
-    lora: dict[str, Any] | None = None,
-    lora_scale: float | jax.Array | None = None,
-    lora_dropout: float = 0.0,
-    dropout_rng: jax.Array | None = None,
     return_hidden: bool = False,
     prefix_ids: jax.Array | None = None,
+    max_segments: int | None = None,
 ) -> jax.Array: ...
 
 
 @overload
 def forward(
     cfg: ModelConfig,
-    params: dict[str, Any],
+    params: dict[str, Any] | Weights,
     tokens: jax.Array,
     segment_ids: jax.Array | None = None,
     positions: jax.Array | None = None,
     return_aux: Literal[True] = ...,
     remat: str = "none",
-    lora: dict[str, Any] | None = None,
-    lora_scale: float | jax.Array | None = None,
-    lora_dropout: float = 0.0,
-    dropout_rng: jax.Array | None = None,
     return_hidden: bool = False,
     prefix_ids: jax.Array | None = None,
+    max_segments: int | None = None,
 ) -> tuple[jax.Array, dict]: ...
 
 
 @overload
 def forward(
     cfg: ModelConfig,
-    params: dict[str, Any],
+    params: dict[str, Any] | Weights,
     tokens: jax.Array,
     segment_ids: jax.Array | None = None,
     positions: jax.Array | None = None,
     return_aux: bool = ...,
     remat: str = "none",
-    lora: dict[str, Any] | None = None,
-    lora_scale: float | jax.Array | None = None,
-    lora_dropout: float = 0.0,
-    dropout_rng: jax.Array | None = None,
     return_hidden: bool = False,
     prefix_ids: jax.Array | None = None,
+    max_segments: int | None = None,
 ) -> jax.Array | tuple[jax.Array, dict]: ...
 
 
-def forward(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, segment_ids: jax.Array | None = None,
+def forward(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax.Array, segment_ids: jax.Array | None = None,
             positions: jax.Array | None = None, return_aux: bool = False, remat: str = "none",
-            lora: dict[str, Any] | None = None, lora_scale: float | jax.Array | None = None, lora_dropout: float = 0.0,
-            dropout_rng: jax.Array | None = None, return_hidden: bool = False, prefix_ids: jax.Array | None = None,
+            return_hidden: bool = False, prefix_ids: jax.Array | None = None,
             max_segments: int | None = None) -> jax.Array | tuple[jax.Array, dict]:
     """Logits [batch, seq, vocab] (float32) of the decoder for int tokens [batch, seq].
 
@@ -173,13 +164,14 @@ def forward(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, segment
     keeps the layers' inputs and those outputs in the host's memory instead
     of the device's (:data:`zoo.model.layer_scan.REMAT_POLICIES`).
 
-    ``lora`` is a LoRA adapter tree keyed like ``params`` (see
-    :func:`zoo.lora.adapters.init_lora`): each adapted projection adds
-    ``lora_scale * (x @ A) @ B`` (``lora_scale`` from :func:`zoo.lora.adapters.lora_scale`)
+    ``params`` is the base alone, or :class:`zoo.lora.weights.Weights`: the
+    base with LoRA adapters (a tree keyed like the base, see
+    :func:`zoo.lora.adapters.init_lora`), each adapted projection adding
+    ``scale * (x @ A) @ B`` (the scale from :func:`zoo.lora.adapters.lora_scale`)
     beside its base matmul. The adapters are scanned with their layers.
 
-    ``lora_dropout`` (a Python float, so static under jit) with a ``dropout_rng``
-    key applies LoRA dropout, for training: each adapter reads
+    The weights' dropout rate (a Python float, so static under jit) with their
+    ``rng`` key applies LoRA dropout, for training: each adapter reads
     ``dropout(x)`` (every element of every token kept with probability
     1 - p and scaled by 1/(1 - p), a fresh mask per adapted projection and
     layer) while its base weight reads x. Without the key, or with p = 0,
@@ -197,10 +189,11 @@ def forward(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, segment
     Under a mesh with a ``context`` axis over 1 (``jax.set_mesh``) the activations' sequence is split over it
     and attention gathers the keys (:mod:`zoo.model.context`); t must divide by its size.
     """
-    if lora is not None and lora_scale is None:
-        raise ValueError("forward: lora adapters need lora_scale (zoo.lora.adapters.lora_scale(lora_cfg))")
-    scale: float | jax.Array = 1.0 if lora_scale is None else lora_scale  # read only with adapters
-    drop_keys = _dropout_keys(cfg, lora, lora_dropout, dropout_rng)
+    w = Weights.wrap(params)
+    base: dict[str, Any] = w.base
+    lora, lora_dropout = w.adapters, w.dropout
+    scale: float | jax.Array = 1.0 if w.scale is None else w.scale  # read only with adapters
+    drop_keys = _dropout_keys(cfg, lora, lora_dropout, w.rng)
     b, t = tokens.shape
     if segment_ids is None:
         segment_ids, max_segments = jnp.ones((b, t), jnp.int32), 1
@@ -211,14 +204,14 @@ def forward(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, segment
     # (zoo.model.masks.Visibility; zoo.kernels.choice).
     seen = {kind: visibility(segment_ids, kind_window(cfg, kind), prefix_ids, max_segments) for kind in ropes}
     valid = segment_ids != 0
-    x = embed_tokens(cfg, params, tokens)
+    x = embed_tokens(cfg, base, tokens)
     # Gemma 4: each layer's per-layer input [layers, b, t, width], scanned with the layers' weights.
-    ple = per_layer_inputs(cfg, params, tokens, x) if cfg.per_layer_input_size else None
+    ple = per_layer_inputs(cfg, base, tokens, x) if cfg.per_layer_input_size else None
     shared: dict[str, tuple[jax.Array, jax.Array]] = {}  # kind -> the keys/values the KV-shared layers reuse
     layer = _training_layer(cfg, ropes, seen, valid, scale, lora_dropout, shared)
-    x, layer_stats = _run_stacks(cfg, params, x, layer, lora, drop_keys, ple, remat, shared)
-    x = norm(cfg, x, params["final_norm"])
-    logits = x if return_hidden else output_logits(cfg, params, x)
+    x, layer_stats = _run_stacks(cfg, base, x, layer, lora, drop_keys, ple, remat, shared)
+    x = norm(cfg, x, base["final_norm"])
+    logits = x if return_hidden else output_logits(cfg, base, x)
     if not return_aux:
         return logits
     if not layer_stats:
@@ -228,7 +221,7 @@ def forward(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, segment
 
 
 def _training_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Array]], seen: dict[str, Any],
-                    valid: jax.Array, scale: float | jax.Array, lora_dropout: float,
+                    valid: jax.Array, scale: float | jax.Array, lora_dropout: float | jax.Array,
                     shared: dict[str, tuple[jax.Array, jax.Array]]) -> Callable[..., tuple[jax.Array, Any]]:
     """The training forward's layer as :func:`_run_stacks` scans it: ``layer(x, inputs, kind, moe, prefix)``.
 
@@ -242,6 +235,7 @@ def _training_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Arra
     def layer(x: jax.Array, inputs: tuple, kind: str, moe: bool, prefix: str) -> tuple[jax.Array, Any]:
         p, lp, key, rope_on, pli = inputs
         drop = None if key is None else LoraDropout(lora_dropout, key)
+        lora = None if lp is None else LayerLora(lp, scale, drop)
         kcfg = kind_config(cfg, kind)
 
         def attend(x: jax.Array) -> tuple[jax.Array, Any]:
@@ -251,13 +245,12 @@ def _training_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Arra
             cos, sin = layer_rope(ropes[kind], rope_on)
             if sharing:  # Gemma 4: a layer's keys/values go out to the KV-shared layers, which take them in
                 reuse = shared[kind] if is_kv_shared(cfg, prefix) else None
-                q, k, v = qkv_heads(x, p, cos, sin, kcfg, p.get("attn_norm"), lp, scale, drop, reuse)
+                q, k, v = qkv_heads(x, p, cos, sin, kcfg, p.get("attn_norm"), lora, reuse)
                 out = attend_heads(*head_major(q, k, v), seen[kind], kcfg, p["sinks"] if cfg.attn_sinks else None)
-                return output_projection(out, p, kcfg, lp, scale, drop), None if reuse is not None else (k, v)
-            return attention(x, p, cos, sin, seen[kind], kcfg, norm_w=p.get("attn_norm"), lora=lp, lora_scale=scale,
-                             drop=drop), None
+                return output_projection(out, p, kcfg, lora), None if reuse is not None else (k, v)
+            return attention(x, p, cos, sin, seen[kind], kcfg, norm_w=p.get("attn_norm"), lora=lora), None
 
-        x, kv, stats = decoder_layer(cfg, x, p, attend, moe, valid, lp, scale, drop, pli)
+        x, kv, stats = decoder_layer(cfg, x, p, attend, moe, valid, lora, pli)
         return x, ((stats, kv) if sharing else stats)
 
     return layer

@@ -16,32 +16,35 @@ of the three [tokens, hidden] x [hidden, vocab] matmuls of the policy's head.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, cast
+from typing import cast
 
 import jax
 import jax.numpy as jnp
 
+from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 from zoo.model.decoder import forward, stored_head
 from zoo.model.loss import chunk_length, chunk_logits, head_vocab
 
 
-def batch_logps(mcfg: ModelConfig, params: dict, mb: dict, remat: str = "none", temperature: float = 1.0,
-                entropy: bool = False, **forward_kwargs: Any) -> tuple[jax.Array, jax.Array, dict | None]:
+def batch_logps(mcfg: ModelConfig, params: dict | Weights, mb: dict, remat: str = "none", temperature: float = 1.0,
+                entropy: bool = False, max_segments: int | None = None) -> tuple[jax.Array, jax.Array, dict | None]:
     """(per-target log-probabilities [b, t], mean logits [b, t] (``entropy``: the entropies), MoE aux or None)
     of one forward pass over a model batch (:func:`zoo.data.batching.to_model_batch`: its segments, positions and
     shared prefixes), the logits divided by ``temperature`` (a sampler's distribution).
 
-    With ``lora`` among ``forward_kwargs`` the head is frozen, so the fused path of :func:`token_logps` applies.
+    ``params``: the base alone or :class:`zoo.lora.weights.Weights`; with LoRA adapters the head is frozen, so the
+    fused path of :func:`token_logps` applies. ``max_segments``: :func:`zoo.model.decoder.forward`'s.
     """
     moe = mcfg.num_experts > 0
     out = forward(mcfg, params, mb["inputs"], mb["segment_ids"], mb["positions"], return_aux=moe, remat=remat,
-                  return_hidden=True, prefix_ids=mb.get("prefix_ids"), **forward_kwargs)
+                  return_hidden=True, prefix_ids=mb.get("prefix_ids"), max_segments=max_segments)
     hidden, aux = cast(tuple[jax.Array, dict], out) if moe else (cast(jax.Array, out), None)  # by return_aux
-    head_grad = forward_kwargs.get("lora") is None
+    w = Weights.wrap(params)
+    head_grad = w.adapters is None
     # The head as stored: a tied embedding read in place, where embed.T would be a [hidden, vocab] copy
     # (108 MiB at SmolLM2's size) in every step that scores a batch.
-    head, vocab_major = stored_head(mcfg, params)
+    head, vocab_major = stored_head(mcfg, w.base)
     logp, stat = token_logps(hidden, head, mb["targets"], mcfg.final_softcap, head_grad, vocab_major, temperature,
                              entropy)
     return logp, stat, aux
