@@ -22,7 +22,7 @@ from zoo.errors import UserError
 from zoo.model.config import ModelConfig
 
 
-class SFTTask(Task):
+class SFTTask(Task[TokenBatch]):
     """Completion-only / assistant-only next-token loss over SFT rows (see chat/formats.py for the formats)."""
 
     method = "sft"
@@ -61,7 +61,7 @@ class SFTTask(Task):
                                     path, skip_bad)
         return Documents({i: {"tokens": ids, "loss_mask": mask} for i, (ids, mask) in out.items()}, bad)
 
-    def loss_sums(self, mcfg: ModelConfig, params: dict, mb: TokenBatch, compute: Any, remat: str, *,
+    def loss_sums(self, mcfg: ModelConfig, params: dict[str, Any], mb: TokenBatch, compute: Any, remat: str, *,
                   frozen_inputs: Any = None, totals: Any = None, step: jax.Array | None = None,
                   **forward_kwargs: Any) -> LossOutput:
         """Next-token cross-entropy over the trained (masked-in) targets only."""
