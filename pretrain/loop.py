@@ -253,8 +253,8 @@ def _check_data(cfg: TrainConfig, task: Task[Any], data: RunData, micro: int, pr
 
 def _data_report(cfg: TrainConfig, data: RunData, primary: bool) -> dict[str, Any]:
     """What the run's data was, for ``final``'s training record (every process: a mixture's counts are summed)."""
-    report: dict[str, Any] = {"skipped_rows": data.skipped, "packing": data.packing,
-                    f"{'dropped' if cfg.data.long_examples == 'drop' else 'truncated'}_long_examples": data.too_long}
+    cut = f"{'dropped' if cfg.data.long_examples == 'drop' else 'truncated'}_long_examples"
+    report: dict[str, Any] = {"skipped_rows": data.skipped, "packing": data.packing, cut: data.too_long}
     mixture = data.mixture_report()
     if mixture:
         report["mixture"] = mixture

@@ -116,8 +116,8 @@ class LayoutContext:
 
 class Task(Generic[B]):
     """The seam of the shared loop; subclasses implement :meth:`load`, :meth:`documents` and :meth:`loss_sums`.
-    Generic in its model batch class ``B`` (:attr:`batch_class`): ``class DPOTask(Task[PairBatch])``, whose
-    :meth:`loss_sums` reads a ``PairBatch``.
+    Generic in its model batch class ``B`` (:attr:`batch_class`): ``class GRPOTask(Task[RolloutBatch])``, whose
+    :meth:`loss_sums` reads a ``RolloutBatch`` and whose :meth:`rollout` makes a ``Rollout[RolloutBatch]``.
 
     The loop calls, in this order: :meth:`load` for each data path, :meth:`prepare` once (after the model
     loads), :meth:`documents` for the rows it reads, then the step (:meth:`batch_totals`, :meth:`loss_sums`;
