@@ -34,6 +34,7 @@ from typing import Any, cast
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from chat.config import chat_template_of
 from chat.formats import BadRow
@@ -62,7 +63,7 @@ class RewardBatch(PairBatch):
     margin: jax.Array  # every reward row has one (0 without the column)
 
     @classmethod
-    def dtypes(cls) -> dict[str, Any]:
+    def dtypes(cls) -> dict[str, DTypeLike]:
         return {**PairBatch.dtypes(), "margin": FLOAT}
 
 
