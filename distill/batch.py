@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
+from jax.typing import DTypeLike
 
 from pretrain.batch import FLOAT, TokenBatch
 
@@ -20,5 +20,5 @@ class DistillBatch(TokenBatch):
     data_weights: jax.Array | None = None
 
     @classmethod
-    def dtypes(cls) -> dict[str, Any]:
+    def dtypes(cls) -> dict[str, DTypeLike]:
         return {**TokenBatch.dtypes(), "data_weights": FLOAT}

@@ -4,10 +4,14 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
+
+if TYPE_CHECKING:
+    from pretrain.batch import TokenBatch
+    from pretrain.metrics import LossOutput
 
 
 def generalized_jsd(student_logits: jax.Array, teacher_logits: jax.Array, beta: float,
@@ -44,8 +48,8 @@ def jsd_sum_count(student_logits: jax.Array, teacher_logits: jax.Array, mask: ja
     return jnp.where(m, jsd, 0.0).sum(), m.sum().astype(jnp.float32)
 
 
-def distill_loss_sums(mcfg: Any, weights: Any, teacher_mcfg: Any, teacher: dict, mb: Any, compute: Any,
-                      remat: str, beta: float) -> Any:
+def distill_loss_sums(mcfg: Any, weights: Any, teacher_mcfg: Any, teacher: dict, mb: TokenBatch, compute: Any,
+                      remat: str, beta: float) -> LossOutput:
     """A micro-batch's GKD loss as the step's :class:`LossOutput`: the generalized JSD between the student's and
     the frozen teacher's next-token distributions at every trained target (``mb.weights`` > 0), summed (the
     student's ``weights``: a :class:`zoo.lora.weights.Weights`); the

@@ -148,7 +148,7 @@ class Sampling:
         return jax.random.fold_in(jax.random.fold_in(jax.random.key(self.seed), STREAM), step * self.shape[0] + a)
 
     def rollout(self, params: dict, frozen: dict | None, teacher: dict, rows: dict[str, jax.Array],
-                step: int) -> Rollout:
+                step: int) -> Rollout[DistillBatch]:
         """Loop step ``step``'s batch from its dataset rows ([accum, micro, seq_len + 1]): each micro-batch as
         its coin says (the module docstring), with the sampled share and lengths as metrics."""
         t0 = time.perf_counter()

@@ -32,7 +32,7 @@ import numpy as np
 
 from dpo.config import DPOConfig
 from dpo.task import DPOTask
-from prefs.batch import KTOBatch, PairBatch
+from prefs.batch import KTOBatch
 from prefs.pairs import CHOSEN, REJECTED
 from prefs.unpaired import check_chunk, kto_columns, kto_documents, unpaired_rows
 from pretrain.config import TrainConfig
@@ -66,7 +66,7 @@ def kto_terms(completion: jax.Array, mismatched: jax.Array, ref_completion: jax.
     return {"losses": jnp.where(desirable > 0, up, down) * keep, "rewards": beta * sg(ratio), "kl": kl}
 
 
-class KTOTask(DPOTask):
+class KTOTask(DPOTask[KTOBatch]):
     """KTO on (prompt, completion, label) rows; `dpo train` runs it for ``dpo.loss_type: kto``
     (listed before DPO in dpo/cli.py's tasks: :func:`pretrain.task.task_for`)."""
 
@@ -113,12 +113,12 @@ class KTOTask(DPOTask):
         fields = ("prefix_ids",) * self.shared_prompt + ("ref_logps",) * (self.mode == "precomputed") + ("label",)
         return KTOBatch.layout((grad_accum, micro, seq_len), fields)
 
-    def loss_sums(self, mcfg: ModelConfig, weights: Weights, mb: PairBatch, compute: Any, remat: str,
-                  *, frozen_inputs: dict | None = None, totals: dict | None = None,
+    def loss_sums(self, mcfg: ModelConfig, weights: Weights, mb: KTOBatch, compute: Any, remat: str,
+                  *, frozen_inputs: dict[str, Any] | None = None, totals: dict[str, Any] | None = None,
                   step: jax.Array | None = None) -> LossOutput:
-        """A micro-batch's summed KTO losses over its row count; TRL's metrics per micro-batch (module docstring).
-        ``mb`` is a :class:`KTOBatch` (each row's ``label``)."""
-        label = cast(KTOBatch, mb).label
+        """A micro-batch's summed KTO losses over its row count; TRL's metrics per micro-batch (module docstring),
+        from ``mb``'s rows and each row's ``label``."""
+        label = mb.label
         policy = weights.cast(compute)
         arrays = mb.arrays()
         pol, mean_logit, aux = batch_logps(mcfg, policy, arrays, remat, max_segments=3)

@@ -26,7 +26,7 @@ fusions, e.g. another ``exp`` kernel in the attention softmax), whatever the cod
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -66,8 +66,13 @@ LOSS_NAMES = {
 }
 
 
-class DPOTask(Task):
-    """Direct preference optimization and its variants on (prompt, chosen, rejected) rows."""
+# The task's batch class: DPO's PairBatch, or a variant's subclass of it (KTO's KTOBatch: dpo/kto.py).
+P = TypeVar("P", bound=PairBatch)
+
+
+class DPOTask(Task[P]):
+    """Direct preference optimization and its variants on (prompt, chosen, rejected) rows; generic in its batch
+    class ``P`` for its variants (``DPOTask[PairBatch]`` is DPO's, ``KTOTask`` a ``DPOTask[KTOBatch]``)."""
 
     method = "dpo"
     packing = "none"  # each pair is one row, its two sequences laid out by the task (prefs/pairs.py)
@@ -133,7 +138,7 @@ class DPOTask(Task):
 
     # ---- the reference ----------------------------------------------------------------------------------
 
-    def prepare(self, ctx: RunContext) -> dict | None:
+    def prepare(self, ctx: RunContext) -> dict[str, Any] | None:
         """Set up the reference and the pair layout before any documents are made; returns the reference params
         the step needs (a path), else None.
 
@@ -156,7 +161,7 @@ class DPOTask(Task):
             self.reference_is_start = not self.dpo.reference_model  # scored with ``params`` themselves
         return None
 
-    def compile_layout(self, ctx: LayoutContext) -> dict | None:
+    def compile_layout(self, ctx: LayoutContext) -> dict[str, Any] | None:
         """:meth:`prepare`'s decisions without reading anything, for ``--compile-only``: the shared-prompt layout,
         and a reference model (``dpo.reference`` a path) shaped and sharded like the params; None otherwise
         (``precomputed`` scores come in the batch, ``base`` is LoRA's frozen base)."""
@@ -189,7 +194,7 @@ class DPOTask(Task):
                                   f"data.path {read.path}")
         compute = DTYPES[cfg.dtype.compute]
 
-        def score(documents: list) -> list:
+        def score(documents: list[Any]) -> list[Any]:
             # Only on a cache miss: a separate reference is loaded for this pass alone, then released.
             ref = load_reference(self.dpo.reference_model, mcfg, mesh, DTYPES[cfg.dtype.params]) \
                 if self.dpo.reference_model else params
@@ -226,8 +231,8 @@ class DPOTask(Task):
         wc, _, keep = _answer_masks(batch)
         return {"pairs": keep.sum(), "chosen_tokens": (wc.sum(-1) * keep).sum()}
 
-    def loss_sums(self, mcfg: ModelConfig, weights: Weights, mb: PairBatch, compute: Any, remat: str,
-                  *, frozen_inputs: dict | None = None, totals: dict | None = None,
+    def loss_sums(self, mcfg: ModelConfig, weights: Weights, mb: P, compute: Any, remat: str,
+                  *, frozen_inputs: dict[str, Any] | None = None, totals: dict[str, Any] | None = None,
                   step: jax.Array | None = None) -> LossOutput:
         """A micro-batch's sum of per-pair losses over its pair count, each metric a :class:`Mean` over pairs
         (TRL's ``logits/*`` a token mean per micro-batch, a :class:`MicroMean` over micro-batches).
@@ -304,7 +309,7 @@ class DPOTask(Task):
         extras["nll_loss"] = MicroMean(jax.lax.stop_gradient(nll) * (weight > 0), jnp.float32(1.0))
         return weight * nll * n if weight > 0 else jnp.float32(0.0)
 
-    def reference_logps(self, mcfg: ModelConfig, p: dict, mb: PairBatch, frozen_inputs: Any, compute: Any
+    def reference_logps(self, mcfg: ModelConfig, p: dict[str, Any], mb: PairBatch, frozen_inputs: Any, compute: Any
                         ) -> jax.Array:
         """The reference's per-token log-probabilities of a micro-batch's rows, not differentiated: read from the
         batch (precomputed), the base with the adapters off (``p``: the cast base), or the checkpoint passed as
@@ -315,7 +320,7 @@ class DPOTask(Task):
         # each row holds three documents: two answers and the prompt they share (prefs/pairs.py)
         return jax.lax.stop_gradient(batch_logps(mcfg, weights, mb.arrays(), max_segments=3)[0])
 
-    def _at_reference(self, lora: dict | None, step: jax.Array | None) -> jax.Array | bool:
+    def _at_reference(self, lora: dict[str, Any] | None, step: jax.Array | None) -> jax.Array | bool:
         """Whether the policy is the reference itself (a traced bool), or False where it cannot be known:
         the reference is the starting model, and the policy is too (LoRA: every adapter adds nothing;
         full fine-tuning: no update yet)."""
@@ -326,7 +331,7 @@ class DPOTask(Task):
         return False if step is None else step == 0
 
 
-def _adapters_off(lora: dict) -> jax.Array:
+def _adapters_off(lora: dict[str, Any]) -> jax.Array:
     """True where every LoRA adapter adds nothing (its A or its B all zero, so ``scale * x @ A @ B`` is 0):
     the policy is then its base model, e.g. before the first update (fresh adapters have B = 0)."""
     flat = flatten(lora)
@@ -334,7 +339,7 @@ def _adapters_off(lora: dict) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(flat[f"{p}.a"] == 0) | jnp.all(flat[f"{p}.b"] == 0) for p in sorted(pairs)]))
 
 
-def _equal_weights(a: dict, b: dict) -> bool:
+def _equal_weights(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """Whether two parameter trees (the same model's, laid out alike) hold equal weights, leaf by leaf."""
     if str(jax.tree.structure(a)) != str(jax.tree.structure(b)):
         return False

@@ -4,9 +4,9 @@ the update lays its rows out."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
+from jax.typing import DTypeLike
 
 from eval.rollout import completion_view
 from grpo.config import GrpoSection
@@ -27,7 +27,7 @@ class RolloutBatch(TokenBatch):
     ref_logps: jax.Array | None = None
 
     @classmethod
-    def dtypes(cls) -> dict[str, Any]:
+    def dtypes(cls) -> dict[str, DTypeLike]:
         return {**TokenBatch.dtypes(), "sampler_logps": FLOAT, "advantages": FLOAT, "old_logps": FLOAT,
                 "ref_logps": FLOAT}
 

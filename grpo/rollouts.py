@@ -93,7 +93,7 @@ class Rollouts:
         return Weights.of(params, frozen, self.programs.lora_scale)
 
     def rollout(self, params: dict, frozen: dict | None, frozen_inputs: Any, rows: dict[str, jax.Array],
-                step: int, source: RowSource) -> Rollout:
+                step: int, source: RowSource) -> Rollout[RolloutBatch]:
         """The step's training batch: G completions per prompt from the current policy, their rewards and
         advantages, laid out as prompt + completion rows; with the rollout's metrics (TRL's names) and, on a
         ``grpo.log_completions_every`` step, the completions to log."""

@@ -72,7 +72,7 @@ from zoo.model.config import ModelConfig
 from zoo.model.logps import batch_logps
 
 
-class GRPOTask(Task):
+class GRPOTask(Task[RolloutBatch]):
     """Group relative policy optimization with verifiable rewards on prompt rows: the objective (rows, the
     update's layout, the loss); the rollouts are :class:`grpo.rollouts.Rollouts`' once set up."""
 
@@ -166,7 +166,7 @@ class GRPOTask(Task):
             docs[i] = {"tokens": np.asarray(ids, np.int32), "row": np.full(len(ids), i, np.int32)}
         return Documents(docs, bad, too_long)
 
-    def _prompt_ids(self, prompt: Any, tokenizer: Any, row: dict) -> list[int]:
+    def _prompt_ids(self, prompt: Any, tokenizer: Any, row: dict[str, Any]) -> list[int]:
         if self.agent is not None:  # rendered with the tools the row's episodes may call
             return self.agent.document_ids(row, f"field '{ENVIRONMENT_FIELD}'")
         if isinstance(prompt, str):
@@ -193,7 +193,7 @@ class GRPOTask(Task):
         """Whether the update's rows share each group's prompt (:func:`grpo.batch.shares_prompts`)."""
         return self.rows.grouped
 
-    def prepare(self, ctx: RunContext) -> dict | None:
+    def prepare(self, ctx: RunContext) -> dict[str, Any] | None:
         """The run's rollouts; with ``beta`` > 0 returns the reference's params (the step's frozen inputs): the
         ``grpo.reference`` checkpoint, or with full fine-tuning and ``grpo.reference: base`` (the default) the
         starting model; None otherwise (LoRA's reference is the frozen base, adapters off)."""
@@ -266,7 +266,7 @@ class GRPOTask(Task):
         assert self.rollouts is not None, "compile_layout first"
         return {"sampler": self.rollouts.programs.kv_cache_bytes(self.cfg.data.seq_len + 1)}
 
-    def _starting_model(self, ctx: RunContext) -> dict:
+    def _starting_model(self, ctx: RunContext) -> dict[str, Any]:
         """Full fine-tuning's default reference (TRL's): the model the run starts from, a frozen copy of the params
         as loaded (``model.path``, or the seeded random init), taken before the train step, which donates the
         trained params' buffers, ever runs. A resumed run loads the starting model before restoring its
@@ -276,12 +276,13 @@ class GRPOTask(Task):
             print(f"grpo.reference: the starting model ({where}), kept frozen beside the trained weights (grpo.beta "
                   f"{self.grpo.beta:g} with full fine-tuning; grpo.reference: PATH names another checkpoint)",
                   flush=True)
-        return jax.tree.map(lambda x: x.copy(), ctx.params)
+        copy: dict[str, Any] = jax.tree.map(lambda x: x.copy(), ctx.params)
+        return copy
 
     # ---- each step: sample, score, lay out -----------------------------------------------------------------
 
-    def rollout(self, params: dict, frozen: dict | None, frozen_inputs: Any, rows: dict[str, jax.Array],
-                step: int, source: RowSource) -> Rollout:
+    def rollout(self, params: dict[str, Any], frozen: dict[str, Any] | None, frozen_inputs: Any,
+                rows: dict[str, jax.Array], step: int, source: RowSource) -> Rollout[RolloutBatch]:
         """The step's training batch (:meth:`grpo.rollouts.Rollouts.rollout`); on a ``grpo.log_completions_every``
         step with the completions to log (:meth:`hooks`)."""
         assert self.rollouts is not None, "prepare first"
@@ -298,8 +299,8 @@ class GRPOTask(Task):
             self._eval_rows = self.load(path, self.cfg)
         return self._eval_rows
 
-    def eval_metrics(self, params: dict, frozen: dict | None, docs: list[Document], source: RowSource | None,
-                     step: int) -> dict[str, float] | None:
+    def eval_metrics(self, params: dict[str, Any], frozen: dict[str, Any] | None, docs: list[Document],
+                     source: RowSource | None, step: int) -> dict[str, float] | None:
         """The rewards of the held-out prompts (data.eval_path or data.eval_fraction), sampled as the run samples
         and greedy, under TRL's eval names (grpo/held_out.py)."""
         from grpo.held_out import held_out_metrics

@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
+from jax.typing import DTypeLike
 
 from pretrain.batch import FLOAT, TokenBatch
 
@@ -19,7 +19,7 @@ class PairBatch(TokenBatch):
     ref_logps: jax.Array | None = None
 
     @classmethod
-    def dtypes(cls) -> dict[str, Any]:
+    def dtypes(cls) -> dict[str, DTypeLike]:
         return {**TokenBatch.dtypes(), "ref_logps": FLOAT}
 
 
@@ -32,5 +32,5 @@ class KTOBatch(PairBatch):
     label: jax.Array  # every KTO row has one
 
     @classmethod
-    def dtypes(cls) -> dict[str, Any]:
+    def dtypes(cls) -> dict[str, DTypeLike]:
         return {**PairBatch.dtypes(), "label": FLOAT}

@@ -1,11 +1,11 @@
-"""Model batches as typed pytrees: :class:`TokenBatch` (what every task's rows hold), the tasks' subclasses, and
-an online task's :class:`Rollout` (the batch it made, with what it measured).
+"""Model batches as typed pytrees: :class:`TokenBatch` (what every task's rows hold; each task's batch class, a
+subclass, lives with its task) and an online task's :class:`Rollout` (the batch it made, with what it measured).
 
 A batch's arrays are [..., rows, length]: the step's global batch is
 [grad_accum, micro, seq_len], one micro-batch [micro, seq_len]. A field a
 batch may lack (a shared prompt's ``prefix_ids``, say) is None there. Each
 class knows its layout (:meth:`TokenBatch.layout`: the batch as
-``jax.ShapeDtypeStruct`` s), so a step can be lowered and compiled without data.
+``jax.ShapeDtypeStruct`` s in its arrays' places), so a step can be lowered and compiled without data.
 """
 
 from __future__ import annotations
@@ -13,12 +13,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
-B = TypeVar("B", bound="TokenBatch")
+B = TypeVar("B", bound="TokenBatch")  # a batch class (a task's: pretrain.task.Task is generic in it)
+B_co = TypeVar("B_co", bound="TokenBatch", covariant=True)  # a Rollout's batch class (read-only there)
 
 INT, FLOAT = jnp.int32, jnp.float32
 
@@ -30,25 +32,26 @@ class TokenBatch:
     segment (0: padding) and its position in the segment; ``prefix_ids``: a shared prefix's ids, aligned with the
     inputs (zoo.model.decoder.forward), or None."""
 
-    inputs: Any
-    targets: Any
-    weights: Any
-    segment_ids: Any
-    positions: Any
-    prefix_ids: Any = None
+    inputs: jax.Array
+    targets: jax.Array
+    weights: jax.Array
+    segment_ids: jax.Array
+    positions: jax.Array
+    prefix_ids: jax.Array | None = None
 
     @classmethod
     def of(cls: type[B], arrays: Mapping[str, Any]) -> B:
         """The batch of the model-batch dict ``arrays`` (zoo.data.batching.to_model_batch's): its fields by name,
         None where absent; other keys are left out."""
-        return cls(**{f.name: arrays.get(f.name) for f in dataclasses.fields(cls)})
+        present: dict[str, Any] = {f.name: arrays.get(f.name) for f in dataclasses.fields(cls)}
+        return cls(**present)
 
-    def arrays(self) -> dict[str, Any]:
+    def arrays(self) -> dict[str, jax.Array]:
         """The fields that are there, as the dict zoo's model functions read."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
 
     @classmethod
-    def dtypes(cls) -> dict[str, Any]:
+    def dtypes(cls) -> dict[str, DTypeLike]:
         """Each field's dtype (for :meth:`layout`)."""
         return {"inputs": INT, "targets": INT, "weights": FLOAT, "segment_ids": INT, "positions": INT,
                 "prefix_ids": INT}
@@ -58,18 +61,20 @@ class TokenBatch:
         """The batch of ``shape`` ([grad_accum, micro, seq_len], say) as ``jax.ShapeDtypeStruct`` s: every
         required field, and the optional ones named in ``fields``."""
         kinds = cls.dtypes()
-        out = {f.name: jax.ShapeDtypeStruct(shape, kinds[f.name])
-               for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING or f.name in fields}
+        # ShapeDtypeStructs in the arrays' places: jax reads the layout as the batch's pytree, abstract.
+        out: dict[str, Any] = {f.name: jax.ShapeDtypeStruct(shape, kinds[f.name])
+                               for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING or f.name in fields}
         return cls(**out)
 
 
-@dataclass
-class Rollout:
-    """What an online task's :meth:`Task.rollout` made for one step: the model batch the step trains on, the
-    metrics it measured (logged with the step's), and how its time and tokens went, from which
-    :meth:`timing` reports the step's split between making the batch and training on it."""
+@dataclass(frozen=True)
+class Rollout(Generic[B_co]):
+    """What an online task's :meth:`Task.rollout` made for one step: the model batch the step trains on (a
+    ``B_co``: the task's batch class), the metrics it measured (logged with the step's), and how its time and
+    tokens went, from which :meth:`timing` reports the step's split between making the batch and training on it.
+    Frozen: read-only, so a rollout of a subclass's batch is a rollout of its base class's (covariant)."""
 
-    batch: TokenBatch
+    batch: B_co
     metrics: dict[str, float]
     generation_s: float = 0.0  # seconds spent generating
     rollout_s: float = 0.0  # seconds spent making the batch in all

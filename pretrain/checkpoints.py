@@ -26,7 +26,7 @@ class Checkpoints(Hook):
         self.manager = ocp.CheckpointManager(self.dir, options=ocp.CheckpointManagerOptions(
             max_to_keep=cfg.checkpoint.keep, save_interval_steps=cfg.checkpoint.every))
 
-    def restore(self, state: dict) -> tuple[dict, int, Path | None]:
+    def restore(self, state: dict[str, Any]) -> tuple[dict[str, Any], int, Path | None]:
         """(state, step, checkpoint folder) of the newest readable checkpoint, or (``state``, 0, None)."""
         import grain
         import orbax.checkpoint as ocp
@@ -46,7 +46,7 @@ class Checkpoints(Hook):
             return restored["state"], saved, self.dir / str(saved)
         return state, 0, None
 
-    def save(self, step: int, state: dict, force: bool = False) -> None:
+    def save(self, step: int, state: dict[str, Any], force: bool = False) -> None:
         """Checkpoint ``state`` as step ``step`` (when the interval says so, or ``force``)."""
         import grain
         import orbax.checkpoint as ocp
@@ -55,7 +55,7 @@ class Checkpoints(Hook):
             state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(self.batches),
             config=ocp.args.JsonSave(dataclasses.asdict(self.cfg))), force=force)
 
-    def save_now(self, step: int, state: dict) -> None:
+    def save_now(self, step: int, state: dict[str, Any]) -> None:
         """Checkpoint step ``step`` now (if it is not saved already) and wait until it is written."""
         if self.manager.latest_step() != step:
             self.save(step, state, force=True)

@@ -26,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def add_train_command(sub: Any, command: str, what: str, example: str, more: str = "") -> argparse.ArgumentParser:
+def add_train_command(sub: argparse._SubParsersAction[argparse.ArgumentParser], command: str, what: str,
+                      example: str, more: str = "") -> argparse.ArgumentParser:
     """A task's `train` subcommand of ``command`` (its parser's subparsers ``sub``): --config, KEY=VALUE overrides
     (``example`` shows some), --print-config, and the run-folder and multi-process flags; ``more`` adds to its
     description."""
@@ -66,7 +67,7 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def train_command(args: argparse.Namespace, schema: type[TrainConfig] = TrainConfig,
-                  tasks: Callable[[], Sequence[type[Task]]] | None = None) -> int | None:
+                  tasks: Callable[[], Sequence[type[Task[Any]]]] | None = None) -> int | None:
     """The body of every `train` command: resolve the config with ``schema``, the task's config class (default
     pretraining's; ``--print-config`` prints it and stops), join the other processes, train and name the final
     model. The task is the first of the command's ``tasks()`` (classes imported on demand, each variant before the

@@ -135,7 +135,7 @@ def compile_only(cfg: TrainConfig, task: Any, topology: str, report_path: str | 
     return 0 if rep.fits else DOES_NOT_FIT
 
 
-def abstract_run(cfg: TrainConfig, task: Any, topology: str, devices: list) -> AbstractRun:
+def abstract_run(cfg: TrainConfig, task: Any, topology: str, devices: list[Any]) -> AbstractRun:
     """The run's :class:`AbstractRun` on the mesh of ``devices`` (a TPU topology's): the model the task trains,
     its weights laid out as a run places them (QLoRA's quantized base too), and the sharded train step."""
     import jax
@@ -160,7 +160,7 @@ def abstract_run(cfg: TrainConfig, task: Any, topology: str, devices: list) -> A
     with target("tpu", len(devices)):  # the TPU program has no cuDNN: said as a run on TPUs would say it
         check_platform(cfg.model.attention, cfg.dtype.compute)
 
-    def abstract(specs: dict, dtype: Any) -> dict:
+    def abstract(specs: dict[str, Any], dtype: Any) -> dict[str, Any]:
         return nest({k: jax.ShapeDtypeStruct(s.shape, dtype, sharding=named_sharding(mesh, s.axes, s.shape))
                      for k, s in specs.items()})
 
@@ -184,7 +184,7 @@ def abstract_run(cfg: TrainConfig, task: Any, topology: str, devices: list) -> A
     return AbstractRun(mcfg, mesh, lora, params, frozen, trainable, frozen_inputs, state, batch, step)
 
 
-def _topology_mesh(cfg: TrainConfig, topology: str, devices: list) -> Any:
+def _topology_mesh(cfg: TrainConfig, topology: str, devices: list[Any]) -> Any:
     """The run's mesh (``cfg.mesh``) over the topology's devices, checked against the batch it splits."""
     from zoo.model.sharding import make_mesh
 

@@ -108,7 +108,7 @@ def data_sources(cfg: TrainConfig) -> list[DataSource]:
     return out
 
 
-def _source_list(key: str, value: list, source_class: type[DataSource]) -> list[dict[str, Any]]:
+def _source_list(key: str, value: list[Any], source_class: type[DataSource]) -> list[dict[str, Any]]:
     """``data.path`` as a list: each source a full mapping of ``source_class``'s keys, validated (errors name
     data.path[i].key)."""
     if not value:
@@ -321,7 +321,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (),
         except (yaml.YAMLError, ValueError):  # ValueError: YAML reads 2025-13-40 as a date, and fails
             value = raw
         set_override(tree, key.strip(), value)
-    cfg = _build(schema or TrainConfig, tree)
+    cfg: TrainConfig = _build(schema or TrainConfig, tree)
     cfg.check()
     return cfg
 
@@ -334,4 +334,5 @@ def config_keys(schema: type[TrainConfig] | None = None) -> list[str]:
 
 def to_yaml(cfg: TrainConfig) -> str:
     """The fully resolved config as YAML (what --print-config shows and checkpoints record)."""
-    return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
+    text: str = yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
+    return text

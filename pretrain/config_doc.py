@@ -170,7 +170,7 @@ def value_text(value: Any) -> str:
     return repr(value)
 
 
-def _default(f: dataclasses.Field) -> Any:
+def _default(f: dataclasses.Field[Any]) -> Any:
     """A field's default value (its factory's product)."""
     if f.default is not dataclasses.MISSING:
         return f.default
@@ -179,7 +179,7 @@ def _default(f: dataclasses.Field) -> Any:
     return dataclasses.MISSING
 
 
-def _choices(f: dataclasses.Field, t: Any) -> tuple[Any, ...]:
+def _choices(f: dataclasses.Field[Any], t: Any) -> tuple[Any, ...]:
     """A field's allowed values: its metadata's ``choices``, or the values of a ``Literal[...]`` type."""
     if f.metadata.get("choices"):
         return tuple(f.metadata["choices"])
@@ -191,7 +191,7 @@ def _choices(f: dataclasses.Field, t: Any) -> tuple[Any, ...]:
     return ()
 
 
-def _field_key(prefix: str, section: str, f: dataclasses.Field, t: Any, doc: str) -> KeyDoc:
+def _field_key(prefix: str, section: str, f: dataclasses.Field[Any], t: Any, doc: str) -> KeyDoc:
     """The reference row of field ``f`` (type ``t``) at ``prefix``."""
     default = _default(f)
     interval = f.metadata.get("range")

@@ -99,7 +99,7 @@ def _range_words(opening: str, lo: float, hi: float, interval: str) -> str:
     return f"at least {lo:g}"
 
 
-def check_field(key: str, value: Any, f: dataclasses.Field) -> None:
+def check_field(key: str, value: Any, f: dataclasses.Field[Any]) -> None:
     """The value of field ``f`` (already of its type) among its ``choices`` and in its ``range`` (null passes)."""
     choices = f.metadata.get("choices")
     if choices and value not in choices:

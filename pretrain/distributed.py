@@ -82,7 +82,8 @@ def is_primary() -> bool:
     """True on the process that writes shared files (metrics, configs, the final model)."""
     import jax
 
-    return jax.process_index() == 0
+    index: int = jax.process_index()
+    return index == 0
 
 
 def sync(name: str) -> None:

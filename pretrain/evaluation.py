@@ -28,8 +28,9 @@ class Evaluation(Hook):
     types its batches), or the task's own held-out metrics (``own``), at each step it is passed."""
 
     def __init__(self, cfg: TrainConfig, data: RunData, micro: int, mesh: jax.sharding.Mesh,
-                 eval_fn: Callable[..., LossOutput], batch_of: Callable[[dict], TokenBatch], frozen: dict | None,
-                 primary: bool, own: Callable[..., dict[str, float] | None] | None = None):
+                 eval_fn: Callable[..., LossOutput], batch_of: Callable[[dict[str, Any]], TokenBatch],
+                 frozen: dict[str, Any] | None, primary: bool,
+                 own: Callable[..., dict[str, float] | None] | None = None):
         self.cfg, self.data, self.micro, self.mesh, self.batch_of = cfg, data, micro, mesh, batch_of
         self.own = own  # the task's own held-out metrics (Task.eval_metrics), in place of the eval loss
         self.eval_fn, self.frozen = eval_fn, frozen
@@ -54,7 +55,7 @@ class Evaluation(Hook):
             for name, docs in self.eval_sets.items():
                 info.record[f"eval_loss/{name}"] = self.loss(params, docs)["eval_loss"]
 
-    def loss(self, params: dict, docs: list[Document], max_batches: int = 50) -> dict[str, float]:
+    def loss(self, params: dict[str, Any], docs: list[Document], max_batches: int = 50) -> dict[str, float]:
         """{eval_loss: mean per-target loss, eval_<name>: the task's other metrics} over (up to ``max_batches``)
         packed batches of the eval documents."""
         cfg = self.cfg

@@ -31,9 +31,9 @@ OFF_WHEN_FALSY = ("optimizer.weight_decay", "optimizer.grad_clip", "schedule.war
 DECAYING_SCHEDULES = ("cosine", "linear", "wsd")
 
 
-def write_final(out: Path, cfg: TrainConfig, mcfg: ModelConfig, params: dict, src: Path | None, tok_dir: Path,
-                last: dict, data_report: dict, method: str = "pretrain", lora: LoraConfig | None = None,
-                card: MethodCard | None = None) -> Path:
+def write_final(out: Path, cfg: TrainConfig, mcfg: ModelConfig, params: dict[str, Any], src: Path | None,
+                tok_dir: Path, last: dict[str, Any], data_report: dict[str, Any], method: str = "pretrain",
+                lora: LoraConfig | None = None, card: MethodCard | None = None) -> Path:
     """Write ``out/final`` as a zoo checkpoint, atomically; every process writes its own shards.
 
     With ``lora`` the params are the adapters: ``final`` is then an adapter
@@ -84,7 +84,8 @@ def write_final(out: Path, cfg: TrainConfig, mcfg: ModelConfig, params: dict, sr
     return final
 
 
-def merged_table(mcfg: ModelConfig, base: dict[str, dict], adapters: dict[str, dict]) -> dict[str, dict]:
+def merged_table(mcfg: ModelConfig, base: dict[str, dict[str, Any]], adapters: dict[str, dict[str, Any]]
+                 ) -> dict[str, dict[str, Any]]:
     """The parameter table of the model an adapter checkpoint describes: its base's, with the weights trained
     whole (a reward model's score head) in the dtype of the base's final norm, as :func:`zoo.lora.adapters.merge_lora`
     merges them, and a causal base's LM head gone where the run made it a reward model."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from pretrain.batch import Rollout
+from pretrain.batch import Rollout, TokenBatch
 from zoo.data.jsonl import read_records
 from zoo.lora.adapters import LoraConfig
 from zoo.model.config import ModelConfig
@@ -37,9 +37,9 @@ class StepInfo:
 
     step: int
     total: int
-    state: dict
+    state: dict[str, Any]
     record: dict[str, Any]
-    rollout: Rollout | None = None
+    rollout: Rollout[TokenBatch] | None = None
     loss: float = 0.0
 
     @property
@@ -56,7 +56,7 @@ class RunModel:
     mcfg: ModelConfig
     tokenizer: Any
     lora: LoraConfig | None
-    frozen: dict | None
+    frozen: dict[str, Any] | None
 
 
 class Hook(Protocol):

@@ -3,27 +3,66 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, NamedTuple, Protocol, TypeAlias, TypeVar
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
+from jax.typing import DTypeLike
 
+from pretrain.batch import B, TokenBatch
 from pretrain.metrics import LossOutput
-from pretrain.task import PretrainTask, Task
+from pretrain.task import FrozenInputs, PretrainTask, Task, Totals
 from zoo.compiled.compiler import compile_lowered
 from zoo.lora.weights import Weights
 from zoo.memory import release_free_memory
 from zoo.model.config import ModelConfig
 from zoo.model.sharding import mesh_context
 
+# The train state: {"params": the trained weights, "opt_state": the optimizer's state, "step": updates made}.
+TrainState: TypeAlias = dict[str, Any]
+# A pytree of shardings laid out as the values it shards (the train state, a params dict, a task's frozen inputs).
+Shardings: TypeAlias = "jax.sharding.Sharding | dict[str, Shardings] | list[Shardings] | tuple[Shardings, ...] | None"
 
-def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any, remat: str = "none",
-              state_sharding: Any = None, batch_sharding: Any = None, task: Task | None = None,
-              lora_scale: float | None = None, frozen_sharding: Any = None, lora_dropout: float = 0.0,
-              seed: int = 0, frozen_inputs_sharding: Any = None):
-    """(train step, eval fn): gradient accumulation over the leading micro-batch axis, one optimizer update.
+B_contra = TypeVar("B_contra", bound=TokenBatch, contravariant=True)  # the batch class a step reads
+
+
+class TrainStep(Protocol[B_contra]):
+    """:func:`make_step`'s train step: ``(state, batch, frozen=None, *, frozen_inputs=None)`` -> (the state after
+    one update on the global ``batch``, the step's metrics: ``loss``, ``grad_norm``, ``target_tokens``,
+    ``padding`` and the task's finished metrics under ``task``)."""
+
+    def __call__(self, state: TrainState, batch: B_contra, frozen: dict[str, Any] | None = None, *,
+                 frozen_inputs: FrozenInputs = None) -> tuple[TrainState, dict[str, Any]]: ...
+
+    def lower(self, state: TrainState, batch: B_contra, frozen: dict[str, Any] | None = None, *,
+              frozen_inputs: FrozenInputs = None) -> jax.stages.Lowered:
+        """The step lowered for these arguments (arrays, or ``jax.ShapeDtypeStruct`` s with shardings)."""
+        ...
+
+
+class EvalStep(Protocol[B_contra]):
+    """:func:`make_step`'s evaluation: ``(params, batch, frozen=None, frozen_inputs=None)`` -> the task's
+    :class:`LossOutput` of ``batch``."""
+
+    def __call__(self, params: dict[str, Any], batch: B_contra, frozen: dict[str, Any] | None = None,
+                 frozen_inputs: FrozenInputs = None) -> LossOutput: ...
+
+
+class StepFunctions(NamedTuple, Generic[B]):
+    """What :func:`make_step` returns, a task's train step and evaluation (it unpacks as ``(train, evaluate)``)."""
+
+    train: TrainStep[B]
+    evaluate: EvalStep[B]
+
+
+def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: DTypeLike, remat: str = "none",
+              state_sharding: Shardings = None, batch_sharding: NamedSharding | None = None,
+              task: Task[B] | None = None, lora_scale: float | None = None, frozen_sharding: Shardings = None,
+              lora_dropout: float = 0.0, seed: int = 0, frozen_inputs_sharding: Shardings = None) -> StepFunctions[B]:
+    """(train step, eval fn), a :class:`StepFunctions`: gradient accumulation over the leading micro-batch axis,
+    one optimizer update.
 
     The task (default: pretraining's next-token loss) computes the loss sums of
     a micro-batch; the step differentiates them with respect to ``state["params"]``
@@ -54,15 +93,17 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any,
     mesh). A task with ``reads_step`` gets the state's step (the number of
     updates made so far) as ``step`` in the train step; evaluation passes None.
     """
-    task = task or PretrainTask()
-    loss_of = _loss_of(task, mcfg, compute, remat, lora_scale, lora_dropout)
-    step = _train_step(task, tx, loss_of, seed if lora_scale is not None and lora_dropout > 0 else None)
+    run_task: Task[Any] = task or PretrainTask()
+    loss_of = _loss_of(run_task, mcfg, compute, remat, lora_scale, lora_dropout)
+    step = _train_step(run_task, tx, loss_of, seed if lora_scale is not None and lora_dropout > 0 else None)
 
-    def evaluate(params: dict, batch: Any, frozen: Any = None, frozen_inputs: Any = None) -> LossOutput:
-        return loss_of(params, batch, frozen, frozen_inputs, totals=task.batch_totals(batch))
+    def evaluate(params: dict[str, Any], batch: TokenBatch, frozen: dict[str, Any] | None = None,
+                 frozen_inputs: FrozenInputs = None) -> LossOutput:
+        return loss_of(params, batch, frozen, frozen_inputs, totals=run_task.batch_totals(batch))
 
     if state_sharding is None:
-        return compile_then_trim(jax.jit(step, donate_argnums=0)), compile_then_trim(jax.jit(evaluate))
+        return StepFunctions(compile_then_trim(jax.jit(step, donate_argnums=0)), compile_then_trim(jax.jit(evaluate)))
+    assert batch_sharding is not None, "a sharded step's batch_sharding"
     replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
     mesh = batch_sharding.mesh
     platform = mesh.devices.flat[0].platform  # the mesh's, not the default backend's
@@ -70,17 +111,18 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: Any,
         step, donate_argnums=0,
         in_shardings=(state_sharding, batch_sharding, frozen_sharding, frozen_inputs_sharding),
         out_shardings=(state_sharding, replicated)), platform, mesh)
-    return ShardedStep(step_jit), compile_then_trim(jax.jit(evaluate, out_shardings=replicated), platform, mesh)
+    return StepFunctions(ShardedStep(step_jit),
+                         compile_then_trim(jax.jit(evaluate, out_shardings=replicated), platform, mesh))
 
 
-def _loss_of(task: Task, mcfg: ModelConfig, compute: Any, remat: str, lora_scale: float | None,
+def _loss_of(task: Task[Any], mcfg: ModelConfig, compute: DTypeLike, remat: str, lora_scale: float | None,
              lora_dropout: float) -> Callable[..., LossOutput]:
     """The task's loss of a micro-batch as a function of the trained weights: the whole model's, or with
     ``lora_scale`` LoRA's adapters on the frozen base (the third argument), dropout drawn from ``rng``; the task
     gets them as one :class:`zoo.lora.weights.Weights`."""
 
-    def loss_of(trainable: dict, mb: Any, frozen: Any, frozen_inputs: Any = None,
-                rng: jax.Array | None = None, totals: Any = None,
+    def loss_of(trainable: dict[str, Any], mb: TokenBatch, frozen: Any,
+                frozen_inputs: FrozenInputs = None, rng: jax.Array | None = None, totals: Totals = None,
                 step_number: jax.Array | None = None) -> LossOutput:
         weights = Weights.of(trainable, frozen, lora_scale, lora_dropout, rng)
         return task.loss_sums(mcfg, weights, mb, compute, remat, frozen_inputs=frozen_inputs, totals=totals,
@@ -89,8 +131,8 @@ def _loss_of(task: Task, mcfg: ModelConfig, compute: Any, remat: str, lora_scale
     return loss_of
 
 
-def _train_step(task: Task, tx: optax.GradientTransformation, loss_of: Callable[..., LossOutput],
-                dropout_seed: int | None) -> Callable[..., tuple[dict, dict]]:
+def _train_step(task: Task[Any], tx: optax.GradientTransformation, loss_of: Callable[..., LossOutput],
+                dropout_seed: int | None) -> Callable[..., tuple[TrainState, dict[str, Any]]]:
     """The train step (not yet jitted): gradients of ``loss_of`` accumulated over the batch's micro-batches,
     divided by the global batch's count, one optimizer update; LoRA dropout keys from ``dropout_seed`` (None: no
     dropout)."""
@@ -106,12 +148,14 @@ def _train_step(task: Task, tx: optax.GradientTransformation, loss_of: Callable[
         key = jax.random.fold_in(jax.random.key(dropout_seed), step_number)
         return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(micro_batches))
 
-    def step(state: dict, batch: Any, frozen: Any = None, frozen_inputs: Any = None) -> tuple[dict, dict]:
+    def step(state: TrainState, batch: TokenBatch, frozen: dict[str, Any] | None = None,
+             frozen_inputs: FrozenInputs = None) -> tuple[TrainState, dict[str, Any]]:
         grad_fn = jax.value_and_grad(objective, has_aux=True)
         totals = task.batch_totals(batch)  # over the global batch, not one micro-batch
         number = state["step"] if task.reads_step else None
 
-        def micro(carry: tuple[dict, LossOutput], xs: Any) -> tuple[tuple[dict, LossOutput], None]:
+        def micro(carry: tuple[dict[str, Any], LossOutput], xs: Any) -> tuple[tuple[dict[str, Any], LossOutput],
+                                                                                None]:
             g_acc, out_acc = carry
             mb, rng = xs
             (_, out), g = grad_fn(state["params"], mb, frozen, frozen_inputs, rng, totals, number)
@@ -151,10 +195,13 @@ class ShardedStep:
     def __init__(self, jitted: CompileThenTrim):
         self.jitted = jitted
 
-    def __call__(self, state: dict, batch: Any, frozen: Any = None, *, frozen_inputs: Any = None) -> tuple[dict, dict]:
-        return self.jitted(state, batch, frozen, frozen_inputs)
+    def __call__(self, state: TrainState, batch: TokenBatch, frozen: dict[str, Any] | None = None, *,
+                 frozen_inputs: FrozenInputs = None) -> tuple[TrainState, dict[str, Any]]:
+        out: tuple[TrainState, dict[str, Any]] = self.jitted(state, batch, frozen, frozen_inputs)
+        return out
 
-    def lower(self, state: Any, batch: Any, frozen: Any = None, *, frozen_inputs: Any = None) -> Any:
+    def lower(self, state: TrainState, batch: TokenBatch, frozen: dict[str, Any] | None = None, *,
+              frozen_inputs: FrozenInputs = None) -> jax.stages.Lowered:
         """The step lowered for these arguments (``jax.ShapeDtypeStruct`` s with shardings: no data, no devices'
         memory); ``zoo.compiled.compiler.compile_lowered(lowered, platform)`` compiles it with the platform's options."""
         return self.jitted.lower(state, batch, frozen, frozen_inputs)
@@ -176,13 +223,14 @@ class CompileThenTrim:
     sees the program's platform, and splash attention shards itself over the mesh (:mod:`zoo.kernels.splash`).
     """
 
-    def __init__(self, jitted: Any, platform: str | None = None, mesh: jax.sharding.Mesh | None = None):
+    def __init__(self, jitted: jax.stages.Wrapped, platform: str | None = None,
+                 mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None):
         self.jitted = jitted
         self.platform = platform
         self.mesh = mesh
         self.compiled: dict[str, Any] = {}
 
-    def lower(self, *args: Any, **kwargs: Any) -> Any:
+    def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """The jitted function lowered for these arguments (arrays or ``jax.ShapeDtypeStruct`` s), under ``mesh``
         (:func:`zoo.model.sharding.mesh_context`): activations keep the batch split (:func:`zoo.model.sharding.batch_sharded`)
         and splash attention shards itself over it."""
@@ -212,7 +260,7 @@ def state_shardings(tx: optax.GradientTransformation, params: Any, mesh: jax.sha
     return opt_sharding, replicated
 
 
-def init_state(tx: optax.GradientTransformation, params: dict, mesh: jax.sharding.Mesh) -> dict:
+def init_state(tx: optax.GradientTransformation, params: dict[str, Any], mesh: jax.sharding.Mesh) -> TrainState:
     """The train state {params, opt_state, step}; optimizer moments take their parameter's sharding."""
     opt_sharding, replicated = state_shardings(tx, params, mesh)
     opt_state, step = jax.jit(lambda p: (tx.init(p), jnp.zeros((), jnp.int32)),
@@ -220,7 +268,7 @@ def init_state(tx: optax.GradientTransformation, params: dict, mesh: jax.shardin
     return {"params": params, "opt_state": opt_state, "step": step}
 
 
-def state_layout(tx: optax.GradientTransformation, params: Any, mesh: jax.sharding.Mesh) -> dict:
+def state_layout(tx: optax.GradientTransformation, params: Any, mesh: jax.sharding.Mesh) -> TrainState:
     """:func:`init_state`'s state as ``jax.ShapeDtypeStruct`` s with their shardings, from abstract ``params``
     (nothing computed or allocated): what ``--compile-only`` lowers the step with."""
     opt_sharding, replicated = state_shardings(tx, params, mesh)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import sys
+import types
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
@@ -62,7 +63,7 @@ class _Run:
     mesh: jax.sharding.Mesh
     micro: int
     mcfg: ModelConfig
-    params: dict
+    params: dict[str, Any]
     src_ckpt: Path | None
     tok_dir: Path
     tokenizer: Any
@@ -71,18 +72,18 @@ class _Run:
     batch_sharding: NamedSharding
     data: RunData
     schedule: Any = None
-    state: dict = dataclasses.field(default_factory=dict)
+    state: dict[str, Any] = dataclasses.field(default_factory=dict)
     step_fn: Any = None
     eval_fn: Any = None
 
     @property
-    def frozen(self) -> dict | None:
+    def frozen(self) -> dict[str, Any] | None:
         """With LoRA only the adapters are trained (``state["params"]``); the base is a frozen, undifferentiated
         input of the step."""
         return self.params if self.lora_cfg else None
 
 
-def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = None, fresh: bool = False,
+def train(cfg: TrainConfig, progress: bool | None = None, task: Task[Any] | None = None, fresh: bool = False,
           resume_with_changes: Sequence[str] | str = (), hooks: Hooks | None = None) -> Path:
     """Run (or resume) training of ``task`` (default: pretraining); returns ``output_dir/final``.
 
@@ -138,7 +139,7 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
                        _data_report(cfg, run.data, primary), task.method, run.lora_cfg, task.card(cfg))
 
 
-def _set_up(cfg: TrainConfig, task: Task, primary: bool) -> _Run:
+def _set_up(cfg: TrainConfig, task: Task[Any], primary: bool) -> _Run:
     """The mesh, the model the task trains (QLoRA's quantized base; a reward model's score head), the task's
     frozen inputs and the run's data, each checked before anything is written."""
     mesh = _mesh(cfg)
@@ -160,7 +161,7 @@ def _set_up(cfg: TrainConfig, task: Task, primary: bool) -> _Run:
                 data)
 
 
-def _build_step(cfg: TrainConfig, task: Task, run: _Run) -> None:
+def _build_step(cfg: TrainConfig, task: Task[Any], run: _Run) -> None:
     """The optimizer's schedule, the train state (adapters or the whole model) and the jitted train and eval
     steps, set on ``run``."""
     # The schedule counts optimizer updates: an online task may make several per step (its batch reused).
@@ -176,7 +177,7 @@ def _build_step(cfg: TrainConfig, task: Task, run: _Run) -> None:
         seed=cfg.seed, frozen_inputs_sharding=jax.tree.map(lambda x: x.sharding, run.frozen_inputs))
 
 
-def _run_hooks(cfg: TrainConfig, task: Task, run: _Run, out: Path, primary: bool, caller: Hooks,
+def _run_hooks(cfg: TrainConfig, task: Task[Any], run: _Run, out: Path, primary: bool, caller: Hooks,
                log: runlog.RunLog | None, checkpoints: Checkpoints) -> Hooks:
     """The run's hooks in order: evaluation, the caller's, the task's own, the metrics log and checkpoints; each
     set up with the run's model."""
@@ -195,7 +196,7 @@ def _run_hooks(cfg: TrainConfig, task: Task, run: _Run, out: Path, primary: bool
 
 
 def _take_steps(training: Training, hooks: Hooks, checkpoints: Checkpoints, start: int, total: int,
-                log: runlog.RunLog | None, bar_wanted: bool, out: Path) -> dict:
+                log: runlog.RunLog | None, bar_wanted: bool, out: Path) -> dict[str, Any]:
     """Steps ``start`` .. ``total``, the hooks after each, a signal stopping the run at a step boundary (its
     checkpoint saved); returns the last step's metrics record (the log's last if no step is left to run)."""
     bar = tqdm(total=total, initial=start, desc="train", unit="step", disable=not bar_wanted)
@@ -237,7 +238,7 @@ def _mesh(cfg: TrainConfig) -> jax.sharding.Mesh:
     return mesh
 
 
-def _check_data(cfg: TrainConfig, task: Task, data: RunData, micro: int, primary: bool) -> None:
+def _check_data(cfg: TrainConfig, task: Task[Any], data: RunData, micro: int, primary: bool) -> None:
     """Report what was cut; before anything is written, a run that cannot train is an error, not 0-loss steps
     and a `final` model."""
     if primary and data.too_long:
@@ -250,10 +251,10 @@ def _check_data(cfg: TrainConfig, task: Task, data: RunData, micro: int, primary
         preflight.check_eval(data.eval_docs, cfg, micro, data.packing)
 
 
-def _data_report(cfg: TrainConfig, data: RunData, primary: bool) -> dict:
+def _data_report(cfg: TrainConfig, data: RunData, primary: bool) -> dict[str, Any]:
     """What the run's data was, for ``final``'s training record (every process: a mixture's counts are summed)."""
-    report: dict = {"skipped_rows": data.skipped, "packing": data.packing,
-                    f"{'dropped' if cfg.data.long_examples == 'drop' else 'truncated'}_long_examples": data.too_long}
+    cut = f"{'dropped' if cfg.data.long_examples == 'drop' else 'truncated'}_long_examples"
+    report: dict[str, Any] = {"skipped_rows": data.skipped, "packing": data.packing, cut: data.too_long}
     mixture = data.mixture_report()
     if mixture:
         report["mixture"] = mixture
@@ -275,7 +276,7 @@ class _StopOnSignal:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._old[sig] = signal.signal(sig, self._handle)
 
-    def _handle(self, signum, frame) -> None:
+    def _handle(self, signum: int, frame: types.FrameType | None) -> None:
         import signal
 
         self.requested = signal.Signals(signum).name
@@ -299,10 +300,12 @@ def summary_writer() -> type:
     if "torch" in sys.modules or "tensorboardX" in sys.modules:
         from tensorboardX import SummaryWriter
 
-        return SummaryWriter
+        writer: type = SummaryWriter  # tensorboardX ships no types
+        return writer
     sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` raises ImportError
     try:
         from tensorboardX import SummaryWriter
     finally:
         del sys.modules["torch"]
-    return SummaryWriter
+    writer = SummaryWriter
+    return writer

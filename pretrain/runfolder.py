@@ -119,7 +119,8 @@ def config_changes(out: Path, cfg: TrainConfig, allowed: Sequence[str] = ()) -> 
 
 
 def _show(v: Any) -> str:
-    return yaml.safe_dump(v, default_flow_style=True, width=1_000_000).strip().removesuffix("...").strip()
+    text: str = yaml.safe_dump(v, default_flow_style=True, width=1_000_000)
+    return text.strip().removesuffix("...").strip()
 
 
 def move_aside(out: Path) -> Path | None:

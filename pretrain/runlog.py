@@ -102,11 +102,13 @@ class RunLog(Hook):
         return [k for k in rec if k not in known and not k.startswith("eval")] + evals
 
     def _eta(self, rec: dict[str, Any]) -> float | None:
-        now, step = time.monotonic(), rec["step"]
+        now = time.monotonic()
+        step: int = rec["step"]
         left = self.total - step
         if self._first is None:  # the first step compiles: its time says little about the others
             self._first = (now, step)
-            return rec.get("step_time", 0.0) * left
+            step_time: float = rec.get("step_time", 0.0)
+            return step_time * left
         t0, s0 = self._first
         return (now - t0) / max(1, step - s0) * left
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import jax
 
@@ -19,7 +19,8 @@ from zoo.model.params import flatten, init_params, nest, param_specs
 from zoo.model.sharding import named_sharding
 
 
-def load_model(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> tuple[ModelConfig, dict, Path | None, Path]:
+def load_model(cfg: TrainConfig, mesh: jax.sharding.Mesh
+               ) -> tuple[ModelConfig, dict[str, Any], Path | None, Path]:
     """(model config, sharded params, source checkpoint or None, tokenizer folder)."""
     pdt = DTYPES[cfg.dtype.params]
     if cfg.model.init == "random":
@@ -105,8 +106,8 @@ def frozen_base_quant(cfg: TrainConfig, ckpt: Path | None) -> tuple[str, bool] |
     return stored
 
 
-def quantize_frozen_base(cfg: TrainConfig, mcfg: ModelConfig, params: dict, mesh: jax.sharding.Mesh,
-                         ckpt: Path | None) -> dict:
+def quantize_frozen_base(cfg: TrainConfig, mcfg: ModelConfig, params: dict[str, Any], mesh: jax.sharding.Mesh,
+                         ckpt: Path | None) -> dict[str, Any]:
     """QLoRA (:func:`frozen_base_quant`): ``params`` (loaded by :func:`load_model` without the projections) plus
     each projection of ``ckpt`` loaded, quantized (zoo/model/quant.py) and placed one at a time, so the float base is
     never whole in memory; the quantized fields are split over ``fsdp`` (:func:`zoo.model.quant.place`). A checkpoint
@@ -145,12 +146,13 @@ def check_base_quant(cfg: TrainConfig) -> None:
 
 
 def init_adapters(mcfg: ModelConfig, lora_cfg: LoraConfig, seed: int, mesh: jax.sharding.Mesh,
-                  params: dict | None = None) -> dict:
+                  params: dict[str, Any] | None = None) -> dict[str, Any]:
     """Fresh float32 adapters (B = 0: the model starts as the base), each sharded like its base weight; the
     weights trained whole (a reward model's score head, :func:`zoo.lora.adapters.whole_weights`) start as ``params``'."""
     specs = lora_specs(mcfg, lora_cfg)
     shard = nest({p: named_sharding(mesh, s.axes, s.shape) for p, s in specs.items()})
     whole = {p: v for p, v in flatten(params or {}).items() if p in whole_weights(mcfg)}
     # No host inputs: every process builds the same global arrays, each its own shards.
-    return jax.jit(lambda w: init_lora(mcfg, lora_cfg, jax.random.PRNGKey(seed + 1), "float32", nest(w)),
-                   out_shardings=shard)(whole)
+    adapters: dict[str, Any] = jax.jit(lambda w: init_lora(mcfg, lora_cfg, jax.random.PRNGKey(seed + 1), "float32",
+                                                           nest(w)), out_shardings=shard)(whole)
+    return adapters

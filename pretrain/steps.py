@@ -19,7 +19,8 @@ from pretrain.config import TrainConfig
 from pretrain.data.lanes import global_batch
 from pretrain.data.run import RunData
 from pretrain.hooks import StepInfo
-from pretrain.task import Task
+from pretrain.jit_step import TrainState, TrainStep
+from pretrain.task import FrozenInputs, Task
 from zoo.data.batching import to_model_batch
 from zoo.errors import UserError
 
@@ -31,15 +32,15 @@ class Training:
     inputs (an online task's reward function, say)."""
 
     cfg: TrainConfig
-    task: Task
-    step_fn: Callable[..., tuple[dict, dict]]
+    task: Task[Any]
+    step_fn: TrainStep[Any]
     data: RunData
     batch_sharding: NamedSharding
     batch_shape: tuple[int, int, int]
-    frozen: dict | None
-    frozen_inputs: Any
+    frozen: dict[str, Any] | None
+    frozen_inputs: FrozenInputs
     schedule: Callable[[int], Any]
-    state: dict
+    state: TrainState
     step_flops: float = 0.0  # model FLOPs of one step (MFU's numerator)
     peak: float | None = None  # the devices' peak FLOP/s (None: unknown, no MFU)
     failed_first_step: bool = False
@@ -73,7 +74,7 @@ class Training:
                 record.update({**rollout.metrics, **rollout.timing(dt)})
             yield StepInfo(step + 1, total, self.state, record, rollout, loss)
 
-    def _step(self, step: int, updates: int) -> tuple[Rollout | None, dict]:
+    def _step(self, step: int, updates: int) -> tuple[Rollout[TokenBatch] | None, dict[str, Any]]:
         """Step ``step``'s batch (made by an online task) and its ``updates`` updates; their mean metrics."""
         data, task = self.data, self.task
         rollout = None

@@ -19,12 +19,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeAlias, cast
 
 import jax
 from jax.typing import DTypeLike
 
-from pretrain.batch import Rollout, TokenBatch
+from pretrain.batch import B, Rollout, TokenBatch
 from pretrain.config import TrainConfig
 from pretrain.data.pipeline import tokenize_rows
 from pretrain.hooks import Hook
@@ -41,9 +41,16 @@ from zoo.model.decoder import forward, stored_head
 from zoo.model.loss import next_token_nll_sum
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase as Tokenizer
+    from transformers import PreTrainedTokenizerBase
+
+    Tokenizer: TypeAlias = PreTrainedTokenizerBase
 else:
     Tokenizer = Any
+
+# A task's frozen inputs (what :meth:`Task.prepare` returns for the step: a reference model's params, say), or None.
+FrozenInputs: TypeAlias = dict[str, Any] | None
+# Counts over a whole global batch (:meth:`Task.batch_totals`) by name, or None.
+Totals: TypeAlias = dict[str, jax.Array] | None
 
 
 @dataclass
@@ -89,7 +96,7 @@ class RunContext:
     mesh: jax.sharding.Mesh
     tokenizer: Tokenizer
     lora: LoraConfig | None
-    params: dict
+    params: dict[str, Any]
     reads: list[DataRead]
     source: Path | None = None
 
@@ -107,8 +114,10 @@ class LayoutContext:
     params: Any
 
 
-class Task:
+class Task(Generic[B]):
     """The seam of the shared loop; subclasses implement :meth:`load`, :meth:`documents` and :meth:`loss_sums`.
+    Generic in its model batch class ``B`` (:attr:`batch_class`): ``class GRPOTask(Task[RolloutBatch])``, whose
+    :meth:`loss_sums` reads a ``RolloutBatch`` and whose :meth:`rollout` makes a ``Rollout[RolloutBatch]``.
 
     The loop calls, in this order: :meth:`load` for each data path, :meth:`prepare` once (after the model
     loads), :meth:`documents` for the rows it reads, then the step (:meth:`batch_totals`, :meth:`loss_sums`;
@@ -135,7 +144,9 @@ class Task:
     reads_step: ClassVar[bool] = False
     key_metrics: ClassVar[tuple[str, ...]] = ()
     online: ClassVar[bool] = False
-    batch_class: ClassVar[type[TokenBatch]] = TokenBatch  # the model batch the step reads
+    # The model batch the step reads: ``B`` itself (a class variable cannot name a type variable, so it is
+    # declared as any batch class; each task sets its own).
+    batch_class: ClassVar[type[TokenBatch]] = TokenBatch
 
     def __init__(self, cfg: TrainConfig | None = None):
         self.group_size = 1
@@ -174,17 +185,17 @@ class Task:
         """The :class:`Documents` of the rows at ``indices`` (default all)."""
         raise NotImplementedError
 
-    def batch(self, arrays: dict[str, jax.Array]) -> TokenBatch:
+    def batch(self, arrays: dict[str, jax.Array]) -> B:
         """The typed model batch of a model-batch dict (zoo.data.batching.to_model_batch's)."""
-        return self.batch_class.of(arrays)
+        return cast(B, self.batch_class.of(arrays))  # batch_class is B (see there)
 
     def batch_layout(self, grad_accum: int, micro: int, seq_len: int) -> TokenBatch:
         """The step's global batch ([grad_accum, micro, seq_len] rows) as ``jax.ShapeDtypeStruct`` s, so the step
         can be lowered and compiled without data (call after :meth:`prepare` where that decides the layout)."""
         return self.batch_class.layout((grad_accum, micro, seq_len))
 
-    def loss_sums(self, mcfg: ModelConfig, weights: Weights, mb: Any, compute: DTypeLike, remat: str, *,
-                  frozen_inputs: Any = None, totals: Any = None, step: jax.Array | None = None) -> LossOutput:
+    def loss_sums(self, mcfg: ModelConfig, weights: Weights, mb: B, compute: DTypeLike, remat: str, *,
+                  frozen_inputs: FrozenInputs = None, totals: Totals = None, step: jax.Array | None = None) -> LossOutput:
         """One micro-batch's :class:`LossOutput` (``mb``: a :attr:`batch_class`): the objective to differentiate,
         the loss sum and its count, and the task's metrics, each declaring its reduction (:mod:`pretrain.metrics`).
 
@@ -196,14 +207,14 @@ class Task:
         """
         raise NotImplementedError
 
-    def adapt_model(self, mcfg: ModelConfig, params: dict, mesh: jax.sharding.Mesh, tokenizer: Tokenizer,
-                    seed: int) -> tuple[ModelConfig, dict]:
+    def adapt_model(self, mcfg: ModelConfig, params: dict[str, Any], mesh: jax.sharding.Mesh, tokenizer: Tokenizer,
+                    seed: int) -> tuple[ModelConfig, dict[str, Any]]:
         """The model the task trains, from the one loaded (``params`` sharded on ``mesh``): unchanged by default;
         a reward model (rm/) swaps the LM head for its score head. Called before :meth:`prepare`."""
         return mcfg, params
 
-    def eval_metrics(self, params: dict, frozen: dict | None, docs: list[Document], source: RowSource | None,
-                     step: int) -> dict[str, float] | None:
+    def eval_metrics(self, params: dict[str, Any], frozen: dict[str, Any] | None, docs: list[Document],
+                     source: RowSource | None, step: int) -> dict[str, float] | None:
         """The task's own metrics of the held-out documents ``docs`` every ``eval_every`` steps (``params``: the
         trained weights, ``frozen``: LoRA's base, ``source``: the training rows), or None (the default): the eval
         loss instead. GRPO's are the held-out prompts' rewards (grpo/held_out.py)."""
@@ -214,7 +225,7 @@ class Task:
         ``--compile-only``: the shapes only): unchanged by default."""
         return mcfg
 
-    def prepare(self, ctx: RunContext) -> Any:
+    def prepare(self, ctx: RunContext) -> FrozenInputs:
         """Set up before any documents are made (``ctx.params``: the starting weights, the base with LoRA);
         returns the frozen inputs the step passes to :meth:`loss_sums`, or None (the default: nothing)."""
         return None
@@ -229,13 +240,13 @@ class Task:
         (a sampler's), by program name; {} by default."""
         return {}
 
-    def compile_layout(self, ctx: LayoutContext) -> Any:
+    def compile_layout(self, ctx: LayoutContext) -> FrozenInputs:
         """For ``--compile-only`` (:mod:`pretrain.compile_only`): set up what :meth:`prepare` would for the step
         (nothing read, nothing computed) and return its frozen inputs as ``jax.ShapeDtypeStruct`` s with
         shardings, or None (the default: nothing)."""
         return None
 
-    def batch_totals(self, batch: Any) -> Any:
+    def batch_totals(self, batch: B) -> Totals:
         """Counts over the whole global batch (any leading axes) that one micro-batch cannot see; None by default."""
         return None
 
@@ -243,8 +254,8 @@ class Task:
         """Whether ``doc``, cut to a row of ``seq_len + 1`` tokens, trains anything (default: keeps a target)."""
         return keeps_a_target(doc, seq_len)
 
-    def rollout(self, params: dict, frozen: dict | None, frozen_inputs: Any, rows: dict[str, jax.Array],
-                step: int, source: RowSource) -> Rollout:
+    def rollout(self, params: dict[str, Any], frozen: dict[str, Any] | None, frozen_inputs: FrozenInputs,
+                rows: dict[str, jax.Array], step: int, source: RowSource) -> Rollout[B]:
         """An online task's :class:`Rollout` for loop step ``step`` (0-based) from the global data rows ``rows``
         ([accum, micro, seq_len + 1] each; ``source``: the rows they were read from), made with the current
         weights (``params``, the trained ones; ``frozen``, the base with LoRA). Only called when ``online``."""
@@ -266,7 +277,7 @@ def next_token_loss_sums(mcfg: ModelConfig, weights: Weights, mb: TokenBatch, co
     w = weights.cast(compute)
     out = forward(mcfg, w, mb.inputs, mb.segment_ids, mb.positions, return_aux=moe, remat=remat,
                   return_hidden=True, max_segments=max_segments)
-    hidden, aux = cast(tuple[jax.Array, dict], out) if moe else (cast(jax.Array, out), None)
+    hidden, aux = cast(tuple[jax.Array, dict[str, Any]], out) if moe else (cast(jax.Array, out), None)
     # Fused head + loss in chunks (zoo.model.loss): the [batch, seq, vocab] logits are never stored. With LoRA
     # adapters the head is frozen, so its gradient is not even computed.
     head, vocab_major = stored_head(mcfg, w.base)
@@ -277,7 +288,7 @@ def next_token_loss_sums(mcfg: ModelConfig, weights: Weights, mb: TokenBatch, co
     return LossOutput(total, s, n)
 
 
-def task_for(cfg: TrainConfig, classes: Sequence[type[Task]]) -> Task:
+def task_for(cfg: TrainConfig, classes: Sequence[type[Task[Any]]]) -> Task[Any]:
     """The task that runs ``cfg``: made from the first of ``classes`` (the ones a command can run, each variant
     before the task it varies: ``dpo train``'s KTO before DPO) whose :meth:`Task.handles` is true."""
     for cls in classes:
@@ -286,7 +297,7 @@ def task_for(cfg: TrainConfig, classes: Sequence[type[Task]]) -> Task:
     raise TypeError(f"none of {[c.__name__ for c in classes]} runs this config")  # a command's list: a bug
 
 
-class PretrainTask(Task):
+class PretrainTask(Task[TokenBatch]):
     """Continued pretraining: plain text, every token a target."""
 
     def load(self, path: str, cfg: TrainConfig) -> RowSource:
@@ -300,6 +311,6 @@ class PretrainTask(Task):
         return Documents(*tokenize_rows(rows.ds, rows.field, tokenizer, path, skip_bad, indices))
 
     def loss_sums(self, mcfg: ModelConfig, weights: Weights, mb: TokenBatch, compute: DTypeLike, remat: str, *,
-                  frozen_inputs: Any = None, totals: Any = None, step: jax.Array | None = None) -> LossOutput:
+                  frozen_inputs: FrozenInputs = None, totals: Totals = None, step: jax.Array | None = None) -> LossOutput:
         """Next-token cross-entropy over every target."""
         return next_token_loss_sums(mcfg, weights, mb, compute, remat, max_segments=self.row_segments)

@@ -34,6 +34,7 @@ from typing import Any, cast
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from chat.config import chat_template_of
 from chat.formats import BadRow
@@ -62,11 +63,11 @@ class RewardBatch(PairBatch):
     margin: jax.Array  # every reward row has one (0 without the column)
 
     @classmethod
-    def dtypes(cls) -> dict[str, Any]:
+    def dtypes(cls) -> dict[str, DTypeLike]:
         return {**PairBatch.dtypes(), "margin": FLOAT}
 
 
-def pair_scores(mcfg: ModelConfig, params: dict | Weights, mb: PairBatch,
+def pair_scores(mcfg: ModelConfig, params: dict[str, Any] | Weights, mb: PairBatch,
                 remat: str = "none") -> tuple[jax.Array, jax.Array, jax.Array]:
     """(chosen scores [rows], rejected scores [rows], the MoE router loss or 0) of a batch of pair rows: the score
     head on each sequence's last non-padding token (``params``: the base or :class:`zoo.lora.weights.Weights`,
@@ -76,7 +77,7 @@ def pair_scores(mcfg: ModelConfig, params: dict | Weights, mb: PairBatch,
     moe = mcfg.num_experts > 0
     out = forward(mcfg, params, mb.inputs, mb.segment_ids, mb.positions, return_aux=moe, remat=remat,
                   return_hidden=True, prefix_ids=mb.prefix_ids)
-    hidden, aux = cast(tuple[jax.Array, dict], out) if moe else (cast(jax.Array, out), None)
+    hidden, aux = cast(tuple[jax.Array, dict[str, Any]], out) if moe else (cast(jax.Array, out), None)
     # With LoRA the head trains whole beside the adapters (zoo.lora.adapters.whole_weights), in the compute dtype as the
     # full model's would.
     w = Weights.wrap(params)
@@ -88,7 +89,7 @@ def pair_scores(mcfg: ModelConfig, params: dict | Weights, mb: PairBatch,
     return scores[0], scores[1], aux["loss"] if aux is not None else jnp.float32(0.0)
 
 
-class RewardTask(Task):
+class RewardTask(Task[RewardBatch]):
     """A Bradley-Terry reward model on (prompt, chosen, rejected) rows (module docstring)."""
 
     method = "reward"
@@ -142,8 +143,8 @@ class RewardTask(Task):
         seg, mask = doc["tokens_segment_ids"], doc["loss_mask"]
         return bool((mask & (seg == CHOSEN)).any() and (mask & (seg == REJECTED)).any())
 
-    def adapt_model(self, mcfg: ModelConfig, params: dict, mesh: jax.sharding.Mesh, tokenizer: Tokenizer,
-                    seed: int) -> tuple[ModelConfig, dict]:
+    def adapt_model(self, mcfg: ModelConfig, params: dict[str, Any], mesh: jax.sharding.Mesh, tokenizer: Tokenizer,
+                    seed: int) -> tuple[ModelConfig, dict[str, Any]]:
         """A causal LM becomes a reward model: its LM head dropped, a score head drawn; a reward model is kept."""
         if mcfg.num_labels:
             return mcfg, params
@@ -184,13 +185,13 @@ class RewardTask(Task):
         """Pair rows with each pair's margin (and a shared prompt's ``prefix_ids``)."""
         return RewardBatch.layout((grad_accum, micro, seq_len), ("prefix_ids",) * self.shared_prompt + ("margin",))
 
-    def loss_sums(self, mcfg: ModelConfig, weights: Weights, mb: PairBatch, compute: Any, remat: str, *,
+    def loss_sums(self, mcfg: ModelConfig, weights: Weights, mb: RewardBatch, compute: Any, remat: str, *,
                   frozen_inputs: Any = None, totals: Any = None, step: jax.Array | None = None) -> LossOutput:
         """A micro-batch's summed pair losses over its pair count; TRL's metrics once per micro-batch."""
         rc, rr, aux = pair_scores(mcfg, weights.cast(compute), mb, remat)
         seg = mb.segment_ids
         keep = ((seg == CHOSEN).any(-1) & (seg == REJECTED).any(-1)).astype(jnp.float32)
-        margin = cast(RewardBatch, mb).margin[:, 0]
+        margin = mb.margin[:, 0]
         per = -jax.nn.log_sigmoid(rc - rr - margin)
         if self.rm.center_rewards_coefficient is not None:
             per = per + self.rm.center_rewards_coefficient * (rc + rr) ** 2

@@ -59,7 +59,7 @@ class GKDTask(SFTTask):
         return distill_loss_sums(mcfg, weights, cast(ModelConfig, self.teacher_mcfg), frozen_inputs, mb, compute,
                                  remat, self.distill.beta)
 
-    def prepare(self, ctx: RunContext) -> dict:
+    def prepare(self, ctx: RunContext) -> dict[str, Any]:
         """The frozen teacher's params (the step's frozen inputs), loaded on the run's mesh."""
         self.teacher_mcfg, teacher = load_teacher(ctx)
         return teacher
@@ -90,7 +90,7 @@ class OnlineGKDTask(GKDTask):
         self.sampling: Sampling | None = None  # set up by prepare (or compile_layout)
         self.abstract_teacher: Any = None  # compile_layout's teacher, which compile_programs lowers with
 
-    def prepare(self, ctx: RunContext) -> dict:
+    def prepare(self, ctx: RunContext) -> dict[str, Any]:
         """The teacher's params, and the samplers set up."""
         teacher = super().prepare(ctx)
         eos = tuple(sorted({ctx.tokenizer.eos_token_id} - {None}))
@@ -109,8 +109,8 @@ class OnlineGKDTask(GKDTask):
         """Rows ``distill.max_new_tokens`` longer than SFT's, and the dataset's own target weights."""
         return DistillBatch.layout((grad_accum, micro, seq_len + self.distill.max_new_tokens), ("data_weights",))
 
-    def rollout(self, params: dict, frozen: dict | None, frozen_inputs: Any, rows: dict[str, jax.Array],
-                step: int, source: RowSource) -> Rollout:
+    def rollout(self, params: dict[str, Any], frozen: dict[str, Any] | None, frozen_inputs: Any,
+                rows: dict[str, jax.Array], step: int, source: RowSource) -> Rollout[DistillBatch]:
         """GKD's step batch: each micro-batch the dataset's, or its prompts with sampled completions
         (distill/online.py)."""
         assert self.sampling is not None, "prepare first"

@@ -23,7 +23,7 @@ from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 
 
-class SFTTask(Task):
+class SFTTask(Task[TokenBatch]):
     """Completion-only / assistant-only next-token loss over SFT rows (see chat/formats.py for the formats)."""
 
     method = "sft"

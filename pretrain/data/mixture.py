@@ -55,7 +55,7 @@ class Mixed:
     eval_sets: dict[str, list[Document]]
 
 
-def mixture_data(cfg: TrainConfig, task: Task, tokenizer: Any, vocab: int, mine: list[int], counted: list[int],
+def mixture_data(cfg: TrainConfig, task: Task[Any], tokenizer: Any, vocab: int, mine: list[int], counted: list[int],
                  packing: str) -> Mixed:
     """A mixture: the sources' lanes mixed per lane, their eval sets, and the counts per source."""
     d = cfg.data

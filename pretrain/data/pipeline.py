@@ -81,7 +81,7 @@ def _mode(packing: bool | str) -> str:
     return packing if isinstance(packing, str) else ("concat" if packing else "none")
 
 
-def _stream(docs: list, seed: int, epochs: int | None) -> grain.MapDataset:
+def _stream(docs: list[Any], seed: int, epochs: int | None) -> grain.MapDataset:
     """``docs`` as features, shuffled (reshuffled each pass), ``epochs`` passes (None: endless)."""
     return grain.MapDataset.source(docs).shuffle(seed=seed % SEEDS).repeat(epochs).map(features)
 
@@ -94,7 +94,7 @@ NO_PREFETCH = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
 
 
 def _pack(ds: grain.MapDataset, example: dict[str, np.ndarray], seq_len: int, seed: int, packing: bool | str,
-          max_segments: int | None = None):
+          max_segments: int | None = None) -> grain.IterDataset:
     """A grain dataset of rows {tokens, segment ids, positions[, loss_mask]} of seq_len + 1 tokens from the
     documents of ``ds`` (features like ``example``), packed as ``packing`` says (see PACKING); best-fit rows hold
     at most ``max_segments`` documents (None: as many as fit)."""
@@ -111,13 +111,14 @@ def _pack(ds: grain.MapDataset, example: dict[str, np.ndarray], seq_len: int, se
     return ge.ConcatThenSplitIterDataset(ds.to_iter_dataset(NO_PREFETCH), length_struct=lengths)
 
 
-def _rows(docs: list, seq_len: int, seed: int, packing: bool | str, epochs: int | None,
-          max_segments: int | None = None):
+def _rows(docs: list[Any], seq_len: int, seed: int, packing: bool | str, epochs: int | None,
+          max_segments: int | None = None) -> grain.IterDataset:
     """A grain dataset of packed rows of seq_len + 1 tokens from shuffled ``docs`` (see _pack)."""
     return _pack(_stream(docs, seed, epochs), features(docs[0]), seq_len, seed, packing, max_segments)
 
 
-def lane_dataset(docs: list, seq_len: int, seed: int, packing: bool | str, max_segments: int | None = None):
+def lane_dataset(docs: list[Any], seq_len: int, seed: int, packing: bool | str,
+                 max_segments: int | None = None) -> grain.DatasetIterator:
     """One lane: an endless grain iterator of rows from ``docs`` (reshuffled each pass; best-fit rows of at most
     ``max_segments`` documents)."""
     return iter(_rows(docs, seq_len, seed, packing, None, max_segments))
@@ -140,8 +141,8 @@ def source_seed(seed: int, source: int) -> int:
     return (seed + 104_729 * source) % SEEDS
 
 
-def mixed_lane_dataset(sources: list[list], weights: list[float], seq_len: int, seed: int, packing: bool | str,
-                       max_segments: int | None = None):
+def mixed_lane_dataset(sources: list[list[Any]], weights: list[float], seq_len: int, seed: int,
+                       packing: bool | str, max_segments: int | None = None) -> grain.DatasetIterator:
     """One lane of a mixture: an endless grain iterator of packed rows from grain's mix of the sources' document
     streams (each shuffled, reshuffled each pass) in proportion to ``weights``.
 
@@ -171,7 +172,7 @@ def fit_documents(docs: dict[int, Any], max_len: int, long: str) -> tuple[dict[i
     return out, too_long
 
 
-class LaneBatches(grain.DatasetIterator):
+class LaneBatches(grain.DatasetIterator):  # type: ignore[misc]  # grain ships no types: its base is Any
     """Stacks one row from each lane into a batch; its state is every lane's state (checkpointable).
 
     With ``sources`` (a mixture of that many sources; lanes from mixed_lane_dataset) it also counts, per
@@ -244,7 +245,7 @@ def _tuples(x: Any) -> Any:
     return x
 
 
-def packed_batches(docs: list, seq_len: int, batch: int, seed: int, epochs: int | None,
-                   packing: bool | str = True, max_segments: int | None = None):
+def packed_batches(docs: list[Any], seq_len: int, batch: int, seed: int, epochs: int | None,
+                   packing: bool | str = True, max_segments: int | None = None) -> grain.DatasetIterator:
     """A grain iterator of whole batches from one stream of ``docs`` (used for the small eval set)."""
     return iter(_rows(docs, seq_len, seed, packing, epochs, max_segments).batch(batch, drop_remainder=True))

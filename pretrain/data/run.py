@@ -63,7 +63,7 @@ def data_reads(cfg: TrainConfig) -> list[DataRead]:
     return reads
 
 
-def read_run_data(cfg: TrainConfig, task: Task, tokenizer: Tokenizer, vocab: int, sharding: NamedSharding,
+def read_run_data(cfg: TrainConfig, task: Task[Any], tokenizer: Tokenizer, vocab: int, sharding: NamedSharding,
                   micro: int) -> RunData:
     """Read, tokenize and lane-pack this process's share of the data (and the whole, small, eval set).
 

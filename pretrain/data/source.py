@@ -37,7 +37,7 @@ class SourceShare:
     rows: RowSource  # the source's rows, as the task loaded them
 
 
-def read_source(cfg: TrainConfig, task: Task, tokenizer: Any, vocab: int, mine: list[int], counted: list[int],
+def read_source(cfg: TrainConfig, task: Task[Any], tokenizer: Any, vocab: int, mine: list[int], counted: list[int],
                 packing: str, where: str, eval_fraction: float, seed: int | None = None) -> SourceShare:
     """Read ``cfg.data.path`` (one source; ``where`` names it in errors), tokenize this process's lanes' rows
     and the eval rows (``cfg.data.eval_path``, else ``eval_fraction`` held out, split with ``seed``)."""
@@ -80,7 +80,7 @@ def read_source(cfg: TrainConfig, task: Task, tokenizer: Any, vocab: int, mine: 
     return SourceShare(lane_docs, n_long, skipped + eval_bad, per_epoch, eval_docs, rows)
 
 
-def _lanes(cfg: TrainConfig, task: Task, order: Any, mine: list[int], where: str) -> dict[int, list[int]]:
+def _lanes(cfg: TrainConfig, task: Task[Any], order: Any, mine: list[int], where: str) -> dict[int, list[int]]:
     """The rows (indices in ``order``, the source's shuffled training rows) each of this process's batch rows
     ``mine`` reads."""
     # A task whose groups of `g` consecutive batch rows read one document each (task.group_size) has
@@ -94,7 +94,7 @@ def _lanes(cfg: TrainConfig, task: Task, order: Any, mine: list[int], where: str
     return {r: lane_rows(order, n_lanes, r // g) for r in mine}
 
 
-def _lane_documents(cfg: TrainConfig, task: Task, rows: RowSource, tokenizer: Any,
+def _lane_documents(cfg: TrainConfig, task: Task[Any], rows: RowSource, tokenizer: Any,
                     indices: list[int]) -> tuple[dict[int, Document], set[int]]:
     """(documents by row, rows the task cut to fit) of this process's rows ``indices``; a bad row stops every
     process, not just the one that read it."""
@@ -133,7 +133,7 @@ def _check_enough(cfg: TrainConfig, where: str, n_rows: int, vocab: int, empty: 
                         f"model's vocab_size {vocab}")
 
 
-def _eval_documents(cfg: TrainConfig, task: Task, tokenizer: Any, rows: RowSource, eval_rows: list[int],
+def _eval_documents(cfg: TrainConfig, task: Task[Any], tokenizer: Any, rows: RowSource, eval_rows: list[int],
                     packing: str) -> tuple[list[Document], int]:
     """(the eval documents, bad eval rows skipped): ``data.eval_path``'s, else the held-out ``eval_rows``."""
     d = cfg.data
