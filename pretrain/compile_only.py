@@ -1,10 +1,12 @@
 """``train --compile-only --topology NAME``: the run's train step compiled for a TPU slice from this machine.
 
-The step is the one the run would execute (:func:`pretrain.jit_step.make_step`: the mesh, the shardings, remat,
-LoRA, the task's loss and frozen inputs), lowered from ``jax.ShapeDtypeStruct`` s (the task's declared batch
-layout, the parameters' specs, the optimizer's state shapes) over the devices of
-``jax.experimental.topologies.get_topology_desc``: no weights, no data, no device memory, no TPU. The compiler's
-``memory_analysis()`` gives the bytes a chip needs; FLOPs come from the model's arithmetic
+The step is the one the run would execute, set up by the run's own set-up (:mod:`pretrain.setup`: the mesh, the
+model the task trains, its :meth:`~pretrain.task.Task.prepare`, the train state and
+:func:`pretrain.jit_step.make_step`) on layouts alone (:data:`pretrain.setup.LAYOUT`: ``jax.ShapeDtypeStruct`` s
+with their shardings, from ``jax.eval_shape`` of the jitted functions that make arrays and from the layouts
+checkpoints are read into), and lowered with the task's declared batch layout over the devices of
+``jax.experimental.topologies.get_topology_desc``: no weights, no data, no tokenizer, no device memory, no TPU. The
+compiler's ``memory_analysis()`` gives the bytes a chip needs; FLOPs come from the model's arithmetic
 (:mod:`pretrain.flops`), never XLA's estimates (which count a loop body once). What it shares with generation's
 ``--compile-only`` (the topology, each chip's bytes, the largest buffers) is in :mod:`zoo.compiled`.
 
@@ -19,10 +21,13 @@ import math
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pretrain.config import TrainConfig
 from zoo.compiled.topology import GIB
+
+if TYPE_CHECKING:
+    from pretrain.setup import Model, Step
 
 
 def model_config_of(name: str, key: str) -> Any:
@@ -66,9 +71,9 @@ class AbstractRun:
     shardings on a topology's mesh: the model, the task's frozen inputs, the train state and its step, and the
     batch."""
 
-    model: Any
+    model: Model
     frozen_inputs: Any
-    step: Any
+    step: Step
     batch: Any
 
     @property

@@ -2,10 +2,12 @@
 
 A task (pretrain/task.py; pretraining is the simplest) plugs in how rows become
 documents and how a micro-batch's loss is computed; the loop never learns
-which one it runs. :func:`train` composes the run: the model and the task's
-:meth:`~pretrain.task.Task.prepare` (one :class:`~pretrain.task.RunContext`),
-the run's data (pretrain/data/run.py ``read_run_data``), the jitted step
-(pretrain/jit_step.py), the train state (restored by the checkpointing hook), then
+which one it runs. :func:`train` composes the run: the set-up it shares with
+``--compile-only`` (pretrain/setup.py: the model, the task's
+:meth:`~pretrain.task.Task.adapt_model` and :meth:`~pretrain.task.Task.prepare`),
+then what a run alone reads (the task's :meth:`~pretrain.task.Task.read_inputs`,
+the run's data: pretrain/data/run.py ``read_run_data``), the jitted step and the
+train state (pretrain/setup.py ``build_step``; restored by the checkpointing hook), then
 the steps (pretrain/steps.py, each a :class:`~pretrain.hooks.StepInfo`)
 and after each the hooks (:class:`~pretrain.hooks.Hooks`, each added with its
 period), in order: evaluation, the caller's (``train(hooks=...)``: the
