@@ -30,19 +30,6 @@ if TYPE_CHECKING:
     from pretrain.setup import Model, Step
 
 
-def model_config_of(name: str, key: str) -> Any:
-    """The ModelConfig of ``name`` read without weights: a zoo checkpoint folder, a registry name with a released
-    config or a Hugging Face ``config.json``; errors name ``key`` (the flag or config key that gave it)."""
-    from zoo.checkpoints.format import read_config
-    from zoo.model.from_hf import model_config_from_hf
-    from zoo.registry import catalogue as registry
-
-    src = Path(name).expanduser()
-    if src.is_dir() and (src / "model.json").is_file():
-        return read_config(src)
-    return model_config_from_hf(registry.hf_config_of(name, key), f"{key} {name}")
-
-
 @dataclasses.dataclass
 class Report:
     """What ``--compile-only`` found: the keys of ``--report`` JSON."""
@@ -135,8 +122,8 @@ def abstract_run(cfg: TrainConfig, task: Any, topology: str, devices: list) -> A
     quantized base too, the task's frozen inputs and the sharded train step), on layouts alone."""
     import jax
 
-    from pretrain.setup import LAYOUT, build_step, prepare_task, run_mesh, set_up_model
-    from pretrain.task import TokenIds
+    from pretrain.loop import build_step, prepare_task
+    from pretrain.setup import LAYOUT, TokenIds, run_mesh, set_up_model
     from zoo.kernels.choice import check_platform, target
 
     mesh = run_mesh(cfg, devices, f"chips of {topology}")

@@ -42,13 +42,27 @@ from pretrain.evaluation import Evaluation
 from pretrain.final import write_final
 from pretrain.flops import flops_per_token, peak_flops
 from pretrain.hooks import Hooks, RunModel
-from pretrain.setup import RUN, Model, Step, build_step, prepare_task, run_mesh, set_up_model, tokenizer_folder
+from pretrain.jit_step import init_state, make_step, state_layout
+from pretrain.optim import build_optimizer, lr_schedule
+from pretrain.setup import (
+    RUN,
+    Arrays,
+    Model,
+    TokenIds,
+    adapter_init,
+    layout_of,
+    run_mesh,
+    set_up_model,
+    tokenizer_folder,
+    whole_of,
+)
 from pretrain.steps import Training
-from pretrain.task import PretrainTask, ReadContext, RunContext, Task, TokenIds
+from pretrain.task import PretrainTask, ReadContext, RunContext, Task
 from zoo.console import is_terminal
 from zoo.data.tokenizer import load_tokenizer
 from zoo.errors import UserError
 from zoo.kernels.choice import check_platform, check_rows, kernel_for
+from zoo.lora.adapters import lora_scale
 
 
 @dataclasses.dataclass
@@ -155,6 +169,46 @@ def _build_step(cfg: TrainConfig, task: Task, run: _Run) -> None:
     """The train state (adapters or the whole model) and the jitted train and eval steps, set on ``run``; the
     schedule counts optimizer updates: an online task may make several per step (its batch reused)."""
     run.step = build_step(cfg, task, run.model, run.frozen_inputs, RUN, run.data.total_steps * task.updates_per_step)
+
+
+@dataclasses.dataclass
+class Step:
+    """The train state (the adapters, or the whole model, and the optimizer's state), its jitted train and eval
+    steps (:func:`pretrain.jit_step.make_step`), the batch's sharding and the learning-rate schedule."""
+
+    state: dict
+    train: Any
+    evaluate: Any
+    batch_sharding: NamedSharding
+    schedule: Any
+
+
+def prepare_task(cfg: TrainConfig, task: Task, model: Model, arrays: Arrays, ids: TokenIds) -> tuple[Model, Any]:
+    """(the model the task trains, the step's frozen inputs): the task's change to the model
+    (:meth:`~pretrain.task.Task.adapt_model`: a reward model's score head) and its set-up
+    (:meth:`~pretrain.task.Task.prepare`), the same for a run and ``--compile-only``."""
+    mcfg, params = task.adapt_model(model.mcfg, model.params, model.mesh, arrays, ids, cfg.seed)
+    model = dataclasses.replace(model, mcfg=mcfg, params=params)
+    return model, task.prepare(RunContext(cfg, mcfg, model.mesh, model.lora, params, arrays, ids, model.source))
+
+
+def build_step(cfg: TrainConfig, task: Task, model: Model, frozen_inputs: Any, arrays: Arrays,
+               updates: int) -> Step:
+    """The optimizer (its schedule over ``updates`` optimizer updates), the train state (fresh adapters with LoRA,
+    else the model's params) and the jitted train and eval steps, sharded on the model's mesh."""
+    schedule = lr_schedule(cfg, updates)
+    tx = build_optimizer(cfg, schedule)
+    lora, mesh = model.lora, model.mesh
+    trained = arrays.made(adapter_init(model.mcfg, lora, cfg.seed, mesh), whole_of(model.mcfg, model.params)) \
+        if lora else model.params
+    state = arrays.read(state_layout(tx, layout_of(trained), mesh), lambda: init_state(tx, trained, mesh))
+    batch_sharding = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"), None))
+    shardings = partial(jax.tree.map, lambda x: x.sharding)
+    train, evaluate = make_step(model.mcfg, tx, DTYPES[cfg.dtype.compute], cfg.remat, shardings(state),
+                                batch_sharding, task, lora_scale(lora) if lora else None, shardings(model.frozen),
+                                lora_dropout=lora.dropout if lora else 0.0, seed=cfg.seed,
+                                frozen_inputs_sharding=shardings(frozen_inputs))
+    return Step(state, train, evaluate, batch_sharding, schedule)
 
 
 def _run_hooks(cfg: TrainConfig, task: Task, run: _Run, out: Path, primary: bool, caller: Hooks,

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
+from typing import Any, ClassVar, TypeVar, cast
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
 
 from pretrain.config import TrainConfig
 from pretrain.dtypes import DTYPES
@@ -28,9 +26,6 @@ from zoo.lora.adapters import LoraConfig, init_lora, lora_specs, whole_weights
 from zoo.model.config import ModelConfig
 from zoo.model.params import flatten, init_params, nest, param_specs
 from zoo.model.sharding import make_mesh, named_sharding
-
-if TYPE_CHECKING:
-    from pretrain.task import Task, TokenIds
 
 T = TypeVar("T")
 
@@ -85,8 +80,6 @@ class Layouts(Arrays):
     def checkpoint_config(self, name: str, key: str) -> tuple[ModelConfig, Path | None]:
         """(the model config, the folder if a zoo checkpoint, else None) of ``name`` read without weights: a zoo
         checkpoint folder, a registry name or a Hugging Face ``config.json``."""
-        from pretrain.compile_only import model_config_of
-
         if not name:
             raise UserError(f"--compile-only needs {key} (a zoo checkpoint, a registry name or a config.json)")
         src = Path(name).expanduser()
@@ -95,6 +88,39 @@ class Layouts(Arrays):
 
 RUN = Arrays()
 LAYOUT = Layouts()
+
+
+def model_config_of(name: str, key: str) -> ModelConfig:
+    """The ModelConfig of ``name`` read without weights: a zoo checkpoint folder, a registry name with a released
+    config or a Hugging Face ``config.json``; errors name ``key`` (the flag or config key that gave it)."""
+    from zoo.model.from_hf import model_config_from_hf
+    from zoo.registry import catalogue as registry
+
+    src = Path(name).expanduser()
+    if src.is_dir() and (src / "model.json").is_file():
+        return read_config(src)
+    return model_config_from_hf(registry.hf_config_of(name, key), f"{key} {name}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenIds:
+    """The tokenizer's ids the set-up bakes into programs: its EOS (a sampler's stop) and padding (a reward model's
+    pooling) ids, or None where it has none. ``--compile-only`` reads no tokenizer: :meth:`stand_in` ids fill
+    the same constants, which change no shape."""
+
+    eos: int | None
+    pad: int | None
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> TokenIds:
+        """The ids of ``tokenizer`` (a Hugging Face tokenizer)."""
+        return cls(tokenizer.eos_token_id, tokenizer.pad_token_id)
+
+    @classmethod
+    def stand_in(cls, mcfg: ModelConfig) -> TokenIds:
+        """Ids for a set-up without a tokenizer (``--compile-only``): the last id as EOS, the model's padding id
+        (or 0)."""
+        return cls(mcfg.vocab_size - 1, mcfg.pad_token_id or 0)
 
 
 @dataclasses.dataclass
@@ -277,49 +303,3 @@ def adapter_init(mcfg: ModelConfig, lora_cfg: LoraConfig, seed: int, mesh: jax.s
 def whole_of(mcfg: ModelConfig, params: dict) -> dict:
     """The weights of ``params`` a LoRA run trains whole (:func:`zoo.lora.adapters.whole_weights`), flat."""
     return {p: v for p, v in flatten(params).items() if p in whole_weights(mcfg)}
-
-
-@dataclasses.dataclass
-class Step:
-    """The train state (the adapters, or the whole model, and the optimizer's state), its jitted train and eval
-    steps (:func:`pretrain.jit_step.make_step`), the batch's sharding and the learning-rate schedule."""
-
-    state: dict
-    train: Any
-    evaluate: Any
-    batch_sharding: NamedSharding
-    schedule: Any
-
-
-def prepare_task(cfg: TrainConfig, task: Task, model: Model, arrays: Arrays, ids: TokenIds) -> tuple[Model, Any]:
-    """(the model the task trains, the step's frozen inputs): the task's change to the model
-    (:meth:`~pretrain.task.Task.adapt_model`: a reward model's score head) and its set-up
-    (:meth:`~pretrain.task.Task.prepare`), the same for a run and ``--compile-only``."""
-    from pretrain.task import RunContext
-
-    mcfg, params = task.adapt_model(model.mcfg, model.params, model.mesh, arrays, ids, cfg.seed)
-    model = dataclasses.replace(model, mcfg=mcfg, params=params)
-    return model, task.prepare(RunContext(cfg, mcfg, model.mesh, model.lora, params, arrays, ids, model.source))
-
-
-def build_step(cfg: TrainConfig, task: Task, model: Model, frozen_inputs: Any, arrays: Arrays,
-               updates: int) -> Step:
-    """The optimizer (its schedule over ``updates`` optimizer updates), the train state (fresh adapters with LoRA,
-    else the model's params) and the jitted train and eval steps, sharded on the model's mesh."""
-    from pretrain.jit_step import init_state, make_step, state_layout
-    from pretrain.optim import build_optimizer, lr_schedule
-    from zoo.lora.adapters import lora_scale
-
-    schedule = lr_schedule(cfg, updates)
-    tx = build_optimizer(cfg, schedule)
-    lora, mesh = model.lora, model.mesh
-    trained = arrays.made(adapter_init(model.mcfg, lora, cfg.seed, mesh), whole_of(model.mcfg, model.params)) \
-        if lora else model.params
-    state = arrays.read(state_layout(tx, layout_of(trained), mesh), lambda: init_state(tx, trained, mesh))
-    batch_sharding = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"), None))
-    shardings = partial(jax.tree.map, lambda x: x.sharding)
-    train, evaluate = make_step(model.mcfg, tx, DTYPES[cfg.dtype.compute], cfg.remat, shardings(state),
-                                batch_sharding, task, lora_scale(lora) if lora else None, shardings(model.frozen),
-                                lora_dropout=lora.dropout if lora else 0.0, seed=cfg.seed,
-                                frozen_inputs_sharding=shardings(frozen_inputs))
-    return Step(state, train, evaluate, batch_sharding, schedule)

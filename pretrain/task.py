@@ -31,7 +31,7 @@ from pretrain.data.pipeline import tokenize_rows
 from pretrain.hooks import Hook
 from pretrain.metrics import LossOutput
 from pretrain.preflight import keeps_a_target
-from pretrain.setup import Arrays
+from pretrain.setup import Arrays, TokenIds
 from zoo.checkpoints.method_card import MethodCard
 from zoo.data.batching import Document
 from zoo.data.files import load_rows
@@ -78,27 +78,6 @@ class DataRead:
     path: str
     cfg: TrainConfig
     training: bool
-
-
-@dataclass(frozen=True)
-class TokenIds:
-    """The tokenizer's ids the set-up bakes into programs: its EOS (a sampler's stop) and padding (a reward model's
-    pooling) ids, or None where it has none. ``--compile-only`` reads no tokenizer: :meth:`stand_in` ids fill
-    the same constants, which change no shape."""
-
-    eos: int | None
-    pad: int | None
-
-    @classmethod
-    def of(cls, tokenizer: Tokenizer) -> TokenIds:
-        """The ids of ``tokenizer``."""
-        return cls(tokenizer.eos_token_id, tokenizer.pad_token_id)
-
-    @classmethod
-    def stand_in(cls, mcfg: ModelConfig) -> TokenIds:
-        """Ids for a set-up without a tokenizer (``--compile-only``): the last id as EOS, the model's padding id
-        (or 0)."""
-        return cls(mcfg.vocab_size - 1, mcfg.pad_token_id or 0)
 
 
 @dataclass

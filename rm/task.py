@@ -42,8 +42,8 @@ from prefs.pairs import CHOSEN, REJECTED, load_pair_rows, pair_documents, shared
 from pretrain.batch import FLOAT
 from pretrain.config import TrainConfig
 from pretrain.metrics import LossOutput, Metric, MicroMean
-from pretrain.setup import Arrays
-from pretrain.task import Documents, RowSource, RunContext, Task, TokenIds, Tokenizer
+from pretrain.setup import Arrays, TokenIds
+from pretrain.task import Documents, RowSource, RunContext, Task, Tokenizer
 from rm.config import RMConfig
 from zoo.checkpoints.method_card import MethodCard, settings
 from zoo.data.batching import Document

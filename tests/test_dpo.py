@@ -391,8 +391,8 @@ def test_sliding_window_models_keep_the_two_copy_layout(setup, tmp_path):
 
     import jax.numpy as jnp
 
-    from pretrain.setup import RUN
-    from pretrain.task import RunContext, TokenIds
+    from pretrain.setup import RUN, TokenIds
+    from pretrain.task import RunContext
     from zoo.lora.adapters import LoraConfig
     from zoo.model.decoder import forward
 

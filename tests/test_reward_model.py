@@ -150,8 +150,7 @@ def test_lora_reward_model_equals_trl_with_peft_and_exports_as_peft_loads_it(rew
     from grpo.config import GRPOConfig
     from grpo.task import GRPOTask
     from pretrain.loop import train
-    from pretrain.setup import RUN
-    from pretrain.task import TokenIds
+    from pretrain.setup import RUN, TokenIds
     from rm.task import RewardTask
     from tests.preference_data import UNEVEN_PAIRS
     from tests.run_files import read_metrics, write_jsonl
