@@ -27,7 +27,8 @@ from pretrain.config import TrainConfig
 from zoo.compiled.topology import GIB
 
 if TYPE_CHECKING:
-    from pretrain.setup import Model, Step
+    from pretrain.loop import Step
+    from pretrain.setup import Model
 
 
 @dataclasses.dataclass
