@@ -131,7 +131,7 @@ def abstract_run(cfg: TrainConfig, task: Any, topology: str, devices: list) -> A
     with target("tpu", len(devices)):  # the TPU program has no cuDNN: said as a run on TPUs would say it
         check_platform(cfg.model.attention, cfg.dtype.compute)
     model = set_up_model(cfg, mesh, LAYOUT)
-    model, frozen_inputs = prepare_task(cfg, task, model, LAYOUT, TokenIds.stand_in(model.mcfg))
+    model, _, frozen_inputs = prepare_task(cfg, task, model, LAYOUT, TokenIds.stand_in(model.mcfg))
     step = build_step(cfg, task, model, frozen_inputs, LAYOUT, max(1, cfg.max_steps or 1))
     layout = task.batch_layout(cfg.grad_accum, cfg.batch_size // cfg.grad_accum, cfg.data.seq_len)
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=step.batch_sharding), layout)

@@ -68,8 +68,7 @@ from zoo.lora.adapters import lora_scale
 @dataclasses.dataclass
 class _Run:
     """What :func:`train` sets up before the first step: the model the task trains and its frozen inputs on the
-    mesh (:mod:`pretrain.setup`, as ``--compile-only`` sets them up), the tokenizer, the data, and once built the
-    train state and its jitted steps."""
+    mesh (:mod:`pretrain.setup`, as ``--compile-only`` sets them up), the tokenizer and the data."""
 
     model: Model
     tok_dir: Path
@@ -77,13 +76,6 @@ class _Run:
     frozen_inputs: Any
     data: RunData
     micro: int
-    step: Step | None = None
-
-    @property
-    def built(self) -> Step:
-        """The train state and its steps (:func:`_build_step` sets them)."""
-        assert self.step is not None, "_build_step first"
-        return self.step
 
 
 def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = None, fresh: bool = False,
@@ -110,13 +102,14 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
     if done is not None:
         return done
     run = _set_up(cfg, task, primary)
-    _build_step(cfg, task, run)
+    # The schedule counts optimizer updates: an online task may make several per step (its batch reused).
+    step = build_step(cfg, task, run.model, run.frozen_inputs, RUN, run.data.total_steps * task.updates_per_step)
     # A fresh run whose first step fails on the user's inputs (an online task's reward function, say) leaves
     # nothing behind: what it wrote into a folder that held nothing before is removed.
     held_before = out.exists() and any(out.iterdir())
     out.mkdir(parents=True, exist_ok=True)
     checkpoints = Checkpoints(out, cfg, run.data.batches)
-    step, model = run.built, run.model
+    model = run.model
     step.state, start, restored_from = checkpoints.restore(step.state)
     total = run.data.total_steps
     if start > total:
@@ -129,7 +122,7 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task | None = No
     bar_wanted = is_terminal(sys.stdout) if progress is None else progress
     log = runlog.RunLog(out, total, not bar_wanted, list(task.key_metrics) or None, summary_writer(),
                         cfg.log_every) if primary else None
-    run_hooks = _run_hooks(cfg, task, run, out, primary, hooks or Hooks(), log, checkpoints)
+    run_hooks = _run_hooks(cfg, task, run, step, out, primary, hooks or Hooks(), log, checkpoints)
     training = Training(cfg, task, step.train, run.data, step.batch_sharding,
                         (cfg.grad_accum, run.micro, cfg.data.seq_len), model.frozen, run.frozen_inputs, step.schedule,
                         step.state, flops_per_token(model.mcfg, cfg.data.seq_len, frozen_base=model.lora is not None)
@@ -155,20 +148,13 @@ def _set_up(cfg: TrainConfig, task: Task, primary: bool) -> _Run:
     tokenizer = load_tokenizer(tok_dir)
     # A task may need inputs of its own beside the trained weights (a reference model), or a pass with the
     # starting weights before training (reference log-probabilities computed once): before any documents.
-    model, frozen_inputs = prepare_task(cfg, task, model, RUN, TokenIds.of(tokenizer))
-    ctx = RunContext(cfg, model.mcfg, mesh, model.lora, model.params, RUN, TokenIds.of(tokenizer), model.source)
+    model, ctx, frozen_inputs = prepare_task(cfg, task, model, RUN, TokenIds.of(tokenizer))
     task.read_inputs(ReadContext(ctx, tokenizer, data_reads(cfg), frozen_inputs))
     micro = cfg.batch_size // cfg.grad_accum
     batch_sharding = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"), None))
     data = read_run_data(cfg, task, tokenizer, model.mcfg.vocab_size, batch_sharding, micro)
     _check_data(cfg, task, data, micro, primary)
     return _Run(model, tok_dir, tokenizer, frozen_inputs, data, micro)
-
-
-def _build_step(cfg: TrainConfig, task: Task, run: _Run) -> None:
-    """The train state (adapters or the whole model) and the jitted train and eval steps, set on ``run``; the
-    schedule counts optimizer updates: an online task may make several per step (its batch reused)."""
-    run.step = build_step(cfg, task, run.model, run.frozen_inputs, RUN, run.data.total_steps * task.updates_per_step)
 
 
 @dataclasses.dataclass
@@ -183,13 +169,16 @@ class Step:
     schedule: Any
 
 
-def prepare_task(cfg: TrainConfig, task: Task, model: Model, arrays: Arrays, ids: TokenIds) -> tuple[Model, Any]:
-    """(the model the task trains, the step's frozen inputs): the task's change to the model
+def prepare_task(cfg: TrainConfig, task: Task, model: Model, arrays: Arrays,
+                 ids: TokenIds) -> tuple[Model, RunContext, Any]:
+    """(the model the task trains, the task's :class:`~pretrain.task.RunContext`, the step's frozen inputs): the
+    task's change to the model
     (:meth:`~pretrain.task.Task.adapt_model`: a reward model's score head) and its set-up
     (:meth:`~pretrain.task.Task.prepare`), the same for a run and ``--compile-only``."""
     mcfg, params = task.adapt_model(model.mcfg, model.params, model.mesh, arrays, ids, cfg.seed)
     model = dataclasses.replace(model, mcfg=mcfg, params=params)
-    return model, task.prepare(RunContext(cfg, mcfg, model.mesh, model.lora, params, arrays, ids, model.source))
+    ctx = RunContext(cfg, mcfg, model.mesh, model.lora, params, arrays, ids, model.source)
+    return model, ctx, task.prepare(ctx)
 
 
 def build_step(cfg: TrainConfig, task: Task, model: Model, frozen_inputs: Any, arrays: Arrays,
@@ -211,14 +200,14 @@ def build_step(cfg: TrainConfig, task: Task, model: Model, frozen_inputs: Any, a
     return Step(state, train, evaluate, batch_sharding, schedule)
 
 
-def _run_hooks(cfg: TrainConfig, task: Task, run: _Run, out: Path, primary: bool, caller: Hooks,
+def _run_hooks(cfg: TrainConfig, task: Task, run: _Run, step: Step, out: Path, primary: bool, caller: Hooks,
                log: runlog.RunLog | None, checkpoints: Checkpoints) -> Hooks:
     """The run's hooks in order: evaluation, the caller's, the task's own, the metrics log and checkpoints; each
     set up with the run's model."""
     hooks = Hooks()
     model = run.model
     hooks.add(Evaluation(cfg, run.data, run.micro, model.mesh,
-                         partial(run.built.evaluate, frozen=model.frozen, frozen_inputs=run.frozen_inputs), task.batch,
+                         partial(step.evaluate, frozen=model.frozen, frozen_inputs=run.frozen_inputs), task.batch,
                          model.frozen, primary, task.eval_metrics), every=cfg.eval_every)
     hooks.extend(caller)
     for hook in task.hooks(out, primary):
