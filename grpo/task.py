@@ -58,8 +58,8 @@ from pretrain.config import TrainConfig
 from pretrain.dtypes import DTYPES
 from pretrain.hooks import Hook
 from pretrain.metrics import LossOutput, Max
-from pretrain.setup import frozen_base_quant
-from pretrain.task import Documents, LayoutContext, RowSource, RunContext, Task, Tokenizer
+from pretrain.setup import frozen_base_quant, layout_of, param_layout
+from pretrain.task import Documents, ReadContext, RowSource, RunContext, Task, Tokenizer
 from zoo.checkpoints.loading import load_reference
 from zoo.checkpoints.method_card import MethodCard, settings
 from zoo.data.batching import Document
@@ -100,7 +100,9 @@ class GRPOTask(Task[RolloutBatch]):
         g = cfg.grpo
         # The update's rows; grouped (a group's prompt once) is decided with the mesh (shares_prompts).
         self.rows = UpdateRows(False, g.num_generations, cfg.data.seq_len + 1, g.max_completion_length)
-        self.rollouts: Rollouts | None = None  # set up by prepare (or compile_layout: no tokenizer)
+        self.programs: Programs | None = None  # the rollout's programs, set up by prepare
+        self.reference: str | None = None  # where the reference's weights are (Rollouts), decided by prepare
+        self.rollouts: Rollouts | None = None  # set up by read_inputs (a run's: it reads the tokenizer)
         self._eval_rows: RowSource | None = None  # data.eval_path's rows, read once
 
     # The keys a GRPO run's card lists (those whose 0 / false / [] means "off" left out then).
@@ -194,31 +196,36 @@ class GRPOTask(Task[RolloutBatch]):
         return self.rows.grouped
 
     def prepare(self, ctx: RunContext) -> dict[str, Any] | None:
-        """The run's rollouts; with ``beta`` > 0 returns the reference's params (the step's frozen inputs): the
-        ``grpo.reference`` checkpoint, or with full fine-tuning and ``grpo.reference: base`` (the default) the
-        starting model; None otherwise (LoRA's reference is the frozen base, adapters off)."""
-        g, cfg, mcfg, tokenizer = self.grpo, ctx.cfg, ctx.mcfg, ctx.tokenizer
-        eos = {tokenizer.eos_token_id} - {None}
-        if not eos:
+        """The rollout's programs and row layout; with ``beta`` > 0 returns the reference's params (the step's
+        frozen inputs): the ``grpo.reference`` checkpoint, or with full fine-tuning and ``grpo.reference: base``
+        (the default) the starting model; None otherwise (LoRA's reference is the frozen base, adapters off)."""
+        g, cfg, mcfg = self.grpo, ctx.cfg, ctx.mcfg
+        if ctx.ids.eos is None:
             raise UserError("the tokenizer has no EOS token: completions could never end before "
                             "grpo.max_completion_length")
-        programs = self._programs(cfg, mcfg, ctx.mesh, ctx.lora, tuple(sorted(eos)))
+        self.programs = self._programs(cfg, mcfg, ctx.mesh, ctx.lora, (ctx.ids.eos,))
+        self.reference = None if g.beta <= 0 else "base" if g.reference == "base" and ctx.lora is not None \
+            else "inputs"  # LoRA's base: the frozen base the loop holds anyway, run with the adapters off
+        if self.reference != "inputs":
+            return None
+        if g.reference == "base":
+            return self._starting_model(ctx)
+        dtype = DTYPES[cfg.dtype.params]
+        return ctx.arrays.read(param_layout(mcfg, ctx.mesh, dtype),
+                               lambda: load_reference(g.reference, "grpo.reference", "base: the starting model",
+                                                      mcfg, ctx.mesh, dtype))
+
+    def read_inputs(self, ctx: ReadContext) -> None:
+        """The run's rollouts: the agent's tools and the reward functions (reward models loaded once) set up with
+        the tokenizer."""
+        assert self.programs is not None, "prepare first"
+        programs, tokenizer = self.programs, ctx.tokenizer
         if self.agent is not None:
-            self.agent.prepare(tokenizer, self.chat_template, mcfg, programs.spec.eos_ids, programs.spec.sampler,
-                               programs.compute)
-        self.rewards.prepare(ctx.mesh, programs.compute, self._shared_base(ctx))  # reward models, loaded once
-        frozen_inputs, reference = None, None
-        if g.beta > 0:
-            if g.reference == "base" and ctx.lora is not None:
-                reference = "base"  # the frozen base the loop holds anyway, run with the adapters off
-            elif g.reference == "base":
-                frozen_inputs, reference = self._starting_model(ctx), "inputs"
-            else:
-                frozen_inputs = load_reference(g.reference, "grpo.reference", "base: the starting model", mcfg,
-                                               ctx.mesh, DTYPES[cfg.dtype.params])
-                reference = "inputs"
-        self.rollouts = Rollouts(self.cfg, programs, self.rewards, self.estimator, tokenizer, self.agent, reference)
-        return frozen_inputs
+            self.agent.prepare(tokenizer, self.chat_template, ctx.run.mcfg, programs.spec.eos_ids,
+                               programs.spec.sampler, programs.compute)
+        self.rewards.prepare(ctx.run.mesh, programs.compute, self._shared_base(ctx.run))  # reward models, loaded once
+        self.rollouts = Rollouts(self.cfg, programs, self.rewards, self.estimator, tokenizer, self.agent,
+                                 self.reference)
 
     @staticmethod
     def _shared_base(ctx: RunContext) -> SharedBase | None:
@@ -230,8 +237,7 @@ class GRPOTask(Task[RolloutBatch]):
 
     def _programs(self, cfg: TrainConfig, mcfg: ModelConfig, mesh: jax.sharding.Mesh, lora: LoraConfig | None,
                   eos_ids: tuple[int, ...]) -> Programs:
-        """What :meth:`prepare` and :meth:`compile_layout` both set up: the update's row layout and the
-        rollout's programs."""
+        """The update's row layout, and the rollout's programs."""
         g = self.grpo
         micro = cfg.batch_size // cfg.grad_accum
         self.rows = UpdateRows(shares_prompts(g, mcfg, mesh, micro), g.num_generations, cfg.data.seq_len + 1,
@@ -239,23 +245,11 @@ class GRPOTask(Task[RolloutBatch]):
         return Programs(self.cfg, mcfg, mesh, DTYPES[cfg.dtype.compute], None if lora is None else lora_scale(lora),
                         eos_ids, self.rows)
 
-    def compile_layout(self, ctx: LayoutContext) -> Any:
-        """The update step's frozen inputs for ``--compile-only``: with ``beta`` > 0, a reference model shaped
-        and sharded like the params (the starting model of full fine-tuning, or ``grpo.reference``'s
-        checkpoint), which the run holds beside the trained weights; None otherwise. Sets up the rollout's
-        programs too (:meth:`compile_programs`; the EOS id only fills a constant, so any id does)."""
-        g = self.grpo
-        programs = self._programs(ctx.cfg, ctx.mcfg, ctx.mesh, ctx.lora, (ctx.mcfg.vocab_size - 1,))
-        self.rollouts = Rollouts(self.cfg, programs, self.rewards, self.estimator, None, None, None)
-        if g.beta > 0 and not (g.reference == "base" and ctx.lora is not None):
-            return ctx.params
-        return None
-
-    def compile_programs(self, trainable: Any, frozen: Any) -> dict[str, Any]:
-        """The sampler lowered for ``--compile-only`` (after :meth:`compile_layout`): G completions of
+    def compile_programs(self, trainable: Any, frozen: Any, frozen_inputs: Any) -> dict[str, Any]:
+        """The sampler lowered for ``--compile-only`` (after :meth:`prepare`): G completions of
         ``grpo.max_completion_length`` tokens for the step's prompts, from the policy's weights."""
-        assert self.rollouts is not None, "compile_layout first"
-        p = self.rollouts.programs
+        assert self.programs is not None, "prepare first"
+        p = self.programs
         rows = jax.ShapeDtypeStruct(p.shape + (self.cfg.data.seq_len + 1,), jnp.int32, sharding=p.sharding)
         step = jax.ShapeDtypeStruct((), jnp.int32, sharding=p.replicated)
         return {"sampler": p.sample.lower(Weights.of(trainable, frozen, p.lora_scale), step, rows, rows)}
@@ -263,8 +257,8 @@ class GRPOTask(Task[RolloutBatch]):
     def program_kv_cache(self) -> dict[str, int]:
         """Bytes a chip holds of the sampler's KV cache (:meth:`compile_programs`' rows: the step's prompts, G
         completions each, ``max_completion_length`` new tokens), laid out as the sampler lays it out."""
-        assert self.rollouts is not None, "compile_layout first"
-        return {"sampler": self.rollouts.programs.kv_cache_bytes(self.cfg.data.seq_len + 1)}
+        assert self.programs is not None, "prepare first"
+        return {"sampler": self.programs.kv_cache_bytes(self.cfg.data.seq_len + 1)}
 
     def _starting_model(self, ctx: RunContext) -> dict[str, Any]:
         """Full fine-tuning's default reference (TRL's): the model the run starts from, a frozen copy of the params
@@ -272,12 +266,11 @@ class GRPOTask(Task[RolloutBatch]):
         trained params' buffers, ever runs. A resumed run loads the starting model before restoring its
         checkpoint, so its reference is the starting model too, never the weights it resumes."""
         where = f"model.path {ctx.cfg.model.path}" if ctx.cfg.model.init != "random" else "model.init: random"
-        if distributed.is_primary():
+        if distributed.is_primary() and not ctx.arrays.abstract:
             print(f"grpo.reference: the starting model ({where}), kept frozen beside the trained weights (grpo.beta "
                   f"{self.grpo.beta:g} with full fine-tuning; grpo.reference: PATH names another checkpoint)",
                   flush=True)
-        copy: dict[str, Any] = jax.tree.map(lambda x: x.copy(), ctx.params)
-        return copy
+        return ctx.arrays.read(layout_of(ctx.params), lambda: jax.tree.map(lambda x: x.copy(), ctx.params))
 
     # ---- each step: sample, score, lay out -----------------------------------------------------------------
 

@@ -1,10 +1,12 @@
 """``train --compile-only --topology NAME``: the run's train step compiled for a TPU slice from this machine.
 
-The step is the one the run would execute (:func:`pretrain.jit_step.make_step`: the mesh, the shardings, remat,
-LoRA, the task's loss and frozen inputs), lowered from ``jax.ShapeDtypeStruct`` s (the task's declared batch
-layout, the parameters' specs, the optimizer's state shapes) over the devices of
-``jax.experimental.topologies.get_topology_desc``: no weights, no data, no device memory, no TPU. The compiler's
-``memory_analysis()`` gives the bytes a chip needs; FLOPs come from the model's arithmetic
+The step is the one the run would execute, set up by the run's own set-up (:mod:`pretrain.setup`: the mesh, the
+model the task trains, its :meth:`~pretrain.task.Task.prepare`, the train state and
+:func:`pretrain.jit_step.make_step`) on layouts alone (:data:`pretrain.setup.LAYOUT`: ``jax.ShapeDtypeStruct`` s
+with their shardings, from ``jax.eval_shape`` of the jitted functions that make arrays and from the layouts
+checkpoints are read into), and lowered with the task's declared batch layout over the devices of
+``jax.experimental.topologies.get_topology_desc``: no weights, no data, no tokenizer, no device memory, no TPU. The
+compiler's ``memory_analysis()`` gives the bytes a chip needs; FLOPs come from the model's arithmetic
 (:mod:`pretrain.flops`), never XLA's estimates (which count a loop body once). What it shares with generation's
 ``--compile-only`` (the topology, each chip's bytes, the largest buffers) is in :mod:`zoo.compiled`.
 
@@ -19,39 +21,14 @@ import math
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pretrain.config import TrainConfig
 from zoo.compiled.topology import GIB
-from zoo.errors import UserError
 
-
-def model_config(cfg: TrainConfig) -> Any:
-    """The run's ModelConfig read without weights: ``model.path`` as a zoo checkpoint, a registry name
-    (``llama3.1-8b``) or a Hugging Face ``config.json``; or ``model.config`` with ``model.init: random``."""
-    name = cfg.model.config if cfg.model.init == "random" else cfg.model.path
-    if not name:
-        raise UserError("--compile-only needs model (a zoo checkpoint, a registry name or a config.json)")
-    return model_config_of(name, "model.config" if cfg.model.init == "random" else "model")
-
-
-def model_config_of(name: str, key: str) -> Any:
-    """The ModelConfig of ``name`` read without weights: a zoo checkpoint folder, a registry name with a released
-    config or a Hugging Face ``config.json``; errors name ``key`` (the flag or config key that gave it)."""
-    from zoo.checkpoints.format import read_config
-    from zoo.model.from_hf import model_config_from_hf
-    from zoo.registry import catalogue as registry
-
-    src = Path(name).expanduser()
-    if src.is_dir() and (src / "model.json").is_file():
-        return read_config(src)
-    return model_config_from_hf(registry.hf_config_of(name, key), f"{key} {name}")
-
-
-def _zoo_checkpoint(cfg: TrainConfig) -> Path | None:
-    """``model.path`` when it is a zoo checkpoint folder (one stored quantized gives QLoRA its settings), else None."""
-    src = Path(cfg.model.path or "")
-    return src if cfg.model.init != "random" and (src / "model.json").is_file() else None
+if TYPE_CHECKING:
+    from pretrain.loop import Step
+    from pretrain.setup import Model
 
 
 @dataclasses.dataclass
@@ -78,19 +55,24 @@ class Report:
 
 @dataclasses.dataclass
 class AbstractRun:
-    """The run's set-up as ``jax.ShapeDtypeStruct`` s with shardings on a topology's mesh: the model, the
-    trained and frozen weights, the task's frozen inputs, the train state, the batch and its step."""
+    """The run's set-up (:mod:`pretrain.setup`, the same as training's) as ``jax.ShapeDtypeStruct`` s with
+    shardings on a topology's mesh: the model, the task's frozen inputs, the train state and its step, and the
+    batch."""
 
-    mcfg: Any
-    mesh: Any
-    lora: Any
-    params: Any
-    frozen: Any
-    trainable: Any
+    model: Model
     frozen_inputs: Any
-    state: Any
+    step: Step
     batch: Any
-    step: Any
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """The train state: the trained params (adapters with LoRA), the optimizer's state and the step count."""
+        return self.step.state
+
+    @property
+    def trainable(self) -> Any:
+        """The trained params: the adapters with LoRA, else the whole model."""
+        return self.state["params"]
 
 
 def compile_only(cfg: TrainConfig, task: Any, topology: str, report_path: str | None = None,
@@ -110,8 +92,8 @@ def compile_only(cfg: TrainConfig, task: Any, topology: str, report_path: str | 
     run = abstract_run(cfg, task, topology, devices)
     started = time.perf_counter()
     with target("tpu", len(devices)):  # backend-dependent sizes and kernels follow the TPU, not this host
-        lowered = run.step.lower(run.state, run.batch, run.frozen, frozen_inputs=run.frozen_inputs)
-        lowered_programs = task.compile_programs(run.trainable, run.frozen)
+        lowered = run.step.train.lower(run.state, run.batch, run.model.frozen, frozen_inputs=run.frozen_inputs)
+        lowered_programs = task.compile_programs(run.trainable, run.model.frozen, run.frozen_inputs)
     dump = tempfile.TemporaryDirectory(prefix="lmzoo-hlo-")  # the compiler's buffer report, read for largest_buffers
     parts, refused = _compile_step(run, lowered, kind, dump.name)
     programs = _compile_programs(run, lowered_programs, task.program_kv_cache(), kind)
@@ -136,69 +118,24 @@ def compile_only(cfg: TrainConfig, task: Any, topology: str, report_path: str | 
 
 
 def abstract_run(cfg: TrainConfig, task: Any, topology: str, devices: list[Any]) -> AbstractRun:
-    """The run's :class:`AbstractRun` on the mesh of ``devices`` (a TPU topology's): the model the task trains,
-    its weights laid out as a run places them (QLoRA's quantized base too), and the sharded train step."""
+    """The run's :class:`AbstractRun` on the mesh of ``devices`` (a TPU topology's): the set-up training runs
+    (:mod:`pretrain.setup`: the model the task trains, its weights laid out as a run places them, QLoRA's
+    quantized base too, the task's frozen inputs and the sharded train step), on layouts alone."""
     import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec
 
-    from pretrain.dtypes import DTYPES
-    from pretrain.jit_step import make_step, state_layout
-    from pretrain.optim import build_optimizer, lr_schedule
-    from pretrain.setup import frozen_base_quant, lora_config
-    from pretrain.task import LayoutContext
-    from zoo.checkpoints.quantized import abstract_base
+    from pretrain.loop import build_step, prepare_task
+    from pretrain.setup import LAYOUT, TokenIds, run_mesh, set_up_model
     from zoo.kernels.choice import check_platform, target
-    from zoo.lora.adapters import lora_scale, lora_specs
-    from zoo.model.params import flatten, nest, param_specs
-    from zoo.model.sharding import named_sharding
 
-    # The model the task trains (a reward model's score head in place of the LM head), as a run makes it.
-    mcfg = task.adapt_config(dataclasses.replace(model_config(cfg), attention=cfg.model.attention))
-    mesh = _topology_mesh(cfg, topology, devices)
-    compute, pdt = DTYPES[cfg.dtype.compute], DTYPES[cfg.dtype.params]
+    mesh = run_mesh(cfg, devices, f"chips of {topology}")
     with target("tpu", len(devices)):  # the TPU program has no cuDNN: said as a run on TPUs would say it
         check_platform(cfg.model.attention, cfg.dtype.compute)
-
-    def abstract(specs: dict[str, Any], dtype: Any) -> dict[str, Any]:
-        return nest({k: jax.ShapeDtypeStruct(s.shape, dtype, sharding=named_sharding(mesh, s.axes, s.shape))
-                     for k, s in specs.items()})
-
-    params = abstract(param_specs(mcfg), pdt)
-    lora = lora_config(cfg)
-    quantized = frozen_base_quant(cfg, _zoo_checkpoint(cfg)) if lora else None
-    if quantized is not None:  # QLoRA: the projections as the run places them quantized (pretrain.setup)
-        params = nest({**flatten(params), **abstract_base(mcfg, *quantized, pdt, mesh)})
-    frozen = params if lora else None
-    trainable = abstract(lora_specs(mcfg, lora), jnp.float32) if lora else params
-    frozen_inputs = task.compile_layout(LayoutContext(cfg, mcfg, mesh, lora, params))
-    tx = build_optimizer(cfg, lr_schedule(cfg, max(1, cfg.max_steps or 1)))
-    state = state_layout(tx, trainable, mesh)
-    batch_sharding = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"), None))
-    step, _ = make_step(mcfg, tx, compute, cfg.remat, jax.tree.map(lambda x: x.sharding, state), batch_sharding,
-                        task, lora_scale(lora) if lora else None, jax.tree.map(lambda x: x.sharding, frozen),
-                        lora_dropout=lora.dropout if lora else 0.0, seed=cfg.seed,
-                        frozen_inputs_sharding=jax.tree.map(lambda x: x.sharding, frozen_inputs))
+    model = set_up_model(cfg, mesh, LAYOUT)
+    model, _, frozen_inputs = prepare_task(cfg, task, model, LAYOUT, TokenIds.stand_in(model.mcfg))
+    step = build_step(cfg, task, model, frozen_inputs, LAYOUT, max(1, cfg.max_steps or 1))
     layout = task.batch_layout(cfg.grad_accum, cfg.batch_size // cfg.grad_accum, cfg.data.seq_len)
-    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_sharding), layout)
-    return AbstractRun(mcfg, mesh, lora, params, frozen, trainable, frozen_inputs, state, batch, step)
-
-
-def _topology_mesh(cfg: TrainConfig, topology: str, devices: list[Any]) -> Any:
-    """The run's mesh (``cfg.mesh``) over the topology's devices, checked against the batch it splits."""
-    from zoo.model.sharding import make_mesh
-
-    sizes = dataclasses.asdict(cfg.mesh)
-    try:
-        mesh = make_mesh(**sizes, devices=devices)
-    except ValueError as e:
-        raise UserError(f"mesh {sizes} on {topology} ({len(devices)} chips): {e}") from None
-    micro = cfg.batch_size // cfg.grad_accum
-    shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    if micro % shards:
-        raise UserError(f"batch_size/grad_accum = {micro} sequences must divide over data x fsdp = {shards} chips "
-                        f"of {topology}")
-    return mesh
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=step.batch_sharding), layout)
+    return AbstractRun(model, frozen_inputs, step, batch)
 
 
 def _compile_step(run: AbstractRun, lowered: Any, kind: str, dump: str) -> tuple[dict[str, int],
@@ -219,12 +156,12 @@ def _compile_step(run: AbstractRun, lowered: Any, kind: str, dump: str) -> tuple
         if refused is None:
             raise
         # the temporaries the compiler needed; the arguments are the shards the step reads
-        arguments = (shard_bytes(run.state) + shard_bytes(run.frozen) + shard_bytes(run.frozen_inputs)
+        arguments = (shard_bytes(run.state) + shard_bytes(run.model.frozen) + shard_bytes(run.frozen_inputs)
                      + shard_bytes(run.batch))
         temps, outputs, code = refused[0], 0, 0
-    parts = {"params": shard_bytes(run.params) + shard_bytes(run.frozen_inputs),
+    parts = {"params": shard_bytes(run.model.params) + shard_bytes(run.frozen_inputs),
              "optimizer": shard_bytes(run.state["opt_state"]),
-             "adapters": shard_bytes(run.trainable) if run.lora else 0,
+             "adapters": shard_bytes(run.trainable) if run.model.lora else 0,
              "activations": temps,
              "outputs": outputs,
              "total": arguments + temps + outputs + code,
@@ -259,9 +196,10 @@ def _report(cfg: TrainConfig, run: AbstractRun, topology: str, num_slices: int, 
     tokens = rows * row_len
     return Report(topology=topology + (f" x{num_slices}" if num_slices > 1 else ""), chips=chips,
                   hbm_bytes_per_chip=hbm, fits=parts["total"] <= hbm, bytes_per_chip=parts,
-                  model_flops_per_step=flops_per_token(run.mcfg, row_len, frozen_base=run.lora is not None) * tokens,
+                  model_flops_per_step=flops_per_token(run.model.mcfg, row_len, frozen_base=run.model.lora is not None)
+                  * tokens,
                   tokens_per_step=tokens, compile_seconds=round(seconds, 2), device_kind=kind, remat=cfg.remat,
-                  mesh=dict(run.mesh.shape))
+                  mesh=dict(run.model.mesh.shape))
 
 
 def advice(cfg: TrainConfig, parts: dict[str, int], hbm: int) -> list[str]:

@@ -2,10 +2,12 @@
 
 A task (pretrain/task.py; pretraining is the simplest) plugs in how rows become
 documents and how a micro-batch's loss is computed; the loop never learns
-which one it runs. :func:`train` composes the run: the model and the task's
-:meth:`~pretrain.task.Task.prepare` (one :class:`~pretrain.task.RunContext`),
-the run's data (pretrain/data/run.py ``read_run_data``), the jitted step
-(pretrain/jit_step.py), the train state (restored by the checkpointing hook), then
+which one it runs. :func:`train` composes the run: the set-up it shares with
+``--compile-only`` (pretrain/setup.py: the model, the task's
+:meth:`~pretrain.task.Task.adapt_model` and :meth:`~pretrain.task.Task.prepare`),
+then what a run alone reads (the task's :meth:`~pretrain.task.Task.read_inputs`,
+the run's data: pretrain/data/run.py ``read_run_data``), the jitted step and the
+train state (pretrain/setup.py ``build_step``; restored by the checkpointing hook), then
 the steps (pretrain/steps.py, each a :class:`~pretrain.hooks.StepInfo`)
 and after each the hooks (:class:`~pretrain.hooks.Hooks`, each added with its
 period), in order: evaluation, the caller's (``train(hooks=...)``: the
@@ -41,46 +43,40 @@ from pretrain.evaluation import Evaluation
 from pretrain.final import write_final
 from pretrain.flops import flops_per_token, peak_flops
 from pretrain.hooks import Hooks, RunModel
-from pretrain.jit_step import init_state, make_step
+from pretrain.jit_step import init_state, make_step, state_layout
 from pretrain.optim import build_optimizer, lr_schedule
-from pretrain.setup import init_adapters, load_model, lora_settings, quantize_frozen_base
+from pretrain.setup import (
+    RUN,
+    Arrays,
+    Model,
+    TokenIds,
+    adapter_init,
+    layout_of,
+    run_mesh,
+    set_up_model,
+    tokenizer_folder,
+    whole_of,
+)
 from pretrain.steps import Training
-from pretrain.task import PretrainTask, RunContext, Task
+from pretrain.task import PretrainTask, ReadContext, RunContext, Task
 from zoo.console import is_terminal
 from zoo.data.tokenizer import load_tokenizer
 from zoo.errors import UserError
 from zoo.kernels.choice import check_platform, check_rows, kernel_for
-from zoo.lora.adapters import LoraConfig, lora_scale
-from zoo.model.config import ModelConfig
-from zoo.model.sharding import make_mesh
+from zoo.lora.adapters import lora_scale
 
 
 @dataclasses.dataclass
 class _Run:
-    """What :func:`train` sets up before the first step: the model and the task's frozen inputs on the mesh, the
-    data, the optimizer's schedule, the jitted step and the train state."""
+    """What :func:`train` sets up before the first step: the model the task trains and its frozen inputs on the
+    mesh (:mod:`pretrain.setup`, as ``--compile-only`` sets them up), the tokenizer and the data."""
 
-    mesh: jax.sharding.Mesh
-    micro: int
-    mcfg: ModelConfig
-    params: dict[str, Any]
-    src_ckpt: Path | None
+    model: Model
     tok_dir: Path
     tokenizer: Any
-    lora_cfg: LoraConfig | None
     frozen_inputs: Any
-    batch_sharding: NamedSharding
     data: RunData
-    schedule: Any = None
-    state: dict[str, Any] = dataclasses.field(default_factory=dict)
-    step_fn: Any = None
-    eval_fn: Any = None
-
-    @property
-    def frozen(self) -> dict[str, Any] | None:
-        """With LoRA only the adapters are trained (``state["params"]``); the base is a frozen, undifferentiated
-        input of the step."""
-        return self.params if self.lora_cfg else None
+    micro: int
 
 
 def train(cfg: TrainConfig, progress: bool | None = None, task: Task[Any] | None = None, fresh: bool = False,
@@ -107,13 +103,15 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task[Any] | None
     if done is not None:
         return done
     run = _set_up(cfg, task, primary)
-    _build_step(cfg, task, run)
+    # The schedule counts optimizer updates: an online task may make several per step (its batch reused).
+    step = build_step(cfg, task, run.model, run.frozen_inputs, RUN, run.data.total_steps * task.updates_per_step)
     # A fresh run whose first step fails on the user's inputs (an online task's reward function, say) leaves
     # nothing behind: what it wrote into a folder that held nothing before is removed.
     held_before = out.exists() and any(out.iterdir())
     out.mkdir(parents=True, exist_ok=True)
     checkpoints = Checkpoints(out, cfg, run.data.batches)
-    run.state, start, restored_from = checkpoints.restore(run.state)
+    model = run.model
+    step.state, start, restored_from = checkpoints.restore(step.state)
     total = run.data.total_steps
     if start > total:
         raise UserError(f"{out} holds a run at step {start}, past this config's {total} steps (max_steps, epochs); "
@@ -125,73 +123,100 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task[Any] | None
     bar_wanted = is_terminal(sys.stdout) if progress is None else progress
     log = runlog.RunLog(out, total, not bar_wanted, list(task.key_metrics) or None, summary_writer(),
                         cfg.log_every) if primary else None
-    run_hooks = _run_hooks(cfg, task, run, out, primary, hooks or Hooks(), log, checkpoints)
-    training = Training(cfg, task, run.step_fn, run.data, run.batch_sharding,
-                        (cfg.grad_accum, run.micro, cfg.data.seq_len), run.frozen, run.frozen_inputs, run.schedule,
-                        run.state, flops_per_token(run.mcfg, cfg.data.seq_len, frozen_base=run.lora_cfg is not None)
+    run_hooks = _run_hooks(cfg, task, run, step, out, primary, hooks or Hooks(), log, checkpoints)
+    training = Training(cfg, task, step.train, run.data, step.batch_sharding,
+                        (cfg.grad_accum, run.micro, cfg.data.seq_len), model.frozen, run.frozen_inputs, step.schedule,
+                        step.state, flops_per_token(model.mcfg, cfg.data.seq_len, frozen_base=model.lora is not None)
                         * cfg.batch_size * cfg.data.seq_len, peak_flops(cfg))
     try:
         last = _take_steps(training, run_hooks, checkpoints, start, total, log, primary and bar_wanted, out)
     finally:
         if training.failed_first_step and not held_before and primary:
             shutil.rmtree(out, ignore_errors=True)
-    return write_final(out, cfg, run.mcfg, training.state["params"], run.src_ckpt, run.tok_dir, last,
-                       _data_report(cfg, run.data, primary), task.method, run.lora_cfg, task.card(cfg))
+    return write_final(out, cfg, model.mcfg, training.state["params"], model.source, run.tok_dir, last,
+                       _data_report(cfg, run.data, primary), task.method, model.lora, task.card(cfg))
 
 
 def _set_up(cfg: TrainConfig, task: Task[Any], primary: bool) -> _Run:
-    """The mesh, the model the task trains (QLoRA's quantized base; a reward model's score head), the task's
-    frozen inputs and the run's data, each checked before anything is written."""
-    mesh = _mesh(cfg)
-    micro = cfg.batch_size // cfg.grad_accum
-    mcfg, params, src_ckpt, tok_dir = load_model(cfg, mesh)
-    mcfg = dataclasses.replace(mcfg, attention=cfg.model.attention)  # a run's choice, never saved (zoo.kernels.choice)
-    kernel_for(mcfg, DTYPES[cfg.dtype.compute])  # model.attention: cudnn on a model it cannot run: said now
-    params = quantize_frozen_base(cfg, mcfg, params, mesh, src_ckpt)  # QLoRA; unchanged without lora.base_quant
+    """The mesh, the model the task trains (QLoRA's quantized base; a reward model's score head) and the task's
+    frozen inputs (:mod:`pretrain.setup`, as ``--compile-only`` sets them up), then what a run alone reads: the
+    task's inputs from the tokenizer and the data (:meth:`~pretrain.task.Task.read_inputs`) and the run's data,
+    each checked before anything is written."""
+    mesh = run_mesh(cfg, jax.devices())
+    tok_dir = tokenizer_folder(cfg)
+    model = set_up_model(cfg, mesh, RUN)
+    kernel_for(model.mcfg, DTYPES[cfg.dtype.compute])  # model.attention: cudnn on a model it cannot run: said now
     tokenizer = load_tokenizer(tok_dir)
-    mcfg, params = task.adapt_model(mcfg, params, mesh, tokenizer, cfg.seed)  # a reward model: its score head
-    lora_cfg = lora_settings(cfg, src_ckpt)
     # A task may need inputs of its own beside the trained weights (a reference model), or a pass with the
     # starting weights before training (reference log-probabilities computed once): before any documents.
-    frozen_inputs = task.prepare(RunContext(cfg, mcfg, mesh, tokenizer, lora_cfg, params, data_reads(cfg), src_ckpt))
+    model, ctx, frozen_inputs = prepare_task(cfg, task, model, RUN, TokenIds.of(tokenizer))
+    task.read_inputs(ReadContext(ctx, tokenizer, data_reads(cfg), frozen_inputs))
+    micro = cfg.batch_size // cfg.grad_accum
     batch_sharding = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"), None))
-    data = read_run_data(cfg, task, tokenizer, mcfg.vocab_size, batch_sharding, micro)
+    data = read_run_data(cfg, task, tokenizer, model.mcfg.vocab_size, batch_sharding, micro)
     _check_data(cfg, task, data, micro, primary)
-    return _Run(mesh, micro, mcfg, params, src_ckpt, tok_dir, tokenizer, lora_cfg, frozen_inputs, batch_sharding,
-                data)
+    return _Run(model, tok_dir, tokenizer, frozen_inputs, data, micro)
 
 
-def _build_step(cfg: TrainConfig, task: Task[Any], run: _Run) -> None:
-    """The optimizer's schedule, the train state (adapters or the whole model) and the jitted train and eval
-    steps, set on ``run``."""
-    # The schedule counts optimizer updates: an online task may make several per step (its batch reused).
-    run.schedule = lr_schedule(cfg, run.data.total_steps * task.updates_per_step)
-    tx = build_optimizer(cfg, run.schedule)
-    lora_cfg = run.lora_cfg
-    trained = init_adapters(run.mcfg, lora_cfg, cfg.seed, run.mesh, run.params) if lora_cfg else run.params
-    run.state = init_state(tx, trained, run.mesh)
-    run.step_fn, run.eval_fn = make_step(
-        run.mcfg, tx, DTYPES[cfg.dtype.compute], cfg.remat, jax.tree.map(lambda x: x.sharding, run.state),
-        run.batch_sharding, task, lora_scale(lora_cfg) if lora_cfg else None,
-        jax.tree.map(lambda x: x.sharding, run.frozen), lora_dropout=lora_cfg.dropout if lora_cfg else 0.0,
-        seed=cfg.seed, frozen_inputs_sharding=jax.tree.map(lambda x: x.sharding, run.frozen_inputs))
+@dataclasses.dataclass
+class Step:
+    """The train state (the adapters, or the whole model, and the optimizer's state), its jitted train and eval
+    steps (:func:`pretrain.jit_step.make_step`), the batch's sharding and the learning-rate schedule."""
+
+    state: dict[str, Any]
+    train: Any
+    evaluate: Any
+    batch_sharding: NamedSharding
+    schedule: Any
 
 
-def _run_hooks(cfg: TrainConfig, task: Task[Any], run: _Run, out: Path, primary: bool, caller: Hooks,
+def prepare_task(cfg: TrainConfig, task: Task[Any], model: Model, arrays: Arrays,
+                 ids: TokenIds) -> tuple[Model, RunContext, Any]:
+    """(the model the task trains, the task's :class:`~pretrain.task.RunContext`, the step's frozen inputs): the
+    task's change to the model
+    (:meth:`~pretrain.task.Task.adapt_model`: a reward model's score head) and its set-up
+    (:meth:`~pretrain.task.Task.prepare`), the same for a run and ``--compile-only``."""
+    mcfg, params = task.adapt_model(model.mcfg, model.params, model.mesh, arrays, ids, cfg.seed)
+    model = dataclasses.replace(model, mcfg=mcfg, params=params)
+    ctx = RunContext(cfg, mcfg, model.mesh, model.lora, params, arrays, ids, model.source)
+    return model, ctx, task.prepare(ctx)
+
+
+def build_step(cfg: TrainConfig, task: Task[Any], model: Model, frozen_inputs: Any, arrays: Arrays,
+               updates: int) -> Step:
+    """The optimizer (its schedule over ``updates`` optimizer updates), the train state (fresh adapters with LoRA,
+    else the model's params) and the jitted train and eval steps, sharded on the model's mesh."""
+    schedule = lr_schedule(cfg, updates)
+    tx = build_optimizer(cfg, schedule)
+    lora, mesh = model.lora, model.mesh
+    trained = arrays.made(adapter_init(model.mcfg, lora, cfg.seed, mesh), whole_of(model.mcfg, model.params)) \
+        if lora else model.params
+    state = arrays.read(state_layout(tx, layout_of(trained), mesh), lambda: init_state(tx, trained, mesh))
+    batch_sharding = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"), None))
+    shardings = partial(jax.tree.map, lambda x: x.sharding)
+    train, evaluate = make_step(model.mcfg, tx, DTYPES[cfg.dtype.compute], cfg.remat, shardings(state),
+                                batch_sharding, task, lora_scale(lora) if lora else None, shardings(model.frozen),
+                                lora_dropout=lora.dropout if lora else 0.0, seed=cfg.seed,
+                                frozen_inputs_sharding=shardings(frozen_inputs))
+    return Step(state, train, evaluate, batch_sharding, schedule)
+
+
+def _run_hooks(cfg: TrainConfig, task: Task[Any], run: _Run, step: Step, out: Path, primary: bool, caller: Hooks,
                log: runlog.RunLog | None, checkpoints: Checkpoints) -> Hooks:
     """The run's hooks in order: evaluation, the caller's, the task's own, the metrics log and checkpoints; each
     set up with the run's model."""
     hooks = Hooks()
-    hooks.add(Evaluation(cfg, run.data, run.micro, run.mesh,
-                         partial(run.eval_fn, frozen=run.frozen, frozen_inputs=run.frozen_inputs), task.batch,
-                         run.frozen, primary, task.eval_metrics), every=cfg.eval_every)
+    model = run.model
+    hooks.add(Evaluation(cfg, run.data, run.micro, model.mesh,
+                         partial(step.evaluate, frozen=model.frozen, frozen_inputs=run.frozen_inputs), task.batch,
+                         model.frozen, primary, task.eval_metrics), every=cfg.eval_every)
     hooks.extend(caller)
     for hook in task.hooks(out, primary):
         hooks.add(hook)
     if log:
         hooks.add(log)
     hooks.add(checkpoints)  # every step: its manager keeps checkpoint.every (and saves on a preemption notice)
-    hooks.setup(RunModel(run.mcfg, run.tokenizer, run.lora_cfg, run.frozen))
+    hooks.setup(RunModel(model.mcfg, run.tokenizer, model.lora, model.frozen))
     return hooks
 
 
@@ -222,20 +247,6 @@ def _take_steps(training: Training, hooks: Hooks, checkpoints: Checkpoints, star
         bar.close()
         hooks.close()
     return last
-
-
-def _mesh(cfg: TrainConfig) -> jax.sharding.Mesh:
-    """The run's device mesh (``cfg.mesh``), checked against the batch it splits."""
-    sizes = dataclasses.asdict(cfg.mesh)
-    try:
-        mesh = make_mesh(**sizes, devices=jax.devices())
-    except ValueError as e:
-        raise UserError(f"mesh {sizes}: {e}") from None
-    shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    micro = cfg.batch_size // cfg.grad_accum
-    if micro % shards:
-        raise UserError(f"batch_size/grad_accum = {micro} sequences must divide over data x fsdp = {shards} devices")
-    return mesh
 
 
 def _check_data(cfg: TrainConfig, task: Task[Any], data: RunData, micro: int, primary: bool) -> None:

@@ -1,9 +1,18 @@
-"""Model and tokenizer set-up of a run: a zoo checkpoint (or a random init) sharded onto the mesh."""
+"""The set-up of a run, written once for training and ``--compile-only``: the mesh, the model the task trains
+(a zoo checkpoint or a random init sharded onto the mesh; QLoRA's quantized base; the task's own change, a reward
+model's score head), the task's frozen inputs and the train state with its jitted step.
+
+Each array the set-up holds is got through an :class:`Arrays`: a run makes or reads it (:data:`RUN`), while
+``--compile-only`` (:data:`LAYOUT`) keeps its layout alone, ``jax.ShapeDtypeStruct`` s with their shardings, taken
+from the same description (a jitted function's ``jax.eval_shape``, or the layout a checkpoint is read into): one
+description of the state, never a second one for the compiler."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, ClassVar, TypeVar, cast
 
 import jax
 
@@ -16,34 +25,189 @@ from zoo.errors import UserError
 from zoo.lora.adapters import LoraConfig, init_lora, lora_specs, whole_weights
 from zoo.model.config import ModelConfig
 from zoo.model.params import flatten, init_params, nest, param_specs
-from zoo.model.sharding import named_sharding
+from zoo.model.sharding import make_mesh, named_sharding
+
+T = TypeVar("T")
 
 
-def load_model(cfg: TrainConfig, mesh: jax.sharding.Mesh
-               ) -> tuple[ModelConfig, dict[str, Any], Path | None, Path]:
-    """(model config, sharded params, source checkpoint or None, tokenizer folder)."""
+class Arrays:
+    """How the set-up gets its arrays and models: a run's made (a jitted function called) or read (a checkpoint's
+    config and weights)."""
+
+    abstract: ClassVar[bool] = False
+
+    def made(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``: ``fn`` jitted with its ``out_shardings``, so its result's layout is its own."""
+        return fn(*args)
+
+    def read(self, layout: T, read: Callable[[], T]) -> T:
+        """``read()``: arrays read into ``layout`` (``jax.ShapeDtypeStruct`` s with their shardings)."""
+        return read()
+
+    def model_config(self, cfg: TrainConfig) -> tuple[ModelConfig, Path | None]:
+        """(the run's model config, the zoo checkpoint it starts from or None for ``model.init: random``)."""
+        if cfg.model.init == "random":
+            from zoo.model.from_hf import model_config_from_hf
+            from zoo.registry import catalogue as registry
+
+            name = cast(str, cfg.model.config)  # model.init: random needs it (TrainConfig checks)
+            return model_config_from_hf(registry.hf_config_of(name, "model.config"), f"model.config {name}"), None
+        return self.checkpoint_config(cast(str, cfg.model.path), "model.path")
+
+    def checkpoint_config(self, name: str, key: str) -> tuple[ModelConfig, Path | None]:
+        """(the model config, the folder) of the zoo checkpoint ``name`` (a run folder gives its checkpoint; the
+        config key ``key`` names it in errors)."""
+        from zoo.checkpoints.paths import checkpoint_dir
+
+        ckpt = checkpoint_dir(name, key)
+        return read_config(ckpt), ckpt
+
+
+class Layouts(Arrays):
+    """``--compile-only``'s arrays: each one's layout alone (nothing computed, read or allocated); a model's
+    config read without weights (a zoo checkpoint, a registry name or a Hugging Face ``config.json``)."""
+
+    abstract = True
+
+    def made(self, fn: Callable[..., T], *args: Any) -> T:
+        """``jax.eval_shape`` of the jitted ``fn``: its result's shapes, dtypes and shardings."""
+        return cast(T, jax.eval_shape(fn, *args))
+
+    def read(self, layout: T, read: Callable[[], T]) -> T:
+        """``layout`` itself: nothing is read."""
+        return layout
+
+    def checkpoint_config(self, name: str, key: str) -> tuple[ModelConfig, Path | None]:
+        """(the model config, the folder if a zoo checkpoint, else None) of ``name`` read without weights: a zoo
+        checkpoint folder, a registry name or a Hugging Face ``config.json``."""
+        if not name:
+            raise UserError(f"--compile-only needs {key} (a zoo checkpoint, a registry name or a config.json)")
+        src = Path(name).expanduser()
+        return model_config_of(name, key), src if (src / "model.json").is_file() else None
+
+
+RUN = Arrays()
+LAYOUT = Layouts()
+
+
+def model_config_of(name: str, key: str) -> ModelConfig:
+    """The ModelConfig of ``name`` read without weights: a zoo checkpoint folder, a registry name with a released
+    config or a Hugging Face ``config.json``; errors name ``key`` (the flag or config key that gave it)."""
+    from zoo.model.from_hf import model_config_from_hf
+    from zoo.registry import catalogue as registry
+
+    src = Path(name).expanduser()
+    if src.is_dir() and (src / "model.json").is_file():
+        return read_config(src)
+    return model_config_from_hf(registry.hf_config_of(name, key), f"{key} {name}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenIds:
+    """The tokenizer's ids the set-up bakes into programs: its EOS (a sampler's stop) and padding (a reward model's
+    pooling) ids, or None where it has none. ``--compile-only`` reads no tokenizer: :meth:`stand_in` ids fill
+    the same constants, which change no shape."""
+
+    eos: int | None
+    pad: int | None
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> TokenIds:
+        """The ids of ``tokenizer`` (a Hugging Face tokenizer)."""
+        return cls(tokenizer.eos_token_id, tokenizer.pad_token_id)
+
+    @classmethod
+    def stand_in(cls, mcfg: ModelConfig) -> TokenIds:
+        """Ids for a set-up without a tokenizer (``--compile-only``): the last id as EOS, the model's padding id
+        (or 0)."""
+        return cls(mcfg.vocab_size - 1, mcfg.pad_token_id or 0)
+
+
+@dataclasses.dataclass
+class Model:
+    """The model a run trains, on its mesh: its config, its starting params (LoRA's frozen base: QLoRA's
+    quantized), the LoRA settings (None: full fine-tuning) and the checkpoint it starts from (None: a random
+    init; under ``--compile-only`` a zoo checkpoint folder if ``model.path`` is one), on its mesh."""
+
+    mcfg: ModelConfig
+    params: dict[str, Any]
+    lora: LoraConfig | None
+    source: Path | None
+    mesh: jax.sharding.Mesh
+
+    @property
+    def frozen(self) -> dict[str, Any] | None:
+        """With LoRA only the adapters are trained; the base is a frozen, undifferentiated input of the step."""
+        return self.params if self.lora else None
+
+
+def run_mesh(cfg: TrainConfig, devices: list[Any], where: str = "devices") -> jax.sharding.Mesh:
+    """The run's device mesh (``cfg.mesh``) over ``devices`` (``where`` names them in errors), checked against
+    the batch it splits."""
+    sizes = dataclasses.asdict(cfg.mesh)
+    try:
+        mesh = make_mesh(**sizes, devices=devices)
+    except ValueError as e:
+        raise UserError(f"mesh {sizes}{'' if where == 'devices' else f' on {where}'}: {e}") from None
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    micro = cfg.batch_size // cfg.grad_accum
+    if micro % shards:
+        raise UserError(f"batch_size/grad_accum = {micro} sequences must divide over data x fsdp = {shards} {where}")
+    return mesh
+
+
+def param_layout(mcfg: ModelConfig, mesh: jax.sharding.Mesh, dtype: Any) -> dict[str, Any]:
+    """The params of ``mcfg`` as ``jax.ShapeDtypeStruct`` s of ``dtype`` sharded on ``mesh`` as a run places them."""
+    return nest({k: jax.ShapeDtypeStruct(s.shape, dtype, sharding=named_sharding(mesh, s.axes, s.shape))
+                 for k, s in param_specs(mcfg).items()})
+
+
+def layout_of(tree: Any) -> Any:
+    """The layout (``jax.ShapeDtypeStruct`` s with their shardings) of a tree of arrays or of layouts."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def set_up_model(cfg: TrainConfig, mesh: jax.sharding.Mesh, arrays: Arrays) -> Model:
+    """The model the run starts from (:class:`Model`): loaded (or randomly initialized) onto ``mesh``, its frozen
+    base quantized for QLoRA (:func:`frozen_base_quant`); the task's change comes after
+    (:meth:`pretrain.task.Task.adapt_model`)."""
+    check_base_quant(cfg)
+    mcfg, ckpt = arrays.model_config(cfg)
+    mcfg = dataclasses.replace(mcfg, attention=cfg.model.attention)  # a run's choice, never saved (zoo.kernels.choice)
+    lora = lora_settings(cfg)
     pdt = DTYPES[cfg.dtype.params]
     if cfg.model.init == "random":
-        from zoo.model.from_hf import model_config_from_hf
-        from zoo.registry import catalogue as registry
-
-        name = cast(str, cfg.model.config)  # model.init: random needs it (TrainConfig checks)
-        mcfg = model_config_from_hf(registry.hf_config_of(name, "model.config"), f"model.config {name}")
-        specs = param_specs(mcfg)
-        shard = jax.tree.map(lambda s: named_sharding(mesh, s.axes, s.shape), nest(specs),
-                             is_leaf=lambda x: isinstance(x, type(next(iter(specs.values())))))
+        shard = jax.tree.map(lambda x: x.sharding, param_layout(mcfg, mesh, pdt))
         # No host inputs: every process builds the same global arrays, each its own shards.
-        params = jax.jit(lambda: init_params(mcfg, jax.random.PRNGKey(cfg.seed), pdt), out_shardings=shard)()
-        return mcfg, params, None, tokenizer_folder(cfg)
-    ckpt = _resolve_checkpoint(cast(str, cfg.model.path))
-    mcfg = read_config(ckpt)
-    if frozen_base_quant(cfg, ckpt):  # QLoRA: the projections come next, one at a time (quantize_frozen_base)
-        from zoo.model.quant import quantized_paths
+        init = jax.jit(lambda: init_params(mcfg, jax.random.PRNGKey(cfg.seed), pdt), out_shardings=shard)
+        return Model(mcfg, arrays.made(init), lora, None, mesh)
+    quantized = frozen_base_quant(cfg, ckpt) if lora else None
+    layout = param_layout(mcfg, mesh, pdt)
+    if quantized is None:
+        return Model(mcfg, arrays.read(layout, lambda: load_params(cast(Path, ckpt), mesh, pdt)), lora, ckpt,
+                     mesh)
+    from zoo.checkpoints.quantized import abstract_base
 
-        skip = quantized_paths(mcfg)
-        return mcfg, load_params(ckpt, mesh, pdt, paths=[p for p in param_specs(mcfg) if p not in skip]), ckpt, \
-            tokenizer_folder(cfg)
-    return mcfg, load_params(ckpt, mesh, pdt), ckpt, tokenizer_folder(cfg)
+    # QLoRA: the projections quantized and placed one at a time, so the float base is never whole in memory
+    layout = nest({**flatten(layout), **abstract_base(mcfg, *quantized, pdt, mesh)})
+    return Model(mcfg, arrays.read(layout, lambda: _quantized_base(cfg, mcfg, mesh, cast(Path, ckpt), quantized)),
+                 lora, ckpt, mesh)
+
+
+def _quantized_base(cfg: TrainConfig, mcfg: ModelConfig, mesh: jax.sharding.Mesh, ckpt: Path,
+                    q: tuple[str, bool]) -> dict[str, Any]:
+    """QLoRA's base read from ``ckpt``: every weight but the projections as stored, then each projection loaded,
+    quantized (zoo/model/quant.py) and placed one at a time; the quantized fields are split over ``fsdp``
+    (:func:`zoo.model.quant.place`). A checkpoint stored quantized gives its fields as they are."""
+    from zoo.checkpoints.loading import quantized_param
+    from zoo.model import quant
+
+    pdt = DTYPES[cfg.dtype.params]
+    skip = quant.quantized_paths(mcfg)
+    flat = flatten(load_params(ckpt, mesh, pdt, paths=[p for p in param_specs(mcfg) if p not in skip]))
+    for path in skip:
+        flat[path] = quant.place(quantized_param(ckpt, path, *q, dtype=pdt), mesh)
+    return nest(flat)
 
 
 def tokenizer_folder(cfg: TrainConfig) -> Path:
@@ -68,9 +232,9 @@ def _resolve_checkpoint(path: str) -> Path:
     return checkpoint_dir(path, "model.path")
 
 
-def lora_settings(cfg: TrainConfig, base: Path | None) -> LoraConfig | None:
+def lora_settings(cfg: TrainConfig) -> LoraConfig | None:
     """The run's LoRA settings (None when ``lora.rank`` is 0: full fine-tuning)."""
-    if cfg.lora.rank and base is None:
+    if cfg.lora.rank and cfg.model.init == "random":
         raise UserError("lora needs a pretrained base checkpoint (model.path), not model.init: random")
     return lora_config(cfg)
 
@@ -106,26 +270,6 @@ def frozen_base_quant(cfg: TrainConfig, ckpt: Path | None) -> tuple[str, bool] |
     return stored
 
 
-def quantize_frozen_base(cfg: TrainConfig, mcfg: ModelConfig, params: dict[str, Any], mesh: jax.sharding.Mesh,
-                         ckpt: Path | None) -> dict[str, Any]:
-    """QLoRA (:func:`frozen_base_quant`): ``params`` (loaded by :func:`load_model` without the projections) plus
-    each projection of ``ckpt`` loaded, quantized (zoo/model/quant.py) and placed one at a time, so the float base is
-    never whole in memory; the quantized fields are split over ``fsdp`` (:func:`zoo.model.quant.place`). A checkpoint
-    stored quantized gives its fields as they are."""
-    from zoo.checkpoints.loading import quantized_param
-    from zoo.model import quant
-
-    q = frozen_base_quant(cfg, ckpt)
-    if q is None:
-        return params
-    flat = flatten(params)
-    del params
-    pdt = DTYPES[cfg.dtype.params]
-    for path in quant.quantized_paths(mcfg):
-        flat[path] = quant.place(quantized_param(cast(Path, ckpt), path, *q, dtype=pdt), mesh)
-    return nest(flat)
-
-
 def check_base_quant(cfg: TrainConfig) -> None:
     """The QLoRA settings make sense (before anything is loaded or written)."""
     from zoo.model import quant
@@ -145,14 +289,18 @@ def check_base_quant(cfg: TrainConfig) -> None:
         raise UserError("lora.base_quant needs a pretrained base checkpoint (model.path), not model.init: random")
 
 
-def init_adapters(mcfg: ModelConfig, lora_cfg: LoraConfig, seed: int, mesh: jax.sharding.Mesh,
-                  params: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Fresh float32 adapters (B = 0: the model starts as the base), each sharded like its base weight; the
-    weights trained whole (a reward model's score head, :func:`zoo.lora.adapters.whole_weights`) start as ``params``'."""
+def adapter_init(mcfg: ModelConfig, lora_cfg: LoraConfig, seed: int, mesh: jax.sharding.Mesh) -> Callable[..., Any]:
+    """Fresh float32 adapters (B = 0: the model starts as the base), each sharded like its base weight, as a
+    jitted function of the weights trained whole (a reward model's score head,
+    :func:`zoo.lora.adapters.whole_weights`), which start as the params' (:func:`whole_of`)."""
     specs = lora_specs(mcfg, lora_cfg)
     shard = nest({p: named_sharding(mesh, s.axes, s.shape) for p, s in specs.items()})
-    whole = {p: v for p, v in flatten(params or {}).items() if p in whole_weights(mcfg)}
     # No host inputs: every process builds the same global arrays, each its own shards.
-    adapters: dict[str, Any] = jax.jit(lambda w: init_lora(mcfg, lora_cfg, jax.random.PRNGKey(seed + 1), "float32",
-                                                           nest(w)), out_shardings=shard)(whole)
-    return adapters
+    init: Callable[..., Any] = jax.jit(
+        lambda w: init_lora(mcfg, lora_cfg, jax.random.PRNGKey(seed + 1), "float32", nest(w)), out_shardings=shard)
+    return init
+
+
+def whole_of(mcfg: ModelConfig, params: dict[str, Any]) -> dict[str, Any]:
+    """The weights of ``params`` a LoRA run trains whole (:func:`zoo.lora.adapters.whole_weights`), flat."""
+    return {p: v for p, v in flatten(params).items() if p in whole_weights(mcfg)}

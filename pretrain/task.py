@@ -4,7 +4,8 @@ The loop never learns which task it runs. :class:`Task` is the seam, called in
 one fixed order: :meth:`Task.load` (rows of a data path) and
 :meth:`Task.prepare` (once, with the :class:`RunContext`, after the model
 loads and before any documents are made; it returns the step's frozen
-inputs), then :meth:`Task.documents` (rows -> token documents, a
+inputs; ``--compile-only`` runs the same on abstract params) and
+:meth:`Task.read_inputs` (a run's alone: the tokenizer and the data), then :meth:`Task.documents` (rows -> token documents, a
 :class:`Documents`), then each step :meth:`Task.loss_sums` ((params, batch) ->
 a :class:`pretrain.metrics.LossOutput` whose metrics declare their own
 reduction), and for an online task :meth:`Task.rollout` (data rows -> the
@@ -30,6 +31,7 @@ from pretrain.data.pipeline import tokenize_rows
 from pretrain.hooks import Hook
 from pretrain.metrics import LossOutput
 from pretrain.preflight import keeps_a_target
+from pretrain.setup import Arrays, TokenIds
 from zoo.checkpoints.method_card import MethodCard
 from zoo.data.batching import Document
 from zoo.data.files import load_rows
@@ -87,31 +89,32 @@ class DataRead:
 
 @dataclass
 class RunContext:
-    """What :meth:`Task.prepare` may read of the run: its config, the model's, the mesh, the tokenizer, the LoRA
-    settings (None: full fine-tuning), the starting params (the frozen base with LoRA), the data files the run
-    reads (:func:`pretrain.data.run.data_reads`) and the checkpoint the params came from (None: model.init random)."""
+    """What :meth:`Task.prepare` may read of the run, under training and ``--compile-only`` alike: its config,
+    the model's, the mesh, the LoRA settings (None: full fine-tuning), the starting params (the frozen base with
+    LoRA), how arrays are got (``arrays``: made and read for a run, their layouts alone for ``--compile-only``,
+    whose params are ``jax.ShapeDtypeStruct`` s), the tokenizer's ids and the checkpoint the params came from
+    (None: model.init random)."""
 
     cfg: TrainConfig
     mcfg: ModelConfig
     mesh: jax.sharding.Mesh
-    tokenizer: Tokenizer
     lora: LoraConfig | None
     params: dict[str, Any]
-    reads: list[DataRead]
+    arrays: Arrays
+    ids: TokenIds
     source: Path | None = None
 
 
-@dataclass(frozen=True)
-class LayoutContext:
-    """What :meth:`Task.compile_layout` may read for ``--compile-only``: the config, the model's config, the mesh
-    (of a TPU topology's devices), the LoRA settings and the starting params as ``jax.ShapeDtypeStruct`` s with
-    their shardings. No tokenizer, no data, no weights."""
+@dataclass
+class ReadContext:
+    """What :meth:`Task.read_inputs` may read, a run's alone: the :class:`RunContext` (its params real arrays),
+    the tokenizer, the data files the run reads (:func:`pretrain.data.run.data_reads`) and the frozen inputs
+    :meth:`Task.prepare` returned."""
 
-    cfg: TrainConfig
-    mcfg: ModelConfig
-    mesh: jax.sharding.Mesh
-    lora: LoraConfig | None
-    params: Any
+    run: RunContext
+    tokenizer: Tokenizer
+    reads: list[DataRead]
+    frozen_inputs: Any = None
 
 
 class Task(Generic[B]):
@@ -119,8 +122,9 @@ class Task(Generic[B]):
     Generic in its model batch class ``B`` (:attr:`batch_class`): ``class GRPOTask(Task[RolloutBatch])``, whose
     :meth:`loss_sums` reads a ``RolloutBatch`` and whose :meth:`rollout` makes a ``Rollout[RolloutBatch]``.
 
-    The loop calls, in this order: :meth:`load` for each data path, :meth:`prepare` once (after the model
-    loads), :meth:`documents` for the rows it reads, then the step (:meth:`batch_totals`, :meth:`loss_sums`;
+    The loop calls, in this order: :meth:`load` for each data path, :meth:`adapt_model` and :meth:`prepare`
+    once (after the model loads; ``--compile-only`` calls these two on abstract params), :meth:`read_inputs`,
+    :meth:`documents` for the rows it reads, then the step (:meth:`batch_totals`, :meth:`loss_sums`;
     :meth:`rollout` first for an online task). A task keeps what ``prepare`` set up for ``documents`` and the
     step; the loop never sets a task's attributes. The optional methods have no-op defaults:
 
@@ -207,10 +211,11 @@ class Task(Generic[B]):
         """
         raise NotImplementedError
 
-    def adapt_model(self, mcfg: ModelConfig, params: dict[str, Any], mesh: jax.sharding.Mesh, tokenizer: Tokenizer,
+    def adapt_model(self, mcfg: ModelConfig, params: dict[str, Any], mesh: jax.sharding.Mesh, arrays: Arrays, ids: TokenIds,
                     seed: int) -> tuple[ModelConfig, dict[str, Any]]:
-        """The model the task trains, from the one loaded (``params`` sharded on ``mesh``): unchanged by default;
-        a reward model (rm/) swaps the LM head for its score head. Called before :meth:`prepare`."""
+        """The model the task trains, from the one loaded (``params`` sharded on ``mesh``; under ``--compile-only``
+        their layouts, so arrays are got through ``arrays``): unchanged by default; a reward model (rm/) swaps the
+        LM head for its score head. Called before :meth:`prepare`."""
         return mcfg, params
 
     def eval_metrics(self, params: dict[str, Any], frozen: dict[str, Any] | None, docs: list[Document],
@@ -220,19 +225,22 @@ class Task(Generic[B]):
         loss instead. GRPO's are the held-out prompts' rewards (grpo/held_out.py)."""
         return None
 
-    def adapt_config(self, mcfg: ModelConfig) -> ModelConfig:
-        """The config of the model :meth:`adapt_model` would make, read without weights or tokenizer (for
-        ``--compile-only``: the shapes only): unchanged by default."""
-        return mcfg
-
-    def prepare(self, ctx: RunContext) -> FrozenInputs:
-        """Set up before any documents are made (``ctx.params``: the starting weights, the base with LoRA);
-        returns the frozen inputs the step passes to :meth:`loss_sums`, or None (the default: nothing)."""
+    def prepare(self, ctx: RunContext) -> Any:
+        """Set up the step (``ctx.params``: the starting weights, the base with LoRA), for a run and for
+        ``--compile-only`` alike, so written once: arrays come through ``ctx.arrays``, and nothing reads the
+        tokenizer or the data (that is :meth:`read_inputs`'). Returns the frozen inputs the step passes to
+        :meth:`loss_sums`, or None (the default: nothing)."""
         return None
 
-    def compile_programs(self, trainable: Any, frozen: Any) -> dict[str, Any]:
-        """For ``--compile-only``, after :meth:`compile_layout`: the task's other device programs (an online
-        task's sampler, say), lowered from the abstract trained params and frozen base, by name; {} by default."""
+    def read_inputs(self, ctx: ReadContext) -> None:
+        """A run's set-up beyond the step's (after :meth:`prepare`, before any documents are made): what needs the
+        tokenizer, the data or the weights' values (a reference's log-probabilities over the dataset, reward
+        models). ``--compile-only`` never calls it. Nothing by default."""
+
+    def compile_programs(self, trainable: Any, frozen: Any, frozen_inputs: Any) -> dict[str, Any]:
+        """For ``--compile-only``, after :meth:`prepare`: the task's other device programs (an online task's
+        sampler, say), lowered from the abstract trained params, frozen base and frozen inputs, by name; {} by
+        default."""
         return {}
 
     def program_kv_cache(self) -> dict[str, int]:
@@ -240,13 +248,7 @@ class Task(Generic[B]):
         (a sampler's), by program name; {} by default."""
         return {}
 
-    def compile_layout(self, ctx: LayoutContext) -> FrozenInputs:
-        """For ``--compile-only`` (:mod:`pretrain.compile_only`): set up what :meth:`prepare` would for the step
-        (nothing read, nothing computed) and return its frozen inputs as ``jax.ShapeDtypeStruct`` s with
-        shardings, or None (the default: nothing)."""
-        return None
-
-    def batch_totals(self, batch: B) -> Totals:
+    def batch_totals(self, batch: Any) -> Any:
         """Counts over the whole global batch (any leading axes) that one micro-batch cannot see; None by default."""
         return None
 

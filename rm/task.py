@@ -43,7 +43,8 @@ from prefs.pairs import CHOSEN, REJECTED, load_pair_rows, pair_documents, shared
 from pretrain.batch import FLOAT
 from pretrain.config import TrainConfig
 from pretrain.metrics import LossOutput, Metric, MicroMean
-from pretrain.task import Documents, LayoutContext, RowSource, RunContext, Task, Tokenizer
+from pretrain.setup import Arrays, TokenIds
+from pretrain.task import Documents, RowSource, RunContext, Task, Tokenizer
 from rm.config import RMConfig
 from zoo.checkpoints.method_card import MethodCard, settings
 from zoo.data.batching import Document
@@ -143,42 +144,31 @@ class RewardTask(Task[RewardBatch]):
         seg, mask = doc["tokens_segment_ids"], doc["loss_mask"]
         return bool((mask & (seg == CHOSEN)).any() and (mask & (seg == REJECTED)).any())
 
-    def adapt_model(self, mcfg: ModelConfig, params: dict[str, Any], mesh: jax.sharding.Mesh, tokenizer: Tokenizer,
+    def adapt_model(self, mcfg: ModelConfig, params: dict[str, Any], mesh: jax.sharding.Mesh, arrays: Arrays, ids: TokenIds,
                     seed: int) -> tuple[ModelConfig, dict[str, Any]]:
-        """A causal LM becomes a reward model: its LM head dropped, a score head drawn; a reward model is kept."""
+        """A causal LM becomes a reward model: its LM head dropped, a score head drawn (a score of the padding id,
+        the tokenizer's pad token, else its EOS: TRL's rule); a reward model is kept."""
         if mcfg.num_labels:
             return mcfg, params
         from pretrain import distributed
         from zoo.model.params import param_specs
         from zoo.model.sharding import named_sharding
 
-        tok = cast(Any, tokenizer)
-        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id  # TRL's padding rule
-        mcfg = dataclasses.replace(self.adapt_config(mcfg), pad_token_id=pad)
+        pad = ids.pad if ids.pad is not None else ids.eos  # TRL's padding rule
+        mcfg = dataclasses.replace(mcfg, num_labels=1, pad_token_id=pad)
         spec = param_specs(mcfg)["score"]
         dtype = params["final_norm"].dtype
         key = jax.random.fold_in(jax.random.key(seed), 0x73636F)  # its own stream
-        score = jax.jit(lambda: (INIT_STD * jax.random.normal(key, spec.shape)).astype(dtype),
-                        out_shardings=named_sharding(mesh, spec.axes, spec.shape))()
-        if distributed.is_primary():
+        draw = jax.jit(lambda: (INIT_STD * jax.random.normal(key, spec.shape)).astype(dtype),
+                       out_shardings=named_sharding(mesh, spec.axes, spec.shape))
+        if distributed.is_primary() and not arrays.abstract:
             print(f"reward model: a score head [{mcfg.hidden_size}, 1] drawn from N(0, {INIT_STD}) (seed {seed}) "
                   f"replaces the LM head; scores read each sequence's last token that is not id {pad}",
                   file=sys.stderr)
-        return mcfg, {**{k: v for k, v in params.items() if k != "lm_head"}, "score": score}
+        return mcfg, {**{k: v for k, v in params.items() if k != "lm_head"}, "score": arrays.made(draw)}
 
     def prepare(self, ctx: RunContext) -> None:
         """The pair layout (one copy of the prompt, except for models with sliding-window layers)."""
-        self.shared_prompt = shared_prompt_layout(True, ctx.mcfg)
-
-    def adapt_config(self, mcfg: ModelConfig) -> ModelConfig:
-        """A causal LM's config as the reward model's (a score head, no LM head); the padding id, unknown without
-        the tokenizer, is the config's or 0: it changes no shape."""
-        if mcfg.num_labels:
-            return mcfg
-        return dataclasses.replace(mcfg, num_labels=1, pad_token_id=mcfg.pad_token_id or 0)
-
-    def compile_layout(self, ctx: LayoutContext) -> None:
-        """The pair layout, as :meth:`prepare` picks it; no frozen inputs."""
         self.shared_prompt = shared_prompt_layout(True, ctx.mcfg)
 
     def batch_layout(self, grad_accum: int, micro: int, seq_len: int) -> RewardBatch:

@@ -16,14 +16,14 @@ from typing import Any, cast
 import jax
 
 from distill.batch import DistillBatch
-from distill.config import DistillSection, abstract_teacher, load_teacher
+from distill.config import DistillSection, check_teacher_tokenizer, load_teacher
 from distill.losses import distill_loss_sums
 from distill.online import Sampling, sampling
 from pretrain.batch import Rollout, TokenBatch
 from pretrain.config import TrainConfig
 from pretrain.dtypes import DTYPES
 from pretrain.metrics import LossOutput
-from pretrain.task import LayoutContext, RowSource, RunContext
+from pretrain.task import ReadContext, RowSource, RunContext
 from sft.config import SFTConfig
 from sft.task import SFTTask
 from zoo.errors import UserError
@@ -50,7 +50,7 @@ class GKDTask(SFTTask):
     def __init__(self, cfg: SFTConfig):
         super().__init__(cfg)
         self.distill = cfg.distill
-        self.teacher_mcfg: ModelConfig | None = None  # distill.teacher's config, once prepare (or compile_layout) read it
+        self.teacher_mcfg: ModelConfig | None = None  # distill.teacher's config, once prepare read it
 
     def loss_sums(self, mcfg: ModelConfig, weights: Weights, mb: TokenBatch, compute: Any, remat: str, *,
                   frozen_inputs: Any = None, totals: Any = None, step: jax.Array | None = None) -> LossOutput:
@@ -60,15 +60,14 @@ class GKDTask(SFTTask):
                                  remat, self.distill.beta)
 
     def prepare(self, ctx: RunContext) -> dict[str, Any]:
-        """The frozen teacher's params (the step's frozen inputs), loaded on the run's mesh."""
+        """The frozen teacher's params (the step's frozen inputs), read onto the run's mesh (``--compile-only``:
+        their layout, the teacher's config read without weights)."""
         self.teacher_mcfg, teacher = load_teacher(ctx)
         return teacher
 
-    def compile_layout(self, ctx: LayoutContext) -> Any:
-        """For ``--compile-only``: the teacher's params as ``jax.ShapeDtypeStruct`` s laid out as a run loads them
-        (its config read from its checkpoint, registry name or config.json; no weights)."""
-        self.teacher_mcfg, teacher = abstract_teacher(ctx)
-        return teacher
+    def read_inputs(self, ctx: ReadContext) -> None:
+        """The teacher's tokenizer must be the student's."""
+        check_teacher_tokenizer(ctx.run.cfg, ctx.tokenizer)
 
 
 class OnlineGKDTask(GKDTask):
@@ -87,17 +86,15 @@ class OnlineGKDTask(GKDTask):
 
     def __init__(self, cfg: SFTConfig):
         super().__init__(cfg)
-        self.sampling: Sampling | None = None  # set up by prepare (or compile_layout)
-        self.abstract_teacher: Any = None  # compile_layout's teacher, which compile_programs lowers with
+        self.sampling: Sampling | None = None  # set up by prepare
 
     def prepare(self, ctx: RunContext) -> dict[str, Any]:
         """The teacher's params, and the samplers set up."""
         teacher = super().prepare(ctx)
-        eos = tuple(sorted({ctx.tokenizer.eos_token_id} - {None}))
-        if not eos:
+        if ctx.ids.eos is None:
             raise UserError("distill.lmbda/seq_kd: the tokenizer has no EOS token, so sampled completions could "
                             "never end before distill.max_new_tokens")
-        self.sampling = self._sampling(ctx.cfg, ctx.mcfg, ctx.mesh, eos, ctx.lora)
+        self.sampling = self._sampling(ctx.cfg, ctx.mcfg, ctx.mesh, (ctx.ids.eos,), ctx.lora)
         return teacher
 
     def _sampling(self, cfg: TrainConfig, mcfg: ModelConfig, mesh: jax.sharding.Mesh, eos: tuple[int, ...],
@@ -116,21 +113,14 @@ class OnlineGKDTask(GKDTask):
         assert self.sampling is not None, "prepare first"
         return self.sampling.rollout(params, frozen, frozen_inputs, rows, step)
 
-    def compile_layout(self, ctx: LayoutContext) -> Any:
-        """For ``--compile-only``: the teacher's params (:meth:`GKDTask.compile_layout`), and the samplers
-        :meth:`compile_programs` lowers (the EOS id only fills a constant of the sampler: any id does)."""
-        self.abstract_teacher = super().compile_layout(ctx)
-        self.sampling = self._sampling(ctx.cfg, ctx.mcfg, ctx.mesh, (ctx.mcfg.vocab_size - 1,), ctx.lora)
-        return self.abstract_teacher
-
-    def compile_programs(self, trainable: Any, frozen: Any) -> dict[str, Any]:
-        """The samplers lowered for ``--compile-only`` (after :meth:`compile_layout`): the student's, and with
-        ``distill.seq_kd`` the teacher's, each for one micro-batch's prompts."""
-        assert self.sampling is not None, "compile_layout first"
-        return self.sampling.lowered(trainable, frozen, self.abstract_teacher)
+    def compile_programs(self, trainable: Any, frozen: Any, frozen_inputs: Any) -> dict[str, Any]:
+        """The samplers lowered for ``--compile-only`` (after :meth:`prepare`): the student's, and with
+        ``distill.seq_kd`` the teacher's (``frozen_inputs``), each for one micro-batch's prompts."""
+        assert self.sampling is not None, "prepare first"
+        return self.sampling.lowered(trainable, frozen, frozen_inputs)
 
     def program_kv_cache(self) -> dict[str, int]:
         """Bytes a chip holds of each sampler's KV cache (one micro-batch of prompts, ``distill.max_new_tokens``
         new tokens)."""
-        assert self.sampling is not None, "compile_layout first"
+        assert self.sampling is not None, "prepare first"
         return self.sampling.kv_cache_bytes()

@@ -104,7 +104,7 @@ def test_unknown_harness_task_of_a_training_run_is_named_before_the_model_loads(
     def loaded(*args, **kwargs):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(trainer, "load_model", loaded)
+    monkeypatch.setattr(trainer, "set_up_model", loaded)
     tasks = _harness_task(tmp_path)
     cfg = load_config(None, ["model.path=ckpt", "data.path=rows.jsonl", "max_steps=1", "eval_every=1",
                              "eval.tasks=[zoo_mcq]", f"eval.include_path={tasks}", f"output_dir={tmp_path / 'run'}"])

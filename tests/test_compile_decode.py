@@ -85,7 +85,7 @@ def test_a_token_step_on_an_fsdp_mesh_gathers_no_weight(tmp_path):
     import jax.numpy as jnp
 
     from eval.generate_compile import lower_generation
-    from pretrain.compile_only import model_config_of
+    from pretrain.setup import model_config_of
     from zoo.compiled.compiler import compile_lowered
     from zoo.compiled.topology import topology_devices
     from zoo.model.sharding import make_mesh

@@ -282,3 +282,53 @@ def test_context_parallelism_compiles_with_the_keys_gathered_over_the_context_ch
     assert rep["mesh"]["context"] == 2 and rep["mesh"]["fsdp"] == 2 and "fsdp 2 x context 2" in out
     gathers = [line for line in texts[0].splitlines() if "all-gather(" in line and "shard_map/all_gather" in line]
     assert any("[4,2,64,16]" in line and "dimensions={2}" in line for line in gathers), gathers
+
+
+def _task_classes(command: str) -> tuple:
+    """The task classes ``command train`` picks from (pretrain.task.task_for)."""
+    if command == "pretrain":
+        from pretrain.task import PretrainTask
+
+        return (PretrainTask,)
+    if command == "rm":
+        from rm.cli import reward_tasks
+
+        return reward_tasks()
+    from grpo.cli import grpo_tasks
+
+    return grpo_tasks()
+
+
+@pytest.mark.parametrize("command,extra", [
+    ("pretrain", []),
+    ("rm", []),  # the score head drawn in place of the LM head
+    ("grpo", ["grpo.rewards=[final_number]", "grpo.num_generations=2", "grpo.max_completion_length=4",
+              "grpo.beta=0.1"]),  # full fine-tuning's reference: a copy of the starting model
+])
+def test_the_compile_only_state_is_the_runs_own_layout(tmp_path, command, extra):
+    """One set-up path: the set-up a run makes its arrays with (pretrain.setup.RUN) and the one --compile-only
+    lowers from (LAYOUT) give the same trees of the same shapes, dtypes and shardings: the model the task trains,
+    its frozen inputs and the train state."""
+    import jax
+
+    from pretrain.config import load_config
+    from pretrain.loop import build_step, prepare_task
+    from pretrain.setup import LAYOUT, RUN, TokenIds, run_mesh, set_up_model
+    from pretrain.task import task_for
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    classes = _task_classes(command)
+    cfg = load_config(None, ["model.init=random", f"model.config={tmp_path / 'config.json'}", "data.path=none",
+                             "model.tokenizer=none", "max_steps=1", "batch_size=2", "data.seq_len=16", *extra],
+                      classes[0].config_class)
+    mesh = run_mesh(cfg, jax.devices())
+
+    def layout(arrays):
+        task = task_for(cfg, classes)
+        model = set_up_model(cfg, mesh, arrays)
+        model, _, frozen_inputs = prepare_task(cfg, task, model, arrays, TokenIds.stand_in(model.mcfg))
+        step = build_step(cfg, task, model, frozen_inputs, arrays, 1)
+        described = lambda x: (x.shape, x.dtype, x.sharding.spec)  # noqa: E731
+        return model.mcfg, jax.tree.map(described, (model.params, frozen_inputs, step.state))
+
+    assert layout(RUN) == layout(LAYOUT)

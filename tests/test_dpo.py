@@ -391,6 +391,7 @@ def test_sliding_window_models_keep_the_two_copy_layout(setup, tmp_path):
 
     import jax.numpy as jnp
 
+    from pretrain.setup import RUN, TokenIds
     from pretrain.task import RunContext
     from zoo.lora.adapters import LoraConfig
     from zoo.model.decoder import forward
@@ -402,7 +403,7 @@ def test_sliding_window_models_keep_the_two_copy_layout(setup, tmp_path):
     off = dpo_cfg(root, tmp_path / "run", "lora.rank=4", "max_steps=1", "dpo.share_prompt=false")
     for c, model, shared in ((cfg, mcfg, True), (cfg, sliding, False), (off, mcfg, False)):
         task = DPOTask(c)
-        ctx = RunContext(c, model, None, None, LoraConfig(rank=4), {}, [])
+        ctx = RunContext(c, model, None, LoraConfig(rank=4), {}, RUN, TokenIds.stand_in(model))
         assert task.prepare(ctx) is None  # reference: base needs nothing prepared
         assert task.shared_prompt is shared
     tokens = jnp.zeros((1, 8), jnp.int32)

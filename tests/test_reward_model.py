@@ -150,6 +150,7 @@ def test_lora_reward_model_equals_trl_with_peft_and_exports_as_peft_loads_it(rew
     from grpo.config import GRPOConfig
     from grpo.task import GRPOTask
     from pretrain.loop import train
+    from pretrain.setup import RUN, TokenIds
     from rm.task import RewardTask
     from tests.preference_data import UNEVEN_PAIRS
     from tests.run_files import read_metrics, write_jsonl
@@ -166,7 +167,8 @@ def test_lora_reward_model_equals_trl_with_peft_and_exports_as_peft_loads_it(rew
                "optimizer.learning_rate=100", "grad_accum=2", *lora)
     task = RewardTask(cfg)
     # The head our run draws (its starting point, from the run's seed), given to the torch model.
-    _, drawn = task.adapt_model(read_config(root / "policy"), load_params(root / "policy"), make_mesh(), tok, cfg.seed)
+    _, drawn = task.adapt_model(read_config(root / "policy"), load_params(root / "policy"), make_mesh(), RUN,
+                                TokenIds.of(tok), cfg.seed)
     head0 = np.asarray(jax.device_get(drawn["score"]), np.float64)
     train(cfg, progress=False, task=task)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id

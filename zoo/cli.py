@@ -73,10 +73,10 @@ def cmd_plot(args: argparse.Namespace) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int | None:
     """`zoo generate` -> eval/generate_cli.py; with --compile-only -> eval/generate_compile.py, the model's config
-    read as train --compile-only reads it (pretrain/compile_only.py: Hugging Face configs through convert/)."""
+    read as train --compile-only reads it (pretrain/setup.py model_config_of)."""
     if getattr(args, "compile_only", False):
         from eval.generate_compile import generate_compile_command
-        from pretrain.compile_only import model_config_of
+        from pretrain.setup import model_config_of
 
         return generate_compile_command(args, model_config_of)
     from eval.generate_cli import generate_command

@@ -1,7 +1,7 @@
 """The run's data, read in one place: :func:`read_run_data` (the loop's entry point) and :class:`RunData`.
 
 :func:`data_reads` lists the files a run reads (a task that scores its data
-before training reads them through :class:`pretrain.task.RunContext`).
+before training reads them through :class:`pretrain.task.ReadContext`).
 A plain ``data.path`` is one source (pretrain/data/source.py ``read_source``); a
 list is a mixture (pretrain/data/mixture.py). Packing, lanes and the cross-process
 plumbing are pretrain/data/pipeline.py's and pretrain/data/lanes.py's.
