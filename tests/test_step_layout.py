@@ -1,4 +1,10 @@
-"""Each task's train step compiles from its declared batch layout alone: no data, no weights, no devices' memory."""
+"""Each task's train step compiles from its declared batch layout alone: no data, no weights, no devices' memory.
+
+Every task a command can run is here: pretraining, SFT, GKD (offline and with sampled completions), DPO, KTO, the
+reward model and GRPO."""
+
+import dataclasses
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +37,25 @@ def _task(name: str):
         from dpo.task import DPOTask
 
         return DPOTask(load_config(None, common + ["dpo.reference=precomputed"], DPOConfig))
+    if name == "kto":
+        from dpo.config import DPOConfig
+        from dpo.kto import KTOTask
+
+        return KTOTask(load_config(None, common + ["dpo.loss_type=kto", "dpo.reference=precomputed"], DPOConfig))
+    if name == "reward":
+        from rm.config import RMConfig
+        from rm.task import RewardTask
+
+        return RewardTask(load_config(None, common, RMConfig))
+    if name in ("gkd", "gkd_online"):
+        from sft.config import SFTConfig
+        from sft.gkd import GKDTask, OnlineGKDTask
+
+        sampled = ["distill.lmbda=0.5", "distill.max_new_tokens=4"] if name == "gkd_online" else ["distill.lmbda=0"]
+        cfg = load_config(None, common + ["distill.teacher=t", *sampled], SFTConfig)
+        task = (OnlineGKDTask if name == "gkd_online" else GKDTask)(cfg)
+        task.teacher_mcfg = TINY  # what prepare reads from distill.teacher: a teacher of the student's shape
+        return task
     from grpo.config import GRPOConfig
     from grpo.task import GRPOTask
 
@@ -39,23 +64,41 @@ def _task(name: str):
                                                 "grpo.beta=0.1"], GRPOConfig))
 
 
-@pytest.mark.parametrize("name", ["pretrain", "sft", "dpo", "grpo"])
+TASKS = ["pretrain", "sft", "gkd", "gkd_online", "dpo", "kto", "reward", "grpo"]
+
+
+@pytest.mark.parametrize("name", TASKS)
 def test_train_step_compiles_from_the_task_layout_alone(name):
     from pretrain.jit_step import make_step
 
     task = _task(name)
+    mcfg = dataclasses.replace(TINY, num_labels=1) if name == "reward" else TINY  # a reward model's score head
     tx = optax.adamw(1e-3)
-    params = jax.eval_shape(lambda: init_params(TINY, jax.random.key(0)))
+    params = jax.eval_shape(lambda: init_params(mcfg, jax.random.key(0)))
+    # GKD's frozen input is its teacher (here one of the student's shape); the other tasks have none here
+    teacher = {"frozen_inputs": params} if name.startswith("gkd") else {}
     state = {"params": params, "opt_state": jax.eval_shape(tx.init, params),
              "step": jax.ShapeDtypeStruct((), jnp.int32)}
     batch = task.batch_layout(ACCUM, MICRO, SEQ)
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch))
-    step, evaluate = make_step(TINY, tx, jnp.float32, task=task)
-    assert step.lower(state, batch).compile() is not None
-    _, metrics = jax.eval_shape(step.jitted, state, batch)
+    step, evaluate = make_step(mcfg, tx, jnp.float32, task=task)
+    assert step.lower(state, batch, **teacher).compile() is not None
+    _, metrics = jax.eval_shape(partial(step.jitted, **teacher), state, batch)
     assert metrics["loss"].shape == () and set(metrics) >= {"loss", "grad_norm", "task"}
     one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batch)
-    assert evaluate.lower(params, one).compile() is not None
+    assert evaluate.lower(params, one, **teacher).compile() is not None
+
+
+def test_every_task_a_command_runs_is_covered():
+    """The list above is every task class the training commands pick from (a new task joins it)."""
+    from dpo.cli import dpo_tasks
+    from grpo.cli import grpo_tasks
+    from rm.cli import reward_tasks
+    from sft.cli import sft_tasks
+
+    covered = {type(_task(name)) for name in TASKS}
+    commands = {*dpo_tasks(), *grpo_tasks(), *reward_tasks(), *sft_tasks()}
+    assert commands <= covered, commands - covered
 
 
 @pytest.mark.parametrize("accum", [1, ACCUM])
