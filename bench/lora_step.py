@@ -137,7 +137,7 @@ def run_jax(ckpt: str, batch: int, seq: int, steps: int, rank: int | None, alpha
     from pretrain.batch import TokenBatch
     from pretrain.jit_step import init_state, make_step
     from pretrain.setup import adapter_init
-    from zoo.lora.adapters import LoraConfig, lora_scale
+    from zoo.lora.params import LoraConfig, lora_scale
     from zoo.model.sharding import make_mesh
 
     cfg = zoo.read_config(ckpt)

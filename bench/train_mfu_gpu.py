@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> dict:
     from pretrain.flops import KNOWN_PEAK_TFLOPS, flops_per_token
     from pretrain.jit_step import init_state, make_step
     from zoo.kernels.choice import kernel_for
-    from zoo.lora.adapters import LoraConfig, init_lora, lora_scale, lora_specs
+    from zoo.lora.params import LoraConfig, init_lora, lora_scale, lora_specs
     from zoo.model.from_hf import model_config_from_hf
     from zoo.model.params import init_params, nest, param_specs
     from zoo.model.sharding import make_mesh, named_sharding

@@ -14,7 +14,7 @@ from convert.model_card import EvalResults, card_data, eval_lines, render, train
 from zoo.checkpoints import quantized as quant_checkpoint
 from zoo.checkpoints.adapter import base_location
 from zoo.checkpoints.provenance import hub_id, hub_weights
-from zoo.lora.adapters import WHOLE_WEIGHTS
+from zoo.lora.params import WHOLE_WEIGHTS
 
 
 def base_model_ref(ckpt: str | os.PathLike, meta: dict[str, Any], base_out: str | os.PathLike | None = None) -> str:

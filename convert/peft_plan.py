@@ -20,7 +20,7 @@ from convert.fused import fused_named, fusion_of
 from convert.tables import BoundRule, table_for
 from convert.transforms import TRANSFORMS
 from zoo.errors import UserError
-from zoo.lora.adapters import HF_TO_ZOO, whole_weights
+from zoo.lora.params import HF_TO_ZOO, whole_weights
 from zoo.model.config import ModelConfig
 from zoo.model.params import param_specs
 
@@ -66,7 +66,7 @@ FUSED = "fused_linear"
 LORA_LAYOUTS.update({"global_q_in": _FLAT, "global_kv_in": _FLAT, "global_o_out": _FLAT})
 
 
-# PlannedTensor.transform prefix of a weight trained whole (a reward model's score head, zoo.lora.adapters.whole_weights):
+# PlannedTensor.transform prefix of a weight trained whole (a reward model's score head, zoo.lora.params.whole_weights):
 # written as the merged model's tensor, under peft's name for a module to save (``base_model.model.score.weight``),
 # followed by the table's own export transform.
 WHOLE = "whole:"
@@ -232,7 +232,7 @@ def plan_adapter(ckpt: str | os.PathLike, meta: dict[str, Any], dtype: str | Non
 
 
 def _whole_tensors(cfg: ModelConfig, meta: dict[str, Any], dtype: str | None) -> list[PlannedTensor]:
-    """The weights trained whole (:func:`zoo.lora.adapters.whole_weights`) as the merged model's tensors under peft's
+    """The weights trained whole (:func:`zoo.lora.params.whole_weights`) as the merged model's tensors under peft's
     names, after the adapters (peft's own order: modules to save last)."""
     specs, stored = param_specs(cfg), meta["lora"]["params"]
     rules = {r.zoo: r for r in table_for(cfg.family, "hf", cfg)}

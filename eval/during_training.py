@@ -16,7 +16,7 @@ from typing import Any, Protocol, cast
 import jax
 
 from zoo.errors import UserError
-from zoo.lora.adapters import LoraConfig, merge_lora
+from zoo.lora.params import LoraConfig, merge_lora
 from zoo.model.config import ModelConfig
 
 

@@ -66,7 +66,7 @@ from zoo.data.batching import Document
 from zoo.data.files import indexed_rows, load_dataset_rows
 from zoo.data.row_origin import bad_row
 from zoo.errors import UserError
-from zoo.lora.adapters import LoraConfig, lora_scale
+from zoo.lora.params import LoraConfig, lora_scale
 from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 from zoo.model.logps import batch_logps

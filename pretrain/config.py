@@ -199,7 +199,7 @@ class CheckpointSection:
 
 @dataclass
 class LoraSection:
-    """LoRA adapters (zoo/lora/adapters.py); rank 0 trains the full model instead."""
+    """LoRA adapters (zoo/lora/params.py); rank 0 trains the full model instead."""
 
     rank: int = field(default=0, metadata={"range": "[0, inf)"})  # r: the adapters' inner size (0: no LoRA)
     alpha: float = field(default=16.0, metadata={"range": "(0, inf)"})  # the update is scaled by alpha / rank

@@ -18,7 +18,7 @@ from zoo.checkpoints.format import HF_CONFIG_FILE, TOKENIZER_DIR, WEIGHT_FILES, 
 from zoo.checkpoints.method_card import MethodCard, adapter_settings, settings
 from zoo.checkpoints.provenance import provenance_of
 from zoo.checkpoints.writer import CheckpointWriter, remove_stale_scratch, save_params
-from zoo.lora.adapters import LoraConfig, lora_specs, whole_weights
+from zoo.lora.params import LoraConfig, lora_specs, whole_weights
 from zoo.model.config import ModelConfig
 from zoo.model.params import param_specs
 
@@ -87,7 +87,7 @@ def write_final(out: Path, cfg: TrainConfig, mcfg: ModelConfig, params: dict[str
 def merged_table(mcfg: ModelConfig, base: dict[str, dict[str, Any]], adapters: dict[str, dict[str, Any]]
                  ) -> dict[str, dict[str, Any]]:
     """The parameter table of the model an adapter checkpoint describes: its base's, with the weights trained
-    whole (a reward model's score head) in the dtype of the base's final norm, as :func:`zoo.lora.adapters.merge_lora`
+    whole (a reward model's score head) in the dtype of the base's final norm, as :func:`zoo.lora.params.merge_lora`
     merges them, and a causal base's LM head gone where the run made it a reward model."""
     whole = whole_weights(mcfg)
     if not whole:

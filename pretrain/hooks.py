@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from pretrain.batch import Rollout, TokenBatch
 from zoo.data.jsonl import read_records
-from zoo.lora.adapters import LoraConfig
+from zoo.lora.params import LoraConfig
 from zoo.model.config import ModelConfig
 
 

@@ -63,7 +63,7 @@ from zoo.console import is_terminal
 from zoo.data.tokenizer import load_tokenizer
 from zoo.errors import UserError
 from zoo.kernels.choice import check_platform, check_rows, kernel_for
-from zoo.lora.adapters import lora_scale
+from zoo.lora.params import lora_scale
 
 
 @dataclasses.dataclass

@@ -22,7 +22,7 @@ from zoo.checkpoints.format import read_config
 from zoo.checkpoints.loading import load_params
 from zoo.data.tokenizer import holds_tokenizer, tokenizer_dir
 from zoo.errors import UserError
-from zoo.lora.adapters import LoraConfig, init_lora, lora_specs, whole_weights
+from zoo.lora.params import LoraConfig, init_lora, lora_specs, whole_weights
 from zoo.model.config import ModelConfig
 from zoo.model.params import flatten, init_params, nest, param_specs
 from zoo.model.sharding import make_mesh, named_sharding
@@ -240,7 +240,7 @@ def lora_settings(cfg: TrainConfig) -> LoraConfig | None:
 
 
 def lora_config(cfg: TrainConfig) -> LoraConfig | None:
-    """The config's LoRA settings as a :class:`zoo.lora.adapters.LoraConfig` (None when ``lora.rank`` is 0)."""
+    """The config's LoRA settings as a :class:`zoo.lora.params.LoraConfig` (None when ``lora.rank`` is 0)."""
     lo = cfg.lora
     if lo.rank == 0:
         return None
@@ -292,7 +292,7 @@ def check_base_quant(cfg: TrainConfig) -> None:
 def adapter_init(mcfg: ModelConfig, lora_cfg: LoraConfig, seed: int, mesh: jax.sharding.Mesh) -> Callable[..., Any]:
     """Fresh float32 adapters (B = 0: the model starts as the base), each sharded like its base weight, as a
     jitted function of the weights trained whole (a reward model's score head,
-    :func:`zoo.lora.adapters.whole_weights`), which start as the params' (:func:`whole_of`)."""
+    :func:`zoo.lora.params.whole_weights`), which start as the params' (:func:`whole_of`)."""
     specs = lora_specs(mcfg, lora_cfg)
     shard = nest({p: named_sharding(mesh, s.axes, s.shape) for p, s in specs.items()})
     # No host inputs: every process builds the same global arrays, each its own shards.
@@ -302,5 +302,5 @@ def adapter_init(mcfg: ModelConfig, lora_cfg: LoraConfig, seed: int, mesh: jax.s
 
 
 def whole_of(mcfg: ModelConfig, params: dict[str, Any]) -> dict[str, Any]:
-    """The weights of ``params`` a LoRA run trains whole (:func:`zoo.lora.adapters.whole_weights`), flat."""
+    """The weights of ``params`` a LoRA run trains whole (:func:`zoo.lora.params.whole_weights`), flat."""
     return {p: v for p, v in flatten(params).items() if p in whole_weights(mcfg)}

@@ -36,7 +36,7 @@ from zoo.checkpoints.method_card import MethodCard
 from zoo.data.batching import Document
 from zoo.data.files import load_rows
 from zoo.errors import UserError
-from zoo.lora.adapters import LoraConfig
+from zoo.lora.params import LoraConfig
 from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 from zoo.model.decoder import forward, stored_head

@@ -79,7 +79,7 @@ def pair_scores(mcfg: ModelConfig, params: dict[str, Any] | Weights, mb: PairBat
     out = forward(mcfg, params, mb.inputs, mb.segment_ids, mb.positions, return_aux=moe, remat=remat,
                   return_hidden=True, prefix_ids=mb.prefix_ids)
     hidden, aux = cast(tuple[jax.Array, dict[str, Any]], out) if moe else (cast(jax.Array, out), None)
-    # With LoRA the head trains whole beside the adapters (zoo.lora.adapters.whole_weights), in the compute dtype as the
+    # With LoRA the head trains whole beside the adapters (zoo.lora.params.whole_weights), in the compute dtype as the
     # full model's would.
     w = Weights.wrap(params)
     trained, base = (w.adapters or {}).get("score"), w.base["score"]

@@ -27,7 +27,7 @@ from pretrain.task import ReadContext, RowSource, RunContext
 from sft.config import SFTConfig
 from sft.task import SFTTask
 from zoo.errors import UserError
-from zoo.lora.adapters import lora_scale
+from zoo.lora.params import lora_scale
 from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 

@@ -16,7 +16,7 @@ from tests.hf_models import hf_logits, random_tokens
 from zoo.checkpoints.adapter import adapter_meta
 from zoo.checkpoints.format import read_meta
 from zoo.checkpoints.writer import CheckpointWriter, save_params
-from zoo.lora.adapters import LoraConfig, init_lora, lora_scale, lora_specs
+from zoo.lora.params import LoraConfig, init_lora, lora_scale, lora_specs
 from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 from zoo.model.decoder import forward

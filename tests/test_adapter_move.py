@@ -23,7 +23,7 @@ from zoo.checkpoints.loading import load_params
 from zoo.checkpoints.writer import CheckpointWriter, save_params
 from zoo.cli import main
 from zoo.errors import UserError
-from zoo.lora.adapters import LoraConfig, lora_specs
+from zoo.lora.params import LoraConfig, lora_specs
 from zoo.model.config import ModelConfig
 from zoo.model.params import flatten, nest, param_specs
 

@@ -189,7 +189,7 @@ def test_cli_generate_on_adapter_checkpoint(smollm2, tmp_path, capsys):
 
     from eval.generate import chat_ids
     from tests.lora_fixtures import write_adapter_checkpoint
-    from zoo.lora.adapters import LoraConfig
+    from zoo.lora.params import LoraConfig
 
     out, _, tok = smollm2
     adapter = write_adapter_checkpoint(out, tmp_path / "final", LoraConfig(rank=2, alpha=4.0, targets=["q_proj"]))

@@ -356,7 +356,7 @@ def test_shared_prompt_rows_score_each_answer_as_its_own_sequence(setup, lora):
 
     from prefs.pairs import CHOSEN, REJECTED, normalize_pair, pair_document, tokenize_pair
     from zoo.data.batching import padded, to_model_batch
-    from zoo.lora.adapters import LoraConfig, init_lora, lora_scale
+    from zoo.lora.params import LoraConfig, init_lora, lora_scale
     from zoo.model.logps import batch_logps
 
     root, tok, _ = setup
@@ -393,7 +393,7 @@ def test_sliding_window_models_keep_the_two_copy_layout(setup, tmp_path):
 
     from pretrain.setup import RUN, TokenIds
     from pretrain.task import RunContext
-    from zoo.lora.adapters import LoraConfig
+    from zoo.lora.params import LoraConfig
     from zoo.model.decoder import forward
 
     root, _, _ = setup

@@ -27,7 +27,7 @@ from tests.lora_fixtures import (
 from tests.processes import devices_env
 from tests.program_checks import ragged_dots
 from zoo.errors import UserError
-from zoo.lora.adapters import LoraConfig, lora_scale, lora_specs, target_modules
+from zoo.lora.params import LoraConfig, lora_scale, lora_specs, target_modules
 from zoo.model import quant
 from zoo.model.params import flatten
 
@@ -196,7 +196,7 @@ import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from zoo.model import quant
 from zoo.model.config import ModelConfig
-from zoo.lora.adapters import LoraConfig, init_lora, lora_scale, lora_specs
+from zoo.lora.params import LoraConfig, init_lora, lora_scale, lora_specs
 from zoo.lora.weights import Weights
 from zoo.model.decoder import forward
 from zoo.model.params import flatten, nest, param_specs

@@ -145,7 +145,7 @@ def test_peft_export_of_fused_projections_loads_in_peft_with_our_logits(converte
     from convert.peft_plan import plan_adapter
     from tests.lora_fixtures import write_adapter_checkpoint
     from zoo.errors import UserError
-    from zoo.lora.adapters import LoraConfig
+    from zoo.lora.params import LoraConfig
 
     hf, root = converted("phi3")
     lora = LoraConfig(rank=2, alpha=3.0, targets=["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj"])

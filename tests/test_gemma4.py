@@ -87,7 +87,7 @@ def test_round_trip_and_generated_config(converted, variant, tmp_path):
 def _peft_export(converted, variant, tmp_path):
     """(transformers' folder, an adapter checkpoint on every target, its `zoo export --adapter` folder)."""
     from tests.lora_fixtures import write_adapter_checkpoint
-    from zoo.lora.adapters import LoraConfig
+    from zoo.lora.params import LoraConfig
 
     root, _ = converted(variant)
     adapter = write_adapter_checkpoint(root / "zoo", tmp_path / "adapter", LoraConfig(rank=4, alpha=8.0))
@@ -189,7 +189,7 @@ def test_lora_targets_reach_full_layers_and_fused_experts():
     global_v: values come from the keys), the dense MLP and the routed experts: gate and up as their one fused
     stack (experts.gate_up_proj names the same), down; naming only gate or up of the experts is a one-line error."""
     from zoo.errors import UserError
-    from zoo.lora.adapters import LoraConfig, lora_specs
+    from zoo.lora.params import LoraConfig, lora_specs
     from zoo.model.from_hf import model_config_from_hf
     from zoo.registry.catalogue import get
 
@@ -266,7 +266,7 @@ def test_expert_adapters_equal_a_dense_loop(base):
     from tests.program_checks import ragged_dots
     from zoo.kernels.choice import target
     from zoo.layers.moe import parallel_moe_block
-    from zoo.lora.adapters import LoraConfig
+    from zoo.lora.params import LoraConfig
     from zoo.lora.projections import LayerLora
     from zoo.model import quant
     from zoo.model.params import flatten
@@ -319,7 +319,7 @@ def test_qlora_quantizes_full_layers_and_experts():
     adapters on all of them equal those on the dequantized base."""
     from tests.lora_fixtures import lora_base_params, lora_lm_loss, random_lora
     from tests.quant_fixtures import quantized_projections
-    from zoo.lora.adapters import LoraConfig
+    from zoo.lora.params import LoraConfig
     from zoo.model import quant
     from zoo.model.params import flatten, nest
 

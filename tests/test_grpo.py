@@ -107,7 +107,7 @@ def test_sampler_logps_equal_a_teacher_forced_forward(setup):
     valid = np.zeros_like(tokens, bool)
     for i, pr in enumerate(prompts):
         tokens[i * g:(i + 1) * g, :len(pr)], valid[i * g:(i + 1) * g, :len(pr)] = pr, True
-    from zoo.lora.adapters import LoraConfig, init_lora, lora_scale
+    from zoo.lora.params import LoraConfig, init_lora, lora_scale
     from zoo.lora.weights import Weights
 
     lora_cfg = LoraConfig(rank=4, alpha=8.0, targets="all")

@@ -1,4 +1,4 @@
-"""LoRA adapters (zoo.lora.adapters): beside the base matmuls in the layer scan, equal to merged weights, sharded like
+"""LoRA adapters (zoo.lora.params): beside the base matmuls in the layer scan, equal to merged weights, sharded like
 their base, gradients for the adapters only."""
 
 import dataclasses
@@ -17,7 +17,7 @@ from tests.lora_fixtures import LORA_CONFIGS, LORA_TOKENS, lora_base_params, ran
 from tests.processes import devices_env
 from tests.program_checks import saved_residuals
 from zoo.errors import UserError
-from zoo.lora.adapters import LoraConfig, lora_scale, lora_specs, merge_lora
+from zoo.lora.params import LoraConfig, lora_scale, lora_specs, merge_lora
 from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 from zoo.model.decoder import forward
@@ -202,7 +202,7 @@ MESH_SCRIPT = r"""
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from tests.lora_fixtures import LORA_CONFIGS, LORA_TOKENS, lora_base_params, random_lora
-from zoo.lora.adapters import LoraConfig, lora_scale, lora_specs
+from zoo.lora.params import LoraConfig, lora_scale, lora_specs
 from zoo.lora.weights import Weights
 from zoo.model.decoder import forward
 from zoo.model.params import flatten, nest, param_specs

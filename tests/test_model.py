@@ -171,7 +171,7 @@ def test_chunked_mlp_equals_one_pass_and_shrinks_the_backward(monkeypatch, lora)
     Slow (about 36 s in a loaded 2-worker baseline): XLA compiles each of its model configurations (forward and
     gradients) on CPU."""
     from zoo.layers import mlp as zoo_mlp
-    from zoo.lora.adapters import LoraConfig, init_lora, lora_scale
+    from zoo.lora.params import LoraConfig, init_lora, lora_scale
 
     cfg = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=512, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=8)

@@ -209,7 +209,7 @@ def test_cards_of_a_run_folder_written_by_hand(in_cache, tmp_path):
     metrics.jsonl and data file are written here exports, merged and as a PEFT adapter, with cards that name
     the base repo and license, the method (an ORPO run), its keys, the data's rows and the last metrics."""
     from tests.lora_fixtures import write_adapter_checkpoint
-    from zoo.lora.adapters import LoraConfig
+    from zoo.lora.params import LoraConfig
 
     run = tmp_path / "run"
     run.mkdir()

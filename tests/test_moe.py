@@ -168,7 +168,7 @@ EP_TRAIN_SCRIPT = r"""
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
 import zoo
-from zoo.lora.adapters import LoraConfig, init_lora, lora_scale, lora_specs
+from zoo.lora.params import LoraConfig, init_lora, lora_scale, lora_specs
 from zoo.lora.weights import Weights
 from zoo.model.decoder import forward
 from zoo.model.params import flatten, nest, param_specs

@@ -29,7 +29,7 @@ from tests.lora_fixtures import write_adapter_checkpoint
 from zoo.checkpoints.format import read_meta
 from zoo.checkpoints.provenance import hub_repo_of
 from zoo.cli import main
-from zoo.lora.adapters import LoraConfig, lora_delta, lora_specs
+from zoo.lora.params import LoraConfig, lora_delta, lora_specs
 from zoo.model.config import ModelConfig
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

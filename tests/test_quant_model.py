@@ -11,7 +11,7 @@ import pytest
 from tests.lora_fixtures import lora_lm_loss
 from tests.processes import devices_env
 from tests.quant_fixtures import quantized_projections, tiny_config
-from zoo.lora.adapters import LoraConfig, init_lora
+from zoo.lora.params import LoraConfig, init_lora
 from zoo.model import quant
 from zoo.model.params import flatten, init_params, nest
 
@@ -104,7 +104,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tests.lora_fixtures import lora_lm_loss
 from tests.quant_fixtures import quantized_projections, tiny_config
 from zoo.model import quant
-from zoo.lora.adapters import LoraConfig, init_lora
+from zoo.lora.params import LoraConfig, init_lora
 from zoo.model.params import flatten, init_params, nest
 from zoo.model.sharding import make_mesh
 assert len(jax.devices()) == 8

@@ -146,7 +146,7 @@ def test_lora_sft_trains_only_adapters_and_final_merges(setup, tmp_path, capsys)
     assert shapes and not (set(shapes) & base_shapes)
     # zoo.load merges: its logits equal the base forward with the adapters beside it.
     from zoo.checkpoints.adapter import load_adapters, lora_config
-    from zoo.lora.adapters import lora_scale
+    from zoo.lora.params import lora_scale
     from zoo.lora.weights import Weights
     from zoo.model.decoder import forward
 
@@ -348,7 +348,7 @@ def test_qlora_sft_trains_resumes_and_merges_into_the_dequantized_base(setup, tm
     """Slow (about 122 s in a loaded 2-worker baseline): whole training runs through the loop, each compiling its
     step configuration."""
     from zoo.checkpoints.adapter import load_adapters, lora_config
-    from zoo.lora.adapters import lora_scale
+    from zoo.lora.params import lora_scale
     from zoo.lora.weights import Weights
     from zoo.model.decoder import forward, quant
     from zoo.model.params import flatten, nest

@@ -8,7 +8,7 @@ load, and :class:`MergedParamReader` merges one layer at a time for streaming
 export, so the merged model is never written or held whole.
 
 Layering: this module builds on :mod:`zoo.checkpoints.format` (plain checkpoint files)
-and :mod:`zoo.lora.adapters` (the LoRA math), and is used by :mod:`zoo.checkpoints.loading`, which
+and :mod:`zoo.lora.params` (the LoRA math), and is used by :mod:`zoo.checkpoints.loading`, which
 resolves "this checkpoint is an adapter run" into its merged model; neither of
 the lower modules imports this one.
 
@@ -44,7 +44,7 @@ from zoo.checkpoints.provenance import hub_weights
 from zoo.checkpoints.readers import ParamSource, load_param_numpy
 from zoo.checkpoints.writer import StoredSection
 from zoo.errors import UserError
-from zoo.lora.adapters import LoraConfig, lora_delta, lora_scale, lora_specs, target_modules
+from zoo.lora.params import LoraConfig, lora_delta, lora_scale, lora_specs, target_modules
 from zoo.model.config import ModelConfig
 from zoo.model.params import ParamSpec, nest
 from zoo.model.sharding import make_mesh, named_sharding
@@ -291,7 +291,7 @@ class MergedParamReader:
 
 
 class WholeWeightReader:
-    """A weight an adapter checkpoint stores whole (a LoRA reward model's score head, :func:`zoo.lora.adapters.whole_weights`),
+    """A weight an adapter checkpoint stores whole (a LoRA reward model's score head, :func:`zoo.lora.params.whole_weights`),
     read as the merged model has it: in the dtype of model.json's parameter table (the :class:`zoo.checkpoints.readers.
     ParamReader` interface). It is small ([hidden, num_labels]): read whole."""
 

@@ -30,7 +30,7 @@ from zoo.checkpoints.adapter import (
 )
 from zoo.checkpoints.format import read_config, read_meta
 from zoo.checkpoints.readers import ParamReader, load_stored_params
-from zoo.lora.adapters import merge_lora, whole_weights
+from zoo.lora.params import merge_lora, whole_weights
 from zoo.model import quant
 from zoo.model.config import ModelConfig
 from zoo.model.decoder import Decoder
@@ -78,7 +78,7 @@ def param_reader(ckpt: str | os.PathLike, path: str
     if quant_checkpoint.is_quantized(meta):
         return quant_checkpoint.DequantizedParamReader(ckpt, meta, path)
     if is_adapter(meta):
-        if path in meta["lora"]["params"]:  # trained whole beside the adapters (zoo.lora.adapters.whole_weights)
+        if path in meta["lora"]["params"]:  # trained whole beside the adapters (zoo.lora.params.whole_weights)
             return WholeWeightReader(ckpt, meta, path)
         return MergedParamReader(ckpt, meta, path, param_reader(base_checkpoint(ckpt, meta), path))
     return ParamReader(ckpt, path)

@@ -1,4 +1,5 @@
-"""LoRA: adapter parameter trees (adapters.py) and the adapted projections beside the base matmuls."""
+"""LoRA: the adapters' parameter trees (params.py), the adapted projections beside the base matmuls (projections.py) and
+the weights a forward pass computes with as one value (weights.py)."""
 
 from zoo import submodules
 

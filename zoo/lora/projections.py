@@ -5,7 +5,7 @@ It always runs beside the base matmul, never merged into W (a merged
 weight's gradient would cost a full weight gradient), and where it can its
 A matmul joins the base weights' fused norm + projection (:mod:`zoo.layers.blocks`),
 so LoRA keeps no extra normed copy of x. The adapter trees themselves
-(specs, init, merge) live in :mod:`zoo.lora.adapters`.
+(specs, init, merge) live in :mod:`zoo.lora.params`.
 """
 
 from __future__ import annotations

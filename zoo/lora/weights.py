@@ -32,7 +32,7 @@ def _static(v: Any) -> bool:
 @jax.tree_util.register_pytree_node_class
 @dataclass(frozen=True)
 class Weights:
-    """``base`` (the model's params), LoRA ``adapters`` (keyed like ``base``, see :func:`zoo.lora.adapters.init_lora`;
+    """``base`` (the model's params), LoRA ``adapters`` (keyed like ``base``, see :func:`zoo.lora.params.init_lora`;
     None: the base alone) adding ``scale * (dropout(x) @ A) @ B`` to each adapted projection, and LoRA dropout:
     ``dropout`` the rate, ``rng`` the key (None: no dropout, as in evaluation)."""
 
@@ -44,7 +44,7 @@ class Weights:
 
     def __post_init__(self) -> None:
         if self.adapters is not None and self.scale is None:
-            raise ValueError("LoRA adapters need a scale (zoo.lora.adapters.lora_scale(lora_cfg))")
+            raise ValueError("LoRA adapters need a scale (zoo.lora.params.lora_scale(lora_cfg))")
 
     @classmethod
     def of(cls, trained: Any, frozen: Any, scale: float | jax.Array | None, dropout: float | jax.Array = 0.0,

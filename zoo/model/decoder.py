@@ -166,8 +166,8 @@ def forward(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax.Arra
 
     ``params`` is the base alone, or :class:`zoo.lora.weights.Weights`: the
     base with LoRA adapters (a tree keyed like the base, see
-    :func:`zoo.lora.adapters.init_lora`), each adapted projection adding
-    ``scale * (x @ A) @ B`` (the scale from :func:`zoo.lora.adapters.lora_scale`)
+    :func:`zoo.lora.params.init_lora`), each adapted projection adding
+    ``scale * (x @ A) @ B`` (the scale from :func:`zoo.lora.params.lora_scale`)
     beside its base matmul. The adapters are scanned with their layers.
 
     The weights' dropout rate (a Python float, so static under jit) with their
@@ -239,7 +239,7 @@ def _training_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Arra
         kcfg = kind_config(cfg, kind)
 
         def attend(x: jax.Array) -> tuple[jax.Array, Any]:
-            if cfg.mla:  # MLA has no adapters (zoo.lora.adapters)
+            if cfg.mla:  # MLA has no adapters (zoo.lora.params)
                 return mla_attention(norm(cfg, x, p["attn_norm"]), p, *ropes[kind], seen[kind], cfg), None
             # Without pre-norms (OLMo 2/3) attention reads x itself; a NoPE layer's q and k are not rotated.
             cos, sin = layer_rope(ropes[kind], rope_on)
