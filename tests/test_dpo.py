@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from typing import Any
 
 import jax
 import numpy as np
@@ -357,17 +358,18 @@ def test_shared_prompt_rows_score_each_answer_as_its_own_sequence(setup, lora):
     from prefs.pairs import CHOSEN, REJECTED, normalize_pair, pair_document, tokenize_pair
     from zoo.data.batching import padded, to_model_batch
     from zoo.lora.params import LoraConfig, init_lora, lora_scale
+    from zoo.lora.weights import Weights
     from zoo.model.logps import batch_logps
 
     root, tok, _ = setup
     cfg = zoo.read_config(root / "policy")
     params = zoo.load_params(root / "policy")
-    kw = {}
+    weights: Any = params
     if lora:
         lc = LoraConfig(rank=4)
         ad = init_lora(cfg, lc, jax.random.key(0))
-        kw = {"lora": jax.tree.map(lambda a: a + 0.1 * jax.random.normal(jax.random.key(1), a.shape), ad),
-              "lora_scale": lora_scale(lc)}
+        weights = Weights(params, jax.tree.map(lambda a: a + 0.1 * jax.random.normal(jax.random.key(1), a.shape),
+                                               ad), lora_scale(lc))
     pairs = [tokenize_pair(normalize_pair(r), tok) for r in dpo_pairs(3) + [
         {"prompt": "a longer prompt with several words in it:", "chosen": " yes", "rejected": " no, not at all"}]]
     sums = {}
@@ -375,7 +377,7 @@ def test_shared_prompt_rows_score_each_answer_as_its_own_sequence(setup, lora):
         docs = [padded(pair_document(t, shared), 64) for t in pairs]  # both layouts of every pair whole
         b = to_model_batch({k: np.stack([d[k] for d in docs]) for k in docs[0]})
         assert ("prefix_ids" in b) == shared
-        logp, _, _ = batch_logps(cfg, params, {k: jnp.asarray(v) for k, v in b.items()}, **kw)
+        logp, _, _ = batch_logps(cfg, weights, {k: jnp.asarray(v) for k, v in b.items()})
         w, seg = b["weights"], b["segment_ids"]
         sums[shared] = [np.asarray(logp * w * (seg == s)).sum(-1) for s in (CHOSEN, REJECTED)]
         counts = [(w * (seg == s)).sum(-1) for s in (CHOSEN, REJECTED)]

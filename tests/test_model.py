@@ -172,6 +172,7 @@ def test_chunked_mlp_equals_one_pass_and_shrinks_the_backward(monkeypatch, lora)
     gradients) on CPU."""
     from zoo.layers import mlp as zoo_mlp
     from zoo.lora.params import LoraConfig, init_lora, lora_scale
+    from zoo.lora.weights import Weights
 
     cfg = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=512, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=8)
@@ -183,8 +184,8 @@ def test_chunked_mlp_equals_one_pass_and_shrinks_the_backward(monkeypatch, lora)
 
     def compiled():
         def loss(p, ad):
-            kw = {"lora": ad, "lora_scale": lora_scale(lc)} if lora else {}
-            logp = jax.nn.log_softmax(forward(cfg, p, tokens, remat="full", **kw))
+            w = Weights(p, ad, lora_scale(lc)) if lora else p
+            logp = jax.nn.log_softmax(forward(cfg, w, tokens, remat="full"))
             return -jnp.take_along_axis(logp[:, :-1], tokens[:, 1:, None], -1).mean()
 
         fn = jax.jit(jax.value_and_grad(loss, argnums=1 if lora else 0))

@@ -350,7 +350,8 @@ def test_qlora_sft_trains_resumes_and_merges_into_the_dequantized_base(setup, tm
     from zoo.checkpoints.adapter import load_adapters, lora_config
     from zoo.lora.params import lora_scale
     from zoo.lora.weights import Weights
-    from zoo.model.decoder import forward, quant
+    from zoo.model import quant
+    from zoo.model.decoder import forward
     from zoo.model.params import flatten, nest
 
     root, _ = setup
