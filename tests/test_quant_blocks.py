@@ -31,8 +31,8 @@ MODELS = {
 }
 # The Hugging Face tensors of the projections QLoRA quantizes (zoo.model.quant.PROJECTIONS): attention, MLP,
 # shared and routed experts (a Linear per expert, or a fused [experts, out, in] stack).
-PROJECTION = re.compile(r"\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.|shared_experts\.)?(gate|up|down)_proj)\.weight$"
-                        r"|\.experts\.(gate_up|down)_proj$")
+PROJECTION = re.compile(r"\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.|shared_experts\.)?(gate|up|down)_proj)"
+                        r"\.weight$|\.experts\.(gate_up|down)_proj$")
 
 
 @pytest.fixture(scope="module")
@@ -75,18 +75,26 @@ def _hf_matrices(family: str, path: str, lead: tuple[int, ...]) -> list[tuple[tu
     return out
 
 
-def test_the_models_hold_every_projection_kind(quantized):
-    import zoo
+def test_the_models_hold_every_projection_kind():
+    import transformers
 
-    kinds = {path.rpartition(".")[2] for root, _ in quantized.values()
-             for path in quant.quantized_paths(zoo.read_config(root / "q"))}
+    from tests.hf_models import BASE, FAMILIES
+    from zoo.model.from_hf import model_config_from_hf
+
+    kinds = set()
+    for family, extra in MODELS.items():
+        config_class, _, defaults = FAMILIES[family]
+        hf = getattr(transformers, config_class)(**{**BASE, **defaults, **SHAPES, **extra})
+        kinds |= {path.rpartition(".")[2] for path in quant.quantized_paths(model_config_from_hf(hf.to_dict()))}
     assert kinds == set(quant.PROJECTIONS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(MODELS))
 def test_every_projection_is_stored_and_dequantized_as_bitsandbytes_does(quantized, family):
-    """Each matrix of each projection a QLoRA base stores (`zoo quantize`; the same fields a run quantizing at load
-    makes) holds bitsandbytes' packed codes and absmax of the Hugging Face [out, in] tensor, and dequantizes (as
+    """Slow (slow lane: the shared fixture converts and quantizes two models, 30 s on a loaded machine; then 15 s
+    each). Each matrix of each projection a QLoRA base stores (`zoo quantize`; the same fields a run quantizing at
+    load makes) holds bitsandbytes' packed codes and absmax of the Hugging Face [out, in] tensor, and dequantizes (as
     the layers and `zoo export` do) to bitsandbytes' values bit for bit. A fused expert stack is quantized per
     expert, the [out, in] matrix a Linear per expert holds (transformers' bitsandbytes integration quantizes
     nn.Linear only: it leaves a fused stack float)."""
@@ -98,7 +106,7 @@ def test_every_projection_is_stored_and_dequantized_as_bitsandbytes_does(quantiz
     meta = read_meta(root / "q")
     seen = set()
     straddling = 0
-    for path, (lead, _) in quant.quantized_paths(zoo.read_config(root / "q")).items():
+    for path in quant.quantized_paths(zoo.read_config(root / "q")):
         qw = load_quantized(root / "q", meta, path)
         values = np.asarray(quant.dequantize(qw))
         for index, name, x in _hf_matrices(family, path, qw.lead):
@@ -110,15 +118,17 @@ def test_every_projection_is_stored_and_dequantized_as_bitsandbytes_does(quantiz
             np.testing.assert_array_equal(got, want, err_msg=f"{path} {index}")
             seen.add(name)
             straddling += w.shape[1] % 64 != 0 and w.shape[1] % 16 == 0
-    assert seen == {k for k in hf if PROJECTION.search(k)}  # every HF projection, each once
+    assert seen == {k for k in hf if PROJECTION.search(k)}  # every HF projection tensor
     assert straddling  # rows of a multiple of 16 that blocks straddle (where bitsandbytes' CPU kernel departs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(MODELS))
 def test_qlora_logits_equal_transformers_on_bitsandbytes_weights(quantized, family, tmp_path):
-    """The forward a QLoRA run takes (its base the stored fields, dequantized per layer inside the scan) gives
-    transformers' logits for the same checkpoint with each projection replaced by bitsandbytes' NF4 round trip
-    (transformers' own 4-bit Linear on this CPU runs bitsandbytes' AVX-512 kernel: see tests/quant_fixtures.py)."""
+    """Slow (slow lane: the shared fixture, then a forward's compilation, 10-15 s each). The forward a QLoRA run
+    takes (its base the stored fields, dequantized per layer inside the scan) gives transformers' logits for the
+    same checkpoint with each projection replaced by bitsandbytes' NF4 round trip (not transformers' own 4-bit
+    Linear: on a CPU with AVX-512 it runs the kernel tests/quant_fixtures.bnb_nf4 describes)."""
     import shutil
 
     import jax
