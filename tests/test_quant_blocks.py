@@ -1,7 +1,7 @@
 """NF4 as bitsandbytes blocks it, on widths whose 64-value blocks straddle rows: every projection kind of a QLoRA
-base (`zoo quantize`, then read back as `zoo export` and a QLoRA run read it) dequantizes bit for bit to
-bitsandbytes' ``quantize_4bit`` -> ``dequantize_4bit`` of the Hugging Face ``[out, in]`` tensor, and the quantized
-model's logits are transformers' on those weights."""
+base (`zoo quantize`) stores bitsandbytes' codes and absmax of the Hugging Face ``[out, in]`` tensor and
+dequantizes bit for bit to its ``quantize_4bit`` -> ``dequantize_4bit`` values, and the QLoRA forward's logits are
+transformers' on those weights."""
 
 from __future__ import annotations
 
