@@ -23,6 +23,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from chat.formats import BadRow
+from chat.training_templates import COVERED
 from grpo.tool_calls import ParsedTurn, ToolCall
 from grpo.tools import run_call
 from zoo.errors import UserError
@@ -170,6 +172,11 @@ def run_episodes(decoder: TurnDecoder, prompts: list[list[int]], width: int, too
     return episodes
 
 
+# What a run whose template cannot serve tool episodes can do (chat/training_templates.py swaps the families it knows).
+_FIX = (f"lmzoo trains under its own prefix-preserving template only for {COVERED}'s original templates, so set "
+        "data.chat_template to a Jinja chat template that renders earlier turns the same whatever follows them")
+
+
 def tool_suffix(tokenizer: Any, render: Callable[[list[dict[str, Any]], bool], str],
                 eos_ids: tuple[int, ...]) -> Callable[[dict[str, Any], list[dict[str, Any]]], list[int]]:
     """The ids that follow an assistant turn with tool calls: its tools' messages and the next generation prompt,
@@ -186,14 +193,17 @@ def tool_suffix(tokenizer: Any, render: Callable[[list[dict[str, Any]], bool], s
             for m in tool_messages]
         dummy: list[dict[str, Any]] = [{"role": "user", "content": "dummy"},
                                        {"role": "assistant", "content": "", "tool_calls": calls}]
-        prefix, full = ids(render(dummy, False)), ids(render(dummy + tool_messages, True))
+        try:
+            prefix, full = ids(render(dummy, False)), ids(render(dummy + tool_messages, True))
+        except BadRow as bad:  # e.g. Gemma's templates: roles must alternate user/assistant, no tool role
+            raise UserError(f"the chat template cannot render a tool's answer after the assistant's call ({bad}); "
+                            f"{_FIX}") from None
         ends = [i for i, t in enumerate(prefix) if t in eos_ids]
         if ends:
             prefix = prefix[:ends[-1] + 1]
         if full[:len(prefix)] != prefix:
             raise UserError("the chat template does not render a tool's answer after the assistant's turn as a "
-                            "continuation of it (the conversation's tokens change); use a template that does, "
-                            "e.g. set data.chat_template")
+                            f"continuation of it (the conversation's tokens change); {_FIX}")
         return full[len(prefix):]
 
     return suffix
