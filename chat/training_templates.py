@@ -73,7 +73,8 @@ def tool_turns_problem(tokenizer: Any, template: ChatTemplate, source: str) -> s
 
     def preserving(arguments: Any) -> bool:
         call = [{"type": "function", "function": {"name": "dummy", "arguments": arguments}}]
-        said = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": call}]
+        said: list[dict[str, Any]] = [{"role": "user", "content": "dummy"},
+                                      {"role": "assistant", "content": "", "tool_calls": call}]
         first, second = ids(said, False), ids(said + [{"role": "tool", "name": "dummy", "content": "dummy"}], True)
         return second[:len(first)] == first
 
