@@ -4,7 +4,8 @@ An episode starts from a rendered prompt. Each turn the policy decodes (:class:`
 :class:`eval.turns.CachedTurns`) until its end-of-turn token; the turn's text is read for tool calls by the
 template family's parser (:mod:`grpo.tool_calls`); each call runs (:func:`grpo.tools.run_call`) and its answer
 becomes a ``tool`` message. The tokens that follow the turn (the answers and the next generation prompt) are the
-chat template's own rendering of those messages, found as TRL 1.16 finds them (``_get_tool_suffix_ids``): a
+chat template's own rendering of those messages (a family's training template where its own re-renders earlier
+turns: chat/training_templates.py), found as TRL 1.16 finds them (``_get_tool_suffix_ids``): a
 conversation rendered with and without them, cut at the end-of-turn token. They join the episode as tokens the
 policy did not choose: they are masked out of the loss, the log-probabilities and the KL (TRL's ``tool_mask``).
 
@@ -173,8 +174,8 @@ def run_episodes(decoder: TurnDecoder, prompts: list[list[int]], width: int, too
 
 
 # What a run whose template cannot serve tool episodes can do (chat/training_templates.py swaps the families it knows).
-_FIX = (f"lmzoo trains under its own prefix-preserving template only for {COVERED}'s original templates, so set "
-        "data.chat_template to a Jinja chat template that renders earlier turns the same whatever follows them")
+_FIX = ("set data.chat_template to a Jinja chat template that renders earlier turns the same whatever follows them "
+        f"(lmzoo swaps in a prefix-preserving training template only for these families' own templates: {COVERED})")
 
 
 def tool_suffix(tokenizer: Any, render: Callable[[list[dict[str, Any]], bool], str],
@@ -196,7 +197,8 @@ def tool_suffix(tokenizer: Any, render: Callable[[list[dict[str, Any]], bool], s
         try:
             prefix, full = ids(render(dummy, False)), ids(render(dummy + tool_messages, True))
         except BadRow as bad:  # e.g. Gemma's templates: roles must alternate user/assistant, no tool role
-            raise UserError(f"the chat template cannot render a tool's answer after the assistant's call ({bad}); "
+            why = " ".join(str(bad).split()).removeprefix("the chat template cannot render it ")  # render's words
+            raise UserError(f"the chat template cannot render a tool's answer after the assistant's call: {why}; "
                             f"{_FIX}") from None
         ends = [i for i, t in enumerate(prefix) if t in eos_ids]
         if ends:
