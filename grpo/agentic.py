@@ -24,10 +24,11 @@ import numpy as np
 
 from chat.formats import BadRow
 from chat.templates import ChatTemplate, render, template_text
+from chat.training_templates import for_tools
 from eval.generate import Sampler
 from eval.turns import CachedTurns
 from grpo.config import GRPOConfig
-from grpo.episodes import Episode, EpisodeSettings, run_episodes, tool_suffix
+from grpo.episodes import Episode, EpisodeSettings, call_id, run_episodes, tool_suffix
 from grpo.tool_calls import Parser, parser_for
 from grpo.tools import Environments
 from zoo.errors import UserError
@@ -104,10 +105,17 @@ class Agent:
 
     def prepare(self, tokenizer: Any, template: ChatTemplate, mcfg: ModelConfig, eos_ids: tuple[int, ...],
                 sampler: Sampler, compute: Any) -> None:
-        """The parser and the tools' suffix for this tokenizer and template (one-line errors before step 1)."""
+        """The template the episodes train under (a family's training template where its own re-renders earlier
+        turns, as TRL swaps: chat/training_templates.py; one log line names it), the parser and the tools' suffix
+        for this tokenizer (one-line errors before step 1: the suffix is tried on a call)."""
+        template, line = for_tools(tokenizer, template)
+        print(line, flush=True)
         source = template_text(tokenizer, template)
         parser = parser_for(self.g.tool_parser, source)
         suffix = tool_suffix(tokenizer, lambda msgs, gen: render(tokenizer, msgs, template, source, gen), eos_ids)
+        suffix({"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "id": call_id(1), "function": {"name": "dummy", "arguments": {}}}]},
+            [{"role": "tool", "name": "dummy", "content": "dummy", "tool_call_id": call_id(1)}])
         self.ready = Prepared(tokenizer, template, source, mcfg, sampler, compute, eos_ids, parser, suffix)
 
     def _ready(self) -> Prepared:

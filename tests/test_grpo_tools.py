@@ -428,6 +428,43 @@ def test_grpo_train_with_tools_masks_the_answers_and_logs_whole_episodes(eager, 
         assert "<tool_response>\n5\n</tool_response>" in r["completion"]
 
 
+
+@pytest.mark.slow
+def test_grpo_train_with_tools_under_qwen3s_own_template_trains_under_its_training_template(eager, tmp_path,
+                                                                                            capsys):
+    """Issue 60 item 14: a tokenizer carrying Qwen3's own template (TRL's copy, trl/chat_templates/qwen3.jinja),
+    which re-renders the turn before a tool's answer, and no data.chat_template: `grpo train` with tools runs
+    under lmzoo's Qwen3 training template (as TRL's GRPOTrainer swaps in its own), says so in one log line, and
+    its episodes hold the tools' answers as Qwen3 renders them. Slow: a GRPO run's compile."""
+    import trl
+    from transformers import AutoTokenizer
+
+    from grpo.config import GRPOConfig
+    from grpo.task import GRPOTask
+    from pretrain.config import load_config
+    from pretrain.loop import train
+    from tests.run_files import read_metrics, write_jsonl
+
+    root, tok_dir = eager
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    tok.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen3.jinja").read_text(encoding="utf-8")
+    tok.save_pretrained(tmp_path / "tok")
+    write_jsonl(tmp_path / "p.jsonl", [{"prompt": [{"role": "user", "content": "2 + 3?"}]}])
+    cfg = load_config(None, [f"model.path={root / 'zoo'}", f"model.tokenizer={tmp_path / 'tok'}",
+                             f"data.path={tmp_path / 'p.jsonl'}", "data.seq_len=160", "batch_size=2",
+                             "grpo.num_generations=2", "grpo.max_completion_length=60", "max_steps=1",
+                             "grpo.log_completions_every=1", "log_every=1", "lora.rank=2",
+                             f"grpo.tools=[{root / 'tools.py'}:add]", f"grpo.tool_parser={root / 'tools.py'}:always_add",
+                             "grpo.max_turns=2", f"grpo.rewards=[{root / 'tools.py'}:one]",
+                             f"output_dir={tmp_path / 'run'}"], GRPOConfig)
+    train(cfg, task=GRPOTask(cfg), progress=False)
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("chat template: ")]
+    assert len(lines) == 1 and "lmzoo's Qwen3 training template (chat/jinja/qwen3_training.jinja)" in lines[0]
+    m = read_metrics(tmp_path / "run")[0]
+    assert (m["num_turns"], m["tool_calls"]) == (2.0, 2.0)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all("<tool_response>\n5\n</tool_response>" in r["completion"] for r in rows)
+
 @pytest.mark.slow
 def test_grpo_train_with_an_environment_resets_scores_and_counts(eager, tmp_path):
     """grpo.environment: one Counter per rollout, reset from its row (its text appended to the user's
