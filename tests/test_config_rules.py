@@ -143,7 +143,7 @@ def test_grpo_with_an_eval_set_and_eval_every_0_trains_without_evaluating(tiny_l
     """The run itself: data.eval_path and eval_every=0 train, and no step logs a held-out metric."""
     from tests.run_files import read_metrics
 
-    rows = [{"prompt": w} for w in ("red cat", "blue dog", "big mat", "small log")]
+    rows = [{"prompt": w, "answer": "1"} for w in ("red cat", "blue dog", "big mat", "small log")]
     data, held = write_jsonl(tmp_path / "p.jsonl", rows), write_jsonl(tmp_path / "held.jsonl", rows[:2])
     args = ["train", f"model.path={tiny_lm / 'zoo'}", f"model.tokenizer={tiny_lm / 'tok'}", f"data.path={data}",
             f"data.eval_path={held}", "eval_every=0", "data.seq_len=8", "batch_size=4", "grpo.num_generations=2",
