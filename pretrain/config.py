@@ -298,7 +298,7 @@ class TrainConfig:
             raise UserError("config needs `model` (a zoo checkpoint path or registry name), or `model.init: random`")
         if self.model.init == "random" and not (self.model.config and self.model.tokenizer):
             raise UserError("`model.init: random` needs `model.config` (a tiny registry entry or a config.json) "
-                            "and `model.tokenizer` (a tokenizer folder)")
+                            "and `model.tokenizer` (a tokenizer folder or a zoo checkpoint)")
         self.data.check()
         if self.max_steps is None and self.epochs is None:
             raise UserError("config needs `max_steps` or `epochs`")

@@ -329,14 +329,14 @@ def _placeholders(why: str) -> str:
     return re.sub(r"\{cfg\.([\w.]+)\}", r"<\1>", why)
 
 
-def _unread_table(rules: Sequence[Unread], heading: str) -> list[str]:
-    """The keys read only under a condition (a schema's ``UNREAD`` rules): each key and the error's reason, the
+def _unread_list(rules: Sequence[Unread], heading: str) -> list[str]:
+    """The keys read only under a condition (a schema's ``UNREAD`` rules), each with its error's reason, the
     config values it names written ``<key>``."""
     if not rules:
         return []
-    rows = [f"| {code(r.key)} | {cell(_placeholders(r.why))} |" for r in rules]
-    return [f"{heading} Keys read only under a condition", "", "Set to other than its default where the run will not "
-            "read it, each is an error saying:", "", "| Key | Error |", "|---|---|", *rows, ""]
+    items = [f"- {code(r.key)} {cell(_placeholders(r.why))}" for r in rules]
+    return [f"{heading} Keys read only under a condition", "",
+            "Each, set to other than its default where the run will not read it, is an error:", "", *items, ""]
 
 
 def render_page(commands: Sequence[tuple[str, type[TrainConfig]]], command: str) -> str:
@@ -346,7 +346,7 @@ def render_page(commands: Sequence[tuple[str, type[TrainConfig]]], command: str)
     common = schema_keys(TrainConfig)
     out = [INTRO.format(command=command), "## Common keys", "",
            "Read by every command: " + ", ".join(f"`{name}`" for name, _ in commands) + ".", "",
-           *_grouped(common, TrainConfig, "###"), *_unread_table(TrainConfig.UNREAD, "###")]
+           *_grouped(common, TrainConfig, "###"), *_unread_list(TrainConfig.UNREAD, "###")]
     by_key = {k.key: k for k in common}
     for name, schema in commands:
         own = [k for k in schema_keys(schema) if by_key.get(k.key) != k]
@@ -354,8 +354,8 @@ def render_page(commands: Sequence[tuple[str, type[TrainConfig]]], command: str)
         out += [f"## {name}", "", f"{what} Schema: `{schema.__module__}.{schema.__qualname__}`.", ""]
         rules = [r for r in schema.UNREAD if r not in TrainConfig.UNREAD]
         if not own:
-            out += ["Only the [common keys](#common-keys).", "", *_unread_table(rules, "###")]
+            out += ["Only the [common keys](#common-keys).", "", *_unread_list(rules, "###")]
             continue
         out += ["The [common keys](#common-keys), and:", "", *_grouped(own, schema, "###"),
-                *_unread_table(rules, "###")]
+                *_unread_list(rules, "###")]
     return "\n".join(out).rstrip("\n") + "\n"
