@@ -8,9 +8,10 @@
 - the episodes run on one KV cache per rollout (:class:`eval.turns.CachedTurns`), turn after turn;
 - :class:`Episodes` holds the arrays the update lays out (prompt rows, the episode's tokens and the sampler's
   log-probabilities, and which tokens are the model's), the messages the rewards read (TRL's completions: the
-  assistant and tool messages), the metrics (``num_turns``, ``tool_calls``, ``tool_failures``, TRL's
-  ``tools/call_frequency`` and ``tools/failure_frequency``, and ``turns/clipped_ratio``: the share of turns cut
-  by the budget) and the completions log's records of whole episodes.
+  assistant and tool messages), the metrics (per episode ``num_turns``, ``tool_calls`` and ``tool_failures``;
+  TRL's ``tools/call_frequency``, calls per episode, and ``tools/failure_frequency``, failures per call; and
+  ``turns/clipped_ratio``: the share of turns cut by the budget) and the completions log's records of whole
+  episodes (each with its own counts).
 """
 
 from __future__ import annotations
@@ -66,13 +67,16 @@ class Episodes:
 
 
 def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
-    """Episodes' metrics (module docstring): turns, calls and failures, TRL's frequencies, turns cut short."""
+    """Episodes' metrics (module docstring), each a mean that the batch size does not scale: ``num_turns``,
+    ``tool_calls`` and ``tool_failures`` per episode (``tool_calls`` is TRL's ``tools/call_frequency``, logged
+    under both names), ``tools/failure_frequency`` per call (TRL's), ``turns/clipped_ratio`` per turn."""
+    n = len(episodes)
     calls = sum(e.tool_calls for e in episodes)
     failures = sum(e.tool_failures for e in episodes)
     turns = [t for e in episodes for t in e.turns]
     return {"num_turns": float(np.mean([len(e.turns) for e in episodes])),
-            "tool_calls": float(calls), "tool_failures": float(failures),
-            "tools/call_frequency": calls / len(episodes),
+            "tool_calls": calls / n, "tool_failures": failures / n,
+            "tools/call_frequency": calls / n,
             "tools/failure_frequency": failures / calls if calls else 0.0,
             "turns/clipped_ratio": float(np.mean([t.truncated for t in turns])) if turns else 0.0}
 
