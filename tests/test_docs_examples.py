@@ -47,7 +47,7 @@ def shell_commands(text: str) -> list[list[str]]:
     """The commands of a Markdown text's ```bash/```sh blocks, in order, each as its words: continuations joined,
     comments dropped, `&&`/`;`/`&` chains and loop bodies split into their commands."""
     out: list[list[str]] = []
-    for indent, body in SHELL_BLOCK.findall(text):
+    for _indent, body in SHELL_BLOCK.findall(text):
         for line in textwrap.dedent(body).replace("\\\n", " ").splitlines():
             lex = shlex.shlex(line, posix=True, punctuation_chars=True)
             lex.whitespace_split = True
