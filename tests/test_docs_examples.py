@@ -204,27 +204,28 @@ def _help(cli, argv: list[str], capsys) -> str:
     return " ".join(capsys.readouterr().out.split())  # argparse wraps lines: compare words
 
 
+# Each command: (its module, what its --help names, what `train --help` names besides).
 HELP = {
-    "dpo": (dpo.cli, ["DPO", "IPO", "SLiC", "SimPO", "RPO", "ORPO", "CPO", "KTO", "unpaired", "dpo.loss_type",
-                      "dpo.sft_weight", "dpo.reference", *DPO_LOSSES]),
-    "grpo": (grpo.cli, ["GRPO", "Dr. GRPO", "DAPO", "BNPO", "GSPO", "RLOO", "REINFORCE++", "grpo.loss_type",
-                        "grpo.advantage", "grpo.importance_sampling_level", "grpo.tools", "grpo.environment",
-                        "rm:", *GRPO_LOSSES, *ADVANTAGES, *IMPORTANCE_LEVELS]),
-    "sft": (sft.cli, ["SFT", "LoRA", "QLoRA", "GKD", "distill.teacher", "distill.lmbda", "distill.seq_kd",
-                      "lora.rank", "lora.base_quant", "sft inspect"]),
-    "reward": (rm.cli, ["Bradley-Terry", "rm.margin_field", "rm.center_rewards_coefficient", "rm:"]),
+    "dpo": (dpo.cli, ["DPO", "IPO", "SLiC", "SimPO", "RPO", "ORPO", "CPO", "KTO"],
+            ["unpaired", "dpo.loss_type", "dpo.sft_weight", "dpo.reference", *DPO_LOSSES]),
+    "grpo": (grpo.cli, ["GRPO", "Dr. GRPO", "DAPO", "BNPO", "GSPO", "RLOO", "REINFORCE++", "tools", "environments"],
+             ["grpo.loss_type", "grpo.advantage", "grpo.importance_sampling_level", "grpo.tools", "grpo.environment",
+              "rm:", *GRPO_LOSSES, *ADVANTAGES, *IMPORTANCE_LEVELS]),
+    "sft": (sft.cli, ["SFT", "LoRA", "QLoRA", "GKD"],
+            ["distill.teacher", "distill.lmbda", "distill.seq_kd", "lora.rank", "lora.base_quant", "sft inspect"]),
+    "reward": (rm.cli, ["Bradley-Terry", "LoRA"], ["rm.margin_field", "rm.center_rewards_coefficient", "rm:"]),
 }
 
 
 @pytest.mark.parametrize("command", sorted(HELP))
-def test_train_help_names_the_methods_and_their_keys(command, capsys):
-    """`<command> train --help` names each method its command runs and the config key (and value) that selects
-    it; the top-level --help names the methods too."""
-    cli, words = HELP[command]
-    text = _help(cli, ["train", "--help"], capsys)
-    assert [w for w in words if w not in text] == [], text
+def test_help_names_the_methods_and_their_keys(command, capsys):
+    """`<command> --help` names each method its command runs; `train --help` names them too, with the config key
+    (and value) that selects each."""
+    cli, methods, keys = HELP[command]
     top = _help(cli, ["--help"], capsys)
-    assert [w for w in words[:3] if w not in top] == [], top
+    assert [w for w in methods if w not in top] == [], top
+    text = _help(cli, ["train", "--help"], capsys)
+    assert [w for w in methods + keys if w not in text] == [], text
 
 
 def test_dpo_train_help_does_not_speak_of_pairs_only(capsys):
