@@ -228,6 +228,17 @@ def test_help_names_the_methods_and_their_keys(command, capsys):
     assert [w for w in methods + keys if w not in text] == [], text
 
 
+@pytest.mark.parametrize("page", ["README.md", "docs/index.md"])
+def test_the_command_tables_name_the_methods(page):
+    """The table of commands in README.md and docs/index.md: each training command's row names its methods."""
+    rows = {m[1]: m[2] for m in re.finditer(r"^\| `(\w+) train --config run.yaml` \| (.*) \|$", (ROOT / page).read_text(),
+                                            re.M)}
+    assert [w for w in HELP["sft"][1] if w not in rows["sft"]] == []
+    assert [w for w in HELP["dpo"][1] if w not in rows["dpo"]] == [] and "unpaired" in rows["dpo"]
+    assert [w for w in HELP["grpo"][1] if w not in rows["grpo"]] == []
+    assert "Bradley-Terry" in rows["reward"]
+
+
 def test_dpo_train_help_does_not_speak_of_pairs_only(capsys):
     text = _help(dpo.cli, ["train", "--help"], capsys)
     assert "pairs (prompt, chosen, rejected)" in text and "(prompt, completion, label)" in text
@@ -246,6 +257,7 @@ def test_the_readme_snippet_is_the_quickstarts():
     assert snippet(ROOT / "README.md") == snippet(QUICKSTART)
 
 
+@pytest.mark.slow  # three small compilations: about 8 s on 2 busy cores
 def test_the_quickstart_snippet_runs_on_its_own_checkpoint(tiny_lm, tmp_path, capsys):
     """The snippet loads the checkpoint the page converts, defines everything it uses, and runs (on the tiny
     model, its path put in place of the page's); its packed row's second document scores as it does alone."""
@@ -257,12 +269,11 @@ def test_the_quickstart_snippet_runs_on_its_own_checkpoint(tiny_lm, tmp_path, ca
     assert f'"{MADE_BY_QUICKSTART}"' in code and MADE_BY_QUICKSTART in _quickstart_made()
     ckpt = tmp_path / "zoo"
     shutil.copytree(tiny_lm / "zoo", ckpt)
-    if not (ckpt / "tokenizer").is_dir():  # the tiny model's tokenizer beside it, as a converted checkpoint has it
-        shutil.copytree(tiny_lm / "tok", ckpt / "tokenizer")
+    shutil.copytree(tiny_lm / "tok", ckpt / "tokenizer", dirs_exist_ok=True)  # its tokenizer, as a conversion keeps it
     scope: dict = {}
     exec(compile(code.replace(MADE_BY_QUICKSTART, str(ckpt)), "quickstart.md", "exec"), scope)
     assert capsys.readouterr().out.strip()
     model, a, b = scope["model"], scope["a"], scope["b"]
     assert scope["logits"].shape == (1, len(a), model.cfg.vocab_size)
-    alone = np.asarray(model(jnp.array([b], jnp.int32))[0])
+    alone = np.asarray(model(jnp.array([b], jnp.int32))[0])  # computed here, not read from the snippet
     np.testing.assert_allclose(np.asarray(scope["packed"])[0, len(a):], alone, atol=1e-4)
