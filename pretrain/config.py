@@ -28,7 +28,7 @@ from typing import Any, ClassVar, cast
 
 import yaml
 
-from pretrain.config_overrides import set_override
+from pretrain.config_overrides import remove_override, set_override
 from pretrain.config_unread import Unread, check_unread, keys_unread
 from pretrain.config_values import check_field, coerce, field_type, schema_keys
 from zoo.errors import UserError
@@ -340,7 +340,7 @@ def _build(cls: type, data: dict[str, Any], prefix: str = "", root: type | None 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = (),
                 schema: type[TrainConfig] | None = None) -> TrainConfig:
-    """Read a YAML config (safely) and apply `key.sub=value` overrides, as ``schema`` (a task's ``config_class``;
+    """Read a YAML config (safely) and apply `key.sub=value` (and `~key.sub` removal) overrides, as ``schema`` (a task's ``config_class``;
     default :class:`TrainConfig`, pretraining's) says."""
     tree: dict[str, Any] = {}
     if path is not None:
@@ -354,8 +354,11 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (),
         if not isinstance(tree, dict):
             raise UserError(f"--config {path} must hold a mapping of config keys")
     for item in overrides:
+        if item.startswith("~") and "=" not in item:  # Hydra's removal: `~lora` trains the file's run in full
+            remove_override(tree, item[1:].strip())
+            continue
         if "=" not in item:
-            raise UserError(f"override {item!r}: write it as key.sub=value")
+            raise UserError(f"override {item!r}: write it as key.sub=value, or ~key.sub to remove a key")
         key, raw = item.split("=", 1)
         try:
             value = yaml.safe_load(raw) if raw else ""

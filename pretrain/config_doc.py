@@ -303,8 +303,9 @@ INTRO = """\
 
 Every key a `train` command reads. Set keys in the YAML file given with `--config`, nested by section
 (`grpo:` then `num_generations: 4`), or on the command line as `key.sub=value` overrides
-(`grpo.num_generations=4`), which win over the file. `<command> train --config run.yaml --print-config`
-prints the fully resolved config, defaults included, and exits.
+(`grpo.num_generations=4`), which win over the file; `'~key.sub'` (quoted: the shell expands `~`) removes a
+key or a whole section the file sets (`'~lora'` trains a LoRA config's run in full).
+`<command> train --config run.yaml --print-config` prints the fully resolved config, defaults included, and exits.
 
 - **Type**: `or null` means the key may be left unset (`null`, or not written).
 - **Choices**: the values the key accepts; any other is an error naming them.

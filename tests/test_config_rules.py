@@ -128,6 +128,18 @@ def test_print_config_reads_back(tmp_path, capsys, command):
     assert capsys.readouterr().out == shown
 
 
+def test_a_removal_override_trains_a_lora_file_in_full_and_names_what_it_cannot_remove(tmp_path, capsys):
+    """``'~lora'`` drops the file's LoRA section (its alpha with it), where ``lora.rank=0`` leaves the alpha the
+    run would not read; removing a key the file does not set is a one-line error."""
+    (tmp_path / "lora.yaml").write_text("lora:\n  rank: 16\n  alpha: 32\n")
+    args = ["--config", str(tmp_path / "lora.yaml"), *BASE]
+    assert "lora.alpha" in _one_line_error(capsys, "sft", [*args, "lora.rank=0"], tmp_path / "run")
+    assert _cli("sft")(["train", *args, "~lora", "--print-config"]) == 0
+    shown = capsys.readouterr().out
+    assert "rank: 0" in shown and "alpha: 16.0" in shown, shown
+    assert "~lora.dropout" in _one_line_error(capsys, "sft", [*args, "~lora.dropout"], tmp_path / "run")
+
+
 # ---- item 4: eval_every=0 turns GRPO's evaluation off -----------------------------------------------------------
 
 def test_grpo_eval_every_0_with_an_eval_set_reads_as_sft_and_dpo_do(capsys):
