@@ -18,7 +18,7 @@ from tests.processes import devices_env
 from tests.program_checks import saved_residuals
 from zoo.errors import UserError
 from zoo.lora.params import LoraConfig, lora_scale, lora_specs, merge_lora
-from zoo.lora.weights import Weights
+from zoo.lora.weights import LoraRun, Weights
 from zoo.model.config import ModelConfig
 from zoo.model.decoder import forward
 from zoo.model.params import flatten, nest, param_specs
@@ -388,8 +388,7 @@ def test_train_step_dropout_depends_on_seed_step_and_micro_batch_only():
     two = TokenBatch.of({k: jnp.asarray(np.stack([v, v])) for k, v in mb.items()})  # the same micro-batch twice
 
     def steps(rate: float, seed: int = 0):
-        return make_step(cfg, tx, jnp.float32, "none", None, None, None, lora_scale(lc), None,
-                         lora_dropout=rate, seed=seed)
+        return make_step(cfg, tx, jnp.float32, "none", None, None, None, LoraRun(lora_scale(lc), rate, seed))
 
     def state(step_number: int = 0) -> dict:  # a fresh one each time: the step donates it
         st = init_state(tx, jax.tree.map(jnp.copy, lora), mesh)
