@@ -198,6 +198,23 @@ def test_bad_targets_are_user_errors():
         forward(cfg, Weights(lora_base_params(cfg), random_lora(cfg, LoraConfig(rank=4))), LORA_TOKENS)
 
 
+def test_a_runs_weights_are_made_from_its_lora_settings_once():
+    """LoraRun.of: a run's LoRA settings as the step needs them (scale, dropout rate, the seed its masks come
+    from; None: full fine-tuning). Weights.of joins the trained params to the frozen base with them, with LoRA
+    dropout only where a key is given (the train step), none for rollouts and evaluation."""
+    run = LoraRun.of(LoraConfig(rank=4, alpha=8.0, dropout=0.25, rslora=True), seed=7)
+    assert run == LoraRun(4.0, 0.25, 7) and run.dropout_seed == 7
+    assert LoraRun.of(None, 7) is None and LoraRun(4.0, 0.0, 7).dropout_seed is None
+    base, adapters, key = {"w": jnp.ones(2)}, {"a": jnp.zeros(2)}, jax.random.key(0)
+    whole = Weights.of(base, None, None, key)
+    assert whole.base is base and whole.adapters is None and whole.trained is base and whole.rng is None
+    trained = Weights.of(adapters, base, run, key)
+    assert trained.base is base and trained.trained is adapters and trained.rng is key
+    assert (trained.scale, trained.dropout) == (4.0, 0.25)
+    sampled = Weights.of(adapters, base, run)
+    assert sampled.trained is adapters and (sampled.scale, sampled.dropout, sampled.rng) == (4.0, 0.0, None)
+
+
 MESH_SCRIPT = r"""
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
