@@ -137,7 +137,8 @@ def run_jax(ckpt: str, batch: int, seq: int, steps: int, rank: int | None, alpha
     from pretrain.batch import TokenBatch
     from pretrain.jit_step import init_state, make_step
     from pretrain.setup import adapter_init
-    from zoo.lora.params import LoraConfig, lora_scale
+    from zoo.lora.params import LoraConfig
+    from zoo.lora.weights import LoraRun
     from zoo.model.sharding import make_mesh
 
     cfg = zoo.read_config(ckpt)
@@ -164,12 +165,12 @@ def run_jax(ckpt: str, batch: int, seq: int, steps: int, rank: int | None, alpha
         lora_cfg = LoraConfig(rank=rank, alpha=alpha, targets=list(TARGETS))
         frozen = params
         trainable = adapter_init(cfg, lora_cfg, 0, mesh)({})
-        scale = lora_scale(lora_cfg)
+        lora_run = LoraRun.of(lora_cfg)
     else:
-        frozen, trainable, scale = None, params, None
+        frozen, trainable, lora_run = None, params, None
     state = init_state(tx, trainable, mesh)
     step, _ = make_step(cfg, tx, jax.numpy.dtype(compute), remat, jax.tree.map(lambda x: x.sharding, state), batch_sharding,
-                        None, scale, jax.tree.map(lambda x: x.sharding, frozen))
+                        None, lora_run, jax.tree.map(lambda x: x.sharding, frozen))
     n_trainable = sum(int(x.size) for x in jax.tree.leaves(trainable))
     weights_bytes = _nbytes(frozen if rank else trainable)
     state_bytes = _nbytes(state) - (0 if rank else weights_bytes)  # adapters (if any) + optimizer state

@@ -58,7 +58,8 @@ def run(args: argparse.Namespace) -> dict:
     from pretrain.flops import KNOWN_PEAK_TFLOPS, flops_per_token
     from pretrain.jit_step import init_state, make_step
     from zoo.kernels.choice import kernel_for
-    from zoo.lora.params import LoraConfig, init_lora, lora_scale, lora_specs
+    from zoo.lora.params import LoraConfig, init_lora, lora_specs
+    from zoo.lora.weights import LoraRun
     from zoo.model.from_hf import model_config_from_hf
     from zoo.model.params import init_params, nest, param_specs
     from zoo.model.sharding import make_mesh, named_sharding
@@ -81,7 +82,7 @@ def run(args: argparse.Namespace) -> dict:
     state = init_state(tx, params, mesh)
     batch_sharding = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"), None))
     step, _ = make_step(cfg, tx, jnp.bfloat16, args.remat, jax.tree.map(lambda x: x.sharding, state), batch_sharding,
-                        lora_scale=lora_scale(lora) if lora else None, frozen_sharding=frozen_sharding)
+                        lora=LoraRun.of(lora), frozen_sharding=frozen_sharding)
     b, t = args.batch * len(jax.devices()), args.seq
     tokens = np.random.RandomState(0).randint(0, cfg.vocab_size, (1, b, t + 1)).astype(np.int32)
     batch = {"inputs": tokens[..., :-1], "targets": tokens[..., 1:], "weights": np.ones((1, b, t), np.float32),

@@ -85,7 +85,6 @@ class Sampling:
     seq_kd: bool
     compute: Any
     mesh: jax.sharding.Mesh
-    lora_scale: Any = None
     batch_sharding: NamedSharding = field(init=False)
     # The student's and the teacher's samplers (eval.rollout.RolloutEngine), and their jitted programs:
     # (weights, key, rows, micro-batch index) -> (completions, their log-probabilities, lengths).
@@ -119,13 +118,10 @@ class Sampling:
                                                              for k in parts[0]}),
                               out_shardings=self.batch_sharding)
 
-    def weights(self, params: Any, frozen: Any) -> Weights:
-        """The student's weights: the trained ``params`` (LoRA's adapters on the ``frozen`` base, or the model)."""
-        return Weights.of(params, frozen, self.lora_scale)
-
-    def lowered(self, trainable: Any, frozen: Any, teacher: Any) -> dict[str, Any]:
+    def lowered(self, weights: Weights, teacher: Any) -> dict[str, Any]:
         """For ``--compile-only``: the student's sampler (and with ``seq_kd`` the teacher's) lowered from
-        abstract weights (the trained ones, LoRA's base), for one micro-batch of the step's rows."""
+        abstract weights (the student's ``weights``, the ``teacher``'s params), for one micro-batch of the step's
+        rows."""
         a, m = self.shape
         rows = {k: jax.ShapeDtypeStruct((a, m, self.seq_len + 1), jnp.int32, sharding=self.batch_sharding)
                 for k in ("tokens", "loss_mask", "tokens_segment_ids")}
@@ -133,7 +129,7 @@ class Sampling:
         i = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
         key = jax.eval_shape(lambda: jax.random.key(0))
         key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated)
-        out = {"sampler": self.programs["sampler"].lower(self.weights(trainable, frozen), key, rows, i)}
+        out = {"sampler": self.programs["sampler"].lower(weights, key, rows, i)}
         if self.seq_kd:
             out["teacher_sampler"] = self.programs["teacher_sampler"].lower(teacher, key, rows, i)
         return out
@@ -147,12 +143,11 @@ class Sampling:
         """The sampling key of micro-batch ``a`` of loop step ``step``."""
         return jax.random.fold_in(jax.random.fold_in(jax.random.key(self.seed), STREAM), step * self.shape[0] + a)
 
-    def rollout(self, params: dict, frozen: dict | None, teacher: dict, rows: dict[str, jax.Array],
-                step: int) -> Rollout[DistillBatch]:
+    def rollout(self, weights: Weights, teacher: dict, rows: dict[str, jax.Array], step: int) -> Rollout[DistillBatch]:
         """Loop step ``step``'s batch from its dataset rows ([accum, micro, seq_len + 1]): each micro-batch as
-        its coin says (the module docstring), with the sampled share and lengths as metrics."""
+        its coin says (the module docstring), the student's samples from its ``weights``, with the sampled share
+        and lengths as metrics."""
         t0 = time.perf_counter()
-        weights = self.weights(params, frozen)
         on = coins(self.seed, step, self.shape[0], self.lmbda)
         parts, lengths, gen = [], [], 0.0
         for a in range(self.shape[0]):
@@ -179,9 +174,9 @@ class Sampling:
 
 
 def sampling(cfg: Any, mcfg: ModelConfig, teacher_mcfg: ModelConfig, mesh: jax.sharding.Mesh, eos_ids: tuple,
-             lora_scale: Any, compute: Any) -> Sampling:
+             compute: Any) -> Sampling:
     """The run's :class:`Sampling` from its config (``distill:``, batch shape, seed)."""
     d = cfg.distill
     spec = RolloutSpec(1, int(d.max_new_tokens), Sampler(float(d.temperature), 0, 1.0), eos_ids)
     return Sampling(mcfg, teacher_mcfg, spec, (cfg.grad_accum, cfg.batch_size // cfg.grad_accum), cfg.data.seq_len,
-                    cfg.seed, float(d.lmbda), bool(d.seq_kd), compute, mesh, lora_scale)
+                    cfg.seed, float(d.lmbda), bool(d.seq_kd), compute, mesh)

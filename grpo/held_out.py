@@ -40,8 +40,6 @@ class Completes(Protocol):
     replicated: Any
     rewards: RewardSet
 
-    def weights(self, params: dict, frozen: dict | None) -> Weights: ...
-
     def complete(self, weights: Weights, rows: dict[str, Any], step: int, source: RowSource,
                  mode: str = "train") -> Any: ...
 
@@ -50,12 +48,11 @@ def _std(x: np.ndarray) -> float:
     return float(x.std(ddof=1)) if len(x) > 1 else 0.0
 
 
-def held_out_metrics(task: Completes, params: dict, frozen: dict | None, docs: list[Document],
-                     rows_source: RowSource, step: int) -> dict[str, float]:
-    """The held-out prompts' metrics at ``step`` (module docstring); ``rows_source``: the rows they come from,
-    ``docs``: the held-out prompts' documents."""
+def held_out_metrics(task: Completes, weights: Weights, docs: list[Document], rows_source: RowSource,
+                     step: int) -> dict[str, float]:
+    """The held-out prompts' metrics at ``step`` (module docstring) with the policy's ``weights``;
+    ``rows_source``: the rows they come from, ``docs``: the held-out prompts' documents."""
     cfg = task.cfg
-    weights = task.weights(params, frozen)
     shape = task.batch_shape
     b = shape[0] * shape[1]
     width = cfg.data.seq_len + 1

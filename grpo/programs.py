@@ -30,12 +30,12 @@ def rollout_key(seed: int, step: Any, held_out: bool = False) -> jax.Array:
 
 
 class Programs:
-    """The jitted pieces of a GRPO run's rollouts (module docstring). ``lora_scale`` None: full fine-tuning."""
+    """The jitted pieces of a GRPO run's rollouts (module docstring)."""
 
     def __init__(self, cfg: GRPOConfig, mcfg: ModelConfig, mesh: jax.sharding.Mesh, compute: Any,
-                 lora_scale: float | None, eos_ids: tuple[int, ...], rows: UpdateRows):
+                 eos_ids: tuple[int, ...], rows: UpdateRows):
         g = cfg.grpo
-        self.mcfg, self.compute, self.rows, self.lora_scale = mcfg, compute, rows, lora_scale
+        self.mcfg, self.compute, self.rows = mcfg, compute, rows
         self.temperature = float(g.temperature)
         self.spec = RolloutSpec(g.num_generations, g.max_completion_length,
                                 Sampler(float(g.temperature), int(g.top_k), float(g.top_p)), eos_ids)

@@ -88,18 +88,13 @@ class Rollouts:
         self.batch_shape = programs.shape
         self.replicated = programs.replicated
 
-    def weights(self, params: dict, frozen: dict | None) -> Weights:
-        """The policy's weights: the trained ``params`` (LoRA's adapters on the ``frozen`` base, or the model)."""
-        return Weights.of(params, frozen, self.programs.lora_scale)
-
-    def rollout(self, params: dict, frozen: dict | None, frozen_inputs: Any, rows: dict[str, jax.Array],
-                step: int, source: RowSource) -> Rollout[RolloutBatch]:
-        """The step's training batch: G completions per prompt from the current policy, their rewards and
-        advantages, laid out as prompt + completion rows; with the rollout's metrics (TRL's names) and, on a
-        ``grpo.log_completions_every`` step, the completions to log."""
+    def rollout(self, weights: Weights, frozen_inputs: Any, rows: dict[str, jax.Array], step: int,
+                source: RowSource) -> Rollout[RolloutBatch]:
+        """The step's training batch: G completions per prompt from the current policy (``weights``), their
+        rewards and advantages, laid out as prompt + completion rows; with the rollout's metrics (TRL's names) and,
+        on a ``grpo.log_completions_every`` step, the completions to log."""
         g = self.g
         t0 = time.perf_counter()
-        weights = self.weights(params, frozen)
         done = self.complete(weights, rows, step, source)
         truncated = ~done.drawn.ended
         trained = ~truncated if g.mask_truncated else np.ones_like(truncated)

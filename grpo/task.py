@@ -66,7 +66,6 @@ from zoo.data.batching import Document
 from zoo.data.files import indexed_rows, load_dataset_rows
 from zoo.data.row_origin import bad_row
 from zoo.errors import UserError
-from zoo.lora.params import LoraConfig, lora_scale
 from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 from zoo.model.logps import batch_logps
@@ -203,7 +202,7 @@ class GRPOTask(Task[RolloutBatch]):
         if ctx.ids.eos is None:
             raise UserError("the tokenizer has no EOS token: completions could never end before "
                             "grpo.max_completion_length")
-        self.programs = self._programs(cfg, mcfg, ctx.mesh, ctx.lora, (ctx.ids.eos,))
+        self.programs = self._programs(cfg, mcfg, ctx.mesh, (ctx.ids.eos,))
         self.reference = None if g.beta <= 0 else "base" if g.reference == "base" and ctx.lora is not None \
             else "inputs"  # LoRA's base: the frozen base the loop holds anyway, run with the adapters off
         if self.reference != "inputs":
@@ -235,24 +234,23 @@ class GRPOTask(Task[RolloutBatch]):
         q = frozen_base_quant(ctx.cfg, ctx.source)
         return SharedBase(ctx.source, {"kind": q[0], "double": q[1]} if q else None, ctx.params)
 
-    def _programs(self, cfg: TrainConfig, mcfg: ModelConfig, mesh: jax.sharding.Mesh, lora: LoraConfig | None,
+    def _programs(self, cfg: TrainConfig, mcfg: ModelConfig, mesh: jax.sharding.Mesh,
                   eos_ids: tuple[int, ...]) -> Programs:
         """The update's row layout, and the rollout's programs."""
         g = self.grpo
         micro = cfg.batch_size // cfg.grad_accum
         self.rows = UpdateRows(shares_prompts(g, mcfg, mesh, micro), g.num_generations, cfg.data.seq_len + 1,
                                g.max_completion_length)
-        return Programs(self.cfg, mcfg, mesh, DTYPES[cfg.dtype.compute], None if lora is None else lora_scale(lora),
-                        eos_ids, self.rows)
+        return Programs(self.cfg, mcfg, mesh, DTYPES[cfg.dtype.compute], eos_ids, self.rows)
 
-    def compile_programs(self, trainable: Any, frozen: Any, frozen_inputs: Any) -> dict[str, Any]:
+    def compile_programs(self, weights: Weights, frozen_inputs: Any) -> dict[str, Any]:
         """The sampler lowered for ``--compile-only`` (after :meth:`prepare`): G completions of
-        ``grpo.max_completion_length`` tokens for the step's prompts, from the policy's weights."""
+        ``grpo.max_completion_length`` tokens for the step's prompts, from the policy's ``weights``."""
         assert self.programs is not None, "prepare first"
         p = self.programs
         rows = jax.ShapeDtypeStruct(p.shape + (self.cfg.data.seq_len + 1,), jnp.int32, sharding=p.sharding)
         step = jax.ShapeDtypeStruct((), jnp.int32, sharding=p.replicated)
-        return {"sampler": p.sample.lower(Weights.of(trainable, frozen, p.lora_scale), step, rows, rows)}
+        return {"sampler": p.sample.lower(weights, step, rows, rows)}
 
     def program_kv_cache(self) -> dict[str, int]:
         """Bytes a chip holds of the sampler's KV cache (:meth:`compile_programs`' rows: the step's prompts, G
@@ -274,12 +272,12 @@ class GRPOTask(Task[RolloutBatch]):
 
     # ---- each step: sample, score, lay out -----------------------------------------------------------------
 
-    def rollout(self, params: dict[str, Any], frozen: dict[str, Any] | None, frozen_inputs: Any,
-                rows: dict[str, jax.Array], step: int, source: RowSource) -> Rollout[RolloutBatch]:
+    def rollout(self, weights: Weights, frozen_inputs: Any, rows: dict[str, jax.Array], step: int,
+                source: RowSource) -> Rollout[RolloutBatch]:
         """The step's training batch (:meth:`grpo.rollouts.Rollouts.rollout`); on a ``grpo.log_completions_every``
         step with the completions to log (:meth:`hooks`)."""
         assert self.rollouts is not None, "prepare first"
-        return self.rollouts.rollout(params, frozen, frozen_inputs, rows, step, source)
+        return self.rollouts.rollout(weights, frozen_inputs, rows, step, source)
 
     def eval_rows(self, source: RowSource | None) -> RowSource:
         """The rows the held-out prompts come from: data.eval_path's (read once), else the training rows that
@@ -292,14 +290,14 @@ class GRPOTask(Task[RolloutBatch]):
             self._eval_rows = self.load(path, self.cfg)
         return self._eval_rows
 
-    def eval_metrics(self, params: dict[str, Any], frozen: dict[str, Any] | None, docs: list[Document],
-                     source: RowSource | None, step: int) -> dict[str, float] | None:
+    def eval_metrics(self, weights: Weights, docs: list[Document], source: RowSource | None,
+                     step: int) -> dict[str, float] | None:
         """The rewards of the held-out prompts (data.eval_path or data.eval_fraction), sampled as the run samples
         and greedy, under TRL's eval names (grpo/held_out.py)."""
         from grpo.held_out import held_out_metrics
 
         assert self.rollouts is not None, "prepare first"
-        return held_out_metrics(self.rollouts, params, frozen, docs, self.eval_rows(source), step)
+        return held_out_metrics(self.rollouts, weights, docs, self.eval_rows(source), step)
 
     def hooks(self, out: Path, primary: bool) -> list[Hook]:
         """The completions log (``completions.jsonl`` of the run folder; the primary process writes it)."""

@@ -93,7 +93,7 @@ def compile_only(cfg: TrainConfig, task: Any, topology: str, report_path: str | 
     started = time.perf_counter()
     with target("tpu", len(devices)):  # backend-dependent sizes and kernels follow the TPU, not this host
         lowered = run.step.train.lower(run.state, run.batch, run.model.frozen, frozen_inputs=run.frozen_inputs)
-        lowered_programs = task.compile_programs(run.trainable, run.model.frozen, run.frozen_inputs)
+        lowered_programs = task.compile_programs(run.model.weights(run.trainable), run.frozen_inputs)
     dump = tempfile.TemporaryDirectory(prefix="lmzoo-hlo-")  # the compiler's buffer report, read for largest_buffers
     parts, refused = _compile_step(run, lowered, kind, dump.name)
     programs = _compile_programs(run, lowered_programs, task.program_kv_cache(), kind)

@@ -21,19 +21,21 @@ from pretrain.hooks import Hook, StepInfo
 from pretrain.metrics import LossOutput
 from zoo.data.batching import Document, replicated_batch, to_model_batch
 from zoo.errors import UserError
+from zoo.lora.weights import Weights
 
 
 class Evaluation(Hook):
     """Eval loss over ``data``'s eval documents with ``eval_fn`` (the step's, frozen inputs bound; ``batch_of``
-    types its batches), or the task's own held-out metrics (``own``), at each step it is passed."""
+    types its batches), or the task's own held-out metrics (``own``, of the trained params' ``weights``), at each
+    step it is passed."""
 
     def __init__(self, cfg: TrainConfig, data: RunData, micro: int, mesh: jax.sharding.Mesh,
                  eval_fn: Callable[..., LossOutput], batch_of: Callable[[dict[str, Any]], TokenBatch],
-                 frozen: dict[str, Any] | None, primary: bool,
+                 weights: Callable[[dict[str, Any]], Weights], primary: bool,
                  own: Callable[..., dict[str, float] | None] | None = None):
         self.cfg, self.data, self.micro, self.mesh, self.batch_of = cfg, data, micro, mesh, batch_of
         self.own = own  # the task's own held-out metrics (Task.eval_metrics), in place of the eval loss
-        self.eval_fn, self.frozen = eval_fn, frozen
+        self.eval_fn, self.weights = eval_fn, weights
         # A mixture's eval loss per source too (`eval_loss/NAME`), for each source eval set that fills a batch.
         self.eval_sets: dict[str, list[Document]] = {}
         for name, docs in (data.eval_sets if len(data.eval_sets) > 1 and cfg.eval_every else {}).items():
@@ -46,7 +48,7 @@ class Evaluation(Hook):
 
     def on_step(self, info: StepInfo) -> None:
         params = info.state["params"]
-        own = self.own(params, self.frozen, self.data.eval_docs, self.data.source, info.step) \
+        own = self.own(self.weights(params), self.data.eval_docs, self.data.source, info.step) \
             if self.own is not None and self.data.eval_docs else None
         if own is not None:
             info.record.update(own)

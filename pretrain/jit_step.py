@@ -15,7 +15,7 @@ from pretrain.batch import B, TokenBatch
 from pretrain.metrics import LossOutput
 from pretrain.task import FrozenInputs, PretrainTask, Task, Totals
 from zoo.compiled.compiler import compile_lowered
-from zoo.lora.weights import Weights
+from zoo.lora.weights import LoraRun, Weights
 from zoo.memory import release_free_memory
 from zoo.model.config import ModelConfig
 from zoo.model.sharding import mesh_context
@@ -59,21 +59,22 @@ class StepFunctions(NamedTuple, Generic[B]):
 
 def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: DTypeLike, remat: str = "none",
               state_sharding: Shardings = None, batch_sharding: NamedSharding | None = None,
-              task: Task[B] | None = None, lora_scale: float | None = None, frozen_sharding: Shardings = None,
-              lora_dropout: float = 0.0, seed: int = 0, frozen_inputs_sharding: Shardings = None) -> StepFunctions[B]:
+              task: Task[B] | None = None, lora: LoraRun | None = None, frozen_sharding: Shardings = None,
+              frozen_inputs_sharding: Shardings = None) -> StepFunctions[B]:
     """(train step, eval fn), a :class:`StepFunctions`: gradient accumulation over the leading micro-batch axis,
     one optimizer update.
 
     The task (default: pretraining's next-token loss) computes the loss sums of
     a micro-batch; the step differentiates them with respect to ``state["params"]``
-    only. With ``lora_scale`` those are LoRA adapters and the base weights come
+    only. With ``lora`` (a :class:`zoo.lora.weights.LoraRun`: the adapters'
+    scale, LoRA dropout) those are LoRA adapters and the base weights come
     as the third argument, ``frozen``, which is never differentiated: no base
     gradient and no optimizer state exist. With ``state_sharding`` and
     ``batch_sharding`` the step is compiled once for exactly those layouts (its
     outputs keep the state's layout, so the second call does not recompile).
 
-    ``lora_dropout`` (LoRA only) is applied in the train step, never in eval.
-    Its masks come from a key derived from ``seed``, the state's step and the
+    LoRA dropout is applied in the train step, never in eval. Its masks come
+    from a key derived from ``lora.seed``, the state's step and the
     micro-batch index alone, so a resumed run draws exactly the masks the
     uninterrupted run would have.
 
@@ -94,8 +95,8 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: DTyp
     updates made so far) as ``step`` in the train step; evaluation passes None.
     """
     run_task: Task[Any] = task or PretrainTask()
-    loss_of = _loss_of(run_task, mcfg, compute, remat, lora_scale, lora_dropout)
-    step = _train_step(run_task, tx, loss_of, seed if lora_scale is not None and lora_dropout > 0 else None)
+    loss_of = _loss_of(run_task, mcfg, compute, remat, lora)
+    step = _train_step(run_task, tx, loss_of, None if lora is None else lora.dropout_seed)
 
     def evaluate(params: dict[str, Any], batch: TokenBatch, frozen: dict[str, Any] | None = None,
                  frozen_inputs: FrozenInputs = None) -> LossOutput:
@@ -115,16 +116,16 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: DTyp
                          compile_then_trim(jax.jit(evaluate, out_shardings=replicated), platform, mesh))
 
 
-def _loss_of(task: Task[Any], mcfg: ModelConfig, compute: DTypeLike, remat: str, lora_scale: float | None,
-             lora_dropout: float) -> Callable[..., LossOutput]:
+def _loss_of(task: Task[Any], mcfg: ModelConfig, compute: DTypeLike, remat: str,
+             lora: LoraRun | None) -> Callable[..., LossOutput]:
     """The task's loss of a micro-batch as a function of the trained weights: the whole model's, or with
-    ``lora_scale`` LoRA's adapters on the frozen base (the third argument), dropout drawn from ``rng``; the task
+    ``lora`` LoRA's adapters on the frozen base (the third argument), dropout drawn from ``rng``; the task
     gets them as one :class:`zoo.lora.weights.Weights`."""
 
     def loss_of(trainable: dict[str, Any], mb: TokenBatch, frozen: Any,
                 frozen_inputs: FrozenInputs = None, rng: jax.Array | None = None, totals: Totals = None,
                 step_number: jax.Array | None = None) -> LossOutput:
-        weights = Weights.of(trainable, frozen, lora_scale, lora_dropout, rng)
+        weights = Weights.of(trainable, frozen, lora, rng)
         return task.loss_sums(mcfg, weights, mb, compute, remat, frozen_inputs=frozen_inputs, totals=totals,
                               step=step_number)
 

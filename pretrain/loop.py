@@ -63,7 +63,7 @@ from zoo.console import is_terminal
 from zoo.data.tokenizer import load_tokenizer
 from zoo.errors import UserError
 from zoo.kernels.choice import check_platform, check_rows, kernel_for
-from zoo.lora.params import lora_scale
+from zoo.lora.weights import LoraRun
 
 
 @dataclasses.dataclass
@@ -126,8 +126,9 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task[Any] | None
                         cfg.log_every) if primary else None
     run_hooks = _run_hooks(cfg, task, run, step, out, primary, hooks or Hooks(), log, checkpoints)
     training = Training(cfg, task, step.train, run.data, step.batch_sharding,
-                        (cfg.grad_accum, run.micro, cfg.data.seq_len), model.frozen, run.frozen_inputs, step.schedule,
-                        step.state, flops_per_token(model.mcfg, cfg.data.seq_len, frozen_base=model.lora is not None)
+                        (cfg.grad_accum, run.micro, cfg.data.seq_len), model.frozen, model.weights, run.frozen_inputs,
+                        step.schedule, step.state,
+                        flops_per_token(model.mcfg, cfg.data.seq_len, frozen_base=model.lora is not None)
                         * cfg.batch_size * cfg.data.seq_len, peak_flops(cfg))
     try:
         last = _take_steps(training, run_hooks, checkpoints, start, total, log, primary and bar_wanted, out)
@@ -196,8 +197,7 @@ def build_step(cfg: TrainConfig, task: Task[Any], model: Model, frozen_inputs: A
     batch_sharding = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"), None))
     shardings = partial(jax.tree.map, lambda x: x.sharding)
     train, evaluate = make_step(model.mcfg, tx, DTYPES[cfg.dtype.compute], cfg.remat, shardings(state),
-                                batch_sharding, task, lora_scale(lora) if lora else None, shardings(model.frozen),
-                                lora_dropout=lora.dropout if lora else 0.0, seed=cfg.seed,
+                                batch_sharding, task, LoraRun.of(lora, cfg.seed), shardings(model.frozen),
                                 frozen_inputs_sharding=shardings(frozen_inputs))
     return Step(state, train, evaluate, batch_sharding, schedule)
 
@@ -210,7 +210,7 @@ def _run_hooks(cfg: TrainConfig, task: Task[Any], run: _Run, step: Step, out: Pa
     model = run.model
     hooks.add(Evaluation(cfg, run.data, run.micro, model.mesh,
                          partial(step.evaluate, frozen=model.frozen, frozen_inputs=run.frozen_inputs), task.batch,
-                         model.frozen, primary, task.eval_metrics), every=cfg.eval_every)
+                         model.weights, primary, task.eval_metrics), every=cfg.eval_every)
     hooks.extend(caller)
     for hook in task.hooks(out, primary):
         hooks.add(hook)

@@ -23,6 +23,7 @@ from zoo.checkpoints.loading import load_params
 from zoo.data.tokenizer import holds_tokenizer, tokenizer_dir
 from zoo.errors import UserError
 from zoo.lora.params import LoraConfig, init_lora, lora_specs, whole_weights
+from zoo.lora.weights import LoraRun, Weights
 from zoo.model.config import ModelConfig
 from zoo.model.params import flatten, init_params, nest, param_specs
 from zoo.model.sharding import make_mesh, named_sharding
@@ -139,6 +140,12 @@ class Model:
     def frozen(self) -> dict[str, Any] | None:
         """With LoRA only the adapters are trained; the base is a frozen, undifferentiated input of the step."""
         return self.params if self.lora else None
+
+    def weights(self, trained: Any) -> Weights:
+        """The weights whose trained params are ``trained`` (the train state's), as rollouts, evaluation and
+        ``--compile-only``'s other programs compute with them (no dropout): LoRA's adapters on the frozen base, or
+        the whole model."""
+        return Weights.of(trained, self.frozen, LoraRun.of(self.lora))
 
 
 def run_mesh(cfg: TrainConfig, devices: list[Any], where: str = "devices") -> jax.sharding.Mesh:

@@ -23,11 +23,13 @@ from pretrain.jit_step import TrainState, TrainStep
 from pretrain.task import FrozenInputs, Task
 from zoo.data.batching import to_model_batch
 from zoo.errors import UserError
+from zoo.lora.weights import Weights
 
 
 @dataclass
 class Training:
-    """What the steps need: the task, the jitted step, the data and the frozen inputs; ``state`` is the train
+    """What the steps need: the task, the jitted step, the data, LoRA's frozen base, the weights of the trained
+    params (an online task's rollouts compute with them) and the frozen inputs; ``state`` is the train
     state, updated by each step; ``failed_first_step`` tells whether the run's first step failed on the user's
     inputs (an online task's reward function, say)."""
 
@@ -38,6 +40,7 @@ class Training:
     batch_sharding: NamedSharding
     batch_shape: tuple[int, int, int]
     frozen: dict[str, Any] | None
+    weights: Callable[[dict[str, Any]], Weights]  # the trained params' weights, for rollouts (Model.weights)
     frozen_inputs: FrozenInputs
     schedule: Callable[[int], Any]
     state: TrainState
@@ -83,7 +86,7 @@ class Training:
             if data.source is None:
                 raise UserError("an online task reads one data.path, not a mixture")
             rows = global_batch(next(data.batches), data.rows, self.batch_sharding, self.batch_shape)
-            rollout = task.rollout(self.state["params"], self.frozen, self.frozen_inputs, rows, step, data.source)
+            rollout = task.rollout(self.weights(self.state["params"]), self.frozen_inputs, rows, step, data.source)
             b = rollout.batch
         else:
             b = task.batch(global_batch(to_model_batch(next(data.batches)), data.rows, self.batch_sharding,

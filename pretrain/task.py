@@ -218,11 +218,11 @@ class Task(Generic[B]):
         LM head for its score head. Called before :meth:`prepare`."""
         return mcfg, params
 
-    def eval_metrics(self, params: dict[str, Any], frozen: dict[str, Any] | None, docs: list[Document],
-                     source: RowSource | None, step: int) -> dict[str, float] | None:
-        """The task's own metrics of the held-out documents ``docs`` every ``eval_every`` steps (``params``: the
-        trained weights, ``frozen``: LoRA's base, ``source``: the training rows), or None (the default): the eval
-        loss instead. GRPO's are the held-out prompts' rewards (grpo/held_out.py)."""
+    def eval_metrics(self, weights: Weights, docs: list[Document], source: RowSource | None,
+                     step: int) -> dict[str, float] | None:
+        """The task's own metrics of the held-out documents ``docs`` every ``eval_every`` steps (``weights``: the
+        current ones, no dropout; ``source``: the training rows), or None (the default): the eval loss instead.
+        GRPO's are the held-out prompts' rewards (grpo/held_out.py)."""
         return None
 
     def prepare(self, ctx: RunContext) -> Any:
@@ -237,10 +237,9 @@ class Task(Generic[B]):
         tokenizer, the data or the weights' values (a reference's log-probabilities over the dataset, reward
         models). ``--compile-only`` never calls it. Nothing by default."""
 
-    def compile_programs(self, trainable: Any, frozen: Any, frozen_inputs: Any) -> dict[str, Any]:
+    def compile_programs(self, weights: Weights, frozen_inputs: Any) -> dict[str, Any]:
         """For ``--compile-only``, after :meth:`prepare`: the task's other device programs (an online task's
-        sampler, say), lowered from the abstract trained params, frozen base and frozen inputs, by name; {} by
-        default."""
+        sampler, say), lowered from the abstract weights (no dropout) and frozen inputs, by name; {} by default."""
         return {}
 
     def program_kv_cache(self) -> dict[str, int]:
@@ -256,11 +255,11 @@ class Task(Generic[B]):
         """Whether ``doc``, cut to a row of ``seq_len + 1`` tokens, trains anything (default: keeps a target)."""
         return keeps_a_target(doc, seq_len)
 
-    def rollout(self, params: dict[str, Any], frozen: dict[str, Any] | None, frozen_inputs: FrozenInputs,
-                rows: dict[str, jax.Array], step: int, source: RowSource) -> Rollout[B]:
+    def rollout(self, weights: Weights, frozen_inputs: FrozenInputs, rows: dict[str, jax.Array], step: int,
+                source: RowSource) -> Rollout[B]:
         """An online task's :class:`Rollout` for loop step ``step`` (0-based) from the global data rows ``rows``
         ([accum, micro, seq_len + 1] each; ``source``: the rows they were read from), made with the current
-        weights (``params``, the trained ones; ``frozen``, the base with LoRA). Only called when ``online``."""
+        ``weights`` (no dropout). Only called when ``online``."""
         raise NotImplementedError
 
     def hooks(self, out: Path, primary: bool) -> list[Hook]:

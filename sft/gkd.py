@@ -27,7 +27,6 @@ from pretrain.task import ReadContext, RowSource, RunContext
 from sft.config import SFTConfig
 from sft.task import SFTTask
 from zoo.errors import UserError
-from zoo.lora.params import lora_scale
 from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 
@@ -88,30 +87,26 @@ class OnlineGKDTask(GKDTask):
         if ctx.ids.eos is None:
             raise UserError("distill.lmbda/seq_kd: the tokenizer has no EOS token, so sampled completions could "
                             "never end before distill.max_new_tokens")
-        self.sampling = self._sampling(ctx.cfg, ctx.mcfg, ctx.mesh, (ctx.ids.eos,), ctx.lora)
+        self.sampling = sampling(ctx.cfg, ctx.mcfg, cast(ModelConfig, self.teacher_mcfg), ctx.mesh, (ctx.ids.eos,),
+                                 DTYPES[ctx.cfg.dtype.compute])
         return teacher
-
-    def _sampling(self, cfg: TrainConfig, mcfg: ModelConfig, mesh: jax.sharding.Mesh, eos: tuple[int, ...],
-                  lora: Any) -> Sampling:
-        return sampling(cfg, mcfg, cast(ModelConfig, self.teacher_mcfg), mesh, eos,
-                        lora_scale(lora) if lora is not None else None, DTYPES[cfg.dtype.compute])
 
     def batch_layout(self, grad_accum: int, micro: int, seq_len: int) -> DistillBatch:
         """Rows ``distill.max_new_tokens`` longer than SFT's, and the dataset's own target weights."""
         return DistillBatch.layout((grad_accum, micro, seq_len + self.distill.max_new_tokens), ("data_weights",))
 
-    def rollout(self, params: dict[str, Any], frozen: dict[str, Any] | None, frozen_inputs: Any,
-                rows: dict[str, jax.Array], step: int, source: RowSource) -> Rollout[DistillBatch]:
+    def rollout(self, weights: Weights, frozen_inputs: Any, rows: dict[str, jax.Array], step: int,
+                source: RowSource) -> Rollout[DistillBatch]:
         """GKD's step batch: each micro-batch the dataset's, or its prompts with sampled completions
         (distill/online.py)."""
         assert self.sampling is not None, "prepare first"
-        return self.sampling.rollout(params, frozen, frozen_inputs, rows, step)
+        return self.sampling.rollout(weights, frozen_inputs, rows, step)
 
-    def compile_programs(self, trainable: Any, frozen: Any, frozen_inputs: Any) -> dict[str, Any]:
+    def compile_programs(self, weights: Weights, frozen_inputs: Any) -> dict[str, Any]:
         """The samplers lowered for ``--compile-only`` (after :meth:`prepare`): the student's, and with
         ``distill.seq_kd`` the teacher's (``frozen_inputs``), each for one micro-batch's prompts."""
         assert self.sampling is not None, "prepare first"
-        return self.sampling.lowered(trainable, frozen, frozen_inputs)
+        return self.sampling.lowered(weights, frozen_inputs)
 
     def program_kv_cache(self) -> dict[str, int]:
         """Bytes a chip holds of each sampler's KV cache (one micro-batch of prompts, ``distill.max_new_tokens``

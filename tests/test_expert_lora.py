@@ -27,7 +27,7 @@ from tests.lora_fixtures import (
 from tests.processes import devices_env
 from tests.program_checks import ragged_dots
 from zoo.errors import UserError
-from zoo.lora.params import LoraConfig, lora_scale, lora_specs, target_modules
+from zoo.lora.params import LoraConfig, lora_specs, target_modules
 from zoo.model import quant
 from zoo.model.params import flatten
 
@@ -159,6 +159,7 @@ def test_training_steps_move_only_the_expert_adapters():
 
     from pretrain.batch import TokenBatch
     from pretrain.jit_step import init_state, make_step
+    from zoo.lora.weights import LoraRun
     from zoo.model.sharding import make_mesh
 
     cfg, lc = dataclasses.replace(MOE, num_layers=1, shared_experts=0), LoraConfig(rank=4, alpha=8.0, targets=EXPERTS)
@@ -173,7 +174,7 @@ def test_training_steps_move_only_the_expert_adapters():
           "segment_ids": np.ones(t[:, 1:].shape, np.int32),
           "positions": np.tile(np.arange(t.shape[1] - 1, dtype=np.int32), (t.shape[0], 1))}
     batch = TokenBatch.of({k: jnp.asarray(v[None]) for k, v in mb.items()})
-    step, _ = make_step(cfg, tx, jnp.float32, "none", None, None, None, lora_scale(lc), None)
+    step, _ = make_step(cfg, tx, jnp.float32, "none", None, None, None, LoraRun.of(lc))
     state = init_state(tx, jax.tree.map(jnp.copy, lora), make_mesh(devices=jax.devices()[:1]))
     losses = []
     for _ in range(3):

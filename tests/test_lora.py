@@ -18,7 +18,7 @@ from tests.processes import devices_env
 from tests.program_checks import saved_residuals
 from zoo.errors import UserError
 from zoo.lora.params import LoraConfig, lora_scale, lora_specs, merge_lora
-from zoo.lora.weights import Weights
+from zoo.lora.weights import LoraRun, Weights
 from zoo.model.config import ModelConfig
 from zoo.model.decoder import forward
 from zoo.model.params import flatten, nest, param_specs
@@ -196,6 +196,23 @@ def test_bad_targets_are_user_errors():
     cfg = LORA_CONFIGS["llama"]
     with pytest.raises(ValueError, match="lora_scale"):
         forward(cfg, Weights(lora_base_params(cfg), random_lora(cfg, LoraConfig(rank=4))), LORA_TOKENS)
+
+
+def test_a_runs_weights_are_made_from_its_lora_settings_once():
+    """LoraRun.of: a run's LoRA settings as the step needs them (scale, dropout rate, the seed its masks come
+    from; None: full fine-tuning). Weights.of joins the trained params to the frozen base with them, with LoRA
+    dropout only where a key is given (the train step), none for rollouts and evaluation."""
+    run = LoraRun.of(LoraConfig(rank=4, alpha=8.0, dropout=0.25, rslora=True), seed=7)
+    assert run == LoraRun(4.0, 0.25, 7) and run.dropout_seed == 7
+    assert LoraRun.of(None, 7) is None and LoraRun(4.0, 0.0, 7).dropout_seed is None
+    base, adapters, key = {"w": jnp.ones(2)}, {"a": jnp.zeros(2)}, jax.random.key(0)
+    whole = Weights.of(base, None, None, key)
+    assert whole.base is base and whole.adapters is None and whole.trained is base and whole.rng is None
+    trained = Weights.of(adapters, base, run, key)
+    assert trained.base is base and trained.trained is adapters and trained.rng is key
+    assert (trained.scale, trained.dropout) == (4.0, 0.25)
+    sampled = Weights.of(adapters, base, run)
+    assert sampled.trained is adapters and (sampled.scale, sampled.dropout, sampled.rng) == (4.0, 0.0, None)
 
 
 MESH_SCRIPT = r"""
@@ -388,8 +405,7 @@ def test_train_step_dropout_depends_on_seed_step_and_micro_batch_only():
     two = TokenBatch.of({k: jnp.asarray(np.stack([v, v])) for k, v in mb.items()})  # the same micro-batch twice
 
     def steps(rate: float, seed: int = 0):
-        return make_step(cfg, tx, jnp.float32, "none", None, None, None, lora_scale(lc), None,
-                         lora_dropout=rate, seed=seed)
+        return make_step(cfg, tx, jnp.float32, "none", None, None, None, LoraRun(lora_scale(lc), rate, seed))
 
     def state(step_number: int = 0) -> dict:  # a fresh one each time: the step donates it
         st = init_state(tx, jax.tree.map(jnp.copy, lora), mesh)

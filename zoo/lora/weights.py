@@ -4,9 +4,10 @@ their dropout (rate and key).
 A run trains either the whole model (``base`` is the trained params, no
 adapters) or LoRA's adapters on a frozen base. Rather than every consumer
 decoding "the trained params are the adapters when there is a scale, and
-the base is then the frozen tree", the train step (and each sampler, each
-log-probability program) builds one :class:`Weights` with :meth:`Weights.of`
-and hands it down to the task, the model and its layers.
+the base is then the frozen tree", the set-up path builds a run's
+:class:`LoraRun` once (None: full fine-tuning), and the train step and the
+loop (for each rollout and evaluation) build one :class:`Weights` with
+:meth:`Weights.of` and hand it down to the task, the model and its layers.
 
 It is a pytree: ``base``, ``adapters`` and the dropout key are its leaves.
 ``scale`` and the dropout rate are static (the treedef's) when they are
@@ -21,12 +22,34 @@ from typing import Any
 
 import jax
 
+from zoo.lora.params import LoraConfig, lora_scale
 from zoo.model.quant import cast_params
 
 
 def _static(v: Any) -> bool:
     """Whether ``v`` is kept in the treedef (None or a Python number) rather than as a leaf."""
     return v is None or isinstance(v, (bool, int, float))
+
+
+@dataclass(frozen=True)
+class LoraRun:
+    """How a LoRA run's trained adapters join its frozen base: their ``scale``, and the LoRA ``dropout`` rate the
+    train step applies (never evaluation or sampling), its masks keyed from ``seed``, the step and the
+    micro-batch. Built once from the run's :class:`zoo.lora.params.LoraConfig` (:meth:`of`)."""
+
+    scale: float
+    dropout: float = 0.0
+    seed: int = 0
+
+    @classmethod
+    def of(cls, cfg: LoraConfig | None, seed: int = 0) -> LoraRun | None:
+        """The run's LoRA settings of ``cfg`` (None, full fine-tuning: None), dropout keyed from ``seed``."""
+        return None if cfg is None else cls(lora_scale(cfg), cfg.dropout, seed)
+
+    @property
+    def dropout_seed(self) -> int | None:
+        """The seed the train step's dropout keys come from, or None when there is no dropout."""
+        return self.seed if self.dropout > 0 else None
 
 
 @jax.tree_util.register_pytree_node_class
@@ -47,13 +70,13 @@ class Weights:
             raise ValueError("LoRA adapters need a scale (zoo.lora.params.lora_scale(lora_cfg))")
 
     @classmethod
-    def of(cls, trained: Any, frozen: Any, scale: float | jax.Array | None, dropout: float | jax.Array = 0.0,
-           rng: jax.Array | None = None) -> Weights:
-        """The weights of a run whose trained params are ``trained``: with a LoRA ``scale`` they are the adapters
-        on the frozen base ``frozen`` (dropout ``dropout`` keyed by ``rng``); without, the whole model."""
-        if scale is None:
+    def of(cls, trained: Any, frozen: Any, lora: LoraRun | None, rng: jax.Array | None = None) -> Weights:
+        """The weights of a run whose trained params are ``trained``: with ``lora`` they are the adapters on the
+        frozen base ``frozen``, with LoRA dropout keyed by ``rng`` (None: none, as in evaluation and sampling);
+        without, the whole model."""
+        if lora is None:
             return cls(trained)
-        return cls(frozen, trained, scale, dropout, rng)
+        return cls(frozen, trained, lora.scale, 0.0 if rng is None else lora.dropout, rng)
 
     @classmethod
     def wrap(cls, params: Any) -> Weights:
