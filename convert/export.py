@@ -28,7 +28,15 @@ from convert.card_training import trained_with, training_of
 from convert.convert import DTYPES
 from convert.fused import fuse_planned, fused_named, join
 from convert.hf_config import export_hf_config
-from convert.model_card import EvalResults, card_data, eval_lines, read_eval_results, render, training_lines
+from convert.model_card import (
+    EvalResults,
+    card_data,
+    eval_lines,
+    public_path,
+    read_eval_results,
+    render,
+    training_lines,
+)
 from convert.mtp import EXTRA_FILE
 from convert.readers import SafetensorsFolder
 from convert.safetensors_out import ST_NAMES, encode_header
@@ -150,7 +158,7 @@ def model_card(meta: dict[str, Any], cfg: ModelConfig, repo_hint: str, ckpt: str
     the checkpoints it started from are read from there)."""
     from zoo.model.params import count_params
 
-    source = meta.get("source", "unknown")
+    source = public_path(meta.get("source", "unknown"))  # no path of this machine in a published card
     origin = origin_of(ckpt, meta)
     training = training_of(ckpt, meta)
     kind, auto = ("reward model (a sequence classifier, one score)", "AutoModelForSequenceClassification") \
