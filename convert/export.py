@@ -161,8 +161,8 @@ def model_card(meta: dict[str, Any], cfg: ModelConfig, repo_hint: str, ckpt: str
     source = public_path(meta.get("source", "unknown"))  # no path of this machine in a published card
     origin = origin_of(ckpt, meta)
     training = training_of(ckpt, meta)
-    kind, auto = ("reward model (a sequence classifier, one score)", "AutoModelForSequenceClassification") \
-        if cfg.num_labels else ("causal language model", "AutoModelForCausalLM")
+    kind, what, auto = ("reward model", "a sequence classifier with one score, ", "AutoModelForSequenceClassification") \
+        if cfg.num_labels else ("causal language model", "", "AutoModelForCausalLM")
     data = card_data("transformers", origin, training, base_model=origin.hub_repo,
                      pipeline_tag="text-classification" if cfg.num_labels else "text-generation")
     if meta.get("training"):
@@ -178,7 +178,7 @@ def model_card(meta: dict[str, Any], cfg: ModelConfig, repo_hint: str, ckpt: str
                 "unchanged: a lossless round trip.", ""]
     return render(data, [
         f"# {repo_hint}", "",
-        f"A {cfg.family}-family {kind} ({count_params(cfg):,} parameters).", "",
+        f"A {cfg.family}-family {kind} ({what}{count_params(cfg):,} parameters).", "",
         "## What was done", "", *done,
         *eval_lines(eval_results),
         "## How to load", "", "```python",

@@ -186,7 +186,7 @@ def _check_base_out(out: Path, base_out: Path, overwrite: bool) -> None:
     if base_out == out or out in base_out.parents or base_out in out.parents:
         raise UserError(f"--base-out {base_out} and --out {out} overlap; give the base a folder of its own")
     prepare_output(out, overwrite)
-    prepare_output(base_out, overwrite)
+    prepare_output(base_out, overwrite, "--base-out")
 
 
 def export_adapter(ckpt: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False,

@@ -291,6 +291,18 @@ def test_adapter_export_carries_the_tokenizer_the_lineage_and_no_local_path(in_c
         assert not [p for p in local if p.encode() in data], f
 
 
+def test_a_reward_models_card_says_what_it_is_in_one_parenthesis(tmp_path):
+    """A reward model's card names its kind and its size in one parenthesis, not two side by side."""
+    from convert.export import model_card
+    from zoo.model.config import ModelConfig
+
+    cfg = ModelConfig(family="llama", vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=8, num_labels=1)
+    card = model_card({"source": "owner/rm", "source_format": "hf"}, cfg, "me/rm", tmp_path)
+    assert "A llama-family reward model (a sequence classifier with one score, " in card
+    assert ") (" not in card
+
+
 def test_eval_results_of_either_kind_and_bad_files(tmp_path):
     """lmzoo's task results and lm-eval's (--harness) both read as task / metric / value; a missing, non-JSON or
     other JSON file is a one-line error naming the flag."""

@@ -217,7 +217,7 @@ def test_bad_requests_are_one_line_errors(llama, tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
     assert main(["export", str(llama.adapter), "--adapter", "--out", str(llama.peft_dir)]) == 2
-    assert "not empty" in _one_error_line(capsys)
+    assert "not empty; choose a new folder or add --overwrite" in _one_error_line(capsys)
     before = adapter_file(llama.peft_dir)
     assert main(["export", str(llama.adapter), "--adapter", "--out", str(llama.peft_dir), "--overwrite"]) == 0
     capsys.readouterr()
@@ -232,6 +232,9 @@ def test_bad_requests_are_one_line_errors(llama, tmp_path, capsys):
     assert main(["export", str(llama.adapter), "--adapter", "--out", str(tmp_path / "z"),
                  "--base-out", str(tmp_path / "z" / "base")]) == 2
     assert "overlap" in _one_error_line(capsys)
+    assert main(["export", str(llama.adapter), "--adapter", "--out", str(tmp_path / "w"),
+                 "--base-out", str(llama.peft_dir)]) == 2
+    assert f"--base-out {llama.peft_dir} exists and is not empty" in _one_error_line(capsys)
     assert sorted(tmp_path.iterdir()) == []  # nothing written by any of them
 
 
