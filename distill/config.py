@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
+from pretrain.config_unread import Unread, keys_unread
 from zoo.errors import UserError
 
 
@@ -24,6 +25,25 @@ class DistillSection:
     temperature: float = field(default=0.9, metadata={"range": "(0, inf)"})
     max_new_tokens: int = field(default=128, metadata={"range": "[1, inf)"})  # length of sampled completions
     seq_kd: bool = False  # off-policy micro-batches use teacher-generated completions instead of the dataset's
+
+    @property
+    def samples(self) -> bool:
+        """Whether a GKD run trains on sampled completions (the student's with ``lmbda`` > 0, the teacher's with
+        ``seq_kd``), which makes its task an online one."""
+        return bool(self.lmbda > 0 or self.seq_kd)
+
+
+# The distill keys `sft train` reads only under a condition (pretrain/config_unread.py): each of them only with a
+# teacher; the sampler's only when completions are sampled.
+DISTILL_UNREAD: tuple[Unread, ...] = (
+    *keys_unread([f"distill.{f.name}" for f in fields(DistillSection) if f.name != "teacher"],
+                 lambda c: c.distill.teacher is None,
+                 "is read by GKD (on-policy distillation) only, and distill.teacher is not set: set distill.teacher, "
+                 "or remove it"),
+    *keys_unread(("distill.temperature", "distill.max_new_tokens"), lambda c: not c.distill.samples,
+                 "sets the sampled completions, and this GKD run samples none (distill.lmbda 0, distill.seq_kd "
+                 "false): remove it"),
+)
 
 
 def check_same_tokenizer(student_vocab: dict[str, int], teacher_vocab: dict[str, int], teacher: str) -> None:

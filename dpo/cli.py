@@ -15,13 +15,28 @@ if TYPE_CHECKING:
     from pretrain.task import Task
 
 
+METHODS = """\
+methods (dpo.loss_type):
+  sigmoid               DPO (the default); dpo.label_smoothing > 0: conservative DPO
+  ipo, hinge, robust    IPO, SLiC's hinge loss, robust DPO (rDPO)
+  simpo, orpo, cpo      SimPO, ORPO, CPO: no reference model (orpo and cpo add an NLL term on the chosen answers)
+  kto                   KTO on unpaired rows (prompt, completion, label: true for a desirable completion);
+                        preference pairs are unpacked into a chosen (true) and a rejected (false) row
+  dpo.sft_weight > 0 adds RPO's NLL term to a pair loss.
+reference (dpo.reference): base (LoRA: the adapters off; the default), precomputed, a zoo checkpoint path, or
+  none (simpo, orpo, cpo).
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `dpo` (every flag documented)."""
-    p = argparse.ArgumentParser(prog="dpo", description="lmzoo preference optimization (DPO, IPO, SimPO, ...) "
-                                                        "on the shared training loop.")
+    p = argparse.ArgumentParser(prog="dpo", description="lmzoo preference optimization on the shared training loop: "
+                                                        "DPO, IPO, SLiC (hinge), robust DPO, SimPO, RPO, ORPO, CPO "
+                                                        "and KTO, full or LoRA.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    add_train_command(sub, "dpo", "train a model on preference pairs (prompt, chosen, rejected) from a YAML config",
-                      "dpo.beta=0.05 dpo.loss_type=ipo dpo.reference=precomputed")
+    add_train_command(sub, "dpo", "train a model on preference pairs (prompt, chosen, rejected) or, for KTO, "
+                      "unpaired rows (prompt, completion, label) from a YAML config",
+                      "dpo.beta=0.05 dpo.loss_type=ipo dpo.reference=precomputed", epilog=METHODS)
     return p
 
 

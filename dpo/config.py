@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from chat.config import ChatDataSection
-from pretrain.config import TrainConfig
+from pretrain.config import COMMON_UNREAD, TEXT_FIELD_UNREAD, TrainConfig, layout_unread
+from pretrain.config_unread import Unread, keys_unread
 from zoo.errors import UserError
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo", "cpo", "kto")  # dpo/losses.py
@@ -47,15 +50,6 @@ class DpoSection:
         if not free and self.reference == "none":
             raise UserError(f"dpo.loss_type {self.loss_type} needs a reference model: set dpo.reference to base "
                             "(LoRA), precomputed or a checkpoint path, or use a reference-free loss (orpo, cpo, simpo)")
-        if self.reference_model is not None and self.reference != "precomputed":
-            raise UserError("dpo.reference_model is read only with dpo.reference: precomputed; for a live reference "
-                            "checkpoint set dpo.reference to its path")
-        if self.sft_weight and self.loss_type in ("orpo", "cpo"):
-            raise UserError(f"dpo.sft_weight adds RPO's NLL term, which dpo.loss_type {self.loss_type} has built in "
-                            "(orpo: weight 1; cpo: dpo.cpo_alpha): remove dpo.sft_weight")
-        if self.sft_weight and self.loss_type == "kto":
-            raise UserError("dpo.sft_weight adds RPO's NLL term to pair losses; dpo.loss_type kto has none (TRL's "
-                            "KTOTrainer neither): remove dpo.sft_weight")
 
     @property
     def reference_mode(self) -> str:
@@ -64,9 +58,36 @@ class DpoSection:
         return ref if ref in ("none", "base", "precomputed") else "path"
 
 
+def _loss_reads(*losses: str) -> tuple[Callable[[Any], bool], str]:
+    """(the condition, the reason) of a ``dpo.*`` key that only ``losses`` read."""
+    return (lambda c: c.dpo.loss_type not in losses,
+            f"is read by dpo.loss_type {', '.join(losses)} only, not {{cfg.dpo.loss_type}}: remove it")
+
+
+# The dpo keys a run reads only under a condition (pretrain/config_unread.py): each loss's own constants.
+DPO_UNREAD: tuple[Unread, ...] = (
+    Unread("dpo.reference_model", lambda c: c.dpo.reference != "precomputed",
+           "is read only with dpo.reference: precomputed; for a live reference checkpoint set dpo.reference to its "
+           "path"),
+    Unread("dpo.sft_weight", lambda c: c.dpo.loss_type in ("orpo", "cpo"),
+           "adds RPO's NLL term, which dpo.loss_type {cfg.dpo.loss_type} has built in (orpo: weight 1; cpo: "
+           "dpo.cpo_alpha): remove dpo.sft_weight"),
+    Unread("dpo.sft_weight", lambda c: c.dpo.loss_type == "kto",
+           "adds RPO's NLL term to pair losses; dpo.loss_type kto has none (TRL's KTOTrainer neither): remove "
+           "dpo.sft_weight"),
+    Unread("dpo.label_smoothing", *_loss_reads("sigmoid", "robust", "simpo", "cpo")),
+    Unread("dpo.simpo_gamma", *_loss_reads("simpo")),
+    Unread("dpo.cpo_alpha", *_loss_reads("cpo")),
+    *keys_unread(("dpo.desirable_weight", "dpo.undesirable_weight"), *_loss_reads("kto")),
+)
+
+
 @dataclass
 class DPOConfig(TrainConfig):
     """Everything a DPO run needs (`dpo train`)."""
+
+    UNREAD: ClassVar[tuple[Unread, ...]] = (*COMMON_UNREAD, TEXT_FIELD_UNREAD, *layout_unread("dpo train"),
+                                            *DPO_UNREAD)
 
     data: ChatDataSection = field(default_factory=ChatDataSection)
     dpo: DpoSection = field(default_factory=DpoSection)

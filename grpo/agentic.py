@@ -8,9 +8,10 @@
 - the episodes run on one KV cache per rollout (:class:`eval.turns.CachedTurns`), turn after turn;
 - :class:`Episodes` holds the arrays the update lays out (prompt rows, the episode's tokens and the sampler's
   log-probabilities, and which tokens are the model's), the messages the rewards read (TRL's completions: the
-  assistant and tool messages), the metrics (``num_turns``, ``tool_calls``, ``tool_failures``, TRL's
-  ``tools/call_frequency`` and ``tools/failure_frequency``, and ``turns/clipped_ratio``: the share of turns cut
-  by the budget) and the completions log's records of whole episodes.
+  assistant and tool messages), the metrics (per episode ``num_turns``, ``tool_calls`` and ``tool_failures``;
+  TRL's ``tools/call_frequency``, calls per episode, and ``tools/failure_frequency``, failures per call; and
+  ``turns/clipped_ratio``: the share of turns cut by the budget) and the completions log's records of whole
+  episodes (each with its own counts).
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ import numpy as np
 
 from chat.formats import BadRow
 from chat.templates import ChatTemplate, render, template_text
+from chat.training_templates import for_tools
 from eval.generate import Sampler
 from eval.turns import CachedTurns
 from grpo.config import GRPOConfig
-from grpo.episodes import Episode, EpisodeSettings, run_episodes, tool_suffix
+from grpo.episodes import Episode, EpisodeSettings, call_id, run_episodes, tool_suffix
 from grpo.tool_calls import Parser, parser_for
 from grpo.tools import Environments
 from zoo.errors import UserError
@@ -65,13 +67,16 @@ class Episodes:
 
 
 def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
-    """Episodes' metrics (module docstring): turns, calls and failures, TRL's frequencies, turns cut short."""
+    """Episodes' metrics (module docstring), each a mean that the batch size does not scale: ``num_turns``,
+    ``tool_calls`` and ``tool_failures`` per episode (``tool_calls`` is TRL's ``tools/call_frequency``, logged
+    under both names), ``tools/failure_frequency`` per call (TRL's), ``turns/clipped_ratio`` per turn."""
+    n = len(episodes)
     calls = sum(e.tool_calls for e in episodes)
     failures = sum(e.tool_failures for e in episodes)
     turns = [t for e in episodes for t in e.turns]
     return {"num_turns": float(np.mean([len(e.turns) for e in episodes])),
-            "tool_calls": float(calls), "tool_failures": float(failures),
-            "tools/call_frequency": calls / len(episodes),
+            "tool_calls": calls / n, "tool_failures": failures / n,
+            "tools/call_frequency": calls / n,
             "tools/failure_frequency": failures / calls if calls else 0.0,
             "turns/clipped_ratio": float(np.mean([t.truncated for t in turns])) if turns else 0.0}
 
@@ -104,10 +109,17 @@ class Agent:
 
     def prepare(self, tokenizer: Any, template: ChatTemplate, mcfg: ModelConfig, eos_ids: tuple[int, ...],
                 sampler: Sampler, compute: Any) -> None:
-        """The parser and the tools' suffix for this tokenizer and template (one-line errors before step 1)."""
+        """The template the episodes train under (a family's training template where its own re-renders earlier
+        turns, as TRL swaps: chat/training_templates.py; one log line names it), the parser and the tools' suffix
+        for this tokenizer (one-line errors before step 1: the suffix is tried on a call)."""
+        template, line = for_tools(tokenizer, template)
+        print(line, flush=True)
         source = template_text(tokenizer, template)
         parser = parser_for(self.g.tool_parser, source)
         suffix = tool_suffix(tokenizer, lambda msgs, gen: render(tokenizer, msgs, template, source, gen), eos_ids)
+        suffix({"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "id": call_id(1), "function": {"name": "dummy", "arguments": {}}}]},
+            [{"role": "tool", "name": "dummy", "content": "dummy", "tool_call_id": call_id(1)}])
         self.ready = Prepared(tokenizer, template, source, mcfg, sampler, compute, eos_ids, parser, suffix)
 
     def _ready(self) -> Prepared:

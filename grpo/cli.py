@@ -15,16 +15,33 @@ if TYPE_CHECKING:
     from pretrain.task import Task
 
 
+METHODS = """\
+methods:
+  grpo.loss_type                   grpo (GRPO), dr_grpo (Dr. GRPO), dapo (DAPO, the default), bnpo (BNPO)
+  grpo.importance_sampling_level   token (the default), sequence (GSPO)
+  grpo.advantage                   group (GRPO's, the default), rloo (RLOO: TRL's RLOOTrainer, its own loss),
+                                   reinforce_pp, reinforce_pp_baseline (REINFORCE++)
+rewards (grpo.rewards): a shipped verifier (exact_match, final_number, format, length_penalty), module:function,
+  path/to/file.py:function, or rm:PATH (a reward model trained with `reward train`)
+multi-turn episodes with tools and environments: grpo.tools (functions the model calls) or grpo.environment
+  (TRL's environment_factory: one instance per rollout, its methods the tools), with grpo.max_turns and
+  grpo.tool_parser
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `grpo` (every flag documented)."""
-    p = argparse.ArgumentParser(prog="grpo", description="lmzoo GRPO: online reinforcement learning with "
-                                                         "verifiable rewards (GRPO, Dr. GRPO, DAPO, BNPO, GSPO) "
-                                                         "on the shared training loop.")
+    p = argparse.ArgumentParser(prog="grpo", description="lmzoo online reinforcement learning with verifiable "
+                                                         "rewards on the shared training loop: GRPO, Dr. GRPO, DAPO, "
+                                                         "BNPO, GSPO, RLOO and REINFORCE++, full or LoRA; reward "
+                                                         "functions or reward models; multi-turn episodes with tools "
+                                                         "and environments.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_train_command(sub, "grpo", "train a model on prompts with reward functions from a YAML config",
                       "grpo.num_generations=8 grpo.loss_type=dr_grpo grpo.beta=0.04",
-                      "Each step samples grpo.num_generations completions per prompt with the current model, "
-                      "scores them with grpo.rewards and trains on their group-relative advantages.")
+                      "Each step samples grpo.num_generations completions per prompt with the current model (an "
+                      "episode each, with tools or an environment), scores them with grpo.rewards and trains on "
+                      "their advantages.", epilog=METHODS)
     return p
 
 

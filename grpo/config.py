@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from chat.config import ChatDataSection
-from pretrain.config import TrainConfig
+from pretrain.config import COMMON_UNREAD, TEXT_FIELD_UNREAD, TrainConfig, layout_unread
+from pretrain.config_unread import Unread, keys_unread
 from zoo.errors import UserError
 
 # The settings grpo/losses.py implements; here, so that a config is read and checked without importing JAX.
@@ -105,9 +106,6 @@ class GrpoSection:
         if not self.rewards and self.environment is None:  # an environment may score episodes itself (get_reward)
             raise UserError("grpo.rewards is empty; name at least one reward function (e.g. grpo.rewards=[final_number] "
                             "or a module:function)")
-        if self.max_turns is not None and not self.agentic:
-            raise UserError("grpo.max_turns counts the turns of episodes with tools; set grpo.tools or "
-                            "grpo.environment, or remove grpo.max_turns")
         if self.reward_weights is not None:
             if isinstance(self.reward_weights, (int, float)):
                 self.reward_weights = [self.reward_weights]
@@ -122,12 +120,6 @@ class GrpoSection:
             if not (isinstance(r, list) and len(r) == 2 and all(isinstance(x, (int, float)) for x in r)
                     and r[0] < r[1]):
                 raise UserError(f"grpo.reward_clip_range must be [low, high] with low < high, got {r}")
-            if "reward_clip_range" not in ESTIMATOR_KEYS[self.advantage]:
-                raise UserError("grpo.reward_clip_range is read by grpo.advantage rloo, reinforce_pp and "
-                                "reinforce_pp_baseline; remove it, or choose one of them")
-        if self.normalize_advantages and "normalize_advantages" not in ESTIMATOR_KEYS[self.advantage]:
-            raise UserError("grpo.normalize_advantages is RLOO's (grpo.advantage: rloo); group advantages are "
-                            "scaled by grpo.scale_rewards and REINFORCE++'s are always whitened")
 
 
 def _reward_weights(weights: list[Any]) -> list[float]:
@@ -154,9 +146,36 @@ class PromptDataSection(ChatDataSection):
     seq_len: int = field(default=512, metadata={"range": "[1, inf)"})
 
 
+# The grpo keys a run reads only under a condition (pretrain/config_unread.py).
+GRPO_UNREAD: tuple[Unread, ...] = (
+    *keys_unread(("grpo.loss_type", "grpo.importance_sampling_level"), lambda c: c.grpo.advantage == "rloo",
+                 "is not read with grpo.advantage: rloo, whose loss is its own (one importance ratio per completion, "
+                 "as TRL's RLOOTrainer, whose RLOOConfig has no such key): remove it"),
+    Unread("grpo.scale_rewards", lambda c: c.grpo.advantage != "group",
+           "scales group advantages (grpo.advantage: group); {cfg.grpo.advantage}'s are not (RLOO's by "
+           "grpo.normalize_advantages, REINFORCE++'s always whitened; TRL's RLOOConfig has no scale_rewards): "
+           "remove it"),
+    Unread("grpo.reward_clip_range", lambda c: "reward_clip_range" not in ESTIMATOR_KEYS[c.grpo.advantage],
+           "is read by grpo.advantage rloo, reinforce_pp and reinforce_pp_baseline; remove it, or choose one of them"),
+    Unread("grpo.normalize_advantages", lambda c: "normalize_advantages" not in ESTIMATOR_KEYS[c.grpo.advantage],
+           "is RLOO's (grpo.advantage: rloo); group advantages are scaled by grpo.scale_rewards and REINFORCE++'s "
+           "are always whitened: remove it"),
+    Unread("grpo.max_turns", lambda c: not c.grpo.agentic,
+           "counts the turns of episodes with tools; set grpo.tools or grpo.environment, or remove grpo.max_turns"),
+    *keys_unread(("grpo.tool_parser", "grpo.tool_timeout"), lambda c: not c.grpo.agentic,
+                 "is read by episodes with tools only; set grpo.tools or grpo.environment, or remove it"),
+    Unread("grpo.reference", lambda c: c.grpo.beta == 0,
+           "is the KL term's reference, and grpo.beta is 0 (no KL term, no reference pass): set grpo.beta, or "
+           "remove it"),
+)
+
+
 @dataclass
 class GRPOConfig(TrainConfig):
     """Everything a GRPO run needs (`grpo train`)."""
+
+    UNREAD: ClassVar[tuple[Unread, ...]] = (*COMMON_UNREAD, TEXT_FIELD_UNREAD, *layout_unread("grpo train"),
+                                            *GRPO_UNREAD)
 
     data: PromptDataSection = field(default_factory=PromptDataSection)
     grpo: GrpoSection = field(default_factory=GrpoSection)
@@ -172,6 +191,3 @@ class GRPOConfig(TrainConfig):
                             f"{max(g, self.batch_size // g * g)}")
         if isinstance(self.data.path, list):
             raise UserError("grpo train reads one prompt dataset: data.path must be a single path, not a mixture")
-        if (self.data.eval_path or self.data.eval_fraction) and not self.eval_every:
-            raise UserError("data.eval_path / data.eval_fraction are GRPO's held-out prompts, scored every eval_every "
-                            "steps: set eval_every (e.g. eval_every=50)")

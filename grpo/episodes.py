@@ -4,7 +4,8 @@ An episode starts from a rendered prompt. Each turn the policy decodes (:class:`
 :class:`eval.turns.CachedTurns`) until its end-of-turn token; the turn's text is read for tool calls by the
 template family's parser (:mod:`grpo.tool_calls`); each call runs (:func:`grpo.tools.run_call`) and its answer
 becomes a ``tool`` message. The tokens that follow the turn (the answers and the next generation prompt) are the
-chat template's own rendering of those messages, found as TRL 1.16 finds them (``_get_tool_suffix_ids``): a
+chat template's own rendering of those messages (a family's training template where its own re-renders earlier
+turns: chat/training_templates.py), found as TRL 1.16 finds them (``_get_tool_suffix_ids``): a
 conversation rendered with and without them, cut at the end-of-turn token. They join the episode as tokens the
 policy did not choose: they are masked out of the loss, the log-probabilities and the KL (TRL's ``tool_mask``).
 
@@ -23,6 +24,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from chat.formats import BadRow
+from chat.training_templates import COVERED
 from grpo.tool_calls import ParsedTurn, ToolCall
 from grpo.tools import run_call
 from zoo.errors import UserError
@@ -170,6 +173,11 @@ def run_episodes(decoder: TurnDecoder, prompts: list[list[int]], width: int, too
     return episodes
 
 
+# What a run whose template cannot serve tool episodes can do (chat/training_templates.py swaps the families it knows).
+_FIX = ("set data.chat_template to a Jinja chat template that renders earlier turns the same whatever follows them "
+        f"(lmzoo swaps in a prefix-preserving training template only for these families' own templates: {COVERED})")
+
+
 def tool_suffix(tokenizer: Any, render: Callable[[list[dict[str, Any]], bool], str],
                 eos_ids: tuple[int, ...]) -> Callable[[dict[str, Any], list[dict[str, Any]]], list[int]]:
     """The ids that follow an assistant turn with tool calls: its tools' messages and the next generation prompt,
@@ -186,14 +194,18 @@ def tool_suffix(tokenizer: Any, render: Callable[[list[dict[str, Any]], bool], s
             for m in tool_messages]
         dummy: list[dict[str, Any]] = [{"role": "user", "content": "dummy"},
                                        {"role": "assistant", "content": "", "tool_calls": calls}]
-        prefix, full = ids(render(dummy, False)), ids(render(dummy + tool_messages, True))
+        try:
+            prefix, full = ids(render(dummy, False)), ids(render(dummy + tool_messages, True))
+        except BadRow as bad:  # e.g. Gemma's templates: roles must alternate user/assistant, no tool role
+            why = " ".join(str(bad).split()).removeprefix("the chat template cannot render it ")  # render's words
+            raise UserError(f"the chat template cannot render a tool's answer after the assistant's call: {why}; "
+                            f"{_FIX}") from None
         ends = [i for i, t in enumerate(prefix) if t in eos_ids]
         if ends:
             prefix = prefix[:ends[-1] + 1]
         if full[:len(prefix)] != prefix:
             raise UserError("the chat template does not render a tool's answer after the assistant's turn as a "
-                            "continuation of it (the conversation's tokens change); use a template that does, "
-                            "e.g. set data.chat_template")
+                            f"continuation of it (the conversation's tokens change); {_FIX}")
         return full[len(prefix):]
 
     return suffix

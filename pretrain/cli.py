@@ -26,12 +26,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class EpilogAsWritten(argparse.HelpFormatter):
+    """Help that wraps the description to the terminal but prints a multi-line epilog (a table of a command's
+    methods and the keys that select them) as it is written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return text if "\n" in text.strip() else super()._fill_text(text, width, indent)
+
+
 def add_train_command(sub: argparse._SubParsersAction[argparse.ArgumentParser], command: str, what: str,
-                      example: str, more: str = "") -> argparse.ArgumentParser:
+                      example: str, more: str = "", epilog: str | None = None) -> argparse.ArgumentParser:
     """A task's `train` subcommand of ``command`` (its parser's subparsers ``sub``): --config, KEY=VALUE overrides
     (``example`` shows some), --print-config, and the run-folder and multi-process flags; ``more`` adds to its
-    description."""
-    s = sub.add_parser("train", help=what,
+    description, and ``epilog`` (printed as written) ends its help."""
+    s = sub.add_parser("train", help=what, epilog=epilog, formatter_class=EpilogAsWritten,
                        description=f"{what[0].upper()}{what[1:]}; `key.sub=value` arguments override config keys."
                                    + (f" {more}" if more else ""))
     s.add_argument("--config", metavar="YAML", help=f"the run's config file (keys: see `{command} train --print-config`)")

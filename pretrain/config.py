@@ -8,7 +8,9 @@ key of that schema; wrong types name the key and the expected type; a key whose
 field metadata lists ``choices`` must be one of them, and a numeric key whose
 metadata gives a ``range`` (an interval, :func:`pretrain.config_values.check_range`) must lie in it
 (no float key may be NaN or infinite); ``--print-config`` shows the resolved
-config with defaults. Each section may check itself (``check``).
+config with defaults. Each section may check itself (``check``). A key set to other than its default that the
+run will not read is an error naming why: each schema lists such keys in its ``UNREAD`` table
+(:mod:`pretrain.config_unread`).
 
 An override indexes a list with ``[N]``: ``data.path[1].weight=0.5`` sets the
 weight of a mixture's second source (:func:`load_config`, :mod:`pretrain.config_overrides`).
@@ -26,7 +28,8 @@ from typing import Any, ClassVar, cast
 
 import yaml
 
-from pretrain.config_overrides import set_override
+from pretrain.config_overrides import remove_override, set_override
+from pretrain.config_unread import Unread, check_unread, keys_unread
 from pretrain.config_values import check_field, coerce, field_type, schema_keys
 from zoo.errors import UserError
 from zoo.model.config import ATTENTION_KERNELS
@@ -222,9 +225,47 @@ class EvalSection:
     include_path: str | None = None  # a folder of your own lm-eval task YAMLs, for harness task names
 
 
+# Keys every command reads only under a condition (pretrain/config_unread.py): LoRA's without LoRA, the scored
+# tasks' without tasks, an optimizer's constants under another optimizer, a decay's floor without a decay.
+COMMON_UNREAD: tuple[Unread, ...] = (
+    *keys_unread(("lora.alpha", "lora.dropout", "lora.targets", "lora.rslora", "lora.base_quant",
+                  "lora.base_quant_double"), lambda c: not c.lora.rank,
+                 "is read by LoRA runs only, and lora.rank is 0 (full fine-tuning): set lora.rank, or remove it"),
+    Unread("lora.base_quant_double", lambda c: c.lora.base_quant != "nf4",
+           "applies to lora.base_quant: nf4 only (NF4's double quantization): remove it"),
+    *keys_unread(("eval.limit", "eval.batch_size", "eval.include_path"), lambda c: not c.eval.tasks,
+                 "configures the scored eval.tasks, and eval.tasks is empty: name tasks, or remove it"),
+    Unread("optimizer.b1", lambda c: c.optimizer.name == "adafactor",
+           "is read by optimizer.name adamw, lion (the first moment) and sgd (the momentum), not adafactor: "
+           "remove it"),
+    Unread("optimizer.b2", lambda c: c.optimizer.name not in ("adamw", "lion"),
+           "is read by optimizer.name adamw and lion only, not {cfg.optimizer.name}: remove it"),
+    Unread("optimizer.eps", lambda c: c.optimizer.name != "adamw",
+           "is read by optimizer.name adamw only, not {cfg.optimizer.name}: remove it"),
+    Unread("schedule.min_lr_ratio", lambda c: c.schedule.name == "constant",
+           "is the floor a schedule decays to, and schedule.name constant never decays: remove it"),
+    Unread("data.eval_fraction", lambda c: bool(c.data.eval_path),
+           "holds rows of data.path out for eval when data.eval_path is not set; data.eval_path "
+           "{cfg.data.eval_path} is the eval set: remove one of them"),
+)
+# Pretraining's text column, which the chat tasks do not read (their rows' columns are their format's).
+TEXT_FIELD_UNREAD = Unread("data.text_field", lambda c: True,
+                           "names the text column of pretraining's rows; this command reads the columns of its rows' "
+                           "format: remove it")
+
+
+def layout_unread(command: str) -> tuple[Unread, ...]:
+    """The packing keys, unread by a task that lays out one example a row itself (``command`` names it)."""
+    return keys_unread(("data.packing", "data.max_segments"), lambda c: True,
+                       f"is not read by {command}: each example is a row of its own, laid out by the task; remove it")
+
+
 @dataclass
 class TrainConfig:
     """Everything a training run needs."""
+
+    # Keys the run reads only under a condition (pretrain/config_unread.py); a task's schema extends the table.
+    UNREAD: ClassVar[tuple[Unread, ...]] = COMMON_UNREAD
 
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
@@ -257,7 +298,7 @@ class TrainConfig:
             raise UserError("config needs `model` (a zoo checkpoint path or registry name), or `model.init: random`")
         if self.model.init == "random" and not (self.model.config and self.model.tokenizer):
             raise UserError("`model.init: random` needs `model.config` (a tiny registry entry or a config.json) "
-                            "and `model.tokenizer` (a tokenizer folder)")
+                            "and `model.tokenizer` (a tokenizer folder or a zoo checkpoint)")
         self.data.check()
         if self.max_steps is None and self.epochs is None:
             raise UserError("config needs `max_steps` or `epochs`")
@@ -299,7 +340,7 @@ def _build(cls: type, data: dict[str, Any], prefix: str = "", root: type | None 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = (),
                 schema: type[TrainConfig] | None = None) -> TrainConfig:
-    """Read a YAML config (safely) and apply `key.sub=value` overrides, as ``schema`` (a task's ``config_class``;
+    """Read a YAML config (safely) and apply `key.sub=value` (and `~key.sub` removal) overrides, as ``schema`` (a task's ``config_class``;
     default :class:`TrainConfig`, pretraining's) says."""
     tree: dict[str, Any] = {}
     if path is not None:
@@ -313,8 +354,11 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (),
         if not isinstance(tree, dict):
             raise UserError(f"--config {path} must hold a mapping of config keys")
     for item in overrides:
+        if item.startswith("~") and "=" not in item:  # Hydra's removal: `~lora` trains the file's run in full
+            remove_override(tree, item[1:].strip())
+            continue
         if "=" not in item:
-            raise UserError(f"override {item!r}: write it as key.sub=value")
+            raise UserError(f"override {item!r}: write it as key.sub=value, or ~key.sub to remove a key")
         key, raw = item.split("=", 1)
         try:
             value = yaml.safe_load(raw) if raw else ""
@@ -323,6 +367,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (),
         set_override(tree, key.strip(), value)
     cfg: TrainConfig = _build(schema or TrainConfig, tree)
     cfg.check()
+    check_unread(cfg, cfg.UNREAD)
     return cfg
 
 

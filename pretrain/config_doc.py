@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from pretrain.config import DataSection, TrainConfig
+from pretrain.config_unread import Unread
 
 NONE = "—"  # a cell with nothing to say (no choices, no range, no doc line)
 REQUIRED = "required"  # the default of a key without one (a mixture source's path)
@@ -302,13 +303,18 @@ INTRO = """\
 
 Every key a `train` command reads. Set keys in the YAML file given with `--config`, nested by section
 (`grpo:` then `num_generations: 4`), or on the command line as `key.sub=value` overrides
-(`grpo.num_generations=4`), which win over the file. `<command> train --config run.yaml --print-config`
-prints the fully resolved config, defaults included, and exits.
+(`grpo.num_generations=4`), which win over the file; `'~key.sub'` (quoted: the shell expands `~`) removes a
+key or a whole section the file sets (`'~lora'` trains a LoRA config's run in full).
+`<command> train --config run.yaml --print-config` prints the fully resolved config, defaults included, and exits.
 
 - **Type**: `or null` means the key may be left unset (`null`, or not written).
 - **Choices**: the values the key accepts; any other is an error naming them.
 - **Range**: the interval a number must lie in (`[` and `]` include the bound, `(` and `)` exclude it;
   `inf` is no bound).
+- **Read only when**: a key set to other than its default that the run will not read (an RLOO run's
+  `grpo.loss_type`, `distill.*` without a teacher, LoRA's keys without `lora.rank`) is an error that names why
+  (one line, exit 2, nothing written); each section ends with its keys that are read only under a condition.
+  A key at its default passes, so a config printed by `--print-config` reads back.
 - `model: PATH` is short for `model.path: PATH`.
 - `data.path` is a file, a folder or a Hub dataset name, or a list of sources (a mixture); the
   `data.path[N].*` keys are what each source of the list may set (`data.path[1].weight=0.5` on the command line).
@@ -318,6 +324,22 @@ only the keys it adds or declares differently (another default, type, range or m
 """
 
 
+def _placeholders(why: str) -> str:
+    """A reason as the reference shows it: its config-value placeholders (``{cfg.dpo.loss_type}``) written
+    ``<dpo.loss_type>``."""
+    return re.sub(r"\{cfg\.([\w.]+)\}", r"<\1>", why)
+
+
+def _unread_list(rules: Sequence[Unread], heading: str) -> list[str]:
+    """The keys read only under a condition (a schema's ``UNREAD`` rules), each with its error's reason, the
+    config values it names written ``<key>``."""
+    if not rules:
+        return []
+    items = [f"- {code(r.key)} {cell(_placeholders(r.why))}" for r in rules]
+    return [f"{heading} Keys read only under a condition", "",
+            "Each, set to other than its default where the run will not read it, is an error:", "", *items, ""]
+
+
 def render_page(commands: Sequence[tuple[str, type[TrainConfig]]], command: str) -> str:
     """The whole reference page: the intro (naming ``command``, the one that regenerates it), the keys
     :class:`TrainConfig` declares, then per command (``("sft train", SFTConfig)``, ...) the keys its schema adds
@@ -325,14 +347,16 @@ def render_page(commands: Sequence[tuple[str, type[TrainConfig]]], command: str)
     common = schema_keys(TrainConfig)
     out = [INTRO.format(command=command), "## Common keys", "",
            "Read by every command: " + ", ".join(f"`{name}`" for name, _ in commands) + ".", "",
-           *_grouped(common, TrainConfig, "###")]
+           *_grouped(common, TrainConfig, "###"), *_unread_list(TrainConfig.UNREAD, "###")]
     by_key = {k.key: k for k in common}
     for name, schema in commands:
         own = [k for k in schema_keys(schema) if by_key.get(k.key) != k]
         what = cell(class_doc(schema))
         out += [f"## {name}", "", f"{what} Schema: `{schema.__module__}.{schema.__qualname__}`.", ""]
+        rules = [r for r in schema.UNREAD if r not in TrainConfig.UNREAD]
         if not own:
-            out += ["Only the [common keys](#common-keys).", ""]
+            out += ["Only the [common keys](#common-keys).", "", *_unread_list(rules, "###")]
             continue
-        out += ["The [common keys](#common-keys), and:", "", *_grouped(own, schema, "###")]
+        out += ["The [common keys](#common-keys), and:", "", *_grouped(own, schema, "###"),
+                *_unread_list(rules, "###")]
     return "\n".join(out).rstrip("\n") + "\n"

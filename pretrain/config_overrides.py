@@ -1,5 +1,6 @@
 """Config overrides (``key.sub=value``) put into a config tree before it is read: mappings made on the way,
-``name[N]`` an item of a list the tree already holds (``data.path[1].weight=0.5``)."""
+``name[N]`` an item of a list the tree already holds (``data.path[1].weight=0.5``); ``~key.sub`` removes a key or a
+whole section the file sets (Hydra's spelling), so a file's LoRA run trains in full with ``~lora``."""
 
 from __future__ import annotations
 
@@ -51,6 +52,18 @@ def set_override(tree: dict[str, Any], dotted: str, value: Any) -> None:
             nxt = {}
         node[name] = nxt
         node = nxt
+
+
+def remove_override(tree: dict[str, Any], dotted: str) -> None:
+    """Remove ``dotted`` (a key or a whole section, ``lora``) from ``tree``, so the run reads its default; a key
+    the tree does not set is a UserError (a misspelt removal would otherwise pass unnoticed)."""
+    *parents, last = dotted.split(".")
+    node: Any = tree
+    for part in parents:
+        node = node.get(part) if isinstance(node, dict) else None
+    if not isinstance(node, dict) or last not in node:
+        raise UserError(f"override '~{dotted}': the config sets no {dotted} to remove")
+    del node[last]
 
 
 def _list_of(node: dict[str, Any], name: str, index: int, key: str, dotted: str) -> list[Any]:

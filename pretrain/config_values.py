@@ -40,7 +40,7 @@ def _type_name(t: Any) -> str:
 def coerce(key: str, value: Any, t: Any) -> Any:
     """``value`` as config key ``key`` of type ``t`` takes it (``"3e-4"`` a float, ``"yes"`` a bool); a UserError
     that names the key and the type where it cannot be."""
-    optional = type(None) in typing.get_args(t)
+    optional = type(None) in typing.get_args(t) or t is Any  # Any: null too (grpo.environment's unset value)
     if value is None:
         if optional:
             return None

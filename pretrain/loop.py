@@ -96,6 +96,7 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task[Any] | None
     out = Path(cfg.output_dir).absolute()
     primary = distributed.is_primary()
     check_platform(cfg.model.attention, cfg.dtype.compute)  # before anything is written
+    preflight.check_data_files(cfg)  # and before the model loads
     task = task or PretrainTask(cfg)
     check_rows(cfg.model.attention, task.batch_layout(1, 1, cfg.data.seq_len).inputs.shape[-1],  # GRPO's are longer
                task.row_segments if task.packing != "none" else 1)  # DPO's shared prefixes: said when traced

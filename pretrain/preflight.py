@@ -5,21 +5,53 @@ A ``seq_len`` too short for the data used to train on nothing and exit 0
 Now it is an error naming the cause and the numbers: when more examples than
 ``data.max_untrainable_fraction`` keep no trained token once cut to a row,
 when the first global batch trains no token, and when the eval set cannot
-fill one batch.
+fill one batch. A data file that is not there is said before the model loads
+(:func:`check_data_files`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from pretrain import distributed
-from pretrain.config import TrainConfig
+from pretrain.config import TrainConfig, data_sources
 from pretrain.data.pipeline import packed_batches, tokens_of
 from zoo.data.batching import Document, to_model_batch
+from zoo.data.files import SUFFIX_FORMATS, looks_like_hub_name
 from zoo.errors import UserError
+
+
+def data_files(cfg: TrainConfig) -> list[tuple[str, str]]:
+    """(config key, path) of every data file or folder a run reads: ``data.path`` and ``data.eval_path``, or a
+    mixture's ``data.path[N]`` and ``data.path[N].eval_path`` and its ``data.eval_path``."""
+    mixture = isinstance(cfg.data.path, list)
+    out = []
+    for i, src in enumerate(data_sources(cfg)):  # one source for a plain data.path
+        key = f"data.path[{i}]" if mixture else "data.path"
+        out.append((key, src.path))
+        if src.eval_path:  # a mixture source's own
+            out.append((f"{key}.eval_path", src.eval_path))
+    if cfg.data.eval_path:
+        out.append(("data.eval_path", cfg.data.eval_path))
+    return out
+
+
+def check_data_files(cfg: TrainConfig) -> None:
+    """A UserError naming the first data file the run reads (:func:`data_files`) that is not there: neither a
+    local file, nor a folder holding .jsonl/.json/.parquet/.txt files, nor a name that reads as a Hub dataset
+    (which is looked up when it is read). Called before the model loads, so that a typo costs no load."""
+    for key, path in data_files(cfg):
+        p = Path(path).expanduser()
+        if p.is_file() or (not p.exists() and looks_like_hub_name(path)):
+            continue
+        if not p.exists():
+            raise UserError(f"{key} {path}: no such file or folder")
+        if not any(f.suffix in SUFFIX_FORMATS for f in p.rglob("*")):
+            raise UserError(f"{key} {path}: a folder with no {', '.join(SUFFIX_FORMATS)} file in it")
 
 
 def trained_targets(doc: Document, seq_len: int) -> int:

@@ -211,17 +211,19 @@ def _quantized_base(cfg: TrainConfig, mcfg: ModelConfig, mesh: jax.sharding.Mesh
 
 
 def tokenizer_folder(cfg: TrainConfig) -> Path:
-    """The run's tokenizer folder: ``model.tokenizer``, else the model checkpoint's own.
+    """The run's tokenizer folder: ``model.tokenizer`` (a tokenizer folder, or a zoo checkpoint: its
+    ``tokenizer/``), else the model checkpoint's own.
 
     A folder without tokenizer files is a UserError here, naming the setting
     that gives one (zoo.data.tokenizer.load_tokenizer reads the folder afterwards).
     """
     if cfg.model.tokenizer or cfg.model.init == "random":
-        folder = Path(cfg.model.tokenizer or "")
+        folder = tokenizer_dir(Path(cfg.model.tokenizer or "").expanduser())
     else:
         folder = tokenizer_dir(_resolve_checkpoint(cast(str, cfg.model.path)))
     if not holds_tokenizer(folder):
-        raise UserError(f"no tokenizer in {folder}; set model.tokenizer to a tokenizer folder")
+        raise UserError(f"no tokenizer in {folder}; set model.tokenizer to a tokenizer folder or a zoo checkpoint "
+                        "with one")
     return folder
 
 

@@ -16,13 +16,24 @@ if TYPE_CHECKING:
     from pretrain.task import Task
 
 
+METHODS = """\
+the model: the decoder with a scalar score head at each sequence's last token (TRL's RewardTrainer); full or LoRA
+  (lora.rank > 0: the head trains whole beside the adapters)
+the loss: Bradley-Terry, -logsigmoid(r_chosen - r_rejected - margin) (the margin column: rm.margin_field), plus
+  rm.center_rewards_coefficient x (r_chosen + r_rejected)^2
+after: `zoo export RUN/final` writes a *ForSequenceClassification folder; grpo.rewards: ["rm:RUN/final"] scores
+  GRPO's completions with it
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `reward` (every flag documented)."""
     p = argparse.ArgumentParser(prog="reward", description="lmzoo reward models (Bradley-Terry on preference "
-                                                           "pairs) on the shared training loop.")
+                                                           "pairs) on the shared training loop, full or LoRA.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    add_train_command(sub, "reward", "train a reward model on preference pairs (prompt, chosen, rejected) from a YAML "
-                      "config", "rm.center_rewards_coefficient=0.01 optimizer.learning_rate=1e-5")
+    add_train_command(sub, "reward", "train a reward model on preference pairs (prompt, chosen, rejected) from a "
+                      "YAML config", "rm.center_rewards_coefficient=0.01 optimizer.learning_rate=1e-5",
+                      epilog=METHODS)
     return p
 
 

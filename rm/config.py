@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from chat.config import ChatDataSection
-from pretrain.config import TrainConfig
+from pretrain.config import COMMON_UNREAD, TEXT_FIELD_UNREAD, TrainConfig, layout_unread
+from pretrain.config_unread import Unread
 
 
 @dataclass
@@ -20,6 +22,8 @@ class RmSection:
 @dataclass
 class RMConfig(TrainConfig):
     """Everything a reward-model run needs (`reward train`)."""
+
+    UNREAD: ClassVar[tuple[Unread, ...]] = (*COMMON_UNREAD, TEXT_FIELD_UNREAD, *layout_unread("reward train"))
 
     data: ChatDataSection = field(default_factory=ChatDataSection)
     rm: RmSection = field(default_factory=RmSection)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from pretrain import distributed
-from pretrain.cli import add_compile_flags, add_run_flags, train_command
+from pretrain.cli import EpilogAsWritten, add_compile_flags, add_run_flags, train_command
 from pretrain.config import load_config
 from sft.config import SFTConfig
 from zoo.console import run_cli, use_color
@@ -17,13 +17,27 @@ if TYPE_CHECKING:
     from pretrain.task import Task
 
 
+METHODS = """\
+methods:
+  SFT (the default)     rows as text, prompt/completion, messages, alpaca or sharegpt (data.format, or read from
+                        the columns); the loss on the completion or the assistant turns (see `sft inspect`)
+  LoRA, QLoRA           lora.rank > 0 trains adapters; lora.base_quant: nf4 or int8 keeps the frozen base quantized
+  distillation (GKD)    distill.teacher: a checkpoint whose next-token distributions the model learns (TRL's
+                        GKDTrainer): distill.lmbda (the share of the model's own samples), distill.beta (the
+                        generalized JSD), distill.seq_kd (the teacher's samples)
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `sft` (every flag documented)."""
-    p = argparse.ArgumentParser(prog="sft", description="lmzoo supervised fine-tuning (SFT) on the shared loop.")
+    p = argparse.ArgumentParser(prog="sft", description="lmzoo supervised fine-tuning on the shared loop: SFT, full "
+                                                        "or LoRA/QLoRA, and distillation from a teacher (GKD).")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, what in (("train", "fine-tune a model from a YAML config"),
+    for name, what in (("train", "fine-tune a model (or distill a teacher into it) from a YAML config"),
                        ("inspect", "print the first examples tokenized, trained tokens highlighted")):
-        s = sub.add_parser(name, help=what, description=what + "; `key.sub=value` arguments override config keys.")
+        s = sub.add_parser(name, help=what, description=what + "; `key.sub=value` arguments override config keys.",
+                           epilog=METHODS if name == "train" else None,
+                           formatter_class=EpilogAsWritten)
         s.add_argument("--config", metavar="YAML", help="the run's config file (keys: see `sft train --print-config`)")
         s.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                        help="config overrides, e.g. optimizer.learning_rate=1e-4 data.format=messages")

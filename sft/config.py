@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from chat.config import ChatDataSection
-from distill.config import DistillSection
-from pretrain.config import DataSource, TrainConfig
+from distill.config import DISTILL_UNREAD, DistillSection
+from pretrain.config import COMMON_UNREAD, TEXT_FIELD_UNREAD, DataSource, TrainConfig, layout_unread
+from pretrain.config_unread import Unread
 
 
 @dataclass
@@ -29,9 +30,20 @@ class SFTDataSection(ChatDataSection):
     format: str | None = None  # text | prompt_completion | messages | alpaca | sharegpt; None: from the columns
 
 
+# The packing keys: best-fit packing's bound without packing, and both under on-policy GKD (one example a row).
+PACKING_UNREAD: tuple[Unread, ...] = (
+    *(Unread(r.key, lambda c: c.distill.teacher is not None and c.distill.samples, r.why)
+      for r in layout_unread("on-policy GKD (distill.lmbda > 0 or distill.seq_kd)")),
+    Unread("data.max_segments", lambda c: not c.data.packing,
+           "bounds the examples a packed row holds, and data.packing is false (one example a row): remove it"),
+)
+
+
 @dataclass
 class SFTConfig(TrainConfig):
     """Everything an SFT run needs (`sft train`)."""
+
+    UNREAD: ClassVar[tuple[Unread, ...]] = (*COMMON_UNREAD, TEXT_FIELD_UNREAD, *PACKING_UNREAD, *DISTILL_UNREAD)
 
     data: SFTDataSection = field(default_factory=SFTDataSection)
     distill: DistillSection = field(default_factory=DistillSection)  # GKD: a teacher's distributions (distill/)

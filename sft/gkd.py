@@ -16,7 +16,7 @@ from typing import Any, cast
 import jax
 
 from distill.batch import DistillBatch
-from distill.config import DistillSection, check_teacher_tokenizer, load_teacher
+from distill.config import check_teacher_tokenizer, load_teacher
 from distill.losses import distill_loss_sums
 from distill.online import Sampling, sampling
 from pretrain.batch import Rollout, TokenBatch
@@ -32,12 +32,6 @@ from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 
 
-def samples(d: DistillSection) -> bool:
-    """Whether a GKD run trains on sampled completions (the student's with ``lmbda`` > 0, the teacher's with
-    ``seq_kd``), which makes its task an online one."""
-    return d.lmbda > 0 or d.seq_kd
-
-
 class GKDTask(SFTTask):
     """SFT rows trained on ``distill.teacher``'s token distributions (module docstring)."""
 
@@ -45,7 +39,7 @@ class GKDTask(SFTTask):
     def handles(cls, cfg: TrainConfig) -> bool:
         """``distill.teacher`` set, no sampled completions."""
         d = cast(SFTConfig, cfg).distill
-        return d.teacher is not None and not samples(d)
+        return d.teacher is not None and not d.samples
 
     def __init__(self, cfg: SFTConfig):
         super().__init__(cfg)
@@ -82,7 +76,7 @@ class OnlineGKDTask(GKDTask):
     def handles(cls, cfg: TrainConfig) -> bool:
         """``distill.teacher`` set, with sampled completions."""
         d = cast(SFTConfig, cfg).distill
-        return d.teacher is not None and samples(d)
+        return d.teacher is not None and d.samples
 
     def __init__(self, cfg: SFTConfig):
         super().__init__(cfg)

@@ -154,6 +154,37 @@ def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
         return model(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
 
 
+# Gemma 4's (and Llama's) weights on the residual stream, by module name: those that read it (its width their
+# input: the last axis of a Linear's [out, in] and of the embeddings), those that write it (the first axis), its
+# norms (their one axis).
+RESIDUAL_READERS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "per_layer_input_gate",
+                    "per_layer_model_projection", "embed_tokens", "lm_head")
+RESIDUAL_WRITERS = ("o_proj", "down_proj", "per_layer_projection")
+RESIDUAL_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                  "post_feedforward_layernorm", "post_per_layer_input_norm", "norm")
+
+
+def float32_spread(model, tokens: np.ndarray, seed: int = 0) -> float:
+    """Max-abs between transformers' float32 logits of a dense Gemma 4 (or Llama-style) ``model`` and those of the
+    same model with its residual stream's dimensions permuted: the same function in exact arithmetic, summed in
+    another order. What float32 itself lets two faithful implementations differ by on this model (a parity
+    tolerance below it cannot hold)."""
+    import copy
+
+    perm = torch.randperm(model.config.hidden_size, generator=torch.Generator().manual_seed(seed))
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in other.named_parameters():
+            module = name.rsplit(".", 2)[-2]
+            if module in RESIDUAL_READERS:
+                p.copy_(p[:, perm])
+            elif module in RESIDUAL_WRITERS or module in RESIDUAL_NORMS:
+                p.copy_(p[perm])
+    spread = float(np.abs(hf_logits(other, tokens) - hf_logits(model, tokens)).max())
+    assert spread < 1e-2, "the permutation missed a weight on the residual stream"  # that changes logits by O(1)
+    return spread
+
+
 def log_softmax(x: np.ndarray) -> np.ndarray:
     """Numerically stable log-softmax in float64."""
     x = x.astype(np.float64)

@@ -25,3 +25,23 @@ def quantized_projections(cfg, flat: dict) -> dict:
 
     paths = quant.quantized_paths(cfg)
     return {k: quant.quantize(np.asarray(v), *paths[k], "nf4", True) if k in paths else v for k, v in flat.items()}
+
+
+def bnb_nf4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """bitsandbytes' own NF4 of a weight (``quantize_4bit``, blocks of 64 over the tensor flattened row-major, the
+    blocks straddling rows): (packed bytes, float32 absmax per block, ``dequantize_4bit``'s float32 values in
+    ``w``'s shape).
+
+    The values are dequantized as the flat tensor they were blocked as: bitsandbytes 0.50.2's AVX-512 CPU kernel,
+    given a 2-D shape whose rows are a multiple of 16 wide, looks each row's absmax up as if every row began a block
+    (``absmax[row * (cols // 64) + col // 64]``), disagreeing with its own quantize_4bit, its CUDA kernel and its
+    PyTorch kernel wherever ``cols % 64 != 0``; over a 1-D shape every one of its kernels reads block
+    ``index // 64``."""
+    import bitsandbytes.functional as F  # in the test extra: a missing one fails here, loudly
+    import torch
+
+    w = np.ascontiguousarray(w, np.float32)
+    q, state = F.quantize_4bit(torch.from_numpy(w), blocksize=64, quant_type="nf4")
+    state.shape = torch.Size([w.size])  # dequantized as the flat tensor it was blocked as (above)
+    values = F.dequantize_4bit(q, state).numpy().reshape(w.shape)
+    return q.numpy().reshape(-1), state.absmax.numpy(), values

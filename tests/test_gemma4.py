@@ -12,16 +12,31 @@ import pytest
 import torch
 
 import zoo
-from tests.hf_models import BASE, FAMILIES, hf_logits, hf_tensors, make_hf, mean_kl, random_tokens
+from tests.hf_models import (
+    BASE,
+    FAMILIES,
+    float32_spread,
+    hf_logits,
+    hf_tensors,
+    make_hf,
+    mean_kl,
+    random_tokens,
+)
 from zoo.cli import main
 
-SEQ = 40  # past the sliding window (7): the KV-shared sliding layers reuse a windowed layer's keys
+SEQ = 40  # past the sliding windows (7; window16's 16): the KV-shared sliding layers reuse a windowed layer's keys
 # The MoE variant: 4 experts (top 2) beside the MLP in every layer, the last 2 layers KV-shared (one of each
 # kind), no per-layer inputs, full layers' values their own projection (attention_k_eq_v off).
 MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16, num_kv_shared_layers=2,
            hidden_size_per_layer_input=0, use_double_wide_mlp=False, attention_k_eq_v=False,
            layer_types=["sliding_attention", "full_attention"] + ["sliding_attention"] * 3 + ["full_attention"])
-VARIANTS = {"dense": {}, "moe": MOE}
+# The shape of issue 60's report: 2 KV-shared layers (layer 4 sliding, reading layer 3's keys; layer 5 full, reading
+# layer 2's), a sliding window of 16 (SEQ goes past it), per-layer inputs.
+WINDOW16 = dict(num_kv_shared_layers=2, sliding_window=16)
+VARIANTS = {"dense": {}, "moe": MOE, "window16": WINDOW16}
+# float32's own spread on the dense models (transformers against itself summed in another order; 1-2.9e-5 over
+# permutations): under a third of the 1e-4 the parity test holds us to.
+SPREAD = 3e-5
 
 
 @pytest.fixture(scope="module")
@@ -41,12 +56,20 @@ def converted(tmp_path_factory):
 
 
 @pytest.mark.parametrize("variant", [
-    "dense", pytest.param("moe", marks=pytest.mark.slow)])  # slow (slow lane): 11-19 s, its own compilation
+    "dense", pytest.param("window16", marks=pytest.mark.slow), pytest.param("moe", marks=pytest.mark.slow)])  # slow (slow lane): 11-19 s, its own compilation
 def test_logits_match_transformers(converted, variant):
+    """Within 1e-4 of transformers' float32 logits. The dense models are ones where float32 itself is well within
+    that: transformers against the same model with its residual stream permuted (the same function, summed in
+    another order) stays within SPREAD. Where a tiny model amplifies rounding more (per-layer inputs 8 wide, some
+    seeds: one token's per-layer projection 1% of the others' in scale, its RMS norm scaling its input's rounding
+    by ~10), transformers differs from itself by 1.6e-4, and from us by as much: no float32 implementation can
+    hold 1e-4 there, and none departs from transformers' arithmetic (issue 60, item 15)."""
     root, hf = converted(variant)
     cfg = zoo.read_config(root / "zoo")
     assert cfg.family == "gemma4" and cfg.kv_shared_layers > 0 and cfg.global_head_dim == 16
     assert cfg.parallel_moe == (variant == "moe")
+    if variant == "window16":
+        assert (cfg.num_layers, cfg.kv_shared_layers, cfg.sliding_window, cfg.per_layer_input_size) == (6, 2, 16, 16)
     meta = zoo.checkpoints.format.read_meta(root / "zoo")["params"]
     # KV-shared layers have no key/value weights; full layers' attention weights are stacked apart.
     assert not any(p.startswith("shared_layers.") and p.split(".")[1] in ("k", "v", "global_k", "global_v")
@@ -58,9 +81,11 @@ def test_logits_match_transformers(converted, variant):
     assert np.abs(got - ref).max() <= 1e-4
     assert mean_kl(ref, got) <= 1e-6
     assert ref.std() > 0.5
+    if variant != "moe":  # float32_spread permutes the dense layers' weights
+        assert float32_spread(hf, tokens) <= SPREAD
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", ["dense", "moe"])
 def test_round_trip_and_generated_config(converted, variant, tmp_path):
     """`zoo export` gives back the same tensors and config.json; without the source config, the config it writes
     builds the same model in transformers."""

@@ -8,11 +8,13 @@ folder that is some other thing each get one line that says what to give.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from zoo.errors import UserError
 
 MODEL_FILE = "model.json"  # zoo.checkpoints.format.MODEL_FILE (not imported: that module loads NumPy)
+QUICKSTART_RUNS = ("runs", "quickstart")  # where docs/quickstart.md writes its checkpoints
 RUN_MARKS = ("final", "checkpoints", "metrics.jsonl", "config.yaml")  # what a training run's output_dir holds
 
 
@@ -26,7 +28,7 @@ def checkpoint_dir(path: str | Path, what: str = "") -> Path:
     if (p / MODEL_FILE).is_file():
         return p
     if not p.exists():
-        raise UserError(f"{label}: no such checkpoint (no such file or folder){_named_model_hint(str(path))}")
+        raise UserError(f"{label}: no such checkpoint (no such file or folder); {_how_to_make(str(path))}")
     if p.is_dir() and any((p / m).exists() for m in RUN_MARKS):
         final = p / "final"
         if (final / MODEL_FILE).is_file():
@@ -40,10 +42,18 @@ def checkpoint_dir(path: str | Path, what: str = "") -> Path:
                     "`zoo convert SOURCE --out DIR` (or `zoo init`), or give a training run's final/ folder")
 
 
-def _named_model_hint(name: str) -> str:
-    """For a registry name given as a path: how to make the checkpoint it names."""
+def _how_to_make(path: str) -> str:
+    """How to make the missing checkpoint ``path``: a registry name's conversion, a run's ``final`` by its run,
+    anything else by ``zoo convert``; and, under ``runs/quickstart``, that the quickstart's commands make it."""
     from zoo.registry import catalogue as registry
 
-    if registry.looks_like_name(name) and name in registry.REGISTRY:
-        return f"; {name} is a model of the zoo: convert it first with `zoo convert {name} --out ckpt/{name}`"
-    return ""
+    if registry.looks_like_name(path) and path in registry.REGISTRY:
+        return f"{path} is a model of the zoo: convert it first with `zoo convert {path} --out ckpt/{path}`"
+    p = Path(path)
+    if p.name == "final":
+        how = f"it is a training run's final checkpoint: run the training whose output_dir is {p.parent} first"
+    else:
+        how = f"make it with `zoo convert SOURCE --out {path}` (SOURCE: a Hub repo, a Hugging Face folder, a GGUF file)"
+    if Path(os.path.normpath(path)).parts[:2] == QUICKSTART_RUNS:
+        how += "; docs/quickstart.md's commands make it (the example configs start from its checkpoints)"
+    return how
