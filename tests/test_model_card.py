@@ -377,9 +377,9 @@ def card_of(tmp_path: Path, task: type[Task], config: dict) -> str:
      ["SimPO", "| `dpo.simpo_gamma` | 0.5 |"]),
     (KTOTask, {"dpo": {"loss_type": "kto", "beta": 0.1, "desirable_weight": 1.33}},
      ["KTO (Kahneman-Tversky", "| `dpo.desirable_weight` | 1.33 |"]),
-    (GRPOTask, {"grpo": {"num_generations": 4, "loss_type": "dr_grpo", "advantage": "rloo", "beta": 0.0,
-                       "rewards": ["final_number"]}},
-     ["GRPO (group relative", "loss `dr_grpo`, advantage `rloo`, 4 completions", "| `grpo.num_generations` | 4 |",
+    (GRPOTask, {"grpo": {"num_generations": 4, "loss_type": "dr_grpo", "advantage": "reinforce_pp", "beta": 0.0,
+                       "rewards": ["final_number"]}},  # rloo reads no loss_type (pretrain/config_unread.py)
+     ["GRPO (group relative", "loss `dr_grpo`, advantage `reinforce_pp`, 4 completions", "| `grpo.num_generations` | 4 |",
       "| `grpo.rewards` | final_number |"]),
     (SFTTask, {"distill": {"teacher": "runs/teacher/final", "lmbda": 0.5}},
      ["knowledge distillation (GKD", "from the teacher `runs/teacher/final`", "| `distill.lmbda` | 0.5 |"]),
