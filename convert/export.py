@@ -28,7 +28,15 @@ from convert.card_training import trained_with, training_of
 from convert.convert import DTYPES
 from convert.fused import fuse_planned, fused_named, join
 from convert.hf_config import export_hf_config
-from convert.model_card import EvalResults, card_data, eval_lines, read_eval_results, render, training_lines
+from convert.model_card import (
+    EvalResults,
+    card_data,
+    eval_lines,
+    public_path,
+    read_eval_results,
+    render,
+    training_lines,
+)
 from convert.mtp import EXTRA_FILE
 from convert.readers import SafetensorsFolder
 from convert.safetensors_out import ST_NAMES, encode_header
@@ -150,11 +158,11 @@ def model_card(meta: dict[str, Any], cfg: ModelConfig, repo_hint: str, ckpt: str
     the checkpoints it started from are read from there)."""
     from zoo.model.params import count_params
 
-    source = meta.get("source", "unknown")
+    source = public_path(meta.get("source", "unknown"))  # no path of this machine in a published card
     origin = origin_of(ckpt, meta)
     training = training_of(ckpt, meta)
-    kind, auto = ("reward model (a sequence classifier, one score)", "AutoModelForSequenceClassification") \
-        if cfg.num_labels else ("causal language model", "AutoModelForCausalLM")
+    kind, what, auto = ("reward model", "a sequence classifier with one score, ", "AutoModelForSequenceClassification") \
+        if cfg.num_labels else ("causal language model", "", "AutoModelForCausalLM")
     data = card_data("transformers", origin, training, base_model=origin.hub_repo,
                      pipeline_tag="text-classification" if cfg.num_labels else "text-generation")
     if meta.get("training"):
@@ -170,7 +178,7 @@ def model_card(meta: dict[str, Any], cfg: ModelConfig, repo_hint: str, ckpt: str
                 "unchanged: a lossless round trip.", ""]
     return render(data, [
         f"# {repo_hint}", "",
-        f"A {cfg.family}-family {kind} ({count_params(cfg):,} parameters).", "",
+        f"A {cfg.family}-family {kind} ({what}{count_params(cfg):,} parameters).", "",
         "## What was done", "", *done,
         *eval_lines(eval_results),
         "## How to load", "", "```python",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,6 +94,34 @@ def _number(v: Any) -> float | None:
     return float(v) if _is_number(v) else None
 
 
+# --- local paths ---------------------------------------------------------------------------------------------
+
+# An absolute path in free text (a method's line, a hyperparameter's value: ``rm:/models/judge``): a "/" that
+# starts the text or follows a space, a quote, a bracket, ":" or "=", up to the next such character.
+_ABSOLUTE = re.compile(r"(?:(?<=^)|(?<=[\s`'\"(\[{:=,]))(?:/|~/)[^\s`'\"()\[\]{},;]*")
+
+
+def public_path(path: str | os.PathLike) -> str:
+    """A local path as an exported file shows it (cards, adapter_config.json): an absolute one relative to the
+    working directory when it lies under it, else its last name alone, since ``--push-to-hub`` publishes these
+    files and a path of this machine says nothing to their readers; a relative path, a Hub id or a registry name
+    as given."""
+    text = str(path)
+    p = Path(text).expanduser()
+    if not p.is_absolute():
+        return text
+    try:
+        rel = p.relative_to(Path.cwd())
+    except ValueError:
+        return p.name or text
+    return str(rel) if rel.parts else p.name
+
+
+def public_text(text: str) -> str:
+    """``text`` with every absolute path in it written as :func:`public_path` writes it."""
+    return _ABSOLUTE.sub(lambda m: public_path(m.group(0)), text)
+
+
 # --- rendering -----------------------------------------------------------------------------------------------
 
 def show(value: Any) -> str:
@@ -132,7 +161,7 @@ def data_lines(t: Training) -> list[str]:
     rows = []
     for s in t.data + t.eval_data:
         name = s.name if mixture else "eval" if s in t.eval_data else "training"
-        row = [name, f"`{s.path}`", "?" if s.rows is None else f"{s.rows:,}"]
+        row = [name, f"`{public_path(s.path)}`", "?" if s.rows is None else f"{s.rows:,}"]
         if mixture:
             row += ["" if s.weight is None else f"{s.weight:.3f}",
                     "" if s.documents is None else f"{s.documents:,}", "" if s.tokens is None else f"{s.tokens:,}"]
@@ -175,11 +204,11 @@ def results_lines(t: Training) -> list[str]:
 
 def training_lines(t: Training) -> list[str]:
     """The card's account of a training run: method, hyperparameters, data, final metrics (Markdown lines)."""
-    lines = [f"**Method:** {method_text(t)}.", ""]
+    lines = [f"**Method:** {public_text(method_text(t))}.", ""]
     settings = hyperparameters(t)
-    if settings:
-        lines += ["### Hyperparameters", "", *table(("key", "value"), ((f"`{k}`", _setting(v)) for k, v in settings)),
-                  ""]
+    if settings:  # a path among them (a teacher, a reference, a reward model) as public_path writes it
+        lines += ["### Hyperparameters", "",
+                  *table(("key", "value"), ((f"`{k}`", public_text(_setting(v))) for k, v in settings)), ""]
     return lines + data_lines(t) + results_lines(t)
 
 

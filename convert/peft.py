@@ -1,4 +1,5 @@
-"""LoRA adapter checkpoint -> PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``).
+"""LoRA adapter checkpoint -> PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``, and
+the run's tokenizer files beside them, as a trainer's ``save_model`` leaves them).
 
 peft names each adapter after the module it wraps: ``base_model.model.<module
 path>.lora_A.weight`` [r, in_features] and ``.lora_B.weight`` [out_features, r],
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +43,10 @@ from convert.tables import table_for
 from convert.transforms import TRANSFORMS
 from zoo.checkpoints import quantized as quant_checkpoint
 from zoo.checkpoints.adapter import base_checkpoint, base_location
-from zoo.checkpoints.format import MODEL_FILE, read_meta
+from zoo.checkpoints.format import MODEL_FILE, TOKENIZER_DIR, WEIGHT_FILES, read_meta
 from zoo.checkpoints.readers import load_param_numpy
 from zoo.checkpoints.writer import atomic_output, prepare_output
+from zoo.data.tokenizer import holds_tokenizer
 from zoo.errors import UserError
 from zoo.model.config import ModelConfig
 
@@ -51,6 +54,9 @@ ADAPTER_CONFIG = "adapter_config.json"
 
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# A model folder's files that a checkpoint's tokenizer/ may hold (model.tokenizer may name a whole model's folder;
+# `zoo convert` keeps generation_config.json there) but that are no tokenizer's, nor an adapter's.
+NOT_TOKENIZER = ("config.json", "generation_config.json", "README.md", ADAPTER_CONFIG)
 
 
 def adapter_meta_of(ckpt: str | os.PathLike) -> dict[str, Any]:
@@ -180,7 +186,7 @@ def _check_base_out(out: Path, base_out: Path, overwrite: bool) -> None:
     if base_out == out or out in base_out.parents or base_out in out.parents:
         raise UserError(f"--base-out {base_out} and --out {out} overlap; give the base a folder of its own")
     prepare_output(out, overwrite)
-    prepare_output(base_out, overwrite)
+    prepare_output(base_out, overwrite, "--base-out")
 
 
 def export_adapter(ckpt: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False,
@@ -212,10 +218,25 @@ def export_adapter(ckpt: str | os.PathLike, out: str | os.PathLike, overwrite: b
         for key, value in experts.items():  # the fused experts' patterns join the fused Linears'
             config[key] = {**config[key], **value} if isinstance(value, dict) else value
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        tokenizer = tokenizer_files(ckpt)
+        for f in tokenizer:
+            shutil.copyfile(f, tmp / f.name)
         card = adapter_card(ckpt, meta, base_ref, targets + experts.get("target_parameters", []),
-                            repo_hint or out.name, base_out, results)
+                            repo_hint or out.name, base_out, results, tokenizer=bool(tokenizer))
         (tmp / "README.md").write_text(card)
     return out
+
+
+def tokenizer_files(ckpt: str | os.PathLike) -> list[Path]:
+    """The files of the adapter checkpoint's ``tokenizer/`` (the run's tokenizer, pretrain/final.py) that go
+    beside the adapter, as a trainer's ``save_model`` saves its processing class there, so that
+    ``AutoTokenizer.from_pretrained(adapter)`` loads it: none of a model's own (weights, config.json,
+    generation_config.json), which would make the folder look like a model's. [] without tokenizer files."""
+    folder = Path(ckpt) / TOKENIZER_DIR
+    if not holds_tokenizer(folder):
+        return []
+    return sorted(f for f in folder.iterdir() if f.is_file() and f.name not in NOT_TOKENIZER
+                  and not any(f.match(w) for w in WEIGHT_FILES))
 
 
 def _write_weights(ckpt: Path, meta: dict[str, Any], tensors: list[PlannedTensor], path: Path) -> None:
@@ -251,7 +272,8 @@ def planned_adapter_files(ckpt: str | os.PathLike, dtype: str | None = None,
     meta = adapter_meta_of(ckpt)
     tensors = plan_adapter(ckpt, meta, dtype)
     weights = len(safetensors_header(tensors)) + sum(t.nbytes for t in tensors)
-    files = [(ADAPTER_CONFIG, 0), (ADAPTER_WEIGHTS, weights), ("README.md", 0)]
+    files = [(ADAPTER_CONFIG, 0), (ADAPTER_WEIGHTS, weights), ("README.md", 0),
+             *((f.name, f.stat().st_size) for f in tokenizer_files(ckpt))]
     if base_out is not None:
         where = Path(base_out).absolute()
         files += [(str(where / name), size) for name, size in planned_files(base_checkpoint(ckpt, meta), dtype)]

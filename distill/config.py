@@ -15,6 +15,9 @@ class DistillSection:
     each key's type and ``range`` (pretrain/config.py), one line naming the key."""
 
     teacher: str | None = None  # the teacher checkpoint (same tokenizer as the student's)
+    # the teacher's tokenizer (a tokenizer folder or zoo checkpoint), checked against the student's; null: the
+    # teacher's own tokenizer/, else the student's is used for both, as TRL's GKDTrainer does
+    teacher_tokenizer: str | None = None
     # probability that a micro-batch's completions are the student's own samples
     lmbda: float = field(default=0.5, metadata={"range": "[0, 1]"})
     beta: float = field(default=0.5, metadata={"range": "[0, 1]"})  # JSD interpolation: 0 forward KL, 1 reverse KL
@@ -44,31 +47,57 @@ DISTILL_UNREAD: tuple[Unread, ...] = (
 
 
 def check_same_tokenizer(student_vocab: dict[str, int], teacher_vocab: dict[str, int], teacher: str) -> None:
-    """The teacher must share the student's vocabulary (GKD compares distributions over the same ids)."""
+    """The teacher must share the student's vocabulary (GKD compares distributions over the same ids); ``teacher``
+    names where its tokenizer came from (``distill.teacher PATH``)."""
     if student_vocab != teacher_vocab:
-        raise UserError(f"distill.teacher {teacher}: its tokenizer differs from the student's "
+        raise UserError(f"{teacher}: its tokenizer differs from the student's "
                         f"({len(teacher_vocab)} vs {len(student_vocab)} tokens); use a teacher with the same "
                         f"tokenizer")
+
+
+def check_vocab_size(student: int, teacher: int, path: str) -> None:
+    """The teacher's vocabulary size must be the student's, as TRL's GKDTrainer checks (its logits are compared
+    id by id); the one check on a teacher that carries no tokenizer."""
+    if student != teacher:
+        raise UserError(f"distill.teacher {path}: its vocab_size is {teacher}, the student's {student}; GKD compares "
+                        f"the teacher's whole next-token distribution, so use a teacher with the student's vocabulary")
 
 
 def load_teacher(ctx: Any) -> tuple[Any, dict]:
     """The frozen teacher of ``distill.teacher`` (its own config: it may be deeper or wider than the student) read
     onto the run's mesh through ``ctx.arrays`` (:class:`pretrain.task.RunContext`; ``--compile-only``: its config
-    read without weights, its params' layout). Returns (its model config, its params)."""
+    read without weights, its params' layout), its vocabulary size checked against the student's (``ctx.mcfg``).
+    Returns (its model config, its params)."""
     from pretrain.dtypes import DTYPES
     from pretrain.setup import param_layout
     from zoo.checkpoints.loading import load_params
 
     mcfg, ckpt = ctx.arrays.checkpoint_config(str(ctx.cfg.distill.teacher), "distill.teacher")
+    check_vocab_size(ctx.mcfg.vocab_size, mcfg.vocab_size, str(ctx.cfg.distill.teacher))
     dtype = DTYPES[ctx.cfg.dtype.params]
     return mcfg, ctx.arrays.read(param_layout(mcfg, ctx.mesh, dtype), lambda: load_params(ckpt, ctx.mesh, dtype))
 
 
 def check_teacher_tokenizer(cfg: Any, tokenizer: Any) -> None:
-    """``distill.teacher``'s tokenizer must be the student's (``tokenizer``)."""
+    """The teacher's tokenizer must be the student's (``tokenizer``): ``distill.teacher_tokenizer``, else the teacher
+    checkpoint's own ``tokenizer/``. A teacher with neither is read with the student's tokenizer, as TRL's
+    GKDTrainer reads every teacher (its vocabulary size checked by :func:`check_vocab_size`)."""
     from zoo.checkpoints.paths import checkpoint_dir
-    from zoo.data.tokenizer import load_tokenizer
+    from zoo.data.tokenizer import TOKENIZER_FILES, holds_tokenizer, load_tokenizer, tokenizer_dir
 
-    teacher = str(cfg.distill.teacher)
-    check_same_tokenizer(tokenizer.get_vocab(), load_tokenizer(checkpoint_dir(teacher, "distill.teacher")).get_vocab(),
-                         teacher)
+    d = cfg.distill
+    if d.teacher_tokenizer is not None:
+        label, path = f"distill.teacher_tokenizer {d.teacher_tokenizer}", str(d.teacher_tokenizer)
+        if not holds_tokenizer(tokenizer_dir(path)):
+            raise UserError(f"{label}: no tokenizer there; give a tokenizer folder (with any of "
+                            f"{', '.join(TOKENIZER_FILES)}) or a zoo checkpoint with a tokenizer/ folder")
+    else:
+        path = str(checkpoint_dir(str(d.teacher), "distill.teacher"))
+        if not holds_tokenizer(tokenizer_dir(path)):
+            return
+        label = f"distill.teacher {d.teacher}"
+    try:
+        teacher_vocab = load_tokenizer(path).get_vocab()
+    except UserError as e:  # files there that transformers cannot read
+        raise UserError(f"{label}: {e}; set distill.teacher_tokenizer to the teacher's tokenizer") from None
+    check_same_tokenizer(tokenizer.get_vocab(), teacher_vocab, label)

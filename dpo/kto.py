@@ -73,6 +73,7 @@ class KTOTask(DPOTask[KTOBatch]):
     method = "kto"
     key_metrics = ("kl", "rewards/margins")
     batch_class = KTOBatch
+    unit = "rows"  # unpaired: each row is one completion
 
     @classmethod
     def handles(cls, cfg: TrainConfig) -> bool:

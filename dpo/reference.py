@@ -99,12 +99,13 @@ def compute_reference_logps(mcfg: ModelConfig, params: dict, docs: list[dict[str
 
 def cached_reference_logps(out_dir: Path, docs: dict[str, dict[int, dict[str, np.ndarray]]], weights: Path,
                            compute_name: str, score: Any, primary: bool = True, params_name: str = "float32",
-                           template: dict | None = None) -> dict[str, dict[int, np.ndarray]]:
+                           template: dict | None = None, unit: str = "pairs") -> dict[str, dict[int, np.ndarray]]:
     """{data path: {row: per-token reference log-probabilities}} of ``docs``, from the cache or ``score``.
 
     ``score(list of documents) -> list of arrays`` runs the reference pass; it
     runs only on a cache miss, and the result is written (by the primary
-    process, atomically) to ``out_dir/reference_logps/<key>.npz``.
+    process, atomically) to ``out_dir/reference_logps/<key>.npz``. ``unit``: what one document is, as the log line
+    counts them (DPO's pairs, KTO's rows).
     """
     key = cache_key(docs, checkpoint_digest(weights), compute_name, params_name, template)
     f = out_dir / CACHE_DIR / f"{key}.npz"
@@ -124,7 +125,7 @@ def cached_reference_logps(out_dir: Path, docs: dict[str, dict[int, dict[str, np
             tmp = f.with_name(f.stem + ".tmp.npz")
             np.savez(tmp, values=values, offsets=offsets)
             tmp.replace(f)
-            print(f"reference log-probabilities: cache miss, computed {len(flat)} pairs with {weights} in "
+            print(f"reference log-probabilities: cache miss, computed {len(flat)} {unit} with {weights} in "
                   f"{time.perf_counter() - t0:.1f}s ({f})", file=sys.stderr)
     out: dict[str, dict[int, np.ndarray]] = {p: {} for p in docs}
     for j, (p, i) in enumerate(flat):

@@ -80,6 +80,7 @@ class DPOTask(Task[P]):
     reads_step = True  # the train step passes its optimizer step to loss_sums (pretrain/jit_step.py)
     key_metrics = ("rewards/accuracies", "rewards/margins")  # what a plain log line shows besides the loss
     batch_class: ClassVar[type[PairBatch]] = PairBatch  # declared: KTOTask narrows it to KTOBatch
+    unit = "pairs"  # what one example of its data is, as messages count them
 
     def __init__(self, cfg: DPOConfig):
         if cfg.dpo.loss_type == "kto" and type(self) is DPOTask:  # a caller's bug: the command picks KTOTask
@@ -206,7 +207,7 @@ class DPOTask(Task[P]):
 
         self.ref_logps = cached_reference_logps(Path(cfg.output_dir).absolute(), docs, weights, cfg.dtype.compute,
                                                 score, distributed.is_primary(), cfg.dtype.params,
-                                                self.chat_template.identity())
+                                                self.chat_template.identity(), unit=self.unit)
 
     def trainable(self, doc: Document, seq_len: int) -> bool:
         """Whether a pair document (already cut to fit) still compares two answers: each keeps a trained token

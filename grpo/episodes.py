@@ -104,8 +104,8 @@ def _parse(parser: Callable[[str], ParsedTurn], text: str) -> ParsedTurn:
         raise UserError(f"grpo.tool_parser {getattr(parser, '__name__', parser)} raised {type(e).__name__}: "
                         f"{' '.join(str(e).split())[:300]} on the turn {text[:80]!r}") from e
     if not isinstance(parsed, ParsedTurn):
-        raise UserError(f"grpo.tool_parser {getattr(parser, '__name__', parser)} returned a "
-                        f"{type(parsed).__name__}; return grpo.tool_calls.ParsedTurn(content, calls, errors)")
+        raise UserError(f"grpo.tool_parser {getattr(parser, '__name__', parser)} returned no ParsedTurn (got "
+                        f"{type(parsed).__name__}); return grpo.tool_calls.ParsedTurn(content, calls, errors)")
     return parsed
 
 

@@ -211,9 +211,9 @@ def _rewards(name: str, out: Any, b: int, where: Callable[[int], str]) -> np.nda
         return values
     if isinstance(out, (str, bytes, Mapping)) or not isinstance(out, (Sequence, np.ndarray)) \
             or (isinstance(out, np.ndarray) and out.ndim != 1):
-        what = f"an array of shape {out.shape}" if isinstance(out, np.ndarray) else f"a {type(out).__name__}"
-        raise UserError(f"reward function {name} returned {what}, not a list of {b} rewards (one per completion, "
-                        f"None where it does not apply)")
+        what = f"an array of shape {out.shape}" if isinstance(out, np.ndarray) else type(out).__name__
+        raise UserError(f"reward function {name} returned no list of {b} rewards (got {what}); return one per "
+                        f"completion, None where it does not apply")
     if len(out) != b:
         raise UserError(f"reward function {name} returned {len(out)} rewards for {b} completions; return one per "
                         f"completion (None where it does not apply)")
@@ -291,7 +291,7 @@ def _load_one(spec: Any) -> RewardFunction:
     if callable(spec) and not isinstance(spec, Mapping):
         return RewardFunction(_name_of(spec), spec, {})
     if not isinstance(spec, Mapping):
-        raise UserError(f"grpo.rewards entry {spec!r} is a {type(spec).__name__}; give a function (a shipped "
+        raise UserError(f"grpo.rewards entry {spec!r} is not a function (got {type(spec).__name__}); give one (a shipped "
                         f"verifier's name, module:function or path/to/file.py:function) or a mapping "
                         f"{{function: ..., name: ..., other keys: its keyword arguments}}")
     if "function" not in spec:
@@ -380,7 +380,7 @@ def load_callable(text: str, where: str) -> Callable:
             raise UserError(f"{where}: {source} has no function {attr!r}{listing}")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise UserError(f"{where}: {source}'s {attr} is a {type(obj).__name__}, not a function")
+        raise UserError(f"{where}: {source}'s {attr} is not a function (got {type(obj).__name__})")
     return obj
 
 

@@ -176,8 +176,8 @@ class GRPOTask(Task[RolloutBatch]):
             text = render(tokenizer, prompt, self.chat_template, template_text(tokenizer, self.chat_template),
                           generation_prompt=True)
         else:
-            what = "missing" if prompt is None else f"a {type(prompt).__name__}"
-            raise BadRow(f"field '{self.field}' is {what}, not a string or a list of messages")
+            what = "missing" if prompt is None else f"not a string or a list of messages (got {type(prompt).__name__})"
+            raise BadRow(f"field '{self.field}' is {what}")
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if not ids:
             raise BadRow(f"field '{self.field}' is empty")

@@ -61,7 +61,7 @@ from pretrain.steps import Training
 from pretrain.task import PretrainTask, ReadContext, RunContext, Task
 from zoo.console import is_terminal
 from zoo.data.tokenizer import load_tokenizer
-from zoo.errors import UserError
+from zoo.errors import Interrupted, UserError
 from zoo.kernels.choice import check_platform, check_rows, kernel_for
 from zoo.lora.weights import LoraRun
 
@@ -231,8 +231,9 @@ def _take_steps(training: Training, hooks: Hooks, checkpoints: Checkpoints, star
     def before(step: int) -> None:
         if distributed.any_process(stop.requested is not None):
             checkpoints.save_now(step, training.state)  # this step may already be saved
-            raise UserError(f"stopped by {stop.requested or 'a signal to another process'} after step {step}; "
-                            f"checkpoint saved in {out}, run the same command to resume")
+            # Not an error (exit 2): a shell's 128 + the signal's number, 130 for Ctrl-C.
+            raise Interrupted(f"interrupted by {stop.requested or 'a signal to another process'}: checkpoint saved at "
+                              f"step {step} in {out}; run the same command to resume", 128 + stop.signum)
 
     try:
         hooks.start(start)
@@ -282,7 +283,8 @@ class _StopOnSignal:
         import signal
         import threading
 
-        self.requested: str | None = None
+        self.requested: str | None = None  # the signal's name, once one came
+        self.signum = signal.SIGINT.value  # its number (another process's signal: as Ctrl-C's)
         self._old = {}
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -291,7 +293,7 @@ class _StopOnSignal:
     def _handle(self, signum: int, frame: types.FrameType | None) -> None:
         import signal
 
-        self.requested = signal.Signals(signum).name
+        self.requested, self.signum = signal.Signals(signum).name, signum
 
     def restore(self) -> None:
         """Put the previous handlers back."""

@@ -13,6 +13,7 @@ import math
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -58,17 +59,20 @@ class RunLog(Hook):
     Starting it at a step trims the logs to that step and redraws TensorBoard
     from the records kept (see the module docstring); ``last`` is then the
     restored step's record, if it was logged.
+
+    The plain line's time left is the rate since the end of the first step after the start (fresh or resumed),
+    which compiles the step: ``?`` until a second step is done. ``clock``: seconds (a test's own).
     """
 
     def __init__(self, out: Path, total: int, plain: bool, key_metrics: list[str] | None, writer_cls: type,
-                 every: int = 1, stream: TextIO | None = None):
+                 every: int = 1, stream: TextIO | None = None, clock: Callable[[], float] = time.monotonic):
         self.out, self.writer_cls, self.every = out, writer_cls, every
         self.log = JsonlLog(out / METRICS_FILE)
         self.board: Any = None
         self.last: dict[str, Any] = {}
         self.total, self.plain, self.keys = total, plain, key_metrics
-        self.stream = stream or sys.stdout
-        self._first: tuple[float, int] | None = None  # (time, step) of the first record: the eta's baseline
+        self.stream, self.clock = stream or sys.stdout, clock
+        self._base: tuple[float, int] | None = None  # (time, step) at the end of the first step after the start
 
     def start(self, step: int) -> None:
         self.log.start(step)
@@ -80,8 +84,11 @@ class RunLog(Hook):
             add_scalars(self.board, rec)
         self.last = records[-1] if records else {}
         self.log.write([])  # the file exists from the start, if empty
+        self._base = None
 
     def on_step(self, info: StepInfo) -> None:
+        if self._base is None:  # the first step after the start compiled: the rate counts from its end
+            self._base = (self.clock(), info.step)
         if info.step % self.every == 0 or info.last:
             self.record(info.record)
 
@@ -102,15 +109,18 @@ class RunLog(Hook):
         return [k for k in rec if k not in known and not k.startswith("eval")] + evals
 
     def _eta(self, rec: dict[str, Any]) -> float | None:
-        now = time.monotonic()
+        """Seconds left at the rate since the first step after the start (its time is the compile's), None while
+        that step is the only one taken."""
         step: int = rec["step"]
         left = self.total - step
-        if self._first is None:  # the first step compiles: its time says little about the others
-            self._first = (now, step)
-            step_time: float = rec.get("step_time", 0.0)
-            return step_time * left
-        t0, s0 = self._first
-        return (now - t0) / max(1, step - s0) * left
+        if self._base is None:  # a record written without on_step
+            self._base = (self.clock(), step)
+        t0, s0 = self._base
+        if left <= 0:
+            return 0.0
+        if step <= s0:
+            return None
+        return (self.clock() - t0) / (step - s0) * left
 
     def close(self) -> None:
         """Flush and close the files."""

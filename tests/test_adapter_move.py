@@ -80,7 +80,7 @@ def refusal(ckpt: Path) -> str:
     return msg
 
 
-def test_a_run_moved_together_with_its_base_loads_and_exports(tmp_path, capsys):
+def test_a_run_moved_together_with_its_base_loads_and_exports(tmp_path, capsys, monkeypatch):
     work = tmp_path / "work"
     base = write_base(work / "base")
     sft = write_run(base, work / "sft", SFT, seed=1)
@@ -100,10 +100,11 @@ def test_a_run_moved_together_with_its_base_loads_and_exports(tmp_path, capsys):
     assert_equal(merged(moved / "dpo" / "final"), want_dpo)  # the chain: dpo -> sft -> base, all moved
 
     # Export (merged, and as PEFT, whose card names the moved base), and a further run on the moved chain.
+    monkeypatch.chdir(tmp_path)  # the export names a local base relative to where it runs (no absolute path)
     assert main(["export", str(moved / "dpo" / "final"), "--out", str(tmp_path / "merged")]) == 0
     assert main(["export", str(moved / "sft" / "final"), "--adapter", "--out", str(tmp_path / "peft")]) == 0
     peft = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
-    assert peft["base_model_name_or_path"] == str(moved / "base")
+    assert peft["base_model_name_or_path"] == "elsewhere/work/base"
     capsys.readouterr()
     more = write_run(moved / "dpo" / "final", moved / "more", DPO, seed=3)
     assert read_meta(more)["lora"]["base"] == str(moved / "dpo" / "final")
@@ -184,7 +185,7 @@ def test_old_adapter_checkpoints_with_only_the_absolute_path_still_load(tmp_path
                             "back there (or export the merged model where both exist)")
 
 
-def test_runs_carry_the_hub_repo_of_their_base_and_peft_names_it_only_for_its_model(tmp_path):
+def test_runs_carry_the_hub_repo_of_their_base_and_peft_names_it_only_for_its_model(tmp_path, monkeypatch):
     """A run keeps the Hub repo its base was converted from (model.json's hub_id), and its adapters record that
     their base is that repo's model (lora.base_hub_id), so the PEFT export names the repo even without the base
     at hand; adapters over that run are over another model (the run merged): they name the run, not the repo."""
@@ -200,7 +201,8 @@ def test_runs_carry_the_hub_repo_of_their_base_and_peft_names_it_only_for_its_mo
     assert main(["export", str(tmp_path / "elsewhere" / "final"), "--adapter", "--out", str(tmp_path / "p1")]) == 0
     assert json.loads((tmp_path / "p1" / "adapter_config.json").read_text())["base_model_name_or_path"] == repo
     shutil.move(tmp_path / "elsewhere", tmp_path / "sft")
+    monkeypatch.chdir(tmp_path)  # a local base is named relative to where the export runs
     assert main(["export", str(dpo), "--adapter", "--out", str(tmp_path / "p2")]) == 0
     assert json.loads((tmp_path / "p2" / "adapter_config.json").read_text())["base_model_name_or_path"] == \
-        str(tmp_path / "sft" / "final")
+        "sft/final"
     assert f"It comes from the Hub's `{repo}`" in (tmp_path / "p2" / "README.md").read_text()

@@ -106,6 +106,7 @@ def test_output_folder_not_empty(tmp_path, hf_dir, capsys):
     (out / "precious.txt").write_text("keep me")
     code, err = _run(["convert", str(hf_dir), "--out", str(out)], capsys)
     assert code == 2 and len(err) == 1 and "not empty" in err[0]
+    assert "--overwrite" not in err[0]  # `zoo convert` has no such flag
     assert [p.name for p in out.iterdir()] == ["precious.txt"]
 
 

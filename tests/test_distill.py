@@ -165,6 +165,57 @@ def test_teacher_with_another_tokenizer_is_one_line() -> None:
     assert "ckpt/teacher" in str(e.value) and "tokenizer" in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_teacher_without_a_tokenizer_reads_with_the_students_or_distill_teacher_tokenizer(
+        dpo_models, smollm2_tokenizer, tmp_path) -> None:
+    """A `zoo init` teacher (no tokenizer/ folder) is read with the student's tokenizer, as TRL's GKDTrainer reads
+    every teacher with the student's processing_class; distill.teacher_tokenizer (a tokenizer folder or a zoo
+    checkpoint) is checked against the student's, and a wrong or missing one is one line naming the key."""
+    import shutil
+    from types import SimpleNamespace
+
+    from distill.config import check_teacher_tokenizer
+    from zoo.cli import main
+
+    root, tok, _ = dpo_models
+    assert main(["init", str(root / "hf_reference" / "config.json"), "--out", str(tmp_path / "teacher")]) == 0
+    assert not (tmp_path / "teacher" / "tokenizer").exists()
+
+    def check(**keys: str) -> None:
+        check_teacher_tokenizer(SimpleNamespace(distill=DistillSection(teacher=str(tmp_path / "teacher"), **keys)),
+                                tok)
+
+    check()  # the student's tokenizer, as TRL's
+    check(teacher_tokenizer=str(root / "tok"))  # a tokenizer folder
+    shutil.copytree(root / "policy", tmp_path / "with_tok")
+    shutil.copytree(root / "tok", tmp_path / "with_tok" / "tokenizer", dirs_exist_ok=True)
+    check(teacher_tokenizer=str(tmp_path / "with_tok"))  # a zoo checkpoint: its tokenizer/
+    for other in (str(smollm2_tokenizer), str(tmp_path / "absent")):
+        with pytest.raises(UserError) as e:
+            check(teacher_tokenizer=other)
+        assert str(e.value).startswith(f"distill.teacher_tokenizer {other}: ") and "\n" not in str(e.value)
+
+
+def test_a_teacher_of_another_vocab_size_is_one_line(tmp_path, capsys) -> None:
+    """A teacher whose vocab_size is not the student's is refused before anything compiles, as TRL's GKDTrainer
+    refuses it: one line naming distill.teacher and both sizes, exit 2."""
+    import json
+
+    from sft.cli import main
+
+    student = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+               "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "head_dim": 16, "tie_word_embeddings": False}
+    (tmp_path / "student.json").write_text(json.dumps(student))
+    (tmp_path / "teacher.json").write_text(json.dumps({**student, "vocab_size": 320}))
+    f = tmp_path / "run.yaml"
+    f.write_text(f"model: {tmp_path / 'student.json'}\ndata:\n  path: {tmp_path / 'absent.jsonl'}\n  seq_len: 32\n"
+                 f"max_steps: 1\noutput_dir: {tmp_path / 'run'}\ndistill:\n  teacher: {tmp_path / 'teacher.json'}\n"
+                 f"  lmbda: 0\n")
+    assert main(["train", "--config", str(f), "--compile-only", "--topology", "v5e:2x2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "distill.teacher" in err and "320" in err and "256" in err, err
+
+
 def _deeper_wider_teacher(tok, folder) -> None:
     """A teacher of 3 layers and hidden size 48 (not the student's shapes) with the student's tokenizer, at
     ``folder/hf_teacher`` and converted at ``folder/teacher``."""

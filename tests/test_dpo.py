@@ -201,9 +201,9 @@ def test_precomputed_reference_equals_live_and_is_cached(setup, lora_base_run, t
         calls.append(1)
         return real(*a, **k)
 
-    def spy_cached(*a):  # the cache is keyed by the params dtype and the chat template too
+    def spy_cached(*a, **k):  # the cache is keyed by the params dtype and the chat template too
         keyed.append(a[6:])
-        return real_cached(*a)
+        return real_cached(*a, **k)
 
     monkeypatch.setattr(dpo.task, "compute_reference_logps", spy)
     monkeypatch.setattr(dpo.task, "cached_reference_logps", spy_cached)
@@ -211,7 +211,8 @@ def test_precomputed_reference_equals_live_and_is_cached(setup, lora_base_run, t
     pre = dpo_cfg(root, out, "max_steps=2", "dpo.reference=precomputed", *common)
     capsys.readouterr()
     train(pre, progress=False, task=DPOTask(pre))
-    assert calls == [1] and "cache miss" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert calls == [1] and "cache miss, computed " in err and " pairs with " in err
     assert len(list((out / "reference_logps").glob("*.npz"))) == 1
     assert keyed == [("float32", {"source": None, "kwargs": {}, "date": "2024-07-26"})]
     a, b = read_metrics(live_out), read_metrics(out)

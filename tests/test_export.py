@@ -131,7 +131,7 @@ def test_output_not_empty_needs_overwrite(tmp_path, capsys):
     capsys.readouterr()
     assert main(["export", str(tmp_path / "zoo"), "--out", str(out)]) == 2
     err = _err(capsys)
-    assert len(err) == 1 and "not empty" in err[0]
+    assert len(err) == 1 and "not empty" in err[0] and "add --overwrite to replace it" in err[0]
     assert (out / "old.txt").is_file()
     assert main(["export", str(tmp_path / "zoo"), "--out", str(out), "--overwrite"]) == 0
     assert not (out / "old.txt").exists() and (out / "model.safetensors").is_file()

@@ -444,7 +444,7 @@ def test_a_bad_prompt_row_names_its_line(setup, tmp_path, capsys):
             f"grpo.rewards=[{setup / 'rewards.py'}:low_words]", "max_steps=1", f"output_dir={tmp_path / 'run'}"]
     assert main(args) == 2
     err = capsys.readouterr().err
-    assert "bad.jsonl, line 2" in err and "'prompt' is a int" in err and "Traceback" not in err, err
+    assert "bad.jsonl, line 2" in err and "'prompt' is not a string or a list of messages (got int)" in err and "Traceback" not in err, err
 
 
 @pytest.mark.slow

@@ -652,7 +652,7 @@ def test_a_broken_parser_or_environment_is_one_line(tok, tmp_path):
         raise KeyError("calls")
 
     for parser, message in ((boom, "grpo.tool_parser boom raised KeyError: 'calls' on the turn 'ok'"),
-                            (lambda text: [], "returned a list; return grpo.tool_calls.ParsedTurn")):
+                            (lambda text: [], "returned no ParsedTurn (got list); return grpo.tool_calls.ParsedTurn")):
         with pytest.raises(UserError) as e:
             run_episodes(Scripted([[_ids(tok, "ok") + [eos]]]), [prompt], len(prompt), [{}],
                          dataclasses.replace(s, parser=parser))

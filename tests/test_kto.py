@@ -245,10 +245,11 @@ def test_kto_step_one_equals_trl_kto_trainer(dpo_models, tmp_path):
 
 
 @pytest.mark.slow
-def test_kto_references_base_and_precomputed(dpo_models, tmp_path):
+def test_kto_references_base_and_precomputed(dpo_models, tmp_path, capsys):
     """`dpo train` with LoRA and dpo.reference: base (the adapters off): at step 1 the policy is its reference, so every reward
     and the KL are exactly 0 and the loss is the weighted 1 - sigmoid(0) = 0.5 mean. Precomputed scores of the
-    reference checkpoint give the live checkpoint's step-1 metrics."""
+    reference checkpoint give the live checkpoint's step-1 metrics, and the log counts them as rows (KTO's are
+    unpaired), not pairs."""
     from pretrain.loop import train
     from tests.preference_data import DPO_LORA, dpo_cfg
     from tests.run_files import read_metrics, write_jsonl
@@ -272,7 +273,9 @@ def test_kto_references_base_and_precomputed(dpo_models, tmp_path):
     assert base["kl"] == 0 and base["rewards/chosen"] == 0 and base["rewards/rejected"] == 0
     assert base["loss"] == pytest.approx(0.5 * (2 * WD + 2 * WU) / 4, rel=1e-6)
     live = run("live", f"dpo.reference={root / 'reference'}")
+    capsys.readouterr()
     cached = run("cached", "dpo.reference=precomputed", f"dpo.reference_model={root / 'reference'}")
+    assert f"cache miss, computed {len(KTO_ROWS)} rows with" in capsys.readouterr().err
     for k in ("loss", "kl", "rewards/chosen", "rewards/rejected", "logps/chosen"):
         assert cached[k] == pytest.approx(live[k], rel=1e-5, abs=1e-6), k
     assert live["kl"] > 0

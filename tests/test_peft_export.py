@@ -157,7 +157,7 @@ def test_peft_loads_every_adapter_key(setup):
     assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM"
     assert (config["r"], config["lora_alpha"], config["use_rslora"]) == (8, 16, False)
     assert config["target_modules"] == ALL_TARGETS
-    assert config["base_model_name_or_path"] == str(setup.base.absolute())  # converted from a local folder
+    assert config["base_model_name_or_path"] == "base"  # converted from a local folder: its name, no local path
     saved = adapter_file(setup.peft_dir)
     assert len(saved) == 2 * len(ALL_TARGETS) * 3  # A and B, seven modules, three layers
     assert saved["base_model.model.model.layers.0.self_attn.o_proj.lora_A.weight"].shape == (8, 64)
@@ -201,7 +201,7 @@ def test_adapters_over_an_adapter_checkpoint_export_merged_and_as_peft(llama):
     model = load_peft(llama.merged, root / "dpo_peft")
     assert_peft_loads_every_key(model, root / "dpo_peft")
     assert np.abs(hf_logits(model, llama.tokens) - want).max() <= TOL
-    assert f"zoo export {llama.adapter}" in (root / "dpo_peft" / "README.md").read_text()
+    assert f"zoo export {llama.adapter.name} --out BASE" in (root / "dpo_peft" / "README.md").read_text()
 
 
 def _one_error_line(capsys) -> str:
@@ -217,7 +217,7 @@ def test_bad_requests_are_one_line_errors(llama, tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
     assert main(["export", str(llama.adapter), "--adapter", "--out", str(llama.peft_dir)]) == 2
-    assert "not empty" in _one_error_line(capsys)
+    assert "not empty; choose a new folder or add --overwrite" in _one_error_line(capsys)
     before = adapter_file(llama.peft_dir)
     assert main(["export", str(llama.adapter), "--adapter", "--out", str(llama.peft_dir), "--overwrite"]) == 0
     capsys.readouterr()
@@ -232,6 +232,9 @@ def test_bad_requests_are_one_line_errors(llama, tmp_path, capsys):
     assert main(["export", str(llama.adapter), "--adapter", "--out", str(tmp_path / "z"),
                  "--base-out", str(tmp_path / "z" / "base")]) == 2
     assert "overlap" in _one_error_line(capsys)
+    assert main(["export", str(llama.adapter), "--adapter", "--out", str(tmp_path / "w"),
+                 "--base-out", str(llama.peft_dir)]) == 2
+    assert f"--base-out {llama.peft_dir} exists and is not empty" in _one_error_line(capsys)
     assert sorted(tmp_path.iterdir()) == []  # nothing written by any of them
 
 
@@ -291,7 +294,7 @@ def test_base_model_ref(tmp_path, source, fmt, want):
     if source is not None:
         base.mkdir()
         (base / "model.json").write_text(json.dumps({"source": source, "source_format": fmt}))
-    assert base_model_ref(tmp_path / "adapter", {"lora": {"base": str(base)}}) == (want or str(base))
+    assert base_model_ref(tmp_path / "adapter", {"lora": {"base": str(base)}}) == (want or "base")
 
 
 HUB_REPO = "lmzoo-tests/tiny-llama"
@@ -321,11 +324,13 @@ def test_adapter_of_a_hub_conversion_names_the_repo(llama, tmp_path, monkeypatch
         assert "AutoPeftModelForCausalLM.from_pretrained" in card
 
 
-def test_qlora_adapter_names_its_dequantized_export_which_autopeft_loads(llama, tmp_path, capsys):
+def test_qlora_adapter_names_its_dequantized_export_which_autopeft_loads(llama, tmp_path, capsys, monkeypatch):
     """An adapter over a base stored quantized (`zoo quantize`) exports with the dequantized base beside it
     (OUT-base), names that folder as its base, and says so in its card: AutoPeftModelForCausalLM loads the
     adapter alone and gives the model the adapters were trained in (the merged export: the dequantized base
-    plus the adapters). int8 rather than NF4: the export does not depend on the kind, and int8 compiles less."""
+    plus the adapters). int8 rather than NF4: the export does not depend on the kind, and int8 compiles less.
+    The folder is named by its path relative to where `zoo export` ran (no absolute path: --push-to-hub publishes
+    the file), so peft finds it from there."""
     from peft import AutoPeftModelForCausalLM
 
     assert main(["quantize", str(llama.base), "--out", str(tmp_path / "q8"), "--quant", "int8"]) == 0
@@ -333,13 +338,14 @@ def test_qlora_adapter_names_its_dequantized_export_which_autopeft_loads(llama, 
                                                                                  targets=ALL_TARGETS))
     peft_dir, base_dir = tmp_path / "peft", tmp_path / "peft-base"
     capsys.readouterr()
+    monkeypatch.chdir(tmp_path)
     assert main(["export", str(run), "--adapter", "--out", str(peft_dir), "--dry-run"]) == 0
     assert f"{base_dir}/model.safetensors" in capsys.readouterr().out  # the dry run lists the base's files too
     assert main(["export", str(run), "--adapter", "--out", str(peft_dir)]) == 0
     assert f"wrote {base_dir}" in capsys.readouterr().out
-    assert json.loads((peft_dir / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base_dir)
+    assert json.loads((peft_dir / "adapter_config.json").read_text())["base_model_name_or_path"] == "peft-base"
     card = (peft_dir / "README.md").read_text()
-    assert f"The base model is `{base_dir}`" in card and "dequantized" in card and str(tmp_path / "q8") in card
+    assert "The base model is `peft-base`" in card and "dequantized" in card and "checkpoint `q8`" in card
     assert "(INT8, `zoo quantize`)" in card and "QLoRA" in card and "base_model:" not in card
     assert "AutoPeftModelForCausalLM.from_pretrained" in card
 
@@ -355,8 +361,8 @@ def test_card_of_an_adapter_over_a_local_base_says_what_the_base_is(llama):
     """A base converted from a local folder has no Hub repo: the adapter names the lmzoo checkpoint, and its
     card says that transformers does not read it and how to export it."""
     card = (llama.peft_dir / "README.md").read_text()
-    assert (f"The base model is the lmzoo checkpoint `{llama.base}`, which transformers does not read: export it "
-            f"with `zoo export {llama.base} --out BASE`") in card
+    assert ("The base model is the lmzoo checkpoint `base`, which transformers does not read: export it "
+            "with `zoo export base --out BASE`") in card
     assert "base_model:" not in card and "PeftModel.from_pretrained(base" in card
 
 
@@ -372,4 +378,4 @@ def test_card_of_qlora_adapters_over_a_float_hub_base(tmp_path):
     card = adapter_card(tmp_path / "run", meta, ref, ["q_proj"], "me/qlora")
     assert ref == "owner/tiny" and "base_model: owner/tiny\n" in card
     assert "trained beside its projections quantized (NF4, double quantization, QLoRA)" in card
-    assert f"`zoo export {tmp_path / 'run'}` writes that model exactly" in card
+    assert "`zoo export run` writes that model exactly" in card

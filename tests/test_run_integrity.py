@@ -241,6 +241,40 @@ def test_the_metrics_log_is_strict_json_with_non_finite_values_as_null(tmp_path)
     assert [strict(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [{"step": 1, "loss": None}]
 
 
+def test_time_left_leaves_out_the_compiling_step_after_any_start(tmp_path):
+    """The plain line's time left counts from the end of the first step after a start, fresh or resumed (that
+    step compiles: 60 s here, against 2 s a step after it): `eta ?` until a second step is done, then 2 s a step
+    left; a resume at step 5 starts over, its first step's compile left out again. A clock of the test's own."""
+    import io
+
+    from pretrain.hooks import StepInfo
+    from pretrain.runlog import RunLog
+
+    class Board:
+        def __init__(self, folder):
+            pass
+
+        def add_scalar(self, tag, value, step):
+            pass
+
+        def close(self):
+            pass
+
+    now = [0.0]
+    for start, first in ((0, 1), (5, 6)):  # a fresh run, then one resumed at step 5
+        stream = io.StringIO()
+        log = RunLog(tmp_path, 10, True, [], Board, stream=stream, clock=lambda: now[0])
+        log.start(start)
+        for step in range(first, first + 3):
+            now[0] += 60.0 if step == first else 2.0
+            log.on_step(StepInfo(step, 10, {}, {"step": step, "loss": 1.0, "learning_rate": 0.1,
+                                                "tokens_per_sec": 1.0, "step_time": 60.0 if step == first else 2.0}))
+        log.close()
+        etas = [line.split("  ")[4] for line in stream.getvalue().splitlines()]
+        left = [10 - step for step in range(first + 1, first + 3)]
+        assert etas == ["eta ?", *(f"eta 0:{2 * n // 60:02d}:{2 * n % 60:02d}" for n in left)], (start, etas)
+
+
 KILLER = r"""
 import os, signal, sys
 import orbax.checkpoint as ocp

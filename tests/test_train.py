@@ -164,33 +164,53 @@ def test_meshes_on_8_devices_match_one_device(setup, sgd_run, tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_saves_a_checkpoint_and_exits_2(setup, tmp_path):
-    """Slow (slow lane): a `pretrain train` subprocess imports and compiles before the signal."""
+@pytest.mark.parametrize("name, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_signal_saves_a_checkpoint_exits_128_plus_it_and_the_run_resumes(setup, tmp_path, capsys, name, code):
+    """Ctrl-C (SIGINT) or SIGTERM to a `pretrain train` subprocess after its first step: the loop saves a
+    checkpoint at the step boundary, says so in one plain line (no "error:", no traceback: nothing went wrong)
+    and exits with a shell's 128 + the signal's number, 130 for Ctrl-C. The same command, its max_steps lowered
+    to end soon, resumes from that checkpoint and continues the log.
+    Slow (slow lane): a `pretrain train` subprocess imports and compiles before the signal."""
     import os
+    import re
     import signal
     import subprocess
     import sys
 
+    from pretrain.cli import main
+
     out = tmp_path / "sig"
     args = [f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}", f"data.path={setup / 'data.jsonl'}",
-            "data.seq_len=32", "batch_size=4", "max_steps=100000", "log_every=1", "checkpoint.every=100000",
+            "data.seq_len=32", "batch_size=4", "log_every=1", "checkpoint.every=100000",
             "optimizer.learning_rate=0.01", "schedule.name=constant", f"output_dir={out}"]  # _cfg's: a cached step
     with open(tmp_path / "stderr.txt", "w+") as errors:  # a file: a full stderr pipe could block the child
-        proc = subprocess.Popen([sys.executable, "-m", "pretrain.cli", "train", *args], stdout=subprocess.PIPE,
-                                stderr=errors, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        proc = subprocess.Popen([sys.executable, "-m", "pretrain.cli", "train", *args, "max_steps=100000"],
+                                stdout=subprocess.PIPE, stderr=errors, text=True,
+                                env={**os.environ, "JAX_PLATFORMS": "cpu"})
         # Off a terminal the loop prints (and flushes) one plain line per logged step: the first one says step 1
         # is done. No polling: the read blocks until then (or until the output ends, if the child fails).
         for line in proc.stdout:
             if line.startswith("step "):
                 break
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(getattr(signal, name))
         proc.communicate(timeout=300)
         errors.seek(0)
         err = errors.read()
-    assert proc.returncode == 2, err[-2000:]
-    assert "stopped by SIGTERM" in err and "Traceback" not in err
+    assert proc.returncode == code, err[-2000:]
+    said = [line for line in err.splitlines() if line.startswith("interrupted")]
+    m = re.fullmatch(rf"interrupted by {name}: checkpoint saved at step (\d+) in {re.escape(str(out))}; run the "
+                     r"same command to resume", said[0] if len(said) == 1 else "")
+    assert m and "error" not in err and "Traceback" not in err, err[-2000:]
+    step = int(m[1])
     saved = [int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()]
-    assert saved and max(saved) >= 1  # checkpoint.every would never have saved one
+    assert step >= 1 and max(saved) == step  # checkpoint.every would never have saved one
+    if name != "SIGINT":
+        return
+    capsys.readouterr()
+    assert main(["train", *args, f"max_steps={step + 2}"]) == 0
+    assert f"Resuming from step {step} " in capsys.readouterr().out
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == \
+        list(range(1, step + 3))
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
-from zoo.errors import UserError
+from zoo.errors import Interrupted, UserError
 
 
 def skip_absent_tpus() -> None:
@@ -49,6 +49,9 @@ def run_cli(fn: Callable[[], int | None]) -> int:
         return code
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except Interrupted as e:  # a run stopped at a step boundary, its checkpoint saved: it says where
+        print(e, file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -58,18 +58,21 @@ def _save_context() -> Any:
     return ctx
 
 
-def prepare_output(out: Path, overwrite: bool = False) -> None:
-    """Refuse a non-empty output folder unless ``overwrite``."""
+def prepare_output(out: Path, overwrite: bool | None = None, flag: str = "--out") -> None:
+    """Refuse a non-empty output folder (given as ``flag``) unless ``overwrite``; None: the command has no
+    ``--overwrite`` flag, so the message does not offer one."""
     if out.exists():
         if not out.is_dir():
-            raise UserError(f"--out {out} exists and is not a folder; choose another path")
+            raise UserError(f"{flag} {out} exists and is not a folder; choose another path")
         if any(out.iterdir()) and not overwrite:
-            raise UserError(f"--out {out} exists and is not empty; choose a new folder or remove it")
+            fix = "add --overwrite to replace it" if overwrite is not None else "remove it"
+            raise UserError(f"{flag} {out} exists and is not empty; choose a new folder or {fix}")
 
 
 @contextmanager
-def atomic_output(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a hidden scratch folder beside ``out``; on success it is renamed onto ``out``.
+def atomic_output(out: str | os.PathLike, overwrite: bool | None = None) -> Iterator[Path]:
+    """Yield a hidden scratch folder beside ``out``; on success it is renamed onto ``out``. ``overwrite``: as
+    :func:`prepare_output` takes it.
 
     Any error (or a kill) leaves ``out`` untouched: a failed writer's scratch
     folder is deleted, a killed one's is removed by the next writer.
