@@ -114,10 +114,13 @@ class GRPOTask(Task[RolloutBatch]):
     def card(cls, cfg: TrainConfig) -> MethodCard:
         """GRPO with its loss, advantage estimator (group, RLOO, REINFORCE++) and group size, and its keys."""
         g = cast(GRPOConfig, cfg).grpo
+        # RLOO's objective is its own: the keys it does not read (grpo/config.py's UNREAD) are not on its card.
+        unread = ("loss_type", "scale_rewards", "importance_sampling_level") if g.advantage == "rloo" else ()
+        loss = "" if unread else f"loss `{g.loss_type}`, "
         return MethodCard("GRPO (group relative policy optimization: online RL on sampled completions), "
-                          f"loss `{g.loss_type}`, advantage `{g.advantage}`, {g.num_generations} completions per "
-                          "prompt", ("grpo",),
-                          settings(dataclasses.asdict(cfg), [f"grpo.{k}" for k in cls.CARD_KEYS],
+                          f"{loss}advantage `{g.advantage}`, {g.num_generations} completions per prompt",
+                          ("grpo",),
+                          settings(dataclasses.asdict(cfg), [f"grpo.{k}" for k in cls.CARD_KEYS if k not in unread],
                                    ("grpo.beta", "grpo.normalize_advantages", "grpo.tools", "grpo.top_k")))
 
     def _rewards(self, cfg: GRPOConfig) -> RewardSet:

@@ -381,6 +381,8 @@ def card_of(tmp_path: Path, task: type[Task], config: dict) -> str:
                        "rewards": ["final_number"]}},  # rloo reads no loss_type (pretrain/config_unread.py)
      ["GRPO (group relative", "loss `dr_grpo`, advantage `reinforce_pp`, 4 completions", "| `grpo.num_generations` | 4 |",
       "| `grpo.rewards` | final_number |"]),
+    (GRPOTask, {"grpo": {"num_generations": 4, "advantage": "rloo", "beta": 0.0, "rewards": ["final_number"]}},
+     ["GRPO (group relative", "), advantage `rloo`, 4 completions", "| `grpo.advantage` | rloo |"]),
     (SFTTask, {"distill": {"teacher": "runs/teacher/final", "lmbda": 0.5}},
      ["knowledge distillation (GKD", "from the teacher `runs/teacher/final`", "| `distill.lmbda` | 0.5 |"]),
     (RewardTask, {"rm": {"center_rewards_coefficient": 0.01}},
@@ -396,3 +398,5 @@ def test_each_method_is_named_with_its_own_keys(tmp_path, task, config, says):
     for s in says:
         assert s in text, (s, text)
     assert "dpo.cpo_alpha" not in text and "grpo.beta" not in text
+    if "`rloo`" in text:  # RLOO's objective reads no loss_type (grpo/config.py): its card names none
+        assert "loss `" not in text and "grpo.loss_type" not in text, text
