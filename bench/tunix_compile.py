@@ -167,7 +167,7 @@ def tunix_side(case: Case, seq: int, layers: int | None) -> dict:
     opt_state = nnx.state(optimizer)
     return {"arguments": arguments, "temporaries": temps, "outputs": outputs, "code": code,
             "total": arguments + temps + outputs + code, "compile_seconds": round(seconds, 1),
-            "refused": refused[2] if refused else None, "hbm_bytes_per_chip": hbm_bytes(devices[0].device_kind),
+            "refused": refused[2] if refused else None, "hbm_bytes_per_chip": hbm_bytes(devices[0]),
             "weights_bytes": shard_bytes(nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))), "trained_bytes": shard_bytes(trained),
             "optimizer_bytes": shard_bytes(opt_state),
             "dtypes": {"weights": "bfloat16", "trained": _dtype_of(trained), "optimizer": _dtype_of(opt_state)}}

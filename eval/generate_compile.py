@@ -122,7 +122,7 @@ def compile_generation(cfg: Any, topology: str, batch: int, prompt_length: int, 
 
     devices = topology_devices(topology, num_slices)
     kind = devices[0].device_kind
-    hbm = hbm_bytes(kind)
+    hbm = hbm_bytes(devices[0])
     mesh = make_mesh(devices=devices)  # zoo.load's mesh: every chip on fsdp
     pdt = jnp.dtype(dtype)
     started = time.perf_counter()

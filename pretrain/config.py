@@ -282,7 +282,7 @@ class TrainConfig:
     mesh: MeshSection = field(default_factory=MeshSection)
     dtype: DtypeSection = field(default_factory=DtypeSection)
     # none | full (recompute each layer in backward) | save_dots (keep weight matmuls) | offload (keep the layers'
-    # inputs and the weight matmuls' outputs in host memory: zoo.model.layer_scan.REMAT_POLICIES)
+    # inputs and attention projections in host memory, recompute the MLP: zoo.model.layer_scan.REMAT_POLICIES)
     remat: str = field(default="none", metadata={"choices": ("none", "full", "save_dots", "offload")})
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     lora: LoraSection = field(default_factory=LoraSection)

@@ -1,26 +1,49 @@
-"""TPU topologies compiled for from this machine: their devices (through libtpu, no TPU needed) and each chip's
-HBM."""
+"""TPU topologies compiled for from this machine: their devices (through libtpu, no TPU needed) and the HBM the
+compiler lets a program use on each chip."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 import tempfile
+from typing import Any
 
 from zoo.errors import UserError
 
 GIB = 2**30
-# HBM per chip by device kind (jax's device_kind of the topology's devices).
-HBM_GIB = {"TPU v4": 32, "TPU v5 lite": 16, "TPU v5e": 16, "TPU v5p": 95, "TPU v5": 95, "TPU v6 lite": 32,
-           "TPU v6e": 32}
+# The probe's temporaries: a float32 [2**18, 2**18] array sorted (256 GiB, twice that while sorting), beyond any
+# chip's HBM, so the compiler refuses it and says how much HBM it has.
+_PROBE_SHAPE = (2**18, 2**18)
+_HBM: dict[str, int] = {}  # the compiler's figure by device kind, probed once a process
 
 
-def hbm_bytes(kind: str) -> int:
-    """HBM bytes per chip of a TPU device kind (longest matching name first: "TPU v5 lite" before "TPU v5")."""
-    for name in sorted(HBM_GIB, key=len, reverse=True):
-        if kind.lower().startswith(name.lower()):
-            return HBM_GIB[name] * GIB
-    raise UserError(f"--topology: no HBM size known for device kind {kind!r} (known: {', '.join(HBM_GIB)})")
+def hbm_bytes(device: Any) -> int:
+    """The HBM bytes a program may use on a TPU chip like ``device`` (a topology's device), by the TPU compiler's
+    own figure: what it refuses a program over ("exceeds available HBM (15.75G)"), below the chip's nominal HBM
+    (15.75 of a v5e's 16 GiB, 31.24 of a v6e's 32). Read from the refusal of a program no chip holds (a second
+    on this machine, once per device kind), to the compiler's two decimals of a GiB."""
+    kind = device.device_kind
+    if kind not in _HBM:
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from zoo.compiled.chip_bytes import compiler_refusal
+        from zoo.compiled.compiler import compile_lowered
+
+        one = NamedSharding(jax.sharding.Mesh([device], ("chip",)), PartitionSpec())
+        probe = jax.jit(lambda key: jnp.sort(jax.random.uniform(key, _PROBE_SHAPE), axis=-1)[:1, :1],
+                        in_shardings=one, out_shardings=one)
+        lowered = probe.lower(jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=one))
+        try:
+            compile_lowered(lowered, "tpu", device_kind=kind)
+            refused = None
+        except Exception as e:  # the refusal this probe is for
+            refused = compiler_refusal(str(e))
+        if refused is None:
+            raise UserError(f"--topology: the TPU compiler gave no HBM figure for device kind {kind!r}")
+        _HBM[kind] = refused[1]
+    return _HBM[kind]
 
 
 def topology_devices(name: str, num_slices: int = 1) -> list:

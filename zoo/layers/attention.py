@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from zoo.kernels.blockwise import blockwise_attention, query_block
 from zoo.kernels.choice import cudnn_attention, kernel_for, platform
@@ -18,6 +19,7 @@ from zoo.layers.blocks import rms_norm
 from zoo.lora.projections import LayerLora, adapted_dense, projections
 from zoo.model.config import ModelConfig
 from zoo.model.context import context_attention, context_size
+from zoo.model.layer_scan import ATTENTION_PROJ
 from zoo.model.masks import Visibility
 from zoo.model.rope import apply_rope
 
@@ -36,7 +38,8 @@ def qkv_heads(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, cfg: ModelC
     """
     b, t, _ = x.shape
     names = tuple(n for n in ("q", "k", "v") if n in p)
-    ys = projections(x, tuple(p[n] for n in names), cfg, norm_w, lora, names)
+    ys = tuple(checkpoint_name(y, ATTENTION_PROJ)  # what remat: offload keeps in host memory
+               for y in projections(x, tuple(p[n] for n in names), cfg, norm_w, lora, names))
     heads = dict(zip(names, (y.reshape(b, t, -1, cfg.head_dim) for y in ys)))
     q, k = heads["q"], heads.get("k")
     v = heads.get("v", k)
@@ -132,7 +135,7 @@ def output_projection(out: jax.Array, p: dict, cfg: ModelConfig, lora: LayerLora
     out = adapted_dense(out, p["o"], lora, "o", contract=2)
     if cfg.o_bias:
         out = out + p["o_bias"]
-    return out
+    return checkpoint_name(out, ATTENTION_PROJ)  # what remat: offload keeps in host memory
 
 
 def attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, vis: Visibility, cfg: ModelConfig,

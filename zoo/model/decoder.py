@@ -161,8 +161,9 @@ def forward(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax.Arra
     ``remat`` trades compute for memory in training: "full" recomputes each
     layer in the backward pass, "save_dots" keeps only the weight matmuls'
     outputs (attention scores and elementwise work are recomputed); "offload"
-    keeps the layers' inputs and those outputs in the host's memory instead
-    of the device's (:data:`zoo.model.layer_scan.REMAT_POLICIES`).
+    keeps the layers' inputs and their attention projections' outputs in the
+    host's memory instead of the device's and recomputes the MLP, as MaxText
+    runs Llama-3.1-8B on v6e (:data:`zoo.model.layer_scan.REMAT_POLICIES`).
 
     ``params`` is the base alone, or :class:`zoo.lora.weights.Weights`: the
     base with LoRA adapters (a tree keyed like the base, see

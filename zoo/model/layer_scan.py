@@ -65,6 +65,9 @@ def layer_segments(kinds: tuple[str, ...], max_period: int = 12) -> list[Segment
 
 
 LAYER_INPUT = "layer_input"  # each layer's input x, named for remat: offload (scan_segments)
+# the attention projections' outputs (q, k, v after any LoRA, and o's), named for remat: offload
+# (zoo.layers.attention.qkv_heads, output_projection)
+ATTENTION_PROJ = "attention_proj"
 
 REMAT_POLICIES = {
     "full": None,  # save nothing inside a layer
@@ -72,11 +75,15 @@ REMAT_POLICIES = {
     "save_dots": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
         jax.checkpoint_policies.save_only_these_names("dense")),
-    # MaxText's decoder_layer_input: offload: the layers' inputs and the projections' outputs (what save_dots
-    # keeps on the device) copied to the host's pinned memory in the forward pass and back in the backward, the
-    # rest recomputed. A CPU has these memory kinds too (one memory in fact): the same program runs there.
+    # MaxText's own policy for Llama-3.1-8B at 8192 tokens on v6e (benchmarks/maxtext_trillium_model_configs.py,
+    # llama3_1_8b_8192: remat_policy custom, decoder_layer_input, query_proj, key_proj, value_proj and out_proj
+    # offloaded): each layer's input and its attention projections' outputs copied to the host's pinned memory in
+    # the forward pass and back in the backward; the MLP and attention itself recomputed. The MLP's gate and up
+    # ([tokens, intermediate] each, 3.5x the width of x on Llama) are not kept anywhere: on the device they were
+    # two 28 GiB buffers a chip over 32 layers, and a host holds them no better. A CPU has these memory kinds too
+    # (one memory in fact): the same program runs there.
     "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=[], names_which_can_be_offloaded=[LAYER_INPUT, "dense"],
+        names_which_can_be_saved=[], names_which_can_be_offloaded=[LAYER_INPUT, ATTENTION_PROJ],
         offload_src="device", offload_dst="pinned_host"),
 }
 
