@@ -118,7 +118,7 @@ class WandbTracker:
         self.run.log(metrics, step=step)
 
     def table(self, step: int, name: str, rows: list[dict[str, Any]]) -> None:
-        columns = list(rows[0])
+        columns: list[Any] = list(rows[0])
         self.run.log({name: self.wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in rows])},
                      step=step)
 
@@ -163,7 +163,7 @@ class TrackioTracker:
         import trackio
 
         self.trackio = trackio
-        self.run = trackio.init(project=os.environ.get("TRACKIO_PROJECT", "lmzoo"),
+        self.run: Any = trackio.init(project=os.environ.get("TRACKIO_PROJECT", "lmzoo"),
                                 name=resume_id or f"{name}-{uuid.uuid4().hex[:8]}", config=config,
                                 resume="must" if resume_id else "never",
                                 space_id=os.environ.get("TRACKIO_SPACE_ID"))

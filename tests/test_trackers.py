@@ -20,7 +20,7 @@ from pretrain.hooks import StepInfo
 from pretrain.loop import train
 from pretrain.runlog import TIMING_FIELDS
 from pretrain.trackers import STATE_FILE, TrackerHook, chosen
-from tests.processes import REPO
+from tests.processes import REPO, devices_env
 from tests.run_files import read_metrics
 from tests.tiny_lm import copy_tiny_lm
 from zoo.errors import UserError
@@ -120,6 +120,16 @@ def test_wandb_offline_run_holds_the_config_and_the_logs_floats(setup, tmp_path,
     assert not list((out / "tensorboard").glob("events.*"))  # report_to without tensorboard: none drawn
 
 
+@pytest.fixture(scope="session")
+def trackio_dir(tmp_path_factory):
+    """trackio's local folder for this session (trackio reads ``TRACKIO_DIR`` once, when imported)."""
+    if "trackio" not in sys.modules:
+        os.environ["TRACKIO_DIR"] = str(tmp_path_factory.mktemp("trackio"))
+    from trackio.utils import TRACKIO_DIR
+
+    return TRACKIO_DIR
+
+
 def _trackio_logs(project, name):
     from trackio.sqlite_storage import SQLiteStorage
 
@@ -127,8 +137,8 @@ def _trackio_logs(project, name):
 
 
 @pytest.mark.slow
-def test_trackio_local_run_holds_the_logs_floats_and_the_completions_table(setup, tmp_path, monkeypatch):
-    monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))
+def test_trackio_local_run_holds_the_logs_floats_and_the_completions_table(setup, tmp_path, monkeypatch,
+                                                                             trackio_dir):
     monkeypatch.setenv("TRACKIO_PROJECT", "lmzoo-test")
     out = tmp_path / "run"
     train(load_config(None, _args(setup, out, "report_to=[tensorboard,trackio]")), progress=False)
@@ -155,15 +165,43 @@ def test_trackio_local_run_holds_the_logs_floats_and_the_completions_table(setup
                       "advantage": -0.5}]
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_of_two_processes_only_process_0_reports(setup, tmp_path, trackio_dir):
+    """`pretrain train` as 2 processes x 1 CPU device (gloo), each with a trackio folder of its own: process 0's
+    holds the run, with every step; process 1 wrote none."""
+    out = tmp_path / "run"
+    args = _args(setup, out, "report_to=[trackio]", "batch_size=2")
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "pretrain.cli", "train", *args, "--coordinator",
+                               f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                              env={**devices_env(1), "PYTHONPATH": str(REPO), "TRACKIO_PROJECT": "two",
+                                   "TRACKIO_DIR": str(trackio_dir if i == 0 else tmp_path / "trackio1")})
+             for i in range(2)]
+    try:
+        errs = [p.communicate(timeout=600)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for e in errs]
+    assert not (tmp_path / "trackio1").exists()
+    name = json.loads((out / STATE_FILE).read_text())["trackio"]["id"]
+    assert [r["step"] for r in _trackio_logs("two", name)] == [1, 2, 3]
+
+
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory):
     """A real ``mlflow server`` on loopback (SQLite store, artifacts served from a folder), for the session."""
     import urllib.request
 
     root = tmp_path_factory.mktemp("mlflow")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
                                "--backend-store-uri", f"sqlite:///{root / 'db.sqlite'}", "--artifacts-destination",
                                str(root / "artifacts"), "--workers", "1"],
