@@ -220,11 +220,17 @@ class TrackerHook:
     def start(self, step: int) -> None:
         """Start each tracker's run, or resume the one ``trackers.json`` names (and the step it was given)."""
         path = self.out / STATE_FILE
+        if not self.names:  # TensorBoard alone (RunLog draws it): no trackers.json
+            return
         self.state = json.loads(path.read_text()) if path.is_file() else {}  # a tracker left out stays in it
         for name in self.names:
             was = self.state.get(name, {})
             tracker = MAKERS[name]()
-            run_id = tracker.start(self.config, self.out.name, was.get("id"))
+            try:
+                run_id = tracker.start(self.config, self.out.name, was.get("id"))
+            except Exception as e:  # no credentials, no server: the tracker's own words, in one line
+                raise UserError(f"report_to: {name} could not start its run ({(str(e).strip().splitlines() or [type(e).__name__])[0]}); "
+                                f"check its settings (see docs/training/index.md, Trackers)") from None
             self.runs[name] = tracker
             self.state[name] = {"id": run_id, "step": int(was.get("step", 0))}
         self._save()
@@ -233,7 +239,7 @@ class TrackerHook:
         """Give each tracker the step's record and tables, unless it holds the step already."""
         metrics = scalars(info.record) if info.step % self.every == 0 or info.last else {}
         tables = {k: rows for k, rows in info.tables.items() if rows}
-        if not (metrics or tables):
+        if not self.runs or not (metrics or tables):
             return
         for name, tracker in self.runs.items():
             if info.step <= self.state[name]["step"]:  # logged before a kill, after the checkpoint resumed from

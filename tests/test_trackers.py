@@ -70,6 +70,19 @@ def test_a_missing_tracker_is_one_line_naming_its_extra_before_anything_is_writt
     assert not out.exists()
 
 
+@pytest.mark.slow
+def test_a_tracker_that_cannot_start_is_one_line_before_step_1(setup, tmp_path, capsys, monkeypatch):
+    """MLflow's server unreachable: the run stops with MLflow's reason in one line, exit 2, before any step; the
+    default run (TensorBoard alone) writes no trackers.json."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_free_port()}")  # nothing listens there
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    out = tmp_path / "run"
+    assert pretrain_main(["train", *_args(setup, out, "report_to=[mlflow]")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: report_to: mlflow could not start its run ("), err[-3:]
+    assert not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text()  # no step taken
+
+
 def _wandb_records(path):
     """The records of a W&B run file (``run-<id>.wandb``): LevelDB's log format (32 KiB blocks of chunks, each
     crc32c, length, type, data) after W&B's 7-byte header, each record a ``wandb_internal_pb2.Record``."""
@@ -147,6 +160,9 @@ def test_trackio_local_run_holds_the_logs_floats_and_the_completions_table(setup
             for r in _trackio_logs("lmzoo-test", name)}
     assert logs == _expected(out)
     assert list((out / "tensorboard").glob("events.*"))  # and TensorBoard as before
+    default = tmp_path / "default"
+    train(load_config(None, _args(setup, default, "max_steps=1")), progress=False)
+    assert list((default / "tensorboard").glob("events.*")) and not (default / STATE_FILE).exists()
     # GRPO's completions: its log hook hands them over as a table the same step (grpo/completions_log.py).
     from grpo.completions_log import CompletionsLog, completion_records
 
