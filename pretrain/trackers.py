@@ -164,9 +164,9 @@ class TrackioTracker:
 
         self.trackio = trackio
         self.run: Any = trackio.init(project=os.environ.get("TRACKIO_PROJECT", "lmzoo"),
-                                name=resume_id or f"{name}-{uuid.uuid4().hex[:8]}", config=config,
-                                resume="must" if resume_id else "never",
-                                space_id=os.environ.get("TRACKIO_SPACE_ID"))
+                                     name=resume_id or f"{name}-{uuid.uuid4().hex[:8]}", config=config,
+                                     resume="must" if resume_id else "never",
+                                     space_id=os.environ.get("TRACKIO_SPACE_ID"))
         run_name: str = self.run.name
         return run_name
 
