@@ -3,6 +3,7 @@ rewards and advantages, one record per completion."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -26,10 +27,22 @@ def completion_records(step: int, prompts: list, texts: list[str], ids: list[lis
     return out
 
 
+def table_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ``completions.jsonl`` records as the trackers' ``completions`` table (``report_to``): TRL's columns,
+    step, prompt (a conversation as its JSON), completion, each reward function's value (``rewards/<name>``, a
+    namespace of their own, as in the record), reward and advantage."""
+    return [{"step": r["step"], "prompt": r["prompt"] if isinstance(r["prompt"], str) else json.dumps(r["prompt"]),
+             "completion": r["completion"],
+             **{f"rewards/{k}": v for k, v in r["rewards"].items()}, "reward": r["reward"], "advantage": r["advantage"]}
+            for r in records]
+
+
 class CompletionsLog(JsonlLog):
-    """GRPO's completions log: what each rollout gave to log, appended after its step."""
+    """GRPO's completions log: what each rollout gave to log, appended after its step (and handed to the trackers
+    as a table)."""
 
     def on_step(self, info: StepInfo) -> None:
         """Append the records the step's rollout gave (none on most steps: ``grpo.log_completions_every``)."""
         if info.rollout is not None and info.rollout.log:
             self.write(info.rollout.log)
+            info.tables["completions"] = table_rows(info.rollout.log)

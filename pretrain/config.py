@@ -28,6 +28,7 @@ from typing import Any, ClassVar, cast
 
 import yaml
 
+from pretrain import trackers
 from pretrain.config_overrides import remove_override, set_override
 from pretrain.config_unread import Unread, check_unread, keys_unread
 from pretrain.config_values import check_field, coerce, field_type, schema_keys
@@ -287,6 +288,9 @@ class TrainConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     lora: LoraSection = field(default_factory=LoraSection)
     log_every: int = field(default=10, metadata={"range": "[1, inf)"})  # steps between log lines and metrics
+    # the trackers metrics.jsonl's records also go to (TRL's key): tensorboard, wandb, mlflow, trackio (each but
+    # tensorboard an extra: lmzoo[wandb], ...), none or all; where each writes is its own settings' (WANDB_MODE, ...)
+    report_to: list[str] | str = field(default_factory=lambda: ["tensorboard"])
     eval_every: int = field(default=0, metadata={"range": "[0, inf)"})  # 0: no eval during training
     eval: EvalSection = field(default_factory=EvalSection)
     # per device, for MFU; None: detected for known accelerators, else no MFU
@@ -307,6 +311,7 @@ class TrainConfig:
                             f"{self.mesh.context} (each device attends an equal block of every row)")
         if self.batch_size % self.grad_accum:
             raise UserError(f"batch_size={self.batch_size} must be a multiple of grad_accum={self.grad_accum}")
+        trackers.chosen(self.report_to)  # an unknown tracker's name
         if self.eval.tasks and not self.eval_every:
             raise UserError("eval.tasks are scored every eval_every steps; set eval_every (e.g. eval_every=100)")
 

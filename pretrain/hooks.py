@@ -41,6 +41,7 @@ class StepInfo:
     record: dict[str, Any]
     rollout: Rollout[TokenBatch] | None = None
     loss: float = 0.0
+    tables: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # name -> rows a hook hands the trackers
 
     @property
     def last(self) -> bool:

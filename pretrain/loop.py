@@ -33,7 +33,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
-from pretrain import distributed, preflight, runfolder, runlog
+from pretrain import distributed, preflight, runfolder, runlog, trackers
 from pretrain.checkpoints import Checkpoints
 from pretrain.config import TrainConfig, to_yaml
 from pretrain.data.mixture import describe as describe_mixture
@@ -96,6 +96,7 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task[Any] | None
     out = Path(cfg.output_dir).absolute()
     primary = distributed.is_primary()
     check_platform(cfg.model.attention, cfg.dtype.compute)  # before anything is written
+    trackers.check_installed(cfg.report_to)
     preflight.check_data_files(cfg)  # and before the model loads
     task = task or PretrainTask(cfg)
     check_rows(cfg.model.attention, task.batch_layout(1, 1, cfg.data.seq_len).inputs.shape[-1],  # GRPO's are longer
@@ -122,7 +123,8 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task[Any] | None
     if primary:
         (out / runfolder.CONFIG_FILE).write_text(to_yaml(cfg))
     bar_wanted = is_terminal(sys.stdout) if progress is None else progress
-    log = runlog.RunLog(out, total, not bar_wanted, list(task.key_metrics) or None, summary_writer(),
+    log = runlog.RunLog(out, total, not bar_wanted, list(task.key_metrics) or None,
+                        summary_writer() if "tensorboard" in trackers.chosen(cfg.report_to) else trackers.NoBoard,
                         cfg.log_every) if primary else None
     run_hooks = _run_hooks(cfg, task, run, step, out, primary, hooks or Hooks(), log, checkpoints)
     training = Training(cfg, task, step.train, run.data, step.batch_sharding,
@@ -216,6 +218,7 @@ def _run_hooks(cfg: TrainConfig, task: Task[Any], run: _Run, step: Step, out: Pa
         hooks.add(hook)
     if log:
         hooks.add(log)
+        hooks.add(trackers.TrackerHook(out, trackers.chosen(cfg.report_to), cfg, cfg.log_every))  # the log's floats
     hooks.add(checkpoints)  # every step: its manager keeps checkpoint.every (and saves on a preemption notice)
     hooks.setup(RunModel(model.mcfg, run.tokenizer, model.lora, model.frozen))
     return hooks

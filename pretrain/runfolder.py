@@ -24,7 +24,7 @@ from zoo.errors import UserError
 CONFIG_FILE = "config.yaml"
 # Keys a resumed run may change freely (a key or a whole section). Anything else is a change of the run itself.
 MAY_CHANGE = ("max_steps", "epochs", "log_every", "eval_every", "eval", "checkpoint", "output_dir", "peak_tflops",
-              "mesh", "remat")
+              "mesh", "remat", "report_to")
 
 
 def checkpoint_steps(out: Path) -> list[int]:
