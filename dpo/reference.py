@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from zoo.data.batching import score_documents
 from zoo.model.config import ModelConfig
+from zoo.storage import RunPath, is_remote
 
 CACHE_DIR = "reference_logps"
 CACHE_VERSION = "3"  # bump when what is cached changes meaning (3: + params dtype and chat template)
@@ -97,7 +98,7 @@ def compute_reference_logps(mcfg: ModelConfig, params: dict, docs: list[dict[str
     return score_documents(mcfg, params, docs, seq_len + 1, rows, sharding, compute)
 
 
-def cached_reference_logps(out_dir: Path, docs: dict[str, dict[int, dict[str, np.ndarray]]], weights: Path,
+def cached_reference_logps(out_dir: Path | RunPath, docs: dict[str, dict[int, dict[str, np.ndarray]]], weights: Path,
                            compute_name: str, score: Any, primary: bool = True, params_name: str = "float32",
                            template: dict | None = None, unit: str = "pairs") -> dict[str, dict[int, np.ndarray]]:
     """{data path: {row: per-token reference log-probabilities}} of ``docs``, from the cache or ``score``.
@@ -111,7 +112,7 @@ def cached_reference_logps(out_dir: Path, docs: dict[str, dict[int, dict[str, np
     f = out_dir / CACHE_DIR / f"{key}.npz"
     flat = [(path, i) for path in sorted(docs) for i in sorted(docs[path])]
     if f.is_file():
-        with np.load(f) as z:
+        with f.open("rb") as fh, np.load(fh) as z:  # through the file's own API: a run folder may be a bucket
             values, offsets = z["values"], z["offsets"]
         if primary:
             print(f"reference log-probabilities: cache hit ({f})", file=sys.stderr)
@@ -122,9 +123,12 @@ def cached_reference_logps(out_dir: Path, docs: dict[str, dict[int, dict[str, np
         offsets = np.cumsum([0] + [len(x) for x in per_doc])
         if primary:
             f.parent.mkdir(parents=True, exist_ok=True)
-            tmp = f.with_name(f.stem + ".tmp.npz")
-            np.savez(tmp, values=values, offsets=offsets)
-            tmp.replace(f)
+            # An object on a bucket appears whole when its write closes: no temporary file to rename there.
+            tmp = f if is_remote(f) else f.with_name(f.stem + ".tmp.npz")
+            with tmp.open("wb") as fh:
+                np.savez(fh, values=values, offsets=offsets)
+            if tmp != f:
+                tmp.replace(f)
             print(f"reference log-probabilities: cache miss, computed {len(flat)} {unit} with {weights} in "
                   f"{time.perf_counter() - t0:.1f}s ({f})", file=sys.stderr)
     out: dict[str, dict[int, np.ndarray]] = {p: {} for p in docs}

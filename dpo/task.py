@@ -52,6 +52,7 @@ from zoo.model.config import ModelConfig
 from zoo.model.logps import batch_logps
 from zoo.model.params import flatten
 from zoo.model.quant import cast_params
+from zoo.storage import run_path
 
 # The metrics each step logs (TRL's names), besides `loss`: means over the global batch's pairs.
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -173,7 +174,6 @@ class DPOTask(Task[P]):
 
     def _precompute(self, ctx: ReadContext) -> None:
         """Score every pair of the run's data (``ctx.reads``) with the reference, or read the cached scores."""
-        from pathlib import Path
 
         from pretrain import distributed
 
@@ -205,7 +205,7 @@ class DPOTask(Task[P]):
                     for x in jax.tree.leaves(ref):
                         x.delete()
 
-        self.ref_logps = cached_reference_logps(Path(cfg.output_dir).absolute(), docs, weights, cfg.dtype.compute,
+        self.ref_logps = cached_reference_logps(run_path(cfg.output_dir), docs, weights, cfg.dtype.compute,
                                                 score, distributed.is_primary(), cfg.dtype.params,
                                                 self.chat_template.identity(), unit=self.unit)
 

@@ -32,7 +32,6 @@ is grpo/completions_log.py's hook.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any, cast
 
 import jax
@@ -69,6 +68,7 @@ from zoo.errors import UserError
 from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 from zoo.model.logps import batch_logps
+from zoo.storage import RunPath
 
 
 class GRPOTask(Task[RolloutBatch]):
@@ -302,7 +302,7 @@ class GRPOTask(Task[RolloutBatch]):
         assert self.rollouts is not None, "prepare first"
         return held_out_metrics(self.rollouts, weights, docs, self.eval_rows(source), step)
 
-    def hooks(self, out: Path, primary: bool) -> list[Hook]:
+    def hooks(self, out: RunPath, primary: bool) -> list[Hook]:
         """The completions log (``completions.jsonl`` of the run folder; the primary process writes it)."""
         return [CompletionsLog(out / COMPLETIONS_FILE)] if primary else []
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -13,20 +12,22 @@ from pretrain.config import TrainConfig
 from pretrain.data.lanes import check_same_processes
 from pretrain.hooks import Hook, StepInfo
 from zoo.errors import UserError
+from zoo.storage import RunPath
 
 
 class Checkpoints(Hook):
     """``output_dir/checkpoints``: every ``checkpoint.every`` steps and always the last, the newest
-    ``checkpoint.keep`` kept. Each holds the state, the data iterator's position and the config."""
+    ``checkpoint.keep`` kept. Each holds the state, the data iterator's position and the config. On ``gs://``
+    Orbax writes through TensorStore's own GCS driver and marks a finished step with its commit file."""
 
-    def __init__(self, out: Path, cfg: TrainConfig, batches: Any):
+    def __init__(self, out: RunPath, cfg: TrainConfig, batches: Any):
         import orbax.checkpoint as ocp
 
         self.dir, self.cfg, self.batches = out / "checkpoints", cfg, batches
         self.manager = ocp.CheckpointManager(self.dir, options=ocp.CheckpointManagerOptions(
             max_to_keep=cfg.checkpoint.keep, save_interval_steps=cfg.checkpoint.every))
 
-    def restore(self, state: dict[str, Any]) -> tuple[dict[str, Any], int, Path | None]:
+    def restore(self, state: dict[str, Any]) -> tuple[dict[str, Any], int, RunPath | None]:
         """(state, step, checkpoint folder) of the newest readable checkpoint, or (``state``, 0, None)."""
         import grain
         import orbax.checkpoint as ocp

@@ -1,9 +1,14 @@
-"""The run's final model: ``output_dir/final`` as a zoo checkpoint, written atomically by all processes."""
+"""The run's final model: ``output_dir/final`` as a zoo checkpoint, written atomically by all processes.
+
+On object storage (one process) it is written on the local disk first, then copied into the bucket with its
+``model.json`` last: a reader that finds ``model.json`` finds a whole checkpoint (there is no atomic rename there).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import shutil
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
@@ -14,13 +19,14 @@ from pretrain import distributed
 from pretrain.config import TrainConfig
 from pretrain.setup import frozen_base_quant
 from zoo.checkpoints.adapter import adapter_meta
-from zoo.checkpoints.format import HF_CONFIG_FILE, TOKENIZER_DIR, WEIGHT_FILES, read_meta
+from zoo.checkpoints.format import HF_CONFIG_FILE, MODEL_FILE, TOKENIZER_DIR, WEIGHT_FILES, read_meta
 from zoo.checkpoints.method_card import MethodCard, adapter_settings, settings
 from zoo.checkpoints.provenance import provenance_of
 from zoo.checkpoints.writer import CheckpointWriter, remove_stale_scratch, save_params
 from zoo.lora.params import LoraConfig, lora_specs, whole_weights
 from zoo.model.config import ModelConfig
 from zoo.model.params import param_specs
+from zoo.storage import RunPath, is_remote, local, remove_tree, upload_tree
 
 # The settings every run's card lists (config keys, in the card's order), before LoRA's and the task's own; those
 # whose 0 / false means "off" are left out then, and the final learning-rate ratio where the schedule has none.
@@ -31,16 +37,35 @@ OFF_WHEN_FALSY = ("optimizer.weight_decay", "optimizer.grad_clip", "schedule.war
 DECAYING_SCHEDULES = ("cosine", "linear", "wsd")
 
 
-def write_final(out: Path, cfg: TrainConfig, mcfg: ModelConfig, params: dict[str, Any], src: Path | None,
+def write_final(out: RunPath, cfg: TrainConfig, mcfg: ModelConfig, params: dict[str, Any], src: Path | None,
                 tok_dir: Path, last: dict[str, Any], data_report: dict[str, Any], method: str = "pretrain",
-                lora: LoraConfig | None = None, card: MethodCard | None = None) -> Path:
+                lora: LoraConfig | None = None, card: MethodCard | None = None) -> RunPath:
     """Write ``out/final`` as a zoo checkpoint, atomically; every process writes its own shards.
 
     With ``lora`` the params are the adapters: ``final`` is then an adapter
     checkpoint (zoo/checkpoints/adapter.py) that refers to its base ``src``.
     ``card``: what the task's model card says of its method (:meth:`pretrain.task.Task.card`), recorded in the
-    training record with the run's settings (:func:`recorded_card`).
+    training record with the run's settings (:func:`recorded_card`). On object storage (see the module
+    docstring) an adapter checkpoint names its base by its absolute path only.
     """
+    args = (cfg, mcfg, params, src, tok_dir, last, data_report, method, lora, card)
+    if not is_remote(out):
+        return _write_final(local(out), True, *args)
+    final = out / "final"
+    with tempfile.TemporaryDirectory(prefix="lmzoo-final-") as tmp:
+        written = _write_final(Path(tmp), False, *args)
+        if distributed.is_primary():
+            remove_tree(final)  # an old final's model.json goes first: a kill now leaves no whole-looking final
+            upload_tree(written, final, last=(MODEL_FILE,))
+    distributed.sync("lmzoo-final-uploaded")
+    return final
+
+
+def _write_final(out: Path, in_place: bool, cfg: TrainConfig, mcfg: ModelConfig, params: dict[str, Any],
+                 src: Path | None, tok_dir: Path, last: dict[str, Any], data_report: dict[str, Any], method: str,
+                 lora: LoraConfig | None, card: MethodCard | None) -> Path:
+    """:func:`write_final` into the local folder ``out``; ``in_place``: ``out/final`` is where the checkpoint
+    stays (an adapter checkpoint then names its base relative to it too)."""
     specs = lora_specs(mcfg, lora) if lora else param_specs(mcfg)
     final = out / "final"
     scratch = out / ".final.incomplete-run"  # one name all processes agree on
@@ -67,7 +92,8 @@ def write_final(out: Path, cfg: TrainConfig, mcfg: ModelConfig, params: dict[str
             # The base is named relative to `final` (where the scratch folder ends up), so run and base move together.
             q = frozen_base_quant(cfg, src) if lora else None
             quant = {"kind": q[0], "double": q[1]} if q else None
-            extra = {"lora": adapter_meta(lora, cast(Path, src), stored, final, quant)} if lora else {}
+            extra = {"lora": adapter_meta(lora, cast(Path, src), stored, final if in_place else None, quant)} \
+                if lora else {}
             if card is not None:
                 training["card"] = recorded_card(cfg, card, extra.get("lora")).record()
             # A run derives from its starting checkpoint: the Hub repo that came from, if any, is this run's too.

@@ -27,6 +27,7 @@ from pretrain.batch import Rollout, TokenBatch
 from zoo.data.jsonl import read_records
 from zoo.lora.params import LoraConfig
 from zoo.model.config import ModelConfig
+from zoo.storage import RunPath, is_remote
 
 
 @dataclass
@@ -136,12 +137,15 @@ def _finite(x: Any) -> Any:
     return x
 
 
-def trim_jsonl(path: Path, step: int) -> list[dict[str, Any]]:
+def trim_jsonl(path: Path | RunPath, step: int) -> list[dict[str, Any]]:
     """Drop every record of the JSONL log ``path`` after ``step`` (and a line torn by a kill); return the records
-    kept. The file (if any) is rewritten whole, then renamed over the old one."""
+    kept. The file (if any) is rewritten whole, then renamed over the old one (an object, on object storage, is
+    written whole in one call)."""
     records, lines = read_records(path)
     kept = [rec for rec in records if int(rec.get("step", 0)) <= step]
-    if len(kept) != lines:
+    if len(kept) != lines and is_remote(path):
+        path.write_text("".join(json_line(r) for r in kept))
+    elif len(kept) != lines:
         tmp = path.with_name(path.name + ".trim")
         tmp.write_text("".join(json_line(r) for r in kept))
         tmp.replace(path)
@@ -151,17 +155,24 @@ def trim_jsonl(path: Path, step: int) -> list[dict[str, Any]]:
 @dataclass
 class JsonlLog(Hook):
     """A per-step JSONL log of the run folder: trimmed to the start step, then appended to (flushed per write,
-    so a kill loses at most the line being written)."""
+    so a kill loses at most the line being written). On object storage, which has no append, the log is written
+    whole at each write (one object, replaced whole: a kill loses at most the last write)."""
 
-    path: Path
+    path: Path | RunPath
     kept: list[dict[str, Any]] = field(default_factory=list)  # the records kept at the start
     _file: Any = None
+    _lines: list[str] = field(default_factory=list)  # on object storage: every line of the log, rewritten whole
 
     def start(self, step: int) -> None:
         self.kept = trim_jsonl(self.path, step)
+        self._lines = [json_line(r) for r in self.kept]
 
     def write(self, records: list[dict[str, Any]]) -> None:
         """Append ``records``, each one line of strict JSON (:func:`json_line`)."""
+        if is_remote(self.path):
+            self._lines += [json_line(r) for r in records]
+            self.path.write_text("".join(self._lines))
+            return
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a")

@@ -21,7 +21,6 @@ normalized by the number of target tokens in the whole global batch, so
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import sys
 import types
 from collections.abc import Sequence
@@ -64,6 +63,7 @@ from zoo.data.tokenizer import load_tokenizer
 from zoo.errors import Interrupted, UserError
 from zoo.kernels.choice import check_platform, check_rows, kernel_for
 from zoo.lora.weights import LoraRun
+from zoo.storage import RunPath, remove_tree, run_path
 
 
 @dataclasses.dataclass
@@ -80,7 +80,7 @@ class _Run:
 
 
 def train(cfg: TrainConfig, progress: bool | None = None, task: Task[Any] | None = None, fresh: bool = False,
-          resume_with_changes: Sequence[str] | str = (), hooks: Hooks | None = None) -> Path:
+          resume_with_changes: Sequence[str] | str = (), hooks: Hooks | None = None) -> RunPath:
     """Run (or resume) training of ``task`` (default: pretraining); returns ``output_dir/final``.
 
     In a multi-process run every process calls this with the same config; the
@@ -93,7 +93,7 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task[Any] | None
     evaluation and before the task's own, the metrics log and the checkpoints (what they add to a step's record is
     logged and saved).
     """
-    out = Path(cfg.output_dir).absolute()
+    out = run_path(cfg.output_dir)
     primary = distributed.is_primary()
     check_platform(cfg.model.attention, cfg.dtype.compute)  # before anything is written
     trackers.check_installed(cfg.report_to)
@@ -136,7 +136,7 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task[Any] | None
         last = _take_steps(training, run_hooks, checkpoints, start, total, log, primary and bar_wanted, out)
     finally:
         if training.failed_first_step and not held_before and primary:
-            shutil.rmtree(out, ignore_errors=True)
+            remove_tree(out)
     return write_final(out, cfg, model.mcfg, training.state["params"], model.source, run.tok_dir, last,
                        _data_report(cfg, run.data, primary), task.method, model.lora, task.card(cfg))
 
@@ -204,7 +204,7 @@ def build_step(cfg: TrainConfig, task: Task[Any], model: Model, frozen_inputs: A
     return Step(state, train, evaluate, batch_sharding, schedule)
 
 
-def _run_hooks(cfg: TrainConfig, task: Task[Any], run: _Run, step: Step, out: Path, primary: bool, caller: Hooks,
+def _run_hooks(cfg: TrainConfig, task: Task[Any], run: _Run, step: Step, out: RunPath, primary: bool, caller: Hooks,
                log: runlog.RunLog | None, checkpoints: Checkpoints) -> Hooks:
     """The run's hooks in order: evaluation, the caller's, the task's own, the metrics log and checkpoints; each
     set up with the run's model."""
@@ -225,7 +225,7 @@ def _run_hooks(cfg: TrainConfig, task: Task[Any], run: _Run, step: Step, out: Pa
 
 
 def _take_steps(training: Training, hooks: Hooks, checkpoints: Checkpoints, start: int, total: int,
-                log: runlog.RunLog | None, bar_wanted: bool, out: Path) -> dict[str, Any]:
+                log: runlog.RunLog | None, bar_wanted: bool, out: RunPath) -> dict[str, Any]:
     """Steps ``start`` .. ``total``, the hooks after each, a signal stopping the run at a step boundary (its
     checkpoint saved); returns the last step's metrics record (the log's last if no step is left to run)."""
     bar = tqdm(total=total, initial=start, desc="train", unit="step", disable=not bar_wanted)

@@ -13,13 +13,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
+import jax
 import yaml
 
 from pretrain.config import TrainConfig, config_keys
 from zoo.errors import UserError
+from zoo.storage import RunPath, check_writable, is_remote, move_tree, scheme_of
 
 CONFIG_FILE = "config.yaml"
 # Keys a resumed run may change freely (a key or a whole section). Anything else is a change of the run itself.
@@ -27,20 +28,28 @@ MAY_CHANGE = ("max_steps", "epochs", "log_every", "eval_every", "eval", "checkpo
               "mesh", "remat", "report_to")
 
 
-def checkpoint_steps(out: Path) -> list[int]:
-    """The steps of the training checkpoints in ``out/checkpoints`` (committed folders only)."""
+# What Orbax writes into a checkpoint on object storage once the whole step is there (it cannot rename a folder
+# there atomically, so a step folder exists before it is complete).
+COMMIT_FILE = "commit_success.txt"
+
+
+def checkpoint_steps(out: RunPath) -> list[int]:
+    """The steps of the training checkpoints in ``out/checkpoints`` (committed ones only: on local disk a step's
+    folder is renamed into place whole; on object storage it holds Orbax's commit file)."""
     d = out / "checkpoints"
     if not d.is_dir():
         return []
-    return sorted(int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isdigit())
+    remote = is_remote(out)
+    return sorted(int(p.name) for p in d.iterdir()
+                  if p.name.isdigit() and p.is_dir() and (not remote or (p / COMMIT_FILE).exists()))
 
 
-def holds_run(out: Path) -> bool:
+def holds_run(out: RunPath) -> bool:
     """Whether ``out`` holds a run that a rerun would continue (a checkpoint or a final model)."""
     return bool(checkpoint_steps(out)) or (out / "final" / "model.json").is_file()
 
 
-def finished_run(out: Path, cfg: TrainConfig) -> Path | None:
+def finished_run(out: RunPath, cfg: TrainConfig) -> RunPath | None:
     """``out/final`` when the run in ``out`` is complete for ``cfg`` (its final model is of the last checkpoint's
     step, and max_steps/epochs are those the run was saved with), else None. Cheap: reads two small files."""
     import json
@@ -96,7 +105,7 @@ def parse_changes(spec: Sequence[str] | str | None, schema: type[TrainConfig] | 
     return names
 
 
-def config_changes(out: Path, cfg: TrainConfig, allowed: Sequence[str] = ()) -> list[tuple[str, Any, Any]]:
+def config_changes(out: RunPath, cfg: TrainConfig, allowed: Sequence[str] = ()) -> list[tuple[str, Any, Any]]:
     """The changes of ``cfg`` from the config the run in ``out`` saved that matter ((key, old, new) each;
     ``MAY_CHANGE`` keys left out). A change ``allowed`` does not name is a UserError listing every one."""
     saved = out / CONFIG_FILE
@@ -123,7 +132,7 @@ def _show(v: Any) -> str:
     return text.strip().removesuffix("...").strip()
 
 
-def move_aside(out: Path) -> Path | None:
+def move_aside(out: RunPath) -> RunPath | None:
     """Move a non-empty ``out`` to a sibling ``<name>.old-<UTC time>`` (never deleting it); returns where, or None
     when there was nothing to move."""
     if not out.is_dir() or not any(out.iterdir()):
@@ -134,18 +143,31 @@ def move_aside(out: Path) -> Path | None:
     while dest.exists():
         n += 1
         dest = out.with_name(f"{out.name}.old-{stamp}-{n}")
-    out.rename(dest)
+    move_tree(out, dest)
     return dest
 
 
-def open_run(out: Path, cfg: TrainConfig, fresh: bool, allowed: Sequence[str]) -> Path | None:
-    """Get ``out`` ready for a run: ``fresh`` moves an old run aside; else a finished run's ``final`` is returned
-    (nothing to train), and a resumed run's config changes (only what ``allowed`` and :data:`MAY_CHANGE`
-    permit) are reported. None: train."""
+def check_output(out: RunPath) -> None:
+    """Before the model loads: ``out`` on object storage is a place Orbax can checkpoint into and the credentials
+    may write (a probe object written and removed: :func:`zoo.storage.check_writable`); else one line."""
+    if scheme_of(out) == "s3":  # orbax-checkpoint builds TensorStore specs for gs:// and local paths only
+        raise UserError(f"output_dir {out}: Orbax cannot write checkpoints to s3:// yet (google/orbax#359); use a "
+                        f"gs:// bucket or a local path (s3:// output_dir is planned)")
+    if is_remote(out) and jax.process_count() > 1:
+        raise UserError(f"output_dir {out}: a run of several processes writes to object storage in a later version "
+                        f"(issue 61); use a folder all hosts share, or run on one host")
+    check_writable(out)
+
+
+def open_run(out: RunPath, cfg: TrainConfig, fresh: bool, allowed: Sequence[str]) -> RunPath | None:
+    """Get ``out`` ready for a run: checked to be writable (:func:`check_output`); ``fresh`` moves an old run
+    aside; else a finished run's ``final`` is returned (nothing to train), and a resumed run's config changes
+    (only what ``allowed`` and :data:`MAY_CHANGE` permit) are reported. None: train."""
     import sys
 
     from pretrain import distributed
 
+    check_output(out)
     primary = distributed.is_primary()
     if fresh:
         moved = move_aside(out) if primary else None

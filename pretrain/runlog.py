@@ -9,15 +9,15 @@ killed or resumed. Other per-step logs belong to their own hooks.
 
 from __future__ import annotations
 
+import io
 import math
-import shutil
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, TextIO
 
 from pretrain.hooks import Hook, JsonlLog, StepInfo
+from zoo.storage import RunPath, is_remote, remove_tree, run_path, scheme_of
 
 METRICS_FILE = "metrics.jsonl"
 BOARD_DIR = "tensorboard"
@@ -52,6 +52,41 @@ def _duration(s: float | None) -> str:
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
+class _EventFile:
+    """A TensorBoard event file on object storage: kept in memory and written whole at each flush (an object
+    store has no append), through the one file-system layer (:mod:`zoo.storage`)."""
+
+    def __init__(self, path: str):
+        self.path, self.buffer = run_path(path), io.BytesIO()
+
+    def write(self, data: bytes) -> None:
+        self.buffer.write(data)
+
+    def flush(self) -> None:
+        self.path.write_bytes(self.buffer.getvalue())
+
+    def close(self) -> None:
+        self.flush()
+
+
+class _EventFiles:
+    """tensorboardX's writer factory for a URL scheme: :class:`_EventFile`s, no folders to make."""
+
+    def open(self, path: str) -> _EventFile:
+        return _EventFile(path)
+
+    def directory_check(self, path: str) -> None:
+        pass
+
+
+def _event_files_through_storage(scheme: str) -> None:
+    """TensorBoard's event files under ``scheme://`` go through :mod:`zoo.storage` (tensorboardX's own writers
+    for gs:// and s3:// read other variables and credentials than gcsfs and s3fs)."""
+    from tensorboardX import record_writer
+
+    record_writer.register_writer_factory(scheme, _EventFiles())
+
+
 class RunLog(Hook):
     """The metrics hook of the primary process: metrics.jsonl, TensorBoard and, off a terminal, a plain line,
     every ``every`` steps and at the last.
@@ -64,7 +99,7 @@ class RunLog(Hook):
     which compiles the step: ``?`` until a second step is done. ``clock``: seconds (a test's own).
     """
 
-    def __init__(self, out: Path, total: int, plain: bool, key_metrics: list[str] | None, writer_cls: type,
+    def __init__(self, out: RunPath, total: int, plain: bool, key_metrics: list[str] | None, writer_cls: type,
                  every: int = 1, stream: TextIO | None = None, clock: Callable[[], float] = time.monotonic):
         self.out, self.writer_cls, self.every = out, writer_cls, every
         self.log = JsonlLog(out / METRICS_FILE)
@@ -78,7 +113,9 @@ class RunLog(Hook):
         self.log.start(step)
         records = self.log.kept
         # TensorBoard holds whatever steps a killed run wrote; drawing it again from the record drops them.
-        shutil.rmtree(self.out / BOARD_DIR, ignore_errors=True)
+        remove_tree(self.out / BOARD_DIR)
+        if is_remote(self.out):
+            _event_files_through_storage(scheme_of(self.out) or "")
         self.board = self.writer_cls(str(self.out / BOARD_DIR))
         for rec in records:
             add_scalars(self.board, rec)

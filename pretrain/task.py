@@ -41,6 +41,7 @@ from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 from zoo.model.decoder import forward, stored_head
 from zoo.model.loss import next_token_nll_sum
+from zoo.storage import RunPath
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -262,7 +263,7 @@ class Task(Generic[B]):
         ``weights`` (no dropout). Only called when ``online``."""
         raise NotImplementedError
 
-    def hooks(self, out: Path, primary: bool) -> list[Hook]:
+    def hooks(self, out: RunPath, primary: bool) -> list[Hook]:
         """The task's own step hooks (:class:`pretrain.hooks.Hook`) for the run folder ``out``; none by default."""
         return []
 

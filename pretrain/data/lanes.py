@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, cast
 
 import jax
@@ -10,6 +9,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from zoo.errors import UserError
+from zoo.storage import RunPath
 
 
 def owned_rows(sharding: NamedSharding, shape: tuple[int, int, int]) -> tuple[list[int], list[int]]:
@@ -49,7 +49,7 @@ def global_batch(local: dict[str, np.ndarray], rows: list[int], sharding: NamedS
     return {k: build(v) for k, v in local.items()}
 
 
-def check_same_processes(data_dir: Path) -> None:
+def check_same_processes(data_dir: RunPath) -> None:
     """A checkpoint's data state is per process: resuming needs the process count that wrote it."""
     n = jax.process_count()
     written = sorted(data_dir.glob("process_*-of-*.json"))

@@ -101,7 +101,13 @@ def quantized_param(ckpt: str | os.PathLike, path: str, kind: str, double: bool 
 def load(ckpt: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, dtype: Any = None,
          attention: str = "auto") -> Decoder:
     """Load a zoo checkpoint as a :class:`zoo.model.decoder.Decoder` on all local devices (or ``mesh``); ``attention``
-    is its forward's kernel (``auto``, ``blockwise``, ``cudnn`` or ``splash``: :mod:`zoo.kernels.choice`)."""
+    is its forward's kernel (``auto``, ``blockwise``, ``cudnn`` or ``splash``: :mod:`zoo.kernels.choice`).
+    ``ckpt`` may be a ``gs://`` or ``s3://`` URL: it is read from a local copy (:func:`zoo.storage.fetched`)."""
+    from zoo.checkpoints.paths import checkpoint_dir
+    from zoo.storage import is_remote
+
+    if is_remote(ckpt):
+        ckpt = checkpoint_dir(os.fspath(ckpt))
     cfg = dataclasses.replace(read_config(ckpt), attention=attention)
     return Decoder(cfg, load_params(ckpt, mesh, dtype))
 

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from zoo.errors import UserError
+from zoo.storage import fetched, is_remote
 
 MODEL_FILE = "model.json"  # zoo.checkpoints.format.MODEL_FILE (not imported: that module loads NumPy)
 QUICKSTART_RUNS = ("runs", "quickstart")  # where docs/quickstart.md writes its checkpoints
@@ -23,6 +24,8 @@ def checkpoint_dir(path: str | Path, what: str = "") -> Path:
 
     ``what`` names where the path came from (``"model.path"``); it starts the message.
     """
+    if is_remote(path):  # a checkpoint on a bucket is read from a local copy, kept up to date
+        return fetched(path, MODEL_FILE, what or "checkpoint")
     p = Path(path).expanduser()
     label = f"{what} {path}" if what else str(path)
     if (p / MODEL_FILE).is_file():
