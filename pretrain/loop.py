@@ -97,10 +97,10 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task[Any] | None
     primary = distributed.is_primary()
     check_platform(cfg.model.attention, cfg.dtype.compute)  # before anything is written
     trackers.check_installed(cfg.report_to)
-    preflight.check_data_files(cfg)  # and before the model loads
     task = task or PretrainTask(cfg)
     check_rows(cfg.model.attention, task.batch_layout(1, 1, cfg.data.seq_len).inputs.shape[-1],  # GRPO's are longer
                task.row_segments if task.packing != "none" else 1)  # DPO's shared prefixes: said when traced
+    preflight.check_data_files(cfg)  # the config's own faults first, then the files, before the model loads
     done = runfolder.open_run(out, cfg, fresh, runfolder.parse_changes(resume_with_changes, type(cfg)))
     if done is not None:
         return done

@@ -461,7 +461,7 @@ def test_grpo_train_with_tools_under_qwen3s_own_template_trains_under_its_traini
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("chat template: ")]
     assert len(lines) == 1 and "lmzoo's Qwen3 training template (chat/jinja/qwen3_training.jinja)" in lines[0]
     m = read_metrics(tmp_path / "run")[0]
-    assert (m["num_turns"], m["tool_calls"]) == (2.0, 2.0)
+    assert (m["num_turns"], m["tool_calls"]) == (2.0, 1.0)  # per episode: one call, then the answer
     rows = [json.loads(x) for x in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all("<tool_response>\n5\n</tool_response>" in r["completion"] for r in rows)
 
