@@ -45,7 +45,7 @@ from grpo.advantages import estimator_of
 from grpo.agentic import Agent
 from grpo.batch import RolloutBatch, UpdateRows, shares_prompts
 from grpo.completions_log import COMPLETIONS_FILE, CompletionsLog
-from grpo.config import GRPOConfig
+from grpo.config import GRPO_UNREAD, GRPOConfig
 from grpo.programs import Programs
 from grpo.reward_model import SharedBase
 from grpo.rewards import RewardFunction, RewardSet, load_rewards
@@ -114,9 +114,9 @@ class GRPOTask(Task[RolloutBatch]):
     def card(cls, cfg: TrainConfig) -> MethodCard:
         """GRPO with its loss, advantage estimator (group, RLOO, REINFORCE++) and group size, and its keys."""
         g = cast(GRPOConfig, cfg).grpo
-        # RLOO's objective is its own: the keys it does not read (grpo/config.py's UNREAD) are not on its card.
-        unread = ("loss_type", "scale_rewards", "importance_sampling_level") if g.advantage == "rloo" else ()
-        loss = "" if unread else f"loss `{g.loss_type}`, "
+        # The keys this run does not read (grpo/config.py's GRPO_UNREAD: RLOO's loss_type, ...) are not on its card.
+        unread = {u.key.removeprefix("grpo.") for u in GRPO_UNREAD if u.when(cfg)}
+        loss = "" if "loss_type" in unread else f"loss `{g.loss_type}`, "
         return MethodCard("GRPO (group relative policy optimization: online RL on sampled completions), "
                           f"{loss}advantage `{g.advantage}`, {g.num_generations} completions per prompt",
                           ("grpo",),

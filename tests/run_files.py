@@ -11,6 +11,14 @@ def write_jsonl(path, rows):
     return path
 
 
+def write_word_texts(path, words, rows: int):
+    """``rows`` pretraining rows ``{"text": ...}`` of 5 to 29 of ``words`` drawn with seed 0, at ``path``."""
+    import numpy as np
+
+    rng = np.random.RandomState(0)
+    return write_jsonl(path, [{"text": " ".join(rng.choice(words, rng.randint(5, 30)))} for _ in range(rows)])
+
+
 def read_metrics(out) -> list[dict]:
     """The records of a run's metrics.jsonl."""
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

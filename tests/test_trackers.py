@@ -21,7 +21,7 @@ from pretrain.loop import train
 from pretrain.runlog import TIMING_FIELDS
 from pretrain.trackers import STATE_FILE, TrackerHook, chosen
 from tests.processes import REPO, devices_env
-from tests.run_files import read_metrics
+from tests.run_files import read_metrics, write_word_texts
 from tests.tiny_lm import copy_tiny_lm
 from zoo.errors import UserError
 
@@ -32,10 +32,7 @@ WORDS = "the a cat dog sat ran on under mat log".split()
 def setup(tmp_path_factory, tiny_lm):
     root = tmp_path_factory.mktemp("trackers")
     copy_tiny_lm(tiny_lm, root)
-    rng = np.random.RandomState(0)
-    with open(root / "data.jsonl", "w") as f:
-        for _ in range(100):
-            f.write(json.dumps({"text": " ".join(rng.choice(WORDS, rng.randint(5, 30)))}) + "\n")
+    write_word_texts(root / "data.jsonl", WORDS, 100)
     return root
 
 

@@ -9,6 +9,7 @@ import zoo
 from pretrain.config import load_config
 from pretrain.loop import train
 from tests.processes import devices_env
+from tests.run_files import write_word_texts
 from tests.tiny_lm import copy_tiny_lm
 from zoo.cli import main as zoo_main
 
@@ -19,10 +20,7 @@ WORDS = "the a cat dog sat ran on under mat log red blue big small quickly slowl
 def setup(tmp_path_factory, tiny_lm):
     root = tmp_path_factory.mktemp("train")
     copy_tiny_lm(tiny_lm, root)
-    rng = np.random.RandomState(0)
-    with open(root / "data.jsonl", "w") as f:
-        for _ in range(300):
-            f.write(json.dumps({"text": " ".join(rng.choice(WORDS[:8], rng.randint(5, 30)))}) + "\n")
+    write_word_texts(root / "data.jsonl", WORDS[:8], 300)
     return root
 
 
