@@ -66,7 +66,11 @@ def launch_command(args: argparse.Namespace) -> int:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     if not ray.is_initialized():
-        ray.init(address=args.address)
+        try:
+            ray.init(address=args.address)
+        except ConnectionError as e:
+            raise UserError(f"could not join the Ray cluster at {args.address or os.environ.get('RAY_ADDRESS')} "
+                            f"({str(e).splitlines()[0][:200]}); check --address or RAY_ADDRESS") from None
     group = placement_group([bundle] * args.num_processes, strategy=args.strategy)
     try:
         ready, _ = ray.wait([group.ready()], timeout=args.placement_timeout)
@@ -95,18 +99,25 @@ def launch_command(args: argparse.Namespace) -> int:
 
 
 def _wait_all(ray: Any, runs: list[Any]) -> int:
-    """Each process's exit code as it ends; at the first failure the others are cancelled and its code returned."""
+    """Each process's exit code as it ends; at the first failure (or Ctrl-C here) the others are cancelled, and the
+    failing code returned."""
     left = list(runs)
-    while left:
-        done, left = ray.wait(left, num_returns=1)
-        code = int(ray.get(done[0]))
-        if code:
-            for ref in left:
-                ray.cancel(ref)  # raises KeyboardInterrupt in the task: run_process kills its command
-            print(f"error: process {runs.index(done[0])} exited with {code}; the others were stopped",
-                  file=sys.stderr)
-            return code
-    return 0
+    try:
+        while left:
+            done, left = ray.wait(left, num_returns=1)
+            try:
+                code = int(ray.get(done[0]))
+            except ray.exceptions.RayError as e:  # its worker died, or the task could not start
+                print(f"error: process {runs.index(done[0])}: {str(e).splitlines()[0][:300]}", file=sys.stderr)
+                code = 1
+            if code:
+                print(f"error: process {runs.index(done[0])} exited with {code}; the others were stopped",
+                      file=sys.stderr)
+                return code
+        return 0
+    finally:
+        for ref in left:
+            ray.cancel(ref)  # raises KeyboardInterrupt in the task: run_process kills its command
 
 
 def _bundle(cpus: float, gpus: float, resources: str) -> dict[str, float]:
@@ -133,12 +144,10 @@ def coordinator_address() -> str:
     """This node's address and a port free on it now: process 0's coordinator (run in process 0's bundle)."""
     import socket
 
-    import ray
-
     with socket.socket() as s:
         s.bind(("", 0))
         port = int(s.getsockname()[1])
-    return f"{ray.util.get_node_ip_address()}:{port}"
+    return f"{_ray().util.get_node_ip_address()}:{port}"  # as Ray Train's JAX backend finds rank 0
 
 
 def run_process(command: list[str], env: dict[str, str]) -> int:

@@ -135,14 +135,20 @@ def test_zoo_launch_ray_runs_two_processes_like_one(setup, one_process, ray_clus
 
     # Process 1 fails once both have written the JAX variables they were given; process 0 would sleep for minutes.
     seen = tmp_path / "seen"
-    script = ("import json, os, pathlib, sys, time; i = os.environ['JAX_PROCESS_ID']; "
-              f"pathlib.Path({str(seen)!r}, i).write_text(json.dumps({{k: v for k, v in os.environ.items() "
-              "if k.startswith('JAX_')}})); "
-              f"time.sleep(300) if i == '0' else [time.sleep(0.05) for _ in range(600) "
-              f"if not pathlib.Path({str(seen)!r}, '0').exists()]; sys.exit(3)")
+    script = tmp_path / "fail.py"
+    script.write_text(f"""import json, os, pathlib, sys, time
+seen = pathlib.Path({str(seen)!r})
+i = os.environ["JAX_PROCESS_ID"]
+(seen / i).write_text(json.dumps({{k: v for k, v in os.environ.items() if k.startswith("JAX_")}}))
+if i == "0":
+    time.sleep(300)
+while not (seen / "0").exists():
+    time.sleep(0.05)
+sys.exit(3)
+""")
     seen.mkdir()
     start = time.time()
-    assert zoo_main(["launch", "ray", "--num-processes", "2", "--", "python", "-c", script]) == 3
+    assert zoo_main(["launch", "ray", "--num-processes", "2", "--", "python", str(script)]) == 3
     assert time.time() - start < 60
     assert "error: process 1 exited with 3" in capsys.readouterr().err
     got = [json.loads((seen / str(i)).read_text()) for i in range(2)]
