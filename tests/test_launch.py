@@ -235,6 +235,9 @@ def test_recipes_parse_and_agree(tmp_path):
     assert cfg.output_dir.startswith("gs://")
     env = {e["name"] for e in container.get("env", [])}
     assert set(re.findall(r"\$\((\w+)\)", " ".join(container["command"]))) <= env  # Kubernetes expands $(VAR)
+    from jax._src.clusters import cloud_tpu_cluster
+
+    assert int(cloud_tpu_cluster.coordinator_port) in {p["containerPort"] for p in container["ports"]}
     per_host = container["resources"]["limits"]["google.com/tpu"]
     assert container["resources"]["requests"]["google.com/tpu"] == per_host == 4
     topology = pod["nodeSelector"]["cloud.google.com/gke-tpu-topology"]
