@@ -163,24 +163,20 @@ def test_zoo_launch_ray_without_ray_names_the_extra(monkeypatch, capsys):
     assert capsys.readouterr().err.strip() == "error: zoo launch ray needs Ray; pip install 'lmzoo[ray]'"
 
 
-def test_distributed_without_a_cluster_is_one_line(monkeypatch):
-    """`--distributed` where JAX detects no cluster: one line saying how to start the command, not JAX's
-    'coordinator_address should be defined'."""
-    import argparse
-
-    import jax
-
-    from pretrain import distributed
-    from zoo.errors import UserError
-
-    for key in list(os.environ):
-        if key.startswith(("SLURM_", "OMPI_", "PMI_", "JAX_", "TPU_", "KUBERNETES_", "MEGASCALE_")):
-            monkeypatch.delenv(key)
-    monkeypatch.setattr(jax.config, "update", lambda *a: None)  # not gloo for the rest of this test process
-    with pytest.raises(UserError) as e:
-        distributed.initialize(argparse.Namespace(coordinator=None, num_processes=None, process_id=None,
-                                                  distributed=True))
-    assert str(e.value).startswith("--distributed found no cluster to join") and "srun" in str(e.value)
+def test_distributed_without_a_cluster_is_one_line(tmp_path):
+    """`--distributed` where JAX detects no cluster: one line saying how to start the command (not JAX's
+    'coordinator_address should be defined'), exit 2, before anything is read. A fresh process: JAX joins a run
+    only before its first computation."""
+    env = {k: v for k, v in devices_env(1).items()
+           if not k.startswith(("SLURM_", "OMPI_", "PMI_", "JAX_COORDINATOR", "JAX_NUM", "JAX_PROCESS", "TPU_",
+                                "KUBERNETES_", "MEGASCALE_"))}
+    done = subprocess.run([sys.executable, "-m", "pretrain.cli", "train", "model.path=absent", "data.path=absent", "max_steps=1",
+                           f"output_dir={tmp_path / 'run'}", "--distributed"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("error: --distributed found no cluster to join") and "srun" in line
+    assert not (tmp_path / "run").exists()
 
 
 RECIPES = REPO / "docs" / "recipes"
