@@ -163,10 +163,11 @@ def test_zoo_launch_ray_without_ray_names_the_extra(monkeypatch, capsys):
     assert capsys.readouterr().err.strip() == "error: zoo launch ray needs Ray; pip install 'lmzoo[ray]'"
 
 
+@pytest.mark.slow
 def test_distributed_without_a_cluster_is_one_line(tmp_path):
     """`--distributed` where JAX detects no cluster: one line saying how to start the command (not JAX's
     'coordinator_address should be defined'), exit 2, before anything is read. A fresh process: JAX joins a run
-    only before its first computation."""
+    only before its first computation. Slow (7 s loaded): the process imports JAX."""
     env = {k: v for k, v in devices_env(1).items()
            if not k.startswith(("SLURM_", "OMPI_", "PMI_", "JAX_COORDINATOR", "JAX_NUM", "JAX_PROCESS", "TPU_",
                                 "KUBERNETES_", "MEGASCALE_"))}
