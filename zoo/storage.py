@@ -16,6 +16,7 @@ lies under its prefix, and a log is rewritten whole (each write atomic).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import shutil
@@ -149,7 +150,7 @@ def fetched(url: str | os.PathLike[str], marker: str, what: str) -> Path:
         target = dest / rel
         if stamps.get(rel) != files[rel] or not target.is_file():
             target.parent.mkdir(parents=True, exist_ok=True)
-            _replace_with(target, lambda tmp, rel=rel: fs.get_file(f"{root}/{rel}", tmp))
+            _replace_with(target, functools.partial(fs.get_file, f"{root}/{rel}"))
             stamps[rel] = files[rel]
             _replace_with(stamps_file, lambda tmp: Path(tmp).write_text(json.dumps(stamps)))
     for rel in set(stamps) - set(files):  # gone from the bucket: gone from the copy
