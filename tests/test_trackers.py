@@ -168,6 +168,7 @@ def test_trackio_local_run_holds_the_logs_floats_and_the_completions_table(setup
     info = StepInfo(4, 4, {}, {"step": 4, "loss": 1.5}, Rollout(None, {}, log=recs))
     CompletionsLog(out / "completions.jsonl").on_step(info)
     hook = TrackerHook(out, ["trackio"], load_config(None, _args(setup, out)), every=1)
+    hook.open()
     hook.start(3)
     hook.on_step(info)
     hook.close()
