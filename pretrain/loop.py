@@ -318,7 +318,9 @@ class _StopOnSignal:
 
         self.requested: str | None = None  # the name of a signal this process's handler saw
         self.signum = signal.SIGTERM.value  # its number; a preemption notice's, SIGTERM, until one comes
-        self.notice = jax.process_count() > 1 and bool(jax.config.jax_enable_preemption_service)
+        # JAX's flags are attributes of jax.config (their documented reading), which its stubs do not list.
+        service = bool(jax.config.jax_enable_preemption_service)  # type: ignore[attr-defined]
+        self.notice = jax.process_count() > 1 and service
         self._old = {}
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT,) if self.notice else (signal.SIGTERM, signal.SIGINT):

@@ -1,7 +1,6 @@
 """Preemption across hosts (issue 61, item 5): SIGTERM to one process of a run stops every process at the same step,
 its checkpoint saved, and the rerun resumes to the bits of a run never stopped (pretrain/loop.py, _StopOnSignal)."""
 
-import json
 import re
 import signal
 import socket
