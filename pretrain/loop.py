@@ -304,8 +304,8 @@ class _StopOnSignal:
     the signal reaches one host (a preempted VM), yet every host must save the same step. JAX's preemption
     service (started by ``jax.distributed.initialize``, SIGTERM its notice) catches SIGTERM itself, tells the
     other processes through its coordination service and agrees on a step in the background; :meth:`reached`
-    asks it at each boundary (``reached_preemption_sync_point``: 0.1 µs, where an all-gather of a "stop" flag at
-    every step measured 6 ms over gloo on CPU, and on an accelerator waits for the step's end). A Python
+    asks it at each boundary (``reached_preemption_sync_point``: 0.1 µs, where an all-gather of a "stop" flag,
+    a collective across hosts at every step, measured 6 ms over gloo on CPU). A Python
     SIGTERM handler would replace JAX's, so only SIGINT gets one, which passes Ctrl-C on to JAX as a SIGTERM.
     With JAX's preemption service turned off (``jax_enable_preemption_service``) the processes all-gather the
     flag at every step instead."""
