@@ -104,13 +104,14 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task[Any] | None
     done = runfolder.open_run(out, cfg, fresh, runfolder.parse_changes(resume_with_changes, type(cfg)))
     if done is not None:
         return done
+    # A fresh run that stops before its first step is taken (a tracker that cannot start; a first step that fails
+    # on the user's inputs, as an online task's reward function may) leaves nothing behind: what it wrote into a
+    # folder that held nothing before is removed. Set-up may write there already (DPO's cached reference scores).
+    held_before = out.exists() and any(out.iterdir())
     run = _set_up(cfg, task, primary)
-    tracking = _start_trackers(out, cfg, primary)  # a tracker that cannot start leaves the folder as it was
+    tracking = _start_trackers(out, cfg, primary, held_before)  # before the run's own files
     # The schedule counts optimizer updates: an online task may make several per step (its batch reused).
     step = build_step(cfg, task, run.model, run.frozen_inputs, RUN, run.data.total_steps * task.updates_per_step)
-    # A fresh run whose first step fails on the user's inputs (an online task's reward function, say) leaves
-    # nothing behind: what it wrote into a folder that held nothing before is removed.
-    held_before = out.exists() and any(out.iterdir())
     out.mkdir(parents=True, exist_ok=True)
     checkpoints = Checkpoints(out, cfg, run.data.batches)
     model = run.model
@@ -226,10 +227,11 @@ def _run_hooks(cfg: TrainConfig, task: Task[Any], run: _Run, step: Step, out: Ru
     return hooks
 
 
-def _start_trackers(out: RunPath, cfg: TrainConfig, primary: bool) -> trackers.TrackerHook | None:
-    """Process 0's trackers, their runs started (or resumed) before the run writes its first file: one that cannot
-    start (no server, no credentials) is one line and leaves the run folder as it was. Every process learns of it
-    (the others would wait for process 0 at the first checkpoint)."""
+def _start_trackers(out: RunPath, cfg: TrainConfig, primary: bool, held_before: bool) -> trackers.TrackerHook | None:
+    """Process 0's trackers, their runs started (or resumed) before the run writes its own files: one that cannot
+    start (no server, no credentials) is one line, and a folder that held nothing before holds nothing after (what
+    set-up wrote there is removed). Every process learns of it (the others would wait for process 0 at the first
+    checkpoint)."""
     hook = trackers.TrackerHook(out, trackers.chosen(cfg.report_to), cfg, cfg.log_every) if primary else None
     failed: UserError | None = None
     try:
@@ -238,6 +240,8 @@ def _start_trackers(out: RunPath, cfg: TrainConfig, primary: bool) -> trackers.T
     except UserError as e:
         failed = e
     if distributed.any_process(failed is not None):
+        if primary and not held_before:
+            remove_tree(out)
         raise failed or UserError("report_to: process 0's trackers could not start (its output says why)")
     return hook
 
