@@ -2,9 +2,10 @@
 
 Every trainer command accepts ``--coordinator HOST:PORT --num-processes N
 --process-id I`` (or the environment variables ``JAX_COORDINATOR_ADDRESS``,
-``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``), or ``--distributed`` to let JAX
-detect the cluster (SLURM, Open MPI, Kubernetes, TPU pods). With none of
-these the run is one process. On CPU the processes talk over gloo.
+``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``; what `zoo launch ray` sets), or
+``--distributed`` to let JAX detect the cluster (SLURM, Open MPI, Kubernetes,
+TPU pods). With none of these the run is one process. On CPU the processes
+talk over gloo. The launch recipes: docs/multi-host.md.
 """
 
 from __future__ import annotations
@@ -75,6 +76,11 @@ def initialize(args: argparse.Namespace) -> None:
             process_id=conf.get("process_id"),
         )
     except (ValueError, RuntimeError) as e:
+        if conf.get("coordinator") is None and "coordinator_address should be defined" in str(e):
+            # --distributed where JAX detects no cluster: JAX's own message names no way out.
+            raise UserError("--distributed found no cluster to join (no SLURM, Open MPI, Kubernetes or TPU VM "
+                            "settings): start the command with srun, mpirun or on every host of a TPU slice, or "
+                            "give --coordinator, --num-processes and --process-id (docs/multi-host.md)") from None
         raise UserError(f"could not join the multi-process run ({str(e).splitlines()[0][:200]})") from None
 
 

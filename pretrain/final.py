@@ -1,14 +1,16 @@
-"""The run's final model: ``output_dir/final`` as a zoo checkpoint, written atomically by all processes.
+"""The run's final model: ``output_dir/final`` as a zoo checkpoint, written by all processes together.
 
-On object storage (one process) it is written on the local disk first, then copied into the bucket with its
-``model.json`` last: a reader that finds ``model.json`` finds a whole checkpoint (there is no atomic rename there).
+On the local disk (or a filesystem the hosts share) it is written into a scratch folder renamed into place. On
+object storage there is no atomic rename, and the hosts may share nothing but the bucket: the old ``final`` goes
+first, every process writes its own shards straight into the bucket through Orbax, then process 0 alone writes
+the small files and ``model.json`` last, once every shard is committed: a reader that finds ``model.json`` finds
+a whole checkpoint, and nothing of it passes through one host's disk.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
@@ -37,6 +39,23 @@ OFF_WHEN_FALSY = ("optimizer.weight_decay", "optimizer.grad_clip", "schedule.war
 DECAYING_SCHEDULES = ("cosine", "linear", "wsd")
 
 
+@dataclasses.dataclass
+class _Final:
+    """What the final checkpoint is made of: the run's config, model and trained params, its starting checkpoint
+    ``src`` and tokenizer folder, the last step's record, the data report, the method and its card."""
+
+    cfg: TrainConfig
+    mcfg: ModelConfig
+    params: dict[str, Any]
+    src: Path | None
+    tok_dir: Path
+    last: dict[str, Any]
+    data_report: dict[str, Any]
+    method: str
+    lora: LoraConfig | None
+    card: MethodCard | None
+
+
 def write_final(out: RunPath, cfg: TrainConfig, mcfg: ModelConfig, params: dict[str, Any], src: Path | None,
                 tok_dir: Path, last: dict[str, Any], data_report: dict[str, Any], method: str = "pretrain",
                 lora: LoraConfig | None = None, card: MethodCard | None = None) -> RunPath:
@@ -48,25 +67,12 @@ def write_final(out: RunPath, cfg: TrainConfig, mcfg: ModelConfig, params: dict[
     training record with the run's settings (:func:`recorded_card`). On object storage (see the module
     docstring) an adapter checkpoint names its base by its absolute path only.
     """
-    args = (cfg, mcfg, params, src, tok_dir, last, data_report, method, lora, card)
-    if not is_remote(out):
-        return _write_final(local(out), True, *args)
-    final = out / "final"
-    with tempfile.TemporaryDirectory(prefix="lmzoo-final-") as tmp:
-        written = _write_final(Path(tmp), False, *args)
-        if distributed.is_primary():
-            remove_tree(final)  # an old final's model.json goes first: a kill now leaves no whole-looking final
-            upload_tree(written, final, last=(MODEL_FILE,))
-    distributed.sync("lmzoo-final-uploaded")
-    return final
+    f = _Final(cfg, mcfg, params, src, tok_dir, last, data_report, method, lora, card)
+    return _on_bucket(out / "final", f) if is_remote(out) else _on_disk(local(out), f)
 
 
-def _write_final(out: Path, in_place: bool, cfg: TrainConfig, mcfg: ModelConfig, params: dict[str, Any],
-                 src: Path | None, tok_dir: Path, last: dict[str, Any], data_report: dict[str, Any], method: str,
-                 lora: LoraConfig | None, card: MethodCard | None) -> Path:
-    """:func:`write_final` into the local folder ``out``; ``in_place``: ``out/final`` is where the checkpoint
-    stays (an adapter checkpoint then names its base relative to it too)."""
-    specs = lora_specs(mcfg, lora) if lora else param_specs(mcfg)
+def _on_disk(out: Path, f: _Final) -> Path:
+    """:func:`write_final` on a filesystem all processes share: a scratch folder, renamed onto ``out/final``."""
     final = out / "final"
     scratch = out / ".final.incomplete-run"  # one name all processes agree on
     primary = distributed.is_primary()
@@ -76,30 +82,9 @@ def _write_final(out: Path, in_place: bool, cfg: TrainConfig, mcfg: ModelConfig,
         scratch.mkdir()
     distributed.sync("lmzoo-final-scratch")
     try:
-        stored = save_params(scratch, params, {k: cast(tuple[str, ...], s.axes) for k, s in specs.items()})
-        distributed.sync("lmzoo-final-params")
+        stored = _save_arrays(scratch, f)
         if primary:
-            writer = CheckpointWriter(scratch)
-            # An adapter checkpoint describes the merged model: the base's parameter table, the adapters apart.
-            writer.adopt(merged_table(mcfg, read_meta(cast(Path, src))["params"], stored) if lora else stored)
-            if tok_dir.is_dir():  # its tokenizer files: model.tokenizer may name a whole model's folder
-                shutil.copytree(tok_dir, scratch / TOKENIZER_DIR, ignore=shutil.ignore_patterns(*WEIGHT_FILES))
-            if src is not None and (src / HF_CONFIG_FILE).is_file():
-                shutil.copyfile(src / HF_CONFIG_FILE, scratch / HF_CONFIG_FILE)
-            training = {"method": method, "data": cfg.data.path, "steps": last.get("step"),
-                        "final_metrics": {k: last[k] for k in ("loss", "tokens_seen") if k in last},
-                        **data_report, "processes": jax.process_count(), "devices": len(jax.devices())}
-            # The base is named relative to `final` (where the scratch folder ends up), so run and base move together.
-            q = frozen_base_quant(cfg, src) if lora else None
-            quant = {"kind": q[0], "double": q[1]} if q else None
-            extra = {"lora": adapter_meta(lora, cast(Path, src), stored, final if in_place else None, quant)} \
-                if lora else {}
-            if card is not None:
-                training["card"] = recorded_card(cfg, card, extra.get("lora")).record()
-            # A run derives from its starting checkpoint: the Hub repo that came from, if any, is this run's too.
-            carried = provenance_of(read_meta(src)) if src is not None else {}
-            writer.finish(mcfg, source=str(src or cfg.model.config), source_format="train", training=training,
-                          **carried, **extra)
+            _write_metadata(scratch, final, stored, f)
             if final.exists():
                 shutil.rmtree(final)
             scratch.replace(final)
@@ -108,6 +93,60 @@ def _write_final(out: Path, in_place: bool, cfg: TrainConfig, mcfg: ModelConfig,
             shutil.rmtree(scratch, ignore_errors=True)
     distributed.sync("lmzoo-final-done")
     return final
+
+
+def _on_bucket(final: RunPath, f: _Final) -> RunPath:
+    """:func:`write_final` on object storage, straight into ``final`` (see the module docstring)."""
+    primary = distributed.is_primary()
+    if primary:
+        remove_tree(final)  # an old final's model.json goes with it: a kill from now on leaves no whole-looking final
+    distributed.sync("lmzoo-final-cleared")
+    stored = _save_arrays(final, f)
+    try:
+        if primary:
+            _write_metadata(final, None, stored, f)
+    except BaseException:
+        if primary:  # a final that failed its check must not look whole
+            (final / MODEL_FILE).unlink(missing_ok=True)
+        raise
+    distributed.sync("lmzoo-final-done")
+    return final
+
+
+def _save_arrays(folder: Path | RunPath, f: _Final) -> dict[str, dict[str, Any]]:
+    """Every process writes its shards of the params into ``folder/params`` (Orbax coordinates the processes and
+    commits once all are written); the params' table for model.json."""
+    specs = lora_specs(f.mcfg, f.lora) if f.lora else param_specs(f.mcfg)
+    stored = save_params(folder, f.params, {k: cast(tuple[str, ...], s.axes) for k, s in specs.items()})
+    distributed.sync("lmzoo-final-params")
+    return stored
+
+
+def _write_metadata(folder: Path | RunPath, final: Path | None, stored: dict[str, dict[str, Any]], f: _Final) -> None:
+    """Process 0's part: the tokenizer, the starting checkpoint's Hugging Face config, then ``model.json`` (last,
+    checked against the arrays). ``final``: the local folder ``folder`` is renamed onto (an adapter checkpoint
+    names its base relative to it too), or None."""
+    src, lora, cfg, last = f.src, f.lora, f.cfg, f.last
+    writer = CheckpointWriter(folder)
+    # An adapter checkpoint describes the merged model: the base's parameter table, the adapters apart.
+    writer.adopt(merged_table(f.mcfg, read_meta(cast(Path, src))["params"], stored) if lora else stored)
+    if f.tok_dir.is_dir():  # its tokenizer files: model.tokenizer may name a whole model's folder
+        upload_tree(f.tok_dir, folder / TOKENIZER_DIR, skip=WEIGHT_FILES)
+    if src is not None and (src / HF_CONFIG_FILE).is_file():
+        (folder / HF_CONFIG_FILE).write_bytes((src / HF_CONFIG_FILE).read_bytes())
+    training = {"method": f.method, "data": cfg.data.path, "steps": last.get("step"),
+                "final_metrics": {k: last[k] for k in ("loss", "tokens_seen") if k in last},
+                **f.data_report, "processes": jax.process_count(), "devices": len(jax.devices())}
+    q = frozen_base_quant(cfg, src) if lora else None
+    quant = {"kind": q[0], "double": q[1]} if q else None
+    extra = {"lora": adapter_meta(lora, cast(Path, src), stored, final, quant)} if lora else {}
+    if f.card is not None:
+        training["card"] = recorded_card(cfg, f.card, extra.get("lora")).record()
+    # A run derives from its starting checkpoint: the Hub repo that came from, if any, is this run's too.
+    carried = provenance_of(read_meta(src)) if src is not None else {}
+    # A starting checkpoint on a bucket is named by its URL, not by process 0's local copy of it.
+    source = cfg.model.path if src is not None and is_remote(cfg.model.path or "") else str(src or cfg.model.config)
+    writer.finish(f.mcfg, source=source, source_format="train", training=training, **carried, **extra)
 
 
 def merged_table(mcfg: ModelConfig, base: dict[str, dict[str, Any]], adapters: dict[str, dict[str, Any]]

@@ -15,7 +15,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import yaml
 
 from pretrain.config import TrainConfig, config_keys
@@ -153,10 +152,7 @@ def check_output(out: RunPath) -> None:
     if scheme_of(out) == "s3":  # orbax-checkpoint builds TensorStore specs for gs:// and local paths only
         raise UserError(f"output_dir {out}: Orbax cannot write checkpoints to s3:// yet (google/orbax#359); use a "
                         f"gs:// bucket or a local path (s3:// output_dir is planned)")
-    if is_remote(out) and jax.process_count() > 1:
-        raise UserError(f"output_dir {out}: a run of several processes writes to object storage in a later version "
-                        f"(issue 61); use a folder all hosts share, or run on one host")
-    check_writable(out)
+    check_writable(out)  # on every process: each host writes its own shards, with its own credentials
 
 
 def open_run(out: RunPath, cfg: TrainConfig, fresh: bool, allowed: Sequence[str]) -> RunPath | None:

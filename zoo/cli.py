@@ -1,4 +1,4 @@
-"""The `zoo` command: list, info, convert, init, export, quantize, plot, generate, eval, demo.
+"""The `zoo` command: list, info, convert, init, export, quantize, plot, generate, eval, demo, launch.
 
 Only the parser's assembly and one thin dispatch function per command live here. Each command's body, and its
 flags beside it, live in the package it drives (zoo/info.py, convert/cli.py, eval/cli.py, eval/generate_cli.py,
@@ -98,6 +98,13 @@ def cmd_demo(args: argparse.Namespace) -> None:
     demo_command(args)
 
 
+def cmd_launch(args: argparse.Namespace) -> int:
+    """`zoo launch ray` -> pretrain/ray_launch.py."""
+    from pretrain.ray_launch import launch_command
+
+    return launch_command(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `zoo` (every flag documented): each command's subparser comes from the module that
     runs it, imported here (their top-level imports are light: `zoo --help` and a bad flag load no JAX)."""
@@ -105,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     from demo.job import add_demo_parser
     from eval.cli import add_eval_parser, add_plot_parser
     from eval.generate_cli import add_generate_parser
+    from pretrain.ray_launch import add_launch_parser
     from zoo.info import add_info_parser, add_list_parser
 
     p = argparse.ArgumentParser(prog="zoo", description="lmzoo model zoo: list, convert, inspect and run models.")
@@ -112,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = ((add_list_parser, cmd_list), (add_info_parser, cmd_info), (add_convert_parser, cmd_convert),
                 (add_init_parser, cmd_init), (add_export_parser, cmd_export), (add_quantize_parser, cmd_quantize),
                 (add_plot_parser, cmd_plot), (add_generate_parser, cmd_generate), (add_eval_parser, cmd_eval),
-                (add_demo_parser, cmd_demo))
+                (add_demo_parser, cmd_demo), (add_launch_parser, cmd_launch))
     for add_parser, run in commands:
         add_parser(sub).set_defaults(fn=run)
     return p

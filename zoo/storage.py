@@ -16,10 +16,12 @@ lies under its prefix, and a log is rewritten whole (each write atomic).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -107,10 +109,14 @@ def move_tree(src: RunPath, dest: RunPath) -> None:
     fs.rm(root, recursive=True)
 
 
-def upload_tree(src: Path, dest: RunPath, last: tuple[str, ...] = ()) -> None:
-    """Copy the local folder ``src`` into ``dest`` (files under their relative names); the files named ``last``
-    (relative names) are copied after every other, so a reader that waits for them sees a whole folder."""
-    files = sorted(p for p in src.rglob("*") if p.is_file())
+def upload_tree(src: Path, dest: RunPath | Path, last: tuple[str, ...] = (), skip: tuple[str, ...] = ()) -> None:
+    """Copy the local folder ``src`` into ``dest`` (files under their relative names; ``dest`` local or on a
+    bucket); the files named ``last`` (relative names) are copied after every other, so a reader that waits for
+    them sees a whole folder. Files whose name matches a pattern of ``skip`` (``*.bin``) are left out."""
+    import fnmatch
+
+    files = sorted(p for p in src.rglob("*")
+                   if p.is_file() and not any(fnmatch.fnmatch(p.name, pat) for pat in skip))
     for f in sorted(files, key=lambda p: p.relative_to(src).as_posix() in last):
         target = dest / f.relative_to(src).as_posix()
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -144,14 +150,25 @@ def fetched(url: str | os.PathLike[str], marker: str, what: str) -> Path:
         target = dest / rel
         if stamps.get(rel) != files[rel] or not target.is_file():
             target.parent.mkdir(parents=True, exist_ok=True)
-            fs.get_file(f"{root}/{rel}", str(target))
+            _replace_with(target, functools.partial(fs.get_file, f"{root}/{rel}"))
             stamps[rel] = files[rel]
-            stamps_file.write_text(json.dumps(stamps))
+            _replace_with(stamps_file, lambda tmp: Path(tmp).write_text(json.dumps(stamps)))
     for rel in set(stamps) - set(files):  # gone from the bucket: gone from the copy
         (dest / rel).unlink(missing_ok=True)
         del stamps[rel]
-    stamps_file.write_text(json.dumps(stamps))
+    _replace_with(stamps_file, lambda tmp: Path(tmp).write_text(json.dumps(stamps)))
     return dest
+
+
+def _replace_with(target: Path, write: Callable[[str], object]) -> None:
+    """Write ``target`` through ``write`` (given a temporary name beside it), then rename it into place: processes
+    that share a cache (several on one host) never read a half-downloaded file, nor a half-written record."""
+    tmp = target.with_name(f".{target.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.part")
+    try:
+        write(str(tmp))
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _cache_root() -> Path:

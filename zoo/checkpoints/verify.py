@@ -16,6 +16,7 @@ import numpy as np
 from zoo.checkpoints.format import MODEL_FILE, PARAMS_DIR, STATE_DIR, np_dtype
 from zoo.model.config import ModelConfig
 from zoo.model.params import ParamSpec, param_specs
+from zoo.storage import RunPath, is_remote, run_path
 
 
 def verify_complete(ckpt: str | os.PathLike, section: str | None = None,
@@ -40,7 +41,7 @@ def verify_complete(ckpt: str | os.PathLike, section: str | None = None,
     Cost: the b-tree listing plus one small read per stored chunk (a few bytes each), independent of
     the weights' size.
     """
-    ckpt = Path(ckpt).absolute()
+    ckpt = run_path(ckpt, "checkpoint") if is_remote(ckpt) else Path(ckpt).absolute()  # a bucket's: read there
     try:
         meta = json.loads((ckpt / MODEL_FILE).read_text())
     except (OSError, ValueError) as e:
@@ -57,7 +58,7 @@ def verify_complete(ckpt: str | os.PathLike, section: str | None = None,
 ChunkCheck = tuple[str, bytes, slice, int, tuple[Any, ...] | None]
 
 
-def _check_manifest(ckpt: Path, table: dict[str, Any], specs: dict[str, ParamSpec]) -> None:
+def _check_manifest(ckpt: Path | RunPath, table: dict[str, Any], specs: dict[str, ParamSpec]) -> None:
     """Every parameter of ``specs`` is in the manifest ``table``, with its implied shape."""
     for p, spec in specs.items():
         if p not in table:
@@ -67,23 +68,24 @@ def _check_manifest(ckpt: Path, table: dict[str, Any], specs: dict[str, ParamSpe
                                f"the config implies {list(spec.shape)}")
 
 
-def _open_state(ckpt: Path) -> tuple[Any, Any]:
+def _open_state(ckpt: Path | RunPath) -> tuple[Any, Any]:
     """Orbax's tree metadata and the key-value store (OCDBT or plain files) under ``params/state``."""
     import tensorstore as ts
 
     state = ckpt / PARAMS_DIR / STATE_DIR
+    base = f"{state}/" if is_remote(state) else f"file://{state}/"  # TensorStore's own driver for a bucket URL
     try:
         tree = json.loads((state / "_METADATA").read_text())["tree_metadata"]
     except (OSError, ValueError, KeyError) as e:
         raise RuntimeError(f"{ckpt}: Orbax's tree metadata is unreadable ({e})") from None
     if (state / "manifest.ocdbt").is_file():
-        kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{state}/"}).result()
+        kv = ts.KvStore.open({"driver": "ocdbt", "base": base}).result()
     else:  # Orbax's layout without OCDBT: the same keys as plain files
-        kv = ts.KvStore.open(f"file://{state}/").result()
+        kv = ts.KvStore.open(base).result()
     return tree, kv
 
 
-def _chunk_checks(ckpt: Path, table: dict[str, Any], tree: Any, kv: Any) -> list[ChunkCheck]:
+def _chunk_checks(ckpt: Path | RunPath, table: dict[str, Any], tree: Any, kv: Any) -> list[ChunkCheck]:
     """Each listed array's metadata checked, and the read that checks each of its chunks."""
     keys = set(kv.list().result())
     zarr = {p: kv.read(f"{p}/zarr.json".encode()) for p in table}
@@ -116,7 +118,7 @@ def _chunk_checks(ckpt: Path, table: dict[str, Any], tree: Any, kv: Any) -> list
     return checks
 
 
-def _read_chunk_checks(ckpt: Path, kv: Any, checks: list[ChunkCheck]) -> None:
+def _read_chunk_checks(ckpt: Path | RunPath, kv: Any, checks: list[ChunkCheck]) -> None:
     """Run the chunk reads: each must return its expected length, a shard's index an entry per inner chunk."""
     reads = [kv.read(key, byte_range=rng) for _, key, rng, _, _ in checks]
     for (p, key, _rng, n, shard), fut in zip(checks, reads):

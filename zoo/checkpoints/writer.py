@@ -23,6 +23,7 @@ from zoo.checkpoints.verify import verify_complete
 from zoo.errors import UserError
 from zoo.model.config import ModelConfig
 from zoo.model.params import ParamSpec, flatten, nest
+from zoo.storage import RunPath, is_remote, run_path
 
 
 class StoredSection(dict):
@@ -106,7 +107,7 @@ class CheckpointWriter:
     """
 
     def __init__(self, folder: str | os.PathLike):
-        self.folder = Path(folder).absolute()
+        self.folder = _folder(folder)  # a bucket URL for a writer that only adopts and finishes (pretrain/final.py)
         self.params: dict[str, dict[str, Any]] = {}
         self._pending: dict[str, int] = {}  # reserved path -> number of leading slice axes
         self._committed = False
@@ -210,9 +211,14 @@ def save_params(folder: str | os.PathLike, params: dict[str, Any], axes: dict[st
     """
     ocp = orbax_v1()
     with _save_context():
-        ocp.save(Path(folder).absolute() / PARAMS_DIR, params)
+        ocp.save(_folder(folder) / PARAMS_DIR, params)
     flat = flatten(params)
     return {k: {"shape": list(v.shape), "dtype": str(v.dtype), "axes": list(axes[k])} for k, v in sorted(flat.items())}
+
+
+def _folder(folder: str | os.PathLike) -> Path | RunPath:
+    """``folder`` made absolute; a bucket URL as a run path (Orbax and TensorStore write to it themselves)."""
+    return run_path(folder, "checkpoint") if is_remote(folder) else Path(folder).absolute()
 
 
 def remove_stale_scratch(out: Path) -> None:

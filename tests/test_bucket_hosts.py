@@ -1,0 +1,223 @@
+"""Hosts that share nothing but a bucket (issue 61 item 3): every process has its own local scratch (HOME, TMPDIR,
+LMZOO_CACHE, working directory); the run's checkpoints and final model go straight into the bucket through Orbax,
+process 0 alone writes the logs and metadata; a checkpoint on a bucket is fetched by each process into its own
+cache. Against the GCS emulator on loopback (tests/object_stores.py).
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from pretrain.config import load_config
+from pretrain.loop import train
+from pretrain.runfolder import checkpoint_steps
+from tests.object_stores import gcs_store
+from tests.processes import devices_env, kill_after_checkpoint
+from tests.run_files import read_metrics, write_word_texts
+from tests.tiny_lm import copy_tiny_lm
+from zoo import storage
+from zoo.checkpoints.format import MODEL_FILE
+
+WORDS = "the a cat dog sat ran on under mat log red blue".split()
+# The 2-process runs of tests/test_train.py: plain SGD, batch 8 (2 processes x 2 devices, 2 micro-batches).
+SGD = ("data.seq_len=32", "batch_size=8", "optimizer.name=sgd", "optimizer.learning_rate=0.5",
+       "schedule.name=constant", "log_every=1", "checkpoint.every=2", "max_steps=4")
+
+
+@pytest.fixture(scope="module")
+def gcs():
+    """The GCS emulator, started once for the module."""
+    with gcs_store() as store:
+        yield store
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_lm):
+    root = tmp_path_factory.mktemp("hosts")
+    copy_tiny_lm(tiny_lm, root)
+    write_word_texts(root / "data.jsonl", WORDS, 200)
+    return root
+
+
+def test_verify_reads_a_checkpoint_on_a_bucket(gcs, setup):
+    """The completeness check every writer runs, on a checkpoint in a bucket (TensorStore reads its arrays'
+    metadata and chunks there): a whole one passes, one whose manifest disagrees with a stored array fails naming
+    the parameter."""
+    from zoo.checkpoints.verify import verify_complete
+
+    url = gcs.bucket() + "/ckpt"
+    remote = storage.run_path(url)
+    storage.upload_tree(setup / "zoo", remote, last=(MODEL_FILE,))
+    verify_complete(url)
+    meta = json.loads((remote / MODEL_FILE).read_text())
+    name = sorted(meta["params"])[0]
+    meta["params"][name]["dtype"] = "float16" if meta["params"][name]["dtype"] != "float16" else "float32"
+    (remote / MODEL_FILE).write_text(json.dumps(meta))
+    with pytest.raises(RuntimeError, match=rf"parameter '{name}' is stored as"):
+        verify_complete(url)
+
+
+def test_fetched_never_leaves_a_half_downloaded_file(gcs, tmp_path, monkeypatch):
+    """A download cut off midway leaves nothing at its name (processes sharing a cache never read half a file);
+    the next fetch brings the whole file."""
+    import fsspec
+
+    monkeypatch.setenv("LMZOO_CACHE", str(tmp_path))
+    url = gcs.bucket() + "/ckpt"
+    remote = storage.run_path(url)
+    (remote / "params" / "x").write_bytes(b"0123456789")
+    (remote / MODEL_FILE).write_text("{}")
+    fs, _ = fsspec.core.url_to_fs(url)
+    whole = fs.get_file
+
+    def cut_off(rpath, lpath, **kw):
+        with open(lpath, "wb") as f:
+            f.write(b"01234")
+        raise ConnectionError("cut off")
+
+    monkeypatch.setattr(fs, "get_file", cut_off)
+    with pytest.raises(ConnectionError):
+        storage.fetched(url, MODEL_FILE, "model.path")
+    copy = tmp_path / "objects" / "gs" / url.removeprefix("gs://")
+    assert [p.name for p in copy.rglob("*") if p.is_file()] == []
+    monkeypatch.setattr(fs, "get_file", whole)
+    assert (storage.fetched(url, MODEL_FILE, "model.path") / "params" / "x").read_bytes() == b"0123456789"
+
+
+def test_final_on_a_bucket_goes_straight_there(gcs, setup, tmp_path, monkeypatch):
+    """The final model on a bucket is written there by Orbax (no copy of it on the local disk first, which on
+    several hosts would hold one host's shards only): no temporary folder is made; the checkpoint loads
+    with the same parameters and names its bucket starting checkpoint by URL."""
+    import jax
+
+    import zoo
+    from pretrain.final import write_final
+    from zoo.model.config import ModelConfig
+
+    def no_local_copy(*args, **kwargs):
+        raise AssertionError("a temporary folder on the local disk")
+
+    monkeypatch.setattr("tempfile.mkdtemp", no_local_copy)
+    params = zoo.load_params(setup / "zoo")
+    mcfg = ModelConfig.from_dict(json.loads((setup / "zoo" / MODEL_FILE).read_text())["config"])
+    bucket = gcs.bucket()
+    cfg = load_config(None, [f"model.path={bucket}/base", f"data.path={setup / 'data.jsonl'}",
+                             f"output_dir={bucket}/run", "max_steps=3"])
+    out = storage.run_path(cfg.output_dir)
+    final = write_final(out, cfg, mcfg, params, setup / "zoo", setup / "tok", {"step": 3, "loss": 1.0}, {})
+    meta = json.loads((final / MODEL_FILE).read_text())
+    assert meta["source"] == f"{bucket}/base" and meta["training"]["steps"] == 3
+    assert (final / "tokenizer" / "tokenizer.json").is_file()
+    monkeypatch.setenv("LMZOO_CACHE", str(tmp_path / "cache"))
+    back = zoo.load_params(storage.fetched(final, MODEL_FILE, "final"))
+    for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(back), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return int(s.getsockname()[1])
+
+
+def _launch(scratch, args, script=None):
+    """`pretrain train ARGS` as 2 processes x 2 CPU devices, each in its own scratch folder (its HOME, TMPDIR,
+    LMZOO_CACHE and working directory: a host of its own); ``script``: run by ``python -c`` instead, with ARGS.
+    Returns [(returncode, stdout, stderr)] by process."""
+    port = _free_port()
+    procs = []
+    for i in range(2):
+        home = scratch[i]
+        env = {**devices_env(2), "HOME": str(home / "home"), "TMPDIR": str(home / "tmp"),
+               "LMZOO_CACHE": str(home / "cache")}
+        cmd = ["-c", script] if script else ["-m", "pretrain.cli"]
+        procs.append(subprocess.Popen(
+            [sys.executable, *cmd, *args, "--coordinator", f"localhost:{port}", "--num-processes", "2",
+             "--process-id", str(i)], cwd=home / "work", env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True))
+    try:
+        results = [p.communicate(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.wait()
+    return [(p.returncode, *r) for p, r in zip(procs, results)]
+
+
+def _files(folder):
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+
+
+@pytest.mark.slow
+def test_two_hosts_sharing_only_a_bucket(gcs, setup, tmp_path, monkeypatch):
+    """2 processes x 2 CPU devices, each with its own scratch and its own copy of the tokenizer and data, the
+    starting checkpoint and output_dir on the bucket: killed with SIGKILL once the step-2 checkpoint is committed,
+    then rerun, the run resumes from the bucket and follows the 1-process trajectory (1e-5) to the same final
+    parameters. Process 0 alone writes the logs and metadata; each process's scratch holds only its inputs and
+    its own fetched copy of the starting checkpoint.
+    Slow (slow lane): a 1-process run in this process, and two launches of 2 `pretrain train` processes."""
+    import jax
+
+    import zoo
+
+    bucket = gcs.bucket()
+    storage.upload_tree(setup / "zoo", storage.run_path(bucket + "/base"), last=(MODEL_FILE,))
+    one = tmp_path / "one"
+    ref = train(load_config(None, [f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}",
+                                   f"data.path={setup / 'data.jsonl'}", f"output_dir={one}", *SGD]), progress=False)
+
+    scratch = [tmp_path / f"host{i}" for i in range(2)]
+    for home in scratch:
+        for d in ("home", "tmp", "cache"):
+            (home / d).mkdir(parents=True)
+        shutil.copytree(setup / "tok", home / "work" / "tok")
+        shutil.copy(setup / "data.jsonl", home / "work" / "data.jsonl")
+    url = f"{bucket}/runs/two"
+    args = ["train", f"model.path={bucket}/base", "model.tokenizer=tok", "data.path=data.jsonl", f"output_dir={url}",
+            "grad_accum=2", *SGD]
+    killed = _launch(scratch, ["2", *args], kill_after_checkpoint("pretrain.cli"))
+    assert [rc for rc, _, _ in killed] == [-9, -9], [err[-2000:] for _, _, err in killed]
+    out = storage.run_path(url)
+    assert checkpoint_steps(out)[-1] == 2 and not (out / "final" / MODEL_FILE).exists()
+
+    results = _launch(scratch, args)
+    for rc, _, err in results:
+        assert rc == 0, err[-3000:]
+    (_, out0, _), (_, out1, _) = results
+    assert "Resuming from step 2" in out0 and "final model:" in out0
+    assert "Resuming" not in out1 and "final model:" not in out1  # process 0 reports
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # every step logged once, by one process
+    np.testing.assert_allclose([r["loss"] for r in rows], [r["loss"] for r in read_metrics(one)], rtol=1e-5)
+    monkeypatch.setenv("LMZOO_CACHE", str(tmp_path / "reader"))
+    final = zoo.load_params(storage.fetched(f"{url}/final", MODEL_FILE, "final"))
+    for x, y in zip(jax.tree.leaves(zoo.load_params(ref)), jax.tree.leaves(final), strict=True):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-5)
+
+    # The bucket: what one process writes, once; both processes' data positions in each checkpoint.
+    meta = json.loads((out / "final" / MODEL_FILE).read_text())
+    assert (meta["training"]["processes"], meta["training"]["devices"], meta["source"]) == (2, 4, f"{bucket}/base")
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "config.yaml", "final", "metrics.jsonl",
+                                                     "tensorboard"]
+    assert sorted(p.name for p in (out / "final").iterdir()) == sorted(p.name for p in ref.iterdir())
+    events = list((out / "tensorboard").iterdir())  # redrawn whole by the resumed process 0
+    assert len(events) == 1 and b"train/loss" in events[0].read_bytes()
+    saved = out / "checkpoints" / "4" / "data"
+    assert sorted(p.name for p in saved.glob("process_*")) == ["process_0-of-2.json", "process_1-of-2.json"]
+    # Each host's scratch: its inputs, the datasets library's cache of reading them, and its own copy of the
+    # starting checkpoint; nothing of the run.
+    base = f"cache/objects/gs/{bucket.removeprefix('gs://')}/base/"
+    inputs = ("work/tok/", "work/data.jsonl", "home/.cache/huggingface/datasets/", base)
+    for home in scratch:
+        left = [f for f in _files(home) if not f.startswith(inputs)]
+        assert left == [], left
+        assert (home / base / MODEL_FILE).is_file()
