@@ -11,7 +11,8 @@ the last step it was given, and a rerun resumes that run and skips the steps it 
 logged after its last checkpoint), so each step reaches a tracker once. Where each tracker writes is its own
 settings' (``WANDB_MODE``, ``WANDB_PROJECT``, ``MLFLOW_TRACKING_URI``, ``MLFLOW_EXPERIMENT_NAME``,
 ``TRACKIO_PROJECT``, ``TRACKIO_SPACE_ID``), as with TRL. Each but TensorBoard is an extra (``lmzoo[wandb]``...);
-a missing one is an error before anything is written (:func:`check_installed`).
+a missing one is an error before anything is written (:func:`check_installed`), and so is one that cannot start
+its run (:meth:`TrackerHook.open`: no server, no credentials).
 """
 
 from __future__ import annotations
@@ -134,6 +135,7 @@ class MlflowTracker:
         import mlflow
 
         self.mlflow = mlflow
+        _answers(mlflow.get_tracking_uri())
         run = mlflow.start_run(run_id=resume_id, run_name=None if resume_id else name)
         # A param cannot change in MLflow: a resumed run adds the keys it did not have (a newer version's).
         have = run.data.params
@@ -153,6 +155,22 @@ class MlflowTracker:
 
     def finish(self) -> None:
         self.mlflow.end_run()
+
+
+def _answers(uri: str, timeout: float = 10) -> None:
+    """Whether an http(s) tracking server answers at all (any status) within ``timeout`` seconds, else an error
+    naming it: MLflow's own client retries a refused connection for about 4 minutes
+    (``MLFLOW_HTTP_REQUEST_MAX_RETRIES``), too long for a wrong ``MLFLOW_TRACKING_URI`` to stall a run's start.
+    Proxies are honoured as MLflow's client honours them (``requests``)."""
+    if not uri.startswith(("http://", "https://")):  # a local folder, a database, databricks: MLflow's to say
+        return
+    import requests
+
+    try:
+        requests.get(uri, timeout=timeout)
+    except requests.RequestException as e:
+        raise ConnectionError(f"no answer from {uri} ({type(e).__name__}); is MLFLOW_TRACKING_URI right and its "
+                              f"server up?") from None
 
 
 class TrackioTracker:
@@ -182,6 +200,11 @@ class TrackioTracker:
         self.run.finish()
 
 
+def _first_line(e: BaseException) -> str:
+    """An exception's first line (its type's name when it says nothing)."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
 MAKERS: dict[str, type[Tracker]] = {"wandb": WandbTracker, "mlflow": MlflowTracker, "trackio": TrackioTracker}
 
 
@@ -205,7 +228,8 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
 class TrackerHook:
     """The trackers of the primary process (:data:`MAKERS`, those ``report_to`` names besides TensorBoard): every
     ``every`` steps and at the last, the step's metrics record; at any step, the tables a hook handed over. A
-    :class:`pretrain.hooks.Hook` by its four methods."""
+    :class:`pretrain.hooks.Hook` by its four methods; :meth:`open` starts the runs first, before the run folder
+    is written."""
 
     def __init__(self, out: Path, names: Sequence[str], config: Any, every: int) -> None:
         self.out, self.every = out, every
@@ -215,10 +239,12 @@ class TrackerHook:
         self.state: dict[str, dict[str, Any]] = {}  # each tracker's run id and the last step it was given
 
     def setup(self, model: RunModel) -> None:
-        """Nothing: the trackers start with the run (:meth:`start`)."""
+        """Nothing: the trackers' runs start before the run folder is written (:meth:`open`)."""
 
-    def start(self, step: int) -> None:
-        """Start each tracker's run, or resume the one ``trackers.json`` names (and the step it was given)."""
+    def open(self) -> None:
+        """Start each tracker's run, or resume the one ``trackers.json`` names (and the step it was given), writing
+        nothing: a tracker that cannot start is a UserError in one line (the runs already started are finished),
+        and the run folder stays as it was. MLflow's server is asked first, briefly (:func:`_answers`)."""
         path = self.out / STATE_FILE
         if not self.names:  # TensorBoard alone (RunLog draws it): no trackers.json
             return
@@ -229,11 +255,16 @@ class TrackerHook:
             try:
                 run_id = tracker.start(self.config, self.out.name, was.get("id"))
             except Exception as e:  # no credentials, no server: the tracker's own words, in one line
-                raise UserError(f"report_to: {name} could not start its run ({(str(e).strip().splitlines() or [type(e).__name__])[0]}); "
-                                f"check its settings (see docs/training/index.md, Trackers)") from None
+                self.close()
+                raise UserError(f"report_to: {name} could not start its run ({_first_line(e)}); check its settings "
+                                f"(see docs/training/index.md, Trackers)") from None
             self.runs[name] = tracker
             self.state[name] = {"id": run_id, "step": int(was.get("step", 0))}
-        self._save()
+
+    def start(self, step: int) -> None:
+        """Write ``trackers.json`` (each run's id, for a rerun to resume it), now that the run folder exists."""
+        if self.runs:
+            self._save()
 
     def on_step(self, info: StepInfo) -> None:
         """Give each tracker the step's record and tables, unless it holds the step already."""

@@ -68,16 +68,29 @@ def test_a_missing_tracker_is_one_line_naming_its_extra_before_anything_is_writt
 
 
 @pytest.mark.slow
-def test_a_tracker_that_cannot_start_is_one_line_before_step_1(setup, tmp_path, capsys, monkeypatch):
-    """MLflow's server unreachable: the run stops with MLflow's reason in one line, exit 2, before any step; the
-    default run (TensorBoard alone) writes no trackers.json."""
+def test_a_tracker_that_cannot_start_is_one_line_and_nothing_is_written(setup, tmp_path, capsys, monkeypatch):
+    """MLflow's server unreachable (a closed loopback port), with MLflow's own retries as they are (about 4
+    minutes for a refused connection): the run stops in well under a minute with the reason in one line, exit
+    2, and the run folder is not left behind: no config.yaml, no metrics.jsonl (the trackers start before the
+    run writes its files), nor what set-up wrote there first (a DPO run's reference log-probabilities, scored
+    once and cached in the run folder).
+    Slow (slow lane): the run loads its model and scores its pairs before the trackers start."""
+    from dpo.cli import main as dpo_main
+    from tests.preference_data import dpo_pairs
+    from tests.run_files import write_jsonl
+
+    write_jsonl(tmp_path / "prefs.jsonl", dpo_pairs(8))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_free_port()}")  # nothing listens there
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
     out = tmp_path / "run"
-    assert pretrain_main(["train", *_args(setup, out, "report_to=[mlflow]")]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("error: report_to: mlflow could not start its run ("), err[-3:]
-    assert not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text()  # no step taken
+    began = time.monotonic()
+    assert dpo_main(["train", *_args(setup, out, f"data.path={tmp_path / 'prefs.jsonl'}", "dpo.reference=precomputed",
+                                     "report_to=[tensorboard,mlflow]")]) == 2
+    assert time.monotonic() - began < 60
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if "reference log-prob" not in line]
+    assert len(err) == 1 and err[0].startswith("error: report_to: mlflow could not start its run (no answer from "
+                                               "http://127.0.0.1:"), err[-3:]
+    assert not out.exists()
 
 
 def _wandb_records(path):
@@ -168,6 +181,7 @@ def test_trackio_local_run_holds_the_logs_floats_and_the_completions_table(setup
     info = StepInfo(4, 4, {}, {"step": 4, "loss": 1.5}, Rollout(None, {}, log=recs))
     CompletionsLog(out / "completions.jsonl").on_step(info)
     hook = TrackerHook(out, ["trackio"], load_config(None, _args(setup, out)), every=1)
+    hook.open()
     hook.start(3)
     hook.on_step(info)
     hook.close()
