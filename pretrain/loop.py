@@ -254,7 +254,7 @@ def _take_steps(training: Training, hooks: Hooks, checkpoints: Checkpoints, star
     stop = _StopOnSignal()
 
     def before(step: int) -> None:
-        if stop.reached(step):
+        if stop.reached(step - start):
             checkpoints.save_now(step, training.state)  # this step may already be saved (Orbax's own notice)
             # Not an error (exit 2): a shell's 128 + the signal's number, 130 for Ctrl-C.
             raise Interrupted(f"interrupted by {stop.requested or stop.NOTICE}: checkpoint saved at step {step} in "
@@ -337,12 +337,16 @@ class _StopOnSignal:
         if self.notice:  # JAX's own SIGTERM handler, installed in C, tells every process
             signal.raise_signal(signal.SIGTERM)
 
-    def reached(self, step: int) -> bool:
-        """Whether the run stops after ``step`` steps (every process gets the same answer at the same step)."""
+    def reached(self, taken: int) -> bool:
+        """Whether the run stops at this boundary, ``taken`` steps after this run (or rerun) started; every process
+        gets the same answer at the same step."""
         if self.notice:
             from jax.experimental import multihost_utils
 
-            return multihost_utils.reached_preemption_sync_point(step)
+            # JAX's service counts from its own start: a notice that comes before the first boundary is agreed for
+            # id 1. Counting the run's global step instead, a resumed run (first id its checkpoint's step) would
+            # pass that id and never stop; every process resumes at the same step, so this count agrees too.
+            return multihost_utils.reached_preemption_sync_point(taken)
         return distributed.any_process(self.requested is not None)
 
     def restore(self) -> None:

@@ -32,6 +32,27 @@ for out in (resumed, fresh):
     train(load_config(None, [*args, f"output_dir={out}", f"max_steps={steps}"]), progress=False)
 """
 
+# The stopped run rerun, its notice before the rerun's first step: process 1 signals itself once JAX's preemption
+# service holds SIGTERM (after initialize), long before either process reaches a step (the model still to load).
+# argv: port, process id, then train's overrides. Exits as the command does: the message, then its exit code.
+RESUME_NOTICED_EARLY = """
+import os, signal, sys
+from argparse import Namespace
+from pretrain import distributed
+from pretrain.config import load_config
+from pretrain.loop import train
+from zoo.errors import Interrupted
+port, pid, *args = sys.argv[1:]
+distributed.initialize(Namespace(coordinator=f"127.0.0.1:{port}", num_processes=2, process_id=int(pid)))
+if pid == "1":
+    os.kill(os.getpid(), signal.SIGTERM)
+try:
+    train(load_config(None, args), progress=False)
+except Interrupted as e:
+    print(e, file=sys.stderr)
+    sys.exit(e.exit_code)
+"""
+
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, tiny_lm):
@@ -60,8 +81,9 @@ def _two(argv, outputs: list) -> list[subprocess.Popen]:
 def test_sigterm_to_one_process_stops_both_at_one_step_and_the_rerun_resumes_bit_identical(setup, tmp_path):
     """SIGTERM to process 1 alone, once process 0 has logged step 1: both processes save the same step and exit
     143 with one plain line each; the rerun (max_steps lowered to 2 past it) resumes there and ends with the
-    losses and parameters, bit for bit, of a 2-process run never stopped.
-    Slow (slow lane): two launches of 2 `pretrain train` processes, each importing and compiling."""
+    losses and parameters, bit for bit, of a 2-process run never stopped. A notice before a rerun's first step
+    (while it loads) stops it after one step, every process at that step.
+    Slow (slow lane): three launches of 2 `pretrain train` processes, each importing and compiling."""
     out, ref = tmp_path / "run", tmp_path / "ref"
     args = [f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}", f"data.path={setup / 'data.jsonl'}",
             "data.seq_len=32", "batch_size=2", "optimizer.learning_rate=0.01", "schedule.name=constant",
@@ -98,6 +120,25 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_the_rerun_resumes_bit
     assert saved[-1] == step and set(saved) <= {1, step}  # Orbax's first save of a fresh run, and the signal's
     assert sorted(f.name for f in (ckpts / str(step) / "data").glob("process_*.json")) == \
         ["process_0-of-2.json", "process_1-of-2.json"]
+
+    # A notice before a rerun's first step stops it one step in (not never: JAX counts from the rerun's start).
+    files = [(open(tmp_path / f"early{i}.txt", "w+"), open(tmp_path / f"early_err{i}.txt", "w+")) for i in range(2)]
+    port = _free_port()
+    procs = _two(lambda i: ["-c", RESUME_NOTICED_EARLY, str(port), str(i), *args, f"output_dir={out}",
+                            f"max_steps={step + 3}"], files)
+    try:
+        procs[0].communicate(timeout=300)
+        procs[1].wait(timeout=300)
+    finally:
+        for p in procs:
+            p.kill()
+    errs = []
+    for _, err in files:
+        err.seek(0)
+        errs.append(err.read())
+    assert [p.returncode for p in procs] == [143, 143], [e[-2000:] for e in errs]
+    assert all(f"checkpoint saved at step {step + 1} in" in e for e in errs), [e[-500:] for e in errs]
+    step += 1
 
     files = [(open(tmp_path / f"again{i}.txt", "w+"), open(tmp_path / f"again_err{i}.txt", "w+")) for i in range(2)]
     port = _free_port()
