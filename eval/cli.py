@@ -82,6 +82,10 @@ def eval_command(args: argparse.Namespace) -> None:
         raise UserError("zoo eval needs CKPT and --tasks T1,T2 (see `zoo eval --list-tasks`) or --harness T1,T2")
     from zoo.checkpoints.paths import checkpoint_dir
 
+    from zoo.storage import is_remote
+
+    # the report names the checkpoint as given when on a bucket (read from its local copy in lmzoo's cache)
+    named = args.ckpt if is_remote(args.ckpt) else None
     args.ckpt = str(checkpoint_dir(args.ckpt))  # a missing path or a run folder: said before anything loads
 
     import datetime
@@ -114,7 +118,7 @@ def eval_command(args: argparse.Namespace) -> None:
     logs = {name: r.pop("log") for name, r in res["tasks"].items() if "log" in r}
     t_total = time.perf_counter() - t0
     report = {
-        "checkpoint": str(Path(args.ckpt).absolute()),
+        "checkpoint": named or str(Path(args.ckpt).absolute()),
         "lmzoo_version": zoo.__version__,
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "settings": {"tasks": [t.name for t in tasks], "limit": args.limit, "batch_size": args.batch_size,

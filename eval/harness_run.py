@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from zoo.errors import UserError
+from zoo.storage import is_remote
 
 EXTRA_HINT = "pip install 'lmzoo[eval]' (from a checkout: pip install -e '.[eval]')"
 
@@ -93,7 +94,7 @@ def harness_command(args: argparse.Namespace) -> None:
     if out is None:
         return
     samples = results.pop("samples", None)
-    report = {"checkpoint": str(Path(ckpt).absolute()), "backend": "lmzoo",
+    report = {"checkpoint": args.ckpt if is_remote(args.ckpt) else str(Path(ckpt).absolute()), "backend": "lmzoo",
               "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "timings": {"load_s": round(t_load, 3), "eval_s": round(t_total - t_load, 3)}, **results}
     write_atomic(out, json.dumps(report, indent=2, default=str) + "\n")

@@ -21,7 +21,9 @@ from pretrain.dtypes import DTYPES
 from zoo.checkpoints.format import read_config
 from zoo.checkpoints.loading import load_params
 from zoo.data.tokenizer import holds_tokenizer, tokenizer_dir
+from zoo.checkpoints.format import TOKENIZER_DIR
 from zoo.errors import UserError
+from zoo.storage import is_remote, local_copy, run_path
 from zoo.lora.params import LoraConfig, init_lora, lora_specs, whole_weights
 from zoo.lora.weights import LoraRun, Weights
 from zoo.model.config import ModelConfig
@@ -225,13 +227,21 @@ def tokenizer_folder(cfg: TrainConfig) -> Path:
     that gives one (zoo.data.tokenizer.load_tokenizer reads the folder afterwards).
     """
     if cfg.model.tokenizer or cfg.model.init == "random":
-        folder = tokenizer_dir(Path(cfg.model.tokenizer or "").expanduser())
+        folder = tokenizer_dir(_tokenizer_copy(cfg.model.tokenizer or ""))
     else:
         folder = tokenizer_dir(_resolve_checkpoint(cast(str, cfg.model.path)))
     if not holds_tokenizer(folder):
         raise UserError(f"no tokenizer in {folder}; set model.tokenizer to a tokenizer folder or a zoo checkpoint "
                         "with one")
     return folder
+
+
+def _tokenizer_copy(spec: str) -> Path:
+    """``model.tokenizer`` on the local disk: a URL (a tokenizer folder, or a zoo checkpoint's ``tokenizer/``
+    only, not its weights) fetched into lmzoo's cache."""
+    if is_remote(spec) and (run_path(spec, "model.tokenizer") / "model.json").exists():
+        return local_copy(f"{spec.rstrip('/')}/{TOKENIZER_DIR}", "model.tokenizer")
+    return local_copy(spec, "model.tokenizer")
 
 
 def _resolve_checkpoint(path: str) -> Path:

@@ -1,7 +1,8 @@
 """Reading data files, folders and Hub datasets into `datasets` rows, shared by training and evaluation.
 
 Local .jsonl/.json/.parquet/.txt files (or a folder of one kind) are read with
-`datasets`; a name like ``user/set`` that is not a local path is a Hub dataset.
+`datasets`, and so are such files on object storage (``gs://``, ``s3://``), from a
+local copy (zoo/storage.py ``local_copy``); a name like ``user/set`` that is not a local path is a Hub dataset.
 Unreadable files raise a UserError that names the file and line
 (:mod:`zoo.data.problems`), and each loaded dataset remembers where its
 rows come from, for later errors about one row (:mod:`zoo.data.row_origin`).
@@ -16,6 +17,7 @@ from typing import Any
 from zoo.data.problems import no_rows, unreadable, utf8_problem
 from zoo.data.row_origin import remember_origin
 from zoo.errors import UserError
+from zoo.storage import local_copy
 
 SUFFIX_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 
@@ -31,7 +33,7 @@ def load_dataset_rows(path: str, split: str = "train") -> tuple[Any, str]:
     import datasets
 
     datasets.disable_progress_bars()
-    p = Path(path).expanduser()
+    p = local_copy(path, "data.path")  # a gs:// or s3:// file or folder: read from a copy in lmzoo's cache
     if not p.exists() and looks_like_hub_name(path):
         return hub_rows(path, split), "hub"
     files = sorted(f for f in p.rglob("*") if f.suffix in SUFFIX_FORMATS) if p.is_dir() else [p]
