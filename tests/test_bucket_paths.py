@@ -52,6 +52,18 @@ def _train(model: str, tok: str, colours: str, shapes: str, held: str, out: str)
             "data.seq_len=16", "batch_size=2", "log_every=1", "eval_every=2", "max_steps=2", f"output_dir={out}"]
 
 
+def _said(capsys) -> list[str]:
+    """The command's stderr lines, without the emulator's: its server thread, in this process, prints a
+    traceback between two dashed lines when a client closes a connection before reading the whole answer."""
+    lines, inside = [], False
+    for line in capsys.readouterr().err.strip().splitlines():
+        if line == "-" * 40:
+            inside = not inside
+        elif not inside:
+            lines.append(line)
+    return lines
+
+
 def _logits(folder) -> np.ndarray:
     import torch
     from transformers import AutoModelForCausalLM
@@ -101,3 +113,39 @@ def test_convert_train_export_through_buckets(setup, gcs, s3, tmp_path, monkeypa
     said = capsys.readouterr().out
     assert zoo_main(["generate", f"{g}/run/final", *args]) == 0
     assert capsys.readouterr().out == said
+
+
+def test_bucket_inputs_and_outputs_that_cannot_work_are_one_line(setup, gcs, s3, tmp_path, monkeypatch, capsys):
+    """Before the model loads (model.path names nothing: it is never reached), each one line and exit 2: a data
+    file that is not in its bucket, a tokenizer folder that is not, an s3:// data file without s3fs installed;
+    ``zoo export --out`` to a bucket that does not exist or to a prefix that holds objects, nothing written."""
+    import importlib.util
+
+    monkeypatch.setenv("LMZOO_CACHE", str(tmp_path / "cache"))
+    g = gcs.bucket()
+    storage.run_path(f"{g}/data/colours.jsonl").write_bytes((setup / "colours.jsonl").read_bytes())
+    plain = ["train", f"model.path={setup / 'no-model'}", f"model.tokenizer={setup / 'tok'}",
+             f"data.path={g}/data/colours.jsonl", "data.seq_len=16", "batch_size=2", "max_steps=1",
+             f"output_dir={tmp_path / 'run'}"]
+    find = importlib.util.find_spec
+    for change, says in [({3: f"data.path={g}/data/nothing.jsonl"},
+                          f"data.path {g}/data/nothing.jsonl: no such file or folder"),
+                         ({2: f"model.tokenizer={g}/no-tok"}, f"model.tokenizer {g}/no-tok: no such file or folder"),
+                         ({3: "data.path=s3://b/x.jsonl"}, "data.path s3://b/x.jsonl: s3:// needs s3fs; "
+                                                           "pip install 'lmzoo[s3]'")]:
+        args = [change.get(i, a) for i, a in enumerate(plain)]
+        with monkeypatch.context() as m:
+            m.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "s3fs" else find(name, *a))
+            assert pretrain_main(args) == 2
+        err = _said(capsys)
+        assert len(err) == 1 and says in err[0], err
+    assert not (tmp_path / "run").exists()
+
+    taken = s3.bucket() + "/export"
+    storage.run_path(f"{taken}/config.json").write_text("{}")
+    for out, says in [("s3://no-such-bucket/export", "--out s3://no-such-bucket/export: cannot write there"),
+                      (taken, f"--out {taken} exists and is not empty; choose a new prefix or add --overwrite")]:
+        assert zoo_main(["export", str(setup / "zoo"), "--out", out]) == 2
+        err = _said(capsys)
+        assert len(err) == 1 and says in err[0], err
+    assert [p.name for p in storage.run_path(taken).iterdir()] == ["config.json"]
