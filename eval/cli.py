@@ -81,7 +81,6 @@ def eval_command(args: argparse.Namespace) -> None:
     if not args.ckpt or not args.tasks:
         raise UserError("zoo eval needs CKPT and --tasks T1,T2 (see `zoo eval --list-tasks`) or --harness T1,T2")
     from zoo.checkpoints.paths import checkpoint_dir
-
     from zoo.storage import is_remote
 
     # the report names the checkpoint as given when on a bucket (read from its local copy in lmzoo's cache)

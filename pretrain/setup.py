@@ -18,17 +18,16 @@ import jax
 
 from pretrain.config import TrainConfig
 from pretrain.dtypes import DTYPES
-from zoo.checkpoints.format import read_config
+from zoo.checkpoints.format import TOKENIZER_DIR, read_config
 from zoo.checkpoints.loading import load_params
 from zoo.data.tokenizer import holds_tokenizer, tokenizer_dir
-from zoo.checkpoints.format import TOKENIZER_DIR
 from zoo.errors import UserError
-from zoo.storage import is_remote, local_copy, run_path
 from zoo.lora.params import LoraConfig, init_lora, lora_specs, whole_weights
 from zoo.lora.weights import LoraRun, Weights
 from zoo.model.config import ModelConfig
 from zoo.model.params import flatten, init_params, nest, param_specs
 from zoo.model.sharding import make_mesh, named_sharding
+from zoo.storage import is_remote, local_copy, run_path
 
 T = TypeVar("T")
 
