@@ -78,7 +78,7 @@ def test_convert_train_export_through_buckets(setup, gcs, s3, tmp_path, monkeypa
     """convert --out gs://; train from it with the tokenizer, both mixture sources and the eval set on buckets
     (gs:// and s3://); export the run's final checkpoint by its URL to s3://; transformers loads the export with
     the same logits as the local pipeline's export, the run logged the same losses and eval losses, and
-    ``zoo generate`` on the checkpoint URL says what it says on the local one."""
+    ``zoo generate`` and ``zoo eval`` on the checkpoint URL say what they say on the local one."""
     monkeypatch.setenv("LMZOO_CACHE", str(tmp_path / "cache"))
     g, s = gcs.bucket(), s3.bucket()
     assert zoo_main(["convert", str(setup / "hf"), "--out", f"{g}/base"]) == 0
@@ -113,6 +113,13 @@ def test_convert_train_export_through_buckets(setup, gcs, s3, tmp_path, monkeypa
     said = capsys.readouterr().out
     assert zoo_main(["generate", f"{g}/run/final", *args]) == 0
     assert capsys.readouterr().out == said
+    reports = []
+    for ckpt, name in ((str(local / "final"), "here.json"), (f"{g}/run/final", "there.json")):
+        assert zoo_main(["eval", ckpt, "--tasks", "prose", "--limit", "2", "--out", str(tmp_path / name)]) == 0
+        reports.append(json.loads((tmp_path / name).read_text()))
+    assert reports[1]["checkpoint"] == f"{g}/run/final"  # as given, not its copy in the cache
+    for here_, there_ in zip(*(r["tasks"].values() for r in reports), strict=True):
+        assert {k: v for k, v in there_.items() if k != "seconds"} == {k: v for k, v in here_.items() if k != "seconds"}
 
 
 def test_bucket_inputs_and_outputs_that_cannot_work_are_one_line(setup, gcs, s3, tmp_path, monkeypatch, capsys):
