@@ -84,7 +84,7 @@ class Layouts(Arrays):
         checkpoint folder, a registry name or a Hugging Face ``config.json``."""
         if not name:
             raise UserError(f"--compile-only needs {key} (a zoo checkpoint, a registry name or a config.json)")
-        src = Path(name).expanduser()
+        src = _resolve_checkpoint(name, key) if is_remote(name) else Path(name).expanduser()
         return model_config_of(name, key), src if (src / "model.json").is_file() else None
 
 
@@ -98,7 +98,7 @@ def model_config_of(name: str, key: str) -> ModelConfig:
     from zoo.model.from_hf import model_config_from_hf
     from zoo.registry import catalogue as registry
 
-    src = Path(name).expanduser()
+    src = _resolve_checkpoint(name, key) if is_remote(name) else Path(name).expanduser()
     if src.is_dir() and (src / "model.json").is_file():
         return read_config(src)
     return model_config_from_hf(registry.hf_config_of(name, key), f"{key} {name}")
@@ -243,11 +243,12 @@ def _tokenizer_copy(spec: str) -> Path:
     return local_copy(spec, "model.tokenizer")
 
 
-def _resolve_checkpoint(path: str) -> Path:
-    """The zoo checkpoint folder of ``model.path`` (a run folder, a missing path: a UserError saying what to give)."""
+def _resolve_checkpoint(path: str, key: str = "model.path") -> Path:
+    """The zoo checkpoint folder of ``path`` (``key``'s; a URL: its copy in lmzoo's cache; a run folder, a missing
+    path: a UserError saying what to give)."""
     from zoo.checkpoints.paths import checkpoint_dir
 
-    return checkpoint_dir(path, "model.path")
+    return checkpoint_dir(path, key)
 
 
 def lora_settings(cfg: TrainConfig) -> LoraConfig | None:

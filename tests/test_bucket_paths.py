@@ -83,6 +83,10 @@ def test_convert_train_export_through_buckets(setup, gcs, s3, tmp_path, monkeypa
     g, s = gcs.bucket(), s3.bucket()
     assert zoo_main(["convert", str(setup / "hf"), "--out", f"{g}/base"]) == 0
     assert capsys.readouterr().out.strip() == f"wrote {g}/base"
+    from pretrain.setup import model_config_of
+    from zoo.checkpoints.format import read_config
+
+    assert model_config_of(f"{g}/base", "model.path") == read_config(setup / "zoo")  # as --compile-only reads it
     storage.upload_tree(setup / "tok", storage.run_path(f"{s}/tok"))
     for name, there in (("colours.jsonl", g), ("shapes.jsonl", s), ("held.jsonl", g)):
         storage.run_path(f"{there}/data/{name}").write_bytes((setup / name).read_bytes())
