@@ -64,6 +64,12 @@ def _said(capsys) -> list[str]:
     return lines
 
 
+def _card(folder) -> list[str]:
+    """The export's model card, less the data table's paths and row counts (a bucket's files are not counted)."""
+    return [line for line in (folder / "README.md").read_text().splitlines()
+            if line and ".jsonl`" not in line and not line.startswith("Rows `?`")]
+
+
 def _logits(folder) -> np.ndarray:
     import torch
     from transformers import AutoModelForCausalLM
@@ -81,19 +87,19 @@ def test_convert_train_export_through_buckets(setup, gcs, s3, tmp_path, monkeypa
     ``zoo generate`` and ``zoo eval`` on the checkpoint URL say what they say on the local one."""
     monkeypatch.setenv("LMZOO_CACHE", str(tmp_path / "cache"))
     g, s = gcs.bucket(), s3.bucket()
-    assert zoo_main(["convert", str(setup / "hf"), "--out", f"{g}/base"]) == 0
-    assert capsys.readouterr().out.strip() == f"wrote {g}/base"
+    assert zoo_main(["convert", str(setup / "hf"), "--out", f"{g}/zoo"]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {g}/zoo"
     from pretrain.setup import model_config_of
     from zoo.checkpoints.format import read_config
 
-    assert model_config_of(f"{g}/base", "model.path") == read_config(setup / "zoo")  # as --compile-only reads it
+    assert model_config_of(f"{g}/zoo", "model.path") == read_config(setup / "zoo")  # as --compile-only reads it
     storage.upload_tree(setup / "tok", storage.run_path(f"{s}/tok"))
     for name, there in (("colours.jsonl", g), ("shapes.jsonl", s), ("held.jsonl", g)):
         storage.run_path(f"{there}/data/{name}").write_bytes((setup / name).read_bytes())
     local = tmp_path / "local"
     assert pretrain_main(_train(str(setup / "zoo"), str(setup / "tok"), str(setup / "colours.jsonl"),
                                 str(setup / "shapes.jsonl"), str(setup / "held.jsonl"), str(local))) == 0
-    assert pretrain_main(_train(f"{g}/base", f"{s}/tok", f"{g}/data/colours.jsonl", f"{s}/data/shapes.jsonl",
+    assert pretrain_main(_train(f"{g}/zoo", f"{s}/tok", f"{g}/data/colours.jsonl", f"{s}/data/shapes.jsonl",
                                 f"{g}/data/held.jsonl", f"{g}/run")) == 0
     here = (local / "metrics.jsonl").read_text().splitlines()
     there = storage.run_path(f"{g}/run/metrics.jsonl").read_text().splitlines()
@@ -104,12 +110,13 @@ def test_convert_train_export_through_buckets(setup, gcs, s3, tmp_path, monkeypa
             {k: v for k, v in rb.items() if not any(d in k for d in drop)}
     assert any("eval" in k for line in here for k in json.loads(line))
 
-    assert zoo_main(["export", str(local / "final"), "--out", str(tmp_path / "hf_local")]) == 0
+    assert zoo_main(["export", str(local / "final"), "--out", str(tmp_path / "export")]) == 0
     assert zoo_main(["export", f"{g}/run/final", "--out", f"{s}/export"]) == 0
     fetched = storage.local_copy(f"{s}/export", "export")
     assert sorted(p.name for p in fetched.iterdir() if not p.name.startswith(".")) == \
-        sorted(p.name for p in (tmp_path / "hf_local").iterdir())
-    np.testing.assert_array_equal(_logits(fetched), _logits(tmp_path / "hf_local"))
+        sorted(p.name for p in (tmp_path / "export").iterdir())
+    np.testing.assert_array_equal(_logits(fetched), _logits(tmp_path / "export"))
+    assert _card(fetched) == _card(tmp_path / "export")  # the run's records came with its final/: config, metrics
 
     capsys.readouterr()
     args = ["--prompt", "the cat", "--max-new-tokens", "4", "--temperature", "0"]
