@@ -167,3 +167,22 @@ def test_bucket_inputs_and_outputs_that_cannot_work_are_one_line(setup, gcs, s3,
         err = _said(capsys)
         assert len(err) == 1 and says in err[0], err
     assert [p.name for p in storage.run_path(taken).iterdir()] == ["config.json"]
+
+
+def test_data_errors_name_the_objects_not_their_copy(gcs, tmp_path, monkeypatch):
+    """A bad row or an unreadable file of a data folder or file on a bucket is named by its object's URL (the
+    file read is its copy in lmzoo's cache)."""
+    import re
+
+    from zoo.data.files import load_dataset_rows
+    from zoo.data.row_origin import row_where
+    from zoo.errors import UserError
+
+    monkeypatch.setenv("LMZOO_CACHE", str(tmp_path))
+    g = gcs.bucket()
+    storage.run_path(f"{g}/data/a.jsonl").write_text('{"text": "x"}\n\n{"text": "y"}\n')
+    storage.run_path(f"{g}/bad.jsonl").write_bytes(b'{"text": "x"}\n{"text": "\xff"}\n')
+    load_dataset_rows(f"{g}/data")
+    assert row_where(f"{g}/data", 1) == f"{g}/data/a.jsonl, line 3"
+    with pytest.raises(UserError, match=rf"^{re.escape(g)}/bad.jsonl, line 2: not valid UTF-8"):
+        load_dataset_rows(f"{g}/bad.jsonl")

@@ -175,10 +175,11 @@ def _fix(scheme: str) -> str:
 def _mirror(fs: Any, root: str, dest: Path, files: dict[str, str], marker: str | None, prune: bool) -> None:
     """Bring the local folder ``dest`` up to date with the objects under ``root`` (``files``: relative name ->
     a stamp of its listing entry): a file is downloaded when its stamp changed, ``marker`` last; ``prune``
-    removes the files that left the bucket. Each file lands whole (downloaded beside it, then renamed)."""
+    removes the files that left the bucket. Each file lands whole (downloaded beside it, then renamed). The
+    stamps are kept beside ``dest``, not in it: a reader of the folder (a data folder's files) sees its files only."""
     import json
 
-    stamps_file = dest / ".lmzoo-fetched.json"
+    stamps_file = dest.parent / f".{dest.name}.lmzoo-fetched.json"
     stamps = json.loads(stamps_file.read_text()) if stamps_file.is_file() else {}
     for rel in sorted(files, key=lambda r: r == marker):  # the marker last, as the writer wrote it
         target = dest / rel
