@@ -136,7 +136,8 @@ def test_convert_train_export_through_buckets(setup, gcs, s3, tmp_path, monkeypa
 def test_bucket_inputs_and_outputs_that_cannot_work_are_one_line(setup, gcs, s3, tmp_path, monkeypatch, capsys):
     """Before the model loads (model.path names nothing: it is never reached), each one line and exit 2: a data
     file that is not in its bucket, a tokenizer folder that is not, an s3:// data file without s3fs installed;
-    ``zoo export --out`` to a bucket that does not exist or to a prefix that holds objects, nothing written."""
+    ``zoo export --out`` to a bucket that does not exist or to a prefix that holds objects, nothing written; a
+    GRPO reward model (``rm:URL``) that is not there."""
     import importlib.util
 
     monkeypatch.setenv("LMZOO_CACHE", str(tmp_path / "cache"))
@@ -158,6 +159,11 @@ def test_bucket_inputs_and_outputs_that_cannot_work_are_one_line(setup, gcs, s3,
         err = _said(capsys)
         assert len(err) == 1 and says in err[0], err
     assert not (tmp_path / "run").exists()
+    from grpo.reward_model import reward_model
+    from zoo.errors import UserError
+
+    with pytest.raises(UserError, match=rf"'rm:{g}/rm' {g}/rm: no checkpoint there"):  # the URL reaches the reader
+        reward_model(f"rm:{g}/rm")
 
     taken = s3.bucket() + "/export"
     storage.run_path(f"{taken}/config.json").write_text("{}")
