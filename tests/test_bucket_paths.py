@@ -84,7 +84,8 @@ def test_convert_train_export_through_buckets(setup, gcs, s3, tmp_path, monkeypa
     """convert --out gs://; train from it with the tokenizer, both mixture sources and the eval set on buckets
     (gs:// and s3://); export the run's final checkpoint by its URL to s3://; transformers loads the export with
     the same logits as the local pipeline's export, the run logged the same losses and eval losses, and
-    ``zoo generate`` and ``zoo eval`` on the checkpoint URL say what they say on the local one."""
+    ``zoo generate`` and ``zoo eval`` on the checkpoint URL, their --out on a bucket, say what they say on the
+    local one."""
     monkeypatch.setenv("LMZOO_CACHE", str(tmp_path / "cache"))
     g, s = gcs.bucket(), s3.bucket()
     assert zoo_main(["convert", str(setup / "hf"), "--out", f"{g}/zoo"]) == 0
@@ -118,16 +119,16 @@ def test_convert_train_export_through_buckets(setup, gcs, s3, tmp_path, monkeypa
     np.testing.assert_array_equal(_logits(fetched), _logits(tmp_path / "export"))
     assert _card(fetched) == _card(tmp_path / "export")  # the run's records came with its final/: config, metrics
 
-    capsys.readouterr()
-    args = ["--prompt", "the cat", "--max-new-tokens", "4", "--temperature", "0"]
-    assert zoo_main(["generate", str(local / "final"), *args]) == 0
-    said = capsys.readouterr().out
-    assert zoo_main(["generate", f"{g}/run/final", *args]) == 0
-    assert capsys.readouterr().out == said
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "the cat"}\n{"prompt": "a dog"}\n')
+    args = ["--prompts-file", str(tmp_path / "prompts.jsonl"), "--max-new-tokens", "4", "--temperature", "0"]
+    assert zoo_main(["generate", str(local / "final"), *args, "--out", str(tmp_path / "said.jsonl")]) == 0
+    assert zoo_main(["generate", f"{g}/run/final", *args, "--out", f"{s}/said.jsonl"]) == 0
+    said = (tmp_path / "said.jsonl").read_text()
+    assert storage.run_path(f"{s}/said.jsonl").read_text() == said and said.count("completion") == 2
     reports = []
-    for ckpt, name in ((str(local / "final"), "here.json"), (f"{g}/run/final", "there.json")):
-        assert zoo_main(["eval", ckpt, "--tasks", "prose", "--limit", "2", "--out", str(tmp_path / name)]) == 0
-        reports.append(json.loads((tmp_path / name).read_text()))
+    for ckpt, out in ((str(local / "final"), str(tmp_path / "here.json")), (f"{g}/run/final", f"{s}/there.json")):
+        assert zoo_main(["eval", ckpt, "--tasks", "prose", "--limit", "2", "--out", out]) == 0
+        reports.append(json.loads(storage.run_path(out).read_text()))
     assert reports[1]["checkpoint"] == f"{g}/run/final"  # as given, not its copy in the cache
     for here_, there_ in zip(*(r["tasks"].values() for r in reports), strict=True):
         assert {k: v for k, v in there_.items() if k != "seconds"} == {k: v for k, v in here_.items() if k != "seconds"}
@@ -173,6 +174,10 @@ def test_bucket_inputs_and_outputs_that_cannot_work_are_one_line(setup, gcs, s3,
         err = _said(capsys)
         assert len(err) == 1 and says in err[0], err
     assert [p.name for p in storage.run_path(taken).iterdir()] == ["config.json"]
+    assert zoo_main(["eval", str(setup / "zoo"), "--tasks", "prose", "--out", "gs://no-such-bucket/r.json"]) == 2
+    err = _said(capsys)
+    says = "--out gs://no-such-bucket/r.json: its prefix gs://no-such-bucket: cannot write there"
+    assert len(err) == 1 and says in err[0], err
 
 
 def test_data_errors_name_the_objects_not_their_copy(gcs, tmp_path, monkeypatch):
