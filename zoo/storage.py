@@ -189,13 +189,21 @@ def _mirror(fs: Any, root: str, dest: Path, files: dict[str, str], marker: str |
             fs.get_file(f"{root}/{rel}", str(part))
             os.replace(part, target)
             stamps[rel] = files[rel]
-            stamps_file.write_text(json.dumps(stamps))
+            _write_whole(stamps_file, json.dumps(stamps))
     if prune:
         for rel in set(stamps) - set(files):  # gone from the bucket: gone from the copy
             (dest / rel).unlink(missing_ok=True)
             del stamps[rel]
     dest.mkdir(parents=True, exist_ok=True)
-    stamps_file.write_text(json.dumps(stamps))
+    _write_whole(stamps_file, json.dumps(stamps))
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """Write ``path`` through a file of this process beside it, renamed onto it: another process that fetches
+    into the same cache (the processes of one host) reads the old text or the new, never half of one."""
+    part = path.with_name(f"{path.name}.part-{os.getpid()}")
+    part.write_text(text)
+    os.replace(part, path)
 
 
 def local_copy(spec: str | os.PathLike[str], what: str) -> Path:
