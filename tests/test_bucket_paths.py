@@ -12,24 +12,9 @@ import numpy as np
 import pytest
 
 from pretrain.cli import main as pretrain_main
-from tests.object_stores import gcs_store, s3_store
 from tests.tiny_lm import copy_tiny_lm
 from zoo import storage
 from zoo.cli import main as zoo_main
-
-
-@pytest.fixture(scope="module")
-def gcs():
-    """The GCS emulator, started once for the module."""
-    with gcs_store() as store:
-        yield store
-
-
-@pytest.fixture(scope="module")
-def s3():
-    """moto's S3 server, started once for the module."""
-    with s3_store() as store:
-        yield store
 
 
 @pytest.fixture(scope="module")
