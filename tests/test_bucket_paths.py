@@ -85,8 +85,9 @@ def test_convert_train_export_through_buckets(setup, gcs, s3, tmp_path, monkeypa
     local = tmp_path / "local"
     assert pretrain_main(_train(str(setup / "zoo"), str(setup / "tok"), str(setup / "colours.jsonl"),
                                 str(setup / "shapes.jsonl"), str(setup / "held.jsonl"), str(local))) == 0
-    assert pretrain_main(_train(f"{g}/zoo", f"{s}/tok", f"{g}/data/colours.jsonl", f"{s}/data/shapes.jsonl",
-                                f"{g}/data/held.jsonl", f"{g}/run")) == 0
+    on_buckets = _train(f"{g}/zoo", f"{s}/tok", f"{g}/data/colours.jsonl", f"{s}/data/shapes.jsonl",
+                        f"{g}/data/held.jsonl", f"{g}/run")
+    assert pretrain_main(on_buckets) == 0
     here = (local / "metrics.jsonl").read_text().splitlines()
     there = storage.run_path(f"{g}/run/metrics.jsonl").read_text().splitlines()
     drop = ("time", "seconds", "tokens_per_s", "step_s")
@@ -95,6 +96,12 @@ def test_convert_train_export_through_buckets(setup, gcs, s3, tmp_path, monkeypa
         assert {k: v for k, v in ra.items() if not any(d in k for d in drop)} == \
             {k: v for k, v in rb.items() if not any(d in k for d in drop)}
     assert any("eval" in k for line in here for k in json.loads(line))
+    from pretrain.config import load_config
+    from pretrain.setup import tokenizer_folder
+
+    tok = tokenizer_folder(load_config(None, [*on_buckets[1:], f"model.tokenizer={g}/run/final"]))
+    assert sorted(p.name for p in tok.iterdir()) == sorted(p.name for p in (local / "final" / "tokenizer").iterdir())
+    assert not (tok.parent / "params").exists()  # a checkpoint as model.tokenizer: its tokenizer/ only is fetched
 
     assert zoo_main(["export", str(local / "final"), "--out", str(tmp_path / "export")]) == 0
     assert zoo_main(["export", f"{g}/run/final", "--out", f"{s}/export"]) == 0
