@@ -12,6 +12,7 @@ from pathlib import Path
 
 from zoo.console import human_bytes, print_table
 from zoo.errors import UserError
+from zoo.storage import is_remote
 
 
 def add_convert_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -40,7 +41,8 @@ def convert_command(args: argparse.Namespace) -> None:
     """`zoo convert SOURCE --out DIR`: convert a Hugging Face / GGUF model into a zoo checkpoint."""
     from convert.convert import convert
 
-    out = convert(args.source, args.out, dtype=args.dtype, keep_mtp=args.keep_mtp)
+    out = _written(args.out, None, "model.json",
+                   lambda folder, _: convert(args.source, folder, dtype=args.dtype, keep_mtp=args.keep_mtp))
     print(f"wrote {out}")
 
 
@@ -153,24 +155,60 @@ def export_command(args: argparse.Namespace) -> None:
     write, planned = _export_writer(args, base_out)
     if args.dry_run:
         files = planned()
-        where = [str(Path(args.out).absolute())] if args.out else []
+        where = [args.out if is_remote(args.out) else str(Path(args.out).absolute())] if args.out else []
         if args.push_to_hub:
             where.append(destination(args.push_to_hub, args.revision) + (" (private)" if args.private else ""))
         print(f"dry run: would write {len(files)} files to {' and '.join(where)}")
         print_table([("file", "size")] + [(n, human_bytes(s) if s else "small") for n, s in files])
         return
-    hint = args.push_to_hub or Path(args.out).name
+    hint = args.push_to_hub or args.out.rstrip("/").rsplit("/", 1)[-1]
     if args.out:
-        out = write(args.out, args.overwrite, hint)
+        def push(folder: Path) -> None:
+            if args.push_to_hub:
+                print(f"pushed: {push_folder(folder, args.push_to_hub, args.private, args.revision)}")
+
+        marker = "adapter_config.json" if args.adapter else "config.json"  # what a reader of the folder opens first
+        out = _written(args.out, args.overwrite, marker, lambda folder, overwrite: write(folder, overwrite, hint),
+                       push)
         print(f"wrote {out}")
         if base_out:
             print(f"wrote {base_out}  (the adapter's base model)")
-        if args.push_to_hub:
-            print(f"pushed: {push_folder(out, args.push_to_hub, args.private, args.revision)}")
         return
     with tempfile.TemporaryDirectory(prefix="lmzoo-export-") as tmp:
         out = write(Path(tmp) / "export", False, hint)
         print(f"pushed: {push_folder(out, args.push_to_hub, args.private, args.revision)}")
+
+
+def _written(out: str, overwrite: bool | None, marker: str, write: Callable[[str | Path, bool], Path],
+             then: Callable[[Path], None] | None = None) -> str | Path:
+    """``write(folder, overwrite)`` of a command whose output folder is ``out`` (its ``--out``), and the folder
+    written; ``then(folder)`` runs on it after (a push to the Hub). A local ``out`` is written in place. On
+    object storage (``gs://``, ``s3://``) the folder is written on the local disk first (in the temporary
+    folder, ``TMPDIR``), then uploaded one file at a time, ``marker`` last (a reader that waits for it sees a
+    whole folder); the prefix is checked first, as a local folder is: writable, and empty unless ``overwrite``
+    (None: the command has no ``--overwrite``)."""
+    import tempfile
+
+    from zoo.storage import check_writable, remove_tree, run_path, upload_tree
+
+    if not is_remote(out):
+        folder = write(out, bool(overwrite))
+        if then is not None:
+            then(folder)
+        return folder
+    remote = run_path(out, "--out")
+    check_writable(remote, "--out")
+    if remote.is_dir() and any(remote.iterdir()) and not overwrite:
+        fix = "add --overwrite to replace it" if overwrite is not None else "remove it"
+        raise UserError(f"--out {out} exists and is not empty; choose a new prefix or {fix}")
+    with tempfile.TemporaryDirectory(prefix="lmzoo-upload-") as tmp:
+        folder = write(Path(tmp) / out.rstrip("/").rsplit("/", 1)[-1], False)
+        if overwrite:
+            remove_tree(remote)
+        upload_tree(folder, remote, last=(marker,))
+        if then is not None:
+            then(folder)
+    return out
 
 
 def _adapter_base_out(args: argparse.Namespace) -> Path | None:
@@ -180,8 +218,16 @@ def _adapter_base_out(args: argparse.Namespace) -> Path | None:
 
     from convert.peft import adapter_meta_of, default_base_out, quantized_base
 
+    if args.base_out and is_remote(args.base_out):
+        raise UserError(f"--base-out {args.base_out}: a local folder only (the adapter names it as its base); "
+                        "export the base to a bucket on its own with `zoo export BASE --out URL`")
     if args.base_out:
         return Path(args.base_out).absolute()
+    if args.out and is_remote(args.out):
+        if quantized_base(args.ckpt, adapter_meta_of(args.ckpt)) is not None:
+            raise UserError(f"--out {args.out}: the adapter's base is stored quantized, which transformers does "
+                            "not read; add --base-out DIR (a local folder) to export it dequantized beside it")
+        return None
     if args.out:
         return default_base_out(args.ckpt, args.out)
     base = quantized_base(args.ckpt, adapter_meta_of(args.ckpt))

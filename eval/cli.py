@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zoo.console import print_table
 from zoo.model.config import ATTENTION_KERNELS
+
+if TYPE_CHECKING:
+    from zoo.storage import RunPath
 
 # Metrics shown in the console table, per task kind (the JSON has them all).
 SHOWN = {"perplexity": ("word_perplexity", "bits_per_byte", "ppl"), "multiple_choice": ("acc", "acc_norm", "acc_bytes"),
@@ -67,7 +70,7 @@ def eval_command(args: argparse.Namespace) -> None:
     if args.list_tasks:
         return _list_tasks()
     _check_flags(args)
-    from eval.harness_run import check_out
+    from eval.harness_run import check_out, out_path
 
     check_out(args.out)  # before anything loads: the results are never lost for want of a place to write them
     if getattr(args, "harness", None):
@@ -81,7 +84,10 @@ def eval_command(args: argparse.Namespace) -> None:
     if not args.ckpt or not args.tasks:
         raise UserError("zoo eval needs CKPT and --tasks T1,T2 (see `zoo eval --list-tasks`) or --harness T1,T2")
     from zoo.checkpoints.paths import checkpoint_dir
+    from zoo.storage import is_remote
 
+    # the report names the checkpoint as given when on a bucket (read from its local copy in lmzoo's cache)
+    named = args.ckpt if is_remote(args.ckpt) else None
     args.ckpt = str(checkpoint_dir(args.ckpt))  # a missing path or a run folder: said before anything loads
 
     import datetime
@@ -102,7 +108,7 @@ def eval_command(args: argparse.Namespace) -> None:
     from eval.scoring import evaluate
     from zoo.data.tokenizer import load_tokenizer
 
-    out = Path(args.out) if args.out else None
+    out = out_path(args.out)
     tokenizer = load_tokenizer(args.ckpt)
     model = zoo.load(args.ckpt, dtype=np.float32 if args.dtype == "float32" else ml_dtypes.bfloat16,
                      attention=getattr(args, "attention", "auto"))
@@ -114,7 +120,7 @@ def eval_command(args: argparse.Namespace) -> None:
     logs = {name: r.pop("log") for name, r in res["tasks"].items() if "log" in r}
     t_total = time.perf_counter() - t0
     report = {
-        "checkpoint": str(Path(args.ckpt).absolute()),
+        "checkpoint": named or str(Path(args.ckpt).absolute()),
         "lmzoo_version": zoo.__version__,
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "settings": {"tasks": [t.name for t in tasks], "limit": args.limit, "batch_size": args.batch_size,
@@ -150,7 +156,7 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise UserError(f"--num-fewshot {args.num_fewshot}: must be 0 or more")
 
 
-def _write_report(out: Path, report: dict[str, Any], logs: dict[str, list[dict[str, Any]]] | None) -> None:
+def _write_report(out: Path | RunPath, report: dict[str, Any], logs: dict[str, list[dict[str, Any]]] | None) -> None:
     """Write the results JSON to ``out`` and, with ``logs`` (--log-samples), every scored item beside it."""
     import json
 

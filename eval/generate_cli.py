@@ -82,8 +82,10 @@ def generate_command(args: argparse.Namespace) -> int | None:
             or not 0 < args.top_p <= 1):
         raise UserError("need --max-new-tokens >= 1, --batch-size >= 1, --temperature >= 0, --top-k >= 0 "
                         "and 0 < --top-p <= 1")
+    from eval.harness_run import check_out
     from zoo.checkpoints.paths import checkpoint_dir
 
+    check_out(args.out)  # before anything loads: the completions are never lost for want of a place to write them
     args.ckpt = str(checkpoint_dir(args.ckpt))
     rows = _read_prompt_rows(Path(args.prompts_file)) if args.prompts_file else None
     import numpy as np
@@ -190,9 +192,11 @@ def _generate_file(model: Decoder, tok: Any, rows: list[dict[str, Any]], args: a
 
     from eval.answers import cut_at_stop
     from eval.generate import generate
+    from eval.harness_run import out_path
 
     ids = [_prompt_ids(tok, r, args) for r in rows]
-    out = Path(args.out)
+    out = out_path(args.out)  # a bucket URL: the object is uploaded whole when the file closes
+    assert out is not None  # --prompts-file needs --out (generate_command)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", encoding="utf-8") as f, tqdm(total=len(rows), desc="generate", unit="prompt", disable=None) as bar:
         for i in range(0, len(rows), args.batch_size):

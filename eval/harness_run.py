@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from zoo.errors import UserError
+from zoo.storage import RunPath, check_writable, is_remote, run_path
 
 EXTRA_HINT = "pip install 'lmzoo[eval]' (from a checkout: pip install -e '.[eval]')"
 
@@ -68,7 +69,7 @@ def harness_command(args: argparse.Namespace) -> None:
     from zoo.checkpoints.paths import checkpoint_dir
 
     ckpt = str(checkpoint_dir(args.ckpt))
-    out = Path(args.out) if args.out else None
+    out = out_path(args.out)
     names = [n.strip() for n in args.harness.split(",") if n.strip()]
     manager = task_manager(args.include_path)
     check_task_names(names, manager)  # before the model loads
@@ -93,7 +94,7 @@ def harness_command(args: argparse.Namespace) -> None:
     if out is None:
         return
     samples = results.pop("samples", None)
-    report = {"checkpoint": str(Path(ckpt).absolute()), "backend": "lmzoo",
+    report = {"checkpoint": args.ckpt if is_remote(args.ckpt) else str(Path(ckpt).absolute()), "backend": "lmzoo",
               "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "timings": {"load_s": round(t_load, 3), "eval_s": round(t_total - t_load, 3)}, **results}
     write_atomic(out, json.dumps(report, indent=2, default=str) + "\n")
@@ -105,10 +106,23 @@ def harness_command(args: argparse.Namespace) -> None:
         print(f"wrote {path}")
 
 
+def out_path(out: str | None) -> Path | RunPath | None:
+    """``--out`` as the path its results are written to: a bucket URL's object, or a local file."""
+    if out is None:
+        return None
+    return run_path(out, "--out") if is_remote(out) else Path(out)
+
+
 def check_out(out: str | None) -> None:
     """``--out`` can be written, checked before anything loads or is scored (results are not lost at the end):
     not a folder, and its folder exists or can be made. Nothing is created here: a run that fails writes nothing."""
     if out is None:
+        return
+    if is_remote(out):  # on a bucket: not a "folder" (a prefix with objects), and writable (a probe object)
+        remote = run_path(out, "--out")
+        if remote.is_dir():
+            raise UserError(f"--out {out} is a folder; give a file path such as {remote / 'results.json'}")
+        check_writable(remote.parent, f"--out {out}: its prefix")
         return
     path = Path(out)
     if path.is_dir():
@@ -123,13 +137,17 @@ def check_out(out: str | None) -> None:
                         "you can write")
 
 
-def samples_path(out: Path) -> Path:
+def samples_path(out: Path | RunPath) -> Path | RunPath:
     """Where ``--log-samples`` writes beside ``--out``: OUT's name with ``.samples.jsonl`` for its suffix."""
     return out.with_name(out.stem + ".samples.jsonl")
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file beside it (its folder made if missing)."""
+def write_atomic(path: Path | RunPath, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file beside it (its folder made if missing); on a bucket,
+    as one object (an object is written whole)."""
+    if is_remote(path):
+        path.write_text(text)
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)

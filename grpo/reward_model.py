@@ -17,6 +17,7 @@ checkpoint merged), on the policy's mesh.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -145,4 +146,4 @@ def is_reward_model(spec: str) -> bool:
 
 def reward_model(spec: str) -> RewardModelScorer:
     """The scorer of ``rm:PATH``."""
-    return RewardModelScorer(str(Path(spec[len(PREFIX):]).expanduser()))
+    return RewardModelScorer(os.path.expanduser(spec[len(PREFIX):]))  # a string: a gs:// URL keeps its "//"

@@ -12,7 +12,6 @@ fill one batch. A data file that is not there is said before the model loads
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,6 +22,7 @@ from pretrain.data.pipeline import packed_batches, tokens_of
 from zoo.data.batching import Document, to_model_batch
 from zoo.data.files import SUFFIX_FORMATS, looks_like_hub_name
 from zoo.errors import UserError
+from zoo.storage import local_copy
 
 
 def data_files(cfg: TrainConfig) -> list[tuple[str, str]]:
@@ -43,9 +43,10 @@ def data_files(cfg: TrainConfig) -> list[tuple[str, str]]:
 def check_data_files(cfg: TrainConfig) -> None:
     """A UserError naming the first data file the run reads (:func:`data_files`) that is not there: neither a
     local file, nor a folder holding .jsonl/.json/.parquet/.txt files, nor a name that reads as a Hub dataset
-    (which is looked up when it is read). Called before the model loads, so that a typo costs no load."""
+    (which is looked up when it is read). Called before the model loads, so that a typo costs no load; a file
+    on object storage is fetched here (into lmzoo's cache, where it is read from)."""
     for key, path in data_files(cfg):
-        p = Path(path).expanduser()
+        p = local_copy(path, key)
         if p.is_file() or (not p.exists() and looks_like_hub_name(path)):
             continue
         if not p.exists():

@@ -18,7 +18,7 @@ import jax
 
 from pretrain.config import TrainConfig
 from pretrain.dtypes import DTYPES
-from zoo.checkpoints.format import read_config
+from zoo.checkpoints.format import TOKENIZER_DIR, read_config
 from zoo.checkpoints.loading import load_params
 from zoo.data.tokenizer import holds_tokenizer, tokenizer_dir
 from zoo.errors import UserError
@@ -27,6 +27,7 @@ from zoo.lora.weights import LoraRun, Weights
 from zoo.model.config import ModelConfig
 from zoo.model.params import flatten, init_params, nest, param_specs
 from zoo.model.sharding import make_mesh, named_sharding
+from zoo.storage import is_remote, local_copy, run_path
 
 T = TypeVar("T")
 
@@ -83,7 +84,7 @@ class Layouts(Arrays):
         checkpoint folder, a registry name or a Hugging Face ``config.json``."""
         if not name:
             raise UserError(f"--compile-only needs {key} (a zoo checkpoint, a registry name or a config.json)")
-        src = Path(name).expanduser()
+        src = _resolve_checkpoint(name, key) if is_remote(name) else Path(name).expanduser()
         return model_config_of(name, key), src if (src / "model.json").is_file() else None
 
 
@@ -97,7 +98,7 @@ def model_config_of(name: str, key: str) -> ModelConfig:
     from zoo.model.from_hf import model_config_from_hf
     from zoo.registry import catalogue as registry
 
-    src = Path(name).expanduser()
+    src = _resolve_checkpoint(name, key) if is_remote(name) else Path(name).expanduser()
     if src.is_dir() and (src / "model.json").is_file():
         return read_config(src)
     return model_config_from_hf(registry.hf_config_of(name, key), f"{key} {name}")
@@ -225,7 +226,7 @@ def tokenizer_folder(cfg: TrainConfig) -> Path:
     that gives one (zoo.data.tokenizer.load_tokenizer reads the folder afterwards).
     """
     if cfg.model.tokenizer or cfg.model.init == "random":
-        folder = tokenizer_dir(Path(cfg.model.tokenizer or "").expanduser())
+        folder = tokenizer_dir(_tokenizer_copy(cfg.model.tokenizer or ""))
     else:
         folder = tokenizer_dir(_resolve_checkpoint(cast(str, cfg.model.path)))
     if not holds_tokenizer(folder):
@@ -234,11 +235,20 @@ def tokenizer_folder(cfg: TrainConfig) -> Path:
     return folder
 
 
-def _resolve_checkpoint(path: str) -> Path:
-    """The zoo checkpoint folder of ``model.path`` (a run folder, a missing path: a UserError saying what to give)."""
+def _tokenizer_copy(spec: str) -> Path:
+    """``model.tokenizer`` on the local disk: a URL (a tokenizer folder, or a zoo checkpoint's ``tokenizer/``
+    only, not its weights) fetched into lmzoo's cache."""
+    if is_remote(spec) and (run_path(spec, "model.tokenizer") / "model.json").exists():
+        return local_copy(f"{spec.rstrip('/')}/{TOKENIZER_DIR}", "model.tokenizer")
+    return local_copy(spec, "model.tokenizer")
+
+
+def _resolve_checkpoint(path: str, key: str = "model.path") -> Path:
+    """The zoo checkpoint folder of ``path`` (``key``'s; a URL: its copy in lmzoo's cache; a run folder, a missing
+    path: a UserError saying what to give)."""
     from zoo.checkpoints.paths import checkpoint_dir
 
-    return checkpoint_dir(path, "model.path")
+    return checkpoint_dir(path, key)
 
 
 def lora_settings(cfg: TrainConfig) -> LoraConfig | None:

@@ -185,3 +185,23 @@ def tiny_family(tmp_path_factory):
         return made[family]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def gcs():
+    """The GCS emulator on loopback (tests/object_stores.py), one for the whole session: the file-system clients
+    (etils' per scheme, gcsfs's and s3fs's instances) keep the endpoint they were made with, so every module
+    shares one server of each kind rather than start its own on another port."""
+    from tests.object_stores import gcs_store
+
+    with gcs_store() as store:
+        yield store
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """moto's S3 server on loopback, one for the whole session (see ``gcs``)."""
+    from tests.object_stores import s3_store
+
+    with s3_store() as store:
+        yield store

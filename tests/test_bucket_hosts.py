@@ -17,7 +17,6 @@ import pytest
 from pretrain.config import load_config
 from pretrain.loop import train
 from pretrain.runfolder import checkpoint_steps
-from tests.object_stores import gcs_store
 from tests.processes import devices_env, kill_after_checkpoint
 from tests.run_files import read_metrics, write_word_texts
 from tests.tiny_lm import copy_tiny_lm
@@ -28,13 +27,6 @@ WORDS = "the a cat dog sat ran on under mat log red blue".split()
 # The 2-process runs of tests/test_train.py: plain SGD, batch 8 (2 processes x 2 devices, 2 micro-batches).
 SGD = ("data.seq_len=32", "batch_size=8", "optimizer.name=sgd", "optimizer.learning_rate=0.5",
        "schedule.name=constant", "log_every=1", "checkpoint.every=2", "max_steps=4")
-
-
-@pytest.fixture(scope="module")
-def gcs():
-    """The GCS emulator, started once for the module."""
-    with gcs_store() as store:
-        yield store
 
 
 @pytest.fixture(scope="module")

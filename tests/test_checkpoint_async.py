@@ -12,7 +12,6 @@ from pretrain.checkpoints import Checkpoints
 from pretrain.cli import main as pretrain_main
 from pretrain.config import TrainConfig
 from pretrain.runfolder import checkpoint_steps
-from tests.object_stores import gcs_store
 from tests.tiny_lm import copy_tiny_lm
 from zoo import storage
 
@@ -90,7 +89,7 @@ def setup(tmp_path_factory, tiny_lm):
 
 
 @pytest.mark.slow
-def test_kill_9_in_the_middle_of_a_save_resumes_bit_identical(setup, tmp_path, capsys):
+def test_kill_9_in_the_middle_of_a_save_resumes_bit_identical(setup, gcs, tmp_path, capsys):
     """A run killed with SIGKILL while Orbax saves step 4 (its items written, the step not committed), once on
     local disk and once on the GCS emulator: the uncommitted step is left behind but never listed; the same
     command resumes from step 2 (a checkpoint written while step 3 ran) and ends bit-identical to a run never
@@ -114,19 +113,18 @@ def test_kill_9_in_the_middle_of_a_save_resumes_bit_identical(setup, tmp_path, c
 
     assert pretrain_main(args(tmp_path / "full")) == 0
     full = storage.run_path(str(tmp_path / "full"))
-    with gcs_store() as gcs:
-        for out in (storage.run_path(str(tmp_path / "killed")), storage.run_path(gcs.bucket() + "/killed")):
-            killed = subprocess.run([sys.executable, "-c", KILL_MID_SAVE, "4", *args(out)], capture_output=True,
-                                    timeout=300)
-            assert killed.returncode == -9, killed.stderr.decode()[-2000:]
-            left = [p.name for p in (out / "checkpoints").iterdir()]
-            assert any(name.startswith("4") for name in left), left  # the save of step 4 was under way ...
-            assert checkpoint_steps(out)[-1] == 2 and not (out / "final" / "model.json").exists()  # ... uncommitted
-            assert [r["step"] for r in log(out)] == [1, 2, 3, 4]
-            capsys.readouterr()
-            assert pretrain_main(args(out)) == 0
-            assert "Resuming from step 2" in capsys.readouterr().out
-            assert log(out) == log(full)  # each step once, the same floats
-            a, b = zoo.load(str(full / "final")), zoo.load(str(out / "final"))
-            for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b)), strict=True):
-                np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    for out in (storage.run_path(str(tmp_path / "killed")), storage.run_path(gcs.bucket() + "/killed")):
+        killed = subprocess.run([sys.executable, "-c", KILL_MID_SAVE, "4", *args(out)], capture_output=True,
+                                timeout=300)
+        assert killed.returncode == -9, killed.stderr.decode()[-2000:]
+        left = [p.name for p in (out / "checkpoints").iterdir()]
+        assert any(name.startswith("4") for name in left), left  # the save of step 4 was under way ...
+        assert checkpoint_steps(out)[-1] == 2 and not (out / "final" / "model.json").exists()  # ... uncommitted
+        assert [r["step"] for r in log(out)] == [1, 2, 3, 4]
+        capsys.readouterr()
+        assert pretrain_main(args(out)) == 0
+        assert "Resuming from step 2" in capsys.readouterr().out
+        assert log(out) == log(full)  # each step once, the same floats
+        a, b = zoo.load(str(full / "final")), zoo.load(str(out / "final"))
+        for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b)), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

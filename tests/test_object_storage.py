@@ -10,24 +10,10 @@ import numpy as np
 import pytest
 
 from pretrain.cli import main as pretrain_main
-from tests.object_stores import Store, gcs_store, s3_store
+from tests.object_stores import Store
 from tests.tiny_lm import copy_tiny_lm
 from zoo import storage
 from zoo.errors import UserError
-
-
-@pytest.fixture(scope="session")
-def gcs():
-    """The GCS emulator, started once for the session."""
-    with gcs_store() as store:
-        yield store
-
-
-@pytest.fixture(scope="session")
-def s3():
-    """moto's S3 server, started once for the session."""
-    with s3_store() as store:
-        yield store
 
 
 @pytest.fixture(params=["gcs", "s3"])

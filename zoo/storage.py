@@ -23,7 +23,7 @@ import shutil
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from zoo.errors import UserError
 
@@ -129,8 +129,6 @@ def fetched(url: str | os.PathLike[str], marker: str, what: str) -> Path:
     ``~/.cache/lmzoo``), brought up to date: a file is downloaded again when its object changed (its listing
     entry: generation, ETag, size). ``marker`` is the file the folder must hold (``model.json``; written last
     by its writer, so a folder that has it is whole); without it, one line naming ``what``."""
-    import json
-
     import fsspec
     from fsspec.utils import tokenize
 
@@ -141,22 +139,10 @@ def fetched(url: str | os.PathLike[str], marker: str, what: str) -> Path:
     fs, root = fsspec.core.url_to_fs(os.fspath(url))
     root = root.rstrip("/")
     dest = _cache_root() / (scheme_of(url) or "") / root
-    stamps_file = dest / ".lmzoo-fetched.json"
-    stamps = json.loads(stamps_file.read_text()) if stamps_file.is_file() else {}
     listing = fs.find(root, detail=True)
     files = {k[len(root) + 1:]: tokenize(sorted((n, str(v)) for n, v in info.items()))
              for k, info in listing.items() if info.get("type") != "directory"}
-    for rel in sorted(files, key=lambda r: r == marker):  # the marker last, as the writer wrote it
-        target = dest / rel
-        if stamps.get(rel) != files[rel] or not target.is_file():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            _replace_with(target, functools.partial(fs.get_file, f"{root}/{rel}"))
-            stamps[rel] = files[rel]
-            _replace_with(stamps_file, lambda tmp: Path(tmp).write_text(json.dumps(stamps)))
-    for rel in set(stamps) - set(files):  # gone from the bucket: gone from the copy
-        (dest / rel).unlink(missing_ok=True)
-        del stamps[rel]
-    _replace_with(stamps_file, lambda tmp: Path(tmp).write_text(json.dumps(stamps)))
+    _mirror(fs, root, dest, files, marker, prune=True)
     return dest
 
 
@@ -201,3 +187,58 @@ def _fix(scheme: str) -> str:
                 "or GOOGLE_APPLICATION_CREDENTIALS) may write to it")
     return ("check that the bucket exists and that the credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
             "or AWS_PROFILE; AWS_ENDPOINT_URL for a store other than AWS) may write to it")
+
+
+def _mirror(fs: Any, root: str, dest: Path, files: dict[str, str], marker: str | None, prune: bool) -> None:
+    """Bring the local folder ``dest`` up to date with the objects under ``root`` (``files``: relative name ->
+    a stamp of its listing entry): a file is downloaded when its stamp changed, ``marker`` last; ``prune``
+    removes the files that left the bucket. Each file lands whole (:func:`_replace_with`). The
+    stamps are kept beside ``dest``, not in it: a reader of the folder (a data folder's files) sees its files only."""
+    import json
+
+    stamps_file = dest.parent / f".{dest.name}.lmzoo-fetched.json"
+    stamps = json.loads(stamps_file.read_text()) if stamps_file.is_file() else {}
+    for rel in sorted(files, key=lambda r: r == marker):  # the marker last, as the writer wrote it
+        target = dest / rel
+        if stamps.get(rel) != files[rel] or not target.is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _replace_with(target, functools.partial(fs.get_file, f"{root}/{rel}"))
+            stamps[rel] = files[rel]
+            _replace_with(stamps_file, lambda tmp: Path(tmp).write_text(json.dumps(stamps)))
+    if prune:
+        for rel in set(stamps) - set(files):  # gone from the bucket: gone from the copy
+            (dest / rel).unlink(missing_ok=True)
+            del stamps[rel]
+    dest.mkdir(parents=True, exist_ok=True)
+    _replace_with(stamps_file, lambda tmp: Path(tmp).write_text(json.dumps(stamps)))
+
+
+def local_copy(spec: str | os.PathLike[str], what: str) -> Path:
+    """The file or folder ``spec`` on the local disk: a local path as it is (``~`` expanded), a URL as a copy in
+    lmzoo's cache (as :func:`fetched` keeps one, with no marker: an input a library reads from a local path,
+    such as a data file or folder, or a tokenizer folder). A URL with nothing under it, or one that cannot be
+    read (a missing bucket, missing credentials), is one line naming ``what``."""
+    if not is_remote(spec):
+        return Path(os.fspath(spec)).expanduser()
+    import fsspec
+    from fsspec.utils import tokenize
+
+    url = os.fspath(spec)
+    run_path(url, what)  # an unknown scheme, a missing extra: one line
+    fs, root = fsspec.core.url_to_fs(url)
+    root = root.rstrip("/")
+    dest = _cache_root() / (scheme_of(url) or "") / root
+    try:
+        if fs.isfile(root):  # one object: its copy sits in its folder's copy, beside the others fetched there
+            _mirror(fs, root.rsplit("/", 1)[0], dest.parent, {dest.name: tokenize(sorted(
+                (n, str(v)) for n, v in fs.info(root).items()))}, None, prune=False)
+            return dest
+        listing = fs.find(root, detail=True)
+    except Exception as e:  # fsspec's errors differ per store; the message says which it was
+        raise UserError(f"{what} {url}: cannot read it ({_reason(e)}); {_fix(scheme_of(url) or '')}") from None
+    files = {k[len(root) + 1:]: tokenize(sorted((n, str(v)) for n, v in info.items()))
+             for k, info in listing.items() if info.get("type") != "directory"}
+    if not files:
+        raise UserError(f"{what} {url}: no such file or folder (no object at or under it)")
+    _mirror(fs, root, dest, files, None, prune=True)
+    return dest

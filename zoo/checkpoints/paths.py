@@ -12,11 +12,12 @@ import os
 from pathlib import Path
 
 from zoo.errors import UserError
-from zoo.storage import fetched, is_remote
+from zoo.storage import fetched, is_remote, local_copy, run_path
 
 MODEL_FILE = "model.json"  # zoo.checkpoints.format.MODEL_FILE (not imported: that module loads NumPy)
 QUICKSTART_RUNS = ("runs", "quickstart")  # where docs/quickstart.md writes its checkpoints
 RUN_MARKS = ("final", "checkpoints", "metrics.jsonl", "config.yaml")  # what a training run's output_dir holds
+RUN_RECORDS = ("config.yaml", "metrics.jsonl")  # what a model card reads of a run beside its final/
 
 
 def checkpoint_dir(path: str | Path, what: str = "") -> Path:
@@ -25,7 +26,7 @@ def checkpoint_dir(path: str | Path, what: str = "") -> Path:
     ``what`` names where the path came from (``"model.path"``); it starts the message.
     """
     if is_remote(path):  # a checkpoint on a bucket is read from a local copy, kept up to date
-        return fetched(path, MODEL_FILE, what or "checkpoint")
+        return _fetched_with_run(str(path), what or "checkpoint")
     p = Path(path).expanduser()
     label = f"{what} {path}" if what else str(path)
     if (p / MODEL_FILE).is_file():
@@ -43,6 +44,19 @@ def checkpoint_dir(path: str | Path, what: str = "") -> Path:
                         f"`zoo convert {path} --out DIR`, then use DIR")
     raise UserError(f"{label} is not a zoo checkpoint (no {MODEL_FILE}); create one with "
                     "`zoo convert SOURCE --out DIR` (or `zoo init`), or give a training run's final/ folder")
+
+
+def _fetched_with_run(url: str, what: str) -> Path:
+    """The local copy of the checkpoint at ``url``; a run's ``final/`` comes with its run's records beside it
+    (config.yaml, metrics.jsonl, as on a local disk), which an export's model card reads."""
+    folder = fetched(url, MODEL_FILE, what)
+    run = url.rstrip("/")
+    if run.endswith("/final"):
+        run = run[: -len("/final")]
+        for name in RUN_RECORDS:
+            if (run_path(run, what) / name).exists():
+                local_copy(f"{run}/{name}", what)
+    return folder
 
 
 def _how_to_make(path: str) -> str:

@@ -1,7 +1,8 @@
 """Reading data files, folders and Hub datasets into `datasets` rows, shared by training and evaluation.
 
 Local .jsonl/.json/.parquet/.txt files (or a folder of one kind) are read with
-`datasets`; a name like ``user/set`` that is not a local path is a Hub dataset.
+`datasets`, and so are such files on object storage (``gs://``, ``s3://``), from a
+local copy (zoo/storage.py ``local_copy``); a name like ``user/set`` that is not a local path is a Hub dataset.
 Unreadable files raise a UserError that names the file and line
 (:mod:`zoo.data.problems`), and each loaded dataset remembers where its
 rows come from, for later errors about one row (:mod:`zoo.data.row_origin`).
@@ -14,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from zoo.data.problems import no_rows, unreadable, utf8_problem
-from zoo.data.row_origin import remember_origin
+from zoo.data.row_origin import remember_origin, shown
 from zoo.errors import UserError
+from zoo.storage import is_remote, local_copy
 
 SUFFIX_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 
@@ -31,7 +33,8 @@ def load_dataset_rows(path: str, split: str = "train") -> tuple[Any, str]:
     import datasets
 
     datasets.disable_progress_bars()
-    p = Path(path).expanduser()
+    p = local_copy(path, "data.path")  # a gs:// or s3:// file or folder: read from a copy in lmzoo's cache
+    copy_of = (p, path) if is_remote(path) else None  # errors name the objects, not the copy
     if not p.exists() and looks_like_hub_name(path):
         return hub_rows(path, split), "hub"
     files = sorted(f for f in p.rglob("*") if f.suffix in SUFFIX_FORMATS) if p.is_dir() else [p]
@@ -44,7 +47,7 @@ def load_dataset_rows(path: str, split: str = "train") -> tuple[Any, str]:
     if fmt in ("json", "text"):  # pyarrow may take bytes that are not UTF-8, and fail on reading the row later
         bad = utf8_problem(files)
         if bad:
-            raise UserError(bad)
+            raise UserError(_named(bad, copy_of))
     import logging
 
     ds_log = logging.getLogger("datasets")
@@ -54,15 +57,21 @@ def load_dataset_rows(path: str, split: str = "train") -> tuple[Any, str]:
         ds = datasets.load_dataset(fmt, data_files=[str(f) for f in files], split="train")
     except Exception as e:  # datasets raises many kinds for unreadable files: find the cause ourselves
         first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-        raise UserError(unreadable(path, files, fmt) or no_rows(path, files, fmt)
-                        or f"data.path {path}: cannot read it ({first})") from None
+        raise UserError(_named(unreadable(path, files, fmt) or no_rows(path, files, fmt)
+                               or f"data.path {path}: cannot read it ({first})", copy_of)) from None
     finally:
         ds_log.setLevel(level)
     if len(ds) == 0:  # read, but no rows (a parquet file without any): say so here, not as a failure downstream
-        raise UserError(no_rows(path, files, fmt)
-                        or f"data.path {path}: no rows in it; add rows, or point data.path at another file")
-    remember_origin(path, files, fmt)
+        raise UserError(_named(no_rows(path, files, fmt)
+                               or f"data.path {path}: no rows in it; add rows, or point data.path at another file",
+                               copy_of))
+    remember_origin(path, files, fmt, copy_of)
     return ds, fmt
+
+
+def _named(message: str, copy_of: tuple[Path, str] | None) -> str:
+    """``message`` with the files of a local copy named by their objects' URLs (zoo.data.row_origin.shown)."""
+    return message if copy_of is None else message.replace(str(copy_of[0]), shown(copy_of[0], copy_of))
 
 
 

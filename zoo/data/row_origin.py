@@ -26,8 +26,9 @@ class RowOrigin:
     number. Nothing is read until a row is named (only errors do).
     """
 
-    def __init__(self, label: str, files: Sequence[Path] = (), fmt: str = ""):
+    def __init__(self, label: str, files: Sequence[Path] = (), fmt: str = "", copy_of: tuple[Path, str] | None = None):
         self.label, self.files, self.fmt = label, list(files), fmt
+        self.copy_of = copy_of  # (a local copy's root, the URL it copies): files are named by their URL
         self._counts: dict[Path, int] = {}
 
     def where(self, i: int) -> str:
@@ -37,7 +38,7 @@ class RowOrigin:
             for f in self.files:
                 n = self._count(f)
                 if j < n:
-                    return f"{f}, {self._name(f, j)}"
+                    return f"{shown(f, self.copy_of)}, {self._name(f, j)}"
                 j -= n
         except (OSError, ValueError):  # changed or unreadable since loading: fall back to the row number
             pass
@@ -77,9 +78,18 @@ class RowOrigin:
 _ORIGINS: dict[str, RowOrigin] = {}
 
 
-def remember_origin(path: str, files: list[Path], fmt: str) -> None:
-    """Record that the dataset loaded from ``path`` (as the user wrote it) is ``files`` read as ``fmt``."""
-    _ORIGINS[path] = RowOrigin(path, files, fmt)
+def remember_origin(path: str, files: list[Path], fmt: str, copy_of: tuple[Path, str] | None = None) -> None:
+    """Record that the dataset loaded from ``path`` (as the user wrote it) is ``files`` read as ``fmt``;
+    ``copy_of``: (root, URL) when they are a local copy of the objects under URL (zoo/storage.py local_copy)."""
+    _ORIGINS[path] = RowOrigin(path, files, fmt, copy_of)
+
+
+def shown(f: Path, copy_of: tuple[Path, str] | None) -> str:
+    """The file ``f`` as a person finds it: itself, or, in a local copy of a bucket's objects, its object's URL."""
+    if copy_of is None:
+        return str(f)
+    root, url = copy_of
+    return url.rstrip("/") + ("/" + f.relative_to(root).as_posix() if f != root else "")
 
 
 def row_where(path: str, i: int) -> str:

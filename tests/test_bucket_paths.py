@@ -1,0 +1,191 @@
+"""Every path of a run as a URL, against real servers on loopback (tests/object_stores.py: the GCS emulator and
+moto's S3): data files, eval files, mixture sources and the tokenizer read from buckets; ``zoo convert --out``
+and ``zoo export --out`` written to buckets; ``zoo export`` and ``zoo generate`` reading a checkpoint by its URL.
+
+The chain test runs the same pipeline twice, once on local paths and once on buckets, and asks for the same
+numbers: what the bucket paths read and write is what the local ones do.
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+from pretrain.cli import main as pretrain_main
+from tests.tiny_lm import copy_tiny_lm
+from zoo import storage
+from zoo.cli import main as zoo_main
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_lm):
+    """The tiny model (tok, hf, zoo) and three small data files: two mixture sources and an eval set."""
+    root = tmp_path_factory.mktemp("bucket_paths")
+    copy_tiny_lm(tiny_lm, root)
+    rng = np.random.RandomState(0)
+    words = "the a cat dog sat ran on under mat log".split()
+    for name, n in (("colours.jsonl", 40), ("shapes.jsonl", 40), ("held.jsonl", 8)):
+        with open(root / name, "w") as f:
+            for _ in range(n):
+                f.write(json.dumps({"text": " ".join(rng.choice(words, rng.randint(5, 20)))}) + "\n")
+    return root
+
+
+def _train(model: str, tok: str, colours: str, shapes: str, held: str, out: str) -> list[str]:
+    return ["train", f"model.path={model}", f"model.tokenizer={tok}",
+            f"data.path=[{{path: {colours}, weight: 0.7}}, {{path: {shapes}, weight: 0.3}}]", f"data.eval_path={held}",
+            "data.seq_len=16", "batch_size=2", "log_every=1", "eval_every=2", "max_steps=2", f"output_dir={out}"]
+
+
+def _said(capsys) -> list[str]:
+    """The command's stderr lines, without the emulator's: its server thread, in this process, prints a
+    traceback between two dashed lines when a client closes a connection before reading the whole answer."""
+    lines, inside = [], False
+    for line in capsys.readouterr().err.strip().splitlines():
+        if line == "-" * 40:
+            inside = not inside
+        elif not inside:
+            lines.append(line)
+    return lines
+
+
+def _card(folder) -> list[str]:
+    """The export's model card, less the data table's paths and row counts (a bucket's files are not counted)."""
+    return [line for line in (folder / "README.md").read_text().splitlines()
+            if line and ".jsonl`" not in line and not line.startswith("Rows `?`")]
+
+
+def _logits(folder) -> np.ndarray:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    with torch.no_grad():
+        return model(torch.arange(1, 13).reshape(2, 6)).logits.numpy()
+
+
+@pytest.mark.slow
+def test_convert_train_export_through_buckets(setup, gcs, s3, tmp_path, monkeypatch, capsys):
+    """convert --out gs://; train from it with the tokenizer, both mixture sources and the eval set on buckets
+    (gs:// and s3://); export the run's final checkpoint by its URL to s3://; transformers loads the export with
+    the same logits as the local pipeline's export, the run logged the same losses and eval losses, and
+    ``zoo generate`` and ``zoo eval`` on the checkpoint URL, their --out on a bucket, say what they say on the
+    local one."""
+    monkeypatch.setenv("LMZOO_CACHE", str(tmp_path / "cache"))
+    g, s = gcs.bucket(), s3.bucket()
+    assert zoo_main(["convert", str(setup / "hf"), "--out", f"{g}/zoo"]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {g}/zoo"
+    from pretrain.setup import model_config_of
+    from zoo.checkpoints.format import read_config
+
+    assert model_config_of(f"{g}/zoo", "model.path") == read_config(setup / "zoo")  # as --compile-only reads it
+    storage.upload_tree(setup / "tok", storage.run_path(f"{s}/tok"))
+    for name, there in (("colours.jsonl", g), ("shapes.jsonl", s), ("held.jsonl", g)):
+        storage.run_path(f"{there}/data/{name}").write_bytes((setup / name).read_bytes())
+    local = tmp_path / "local"
+    assert pretrain_main(_train(str(setup / "zoo"), str(setup / "tok"), str(setup / "colours.jsonl"),
+                                str(setup / "shapes.jsonl"), str(setup / "held.jsonl"), str(local))) == 0
+    on_buckets = _train(f"{g}/zoo", f"{s}/tok", f"{g}/data/colours.jsonl", f"{s}/data/shapes.jsonl",
+                        f"{g}/data/held.jsonl", f"{g}/run")
+    assert pretrain_main(on_buckets) == 0
+    here = (local / "metrics.jsonl").read_text().splitlines()
+    there = storage.run_path(f"{g}/run/metrics.jsonl").read_text().splitlines()
+    drop = ("time", "seconds", "tokens_per_s", "step_s")
+    for a, b in zip(here, there, strict=True):
+        ra, rb = json.loads(a), json.loads(b)
+        assert {k: v for k, v in ra.items() if not any(d in k for d in drop)} == \
+            {k: v for k, v in rb.items() if not any(d in k for d in drop)}
+    assert any("eval" in k for line in here for k in json.loads(line))
+    from pretrain.config import load_config
+    from pretrain.setup import tokenizer_folder
+
+    tok = tokenizer_folder(load_config(None, [*on_buckets[1:], f"model.tokenizer={g}/run/final"]))
+    assert sorted(p.name for p in tok.iterdir()) == sorted(p.name for p in (local / "final" / "tokenizer").iterdir())
+    assert not (tok.parent / "params").exists()  # a checkpoint as model.tokenizer: its tokenizer/ only is fetched
+
+    assert zoo_main(["export", str(local / "final"), "--out", str(tmp_path / "export")]) == 0
+    assert zoo_main(["export", f"{g}/run/final", "--out", f"{s}/export"]) == 0
+    fetched = storage.local_copy(f"{s}/export", "export")
+    assert sorted(p.name for p in fetched.iterdir() if not p.name.startswith(".")) == \
+        sorted(p.name for p in (tmp_path / "export").iterdir())
+    np.testing.assert_array_equal(_logits(fetched), _logits(tmp_path / "export"))
+    assert _card(fetched) == _card(tmp_path / "export")  # the run's records came with its final/: config, metrics
+
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "the cat"}\n{"prompt": "a dog"}\n')
+    args = ["--prompts-file", str(tmp_path / "prompts.jsonl"), "--max-new-tokens", "4", "--temperature", "0"]
+    assert zoo_main(["generate", str(local / "final"), *args, "--out", str(tmp_path / "said.jsonl")]) == 0
+    assert zoo_main(["generate", f"{g}/run/final", *args, "--out", f"{s}/said.jsonl"]) == 0
+    said = (tmp_path / "said.jsonl").read_text()
+    assert storage.run_path(f"{s}/said.jsonl").read_text() == said and said.count("completion") == 2
+    reports = []
+    for ckpt, out in ((str(local / "final"), str(tmp_path / "here.json")), (f"{g}/run/final", f"{s}/there.json")):
+        assert zoo_main(["eval", ckpt, "--tasks", "prose", "--limit", "2", "--out", out]) == 0
+        reports.append(json.loads(storage.run_path(out).read_text()))
+    assert reports[1]["checkpoint"] == f"{g}/run/final"  # as given, not its copy in the cache
+    for here_, there_ in zip(*(r["tasks"].values() for r in reports), strict=True):
+        assert {k: v for k, v in there_.items() if k != "seconds"} == {k: v for k, v in here_.items() if k != "seconds"}
+
+
+def test_bucket_inputs_and_outputs_that_cannot_work_are_one_line(setup, gcs, s3, tmp_path, monkeypatch, capsys):
+    """Before the model loads (model.path names nothing: it is never reached), each one line and exit 2: a data
+    file that is not in its bucket, a tokenizer folder that is not, an s3:// data file without s3fs installed;
+    ``zoo export --out`` to a bucket that does not exist or to a prefix that holds objects, nothing written; a
+    GRPO reward model (``rm:URL``) that is not there."""
+    import importlib.util
+
+    monkeypatch.setenv("LMZOO_CACHE", str(tmp_path / "cache"))
+    g = gcs.bucket()
+    storage.run_path(f"{g}/data/colours.jsonl").write_bytes((setup / "colours.jsonl").read_bytes())
+    plain = ["train", f"model.path={setup / 'no-model'}", f"model.tokenizer={setup / 'tok'}",
+             f"data.path={g}/data/colours.jsonl", "data.seq_len=16", "batch_size=2", "max_steps=1",
+             f"output_dir={tmp_path / 'run'}"]
+    find = importlib.util.find_spec
+    for change, says in [({3: f"data.path={g}/data/nothing.jsonl"},
+                          f"data.path {g}/data/nothing.jsonl: no such file or folder"),
+                         ({2: f"model.tokenizer={g}/no-tok"}, f"model.tokenizer {g}/no-tok: no such file or folder"),
+                         ({3: "data.path=s3://b/x.jsonl"}, "data.path s3://b/x.jsonl: s3:// needs s3fs; "
+                                                           "pip install 'lmzoo[s3]'")]:
+        args = [change.get(i, a) for i, a in enumerate(plain)]
+        with monkeypatch.context() as m:
+            m.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "s3fs" else find(name, *a))
+            assert pretrain_main(args) == 2
+        err = _said(capsys)
+        assert len(err) == 1 and says in err[0], err
+    assert not (tmp_path / "run").exists()
+    from grpo.reward_model import reward_model
+    from zoo.errors import UserError
+
+    with pytest.raises(UserError, match=rf"'rm:{g}/rm' {g}/rm: no checkpoint there"):  # the URL reaches the reader
+        reward_model(f"rm:{g}/rm")
+
+    taken = s3.bucket() + "/export"
+    storage.run_path(f"{taken}/config.json").write_text("{}")
+    for out, says in [("s3://no-such-bucket/export", "--out s3://no-such-bucket/export: cannot write there"),
+                      (taken, f"--out {taken} exists and is not empty; choose a new prefix or add --overwrite")]:
+        assert zoo_main(["export", str(setup / "zoo"), "--out", out]) == 2
+        err = _said(capsys)
+        assert len(err) == 1 and says in err[0], err
+    assert [p.name for p in storage.run_path(taken).iterdir()] == ["config.json"]
+    assert zoo_main(["eval", str(setup / "zoo"), "--tasks", "prose", "--out", "gs://no-such-bucket/r.json"]) == 2
+    err = _said(capsys)
+    says = "--out gs://no-such-bucket/r.json: its prefix gs://no-such-bucket: cannot write there"
+    assert len(err) == 1 and says in err[0], err
+
+
+def test_data_errors_name_the_objects_not_their_copy(gcs, tmp_path, monkeypatch):
+    """A bad row or an unreadable file of a data folder or file on a bucket is named by its object's URL (the
+    file read is its copy in lmzoo's cache)."""
+    import re
+
+    from zoo.data.files import load_dataset_rows
+    from zoo.data.row_origin import row_where
+    from zoo.errors import UserError
+
+    monkeypatch.setenv("LMZOO_CACHE", str(tmp_path))
+    g = gcs.bucket()
+    storage.run_path(f"{g}/data/a.jsonl").write_text('{"text": "x"}\n\n{"text": "y"}\n')
+    storage.run_path(f"{g}/bad.jsonl").write_bytes(b'{"text": "x"}\n{"text": "\xff"}\n')
+    load_dataset_rows(f"{g}/data")
+    assert row_where(f"{g}/data", 1) == f"{g}/data/a.jsonl, line 3"
+    with pytest.raises(UserError, match=rf"^{re.escape(g)}/bad.jsonl, line 2: not valid UTF-8"):
+        load_dataset_rows(f"{g}/bad.jsonl")
