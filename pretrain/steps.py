@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -24,6 +23,7 @@ from pretrain.task import FrozenInputs, Task
 from zoo.data.batching import to_model_batch
 from zoo.errors import UserError
 from zoo.lora.weights import Weights
+from zoo.storage import run_path
 
 
 @dataclass
@@ -65,7 +65,7 @@ class Training:
             loss = float(m["loss"])
             if not np.isfinite(loss):
                 raise UserError(f"loss became {loss} at step {step + 1}; the last good checkpoint is kept in "
-                                f"{Path(cfg.output_dir).absolute()}")
+                                f"{run_path(cfg.output_dir)}")
             dt = time.perf_counter() - t0
             seen += tokens_per_step
             record = {"step": step + 1, "loss": loss, "learning_rate": float(self.schedule(step * updates)),
