@@ -449,10 +449,12 @@ def test_grpo_train_with_tools_under_qwen3s_own_template_trains_under_its_traini
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
     tok.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen3.jinja").read_text(encoding="utf-8")
     tok.save_pretrained(tmp_path / "tok")
-    write_jsonl(tmp_path / "p.jsonl", [{"prompt": [{"role": "user", "content": "2 + 3?"}]}])
+    write_jsonl(tmp_path / "p.jsonl", [{"prompt": [{"role": "user", "content": "2 + 3?"}]},
+                                       {"prompt": [{"role": "user", "content": "add them"}]}])
+    # _grpo_cfg's batch and lengths (not its data.chat_template): the programs the module's other runs compiled
     cfg = load_config(None, [f"model.path={root / 'zoo'}", f"model.tokenizer={tmp_path / 'tok'}",
-                             f"data.path={tmp_path / 'p.jsonl'}", "data.seq_len=160", "batch_size=2",
-                             "grpo.num_generations=2", "grpo.max_completion_length=60", "max_steps=1",
+                             f"data.path={tmp_path / 'p.jsonl'}", "data.seq_len=160", "batch_size=4",
+                             "grpo.num_generations=2", "grpo.max_completion_length=120", "max_steps=1",
                              "grpo.log_completions_every=1", "log_every=1", "lora.rank=2",
                              f"grpo.tools=[{root / 'tools.py'}:add]", f"grpo.tool_parser={root / 'tools.py'}:always_add",
                              "grpo.max_turns=2", f"grpo.rewards=[{root / 'tools.py'}:one]",
@@ -463,7 +465,7 @@ def test_grpo_train_with_tools_under_qwen3s_own_template_trains_under_its_traini
     m = read_metrics(tmp_path / "run")[0]
     assert (m["num_turns"], m["tool_calls"]) == (2.0, 1.0)  # per episode: one call, then the answer
     rows = [json.loads(x) for x in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 and all("<tool_response>\n5\n</tool_response>" in r["completion"] for r in rows)
+    assert len(rows) == 4 and all("<tool_response>\n5\n</tool_response>" in r["completion"] for r in rows)
 
 @pytest.mark.slow
 def test_grpo_train_with_an_environment_resets_scores_and_counts(eager, tmp_path):
@@ -542,7 +544,8 @@ def test_kill_and_resume_with_tools_is_bit_identical(tiny_lm, tmp_path):
     write_jsonl(tmp_path / "held.jsonl", [{"prompt": [{"role": "user", "content": w}]} for w in ("d", "e", "f")])
     args = lambda out: ["train", f"model.path={root / 'zoo'}", f"model.tokenizer={tiny_lm / 'tok'}",  # noqa: E731
                         f"data.path={tmp_path / 'p.jsonl'}", f"data.chat_template={TEMPLATES / 'qwen2.5.jinja'}",
-                        "data.seq_len=160", "batch_size=4", "grpo.num_generations=2", "grpo.max_completion_length=60",
+                        "data.seq_len=160", "batch_size=4", "grpo.num_generations=2",
+                        "grpo.max_completion_length=120",  # _grpo_cfg's: the sampling programs the others compiled
                         f"grpo.tools=[{root / 'tools.py'}:add]", f"grpo.tool_parser={root / 'tools.py'}:always_add",
                         f"grpo.rewards=[{root / 'tools.py'}:one]", "grpo.max_turns=3", "lora.rank=2",
                         "grpo.log_completions_every=1", "checkpoint.every=2", "max_steps=4", "log_every=1",

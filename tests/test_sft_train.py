@@ -300,7 +300,8 @@ def test_eval_tasks_during_training_score_the_live_weights(setup, tmp_path):
         "test_split: test\noutput_type: multiple_choice\ndoc_to_text: \"{{q}}:\"\ndoc_to_choice: choices\n"
         "doc_to_target: gold\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\nmetadata:\n  version: 1\n")
     out = tmp_path / "run"
-    cfg = _cfg(root, out, "max_steps=4", "eval_every=2", "lora.rank=4", "lora.alpha=8",
+    # LORA at batch 4: the train step test_lora_kill_and_resume_is_bit_identical compiled
+    cfg = _cfg(root, out, "max_steps=4", "eval_every=2", *LORA,
                f"eval.tasks={tmp_path / 'colours.yaml'},{tmp_path / 'text.yaml'},hmc", f"eval.include_path={harness}")
     final = train(cfg, progress=False, task=SFTTask(cfg), hooks=training_hooks(cfg))  # the hooks `sft train` adds
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
