@@ -334,8 +334,9 @@ def test_a_reward_that_raises_is_a_clean_error(setup, tmp_path, capsys):
     from grpo.cli import main
 
     args = ["train", f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}",
-            f"data.path={setup / 'prompts.jsonl'}", "data.seq_len=8", "batch_size=64", "grpo.num_generations=4",
-            "grpo.max_completion_length=2", f"grpo.rewards=[{setup / 'rewards.py'}:picky]", "max_steps=1",
+            f"data.path={setup / 'prompts.jsonl'}", "data.seq_len=8", "batch_size=16", "grpo.num_generations=4",
+            # _cfg's shapes: the sampler the module's other runs compiled (a quarter of the rows raise)
+            "grpo.max_completion_length=6", f"grpo.rewards=[{setup / 'rewards.py'}:picky]", "max_steps=1",
             f"output_dir={tmp_path / 'run'}"]
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
