@@ -333,17 +333,20 @@ def test_completion_records_keep_each_functions_value_in_its_own_namespace():
 def test_a_reward_that_raises_is_a_clean_error(setup, tmp_path, capsys):
     from grpo.cli import main
 
-    args = ["train", f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}",
-            f"data.path={setup / 'prompts.jsonl'}", "data.seq_len=8", "batch_size=16", "grpo.num_generations=4",
-            # _cfg's shapes: the sampler the module's other runs compiled (a quarter of the rows raise)
-            "grpo.max_completion_length=6", f"grpo.rewards=[{setup / 'rewards.py'}:picky]", "max_steps=1",
-            f"output_dir={tmp_path / 'run'}"]
+    # The module's first 4 prompts (answers ok, boom, ok, ok): the first batch holds them all at _cfg's shapes
+    # (4 prompts x 4 completions), so the run samples with the program the module's other runs compiled.
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(x + "\n" for x in (setup / "prompts.jsonl").read_text().splitlines()[:4]))
+    args = ["train", f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}", f"data.path={data}",
+            "data.seq_len=8", "batch_size=16", "grpo.num_generations=4", "grpo.max_completion_length=6",
+            f"grpo.rewards=[{setup / 'rewards.py'}:picky]", "max_steps=1", f"output_dir={tmp_path / 'run'}"]
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert "Traceback" not in err and len(err.splitlines()) == 1
     assert "picky" in err and "ZeroDivisionError" in err, err
     line = int(re.search(r"prompts.jsonl, line (\d+)", err).group(1))  # the first row that raises, named
-    assert json.loads((setup / "prompts.jsonl").read_text().splitlines()[line - 1])["answer"] == "boom"
+    rows = [json.loads(x) for x in data.read_text().splitlines()]
+    assert [r["answer"] for r in rows] == ["ok", "boom", "ok", "ok"] and line == 2
     assert not (tmp_path / "run").exists()  # the fresh run's folder is not left half-written
 
 
