@@ -258,19 +258,21 @@ def test_turns_on_one_cache_equal_a_fresh_forward_of_the_whole_conversation(tiny
     second, lp2 = turns.turn(np.array([True, False]), np.array([12 - 4 - 3, 9]), 1)
     assert second[1] == [] and len(second[0]) == 5
 
-    def check(context: list[int], drawn: list[int], logps: list[float]) -> None:
-        ids = jnp.asarray([context + drawn])
-        n = ids.shape[1]
-        logits = forward(cfg, params, ids, jnp.ones((1, n), jnp.int32), jnp.arange(n)[None])[0]
-        lsm = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
+    # The three conversations in one fresh forward pass, each right-padded to the longest (causal attention: the
+    # padding after a conversation changes none of its logits), read back as NumPy (indexing device arrays with
+    # Python ints compiles a program per index).
+    rows = [(prompts[0], first[0], lp1[0]), (prompts[1], first[1], lp1[1]),
+            (prompts[0] + first[0] + tool, second[0], lp2[0])]
+    n = max(len(c) + len(d) for c, d, _ in rows)
+    ids = jnp.asarray([c + d + [0] * (n - len(c) - len(d)) for c, d, _ in rows])
+    logits = forward(cfg, params, ids, jnp.ones(ids.shape, jnp.int32), jnp.broadcast_to(jnp.arange(n), ids.shape))
+    lsm = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), -1))
+    logits = np.asarray(logits)
+    for r, (context, drawn, logps) in enumerate(rows):
         for k, (t, lp) in enumerate(zip(drawn, logps)):
             at = len(context) - 1 + k
-            assert int(jnp.argmax(logits[at])) == t
-            assert abs(float(lsm[at, t]) - lp) < 1e-5
-
-    check(prompts[0], first[0], lp1[0])
-    check(prompts[1], first[1], lp1[1])
-    check(prompts[0] + first[0] + tool, second[0], lp2[0])
+            assert int(np.argmax(logits[r, at])) == t, (r, k)
+            assert abs(float(lsm[r, at, t]) - lp) < 1e-5, (r, k)
 
 
 TOOLS = '''
