@@ -493,12 +493,14 @@ def test_truncated_completions_are_counted_and_optionally_masked(setup, tmp_path
         assert m["loss"] == pytest.approx(want, abs=1e-6), mask
 
 
+@pytest.mark.slow
 def test_full_fine_tuning_kl_is_to_the_starting_checkpoint_by_default_and_after_a_resume(setup, tmp_path, capsys):
     """Full fine-tuning with grpo.beta > 0 against a reference checkpoint (the starting model): the k3 KL is 0
     while the policy is the reference (step 1) and grows once it moves. Without grpo.reference the reference is the
     starting checkpoint (TRL's default), said in the log, and stays so across a resume (not the resumed weights,
     against which step 3's KL would be 0 again): run for 2 steps, then resumed for a 3rd, it logs what the run
-    with the checkpoint named logs."""
+    with the checkpoint named logs. Slow (about 7 s quiet): three runs and a step of their own to compile; the
+    fast lane's GRPO run is test_records_and_metrics_keep_trls_names_and_strict_json."""
     from grpo.task import GRPOTask
     from pretrain.loop import train
 
