@@ -216,31 +216,37 @@ def test_a_teacher_of_another_vocab_size_is_one_line(tmp_path, capsys) -> None:
     assert "\n" not in err and "distill.teacher" in err and "320" in err and "256" in err, err
 
 
-def _deeper_wider_teacher(tok, folder) -> None:
+@pytest.fixture(scope="module")
+def teacher(dpo_models, tmp_path_factory):
     """A teacher of 3 layers and hidden size 48 (not the student's shapes) with the student's tokenizer, at
-    ``folder/hf_teacher`` and converted at ``folder/teacher``."""
+    ``folder/hf_teacher`` and converted at ``folder/teacher``, built once for the module's runs (read-only).
+    Returns the folder."""
     from tests.hf_models import make_llama
     from tests.tiny_lm import TINY_LM
     from zoo.cli import main
 
+    _, tok, _ = dpo_models
+    folder = tmp_path_factory.mktemp("distill_teacher")
     make_llama(folder / "hf_teacher", seed=3, vocab_size=len(tok), **{**TINY_LM, "hidden_size": 48, "num_hidden_layers": 3})
     tok.save_pretrained(folder / "hf_teacher")
     assert main(["convert", str(folder / "hf_teacher"), "--out", str(folder / "teacher")]) == 0
+    return folder
 
 
-def _distill_cfg(root, tmp_path, data: str, seq_len: int, *overrides: str) -> SFTConfig:
-    """`sft train` of dpo_models' policy on ``tmp_path/data`` with distill.teacher (lmbda 0), one SGD step."""
+def _distill_cfg(root, tmp_path, teacher, data: str, seq_len: int, *overrides: str) -> SFTConfig:
+    """`sft train` of dpo_models' policy on ``tmp_path/data`` with the ``teacher`` fixture's teacher as
+    distill.teacher (lmbda 0), one SGD step."""
     from tests.trl_oracles import SGD_STEP_ONE
 
     return load_config(None, [f"model.path={root / 'policy'}", f"model.tokenizer={root / 'tok'}",
                               f"data.path={tmp_path / data}", f"data.seq_len={seq_len}", "batch_size=2",
                               "log_every=1", "checkpoint.every=100", f"output_dir={tmp_path / 'ours'}",
-                              *SGD_STEP_ONE, f"distill.teacher={tmp_path / 'teacher'}", "distill.lmbda=0",
+                              *SGD_STEP_ONE, f"distill.teacher={teacher / 'teacher'}", "distill.lmbda=0",
                               *overrides], SFTConfig)
 
 
 @pytest.mark.slow
-def test_sft_train_with_a_deeper_wider_teacher(dpo_models, tmp_path) -> None:
+def test_sft_train_with_a_deeper_wider_teacher(dpo_models, teacher, tmp_path) -> None:
     """`sft train` with distill.teacher (3 layers, hidden 48: not the student's shapes), lmbda 0: the step-1 loss
     is TRL's generalized JSD of the student's and teacher's HF logits on the trained tokens (beta 0.5)."""
     from transformers import AutoModelForCausalLM
@@ -250,15 +256,14 @@ def test_sft_train_with_a_deeper_wider_teacher(dpo_models, tmp_path) -> None:
     from tests.run_files import read_metrics, write_jsonl
 
     root, tok, _ = dpo_models
-    _deeper_wider_teacher(tok, tmp_path)
     rows = [{"prompt": "colour red:", "completion": " red"}, {"prompt": "the cat", "completion": " sat on the mat"}]
     write_jsonl(tmp_path / "pc.jsonl", rows)
-    cfg = _distill_cfg(root, tmp_path, "pc.jsonl", 32)
+    cfg = _distill_cfg(root, tmp_path, teacher, "pc.jsonl", 32)
     train(cfg, progress=False, task=task_for(cfg, sft_tasks()))
     got = read_metrics(tmp_path / "ours")[0]
     task = task_for(cfg, sft_tasks())
     docs = task.documents(task.load(str(tmp_path / "pc.jsonl"), cfg), tok, "pc", False).docs
-    teacher = AutoModelForCausalLM.from_pretrained(tmp_path / "hf_teacher", attn_implementation="eager").eval()
+    teacher = AutoModelForCausalLM.from_pretrained(teacher / "hf_teacher", attn_implementation="eager").eval()
     student = AutoModelForCausalLM.from_pretrained(root / "hf_policy", attn_implementation="eager").eval()
     total = count = 0.0
     for d in docs.values():
@@ -275,7 +280,7 @@ def test_sft_train_with_a_deeper_wider_teacher(dpo_models, tmp_path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["dataset", "on_policy", "seq_kd"])
-def test_gkd_step_one_equals_trl_trainer(dpo_models, tmp_path, mode: str) -> None:
+def test_gkd_step_one_equals_trl_trainer(dpo_models, teacher, tmp_path, mode: str) -> None:
     """One SGD step against TRL 1.16's own GKDTrainer with a deeper, wider teacher, two rows in two micro-batches:
     loss, grad_norm and every weight's change within 1e-5, on the dataset's completions (lmbda 0), on the
     student's samples (lmbda 1) and on the teacher's (lmbda 0, seq_kd). Both sides sample at temperature 1e-6, so
@@ -294,7 +299,6 @@ def test_gkd_step_one_equals_trl_trainer(dpo_models, tmp_path, mode: str) -> Non
     from tests.trl_oracles import assert_same_change, assert_same_metrics, exported_change, trl_step_one
 
     root, tok, _ = dpo_models
-    _deeper_wider_teacher(tok, tmp_path)
     rows = [{"messages": [{"role": "user", "content": "colour red:"}, {"role": "assistant", "content": "red"}]},
             {"messages": [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "sat on the mat"}]}]
     write_jsonl(tmp_path / "m.jsonl", rows)
@@ -315,12 +319,12 @@ def test_gkd_step_one_equals_trl_trainer(dpo_models, tmp_path, mode: str) -> Non
     # one row per micro-batch: TRL's generate left-pads a batch's prompts, and its training forward then counts
     # positions from the padding (our rows start each prompt at 0)
     want, trl_change = trl_step_one(GKDTrainer, GKDConfig, load(root / "hf_policy"), tmp_path / "trl",
-                                    dict(teacher_model=load(tmp_path / "hf_teacher"), data_collator=collate,
+                                    dict(teacher_model=load(teacher / "hf_teacher"), data_collator=collate,
                                          train_dataset=Dataset.from_list(rows), processing_class=tok),
                                     lmbda=lmbda, seq_kd=seq_kd, beta=0.5, per_device_train_batch_size=1,
                                     gradient_accumulation_steps=2, max_length=64, learning_rate=100.0,
                                     temperature=1e-6, max_new_tokens=5)
-    cfg = _distill_cfg(root, tmp_path, "m.jsonl", 64, "optimizer.learning_rate=100", "grad_accum=2",
+    cfg = _distill_cfg(root, tmp_path, teacher, "m.jsonl", 64, "optimizer.learning_rate=100", "grad_accum=2",
                        f"distill.lmbda={lmbda}", f"distill.seq_kd={str(seq_kd).lower()}",
                        # the sampler's keys only where something is sampled: else a key the run will not read
                        *(["distill.temperature=1e-6", "distill.max_new_tokens=5"] if mode != "dataset" else []))
@@ -329,7 +333,7 @@ def test_gkd_step_one_equals_trl_trainer(dpo_models, tmp_path, mode: str) -> Non
     assert_same_metrics(got, want, ("loss", "grad_norm"))
     assert_same_change(exported_change(tmp_path / "ours" / "final", root / "hf_policy", tmp_path / "exp"), trl_change)
     if mode == "on_policy":  # LoRA: fresh adapters add nothing, so its student samples and scores as the base does
-        lora = _distill_cfg(root, tmp_path, "m.jsonl", 64, "grad_accum=2", "distill.lmbda=1", "lora.rank=2",
+        lora = _distill_cfg(root, tmp_path, teacher, "m.jsonl", 64, "grad_accum=2", "distill.lmbda=1", "lora.rank=2",
                             "distill.temperature=1e-6", "distill.max_new_tokens=5", f"output_dir={tmp_path / 'lora'}")
         train(lora, progress=False, task=task_for(lora, sft_tasks()))
         assert read_metrics(tmp_path / "lora")[0]["loss"] == pytest.approx(want["loss"], rel=1e-5)

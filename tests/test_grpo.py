@@ -193,25 +193,47 @@ def test_grpo_raises_the_reward_without_recompiling(setup, tmp_path):
     assert set(logged[0]["rewards"]) == {"low_words"}
 
 
-@pytest.mark.slow
-def test_shared_prompt_rows_train_as_one_row_per_completion(setup, tmp_path):
-    """grpo.share_prompt (the default) lays each group out in one row, its prompt once: the same run with it off
-    (one prompt + completion row each, TRL's layout) logs the same rewards, loss, grad norm, entropy, KL and clip
-    ratios within 1e-5 at every step, with the policy's old log-probabilities (num_iterations 2), a reference
-    (beta) and two micro-batches. Slow (about 20 s): two runs, each compiling its step."""
+# Two micro-batches, the policy's old log-probabilities (num_iterations 2) and a reference (beta), plain SGD (updates
+# proportional to the gradients): the run that the unshared layout and the two-process run must follow.
+ACCUM = ("max_steps=3", "grad_accum=2", "grpo.num_iterations=2", "grpo.beta=0.1", "optimizer.name=sgd",
+         "optimizer.learning_rate=0.5", "grpo.log_completions_every=1")
+
+
+@pytest.fixture(scope="module")
+def accum_run(setup, tmp_path_factory):
+    """ACCUM trained once in this process on one device, with grpo.share_prompt at its default (on): the run
+    test_shared_prompt_rows_train_as_one_row_per_completion and test_two_processes_follow_the_one_process_run
+    compare against. Returns (run folder, whether the task laid groups out as one row each)."""
     from grpo.task import GRPOTask
     from pretrain.loop import train
 
-    logs = {}
-    for share in (True, False):
-        cfg = _cfg(setup, tmp_path / str(share), "max_steps=3", "grad_accum=2", "grpo.num_iterations=2",
-                   "grpo.beta=0.1", f"grpo.share_prompt={str(share).lower()}")
-        task = GRPOTask(cfg)
-        train(cfg, task=task, progress=False)
-        assert task.grouped is share
-        logs[share] = _metrics(tmp_path / str(share))
+    out = tmp_path_factory.mktemp("grpo_accum") / "one"
+    cfg = _cfg(setup, out, *ACCUM)
+    task = GRPOTask(cfg)
+    train(cfg, task=task, progress=False)
+    return out, task.grouped
+
+
+@pytest.mark.slow
+def test_shared_prompt_rows_train_as_one_row_per_completion(setup, accum_run, tmp_path):
+    """grpo.share_prompt (the default) lays each group out in one row, its prompt once: the same run with it off
+    (one prompt + completion row each, TRL's layout) logs the same rewards, loss, grad norm, entropy, KL and clip
+    ratios within 1e-5 at every step, with the policy's old log-probabilities (num_iterations 2), a reference
+    (beta) and two micro-batches. Slow (about 20 s): two runs (one shared with the two-process test), each
+    compiling its step."""
+    from grpo.task import GRPOTask
+    from pretrain.loop import train
+
+    on_out, grouped = accum_run
+    assert grouped is True
+    cfg = _cfg(setup, tmp_path / "off", *ACCUM, "grpo.share_prompt=false")
+    task = GRPOTask(cfg)
+    train(cfg, task=task, progress=False)
+    assert task.grouped is False
+    logs = {True: _metrics(on_out), False: _metrics(tmp_path / "off")}
     keys = ("reward", "loss", "grad_norm", "entropy", "kl", "clip_ratio/region_mean", "completions/mean_length")
     assert len(logs[True]) == len(logs[False]) == 3
+    assert logs[True][-1]["kl"] > 0  # the reference was used
     for on, off in zip(logs[True], logs[False]):
         for k in keys:
             np.testing.assert_allclose(on[k], off[k], rtol=1e-5, atol=1e-6, err_msg=k)
@@ -311,16 +333,20 @@ def test_completion_records_keep_each_functions_value_in_its_own_namespace():
 def test_a_reward_that_raises_is_a_clean_error(setup, tmp_path, capsys):
     from grpo.cli import main
 
-    args = ["train", f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}",
-            f"data.path={setup / 'prompts.jsonl'}", "data.seq_len=8", "batch_size=64", "grpo.num_generations=4",
-            "grpo.max_completion_length=2", f"grpo.rewards=[{setup / 'rewards.py'}:picky]", "max_steps=1",
-            f"output_dir={tmp_path / 'run'}"]
+    # The module's first 4 prompts (answers ok, boom, ok, ok): the first batch holds them all at _cfg's shapes
+    # (4 prompts x 4 completions), so the run samples with the program the module's other runs compiled.
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(x + "\n" for x in (setup / "prompts.jsonl").read_text().splitlines()[:4]))
+    args = ["train", f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}", f"data.path={data}",
+            "data.seq_len=8", "batch_size=16", "grpo.num_generations=4", "grpo.max_completion_length=6",
+            f"grpo.rewards=[{setup / 'rewards.py'}:picky]", "max_steps=1", f"output_dir={tmp_path / 'run'}"]
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert "Traceback" not in err and len(err.splitlines()) == 1
     assert "picky" in err and "ZeroDivisionError" in err, err
     line = int(re.search(r"prompts.jsonl, line (\d+)", err).group(1))  # the first row that raises, named
-    assert json.loads((setup / "prompts.jsonl").read_text().splitlines()[line - 1])["answer"] == "boom"
+    rows = [json.loads(x) for x in data.read_text().splitlines()]
+    assert [r["answer"] for r in rows] == ["ok", "boom", "ok", "ok"] and line == 2
     assert not (tmp_path / "run").exists()  # the fresh run's folder is not left half-written
 
 
@@ -374,24 +400,19 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_two_processes_follow_the_one_process_run(setup, tmp_path):
+def test_two_processes_follow_the_one_process_run(setup, accum_run, tmp_path):
     """2 processes x 2 CPU devices (gloo; fsdp over 4 devices; each process feeding its own rows, sampling its
     shard of the batch, every process scoring the whole batch) draw the completions the one-device run draws
-    and train like it. Slow (slow lane): two `grpo train` processes (gloo) each import, compile and train."""
+    and train like it, with two micro-batches, old log-probabilities and a reference (ACCUM). Slow (slow lane):
+    two `grpo train` processes (gloo) each import, compile and train."""
     import subprocess
     import sys
 
-    from grpo.task import GRPOTask
-    from pretrain.loop import train
-
-    common = ["max_steps=3", "grad_accum=2", "optimizer.name=sgd", "optimizer.learning_rate=0.5",
-              "grpo.log_completions_every=1", "grpo.num_iterations=2"]
-    cfg = _cfg(setup, tmp_path / "one", *common)
-    train(cfg, task=GRPOTask(cfg), progress=False)
+    one_out, _ = accum_run
     args = ["train", f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}",
             f"data.path={setup / 'prompts.jsonl'}", "data.seq_len=8", "batch_size=16", "grpo.num_generations=4",
             "grpo.max_completion_length=6", f"grpo.rewards=[{setup / 'rewards.py'}:low_words]", "log_every=1",
-            "schedule.name=constant", "checkpoint.every=1000", f"output_dir={tmp_path / 'two'}", *common]
+            "schedule.name=constant", "checkpoint.every=1000", f"output_dir={tmp_path / 'two'}", *ACCUM]
     env = devices_env(2)
     port = _free_port()
     run = "import sys; from grpo.cli import main; sys.exit(main(sys.argv[1:]))"
@@ -405,13 +426,12 @@ def test_two_processes_follow_the_one_process_run(setup, tmp_path):
             p.kill()
     for p, (_, err) in zip(procs, results):
         assert p.returncode == 0, err[-3000:]
-    one, two = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
-    assert [m["reward"] for m in two] == [m["reward"] for m in one]
-    for k in ("loss", "grad_norm", "entropy"):
+    one, two = _metrics(one_out), _metrics(tmp_path / "two")
+    assert len(two) == 3 and [m["reward"] for m in two] == [m["reward"] for m in one]
+    for k in ("loss", "grad_norm", "entropy", "kl"):
         np.testing.assert_allclose([m[k] for m in two], [m[k] for m in one], rtol=1e-5, atol=1e-6, err_msg=k)
     logged = [(json.loads(x)["completion"]) for x in (tmp_path / "two" / "completions.jsonl").read_text().splitlines()]
-    assert logged == [json.loads(x)["completion"] for x in
-                      (tmp_path / "one" / "completions.jsonl").read_text().splitlines()]
+    assert logged == [json.loads(x)["completion"] for x in (one_out / "completions.jsonl").read_text().splitlines()]
 
 
 def test_the_example_config_reads_and_its_prompts_fit(smollm2_tokenizer):
@@ -455,7 +475,9 @@ def test_truncated_completions_are_counted_and_optionally_masked(setup, tmp_path
     from grpo.task import GRPOTask
     from pretrain.loop import train
 
-    n = 5  # max_completion_length: about a quarter of the completions end before it (EOS is 1 of 18 ids)
+    # max_completion_length: about a quarter of the completions end before it (EOS is 1 of 18 ids); the module's
+    # own length, so the runs sample with the program the other runs compiled
+    n = 6
     for mask in (False, True):
         out = tmp_path / f"mask_{mask}"
         cfg = _cfg(setup, out, "max_steps=1", f"grpo.max_completion_length={n}", f"grpo.mask_truncated={mask}",
@@ -471,12 +493,14 @@ def test_truncated_completions_are_counted_and_optionally_masked(setup, tmp_path
         assert m["loss"] == pytest.approx(want, abs=1e-6), mask
 
 
+@pytest.mark.slow
 def test_full_fine_tuning_kl_is_to_the_starting_checkpoint_by_default_and_after_a_resume(setup, tmp_path, capsys):
     """Full fine-tuning with grpo.beta > 0 against a reference checkpoint (the starting model): the k3 KL is 0
     while the policy is the reference (step 1) and grows once it moves. Without grpo.reference the reference is the
     starting checkpoint (TRL's default), said in the log, and stays so across a resume (not the resumed weights,
     against which step 3's KL would be 0 again): run for 2 steps, then resumed for a 3rd, it logs what the run
-    with the checkpoint named logs."""
+    with the checkpoint named logs. Slow (about 7 s quiet): three runs and a step of their own to compile; the
+    fast lane's GRPO run is test_records_and_metrics_keep_trls_names_and_strict_json."""
     from grpo.task import GRPOTask
     from pretrain.loop import train
 

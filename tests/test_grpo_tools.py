@@ -258,19 +258,21 @@ def test_turns_on_one_cache_equal_a_fresh_forward_of_the_whole_conversation(tiny
     second, lp2 = turns.turn(np.array([True, False]), np.array([12 - 4 - 3, 9]), 1)
     assert second[1] == [] and len(second[0]) == 5
 
-    def check(context: list[int], drawn: list[int], logps: list[float]) -> None:
-        ids = jnp.asarray([context + drawn])
-        n = ids.shape[1]
-        logits = forward(cfg, params, ids, jnp.ones((1, n), jnp.int32), jnp.arange(n)[None])[0]
-        lsm = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
+    # The three conversations in one fresh forward pass, each right-padded to the longest (causal attention: the
+    # padding after a conversation changes none of its logits), read back as NumPy (indexing device arrays with
+    # Python ints compiles a program per index).
+    rows = [(prompts[0], first[0], lp1[0]), (prompts[1], first[1], lp1[1]),
+            (prompts[0] + first[0] + tool, second[0], lp2[0])]
+    n = max(len(c) + len(d) for c, d, _ in rows)
+    ids = jnp.asarray([c + d + [0] * (n - len(c) - len(d)) for c, d, _ in rows])
+    logits = forward(cfg, params, ids, jnp.ones(ids.shape, jnp.int32), jnp.broadcast_to(jnp.arange(n), ids.shape))
+    lsm = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), -1))
+    logits = np.asarray(logits)
+    for r, (context, drawn, logps) in enumerate(rows):
         for k, (t, lp) in enumerate(zip(drawn, logps)):
             at = len(context) - 1 + k
-            assert int(jnp.argmax(logits[at])) == t
-            assert abs(float(lsm[at, t]) - lp) < 1e-5
-
-    check(prompts[0], first[0], lp1[0])
-    check(prompts[1], first[1], lp1[1])
-    check(prompts[0] + first[0] + tool, second[0], lp2[0])
+            assert int(np.argmax(logits[r, at])) == t, (r, k)
+            assert abs(float(lsm[r, at, t]) - lp) < 1e-5, (r, k)
 
 
 TOOLS = '''
@@ -449,10 +451,12 @@ def test_grpo_train_with_tools_under_qwen3s_own_template_trains_under_its_traini
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
     tok.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen3.jinja").read_text(encoding="utf-8")
     tok.save_pretrained(tmp_path / "tok")
-    write_jsonl(tmp_path / "p.jsonl", [{"prompt": [{"role": "user", "content": "2 + 3?"}]}])
+    write_jsonl(tmp_path / "p.jsonl", [{"prompt": [{"role": "user", "content": "2 + 3?"}]},
+                                       {"prompt": [{"role": "user", "content": "add them"}]}])
+    # _grpo_cfg's batch and lengths (not its data.chat_template): the programs the module's other runs compiled
     cfg = load_config(None, [f"model.path={root / 'zoo'}", f"model.tokenizer={tmp_path / 'tok'}",
-                             f"data.path={tmp_path / 'p.jsonl'}", "data.seq_len=160", "batch_size=2",
-                             "grpo.num_generations=2", "grpo.max_completion_length=60", "max_steps=1",
+                             f"data.path={tmp_path / 'p.jsonl'}", "data.seq_len=160", "batch_size=4",
+                             "grpo.num_generations=2", "grpo.max_completion_length=120", "max_steps=1",
                              "grpo.log_completions_every=1", "log_every=1", "lora.rank=2",
                              f"grpo.tools=[{root / 'tools.py'}:add]", f"grpo.tool_parser={root / 'tools.py'}:always_add",
                              "grpo.max_turns=2", f"grpo.rewards=[{root / 'tools.py'}:one]",
@@ -463,7 +467,7 @@ def test_grpo_train_with_tools_under_qwen3s_own_template_trains_under_its_traini
     m = read_metrics(tmp_path / "run")[0]
     assert (m["num_turns"], m["tool_calls"]) == (2.0, 1.0)  # per episode: one call, then the answer
     rows = [json.loads(x) for x in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 and all("<tool_response>\n5\n</tool_response>" in r["completion"] for r in rows)
+    assert len(rows) == 4 and all("<tool_response>\n5\n</tool_response>" in r["completion"] for r in rows)
 
 @pytest.mark.slow
 def test_grpo_train_with_an_environment_resets_scores_and_counts(eager, tmp_path):
@@ -542,7 +546,8 @@ def test_kill_and_resume_with_tools_is_bit_identical(tiny_lm, tmp_path):
     write_jsonl(tmp_path / "held.jsonl", [{"prompt": [{"role": "user", "content": w}]} for w in ("d", "e", "f")])
     args = lambda out: ["train", f"model.path={root / 'zoo'}", f"model.tokenizer={tiny_lm / 'tok'}",  # noqa: E731
                         f"data.path={tmp_path / 'p.jsonl'}", f"data.chat_template={TEMPLATES / 'qwen2.5.jinja'}",
-                        "data.seq_len=160", "batch_size=4", "grpo.num_generations=2", "grpo.max_completion_length=60",
+                        "data.seq_len=160", "batch_size=4", "grpo.num_generations=2",
+                        "grpo.max_completion_length=120",  # _grpo_cfg's: the sampling programs the others compiled
                         f"grpo.tools=[{root / 'tools.py'}:add]", f"grpo.tool_parser={root / 'tools.py'}:always_add",
                         f"grpo.rewards=[{root / 'tools.py'}:one]", "grpo.max_turns=3", "lora.rank=2",
                         "grpo.log_completions_every=1", "checkpoint.every=2", "max_steps=4", "log_every=1",

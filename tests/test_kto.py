@@ -197,22 +197,45 @@ def test_kto_needs_two_rows_per_micro_batch():
     assert "at least 2 rows per micro-batch" in str(e.value)
 
 
+# One SGD step of kto at lr 100 (SGD_STEP_ONE's optimizer): at lr 1 some changes (~4e-3) are within one float32 ulp
+# of their weight (6e-8) of 1e-5 of the largest.
+KTO_STEP = ("optimizer.learning_rate=100", "dpo.loss_type=kto", f"dpo.beta={BETA}", f"dpo.desirable_weight={WD}",
+            f"dpo.undesirable_weight={WU}")
+
+
+@pytest.fixture(scope="module")
+def kto_live(dpo_models, tmp_path_factory):
+    """KTO_STEP against dpo_models' reference checkpoint on KTO_ROWS, trained once: the run that
+    test_kto_step_one_equals_trl_kto_trainer compares with TRL and whose step-1 metrics (taken before the
+    update) test_kto_references_base_and_precomputed's precomputed reference must reproduce.
+    Returns the folder of kto.jsonl and the run (``ours``)."""
+    from pretrain.loop import train
+    from tests.preference_data import dpo_cfg
+    from tests.run_files import write_jsonl
+    from tests.trl_oracles import SGD_STEP_ONE
+
+    root, _, _ = dpo_models
+    folder = tmp_path_factory.mktemp("kto_live")
+    write_jsonl(folder / "kto.jsonl", KTO_ROWS)
+    cfg = dpo_cfg(root, folder / "ours", *SGD_STEP_ONE, *KTO_STEP, f"dpo.reference={root / 'reference'}",
+                  f"data.path={folder / 'kto.jsonl'}")
+    train(cfg, progress=False, task=KTOTask(cfg))
+    return folder
+
+
 @pytest.mark.slow
-def test_kto_step_one_equals_trl_kto_trainer(dpo_models, tmp_path):
+def test_kto_step_one_equals_trl_kto_trainer(dpo_models, kto_live, tmp_path):
     """One SGD step of `dpo train` (kto, a reference checkpoint, desirable and undesirable rows of unequal
     lengths, one micro-batch: TRL's KL chunk) against one step of trl.KTOTrainer on the same transformers models:
     loss, grad_norm, kl, rewards/*, logps/*, logits/* and every weight's change within 1e-5. SGD at lr 100 on both
-    sides: at lr 1 some changes (~4e-3) are within one float32 ulp of their weight (6e-8) of 1e-5 of the largest."""
+    sides (KTO_STEP)."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
     from trl import KTOConfig, KTOTrainer
 
-    from pretrain.loop import train
-    from tests.preference_data import dpo_cfg
-    from tests.run_files import read_metrics, write_jsonl
+    from tests.run_files import read_metrics
     from tests.trl_oracles import (
-        SGD_STEP_ONE,
         assert_same_change,
         assert_same_metrics,
         exported_change,
@@ -221,7 +244,6 @@ def test_kto_step_one_equals_trl_kto_trainer(dpo_models, tmp_path):
     )
 
     root, tok, _ = dpo_models
-    write_jsonl(tmp_path / "kto.jsonl", KTO_ROWS)
 
     def load(name):
         return AutoModelForCausalLM.from_pretrained(root / name, attn_implementation="eager", dtype=torch.float32)
@@ -231,38 +253,29 @@ def test_kto_step_one_equals_trl_kto_trainer(dpo_models, tmp_path):
                                          processing_class=tok),
                                     beta=BETA, desirable_weight=WD, undesirable_weight=WU, per_device_train_batch_size=4,
                                     learning_rate=100.0)
-    cfg = dpo_cfg(root, tmp_path / "ours", *SGD_STEP_ONE, "optimizer.learning_rate=100", "dpo.loss_type=kto",
-                  f"dpo.beta={BETA}",
-                  f"dpo.desirable_weight={WD}", f"dpo.undesirable_weight={WU}", f"dpo.reference={root / 'reference'}",
-                  f"data.path={tmp_path / 'kto.jsonl'}")
-    train(cfg, progress=False, task=KTOTask(cfg))
-    got = read_metrics(tmp_path / "ours")[0]
+    got = read_metrics(kto_live / "ours")[0]
     assert_same_metrics(got, want, ("loss", "grad_norm", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins",
                                     "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected"),
                         reward_operands(want, BETA))
     assert got["kl"] > 0  # the reference differs from the policy: the KL term is exercised
-    assert_same_change(exported_change(tmp_path / "ours" / "final", root / "hf_policy", tmp_path / "exp"), trl_change)
+    assert_same_change(exported_change(kto_live / "ours" / "final", root / "hf_policy", tmp_path / "exp"), trl_change)
 
 
 @pytest.mark.slow
-def test_kto_references_base_and_precomputed(dpo_models, tmp_path, capsys):
+def test_kto_references_base_and_precomputed(dpo_models, kto_live, tmp_path, capsys):
     """`dpo train` with LoRA and dpo.reference: base (the adapters off): at step 1 the policy is its reference, so every reward
     and the KL are exactly 0 and the loss is the weighted 1 - sigmoid(0) = 0.5 mean. Precomputed scores of the
     reference checkpoint give the live checkpoint's step-1 metrics, and the log counts them as rows (KTO's are
-    unpaired), not pairs."""
+    unpaired), not pairs. The live run is kto_live's (step 1's metrics come before its update)."""
     from pretrain.loop import train
     from tests.preference_data import DPO_LORA, dpo_cfg
     from tests.run_files import read_metrics, write_jsonl
+    from tests.trl_oracles import SGD_STEP_ONE
 
     root, _, _ = dpo_models
     write_jsonl(tmp_path / "kto.jsonl", KTO_ROWS)
     common = ("max_steps=1", "dpo.loss_type=kto", f"dpo.desirable_weight={WD}", f"dpo.undesirable_weight={WU}",
               f"data.path={tmp_path / 'kto.jsonl'}")
-
-    def run(name, *extra):
-        cfg = dpo_cfg(root, tmp_path / name, *common, *extra)
-        train(cfg, progress=False, task=KTOTask(cfg))
-        return read_metrics(tmp_path / name)[0]
 
     from dpo.cli import main  # the command: it picks KTOTask for dpo.loss_type kto
 
@@ -272,9 +285,12 @@ def test_kto_references_base_and_precomputed(dpo_models, tmp_path, capsys):
     base = read_metrics(tmp_path / "base")[0]
     assert base["kl"] == 0 and base["rewards/chosen"] == 0 and base["rewards/rejected"] == 0
     assert base["loss"] == pytest.approx(0.5 * (2 * WD + 2 * WU) / 4, rel=1e-6)
-    live = run("live", f"dpo.reference={root / 'reference'}")
+    live = read_metrics(kto_live / "ours")[0]
     capsys.readouterr()
-    cached = run("cached", "dpo.reference=precomputed", f"dpo.reference_model={root / 'reference'}")
+    cfg = dpo_cfg(root, tmp_path / "cached", *SGD_STEP_ONE, *KTO_STEP, "dpo.reference=precomputed",
+                  f"dpo.reference_model={root / 'reference'}", f"data.path={tmp_path / 'kto.jsonl'}")
+    train(cfg, progress=False, task=KTOTask(cfg))
+    cached = read_metrics(tmp_path / "cached")[0]
     assert f"cache miss, computed {len(KTO_ROWS)} rows with" in capsys.readouterr().err
     for k in ("loss", "kl", "rewards/chosen", "rewards/rejected", "logps/chosen"):
         assert cached[k] == pytest.approx(live[k], rel=1e-5, abs=1e-6), k

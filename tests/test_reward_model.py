@@ -258,7 +258,8 @@ def test_grpo_reward_model_scores_completions_as_trl_does(reward_models, tmp_pat
 @pytest.mark.slow
 def test_grpo_step_with_a_reward_model(reward_models, tmp_path):
     """One `grpo train` step whose reward is the reward model: each completion's logged reward is transformers'
-    score of its prompt + completion text."""
+    score of its prompt + completion text. The policy is the LoRA one of the test above (lora.rank 2, the same
+    shapes): its sampler and step are compiled once for both."""
     from transformers import AutoModelForSequenceClassification
 
     from grpo.config import GRPOConfig
@@ -269,7 +270,7 @@ def test_grpo_step_with_a_reward_model(reward_models, tmp_path):
     out, root, tok = reward_models
     write_jsonl(tmp_path / "p.jsonl", [{"prompt": "colour red:"}, {"prompt": "the cat"}])
     cfg = load_config(None, [f"model.path={root / 'policy'}", f"model.tokenizer={root / 'tok'}",
-                             f"data.path={tmp_path / 'p.jsonl'}", "data.seq_len=8", "batch_size=4",
+                             f"data.path={tmp_path / 'p.jsonl'}", "data.seq_len=8", "batch_size=4", "lora.rank=2",
                              "grpo.num_generations=2", "grpo.max_completion_length=4", f"grpo.rewards=[rm:{out / 'rm'}]",
                              "max_steps=1", "grpo.log_completions_every=1", f"output_dir={tmp_path / 'run'}"],
                       GRPOConfig)

@@ -69,13 +69,9 @@ class Style:
 
 
 @pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    from convert.source import open_source
-    from zoo.registry.catalogue import bundled_gguf as smollm2_gguf
-
-    folder = tmp_path_factory.mktemp("smollm2_tok")
-    open_source(str(smollm2_gguf())).save_tokenizer(folder)
-    return folder
+def tok_dir(smollm2_tokenizer):
+    """SmolLM2's tokenizer folder: the session's (conftest.py), read from the bundled GGUF once; only loaded here."""
+    return smollm2_tokenizer
 
 
 def _tok(folder, **special):
