@@ -208,7 +208,8 @@ def test_two_hosts_sharing_only_a_bucket(gcs, setup, tmp_path, monkeypatch):
     # Each host's scratch: its inputs, the datasets library's cache of reading them, and its own copy of the
     # starting checkpoint; nothing of the run.
     base = f"cache/objects/gs/{bucket.removeprefix('gs://')}/base/"
-    inputs = ("work/tok/", "work/data.jsonl", "home/.cache/huggingface/datasets/", base)
+    inputs = ("work/tok/", "work/data.jsonl", "home/.cache/huggingface/datasets/", base,
+              base.replace("/base/", "/.base.lmzoo-fetched.json"))  # what the copy was fetched from, beside it
     for home in scratch:
         left = [f for f in _files(home) if not f.startswith(inputs)]
         assert left == [], left
