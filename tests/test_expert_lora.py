@@ -142,7 +142,7 @@ def test_expert_adapter_gradients_equal_a_dense_loop(base):
     for path, g in flatten(want_g).items():
         np.testing.assert_allclose(np.asarray(flatten(got_g)[path]), np.asarray(g), atol=1e-5, rtol=1e-4,
                                    err_msg=path)
-        assert float(jnp.abs(g).max()) > 1e-3, path  # each adapter matters: the comparison has teeth
+        assert float(np.abs(np.asarray(g)).max()) > 1e-3, path  # each adapter matters: the comparison has teeth
     # grouped, not a loop: 3 base + 6 adapter grouped matmuls, whatever the expert count (ragged_dot as traced for
     # a TPU; other platforms tile it: zoo.layers.grouped)
     from zoo.kernels.choice import target

@@ -95,13 +95,11 @@ def test_sinks_forward_and_gradients_match_a_dense_softmax(window):
     gradients of q, k, v and the sinks (its hand-written backward) against autodiff of a dense softmax."""
     from zoo.kernels.blockwise import blockwise_attention
 
-    ks = jax.random.split(jax.random.PRNGKey(0), 5)
+    rng = np.random.RandomState(0)  # NumPy: jax.random compiles a kernel per shape
     b, hk, g, t, d = 1, 2, 2, 200, 8
-    q = jax.random.normal(ks[0], (b, hk, g, t, d))
-    k = jax.random.normal(ks[1], (b, hk, t, d))
-    v = jax.random.normal(ks[2], (b, hk, t, d))
-    sinks = 2.0 * jax.random.normal(ks[3], (hk * g,))
-    w = jax.random.normal(ks[4], (b, t, hk * g * d))
+    q, k, v, w = (jnp.asarray(rng.normal(size=s), jnp.float32)
+                  for s in [(b, hk, g, t, d), (b, hk, t, d), (b, hk, t, d), (b, t, hk * g * d)])
+    sinks = jnp.asarray(2.0 * rng.normal(size=hk * g), jnp.float32)
     mask = jnp.ones((b, 1, t, t), bool) & (jnp.arange(t)[:, None] >= jnp.arange(t)[None, :])
     if window is not None:
         mask &= jnp.arange(t)[:, None] - jnp.arange(t)[None, :] < window
@@ -112,11 +110,14 @@ def test_sinks_forward_and_gradients_match_a_dense_softmax(window):
     def ref(q, k, v, sinks):
         return jnp.sum(_dense_sink_attention(q, k, v, sinks, 0.3, window) * w)
 
-    np.testing.assert_allclose(ours(q, k, v, sinks), ref(q, k, v, sinks), rtol=1e-5)
-    for got, want in zip(jax.grad(ours, (0, 1, 2, 3))(q, k, v, sinks), jax.grad(ref, (0, 1, 2, 3))(q, k, v, sinks)):
+    # jitted, values and gradients together: one compilation each, not one per eager op
+    ours_vg, ref_vg = (jax.jit(jax.value_and_grad(f, (0, 1, 2, 3))) for f in (ours, ref))
+    (got_value, got_grads), (want_value, want_grads) = ours_vg(q, k, v, sinks), ref_vg(q, k, v, sinks)
+    np.testing.assert_allclose(got_value, want_value, rtol=1e-5)
+    for got, want in zip(got_grads, want_grads):
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
     # the sinks take part: without them the output differs
-    assert abs(float(ours(q, k, v, sinks) - ours(q, k, v, jnp.full_like(sinks, -1e9)))) > 1e-2
+    assert abs(float(got_value - ours_vg(q, k, v, jnp.full_like(sinks, -1e9))[0])) > 1e-2
 
 
 def test_kernels_without_sinks_refuse_in_one_line(tiny):

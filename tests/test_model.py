@@ -178,8 +178,10 @@ def test_chunked_mlp_equals_one_pass_and_shrinks_the_backward(monkeypatch, lora)
                       num_heads=4, num_kv_heads=2, head_dim=8)
     params = Decoder(cfg, rngs=nnx.Rngs(0)).param_dict()
     lc = LoraConfig(rank=4)
-    adapters = init_lora(cfg, lc, jax.random.key(1))
-    adapters = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(2), a.shape), adapters)
+    # init_lora jitted and B != 0 drawn with NumPy: eager jax ops and jax.random compile a kernel per shape
+    rng = np.random.RandomState(2)
+    adapters = jax.tree.map(lambda a: jnp.asarray(np.asarray(a) + 0.05 * rng.normal(size=a.shape), jnp.float32),
+                            jax.jit(init_lora, static_argnums=(0, 1))(cfg, lc, jax.random.key(1)))
     tokens = jnp.asarray(np.random.RandomState(0).randint(0, 64, (4, 256)), jnp.int32)
 
     def compiled():
