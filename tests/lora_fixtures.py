@@ -63,7 +63,7 @@ def random_lora(cfg: ModelConfig, lc: LoraConfig, random: bool = False) -> dict:
     if not random:
         return _init_lora(cfg, lc, jax.random.key(1))
     rng = np.random.RandomState(2)
-    shapes = jax.eval_shape(init_lora, cfg, lc, jax.random.key(1))
+    shapes = jax.eval_shape(lambda: init_lora(cfg, lc, jax.random.key(1)))
     return jax.tree.map(lambda a: jnp.asarray(rng.normal(0, 0.1, a.shape), jnp.float32), shapes)
 
 
