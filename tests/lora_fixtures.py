@@ -53,13 +53,18 @@ def lora_base_params(cfg: ModelConfig) -> dict:
     return nest(flat)
 
 
+# init_lora jitted: one compilation per configuration (then cached), not one per eager op and shape.
+_init_lora = jax.jit(init_lora, static_argnums=(0, 1))
+
+
 def random_lora(cfg: ModelConfig, lc: LoraConfig, random: bool = False) -> dict:
-    """Fresh adapters (B = 0), or with ``random`` every A and B random non-zero (a zero B hides most mistakes)."""
-    lora = init_lora(cfg, lc, jax.random.key(1))
+    """Fresh adapters (B = 0), or with ``random`` every A and B random non-zero (a zero B hides most mistakes),
+    drawn with NumPy into init_lora's shapes (jax.eval_shape: nothing compiled)."""
     if not random:
-        return lora
+        return _init_lora(cfg, lc, jax.random.key(1))
     rng = np.random.RandomState(2)
-    return jax.tree.map(lambda a: jnp.asarray(rng.normal(0, 0.1, a.shape), jnp.float32), lora)
+    shapes = jax.eval_shape(lambda: init_lora(cfg, lc, jax.random.key(1)))
+    return jax.tree.map(lambda a: jnp.asarray(rng.normal(0, 0.1, a.shape), jnp.float32), shapes)
 
 
 def lora_lm_loss(cfg, params, lora, lcfg, tokens, remat="none"):
@@ -72,7 +77,7 @@ def lora_lm_loss(cfg, params, lora, lcfg, tokens, remat="none"):
 def write_adapter_checkpoint(base: Path, out: Path, lora_cfg: LoraConfig, seed: int = 0) -> Path:
     """An adapter checkpoint of ``base`` laid out as pretrain/final.py writes one, with B random too."""
     cfg = zoo.read_config(base)
-    flat = {p: np.asarray(v) for p, v in flatten(init_lora(cfg, lora_cfg, jax.random.key(seed))).items()}
+    flat = {p: np.asarray(v) for p, v in flatten(_init_lora(cfg, lora_cfg, jax.random.key(seed))).items()}
     rng = np.random.RandomState(seed)
     # init_lora's B is zero (the adapter would change nothing); a random B makes every delta count.
     flat = {p: v if p.endswith(".a") else rng.normal(0.0, 0.1, v.shape).astype(v.dtype) for p, v in flat.items()}

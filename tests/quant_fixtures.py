@@ -19,6 +19,16 @@ def tiny_config(family: str = "llama", **overrides):
     return model_config_from_hf({**base, **hf, **overrides})
 
 
+def random_params(cfg, std: float = 0.1, seed: int = 0) -> dict:
+    """Flat random weights of ``cfg`` as zoo.model.params.init_params makes them (matrices ~ N(0, std), norms 1,
+    biases 0), drawn with NumPy: init_params's jax.random compiles a kernel per shape (seconds each on CPU)."""
+    from zoo.model.params import param_specs
+
+    rng = np.random.RandomState(seed)
+    return {k: (rng.normal(0, std, s.shape) if s.init == "normal" else np.full(s.shape, float(s.init == "ones")))
+            .astype(np.float32) for k, s in sorted(param_specs(cfg).items())}
+
+
 def quantized_projections(cfg, flat: dict) -> dict:
     """``flat`` with every zoo.model.quant.quantized_paths projection quantized (NF4, double quantization)."""
     from zoo.model import quant

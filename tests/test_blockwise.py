@@ -1,18 +1,19 @@
 """The hand-written backward passes (blockwise attention, dense, glu_down, rms_norm) against autodiff of the
 plain formulas, and what the layer scan keeps for the backward pass."""
 
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
+from tests.lora_fixtures import lora_base_params
 from tests.program_checks import saved_residuals
 from zoo.kernels.blockwise import blockwise_attention, key_ranges
 from zoo.layers.blocks import ACTIVATIONS, dense, glu_down, normed_dense, rms_norm
 from zoo.model.config import ModelConfig
-from zoo.model.decoder import Decoder, forward
+from zoo.model.decoder import forward
 from zoo.model.masks import Visibility, attention_mask, visibility
 
 
@@ -23,6 +24,23 @@ def _plain_attention(q, k, v, mask, scale, cap):
         s = cap * jnp.tanh(s / cap)
     s = jnp.where(mask[:, :, None], s, jnp.finfo(jnp.float32).min)
     return jnp.einsum("bhgqk,bhkd->bhgqd", jax.nn.softmax(s, axis=-1), v)
+
+
+@functools.partial(jax.jit, static_argnames=("cap", "window", "block"))
+def _attention_and_grads(q, k, v, dout, seg, cap, window, block):
+    """(output, its q, k, v gradients for the output's cotangent ``dout``) of blockwise attention, each block's
+    mask built in the block from the segment ids, or with ``block`` None of the plain formula on the whole mask:
+    jitted, one compilation a case, not one per eager op."""
+    b, kv, g, t, d = q.shape
+
+    def attend(q, k, v):
+        if block is None:
+            return _plain_attention(q, k, v, attention_mask(seg, window), 0.3, cap)
+        out = blockwise_attention(q, k, v, visibility(seg, window), 0.3, cap, window, block)  # [b, t, kv * g * d]
+        return out.reshape(b, t, kv, g, d).transpose(0, 2, 3, 1, 4)
+
+    out, vjp = jax.vjp(attend, q, k, v)
+    return out, vjp(dout)
 
 
 @pytest.mark.slow
@@ -38,18 +56,9 @@ def test_blockwise_attention_matches_plain_softmax_and_its_gradients(cap, window
                      for s in [(b, kv, g, t, d), (b, kv, t, d), (b, kv, t, d), (b, kv, g, t, d)])
     # Two packed documents and trailing padding.
     seg = jnp.asarray(np.repeat([[1] * 20 + [2] * 25 + [0] * 5], b, axis=0), jnp.int32)
-    mask = attention_mask(seg, window)
-
-    def got(q, k, v):  # each block's mask built in the block from the segment ids
-        out = blockwise_attention(q, k, v, visibility(seg, window), 0.3, cap, window, block)  # [b, t, kv * g * d]
-        return out.reshape(b, t, kv, g, d).transpose(0, 2, 3, 1, 4)
-
-    def want(q, k, v):
-        return _plain_attention(q, k, v, mask, 0.3, cap)
-
-    np.testing.assert_allclose(np.asarray(got(q, k, v)), np.asarray(want(q, k, v)), rtol=1e-5, atol=1e-6)
-    g_got = jax.grad(lambda *a: jnp.sum(got(*a) * dout), (0, 1, 2))(q, k, v)
-    g_want = jax.grad(lambda *a: jnp.sum(want(*a) * dout), (0, 1, 2))(q, k, v)
+    got, g_got = _attention_and_grads(q, k, v, dout, seg, cap=cap, window=window, block=block)
+    want, g_want = _attention_and_grads(q, k, v, dout, seg, cap=cap, window=window, block=None)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
     for name, x, y in zip("qkv", g_got, g_want):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5, err_msg=f"d{name}")
 
@@ -184,7 +193,7 @@ def test_layer_scan_does_not_stack_copies_of_the_weights(kinds):
     extra = {} if kinds is None else {"layer_types": kinds * 2, "sliding_window": 8}
     cfg = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=4,
                       num_heads=4, num_kv_heads=2, head_dim=8, **extra)
-    params = Decoder(cfg, rngs=nnx.Rngs(0)).param_dict()
+    params = lora_base_params(cfg)  # random weights drawn with NumPy: nnx's init compiles a kernel per shape
     tokens = jnp.asarray(np.random.RandomState(0).randint(0, 64, (2, 16)), jnp.int32)
     residuals = saved_residuals(lambda p: forward(cfg, p, tokens).sum(), params)
     period = len(kinds or ("full",))

@@ -326,7 +326,7 @@ def test_expert_adapters_equal_a_dense_loop(base):
     for path, g in flatten(want_g).items():
         np.testing.assert_allclose(np.asarray(flatten(got_g)[path]), np.asarray(g), atol=1e-5, rtol=1e-4,
                                    err_msg=path)
-        assert float(jnp.abs(g).max()) > 1e-3, path  # each adapter matters: the comparison has teeth
+        assert float(np.abs(np.asarray(g)).max()) > 1e-3, path  # each adapter matters: the comparison has teeth
     if base == "float":  # dropless
         with target("tpu", 1):
             assert ragged_dots(jax.make_jaxpr(ours)(lora).jaxpr) == 6
@@ -362,9 +362,9 @@ def test_qlora_quantizes_full_layers_and_experts():
     step = jax.jit(jax.value_and_grad(lambda lo, params: lora_lm_loss(cfg, params, lo, lc, tokens)))
     (lq, gq), (ld, gd) = step(lora, nest(qflat)), step(lora, dequantized)
     assert abs(float(lq) - float(ld)) <= 1e-6
-    for path, g in flatten(gd).items():
+    for path, g in flatten(gd).items():  # in NumPy: an eager jnp op compiles a program per shape
         assert np.abs(np.asarray(flatten(gq)[path]) - np.asarray(g)).max() <= 1e-5, path
-        assert float(jnp.abs(g).max()) > 1e-5, path  # every adapter counts
+        assert float(np.abs(np.asarray(g)).max()) > 1e-5, path  # every adapter counts
 
 
 def test_run_of_a_kind_split_stack():

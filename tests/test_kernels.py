@@ -2,6 +2,7 @@
 an NVIDIA GPU (marked ``gpu``), cuDNN's flash attention against the blockwise path on the masks the families use."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -83,11 +84,8 @@ def test_train_with_cudnn_on_the_cpu_stops_before_writing(tmp_path, capsys):
 
 
 def _qkv(b, t, hk, g, d, seed=0):
-    ks = jax.random.split(jax.random.PRNGKey(seed), 3)
-    q = jax.random.normal(ks[0], (b, hk, g, t, d), jnp.float32)
-    k = jax.random.normal(ks[1], (b, hk, t, d), jnp.float32)
-    v = jax.random.normal(ks[2], (b, hk, t, d), jnp.float32)
-    return q, k, v
+    rng = np.random.RandomState(seed)  # NumPy: jax.random compiles a kernel per shape
+    return tuple(jnp.asarray(rng.normal(size=s), jnp.float32) for s in [(b, hk, g, t, d), (b, hk, t, d), (b, hk, t, d)])
 
 
 SEGMENTS = {
@@ -106,10 +104,14 @@ def test_the_cudnn_call_reads_and_writes_the_blockwise_layouts():
     b, t, hk, g, d = 2, 96, 2, 3, 16
     q, k, v = _qkv(b, t, hk, g, d)
     padded = np.stack([np.r_[np.ones(t - 10), np.zeros(10)], np.ones(t)]).astype(np.int32)
+
+    @functools.partial(jax.jit, static_argnums=1)  # one compilation a window, not one per eager op
+    def both(seg, window):
+        want = blockwise_attention(q, k, v, attention_mask(seg, window), d ** -0.5, None, window, 32)
+        return want, cudnn_attention(q, k, v, visibility(seg, window, segments=1), d ** -0.5, implementation="xla")
+
     for seg, window in ((SEGMENTS["one document"](t), None), (padded, None), (padded, 24)):
-        want = blockwise_attention(q, k, v, attention_mask(jnp.asarray(seg), window), d ** -0.5, None, window, 32)
-        got = cudnn_attention(q, k, v, visibility(jnp.asarray(seg), window, segments=1), d ** -0.5,
-                              implementation="xla")
+        want, got = both(jnp.asarray(seg), window)
         real = (seg != 0)[..., None]
         np.testing.assert_allclose(np.asarray(got), np.asarray(want) * real, atol=1e-5, rtol=1e-5,
                                    err_msg=f"window {window}")
@@ -143,7 +145,9 @@ def test_packed_layout_names_each_document_by_its_start_and_length():
         qh = q.transpose(0, 3, 1, 2, 4).reshape(b, t, hk * g, d)
         got = jax.nn.dot_product_attention(qh, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
                                            mask=jnp.asarray(sees)[:, None], scale=d ** -0.5, implementation="xla")
-        want = blockwise_attention(q, k, v, attention_mask(jnp.asarray(seg), window), d ** -0.5, None, window, 32)
+        # jitted: one compilation a window, not one per eager op of the blocks
+        want = jax.jit(blockwise_attention, static_argnums=(4, 5, 6, 7))(
+            q, k, v, attention_mask(jnp.asarray(seg), window), d ** -0.5, None, window, 32)
         real = (seg != 0)[..., None]
         np.testing.assert_allclose(np.asarray(got).reshape(b, t, -1) * real, np.asarray(want) * real, atol=1e-5,
                                    rtol=1e-5, err_msg=f"window {window}")

@@ -42,7 +42,7 @@ def test_fresh_adapters_leave_the_model_unchanged(name):
     cfg, lc = LORA_CONFIGS[name], LoraConfig(rank=4)
     params = lora_base_params(cfg)
     lora = random_lora(cfg, lc)
-    assert all(float(jnp.abs(v).max()) > 0 for k, v in flatten(lora).items() if k.endswith(".a"))
+    assert all(float(np.abs(np.asarray(v)).max()) > 0 for k, v in flatten(lora).items() if k.endswith(".a"))
     base = _logits(cfg, params)
     got = _logits(cfg, params, lora, lora_scale(lc))
     assert _max_diff(got, base) <= 1e-6
@@ -115,9 +115,9 @@ def test_gradients_reach_b_first_and_a_only_through_b(name):
     for path, v in g.items():
         assert np.isfinite(np.asarray(v)).all(), path
         if path.endswith(".b"):
-            assert float(jnp.abs(v).max()) > 0, path
+            assert float(np.abs(np.asarray(v)).max()) > 0, path
         else:  # dA = x^T (dy B^T) scale, and B is zero at step 0
-            assert float(jnp.abs(v).max()) == 0, path
+            assert float(np.abs(np.asarray(v)).max()) == 0, path
     stepped = {k: v - 1.0 * g[k] if k.endswith(".b") else v for k, v in flatten(lora).items()}
     before = _logits(cfg, params)
     after = _logits(cfg, params, nest(stepped), lora_scale(lc))
@@ -376,7 +376,7 @@ def test_adapter_gradients_with_dropout_are_finite(name, remat):
     assert set(g) == set(flatten(lora))
     for path, v in g.items():
         assert np.isfinite(np.asarray(v)).all(), path
-        assert float(jnp.abs(v).max()) > 0, path
+        assert float(np.abs(np.asarray(v)).max()) > 0, path
     assert max(_max_diff(g[p], other[p]) for p in g) > 1e-4  # the masks reach the gradients
 
 

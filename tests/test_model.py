@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tests.lora_fixtures import lora_base_params
 from tests.program_checks import count_eqns
 from zoo.model.config import ModelConfig
 from zoo.model.decoder import Decoder, forward
@@ -116,7 +117,7 @@ def _remat_case(num_layers: int, rows: int, seq: int):
     """A tiny Llama's params and its next-token loss(params, remat) on fixed random tokens [rows, seq]."""
     cfg = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=num_layers,
                       num_heads=4, num_kv_heads=2, head_dim=8)
-    params = Decoder(cfg, rngs=nnx.Rngs(0)).param_dict()
+    params = lora_base_params(cfg)  # random weights drawn with NumPy: nnx's init compiles a kernel per shape
     tokens = jnp.asarray(np.random.RandomState(0).randint(0, 64, (rows, seq)), jnp.int32)
 
     def loss(p, remat):
@@ -176,10 +177,12 @@ def test_chunked_mlp_equals_one_pass_and_shrinks_the_backward(monkeypatch, lora)
 
     cfg = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=512, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=8)
-    params = Decoder(cfg, rngs=nnx.Rngs(0)).param_dict()
+    params = lora_base_params(cfg)  # random weights drawn with NumPy: nnx's init compiles a kernel per shape
     lc = LoraConfig(rank=4)
-    adapters = init_lora(cfg, lc, jax.random.key(1))
-    adapters = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(2), a.shape), adapters)
+    # init_lora jitted and B != 0 drawn with NumPy: eager jax ops and jax.random compile a kernel per shape
+    rng = np.random.RandomState(2)
+    adapters = jax.tree.map(lambda a: jnp.asarray(np.asarray(a) + 0.05 * rng.normal(size=a.shape), jnp.float32),
+                            jax.jit(init_lora, static_argnums=(0, 1))(cfg, lc, jax.random.key(1)))
     tokens = jnp.asarray(np.random.RandomState(0).randint(0, 64, (4, 256)), jnp.int32)
 
     def compiled():

@@ -10,25 +10,27 @@ import pytest
 
 from tests.lora_fixtures import lora_lm_loss
 from tests.processes import devices_env
-from tests.quant_fixtures import quantized_projections, tiny_config
+from tests.quant_fixtures import quantized_projections, random_params, tiny_config
 from zoo.lora.params import LoraConfig, init_lora
 from zoo.model import quant
-from zoo.model.params import flatten, init_params, nest
+from zoo.model.params import flatten, nest
 
 
+@jax.jit
 def _dequantized(flat: dict) -> dict:
+    """Every quantized weight dequantized (jitted: one compilation, not one per eager op and shape)."""
     return {k: quant.dequantize(v) if isinstance(v, quant.QuantizedWeight) else v for k, v in flat.items()}
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "mixtral"])
 def setup(request):
     cfg = tiny_config(request.param)
-    flat = flatten(init_params(cfg, jax.random.PRNGKey(0), std=0.1))
-    qflat = quantized_projections(cfg, flat)
+    qflat = quantized_projections(cfg, random_params(cfg, std=0.1))
     lcfg = LoraConfig(rank=4, alpha=8.0, targets="all")
-    lora = init_lora(cfg, lcfg, jax.random.PRNGKey(1))
-    lora = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.PRNGKey(2), a.shape), lora)  # B != 0
-    tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 24), 0, cfg.vocab_size)
+    lora = jax.jit(init_lora, static_argnums=(0, 1))(cfg, lcfg, jax.random.PRNGKey(1))
+    rng = np.random.RandomState(2)  # NumPy: jax.random compiles a kernel per shape
+    lora = jax.tree.map(lambda a: jnp.asarray(np.asarray(a) + rng.normal(0, 0.05, a.shape), jnp.float32), lora)  # B != 0
+    tokens = jnp.asarray(rng.randint(0, cfg.vocab_size, (2, 24)), jnp.int32)
     return cfg, qflat, lcfg, lora, tokens
 
 
@@ -88,7 +90,8 @@ def test_backward_pass_keeps_the_base_quantized(setup):
     from jax._src.ad_checkpoint import saved_residuals  # what jax.ad_checkpoint.print_saved_residuals prints
 
     cfg, qflat, lcfg, lora, tokens = setup
-    stacked = {tuple(quant.dequantize(v).shape) for v in qflat.values() if isinstance(v, quant.QuantizedWeight)}
+    stacked = {tuple(jax.eval_shape(quant.dequantize, v).shape) for v in qflat.values()  # shapes: nothing run
+               if isinstance(v, quant.QuantizedWeight)}
     per_layer = {s[1:] for s in stacked}
     res = saved_residuals(lambda l: lora_lm_loss(cfg, nest(qflat), l, lcfg, tokens), lora)
     floats = [r[0] for r in res if jnp.issubdtype(r[0].dtype, jnp.floating)]
@@ -102,17 +105,19 @@ MESH_CHILD = """
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tests.lora_fixtures import lora_lm_loss
-from tests.quant_fixtures import quantized_projections, tiny_config
+from tests.quant_fixtures import quantized_projections, random_params, tiny_config
 from zoo.model import quant
 from zoo.lora.params import LoraConfig, init_lora
-from zoo.model.params import flatten, init_params, nest
+from zoo.model.params import nest
 from zoo.model.sharding import make_mesh
 assert len(jax.devices()) == 8
 cfg = tiny_config("mixtral")
-qflat = quantized_projections(cfg, flatten(init_params(cfg, jax.random.PRNGKey(0), std=0.1)))
+qflat = quantized_projections(cfg, random_params(cfg, std=0.1))
 lcfg = LoraConfig(rank=4, alpha=8.0)
-lora = jax.tree.map(lambda a: a + 0.05, init_lora(cfg, lcfg, jax.random.PRNGKey(1)))
-tokens = jax.random.randint(jax.random.PRNGKey(3), (8, 16), 0, cfg.vocab_size)
+# jitted, and NumPy below: eager jax ops and jax.random compile a kernel per shape
+lora = jax.tree.map(lambda a: np.asarray(a) + 0.05, jax.jit(init_lora, static_argnums=(0, 1))(cfg, lcfg,
+                                                                                             jax.random.PRNGKey(1)))
+tokens = np.random.RandomState(3).randint(0, cfg.vocab_size, (8, 16)).astype(np.int32)
 step = jax.jit(jax.value_and_grad(lambda l, p, t: lora_lm_loss(cfg, nest(p), l, lcfg, t)))
 one = step(jax.device_put(lora, jax.devices()[0]), jax.device_put(qflat, jax.devices()[0]),
            jax.device_put(tokens, jax.devices()[0]))
@@ -156,7 +161,8 @@ def test_kv_cache_decoding_reads_the_quantized_base(setup):
     cfg, qflat, *_ = setup
     tokens = jnp.arange(1, 6, dtype=jnp.int32)[None]
     outs = []
+    run = jax.jit(forward_cached, static_argnums=0)  # one compilation each, not one per eager op
     for params in (qflat, _dequantized(qflat)):
-        out = forward_cached(cfg, nest(params), tokens, init_cache(cfg, 1, 16))
+        out = run(cfg, nest(params), tokens, init_cache(cfg, 1, 16))
         outs.append(np.asarray(out[0] if isinstance(out, tuple) else out))
     assert outs[0].shape[-1] == cfg.vocab_size and np.abs(outs[0] - outs[1]).max() <= 1e-5
