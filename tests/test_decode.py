@@ -274,13 +274,16 @@ def test_generation_shortcuts_equal_forward_cached(tiny, family):
     from zoo.model.decode import forward_step
 
     _, cfg, params = tiny(family)
-    # The shapes of _check_cached_logits (a 9-wide prefill, then single tokens, into 24 slots): llama's and
-    # gemma2's forward_cached programs are test_cached_logits_equal_full_forward's, compiled once.
+    # The shapes of _check_cached_logits (a 9-wide prefill, then single tokens, into 24 slots): the reference
+    # forward_cached programs are test_cached_logits_equal_full_forward's (llama, gemma2) and deepseek_v3's expanded
+    # MLA ones of test_mla_expanded_and_absorbed_attention[False] (both ways equal the full forward there), compiled
+    # once; forward_step decides the MLA way as generation does.
+    cached = partial(forward_cached_jit, mla_absorb=False) if family == "deepseek_v3" else forward_cached_jit
     seqs = random_tokens(cfg.vocab_size, batch=2, seq=9, seed=4)
     valid = np.ones((2, 9), bool)
     valid[0, 7:] = False  # a ragged prefill
     toks, valid = jnp.asarray(seqs), jnp.asarray(valid)
-    want, want_cache = forward_cached_jit(cfg, params, toks, init_cache(cfg, 2, 24), valid)
+    want, want_cache = cached(cfg, params, toks, init_cache(cfg, 2, 24), valid)
     last = jnp.asarray([6, 8])
     got, cache = jax.jit(partial(forward_step, cfg, fresh=True))(params, toks, init_cache(cfg, 2, 24), valid,
                                                                   last=last)
@@ -288,7 +291,7 @@ def test_generation_shortcuts_equal_forward_cached(tiny, family):
     for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(want_cache)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
     step = jnp.asarray(seqs[:, :1])
-    want, _ = forward_cached_jit(cfg, params, step, cache, jnp.ones((2, 1), bool))
+    want, _ = cached(cfg, params, step, cache, jnp.ones((2, 1), bool))
     for view in (9, 16):  # exactly the filled slots; more (a bucket) but fewer than the cache's
         got, _ = jax.jit(partial(forward_step, cfg, view=view))(params, step, cache)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
