@@ -5,7 +5,7 @@ The script runs in a temporary folder that links the repository's `examples/` an
 the page names by repository-relative paths), so its `runs/quickstart/...` outputs land there, never in the
 checkout. Its console-script commands (`zoo`, `sft`) then run in that order in one Python process, each through
 the function pyproject.toml's [project.scripts] names for it, as the script would call it: one process pays the
-imports once, and the two generations share their compiled programs. About 40 s on 2 cores (a conversion, two
+imports once, and the two generations share their compiled programs. About 45 s on 2 cores (a conversion, two
 generations, eight LoRA steps, an eval and an export): marked slow.
 """
 
