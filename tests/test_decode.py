@@ -11,7 +11,7 @@ import torch
 
 import zoo
 from eval.generate import GenerationConfig, generate
-from tests.hf_models import FAMILIES, make_hf, random_tokens
+from tests.hf_models import FAMILIES, random_tokens
 from tests.processes import devices_env
 from zoo.cli import main
 from zoo.model.decode import forward_cached_jit, init_cache
@@ -128,20 +128,24 @@ def test_sampling_is_reproducible(tiny):
 
 # --- the real SmolLM2-135M-Instruct (conftest.py's session fixture `smollm2`: converted once per run) ----------
 
-CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
+CHATS = ["What is the capital of France?", "List three prime numbers."]  # 37 and 35 tokens: ragged rows
 
 
 @pytest.mark.slow
 def test_smollm2_greedy_equals_transformers_generate(smollm2):
-    """Slow (slow lane): the real SmolLM2-135M generates on both sides."""
-    from eval.generate import chat_ids
+    """Slow (slow lane): the real SmolLM2-135M generates on both sides (transformers' side, one token at a time,
+    is most of the cost: 16 tokens a prompt). greedy_batch (eval.generate's greedy entry point) over chat prompts
+    tokenized both ways (chat_ids, and the template's text tokenized without special tokens)."""
+    from eval.generate import chat_ids, greedy_batch
 
     out, hf, tok = smollm2
-    model = zoo.load(out)
     prompts = [chat_ids(tok, [{"role": "user", "content": c}]) for c in CHATS]
-    got = generate(model.cfg, model.param_dict(), prompts, GenerationConfig(max_new_tokens=32))
+    text = tok.apply_chat_template([{"role": "user", "content": CHATS[0]}], add_generation_prompt=True,
+                                   tokenize=False)
+    assert tok(text, add_special_tokens=False)["input_ids"] == prompts[0]
+    got = greedy_batch(zoo.load(out), prompts, 16)
     for prompt, g in zip(prompts, got):
-        assert g == _hf_greedy(hf, prompt, 32)
+        assert g == _hf_greedy(hf, prompt, 16)
 
 
 @pytest.mark.slow
@@ -230,27 +234,27 @@ def spy(*a, **k):
 g.init_cache = spy
 model = zoo.load(sys.argv[1])
 prompts = json.loads(sys.argv[2])
-out = g.generate(model.cfg, model.param_dict(), prompts, g.GenerationConfig(max_new_tokens=10))
+out = g.generate(model.cfg, model.param_dict(), prompts, g.GenerationConfig(max_new_tokens=3))
 print(json.dumps({"devices": jax.device_count(), "tokens": out, "specs": seen}))
 """
 
 
 @pytest.mark.slow
-def test_generation_on_an_8_device_mesh_equals_one_device(tmp_path):
+def test_generation_on_an_8_device_mesh_equals_one_device(tiny_family):
     """zoo.load shards the parameters over 8 (simulated) devices; the cache is sharded like them, and the
-    tokens are those of one device.
+    tokens are those of one device (three: the prefill's and two steps').
     Slow (slow lane): a subprocess on 8 simulated devices compiles the generation loop."""
     import subprocess
     import sys
 
-    make_hf(tmp_path / "hf", "llama", num_attention_heads=4, num_key_value_heads=2)
-    assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "zoo")]) == 0
-    model = zoo.load(tmp_path / "zoo")
+    ckpt = tiny_family("llama")[1] / "zoo"  # 4 query heads, 2 KV heads (tests/hf_models.py BASE)
+    model = zoo.load(ckpt)
+    assert (model.cfg.num_heads, model.cfg.num_kv_heads) == (4, 2)
     rng = np.random.RandomState(5)
     prompts = [rng.randint(0, model.cfg.vocab_size, n).tolist() for n in (4, 9, 6, 13)]
-    want = generate(model.cfg, model.param_dict(), prompts, GenerationConfig(max_new_tokens=10))
+    want = generate(model.cfg, model.param_dict(), prompts, GenerationConfig(max_new_tokens=3))
     env = devices_env(8)
-    r = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, str(tmp_path / "zoo"), json.dumps(prompts)], env=env,
+    r = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, str(ckpt), json.dumps(prompts)], env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
@@ -270,20 +274,25 @@ def test_generation_shortcuts_equal_forward_cached(tiny, family):
     from zoo.model.decode import forward_step
 
     _, cfg, params = tiny(family)
-    seqs = random_tokens(cfg.vocab_size, batch=2, seq=12, seed=4)
-    valid = np.ones((2, 12), bool)
-    valid[0, 9:] = False  # a ragged prefill
+    # The shapes of _check_cached_logits (a 9-wide prefill, then single tokens, into 24 slots): the reference
+    # forward_cached programs are test_cached_logits_equal_full_forward's (llama, gemma2) and deepseek_v3's expanded
+    # MLA ones of test_mla_expanded_and_absorbed_attention[False] (both ways equal the full forward there), compiled
+    # once; forward_step decides the MLA way as generation does.
+    cached = partial(forward_cached_jit, mla_absorb=False) if family == "deepseek_v3" else forward_cached_jit
+    seqs = random_tokens(cfg.vocab_size, batch=2, seq=9, seed=4)
+    valid = np.ones((2, 9), bool)
+    valid[0, 7:] = False  # a ragged prefill
     toks, valid = jnp.asarray(seqs), jnp.asarray(valid)
-    want, want_cache = forward_cached_jit(cfg, params, toks, init_cache(cfg, 2, 64), valid)
-    last = jnp.asarray([8, 11])
-    got, cache = jax.jit(partial(forward_step, cfg, fresh=True))(params, toks, init_cache(cfg, 2, 64), valid,
+    want, want_cache = cached(cfg, params, toks, init_cache(cfg, 2, 24), valid)
+    last = jnp.asarray([6, 8])
+    got, cache = jax.jit(partial(forward_step, cfg, fresh=True))(params, toks, init_cache(cfg, 2, 24), valid,
                                                                   last=last)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want)[[0, 1], [8, 11]], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want)[[0, 1], [6, 8]], atol=1e-5, rtol=0)
     for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(want_cache)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
     step = jnp.asarray(seqs[:, :1])
-    want, _ = forward_cached_jit(cfg, params, step, cache)
-    for view in (12, 40):  # exactly the filled slots; more (a bucket) but fewer than the cache's
+    want, _ = cached(cfg, params, step, cache, jnp.ones((2, 1), bool))
+    for view in (9, 16):  # exactly the filled slots; more (a bucket) but fewer than the cache's
         got, _ = jax.jit(partial(forward_step, cfg, view=view))(params, step, cache)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
 

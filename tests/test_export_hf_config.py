@@ -15,7 +15,6 @@ import pytest
 
 from tests.hf_models import BASE, FAMILIES, OWN_TOKEN_IDS, make_hf
 from zoo.cli import main
-from zoo.registry.catalogue import bundled_gguf as smollm2_gguf
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -166,17 +165,17 @@ def _assert_llama_complete(ours: dict) -> None:
     assert set(LlamaConfig().to_diff_dict()) <= set(ours)
 
 
-def test_smollm2_gguf_config_is_complete():
+def test_smollm2_gguf_config_is_complete(smollm2_source):
     """The real SmolLM2-135M GGUF: the config `zoo export` writes for its conversion, computed from
     exactly what `zoo convert` stores (hf_config.json and the model config), without converting the
     0.5 GB of weights. (test_gguf_meta shows the stored config is transformers' own GGUF config.)"""
     from transformers import LlamaConfig
 
     from convert.hf_config import export_hf_config
-    from convert.source import open_source
     from zoo.model.from_hf import model_config_from_hf
 
-    stored = json.loads(json.dumps(open_source(str(smollm2_gguf())).hf_config, default=str))  # as convert writes it
+    # conftest.py's open_source of the file, read once per session.
+    stored = json.loads(json.dumps(smollm2_source.hf_config, default=str))  # as convert writes it
     ours = export_hf_config(model_config_from_hf(stored), stored, "float32")
     _assert_llama_complete(ours)
     assert ours["architectures"] == ["LlamaForCausalLM"] and stored["architectures"] is None

@@ -16,39 +16,38 @@ SEQ = 40  # longer than every sliding window (7) used here
 
 
 @pytest.mark.parametrize("family", DENSE)
-def test_logits_match_transformers(tmp_path, family):
-    hf = make_hf(tmp_path / "hf", family)
-    assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "zoo")]) == 0
-    cfg = zoo.read_config(tmp_path / "zoo")
+def test_logits_match_transformers(tiny_family, family):
+    hf, root = tiny_family(family)  # conftest.py: make_hf at the family's defaults, `zoo convert`ed once per run
+    cfg = zoo.read_config(root / "zoo")
     assert cfg.family == family
     tokens = random_tokens(hf.config.vocab_size, seq=SEQ)
     ref = hf_logits(hf, tokens)
-    got = np.asarray(zoo.load(tmp_path / "zoo")(jnp.asarray(tokens)))
+    got = np.asarray(zoo.load(root / "zoo")(jnp.asarray(tokens)))
     assert np.abs(got - ref).max() <= 1e-4
     assert mean_kl(ref, got) <= 1e-6
     assert ref.std() > 0.5  # peaked enough for the comparison to have teeth
 
 
 @pytest.mark.parametrize("family", DENSE)
-def test_round_trip_is_bit_identical(tmp_path, family):
-    make_hf(tmp_path / "hf", family)
-    assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "zoo")]) == 0
-    assert main(["export", str(tmp_path / "zoo"), "--out", str(tmp_path / "back")]) == 0
-    assert hf_tensors(tmp_path / "hf") == hf_tensors(tmp_path / "back")
-    a = json.loads((tmp_path / "hf" / "config.json").read_text())
+def test_round_trip_is_bit_identical(tiny_family, tmp_path, family):
+    _, root = tiny_family(family)
+    assert main(["export", str(root / "zoo"), "--out", str(tmp_path / "back")]) == 0
+    assert hf_tensors(root / "hf") == hf_tensors(tmp_path / "back")
+    a = json.loads((root / "hf" / "config.json").read_text())
     b = json.loads((tmp_path / "back" / "config.json").read_text())
     assert {k: v for k, v in a.items() if "dtype" not in k} == {k: v for k, v in b.items() if "dtype" not in k}
 
 
 @pytest.mark.parametrize("family", DENSE)
-def test_generated_config_reproduces_the_model(tmp_path, family):
+def test_generated_config_reproduces_the_model(tiny_family, tmp_path, family):
     """Without the source config.json, export writes one from the zoo config; transformers must
     build the same model from it."""
+    import shutil
+
     from transformers import AutoModelForCausalLM
 
-    hf = make_hf(tmp_path / "hf", family)
-    assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "zoo")]) == 0
-    (tmp_path / "zoo" / "hf_config.json").unlink()
+    hf, root = tiny_family(family)
+    shutil.copytree(root / "zoo", tmp_path / "zoo", ignore=shutil.ignore_patterns("hf_config.json"))
     assert main(["export", str(tmp_path / "zoo"), "--out", str(tmp_path / "back")]) == 0
     back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), dtype=torch.float32).eval()
     back.config._attn_implementation = "eager"
@@ -59,20 +58,18 @@ def test_generated_config_reproduces_the_model(tmp_path, family):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3"])
-def test_packed_rows_with_sliding_window(tmp_path, family):
-    make_hf(tmp_path / "hf", family)
-    assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "zoo")]) == 0
-    model = zoo.load(tmp_path / "zoo")
-    rng = np.random.RandomState(1)
-    a, b = rng.randint(0, 96, 17), rng.randint(0, 96, 21)
+def test_packed_rows_with_sliding_window(tiny_family, family):
+    model = zoo.load(tiny_family(family)[1] / "zoo")
+    # Two rows of SEQ tokens (past the window), each alone in a batch of two: the program (and shape) of
+    # test_logits_match_transformers, compiled once; then both packed into one row of 2 * SEQ.
+    a, b = random_tokens(96, seq=SEQ, seed=1)
     packed = np.concatenate([a, b])[None].astype(np.int32)
-    seg = np.concatenate([np.full(17, 1), np.full(21, 2)])[None].astype(np.int32)
-    pos = np.concatenate([np.arange(17), np.arange(21)])[None].astype(np.int32)
+    seg = np.concatenate([np.full(SEQ, 1), np.full(SEQ, 2)])[None].astype(np.int32)
+    pos = np.concatenate([np.arange(SEQ), np.arange(SEQ)])[None].astype(np.int32)
     got = np.asarray(model(jnp.asarray(packed), jnp.asarray(seg), jnp.asarray(pos)))
-    alone_a = np.asarray(model(jnp.asarray(a[None].astype(np.int32))))
-    alone_b = np.asarray(model(jnp.asarray(b[None].astype(np.int32))))
-    np.testing.assert_allclose(got[0, :17], alone_a[0], atol=1e-5, rtol=0)
-    np.testing.assert_allclose(got[0, 17:], alone_b[0], atol=1e-5, rtol=0)
+    alone = np.asarray(model(jnp.asarray(np.stack([a, b]).astype(np.int32))))
+    np.testing.assert_allclose(got[0, :SEQ], alone[0], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(got[0, SEQ:], alone[1], atol=1e-5, rtol=0)
 
 
 def test_sliding_window_matters(tmp_path):

