@@ -58,8 +58,9 @@ def _projection_count(m: dict) -> int:
     ("pretrain", "", 6.0),
     ("sft", "lora:\n  rank: 4\n", 4.0),
     ("dpo", "lora:\n  rank: 4\n", 4.0),
-    ("grpo", "lora:\n  rank: 4\ngrpo:\n  rewards: [final_number]\n  num_generations: 2\n"
-             "  max_completion_length: 8\n  beta: 0.1\n", 4.0),
+    pytest.param("grpo", "lora:\n  rank: 4\ngrpo:\n  rewards: [final_number]\n  num_generations: 2\n"
+                 "  max_completion_length: 8\n  beta: 0.1\n", 4.0,
+                 marks=pytest.mark.slow),  # slow lane: its sampler compiles too (8 s)
     ("rm", "lora:\n  rank: 4\n", 4.0),
 ])
 def test_a_small_run_compiles_for_a_4_chip_slice_and_reports(tmp_path, capsys, command, extra, factor):
@@ -224,6 +225,7 @@ def test_released_configs_have_their_published_parameter_counts(name, published,
     assert abs(sum(math.prod(s.shape) for s in param_specs(cfg).values()) - published) <= last_digit / 2
 
 
+@pytest.mark.slow  # slow lane: a whole TPU compile of 6-7 s
 def test_qlora_compiles_with_its_base_quantized(tmp_path, capsys):
     """QLoRA (lora.base_quant: nf4) under --compile-only: the projections' packed codes and absmax as the run would
     shard them over fsdp 4, so a chip holds 4.5 bits a projection weight (64-value blocks, a float32 absmax each)
@@ -239,6 +241,7 @@ def test_qlora_compiles_with_its_base_quantized(tmp_path, capsys):
     assert params < 2 * _param_count(TINY) // 4 / 1.9  # the bfloat16 LoRA run's weights a chip
 
 
+@pytest.mark.slow  # slow lane: a whole TPU compile of 6-7 s
 def test_remat_offload_keeps_the_layer_inputs_and_attention_projections_in_host_memory(tmp_path, capsys):
     """remat: offload (MaxText's policy for Llama-3.1-8B on v6e) compiles for v5e:2x2 and its report counts the host
     memory: at least every layer's input and its q, k, v and o outputs (float32, a chip's 2 rows of 128 tokens), at

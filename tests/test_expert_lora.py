@@ -151,6 +151,7 @@ def test_expert_adapter_gradients_equal_a_dense_loop(base):
         assert ragged_dots(jax.make_jaxpr(ours)(lora).jaxpr) == 9
 
 
+@pytest.mark.slow  # slow lane: three compiled LoRA train steps (6-7 s)
 def test_training_steps_move_only_the_expert_adapters():
     """Three optimizer steps of the LoRA train step (pretrain.jit_step) with expert targets: every expert adapter
     moves (A too, after B left zero), the base weights are a frozen input left as they were, no other weight has

@@ -91,7 +91,8 @@ MLA = ModelConfig(family="deepseek_v3", vocab_size=64, hidden_size=32, intermedi
                   v_head_dim=16)
 
 
-@pytest.mark.parametrize("cfg", [GEMMA2ISH, MLA], ids=["gemma2-like: window, soft-cap, GQA", "latent attention"])
+@pytest.mark.parametrize("cfg", [pytest.param(GEMMA2ISH, marks=pytest.mark.slow), MLA],  # slow lane: 7 s
+                         ids=["gemma2-like: window, soft-cap, GQA", "latent attention"])
 def test_a_models_loss_and_gradients_with_splash_equal_blockwise(cfg):
     """A whole tiny model's next-token loss over packed rows, and its gradients for every parameter, with
     attention splash against the blockwise path (DeepSeek's latent attention: against its full-softmax path)."""
