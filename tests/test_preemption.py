@@ -77,6 +77,21 @@ def _two(argv, outputs: list) -> list[subprocess.Popen]:
             for i in range(2)]
 
 
+def _ended(procs: list[subprocess.Popen], files: list) -> list[str]:
+    """Each process waited for (then killed, if it is still there), and its stderr."""
+    try:
+        procs[0].communicate(timeout=300)
+        procs[1].wait(timeout=300)
+    finally:
+        for p in procs:
+            p.kill()
+    errs = []
+    for _, err in files:
+        err.seek(0)
+        errs.append(err.read())
+    return errs
+
+
 @pytest.mark.slow
 def test_sigterm_to_one_process_stops_both_at_one_step_and_the_rerun_resumes_bit_identical(setup, tmp_path):
     """SIGTERM to process 1 alone, once process 0 has logged step 1: both processes save the same step and exit
@@ -98,15 +113,8 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_the_rerun_resumes_bit
             if line.startswith("step "):
                 break
         procs[1].send_signal(signal.SIGTERM)
-        procs[0].communicate(timeout=300)
-        procs[1].wait(timeout=300)
     finally:
-        for p in procs:
-            p.kill()
-    errs = []
-    for _, err in files:
-        err.seek(0)
-        errs.append(err.read())
+        errs = _ended(procs, files)
     assert [p.returncode for p in procs] == [143, 143], [e[-2000:] for e in errs]
     said = [[ln for ln in e.splitlines() if ln.startswith("interrupted")] for e in errs]
     pattern = (r"interrupted by a signal to one of the run's processes \(a preemption notice\): checkpoint saved at "
@@ -126,16 +134,7 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_the_rerun_resumes_bit
     port = _free_port()
     procs = _two(lambda i: ["-c", RESUME_NOTICED_EARLY, str(port), str(i), *args, f"output_dir={out}",
                             f"max_steps={step + 3}"], files)
-    try:
-        procs[0].communicate(timeout=300)
-        procs[1].wait(timeout=300)
-    finally:
-        for p in procs:
-            p.kill()
-    errs = []
-    for _, err in files:
-        err.seek(0)
-        errs.append(err.read())
+    errs = _ended(procs, files)
     assert [p.returncode for p in procs] == [143, 143], [e[-2000:] for e in errs]
     assert all(f"checkpoint saved at step {step + 1} in" in e for e in errs), [e[-500:] for e in errs]
     step += 1
