@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+from tests.processes import free_port
 
 
 @dataclass
@@ -38,12 +39,6 @@ class Store:
 
             boto3.client("s3", region_name="us-east-1").create_bucket(Bucket=name)
         return f"{self.scheme}://{name}"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager
@@ -98,7 +93,7 @@ def gcs_store() -> Iterator[Store]:
     from gcp_storage_emulator.server import create_server
 
     _send_generations()
-    port = _free_port()
+    port = free_port()
     server = create_server("127.0.0.1", port, in_memory=True)
     server.start()
     url = f"http://127.0.0.1:{port}"
@@ -117,7 +112,7 @@ def s3_store() -> Iterator[Store]:
     """moto's S3 server on a free loopback port (fake credentials, region us-east-1)."""
     from moto.server import ThreadedMotoServer
 
-    port = _free_port()
+    port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     url = f"http://127.0.0.1:{port}"

@@ -5,12 +5,32 @@ checkpoint."""
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
 from pathlib import Path
 
 # The repository root: the working directory of the tests' subprocesses.
 REPO = Path(__file__).resolve().parent.parent
 # What only the tests install: a run without them blocks these (tests/test_runtime_without_test_extras.py).
 TEST_ONLY = ("torch", "peft", "trl", "accelerate", "bitsandbytes")
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now (a coordinator's, a server's)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def ended(procs: list[subprocess.Popen], timeout: float = 600) -> list[tuple[int, str, str]]:
+    """(exit code, stdout, stderr) of each of ``procs`` (started with pipes), once all have ended; any still
+    running after ``timeout`` seconds (or after another's failure to end) killed."""
+    try:
+        results = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return [(p.returncode, *r) for p, r in zip(procs, results)]
 
 
 def devices_env(n: int) -> dict[str, str]:

@@ -5,9 +5,7 @@ cache. Against the GCS emulator on loopback (tests/object_stores.py).
 """
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
 
@@ -17,7 +15,7 @@ import pytest
 from pretrain.config import load_config
 from pretrain.loop import train
 from pretrain.runfolder import checkpoint_steps
-from tests.processes import devices_env, kill_after_checkpoint
+from tests.processes import devices_env, ended, free_port, kill_after_checkpoint
 from tests.run_files import read_metrics, write_word_texts
 from tests.tiny_lm import copy_tiny_lm
 from zoo import storage
@@ -112,19 +110,11 @@ def test_final_on_a_bucket_goes_straight_there(gcs, setup, tmp_path, monkeypatch
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return int(s.getsockname()[1])
-
-
 def _launch(scratch, args, script=None):
     """`pretrain train ARGS` as 2 processes x 2 CPU devices, each in its own scratch folder (its HOME, TMPDIR,
     LMZOO_CACHE and working directory: a host of its own); ``script``: run by ``python -c`` instead, with ARGS.
     Returns [(returncode, stdout, stderr)] by process."""
-    port = _free_port()
+    port = free_port()
     procs = []
     for i in range(2):
         home = scratch[i]
@@ -135,14 +125,7 @@ def _launch(scratch, args, script=None):
             [sys.executable, *cmd, *args, "--coordinator", f"localhost:{port}", "--num-processes", "2",
              "--process-id", str(i)], cwd=home / "work", env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True))
-    try:
-        results = [p.communicate(timeout=600) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.kill(p.pid, signal.SIGKILL)
-                p.wait()
-    return [(p.returncode, *r) for p, r in zip(procs, results)]
+    return ended(procs)
 
 
 def _files(folder):

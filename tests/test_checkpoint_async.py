@@ -12,6 +12,7 @@ from pretrain.checkpoints import Checkpoints
 from pretrain.cli import main as pretrain_main
 from pretrain.config import TrainConfig
 from pretrain.runfolder import checkpoint_steps
+from tests.run_files import write_word_texts
 from tests.tiny_lm import copy_tiny_lm
 from zoo import storage
 
@@ -80,11 +81,7 @@ sys.exit(main(sys.argv[2:]))
 def setup(tmp_path_factory, tiny_lm):
     root = tmp_path_factory.mktemp("async")
     copy_tiny_lm(tiny_lm, root)
-    rng = np.random.RandomState(0)
-    words = "the a cat dog sat ran on under mat log".split()
-    with open(root / "data.jsonl", "w") as f:
-        for _ in range(100):
-            f.write(json.dumps({"text": " ".join(rng.choice(words, rng.randint(5, 20)))}) + "\n")
+    write_word_texts(root / "data.jsonl", "the a cat dog sat ran on under mat log".split(), 100)
     return root
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.hf_models import make_llama
-from tests.processes import devices_env, kill_after_checkpoint
+from tests.processes import devices_env, ended, free_port, kill_after_checkpoint
 
 WORDS = "red blue green gold pink gray teal plum rust sand mint navy lime ruby jade onyx".split()
 LOW = set(WORDS[:8])  # the synthetic task's reward: the share of completion words from the first half
@@ -391,14 +391,6 @@ def test_a_verifier_without_its_answer_column_stops_before_step_one(setup, tmp_p
     assert not (tmp_path / "run").exists()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_follow_the_one_process_run(setup, accum_run, tmp_path):
     """2 processes x 2 CPU devices (gloo; fsdp over 4 devices; each process feeding its own rows, sampling its
@@ -414,18 +406,13 @@ def test_two_processes_follow_the_one_process_run(setup, accum_run, tmp_path):
             "grpo.max_completion_length=6", f"grpo.rewards=[{setup / 'rewards.py'}:low_words]", "log_every=1",
             "schedule.name=constant", "checkpoint.every=1000", f"output_dir={tmp_path / 'two'}", *ACCUM]
     env = devices_env(2)
-    port = _free_port()
+    port = free_port()
     run = "import sys; from grpo.cli import main; sys.exit(main(sys.argv[1:]))"
     procs = [subprocess.Popen([sys.executable, "-c", run, *args, "--coordinator", f"localhost:{port}",
                                "--num-processes", "2", "--process-id", str(i)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
-    try:
-        results = [p.communicate(timeout=600) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for p, (_, err) in zip(procs, results):
-        assert p.returncode == 0, err[-3000:]
+    for code, _, err in ended(procs):
+        assert code == 0, err[-3000:]
     one, two = _metrics(one_out), _metrics(tmp_path / "two")
     assert len(two) == 3 and [m["reward"] for m in two] == [m["reward"] for m in one]
     for k in ("loss", "grad_norm", "entropy", "kl"):

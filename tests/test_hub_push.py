@@ -8,7 +8,6 @@ Hub's URL, a fake token, no saved login (HF_HOME in tmp), online.
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +15,7 @@ import pytest
 
 from tests.fake_hub import FakeHub
 from tests.hub_runs import TOKEN, assert_token_not_leaked, zoo_export
+from tests.processes import free_port
 
 COMMIT_MESSAGE = "Upload model exported with lmzoo"
 CORE_FILES = {"config.json", "model.safetensors", "generation_config.json", "README.md"}
@@ -147,10 +147,8 @@ def test_unauthorized_hub_is_one_error_line(tmp_path, ckpt):
 
 @pytest.mark.slow
 def test_unreachable_hub_is_one_error_line(tmp_path, ckpt):
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = zoo_export(tmp_path, f"http://127.0.0.1:{port}", str(ckpt), "--push-to-hub", "me/tiny-offline")
+    proc = zoo_export(tmp_path, f"http://127.0.0.1:{free_port()}",  # a port nobody listens on
+                      str(ckpt), "--push-to-hub", "me/tiny-offline")
     assert_token_not_leaked(proc)
     assert "Traceback" not in proc.stderr
     assert proc.returncode == 2

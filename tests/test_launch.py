@@ -16,7 +16,7 @@ import pytest
 import zoo
 from pretrain.config import load_config
 from pretrain.loop import train
-from tests.processes import REPO, devices_env
+from tests.processes import REPO, devices_env, ended
 from tests.run_files import read_metrics, write_word_texts
 from tests.tiny_lm import copy_tiny_lm
 from zoo.cli import main as zoo_main
@@ -96,14 +96,10 @@ def test_srun_variables_and_distributed_join_two_processes_like_one(setup, one_p
     procs = [subprocess.Popen([sys.executable, "-m", "pretrain.cli", "train", *_args(setup, out, "grad_accum=2"),
                                "--distributed"], cwd=REPO, env=_srun_env(job, i), text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
-    try:
-        results = [p.communicate(timeout=600) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for p, (_, err) in zip(procs, results):
-        assert p.returncode == 0, err[-3000:]
-    assert "final model:" in results[0][0] and "final model:" not in results[1][0]  # process 0 reports
+    results = ended(procs)
+    for code, _, err in results:
+        assert code == 0, err[-3000:]
+    assert "final model:" in results[0][1] and "final model:" not in results[1][1]  # process 0 reports
     _follows(one_process, out)
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from pretrain.cli import main as pretrain_main
 from tests.object_stores import Store
+from tests.run_files import write_word_texts
 from tests.tiny_lm import copy_tiny_lm
 from zoo import storage
 from zoo.errors import UserError
@@ -205,11 +206,7 @@ def test_dpo_reference_cache_lives_in_a_bucket_run(gcs, setup):
 def setup(tmp_path_factory, tiny_lm):
     root = tmp_path_factory.mktemp("buckets")
     copy_tiny_lm(tiny_lm, root)
-    rng = np.random.RandomState(0)
-    words = "the a cat dog sat ran on under mat log".split()
-    with open(root / "data.jsonl", "w") as f:
-        for _ in range(100):
-            f.write(json.dumps({"text": " ".join(rng.choice(words, rng.randint(5, 20)))}) + "\n")
+    write_word_texts(root / "data.jsonl", "the a cat dog sat ran on under mat log".split(), 100)
     return root
 
 

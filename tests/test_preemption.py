@@ -3,7 +3,6 @@ its checkpoint saved, and the rerun resumes to the bits of a run never stopped (
 
 import re
 import signal
-import socket
 import subprocess
 import sys
 
@@ -11,7 +10,7 @@ import numpy as np
 import pytest
 
 import zoo
-from tests.processes import REPO, devices_env
+from tests.processes import REPO, devices_env, free_port
 from tests.run_files import read_metrics, write_word_texts
 from tests.tiny_lm import copy_tiny_lm
 
@@ -62,12 +61,6 @@ def setup(tmp_path_factory, tiny_lm):
     return root
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _two(argv, outputs: list) -> list[subprocess.Popen]:
     """2 processes x 1 CPU device (gloo): process i runs ``python *argv(i)``; process 0's stdout a pipe, the rest
     to ``outputs``' files."""
@@ -104,7 +97,7 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_the_rerun_resumes_bit
             "data.seq_len=32", "batch_size=2", "optimizer.learning_rate=0.01", "schedule.name=constant",
             "log_every=1", "checkpoint.every=100000"]  # no checkpoint but step 1's and the one the signal asks for
     files = [(open(tmp_path / f"out{i}.txt", "w+"), open(tmp_path / f"err{i}.txt", "w+")) for i in range(2)]
-    port = _free_port()
+    port = free_port()
     procs = _two(lambda i: ["-m", "pretrain.cli", "train", *args, f"output_dir={out}", "max_steps=100000",
                             "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
                  files)
@@ -131,7 +124,7 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_the_rerun_resumes_bit
 
     # A notice before a rerun's first step stops it one step in (not never: JAX counts from the rerun's start).
     files = [(open(tmp_path / f"early{i}.txt", "w+"), open(tmp_path / f"early_err{i}.txt", "w+")) for i in range(2)]
-    port = _free_port()
+    port = free_port()
     procs = _two(lambda i: ["-c", RESUME_NOTICED_EARLY, str(port), str(i), *args, f"output_dir={out}",
                             f"max_steps={step + 3}"], files)
     errs = _ended(procs, files)
@@ -140,7 +133,7 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_the_rerun_resumes_bit
     step += 1
 
     files = [(open(tmp_path / f"again{i}.txt", "w+"), open(tmp_path / f"again_err{i}.txt", "w+")) for i in range(2)]
-    port = _free_port()
+    port = free_port()
     procs = _two(lambda i: ["-c", RESUME_THEN_FRESH, str(port), str(i), str(step + 2), str(out), str(ref), *args],
                  files)
     try:

@@ -4,7 +4,6 @@ and a resumed run's tracker run continues; each read back with the tracker's own
 import json
 import math
 import os
-import socket
 import struct
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from pretrain.hooks import StepInfo
 from pretrain.loop import train
 from pretrain.runlog import TIMING_FIELDS
 from pretrain.trackers import STATE_FILE, TrackerHook, chosen
-from tests.processes import REPO, devices_env
+from tests.processes import REPO, devices_env, free_port
 from tests.run_files import read_metrics, write_word_texts
 from tests.tiny_lm import copy_tiny_lm
 from zoo.errors import UserError
@@ -80,7 +79,7 @@ def test_a_tracker_that_cannot_start_is_one_line_and_nothing_is_written(setup, t
     from tests.run_files import write_jsonl
 
     write_jsonl(tmp_path / "prefs.jsonl", dpo_pairs(8))
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_free_port()}")  # nothing listens there
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")  # nothing listens there
     monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
     out = tmp_path / "run"
     began = time.monotonic()
@@ -192,19 +191,13 @@ def test_trackio_local_run_holds_the_logs_floats_and_the_completions_table(setup
                       "advantage": -0.5}]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_of_two_processes_only_process_0_reports(setup, tmp_path, trackio_dir):
     """`pretrain train` as 2 processes x 1 CPU device (gloo), each with a trackio folder of its own: process 0's
     holds the run, with every step; process 1 wrote none."""
     out = tmp_path / "run"
     args = _args(setup, out, "report_to=[trackio]", "batch_size=2")
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "pretrain.cli", "train", *args, "--coordinator",
                                f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
@@ -228,7 +221,7 @@ def mlflow_server(tmp_path_factory):
     import urllib.request
 
     root = tmp_path_factory.mktemp("mlflow")
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
                                "--backend-store-uri", f"sqlite:///{root / 'db.sqlite'}", "--artifacts-destination",
                                str(root / "artifacts"), "--workers", "1"],

@@ -8,7 +8,7 @@ import pytest
 import zoo
 from pretrain.config import load_config
 from pretrain.loop import train
-from tests.processes import devices_env
+from tests.processes import devices_env, ended, free_port
 from tests.run_files import write_word_texts
 from tests.tiny_lm import copy_tiny_lm
 from zoo.cli import main as zoo_main
@@ -372,14 +372,6 @@ def test_eval_loss_and_mfu_are_logged(setup, tmp_path):
     assert all(0 < r["mfu"] < 1 for r in rows)  # against the configured 1 TFLOP/s peak
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 # `pretrain train ARGS` (what `python -m pretrain.cli` runs), then whether the process ever imported torch.
 TRAIN_THEN_TELL_TORCH = ("import sys; from pretrain.cli import main; rc = main(['train', *sys.argv[1:]]); "
                          "print('TORCH', 'torch' in sys.modules); sys.exit(rc)")
@@ -397,17 +389,12 @@ def two_processes(setup, tmp_path_factory):
             "data.seq_len=32", "batch_size=8", "grad_accum=2", "schedule.name=constant", "log_every=1",
             "checkpoint.every=2", f"output_dir={out}", f"max_steps={SGD_STEPS}", *SGD]
     env = devices_env(2)
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, "-c", TRAIN_THEN_TELL_TORCH, *args, "--coordinator",
                                f"localhost:{port}", "--num-processes", "2", "--process-id", str(i)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for i in range(2)]
-    try:
-        results = [p.communicate(timeout=600) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    return out, [(p.returncode, *r) for p, r in zip(procs, results)]
+    return out, ended(procs)
 
 
 @pytest.mark.slow

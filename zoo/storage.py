@@ -129,21 +129,35 @@ def fetched(url: str | os.PathLike[str], marker: str, what: str) -> Path:
     ``~/.cache/lmzoo``), brought up to date: a file is downloaded again when its object changed (its listing
     entry: generation, ETag, size). ``marker`` is the file the folder must hold (``model.json``; written last
     by its writer, so a folder that has it is whole); without it, one line naming ``what``."""
-    import fsspec
-    from fsspec.utils import tokenize
-
     remote = run_path(url, what)
     if not (remote / marker).exists():
         raise UserError(f"{what} {os.fspath(url)}: no checkpoint there (no {marker}; a training run's checkpoint "
                         f"is its final/ folder)")
-    fs, root = fsspec.core.url_to_fs(os.fspath(url))
-    root = root.rstrip("/")
-    dest = _cache_root() / (scheme_of(url) or "") / root
-    listing = fs.find(root, detail=True)
-    files = {k[len(root) + 1:]: tokenize(sorted((n, str(v)) for n, v in info.items()))
-             for k, info in listing.items() if info.get("type") != "directory"}
-    _mirror(fs, root, dest, files, marker, prune=True)
+    fs, root, dest = _remote(os.fspath(url))
+    _mirror(fs, root, dest, _listing(fs, root), marker, prune=True)
     return dest
+
+
+def _remote(url: str) -> tuple[Any, str, Path]:
+    """(its fsspec file system, its key without a trailing slash, where its copy goes in lmzoo's cache)."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url)
+    root = root.rstrip("/")
+    return fs, root, _cache_root() / (scheme_of(url) or "") / root
+
+
+def _stamp(info: dict[str, Any]) -> str:
+    """An object's listing entry (generation, ETag, size, ...) as one string: another one, another object."""
+    from fsspec.utils import tokenize
+
+    return str(tokenize(sorted((n, str(v)) for n, v in info.items())))
+
+
+def _listing(fs: Any, root: str) -> dict[str, str]:
+    """Each object under ``root``: its name relative to ``root`` -> its :func:`_stamp`."""
+    return {k[len(root) + 1:]: _stamp(info) for k, info in fs.find(root, detail=True).items()
+            if info.get("type") != "directory"}
 
 
 def _replace_with(target: Path, write: Callable[[str], object]) -> None:
@@ -220,24 +234,16 @@ def local_copy(spec: str | os.PathLike[str], what: str) -> Path:
     read (a missing bucket, missing credentials), is one line naming ``what``."""
     if not is_remote(spec):
         return Path(os.fspath(spec)).expanduser()
-    import fsspec
-    from fsspec.utils import tokenize
-
     url = os.fspath(spec)
     run_path(url, what)  # an unknown scheme, a missing extra: one line
-    fs, root = fsspec.core.url_to_fs(url)
-    root = root.rstrip("/")
-    dest = _cache_root() / (scheme_of(url) or "") / root
+    fs, root, dest = _remote(url)
     try:
         if fs.isfile(root):  # one object: its copy sits in its folder's copy, beside the others fetched there
-            _mirror(fs, root.rsplit("/", 1)[0], dest.parent, {dest.name: tokenize(sorted(
-                (n, str(v)) for n, v in fs.info(root).items()))}, None, prune=False)
+            _mirror(fs, root.rsplit("/", 1)[0], dest.parent, {dest.name: _stamp(fs.info(root))}, None, prune=False)
             return dest
-        listing = fs.find(root, detail=True)
+        files = _listing(fs, root)
     except Exception as e:  # fsspec's errors differ per store; the message says which it was
         raise UserError(f"{what} {url}: cannot read it ({_reason(e)}); {_fix(scheme_of(url) or '')}") from None
-    files = {k[len(root) + 1:]: tokenize(sorted((n, str(v)) for n, v in info.items()))
-             for k, info in listing.items() if info.get("type") != "directory"}
     if not files:
         raise UserError(f"{what} {url}: no such file or folder (no object at or under it)")
     _mirror(fs, root, dest, files, None, prune=True)
