@@ -322,8 +322,9 @@ class _StopOnSignal:
 
         self.requested: str | None = None  # the name of a signal this process's handler saw
         self.signum = signal.SIGTERM.value  # its number; a preemption notice's, SIGTERM, until one comes
-        # JAX's flags are attributes of jax.config (their documented reading), which its stubs do not list.
-        service = bool(jax.config.jax_enable_preemption_service)  # type: ignore[attr-defined]
+        # JAX's flags are attributes of jax.config (their documented reading), which its stubs do not list; getattr
+        # types the same with and without jax installed (CI's lint environment has none).
+        service = bool(getattr(jax.config, "jax_enable_preemption_service", False))
         self.notice = jax.process_count() > 1 and service
         self._old = {}
         if threading.current_thread() is threading.main_thread():
@@ -346,7 +347,7 @@ class _StopOnSignal:
             # JAX's service counts from its own start: a notice that comes before the first boundary is agreed for
             # id 1. Counting the run's global step instead, a resumed run (first id its checkpoint's step) would
             # pass that id and never stop; every process resumes at the same step, so this count agrees too.
-            return multihost_utils.reached_preemption_sync_point(taken)
+            return bool(multihost_utils.reached_preemption_sync_point(taken))
         return distributed.any_process(self.requested is not None)
 
     def restore(self) -> None:
