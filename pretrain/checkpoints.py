@@ -23,7 +23,8 @@ from pretrain.config import TrainConfig
 from pretrain.data.lanes import check_same_processes
 from pretrain.hooks import Hook, StepInfo
 from zoo.errors import UserError
-from zoo.storage import RunPath
+from zoo.orbax_s3 import BUCKET_ATOMICITY
+from zoo.storage import RunPath, is_remote
 
 
 class DataPositionHandler(grain.checkpoint.CheckpointHandler, ocp.AsyncCheckpointHandler):  # type: ignore[misc]
@@ -57,13 +58,15 @@ class DataPosition(ocp.args.CheckpointArgs):  # type: ignore[misc]
 
 class Checkpoints(Hook):
     """``output_dir/checkpoints``: every ``checkpoint.every`` steps and always the last, the newest
-    ``checkpoint.keep`` kept. Each holds the state, the data iterator's position and the config. On ``gs://``
-    Orbax writes through TensorStore's own GCS driver and marks a finished step with its commit file."""
+    ``checkpoint.keep`` kept. Each holds the state, the data iterator's position and the config. On a bucket
+    (``gs://``, ``s3://``) Orbax writes through TensorStore's own GCS or S3 driver and marks a finished step with
+    its commit file."""
 
     def __init__(self, out: RunPath, cfg: TrainConfig, batches: Any):
         self.dir, self.cfg, self.batches = out / "checkpoints", cfg, batches
         self.manager = ocp.CheckpointManager(self.dir, options=ocp.CheckpointManagerOptions(
-            max_to_keep=cfg.checkpoint.keep, save_interval_steps=cfg.checkpoint.every))
+            max_to_keep=cfg.checkpoint.keep, save_interval_steps=cfg.checkpoint.every,
+            atomicity_options=BUCKET_ATOMICITY if is_remote(out) else None))
 
     def restore(self, state: dict[str, Any]) -> tuple[dict[str, Any], int, RunPath | None]:
         """(state, step, checkpoint folder) of the newest readable checkpoint, or (``state``, 0, None).

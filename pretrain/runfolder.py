@@ -19,7 +19,7 @@ import yaml
 
 from pretrain.config import TrainConfig, config_keys
 from zoo.errors import UserError
-from zoo.storage import RunPath, check_writable, is_remote, move_tree, scheme_of
+from zoo.storage import RunPath, check_writable, is_remote, move_tree
 
 CONFIG_FILE = "config.yaml"
 # Keys a resumed run may change freely (a key or a whole section). Anything else is a change of the run itself.
@@ -149,9 +149,6 @@ def move_aside(out: RunPath) -> RunPath | None:
 def check_output(out: RunPath) -> None:
     """Before the model loads: ``out`` on object storage is a place Orbax can checkpoint into and the credentials
     may write (a probe object written and removed: :func:`zoo.storage.check_writable`); else one line."""
-    if scheme_of(out) == "s3":  # orbax-checkpoint builds TensorStore specs for gs:// and local paths only
-        raise UserError(f"output_dir {out}: Orbax cannot write checkpoints to s3:// yet (google/orbax#359); use a "
-                        f"gs:// bucket or a local path (s3:// output_dir is planned)")
     check_writable(out)  # on every process: each host writes its own shards, with its own credentials
 
 

@@ -86,11 +86,11 @@ def setup(tmp_path_factory, tiny_lm):
 
 
 @pytest.mark.slow
-def test_kill_9_in_the_middle_of_a_save_resumes_bit_identical(setup, gcs, tmp_path, capsys):
+def test_kill_9_in_the_middle_of_a_save_resumes_bit_identical(setup, gcs, s3, tmp_path, capsys):
     """A run killed with SIGKILL while Orbax saves step 4 (its items written, the step not committed), once on
-    local disk and once on the GCS emulator: the uncommitted step is left behind but never listed; the same
-    command resumes from step 2 (a checkpoint written while step 3 ran) and ends bit-identical to a run never
-    killed, every step logged once. Slow: two `pretrain train` subprocesses and five runs."""
+    local disk, once on the GCS emulator and once on moto's S3: the uncommitted step is left behind but never
+    listed; the same command resumes from step 2 (a checkpoint written while step 3 ran) and ends bit-identical
+    to a run never killed, every step logged once. Slow: three `pretrain train` subprocesses and seven runs."""
     import subprocess
     import sys
 
@@ -110,7 +110,8 @@ def test_kill_9_in_the_middle_of_a_save_resumes_bit_identical(setup, gcs, tmp_pa
 
     assert pretrain_main(args(tmp_path / "full")) == 0
     full = storage.run_path(str(tmp_path / "full"))
-    for out in (storage.run_path(str(tmp_path / "killed")), storage.run_path(gcs.bucket() + "/killed")):
+    for out in [storage.run_path(str(tmp_path / "killed"))] + [storage.run_path(store.bucket() + "/killed")
+                                                               for store in (gcs, s3)]:
         killed = subprocess.run([sys.executable, "-c", KILL_MID_SAVE, "4", *args(out)], capture_output=True,
                                 timeout=300)
         assert killed.returncode == -9, killed.stderr.decode()[-2000:]

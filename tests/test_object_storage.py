@@ -60,26 +60,35 @@ def test_emulator_gives_tensorstore_generations(gcs):
     assert kv.read("manifest").result().value == b"two"
 
 
-def test_orbax_writes_and_reads_a_pytree_on_gcs(gcs):
-    """Orbax's own GCS path (TensorStore's gcs driver) against the emulator: a pytree saved and restored, and
-    the step listed as committed (Orbax's commit file; a step folder without it is not listed)."""
+def test_orbax_writes_and_reads_a_pytree_on_a_bucket(store):
+    """Orbax's arrays through TensorStore's own driver for each store (gcs as Orbax has it; s3 through
+    zoo/orbax_s3.py, which run_path installs): a pytree saved and restored, and the step listed as committed
+    (Orbax's commit file; a step folder without it is not listed)."""
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
 
     from pretrain.runfolder import COMMIT_FILE, checkpoint_steps
+    from zoo.orbax_s3 import BUCKET_ATOMICITY
 
-    out = storage.run_path(gcs.bucket() + "/run")
+    out = storage.run_path(store.bucket() + "/run")
     tree = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3, jnp.bfloat16)}
-    with ocp.CheckpointManager(out / "checkpoints") as manager:
+    options = ocp.CheckpointManagerOptions(atomicity_options=BUCKET_ATOMICITY)
+    with ocp.CheckpointManager(out / "checkpoints", options=options) as manager:
         manager.save(1, args=ocp.args.StandardSave(tree))
     (out / "checkpoints" / "2" / "state" / "x").write_text("a step killed mid-save")  # no commit file
     assert (out / "checkpoints" / "1" / COMMIT_FILE).exists()
     assert checkpoint_steps(out) == [1]
-    with ocp.CheckpointManager(out / "checkpoints") as manager:
+    with ocp.CheckpointManager(out / "checkpoints", options=options) as manager:
         assert manager.all_steps() == [1]  # what the run restores from: committed steps only
         back = manager.restore(1, args=ocp.args.StandardRestore(tree))
     assert back["b"].dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(back["w"]), np.arange(6.0).reshape(2, 3))
+    if store.scheme == "s3":  # the arrays are S3 objects, written by TensorStore's s3 driver
+        import boto3
+
+        listed = boto3.client("s3").list_objects_v2(Bucket=str(out).split("/")[2])["Contents"]
+        data = [o["Key"] for o in listed if "/checkpoints/1/default/" in o["Key"] and "/d/" in o["Key"]]
+        assert data, [o["Key"] for o in listed]  # OCDBT's data files
 
 
 def test_unknown_scheme_and_missing_extra_are_one_line(monkeypatch):
@@ -216,13 +225,13 @@ def _args(setup, out, *more):
             "checkpoint.every=2", f"output_dir={out}", *more]
 
 
-def test_bad_output_dirs_fail_before_the_model_loads(setup, gcs, capsys):
+def test_bad_output_dirs_fail_before_the_model_loads(setup, gcs, s3, capsys):
     """Through the command: each one line and exit 2, before the model loads (model.path names nothing: it is
     never reached), and nothing written."""
     missing = setup / "no-model"
     for url, says in [("ftp://h/run", "unknown scheme ftp://"),
                       ("gs://no-such-bucket/run", "gs://no-such-bucket/run: cannot write there"),
-                      (gcs.bucket().replace("gs://", "s3://") + "/run", "Orbax cannot write checkpoints to s3://")]:
+                      ("s3://no-such-bucket/run", "s3://no-such-bucket/run: cannot write there")]:
         args = _args(setup, url, "max_steps=1")
         args[1] = f"model.path={missing}"
         assert pretrain_main(args) == 2
@@ -232,8 +241,9 @@ def test_bad_output_dirs_fail_before_the_model_loads(setup, gcs, capsys):
 
 
 @pytest.mark.slow
-def test_a_run_on_gcs_trains_checkpoints_and_resumes_after_kill_9(setup, gcs, capsys, tmp_path, monkeypatch):
-    """``output_dir: gs://...``: the run's checkpoints (Orbax through TensorStore's GCS driver), metrics.jsonl,
+def test_a_run_on_a_bucket_trains_checkpoints_and_resumes_after_kill_9(setup, store, capsys, tmp_path, monkeypatch):
+    """``output_dir: gs://...`` or ``s3://...``: the run's checkpoints (Orbax through TensorStore's GCS or S3
+    driver), metrics.jsonl,
     TensorBoard, config and final model land in the bucket, nothing locally; the starting checkpoint
     (model.path) is on the bucket too, and the final model is read back by its URL. A second run killed with
     SIGKILL once its step-2 checkpoint is committed, then run again, resumes from the bucket and ends
@@ -249,7 +259,7 @@ def test_a_run_on_gcs_trains_checkpoints_and_resumes_after_kill_9(setup, gcs, ca
     from tests.processes import kill_after_checkpoint
 
     monkeypatch.setenv("LMZOO_CACHE", str(tmp_path))
-    bucket = gcs.bucket()
+    bucket = store.bucket()
     storage.upload_tree(setup / "zoo", storage.run_path(bucket + "/base"), last=("model.json",))
 
     def args(run):
@@ -265,7 +275,7 @@ def test_a_run_on_gcs_trains_checkpoints_and_resumes_after_kill_9(setup, gcs, ca
     assert json.loads((full / "final" / "model.json").read_text())["training"]["steps"] == 4
     events = [p for p in (full / "tensorboard").iterdir() if p.name.startswith("events.out.tfevents")]
     assert events and all(b"train/loss" in p.read_bytes() for p in events)
-    assert (full / "config.yaml").is_file() and not (setup / "gs:").exists()
+    assert (full / "config.yaml").is_file() and not (setup / f"{store.scheme}:").exists()
 
     killed = subprocess.run([sys.executable, "-c", kill_after_checkpoint("pretrain.cli"), "2", *args("killed")],
                             capture_output=True, timeout=300)
@@ -282,3 +292,25 @@ def test_a_run_on_gcs_trains_checkpoints_and_resumes_after_kill_9(setup, gcs, ca
     assert a.cfg.num_layers == 2
     for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b)), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_s3_kvstore_follows_the_environment_and_other_paths_stay_orbaxs(monkeypatch):
+    """zoo/orbax_s3.py: an s3:// URL becomes TensorStore's s3 spec with the endpoint and region boto3 would use;
+    gs:// and local paths get exactly what Orbax builds for them."""
+    from orbax.checkpoint._src.serialization import tensorstore_utils as tsu
+
+    from zoo.orbax_s3 import install, kvstore
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:10")
+    monkeypatch.setenv("AWS_REGION", "eu-west-3")
+    install()
+    assert kvstore("s3://bk/runs/one/") == {"driver": "s3", "bucket": "bk", "path": "runs/one/",
+                                             "endpoint": "http://127.0.0.1:10", "aws_region": "eu-west-3"}
+    assert kvstore("gs://bk/runs") == "gs://bk/runs/" and kvstore("/tmp/x") == "file:///tmp/x/"
+    spec = tsu.build_kvstore_tspec("s3://bk/runs//one/", "w", use_ocdbt=False)
+    assert spec == {"driver": "s3", "bucket": "bk", "path": "runs/one/w", "endpoint": "http://127.0.0.1:10",
+                    "aws_region": "eu-west-3"}
+    assert tsu.build_kvstore_tspec("gs://bk/runs/", "w", use_ocdbt=False) == \
+        {"driver": "gcs", "bucket": "bk", "path": "runs/w"}
+    assert tsu.build_kvstore_tspec("/tmp/runs", "w", use_ocdbt=False) == {"driver": "file", "path": "/tmp/runs/w"}

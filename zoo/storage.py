@@ -63,6 +63,10 @@ def run_path(spec: str | os.PathLike[str], what: str = "output_dir") -> RunPath:
     if importlib.util.find_spec(package) is None:
         raise UserError(f"{what} {os.fspath(spec)}: {scheme}:// needs {package}; pip install 'lmzoo[{extra}]'")
     _no_listing_cache()
+    if scheme == "s3":  # Orbax's arrays on s3:// need TensorStore's S3 driver taught to it
+        from zoo.orbax_s3 import install
+
+        install()
     return epath.Path(os.fspath(spec))
 
 

@@ -16,6 +16,7 @@ import numpy as np
 from zoo.checkpoints.format import MODEL_FILE, PARAMS_DIR, STATE_DIR, np_dtype
 from zoo.model.config import ModelConfig
 from zoo.model.params import ParamSpec, param_specs
+from zoo.orbax_s3 import kvstore
 from zoo.storage import RunPath, is_remote, run_path
 
 
@@ -73,7 +74,7 @@ def _open_state(ckpt: Path | RunPath) -> tuple[Any, Any]:
     import tensorstore as ts
 
     state = ckpt / PARAMS_DIR / STATE_DIR
-    base = f"{state}/" if is_remote(state) else f"file://{state}/"  # TensorStore's own driver for a bucket URL
+    base = kvstore(state)  # TensorStore's own driver for a bucket URL
     try:
         tree = json.loads((state / "_METADATA").read_text())["tree_metadata"]
     except (OSError, ValueError, KeyError) as e:

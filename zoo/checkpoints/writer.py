@@ -210,7 +210,10 @@ def save_params(folder: str | os.PathLike, params: dict[str, Any], axes: dict[st
     model. Returns the per-parameter metadata for :meth:`CheckpointWriter.adopt`.
     """
     ocp = orbax_v1()
-    with _save_context():
+    ctx = _save_context()
+    if is_remote(folder):  # no rename on a bucket (on s3:// it would copy every object): Orbax's commit file
+        ctx.atomicity.mode = ocp.options.AtomicityMode.COMMIT_FILE
+    with ctx:
         ocp.save(_folder(folder) / PARAMS_DIR, params)
     flat = flatten(params)
     return {k: {"shape": list(v.shape), "dtype": str(v.dtype), "axes": list(axes[k])} for k, v in sorted(flat.items())}
