@@ -7,6 +7,7 @@ numbers: what the bucket paths read and write is what the local ones do.
 """
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,6 +30,122 @@ def setup(tmp_path_factory, tiny_lm):
             for _ in range(n):
                 f.write(json.dumps({"text": " ".join(rng.choice(words, rng.randint(5, 20)))}) + "\n")
     return root
+
+
+# `zoo ARGS` that SIGKILLs itself once the converter has written its second whole parameter (the tiny model has
+# three, then its stacked layers): a kill -9 in the middle of the checkpoint's writing, exactly there.
+_KILL_AFTER_TWO_ARRAYS = r"""
+import os, signal, sys
+from zoo.checkpoints.writer import CheckpointWriter
+real, done = CheckpointWriter.add, []
+
+def add(self, *a, **k):
+    real(self, *a, **k)
+    done.append(a[0])
+    if len(done) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+CheckpointWriter.add = add
+from zoo.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _objects(url: str) -> dict[str, bytes]:
+    """The objects under ``url`` (``gs://bucket/prefix``) as the emulator's own client lists and reads them:
+    name relative to the prefix -> content."""
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import storage as gcs_client
+
+    bucket, _, prefix = url.removeprefix("gs://").partition("/")
+    client = gcs_client.Client(project="test", credentials=AnonymousCredentials())
+    return {b.name[len(prefix) + 1:]: b.download_as_bytes() for b in client.list_blobs(bucket, prefix=prefix + "/")}
+
+
+def _same_model(a, b) -> None:
+    import jax
+    from flax import nnx
+
+    assert a.cfg == b.cfg
+    leaves = jax.tree.leaves(nnx.state(a))
+    assert len(leaves) > 5
+    for x, y in zip(leaves, jax.tree.leaves(nnx.state(b)), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_convert_streams_its_arrays_into_the_bucket_and_load_reads_them_there(setup, gcs, tmp_path, monkeypatch):
+    """``zoo convert --out gs://``: the arrays go from memory into the bucket through Orbax and TensorStore (no
+    local folder of the checkpoint: the temporary folders it used held a few small files, no params/); the
+    bucket holds Orbax's checkpoint (its tree metadata, OCDBT manifest and commit file, read with the emulator's
+    client) and model.json, nothing of the writer's; ``zoo.load(url)`` reads the arrays there, the same bits as the
+    local conversion, and copies no params/ into lmzoo's cache."""
+    import tempfile
+
+    import zoo
+    from zoo.checkpoints.verify import verify_complete
+
+    monkeypatch.setenv("LMZOO_CACHE", str(tmp_path / "cache"))
+    used: list[dict[str, int]] = []
+
+    class Recorded(tempfile.TemporaryDirectory):  # each temporary folder's files, as they were before removal
+        def cleanup(self):
+            used.append({str(p.relative_to(self.name)): p.stat().st_size for p in Path(self.name).rglob("*")
+                         if p.is_file()})
+            super().cleanup()
+
+    monkeypatch.setattr(tempfile, "TemporaryDirectory", Recorded)
+    url = gcs.bucket() + "/zoo"
+    assert zoo_main(["convert", str(setup / "hf"), "--out", url]) == 0
+    monkeypatch.undo()
+    objects = _objects(url)
+    arrays = sum(len(v) for k, v in objects.items() if k.startswith("params/"))
+    assert arrays > 100_000  # the tiny model's weights
+    assert not any("params/" in f for files in used for f in files), used
+    assert sum(sum(files.values()) for files in used) < arrays / 10, used
+
+    assert {"model.json", "params/commit_success.txt", "params/state/manifest.ocdbt"} <= set(objects)
+    assert not any(".lmzoo-incomplete" in k or "partial_save" in k for k in objects), sorted(objects)
+    here = json.loads((setup / "zoo" / "model.json").read_text())
+    assert json.loads(objects["model.json"])["params"] == here["params"]
+    tree = json.loads(objects["params/state/_METADATA"])["tree_metadata"]
+    assert sorted(tree) == sorted(str(tuple(p.split("."))) for p in here["params"])
+    verify_complete(url)
+
+    monkeypatch.setenv("LMZOO_CACHE", str(tmp_path / "cache"))
+    _same_model(zoo.load(url), zoo.load(setup / "zoo"))
+    cached = [p.relative_to(tmp_path / "cache") for p in (tmp_path / "cache").rglob("*")]
+    assert any(p.name == "model.json" for p in cached) and not any("params" in p.parts for p in cached), cached
+
+
+@pytest.mark.slow
+def test_convert_killed_mid_write_leaves_no_checkpoint_and_a_rerun_writes_one(setup, gcs, tmp_path, monkeypatch):
+    """A convert to a bucket killed with SIGKILL in the middle of its arrays: what it left (some arrays, no
+    model.json) is no checkpoint to any reader, and the same command run again clears it and writes the whole
+    checkpoint."""
+    import subprocess
+    import sys
+
+    import zoo
+    from zoo.checkpoints.format import read_meta
+    from zoo.checkpoints.verify import verify_complete
+    from zoo.errors import UserError
+
+    monkeypatch.setenv("LMZOO_CACHE", str(tmp_path / "cache"))
+    url = gcs.bucket() + "/zoo"
+    command = ["convert", str(setup / "hf"), "--out", url]
+    killed = subprocess.run([sys.executable, "-c", _KILL_AFTER_TWO_ARRAYS, *command], capture_output=True,
+                            timeout=300)
+    assert killed.returncode == -9, killed.stderr.decode()[-2000:]
+    left = _objects(url)
+    assert any(k.startswith("params/state/d/") for k in left) and "model.json" not in left, sorted(left)
+    for read in (zoo.load, read_meta, storage.fetched):
+        with pytest.raises(UserError, match="no checkpoint there|not a zoo checkpoint"):
+            read(url) if read is not storage.fetched else read(url, "model.json", "model.path")
+    with pytest.raises(RuntimeError, match="unreadable model.json"):
+        verify_complete(url)
+    assert zoo_main(command) == 0
+    assert ".lmzoo-incomplete" not in _objects(url)
+    _same_model(zoo.load(url), zoo.load(setup / "zoo"))
 
 
 def _train(model: str, tok: str, colours: str, shapes: str, held: str, out: str) -> list[str]:

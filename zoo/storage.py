@@ -63,6 +63,10 @@ def run_path(spec: str | os.PathLike[str], what: str = "output_dir") -> RunPath:
     if importlib.util.find_spec(package) is None:
         raise UserError(f"{what} {os.fspath(spec)}: {scheme}:// needs {package}; pip install 'lmzoo[{extra}]'")
     _no_listing_cache()
+    if scheme == "s3":  # TEMP lead's
+        from zoo.orbax_s3 import install
+
+        install()
     return epath.Path(os.fspath(spec))
 
 
@@ -91,6 +95,17 @@ def remove_tree(path: RunPath | Path) -> None:
     remote = epath.Path(os.fspath(path))
     if remote.exists():
         remote.rmtree()
+
+
+def empty_prefix(path: RunPath, keep: tuple[str, ...] = ()) -> None:
+    """Remove every object under the prefix ``path`` (object storage) but those named in ``keep`` (relative names)."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(os.fspath(path))
+    root = root.rstrip("/")
+    doomed = [k for k in fs.find(root) if k[len(root) + 1:] not in keep]
+    if doomed:
+        fs.rm(doomed)
 
 
 def move_tree(src: RunPath, dest: RunPath) -> None:
@@ -124,18 +139,33 @@ def upload_tree(src: Path, dest: RunPath | Path, last: tuple[str, ...] = (), ski
             shutil.copyfileobj(r, w)
 
 
-def fetched(url: str | os.PathLike[str], marker: str, what: str) -> Path:
+def fetched(url: str | os.PathLike[str], marker: str, what: str, leave: tuple[str, ...] = ()) -> Path:
     """A local copy of the folder at ``url`` (object storage), in lmzoo's cache (``LMZOO_CACHE``, default
     ``~/.cache/lmzoo``), brought up to date: a file is downloaded again when its object changed (its listing
     entry: generation, ETag, size). ``marker`` is the file the folder must hold (``model.json``; written last
-    by its writer, so a folder that has it is whole); without it, one line naming ``what``."""
+    by its writer, so a folder that has it is whole); without it, one line naming ``what``. The subfolders named
+    ``leave`` are not copied (a checkpoint's ``params/``: Orbax reads its arrays at the URL); :func:`origin`
+    gives the URL back for the copy."""
     remote = run_path(url, what)
     if not (remote / marker).exists():
         raise UserError(f"{what} {os.fspath(url)}: no checkpoint there (no {marker}; a training run's checkpoint "
                         f"is its final/ folder)")
     fs, root, dest = _remote(os.fspath(url))
-    _mirror(fs, root, dest, _listing(fs, root), marker, prune=True)
+    files = {rel: stamp for rel, stamp in _listing(fs, root).items() if rel.split("/", 1)[0] not in leave}
+    _mirror(fs, root, dest, files, marker, prune=True)
+    _replace_with(_origin_file(dest), lambda tmp: Path(tmp).write_text(os.fspath(url).rstrip("/")))
     return dest
+
+
+def origin(copy: str | os.PathLike[str]) -> str | None:
+    """The URL of the folder that :func:`fetched` copied to the local folder ``copy``; None for any other folder."""
+    f = _origin_file(Path(os.fspath(copy)).absolute())
+    return f.read_text() if f.is_file() else None
+
+
+def _origin_file(dest: Path) -> Path:
+    # beside the copy, as its stamps are: the copy holds the folder's files only
+    return dest.parent / f".{dest.name}.lmzoo-origin"
 
 
 def _remote(url: str) -> tuple[Any, str, Path]:
