@@ -73,12 +73,14 @@ def _same_model(a, b) -> None:
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def test_convert_streams_its_arrays_into_the_bucket_and_load_reads_them_there(setup, gcs, tmp_path, monkeypatch):
+@pytest.mark.slow
+def test_convert_streams_its_arrays_into_the_bucket_and_load_reads_them_there(setup, gcs, tmp_path, monkeypatch,
+                                                                              capsys):
     """``zoo convert --out gs://``: the arrays go from memory into the bucket through Orbax and TensorStore (no
     local folder of the checkpoint: the temporary folders it used held a few small files, no params/); the
     bucket holds Orbax's checkpoint (its tree metadata, OCDBT manifest and commit file, read with the emulator's
     client) and model.json, nothing of the writer's; ``zoo.load(url)`` reads the arrays there, the same bits as the
-    local conversion, and copies no params/ into lmzoo's cache."""
+    local conversion, and ``zoo info`` the same chunk table, with no params/ copied into lmzoo's cache."""
     import tempfile
 
     import zoo
@@ -113,6 +115,13 @@ def test_convert_streams_its_arrays_into_the_bucket_and_load_reads_them_there(se
 
     monkeypatch.setenv("LMZOO_CACHE", str(tmp_path / "cache"))
     _same_model(zoo.load(url), zoo.load(setup / "zoo"))
+    tables = []
+    for ckpt in (url, str(setup / "zoo")):  # `zoo info`: the chunk table read from the arrays where they are
+        assert zoo_main(["info", ckpt]) == 0
+        said = capsys.readouterr().out
+        assert " 0 files" not in said
+        tables.append(said.split("\n\n", 1)[1])
+    assert tables[0] == tables[1] and "?" not in tables[0]
     cached = [p.relative_to(tmp_path / "cache") for p in (tmp_path / "cache").rglob("*")]
     assert any(p.name == "model.json" for p in cached) and not any("params" in p.parts for p in cached), cached
 

@@ -108,6 +108,20 @@ def empty_prefix(path: RunPath, keep: tuple[str, ...] = ()) -> None:
         fs.rm(doomed)
 
 
+def file_sizes(folder: RunPath | Path) -> dict[str, int]:
+    """Each file under ``folder`` (a local folder, or the objects under a prefix): its name relative to ``folder``
+    -> its size in bytes."""
+    if not is_remote(folder):
+        root = Path(os.fspath(folder))
+        return {p.relative_to(root).as_posix(): p.stat().st_size for p in root.rglob("*") if p.is_file()}
+    import fsspec
+
+    fs, key = fsspec.core.url_to_fs(os.fspath(folder))
+    key = key.rstrip("/")
+    return {k[len(key) + 1:]: int(info.get("size") or 0) for k, info in fs.find(key, detail=True).items()
+            if info.get("type") != "directory"}
+
+
 def move_tree(src: RunPath, dest: RunPath) -> None:
     """Move the folder ``src`` to ``dest``: renamed on the local disk; on object storage each object copied,
     then the old ones removed (a bucket has no folder to rename; s3fs's recursive move fails on a prefix)."""
