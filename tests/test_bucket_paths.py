@@ -51,6 +51,19 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+# Writes one 128 MiB parameter into the checkpoint ARGV[1] and prints the process's peak memory above what it held
+# with the parameter made (MiB).
+_PEAK_OF_A_WRITE = r"""
+import resource, sys, numpy as np
+from zoo.checkpoints.writer import CheckpointWriter, checkpoint_output
+a = np.random.default_rng(0).standard_normal(32 << 20, dtype=np.float32).reshape(4096, -1)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+with checkpoint_output(sys.argv[1]) as folder:
+    CheckpointWriter(folder, {"w": (a.shape, a.dtype)}).add("w", a)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
+"""
+
+
 def _objects(url: str) -> dict[str, bytes]:
     """The objects under ``url`` (``gs://bucket/prefix``) as the emulator's own client lists and reads them:
     name relative to the prefix -> content."""
@@ -124,6 +137,20 @@ def test_convert_streams_its_arrays_into_the_bucket_and_load_reads_them_there(se
     assert tables[0] == tables[1] and "?" not in tables[0]
     cached = [p.relative_to(tmp_path / "cache") for p in (tmp_path / "cache").rglob("*")]
     assert any(p.name == "model.json" for p in cached) and not any("params" in p.parts for p in cached), cached
+
+
+@pytest.mark.slow
+def test_writing_into_a_bucket_stages_no_copy_of_the_array(gcs):
+    """A parameter written into a bucket goes from the caller's buffer (as Orbax writes it): the writer's peak
+    memory grows by under half the array (measured: by nothing for this 128 MiB one, 0.93x when TensorStore
+    staged a copy; a 256 MiB one grows it by 0.38x, as much as Orbax's own save of it to the bucket)."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _PEAK_OF_A_WRITE, gcs.bucket() + "/w"], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert float(run.stdout.split()[-1]) < 64, run.stdout
 
 
 @pytest.mark.slow

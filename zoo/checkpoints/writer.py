@@ -308,7 +308,10 @@ class CheckpointWriter:
         store = ts.open(spec, create=True, delete_existing=True).result()
         seen = 0
         for index, piece in pieces:
-            store[index].write(np.asarray(piece, dtype=np_dtype(dtype))).result()
+            # Written from the caller's buffer (as Orbax writes), not from a staged copy of it: the piece is not
+            # changed until its write has committed, which .result() waits for.
+            store[index].write(np.asarray(piece, dtype=np_dtype(dtype)), can_reference_source_data_indefinitely=True
+                               ).result()
             seen += 1
         if seen != int(np.prod(shape[:k])):
             raise RuntimeError(f"{path}: wrote {seen} slices of {int(np.prod(shape[:k]))}")
