@@ -154,10 +154,11 @@ def test_writing_into_a_bucket_stages_no_copy_of_the_array(gcs):
 
 
 @pytest.mark.slow
-def test_convert_killed_mid_write_leaves_no_checkpoint_and_a_rerun_writes_one(setup, gcs, tmp_path, monkeypatch):
+def test_convert_killed_mid_write_leaves_no_checkpoint_and_a_rerun_writes_one(setup, gcs, tmp_path, monkeypatch,
+                                                                             capsys):
     """A convert to a bucket killed with SIGKILL in the middle of its arrays: what it left (some arrays, no
-    model.json) is no checkpoint to any reader, and the same command run again clears it and writes the whole
-    checkpoint."""
+    model.json) is no checkpoint to any reader; a convert that then fails is one line and leaves the prefix empty;
+    the same command run again writes the whole checkpoint, and once more is refused, the checkpoint kept."""
     import subprocess
     import sys
 
@@ -179,9 +180,27 @@ def test_convert_killed_mid_write_leaves_no_checkpoint_and_a_rerun_writes_one(se
             read(url) if read is not storage.fetched else read(url, "model.json", "model.path")
     with pytest.raises(RuntimeError, match="unreadable model.json"):
         verify_complete(url)
+
+    from zoo.checkpoints.writer import CheckpointWriter
+
+    real = CheckpointWriter.add
+
+    def failing(self, path, *a, **k):
+        if path == "final_norm":
+            raise UserError("disk full (simulated)")
+        return real(self, path, *a, **k)
+
+    with monkeypatch.context() as m:  # a writer that fails: one line, and it leaves nothing, nor what the killed one left
+        m.setattr(CheckpointWriter, "add", failing)
+        assert zoo_main(command) == 2
+    assert _said(capsys) == ["error: disk full (simulated)"] and _objects(url) == {}
     assert zoo_main(command) == 0
     assert ".lmzoo-incomplete" not in _objects(url)
     _same_model(zoo.load(url), zoo.load(setup / "zoo"))
+    capsys.readouterr()
+    assert zoo_main(command) == 2  # a whole checkpoint there: refused, kept
+    assert _said(capsys) == [f"error: --out {url} exists and is not empty; choose a new prefix or remove it"]
+    assert "model.json" in _objects(url)
 
 
 def _train(model: str, tok: str, colours: str, shapes: str, held: str, out: str) -> list[str]:
