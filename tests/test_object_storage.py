@@ -202,6 +202,23 @@ def test_dpo_reference_cache_lives_in_a_bucket_run(gcs, setup):
     np.testing.assert_array_equal(again["d.jsonl"][1], np.full(3, 1.5, np.float32))
 
 
+def test_dpo_reference_digest_of_a_bucket_checkpoint_follows_its_arrays(gcs, setup, tmp_path, monkeypatch):
+    """A reference checkpoint on a bucket is read from a local copy of its small files (its arrays where they
+    are): DPO's cache key, the weights' digest, is the same while nothing changes and changes with an array."""
+    from dpo.reference import checkpoint_digest
+    from zoo.checkpoints.paths import checkpoint_dir
+
+    monkeypatch.setenv("LMZOO_CACHE", str(tmp_path))
+    url = gcs.bucket() + "/ref"
+    storage.upload_tree(setup / "zoo", storage.run_path(url), last=("model.json",))
+    first = checkpoint_digest(checkpoint_dir(url))
+    assert checkpoint_digest(checkpoint_dir(url)) == first
+    data = next((storage.run_path(url) / "params" / "state" / "d").iterdir())
+    data.write_bytes(data.read_bytes()[::-1])
+    assert not (checkpoint_dir(url) / "params").exists()
+    assert checkpoint_digest(checkpoint_dir(url)) != first
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, tiny_lm):
     root = tmp_path_factory.mktemp("buckets")

@@ -171,6 +171,15 @@ def fetched(url: str | os.PathLike[str], marker: str, what: str, leave: tuple[st
     return dest
 
 
+def object_stamps(url: str) -> dict[str, str]:
+    """Each object under ``url``: its name relative to ``url`` -> a stamp of its listing entry (generation, ETag,
+    size, ...): another stamp, another object. What identifies files that are not copied (a checkpoint's arrays)."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url)
+    return _listing(fs, root.rstrip("/"))
+
+
 def origin(copy: str | os.PathLike[str]) -> str | None:
     """The URL of the folder that :func:`fetched` copied to the local folder ``copy``; None for any other folder."""
     f = _origin_file(Path(os.fspath(copy)).absolute())
