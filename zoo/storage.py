@@ -63,10 +63,6 @@ def run_path(spec: str | os.PathLike[str], what: str = "output_dir") -> RunPath:
     if importlib.util.find_spec(package) is None:
         raise UserError(f"{what} {os.fspath(spec)}: {scheme}:// needs {package}; pip install 'lmzoo[{extra}]'")
     _no_listing_cache()
-    if scheme == "s3":  # TEMP lead's
-        from zoo.orbax_s3 import install
-
-        install()
     return epath.Path(os.fspath(spec))
 
 
