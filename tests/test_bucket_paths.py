@@ -93,7 +93,8 @@ def test_convert_streams_its_arrays_into_the_bucket_and_load_reads_them_there(se
     local folder of the checkpoint: the temporary folders it used held a few small files, no params/); the
     bucket holds Orbax's checkpoint (its tree metadata, OCDBT manifest and commit file, read with the emulator's
     client) and model.json, nothing of the writer's; ``zoo.load(url)`` reads the arrays there, the same bits as the
-    local conversion, and ``zoo info`` the same chunk table, with no params/ copied into lmzoo's cache."""
+    local conversion, and ``zoo info`` the same chunk table, with no params/ copied into lmzoo's cache. ``zoo init
+    --out`` writes a bucket the same way."""
     import tempfile
 
     import zoo
@@ -137,6 +138,12 @@ def test_convert_streams_its_arrays_into_the_bucket_and_load_reads_them_there(se
     assert tables[0] == tables[1] and "?" not in tables[0]
     cached = [p.relative_to(tmp_path / "cache") for p in (tmp_path / "cache").rglob("*")]
     assert any(p.name == "model.json" for p in cached) and not any("params" in p.parts for p in cached), cached
+
+    config = str(setup / "hf" / "config.json")  # `zoo init --out URL` writes the same way
+    assert zoo_main(["init", config, "--out", url + "-init"]) == 0
+    assert zoo_main(["init", config, "--out", str(tmp_path / "init")]) == 0
+    assert ".lmzoo-incomplete" not in _objects(url + "-init")
+    _same_model(zoo.load(url + "-init"), zoo.load(tmp_path / "init"))
 
 
 @pytest.mark.slow
