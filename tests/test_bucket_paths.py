@@ -310,8 +310,8 @@ def test_convert_train_export_through_buckets(setup, gcs, s3, tmp_path, monkeypa
 def test_bucket_inputs_and_outputs_that_cannot_work_are_one_line(setup, gcs, s3, tmp_path, monkeypatch, capsys):
     """Before the model loads (model.path names nothing: it is never reached), each one line and exit 2: a data
     file that is not in its bucket, a tokenizer folder that is not, an s3:// data file without s3fs installed;
-    ``zoo export --out`` to a bucket that does not exist or to a prefix that holds objects, nothing written; a
-    GRPO reward model (``rm:URL``) that is not there."""
+    ``zoo export --out`` to a bucket that does not exist or to a prefix that holds objects, nothing written;
+    ``zoo quantize --out`` to a bucket; a GRPO reward model (``rm:URL``) that is not there."""
     import importlib.util
 
     monkeypatch.setenv("LMZOO_CACHE", str(tmp_path / "cache"))
@@ -347,6 +347,9 @@ def test_bucket_inputs_and_outputs_that_cannot_work_are_one_line(setup, gcs, s3,
         err = _said(capsys)
         assert len(err) == 1 and says in err[0], err
     assert [p.name for p in storage.run_path(taken).iterdir()] == ["config.json"]
+    assert zoo_main(["quantize", str(setup / "zoo"), "--out", f"{taken}-q"]) == 2  # a local folder only
+    err = _said(capsys)
+    assert len(err) == 1 and f"--out {taken}-q: zoo quantize writes a local folder only" in err[0], err
     assert zoo_main(["eval", str(setup / "zoo"), "--tasks", "prose", "--out", "gs://no-such-bucket/r.json"]) == 2
     err = _said(capsys)
     says = "--out gs://no-such-bucket/r.json: its prefix gs://no-such-bucket: cannot write there"
