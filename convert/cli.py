@@ -26,7 +26,9 @@ def add_convert_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
     p.add_argument("source", metavar="SOURCE",
                    help="a registry name (see `zoo list`), a Hugging Face repo id, a local HF folder "
                         "(config.json + *.safetensors, FP8 block-scaled included) or a .gguf file (dequantized)")
-    p.add_argument("--out", required=True, metavar="DIR", help="output folder (must not exist or be empty)")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="output folder, or a gs:// or s3:// prefix the arrays are written into straight (must not "
+                        "exist or be empty)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="store parameters in this dtype (default: keep the source's dtype; float32 for GGUF, "
                         "bfloat16 for FP8 weights)")
