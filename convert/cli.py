@@ -26,7 +26,9 @@ def add_convert_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
     p.add_argument("source", metavar="SOURCE",
                    help="a registry name (see `zoo list`), a Hugging Face repo id, a local HF folder "
                         "(config.json + *.safetensors, FP8 block-scaled included) or a .gguf file (dequantized)")
-    p.add_argument("--out", required=True, metavar="DIR", help="output folder (must not exist or be empty)")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="output folder, or a gs:// or s3:// prefix the arrays are written into straight (must not "
+                        "exist or be empty)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="store parameters in this dtype (default: keep the source's dtype; float32 for GGUF, "
                         "bfloat16 for FP8 weights)")
@@ -41,9 +43,8 @@ def convert_command(args: argparse.Namespace) -> None:
     """`zoo convert SOURCE --out DIR`: convert a Hugging Face / GGUF model into a zoo checkpoint."""
     from convert.convert import convert
 
-    out = _written(args.out, None, "model.json",
-                   lambda folder, _: convert(args.source, folder, dtype=args.dtype, keep_mtp=args.keep_mtp))
-    print(f"wrote {out}")
+    # a gs:// or s3:// --out: the arrays go straight into the bucket, model.json last (zoo.checkpoints.writer)
+    print(f"wrote {convert(args.source, args.out, dtype=args.dtype, keep_mtp=args.keep_mtp)}")
 
 
 def add_init_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -89,6 +90,8 @@ def quantize_command(args: argparse.Namespace) -> None:
     from convert.quantize import quantize_checkpoint
     from zoo.checkpoints.paths import checkpoint_dir
 
+    if is_remote(args.out):
+        raise UserError(f"--out {args.out}: zoo quantize writes a local folder only; give a local --out")
     out, bits = quantize_checkpoint(checkpoint_dir(args.ckpt), args.out, args.quant, args.double_quant)
     print(f"wrote {out}  ({bits:.3f} bits per quantized parameter)")
 
@@ -183,10 +186,11 @@ def _written(out: str, overwrite: bool | None, marker: str, write: Callable[[str
              then: Callable[[Path], None] | None = None) -> str | Path:
     """``write(folder, overwrite)`` of a command whose output folder is ``out`` (its ``--out``), and the folder
     written; ``then(folder)`` runs on it after (a push to the Hub). A local ``out`` is written in place. On
-    object storage (``gs://``, ``s3://``) the folder is written on the local disk first (in the temporary
-    folder, ``TMPDIR``), then uploaded one file at a time, ``marker`` last (a reader that waits for it sees a
-    whole folder); the prefix is checked first, as a local folder is: writable, and empty unless ``overwrite``
-    (None: the command has no ``--overwrite``)."""
+    object storage (``gs://``, ``s3://``) the folder (an export's Hugging Face folder; a zoo checkpoint is
+    written into the bucket straight, :func:`zoo.checkpoints.writer.checkpoint_output`) is written on the local
+    disk first (in the temporary folder, ``TMPDIR``), then uploaded one file at a time, ``marker`` last (a reader
+    that waits for it sees a whole folder); the prefix is checked first, as a local folder is: writable, and
+    empty unless ``overwrite`` (None: the command has no ``--overwrite``)."""
     import tempfile
 
     from zoo.storage import check_writable, remove_tree, run_path, upload_tree

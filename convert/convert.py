@@ -18,15 +18,16 @@ from convert.safetensors_out import write_streaming
 from convert.source import Source, open_source
 from convert.tables import BoundRule, table_for
 from convert.transforms import TRANSFORMS, hf_shape
-from zoo.checkpoints.format import HF_CONFIG_FILE, TOKENIZER_DIR
+from zoo.checkpoints.format import HF_CONFIG_FILE, TOKENIZER_DIR, folder_of
 from zoo.checkpoints.provenance import HUB_ID
-from zoo.checkpoints.writer import CheckpointWriter, atomic_output, prepare_output
+from zoo.checkpoints.writer import CheckpointWriter, checkpoint_output, local_files, prepare_output
 from zoo.errors import UserError
 from zoo.memory import release_free_memory
 from zoo.model.config import ModelConfig
 from zoo.model.from_hf import model_config_from_hf
 from zoo.model.hf_families import source_format
 from zoo.model.params import param_specs
+from zoo.storage import RunPath
 
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
@@ -107,8 +108,9 @@ def _note_left_out(src: Source, fmt: str, rules: list[BoundRule], dropped: list[
 
 
 def convert(source: str, out: str | Path, dtype: str | None = None, progress: bool | None = None,
-            keep_mtp: bool = False) -> Path:
-    """Convert SOURCE into a zoo checkpoint at ``out``; returns the checkpoint path.
+            keep_mtp: bool = False) -> Path | RunPath:
+    """Convert SOURCE into a zoo checkpoint at ``out`` (a folder, or a ``gs://``/``s3://`` prefix the arrays are
+    written into straight from memory); returns the checkpoint path.
 
     ``dtype`` (float32|bfloat16) casts every parameter; None keeps the stored
     dtype (float32 for dequantized GGUF tensors, bfloat16 for dequantized FP8
@@ -118,7 +120,6 @@ def convert(source: str, out: str | Path, dtype: str | None = None, progress: bo
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     cast_to = None if dtype is None else DTYPES[dtype]
-    out = Path(out)
     prepare_output(out)
     src = open_source(source)
     cfg = model_config_from_hf(src.hf_config, f"{src.description}: config")
@@ -136,8 +137,9 @@ def convert(source: str, out: str | Path, dtype: str | None = None, progress: bo
     check_source(src, cfg, rules)
     _note_left_out(src, fmt, rules, [] if keep_mtp else extra, stored_config)
     specs = param_specs(cfg)
-    with atomic_output(out) as folder:
-        writer = CheckpointWriter(folder)
+    layout = {r.zoo: (specs[r.zoo].shape, cast_to or src.reader.dtype(r.hf_names()[0])) for r in rules}
+    with checkpoint_output(out) as folder:
+        writer = CheckpointWriter(folder, layout)
         bar = tqdm(total=sum(len(r.hf_names()) for r in rules) + (len(extra) if keep_mtp else 0), desc="convert",
                    unit="tensor", disable=None if progress is None else not progress)
         # Whole parameters first; stacked ones are reserved, then streamed slice by slice.
@@ -155,18 +157,19 @@ def convert(source: str, out: str | Path, dtype: str | None = None, progress: bo
                 dt = cast_to or src.reader.dtype(rule.hf_names()[0])
                 bar.set_postfix_str(rule.zoo)
                 writer.write_slices(rule.zoo, ((ix, build_piece(src, cfg, rule, ix, dt)) for ix in _counted(rule.indices(), bar)))
-        if keep_mtp:
-            bar.set_postfix_str("multi-token prediction")
-            kept = [(n, src.reader.shape(n), cast_to or src.reader.dtype(n)) for n in extra]
-            write_streaming(folder / mtp.EXTRA_FILE, kept, lambda n: _counted_read(src, n, bar))
-        bar.close()
-        src.save_tokenizer(folder / TOKENIZER_DIR)
+        with local_files(folder) as files:  # on object storage: written locally, then uploaded
+            if keep_mtp:
+                bar.set_postfix_str("multi-token prediction")
+                kept = [(n, src.reader.shape(n), cast_to or src.reader.dtype(n)) for n in extra]
+                write_streaming(files / mtp.EXTRA_FILE, kept, lambda n: _counted_read(src, n, bar))
+            bar.close()
+            src.save_tokenizer(files / TOKENIZER_DIR)
         (folder / HF_CONFIG_FILE).write_text(json.dumps(stored_config, indent=2, default=str) + "\n")
         hub: dict[str, Any] = {HUB_ID: src.hub_id} if src.hub_id else {}  # the Hub repo these weights are
         writer.finish(cfg, source=src.description, source_format=fmt, **hub)
     if dequantizing is not None:
         print(dequantizing.summary(), file=sys.stderr)
-    return out.absolute()
+    return folder_of(out)
 
 
 def _counted_read(src: Source, name: str, bar) -> np.ndarray:

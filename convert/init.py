@@ -9,15 +9,17 @@ import jax
 import numpy as np
 
 from convert.convert import DTYPES
-from zoo.checkpoints.format import HF_CONFIG_FILE
-from zoo.checkpoints.writer import CheckpointWriter, atomic_output
+from zoo.checkpoints.format import HF_CONFIG_FILE, folder_of
+from zoo.checkpoints.writer import CheckpointWriter, checkpoint_output
 from zoo.errors import UserError
 from zoo.model.from_hf import model_config_from_hf
 from zoo.model.params import flatten, init_params, param_specs
 from zoo.registry import catalogue as registry
+from zoo.storage import RunPath
 
 
-def init_random(source: str, out: str | Path, seed: int = 0, dtype: str = "float32", std: float = 0.02) -> Path:
+def init_random(source: str, out: str | Path, seed: int = 0, dtype: str = "float32", std: float = 0.02
+                ) -> Path | RunPath:
     """Write a checkpoint with random weights for SOURCE: a registry entry with a built-in config,
     or a config.json path. Norms start at their identity, biases at zero, matrices ~ N(0, std)."""
     if dtype not in DTYPES:
@@ -28,10 +30,10 @@ def init_random(source: str, out: str | Path, seed: int = 0, dtype: str = "float
     # One jitted program draws every tensor: op by op, each new shape compiled its own (a tiny model's dozens of
     # shapes cost seconds, more than the draws).
     params = flatten(jax.jit(lambda key: init_params(cfg, key, DTYPES[dtype], std))(jax.random.PRNGKey(seed)))
-    with atomic_output(out) as folder:
-        writer = CheckpointWriter(folder)
+    with checkpoint_output(out) as folder:  # a gs:// or s3:// prefix: written there, model.json last
+        writer = CheckpointWriter(folder, {p: (a.shape, a.dtype) for p, a in params.items()})
         for path in sorted(params):
             writer.add(path, np.asarray(params.pop(path)), specs[path].axes)
         (folder / HF_CONFIG_FILE).write_text(json.dumps(hf, indent=2) + "\n")
         writer.finish(cfg, source=f"random init of {source} (seed {seed})", source_format="init")
-    return Path(out).absolute()
+    return folder_of(out)

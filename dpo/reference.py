@@ -56,9 +56,11 @@ def load_reference(path: str, mcfg: ModelConfig, mesh: jax.sharding.Mesh, dtype:
 
 def checkpoint_digest(path: Path) -> str:
     """sha256 over the names and bytes of every file of a checkpoint folder (the reference weights), and of
-    its base checkpoint's when it is an adapter checkpoint (its weights are the merged model)."""
+    its base checkpoint's when it is an adapter checkpoint (its weights are the merged model). The local copy of
+    a checkpoint on a bucket holds its small files only: its arrays' objects count by their listing stamps."""
     from zoo.checkpoints.adapter import base_checkpoint
-    from zoo.checkpoints.format import read_meta
+    from zoo.checkpoints.format import PARAMS_DIR, read_meta
+    from zoo.storage import object_stamps, origin
 
     h = hashlib.sha256()
     for f in sorted(p for p in path.rglob("*") if p.is_file()):
@@ -66,6 +68,9 @@ def checkpoint_digest(path: Path) -> str:
         with open(f, "rb") as fh:
             for block in iter(lambda: fh.read(1 << 24), b""):
                 h.update(block)
+    url = origin(path)
+    if url is not None:
+        h.update(json.dumps(object_stamps(f"{url}/{PARAMS_DIR}"), sort_keys=True).encode())
     meta = read_meta(path)
     if meta.get("lora"):
         h.update(checkpoint_digest(base_checkpoint(path, meta)).encode())

@@ -189,11 +189,12 @@ def test_two_hosts_sharing_only_a_bucket(gcs, setup, tmp_path, monkeypatch):
     saved = out / "checkpoints" / "4" / "data"
     assert sorted(p.name for p in saved.glob("process_*")) == ["process_0-of-2.json", "process_1-of-2.json"]
     # Each host's scratch: its inputs, the datasets library's cache of reading them, and its own copy of the
-    # starting checkpoint; nothing of the run.
+    # starting checkpoint's small files (its arrays are read in the bucket); nothing of the run.
     base = f"cache/objects/gs/{bucket.removeprefix('gs://')}/base/"
     inputs = ("work/tok/", "work/data.jsonl", "home/.cache/huggingface/datasets/", base,
-              base.replace("/base/", "/.base.lmzoo-fetched.json"))  # what the copy was fetched from, beside it
+              base.replace("/base/", "/.base.lmzoo-fetched.json"),  # what the copy was fetched from, beside it
+              base.replace("/base/", "/.base.lmzoo-origin"))  # and the URL it was fetched from
     for home in scratch:
         left = [f for f in _files(home) if not f.startswith(inputs)]
         assert left == [], left
-        assert (home / base / MODEL_FILE).is_file()
+        assert (home / base / MODEL_FILE).is_file() and not (home / base / "params").exists()

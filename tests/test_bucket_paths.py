@@ -7,6 +7,7 @@ numbers: what the bucket paths read and write is what the local ones do.
 """
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,6 +30,184 @@ def setup(tmp_path_factory, tiny_lm):
             for _ in range(n):
                 f.write(json.dumps({"text": " ".join(rng.choice(words, rng.randint(5, 20)))}) + "\n")
     return root
+
+
+# `zoo ARGS` that SIGKILLs itself once the converter has written its second whole parameter (the tiny model has
+# three, then its stacked layers): a kill -9 in the middle of the checkpoint's writing, exactly there.
+_KILL_AFTER_TWO_ARRAYS = r"""
+import os, signal, sys
+from zoo.checkpoints.writer import CheckpointWriter
+real, done = CheckpointWriter.add, []
+
+def add(self, *a, **k):
+    real(self, *a, **k)
+    done.append(a[0])
+    if len(done) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+CheckpointWriter.add = add
+from zoo.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+# Writes one 128 MiB parameter into the checkpoint ARGV[1] and prints the process's peak memory above what it held
+# with the parameter made (MiB).
+_PEAK_OF_A_WRITE = r"""
+import resource, sys, numpy as np
+from zoo.checkpoints.writer import CheckpointWriter, checkpoint_output
+a = np.random.default_rng(0).standard_normal(32 << 20, dtype=np.float32).reshape(4096, -1)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+with checkpoint_output(sys.argv[1]) as folder:
+    CheckpointWriter(folder, {"w": (a.shape, a.dtype)}).add("w", a)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
+"""
+
+
+def _objects(url: str) -> dict[str, bytes]:
+    """The objects under ``url`` (``gs://bucket/prefix``) as the emulator's own client lists and reads them:
+    name relative to the prefix -> content."""
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import storage as gcs_client
+
+    bucket, _, prefix = url.removeprefix("gs://").partition("/")
+    client = gcs_client.Client(project="test", credentials=AnonymousCredentials())
+    return {b.name[len(prefix) + 1:]: b.download_as_bytes() for b in client.list_blobs(bucket, prefix=prefix + "/")}
+
+
+def _same_model(a, b) -> None:
+    import jax
+    from flax import nnx
+
+    assert a.cfg == b.cfg
+    leaves = jax.tree.leaves(nnx.state(a))
+    assert len(leaves) > 5
+    for x, y in zip(leaves, jax.tree.leaves(nnx.state(b)), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.slow
+def test_convert_streams_its_arrays_into_the_bucket_and_load_reads_them_there(setup, gcs, tmp_path, monkeypatch,
+                                                                              capsys):
+    """``zoo convert --out gs://``: the arrays go from memory into the bucket through Orbax and TensorStore (no
+    local folder of the checkpoint: the temporary folders it used held a few small files, no params/); the
+    bucket holds Orbax's checkpoint (its tree metadata, OCDBT manifest and commit file, read with the emulator's
+    client) and model.json, nothing of the writer's; ``zoo.load(url)`` reads the arrays there, the same bits as the
+    local conversion, and ``zoo info`` the same chunk table, with no params/ copied into lmzoo's cache. ``zoo init
+    --out`` writes a bucket the same way."""
+    import tempfile
+
+    import zoo
+    from zoo.checkpoints.verify import verify_complete
+
+    monkeypatch.setenv("LMZOO_CACHE", str(tmp_path / "cache"))
+    used: list[dict[str, int]] = []
+
+    class Recorded(tempfile.TemporaryDirectory):  # each temporary folder's files, as they were before removal
+        def cleanup(self):
+            used.append({str(p.relative_to(self.name)): p.stat().st_size for p in Path(self.name).rglob("*")
+                         if p.is_file()})
+            super().cleanup()
+
+    monkeypatch.setattr(tempfile, "TemporaryDirectory", Recorded)
+    url = gcs.bucket() + "/zoo"
+    assert zoo_main(["convert", str(setup / "hf"), "--out", url]) == 0
+    monkeypatch.undo()
+    objects = _objects(url)
+    arrays = sum(len(v) for k, v in objects.items() if k.startswith("params/"))
+    assert arrays > 100_000  # the tiny model's weights
+    assert not any("params/" in f for files in used for f in files), used
+    assert sum(sum(files.values()) for files in used) < arrays / 10, used
+
+    assert {"model.json", "params/commit_success.txt", "params/state/manifest.ocdbt"} <= set(objects)
+    assert not any(".lmzoo-incomplete" in k or "partial_save" in k for k in objects), sorted(objects)
+    here = json.loads((setup / "zoo" / "model.json").read_text())
+    assert json.loads(objects["model.json"])["params"] == here["params"]
+    tree = json.loads(objects["params/state/_METADATA"])["tree_metadata"]
+    assert sorted(tree) == sorted(str(tuple(p.split("."))) for p in here["params"])
+    verify_complete(url)
+
+    monkeypatch.setenv("LMZOO_CACHE", str(tmp_path / "cache"))
+    _same_model(zoo.load(url), zoo.load(setup / "zoo"))
+    tables = []
+    for ckpt in (url, str(setup / "zoo")):  # `zoo info`: the chunk table read from the arrays where they are
+        assert zoo_main(["info", ckpt]) == 0
+        said = capsys.readouterr().out
+        assert " 0 files" not in said
+        tables.append(said.split("\n\n", 1)[1])
+    assert tables[0] == tables[1] and "?" not in tables[0]
+    cached = [p.relative_to(tmp_path / "cache") for p in (tmp_path / "cache").rglob("*")]
+    assert any(p.name == "model.json" for p in cached) and not any("params" in p.parts for p in cached), cached
+
+    config = str(setup / "hf" / "config.json")  # `zoo init --out URL` writes the same way
+    assert zoo_main(["init", config, "--out", url + "-init"]) == 0
+    assert zoo_main(["init", config, "--out", str(tmp_path / "init")]) == 0
+    assert ".lmzoo-incomplete" not in _objects(url + "-init")
+    _same_model(zoo.load(url + "-init"), zoo.load(tmp_path / "init"))
+
+
+@pytest.mark.slow
+def test_writing_into_a_bucket_stages_no_copy_of_the_array(gcs):
+    """A parameter written into a bucket goes from the caller's buffer (as Orbax writes it): the writer's peak
+    memory grows by under half the array (measured: by nothing for this 128 MiB one, 0.93x when TensorStore
+    staged a copy; a 256 MiB one grows it by 0.38x, as much as Orbax's own save of it to the bucket)."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _PEAK_OF_A_WRITE, gcs.bucket() + "/w"], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert float(run.stdout.split()[-1]) < 64, run.stdout
+
+
+@pytest.mark.slow
+def test_convert_killed_mid_write_leaves_no_checkpoint_and_a_rerun_writes_one(setup, gcs, tmp_path, monkeypatch,
+                                                                             capsys):
+    """A convert to a bucket killed with SIGKILL in the middle of its arrays: what it left (some arrays, no
+    model.json) is no checkpoint to any reader; a convert that then fails is one line and leaves the prefix empty;
+    the same command run again writes the whole checkpoint, and once more is refused, the checkpoint kept."""
+    import subprocess
+    import sys
+
+    import zoo
+    from zoo.checkpoints.format import read_meta
+    from zoo.checkpoints.verify import verify_complete
+    from zoo.errors import UserError
+
+    monkeypatch.setenv("LMZOO_CACHE", str(tmp_path / "cache"))
+    url = gcs.bucket() + "/zoo"
+    command = ["convert", str(setup / "hf"), "--out", url]
+    killed = subprocess.run([sys.executable, "-c", _KILL_AFTER_TWO_ARRAYS, *command], capture_output=True,
+                            timeout=300)
+    assert killed.returncode == -9, killed.stderr.decode()[-2000:]
+    left = _objects(url)
+    assert any(k.startswith("params/state/d/") for k in left) and "model.json" not in left, sorted(left)
+    for read in (zoo.load, read_meta, storage.fetched):
+        with pytest.raises(UserError, match="no checkpoint there|not a zoo checkpoint"):
+            read(url) if read is not storage.fetched else read(url, "model.json", "model.path")
+    with pytest.raises(RuntimeError, match="unreadable model.json"):
+        verify_complete(url)
+
+    from zoo.checkpoints.writer import CheckpointWriter
+
+    real = CheckpointWriter.add
+
+    def failing(self, path, *a, **k):
+        if path == "final_norm":
+            raise UserError("disk full (simulated)")
+        return real(self, path, *a, **k)
+
+    with monkeypatch.context() as m:  # a writer that fails: one line, and it leaves nothing, nor what the killed one left
+        m.setattr(CheckpointWriter, "add", failing)
+        assert zoo_main(command) == 2
+    assert _said(capsys) == ["error: disk full (simulated)"] and _objects(url) == {}
+    assert zoo_main(command) == 0
+    assert ".lmzoo-incomplete" not in _objects(url)
+    _same_model(zoo.load(url), zoo.load(setup / "zoo"))
+    capsys.readouterr()
+    assert zoo_main(command) == 2  # a whole checkpoint there: refused, kept
+    assert _said(capsys) == [f"error: --out {url} exists and is not empty; choose a new prefix or remove it"]
+    assert "model.json" in _objects(url)
 
 
 def _train(model: str, tok: str, colours: str, shapes: str, held: str, out: str) -> list[str]:
@@ -131,8 +310,8 @@ def test_convert_train_export_through_buckets(setup, gcs, s3, tmp_path, monkeypa
 def test_bucket_inputs_and_outputs_that_cannot_work_are_one_line(setup, gcs, s3, tmp_path, monkeypatch, capsys):
     """Before the model loads (model.path names nothing: it is never reached), each one line and exit 2: a data
     file that is not in its bucket, a tokenizer folder that is not, an s3:// data file without s3fs installed;
-    ``zoo export --out`` to a bucket that does not exist or to a prefix that holds objects, nothing written; a
-    GRPO reward model (``rm:URL``) that is not there."""
+    ``zoo export --out`` to a bucket that does not exist or to a prefix that holds objects, nothing written;
+    ``zoo quantize --out`` to a bucket; a GRPO reward model (``rm:URL``) that is not there."""
     import importlib.util
 
     monkeypatch.setenv("LMZOO_CACHE", str(tmp_path / "cache"))
@@ -168,6 +347,9 @@ def test_bucket_inputs_and_outputs_that_cannot_work_are_one_line(setup, gcs, s3,
         err = _said(capsys)
         assert len(err) == 1 and says in err[0], err
     assert [p.name for p in storage.run_path(taken).iterdir()] == ["config.json"]
+    assert zoo_main(["quantize", str(setup / "zoo"), "--out", f"{taken}-q"]) == 2  # a local folder only
+    err = _said(capsys)
+    assert len(err) == 1 and f"--out {taken}-q: zoo quantize writes a local folder only" in err[0], err
     assert zoo_main(["eval", str(setup / "zoo"), "--tasks", "prose", "--out", "gs://no-such-bucket/r.json"]) == 2
     err = _said(capsys)
     says = "--out gs://no-such-bucket/r.json: its prefix gs://no-such-bucket: cannot write there"

@@ -211,6 +211,23 @@ def test_dpo_reference_cache_lives_in_a_bucket_run(gcs, setup):
     np.testing.assert_array_equal(again["d.jsonl"][1], np.full(3, 1.5, np.float32))
 
 
+def test_dpo_reference_digest_of_a_bucket_checkpoint_follows_its_arrays(gcs, setup, tmp_path, monkeypatch):
+    """A reference checkpoint on a bucket is read from a local copy of its small files (its arrays where they
+    are): DPO's cache key, the weights' digest, is the same while nothing changes and changes with an array."""
+    from dpo.reference import checkpoint_digest
+    from zoo.checkpoints.paths import checkpoint_dir
+
+    monkeypatch.setenv("LMZOO_CACHE", str(tmp_path))
+    url = gcs.bucket() + "/ref"
+    storage.upload_tree(setup / "zoo", storage.run_path(url), last=("model.json",))
+    first = checkpoint_digest(checkpoint_dir(url))
+    assert checkpoint_digest(checkpoint_dir(url)) == first
+    data = next((storage.run_path(url) / "params" / "state" / "d").iterdir())
+    data.write_bytes(data.read_bytes()[::-1])
+    assert not (checkpoint_dir(url) / "params").exists()
+    assert checkpoint_digest(checkpoint_dir(url)) != first
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, tiny_lm):
     root = tmp_path_factory.mktemp("buckets")
@@ -299,15 +316,16 @@ def test_s3_kvstore_follows_the_environment_and_other_paths_stay_orbaxs(monkeypa
     gs:// and local paths get exactly what Orbax builds for them."""
     from orbax.checkpoint._src.serialization import tensorstore_utils as tsu
 
-    from zoo.orbax_s3 import install, kvstore
+    from zoo.checkpoints.format import kvstore_base
+    from zoo.orbax_s3 import install, s3_kvstore
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:10")
     monkeypatch.setenv("AWS_REGION", "eu-west-3")
     install()
-    assert kvstore("s3://bk/runs/one/") == {"driver": "s3", "bucket": "bk", "path": "runs/one/",
-                                             "endpoint": "http://127.0.0.1:10", "aws_region": "eu-west-3"}
-    assert kvstore("gs://bk/runs") == "gs://bk/runs/" and kvstore("/tmp/x") == "file:///tmp/x/"
+    assert s3_kvstore("s3://bk/runs/one/") == {"driver": "s3", "bucket": "bk", "path": "runs/one/",
+                                                "endpoint": "http://127.0.0.1:10", "aws_region": "eu-west-3"}
+    assert kvstore_base(storage.run_path("s3://bk/runs"))["path"] == "runs/"  # what verify and the writer open
     spec = tsu.build_kvstore_tspec("s3://bk/runs//one/", "w", use_ocdbt=False)
     assert spec == {"driver": "s3", "bucket": "bk", "path": "runs/one/w", "endpoint": "http://127.0.0.1:10",
                     "aws_region": "eu-west-3"}

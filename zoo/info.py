@@ -11,6 +11,7 @@ from pathlib import Path
 
 from zoo.console import print_table
 from zoo.model.config import ModelConfig
+from zoo.storage import RunPath, file_sizes
 
 
 def add_list_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -38,7 +39,7 @@ def add_info_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def info_command(args: argparse.Namespace) -> None:
     """`zoo info CKPT`: describe a checkpoint: family, size, dtype, shapes and on-disk layout."""
     # Imported here: zoo.checkpoints.format loads NumPy, which `zoo list` (sharing this module) does not need.
-    from zoo.checkpoints.format import PARAMS_DIR, read_meta
+    from zoo.checkpoints.format import params_dir, read_meta
     from zoo.checkpoints.paths import checkpoint_dir
     from zoo.registry.catalogue import human_count
 
@@ -47,9 +48,10 @@ def info_command(args: argparse.Namespace) -> None:
     params = meta["params"]
     total = sum(_prod(p["shape"]) for p in params.values())
     dtypes = sorted({p["dtype"] for p in params.values()})
-    chunks = _chunk_shapes(Path(args.ckpt) / PARAMS_DIR)
-    files = [f for f in (Path(args.ckpt) / PARAMS_DIR).rglob("*") if f.is_file()]
-    size = sum(f.stat().st_size for f in files)
+    stored = params_dir(args.ckpt)  # a checkpoint on a bucket: its arrays there (its small files are copied)
+    chunks = _chunk_shapes(stored)
+    files = file_sizes(stored)
+    size = sum(files.values())
     cfg = meta["config"]
     print(f"checkpoint  {args.ckpt}")
     print(f"family      {meta['family']}   (format version {meta['format_version']})")
@@ -107,12 +109,12 @@ def _prod(xs: Iterable[int]) -> int:
     return n
 
 
-def _chunk_shapes(params_dir: Path) -> dict[str, tuple[int, ...]]:
+def _chunk_shapes(params_dir: Path | RunPath) -> dict[str, tuple[int, ...]]:
     """Dotted path -> on-disk chunk shape, from Orbax's metadata (empty if unreadable)."""
     try:
         import orbax.checkpoint.experimental.v1 as ocp
 
-        tree = ocp.metadata(params_dir.absolute()).metadata
+        tree = ocp.metadata(params_dir).metadata
     except Exception:
         return {}
     from zoo.model.params import flatten

@@ -46,16 +46,6 @@ def s3_kvstore(url: str) -> dict[str, Any]:
     return spec
 
 
-def kvstore(folder: str | os.PathLike[str]) -> str | dict[str, Any]:
-    """TensorStore's kvstore for the objects under ``folder`` (a local path, ``gs://`` or ``s3://`` URL), as a
-    spec ``ts.KvStore.open`` takes: ``s3://`` with the environment's endpoint (TensorStore's own ``s3://`` URL
-    parsing would ask AWS itself), ``gs://`` as its URL, a local folder through the file driver."""
-    url = os.fspath(folder).rstrip("/") + "/"
-    if url.startswith(PREFIX):
-        return s3_kvstore(url)
-    return url if url.startswith("gs://") else f"file://{url}"
-
-
 def _keep_s3(normalize: Callable[[str], str]) -> Callable[[str], str]:
     # Orbax's normalization (os.path.normpath) folds "s3://" to "s3:/"; applied to the rest, it keeps the scheme.
     def normalized(path: str) -> str:

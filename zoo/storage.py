@@ -97,6 +97,31 @@ def remove_tree(path: RunPath | Path) -> None:
         remote.rmtree()
 
 
+def empty_prefix(path: RunPath, keep: tuple[str, ...] = ()) -> None:
+    """Remove every object under the prefix ``path`` (object storage) but those named in ``keep`` (relative names)."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(os.fspath(path))
+    root = root.rstrip("/")
+    doomed = [k for k in fs.find(root) if k[len(root) + 1:] not in keep]
+    if doomed:
+        fs.rm(doomed)
+
+
+def file_sizes(folder: RunPath | Path) -> dict[str, int]:
+    """Each file under ``folder`` (a local folder, or the objects under a prefix): its name relative to ``folder``
+    -> its size in bytes."""
+    if not is_remote(folder):
+        root = Path(os.fspath(folder))
+        return {p.relative_to(root).as_posix(): p.stat().st_size for p in root.rglob("*") if p.is_file()}
+    import fsspec
+
+    fs, key = fsspec.core.url_to_fs(os.fspath(folder))
+    key = key.rstrip("/")
+    return {k[len(key) + 1:]: int(info.get("size") or 0) for k, info in fs.find(key, detail=True).items()
+            if info.get("type") != "directory"}
+
+
 def move_tree(src: RunPath, dest: RunPath) -> None:
     """Move the folder ``src`` to ``dest``: renamed on the local disk; on object storage each object copied,
     then the old ones removed (a bucket has no folder to rename; s3fs's recursive move fails on a prefix)."""
@@ -128,18 +153,42 @@ def upload_tree(src: Path, dest: RunPath | Path, last: tuple[str, ...] = (), ski
             shutil.copyfileobj(r, w)
 
 
-def fetched(url: str | os.PathLike[str], marker: str, what: str) -> Path:
+def fetched(url: str | os.PathLike[str], marker: str, what: str, leave: tuple[str, ...] = ()) -> Path:
     """A local copy of the folder at ``url`` (object storage), in lmzoo's cache (``LMZOO_CACHE``, default
     ``~/.cache/lmzoo``), brought up to date: a file is downloaded again when its object changed (its listing
     entry: generation, ETag, size). ``marker`` is the file the folder must hold (``model.json``; written last
-    by its writer, so a folder that has it is whole); without it, one line naming ``what``."""
+    by its writer, so a folder that has it is whole); without it, one line naming ``what``. The subfolders named
+    ``leave`` are not copied (a checkpoint's ``params/``: Orbax reads its arrays at the URL); :func:`origin`
+    gives the URL back for the copy."""
     remote = run_path(url, what)
     if not (remote / marker).exists():
         raise UserError(f"{what} {os.fspath(url)}: no checkpoint there (no {marker}; a training run's checkpoint "
                         f"is its final/ folder)")
     fs, root, dest = _remote(os.fspath(url))
-    _mirror(fs, root, dest, _listing(fs, root), marker, prune=True)
+    files = {rel: stamp for rel, stamp in _listing(fs, root).items() if rel.split("/", 1)[0] not in leave}
+    _mirror(fs, root, dest, files, marker, prune=True)
+    _replace_with(_origin_file(dest), lambda tmp: Path(tmp).write_text(os.fspath(url).rstrip("/")))
     return dest
+
+
+def object_stamps(url: str) -> dict[str, str]:
+    """Each object under ``url``: its name relative to ``url`` -> a stamp of its listing entry (generation, ETag,
+    size, ...): another stamp, another object. What identifies files that are not copied (a checkpoint's arrays)."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url)
+    return _listing(fs, root.rstrip("/"))
+
+
+def origin(copy: str | os.PathLike[str]) -> str | None:
+    """The URL of the folder that :func:`fetched` copied to the local folder ``copy``; None for any other folder."""
+    f = _origin_file(Path(os.fspath(copy)).absolute())
+    return f.read_text() if f.is_file() else None
+
+
+def _origin_file(dest: Path) -> Path:
+    # beside the copy, as its stamps are: the copy holds the folder's files only
+    return dest.parent / f".{dest.name}.lmzoo-origin"
 
 
 def _remote(url: str) -> tuple[Any, str, Path]:

@@ -39,7 +39,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from zoo.checkpoints.format import MODEL_FILE, PARAMS_DIR, np_dtype, orbax_v1, read_meta
+from zoo.checkpoints.format import MODEL_FILE, np_dtype, orbax_v1, params_dir, read_meta
 from zoo.checkpoints.provenance import hub_weights
 from zoo.checkpoints.readers import ParamSource, load_param_numpy
 from zoo.checkpoints.writer import StoredSection
@@ -226,7 +226,7 @@ def load_adapters(ckpt: str | os.PathLike, meta: dict[str, Any], mesh: jax.shard
     abstract = {p: jax.ShapeDtypeStruct(tuple(stored[p]["shape"]), np_dtype(stored[p]["dtype"]),
                                         sharding=named_sharding(mesh, specs[p].axes, specs[p].shape))
                 for p in specs}
-    return orbax_v1().load(Path(ckpt).absolute() / PARAMS_DIR, nest(abstract))
+    return orbax_v1().load(params_dir(ckpt), nest(abstract))
 
 
 class MergedParamReader:

@@ -102,7 +102,8 @@ def load(ckpt: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, dtype: 
          attention: str = "auto") -> Decoder:
     """Load a zoo checkpoint as a :class:`zoo.model.decoder.Decoder` on all local devices (or ``mesh``); ``attention``
     is its forward's kernel (``auto``, ``blockwise``, ``cudnn`` or ``splash``: :mod:`zoo.kernels.choice`).
-    ``ckpt`` may be a ``gs://`` or ``s3://`` URL: it is read from a local copy (:func:`zoo.storage.fetched`)."""
+    ``ckpt`` may be a ``gs://`` or ``s3://`` URL: Orbax reads its arrays there; its small files (model.json, the
+    tokenizer) come from a local copy (:func:`zoo.checkpoints.paths.checkpoint_dir`)."""
     from zoo.checkpoints.paths import checkpoint_dir
     from zoo.storage import is_remote
 

@@ -15,6 +15,7 @@ from zoo.errors import UserError
 from zoo.storage import fetched, is_remote, local_copy, run_path
 
 MODEL_FILE = "model.json"  # zoo.checkpoints.format.MODEL_FILE (not imported: that module loads NumPy)
+PARAMS_DIR = "params"  # zoo.checkpoints.format.PARAMS_DIR (likewise)
 QUICKSTART_RUNS = ("runs", "quickstart")  # where docs/quickstart.md writes its checkpoints
 RUN_MARKS = ("final", "checkpoints", "metrics.jsonl", "config.yaml")  # what a training run's output_dir holds
 RUN_RECORDS = ("config.yaml", "metrics.jsonl")  # what a model card reads of a run beside its final/
@@ -25,7 +26,7 @@ def checkpoint_dir(path: str | Path, what: str = "") -> Path:
 
     ``what`` names where the path came from (``"model.path"``); it starts the message.
     """
-    if is_remote(path):  # a checkpoint on a bucket is read from a local copy, kept up to date
+    if is_remote(path):  # a checkpoint on a bucket: a local copy of its small files; Orbax reads its arrays there
         return _fetched_with_run(str(path), what or "checkpoint")
     p = Path(path).expanduser()
     label = f"{what} {path}" if what else str(path)
@@ -47,9 +48,10 @@ def checkpoint_dir(path: str | Path, what: str = "") -> Path:
 
 
 def _fetched_with_run(url: str, what: str) -> Path:
-    """The local copy of the checkpoint at ``url``; a run's ``final/`` comes with its run's records beside it
+    """The local copy of the checkpoint at ``url``, less its arrays (``params/``: the readers read them at the URL,
+    :func:`zoo.checkpoints.format.params_dir`); a run's ``final/`` comes with its run's records beside it
     (config.yaml, metrics.jsonl, as on a local disk), which an export's model card reads."""
-    folder = fetched(url, MODEL_FILE, what)
+    folder = fetched(url, MODEL_FILE, what, leave=(PARAMS_DIR,))
     run = url.rstrip("/")
     if run.endswith("/final"):
         run = run[: -len("/final")]

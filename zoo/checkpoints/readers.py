@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import gc
 import os
-from pathlib import Path
 from typing import Any, Protocol
 
 import jax
 import numpy as np
 
-from zoo.checkpoints.format import PARAMS_DIR, STATE_DIR, np_dtype, orbax_v1, read_meta
+from zoo.checkpoints.format import STATE_DIR, kvstore_base, np_dtype, orbax_v1, params_dir, read_meta
 from zoo.errors import UserError
 from zoo.memory import release_free_memory
 from zoo.model.config import ModelConfig
@@ -73,7 +72,7 @@ def load_stored_params(
     try:
         with ctx:
             for group in groups:
-                loaded = flatten(ocp.load(Path(ckpt).absolute() / PARAMS_DIR, nest({p: abstract[p] for p in group})))
+                loaded = flatten(ocp.load(params_dir(ckpt), nest({p: abstract[p] for p in group})))
                 # The copies into device arrays finish asynchronously and hold their host staging buffers until
                 # then: wait, so that the trim below hands those buffers back (without it the memory a load
                 # leaves resident depended on the timing).
@@ -117,7 +116,7 @@ def load_param_numpy(ckpt: str | os.PathLike, path: str, info: dict[str, Any] | 
     ctx = ocp.Context()
     ctx.pytree.loading.partial_load = True
     with ctx:
-        tree = ocp.load(Path(ckpt).absolute() / PARAMS_DIR, nest({path: np.empty(info["shape"], np_dtype(info["dtype"]))}))
+        tree = ocp.load(params_dir(ckpt), nest({path: np.empty(info["shape"], np_dtype(info["dtype"]))}))
     for part in path.split("."):
         tree = tree[part]
     return tree
@@ -146,7 +145,7 @@ class ParamReader:
     """
 
     def __init__(self, ckpt: str | os.PathLike, path: str):
-        self.ckpt, self.path = Path(ckpt).absolute(), path
+        self.ckpt, self.path = ckpt, path
         info = read_meta(ckpt)["params"].get(path)
         if info is None:
             raise UserError(f"{ckpt}: parameter '{path}' is missing from the checkpoint; it is damaged, convert it again")
@@ -157,10 +156,10 @@ class ParamReader:
     def _open_store(self):
         import tensorstore as ts
 
-        base = self.ckpt / PARAMS_DIR / STATE_DIR
-        if not (base / "manifest.ocdbt").is_file():
+        state = params_dir(self.ckpt) / STATE_DIR  # on object storage: read there, through TensorStore's driver
+        if not (state / "manifest.ocdbt").is_file():
             return None
-        spec = {"driver": "zarr3", "kvstore": {"driver": "ocdbt", "base": f"file://{base}/", "path": self.path}}
+        spec = {"driver": "zarr3", "kvstore": {"driver": "ocdbt", "base": kvstore_base(state), "path": self.path}}
         try:
             probe = ts.open(spec, read=True).result()
             chunk = probe.chunk_layout.read_chunk.shape or probe.shape

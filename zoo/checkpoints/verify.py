@@ -13,15 +13,14 @@ from typing import Any
 
 import numpy as np
 
-from zoo.checkpoints.format import MODEL_FILE, PARAMS_DIR, STATE_DIR, np_dtype
+from zoo.checkpoints.format import MODEL_FILE, PARAMS_DIR, STATE_DIR, folder_of, kvstore_base, np_dtype
 from zoo.model.config import ModelConfig
 from zoo.model.params import ParamSpec, param_specs
-from zoo.orbax_s3 import kvstore
-from zoo.storage import RunPath, is_remote, run_path
+from zoo.storage import RunPath
 
 
 def verify_complete(ckpt: str | os.PathLike, section: str | None = None,
-                    specs: dict[str, ParamSpec] | None = None) -> None:
+                    specs: dict[str, ParamSpec] | None = None, meta: dict[str, Any] | None = None) -> None:
     """Check, without reading the weights, that a just-written checkpoint is complete; a RuntimeError if not.
 
     Every writer calls it (through :meth:`zoo.checkpoints.writer.CheckpointWriter.finish`) before its
@@ -40,13 +39,15 @@ def verify_complete(ckpt: str | os.PathLike, section: str | None = None,
       its index is read and every inner chunk inside the array must have an entry.
 
     Cost: the b-tree listing plus one small read per stored chunk (a few bytes each), independent of
-    the weights' size.
+    the weights' size. ``meta``: model.json's content, for a writer that writes it after this check (on object
+    storage, where model.json is the checkpoint's commit marker); by default model.json is read.
     """
-    ckpt = run_path(ckpt, "checkpoint") if is_remote(ckpt) else Path(ckpt).absolute()  # a bucket's: read there
-    try:
-        meta = json.loads((ckpt / MODEL_FILE).read_text())
-    except (OSError, ValueError) as e:
-        raise RuntimeError(f"{ckpt}: unreadable {MODEL_FILE} ({e})") from None
+    ckpt = folder_of(ckpt)  # on object storage: read there
+    if meta is None:
+        try:
+            meta = json.loads((ckpt / MODEL_FILE).read_text())
+        except (OSError, ValueError) as e:
+            raise RuntimeError(f"{ckpt}: unreadable {MODEL_FILE} ({e})") from None
     table = meta["params"] if section is None else meta[section]["params"]
     if specs is None:
         specs = param_specs(ModelConfig.from_dict(meta["config"]))
@@ -74,7 +75,7 @@ def _open_state(ckpt: Path | RunPath) -> tuple[Any, Any]:
     import tensorstore as ts
 
     state = ckpt / PARAMS_DIR / STATE_DIR
-    base = kvstore(state)  # TensorStore's own driver for a bucket URL
+    base = kvstore_base(state)  # TensorStore's own driver for a bucket URL
     try:
         tree = json.loads((state / "_METADATA").read_text())["tree_metadata"]
     except (OSError, ValueError, KeyError) as e:

@@ -1,6 +1,10 @@
 """Writing a zoo checkpoint: streaming (one parameter or one layer at a time) into a scratch folder that is
 renamed into place only once :func:`zoo.checkpoints.verify.verify_complete` finds it complete.
 
+On object storage (``gs://``, ``s3://``) there is no rename: the checkpoint is written in place, its arrays
+straight into the bucket by Orbax and TensorStore (:class:`CheckpointWriter`), and committed by its
+``model.json``, written last (:func:`checkpoint_output`); a folder without it is no checkpoint to any reader.
+
 A checkpoint that stores other arrays than its model's parameters (a LoRA adapter checkpoint stores only
 adapters) describes them in a :class:`StoredSection` of its model.json, which the completeness check follows.
 """
@@ -10,20 +14,36 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
+import socket
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
-from zoo.checkpoints.format import FORMAT_VERSION, MODEL_FILE, PARAMS_DIR, STATE_DIR, np_dtype, orbax_v1
+from zoo.checkpoints.format import (
+    FORMAT_VERSION,
+    MODEL_FILE,
+    PARAMS_DIR,
+    STATE_DIR,
+    folder_of,
+    kvstore_base,
+    np_dtype,
+    orbax_v1,
+)
 from zoo.checkpoints.verify import verify_complete
 from zoo.errors import UserError
 from zoo.model.config import ModelConfig
 from zoo.model.params import ParamSpec, flatten, nest
-from zoo.storage import RunPath, is_remote, run_path
+from zoo.storage import RunPath, check_writable, empty_prefix, is_remote, run_path, upload_tree
+
+# On object storage: written first by a writer and removed once its model.json is; a prefix holding it and no
+# model.json is a writer's unfinished checkpoint, which the next writer clears.
+INCOMPLETE = ".lmzoo-incomplete"
+# What a checkpoint on object storage will store, for :class:`CheckpointWriter`: dotted path -> (shape, dtype).
+Layout = Mapping[str, tuple[tuple[int, ...], Any]]
 
 
 class StoredSection(dict):
@@ -41,9 +61,13 @@ class StoredSection(dict):
         raise NotImplementedError
 
 
-def _save_context() -> Any:
+def _save_context(folder: Path | RunPath) -> Any:
+    """Orbax's settings for saving into ``folder``."""
     ocp = orbax_v1()
-    ctx = ocp.Context()
+    # On object storage a save is written in place and committed by Orbax's commit file (its default on gs://,
+    # chosen here for every scheme): its other protocol renames the save's folder, a copy of every object there.
+    ctx = ocp.Context(atomicity_options=ocp.options.AtomicityOptions(mode=ocp.options.AtomicityMode.COMMIT_FILE)
+                      ) if is_remote(folder) else ocp.Context()
     # One zarr chunk per host array: TensorStore then writes straight from the
     # caller's buffer, while splitting into smaller chunks makes it stage a full
     # copy of the array until the write commits (measured: +1x the array).
@@ -59,15 +83,98 @@ def _save_context() -> Any:
     return ctx
 
 
-def prepare_output(out: Path, overwrite: bool | None = None, flag: str = "--out") -> None:
+def prepare_output(out: str | os.PathLike, overwrite: bool | None = None, flag: str = "--out") -> None:
     """Refuse a non-empty output folder (given as ``flag``) unless ``overwrite``; None: the command has no
-    ``--overwrite`` flag, so the message does not offer one."""
+    ``--overwrite`` flag, so the message does not offer one. On object storage the prefix must be writable
+    (a probe object), and a writer's unfinished checkpoint there counts as empty (:func:`checkpoint_output`
+    clears it)."""
+    fix = "add --overwrite to replace it" if overwrite is not None else "remove it"
+    if is_remote(out):
+        remote = run_path(out, flag)
+        check_writable(remote, flag)
+        if remote.is_dir() and not _unfinished(remote, flag) and any(remote.iterdir()) and not overwrite:
+            raise UserError(f"{flag} {out} exists and is not empty; choose a new prefix or {fix}")
+        return
+    out = Path(out)
     if out.exists():
         if not out.is_dir():
             raise UserError(f"{flag} {out} exists and is not a folder; choose another path")
         if any(out.iterdir()) and not overwrite:
-            fix = "add --overwrite to replace it" if overwrite is not None else "remove it"
             raise UserError(f"{flag} {out} exists and is not empty; choose a new folder or {fix}")
+
+
+def _unfinished(remote: RunPath, flag: str) -> bool:
+    """Whether the prefix ``remote`` holds an unfinished checkpoint (:data:`INCOMPLETE`, no model.json) whose
+    writer is gone; one whose writer still runs on this host is one line."""
+    marker = remote / INCOMPLETE
+    if (remote / MODEL_FILE).exists() or not marker.exists():
+        return False
+    try:
+        writer = json.loads(marker.read_text())
+    except ValueError:  # cut short by a kill
+        return True
+    if writer.get("host") == socket.gethostname() and _alive(int(writer.get("pid", 0))):
+        raise UserError(f"{flag} {remote}: another writer (process {writer['pid']}) is writing a checkpoint "
+                        "there; wait for it or choose another prefix")
+    return True
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0 or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def checkpoint_output(out: str | os.PathLike, overwrite: bool | None = None
+                      ) -> AbstractContextManager[Path | RunPath]:
+    """Where a checkpoint writer writes ``out``: :func:`atomic_output` on the local disk, the prefix itself on
+    object storage (:func:`_in_place`)."""
+    if is_remote(out):
+        return _in_place(run_path(out, "--out"), overwrite)
+    return atomic_output(out, overwrite)
+
+
+@contextmanager
+def _in_place(out: RunPath, overwrite: bool | None) -> Iterator[RunPath]:
+    """Yield the prefix ``out`` on object storage, where a checkpoint is written in place: no rename there.
+
+    :data:`INCOMPLETE` is written first; then what an earlier writer left unfinished, or, with ``overwrite``, the
+    old checkpoint (its model.json first) is removed. The checkpoint's model.json, written last
+    (:meth:`CheckpointWriter.finish`), commits it; then the marker goes. An error removes what was written
+    (model.json first); a killed writer's objects are cleared by the next one.
+    """
+    prepare_output(out, overwrite)
+    (out / INCOMPLETE).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+    (out / MODEL_FILE).unlink(missing_ok=True)
+    empty_prefix(out, keep=(INCOMPLETE,))
+    try:
+        yield out
+    except BaseException:
+        (out / MODEL_FILE).unlink(missing_ok=True)
+        empty_prefix(out)
+        raise
+    (out / INCOMPLETE).unlink()
+
+
+@contextmanager
+def local_files(folder: Path | RunPath) -> Iterator[Path]:
+    """A local folder whose files end up in the checkpoint folder ``folder``: ``folder`` itself on the local disk;
+    on object storage a temporary one, uploaded into it on leaving (small files a library writes to a local path
+    only: a tokenizer's)."""
+    if not is_remote(folder):
+        yield Path(os.fspath(folder))
+        return
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="lmzoo-files-") as tmp:
+        yield Path(tmp)
+        upload_tree(Path(tmp), folder)
 
 
 @contextmanager
@@ -102,28 +209,59 @@ class CheckpointWriter:
     OCDBT store with TensorStore, chunked one layer (one expert) per chunk
     (:meth:`write_slices`): memory holds one slice at a time.
 
-    Use it inside :func:`atomic_output` so that nothing half-written is ever
+    On object storage Orbax's partial saves cannot run: each gathers its arrays in a folder that is then renamed
+    into the tree, twice (orbax.checkpoint.experimental.v1's ``partial``), and Orbax's commit-file protocol, its
+    default where there is no rename, refuses them ("Snapshot is not supported for CommitFileTemporaryPath"); a
+    rename there would be a copy of every object. So there the writer needs the checkpoint's ``layout`` (every
+    array it will store) up front: Orbax saves the tree once, every array a placeholder, and each array, whole
+    (:meth:`add`) or slice by slice, is then written into its place with TensorStore through the bucket's own
+    driver: each byte crosses once, memory bounded as on the local disk.
+
+    Use it inside :func:`checkpoint_output` (or :func:`atomic_output`) so that nothing half-written is ever
     visible at the destination.
     """
 
-    def __init__(self, folder: str | os.PathLike):
-        self.folder = _folder(folder)  # a bucket URL for a writer that only adopts and finishes (pretrain/final.py)
+    def __init__(self, folder: str | os.PathLike, layout: Layout | None = None):
+        self.folder = folder_of(folder)  # a bucket URL: Orbax and TensorStore write to it themselves
         self.params: dict[str, dict[str, Any]] = {}
         self._pending: dict[str, int] = {}  # reserved path -> number of leading slice axes
         self._committed = False
-        self._ctx = _save_context()
+        self._ctx = _save_context(self.folder)
+        self._in_place = is_remote(self.folder)
+        self._layout = {p: (tuple(shape), np.dtype(dt)) for p, (shape, dt) in (layout or {}).items()}
+        if self._in_place and layout is not None:
+            ocp = orbax_v1()
+            with self._ctx:  # the whole tree at once, each array a placeholder its writes replace
+                ocp.save(self.folder / PARAMS_DIR, nest({p: np.zeros((1,), dt) for p, (_, dt) in self._layout.items()}))
+            self._committed = True
 
     def add(self, path: str, array: np.ndarray | jax.Array, axes: tuple[str | None, ...] = ()) -> None:
         """Write one whole parameter (dotted path); the caller may free it afterwards."""
-        self._save(path, array)
+        if self._in_place:
+            self._planned(path, array.shape, array.dtype)
+            self._write_pieces(path, list(array.shape), str(array.dtype), 0, iter([((), np.asarray(array))]))
+        else:
+            self._save(path, array)
         self.params[path] = {"shape": list(array.shape), "dtype": str(array.dtype), "axes": list(axes)}
 
     def reserve(self, path: str, shape: tuple[int, ...], dtype: Any, axes: tuple[str | None, ...], slice_axes: int) -> None:
         """Declare a parameter whose data :meth:`write_slices` supplies later, ``slice_axes`` leading axes at a time."""
         dtype = np.dtype(dtype)
-        self._save(path, np.zeros((1,), dtype))  # registers the key in Orbax's tree metadata
+        if self._in_place:
+            self._planned(path, shape, dtype)  # its placeholder is in the tree already
+        else:
+            self._save(path, np.zeros((1,), dtype))  # registers the key in Orbax's tree metadata
         self.params[path] = {"shape": list(shape), "dtype": str(dtype), "axes": list(axes)}
         self._pending[path] = slice_axes
+
+    def _planned(self, path: str, shape: tuple[int, ...], dtype: Any) -> None:
+        """On object storage: ``path`` must be in the layout given, with this shape and dtype."""
+        if not self._committed:
+            raise RuntimeError(f"{self.folder}: a checkpoint on object storage is written with its layout given up "
+                               "front (CheckpointWriter(folder, layout))")
+        if self._layout.get(path) != (tuple(shape), np.dtype(dtype)):
+            raise RuntimeError(f"{path}: {np.dtype(dtype)}{list(shape)} is not in the layout given "
+                               f"({self._layout.get(path)})")
 
     def _save(self, path: str, array: Any) -> None:
         if self._committed:
@@ -142,29 +280,38 @@ class CheckpointWriter:
 
     def write_slices(self, path: str, slices: Iterator[tuple[tuple[int, ...], np.ndarray]]) -> None:
         """Write a reserved parameter from ``(index, array)`` pieces covering it, one chunk each."""
+        self.commit_structure()
+        info = self.params[path]
+        self._write_pieces(path, info["shape"], info["dtype"], self._pending.pop(path), slices)
+
+    def _write_pieces(self, path: str, shape: list[int], dtype: str, k: int,
+                      pieces: Iterator[tuple[tuple[int, ...], np.ndarray]]) -> None:
+        """Write the array ``path`` into the OCDBT store with TensorStore, one chunk per index of its ``k``
+        leading axes, from ``pieces`` covering it (``k`` = 0: one piece, the whole array)."""
         import tensorstore as ts
 
-        self.commit_structure()
-        k = self._pending.pop(path)
-        info = self.params[path]
-        shape = info["shape"]
         spec = {
             "driver": "zarr3",
-            "kvstore": {"driver": "ocdbt", "base": f"file://{self.folder / PARAMS_DIR / STATE_DIR}/", "path": path},
+            # the bucket's own driver on object storage; no cap on a data file's size (as _save_context sets it)
+            "kvstore": {"driver": "ocdbt", "base": kvstore_base(self.folder / PARAMS_DIR / STATE_DIR), "path": path,
+                        "target_data_file_size": 0},
             # Every chunk is stored, also one equal to the fill value (an all-zero slice: a fresh Gemma's norms,
             # DeepSeek's correction bias): Orbax reads with missing chunks as errors, not as fill values.
             "store_data_equal_to_fill_value": True,
             "metadata": {
                 "shape": shape,
-                "data_type": info["dtype"],
+                "data_type": dtype,
                 "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1] * k + shape[k:]}},
                 "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
             },
         }
         store = ts.open(spec, create=True, delete_existing=True).result()
         seen = 0
-        for index, piece in slices:
-            store[index].write(np.asarray(piece, dtype=np_dtype(info["dtype"]))).result()
+        for index, piece in pieces:
+            # Written from the caller's buffer (as Orbax writes), not from a staged copy of it: the piece is not
+            # changed until its write has committed, which .result() waits for.
+            store[index].write(np.asarray(piece, dtype=np_dtype(dtype)), can_reference_source_data_indefinitely=True
+                               ).result()
             seen += 1
         if seen != int(np.prod(shape[:k])):
             raise RuntimeError(f"{path}: wrote {seen} slices of {int(np.prod(shape[:k]))}")
@@ -177,18 +324,20 @@ class CheckpointWriter:
         self._committed = True
 
     def finish(self, cfg: ModelConfig, manifest: dict[str, dict[str, Any]] | None = None, **provenance: Any) -> None:
-        """Commit the checkpoint (every reserved parameter must be written), write model.json and verify it.
+        """Commit the checkpoint (every reserved parameter must be written), verify it, then write model.json.
 
         ``provenance`` entries go into model.json as they are. One that is a :class:`StoredSection` names
         the arrays :func:`verify_complete` expects instead of the model's parameters. ``manifest`` is then the
         model's parameter table for model.json's ``params`` (default: the arrays written, or adopted).
+        model.json comes last: on object storage it is what commits the checkpoint.
         """
         sections = [k for k, v in provenance.items() if isinstance(v, StoredSection)]
         if len(sections) > 1:
             raise RuntimeError(f"more than one section lists the stored arrays: {sections}")
         self.commit_structure()
-        if self._pending:
-            raise RuntimeError(f"reserved parameters never written: {sorted(self._pending)}")
+        unwritten = sorted(self._pending) + sorted(set(self._layout) - set(self.params))
+        if unwritten:
+            raise RuntimeError(f"reserved parameters never written: {unwritten}")
         meta = {
             "format_version": FORMAT_VERSION,
             "family": cfg.family,
@@ -196,11 +345,11 @@ class CheckpointWriter:
             "params": dict(sorted((self.params if manifest is None else manifest).items())),
             **provenance,
         }
-        (self.folder / MODEL_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         if sections:
-            verify_complete(self.folder, sections[0], provenance[sections[0]].specs(cfg))
+            verify_complete(self.folder, sections[0], provenance[sections[0]].specs(cfg), meta=meta)
         else:
-            verify_complete(self.folder)
+            verify_complete(self.folder, meta=meta)
+        (self.folder / MODEL_FILE).write_text(json.dumps(meta, indent=2) + "\n")
 
 
 def save_params(folder: str | os.PathLike, params: dict[str, Any], axes: dict[str, tuple[str, ...]]) -> dict:
@@ -210,18 +359,10 @@ def save_params(folder: str | os.PathLike, params: dict[str, Any], axes: dict[st
     model. Returns the per-parameter metadata for :meth:`CheckpointWriter.adopt`.
     """
     ocp = orbax_v1()
-    ctx = _save_context()
-    if is_remote(folder):  # no rename on a bucket (on s3:// it would copy every object): Orbax's commit file
-        ctx.atomicity.mode = ocp.options.AtomicityMode.COMMIT_FILE
-    with ctx:
-        ocp.save(_folder(folder) / PARAMS_DIR, params)
+    with _save_context(folder_of(folder)):
+        ocp.save(folder_of(folder) / PARAMS_DIR, params)
     flat = flatten(params)
     return {k: {"shape": list(v.shape), "dtype": str(v.dtype), "axes": list(axes[k])} for k, v in sorted(flat.items())}
-
-
-def _folder(folder: str | os.PathLike) -> Path | RunPath:
-    """``folder`` made absolute; a bucket URL as a run path (Orbax and TensorStore write to it themselves)."""
-    return run_path(folder, "checkpoint") if is_remote(folder) else Path(folder).absolute()
 
 
 def remove_stale_scratch(out: Path) -> None:
