@@ -245,30 +245,31 @@ def _logits(folder) -> np.ndarray:
 
 @pytest.mark.slow
 def test_convert_train_export_through_buckets(setup, gcs, s3, tmp_path, monkeypatch, capsys):
-    """convert --out gs://; train from it with the tokenizer, both mixture sources and the eval set on buckets
-    (gs:// and s3://); export the run's final checkpoint by its URL to s3://; transformers loads the export with
+    """convert --out s3:// (test_convert_streams_... converts to gs://); train from it into an s3:// output_dir
+    with the tokenizer, both mixture sources and the eval set on buckets (gs:// and s3://); export the run's final
+    checkpoint by its URL to gs://; transformers loads the export with
     the same logits as the local pipeline's export, the run logged the same losses and eval losses, and
     ``zoo generate`` and ``zoo eval`` on the checkpoint URL, their --out on a bucket, say what they say on the
     local one."""
     monkeypatch.setenv("LMZOO_CACHE", str(tmp_path / "cache"))
-    g, s = gcs.bucket(), s3.bucket()
-    assert zoo_main(["convert", str(setup / "hf"), "--out", f"{g}/zoo"]) == 0
-    assert capsys.readouterr().out.strip() == f"wrote {g}/zoo"
+    s, g = s3.bucket(), gcs.bucket()  # s: the model and the run, g: the export
+    assert zoo_main(["convert", str(setup / "hf"), "--out", f"{s}/zoo"]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {s}/zoo"
     from pretrain.setup import model_config_of
     from zoo.checkpoints.format import read_config
 
-    assert model_config_of(f"{g}/zoo", "model.path") == read_config(setup / "zoo")  # as --compile-only reads it
-    storage.upload_tree(setup / "tok", storage.run_path(f"{s}/tok"))
-    for name, there in (("colours.jsonl", g), ("shapes.jsonl", s), ("held.jsonl", g)):
+    assert model_config_of(f"{s}/zoo", "model.path") == read_config(setup / "zoo")  # as --compile-only reads it
+    storage.upload_tree(setup / "tok", storage.run_path(f"{g}/tok"))
+    for name, there in (("colours.jsonl", s), ("shapes.jsonl", g), ("held.jsonl", s)):
         storage.run_path(f"{there}/data/{name}").write_bytes((setup / name).read_bytes())
     local = tmp_path / "local"
     assert pretrain_main(_train(str(setup / "zoo"), str(setup / "tok"), str(setup / "colours.jsonl"),
                                 str(setup / "shapes.jsonl"), str(setup / "held.jsonl"), str(local))) == 0
-    on_buckets = _train(f"{g}/zoo", f"{s}/tok", f"{g}/data/colours.jsonl", f"{s}/data/shapes.jsonl",
-                        f"{g}/data/held.jsonl", f"{g}/run")
+    on_buckets = _train(f"{s}/zoo", f"{g}/tok", f"{s}/data/colours.jsonl", f"{g}/data/shapes.jsonl",
+                        f"{s}/data/held.jsonl", f"{s}/run")
     assert pretrain_main(on_buckets) == 0
     here = (local / "metrics.jsonl").read_text().splitlines()
-    there = storage.run_path(f"{g}/run/metrics.jsonl").read_text().splitlines()
+    there = storage.run_path(f"{s}/run/metrics.jsonl").read_text().splitlines()
     drop = ("time", "seconds", "tokens_per_s", "step_s")
     for a, b in zip(here, there, strict=True):
         ra, rb = json.loads(a), json.loads(b)
@@ -278,31 +279,31 @@ def test_convert_train_export_through_buckets(setup, gcs, s3, tmp_path, monkeypa
     from pretrain.config import load_config
     from pretrain.setup import tokenizer_folder
 
-    tok = tokenizer_folder(load_config(None, [*on_buckets[1:], f"model.tokenizer={g}/run/final"]))
+    tok = tokenizer_folder(load_config(None, [*on_buckets[1:], f"model.tokenizer={s}/run/final"]))
     assert sorted(p.name for p in tok.iterdir()) == sorted(p.name for p in (local / "final" / "tokenizer").iterdir())
     assert not (tok.parent / "params").exists()  # a checkpoint as model.tokenizer: its tokenizer/ only is fetched
 
     assert zoo_main(["export", str(local / "final"), "--out", str(tmp_path / "export")]) == 0
-    assert zoo_main(["export", f"{g}/run/final", "--out", f"{s}/export"]) == 0
-    fetched = storage.local_copy(f"{s}/export", "export")
+    assert zoo_main(["export", f"{s}/run/final", "--out", f"{g}/export"]) == 0
+    fetched = storage.local_copy(f"{g}/export", "export")
     assert sorted(p.name for p in fetched.iterdir() if not p.name.startswith(".")) == \
         sorted(p.name for p in (tmp_path / "export").iterdir())
     np.testing.assert_array_equal(_logits(fetched), _logits(tmp_path / "export"))
     card = _card(fetched)  # the run's records came with its final/: config, metrics
-    assert any(f"from `{g}/zoo`" in line for line in card), card  # the starting checkpoint by URL, not a cache path
-    assert [line.replace(f"`{g}/zoo`", "`zoo`") for line in card] == _card(tmp_path / "export")
+    assert any(f"from `{s}/zoo`" in line for line in card), card  # the starting checkpoint by URL, not a cache path
+    assert [line.replace(f"`{s}/zoo`", "`zoo`") for line in card] == _card(tmp_path / "export")
 
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "the cat"}\n{"prompt": "a dog"}\n')
     args = ["--prompts-file", str(tmp_path / "prompts.jsonl"), "--max-new-tokens", "4", "--temperature", "0"]
     assert zoo_main(["generate", str(local / "final"), *args, "--out", str(tmp_path / "said.jsonl")]) == 0
-    assert zoo_main(["generate", f"{g}/run/final", *args, "--out", f"{s}/said.jsonl"]) == 0
+    assert zoo_main(["generate", f"{s}/run/final", *args, "--out", f"{g}/said.jsonl"]) == 0
     said = (tmp_path / "said.jsonl").read_text()
-    assert storage.run_path(f"{s}/said.jsonl").read_text() == said and said.count("completion") == 2
+    assert storage.run_path(f"{g}/said.jsonl").read_text() == said and said.count("completion") == 2
     reports = []
-    for ckpt, out in ((str(local / "final"), str(tmp_path / "here.json")), (f"{g}/run/final", f"{s}/there.json")):
+    for ckpt, out in ((str(local / "final"), str(tmp_path / "here.json")), (f"{s}/run/final", f"{g}/there.json")):
         assert zoo_main(["eval", ckpt, "--tasks", "prose", "--limit", "2", "--out", out]) == 0
         reports.append(json.loads(storage.run_path(out).read_text()))
-    assert reports[1]["checkpoint"] == f"{g}/run/final"  # as given, not its copy in the cache
+    assert reports[1]["checkpoint"] == f"{s}/run/final"  # as given, not its copy in the cache
     for here_, there_ in zip(*(r["tasks"].values() for r in reports), strict=True):
         assert {k: v for k, v in there_.items() if k != "seconds"} == {k: v for k, v in here_.items() if k != "seconds"}
 
