@@ -160,7 +160,10 @@ def test_two_hosts_sharing_only_a_bucket(gcs, setup, tmp_path, monkeypatch):
     args = ["train", f"model.path={bucket}/base", "model.tokenizer=tok", "data.path=data.jsonl", f"output_dir={url}",
             "grad_accum=2", *SGD]
     killed = _launch(scratch, ["2", *args], kill_after_checkpoint("pretrain.cli"))
-    assert [rc for rc, _, _ in killed] == [-9, -9], [err[-2000:] for _, _, err in killed]
+    # Each kills itself once step 2 is committed (a commit every process waits for). Process 1 may still be in
+    # Orbax's last barrier when process 0, JAX's coordinator, is gone: JAX then aborts it (SIGABRT) first.
+    rcs = [rc for rc, _, _ in killed]
+    assert rcs[0] == -9 and rcs[1] in (-9, -6), (rcs, [err[-2000:] for _, _, err in killed])
     out = storage.run_path(url)
     assert checkpoint_steps(out)[-1] == 2 and not (out / "final" / MODEL_FILE).exists()
 
