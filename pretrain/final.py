@@ -65,7 +65,7 @@ def write_final(out: RunPath, cfg: TrainConfig, mcfg: ModelConfig, params: dict[
     checkpoint (zoo/checkpoints/adapter.py) that refers to its base ``src``.
     ``card``: what the task's model card says of its method (:meth:`pretrain.task.Task.card`), recorded in the
     training record with the run's settings (:func:`recorded_card`). On object storage (see the module
-    docstring) an adapter checkpoint names its base by its absolute path only.
+    docstring) an adapter checkpoint names its base by its absolute path (or URL) only.
     """
     f = _Final(cfg, mcfg, params, src, tok_dir, last, data_report, method, lora, card)
     return _on_bucket(out / "final", f) if is_remote(out) else _on_disk(local(out), f)
@@ -139,7 +139,9 @@ def _write_metadata(folder: Path | RunPath, final: Path | None, stored: dict[str
                 **f.data_report, "processes": jax.process_count(), "devices": len(jax.devices())}
     q = frozen_base_quant(cfg, src) if lora else None
     quant = {"kind": q[0], "double": q[1]} if q else None
-    extra = {"lora": adapter_meta(lora, cast(Path, src), stored, final, quant)} if lora else {}
+    # A base on a bucket is named by its URL (any host reads it), not by process 0's copy of its small files.
+    base = cast(str, cfg.model.path) if is_remote(cfg.model.path or "") else cast(Path, src)
+    extra = {"lora": adapter_meta(lora, base, stored, final, quant)} if lora else {}
     if f.card is not None:
         training["card"] = recorded_card(cfg, f.card, extra.get("lora")).record()
     # A run derives from its starting checkpoint: the Hub repo that came from, if any, is this run's too.

@@ -110,6 +110,39 @@ def test_final_on_a_bucket_goes_straight_there(gcs, setup, tmp_path, monkeypatch
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def test_an_adapter_run_names_its_bucket_base_by_url(gcs, setup, tmp_path, monkeypatch):
+    """A LoRA run whose base (model.path) is on a bucket records the base by its URL, not by this host's cached
+    copy of it: another host (another cache, the first one gone) loads the adapter checkpoint merged onto it,
+    equal to the base merged with the adapters here."""
+    import jax
+    import jax.numpy as jnp
+
+    import zoo
+    from pretrain.final import write_final
+    from zoo.lora.params import LoraConfig, init_lora, merge_lora
+    from zoo.model.config import ModelConfig
+
+    bucket = gcs.bucket()
+    storage.upload_tree(setup / "zoo", storage.run_path(bucket + "/base"), last=(MODEL_FILE,))
+    monkeypatch.setenv("LMZOO_CACHE", str(tmp_path / "host0"))
+    src = storage.fetched(f"{bucket}/base", MODEL_FILE, "model.path")  # as the run reads its base
+    mcfg = ModelConfig.from_dict(json.loads((setup / "zoo" / MODEL_FILE).read_text())["config"])
+    lora_cfg = LoraConfig(rank=2, alpha=4)
+    adapters = jax.tree.map(lambda x: x + 0.01, init_lora(mcfg, lora_cfg, jax.random.key(0)))  # B != 0
+    cfg = load_config(None, [f"model.path={bucket}/base", f"data.path={setup / 'data.jsonl'}",
+                             f"output_dir={tmp_path / 'run'}", "lora.rank=2", "lora.alpha=4", "max_steps=1"])
+    (tmp_path / "run").mkdir()
+    final = write_final(storage.run_path(cfg.output_dir), cfg, mcfg, adapters, src, setup / "tok", {"step": 1}, {},
+                        lora=lora_cfg)
+    assert json.loads((final / MODEL_FILE).read_text())["lora"]["base"] == f"{bucket}/base"
+    shutil.rmtree(tmp_path / "host0")
+    monkeypatch.setenv("LMZOO_CACHE", str(tmp_path / "host1"))
+    want = merge_lora(mcfg, zoo.load_params(setup / "zoo"), adapters, lora_cfg)
+    got = zoo.load_params(final)
+    for x, y in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(jnp.asarray(x), np.float32), atol=1e-6)
+
+
 def _launch(scratch, args, script=None):
     """`pretrain train ARGS` as 2 processes x 2 CPU devices, each in its own scratch folder (its HOME, TMPDIR,
     LMZOO_CACHE and working directory: a host of its own); ``script``: run by ``python -c`` instead, with ARGS.

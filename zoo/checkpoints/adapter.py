@@ -40,6 +40,7 @@ import jax
 import numpy as np
 
 from zoo.checkpoints.format import MODEL_FILE, np_dtype, orbax_v1, params_dir, read_meta
+from zoo.checkpoints.paths import checkpoint_dir
 from zoo.checkpoints.provenance import hub_weights
 from zoo.checkpoints.readers import ParamSource, load_param_numpy
 from zoo.checkpoints.writer import StoredSection
@@ -48,6 +49,7 @@ from zoo.lora.params import LoraConfig, lora_delta, lora_scale, lora_specs, targ
 from zoo.model.config import ModelConfig
 from zoo.model.params import ParamSpec, nest
 from zoo.model.sharding import make_mesh, named_sharding
+from zoo.storage import is_remote
 
 
 class AdapterSection(StoredSection):
@@ -105,7 +107,10 @@ def _sha256(obj: Any) -> str:
 
 
 def _candidates(ckpt: str | os.PathLike, info: dict[str, Any]) -> list[Path]:
-    """Where the base may be, in order: relative to the adapter checkpoint, then the path recorded at training."""
+    """Where the base may be, in order: relative to the adapter checkpoint, then the path recorded at training;
+    a base on a bucket, recorded by its URL: its local copy (small files; its arrays are read in the bucket)."""
+    if is_remote(info["base"]):
+        return [checkpoint_dir(info["base"], "the LoRA base checkpoint")]
     here = Path(ckpt).absolute()
     found = []
     if info.get("base_relative"):
@@ -186,20 +191,24 @@ def base_location(ckpt: str | os.PathLike, meta: dict[str, Any]) -> Path:
         return _candidates(ckpt, meta["lora"])[-1]
 
 
-def adapter_meta(lora_cfg: LoraConfig, base: Path, adapter_params: dict[str, dict[str, Any]],
+def adapter_meta(lora_cfg: LoraConfig, base: str | os.PathLike, adapter_params: dict[str, dict[str, Any]],
                  ckpt: str | os.PathLike | None = None, base_quant: dict[str, Any] | None = None) -> AdapterSection:
     """The ``lora`` entry of an adapter checkpoint's model.json, to pass to the writer's ``finish`` as ``lora=``.
 
     ``ckpt`` is the folder the adapter checkpoint ends up in (not a scratch folder renamed onto it later):
-    ``base_relative`` is relative to it. Without ``ckpt`` only the absolute path is recorded.
+    ``base_relative`` is relative to it. Without ``ckpt`` only the absolute path is recorded. A ``base`` on a
+    bucket is recorded by its URL alone, which any host reads (not by one host's copy of it).
     ``base_quant`` ({"kind", "double"}) records adapters trained on a quantized base (QLoRA): merging then adds
     them to the dequantized base, the weights they were trained beside. ``base_hub_id`` records the Hub repo
     whose model the base is (:func:`zoo.checkpoints.provenance.hub_weights`), so that a PEFT export names it even where
     the base is not at hand.
     """
-    base = Path(base).absolute()
-    ref: dict[str, Any] = {"base": str(base)}
-    if ckpt is not None:
+    if is_remote(base):
+        ref: dict[str, Any] = {"base": os.fspath(base)}
+    else:
+        base = Path(base).absolute()
+        ref = {"base": str(base)}
+    if ckpt is not None and not is_remote(base):
         try:
             ref["base_relative"] = os.path.relpath(os.path.normpath(base), os.path.normpath(Path(ckpt).absolute()))
         except ValueError:  # no relative path between them (Windows: another drive)
