@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import zoo
-from tests.hf_models import hf_logits, random_tokens
 from zoo.checkpoints.adapter import adapter_meta
 from zoo.checkpoints.format import read_meta
 from zoo.checkpoints.writer import CheckpointWriter, save_params
@@ -40,15 +39,16 @@ LORA_CONFIGS = {
                             router_score="sigmoid", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
                             v_head_dim=8),
 }
-LORA_TOKENS = jnp.asarray(np.random.RandomState(0).randint(0, 96, (2, 12)), jnp.int32)
+LORA_TOKENS = jax.device_put(np.random.RandomState(0).randint(0, 96, (2, 12)).astype(np.int32))
 
 
 @functools.cache
 def lora_base_params(cfg: ModelConfig) -> dict:
     """Random base weights ~ N(0, 0.02) (drawn with NumPy: jax.random compiles a kernel per shape, slowly)."""
     rng = np.random.RandomState(0)
-    flat = {path: jnp.asarray(rng.normal(0, 0.02, spec.shape) if spec.init == "normal" else
-                              np.full(spec.shape, 1.0 if spec.init == "ones" else 0.0), jnp.float32)
+    # float32 in NumPy, then device_put: jnp.asarray compiles a program per shape (a conversion, or a stage)
+    flat = {path: jax.device_put((rng.normal(0, 0.02, spec.shape) if spec.init == "normal" else
+                                  np.full(spec.shape, 1.0 if spec.init == "ones" else 0.0)).astype(np.float32))
             for path, spec in sorted(param_specs(cfg).items())}
     return nest(flat)
 
@@ -64,7 +64,7 @@ def random_lora(cfg: ModelConfig, lc: LoraConfig, random: bool = False) -> dict:
         return _init_lora(cfg, lc, jax.random.key(1))
     rng = np.random.RandomState(2)
     shapes = jax.eval_shape(lambda: init_lora(cfg, lc, jax.random.key(1)))
-    return jax.tree.map(lambda a: jnp.asarray(rng.normal(0, 0.1, a.shape), jnp.float32), shapes)
+    return jax.tree.map(lambda a: jax.device_put(rng.normal(0, 0.1, a.shape).astype(np.float32)), shapes)
 
 
 def lora_lm_loss(cfg, params, lora, lcfg, tokens, remat="none"):
@@ -97,6 +97,8 @@ def peft_logits_against_ours(hf: Path, adapter: Path, peft_dir: Path) -> tuple[f
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
+
+    from tests.hf_models import hf_logits, random_tokens  # torch: imported here, not by the 8-device subprocesses
 
     tokens = random_tokens(96, batch=2, seq=24)
     hf_model = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32, attn_implementation="eager").eval()

@@ -1,14 +1,12 @@
 """LoRA on MoE experts: the expert targets, adapters per expert inside the grouped (ragged) expert matmul against
-a dense per-expert loop written here, training that moves only the adapters, the adapters sharded over the
-``expert`` mesh axis and run expert-parallel (QLoRA bases too), and the PEFT export (peft's target_parameters)
-loaded by peft with the same logits; the router and what peft cannot express are one-line errors."""
+a dense per-expert loop written here, training that moves only the adapters, and the PEFT export (peft's
+target_parameters) loaded by peft with the same logits; the router and what peft cannot express are one-line errors.
+The adapters sharded over the ``expert`` mesh axis and run expert-parallel (QLoRA bases too): tests/test_moe.py."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -24,7 +22,6 @@ from tests.lora_fixtures import (
     random_lora,
     write_adapter_checkpoint,
 )
-from tests.processes import devices_env
 from tests.program_checks import ragged_dots
 from zoo.errors import UserError
 from zoo.lora.params import LoraConfig, lora_specs, target_modules
@@ -191,104 +188,9 @@ def test_training_steps_move_only_the_expert_adapters():
         np.testing.assert_array_equal(np.asarray(v), before[path], err_msg=path)
 
 
-# --- sharded over the expert axis, expert-parallel (float and QLoRA bases), 8 simulated devices ---------------
-
-EP_SCRIPT = r"""
-import json, sys
-import jax, jax.numpy as jnp, numpy as np
-from zoo.model import quant
-from zoo.model.config import ModelConfig
-from zoo.lora.params import LoraConfig, init_lora, lora_scale, lora_specs
-from zoo.lora.weights import Weights
-from zoo.model.decoder import forward
-from zoo.model.params import flatten, nest, param_specs
-from zoo.model.sharding import make_mesh, named_sharding
-
-mixtral = ModelConfig(family="mixtral", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
-                      num_kv_heads=2, head_dim=16, num_experts=8, experts_per_token=2, moe_intermediate_size=16)
-cases = {"mixtral": (mixtral, ["experts.gate_proj", "experts.up_proj", "experts.down_proj"], "expert_gate"),
-         # Gemma 4's MoE block: one fused gate/up stack beside a dense MLP, its adapter one
-         "gemma4": (ModelConfig.from_dict(json.loads(sys.argv[1])), ["experts.gate_up_proj", "experts.down_proj"],
-                    "expert_gate_up")}
-mesh = make_mesh(data=1, fsdp=2, tensor=1, expert=4)
-out = {}
-for name, (cfg, targets, gate) in cases.items():
-    lc = LoraConfig(rank=2, alpha=4.0, targets=targets)
-    rng = np.random.RandomState(0)
-    # experts and router 10x the rest, so that routing is far from uniform and every expert's adapter counts
-    flat = {k: rng.normal(0, (1.0 if "expert" in k or "router" in k else 0.1) if s.init == "normal" else 0,
-                          s.shape).astype(np.float32) + (s.init == "ones")
-            for k, s in param_specs(cfg).items()}
-    # init_lora jitted (one compilation, not one per eager op), then B != 0 drawn with NumPy (jax.random compiles
-    # a kernel per shape, seconds each)
-    adapters = jax.tree.map(lambda a: np.asarray(a) + rng.normal(0, 0.05, a.shape).astype(np.float32),
-                            jax.jit(init_lora, static_argnums=(0, 1))(cfg, lc, jax.random.key(1)))
-    tokens = jnp.asarray(rng.randint(0, cfg.vocab_size, (4, 16)), jnp.int32)
-    params = dict(flat)  # a QLoRA base: the experts' stacks in NF4 (a float base: test_moe.py's expert-parallel run)
-    for path, (lead, contract) in quant.quantized_paths(cfg).items():
-        if "expert" in path:
-            params[path] = quant.quantize(params[path], lead, contract, "nf4", True)
-
-    def loss(adapters, params):
-        logits = forward(cfg, Weights(params, adapters, lora_scale(lc)), tokens)
-        return -jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]), tokens[:, 1:, None], -1).mean()
-
-    grad = jax.value_and_grad(loss)
-    one = jax.jit(grad)(adapters, nest(params))  # one device: the dropless path
-    specs = lora_specs(cfg, lc)
-    placed_lora = nest({k: jax.device_put(v, named_sharding(mesh, specs[k].axes, v.shape))
-                        for k, v in flatten(adapters).items()})
-    pspecs = param_specs(cfg)
-    placed = nest({k: quant.place(v, mesh) if isinstance(v, quant.QuantizedWeight)
-                   else jax.device_put(v, named_sharding(mesh, pspecs[k].axes, v.shape)) for k, v in params.items()})
-    with jax.set_mesh(mesh):
-        step = jax.jit(grad)
-        lowered = step.lower(placed_lora, placed)
-        many = step(placed_lora, placed)
-    # compared in NumPy: an eager jnp op on the sharded results compiles a program per shape
-    one, many = jax.device_get(one), jax.device_get(many)
-    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(many)))
-    a = flatten(placed_lora)[f"layers.{gate}.a"]
-    q = flatten(placed)[f"layers.{gate}"]
-    out[name] = {"diff": diff, "loss": [float(one[0]), float(many[0])], "experts": cfg.num_experts,
-                 "teeth": min(float(np.abs(g).max()) for g in jax.tree.leaves(one[1])),
-                 "manual": "sdy.manual_computation" in lowered.as_text() or "shard_map" in lowered.as_text(),
-                 "adapter_spec": [str(s) for s in a.sharding.spec], "adapter_shard": list(a.addressable_shards[0].data.shape),
-                 "adapter_shape": list(a.shape), "quant_spec": [str(s) for s in q.data["packed"].sharding.spec]}
-print(json.dumps(out))
-"""
-
-
-@pytest.mark.slow
-def test_expert_adapters_shard_over_the_expert_axis_and_run_expert_parallel():
-    """Slow (a subprocess on 8 simulated devices, four compilations of tiny models' loss and adapter gradients).
-    On a (fsdp 2, expert 4) mesh each expert adapter is split over the expert axis like its stack (a quarter of
-    the experts a device), the experts run expert-parallel (shard_map), and the loss and adapter gradients equal
-    the one-device run's, on NF4 (QLoRA) bases whose quantized expert fields are placed split over the expert axis
-    too: a Mixtral (gate, up and down apart) and a Gemma 4 MoE block (one fused gate/up stack). (A float base with
-    adapters on every weight, experts included: test_moe.py's test_expert_parallel_training_equals_one_device.)"""
-    from transformers import Gemma4TextConfig
-
-    from tests.hf_models import BASE, FAMILIES
-    from zoo.model.from_hf import model_config_from_hf
-
-    gemma4 = model_config_from_hf(Gemma4TextConfig(**{
-        **BASE, **FAMILIES["gemma4"][2], "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
-        "moe_intermediate_size": 16, "num_hidden_layers": 2, "num_kv_shared_layers": 0,
-        "hidden_size_per_layer_input": 0, "layer_types": ["sliding_attention", "full_attention"]}).to_dict())
-    p = subprocess.run([sys.executable, "-c", EP_SCRIPT, json.dumps(gemma4.to_dict())], capture_output=True,
-                       text=True, env=devices_env(8), timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    out = json.loads(p.stdout.strip().splitlines()[-1])
-    assert set(out) == {"mixtral", "gemma4"}
-    for name, r in out.items():
-        assert r["manual"], f"{name}: the experts did not run expert-parallel"
-        # [layers, experts / 4, embed / 2 (fsdp, as its base), rank]
-        assert r["adapter_spec"][:2] == ["None", "expert"], (name, r)
-        assert r["adapter_shard"][1] == r["experts"] // 4 and r["adapter_shard"][2] == r["adapter_shape"][2] // 2, r
-        assert r["loss"][0] == pytest.approx(r["loss"][1], abs=1e-6) and r["diff"] <= 1e-6, (name, r)
-        assert r["teeth"] > 1e-4, (name, r)
-        assert r["quant_spec"][:2] == ["None", "expert"], (name, r)
+# Sharded over the expert axis and run expert-parallel on 8 simulated devices (float and QLoRA bases): tests/test_moe.py's
+# test_expert_adapters_shard_over_the_expert_axis_and_run_expert_parallel (one subprocess for every expert-parallel
+# check).
 
 
 # --- PEFT export: target_parameters on transformers 5's fused experts, loaded by peft -------------------------

@@ -234,7 +234,8 @@ out = {}
 for name, sizes in {"fsdp8": dict(fsdp=8), "fsdp2-tensor4": dict(fsdp=2, tensor=4)}.items():
     mesh = make_mesh(**sizes)
     def shard(tree, specs):
-        return nest({k: jax.device_put(v, named_sharding(mesh, specs[k].axes, v.shape))
+        # from host copies: placing an array of device 0 compiles a slicing program per shape
+        return nest({k: jax.device_put(np.asarray(v), named_sharding(mesh, specs[k].axes, v.shape))
                      for k, v in flatten(tree).items()})
     p, l = shard(params, param_specs(cfg)), shard(lora, lora_specs(cfg, lc))
     got = np.asarray(f(p, l))

@@ -1,4 +1,5 @@
-"""Mixture of experts: Mixtral, DeepSeek-V2 (MLA, with and without q_lora_rank) and DeepSeek-V3."""
+"""Mixture of experts: Mixtral, DeepSeek-V2 (MLA, with and without q_lora_rank) and DeepSeek-V3; expert parallelism on 8
+simulated devices (loading, training, LoRA and QLoRA adapters on the experts) in one subprocess."""
 
 import json
 import subprocess
@@ -131,50 +132,46 @@ def test_capacity_factor_drops_and_reports(tmp_path):
     assert np.abs(np.asarray(got) - np.asarray(exact)).max() > 1e-3
 
 
-EXPERT_SCRIPT = r"""
+# --- expert parallelism on 8 simulated devices: one subprocess for every check below -------------------------
+# ARGV[1]: JSON {"load": {variant: [zoo checkpoint, tokens .npy, logits .npy to write]}, "gemma4": its config}.
+# Each section compares against the one-device run of the same program (or the parent's logits), on a
+# (fsdp 2, expert 4) mesh; its results go to one JSON line under the section's name.
+EP_SCRIPT = r"""
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
 import zoo
-from zoo.model.sharding import make_mesh
-assert len(jax.devices()) == 8
-model = zoo.load(sys.argv[1], mesh=make_mesh(data=1, fsdp=2, tensor=1, expert=4))
-gate = model.param_dict()["layers"]["expert_gate"]
-np.save(sys.argv[3], np.asarray(model(jnp.asarray(np.load(sys.argv[2])))))
-print(json.dumps({"spec": [str(s) for s in gate.sharding.spec], "shard": list(gate.addressable_shards[0].data.shape),
-                  "devices": len(gate.sharding.device_set)}))
-"""
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("variant", ["mixtral", "deepseek-v3"])
-def test_expert_parallel_on_8_devices(tmp_path, variant):
-    """Slow (slow lane): a subprocess on 8 simulated devices per variant loads the model expert-parallel."""
-    hf = _convert(tmp_path, variant)
-    tokens = random_tokens(hf.config.vocab_size, seq=SEQ)
-    np.save(tmp_path / "tokens.npy", tokens)
-    one = np.asarray(zoo.load(tmp_path / "zoo")(jnp.asarray(tokens)))
-    env = devices_env(8)
-    p = subprocess.run([sys.executable, "-c", EXPERT_SCRIPT, str(tmp_path / "zoo"), str(tmp_path / "tokens.npy"),
-                        str(tmp_path / "logits.npy")], capture_output=True, text=True, env=env, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    info = json.loads(p.stdout.strip().splitlines()[-1])
-    experts = hf.config.num_local_experts if variant == "mixtral" else hf.config.n_routed_experts
-    assert info["spec"][1] == "expert" and info["devices"] == 8
-    assert info["shard"][1] == experts // 4  # each device holds a quarter of the experts
-    np.testing.assert_allclose(np.load(tmp_path / "logits.npy"), one, atol=1e-5, rtol=0)
-
-
-EP_TRAIN_SCRIPT = r"""
-import json, sys
-import jax, jax.numpy as jnp, numpy as np
 from zoo.lora.params import LoraConfig, init_lora, lora_scale, lora_specs
 from zoo.lora.weights import Weights
+from zoo.model import quant
+from zoo.model.config import ModelConfig
 from zoo.model.decoder import forward
 from zoo.model.from_hf import model_config_from_hf
 from zoo.model.params import flatten, nest, param_specs
 from zoo.model.sharding import make_mesh, named_sharding
 from zoo.registry.catalogue import DEEPSEEK_V3_TINY
-cfg = model_config_from_hf(DEEPSEEK_V3_TINY)  # `zoo init deepseek-v3-tiny`'s model
+assert len(jax.devices()) == 8
+args = json.loads(sys.argv[1])
+mesh = make_mesh(data=1, fsdp=2, tensor=1, expert=4)
+out = {"load": {}, "qlora": {}}
+
+def manual(lowered):  # the experts ran expert-parallel (shard_map)
+    return "sdy.manual_computation" in lowered.as_text() or "shard_map" in lowered.as_text()
+
+def max_diff(one, many):  # compared in NumPy: eager jnp ops on sharded results compile a program per shape
+    one, many = jax.device_get(one), jax.device_get(many)
+    return max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(many)))
+
+# 1. A converted checkpoint loaded expert-parallel (zoo.load with a mesh): its logits to ARGV's file.
+for variant, (folder, tokens, logits) in args["load"].items():
+    model = zoo.load(folder, mesh=mesh)
+    gate = model.param_dict()["layers"]["expert_gate"]
+    np.save(logits, np.asarray(model(jnp.asarray(np.load(tokens)))))
+    out["load"][variant] = {"spec": [str(s) for s in gate.sharding.spec],
+                            "shard": list(gate.addressable_shards[0].data.shape),
+                            "devices": len(gate.sharding.device_set)}
+
+# 2. Training: `zoo init deepseek-v3-tiny`'s model, LoRA on every projection, packed rows with padding.
+cfg = model_config_from_hf(DEEPSEEK_V3_TINY)
 rng = np.random.default_rng(0)
 # its weights as `zoo init` draws them (N(0, 0.02), norms 1, biases 0), drawn with NumPy: jax.random compiles a
 # kernel per shape, seconds each
@@ -195,35 +192,140 @@ def loss(params, adapters, tokens, seg):
 
 grad = jax.value_and_grad(loss, argnums=(0, 1))
 one = jax.jit(grad)(params, adapters, tokens, seg)  # one device: the dropless path as written
-mesh = make_mesh(data=1, fsdp=2, tensor=1, expert=4)
 put = lambda tree, specs: nest({k: jax.device_put(v, named_sharding(mesh, specs[k].axes, v.shape))
                                for k, v in flatten(tree).items()})
 rows = named_sharding(mesh, ("batch", None), tokens.shape)
+placed = (put(params, param_specs(cfg)), put(adapters, lora_specs(cfg, lcfg)), jax.device_put(tokens, rows),
+          jax.device_put(seg, rows))
 with jax.set_mesh(mesh):  # as the train step is lowered (zoo.model.sharding.mesh_context)
     step = jax.jit(grad)
-    lowered = step.lower(put(params, param_specs(cfg)), put(adapters, lora_specs(cfg, lcfg)),
-                         jax.device_put(tokens, rows), jax.device_put(seg, rows))
-    many = step(put(params, param_specs(cfg)), put(adapters, lora_specs(cfg, lcfg)),
-                jax.device_put(tokens, rows), jax.device_put(seg, rows))
-one, many = jax.device_get(one), jax.device_get(many)  # compared in NumPy: eager jnp ops compile per shape
-diff = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(many)))
-print(json.dumps({"diff": diff, "loss": [float(one[0]), float(many[0])],
-                  "manual": "sdy.manual_computation" in lowered.as_text() or "shard_map" in lowered.as_text()}))
+    lowered = step.lower(*placed)
+    many = step(*placed)
+out["train"] = {"diff": max_diff(one, many), "loss": [float(one[0]), float(many[0])], "manual": manual(lowered)}
+
+# 3. QLoRA: expert adapters on NF4 experts, a Mixtral (gate, up and down apart) and a Gemma 4 MoE block (one fused
+# gate/up stack beside a dense MLP, its adapter one).
+mixtral = ModelConfig(family="mixtral", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                      num_kv_heads=2, head_dim=16, num_experts=8, experts_per_token=2, moe_intermediate_size=16)
+cases = {"mixtral": (mixtral, ["experts.gate_proj", "experts.up_proj", "experts.down_proj"], "expert_gate"),
+         "gemma4": (ModelConfig.from_dict(args["gemma4"]), ["experts.gate_up_proj", "experts.down_proj"],
+                    "expert_gate_up")}
+for name, (cfg, targets, gate) in cases.items():
+    lc = LoraConfig(rank=2, alpha=4.0, targets=targets)
+    rng = np.random.RandomState(0)
+    # experts and router 10x the rest, so that routing is far from uniform and every expert's adapter counts
+    flat = {k: rng.normal(0, (1.0 if "expert" in k or "router" in k else 0.1) if s.init == "normal" else 0,
+                          s.shape).astype(np.float32) + (s.init == "ones")
+            for k, s in param_specs(cfg).items()}
+    adapters = jax.tree.map(lambda a: np.asarray(a) + rng.normal(0, 0.05, a.shape).astype(np.float32),
+                            jax.jit(init_lora, static_argnums=(0, 1))(cfg, lc, jax.random.key(1)))
+    tokens = jnp.asarray(rng.randint(0, cfg.vocab_size, (4, 16)), jnp.int32)
+    params = dict(flat)  # the experts' stacks in NF4
+    for path, (lead, contract) in quant.quantized_paths(cfg).items():
+        if "expert" in path:
+            params[path] = quant.quantize(params[path], lead, contract, "nf4", True)
+
+    def qloss(adapters, params):
+        logits = forward(cfg, Weights(params, adapters, lora_scale(lc)), tokens)
+        return -jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]), tokens[:, 1:, None], -1).mean()
+
+    grad = jax.value_and_grad(qloss)
+    one = jax.jit(grad)(adapters, nest(params))  # one device: the dropless path
+    specs = lora_specs(cfg, lc)
+    placed_lora = nest({k: jax.device_put(v, named_sharding(mesh, specs[k].axes, v.shape))
+                        for k, v in flatten(adapters).items()})
+    pspecs = param_specs(cfg)
+    placed = nest({k: quant.place(v, mesh) if isinstance(v, quant.QuantizedWeight)
+                   else jax.device_put(v, named_sharding(mesh, pspecs[k].axes, v.shape)) for k, v in params.items()})
+    with jax.set_mesh(mesh):
+        step = jax.jit(grad)
+        lowered = step.lower(placed_lora, placed)
+        many = step(placed_lora, placed)
+    a = flatten(placed_lora)[f"layers.{gate}.a"]
+    q = flatten(placed)[f"layers.{gate}"]
+    out["qlora"][name] = {
+        "diff": max_diff(one, many), "loss": [float(one[0]), float(many[0])], "experts": cfg.num_experts,
+        "teeth": min(float(np.abs(g).max()) for g in jax.tree.leaves(jax.device_get(one[1]))),
+        "manual": manual(lowered), "adapter_spec": [str(s) for s in a.sharding.spec],
+        "adapter_shard": list(a.addressable_shards[0].data.shape), "adapter_shape": list(a.shape),
+        "quant_spec": [str(s) for s in q.data["packed"].sharding.spec]}
+print(json.dumps(out))
 """
+EP_VARIANTS = ["mixtral", "deepseek-v3"]
+
+
+@pytest.fixture(scope="module")
+def expert_parallel(tmp_path_factory):
+    """EP_SCRIPT's results, one subprocess on 8 simulated devices for the three tests below: (results, {variant:
+    (its transformers model, its logits on one device, its logits expert-parallel)})."""
+    from transformers import Gemma4TextConfig
+
+    from tests.hf_models import BASE, FAMILIES
+    from zoo.model.from_hf import model_config_from_hf
+
+    root = tmp_path_factory.mktemp("expert_parallel")
+    load, ones = {}, {}
+    for variant in EP_VARIANTS:
+        hf = _convert(root / variant, variant)
+        tokens = random_tokens(hf.config.vocab_size, seq=SEQ)
+        np.save(root / variant / "tokens.npy", tokens)
+        ones[variant] = hf, np.asarray(zoo.load(root / variant / "zoo")(jnp.asarray(tokens)))
+        load[variant] = [str(root / variant / f) for f in ("zoo", "tokens.npy", "logits.npy")]
+    # Gemma 4's MoE block, as transformers configures it
+    gemma4 = model_config_from_hf(Gemma4TextConfig(**{
+        **BASE, **FAMILIES["gemma4"][2], "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+        "moe_intermediate_size": 16, "num_hidden_layers": 2, "num_kv_shared_layers": 0,
+        "hidden_size_per_layer_input": 0, "layer_types": ["sliding_attention", "full_attention"]}).to_dict())
+    p = subprocess.run([sys.executable, "-c", EP_SCRIPT, json.dumps({"load": load, "gemma4": gemma4.to_dict()})],
+                       capture_output=True, text=True, env=devices_env(8), timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    return out, {v: (*ones[v], np.load(root / v / "logits.npy")) for v in EP_VARIANTS}
 
 
 @pytest.mark.slow
-def test_expert_parallel_training_equals_one_device():
-    """Slow (a subprocess on 8 simulated devices, two compilations of a tiny DeepSeek-V3's loss and gradients).
+@pytest.mark.parametrize("variant", EP_VARIANTS)
+def test_expert_parallel_on_8_devices(expert_parallel, variant):
+    """Slow (the expert_parallel subprocess): a converted checkpoint loaded expert-parallel (zoo.load with a
+    (fsdp 2, expert 4) mesh) splits its experts over the expert axis and gives the one-device logits."""
+    out, runs = expert_parallel
+    hf, one, many = runs[variant]
+    info = out["load"][variant]
+    experts = hf.config.num_local_experts if variant == "mixtral" else hf.config.n_routed_experts
+    assert info["spec"][1] == "expert" and info["devices"] == 8
+    assert info["shard"][1] == experts // 4  # each device holds a quarter of the experts
+    np.testing.assert_allclose(many, one, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_expert_parallel_training_equals_one_device(expert_parallel):
+    """Slow (the expert_parallel subprocess: two compilations of a tiny DeepSeek-V3's loss and gradients).
     Under the train step's mesh context with an expert axis, the routed experts run expert-parallel
     (zoo.layers.moe._experts_parallel: each device its experts, a psum over the axis): the loss and the gradients of the
     weights and of LoRA adapters on every projection equal the one-device dropless run's (float32, 1e-6)."""
-    p = subprocess.run([sys.executable, "-c", EP_TRAIN_SCRIPT], capture_output=True, text=True, env=devices_env(8),
-                       timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    out = json.loads(p.stdout.strip().splitlines()[-1])
+    out = expert_parallel[0]["train"]
     assert out["manual"], "the experts did not run expert-parallel"
     assert out["loss"][0] == pytest.approx(out["loss"][1], abs=1e-6) and out["diff"] <= 1e-6, out
+
+
+@pytest.mark.slow
+def test_expert_adapters_shard_over_the_expert_axis_and_run_expert_parallel(expert_parallel):
+    """Slow (the expert_parallel subprocess: four compilations of tiny models' loss and adapter gradients).
+    On a (fsdp 2, expert 4) mesh each expert adapter is split over the expert axis like its stack (a quarter of
+    the experts a device), the experts run expert-parallel (shard_map), and the loss and adapter gradients equal
+    the one-device run's, on NF4 (QLoRA) bases whose quantized expert fields are placed split over the expert axis
+    too: a Mixtral (gate, up and down apart) and a Gemma 4 MoE block (one fused gate/up stack). (A float base with
+    adapters on every weight, experts included: test_expert_parallel_training_equals_one_device above.)"""
+    out = expert_parallel[0]["qlora"]
+    assert set(out) == {"mixtral", "gemma4"}
+    for name, r in out.items():
+        assert r["manual"], f"{name}: the experts did not run expert-parallel"
+        # [layers, experts / 4, embed / 2 (fsdp, as its base), rank]
+        assert r["adapter_spec"][:2] == ["None", "expert"], (name, r)
+        assert r["adapter_shard"][1] == r["experts"] // 4 and r["adapter_shard"][2] == r["adapter_shape"][2] // 2, r
+        assert r["loss"][0] == pytest.approx(r["loss"][1], abs=1e-6) and r["diff"] <= 1e-6, (name, r)
+        assert r["teeth"] > 1e-4, (name, r)
+        assert r["quant_spec"][:2] == ["None", "expert"], (name, r)
 
 
 @pytest.mark.slow
