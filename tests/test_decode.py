@@ -1,5 +1,5 @@
 """KV-cache decoding (zoo.model.decode) and generation (eval.generate, `zoo generate`) against the full forward
-pass and transformers' generate."""
+pass and transformers' greedy choices."""
 
 import json
 from functools import partial
@@ -40,7 +40,7 @@ def tiny(tiny_family):
 # MLA (deepseek_v2; deepseek_v3's both ways in test_mla_expanded_and_absorbed_attention), KV-shared layers (gemma4),
 # sinks (gpt_oss), partial rotary (glm4_moe), NoPE layers (smollm3), LongRoPE's switch (phi3). The others (gemma,
 # qwen2, qwen3, mixtral, qwen3_moe, olmo2) differ from llama only before the cache or after attention, and decode
-# against transformers' generate in test_greedy_equals_transformers_generate like every family.
+# against transformers' greedy choices in test_greedy_equals_transformers_greedy like every family.
 CACHE_FAMILIES = ["llama", "mistral", "gemma2", "gemma3", "deepseek_v2", "gemma4", "glm4_moe", "gpt_oss", "smollm3",
                   "olmo3", "phi3"]
 
@@ -84,20 +84,22 @@ def _check_cached_logits(cfg, params, fwd):
     assert done.max() == SEQ and done.min() > 7  # both rows went past the window
 
 
-def _hf_greedy(hf, prompt, n):
+def _hf_greedy_choices(hf, prompt, new):
+    """transformers' greedy choice after the prompt and each prefix of ``new``: one forward over them all.
+    ``new`` is transformers' greedy continuation exactly when it equals this (each token is the argmax given the
+    tokens before it), without generate's token-at-a-time loop (on SmolLM2-135M, 20 s of a loaded machine)."""
     with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        logits = hf(torch.tensor([prompt + new])).logits[0]
+    return logits[len(prompt) - 1:len(prompt) + len(new) - 1].argmax(-1).tolist()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_greedy_equals_transformers_generate(tiny, family):
+def test_greedy_equals_transformers_greedy(tiny, family):
     hf, cfg, params = tiny(family)
     prompt = random_tokens(cfg.vocab_size, batch=1, seq=5, seed=2)[0].tolist()
     got = generate(cfg, params, [prompt], GenerationConfig(max_new_tokens=12))[0]
-    assert got == _hf_greedy(hf, prompt, 12)  # 17 tokens: past the sliding window
+    assert len(got) == 12 and got == _hf_greedy_choices(hf, prompt, got)  # 17 tokens: past the sliding window
 
 
 @pytest.mark.slow
@@ -139,19 +141,10 @@ def test_sampling_is_reproducible(tiny):
 CHATS = ["What is the capital of France?", "List three prime numbers."]  # 37 and 35 tokens: ragged rows
 
 
-def _hf_greedy_choices(hf, prompt, new):
-    """transformers' greedy choice after the prompt and each prefix of ``new``: one forward over them all.
-    ``new`` is transformers' greedy continuation exactly when it equals this (each token is the argmax given the
-    tokens before it), without generate's token-at-a-time loop."""
-    with torch.no_grad():
-        logits = hf(torch.tensor([prompt + new])).logits[0]
-    return logits[len(prompt) - 1:len(prompt) + len(new) - 1].argmax(-1).tolist()
-
-
 @pytest.mark.slow
 def test_smollm2_greedy_equals_transformers_greedy(smollm2):
     """Slow (slow lane): the real SmolLM2-135M generates (16 tokens a prompt) and transformers checks each token
-    is its greedy choice (one teacher-forced forward a prompt: its generate loop cost 20 s here). greedy_batch
+    is its greedy choice (one teacher-forced forward a prompt). greedy_batch
     (eval.generate's greedy entry point) over chat prompts tokenized both ways (chat_ids, and the template's text
     tokenized without special tokens)."""
     from eval.generate import chat_ids, greedy_batch
