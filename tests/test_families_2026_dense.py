@@ -1,7 +1,7 @@
 """SmolLM3 (NoPE layers), OLMo 2/3 (post-norm blocks, full-width q/k norms, OLMo 3's sliding layers) and Phi-3/Phi-4
 (fused qkv_proj/gate_up_proj, partial rotary, LongRoPE) against transformers, round trips, and the released configs.
 
-Greedy KV-cache decoding of the tiny models against transformers' generate runs in test_decode (its families are
+Greedy KV-cache decoding of the tiny models against transformers' greedy choices runs in test_decode (its families are
 tests.hf_models.FAMILIES); here, the one case it does not reach: LongRoPE switching factors mid-generation."""
 
 import dataclasses

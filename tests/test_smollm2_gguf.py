@@ -2,7 +2,7 @@
 
 conftest.py's session fixture ``smollm2`` converts the GGUF file (`zoo convert`) once for the whole run:
 these tests check that conversion; tests/test_decode.py generates with the same one (its greedy chat completions
-against transformers' generate: test_smollm2_greedy_equals_transformers_generate)."""
+against transformers' greedy choices: test_smollm2_greedy_equals_transformers_greedy)."""
 
 import jax.numpy as jnp
 import numpy as np
