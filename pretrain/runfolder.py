@@ -146,21 +146,15 @@ def move_aside(out: RunPath) -> RunPath | None:
     return dest
 
 
-def check_output(out: RunPath) -> None:
-    """Before the model loads: ``out`` on object storage is a place Orbax can checkpoint into and the credentials
-    may write (a probe object written and removed: :func:`zoo.storage.check_writable`); else one line."""
-    check_writable(out)  # on every process: each host writes its own shards, with its own credentials
-
-
 def open_run(out: RunPath, cfg: TrainConfig, fresh: bool, allowed: Sequence[str]) -> RunPath | None:
-    """Get ``out`` ready for a run: checked to be writable (:func:`check_output`); ``fresh`` moves an old run
+    """Get ``out`` ready for a run: checked to be writable (:func:`zoo.storage.check_writable`); ``fresh`` moves an old run
     aside; else a finished run's ``final`` is returned (nothing to train), and a resumed run's config changes
     (only what ``allowed`` and :data:`MAY_CHANGE` permit) are reported. None: train."""
     import sys
 
     from pretrain import distributed
 
-    check_output(out)
+    check_writable(out)  # on every process: each host writes its own shards, with its own credentials
     primary = distributed.is_primary()
     if fresh:
         moved = move_aside(out) if primary else None

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+# The word list of most runs' pretraining texts (tests/tiny_lm.py's tiny model knows them all).
+TEN_WORDS = tuple("the a cat dog sat ran on under mat log".split())
+
 
 def write_jsonl(path, rows):
     """Write ``rows`` as JSON lines at ``path``; returns ``path``."""

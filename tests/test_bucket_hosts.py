@@ -16,12 +16,11 @@ from pretrain.config import load_config
 from pretrain.loop import train
 from pretrain.runfolder import checkpoint_steps
 from tests.processes import devices_env, ended, free_port, kill_after_checkpoint
-from tests.run_files import read_metrics, write_word_texts
-from tests.tiny_lm import copy_tiny_lm
+from tests.run_files import TEN_WORDS, read_metrics
+from tests.tiny_lm import tiny_run_folder
 from zoo import storage
 from zoo.checkpoints.format import MODEL_FILE
 
-WORDS = "the a cat dog sat ran on under mat log red blue".split()
 # The 2-process runs of tests/test_train.py: plain SGD, batch 8 (2 processes x 2 devices, 2 micro-batches).
 SGD = ("data.seq_len=32", "batch_size=8", "optimizer.name=sgd", "optimizer.learning_rate=0.5",
        "schedule.name=constant", "log_every=1", "checkpoint.every=2", "max_steps=4")
@@ -29,10 +28,7 @@ SGD = ("data.seq_len=32", "batch_size=8", "optimizer.name=sgd", "optimizer.learn
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, tiny_lm):
-    root = tmp_path_factory.mktemp("hosts")
-    copy_tiny_lm(tiny_lm, root)
-    write_word_texts(root / "data.jsonl", WORDS, 200)
-    return root
+    return tiny_run_folder(tmp_path_factory, tiny_lm, "hosts", words=(*TEN_WORDS, "red", "blue"), rows=200)
 
 
 def test_verify_reads_a_checkpoint_on_a_bucket(gcs, setup):

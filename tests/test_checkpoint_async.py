@@ -12,8 +12,7 @@ from pretrain.checkpoints import Checkpoints
 from pretrain.cli import main as pretrain_main
 from pretrain.config import TrainConfig
 from pretrain.runfolder import checkpoint_steps
-from tests.run_files import write_word_texts
-from tests.tiny_lm import copy_tiny_lm
+from tests.tiny_lm import tiny_run_folder
 from zoo import storage
 
 
@@ -79,10 +78,7 @@ sys.exit(main(sys.argv[2:]))
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, tiny_lm):
-    root = tmp_path_factory.mktemp("async")
-    copy_tiny_lm(tiny_lm, root)
-    write_word_texts(root / "data.jsonl", "the a cat dog sat ran on under mat log".split(), 100)
-    return root
+    return tiny_run_folder(tmp_path_factory, tiny_lm, "async")
 
 
 @pytest.mark.slow

@@ -11,8 +11,7 @@ import pytest
 
 from pretrain.cli import main as pretrain_main
 from tests.object_stores import Store
-from tests.run_files import write_word_texts
-from tests.tiny_lm import copy_tiny_lm
+from tests.tiny_lm import tiny_run_folder
 from zoo import storage
 from zoo.errors import UserError
 
@@ -230,10 +229,7 @@ def test_dpo_reference_digest_of_a_bucket_checkpoint_follows_its_arrays(gcs, set
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, tiny_lm):
-    root = tmp_path_factory.mktemp("buckets")
-    copy_tiny_lm(tiny_lm, root)
-    write_word_texts(root / "data.jsonl", "the a cat dog sat ran on under mat log".split(), 100)
-    return root
+    return tiny_run_folder(tmp_path_factory, tiny_lm, "buckets")
 
 
 def _args(setup, out, *more):

@@ -11,10 +11,8 @@ import pytest
 
 import zoo
 from tests.processes import REPO, devices_env, free_port
-from tests.run_files import read_metrics, write_word_texts
-from tests.tiny_lm import copy_tiny_lm
-
-WORDS = "the a cat dog sat ran on under mat log".split()
+from tests.run_files import read_metrics
+from tests.tiny_lm import tiny_run_folder
 
 # The rerun and the reference in the same 2 processes (one distributed runtime, one compilation): the stopped run
 # resumed to STEPS steps in RESUMED, then a fresh run of STEPS steps in FRESH. argv: port, process id, STEPS,
@@ -55,10 +53,7 @@ except Interrupted as e:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, tiny_lm):
-    root = tmp_path_factory.mktemp("preemption")
-    copy_tiny_lm(tiny_lm, root)
-    write_word_texts(root / "data.jsonl", WORDS, 100)
-    return root
+    return tiny_run_folder(tmp_path_factory, tiny_lm, "preemption")
 
 
 def _two(argv, outputs: list) -> list[subprocess.Popen]:

@@ -20,19 +20,14 @@ from pretrain.loop import train
 from pretrain.runlog import TIMING_FIELDS
 from pretrain.trackers import STATE_FILE, TrackerHook, chosen
 from tests.processes import REPO, devices_env, free_port
-from tests.run_files import read_metrics, write_word_texts
-from tests.tiny_lm import copy_tiny_lm
+from tests.run_files import read_metrics
+from tests.tiny_lm import tiny_run_folder
 from zoo.errors import UserError
-
-WORDS = "the a cat dog sat ran on under mat log".split()
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, tiny_lm):
-    root = tmp_path_factory.mktemp("trackers")
-    copy_tiny_lm(tiny_lm, root)
-    write_word_texts(root / "data.jsonl", WORDS, 100)
-    return root
+    return tiny_run_folder(tmp_path_factory, tiny_lm, "trackers")
 
 
 def _args(setup, out, *overrides):

@@ -9,8 +9,7 @@ import zoo
 from pretrain.config import load_config
 from pretrain.loop import train
 from tests.processes import devices_env, ended, free_port
-from tests.run_files import write_word_texts
-from tests.tiny_lm import copy_tiny_lm
+from tests.tiny_lm import tiny_run_folder
 from zoo.cli import main as zoo_main
 
 WORDS = "the a cat dog sat ran on under mat log red blue big small quickly slowly and then".split()
@@ -18,10 +17,7 @@ WORDS = "the a cat dog sat ran on under mat log red blue big small quickly slowl
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, tiny_lm):
-    root = tmp_path_factory.mktemp("train")
-    copy_tiny_lm(tiny_lm, root)
-    write_word_texts(root / "data.jsonl", WORDS[:8], 300)
-    return root
+    return tiny_run_folder(tmp_path_factory, tiny_lm, "train", words=WORDS[:8], rows=300)
 
 
 def _cfg(setup, out, *overrides):

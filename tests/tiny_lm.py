@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from tests.hf_models import make_llama
+from tests.run_files import TEN_WORDS, write_word_texts
 
 # The training tests' model: a tiny Llama of a 512-id tokenizer (tiny_lm_zoo): its head and loss cost next to
 # nothing, where SmolLM2's 49152-id vocabulary made them most of every step.
@@ -84,3 +85,12 @@ def copy_tiny_lm(shared: Path, root: Path, names=("tok", "hf", "zoo")):
     for name in names:
         shutil.copytree(shared / name, root / name)
     return AutoTokenizer.from_pretrained(str(root / "tok"))
+
+
+def tiny_run_folder(tmp_path_factory, shared: Path, name: str, words=TEN_WORDS, rows: int = 100) -> Path:
+    """A module's own folder (``name``) with the session's tiny model (:func:`copy_tiny_lm`) and ``data.jsonl``:
+    ``rows`` pretraining texts of ``words`` (tests/run_files.py: write_word_texts)."""
+    root = tmp_path_factory.mktemp(name)
+    copy_tiny_lm(shared, root)
+    write_word_texts(root / "data.jsonl", list(words), rows)
+    return root

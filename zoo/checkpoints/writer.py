@@ -37,6 +37,7 @@ from zoo.checkpoints.verify import verify_complete
 from zoo.errors import UserError
 from zoo.model.config import ModelConfig
 from zoo.model.params import ParamSpec, flatten, nest
+from zoo.orbax_s3 import BUCKET_ATOMICITY
 from zoo.storage import RunPath, check_writable, empty_prefix, is_remote, run_path, upload_tree
 
 # On object storage: written first by a writer and removed once its model.json is; a prefix holding it and no
@@ -66,7 +67,7 @@ def _save_context(folder: Path | RunPath) -> Any:
     ocp = orbax_v1()
     # On object storage a save is written in place and committed by Orbax's commit file (its default on gs://,
     # chosen here for every scheme): its other protocol renames the save's folder, a copy of every object there.
-    ctx = ocp.Context(atomicity_options=ocp.options.AtomicityOptions(mode=ocp.options.AtomicityMode.COMMIT_FILE)
+    ctx = ocp.Context(atomicity_options=ocp.options.AtomicityOptions(mode=BUCKET_ATOMICITY.mode)
                       ) if is_remote(folder) else ocp.Context()
     # One zarr chunk per host array: TensorStore then writes straight from the
     # caller's buffer, while splitting into smaller chunks makes it stage a full
