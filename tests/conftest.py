@@ -1,6 +1,7 @@
 """Test-wide settings (CPU JAX, no network, quiet libraries) and the models the suite shares."""
 
 import os
+import sys
 
 import pytest
 
@@ -219,3 +220,14 @@ def s3():
 
     with s3_store() as store:
         yield store
+
+
+@pytest.fixture(scope="session")
+def trackio_dir(tmp_path_factory):
+    """trackio's local folder for this session (trackio reads ``TRACKIO_DIR`` once, when imported): the runs of
+    tests/test_trackers.py and test_launch.py, read back with trackio's own reader."""
+    if "trackio" not in sys.modules:
+        os.environ["TRACKIO_DIR"] = str(tmp_path_factory.mktemp("trackio"))
+    from trackio.utils import TRACKIO_DIR
+
+    return TRACKIO_DIR

@@ -28,6 +28,34 @@ def zoo_export(tmp_path: Path, endpoint: str, *args: str) -> subprocess.Complete
     )
 
 
+def zoo_export_here(tmp_path: Path, endpoint: str, monkeypatch, capfd, *args: str) -> subprocess.CompletedProcess:
+    """`zoo export ARGS` in this process, as :func:`zoo_export` runs it in a fresh interpreter (no start-up, no
+    imports, no compilations of its own): huggingface_hub's settings that it reads from the environment when
+    imported (HF_ENDPOINT, HF_HUB_OFFLINE, HF_HUB_DISABLE_XET) set on it, the token in HF_TOKEN and no other HF_*
+    variable, TMPDIR tmp_path/'tmp', the working directory tmp_path; ``monkeypatch`` undoes it all after the test.
+    Returns the command's exit code and what it wrote to stdout and stderr (``capfd``) as a CompletedProcess."""
+    import tempfile
+
+    from huggingface_hub import constants
+
+    from zoo.cli import main
+
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    for key in list(os.environ):
+        if key.startswith(("HF_", "HUGGING_FACE_", "HUGGINGFACE_")) or key == "TRANSFORMERS_OFFLINE":
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    monkeypatch.chdir(tmp_path)
+    capfd.readouterr()
+    code = main(["export", *args])
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(["zoo", "export", *args], code, out, err)
+
+
 def assert_token_not_leaked(proc: subprocess.CompletedProcess) -> None:
     """The Hub token appears in neither of the command's outputs."""
     assert TOKEN not in proc.stdout

@@ -106,10 +106,13 @@ def test_final_on_a_bucket_goes_straight_there(gcs, setup, tmp_path, monkeypatch
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.slow
 def test_an_adapter_run_names_its_bucket_base_by_url(gcs, setup, tmp_path, monkeypatch):
     """A LoRA run whose base (model.path) is on a bucket records the base by its URL, not by this host's cached
     copy of it: another host (another cache, the first one gone) loads the adapter checkpoint merged onto it,
-    equal to the base merged with the adapters here."""
+    equal to the base merged with the adapters here.
+    Slow (slow lane; 4-5 s on the 2-core machine): the base's 92 files uploaded to the emulator, the adapters
+    made and merged (eager JAX), two checkpoints loaded."""
     import jax
     import jax.numpy as jnp
 

@@ -87,66 +87,6 @@ def _same_model(a, b) -> None:
 
 
 @pytest.mark.slow
-def test_convert_streams_its_arrays_into_the_bucket_and_load_reads_them_there(setup, gcs, tmp_path, monkeypatch,
-                                                                              capsys):
-    """``zoo convert --out gs://``: the arrays go from memory into the bucket through Orbax and TensorStore (no
-    local folder of the checkpoint: the temporary folders it used held a few small files, no params/); the
-    bucket holds Orbax's checkpoint (its tree metadata, OCDBT manifest and commit file, read with the emulator's
-    client) and model.json, nothing of the writer's; ``zoo.load(url)`` reads the arrays there, the same bits as the
-    local conversion, and ``zoo info`` the same chunk table, with no params/ copied into lmzoo's cache. ``zoo init
-    --out`` writes a bucket the same way."""
-    import tempfile
-
-    import zoo
-    from zoo.checkpoints.verify import verify_complete
-
-    monkeypatch.setenv("LMZOO_CACHE", str(tmp_path / "cache"))
-    used: list[dict[str, int]] = []
-
-    class Recorded(tempfile.TemporaryDirectory):  # each temporary folder's files, as they were before removal
-        def cleanup(self):
-            used.append({str(p.relative_to(self.name)): p.stat().st_size for p in Path(self.name).rglob("*")
-                         if p.is_file()})
-            super().cleanup()
-
-    monkeypatch.setattr(tempfile, "TemporaryDirectory", Recorded)
-    url = gcs.bucket() + "/zoo"
-    assert zoo_main(["convert", str(setup / "hf"), "--out", url]) == 0
-    monkeypatch.undo()
-    objects = _objects(url)
-    arrays = sum(len(v) for k, v in objects.items() if k.startswith("params/"))
-    assert arrays > 100_000  # the tiny model's weights
-    assert not any("params/" in f for files in used for f in files), used
-    assert sum(sum(files.values()) for files in used) < arrays / 10, used
-
-    assert {"model.json", "params/commit_success.txt", "params/state/manifest.ocdbt"} <= set(objects)
-    assert not any(".lmzoo-incomplete" in k or "partial_save" in k for k in objects), sorted(objects)
-    here = json.loads((setup / "zoo" / "model.json").read_text())
-    assert json.loads(objects["model.json"])["params"] == here["params"]
-    tree = json.loads(objects["params/state/_METADATA"])["tree_metadata"]
-    assert sorted(tree) == sorted(str(tuple(p.split("."))) for p in here["params"])
-    verify_complete(url)
-
-    monkeypatch.setenv("LMZOO_CACHE", str(tmp_path / "cache"))
-    _same_model(zoo.load(url), zoo.load(setup / "zoo"))
-    tables = []
-    for ckpt in (url, str(setup / "zoo")):  # `zoo info`: the chunk table read from the arrays where they are
-        assert zoo_main(["info", ckpt]) == 0
-        said = capsys.readouterr().out
-        assert " 0 files" not in said
-        tables.append(said.split("\n\n", 1)[1])
-    assert tables[0] == tables[1] and "?" not in tables[0]
-    cached = [p.relative_to(tmp_path / "cache") for p in (tmp_path / "cache").rglob("*")]
-    assert any(p.name == "model.json" for p in cached) and not any("params" in p.parts for p in cached), cached
-
-    config = str(setup / "hf" / "config.json")  # `zoo init --out URL` writes the same way
-    assert zoo_main(["init", config, "--out", url + "-init"]) == 0
-    assert zoo_main(["init", config, "--out", str(tmp_path / "init")]) == 0
-    assert ".lmzoo-incomplete" not in _objects(url + "-init")
-    _same_model(zoo.load(url + "-init"), zoo.load(tmp_path / "init"))
-
-
-@pytest.mark.slow
 def test_writing_into_a_bucket_stages_no_copy_of_the_array(gcs):
     """A parameter written into a bucket goes from the caller's buffer (as Orbax writes it): the writer's peak
     memory grows by under half the array (measured: by nothing for this 128 MiB one, 0.93x when TensorStore
@@ -165,9 +105,17 @@ def test_convert_killed_mid_write_leaves_no_checkpoint_and_a_rerun_writes_one(se
                                                                              capsys):
     """A convert to a bucket killed with SIGKILL in the middle of its arrays: what it left (some arrays, no
     model.json) is no checkpoint to any reader; a convert that then fails is one line and leaves the prefix empty;
-    the same command run again writes the whole checkpoint, and once more is refused, the checkpoint kept."""
+    the same command run again writes the whole checkpoint, and once more is refused, the checkpoint kept.
+
+    ``zoo convert --out gs://`` (the rerun): the arrays go from memory into the bucket through Orbax and TensorStore
+    (no local folder of the checkpoint: the temporary folders it used held a few small files, no params/); the
+    bucket holds Orbax's checkpoint (its tree metadata, OCDBT manifest and commit file, read with the emulator's
+    client) and model.json, nothing of the writer's; ``zoo.load(url)`` reads the arrays there, the same bits as the
+    local conversion, and ``zoo info`` the same chunk table, with no params/ copied into lmzoo's cache. ``zoo init
+    --out`` writes a bucket the same way."""
     import subprocess
     import sys
+    import tempfile
 
     import zoo
     from zoo.checkpoints.format import read_meta
@@ -201,9 +149,48 @@ def test_convert_killed_mid_write_leaves_no_checkpoint_and_a_rerun_writes_one(se
         m.setattr(CheckpointWriter, "add", failing)
         assert zoo_main(command) == 2
     assert _said(capsys) == ["error: disk full (simulated)"] and _objects(url) == {}
-    assert zoo_main(command) == 0
-    assert ".lmzoo-incomplete" not in _objects(url)
+    used: list[dict[str, int]] = []
+
+    class Recorded(tempfile.TemporaryDirectory):  # each temporary folder's files, as they were before removal
+        def cleanup(self):
+            used.append({str(p.relative_to(self.name)): p.stat().st_size for p in Path(self.name).rglob("*")
+                         if p.is_file()})
+            super().cleanup()
+
+    with monkeypatch.context() as m:
+        m.setattr(tempfile, "TemporaryDirectory", Recorded)
+        assert zoo_main(command) == 0
+    objects = _objects(url)
+    arrays = sum(len(v) for k, v in objects.items() if k.startswith("params/"))
+    assert arrays > 100_000  # the tiny model's weights
+    assert not any("params/" in f for files in used for f in files), used
+    assert sum(sum(files.values()) for files in used) < arrays / 10, used
+    assert {"model.json", "params/commit_success.txt", "params/state/manifest.ocdbt"} <= set(objects)
+    assert not any(".lmzoo-incomplete" in k or "partial_save" in k for k in objects), sorted(objects)
+    here = json.loads((setup / "zoo" / "model.json").read_text())
+    assert json.loads(objects["model.json"])["params"] == here["params"]
+    tree = json.loads(objects["params/state/_METADATA"])["tree_metadata"]
+    assert sorted(tree) == sorted(str(tuple(p.split("."))) for p in here["params"])
+    verify_complete(url)
+
+    monkeypatch.setenv("LMZOO_CACHE", str(tmp_path / "reader"))  # a cache the killed convert's readers never saw
     _same_model(zoo.load(url), zoo.load(setup / "zoo"))
+    capsys.readouterr()
+    tables = []
+    for ckpt in (url, str(setup / "zoo")):  # `zoo info`: the chunk table read from the arrays where they are
+        assert zoo_main(["info", ckpt]) == 0
+        said = capsys.readouterr().out
+        assert " 0 files" not in said
+        tables.append(said.split("\n\n", 1)[1])
+    assert tables[0] == tables[1] and "?" not in tables[0]
+    cached = [p.relative_to(tmp_path / "reader") for p in (tmp_path / "reader").rglob("*")]
+    assert any(p.name == "model.json" for p in cached) and not any("params" in p.parts for p in cached), cached
+
+    config = str(setup / "hf" / "config.json")  # `zoo init --out URL` writes the same way
+    assert zoo_main(["init", config, "--out", url + "-init"]) == 0
+    assert zoo_main(["init", config, "--out", str(tmp_path / "init")]) == 0
+    assert ".lmzoo-incomplete" not in _objects(url + "-init")
+    _same_model(zoo.load(url + "-init"), zoo.load(tmp_path / "init"))
     capsys.readouterr()
     assert zoo_main(command) == 2  # a whole checkpoint there: refused, kept
     assert _said(capsys) == [f"error: --out {url} exists and is not empty; choose a new prefix or remove it"]
@@ -245,7 +232,7 @@ def _logits(folder) -> np.ndarray:
 
 @pytest.mark.slow
 def test_convert_train_export_through_buckets(setup, gcs, s3, tmp_path, monkeypatch, capsys):
-    """convert --out s3:// (test_convert_streams_... converts to gs://); train from it into an s3:// output_dir
+    """convert --out s3:// (test_convert_killed_... converts to gs://); train from it into an s3:// output_dir
     with the tokenizer, both mixture sources and the eval set on buckets (gs:// and s3://); export the run's final
     checkpoint by its URL to gs://; transformers loads the export with
     the same logits as the local pipeline's export, the run logged the same losses and eval losses, and

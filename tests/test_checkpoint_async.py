@@ -1,6 +1,7 @@
 """Asynchronous checkpoints (pretrain/checkpoints.py): a save returns while its step is still being written, only
 committed steps are listed or restored, and a run killed with SIGKILL in the middle of a save, on local disk and
-on a bucket (the GCS emulator), resumes from the last committed step bit-identical to a run never killed."""
+on a bucket (the GCS emulator, moto's S3), resumes from the last committed step bit-identical to a run never
+killed, a bucket run's files all in its bucket."""
 
 import json
 import threading
@@ -81,12 +82,39 @@ def setup(tmp_path_factory, tiny_lm):
     return tiny_run_folder(tmp_path_factory, tiny_lm, "async")
 
 
+def _args(setup, out, model=None):
+    return ["train", f"model.path={model or setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}",
+            f"data.path={setup / 'data.jsonl'}", "data.seq_len=16", "batch_size=2", "log_every=1",
+            "checkpoint.every=2", "max_steps=4", f"output_dir={out}"]
+
+
+def _log(out):
+    """Each step's record of the run in ``out``, less what depends on the clock."""
+    return [{k: v for k, v in json.loads(x).items() if k not in ("step_time", "tokens_per_sec", "mfu")}
+            for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _all_in_the_bucket(out, setup) -> None:
+    """A run whose output_dir is on a bucket: its checkpoints (Orbax through TensorStore's GCS or S3 driver),
+    metrics.jsonl, TensorBoard, config and final model are there, nothing locally."""
+    assert checkpoint_steps(out)[-2:] == [2, 4]  # (Orbax also keeps the first step it saw)
+    assert json.loads((out / "final" / "model.json").read_text())["training"]["steps"] == 4
+    events = [p for p in (out / "tensorboard").iterdir() if p.name.startswith("events.out.tfevents")]
+    assert events and all(b"train/loss" in p.read_bytes() for p in events)
+    scheme = str(out).split(":")[0]
+    assert (out / "config.yaml").is_file() and not (setup / f"{scheme}:").exists()
+
+
 @pytest.mark.slow
-def test_kill_9_in_the_middle_of_a_save_resumes_bit_identical(setup, gcs, s3, tmp_path, capsys):
+def test_kill_9_in_the_middle_of_a_save_resumes_bit_identical(setup, gcs, s3, tmp_path, capsys, monkeypatch):
     """A run killed with SIGKILL while Orbax saves step 4 (its items written, the step not committed), once on
-    local disk, once on the GCS emulator and once on moto's S3: the uncommitted step is left behind but never
-    listed; the same command resumes from step 2 (a checkpoint written while step 3 ran) and ends bit-identical
-    to a run never killed, every step logged once. Slow: three `pretrain train` subprocesses and seven runs."""
+    local disk, once on the GCS emulator and once on moto's S3 (``output_dir: gs://...``, ``s3://...``, the
+    starting checkpoint model.path on the bucket too): the uncommitted step is left behind but never listed; the
+    same command resumes from step 2 (a checkpoint written while step 3 ran) and ends bit-identical to a run never
+    killed, every step logged once. On a bucket the run's checkpoints, metrics.jsonl, TensorBoard, config and
+    final model land in the bucket, nothing locally, and the final model is read back by its URL.
+    (tests/test_object_storage.py's run on a bucket, its kill -9 and resume, is this test's: one reference run, one
+    killed subprocess a store.) Slow: three `pretrain train` subprocesses and four runs."""
     import subprocess
     import sys
 
@@ -95,30 +123,32 @@ def test_kill_9_in_the_middle_of_a_save_resumes_bit_identical(setup, gcs, s3, tm
 
     import zoo
 
-    def args(out):
-        return ["train", f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}",
-                f"data.path={setup / 'data.jsonl'}", "data.seq_len=16", "batch_size=2", "log_every=1",
-                "checkpoint.every=2", "max_steps=4", f"output_dir={out}"]
-
-    def log(out):  # each step's record, less what depends on the clock
-        return [{k: v for k, v in json.loads(x).items() if k not in ("step_time", "tokens_per_sec", "mfu")}
-                for x in (out / "metrics.jsonl").read_text().splitlines()]
-
-    assert pretrain_main(args(tmp_path / "full")) == 0
+    monkeypatch.setenv("LMZOO_CACHE", str(tmp_path / "cache"))
+    assert pretrain_main(_args(setup, tmp_path / "full")) == 0
     full = storage.run_path(str(tmp_path / "full"))
-    for out in [storage.run_path(str(tmp_path / "killed"))] + [storage.run_path(store.bucket() + "/killed")
-                                                               for store in (gcs, s3)]:
-        killed = subprocess.run([sys.executable, "-c", KILL_MID_SAVE, "4", *args(out)], capture_output=True,
+    assert [r["step"] for r in _log(full)] == [1, 2, 3, 4]
+    reference = zoo.load(str(full / "final"))
+    assert reference.cfg.num_layers == 2
+    runs = [(storage.run_path(str(tmp_path / "killed")), None)]
+    for store in (gcs, s3):
+        bucket = store.bucket()
+        storage.upload_tree(setup / "zoo", storage.run_path(bucket + "/base"), last=("model.json",))
+        runs.append((storage.run_path(bucket + "/killed"), bucket + "/base"))
+    for out, model in runs:
+        args = _args(setup, out, model)
+        killed = subprocess.run([sys.executable, "-c", KILL_MID_SAVE, "4", *args], capture_output=True,
                                 timeout=300)
         assert killed.returncode == -9, killed.stderr.decode()[-2000:]
         left = [p.name for p in (out / "checkpoints").iterdir()]
         assert any(name.startswith("4") for name in left), left  # the save of step 4 was under way ...
         assert checkpoint_steps(out)[-1] == 2 and not (out / "final" / "model.json").exists()  # ... uncommitted
-        assert [r["step"] for r in log(out)] == [1, 2, 3, 4]
+        assert [r["step"] for r in _log(out)] == [1, 2, 3, 4]
         capsys.readouterr()
-        assert pretrain_main(args(out)) == 0
+        assert pretrain_main(args) == 0
         assert "Resuming from step 2" in capsys.readouterr().out
-        assert log(out) == log(full)  # each step once, the same floats
-        a, b = zoo.load(str(full / "final")), zoo.load(str(out / "final"))
-        for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b)), strict=True):
+        assert _log(out) == _log(full)  # each step once, the same floats
+        if model:
+            _all_in_the_bucket(out, setup)
+        again = zoo.load(str(out / "final"))  # on a bucket: by its URL
+        for x, y in zip(jax.tree.leaves(nnx.state(reference)), jax.tree.leaves(nnx.state(again)), strict=True):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

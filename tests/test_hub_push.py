@@ -1,8 +1,11 @@
 """`zoo export --push-to-hub` against a local fake Hub (tests/fake_hub.py).
 
-huggingface_hub reads HF_ENDPOINT / HF_TOKEN / HF_HUB_OFFLINE when it is
-imported, so `zoo` runs in a subprocess with its own environment: the fake
-Hub's URL, a fake token, no saved login (HF_HOME in tmp), online.
+huggingface_hub reads HF_ENDPOINT / HF_HUB_OFFLINE when it is imported: the
+first push runs `zoo` in a subprocess with its own environment (the fake Hub's
+URL, a fake token, no saved login: HF_HOME in tmp, online), as a user runs it;
+the others run it in this process with those settings set on huggingface_hub
+(tests/hub_runs.py: zoo_export_here), which spares each a fresh interpreter's
+start-up, imports and compilations.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import numpy as np
 import pytest
 
 from tests.fake_hub import FakeHub
-from tests.hub_runs import TOKEN, assert_token_not_leaked, zoo_export
+from tests.hub_runs import TOKEN, assert_token_not_leaked, zoo_export, zoo_export_here
 from tests.processes import free_port
 
 COMMIT_MESSAGE = "Upload model exported with lmzoo"
@@ -72,13 +75,14 @@ def test_push_with_out_and_private(tmp_path, ckpt):
 
 
 @pytest.mark.slow
-def test_push_without_out_to_branch(tmp_path, models):
+def test_push_without_out_to_branch(tmp_path, models, monkeypatch, capfd):
     from safetensors.numpy import load, load_file
 
     hf, ckpt = models
     # Like the real Hub, which stores *.safetensors with LFS: big files take the LFS batch path.
     with FakeHub(token=TOKEN, lfs_min_size=100_000) as hub:
-        proc = zoo_export(tmp_path, hub.url, str(ckpt), "--push-to-hub", "me/tiny-branch", "--revision", "mybranch")
+        proc = zoo_export_here(tmp_path, hub.url, monkeypatch, capfd, str(ckpt), "--push-to-hub", "me/tiny-branch",
+                               "--revision", "mybranch")
     assert proc.returncode == 0, proc.stderr
     assert_token_not_leaked(proc)
     assert f"{hub.url}/me/tiny-branch/commit/" in proc.stdout
@@ -109,10 +113,10 @@ def test_push_without_out_to_branch(tmp_path, models):
     assert list((tmp_path / "tmp").iterdir()) == []  # the temporary export folder is gone
 
 
-def test_dry_run_sends_nothing(tmp_path, ckpt):
+def test_dry_run_sends_nothing(tmp_path, ckpt, monkeypatch, capfd):
     with FakeHub(token=TOKEN) as hub:
-        proc = zoo_export(tmp_path, hub.url, str(ckpt), "--push-to-hub", "me/tiny-dry", "--revision", "drybranch",
-                          "--dry-run")
+        proc = zoo_export_here(tmp_path, hub.url, monkeypatch, capfd, str(ckpt), "--push-to-hub", "me/tiny-dry",
+                               "--revision", "drybranch", "--dry-run")
     assert proc.returncode == 0, proc.stderr
     assert_token_not_leaked(proc)
     assert hub.requests == []
@@ -127,9 +131,9 @@ def test_dry_run_sends_nothing(tmp_path, ckpt):
 
 
 @pytest.mark.slow
-def test_unauthorized_hub_is_one_error_line(tmp_path, ckpt):
+def test_unauthorized_hub_is_one_error_line(tmp_path, ckpt, monkeypatch, capfd):
     with FakeHub(token=TOKEN, fail={"create_repo": 401}) as hub:
-        proc = zoo_export(tmp_path, hub.url, str(ckpt), "--push-to-hub", "me/tiny-denied")
+        proc = zoo_export_here(tmp_path, hub.url, monkeypatch, capfd, str(ckpt), "--push-to-hub", "me/tiny-denied")
     assert proc.returncode == 2, proc.stderr
     assert_token_not_leaked(proc)
     assert "Traceback" not in proc.stderr + proc.stdout
@@ -146,9 +150,9 @@ def test_unauthorized_hub_is_one_error_line(tmp_path, ckpt):
 
 
 @pytest.mark.slow
-def test_unreachable_hub_is_one_error_line(tmp_path, ckpt):
-    proc = zoo_export(tmp_path, f"http://127.0.0.1:{free_port()}",  # a port nobody listens on
-                      str(ckpt), "--push-to-hub", "me/tiny-offline")
+def test_unreachable_hub_is_one_error_line(tmp_path, ckpt, monkeypatch, capfd):
+    proc = zoo_export_here(tmp_path, f"http://127.0.0.1:{free_port()}",  # a port nobody listens on
+                           monkeypatch, capfd, str(ckpt), "--push-to-hub", "me/tiny-offline")
     assert_token_not_leaked(proc)
     assert "Traceback" not in proc.stderr
     assert proc.returncode == 2

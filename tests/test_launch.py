@@ -87,20 +87,33 @@ def _slurm_job_id() -> int:
 
 
 @pytest.mark.slow
-def test_srun_variables_and_distributed_join_two_processes_like_one(setup, one_process, tmp_path):
+def test_srun_variables_and_distributed_join_two_processes_like_one(setup, one_process, tmp_path, trackio_dir):
     """`srun ... pretrain train ... --distributed` on one node: each task finds the coordinator (the nodelist's
     first host, a port from the job id), the process count and its index through JAX's SLURM detection alone.
+    Of the two, process 0 alone reports: to the console and to the trackers (report_to, each process with a trackio
+    folder of its own: process 0's holds the run, with every step; process 1 wrote none).
     Slow: two `pretrain train` processes each import, compile and train."""
+    from trackio.sqlite_storage import SQLiteStorage
+
+    from pretrain.trackers import STATE_FILE
+
     out = tmp_path / "run"
     job = _slurm_job_id()
-    procs = [subprocess.Popen([sys.executable, "-m", "pretrain.cli", "train", *_args(setup, out, "grad_accum=2"),
-                               "--distributed"], cwd=REPO, env=_srun_env(job, i), text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
+    trackio = {"TRACKIO_PROJECT": "two"}
+    procs = [subprocess.Popen([sys.executable, "-m", "pretrain.cli", "train",
+                               *_args(setup, out, "grad_accum=2", "report_to=[tensorboard,trackio]"), "--distributed"],
+                              cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**_srun_env(job, i), **trackio,
+                                   "TRACKIO_DIR": str(trackio_dir if i == 0 else tmp_path / "trackio1")})
+             for i in range(2)]
     results = ended(procs)
     for code, _, err in results:
         assert code == 0, err[-3000:]
     assert "final model:" in results[0][1] and "final model:" not in results[1][1]  # process 0 reports
     _follows(one_process, out)
+    assert not (tmp_path / "trackio1").exists()
+    name = json.loads((out / STATE_FILE).read_text())["trackio"]["id"]
+    assert [r["step"] for r in SQLiteStorage.get_logs("two", name)] == list(range(1, STEPS + 1))
 
 
 @pytest.fixture(scope="module")

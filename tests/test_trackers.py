@@ -1,5 +1,7 @@
 """report_to: every tracker gets metrics.jsonl's floats at their steps, the config, GRPO's completions as a table,
-and a resumed run's tracker run continues; each read back with the tracker's own reader (pretrain/trackers.py)."""
+and a resumed run's tracker run continues; each read back with the tracker's own reader (pretrain/trackers.py).
+Of two processes only process 0 reports: tests/test_launch.py's 2-process run (srun's variables) reports to
+trackio too."""
 
 import json
 import math
@@ -19,7 +21,7 @@ from pretrain.hooks import StepInfo
 from pretrain.loop import train
 from pretrain.runlog import TIMING_FIELDS
 from pretrain.trackers import STATE_FILE, TrackerHook, chosen
-from tests.processes import REPO, devices_env, free_port
+from tests.processes import REPO, free_port
 from tests.run_files import read_metrics
 from tests.tiny_lm import tiny_run_folder
 from zoo.errors import UserError
@@ -137,16 +139,6 @@ def test_wandb_offline_run_holds_the_config_and_the_logs_floats(setup, tmp_path,
     assert not list((out / "tensorboard").glob("events.*"))  # report_to without tensorboard: none drawn
 
 
-@pytest.fixture(scope="session")
-def trackio_dir(tmp_path_factory):
-    """trackio's local folder for this session (trackio reads ``TRACKIO_DIR`` once, when imported)."""
-    if "trackio" not in sys.modules:
-        os.environ["TRACKIO_DIR"] = str(tmp_path_factory.mktemp("trackio"))
-    from trackio.utils import TRACKIO_DIR
-
-    return TRACKIO_DIR
-
-
 def _trackio_logs(project, name):
     from trackio.sqlite_storage import SQLiteStorage
 
@@ -184,30 +176,6 @@ def test_trackio_local_run_holds_the_logs_floats_and_the_completions_table(setup
                       "rewards/exact": 1.0, "reward": 1.0, "advantage": 0.5},
                      {"step": 4, "prompt": "1+1?", "completion": "two", "rewards/exact": None, "reward": 0.0,
                       "advantage": -0.5}]
-
-
-@pytest.mark.slow
-def test_of_two_processes_only_process_0_reports(setup, tmp_path, trackio_dir):
-    """`pretrain train` as 2 processes x 1 CPU device (gloo), each with a trackio folder of its own: process 0's
-    holds the run, with every step; process 1 wrote none."""
-    out = tmp_path / "run"
-    args = _args(setup, out, "report_to=[trackio]", "batch_size=2")
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "pretrain.cli", "train", *args, "--coordinator",
-                               f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                              env={**devices_env(1), "PYTHONPATH": str(REPO), "TRACKIO_PROJECT": "two",
-                                   "TRACKIO_DIR": str(trackio_dir if i == 0 else tmp_path / "trackio1")})
-             for i in range(2)]
-    try:
-        errs = [p.communicate(timeout=600)[1] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for e in errs]
-    assert not (tmp_path / "trackio1").exists()
-    name = json.loads((out / STATE_FILE).read_text())["trackio"]["id"]
-    assert [r["step"] for r in _trackio_logs("two", name)] == [1, 2, 3]
 
 
 @pytest.fixture(scope="session")
