@@ -229,14 +229,14 @@ def test_train_from_scratch_with_random_init(setup, smollm2_tokenizer, tmp_path,
     configuration."""
     from pretrain.cli import main
 
-    tiny = ["model.init=random", "model.config=deepseek-v3-tiny", f"model.tokenizer={smollm2_tokenizer}",
-            f"data.path={setup / 'data.jsonl'}", "max_steps=1", f"output_dir={tmp_path / 'x'}"]
-    assert main(["train", *tiny]) == 2  # its 512-token vocabulary cannot hold SmolLM2's 49152 ids
-    assert "vocab_size 512" in capsys.readouterr().err
-    final = train(load_config(None, [
-        "model.init=random", f"model.config={setup / 'hf' / 'config.json'}", f"model.tokenizer={setup / 'tok'}",
-        f"data.path={setup / 'data.jsonl'}", "data.seq_len=16", "batch_size=2", "max_steps=2",
-        f"output_dir={tmp_path / 'scratch'}"]), progress=False)
+    # The model the run below initializes (so its random initialization compiles once; a registry name as
+    # model.config is tests/test_kernels.py's and test_train_config.py's), with SmolLM2's tokenizer:
+    tiny = ["model.init=random", f"model.config={setup / 'hf' / 'config.json'}", "data.seq_len=16", "batch_size=2",
+            f"data.path={setup / 'data.jsonl'}", "max_steps=2"]
+    assert main(["train", *tiny, f"model.tokenizer={smollm2_tokenizer}", f"output_dir={tmp_path / 'x'}"]) == 2
+    assert "vocab_size 512" in capsys.readouterr().err  # its 512-token vocabulary cannot hold SmolLM2's 49152 ids
+    final = train(load_config(None, [*tiny, f"model.tokenizer={setup / 'tok'}", f"output_dir={tmp_path / 'scratch'}"]),
+                  progress=False)
     assert zoo.read_config(final).family == "llama"
     assert zoo.checkpoints.format.read_meta(final)["training"]["steps"] == 2
     assert "from a random initialization" in zoo.checkpoints.format.read_meta(final)["training"]["card"]["name"]
