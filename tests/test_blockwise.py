@@ -70,14 +70,23 @@ def test_visibility_blocks_are_the_whole_masks_blocks(window, prefix):
     t = 24
     seg = jnp.asarray([[1] * 7 + [2] * 9 + [3] * 5 + [0] * 3, [4] * 10 + [5] * 14], jnp.int32)
     pre = jnp.asarray([[0] * 7 + [1] * 9 + [1] * 5 + [0] * 3, [0] * 10 + [4] * 14], jnp.int32) if prefix else None
-    whole = np.asarray(attention_mask(seg, window, pre))[:, 0]
-    for qs, qe, ks, ke in [(0, 24, 0, 24), (5, 13, 2, 20), (16, 24, 8, 24)]:
-        np.testing.assert_array_equal(np.asarray(visibility(seg, window, pre).block(qs, qe, ks, ke)),
-                                      whole[:, qs:qe, ks:ke])
-    for shard in range(3):  # 3 devices of 8 queries each, every one seeing all 24 keys
-        rows = slice(8 * shard, 8 * shard + 8)
-        vis = Visibility(seg[:, rows], seg, None if pre is None else pre[:, rows], jnp.int32(8 * shard), window)
-        np.testing.assert_array_equal(np.asarray(vis.block(0, 8, 0, t)), whole[:, rows])
+    spans = [(0, 24, 0, 24), (5, 13, 2, 20), (16, 24, 8, 24)]
+
+    @jax.jit  # one compilation, not one per eager op
+    def masks(seg, pre):
+        blocks = [visibility(seg, window, pre).block(qs, qe, ks, ke) for qs, qe, ks, ke in spans]
+        shards = []
+        for shard in range(3):  # 3 devices of 8 queries each, every one seeing all 24 keys
+            rows = slice(8 * shard, 8 * shard + 8)
+            vis = Visibility(seg[:, rows], seg, None if pre is None else pre[:, rows], jnp.int32(8 * shard), window)
+            shards.append(vis.block(0, 8, 0, t))
+        return attention_mask(seg, window, pre)[:, 0], blocks, shards
+
+    whole, blocks, shards = jax.tree.map(np.asarray, masks(seg, pre))
+    for (qs, qe, ks, ke), block in zip(spans, blocks, strict=True):
+        np.testing.assert_array_equal(block, whole[:, qs:qe, ks:ke])
+    for shard, block in enumerate(shards):
+        np.testing.assert_array_equal(block, whole[:, 8 * shard:8 * shard + 8])
 
 
 def test_key_ranges_skip_the_blocks_a_causal_window_cannot_see():
@@ -105,11 +114,17 @@ def test_dense_gradients_equal_autodiff_of_matmul(shape):
     x = jnp.asarray(rng.randn(2, 3, shape[0]), jnp.float32)
     w = jnp.asarray(rng.randn(*shape), jnp.float32)
     dy = jnp.asarray(rng.randn(2, 3, shape[1]), jnp.float32)
-    got = jax.grad(lambda x, w: jnp.sum(dense(x, w) * dy), (0, 1))(x, w)
-    want = jax.grad(lambda x, w: jnp.sum((x @ w) * dy), (0, 1))(x, w)
+
+    @jax.jit  # one compilation, not one per eager op
+    def both(x, w):
+        got = jax.grad(lambda x, w: jnp.sum(dense(x, w) * dy), (0, 1))(x, w)
+        want = jax.grad(lambda x, w: jnp.sum((x @ w) * dy), (0, 1))(x, w)
+        return got, want, dense(x, w), x @ w
+
+    got, want, y, y_ref = both(x, w)
     for a, b in zip(got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(dense(x, w)), np.asarray(x @ w), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-6)
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
@@ -118,8 +133,9 @@ def test_glu_down_gradients_equal_autodiff(act):
     gate, up = (jnp.asarray(rng.randn(2, 3, 6), jnp.float32) for _ in range(2))
     w = jnp.asarray(rng.randn(6, 4), jnp.float32)
     dy = jnp.asarray(rng.randn(2, 3, 4), jnp.float32)
-    got = jax.grad(lambda *a: jnp.sum(glu_down(*a, act) * dy), (0, 1, 2))(gate, up, w)
-    want = jax.grad(lambda g, u, w: jnp.sum((ACTIVATIONS[act](g) * u) @ w * dy), (0, 1, 2))(gate, up, w)
+    got, want = jax.jit(lambda *a: (  # one compilation, not one per eager op
+        jax.grad(lambda *a: jnp.sum(glu_down(*a, act) * dy), (0, 1, 2))(*a),
+        jax.grad(lambda g, u, w: jnp.sum((ACTIVATIONS[act](g) * u) @ w * dy), (0, 1, 2))(*a)))(gate, up, w)
     for a, b in zip(got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
@@ -133,9 +149,10 @@ def test_dense_contracts_the_leading_axes_of_a_stored_weight():
         x_heads = (2, 3) + w_shape[:contract]  # x as the einsum reference reads it
         n = int(np.prod(w_shape[contract:]))
         dy = jnp.asarray(rng.randn(2, 3, n), jnp.float32)
-        got = jax.grad(lambda x, w: jnp.sum(dense(x, w, contract=contract) * dy), (0, 1))(x, w)
-        want = jax.grad(lambda x, w: jnp.sum(jnp.einsum(spec, x.reshape(x_heads), w).reshape(2, 3, n) * dy),
-                        (0, 1))(x, w)
+        got, want = jax.jit(lambda x, w: (  # one compilation a weight, not one per eager op
+            jax.grad(lambda x, w: jnp.sum(dense(x, w, contract=contract) * dy), (0, 1))(x, w),
+            jax.grad(lambda x, w: jnp.sum(jnp.einsum(spec, x.reshape(x_heads), w).reshape(2, 3, n) * dy),
+                     (0, 1))(x, w)))(x, w)
         for a, b in zip(got, want):
             assert a.shape == b.shape
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
@@ -153,8 +170,9 @@ def test_rms_norm_gradients_equal_autodiff(offset, dtype):
     x = jnp.asarray(rng.randn(2, 3, 4, 8), dtype)  # the [b, t, heads, head_dim] of a q/k norm
     w = jnp.asarray(rng.randn(8), dtype)
     dy = jnp.asarray(rng.randn(2, 3, 4, 8), jnp.float32)
-    got = jax.grad(lambda x, w: jnp.sum(rms_norm(x, w, 1e-5, offset).astype(jnp.float32) * dy), (0, 1))(x, w)
-    want = jax.grad(lambda x, w: jnp.sum(plain(x, w).astype(jnp.float32) * dy), (0, 1))(x, w)
+    got, want = jax.jit(lambda x, w: (  # one compilation, not one per eager op
+        jax.grad(lambda x, w: jnp.sum(rms_norm(x, w, 1e-5, offset).astype(jnp.float32) * dy), (0, 1))(x, w),
+        jax.grad(lambda x, w: jnp.sum(plain(x, w).astype(jnp.float32) * dy), (0, 1))(x, w)))(x, w)
     tol = 1e-5 if dtype == jnp.float32 else 1e-2
     for a, b in zip(got, want):
         assert a.dtype == dtype
@@ -176,9 +194,13 @@ def test_normed_dense_gradients_equal_autodiff_of_norm_then_matmuls(offset):
     def fused(x, nw, ws):
         return sum(jnp.sum(y * dy) for y, dy in zip(normed_dense(x, nw, ws, 1e-6, offset), dys))
 
-    np.testing.assert_allclose(float(fused(x, nw, ws)), float(plain(x, nw, ws)), rtol=1e-6)
-    got = jax.grad(fused, (0, 1, 2))(x, nw, ws)
-    want = jax.grad(plain, (0, 1, 2))(x, nw, ws)
+    @jax.jit  # one compilation, not one per eager op
+    def both(x, nw, ws):
+        return fused(x, nw, ws), plain(x, nw, ws), jax.grad(fused, (0, 1, 2))(x, nw, ws), \
+            jax.grad(plain, (0, 1, 2))(x, nw, ws)
+
+    y, y_ref, got, want = both(x, nw, ws)
+    np.testing.assert_allclose(float(y), float(y_ref), rtol=1e-6)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert a.shape == b.shape
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)

@@ -57,11 +57,12 @@ def _projection_count(m: dict) -> int:
 @pytest.mark.parametrize("command,extra,factor", [
     ("pretrain", "", 6.0),
     ("sft", "lora:\n  rank: 4\n", 4.0),
-    ("dpo", "lora:\n  rank: 4\n", 4.0),
+    # slow lane: a TPU compilation of 5-6 s each; the fast lane compiles pretraining's and SFT's
+    pytest.param("dpo", "lora:\n  rank: 4\n", 4.0, marks=pytest.mark.slow),
     pytest.param("grpo", "lora:\n  rank: 4\ngrpo:\n  rewards: [final_number]\n  num_generations: 2\n"
                  "  max_completion_length: 8\n  beta: 0.1\n", 4.0,
                  marks=pytest.mark.slow),  # slow lane: its sampler compiles too (8 s)
-    ("rm", "lora:\n  rank: 4\n", 4.0),
+    pytest.param("rm", "lora:\n  rank: 4\n", 4.0, marks=pytest.mark.slow),
 ])
 def test_a_small_run_compiles_for_a_4_chip_slice_and_reports(tmp_path, capsys, command, extra, factor):
     """The step of each train command compiles for v5e:2x2 (4 chips) from its config alone: the JSON report's

@@ -299,19 +299,21 @@ def test_expert_adapters_equal_a_dense_loop(base):
     cfg = _moe_config()
     lc = LoraConfig(rank=2, targets=["gate_proj", "up_proj", "down_proj"])
     run = dataclasses.replace(cfg, capacity_factor=4.0) if base == "nf4" else cfg
-    p = {k: v[0] for k, v in lora_base_params(cfg)["layers"].items()}  # the first layer's weights
+    # In NumPy, then device_put: eager jnp ops compile a program per operation and shape
+    p = {k: np.asarray(v)[0] for k, v in lora_base_params(cfg)["layers"].items()}  # the first layer's weights
     rng = np.random.RandomState(3)
-    p = {k: v * 10 if k.startswith(("expert_", "router")) else v for k, v in p.items()}  # weights ~0.2: teeth
-    p.update({k: jnp.asarray(rng.uniform(0.5, 1.5, p[k].shape), jnp.float32)
+    p = {k: v * np.float32(10) if k.startswith(("expert_", "router")) else v for k, v in p.items()}  # ~0.2: teeth
+    p.update({k: rng.uniform(0.5, 1.5, p[k].shape).astype(np.float32)
               for k in ("mlp_norm", "mlp_post_norm", "moe_norm", "moe_post_norm", "router_scale", "expert_scale")})
-    lora = _first(random_lora(cfg, lc, random=True)["layers"])
+    lora = jax.device_put(_first(random_lora(cfg, lc, random=True)["layers"]))
     assert set(lora) == {"gate", "up", "down", "expert_gate_up", "expert_down"}
     if base == "nf4":
         lead = {"gate": 0, "up": 0, "down": 0, "expert_gate_up": 1, "expert_down": 1}
-        p = {k: quant.quantize(np.asarray(v), lead[k], 1, "nf4", True) if k in lead else v for k, v in p.items()}
-    ref_p = {k: quant.materialize(v) for k, v in p.items()}
-    x = jnp.asarray(rng.normal(0, 1, (2, 6, cfg.hidden_size)), jnp.float32)
-    cot = jnp.asarray(rng.normal(0, 1, x.shape), jnp.float32)
+        p = {k: quant.quantize(v, lead[k], 1, "nf4", True) if k in lead else v for k, v in p.items()}
+    p = jax.device_put(p)
+    ref_p = jax.jit(lambda p: {k: quant.materialize(v) for k, v in p.items()})(p)  # one compilation
+    x = jax.device_put(rng.normal(0, 1, (2, 6, cfg.hidden_size)).astype(np.float32))
+    cot = jax.device_put(rng.normal(0, 1, x.shape).astype(np.float32))
     scale = 2.0
 
     def ours(lora):
@@ -333,7 +335,7 @@ def test_expert_adapters_equal_a_dense_loop(base):
 
 
 def _first(tree: dict) -> dict:
-    return {k: jax.tree.map(lambda a: a[0], v) for k, v in tree.items()}
+    return {k: jax.tree.map(lambda a: np.asarray(a)[0], v) for k, v in tree.items()}
 
 
 @pytest.mark.slow

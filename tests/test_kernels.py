@@ -121,33 +121,37 @@ def test_packed_layout_names_each_document_by_its_start_and_length():
     """cuDNN's packed layout of packed rows (the documents' starts and lengths, -1 past the last, [b, M] and
     [b, M + 1]): by hand, then as a mask read the way cuDNN documents it (a query sees the earlier keys of its own
     document, within the window) through XLA's attention, equal to the blockwise path under the segment ids."""
+    layout = jax.jit(packed_layout, static_argnums=1)  # one compilation a shape, not one per eager op
     seg = np.array([[1, 1, 1, 2, 2, 0, 0], [5, 6, 6, 6, 6, 6, 6], [0, 0, 0, 0, 0, 0, 0]], np.int32)
-    lengths, starts = packed_layout(jnp.asarray(seg), 3)
+    lengths, starts = layout(jnp.asarray(seg), 3)
     assert np.asarray(lengths).tolist() == [[3, 2, -1], [1, 6, -1], [-1, -1, -1]]
     assert np.asarray(starts).tolist() == [[0, 3, -1, -1], [0, 1, -1, -1], [-1, -1, -1, -1]]
-    assert np.asarray(packed_layout(jnp.asarray(seg), 1)[0]).tolist() == [[3], [1], [-1]]  # more: left out
+    assert np.asarray(layout(jnp.asarray(seg), 1)[0]).tolist() == [[3], [1], [-1]]  # more: left out
 
     b, t, hk, g, d = 2, 96, 2, 3, 16
     q, k, v = _qkv(b, t, hk, g, d)
     seg = np.stack([np.r_[np.full(30, 1), np.full(40, 2), np.full(6, 3), np.zeros(20)],
                     np.r_[np.full(50, 4), np.full(46, 7)]]).astype(np.int32)
-    lengths, starts = (np.asarray(x) for x in packed_layout(jnp.asarray(seg), 4))
+    lengths, starts = (np.asarray(x) for x in layout(jnp.asarray(seg), 4))
     doc = np.full((b, t), -1)
     for r in range(b):
         for j in range(4):
             if lengths[r, j] > 0:
                 doc[r, starts[r, j]:starts[r, j] + lengths[r, j]] = j
     i = np.arange(t)
+
+    @functools.partial(jax.jit, static_argnums=2)  # one compilation a window, not one per eager op
+    def both(sees, seg, window):
+        qh = q.transpose(0, 3, 1, 2, 4).reshape(b, t, hk * g, d)
+        got = jax.nn.dot_product_attention(qh, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
+                                           mask=sees[:, None], scale=d ** -0.5, implementation="xla")
+        return got, blockwise_attention(q, k, v, attention_mask(seg, window), d ** -0.5, None, window, 32)
+
     for window in (None, 24):
         sees = (doc[:, :, None] == doc[:, None, :]) & (doc[:, :, None] >= 0) & (i[None, None] <= i[None, :, None])
         if window is not None:
             sees &= i[None, :, None] - i[None, None] < window
-        qh = q.transpose(0, 3, 1, 2, 4).reshape(b, t, hk * g, d)
-        got = jax.nn.dot_product_attention(qh, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
-                                           mask=jnp.asarray(sees)[:, None], scale=d ** -0.5, implementation="xla")
-        # jitted: one compilation a window, not one per eager op of the blocks
-        want = jax.jit(blockwise_attention, static_argnums=(4, 5, 6, 7))(
-            q, k, v, attention_mask(jnp.asarray(seg), window), d ** -0.5, None, window, 32)
+        got, want = both(jnp.asarray(sees), jnp.asarray(seg), window)
         real = (seg != 0)[..., None]
         np.testing.assert_allclose(np.asarray(got).reshape(b, t, -1) * real, np.asarray(want) * real, atol=1e-5,
                                    rtol=1e-5, err_msg=f"window {window}")

@@ -17,37 +17,35 @@ CFG = ModelConfig(family="llama", vocab_size=80, hidden_size=48, intermediate_si
                   num_heads=4, num_kv_heads=2, head_dim=16)
 
 
-def _random_model(cfg=CFG, seed=0):
-    model = Decoder(cfg, rngs=nnx.Rngs(seed))
-    # Scale weights up so that logits differ clearly between contexts.
-    params = jax.tree.map(lambda x: x * 8.0 if x.ndim > 1 else x, model.param_dict())
-    return Decoder(cfg, params)
-
-
 @pytest.mark.slow
 def test_packed_rows_equal_documents_run_alone():
-    model = _random_model()
+    # Weights scaled up so that logits differ clearly between contexts (drawn with NumPy: nnx's init compiles a
+    # kernel per shape). Every call passes segment ids and positions: one forward program for the three.
+    params = jax.tree.map(lambda x: np.asarray(x) * np.float32(8) if x.ndim > 1 else x, lora_base_params(CFG))
+    fwd = jax.jit(forward, static_argnums=0)
     rng = np.random.RandomState(0)
     a, b = rng.randint(0, 80, 13), rng.randint(0, 80, 19)
     packed = np.concatenate([a, b, np.zeros(4, int)])[None].astype(np.int32)
     seg = np.concatenate([np.full(13, 1), np.full(19, 2), np.zeros(4, int)])[None].astype(np.int32)
     pos = np.concatenate([np.arange(13), np.arange(19), np.zeros(4, int)])[None].astype(np.int32)
-    got = np.asarray(model(jnp.asarray(packed), jnp.asarray(seg), jnp.asarray(pos)))
+    got = np.asarray(fwd(CFG, params, jnp.asarray(packed), jnp.asarray(seg), jnp.asarray(pos)))
+    t = len(packed[0])
+    count = jnp.asarray(np.arange(t, dtype=np.int32)[None])
 
     def alone(doc):
         # The document alone in a row of the same length (the rest padding): the same shapes as the packed
         # run, so XLA's matmul tiling and the attention blocks cannot differ, only what each token sees.
-        t = len(packed[0])
         row, segs = np.zeros((1, t), np.int32), np.zeros((1, t), np.int32)
         row[0, :len(doc)], segs[0, :len(doc)] = doc, 1
-        return np.asarray(model(jnp.asarray(row), jnp.asarray(segs)))[:, :len(doc)]
+        return np.asarray(fwd(CFG, params, jnp.asarray(row), jnp.asarray(segs), count))[:, :len(doc)]
 
     alone_a, alone_b = alone(a), alone(b)
     np.testing.assert_allclose(got[0, :13], alone_a[0], atol=1e-5, rtol=0)
     np.testing.assert_allclose(got[0, 13:32], alone_b[0], atol=1e-5, rtol=0)
     assert np.isfinite(got).all()  # padding rows stay finite
-    # Without segment ids the second document would see the first: the check has teeth.
-    leaky = np.asarray(model(jnp.asarray(packed)))
+    # Without segment ids (one segment, as a row of one document) the second document would see the first: the
+    # check has teeth.
+    leaky = np.asarray(fwd(CFG, params, jnp.asarray(packed), jnp.asarray(np.ones((1, t), np.int32)), count))
     assert np.abs(leaky[0, 13:32] - alone_b[0]).max() > 1e-3
 
 
@@ -88,7 +86,8 @@ def test_layer_patterns_compile_independent_of_depth(pattern, period):
 
 
 def test_every_parameter_carries_logical_axes():
-    model = _random_model()
+    # A Decoder built from a parameter dict (NumPy-drawn: nnx's random init compiles a kernel per shape)
+    model = Decoder(CFG, lora_base_params(CFG))
     flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
     assert len(flat) == len(param_specs(CFG))
     for path, var in flat:

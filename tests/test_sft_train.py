@@ -180,19 +180,19 @@ def _clock(day: int):
     return Clock
 
 
-def _killed_after_step_4(cfg, monkeypatch) -> None:
-    """Run ``cfg`` and stop it (KeyboardInterrupt) as step 5's batch arrives, after step 4 was checkpointed."""
+def _killed_after_step_2(cfg, monkeypatch) -> None:
+    """Run ``cfg`` and stop it (KeyboardInterrupt) as step 3's batch arrives, after step 2 was checkpointed."""
     import pretrain.steps as trainer
 
     real, calls = trainer.to_model_batch, []
 
-    def crash_at_5(b):
+    def crash_at_3(b):
         calls.append(1)
-        if len(calls) == 5:
+        if len(calls) == 3:
             raise KeyboardInterrupt
         return real(b)
 
-    monkeypatch.setattr(trainer, "to_model_batch", crash_at_5)
+    monkeypatch.setattr(trainer, "to_model_batch", crash_at_3)
     with pytest.raises(KeyboardInterrupt):
         train(cfg, progress=False, task=SFTTask(cfg))
     monkeypatch.setattr(trainer, "to_model_batch", real)
@@ -210,12 +210,12 @@ def test_lora_kill_and_resume_is_bit_identical(setup, tmp_path, monkeypatch):
     dated = tmp_path / "dated.jinja"  # ChatML with a Llama-3.2-style date line in the system turn
     dated.write_text("{{ '<|im_start|>system\nToday Date: ' + strftime_now('%d %b %Y') + '<|im_end|>\n' }}"
                      + tok.chat_template)
-    common = ("max_steps=6", "checkpoint.every=2", "data.eval_fraction=0", f"data.chat_template={dated}", *LORA)
+    common = ("max_steps=3", "checkpoint.every=2", "data.eval_fraction=0", f"data.chat_template={dated}", *LORA)
     monkeypatch.setattr(ctu, "datetime", _clock(1))
     cfg = _cfg(root, tmp_path / "full", *common)
     full = train(cfg, progress=False, task=SFTTask(cfg))
     cfg = _cfg(root, tmp_path / "resumed", *common)
-    _killed_after_step_4(cfg, monkeypatch)
+    _killed_after_step_2(cfg, monkeypatch)
     monkeypatch.setattr(ctu, "datetime", _clock(2))  # resumed the next day
     assert "02 Jul 2031" in tok.apply_chat_template([{"role": "user", "content": "x"}], chat_template=dated.read_text(),
                                                     tokenize=False)
@@ -254,7 +254,7 @@ def test_lora_on_8_devices_matches_one_device(setup, tmp_path):
     import sys
 
     root, _ = setup
-    extra = ["max_steps=4", "optimizer.name=sgd", "optimizer.learning_rate=0.5", "data.eval_fraction=0",
+    extra = ["max_steps=2", "optimizer.name=sgd", "optimizer.learning_rate=0.5", "data.eval_fraction=0",
              "lora.rank=8", "lora.alpha=16"]
     cfg = _cfg(root, tmp_path / "one", "batch_size=8", *extra)  # 8 rows: an fsdp8 mesh needs them
     train(cfg, progress=False, task=SFTTask(cfg))
@@ -346,7 +346,7 @@ QLORA = (*LORA, "lora.base_quant=nf4", "lora.base_quant_double=true")
 
 @pytest.mark.slow
 def test_qlora_sft_trains_resumes_and_merges_into_the_dequantized_base(setup, tmp_path, monkeypatch, capsys):
-    """QLoRA learns; the run on a stored quantized base, killed after step 4's checkpoint and resumed, ends with
+    """QLoRA learns; the run on a stored quantized base, killed after step 2's checkpoint and resumed, ends with
     the adapters of the uninterrupted run that quantized at load; the merged model is the dequantized base plus
     the adapters, and `zoo export` writes it. Slow (about 122 s in a loaded 2-worker baseline): whole training
     runs through the loop, each compiling its step configuration."""
@@ -358,7 +358,7 @@ def test_qlora_sft_trains_resumes_and_merges_into_the_dequantized_base(setup, tm
     from zoo.model.params import flatten, nest
 
     root, _ = setup
-    common = ("max_steps=6", "checkpoint.every=2", "data.eval_fraction=0", *QLORA)
+    common = ("max_steps=3", "checkpoint.every=2", "data.eval_fraction=0", *QLORA)
     cfg = _cfg(root, tmp_path / "full", *common)
     full = train(cfg, progress=False, task=SFTTask(cfg))
     losses = [json.loads(x)["loss"] for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
@@ -371,15 +371,17 @@ def test_qlora_sft_trains_resumes_and_merges_into_the_dequantized_base(setup, tm
     base = flatten(zoo.load_params(root / "zoo"))
     paths = quant.quantized_paths(merged.cfg)
     qbase = {k: quant.quantize(np.asarray(v), *paths[k], "nf4", True) if k in paths else v for k, v in base.items()}
-    deq = nest({k: quant.dequantize(v) if isinstance(v, quant.QuantizedWeight) else v for k, v in qbase.items()})
+    # jitted: eagerly, the dequantization and the forward compile a program per operation and shape (~200)
+    deq = nest(jax.jit(lambda q: {k: quant.materialize(v) for k, v in q.items()})(qbase))
     tokens = jax.numpy.asarray(np.arange(1, 21, dtype=np.int32)[None])
     scale = lora_scale(lora_config(meta))
-    trained = forward(merged.cfg, Weights(nest(qbase), a, scale), tokens)
-    beside = forward(merged.cfg, Weights(deq, a, scale), tokens)
+    fwd = jax.jit(forward, static_argnums=0)  # one compilation for the quantized base, one for the float ones
+    trained = fwd(merged.cfg, Weights(nest(qbase), a, scale), tokens)
+    beside = fwd(merged.cfg, Weights(deq, a, scale), tokens)
     assert np.abs(np.asarray(merged(tokens)) - np.asarray(trained)).max() <= 1e-5
     assert np.abs(np.asarray(trained) - np.asarray(beside)).max() <= 1e-5
-    assert np.abs(np.asarray(merged(tokens)) - np.asarray(forward(merged.cfg, Weights(nest(base), a, scale),
-                                                                              tokens))).max() > 1e-4  # the float base would differ
+    assert np.abs(np.asarray(merged(tokens)) - np.asarray(fwd(merged.cfg, Weights(nest(base), a, scale),
+                                                                          tokens))).max() > 1e-4  # the float base would differ
     # zoo export streams the same merged weights (the dequantized base + adapters), one layer at a time.
     assert zoo_main(["export", str(final), "--out", str(tmp_path / "hf")]) == 0
     from safetensors.numpy import load_file
@@ -390,11 +392,11 @@ def test_qlora_sft_trains_resumes_and_merges_into_the_dequantized_base(setup, tm
         np.testing.assert_allclose(hf[f"model.layers.1.{key}.weight"], w.reshape(w.shape[0], -1).T, atol=1e-6)
     # `zoo quantize` once, then LoRA on the stored quantized base (no lora.base_quant): the run reads the fields as
     # stored, which are what the run above quantized at load, so it trains the same adapters bit for bit, also
-    # when killed after step 4's checkpoint and resumed (the kill-and-resume check of QLoRA, on this run).
+    # when killed after step 2's checkpoint and resumed (the kill-and-resume check of QLoRA, on this run).
     assert zoo_main(["quantize", str(root / "zoo"), "--out", str(tmp_path / "nf4"), "--double-quant"]) == 0
     cfg = _cfg(root, tmp_path / "stored", *common[:-2], f"model.path={tmp_path / 'nf4'}")
-    _killed_after_step_4(cfg, monkeypatch)
-    assert (tmp_path / "stored" / "checkpoints" / "4").is_dir() and not (tmp_path / "stored" / "final").exists()
+    _killed_after_step_2(cfg, monkeypatch)
+    assert (tmp_path / "stored" / "checkpoints" / "2").is_dir() and not (tmp_path / "stored" / "final").exists()
     stored = train(cfg, progress=False, task=SFTTask(cfg))
     smeta = zoo.checkpoints.format.read_meta(stored)
     assert smeta["lora"]["base_quant"] == {"kind": "nf4", "double": True}

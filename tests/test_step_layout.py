@@ -4,6 +4,7 @@ Every task a command can run is here: pretraining, SFT, GKD (offline and with sa
 reward model and GRPO."""
 
 import dataclasses
+import functools
 from functools import partial
 
 import jax
@@ -67,8 +68,10 @@ def _task(name: str):
 TASKS = ["pretrain", "sft", "gkd", "gkd_online", "dpo", "kto", "reward", "grpo"]
 
 
-@pytest.mark.parametrize("name", TASKS)
-def test_train_step_compiles_from_the_task_layout_alone(name):
+@functools.cache
+def _lowered(name: str):
+    """(the train step lowered from ``name``'s batch layout alone, its evaluation step lowered for one micro-batch,
+    the step's metrics as jax.eval_shape gives them): once per task, for the fast check and the compiling one."""
     from pretrain.jit_step import make_step
 
     task = _task(name)
@@ -82,11 +85,27 @@ def test_train_step_compiles_from_the_task_layout_alone(name):
     batch = task.batch_layout(ACCUM, MICRO, SEQ)
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch))
     step, evaluate = make_step(mcfg, tx, jnp.float32, task=task)
-    assert step.lower(state, batch, **teacher).compile() is not None
     _, metrics = jax.eval_shape(partial(step.jitted, **teacher), state, batch)
-    assert metrics["loss"].shape == () and set(metrics) >= {"loss", "grad_norm", "task"}
     one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batch)
-    assert evaluate.lower(params, one, **teacher).compile() is not None
+    return step.lower(state, batch, **teacher), evaluate.lower(params, one, **teacher), metrics
+
+
+@pytest.mark.parametrize("name", TASKS)
+def test_train_step_lowers_from_the_task_layout_alone(name):
+    """The fast lane's check: each task's train and evaluation steps trace and lower from its declared layout
+    (shapes and dtypes only) and the step reports its loss; XLA's compilation of them is the slow test below."""
+    _, _, metrics = _lowered(name)
+    assert metrics["loss"].shape == () and set(metrics) >= {"loss", "grad_norm", "task"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TASKS)
+def test_train_step_compiles_from_the_task_layout_alone(name):
+    """Slow (an XLA compilation of a train step and an evaluation step a task, 3-6 s each): the lowered steps of
+    the test above compile."""
+    step, evaluate, _ = _lowered(name)
+    assert step.compile() is not None
+    assert evaluate.compile() is not None
 
 
 def test_every_task_a_command_runs_is_covered():
