@@ -115,7 +115,11 @@ def test_sampler_logps_equal_a_teacher_forced_forward(setup):
     lora = jax.tree_util.tree_map_with_path(
         lambda path, x: x + 0.3 * jax.random.normal(jax.random.key(len(str(path))), x.shape)
         if str(path[-1]) == "['b']" else x, lora)
-    for temperature, top_k, adapters in ((1.0, 0, None), (0.7, 5, None), (1.0, 0, lora)):
+    # The forward in one jitted program per layout (op by op, its hundred-odd small ops each compiled apart cost
+    # more than the whole); the sampler: one program per configuration, so two configurations, not three: top-k
+    # at a temperature and the adapters together (each still checked), and the plain sampler.
+    logps_of = jax.jit(batch_logps, static_argnums=0, static_argnames=("temperature", "max_segments"))
+    for temperature, top_k, adapters in ((1.0, 0, None), (0.7, 5, lora)):
         spec = RolloutSpec(g, t, Sampler(temperature, top_k, 1.0), (1,))
         policy = Weights(params, adapters, None if adapters is None else lora_scale(lora_cfg))
         comp, logps, lengths = sample_group_completions(cfg, policy, tokens, valid, spec, jax.random.key(3))
@@ -123,7 +127,7 @@ def test_sampler_logps_equal_a_teacher_forced_forward(setup):
         assert (lengths >= 1).all() and (lengths <= t).all()
         b = assemble(jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(comp), jnp.asarray(lengths),
                      {"sampler": jnp.asarray(logps)}, {}, jnp.ones(len(tokens), bool))
-        trainer = np.asarray(batch_logps(cfg, policy, b, temperature=temperature)[0])
+        trainer = np.asarray(logps_of(cfg, policy, b, temperature=temperature)[0])
         w = np.asarray(b["weights"]) > 0
         assert w.sum() == lengths.sum()
         np.testing.assert_allclose(trainer[w], np.asarray(b["sampler"])[w], atol=1e-5)
@@ -132,14 +136,14 @@ def test_sampler_logps_equal_a_teacher_forced_forward(setup):
         n = valid[r].sum()
         assert list(np.asarray(b["inputs"])[r, :n]) == list(tokens[r, :n])
         assert list(np.asarray(b["targets"])[r][w[r]]) == list(comp[r, :lengths[r]])
-        if temperature == 1.0 and adapters is None:
-            continue  # the shared-prompt rows: with top-k and with adapters (one compilation each)
+        if adapters is None:
+            continue  # the shared-prompt rows: with top-k and adapters
         trained = np.ones(len(tokens), bool)
         trained[4] = False  # a masked completion (grpo.mask_truncated) weighs nothing in either layout
         shared = assemble_groups(jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(comp), jnp.asarray(lengths),
                                  {"sampler": jnp.asarray(logps)}, {}, jnp.asarray(trained), g)
         assert shared["inputs"].shape == (len(prompts), p - 1 + g * (t + 1))  # one row per group
-        per_pos = batch_logps(cfg, policy, shared, temperature=temperature, max_segments=g + 1)[0]
+        per_pos = logps_of(cfg, policy, shared, temperature=temperature, max_segments=g + 1)[0]
         got = np.asarray(completion_view(per_pos, p, g, t))
         w = np.asarray(shared["weights"]) > 0
         assert w.sum() == lengths.sum() - lengths[4] and not w[4].any()
@@ -149,13 +153,13 @@ def test_sampler_logps_equal_a_teacher_forced_forward(setup):
     assert len({tuple(c) for c in comp[:g]}) > 1
 
 
-@pytest.mark.slow
-def test_grpo_raises_the_reward_without_recompiling(setup, tmp_path):
-    """A synthetic verifiable task (the share of completion words from half the vocabulary, about 0.5 at random):
-    the mean reward rises by at least 0.3 within 100 steps (here 40, at a lower learning rate than the
-    module's default), and no step after the first compiles anything.
-    Slow (about 43 s in a loaded 2-worker baseline): whole training runs through the loop, each compiling its step
-    configuration."""
+@pytest.fixture(scope="module")
+def learning_run(setup, tmp_path_factory):
+    """16 steps of the module's configuration (its learning rate: the step program its other runs compile),
+    completions logged every 8, trained once, counting the traced programs at each rollout's start: the run
+    test_grpo_raises_the_reward_without_recompiling checks and whose first two steps
+    test_held_out_rewards_are_logged_and_leave_training_unchanged compares against. Returns (run folder,
+    traces seen at each rollout's start)."""
     from jax._src.dispatch import JAXPR_TRACE_EVENT
 
     from grpo.task import GRPOTask
@@ -173,22 +177,32 @@ def test_grpo_raises_the_reward_without_recompiling(setup, tmp_path):
             seen.append(len(traces))
             return super().rollout(*args, **kwargs)
 
-    cfg = _cfg(setup, tmp_path / "run", "max_steps=40", "optimizer.learning_rate=1e-2",
-               "grpo.log_completions_every=20")
+    out = tmp_path_factory.mktemp("grpo_learning") / "run"
+    cfg = _cfg(setup, out, "max_steps=16", "grpo.log_completions_every=8")
     jax.monitoring.register_event_duration_secs_listener(listen)
     try:
         train(cfg, task=Counting(cfg), progress=False)
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
+    return out, seen
+
+
+@pytest.mark.slow
+def test_grpo_raises_the_reward_without_recompiling(learning_run):
+    """A synthetic verifiable task (the share of completion words from half the vocabulary, about 0.5 at random):
+    the mean reward rises by at least 0.3 within 100 steps (here 16, at the module's learning rate: the last 5
+    steps' mean is about 1 from step 10 on), and no step after the first compiles anything.
+    Slow: a whole training run through the loop."""
+    out, seen = learning_run
     assert seen[2] > seen[1] or seen[1] > 0  # the listener hears traces at all
     assert seen[-1] == seen[2], f"traces at each step's start: {seen[:4]} ... {seen[-1]}: a later step recompiled"
-    rewards = [m["reward"] for m in _metrics(tmp_path / "run")]
-    assert len(rewards) == 40
+    rewards = [m["reward"] for m in _metrics(out)]
+    assert len(rewards) == 16
     first, last = rewards[0], np.mean(rewards[-5:])  # the starting policy's batch; the last steps'
     assert 0.35 < first < 0.65  # about half the words, at random
     assert last - first >= 0.3, (first, last)
-    logged = [json.loads(x) for x in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
-    assert {x["step"] for x in logged} == {20, 40} and len(logged) == 2 * 16
+    logged = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
+    assert {x["step"] for x in logged} == {8, 16} and len(logged) == 2 * 16
     assert set(logged[0]) >= {"step", "prompt", "completion", "completion_ids", "rewards"}
     assert set(logged[0]["rewards"]) == {"low_words"}
 
@@ -241,8 +255,8 @@ def test_shared_prompt_rows_train_as_one_row_per_completion(setup, accum_run, tm
 
 @pytest.mark.slow
 def test_kill_9_and_resume_is_bit_identical(setup, tmp_path):
-    """`grpo train` SIGKILLed after its step-2 checkpoint and rerun ends with the weights, metrics and logged
-    completions of the run that never stopped (sampling keys come from the seed and the step; the data position
+    """`grpo train` SIGKILLed after its step-2 checkpoint and rerun (for step 3) ends with the weights, metrics and
+    logged completions of the run that never stopped (sampling keys come from the seed and the step; the data position
     is checkpointed; completions.jsonl is trimmed to the restored step). LoRA, mu = 2, beta > 0 (the base as
     the reference).
     Slow (slow lane): `grpo train` runs in subprocesses (killed, resumed), each importing and compiling its sampler
@@ -260,7 +274,7 @@ def test_kill_9_and_resume_is_bit_identical(setup, tmp_path):
     args = lambda out: ["train", f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}",  # noqa: E731
                         f"data.path={setup / 'prompts.jsonl'}", "data.seq_len=8", "batch_size=16",
                         "grpo.num_generations=4", "grpo.max_completion_length=6",
-                        f"grpo.rewards=[{setup / 'rewards.py'}:low_words]", "max_steps=4", "log_every=1",
+                        f"grpo.rewards=[{setup / 'rewards.py'}:low_words]", "max_steps=3", "log_every=1",
                         "optimizer.learning_rate=3e-2", "schedule.name=constant", f"output_dir={out}", *extra]
     assert main(args(tmp_path / "whole")) == 0
     out = tmp_path / "killed"
@@ -276,10 +290,10 @@ def test_kill_9_and_resume_is_bit_identical(setup, tmp_path):
     skip = {"step_time", "tokens_per_sec", "rollout_tokens_per_sec", "train_tokens_per_sec", "generation_share"}
     ma = [{k: v for k, v in m.items() if k not in skip} for m in _metrics(tmp_path / "whole")]
     mb = [{k: v for k, v in m.items() if k not in skip} for m in _metrics(out)]
-    assert ma == mb and len(ma) == 4
+    assert ma == mb and len(ma) == 3
     assert ma[-1]["kl"] > 0  # the reference (the LoRA base) was used
     ca = (tmp_path / "whole" / "completions.jsonl").read_text()
-    assert ca == (out / "completions.jsonl").read_text() and len(ca.splitlines()) == 4 * 16
+    assert ca == (out / "completions.jsonl").read_text() and len(ca.splitlines()) == 3 * 16
 
 
 def _strict(line: str) -> dict:
@@ -617,9 +631,10 @@ def test_rloo_step_one_equals_trl_rloo_trainer(setup, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_held_out_rewards_are_logged_and_leave_training_unchanged(setup, tmp_path):
+def test_held_out_rewards_are_logged_and_leave_training_unchanged(setup, learning_run, tmp_path):
     """data.eval_path every eval_every steps: TRL's eval names, sampled and greedy. Training draws and learns
-    exactly as without the evaluation (its samples have their own key stream); the last step's greedy reward is
+    exactly as without the evaluation (its samples have their own key stream: its 2 steps log what the first 2
+    of the module's learning run, without evaluation, log); the last step's greedy reward is
     low_words of the final model's greedy completions of the held-out prompts, made by `zoo generate`'s decoder
     (an independent path: eval/generate.py)."""
     import zoo
@@ -630,13 +645,12 @@ def test_held_out_rewards_are_logged_and_leave_training_unchanged(setup, tmp_pat
 
     held = [{"prompt": " ".join(WORDS[i:i + 3])} for i in range(0, 15, 3)]  # 5 prompts: a padded last batch
     write_jsonl(tmp_path / "held.jsonl", held)
-    plain = _cfg(setup, tmp_path / "plain", "max_steps=2")
-    train(plain, task=GRPOTask(plain), progress=False)
     cfg = _cfg(setup, tmp_path / "eval", "max_steps=2", f"data.eval_path={tmp_path / 'held.jsonl'}", "eval_every=1")
     train(cfg, task=GRPOTask(cfg), progress=False)
     timing = ("step_time", "tokens_per_sec", "rollout_tokens_per_sec", "train_tokens_per_sec", "generation_share")
     with_eval = _metrics(tmp_path / "eval")
-    for a, b in zip(_metrics(tmp_path / "plain"), with_eval):
+    assert len(with_eval) == 2
+    for a, b in zip(_metrics(learning_run[0])[:2], with_eval):
         assert {k: v for k, v in a.items() if k not in timing} == \
             {k: v for k, v in b.items() if k not in timing and not k.startswith("eval_")}
     last = with_eval[-1]
