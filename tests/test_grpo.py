@@ -304,22 +304,35 @@ def _strict(line: str) -> dict:
     return json.loads(line, parse_constant=reject)
 
 
-def test_records_and_metrics_keep_trls_names_and_strict_json(setup, tmp_path):
+# One step of dr_grpo's loss, beta 0, completions logged, beside low_words a reward function named `reward` that
+# applies to no completion (the total stays low_words'): what test_records_and_metrics_keep_trls_names_and_strict_json
+# reads and test_truncated_completions_are_counted_and_optionally_masked's unmasked run.
+ONE_STEP = ("max_steps=1", "grpo.loss_type=dr_grpo", "grpo.log_completions_every=1")
+
+
+@pytest.fixture(scope="module")
+def one_step_run(setup, tmp_path_factory):
+    """ONE_STEP trained once; returns its run folder."""
+    from grpo.task import GRPOTask
+    from pretrain.loop import train
+
+    out = tmp_path_factory.mktemp("grpo_one_step") / "run"
+    rewards = setup / "rewards.py"
+    cfg = _cfg(setup, out, *ONE_STEP,
+               f"grpo.rewards=[{rewards}:low_words, {{function: {rewards}:applies_to_none, name: reward}}]")
+    train(cfg, task=GRPOTask(cfg), progress=False)
+    return out
+
+
+def test_records_and_metrics_keep_trls_names_and_strict_json(one_step_run):
     """One step at beta 0 with a reward function named `reward` that applies to no completion: completions.jsonl
     keeps the weighted total as `reward` and each function's value under `rewards` (a function named like a
     record field overwrites nothing); metrics.jsonl names the per-function metrics `rewards/{fn}/mean|std`, as
     TRL's GRPOTrainer, logs no `kl` without a reference (TRL neither), and writes the all-None function's mean as
     null, never NaN (strict JSON)."""
-    from grpo.task import GRPOTask
-    from pretrain.loop import train
-
-    rewards = setup / "rewards.py"
-    cfg = _cfg(setup, tmp_path / "run", "max_steps=1", "grpo.log_completions_every=1",
-               f"grpo.rewards=[{rewards}:low_words, {{function: {rewards}:applies_to_none, name: reward}}]")
-    train(cfg, task=GRPOTask(cfg), progress=False)
-    (line,) = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    (line,) = (one_step_run / "metrics.jsonl").read_text().splitlines()
     m = _strict(line)
-    rows = [_strict(x) for x in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    rows = [_strict(x) for x in (one_step_run / "completions.jsonl").read_text().splitlines()]
     assert len(rows) == 16 and all(r["rewards"]["reward"] is None for r in rows)
     low = [r["rewards"]["low_words"] for r in rows]
     assert [r["reward"] for r in rows] == low and len(set(low)) > 1  # the total: low_words alone (None drops out)
@@ -469,10 +482,12 @@ def test_a_bad_prompt_row_names_its_line(setup, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_truncated_completions_are_counted_and_optionally_masked(setup, tmp_path):
+def test_truncated_completions_are_counted_and_optionally_masked(setup, one_step_run, tmp_path):
     """Completions that hit grpo.max_completion_length are counted (completions/clipped_ratio) and, with
     grpo.mask_truncated, weigh nothing. Checked through dr_grpo's loss at step 1 (ratio 1, beta 0), computed here
-    from the logged completions: -sum over trained completions of advantage x length / (batch x max length)."""
+    from the logged completions: -sum over trained completions of advantage x length / (batch x max length).
+    Unmasked: the module's one_step_run (its second reward function applies to no completion: the total is
+    low_words')."""
     from grpo.task import GRPOTask
     from pretrain.loop import train
 
@@ -480,10 +495,10 @@ def test_truncated_completions_are_counted_and_optionally_masked(setup, tmp_path
     # own length, so the runs sample with the program the other runs compiled
     n = 6
     for mask in (False, True):
-        out = tmp_path / f"mask_{mask}"
-        cfg = _cfg(setup, out, "max_steps=1", f"grpo.max_completion_length={n}", f"grpo.mask_truncated={mask}",
-                   "grpo.loss_type=dr_grpo", "grpo.log_completions_every=1")
-        train(cfg, task=GRPOTask(cfg), progress=False)
+        out = one_step_run if not mask else tmp_path / "masked"
+        if mask:
+            cfg = _cfg(setup, out, *ONE_STEP, f"grpo.max_completion_length={n}", "grpo.mask_truncated=true")
+            train(cfg, task=GRPOTask(cfg), progress=False)
         (m,) = _metrics(out)
         rows = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
         cut = [len(r["completion_ids"]) == n and r["completion_ids"][-1] != 1 for r in rows]  # id 1: </s>
@@ -526,29 +541,27 @@ def test_full_fine_tuning_kl_is_to_the_starting_checkpoint_by_default_and_after_
 @pytest.mark.slow
 @pytest.mark.parametrize("advantage", ["rloo", "reinforce_pp_baseline"])
 def test_rloo_and_reinforce_pp_steps_use_their_advantages_and_log_trls_names(setup, tmp_path, advantage):
-    """One step of each estimator with a KL to the starting model (beta > 0, put into the reward): RLOO's logged
+    """Two steps of each estimator with a KL to the starting model (beta > 0, put into the reward): RLOO's logged
     advantages are the leave-one-out ones of the logged rewards less beta x each completion's summed KL
-    (checked through the zero-KL identity at beta 0 below), REINFORCE++'s are whitened per token (mean 0 over the
-    batch's completion tokens); both log TRL RLOOTrainer's names (kl, reward_std, frac_reward_zero_std, clip
-    ratios) and a finite loss."""
+    (checked through the zero-KL identity at step 1, where the policy is the reference, below), REINFORCE++'s
+    are whitened per token (mean 0 over the batch's completion tokens); both log TRL RLOOTrainer's names (kl,
+    reward_std, frac_reward_zero_std, clip ratios) and a finite loss."""
     from grpo.task import GRPOTask
     from pretrain.loop import train
 
-    def run(out, steps, *extra):
-        cfg = _cfg(setup, tmp_path / out, f"max_steps={steps}", "grpo.log_completions_every=1",
-                   f"grpo.advantage={advantage}", *extra)
-        train(cfg, task=GRPOTask(cfg), progress=False)
-        rows = [_strict(x) for x in (tmp_path / out / "completions.jsonl").read_text().splitlines()]
-        return _strict((tmp_path / out / "metrics.jsonl").read_text().splitlines()[-1]), \
-            [x for x in rows if x["step"] == steps]
-
-    m, rows = run("kl", 2, "grpo.beta=0.05")  # step 2: the policy has left the reference (step 1's KL is 0)
+    cfg = _cfg(setup, tmp_path / "kl", "max_steps=2", "grpo.log_completions_every=1", f"grpo.advantage={advantage}",
+               "grpo.beta=0.05")
+    train(cfg, task=GRPOTask(cfg), progress=False)
+    logged = [_strict(x) for x in (tmp_path / "kl" / "completions.jsonl").read_text().splitlines()]
+    m0, m = [_strict(x) for x in (tmp_path / "kl" / "metrics.jsonl").read_text().splitlines()]
+    rows0, rows = ([x for x in logged if x["step"] == s] for s in (1, 2))
+    # step 2: the policy has left the reference (step 1's KL is 0)
     assert {"kl", "reward_std", "frac_reward_zero_std", "clip_ratio/region_mean", "entropy"} <= set(m)
-    assert np.isfinite(m["loss"]) and m["kl"] != 0
+    assert np.isfinite(m["loss"]) and m["kl"] != 0 and abs(m0["kl"]) < 1e-6
     r = np.array([x["reward"] for x in rows]).reshape(-1, 4)
     adv = np.array([x["advantage"] for x in rows]).reshape(-1, 4)
     if advantage == "rloo":
-        m0, rows0 = run("plain", 1)  # beta 0: the advantages are exactly leave-one-out's, 4/3 of the deviation
+        # step 1, a KL of 0: the advantages are exactly leave-one-out's, 4/3 of the deviation
         adv0 = np.array([x["advantage"] for x in rows0]).reshape(-1, 4)
         r0 = np.array([x["reward"] for x in rows0]).reshape(-1, 4)
         np.testing.assert_allclose(adv0, (r0 - r0.mean(1, keepdims=True)) * 4 / 3, rtol=1e-5, atol=1e-6)
