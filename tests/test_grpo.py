@@ -115,9 +115,9 @@ def test_sampler_logps_equal_a_teacher_forced_forward(setup):
     lora = jax.tree_util.tree_map_with_path(
         lambda path, x: x + 0.3 * jax.random.normal(jax.random.key(len(str(path))), x.shape)
         if str(path[-1]) == "['b']" else x, lora)
-    # The forward in one jitted program per layout (op by op, its hundred-odd small ops each compiled apart cost
-    # more than the whole); the sampler: one program per configuration, so two configurations, not three: top-k
-    # at a temperature and the adapters together (each still checked), and the plain sampler.
+    # The forward: one jitted program per layout. The sampler compiles one program per configuration: two
+    # configurations, not three (top-k at a temperature and the adapters together, each still checked; and the
+    # plain sampler).
     logps_of = jax.jit(batch_logps, static_argnums=0, static_argnames=("temperature", "max_segments"))
     for temperature, top_k, adapters in ((1.0, 0, None), (0.7, 5, lora)):
         spec = RolloutSpec(g, t, Sampler(temperature, top_k, 1.0), (1,))
