@@ -245,24 +245,54 @@ def _distill_cfg(root, tmp_path, teacher, data: str, seq_len: int, *overrides: s
                               *overrides], SFTConfig)
 
 
+# Two conversations (one answer each): the GKD runs' data.
+GKD_ROWS = [{"messages": [{"role": "user", "content": "colour red:"}, {"role": "assistant", "content": "red"}]},
+            {"messages": [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "sat on the mat"}]}]
+
+
+def _gkd_cfg(root, tmp_path, teacher, lmbda: float, seq_kd: bool, *overrides: str) -> SFTConfig:
+    """test_gkd_step_one_equals_trl_trainer's run of ``tmp_path/m.jsonl`` (GKD_ROWS): SGD at lr 100, two
+    micro-batches, sampling (where anything is sampled) at temperature 1e-6."""
+    return _distill_cfg(root, tmp_path, teacher, "m.jsonl", 64, "optimizer.learning_rate=100", "grad_accum=2",
+                        f"distill.lmbda={lmbda}", f"distill.seq_kd={str(seq_kd).lower()}",
+                        # the sampler's keys only where something is sampled: else a key the run will not read
+                        *(["distill.temperature=1e-6", "distill.max_new_tokens=5"] if lmbda or seq_kd else []),
+                        *overrides)
+
+
+@pytest.fixture(scope="module")
+def dataset_run(dpo_models, teacher, tmp_path_factory):
+    """The GKD step on the dataset's completions (lmbda 0), trained once: test_gkd_step_one_equals_trl_trainer's
+    ``dataset`` case and test_sft_train_with_a_deeper_wider_teacher read it. Returns (folder, config): the run
+    is at ``folder/ours``."""
+    from pretrain.loop import train
+    from tests.run_files import write_jsonl
+
+    root, _, _ = dpo_models
+    folder = tmp_path_factory.mktemp("gkd_dataset")
+    write_jsonl(folder / "m.jsonl", GKD_ROWS)
+    cfg = _gkd_cfg(root, folder, teacher, 0.0, False)
+    train(cfg, progress=False, task=task_for(cfg, sft_tasks()))
+    return folder, cfg
+
+
 @pytest.mark.slow
-def test_sft_train_with_a_deeper_wider_teacher(dpo_models, teacher, tmp_path) -> None:
+def test_sft_train_with_a_deeper_wider_teacher(dpo_models, teacher, dataset_run) -> None:
     """`sft train` with distill.teacher (3 layers, hidden 48: not the student's shapes), lmbda 0: the step-1 loss
-    is TRL's generalized JSD of the student's and teacher's HF logits on the trained tokens (beta 0.5)."""
+    is TRL's generalized JSD of the student's and teacher's HF logits on the trained tokens (beta 0.5), here
+    transcribed from transformers' logits (test_gkd_step_one_equals_trl_trainer checks the same run against
+    TRL's GKDTrainer itself)."""
     from transformers import AutoModelForCausalLM
 
-    from pretrain.loop import train
     from tests.hf_models import hf_logits
-    from tests.run_files import read_metrics, write_jsonl
+    from tests.run_files import read_metrics
 
     root, tok, _ = dpo_models
-    rows = [{"prompt": "colour red:", "completion": " red"}, {"prompt": "the cat", "completion": " sat on the mat"}]
-    write_jsonl(tmp_path / "pc.jsonl", rows)
-    cfg = _distill_cfg(root, tmp_path, teacher, "pc.jsonl", 32)
-    train(cfg, progress=False, task=task_for(cfg, sft_tasks()))
-    got = read_metrics(tmp_path / "ours")[0]
+    folder, cfg = dataset_run
+    got = read_metrics(folder / "ours")[0]
     task = task_for(cfg, sft_tasks())
-    docs = task.documents(task.load(str(tmp_path / "pc.jsonl"), cfg), tok, "pc", False).docs
+    docs = task.documents(task.load(str(folder / "m.jsonl"), cfg), tok, "m", False).docs
+    assert len(docs) == 2
     teacher = AutoModelForCausalLM.from_pretrained(teacher / "hf_teacher", attn_implementation="eager").eval()
     student = AutoModelForCausalLM.from_pretrained(root / "hf_policy", attn_implementation="eager").eval()
     total = count = 0.0
@@ -280,7 +310,7 @@ def test_sft_train_with_a_deeper_wider_teacher(dpo_models, teacher, tmp_path) ->
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["dataset", "on_policy", "seq_kd"])
-def test_gkd_step_one_equals_trl_trainer(dpo_models, teacher, tmp_path, mode: str) -> None:
+def test_gkd_step_one_equals_trl_trainer(dpo_models, teacher, tmp_path, request, mode: str) -> None:
     """One SGD step against TRL 1.16's own GKDTrainer with a deeper, wider teacher, two rows in two micro-batches:
     loss, grad_norm and every weight's change within 1e-5, on the dataset's completions (lmbda 0), on the
     student's samples (lmbda 1) and on the teacher's (lmbda 0, seq_kd). Both sides sample at temperature 1e-6, so
@@ -299,8 +329,7 @@ def test_gkd_step_one_equals_trl_trainer(dpo_models, teacher, tmp_path, mode: st
     from tests.trl_oracles import assert_same_change, assert_same_metrics, exported_change, trl_step_one
 
     root, tok, _ = dpo_models
-    rows = [{"messages": [{"role": "user", "content": "colour red:"}, {"role": "assistant", "content": "red"}]},
-            {"messages": [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "sat on the mat"}]}]
+    rows = GKD_ROWS
     write_jsonl(tmp_path / "m.jsonl", rows)
     lmbda, seq_kd = {"dataset": (0.0, False), "on_policy": (1.0, False), "seq_kd": (0.0, True)}[mode]
 
@@ -324,14 +353,15 @@ def test_gkd_step_one_equals_trl_trainer(dpo_models, teacher, tmp_path, mode: st
                                     lmbda=lmbda, seq_kd=seq_kd, beta=0.5, per_device_train_batch_size=1,
                                     gradient_accumulation_steps=2, max_length=64, learning_rate=100.0,
                                     temperature=1e-6, max_new_tokens=5)
-    cfg = _distill_cfg(root, tmp_path, teacher, "m.jsonl", 64, "optimizer.learning_rate=100", "grad_accum=2",
-                       f"distill.lmbda={lmbda}", f"distill.seq_kd={str(seq_kd).lower()}",
-                       # the sampler's keys only where something is sampled: else a key the run will not read
-                       *(["distill.temperature=1e-6", "distill.max_new_tokens=5"] if mode != "dataset" else []))
-    train(cfg, progress=False, task=task_for(cfg, sft_tasks()))
-    got = read_metrics(tmp_path / "ours")[0]
+    if mode == "dataset":  # the module's run (test_sft_train_with_a_deeper_wider_teacher reads it too)
+        ours = request.getfixturevalue("dataset_run")[0] / "ours"
+    else:
+        cfg = _gkd_cfg(root, tmp_path, teacher, lmbda, seq_kd)
+        train(cfg, progress=False, task=task_for(cfg, sft_tasks()))
+        ours = tmp_path / "ours"
+    got = read_metrics(ours)[0]
     assert_same_metrics(got, want, ("loss", "grad_norm"))
-    assert_same_change(exported_change(tmp_path / "ours" / "final", root / "hf_policy", tmp_path / "exp"), trl_change)
+    assert_same_change(exported_change(ours / "final", root / "hf_policy", tmp_path / "exp"), trl_change)
     if mode == "on_policy":  # LoRA: fresh adapters add nothing, so its student samples and scores as the base does
         lora = _distill_cfg(root, tmp_path, teacher, "m.jsonl", 64, "grad_accum=2", "distill.lmbda=1", "lora.rank=2",
                             "distill.temperature=1e-6", "distill.max_new_tokens=5", f"output_dir={tmp_path / 'lora'}")

@@ -115,7 +115,11 @@ def test_sampler_logps_equal_a_teacher_forced_forward(setup):
     lora = jax.tree_util.tree_map_with_path(
         lambda path, x: x + 0.3 * jax.random.normal(jax.random.key(len(str(path))), x.shape)
         if str(path[-1]) == "['b']" else x, lora)
-    for temperature, top_k, adapters in ((1.0, 0, None), (0.7, 5, None), (1.0, 0, lora)):
+    # The forward: one jitted program per layout. The sampler compiles one program per configuration: two
+    # configurations, not three (top-k at a temperature and the adapters together, each still checked; and the
+    # plain sampler).
+    logps_of = jax.jit(batch_logps, static_argnums=0, static_argnames=("temperature", "max_segments"))
+    for temperature, top_k, adapters in ((1.0, 0, None), (0.7, 5, lora)):
         spec = RolloutSpec(g, t, Sampler(temperature, top_k, 1.0), (1,))
         policy = Weights(params, adapters, None if adapters is None else lora_scale(lora_cfg))
         comp, logps, lengths = sample_group_completions(cfg, policy, tokens, valid, spec, jax.random.key(3))
@@ -123,7 +127,7 @@ def test_sampler_logps_equal_a_teacher_forced_forward(setup):
         assert (lengths >= 1).all() and (lengths <= t).all()
         b = assemble(jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(comp), jnp.asarray(lengths),
                      {"sampler": jnp.asarray(logps)}, {}, jnp.ones(len(tokens), bool))
-        trainer = np.asarray(batch_logps(cfg, policy, b, temperature=temperature)[0])
+        trainer = np.asarray(logps_of(cfg, policy, b, temperature=temperature)[0])
         w = np.asarray(b["weights"]) > 0
         assert w.sum() == lengths.sum()
         np.testing.assert_allclose(trainer[w], np.asarray(b["sampler"])[w], atol=1e-5)
@@ -132,14 +136,14 @@ def test_sampler_logps_equal_a_teacher_forced_forward(setup):
         n = valid[r].sum()
         assert list(np.asarray(b["inputs"])[r, :n]) == list(tokens[r, :n])
         assert list(np.asarray(b["targets"])[r][w[r]]) == list(comp[r, :lengths[r]])
-        if temperature == 1.0 and adapters is None:
-            continue  # the shared-prompt rows: with top-k and with adapters (one compilation each)
+        if adapters is None:
+            continue  # the shared-prompt rows: with top-k and adapters
         trained = np.ones(len(tokens), bool)
         trained[4] = False  # a masked completion (grpo.mask_truncated) weighs nothing in either layout
         shared = assemble_groups(jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(comp), jnp.asarray(lengths),
                                  {"sampler": jnp.asarray(logps)}, {}, jnp.asarray(trained), g)
         assert shared["inputs"].shape == (len(prompts), p - 1 + g * (t + 1))  # one row per group
-        per_pos = batch_logps(cfg, policy, shared, temperature=temperature, max_segments=g + 1)[0]
+        per_pos = logps_of(cfg, policy, shared, temperature=temperature, max_segments=g + 1)[0]
         got = np.asarray(completion_view(per_pos, p, g, t))
         w = np.asarray(shared["weights"]) > 0
         assert w.sum() == lengths.sum() - lengths[4] and not w[4].any()
@@ -149,13 +153,13 @@ def test_sampler_logps_equal_a_teacher_forced_forward(setup):
     assert len({tuple(c) for c in comp[:g]}) > 1
 
 
-@pytest.mark.slow
-def test_grpo_raises_the_reward_without_recompiling(setup, tmp_path):
-    """A synthetic verifiable task (the share of completion words from half the vocabulary, about 0.5 at random):
-    the mean reward rises by at least 0.3 within 100 steps (here 40, at a lower learning rate than the
-    module's default), and no step after the first compiles anything.
-    Slow (about 43 s in a loaded 2-worker baseline): whole training runs through the loop, each compiling its step
-    configuration."""
+@pytest.fixture(scope="module")
+def learning_run(setup, tmp_path_factory):
+    """16 steps of the module's configuration (its learning rate: the step program its other runs compile),
+    completions logged every 8, trained once, counting the traced programs at each rollout's start: the run
+    test_grpo_raises_the_reward_without_recompiling checks and whose first two steps
+    test_held_out_rewards_are_logged_and_leave_training_unchanged compares against. Returns (run folder,
+    traces seen at each rollout's start)."""
     from jax._src.dispatch import JAXPR_TRACE_EVENT
 
     from grpo.task import GRPOTask
@@ -173,22 +177,32 @@ def test_grpo_raises_the_reward_without_recompiling(setup, tmp_path):
             seen.append(len(traces))
             return super().rollout(*args, **kwargs)
 
-    cfg = _cfg(setup, tmp_path / "run", "max_steps=40", "optimizer.learning_rate=1e-2",
-               "grpo.log_completions_every=20")
+    out = tmp_path_factory.mktemp("grpo_learning") / "run"
+    cfg = _cfg(setup, out, "max_steps=16", "grpo.log_completions_every=8")
     jax.monitoring.register_event_duration_secs_listener(listen)
     try:
         train(cfg, task=Counting(cfg), progress=False)
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
+    return out, seen
+
+
+@pytest.mark.slow
+def test_grpo_raises_the_reward_without_recompiling(learning_run):
+    """A synthetic verifiable task (the share of completion words from half the vocabulary, about 0.5 at random):
+    the mean reward rises by at least 0.3 within 100 steps (here 16, at the module's learning rate: the last 5
+    steps' mean is about 1 from step 10 on), and no step after the first compiles anything.
+    Slow: a whole training run through the loop."""
+    out, seen = learning_run
     assert seen[2] > seen[1] or seen[1] > 0  # the listener hears traces at all
     assert seen[-1] == seen[2], f"traces at each step's start: {seen[:4]} ... {seen[-1]}: a later step recompiled"
-    rewards = [m["reward"] for m in _metrics(tmp_path / "run")]
-    assert len(rewards) == 40
+    rewards = [m["reward"] for m in _metrics(out)]
+    assert len(rewards) == 16
     first, last = rewards[0], np.mean(rewards[-5:])  # the starting policy's batch; the last steps'
     assert 0.35 < first < 0.65  # about half the words, at random
     assert last - first >= 0.3, (first, last)
-    logged = [json.loads(x) for x in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
-    assert {x["step"] for x in logged} == {20, 40} and len(logged) == 2 * 16
+    logged = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
+    assert {x["step"] for x in logged} == {8, 16} and len(logged) == 2 * 16
     assert set(logged[0]) >= {"step", "prompt", "completion", "completion_ids", "rewards"}
     assert set(logged[0]["rewards"]) == {"low_words"}
 
@@ -241,8 +255,8 @@ def test_shared_prompt_rows_train_as_one_row_per_completion(setup, accum_run, tm
 
 @pytest.mark.slow
 def test_kill_9_and_resume_is_bit_identical(setup, tmp_path):
-    """`grpo train` SIGKILLed after its step-2 checkpoint and rerun ends with the weights, metrics and logged
-    completions of the run that never stopped (sampling keys come from the seed and the step; the data position
+    """`grpo train` SIGKILLed after its step-2 checkpoint and rerun (for step 3) ends with the weights, metrics and
+    logged completions of the run that never stopped (sampling keys come from the seed and the step; the data position
     is checkpointed; completions.jsonl is trimmed to the restored step). LoRA, mu = 2, beta > 0 (the base as
     the reference).
     Slow (slow lane): `grpo train` runs in subprocesses (killed, resumed), each importing and compiling its sampler
@@ -260,7 +274,7 @@ def test_kill_9_and_resume_is_bit_identical(setup, tmp_path):
     args = lambda out: ["train", f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}",  # noqa: E731
                         f"data.path={setup / 'prompts.jsonl'}", "data.seq_len=8", "batch_size=16",
                         "grpo.num_generations=4", "grpo.max_completion_length=6",
-                        f"grpo.rewards=[{setup / 'rewards.py'}:low_words]", "max_steps=4", "log_every=1",
+                        f"grpo.rewards=[{setup / 'rewards.py'}:low_words]", "max_steps=3", "log_every=1",
                         "optimizer.learning_rate=3e-2", "schedule.name=constant", f"output_dir={out}", *extra]
     assert main(args(tmp_path / "whole")) == 0
     out = tmp_path / "killed"
@@ -276,10 +290,10 @@ def test_kill_9_and_resume_is_bit_identical(setup, tmp_path):
     skip = {"step_time", "tokens_per_sec", "rollout_tokens_per_sec", "train_tokens_per_sec", "generation_share"}
     ma = [{k: v for k, v in m.items() if k not in skip} for m in _metrics(tmp_path / "whole")]
     mb = [{k: v for k, v in m.items() if k not in skip} for m in _metrics(out)]
-    assert ma == mb and len(ma) == 4
+    assert ma == mb and len(ma) == 3
     assert ma[-1]["kl"] > 0  # the reference (the LoRA base) was used
     ca = (tmp_path / "whole" / "completions.jsonl").read_text()
-    assert ca == (out / "completions.jsonl").read_text() and len(ca.splitlines()) == 4 * 16
+    assert ca == (out / "completions.jsonl").read_text() and len(ca.splitlines()) == 3 * 16
 
 
 def _strict(line: str) -> dict:
@@ -290,22 +304,35 @@ def _strict(line: str) -> dict:
     return json.loads(line, parse_constant=reject)
 
 
-def test_records_and_metrics_keep_trls_names_and_strict_json(setup, tmp_path):
+# One step of dr_grpo's loss, beta 0, completions logged, beside low_words a reward function named `reward` that
+# applies to no completion (the total stays low_words'): what test_records_and_metrics_keep_trls_names_and_strict_json
+# reads and test_truncated_completions_are_counted_and_optionally_masked's unmasked run.
+ONE_STEP = ("max_steps=1", "grpo.loss_type=dr_grpo", "grpo.log_completions_every=1")
+
+
+@pytest.fixture(scope="module")
+def one_step_run(setup, tmp_path_factory):
+    """ONE_STEP trained once; returns its run folder."""
+    from grpo.task import GRPOTask
+    from pretrain.loop import train
+
+    out = tmp_path_factory.mktemp("grpo_one_step") / "run"
+    rewards = setup / "rewards.py"
+    cfg = _cfg(setup, out, *ONE_STEP,
+               f"grpo.rewards=[{rewards}:low_words, {{function: {rewards}:applies_to_none, name: reward}}]")
+    train(cfg, task=GRPOTask(cfg), progress=False)
+    return out
+
+
+def test_records_and_metrics_keep_trls_names_and_strict_json(one_step_run):
     """One step at beta 0 with a reward function named `reward` that applies to no completion: completions.jsonl
     keeps the weighted total as `reward` and each function's value under `rewards` (a function named like a
     record field overwrites nothing); metrics.jsonl names the per-function metrics `rewards/{fn}/mean|std`, as
     TRL's GRPOTrainer, logs no `kl` without a reference (TRL neither), and writes the all-None function's mean as
     null, never NaN (strict JSON)."""
-    from grpo.task import GRPOTask
-    from pretrain.loop import train
-
-    rewards = setup / "rewards.py"
-    cfg = _cfg(setup, tmp_path / "run", "max_steps=1", "grpo.log_completions_every=1",
-               f"grpo.rewards=[{rewards}:low_words, {{function: {rewards}:applies_to_none, name: reward}}]")
-    train(cfg, task=GRPOTask(cfg), progress=False)
-    (line,) = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    (line,) = (one_step_run / "metrics.jsonl").read_text().splitlines()
     m = _strict(line)
-    rows = [_strict(x) for x in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    rows = [_strict(x) for x in (one_step_run / "completions.jsonl").read_text().splitlines()]
     assert len(rows) == 16 and all(r["rewards"]["reward"] is None for r in rows)
     low = [r["rewards"]["low_words"] for r in rows]
     assert [r["reward"] for r in rows] == low and len(set(low)) > 1  # the total: low_words alone (None drops out)
@@ -455,10 +482,12 @@ def test_a_bad_prompt_row_names_its_line(setup, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_truncated_completions_are_counted_and_optionally_masked(setup, tmp_path):
+def test_truncated_completions_are_counted_and_optionally_masked(setup, one_step_run, tmp_path):
     """Completions that hit grpo.max_completion_length are counted (completions/clipped_ratio) and, with
     grpo.mask_truncated, weigh nothing. Checked through dr_grpo's loss at step 1 (ratio 1, beta 0), computed here
-    from the logged completions: -sum over trained completions of advantage x length / (batch x max length)."""
+    from the logged completions: -sum over trained completions of advantage x length / (batch x max length).
+    Unmasked: the module's one_step_run (its second reward function applies to no completion: the total is
+    low_words')."""
     from grpo.task import GRPOTask
     from pretrain.loop import train
 
@@ -466,10 +495,10 @@ def test_truncated_completions_are_counted_and_optionally_masked(setup, tmp_path
     # own length, so the runs sample with the program the other runs compiled
     n = 6
     for mask in (False, True):
-        out = tmp_path / f"mask_{mask}"
-        cfg = _cfg(setup, out, "max_steps=1", f"grpo.max_completion_length={n}", f"grpo.mask_truncated={mask}",
-                   "grpo.loss_type=dr_grpo", "grpo.log_completions_every=1")
-        train(cfg, task=GRPOTask(cfg), progress=False)
+        out = one_step_run if not mask else tmp_path / "masked"
+        if mask:
+            cfg = _cfg(setup, out, *ONE_STEP, f"grpo.max_completion_length={n}", "grpo.mask_truncated=true")
+            train(cfg, task=GRPOTask(cfg), progress=False)
         (m,) = _metrics(out)
         rows = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
         cut = [len(r["completion_ids"]) == n and r["completion_ids"][-1] != 1 for r in rows]  # id 1: </s>
@@ -512,29 +541,27 @@ def test_full_fine_tuning_kl_is_to_the_starting_checkpoint_by_default_and_after_
 @pytest.mark.slow
 @pytest.mark.parametrize("advantage", ["rloo", "reinforce_pp_baseline"])
 def test_rloo_and_reinforce_pp_steps_use_their_advantages_and_log_trls_names(setup, tmp_path, advantage):
-    """One step of each estimator with a KL to the starting model (beta > 0, put into the reward): RLOO's logged
+    """Two steps of each estimator with a KL to the starting model (beta > 0, put into the reward): RLOO's logged
     advantages are the leave-one-out ones of the logged rewards less beta x each completion's summed KL
-    (checked through the zero-KL identity at beta 0 below), REINFORCE++'s are whitened per token (mean 0 over the
-    batch's completion tokens); both log TRL RLOOTrainer's names (kl, reward_std, frac_reward_zero_std, clip
-    ratios) and a finite loss."""
+    (checked through the zero-KL identity at step 1, where the policy is the reference, below), REINFORCE++'s
+    are whitened per token (mean 0 over the batch's completion tokens); both log TRL RLOOTrainer's names (kl,
+    reward_std, frac_reward_zero_std, clip ratios) and a finite loss."""
     from grpo.task import GRPOTask
     from pretrain.loop import train
 
-    def run(out, steps, *extra):
-        cfg = _cfg(setup, tmp_path / out, f"max_steps={steps}", "grpo.log_completions_every=1",
-                   f"grpo.advantage={advantage}", *extra)
-        train(cfg, task=GRPOTask(cfg), progress=False)
-        rows = [_strict(x) for x in (tmp_path / out / "completions.jsonl").read_text().splitlines()]
-        return _strict((tmp_path / out / "metrics.jsonl").read_text().splitlines()[-1]), \
-            [x for x in rows if x["step"] == steps]
-
-    m, rows = run("kl", 2, "grpo.beta=0.05")  # step 2: the policy has left the reference (step 1's KL is 0)
+    cfg = _cfg(setup, tmp_path / "kl", "max_steps=2", "grpo.log_completions_every=1", f"grpo.advantage={advantage}",
+               "grpo.beta=0.05")
+    train(cfg, task=GRPOTask(cfg), progress=False)
+    logged = [_strict(x) for x in (tmp_path / "kl" / "completions.jsonl").read_text().splitlines()]
+    m0, m = [_strict(x) for x in (tmp_path / "kl" / "metrics.jsonl").read_text().splitlines()]
+    rows0, rows = ([x for x in logged if x["step"] == s] for s in (1, 2))
+    # step 2: the policy has left the reference (step 1's KL is 0)
     assert {"kl", "reward_std", "frac_reward_zero_std", "clip_ratio/region_mean", "entropy"} <= set(m)
-    assert np.isfinite(m["loss"]) and m["kl"] != 0
+    assert np.isfinite(m["loss"]) and m["kl"] != 0 and abs(m0["kl"]) < 1e-6
     r = np.array([x["reward"] for x in rows]).reshape(-1, 4)
     adv = np.array([x["advantage"] for x in rows]).reshape(-1, 4)
     if advantage == "rloo":
-        m0, rows0 = run("plain", 1)  # beta 0: the advantages are exactly leave-one-out's, 4/3 of the deviation
+        # step 1, a KL of 0: the advantages are exactly leave-one-out's, 4/3 of the deviation
         adv0 = np.array([x["advantage"] for x in rows0]).reshape(-1, 4)
         r0 = np.array([x["reward"] for x in rows0]).reshape(-1, 4)
         np.testing.assert_allclose(adv0, (r0 - r0.mean(1, keepdims=True)) * 4 / 3, rtol=1e-5, atol=1e-6)
@@ -617,9 +644,10 @@ def test_rloo_step_one_equals_trl_rloo_trainer(setup, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_held_out_rewards_are_logged_and_leave_training_unchanged(setup, tmp_path):
+def test_held_out_rewards_are_logged_and_leave_training_unchanged(setup, learning_run, tmp_path):
     """data.eval_path every eval_every steps: TRL's eval names, sampled and greedy. Training draws and learns
-    exactly as without the evaluation (its samples have their own key stream); the last step's greedy reward is
+    exactly as without the evaluation (its samples have their own key stream: its 2 steps log what the first 2
+    of the module's learning run, without evaluation, log); the last step's greedy reward is
     low_words of the final model's greedy completions of the held-out prompts, made by `zoo generate`'s decoder
     (an independent path: eval/generate.py)."""
     import zoo
@@ -630,13 +658,12 @@ def test_held_out_rewards_are_logged_and_leave_training_unchanged(setup, tmp_pat
 
     held = [{"prompt": " ".join(WORDS[i:i + 3])} for i in range(0, 15, 3)]  # 5 prompts: a padded last batch
     write_jsonl(tmp_path / "held.jsonl", held)
-    plain = _cfg(setup, tmp_path / "plain", "max_steps=2")
-    train(plain, task=GRPOTask(plain), progress=False)
     cfg = _cfg(setup, tmp_path / "eval", "max_steps=2", f"data.eval_path={tmp_path / 'held.jsonl'}", "eval_every=1")
     train(cfg, task=GRPOTask(cfg), progress=False)
     timing = ("step_time", "tokens_per_sec", "rollout_tokens_per_sec", "train_tokens_per_sec", "generation_share")
     with_eval = _metrics(tmp_path / "eval")
-    for a, b in zip(_metrics(tmp_path / "plain"), with_eval):
+    assert len(with_eval) == 2
+    for a, b in zip(_metrics(learning_run[0])[:2], with_eval):
         assert {k: v for k, v in a.items() if k not in timing} == \
             {k: v for k, v in b.items() if k not in timing and not k.startswith("eval_")}
     last = with_eval[-1]
