@@ -175,7 +175,7 @@ class GGUFFile:
 
         self.path = Path(path)
         try:
-            self.reader = _plain_array_reader()(str(self.path))
+            self.reader = gguf_reader_class()(str(self.path))
         except Exception as e:  # gguf raises bare ValueErrors/struct errors on damage
             raise UserError(f"{self.path} is not a readable GGUF file ({e})") from None
         self.tensors = {t.name: t for t in self.reader.tensors}
@@ -243,7 +243,7 @@ class GGUFFile:
 
 @functools.cache
 @functools.cache
-def _plain_array_reader() -> type:
+def gguf_reader_class() -> type:
     """gguf's GGUFReader, reading its file's header through a plain ndarray view of the memory map instead of
     the np.memmap itself: the same bytes, the same fields and tensors (their data plain ndarray views of the map),
     without np.memmap's per-slice bookkeeping. The header holds one small slice per tokenizer entry (SmolLM2's

@@ -168,7 +168,10 @@ def smollm2(tmp_path_factory):
         assert main(["convert", str(gguf), "--out", str(folder / "zoo")]) == 0
 
     out = built_once(tmp_path_factory, "smollm2", convert) / "zoo"
-    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    from tests.hf_models import quick_gguf_loading
+
+    with quick_gguf_loading():  # transformers' loading of the file, its values as they are, in a third of the time
+        hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
     return out, hf, tok
 
