@@ -253,7 +253,7 @@ def gguf_reader_class() -> type:
     class PlainArrayReader(gguf.GGUFReader):
         def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
             if type(self.data) is np.memmap:  # the view keeps the map (its base) open
-                self.data = self.data.view(np.ndarray)
+                self.data = self.data.view(np.ndarray)  # type: ignore[assignment]  # gguf annotates np.memmap
             return super()._get(offset, dtype, count, override_order)
 
     return PlainArrayReader
