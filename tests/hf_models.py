@@ -1,7 +1,7 @@
 """Hugging Face reference models and their logits: tiny random-weight transformers models of every family
 (FAMILIES, built with transformers' own config classes), their logits and log-probabilities, the distance
-between two sets of logits, random tokens, a folder's raw tensors, and a folder beside conftest.py's shared
-``tiny_family`` model."""
+between two sets of logits, random tokens, a folder's raw tensors, a folder beside conftest.py's shared
+``tiny_family`` model, and transformers' GGUF loading without the gguf package's slow paths."""
 
 from __future__ import annotations
 
