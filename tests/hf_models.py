@@ -1,10 +1,13 @@
 """Hugging Face reference models and their logits: tiny random-weight transformers models of every family
 (FAMILIES, built with transformers' own config classes), their logits and log-probabilities, the distance
-between two sets of logits, random tokens, a folder's raw tensors, and a folder beside conftest.py's shared
-``tiny_family`` model."""
+between two sets of logits, random tokens, a folder's raw tensors, a folder beside conftest.py's shared
+``tiny_family`` model, and transformers' GGUF loading without the gguf package's slow paths."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -141,6 +144,25 @@ def make_hf(folder: Path, family: str = "llama", seed: int = 0, dtype=None, save
         model = model.to(dtype)
     model.save_pretrained(folder, **(save_kwargs or {}))
     return model
+
+
+@contextlib.contextmanager
+def quick_gguf_loading() -> Iterator[None]:
+    """transformers' own loading of a GGUF file (the oracle: AutoModelForCausalLM.from_pretrained(gguf_file=...)),
+    its values unchanged, without two costs of the ``gguf`` package it calls: the header parsed through np.memmap
+    slices (convert.readers.gguf_reader_class reads the same bytes through a plain view), and
+    gguf.get_tensor_name_map, which transformers calls once per module of the model (397 times for SmolLM2-135M,
+    14 s of a loaded machine) and which builds the same read-only name table for the same (architecture,
+    blocks) each time: built once here."""
+    from unittest import mock
+
+    import gguf
+
+    from convert.readers import gguf_reader_class
+
+    with mock.patch.object(gguf, "GGUFReader", gguf_reader_class()), \
+            mock.patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map)):
+        yield
 
 
 def make_llama(folder: Path, seed: int = 0, dtype=None, save_kwargs=None, **overrides):

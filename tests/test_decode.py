@@ -120,9 +120,11 @@ def test_batched_prompts_equal_one_by_one(tiny):
 @pytest.mark.slow
 def test_sampling_is_reproducible(tiny):
     """The same seed draws the same tokens, another seed others; top-k 1 and a tiny top-p draw the greedy tokens.
-    Slow: XLA compiles generation's two programs for each of its four samplers (greedy included)."""
+    Slow: XLA compiles generation's two programs for each of its three samplers; the greedy ones are those of
+    test_generation_on_an_8_device_mesh_equals_one_device's reference (4 prompts of at most 32 tokens into 64
+    slots), compiled once."""
     _, cfg, params = tiny("llama")
-    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11, 12, 13, 14, 15, 16, 17]]
 
     def run(**kw):
         return generate(cfg, params, prompts, GenerationConfig(max_new_tokens=16, **kw))
@@ -159,6 +161,10 @@ def test_smollm2_greedy_equals_transformers_greedy(smollm2):
         assert len(g) == 16 and g == _hf_greedy_choices(hf, prompt, g)
 
 
+COUNT = ("Count: one, two, three, four, five, six, seven, eight, nine, ten, eleven, twelve, thirteen, fourteen, "
+         "fifteen, sixteen,")
+
+
 @pytest.mark.slow
 def test_cli_generate(smollm2, tmp_path, capsys):
     """Slow (slow lane): `zoo generate` on the real SmolLM2-135M."""
@@ -168,8 +174,8 @@ def test_cli_generate(smollm2, tmp_path, capsys):
                  "--max-new-tokens", "8"]) == 0
     assert "Paris" in capsys.readouterr().out
     # A plain prompt (no chat template) with a stop string: some text, cut before the first ",".
-    assert main(["generate", str(out), "--prompt", "Count: one, two, three,", "--max-new-tokens", "16",
-                 "--stop", ","]) == 0
+    # 34 tokens, so the programs are the chat prompt's (one row of 33-64 tokens into 96 slots), compiled once.
+    assert main(["generate", str(out), "--prompt", COUNT, "--max-new-tokens", "16", "--stop", ","]) == 0
     plain = capsys.readouterr().out
     assert plain.strip() and "<|im_start|>" not in plain and "," not in plain.strip()
 
@@ -262,6 +268,7 @@ def test_generation_on_an_8_device_mesh_equals_one_device(tiny_family):
     model = zoo.load(ckpt)
     assert (model.cfg.num_heads, model.cfg.num_kv_heads) == (4, 2)
     rng = np.random.RandomState(5)
+    # 4 prompts into 64 slots: the reference's programs are test_sampling_is_reproducible's greedy ones.
     prompts = [rng.randint(0, model.cfg.vocab_size, n).tolist() for n in (4, 9, 6, 13)]
     want = generate(model.cfg, model.param_dict(), prompts, GenerationConfig(max_new_tokens=3))
     env = devices_env(8)

@@ -6,19 +6,23 @@ the page names by repository-relative paths), so its `runs/quickstart/...` outpu
 checkout. Its console-script commands (`zoo`, `sft`) then run in that order in the test's own process, each
 through the function pyproject.toml's [project.scripts] names for it, as the script would call it: no process
 pays the imports again (the suite has them), and the two generations share their compiled programs. About 40 s
-on 2 cores (a conversion, two generations, eight LoRA steps, an eval and an export): marked slow.
+on 2 cores (a conversion, two generations, eight LoRA steps, an eval and an export): marked slow. The conversion
+is the session's (conftest.py smollm2_zoo: the page's command, run once for every test of the real model).
 """
 
 import importlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
 import pytest
+
+from zoo.registry.catalogue import bundled_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "quickstart.md"
@@ -44,9 +48,12 @@ RECORD = """{name}() {{ "$QUICKSTART_PYTHON" -c 'import json, sys; print(json.du
 
 
 @pytest.mark.slow
-def test_the_quickstart_commands_run(tmp_path, monkeypatch, capsys):
+def test_the_quickstart_commands_run(tmp_path, monkeypatch, capsys, smollm2_zoo):
     """Each command exits 0 and leaves what the page says: the checkpoint, the run's final adapter checkpoint,
-    the eval results and the PEFT adapter; the base model and the fine-tuned one answer as the page shows."""
+    the eval results and the PEFT adapter; the base model and the fine-tuned one answer as the page shows.
+
+    The page's `zoo convert FILE --out FOLDER` of the bundled file is the one conftest.py's smollm2_zoo runs (the
+    same command, once per test run): its folder is linked at the page's output path instead of converted again."""
     for name in ("examples", "demo"):
         (tmp_path / name).symlink_to(ROOT / name)
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
@@ -63,11 +70,15 @@ def test_the_quickstart_commands_run(tmp_path, monkeypatch, capsys):
     assert len(words) >= 5 and all(w[0] in scripts for w in words), words
     convert = next(w for w in words if w[:2] == ["zoo", "convert"])
     assert convert[2].endswith(".gguf") and Path(convert[2]).is_file()  # the page's $(python -c ...): the bundled file
+    assert convert[2] == str(bundled_gguf()) and convert[3:] == ["--out", convert[4]], convert  # smollm2_zoo's command
     monkeypatch.chdir(tmp_path)
     for name in ("HF_HUB_OFFLINE", "NO_COLOR"):
         monkeypatch.setenv(name, "1")
     capsys.readouterr()
     for w in words:  # in order, each as its console script calls it: function(argv), its return the exit code
+        if w == convert:  # the session's conversion, hard-linked (nothing writes into it)
+            shutil.copytree(smollm2_zoo, tmp_path / w[4], copy_function=os.link)
+            continue
         module, _, function = scripts[w[0]].partition(":")
         code = getattr(importlib.import_module(module), function)(w[1:])
         assert not code, (w, capsys.readouterr())

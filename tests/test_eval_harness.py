@@ -178,13 +178,15 @@ def test_zoo_eval_harness_cli_writes_results_and_samples(tiny_lm, task_folder, t
     shutil.copytree(tiny_lm / "zoo", ckpt)
     shutil.copytree(tiny_lm / "tok", ckpt / TOKENIZER_DIR, dirs_exist_ok=True)  # with its tokenizer, as convert writes
     out = tmp_path / "res" / "results.json"
-    assert main(["eval", str(ckpt), "--harness", "zoo_mc,zoo_gen", "--include-path",
-                 str(task_folder), "--limit", "3", "--batch-size", "4", "--out", str(out), "--log-samples"]) == 0
+    # The first 4 items of each task in one batch of 4, lm-eval's context of WINDOW tokens: the programs of
+    # test_tiny_model_matches_lm_evals_hf_backend's first batches, compiled once.
+    assert main(["eval", str(ckpt), "--harness", "zoo_mc,zoo_gen", "--include-path", str(task_folder), "--limit", "4",
+                 "--batch-size", "4", "--max-length", str(WINDOW), "--out", str(out), "--log-samples"]) == 0
     report = json.loads(out.read_text())
     assert report["backend"] == "lmzoo" and set(report["results"]) == {"zoo_mc", "zoo_gen"}
     assert "acc_norm,none" in report["results"]["zoo_mc"] and "exact_match,none" in report["results"]["zoo_gen"]
     lines = [json.loads(x) for x in samples_path(out).read_text().splitlines()]
-    assert sorted({x["task"] for x in lines}) == ["zoo_gen", "zoo_mc"] and len(lines) == 6  # --limit 3 each
+    assert sorted({x["task"] for x in lines}) == ["zoo_gen", "zoo_mc"] and len(lines) == 8  # --limit 4 each
     assert "zoo_mc" in capsys.readouterr().out  # lm-eval's table
 
 

@@ -216,7 +216,8 @@ def test_multiple_choice_task_matches_brute_force(model, tok, tmp_path):
     (tmp_path / "mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     task = task_from_dict({"kind": "multiple_choice", "data": "mc.jsonl", "context": "Q: {q}\nA:", "choices": "opts",
                            "gold": "label"}, tmp_path / "mc.yaml")
-    got = multiple_choice.score_multiple_choice(cfg, params, tok, task, task.rows(), batch_size=4, progress=False)
+    # All 9 questions in one batch: one program (the batching itself is test_shared_context_choices_equal_forward's).
+    got = multiple_choice.score_multiple_choice(cfg, params, tok, task, task.rows(), batch_size=16, progress=False)
     # Brute force: every (context, " " + choice) through a full forward pass, argmax in NumPy.
     hit, hit_norm = [], []
     for r in rows:
@@ -391,9 +392,14 @@ def test_bad_task_files(tmp_path, text, fix):
 
 
 @pytest.mark.slow
-def test_evaluate_in_memory(model, tok, tmp_path):
-    """The training loop's entry point: in-memory params, Task objects, every kind."""
-    cfg, params = model
+def test_evaluate_in_memory(ckpt, tok, tmp_path):
+    """The training loop's entry point: in-memory params, Task objects, every kind. The params are the module's
+    model as zoo.load places them (as the CLI's): easy_mc's and prose's programs are test_cli_writes_results_json's,
+    compiled once."""
+    import zoo
+
+    loaded = zoo.load(ckpt)
+    cfg, params = loaded.cfg, loaded.param_dict()
     (tmp_path / "g.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
                                                                {"role": "assistant", "content": "hello"}]}) + "\n")
     gen = task_from_dict({"kind": "generation", "data": "g.jsonl", "messages": "messages", "max_new_tokens": 3,

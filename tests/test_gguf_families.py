@@ -34,7 +34,7 @@ import zoo
 from convert.gguf_meta import hf_config
 from convert.readers import GGUFFile
 from convert.source import open_source
-from tests.hf_models import hf_logits, make_hf, random_tokens
+from tests.hf_models import hf_logits, make_hf, quick_gguf_loading, random_tokens
 from tests.processes import REPO, TEST_ONLY
 from tests.tokenizer_checks import CONVERSATION, MIXED, assert_same_tokenizer, spm_pieces
 from zoo.checkpoints.format import TOKENIZER_DIR, read_meta
@@ -237,8 +237,9 @@ def converted(files) -> dict[str, Path]:
 def _transformers_gguf(w: Written):
     """transformers' own loading of the file, given back the keys its GGUF reader drops."""
     fixes = {k: getattr(w.hf.config, k) for k in TRANSFORMERS_DROPS.get(w.family, ())}
-    model = AutoModelForCausalLM.from_pretrained(str(w.path.parent), gguf_file=w.path.name, dtype=torch.float32,
-                                                 **fixes).eval()
+    with quick_gguf_loading():
+        model = AutoModelForCausalLM.from_pretrained(str(w.path.parent), gguf_file=w.path.name, dtype=torch.float32,
+                                                     **fixes).eval()
     model.config._attn_implementation = "eager"
     return model
 
