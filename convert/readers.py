@@ -242,7 +242,6 @@ class GGUFFile:
 
 
 @functools.cache
-@functools.cache
 def gguf_reader_class() -> type:
     """gguf's GGUFReader, reading its file's header through a plain ndarray view of the memory map instead of
     the np.memmap itself: the same bytes, the same fields and tensors (their data plain ndarray views of the map),
@@ -252,8 +251,10 @@ def gguf_reader_class() -> type:
 
     class PlainArrayReader(gguf.GGUFReader):
         def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
-            if type(self.data) is np.memmap:  # the view keeps the map (its base) open
-                self.data = self.data.view(np.ndarray)  # type: ignore[assignment]  # gguf annotates np.memmap
+            # __dict__: gguf annotates data as np.memmap (and without gguf installed mypy cannot type it at all)
+            data = self.__dict__["data"]
+            if type(data) is np.memmap:  # the view keeps the map (its base) open
+                self.__dict__["data"] = data.view(np.ndarray)
             return super()._get(offset, dtype, count, override_order)
 
     return PlainArrayReader
