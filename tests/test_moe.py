@@ -395,22 +395,23 @@ def test_the_tiled_grouped_matmul_equals_ragged_dot(rows, groups):
     sizes = rng.multinomial(rows - 3, np.ones(groups) / groups).astype(np.int32)
     sizes[1] = 0
     sizes[0] += rows - 3 - sizes.sum()
-    x = jnp.asarray(rng.randn(rows, 24), jnp.float32)
-    w = jnp.asarray(rng.randn(groups, 24, 10), jnp.float32)
-    a = jnp.asarray(rng.randn(groups, 24, 4), jnp.float32)
-    b = jnp.asarray(rng.randn(groups, 4, 10), jnp.float32)
-    cot = jnp.asarray(rng.randn(rows, 10), jnp.float32)
+    # float32 in NumPy, then placed: jnp.asarray(..., jnp.float32) compiles a conversion per shape
+    x, w, a, b, cot = (jnp.asarray(rng.randn(*shape).astype(np.float32)) for shape in
+                       ((rows, 24), (groups, 24, 10), (groups, 24, 4), (groups, 4, 10), (rows, 10)))
     s = jnp.asarray(sizes)
 
-    def run(f, *args):
-        y, vjp = jax.vjp(f, *args)
-        return (y, *vjp(cot))
+    def run(f, *args):  # jitted: one program, not one compilation per eager op
+        def values_and_grads(*args):
+            y, vjp = jax.vjp(f, *args)
+            return (y, *vjp(cot))
+
+        return jax.jit(values_and_grads)(*args)
 
     want = run(lambda x, w: jax.lax.ragged_dot(x, w, s), x, w)
     got = run(lambda x, w: grouped_matmul(x, w, s, platform="cpu"), x, w)
     for name, u, v in zip(("y", "dx", "dw"), want, got, strict=True):
         np.testing.assert_allclose(np.asarray(v), np.asarray(u), rtol=1e-5, atol=1e-4, err_msg=name)
-    assert not np.asarray(got[0][-3:]).any()
+    assert not np.asarray(got[0])[-3:].any()
 
     def lora_ref(x, w, a, b, scale):
         return jax.lax.ragged_dot(x, w, s) + scale * jax.lax.ragged_dot(jax.lax.ragged_dot(x, a, s), b, s)
@@ -420,4 +421,4 @@ def test_the_tiled_grouped_matmul_equals_ragged_dot(rows, groups):
     got = run(lambda *args: grouped_matmul_lora(*args, s, platform="cpu"), *args)
     for name, u, v in zip(("y", "dx", "dw", "da", "db", "dscale"), want, got, strict=True):
         np.testing.assert_allclose(np.asarray(v), np.asarray(u), rtol=1e-5, atol=1e-4, err_msg=name)
-    assert not np.asarray(got[0][-3:]).any() and not np.asarray(got[1][-3:]).any()
+    assert not np.asarray(got[0])[-3:].any() and not np.asarray(got[1])[-3:].any()
