@@ -35,28 +35,41 @@ def _convert(tmp_path, variant):
     return hf
 
 
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """variant -> (its transformers model, its folder: hf/ (transformers' save) and zoo/ (`zoo convert`)), each
+    made once for the module's tests, which only read them."""
+
+    class Lazy(dict):
+        def __missing__(self, variant: str):
+            root = tmp_path_factory.mktemp(variant)
+            self[variant] = (_convert(root, variant), root)
+            return self[variant]
+
+    return Lazy()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_logits_match_transformers(tmp_path, variant):
-    hf = _convert(tmp_path, variant)
+def test_logits_match_transformers(converted, variant):
+    hf, root = converted[variant]
     tokens = random_tokens(hf.config.vocab_size, seq=SEQ)
     ref = hf_logits(hf, tokens)
-    got = np.asarray(zoo.load(tmp_path / "zoo")(jnp.asarray(tokens)))
+    got = np.asarray(zoo.load(root / "zoo")(jnp.asarray(tokens)))
     assert np.abs(got - ref).max() <= 1e-4
     assert mean_kl(ref, got) <= 1e-6
     assert ref.std() > 0.5
 
 
 @pytest.mark.parametrize("variant", ["mixtral", "deepseek-v2-q-lora", "deepseek-v3"])
-def test_round_trip_is_bit_identical(tmp_path, variant):
-    _convert(tmp_path, variant)
-    assert main(["export", str(tmp_path / "zoo"), "--out", str(tmp_path / "back")]) == 0
-    assert hf_tensors(tmp_path / "hf") == hf_tensors(tmp_path / "back")
+def test_round_trip_is_bit_identical(converted, tmp_path, variant):
+    root = converted[variant][1]
+    assert main(["export", str(root / "zoo"), "--out", str(tmp_path / "back")]) == 0
+    assert hf_tensors(root / "hf") == hf_tensors(tmp_path / "back")
 
 
-def test_experts_and_dense_layers_are_stacked(tmp_path):
-    _convert(tmp_path, "deepseek-v3")
-    meta = zoo.checkpoints.format.read_meta(tmp_path / "zoo")["params"]
+def test_experts_and_dense_layers_are_stacked(converted):
+    meta = zoo.checkpoints.format.read_meta(converted["deepseek-v3"][1] / "zoo")["params"]
     assert meta["layers.expert_gate"]["shape"] == [2, 8, 64, 16]  # [moe layers, experts, embed, mlp]
     assert meta["layers.expert_gate"]["axes"] == ["layers", "expert", "embed", "mlp"]
     assert meta["dense_layers.gate"]["shape"] == [2, 64, 96]
@@ -69,14 +82,14 @@ def _hf_router_logits(hf, tokens):
     return out.router_logits
 
 
-def test_load_balancing_loss_matches_transformers(tmp_path):
+def test_load_balancing_loss_matches_transformers(converted):
     """Our aux loss against transformers' own load_balancing_loss_func on the same router logits."""
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-    hf = _convert(tmp_path, "mixtral")
+    hf, root = converted["mixtral"]
     tokens = random_tokens(hf.config.vocab_size, seq=SEQ)
     ref = float(load_balancing_loss_func(_hf_router_logits(hf, tokens), 4, 2))
-    _, aux = zoo.load(tmp_path / "zoo")(jnp.asarray(tokens), return_aux=True)
+    _, aux = zoo.load(root / "zoo")(jnp.asarray(tokens), return_aux=True)
     assert abs(float(aux["load_balancing_loss"]) - ref) <= 1e-5
     assert float(aux["loss"]) == pytest.approx(0.02 * ref, abs=1e-6)  # router_aux_loss_coef from the config
     counts = np.asarray(aux["expert_counts"])
@@ -112,11 +125,11 @@ def test_aux_losses_on_a_hand_computed_example():
 
 
 @pytest.mark.slow
-def test_capacity_factor_drops_and_reports(tmp_path):
+def test_capacity_factor_drops_and_reports(converted):
     import dataclasses
 
-    hf = _convert(tmp_path, "mixtral")
-    model = zoo.load(tmp_path / "zoo")
+    hf, root = converted["mixtral"]
+    model = zoo.load(root / "zoo")
     tokens = jnp.asarray(random_tokens(hf.config.vocab_size, seq=SEQ))
     exact, aux = model(tokens, return_aux=True)
     assert float(aux["dropped_tokens"]) == 0
@@ -253,7 +266,7 @@ EP_VARIANTS = ["mixtral", "deepseek-v3"]
 
 
 @pytest.fixture(scope="module")
-def expert_parallel(tmp_path_factory):
+def expert_parallel(tmp_path_factory, converted):
     """EP_SCRIPT's results, one subprocess on 8 simulated devices for the three tests below: (results, {variant:
     (its transformers model, its logits on one device, its logits expert-parallel)})."""
     from transformers import Gemma4TextConfig
@@ -264,11 +277,12 @@ def expert_parallel(tmp_path_factory):
     root = tmp_path_factory.mktemp("expert_parallel")
     load, ones = {}, {}
     for variant in EP_VARIANTS:
-        hf = _convert(root / variant, variant)
+        hf, folder = converted[variant]
         tokens = random_tokens(hf.config.vocab_size, seq=SEQ)
+        (root / variant).mkdir()
         np.save(root / variant / "tokens.npy", tokens)
-        ones[variant] = hf, np.asarray(zoo.load(root / variant / "zoo")(jnp.asarray(tokens)))
-        load[variant] = [str(root / variant / f) for f in ("zoo", "tokens.npy", "logits.npy")]
+        ones[variant] = hf, np.asarray(zoo.load(folder / "zoo")(jnp.asarray(tokens)))
+        load[variant] = [str(folder / "zoo"), *(str(root / variant / f) for f in ("tokens.npy", "logits.npy"))]
     # Gemma 4's MoE block, as transformers configures it
     gemma4 = model_config_from_hf(Gemma4TextConfig(**{
         **BASE, **FAMILIES["gemma4"][2], "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
