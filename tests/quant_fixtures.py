@@ -29,6 +29,27 @@ def random_params(cfg, std: float = 0.1, seed: int = 0) -> dict:
             .astype(np.float32) for k, s in sorted(param_specs(cfg).items())}
 
 
+def write_random_checkpoint(hf: dict, out) -> None:
+    """A checkpoint of the transformers-style config ``hf`` laid out as `zoo init` writes one (convert/init.py), its
+    weights :func:`random_params` (std 0.02, as `zoo init`'s): `zoo init` draws them in one jitted program, which
+    XLA compiles for seconds per configuration."""
+    import json
+
+    from zoo.checkpoints.format import HF_CONFIG_FILE
+    from zoo.checkpoints.writer import CheckpointWriter, checkpoint_output
+    from zoo.model.from_hf import model_config_from_hf
+    from zoo.model.params import param_specs
+
+    cfg = model_config_from_hf(hf)
+    specs, params = param_specs(cfg), random_params(cfg, std=0.02)
+    with checkpoint_output(out) as folder:
+        writer = CheckpointWriter(folder, {p: (a.shape, a.dtype) for p, a in params.items()})
+        for path in sorted(params):
+            writer.add(path, params[path], specs[path].axes)
+        (folder / HF_CONFIG_FILE).write_text(json.dumps(hf, indent=2) + "\n")
+        writer.finish(cfg, source="random weights (tests/quant_fixtures.py)", source_format="init")
+
+
 def quantized_projections(cfg, flat: dict) -> dict:
     """``flat`` with every zoo.model.quant.quantized_paths projection quantized (NF4, double quantization)."""
     from zoo.model import quant

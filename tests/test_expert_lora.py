@@ -79,8 +79,8 @@ MOE = dataclasses.replace(LORA_CONFIGS["mixtral"], hidden_size=32, num_heads=2, 
 MOE_NAMES = ("expert_gate", "expert_up", "expert_down", "shared_gate", "shared_up", "shared_down")
 
 
-def _one_layer(tree: dict) -> dict:
-    return {k: jax.tree.map(lambda x: x[0], v) for k, v in tree["layers"].items()}
+def _one_layer(tree: dict) -> dict:  # in NumPy: eager indexing compiles a program per shape
+    return {k: jax.tree.map(lambda x: np.asarray(x)[0], v) for k, v in tree["layers"].items()}
 
 
 def _dense_loop(x, p, lora, scale):
@@ -116,13 +116,15 @@ def test_expert_adapter_gradients_equal_a_dense_loop(base):
     lc = LoraConfig(rank=2, targets=[*EXPERTS, "shared_experts.gate_proj", "shared_experts.up_proj",
                                      "shared_experts.down_proj"])
     p = _one_layer(lora_base_params(MOE))
-    p = {k: v * 10 if k.startswith(("expert", "shared")) else v for k, v in p.items()}  # weights ~0.2: teeth
+    # weights ~0.2: teeth (scaled in NumPy, then placed: a closed-over NumPy array cannot be indexed by a tracer)
+    p = {k: jax.device_put(v * 10 if k.startswith(("expert", "shared")) else v) for k, v in p.items()}
     lora = _one_layer(random_lora(MOE, lc, random=True))
     assert set(lora) == set(MOE_NAMES)
     if base == "nf4":
         p = {k: quant.quantize(np.asarray(v), 1 if k.startswith("expert") else 0, 1, "nf4", True)
              if k in MOE_NAMES else v for k, v in p.items()}
-    ref_p = {k: quant.materialize(v) for k, v in p.items()}
+    # jitted: one program, not one compilation per eager op and shape
+    ref_p = jax.jit(lambda p: {k: quant.materialize(v) for k, v in p.items()})(p)
     x = jnp.asarray(np.random.RandomState(1).normal(0, 1, (2, 6, MOE.hidden_size)), jnp.float32)
     scale = 2.0
 

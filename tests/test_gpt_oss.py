@@ -95,14 +95,15 @@ def test_sinks_forward_and_gradients_match_a_dense_softmax(window):
     gradients of q, k, v and the sinks (its hand-written backward) against autodiff of a dense softmax."""
     from zoo.kernels.blockwise import blockwise_attention
 
-    rng = np.random.RandomState(0)  # NumPy: jax.random compiles a kernel per shape
+    # NumPy, then placed: jax.random and eager ops (conversions, the mask's) compile a program per op and shape
+    rng = np.random.RandomState(0)
     b, hk, g, t, d = 1, 2, 2, 200, 8
-    q, k, v, w = (jnp.asarray(rng.normal(size=s), jnp.float32)
+    q, k, v, w = (jnp.asarray(rng.normal(size=s).astype(np.float32))
                   for s in [(b, hk, g, t, d), (b, hk, t, d), (b, hk, t, d), (b, t, hk * g * d)])
-    sinks = jnp.asarray(2.0 * rng.normal(size=hk * g), jnp.float32)
-    mask = jnp.ones((b, 1, t, t), bool) & (jnp.arange(t)[:, None] >= jnp.arange(t)[None, :])
-    if window is not None:
-        mask &= jnp.arange(t)[:, None] - jnp.arange(t)[None, :] < window
+    sinks = jnp.asarray((2.0 * rng.normal(size=hk * g)).astype(np.float32))
+    pos = np.arange(t)
+    causal = np.ones((b, 1, t, t), bool) & (pos[:, None] >= pos[None, :])
+    mask = jnp.asarray(causal if window is None else causal & (pos[:, None] - pos[None, :] < window))
 
     def ours(q, k, v, sinks):
         return jnp.sum(blockwise_attention(q, k, v, mask, 0.3, None, window, 128, sinks) * w)
@@ -117,7 +118,7 @@ def test_sinks_forward_and_gradients_match_a_dense_softmax(window):
     for got, want in zip(got_grads, want_grads):
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
     # the sinks take part: without them the output differs
-    assert abs(float(got_value - ours_vg(q, k, v, jnp.full_like(sinks, -1e9))[0])) > 1e-2
+    assert abs(float(got_value) - float(ours_vg(q, k, v, jnp.asarray(np.full(sinks.shape, -1e9, np.float32)))[0])) > 1e-2
 
 
 def test_kernels_without_sinks_refuse_in_one_line(tiny):

@@ -35,28 +35,41 @@ def _convert(tmp_path, variant):
     return hf
 
 
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """variant -> (its transformers model, its folder: hf/ (transformers' save) and zoo/ (`zoo convert`)), each
+    made once for the module's tests, which only read them."""
+
+    class Lazy(dict):
+        def __missing__(self, variant: str):
+            root = tmp_path_factory.mktemp(variant)
+            self[variant] = (_convert(root, variant), root)
+            return self[variant]
+
+    return Lazy()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_logits_match_transformers(tmp_path, variant):
-    hf = _convert(tmp_path, variant)
+def test_logits_match_transformers(converted, variant):
+    hf, root = converted[variant]
     tokens = random_tokens(hf.config.vocab_size, seq=SEQ)
     ref = hf_logits(hf, tokens)
-    got = np.asarray(zoo.load(tmp_path / "zoo")(jnp.asarray(tokens)))
+    got = np.asarray(zoo.load(root / "zoo")(jnp.asarray(tokens)))
     assert np.abs(got - ref).max() <= 1e-4
     assert mean_kl(ref, got) <= 1e-6
     assert ref.std() > 0.5
 
 
 @pytest.mark.parametrize("variant", ["mixtral", "deepseek-v2-q-lora", "deepseek-v3"])
-def test_round_trip_is_bit_identical(tmp_path, variant):
-    _convert(tmp_path, variant)
-    assert main(["export", str(tmp_path / "zoo"), "--out", str(tmp_path / "back")]) == 0
-    assert hf_tensors(tmp_path / "hf") == hf_tensors(tmp_path / "back")
+def test_round_trip_is_bit_identical(converted, tmp_path, variant):
+    root = converted[variant][1]
+    assert main(["export", str(root / "zoo"), "--out", str(tmp_path / "back")]) == 0
+    assert hf_tensors(root / "hf") == hf_tensors(tmp_path / "back")
 
 
-def test_experts_and_dense_layers_are_stacked(tmp_path):
-    _convert(tmp_path, "deepseek-v3")
-    meta = zoo.checkpoints.format.read_meta(tmp_path / "zoo")["params"]
+def test_experts_and_dense_layers_are_stacked(converted):
+    meta = zoo.checkpoints.format.read_meta(converted["deepseek-v3"][1] / "zoo")["params"]
     assert meta["layers.expert_gate"]["shape"] == [2, 8, 64, 16]  # [moe layers, experts, embed, mlp]
     assert meta["layers.expert_gate"]["axes"] == ["layers", "expert", "embed", "mlp"]
     assert meta["dense_layers.gate"]["shape"] == [2, 64, 96]
@@ -69,14 +82,14 @@ def _hf_router_logits(hf, tokens):
     return out.router_logits
 
 
-def test_load_balancing_loss_matches_transformers(tmp_path):
+def test_load_balancing_loss_matches_transformers(converted):
     """Our aux loss against transformers' own load_balancing_loss_func on the same router logits."""
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-    hf = _convert(tmp_path, "mixtral")
+    hf, root = converted["mixtral"]
     tokens = random_tokens(hf.config.vocab_size, seq=SEQ)
     ref = float(load_balancing_loss_func(_hf_router_logits(hf, tokens), 4, 2))
-    _, aux = zoo.load(tmp_path / "zoo")(jnp.asarray(tokens), return_aux=True)
+    _, aux = zoo.load(root / "zoo")(jnp.asarray(tokens), return_aux=True)
     assert abs(float(aux["load_balancing_loss"]) - ref) <= 1e-5
     assert float(aux["loss"]) == pytest.approx(0.02 * ref, abs=1e-6)  # router_aux_loss_coef from the config
     counts = np.asarray(aux["expert_counts"])
@@ -112,11 +125,11 @@ def test_aux_losses_on_a_hand_computed_example():
 
 
 @pytest.mark.slow
-def test_capacity_factor_drops_and_reports(tmp_path):
+def test_capacity_factor_drops_and_reports(converted):
     import dataclasses
 
-    hf = _convert(tmp_path, "mixtral")
-    model = zoo.load(tmp_path / "zoo")
+    hf, root = converted["mixtral"]
+    model = zoo.load(root / "zoo")
     tokens = jnp.asarray(random_tokens(hf.config.vocab_size, seq=SEQ))
     exact, aux = model(tokens, return_aux=True)
     assert float(aux["dropped_tokens"]) == 0
@@ -198,9 +211,8 @@ rows = named_sharding(mesh, ("batch", None), tokens.shape)
 placed = (put(params, param_specs(cfg)), put(adapters, lora_specs(cfg, lcfg)), jax.device_put(tokens, rows),
           jax.device_put(seg, rows))
 with jax.set_mesh(mesh):  # as the train step is lowered (zoo.model.sharding.mesh_context)
-    step = jax.jit(grad)
-    lowered = step.lower(*placed)
-    many = step(*placed)
+    lowered = jax.jit(grad).lower(*placed)
+    many = lowered.compile()(*placed)  # the program inspected is the one run (traced once)
 out["train"] = {"diff": max_diff(one, many), "loss": [float(one[0]), float(many[0])], "manual": manual(lowered)}
 
 # 3. QLoRA: expert adapters on NF4 experts, a Mixtral (gate, up and down apart) and a Gemma 4 MoE block (one fused
@@ -238,9 +250,8 @@ for name, (cfg, targets, gate) in cases.items():
     placed = nest({k: quant.place(v, mesh) if isinstance(v, quant.QuantizedWeight)
                    else jax.device_put(v, named_sharding(mesh, pspecs[k].axes, v.shape)) for k, v in params.items()})
     with jax.set_mesh(mesh):
-        step = jax.jit(grad)
-        lowered = step.lower(placed_lora, placed)
-        many = step(placed_lora, placed)
+        lowered = jax.jit(grad).lower(placed_lora, placed)
+        many = lowered.compile()(placed_lora, placed)
     a = flatten(placed_lora)[f"layers.{gate}.a"]
     q = flatten(placed)[f"layers.{gate}"]
     out["qlora"][name] = {
@@ -255,7 +266,7 @@ EP_VARIANTS = ["mixtral", "deepseek-v3"]
 
 
 @pytest.fixture(scope="module")
-def expert_parallel(tmp_path_factory):
+def expert_parallel(tmp_path_factory, converted):
     """EP_SCRIPT's results, one subprocess on 8 simulated devices for the three tests below: (results, {variant:
     (its transformers model, its logits on one device, its logits expert-parallel)})."""
     from transformers import Gemma4TextConfig
@@ -266,11 +277,12 @@ def expert_parallel(tmp_path_factory):
     root = tmp_path_factory.mktemp("expert_parallel")
     load, ones = {}, {}
     for variant in EP_VARIANTS:
-        hf = _convert(root / variant, variant)
+        hf, folder = converted[variant]
         tokens = random_tokens(hf.config.vocab_size, seq=SEQ)
+        (root / variant).mkdir()
         np.save(root / variant / "tokens.npy", tokens)
-        ones[variant] = hf, np.asarray(zoo.load(root / variant / "zoo")(jnp.asarray(tokens)))
-        load[variant] = [str(root / variant / f) for f in ("zoo", "tokens.npy", "logits.npy")]
+        ones[variant] = hf, np.asarray(zoo.load(folder / "zoo")(jnp.asarray(tokens)))
+        load[variant] = [str(folder / "zoo"), *(str(root / variant / f) for f in ("tokens.npy", "logits.npy"))]
     # Gemma 4's MoE block, as transformers configures it
     gemma4 = model_config_from_hf(Gemma4TextConfig(**{
         **BASE, **FAMILIES["gemma4"][2], "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
@@ -395,22 +407,23 @@ def test_the_tiled_grouped_matmul_equals_ragged_dot(rows, groups):
     sizes = rng.multinomial(rows - 3, np.ones(groups) / groups).astype(np.int32)
     sizes[1] = 0
     sizes[0] += rows - 3 - sizes.sum()
-    x = jnp.asarray(rng.randn(rows, 24), jnp.float32)
-    w = jnp.asarray(rng.randn(groups, 24, 10), jnp.float32)
-    a = jnp.asarray(rng.randn(groups, 24, 4), jnp.float32)
-    b = jnp.asarray(rng.randn(groups, 4, 10), jnp.float32)
-    cot = jnp.asarray(rng.randn(rows, 10), jnp.float32)
+    # float32 in NumPy, then placed: jnp.asarray(..., jnp.float32) compiles a conversion per shape
+    x, w, a, b, cot = (jnp.asarray(rng.randn(*shape).astype(np.float32)) for shape in
+                       ((rows, 24), (groups, 24, 10), (groups, 24, 4), (groups, 4, 10), (rows, 10)))
     s = jnp.asarray(sizes)
 
-    def run(f, *args):
-        y, vjp = jax.vjp(f, *args)
-        return (y, *vjp(cot))
+    def run(f, *args):  # jitted: one program, not one compilation per eager op
+        def values_and_grads(*args):
+            y, vjp = jax.vjp(f, *args)
+            return (y, *vjp(cot))
+
+        return jax.jit(values_and_grads)(*args)
 
     want = run(lambda x, w: jax.lax.ragged_dot(x, w, s), x, w)
     got = run(lambda x, w: grouped_matmul(x, w, s, platform="cpu"), x, w)
     for name, u, v in zip(("y", "dx", "dw"), want, got, strict=True):
         np.testing.assert_allclose(np.asarray(v), np.asarray(u), rtol=1e-5, atol=1e-4, err_msg=name)
-    assert not np.asarray(got[0][-3:]).any()
+    assert not np.asarray(got[0])[-3:].any()
 
     def lora_ref(x, w, a, b, scale):
         return jax.lax.ragged_dot(x, w, s) + scale * jax.lax.ragged_dot(jax.lax.ragged_dot(x, a, s), b, s)
@@ -420,4 +433,4 @@ def test_the_tiled_grouped_matmul_equals_ragged_dot(rows, groups):
     got = run(lambda *args: grouped_matmul_lora(*args, s, platform="cpu"), *args)
     for name, u, v in zip(("y", "dx", "dw", "da", "db", "dscale"), want, got, strict=True):
         np.testing.assert_allclose(np.asarray(v), np.asarray(u), rtol=1e-5, atol=1e-4, err_msg=name)
-    assert not np.asarray(got[0][-3:]).any() and not np.asarray(got[1][-3:]).any()
+    assert not np.asarray(got[0])[-3:].any() and not np.asarray(got[1])[-3:].any()

@@ -184,13 +184,10 @@ def test_quantize_lays_out_each_matrix_as_hugging_face_does():
 
 @pytest.mark.slow
 def test_nf4_double_quant_is_at_most_4_13_bits_per_parameter():
-    import jax
-
-    from tests.quant_fixtures import tiny_config
-    from zoo.model.params import flatten, init_params
+    from tests.quant_fixtures import random_params, tiny_config
 
     cfg = tiny_config("llama", hidden_size=256, intermediate_size=512)
-    params = flatten(init_params(cfg, jax.random.PRNGKey(0)))
+    params = random_params(cfg)  # init_params's shapes, drawn with NumPy (jax.random compiles a kernel per shape)
     paths = quant.quantized_paths(cfg)
 
     def bits(double: bool) -> tuple[int, int]:  # (bytes, parameters) of the quantized projections

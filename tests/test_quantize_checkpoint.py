@@ -4,8 +4,6 @@ itself dequantized; bad requests are one-line errors that write nothing."""
 
 from __future__ import annotations
 
-import json
-
 import jax
 import numpy as np
 import pytest
@@ -30,10 +28,12 @@ MIXTRAL = dict(CONFIG, architectures=["MixtralForCausalLM"], model_type="mixtral
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
+    """Three random-weight checkpoints as `zoo init` writes them (its weights drawn with NumPy)."""
+    from tests.quant_fixtures import write_random_checkpoint
+
     root = tmp_path_factory.mktemp("quantize")
     for name, cfg in (("llama", CONFIG), ("mixtral", MIXTRAL), ("wide", WIDE)):
-        (root / f"{name}.json").write_text(json.dumps(cfg))
-        assert zoo_main(["init", str(root / f"{name}.json"), "--out", str(root / name)]) == 0
+        write_random_checkpoint(cfg, root / name)
     return root
 
 
@@ -100,7 +100,7 @@ def bits_on_disk(ckpt, meta) -> tuple[int, int]:
 
 @pytest.mark.slow
 def test_nf4_double_quant_storage_is_at_most_4_13_bits(models, tmp_path):
-    """Slow (slow lane): the module's three `zoo init` models take about 18 s to build."""
+    """Slow (slow lane): the module's three checkpoints, quantized on disk and read back."""
     out = tmp_path / "q"
     assert zoo_main(["quantize", str(models / "wide"), "--out", str(out), "--double-quant"]) == 0
     meta = read_meta(out)
@@ -122,7 +122,7 @@ def test_nf4_double_quant_storage_is_at_most_4_13_bits(models, tmp_path):
     ([], ["already stored quantized", "NF4"]),
 ])
 def test_quantize_errors_are_one_line_and_write_nothing(models, tmp_path, capsys, extra, words):
-    """Slow (slow lane): the module's three `zoo init` models take about 18 s to build."""
+    """Slow (slow lane): the module's three checkpoints, quantized on disk and read back."""
     src = models / "mixtral"
     if not extra:  # quantizing a quantized checkpoint
         assert zoo_main(["quantize", str(src), "--out", str(tmp_path / "once")]) == 0
@@ -137,7 +137,7 @@ def test_quantize_errors_are_one_line_and_write_nothing(models, tmp_path, capsys
 
 @pytest.mark.slow
 def test_dequantized_reader_slices_match_the_whole(models, tmp_path):
-    """Slow (slow lane): the module's three `zoo init` models take about 18 s to build."""
+    """Slow (slow lane): the module's three checkpoints, quantized on disk and read back."""
     from zoo.checkpoints.loading import param_reader
 
     out = tmp_path / "q"
