@@ -30,24 +30,14 @@ def random_params(cfg, std: float = 0.1, seed: int = 0) -> dict:
 
 
 def write_random_checkpoint(hf: dict, out) -> None:
-    """A checkpoint of the transformers-style config ``hf`` laid out as `zoo init` writes one (convert/init.py), its
-    weights :func:`random_params` (std 0.02, as `zoo init`'s): `zoo init` draws them in one jitted program, which
+    """A checkpoint of the transformers-style config ``hf`` written as `zoo init` writes one (convert.init.write_params),
+    its weights :func:`random_params` (std 0.02, as `zoo init`'s): `zoo init` draws them in one jitted program, which
     XLA compiles for seconds per configuration."""
-    import json
-
-    from zoo.checkpoints.format import HF_CONFIG_FILE
-    from zoo.checkpoints.writer import CheckpointWriter, checkpoint_output
+    from convert.init import write_params
     from zoo.model.from_hf import model_config_from_hf
-    from zoo.model.params import param_specs
 
     cfg = model_config_from_hf(hf)
-    specs, params = param_specs(cfg), random_params(cfg, std=0.02)
-    with checkpoint_output(out) as folder:
-        writer = CheckpointWriter(folder, {p: (a.shape, a.dtype) for p, a in params.items()})
-        for path in sorted(params):
-            writer.add(path, params[path], specs[path].axes)
-        (folder / HF_CONFIG_FILE).write_text(json.dumps(hf, indent=2) + "\n")
-        writer.finish(cfg, source="random weights (tests/quant_fixtures.py)", source_format="init")
+    write_params(out, hf, cfg, random_params(cfg, std=0.02), "random weights (tests/quant_fixtures.py)")
 
 
 def quantized_projections(cfg, flat: dict) -> dict:
