@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from convert.init import init_random
+from tests.quant_fixtures import write_random_checkpoint
 
 # A Llama of 64M float32 parameters (256 MB): large enough that a second copy of the weights would stand
 # far above the runtime's own noise in RSS.
@@ -42,10 +42,8 @@ PROBE = textwrap.dedent("""
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_loading_holds_the_weights_once(tmp_path):
     """Slow (about 56 s in a loaded 2-worker baseline): commands in subprocesses, each importing and compiling."""
-    cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps(CONFIG))
     ckpt = tmp_path / "ckpt"
-    init_random(str(cfg), str(ckpt), 0, "float32")
+    write_random_checkpoint(CONFIG, ckpt)  # as `zoo init` writes it, its weights drawn in half the time
     out = subprocess.run([sys.executable, "-c", PROBE, str(ckpt)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     m = json.loads(out.stdout.strip().splitlines()[-1])
@@ -84,10 +82,9 @@ def test_a_small_model_restores_in_one_call_and_groups_restore_the_same_values(t
     import zoo.checkpoints.readers as zc
     from zoo.model.params import flatten
 
-    cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps({**CONFIG, "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
-                               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}))
-    ckpt = init_random(str(cfg), str(tmp_path / "ckpt"), 0, "float32")
+    ckpt = tmp_path / "ckpt"
+    write_random_checkpoint({**CONFIG, "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+                             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}, ckpt)
     calls = []
     load = ocp.load
     monkeypatch.setattr(ocp, "load", lambda *a, **k: calls.append(1) or load(*a, **k))
