@@ -153,6 +153,7 @@ def test_backward_pass_keeps_the_base_quantized(setup):
 # tokens (handed over): its loss and adapter gradients written back for the parent to hold to its one-device run.
 MESH_CHILD = """
 import sys
+sys.modules["torch"] = None  # transformers' config classes (tiny_config) would import it: seconds, not needed
 import jax, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tests.lora_fixtures import lora_lm_loss
