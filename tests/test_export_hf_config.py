@@ -1,12 +1,10 @@
 """`zoo export` writes the config.json that transformers' own `save_pretrained` writes, for every family
 and whatever the checkpoint came from: a Hugging Face folder, a GGUF file, `zoo init`, or training
-(`final/` keeps the source's hf_config.json when there was one, and has none after a random init)."""
+(`final/` keeps the source's hf_config.json when there was one, and has none after a random init).
+That it does so without torch: tests/test_runtime_without_test_extras.py (in its subprocess of `zoo` commands)."""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import gguf
@@ -15,8 +13,6 @@ import pytest
 
 from tests.hf_models import BASE, FAMILIES, OWN_TOKEN_IDS, make_hf
 from zoo.cli import main
-
-REPO = Path(__file__).resolve().parent.parent
 
 # Keys of the exported config.json allowed to differ from save_pretrained's, each with the reason.
 # None is needed: the export serializes through the family's transformers config class (the
@@ -246,18 +242,3 @@ def test_gguf_convert_then_export_matches_transformers(tmp_path):
     gen = json.loads((tmp_path / "back" / "generation_config.json").read_text())
     assert gen["bos_token_id"] == 1 and gen["eos_token_id"] == 2
 
-
-def test_export_config_needs_no_torch(converted, tmp_path):
-    """`zoo export` builds the config through transformers' config classes, which need no torch
-    (shown on Gemma 3, the richest config: per-layer-type RoPE, layer types, soft-capping)."""
-    ref, ckpt, _ = converted("gemma3")
-    bare = tmp_path / "bare"
-    shutil.copytree(ckpt, bare, ignore=shutil.ignore_patterns("hf_config.json"))
-    site = tmp_path / "blocked"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text("import sys\nsys.modules['torch'] = None\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO)]), "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, "-m", "zoo.cli", "export", str(bare), "--out", str(tmp_path / "back")],
-                       env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert_same_config(_read(tmp_path / "back"), ref)

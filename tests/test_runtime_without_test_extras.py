@@ -41,7 +41,7 @@ def test_the_block_works(env):
         assert r.returncode != 0 and f"import of {name} halted" in r.stderr, (name, r.stderr[-500:])
 
 
-# The three commands in one process (each would pay the imports again in its own): `zoo.cli.main` per command, as
+# The commands in one process (each would pay the imports again in its own): `zoo.cli.main` per command, as
 # `python -m zoo.cli` runs it, each command's output after a marker line.
 _COMMANDS = """
 import json, sys
@@ -60,23 +60,34 @@ def _by_command(text: str) -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_convert_and_generate_without_torch(env, tmp_path):
+def test_convert_and_generate_without_torch(env, tmp_path, tiny_family):
     """Slow (slow lane): `zoo convert`, `zoo generate` and `zoo eval` of the real SmolLM2 GGUF file in a
-    subprocess."""
+    subprocess, and `zoo export` of a tiny Gemma 3 (the richest config: per-layer-type RoPE, layer types,
+    soft-capping) without a stored config, built through transformers' config classes as save_pretrained
+    writes it."""
+    import shutil
+
     out = tmp_path / "smol"
+    _, gemma3 = tiny_family("gemma3")  # conftest.py's: transformers' save_pretrained at hf/, converted at zoo/
+    bare = tmp_path / "gemma3"
+    shutil.copytree(gemma3 / "zoo", bare, ignore=shutil.ignore_patterns("hf_config.json"))
     commands = [
         ["convert", str(smollm2_gguf()), "--out", str(out)],
         ["generate", str(out), "--chat", "--prompt", "What is the capital of France?", "--max-new-tokens", "8"],
         # one example of each kind of task (multiple choice, perplexity): each compiles its own scoring program
         ["eval", str(out), "--tasks", "easy_mc,prose", "--limit", "1", "--out", str(tmp_path / "results.json")],
+        ["export", str(bare), "--out", str(tmp_path / "back")],
     ]
     # Not set from outside (an earlier command in the suite's own process sets it): the commands must set it.
     env = {k: v for k, v in env.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"}
     r = _run(env, "-c", _COMMANDS, json.dumps(commands))
     assert r.returncode == 0, r.stderr[-3000:]
     stdout = _by_command(r.stdout)
-    assert list(stdout) == ["convert", "generate", "eval"], r.stdout[-3000:]
+    assert list(stdout) == ["convert", "generate", "eval", "export"], r.stdout[-3000:]
     assert (out / "tokenizer" / "tokenizer.json").is_file() and (out / "model.json").is_file()
     assert "Paris" in stdout["generate"]
     assert "PyTorch was not found" not in r.stderr  # transformers' import advice is not for lmzoo's users
     assert set(json.loads((tmp_path / "results.json").read_text())["tasks"]) == {"easy_mc", "prose"}
+    # key for key and value for value save_pretrained's (tests/test_export_hf_config.py's other exports)
+    assert json.loads((tmp_path / "back" / "config.json").read_text()) == \
+        json.loads((gemma3 / "hf" / "config.json").read_text())
