@@ -182,15 +182,24 @@ def deepseek_fp8(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_tiny_deepseek_v3_fp8_converts_to_transformers_logits(deepseek_fp8, capsys):
+def test_tiny_deepseek_v3_fp8_converts_to_transformers_logits(deepseek_fp8, tmp_path, monkeypatch, capsys):
+    """Converted by its registry name, `zoo convert deepseek-r1`: the name resolves to the Hub repository, found
+    in the local cache (here: the tiny FP8 model; offline, conftest.py sets HF_HUB_OFFLINE; the cache set as
+    tests/test_model_card.py sets it). test_keep_mtp_keeps_the_layer_for_export converts the folder itself."""
+    import huggingface_hub.constants
+
+    from tests.hub_runs import lay_out_hf_cache
+
     root, deq = deepseek_fp8
     with safe_open(root / "fp8" / "model.safetensors", "pt") as f:  # the tooling made what DeepSeek ships
         assert f.get_tensor("model.layers.3.self_attn.kv_a_proj_with_mqa.weight").dtype == torch.float8_e4m3fn
         assert f.get_tensor("model.layers.0.mlp.gate_proj.weight_scale_inv").shape == (2, 2)
         assert f.get_tensor("model.layers.3.mlp.gate.weight").dtype == torch.bfloat16
+    lay_out_hf_cache(tmp_path / "cache", "deepseek-ai/DeepSeek-R1", root / "fp8")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
     capsys.readouterr()
     out = root / "zoo"
-    assert main(["convert", str(root / "fp8"), "--out", str(out), "--dtype", "float32"]) == 0
+    assert main(["convert", "deepseek-r1", "--out", str(out), "--dtype", "float32"]) == 0
     err = capsys.readouterr().err
     # The MTP layer is dropped and reported; the summary counts what was dequantized.
     assert "dropped the multi-token-prediction layer" in err and "model.layers.4" in err and "--keep-mtp" in err
@@ -309,19 +318,6 @@ def test_keep_mtp_without_an_mtp_layer_is_a_user_error(llama_fp8, tmp_path, caps
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--keep-mtp" in err[0] and "multi-token-prediction" in err[0]
     assert not (tmp_path / "zoo").exists()
-
-
-@pytest.mark.slow
-def test_zoo_convert_deepseek_r1_by_name(deepseek_fp8, tmp_path):
-    """The registry name resolves to the Hub repository, found in the local cache (here: the tiny FP8 model)."""
-    from tests.hub_runs import lay_out_hf_cache, zoo_offline
-
-    root, _ = deepseek_fp8
-    lay_out_hf_cache(tmp_path / "cache", "deepseek-ai/DeepSeek-R1", root / "fp8")
-    p = zoo_offline(["convert", "deepseek-r1", "--out", str(tmp_path / "zoo"), "--dtype", "float32"], tmp_path / "cache")
-    assert p.returncode == 0, p.stderr
-    assert "fp8: dequantized" in p.stderr and "dropped the multi-token-prediction layer" in p.stderr
-    _logits_match(_transformers(root / "ref"), tmp_path / "zoo", 96)
 
 
 # --- memory: one tensor at a time, FP8 too -----------------------------------------------------------------
