@@ -251,11 +251,15 @@ def test_keep_mtp_keeps_the_layer_for_export(deepseek_fp8, capsys):
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_dense_fp8_block_scaled_checkpoints_convert(tmp_path, family):
-    make_hf(tmp_path / "src", family, hidden_size=160, intermediate_size=200)
-    make_fp8_checkpoint(tmp_path / "src", tmp_path / "fp8", tmp_path / "ref")
-    assert main(["convert", str(tmp_path / "fp8"), "--out", str(tmp_path / "zoo"), "--dtype", "float32"]) == 0
-    _logits_match(_transformers(tmp_path / "ref"), tmp_path / "zoo", 96)
+def test_dense_fp8_block_scaled_checkpoints_convert(tmp_path, family, request):
+    if family == "llama":  # the user-error tests' folders (llama_fp8): made the same way, once
+        root = request.getfixturevalue("llama_fp8").parent
+    else:
+        root = tmp_path
+        make_hf(root / "src", family, hidden_size=160, intermediate_size=200)
+        make_fp8_checkpoint(root / "src", root / "fp8", root / "ref")
+    assert main(["convert", str(root / "fp8"), "--out", str(tmp_path / "zoo"), "--dtype", "float32"]) == 0
+    _logits_match(_transformers(root / "ref"), tmp_path / "zoo", 96)
 
 
 # --- what a user gets wrong -------------------------------------------------------------------------------
