@@ -399,19 +399,21 @@ def test_shared_prompt_rows_score_each_answer_as_its_own_sequence(setup, lora):
     weights: Any = params
     if lora:
         lc = LoraConfig(rank=4)
-        ad = init_lora(cfg, lc, jax.random.key(0))
-        weights = Weights(params, jax.tree.map(lambda a: a + 0.1 * jax.random.normal(jax.random.key(1), a.shape),
-                                               ad), lora_scale(lc))
+        ad = jax.jit(lambda key: init_lora(cfg, lc, key))(jax.random.key(0))  # one program, not one per op
+        rng = np.random.RandomState(1)  # adapters that add something (NumPy: no compilation per shape)
+        weights = Weights(params, jax.tree.map(lambda a: jnp.asarray(np.asarray(a) + 0.1 * rng.standard_normal(
+            a.shape).astype(np.float32)), ad), lora_scale(lc))
     pairs = [tokenize_pair(normalize_pair(r), tok) for r in dpo_pairs(3) + [
         {"prompt": "a longer prompt with several words in it:", "chosen": " yes", "rejected": " no, not at all"}]]
+    logps_of = jax.jit(lambda w, b: batch_logps(cfg, w, b)[0])  # one program per layout, not one per eager op
     sums = {}
     for shared in (True, False):
         docs = [padded(pair_document(t, shared), 64) for t in pairs]  # both layouts of every pair whole
         b = to_model_batch({k: np.stack([d[k] for d in docs]) for k in docs[0]})
         assert ("prefix_ids" in b) == shared
-        logp, _, _ = batch_logps(cfg, weights, {k: jnp.asarray(v) for k, v in b.items()})
+        logp = np.asarray(logps_of(weights, {k: jnp.asarray(v) for k, v in b.items()}))
         w, seg = b["weights"], b["segment_ids"]
-        sums[shared] = [np.asarray(logp * w * (seg == s)).sum(-1) for s in (CHOSEN, REJECTED)]
+        sums[shared] = [(logp * w * (seg == s)).sum(-1) for s in (CHOSEN, REJECTED)]
         counts = [(w * (seg == s)).sum(-1) for s in (CHOSEN, REJECTED)]
         np.testing.assert_array_equal(counts, [[len(t.chosen) for t in pairs], [len(t.rejected) for t in pairs]])
     np.testing.assert_allclose(sums[True], sums[False], rtol=1e-5)
