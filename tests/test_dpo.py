@@ -1,4 +1,5 @@
-"""`dpo train` on the shared loop: losses against transformers, reference modes, learning, resume."""
+"""`dpo train` on the shared loop: losses against transformers, reference modes (step 1 exact where the policy is
+the reference), learning, resume."""
 
 import gc
 import json
@@ -36,17 +37,19 @@ def _logsig(x: float) -> float:
     return -math.log1p(math.exp(-x)) if x > 0 else x - math.log1p(math.exp(x))
 
 
-# name -> (config overrides, per-pair loss from (beta h)); TRL's DPOTrainer/CPOTrainer formulas, written out.
+# name -> (config overrides, per-pair loss from (beta h), sft_weight); TRL's DPOTrainer/CPOTrainer formulas, written
+# out. ipo's step one against transformers is tests/test_dpo_trl_exact.py's
+# test_ipo_with_sft_weight_step_one_equals_trl_from_transformers (with sft_weight and two micro-batches besides).
 EPS = 0.1
 LOSSES = {
-    "sigmoid": ((), lambda bh: -_logsig(bh)),
-    "ipo": (("dpo.loss_type=ipo",), None),  # (h - 1/(2 beta))^2 on mean log-ratios: computed below
-    "cdpo": (("dpo.label_smoothing=0.1",), lambda bh: -(1 - EPS) * _logsig(bh) - EPS * _logsig(-bh)),
+    "sigmoid": ((), lambda bh: -_logsig(bh), 0.0),
+    # cDPO (sigmoid with label smoothing) and RPO's sft term in one run: the loss is their sum
+    "cdpo_rpo": (("dpo.label_smoothing=0.1", "dpo.sft_weight=0.5"),
+                 lambda bh: -(1 - EPS) * _logsig(bh) - EPS * _logsig(-bh), 0.5),
     "robust": (("dpo.loss_type=robust", "dpo.label_smoothing=0.1"),
-               lambda bh: (-(1 - EPS) * _logsig(bh) + EPS * _logsig(-bh)) / (1 - 2 * EPS)),
-    "hinge": (("dpo.loss_type=hinge",), lambda bh: max(0.0, 1 - bh)),
-    "simpo": (("dpo.loss_type=simpo", "dpo.simpo_gamma=0.5"), lambda bh: -_logsig(bh)),
-    "rpo": (("dpo.sft_weight=0.5",), lambda bh: -_logsig(bh)),
+               lambda bh: (-(1 - EPS) * _logsig(bh) + EPS * _logsig(-bh)) / (1 - 2 * EPS), 0.0),
+    "hinge": (("dpo.loss_type=hinge",), lambda bh: max(0.0, 1 - bh), 0.0),
+    "simpo": (("dpo.loss_type=simpo", "dpo.simpo_gamma=0.5"), lambda bh: -_logsig(bh), 0.0),
 }
 
 
@@ -55,15 +58,14 @@ LOSSES = {
 def test_step_one_metrics_equal_transformers(setup, tmp_path, name):
     """A separate reference checkpoint: step 1's loss and rewards equal a computation from transformers'
     logits of the two models (all four pairs are in the first batch).
-    Slow (about 37 s in a loaded 2-worker baseline): whole training runs through the loop, each compiling its step
-    configuration."""
+    Slow (about 5 s each): whole training runs through the loop, each compiling its step configuration."""
     root, tok, models = setup
     beta = 0.1
-    overrides, per_pair = LOSSES[name]
+    overrides, per_pair, sft_weight = LOSSES[name]
     out = tmp_path / "run"
     reference = "none" if name == "simpo" else root / "reference"  # SimPO reads no reference (one line if given)
     cfg = dpo_cfg(root, out, "max_steps=1", f"dpo.beta={beta}", f"dpo.reference={reference}", *overrides,
-               data="four.jsonl")
+                  data="four.jsonl")
     train(cfg, progress=False, task=DPOTask(cfg))
     got = read_metrics(out)[0]
     losses, rc, rr, nll_sum, chosen_tokens = [], [], [], 0.0, 0
@@ -80,56 +82,58 @@ def test_step_one_metrics_equal_transformers(setup, tmp_path, name):
             rc.append(beta * pc)
             rr.append(beta * pr)
             continue
-        h = (pc - pr) - (qc - qr)
-        if name == "ipo":  # DPOTrainer: the loss alone compares per-token means of the log-ratios
-            losses.append(((pc - qc) / len(c) - (pr - qr) / len(r) - 1 / (2 * beta)) ** 2)
-        else:
-            losses.append(per_pair(beta * h))
-        rc.append(beta * (pc - qc))  # summed log-ratios, ipo included
+        losses.append(per_pair(beta * ((pc - pr) - (qc - qr))))
+        rc.append(beta * (pc - qc))  # summed log-ratios
         rr.append(beta * (pr - qr))
     # TRL's "sft" term (RPO): one token mean over every chosen token of the batch, added once.
-    sft = 0.5 * nll_sum / chosen_tokens if name == "rpo" else 0.0
-    np.testing.assert_allclose(got["loss"], np.mean(losses) + sft, rtol=1e-5)
-    np.testing.assert_allclose(got["rewards/chosen"], np.mean(rc), rtol=1e-5)
-    np.testing.assert_allclose(got["rewards/rejected"], np.mean(rr), rtol=1e-5)
-    np.testing.assert_allclose(got["rewards/margins"], np.mean(rc) - np.mean(rr), rtol=1e-4)
-    assert got["rewards/accuracies"] == np.mean(np.asarray(rc) > np.asarray(rr))
+    sft = sft_weight * nll_sum / chosen_tokens
+    np.testing.assert_allclose(got["loss"], np.mean(losses) + sft, rtol=1e-5, err_msg="loss")
+    np.testing.assert_allclose(got["rewards/chosen"], np.mean(rc), rtol=1e-5, err_msg="rewards/chosen")
+    np.testing.assert_allclose(got["rewards/rejected"], np.mean(rr), rtol=1e-5, err_msg="rewards/rejected")
+    np.testing.assert_allclose(got["rewards/margins"], np.mean(rc) - np.mean(rr), rtol=1e-4, err_msg="margins")
+    assert got["rewards/accuracies"] == np.mean(np.asarray(rc) > np.asarray(rr)), "rewards/accuracies"
 
 
 def test_step_one_logps_and_logits_are_trl_means(setup, tmp_path):
     """logps/* are means over pairs of summed answer log-probabilities; logits/* are TRL's mean logit over
     the vocabulary averaged over every answer token of the batch (token-weighted: answers of unequal
-    length here, so a mean of per-pair means would differ), from transformers' logits."""
+    length here, so a mean of per-pair means would differ), from transformers' logits. The step program is
+    the sigmoid case's of test_step_one_metrics_equal_transformers (the same shapes and settings)."""
     root, tok, models = setup
-    rows = UNEVEN_PAIRS
-    write_jsonl(root / "uneven.jsonl", rows)
+    write_jsonl(root / "uneven.jsonl", UNEVEN_PAIRS)
     out = tmp_path / "run"
     cfg = dpo_cfg(root, out, "max_steps=1", f"dpo.reference={root / 'reference'}", data="uneven.jsonl")
     train(cfg, progress=False, task=DPOTask(cfg))
-    got = read_metrics(out)[0]
+    got, policy = read_metrics(out)[0], models["policy"]
     logps = {"chosen": [], "rejected": []}
     logit_sums, lengths = {"chosen": 0.0, "rejected": 0.0}, {"chosen": [], "rejected": []}
-    for row in rows:
+    mean_of_means = []
+    for row in UNEVEN_PAIRS:
         prompt = tok(row["prompt"])["input_ids"]
         for side in ("chosen", "rejected"):
             answer = tok(row[side], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-            logits = hf_logits(models["policy"], np.asarray([prompt + answer]))[0]
+            logits = hf_logits(policy, np.asarray([prompt + answer]))[0]
             at = slice(len(prompt) - 1, len(prompt) - 1 + len(answer))  # the positions predicting the answer
-            logps[side].append(hf_logps(models["policy"], prompt, answer))
+            logps[side].append(hf_logps(policy, prompt, answer))
             logit_sums[side] += float(logits[at].mean(-1).sum())
             lengths[side].append(len(answer))
+            if side == "chosen":
+                mean_of_means.append(float(logits[at].mean()))
     for side in ("chosen", "rejected"):
         assert len(set(lengths[side])) > 1  # answers of unequal length, where the two means differ
-        np.testing.assert_allclose(got[f"logps/{side}"], np.mean(logps[side]), rtol=1e-5)
-        np.testing.assert_allclose(got[f"logits/{side}"], logit_sums[side] / sum(lengths[side]), rtol=1e-5)
+        np.testing.assert_allclose(got[f"logps/{side}"], np.mean(logps[side]), rtol=1e-5, err_msg=f"logps/{side}")
+        np.testing.assert_allclose(got[f"logits/{side}"], logit_sums[side] / sum(lengths[side]), rtol=1e-5,
+                                   err_msg=f"logits/{side}")
     # The mean of per-pair means is not what is logged.
-    mean_of_means = []
-    for row in rows:
-        prompt = tok(row["prompt"])["input_ids"]
-        answer = tok(row["chosen"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        logits = hf_logits(models["policy"], np.asarray([prompt + answer]))[0]
-        mean_of_means.append(float(logits[len(prompt) - 1:len(prompt) - 1 + len(answer)].mean()))
     assert abs(np.mean(mean_of_means) - got["logits/chosen"]) > 1e-4 * abs(got["logits/chosen"])
+
+
+def _assert_exact_at_start(rec: dict, mode: str) -> None:
+    """Step 1 where the policy equals the reference (``mode``: how the reference is read): every reward is exactly 0
+    (and so is TRL's accuracy, the share of pairs with chosen reward > rejected reward), the loss log 2."""
+    rewards = {k: v for k, v in rec.items() if k.startswith("rewards/")}
+    assert len(rewards) == 4 and set(rewards.values()) == {0.0}, (mode, rewards)
+    assert abs(rec["loss"] - math.log(2)) < 1e-7, (mode, rec["loss"])
 
 
 LORA_SGD = ("optimizer.name=sgd", "optimizer.learning_rate=0.5", *DPO_LORA)  # updates proportional to the gradients
@@ -166,14 +170,24 @@ def lora_base_run(setup, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_lora_base_reference_starts_at_log2_with_one_copy_of_the_base(lora_base_run):
-    """Slow (about 45 s in a loaded 2-worker baseline): XLA compiles each of its model configurations (forward and
-    gradients) on CPU."""
+def test_lora_base_reference_starts_at_log2_with_one_copy_of_the_base(setup, lora_base_run, tmp_path, monkeypatch):
+    """Step 1 is exact (:func:`_assert_exact_at_start`: the adapters add nothing yet, the policy is the base), yet
+    the policy is still differentiated: the step equals one that reads the reference's own log-probabilities
+    (which differ from the policy's in the last bits), up to that rounding. One copy of the base lives.
+    Slow (about 10 s): two runs, each compiling its step."""
+    root, _, _ = setup
     out, copies = lora_base_run
     recs = read_metrics(out)
-    assert abs(recs[0]["loss"] - math.log(2)) < 1e-6 and abs(recs[0]["rewards/margins"]) < 1e-6
+    _assert_exact_at_start(recs[0], "lora base")
     assert recs[1]["loss"] != recs[0]["loss"]  # the adapters moved
     assert copies == [2, 2]  # the base's embed and lm_head, once each: no reference copy
+    monkeypatch.setattr(DPOTask, "_at_reference", lambda self, lora, step: False)
+    cfg = dpo_cfg(root, tmp_path / "plain", "max_steps=1", *LORA_SGD)
+    train(cfg, progress=False, task=DPOTask(cfg))
+    plain = read_metrics(tmp_path / "plain")[0]
+    assert recs[0]["grad_norm"] > 0
+    np.testing.assert_allclose(recs[0]["grad_norm"], plain["grad_norm"], rtol=1e-5)
+    np.testing.assert_allclose(recs[0]["loss"], plain["loss"], rtol=1e-6)
 
 
 def test_full_fine_tuning_needs_a_reference(setup, tmp_path, capsys):
@@ -216,6 +230,7 @@ def test_precomputed_reference_equals_live_and_is_cached(setup, lora_base_run, t
     assert len(list((out / "reference_logps").glob("*.npz"))) == 1
     assert keyed == [("float32", {"source": None, "kwargs": {}, "date": "2024-07-26"})]
     a, b = read_metrics(live_out), read_metrics(out)
+    _assert_exact_at_start(b[0], "lora precomputed")
     for k in ("loss", "rewards/chosen", "rewards/rejected", "logps/chosen"):
         np.testing.assert_allclose([r[k] for r in b], [r[k] for r in a], rtol=1e-5, atol=1e-7, err_msg=k)
     # A rerun (here: resuming for one more step) reads the cache and never runs the reference pass.
@@ -237,6 +252,7 @@ def test_training_on_preferences_drives_accuracy_up(setup, tmp_path):
                f"dpo.reference={root / 'policy'}", "data.eval_fraction=0.1", "eval_every=15")
     final = train(cfg, progress=False, task=DPOTask(cfg))
     recs = read_metrics(out)
+    _assert_exact_at_start(recs[0], "full fine-tuning, a checkpoint of the start")
     assert np.mean([r["rewards/accuracies"] for r in recs[-5:]]) > 0.9
     assert recs[-1]["loss"] < 0.5 * math.log(2)
     evals = [r for r in recs if "eval_loss" in r]
@@ -244,6 +260,16 @@ def test_training_on_preferences_drives_accuracy_up(setup, tmp_path):
     assert evals[-1]["eval_rewards/margins"] > evals[0]["eval_rewards/margins"]
     assert zoo.checkpoints.format.read_meta(final)["training"]["method"] == "dpo"
     assert zoo_main(["plot", str(out)]) == 0 and (out / "curves.png").is_file()
+
+
+@pytest.mark.slow
+def test_full_fine_tuning_precomputed_step_one_is_exact(setup, tmp_path):
+    """Step 1 of full fine-tuning against precomputed scores of the starting weights is exact (the other reference
+    modes: on the runs of the tests above)."""
+    root, _, _ = setup
+    cfg = dpo_cfg(root, tmp_path / "run", "max_steps=1", "dpo.reference=precomputed", data="four.jsonl")
+    train(cfg, progress=False, task=DPOTask(cfg))
+    _assert_exact_at_start(read_metrics(tmp_path / "run")[0], "full fine-tuning precomputed")
 
 
 def _sgd(root):
@@ -368,19 +394,21 @@ def test_shared_prompt_rows_score_each_answer_as_its_own_sequence(setup, lora):
     weights: Any = params
     if lora:
         lc = LoraConfig(rank=4)
-        ad = init_lora(cfg, lc, jax.random.key(0))
-        weights = Weights(params, jax.tree.map(lambda a: a + 0.1 * jax.random.normal(jax.random.key(1), a.shape),
-                                               ad), lora_scale(lc))
+        ad = jax.jit(lambda key: init_lora(cfg, lc, key))(jax.random.key(0))  # one program, not one per op
+        rng = np.random.RandomState(1)  # adapters that add something (NumPy: no compilation per shape)
+        weights = Weights(params, jax.tree.map(lambda a: jnp.asarray(np.asarray(a) + 0.1 * rng.standard_normal(
+            a.shape).astype(np.float32)), ad), lora_scale(lc))
     pairs = [tokenize_pair(normalize_pair(r), tok) for r in dpo_pairs(3) + [
         {"prompt": "a longer prompt with several words in it:", "chosen": " yes", "rejected": " no, not at all"}]]
+    logps_of = jax.jit(lambda w, b: batch_logps(cfg, w, b)[0])  # one program per layout, not one per eager op
     sums = {}
     for shared in (True, False):
         docs = [padded(pair_document(t, shared), 64) for t in pairs]  # both layouts of every pair whole
         b = to_model_batch({k: np.stack([d[k] for d in docs]) for k in docs[0]})
         assert ("prefix_ids" in b) == shared
-        logp, _, _ = batch_logps(cfg, weights, {k: jnp.asarray(v) for k, v in b.items()})
+        logp = np.asarray(logps_of(weights, {k: jnp.asarray(v) for k, v in b.items()}))
         w, seg = b["weights"], b["segment_ids"]
-        sums[shared] = [np.asarray(logp * w * (seg == s)).sum(-1) for s in (CHOSEN, REJECTED)]
+        sums[shared] = [(logp * w * (seg == s)).sum(-1) for s in (CHOSEN, REJECTED)]
         counts = [(w * (seg == s)).sum(-1) for s in (CHOSEN, REJECTED)]
         np.testing.assert_array_equal(counts, [[len(t.chosen) for t in pairs], [len(t.rejected) for t in pairs]])
     np.testing.assert_allclose(sums[True], sums[False], rtol=1e-5)

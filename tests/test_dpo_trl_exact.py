@@ -263,16 +263,18 @@ def test_sft_weight_is_one_token_mean_over_the_global_batch(monkeypatch):
 
 def test_ipo_rewards_and_logps_are_summed_and_only_the_loss_is_normalized(monkeypatch):
     """IPO as TRL's DPOTrainer logs it: rewards beta * (summed policy - summed reference log-probability),
-    logps/* summed; the loss alone compares per-token means of the log-ratios."""
+    logps/* summed; the loss alone compares per-token means of the log-ratios (plus the sft term: the program
+    is test_step_metrics_and_gradient_equal_trl's ipo one in two micro-batches)."""
     a = _answers()
-    got = _step_metrics("ipo", 0.0, 2, monkeypatch)
+    got = _step_metrics("ipo", SFT, 2, monkeypatch)
     ratio_c = np.array([p.sum() - r.sum() for p, r in zip(a["pol_c"], a["ref_c"])])
     ratio_r = np.array([p.sum() - r.sum() for p, r in zip(a["pol_r"], a["ref_r"])])
     np.testing.assert_allclose(got["rewards/chosen"], BETA * ratio_c.mean(), rtol=1e-5)
     np.testing.assert_allclose(got["rewards/rejected"], BETA * ratio_r.mean(), rtol=1e-5)
     np.testing.assert_allclose(got["logps/rejected"], np.mean([p.sum() for p in a["pol_r"]]), rtol=1e-5)
     normalized = ratio_c / np.array(CHOSEN_LENS) - ratio_r / np.array(REJECTED_LENS)
-    np.testing.assert_allclose(got["loss"], np.mean((normalized - 1 / (2 * BETA)) ** 2), rtol=1e-5)
+    nll = -np.concatenate(a["pol_c"]).mean()
+    np.testing.assert_allclose(got["loss"], np.mean((normalized - 1 / (2 * BETA)) ** 2) + SFT * nll, rtol=1e-5)
 
 
 # ---- end to end: a tiny model, transformers' log-probabilities -------------------------------------------

@@ -44,6 +44,7 @@ def test_converted_scores_equal_transformers_and_export_round_trips(reward_model
     """`zoo convert` of a LlamaForSequenceClassification keeps its score head and padding id: our score of a
     prompt + answer (the last token that is not padding, in the pair layout of a training row) equals
     transformers' logits; `zoo export` writes a LlamaForSequenceClassification that loads with equal scores."""
+    import jax
     import jax.numpy as jnp
     import torch
     from transformers import AutoModelForSequenceClassification
@@ -55,7 +56,7 @@ def test_converted_scores_equal_transformers_and_export_round_trips(reward_model
     from zoo.checkpoints.format import read_config
     from zoo.checkpoints.loading import load_params
     from zoo.cli import main
-    from zoo.data.batching import to_model_batch
+    from zoo.data.batching import padded, to_model_batch
 
     out, _, tok = reward_models
     mcfg, params = read_config(out / "rm"), load_params(out / "rm")
@@ -65,16 +66,16 @@ def test_converted_scores_equal_transformers_and_export_round_trips(reward_model
     assert json.loads((tmp_path / "exp" / "config.json").read_text())["architectures"] == \
         ["LlamaForSequenceClassification"]
     back = AutoModelForSequenceClassification.from_pretrained(tmp_path / "exp").eval()
-    for row in UNEVEN_PAIRS[:2]:
-        t = tokenize_pair(normalize_pair(row), tok)
-        doc = pair_document(t)
-        doc = {k: np.concatenate([v, np.zeros(1, v.dtype)])[None] for k, v in doc.items()}
-        mb = PairBatch.of({k: jnp.asarray(v) for k, v in to_model_batch(doc).items()})
-        rc, rr, _ = pair_scores(mcfg, params, mb)
+    pairs = [tokenize_pair(normalize_pair(row), tok) for row in UNEVEN_PAIRS[:2]]
+    docs = [padded(pair_document(t), 32) for t in pairs]  # both rows in one batch: one program, not one per op
+    mb = PairBatch.of({k: jnp.asarray(v) for k, v in to_model_batch({k: np.stack([d[k] for d in docs])
+                                                                     for k in docs[0]}).items()})
+    rc, rr, _ = jax.jit(lambda p, b: pair_scores(mcfg, p, b))(params, mb)
+    for i, t in enumerate(pairs):
         for ours, answer in ((rc, t.chosen), (rr, t.rejected)):
             ids = torch.tensor([np.concatenate([t.prompt, answer]).tolist()])
             for model in (hf, back):
-                np.testing.assert_allclose(float(ours[0]), float(model(ids).logits[0, 0]), rtol=1e-5, atol=1e-6)
+                np.testing.assert_allclose(float(ours[i]), float(model(ids).logits[0, 0]), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
@@ -139,7 +140,8 @@ def test_lora_reward_model_equals_trl_with_peft_and_exports_as_peft_loads_it(rew
     adapters' own change depends on A's random draw, which differs). The adapter checkpoint reads as a reward
     model: `zoo export` writes a LlamaForSequenceClassification, and `zoo export --adapter` a SEQ_CLS adapter
     that peft loads onto the causal base with the same scores; as the reward of a LoRA GRPO run on the same base
-    it reads the policy's frozen base (the base loaded once) and scores as the merged model."""
+    it reads the policy's frozen base (the base loaded once) and scores as the merged model; beside it in the same
+    `grpo train` step, the converted reward model (loaded whole) scores as transformers' does."""
     import jax
     import torch
     from datasets import Dataset
@@ -202,20 +204,26 @@ def test_lora_reward_model_equals_trl_with_peft_and_exports_as_peft_loads_it(rew
     np.testing.assert_allclose(_hf_scores(loaded, tok, texts), _hf_scores(merged, tok, texts), rtol=1e-5, atol=1e-5)
 
     # As a GRPO reward of a LoRA policy on the same base: only its adapters load, beside the policy's frozen base,
-    # and each completion's reward is the merged model's score.
+    # and each completion's reward is the merged model's score; the whole converted reward model (rm_rm) beside it
+    # scores each completion as transformers' LlamaForSequenceClassification does.
     write_jsonl(tmp_path / "p.jsonl", [{"prompt": "colour red:"}, {"prompt": "the cat"}])
     grpo = load_config(None, [f"model.path={root / 'policy'}", f"model.tokenizer={root / 'tok'}",
                               f"data.path={tmp_path / 'p.jsonl'}", "data.seq_len=8", "batch_size=4", "lora.rank=2",
-                              "grpo.num_generations=2", "grpo.max_completion_length=4", f"grpo.rewards=[rm:{final}]",
+                              "grpo.num_generations=2", "grpo.max_completion_length=4",
+                              f"grpo.rewards=[rm:{final},rm:{out / 'rm'}]",
                               "max_steps=1", "grpo.log_completions_every=1", f"output_dir={tmp_path / 'grpo'}"],
                        GRPOConfig)
     capsys.readouterr()
     train(grpo, task=GRPOTask(grpo), progress=False)
     assert "its LoRA adapters over the policy's frozen base (not loaded twice)" in capsys.readouterr().err
     rows = [json.loads(x) for x in (tmp_path / "grpo" / "completions.jsonl").read_text().splitlines()]
-    np.testing.assert_allclose([r["rewards"]["rm_ours"] for r in rows],
-                               _hf_scores(merged, tok, [r["prompt"] + r["completion"] for r in rows]),
-                               rtol=1e-4, atol=1e-5)
+    texts = [r["prompt"] + r["completion"] for r in rows]
+    assert len(rows) == 4
+    np.testing.assert_allclose([r["rewards"]["rm_ours"] for r in rows], _hf_scores(merged, tok, texts),
+                               rtol=1e-4, atol=1e-5, err_msg="rm_ours: the LoRA reward model")
+    hf = AutoModelForSequenceClassification.from_pretrained(out / "hf_rm").eval()
+    np.testing.assert_allclose([r["rewards"]["rm_rm"] for r in rows], _hf_scores(hf, tok, texts),
+                               rtol=1e-4, atol=1e-5, err_msg="rm_rm: the converted reward model")
 
 
 def _hf_scores(model, tok, texts: list[str]) -> np.ndarray:
@@ -253,30 +261,3 @@ def test_grpo_reward_model_scores_completions_as_trl_does(reward_models, tmp_pat
     with pytest.raises(UserError) as e:
         load_rewards([f"rm:{root / 'policy'}"])
     assert "is a causal LM, not a reward model" in str(e.value) and "\n" not in str(e.value)
-
-
-@pytest.mark.slow
-def test_grpo_step_with_a_reward_model(reward_models, tmp_path):
-    """One `grpo train` step whose reward is the reward model: each completion's logged reward is transformers'
-    score of its prompt + completion text. The policy is the LoRA one of the test above (lora.rank 2, the same
-    shapes): its sampler and step are compiled once for both."""
-    from transformers import AutoModelForSequenceClassification
-
-    from grpo.config import GRPOConfig
-    from grpo.task import GRPOTask
-    from pretrain.loop import train
-    from tests.run_files import write_jsonl
-
-    out, root, tok = reward_models
-    write_jsonl(tmp_path / "p.jsonl", [{"prompt": "colour red:"}, {"prompt": "the cat"}])
-    cfg = load_config(None, [f"model.path={root / 'policy'}", f"model.tokenizer={root / 'tok'}",
-                             f"data.path={tmp_path / 'p.jsonl'}", "data.seq_len=8", "batch_size=4", "lora.rank=2",
-                             "grpo.num_generations=2", "grpo.max_completion_length=4", f"grpo.rewards=[rm:{out / 'rm'}]",
-                             "max_steps=1", "grpo.log_completions_every=1", f"output_dir={tmp_path / 'run'}"],
-                      GRPOConfig)
-    train(cfg, task=GRPOTask(cfg), progress=False)
-    rows = [json.loads(x) for x in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
-    hf = AutoModelForSequenceClassification.from_pretrained(out / "hf_rm").eval()
-    want = _hf_scores(hf, tok, [r["prompt"] + r["completion"] for r in rows])
-    np.testing.assert_allclose([r["rewards"]["rm_rm"] for r in rows], want, rtol=1e-4, atol=1e-5)
-    assert len(rows) == 4
