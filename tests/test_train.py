@@ -225,10 +225,14 @@ def test_sigterm_saves_a_checkpoint_and_returns_143(setup, tmp_path, capsys, mon
     In this process (the signal raised here, as a sender's would arrive: Python's handler runs in the main thread
     either way); the test above sends Ctrl-C to a `pretrain train` subprocess and resumes."""
     import signal
+    import threading
 
     import pretrain.steps as trainer
     from pretrain.cli import main
 
+    # The loop's handlers exist in the main thread only (pytest-xdist runs tests there too): elsewhere the signal
+    # would end this test process.
+    assert threading.current_thread() is threading.main_thread()
     real, calls = trainer.to_model_batch, []
 
     def signal_in_step_2(b):
