@@ -258,7 +258,8 @@ def test_bad_rows_name_file_and_row_or_are_skipped(setup, tmp_path, capsys):
     data = tmp_path / "bad.jsonl"
     data.write_text('{"text": "the cat sat"}\n{"text": ""}\n{"other": 1}\n' + '{"text": "a dog ran"}\n' * 50)
     args = ["train", f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}", f"data.path={data}",
-            "data.seq_len=16", "batch_size=2", "max_steps=1", f"output_dir={tmp_path / 'o'}"]
+            "data.seq_len=16", "batch_size=2", "max_steps=2", f"output_dir={tmp_path / 'o'}"]  # the step (and its
+    # schedule over 2 steps) of test_train_from_scratch_with_random_init's and test_resuming_with_another_process_count's
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "bad.jsonl, line 2:" in err[0] and "skip_bad_rows" in err[0]
