@@ -20,9 +20,10 @@ from zoo.layers.attention import attend
 from zoo.model.masks import visibility
 rng = np.random.RandomState(0)
 b, hk, g, t, d = 2, 1, 2, 256, 16
-q, k, v, dout = (jnp.asarray(rng.randn(*s), jnp.float32)
+# NumPy inputs: a jax array on one device would be resliced onto the mesh by a program compiled per shape
+q, k, v, dout = (rng.randn(*s).astype(np.float32)
                  for s in [(b, hk, g, t, d), (b, hk, t, d), (b, hk, t, d), (b, t, hk * g * d)])
-seg = jnp.asarray(np.stack([np.r_[np.full(100, 1), np.full(120, 2), np.zeros(36)], np.ones(t)]).astype(np.int32))
+seg = np.stack([np.r_[np.full(100, 1), np.full(120, 2), np.zeros(36)], np.ones(t)]).astype(np.int32)
 cfg = ModelConfig(family="llama", vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=2,
                   num_kv_heads=1, head_dim=d, attention="blockwise", attn_softcap=5.0)
 splash = {}
@@ -46,7 +47,7 @@ from pretrain.batch import TokenBatch
 from pretrain.task import next_token_loss_sums
 from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
-from zoo.model.params import init_params, param_specs, nest
+from zoo.model.params import param_specs, nest
 from zoo.model.sharding import make_mesh, named_sharding
 
 def positions(seg):
@@ -59,19 +60,24 @@ t = 32
 seg = np.array([[1] * 9 + [2] * 13 + [3] * 6 + [0] * 4, [1] * 20 + [2] * 12], np.int32)
 rng = np.random.RandomState(0)
 tokens = rng.randint(0, 64, (2, t + 1)).astype(np.int32)
-batch = TokenBatch(inputs=jnp.asarray(tokens[:, :-1]), targets=jnp.asarray(tokens[:, 1:]),
-                   weights=jnp.asarray((seg != 0) & (np.roll(seg, -1, 1) == seg), jnp.float32),
-                   segment_ids=jnp.asarray(seg), positions=jnp.asarray(positions(seg)))
+# NumPy arrays throughout (batch and weights): device_put of a host array onto a mesh compiles nothing, of a
+# jax array on one device it compiles a reslicing program per shape; jax.jit(init_params) compiles for seconds.
+batch = TokenBatch(inputs=tokens[:, :-1], targets=tokens[:, 1:],
+                   weights=((seg != 0) & (np.roll(seg, -1, 1) == seg)).astype(np.float32),
+                   segment_ids=seg, positions=positions(seg))
 base = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
             head_dim=8, attention="blockwise")
 models = {"llama": ModelConfig(family="llama", **base),
           "gemma2-like": ModelConfig(family="llama", **base, layer_types=("sliding", "full"), sliding_window=5,
                                      attn_softcap=20.0, final_softcap=15.0)}
 meshes = {"llama": [dict(fsdp=2, context=4), dict(fsdp=1, context=8)], "gemma2-like": [dict(fsdp=2, context=4)]}
-init_params_jit = jax.jit(init_params, static_argnums=0)  # one compilation, not one per eager op and shape
 out = {}
 for name, cfg in models.items():
-    params = init_params_jit(cfg, jax.random.PRNGKey(1))
+    rng = np.random.RandomState(1)  # weights ~ N(0, 0.02), norms 1, drawn with NumPy (see the batch above)
+    flat = {k: (rng.normal(0, 0.02, s.shape) if s.init == "normal" else
+                np.full(s.shape, 1.0 if s.init == "ones" else 0.0)).astype(np.float32)
+            for k, s in sorted(param_specs(cfg).items())}
+    params = nest(flat)
     def loss(p, b):
         o = next_token_loss_sums(cfg, Weights(p), b, jnp.float32, "none")
         return o.loss, o.count
@@ -80,8 +86,7 @@ for name, cfg in models.items():
     for sizes in meshes[name]:
         mesh = make_mesh(**sizes, devices=jax.devices())
         specs = param_specs(cfg)
-        p = nest({k: jax.device_put(v, named_sharding(mesh, specs[k].axes, v.shape))
-                  for k, v in __import__("zoo.model.params", fromlist=["flatten"]).flatten(params).items()})
+        p = nest({k: jax.device_put(v, named_sharding(mesh, specs[k].axes, v.shape)) for k, v in flat.items()})
         rows = NamedSharding(mesh, P(("data", "fsdp"), None))
         b = jax.tree.map(lambda x: jax.device_put(x, rows), batch)
         with jax.set_mesh(mesh):

@@ -128,10 +128,11 @@ def _remat_case(num_layers: int, rows: int, seq: int):
 
 @pytest.mark.slow
 def test_remat_policies_keep_gradients_and_cut_saved_activations():
-    # Twelve layers, so that the activations saved across layers outweigh one layer's scratch memory.
+    # Twelve layers, so that the activations saved across layers outweigh one layer's scratch memory; 8 rows of
+    # 128 tokens (one attention block: a quarter less to compile than 4 rows of 256).
     """Slow (about 48 s in a loaded 2-worker baseline): XLA compiles each of its model configurations (forward and
     gradients) on CPU."""
-    params, loss = _remat_case(num_layers=12, rows=4, seq=256)
+    params, loss = _remat_case(num_layers=12, rows=8, seq=128)
 
     def grad_fn(remat):
         return jax.jit(jax.grad(lambda p: loss(p, remat)))
@@ -182,7 +183,7 @@ def test_chunked_mlp_equals_one_pass_and_shrinks_the_backward(monkeypatch, lora)
     rng = np.random.RandomState(2)
     adapters = jax.tree.map(lambda a: jnp.asarray(np.asarray(a) + 0.05 * rng.normal(size=a.shape), jnp.float32),
                             jax.jit(init_lora, static_argnums=(0, 1))(cfg, lc, jax.random.key(1)))
-    tokens = jnp.asarray(np.random.RandomState(0).randint(0, 64, (4, 256)), jnp.int32)
+    tokens = jnp.asarray(np.random.RandomState(0).randint(0, 64, (4, 128)), jnp.int32)
 
     def compiled():
         def loss(p, ad):
@@ -195,8 +196,8 @@ def test_chunked_mlp_equals_one_pass_and_shrinks_the_backward(monkeypatch, lora)
 
     monkeypatch.setattr(zoo_mlp, "MLP_CHUNK_TOKENS", 10**9)
     whole = compiled()
-    monkeypatch.setattr(zoo_mlp, "MLP_CHUNK_TOKENS", 128)  # 4 x 256 tokens -> 8 chunks of [4, 32]
-    assert zoo_mlp.mlp_chunks(4, 256) == 8
+    monkeypatch.setattr(zoo_mlp, "MLP_CHUNK_TOKENS", 64)  # 4 x 128 tokens -> 8 chunks of [4, 16]
+    assert zoo_mlp.mlp_chunks(4, 128) == 8
     chunked = compiled()
     (l1, g1), (l8, g8) = whole(params, adapters), chunked(params, adapters)
     np.testing.assert_allclose(float(l8), float(l1), rtol=1e-6)
