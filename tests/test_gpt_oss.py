@@ -368,8 +368,11 @@ def test_gguf_converts_to_the_logits_of_the_safetensors_conversion(tiny, mxfp4, 
     np.testing.assert_allclose(np.asarray(a(tokens)), np.asarray(b(tokens)), atol=1e-5, rtol=0)
 
 
+# ARGV: the source folder, the output folder, the test-only packages (comma-separated), blocked as in a runtime
+# install: transformers, which reads the config, would import torch (seconds, and 200 MiB of the peak otherwise).
 PROBE = textwrap.dedent("""
     import json, sys
+    sys.modules.update(dict.fromkeys(sys.argv[3].split(",")))
     def status(key):
         for line in open("/proc/self/status"):
             if line.startswith(key):
@@ -377,6 +380,7 @@ PROBE = textwrap.dedent("""
     from convert.convert import convert
     import jax; jax.numpy.zeros(1).block_until_ready()
     import orbax.checkpoint  # noqa: F401  (imports are not the conversion's cost)
+    from transformers import AutoConfig  # noqa: F401  (nor is the one that reads the config)
     before = status("VmHWM")
     convert(sys.argv[1], sys.argv[2], progress=False)
     print(json.dumps({"peak": status("VmHWM"), "before": before}))
@@ -385,7 +389,10 @@ PROBE = textwrap.dedent("""
 
 def _convert_peak(hf: Path, out: Path) -> int:
     """Bytes the conversion of ``hf`` raised the process's peak RSS by, in a fresh process."""
-    p = subprocess.run([sys.executable, "-c", PROBE, str(hf), str(out)], capture_output=True, text=True, timeout=600)
+    from tests.processes import TEST_ONLY
+
+    p = subprocess.run([sys.executable, "-c", PROBE, str(hf), str(out), ",".join(TEST_ONLY)], capture_output=True,
+                       text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     m = json.loads(p.stdout.strip().splitlines()[-1])
     return m["peak"] - m["before"]
