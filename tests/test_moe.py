@@ -16,14 +16,18 @@ from tests.hf_models import hf_logits, hf_tensors, make_hf, mean_kl, random_toke
 from tests.processes import devices_env
 from zoo.cli import main
 
+# The variants of a family's tiny model (tests/hf_models.py FAMILIES) take 2 layers, a dense one and an MoE one: what
+# each variant changes lives in every layer, and each further layer costs compile time (scans of several dense and
+# MoE layers: deepseek-v2's and deepseek-v3's own models).
+TWO = dict(num_hidden_layers=2, first_k_dense_replace=1)
 VARIANTS = {
     "mixtral": ("mixtral", {}),
     "deepseek-v2": ("deepseek_v2", {}),
-    "deepseek-v2-q-lora": ("deepseek_v2", dict(q_lora_rank=24)),
-    "deepseek-v2-greedy": ("deepseek_v2", dict(topk_method="greedy", n_group=None, topk_group=None)),
+    "deepseek-v2-q-lora": ("deepseek_v2", dict(q_lora_rank=24, **TWO)),
+    "deepseek-v2-greedy": ("deepseek_v2", dict(topk_method="greedy", n_group=None, topk_group=None, **TWO)),
     "deepseek-v3": ("deepseek_v3", {}),
     "deepseek-v3-no-lora-no-interleave": ("deepseek_v3", dict(q_lora_rank=None, rope_interleave=False,
-                                                              norm_topk_prob=False)),
+                                                              norm_topk_prob=False, **TWO)),
 }
 SEQ = 24
 
