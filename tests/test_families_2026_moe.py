@@ -132,14 +132,18 @@ def test_decoder_sparse_step_below_one_is_one_line():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family,overrides", [
-    ("qwen3_moe", dict(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[], norm_topk_prob=False)),
-    ("glm4_moe", dict(use_qk_norm=False, attention_bias=False, n_group=1, topk_group=1, n_shared_experts=2,
-                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})),
+    ("qwen3_moe", dict(num_hidden_layers=3, decoder_sparse_step=2, mlp_only_layers=[], norm_topk_prob=False)),
+    ("glm4_moe", dict(num_hidden_layers=2, use_qk_norm=False, attention_bias=False, n_group=1, topk_group=1,
+                      n_shared_experts=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                           "partial_rotary_factor": 0.25})),
 ])
 def test_variants_match_transformers(tmp_path, family, overrides):
-    """Slow (slow lane: one more conversion and compile each): Qwen3-MoE with every second layer MoE and
-    unnormalized top-k weights; GLM-4.5 without q/k norms and biases, ungrouped routing, two shared experts and a
-    quarter of each head rotated."""
+    """Slow (slow lane: one more conversion and three compiles each: the forward, generate's prefill and step):
+    Qwen3-MoE with every second layer MoE (dense 0, MoE 1, dense 2: the dense stack's second run starts at its
+    second layer) and unnormalized top-k weights; GLM-4.5 (a dense layer, an MoE one) without q/k norms and
+    biases, ungrouped routing, two shared experts and a quarter of each head rotated. As few layers as show each
+    trait: every layer run is its own piece of the programs (a scan of several MoE layers:
+    test_logits_match_transformers's)."""
     hf = make_hf(tmp_path / "hf", family, **overrides)
     assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "zoo")]) == 0
     model = zoo.load(tmp_path / "zoo")

@@ -25,11 +25,13 @@ from tests.hf_models import (
 from zoo.cli import main
 
 SEQ = 40  # past the sliding windows (7; window16's 16): the KV-shared sliding layers reuse a windowed layer's keys
-# The MoE variant: 4 experts (top 2) beside the MLP in every layer, the last 2 layers KV-shared (one of each
-# kind), no per-layer inputs, full layers' values their own projection (attention_k_eq_v off).
+# The MoE variant: 4 experts (top 2) beside the MLP in every layer of 4 (sliding, full, twice), the last 2 KV-shared
+# (one of each kind, reading layers 0 and 1), no per-layer inputs, full layers' values their own projection
+# (attention_k_eq_v off). Four layers, the fewest with both kinds KV-shared and not: each layer here is its own piece
+# of the compiled programs (scans of several layers: the dense variants').
 MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16, num_kv_shared_layers=2,
-           hidden_size_per_layer_input=0, use_double_wide_mlp=False, attention_k_eq_v=False,
-           layer_types=["sliding_attention", "full_attention"] + ["sliding_attention"] * 3 + ["full_attention"])
+           hidden_size_per_layer_input=0, use_double_wide_mlp=False, attention_k_eq_v=False, num_hidden_layers=4,
+           layer_types=["sliding_attention", "full_attention"] * 2)
 # The shape of issue 60's report: 2 KV-shared layers (layer 4 sliding, reading layer 3's keys; layer 5 full, reading
 # layer 2's), a sliding window of 16 (SEQ goes past it), per-layer inputs.
 WINDOW16 = dict(num_kv_shared_layers=2, sliding_window=16)
@@ -133,7 +135,7 @@ def test_adapter_exports_in_peft_layout(converted, tmp_path):
     assert config["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     saved = {k: v.shape for k, v in load_file(str(peft / "adapter_model.safetensors")).items()}
     layer = "base_model.model.model.layers.{}."
-    full, sliding, shared = layer.format(1), layer.format(0), layer.format(5)  # layer 5: KV-shared, full
+    full, sliding, shared = layer.format(1), layer.format(0), layer.format(3)  # layer 3: KV-shared, full
     assert saved[full + "self_attn.q_proj.lora_B.weight"] == (4 * 16, 4)  # 4 heads of the full layers' 16
     assert saved[sliding + "self_attn.q_proj.lora_B.weight"] == (4 * 8, 4)
     assert shared + "self_attn.k_proj.lora_A.weight" not in saved  # KV-shared layers have no keys

@@ -16,14 +16,18 @@ from tests.hf_models import hf_logits, hf_tensors, make_hf, mean_kl, random_toke
 from tests.processes import devices_env
 from zoo.cli import main
 
+# The variants of a family's tiny model (tests/hf_models.py FAMILIES) take 2 layers, a dense one and an MoE one: what
+# each variant changes lives in every layer, and each further layer costs compile time (scans of several dense and
+# MoE layers: deepseek-v2's and deepseek-v3's own models).
+TWO = dict(num_hidden_layers=2, first_k_dense_replace=1)
 VARIANTS = {
     "mixtral": ("mixtral", {}),
     "deepseek-v2": ("deepseek_v2", {}),
-    "deepseek-v2-q-lora": ("deepseek_v2", dict(q_lora_rank=24)),
-    "deepseek-v2-greedy": ("deepseek_v2", dict(topk_method="greedy", n_group=None, topk_group=None)),
+    "deepseek-v2-q-lora": ("deepseek_v2", dict(q_lora_rank=24, **TWO)),
+    "deepseek-v2-greedy": ("deepseek_v2", dict(topk_method="greedy", n_group=None, topk_group=None, **TWO)),
     "deepseek-v3": ("deepseek_v3", {}),
     "deepseek-v3-no-lora-no-interleave": ("deepseek_v3", dict(q_lora_rank=None, rope_interleave=False,
-                                                              norm_topk_prob=False)),
+                                                              norm_topk_prob=False, **TWO)),
 }
 SEQ = 24
 
@@ -150,7 +154,7 @@ def test_capacity_factor_drops_and_reports(converted):
 # Each section compares against the one-device run of the same program (or the parent's logits), on a
 # (fsdp 2, expert 4) mesh; its results go to one JSON line under the section's name.
 EP_SCRIPT = r"""
-import json, sys
+import dataclasses, json, sys
 import jax, jax.numpy as jnp, numpy as np
 import zoo
 from zoo.lora.params import LoraConfig, init_lora, lora_scale, lora_specs
@@ -183,8 +187,9 @@ for variant, (folder, tokens, logits) in args["load"].items():
                             "shard": list(gate.addressable_shards[0].data.shape),
                             "devices": len(gate.sharding.device_set)}
 
-# 2. Training: `zoo init deepseek-v3-tiny`'s model, LoRA on every projection, packed rows with padding.
-cfg = model_config_from_hf(DEEPSEEK_V3_TINY)
+# 2. Training: `zoo init deepseek-v3-tiny`'s model cut to 3 layers (its dense one, then two MoE layers: the MoE stack
+# still a scan of more than one layer), LoRA on every projection, packed rows with padding.
+cfg = dataclasses.replace(model_config_from_hf(DEEPSEEK_V3_TINY), num_layers=3)
 rng = np.random.default_rng(0)
 # its weights as `zoo init` draws them (N(0, 0.02), norms 1, biases 0), drawn with NumPy: jax.random compiles a
 # kernel per shape, seconds each
@@ -216,8 +221,9 @@ with jax.set_mesh(mesh):  # as the train step is lowered (zoo.model.sharding.mes
 out["train"] = {"diff": max_diff(one, many), "loss": [float(one[0]), float(many[0])], "manual": manual(lowered)}
 
 # 3. QLoRA: expert adapters on NF4 experts, a Mixtral (gate, up and down apart) and a Gemma 4 MoE block (one fused
-# gate/up stack beside a dense MLP, its adapter one).
-mixtral = ModelConfig(family="mixtral", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+# gate/up stack beside a dense MLP, its adapter one). One layer each: XLA drops a one-trip layer scan, which halves
+# these programs' compile time (an expert-parallel scan of several layers: section 2's).
+mixtral = ModelConfig(family="mixtral", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
                       num_kv_heads=2, head_dim=16, num_experts=8, experts_per_token=2, moe_intermediate_size=16)
 cases = {"mixtral": (mixtral, ["experts.gate_proj", "experts.up_proj", "experts.down_proj"], "expert_gate"),
          "gemma4": (ModelConfig.from_dict(args["gemma4"]), ["experts.gate_up_proj", "experts.down_proj"],
@@ -283,11 +289,11 @@ def expert_parallel(tmp_path_factory, converted):
         np.save(root / variant / "tokens.npy", tokens)
         ones[variant] = hf, np.asarray(zoo.load(folder / "zoo")(jnp.asarray(tokens)))
         load[variant] = [str(folder / "zoo"), *(str(root / variant / f) for f in ("tokens.npy", "logits.npy"))]
-    # Gemma 4's MoE block, as transformers configures it
+    # Gemma 4's MoE block, as transformers configures it (one layer: see EP_SCRIPT's section 3)
     gemma4 = model_config_from_hf(Gemma4TextConfig(**{
         **BASE, **FAMILIES["gemma4"][2], "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
-        "moe_intermediate_size": 16, "num_hidden_layers": 2, "num_kv_shared_layers": 0,
-        "hidden_size_per_layer_input": 0, "layer_types": ["sliding_attention", "full_attention"]}).to_dict())
+        "moe_intermediate_size": 16, "num_hidden_layers": 1, "num_kv_shared_layers": 0,
+        "hidden_size_per_layer_input": 0, "layer_types": ["full_attention"]}).to_dict())
     p = subprocess.run([sys.executable, "-c", EP_SCRIPT, json.dumps({"load": load, "gemma4": gemma4.to_dict()})],
                        capture_output=True, text=True, env=devices_env(8), timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
