@@ -85,9 +85,11 @@ def setup(tmp_path_factory, tiny_lm):
 
 
 def _args(setup, out, model=None):
+    # The step of tests/test_train.py's _cfg (and test_trackers.py's, test_run_integrity.py's): one compilation
+    # for all of them in the session's compilation cache (a constant schedule: max_steps is no part of it).
     return ["train", f"model.path={model or setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}",
-            f"data.path={setup / 'data.jsonl'}", "data.seq_len=16", "batch_size=2", "log_every=1",
-            "checkpoint.every=2", "max_steps=3", f"output_dir={out}"]
+            f"data.path={setup / 'data.jsonl'}", "data.seq_len=32", "batch_size=4", "optimizer.learning_rate=0.01",
+            "schedule.name=constant", "log_every=1", "checkpoint.every=2", "max_steps=3", f"output_dir={out}"]
 
 
 def _log(out):
