@@ -151,7 +151,7 @@ class ForkServer:
 
         line, deadline = b"", time.monotonic() + timeout
         while not line.endswith(b"\n"):
-            fd = self.proc.stdout.fileno()  # type: ignore[union-attr]
+            fd = self.proc.stdout.fileno()
             if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
                 raise TimeoutError(f"no {key} from the fork server in {timeout} s")
             byte = os.read(fd, 1)
@@ -164,7 +164,7 @@ class ForkServer:
         """Run ``job`` in a child of the server (once the previous one ended); its pid."""
         import json
 
-        self.proc.stdin.write((json.dumps(job) + "\n").encode())  # type: ignore[union-attr]
+        self.proc.stdin.write((json.dumps(job) + "\n").encode())
         self.child = self._said("pid", timeout)
         return self.child
 
@@ -188,7 +188,7 @@ class ForkServer:
                 os.kill(self.child, 9)
             except ProcessLookupError:
                 pass
-        self.proc.stdin.close()  # type: ignore[union-attr]
+        self.proc.stdin.close()
         try:
             self.proc.wait(timeout=60)
         finally:
