@@ -87,3 +87,121 @@ def kill_after_checkpoint(cli_module: str) -> str:
     """The script (for ``python -c``) that runs ``cli_module``'s ``main`` and SIGKILLs itself after the checkpoint
     of the step given as its first argument is on disk."""
     return _KILL_AFTER_CHECKPOINT.format(module=cli_module)
+
+
+
+# A fork server: one interpreter that imports the modules ARGV[1] names (comma-separated) once, then, for each job
+# it reads from stdin (a JSON line: {"script": python source, run as `python -c` runs it, "argv": its
+# sys.argv[1:], "env": variables set in the child, "out"/"err": files for the child's stdout/stderr (else its stdout
+# goes to this process's stderr)}), runs it in a child forked from it, printing {"pid": ...} once the child runs
+# and {"exit": ...} once it ended (-9: SIGKILLed). The fork comes before JAX starts a backend (importing starts
+# none), so each child starts its own, with its own environment (XLA_FLAGS' device count, say): runs that each need
+# a process of their own (killed with SIGKILL, or on another device count) pay the imports, most of a run's start,
+# once.
+_FORK_SERVER = r"""
+import importlib, json, os, sys, traceback
+for name in sys.argv[1].split(","):
+    importlib.import_module(name)
+for line in sys.stdin:
+    job = json.loads(line)
+    sys.stdout.flush(), sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.dup2(os.open(job["out"], os.O_WRONLY | os.O_CREAT | os.O_APPEND) if job.get("out") else 2, 1)
+            if job.get("err"):
+                os.dup2(os.open(job["err"], os.O_WRONLY | os.O_CREAT | os.O_APPEND), 2)
+            os.environ.update(job.get("env", {}))
+            sys.argv = ["-c", *job["argv"]]
+            exec(compile(job["script"], "<forked>", "exec"), {"__name__": "__main__"})
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            os._exit(code)
+    print(json.dumps({"pid": pid}), flush=True)
+    print(json.dumps({"exit": os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])}), flush=True)
+"""
+
+# What a `pretrain train` run imports (jax, orbax, grain, transformers, datasets, tensorboardX, ... through these).
+TRAIN_IMPORTS = ("pretrain.cli", "pretrain.task", "pretrain.loop", "pretrain.checkpoints", "pretrain.data.pipeline",
+                 "zoo.data.tokenizer", "zoo.data.files")
+
+
+class ForkServer:
+    """A :data:`_FORK_SERVER` process (started with ``popen``'s cwd, env, ...): :meth:`start` a job in a child
+    forked from it (one at a time), :meth:`wait` for its exit code; a context manager that ends the server."""
+
+    def __init__(self, imports=TRAIN_IMPORTS, **popen):
+        import sys
+
+        self.proc = subprocess.Popen([sys.executable, "-c", _FORK_SERVER, ",".join(imports)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, bufsize=0, **popen)
+        self.child: int | None = None
+
+    def _said(self, key: str, timeout: float) -> int:
+        """The value of the server's next line (``{key: value}``), read within ``timeout`` seconds."""
+        import json
+        import select
+        import time
+
+        line, deadline = b"", time.monotonic() + timeout
+        while not line.endswith(b"\n"):
+            fd = self.proc.stdout.fileno()
+            if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                raise TimeoutError(f"no {key} from the fork server in {timeout} s")
+            byte = os.read(fd, 1)
+            if not byte:
+                raise RuntimeError(f"the fork server ended (exit {self.proc.wait()}) before its {key}")
+            line += byte
+        return int(json.loads(line)[key])
+
+    def start(self, job: dict, timeout: float = 300) -> int:
+        """Run ``job`` in a child of the server (once the previous one ended); its pid."""
+        import json
+
+        self.proc.stdin.write((json.dumps(job) + "\n").encode())
+        self.child = self._said("pid", timeout)
+        return self.child
+
+    def wait(self, timeout: float = 600) -> int:
+        """The exit code of the job started last (-9: SIGKILLed), once it ended."""
+        code = self._said("exit", timeout)
+        self.child = None
+        return code
+
+    def run(self, job: dict, timeout: float = 600) -> int:
+        """``job``'s exit code: :meth:`start`, then :meth:`wait`."""
+        self.start(job, timeout)
+        return self.wait(timeout)
+
+    def __enter__(self) -> ForkServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.child is not None:  # a job still running (a failure or timeout above): it goes too
+            try:
+                os.kill(self.child, 9)
+            except ProcessLookupError:
+                pass
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        finally:
+            self.proc.kill()
+
+
+def main_script(cli_module: str) -> str:
+    """The script (for ``python -c`` or a :class:`ForkServer` job) that runs ``cli_module``'s ``main`` on its
+    arguments and exits with its code, as the console script does."""
+    return f"import sys\nfrom {cli_module} import main\nsys.exit(main(sys.argv[1:]))\n"
+
+
+def forked_codes(jobs: list[dict], imports=TRAIN_IMPORTS, **popen) -> list[int]:
+    """The exit codes of ``jobs`` run one after the other by a :class:`ForkServer`."""
+    with ForkServer(imports, **popen) as server:
+        return [server.run(job) for job in jobs]

@@ -4,10 +4,9 @@ process 0 alone writes the logs and metadata; a checkpoint on a bucket is fetche
 cache. Against the GCS emulator on loopback (tests/object_stores.py).
 """
 
+import contextlib
 import json
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -15,15 +14,16 @@ import pytest
 from pretrain.config import load_config
 from pretrain.loop import train
 from pretrain.runfolder import checkpoint_steps
-from tests.processes import devices_env, ended, free_port, kill_after_checkpoint
+from tests.processes import ForkServer, devices_env, free_port, kill_after_checkpoint, main_script
 from tests.run_files import TEN_WORDS, read_metrics
 from tests.tiny_lm import tiny_run_folder
 from zoo import storage
 from zoo.checkpoints.format import MODEL_FILE
 
-# The 2-process runs of tests/test_train.py: plain SGD, batch 8 (2 processes x 2 devices, 2 micro-batches).
+# The 2-process runs of tests/test_train.py: plain SGD, batch 8 (2 processes x 2 devices, 2 micro-batches). 3 steps:
+# killed once step 2's checkpoint is committed, the rerun's step 3 resumes from it.
 SGD = ("data.seq_len=32", "batch_size=8", "optimizer.name=sgd", "optimizer.learning_rate=0.5",
-       "schedule.name=constant", "log_every=1", "checkpoint.every=2", "max_steps=4")
+       "schedule.name=constant", "log_every=1", "checkpoint.every=2", "max_steps=3")
 
 
 @pytest.fixture(scope="module")
@@ -142,22 +142,20 @@ def test_an_adapter_run_names_its_bucket_base_by_url(gcs, setup, tmp_path, monke
         np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(jnp.asarray(x), np.float32), atol=1e-6)
 
 
-def _launch(scratch, args, script=None):
-    """`pretrain train ARGS` as 2 processes x 2 CPU devices, each in its own scratch folder (its HOME, TMPDIR,
-    LMZOO_CACHE and working directory: a host of its own); ``script``: run by ``python -c`` instead, with ARGS.
-    Returns [(returncode, stdout, stderr)] by process."""
+def _launch(servers, outputs, args, script):
+    """``script`` (``python -c``) with ARGS as 2 processes x 2 CPU devices, each a child of its host's fork server
+    (tests/processes.py ForkServer: its own scratch folder as HOME, TMPDIR, LMZOO_CACHE and working directory: a
+    host of its own), its stdout and stderr to ``outputs``-N.out and .err. Returns [(returncode, stdout, stderr)]
+    by process."""
     port = free_port()
-    procs = []
-    for i in range(2):
-        home = scratch[i]
-        env = {**devices_env(2), "HOME": str(home / "home"), "TMPDIR": str(home / "tmp"),
-               "LMZOO_CACHE": str(home / "cache")}
-        cmd = ["-c", script] if script else ["-m", "pretrain.cli"]
-        procs.append(subprocess.Popen(
-            [sys.executable, *cmd, *args, "--coordinator", f"localhost:{port}", "--num-processes", "2",
-             "--process-id", str(i)], cwd=home / "work", env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True))
-    return ended(procs)
+    files = [(outputs.with_name(f"{outputs.name}-{i}.out"), outputs.with_name(f"{outputs.name}-{i}.err"))
+             for i in range(2)]
+    for i, server in enumerate(servers):
+        server.start({"script": script, "out": str(files[i][0]), "err": str(files[i][1]),
+                      "argv": [*args, "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id",
+                               str(i)]})
+    codes = [server.wait() for server in servers]
+    return [(code, out.read_text(), err.read_text()) for code, (out, err) in zip(codes, files, strict=True)]
 
 
 def _files(folder):
@@ -171,7 +169,8 @@ def test_two_hosts_sharing_only_a_bucket(gcs, setup, tmp_path, monkeypatch):
     then rerun, the run resumes from the bucket and follows the 1-process trajectory (1e-5) to the same final
     parameters. Process 0 alone writes the logs and metadata; each process's scratch holds only its inputs and
     its own fetched copy of the starting checkpoint.
-    Slow (slow lane): a 1-process run in this process, and two launches of 2 `pretrain train` processes."""
+    Slow (slow lane): a 1-process run in this process, and two launches of 2 `pretrain train` processes (each
+    host's two forked from one interpreter that imports once)."""
     import jax
 
     import zoo
@@ -191,22 +190,26 @@ def test_two_hosts_sharing_only_a_bucket(gcs, setup, tmp_path, monkeypatch):
     url = f"{bucket}/runs/two"
     args = ["train", f"model.path={bucket}/base", "model.tokenizer=tok", "data.path=data.jsonl", f"output_dir={url}",
             "grad_accum=2", *SGD]
-    killed = _launch(scratch, ["2", *args], kill_after_checkpoint("pretrain.cli"))
-    # Each kills itself once step 2 is committed (a commit every process waits for). Process 1 may still be in
-    # Orbax's last barrier when process 0, JAX's coordinator, is gone: JAX then aborts it (SIGABRT) first.
-    rcs = [rc for rc, _, _ in killed]
-    assert rcs[0] == -9 and rcs[1] in (-9, -6), (rcs, [err[-2000:] for _, _, err in killed])
-    out = storage.run_path(url)
-    assert checkpoint_steps(out)[-1] == 2 and not (out / "final" / MODEL_FILE).exists()
+    with contextlib.ExitStack() as stack:  # a fork server a host: each imports once for both launches
+        servers = [stack.enter_context(ForkServer(cwd=home / "work", env={
+            **devices_env(2), "HOME": str(home / "home"), "TMPDIR": str(home / "tmp"),
+            "LMZOO_CACHE": str(home / "cache")})) for home in scratch]
+        killed = _launch(servers, tmp_path / "killed", ["2", *args], kill_after_checkpoint("pretrain.cli"))
+        # Each kills itself once step 2 is committed (a commit every process waits for). Process 1 may still be in
+        # Orbax's last barrier when process 0, JAX's coordinator, is gone: JAX then aborts it (SIGABRT) first.
+        rcs = [rc for rc, _, _ in killed]
+        assert rcs[0] == -9 and rcs[1] in (-9, -6), (rcs, [err[-2000:] for _, _, err in killed])
+        out = storage.run_path(url)
+        assert checkpoint_steps(out)[-1] == 2 and not (out / "final" / MODEL_FILE).exists()
 
-    results = _launch(scratch, args)
+        results = _launch(servers, tmp_path / "resumed", args, main_script("pretrain.cli"))
     for rc, _, err in results:
         assert rc == 0, err[-3000:]
     (_, out0, _), (_, out1, _) = results
     assert "Resuming from step 2" in out0 and "final model:" in out0
     assert "Resuming" not in out1 and "final model:" not in out1  # process 0 reports
     rows = read_metrics(out)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # every step logged once, by one process
+    assert [r["step"] for r in rows] == [1, 2, 3]  # every step logged once, by one process
     np.testing.assert_allclose([r["loss"] for r in rows], [r["loss"] for r in read_metrics(one)], rtol=1e-5)
     monkeypatch.setenv("LMZOO_CACHE", str(tmp_path / "reader"))
     final = zoo.load_params(storage.fetched(f"{url}/final", MODEL_FILE, "final"))
@@ -221,7 +224,7 @@ def test_two_hosts_sharing_only_a_bucket(gcs, setup, tmp_path, monkeypatch):
     assert sorted(p.name for p in (out / "final").iterdir()) == sorted(p.name for p in ref.iterdir())
     events = list((out / "tensorboard").iterdir())  # redrawn whole by the resumed process 0
     assert len(events) == 1 and b"train/loss" in events[0].read_bytes()
-    saved = out / "checkpoints" / "4" / "data"
+    saved = out / "checkpoints" / "3" / "data"
     assert sorted(p.name for p in saved.glob("process_*")) == ["process_0-of-2.json", "process_1-of-2.json"]
     # Each host's scratch: its inputs, the datasets library's cache of reading them, and its own copy of the
     # starting checkpoint's small files (its arrays are read in the bucket); nothing of the run.

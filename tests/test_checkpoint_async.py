@@ -13,6 +13,7 @@ from pretrain.checkpoints import Checkpoints
 from pretrain.cli import main as pretrain_main
 from pretrain.config import TrainConfig
 from pretrain.runfolder import checkpoint_steps
+from tests.processes import forked_codes
 from tests.tiny_lm import tiny_run_folder
 from zoo import storage
 
@@ -61,7 +62,8 @@ def test_a_save_returns_while_its_step_is_written(tmp_path, monkeypatch):
 # `pretrain ARGS` that SIGKILLs itself when Orbax starts to commit the checkpoint of step ARGV[1]: the step's
 # arrays, data position and config are written (in the background, while the run goes on), the step is not yet
 # committed (a local step folder not yet renamed into place, a bucket's step without its commit file). The items'
-# own commits (state/, data/, config/) pass. Run it as `python -c KILL_MID_SAVE STEP ARGS...`.
+# own commits (state/, data/, config/) pass. Run as `python -c KILL_MID_SAVE STEP ARGS...` (here forked: see
+# tests/processes.py forked).
 KILL_MID_SAVE = r"""
 import os, signal, sys
 from orbax.checkpoint._src.path import atomicity
@@ -83,9 +85,11 @@ def setup(tmp_path_factory, tiny_lm):
 
 
 def _args(setup, out, model=None):
+    # The step of tests/test_train.py's _cfg (and test_trackers.py's, test_run_integrity.py's): one compilation
+    # for all of them in the session's compilation cache (a constant schedule: max_steps is no part of it).
     return ["train", f"model.path={model or setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}",
-            f"data.path={setup / 'data.jsonl'}", "data.seq_len=16", "batch_size=2", "log_every=1",
-            "checkpoint.every=2", "max_steps=4", f"output_dir={out}"]
+            f"data.path={setup / 'data.jsonl'}", "data.seq_len=32", "batch_size=4", "optimizer.learning_rate=0.01",
+            "schedule.name=constant", "log_every=1", "checkpoint.every=2", "max_steps=3", f"output_dir={out}"]
 
 
 def _log(out):
@@ -97,8 +101,8 @@ def _log(out):
 def _all_in_the_bucket(out, setup) -> None:
     """A run whose output_dir is on a bucket: its checkpoints (Orbax through TensorStore's GCS or S3 driver),
     metrics.jsonl, TensorBoard, config and final model are there, nothing locally."""
-    assert checkpoint_steps(out)[-2:] == [2, 4]  # (Orbax also keeps the first step it saw)
-    assert json.loads((out / "final" / "model.json").read_text())["training"]["steps"] == 4
+    assert checkpoint_steps(out)[-2:] == [2, 3]  # (Orbax also keeps the first step it saw)
+    assert json.loads((out / "final" / "model.json").read_text())["training"]["steps"] == 3
     events = [p for p in (out / "tensorboard").iterdir() if p.name.startswith("events.out.tfevents")]
     assert events and all(b"train/loss" in p.read_bytes() for p in events)
     scheme = str(out).split(":")[0]
@@ -107,17 +111,15 @@ def _all_in_the_bucket(out, setup) -> None:
 
 @pytest.mark.slow
 def test_kill_9_in_the_middle_of_a_save_resumes_bit_identical(setup, gcs, s3, tmp_path, capsys, monkeypatch):
-    """A run killed with SIGKILL while Orbax saves step 4 (its items written, the step not committed), once on
-    local disk, once on the GCS emulator and once on moto's S3 (``output_dir: gs://...``, ``s3://...``, the
+    """A run killed with SIGKILL while Orbax saves step 3, its last (its items written, the step not committed),
+    once on local disk, once on the GCS emulator and once on moto's S3 (``output_dir: gs://...``, ``s3://...``, the
     starting checkpoint model.path on the bucket too): the uncommitted step is left behind but never listed; the
     same command resumes from step 2 (a checkpoint written while step 3 ran) and ends bit-identical to a run never
     killed, every step logged once. On a bucket the run's checkpoints, metrics.jsonl, TensorBoard, config and
     final model land in the bucket, nothing locally, and the final model is read back by its URL.
     (tests/test_object_storage.py's run on a bucket, its kill -9 and resume, is this test's: one reference run, one
-    killed subprocess a store.) Slow: three `pretrain train` subprocesses and four runs."""
-    import subprocess
-    import sys
-
+    killed run a store.) Slow: three killed `pretrain train` runs (children forked from one interpreter that
+    imports once: tests/processes.py forked) and four runs in this process."""
     import jax
     from flax import nnx
 
@@ -126,7 +128,7 @@ def test_kill_9_in_the_middle_of_a_save_resumes_bit_identical(setup, gcs, s3, tm
     monkeypatch.setenv("LMZOO_CACHE", str(tmp_path / "cache"))
     assert pretrain_main(_args(setup, tmp_path / "full")) == 0
     full = storage.run_path(str(tmp_path / "full"))
-    assert [r["step"] for r in _log(full)] == [1, 2, 3, 4]
+    assert [r["step"] for r in _log(full)] == [1, 2, 3]
     reference = zoo.load(str(full / "final"))
     assert reference.cfg.num_layers == 2
     runs = [(storage.run_path(str(tmp_path / "killed")), None)]
@@ -134,15 +136,17 @@ def test_kill_9_in_the_middle_of_a_save_resumes_bit_identical(setup, gcs, s3, tm
         bucket = store.bucket()
         storage.upload_tree(setup / "zoo", storage.run_path(bucket + "/base"), last=("model.json",))
         runs.append((storage.run_path(bucket + "/killed"), bucket + "/base"))
-    for out, model in runs:
+    jobs = [{"script": KILL_MID_SAVE, "argv": ["3", *_args(setup, out, model)], "out": str(tmp_path / f"out{i}"),
+             "err": str(tmp_path / f"err{i}")}
+            for i, (out, model) in enumerate(runs)]
+    codes = forked_codes(jobs)
+    for i, (out, model) in enumerate(runs):
         args = _args(setup, out, model)
-        killed = subprocess.run([sys.executable, "-c", KILL_MID_SAVE, "4", *args], capture_output=True,
-                                timeout=300)
-        assert killed.returncode == -9, killed.stderr.decode()[-2000:]
+        assert codes[i] == -9, (tmp_path / f"err{i}").read_text()[-2000:]
         left = [p.name for p in (out / "checkpoints").iterdir()]
-        assert any(name.startswith("4") for name in left), left  # the save of step 4 was under way ...
+        assert any(name.startswith("3") for name in left), left  # the save of step 3 was under way ...
         assert checkpoint_steps(out)[-1] == 2 and not (out / "final" / "model.json").exists()  # ... uncommitted
-        assert [r["step"] for r in _log(out)] == [1, 2, 3, 4]
+        assert [r["step"] for r in _log(out)] == [1, 2, 3]
         capsys.readouterr()
         assert pretrain_main(args) == 0
         assert "Resuming from step 2" in capsys.readouterr().out

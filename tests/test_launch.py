@@ -22,7 +22,7 @@ from tests.tiny_lm import copy_tiny_lm
 from zoo.cli import main as zoo_main
 
 WORDS = "the a cat dog sat ran on under mat log red blue big small quickly slowly and then".split()
-STEPS = 4
+STEPS = 2  # the trajectory of 2 steps: the second's update from the first's gradients
 
 
 @pytest.fixture(scope="module")

@@ -1,16 +1,18 @@
 """Preemption across hosts (issue 61, item 5): SIGTERM to one process of a run stops every process at the same step,
 its checkpoint saved, and the rerun resumes to the bits of a run never stopped (pretrain/loop.py, _StopOnSignal)."""
 
+import contextlib
+import os
 import re
 import signal
-import subprocess
-import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import zoo
-from tests.processes import REPO, devices_env, free_port
+from tests.processes import REPO, ForkServer, devices_env, free_port, main_script
 from tests.run_files import read_metrics
 from tests.tiny_lm import tiny_run_folder
 
@@ -56,28 +58,19 @@ def setup(tmp_path_factory, tiny_lm):
     return tiny_run_folder(tmp_path_factory, tiny_lm, "preemption")
 
 
-def _two(argv, outputs: list) -> list[subprocess.Popen]:
-    """2 processes x 1 CPU device (gloo): process i runs ``python *argv(i)``; process 0's stdout a pipe, the rest
-    to ``outputs``' files."""
-    env = {**devices_env(1), "PYTHONPATH": str(REPO)}
-    return [subprocess.Popen([sys.executable, *argv(i)], cwd=REPO, env=env, text=True,
-                             stdout=subprocess.PIPE if i == 0 else outputs[i][0], stderr=outputs[i][1])
-            for i in range(2)]
+def _launch(servers, stem: Path, script: str, argv) -> tuple[list[int], list[Path]]:
+    """2 processes x 1 CPU device (gloo): process i runs ``script`` with ``argv(i)``, a child of fork server i
+    (tests/processes.py ForkServer: each imports once for the test's three launches), its stdout and stderr to
+    ``stem``-i.out and .err. Returns (the children's pids, [stdout, stderr files])."""
+    files = [stem.with_name(f"{stem.name}-{i}.{kind}") for i in range(2) for kind in ("out", "err")]
+    pids = [server.start({"script": script, "argv": argv(i), "out": str(files[2 * i]), "err": str(files[2 * i + 1])})
+            for i, server in enumerate(servers)]
+    return pids, files
 
 
-def _ended(procs: list[subprocess.Popen], files: list) -> list[str]:
-    """Each process waited for (then killed, if it is still there), and its stderr."""
-    try:
-        procs[0].communicate(timeout=300)
-        procs[1].wait(timeout=300)
-    finally:
-        for p in procs:
-            p.kill()
-    errs = []
-    for _, err in files:
-        err.seek(0)
-        errs.append(err.read())
-    return errs
+def _ended(servers, files: list[Path]) -> tuple[list[int], list[str]]:
+    """Each process's exit code, once both ended, and its stderr."""
+    return [server.wait(300) for server in servers], [files[2 * i + 1].read_text() for i in range(2)]
 
 
 @pytest.mark.slow
@@ -86,24 +79,34 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_the_rerun_resumes_bit
     143 with one plain line each; the rerun (max_steps lowered to 2 past it) resumes there and ends with the
     losses and parameters, bit for bit, of a 2-process run never stopped. A notice before a rerun's first step
     (while it loads) stops it after one step, every process at that step.
-    Slow (slow lane): three launches of 2 `pretrain train` processes, each importing and compiling."""
+    Slow (slow lane): three launches of 2 `pretrain train` processes, each compiling (each process's three
+    forked from one interpreter that imports once)."""
     out, ref = tmp_path / "run", tmp_path / "ref"
     args = [f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}", f"data.path={setup / 'data.jsonl'}",
             "data.seq_len=32", "batch_size=2", "optimizer.learning_rate=0.01", "schedule.name=constant",
             "log_every=1", "checkpoint.every=100000"]  # no checkpoint but step 1's and the one the signal asks for
-    files = [(open(tmp_path / f"out{i}.txt", "w+"), open(tmp_path / f"err{i}.txt", "w+")) for i in range(2)]
+    env = {**devices_env(1), "PYTHONPATH": str(REPO)}
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(ForkServer(cwd=REPO, env=env)) for _ in range(2)]
+        _stop_then_rerun(servers, args, out, ref)
+
+
+def _stop_then_rerun(servers, args, out, ref):
+    """The three launches: SIGTERM to process 1 of a run, a rerun stopped early, then its rerun and a fresh run."""
     port = free_port()
-    procs = _two(lambda i: ["-m", "pretrain.cli", "train", *args, f"output_dir={out}", "max_steps=100000",
-                            "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
-                 files)
+    pids, files = _launch(servers, out.parent / "stopped", main_script("pretrain.cli"), lambda i: [
+        "train", *args, f"output_dir={out}", "max_steps=100000", "--coordinator", f"127.0.0.1:{port}",
+        "--num-processes", "2", "--process-id", str(i)])
     try:
-        for line in procs[0].stdout:  # blocks until process 0 has logged step 1 (or ended)
-            if line.startswith("step "):
-                break
-        procs[1].send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 300
+        while not any(line.startswith("step ") for line in _text(files[0]).splitlines()):  # process 0 logged step 1
+            os.kill(pids[0], 0)  # (raises once it ended)
+            assert time.monotonic() < deadline, _text(files[1])[-2000:]
+            time.sleep(0.05)
     finally:
-        errs = _ended(procs, files)
-    assert [p.returncode for p in procs] == [143, 143], [e[-2000:] for e in errs]
+        os.kill(pids[1], signal.SIGTERM)
+    codes, errs = _ended(servers, files)
+    assert codes == [143, 143], [e[-2000:] for e in errs]
     said = [[ln for ln in e.splitlines() if ln.startswith("interrupted")] for e in errs]
     pattern = (r"interrupted by a signal to one of the run's processes \(a preemption notice\): checkpoint saved at "
                rf"step (\d+) in {re.escape(str(out))}; run the same command to resume")
@@ -118,28 +121,20 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_the_rerun_resumes_bit
         ["process_0-of-2.json", "process_1-of-2.json"]
 
     # A notice before a rerun's first step stops it one step in (not never: JAX counts from the rerun's start).
-    files = [(open(tmp_path / f"early{i}.txt", "w+"), open(tmp_path / f"early_err{i}.txt", "w+")) for i in range(2)]
     port = free_port()
-    procs = _two(lambda i: ["-c", RESUME_NOTICED_EARLY, str(port), str(i), *args, f"output_dir={out}",
-                            f"max_steps={step + 3}"], files)
-    errs = _ended(procs, files)
-    assert [p.returncode for p in procs] == [143, 143], [e[-2000:] for e in errs]
+    _, files = _launch(servers, out.parent / "early", RESUME_NOTICED_EARLY, lambda i: [str(port), str(i), *args,
+                                                                           f"output_dir={out}", f"max_steps={step + 3}"])
+    codes, errs = _ended(servers, files)
+    assert codes == [143, 143], [e[-2000:] for e in errs]
     assert all(f"checkpoint saved at step {step + 1} in" in e for e in errs), [e[-500:] for e in errs]
     step += 1
 
-    files = [(open(tmp_path / f"again{i}.txt", "w+"), open(tmp_path / f"again_err{i}.txt", "w+")) for i in range(2)]
     port = free_port()
-    procs = _two(lambda i: ["-c", RESUME_THEN_FRESH, str(port), str(i), str(step + 2), str(out), str(ref), *args],
-                 files)
-    try:
-        said0 = procs[0].communicate(timeout=600)[0]
-        procs[1].wait(timeout=300)
-    finally:
-        for p in procs:
-            p.kill()
-    files[1][1].seek(0)
-    assert [p.returncode for p in procs] == [0, 0], files[1][1].read()[-2000:]
-    assert f"Resuming from step {step} " in said0
+    _, files = _launch(servers, out.parent / "again", RESUME_THEN_FRESH, lambda i: [str(port), str(i), str(step + 2), str(out),
+                                                                        str(ref), *args])
+    codes = [server.wait(600) for server in servers]
+    assert codes == [0, 0], files[3].read_text()[-2000:]
+    assert f"Resuming from step {step} " in files[0].read_text()
     resumed, fresh = read_metrics(out), read_metrics(ref)
     assert [r["step"] for r in resumed] == [r["step"] for r in fresh] == list(range(1, step + 3))
     assert [r["loss"] for r in resumed] == [r["loss"] for r in fresh]
@@ -147,3 +142,7 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_the_rerun_resumes_bit
 
     for x, y in zip(jax.tree.leaves(zoo.load_params(out / "final")), jax.tree.leaves(zoo.load_params(ref / "final"))):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _text(path: Path) -> str:
+    return path.read_text() if path.exists() else ""

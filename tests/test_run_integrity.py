@@ -2,12 +2,9 @@
 once after kills and resumes, run folders are protected from config drift, and non-terminal logs are plain lines."""
 
 import json
-import os
 import random
 import signal
 import struct
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -19,6 +16,7 @@ from pretrain.config import load_config
 from pretrain.loop import train
 from pretrain.runfolder import checkpoint_steps
 from pretrain.runlog import TIMING_FIELDS
+from tests.processes import forked_codes
 from tests.tiny_lm import copy_tiny_lm
 
 WORDS = "the a cat dog sat ran on under mat log red blue big small quickly slowly and then".split()
@@ -308,7 +306,8 @@ def test_random_kills_then_resume_equal_an_uninterrupted_run(setup, tmp_path, ca
     """kill -9 at random points (before/after a metrics record, before/after a checkpoint save, i.e. between
     checkpoint and metrics writes too), resume each time: every log line and the final parameters equal an
     uninterrupted run's, and TensorBoard holds each step once.
-    Slow (slow lane): training subprocesses SIGKILLed at random points and resumed, each importing and compiling."""
+    Slow (slow lane): training runs SIGKILLed at random points (forked from one interpreter: tests/processes.py
+    forked) and resumed, each compiling."""
     rng = random.Random()
     extra = ("max_steps=8", "checkpoint.every=3", "log_every=1")
     full = train(load_config(None, _args(setup, tmp_path / "full", "text.jsonl", *extra)), progress=False)
@@ -318,11 +317,10 @@ def test_random_kills_then_resume_equal_an_uninterrupted_run(setup, tmp_path, ca
     # reached: a resumed run has a step left to run, and its last step is always checkpointed).
     kills = [f"{rng.choice(['record:' + str(rng.randint(1, 5)), 'save:' + str(rng.randint(1, 2))])}:"
              f"{rng.choice(['before', 'after'])}", f"{rng.choice(['record', 'save'])}:1:{rng.choice(['before', 'after'])}"]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    for kill in kills:
-        proc = subprocess.run([sys.executable, "-c", KILLER, kill, *args], capture_output=True, text=True, env=env,
-                              timeout=600)
-        assert proc.returncode == -signal.SIGKILL, (kill, proc.stderr[-2000:])
+    jobs = [{"script": KILLER, "argv": [kill, *args], "out": str(tmp_path / f"out{i}"), "err": str(tmp_path / f"err{i}"),
+             "env": {"JAX_PLATFORMS": "cpu"}} for i, kill in enumerate(kills)]
+    for i, code in enumerate(forked_codes(jobs)):  # one after the other, forked from one interpreter (imports once)
+        assert code == -signal.SIGKILL, (kills[i], (tmp_path / f"err{i}").read_text()[-2000:])
     assert not (out / "final").exists()
     saved = checkpoint_steps(out)  # none when both kills came before the first checkpoint: a run from scratch
     capsys.readouterr()

@@ -180,7 +180,8 @@ def test_trackio_local_run_holds_the_logs_floats_and_the_completions_table(setup
 
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory):
-    """A real ``mlflow server`` on loopback (SQLite store, artifacts served from a folder), for the session."""
+    """A real ``mlflow server`` on loopback (SQLite store, artifacts served from a folder), for the session, without
+    its job runner (MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false)."""
     import urllib.request
 
     root = tmp_path_factory.mktemp("mlflow")
@@ -188,7 +189,10 @@ def mlflow_server(tmp_path_factory):
     server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
                                "--backend-store-uri", f"sqlite:///{root / 'db.sqlite'}", "--artifacts-destination",
                                str(root / "artifacts"), "--workers", "1"],
-                              stdout=subprocess.DEVNULL, stderr=open(root / "log", "w"))
+                              stdout=subprocess.DEVNULL, stderr=open(root / "log", "w"),
+                              # no job runner: by default the server starts one and seven Huey consumer processes
+                              # (each importing MLflow) for server-side jobs the tracking API never uses
+                              env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 180
     while True:
