@@ -10,6 +10,8 @@ The training commands add :class:`ScoredTasks` through the loop's public hook ca
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol, cast
 
@@ -122,8 +124,9 @@ class ScoredTasks:
 
         m = cast(TrainedModel, self.model)
         lm = LmzooLM(cfg=m.mcfg, params=weights, tokenizer=m.tokenizer, batch_size=self.batch_size, progress=False)
-        res = lm_eval.simple_evaluate(model=lm, tasks=self.harness, limit=self.limit,
-                                      task_manager=self.manager, bootstrap_iters=0, log_samples=False)
+        with _no_environment_report():
+            res = lm_eval.simple_evaluate(model=lm, tasks=self.harness, limit=self.limit,
+                                          task_manager=self.manager, bootstrap_iters=0, log_samples=False)
         out = {}
         for task, metrics in res["results"].items():
             for key, value in metrics.items():
@@ -132,3 +135,21 @@ class ScoredTasks:
                     name = metric if filt == "none" else f"{metric}_{filt}"
                     out[f"eval/{task}/{name}"] = float(value)
         return out
+
+
+@contextlib.contextmanager
+def _no_environment_report() -> Iterator[None]:
+    """lm-eval's ``simple_evaluate`` without the environment report it adds to its results (torch's collect_env
+    runs pip list, nvidia-smi, gcc, lscpu and more: a second or more of subprocesses each call; git describe):
+    the hook keeps the metrics alone, every ``eval_every`` steps. The names are restored after the call."""
+    import lm_eval.evaluator as evaluator
+
+    saved = {name: getattr(evaluator, name) for name in ("add_env_info", "get_git_commit_hash")
+             if hasattr(evaluator, name)}
+    for name in saved:
+        setattr(evaluator, name, lambda *args: None)
+    try:
+        yield
+    finally:
+        for name, f in saved.items():
+            setattr(evaluator, name, f)

@@ -347,12 +347,14 @@ def test_dropout_masks_differ_per_projection_and_scale_the_kept_inputs():
 
     x = jnp.ones((4, 8, 64), jnp.float32)
     key1, key2 = jax.random.split(jax.random.key(0))
-    q, k = (np.asarray(LoraDropout(0.25, key1)(x, name)) for name in ("q", "k"))
+    # jitted: a program per projection name and dtype (eagerly, each of the draw's operations compiled its own)
+    drop = jax.jit(lambda key, x, name: LoraDropout(0.25, key)(x, name), static_argnums=2)
+    q, k = (np.asarray(drop(key1, x, name)) for name in ("q", "k"))
     assert set(np.unique(q)) == {0.0, np.float32(1 / 0.75)}  # zeroed, or kept and scaled by 1/(1 - p)
     assert 0.65 < (q != 0).mean() < 0.85
     assert not np.array_equal(q, k)  # each adapted projection draws its own mask
-    assert not np.array_equal(q, np.asarray(LoraDropout(0.25, key2)(x, "q")))  # and each layer
-    half = LoraDropout(0.25, key1)(x.astype(jnp.bfloat16), "q")
+    assert not np.array_equal(q, np.asarray(drop(key2, x, "q")))  # and each layer
+    half = drop(key1, np.ones(x.shape, jnp.bfloat16), "q")
     assert half.dtype == jnp.bfloat16
 
 
@@ -391,7 +393,8 @@ def test_train_step_dropout_depends_on_seed_step_and_micro_batch_only():
     the same update (so a resumed run is bit-identical), another step or micro-batch other masks, and
     evaluation applies none.
     Slow (about 73 s in a loaded 2-worker baseline): XLA compiles each of its model configurations (forward and
-    gradients) on CPU."""
+    gradients) on CPU. Three train-step programs (dropout on one and on two micro-batches, another seed), each
+    called several times: a step without dropout would be two more."""
     import optax
 
     from pretrain.batch import TokenBatch
@@ -415,8 +418,9 @@ def test_train_step_dropout_depends_on_seed_step_and_micro_batch_only():
     # made once, kept on the host: init_state compiles its program at each call, and eager copies one per shape
     start = jax.device_get(init_state(tx, lora, mesh))
 
-    def state(step_number: int = 0) -> dict:  # a fresh one each time: the step donates it
-        return jax.device_put({**start, "step": np.asarray(step_number, np.int32)})
+    def state(step_number: int = 0, adapters: dict | None = None) -> dict:  # a fresh one each time: it is donated
+        return jax.device_put({**start, "step": np.asarray(step_number, np.int32),
+                               **({} if adapters is None else {"params": jax.device_get(adapters)})})
 
     dropped, plain = steps(0.5), steps(0.0)
     s0, m0 = dropped[0](state(), one, params)
@@ -424,15 +428,19 @@ def test_train_step_dropout_depends_on_seed_step_and_micro_batch_only():
     assert float(m0["loss"]) == float(m1["loss"])
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(s0["params"]), jax.tree.leaves(s1["params"])))
     loss = float(m0["loss"])
-    base = float(plain[0](state(), one, params)[1]["loss"])
-    assert loss != base
+    batch = TokenBatch.of({k: jnp.asarray(v) for k, v in mb.items()})  # one micro-batch, as evaluation reads it
+    before = dropped[1](start["params"], batch, params)  # evaluation: no dropout
+    base = float(before.loss) / float(before.count)
+    assert abs(loss - base) > 1e-3, (loss, base)  # the step's masks move the loss
     assert float(dropped[0](state(1), one, params)[1]["loss"]) != loss  # the next step: other masks
     assert float(steps(0.5, seed=1)[0](state(), one, params)[1]["loss"]) != loss  # another seed: other masks
-    # Two equal micro-batches: without dropout their mean loss is the single batch's; with dropout the
-    # second draws other masks (the first shares the single batch's key).
-    assert abs(float(plain[0](state(), two, params)[1]["loss"]) - base) < 1e-6
+    # Two equal micro-batches: the second draws other masks than the first (which shares the single batch's
+    # key), so their mean loss is not the single batch's. The control, on the same two programs: with B = 0 the
+    # adapter branch is zero whatever its masks, and the two mean losses agree to accumulation's rounding.
+    fresh = random_lora(cfg, LoraConfig(rank=4))  # lc's shapes; the adapters other tests made (one compilation)
+    assert abs(float(dropped[0](state(0, fresh), two, params)[1]["loss"])
+               - float(dropped[0](state(0, fresh), one, params)[1]["loss"])) < 1e-6
     assert abs(float(dropped[0](state(), two, params)[1]["loss"]) - loss) > 1e-5
     # Evaluation applies no dropout: the trained adapters evaluate as without dropout, bit for bit.
-    batch = TokenBatch.of({k: jnp.asarray(v) for k, v in mb.items()})  # one micro-batch, as evaluation reads it
     assert [float(x) for x in jax.tree.leaves(dropped[1](s0["params"], batch, params))] == \
         [float(x) for x in jax.tree.leaves(plain[1](s0["params"], batch, params))]

@@ -24,8 +24,9 @@ def setup(tmp_path_factory, tiny_lm):
     root = tmp_path_factory.mktemp("sft")
     tok = copy_tiny_lm(tiny_lm, root)
     rng = np.random.RandomState(0)
+    # 120 rows: every training run tokenizes and shuffles all of them (half a second a run with 240)
     with open(root / "chat.jsonl", "w") as f:
-        for _ in range(240):
+        for _ in range(120):
             c = COLORS[rng.randint(len(COLORS))]
             f.write(json.dumps({"messages": [
                 {"role": "system", "content": "Repeat the colour."},
@@ -254,9 +255,10 @@ def test_lora_on_8_devices_matches_one_device(setup, tmp_path):
     import sys
 
     root, _ = setup
-    extra = ["max_steps=2", "optimizer.name=sgd", "optimizer.learning_rate=0.5", "data.eval_fraction=0",
-             "lora.rank=8", "lora.alpha=16"]
-    cfg = _cfg(root, tmp_path / "one", "batch_size=8", *extra)  # 8 rows: an fsdp8 mesh needs them
+    extra = ["max_steps=2", "data.eval_fraction=0", *LORA]
+    # 8 rows (an fsdp8 mesh needs them) and LORA: the one-device run is the step
+    # test_lora_sft_trains_only_adapters_and_final_merges compiled (the persistent cache has it)
+    cfg = _cfg(root, tmp_path / "one", "batch_size=8", *extra)
     train(cfg, progress=False, task=SFTTask(cfg))
     ref = [json.loads(x)["loss"] for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
     base = [f"model.path={root / 'zoo'}", f"model.tokenizer={root / 'tok'}", f"data.path={root / 'chat.jsonl'}",
@@ -273,7 +275,7 @@ def test_lora_on_8_devices_matches_one_device(setup, tmp_path):
 
 
 @pytest.mark.slow
-def test_eval_tasks_during_training_score_the_live_weights(setup, tmp_path):
+def test_eval_tasks_during_training_score_the_live_weights(setup, tmp_path, monkeypatch):
     """eval.tasks run every eval_every steps on the current (LoRA-merged) weights: metrics.jsonl and TensorBoard
     carry them, and the last values equal `zoo eval`'s scoring of the saved final checkpoint.
     Slow (about 99 s in a loaded 2-worker baseline): whole training runs through the loop, each compiling its step
@@ -325,6 +327,8 @@ def test_eval_tasks_during_training_score_the_live_weights(setup, tmp_path):
 
     assert all("eval/hmc/acc" in r and "eval/hmc/acc_norm" in r for r in scored)
     lm = LmzooLM(model=model, tokenizer=tok, batch_size=cfg.eval.batch_size, progress=False)
+    # lm-eval's environment report (pip list, nvidia-smi and more in subprocesses) is not compared: skipped
+    monkeypatch.setattr(lm_eval.evaluator, "add_env_info", lambda results: None)
     want = lm_eval.simple_evaluate(model=lm, tasks=["hmc"], limit=cfg.eval.limit, bootstrap_iters=0,
                                    # the local task alone: lm-eval's own index of its library takes 13 s to build
                                    task_manager=TaskManager(include_path=str(harness), include_defaults=False)

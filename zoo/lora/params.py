@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 from zoo.errors import UserError
@@ -268,7 +269,22 @@ def init_lora(cfg: ModelConfig, lora_cfg: LoraConfig, key: Any, dtype: Any = "fl
 
 
 def lora_delta(a: Any, b: Any, scale: float, lead: int) -> Any:
-    """scale * A @ B in W's stored shape (float32): contract A's rank axis with B's, keep ``lead`` axes."""
+    """scale * A @ B in W's stored shape (float32): contract A's rank axis with B's, keep ``lead`` axes.
+
+    One compiled program per shape (loading and export merge outside any traced program: eagerly, its casts,
+    reshapes, matmul and scaling compiled a program each); the scale is traced, so any scale shares it."""
+    return _delta_program()(a, b, scale, lead)
+
+
+@cache
+def _delta_program() -> Any:
+    """:func:`_delta` jitted (made at first use: this module is read without JAX, by the configs)."""
+    import jax
+
+    return jax.jit(_delta, static_argnums=3)
+
+
+def _delta(a: Any, b: Any, scale: Any, lead: int) -> Any:
     import jax.numpy as jnp
 
     a32, b32 = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
