@@ -389,6 +389,11 @@ def eager(tiny_lm, tmp_path_factory):
     return _ending_model(tiny_lm, tmp_path_factory.mktemp("grpo_eager"), 20.0), tiny_lm / "tok"
 
 
+# The optimizer of the module's runs: a constant rate, so that max_steps is not in the step's program and every run
+# (test_kill_and_resume_with_tools_is_bit_identical's 3 steps too) loads the step the first one compiled.
+TRAIN_STEP = ("optimizer.learning_rate=3e-2", "schedule.name=constant")
+
+
 def _grpo_cfg(root, tok_dir, out, *overrides):
     from grpo.config import GRPOConfig
     from pretrain.config import load_config
@@ -397,7 +402,7 @@ def _grpo_cfg(root, tok_dir, out, *overrides):
                               f"data.chat_template={TEMPLATES / 'qwen2.5.jinja'}", "data.seq_len=160",
                               "batch_size=4", "grpo.num_generations=2", "grpo.max_completion_length=120",
                               "max_steps=1", "grpo.log_completions_every=1", "log_every=1", "lora.rank=2",
-                              f"output_dir={out}", *overrides], GRPOConfig)
+                              *TRAIN_STEP, f"output_dir={out}", *overrides], GRPOConfig)
 
 
 @pytest.mark.slow
@@ -453,13 +458,14 @@ def test_grpo_train_with_tools_under_qwen3s_own_template_trains_under_its_traini
     tok.save_pretrained(tmp_path / "tok")
     write_jsonl(tmp_path / "p.jsonl", [{"prompt": [{"role": "user", "content": "2 + 3?"}]},
                                        {"prompt": [{"role": "user", "content": "add them"}]}])
-    # _grpo_cfg's batch and lengths (not its data.chat_template): the programs the module's other runs compiled
+    # _grpo_cfg's batch, lengths and optimizer (not its data.chat_template): the programs the module's other runs
+    # compiled
     cfg = load_config(None, [f"model.path={root / 'zoo'}", f"model.tokenizer={tmp_path / 'tok'}",
                              f"data.path={tmp_path / 'p.jsonl'}", "data.seq_len=160", "batch_size=4",
                              "grpo.num_generations=2", "grpo.max_completion_length=120", "max_steps=1",
                              "grpo.log_completions_every=1", "log_every=1", "lora.rank=2",
                              f"grpo.tools=[{root / 'tools.py'}:add]", f"grpo.tool_parser={root / 'tools.py'}:always_add",
-                             "grpo.max_turns=2", f"grpo.rewards=[{root / 'tools.py'}:one]",
+                             "grpo.max_turns=2", f"grpo.rewards=[{root / 'tools.py'}:one]", *TRAIN_STEP,
                              f"output_dir={tmp_path / 'run'}"], GRPOConfig)
     train(cfg, task=GRPOTask(cfg), progress=False)
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("chat template: ")]
@@ -547,12 +553,12 @@ def test_kill_and_resume_with_tools_is_bit_identical(tiny_lm, tmp_path):
     args = lambda out: ["train", f"model.path={root / 'zoo'}", f"model.tokenizer={tiny_lm / 'tok'}",  # noqa: E731
                         f"data.path={tmp_path / 'p.jsonl'}", f"data.chat_template={TEMPLATES / 'qwen2.5.jinja'}",
                         "data.seq_len=160", "batch_size=4", "grpo.num_generations=2",
-                        "grpo.max_completion_length=120",  # _grpo_cfg's: the sampling programs the others compiled
+                        "grpo.max_completion_length=120",  # _grpo_cfg's: the programs the others compiled
                         f"grpo.tools=[{root / 'tools.py'}:add]", f"grpo.tool_parser={root / 'tools.py'}:always_add",
                         f"grpo.rewards=[{root / 'tools.py'}:one]", "grpo.max_turns=3", "lora.rank=2",
                         "grpo.log_completions_every=1", "checkpoint.every=2", "max_steps=3", "log_every=1",
-                        f"data.eval_path={tmp_path / 'held.jsonl'}", "eval_every=2",
-                        "optimizer.learning_rate=3e-2", f"output_dir={out}"]
+                        f"data.eval_path={tmp_path / 'held.jsonl'}", "eval_every=2", *TRAIN_STEP,
+                        f"output_dir={out}"]
     assert main(args(tmp_path / "whole")) == 0
     out = tmp_path / "killed"
     proc = subprocess.run([sys.executable, "-c", kill_after_checkpoint("grpo.cli"), "2", *args(out)],
