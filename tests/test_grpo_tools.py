@@ -264,10 +264,14 @@ def test_turns_on_one_cache_equal_a_fresh_forward_of_the_whole_conversation(tiny
     rows = [(prompts[0], first[0], lp1[0]), (prompts[1], first[1], lp1[1]),
             (prompts[0] + first[0] + tool, second[0], lp2[0])]
     n = max(len(c) + len(d) for c, d, _ in rows)
-    ids = jnp.asarray([c + d + [0] * (n - len(c) - len(d)) for c, d, _ in rows])
-    logits = forward(cfg, params, ids, jnp.ones(ids.shape, jnp.int32), jnp.broadcast_to(jnp.arange(n), ids.shape))
-    lsm = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), -1))
-    logits = np.asarray(logits)
+    ids = np.asarray([c + d + [0] * (n - len(c) - len(d)) for c, d, _ in rows], np.int32)
+
+    @jax.jit  # one program: run eagerly, the forward compiles each of its ops on its own
+    def fresh(params: dict, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+        logits = forward(cfg, params, ids, jnp.ones(ids.shape, jnp.int32), jnp.broadcast_to(jnp.arange(n), ids.shape))
+        return logits, jax.nn.log_softmax(logits.astype(jnp.float32), -1)
+
+    logits, lsm = (np.asarray(x) for x in fresh(params, ids))
     for r, (context, drawn, logps) in enumerate(rows):
         for k, (t, lp) in enumerate(zip(drawn, logps)):
             at = len(context) - 1 + k
