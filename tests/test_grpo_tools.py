@@ -517,16 +517,19 @@ def test_grpo_train_with_an_environment_resets_scores_and_counts(eager, tmp_path
 def test_the_laid_out_batch_weighs_only_the_models_tokens():
     """assemble with an episode's model mask: the targets that are a tool's tokens weigh nothing, the model's
     (truncated rows aside) one, and the sampler's log-probabilities stay aligned with the targets."""
-    import jax.numpy as jnp
+    import jax
 
     from eval.rollout import assemble
 
-    tokens, valid = jnp.asarray([[11, 12, 0]]), jnp.asarray([[True, True, False]])
-    episode = jnp.asarray([[21, 22, 23, 24, 25, 0]])  # model 21, 22; tool 23, 24; model 25
-    model = jnp.asarray([[True, True, False, False, True, False]])
-    logps = jnp.asarray([[-1.0, -2.0, 0.0, 0.0, -5.0, 0.0]])
-    out = assemble(tokens, valid, episode, jnp.asarray([5]), {"sampler_logps": logps}, {}, jnp.asarray([True]),
-                   model)
+    tokens, valid = np.asarray([[11, 12, 0]], np.int32), np.asarray([[True, True, False]])
+    episode = np.asarray([[21, 22, 23, 24, 25, 0]], np.int32)  # model 21, 22; tool 23, 24; model 25
+    model = np.asarray([[True, True, False, False, True, False]])
+    logps = np.asarray([[-1.0, -2.0, 0.0, 0.0, -5.0, 0.0]], np.float32)
+    # NumPy in, jitted, NumPy out: one program (run eagerly, and its inputs made and its outputs indexed on the
+    # device, each op compiles its own)
+    out = jax.jit(assemble)(tokens, valid, episode, np.asarray([5], np.int32), {"sampler_logps": logps}, {},
+                            np.asarray([True]), model)
+    out = {k: np.asarray(v) for k, v in out.items()}
     assert out["targets"][0, :6].tolist() == [12, 21, 22, 23, 24, 25]
     assert out["weights"][0].tolist() == [0, 1, 1, 0, 0, 1, 0, 0]
     assert out["sampler_logps"][0].tolist() == [0, -1, -2, 0, 0, -5, 0, 0]
