@@ -225,7 +225,8 @@ ACCUM = ("max_steps=3", "grad_accum=2", "grpo.num_iterations=2", "grpo.beta=0.1"
 def accum_run(setup, tmp_path_factory):
     """ACCUM trained once in this process on one device, with grpo.share_prompt at its default (on): the run
     test_shared_prompt_rows_train_as_one_row_per_completion, test_two_processes_follow_the_one_process_run and
-    test_kill_9_and_resume_is_bit_identical compare against. Returns (run folder, whether the task laid groups out as one row each)."""
+    test_kill_9_and_resume_is_bit_identical compare against. Returns (run folder, whether the task laid groups
+    out as one row each)."""
     from grpo.task import GRPOTask
     from pretrain.loop import train
 
