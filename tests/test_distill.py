@@ -109,13 +109,14 @@ def test_step_loss_and_gradient_equal_trl_in_micro_batches(monkeypatch) -> None:
     for micro in (1, 2, 4):
         arrays = {"inputs": ids, "targets": ids, "weights": weights, "segment_ids": np.ones_like(ids),
                   "positions": np.tile(np.arange(t), (rows, 1)), "data_weights": data_weights}
-        batch = DistillBatch.of({k: jnp.asarray(x.reshape(micro, rows // micro, t),
-                                                jnp.float32 if "weights" in k else jnp.int32)
+        # NumPy inputs: made on the device, each array's conversion would compile a program of its own
+        batch = DistillBatch.of({k: np.asarray(x.reshape(micro, rows // micro, t),
+                                               np.float32 if "weights" in k else np.int32)
                                  for k, x in arrays.items()})
         step, _ = make_step(None, optax.sgd(0.0), jnp.float32, task=task)
-        params = {"b": jnp.zeros((), jnp.float32)}
-        state = {"params": params, "opt_state": optax.sgd(0.0).init(params), "step": jnp.zeros((), jnp.int32)}
-        _, m = step(state, batch, frozen_inputs={"t": jnp.zeros(())})
+        params = {"b": np.zeros((), np.float32)}
+        state = {"params": params, "opt_state": optax.sgd(0.0).init(params), "step": np.zeros((), np.int32)}
+        _, m = step(state, batch, frozen_inputs={"t": np.zeros((), np.float32)})
         assert float(m["loss"]) == pytest.approx(want(0.0), rel=1e-5), micro
         assert float(m["grad_norm"]) == pytest.approx(abs(slope), rel=1e-4), micro
 
@@ -135,7 +136,7 @@ def test_jsd_gradient_matches_finite_differences() -> None:
         s, c = jsd_sum_count(x, jnp.asarray(teacher, jnp.float32), jnp.asarray(labels != -100), beta)
         return s / c
 
-    grad = np.asarray(jax.grad(ours)(jnp.asarray(student, jnp.float32)))
+    grad = np.asarray(jax.jit(jax.grad(ours))(student.astype(np.float32)))  # one program, not each op's own
     eps = 1e-6
     for idx in [(0, 0, 0), (0, 1, 3), (1, 2, 4), (1, 0, 2)]:
         up, dn = student.copy(), student.copy()
@@ -407,7 +408,7 @@ def test_coins_are_the_seed_and_steps_and_prompts_end_before_the_last_answer() -
     """The on-policy coin of each micro-batch depends on (seed, step) alone, with rate lmbda (0: never, 1:
     always); a row's sampling prompt is every token before its last trained span (a multi-turn row keeps its
     first answer in the prompt), and a row that trains nothing has no prompt."""
-    import jax.numpy as jnp
+    import jax
 
     from distill.online import coins, prompts
 
@@ -415,10 +416,10 @@ def test_coins_are_the_seed_and_steps_and_prompts_end_before_the_last_answer() -
     draws = np.concatenate([coins(3, s, 4, 0.3) for s in range(500)])
     assert abs(draws.mean() - 0.3) < 0.04 and not np.array_equal(coins(3, 7, 64, 0.5), coins(3, 8, 64, 0.5))
     assert not coins(0, 0, 64, 0.0).any() and coins(0, 0, 64, 1.0).all()
-    tokens = jnp.asarray([[5, 6, 7, 8, 9, 10, 11, 0], [5, 6, 7, 8, 0, 0, 0, 0]])
-    mask = jnp.asarray([[0, 0, 1, 1, 0, 0, 1, 0], [0, 0, 0, 0, 0, 0, 0, 0]])
-    seg = jnp.asarray([[1] * 7 + [0], [1] * 4 + [0] * 4])
-    p, valid = prompts(tokens, mask, seg)
+    tokens = np.asarray([[5, 6, 7, 8, 9, 10, 11, 0], [5, 6, 7, 8, 0, 0, 0, 0]], np.int32)
+    mask = np.asarray([[0, 0, 1, 1, 0, 0, 1, 0], [0, 0, 0, 0, 0, 0, 0, 0]], np.int32)
+    seg = np.asarray([[1] * 7 + [0], [1] * 4 + [0] * 4], np.int32)
+    p, valid = jax.jit(prompts)(tokens, mask, seg)  # one program (eagerly, each of its ops compiles its own)
     np.testing.assert_array_equal(np.asarray(valid), [[1, 1, 1, 1, 1, 1, 0, 0], [0] * 8])
     np.testing.assert_array_equal(np.asarray(p)[0], [5, 6, 7, 8, 9, 10, 0, 0])
 

@@ -69,16 +69,21 @@ def setup(tmp_path_factory):
     return root
 
 
+def _overrides(root: Path, out: Path, *overrides: str) -> list[str]:
+    """The module's run settings (``key=value``, later ones winning), as _cfg reads them and `grpo train` takes
+    them."""
+    return [f"model.path={root / 'zoo'}", f"model.tokenizer={root / 'tok'}", f"data.path={root / 'prompts.jsonl'}",
+            "data.seq_len=8", "batch_size=16", "grpo.num_generations=4", "grpo.max_completion_length=6",
+            f"grpo.rewards=[{root / 'rewards.py'}:low_words]", "max_steps=4", "log_every=1",
+            "optimizer.learning_rate=3e-2", "schedule.name=constant", "checkpoint.every=1000", f"output_dir={out}",
+            *overrides]
+
+
 def _cfg(root: Path, out: Path, *overrides: str):
     from grpo.config import GRPOConfig
     from pretrain.config import load_config
 
-    return load_config(None, [f"model.path={root / 'zoo'}", f"model.tokenizer={root / 'tok'}",
-                              f"data.path={root / 'prompts.jsonl'}", "data.seq_len=8", "batch_size=16",
-                              "grpo.num_generations=4", "grpo.max_completion_length=6",
-                              f"grpo.rewards=[{root / 'rewards.py'}:low_words]", "max_steps=4", "log_every=1",
-                              "optimizer.learning_rate=3e-2", "schedule.name=constant", "checkpoint.every=1000",
-                              f"output_dir={out}", *overrides], GRPOConfig)
+    return load_config(None, _overrides(root, out, *overrides), GRPOConfig)
 
 
 def _metrics(out: Path) -> list[dict]:
@@ -99,8 +104,11 @@ def test_sampler_logps_equal_a_teacher_forced_forward(setup):
     from zoo.model.logps import batch_logps
 
     model = zoo.load(setup / "zoo", dtype=np.float32)
-    # Doubled weights: more peaked distributions than the random init's, so top-k cuts something.
-    cfg, params = model.cfg, jax.tree.map(lambda x: x * 2.0 if x.ndim > 1 else x, model.param_dict())
+    # Doubled weights: more peaked distributions than the random init's, so top-k cuts something. (NumPy here and
+    # below, the layouts jitted: on CPU each eager JAX op of a new shape compiles a program of its own.)
+    cfg = model.cfg
+    params = jax.tree.map(lambda x: np.asarray(x) * np.float32(2.0) if x.ndim > 1 else np.asarray(x),
+                          model.param_dict())
     g, p, t = 3, 7, 9
     prompts = [[2, 5, 9], [3], [4, 4, 4, 4, 4, 4, 4], [7, 8]]
     tokens = np.zeros((len(prompts) * g, p), np.int32)
@@ -111,22 +119,22 @@ def test_sampler_logps_equal_a_teacher_forced_forward(setup):
     from zoo.lora.weights import Weights
 
     lora_cfg = LoraConfig(rank=4, alpha=8.0, targets="all")
-    lora = init_lora(cfg, lora_cfg, jax.random.key(1))  # B = 0: nonzero B below, so the adapters add something
-    lora = jax.tree_util.tree_map_with_path(
-        lambda path, x: x + 0.3 * jax.random.normal(jax.random.key(len(str(path))), x.shape)
-        if str(path[-1]) == "['b']" else x, lora)
+    lora = jax.jit(init_lora, static_argnums=(0, 1))(cfg, lora_cfg, jax.random.key(1))
+    lora = jax.tree_util.tree_map_with_path(  # B = 0: nonzero B, so the adapters add something
+        lambda path, x: np.asarray(x) + np.float32(0.3) * np.random.RandomState(len(str(path))).standard_normal(
+            x.shape).astype(np.float32) if str(path[-1]) == "['b']" else np.asarray(x), lora)
     # The forward: one jitted program per layout. The sampler compiles one program per configuration: two
     # configurations, not three (top-k at a temperature and the adapters together, each still checked; and the
     # plain sampler).
     logps_of = jax.jit(batch_logps, static_argnums=0, static_argnames=("temperature", "max_segments"))
+    lay_out, lay_out_groups = jax.jit(assemble), jax.jit(assemble_groups, static_argnums=7)
     for temperature, top_k, adapters in ((1.0, 0, None), (0.7, 5, lora)):
         spec = RolloutSpec(g, t, Sampler(temperature, top_k, 1.0), (1,))
         policy = Weights(params, adapters, None if adapters is None else lora_scale(lora_cfg))
         comp, logps, lengths = sample_group_completions(cfg, policy, tokens, valid, spec, jax.random.key(3))
         comp, logps, lengths = np.asarray(comp), np.asarray(logps), np.asarray(lengths)
         assert (lengths >= 1).all() and (lengths <= t).all()
-        b = assemble(jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(comp), jnp.asarray(lengths),
-                     {"sampler": jnp.asarray(logps)}, {}, jnp.ones(len(tokens), bool))
+        b = lay_out(tokens, valid, comp, lengths, {"sampler": logps}, {}, np.ones(len(tokens), bool))
         trainer = np.asarray(logps_of(cfg, policy, b, temperature=temperature)[0])
         w = np.asarray(b["weights"]) > 0
         assert w.sum() == lengths.sum()
@@ -140,11 +148,10 @@ def test_sampler_logps_equal_a_teacher_forced_forward(setup):
             continue  # the shared-prompt rows: with top-k and adapters
         trained = np.ones(len(tokens), bool)
         trained[4] = False  # a masked completion (grpo.mask_truncated) weighs nothing in either layout
-        shared = assemble_groups(jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(comp), jnp.asarray(lengths),
-                                 {"sampler": jnp.asarray(logps)}, {}, jnp.asarray(trained), g)
+        shared = lay_out_groups(tokens, valid, comp, lengths, {"sampler": logps}, {}, trained, g)
         assert shared["inputs"].shape == (len(prompts), p - 1 + g * (t + 1))  # one row per group
         per_pos = logps_of(cfg, policy, shared, temperature=temperature, max_segments=g + 1)[0]
-        got = np.asarray(completion_view(per_pos, p, g, t))
+        got = np.asarray(jax.jit(completion_view, static_argnums=(1, 2, 3))(per_pos, p, g, t))
         w = np.asarray(shared["weights"]) > 0
         assert w.sum() == lengths.sum() - lengths[4] and not w[4].any()
         np.testing.assert_allclose(got[w], logps[w], atol=1e-5)
@@ -208,7 +215,8 @@ def test_grpo_raises_the_reward_without_recompiling(learning_run):
 
 
 # Two micro-batches, the policy's old log-probabilities (num_iterations 2) and a reference (beta), plain SGD (updates
-# proportional to the gradients): the run that the unshared layout and the two-process run must follow.
+# proportional to the gradients): the run that the unshared layout, the two-process run and the killed and resumed
+# run must follow.
 ACCUM = ("max_steps=3", "grad_accum=2", "grpo.num_iterations=2", "grpo.beta=0.1", "optimizer.name=sgd",
          "optimizer.learning_rate=0.5", "grpo.log_completions_every=1")
 
@@ -216,8 +224,9 @@ ACCUM = ("max_steps=3", "grad_accum=2", "grpo.num_iterations=2", "grpo.beta=0.1"
 @pytest.fixture(scope="module")
 def accum_run(setup, tmp_path_factory):
     """ACCUM trained once in this process on one device, with grpo.share_prompt at its default (on): the run
-    test_shared_prompt_rows_train_as_one_row_per_completion and test_two_processes_follow_the_one_process_run
-    compare against. Returns (run folder, whether the task laid groups out as one row each)."""
+    test_shared_prompt_rows_train_as_one_row_per_completion, test_two_processes_follow_the_one_process_run and
+    test_kill_9_and_resume_is_bit_identical compare against. Returns (run folder, whether the task laid groups
+    out as one row each)."""
     from grpo.task import GRPOTask
     from pretrain.loop import train
 
@@ -254,13 +263,17 @@ def test_shared_prompt_rows_train_as_one_row_per_completion(setup, accum_run, tm
 
 
 @pytest.mark.slow
-def test_kill_9_and_resume_is_bit_identical(setup, tmp_path):
+def test_kill_9_and_resume_is_bit_identical(setup, accum_run, tmp_path, capsys):
     """`grpo train` SIGKILLed after its step-2 checkpoint and rerun (for step 3) ends with the weights, metrics and
     logged completions of the run that never stopped (sampling keys come from the seed and the step; the data position
-    is checkpointed; completions.jsonl is trimmed to the restored step). LoRA, mu = 2, beta > 0 (the base as
-    the reference).
-    Slow (slow lane): `grpo train` runs in subprocesses (killed, resumed), each importing and compiling its sampler
-    and step."""
+    is checkpointed; completions.jsonl is trimmed to the restored step): ACCUM (two micro-batches, mu = 2, beta > 0
+    with the starting checkpoint as the reference, kept so across the resume), whose run never stopped is the
+    module's accum_run (checkpointing changes nothing it trains or logs); the resumed run says its reference is the
+    starting model. LoRA's resume: tests/test_grpo_tools.py's
+    test_kill_and_resume_with_tools_is_bit_identical; LoRA with beta > 0 (the base as the reference):
+    test_rloo_and_reinforce_pp_steps_use_their_advantages_and_log_trls_names[reinforce_pp_baseline].
+    Slow (slow lane): `grpo train` runs in a subprocess (killed) and again in this process (resumed), each loading
+    the programs accum_run compiled (the session's compilation cache)."""
     import os
     import signal
     import subprocess
@@ -269,30 +282,29 @@ def test_kill_9_and_resume_is_bit_identical(setup, tmp_path):
     import zoo
     from grpo.cli import main
 
-    extra = ["lora.rank=4", "lora.alpha=8", "grpo.num_iterations=2", "grpo.beta=0.05", "grpo.log_completions_every=1",
-             "grpo.loss_type=grpo", "checkpoint.every=2"]
-    args = lambda out: ["train", f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}",  # noqa: E731
-                        f"data.path={setup / 'prompts.jsonl'}", "data.seq_len=8", "batch_size=16",
-                        "grpo.num_generations=4", "grpo.max_completion_length=6",
-                        f"grpo.rewards=[{setup / 'rewards.py'}:low_words]", "max_steps=3", "log_every=1",
-                        "optimizer.learning_rate=3e-2", "schedule.name=constant", f"output_dir={out}", *extra]
-    assert main(args(tmp_path / "whole")) == 0
+    whole, _ = accum_run
     out = tmp_path / "killed"
-    proc = subprocess.run([sys.executable, "-c", kill_after_checkpoint("grpo.cli"), "2", *args(out)],
+    args = ["train", *_overrides(setup, out, *ACCUM, "checkpoint.every=2")]
+    proc = subprocess.run([sys.executable, "-c", kill_after_checkpoint("grpo.cli"), "2", *args],
                           capture_output=True, text=True, env=os.environ.copy(), timeout=600)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     assert (out / "checkpoints" / "2").is_dir() and not (out / "final").exists()
-    assert main(args(out)) == 0
-    a = zoo.load(tmp_path / "whole" / "final", dtype=np.float32).param_dict()  # base + the trained adapters
+    capsys.readouterr()
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    said = [x for x in printed.splitlines() if x.startswith("grpo.reference:")]
+    assert len(said) == 1 and f"the starting model (model.path {setup / 'zoo'})" in said[0], said
+    assert "Resuming from step 2" in printed
+    a = zoo.load(whole / "final", dtype=np.float32).param_dict()
     b = zoo.load(out / "final", dtype=np.float32).param_dict()
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     skip = {"step_time", "tokens_per_sec", "rollout_tokens_per_sec", "train_tokens_per_sec", "generation_share"}
-    ma = [{k: v for k, v in m.items() if k not in skip} for m in _metrics(tmp_path / "whole")]
+    ma = [{k: v for k, v in m.items() if k not in skip} for m in _metrics(whole)]
     mb = [{k: v for k, v in m.items() if k not in skip} for m in _metrics(out)]
     assert ma == mb and len(ma) == 3
-    assert ma[-1]["kl"] > 0  # the reference (the LoRA base) was used
-    ca = (tmp_path / "whole" / "completions.jsonl").read_text()
+    assert ma[-1]["kl"] > 0  # the reference (the starting checkpoint) was used
+    ca = (whole / "completions.jsonl").read_text()
     assert ca == (out / "completions.jsonl").read_text() and len(ca.splitlines()) == 3 * 16
 
 
@@ -428,10 +440,7 @@ def test_two_processes_follow_the_one_process_run(setup, accum_run, tmp_path):
     import sys
 
     one_out, _ = accum_run
-    args = ["train", f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}",
-            f"data.path={setup / 'prompts.jsonl'}", "data.seq_len=8", "batch_size=16", "grpo.num_generations=4",
-            "grpo.max_completion_length=6", f"grpo.rewards=[{setup / 'rewards.py'}:low_words]", "log_every=1",
-            "schedule.name=constant", "checkpoint.every=1000", f"output_dir={tmp_path / 'two'}", *ACCUM]
+    args = ["train", *_overrides(setup, tmp_path / "two", *ACCUM)]
     env = devices_env(2)
     port = free_port()
     run = "import sys; from grpo.cli import main; sys.exit(main(sys.argv[1:]))"
@@ -510,31 +519,25 @@ def test_truncated_completions_are_counted_and_optionally_masked(setup, one_step
 
 
 @pytest.mark.slow
-def test_full_fine_tuning_kl_is_to_the_starting_checkpoint_by_default_and_after_a_resume(setup, tmp_path, capsys):
-    """Full fine-tuning with grpo.beta > 0 against a reference checkpoint (the starting model): the k3 KL is 0
-    while the policy is the reference (step 1) and grows once it moves. Without grpo.reference the reference is the
-    starting checkpoint (TRL's default), said in the log, and stays so across a resume (not the resumed weights,
-    against which step 3's KL would be 0 again): run for 2 steps, then resumed for a 3rd, it logs what the run
-    with the checkpoint named logs. Slow (about 7 s quiet): three runs and a step of their own to compile; the
-    fast lane's GRPO run is test_records_and_metrics_keep_trls_names_and_strict_json."""
+def test_full_fine_tuning_kl_is_to_the_starting_checkpoint_by_default_and_after_a_resume(setup, accum_run, tmp_path):
+    """Full fine-tuning with grpo.beta > 0 against a reference checkpoint (the starting model): the k3 KL grows
+    once the policy moves. Without grpo.reference the reference is the starting checkpoint (TRL's default): the
+    module's accum_run (ACCUM, no grpo.reference) logs what the same run with the checkpoint named logs, KL
+    included. That it says so in its log and stays so across a resume (not the resumed weights, against which
+    step 3's KL would be 0 again): test_kill_9_and_resume_is_bit_identical, whose run resumed after step 2 logs what
+    accum_run logs. The KL is 0 while the policy is the reference (a step of one update: ACCUM's steps average two):
+    test_rloo_and_reinforce_pp_steps_use_their_advantages_and_log_trls_names[rloo] (full fine-tuning, the default
+    reference). Slow (about 3 s quiet): a run (accum_run's programs)."""
     from grpo.task import GRPOTask
     from pretrain.loop import train
 
-    cfg = _cfg(setup, tmp_path / "named", "max_steps=3", "grpo.beta=0.1", f"grpo.reference={setup / 'zoo'}")
+    cfg = _cfg(setup, tmp_path / "named", *ACCUM, f"grpo.reference={setup / 'zoo'}")
     train(cfg, task=GRPOTask(cfg), progress=False)
     named = _metrics(tmp_path / "named")
     kl = [m["kl"] for m in named]
-    assert abs(kl[0]) < 1e-6 and kl[2] > 1e-4, kl
-    capsys.readouterr()
-    for steps in (2, 3):
-        cfg = _cfg(setup, tmp_path / "default", f"max_steps={steps}", "checkpoint.every=1", "grpo.beta=0.1")
-        train(cfg, task=GRPOTask(cfg), progress=False)
-        printed = capsys.readouterr().out
-        said = [x for x in printed.splitlines() if x.startswith("grpo.reference:")]
-        assert len(said) == 1 and f"the starting model (model.path {setup / 'zoo'})" in said[0], said
-        assert ("Resuming from step 2" in printed) == (steps == 3)
+    assert min(kl) > 1e-4, kl  # each step averages two updates, the second after the policy moved
     skip = {"step_time", "tokens_per_sec", "rollout_tokens_per_sec", "train_tokens_per_sec", "generation_share"}
-    assert [{k: v for k, v in m.items() if k not in skip} for m in _metrics(tmp_path / "default")] == \
+    assert [{k: v for k, v in m.items() if k not in skip} for m in _metrics(accum_run[0])] == \
         [{k: v for k, v in m.items() if k not in skip} for m in named]
 
 
@@ -545,12 +548,14 @@ def test_rloo_and_reinforce_pp_steps_use_their_advantages_and_log_trls_names(set
     advantages are the leave-one-out ones of the logged rewards less beta x each completion's summed KL
     (checked through the zero-KL identity at step 1, where the policy is the reference, below), REINFORCE++'s
     are whitened per token (mean 0 over the batch's completion tokens); both log TRL RLOOTrainer's names (kl,
-    reward_std, frac_reward_zero_std, clip ratios) and a finite loss."""
+    reward_std, frac_reward_zero_std, clip ratios) and a finite loss. REINFORCE++ trains LoRA adapters, whose
+    reference is the base: its KL is 0 at step 1 (fresh adapters add nothing) and not after."""
     from grpo.task import GRPOTask
     from pretrain.loop import train
 
+    lora = ["lora.rank=4", "lora.alpha=8"] if advantage == "reinforce_pp_baseline" else []
     cfg = _cfg(setup, tmp_path / "kl", "max_steps=2", "grpo.log_completions_every=1", f"grpo.advantage={advantage}",
-               "grpo.beta=0.05")
+               "grpo.beta=0.05", *lora)
     train(cfg, task=GRPOTask(cfg), progress=False)
     logged = [_strict(x) for x in (tmp_path / "kl" / "completions.jsonl").read_text().splitlines()]
     m0, m = [_strict(x) for x in (tmp_path / "kl" / "metrics.jsonl").read_text().splitlines()]

@@ -264,10 +264,14 @@ def test_turns_on_one_cache_equal_a_fresh_forward_of_the_whole_conversation(tiny
     rows = [(prompts[0], first[0], lp1[0]), (prompts[1], first[1], lp1[1]),
             (prompts[0] + first[0] + tool, second[0], lp2[0])]
     n = max(len(c) + len(d) for c, d, _ in rows)
-    ids = jnp.asarray([c + d + [0] * (n - len(c) - len(d)) for c, d, _ in rows])
-    logits = forward(cfg, params, ids, jnp.ones(ids.shape, jnp.int32), jnp.broadcast_to(jnp.arange(n), ids.shape))
-    lsm = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), -1))
-    logits = np.asarray(logits)
+    ids = np.asarray([c + d + [0] * (n - len(c) - len(d)) for c, d, _ in rows], np.int32)
+
+    @jax.jit  # one program: run eagerly, the forward compiles each of its ops on its own
+    def fresh(params: dict, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+        logits = forward(cfg, params, ids, jnp.ones(ids.shape, jnp.int32), jnp.broadcast_to(jnp.arange(n), ids.shape))
+        return logits, jax.nn.log_softmax(logits.astype(jnp.float32), -1)
+
+    logits, lsm = (np.asarray(x) for x in fresh(params, ids))
     for r, (context, drawn, logps) in enumerate(rows):
         for k, (t, lp) in enumerate(zip(drawn, logps)):
             at = len(context) - 1 + k
@@ -389,6 +393,11 @@ def eager(tiny_lm, tmp_path_factory):
     return _ending_model(tiny_lm, tmp_path_factory.mktemp("grpo_eager"), 20.0), tiny_lm / "tok"
 
 
+# The optimizer of the module's runs: a constant rate, so that max_steps is not in the step's program and every run
+# (test_kill_and_resume_with_tools_is_bit_identical's 3 steps too) loads the step the first one compiled.
+TRAIN_STEP = ("optimizer.learning_rate=3e-2", "schedule.name=constant")
+
+
 def _grpo_cfg(root, tok_dir, out, *overrides):
     from grpo.config import GRPOConfig
     from pretrain.config import load_config
@@ -397,7 +406,7 @@ def _grpo_cfg(root, tok_dir, out, *overrides):
                               f"data.chat_template={TEMPLATES / 'qwen2.5.jinja'}", "data.seq_len=160",
                               "batch_size=4", "grpo.num_generations=2", "grpo.max_completion_length=120",
                               "max_steps=1", "grpo.log_completions_every=1", "log_every=1", "lora.rank=2",
-                              f"output_dir={out}", *overrides], GRPOConfig)
+                              *TRAIN_STEP, f"output_dir={out}", *overrides], GRPOConfig)
 
 
 @pytest.mark.slow
@@ -453,13 +462,14 @@ def test_grpo_train_with_tools_under_qwen3s_own_template_trains_under_its_traini
     tok.save_pretrained(tmp_path / "tok")
     write_jsonl(tmp_path / "p.jsonl", [{"prompt": [{"role": "user", "content": "2 + 3?"}]},
                                        {"prompt": [{"role": "user", "content": "add them"}]}])
-    # _grpo_cfg's batch and lengths (not its data.chat_template): the programs the module's other runs compiled
+    # _grpo_cfg's batch, lengths and optimizer (not its data.chat_template): the programs the module's other runs
+    # compiled
     cfg = load_config(None, [f"model.path={root / 'zoo'}", f"model.tokenizer={tmp_path / 'tok'}",
                              f"data.path={tmp_path / 'p.jsonl'}", "data.seq_len=160", "batch_size=4",
                              "grpo.num_generations=2", "grpo.max_completion_length=120", "max_steps=1",
                              "grpo.log_completions_every=1", "log_every=1", "lora.rank=2",
                              f"grpo.tools=[{root / 'tools.py'}:add]", f"grpo.tool_parser={root / 'tools.py'}:always_add",
-                             "grpo.max_turns=2", f"grpo.rewards=[{root / 'tools.py'}:one]",
+                             "grpo.max_turns=2", f"grpo.rewards=[{root / 'tools.py'}:one]", *TRAIN_STEP,
                              f"output_dir={tmp_path / 'run'}"], GRPOConfig)
     train(cfg, task=GRPOTask(cfg), progress=False)
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("chat template: ")]
@@ -507,16 +517,19 @@ def test_grpo_train_with_an_environment_resets_scores_and_counts(eager, tmp_path
 def test_the_laid_out_batch_weighs_only_the_models_tokens():
     """assemble with an episode's model mask: the targets that are a tool's tokens weigh nothing, the model's
     (truncated rows aside) one, and the sampler's log-probabilities stay aligned with the targets."""
-    import jax.numpy as jnp
+    import jax
 
     from eval.rollout import assemble
 
-    tokens, valid = jnp.asarray([[11, 12, 0]]), jnp.asarray([[True, True, False]])
-    episode = jnp.asarray([[21, 22, 23, 24, 25, 0]])  # model 21, 22; tool 23, 24; model 25
-    model = jnp.asarray([[True, True, False, False, True, False]])
-    logps = jnp.asarray([[-1.0, -2.0, 0.0, 0.0, -5.0, 0.0]])
-    out = assemble(tokens, valid, episode, jnp.asarray([5]), {"sampler_logps": logps}, {}, jnp.asarray([True]),
-                   model)
+    tokens, valid = np.asarray([[11, 12, 0]], np.int32), np.asarray([[True, True, False]])
+    episode = np.asarray([[21, 22, 23, 24, 25, 0]], np.int32)  # model 21, 22; tool 23, 24; model 25
+    model = np.asarray([[True, True, False, False, True, False]])
+    logps = np.asarray([[-1.0, -2.0, 0.0, 0.0, -5.0, 0.0]], np.float32)
+    # NumPy in, jitted, NumPy out: one program (run eagerly, and its inputs made and its outputs indexed on the
+    # device, each op compiles its own)
+    out = jax.jit(assemble)(tokens, valid, episode, np.asarray([5], np.int32), {"sampler_logps": logps}, {},
+                            np.asarray([True]), model)
+    out = {k: np.asarray(v) for k, v in out.items()}
     assert out["targets"][0, :6].tolist() == [12, 21, 22, 23, 24, 25]
     assert out["weights"][0].tolist() == [0, 1, 1, 0, 0, 1, 0, 0]
     assert out["sampler_logps"][0].tolist() == [0, -1, -2, 0, 0, -5, 0, 0]
@@ -547,12 +560,12 @@ def test_kill_and_resume_with_tools_is_bit_identical(tiny_lm, tmp_path):
     args = lambda out: ["train", f"model.path={root / 'zoo'}", f"model.tokenizer={tiny_lm / 'tok'}",  # noqa: E731
                         f"data.path={tmp_path / 'p.jsonl'}", f"data.chat_template={TEMPLATES / 'qwen2.5.jinja'}",
                         "data.seq_len=160", "batch_size=4", "grpo.num_generations=2",
-                        "grpo.max_completion_length=120",  # _grpo_cfg's: the sampling programs the others compiled
+                        "grpo.max_completion_length=120",  # _grpo_cfg's: the programs the others compiled
                         f"grpo.tools=[{root / 'tools.py'}:add]", f"grpo.tool_parser={root / 'tools.py'}:always_add",
                         f"grpo.rewards=[{root / 'tools.py'}:one]", "grpo.max_turns=3", "lora.rank=2",
                         "grpo.log_completions_every=1", "checkpoint.every=2", "max_steps=3", "log_every=1",
-                        f"data.eval_path={tmp_path / 'held.jsonl'}", "eval_every=2",
-                        "optimizer.learning_rate=3e-2", f"output_dir={out}"]
+                        f"data.eval_path={tmp_path / 'held.jsonl'}", "eval_every=2", *TRAIN_STEP,
+                        f"output_dir={out}"]
     assert main(args(tmp_path / "whole")) == 0
     out = tmp_path / "killed"
     proc = subprocess.run([sys.executable, "-c", kill_after_checkpoint("grpo.cli"), "2", *args(out)],
