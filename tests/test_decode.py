@@ -335,7 +335,9 @@ def test_view_buckets_and_pipelining_keep_the_tokens(tiny, monkeypatch):
     prompts = [rng.randint(0, cfg.vocab_size, n).tolist() for n in (3, 14, 6)]
     gen = GenerationConfig(max_new_tokens=20)
     want = generate(cfg, params, prompts, gen)
-    monkeypatch.setattr(g, "VIEW", 8)
+    # Buckets of 16: the steps read 16 slots (14 to 16 filled: the last exactly full), then 32 (17 to 32, the
+    # last exactly full) of the 64: two programs.
+    monkeypatch.setattr(g, "VIEW", 16)
     assert generate(cfg, params, prompts, gen) == want
     eos = want[1][4]
     got = generate(cfg, params, prompts, GenerationConfig(max_new_tokens=20, eos_ids=(eos,)))
