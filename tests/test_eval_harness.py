@@ -34,8 +34,10 @@ DOCUMENTS = [
     "Tuesday, Wednesday, Thursday, Friday, Saturday and Sunday, and then the months of the year.",
     "Short one.",
 ]
+# Two batches of 4 (longest first) on the tiny model, both padded to 32 prompt tokens: one generation program
+# for both, and the answers still come back across batches in the requests' order.
 PROMPTS = [("Once upon a time", "x"), ("List: a, b,", "x"), ("Q: What is 2+2?\nA:", "4"), ("Hello", "x"),
-           ("The end of the story is", "x")]
+           ("The end of the story is", "x"), ("Roses are red,", "x"), ("One, two,", "x"), ("The sun rises in the", "x")]
 
 
 def _write_tasks(folder):
