@@ -16,21 +16,26 @@ from tests.hf_models import FAMILIES, random_tokens
 from tests.processes import devices_env
 from zoo.cli import main
 from zoo.model.decode import forward_cached_jit, init_cache
-from zoo.model.decoder import forward
 
-SEQ = 20  # longer than every sliding window (7) of the tiny families
+SEQ = 20  # longer than every sliding window (7; Phi-3's 16) of the tiny families
+# The length of each family's full-forward parity test against transformers (2 rows through zoo.load's model:
+# tests/test_families.py, test_families_2026_dense.py and _moe.py, test_gpt_oss.py, test_gemma4.py's dense variant,
+# test_moe.py): the reference logits of the first SEQ positions come from that program (causal attention: the
+# later tokens change none of them), compiled once per run (the session's persistent compilation cache; in one
+# process, the same jitted function). Not listed: SEQ.
+REFERENCE_SEQS = {"mistral": 40, "gemma2": 40, "gemma3": 40, "gemma4": 40, "smollm3": 40, "olmo3": 40,
+                  "glm4_moe": 24, "gpt_oss": 24, "deepseek_v2": 24, "deepseek_v3": 24}
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_family):
-    """family -> (transformers model, zoo config, zoo params): conftest.py's tiny_family, loaded once."""
+    """family -> (transformers model, zoo model): conftest.py's tiny_family, loaded once."""
     made = {}
 
     def get(family):
         if family not in made:
             hf, root = tiny_family(family)
-            model = zoo.load(root / "zoo")
-            made[family] = (hf, model.cfg, model.param_dict())
+            made[family] = (hf, zoo.load(root / "zoo"))
         return made[family]
 
     return get
@@ -51,8 +56,7 @@ def test_cached_logits_equal_full_forward(tiny, family):
     """Prefill of prompts of different lengths, a multi-token chunk with padding, then one token at a
     time: every real token's logits equal the full forward pass's at its position."""
     assert set(CACHE_FAMILIES) <= set(FAMILIES)
-    _, cfg, params = tiny(family)
-    _check_cached_logits(cfg, params, forward_cached_jit)
+    _check_cached_logits(tiny(family)[1], forward_cached_jit, family)
 
 
 def _empty_cache(cfg, params, batch=2, max_len=24):
@@ -62,9 +66,11 @@ def _empty_cache(cfg, params, batch=2, max_len=24):
     return jax.device_put(init_cache(cfg, batch, max_len), sharding)
 
 
-def _check_cached_logits(cfg, params, fwd):
-    seqs = random_tokens(cfg.vocab_size, batch=2, seq=SEQ, seed=1)
-    ref = np.asarray(jax.jit(forward, static_argnums=0)(cfg, params, jnp.asarray(seqs)))
+def _check_cached_logits(model, fwd, family):
+    cfg, params = model.cfg, model.param_dict()
+    rows = random_tokens(cfg.vocab_size, batch=2, seq=REFERENCE_SEQS.get(family, SEQ), seed=1)
+    ref = np.asarray(model(jnp.asarray(rows)))  # zoo.model.decoder.forward, jitted as the model's call
+    seqs = rows[:, :SEQ]
     cache = _empty_cache(cfg, params)
     done = np.zeros(2, int)
     # (tokens to take per row) per call: a ragged prefill, a padded chunk, then single tokens.
@@ -96,7 +102,8 @@ def _hf_greedy_choices(hf, prompt, new):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_greedy_equals_transformers_greedy(tiny, family):
-    hf, cfg, params = tiny(family)
+    hf, model = tiny(family)
+    cfg, params = model.cfg, model.param_dict()
     prompt = random_tokens(cfg.vocab_size, batch=1, seq=5, seed=2)[0].tolist()
     got = generate(cfg, params, [prompt], GenerationConfig(max_new_tokens=12))[0]
     assert len(got) == 12 and got == _hf_greedy_choices(hf, prompt, got)  # 17 tokens: past the sliding window
@@ -104,7 +111,8 @@ def test_greedy_equals_transformers_greedy(tiny, family):
 
 @pytest.mark.slow
 def test_batched_prompts_equal_one_by_one(tiny):
-    _, cfg, params = tiny("gemma2")
+    model = tiny("gemma2")[1]
+    cfg, params = model.cfg, model.param_dict()
     rng = np.random.RandomState(3)
     prompts = [rng.randint(0, cfg.vocab_size, n).tolist() for n in (3, 11, 6)]
     gen = GenerationConfig(max_new_tokens=10)
@@ -123,7 +131,8 @@ def test_sampling_is_reproducible(tiny):
     Slow: XLA compiles generation's two programs for each of its three samplers; the greedy ones are those of
     test_generation_on_an_8_device_mesh_equals_one_device's reference (4 prompts of at most 32 tokens into 64
     slots), compiled once."""
-    _, cfg, params = tiny("llama")
+    model = tiny("llama")[1]
+    cfg, params = model.cfg, model.param_dict()
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11, 12, 13, 14, 15, 16, 17]]
 
     def run(**kw):
@@ -233,8 +242,7 @@ def test_mla_expanded_and_absorbed_attention(tiny, absorb):
     """Both ways of attending over cached MLA latents (chosen by cost in practice) match the full forward.
 
     Slow (slow lane): compiles the MLA cached forward both ways (about 16 s)."""
-    _, cfg, params = tiny("deepseek_v3")
-    _check_cached_logits(cfg, params, partial(forward_cached_jit, mla_absorb=absorb))
+    _check_cached_logits(tiny("deepseek_v3")[1], partial(forward_cached_jit, mla_absorb=absorb), "deepseek_v3")
 
 
 _MESH_SCRIPT = """
@@ -290,7 +298,8 @@ def test_generation_shortcuts_equal_forward_cached(tiny, family):
 
     from zoo.model.decode import forward_step
 
-    _, cfg, params = tiny(family)
+    model = tiny(family)[1]
+    cfg, params = model.cfg, model.param_dict()
     # The shapes of _check_cached_logits (a 9-wide prefill, then single tokens, into 24 slots): the reference
     # forward_cached programs are test_cached_logits_equal_full_forward's (llama, gemma2) and deepseek_v3's expanded
     # MLA ones of test_mla_expanded_and_absorbed_attention[False] (both ways equal the full forward there), compiled
@@ -320,12 +329,15 @@ def test_view_buckets_and_pipelining_keep_the_tokens(tiny, monkeypatch):
     before the previous token is read give the same tokens, and EOS still cuts each row right after it."""
     import eval.generate as g
 
-    _, cfg, params = tiny("gemma2")
+    model = tiny("gemma2")[1]
+    cfg, params = model.cfg, model.param_dict()
     rng = np.random.RandomState(6)
     prompts = [rng.randint(0, cfg.vocab_size, n).tolist() for n in (3, 14, 6)]
     gen = GenerationConfig(max_new_tokens=20)
     want = generate(cfg, params, prompts, gen)
-    monkeypatch.setattr(g, "VIEW", 8)
+    # Buckets of 16: the steps read 16 slots (14 to 16 filled: the last exactly full), then 32 (17 to 32, the
+    # last exactly full) of the 64: two programs.
+    monkeypatch.setattr(g, "VIEW", 16)
     assert generate(cfg, params, prompts, gen) == want
     eos = want[1][4]
     got = generate(cfg, params, prompts, GenerationConfig(max_new_tokens=20, eos_ids=(eos,)))
