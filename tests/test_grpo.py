@@ -217,8 +217,9 @@ def test_grpo_raises_the_reward_without_recompiling(learning_run):
 # Two micro-batches, the policy's old log-probabilities (num_iterations 2) and a reference (beta), plain SGD (updates
 # proportional to the gradients): the run that the unshared layout, the two-process run and the killed and resumed
 # run must follow.
+# grpo.loss_type=grpo: the one end-to-end run of that loss (the losses' values: tests/test_grpo_losses.py).
 ACCUM = ("max_steps=3", "grad_accum=2", "grpo.num_iterations=2", "grpo.beta=0.1", "optimizer.name=sgd",
-         "optimizer.learning_rate=0.5", "grpo.log_completions_every=1")
+         "optimizer.learning_rate=0.5", "grpo.log_completions_every=1", "grpo.loss_type=grpo")
 
 
 @pytest.fixture(scope="module")
