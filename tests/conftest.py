@@ -245,3 +245,12 @@ def trackio_dir(tmp_path_factory):
     from trackio.utils import TRACKIO_DIR
 
     return TRACKIO_DIR
+
+
+@pytest.fixture
+def no_env_report(monkeypatch):
+    """lm-eval's environment report in its results (torch's collect_env: pip, conda, nvidia-smi and git
+    subprocesses, about a second a run) left out: no metric or sample depends on it."""
+    from lm_eval import evaluator
+
+    monkeypatch.setattr(evaluator, "add_env_info", lambda results: None)

@@ -1,6 +1,6 @@
 """Subprocess and process helpers: the repository root and the packages only tests install (for runs without
 them), the environment of a simulated multi-device run, and `zoo` commands killed midway or right after a
-checkpoint."""
+checkpoint, and a fork server that imports a run's modules once and forks each run from it."""
 
 from __future__ import annotations
 
@@ -87,7 +87,6 @@ def kill_after_checkpoint(cli_module: str) -> str:
     """The script (for ``python -c``) that runs ``cli_module``'s ``main`` and SIGKILLs itself after the checkpoint
     of the step given as its first argument is on disk."""
     return _KILL_AFTER_CHECKPOINT.format(module=cli_module)
-
 
 
 # A fork server: one interpreter that imports the modules ARGV[1] names (comma-separated) once, then, for each job

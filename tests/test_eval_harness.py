@@ -111,15 +111,6 @@ def task_folder(tmp_path_factory):
 
 
 @pytest.fixture
-def no_env_report(monkeypatch):
-    """lm-eval's environment report in its results (torch's collect_env: pip, conda, nvidia-smi and git
-    subprocesses, about a second a run) left out: no metric or sample depends on it."""
-    from lm_eval import evaluator
-
-    monkeypatch.setattr(evaluator, "add_env_info", lambda results: None)
-
-
-@pytest.fixture
 def local_task_index(monkeypatch):
     """`zoo eval --harness`'s TaskManager over --include-path's tasks alone (lm-eval's whole library takes about
     10 s to index; the tasks here are all local), as tests/test_command_line.py's."""

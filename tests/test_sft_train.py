@@ -275,7 +275,7 @@ def test_lora_on_8_devices_matches_one_device(setup, tmp_path):
 
 
 @pytest.mark.slow
-def test_eval_tasks_during_training_score_the_live_weights(setup, tmp_path, monkeypatch):
+def test_eval_tasks_during_training_score_the_live_weights(setup, tmp_path, no_env_report):
     """eval.tasks run every eval_every steps on the current (LoRA-merged) weights: metrics.jsonl and TensorBoard
     carry them, and the last values equal `zoo eval`'s scoring of the saved final checkpoint.
     Slow (about 99 s in a loaded 2-worker baseline): whole training runs through the loop, each compiling its step
@@ -327,8 +327,6 @@ def test_eval_tasks_during_training_score_the_live_weights(setup, tmp_path, monk
 
     assert all("eval/hmc/acc" in r and "eval/hmc/acc_norm" in r for r in scored)
     lm = LmzooLM(model=model, tokenizer=tok, batch_size=cfg.eval.batch_size, progress=False)
-    # lm-eval's environment report (pip list, nvidia-smi and more in subprocesses) is not compared: skipped
-    monkeypatch.setattr(lm_eval.evaluator, "add_env_info", lambda results: None)
     want = lm_eval.simple_evaluate(model=lm, tasks=["hmc"], limit=cfg.eval.limit, bootstrap_iters=0,
                                    # the local task alone: lm-eval's own index of its library takes 13 s to build
                                    task_manager=TaskManager(include_path=str(harness), include_defaults=False)
