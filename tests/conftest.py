@@ -14,14 +14,18 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # or twice each, so LLVM's heaviest passes cost more than they save (tests/test_model.py with test_dpo_logps.py: 36 s
 # against 43-58 s). The programs are the same XLA programs (every HLO pass runs); only the machine code is tuned
 # less. Level 0 saves little more but computes differently enough (no fused multiply-adds) to miss two
-# 1e-5 parity checks by 1.2e-5: never used. LMZOO_TEST_XLA_OPT=default keeps XLA's default.
+# 1e-5 parity checks by 1.2e-5: never used. LMZOO_TEST_XLA_OPT=default keeps XLA's defaults (both settings below).
 # Under pytest-xdist each of the machine's cores already runs a worker: torch's own thread pool (OpenMP, whose
 # threads spin while they wait) would fight the other worker for the cores. One thread a worker: measured on the
 # 2-core machine, transformers' SmolLM2 forwards 20x faster under the other worker's load (1.1 s against 21.9 s).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+# XLA's CPU fusions through its older elemental emitter, not the MLIR fusion emitters it uses by default: the same
+# fused HLO, lowered to LLVM in one step instead of through MLIR's dialects, which takes most of a tiny program's
+# compile time (tests/test_model.py with test_dpo_logps.py, side by side: 16-20 s against 26-28 s).
 if os.environ.get("LMZOO_TEST_XLA_OPT", "0") != "default":
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=1".strip()
+    os.environ["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=1"
+                               " --xla_cpu_use_fusion_emitters=false").strip()
 
 
 @pytest.fixture(scope="session", autouse=True)

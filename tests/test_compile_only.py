@@ -2,6 +2,7 @@
 without weights or data: the report, the exit codes (0 fits, 3 does not, 2 user errors) and its errors."""
 
 import json
+import os
 
 import pytest
 
@@ -147,6 +148,22 @@ def test_without_libtpu_the_error_names_the_extra(tmp_path, capsys, monkeypatch)
     monkeypatch.setattr(topology.importlib.util, "find_spec", lambda n, *a: None if n == "libtpu" else real(n, *a))
     with pytest.raises(UserError, match=r"pip install 'lmzoo\[tpu\]'"):
         topology.topology_devices("v5e:2x2")
+
+
+def test_libtpu_never_sees_the_cpu_backends_flags(monkeypatch):
+    """libtpu aborts the process on an XLA flag it does not define, and reads XLA_FLAGS at its first topology or
+    compile: while it does, the CPU backend's flags are hidden from it, and put back after. (The suite runs with
+    --xla_cpu_use_fusion_emitters=false, tests/conftest.py: without this every TPU compile here would abort.)"""
+    from zoo.compiled.compiler import flags_libtpu_knows
+
+    flags = "--xla_cpu_use_fusion_emitters=false --xla_dump_to=/x --xla_cpu_enable_fast_math=false"
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    with flags_libtpu_knows():
+        assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/x"
+    assert os.environ["XLA_FLAGS"] == flags
+    monkeypatch.delenv("XLA_FLAGS")
+    with flags_libtpu_knows():
+        assert "XLA_FLAGS" not in os.environ
 
 
 def test_hbm_per_chip_is_the_compilers_own_limit():

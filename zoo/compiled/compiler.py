@@ -3,6 +3,9 @@ dump of the buffers for :mod:`zoo.compiled.hlo_buffers`."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -23,6 +26,24 @@ def tpu_compiler_options(kind: str) -> dict[str, str]:
     return {"xla_tpu_scoped_vmem_limit_kib": "65536"} if k.startswith(("tpu v5", "tpu v6", "tpu7")) else {}
 
 
+@contextlib.contextmanager
+def flags_libtpu_knows() -> Iterator[None]:
+    """XLA_FLAGS without the CPU backend's own flags (``--xla_cpu_*``) while libtpu starts or compiles: libtpu
+    reads the variable once a process, at its first topology or compilation, and aborts the process on a flag
+    its XLA does not define (CPU-only ones of this jaxlib among them, such as ``--xla_cpu_use_fusion_emitters``),
+    so a CPU setting meant for this machine's JAX would kill ``--compile-only``. This process's CPU backend read
+    the variable when it started; its setting is unchanged."""
+    flags = os.environ.get("XLA_FLAGS")
+    if flags is None:
+        yield
+        return
+    os.environ["XLA_FLAGS"] = " ".join(f for f in flags.split() if not f.startswith("--xla_cpu_"))
+    try:
+        yield
+    finally:
+        os.environ["XLA_FLAGS"] = flags
+
+
 def compile_lowered(lowered: Any, platform: str | None = None, options: dict[str, Any] | None = None,
                     device_kind: str | None = None) -> Any:
     """``lowered.compile()``, with :data:`CPU_COMPILER_OPTIONS` for a CPU program (plainly where this jaxlib's
@@ -31,7 +52,8 @@ def compile_lowered(lowered: Any, platform: str | None = None, options: dict[str
     (default: this host's first device's) and ``options`` (XLA debug options, such as ``xla_dump_to``)."""
     if (platform or jax.default_backend()) != "cpu":
         options = {**tpu_compiler_options(device_kind or jax.devices()[0].device_kind), **(options or {})}
-        return lowered.compile(compiler_options=options) if options else lowered.compile()
+        with flags_libtpu_knows():
+            return lowered.compile(compiler_options=options) if options else lowered.compile()
     try:
         return lowered.compile(compiler_options=CPU_COMPILER_OPTIONS)
     except Exception as e:  # an unknown option or enum value: the scheduler is an optimization, not a need

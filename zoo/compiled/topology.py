@@ -55,7 +55,9 @@ def topology_devices(name: str, num_slices: int = 1) -> list:
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other processes (pytest -n 2) may hold it too
     from jax.experimental import topologies
 
-    with tempfile.TemporaryFile() as held:
+    from zoo.compiled.compiler import flags_libtpu_knows
+
+    with tempfile.TemporaryFile() as held, flags_libtpu_knows():
         saved = os.dup(2)
         os.dup2(held.fileno(), 2)
         try:
