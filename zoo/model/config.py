@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zoo.errors import UserError
+from zoo.model.vision_config import VisionConfig
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,8 @@ class ModelConfig:
     # How q_norm/k_norm span a token's q and k: "head" normalizes each head (Qwen 3, Gemma 3); "all" all heads
     # at once, one RMS over heads * head_dim (OLMo 2/3).
     qk_norm_span: str = "head"
+    # A vision-language model's image tower and connector (zoo.model.vision_config); None: text only.
+    vision: VisionConfig | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "nope_layers", tuple(int(i) for i in self.nope_layers))
@@ -249,9 +252,11 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (nested dataclasses become dicts) of the architecture: ``attention``, a run's
-        choice, is left out."""
+        choice, is left out, and ``vision`` when there is none."""
         d = dataclasses.asdict(self)
         d.pop("attention")
+        if self.vision is None:  # a text model's model.json stays as it was
+            d.pop("vision")
         return d
 
     def architecture(self) -> ModelConfig:
@@ -270,7 +275,9 @@ class ModelConfig:
         rope = d.pop("rope", {}) or {}
         local = d.pop("rope_local", None)
         types = d.pop("layer_types", None)
+        vision = d.pop("vision", None)
         if "mlp_only_layers" in d:
             d["mlp_only_layers"] = tuple(d["mlp_only_layers"])  # JSON lists; configs are hashed (jit keys)
         return cls(rope=RopeConfig(**rope), rope_local=RopeConfig(**local) if local else None,
-                   layer_types=tuple(types) if types is not None else None, **d)
+                   layer_types=tuple(types) if types is not None else None,
+                   vision=VisionConfig(**vision) if vision else None, **d)

@@ -259,9 +259,15 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
 
 
 def _completed(cfg: ModelConfig, hf: dict[str, Any], top: Any, c: Any, where: str) -> ModelConfig:
-    """``cfg`` with Gemma 4's own fields and a reward model's score head, checked for what lmzoo cannot run."""
+    """``cfg`` with Gemma 4's own fields, a vision-language model's vision side and a reward model's score head,
+    checked for what lmzoo cannot run."""
     if cfg.family == "gemma4":
         cfg = dataclasses.replace(cfg, **_gemma4_fields(c, where))
+    traits = FAMILIES[cfg.family]
+    if traits.vision is not None:
+        from zoo.model.vision_from_hf import vision_config_from_hf
+
+        cfg = dataclasses.replace(cfg, vision=vision_config_from_hf(traits.vision, top, traits.architecture, where))
     if any(a.endswith(CLASSIFIER[1]) for a in hf.get("architectures") or []):  # a reward model's score head
         pad = getattr(top, "pad_token_id", None)
         cfg = dataclasses.replace(cfg, num_labels=int(getattr(top, "num_labels", 1)),

@@ -32,6 +32,7 @@ class FamilyTraits:
     uses_query_pre_attn_scalar: bool = False
     sliding_on_every_layer: bool = False  # Mistral: one window for all layers, no layer_types
     moe: str | None = None  # "mixtral" | "deepseek_v2" | "deepseek_v3" | "qwen3_moe" | "glm4_moe": how routing is configured
+    vision: str | None = None  # the reader of a vision-language config's vision side (zoo.model.vision_from_hf)
 
 
 FAMILIES: dict[str, FamilyTraits] = {
@@ -69,6 +70,10 @@ FAMILIES: dict[str, FamilyTraits] = {
     # Gemma 4 (text): plain x * w norms (no offset); the rest of its traits are read by zoo.model.from_hf._gemma4_fields.
     "gemma4": FamilyTraits("gemma4_text", "Gemma4ForCausalLM", embed_scale=True, post_norms=True, qk_norm=True,
                            act_field="hidden_activation", final_softcap_field="final_logit_softcapping"),
+    # Vision-language models on a Llama language model (text_config model_type "llama"): a SigLIP tower and the
+    # pixel-shuffle connector. model_type/architecture name the composite config and model class.
+    "smolvlm": FamilyTraits("smolvlm", "SmolVLMForConditionalGeneration", mlp_bias="mlp_bias", vision="idefics3"),
+    "idefics3": FamilyTraits("idefics3", "Idefics3ForConditionalGeneration", mlp_bias="mlp_bias", vision="idefics3"),
 }
 
 # architecture -> (family, source format of its weight names)
@@ -79,11 +84,15 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     **{t.architecture.replace(*CLASSIFIER): (f, "hf") for f, t in FAMILIES.items() if CLASSIFIER[0] in t.architecture},
     "Gemma3ForConditionalGeneration": ("gemma3", "hf-gemma3-multimodal"),
     "Gemma4ForConditionalGeneration": ("gemma4", "hf-gemma4-multimodal"),
+    "SmolVLMForConditionalGeneration": ("smolvlm", "hf-smolvlm"),
+    "Idefics3ForConditionalGeneration": ("idefics3", "hf-idefics3"),
 }
 MODEL_TYPES: dict[str, tuple[str, str]] = {
     **{t.model_type: (f, "hf") for f, t in FAMILIES.items()},
     "gemma3": ("gemma3", "hf-gemma3-multimodal"),
     "gemma4": ("gemma4", "hf-gemma4-multimodal"),
+    "smolvlm": ("smolvlm", "hf-smolvlm"),
+    "idefics3": ("idefics3", "hf-idefics3"),
 }
 
 

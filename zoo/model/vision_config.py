@@ -1,0 +1,77 @@
+"""The vision side of a vision-language model: its image tower, the connector into the language model, and the
+token the language model's image positions hold. Nested in :class:`zoo.model.config.ModelConfig` as ``vision``.
+
+Only SmolVLM/Idefics3's SigLIP tower and pixel-shuffle connector are here yet: a pre-norm transformer over
+the patches of each image (LayerNorm with biases, q/k/v/o with biases, fc1 -> gelu_tanh -> fc2 with biases,
+bidirectional within one image), a conv patch embedding with a bias, a learned position table read at
+SmolVLM's bucketized index, a final ``post_layernorm``, then ``shuffle_linear``: each ``scale_factor`` x
+``scale_factor`` block of patches concatenated into one token and projected (no bias) to the LM's width.
+Other towers add fields here as the design notes sketch; a name nothing reads yet is not one of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zoo.errors import UserError
+
+CONNECTORS = ("shuffle_linear",)
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """Architecture of an image tower and its connector (frozen and hashable: part of the jit key)."""
+
+    arch: str  # the Hugging Face *ForConditionalGeneration class the model came from
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    patch_size: int
+    image_size: int  # a fixed-size tower: images (or tiles) are image_size square, padded where smaller
+    image_token_id: int
+    num_channels: int = 3
+    hidden_act: str = "gelu_pytorch_tanh"
+    norm_eps: float = 1e-6
+    connector: str = "shuffle_linear"
+    scale_factor: int = 2  # shuffle_linear: patches per output token along each side
+
+    def __post_init__(self) -> None:
+        if self.connector not in CONNECTORS:
+            raise UserError(f"model config: vision connector {self.connector!r} is not one of {', '.join(CONNECTORS)}")
+        if self.hidden_size % self.num_heads:
+            raise UserError(f"model config: vision hidden_size={self.hidden_size} is not a multiple of "
+                            f"num_heads={self.num_heads}")
+        if self.image_size % self.patch_size or self.side % self.scale_factor:
+            raise UserError(f"model config: vision image_size={self.image_size} must be a multiple of patch_size="
+                            f"{self.patch_size} times scale_factor={self.scale_factor}")
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head of the tower."""
+        return self.hidden_size // self.num_heads
+
+    @property
+    def side(self) -> int:
+        """Patches along each side of a full image."""
+        return self.image_size // self.patch_size
+
+    @property
+    def patches_per_image(self) -> int:
+        """Patches of one (padded) image: rows of the position table too."""
+        return self.side**2
+
+    @property
+    def group(self) -> int:
+        """Patches that make one output token."""
+        return self.scale_factor**2
+
+    @property
+    def tokens_per_image(self) -> int:
+        """Language-model tokens (and features) of one image."""
+        return self.patches_per_image // self.group
+
+    @property
+    def patch_dim(self) -> int:
+        """Width of one flattened patch: channels x patch_size x patch_size."""
+        return self.num_channels * self.patch_size**2

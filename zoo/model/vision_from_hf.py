@@ -1,0 +1,37 @@
+"""A Hugging Face vision-language config's vision side read as a :class:`zoo.model.vision_config.VisionConfig`.
+
+Read from transformers' own config object (its defaults included), one reader per kind of tower, named by the
+family's traits (``FamilyTraits.vision``). The language model's side is :mod:`zoo.model.from_hf`'s.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zoo.errors import UserError
+from zoo.model.vision_config import VisionConfig
+
+
+def _idefics3(top: Any, arch: str, where: str) -> VisionConfig:
+    """SmolVLM / Idefics3: a SigLIP tower (``vision_config``), the pixel-shuffle connector (``scale_factor``)."""
+    v = top.vision_config
+    size, patch = v.image_size, v.patch_size
+    if not isinstance(size, int) or not isinstance(patch, int):
+        raise UserError(f"{where}: vision_config image_size={size!r} / patch_size={patch!r} must be single integers")
+    return VisionConfig(arch=arch, hidden_size=int(v.hidden_size), intermediate_size=int(v.intermediate_size),
+                        num_layers=int(v.num_hidden_layers), num_heads=int(v.num_attention_heads), patch_size=patch,
+                        image_size=size, image_token_id=int(top.image_token_id), num_channels=int(v.num_channels),
+                        hidden_act=str(v.hidden_act), norm_eps=float(v.layer_norm_eps), connector="shuffle_linear",
+                        scale_factor=int(top.scale_factor))
+
+
+READERS = {"idefics3": _idefics3}
+
+
+def vision_config_from_hf(kind: str, top: Any, arch: str, where: str) -> VisionConfig:
+    """The :class:`VisionConfig` of transformers' composite config ``top`` through the reader ``kind``; ``arch``
+    is the model class it names."""
+    try:
+        return READERS[kind](top, arch, where)
+    except (TypeError, ValueError, AttributeError) as e:
+        raise UserError(f"{where}: cannot read the vision config ({e})") from None
