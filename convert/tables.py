@@ -16,6 +16,7 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from convert.vision_tables import vision_entries
 from zoo.model.config import ModelConfig
 
 
@@ -348,6 +349,9 @@ TABLES[("gemma4", "hf")] = gemma4_table()
 # Gemma4ForConditionalGeneration as stored on the Hub (every released Gemma 4): the text model sits under
 # `model.language_model.`; the vision and audio towers are not converted.
 TABLES[("gemma4", "hf-gemma4-multimodal")] = gemma4_table("model.language_model.")
+# SmolVLM / Idefics3: a Llama under `model.text_model.`, the head at the top; the tower and connector's names are
+# convert.vision_tables'.
+TABLES[("smolvlm", "hf-smolvlm")] = TABLES[("idefics3", "hf-idefics3")] = decoder_table("model.text_model.")
 
 
 def table_for(family: str, fmt: str, cfg: ModelConfig) -> list[BoundRule]:
@@ -368,6 +372,8 @@ def table_for(family: str, fmt: str, cfg: ModelConfig) -> list[BoundRule]:
                 # A kind-split rule stacks the layers of its kind only.
                 own = layers if rule.kind is None else tuple(i for i in layers if cfg.kinds[i] == rule.kind)
                 out.append(BoundRule(f"{prefix}.{name}", rule.hf, rule.transform, own, experts))
+    # A vision-language model's tower (stacked over its own layers) and connector.
+    out += [BoundRule(zoo, hf, t, layers) for zoo, hf, t, layers in vision_entries(fmt, cfg)]
     return out
 
 

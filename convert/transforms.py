@@ -176,6 +176,35 @@ TRANSFORMS["global_kv_in"] = _global("kv_in")
 TRANSFORMS["global_o_out"] = _global("o_out")
 
 
+def _tower(name: str) -> Transform:
+    """Transform ``name`` of a vision tower's attention: with the tower's heads (every head its own keys/values)."""
+    import dataclasses
+
+    def tower(cfg: ModelConfig) -> ModelConfig:
+        v = cfg.vision
+        assert v is not None, "a vision transform on a model without a vision tower"
+        return dataclasses.replace(cfg, num_heads=v.num_heads, num_kv_heads=v.num_heads, head_dim=v.head_dim)
+
+    t = TRANSFORMS[name]
+    return Transform(lambda w, cfg: t.forward(w, tower(cfg)), lambda w, cfg: t.inverse(w, tower(cfg)))
+
+
+TRANSFORMS["vq_in"] = _tower("q_in")
+TRANSFORMS["vo_out"] = _tower("o_out")
+TRANSFORMS["vq_bias"] = _tower("q_bias")
+
+
+def _conv_patch_inverse(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    assert cfg.vision is not None, "a vision transform on a model without a vision tower"
+    p = cfg.vision.patch_size
+    return w.T.reshape(w.shape[1], -1, p, p)
+
+
+# A conv patch embedding [D, C, p, p] <-> the zoo's [C * p * p, D]: the host flattens each patch in the same
+# (channel, row, column) order (zoo.data.vision_layout), so the conv is one matmul.
+TRANSFORMS["conv_patch"] = Transform(lambda w, cfg: w.reshape(w.shape[0], -1).T, _conv_patch_inverse)
+
+
 def hf_shape(transform: str, piece: tuple[int, ...], cfg: ModelConfig) -> tuple[int, ...]:
     """The shape of the HF tensor that a zoo piece of shape ``piece`` comes from through ``transform`` (computed
     on a zero-stride array: no memory)."""

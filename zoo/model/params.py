@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zoo.model.config import ModelConfig
+from zoo.model.vision_params import vision_specs
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,7 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
         s["lm_head"] = ParamSpec((E, V), ("embed", "vocab"), "normal")
     if cfg.num_labels:  # a reward model's scalar head (rm/)
         s["score"] = ParamSpec((E, cfg.num_labels), ("embed", None), "normal")
+    s.update({path: ParamSpec(*spec) for path, spec in vision_specs(cfg).items()})  # a VLM's tower and connector
     return s
 
 

@@ -1,0 +1,54 @@
+"""The parameter layout of a vision-language model's image tower (``vision.*``) and connector (``projector.*``).
+
+The tower's layers are stacked on a leading ``layers`` axis, as the decoder's are, so the tower scans them
+(:mod:`zoo.model.vision`). Appended to :func:`zoo.model.params.param_specs` (as its ParamSpecs) when ``cfg.vision`` is set.
+"""
+
+from __future__ import annotations
+
+from zoo.model.config import ModelConfig
+from zoo.model.vision_config import VisionConfig
+
+# (shape, logical axes, initializer kind): the fields of zoo.model.params.ParamSpec, which wraps them (that module
+# imports this one, so this one cannot import it)
+Spec = tuple[tuple[int, ...], tuple[str | None, ...], str]
+
+
+def _tower_layer_specs(v: VisionConfig) -> dict[str, Spec]:
+    """The SigLIP encoder layers' weights (suffixes after ``vision.layers.``): LayerNorms with biases, q/k/v/o
+    with biases, fc1 (``up``) and fc2 (``down``) with biases."""
+    L, D, F, H, Dh = v.num_layers, v.hidden_size, v.intermediate_size, v.num_heads, v.head_dim
+    lay = ("layers",)
+    s: dict[str, Spec] = {}
+    for norm in ("attn_norm", "mlp_norm"):
+        s[norm] = ((L, D), lay + ("embed",), "ones")
+        s[f"{norm}_bias"] = ((L, D), lay + ("embed",), "zeros")
+    for name in ("q", "k", "v"):
+        s[name] = ((L, D, H, Dh), lay + ("embed", "heads", "head_dim"), "normal")
+        s[f"{name}_bias"] = ((L, H, Dh), lay + ("heads", "head_dim"), "zeros")
+    s["o"] = ((L, H, Dh, D), lay + ("heads", "head_dim", "embed"), "normal")
+    s["o_bias"] = ((L, D), lay + ("embed",), "zeros")
+    s["up"] = ((L, D, F), lay + ("embed", "mlp"), "normal")
+    s["up_bias"] = ((L, F), lay + ("mlp",), "zeros")
+    s["down"] = ((L, F, D), lay + ("mlp", "embed"), "normal")
+    s["down_bias"] = ((L, D), lay + ("embed",), "zeros")
+    return s
+
+
+def vision_specs(cfg: ModelConfig) -> dict[str, Spec]:
+    """Every weight of the image tower and its connector, by dotted path ({} for a text model)."""
+    v = cfg.vision
+    if v is None:
+        return {}
+    D = v.hidden_size
+    s: dict[str, Spec] = {
+        "vision.patch_embed": ((v.patch_dim, D), (None, "embed"), "normal"),
+        "vision.patch_bias": ((D,), ("embed",), "zeros"),
+        "vision.pos_embed": ((v.patches_per_image, D), (None, "embed"), "normal"),
+    }
+    s.update({f"vision.layers.{name}": spec for name, spec in _tower_layer_specs(v).items()})
+    s["vision.final_norm"] = ((D,), ("embed",), "ones")
+    s["vision.final_norm_bias"] = ((D,), ("embed",), "zeros")
+    # shuffle_linear: a group of patches concatenated, projected to the language model's width (no bias)
+    s["projector.proj"] = ((v.group * D, cfg.hidden_size), (None, "embed"), "normal")
+    return s
