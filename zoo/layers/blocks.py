@@ -110,6 +110,16 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -
     return _rms_norm(x, weight, eps, offset)
 
 
+def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+    """LayerNorm (mean and biased variance over the last axis) scaled by ``weight`` plus ``bias``, computed in
+    float32 and cast back (the vision towers' norm: SigLIP's)."""
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    y = (xf - mean) * jax.lax.rsqrt(var + eps)
+    return (y * weight.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+
+
 def _inv_rms(x: jax.Array, eps: float) -> jax.Array:
     """Per-row 1/rms of x [..., 1], in float32."""
     xf = x.astype(jnp.float32)

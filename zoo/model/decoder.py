@@ -38,10 +38,12 @@ from zoo.model.layer_layout import (
 )
 from zoo.model.layer_scan import Segment, scan_segments, stack_slice
 from zoo.model.masks import kind_window, visibility
+from zoo.model.multimodal import embed_images
 from zoo.model.params import flatten, init_params, nest, param_specs
 from zoo.model.per_layer_inputs import add_per_layer_input, per_layer_inputs
 from zoo.model.rope import layer_rope, rope_flags, rope_tables_by_kind
 from zoo.model.sharding import batch_sharded
+from zoo.model.vision import VisionInputs
 
 
 def norm(cfg: ModelConfig, x: jax.Array, w: jax.Array) -> jax.Array:
@@ -113,6 +115,7 @@ def forward(
     return_hidden: bool = False,
     prefix_ids: jax.Array | None = None,
     max_segments: int | None = None,
+    vision: VisionInputs | None = None,
 ) -> jax.Array: ...
 
 
@@ -128,6 +131,7 @@ def forward(
     return_hidden: bool = False,
     prefix_ids: jax.Array | None = None,
     max_segments: int | None = None,
+    vision: VisionInputs | None = None,
 ) -> tuple[jax.Array, dict]: ...
 
 
@@ -143,13 +147,14 @@ def forward(
     return_hidden: bool = False,
     prefix_ids: jax.Array | None = None,
     max_segments: int | None = None,
+    vision: VisionInputs | None = None,
 ) -> jax.Array | tuple[jax.Array, dict]: ...
 
 
 def forward(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax.Array, segment_ids: jax.Array | None = None,
             positions: jax.Array | None = None, return_aux: bool = False, remat: str = "none",
             return_hidden: bool = False, prefix_ids: jax.Array | None = None,
-            max_segments: int | None = None) -> jax.Array | tuple[jax.Array, dict]:
+            max_segments: int | None = None, vision: VisionInputs | None = None) -> jax.Array | tuple[jax.Array, dict]:
     """Logits [batch, seq, vocab] (float32) of the decoder for int tokens [batch, seq].
 
     ``segment_ids`` marks packed documents (attention never crosses a change
@@ -189,6 +194,9 @@ def forward(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax.Arra
 
     Under a mesh with a ``context`` axis over 1 (``jax.set_mesh``) the activations' sequence is split over it
     and attention gathers the keys (:mod:`zoo.model.context`); t must divide by its size.
+
+    ``vision`` (a vision-language model's images as patches, :class:`zoo.model.vision.VisionInputs`) puts each
+    image token's feature in place of its embedding (:func:`zoo.model.multimodal.embed_images`).
     """
     w = Weights.wrap(params)
     base: dict[str, Any] = w.base
@@ -206,6 +214,8 @@ def forward(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax.Arra
     seen = {kind: visibility(segment_ids, kind_window(cfg, kind), prefix_ids, max_segments) for kind in ropes}
     valid = segment_ids != 0
     x = embed_tokens(cfg, base, tokens)
+    if vision is not None:
+        x = embed_images(cfg, base, tokens, x, vision)
     # Gemma 4: each layer's per-layer input [layers, b, t, width], scanned with the layers' weights.
     ple = per_layer_inputs(cfg, base, tokens, x) if cfg.per_layer_input_size else None
     shared: dict[str, tuple[jax.Array, jax.Array]] = {}  # kind -> the keys/values the KV-shared layers reuse
@@ -361,15 +371,24 @@ class Decoder(nnx.Module):
         for name in ("ple_embed", "ple_model_proj", "ple_proj_norm"):  # Gemma 4's per-layer inputs
             if name in tree:
                 setattr(self, name, tree.pop(name))
+        for name in ("vision", "projector"):  # a vision-language model's tower and connector
+            if name in tree:
+                setattr(self, name, _nested_dict(tree.pop(name)))
 
     def param_dict(self) -> dict[str, Any]:
         """Parameters as a plain nested dict of arrays."""
         return nnx.to_pure_dict(nnx.state(self, nnx.Param))
 
     def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
-                 positions: jax.Array | None = None, return_aux: bool = False):
-        """Logits [batch, seq, vocab] for int32 tokens [batch, seq] (and router aux with ``return_aux``)."""
-        return _jit_forward(self.cfg, self.param_dict(), tokens, segment_ids, positions, return_aux)
+                 positions: jax.Array | None = None, return_aux: bool = False, vision: VisionInputs | None = None):
+        """Logits [batch, seq, vocab] for int32 tokens [batch, seq] (and router aux with ``return_aux``); a
+        vision-language model's images come as ``vision``."""
+        return _jit_forward(self.cfg, self.param_dict(), tokens, segment_ids, positions, return_aux, vision=vision)
+
+
+def _nested_dict(tree: dict[str, Any]) -> nnx.Dict:
+    """A nested dict of parameters as nested ``nnx.Dict``s (the vision tower's ``layers`` sit one level down)."""
+    return nnx.Dict({k: _nested_dict(v) if isinstance(v, dict) else v for k, v in tree.items()})
 
 
 _jit_forward = jax.jit(forward, static_argnums=(0, 5))

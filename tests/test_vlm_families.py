@@ -1,0 +1,94 @@
+"""Vision-language models against transformers: SmolVLM's host-side patch layout, its SigLIP tower's image features
+and its image+text logits, from a `zoo convert`ed tiny random SmolVLMForConditionalGeneration."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import zoo
+from tests.hf_models import mean_kl
+from tests.vlm_models import TOKENS_PER_IMAGE, hf_image_features, hf_vlm_logits, image, image_row, make_vlm
+from zoo.cli import main
+from zoo.data.vision_layout import bucketized_positions, image_patches, layout_rows, patch_validity, shuffle_slots
+from zoo.model.vision import VisionInputs, encode_images
+
+
+@pytest.fixture(scope="module")
+def smolvlm(tmp_path_factory):
+    """(transformers' tiny SmolVLM, its `zoo convert`ed checkpoint folder)."""
+    root = tmp_path_factory.mktemp("smolvlm")
+    model = make_vlm(root / "hf", "smolvlm")
+    assert main(["convert", str(root / "hf"), "--out", str(root / "zoo")]) == 0
+    return model, root / "zoo"
+
+
+def _inputs(cfg, images) -> VisionInputs:
+    """One image per row: the batch's VisionInputs (16 patches a row)."""
+    rows = [[image_patches(cfg.vision, pixels, mask)] for pixels, mask in images]
+    return VisionInputs(**{k: jnp.asarray(a) for k, a in layout_rows(cfg.vision, rows, 16).items()})
+
+
+@pytest.mark.parametrize("side,image_size,shapes", [(4, 28, [(28, 28), (20, 28), (28, 13), (7, 7)]),
+                                                    (26, 364, [(364, 364), (300, 364), (364, 141), (15, 200)])])
+def test_positions_and_validity_equal_transformers(side, image_size, shapes):
+    """The bucketized position rows and patch validity, against SmolVLMVisionEmbeddings' own (read by a hook on
+    its position table), on padded images; 26 patches a side has bucket edges that are not exact in float32."""
+    from transformers.models.smolvlm.configuration_smolvlm import SmolVLMVisionConfig
+    from transformers.models.smolvlm.modeling_smolvlm import SmolVLMVisionEmbeddings
+
+    patch = image_size // side
+    emb = SmolVLMVisionEmbeddings(SmolVLMVisionConfig(hidden_size=8, image_size=image_size, patch_size=patch))
+    seen = []
+    emb.position_embedding.register_forward_hook(lambda m, args, out: seen.append(args[0].numpy()))
+    for rows, cols in shapes:
+        mask = np.zeros((image_size, image_size), bool)
+        mask[:rows, :cols] = True
+        valid = patch_validity(mask, patch)
+        ref_valid = torch.tensor(mask).unfold(0, patch, patch).unfold(1, patch, patch).sum(dim=(-1, -2)) > 0
+        np.testing.assert_array_equal(valid, ref_valid.numpy())
+        with torch.no_grad():
+            emb(torch.zeros(1, 3, image_size, image_size), ref_valid[None])
+        np.testing.assert_array_equal(bucketized_positions(valid, side), seen[-1][0])
+
+
+def test_shuffle_slots_equal_pixel_shuffle():
+    """Each patch's (token, slot) puts it where SmolVLMConnector.pixel_shuffle does."""
+    from transformers.models.smolvlm.modeling_smolvlm import SmolVLMConnector
+
+    side, scale, dim = 6, 3, 2
+    states = torch.arange(side * side * dim, dtype=torch.float32).reshape(1, side * side, dim)
+    ref = SmolVLMConnector.pixel_shuffle(None, states, scale)[0].reshape(side * side // scale**2, scale**2, dim)
+    token, slot = shuffle_slots(side, side, scale)
+    got = np.zeros(ref.shape, np.float32)
+    got[token, slot] = states[0].numpy()
+    np.testing.assert_array_equal(got, ref.numpy())
+
+
+def test_image_features_equal_transformers(smolvlm):
+    hf, ckpt = smolvlm
+    cfg, params = zoo.read_config(ckpt), zoo.load_params(ckpt)
+    pixels, mask = image(0)
+    ref = hf_image_features(hf, pixels[None], mask[None])
+    got = np.asarray(jax.jit(encode_images, static_argnums=0)(cfg, params, _inputs(cfg, [(pixels, mask)])))
+    assert got.shape == (1, TOKENS_PER_IMAGE, 64)
+    assert np.abs(got[0] - ref).max() <= 1e-5
+    assert ref.std() > 0.5
+
+
+def test_image_text_logits_equal_transformers(smolvlm):
+    """Two rows, one image each: a full 28 x 28 image and a 20 x 28 one padded to 28 x 28 (its last patch row
+    padding: bucketized positions, padding patches as queries only)."""
+    hf, ckpt = smolvlm
+    images = [image(1), image(2, rows=20)]
+    tokens = np.stack([image_row(16, 3, seed=3), image_row(16, 9, seed=4)])
+    ref = hf_vlm_logits(hf, tokens, np.stack([p for p, _ in images]), np.stack([m for _, m in images]))
+    model = zoo.load(ckpt)
+    got = np.asarray(model(jnp.asarray(tokens), vision=_inputs(model.cfg, images)))
+    assert np.abs(got - ref).max() <= 1e-4
+    assert mean_kl(ref, got) <= 1e-6
+    assert ref.std() > 0.5
+    # The images matter: other pixels change the logits from the first image token on, and only from there.
+    other = hf_vlm_logits(hf, tokens, np.stack([image(5)[0], image(6, rows=20)[0]]), np.stack([m for _, m in images]))
+    assert np.abs(other - ref)[0, :3].max() < 1e-5 and np.abs(other - ref)[0, 3:].max() > 1e-2

@@ -1,0 +1,96 @@
+"""Images as the device receives them: flattened patches with per-patch metadata, computed on the host (numpy).
+
+A row of a batch holds at most ``max_patches`` patches (a static shape) of the images of that row, in order.
+Per patch: its pixels (``[channels * p * p]``, flattened in the (channel, row, column) order of a conv patch
+embedding's weight), the image it belongs to (``patch_image``: 1.. within the row, 0 for the row's padding;
+the tower attends within one image), whether it holds any real pixels (``patch_valid``: only those are keys),
+its row of the learned position table (``patch_pos``), and where the connector puts it (``patch_group``: the
+row's output token, -1 for none; ``patch_slot``: its place within that token's group of patches).
+
+SmolVLM/Idefics3 (transformers' ``SmolVLMVisionEmbeddings``, ``SmolVLMConnector.pixel_shuffle``): a padded image
+reads the position table at *bucketized fractional* coordinates of its real patches (padding patches row 0),
+and each ``s x s`` block of patches becomes one token, patch ``(i*s + a, j*s + b)`` at slot ``a*s + b`` of
+token ``i*(w/s) + j``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from zoo.model.vision_config import VisionConfig
+
+def patchify(pixels: np.ndarray, patch: int) -> np.ndarray:
+    """[C, H, W] pixels -> [(H/p) * (W/p), C * p * p] patches, row-major over the grid, each flattened (C, y, x)."""
+    c, h, w = pixels.shape
+    grid = pixels.reshape(c, h // patch, patch, w // patch, patch)
+    return grid.transpose(1, 3, 0, 2, 4).reshape((h // patch) * (w // patch), c * patch * patch)
+
+
+def patch_validity(pixel_mask: np.ndarray, patch: int) -> np.ndarray:
+    """Bool [H/p, W/p]: the patches with at least one real pixel of ``pixel_mask`` [H, W] (transformers'
+    ``patch_attention_mask``)."""
+    h, w = pixel_mask.shape
+    return pixel_mask.reshape(h // patch, patch, w // patch, patch).sum(axis=(1, 3)) > 0
+
+
+def bucketized_positions(valid: np.ndarray, side: int) -> np.ndarray:
+    """Int [h * w]: each patch's row of a ``side x side`` position table (SmolVLM's bucketized fractional
+    coordinates of a grid whose real patches are ``valid`` [h, w]; padding patches read row 0). float32 as
+    transformers computes it, so the buckets' edges fall alike."""
+    boundaries = np.arange(1 / side, 1.0, 1 / side).astype(np.float32)
+    rows, cols = valid[:, 0].sum(), valid[0, :].sum()
+    top = np.float32(1.0 - 1e-6)
+    frac_h = np.minimum(np.arange(valid.shape[0], dtype=np.float32) * (np.float32(1.0) / np.float32(rows)), top)
+    frac_w = np.minimum(np.arange(valid.shape[1], dtype=np.float32) * (np.float32(1.0) / np.float32(cols)), top)
+    bucket_h = np.searchsorted(boundaries, frac_h, side="right")
+    bucket_w = np.searchsorted(boundaries, frac_w, side="right")
+    pos = bucket_h[:, None] * side + bucket_w[None, :]
+    return np.where(valid, pos, 0).reshape(-1)
+
+
+def shuffle_slots(h: int, w: int, scale: int) -> tuple[np.ndarray, np.ndarray]:
+    """(token, slot) int [h * w] of each patch of an h x w grid under the pixel shuffle by ``scale``."""
+    i, j = np.divmod(np.arange(h * w), w)
+    token = (i // scale) * (w // scale) + j // scale
+    slot = (i % scale) * scale + j % scale
+    return token, slot
+
+
+def image_patches(v: VisionConfig, pixels: np.ndarray, pixel_mask: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """One image's per-patch arrays (``patches``, ``patch_valid``, ``patch_pos``, ``patch_group`` within the
+    image, ``patch_slot``): ``pixels`` [C, S, S] at the tower's image size S, ``pixel_mask`` [S, S] its real
+    pixels (None: all)."""
+    if pixels.shape != (v.num_channels, v.image_size, v.image_size):
+        raise ValueError(f"image of shape {pixels.shape}: expected {(v.num_channels, v.image_size, v.image_size)}")
+    mask = np.ones(pixels.shape[1:], bool) if pixel_mask is None else pixel_mask.astype(bool)
+    valid = patch_validity(mask, v.patch_size)
+    group, slot = shuffle_slots(v.side, v.side, v.scale_factor)
+    return dict(patches=patchify(pixels, v.patch_size), patch_valid=valid.reshape(-1),
+                patch_pos=bucketized_positions(valid, v.side), patch_group=group, patch_slot=slot)
+
+
+def layout_rows(v: VisionConfig, rows: Sequence[Sequence[dict[str, np.ndarray]]], max_patches: int,
+                dtype: str = "float32") -> dict[str, np.ndarray]:
+    """The batch's arrays [rows, max_patches, ...] (the fields of :class:`zoo.model.vision.VisionInputs`) from each
+    row's images (each from
+    :func:`image_patches`), in order; a row's image k feeds the row's output tokens from k * tokens_per_image.
+    ``dtype`` is the patches'."""
+    b = len(rows)
+    out = dict(patches=np.zeros((b, max_patches, v.patch_dim), dtype), patch_image=np.zeros((b, max_patches), np.int32),
+               patch_valid=np.zeros((b, max_patches), bool), patch_pos=np.zeros((b, max_patches), np.int32),
+               patch_group=np.full((b, max_patches), -1, np.int32), patch_slot=np.zeros((b, max_patches), np.int32))
+    n = v.patches_per_image
+    for r, images in enumerate(rows):
+        if len(images) * n > max_patches:
+            raise ValueError(f"row {r}: {len(images)} images of {n} patches exceed max_patches={max_patches}")
+        for k, img in enumerate(images):
+            at = slice(k * n, (k + 1) * n)
+            out["patches"][r, at] = img["patches"]
+            out["patch_image"][r, at] = k + 1
+            out["patch_valid"][r, at] = img["patch_valid"]
+            out["patch_pos"][r, at] = img["patch_pos"]
+            out["patch_group"][r, at] = img["patch_group"] + k * v.tokens_per_image
+            out["patch_slot"][r, at] = img["patch_slot"]
+    return out
