@@ -21,6 +21,7 @@ import numpy as np
 
 from zoo.model.vision_config import VisionConfig
 
+
 def patchify(pixels: np.ndarray, patch: int) -> np.ndarray:
     """[C, H, W] pixels -> [(H/p) * (W/p), C * p * p] patches, row-major over the grid, each flattened (C, y, x)."""
     c, h, w = pixels.shape
