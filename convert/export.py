@@ -40,7 +40,7 @@ from convert.model_card import (
 from convert.mtp import EXTRA_FILE
 from convert.readers import SafetensorsFolder
 from convert.safetensors_out import ST_NAMES, encode_header
-from convert.tables import table_for
+from convert.tables import export_format, table_for
 from convert.transforms import TRANSFORMS, hf_shape
 from zoo.checkpoints.format import HF_CONFIG_FILE, TOKENIZER_DIR, WEIGHT_FILES, read_meta
 from zoo.checkpoints.loading import param_reader
@@ -97,7 +97,7 @@ def plan_tensors(cfg: ModelConfig, meta: dict[str, Any], dtype: str | None) -> l
     """Every HF tensor of the export, in the Hub's order (embeddings, layer by layer, norm, head); the parts of a
     fused tensor (Phi-3's q/k/v_proj, gpt-oss's experts' gate/up) planned as that one tensor (convert.fused)."""
     specs = param_specs(cfg)
-    rules = table_for(cfg.family, "hf", cfg)
+    rules = table_for(cfg.family, export_format(cfg), cfg)
     keyed = []
     for pos, rule in enumerate(rules):
         spec = specs[rule.zoo]

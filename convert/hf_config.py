@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from convert.hf_layer_fields import write_layer_fields
+from convert.tables import export_format
 from zoo.errors import UserError
 from zoo.model.config import ModelConfig, RopeConfig
 from zoo.model.from_hf import model_config_from_hf
@@ -209,9 +210,12 @@ def export_hf_config(cfg: ModelConfig, source: dict[str, Any] | None, dtype: str
     keep = False
     if source is not None:
         try:
-            keep = source_format(source) == "hf" and model_config_from_hf(source) == cfg
+            keep = source_format(source) == export_format(cfg) and model_config_from_hf(source) == cfg
         except UserError:
             keep = False
+    if cfg.vision is not None and not keep:  # no generated composite config yet
+        raise UserError(f"exporting a {cfg.vision.arch} needs the config.json it was converted from "
+                        "(hf_config.json in the checkpoint), which is missing or no longer fits the model")
     if keep and source is not None:  # keep: source fits
         if not (source.get("architectures") and "transformers_version" in source):
             return _save_pretrained_dict(source, arch, dtype)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from convert.vision_tables import vision_entries
 from zoo.model.config import ModelConfig
+from zoo.model.hf_families import ARCHITECTURES
 
 
 @dataclass(frozen=True)
@@ -382,3 +383,8 @@ def _specs(cfg: ModelConfig) -> dict:
     from zoo.model.params import param_specs
 
     return param_specs(cfg)
+
+
+def export_format(cfg: ModelConfig) -> str:
+    """The weight-name format an export writes: a vision-language model's (its composite class's), else "hf"."""
+    return "hf" if cfg.vision is None else ARCHITECTURES[cfg.vision.arch][1]

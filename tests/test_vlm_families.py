@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import zoo
-from tests.hf_models import mean_kl
+from tests.hf_models import hf_tensors, mean_kl
 from tests.vlm_models import TOKENS_PER_IMAGE, hf_image_features, hf_vlm_logits, image, image_row, make_vlm
 from zoo.cli import main
 from zoo.data.vision_layout import bucketized_positions, image_patches, layout_rows, patch_validity, shuffle_slots
@@ -92,3 +92,19 @@ def test_image_text_logits_equal_transformers(smolvlm):
     # The images matter: other pixels change the logits from the first image token on, and only from there.
     other = hf_vlm_logits(hf, tokens, np.stack([image(5)[0], image(6, rows=20)[0]]), np.stack([m for _, m in images]))
     assert np.abs(other - ref)[0, :3].max() < 1e-5 and np.abs(other - ref)[0, 3:].max() > 1e-2
+
+
+def test_round_trip_is_bit_identical(smolvlm, tmp_path):
+    """HF -> zoo -> HF gives back every tensor, bit for bit, and the config, which transformers loads."""
+    import json
+
+    from transformers import AutoModelForImageTextToText
+
+    hf, ckpt = smolvlm
+    assert main(["export", str(ckpt), "--out", str(tmp_path / "back")]) == 0
+    assert hf_tensors(ckpt.parent / "hf") == hf_tensors(tmp_path / "back")
+    a = json.loads((ckpt.parent / "hf" / "config.json").read_text())
+    b = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert {k: v for k, v in a.items() if "dtype" not in k} == {k: v for k, v in b.items() if "dtype" not in k}
+    back = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "back"), dtype=torch.float32)
+    assert type(back) is type(hf)

@@ -47,14 +47,13 @@ class VisionInputs:
 
 def _attention(v: VisionConfig, x: jax.Array, p: dict[str, jax.Array], visible: jax.Array) -> jax.Array:
     """Bidirectional multi-head attention of one tower layer over x [b, n, D] where ``visible`` [b, 1, n, n]."""
-    q = dense(x, p["q"]) + p["q_bias"]  # [b, n, heads, head_dim]
-    k = dense(x, p["k"]) + p["k_bias"]
-    val = dense(x, p["v"]) + p["v_bias"]
+    b, n, _ = x.shape
+    q, k, val = (dense(x, p[name]).reshape(b, n, v.num_heads, v.head_dim) + p[f"{name}_bias"] for name in "qkv")
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * v.head_dim**-0.5
     # A finite floor, not -inf: a row's padding patches see no key, and must come out finite (then unused).
     scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(val.dtype)
-    out = jnp.einsum("bhqk,bkhd->bqhd", probs, val)
+    out = jnp.einsum("bhqk,bkhd->bqhd", probs, val).reshape(b, n, v.hidden_size)
     return dense(out, p["o"], contract=2) + p["o_bias"]
 
 
