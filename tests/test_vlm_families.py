@@ -16,12 +16,26 @@ from zoo.model.vision import VisionInputs, encode_images
 
 
 @pytest.fixture(scope="module")
-def smolvlm(tmp_path_factory):
+def converted(tmp_path_factory):
+    """name -> (transformers' tiny model of VLM_FAMILIES' ``name``, its `zoo convert`ed checkpoint folder), each
+    made once."""
+    made = {}
+
+    def get(name):
+        if name not in made:
+            root = tmp_path_factory.mktemp(name)
+            model = make_vlm(root / "hf", name)
+            assert main(["convert", str(root / "hf"), "--out", str(root / "zoo")]) == 0
+            made[name] = model, root / "zoo"
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def smolvlm(converted):
     """(transformers' tiny SmolVLM, its `zoo convert`ed checkpoint folder)."""
-    root = tmp_path_factory.mktemp("smolvlm")
-    model = make_vlm(root / "hf", "smolvlm")
-    assert main(["convert", str(root / "hf"), "--out", str(root / "zoo")]) == 0
-    return model, root / "zoo"
+    return converted("smolvlm")
 
 
 def _inputs(cfg, images) -> VisionInputs:
@@ -66,8 +80,9 @@ def test_shuffle_slots_equal_pixel_shuffle():
     np.testing.assert_array_equal(got, ref.numpy())
 
 
-def test_image_features_equal_transformers(smolvlm):
-    hf, ckpt = smolvlm
+@pytest.mark.parametrize("name", ["smolvlm", "idefics3"])
+def test_image_features_equal_transformers(converted, name):
+    hf, ckpt = converted(name)
     cfg, params = zoo.read_config(ckpt), zoo.load_params(ckpt)
     pixels, mask = image(0)
     ref = hf_image_features(hf, pixels[None], mask[None])
