@@ -93,10 +93,12 @@ def test_image_features_equal_transformers(converted, name):
 
 
 def test_image_text_logits_equal_transformers(smolvlm):
-    """Two rows, one image each: a full 28 x 28 image and a 20 x 28 one padded to 28 x 28 (its last patch row
-    padding: bucketized positions, padding patches as queries only)."""
+    """Two rows, one image each: a full 28 x 28 image and a 13 x 20 one padded to 28 x 28: 2 x 3 patches hold
+    pixels (the last of each partly), so its bucketized positions are rows 0 and 2 of the 4 x 4 table (a 20 x 28
+    image's 3 x 4 patches would read the table's first rows as they lie) and its padding patches run as queries
+    only."""
     hf, ckpt = smolvlm
-    images = [image(1), image(2, rows=20)]
+    images = [image(1), image(2, rows=13, cols=20)]
     tokens = np.stack([image_row(16, 3, seed=3), image_row(16, 9, seed=4)])
     ref = hf_vlm_logits(hf, tokens, np.stack([p for p, _ in images]), np.stack([m for _, m in images]))
     model = zoo.load(ckpt)
@@ -105,7 +107,8 @@ def test_image_text_logits_equal_transformers(smolvlm):
     assert mean_kl(ref, got) <= 1e-6
     assert ref.std() > 0.5
     # The images matter: other pixels change the logits from the first image token on, and only from there.
-    other = hf_vlm_logits(hf, tokens, np.stack([image(5)[0], image(6, rows=20)[0]]), np.stack([m for _, m in images]))
+    other = hf_vlm_logits(hf, tokens, np.stack([image(5)[0], image(6, rows=13, cols=20)[0]]),
+                          np.stack([m for _, m in images]))
     assert np.abs(other - ref)[0, :3].max() < 1e-5 and np.abs(other - ref)[0, 3:].max() > 1e-2
 
 
