@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import zoo
-from tests.hf_models import hf_tensors, mean_kl
+from tests.hf_models import hf_logits, hf_tensors, mean_kl, random_tokens
 from tests.vlm_models import TOKENS_PER_IMAGE, hf_image_features, hf_vlm_logits, image, image_row, make_vlm
 from zoo.cli import main
 from zoo.data.vision_layout import bucketized_positions, image_patches, layout_rows, patch_validity, shuffle_slots
@@ -126,3 +126,24 @@ def test_round_trip_is_bit_identical(smolvlm, tmp_path):
     assert {k: v for k, v in a.items() if "dtype" not in k} == {k: v for k, v in b.items() if "dtype" not in k}
     back = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "back"), dtype=torch.float32)
     assert type(back) is type(hf)
+
+
+def test_text_rows_without_images_equal_transformers(smolvlm):
+    """A vision-language model reads text alone (no vision arrays) as transformers does."""
+    hf, ckpt = smolvlm
+    tokens = random_tokens(95, seq=16)  # never the image token
+    ref = hf_logits(hf, tokens)
+    got = np.asarray(zoo.load(ckpt)(jnp.asarray(tokens)))
+    assert np.abs(got - ref).max() <= 1e-4 and mean_kl(ref, got) <= 1e-6
+
+
+def test_vision_config_refuses_what_the_tower_cannot_run():
+    from zoo.errors import UserError
+    from zoo.model.vision_config import VisionConfig
+
+    ok = dict(arch="SmolVLMForConditionalGeneration", hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+              patch_size=7, image_size=28, image_token_id=95)
+    with pytest.raises(UserError, match="image_size=28 must be a multiple of patch_size=7 times scale_factor=3"):
+        VisionConfig(**ok, scale_factor=3)
+    with pytest.raises(UserError, match="connector 'avg_pool' is not one of shuffle_linear"):
+        VisionConfig(**ok, connector="avg_pool")
