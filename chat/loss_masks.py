@@ -75,9 +75,7 @@ def tokenize_example(example: Example, tokenizer: Any, chat_template: ChatTempla
     token would be trained) and UserError for configuration problems (no chat
     template, a template that does not compile).
     """
-    if example.images:  # chat/images.py tokenizes rows with images, with the model's image processor
-        raise BadRow(f"it has {len(example.images)} image(s), and this task trains on text only; "
-                     "remove the images column to train on the text alone")
+    _text_only(example)
     if example.is_chat:
         ids, mask = _chat(example, tokenizer, as_template(chat_template))
     elif example.text is not None:
@@ -89,6 +87,18 @@ def tokenize_example(example: Example, tokenizer: Any, chat_template: ChatTempla
     if not mask.any():
         raise BadRow("no token is trained (empty completion or assistant turns?)")
     return ids, mask
+
+
+def _text_only(example: Example) -> None:
+    """Raise BadRow for a row with images or content parts: chat/images.py tokenizes those, with the model's
+    image processor; this path renders string contents only."""
+    if example.images:
+        raise BadRow(f"it has {len(example.images)} image(s), and this task trains on text only; "
+                     "remove the images column to train on the text alone")
+    for i, m in enumerate(example.messages or []):
+        if not isinstance(m["content"], str):
+            raise BadRow(f"message {i} ({m['role']}) content is a list of parts, and this task trains on text "
+                         "only; write the content as a string")
 
 
 def tokenize_rows(rows: Iterable[dict[str, Any]], fmt: str, tokenizer: Any,

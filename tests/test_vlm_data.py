@@ -137,6 +137,9 @@ def test_text_tasks_refuse_rows_with_images(vlm):
     example = normalize({"messages": _chat(QUESTION), "images": [vlm.names[0]]}, "messages")
     with pytest.raises(BadRow, match=r"it has 1 image\(s\), and this task trains on text only"):
         tokenize_example(example, vlm.tok)
+    parts = normalize({"messages": _chat([{"type": "text", "text": QUESTION}])}, "messages")
+    with pytest.raises(BadRow, match=r"message 0 \(user\) content is a list of parts, and this task trains on text"):
+        tokenize_example(parts, vlm.tok)
 
 
 def _write(path, rows):
