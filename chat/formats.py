@@ -224,7 +224,7 @@ def _message(m: Any, name: str, i: int, parts: bool = False) -> dict[str, Any]:
     if role is None:
         raise BadRow(f"{where} has the unknown role {speaker!r} (expected one of: {allowed})")
     if parts and _is_part_list(content):
-        content = _parts(content, f"{where} ({role})")
+        content = _parts(cast(list, content), f"{where} ({role})")
     elif not isinstance(content, str):
         what = "missing" if content is None else f"not text ({type(content).__name__})"
         raise BadRow(f"{where} ({role}) content is {what}")
