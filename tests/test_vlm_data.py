@@ -196,3 +196,25 @@ def test_image_count_mismatch_is_trls_error_with_the_row(vlm):
         tokenize_image_rows(_rows(path), "messages", vlm.tok, vlm.expander, path, skip_bad_rows=False)
     assert str(e.value) == (f"{path}, line 2: Number of images provided (1) does not match number of image "
                             "placeholders (2); fix the row or set data.skip_bad_rows: true")
+
+
+def test_expander_reads_the_model_config_and_names_what_is_missing(vlm, tmp_path):
+    import shutil
+
+    folder = shutil.copytree(vlm.root / "model", tmp_path / "model")
+    (folder / "processor_config.json").unlink()
+    with pytest.raises(UserError, match=r"cannot tell how many tokens an image takes: no image_seq_len"):
+        ImageExpander.from_folder(folder, vlm.tok)
+    # Without the processor's image_seq_len, the model config's (28 / 7)² / 2² gives it.
+    (folder / "config.json").write_text(json.dumps({"scale_factor": 2, "vision_config": {"image_size": 28,
+                                                                                       "patch_size": 7}}))
+    image = vlm.pil[3]
+    assert ImageExpander.from_folder(folder, vlm.tok).process(image).text == vlm.expander.process(image).text
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    words = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, "[UNK]")),
+                                    unk_token="[UNK]")
+    with pytest.raises(UserError, match=r"the tokenizer has no <fake_token_around_image>, <image>, <global-img> "
+                                        r"token; use the model's own tokenizer"):
+        ImageExpander.from_folder(folder, words)
