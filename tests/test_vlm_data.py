@@ -218,3 +218,12 @@ def test_expander_reads_the_model_config_and_names_what_is_missing(vlm, tmp_path
     with pytest.raises(UserError, match=r"the tokenizer has no <fake_token_around_image>, <image>, <global-img> "
                                         r"token; use the model's own tokenizer"):
         ImageExpander.from_folder(folder, words)
+
+
+def test_prompt_completion_rows_train_the_completion_only(vlm):
+    prompt = [{"role": "user", "content": QUESTION}]
+    completion = [{"role": "assistant", "content": ANSWER}]
+    row = {"prompt": prompt, "completion": completion, "images": [vlm.names[2]]}
+    got = tokenize_with_images(normalize(row, "prompt_completion"), vlm.tok, vlm.expander, vlm.root)
+    np.testing.assert_array_equal(got.ids, _reference(vlm, prompt + completion, [vlm.pil[2]])["input_ids"][0])
+    assert vlm.tok.decode(got.ids[got.mask], skip_special_tokens=False) == f" {ANSWER}<end_of_utterance>"
