@@ -33,7 +33,7 @@ nothing precedes the first token, so it is never predicted (a trainer uses
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -47,7 +47,8 @@ from zoo.errors import UserError
 GREEN, RESET = "\x1b[42m", "\x1b[0m"
 PLAIN_OPEN, PLAIN_CLOSE = "[[", "]]"
 __all__ = ["TokenizeStats", "tokenize_example", "tokenize_rows", "tokenize_indexed",
-           "render_mask", "encode", "special_affixes", "split_whole", "token_mask", "bos_head", "with_eos"]
+           "render_mask", "encode", "special_affixes", "split_whole", "text_offsets", "token_mask", "bos_head",
+           "with_eos"]
 
 
 @dataclass
@@ -74,6 +75,7 @@ def tokenize_example(example: Example, tokenizer: Any, chat_template: ChatTempla
     token would be trained) and UserError for configuration problems (no chat
     template, a template that does not compile).
     """
+    _text_only(example)
     if example.is_chat:
         ids, mask = _chat(example, tokenizer, as_template(chat_template))
     elif example.text is not None:
@@ -85,6 +87,18 @@ def tokenize_example(example: Example, tokenizer: Any, chat_template: ChatTempla
     if not mask.any():
         raise BadRow("no token is trained (empty completion or assistant turns?)")
     return ids, mask
+
+
+def _text_only(example: Example) -> None:
+    """Raise BadRow for a row with images or content parts: chat/images.py tokenizes those, with the model's
+    image processor; this path renders string contents only."""
+    if example.images:
+        raise BadRow(f"it has {len(example.images)} image(s), and this task trains on text only; "
+                     "remove the images column to train on the text alone")
+    for i, m in enumerate(example.messages or []):
+        if not isinstance(m["content"], str):
+            raise BadRow(f"message {i} ({m['role']}) content is a list of parts, and this task trains on text "
+                         "only; write the content as a string")
 
 
 def tokenize_rows(rows: Iterable[dict[str, Any]], fmt: str, tokenizer: Any,
@@ -127,17 +141,26 @@ def tokenize_indexed(rows: Iterable[tuple[int, dict[str, Any]]], fmt: str, token
     return out, skipped
 
 
-def render_mask(ids: np.ndarray, mask: np.ndarray, tokenizer: Any, color: bool = True) -> str:
+def render_mask(ids: np.ndarray, mask: np.ndarray, tokenizer: Any, color: bool = True,
+                images: Sequence[tuple[int, int]] = ()) -> str:
     """The example's text with its trained tokens highlighted.
 
     Trained runs get an ANSI green background when ``color``, else they are
     wrapped in ``[[`` and ``]]``. Special tokens are shown as written.
+    ``images``: the token ranges [start, end) of the image expansions (chat/images.py), each shown as one
+    untrained marker ``⟨image 1: 16 tokens⟩``.
     """
     open_, close = (GREEN, RESET) if color else (PLAIN_OPEN, PLAIN_CLOSE)
-    parts = []
-    for trained, run in _runs(np.asarray(ids).tolist(), np.asarray(mask).tolist()):
-        text = tokenizer.decode(run, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        parts.append(f"{open_}{text}{close}" if trained else text)
+    ids_, mask_ = np.asarray(ids).tolist(), np.asarray(mask).tolist()
+    parts: list[str] = []
+    at = 0
+    for k, (start, end) in enumerate([*images, (len(ids_), len(ids_))]):
+        for trained, run in _runs(ids_[at:start], mask_[at:start]):
+            text = tokenizer.decode(run, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            parts.append(f"{open_}{text}{close}" if trained else text)
+        if k < len(images):
+            parts.append(f"⟨image {k + 1}: {end - start} tokens⟩")
+        at = end
     return "".join(parts)
 
 
@@ -170,7 +193,7 @@ def special_affixes(tokenizer: Any) -> tuple[list[int], list[int]]:
     return [], []
 
 
-def _offsets(text: str, tokenizer: Any) -> tuple[list[int], list[tuple[int, int]]]:
+def text_offsets(text: str, tokenizer: Any) -> tuple[list[int], list[tuple[int, int]]]:
     """(ids, character offsets) of ``text`` tokenized whole, without added special tokens."""
     if not text:
         return [], []
@@ -204,7 +227,7 @@ def split_whole(prompt: str, completion: str, tokenizer: Any) -> tuple[list[int]
     token merging the prompt's end with the completion's start belongs to the
     completion (TRL's rule: split at the prompt's last whole token).
     """
-    ids, offsets = _offsets(prompt + completion, tokenizer)
+    ids, offsets = text_offsets(prompt + completion, tokenizer)
     cut = len(prompt)
     n = next((i for i, (s, e) in enumerate(offsets) if e > cut and e > s), len(ids))
     merged = n < len(ids) and offsets[n][0] < cut
@@ -238,7 +261,7 @@ def _plain(prompt: str, completion: str, tokenizer: Any,
 def _chat(example: Example, tokenizer: Any, template: ChatTemplate) -> tuple[np.ndarray, np.ndarray]:
     """Ids of the rendered conversation, its trained assistant turns' tokens masked in."""
     full, spans = assistant_spans(tokenizer, cast(list, example.messages), example.trained_turns(), template)
-    ids, offsets = _offsets(full, tokenizer)
+    ids, offsets = text_offsets(full, tokenizer)
     mask = token_mask(offsets, spans)
     head = bos_head(tokenizer, full)
     return np.asarray(head + ids, np.int32), np.concatenate([np.zeros(len(head), bool), mask])

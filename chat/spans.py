@@ -82,10 +82,7 @@ class _Renders:
         if key not in self._cache:
             msgs = self.messages[:n]
             if mark is not None:
-                m = dict(msgs[mark])
-                content = m.get("content") or ""
-                cut = len(content.rstrip())
-                m["content"] = content[:cut] + SENTINEL + content[cut:]
+                m = {**msgs[mark], "content": _marked(msgs[mark].get("content"))}
                 msgs = msgs[:mark] + [m] + msgs[mark + 1:]
             self._cache[key] = render(self.tok, msgs, self.template, self.source, generation_prompt)
         return self._cache[key]
@@ -99,6 +96,20 @@ class _Renders:
             raise TemplateMismatch(f"turn {k} ({self.messages[k]['role']}): {self.template.name} {how} its content, "
                                    "so the turn cannot be located in the rendered conversation")
         return at
+
+
+def _marked(content: Any) -> Any:
+    """``content`` with the sentinel after its text, before trailing whitespace; a list of parts (a vision
+    conversation) gets it in its last text part (a text part of its own when it has none)."""
+    if isinstance(content, list):
+        texts = [i for i, p in enumerate(content) if p.get("type") == "text"]
+        if not texts:
+            return [*content, {"type": "text", "text": SENTINEL}]
+        i = texts[-1]
+        return [*content[:i], {**content[i], "text": _marked(content[i].get("text"))}, *content[i + 1:]]
+    content = content or ""
+    cut = len(content.rstrip())
+    return content[:cut] + SENTINEL + content[cut:]
 
 
 def assistant_spans(tokenizer: Any, messages: list[dict[str, Any]], turns: list[int],

@@ -1,0 +1,239 @@
+"""Conversations with images -> token ids, loss masks and pixel values, as the family's transformers processor
+makes them (no torch: the image processor runs with its PIL backend).
+
+1. The conversation (chat/formats.py: contents as text and image parts) is rendered with the chat template,
+   which writes each image part as its placeholder (SmolVLM, Idefics3: ``<image>``), and the trained assistant
+   spans are found on that text (chat/spans.py), as for text conversations.
+2. Each image is read (zoo/data/images.py) and run through the family's image processor
+   (``AutoImageProcessor.from_pretrained(folder, backend="pil")``, ``return_tensors="np"``): its pixels equal
+   the processor's by construction.
+3. Each placeholder is replaced by the processor's expansion of that image. SmolVLM/Idefics3: transformers'
+   ``get_image_prompt_string`` (processing_smolvlm), i.e.
+   ``<fake_token_around_image><global-img><image>×seq<fake_token_around_image>`` for a whole image and, when
+   the image processor splits it into ``rows × cols`` tiles, ``<fake_token_around_image><row_r_col_c><image>×seq``
+   per tile, a ``\\n`` per row of tiles, then ``\\n`` and the whole image's run. ``seq`` is the processor's
+   ``image_seq_len``.
+4. The spans move by what each expansion before them adds, the text is tokenized whole (as the processor
+   tokenizes it), and a token is trained when it overlaps a span and no expansion: image tokens are never
+   trained, in whatever turn the image is (TRL's SFT collator leaves an assistant turn's image tokens in its
+   mask; the zoo never trains them).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+
+from chat.formats import BadRow, Example, multimodal_messages, normalize
+from chat.loss_masks import bos_head, text_offsets, token_mask
+from chat.spans import assistant_spans
+from chat.templates import ChatTemplate, as_template
+from zoo.data.images import BadImage, open_image
+from zoo.errors import UserError
+
+__all__ = ["ProcessedImage", "VisionTokens", "ImageExpander", "expand_placeholders", "tokenize_with_images",
+           "image_base", "tokenize_image_rows"]
+
+
+@dataclass(frozen=True)
+class ProcessedImage:
+    """One image after the family's image processor, and what its placeholder becomes in the text."""
+
+    pixel_values: np.ndarray  # [frames, channels, height, width] float32 (SmolVLM: the tiles, then the whole image)
+    pixel_attention_mask: np.ndarray | None  # [frames, height, width]: 1 on the image, 0 on padding
+    text: str
+
+
+@dataclass(frozen=True)
+class VisionTokens:
+    """A conversation with images, tokenized: ids, loss mask (True = trained), the processed images in the
+    order of their placeholders, and each image's tokens as a range [start, end) of ``ids``."""
+
+    ids: np.ndarray
+    mask: np.ndarray
+    images: tuple[ProcessedImage, ...]
+    image_spans: tuple[tuple[int, int], ...]
+
+
+# The expansion of one image from the image processor's output for it (a batch of one image).
+Expansion = Callable[[dict[str, Any]], str]
+
+
+class ImageExpander:
+    """A family's image processor (PIL backend) and how its processor writes one image into the text."""
+
+    def __init__(self, image_processor: Any, placeholder: str, expansion: Expansion,
+                 call_kwargs: dict[str, Any] | None = None):
+        self.image_processor, self.placeholder, self.expansion = image_processor, placeholder, expansion
+        self.call_kwargs = call_kwargs or {}
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, tokenizer: Any, **overrides: Any) -> ImageExpander:
+        """The expander of a model folder's processor files (``preprocessor_config.json`` or
+        ``processor_config.json``); ``overrides`` replace image-processor settings (``do_image_splitting``).
+        Raises UserError when the folder has no image processor or its family is not supported."""
+        from transformers import AutoImageProcessor
+
+        folder = Path(folder)
+        try:
+            processor = AutoImageProcessor.from_pretrained(str(folder), backend="pil", **overrides)
+        except (OSError, ValueError) as e:
+            raise UserError(f"{folder}: no image processor could be loaded ({type(e).__name__}: {e}); "
+                            "copy the model's preprocessor_config.json (or processor_config.json) into it") from None
+        family = type(processor).__name__.removesuffix("Pil")
+        if family not in _FAMILIES:
+            raise UserError(f"{folder}: the image processor {family} is not supported yet; "
+                            f"supported: {', '.join(sorted(_FAMILIES))}")
+        placeholder, expansion, kwargs = _FAMILIES[family](folder, tokenizer)
+        return cls(processor, placeholder, expansion, kwargs)
+
+    def process(self, image: Any) -> ProcessedImage:
+        """The pixels of one RGB PIL image and its expansion."""
+        out = self.image_processor(images=[[image]], return_tensors="np", **self.call_kwargs)
+        mask = out.get("pixel_attention_mask")
+        return ProcessedImage(np.asarray(out["pixel_values"][0], np.float32),
+                              None if mask is None else np.asarray(mask[0]), self.expansion(dict(out)))
+
+
+def _smolvlm(folder: Path, tokenizer: Any) -> tuple[str, Expansion, dict[str, Any]]:
+    """SmolVLM and Idefics3 (their processors expand ``<image>`` the same way)."""
+    from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
+
+    seq = _image_seq_len(folder)
+    # The tokens the processor reads from the tokenizer, with its defaults (processing_smolvlm's __init__).
+    fake = getattr(tokenizer, "fake_image_token", None) or "<fake_token_around_image>"
+    image = getattr(tokenizer, "image_token", None) or "<image>"
+    whole = getattr(tokenizer, "global_image_token", None) or "<global-img>"
+    missing = [t for t in (fake, image, whole) if tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)]
+    if missing:  # spelled out in characters, they would not be the tokens the model reads
+        raise UserError(f"{folder}: the tokenizer has no {', '.join(missing)} token; use the model's own tokenizer")
+
+    def expansion(out: dict[str, Any]) -> str:
+        return cast(str, get_image_prompt_string(int(out["rows"][0][0]), int(out["cols"][0][0]), seq,
+                                                 fake_token_around_image=fake, image_token=image,
+                                                 global_image_token=whole))
+
+    return image, expansion, {"return_row_col_info": True}
+
+
+def _image_seq_len(folder: Path) -> int:
+    """The processor's ``image_seq_len`` (processor_config.json), else what the model config implies:
+    ``(image_size / patch_size)² / scale_factor²`` (the processors' own formula)."""
+    proc = folder / "processor_config.json"
+    if proc.is_file():
+        seq = json.loads(proc.read_text()).get("image_seq_len")
+        if seq:
+            return int(seq)
+    conf = folder / "config.json"
+    if conf.is_file():
+        c = json.loads(conf.read_text())
+        v = c.get("vision_config") or {}
+        if v.get("image_size") and v.get("patch_size") and c.get("scale_factor"):
+            return (v["image_size"] // v["patch_size"]) ** 2 // c["scale_factor"] ** 2
+    raise UserError(f"{folder}: cannot tell how many tokens an image takes: no image_seq_len in "
+                    "processor_config.json and no vision_config in config.json; copy the model's processor files")
+
+
+_FAMILIES: dict[str, Callable[[Path, Any], tuple[str, Expansion, dict[str, Any]]]] = {
+    "SmolVLMImageProcessor": _smolvlm,
+    "Idefics3ImageProcessor": _smolvlm,
+}
+
+
+def expand_placeholders(text: str, placeholder: str, expansions: list[str],
+                        spans: list[tuple[int, int]]) -> tuple[str, list[tuple[int, int]], list[tuple[int, int]]]:
+    """(``text`` with its i-th ``placeholder`` replaced by ``expansions[i]``, ``spans`` moved accordingly, the
+    character range of each expansion in the new text). Raises BadRow when the placeholders are not one per
+    expansion (a chat template that drops or repeats image parts, or a placeholder typed in the text)."""
+    found = [m.start() for m in re.finditer(re.escape(placeholder), text)]
+    if len(found) != len(expansions):
+        raise BadRow(f"the rendered conversation has {len(found)} {placeholder} placeholder(s) for "
+                     f"{len(expansions)} image(s); an image goes in an image part, not as {placeholder} in the text")
+    pieces: list[str] = []
+    ranges: list[tuple[int, int]] = []
+    grown: list[int] = []
+    at = 0
+    for start, expansion in zip(found, expansions):
+        pieces += [text[at:start], expansion]
+        new_start = start + sum(grown)
+        ranges.append((new_start, new_start + len(expansion)))
+        grown.append(len(expansion) - len(placeholder))
+        at = start + len(placeholder)
+    pieces.append(text[at:])
+
+    def moved(p: int) -> int:  # a span edge moves by what every placeholder wholly before it adds
+        return p + sum(g for s, g in zip(found, grown) if s + len(placeholder) <= p)
+
+    return "".join(pieces), [(moved(s), moved(e)) for s, e in spans], ranges
+
+
+def tokenize_with_images(example: Example, tokenizer: Any, expander: ImageExpander, base_dir: str | Path,
+                         chat_template: ChatTemplate | str | None = None) -> VisionTokens:
+    """Ids, loss mask and images of one conversation (see the module docstring); image paths are relative to
+    ``base_dir`` (the data file's folder). Raises BadRow naming the image or the problem (the caller adds the
+    row's file and line: zoo.data.row_origin.bad_row)."""
+    if not example.is_chat:
+        raise BadRow("images go with conversations (messages, or prompt/completion message lists)")
+    # A row without images is still in parts form, as TRL renders every row of a vision dataset.
+    messages = multimodal_messages(cast(list, example.messages), 0) if not example.images else example.messages
+    template = as_template(chat_template)
+    full, spans = assistant_spans(tokenizer, cast(list, messages), example.trained_turns(), template)
+    processed = []
+    for i, ref in enumerate(example.images):
+        try:
+            processed.append(expander.process(open_image(ref, base_dir, f"images[{i}]")))
+        except BadImage as e:
+            raise BadRow(str(e)) from None
+    text, spans, ranges = expand_placeholders(full, expander.placeholder, [p.text for p in processed], spans)
+    ids, offsets = text_offsets(text, tokenizer)
+    mask = token_mask(offsets, spans) & ~token_mask(offsets, ranges)
+    head = bos_head(tokenizer, text)
+    image_spans = []
+    for start, end in ranges:  # tokens overlapping the expansion's characters (special tokens: exactly them)
+        inside = [i for i, (s, e) in enumerate(offsets) if s < end and e > start]
+        image_spans.append((len(head) + inside[0], len(head) + inside[-1] + 1))
+    mask = np.concatenate([np.zeros(len(head), bool), mask])
+    if len(mask):
+        mask[0] = False  # nothing predicts the first token
+    if not mask.any():
+        raise BadRow("no token is trained (empty completion or assistant turns?)")
+    return VisionTokens(np.asarray(head + ids, np.int32), mask, tuple(processed), tuple(image_spans))
+
+
+def image_base(path: str) -> Path:
+    """The folder image paths of the data at ``path`` (data.path) are relative to: a data file's folder, or the
+    data folder itself."""
+    p = Path(path)
+    return p if p.is_dir() else p.parent
+
+
+def tokenize_image_rows(rows: Iterable[tuple[int, dict[str, Any]]], fmt: str, tokenizer: Any,
+                        expander: ImageExpander, path: str, skip_bad_rows: bool,
+                        chat_template: ChatTemplate | str | None = None,
+                        image_column: str | None = None) -> tuple[dict[int, VisionTokens], int]:
+    """:func:`tokenize_with_images` of every usable (index, row) pair of the data at ``path``, by row index, and
+    how many rows were skipped: chat/loss_masks.py's ``tokenize_indexed`` for rows with images. A bad row (a
+    missing or unreadable image, images that do not match the image parts) raises
+    ``UserError("{file}, line {n}: ...")`` unless ``skip_bad_rows``; every row bad is an error too."""
+    from zoo.data.row_origin import bad_row, row_where
+
+    out: dict[int, VisionTokens] = {}
+    skipped, first_bad = 0, ""
+    template, base = as_template(chat_template), image_base(path)
+    for i, row in rows:
+        try:
+            out[i] = tokenize_with_images(normalize(row, fmt, image_column), tokenizer, expander, base, template)
+        except BadRow as e:
+            if not skip_bad_rows:
+                raise bad_row(path, i, e) from None
+            skipped += 1
+            first_bad = first_bad or f"{row_where(path, i)}: {e}"
+    if skipped and not out:
+        raise UserError(f"{path}: all {skipped} rows are bad (format {fmt}); the first is {first_bad}")
+    return out, skipped
