@@ -147,3 +147,30 @@ def test_vision_config_refuses_what_the_tower_cannot_run():
         VisionConfig(**ok, scale_factor=3)
     with pytest.raises(UserError, match="connector 'avg_pool' is not one of shuffle_linear"):
         VisionConfig(**ok, connector="avg_pool")
+
+
+def test_processor_rows_with_tiles_equal_transformers(tmp_path):
+    """Two images in one row through transformers' own processor, split into tiles: each image is its four 28 px
+    tiles and then the whole image shrunk, 4 image tokens a frame between the processor's row/column markers;
+    the row's frames, in order, are the row's images."""
+    from PIL import Image
+
+    from tests.vlm_processors import reference_processor, smolvlm_folder, write_images
+
+    proc = reference_processor(smolvlm_folder(tmp_path / "proc", splitting=True))
+    images = [Image.open(tmp_path / n).convert("RGB") for n in write_images(tmp_path, [(56, 42), (30, 50)])]
+    ref_in = proc(text=["User:<image>What is in this picture?<image>Describe the image, please."],
+                  images=[images], return_tensors="np")
+    frames, masks = ref_in["pixel_values"][0], ref_in["pixel_attention_mask"][0].astype(bool)
+    assert len(frames) == 10  # 2 x 2 tiles and the whole, each image
+    image_id = proc.tokenizer.convert_tokens_to_ids("<image>")
+    hf = make_vlm(tmp_path / "hf", vocab_size=len(proc.tokenizer), image_token_id=image_id)
+    assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "zoo")]) == 0
+    tokens = ref_in["input_ids"].astype(np.int32)
+    ref = hf_vlm_logits(hf, tokens, frames, masks, per_row=len(frames))
+    model = zoo.load(tmp_path / "zoo")
+    rows = [[image_patches(model.cfg.vision, p, m) for p, m in zip(frames, masks, strict=True)]]
+    vision = VisionInputs(**{k: jnp.asarray(a) for k, a in layout_rows(model.cfg.vision, rows, 16 * 10).items()})
+    got = np.asarray(model(jnp.asarray(tokens), vision=vision))
+    assert np.abs(got - ref).max() <= 1e-4
+    assert mean_kl(ref, got) <= 1e-6

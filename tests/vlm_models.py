@@ -28,13 +28,15 @@ VLM_FAMILIES = {
 }
 
 
-def make_vlm(folder: Path, name: str = "smolvlm", seed: int = 0):
-    """Save a tiny random ``name`` model to ``folder``; returns the float32 transformers model (eager attention)."""
+def make_vlm(folder: Path, name: str = "smolvlm", seed: int = 0, vocab_size: int = 96,
+             image_token_id: int = IMAGE_TOKEN):
+    """Save a tiny random ``name`` model to ``folder``; returns the float32 transformers model (eager attention).
+    ``vocab_size`` and ``image_token_id`` fit it to a tokenizer (tests/vlm_processors.py's)."""
     import transformers
 
     cfg_name, model_name = VLM_FAMILIES[name]
-    config = getattr(transformers, cfg_name)(text_config=TEXT, vision_config=VISION, scale_factor=2,
-                                             image_token_id=IMAGE_TOKEN)
+    config = getattr(transformers, cfg_name)(text_config={**TEXT, "vocab_size": vocab_size}, vision_config=VISION,
+                                             scale_factor=2, image_token_id=image_token_id)
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).eval()
     model.set_attn_implementation("eager")
@@ -63,11 +65,15 @@ def hf_image_features(model, pixels: np.ndarray, masks: np.ndarray) -> np.ndarra
     return torch.cat(out.pooler_output).numpy()
 
 
-def hf_vlm_logits(model, tokens: np.ndarray, pixels: np.ndarray, masks: np.ndarray) -> np.ndarray:
-    """transformers' float32 logits [rows, seq, vocab] of int tokens [rows, seq] with one image per row."""
+def hf_vlm_logits(model, tokens: np.ndarray, pixels: np.ndarray, masks: np.ndarray, per_row: int = 1) -> np.ndarray:
+    """transformers' float32 logits [rows, seq, vocab] of int tokens [rows, seq] with ``per_row`` images (frames)
+    a row: pixels [rows * per_row, 3, S, S], masks [rows * per_row, S, S]."""
+    b = len(tokens)
     with torch.no_grad():
-        return model(input_ids=torch.tensor(tokens, dtype=torch.long), pixel_values=torch.tensor(pixels[:, None]),
-                     pixel_attention_mask=torch.tensor(masks[:, None])).logits.float().numpy()
+        return model(input_ids=torch.tensor(tokens, dtype=torch.long),
+                     pixel_values=torch.tensor(pixels.reshape(b, per_row, *pixels.shape[1:])),
+                     pixel_attention_mask=torch.tensor(masks.reshape(b, per_row, *masks.shape[1:])),
+                     ).logits.float().numpy()
 
 
 def image_row(seq: int, at: int, seed: int) -> np.ndarray:
