@@ -31,7 +31,7 @@ from typing import Any, cast
 import numpy as np
 
 from chat.formats import BadRow, Example, multimodal_messages, normalize
-from chat.loss_masks import bos_head, text_offsets, token_mask
+from chat.loss_masks import bos_head, each_usable_row, text_offsets, token_mask
 from chat.spans import assistant_spans
 from chat.templates import ChatTemplate, as_template
 from zoo.data.images import BadImage, open_image
@@ -221,19 +221,6 @@ def tokenize_image_rows(rows: Iterable[tuple[int, dict[str, Any]]], fmt: str, to
     how many rows were skipped: chat/loss_masks.py's ``tokenize_indexed`` for rows with images. A bad row (a
     missing or unreadable image, images that do not match the image parts) raises
     ``UserError("{file}, line {n}: ...")`` unless ``skip_bad_rows``; every row bad is an error too."""
-    from zoo.data.row_origin import bad_row, row_where
-
-    out: dict[int, VisionTokens] = {}
-    skipped, first_bad = 0, ""
     template, base = as_template(chat_template), image_base(path)
-    for i, row in rows:
-        try:
-            out[i] = tokenize_with_images(normalize(row, fmt, image_column), tokenizer, expander, base, template)
-        except BadRow as e:
-            if not skip_bad_rows:
-                raise bad_row(path, i, e) from None
-            skipped += 1
-            first_bad = first_bad or f"{row_where(path, i)}: {e}"
-    if skipped and not out:
-        raise UserError(f"{path}: all {skipped} rows are bad (format {fmt}); the first is {first_bad}")
-    return out, skipped
+    return each_usable_row(rows, fmt, path, skip_bad_rows, lambda row: tokenize_with_images(
+        normalize(row, fmt, image_column), tokenizer, expander, base, template))

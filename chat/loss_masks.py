@@ -33,9 +33,9 @@ nothing precedes the first token, so it is never predicted (a trainer uses
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -43,6 +43,8 @@ from chat.formats import BadRow, Example, normalize
 from chat.spans import assistant_spans
 from chat.templates import ChatTemplate, as_template
 from zoo.errors import UserError
+
+T = TypeVar("T")
 
 GREEN, RESET = "\x1b[42m", "\x1b[0m"
 PLAIN_OPEN, PLAIN_CLOSE = "[[", "]]"
@@ -121,15 +123,26 @@ def tokenize_indexed(rows: Iterable[tuple[int, dict[str, Any]]], fmt: str, token
     Examples whose prompt/completion boundary falls inside a token are
     counted and reported in one warning line.
     """
-    out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-    skipped, first_bad = 0, ""
     stats = TokenizeStats()
     template = as_template(chat_template)
+    out, skipped = each_usable_row(rows, fmt, path, skip_bad_rows,
+                                   lambda row: tokenize_example(normalize(row, fmt), tokenizer, template, stats))
+    stats.report(path, len(out))
+    return out, skipped
+
+
+def each_usable_row(rows: Iterable[tuple[int, dict[str, Any]]], fmt: str, path: str, skip_bad_rows: bool,
+                    tokenize: Callable[[dict[str, Any]], T]) -> tuple[dict[int, T], int]:
+    """``tokenize(row)`` by row index of every (index, row) pair whose row it does not refuse (BadRow), and how
+    many it refused: a refused row is ``UserError("{file}, line {n}: ...")`` unless ``skip_bad_rows``, and
+    every row refused is an error either way."""
     from zoo.data.row_origin import bad_row, row_where
 
+    out: dict[int, T] = {}
+    skipped, first_bad = 0, ""
     for i, row in rows:
         try:
-            out[i] = tokenize_example(normalize(row, fmt), tokenizer, template, stats)
+            out[i] = tokenize(row)
         except BadRow as e:
             if not skip_bad_rows:
                 raise bad_row(path, i, e) from None
@@ -137,7 +150,6 @@ def tokenize_indexed(rows: Iterable[tuple[int, dict[str, Any]]], fmt: str, token
             first_bad = first_bad or f"{row_where(path, i)}: {e}"
     if skipped and not out:
         raise UserError(f"{path}: all {skipped} rows are bad (format {fmt}); the first is {first_bad}")
-    stats.report(path, len(out))
     return out, skipped
 
 
