@@ -6,6 +6,10 @@ A batch's arrays are [..., rows, length]: the step's global batch is
 batch may lack (a shared prompt's ``prefix_ids``, say) is None there. Each
 class knows its layout (:meth:`TokenBatch.layout`: the batch as
 ``jax.ShapeDtypeStruct`` s in its arrays' places), so a step can be lowered and compiled without data.
+
+A vision-language model's batch also carries its rows' images (:class:`VisionBatch`, the ``vision`` field): per row
+``max_patches`` patches, each field [..., rows, width] like the token fields (the patches flattened to
+``max_patches * patch_dim``), so the loop's sharding and micro-batch slicing treat them alike.
 """
 
 from __future__ import annotations
@@ -19,10 +23,52 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
+from zoo.model.vision import VisionInputs
+from zoo.model.vision_config import VisionConfig
+
 B = TypeVar("B", bound="TokenBatch")  # a batch class (a task's: pretrain.task.Task is generic in it)
 B_co = TypeVar("B_co", bound="TokenBatch", covariant=True)  # a Rollout's batch class (read-only there)
 
 INT, FLOAT = jnp.int32, jnp.float32
+
+
+# The host batch's keys of a VisionBatch's fields (zoo.data.batching.to_model_batch passes them through whole).
+VISION_PREFIX = "vision_"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class VisionBatch:
+    """The rows' images as patches (:class:`zoo.model.vision.VisionInputs`' fields, :mod:`zoo.data.vision_layout`
+    lays them out): ``patches`` [..., rows, max_patches * patch_dim] float32, the others [..., rows, max_patches]
+    int32 (``patch_valid`` 0/1)."""
+
+    patches: jax.Array
+    patch_image: jax.Array
+    patch_valid: jax.Array
+    patch_pos: jax.Array
+    patch_group: jax.Array
+    patch_slot: jax.Array
+
+    def inputs(self, v: VisionConfig) -> VisionInputs:
+        """The model's :class:`VisionInputs` of one micro-batch ([rows, ...] arrays): the patches unflattened."""
+        rows, width = self.patches.shape[-2:]
+        return VisionInputs(self.patches.reshape(rows, width // v.patch_dim, v.patch_dim), self.patch_image,
+                            self.patch_valid.astype(bool), self.patch_pos, self.patch_group, self.patch_slot)
+
+    @classmethod
+    def layout(cls, rows: tuple[int, ...], max_patches: int, patch_dim: int) -> VisionBatch:
+        """The images of ``rows`` ([grad_accum, micro], say) rows of ``max_patches`` patches as
+        ``jax.ShapeDtypeStruct`` s."""
+        ints = jax.ShapeDtypeStruct((*rows, max_patches), INT)
+        return cls(jax.ShapeDtypeStruct((*rows, max_patches * patch_dim), FLOAT), ints, ints, ints, ints, ints)
+
+    @classmethod
+    def of(cls, arrays: Mapping[str, Any]) -> VisionBatch | None:
+        """The images of a model-batch dict (its ``vision_*`` keys), or None when it has none."""
+        if VISION_PREFIX + "patches" not in arrays:
+            return None
+        return cls(**{f.name: arrays[VISION_PREFIX + f.name] for f in dataclasses.fields(cls)})
 
 
 @jax.tree_util.register_dataclass
@@ -30,7 +76,8 @@ INT, FLOAT = jnp.int32, jnp.float32
 class TokenBatch:
     """Rows of tokens: each position's input and target token, the target's loss weight, the position's
     segment (0: padding) and its position in the segment; ``prefix_ids``: a shared prefix's ids, aligned with the
-    inputs (zoo.model.decoder.forward), or None."""
+    inputs (zoo.model.decoder.forward), or None; ``vision``: a vision-language model's images (:class:`VisionBatch`),
+    or None."""
 
     inputs: jax.Array
     targets: jax.Array
@@ -38,17 +85,20 @@ class TokenBatch:
     segment_ids: jax.Array
     positions: jax.Array
     prefix_ids: jax.Array | None = None
+    vision: VisionBatch | None = None
 
     @classmethod
     def of(cls: type[B], arrays: Mapping[str, Any]) -> B:
         """The batch of the model-batch dict ``arrays`` (zoo.data.batching.to_model_batch's): its fields by name,
         None where absent; other keys are left out."""
         present: dict[str, Any] = {f.name: arrays.get(f.name) for f in dataclasses.fields(cls)}
-        return cls(**present)
+        return cls(**{**present, "vision": VisionBatch.of(arrays)})
 
     def arrays(self) -> dict[str, jax.Array]:
-        """The fields that are there, as the dict zoo's model functions read."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+        """The token fields that are there, as the dict zoo's model functions read (``vision`` is left out: the
+        forward takes it as its own argument)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name != "vision" and getattr(self, f.name) is not None}
 
     @classmethod
     def dtypes(cls) -> dict[str, DTypeLike]:
@@ -57,13 +107,18 @@ class TokenBatch:
                 "prefix_ids": INT}
 
     @classmethod
-    def layout(cls: type[B], shape: tuple[int, ...], fields: tuple[str, ...] = ()) -> B:
+    def layout(cls: type[B], shape: tuple[int, ...], fields: tuple[str, ...] = (),
+               vision: tuple[int, int] | None = None) -> B:
         """The batch of ``shape`` ([grad_accum, micro, seq_len], say) as ``jax.ShapeDtypeStruct`` s: every
-        required field, and the optional ones named in ``fields``."""
+        required field, the optional ones named in ``fields``, and with ``vision`` = (max_patches, patch_dim)
+        the rows' images (:meth:`VisionBatch.layout`)."""
         kinds = cls.dtypes()
         # ShapeDtypeStructs in the arrays' places: jax reads the layout as the batch's pytree, abstract.
         out: dict[str, Any] = {f.name: jax.ShapeDtypeStruct(shape, kinds[f.name])
-                               for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING or f.name in fields}
+                               for f in dataclasses.fields(cls)
+                               if f.name != "vision" and (f.default is dataclasses.MISSING or f.name in fields)}
+        if vision is not None:
+            out["vision"] = VisionBatch.layout(shape[:-1], *vision)
         return cls(**out)
 
 

@@ -48,6 +48,12 @@ class ModelSection:
     # the training forward's attention kernel (zoo.kernels.choice): auto = cuDNN flash attention on NVIDIA GPUs where it
     # applies (16-bit compute), splash (Pallas) on TPUs where it applies, else the blockwise XLA path
     attention: str = field(default="auto", metadata={"choices": ATTENTION_KERNELS})
+    # a vision-language model's parts kept as they are (FREEZABLE): no updates, no optimizer state, no gradient
+    # into them; [] trains every weight (LoRA trains its adapters, on the language model, alone in any case)
+    freeze: list[str] = field(default_factory=list)
+
+
+FREEZABLE = ("vision", "projector")  # model.freeze's names: the image tower, the connector to the language model
 
 
 @dataclass
@@ -304,6 +310,9 @@ class TrainConfig:
             raise UserError("`model.init: random` needs `model.config` (a tiny registry entry or a config.json) "
                             "and `model.tokenizer` (a tokenizer folder or a zoo checkpoint)")
         self.data.check()
+        for name in self.model.freeze:
+            if name not in FREEZABLE:
+                raise UserError(f"model.freeze names {name!r}; choose among {', '.join(FREEZABLE)}")
         if self.max_steps is None and self.epochs is None:
             raise UserError("config needs `max_steps` or `epochs`")
         if self.mesh.context > 1 and self.data.seq_len % self.mesh.context:

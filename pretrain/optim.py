@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import jax
+import jax.numpy as jnp
 import optax
 
 from pretrain.config import TrainConfig
@@ -29,6 +33,42 @@ def lr_schedule(cfg: TrainConfig, total_steps: int) -> optax.Schedule:
 
 
 def build_optimizer(cfg: TrainConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+    """Global-norm clipping followed by the configured optax optimizer; with ``model.freeze`` (full fine-tuning),
+    the frozen parts of the model get zero updates and no optimizer state (:func:`frozen_parts`)."""
+    tx = _optimizer(cfg, schedule)
+    if not cfg.model.freeze or cfg.lora.rank:  # LoRA trains its adapters alone: the rest is frozen anyway
+        return tx
+    return _frozen(tx, frozenset(cfg.model.freeze))
+
+
+def _frozen(tx: optax.GradientTransformation, names: frozenset[str]) -> optax.GradientTransformation:
+    """``tx`` on the params' top-level parts not in ``names``; the others get zero updates. The optimizer sees
+    each frozen weight as one zero: its state keeps the params' tree (the train state's sharding maps one onto the
+    other, pretrain/jit_step.py) with one number a frozen weight in place of its moments (one, not none: Orbax
+    saves no empty array), and the clip's norm gets nothing from them."""
+
+    def hide(tree: Any) -> Any:
+        if not isinstance(tree, dict):  # optax.tree_map_params's placeholder for the whole params tree
+            return tree
+        return {k: jax.tree.map(lambda x: jnp.zeros((1,), x.dtype), v) if k in names else v for k, v in tree.items()}
+
+    def init(params: Any) -> optax.OptState:
+        return tx.init(hide(params))
+
+    def update(updates: Any, state: optax.OptState, params: Any = None) -> tuple[Any, optax.OptState]:
+        out, state = tx.update(hide(updates), state, hide(params))
+        return {k: jax.tree.map(jnp.zeros_like, updates[k]) if k in names else v for k, v in out.items()}, state
+
+    return optax.GradientTransformation(init, update)
+
+
+def frozen_parts(cfg: TrainConfig, params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` with the parts ``model.freeze`` names behind ``stop_gradient``: no gradient flows into them,
+    so the backward pass neither computes nor stores one there."""
+    return {k: jax.lax.stop_gradient(v) if k in cfg.model.freeze else v for k, v in params.items()}
+
+
+def _optimizer(cfg: TrainConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
     """Global-norm clipping followed by the configured optax optimizer."""
     o = cfg.optimizer
     if o.name == "adamw":

@@ -190,6 +190,11 @@ class Task(Generic[B]):
         """The :class:`Documents` of the rows at ``indices`` (default all)."""
         raise NotImplementedError
 
+    def finish_rows(self, rows: dict[str, Any]) -> dict[str, Any]:
+        """This process's packed data rows (numpy, [rows, seq_len + 1] each) as the model batch is made from them:
+        unchanged by default; SFT with images replaces its rows' document tags by their images (sft/vision.py)."""
+        return rows
+
     def batch(self, arrays: dict[str, jax.Array]) -> B:
         """The typed model batch of a model-batch dict (zoo.data.batching.to_model_batch's)."""
         return cast(B, self.batch_class.of(arrays))  # batch_class is B (see there)
@@ -277,8 +282,9 @@ def next_token_loss_sums(mcfg: ModelConfig, weights: Weights, mb: TokenBatch, co
     """
     moe = mcfg.num_experts > 0
     w = weights.cast(compute)
+    vision = None if mb.vision is None or mcfg.vision is None else mb.vision.inputs(mcfg.vision)
     out = forward(mcfg, w, mb.inputs, mb.segment_ids, mb.positions, return_aux=moe, remat=remat,
-                  return_hidden=True, max_segments=max_segments)
+                  return_hidden=True, max_segments=max_segments, vision=vision)
     hidden, aux = cast(tuple[jax.Array, dict[str, Any]], out) if moe else (cast(jax.Array, out), None)
     # Fused head + loss in chunks (zoo.model.loss): the [batch, seq, vocab] logits are never stored. With LoRA
     # adapters the head is frozen, so its gradient is not even computed.

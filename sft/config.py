@@ -28,6 +28,9 @@ class SFTDataSection(ChatDataSection):
 
     source_class: ClassVar[type[DataSource]] = SFTDataSource
     format: str | None = None  # text | prompt_completion | messages | alpaca | sharegpt; None: from the columns
+    # rows with images (a vision-language model): the patches a row holds at most (its images' frames times the
+    # tower's patches per frame); None: the largest row's (sft/vision.py)
+    max_patches: int | None = field(default=None, metadata={"range": "[1, inf)"})
 
 
 # The packing keys: best-fit packing's bound without packing, and both under on-policy GKD (one example a row).

@@ -34,6 +34,8 @@ from zoo.model.config import ModelConfig
 class GKDTask(SFTTask):
     """SFT rows trained on ``distill.teacher``'s token distributions (module docstring)."""
 
+    reads_images = False  # the teacher's forward and the sampler take no images yet
+
     @classmethod
     def handles(cls, cfg: TrainConfig) -> bool:
         """``distill.teacher`` set, no sampled completions."""

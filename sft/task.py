@@ -4,23 +4,29 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import jax
 
 from chat.config import chat_template_of
 from chat.formats import detect_format
+from chat.images import ImageExpander
 from chat.loss_masks import tokenize_indexed
 from pretrain.batch import TokenBatch
 from pretrain.config import TrainConfig
 from pretrain.metrics import LossOutput
-from pretrain.task import Documents, RowSource, Task, Tokenizer, next_token_loss_sums
+from pretrain.optim import frozen_parts
+from pretrain.setup import tokenizer_folder
+from pretrain.task import Documents, RowSource, RunContext, Task, Tokenizer, next_token_loss_sums
 from sft.config import SFTConfig, SFTDataSection
+from sft.vision import ImageDocuments, image_column, refuse_images
 from zoo.checkpoints.method_card import MethodCard, settings
+from zoo.data.batching import Document
 from zoo.data.files import indexed_rows, load_dataset_rows
 from zoo.errors import UserError
 from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
+from zoo.model.vision_config import VisionConfig
 
 
 class SFTTask(Task[TokenBatch]):
@@ -29,10 +35,20 @@ class SFTTask(Task[TokenBatch]):
     method = "sft"
     packing = "best_fit"  # an example is never cut across rows (its prompt would lose its answer)
     config_class = SFTConfig
+    reads_images: ClassVar[bool] = True  # rows with images on a vision-language model (not yet GKD's)
 
     def __init__(self, cfg: SFTConfig):
         super().__init__(cfg)
+        self.cfg = cfg
         self.chat_template = chat_template_of(cfg)
+        self.images: ImageDocuments | None = None  # a vision-language model's (prepare), with rows that have images
+        self.vision: VisionConfig | None = None
+        self.expander: ImageExpander | None = None
+
+    def prepare(self, ctx: RunContext) -> Any:
+        """Keep the model's vision tower's config: rows with images need one (:meth:`documents`)."""
+        self.vision = ctx.mcfg.vision
+        return None
 
     @classmethod
     def card(cls, cfg: TrainConfig) -> MethodCard:
@@ -57,12 +73,56 @@ class SFTTask(Task[TokenBatch]):
 
     def documents(self, rows: RowSource, tokenizer: Tokenizer, path: str, skip_bad: bool,
                   indices: list[int] | None = None) -> Documents:
-        """{tokens, loss_mask} of each usable row; a bad row is an error naming file and row, or skipped."""
+        """{tokens, loss_mask} of each usable row; a bad row is an error naming file and row, or skipped. Rows
+        with images (an ``images`` column) on a vision-language model also tag their tokens with their row
+        (sft/vision.py)."""
+        column = image_column(list(rows.ds.column_names))
+        if column is not None and not self.reads_images:
+            raise UserError(f"data.path {path}: the rows have images, and distillation (distill.teacher) does not "
+                            f"read images yet; remove the {column} column or distill.teacher")
+        if column is not None and self.vision is None:
+            refuse_images(rows.ds, column, path, str(self.cfg.model.path))
+        if column is not None and self.vision is not None:
+            return self._image_documents(rows, tokenizer, path, skip_bad, indices)
         out, bad = tokenize_indexed(indexed_rows(rows.ds, indices), rows.field, tokenizer, self.chat_template,
                                     path, skip_bad)
         return Documents({i: {"tokens": ids, "loss_mask": mask} for i, (ids, mask) in out.items()}, bad)
 
+    def _image_documents(self, rows: RowSource, tokenizer: Tokenizer, path: str, skip_bad: bool,
+                         indices: list[int] | None) -> Documents:
+        """The documents of rows with images (:class:`ImageDocuments`), after the checks of what is not done yet."""
+        d = cast(SFTDataSection, self.cfg.data)
+        for bad, why in ((isinstance(d.path, list), "a data mixture (data.path a list)"),
+                         (d.packing, "packing (data.packing: true)"),
+                         (bool(d.eval_fraction or d.eval_path), "evaluation (data.eval_fraction, data.eval_path)")):
+            if bad:
+                raise UserError(f"data.path {path}: rows with images do not go with {why} yet; train them from one "
+                                "file with data.packing: false and no evaluation set")
+        if self.expander is None:
+            self.expander = ImageExpander.from_folder(tokenizer_folder(self.cfg), tokenizer)
+        if self.images is None:
+            self.images = ImageDocuments(cast(VisionConfig, self.vision), d.max_patches)
+        docs, bad_rows = self.images.documents(rows.ds, rows.field, tokenizer, self.expander, path, skip_bad,
+                                               d.seq_len, self.chat_template, indices)
+        return Documents(cast(dict[int, Document], docs), bad_rows)
+
+    def finish_rows(self, rows: dict[str, Any]) -> dict[str, Any]:
+        """Rows of documents with images get their images' patches (sft/vision.py); others are unchanged."""
+        return rows if self.images is None else self.images.finish_rows(rows)
+
+    def batch_layout(self, grad_accum: int, micro: int, seq_len: int) -> TokenBatch:
+        """The token batch, with the rows' images on a vision-language model: data.max_patches of them a row
+        (unset: one frame's, as no data is read to size it by)."""
+        v = self.vision
+        if v is None:
+            return super().batch_layout(grad_accum, micro, seq_len)
+        patches = cast(SFTDataSection, self.cfg.data).max_patches or v.patches_per_image
+        return TokenBatch.layout((grad_accum, micro, seq_len), vision=(patches, v.patch_dim))
+
     def loss_sums(self, mcfg: ModelConfig, weights: Weights, mb: TokenBatch, compute: Any, remat: str, *,
                   frozen_inputs: Any = None, totals: Any = None, step: jax.Array | None = None) -> LossOutput:
-        """Next-token cross-entropy over the trained (masked-in) targets only."""
+        """Next-token cross-entropy over the trained (masked-in) targets only; no gradient into the parts
+        ``model.freeze`` names."""
+        if self.cfg.model.freeze:
+            weights = dataclasses.replace(weights, base=frozen_parts(self.cfg, weights.base))
         return next_token_loss_sums(mcfg, weights, mb, compute, remat, max_segments=self.row_segments)

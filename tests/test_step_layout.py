@@ -13,10 +13,15 @@ import pytest
 
 from zoo.model.config import ModelConfig
 from zoo.model.params import init_params
+from zoo.model.vision_config import VisionConfig
 
 TINY = ModelConfig(family="llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
                    num_kv_heads=1, head_dim=16)
 ACCUM, MICRO, SEQ = 2, 2, 16
+# SFT with images: TINY with SmolVLM's SigLIP tower (28 px images in 7 px patches: 16 patches, 4 image tokens)
+TINY_VLM = dataclasses.replace(TINY, vision=VisionConfig(arch="SmolVLMForConditionalGeneration", hidden_size=32,
+                                                        intermediate_size=64, num_layers=2, num_heads=2, patch_size=7,
+                                                        image_size=28, image_token_id=255))
 
 
 def _task(name: str):
@@ -32,6 +37,13 @@ def _task(name: str):
         from sft.task import SFTTask
 
         return SFTTask(load_config(None, common, SFTConfig))
+    if name == "sft_images":
+        from sft.config import SFTConfig
+        from sft.task import SFTTask
+
+        task = SFTTask(load_config(None, common + ["data.max_patches=32"], SFTConfig))  # two images a row
+        task.vision = TINY_VLM.vision  # what prepare reads from the model
+        return task
     if name == "dpo":
         from dpo.config import DPOConfig
         from dpo.task import DPOTask
@@ -64,7 +76,7 @@ def _task(name: str):
                                                 "grpo.beta=0.1"], GRPOConfig))
 
 
-TASKS = ["pretrain", "sft", "gkd", "gkd_online", "dpo", "kto", "reward", "grpo"]
+TASKS = ["pretrain", "sft", "sft_images", "gkd", "gkd_online", "dpo", "kto", "reward", "grpo"]
 
 
 @functools.cache
@@ -74,7 +86,8 @@ def _lowered(name: str):
     from pretrain.jit_step import make_step
 
     task = _task(name)
-    mcfg = dataclasses.replace(TINY, num_labels=1) if name == "reward" else TINY  # a reward model's score head
+    # a reward model's score head; a vision-language model's tower for SFT with images
+    mcfg = dataclasses.replace(TINY, num_labels=1) if name == "reward" else TINY_VLM if name == "sft_images" else TINY
     tx = optax.adamw(1e-3)
     params = jax.eval_shape(lambda: init_params(mcfg, jax.random.key(0)))
     # GKD's frozen input is its teacher (here one of the student's shape); the other tasks have none here
@@ -83,6 +96,8 @@ def _lowered(name: str):
              "step": jax.ShapeDtypeStruct((), jnp.int32)}
     batch = task.batch_layout(ACCUM, MICRO, SEQ)
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch))
+    if name == "sft_images":  # data.max_patches patches a row, flattened like the token fields
+        assert batch.vision.patches.shape == (ACCUM, MICRO, 32 * TINY_VLM.vision.patch_dim)
     step, evaluate = make_step(mcfg, tx, jnp.float32, task=task)
     lowered = step.lower(state, batch, **teacher)  # its outputs' shapes: no second trace (jax.eval_shape)
     one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batch)

@@ -15,6 +15,7 @@ one row, truncated or padded (segment id 0) to seq_len + 1.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import grain
@@ -173,15 +174,18 @@ def fit_documents(docs: dict[int, Any], max_len: int, long: str) -> tuple[dict[i
 
 
 class LaneBatches(grain.DatasetIterator):  # type: ignore[misc]  # grain ships no types: its base is Any
-    """Stacks one row from each lane into a batch; its state is every lane's state (checkpointable).
+    """Stacks one row from each lane into a batch (then ``finish`` makes what it will of it, where given); its state
+    is every lane's state (checkpointable).
 
     With ``sources`` (a mixture of that many sources; lanes from mixed_lane_dataset) it also counts, per
     source, the documents that start and the tokens that lie in the rows of the ``counted`` lanes (default
     all), and keeps the counts in its state, so they survive a resume exactly.
     """
 
-    def __init__(self, lanes: list[grain.DatasetIterator], sources: int = 0, counted: list[bool] | None = None):
+    def __init__(self, lanes: list[grain.DatasetIterator], sources: int = 0, counted: list[bool] | None = None,
+                 finish: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None):
         super().__init__(lanes)
+        self._finish = finish  # applied to each stacked batch (pretrain.task.Task.finish_rows)
         self._lanes = lanes
         self._sources = sources
         self._counted = list(counted) if counted is not None else [True] * len(lanes)
@@ -192,7 +196,8 @@ class LaneBatches(grain.DatasetIterator):  # type: ignore[misc]  # grain ships n
         rows = [next(lane) for lane in self._lanes]
         if self._sources:
             rows = [self._tally(r, c) for r, c in zip(rows, self._counted)]
-        return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+        stacked = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+        return stacked if self._finish is None else self._finish(stacked)
 
     def _tally(self, row: dict[str, np.ndarray], counted: bool) -> dict[str, np.ndarray]:
         if counted:

@@ -62,7 +62,7 @@ def to_model_batch(b: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     documents carry a ``loss_mask``, when the mask marks it. A shared prefix
     (``tokens_prefix_ids``) becomes the model's ``prefix_ids``, aligned with
     the inputs; any other per-token feature comes along aligned with the
-    targets (it describes a token as a target).
+    targets (it describes a token as a target), and a row's images (``vision_*`` keys) come along whole.
     """
     tok, seg, pos = b["tokens"], b["tokens_segment_ids"], b["tokens_positions"]
     same = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] != 0)
@@ -78,7 +78,8 @@ def to_model_batch(b: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     if "tokens_prefix_ids" in b:
         out["prefix_ids"] = b["tokens_prefix_ids"][:, :-1].astype(np.int32)
     for k in b.keys() - {"tokens", "tokens_segment_ids", "tokens_positions", "tokens_prefix_ids", "loss_mask"}:
-        out[k] = b[k][:, 1:]
+        # a row's images (``vision_*``: pretrain.batch.VisionBatch's arrays) are per row, not per token: kept whole
+        out[k] = b[k] if k.startswith("vision_") else b[k][:, 1:]
     return out
 
 

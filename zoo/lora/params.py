@@ -224,7 +224,8 @@ def lora_specs(cfg: ModelConfig, lora_cfg: LoraConfig) -> dict[str, ParamSpec]:
     out: dict[str, ParamSpec] = {}
     for path, spec in param_specs(cfg).items():
         prefix, _, suffix = path.rpartition(".")
-        if prefix and suffix in suffixes:
+        # the targets name the language model's weights: a vision-language model's tower and connector keep theirs
+        if prefix and suffix in suffixes and not path.startswith(("vision.", "projector.")):
             out[f"{path}.a"], out[f"{path}.b"] = adapter_specs(spec, suffix, lora_cfg.rank)
     if not out:
         raise UserError(f"lora: targets {lora_cfg.targets!r} name no weight of this {cfg.family} model"

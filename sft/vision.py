@@ -1,0 +1,102 @@
+"""SFT rows with images on a vision-language model: documents that keep their images, and the batches' patches.
+
+A row with images is tokenized by chat/images.py (ids, a loss mask with every image token untrained, each image's
+pixels from the model's own image processor). Its document carries one more per-token feature, ``image_doc``: the
+row's index + 1 on every token (0 for a row without images), which padding keeps with the tokens. When a batch of
+rows is made (:meth:`ImageDocuments.finish_rows`), each row's tags name its documents in order, and their images'
+frames (SmolVLM: the tiles, then the whole image) become the row's patches (zoo.data.vision_layout), as the
+``vision_*`` arrays of :class:`pretrain.batch.VisionBatch`.
+
+``data.max_patches`` is the patch budget of a row: by default the largest document's (its frames times the
+tower's patches per frame), so every row fits and no row pads more than one document's worth. Rows with images
+are one document a row for now (``data.packing: false``): best-fit packing knows tokens only, not patches.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from chat.images import ImageExpander, VisionTokens, tokenize_image_rows
+from chat.templates import ChatTemplate
+from pretrain.batch import VISION_PREFIX
+from zoo.data.files import indexed_rows
+from zoo.data.row_origin import row_where
+from zoo.data.vision_layout import image_patches, layout_rows
+from zoo.errors import UserError
+from zoo.model.vision_config import VisionConfig
+
+IMAGE_DOC = "image_doc"  # the per-token feature that tags a document's tokens with its row (index + 1)
+
+
+def image_column(column_names: list[str]) -> str | None:
+    """The column of a dataset's images (TRL's ``images``, or ``image``), or None."""
+    from chat.formats import IMAGE_COLUMNS
+
+    return next((c for c in IMAGE_COLUMNS if c in column_names), None)
+
+
+def refuse_images(ds: Any, column: str, path: str, model: str) -> None:
+    """Raise UserError naming the first row of ``ds`` with images: ``model`` has no vision tower to read them."""
+    for i, row in indexed_rows(ds, None):
+        if row.get(column):
+            raise UserError(f"{row_where(path, i)}: the row has images, and the model {model} has no vision tower; "
+                            f"use a vision-language model or remove the {column} column")
+
+
+class ImageDocuments:
+    """The images of a run's documents by row index, and the rows' patch layout (see the module docstring)."""
+
+    def __init__(self, v: VisionConfig, max_patches: int | None):
+        self.v, self.fixed = v, max_patches
+        self.max_patches = max_patches or 0
+        self.frames: dict[int, list[dict[str, np.ndarray]]] = {}  # row index -> its frames' patch arrays
+
+    def documents(self, rows: Any, fmt: str, tokenizer: Any, expander: ImageExpander, path: str, skip_bad: bool,
+                  seq_len: int, template: ChatTemplate | str | None,
+                  indices: list[int] | None) -> tuple[dict[int, dict[str, np.ndarray]], int]:
+        """(the documents {tokens, loss_mask, image_doc} of the rows at ``indices`` by row index, the bad rows
+        skipped). A row whose images do not fit (an image's tokens past ``seq_len``, more patches than
+        data.max_patches) is a UserError naming it."""
+        out, bad = tokenize_image_rows(indexed_rows(rows, indices), fmt, tokenizer, expander, path, skip_bad,
+                                       template)
+        docs = {}
+        for i, t in out.items():
+            self._keep(i, t, path, seq_len)
+            tag = np.full(len(t.ids), i + 1 if t.images else 0, np.int32)
+            docs[i] = {"tokens": t.ids, "loss_mask": t.mask, IMAGE_DOC: tag}
+        return docs, bad
+
+    def _keep(self, i: int, t: VisionTokens, path: str, seq_len: int) -> None:
+        """Check row ``i``'s images fit a row and keep their frames' patches."""
+        for k, (_, end) in enumerate(t.image_spans):
+            if end > seq_len:  # the model reads the first seq_len tokens of a row: the image would be cut
+                raise UserError(f"{row_where(path, i)}: image {k + 1} ends at token {end}, past data.seq_len = "
+                                f"{seq_len}; raise data.seq_len or use smaller images")
+        frames = [image_patches(self.v, pixels, None if p.pixel_attention_mask is None else p.pixel_attention_mask[f])
+                  for p in t.images for f, pixels in enumerate(p.pixel_values)]
+        need = len(frames) * self.v.patches_per_image
+        if self.fixed is not None and need > self.fixed:
+            raise UserError(f"{row_where(path, i)}: its {len(t.images)} image(s) make {len(frames)} frames of "
+                            f"{self.v.patches_per_image} patches ({need}), more than data.max_patches = {self.fixed}; "
+                            "raise data.max_patches or use fewer images")
+        if frames:
+            self.frames[i] = frames
+            self.max_patches = max(self.max_patches, need)
+
+    def finish_rows(self, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Data rows [rows, seq_len + 1] with their ``image_doc`` tags -> the same rows with their images'
+        ``vision_*`` arrays (pretrain.batch.VisionBatch) in the tags' place."""
+        tags = rows[IMAGE_DOC]
+        out = {k: v for k, v in rows.items() if not k.startswith(IMAGE_DOC)}  # the tags and packing's own
+        if not self.max_patches:  # no row of the data has an image: a text batch
+            return out
+        per_row = []
+        for row in tags:
+            order = [int(d) for d in dict.fromkeys(row.tolist()) if d]  # the row's documents in order
+            per_row.append([f for d in order for f in self.frames.get(d - 1, [])])
+        arrays = layout_rows(self.v, per_row, self.max_patches)
+        arrays["patches"] = arrays["patches"].reshape(len(tags), -1)
+        arrays["patch_valid"] = arrays["patch_valid"].astype(np.int32)
+        return {**out, **{VISION_PREFIX + k: v for k, v in arrays.items()}}

@@ -1,0 +1,163 @@
+"""`sft train` with images on a tiny SmolVLM (tests/vlm_models.py) and its processor (tests/vlm_processors.py): step 1's
+loss equals transformers' on the same ids and pixels, ``model.freeze`` keeps the tower and connector as they were,
+and rows whose images cannot be trained are one line naming the row, exit 2, before step 1."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from types import SimpleNamespace
+
+import jax
+import numpy as np
+import pytest
+
+import zoo
+from pretrain.config import load_config
+from pretrain.loop import train
+from sft.cli import main as sft_main
+from sft.config import SFTConfig
+from sft.task import SFTTask
+from tests.run_files import read_metrics, write_jsonl
+from tests.vlm_models import make_vlm
+from tests.vlm_processors import smolvlm_folder, write_images
+from zoo.cli import main as zoo_main
+
+QUESTION = "What is in this picture?"
+ANSWERS = ["It is a red square.", "It is a blue circle."]
+
+
+def _row(answer: str, image: str) -> dict:
+    return {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]},
+                         {"role": "assistant", "content": answer}], "images": [image]}
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    """A tiny random SmolVLM converted at ``zoo`` with the tiny SmolVLM tokenizer and image processor in its
+    ``tokenizer/`` folder, transformers' model (``hf``), two image rows (``data.jsonl``) and the tokenizer."""
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("vlm_sft")
+    proc = smolvlm_folder(root / "proc", splitting=False)
+    tok = AutoTokenizer.from_pretrained(str(proc))
+    hf = make_vlm(root / "hf", vocab_size=len(tok), image_token_id=tok.convert_tokens_to_ids("<image>"))
+    assert zoo_main(["convert", str(root / "hf"), "--out", str(root / "zoo")]) == 0
+    # The image processor's files beside the checkpoint's tokenizer, where `zoo convert` will put them.
+    for f in proc.iterdir():
+        shutil.copy(f, root / "zoo" / "tokenizer" / f.name)
+    names = write_images(root, [(28, 28), (20, 28)])
+    write_jsonl(root / "data.jsonl", [_row(a, n) for a, n in zip(ANSWERS, names)])
+    return SimpleNamespace(root=root, tok=tok, hf=hf)
+
+
+def _cfg(vlm, out, *overrides):
+    return load_config(None, [f"model.path={vlm.root / 'zoo'}", f"data.path={vlm.root / 'data.jsonl'}",
+                              "data.seq_len=64", "data.packing=false", "batch_size=2", "optimizer.learning_rate=0.01",
+                              "schedule.name=constant", "log_every=1", "checkpoint.every=100",
+                              f"output_dir={out}", *overrides], SFTConfig)
+
+
+def _hf_loss(vlm) -> float:
+    """transformers' mean next-token cross-entropy over both rows: the zoo's own ids and pixels
+    (chat/images.py, equal to the processor's: tests/test_vlm_data.py), labels -100 wherever the zoo trains
+    nothing (image tokens included)."""
+    import torch
+
+    from chat.formats import normalize
+    from chat.images import ImageExpander, tokenize_with_images
+
+    expander = ImageExpander.from_folder(vlm.root / "zoo" / "tokenizer", vlm.tok)
+    total, count = 0.0, 0
+    for line in (vlm.root / "data.jsonl").read_text().splitlines():
+        t = tokenize_with_images(normalize(json.loads(line), "messages"), vlm.tok, expander, vlm.root)
+        labels = np.where(t.mask, t.ids, -100)
+        (image,) = t.images
+        with torch.no_grad():
+            out = vlm.hf(input_ids=torch.tensor(t.ids[None], dtype=torch.long),
+                         pixel_values=torch.tensor(image.pixel_values[None]),
+                         pixel_attention_mask=torch.tensor(image.pixel_attention_mask[None].astype(bool)),
+                         labels=torch.tensor(labels[None], dtype=torch.long))
+        n = int((labels[1:] != -100).sum())
+        total, count = total + float(out.loss) * n, count + n
+    return total / count
+
+
+def _parts(params) -> dict[str, list[np.ndarray]]:
+    return {k: [np.asarray(x) for x in jax.tree.leaves(params[k])] for k in ("vision", "projector", "layers")}
+
+
+def _changed(a, b) -> bool:
+    return any(not np.array_equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.slow
+def test_step_1_loss_is_transformers_and_full_fine_tuning_moves_the_tower(vlm, tmp_path):
+    """Slow: two training runs, each compiling its step. Full fine-tuning: step 1's loss is transformers' (1e-5),
+    and the step changes the tower and the connector; with model.freeze they stay bit-identical while the
+    language model moves."""
+    before = _parts(zoo.load_params(vlm.root / "zoo"))
+    cfg = _cfg(vlm, tmp_path / "full", "max_steps=1")
+    after = _parts(zoo.load_params(train(cfg, progress=False, task=SFTTask(cfg))))
+    assert abs(read_metrics(tmp_path / "full")[0]["loss"] - _hf_loss(vlm)) <= 1e-5
+    assert all(_changed(before[k], after[k]) for k in before)
+    cfg = _cfg(vlm, tmp_path / "frozen", "max_steps=1", "model.freeze=[vision,projector]")
+    frozen = _parts(zoo.load_params(train(cfg, progress=False, task=SFTTask(cfg))))
+    assert not _changed(before["vision"], frozen["vision"]) and not _changed(before["projector"], frozen["projector"])
+    assert _changed(before["layers"], frozen["layers"])
+
+
+@pytest.mark.slow
+def test_lora_with_frozen_tower_trains_the_adapters_alone(vlm, tmp_path):
+    """Slow: a 3-step LoRA run (its own compilation). The tower and connector are bit-identical after, the
+    adapters (language model only) moved from their zero start."""
+    from zoo.checkpoints.adapter import load_adapters
+    from zoo.checkpoints.format import read_meta
+
+    cfg = _cfg(vlm, tmp_path / "lora", "max_steps=3", "lora.rank=4", "lora.alpha=8",
+               "model.freeze=[vision,projector]")
+    final = train(cfg, progress=False, task=SFTTask(cfg))
+    meta = read_meta(final)
+    assert all(not k.startswith(("vision", "projector")) for k in meta["lora"]["params"])
+    b = [np.asarray(x) for path, x in jax.tree_util.tree_leaves_with_path(load_adapters(final, meta))
+         if getattr(path[-1], "key", None) == "b"]
+    assert b and all(np.abs(x).max() > 0 for x in b)  # every B starts at zero
+    before, after = _parts(zoo.load_params(vlm.root / "zoo")), _parts(zoo.load_params(final))  # the merged adapters' base
+    assert not _changed(before["vision"], after["vision"]) and not _changed(before["projector"], after["projector"])
+
+
+def _one_line_error(capsys, args) -> str:
+    assert sft_main(["train", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("error: ")
+    return err[0].removeprefix("error: ")
+
+
+def test_bad_image_rows_are_one_line_naming_the_row(vlm, tmp_path, capsys):
+    """Exit 2, one line naming file and line, before step 1: an image past data.seq_len, more patches than
+    data.max_patches, and images on a model with no vision tower."""
+    data = str(vlm.root / "data.jsonl")
+    common = [f"model.path={vlm.root / 'zoo'}", f"data.path={data}", "data.packing=false", "batch_size=1",
+              "max_steps=1", f"output_dir={tmp_path / 'o'}"]
+    err = _one_line_error(capsys, [*common, "data.seq_len=8"])
+    assert err.startswith(f"{data}, line 1: image 1 ends at token ") and "past data.seq_len = 8" in err
+    err = _one_line_error(capsys, [*common, "data.seq_len=64", "data.max_patches=8"])
+    assert err.startswith(f"{data}, line 1: its 1 image(s) make 1 frames of 16 patches (16), more than "
+                          "data.max_patches = 8")
+    err = _one_line_error(capsys, [*common, "data.seq_len=64", "data.packing=true"])
+    assert "rows with images do not go with packing" in err
+    text_only = tmp_path / "text_only"
+    _text_model(text_only, vlm)
+    capsys.readouterr()  # the conversion's own output
+    err = _one_line_error(capsys, [*common[1:], f"model.path={text_only}", "data.seq_len=64"])
+    assert err.startswith(f"{data}, line 1: the row has images, and the model {text_only} has no vision tower")
+
+
+def _text_model(folder, vlm) -> None:
+    """A tiny random text-only Llama of the tokenizer's vocabulary, converted at ``folder`` with the tokenizer."""
+    from tests.hf_models import make_hf
+
+    make_hf(vlm.root / "hf_text", "llama", vocab_size=len(vlm.tok))
+    vlm.tok.save_pretrained(str(vlm.root / "hf_text"))
+    assert zoo_main(["convert", str(vlm.root / "hf_text"), "--out", str(folder)]) == 0
