@@ -48,8 +48,9 @@ class ModelSection:
     # the training forward's attention kernel (zoo.kernels.choice): auto = cuDNN flash attention on NVIDIA GPUs where it
     # applies (16-bit compute), splash (Pallas) on TPUs where it applies, else the blockwise XLA path
     attention: str = field(default="auto", metadata={"choices": ATTENTION_KERNELS})
-    # a vision-language model's parts kept as they are (FREEZABLE): no updates, no optimizer state, no gradient
-    # into them; [] trains every weight (LoRA trains its adapters, on the language model, alone in any case)
+    # a vision-language model's parts kept as they are, among vision (the image tower) and projector (the
+    # connector): no updates, no optimizer moments, no gradient into them; [] trains every weight (LoRA trains
+    # its adapters, on the language model, alone in any case)
     freeze: list[str] = field(default_factory=list)
 
 

@@ -161,3 +161,29 @@ def _text_model(folder, vlm) -> None:
     make_hf(vlm.root / "hf_text", "llama", vocab_size=len(vlm.tok))
     vlm.tok.save_pretrained(str(vlm.root / "hf_text"))
     assert zoo_main(["convert", str(vlm.root / "hf_text"), "--out", str(folder)]) == 0
+
+
+def test_frozen_parts_get_no_moments_and_no_updates():
+    """model.freeze: the optimizer holds one number a frozen weight, not its moments, and updates it by zero while
+    the rest trains as the plain optimizer trains it (the clip's norm counts the trained weights alone)."""
+    import jax.numpy as jnp
+
+    from pretrain.optim import build_optimizer
+
+    params = {"vision": {"w": jnp.full((4, 3), 2.0)}, "projector": {"proj": jnp.ones((3, 2))},
+              "layers": {"q": jnp.ones((2, 2))}}
+    grads = jax.tree.map(jnp.ones_like, params)
+    base = ["model.path=m", "data.path=d", "max_steps=1", "optimizer.grad_clip=1.0"]
+    plain = build_optimizer(load_config(None, base), 0.1)
+    frozen = build_optimizer(load_config(None, [*base, "model.freeze=[vision,projector]"]), 0.1)
+    state = frozen.init(params)
+    shapes = {jax.tree_util.keystr(path): x.shape for path, x in jax.tree_util.tree_leaves_with_path(state)}
+    # adamw after the clip: its moments, one number each of the frozen weights'
+    assert shapes == {"[1][0].count": (), **{f"[1][0].{m}['{p}']['{w}']": shape for m in ("mu", "nu")
+                                             for p, w, shape in [("layers", "q", (2, 2)), ("projector", "proj", (1,)),
+                                                                 ("vision", "w", (1,))]}}
+    updates, _ = frozen.update(grads, state, params)
+    assert not any(np.any(np.asarray(x)) for x in jax.tree.leaves({k: updates[k] for k in ("vision", "projector")}))
+    want, _ = plain.update({"layers": grads["layers"]}, plain.init({"layers": params["layers"]}),
+                           {"layers": params["layers"]})
+    np.testing.assert_allclose(updates["layers"]["q"], want["layers"]["q"], rtol=1e-6)
