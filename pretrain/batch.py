@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -60,8 +60,8 @@ class VisionBatch:
     def layout(cls, rows: tuple[int, ...], max_patches: int, patch_dim: int) -> VisionBatch:
         """The images of ``rows`` ([grad_accum, micro], say) rows of ``max_patches`` patches as
         ``jax.ShapeDtypeStruct`` s."""
-        ints = jax.ShapeDtypeStruct((*rows, max_patches), INT)
-        return cls(jax.ShapeDtypeStruct((*rows, max_patches * patch_dim), FLOAT), ints, ints, ints, ints, ints)
+        ints: Any = jax.ShapeDtypeStruct((*rows, max_patches), INT)  # in the arrays' places, as TokenBatch.layout's
+        return cls(cast(Any, jax.ShapeDtypeStruct((*rows, max_patches * patch_dim), FLOAT)), ints, ints, ints, ints, ints)
 
     @classmethod
     def of(cls, arrays: Mapping[str, Any]) -> VisionBatch | None:

@@ -91,7 +91,7 @@ class SFTTask(Task[TokenBatch]):
     def _image_documents(self, rows: RowSource, tokenizer: Tokenizer, path: str, skip_bad: bool,
                          indices: list[int] | None) -> Documents:
         """The documents of rows with images (:class:`ImageDocuments`), after the checks of what is not done yet."""
-        d = cast(SFTDataSection, self.cfg.data)
+        d = self.cfg.data
         for bad, why in ((isinstance(d.path, list), "a data mixture (data.path a list)"),
                          (d.packing, "packing (data.packing: true)"),
                          (bool(d.eval_fraction or d.eval_path), "evaluation (data.eval_fraction, data.eval_path)")):
@@ -116,7 +116,7 @@ class SFTTask(Task[TokenBatch]):
         v = self.vision
         if v is None:
             return super().batch_layout(grad_accum, micro, seq_len)
-        patches = cast(SFTDataSection, self.cfg.data).max_patches or v.patches_per_image
+        patches = self.cfg.data.max_patches or v.patches_per_image
         return TokenBatch.layout((grad_accum, micro, seq_len), vision=(patches, v.patch_dim))
 
     def loss_sums(self, mcfg: ModelConfig, weights: Weights, mb: TokenBatch, compute: Any, remat: str, *,
