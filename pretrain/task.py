@@ -195,6 +195,11 @@ class Task(Generic[B]):
         unchanged by default; SFT with images replaces its rows' document tags by their images (sft/vision.py)."""
         return rows
 
+    def row_budgets(self) -> dict[str, int]:
+        """The document features that are not per token, each with how many entries a packed row holds of it (after
+        :meth:`documents`): none by default; SFT with images, its documents' patches (sft/vision.py)."""
+        return {}
+
     def batch(self, arrays: dict[str, jax.Array]) -> B:
         """The typed model batch of a model-batch dict (zoo.data.batching.to_model_batch's)."""
         return cast(B, self.batch_class.of(arrays))  # batch_class is B (see there)

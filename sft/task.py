@@ -93,15 +93,14 @@ class SFTTask(Task[TokenBatch]):
         """The documents of rows with images (:class:`ImageDocuments`), after the checks of what is not done yet."""
         d = self.cfg.data
         for bad, why in ((isinstance(d.path, list), "a data mixture (data.path a list)"),
-                         (d.packing, "packing (data.packing: true)"),
                          (bool(d.eval_fraction or d.eval_path), "evaluation (data.eval_fraction, data.eval_path)")):
             if bad:
                 raise UserError(f"data.path {path}: rows with images do not go with {why} yet; train them from one "
-                                "file with data.packing: false and no evaluation set")
+                                "file and no evaluation set")
         if self.expander is None:
             self.expander = ImageExpander.from_folder(tokenizer_folder(self.cfg), tokenizer)
         if self.images is None:
-            self.images = ImageDocuments(cast(VisionConfig, self.vision), d.max_patches)
+            self.images = ImageDocuments(cast(VisionConfig, self.vision), d.max_patches, d.packing)
         docs, bad_rows = self.images.documents(rows.ds, rows.field, tokenizer, self.expander, path, skip_bad,
                                                d.seq_len, self.chat_template, indices)
         return Documents(cast(dict[int, Document], docs), bad_rows)
@@ -109,6 +108,10 @@ class SFTTask(Task[TokenBatch]):
     def finish_rows(self, rows: dict[str, Any]) -> dict[str, Any]:
         """Rows of documents with images get their images' patches (sft/vision.py); others are unchanged."""
         return rows if self.images is None else self.images.finish_rows(rows)
+
+    def row_budgets(self) -> dict[str, int]:
+        """Packed rows with images: data.max_patches' worth of frames a row (sft/vision.py)."""
+        return {} if self.images is None else self.images.budgets()
 
     def batch_layout(self, grad_accum: int, micro: int, seq_len: int) -> TokenBatch:
         """The token batch, with the rows' images on a vision-language model: data.max_patches of them a row

@@ -8,8 +8,10 @@ frames (SmolVLM: the tiles, then the whole image) become the row's patches (zoo.
 ``vision_*`` arrays of :class:`pretrain.batch.VisionBatch`.
 
 ``data.max_patches`` is the patch budget of a row: by default the largest document's (its frames times the
-tower's patches per frame), so every row fits and no row pads more than one document's worth. Rows with images
-are one document a row for now (``data.packing: false``): best-fit packing knows tokens only, not patches.
+tower's patches per frame), so every row fits and no row pads more than one document's worth. Best-fit packing
+keeps each document whole, its images with its text: a document also carries one entry a frame (``FRAMES``),
+which packing budgets to ``data.max_patches`` a row (:meth:`ImageDocuments.budgets`) as it budgets tokens to
+``seq_len + 1``, so a packed row's images always fit its patches.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from zoo.errors import UserError
 from zoo.model.vision_config import VisionConfig
 
 IMAGE_DOC = "image_doc"  # the per-token feature that tags a document's tokens with its row (index + 1)
+FRAMES = IMAGE_DOC + "_frames"  # packed rows only: one entry a frame of the document's images (packing's budget)
 
 
 def image_column(column_names: list[str]) -> str | None:
@@ -48,8 +51,8 @@ def refuse_images(ds: Any, column: str, path: str, model: str) -> None:
 class ImageDocuments:
     """The images of a run's documents by row index, and the rows' patch layout (see the module docstring)."""
 
-    def __init__(self, v: VisionConfig, max_patches: int | None):
-        self.v, self.fixed = v, max_patches
+    def __init__(self, v: VisionConfig, max_patches: int | None, packed: bool):
+        self.v, self.fixed, self.packed = v, max_patches, packed
         self.max_patches = max_patches or 0
         self.frames: dict[int, list[dict[str, np.ndarray]]] = {}  # row index -> its frames' patch arrays
 
@@ -66,7 +69,13 @@ class ImageDocuments:
             self._keep(i, t, path, seq_len)
             tag = np.full(len(t.ids), i + 1 if t.images else 0, np.int32)
             docs[i] = {"tokens": t.ids, "loss_mask": t.mask, IMAGE_DOC: tag}
+            if self.packed:
+                docs[i][FRAMES] = np.ones(len(self.frames.get(i, ())), np.int32)
         return docs, bad
+
+    def budgets(self) -> dict[str, int]:
+        """Packing's budget of frames a row (pretrain.task.Task.row_budgets): data.max_patches' worth."""
+        return {FRAMES: max(self.max_patches // self.v.patches_per_image, 1)} if self.packed else {}
 
     def _keep(self, i: int, t: VisionTokens, path: str, seq_len: int) -> None:
         """Check row ``i``'s images fit a row and keep their frames' patches."""

@@ -108,6 +108,17 @@ def test_step_1_loss_is_transformers_and_full_fine_tuning_moves_the_tower(vlm, t
 
 
 @pytest.mark.slow
+def test_packed_rows_keep_each_image_with_its_text(vlm, tmp_path):
+    """Slow: a training run of its own. Both rows packed into one (data.max_patches: both images' patches): step
+    1's loss is still transformers' over the two rows apart."""
+    cfg = _cfg(vlm, tmp_path / "packed", "max_steps=1", "data.packing=true", "batch_size=1", "data.max_patches=32",
+               "data.seq_len=96")
+    task = SFTTask(cfg)
+    train(cfg, progress=False, task=task)
+    assert abs(read_metrics(tmp_path / "packed")[0]["loss"] - _hf_loss(vlm)) <= 1e-5
+
+
+@pytest.mark.slow
 def test_lora_with_frozen_tower_trains_the_adapters_alone(vlm, tmp_path):
     """Slow: a 3-step LoRA run (its own compilation). The tower and connector are bit-identical after, the
     adapters (language model only) moved from their zero start."""
@@ -145,8 +156,9 @@ def test_bad_image_rows_are_one_line_naming_the_row(vlm, tmp_path, capsys):
     err = _one_line_error(capsys, [*common, "data.seq_len=64", "data.max_patches=8"])
     assert err.startswith(f"{data}, line 1: its 1 image(s) make 1 frames of 16 patches (16), more than "
                           "data.max_patches = 8")
-    err = _one_line_error(capsys, [*common, "data.seq_len=64", "data.packing=true"])
-    assert "rows with images do not go with packing" in err
+    err = _one_line_error(capsys, [*common, "data.seq_len=64", "data.eval_fraction=0.5"])
+    assert err == (f"data.path {data}: rows with images do not go with evaluation (data.eval_fraction, "
+                   "data.eval_path) yet; train them from one file and no evaluation set")
     text_only = tmp_path / "text_only"
     _text_model(text_only, vlm)
     capsys.readouterr()  # the conversion's own output

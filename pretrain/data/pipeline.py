@@ -95,16 +95,17 @@ NO_PREFETCH = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
 
 
 def _pack(ds: grain.MapDataset, example: dict[str, np.ndarray], seq_len: int, seed: int, packing: bool | str,
-          max_segments: int | None = None) -> grain.IterDataset:
+          max_segments: int | None = None, budgets: dict[str, int] | None = None) -> grain.IterDataset:
     """A grain dataset of rows {tokens, segment ids, positions[, loss_mask]} of seq_len + 1 tokens from the
     documents of ``ds`` (features like ``example``), packed as ``packing`` says (see PACKING); best-fit rows hold
-    at most ``max_segments`` documents (None: as many as fit)."""
+    at most ``max_segments`` documents (None: as many as fit), and of each feature named in ``budgets`` (one not
+    per token: a document's image patches) at most that many entries."""
     import grain.experimental as ge
 
     mode = _mode(packing)
     if mode == "none":
         return ds.map(lambda x: padded(x, seq_len + 1)).to_iter_dataset(NO_PREFETCH)
-    lengths = {k: seq_len + 1 for k in example}
+    lengths = {k: (budgets or {}).get(k, seq_len + 1) for k in example}
     if mode == "best_fit":
         return ge.BestFitPackIterDataset(ds.to_iter_dataset(NO_PREFETCH), length_struct=lengths,
                                          num_packing_bins=PACKING_BINS, seed=seed % SEEDS, shuffle_bins=False,
@@ -113,16 +114,16 @@ def _pack(ds: grain.MapDataset, example: dict[str, np.ndarray], seq_len: int, se
 
 
 def _rows(docs: list[Any], seq_len: int, seed: int, packing: bool | str, epochs: int | None,
-          max_segments: int | None = None) -> grain.IterDataset:
+          max_segments: int | None = None, budgets: dict[str, int] | None = None) -> grain.IterDataset:
     """A grain dataset of packed rows of seq_len + 1 tokens from shuffled ``docs`` (see _pack)."""
-    return _pack(_stream(docs, seed, epochs), features(docs[0]), seq_len, seed, packing, max_segments)
+    return _pack(_stream(docs, seed, epochs), features(docs[0]), seq_len, seed, packing, max_segments, budgets)
 
 
 def lane_dataset(docs: list[Any], seq_len: int, seed: int, packing: bool | str,
-                 max_segments: int | None = None) -> grain.DatasetIterator:
+                 max_segments: int | None = None, budgets: dict[str, int] | None = None) -> grain.DatasetIterator:
     """One lane: an endless grain iterator of rows from ``docs`` (reshuffled each pass; best-fit rows of at most
-    ``max_segments`` documents)."""
-    return iter(_rows(docs, seq_len, seed, packing, None, max_segments))
+    ``max_segments`` documents, within ``budgets``: see _pack)."""
+    return iter(_rows(docs, seq_len, seed, packing, None, max_segments, budgets))
 
 
 # A mixture lane tags each token with its source: SOURCE is -(s + 1) on a document's first token, s + 1 on the

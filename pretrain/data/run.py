@@ -82,6 +82,6 @@ def read_run_data(cfg: TrainConfig, task: Task[Any], tokenizer: Tokenizer, vocab
     total = cfg.max_steps or max(1, share.per_epoch // epoch_unit(cfg, packing, g)) * (cfg.epochs or 1)
     # The rows of one group (task.group_size) read the same lane with the same seed: the same documents.
     batches = LaneBatches([lane_dataset(share.lane_docs[r], d.seq_len, cfg.seed * 1_000_003 + r // g, packing,
-                                        d.max_segments)
+                                        d.max_segments, task.row_budgets())
                            for r in mine], finish=task.finish_rows)
     return RunData(batches, mine, packing, share.n_long, share.eval_docs, total, share.skipped, source=share.rows)
