@@ -146,8 +146,9 @@ def _one_line_error(capsys, args) -> str:
 
 
 def test_bad_image_rows_are_one_line_naming_the_row(vlm, tmp_path, capsys):
-    """Exit 2, one line naming file and line, before step 1: an image past data.seq_len, more patches than
-    data.max_patches, and images on a model with no vision tower."""
+    """Exit 2, one line, before step 1: naming the file and line, an image past data.seq_len, more patches than
+    data.max_patches, and images on a model with no vision tower; naming the folder, a checkpoint without its
+    image processor; and what rows with images do not go with yet."""
     data = str(vlm.root / "data.jsonl")
     common = [f"model.path={vlm.root / 'zoo'}", f"data.path={data}", "data.packing=false", "batch_size=1",
               "max_steps=1", f"output_dir={tmp_path / 'o'}"]
@@ -159,6 +160,13 @@ def test_bad_image_rows_are_one_line_naming_the_row(vlm, tmp_path, capsys):
     err = _one_line_error(capsys, [*common, "data.seq_len=64", "data.eval_fraction=0.5"])
     assert err == (f"data.path {data}: rows with images do not go with evaluation (data.eval_fraction, "
                    "data.eval_path) yet; train them from one file and no evaluation set")
+    bare = tmp_path / "bare"  # the checkpoint without its image processor's files
+    shutil.copytree(vlm.root / "zoo", bare)
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        (bare / "tokenizer" / name).unlink()
+    err = _one_line_error(capsys, [*common[1:], f"model.path={bare}", "data.seq_len=64"])
+    assert err.startswith(f"{bare / 'tokenizer'}: no image processor could be loaded") and \
+        err.endswith("copy the model's preprocessor_config.json (or processor_config.json) into it")
     text_only = tmp_path / "text_only"
     _text_model(text_only, vlm)
     capsys.readouterr()  # the conversion's own output
