@@ -63,10 +63,20 @@ def _inspect(cfg, n: int, color: bool) -> None:
     from zoo.data.tokenizer import load_tokenizer
 
     task = SFTTask(cfg)
+    task.vision = _model_config(cfg).vision  # what prepare reads: rows with images need the model's tower
     tokenizer = load_tokenizer(tokenizer_folder(cfg))
     mixture = isinstance(cfg.data.path, list)
     for src in data_sources(cfg):  # a mixture: the first examples of each source, read in its own format
         _inspect_source(task, source_config(cfg, src) if mixture else cfg, tokenizer, n, color)
+
+
+def _model_config(cfg):
+    """The config of the run's model, read without its weights."""
+    from pretrain.setup import model_config_of
+
+    if cfg.model.init == "random":
+        return model_config_of(cfg.model.config, "model.config")
+    return model_config_of(cfg.model.path, "model.path")
 
 
 def _inspect_source(task, cfg, tokenizer, n: int, color: bool) -> None:
@@ -94,7 +104,7 @@ def _inspect_source(task, cfg, tokenizer, n: int, color: bool) -> None:
         else:
             head += f", {trained} trained"
         print(head)
-        print(render_mask(d["tokens"], d["loss_mask"], tokenizer, color))
+        print(render_mask(d["tokens"], d["loss_mask"], tokenizer, color, images=task.image_spans(i)))
     if bad:
         print(f"({bad} bad rows skipped)")
 

@@ -109,6 +109,10 @@ class SFTTask(Task[TokenBatch]):
         """Rows of documents with images get their images' patches (sft/vision.py); others are unchanged."""
         return rows if self.images is None else self.images.finish_rows(rows)
 
+    def image_spans(self, i: int) -> tuple[tuple[int, int], ...]:
+        """Row ``i``'s image tokens, a range [start, end) each (``sft inspect`` shows each as one marker)."""
+        return () if self.images is None else self.images.spans.get(i, ())
+
     def row_budgets(self) -> dict[str, int]:
         """Packed rows with images: data.max_patches' worth of frames a row (sft/vision.py)."""
         return {} if self.images is None else self.images.budgets()

@@ -55,6 +55,7 @@ class ImageDocuments:
         self.v, self.fixed, self.packed = v, max_patches, packed
         self.max_patches = max_patches or 0
         self.frames: dict[int, list[dict[str, np.ndarray]]] = {}  # row index -> its frames' patch arrays
+        self.spans: dict[int, tuple[tuple[int, int], ...]] = {}  # row index -> its images' token ranges
 
     def documents(self, rows: Any, fmt: str, tokenizer: Any, expander: ImageExpander, path: str, skip_bad: bool,
                   seq_len: int, template: ChatTemplate | str | None,
@@ -91,7 +92,7 @@ class ImageDocuments:
                             f"{self.v.patches_per_image} patches ({need}), more than data.max_patches = {self.fixed}; "
                             "raise data.max_patches or use fewer images")
         if frames:
-            self.frames[i] = frames
+            self.frames[i], self.spans[i] = frames, t.image_spans
             self.max_patches = max(self.max_patches, need)
 
     def finish_rows(self, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -207,3 +207,12 @@ def test_frozen_parts_get_no_moments_and_no_updates():
     want, _ = plain.update({"layers": grads["layers"]}, plain.init({"layers": params["layers"]}),
                            {"layers": params["layers"]})
     np.testing.assert_allclose(updates["layers"]["q"], want["layers"]["q"], rtol=1e-6)
+
+
+def test_inspect_shows_the_rows_images_as_markers(vlm, capsys):
+    """`sft inspect` on rows with images: each image one untrained marker, the answer trained."""
+    assert sft_main(["inspect", f"model.path={vlm.root / 'zoo'}", f"data.path={vlm.root / 'data.jsonl'}",
+                     "data.seq_len=64", "max_steps=1", "-n", "1", "--no-color"]) == 0
+    out = capsys.readouterr().out
+    # <fake_token_around_image><global-img>, 4 <image> (image_seq_len), <fake_token_around_image>
+    assert f"User:⟨image 1: 7 tokens⟩{QUESTION}" in out and ("[[ " + ANSWERS[0]) in out
