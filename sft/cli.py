@@ -63,7 +63,6 @@ def _inspect(cfg, n: int, color: bool) -> None:
     from zoo.data.tokenizer import load_tokenizer
 
     task = SFTTask(cfg)
-    task.vision = _model_config(cfg).vision  # what prepare reads: rows with images need the model's tower
     tokenizer = load_tokenizer(tokenizer_folder(cfg))
     mixture = isinstance(cfg.data.path, list)
     for src in data_sources(cfg):  # a mixture: the first examples of each source, read in its own format
@@ -81,9 +80,12 @@ def _model_config(cfg):
 
 def _inspect_source(task, cfg, tokenizer, n: int, color: bool) -> None:
     from chat.loss_masks import render_mask
+    from sft.vision import image_column
     from zoo.data.row_origin import row_where
 
     rows = task.load(cfg.data.path, cfg)
+    if image_column(list(rows.ds.column_names)) and task.vision is None:  # rows with images need the model's tower
+        task.vision = _model_config(cfg).vision  # what prepare reads in a run
     made = task.documents(rows, tokenizer, cfg.data.path, cfg.data.skip_bad_rows, list(range(min(n, len(rows)))))
     docs, bad = made.docs, made.bad
     print(f"{cfg.data.path}: {len(rows)} rows, format {rows.field}")
