@@ -114,12 +114,17 @@ def test_cli_generate_with_images(smolvlm, capsys):
 
 
 def test_cli_generate_image_errors(smolvlm, tiny_family, tmp_path, capsys):
-    """A missing image file, and --image on a text model: one line, exit 2, before the weights load."""
+    """A missing image file, --image on a text model, --image with a prompts file: one line, exit 2, before the
+    weights load."""
     ckpt, paths = smolvlm[2], smolvlm[3]
     text_model = tiny_family("llama")[1] / "zoo"
-    for args, says in [([str(ckpt), "--image", str(tmp_path / "missing.png")], "missing.png: no such file"),
-                       ([str(text_model), "--image", str(paths[0])], "has no vision tower")]:
+    (tmp_path / "in.jsonl").write_text(json.dumps({"prompt": QUESTION}) + "\n")
+    for args, says in [([str(ckpt), "--prompt", QUESTION, "--image", str(tmp_path / "missing.png")],
+                        "missing.png: no such file"),
+                       ([str(text_model), "--prompt", QUESTION, "--image", str(paths[0])], "has no vision tower"),
+                       ([str(ckpt), "--prompts-file", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "o.jsonl"),
+                         "--image", str(paths[0])], "--image goes with --prompt")]:
         capsys.readouterr()
-        assert main(["generate", *args, "--prompt", QUESTION]) == 2
+        assert main(["generate", *args]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and says in err
