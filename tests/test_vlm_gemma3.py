@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import zoo
-from tests.hf_models import hf_tensors, mean_kl
+from tests.hf_models import hf_logits, hf_tensors, mean_kl, random_tokens
 from tests.vlm_models import (
     IMAGE_TOKEN,
     TOKENS_PER_IMAGE,
@@ -128,3 +128,12 @@ def test_splash_and_cudnn_refuse_image_blocks(gemma3):
     assert kernel_for(dataclasses.replace(cfg, attention="auto"), jnp.bfloat16, 128, blocks=True) == "blockwise"
     with pytest.raises(UserError, match="image blocks"):
         kernel_for(dataclasses.replace(cfg, attention="splash"), jnp.bfloat16, 128, blocks=True)
+
+
+def test_text_rows_without_images_equal_transformers(gemma3):
+    """The whole Gemma 3 reads text alone (no vision arrays) as transformers does."""
+    hf, ckpt = gemma3
+    tokens = random_tokens(93, seq=16)  # never an image token or its markers
+    ref = hf_logits(hf, tokens)
+    got = np.asarray(zoo.load(ckpt)(jnp.asarray(tokens)))
+    assert np.abs(got - ref).max() <= 1e-4 and mean_kl(ref, got) <= 1e-6
