@@ -117,6 +117,11 @@ def test_blockwise_sees_a_block_past_its_query_block():
     np.testing.assert_allclose(np.asarray(got), np.asarray(whole), atol=1e-6)
     causal = blockwise_attention(q, k, v, dataclasses.replace(vis, block_ids=None), d**-0.5, None, 5, t)
     assert np.abs(np.asarray(causal - whole))[0, 124:128].max() > 1e-2  # the block's later keys count
+    # The backward pass scores the same keys: gradients equal the one-block pass's.
+    grads = [jax.grad(lambda q, k, v, n=n: blockwise_attention(q, k, v, vis, d**-0.5, None, 5, n).sum(),
+                      argnums=(0, 1, 2))(q, k, v) for n in (t, 128)]
+    for a, b in zip(*grads, strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5)
 
 
 def test_splash_and_cudnn_refuse_image_blocks(gemma3):
@@ -137,3 +142,12 @@ def test_text_rows_without_images_equal_transformers(gemma3):
     ref = hf_logits(hf, tokens)
     got = np.asarray(zoo.load(ckpt)(jnp.asarray(tokens)))
     assert np.abs(got - ref).max() <= 1e-4 and mean_kl(ref, got) <= 1e-6
+
+
+def test_text_only_refuses_a_text_model(tmp_path, capsys):
+    from tests.hf_models import make_hf
+
+    make_hf(tmp_path / "hf", "llama")
+    assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "zoo"), "--text-only"]) == 2
+    err = capsys.readouterr().err
+    assert "--text-only:" in err and "convert without --text-only" in err and "Traceback" not in err
