@@ -150,6 +150,10 @@ def generate(cfg: ModelConfig, params: dict[str, Any], prompts: Sequence[Sequenc
         raise UserError("generate: stop strings need a tokenizer")
     if vision is not None and cfg.vision is None:
         raise UserError("generate: images given to a model without a vision tower")
+    if vision is not None and cfg.vision is not None and cfg.vision.image_blocks:
+        # The prefill's mask would be causal over the image tokens, which attend to each other both ways: refused.
+        raise UserError(f"generate: images on {cfg.family}, whose image tokens attend bidirectionally, are not "
+                        "supported yet (its cached prefill is causal); generate without images")
     out: list[list[int]] = [[] for _ in prompts]
     if gen.max_new_tokens <= 0:
         return out

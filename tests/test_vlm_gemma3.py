@@ -151,3 +151,16 @@ def test_text_only_refuses_a_text_model(tmp_path, capsys):
     assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "zoo"), "--text-only"]) == 2
     err = capsys.readouterr().err
     assert "--text-only:" in err and "convert without --text-only" in err and "Traceback" not in err
+
+
+def test_generation_with_images_is_refused_until_its_prefill_has_image_blocks(gemma3):
+    """Cached decoding's prefill is causal: images on Gemma 3 (whose image tokens attend both ways) would decode
+    from the wrong mask, so they are refused in one line rather than generated from."""
+    from eval.generate import GenerationConfig, generate
+
+    _, ckpt = gemma3
+    model = zoo.load(ckpt)
+    with pytest.raises(UserError, match=r"^generate: images on gemma3, whose image tokens attend bidirectionally"):
+        generate(model.cfg, model.param_dict(), [gemma3_row(20, [3], seed=5).tolist()],
+                 GenerationConfig(max_new_tokens=1),
+                 vision=_inputs(model.cfg, [[image(1)[0]]]))
