@@ -36,6 +36,9 @@ def add_convert_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
                    help="keep a DeepSeek checkpoint's multi-token-prediction layer (layer 61 of V3/R1; dropped by "
                         "default, since the model does not run it): its tensors are stored beside the model and "
                         "`zoo export` writes them back")
+    p.add_argument("--text-only", action="store_true",
+                   help="convert a multimodal Gemma 3 (Gemma3ForConditionalGeneration) without its vision tower: "
+                        "its language model alone, exported as Gemma3ForCausalLM")
     return p
 
 
@@ -44,7 +47,8 @@ def convert_command(args: argparse.Namespace) -> None:
     from convert.convert import convert
 
     # a gs:// or s3:// --out: the arrays go straight into the bucket, model.json last (zoo.checkpoints.writer)
-    print(f"wrote {convert(args.source, args.out, dtype=args.dtype, keep_mtp=args.keep_mtp)}")
+    out = convert(args.source, args.out, dtype=args.dtype, keep_mtp=args.keep_mtp, text_only=args.text_only)
+    print(f"wrote {out}")
 
 
 def add_init_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from convert.safetensors_out import write_streaming
 from convert.source import Source, open_source
 from convert.tables import BoundRule, table_for
 from convert.transforms import TRANSFORMS, hf_shape
+from convert.vision_tables import with_tower_spelling
 from zoo.checkpoints.format import HF_CONFIG_FILE, TOKENIZER_DIR, folder_of
 from zoo.checkpoints.provenance import HUB_ID
 from zoo.checkpoints.writer import CheckpointWriter, checkpoint_output, local_files, prepare_output
@@ -28,6 +30,9 @@ from zoo.model.from_hf import model_config_from_hf
 from zoo.model.hf_families import source_format
 from zoo.model.params import param_specs
 from zoo.storage import RunPath
+
+# multimodal formats whose language model converts alone (--text-only; Gemma 4's always, its towers not yet)
+TEXT_ONLY_FORMATS = ("hf-gemma3-multimodal", "hf-gemma4-multimodal")
 
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
@@ -89,11 +94,11 @@ def _dequantizing(src: Source, cast_to: np.dtype | None, stored_config: dict[str
     return dequantizing
 
 
-def _note_left_out(src: Source, fmt: str, rules: list[BoundRule], dropped: list[str],
+def _note_left_out(src: Source, fmt: str, cfg: ModelConfig, rules: list[BoundRule], dropped: list[str],
                    stored_config: dict[str, Any]) -> None:
-    """Notes on what the conversion leaves out: a multimodal model's vision tower, and the multi-token-prediction
-    layer's tensors ``dropped`` (``stored_config`` then says the checkpoint has none)."""
-    if fmt in ("hf-gemma3-multimodal", "hf-gemma4-multimodal"):
+    """Notes on what the conversion leaves out: a multimodal model's vision tower (converted text only), and the
+    multi-token-prediction layer's tensors ``dropped`` (``stored_config`` then says the checkpoint has none)."""
+    if fmt in TEXT_ONLY_FORMATS and cfg.vision is None:
         left = len(src.reader.names()) - sum(len(r.hf_names()) for r in rules)
         print(f"note: {src.description} is multimodal: converting its language model; the vision tower and "
               f"projector ({left} tensors) are left out", file=sys.stderr)
@@ -108,14 +113,15 @@ def _note_left_out(src: Source, fmt: str, rules: list[BoundRule], dropped: list[
 
 
 def convert(source: str, out: str | Path, dtype: str | None = None, progress: bool | None = None,
-            keep_mtp: bool = False) -> Path | RunPath:
+            keep_mtp: bool = False, text_only: bool = False) -> Path | RunPath:
     """Convert SOURCE into a zoo checkpoint at ``out`` (a folder, or a ``gs://``/``s3://`` prefix the arrays are
     written into straight from memory); returns the checkpoint path.
 
     ``dtype`` (float32|bfloat16) casts every parameter; None keeps the stored
     dtype (float32 for dequantized GGUF tensors, bfloat16 for dequantized FP8
     weights). ``keep_mtp`` keeps a DeepSeek checkpoint's multi-token-prediction
-    layers (convert/mtp.py) instead of dropping them.
+    layers (convert/mtp.py) instead of dropping them. ``text_only`` converts a multimodal Gemma 3's language model
+    alone (exported as Gemma3ForCausalLM); Gemma 4's is always converted so.
     """
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
@@ -124,6 +130,12 @@ def convert(source: str, out: str | Path, dtype: str | None = None, progress: bo
     src = open_source(source)
     cfg = model_config_from_hf(src.hf_config, f"{src.description}: config")
     fmt = src.fmt if src.fmt == "gguf" else source_format(src.hf_config)
+    if text_only:
+        if fmt not in TEXT_ONLY_FORMATS:
+            raise UserError(f"--text-only: {src.description} is not a multimodal Gemma 3 or Gemma 4 model; "
+                            "convert without --text-only")
+        cfg = dataclasses.replace(cfg, vision=None)
+    cfg = with_tower_spelling(cfg, fmt, src.reader.names(), src.description)  # as the source names Gemma 3's tower
     stored_config = dict(src.hf_config)
     dequantizing = _dequantizing(src, cast_to, stored_config)  # its summary ends the run
     extra = mtp.mtp_tensors(src.reader.names(), src.hf_config)
@@ -135,7 +147,7 @@ def convert(source: str, out: str | Path, dtype: str | None = None, progress: bo
         src.reader = split_fused(src.reader, cfg, src.description)  # Phi-3's qkv_proj as q/k/v_proj, ...
     rules = table_for(cfg.family, fmt, cfg)
     check_source(src, cfg, rules)
-    _note_left_out(src, fmt, rules, [] if keep_mtp else extra, stored_config)
+    _note_left_out(src, fmt, cfg, rules, [] if keep_mtp else extra, stored_config)
     specs = param_specs(cfg)
     layout = {r.zoo: (specs[r.zoo].shape, cast_to or src.reader.dtype(r.hf_names()[0])) for r in rules}
     with checkpoint_output(out) as folder:

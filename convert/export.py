@@ -310,7 +310,7 @@ def _write_side_files(ckpt: Path, meta: dict[str, Any], cfg: ModelConfig, tensor
     hf = export_hf_config(cfg, source_cfg, out_dtype)
     (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     tok = ckpt / TOKENIZER_DIR
-    if tok.is_dir():
+    if tok.is_dir():  # the tokenizer's files and a vision-language model's processor files (convert/source.py)
         for f in tok.iterdir():
             # never over what the export wrote (weights, config.json), nor stray weights of a model's folder
             if f.is_file() and not (tmp / f.name).exists() and not any(f.match(w) for w in WEIGHT_FILES):

@@ -21,6 +21,9 @@ TOKENIZER_FILES = [
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
     "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
     "generation_config.json",
+    # A vision-language model's processor files: its image processor and image_seq_len (chat/images.py's
+    # ImageExpander reads them from the tokenizer folder), video processor, and the processor's chat template.
+    "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
 ]
 
 

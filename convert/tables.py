@@ -278,8 +278,8 @@ HF_DECODER = decoder_table()
 # (family, source format) -> table. Every Hugging Face family shares the decoder naming.
 TABLES: dict[tuple[str, str], list[Rule]] = {
     **{(f, "hf"): HF_DECODER for f in ("llama", "mistral", "gemma", "gemma2", "gemma3", "qwen2", "qwen3")},
-    # Gemma3ForConditionalGeneration as stored on the Hub: the text model sits under
-    # `language_model.model.`; the vision tower is not converted.
+    # Gemma3ForConditionalGeneration: the text model sits under `language_model.model.`; the tower and projector's
+    # names are convert.vision_tables'.
     ("gemma3", "hf-gemma3-multimodal"): decoder_table("language_model.model."),
     ("mixtral", "hf"): decoder_table(moe="mixtral"),
     **{(f, "hf"): decoder_table(moe="deepseek") for f in ("deepseek_v2", "deepseek_v3")},

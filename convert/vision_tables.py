@@ -8,13 +8,18 @@ convert.tables, which imports it). The language models themselves use convert.ta
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Iterable
+
+from zoo.errors import UserError
 from zoo.model.config import ModelConfig
 
 Entry = tuple[str, str, str]  # (zoo parameter, HF tensor, transform name)
 
 
 def siglip_rules(V: str) -> list[Entry]:
-    """A SigLIP tower under the prefix ``V`` (``model.vision_model.`` in SmolVLM/Idefics3)."""
+    """A SigLIP tower under the prefix ``V`` (``model.vision_model.`` in SmolVLM/Idefics3, ``vision_tower.`` or
+    ``vision_tower.vision_model.`` in Gemma 3)."""
     L = V + "encoder.layers.{i}."
     A = L + "self_attn."
     return [
@@ -42,13 +47,44 @@ def siglip_rules(V: str) -> list[Entry]:
     ]
 
 
-# SmolVLM / Idefics3: the tower under model.vision_model., the pixel-shuffle connector's one Linear (no bias)
-_IDEFICS3 = siglip_rules("model.vision_model.") + [
-    ("projector.proj", "model.connector.modality_projection.proj.weight", "transpose"),
-]
+def _idefics3(V: str) -> list[Entry]:
+    """SmolVLM / Idefics3: the tower, then the pixel-shuffle connector's one Linear (no bias)."""
+    return siglip_rules(V) + [("projector.proj", "model.connector.modality_projection.proj.weight", "transpose")]
 
-# source format -> the vision side's entries
-VISION_TABLES: dict[str, list[Entry]] = {"hf-smolvlm": _IDEFICS3, "hf-idefics3": _IDEFICS3}
+
+def _gemma3(V: str) -> list[Entry]:
+    """Gemma 3: the tower, then the average-pool connector's (1 + w) RMSNorm and its projection, stored [Dv, E]."""
+    return siglip_rules(V) + [
+        ("projector.norm", "multi_modal_projector.mm_soft_emb_norm.weight", "identity"),
+        ("projector.proj", "multi_modal_projector.mm_input_projection_weight", "identity"),
+    ]
+
+
+# source format -> (the tower's prefix as transformers 5 saves it, the vision side's entries under a prefix)
+VISION_TABLES: dict[str, tuple[str, Callable[[str], list[Entry]]]] = {
+    "hf-smolvlm": ("model.vision_model.", _idefics3),
+    "hf-idefics3": ("model.vision_model.", _idefics3),
+    "hf-gemma3-multimodal": ("vision_tower.", _gemma3),
+}
+# source format -> the other spelling of its tower a source may have (Gemma 3's files on the Hub)
+OTHER_TOWER_PREFIX = {"hf-gemma3-multimodal": "vision_tower.vision_model."}
+
+
+def with_tower_spelling(cfg: ModelConfig, fmt: str, names: Iterable[str], where: str) -> ModelConfig:
+    """``cfg`` with the tower prefix of a source whose tensors are ``names`` recorded where the format has two
+    spellings (so the export writes the source's back); ``cfg`` itself otherwise. A tower with SigLIP's pooling
+    head (``vision_use_head: true``), which these models never run, is a UserError: the conversion would drop it."""
+    if cfg.vision is None or fmt not in VISION_TABLES:
+        return cfg
+    names = set(names)
+    other = OTHER_TOWER_PREFIX.get(fmt)
+    prefix = other if other is not None and other + "post_layernorm.weight" in names else VISION_TABLES[fmt][0]
+    if prefix + "head.probe" in names:
+        raise UserError(f"{where}: its vision tower has SigLIP's pooling head ({prefix}head.*, vision_use_head: "
+                        "true), which the model never runs and lmzoo does not carry; convert with --text-only")
+    if prefix == VISION_TABLES[fmt][0]:
+        return cfg
+    return dataclasses.replace(cfg, vision=dataclasses.replace(cfg.vision, hf_tower_prefix=prefix))
 
 
 def vision_entries(fmt: str, cfg: ModelConfig) -> list[tuple[str, str, str, tuple[int, ...] | None]]:
@@ -57,4 +93,5 @@ def vision_entries(fmt: str, cfg: ModelConfig) -> list[tuple[str, str, str, tupl
     if cfg.vision is None:
         return []
     layers = tuple(range(cfg.vision.num_layers))
-    return [(zoo, hf, t, layers if "{i}" in hf else None) for zoo, hf, t in VISION_TABLES[fmt]]
+    default, entries = VISION_TABLES[fmt]
+    return [(zoo, hf, t, layers if "{i}" in hf else None) for zoo, hf, t in entries(cfg.vision.hf_tower_prefix or default)]

@@ -6,6 +6,10 @@ shapes, so a batch compiles its prefill once per length bucket and its step
 once per cache view (:data:`VIEW` slots) it reaches, whatever the number of
 tokens. Sampling draws from ``jax.random`` keyed by the seed and the step, so
 a seed reproduces its tokens.
+
+A vision-language model's prompts may hold images (:func:`vision_inputs`): the prefill puts each image's
+features in place of its image tokens, and every step after it is plain text, as transformers' ``generate``
+passes the pixels at the first forward only.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import numpy as np
 from zoo.errors import UserError
 from zoo.model.config import ModelConfig
 from zoo.model.decode import Cache, forward_step, init_cache, place_for_decoding
+from zoo.model.vision import VisionInputs
 
 BUCKET = 32  # prompt and cache lengths are rounded up to a multiple of this: fewer compilations
 VIEW = 256  # a step reads the cache slots up to the filled length rounded up to this (one compile per bucket)
@@ -102,14 +107,15 @@ def categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
 
 @partial(jax.jit, static_argnums=(0, 5), donate_argnums=(4,))
 def _prefill(cfg: ModelConfig, params: dict, tokens: jax.Array, valid: jax.Array, cache: Cache,
-             sampler: Sampler, key: jax.Array) -> tuple[jax.Array, Cache]:
-    """Run the padded prompts through the (empty) cache and sample each row's first new token.
+             sampler: Sampler, key: jax.Array, vision: VisionInputs | None = None) -> tuple[jax.Array, Cache]:
+    """Run the padded prompts (with their images, if any) through the (empty) cache and sample each row's first
+    new token.
 
     The prompts attend to each other only (the cache is empty) and only each
     row's last real position goes through the output head.
     """
     last = jnp.maximum(valid.sum(1) - 1, 0)
-    logits, cache = forward_step(cfg, params, tokens, cache, valid, fresh=True, last=last)
+    logits, cache = forward_step(cfg, params, tokens, cache, valid, fresh=True, last=last, vision=vision)
     return sample_next(logits, key, sampler), cache
 
 
@@ -126,7 +132,8 @@ def _round_up(n: int, m: int = BUCKET) -> int:
 
 
 def generate(cfg: ModelConfig, params: dict[str, Any], prompts: Sequence[Sequence[int]], gen: GenerationConfig,
-             on_token: Callable[[int, int], None] | None = None, tokenizer: Any = None) -> list[list[int]]:
+             on_token: Callable[[int, int], None] | None = None, tokenizer: Any = None,
+             vision: VisionInputs | None = None) -> list[list[int]]:
     """New tokens for each prompt (not the prompt), cut after EOS or after the token completing a stop string.
 
     The prompts (token ids, at least one each) may differ in length: they are
@@ -134,11 +141,19 @@ def generate(cfg: ModelConfig, params: dict[str, Any], prompts: Sequence[Sequenc
     every token as it is produced (for streaming). A returned row ends with
     its EOS token when it hit one; stop strings need ``tokenizer`` (anything
     with ``decode``) and leave the text containing them to be trimmed by the caller.
+    ``vision``: a vision-language model's images of the prompts, a row per prompt (:func:`vision_inputs`); the
+    prompts hold their image tokens, as the processor expanded them.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise UserError("generate: every prompt needs at least one token")
     if gen.stop and tokenizer is None:
         raise UserError("generate: stop strings need a tokenizer")
+    if vision is not None and cfg.vision is None:
+        raise UserError("generate: images given to a model without a vision tower")
+    if vision is not None and cfg.vision is not None and cfg.vision.image_blocks:
+        # The prefill's mask would be causal over the image tokens, which attend to each other both ways: refused.
+        raise UserError(f"generate: images on {cfg.family}, whose image tokens attend bidirectionally, are not "
+                        "supported yet (its cached prefill is causal); generate without images")
     out: list[list[int]] = [[] for _ in prompts]
     if gen.max_new_tokens <= 0:
         return out
@@ -159,7 +174,7 @@ def generate(cfg: ModelConfig, params: dict[str, Any], prompts: Sequence[Sequenc
     done = np.zeros(b, bool)
     max_len = _round_up(plen + gen.max_new_tokens)
     nxt, cache = _prefill(cfg, params, jnp.asarray(buf), jnp.asarray(valid), cache, sampler,
-                          jax.random.fold_in(key, 0))
+                          jax.random.fold_in(key, 0), vision)
     longest = max(len(p) for p in prompts)  # the most tokens any row has in the cache before step 1
     for i in range(gen.max_new_tokens):
         # Launch the next step before reading this token (JAX dispatches asynchronously): the host work
@@ -179,6 +194,22 @@ def generate(cfg: ModelConfig, params: dict[str, Any], prompts: Sequence[Sequenc
             break
         nxt, cache = following
     return out
+
+
+def vision_inputs(cfg: ModelConfig, frames: Sequence[Sequence[tuple[np.ndarray, np.ndarray | None]]]
+                  ) -> VisionInputs | None:
+    """The images of a batch of prompts as the prefill takes them: ``frames[r]`` are prompt r's frames in the order
+    of its image tokens, each (pixels [C, S, S], pixel mask [S, S] or None) as the image processor gives them
+    (SmolVLM: an image's tiles, then the whole image). None when no prompt has an image."""
+    from zoo.data.vision_layout import image_patches, layout_rows
+
+    v = cfg.vision
+    assert v is not None, "vision_inputs needs a model with a vision tower"
+    most = max((len(f) for f in frames), default=0)
+    if most == 0:
+        return None
+    rows = [[image_patches(v, pixels, mask) for pixels, mask in row] for row in frames]
+    return VisionInputs(**{k: jnp.asarray(a) for k, a in layout_rows(v, rows, most * v.patches_per_image).items()})
 
 
 def _hit_stop(tokens: list[int], stop: tuple[str, ...], tokenizer: Any) -> bool:

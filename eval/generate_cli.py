@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,11 @@ from zoo.errors import UserError
 if TYPE_CHECKING:  # annotations only: JAX and the model load inside the command
     from eval.generate import GenerationConfig
     from zoo.model.decoder import Decoder
+    from zoo.model.vision import VisionInputs
+
+# (tokenizer folder, tokenizer) -> the image expander of the model's processor files (chat/images.py's
+# ImageExpander.from_folder, which the dispatcher passes in: chat/ is a floor above this one).
+ExpanderOf = Callable[[Path, Any], Any]
 
 
 def add_generate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -34,6 +40,11 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
                    help="apply the checkpoint's chat template: --prompt (and \"prompt\" lines) become a user turn "
                         "and generation starts the assistant's reply")
     p.add_argument("--system", metavar="TEXT", help="with --chat (or \"messages\" lines), a system turn put first")
+    p.add_argument("--image", action="append", metavar="PATH",
+                   help="an image file for a vision-language model (the flag may repeat): --prompt becomes a user "
+                        "turn under the chat template (as --chat) with an image part per image before its text, "
+                        "as TRL places them, each expanded as the model's processor expands it (its processor "
+                        "files, which zoo convert copies into the checkpoint's tokenizer/ folder)")
     p.add_argument("--prompts-file", metavar="IN.jsonl",
                    help='instead of --prompt: one JSON object a line, {"prompt": TEXT} or {"messages": [...]} '
                         '(chat messages, always under the chat template)')
@@ -66,9 +77,10 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
     return p
 
 
-def generate_command(args: argparse.Namespace) -> int | None:
-    """`zoo generate CKPT`: continue a prompt (or answer it as a chat turn with --chat), streaming; or complete a
-    JSONL file of prompts (`zoo generate --compile-only`: :func:`eval.generate_compile.generate_compile_command`)."""
+def generate_command(args: argparse.Namespace, expander_of: ExpanderOf | None = None) -> int | None:
+    """`zoo generate CKPT`: continue a prompt (or answer it as a chat turn with --chat, with --image about images),
+    streaming; or complete a JSONL file of prompts (`zoo generate --compile-only`:
+    :func:`eval.generate_compile.generate_compile_command`). ``expander_of`` makes the image expander (--image)."""
     if (getattr(args, "topology", None) or getattr(args, "report", None)
             or getattr(args, "prompt_length", None) is not None):  # --compile-only goes to eval.generate_compile
         raise UserError("--topology, --report and --prompt-length go with --compile-only")
@@ -82,6 +94,12 @@ def generate_command(args: argparse.Namespace) -> int | None:
             or not 0 < args.top_p <= 1):
         raise UserError("need --max-new-tokens >= 1, --batch-size >= 1, --temperature >= 0, --top-k >= 0 "
                         "and 0 < --top-p <= 1")
+    images = getattr(args, "image", None) or []
+    if images and args.prompt is None:
+        raise UserError("--image goes with --prompt (one prompt and its images), not with --prompts-file")
+    for path in images:
+        if not Path(path).expanduser().is_file():
+            raise UserError(f"--image {path}: no such file")
     from eval.harness_run import check_out
     from zoo.checkpoints.paths import checkpoint_dir
 
@@ -91,6 +109,10 @@ def generate_command(args: argparse.Namespace) -> int | None:
     import numpy as np
 
     import zoo
+
+    if images and zoo.read_config(args.ckpt).vision is None:  # before the weights load
+        raise UserError(f"--image: {args.ckpt} has no vision tower (a text model); leave out --image or give a "
+                        "vision-language model's checkpoint")
     from eval.generate import GenerationConfig
     from zoo.data.tokenizer import load_tokenizer
 
@@ -99,7 +121,11 @@ def generate_command(args: argparse.Namespace) -> int | None:
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                            top_p=args.top_p, seed=args.seed, stop=tuple(args.stop or ()),
                            eos_ids=_eos_ids(args.ckpt, tok))
-    if rows is None:
+    if images:
+        assert expander_of is not None, "the dispatcher passes the image expander"
+        ids, vision = _image_prompt(model, tok, args, expander_of)
+        _stream_one(model, tok, ids, gen, vision)
+    elif rows is None:
         _stream_one(model, tok, _prompt_ids(tok, {"prompt": args.prompt}, args), gen)
     else:
         _generate_file(model, tok, rows, args, gen)
@@ -157,8 +183,42 @@ def _prompt_ids(tok: Any, row: dict[str, Any], args: argparse.Namespace) -> list
     return list(tok(row["prompt"])["input_ids"])
 
 
-def _stream_one(model: Decoder, tok: Any, ids: list[int], gen: GenerationConfig) -> None:
-    """Generate for one prompt, printing the text as it grows (held back where a stop string may begin)."""
+def _image_prompt(model: Decoder, tok: Any, args: argparse.Namespace,
+                  expander_of: ExpanderOf) -> tuple[list[int], VisionInputs | None]:
+    """(token ids, images) of --prompt with its --image files: a user turn (after --system's turn) of one image
+    part per image and then the text, as TRL's ``prepare_multimodal_messages`` places them; the chat template's
+    placeholders replaced by each image's expansion, and the text tokenized whole, as the processor does."""
+    from eval.generate import vision_inputs
+    from zoo.data.images import BadImage, open_image
+    from zoo.data.tokenizer import tokenizer_dir
+
+    if not getattr(tok, "chat_template", None):
+        raise UserError(f"{args.ckpt}: the tokenizer has no chat template, which --image needs to place the images")
+    expander = expander_of(tokenizer_dir(args.ckpt), tok)
+    processed = []
+    for path in args.image:
+        try:
+            processed.append(expander.process(open_image(path, Path.cwd(), "--image")))
+        except BadImage as e:
+            raise UserError(str(e)) from None
+    text = [{"type": "text", "text": args.prompt}]
+    messages = [{"role": "user", "content": [{"type": "image"} for _ in processed] + text}]
+    if args.system is not None:  # TRL makes every string content a text part
+        messages.insert(0, {"role": "system", "content": [{"type": "text", "text": args.system}]})
+    pieces = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True).split(expander.placeholder)
+    if len(pieces) != len(processed) + 1:
+        raise UserError(f"{args.ckpt}: the chat template writes {len(pieces) - 1} {expander.placeholder} "
+                        f"placeholder(s) for {len(processed)} image(s); use the model's own chat template")
+    expanded = pieces[0] + "".join(p.text + rest for p, rest in zip(processed, pieces[1:]))
+    frames = [(pixels, None if p.pixel_attention_mask is None else p.pixel_attention_mask[i])
+              for p in processed for i, pixels in enumerate(p.pixel_values)]
+    return list(tok(expanded)["input_ids"]), vision_inputs(model.cfg, [frames])
+
+
+def _stream_one(model: Decoder, tok: Any, ids: list[int], gen: GenerationConfig,
+                vision: VisionInputs | None = None) -> None:
+    """Generate for one prompt (with its images), printing the text as it grows (held back where a stop string
+    may begin)."""
     from eval.answers import cut_at_stop
     from eval.generate import generate
 
@@ -179,7 +239,7 @@ def _stream_one(model: Decoder, tok: Any, ids: list[int], gen: GenerationConfig)
         print(t[shown:], end="", flush=True)
         shown = len(t)
 
-    generate(model.cfg, model.param_dict(), [ids], gen, on_token, tok)
+    generate(model.cfg, model.param_dict(), [ids], gen, on_token, tok, vision)
     print(text()[shown:], flush=True)
 
 

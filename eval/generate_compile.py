@@ -193,6 +193,9 @@ def generate_compile_command(args: argparse.Namespace, model_config_of: Callable
     configs with convert/)."""
     if not args.topology:
         raise UserError("--compile-only needs --topology, e.g. --topology v5e:2x4")
+    if getattr(args, "image", None):  # the compiled programs are text-only for now: never ignore a flag silently
+        raise UserError("--image does not go with --compile-only yet (generation with images compiles for the "
+                        "CPU only); drop --image to compile the text programs")
     if args.num_slices < 1:
         raise UserError(f"--num-slices must be at least 1, got {args.num_slices}")
     if (args.max_new_tokens < 1 or args.batch_size < 1 or args.temperature < 0 or args.top_k < 0

@@ -70,6 +70,7 @@ def test_a_generation_that_cannot_fit_exits_3(tmp_path, capsys):
     (["--compile-only"], "--compile-only needs --topology, e.g. --topology v5e:2x4"),
     (["--topology", "v5e:2x2"], "--topology, --report and --prompt-length go with --compile-only"),
     (["--compile-only", "--topology", "v5e:2x2", "--batch-size", "0"], "need --max-new-tokens >= 1, --batch-size"),
+    (["--compile-only", "--topology", "v5e:2x2", "--image", "a.png"], "--image does not go with --compile-only"),
 ])
 def test_user_errors_are_one_line_exit_2(tmp_path, capsys, args, message):
     assert main(["generate", _model(tmp_path, GQA), *args]) == 2

@@ -81,7 +81,10 @@ def test_sliding_window_matters(tmp_path):
     assert diff[:, :7].max() < 1e-5 and diff[:, 7:].max() > 1e-2
 
 
-def test_gemma3_multimodal_converts_language_model(tmp_path, capsys):
+def test_gemma3_multimodal_converts_language_model_with_text_only(tmp_path, capsys):
+    """`--text-only` converts a Gemma3ForConditionalGeneration's language model alone (the whole model converts
+    without it: tests/test_vlm_gemma3.py), here one whose tower has SigLIP's pooling head, which the whole
+    conversion refuses."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
 
     text = dict(FAMILIES["gemma3"][2], vocab_size=96, hidden_size=64, intermediate_size=112,
@@ -98,7 +101,9 @@ def test_gemma3_multimodal_converts_language_model(tmp_path, capsys):
     randomize(model)
     model.save_pretrained(tmp_path / "hf")
     capsys.readouterr()
-    assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "zoo")]) == 0
+    assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "whole")]) == 2
+    assert "pooling head (vision_tower.head.*" in capsys.readouterr().err
+    assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "zoo"), "--text-only"]) == 0
     err = capsys.readouterr().err
     assert "vision tower" in err and "left out" in err
     tokens = random_tokens(90, seq=SEQ)  # no image tokens

@@ -145,8 +145,8 @@ def test_vision_config_refuses_what_the_tower_cannot_run():
               patch_size=7, image_size=28, image_token_id=95)
     with pytest.raises(UserError, match="image_size=28 must be a multiple of patch_size=7 times scale_factor=3"):
         VisionConfig(**ok, scale_factor=3)
-    with pytest.raises(UserError, match="connector 'avg_pool' is not one of shuffle_linear"):
-        VisionConfig(**ok, connector="avg_pool")
+    with pytest.raises(UserError, match="connector 'mean' is not one of shuffle_linear, avg_pool"):
+        VisionConfig(**ok, connector="mean")
 
 
 def test_processor_rows_with_tiles_equal_transformers(tmp_path):

@@ -1,5 +1,6 @@
-"""Hugging Face vision-language reference models: tiny random SmolVLM/Idefics3 models (transformers' own classes),
-their image features and logits, and images to feed them (random pixels, optionally padded as the processor pads).
+"""Hugging Face vision-language reference models: tiny random SmolVLM/Idefics3 and Gemma 3 models (transformers'
+own classes), their image features and logits, and images to feed them (random pixels, optionally padded as the
+processor pads).
 
 A helper like tests/hf_models.py (whose BASE text config and ``randomize`` it reuses); no test module imports
 another."""
@@ -10,8 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
-from tests.hf_models import BASE, randomize
+from tests.hf_models import BASE, FAMILIES, randomize
 
 IMAGE_TOKEN = 95  # the last id of the tiny vocabulary (96)
 # SigLIP 32 wide, 2 layers of 2 heads, 28-pixel images in 7-pixel patches: 4 x 4 patches, 2 x 2 shuffled into
@@ -81,4 +83,61 @@ def image_row(seq: int, at: int, seed: int) -> np.ndarray:
     from ``at``, as the processor expands an image placeholder without splitting."""
     row = np.random.RandomState(seed).randint(0, IMAGE_TOKEN, seq).astype(np.int32)
     row[at:at + TOKENS_PER_IMAGE] = IMAGE_TOKEN
+    return row
+
+
+# Gemma 3: the same SigLIP tower (no pooling head), average-pooled 2 x 2 into 4 tokens an image; a 3-layer text
+# model whose sliding window (3) is shorter than an image's block of tokens (4). 93/94: begin/end of image.
+GEMMA3_TEXT = {**{k: v for k, v in FAMILIES["gemma3"][2].items() if k != "final_logit_softcapping"}, **BASE,
+               "num_hidden_layers": 3, "sliding_window": 3,
+               "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}
+BOI, EOI = 93, 94
+
+
+def make_gemma3(folder: Path, seed: int = 0, hub_spelling: bool = False):
+    """Save a tiny random Gemma3ForConditionalGeneration to ``folder``; returns it (float32, eager attention).
+    ``hub_spelling`` renames the tower's tensors as the Hub's Gemma 3 files have them
+    (``vision_tower.vision_model.*``, where transformers 5 saves ``vision_tower.*``)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    config = Gemma3Config(text_config=GEMMA3_TEXT, vision_config={**VISION, "vision_use_head": False},
+                          mm_tokens_per_image=TOKENS_PER_IMAGE, image_token_index=IMAGE_TOKEN,
+                          boi_token_index=BOI, eoi_token_index=EOI)
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    model.set_attn_implementation("eager")
+    randomize(model)
+    model.save_pretrained(folder)
+    if hub_spelling:
+        for f in folder.glob("*.safetensors"):
+            tensors = load_file(f)
+            save_file({n.replace("vision_tower.", "vision_tower.vision_model.", 1): t for n, t in tensors.items()},
+                      f, metadata={"format": "pt"})
+    return model
+
+
+def hf_gemma3_image_features(model, pixels: np.ndarray) -> np.ndarray:
+    """transformers' Gemma 3 image features [images * tokens_per_image, hidden] of pixels [images, 3, S, S]."""
+    with torch.no_grad():
+        return model.model.get_image_features(torch.tensor(pixels), return_dict=True).pooler_output.reshape(
+            -1, model.config.text_config.hidden_size).numpy()
+
+
+def hf_gemma3_logits(model, tokens: np.ndarray, pixels: np.ndarray) -> np.ndarray:
+    """transformers' float32 logits [rows, seq, vocab] of int tokens [rows, seq] holding the image tokens of
+    pixels [images, 3, S, S] in order, with the ``token_type_ids`` (1 on image tokens) that make Gemma 3's image
+    blocks bidirectional."""
+    ids = torch.tensor(tokens, dtype=torch.long)
+    with torch.no_grad():
+        return model(input_ids=ids, pixel_values=torch.tensor(pixels),
+                     token_type_ids=(ids == IMAGE_TOKEN).long()).logits.float().numpy()
+
+
+def gemma3_row(seq: int, starts: list[int], seed: int) -> np.ndarray:
+    """Int tokens [seq]: random text ids (below the begin-of-image id) with one image's TOKENS_PER_IMAGE image
+    tokens, between its begin and end markers, from each of ``starts``, as Gemma 3's processor expands them."""
+    row = np.random.RandomState(seed).randint(0, BOI, seq).astype(np.int32)
+    for at in starts:
+        row[at - 1], row[at + TOKENS_PER_IMAGE] = BOI, EOI
+        row[at:at + TOKENS_PER_IMAGE] = IMAGE_TOKEN
     return row

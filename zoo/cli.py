@@ -79,9 +79,10 @@ def cmd_generate(args: argparse.Namespace) -> int | None:
         from pretrain.setup import model_config_of
 
         return generate_compile_command(args, model_config_of)
+    from chat.images import ImageExpander  # --image: the model's processor, a floor above eval/
     from eval.generate_cli import generate_command
 
-    return generate_command(args)
+    return generate_command(args, ImageExpander.from_folder)
 
 
 def cmd_eval(args: argparse.Namespace) -> None:

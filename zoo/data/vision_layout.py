@@ -10,7 +10,8 @@ row's output token, -1 for none; ``patch_slot``: its place within that token's g
 SmolVLM/Idefics3 (transformers' ``SmolVLMVisionEmbeddings``, ``SmolVLMConnector.pixel_shuffle``): a padded image
 reads the position table at *bucketized fractional* coordinates of its real patches (padding patches row 0),
 and each ``s x s`` block of patches becomes one token, patch ``(i*s + a, j*s + b)`` at slot ``a*s + b`` of
-token ``i*(w/s) + j``.
+token ``i*(w/s) + j``. Gemma 3 (``VisionConfig.bucketize`` false) reads the table at each patch's own row, and
+its connector averages each such block into one token.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ def image_patches(v: VisionConfig, pixels: np.ndarray, pixel_mask: np.ndarray | 
     valid = patch_validity(mask, v.patch_size)
     group, slot = shuffle_slots(v.side, v.side, v.scale_factor)
     return dict(patches=patchify(pixels, v.patch_size), patch_valid=valid.reshape(-1),
-                patch_pos=bucketized_positions(valid, v.side), patch_group=group, patch_slot=slot)
+                patch_pos=bucketized_positions(valid, v.side) if v.bucketize else np.arange(v.patches_per_image),
+                patch_group=group, patch_slot=slot)
 
 
 def layout_rows(v: VisionConfig, rows: Sequence[Sequence[dict[str, np.ndarray]]], max_patches: int,

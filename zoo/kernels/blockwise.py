@@ -30,11 +30,14 @@ def query_block(t: int) -> int:
     return max(BLOCK, -(-t // 8))
 
 
-def key_ranges(t: int, block: int, window: int | None, keys: int | None = None) -> list[tuple[int, int, int, int]]:
+def key_ranges(t: int, block: int, window: int | None, keys: int | None = None,
+               lookahead: int = 0) -> list[tuple[int, int, int, int]]:
     """(q_start, q_end, k_start, k_end) per query block: the keys a causal (windowed) block can see.
 
     ``keys`` (default t) is how many keys there are: more than t under context parallelism (:mod:`zoo.model.context`),
     where the queries' offset among the keys is only known on the device, so every block scores all keys.
+    ``lookahead`` keys past a block's last query are scored too: a bidirectional block (Gemma 3's image tokens,
+    :class:`zoo.model.masks.Visibility`'s ``block_ids``) lets a query see later keys of its own block.
     """
     if keys is not None and keys != t:
         return [(qs, min(qs + block, t), 0, keys) for qs in range(0, t, block)]
@@ -42,8 +45,13 @@ def key_ranges(t: int, block: int, window: int | None, keys: int | None = None) 
     for qs in range(0, t, block):
         qe = min(qs + block, t)
         ks = 0 if window is None else max(0, qs - window + 1)
-        out.append((qs, qe, ks, qe))
+        out.append((qs, qe, ks, min(qe + lookahead, t)))
     return out
+
+
+def _lookahead(mask: jax.Array | Visibility) -> int:
+    """How many keys past its queries a block of ``mask`` may see (0: causal)."""
+    return mask.lookahead if isinstance(mask, Visibility) else 0
 
 
 def _block_mask(mask: jax.Array | Visibility, qs: int, qe: int, ks: int, ke: int) -> jax.Array:
@@ -104,7 +112,7 @@ def _head_major(x: jax.Array, q: jax.Array) -> jax.Array:
 def _forward(q, k, v, mask, scale, cap, window, block, sinks=None):
     outs, lses = [], []
     sink = None if sinks is None else _sink_logits(sinks, q)
-    for qs, qe, ks, ke in key_ranges(q.shape[3], block, window, k.shape[2]):
+    for qs, qe, ks, ke in key_ranges(q.shape[3], block, window, k.shape[2], _lookahead(mask)):
         s, _ = _scores(q[:, :, :, qs:qe], k[:, :, ks:ke], _block_mask(mask, qs, qe, ks, ke), scale, cap)
         m = jnp.max(s, axis=-1, keepdims=True)
         if sink is not None:
@@ -128,7 +136,7 @@ def _bwd(scale, cap, window, block, res, dout):
     dq_blocks = []
     dk = jnp.zeros(k.shape, jnp.float32)
     dv = jnp.zeros(v.shape, jnp.float32)
-    for qs, qe, ks, ke in key_ranges(q.shape[3], block, window, k.shape[2]):
+    for qs, qe, ks, ke in key_ranges(q.shape[3], block, window, k.shape[2], _lookahead(mask)):
         qb, kb, vb = q[:, :, :, qs:qe], k[:, :, ks:ke], v[:, :, ks:ke]
         s, th = _scores(qb, kb, _block_mask(mask, qs, qe, ks, ke), scale, cap)
         p = jnp.exp(s - lse[..., qs:qe, None])

@@ -15,7 +15,8 @@ document each through its causal mask type and the rows' lengths, and packed row
 a row holds (``data.max_segments`` with best-fit packing), and it cannot express shared prefixes or a context
 shard's queries: :func:`cudnn_rows_obstacle` (``auto`` then takes the blockwise path). Splash gets the segment
 ids and the window. It cannot express DPO's shared prefixes (a token reading another segment) and needs
-sequences in whole 128-token blocks: :func:`splash_obstacle`.
+sequences in whole 128-token blocks: :func:`splash_obstacle`. Neither takes Gemma 3's bidirectional image blocks
+(``Visibility.block_ids``: a query reading later keys of its block), so ``auto`` runs those rows blockwise.
 
 The platform is the one the program is built for: the devices of the mesh in context (``jax.set_mesh``, as a
 sharded train step is traced: a TPU program compiled from a CPU host is a TPU program), else JAX's default.
@@ -53,11 +54,17 @@ def cudnn_obstacle(cfg: ModelConfig, dtype: jnp.dtype) -> str | None:
     return None
 
 
-def cudnn_rows_obstacle(segments: int | None, prefix: bool = False) -> str | None:
+BLOCKS_OBSTACLE = "bidirectional image blocks (Gemma 3's image tokens) let a query read later keys of its block"
+
+
+def cudnn_rows_obstacle(segments: int | None, prefix: bool = False, blocks: bool = False) -> str | None:
     """Why cuDNN's kernel cannot take rows of at most ``segments`` documents (None: no bound known), with DPO's
-    shared prefixes when ``prefix``, without a [seq, seq] mask; None: it can."""
+    shared prefixes when ``prefix``, bidirectional image blocks when ``blocks``, without a [seq, seq] mask; None:
+    it can."""
     from zoo.model.context import context_size
 
+    if blocks:
+        return BLOCKS_OBSTACLE + ", which cuDNN's causal masks cannot"
     if prefix:
         return ("shared prefixes (prefix_ids, DPO's pairs) let a token read another segment, which cuDNN's packed "
                 "documents cannot")
@@ -81,13 +88,16 @@ def _hopper() -> bool:
         return False
 
 
-def splash_obstacle(seq: int | None = None, prefix: bool = False) -> str | None:
+def splash_obstacle(seq: int | None = None, prefix: bool = False, blocks: bool = False) -> str | None:
     """Why splash attention cannot run the attention of rows of ``seq`` tokens (None: not known yet), with DPO's
-    shared prefixes when ``prefix`` (:func:`zoo.model.masks.attention_mask`'s ``prefix_ids``); None: it can. Any model
-    can: grouped-query heads, Gemma 2's soft-cap, sliding windows, latent attention's unequal head sizes."""
+    shared prefixes when ``prefix`` (:func:`zoo.model.masks.attention_mask`'s ``prefix_ids``), bidirectional image
+    blocks when ``blocks``; None: it can. Any model can: grouped-query heads, Gemma 2's soft-cap, sliding windows,
+    latent attention's unequal head sizes."""
     from zoo.kernels.splash import LANES
     from zoo.model.context import context_size
 
+    if blocks:
+        return BLOCKS_OBSTACLE + ", which splash's causal masks cannot"
     if prefix:
         return ("shared prefixes (prefix_ids, DPO's pairs) let a token read another segment, and splash's segment "
                 "ids only pair equal ids")
@@ -106,11 +116,11 @@ def sinks_obstacle(kernel: str) -> str:
     return f"{kernel} kernel has no attention sinks (gpt-oss's per-head softmax logit); the blockwise path has"
 
 
-def uses_splash(cfg: ModelConfig, seq: int | None = None, prefix: bool = False) -> bool:
+def uses_splash(cfg: ModelConfig, seq: int | None = None, prefix: bool = False, blocks: bool = False) -> bool:
     """Whether the training forward's attention is splash for rows of ``seq`` tokens (with shared prefixes when
-    ``prefix``): ``splash`` asked for (a :class:`zoo.errors.UserError` naming the reason where it cannot run), or
-    ``auto`` on a TPU where it can."""
-    obstacle = splash_obstacle(seq, prefix) or (sinks_obstacle("splash's") if cfg.attn_sinks else None)
+    ``prefix``, bidirectional image blocks when ``blocks``): ``splash`` asked for (a :class:`zoo.errors.UserError`
+    naming the reason where it cannot run), or ``auto`` on a TPU where it can."""
+    obstacle = splash_obstacle(seq, prefix, blocks) or (sinks_obstacle("splash's") if cfg.attn_sinks else None)
     if cfg.attention == "splash":
         _refuse("splash", platform_obstacle("splash") or obstacle)
         return True
@@ -190,17 +200,17 @@ def check_rows(attention: str, seq: int, segments: int | None = 1) -> None:
 
 
 def kernel_for(cfg: ModelConfig, dtype: jnp.dtype, seq: int | None = None, prefix: bool = False,
-               segments: int | None = 1) -> str:
+               segments: int | None = 1, blocks: bool = False) -> str:
     """The kernel (``blockwise``, ``cudnn`` or ``splash``) the training forward runs for ``cfg.attention``, q's
-    dtype, rows of ``seq`` tokens (None: not known yet) of at most ``segments`` documents (None: no bound) and
-    shared prefixes (``prefix``).
+    dtype, rows of ``seq`` tokens (None: not known yet) of at most ``segments`` documents (None: no bound),
+    shared prefixes (``prefix``) and bidirectional image blocks (``blocks``).
 
     ``cudnn`` or ``splash`` asked for where it cannot run is a :class:`zoo.errors.UserError` naming the reason."""
     if cfg.attention == "blockwise":
         return "blockwise"
-    if uses_splash(cfg, seq, prefix):
+    if uses_splash(cfg, seq, prefix, blocks):
         return "splash"
-    obstacle = cudnn_obstacle(cfg, dtype) or cudnn_rows_obstacle(segments, prefix)
+    obstacle = cudnn_obstacle(cfg, dtype) or cudnn_rows_obstacle(segments, prefix, blocks)
     if cfg.attention == "cudnn":
         _refuse("cudnn", platform_obstacle("cudnn") or obstacle)
         return "cudnn"
@@ -251,7 +261,7 @@ def cudnn_attention(qg: jax.Array, k: jax.Array, v: jax.Array, vis: Visibility, 
     ``implementation="xla"`` (rows of one document each only) runs the same call through XLA, so the layouts are
     checked on the CPU; the packed layout is cuDNN's own call (``jax.nn`` has none), checked on a GPU."""
     b, hk, g, t, d = qg.shape
-    obstacle = cudnn_rows_obstacle(vis.segments, vis.prefix_ids is not None)
+    obstacle = cudnn_rows_obstacle(vis.segments, vis.prefix_ids is not None, vis.block_ids is not None)
     if obstacle or k.shape[2] != t:
         raise ValueError(f"cudnn_attention: {obstacle or 'queries and keys of different lengths'}")
     assert vis.segments is not None  # by cudnn_rows_obstacle

@@ -110,7 +110,7 @@ def attend(qg: jax.Array, k: jax.Array, v: jax.Array, vis: Visibility, cfg: Mode
     -> [b, t, kv * g * dv]. With the mesh's ``context`` axis over 1 the sequence is split over it
     (:func:`zoo.model.context.context_attention`): each device attends its queries to the gathered keys. ``sinks``
     [heads] (gpt-oss's attention sinks) only the blockwise kernel takes (:func:`zoo.kernels.choice.sinks_obstacle`)."""
-    kernel = kernel_for(cfg, qg.dtype, qg.shape[3], vis.prefix_ids is not None, vis.segments)
+    kernel = kernel_for(cfg, qg.dtype, qg.shape[3], vis.prefix_ids is not None, vis.segments, vis.block_ids is not None)
 
     def run(qg: jax.Array, k: jax.Array, v: jax.Array, vis: Visibility) -> jax.Array:
         if kernel == "splash" and k.shape[2] != qg.shape[3]:  # a context shard's queries, the gathered keys

@@ -43,6 +43,9 @@ def context_attention(attend: Attend, qg: jax.Array, k: jax.Array, v: jax.Array,
     n = context_size()
     if t % n:
         raise ValueError(f"context_attention: sequence length {t} does not split over mesh.context = {n}")
+    if vis.block_ids is not None:  # each shard would need its keys' block ids gathered too
+        raise ValueError("context_attention: bidirectional image blocks (Gemma 3) do not run under context "
+                         "parallelism yet; set mesh.context to 1")
     rows, heads = logical_to_spec(("batch", "kv_heads"), (b, hk), mesh)
     seq = P(rows, AXIS)
 

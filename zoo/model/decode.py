@@ -60,8 +60,10 @@ from zoo.model.layer_layout import (
 from zoo.model.layer_scan import Segment, scan_segments, stack_slice
 from zoo.model.longrope import switch_to_long
 from zoo.model.masks import kind_window
+from zoo.model.multimodal import embed_images
 from zoo.model.per_layer_inputs import per_layer_inputs
 from zoo.model.rope import layer_rope, rope_flags, rope_tables_by_kind
+from zoo.model.vision import VisionInputs
 
 
 @jax.tree_util.register_dataclass
@@ -206,7 +208,7 @@ def forward_cached(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, 
 def forward_step(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax.Array, cache: Cache,
                  valid: jax.Array | None = None, mla_absorb: bool | None = None, *, fresh: bool = False,
                  view: int | None = None, last: jax.Array | None = None,
-                 hidden: bool = False) -> tuple[jax.Array, Cache]:
+                 hidden: bool = False, vision: VisionInputs | None = None) -> tuple[jax.Array, Cache]:
     """:func:`forward_cached` with generation's shortcuts (``fresh`` and ``view`` static), and LoRA adapters.
 
     ``fresh``: the cache is empty (every length 0), so its slots are not read.
@@ -219,6 +221,8 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax
     as the training forward does (no merged copy of the weights exists; no dropout).
     ``hidden`` (static): return the final normed hidden states [b, t, hidden]
     instead of the logits, for a caller that projects the vocabulary in pieces.
+    ``vision``: a vision-language model's images of these tokens (the prompt's, at prefill), each image token's
+    embedding replaced by its image feature as in the training forward; the steps after it are plain text.
     """
     w = Weights.wrap(params)
     base: dict[str, Any] = w.base
@@ -243,6 +247,8 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax
     masks = {kind: new_token_masks(pos, valid, slot_positions(cache.lengths, n)[:, :n] if n else None, windows[kind])
              for kind, n in read.items()}
     x = embed_tokens(cfg, base, tokens)
+    if vision is not None:
+        x = embed_images(cfg, base, tokens, x, vision)
     ple = per_layer_inputs(cfg, base, tokens, x) if cfg.per_layer_input_size else None
     # Gemma 4: kind -> (the stored layer's cache, its new keys/values), read by the KV-shared layers.
     stored: dict[str, tuple[dict | None, tuple[jax.Array, jax.Array]]] = {}

@@ -38,7 +38,7 @@ from zoo.model.layer_layout import (
 )
 from zoo.model.layer_scan import Segment, scan_segments, stack_slice
 from zoo.model.masks import kind_window, visibility
-from zoo.model.multimodal import embed_images
+from zoo.model.multimodal import embed_images, image_blocks, text_ids
 from zoo.model.params import flatten, init_params, nest, param_specs
 from zoo.model.per_layer_inputs import add_per_layer_input, per_layer_inputs
 from zoo.model.rope import layer_rope, rope_flags, rope_tables_by_kind
@@ -211,11 +211,15 @@ def forward(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax.Arra
     ropes = rope_tables_by_kind(cfg, positions)
     # What each layer kind's queries see, from the segment ids: no kernel gets a [b, 1, t, t] mask built here
     # (zoo.model.masks.Visibility; zoo.kernels.choice).
-    seen = {kind: visibility(segment_ids, kind_window(cfg, kind), prefix_ids, max_segments) for kind in ropes}
+    # Rows with images: Gemma 3's image tokens attend within their image both ways (zoo.model.multimodal).
+    blocks, ahead = image_blocks(cfg, tokens) if vision is not None else (None, 0)
+    seen = {kind: visibility(segment_ids, kind_window(cfg, kind), prefix_ids, max_segments, blocks, ahead)
+            for kind in ropes}
     valid = segment_ids != 0
-    x = embed_tokens(cfg, base, tokens)
-    if vision is not None:
-        x = embed_images(cfg, base, tokens, x, vision)
+    if vision is None:
+        x = embed_tokens(cfg, base, tokens)
+    else:
+        x = embed_images(cfg, base, tokens, embed_tokens(cfg, base, text_ids(cfg, tokens)), vision)
     # Gemma 4: each layer's per-layer input [layers, b, t, width], scanned with the layers' weights.
     ple = per_layer_inputs(cfg, base, tokens, x) if cfg.per_layer_input_size else None
     shared: dict[str, tuple[jax.Array, jax.Array]] = {}  # kind -> the keys/values the KV-shared layers reuse

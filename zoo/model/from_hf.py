@@ -14,7 +14,7 @@ from typing import Any
 
 from zoo.errors import UserError
 from zoo.model.config import ModelConfig, RopeConfig
-from zoo.model.hf_families import CLASSIFIER, FAMILIES, FamilyTraits, family_of
+from zoo.model.hf_families import CLASSIFIER, FAMILIES, VISION_FORMATS, FamilyTraits, family_of
 
 SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn", "longrope", "proportional")  # proportional: Gemma 4
 LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
@@ -263,11 +263,12 @@ def _completed(cfg: ModelConfig, hf: dict[str, Any], top: Any, c: Any, where: st
     checked for what lmzoo cannot run."""
     if cfg.family == "gemma4":
         cfg = dataclasses.replace(cfg, **_gemma4_fields(c, where))
-    traits = FAMILIES[cfg.family]
-    if traits.vision is not None:
+    vision = VISION_FORMATS.get(family_of(hf, where)[1])
+    if vision is not None:
         from zoo.model.vision_from_hf import vision_config_from_hf
 
-        cfg = dataclasses.replace(cfg, vision=vision_config_from_hf(traits.vision, top, traits.architecture, where))
+        reader, arch = vision
+        cfg = dataclasses.replace(cfg, vision=vision_config_from_hf(reader, top, arch, where))
     if any(a.endswith(CLASSIFIER[1]) for a in hf.get("architectures") or []):  # a reward model's score head
         pad = getattr(top, "pad_token_id", None)
         cfg = dataclasses.replace(cfg, num_labels=int(getattr(top, "num_labels", 1)),

@@ -32,7 +32,6 @@ class FamilyTraits:
     uses_query_pre_attn_scalar: bool = False
     sliding_on_every_layer: bool = False  # Mistral: one window for all layers, no layer_types
     moe: str | None = None  # "mixtral" | "deepseek_v2" | "deepseek_v3" | "qwen3_moe" | "glm4_moe": how routing is configured
-    vision: str | None = None  # the reader of a vision-language config's vision side (zoo.model.vision_from_hf)
 
 
 FAMILIES: dict[str, FamilyTraits] = {
@@ -72,8 +71,16 @@ FAMILIES: dict[str, FamilyTraits] = {
                            act_field="hidden_activation", final_softcap_field="final_logit_softcapping"),
     # Vision-language models on a Llama language model (text_config model_type "llama"): a SigLIP tower and the
     # pixel-shuffle connector. model_type/architecture name the composite config and model class.
-    "smolvlm": FamilyTraits("smolvlm", "SmolVLMForConditionalGeneration", mlp_bias="mlp_bias", vision="idefics3"),
-    "idefics3": FamilyTraits("idefics3", "Idefics3ForConditionalGeneration", mlp_bias="mlp_bias", vision="idefics3"),
+    "smolvlm": FamilyTraits("smolvlm", "SmolVLMForConditionalGeneration", mlp_bias="mlp_bias"),
+    "idefics3": FamilyTraits("idefics3", "Idefics3ForConditionalGeneration", mlp_bias="mlp_bias"),
+}
+
+# weight-name format of a vision-language model -> (the reader of its config's vision side in
+# zoo.model.vision_from_hf, its *ForConditionalGeneration class). Gemma 3's text model is family gemma3's.
+VISION_FORMATS: dict[str, tuple[str, str]] = {
+    "hf-smolvlm": ("idefics3", "SmolVLMForConditionalGeneration"),
+    "hf-idefics3": ("idefics3", "Idefics3ForConditionalGeneration"),
+    "hf-gemma3-multimodal": ("gemma3", "Gemma3ForConditionalGeneration"),
 }
 
 # architecture -> (family, source format of its weight names)

@@ -1,5 +1,6 @@
-"""Attention masks of the training forward (causal within each packed document, optionally windowed)
-and the sliding window of each layer kind.
+"""Attention masks of the training forward (causal within each packed document, optionally windowed, with
+bidirectional blocks of image tokens where a vision-language model has them) and the sliding window of each
+layer kind.
 
 The cached forward (:mod:`zoo.model.decode`) builds its own masks over cache
 slots, with the same windows; :func:`attention_mask` is over the rows of
@@ -52,8 +53,9 @@ def attention_mask(segment_ids: jax.Array, window: int | None = None,
     return (allowed[None] & same)[:, None]
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=("segment_ids", "key_segment_ids", "prefix_ids", "offset"),
-         meta_fields=("window", "segments"))
+@partial(jax.tree_util.register_dataclass,
+         data_fields=("segment_ids", "key_segment_ids", "prefix_ids", "offset", "block_ids"),
+         meta_fields=("window", "segments", "lookahead"))
 @dataclass(frozen=True)
 class Visibility:
     """Which keys each query of a packed batch sees, as :func:`attention_mask` says, but built one block at a time
@@ -66,6 +68,13 @@ class Visibility:
     ``segments`` the most documents a row holds, each one contiguous run of its id (1: one document, then
     padding; None: no bound known), so a kernel may take each document's start and length instead of
     segment ids (:func:`zoo.kernels.choice.cudnn_attention`).
+
+    ``block_ids`` [b, t] or None: bidirectional blocks (a vision-language model's image tokens, Gemma 3; -1
+    outside any block): a query also sees every key of its own block, later ones included, so a layer sees
+    ``causal OR same-block`` and, windowed, ``window AND (causal OR same-block)`` with the one-sided window
+    ``q - k < W`` (transformers' ``create_masks_for_vision_model``). ``lookahead`` bounds how far past a query
+    its block's keys reach (the longest block less one), so a kernel skipping the keys after its queries
+    (:func:`zoo.kernels.blockwise.key_ranges`) keeps those. Queries and keys are the same rows then.
     """
 
     segment_ids: jax.Array
@@ -74,26 +83,40 @@ class Visibility:
     offset: jax.Array
     window: int | None
     segments: int | None = None
+    block_ids: jax.Array | None = None
+    lookahead: int = 0
 
     def block(self, qs: int, qe: int, ks: int, ke: int) -> jax.Array:
         """Boolean [b, qe - qs, ke - ks]: whether query row qs.. sees key row ks.. (rows local to this array)."""
         q = self.offset + jnp.arange(qs, qe, dtype=jnp.int32)[:, None]
         k = jnp.arange(ks, ke, dtype=jnp.int32)[None, :]
-        allowed = k <= q
+        allowed = (k <= q)[None]
+        if self.block_ids is not None:
+            qb, kb = self.block_ids[:, qs:qe, None], self.block_ids[:, None, ks:ke]
+            allowed = allowed | ((qb == kb) & (qb >= 0))
         if self.window is not None:
-            allowed &= q - k < self.window
+            allowed &= (q - k < self.window)[None]
         qseg, kseg = self.segment_ids[:, qs:qe, None], self.key_segment_ids[:, None, ks:ke]
         same = qseg == kseg
         if self.prefix_ids is not None:
             same |= (self.prefix_ids[:, qs:qe, None] == kseg) & (kseg != 0)
-        return allowed[None] & same
+        return allowed & same
 
 
 def visibility(segment_ids: jax.Array, window: int | None = None, prefix_ids: jax.Array | None = None,
-               segments: int | None = None) -> Visibility:
+               segments: int | None = None, block_ids: jax.Array | None = None, lookahead: int = 0) -> Visibility:
     """The :class:`Visibility` of one packed batch (queries and keys the same rows): :func:`attention_mask`'s
-    mask, never built whole."""
+    mask, never built whole; with ``block_ids`` (and their ``lookahead``) each block bidirectional."""
     if window is not None and prefix_ids is not None:
         raise ValueError("visibility: shared prefixes (prefix_ids) need full attention, not a sliding-window mask "
                          "(its window counts row indices)")
-    return Visibility(segment_ids, segment_ids, prefix_ids, jnp.zeros((), jnp.int32), window, segments)
+    return Visibility(segment_ids, segment_ids, prefix_ids, jnp.zeros((), jnp.int32), window, segments, block_ids,
+                      lookahead)
+
+
+def image_block_ids(tokens: jax.Array, image_token_id: int) -> jax.Array:
+    """Int [b, t]: each run of consecutive ``image_token_id`` tokens one block (0, 1, ... along the row), -1
+    elsewhere: transformers' ``get_block_sequence_ids_for_mask`` over Gemma 3's ``token_type_ids``."""
+    is_image = tokens == image_token_id
+    starts = is_image & ~jnp.pad(is_image, ((0, 0), (1, 0)))[:, :-1]
+    return jnp.where(is_image, jnp.cumsum(starts, axis=1, dtype=jnp.int32) - 1, -1)

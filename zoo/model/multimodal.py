@@ -3,7 +3,11 @@ its image feature (:func:`zoo.model.vision.encode_images`).
 
 The i-th image token of a row takes the i-th feature of that row, which is transformers' ``masked_scatter`` of
 the features over the image-token positions when every row holds the features of its own images (the host
-lays rows out so: :mod:`zoo.data.vision_layout`).
+lays rows out so: :mod:`zoo.data.vision_layout`). The features replace the embeddings as the model computed them
+(Gemma's already scaled by sqrt(hidden): features are not scaled). An image token id past the text vocabulary
+is embedded as id 0 before it is replaced (transformers' Gemma 3 does so). Where ``VisionConfig.image_blocks``
+is set (Gemma 3) each run of image tokens is one bidirectional block of the language model's attention
+(:func:`image_blocks`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from zoo.model.config import ModelConfig
+from zoo.model.masks import image_block_ids
 from zoo.model.vision import VisionInputs, encode_images
 
 
@@ -31,3 +36,22 @@ def embed_images(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, x:
     """The token embeddings x [b, t, E] of ``tokens`` with the images of ``vision`` in place of the image tokens."""
     assert cfg.vision is not None, "images given to a model without a vision tower"
     return merge_features(tokens, x, encode_images(cfg, params, vision), cfg.vision.image_token_id)
+
+
+def text_ids(cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """``tokens`` as the token embedding reads them: an image token id past the vocabulary as 0 (its embedding is
+    replaced by an image feature anyway)."""
+    if cfg.vision is None or cfg.vision.image_token_id < cfg.vocab_size:
+        return tokens
+    return jnp.where(tokens == cfg.vision.image_token_id, 0, tokens)
+
+
+def image_blocks(cfg: ModelConfig, tokens: jax.Array) -> tuple[jax.Array | None, int]:
+    """(block ids [b, t] or None, lookahead) of the bidirectional image blocks of rows with images
+    (:class:`zoo.model.masks.Visibility`): each run of image tokens one block where the model's vision config
+    says so (Gemma 3), else (None, 0). The lookahead (how far a block reaches past a query) is one image's
+    tokens less one: the processor puts other tokens between images (Gemma 3's begin/end-of-image markers)."""
+    v = cfg.vision
+    if v is None or not v.image_blocks:
+        return None, 0
+    return image_block_ids(tokens, v.image_token_id), v.tokens_per_image - 1

@@ -1,9 +1,10 @@
 """A vision-language model's image tower and connector: patches in, one feature per image token out.
 
-:func:`encode_images` runs SmolVLM/Idefics3's SigLIP tower on a batch's patches (:class:`VisionInputs`, laid out on
-the host by :mod:`zoo.data.vision_layout`): the patch embedding (a conv as one matmul over flattened patches) plus
-the learned position table at each patch's row, the pre-norm encoder layers scanned over their stacked weights,
-``post_layernorm``, then the ``shuffle_linear`` connector. The tower attends bidirectionally within each image;
+:func:`encode_images` runs the SigLIP tower of SmolVLM/Idefics3 and Gemma 3 on a batch's patches
+(:class:`VisionInputs`, laid out on the host by :mod:`zoo.data.vision_layout`): the patch embedding (a conv as one
+matmul over flattened patches) plus the learned position table at each patch's row, the pre-norm encoder layers
+scanned over their stacked weights, ``post_layernorm``, then the connector that ``VisionConfig.connector`` names
+(:data:`CONNECTORS`: ``shuffle_linear``, ``avg_pool``). The tower attends bidirectionally within each image;
 keys are the image's real patches only (transformers' ``patch_attention_mask``), while padding patches still run
 as queries, since their outputs reach the connector as transformers' do.
 
@@ -22,7 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from zoo.layers.blocks import ACTIVATIONS, dense, layer_norm
+from zoo.layers.blocks import ACTIVATIONS, dense, layer_norm, rms_norm
 from zoo.model.config import ModelConfig
 from zoo.model.vision_config import VisionConfig
 
@@ -87,8 +88,26 @@ def shuffle_linear(v: VisionConfig, params: dict[str, Any], h: jax.Array, inputs
     return dense(grouped[:, :tokens].reshape(b, tokens, v.group * d), params["projector"]["proj"])
 
 
+def avg_pool(v: VisionConfig, params: dict[str, Any], h: jax.Array, inputs: VisionInputs) -> jax.Array:
+    """Gemma 3's connector (transformers' ``Gemma3MultiModalProjector``): each token's group of patch states
+    [b, n, D] averaged (``AvgPool2d`` over ``scale_factor`` x ``scale_factor`` patches), Gemma's ``(1 + w)``
+    RMSNorm, then projected -> [b, n / group, hidden]."""
+    b, n, d = h.shape
+    tokens = n // v.group
+    group = jnp.where(inputs.patch_group >= 0, inputs.patch_group, tokens)  # patches of no token land past the end
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, n))
+    summed = jnp.zeros((b, tokens + 1, d), jnp.float32).at[rows, group].add(h.astype(jnp.float32))
+    pooled = (summed[:, :tokens] / v.group).astype(h.dtype)
+    w = params["projector"]
+    return dense(rms_norm(pooled, w["norm"], v.norm_eps, 1.0), w["proj"])
+
+
+# VisionConfig.connector -> the function from the tower's states to one feature per image token
+CONNECTORS = {"shuffle_linear": shuffle_linear, "avg_pool": avg_pool}
+
+
 def encode_images(cfg: ModelConfig, params: dict[str, Any], inputs: VisionInputs) -> jax.Array:
     """The image features [b, max_patches / group, hidden] of a batch's rows, in the order of their image tokens."""
     v = cfg.vision
     assert v is not None, "encode_images needs a model with a vision tower"
-    return shuffle_linear(v, params, tower(v, params, inputs), inputs)
+    return CONNECTORS[v.connector](v, params, tower(v, params, inputs), inputs)

@@ -1,21 +1,24 @@
 """The vision side of a vision-language model: its image tower, the connector into the language model, and the
 token the language model's image positions hold. Nested in :class:`zoo.model.config.ModelConfig` as ``vision``.
 
-Only SmolVLM/Idefics3's SigLIP tower and pixel-shuffle connector are here yet: a pre-norm transformer over
-the patches of each image (LayerNorm with biases, q/k/v/o with biases, fc1 -> gelu_tanh -> fc2 with biases,
-bidirectional within one image), a conv patch embedding with a bias, a learned position table read at
-SmolVLM's bucketized index, a final ``post_layernorm``, then ``shuffle_linear``: each ``scale_factor`` x
-``scale_factor`` block of patches concatenated into one token and projected (no bias) to the LM's width.
-Other towers add fields here as the design notes sketch; a name nothing reads yet is not one of them.
+The SigLIP tower of SmolVLM/Idefics3 and Gemma 3: a pre-norm transformer over the patches of each image
+(LayerNorm with biases, q/k/v/o with biases, fc1 -> gelu_tanh -> fc2 with biases, bidirectional within one
+image), a conv patch embedding with a bias, a learned position table (read at SmolVLM's bucketized index, or at
+each patch's own index: ``bucketize``), a final ``post_layernorm``, then the connector named by ``connector``:
+``shuffle_linear`` (SmolVLM/Idefics3: each ``scale_factor`` x ``scale_factor`` block of patches concatenated into
+one token and projected, no bias, to the LM's width) or ``avg_pool`` (Gemma 3: each such block averaged, then
+Gemma's ``(1 + w)`` RMSNorm and a projection). ``image_blocks`` makes each run of image tokens one bidirectional
+block in the language model's attention (Gemma 3). Other towers add fields here as the design notes sketch; a
+name nothing reads yet is not one of them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from zoo.errors import UserError
 
-CONNECTORS = ("shuffle_linear",)
+CONNECTORS = ("shuffle_linear", "avg_pool")
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,13 @@ class VisionConfig:
     hidden_act: str = "gelu_pytorch_tanh"
     norm_eps: float = 1e-6
     connector: str = "shuffle_linear"
-    scale_factor: int = 2  # shuffle_linear: patches per output token along each side
+    scale_factor: int = 2  # patches per output token along each side (shuffled, or pooled by avg_pool)
+    bucketize: bool = True  # SmolVLM's bucketized position rows; False: each patch's own row (Gemma 3)
+    image_blocks: bool = False  # each run of image tokens attends within itself both ways (Gemma 3)
+    # The tower's tensor-name prefix as the source spelled it, where a family has two (Gemma 3: transformers'
+    # save_pretrained writes `vision_tower.`, the Hub's files `vision_tower.vision_model.`); None: the family's
+    # default. Names, not architecture: left out of equality and the jit key, read by convert.vision_tables only.
+    hf_tower_prefix: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.connector not in CONNECTORS:

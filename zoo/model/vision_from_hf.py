@@ -1,7 +1,7 @@
 """A Hugging Face vision-language config's vision side read as a :class:`zoo.model.vision_config.VisionConfig`.
 
 Read from transformers' own config object (its defaults included), one reader per kind of tower, named by the
-family's traits (``FamilyTraits.vision``). The language model's side is :mod:`zoo.model.from_hf`'s.
+weight-name format (``zoo.model.hf_families.VISION_FORMATS``). The language model's side is :mod:`zoo.model.from_hf`'s.
 """
 
 from __future__ import annotations
@@ -25,7 +25,23 @@ def _idefics3(top: Any, arch: str, where: str) -> VisionConfig:
                         scale_factor=int(top.scale_factor))
 
 
-READERS = {"idefics3": _idefics3}
+def _gemma3(top: Any, arch: str, where: str) -> VisionConfig:
+    """Gemma 3: a SigLIP tower (``vision_config``, read at each patch's own position row), the average-pool
+    connector down to ``mm_tokens_per_image`` tokens, and bidirectional attention within each image's tokens."""
+    v = top.vision_config
+    side, per_side = int(v.image_size) // int(v.patch_size), round(int(top.mm_tokens_per_image) ** 0.5)
+    if per_side * per_side != int(top.mm_tokens_per_image) or side % per_side:
+        raise UserError(f"{where}: mm_tokens_per_image={top.mm_tokens_per_image} must be a square whose side divides "
+                        f"the {side} patches along each side of an image")
+    return VisionConfig(arch=arch, hidden_size=int(v.hidden_size), intermediate_size=int(v.intermediate_size),
+                        num_layers=int(v.num_hidden_layers), num_heads=int(v.num_attention_heads),
+                        patch_size=int(v.patch_size), image_size=int(v.image_size),
+                        image_token_id=int(top.image_token_id), num_channels=int(v.num_channels),
+                        hidden_act=str(v.hidden_act), norm_eps=float(v.layer_norm_eps), connector="avg_pool",
+                        scale_factor=side // per_side, bucketize=False, image_blocks=True)
+
+
+READERS = {"idefics3": _idefics3, "gemma3": _gemma3}
 
 
 def vision_config_from_hf(kind: str, top: Any, arch: str, where: str) -> VisionConfig:

@@ -49,6 +49,9 @@ def vision_specs(cfg: ModelConfig) -> dict[str, Spec]:
     s.update({f"vision.layers.{name}": spec for name, spec in _tower_layer_specs(v).items()})
     s["vision.final_norm"] = ((D,), ("embed",), "ones")
     s["vision.final_norm_bias"] = ((D,), ("embed",), "zeros")
-    # shuffle_linear: a group of patches concatenated, projected to the language model's width (no bias)
-    s["projector.proj"] = ((v.group * D, cfg.hidden_size), (None, "embed"), "normal")
+    if v.connector == "avg_pool":  # a group of patches averaged, Gemma's (1 + w) RMSNorm, then projected
+        s["projector.norm"] = ((D,), ("embed",), "zeros")
+        s["projector.proj"] = ((D, cfg.hidden_size), (None, "embed"), "normal")
+    else:  # shuffle_linear: a group of patches concatenated, projected to the language model's width (no bias)
+        s["projector.proj"] = ((v.group * D, cfg.hidden_size), (None, "embed"), "normal")
     return s
