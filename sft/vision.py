@@ -92,6 +92,9 @@ class ImageDocuments:
                             f"{self.v.patches_per_image} patches ({need}), more than data.max_patches = {self.fixed}; "
                             "raise data.max_patches or use fewer images")
         if frames:
+            if self.fixed is None and _processes() > 1:  # each process reads its own rows: budgets could differ
+                raise UserError(f"{row_where(path, i)}: a run of several processes with images needs data.max_patches "
+                                f"(this row needs {need}); set it to the largest row's patches, the same everywhere")
             self.frames[i], self.spans[i] = frames, t.image_spans
             self.max_patches = max(self.max_patches, need)
 
@@ -110,3 +113,10 @@ class ImageDocuments:
         arrays["patches"] = arrays["patches"].reshape(len(tags), -1)
         arrays["patch_valid"] = arrays["patch_valid"].astype(np.int32)
         return {**out, **{VISION_PREFIX + k: v for k, v in arrays.items()}}
+
+
+def _processes() -> int:
+    """How many processes run this job (jax.process_count)."""
+    import jax
+
+    return jax.process_count()
