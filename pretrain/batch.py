@@ -38,17 +38,11 @@ VISION_PREFIX = "vision_"
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class VisionBatch:
-    """The rows' images as patches (:class:`zoo.model.vision.VisionInputs`' fields, :mod:`zoo.data.vision_layout`
-    lays them out): ``patches`` [..., rows, max_patches * patch_dim] float32, the others [..., rows, max_patches]
-    int32 (``patch_valid`` 0/1)."""
-
-    patches: jax.Array
-    patch_image: jax.Array
-    patch_valid: jax.Array
-    patch_pos: jax.Array
-    patch_group: jax.Array
-    patch_slot: jax.Array
+class VisionBatch(VisionInputs):
+    """The rows' images as patches: :class:`zoo.model.vision.VisionInputs`' fields in the batch's layout
+    (:mod:`zoo.data.vision_layout` lays them out): ``patches`` [..., rows, max_patches * patch_dim] float32 (flat,
+    as every batch field is [..., rows, width]), the others [..., rows, max_patches] int32 (``patch_valid`` 0/1).
+    :meth:`inputs` gives the model's layout of one micro-batch."""
 
     def inputs(self, v: VisionConfig) -> VisionInputs:
         """The model's :class:`VisionInputs` of one micro-batch ([rows, ...] arrays): the patches unflattened."""
