@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -48,6 +48,11 @@ class ProcessedImage:
     pixel_values: np.ndarray  # [frames, channels, height, width] float32 (SmolVLM: the tiles, then the whole image)
     pixel_attention_mask: np.ndarray | None  # [frames, height, width]: 1 on the image, 0 on padding
     text: str
+
+    def frames(self) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        """(pixels [C, S, S], pixel mask [S, S] or None) of each frame, in the order of its image tokens."""
+        return [(pixels, None if self.pixel_attention_mask is None else self.pixel_attention_mask[f])
+                for f, pixels in enumerate(self.pixel_values)]
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,28 @@ class ImageExpander:
         mask = out.get("pixel_attention_mask")
         return ProcessedImage(np.asarray(out["pixel_values"][0], np.float32),
                               None if mask is None else np.asarray(mask[0]), self.expansion(dict(out)))
+
+    def prompt_ids(self, tokenizer: Any, prompt: str, system: str | None, images: Sequence[Any],
+                   base_dir: str | Path, where: str) -> tuple[list[int], tuple[ProcessedImage, ...]]:
+        """(token ids, processed images) of a generation prompt: a user turn of ``prompt`` (after a ``system``
+        turn) with one image part per image before its text, as TRL places them
+        (:func:`chat.formats.multimodal_messages`), under the tokenizer's chat template with the generation
+        prompt, each placeholder expanded as the processor does. Raises BadRow naming the problem (``where``
+        names the images: ``--image``)."""
+        processed = tuple(self.process(_opened(ref, base_dir, where)) for ref in images)
+        turns = [{"role": "system", "content": system}] if system is not None else []
+        messages = multimodal_messages([*turns, {"role": "user", "content": prompt}], len(processed))
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text, _, _ = expand_placeholders(text, self.placeholder, [p.text for p in processed], [])
+        return list(tokenizer(text)["input_ids"]), processed
+
+
+def _opened(ref: Any, base_dir: str | Path, where: str) -> Any:
+    """:func:`zoo.data.images.open_image`, its error a BadRow."""
+    try:
+        return open_image(ref, base_dir, where)
+    except BadImage as e:
+        raise BadRow(str(e)) from None
 
 
 def _smolvlm(folder: Path, tokenizer: Any) -> tuple[str, Expansion, dict[str, Any]]:
@@ -184,12 +211,7 @@ def tokenize_with_images(example: Example, tokenizer: Any, expander: ImageExpand
     messages = multimodal_messages(cast(list, example.messages), 0) if not example.images else example.messages
     template = as_template(chat_template)
     full, spans = assistant_spans(tokenizer, cast(list, messages), example.trained_turns(), template)
-    processed = []
-    for i, ref in enumerate(example.images):
-        try:
-            processed.append(expander.process(open_image(ref, base_dir, f"images[{i}]")))
-        except BadImage as e:
-            raise BadRow(str(e)) from None
+    processed = [expander.process(_opened(ref, base_dir, f"images[{i}]")) for i, ref in enumerate(example.images)]
     text, spans, ranges = expand_placeholders(full, expander.placeholder, [p.text for p in processed], spans)
     ids, offsets = text_offsets(text, tokenizer)
     mask = token_mask(offsets, spans) & ~token_mask(offsets, ranges)

@@ -189,30 +189,16 @@ def _image_prompt(model: Decoder, tok: Any, args: argparse.Namespace,
     part per image and then the text, as TRL's ``prepare_multimodal_messages`` places them; the chat template's
     placeholders replaced by each image's expansion, and the text tokenized whole, as the processor does."""
     from eval.generate import vision_inputs
-    from zoo.data.images import BadImage, open_image
     from zoo.data.tokenizer import tokenizer_dir
 
     if not getattr(tok, "chat_template", None):
         raise UserError(f"{args.ckpt}: the tokenizer has no chat template, which --image needs to place the images")
     expander = expander_of(tokenizer_dir(args.ckpt), tok)
-    processed = []
-    for path in args.image:
-        try:
-            processed.append(expander.process(open_image(path, Path.cwd(), "--image")))
-        except BadImage as e:
-            raise UserError(str(e)) from None
-    text = [{"type": "text", "text": args.prompt}]
-    messages = [{"role": "user", "content": [{"type": "image"} for _ in processed] + text}]
-    if args.system is not None:  # TRL makes every string content a text part
-        messages.insert(0, {"role": "system", "content": [{"type": "text", "text": args.system}]})
-    pieces = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True).split(expander.placeholder)
-    if len(pieces) != len(processed) + 1:
-        raise UserError(f"{args.ckpt}: the chat template writes {len(pieces) - 1} {expander.placeholder} "
-                        f"placeholder(s) for {len(processed)} image(s); use the model's own chat template")
-    expanded = pieces[0] + "".join(p.text + rest for p, rest in zip(processed, pieces[1:]))
-    frames = [(pixels, None if p.pixel_attention_mask is None else p.pixel_attention_mask[i])
-              for p in processed for i, pixels in enumerate(p.pixel_values)]
-    return list(tok(expanded)["input_ids"]), vision_inputs(model.cfg, [frames])
+    try:
+        ids, processed = expander.prompt_ids(tok, args.prompt, args.system, args.image, Path.cwd(), "--image")
+    except ValueError as e:  # chat.formats.BadRow: an unreadable image, a template without one placeholder an image
+        raise UserError(str(e)) from None
+    return ids, vision_inputs(model.cfg, [[f for p in processed for f in p.frames()]])
 
 
 def _stream_one(model: Decoder, tok: Any, ids: list[int], gen: GenerationConfig,

@@ -84,8 +84,7 @@ class ImageDocuments:
             if end > seq_len:  # the model reads the first seq_len tokens of a row: the image would be cut
                 raise UserError(f"{row_where(path, i)}: image {k + 1} ends at token {end}, past data.seq_len = "
                                 f"{seq_len}; raise data.seq_len or use smaller images")
-        frames = [image_patches(self.v, pixels, None if p.pixel_attention_mask is None else p.pixel_attention_mask[f])
-                  for p in t.images for f, pixels in enumerate(p.pixel_values)]
+        frames = [image_patches(self.v, pixels, mask) for p in t.images for pixels, mask in p.frames()]
         need = len(frames) * self.v.patches_per_image
         if self.fixed is not None and need > self.fixed:
             raise UserError(f"{row_where(path, i)}: its {len(t.images)} image(s) make {len(frames)} frames of "
