@@ -60,7 +60,7 @@ class StepFunctions(NamedTuple, Generic[B]):
 def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: DTypeLike, remat: str = "none",
               state_sharding: Shardings = None, batch_sharding: NamedSharding | None = None,
               task: Task[B] | None = None, lora: LoraRun | None = None, frozen_sharding: Shardings = None,
-              frozen_inputs_sharding: Shardings = None) -> StepFunctions[B]:
+              frozen_inputs_sharding: Shardings = None, freeze: frozenset[str] = frozenset()) -> StepFunctions[B]:
     """(train step, eval fn), a :class:`StepFunctions`: gradient accumulation over the leading micro-batch axis,
     one optimizer update.
 
@@ -95,7 +95,7 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: DTyp
     updates made so far) as ``step`` in the train step; evaluation passes None.
     """
     run_task: Task[Any] = task or PretrainTask()
-    loss_of = _loss_of(run_task, mcfg, compute, remat, lora)
+    loss_of = _loss_of(run_task, mcfg, compute, remat, lora, freeze)
     step = _train_step(run_task, tx, loss_of, None if lora is None else lora.dropout_seed)
 
     def evaluate(params: dict[str, Any], batch: TokenBatch, frozen: dict[str, Any] | None = None,
@@ -117,14 +117,18 @@ def make_step(mcfg: ModelConfig, tx: optax.GradientTransformation, compute: DTyp
 
 
 def _loss_of(task: Task[Any], mcfg: ModelConfig, compute: DTypeLike, remat: str,
-             lora: LoraRun | None) -> Callable[..., LossOutput]:
+             lora: LoraRun | None, freeze: frozenset[str] = frozenset()) -> Callable[..., LossOutput]:
     """The task's loss of a micro-batch as a function of the trained weights: the whole model's, or with
     ``lora`` LoRA's adapters on the frozen base (the third argument), dropout drawn from ``rng``; the task
-    gets them as one :class:`zoo.lora.weights.Weights`."""
+    gets them as one :class:`zoo.lora.weights.Weights`. The whole model's parts ``freeze`` names
+    (``model.freeze``) are behind ``stop_gradient``: the backward pass neither computes nor stores a gradient
+    there (the optimizer gives them zero updates, pretrain/optim.py)."""
 
     def loss_of(trainable: dict[str, Any], mb: TokenBatch, frozen: Any,
                 frozen_inputs: FrozenInputs = None, rng: jax.Array | None = None, totals: Totals = None,
                 step_number: jax.Array | None = None) -> LossOutput:
+        if freeze and lora is None:
+            trainable = {k: jax.lax.stop_gradient(v) if k in freeze else v for k, v in trainable.items()}
         weights = Weights.of(trainable, frozen, lora, rng)
         return task.loss_sums(mcfg, weights, mb, compute, remat, frozen_inputs=frozen_inputs, totals=totals,
                               step=step_number)

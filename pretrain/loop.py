@@ -202,7 +202,7 @@ def build_step(cfg: TrainConfig, task: Task[Any], model: Model, frozen_inputs: A
     shardings = partial(jax.tree.map, lambda x: x.sharding)
     train, evaluate = make_step(model.mcfg, tx, DTYPES[cfg.dtype.compute], cfg.remat, shardings(state),
                                 batch_sharding, task, LoraRun.of(lora, cfg.seed), shardings(model.frozen),
-                                frozen_inputs_sharding=shardings(frozen_inputs))
+                                frozen_inputs_sharding=shardings(frozen_inputs), freeze=frozenset(cfg.model.freeze))
     return Step(state, train, evaluate, batch_sharding, schedule)
 
 

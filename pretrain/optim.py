@@ -34,7 +34,8 @@ def lr_schedule(cfg: TrainConfig, total_steps: int) -> optax.Schedule:
 
 def build_optimizer(cfg: TrainConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
     """Global-norm clipping followed by the configured optax optimizer; with ``model.freeze`` (full fine-tuning),
-    the frozen parts of the model get zero updates and no optimizer state (:func:`frozen_parts`)."""
+    the frozen parts of the model get zero updates and no optimizer state (and no gradient:
+    pretrain/jit_step.py)."""
     tx = _optimizer(cfg, schedule)
     if not cfg.model.freeze or cfg.lora.rank:  # LoRA trains its adapters alone: the rest is frozen anyway
         return tx
@@ -60,12 +61,6 @@ def _frozen(tx: optax.GradientTransformation, names: frozenset[str]) -> optax.Gr
         return {k: jax.tree.map(jnp.zeros_like, updates[k]) if k in names else v for k, v in out.items()}, state
 
     return optax.GradientTransformation(init, update)
-
-
-def frozen_parts(cfg: TrainConfig, params: dict[str, Any]) -> dict[str, Any]:
-    """``params`` with the parts ``model.freeze`` names behind ``stop_gradient``: no gradient flows into them,
-    so the backward pass neither computes nor stores one there."""
-    return {k: jax.lax.stop_gradient(v) if k in cfg.model.freeze else v for k, v in params.items()}
 
 
 def _optimizer(cfg: TrainConfig, schedule: optax.Schedule) -> optax.GradientTransformation:

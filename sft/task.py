@@ -15,7 +15,6 @@ from chat.loss_masks import tokenize_indexed
 from pretrain.batch import TokenBatch
 from pretrain.config import TrainConfig
 from pretrain.metrics import LossOutput
-from pretrain.optim import frozen_parts
 from pretrain.setup import tokenizer_folder
 from pretrain.task import Documents, RowSource, RunContext, Task, Tokenizer, next_token_loss_sums
 from sft.config import SFTConfig, SFTDataSection
@@ -128,8 +127,5 @@ class SFTTask(Task[TokenBatch]):
 
     def loss_sums(self, mcfg: ModelConfig, weights: Weights, mb: TokenBatch, compute: Any, remat: str, *,
                   frozen_inputs: Any = None, totals: Any = None, step: jax.Array | None = None) -> LossOutput:
-        """Next-token cross-entropy over the trained (masked-in) targets only; no gradient into the parts
-        ``model.freeze`` names."""
-        if self.cfg.model.freeze:
-            weights = dataclasses.replace(weights, base=frozen_parts(self.cfg, weights.base))
+        """Next-token cross-entropy over the trained (masked-in) targets only."""
         return next_token_loss_sums(mcfg, weights, mb, compute, remat, max_segments=self.row_segments)
