@@ -60,7 +60,7 @@ from zoo.model.layer_layout import (
 from zoo.model.layer_scan import Segment, scan_segments, stack_slice
 from zoo.model.longrope import switch_to_long
 from zoo.model.masks import kind_window
-from zoo.model.multimodal import embed_images
+from zoo.model.multimodal import embed_images, text_ids
 from zoo.model.per_layer_inputs import per_layer_inputs
 from zoo.model.rope import layer_rope, rope_flags, rope_tables_by_kind
 from zoo.model.vision import VisionInputs
@@ -246,9 +246,10 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax
     windows = {kind: kind_window(cfg, kind) for kind in slots}
     masks = {kind: new_token_masks(pos, valid, slot_positions(cache.lengths, n)[:, :n] if n else None, windows[kind])
              for kind, n in read.items()}
-    x = embed_tokens(cfg, base, tokens)
-    if vision is not None:
-        x = embed_images(cfg, base, tokens, x, vision)
+    if vision is None:
+        x = embed_tokens(cfg, base, tokens)
+    else:  # as the training forward embeds a row with images (zoo.model.decoder.forward)
+        x = embed_images(cfg, base, tokens, embed_tokens(cfg, base, text_ids(cfg, tokens)), vision)
     ple = per_layer_inputs(cfg, base, tokens, x) if cfg.per_layer_input_size else None
     # Gemma 4: kind -> (the stored layer's cache, its new keys/values), read by the KV-shared layers.
     stored: dict[str, tuple[dict | None, tuple[jax.Array, jax.Array]]] = {}
