@@ -184,6 +184,9 @@ def test_the_export_tells_the_towers_q_proj_from_the_language_models(vlm):
     w0, w1 = (np.frombuffer(t[name + ".weight"][1], np.float32).reshape(32, 32) for t in (source, merged))
     np.testing.assert_allclose(w1 - w0, delta, atol=1e-6)
 
+    card = (vlm.root / "peft" / "README.md").read_text()
+    assert "AutoModelForImageTextToText.from_pretrained(\"BASE\")" in card and "pipeline_tag: image-text-to-text" in card
+
     lm_only = _adapter_checkpoint(vlm.base, vlm.root / "lm_only", LoraConfig(rank=4, targets="all"), seed=1)
     out = vlm.root / "lm_only_peft"
     assert zoo_main(["export", str(lm_only), "--adapter", "--out", str(out)]) == 0
