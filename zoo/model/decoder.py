@@ -219,7 +219,7 @@ def forward(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax.Arra
     if vision is None:
         x = embed_tokens(cfg, base, tokens)
     else:
-        x = embed_images(cfg, base, tokens, embed_tokens(cfg, base, text_ids(cfg, tokens)), vision)
+        x = embed_images(cfg, w, tokens, embed_tokens(cfg, base, text_ids(cfg, tokens)), vision, remat)
     # Gemma 4: each layer's per-layer input [layers, b, t, width], scanned with the layers' weights.
     ple = per_layer_inputs(cfg, base, tokens, x) if cfg.per_layer_input_size else None
     shared: dict[str, tuple[jax.Array, jax.Array]] = {}  # kind -> the keys/values the KV-shared layers reuse

@@ -31,11 +31,13 @@ def merge_features(tokens: jax.Array, x: jax.Array, features: jax.Array, image_t
     return jnp.where(is_image[..., None], taken.astype(x.dtype), x)
 
 
-def embed_images(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, x: jax.Array,
-                 vision: VisionInputs) -> jax.Array:
-    """The token embeddings x [b, t, E] of ``tokens`` with the images of ``vision`` in place of the image tokens."""
+def embed_images(cfg: ModelConfig, params: Any, tokens: jax.Array, x: jax.Array, vision: VisionInputs,
+                 remat: str = "none") -> jax.Array:
+    """The token embeddings x [b, t, E] of ``tokens`` with the images of ``vision`` in place of the image tokens.
+    ``params``: the model's parameters or its :class:`zoo.lora.weights.Weights` (LoRA on the tower and connector);
+    ``remat``: the tower's layer scan's (:func:`zoo.model.vision.tower`)."""
     assert cfg.vision is not None, "images given to a model without a vision tower"
-    return merge_features(tokens, x, encode_images(cfg, params, vision), cfg.vision.image_token_id)
+    return merge_features(tokens, x, encode_images(cfg, params, vision, remat), cfg.vision.image_token_id)
 
 
 def text_ids(cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
