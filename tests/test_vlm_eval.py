@@ -229,3 +229,19 @@ def test_bad_image_input_is_one_line_naming_the_row(vlm, bad_inputs, tmp_path, c
     line = 1 if case == "text model" else 2  # on a text model, the good row's image is refused already
     assert err.startswith(f"{data}, line {line}: ") and says in err, err
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").rglob("metrics.jsonl"))
+
+
+def test_what_images_do_not_go_with_yet_is_one_line(vlm, tmp_path, capsys):
+    """Few-shot examples with images (`zoo eval`), and image rows in eval.tasks during training (refused when the
+    hook is made, before the model loads): one line each, naming the task or the row."""
+    from eval.during_training import ScoredTasks
+    from zoo.errors import UserError
+
+    rows = [{"messages": [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": "Red."}]}] * 2
+    rows[1] = {**rows[1], "images": [vlm.images[0]]}
+    task = _task(vlm.root, "shots", rows, kind="generation", messages="messages")
+    err = _one_line(capsys, main, ["eval", str(vlm.ckpt), "--tasks", task, "--num-fewshot", "1"])
+    assert err.startswith(f"task shots ({task}): rows with images do not go with few-shot examples yet"), err
+    with pytest.raises(UserError, match=r"shots\.jsonl, line 2: the row has images, which eval\.tasks does not "
+                                        r"score during training yet"):
+        ScoredTasks([task], None, None, 8)
