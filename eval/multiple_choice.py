@@ -35,8 +35,7 @@ from zoo.model.vision import VisionInputs
 Question = tuple[list[int], list[list[int]], list[str], list[int]]  # context ids, choices' ids, choices, golds
 
 
-def mc_questions(tokenizer: Any, task: Task, rows: list[dict], num_fewshot: int | None = None,
-                 ) -> list[tuple[list[int], list[list[int]], list[str], list[int]]]:
+def mc_questions(tokenizer: Any, task: Task, rows: list[dict], num_fewshot: int | None = None) -> list[Question]:
     """(context ids, each choice's ids, the choices, the gold indices) of each row, the task's ``description``
     and few-shot examples (:func:`eval.task_files.fewshot_pool`) in the context."""
     return [q for q, _ in mc_image_questions(tokenizer, task, rows, num_fewshot)]
@@ -148,18 +147,8 @@ def choice_scores(cfg: ModelConfig, params: dict[str, Any], questions: Sequence[
     """
     max_length = max_length or cfg.max_position_embeddings
     if not use_cache:
-        requests, where = [], []
-        for q, (context, conts) in enumerate(questions):
-            for j, cont in enumerate(conts):
-                requests.append((context + cont, len(cont)))
-                where.append((q, j))
-        got = request_scores(cfg, params, requests, batch_size, max_length, bar,
-                             None if frames is None else [frames[q] for q, _ in where])
-        out: list[list[tuple[float, bool]]] = [[(0.0, False)] * len(conts) for _, conts in questions]
-        for (q, j), v in zip(where, got):
-            out[q][j] = v
-        return out
-    out = [[(0.0, False)] * len(conts) for _, conts in questions]
+        return _full_rows(cfg, params, questions, batch_size, bar, max_length, frames)
+    out: list[list[tuple[float, bool]]] = [[(0.0, False)] * len(conts) for _, conts in questions]
     # Longest context first, and within one context width the longest choices first: a batch's rows then need
     # the same padded widths, and each (context, choice) width pair compiles once.
     order = sorted(range(len(questions)), key=lambda q: (-fine_bucket(len(questions[q][0]) - 1, 4),
@@ -220,6 +209,24 @@ def choice_scores(cfg: ModelConfig, params: dict[str, Any], questions: Sequence[
                 out[idx[r]][j] = (float(np.float64(sums[row, m])), bool(greedy[row, m]))
         if bar is not None:
             bar.update(sum(len(questions[q][1]) for q in idx))
+    return out
+
+
+def _full_rows(cfg: ModelConfig, params: dict[str, Any], questions: Sequence[tuple[list[int], list[list[int]]]],
+               batch_size: int, bar: tqdm | None, max_length: int,
+               frames: Sequence[Frames] | None) -> list[list[tuple[float, bool]]]:
+    """:func:`choice_scores` without the cache: each (context, choice) pair one full row
+    (:func:`eval.loglikelihood.request_scores`), with its question's frames."""
+    requests, where = [], []
+    for q, (context, conts) in enumerate(questions):
+        for j, cont in enumerate(conts):
+            requests.append((context + cont, len(cont)))
+            where.append((q, j))
+    got = request_scores(cfg, params, requests, batch_size, max_length, bar,
+                         None if frames is None else [frames[q] for q, _ in where])
+    out: list[list[tuple[float, bool]]] = [[(0.0, False)] * len(conts) for _, conts in questions]
+    for (q, j), v in zip(where, got):
+        out[q][j] = v
     return out
 
 
