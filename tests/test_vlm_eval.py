@@ -90,26 +90,27 @@ def _task(folder, name: str, rows: list[dict], **spec) -> str:
     return str(folder / f"{name}.yaml")
 
 
-def test_eval_tasks_with_images_are_transformers(vlm):
-    """`zoo eval` on three tasks with images (rows of 5 frames, 3, 8 and none in one batch): every choice's
-    log-likelihood is transformers' forward with the pixels (1e-4), on the KV-cache path and the full forward;
-    a generation task (TRL's content parts, and a string turn) and a prompt-template one answer as transformers'
-    ``generate``."""
-    import zoo
-    from chat.images import ImageExpander
-    from eval.image_prompts import row_images
-    from eval.loglikelihood import request_scores
-    from eval.multiple_choice import mc_image_questions
-    from eval.task_files import load_task
-    from zoo.data.tokenizer import load_tokenizer
-
+def _mc_rows(vlm) -> list[dict]:
+    """Multiple-choice rows of 5 frames (an ``<image>`` in the text), 8 (two images, none: before the text), none,
+    and 3 (the ``image`` column)."""
     a, b = vlm.images
     turn = "User:<image>" + QUESTION + "<end_of_utterance>\nAssistant:"
-    mc_rows = [{"question": turn, "choices": CHOICES, "answer": 1, "images": [a]},
-               {"question": "User:" + QUESTION, "choices": CHOICES, "answer": 0, "images": [b, a]},  # before the text
-               {"question": "User:" + QUESTION, "choices": CHOICES, "answer": 2},
-               {"question": turn, "choices": CHOICES, "answer": 0, "image": b}]
-    mc = _task(vlm.root, "mc", mc_rows, kind="multiple_choice", context="{question}", choices="choices", gold="answer")
+    return [{"question": turn, "choices": CHOICES, "answer": 1, "images": [a]},
+            {"question": "User:" + QUESTION, "choices": CHOICES, "answer": 0, "images": [b, a]},
+            {"question": "User:" + QUESTION, "choices": CHOICES, "answer": 2},
+            {"question": turn, "choices": CHOICES, "answer": 0, "image": b}]
+
+
+def _mc_task(vlm) -> str:
+    return _task(vlm.root, "mc", _mc_rows(vlm), kind="multiple_choice", context="{question}", choices="choices",
+                 gold="answer")
+
+
+def test_eval_tasks_with_images_are_transformers(vlm):
+    """`zoo eval` on three tasks with images: every choice's log-likelihood on the KV-cache path is transformers'
+    forward with the pixels (1e-4), rows of 5, 8, no and 3 frames in one batch; a generation task (TRL's content
+    parts, and a string turn) and a prompt-template one answer as transformers' ``generate``."""
+    a, b = vlm.images
     parts = [{"type": "image"}, {"type": "text", "text": QUESTION}]
     chats = [[{"role": "user", "content": parts}], [{"role": "user", "content": QUESTION}]]
     names = [[a], [b]]
@@ -120,18 +121,34 @@ def test_eval_tasks_with_images_are_transformers(vlm):
     prompt = _task(vlm.root, "prompt", [{"q": QUESTION, "answer": w, "images": n} for w, n in zip(want, names)],
                    kind="generation", prompt="{q}", target="{answer}", chat_template=True, max_new_tokens=8)
     out = vlm.root / "results.json"
-    assert main(["eval", str(vlm.ckpt), "--tasks", f"{mc},{gen},{prompt}", "--out", str(out), "--log-samples",
-                 "--batch-size", "4"]) == 0
+    assert main(["eval", str(vlm.ckpt), "--tasks", f"{_mc_task(vlm)},{gen},{prompt}", "--out", str(out),
+                 "--log-samples", "--batch-size", "4"]) == 0
     report = json.loads(out.read_text())["tasks"]
     log = [json.loads(line) for line in out.with_name("results.samples.jsonl").read_text().splitlines()]
 
+    mc_rows = _mc_rows(vlm)
     hf_lls = [[_hf_loglikelihood(vlm, *_mc_reference(r), c) for c in CHOICES] for r in mc_rows]
-    got = [s["loglikelihoods"] for s in log if s["task"] == "mc"]
-    np.testing.assert_allclose(got, hf_lls, atol=1e-4, rtol=0)
+    np.testing.assert_allclose([s["loglikelihoods"] for s in log if s["task"] == "mc"], hf_lls, atol=1e-4, rtol=0)
     assert report["mc"]["metrics"]["acc"] == np.mean([np.argmax(h) == r["answer"] for h, r in zip(hf_lls, mc_rows)])
+    for name in ("gen", "prompt"):
+        assert [s["answer"] for s in log if s["task"] == name] == want
+    assert report["gen"]["metrics"]["exact_match"] == 0.5 and report["prompt"]["metrics"]["exact_match"] == 1.0
+    assert want[0] != want[1]
 
-    # The full forward (eval/loglikelihood.py) with the same images gives the same numbers.
-    task = load_task(mc)
+
+@pytest.mark.slow
+def test_full_forward_with_images_is_transformers(vlm):
+    """Slow: a model load and a compilation of its own. The full forward of eval/loglikelihood.py (each context
+    and choice one row, no cache) with the rows' images gives transformers' log-likelihoods too (1e-4)."""
+    import zoo
+    from chat.images import ImageExpander
+    from eval.image_prompts import row_images
+    from eval.loglikelihood import request_scores
+    from eval.multiple_choice import mc_image_questions
+    from eval.task_files import load_task
+    from zoo.data.tokenizer import load_tokenizer
+
+    task = load_task(_mc_task(vlm))
     tok = load_tokenizer(vlm.ckpt)
     model = zoo.load(vlm.ckpt, dtype=np.float32)
     images = row_images(task, ImageExpander.from_folder(vlm.ckpt / "tokenizer", tok), model.cfg, task.rows(), 0)
@@ -139,12 +156,8 @@ def test_eval_tasks_with_images_are_transformers(vlm):
     requests = [(ctx + c, len(c)) for (ctx, conts, _, _), _ in qs for c in conts]
     frames = [f for (_, conts, _, _), f in qs for _ in conts]
     full = request_scores(model.cfg, model.param_dict(), requests, batch_size=12, frames=frames)  # one compilation
+    hf_lls = [[_hf_loglikelihood(vlm, *_mc_reference(r), c) for c in CHOICES] for r in _mc_rows(vlm)]
     np.testing.assert_allclose(np.reshape([s for s, _ in full], (4, 3)), hf_lls, atol=1e-4, rtol=0)
-
-    for name in ("gen", "prompt"):
-        assert [s["answer"] for s in log if s["task"] == name] == want
-    assert report["gen"]["metrics"]["exact_match"] == 0.5 and report["prompt"]["metrics"]["exact_match"] == 1.0
-    assert want[0] != want[1]
 
 
 # ---------------------------------------------------------------------------- bad rows: one line, exit 2
