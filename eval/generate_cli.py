@@ -111,15 +111,15 @@ def generate_command(args: argparse.Namespace, expander_of: ExpanderOf | None = 
 
     import zoo
 
-    cfg = zoo.read_config(args.ckpt)
-    if images and cfg.vision is None:  # before the weights load
+    cfg = zoo.read_config(args.ckpt) if images else None
+    if cfg is not None and cfg.vision is None:  # before the weights load
         raise UserError(f"--image: {args.ckpt} has no vision tower (a text model); leave out --image or give a "
                         "vision-language model's checkpoint")
     from eval.generate import GenerationConfig, vision_inputs
     from zoo.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(args.ckpt)
-    if images:  # every image read and expanded before the weights load: a bad one is its error first
+    if cfg is not None:  # every image read and expanded before the weights load: a bad one is its error first
         assert expander_of is not None, "the dispatcher passes the image expander"
         ids, frames = _image_prompt(cfg, tok, args, expander_of)
     model = zoo.load(args.ckpt, dtype=np.float32)
