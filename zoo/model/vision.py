@@ -110,4 +110,8 @@ def encode_images(cfg: ModelConfig, params: dict[str, Any], inputs: VisionInputs
     """The image features [b, max_patches / group, hidden] of a batch's rows, in the order of their image tokens."""
     v = cfg.vision
     assert v is not None, "encode_images needs a model with a vision tower"
+    if v.tower == "gemma4":  # its own tower and connector (zoo.model.vision_gemma4, which imports this module)
+        from zoo.model.vision_gemma4 import encode_gemma4
+
+        return encode_gemma4(cfg, params, inputs)
     return CONNECTORS[v.connector](v, params, tower(v, params, inputs), inputs)
