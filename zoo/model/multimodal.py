@@ -41,11 +41,20 @@ def embed_images(cfg: ModelConfig, params: Any, tokens: jax.Array, x: jax.Array,
 
 
 def text_ids(cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
-    """``tokens`` as the token embedding reads them: an image token id past the vocabulary as 0 (its embedding is
-    replaced by an image feature anyway)."""
-    if cfg.vision is None or cfg.vision.image_token_id < cfg.vocab_size:
+    """``tokens`` as the token embedding reads them: an image token as id 0 (the padding token of Gemma 3 and 4;
+    its embedding is replaced by an image feature anyway, and Gemma 3's image token id lies past the vocabulary).
+    Gemma 4's per-layer inputs read these ids, as transformers' ``llm_input_ids``."""
+    if cfg.vision is None:
         return tokens
     return jnp.where(tokens == cfg.vision.image_token_id, 0, tokens)
+
+
+def blocks_of_kind(cfg: ModelConfig, kind: str, blocks: jax.Array | None) -> jax.Array | None:
+    """The image blocks layers of ``kind`` see: all of them (Gemma 3), or on sliding layers alone (Gemma 4, whose
+    full-attention layers stay causal)."""
+    if blocks is None or cfg.vision is None or cfg.vision.blocks_on_full or kind == "sliding":
+        return blocks
+    return None
 
 
 def image_blocks(cfg: ModelConfig, tokens: jax.Array) -> tuple[jax.Array | None, int]:

@@ -163,4 +163,8 @@ def encode_images(cfg: ModelConfig, params: Any, inputs: VisionInputs, remat: st
     ``params``: the model's parameters or its :class:`zoo.lora.weights.Weights`; ``remat``: the tower's (:func:`tower`)."""
     v = cfg.vision
     assert v is not None, "encode_images needs a model with a vision tower"
+    if v.tower == "gemma4":  # its own tower and connector (zoo.model.vision_gemma4, which imports this module)
+        from zoo.model.vision_gemma4 import encode_gemma4
+
+        return encode_gemma4(cfg, params, inputs, remat)
     return CONNECTORS[v.connector](v, params, tower(v, params, inputs, remat), inputs)
