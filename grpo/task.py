@@ -155,7 +155,9 @@ class GRPOTask(Task[RolloutBatch]):
     def documents(self, rows: RowSource, tokenizer: Tokenizer, path: str, skip_bad: bool,
                   indices: list[int] | None = None) -> Documents:
         """Each prompt's token ids (a message list rendered with the chat template and its generation
-        prompt, a string as it is, as TRL does), with its row index as the feature ``row``."""
+        prompt, a string as it is, as TRL does; on a vision-language model a prompt with images as
+        grpo/vision.py reads it), with its row index as the feature ``row``. Rows with images on a model without a
+        vision tower are a UserError naming the first."""
         docs, bad, too_long = {}, 0, set()
         limit = self.cfg.data.seq_len
         column = image_column(list(rows.ds.column_names))
@@ -341,7 +343,7 @@ class GRPOTask(Task[RolloutBatch]):
     def batch_layout(self, grad_accum: int, micro: int, seq_len: int) -> RolloutBatch:
         """Prompt + completion rows: ``seq_len + 1`` prompt tokens and ``grpo.max_completion_length`` completion
         tokens, less one (inputs and targets); ``old_logps`` with ``num_iterations`` > 1, ``ref_logps`` with
-        ``beta`` > 0."""
+        ``beta`` > 0; on a vision-language model each row's images (grpo/vision.py)."""
         g = self.grpo
         fields = ("old_logps",) * (g.num_iterations > 1) + ("ref_logps",) * (g.beta > 0)
         layout = self.rows.layout(grad_accum, micro, seq_len, fields)

@@ -109,8 +109,10 @@ def _hf_logps(vlm, prompt_ids: list[int], completion: list[int], image: str, bla
     return np.array([logp[n - 1 + k, t] for k, t in enumerate(completion)])
 
 
+@pytest.mark.slow
 def test_completion_logps_of_image_prompts_are_transformers(vlm, run):
-    """Step 1 (the starting weights): each completion's per-token log-probabilities, as the sampler drew them and
+    """Slow: the `run` fixture's GRPO run compiles the sampler, the layout, the old policy's pass and the train
+    step, each with the image tower (it serves the next test too). Step 1 (the starting weights): each completion's per-token log-probabilities, as the sampler drew them and
     as the update's pass computes them (the old policy's, on the rows that share each group's prompt and its
     images), equal transformers' forward with the processor's pixel values (1e-4); with blank pixels they would
     not (the images are read)."""
@@ -131,8 +133,9 @@ def test_completion_logps_of_image_prompts_are_transformers(vlm, run):
             assert np.abs(blank - want).max() > 1e-3
 
 
+@pytest.mark.slow
 def test_grpo_train_on_image_prompts_gives_the_rewards_the_rows_fields(vlm, run):
-    """The run completes its steps, logging the reward; the reward function got each completion's row fields
+    """Slow: the `run` fixture's (shared with the test above). The run completes its steps, logging the reward; the reward function got each completion's row fields
     (its colour and its images, as the rows have them) beside TRL's prompts and completions."""
     out, seen = run
     metrics = read_metrics(out)
