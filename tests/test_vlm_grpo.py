@@ -69,7 +69,8 @@ def _args(vlm, out, *overrides) -> list[str]:
 @pytest.fixture(scope="module")
 def run(vlm, tmp_path_factory):
     """`grpo train` (2 steps of 2 image prompts x 2 completions, 2 updates a step) with each step's completed
-    prompts, their row indices and batch recorded: (run folder, [(Completed, row indices, RolloutBatch) a step])."""
+    prompts, their row indices, batch and rollouts recorded: (run folder, [(Completed, row indices, RolloutBatch,
+    Rollouts) a step])."""
     from grpo.rollouts import Rollouts
 
     seen = []
@@ -80,7 +81,7 @@ def run(vlm, tmp_path_factory):
         self.complete = lambda *a, **k: done.append((complete(self, *a, **k), a[1]["row"])) or done[-1][0]
         out = rollout(self, *args, **kwargs)
         del self.complete
-        seen.append((done[0][0], np.asarray(done[0][1])[..., 0].reshape(-1), out.batch))
+        seen.append((done[0][0], np.asarray(done[0][1])[..., 0].reshape(-1), out.batch, self))
         return out
 
     out = tmp_path_factory.mktemp("vlm_grpo_run") / "run"
@@ -112,22 +113,36 @@ def _hf_logps(vlm, prompt_ids: list[int], completion: list[int], image: str, bla
 @pytest.mark.slow
 def test_completion_logps_of_image_prompts_are_transformers(vlm, run):
     """Slow: the `run` fixture's GRPO run compiles the sampler, the layout, the old policy's pass and the train
-    step, each with the image tower (it serves the next test too). Step 1 (the starting weights): each completion's per-token log-probabilities, as the sampler drew them and
-    as the update's pass computes them (the old policy's, on the rows that share each group's prompt and its
-    images), equal transformers' forward with the processor's pixel values (1e-4); with blank pixels they would
-    not (the images are read)."""
-    done, row_ids, batch = run[1][0]
+    step, each with the image tower (it serves the next test too); the rows of one completion each compile their
+    layout and pass here. Step 1 (the starting weights): each completion's per-token log-probabilities, as the
+    sampler drew them and as the update's pass computes them (the old policy's, on the rows that share each group's
+    prompt and its images; and on rows of one completion each, every row with its prompt's images:
+    grpo.share_prompt false, TRL's layout), equal transformers' forward with the processor's pixel values (1e-4);
+    with blank pixels they would not (the images are read)."""
+    import zoo
+    from grpo.batch import UpdateRows
+    from grpo.programs import Programs
+
+    done, row_ids, batch, rollouts = run[1][0]
     prompts = np.asarray(done.drawn.prompt_rows["tokens"]).reshape(4, -1)
     valid = np.asarray(done.drawn.prompt_rows["tokens_segment_ids"]).reshape(4, -1) > 0
     sampler = np.asarray(batch.sampler_logps).reshape(4, -1)
     old = np.asarray(batch.old_logps).reshape(4, -1)
     assert batch.vision is not None and batch.inputs.shape[1] == 2  # one row a group, its images with it
     assert row_ids[0] == row_ids[1] != row_ids[2] == row_ids[3]  # a group's G = 2 rows: one prompt
+    p, d = rollouts.programs, done.drawn
+    apart = Programs(rollouts.cfg, p.mcfg, p.sharding.mesh, p.compute, p.spec.eos_ids, UpdateRows(False, 2, 33, 4))
+    rows = apart.layout(d.prompt_rows["tokens"], d.prompt_rows["tokens_segment_ids"], d.completions, d.lengths,
+                        d.sampler_logps, np.zeros(4, np.float32), np.ones(4, bool), None, d.vision)
+    assert rows.vision.patches.shape[:2] == rows.inputs.shape[:2] == (1, 4)  # each completion's row: its images
+    one_each = np.asarray(apart.logps(zoo.load_params(vlm.root / "zoo"), rows)).reshape(4, -1)
+    at = np.asarray(rows.weights).reshape(4, -1) > 0  # per position of a prompt + completion row: the completion's
     for r, comp in enumerate(done.ids):
         image = vlm.rows[row_ids[r]]["images"][0]
         want = _hf_logps(vlm, prompts[r][valid[r]].tolist(), comp, image)
         np.testing.assert_allclose(sampler[r, :len(comp)], want, atol=1e-4)
         np.testing.assert_allclose(old[r, :len(comp)], want, atol=1e-4)
+        np.testing.assert_allclose(one_each[r][at[r]], want, atol=1e-4)
         if r == 0:
             blank = _hf_logps(vlm, prompts[r][valid[r]].tolist(), comp, image, blank=True)
             assert np.abs(blank - want).max() > 1e-3
@@ -143,7 +158,7 @@ def test_grpo_train_on_image_prompts_gives_the_rewards_the_rows_fields(vlm, run)
     assert (out / "final").is_dir()
     calls = [json.loads(x) for x in (vlm.root / "calls.jsonl").read_text().splitlines()]
     assert len(calls) == 2
-    for call, (done, row_ids, _) in zip(calls, seen):
+    for call, (done, row_ids, _, _) in zip(calls, seen):
         assert call["prompts"] == done.prompts and len(call["completions"]) == 4
         by_prompt = [next(row for row in vlm.rows if row["images"][0] == im[0]) for im in call["images"]]
         assert call["color"] == [row["color"] for row in by_prompt]
