@@ -63,37 +63,42 @@ def _args(vlm, out, *overrides) -> list[str]:
     return ["train", f"model.path={vlm.root / 'zoo'}", f"data.path={vlm.root / 'prompts.jsonl'}", "data.seq_len=32",
             "batch_size=4", "grpo.num_generations=2", "grpo.max_completion_length=4", "grpo.num_iterations=2",
             f"grpo.rewards=[{vlm.root / 'rewards.py'}:says_color]", "max_steps=2", "log_every=1",
-            "checkpoint.every=100", f"output_dir={out}", *overrides]
+            "checkpoint.every=100", "optimizer.learning_rate=1e-9", f"output_dir={out}", *overrides]
 
 
 @pytest.fixture(scope="module")
 def run(vlm, tmp_path_factory):
-    """`grpo train` (2 steps of 2 image prompts x 2 completions, 2 updates a step) with each step's completed
-    prompts, their row indices, batch and rollouts recorded: (run folder, [(Completed, row indices, RolloutBatch,
-    Rollouts) a step])."""
+    """`grpo train` (2 steps of 2 image prompts x 2 completions, 2 updates a step, a learning rate too small to move
+    a greedy choice; 2 prompts held out, completed at the last step) with every batch of prompts it completed
+    recorded: (run folder, [(Completed, row indices, RolloutBatch, Rollouts) a step], {mode: (Completed, row
+    indices)} of the held-out prompts)."""
     from grpo.rollouts import Rollouts
 
-    seen = []
+    seen, completed = [], []
     complete, rollout = Rollouts.complete, Rollouts.rollout
 
+    def recording_complete(self, weights, rows, step, source, mode="train"):
+        done = complete(self, weights, rows, step, source, mode)
+        completed.append((mode, done, np.asarray(rows["row"])[..., 0].reshape(-1)))
+        return done
+
     def recording_rollout(self, *args, **kwargs):
-        done = []
-        self.complete = lambda *a, **k: done.append((complete(self, *a, **k), a[1]["row"])) or done[-1][0]
         out = rollout(self, *args, **kwargs)
-        del self.complete
-        seen.append((done[0][0], np.asarray(done[0][1])[..., 0].reshape(-1), out.batch, self))
+        seen.append((*completed[-1][1:], out.batch, self))
         return out
 
     out = tmp_path_factory.mktemp("vlm_grpo_run") / "run"
     with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Rollouts, "complete", recording_complete)
         mp.setattr(Rollouts, "rollout", recording_rollout)
-        assert grpo_main(_args(vlm, out)) == 0
-    return out, seen
+        assert grpo_main(_args(vlm, out, "data.eval_fraction=0.5", "eval_every=2")) == 0
+    return out, seen, {mode: (done, rows) for mode, done, rows in completed if mode != "train"}
 
 
-def _hf_logps(vlm, prompt_ids: list[int], completion: list[int], image: str, blank: bool = False) -> np.ndarray:
+def _hf_logps(vlm, prompt_ids: list[int], completion: list[int], image: str, blank: bool = False,
+              greedy: bool = False) -> np.ndarray:
     """transformers' log-probabilities of ``completion``'s tokens after the prompt with its image's pixel values
-    from transformers' own processor (zeros with ``blank``)."""
+    from transformers' own processor (zeros with ``blank``); ``greedy``: its argmax tokens there instead."""
     from PIL import Image
 
     proc = reference_processor(vlm.proc)
@@ -107,6 +112,8 @@ def _hf_logps(vlm, prompt_ids: list[int], completion: list[int], image: str, bla
         logits = vlm.hf(input_ids=ids, pixel_values=pixels, pixel_attention_mask=ref["pixel_attention_mask"]).logits
     logp = torch.log_softmax(logits[0].float(), -1).numpy()
     n = len(prompt_ids)
+    if greedy:
+        return logp[n - 1:n - 1 + len(completion)].argmax(-1)
     return np.array([logp[n - 1 + k, t] for k, t in enumerate(completion)])
 
 
@@ -152,12 +159,12 @@ def test_completion_logps_of_image_prompts_are_transformers(vlm, run):
 def test_grpo_train_on_image_prompts_gives_the_rewards_the_rows_fields(vlm, run):
     """Slow: the `run` fixture's (shared with the test above). The run completes its steps, logging the reward; the reward function got each completion's row fields
     (its colour and its images, as the rows have them) beside TRL's prompts and completions."""
-    out, seen = run
+    out, seen, _ = run
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == [1, 2] and all(0 <= m["reward"] <= 1 for m in metrics)
     assert (out / "final").is_dir()
     calls = [json.loads(x) for x in (vlm.root / "calls.jsonl").read_text().splitlines()]
-    assert len(calls) == 2
+    assert len(calls) == 4  # each step's, then the held-out prompts' (sampled and greedy)
     for call, (done, row_ids, _, _) in zip(calls, seen):
         assert call["prompts"] == done.prompts and len(call["completions"]) == 4
         by_prompt = [next(row for row in vlm.rows if row["images"][0] == im[0]) for im in call["images"]]
@@ -165,6 +172,23 @@ def test_grpo_train_on_image_prompts_gives_the_rewards_the_rows_fields(vlm, run)
         assert [row["prompt"] for row in by_prompt] == call["prompts"]
         assert call["images"] == [vlm.rows[i]["images"] for i in row_ids]
         assert call["others"] == []
+
+
+@pytest.mark.slow
+def test_held_out_image_prompts_are_completed_with_their_images(vlm, run):
+    """Slow: the `run` fixture's. The held-out prompts (data.eval_fraction) are completed with their own images:
+    each greedy completion is transformers' argmax, token by token, after its prompt and the processor's pixel
+    values; their rewards are logged under TRL's eval names."""
+    out, seen, held = run
+    assert {"eval_reward", "eval_greedy_reward"} <= set(read_metrics(out)[-1])
+    done, row_ids = held["greedy"]
+    assert not set(row_ids[:2]) & {int(i) for _, ids, _, _ in seen for i in ids}  # held out of training
+    prompts = np.asarray(done.drawn.prompt_rows["tokens"]).reshape(4, -1)
+    valid = np.asarray(done.drawn.prompt_rows["tokens_segment_ids"]).reshape(4, -1) > 0
+    for r in range(2):  # the two held-out prompts (the batch's other rows repeat the last)
+        image = vlm.rows[row_ids[r]]["images"][0]
+        want = _hf_logps(vlm, prompts[r][valid[r]].tolist(), done.ids[r], image, greedy=True)
+        assert done.ids[r] == want.tolist()
 
 
 def _one_line_error(capsys, args) -> str:
@@ -177,7 +201,8 @@ def _one_line_error(capsys, args) -> str:
 
 def test_bad_image_prompts_are_one_line_naming_the_row(vlm, tmp_path, capsys):
     """Exit 2, one line naming the file and line, before step 1: a missing image, a prompt whose image tokens
-    data.seq_len would cut, more images than image parts, and images on a model with no vision tower."""
+    data.seq_len would cut, more patches than data.max_patches, more images than image parts, and images on a
+    model with no vision tower."""
     data = vlm.root / "bad.jsonl"  # beside the images
     base = ["model.path=" + str(vlm.root / "zoo"), f"data.path={data}", f"output_dir={tmp_path / 'o'}"]
 
@@ -190,6 +215,9 @@ def test_bad_image_prompts_are_one_line_naming_the_row(vlm, tmp_path, capsys):
     assert err.startswith(f"{data}, line 2: images[0]") and "no_such.png" in err
     err = error([good, good], "data.seq_len=8")
     assert err.startswith(f"{data}, line 1: its prompt of ") and "would cut its image tokens" in err
+    err = error([good, good], "data.max_patches=8")
+    assert err.startswith(f"{data}, line 1: its 1 image(s) make 1 frames of 16 patches (16), more than "
+                          "data.max_patches = 8")
     err = error([{**good, "images": good["images"] * 2}, good])
     assert err.startswith(f"{data}, line 1: Number of images provided (2) does not match number of image "
                           "placeholders (1)")
