@@ -281,11 +281,14 @@ class GRPOTask(Task[RolloutBatch]):
         return {"sampler": p.sample.lower(weights, step, rows, rows, vision=vision)}
 
     def _vision_layout(self, rows: tuple[int, ...]) -> VisionBatch | None:
-        """A vision-language model's images of ``rows`` prompt rows, data.max_patches a row (unset: one frame's, as
-        no data is read to size it by), as ``jax.ShapeDtypeStruct`` s; None for a text model."""
+        """A vision-language model's images of ``rows`` prompt rows, as ``jax.ShapeDtypeStruct`` s: the run's patch
+        budget once the prompts are read (grpo/vision.py), else data.max_patches (unset: one frame's, as
+        ``--compile-only`` reads no data to size it by); None for a text model."""
         v = self.vision
-        return None if v is None else VisionBatch.layout(rows, self.cfg.data.max_patches or v.patches_per_image,
-                                                         v.patch_dim)
+        if v is None:
+            return None
+        read = self.images.max_patches if self.images is not None else 0
+        return VisionBatch.layout(rows, read or self.cfg.data.max_patches or v.patches_per_image, v.patch_dim)
 
     def program_kv_cache(self) -> dict[str, int]:
         """Bytes a chip holds of the sampler's KV cache (:meth:`compile_programs`' rows: the step's prompts, G
