@@ -10,7 +10,7 @@ import jax
 
 from chat.config import chat_template_of
 from chat.formats import detect_format
-from chat.images import ImageExpander
+from chat.images import ImageExpander, image_column, refuse_images
 from chat.loss_masks import tokenize_indexed
 from pretrain.batch import TokenBatch
 from pretrain.config import TrainConfig
@@ -18,7 +18,7 @@ from pretrain.metrics import LossOutput
 from pretrain.setup import tokenizer_folder
 from pretrain.task import Documents, RowSource, RunContext, Task, Tokenizer, next_token_loss_sums
 from sft.config import SFTConfig, SFTDataSection
-from sft.vision import ImageDocuments, image_column, refuse_images
+from sft.vision import ImageDocuments
 from zoo.checkpoints.method_card import MethodCard, settings
 from zoo.data.batching import Document
 from zoo.data.files import indexed_rows, load_dataset_rows

@@ -33,21 +33,6 @@ IMAGE_DOC = "image_doc"  # the per-token feature that tags a document's tokens w
 FRAMES = IMAGE_DOC + "_frames"  # packed rows only: one entry a frame of the document's images (packing's budget)
 
 
-def image_column(column_names: list[str]) -> str | None:
-    """The column of a dataset's images (TRL's ``images``, or ``image``), or None."""
-    from chat.formats import IMAGE_COLUMNS
-
-    return next((c for c in IMAGE_COLUMNS if c in column_names), None)
-
-
-def refuse_images(ds: Any, column: str, path: str, model: str) -> None:
-    """Raise UserError naming the first row of ``ds`` with images: ``model`` has no vision tower to read them."""
-    for i, row in indexed_rows(ds, None):
-        if row.get(column):
-            raise UserError(f"{row_where(path, i)}: the row has images, and the model {model} has no vision tower; "
-                            f"use a vision-language model or remove the {column} column")
-
-
 class ImageDocuments:
     """The images of a run's documents by row index, and the rows' patch layout (see the module docstring)."""
 
