@@ -58,7 +58,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 
@@ -69,7 +69,6 @@ from chat.templates import ChatTemplate, as_template
 from zoo.errors import UserError
 
 if TYPE_CHECKING:
-    from prefs.image_pairs import ImagePairs
     from pretrain.config import TrainConfig
     from pretrain.task import RowSource
     from zoo.model.config import ModelConfig
@@ -304,6 +303,20 @@ def pair_document(t: PairTokens, shared_prompt: bool = True) -> dict[str, np.nda
     return doc
 
 
+class PairImages(Protocol):
+    """What :func:`pair_documents` asks of rows with images (prefs/image_pairs.py's ImagePairs)."""
+
+    def tokenize(self, i: int, row: dict[str, Any], tokenizer: Any, template: ChatTemplate,
+                 stats: TokenizeStats | None) -> PairTokens:
+        """Row ``i``'s pair tokens, its images expanded; raises BadRow."""
+        ...
+
+    def attach(self, i: int, whole: PairTokens, kept: PairTokens, doc: dict[str, np.ndarray],
+               shared_prompt: bool) -> None:
+        """Keep row ``i``'s images with its document ``doc`` (``kept``: the pair as cut to fit)."""
+        ...
+
+
 def load_pair_rows(path: str, cfg: TrainConfig, need: str) -> RowSource:
     """The rows of ``path`` as preference pairs; one line (``need``: what the rows need) when a column is
     missing."""
@@ -320,7 +333,7 @@ def load_pair_rows(path: str, cfg: TrainConfig, need: str) -> RowSource:
 def pair_documents(rows: Iterable[tuple[int, dict[str, Any]]], tokenizer: Any,
                    chat_template: ChatTemplate | str | None,
                    path: str, skip_bad_rows: bool, max_len: int, drop_long: bool,
-                   shared_prompt: bool = True, images: ImagePairs | None = None
+                   shared_prompt: bool = True, images: PairImages | None = None
                    ) -> tuple[dict[int, dict[str, np.ndarray]], int, set[int]]:
     """(pair documents by row index, bad rows skipped, row indices too long for ``max_len`` tokens).
 

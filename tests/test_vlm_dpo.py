@@ -34,19 +34,16 @@ ANSWERS = [("It is a red square.", "It is a blue circle."), ("A blue circle.", "
 
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory):
-    """A tiny random SmolVLM (the policy) and another (the reference) converted at ``policy`` and ``reference``,
-    the processor's files in the policy's ``tokenizer/``, two pairs with images (``pairs.jsonl``), transformers'
-    models and the processor."""
+    """A tiny random SmolVLM (the policy) converted at ``policy``, the processor's files in its ``tokenizer/``, two
+    pairs with images (``pairs.jsonl``), transformers' model (``hf``) and the processor."""
     from transformers import AutoTokenizer
 
     root = tmp_path_factory.mktemp("vlm_dpo")
     proc = smolvlm_folder(root / "proc", splitting=False)
     tok = AutoTokenizer.from_pretrained(str(proc))
     image_id = tok.convert_tokens_to_ids("<image>")
-    hf = {name: make_vlm(root / f"hf_{name}", seed=seed, vocab_size=len(tok), image_token_id=image_id)
-          for name, seed in (("policy", 0), ("reference", 1))}
-    for name in hf:
-        assert zoo_main(["convert", str(root / f"hf_{name}"), "--out", str(root / name)]) == 0
+    hf = make_vlm(root / "hf_policy", vocab_size=len(tok), image_token_id=image_id)
+    assert zoo_main(["convert", str(root / "hf_policy"), "--out", str(root / "policy")]) == 0
     for f in proc.iterdir():  # the image processor's files beside the checkpoint's tokenizer
         shutil.copy(f, root / "policy" / "tokenizer" / f.name)
     names = write_images(root, [(28, 28), (20, 28)])
@@ -54,6 +51,14 @@ def vlm(tmp_path_factory):
                                        for p, (c, r), n in zip(PROMPTS, ANSWERS, names)])
     return SimpleNamespace(root=root, tok=tok, hf=hf, names=names, proc=reference_processor(proc),
                            image_id=image_id)
+
+
+@pytest.fixture(scope="module")
+def reference(vlm):
+    """Another tiny random SmolVLM (seed 1), converted at ``vlm.root / "reference"``: transformers' model."""
+    hf = make_vlm(vlm.root / "hf_reference", seed=1, vocab_size=len(vlm.tok), image_token_id=vlm.image_id)
+    assert zoo_main(["convert", str(vlm.root / "hf_reference"), "--out", str(vlm.root / "reference")]) == 0
+    return hf
 
 
 def _cfg(vlm, out, *overrides):
@@ -69,7 +74,7 @@ def _args(vlm, out, *overrides) -> list[str]:
             f"output_dir={out}", *overrides]
 
 
-def _hf_answer_logps(vlm, model: str) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+def _hf_answer_logps(vlm, model) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Per pair: (transformers' per-token log-probabilities of the chosen answer, of the rejected one, the ids of
     prompt + chosen), each sequence as the processor makes it from the chat template's render of the prompt (with
     the generation prompt) and the answer's turn, with the processor's pixel values."""
@@ -90,7 +95,7 @@ def _hf_answer_logps(vlm, model: str) -> list[tuple[np.ndarray, np.ndarray, np.n
             text = vlm.tok.apply_chat_template(messages + turn, tokenize=False).removesuffix("\n")  # to its end
             enc = vlm.proc(text=[text], images=[[image]], return_tensors="pt")
             with torch.no_grad():
-                logits = vlm.hf[model](input_ids=enc["input_ids"], pixel_values=enc["pixel_values"],
+                logits = model(input_ids=enc["input_ids"], pixel_values=enc["pixel_values"],
                                        pixel_attention_mask=enc["pixel_attention_mask"]).logits[0].double()
             ids = enc["input_ids"][0]
             lp = torch.log_softmax(logits, -1)[:-1].gather(-1, ids[1:, None])[:, 0].numpy()
@@ -107,8 +112,7 @@ def test_answer_logps_with_images_equal_transformers(vlm, share_prompt, tmp_path
     from zoo.data.batching import batch_vision, stacked
     from zoo.model.logps import batch_logps
 
-    cfg = _cfg(vlm, tmp_path, f"dpo.share_prompt={str(share_prompt).lower()}", "dpo.reference=" +
-               str(vlm.root / "reference"))
+    cfg = _cfg(vlm, tmp_path, f"dpo.share_prompt={str(share_prompt).lower()}", "lora.rank=4")
     task = DPOTask(cfg)
     mcfg, params = zoo.read_config(vlm.root / "policy"), zoo.load_params(vlm.root / "policy")
     task.vision, task.shared_prompt = mcfg.vision, share_prompt  # what prepare() sets from the model
@@ -118,7 +122,7 @@ def test_answer_logps_with_images_equal_transformers(vlm, share_prompt, tmp_path
     assert batch["vision_patches"].shape == (2, 16 * (1 if share_prompt else 2) * 7 * 7 * 3)
     logp = np.asarray(jax.jit(lambda p, b: batch_logps(mcfg, p, b, max_segments=3,
                                                        vision=batch_vision(mcfg, b))[0])(params, batch))
-    for r, (want_c, want_r, ids_c) in enumerate(_hf_answer_logps(vlm, "policy")):
+    for r, (want_c, want_r, ids_c) in enumerate(_hf_answer_logps(vlm, vlm.hf)):
         d, seg, w = docs[r], batch["segment_ids"][r], batch["weights"][r]
         prompt = d["tokens"][d["tokens_segment_ids"] == PROMPT]
         np.testing.assert_array_equal(np.concatenate([prompt, d["tokens"][d["tokens_segment_ids"] == CHOSEN]]), ids_c)
@@ -135,20 +139,20 @@ def _parts(params) -> dict[str, list[np.ndarray]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("reference", ["path", "precomputed"])
-def test_step_one_metrics_equal_trl_on_transformers_logps(vlm, reference, tmp_path, capsys):
+@pytest.mark.parametrize("mode", ["path", "precomputed"])
+def test_step_one_metrics_equal_trl_on_transformers_logps(vlm, reference, mode, tmp_path):
     """Slow: a `dpo train` run through the CLI (its own compilations), full fine-tuning with model.freeze: step 1's
     loss, rewards and log-probabilities are TRL's DPO formulas on transformers' per-token log-probabilities of the
     policy and the reference, both reading the images; a live reference checkpoint with one prompt copy a row,
     and a precomputed one (scored with the images) with two; the tower and connector stay bit-identical."""
     ref = vlm.root / "reference"
-    extra = ([f"dpo.reference={ref}"] if reference == "path" else
+    extra = ([f"dpo.reference={ref}"] if mode == "path" else
              ["dpo.reference=precomputed", f"dpo.reference_model={ref}", "dpo.share_prompt=false"])
     out = tmp_path / "run"
     assert dpo_main(["train", *_args(vlm, out, "model.freeze=[vision,projector]",
                                       "optimizer.learning_rate=0.01", *extra)]) == 0
     got = read_metrics(out)[0]
-    pol, refs = _hf_answer_logps(vlm, "policy"), _hf_answer_logps(vlm, "reference")
+    pol, refs = _hf_answer_logps(vlm, vlm.hf), _hf_answer_logps(vlm, reference)
     want = trl_metrics("sigmoid", [p[0] for p in pol], [p[1] for p in pol], [q[0] for q in refs],
                        [q[1] for q in refs], BETA, 0.0, 0.0, 0.0)
     assert_same_metrics(got, want, ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
@@ -178,7 +182,7 @@ def test_bad_image_pairs_are_one_line_naming_the_row(vlm, tmp_path, capsys):
     missing = tmp_path / "missing.jsonl"
     write_jsonl(missing, [rows[0], {**rows[1], "images": ["nowhere.png"]}])
     out = tmp_path / "o"
-    common = [f"dpo.reference={vlm.root / 'reference'}"]
+    common = ["lora.rank=4"]  # the base as the reference
     err = _one_line_error(capsys, [*_args(vlm, out, *common), f"data.path={missing}"])
     assert err.startswith(f"{missing}, line 2: ") and "nowhere.png" in err
     extra = tmp_path / "extra.jsonl"  # the second row's prompt has one image part, the row two images
@@ -189,13 +193,13 @@ def test_bad_image_pairs_are_one_line_naming_the_row(vlm, tmp_path, capsys):
     err = _one_line_error(capsys, [*_args(vlm, out, *common), "data.seq_len=8"])
     assert err.startswith(f"{vlm.root / 'pairs.jsonl'}, line 1: the pair does not fit data.seq_len = 8 without "
                           "cutting its prompt's images")
-    err = _one_line_error(capsys, [*_args(vlm, out, "dpo.loss_type=kto", "lora.rank=4")])
+    err = _one_line_error(capsys, [*_args(vlm, out, "dpo.loss_type=kto", *common)])
     assert err.startswith(f"data.path {vlm.root / 'pairs.jsonl'}: the rows have images, and dpo.loss_type kto "
                           "does not read images yet")
     text_only = tmp_path / "text_only"
     _text_model(text_only, vlm)
     capsys.readouterr()  # the conversion's own output
-    err = _one_line_error(capsys, [*_args(vlm, out, "lora.rank=4"), f"model.path={text_only}"])
+    err = _one_line_error(capsys, [*_args(vlm, out, *common), f"model.path={text_only}"])
     assert err.startswith(f"{vlm.root / 'pairs.jsonl'}, line 1: the row has images, and the model {text_only} "
                           "has no vision tower")
     assert not (out / "metrics.jsonl").exists()
