@@ -22,11 +22,11 @@ take image tokens is one line naming the row (or, with ``data.long_examples: dro
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
-from chat.formats import BadRow, normalize
+from chat.formats import BadRow, multimodal_messages, normalize
 from chat.image_documents import IMAGE_DOC, ImageDocuments
 from chat.images import ImageExpander, ProcessedImage, expand_placeholders
 from chat.loss_masks import TokenizeStats, text_offsets
@@ -64,7 +64,7 @@ class ImagePairs:
         spans = image_spans(prompt, ranges, tokenizer, head, texts[0][1])
         if spans and spans[-1][1] >= len(tokens.prompt):  # the prompt's last token opens each answer's segment
             raise BadRow("the prompt ends inside an image; the chat template must write text after it")
-        self.pending[i] = processed, spans
+        self.pending = {i: (processed, spans)}  # the row pair_documents attaches next (unless it leaves it out)
         return tokens
 
     def attach(self, i: int, whole: PairTokens, kept: PairTokens, doc: dict[str, np.ndarray],
@@ -114,7 +114,10 @@ def image_pair(row: dict[str, Any], image_column: str | None = None) -> tuple[Pa
     chosen, rejected = sides
     if chosen.completion == rejected.completion:
         raise BadRow("'chosen' and 'rejected' are identical (the pair prefers nothing)")
-    return Pair(chosen.prompt or [], chosen.completion or [], rejected.completion or []), chosen.images
+    prompt, c, r = (cast(list, x) for x in (chosen.prompt, chosen.completion, rejected.completion))
+    if not chosen.images:  # a row without images is still in parts form, as TRL renders every row of the data
+        prompt, c, r = (multimodal_messages(x, 0) for x in (prompt, c, r))
+    return Pair(prompt, c, r), chosen.images
 
 
 def image_spans(prompt: str, ranges: list[tuple[int, int]], tokenizer: Any, head: list[int],
