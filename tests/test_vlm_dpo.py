@@ -104,11 +104,12 @@ def _hf_answer_logps(vlm, model) -> list[tuple[np.ndarray, np.ndarray, np.ndarra
     return out
 
 
-@pytest.mark.parametrize("share_prompt", [True, False])
+@pytest.mark.parametrize("share_prompt", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_answer_logps_with_images_equal_transformers(vlm, share_prompt, tmp_path):
     """A batch of both pairs as `dpo train` makes it (one prompt copy a row, or two): the chosen sequence is the
     processor's ids, no image token is trained, and every answer token's log-probability (the model reading the
-    row's images) is transformers' within 1e-5."""
+    row's images) is transformers' within 1e-5. Two prompt copies a row (the slow lane: a compilation of its own)
+    lay the images out twice."""
     from zoo.data.batching import batch_vision, stacked
     from zoo.model.logps import batch_logps
 
