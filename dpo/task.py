@@ -109,6 +109,7 @@ class DPOTask(Task[P]):
         self.vision: VisionConfig | None = None
         self.images: ImageDocuments | None = None
         self.expander: ImageExpander | None = None
+        self.text_rows_read = False  # a vision-language model's data read, and no row of it has an images column
 
     @classmethod
     def card(cls, cfg: TrainConfig) -> MethodCard:
@@ -154,6 +155,7 @@ class DPOTask(Task[P]):
         model without a vision tower, and what rows with images do not go with yet, are a UserError."""
         column = image_column(list(rows.ds.column_names))
         if column is None:
+            self.text_rows_read = self.vision is not None
             return None
         if self.vision is None:
             refuse_images(rows.ds, column, path, str(self.cfg.model.path))
@@ -255,11 +257,23 @@ class DPOTask(Task[P]):
     # ---- (params, batch) -> loss sums -------------------------------------------------------------------
 
     def batch_layout(self, grad_accum: int, micro: int, seq_len: int) -> PairBatch:
-        """Pair rows: a shared prompt's ``prefix_ids`` (as :meth:`prepare` decided), precomputed ``ref_logps``."""
+        """Pair rows: a shared prompt's ``prefix_ids`` (as :meth:`prepare` decided), precomputed ``ref_logps``, and a
+        vision-language model's images (:meth:`_vision_layout`)."""
         fields = ("prefix_ids",) * self.shared_prompt + ("ref_logps",) * (self.mode == "precomputed")
-        v = self.vision  # a vision-language model's rows carry data.max_patches patches (unset: one frame's)
-        vision = None if v is None else (self.cfg.data.max_patches or v.patches_per_image, v.patch_dim)
-        return PairBatch.layout((grad_accum, micro, seq_len), fields, vision)
+        return PairBatch.layout((grad_accum, micro, seq_len), fields, self._vision_layout())
+
+    def _vision_layout(self) -> tuple[int, int] | None:
+        """(patches a row, patch_dim) of a vision-language model's rows, as SFT's: data.max_patches (unset: the
+        largest pair's once the data is read, None when no row of it has images; else one frame's, as no data is
+        read to size it by), or None."""
+        v = self.vision
+        if v is None:
+            return None
+        if self.images is not None or self.text_rows_read:  # the data is read: its rows' budget (0: text rows)
+            patches = self.images.max_patches if self.images is not None else 0
+        else:
+            patches = self.cfg.data.max_patches or v.patches_per_image
+        return (patches, v.patch_dim) if patches else None
 
     def batch_totals(self, batch: PairBatch) -> dict[str, jax.Array]:
         """{pairs, chosen_tokens} of a whole batch (any leading axes: the step's global batch, every

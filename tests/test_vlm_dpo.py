@@ -120,7 +120,9 @@ def test_answer_logps_with_images_equal_transformers(vlm, share_prompt, tmp_path
     path = str(vlm.root / "pairs.jsonl")
     docs = task.documents(task.load(path, cfg), vlm.tok, path, False).docs
     batch = stacked([docs[0], docs[1]], cfg.data.seq_len + 1, 2, task.finish_rows)
-    assert batch["vision_patches"].shape == (2, 16 * (1 if share_prompt else 2) * 7 * 7 * 3)
+    patches = 16 * (1 if share_prompt else 2)  # one image's frame a prompt copy
+    assert batch["vision_patches"].shape == (2, patches * 7 * 7 * 3)
+    assert task.batch_layout(1, 2, cfg.data.seq_len).vision.patch_image.shape == (1, 2, patches)  # the data's budget
     logp = np.asarray(jax.jit(lambda p, b: batch_logps(mcfg, p, b, max_segments=3,
                                                        vision=batch_vision(mcfg, b))[0])(params, batch))
     for r, (want_c, want_r, ids_c) in enumerate(_hf_answer_logps(vlm, vlm.hf)):
