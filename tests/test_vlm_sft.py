@@ -168,10 +168,10 @@ def test_bad_image_rows_are_one_line_naming_the_row(vlm, tmp_path, capsys):
     assert err.startswith(f"{bare / 'tokenizer'}: no image processor could be loaded") and \
         err.endswith("copy the model's preprocessor_config.json (or processor_config.json) into it")
     # Several processes (each reading its own rows) must agree on the patch budget: it is then set, not derived.
-    import sft.vision
+    import chat.image_documents
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(sft.vision, "_processes", lambda: 2)
+        mp.setattr(chat.image_documents, "_processes", lambda: 2)
         err = _one_line_error(capsys, [*common, "data.seq_len=64"])
     assert err == f"{data}, line 1: a run of several processes with images needs data.max_patches (this row needs " \
         "16); set it to the largest row's patches, the same everywhere"
