@@ -18,7 +18,7 @@ from dpo.cli import main as dpo_main
 from dpo.task import DPOTask
 from prefs.pairs import CHOSEN, PROMPT, REJECTED
 from pretrain.config import load_config
-from tests.run_files import read_metrics, write_jsonl
+from tests.run_files import one_line_error, read_metrics, write_jsonl
 from tests.trl_oracles import assert_same_metrics, reward_operands, trl_metrics
 from tests.vlm_models import make_vlm
 from tests.vlm_processors import reference_processor, smolvlm_folder, write_images
@@ -167,11 +167,7 @@ def test_step_one_metrics_equal_trl_on_transformers_logps(vlm, reference, mode, 
 
 
 def _one_line_error(capsys, args) -> str:
-    assert dpo_main(["train", *args]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1, err
-    assert err[0].startswith("error: ")
-    return err[0].removeprefix("error: ")
+    return one_line_error(capsys, dpo_main, ["train", *args])
 
 
 def test_bad_image_pairs_are_one_line_naming_the_row(vlm, tmp_path, capsys):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from grpo.cli import main as grpo_main
-from tests.run_files import read_metrics, write_jsonl
+from tests.run_files import one_line_error, read_metrics, write_jsonl
 from tests.vlm_models import make_vlm
 from tests.vlm_processors import reference_processor, smolvlm_folder, write_images
 from zoo.cli import main as zoo_main
@@ -192,11 +192,7 @@ def test_held_out_image_prompts_are_completed_with_their_images(vlm, run):
 
 
 def _one_line_error(capsys, args) -> str:
-    assert grpo_main(args) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1, err
-    assert err[0].startswith("error: ")
-    return err[0].removeprefix("error: ")
+    return one_line_error(capsys, grpo_main, args)
 
 
 def test_bad_image_prompts_are_one_line_naming_the_row(vlm, tmp_path, capsys):
