@@ -66,11 +66,17 @@ def test_text_flops_leave_the_tower_out():
     assert flops_per_token(cfg, 512) == flops_per_token(dataclasses.replace(cfg, vision=None), 512)
 
 
-def test_a_vlm_lora_step_compiles_for_a_slice_with_its_image_flops(tmp_path):
+def test_a_vlm_lora_step_compiles_for_a_slice_with_its_image_flops(tmp_path, monkeypatch):
     """`sft train --compile-only` of a tiny SmolVLM-shaped model with LoRA and 2 images' patches a row on v5e:2x2:
-    the report's FLOPs are the language model's tokens plus every patch slot at the frozen tower's 1x."""
+    the report's FLOPs are the language model's tokens plus every patch slot at the frozen tower's 1x, and each
+    chip runs the tower on its own 2 rows: no chip holds the tower's MLP activations of all 8 rows (FSDP splits
+    the tower's weights over the axis that splits the rows, and unconstrained the compiler gathered the rows:
+    Gemma 3 27B on v5e:2x4 held bf16[8,4096,4304] a chip)."""
     from pretrain.flops import flops_per_token
     from sft.cli import main
+    from tests.program_checks import keep_compiled_text
+
+    texts = keep_compiled_text(monkeypatch)
 
     hf = {**get("smolvlm-256m-instruct").hf_config, "vocab_size": 512, "image_token_id": 511}
     hf["text_config"] = {**hf["text_config"], "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
@@ -88,3 +94,4 @@ def test_a_vlm_lora_step_compiles_for_a_slice_with_its_image_flops(tmp_path):
     cfg = model_config_from_hf(hf)
     text = flops_per_token(cfg, 64, frozen_base=True) * 8 * 64
     assert rep["model_flops_per_step"] == pytest.approx(text + 8 * 32 * _smolvlm_patch_flops(hf, 1, 1))
+    assert "f32[2,32,64]" in texts[0] and "f32[8,32,64]" not in texts[0]  # rows x patches x the tower's MLP

@@ -108,21 +108,23 @@ def named_sharding(mesh: Mesh, logical_axes: Sequence[str | None], shape: Sequen
     return NamedSharding(mesh, logical_to_spec(logical_axes, shape, mesh, rules))
 
 
-def batch_sharded(x: jax.Array) -> jax.Array:
+def batch_sharded(x: jax.Array, sequence: bool = True) -> jax.Array:
     """``x`` [batch, seq, ...] with its batch axis split over the (data, fsdp) axes of the mesh in context
     (:func:`mesh_context`, set while the train step is lowered), its sequence over ``context`` (context
     parallelism, :mod:`zoo.model.context`) and its other axes left to the compiler; x as it is without a mesh.
 
     Without it the SPMD partitioner may lay activations out replicated: FSDP splits the weights' embedding axis
     over the same mesh axis that splits the batch, and for x @ W it chose to gather x. Llama-3.1-8B on 8 TPU
-    chips then kept the scan's gate and up for the global batch on every chip (two 14 GiB buffers a chip)."""
+    chips then kept the scan's gate and up for the global batch on every chip (two 14 GiB buffers a chip). A vision
+    tower's patches (``sequence`` False) keep their rows split alone: a row's patches are not a sequence that
+    context parallelism splits."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or x.ndim == 0:
         return x
     axes = tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1)
     rows = axes if axes and not x.shape[0] % math.prod(mesh.shape[a] for a in axes) else None
     context = mesh.shape.get("context", 1)
-    seq = "context" if context > 1 and x.ndim > 1 and not x.shape[1] % context else None
+    seq = "context" if sequence and context > 1 and x.ndim > 1 and not x.shape[1] % context else None
     if rows is None and seq is None:
         return x
     rest = [PartitionSpec.UNCONSTRAINED] * (x.ndim - 1 - (seq is not None))

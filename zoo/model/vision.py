@@ -34,6 +34,7 @@ from zoo.lora.projections import LayerLora, LoraDropout, adapted_dense
 from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 from zoo.model.layer_scan import LAYER_INPUT, REMAT_POLICIES
+from zoo.model.sharding import batch_sharded
 from zoo.model.vision_config import VisionConfig
 
 # Folded into a LoRA run's dropout key for the tower's layers and the connector, so their masks are drawn apart
@@ -79,11 +80,12 @@ def _layer(v: VisionConfig, visible: jax.Array, scale: float | jax.Array, rate: 
     are the layer's weights, its LoRA adapters (or None) and its LoRA dropout key (or None)."""
     p, adapters, key = inputs
     lora = None if adapters is None else LayerLora(adapters, scale, None if key is None else LoraDropout(rate, key))
-    x = checkpoint_name(x, LAYER_INPUT)
-    x = x + _attention(v, layer_norm(x, p["attn_norm"], p["attn_norm_bias"], v.norm_eps), p, visible, lora)
+    x = checkpoint_name(batch_sharded(x, sequence=False), LAYER_INPUT)  # each chip its own rows' patches
+    x = batch_sharded(x + _attention(v, layer_norm(x, p["attn_norm"], p["attn_norm_bias"], v.norm_eps), p, visible,
+                                     lora), sequence=False)
     h = layer_norm(x, p["mlp_norm"], p["mlp_norm_bias"], v.norm_eps)
-    h = ACTIVATIONS[v.hidden_act](adapted_dense(h, p["up"], lora, "up") + p["up_bias"])
-    return x + adapted_dense(h, p["down"], lora, "down") + p["down_bias"], None
+    h = batch_sharded(ACTIVATIONS[v.hidden_act](adapted_dense(h, p["up"], lora, "up") + p["up_bias"]), sequence=False)
+    return batch_sharded(x + adapted_dense(h, p["down"], lora, "down") + p["down_bias"], sequence=False), None
 
 
 def _dropout_key(w: Weights, salt: int) -> jax.Array | None:

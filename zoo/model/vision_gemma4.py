@@ -34,6 +34,7 @@ from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 from zoo.model.layer_scan import REMAT_POLICIES
 from zoo.model.rope import apply_rope
+from zoo.model.sharding import batch_sharded
 from zoo.model.vision import VisionInputs
 from zoo.model.vision_config import VisionConfig
 from zoo.model.vision_params import CLIP_BOUNDS
@@ -87,12 +88,14 @@ def _attention(v: VisionConfig, x: jax.Array, p: dict[str, jax.Array], visible: 
 
 def _layer(v: VisionConfig, visible: jax.Array, rope: tuple[jax.Array, ...], x: jax.Array,
            p: dict[str, jax.Array]) -> tuple[jax.Array, None]:
-    """One Gemma 4 tower layer (see the module docstring)."""
-    x = x + rms_norm(_attention(v, rms_norm(x, p["attn_norm"], v.norm_eps), p, visible, rope), p["post_attn_norm"],
-                     v.norm_eps)
+    """One Gemma 4 tower layer (see the module docstring); each chip keeps its own rows' patches
+    (zoo.model.sharding.batch_sharded)."""
+    x = batch_sharded(x, sequence=False)
+    x = batch_sharded(x + rms_norm(_attention(v, rms_norm(x, p["attn_norm"], v.norm_eps), p, visible, rope),
+                                   p["post_attn_norm"], v.norm_eps), sequence=False)
     h = rms_norm(x, p["mlp_norm"], v.norm_eps)
-    h = ACTIVATIONS[v.hidden_act](_linear(v, h, p, "gate")) * _linear(v, h, p, "up")
-    return x + rms_norm(_linear(v, h, p, "down"), p["post_mlp_norm"], v.norm_eps), None
+    h = batch_sharded(ACTIVATIONS[v.hidden_act](_linear(v, h, p, "gate")) * _linear(v, h, p, "up"), sequence=False)
+    return batch_sharded(x + rms_norm(_linear(v, h, p, "down"), p["post_mlp_norm"], v.norm_eps), sequence=False), None
 
 
 def tower(v: VisionConfig, params: Any, inputs: VisionInputs, remat: str = "none") -> jax.Array:
