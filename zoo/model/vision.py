@@ -21,7 +21,6 @@ step for the larger towers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -36,28 +35,14 @@ from zoo.model.config import ModelConfig
 from zoo.model.layer_scan import LAYER_INPUT, REMAT_POLICIES
 from zoo.model.sharding import batch_sharded
 from zoo.model.vision_config import VisionConfig
+from zoo.model.vision_gemma4 import encode_gemma4
+from zoo.model.vision_inputs import VisionInputs
+
+__all__ = ["VisionInputs", "encode_images", "tower", "shuffle_linear", "avg_pool", "CONNECTORS"]
 
 # Folded into a LoRA run's dropout key for the tower's layers and the connector, so their masks are drawn apart
 # from the decoder's layers' (zoo.model.decoder splits the key itself over its layers).
 TOWER_DROPOUT, PROJECTOR_DROPOUT = 1 << 20, (1 << 20) + 1
-
-
-@partial(jax.tree_util.register_dataclass,
-         data_fields=("patches", "patch_image", "patch_valid", "patch_pos", "patch_group", "patch_slot"),
-         meta_fields=())
-@dataclass(frozen=True)
-class VisionInputs:
-    """A batch's images as patches, [rows, max_patches, ...] each (:mod:`zoo.data.vision_layout` has the meaning
-    of every field): ``patches`` [b, n, patch_dim] float, ``patch_image`` [b, n] int (0: no image),
-    ``patch_valid`` [b, n] bool, ``patch_pos`` [b, n] int, ``patch_group`` [b, n] int (-1: no token),
-    ``patch_slot`` [b, n] int."""
-
-    patches: jax.Array
-    patch_image: jax.Array
-    patch_valid: jax.Array
-    patch_pos: jax.Array
-    patch_group: jax.Array
-    patch_slot: jax.Array
 
 
 def _attention(v: VisionConfig, x: jax.Array, p: dict[str, jax.Array], visible: jax.Array,
@@ -165,8 +150,6 @@ def encode_images(cfg: ModelConfig, params: Any, inputs: VisionInputs, remat: st
     ``params``: the model's parameters or its :class:`zoo.lora.weights.Weights`; ``remat``: the tower's (:func:`tower`)."""
     v = cfg.vision
     assert v is not None, "encode_images needs a model with a vision tower"
-    if v.tower == "gemma4":  # its own tower and connector (zoo.model.vision_gemma4, which imports this module)
-        from zoo.model.vision_gemma4 import encode_gemma4
-
+    if v.tower == "gemma4":  # its own tower and connector
         return encode_gemma4(cfg, params, inputs, remat)
     return CONNECTORS[v.connector](v, params, tower(v, params, inputs, remat), inputs)

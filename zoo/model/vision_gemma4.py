@@ -35,8 +35,8 @@ from zoo.model.config import ModelConfig
 from zoo.model.layer_scan import REMAT_POLICIES
 from zoo.model.rope import apply_rope
 from zoo.model.sharding import batch_sharded
-from zoo.model.vision import VisionInputs
 from zoo.model.vision_config import VisionConfig
+from zoo.model.vision_inputs import VisionInputs
 from zoo.model.vision_params import CLIP_BOUNDS
 
 
