@@ -1,8 +1,8 @@
 """Gemma 3 with images in data, SFT and cached generation, against transformers: a conversation's token ids and
 pixels equal Gemma3Processor's, SFT's step-1 loss equals Gemma3ForConditionalGeneration's (token_type_ids: each
-image's tokens one bidirectional block), packed or not, and greedy KV-cache decoding with images (the prefill's
-image blocks both ways, every step after it causal text) equals ``generate`` token for token, in Python and through
-`zoo generate --image`."""
+image's tokens one bidirectional block) with two rows packed into one, `sft inspect` marks the images, and greedy
+KV-cache decoding with images (the prefill's image blocks both ways, every step after it causal text) equals
+``generate`` token for token, in Python and through `zoo generate --image`."""
 
 from __future__ import annotations
 
@@ -169,16 +169,26 @@ def _hf_loss(g3) -> float:
 
 
 @pytest.mark.slow
-def test_sft_step_1_loss_is_transformers_packed_or_not(g3, tmp_path):
-    """Slow: two one-step runs, each compiling its step. Step 1's loss is transformers' over the two rows (each
-    image's tokens one bidirectional block), with the rows apart and packed into one row (data.max_patches: both
-    images), where each image's block stays within its own document."""
+def test_sft_packed_step_1_loss_is_transformers(g3, tmp_path):
+    """Slow: a one-step run, compiling its step. Both rows packed into one (data.max_patches: both images): step
+    1's loss is transformers' over the two rows apart, each image's tokens one bidirectional block that stays
+    within its own document."""
     from pretrain.loop import train
     from sft.task import SFTTask
 
-    want = _hf_loss(g3)
-    for name, extra in [("apart", []), ("packed", ["data.packing=true", "batch_size=1", "data.max_patches=32",
-                                                    "data.seq_len=96"])]:
-        cfg = _sft_cfg(g3, tmp_path / name, *extra)
-        train(cfg, progress=False, task=SFTTask(cfg))
-        assert abs(read_metrics(tmp_path / name)[0]["loss"] - want) <= 1e-5, name
+    cfg = _sft_cfg(g3, tmp_path, "data.packing=true", "batch_size=1", "data.max_patches=32", "data.seq_len=96")
+    train(cfg, progress=False, task=SFTTask(cfg))
+    assert abs(read_metrics(tmp_path)[0]["loss"] - _hf_loss(g3)) <= 1e-5
+
+
+def test_inspect_shows_gemma3_images_as_markers(g3, capsys):
+    """`sft inspect` on Gemma 3 rows: each image's run (its markers and the processor's newlines around it) one
+    untrained marker, the answer trained."""
+    from sft.cli import main as sft_main
+
+    assert sft_main(["inspect", f"model.path={g3.ckpt}", f"data.path={g3.root / 'data.jsonl'}", "data.seq_len=64",
+                     "max_steps=1", "-n", "1", "--no-color"]) == 0
+    out = capsys.readouterr().out
+    # "\n\n" (two tokens here), <start_of_image>, 4 <image_soft_token>, <end_of_image>, "\n\n"
+    assert f"<start_of_turn>user\n⟨image 1: 10 tokens⟩{QUESTION}" in out
+    assert f"[[{ANSWERS[0]}<end_of_turn>]]" in out
