@@ -33,7 +33,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from chat.formats import BadRow, Example, multimodal_messages, normalize
+from chat.formats import BadRow, Example, _with_images, multimodal_messages, normalize, parse_messages
 from chat.loss_masks import bos_head, each_usable_row, text_offsets, token_mask
 from chat.spans import assistant_spans
 from chat.templates import ChatTemplate, as_template
@@ -124,6 +124,34 @@ class ImageExpander:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         text, _, _ = expand_placeholders(text, self.placeholder, [p.text for p in processed], [])
         return list(tokenizer(text)["input_ids"]), processed
+
+    def chat_prompt(self, tokenizer: Any, messages: Any, images: Sequence[Any],
+                    base_dir: str | Path) -> tuple[str, tuple[ProcessedImage, ...]]:
+        """(text, processed images) of a conversation that the model answers next (an evaluation prompt):
+        ``messages`` (string contents or TRL's content parts, inline images allowed) with ``images`` in the
+        order of their image parts, placed as TRL places them (:func:`chat.formats.multimodal_messages`), under
+        the tokenizer's chat template with the generation prompt, each placeholder expanded. Raises BadRow
+        naming the problem (the caller names the row)."""
+        example = _with_images(Example(messages=parse_messages(messages, "messages", parts=True)), list(images))
+        processed = tuple(self.process(_opened(ref, base_dir, f"images[{i}]")) for i, ref in enumerate(example.images))
+        text = tokenizer.apply_chat_template(example.messages, tokenize=False, add_generation_prompt=True)
+        text, _, _ = expand_placeholders(text, self.placeholder, [p.text for p in processed], [])
+        return text, processed
+
+    def text_prompt(self, text: str, images: Sequence[Any],
+                    base_dir: str | Path) -> tuple[str, tuple[ProcessedImage, ...]]:
+        """(text, processed images) of a plain-text prompt with images: each image at its placeholder
+        (``<image>``) in ``text``, or, when the text has none, all of them before it (where TRL puts a turn's
+        images). Raises BadRow when the placeholders are not one per image, or an image cannot be read."""
+        found = text.count(self.placeholder)
+        if found and found != len(images):
+            raise BadRow(f"the prompt has {found} {self.placeholder} placeholder(s) for {len(images)} image(s); put "
+                         f"one {self.placeholder} where each image goes, or none (the images then go before the text)")
+        processed = tuple(self.process(_opened(ref, base_dir, f"images[{i}]")) for i, ref in enumerate(images))
+        if not found:
+            text = self.placeholder * len(processed) + text
+        text, _, _ = expand_placeholders(text, self.placeholder, [p.text for p in processed], [])
+        return text, processed
 
 
 def _opened(ref: Any, base_dir: str | Path, where: str) -> Any:

@@ -41,6 +41,7 @@ class SFTTask(Task[TokenBatch]):
         self.cfg = cfg
         self.chat_template = chat_template_of(cfg)
         self.images: ImageDocuments | None = None  # a vision-language model's (prepare), with rows that have images
+        self.text_rows_read = False  # a vision-language model's data read, and no row of it has an images column
         self.vision: VisionConfig | None = None
         self.expander: ImageExpander | None = None
 
@@ -83,6 +84,7 @@ class SFTTask(Task[TokenBatch]):
             refuse_images(rows.ds, column, path, str(self.cfg.model.path))
         if column is not None and self.vision is not None:
             return self._image_documents(rows, tokenizer, path, skip_bad, indices)
+        self.text_rows_read = self.vision is not None
         out, bad = tokenize_indexed(indexed_rows(rows.ds, indices), rows.field, tokenizer, self.chat_template,
                                     path, skip_bad)
         return Documents({i: {"tokens": ids, "loss_mask": mask} for i, (ids, mask) in out.items()}, bad)
@@ -117,12 +119,18 @@ class SFTTask(Task[TokenBatch]):
         return {} if self.images is None else self.images.budgets()
 
     def batch_layout(self, grad_accum: int, micro: int, seq_len: int) -> TokenBatch:
-        """The token batch, with the rows' images on a vision-language model: data.max_patches of them a row
-        (unset: one frame's, as no data is read to size it by)."""
+        """The token batch, with the rows' images on a vision-language model: data.max_patches of them a row (unset:
+        the largest row's once the data is read, none when no row of it has images; else one frame's, as no data is
+        read to size it by)."""
         v = self.vision
         if v is None:
             return super().batch_layout(grad_accum, micro, seq_len)
-        patches = self.cfg.data.max_patches or v.patches_per_image
+        if self.images is not None or self.text_rows_read:  # the data is read: its rows' budget (0: text rows)
+            patches = self.images.max_patches if self.images is not None else 0
+        else:
+            patches = self.cfg.data.max_patches or v.patches_per_image
+        if not patches:
+            return super().batch_layout(grad_accum, micro, seq_len)
         return TokenBatch.layout((grad_accum, micro, seq_len), vision=(patches, v.patch_dim))
 
     def loss_sums(self, mcfg: ModelConfig, weights: Weights, mb: TokenBatch, compute: Any, remat: str, *,
