@@ -151,6 +151,10 @@ def generate(cfg: ModelConfig, params: dict[str, Any], prompts: Sequence[Sequenc
         raise UserError("generate: stop strings need a tokenizer")
     if vision is not None and cfg.vision is None:
         raise UserError("generate: images given to a model without a vision tower")
+    if vision is not None and cfg.vision is not None and cfg.vision.tower == "gemma4":
+        # Its images' layout (zoo/data/gemma4_layout.py) is not vision_inputs', and nothing tests decoding with them.
+        raise UserError("generate: images on gemma4 are not supported yet (cached decoding with images is tested on "
+                        "SmolVLM and Gemma 3); generate without images")
     out: list[list[int]] = [[] for _ in prompts]
     if gen.max_new_tokens <= 0:
         return out
