@@ -33,15 +33,17 @@ from typing import Any, cast
 
 import numpy as np
 
-from chat.formats import BadRow, Example, _with_images, multimodal_messages, normalize, parse_messages
+from chat.formats import IMAGE_COLUMNS, BadRow, Example, _with_images, multimodal_messages, normalize, parse_messages
 from chat.loss_masks import bos_head, each_usable_row, text_offsets, token_mask
 from chat.spans import assistant_spans
 from chat.templates import ChatTemplate, as_template
+from zoo.data.files import indexed_rows
 from zoo.data.images import BadImage, open_image
+from zoo.data.row_origin import row_where
 from zoo.errors import UserError
 
 __all__ = ["ProcessedImage", "VisionTokens", "ImageExpander", "expand_placeholders", "tokenize_with_images",
-           "image_base", "tokenize_image_rows"]
+           "image_base", "tokenize_image_rows", "image_column", "refuse_images", "prompt_ids_with_images", "processed_images"]
 
 
 @dataclass(frozen=True)
@@ -314,3 +316,35 @@ def tokenize_image_rows(rows: Iterable[tuple[int, dict[str, Any]]], fmt: str, to
     template, base = as_template(chat_template), image_base(path)
     return each_usable_row(rows, fmt, path, skip_bad_rows, lambda row: tokenize_with_images(
         normalize(row, fmt, image_column), tokenizer, expander, base, template))
+
+
+def image_column(column_names: list[str]) -> str | None:
+    """The column of a dataset's images (TRL's ``images``, or ``image``), or None."""
+    return next((c for c in IMAGE_COLUMNS if c in column_names), None)
+
+
+def refuse_images(ds: Any, column: str, path: str, model: str) -> None:
+    """Raise UserError naming the first row of ``ds`` with images: ``model`` has no vision tower to read them."""
+    for i, row in indexed_rows(ds, None):
+        if row.get(column):
+            raise UserError(f"{row_where(path, i)}: the row has images, and the model {model} has no vision tower; "
+                            f"use a vision-language model or remove the {column} column")
+
+
+def prompt_ids_with_images(messages: list[dict[str, Any]], images: Sequence[Any], tokenizer: Any,
+                           expander: ImageExpander, base_dir: str | Path,
+                           render: Callable[[list[dict[str, Any]]], str]) -> tuple[list[int], tuple[ProcessedImage, ...]]:
+    """(token ids, processed images) of a conversational prompt with its images, as GRPO's rollouts read it:
+    ``messages`` and ``images`` as :func:`chat.formats.prompt_with_images` gives them, rendered by ``render``
+    (the chat template with its generation prompt), each placeholder expanded as the processor does, tokenized
+    without special tokens (TRL's GRPO tokenizes its prompts so). Raises BadRow naming an image that cannot be
+    read or placeholders that do not match the images."""
+    processed = processed_images(expander, images, base_dir)
+    text, _, _ = expand_placeholders(render(messages), expander.placeholder, [p.text for p in processed], [])
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"]), processed
+
+
+def processed_images(expander: ImageExpander, images: Sequence[Any], base_dir: str | Path) -> tuple[ProcessedImage, ...]:
+    """A row's images (references as :func:`zoo.data.images.open_image` reads them, relative to ``base_dir``) through
+    the image processor. Raises BadRow naming an image that cannot be read (``images[k]``)."""
+    return tuple(expander.process(_opened(ref, base_dir, f"images[{i}]")) for i, ref in enumerate(images))

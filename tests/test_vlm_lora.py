@@ -19,7 +19,7 @@ import zoo
 from tests.hf_models import hf_tensors, mean_kl
 from tests.lora_fixtures import write_adapter_checkpoint
 from tests.program_checks import saved_residuals
-from tests.run_files import write_jsonl
+from tests.run_files import one_line_error, write_jsonl
 from tests.vlm_models import TOKENS_PER_IMAGE, hf_vlm_logits, image, make_vlm
 from tests.vlm_processors import smolvlm_folder, write_images
 from zoo.checkpoints.adapter import load_adapters
@@ -235,11 +235,7 @@ def test_remat_applies_to_the_towers_layer_scan(vlm):
 def _one_line_error(capsys, args) -> str:
     from sft.cli import main as sft_main
 
-    assert sft_main(["train", *args]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1, err
-    assert err[0].startswith("error: ")
-    return err[0].removeprefix("error: ")
+    return one_line_error(capsys, sft_main, ["train", *args])
 
 
 def _data(vlm) -> str:
