@@ -2,8 +2,9 @@
 makes them (no torch: the image processor runs with its PIL backend).
 
 1. The conversation (chat/formats.py: contents as text and image parts) is rendered with the chat template,
-   which writes each image part as its placeholder (SmolVLM, Idefics3: ``<image>``), and the trained assistant
-   spans are found on that text (chat/spans.py), as for text conversations.
+   which writes each image part as its placeholder (SmolVLM, Idefics3: ``<image>``; Gemma 3:
+   ``<start_of_image>``), and the trained assistant spans are found on that text (chat/spans.py), as for text
+   conversations.
 2. Each image is read (zoo/data/images.py) and run through the family's image processor
    (``AutoImageProcessor.from_pretrained(folder, backend="pil")``, ``return_tensors="np"``): its pixels equal
    the processor's by construction.
@@ -12,7 +13,9 @@ makes them (no torch: the image processor runs with its PIL backend).
    ``<fake_token_around_image><global-img><image>×seq<fake_token_around_image>`` for a whole image and, when
    the image processor splits it into ``rows × cols`` tiles, ``<fake_token_around_image><row_r_col_c><image>×seq``
    per tile, a ``\\n`` per row of tiles, then ``\\n`` and the whole image's run. ``seq`` is the processor's
-   ``image_seq_len``.
+   ``image_seq_len``. Gemma 3: transformers' ``Gemma3Processor``, ``<start_of_image>`` (the template's
+   placeholder) becoming ``\\n\\n<start_of_image>`` + ``<image_soft_token>`` x ``image_seq_length`` +
+   ``<end_of_image>\\n\\n`` (no pan-and-scan: the processor turns it off).
 4. The spans move by what each expansion before them adds, the text is tokenized whole (as the processor
    tokenizes it), and a token is trained when it overlaps a span and no expansion: image tokens are never
    trained, in whatever turn the image is (TRL's SFT collator leaves an assistant turn's image tokens in its
@@ -104,7 +107,10 @@ class ImageExpander:
         """The pixels of one RGB PIL image and its expansion."""
         out = self.image_processor(images=[[image]], return_tensors="np", **self.call_kwargs)
         mask = out.get("pixel_attention_mask")
-        return ProcessedImage(np.asarray(out["pixel_values"][0], np.float32),
+        pixels = np.asarray(out["pixel_values"], np.float32)
+        # SmolVLM batches [images, frames, C, S, S]; Gemma 3 lays the call's images flat [images, C, S, S]: one
+        # image in the call, one frame.
+        return ProcessedImage(pixels[0] if pixels.ndim == 5 else pixels,
                               None if mask is None else np.asarray(mask[0]), self.expansion(dict(out)))
 
     def prompt_ids(self, tokenizer: Any, prompt: str, system: str | None, images: Sequence[Any],
@@ -167,9 +173,7 @@ def _smolvlm(folder: Path, tokenizer: Any) -> tuple[str, Expansion, dict[str, An
     fake = getattr(tokenizer, "fake_image_token", None) or "<fake_token_around_image>"
     image = getattr(tokenizer, "image_token", None) or "<image>"
     whole = getattr(tokenizer, "global_image_token", None) or "<global-img>"
-    missing = [t for t in (fake, image, whole) if tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)]
-    if missing:  # spelled out in characters, they would not be the tokens the model reads
-        raise UserError(f"{folder}: the tokenizer has no {', '.join(missing)} token; use the model's own tokenizer")
+    _require_tokens(folder, tokenizer, (fake, image, whole))
 
     def expansion(out: dict[str, Any]) -> str:
         return cast(str, get_image_prompt_string(int(out["rows"][0][0]), int(out["cols"][0][0]), seq,
@@ -197,9 +201,45 @@ def _image_seq_len(folder: Path) -> int:
                     "processor_config.json and no vision_config in config.json; copy the model's processor files")
 
 
+def _gemma3(folder: Path, tokenizer: Any) -> tuple[str, Expansion, dict[str, Any]]:
+    """Gemma 3 (transformers' ``Gemma3Processor``): the chat template writes an image as ``<start_of_image>``,
+    which becomes ``\\n\\n<start_of_image>`` + ``<image_soft_token>`` x image_seq_length + ``<end_of_image>\\n\\n``.
+    Pan-and-scan is off, as the processor calls its image processor (transformers 5.25's Gemma3Processor passes
+    ``do_pan_and_scan=False`` whatever preprocessor_config.json says), so an image is one frame."""
+    seq = _gemma3_seq_len(folder)
+    # The tokens the processor reads from the tokenizer (its tokenizer_config.json names them), with Gemma 3's.
+    boi = getattr(tokenizer, "boi_token", None) or "<start_of_image>"
+    image = getattr(tokenizer, "image_token", None) or "<image_soft_token>"
+    eoi = getattr(tokenizer, "eoi_token", None) or "<end_of_image>"
+    _require_tokens(folder, tokenizer, (boi, image, eoi))
+    full = f"\n\n{boi}{image * seq}{eoi}\n\n"  # Gemma3Processor.full_image_sequence
+    return boi, lambda out: full, {"do_pan_and_scan": False}
+
+
+def _gemma3_seq_len(folder: Path) -> int:
+    """Gemma 3's image tokens an image: ``image_seq_length`` of processor_config.json, else the model config's
+    ``mm_tokens_per_image`` (config.json)."""
+    for name, key in (("processor_config.json", "image_seq_length"), ("config.json", "mm_tokens_per_image")):
+        path = folder / name
+        if path.is_file():
+            seq = json.loads(path.read_text()).get(key)
+            if seq:
+                return int(seq)
+    raise UserError(f"{folder}: cannot tell how many tokens an image takes: no image_seq_length in "
+                    "processor_config.json and no mm_tokens_per_image in config.json; copy the model's processor files")
+
+
+def _require_tokens(folder: Path, tokenizer: Any, tokens: tuple[str, ...]) -> None:
+    """Raise UserError when the tokenizer lacks one of ``tokens`` as one token."""
+    missing = [t for t in tokens if tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)]
+    if missing:  # spelled out in characters, they would not be the tokens the model reads
+        raise UserError(f"{folder}: the tokenizer has no {', '.join(missing)} token; use the model's own tokenizer")
+
+
 _FAMILIES: dict[str, Callable[[Path, Any], tuple[str, Expansion, dict[str, Any]]]] = {
     "SmolVLMImageProcessor": _smolvlm,
     "Idefics3ImageProcessor": _smolvlm,
+    "Gemma3ImageProcessor": _gemma3,
 }
 
 

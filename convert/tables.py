@@ -130,13 +130,14 @@ def _moe_rules(L: str, style: str | None) -> list[Rule]:
     return []
 
 
-def decoder_table(prefix: str = "model.", moe: str | None = None) -> list[Rule]:
+def decoder_table(prefix: str = "model.", moe: str | None = None, head: str = "lm_head.weight") -> list[Rule]:
     """The Hugging Face naming that Llama, Mistral, Gemma 1/2/3, Qwen 2/3, Mixtral and DeepSeek share.
 
     Families differ only in which tensors exist, so every optional tensor is
     gated on the ModelConfig flag that creates it. Note the one name that
     changes meaning: without post-norms ``post_attention_layernorm`` is the
-    pre-MLP norm; with Gemma 2/3's post-norms it normalizes the attention output.
+    pre-MLP norm; with Gemma 2/3's post-norms it normalizes the attention output. ``head``: an untied output
+    head's tensor.
     """
     L = prefix + "layers.{i}."
     A = L + "self_attn."
@@ -174,7 +175,7 @@ def decoder_table(prefix: str = "model.", moe: str | None = None) -> list[Rule]:
         Rule("layers.down_bias", L + "mlp.down_proj.bias", when="mlp_bias&!moe"),
         *_moe_rules(L, moe),
         Rule("final_norm", prefix + "norm.weight"),
-        Rule("lm_head", "lm_head.weight", "transpose", when="!tie_word_embeddings&!num_labels"),
+        Rule("lm_head", head, "transpose", when="!tie_word_embeddings&!num_labels"),
         Rule("score", "score.weight", "transpose", when="num_labels"),  # *ForSequenceClassification's head
     ]
 
@@ -279,8 +280,8 @@ HF_DECODER = decoder_table()
 TABLES: dict[tuple[str, str], list[Rule]] = {
     **{(f, "hf"): HF_DECODER for f in ("llama", "mistral", "gemma", "gemma2", "gemma3", "qwen2", "qwen3")},
     # Gemma3ForConditionalGeneration: the text model sits under `language_model.model.`; the tower and projector's
-    # names are convert.vision_tables'.
-    ("gemma3", "hf-gemma3-multimodal"): decoder_table("language_model.model."),
+    # names are convert.vision_tables'. An untied head (no released Gemma 3 has one) is saved beside it.
+    ("gemma3", "hf-gemma3-multimodal"): decoder_table("language_model.model.", head="language_model.lm_head.weight"),
     ("mixtral", "hf"): decoder_table(moe="mixtral"),
     **{(f, "hf"): decoder_table(moe="deepseek") for f in ("deepseek_v2", "deepseek_v3")},
     # Qwen3-MoE and GLM-4.5 name their experts, router (and GLM's selection bias, shared experts) as DeepSeek does.

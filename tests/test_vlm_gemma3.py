@@ -1,6 +1,7 @@
 """Gemma 3 whole (Gemma3ForConditionalGeneration) against transformers: its SigLIP tower and average-pool
 connector's image features, image+text logits with bidirectional image blocks (a block longer than the sliding
-window), the round trip in both spellings of the tower's names, and the kernels' handling of image blocks."""
+window), the round trip in both spellings of the tower's names, the kernels' handling of image blocks, and the
+cached prefill's."""
 
 import dataclasses
 
@@ -153,14 +154,22 @@ def test_text_only_refuses_a_text_model(tmp_path, capsys):
     assert "--text-only:" in err and "convert without --text-only" in err and "Traceback" not in err
 
 
-def test_generation_with_images_is_refused_until_its_prefill_has_image_blocks(gemma3):
-    """Cached decoding's prefill is causal: images on Gemma 3 (whose image tokens attend both ways) would decode
-    from the wrong mask, so they are refused in one line rather than generated from."""
-    from eval.generate import GenerationConfig, generate
+def test_cached_prefill_with_images_equals_the_forward(gemma3):
+    """Generation's prefill (an empty cache) with images attends within each image both ways as the training
+    forward does, a block longer than the sliding window: equal logits at every real position, a right-padded
+    row included. (Gemma 3 generation against transformers: tests/test_vlm_gemma3_data.py.)"""
+    from zoo.model.decode import forward_step, init_cache
 
     _, ckpt = gemma3
     model = zoo.load(ckpt)
-    with pytest.raises(UserError, match=r"^generate: images on gemma3, whose image tokens attend bidirectionally"):
-        generate(model.cfg, model.param_dict(), [gemma3_row(20, [3], seed=5).tolist()],
-                 GenerationConfig(max_new_tokens=1),
-                 vision=_inputs(model.cfg, [[image(1)[0]]]))
+    cfg = model.cfg
+    pixels = np.stack([image(k)[0] for k in (1, 2, 3)])
+    tokens = np.stack([gemma3_row(20, [3, 11], seed=3), gemma3_row(20, [8], seed=4)])
+    vision = _inputs(cfg, [pixels[:2], pixels[2:]])
+    want = np.asarray(model(jnp.asarray(tokens), vision=vision))
+    valid = np.ones(tokens.shape, bool)
+    valid[1, 16:] = False  # the second row is 16 tokens, padded
+    prefill = jax.jit(lambda p, t, c, v, vis: forward_step(cfg, p, t, c, v, fresh=True, vision=vis)[0])
+    got = np.asarray(prefill(model.param_dict(), jnp.asarray(np.where(valid, tokens, 0)), init_cache(cfg, 2, 32),
+                             jnp.asarray(valid), vision))
+    assert np.abs(got[0] - want[0]).max() <= 1e-5 and np.abs(got[1, :16] - want[1, :16]).max() <= 1e-5

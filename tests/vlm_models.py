@@ -94,15 +94,21 @@ GEMMA3_TEXT = {**{k: v for k, v in FAMILIES["gemma3"][2].items() if k != "final_
 BOI, EOI = 93, 94
 
 
-def make_gemma3(folder: Path, seed: int = 0, hub_spelling: bool = False):
+def make_gemma3(folder: Path, seed: int = 0, hub_spelling: bool = False, vocab_size: int = 96,
+                tokens: tuple[int, int, int] = (IMAGE_TOKEN, BOI, EOI), untied: bool = False):
     """Save a tiny random Gemma3ForConditionalGeneration to ``folder``; returns it (float32, eager attention).
     ``hub_spelling`` renames the tower's tensors as the Hub's Gemma 3 files have them
-    (``vision_tower.vision_model.*``, where transformers 5 saves ``vision_tower.*``)."""
+    (``vision_tower.vision_model.*``, where transformers 5 saves ``vision_tower.*``). ``vocab_size`` and
+    ``tokens`` (the image, begin- and end-of-image ids) fit it to a tokenizer (tests/vlm_processors.py's).
+    ``untied``: an output head of its own (with Gemma's embeddings scaled by sqrt(hidden), a tied head makes
+    greedy decoding repeat the last token)."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
-    config = Gemma3Config(text_config=GEMMA3_TEXT, vision_config={**VISION, "vision_use_head": False},
-                          mm_tokens_per_image=TOKENS_PER_IMAGE, image_token_index=IMAGE_TOKEN,
-                          boi_token_index=BOI, eoi_token_index=EOI)
+    tie = {"tie_word_embeddings": False} if untied else {}
+    config = Gemma3Config(text_config={**GEMMA3_TEXT, "vocab_size": vocab_size, **tie}, **tie,
+                          vision_config={**VISION, "vision_use_head": False},
+                          mm_tokens_per_image=TOKENS_PER_IMAGE, image_token_index=tokens[0],
+                          boi_token_index=tokens[1], eoi_token_index=tokens[2])
     torch.manual_seed(seed)
     model = Gemma3ForConditionalGeneration(config).eval()
     model.set_attn_implementation("eager")

@@ -26,12 +26,20 @@ def slot_positions(lengths: jax.Array, slots: int) -> jax.Array:
     return jnp.where(last >= 0, s + slots * (jnp.maximum(last, 0) // slots), -1)
 
 
-def new_token_masks(pos: jax.Array, valid: jax.Array, old_pos: jax.Array | None,
-          window: int | None) -> tuple[jax.Array | None, jax.Array]:
-    """Which keys each new query may attend to: old slots [batch, t, S] (None without), new tokens [batch, t, t]."""
+def new_token_masks(pos: jax.Array, valid: jax.Array, old_pos: jax.Array | None, window: int | None,
+                    block_ids: jax.Array | None = None) -> tuple[jax.Array | None, jax.Array]:
+    """Which keys each new query may attend to: old slots [batch, t, S] (None without), new tokens [batch, t, t].
+
+    ``block_ids`` [batch, t] (-1 outside a block): bidirectional blocks among the new tokens (Gemma 3's image
+    tokens at prefill, :func:`zoo.model.multimodal.image_blocks`): a query also sees its block's later tokens, and
+    with ``window`` the one-sided window still applies (``window AND (causal OR same-block)``, as the training
+    forward's :class:`zoo.model.masks.Visibility`)."""
     q = pos[:, :, None]
     new = pos[:, None, :]
     new_ok = valid[:, None, :] & (new <= q)
+    if block_ids is not None:
+        same = (block_ids[:, :, None] == block_ids[:, None, :]) & (block_ids[:, :, None] >= 0)
+        new_ok = new_ok | (valid[:, None, :] & same)
     if window is not None:
         new_ok = new_ok & (q - new < window)
     if old_pos is None:
@@ -92,19 +100,23 @@ def attend_split(qg: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Arra
 def gqa_attention(x: jax.Array, p: dict, c: dict | None, cos: jax.Array, sin: jax.Array,
                    masks: tuple[jax.Array | None, jax.Array], window: int | None,
                    cfg: ModelConfig, lora: LayerLora | None = None,
-                   shared_kv: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, dict]:
+                   shared_kv: tuple[jax.Array, jax.Array] | None = None, causal: bool = True) -> tuple[jax.Array, dict]:
     """One layer's attention over cache ``c`` (k [b, hk, d, S], v [b, hk, S, d]; None when empty) and the new tokens
     (``lora``: the layer's LoRA, its adapters beside the base matmuls as in training). A KV-shared layer (Gemma 4) gets
-    its stored layer's cache as ``c`` and that layer's new keys/values as ``shared_kv``.
+    its stored layer's cache as ``c`` and that layer's new keys/values as ``shared_kv``. ``causal`` False: the new
+    tokens' mask lets some see later ones (Gemma 3's image blocks at prefill).
 
     Returns (output, new k/v [b, t, hk, d])."""
     q, k, v = qkv_heads(x, p, cos, sin, cfg, p.get("attn_norm"), lora=lora, shared_kv=shared_kv)
     qg, kh, vh = head_major(q, k, v)
     old_ok, new_ok = masks
     sinks = p["sinks"] if cfg.attn_sinks else None
-    if c is None:
+    if c is None and causal:
         # An empty cache: the tokens attend to each other only, blockwise as in training (causal blocks skipped).
         att = causal_attention(qg, kh, vh, new_ok[:, None], cfg, window, sinks)
+    elif c is None:
+        # Keys after a query count (a bidirectional block): the whole mask, no block skipped.
+        att = attend_split(qg, [(kh.transpose(0, 1, 3, 2), vh, new_ok)], cfg, sinks)
     else:
         assert old_ok is not None, "a cache read has its mask"
         att = attend_split(qg, [(c["k"], c["v"], old_ok), (kh.transpose(0, 1, 3, 2), vh, new_ok)], cfg, sinks)

@@ -60,7 +60,7 @@ from zoo.model.layer_layout import (
 from zoo.model.layer_scan import Segment, scan_segments, stack_slice
 from zoo.model.longrope import switch_to_long
 from zoo.model.masks import kind_window
-from zoo.model.multimodal import embed_images, text_ids
+from zoo.model.multimodal import blocks_of_kind, embed_images, image_blocks, text_ids
 from zoo.model.per_layer_inputs import per_layer_inputs
 from zoo.model.rope import layer_rope, rope_flags, rope_tables_by_kind
 from zoo.model.vision import VisionInputs
@@ -222,7 +222,8 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax
     ``hidden`` (static): return the final normed hidden states [b, t, hidden]
     instead of the logits, for a caller that projects the vocabulary in pieces.
     ``vision``: a vision-language model's images of these tokens (the prompt's, at prefill), each image token's
-    embedding replaced by its image feature as in the training forward; the steps after it are plain text.
+    embedding replaced by its image feature as in the training forward, and where the model has image blocks
+    (Gemma 3) each run of image tokens attending within itself both ways; the steps after it are plain text.
     """
     w = Weights.wrap(params)
     base: dict[str, Any] = w.base
@@ -244,16 +245,23 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax
     # Slots read per kind: none when fresh, the first `view` when every row fits in them.
     read = {kind: 0 if fresh else (s if view is None else min(s, view)) for kind, s in slots.items()}
     windows = {kind: kind_window(cfg, kind) for kind in slots}
-    masks = {kind: new_token_masks(pos, valid, slot_positions(cache.lengths, n)[:, :n] if n else None, windows[kind])
-             for kind, n in read.items()}
-    if vision is None:
-        x = embed_tokens(cfg, base, tokens)
-    else:  # as the training forward embeds a row with images (zoo.model.decoder.forward)
-        x = embed_images(cfg, w.without_dropout(), tokens, embed_tokens(cfg, base, text_ids(cfg, tokens)), vision)
-    ple = per_layer_inputs(cfg, base, tokens, x) if cfg.per_layer_input_size else None
+    # The image blocks among the new tokens (the prefill's images), on the layer kinds that have them: each block
+    # attends within itself both ways; the steps after it (no images) are plain causal text, as transformers'
+    # generate drops token_type_ids after the first step.
+    blocks = image_blocks(cfg, tokens)[0] if vision is not None else None
+    kind_blocks = {kind: blocks_of_kind(cfg, kind, blocks) for kind in slots}
+    masks = {kind: new_token_masks(pos, valid, slot_positions(cache.lengths, n)[:, :n] if n else None, windows[kind],
+                                   kind_blocks[kind]) for kind, n in read.items()}
+    # As the training forward embeds a row with images (zoo.model.decoder.forward): an image token read as id 0.
+    ids = tokens if vision is None else text_ids(cfg, tokens)
+    x = embed_tokens(cfg, base, ids)
+    if vision is not None:
+        x = embed_images(cfg, w.without_dropout(), tokens, x, vision)
+    ple = per_layer_inputs(cfg, base, ids, x) if cfg.per_layer_input_size else None
     # Gemma 4: kind -> (the stored layer's cache, its new keys/values), read by the KV-shared layers.
     stored: dict[str, tuple[dict | None, tuple[jax.Array, jax.Array]]] = {}
-    layer = _cached_layer(cfg, ropes, masks, windows, read, slots, stored, valid, scale, mla_absorb)
+    causal = {kind: b is None for kind, b in kind_blocks.items()}
+    layer = _cached_layer(cfg, ropes, masks, windows, read, slots, stored, valid, scale, mla_absorb, causal)
     x, written = _run_cached_stacks(cfg, base, x, cache, layer, lora, ple, fresh, stored)
     if last is not None:
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
@@ -265,12 +273,15 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax
 def _cached_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Array]], masks: dict[str, Any],
                   windows: dict[str, int | None], read: dict[str, int], slots: dict[str, int],
                   stored: dict[str, tuple[dict | None, tuple[jax.Array, jax.Array]]], valid: jax.Array,
-                  scale: float | jax.Array, mla_absorb: bool | None) -> Callable[..., tuple[jax.Array, dict | None]]:
+                  scale: float | jax.Array, mla_absorb: bool | None,
+                  causal: dict[str, bool] | None = None) -> Callable[..., tuple[jax.Array, dict | None]]:
     """The cached forward's layer as :func:`_run_cached_stacks` scans it: ``layer(x, inputs, kind, moe, prefix)``.
 
     ``inputs`` are one layer's (weights, adapters, NoPE flag, per-layer input, cache entry); by layer kind,
     ``ropes``, ``masks`` and ``windows`` are the rope tables, masks and sliding windows, ``read`` the slots read
-    of the ``slots`` a ring has; ``valid`` [b, t] the real tokens. A KV-shared layer (Gemma 4) reads its stored layer's cache and new keys/values
+    of the ``slots`` a ring has; ``valid`` [b, t] the real tokens; ``causal[kind]`` False when that kind's new
+    tokens' mask holds bidirectional blocks (:func:`zoo.model.cached_attention.gqa_attention`; None: all causal).
+    A KV-shared layer (Gemma 4) reads its stored layer's cache and new keys/values
     from ``stored``. The layer's output is its new cache entries (None for a KV-shared layer: it writes nothing).
     """
 
@@ -291,7 +302,7 @@ def _cached_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Array]
             if cfg.mla:
                 return mla_attention(norm(cfg, x, p["attn_norm"]), p, c, *ropes[kind], masks[kind], cfg, mla_absorb)
             return gqa_attention(x, p, c, *layer_rope(ropes[kind], rope_on), masks[kind], windows[kind], kcfg, lora,
-                                  reuse)
+                                  reuse, causal is None or causal[kind])
 
         x, new, _ = decoder_layer(cfg, x, p, attend, moe, valid, lora, per_layer=pli)
         return x, (None if reuse is not None else new)  # a KV-shared layer writes nothing
