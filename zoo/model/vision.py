@@ -110,4 +110,8 @@ def encode_images(cfg: ModelConfig, params: dict[str, Any], inputs: VisionInputs
     """The image features [b, max_patches / group, hidden] of a batch's rows, in the order of their image tokens."""
     v = cfg.vision
     assert v is not None, "encode_images needs a model with a vision tower"
+    if v.tower == "qwen2_5":  # imported here: zoo.model.vision_qwen builds on this module's VisionInputs
+        from zoo.model.vision_qwen import encode_qwen
+
+        return encode_qwen(v, params, inputs)
     return CONNECTORS[v.connector](v, params, tower(v, params, inputs), inputs)

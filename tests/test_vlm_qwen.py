@@ -1,0 +1,120 @@
+"""Qwen2.5-VL against transformers: the host-side patch places and multimodal positions, the windowed tower's image
+features on images of different sizes in one batch, image+text logits, and the HF -> zoo -> HF round trip, from a
+`zoo convert`ed tiny random Qwen2_5_VLForConditionalGeneration."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import zoo
+from tests.hf_models import hf_logits, hf_tensors, mean_kl, random_tokens
+from tests.vlm_qwen_models import IMAGE_TOKEN, hf_image_features, hf_qwen_logits, make_qwen, qwen_row, random_image
+from zoo.cli import main
+from zoo.data.qwen_layout import block_places, mrope_positions, qwen_image_patches
+from zoo.data.vision_layout import layout_rows
+from zoo.model.vision import VisionInputs, encode_images
+
+# Three images of different sizes (rows x columns of 4-pixel patches): 6 x 8 and 10 x 6 span several 4 x 4-patch
+# windows, the last ones cut short at the bottom and right; 4 x 4 is one window.
+IMAGES = [random_image(0, 6, 8), random_image(1, 4, 4), random_image(2, 10, 6)]
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    """(transformers' tiny Qwen2.5-VL, its `zoo convert`ed checkpoint folder)."""
+    root = tmp_path_factory.mktemp("qwen2_5_vl")
+    model = make_qwen(root / "hf")
+    assert main(["convert", str(root / "hf"), "--out", str(root / "zoo")]) == 0
+    return model, root / "zoo"
+
+
+def _inputs(v, rows, max_patches: int = 72) -> VisionInputs:
+    """The batch's VisionInputs of rows of images ((pixel_values, grid) each)."""
+    laid = [[qwen_image_patches(v, pixels, grid) for pixels, grid in row] for row in rows]
+    return VisionInputs(**{k: jnp.asarray(a) for k, a in layout_rows(v, laid, max_patches).items()})
+
+
+def test_patch_places_equal_transformers():
+    """Each patch's (row, column), in the processor's block-major order, is the tower's own position id."""
+    from transformers.vision_utils import get_vision_position_ids
+
+    grids = [(1, 6, 8), (1, 4, 4), (1, 10, 6)]
+    ref = get_vision_position_ids(torch.tensor(grids), 2).numpy()
+    got = np.concatenate([np.stack(block_places(h, w, 2), -1) for _, h, w in grids])
+    np.testing.assert_array_equal(got, ref)
+
+
+def test_mrope_positions_equal_get_rope_index(qwen):
+    """The language model's [3, t] positions and rope deltas of rows with one and two images, one row padded at
+    the end, against transformers' get_rope_index."""
+    hf, ckpt = qwen
+    v = zoo.read_config(ckpt).vision
+    grids = [g for _, g in IMAGES]
+    rows = np.stack([qwen_row(40, [(3, grids[0]), (20, grids[1])], seed=3), qwen_row(40, [(10, grids[2])], seed=4)])
+    mask = np.ones_like(rows)
+    mask[1, 34:] = 0
+    ids = torch.tensor(rows, dtype=torch.long)
+    ref, deltas = hf.model.get_rope_index(ids, (ids == IMAGE_TOKEN).int(), torch.tensor(grids),
+                                          attention_mask=torch.tensor(mask))
+    got = [mrope_positions(v, rows[0], grids[:2]), mrope_positions(v, rows[1], grids[2:], length=34)]
+    np.testing.assert_array_equal(np.stack([p for p, _ in got], 1), ref.numpy())
+    assert [d for _, d in got] == deltas.ravel().tolist()
+    with pytest.raises(ValueError, match="does not match the next image's grid"):
+        mrope_positions(v, rows[0], grids[1:2])
+
+
+def test_image_features_equal_transformers(qwen):
+    """Two rows, the first with two images: each image attends within itself (its windows), as transformers' tower
+    run on the three images at once."""
+    hf, ckpt = qwen
+    cfg, params = zoo.read_config(ckpt), zoo.load_params(ckpt)
+    ref = hf_image_features(hf, IMAGES)
+    got = np.asarray(jax.jit(encode_images, static_argnums=0)(cfg, params, _inputs(cfg.vision, [IMAGES[:2], IMAGES[2:]])))
+    assert got.shape == (2, 18, 64)
+    assert np.abs(got[0, :12] - ref[0]).max() <= 1e-4 and np.abs(got[0, 12:16] - ref[1]).max() <= 1e-4
+    assert np.abs(got[1, :15] - ref[2]).max() <= 1e-4
+    assert min(r.std() for r in ref) > 0.1
+
+
+def test_image_text_logits_equal_transformers(qwen):
+    """Two rows with images and text between them, positions from the host (mrope_positions)."""
+    hf, ckpt = qwen
+    grids = [g for _, g in IMAGES]
+    rows = [qwen_row(40, [(3, grids[0]), (20, grids[1])], seed=3), qwen_row(40, [(10, grids[2])], seed=4)]
+    ref = hf_qwen_logits(hf, np.stack(rows), IMAGES)
+    model = zoo.load(ckpt)
+    v = model.cfg.vision
+    positions = np.stack([mrope_positions(v, rows[0], grids[:2])[0], mrope_positions(v, rows[1], grids[2:])[0]], 1)
+    got = np.asarray(model(jnp.asarray(np.stack(rows)), positions=jnp.asarray(positions),
+                           vision=_inputs(v, [IMAGES[:2], IMAGES[2:]])))
+    assert np.abs(got - ref).max() <= 1e-4
+    assert mean_kl(ref, got) <= 1e-6
+    assert ref.std() > 0.5
+
+
+def test_text_rows_without_images_equal_transformers(qwen):
+    """Text alone (no vision arrays, 1-D positions driving all three RoPE axes) as transformers reads it."""
+    hf, ckpt = qwen
+    tokens = random_tokens(92, seq=16)  # never a vision token
+    ref = hf_logits(hf, tokens)
+    got = np.asarray(zoo.load(ckpt)(jnp.asarray(tokens)))
+    assert np.abs(got - ref).max() <= 1e-4 and mean_kl(ref, got) <= 1e-6
+
+
+def test_round_trip_is_bit_identical(qwen, tmp_path):
+    """HF -> zoo -> HF gives back every tensor (tower and merger included), bit for bit, and the config, which
+    transformers loads."""
+    from transformers import AutoModelForImageTextToText
+
+    hf, ckpt = qwen
+    assert main(["export", str(ckpt), "--out", str(tmp_path / "back")]) == 0
+    assert hf_tensors(ckpt.parent / "hf") == hf_tensors(tmp_path / "back")
+    a = json.loads((ckpt.parent / "hf" / "config.json").read_text())
+    b = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert {k: v for k, v in a.items() if "dtype" not in k} == {k: v for k, v in b.items() if "dtype" not in k}
+    back = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "back"), dtype=torch.float32)
+    assert type(back) is type(hf)
