@@ -118,3 +118,19 @@ def test_round_trip_is_bit_identical(qwen, tmp_path):
     assert {k: v for k, v in a.items() if "dtype" not in k} == {k: v for k, v in b.items() if "dtype" not in k}
     back = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "back"), dtype=torch.float32)
     assert type(back) is type(hf)
+
+
+def test_released_configs():
+    """The registry's Qwen2.5-VL configs read as the published models: their total parameter counts as the Hub
+    lists them (3.75B, 8.29B, 73.4B: tower and merger included), and the tower's layout."""
+    from zoo.model.from_hf import model_config_from_hf
+    from zoo.model.params import count_params
+    from zoo.registry.catalogue import get
+
+    cfgs = {size: model_config_from_hf(get(f"qwen2.5-vl-{size}").hf_config) for size in ("3b", "7b", "72b")}
+    assert [round(count_params(cfgs[s]) / 1e9, 2) for s in ("3b", "7b")] == [3.75, 8.29]
+    assert round(count_params(cfgs["72b"]) / 1e9, 1) == 73.4
+    v = cfgs["7b"].vision
+    assert (v.num_layers, v.fullatt_layers, v.window_patches, v.patch_dim) == (32, (7, 15, 23, 31), 8, 1176)
+    assert cfgs["7b"].rope.mrope_section == (16, 24, 24) and cfgs["3b"].tie_word_embeddings
+    assert get("qwen2.5-vl-7b").hf_repo == "Qwen/Qwen2.5-VL-7B-Instruct"
