@@ -14,8 +14,9 @@ import zoo
 from tests.hf_models import hf_logits, hf_tensors, mean_kl, random_tokens
 from tests.vlm_qwen_models import IMAGE_TOKEN, hf_image_features, hf_qwen_logits, make_qwen, qwen_row, random_image
 from zoo.cli import main
-from zoo.data.qwen_layout import block_places, mrope_positions, qwen_image_patches
+from zoo.data.qwen_layout import block_places, qwen_image_patches
 from zoo.data.vision_layout import layout_rows
+from zoo.model.mrope import mrope_positions
 from zoo.model.vision import VisionInputs, encode_images
 
 # Three images of different sizes (rows x columns of 4-pixel patches): 6 x 8 and 10 x 6 span several 4 x 4-patch
@@ -49,22 +50,26 @@ def test_patch_places_equal_transformers():
 
 
 def test_mrope_positions_equal_get_rope_index(qwen):
-    """The language model's [3, t] positions and rope deltas of rows with one and two images, one row padded at
-    the end, against transformers' get_rope_index."""
+    """The language model's [3, b, t] positions, computed on the device from 1-D positions and the images, against
+    transformers' get_rope_index of each document: a row with two images, and a row packing two documents (the
+    positions restart, and the second document's image shifts only its own text)."""
     hf, ckpt = qwen
     v = zoo.read_config(ckpt).vision
-    grids = [g for _, g in IMAGES]
-    rows = np.stack([qwen_row(40, [(3, grids[0]), (20, grids[1])], seed=3), qwen_row(40, [(10, grids[2])], seed=4)])
-    mask = np.ones_like(rows)
-    mask[1, 34:] = 0
-    ids = torch.tensor(rows, dtype=torch.long)
-    ref, deltas = hf.model.get_rope_index(ids, (ids == IMAGE_TOKEN).int(), torch.tensor(grids),
-                                          attention_mask=torch.tensor(mask))
-    got = [mrope_positions(v, rows[0], grids[:2]), mrope_positions(v, rows[1], grids[2:], length=34)]
-    np.testing.assert_array_equal(np.stack([p for p, _ in got], 1), ref.numpy())
-    assert [d for _, d in got] == deltas.ravel().tolist()
-    with pytest.raises(ValueError, match="does not match the next image's grid"):
-        mrope_positions(v, rows[0], grids[1:2])
+    (_, g0), (_, g1), (_, g2) = IMAGES
+    docs = [[(qwen_row(40, [(3, g0), (20, g1)], seed=3), [g0, g1])],
+            [(qwen_row(16, [(3, g1)], seed=4), [g1]), (qwen_row(24, [(3, g2)], seed=5), [g2])]]
+    refs = []
+    for row in docs:
+        parts = []
+        for ids, grids in row:
+            ids = torch.tensor(ids[None], dtype=torch.long)
+            parts.append(hf.model.get_rope_index(ids, (ids == IMAGE_TOKEN).int(), torch.tensor(grids))[0].numpy())
+        refs.append(np.concatenate(parts, axis=2))
+    tokens = np.stack([np.concatenate([ids for ids, _ in row]) for row in docs])
+    positions = np.stack([np.arange(40), np.concatenate([np.arange(16), np.arange(24)])]).astype(np.int32)
+    vision = _inputs(v, [IMAGES[:2], IMAGES[1:]], max_patches=80)
+    got = jax.jit(mrope_positions, static_argnums=0)(v, jnp.asarray(tokens), jnp.asarray(positions), vision)
+    np.testing.assert_array_equal(np.asarray(got), np.concatenate(refs, axis=1))
 
 
 def test_image_features_equal_transformers(qwen):
@@ -81,16 +86,13 @@ def test_image_features_equal_transformers(qwen):
 
 
 def test_image_text_logits_equal_transformers(qwen):
-    """Two rows with images and text between them, positions from the host (mrope_positions)."""
+    """Two rows with images and text between them (the multimodal positions the forward's own)."""
     hf, ckpt = qwen
     grids = [g for _, g in IMAGES]
     rows = [qwen_row(40, [(3, grids[0]), (20, grids[1])], seed=3), qwen_row(40, [(10, grids[2])], seed=4)]
     ref = hf_qwen_logits(hf, np.stack(rows), IMAGES)
     model = zoo.load(ckpt)
-    v = model.cfg.vision
-    positions = np.stack([mrope_positions(v, rows[0], grids[:2])[0], mrope_positions(v, rows[1], grids[2:])[0]], 1)
-    got = np.asarray(model(jnp.asarray(np.stack(rows)), positions=jnp.asarray(positions),
-                           vision=_inputs(v, [IMAGES[:2], IMAGES[2:]])))
+    got = np.asarray(model(jnp.asarray(np.stack(rows)), vision=_inputs(model.cfg.vision, [IMAGES[:2], IMAGES[2:]])))
     assert np.abs(got - ref).max() <= 1e-4
     assert mean_kl(ref, got) <= 1e-6
     assert ref.std() > 0.5

@@ -1,5 +1,4 @@
-"""Qwen2.5-VL's images on the host: each image's patches with their grid places, and the language model's 3-D
-(multimodal RoPE) positions of a row, as transformers computes them.
+"""Qwen2.5-VL's images on the host: each image's patches with their grid places.
 
 An image is what its image processor (``Qwen2VLImageProcessor``) returns: ``pixel_values`` rows, one flattened
 patch each (``channels x temporal_patch_size x patch x patch``), in block-major order (each ``m x m`` block of
@@ -7,9 +6,7 @@ patches that makes one token consecutive, ``m`` the merge size), and its ``grid_
 patches). :func:`qwen_image_patches` gives each patch its grid place (``patch_pos``, row * HW_STRIDE + column), its
 token and slot; :func:`zoo.data.vision_layout.layout_rows` lays a batch's out.
 
-:func:`mrope_positions` is transformers' ``get_rope_index`` for images: text tokens count up on all three axes; a
-run of image tokens (one image's ``t * h * w / m^2``) takes (start + frame, start + token row, start + token column),
-and the text after it goes on from start + max(token rows, token columns).
+The language model's multimodal RoPE positions are computed from these on the device (:mod:`zoo.model.mrope`).
 """
 
 from __future__ import annotations
@@ -44,37 +41,3 @@ def qwen_image_patches(v: VisionConfig, pixel_values: np.ndarray, grid_thw: Sequ
     k = np.arange(h * w)
     return dict(patches=pixel_values, patch_valid=np.ones(h * w, bool), patch_pos=(row * HW_STRIDE + col),
                 patch_group=k // (m * m), patch_slot=k % (m * m))
-
-
-def image_tokens(v: VisionConfig, grid_thw: Sequence[int]) -> int:
-    """The language model's tokens of one image of grid (t, h, w): t * h * w / m^2."""
-    t, h, w = (int(x) for x in grid_thw)
-    return t * h * w // v.group
-
-
-def mrope_positions(v: VisionConfig, tokens: np.ndarray, grids: Sequence[Sequence[int]],
-                    length: int | None = None) -> tuple[np.ndarray, int]:
-    """(positions int32 [3, len(tokens)], the row's rope delta: max position + 1 - length) of a row's first
-    ``length`` tokens (None: all; the rest get 0, as transformers' padding) holding the images of ``grids`` in
-    order, each one run of ``v.image_token_id``."""
-    n = len(tokens) if length is None else length
-    out = np.zeros((3, len(tokens)), np.int32)
-    is_image = np.asarray(tokens[:n]) == v.image_token_id
-    starts = np.flatnonzero(np.diff(np.concatenate([[0], is_image.astype(np.int8), [0]])))  # run edges
-    pos, at, images = 0, 0, iter(grids)
-    for run_start, run_end in [*zip(starts[::2], starts[1::2], strict=True), (n, n)]:
-        out[:, at:run_start] = np.arange(run_start - at) + pos  # the text before this run
-        pos += run_start - at
-        if run_start == n:
-            break
-        grid = next(images, None)
-        if grid is None or image_tokens(v, grid) != run_end - run_start:
-            raise ValueError(f"a run of {run_end - run_start} image tokens at {run_start} does not match the next "
-                             f"image's grid {None if grid is None else tuple(grid)}")
-        t, h, w = (int(x) for x in grid)
-        th, tw = h // v.scale_factor, w // v.scale_factor
-        ti, hi, wi = np.meshgrid(np.arange(t), np.arange(th), np.arange(tw), indexing="ij")
-        out[:, run_start:run_end] = np.stack([ti, hi, wi]).reshape(3, -1) + pos
-        pos += max(th, tw)
-        at = run_end
-    return out, int(out[:, :n].max(initial=-1)) + 1 - n
