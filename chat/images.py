@@ -12,7 +12,9 @@ makes them (no torch: the image processor runs with its PIL backend).
    ``<fake_token_around_image><global-img><image>×seq<fake_token_around_image>`` for a whole image and, when
    the image processor splits it into ``rows × cols`` tiles, ``<fake_token_around_image><row_r_col_c><image>×seq``
    per tile, a ``\\n`` per row of tiles, then ``\\n`` and the whole image's run. ``seq`` is the processor's
-   ``image_seq_len``.
+   ``image_seq_len``. Qwen2.5-VL (``Qwen2VLImageProcessor``): the chat template writes
+   ``<|vision_start|><|image_pad|><|vision_end|>``, and ``<|image_pad|>`` becomes ``t * h * w / merge²`` of itself
+   (transformers' ``Qwen2_5_VLProcessor.replace_image_token``), the image its processor's patches and grid.
 4. The spans move by what each expansion before them adds, the text is tokenized whole (as the processor
    tokenizes it), and a token is trained when it overlaps a span and no expansion: image tokens are never
    trained, in whatever turn the image is (TRL's SFT collator leaves an assistant turn's image tokens in its
@@ -48,11 +50,24 @@ class ProcessedImage:
     pixel_values: np.ndarray  # [frames, channels, height, width] float32 (SmolVLM: the tiles, then the whole image)
     pixel_attention_mask: np.ndarray | None  # [frames, height, width]: 1 on the image, 0 on padding
     text: str
+    # Qwen2.5-VL: the image's (frames, rows, columns) of patches; pixel_values is then [patches, patch_dim]
+    grid_thw: tuple[int, int, int] | None = None
 
     def frames(self) -> list[tuple[np.ndarray, np.ndarray | None]]:
         """(pixels [C, S, S], pixel mask [S, S] or None) of each frame, in the order of its image tokens."""
         return [(pixels, None if self.pixel_attention_mask is None else self.pixel_attention_mask[f])
                 for f, pixels in enumerate(self.pixel_values)]
+
+    def patches(self, v: Any) -> list[dict[str, np.ndarray]]:
+        """The image's per-patch arrays as :func:`zoo.data.vision_layout.layout_rows` takes them, one dict a frame
+        (Qwen2.5-VL: one for the whole image) for the tower of VisionConfig ``v``."""
+        if self.grid_thw is not None:
+            from zoo.data.qwen_layout import qwen_image_patches
+
+            return [qwen_image_patches(v, self.pixel_values, self.grid_thw)]
+        from zoo.data.vision_layout import image_patches
+
+        return [image_patches(v, pixels, mask) for pixels, mask in self.frames()]
 
 
 @dataclass(frozen=True)
@@ -95,13 +110,18 @@ class ImageExpander:
         if family not in _FAMILIES:
             raise UserError(f"{folder}: the image processor {family} is not supported yet; "
                             f"supported: {', '.join(sorted(_FAMILIES))}")
-        placeholder, expansion, kwargs = _FAMILIES[family](folder, tokenizer)
+        placeholder, expansion, kwargs = _FAMILIES[family](folder, tokenizer, processor)
         return cls(processor, placeholder, expansion, kwargs)
 
     def process(self, image: Any) -> ProcessedImage:
         """The pixels of one RGB PIL image and its expansion."""
         out = self.image_processor(images=[[image]], return_tensors="np", **self.call_kwargs)
         mask = out.get("pixel_attention_mask")
+        grid = out.get("image_grid_thw")
+        if grid is not None:  # Qwen2.5-VL: the image's patches, [patches, patch_dim], and its grid
+            t, h, w = (int(x) for x in grid[0])
+            return ProcessedImage(np.asarray(out["pixel_values"], np.float32), None, self.expansion(dict(out)),
+                                  (t, h, w))
         return ProcessedImage(np.asarray(out["pixel_values"][0], np.float32),
                               None if mask is None else np.asarray(mask[0]), self.expansion(dict(out)))
 
@@ -128,7 +148,7 @@ def _opened(ref: Any, base_dir: str | Path, where: str) -> Any:
         raise BadRow(str(e)) from None
 
 
-def _smolvlm(folder: Path, tokenizer: Any) -> tuple[str, Expansion, dict[str, Any]]:
+def _smolvlm(folder: Path, tokenizer: Any, processor: Any) -> tuple[str, Expansion, dict[str, Any]]:
     """SmolVLM and Idefics3 (their processors expand ``<image>`` the same way)."""
     from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
 
@@ -167,9 +187,23 @@ def _image_seq_len(folder: Path) -> int:
                     "processor_config.json and no vision_config in config.json; copy the model's processor files")
 
 
-_FAMILIES: dict[str, Callable[[Path, Any], tuple[str, Expansion, dict[str, Any]]]] = {
+def _qwen2_vl(folder: Path, tokenizer: Any, processor: Any) -> tuple[str, Expansion, dict[str, Any]]:
+    """Qwen2.5-VL: ``<|image_pad|>`` (the tokenizer's ``image_token``) repeated once a merged token of the image."""
+    image = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
+    if tokenizer.convert_tokens_to_ids(image) in (None, tokenizer.unk_token_id):
+        raise UserError(f"{folder}: the tokenizer has no {image} token; use the model's own tokenizer")
+    merge = int(processor.merge_size) ** 2
+
+    def expansion(out: dict[str, Any]) -> str:
+        return image * (int(np.prod(out["image_grid_thw"][0])) // merge)
+
+    return image, expansion, {}
+
+
+_FAMILIES: dict[str, Callable[[Path, Any, Any], tuple[str, Expansion, dict[str, Any]]]] = {
     "SmolVLMImageProcessor": _smolvlm,
     "Idefics3ImageProcessor": _smolvlm,
+    "Qwen2VLImageProcessor": _qwen2_vl,
 }
 
 

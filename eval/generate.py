@@ -154,6 +154,9 @@ def generate(cfg: ModelConfig, params: dict[str, Any], prompts: Sequence[Sequenc
         # The prefill's mask would be causal over the image tokens, which attend to each other both ways: refused.
         raise UserError(f"generate: images on {cfg.family}, whose image tokens attend bidirectionally, are not "
                         "supported yet (its cached prefill is causal); generate without images")
+    if vision is not None and cfg.rope.mrope_section:  # the steps after the prefill would need each row's rope delta
+        raise UserError(f"generate: images on {cfg.family}, whose multimodal RoPE the cached steps do not carry "
+                        "yet, are not supported; generate without images")
     out: list[list[int]] = [[] for _ in prompts]
     if gen.max_new_tokens <= 0:
         return out

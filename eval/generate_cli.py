@@ -113,6 +113,9 @@ def generate_command(args: argparse.Namespace, expander_of: ExpanderOf | None = 
     if images and zoo.read_config(args.ckpt).vision is None:  # before the weights load
         raise UserError(f"--image: {args.ckpt} has no vision tower (a text model); leave out --image or give a "
                         "vision-language model's checkpoint")
+    if images and zoo.read_config(args.ckpt).rope.mrope_section:  # its cache would need each row's rope delta
+        raise UserError(f"--image: {args.ckpt} uses multimodal RoPE (Qwen2.5-VL), which cached decoding with images "
+                        "does not support yet; leave out --image")
     from eval.generate import GenerationConfig
     from zoo.data.tokenizer import load_tokenizer
 

@@ -136,3 +136,106 @@ def test_released_configs():
     assert (v.num_layers, v.fullatt_layers, v.window_patches, v.patch_dim) == (32, (7, 15, 23, 31), 8, 1176)
     assert cfgs["7b"].rope.mrope_section == (16, 24, 24) and cfgs["3b"].tie_word_embeddings
     assert get("qwen2.5-vl-7b").hf_repo == "Qwen/Qwen2.5-VL-7B-Instruct"
+
+
+QUESTION, ANSWERS = "What is in this picture?", ["It is a red square.", "It is a blue circle."]
+
+
+@pytest.fixture(scope="module")
+def qwen_sft(tmp_path_factory):
+    """A tiny Qwen2.5-VL converted at ``zoo`` with the tiny Qwen tokenizer and image processor in its ``tokenizer/``
+    folder, transformers' model (``hf``), two rows with images of different sizes (``data.jsonl``), the tokenizer."""
+    import shutil
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from tests.run_files import write_jsonl
+    from tests.vlm_processors import write_images
+    from tests.vlm_qwen_models import qwen_folder, qwen_token_ids
+
+    root = tmp_path_factory.mktemp("qwen_sft")
+    proc = qwen_folder(root / "proc")
+    tok = AutoTokenizer.from_pretrained(str(proc))
+    hf = make_qwen(root / "hf", **qwen_token_ids(tok))
+    assert main(["convert", str(root / "hf"), "--out", str(root / "zoo")]) == 0
+    for f in proc.iterdir():  # where `zoo convert` puts a source's processor files
+        shutil.copy(f, root / "zoo" / "tokenizer" / f.name)
+    names = write_images(root, [(30, 45), (20, 20)])  # 8 x 6 patches (12 tokens), 4 x 4 (4)
+    write_jsonl(root / "data.jsonl", [
+        {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]},
+                      {"role": "assistant", "content": answer}], "images": [name]}
+        for answer, name in zip(ANSWERS, names, strict=True)])
+    return SimpleNamespace(root=root, tok=tok, hf=hf)
+
+
+def test_rows_expand_as_the_processor_does(qwen_sft):
+    """A conversation with two images: the ids are the tokenized text with each <|image_pad|> replaced as
+    Qwen2_5_VLProcessor.replace_image_token replaces it, the pixels and grids the image processor's, and the image
+    tokens untrained."""
+    from types import SimpleNamespace
+
+    from PIL import Image
+    from transformers import AutoImageProcessor, Qwen2_5_VLProcessor
+
+    from chat.formats import normalize
+    from chat.images import ImageExpander, tokenize_with_images
+
+    folder, tok = qwen_sft.root / "zoo" / "tokenizer", qwen_sft.tok
+    names = ["img0.png", "img1.png"]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}, {"type": "image"}]},
+                {"role": "assistant", "content": ANSWERS[0]}]
+    got = tokenize_with_images(normalize({"messages": messages, "images": names}, "messages"), tok,
+                               ImageExpander.from_folder(folder, tok), qwen_sft.root)
+    processor = AutoImageProcessor.from_pretrained(str(folder))
+    ref = dict(processor(images=[Image.open(qwen_sft.root / n).convert("RGB") for n in names], return_tensors="np"))
+    pieces = tok.apply_chat_template(messages, tokenize=False).split("<|image_pad|>")
+    this = SimpleNamespace(image_processor=processor, image_token="<|image_pad|>")
+    text = pieces[0] + "".join(Qwen2_5_VLProcessor.replace_image_token(this, ref, i) + pieces[i + 1] for i in range(2))
+    np.testing.assert_array_equal(got.ids, tok(text)["input_ids"])
+    np.testing.assert_array_equal(np.concatenate([p.pixel_values for p in got.images]), ref["pixel_values"])
+    assert [p.grid_thw for p in got.images] == [tuple(g) for g in ref["image_grid_thw"].tolist()] == [(1, 8, 6), (1, 4, 4)]
+    image_id = tok.convert_tokens_to_ids("<|image_pad|>")
+    assert [e - s for s, e in got.image_spans] == [12, 4] and not got.mask[got.ids == image_id].any()
+
+
+def _hf_sft_loss(qwen_sft) -> float:
+    """transformers' mean next-token cross-entropy over both rows: the zoo's ids and pixels (equal to the
+    processor's: test_rows_expand_as_the_processor_does), labels -100 wherever the zoo trains nothing."""
+    from chat.formats import normalize
+    from chat.images import ImageExpander, tokenize_with_images
+
+    tok, hf = qwen_sft.tok, qwen_sft.hf
+    expander = ImageExpander.from_folder(qwen_sft.root / "zoo" / "tokenizer", tok)
+    total, count = 0.0, 0
+    for line in (qwen_sft.root / "data.jsonl").read_text().splitlines():
+        t = tokenize_with_images(normalize(json.loads(line), "messages"), tok, expander, qwen_sft.root)
+        labels = np.where(t.mask, t.ids, -100)
+        (image,) = t.images
+        ids = torch.tensor(t.ids[None], dtype=torch.long)
+        with torch.no_grad():
+            out = hf(input_ids=ids, pixel_values=torch.tensor(image.pixel_values),
+                     image_grid_thw=torch.tensor([image.grid_thw]), mm_token_type_ids=(ids == hf.config.image_token_id).int(),
+                     labels=torch.tensor(labels[None], dtype=torch.long))
+        n = int((labels[1:] != -100).sum())
+        total, count = total + float(out.loss) * n, count + n
+    return total / count
+
+
+@pytest.mark.slow
+def test_packed_sft_step_loss_is_transformers(qwen_sft, tmp_path):
+    """Slow: a training run. Both rows (72 and 64 tokens) packed into one row (their images' 48 + 16 patches in
+    data.max_patches): step 1's loss is transformers' over the two rows apart, each document's multimodal
+    positions its own."""
+    from pretrain.config import load_config
+    from pretrain.loop import train
+    from sft.config import SFTConfig
+    from sft.task import SFTTask
+    from tests.run_files import read_metrics
+
+    cfg = load_config(None, [f"model.path={qwen_sft.root / 'zoo'}", f"data.path={qwen_sft.root / 'data.jsonl'}",
+                             "data.seq_len=144", "data.packing=true", "data.max_patches=64", "batch_size=1",
+                             "max_steps=1", "optimizer.learning_rate=0.01", "schedule.name=constant", "log_every=1",
+                             "checkpoint.every=100", f"output_dir={tmp_path}"], SFTConfig)
+    train(cfg, progress=False, task=SFTTask(cfg))
+    assert abs(read_metrics(tmp_path)[0]["loss"] - _hf_sft_loss(qwen_sft)) <= 1e-5

@@ -79,3 +79,48 @@ def qwen_row(seq: int, images: list[tuple[int, tuple[int, int, int]]], seed: int
         row[at - 1], row[at + n] = VISION_START, VISION_END
         row[at:at + n] = IMAGE_TOKEN
     return row
+
+
+# Qwen2-VL's chat template (Qwen2.5-VL's too): each image part as <|vision_start|><|image_pad|><|vision_end|>.
+CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% for message in messages %}{% if loop.first and message['role'] "
+    "!= 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>"
+    "{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n{% else %}"
+    "{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+            "<|video_pad|>"]
+WORDS = "system You are a helpful assistant. user What is in this picture? It is a red square and a blue circle."
+
+
+def qwen_folder(folder: Path) -> Path:
+    """A Qwen2.5-VL processor folder: a small byte-level BPE tokenizer with Qwen's special tokens and chat template,
+    and Qwen2VLImageProcessor (PIL) at the tiny tower's patches (4 px, 2 frames, merged 2 x 2), images resized to
+    between 64 and 1024 pixels."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator([WORDS] * 20, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok.chat_template = CHAT_TEMPLATE
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(str(folder))
+    Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2,
+                             size={"shortest_edge": 64, "longest_edge": 1024}).save_pretrained(str(folder))
+    return folder
+
+
+def qwen_token_ids(tok) -> dict[str, int]:
+    """make_qwen's token id arguments for the tokenizer ``tok`` (qwen_folder's)."""
+    ids = {name: tok.convert_tokens_to_ids(t) for name, t in (
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+    return {"vocab_size": len(tok), **ids}
