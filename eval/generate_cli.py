@@ -113,9 +113,6 @@ def generate_command(args: argparse.Namespace, expander_of: ExpanderOf | None = 
     if images and zoo.read_config(args.ckpt).vision is None:  # before the weights load
         raise UserError(f"--image: {args.ckpt} has no vision tower (a text model); leave out --image or give a "
                         "vision-language model's checkpoint")
-    if images and zoo.read_config(args.ckpt).rope.mrope_section:  # its cache would need each row's rope delta
-        raise UserError(f"--image: {args.ckpt} uses multimodal RoPE (Qwen2.5-VL), which cached decoding with images "
-                        "does not support yet; leave out --image")
     from eval.generate import GenerationConfig
     from zoo.data.tokenizer import load_tokenizer
 
@@ -191,7 +188,7 @@ def _image_prompt(model: Decoder, tok: Any, args: argparse.Namespace,
     """(token ids, images) of --prompt with its --image files: a user turn (after --system's turn) of one image
     part per image and then the text, as TRL's ``prepare_multimodal_messages`` places them; the chat template's
     placeholders replaced by each image's expansion, and the text tokenized whole, as the processor does."""
-    from eval.generate import vision_inputs
+    from eval.generate import patch_inputs
     from zoo.data.tokenizer import tokenizer_dir
 
     if not getattr(tok, "chat_template", None):
@@ -201,7 +198,8 @@ def _image_prompt(model: Decoder, tok: Any, args: argparse.Namespace,
         ids, processed = expander.prompt_ids(tok, args.prompt, args.system, args.image, Path.cwd(), "--image")
     except ValueError as e:  # chat.formats.BadRow: an unreadable image, a template without one placeholder an image
         raise UserError(str(e)) from None
-    return ids, vision_inputs(model.cfg, [[f for p in processed for f in p.frames()]])
+    v = model.cfg.vision
+    return ids, patch_inputs(model.cfg, [[f for p in processed for f in p.patches(v)]])
 
 
 def _stream_one(model: Decoder, tok: Any, ids: list[int], gen: GenerationConfig,

@@ -239,3 +239,29 @@ def test_packed_sft_step_loss_is_transformers(qwen_sft, tmp_path):
                              "checkpoint.every=100", f"output_dir={tmp_path}"], SFTConfig)
     train(cfg, progress=False, task=SFTTask(cfg))
     assert abs(read_metrics(tmp_path)[0]["loss"] - _hf_sft_loss(qwen_sft)) <= 1e-5
+
+
+def test_greedy_with_images_equals_transformers_generate(qwen):
+    """Two prompts in one batch, each with an image of another size, right-padded to one length: the prefill takes
+    each row's multimodal positions and records its rope delta, and the cached steps (text, shifted by it) equal
+    transformers' ``generate`` token for token."""
+    from eval.generate import GenerationConfig, generate, patch_inputs
+
+    hf, ckpt = qwen
+    (p0, g0), _, (p2, g2) = IMAGES
+    prompts = [qwen_row(30, [(4, g0)], seed=7), qwen_row(22, [(2, g2)], seed=8)]
+    want = []
+    for ids, (pixels, grid) in zip(prompts, [(p0, g0), (p2, g2)], strict=True):
+        ids = torch.tensor(ids[None], dtype=torch.long)
+        with torch.no_grad():
+            out = hf.generate(input_ids=ids, pixel_values=torch.tensor(pixels), image_grid_thw=torch.tensor([grid]),
+                              mm_token_type_ids=(ids == IMAGE_TOKEN).int(), do_sample=False, max_new_tokens=8,
+                              eos_token_id=[0], pad_token_id=0)
+        want.append(out[0, ids.shape[1]:].tolist())
+    model = zoo.load(ckpt, dtype=np.float32)
+    v = model.cfg.vision
+    vision = patch_inputs(model.cfg, [[qwen_image_patches(v, p0, g0)], [qwen_image_patches(v, p2, g2)]])
+    got = generate(model.cfg, model.param_dict(), [p.tolist() for p in prompts],
+                   GenerationConfig(max_new_tokens=8, eos_ids=(0,)), vision=vision)
+    assert got == want
+    assert [len(w) for w in want] == [8, 8] and want[0] != want[1]
