@@ -316,7 +316,17 @@ def multimodal_messages(messages: list[dict[str, Any]], n_images: int) -> list[d
 def _with_images(example: Example, images: list[Any]) -> Example:
     """The conversation ``example`` in parts form with its images, in the order of its image parts (a part's
     inline image, else the next of ``images``); the parts are left bare (``{"type": "image"}``)."""
-    messages = multimodal_messages(cast(list, example.messages), len(images))
+    bare, ordered = _placed(cast(list, example.messages), images)
+    if isinstance(example.prompt, list):
+        k = len(example.prompt)
+        return replace(example, messages=bare, prompt=bare[:k], completion=bare[k:], images=ordered)
+    return replace(example, messages=bare, images=ordered)
+
+
+def _placed(messages: list[dict[str, Any]], images: list[Any]) -> tuple[list[dict[str, Any]], tuple[Any, ...]]:
+    """(``messages`` in parts form with bare image parts, their images in the order of the parts): a part's inline
+    image, else the next of ``images`` (:func:`multimodal_messages` places them)."""
+    messages = multimodal_messages(messages, len(images))
     queue, ordered = iter(images), []
     for m in messages:
         for p in m["content"]:
@@ -324,7 +334,16 @@ def _with_images(example: Example, images: list[Any]) -> Example:
                 ordered.append(p["image"] if "image" in p else next(queue))
     bare = [{**m, "content": [{"type": "image"} if p["type"] == "image" else p for p in m["content"]]}
             for m in messages]
-    if isinstance(example.prompt, list):
-        k = len(example.prompt)
-        return replace(example, messages=bare, prompt=bare[:k], completion=bare[k:], images=tuple(ordered))
-    return replace(example, messages=bare, images=tuple(ordered))
+    return bare, tuple(ordered)
+
+
+def prompt_with_images(prompt: Any, images: list[Any], name: str) -> tuple[list[dict[str, Any]], tuple[Any, ...]]:
+    """A prompt (GRPO's: the start of a conversation, no assistant turn needed) of the field ``name`` with its row's
+    ``images``: (its messages, checked, in parts form with bare image parts, the images in the order of their
+    parts), TRL's placement (:func:`multimodal_messages`). Raises BadRow: a prompt that is not a list of
+    messages (images go with conversational prompts), a bad turn or part, images that do not match the parts."""
+    if not isinstance(prompt, list):
+        what = "missing" if prompt is None else f"a {type(prompt).__name__}"
+        raise BadRow(f"field '{name}' is {what}, and the row has images; images go with conversational prompts "
+                     "(a list of messages whose content has {\"type\": \"image\"} parts)")
+    return _placed(parse_messages(prompt, name, parts=True), images)

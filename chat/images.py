@@ -32,15 +32,17 @@ from typing import Any, cast
 
 import numpy as np
 
-from chat.formats import BadRow, Example, multimodal_messages, normalize
+from chat.formats import IMAGE_COLUMNS, BadRow, Example, _with_images, multimodal_messages, normalize, parse_messages
 from chat.loss_masks import bos_head, each_usable_row, text_offsets, token_mask
 from chat.spans import assistant_spans
 from chat.templates import ChatTemplate, as_template
+from zoo.data.files import indexed_rows
 from zoo.data.images import BadImage, open_image
+from zoo.data.row_origin import row_where
 from zoo.errors import UserError
 
 __all__ = ["ProcessedImage", "VisionTokens", "ImageExpander", "expand_placeholders", "tokenize_with_images",
-           "image_base", "tokenize_image_rows"]
+           "image_base", "tokenize_image_rows", "image_column", "refuse_images", "prompt_ids_with_images", "processed_images"]
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,34 @@ class ImageExpander:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         text, _, _ = expand_placeholders(text, self.placeholder, [p.text for p in processed], [])
         return list(tokenizer(text)["input_ids"]), processed
+
+    def chat_prompt(self, tokenizer: Any, messages: Any, images: Sequence[Any],
+                    base_dir: str | Path) -> tuple[str, tuple[ProcessedImage, ...]]:
+        """(text, processed images) of a conversation that the model answers next (an evaluation prompt):
+        ``messages`` (string contents or TRL's content parts, inline images allowed) with ``images`` in the
+        order of their image parts, placed as TRL places them (:func:`chat.formats.multimodal_messages`), under
+        the tokenizer's chat template with the generation prompt, each placeholder expanded. Raises BadRow
+        naming the problem (the caller names the row)."""
+        example = _with_images(Example(messages=parse_messages(messages, "messages", parts=True)), list(images))
+        processed = tuple(self.process(_opened(ref, base_dir, f"images[{i}]")) for i, ref in enumerate(example.images))
+        text = tokenizer.apply_chat_template(example.messages, tokenize=False, add_generation_prompt=True)
+        text, _, _ = expand_placeholders(text, self.placeholder, [p.text for p in processed], [])
+        return text, processed
+
+    def text_prompt(self, text: str, images: Sequence[Any],
+                    base_dir: str | Path) -> tuple[str, tuple[ProcessedImage, ...]]:
+        """(text, processed images) of a plain-text prompt with images: each image at its placeholder
+        (``<image>``) in ``text``, or, when the text has none, all of them before it (where TRL puts a turn's
+        images). Raises BadRow when the placeholders are not one per image, or an image cannot be read."""
+        found = text.count(self.placeholder)
+        if found and found != len(images):
+            raise BadRow(f"the prompt has {found} {self.placeholder} placeholder(s) for {len(images)} image(s); put "
+                         f"one {self.placeholder} where each image goes, or none (the images then go before the text)")
+        processed = tuple(self.process(_opened(ref, base_dir, f"images[{i}]")) for i, ref in enumerate(images))
+        if not found:
+            text = self.placeholder * len(processed) + text
+        text, _, _ = expand_placeholders(text, self.placeholder, [p.text for p in processed], [])
+        return text, processed
 
 
 def _opened(ref: Any, base_dir: str | Path, where: str) -> Any:
@@ -280,3 +310,35 @@ def tokenize_image_rows(rows: Iterable[tuple[int, dict[str, Any]]], fmt: str, to
     template, base = as_template(chat_template), image_base(path)
     return each_usable_row(rows, fmt, path, skip_bad_rows, lambda row: tokenize_with_images(
         normalize(row, fmt, image_column), tokenizer, expander, base, template))
+
+
+def image_column(column_names: list[str]) -> str | None:
+    """The column of a dataset's images (TRL's ``images``, or ``image``), or None."""
+    return next((c for c in IMAGE_COLUMNS if c in column_names), None)
+
+
+def refuse_images(ds: Any, column: str, path: str, model: str) -> None:
+    """Raise UserError naming the first row of ``ds`` with images: ``model`` has no vision tower to read them."""
+    for i, row in indexed_rows(ds, None):
+        if row.get(column):
+            raise UserError(f"{row_where(path, i)}: the row has images, and the model {model} has no vision tower; "
+                            f"use a vision-language model or remove the {column} column")
+
+
+def prompt_ids_with_images(messages: list[dict[str, Any]], images: Sequence[Any], tokenizer: Any,
+                           expander: ImageExpander, base_dir: str | Path,
+                           render: Callable[[list[dict[str, Any]]], str]) -> tuple[list[int], tuple[ProcessedImage, ...]]:
+    """(token ids, processed images) of a conversational prompt with its images, as GRPO's rollouts read it:
+    ``messages`` and ``images`` as :func:`chat.formats.prompt_with_images` gives them, rendered by ``render``
+    (the chat template with its generation prompt), each placeholder expanded as the processor does, tokenized
+    without special tokens (TRL's GRPO tokenizes its prompts so). Raises BadRow naming an image that cannot be
+    read or placeholders that do not match the images."""
+    processed = processed_images(expander, images, base_dir)
+    text, _, _ = expand_placeholders(render(messages), expander.placeholder, [p.text for p in processed], [])
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"]), processed
+
+
+def processed_images(expander: ImageExpander, images: Sequence[Any], base_dir: str | Path) -> tuple[ProcessedImage, ...]:
+    """A row's images (references as :func:`zoo.data.images.open_image` reads them, relative to ``base_dir``) through
+    the image processor. Raises BadRow naming an image that cannot be read (``images[k]``)."""
+    return tuple(expander.process(_opened(ref, base_dir, f"images[{i}]")) for i, ref in enumerate(images))

@@ -31,8 +31,9 @@ from zoo.model.hf_families import source_format
 from zoo.model.params import param_specs
 from zoo.storage import RunPath
 
-# multimodal formats whose language model converts alone (--text-only; Gemma 4's always, its towers not yet)
+# multimodal formats whose language model converts alone (--text-only)
 TEXT_ONLY_FORMATS = ("hf-gemma3-multimodal", "hf-gemma4-multimodal")
+AUDIO_PREFIXES = ("model.audio_tower.", "model.embed_audio.")  # Gemma 4's audio side: not converted
 
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
@@ -102,6 +103,11 @@ def _note_left_out(src: Source, fmt: str, cfg: ModelConfig, rules: list[BoundRul
         left = len(src.reader.names()) - sum(len(r.hf_names()) for r in rules)
         print(f"note: {src.description} is multimodal: converting its language model; the vision tower and "
               f"projector ({left} tensors) are left out", file=sys.stderr)
+    audio = [n for n in src.reader.names() if n.startswith(AUDIO_PREFIXES)]
+    if audio and cfg.vision is not None:
+        print(f"note: {src.description} has an audio tower: converting its language model and vision tower; the "
+              f"audio tower and its embedder ({len(audio)} tensors) are left out", file=sys.stderr)
+        stored_config["audio_config"] = None  # what the checkpoint holds: the export loads without an audio tower
     if dropped:
         size = sum(int(np.prod(src.reader.shape(n), dtype=np.int64)) * src.reader.dtype(n).itemsize for n in dropped)
         from zoo.console import human_bytes
@@ -120,8 +126,8 @@ def convert(source: str, out: str | Path, dtype: str | None = None, progress: bo
     ``dtype`` (float32|bfloat16) casts every parameter; None keeps the stored
     dtype (float32 for dequantized GGUF tensors, bfloat16 for dequantized FP8
     weights). ``keep_mtp`` keeps a DeepSeek checkpoint's multi-token-prediction
-    layers (convert/mtp.py) instead of dropping them. ``text_only`` converts a multimodal Gemma 3's language model
-    alone (exported as Gemma3ForCausalLM); Gemma 4's is always converted so.
+    layers (convert/mtp.py) instead of dropping them. ``text_only`` converts a multimodal Gemma 3's or Gemma 4's
+    language model alone (Gemma 3's exported as Gemma3ForCausalLM); Gemma 4's audio tower is always left out.
     """
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")

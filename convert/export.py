@@ -272,7 +272,8 @@ def _hf_pieces(param: ParamSource, t: PlannedTensor, cfg: ModelConfig) -> Iterat
     axis = _ROW_AXIS.get(t.transform)
     if t.index is not None or axis is None or len(t.shape) != 2 or t.nbytes <= _BLOCK_BYTES:
         x = param.read(t.index)
-        x = np.ascontiguousarray(TRANSFORMS[t.transform].inverse(x, cfg), dtype=dt)
+        # np.asarray, not ascontiguousarray, which makes a scalar (Gemma 4's clip bounds) one-dimensional
+        x = np.asarray(TRANSFORMS[t.transform].inverse(x, cfg), dtype=dt, order="C")
         if tuple(x.shape) != t.shape:
             raise UserError(f"parameter {t.zoo} does not match its config (got {x.shape}, want {t.shape})")
         yield 0, x

@@ -38,8 +38,9 @@ from convert.peft_plan import (
     modules_to_save,
     plan_adapter,
     target_modules_of,
+    target_regex,
 )
-from convert.tables import table_for
+from convert.tables import export_format, table_for
 from convert.transforms import TRANSFORMS
 from zoo.checkpoints import quantized as quant_checkpoint
 from zoo.checkpoints.adapter import base_checkpoint, base_location
@@ -91,7 +92,7 @@ def fused_config(meta: dict[str, Any]) -> dict[str, Any]:
     cfg = ModelConfig.from_dict(meta["config"])
     info = meta["lora"]
     adapted = adapter_paths(meta)
-    rules = [r for r in table_for(cfg.family, "hf", cfg) if r.zoo in adapted]
+    rules = [r for r in table_for(cfg.family, export_format(cfg), cfg) if r.zoo in adapted]
     ranks, alphas = {}, {}
     for name, parts in fused_groups(cfg, rules).items():
         zoo = tuple(rule.zoo for rule in parts if rule is not None)
@@ -126,11 +127,13 @@ def experts_config(meta: dict[str, Any]) -> dict[str, Any]:
     return {"target_parameters": targets, "rank_pattern": ranks, "alpha_pattern": alphas}
 
 
-def peft_config(meta: dict[str, Any], base_ref: str, target_modules: list[str],
+def peft_config(meta: dict[str, Any], base_ref: str, target_modules: list[str] | str,
                 saved: list[str] | None = None) -> dict[str, Any]:
     """The ``adapter_config.json`` content (peft's LoraConfig fields; peft fills the rest with defaults), the
-    fused Linears' rank and alpha patterns (:func:`fused_config`) included. ``saved``: the modules trained whole
-    (:func:`modules_to_save`), which make it a sequence classifier's adapter (peft's SEQ_CLS)."""
+    fused Linears' rank and alpha patterns (:func:`fused_config`) included. ``target_modules``: module names, or
+    one regex of their paths (a vision-language model's: :func:`convert.peft_plan.target_regex`). ``saved``: the
+    modules trained whole (:func:`modules_to_save`), which make it a sequence classifier's adapter (peft's
+    SEQ_CLS)."""
     info = meta["lora"]
     alpha = info["alpha"]
     return {
@@ -168,7 +171,7 @@ def _fused_factor(cfg: ModelConfig, t: PlannedTensor, arrays: dict[str, np.ndarr
         one = {p: arrays[f"{p}.a"][t.index][None] for p in adapted}
         return peft_experts.lora_a(peft_experts.FusedParam(key, adapted), adapted, one)
     fusion = fused_named(cfg, t.name.removesuffix(".lora_B.weight") + ".weight")
-    transforms = {rule.zoo: rule.transform for rule in table_for(cfg.family, "hf", cfg)}
+    transforms = {rule.zoo: rule.transform for rule in table_for(cfg.family, export_format(cfg), cfg)}
     r = arrays[f"{adapted[0]}.b"].shape[1]
     dt = arrays[f"{adapted[0]}.b"].dtype
     blocks = []
@@ -214,7 +217,9 @@ def export_adapter(ckpt: str | os.PathLike, out: str | os.PathLike, overwrite: b
     with atomic_output(out, overwrite) as tmp:
         _write_weights(Path(ckpt), meta, tensors, tmp / ADAPTER_WEIGHTS)
         experts = experts_config(meta)
-        config = peft_config(meta, base_ref, targets, modules_to_save(tensors))
+        # A vision-language model's tower shares module names with its language model: the paths tell them apart.
+        vlm = ModelConfig.from_dict(meta["config"]).vision is not None
+        config = peft_config(meta, base_ref, target_regex(tensors) if vlm else targets, modules_to_save(tensors))
         for key, value in experts.items():  # the fused experts' patterns join the fused Linears'
             config[key] = {**config[key], **value} if isinstance(value, dict) else value
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")

@@ -15,6 +15,7 @@ from zoo.checkpoints import quantized as quant_checkpoint
 from zoo.checkpoints.adapter import base_location
 from zoo.checkpoints.provenance import hub_id, hub_weights
 from zoo.lora.params import WHOLE_WEIGHTS
+from zoo.model.config import ModelConfig
 
 
 def base_hub_repo(ckpt: str | os.PathLike, meta: dict[str, Any]) -> str | None:
@@ -95,7 +96,15 @@ def adapter_card(ckpt: str | os.PathLike, meta: dict[str, Any], base_ref: str, t
     kind = "SequenceClassification" if set(WHOLE_WEIGHTS) & set(info.get("params", {})) else "CausalLM"
     if kind == "SequenceClassification":
         data.pipeline_tag = "text-classification"
-    if loads:  # peft loads the base itself, from the Hub or the exported folder
+    vlm = "config" in meta and ModelConfig.from_dict(meta["config"]).vision is not None
+    if vlm:  # a vision-language model: transformers' image-text class; peft has no Auto class of its own for it
+        data.pipeline_tag = "image-text-to-text"
+        where = f"{base_ref}" if loads else "BASE"
+        load = ["from peft import PeftModel", "from transformers import AutoModelForImageTextToText",
+                f'base = AutoModelForImageTextToText.from_pretrained("{where}")'
+                + ("" if loads else f"  # zoo export {base_ref} --out BASE"),
+                f'model = PeftModel.from_pretrained(base, "{repo_hint}")']
+    elif loads:  # peft loads the base itself, from the Hub or the exported folder
         load = [f"from peft import AutoPeftModelFor{kind}",
                 f'model = AutoPeftModelFor{kind}.from_pretrained("{repo_hint}")']
     else:  # the base is a zoo checkpoint: transformers reads its export

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +18,7 @@ from convert import peft_experts
 from convert.convert import shape_only
 from convert.export import ST_NAMES, PlannedTensor, assign_shards
 from convert.fused import fused_named, fusion_of
-from convert.tables import BoundRule, table_for
+from convert.tables import BoundRule, export_format, table_for
 from convert.transforms import TRANSFORMS
 from zoo.errors import UserError
 from zoo.lora.params import HF_TO_ZOO, whole_weights
@@ -55,6 +56,8 @@ _FLAT = LoraLayout(_flat_a, _flat_b)
 
 
 LORA_LAYOUTS: dict[str, LoraLayout] = {"transpose": _FLAT, "q_in": _FLAT, "kv_in": _FLAT, "o_out": _FLAT}
+# A vision tower's attention (convert.transforms._tower): q_in / o_out at the tower's heads, flat as well.
+LORA_LAYOUTS.update({"vq_in": _FLAT, "vo_out": _FLAT})
 
 
 # PlannedTensor.transform of a fused Linear's adapter (Phi-3's qkv_proj, gate_up_proj: convert.fused): its parts'
@@ -83,7 +86,7 @@ def _adapted_rules(cfg: ModelConfig, meta: dict[str, Any], ckpt: str | os.PathLi
 
     Routed experts' rules are among them only where :mod:`convert.peft_experts` has the family's layout."""
     adapted = adapter_paths(meta)
-    rules = [r for r in table_for(cfg.family, "hf", cfg) if r.zoo in adapted]
+    rules = [r for r in table_for(cfg.family, export_format(cfg), cfg) if r.zoo in adapted]
     missing = adapted - {r.zoo for r in rules}
     if missing:
         raise UserError(f"{ckpt}: adapters on {sorted(missing)}, which the {cfg.family} export table does not name; "
@@ -235,7 +238,7 @@ def _whole_tensors(cfg: ModelConfig, meta: dict[str, Any], dtype: str | None) ->
     """The weights trained whole (:func:`zoo.lora.params.whole_weights`) as the merged model's tensors under peft's
     names, after the adapters (peft's own order: modules to save last)."""
     specs, stored = param_specs(cfg), meta["lora"]["params"]
-    rules = {r.zoo: r for r in table_for(cfg.family, "hf", cfg)}
+    rules = {r.zoo: r for r in table_for(cfg.family, export_format(cfg), cfg)}
     out = []
     for p in whole_weights(cfg):
         rule = rules[p]
@@ -255,3 +258,16 @@ def target_modules_of(tensors: list[PlannedTensor]) -> list[str]:
     names = {t.name.removesuffix(".weight").rsplit(".", 2)[-2] for t in tensors
              if t.transform != peft_experts.TRANSFORM and not t.transform.startswith(WHOLE)}
     return [n for n in HF_TO_ZOO if n in names] + sorted(names - set(HF_TO_ZOO))
+
+
+def target_regex(tensors: list[PlannedTensor]) -> str:
+    """peft's ``target_modules`` as one regex (peft matches a string in full against each module's path) of the
+    adapted modules' paths, every layer index as ``\\d+``: a vision-language model's tower has modules of the
+    language model's names (``q_proj``, ``k_proj``, ``v_proj``), so a list of names would adapt both where the
+    adapters are one's alone."""
+    modules = dict.fromkeys(
+        t.name.removeprefix(PEFT_PREFIX).removesuffix(".weight").rsplit(".", 1)[0] for t in tensors
+        if t.transform != peft_experts.TRANSFORM and not t.transform.startswith(WHOLE))
+    patterns = dict.fromkeys(r"\.".join(r"\d+" if part.isdigit() else re.escape(part) for part in m.split("."))
+                             for m in modules)
+    return "|".join(patterns)

@@ -177,13 +177,13 @@ TRANSFORMS["global_o_out"] = _global("o_out")
 
 
 def _tower(name: str) -> Transform:
-    """Transform ``name`` of a vision tower's attention: with the tower's heads (every head its own keys/values)."""
+    """Transform ``name`` of a vision tower's attention: with the tower's heads and key/value heads."""
     import dataclasses
 
     def tower(cfg: ModelConfig) -> ModelConfig:
         v = cfg.vision
         assert v is not None, "a vision transform on a model without a vision tower"
-        return dataclasses.replace(cfg, num_heads=v.num_heads, num_kv_heads=v.num_heads, head_dim=v.head_dim)
+        return dataclasses.replace(cfg, num_heads=v.num_heads, num_kv_heads=v.kv_heads, head_dim=v.head_dim)
 
     t = TRANSFORMS[name]
     return Transform(lambda w, cfg: t.forward(w, tower(cfg)), lambda w, cfg: t.inverse(w, tower(cfg)))
@@ -192,6 +192,9 @@ def _tower(name: str) -> Transform:
 TRANSFORMS["vq_in"] = _tower("q_in")
 TRANSFORMS["vo_out"] = _tower("o_out")
 TRANSFORMS["vq_bias"] = _tower("q_bias")
+TRANSFORMS["vkv_in"] = _tower("kv_in")  # Gemma 4's tower: its own key/value heads (GQA)
+# A scalar tensor (Gemma 4's clip bounds) <-> a one-element vector: each layer's slice of a stacked [L, 1] weight.
+TRANSFORMS["scalar"] = Transform(lambda w, cfg: w.reshape(1), lambda w, cfg: w.reshape(()))
 
 
 def _conv_patch_inverse(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 
 from zoo.errors import UserError
 from zoo.model.config import ModelConfig
+from zoo.model.vision_params import vision_specs
 
 Entry = tuple[str, str, str]  # (zoo parameter, HF tensor, transform name)
 
@@ -60,6 +61,34 @@ def _gemma3(V: str) -> list[Entry]:
     ]
 
 
+def _gemma4(V: str) -> list[Entry]:
+    """Gemma 4's tower (``model.vision_tower.``) and its embedder's projection; the clip bounds and the
+    standardization buffers where the config has them (:func:`gemma4_optional`)."""
+    L = V + "encoder.layers.{i}."
+    A, M = L + "self_attn.", L + "mlp."
+    rules = [("vision.patch_embed", V + "patch_embedder.input_proj.weight", "transpose"),
+             ("vision.pos_embed", V + "patch_embedder.position_embedding_table", "identity"),
+             ("vision.layers.attn_norm", L + "input_layernorm.weight", "identity"),
+             ("vision.layers.post_attn_norm", L + "post_attention_layernorm.weight", "identity"),
+             ("vision.layers.mlp_norm", L + "pre_feedforward_layernorm.weight", "identity"),
+             ("vision.layers.post_mlp_norm", L + "post_feedforward_layernorm.weight", "identity"),
+             ("vision.layers.q_norm", A + "q_norm.weight", "identity"),
+             ("vision.layers.k_norm", A + "k_norm.weight", "identity"),
+             ("vision.layers.q", A + "q_proj.linear.weight", "vq_in"),
+             ("vision.layers.k", A + "k_proj.linear.weight", "vkv_in"),
+             ("vision.layers.v", A + "v_proj.linear.weight", "vkv_in"),
+             ("vision.layers.o", A + "o_proj.linear.weight", "vo_out"),
+             ("vision.layers.gate", M + "gate_proj.linear.weight", "transpose"),
+             ("vision.layers.up", M + "up_proj.linear.weight", "transpose"),
+             ("vision.layers.down", M + "down_proj.linear.weight", "transpose"),
+             ("vision.std_bias", V + "std_bias", "identity"),
+             ("vision.std_scale", V + "std_scale", "identity"),
+             ("projector.proj", "model.embed_vision.embedding_projection.weight", "transpose")]
+    where = {"q": A + "q_proj.", "k": A + "k_proj.", "v": A + "v_proj.", "o": A + "o_proj.", "gate": M + "gate_proj.",
+             "up": M + "up_proj.", "down": M + "down_proj."}
+    bounds = {"in_min": "input_min", "in_max": "input_max", "out_min": "output_min", "out_max": "output_max"}
+    return rules + [(f"vision.layers.{name}_{ours}", at + theirs, "scalar")
+                    for name, at in where.items() for ours, theirs in bounds.items()]
 def _qwen2_5(V: str) -> list[Entry]:
     """Qwen2.5-VL's tower under ``V`` (``visual.``) and its patch merger."""
     L = V + "blocks.{i}."
@@ -90,6 +119,7 @@ VISION_TABLES: dict[str, tuple[str, Callable[[str], list[Entry]]]] = {
     "hf-smolvlm": ("model.vision_model.", _idefics3),
     "hf-idefics3": ("model.vision_model.", _idefics3),
     "hf-gemma3-multimodal": ("vision_tower.", _gemma3),
+    "hf-gemma4-multimodal": ("model.vision_tower.", _gemma4),
     "hf-qwen2_5-vl": ("visual.", _qwen2_5),
 }
 # source format -> the other spelling of its tower a source may have (Gemma 3's files on the Hub)
@@ -120,4 +150,6 @@ def vision_entries(fmt: str, cfg: ModelConfig) -> list[tuple[str, str, str, tupl
         return []
     layers = tuple(range(cfg.vision.num_layers))
     default, entries = VISION_TABLES[fmt]
-    return [(zoo, hf, t, layers if "{i}" in hf else None) for zoo, hf, t in entries(cfg.vision.hf_tower_prefix or default)]
+    present = vision_specs(cfg)  # Gemma 4's clip bounds and standardization buffers are there where the config says
+    return [(zoo, hf, t, layers if "{i}" in hf else None) for zoo, hf, t in entries(cfg.vision.hf_tower_prefix or default)
+            if zoo in present]

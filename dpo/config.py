@@ -83,13 +83,22 @@ DPO_UNREAD: tuple[Unread, ...] = (
 
 
 @dataclass
+class DPODataSection(ChatDataSection):
+    """DPO's data keys: the chat template's, and the patch budget of pairs with images."""
+
+    # pairs with images (a vision-language model): the patches a row holds at most (its images' frames, twice where
+    # the prompt is not shared, times the tower's patches per frame); None: the largest row's (prefs/image_pairs.py)
+    max_patches: int | None = field(default=None, metadata={"range": "[1, inf)"})
+
+
+@dataclass
 class DPOConfig(TrainConfig):
     """Everything a DPO run needs (`dpo train`)."""
 
     UNREAD: ClassVar[tuple[Unread, ...]] = (*COMMON_UNREAD, TEXT_FIELD_UNREAD, *layout_unread("dpo train"),
                                             *DPO_UNREAD)
 
-    data: ChatDataSection = field(default_factory=ChatDataSection)
+    data: DPODataSection = field(default_factory=DPODataSection)
     dpo: DpoSection = field(default_factory=DpoSection)
 
     def check(self) -> None:

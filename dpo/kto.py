@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from chat.images import image_column
 from dpo.config import DPOConfig
 from dpo.task import DPOTask
 from prefs.batch import KTOBatch
@@ -41,6 +42,7 @@ from pretrain.task import RowSource, Tokenizer
 from zoo.checkpoints.method_card import MethodCard, settings
 from zoo.data.batching import Document
 from zoo.data.files import load_dataset_rows
+from zoo.errors import UserError
 from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 from zoo.model.logps import batch_logps
@@ -96,6 +98,10 @@ class KTOTask(DPOTask[KTOBatch]):
     def load(self, path: str, cfg: TrainConfig) -> RowSource:
         """The rows of ``path`` as unpaired (prompt, completion, label) rows, paired rows unpacked as TRL does."""
         ds, _ = load_dataset_rows(path, cfg.data.split)
+        column = image_column(list(ds.column_names))
+        if column is not None:
+            raise UserError(f"data.path {path}: the rows have images, and dpo.loss_type kto does not read images "
+                            f"yet; use a pair loss (sigmoid, ipo, ...) or remove the {column} column")
         return RowSource(unpaired_rows(ds, kto_columns(list(ds.column_names), path)), "kto", path)
 
     def row_documents(self, rows: RowSource, tokenizer: Tokenizer, path: str, skip_bad: bool,

@@ -29,7 +29,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from zoo.data.batching import score_documents
+from zoo.data.batching import Finish, score_documents
 from zoo.model.config import ModelConfig
 from zoo.storage import RunPath, is_remote
 
@@ -78,11 +78,14 @@ def checkpoint_digest(path: Path) -> str:
 
 
 def cache_key(docs: dict[str, dict[int, dict[str, np.ndarray]]], weights_digest: str, compute: str,
-              params: str = "float32", template: dict | None = None) -> str:
+              params: str = "float32", template: dict | None = None, images: str | None = None) -> str:
     """The cache file's key: a hash of the pair documents of every data file (their tokens: the tokenization),
-    the weights, the params dtype they are loaded in, the compute dtype, and the chat template with its
-    variables and date (``ChatTemplate.identity``)."""
-    setting = json.dumps({"params": params, "compute": compute, "template": template}, sort_keys=True, default=str)
+    the weights, the params dtype they are loaded in, the compute dtype, the chat template with its
+    variables and date (``ChatTemplate.identity``), and the digest of the pairs' images' pixels (``images``)."""
+    # the images only where there are any: a text run's key (and its cache) stays what it was
+    extra = {"images": images} if images else {}
+    setting = json.dumps({"params": params, "compute": compute, "template": template, **extra}, sort_keys=True,
+                         default=str)
     h = hashlib.sha256(f"v{CACHE_VERSION}\0{weights_digest}\0{setting}\0".encode())
     for path in sorted(docs):
         h.update(path.encode() + b"\0")
@@ -96,24 +99,27 @@ def cache_key(docs: dict[str, dict[int, dict[str, np.ndarray]]], weights_digest:
 
 
 def compute_reference_logps(mcfg: ModelConfig, params: dict, docs: list[dict[str, np.ndarray]], seq_len: int,
-                            rows: int, mesh: jax.sharding.Mesh, compute: Any) -> list[np.ndarray]:
+                            rows: int, mesh: jax.sharding.Mesh, compute: Any, finish: Finish | None = None
+                            ) -> list[np.ndarray]:
     """Per-token reference log-probabilities of each pair document (float32, one per token: the
-    log-probability of that token given its segment's earlier ones, 0 where it is not an answer token)."""
+    log-probability of that token given its segment's earlier ones, 0 where it is not an answer token).
+    ``finish``: the task's (pairs with images: their rows' patches, :func:`zoo.data.batching.stacked`)."""
     sharding = NamedSharding(mesh, PartitionSpec(("data", "fsdp"), None))
-    return score_documents(mcfg, params, docs, seq_len + 1, rows, sharding, compute)
+    return score_documents(mcfg, params, docs, seq_len + 1, rows, sharding, compute, finish=finish)
 
 
 def cached_reference_logps(out_dir: Path | RunPath, docs: dict[str, dict[int, dict[str, np.ndarray]]], weights: Path,
                            compute_name: str, score: Any, primary: bool = True, params_name: str = "float32",
-                           template: dict | None = None, unit: str = "pairs") -> dict[str, dict[int, np.ndarray]]:
+                           template: dict | None = None, unit: str = "pairs",
+                           images: str | None = None) -> dict[str, dict[int, np.ndarray]]:
     """{data path: {row: per-token reference log-probabilities}} of ``docs``, from the cache or ``score``.
 
     ``score(list of documents) -> list of arrays`` runs the reference pass; it
     runs only on a cache miss, and the result is written (by the primary
     process, atomically) to ``out_dir/reference_logps/<key>.npz``. ``unit``: what one document is, as the log line
-    counts them (DPO's pairs, KTO's rows).
+    counts them (DPO's pairs, KTO's rows); ``images``: a digest of the documents' images (:func:`cache_key`).
     """
-    key = cache_key(docs, checkpoint_digest(weights), compute_name, params_name, template)
+    key = cache_key(docs, checkpoint_digest(weights), compute_name, params_name, template, images)
     f = out_dir / CACHE_DIR / f"{key}.npz"
     flat = [(path, i) for path in sorted(docs) for i in sorted(docs[path])]
     if f.is_file():

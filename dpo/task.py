@@ -33,15 +33,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from chat.config import chat_template_of
+from chat.image_documents import ImageDocuments, refuse_unsupported
+from chat.images import ImageExpander, image_base, image_column, refuse_images
 from dpo.config import DPOConfig
 from dpo.losses import preference_loss, rpo_nll_scale
 from dpo.reference import cached_reference_logps, compute_reference_logps, load_reference, resolve_checkpoint
 from prefs.batch import PairBatch
+from prefs.image_pairs import ImagePairs
 from prefs.pairs import CHOSEN, PROMPT, REJECTED, load_pair_rows, pair_documents, shared_prompt_layout
 from pretrain.config import TrainConfig
 from pretrain.dtypes import DTYPES
 from pretrain.metrics import LossOutput, Mean, Metric, MicroMean, Ratio
 from pretrain.preflight import check_untrainable, untrainable
+from pretrain.setup import tokenizer_folder
 from pretrain.task import Documents, ReadContext, RowSource, RunContext, Task, Tokenizer
 from zoo.checkpoints.method_card import MethodCard, settings
 from zoo.data.batching import Document
@@ -52,6 +56,8 @@ from zoo.model.config import ModelConfig
 from zoo.model.logps import batch_logps
 from zoo.model.params import flatten
 from zoo.model.quant import cast_params
+from zoo.model.vision import VisionInputs
+from zoo.model.vision_config import VisionConfig
 from zoo.storage import run_path
 
 # The metrics each step logs (TRL's names), besides `loss`: means over the global batch's pairs.
@@ -87,7 +93,7 @@ class DPOTask(Task[P]):
         if cfg.dpo.loss_type == "kto" and type(self) is DPOTask:  # a caller's bug: the command picks KTOTask
             raise ValueError("dpo.loss_type kto is dpo.kto.KTOTask's (`dpo train` picks it: pretrain.task.task_for)")
         super().__init__(cfg)
-        self.dpo = cfg.dpo
+        self.cfg, self.dpo = cfg, cfg.dpo
         self.chat_template = chat_template_of(cfg)
         self.max_len = cfg.data.seq_len + 1
         self.drop_long = cfg.data.long_examples == "drop"
@@ -99,6 +105,11 @@ class DPOTask(Task[P]):
         # Whether the reference is the policy's starting model (prepare() finds out): then the policy is
         # the reference until it moves (see loss_sums).
         self.reference_is_start = False
+        # A vision-language model's tower (prepare), and the images of rows that have them (prefs/image_pairs.py).
+        self.vision: VisionConfig | None = None
+        self.images: ImageDocuments | None = None
+        self.expander: ImageExpander | None = None
+        self.text_rows_read = False  # a vision-language model's data read, and no row of it has an images column
 
     @classmethod
     def card(cls, cfg: TrainConfig) -> MethodCard:
@@ -134,9 +145,32 @@ class DPOTask(Task[P]):
     def row_documents(self, rows: RowSource, tokenizer: Tokenizer, path: str, skip_bad: bool,
                       indices: list[int] | None = None) -> tuple[dict[int, dict[str, np.ndarray]], int, set[int]]:
         """(pair documents by row index, bad rows skipped, rows too long) of the rows at ``indices`` (default all),
-        laid out as :meth:`prepare` decided: what :meth:`documents` returns and the precomputed reference scores."""
+        laid out as :meth:`prepare` decided: what :meth:`documents` returns and the precomputed reference scores.
+        Rows with images (an ``images`` column) on a vision-language model keep them (prefs/image_pairs.py)."""
         return pair_documents(indexed_rows(rows.ds, indices), tokenizer, self.chat_template, path, skip_bad,
-                              self.max_len, self.drop_long, self.shared_prompt)
+                              self.max_len, self.drop_long, self.shared_prompt, self._image_pairs(rows, tokenizer, path))
+
+    def _image_pairs(self, rows: RowSource, tokenizer: Tokenizer, path: str) -> ImagePairs | None:
+        """The pair tokenizer of rows with images (None: the rows have no image column); rows with images on a
+        model without a vision tower, and what rows with images do not go with yet, are a UserError."""
+        column = image_column(list(rows.ds.column_names))
+        if column is None:
+            self.text_rows_read = self.vision is not None
+            return None
+        if self.vision is None:
+            refuse_images(rows.ds, column, path, str(self.cfg.model.path))
+            return None  # the column holds no image
+        d = self.cfg.data
+        refuse_unsupported(d, path)
+        if self.expander is None:
+            self.expander = ImageExpander.from_folder(tokenizer_folder(self.cfg), tokenizer)
+        if self.images is None:
+            self.images = ImageDocuments(self.vision, d.max_patches, packed=False)
+        return ImagePairs(self.expander, self.images, image_base(path), path, d.seq_len, column)
+
+    def finish_rows(self, rows: dict[str, Any]) -> dict[str, Any]:
+        """Rows of pairs with images get their images' patches (chat/image_documents.py); others are unchanged."""
+        return rows if self.images is None else self.images.finish_rows(rows)
 
     # ---- the reference ----------------------------------------------------------------------------------
 
@@ -150,6 +184,7 @@ class DPOTask(Task[P]):
         from pretrain.setup import param_layout
 
         cfg, mcfg, mesh = ctx.cfg, ctx.mcfg, ctx.mesh
+        self.vision = mcfg.vision
         self.shared_prompt = shared_prompt_layout(self.dpo.share_prompt, mcfg)
         if self.mode == "base" and ctx.lora is None:
             raise UserError("full fine-tuning (lora.rank: 0) needs a reference model besides the trained one: set "
@@ -199,7 +234,8 @@ class DPOTask(Task[P]):
                 if self.dpo.reference_model else params
             rows_per_batch = cfg.batch_size // cfg.grad_accum
             try:
-                return compute_reference_logps(mcfg, ref, documents, d.seq_len, rows_per_batch, mesh, compute)
+                return compute_reference_logps(mcfg, ref, documents, d.seq_len, rows_per_batch, mesh, compute,
+                                               self.finish_rows)
             finally:
                 if ref is not params:
                     for x in jax.tree.leaves(ref):
@@ -207,7 +243,8 @@ class DPOTask(Task[P]):
 
         self.ref_logps = cached_reference_logps(run_path(cfg.output_dir), docs, weights, cfg.dtype.compute,
                                                 score, distributed.is_primary(), cfg.dtype.params,
-                                                self.chat_template.identity(), unit=self.unit)
+                                                self.chat_template.identity(), unit=self.unit,
+                                                images=None if self.images is None else self.images.digest())
 
     def trainable(self, doc: Document, seq_len: int) -> bool:
         """Whether a pair document (already cut to fit) still compares two answers: each keeps a trained token
@@ -220,9 +257,23 @@ class DPOTask(Task[P]):
     # ---- (params, batch) -> loss sums -------------------------------------------------------------------
 
     def batch_layout(self, grad_accum: int, micro: int, seq_len: int) -> PairBatch:
-        """Pair rows: a shared prompt's ``prefix_ids`` (as :meth:`prepare` decided), precomputed ``ref_logps``."""
+        """Pair rows: a shared prompt's ``prefix_ids`` (as :meth:`prepare` decided), precomputed ``ref_logps``, and a
+        vision-language model's images (:meth:`_vision_layout`)."""
         fields = ("prefix_ids",) * self.shared_prompt + ("ref_logps",) * (self.mode == "precomputed")
-        return PairBatch.layout((grad_accum, micro, seq_len), fields)
+        return PairBatch.layout((grad_accum, micro, seq_len), fields, self._vision_layout())
+
+    def _vision_layout(self) -> tuple[int, int] | None:
+        """(patches a row, patch_dim) of a vision-language model's rows, as SFT's: data.max_patches (unset: the
+        largest pair's once the data is read, None when no row of it has images; else one frame's, as no data is
+        read to size it by), or None."""
+        v = self.vision
+        if v is None:
+            return None
+        if self.images is not None or self.text_rows_read:  # the data is read: its rows' budget (0: text rows)
+            patches = self.images.max_patches if self.images is not None else 0
+        else:
+            patches = self.cfg.data.max_patches or v.patches_per_image
+        return (patches, v.patch_dim) if patches else None
 
     def batch_totals(self, batch: PairBatch) -> dict[str, jax.Array]:
         """{pairs, chosen_tokens} of a whole batch (any leading axes: the step's global batch, every
@@ -244,7 +295,7 @@ class DPOTask(Task[P]):
         policy = weights.cast(compute)
         arrays = mb.arrays()
         rows = 3  # documents in a pair's row: its two answers, and the prompt they share as a prefix (prefs/pairs.py)
-        pol, mean_logit, aux = batch_logps(mcfg, policy, arrays, remat, max_segments=rows)
+        pol, mean_logit, aux = batch_logps(mcfg, policy, arrays, remat, max_segments=rows, vision=_images(mcfg, mb))
         ref = (self.reference_logps(mcfg, policy.base, mb, frozen_inputs, compute) if self.mode != "none"
                else jnp.zeros_like(pol))
         wc, wr, keep = _answer_masks(mb)
@@ -316,8 +367,9 @@ class DPOTask(Task[P]):
         if self.mode == "precomputed":  # the batch carries them (batch_layout)
             return cast(jax.Array, mb.ref_logps).astype(jnp.float32)
         weights = p if self.mode == "base" else cast_params(frozen_inputs, compute)  # base: no second copy
-        # each row holds three documents: two answers and the prompt they share (prefs/pairs.py)
-        return jax.lax.stop_gradient(batch_logps(mcfg, weights, mb.arrays(), max_segments=3)[0])
+        # each row holds three documents: two answers and the prompt they share (prefs/pairs.py); its images too
+        return jax.lax.stop_gradient(batch_logps(mcfg, weights, mb.arrays(), max_segments=3,
+                                                 vision=_images(mcfg, mb))[0])
 
     def _at_reference(self, lora: dict[str, Any] | None, step: jax.Array | None) -> jax.Array | bool:
         """Whether the policy is the reference itself (a traced bool), or False where it cannot be known:
@@ -328,6 +380,11 @@ class DPOTask(Task[P]):
         if lora is not None:
             return _adapters_off(lora)
         return False if step is None else step == 0
+
+
+def _images(mcfg: ModelConfig, mb: PairBatch) -> VisionInputs | None:
+    """The model's view of a micro-batch's images (None: a text batch): what the policy and a live reference read."""
+    return None if mb.vision is None or mcfg.vision is None else mb.vision.inputs(mcfg.vision)
 
 
 def _adapters_off(lora: dict[str, Any]) -> jax.Array:

@@ -7,6 +7,7 @@ modules (JAX, the model, transformers) load inside :func:`eval_command`, so buil
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +16,10 @@ from zoo.model.config import ATTENTION_KERNELS
 
 if TYPE_CHECKING:
     from zoo.storage import RunPath
+
+# (tokenizer folder, tokenizer) -> the image expander of the model's processor files (chat/images.py's
+# ImageExpander.from_folder, which the dispatcher passes in: chat/ is a floor above this one).
+ExpanderOf = Callable[[Path, Any], Any]
 
 # Metrics shown in the console table, per task kind (the JSON has them all).
 SHOWN = {"perplexity": ("word_perplexity", "bits_per_byte", "ppl"), "multiple_choice": ("acc", "acc_norm", "acc_bytes"),
@@ -63,8 +68,9 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
-def eval_command(args: argparse.Namespace) -> None:
-    """`zoo eval CKPT --tasks T1,T2`: evaluate a checkpoint on tasks; print a table, optionally write JSON."""
+def eval_command(args: argparse.Namespace, expander_of: ExpanderOf | None = None) -> None:
+    """`zoo eval CKPT --tasks T1,T2`: evaluate a checkpoint on tasks; print a table, optionally write JSON.
+    ``expander_of`` makes the model's image expander, which tasks whose rows have images need."""
     from zoo.errors import UserError
 
     if args.list_tasks:
@@ -110,13 +116,14 @@ def eval_command(args: argparse.Namespace) -> None:
 
     out = out_path(args.out)
     tokenizer = load_tokenizer(args.ckpt)
+    expander = _image_rows_checked(args, tasks, tokenizer, expander_of)  # before the weights load
     model = zoo.load(args.ckpt, dtype=np.float32 if args.dtype == "float32" else ml_dtypes.bfloat16,
                      attention=getattr(args, "attention", "auto"))
     cfg, params = model.cfg, model.param_dict()
     t_load = time.perf_counter() - t0
     res = evaluate(cfg, params, tokenizer, tasks, limit=args.limit, batch_size=args.batch_size,
                    num_fewshot=args.num_fewshot, chat_template=args.chat_template, log_samples=args.log_samples,
-                   chunk=args.chunk)
+                   chunk=args.chunk, expander=expander)
     logs = {name: r.pop("log") for name, r in res["tasks"].items() if "log" in r}
     t_total = time.perf_counter() - t0
     report = {
@@ -133,6 +140,29 @@ def eval_command(args: argparse.Namespace) -> None:
     print_results(report)
     if out is not None:
         _write_report(out, report, logs if args.log_samples else None)
+
+
+def _image_rows_checked(args: argparse.Namespace, tasks: list[Any], tokenizer: Any,
+                        expander_of: ExpanderOf | None) -> Any:
+    """The model's image expander when a task's rows have images (else None), after every such row was read and
+    expanded once: a bad row (a missing or unreadable image, images that do not match their placeholders, a
+    prompt longer than the model's context with its images, images on a text model) is its one-line error
+    before the weights load."""
+    from eval.scoring import check_image_rows, image_tasks
+
+    with_images = image_tasks(tasks, args.limit)
+    if not with_images:
+        return None
+    import zoo
+    from zoo.data.tokenizer import tokenizer_dir
+
+    cfg = zoo.read_config(args.ckpt)
+    expander = None
+    if cfg.vision is not None:
+        assert expander_of is not None, "the dispatcher passes the image expander"
+        expander = expander_of(tokenizer_dir(args.ckpt), tokenizer)
+    check_image_rows(cfg, tokenizer, with_images, args.limit, args.num_fewshot, args.chat_template, expander)
+    return expander
 
 
 def _check_flags(args: argparse.Namespace) -> None:

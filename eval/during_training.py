@@ -72,6 +72,17 @@ def read_eval_tasks(spec: list[str] | str, include_path: str | None) -> tuple[li
     return tasks, harness, manager
 
 
+def _refuse_images(tasks: list[Any], limit: int | None) -> None:
+    """Rows with images are scored by `zoo eval` (which loads the model's image processor), not during training
+    yet: the first such row is its one-line error before the model loads."""
+    from eval.scoring import image_tasks
+
+    for task in image_tasks(tasks, limit):
+        i = next(i for i, row in enumerate(task.rows(limit)) if task.has_images(row))
+        raise UserError(f"{task.row_where(i)}: the row has images, which eval.tasks does not score during training "
+                        "yet; score the run's checkpoints with `zoo eval` (or leave the task out of eval.tasks)")
+
+
 class ScoredTasks:
     """The run's eval tasks as a step hook: read and checked when made (before the model loads), then scored on
     the live weights at each step the loop passes it (``eval_every``'s), after the eval loss."""
@@ -83,6 +94,7 @@ class ScoredTasks:
                             "with `zoo eval` instead")
         self.limit, self.batch_size = limit, batch_size
         self.model: TrainedModel | None = None
+        _refuse_images(self.tasks, limit)
 
     def setup(self, model: TrainedModel) -> None:
         """The run's model, once loaded: its config, tokenizer, LoRA settings and frozen base."""

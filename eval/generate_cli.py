@@ -17,6 +17,7 @@ from zoo.errors import UserError
 
 if TYPE_CHECKING:  # annotations only: JAX and the model load inside the command
     from eval.generate import GenerationConfig
+    from zoo.model.config import ModelConfig
     from zoo.model.decoder import Decoder
     from zoo.model.vision import VisionInputs
 
@@ -110,21 +111,23 @@ def generate_command(args: argparse.Namespace, expander_of: ExpanderOf | None = 
 
     import zoo
 
-    if images and zoo.read_config(args.ckpt).vision is None:  # before the weights load
+    cfg = zoo.read_config(args.ckpt) if images else None
+    if cfg is not None and cfg.vision is None:  # before the weights load
         raise UserError(f"--image: {args.ckpt} has no vision tower (a text model); leave out --image or give a "
                         "vision-language model's checkpoint")
-    from eval.generate import GenerationConfig
+    from eval.generate import GenerationConfig, patch_inputs
     from zoo.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(args.ckpt)
+    if cfg is not None:  # every image read and expanded before the weights load: a bad one is its error first
+        assert expander_of is not None, "the dispatcher passes the image expander"
+        ids, frames = _image_prompt(cfg, tok, args, expander_of)
     model = zoo.load(args.ckpt, dtype=np.float32)
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                            top_p=args.top_p, seed=args.seed, stop=tuple(args.stop or ()),
                            eos_ids=_eos_ids(args.ckpt, tok))
     if images:
-        assert expander_of is not None, "the dispatcher passes the image expander"
-        ids, vision = _image_prompt(model, tok, args, expander_of)
-        _stream_one(model, tok, ids, gen, vision)
+        _stream_one(model, tok, ids, gen, patch_inputs(model.cfg, [frames]))
     elif rows is None:
         _stream_one(model, tok, _prompt_ids(tok, {"prompt": args.prompt}, args), gen)
     else:
@@ -183,12 +186,12 @@ def _prompt_ids(tok: Any, row: dict[str, Any], args: argparse.Namespace) -> list
     return list(tok(row["prompt"])["input_ids"])
 
 
-def _image_prompt(model: Decoder, tok: Any, args: argparse.Namespace,
-                  expander_of: ExpanderOf) -> tuple[list[int], VisionInputs | None]:
-    """(token ids, images) of --prompt with its --image files: a user turn (after --system's turn) of one image
-    part per image and then the text, as TRL's ``prepare_multimodal_messages`` places them; the chat template's
-    placeholders replaced by each image's expansion, and the text tokenized whole, as the processor does."""
-    from eval.generate import patch_inputs
+def _image_prompt(cfg: ModelConfig, tok: Any, args: argparse.Namespace, expander_of: ExpanderOf,
+                  ) -> tuple[list[int], list[dict[str, Any]]]:
+    """(token ids, the images' frames as per-patch arrays) of --prompt with its --image files: a user turn (after --system's turn) of
+    one image part per image and then the text, as TRL's ``prepare_multimodal_messages`` places them; the chat
+    template's placeholders replaced by each image's expansion, and the text tokenized whole, as the processor
+    does. A prompt longer than the model's context with its images is refused (its image tokens cannot be cut)."""
     from zoo.data.tokenizer import tokenizer_dir
 
     if not getattr(tok, "chat_template", None):
@@ -198,8 +201,10 @@ def _image_prompt(model: Decoder, tok: Any, args: argparse.Namespace,
         ids, processed = expander.prompt_ids(tok, args.prompt, args.system, args.image, Path.cwd(), "--image")
     except ValueError as e:  # chat.formats.BadRow: an unreadable image, a template without one placeholder an image
         raise UserError(str(e)) from None
-    v = model.cfg.vision
-    return ids, patch_inputs(model.cfg, [[f for p in processed for f in p.patches(v)]])
+    if len(ids) > cfg.max_position_embeddings:
+        raise UserError(f"--image: the prompt with its image(s) is {len(ids)} tokens, more than the model's context "
+                        f"of {cfg.max_position_embeddings}; give fewer or smaller images or a shorter prompt")
+    return ids, [f for p in processed for f in p.patches(cfg.vision)]  # per-patch arrays of every frame
 
 
 def _stream_one(model: Decoder, tok: Any, ids: list[int], gen: GenerationConfig,

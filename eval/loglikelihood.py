@@ -21,10 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from eval.generate import vision_inputs
+from eval.image_prompts import Frames
 from zoo.errors import UserError
 from zoo.model.config import ModelConfig
 from zoo.model.decoder import forward, stored_head
 from zoo.model.logps import token_logps
+from zoo.model.vision import VisionInputs
 
 Request = tuple[list[int], int]  # (tokens, how many of the last targets are scored)
 MIN_BUCKET = 16
@@ -59,16 +62,21 @@ def fit_rows(requests: Sequence[Request], max_length: int | None) -> list[list[i
 
 
 def request_scores(cfg: ModelConfig, params: dict[str, Any], requests: Sequence[Request], batch_size: int = 8,
-                   max_length: int | None = None, bar: tqdm | None = None) -> list[tuple[float, bool]]:
+                   max_length: int | None = None, bar: tqdm | None = None,
+                   frames: Sequence[Frames] | None = None) -> list[tuple[float, bool]]:
     """(summed log-likelihood, whether every scored token is the argmax) of each request, in batched
     fixed-shape forward passes: rows longest first, ``batch_size`` at a time, each batch's width its longest
     row's rounded up to a power of two (:func:`bucket`), so each width compiles once.
 
     A request longer than ``max_length`` (default: the model's context) loses
-    tokens from the left; its scored tokens must fit.
+    tokens from the left; its scored tokens must fit. ``frames[i]``: a vision-language model's images of request
+    i (its image tokens' frames, :func:`eval.generate.vision_inputs`), in the forward; such a request is never cut.
     """
     max_length = max_length or cfg.max_position_embeddings
     rows = fit_rows(requests, max_length)
+    if frames is not None and any(f and len(r) < len(q) for f, r, (q, _) in zip(frames, rows, requests)):
+        raise UserError(f"a request with images is longer than the model's {max_length}-token context; its image "
+                        "tokens cannot be cut")
     out: list[tuple[float, bool]] = [(0.0, False)] * len(rows)
     # Longest first: rows of one batch have similar lengths, so little padding is computed.
     order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
@@ -82,7 +90,11 @@ def request_scores(cfg: ModelConfig, params: dict[str, Any], requests: Sequence[
             toks, n = rows[i], requests[i][1]
             inputs[r, :len(toks) - 1], targets[r, :len(toks) - 1] = toks[:-1], toks[1:]
             scored[r, len(toks) - 1 - n:len(toks) - 1] = True
-        sums, greedy = jax.device_get(_row_scores(cfg, params, *map(jnp.asarray, (inputs, targets, scored))))
+        # A short last batch's empty rows take the first row's images (their tokens are padding: unread).
+        vision = None if frames is None else vision_inputs(cfg, [frames[i] for i in idx]
+                                                           + [frames[idx[0]]] * (batch_size - len(idx)))
+        sums, greedy = jax.device_get(_row_scores(cfg, params, *map(jnp.asarray, (inputs, targets, scored)),
+                                                  vision=vision))
         for r, i in enumerate(idx):
             out[i] = (float(np.float64(sums[r])), bool(greedy[r]))
         if bar is not None:
@@ -92,10 +104,11 @@ def request_scores(cfg: ModelConfig, params: dict[str, Any], requests: Sequence[
 
 @functools.partial(jax.jit, static_argnums=0)
 def _row_scores(cfg: ModelConfig, params: dict[str, Any], inputs: jax.Array, targets: jax.Array,
-                scored: jax.Array) -> tuple[jax.Array, jax.Array]:
+                scored: jax.Array, vision: VisionInputs | None = None) -> tuple[jax.Array, jax.Array]:
     """(summed log p(target) over the scored positions [rows], all of them the argmax [rows]) of one batch of
-    right-padded rows; the vocabulary is projected in chunks (:func:`zoo.model.logps.token_logps`), never whole."""
-    hidden = forward(cfg, params, inputs, return_hidden=True)
+    right-padded rows (with their images: ``vision``); the vocabulary is projected in chunks
+    (:func:`zoo.model.logps.token_logps`), never whole."""
+    hidden = forward(cfg, params, inputs, return_hidden=True, vision=vision)
     head, vocab_major = stored_head(cfg, params)
     logp, greedy = token_logps(hidden, head, targets, cfg.final_softcap, head_grad=False, vocab_major=vocab_major,
                                greedy=True)

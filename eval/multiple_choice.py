@@ -22,18 +22,29 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from eval.generate import vision_inputs
+from eval.image_prompts import Expander, Frames, RowImages, row_images
 from eval.loglikelihood import bucket, context_continuation, fine_bucket, request_scores
 from eval.progress import progress_bar
 from eval.task_files import Task, fewshot_pool, field_of, format_row, joined
 from zoo.errors import UserError
 from zoo.model.config import ModelConfig
 from zoo.model.decode import Cache, forward_cached, forward_step, init_cache
+from zoo.model.vision import VisionInputs
+
+Question = tuple[list[int], list[list[int]], list[str], list[int]]  # context ids, choices' ids, choices, golds
 
 
-def mc_questions(tokenizer: Any, task: Task, rows: list[dict], num_fewshot: int | None = None,
-                 ) -> list[tuple[list[int], list[list[int]], list[str], list[int]]]:
+def mc_questions(tokenizer: Any, task: Task, rows: list[dict], num_fewshot: int | None = None) -> list[Question]:
     """(context ids, each choice's ids, the choices, the gold indices) of each row, the task's ``description``
     and few-shot examples (:func:`eval.task_files.fewshot_pool`) in the context."""
+    return [q for q, _ in mc_image_questions(tokenizer, task, rows, num_fewshot)]
+
+
+def mc_image_questions(tokenizer: Any, task: Task, rows: list[dict], num_fewshot: int | None = None,
+                       images: RowImages | None = None) -> list[tuple[Question, Frames]]:
+    """:func:`mc_questions` with each row's frames: with ``images``, a row with images has them in its context
+    (at its ``<image>`` placeholders, else before it), expanded as the model's processor expands them."""
     k = task.opt("num_fewshot", 0) if num_fewshot is None else num_fewshot
     delim = task.opt("target_delimiter", " ")
     sep = task.opt("fewshot_separator", "\n\n")
@@ -49,6 +60,9 @@ def mc_questions(tokenizer: Any, task: Task, rows: list[dict], num_fewshot: int 
             shots.append(q + delim + sc[sg[0]] if not prefix else joined(joined(q, prefix, delim), sc[sg[0]]))
         context = sep.join(shots + [joined(format_row(template, row, task, "context"), prefix, delim)])
         context = task.opt("prompt_description", "") + context
+        frames: Frames = []
+        if images is not None and images.wanted(row, context):
+            context, frames = images.text(i, context, row)
         # After a gen_prefix ending in whitespace the choices follow it directly (lm-evaluation-harness's rule).
         lead = "" if prefix and prefix[-1].isspace() else delim
         ids = [context_continuation(tokenizer, context, lead + c) for c in choices]
@@ -56,7 +70,10 @@ def mc_questions(tokenizer: Any, task: Task, rows: list[dict], num_fewshot: int 
         if any(c != ctx for c, _ in ids) or any(not cont for _, cont in ids):
             raise UserError(f"task {task.name} ({task.source}): row {i + 1}: a choice is empty or tokenizes into its "
                             "context; give non-empty choices")
-        out.append((ctx, [cont for _, cont in ids], choices, golds))
+        if frames:  # the forward reads the context and a choice but its last token
+            assert images is not None
+            images.check_length(i, len(ctx) + max(len(c) for _, c in ids) - 1, "context and longest choice")
+        out.append(((ctx, [cont for _, cont in ids], choices, golds), frames))
     return out
 
 
@@ -110,35 +127,28 @@ def mc_metrics(lls: Sequence[Sequence[float]], choices: Sequence[Sequence[str]],
 def choice_loglikelihoods(cfg: ModelConfig, params: dict[str, Any],
                           questions: Sequence[tuple[list[int], list[list[int]]]], batch_size: int = 8,
                           bar: tqdm | None = None, use_cache: bool = True,
-                          max_length: int | None = None) -> list[list[float]]:
+                          max_length: int | None = None, frames: Sequence[Frames] | None = None) -> list[list[float]]:
     """Summed log-likelihood of each choice's tokens given its question's context ids (:func:`choice_scores`)."""
-    scores = choice_scores(cfg, params, questions, batch_size, bar, use_cache, max_length)
+    scores = choice_scores(cfg, params, questions, batch_size, bar, use_cache, max_length, frames)
     return [[ll for ll, _ in row] for row in scores]
 
 
 def choice_scores(cfg: ModelConfig, params: dict[str, Any], questions: Sequence[tuple[list[int], list[list[int]]]],
                   batch_size: int = 8, bar: tqdm | None = None, use_cache: bool = True,
-                  max_length: int | None = None) -> list[list[tuple[float, bool]]]:
+                  max_length: int | None = None, frames: Sequence[Frames] | None = None,
+                  ) -> list[list[tuple[float, bool]]]:
     """(summed log-likelihood, whether every token is the argmax) of each choice given its question's context.
 
     With ``use_cache`` a batch of contexts is prefilled once into the KV cache
     (:mod:`zoo.model.decode`) and every choice extends that same cache; without it,
     each (context, choice) pair is one full row (the context recomputed per
-    choice). Both give the same numbers.
+    choice). Both give the same numbers. ``frames[q]``: a vision-language model's images of question q's context
+    (its image tokens' frames, :func:`eval.generate.vision_inputs`), in the forward that reads the context.
     """
     max_length = max_length or cfg.max_position_embeddings
     if not use_cache:
-        requests, where = [], []
-        for q, (context, conts) in enumerate(questions):
-            for j, cont in enumerate(conts):
-                requests.append((context + cont, len(cont)))
-                where.append((q, j))
-        got = request_scores(cfg, params, requests, batch_size, max_length, bar)
-        out: list[list[tuple[float, bool]]] = [[(0.0, False)] * len(conts) for _, conts in questions]
-        for (q, j), v in zip(where, got):
-            out[q][j] = v
-        return out
-    out = [[(0.0, False)] * len(conts) for _, conts in questions]
+        return _full_rows(cfg, params, questions, batch_size, bar, max_length, frames)
+    out: list[list[tuple[float, bool]]] = [[(0.0, False)] * len(conts) for _, conts in questions]
     # Longest context first, and within one context width the longest choices first: a batch's rows then need
     # the same padded widths, and each (context, choice) width pair compiles once.
     order = sorted(range(len(questions)), key=lambda q: (-fine_bucket(len(questions[q][0]) - 1, 4),
@@ -153,6 +163,9 @@ def choice_scores(cfg: ModelConfig, params: dict[str, Any], questions: Sequence[
             raise UserError(f"a choice of {kw} tokens does not fit the model's {max_length}-token context")
         # Contexts too long for the model lose tokens from the left (as lm-evaluation-harness does).
         ctxs = [questions[q][0][-(max_length - kw):] for q in idx]
+        if frames is not None and any(frames[q] and len(c) < len(questions[q][0]) for q, c in zip(idx, ctxs)):
+            raise UserError(f"a context with images does not fit the model's {max_length}-token context with its "
+                            f"choices ({kw} tokens wide); its image tokens cannot be cut")
         cw = fine_bucket(max(len(c) for c in ctxs) - 1, 4)  # the cache's part: all but the last token
         # Choices of one question that differ only in their last token (" 65" / " 68") share one extension row
         # (as lm-evaluation-harness's hf backend shares their forward pass): the row is the context's last
@@ -185,13 +198,35 @@ def choice_scores(cfg: ModelConfig, params: dict[str, Any], questions: Sequence[
         per_pass = n_rows if flat else batch_size
         shaped = [a.reshape(n_rows // per_pass, per_pass, *a.shape[1:])
                   for a in (owner, ext, shared, shared_ok, last_pos, last)]
-        sums, greedy = jax.device_get(_cached_choices(cfg, params, *map(jnp.asarray, (ctx, ctx_valid, *shaped))))
+        # A short last batch's repeated first context repeats its images too.
+        vision = None if frames is None else vision_inputs(cfg, [frames[q] for q in idx]
+                                                           + [frames[idx[0]]] * (batch_size - len(idx)))
+        sums, greedy = jax.device_get(_cached_choices(cfg, params, *map(jnp.asarray, (ctx, ctx_valid, *shaped)),
+                                                      vision=vision))
         sums, greedy = sums.reshape(n_rows, members), greedy.reshape(n_rows, members)
         for row, ((r, *_), js) in enumerate(rows.items()):
             for m, j in enumerate(js):
                 out[idx[r]][j] = (float(np.float64(sums[row, m])), bool(greedy[row, m]))
         if bar is not None:
             bar.update(sum(len(questions[q][1]) for q in idx))
+    return out
+
+
+def _full_rows(cfg: ModelConfig, params: dict[str, Any], questions: Sequence[tuple[list[int], list[list[int]]]],
+               batch_size: int, bar: tqdm | None, max_length: int,
+               frames: Sequence[Frames] | None) -> list[list[tuple[float, bool]]]:
+    """:func:`choice_scores` without the cache: each (context, choice) pair one full row
+    (:func:`eval.loglikelihood.request_scores`), with its question's frames."""
+    requests, where = [], []
+    for q, (context, conts) in enumerate(questions):
+        for j, cont in enumerate(conts):
+            requests.append((context + cont, len(cont)))
+            where.append((q, j))
+    got = request_scores(cfg, params, requests, batch_size, max_length, bar,
+                         None if frames is None else [frames[q] for q, _ in where])
+    out: list[list[tuple[float, bool]]] = [[(0.0, False)] * len(conts) for _, conts in questions]
+    for (q, j), v in zip(where, got):
+        out[q][j] = v
     return out
 
 
@@ -210,7 +245,8 @@ def _cache_bytes(cfg: ModelConfig, tokens: int) -> int:
 @functools.partial(jax.jit, static_argnums=0)
 def _cached_choices(cfg: ModelConfig, params: dict[str, Any], ctx: jax.Array, ctx_valid: jax.Array,
                     owner: jax.Array, ext: jax.Array, shared: jax.Array, shared_ok: jax.Array,
-                    last_pos: jax.Array, last: jax.Array) -> tuple[jax.Array, jax.Array]:
+                    last_pos: jax.Array, last: jax.Array, vision: VisionInputs | None = None,
+                    ) -> tuple[jax.Array, jax.Array]:
     """(summed log p(choice), every choice token the argmax) [passes, rows, members] of extension rows
     ext [passes, rows, k] after the cached context ``owner`` of ctx [batch, c]: the targets ``shared`` where
     ``shared_ok``, then at ``last_pos`` each member's ``last`` token.
@@ -219,12 +255,12 @@ def _cached_choices(cfg: ModelConfig, params: dict[str, Any], ctx: jax.Array, ct
     the vocabulary projection); each extension row reads a copy of its
     context's cache rows, which is never written back, so every choice sees the
     same context. One pass per leading index (``lax.map``: one compiled body,
-    memory one pass's copies).
+    memory one pass's copies). ``vision``: the contexts' images, read by the prefill (the choices are text).
     """
     b, c = ctx.shape
     k = ext.shape[-1]
     cache = init_cache(cfg, b, c + k, params["embed"].dtype)
-    _, cache = forward_step(cfg, params, ctx, cache, ctx_valid, fresh=True)
+    _, cache = forward_step(cfg, params, ctx, cache, ctx_valid, fresh=True, vision=vision)
 
     def score(xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
         rows, toks, tgt, ok, pos, ends = xs
@@ -246,13 +282,18 @@ def _cached_choices(cfg: ModelConfig, params: dict[str, Any], ctx: jax.Array, ct
 
 def score_multiple_choice(cfg: ModelConfig, params: dict[str, Any], tokenizer: Any, task: Task, rows: list[dict],
                           batch_size: int = 8, num_fewshot: int | None = None, progress: bool = True,
-                          ) -> tuple[dict[str, float], list[dict[str, Any]]]:
+                          expander: Expander | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """(acc / acc_norm / acc_bytes of a multiple-choice task, one record per row: its context, choices, gold
-    indices, per-choice log-likelihoods and predictions)."""
-    qs = mc_questions(tokenizer, task, rows, num_fewshot)
+    indices, per-choice log-likelihoods and predictions). ``expander``: a vision-language model's image
+    processor (chat/images.py's ImageExpander), which rows with images need."""
+    k = task.opt("num_fewshot", 0) if num_fewshot is None else num_fewshot
+    pairs = mc_image_questions(tokenizer, task, rows, num_fewshot, row_images(task, expander, cfg, rows, k))
+    qs = [q for q, _ in pairs]
+    frames = [f for _, f in pairs] if any(f for _, f in pairs) else None
     total = sum(len(c) for _, c, _, _ in qs)
     with progress_bar(total, task.name, "choice", progress) as bar:
-        lls = choice_loglikelihoods(cfg, params, [(ctx, conts) for ctx, conts, _, _ in qs], batch_size, bar)
+        lls = choice_loglikelihoods(cfg, params, [(ctx, conts) for ctx, conts, _, _ in qs], batch_size, bar,
+                                    frames=frames)
     metrics = mc_metrics(lls, [ch for _, _, ch, _ in qs], [g for _, _, _, g in qs])
     items = []
     for i, ((ctx, _, choices, golds), ll) in enumerate(zip(qs, lls)):

@@ -35,6 +35,7 @@ from eval.generate import Sampler, sample_next
 from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 from zoo.model.decode import Cache, cache_shardings, forward_step, init_cache, kv_cache_bytes
+from zoo.model.vision import VisionInputs
 
 VIEW_BLOCK = 16  # decoding steps per block of the rollout's loop: each block reads the cache slots it can have filled
 
@@ -67,8 +68,8 @@ def draw(logits: jax.Array, key: jax.Array, sampler: Sampler) -> tuple[jax.Array
 
 @partial(jax.jit, static_argnums=(0, 4), static_argnames="mesh")
 def sample_group_completions(cfg: ModelConfig, params: dict | Weights, tokens: jax.Array, valid: jax.Array,
-                             spec: RolloutSpec, key: jax.Array,
-                             mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                             spec: RolloutSpec, key: jax.Array, mesh: Mesh | None = None,
+                             vision: VisionInputs | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(completions [B, T] int32, their sampler log-probabilities [B, T] float32, lengths [B] int32).
 
     ``tokens``/``valid`` [B, P]: right-padded prompts, rows ``k*G .. k*G+G-1``
@@ -80,14 +81,18 @@ def sample_group_completions(cfg: ModelConfig, params: dict | Weights, tokens: j
     lays it out there (split like the kv heads), the layout ``--compile-only``
     reports. The weights stay as they come: with the rows unconstrained, the
     partitioner contracts FSDP's embed split in place (all-reduces of
-    activations), gathering no weight (checked on v5e:2x4's compiled sampler).
+    activations), gathering no weight (checked on v5e:2x4's compiled sampler). ``vision``: a vision-language
+    model's images of the B rows ([B, ...] each, a group's rows alike; only row ``k*G``'s are read), in the
+    prefill as the training forward reads them.
     """
     b, p = tokens.shape
     g, t = spec.group, spec.new_tokens
     first_tokens, first_valid = tokens[::g], valid[::g]
     cache = init_cache(cfg, b // g, p + t, Weights.wrap(params).base["embed"].dtype, mesh)
     last = jnp.maximum(first_valid.sum(1) - 1, 0)
-    logits, cache = forward_step(cfg, params, first_tokens, cache, first_valid, fresh=True, last=last)
+    first_vision = None if vision is None else jax.tree.map(lambda a: a[::g], vision)
+    logits, cache = forward_step(cfg, params, first_tokens, cache, first_valid, fresh=True, last=last,
+                                 vision=first_vision)
     logits, cache = jnp.repeat(logits, g, axis=0), _repeat_rows(cache, g)
     if mesh is not None:  # the b rows' cache, laid out as the step reads it
         cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cfg, b, p + t, mesh))
@@ -141,16 +146,20 @@ class RolloutEngine:
         self.mcfg, self.compute, self.mesh = mcfg, compute, mesh
 
     def program(self, spec: RolloutSpec, prompts: Callable[..., tuple[jax.Array, jax.Array]],
-                key_of: Callable[[Any], jax.Array] = lambda key: key) -> Any:
-        """The jitted ``(weights, key_input, *inputs) -> (completions, sampler log-probabilities, lengths)``:
-        ``prompts(*inputs)`` gives the right-padded prompts and their valid mask ([B, P] each: how a task's
-        rows hold them), ``key_of(key_input)`` the sampling key (derived inside the program: a step number, say);
+                key_of: Callable[[Any], jax.Array] = lambda key: key,
+                images: Callable[[Any], VisionInputs] = lambda v: v) -> Any:
+        """The jitted ``(weights, key_input, *inputs, vision=None) -> (completions, sampler log-probabilities,
+        lengths)``: ``prompts(*inputs)`` gives the right-padded prompts and their valid mask ([B, P] each: how a
+        task's rows hold them), ``key_of(key_input)`` the sampling key (derived inside the program: a step number,
+        say), ``images(vision)`` the prompts' images as the model reads them ([B, ...] each; vision None: none);
         ``weights``: a model's params, or :class:`zoo.lora.weights.Weights` (LoRA's adapters beside their base)."""
 
-        def run(weights: dict | Weights, key_input: Any, *inputs: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+        def run(weights: dict | Weights, key_input: Any, *inputs: Any,
+                vision: Any = None) -> tuple[jax.Array, jax.Array, jax.Array]:
             tokens, valid = prompts(*inputs)
             return sample_group_completions(self.mcfg, Weights.wrap(weights).cast(self.compute), tokens, valid, spec,
-                                            key_of(key_input), mesh=self.mesh)
+                                            key_of(key_input), mesh=self.mesh,
+                                            vision=None if vision is None else images(vision))
 
         return jax.jit(run)
 

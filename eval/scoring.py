@@ -14,8 +14,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from eval.generation_task import greedy_generator, score_generation
-from eval.multiple_choice import score_multiple_choice
+from eval.generation_task import greedy_generator, image_examples, score_generation
+from eval.image_prompts import Expander, row_images
+from eval.multiple_choice import mc_image_questions, score_multiple_choice
 from eval.perplexity import score_perplexity
 from eval.rolling import DEFAULT_CHUNK
 from eval.task_files import Task, resolve_tasks
@@ -26,7 +27,7 @@ from zoo.model.config import ModelConfig
 def evaluate(cfg: ModelConfig, params: dict[str, Any], tokenizer: Any, tasks: str | Sequence[str | Task],
              limit: int | None = None, batch_size: int = 8, num_fewshot: int | None = None,
              chat_template: bool | None = None, progress: bool = True, log_samples: bool = False,
-             chunk: int | None = None) -> dict[str, Any]:
+             chunk: int | None = None, expander: Expander | None = None) -> dict[str, Any]:
     """Score ``params`` on ``tasks`` (Task objects, shipped task names or YAML paths; a comma-separated string works).
 
     ``limit`` caps each task's examples; ``num_fewshot`` and ``chat_template``
@@ -35,7 +36,9 @@ def evaluate(cfg: ModelConfig, params: dict[str, Any], tokenizer: Any, tasks: st
     through the KV cache: :mod:`eval.rolling`). Returns
     ``{"tasks": {name: {name, version, kind, source, data, examples, metrics, settings, seconds}}}`` (generation
     tasks also give their first three ``samples``); with ``log_samples`` each task also has ``log``: one record
-    per item (its inputs, per-choice log-likelihoods or answer, prediction and target).
+    per item (its inputs, per-choice log-likelihoods or answer, prediction and target). ``expander``: a
+    vision-language model's image processor (chat/images.py's ImageExpander), which rows with images need
+    (:mod:`eval.image_prompts`).
     """
     if batch_size < 1:
         raise UserError(f"--batch-size {batch_size}: must be at least 1")
@@ -58,14 +61,15 @@ def evaluate(cfg: ModelConfig, params: dict[str, Any], tokenizer: Any, tasks: st
                             overlap=task.options.get("overlap", "rolling"), chunk=ppl_chunk)
         elif task.kind == "multiple_choice":
             metrics, items = score_multiple_choice(cfg, params, tokenizer, task, rows, batch_size, num_fewshot,
-                                                   progress)
+                                                   progress, expander)
             settings.update(num_fewshot=task.opt("num_fewshot", 0) if num_fewshot is None else num_fewshot,
                             kv_cache=True)
         else:
             max_new = task.opt("max_new_tokens", 32)
             gen = greedy_generator(cfg, params, tokenizer, max_new, task.opt("stop", []))
+            k = task.opt("num_fewshot", 0) if num_fewshot is None else num_fewshot
             metrics, items = score_generation(tokenizer, task, rows, gen, batch_size, num_fewshot, chat_template,
-                                              progress)
+                                              progress, row_images(task, expander, cfg, rows, k))
             samples = items[:3]
             use_chat = task.opt("chat_template", bool(task.opt("messages"))) if chat_template is None else chat_template
             settings.update(num_fewshot=task.opt("num_fewshot", 0) if num_fewshot is None else num_fewshot,
@@ -80,3 +84,24 @@ def evaluate(cfg: ModelConfig, params: dict[str, Any], tokenizer: Any, tasks: st
         if log_samples:
             results[task.name]["log"] = items
     return {"tasks": results}
+
+
+def image_tasks(tasks: Sequence[Task], limit: int | None) -> list[Task]:
+    """The tasks (multiple choice and generation) of which a row has images."""
+    return [t for t in tasks if t.kind != "perplexity" and any(t.has_images(r) for r in t.rows(limit))]
+
+
+def check_image_rows(cfg: ModelConfig, tokenizer: Any, tasks: Sequence[Task], limit: int | None,
+                     num_fewshot: int | None, chat_template: bool | None, expander: Expander | None) -> None:
+    """Every row of ``tasks`` with images read, processed and expanded as the scorers will (nothing computed):
+    a row that cannot be scored (an image missing or unreadable, images that do not match their placeholders,
+    a prompt with its images longer than the model's context, images on a text model) is its one-line
+    UserError before the weights load."""
+    for task in tasks:
+        rows = task.rows(limit)
+        k = task.opt("num_fewshot", 0) if num_fewshot is None else num_fewshot
+        images = row_images(task, expander, cfg, rows, k)
+        if task.kind == "multiple_choice":
+            mc_image_questions(tokenizer, task, rows, num_fewshot, images)
+        elif task.kind == "generation":
+            image_examples(tokenizer, task, rows, num_fewshot, chat_template, images)

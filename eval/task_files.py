@@ -70,6 +70,16 @@ lm-evaluation-harness), ``acc_bytes`` by its UTF-8 length in bytes.
 
 Without the chat template, a ``messages`` prompt is its turns' contents, one
 per line.
+
+Rows with images (a vision-language model; ``zoo eval`` only, not ``eval.tasks`` during training): a row's
+``images`` column (a list of paths relative to the data file, bytes or ``{"bytes", "path"}``), or ``image`` (one),
+or the column ``image_column:`` names, and, in a ``messages`` chat, TRL's content parts (``{"type": "image"}``,
+``{"type": "text", "text": ...}``). Under the chat template the images go where TRL puts them (the image parts,
+else before the first user turn's text); in a plain-text prompt or a multiple-choice context, at each
+``<image>`` placeholder of the text, else all before it. Each image is expanded as the model's processor expands
+it and its pixels reach the prefill (generation) or the forward (multiple choice). Not with few-shot examples::
+
+    image_column: images     # optional (default: images, else image)
 """
 
 from __future__ import annotations
@@ -93,10 +103,11 @@ _FEWSHOT = {"num_fewshot", "fewshot_data", "fewshot_separator", "fewshot_sampler
             "gen_prefix", "prompt_description"}
 _KEYS = {
     "perplexity": {"split", "text_field", "window", "overlap", "chunk"},
-    "multiple_choice": {"context", "choices", "gold"} | _FEWSHOT,
+    "multiple_choice": {"context", "choices", "gold", "image_column"} | _FEWSHOT,
     "generation": {"messages", "prompt", "target", "chat_template", "max_new_tokens", "stop", "scorer", "regex",
-                   "ignore_case", "strip_whitespace"} | _FEWSHOT,
+                   "ignore_case", "strip_whitespace", "image_column"} | _FEWSHOT,
 }
+IMAGE_COLUMNS = ("images", "image")  # TRL's: a list of images, or one image
 SAMPLERS = ("first_n", "random")
 
 
@@ -125,6 +136,30 @@ class Task:
         else:
             rows = read_jsonl(self.data, self.source)
         return rows[:limit] if limit else rows
+
+    def row_where(self, i: int) -> str:
+        """Row ``i`` of the task's data as a person finds it: ``"qa.jsonl, line 3"``."""
+        from zoo.data.row_origin import row_where
+
+        return row_where(self.data, i)
+
+    def row_images(self, row: dict[str, Any]) -> list[Any]:
+        """The images of ``row``: its ``image_column``, else ``images``, else ``image`` (one); none: []."""
+        column = self.opt("image_column")
+        for name in (column,) if column else IMAGE_COLUMNS:
+            value = row.get(name)
+            if value is not None:
+                if name == "image" and not column:
+                    return [value]
+                return list(value) if isinstance(value, list | tuple) else [value]
+        return []
+
+    def has_images(self, row: dict[str, Any]) -> bool:
+        """Whether ``row`` has images: an images column, or image parts in its ``messages`` chat."""
+        msgs = row.get(self.opt("messages")) if self.opt("messages") else None
+        parts = [p for m in msgs if isinstance(m, dict) and isinstance(m.get("content"), list)
+                 for p in m["content"]] if isinstance(msgs, list) else []
+        return bool(self.row_images(row)) or any(isinstance(p, dict) and p.get("type") == "image" for p in parts)
 
     def fewshot_rows(self) -> list[dict[str, Any]] | None:
         """Rows of ``fewshot_data`` (None: shots come from the task's own rows), read once."""
@@ -298,6 +333,9 @@ def read_jsonl(path: str | Path, source: str = "") -> list[dict[str, Any]]:
         rows.append(row)
     if not rows:
         raise UserError(f"task data {p}{where}: no rows")
+    from zoo.data.row_origin import remember_origin
+
+    remember_origin(str(p), [p], "json")  # a bad row is then named by its line (Task.row_where)
     return rows
 
 

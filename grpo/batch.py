@@ -11,7 +11,9 @@ from jax.typing import DTypeLike
 from eval.rollout import completion_view
 from grpo.config import GrpoSection
 from pretrain.batch import FLOAT, TokenBatch
+from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
+from zoo.model.logps import batch_logps
 
 
 @jax.tree_util.register_dataclass
@@ -76,3 +78,17 @@ def shares_prompts(g: GrpoSection, mcfg: ModelConfig, mesh: jax.sharding.Mesh, m
     G = g.num_generations
     return (g.share_prompt and "sliding" not in mcfg.kinds and mcfg.attention in ("auto", "blockwise")
             and micro % G == 0 and (micro // G) % shards == 0)
+
+
+def completion_logps(mcfg: ModelConfig, weights: dict | Weights, mb: RolloutBatch, rows: UpdateRows,
+                     temperature: float, remat: str = "none",
+                     entropy: bool = False) -> tuple[jax.Array, jax.Array, dict | None]:
+    """(per-token log-probabilities, entropies (``entropy``; else mean logits), MoE aux or None) of the update's
+    rows ``mb`` (one micro-batch's, or any rows laid out alike) under ``weights``, the logits over ``temperature``,
+    one row per completion ([rows, T] with the grouped layout: :meth:`UpdateRows.completions`). With images (a
+    vision-language model's ``mb.vision``) each image token reads its image's feature: the one pass the loss, the
+    old policy's and the reference's log-probabilities all make."""
+    vision = None if mb.vision is None or mcfg.vision is None else mb.vision.inputs(mcfg.vision)
+    logp, stat, aux = batch_logps(mcfg, weights, mb.arrays(), remat, temperature=temperature, entropy=entropy,
+                                  max_segments=rows.segments, vision=vision)
+    return rows.completions(logp), rows.completions(stat), aux

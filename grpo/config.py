@@ -144,6 +144,9 @@ class PromptDataSection(ChatDataSection):
     prompt_field: str = "prompt"  # the column holding each row's prompt; the other columns go to the rewards
     # the longest prompt, in tokens (longer ones: data.long_examples, truncate keeps the end)
     seq_len: int = field(default=512, metadata={"range": "[1, inf)"})
+    # prompts with images (a vision-language model): the patches a row holds at most (its images' frames times the
+    # tower's patches per frame); None: the largest prompt's (grpo/vision.py)
+    max_patches: int | None = field(default=None, metadata={"range": "[1, inf)"})
 
 
 # The grpo keys a run reads only under a condition (pretrain/config_unread.py).

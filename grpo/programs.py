@@ -1,9 +1,11 @@
 """GRPO's device programs for one run: the samplers (eval.rollout.RolloutEngine), the update's layout, the
 policy's and the reference's log-probabilities and REINFORCE++'s advantages, each jitted once and laid out as the
-train step reads its batch."""
+train step reads its batch; with a vision-language model's prompt images (grpo/vision.py) in the samplers' prefill
+and in the update's rows."""
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 from typing import Any
 
@@ -13,11 +15,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 from eval.generate import Sampler
 from eval.rollout import RolloutEngine, RolloutSpec, assemble, assemble_groups
 from grpo import losses
-from grpo.batch import RolloutBatch, UpdateRows
+from grpo.batch import RolloutBatch, UpdateRows, completion_logps
 from grpo.config import GRPOConfig
+from pretrain.batch import VisionBatch
 from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
-from zoo.model.logps import batch_logps
+from zoo.model.vision import VisionInputs
 
 GREEDY = Sampler(0.0, 0, 1.0)
 
@@ -50,10 +53,12 @@ class Programs:
 
         # (weights, step, tokens, segment ids): the step's draws; held-out prompts (grpo/held_out.py): the run's
         # sampling on their own key stream, and greedy, one completion per prompt (a group of one).
-        self.sample = self.engine.program(self.spec, prompts, partial(rollout_key, cfg.seed))
-        self.sample_held_out = self.engine.program(self.spec, prompts, partial(rollout_key, cfg.seed, held_out=True))
+        self.sample = self.engine.program(self.spec, prompts, partial(rollout_key, cfg.seed), self._images)
+        self.sample_held_out = self.engine.program(self.spec, prompts, partial(rollout_key, cfg.seed, held_out=True),
+                                                   self._images)
         greedy = RolloutSpec(1, self.spec.new_tokens, GREEDY, eos_ids)
-        self.sample_greedy = self.engine.program(greedy, prompts, partial(rollout_key, cfg.seed, held_out=True))
+        self.sample_greedy = self.engine.program(greedy, prompts, partial(rollout_key, cfg.seed, held_out=True),
+                                                 self._images)
         self.layout = jax.jit(self._layout, out_shardings=self.sharding)
         self.logps = jax.jit(self._logps, out_shardings=self.sharding)
         beta = float(g.beta)
@@ -63,23 +68,33 @@ class Programs:
 
     def _layout(self, tokens: jax.Array, seg: jax.Array, completions: jax.Array, lengths: jax.Array,
                 sampler_logps: jax.Array, advantages: jax.Array, trained: jax.Array,
-                model: jax.Array | None = None) -> RolloutBatch:
-        """The update's batch of the step's prompts and completions ([grad_accum, micro, ...] rows)."""
+                model: jax.Array | None = None, vision: VisionBatch | None = None) -> RolloutBatch:
+        """The update's batch of the step's prompts and completions ([grad_accum, micro, ...] rows); ``vision``:
+        the prompts' images (laid out as ``tokens``), each row's with it (one row a group: its first row's)."""
         shape, b = self.shape, self.shape[0] * self.shape[1]
         args = (tokens.reshape(b, -1), seg.reshape(b, -1) > 0, completions, lengths,
                 {"sampler_logps": sampler_logps}, {"advantages": advantages}, trained)
         out = assemble_groups(*args, self.spec.group, model) if self.rows.grouped else assemble(*args, model)
-        return RolloutBatch.of({k: v.reshape(shape[:1] + (-1,) + v.shape[1:]) for k, v in out.items()})
+        batch = RolloutBatch.of({k: v.reshape(shape[:1] + (-1,) + v.shape[1:]) for k, v in out.items()})
+        if vision is None:
+            return batch
+        g = self.spec.group if self.rows.grouped else 1  # a group's rows hold one prompt: its images once
+        return dataclasses.replace(batch, vision=jax.tree.map(lambda a: a[:, ::g], vision))
 
     def _logps(self, params: dict | Weights, batch: RolloutBatch) -> jax.Array:
         """Per-token log-probabilities of the batch's completion tokens (0 elsewhere), no gradient taken
-        (``params``: a model's, or the policy's :class:`zoo.lora.weights.Weights`)."""
+        (``params``: a model's, or the policy's :class:`zoo.lora.weights.Weights`), as the loss computes them
+        (:func:`grpo.batch.completion_logps`: with the rows' images)."""
         flat = jax.tree.map(lambda v: v.reshape((-1,) + v.shape[2:]), batch)
         p = Weights.wrap(params).cast(self.compute)
-        lp = batch_logps(self.mcfg, p, flat.arrays(), temperature=self.temperature,
-                         max_segments=self.rows.segments)[0]
-        lp = self.rows.completions(lp)
+        lp = completion_logps(self.mcfg, p, flat, self.rows, self.temperature)[0]
         return (lp * flat.weights).reshape(self.shape + lp.shape[1:])
+
+    def _images(self, vision: VisionBatch) -> VisionInputs:
+        """The step's images ([grad_accum, micro, ...] as the prompts) as the sampler reads them: one row a prompt row."""
+        v = self.mcfg.vision
+        assert v is not None, "images on a model without a vision tower"
+        return jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), vision).inputs(v)
 
     def kv_cache_bytes(self, prompt: int) -> int:
         """Bytes a chip holds of the sampler's KV cache: the step's rows, ``prompt``-token prompts."""

@@ -23,7 +23,8 @@ from grpo.completions_log import completion_records
 from grpo.config import GRPOConfig
 from grpo.programs import GREEDY, Programs, rollout_key
 from grpo.rewards import RewardSet, reward_metrics
-from pretrain.batch import Rollout
+from grpo.vision import ImagePrompts
+from pretrain.batch import Rollout, VisionBatch
 from pretrain.task import RowSource, Tokenizer
 from zoo.data.batching import replicated_batch
 from zoo.data.row_origin import row_where
@@ -48,6 +49,7 @@ class Drawn:
     sampler_logps: Any
     model: Any = None
     episodes: Episodes | None = None
+    vision: VisionBatch | None = None  # the prompts' images (grpo/vision.py), laid out as ``prompt_rows``
 
 
 @dataclass
@@ -76,13 +78,14 @@ def to_host(x: jax.Array) -> np.ndarray:
 class Rollouts:
     """A run's rollouts (module docstring). ``reference``: where the reference's weights are ("base": LoRA's
     frozen base, adapters off; "inputs": the step's frozen inputs; None: no reference); ``agent``: episodes of
-    several turns with tools (grpo/agentic.py), prepared, or None."""
+    several turns with tools (grpo/agentic.py), prepared, or None; ``images``: a vision-language model's prompts
+    with images (grpo/vision.py), or None."""
 
     def __init__(self, cfg: GRPOConfig, programs: Programs, rewards: RewardSet, estimator: Estimator,
-                 tokenizer: Tokenizer, agent: Agent | None, reference: str | None):
+                 tokenizer: Tokenizer, agent: Agent | None, reference: str | None, images: ImagePrompts | None = None):
         self.cfg, self.g, self.programs = cfg, cfg.grpo, programs
         self.rewards, self.estimator, self.tokenizer, self.agent = rewards, estimator, tokenizer, agent
-        self.reference = reference
+        self.reference, self.images = reference, images
         self.field = cfg.data.prompt_field
         self.group_size = cfg.grpo.num_generations
         self.batch_shape = programs.shape
@@ -120,7 +123,7 @@ class Rollouts:
         given = replicated_batch({"adv": adv.astype(np.float32), "trained": trained}, self.replicated)
         rows = drawn.prompt_rows
         return self.programs.layout(rows["tokens"], rows["tokens_segment_ids"], drawn.completions, drawn.lengths,
-                                    drawn.sampler_logps, given["adv"], given["trained"], drawn.model)
+                                    drawn.sampler_logps, given["adv"], given["trained"], drawn.model, drawn.vision)
 
     def _logps(self, weights: Weights, frozen_inputs: Any,
                batch: RolloutBatch) -> tuple[jax.Array | None, jax.Array | None]:
@@ -174,7 +177,7 @@ class Rollouts:
         records = {int(i): ds[int(i)] for i in np.unique(row_h)}
         where = lambda r: row_where(source.path, int(row_h[r]))  # noqa: E731
         if self.agent is None:
-            drawn = self._sample(weights, rows, step, mode)
+            drawn = self._sample(weights, rows, step, mode, self._vision(source.path, records, row_h))
         else:
             drawn = self._episodes(weights, [records[int(i)] for i in row_h], step, mode, where)
         t_gen = time.perf_counter() - t0
@@ -191,17 +194,28 @@ class Rollouts:
         per_fn, total = self.rewards.compute(prompts, completions_in, ids, columns, where)
         return Completed(prompts, ids, texts, per_fn, total, drawn, t_gen)
 
-    def _sample(self, weights: Weights, rows: dict[str, Any], step: int, mode: str) -> Drawn:
-        """One completion per row from the sampler of ``mode`` (:meth:`complete`)."""
+    def _vision(self, path: str, records: dict[int, Any], row_h: np.ndarray) -> VisionBatch | None:
+        """The images of the prompt rows ``row_h`` (indices of ``records``, read from ``path``), laid out on the
+        devices as the prompts are; None without images (grpo/vision.py)."""
+        arrays = None if self.images is None else self.images.patches(path, records, row_h.tolist(), self.tokenizer)
+        if arrays is None:
+            return None
+        shape = self.batch_shape
+        return VisionBatch(**replicated_batch({k: a.reshape(shape + a.shape[1:]) for k, a in arrays.items()},
+                                              self.programs.sharding))
+
+    def _sample(self, weights: Weights, rows: dict[str, Any], step: int, mode: str,
+                vision: VisionBatch | None = None) -> Drawn:
+        """One completion per row from the sampler of ``mode`` (:meth:`complete`), with the prompts' images."""
         p = self.programs
         sample = {"train": p.sample, "held_out": p.sample_held_out, "greedy": p.sample_greedy}[mode]
         completions, sampler_logps, lengths = sample(weights, np.int32(step), rows["tokens"],
-                                                     rows["tokens_segment_ids"])
+                                                     rows["tokens_segment_ids"], vision=vision)
         comp_h, len_h = to_host(completions), to_host(lengths)
         ended = np.isin(comp_h[np.arange(len(len_h)), len_h - 1], p.spec.eos_ids)
         prompt_rows = {"tokens": rows["tokens"], "tokens_segment_ids": rows["tokens_segment_ids"]}
         return Drawn(comp_h, len_h, np.asarray(ended), np.asarray(len_h), prompt_rows, completions, lengths,
-                     sampler_logps)
+                     sampler_logps, vision=vision)
 
     def _episodes(self, weights: Weights, records: list[dict[str, Any]], step: int, mode: str,
                   where: Any) -> Drawn:

@@ -40,10 +40,11 @@ import numpy as np
 
 from chat.config import chat_template_of
 from chat.formats import BadRow
+from chat.images import image_column, refuse_images
 from chat.templates import render, template_text
 from grpo.advantages import estimator_of
 from grpo.agentic import Agent
-from grpo.batch import RolloutBatch, UpdateRows, shares_prompts
+from grpo.batch import RolloutBatch, UpdateRows, completion_logps, shares_prompts
 from grpo.completions_log import COMPLETIONS_FILE, CompletionsLog
 from grpo.config import GRPO_UNREAD, GRPOConfig
 from grpo.programs import Programs
@@ -51,23 +52,24 @@ from grpo.reward_model import SharedBase
 from grpo.rewards import RewardFunction, RewardSet, load_rewards
 from grpo.rollouts import Rollouts
 from grpo.tools import ENVIRONMENT_FIELD, EnvironmentReward, Environments, load_tools
+from grpo.vision import ImagePrompts, has_images
 from pretrain import distributed
-from pretrain.batch import Rollout
+from pretrain.batch import Rollout, VisionBatch
 from pretrain.config import TrainConfig
 from pretrain.dtypes import DTYPES
 from pretrain.hooks import Hook
 from pretrain.metrics import LossOutput, Max
-from pretrain.setup import frozen_base_quant, layout_of, param_layout
+from pretrain.setup import frozen_base_quant, layout_of, param_layout, tokenizer_folder
 from pretrain.task import Documents, ReadContext, RowSource, RunContext, Task, Tokenizer
 from zoo.checkpoints.loading import load_reference
 from zoo.checkpoints.method_card import MethodCard, settings
 from zoo.data.batching import Document
 from zoo.data.files import indexed_rows, load_dataset_rows
-from zoo.data.row_origin import bad_row
+from zoo.data.row_origin import bad_row, row_where
 from zoo.errors import UserError
 from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
-from zoo.model.logps import batch_logps
+from zoo.model.vision_config import VisionConfig
 from zoo.storage import RunPath
 
 
@@ -103,6 +105,8 @@ class GRPOTask(Task[RolloutBatch]):
         self.reference: str | None = None  # where the reference's weights are (Rollouts), decided by prepare
         self.rollouts: Rollouts | None = None  # set up by read_inputs (a run's: it reads the tokenizer)
         self._eval_rows: RowSource | None = None  # data.eval_path's rows, read once
+        self.vision: VisionConfig | None = None  # the model's vision tower's config (prepare)
+        self.images: ImagePrompts | None = None  # a vision-language model's prompts with images (prepare)
 
     # The keys a GRPO run's card lists (those whose 0 / false / [] means "off" left out then).
     CARD_KEYS = ("num_generations", "max_completion_length", "temperature", "top_p", "top_k", "loss_type",
@@ -151,12 +155,17 @@ class GRPOTask(Task[RolloutBatch]):
     def documents(self, rows: RowSource, tokenizer: Tokenizer, path: str, skip_bad: bool,
                   indices: list[int] | None = None) -> Documents:
         """Each prompt's token ids (a message list rendered with the chat template and its generation
-        prompt, a string as it is, as TRL does), with its row index as the feature ``row``."""
+        prompt, a string as it is, as TRL does; on a vision-language model a prompt with images as
+        grpo/vision.py reads it), with its row index as the feature ``row``. Rows with images on a model without a
+        vision tower are a UserError naming the first."""
         docs, bad, too_long = {}, 0, set()
         limit = self.cfg.data.seq_len
+        column = image_column(list(rows.ds.column_names))
+        if column is not None and self.vision is None:
+            refuse_images(rows.ds, column, path, str(self.cfg.model.path))
         for i, row in indexed_rows(rows.ds, indices):
             try:
-                ids = self._prompt_ids(row.get(self.field), tokenizer, row)
+                ids = self._prompt_ids(row.get(self.field), tokenizer, row, path, i)
             except BadRow as e:
                 if skip_bad:
                     bad += 1
@@ -166,11 +175,20 @@ class GRPOTask(Task[RolloutBatch]):
                 too_long.add(i)
                 if self.cfg.data.long_examples == "drop":
                     continue
+                if self.images is not None:  # its images' tokens must stay whole
+                    self.images.check_cut(ids, limit, path, i)
                 ids = ids[-limit:]  # the end holds the question and the generation prompt (TRL keeps it too)
             docs[i] = {"tokens": np.asarray(ids, np.int32), "row": np.full(len(ids), i, np.int32)}
         return Documents(docs, bad, too_long)
 
-    def _prompt_ids(self, prompt: Any, tokenizer: Any, row: dict[str, Any]) -> list[int]:
+    def _prompt_ids(self, prompt: Any, tokenizer: Any, row: dict[str, Any], path: str, i: int) -> list[int]:
+        if self.images is not None and has_images(row, prompt):  # a vision-language model's (grpo/vision.py)
+            if self.agent is not None:
+                raise UserError(f"{row_where(path, i)}: the row has images, and episodes with tools (grpo.tools, "
+                                "grpo.environment) do not read images yet; remove the images or the tools")
+            template = template_text(tokenizer, self.chat_template)
+            return self.images.prompt_ids(row, tokenizer, lambda messages: render(
+                tokenizer, messages, self.chat_template, template, generation_prompt=True), path, i)
         if self.agent is not None:  # rendered with the tools the row's episodes may call
             return self.agent.document_ids(row, f"field '{ENVIRONMENT_FIELD}'")
         if isinstance(prompt, str):
@@ -206,6 +224,10 @@ class GRPOTask(Task[RolloutBatch]):
             raise UserError("the tokenizer has no EOS token: completions could never end before "
                             "grpo.max_completion_length")
         self.programs = self._programs(cfg, mcfg, ctx.mesh, (ctx.ids.eos,))
+        self.vision = mcfg.vision
+        if mcfg.vision is not None:
+            self.images = ImagePrompts(mcfg.vision, mcfg.family, lambda: tokenizer_folder(cfg), self.field,
+                                       self.cfg.data.max_patches, jax.process_count())
         self.reference = None if g.beta <= 0 else "base" if g.reference == "base" and ctx.lora is not None \
             else "inputs"  # LoRA's base: the frozen base the loop holds anyway, run with the adapters off
         if self.reference != "inputs":
@@ -227,7 +249,7 @@ class GRPOTask(Task[RolloutBatch]):
                                programs.spec.sampler, programs.compute)
         self.rewards.prepare(ctx.run.mesh, programs.compute, self._shared_base(ctx.run))  # reward models, loaded once
         self.rollouts = Rollouts(self.cfg, programs, self.rewards, self.estimator, tokenizer, self.agent,
-                                 self.reference)
+                                 self.reference, self.images)
 
     @staticmethod
     def _shared_base(ctx: RunContext) -> SharedBase | None:
@@ -253,7 +275,20 @@ class GRPOTask(Task[RolloutBatch]):
         p = self.programs
         rows = jax.ShapeDtypeStruct(p.shape + (self.cfg.data.seq_len + 1,), jnp.int32, sharding=p.sharding)
         step = jax.ShapeDtypeStruct((), jnp.int32, sharding=p.replicated)
-        return {"sampler": p.sample.lower(weights, step, rows, rows)}
+        vision = self._vision_layout(p.shape)
+        if vision is not None:  # the prompts' images, laid out as the prompts
+            vision = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=p.sharding), vision)
+        return {"sampler": p.sample.lower(weights, step, rows, rows, vision=vision)}
+
+    def _vision_layout(self, rows: tuple[int, ...]) -> VisionBatch | None:
+        """A vision-language model's images of ``rows`` prompt rows, as ``jax.ShapeDtypeStruct`` s: the run's patch
+        budget once the prompts are read (grpo/vision.py), else data.max_patches (unset: one frame's, as
+        ``--compile-only`` reads no data to size it by); None for a text model."""
+        v = self.vision
+        if v is None:
+            return None
+        read = self.images.max_patches if self.images is not None else 0
+        return VisionBatch.layout(rows, read or self.cfg.data.max_patches or v.patches_per_image, v.patch_dim)
 
     def program_kv_cache(self) -> dict[str, int]:
         """Bytes a chip holds of the sampler's KV cache (:meth:`compile_programs`' rows: the step's prompts, G
@@ -311,10 +346,12 @@ class GRPOTask(Task[RolloutBatch]):
     def batch_layout(self, grad_accum: int, micro: int, seq_len: int) -> RolloutBatch:
         """Prompt + completion rows: ``seq_len + 1`` prompt tokens and ``grpo.max_completion_length`` completion
         tokens, less one (inputs and targets); ``old_logps`` with ``num_iterations`` > 1, ``ref_logps`` with
-        ``beta`` > 0."""
+        ``beta`` > 0; on a vision-language model each row's images (grpo/vision.py)."""
         g = self.grpo
         fields = ("old_logps",) * (g.num_iterations > 1) + ("ref_logps",) * (g.beta > 0)
-        return self.rows.layout(grad_accum, micro, seq_len, fields)
+        layout = self.rows.layout(grad_accum, micro, seq_len, fields)
+        vision = self._vision_layout(layout.inputs.shape[:-1])  # with the rows' images: one row's each
+        return layout if vision is None else dataclasses.replace(layout, vision=vision)
 
     def loss_sums(self, mcfg: ModelConfig, weights: Weights, mb: RolloutBatch, compute: Any, remat: str, *,
                   frozen_inputs: Any = None, totals: Any = None, step: jax.Array | None = None) -> LossOutput:
@@ -324,9 +361,7 @@ class GRPOTask(Task[RolloutBatch]):
         w = weights.cast(compute)
         # A rollout row is one document (prompt + completion, then padding: eval.rollout.assemble), or a group's
         # prompt and its G completions (assemble_groups), read back one row per completion.
-        logp, entropy, aux = batch_logps(mcfg, w, mb.arrays(), remat, temperature=float(self.grpo.temperature),
-                                         entropy=True, max_segments=self.rows.segments)
-        logp, entropy = self.rows.completions(logp), self.rows.completions(entropy)
+        logp, entropy, aux = completion_logps(mcfg, w, mb, self.rows, float(self.grpo.temperature), remat, entropy=True)
         sg = jax.lax.stop_gradient
         old = sg(logp) if mb.old_logps is None else mb.old_logps
         diff = Max(jnp.max(jnp.abs(mb.sampler_logps - sg(old)) * mb.weights))

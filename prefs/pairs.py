@@ -58,7 +58,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 
@@ -169,17 +169,30 @@ def tokenize_pair(pair: Pair, tokenizer: Any, chat_template: ChatTemplate | str 
                   stats: TokenizeStats | None = None) -> PairTokens:
     """The shared prompt's ids and each answer's ids, all from whole texts (see the module docstring); raises
     BadRow for an unusable pair. A boundary merge is counted in ``stats``."""
-    if pair.is_chat:
-        template = as_template(chat_template)
-        texts = [chat_texts(tokenizer, cast(list, pair.prompt), cast(list, a), template, name)
-                 for a, name in ((pair.chosen, "chosen"), (pair.rejected, "rejected"))]
-        if texts[0][0] != texts[1][0]:
-            raise BadRow("the chat template renders the prompt differently before 'chosen' and before 'rejected', "
-                         "so the two answers have no common prompt")
-        head = bos_head(tokenizer, texts[0][0] + texts[0][1])
-    else:
-        texts = [(cast(str, pair.prompt), cast(str, pair.chosen)), (cast(str, pair.prompt), cast(str, pair.rejected))]
-        head = special_affixes(tokenizer)[0]
+    texts, head = pair_texts(pair, tokenizer, chat_template)
+    return pair_tokens(texts, head, tokenizer, pair.is_chat, stats)
+
+
+def pair_texts(pair: Pair, tokenizer: Any, chat_template: ChatTemplate | str | None = None
+               ) -> tuple[list[tuple[str, str]], list[int]]:
+    """((prompt text, answer text) of the chosen and of the rejected answer, the BOS head the ids start with
+    unless the text writes it): a conversational pair rendered with the chat template."""
+    if not pair.is_chat:
+        return ([(cast(str, pair.prompt), cast(str, pair.chosen)), (cast(str, pair.prompt), cast(str, pair.rejected))],
+                special_affixes(tokenizer)[0])
+    template = as_template(chat_template)
+    texts = [chat_texts(tokenizer, cast(list, pair.prompt), cast(list, a), template, name)
+             for a, name in ((pair.chosen, "chosen"), (pair.rejected, "rejected"))]
+    if texts[0][0] != texts[1][0]:
+        raise BadRow("the chat template renders the prompt differently before 'chosen' and before 'rejected', "
+                     "so the two answers have no common prompt")
+    return texts, bos_head(tokenizer, texts[0][0] + texts[0][1])
+
+
+def pair_tokens(texts: list[tuple[str, str]], head: list[int], tokenizer: Any, is_chat: bool,
+                stats: TokenizeStats | None = None) -> PairTokens:
+    """The :class:`PairTokens` of a pair's two (prompt text, answer text) (:func:`pair_texts`), each tokenized
+    whole and split at the prompt's last whole token; ``head`` goes first unless the text starts with it."""
     sides = []
     for prompt_text, answer_text in texts:
         ids, n, merged = split_whole(prompt_text, answer_text, tokenizer)
@@ -188,7 +201,7 @@ def tokenize_pair(pair: Pair, tokenizer: Any, chat_template: ChatTemplate | str 
         if head and ids[:len(head)] == head:  # the text starts with its own BOS: no second one
             head = []
         sides.append((ids[:n], ids[n:]))
-    if not pair.is_chat:  # string answers end with one EOS (unless they already do)
+    if not is_chat:  # string answers end with one EOS (unless they already do)
         sides = [(p, with_eos(a, tokenizer)) for p, a in sides]
     (pc, chosen), (pr, rejected) = sides
     shared = _common_prefix(pc, pr)
@@ -290,6 +303,20 @@ def pair_document(t: PairTokens, shared_prompt: bool = True) -> dict[str, np.nda
     return doc
 
 
+class PairImages(Protocol):
+    """What :func:`pair_documents` asks of rows with images (prefs/image_pairs.py's ImagePairs)."""
+
+    def tokenize(self, i: int, row: dict[str, Any], tokenizer: Any, template: ChatTemplate,
+                 stats: TokenizeStats | None) -> PairTokens:
+        """Row ``i``'s pair tokens, its images expanded; raises BadRow."""
+        ...
+
+    def attach(self, i: int, whole: PairTokens, kept: PairTokens, doc: dict[str, np.ndarray],
+               shared_prompt: bool) -> None:
+        """Keep row ``i``'s images with its document ``doc`` (``kept``: the pair as cut to fit)."""
+        ...
+
+
 def load_pair_rows(path: str, cfg: TrainConfig, need: str) -> RowSource:
     """The rows of ``path`` as preference pairs; one line (``need``: what the rows need) when a column is
     missing."""
@@ -306,13 +333,14 @@ def load_pair_rows(path: str, cfg: TrainConfig, need: str) -> RowSource:
 def pair_documents(rows: Iterable[tuple[int, dict[str, Any]]], tokenizer: Any,
                    chat_template: ChatTemplate | str | None,
                    path: str, skip_bad_rows: bool, max_len: int, drop_long: bool,
-                   shared_prompt: bool = True) -> tuple[dict[int, dict[str, np.ndarray]], int, set[int]]:
+                   shared_prompt: bool = True, images: PairImages | None = None
+                   ) -> tuple[dict[int, dict[str, np.ndarray]], int, set[int]]:
     """(pair documents by row index, bad rows skipped, row indices too long for ``max_len`` tokens).
 
     A bad row raises ``UserError("{file}, line {n}: ...")`` (:func:`zoo.data.row_origin.bad_row`) unless
     ``skip_bad_rows``; a too-long pair is cut (see :func:`fit_pair`) or, with
     ``drop_long``, left out. ``shared_prompt`` picks the row layout (see the
-    module docstring).
+    module docstring). ``images`` (prefs/image_pairs.py): rows with images, on a vision-language model.
     """
     from zoo.data.row_origin import bad_row, row_where
 
@@ -321,7 +349,8 @@ def pair_documents(rows: Iterable[tuple[int, dict[str, Any]]], tokenizer: Any,
     stats, template = TokenizeStats(), as_template(chat_template)
     for i, row in rows:
         try:
-            tokens = tokenize_pair(normalize_pair(row), tokenizer, template, stats)
+            tokens = (tokenize_pair(normalize_pair(row), tokenizer, template, stats) if images is None
+                      else images.tokenize(i, row, tokenizer, template, stats))
         except BadRow as e:
             if not skip_bad_rows:
                 raise bad_row(path, i, e) from None
@@ -334,6 +363,8 @@ def pair_documents(rows: Iterable[tuple[int, dict[str, Any]]], tokenizer: Any,
             if drop_long:
                 continue
         out[i] = pair_document(kept, shared_prompt)
+        if images is not None:  # its images kept, its tokens tagged (or a UserError: a cut through its images)
+            images.attach(i, tokens, kept, out[i], shared_prompt)
         if cut and not keeps_meaning(tokens, kept):
             out[i]["loss_mask"][:] = False  # trains nothing: the loop counts it as cut to nothing and leaves it out
     if skipped and not out:

@@ -194,7 +194,7 @@ def _compile_programs(run: AbstractRun, lowered: dict[str, Any], caches: dict[st
 def _report(cfg: TrainConfig, run: AbstractRun, topology: str, num_slices: int, chips: int, kind: str, hbm: int,
             parts: dict[str, int], seconds: float) -> Report:
     """The :class:`Report` of the train step: its bytes a chip, whether they fit, its tokens and model FLOPs."""
-    from pretrain.flops import flops_per_token
+    from pretrain.flops import flops_per_token, image_flops_per_step
 
     inputs = run.batch.inputs.shape
     rows, row_len = math.prod(inputs[:2]), inputs[2]  # GRPO's rows hold completions too
@@ -202,7 +202,8 @@ def _report(cfg: TrainConfig, run: AbstractRun, topology: str, num_slices: int, 
     return Report(topology=topology + (f" x{num_slices}" if num_slices > 1 else ""), chips=chips,
                   hbm_bytes_per_chip=hbm, fits=parts["total"] <= hbm, bytes_per_chip=parts,
                   model_flops_per_step=flops_per_token(run.model.mcfg, row_len, frozen_base=run.model.lora is not None)
-                  * tokens,
+                  * tokens + image_flops_per_step(run.model.mcfg, run.batch, run.model.lora is not None,
+                                                  cfg.model.freeze),
                   tokens_per_step=tokens, compile_seconds=round(seconds, 2), device_kind=kind, remat=cfg.remat,
                   mesh=dict(run.model.mesh.shape))
 

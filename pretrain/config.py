@@ -50,7 +50,7 @@ class ModelSection:
     attention: str = field(default="auto", metadata={"choices": ATTENTION_KERNELS})
     # a vision-language model's parts kept as they are, among vision (the image tower) and projector (the
     # connector): no updates, no optimizer moments, no gradient into them; [] trains every weight (LoRA trains
-    # its adapters, on the language model, alone in any case)
+    # its adapters alone in any case, and adapters on a frozen part are an error)
     freeze: list[str] = field(default_factory=list)
 
 
@@ -215,7 +215,9 @@ class LoraSection:
     rank: int = field(default=0, metadata={"range": "[0, inf)"})  # r: the adapters' inner size (0: no LoRA)
     alpha: float = field(default=16.0, metadata={"range": "(0, inf)"})  # the update is scaled by alpha / rank
     dropout: float = field(default=0.0, metadata={"range": "[0, 1)"})  # on the adapters' input, in training only
-    targets: list[str] | str = "all"  # HF module names (q_proj ... down_proj), a comma list, "all", or a regex
+    # HF module names (q_proj ... down_proj), a comma list, "all" (the language model's), or a regex; a VLM's tower
+    # and connector apart: vision.q_proj ... vision.down_proj, projector.proj
+    targets: list[str] | str = "all"
     rslora: bool = False  # scale by alpha/sqrt(rank) instead of alpha/rank
     base_quant: str | None = None  # QLoRA: store the frozen base quantized, "nf4" (bitsandbytes' NF4) or "int8"
     base_quant_double: bool = False  # NF4 double quantization (the absmax themselves 8-bit): 4.127 bits a weight

@@ -1,6 +1,10 @@
-"""FLOP counting for MFU: training FLOPs per token and the devices' peak."""
+"""FLOP counting for MFU: training FLOPs per token (and per image patch of a vision-language model) and the
+devices' peak."""
 
 from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
 
 import jax
 import numpy as np
@@ -36,6 +40,8 @@ def flops_per_token(mcfg: ModelConfig, seq_len: int, frozen_base: bool = False) 
     specs = param_specs(mcfg)
     active = 0
     for path, spec in specs.items():
+        if path.startswith(_IMAGE_SIDE):
+            continue  # a VLM's tower runs per patch and its connector per image token: vision_flops_per_patch
         if path == "embed" and not mcfg.tie_word_embeddings:
             continue  # a gather, not a matmul
         if path == "ple_embed":
@@ -51,3 +57,36 @@ def flops_per_token(mcfg: ModelConfig, seq_len: int, frozen_base: bool = False) 
     if mcfg.global_head_dim:  # Gemma 4: full layers' heads are global_head_dim wide
         widths = sum(mcfg.num_heads * (mcfg.global_head_dim if k == "full" else mcfg.head_dim) for k in mcfg.kinds)
     return (4.0 if frozen_base else 6.0) * active + 6.0 * widths * seq_len  # QK^T and PV, halved for causality
+
+
+_IMAGE_SIDE = ("vision.", "projector.")  # the parameter paths of a VLM's tower and connector
+
+
+def vision_flops_per_patch(mcfg: ModelConfig, tower_trained: bool, connector_trained: bool) -> float:
+    """A vision-language model's image-side FLOPs per patch slot of a row (padding slots run through the tower as
+    queries, as padding tokens run through the decoder): the tower's matmuls and its bidirectional attention over
+    an image's patches, plus the connector's projection, once a group of patches. A trained tower costs 3 x its
+    forward (weight and input gradients); a frozen one (``model.freeze``, or LoRA, whose adapters sit on the
+    language model) runs forward only, nothing before it needing a gradient; a trained connector after a frozen
+    tower costs 2 x (its weight gradient, no input gradient)."""
+    v = mcfg.vision
+    if v is None:
+        return 0.0
+    specs = param_specs(mcfg)
+    tower = sum(int(np.prod(spec.shape)) for path, spec in specs.items()
+                if path.startswith("vision.") and spec.init == "normal" and path != "vision.pos_embed")  # a gather
+    connector = int(np.prod(specs["projector.proj"].shape)) / v.group  # once a group of patches (an image token)
+    attention = 4.0 * v.num_layers * v.hidden_size * v.patches_per_image  # QK^T and PV, every patch a query
+    connector_factor = 3.0 if tower_trained else 2.0 if connector_trained else 1.0
+    return (3.0 if tower_trained else 1.0) * (2.0 * tower + attention) + connector_factor * 2.0 * connector
+
+
+def image_flops_per_step(mcfg: ModelConfig, layout: Any, frozen_base: bool, freeze: Collection[str]) -> float:
+    """The image side's FLOPs of a step whose batch is ``layout`` (a pretrain.batch.TokenBatch, its arrays or
+    their ShapeDtypeStructs): every patch slot of its rows (0 without images)."""
+    vision = getattr(layout, "vision", None)
+    if vision is None or mcfg.vision is None:
+        return 0.0
+    patches = int(np.prod(vision.patch_image.shape))
+    tower = not frozen_base and "vision" not in freeze
+    return vision_flops_per_patch(mcfg, tower, not frozen_base and "projector" not in freeze) * patches

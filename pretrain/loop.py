@@ -40,7 +40,7 @@ from pretrain.data.run import RunData, data_reads, read_run_data
 from pretrain.dtypes import DTYPES
 from pretrain.evaluation import Evaluation
 from pretrain.final import write_final
-from pretrain.flops import flops_per_token, peak_flops
+from pretrain.flops import flops_per_token, image_flops_per_step, peak_flops
 from pretrain.hooks import Hooks, RunModel
 from pretrain.jit_step import init_state, make_step, state_layout
 from pretrain.optim import build_optimizer, lr_schedule
@@ -133,7 +133,10 @@ def train(cfg: TrainConfig, progress: bool | None = None, task: Task[Any] | None
                         (cfg.grad_accum, run.micro, cfg.data.seq_len), model.frozen, model.weights, run.frozen_inputs,
                         step.schedule, step.state,
                         flops_per_token(model.mcfg, cfg.data.seq_len, frozen_base=model.lora is not None)
-                        * cfg.batch_size * cfg.data.seq_len, peak_flops(cfg))
+                        * cfg.batch_size * cfg.data.seq_len
+                        + image_flops_per_step(model.mcfg, task.batch_layout(cfg.grad_accum, run.micro,
+                                                                             cfg.data.seq_len),
+                                               model.lora is not None, cfg.model.freeze), peak_flops(cfg))
     try:
         last = _take_steps(training, run_hooks, checkpoints, start, total, log, primary and bar_wanted, out)
     finally:

@@ -22,7 +22,7 @@ from zoo.checkpoints.format import TOKENIZER_DIR, read_config
 from zoo.checkpoints.loading import load_params
 from zoo.data.tokenizer import holds_tokenizer, tokenizer_dir
 from zoo.errors import UserError
-from zoo.lora.params import LoraConfig, init_lora, lora_specs, whole_weights
+from zoo.lora.params import LoraConfig, init_lora, lora_specs, vision_targets, whole_weights
 from zoo.lora.weights import LoraRun, Weights
 from zoo.model.config import ModelConfig
 from zoo.model.params import flatten, init_params, nest, param_specs
@@ -183,6 +183,8 @@ def set_up_model(cfg: TrainConfig, mesh: jax.sharding.Mesh, arrays: Arrays) -> M
     mcfg, ckpt = arrays.model_config(cfg)
     mcfg = dataclasses.replace(mcfg, attention=cfg.model.attention)  # a run's choice, never saved (zoo.kernels.choice)
     lora = lora_settings(cfg)
+    if lora is not None:
+        check_vision_lora(cfg, mcfg, lora)
     pdt = DTYPES[cfg.dtype.params]
     if cfg.model.init == "random":
         shard = jax.tree.map(lambda x: x.sharding, param_layout(mcfg, mesh, pdt))
@@ -256,6 +258,25 @@ def lora_settings(cfg: TrainConfig) -> LoraConfig | None:
     if cfg.lora.rank and cfg.model.init == "random":
         raise UserError("lora needs a pretrained base checkpoint (model.path), not model.init: random")
     return lora_config(cfg)
+
+
+def check_vision_lora(cfg: TrainConfig, mcfg: ModelConfig, lora: LoraConfig) -> None:
+    """A UserError, before step 1, where ``lora.targets`` name an image tower or connector (``vision.*``,
+    ``projector.proj``) that the model lacks, or that ``model.freeze`` keeps as it is: adapters on a frozen part
+    would contradict the freeze (LoRA leaves every base weight as it is; the freeze is then the adapters' absence)."""
+    named = vision_targets(lora, named=True)
+    if named and mcfg.vision is None:
+        raise UserError(f"lora.targets name an image tower or connector ({', '.join(named)}), and the model "
+                        f"({mcfg.family}) has none; name the language model's projections alone")
+    if named and mcfg.vision is not None and mcfg.vision.tower == "gemma4":
+        raise UserError(f"lora.targets name Gemma 4's image tower or connector ({', '.join(named)}): LoRA there is "
+                        "not supported yet; adapt the language model (and model.freeze the tower, or train it fully)")
+    frozen = [t for t in vision_targets(lora) if t.partition(".")[0] in cfg.model.freeze]
+    if frozen:
+        parts = sorted({t.partition(".")[0] for t in frozen})
+        raise UserError(f"lora.targets adapt {', '.join(frozen)}, and model.freeze keeps {', '.join(parts)} as it "
+                        f"is; drop {', '.join(parts)} from model.freeze to train adapters there, or those targets "
+                        "to keep it frozen")
 
 
 def lora_config(cfg: TrainConfig) -> LoraConfig | None:

@@ -192,12 +192,12 @@ class Task(Generic[B]):
 
     def finish_rows(self, rows: dict[str, Any]) -> dict[str, Any]:
         """This process's packed data rows (numpy, [rows, seq_len + 1] each) as the model batch is made from them:
-        unchanged by default; SFT with images replaces its rows' document tags by their images (sft/vision.py)."""
+        unchanged by default; SFT with images replaces its rows' document tags by their images (chat/image_documents.py)."""
         return rows
 
     def row_budgets(self) -> dict[str, int]:
         """The document features that are not per token, each with how many entries a packed row holds of it (after
-        :meth:`documents`): none by default; SFT with images, its documents' patches (sft/vision.py)."""
+        :meth:`documents`): none by default; SFT with images, its documents' patches (chat/image_documents.py)."""
         return {}
 
     def batch(self, arrays: dict[str, jax.Array]) -> B:

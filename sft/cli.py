@@ -79,8 +79,8 @@ def _model_config(cfg):
 
 
 def _inspect_source(task, cfg, tokenizer, n: int, color: bool) -> None:
+    from chat.images import image_column
     from chat.loss_masks import render_mask
-    from sft.vision import image_column
     from zoo.data.row_origin import row_where
 
     rows = task.load(cfg.data.path, cfg)

@@ -29,7 +29,7 @@ class SFTDataSection(ChatDataSection):
     source_class: ClassVar[type[DataSource]] = SFTDataSource
     format: str | None = None  # text | prompt_completion | messages | alpaca | sharegpt; None: from the columns
     # rows with images (a vision-language model): the patches a row holds at most (its images' frames times the
-    # tower's patches per frame); None: the largest row's (sft/vision.py)
+    # tower's patches per frame); None: the largest row's (chat/image_documents.py)
     max_patches: int | None = field(default=None, metadata={"range": "[1, inf)"})
 
 

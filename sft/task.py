@@ -10,7 +10,8 @@ import jax
 
 from chat.config import chat_template_of
 from chat.formats import detect_format
-from chat.images import ImageExpander
+from chat.image_documents import ImageDocuments, refuse_unsupported
+from chat.images import ImageExpander, image_column, refuse_images
 from chat.loss_masks import tokenize_indexed
 from pretrain.batch import TokenBatch
 from pretrain.config import TrainConfig
@@ -18,7 +19,6 @@ from pretrain.metrics import LossOutput
 from pretrain.setup import tokenizer_folder
 from pretrain.task import Documents, RowSource, RunContext, Task, Tokenizer, next_token_loss_sums
 from sft.config import SFTConfig, SFTDataSection
-from sft.vision import ImageDocuments, image_column, refuse_images
 from zoo.checkpoints.method_card import MethodCard, settings
 from zoo.data.batching import Document
 from zoo.data.files import indexed_rows, load_dataset_rows
@@ -41,6 +41,7 @@ class SFTTask(Task[TokenBatch]):
         self.cfg = cfg
         self.chat_template = chat_template_of(cfg)
         self.images: ImageDocuments | None = None  # a vision-language model's (prepare), with rows that have images
+        self.text_rows_read = False  # a vision-language model's data read, and no row of it has an images column
         self.vision: VisionConfig | None = None
         self.expander: ImageExpander | None = None
 
@@ -74,7 +75,7 @@ class SFTTask(Task[TokenBatch]):
                   indices: list[int] | None = None) -> Documents:
         """{tokens, loss_mask} of each usable row; a bad row is an error naming file and row, or skipped. Rows
         with images (an ``images`` column) on a vision-language model also tag their tokens with their row
-        (sft/vision.py)."""
+        (chat/image_documents.py)."""
         column = image_column(list(rows.ds.column_names))
         if column is not None and not self.reads_images:
             raise UserError(f"data.path {path}: the rows have images, and distillation (distill.teacher) does not "
@@ -83,6 +84,7 @@ class SFTTask(Task[TokenBatch]):
             refuse_images(rows.ds, column, path, str(self.cfg.model.path))
         if column is not None and self.vision is not None:
             return self._image_documents(rows, tokenizer, path, skip_bad, indices)
+        self.text_rows_read = self.vision is not None
         out, bad = tokenize_indexed(indexed_rows(rows.ds, indices), rows.field, tokenizer, self.chat_template,
                                     path, skip_bad)
         return Documents({i: {"tokens": ids, "loss_mask": mask} for i, (ids, mask) in out.items()}, bad)
@@ -91,11 +93,7 @@ class SFTTask(Task[TokenBatch]):
                          indices: list[int] | None) -> Documents:
         """The documents of rows with images (:class:`ImageDocuments`), after the checks of what is not done yet."""
         d = self.cfg.data
-        for bad, why in ((isinstance(d.path, list), "a data mixture (data.path a list)"),
-                         (bool(d.eval_fraction or d.eval_path), "evaluation (data.eval_fraction, data.eval_path)")):
-            if bad:
-                raise UserError(f"data.path {path}: rows with images do not go with {why} yet; train them from one "
-                                "file and no evaluation set")
+        refuse_unsupported(d, path)
         if self.expander is None:
             self.expander = ImageExpander.from_folder(tokenizer_folder(self.cfg), tokenizer)
         if self.images is None:
@@ -105,7 +103,7 @@ class SFTTask(Task[TokenBatch]):
         return Documents(cast(dict[int, Document], docs), bad_rows)
 
     def finish_rows(self, rows: dict[str, Any]) -> dict[str, Any]:
-        """Rows of documents with images get their images' patches (sft/vision.py); others are unchanged."""
+        """Rows of documents with images get their images' patches (chat/image_documents.py); others are unchanged."""
         return rows if self.images is None else self.images.finish_rows(rows)
 
     def image_spans(self, i: int) -> tuple[tuple[int, int], ...]:
@@ -113,16 +111,22 @@ class SFTTask(Task[TokenBatch]):
         return () if self.images is None else self.images.spans.get(i, ())
 
     def row_budgets(self) -> dict[str, int]:
-        """Packed rows with images: data.max_patches' worth of frames a row (sft/vision.py)."""
+        """Packed rows with images: data.max_patches' worth of frames a row (chat/image_documents.py)."""
         return {} if self.images is None else self.images.budgets()
 
     def batch_layout(self, grad_accum: int, micro: int, seq_len: int) -> TokenBatch:
-        """The token batch, with the rows' images on a vision-language model: data.max_patches of them a row
-        (unset: one frame's, as no data is read to size it by)."""
+        """The token batch, with the rows' images on a vision-language model: data.max_patches of them a row (unset:
+        the largest row's once the data is read, none when no row of it has images; else one frame's, as no data is
+        read to size it by)."""
         v = self.vision
         if v is None:
             return super().batch_layout(grad_accum, micro, seq_len)
-        patches = self.cfg.data.max_patches or v.patches_per_image
+        if self.images is not None or self.text_rows_read:  # the data is read: its rows' budget (0: text rows)
+            patches = self.images.max_patches if self.images is not None else 0
+        else:
+            patches = self.cfg.data.max_patches or v.patches_per_image
+        if not patches:
+            return super().batch_layout(grad_accum, micro, seq_len)
         return TokenBatch.layout((grad_accum, micro, seq_len), vision=(patches, v.patch_dim))
 
     def loss_sums(self, mcfg: ModelConfig, weights: Weights, mb: TokenBatch, compute: Any, remat: str, *,

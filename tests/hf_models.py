@@ -238,7 +238,7 @@ def hf_tensors(folder):
         with safe_open(f, framework="pt") as fh:
             for name in fh.keys():
                 t = fh.get_tensor(name)
-                out[name] = (str(t.dtype), t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+                out[name] = (str(t.dtype), t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")  # reshape: 0-d too
     return out
 
 

@@ -25,3 +25,13 @@ def write_word_texts(path, words, rows: int):
 def read_metrics(out) -> list[dict]:
     """The records of a run's metrics.jsonl."""
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def one_line_error(capsys, main, args: list[str]) -> str:
+    """Run a command's ``main(args)``: it must exit 2 with exactly one ``error: ...`` line on stderr, which is
+    returned without its prefix."""
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("error: ")
+    return err[0].removeprefix("error: ")

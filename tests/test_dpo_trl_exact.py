@@ -1,7 +1,7 @@
 """DPO metrics equal TRL 1.16's, on answers of unequal length, with ``dpo.sft_weight``, however the batch is split.
 
-The expected numbers are TRL's formulas written out here in NumPy (float64),
-not our code: DPOTrainer._compute_loss for sigmoid, hinge, robust and ipo (and
+The expected numbers are TRL's formulas written out in NumPy (float64; tests/trl_oracles.py's trl_metrics, and
+ORPO's and CPO's here), not our code: DPOTrainer._compute_loss for sigmoid, hinge, robust and ipo (and
 its ``"sft"`` loss term, ``loss_type=[..., "sft"], loss_weights=[1, w]``) and
 CPOTrainer (``loss_type="simpo"``, ``cpo_alpha``). The first tests run the real
 train step (pretrain/jit_step.py, with the DPO task) on fixed per-token
@@ -28,60 +28,14 @@ from pretrain.loop import train
 from tests.hf_models import hf_logps
 from tests.preference_data import UNEVEN_PAIRS, LookupRows, dpo_cfg, lookup_batch_logps
 from tests.run_files import read_metrics, write_jsonl
+from tests.trl_oracles import logsigmoid, trl_metrics
 
 BETA, EPS, GAMMA, SFT = 0.1, 0.1, 0.5, 0.7
 PROMPT_LEN, SEQ = 2, 16
 CHOSEN_LENS, REJECTED_LENS = (1, 3, 2, 5), (4, 1, 3, 2)  # unequal answers; 4 and 7 chosen tokens per half
 
 
-# ---- TRL 1.16, written out -------------------------------------------------------------------------------
-
-def _logsigmoid(x: np.ndarray) -> np.ndarray:
-    return -np.logaddexp(0.0, -x)
-
-
-def trl_metrics(loss_type: str, pol_c: list, pol_r: list, ref_c: list, ref_r: list, beta: float,
-                label_smoothing: float, simpo_gamma: float, sft_weight: float) -> dict[str, float]:
-    """TRL's step metrics from per-token log-probabilities (one float64 array per answer)."""
-    eps = label_smoothing
-    n_c = np.array([len(x) for x in pol_c], float)
-    n_r = np.array([len(x) for x in pol_r], float)
-    chosen_logps = np.array([x.sum() for x in pol_c])  # logps = per_token_logps.sum(dim=1)
-    rejected_logps = np.array([x.sum() for x in pol_r])
-    if loss_type == "simpo":
-        # CPOTrainer: get_batch_logps(average_log_prob=loss_type in ["ipo", "simpo"]) feeds everything.
-        chosen_logps, rejected_logps = chosen_logps / n_c, rejected_logps / n_r
-        logits = chosen_logps - rejected_logps - simpo_gamma / beta
-        losses = -_logsigmoid(beta * logits) * (1 - eps) - _logsigmoid(-beta * logits) * eps
-        chosen_rewards, rejected_rewards = beta * chosen_logps, beta * rejected_logps
-    else:
-        chosen_logratios = chosen_logps - np.array([x.sum() for x in ref_c])
-        rejected_logratios = rejected_logps - np.array([x.sum() for x in ref_r])
-        delta = chosen_logratios - rejected_logratios
-        if loss_type == "sigmoid":
-            losses = -_logsigmoid(beta * delta)
-        elif loss_type == "hinge":
-            losses = np.maximum(0.0, 1 - beta * delta)
-        elif loss_type == "robust":
-            clean = -(1 - eps) * _logsigmoid(beta * delta)
-            flipped = -eps * _logsigmoid(-beta * delta)
-            losses = (clean - flipped) / (1 - 2 * eps)
-        elif loss_type == "ipo":
-            # chosen_avg_score = chosen_scores / chosen_mask.sum(dim=1).clamp(min=1.0), the loss alone
-            ipo_delta = chosen_logratios / n_c - rejected_logratios / n_r
-            losses = (ipo_delta - 1 / (2 * beta)) ** 2
-        else:
-            raise AssertionError(loss_type)
-        chosen_rewards, rejected_rewards = beta * chosen_logratios, beta * rejected_logratios
-    # "sft": -chosen_per_token_logps[chosen_mask.bool()].mean(), i.e. over every chosen token of the batch
-    # (CPOTrainer's nll_loss: CrossEntropyLoss over the chosen labels, the same token mean).
-    nll = -np.concatenate(pol_c).mean()
-    return {"loss": losses.mean() + sft_weight * nll,  # loss += per_sequence_loss.mean() * loss_weight
-            "rewards/chosen": chosen_rewards.mean(), "rewards/rejected": rejected_rewards.mean(),
-            "rewards/accuracies": (chosen_rewards > rejected_rewards).astype(float).mean(),
-            "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
-            "logps/chosen": chosen_logps.mean(), "logps/rejected": rejected_logps.mean()}
-
+# ---- TRL 1.16, written out: tests/trl_oracles.py's trl_metrics (shared with tests/test_vlm_dpo.py) ---------------
 
 # ---- the train step on fixed log-probabilities -----------------------------------------------------------
 
@@ -208,7 +162,7 @@ def trl_orpo_cpo(loss_type: str, micro_batches: int, b: float = 0.0, eps: float 
             mc = sc / np.array([len(move["c"][i]) for i in h])
             mr = sr / np.array([len(move["r"][i]) for i in h])
             log_odds = (mc - mr) - (_log1mexp(mc) - _log1mexp(mr))
-            ratio = _logsigmoid(log_odds)
+            ratio = logsigmoid(log_odds)
             # chosen_nll_loss: CrossEntropyLoss over every (shifted) token of prompt + chosen
             nll = -np.concatenate([np.concatenate([prompt[i], move["c"][i]]) for i in h]).mean()
             loss = nll - (BETA * ratio).mean()
@@ -216,7 +170,7 @@ def trl_orpo_cpo(loss_type: str, micro_batches: int, b: float = 0.0, eps: float 
             extra = {"log_odds_ratio": ratio.mean(), "log_odds_chosen": log_odds.mean()}
         else:
             logits = sc - sr
-            losses = -_logsigmoid(BETA * logits) * (1 - eps) - _logsigmoid(-BETA * logits) * eps
+            losses = -logsigmoid(BETA * logits) * (1 - eps) - logsigmoid(-BETA * logits) * eps
             nll = -np.concatenate([move["c"][i] for i in h]).mean() if alpha else 0.0
             loss = losses.mean() + alpha * nll
             rc, rr, lc, lr = BETA * sc, BETA * sr, sc, sr

@@ -8,6 +8,7 @@ transformers' on our merged export, and our own JAX forward of the adapter check
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ import torch
 import zoo
 from convert.peft_card import adapter_card, base_model_ref
 from convert.peft_plan import LORA_LAYOUTS
-from convert.tables import table_for
+from convert.tables import export_format, table_for
 from convert.transforms import TRANSFORMS
 from tests.hf_models import hf_logits, make_hf, random_tokens
 from tests.hub_runs import lay_out_hf_cache
@@ -29,8 +30,9 @@ from tests.lora_fixtures import write_adapter_checkpoint
 from zoo.checkpoints.format import read_meta
 from zoo.checkpoints.provenance import hub_repo_of
 from zoo.cli import main
-from zoo.lora.params import LoraConfig, lora_delta, lora_specs
+from zoo.lora.params import LoraConfig, adapter_lead, lora_delta, lora_specs
 from zoo.model.config import ModelConfig
+from zoo.model.vision_config import VisionConfig
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TOL = 1e-4
@@ -129,21 +131,27 @@ def assert_peft_loads_every_key(model, adapter_dir: Path) -> None:
 
 def test_layouts_turn_each_zoo_delta_into_peft_factors():
     """For every adapted weight of the dense table (and Gemma 4's, whose full layers' attention is stacked apart
-    with wider heads): lora_B @ lora_A is the export transform of A @ B."""
+    with wider heads, and a SmolVLM's tower and connector): lora_B @ lora_A is the export transform of A @ B."""
     llama = ModelConfig(family="llama", vocab_size=32, hidden_size=24, intermediate_size=40, num_layers=1,
                         num_heads=3, num_kv_heads=1, head_dim=8)
     gemma4 = ModelConfig(family="gemma4", vocab_size=32, hidden_size=24, intermediate_size=40, num_layers=2,
                          num_heads=3, num_kv_heads=3, head_dim=8, global_head_dim=16, global_kv_heads=1,
                          layer_types=("sliding", "full"), sliding_window=4)
+    # A SmolVLM's language model, tower and connector (the tower's heads its own: convert.transforms._tower).
+    vision = VisionConfig(arch="SmolVLMForConditionalGeneration", hidden_size=16, intermediate_size=24, num_layers=1,
+                          num_heads=2, patch_size=2, image_size=4, image_token_id=31)
+    vlm = dataclasses.replace(llama, family="smolvlm", vision=vision)
+    vlm_targets = ["all", "vision.q_proj", "vision.k_proj", "vision.o_proj", "vision.up_proj", "projector.proj"]
     rng = np.random.RandomState(0)
     seen = set()
-    for cfg in (llama, gemma4):
-        specs = lora_specs(cfg, LoraConfig(rank=4, targets="all"))
-        rules = {r.zoo: r for r in table_for(cfg.family, "hf", cfg)}
+    for cfg, targets in ((llama, "all"), (gemma4, "all"), (vlm, vlm_targets)):
+        specs = lora_specs(cfg, LoraConfig(rank=4, targets=targets))
+        rules = {r.zoo: r for r in table_for(cfg.family, export_format(cfg), cfg)}
         for path in sorted({p.rpartition(".")[0] for p in specs}):
             rule = rules[path]
-            a = rng.normal(size=specs[f"{path}.a"].shape[1:]).astype(np.float32)  # one layer
-            b = rng.normal(size=specs[f"{path}.b"].shape[1:]).astype(np.float32)
+            lead = adapter_lead(cfg, path)  # one layer (the connector has no layers axis)
+            a = rng.normal(size=specs[f"{path}.a"].shape[lead:]).astype(np.float32)
+            b = rng.normal(size=specs[f"{path}.b"].shape[lead:]).astype(np.float32)
             want = TRANSFORMS[rule.transform].inverse(np.asarray(lora_delta(a, b, 1.0, 0)), cfg)
             layout = LORA_LAYOUTS[rule.transform]
             np.testing.assert_allclose(layout.b(b) @ layout.a(a), want, rtol=1e-5, atol=1e-5, err_msg=path)

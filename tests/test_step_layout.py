@@ -49,6 +49,13 @@ def _task(name: str):
         from dpo.task import DPOTask
 
         return DPOTask(load_config(None, common + ["dpo.reference=precomputed"], DPOConfig))
+    if name == "dpo_images":
+        from dpo.config import DPOConfig
+        from dpo.task import DPOTask
+
+        task = DPOTask(load_config(None, common + ["dpo.reference=precomputed", "data.max_patches=32"], DPOConfig))
+        task.vision = TINY_VLM.vision  # what prepare reads from the model
+        return task
     if name == "kto":
         from dpo.config import DPOConfig
         from dpo.kto import KTOTask
@@ -76,7 +83,7 @@ def _task(name: str):
                                                 "grpo.beta=0.1"], GRPOConfig))
 
 
-TASKS = ["pretrain", "sft", "sft_images", "gkd", "gkd_online", "dpo", "kto", "reward", "grpo"]
+TASKS = ["pretrain", "sft", "sft_images", "gkd", "gkd_online", "dpo", "dpo_images", "kto", "reward", "grpo"]
 
 
 @functools.cache
@@ -86,8 +93,9 @@ def _lowered(name: str):
     from pretrain.jit_step import make_step
 
     task = _task(name)
-    # a reward model's score head; a vision-language model's tower for SFT with images
-    mcfg = dataclasses.replace(TINY, num_labels=1) if name == "reward" else TINY_VLM if name == "sft_images" else TINY
+    # a reward model's score head; a vision-language model's tower for SFT and DPO with images
+    mcfg = (dataclasses.replace(TINY, num_labels=1) if name == "reward" else
+            TINY_VLM if name.endswith("_images") else TINY)
     tx = optax.adamw(1e-3)
     params = jax.eval_shape(lambda: init_params(mcfg, jax.random.key(0)))
     # GKD's frozen input is its teacher (here one of the student's shape); the other tasks have none here
@@ -96,7 +104,7 @@ def _lowered(name: str):
              "step": jax.ShapeDtypeStruct((), jnp.int32)}
     batch = task.batch_layout(ACCUM, MICRO, SEQ)
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch))
-    if name == "sft_images":  # data.max_patches patches a row, flattened like the token fields
+    if name.endswith("_images"):  # data.max_patches patches a row, flattened like the token fields
         assert batch.vision.patches.shape == (ACCUM, MICRO, 32 * TINY_VLM.vision.patch_dim)
     step, evaluate = make_step(mcfg, tx, jnp.float32, task=task)
     lowered = step.lower(state, batch, **teacher)  # its outputs' shapes: no second trace (jax.eval_shape)

@@ -18,7 +18,7 @@ from pretrain.loop import train
 from sft.cli import main as sft_main
 from sft.config import SFTConfig
 from sft.task import SFTTask
-from tests.run_files import read_metrics, write_jsonl
+from tests.run_files import one_line_error, read_metrics, write_jsonl
 from tests.vlm_models import make_vlm
 from tests.vlm_processors import smolvlm_folder, write_images
 from zoo.cli import main as zoo_main
@@ -138,11 +138,7 @@ def test_lora_with_frozen_tower_trains_the_adapters_alone(vlm, tmp_path):
 
 
 def _one_line_error(capsys, args) -> str:
-    assert sft_main(["train", *args]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1, err
-    assert err[0].startswith("error: ")
-    return err[0].removeprefix("error: ")
+    return one_line_error(capsys, sft_main, ["train", *args])
 
 
 def test_bad_image_rows_are_one_line_naming_the_row(vlm, tmp_path, capsys):
@@ -168,10 +164,10 @@ def test_bad_image_rows_are_one_line_naming_the_row(vlm, tmp_path, capsys):
     assert err.startswith(f"{bare / 'tokenizer'}: no image processor could be loaded") and \
         err.endswith("copy the model's preprocessor_config.json (or processor_config.json) into it")
     # Several processes (each reading its own rows) must agree on the patch budget: it is then set, not derived.
-    import sft.vision
+    import chat.image_documents
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(sft.vision, "_processes", lambda: 2)
+        mp.setattr(chat.image_documents, "_processes", lambda: 2)
         err = _one_line_error(capsys, [*common, "data.seq_len=64"])
     assert err == f"{data}, line 1: a run of several processes with images needs data.max_patches (this row needs " \
         "16); set it to the largest row's patches, the same everywhere"

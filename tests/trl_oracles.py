@@ -1,5 +1,6 @@
 """TRL as an oracle: one step of TRL's own trainer against one plain SGD step of ours (issue 44's
-end-to-end checks), the weight change of our exported run, and the comparisons of changes and metrics."""
+end-to-end checks), the weight change of our exported run, the comparisons of changes and metrics, and TRL 1.16's
+DPO metrics written out (trl_metrics)."""
 
 from __future__ import annotations
 
@@ -73,3 +74,53 @@ def reward_operands(metrics: dict, beta: float) -> dict[str, float]:
     (``logps/*``), for :func:`assert_same_metrics`."""
     scale = beta * max(abs(float(metrics["logps/chosen"])), abs(float(metrics["logps/rejected"])))
     return {k: scale for k in ("rewards/chosen", "rewards/rejected", "rewards/margins")}
+
+
+# ---- TRL 1.16's DPO metrics, written out ----------------------------------------------------------------
+
+def logsigmoid(x: np.ndarray) -> np.ndarray:
+    """log(sigmoid(x)), stable in float64."""
+    return -np.logaddexp(0.0, -x)
+
+
+def trl_metrics(loss_type: str, pol_c: list, pol_r: list, ref_c: list, ref_r: list, beta: float,
+                label_smoothing: float, simpo_gamma: float, sft_weight: float) -> dict[str, float]:
+    """TRL's step metrics from per-token log-probabilities (one float64 array per answer)."""
+    eps = label_smoothing
+    n_c = np.array([len(x) for x in pol_c], float)
+    n_r = np.array([len(x) for x in pol_r], float)
+    chosen_logps = np.array([x.sum() for x in pol_c])  # logps = per_token_logps.sum(dim=1)
+    rejected_logps = np.array([x.sum() for x in pol_r])
+    if loss_type == "simpo":
+        # CPOTrainer: get_batch_logps(average_log_prob=loss_type in ["ipo", "simpo"]) feeds everything.
+        chosen_logps, rejected_logps = chosen_logps / n_c, rejected_logps / n_r
+        logits = chosen_logps - rejected_logps - simpo_gamma / beta
+        losses = -logsigmoid(beta * logits) * (1 - eps) - logsigmoid(-beta * logits) * eps
+        chosen_rewards, rejected_rewards = beta * chosen_logps, beta * rejected_logps
+    else:
+        chosen_logratios = chosen_logps - np.array([x.sum() for x in ref_c])
+        rejected_logratios = rejected_logps - np.array([x.sum() for x in ref_r])
+        delta = chosen_logratios - rejected_logratios
+        if loss_type == "sigmoid":
+            losses = -logsigmoid(beta * delta)
+        elif loss_type == "hinge":
+            losses = np.maximum(0.0, 1 - beta * delta)
+        elif loss_type == "robust":
+            clean = -(1 - eps) * logsigmoid(beta * delta)
+            flipped = -eps * logsigmoid(-beta * delta)
+            losses = (clean - flipped) / (1 - 2 * eps)
+        elif loss_type == "ipo":
+            # chosen_avg_score = chosen_scores / chosen_mask.sum(dim=1).clamp(min=1.0), the loss alone
+            ipo_delta = chosen_logratios / n_c - rejected_logratios / n_r
+            losses = (ipo_delta - 1 / (2 * beta)) ** 2
+        else:
+            raise AssertionError(loss_type)
+        chosen_rewards, rejected_rewards = beta * chosen_logratios, beta * rejected_logratios
+    # "sft": -chosen_per_token_logps[chosen_mask.bool()].mean(), i.e. over every chosen token of the batch
+    # (CPOTrainer's nll_loss: CrossEntropyLoss over the chosen labels, the same token mean).
+    nll = -np.concatenate(pol_c).mean()
+    return {"loss": losses.mean() + sft_weight * nll,  # loss += per_sequence_loss.mean() * loss_weight
+            "rewards/chosen": chosen_rewards.mean(), "rewards/rejected": rejected_rewards.mean(),
+            "rewards/accuracies": (chosen_rewards > rejected_rewards).astype(float).mean(),
+            "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+            "logps/chosen": chosen_logps.mean(), "logps/rejected": rejected_logps.mean()}

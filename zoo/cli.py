@@ -86,10 +86,11 @@ def cmd_generate(args: argparse.Namespace) -> int | None:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    """`zoo eval` -> eval/cli.py."""
+    """`zoo eval` -> eval/cli.py (rows with images: the model's processor, a floor above eval/)."""
+    from chat.images import ImageExpander
     from eval.cli import eval_command
 
-    eval_command(args)
+    eval_command(args, ImageExpander.from_folder)
 
 
 def cmd_demo(args: argparse.Namespace) -> None:

@@ -45,7 +45,7 @@ from zoo.checkpoints.provenance import hub_weights
 from zoo.checkpoints.readers import ParamSource, load_param_numpy
 from zoo.checkpoints.writer import StoredSection
 from zoo.errors import UserError
-from zoo.lora.params import LoraConfig, lora_delta, lora_scale, lora_specs, target_modules
+from zoo.lora.params import LoraConfig, adapter_lead, lora_delta, lora_scale, lora_specs, target_modules
 from zoo.model.config import ModelConfig
 from zoo.model.params import ParamSpec, nest
 from zoo.model.sharding import make_mesh, named_sharding
@@ -258,7 +258,7 @@ class MergedParamReader:
             # Adapters are small (rank r): read whole.
             self.a = load_param_numpy(ckpt, f"{path}.a", meta["lora"]["params"][f"{path}.a"])
             self.b = load_param_numpy(ckpt, f"{path}.b", meta["lora"]["params"][f"{path}.b"])
-            self.lead = 2 if path.split(".")[-1].startswith("expert_") else 1
+            self.lead = adapter_lead(ModelConfig.from_dict(meta["config"]), path)
         # QLoRA: the adapters learned beside the dequantized base, so they merge into it (zoo/model/quant.py).
         self.quant = None
         bq = meta["lora"].get("base_quant")
@@ -283,9 +283,10 @@ class MergedParamReader:
         """``param[..., start:stop, ...]`` along ``axis`` (a leading, stacked axis) with the adapter merged."""
         w = self.base.read_block(axis, start, stop)
         if self.a is not None and self.b is not None:
-            if axis >= self.lead:
+            whole = start is None and stop is None  # the whole weight: a connector's has no stacked axis to slice
+            if axis >= self.lead and not whole:
                 raise ValueError("merged reads slice only the stacked leading axes")
-            idx = (slice(None),) * axis + (slice(start, stop),)
+            idx = () if whole else (slice(None),) * axis + (slice(start, stop),)
             w = self._merge(w, self.a[idx], self.b[idx], self.lead)
         return w.squeeze(axis) if squeeze else w
 

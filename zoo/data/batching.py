@@ -26,6 +26,7 @@ from zoo.model.config import ModelConfig
 from zoo.model.logps import batch_logps
 from zoo.model.quant import cast_params
 from zoo.model.sharding import mesh_context
+from zoo.model.vision import VisionInputs
 
 Document: TypeAlias = np.ndarray | dict[str, np.ndarray]
 
@@ -83,12 +84,29 @@ def to_model_batch(b: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-def stacked(docs: Sequence[Document], length: int, rows: int) -> dict[str, np.ndarray]:
+Finish: TypeAlias = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]  # stacked rows -> the rows to batch
+
+
+def stacked(docs: Sequence[Document], length: int, rows: int, finish: Finish | None = None) -> dict[str, np.ndarray]:
     """A model batch of ``rows`` rows of ``length`` tokens from ``docs`` (at most ``rows``; the last one repeats
-    to fill the batch, so every batch has one shape and compiles once)."""
+    to fill the batch, so every batch has one shape and compiles once). ``finish`` makes what it will of the
+    stacked rows first (a task's: rows with images get their patches, pretrain.task.Task.finish_rows)."""
     rows_ = [padded(d, length) for d in docs]
     rows_ += [rows_[-1]] * (rows - len(rows_))
-    return to_model_batch({k: np.stack([r[k] for r in rows_]) for k in rows_[0]})
+    b = {k: np.stack([r[k] for r in rows_]) for k in rows_[0]}
+    return to_model_batch(b if finish is None else finish(b))
+
+
+def batch_vision(cfg: ModelConfig, batch: dict[str, Any]) -> VisionInputs | None:
+    """The images of a model batch (its ``vision_*`` arrays, [rows, width] each: pretrain.batch.VisionBatch's
+    layout) as the model reads them, or None where it has none."""
+    if cfg.vision is None or "vision_patches" not in batch:
+        return None
+    patches = batch["vision_patches"]
+    rows, width = patches.shape
+    return VisionInputs(patches.reshape(rows, width // cfg.vision.patch_dim, cfg.vision.patch_dim),
+                        batch["vision_patch_image"], batch["vision_patch_valid"].astype(bool),
+                        batch["vision_patch_pos"], batch["vision_patch_group"], batch["vision_patch_slot"])
 
 
 def replicated_batch(b: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
@@ -101,13 +119,13 @@ def _target_logps(cfg: ModelConfig, params: dict, batch: dict, compute: Any) -> 
     """log p(target) * weight [rows, length - 1] of one model batch."""
     if compute is not None:
         params = cast_params(params, compute)
-    logp, _, _ = batch_logps(cfg, params, batch)
+    logp, _, _ = batch_logps(cfg, params, batch, vision=batch_vision(cfg, batch))
     return logp * batch["weights"]
 
 
 def score_documents(cfg: ModelConfig, params: dict, documents: Sequence[Document], length: int, rows: int,
                     sharding: NamedSharding | None = None, compute: Any = None,
-                    on_batch: Callable[[int], None] | None = None) -> list[np.ndarray]:
+                    on_batch: Callable[[int], None] | None = None, finish: Finish | None = None) -> list[np.ndarray]:
     """Each document's per-token target log-probabilities (float32, one per token, 0 where the token is no target).
 
     Entry ``i`` of a document's array is log p(token i | the earlier tokens of
@@ -117,12 +135,13 @@ def score_documents(cfg: ModelConfig, params: dict, documents: Sequence[Document
     documents go ``rows`` at a time through one fixed-shape forward pass
     (params cast to ``compute`` inside it when given), laid out as
     ``sharding`` when given (every process holds all documents); ``on_batch``
-    hears how many documents each batch scored (a progress bar).
+    hears how many documents each batch scored (a progress bar). ``finish``: :func:`stacked`'s (documents with
+    images: their rows' patches).
     """
     out: list[np.ndarray] = []
     for start in range(0, len(documents), rows):
         chunk = documents[start:start + rows]
-        b = stacked(chunk, length, rows)
+        b = stacked(chunk, length, rows, finish)
         if sharding is None:
             got = np.asarray(jax.device_get(_target_logps(cfg, params, b, compute)), np.float32)
         else:

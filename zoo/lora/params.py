@@ -23,6 +23,13 @@ transformers' ``experts.gate_up_proj``: naming gate and up (or
 ``target_parameters`` does; naming one of the two alone is an error. Its
 dense MLP and attention (the full layers' ``global_*`` weights too) are
 adapted as any model's.
+
+A vision-language model's image tower and connector are adapted only where
+named (:data:`VISION_TARGETS`): ``vision.q_proj`` ... ``vision.down_proj`` (the
+tower's projections, under the text names; transformers' own ``vision.out_proj``,
+``vision.fc1``, ``vision.fc2`` name the same) and ``projector.proj`` (the
+connector). The bare names, ``all`` and ``all-linear`` name the language
+model's projections alone, so a text recipe adapts a VLM's language model only.
 """
 
 from __future__ import annotations
@@ -70,6 +77,30 @@ BASE_TARGETS = (*ATTENTION_TARGETS, "gate_proj", "up_proj", "down_proj")  # what
 # The MoE router's Hugging Face names (Mixtral's block_sparse_moe.gate, DeepSeek's mlp.gate): it stays frozen.
 ROUTER_NAMES = ("gate", "router", "mlp.gate", "block_sparse_moe.gate", "mlp.router")
 
+# A vision-language model's tower and connector: target name -> the zoo weights (whole paths) it names. peft would
+# match a bare q_proj in the tower too; here the tower is named apart, so the default stays the language model.
+VISION_TARGETS: dict[str, tuple[str, ...]] = {
+    "vision.q_proj": ("vision.layers.q",),
+    "vision.k_proj": ("vision.layers.k",),
+    "vision.v_proj": ("vision.layers.v",),
+    "vision.o_proj": ("vision.layers.o",),
+    "vision.up_proj": ("vision.layers.up",),
+    "vision.down_proj": ("vision.layers.down",),
+    "projector.proj": ("projector.proj",),
+}
+# transformers' spelling of the SigLIP tower's modules (out_proj, fc1, fc2) -> the target name above
+VISION_ALIASES = {"vision.out_proj": "vision.o_proj", "vision.fc1": "vision.up_proj", "vision.fc2": "vision.down_proj"}
+# Each vision target's module path as peft sees it in SmolVLM / Idefics3, which a regex is matched against.
+_VISION_PATHS = {
+    "vision.q_proj": "model.vision_model.encoder.layers.0.self_attn.q_proj",
+    "vision.k_proj": "model.vision_model.encoder.layers.0.self_attn.k_proj",
+    "vision.v_proj": "model.vision_model.encoder.layers.0.self_attn.v_proj",
+    "vision.o_proj": "model.vision_model.encoder.layers.0.self_attn.out_proj",
+    "vision.up_proj": "model.vision_model.encoder.layers.0.mlp.fc1",
+    "vision.down_proj": "model.vision_model.encoder.layers.0.mlp.fc2",
+    "projector.proj": "model.connector.modality_projection.proj",
+}
+
 # How many axes after the leading layers (and expert) axes are W's input: o contracts heads and head_dim.
 _CONTRACT = {"o": 2}
 _CONTRACT["global_o"] = 2  # Gemma 4's full layers' o (zoo.model.layer_layout)
@@ -94,7 +125,12 @@ class LoraConfig:
     gate, ``experts.gate_proj`` only the routed experts'), ``"all"`` (every
     attention and MLP projection, experts included), or a regex, matched in
     full against each module name or its peft-style path
-    (``model.layers.0.self_attn.q_proj``, ``model.layers.0.mlp.experts.gate_proj``).
+    (``model.layers.0.self_attn.q_proj``, ``model.layers.0.mlp.experts.gate_proj``; a vision-language model's
+    language model also as ``model.text_model.layers.0...`` and ``model.language_model.layers.0...``).
+    A vision-language model's tower and connector are named apart (:data:`VISION_TARGETS`,
+    :data:`VISION_ALIASES`; in a list ``all`` stands for the language model's projections beside them); a regex
+    reaches them by their peft paths only (``model.vision_model.encoder.layers.0.self_attn.out_proj``,
+    ``...mlp.fc1``, ``model.connector.modality_projection.proj``), as peft matches them in SmolVLM.
     The router is not a target: naming it is a UserError.
     ``rslora`` scales by alpha/sqrt(rank) instead of alpha/rank. ``dropout`` is
     peft's ``lora_dropout``: in training each adapter reads its input with that
@@ -124,11 +160,23 @@ def lora_scale(lora_cfg: LoraConfig) -> float:
     return lora_cfg.alpha / (math.sqrt(lora_cfg.rank) if lora_cfg.rslora else lora_cfg.rank)
 
 
-def _peft_path(name: str) -> str:
-    if name.startswith("mlp."):
-        return f"model.layers.0.{name}"
-    block = "self_attn" if name in ATTENTION_TARGETS else "mlp"
-    return f"model.layers.0.{block}.{name}"
+# Where transformers keeps a model's decoder layers: a text model's, and a vision-language model's language model
+# (SmolVLM / Idefics3, Gemma 3), so a regex written for either picks the language model's projections.
+_LM_PREFIXES = ("model.layers.0", "model.text_model.layers.0", "model.language_model.layers.0")
+
+
+def _peft_paths(name: str) -> tuple[str, ...]:
+    """The module paths a regex target is matched against (besides the name itself, for the language model)."""
+    if name in _VISION_PATHS:
+        return (_VISION_PATHS[name],)
+    tail = name if name.startswith("mlp.") else f"{'self_attn' if name in ATTENTION_TARGETS else 'mlp'}.{name}"
+    return tuple(f"{prefix}.{tail}" for prefix in _LM_PREFIXES)
+
+
+def _matches(pattern: re.Pattern[str], name: str) -> bool:
+    """Whether a regex target picks ``name``: its peft paths, or for the language model the name itself."""
+    return any(pattern.fullmatch(p) for p in _peft_paths(name)) or (
+        name in HF_TO_ZOO and pattern.fullmatch(name) is not None)
 
 
 def _fewest(names: list[str]) -> tuple[str, ...]:
@@ -136,10 +184,10 @@ def _fewest(names: list[str]) -> tuple[str, ...]:
     regex that picks ``gate_proj`` also picks ``experts.gate_proj``, and the record keeps ``gate_proj``."""
     kept: list[str] = []
     covered: set[str] = set()
-    for n in HF_TO_ZOO:
-        if n in names and not set(HF_TO_ZOO[n]) <= covered:
+    for n, weights in (*HF_TO_ZOO.items(), *VISION_TARGETS.items()):
+        if n in names and not set(weights) <= covered:
             kept.append(n)
-            covered.update(HF_TO_ZOO[n])
+            covered.update(weights)
     return tuple(kept)
 
 
@@ -151,33 +199,57 @@ def _refuse_router(names: list[str] | tuple[str, ...]) -> None:
                         "expert projections instead (experts.gate_proj, experts.up_proj, experts.down_proj)")
 
 
+def _named(names: list[str] | tuple[str, ...]) -> list[str]:
+    """A list of targets as :data:`HF_TO_ZOO` / :data:`VISION_TARGETS` names: ``all`` as the language model's
+    projections, the tower's transformers spellings as the names they stand for."""
+    out: list[str] = []
+    for n in names:
+        out += BASE_TARGETS if n in _ALL else [VISION_ALIASES.get(n, n)]
+    return out
+
+
 def target_modules(lora_cfg: LoraConfig) -> tuple[str, ...]:
-    """The Hugging Face module names ``lora_cfg.targets`` selects, in :data:`HF_TO_ZOO` order."""
-    valid = ", ".join(HF_TO_ZOO)
+    """The module names ``lora_cfg.targets`` selects: the language model's in :data:`HF_TO_ZOO` order, then the
+    image tower's and connector's in :data:`VISION_TARGETS` order."""
+    valid = ", ".join([*HF_TO_ZOO, *VISION_TARGETS])
+    known = {**HF_TO_ZOO, **VISION_TARGETS}
     t = lora_cfg.targets
     if isinstance(t, str):
         if t in _ALL:
             return BASE_TARGETS
         _refuse_router([t])
+        if VISION_ALIASES.get(t, t) in VISION_TARGETS:  # one vision name (the command line's lora.targets=vision.q_proj)
+            return (VISION_ALIASES.get(t, t),)
         try:
             pattern = re.compile(t)
         except re.error as e:
             raise UserError(f"lora: targets {t!r} is not a valid regex ({e}); or list names from {valid}") from e
-        picked = _fewest([n for n in HF_TO_ZOO if pattern.fullmatch(n) or pattern.fullmatch(_peft_path(n))])
+        picked = _fewest([n for n in known if _matches(pattern, n)])
         if not picked:
             raise UserError(f"lora: targets regex {t!r} matches none of {valid}")
         return picked
     _refuse_router(t)
-    unknown = [n for n in t if n not in HF_TO_ZOO]
+    names = _named(t)
+    unknown = [n for n in names if n not in known]
     if unknown:
         raise UserError(f"lora: unknown target modules {unknown}; valid: {valid} (or \"all\", or a regex)")
     if not t:
         raise UserError(f"lora: targets is empty; list names from {valid}, or \"all\"")
-    return tuple(n for n in HF_TO_ZOO if n in t)
+    return tuple(n for n in known if n in names)
+
+
+def vision_targets(lora_cfg: LoraConfig, named: bool = False) -> tuple[str, ...]:
+    """The targets of ``lora_cfg`` on a vision-language model's image tower or connector (:data:`VISION_TARGETS`);
+    with ``named``, only those named as such (a regex picks them where they are, as peft's does, so a text model's
+    ``.*`` is no request for a tower)."""
+    t = lora_cfg.targets
+    if named and isinstance(t, str) and VISION_ALIASES.get(t, t) not in VISION_TARGETS:
+        return ()
+    return tuple(n for n in target_modules(lora_cfg) if n in VISION_TARGETS)
 
 
 def _target_suffixes(cfg: ModelConfig, lora_cfg: LoraConfig) -> set[str]:
-    names = target_modules(lora_cfg)
+    names = tuple(n for n in target_modules(lora_cfg) if n in HF_TO_ZOO)
     if cfg.mla:  # MLA's projections have no adapters (see the module docstring)
         names = tuple(n for n in names if n not in ATTENTION_TARGETS)
     suffixes = {s for n in names for s in HF_TO_ZOO[n]}
@@ -196,8 +268,23 @@ def _target_suffixes(cfg: ModelConfig, lora_cfg: LoraConfig) -> set[str]:
 
 
 def _lead(spec: ParamSpec) -> int:
-    """How many leading axes the adapters share with W unchanged: layers, and expert for routed experts."""
+    """How many leading axes the adapters share with W unchanged: layers, and expert for routed experts (none for
+    a weight outside the layer stacks: a vision-language model's connector)."""
+    if spec.axes[:1] != ("layers",):
+        return 0
     return 2 if "expert" in spec.axes[:2] else 1
+
+
+def adapter_lead(cfg: ModelConfig, path: str) -> int:
+    """How many leading axes the adapters of the weight at ``path`` share with it unchanged (layers, experts;
+    none for a connector's weight), as :func:`adapter_specs` lays them out."""
+    return _lead(_specs(cfg)[path])
+
+
+@cache
+def _specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
+    """:func:`param_specs` once per config (a merged read asks for one weight's at a time)."""
+    return param_specs(cfg)
 
 
 def adapter_specs(spec: ParamSpec, suffix: str, rank: int) -> tuple[ParamSpec, ParamSpec]:
@@ -221,11 +308,15 @@ def lora_specs(cfg: ModelConfig, lora_cfg: LoraConfig) -> dict[str, ParamSpec]:
     attention targets on an MLA model).
     """
     suffixes = _target_suffixes(cfg, lora_cfg)
+    # A text model has no tower: its targets there adapt nothing, as MLA's attention targets (the run's set-up
+    # refuses them where named: pretrain/setup.py).
+    tower = {w for n in vision_targets(lora_cfg) for w in VISION_TARGETS[n]}
     out: dict[str, ParamSpec] = {}
     for path, spec in param_specs(cfg).items():
         prefix, _, suffix = path.rpartition(".")
-        # the targets name the language model's weights: a vision-language model's tower and connector keep theirs
-        if prefix and suffix in suffixes and not path.startswith(("vision.", "projector.")):
+        # The bare names are the language model's; the tower's and connector's weights are named whole (tower).
+        lm = prefix and suffix in suffixes and not path.startswith(("vision.", "projector."))
+        if lm or path in tower:
             out[f"{path}.a"], out[f"{path}.b"] = adapter_specs(spec, suffix, lora_cfg.rank)
     if not out:
         raise UserError(f"lora: targets {lora_cfg.targets!r} name no weight of this {cfg.family} model"

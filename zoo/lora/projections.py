@@ -22,7 +22,8 @@ from zoo.model.config import ModelConfig
 # Every weight that can carry a LoRA adapter, in a fixed order: its index is folded into the layer's dropout
 # key, so each adapted projection draws its own mask (q's adapter never sees v's mask).
 ADAPTABLE = ("q", "k", "v", "o", "gate", "up", "down", "expert_gate", "expert_up", "expert_down",
-             "shared_gate", "shared_up", "shared_down", "expert_gate_up")  # the last: Gemma 4's fused experts
+             "shared_gate", "shared_up", "shared_down", "expert_gate_up",  # Gemma 4's fused experts
+             "proj")  # a vision-language model's connector (zoo.model.vision)
 
 
 @dataclass(frozen=True)

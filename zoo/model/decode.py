@@ -256,7 +256,7 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax
     if vision is None:
         x = embed_tokens(cfg, base, tokens)
     else:  # as the training forward embeds a row with images (zoo.model.decoder.forward)
-        x = embed_images(cfg, base, tokens, embed_tokens(cfg, base, text_ids(cfg, tokens)), vision)
+        x = embed_images(cfg, w.without_dropout(), tokens, embed_tokens(cfg, base, text_ids(cfg, tokens)), vision)
     ple = per_layer_inputs(cfg, base, tokens, x) if cfg.per_layer_input_size else None
     # Gemma 4: kind -> (the stored layer's cache, its new keys/values), read by the KV-shared layers.
     stored: dict[str, tuple[dict | None, tuple[jax.Array, jax.Array]]] = {}

@@ -39,7 +39,7 @@ from zoo.model.layer_layout import (
 from zoo.model.layer_scan import Segment, scan_segments, stack_slice
 from zoo.model.masks import kind_window, visibility
 from zoo.model.mrope import mrope_positions
-from zoo.model.multimodal import embed_images, image_blocks, text_ids
+from zoo.model.multimodal import blocks_of_kind, embed_images, image_blocks, text_ids
 from zoo.model.params import flatten, init_params, nest, param_specs
 from zoo.model.per_layer_inputs import add_per_layer_input, per_layer_inputs
 from zoo.model.rope import layer_rope, rope_flags, rope_tables_by_kind
@@ -218,15 +218,18 @@ def forward(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax.Arra
     # (zoo.model.masks.Visibility; zoo.kernels.choice).
     # Rows with images: Gemma 3's image tokens attend within their image both ways (zoo.model.multimodal).
     blocks, ahead = image_blocks(cfg, tokens) if vision is not None else (None, 0)
-    seen = {kind: visibility(segment_ids, kind_window(cfg, kind), prefix_ids, max_segments, blocks, ahead)
+    seen = {kind: visibility(segment_ids, kind_window(cfg, kind), prefix_ids, max_segments,
+                             blocks_of_kind(cfg, kind, blocks), ahead)
             for kind in ropes}
     valid = segment_ids != 0
-    if vision is None:
-        x = embed_tokens(cfg, base, tokens)
-    else:
-        x = embed_images(cfg, base, tokens, embed_tokens(cfg, base, text_ids(cfg, tokens)), vision)
-    # Gemma 4: each layer's per-layer input [layers, b, t, width], scanned with the layers' weights.
-    ple = per_layer_inputs(cfg, base, tokens, x) if cfg.per_layer_input_size else None
+    ids = tokens if vision is None else text_ids(cfg, tokens)
+    x = embed_tokens(cfg, base, ids)
+    if vision is not None:
+        x = embed_images(cfg, w, tokens, x, vision, remat)
+    # Gemma 4: each layer's per-layer input [layers, b, t, width], scanned with the layers' weights: its token
+    # part reads an image token as the padding token (transformers' llm_input_ids), its projection the
+    # embeddings with the images in place.
+    ple = per_layer_inputs(cfg, base, ids, x) if cfg.per_layer_input_size else None
     shared: dict[str, tuple[jax.Array, jax.Array]] = {}  # kind -> the keys/values the KV-shared layers reuse
     layer = _training_layer(cfg, ropes, seen, valid, scale, lora_dropout, shared)
     x, layer_stats = _run_stacks(cfg, base, x, layer, lora, drop_keys, ple, remat, shared)

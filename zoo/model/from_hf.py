@@ -142,9 +142,10 @@ def gpt_oss_fields(c: Any) -> dict[str, Any]:
 def _gemma4_fields(c: Any, where: str) -> dict[str, Any]:
     """Gemma 4's ModelConfig fields: the full layers' head dims (transformers' per_layer_config), KV sharing,
     per-layer inputs, layer scalars, values normed, attention unscaled, and the MoE block beside the MLP."""
-    if getattr(c, "use_bidirectional_attention", None):
+    # "vision": image tokens attend both ways on sliding layers (zoo.model.vision_from_hf); text stays causal.
+    if getattr(c, "use_bidirectional_attention", None) not in (None, "vision"):
         raise UserError(f"{where}: use_bidirectional_attention={c.use_bidirectional_attention!r} is not supported; "
-                        "lmzoo's Gemma 4 is causal (leave it unset)")
+                        "lmzoo's Gemma 4 is causal, image tokens aside ('vision'; or leave it unset)")
     n, shared = int(c.num_hidden_layers), int(c.num_kv_shared_layers or 0)
     if shared >= n:
         raise UserError(f"{where}: num_kv_shared_layers={shared} leaves no layer to compute keys/values; "
@@ -265,7 +266,7 @@ def _completed(cfg: ModelConfig, hf: dict[str, Any], top: Any, c: Any, where: st
     if cfg.family == "gemma4":
         cfg = dataclasses.replace(cfg, **_gemma4_fields(c, where))
     vision = VISION_FORMATS.get(family_of(hf, where)[1])
-    if vision is not None:
+    if vision is not None and getattr(top, "vision_config", None) is not None:  # a released text config has none
         from zoo.model.vision_from_hf import vision_config_from_hf
 
         reader, arch = vision

@@ -83,6 +83,7 @@ VISION_FORMATS: dict[str, tuple[str, str]] = {
     "hf-smolvlm": ("idefics3", "SmolVLMForConditionalGeneration"),
     "hf-idefics3": ("idefics3", "Idefics3ForConditionalGeneration"),
     "hf-gemma3-multimodal": ("gemma3", "Gemma3ForConditionalGeneration"),
+    "hf-gemma4-multimodal": ("gemma4", "Gemma4ForConditionalGeneration"),
     "hf-qwen2_5-vl": ("qwen2_5", "Qwen2_5_VLForConditionalGeneration"),
 }
 

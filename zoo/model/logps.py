@@ -25,20 +25,23 @@ from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 from zoo.model.decoder import forward, stored_head
 from zoo.model.loss import chunk_length, chunk_logits, head_vocab
+from zoo.model.vision import VisionInputs
 
 
 def batch_logps(mcfg: ModelConfig, params: dict | Weights, mb: dict, remat: str = "none", temperature: float = 1.0,
-                entropy: bool = False, max_segments: int | None = None) -> tuple[jax.Array, jax.Array, dict | None]:
+                entropy: bool = False, max_segments: int | None = None,
+                vision: VisionInputs | None = None) -> tuple[jax.Array, jax.Array, dict | None]:
     """(per-target log-probabilities [b, t], mean logits [b, t] (``entropy``: the entropies), MoE aux or None)
     of one forward pass over a model batch (:func:`zoo.data.batching.to_model_batch`: its segments, positions and
     shared prefixes), the logits divided by ``temperature`` (a sampler's distribution).
 
     ``params``: the base alone or :class:`zoo.lora.weights.Weights`; with LoRA adapters the head is frozen, so the
     fused path of :func:`token_logps` applies. ``max_segments``: :func:`zoo.model.decoder.forward`'s.
+    ``vision``: a vision-language model's images of the rows (each image token's embedding its image feature).
     """
     moe = mcfg.num_experts > 0
     out = forward(mcfg, params, mb["inputs"], mb["segment_ids"], mb["positions"], return_aux=moe, remat=remat,
-                  return_hidden=True, prefix_ids=mb.get("prefix_ids"), max_segments=max_segments)
+                  return_hidden=True, prefix_ids=mb.get("prefix_ids"), max_segments=max_segments, vision=vision)
     hidden, aux = cast(tuple[jax.Array, dict], out) if moe else (cast(jax.Array, out), None)  # by return_aux
     w = Weights.wrap(params)
     head_grad = w.adapters is None

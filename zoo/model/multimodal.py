@@ -31,19 +31,30 @@ def merge_features(tokens: jax.Array, x: jax.Array, features: jax.Array, image_t
     return jnp.where(is_image[..., None], taken.astype(x.dtype), x)
 
 
-def embed_images(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, x: jax.Array,
-                 vision: VisionInputs) -> jax.Array:
-    """The token embeddings x [b, t, E] of ``tokens`` with the images of ``vision`` in place of the image tokens."""
+def embed_images(cfg: ModelConfig, params: Any, tokens: jax.Array, x: jax.Array, vision: VisionInputs,
+                 remat: str = "none") -> jax.Array:
+    """The token embeddings x [b, t, E] of ``tokens`` with the images of ``vision`` in place of the image tokens.
+    ``params``: the model's parameters or its :class:`zoo.lora.weights.Weights` (LoRA on the tower and connector);
+    ``remat``: the tower's layer scan's (:func:`zoo.model.vision.tower`)."""
     assert cfg.vision is not None, "images given to a model without a vision tower"
-    return merge_features(tokens, x, encode_images(cfg, params, vision), cfg.vision.image_token_id)
+    return merge_features(tokens, x, encode_images(cfg, params, vision, remat), cfg.vision.image_token_id)
 
 
 def text_ids(cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
-    """``tokens`` as the token embedding reads them: an image token id past the vocabulary as 0 (its embedding is
-    replaced by an image feature anyway)."""
-    if cfg.vision is None or cfg.vision.image_token_id < cfg.vocab_size:
+    """``tokens`` as the token embedding reads them: an image token as id 0 (the padding token of Gemma 3 and 4;
+    its embedding is replaced by an image feature anyway, and Gemma 3's image token id lies past the vocabulary).
+    Gemma 4's per-layer inputs read these ids, as transformers' ``llm_input_ids``."""
+    if cfg.vision is None:
         return tokens
     return jnp.where(tokens == cfg.vision.image_token_id, 0, tokens)
+
+
+def blocks_of_kind(cfg: ModelConfig, kind: str, blocks: jax.Array | None) -> jax.Array | None:
+    """The image blocks layers of ``kind`` see: all of them (Gemma 3), or on sliding layers alone (Gemma 4, whose
+    full-attention layers stay causal)."""
+    if blocks is None or cfg.vision is None or cfg.vision.blocks_on_full or kind == "sliding":
+        return blocks
+    return None
 
 
 def image_blocks(cfg: ModelConfig, tokens: jax.Array) -> tuple[jax.Array | None, int]:

@@ -8,6 +8,11 @@ scanned over their stacked weights, ``post_layernorm``, then the connector that 
 keys are the image's real patches only (transformers' ``patch_attention_mask``), while padding patches still run
 as queries, since their outputs reach the connector as transformers' do.
 
+LoRA (:mod:`zoo.lora.params`' ``vision.*`` and ``projector.proj`` targets) adds its adapters beside the tower's
+q/k/v/o and fc1/fc2 (scanned with their layer, as the decoder's are) and the connector's projection, with LoRA
+dropout keyed apart from the decoder's; ``remat`` wraps the tower's layer scan as it wraps the decoder's
+(:data:`zoo.model.layer_scan.REMAT_POLICIES`).
+
 Attention here is a plain masked softmax over a row's patches ([patches, patches] scores per head): SmolVLM's
 images are at most 1024 patches, so the dense mask is small beside the tower's matmuls. The zoo's blockwise
 kernels and :class:`zoo.model.masks.Visibility` are causal; a bidirectional option there is the design's next
@@ -22,10 +27,18 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from zoo.layers.blocks import ACTIVATIONS, dense, layer_norm, rms_norm
+from zoo.lora.projections import LayerLora, LoraDropout, adapted_dense
+from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
+from zoo.model.layer_scan import LAYER_INPUT, REMAT_POLICIES
 from zoo.model.vision_config import VisionConfig
+
+# Folded into a LoRA run's dropout key for the tower's layers and the connector, so their masks are drawn apart
+# from the decoder's layers' (zoo.model.decoder splits the key itself over its layers).
+TOWER_DROPOUT, PROJECTOR_DROPOUT = 1 << 20, (1 << 20) + 1
 
 
 @partial(jax.tree_util.register_dataclass,
@@ -46,38 +59,77 @@ class VisionInputs:
     patch_slot: jax.Array
 
 
-def _attention(v: VisionConfig, x: jax.Array, p: dict[str, jax.Array], visible: jax.Array) -> jax.Array:
+def _attention(v: VisionConfig, x: jax.Array, p: dict[str, jax.Array], visible: jax.Array,
+               lora: LayerLora | None) -> jax.Array:
     """Bidirectional multi-head attention of one tower layer over x [b, n, D] where ``visible`` [b, 1, n, n]."""
     b, n, _ = x.shape
-    q, k, val = (dense(x, p[name]).reshape(b, n, v.num_heads, v.head_dim) + p[f"{name}_bias"] for name in "qkv")
+    q, k, val = (adapted_dense(x, p[name], lora, name).reshape(b, n, v.num_heads, v.head_dim) + p[f"{name}_bias"]
+                 for name in "qkv")
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * v.head_dim**-0.5
     # A finite floor, not -inf: a row's padding patches see no key, and must come out finite (then unused).
     scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(val.dtype)
     out = jnp.einsum("bhqk,bkhd->bqhd", probs, val).reshape(b, n, v.hidden_size)
-    return dense(out, p["o"], contract=2) + p["o_bias"]
+    return adapted_dense(out, p["o"], lora, "o", contract=2) + p["o_bias"]
 
 
-def _layer(v: VisionConfig, visible: jax.Array, x: jax.Array, p: dict[str, jax.Array]) -> tuple[jax.Array, None]:
-    """One SigLIP encoder layer: x + attention(LayerNorm(x)), then x + fc2(act(fc1(LayerNorm(x))))."""
-    x = x + _attention(v, layer_norm(x, p["attn_norm"], p["attn_norm_bias"], v.norm_eps), p, visible)
+def _layer(v: VisionConfig, visible: jax.Array, scale: float | jax.Array, rate: float | jax.Array, x: jax.Array,
+           inputs: tuple[dict[str, jax.Array], dict | None, jax.Array | None]) -> tuple[jax.Array, None]:
+    """One SigLIP encoder layer: x + attention(LayerNorm(x)), then x + fc2(act(fc1(LayerNorm(x)))); ``inputs``
+    are the layer's weights, its LoRA adapters (or None) and its LoRA dropout key (or None)."""
+    p, adapters, key = inputs
+    lora = None if adapters is None else LayerLora(adapters, scale, None if key is None else LoraDropout(rate, key))
+    x = checkpoint_name(x, LAYER_INPUT)
+    x = x + _attention(v, layer_norm(x, p["attn_norm"], p["attn_norm_bias"], v.norm_eps), p, visible, lora)
     h = layer_norm(x, p["mlp_norm"], p["mlp_norm_bias"], v.norm_eps)
-    h = ACTIVATIONS[v.hidden_act](dense(h, p["up"]) + p["up_bias"])
-    return x + dense(h, p["down"]) + p["down_bias"], None
+    h = ACTIVATIONS[v.hidden_act](adapted_dense(h, p["up"], lora, "up") + p["up_bias"])
+    return x + adapted_dense(h, p["down"], lora, "down") + p["down_bias"], None
 
 
-def tower(v: VisionConfig, params: dict[str, Any], inputs: VisionInputs) -> jax.Array:
-    """The tower's final hidden states [b, n, D] (after ``post_layernorm``) of every patch of the batch."""
-    w = params["vision"]
-    x = dense(inputs.patches.astype(w["patch_embed"].dtype), w["patch_embed"]) + w["patch_bias"]
-    x = x + jnp.take(w["pos_embed"], inputs.patch_pos, axis=0)
+def _dropout_key(w: Weights, salt: int) -> jax.Array | None:
+    """The LoRA dropout key of the tower or the connector (``salt``), or None where no dropout applies (no key,
+    or a rate of exactly 0: the evaluation and sampling forward)."""
+    if w.rng is None or (isinstance(w.dropout, (int, float)) and w.dropout <= 0):
+        return None
+    return jax.random.fold_in(w.rng, salt)
+
+
+def tower(v: VisionConfig, params: Any, inputs: VisionInputs, remat: str = "none") -> jax.Array:
+    """The tower's final hidden states [b, n, D] (after ``post_layernorm``) of every patch of the batch.
+
+    ``params``: the model's parameters, or its :class:`zoo.lora.weights.Weights` (LoRA's ``vision.layers``
+    adapters run beside their weights). ``remat`` (:data:`zoo.model.layer_scan.REMAT_POLICIES`) wraps each layer
+    of the scan in :func:`jax.checkpoint`, as the decoder's blocks are."""
+    w = Weights.wrap(params)
+    base = w.base["vision"]
+    adapters = (w.adapters or {}).get("vision", {}).get("layers")
+    key = None if adapters is None else _dropout_key(w, TOWER_DROPOUT)
+    keys = None if key is None else jax.random.split(key, v.num_layers)
+    x = dense(inputs.patches.astype(base["patch_embed"].dtype), base["patch_embed"]) + base["patch_bias"]
+    x = x + jnp.take(base["pos_embed"], inputs.patch_pos, axis=0)
     img = inputs.patch_image
     visible = (img[:, :, None] == img[:, None, :]) & inputs.patch_valid[:, None, :]
-    x, _ = jax.lax.scan(partial(_layer, v, visible[:, None]), x, w["layers"])
-    return layer_norm(x, w["final_norm"], w["final_norm_bias"], v.norm_eps)
+    scale = 1.0 if w.scale is None else w.scale
+    layer = partial(_layer, v, visible[:, None], scale, w.dropout)
+    if remat != "none":
+        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    x, _ = jax.lax.scan(layer, x, (base["layers"], adapters, keys))
+    return layer_norm(x, base["final_norm"], base["final_norm_bias"], v.norm_eps)
 
 
-def shuffle_linear(v: VisionConfig, params: dict[str, Any], h: jax.Array, inputs: VisionInputs) -> jax.Array:
+def _projection(params: Any, x: jax.Array) -> jax.Array:
+    """The connector's projection ``projector.proj`` of x, with its LoRA adapter where ``params`` has one."""
+    w = Weights.wrap(params)
+    adapter = (w.adapters or {}).get("projector", {}).get("proj")
+    proj = w.base["projector"]["proj"]
+    if adapter is None:
+        return adapted_dense(x, proj, None, "proj")
+    key = _dropout_key(w, PROJECTOR_DROPOUT)
+    drop = None if key is None else LoraDropout(w.dropout, key)
+    return adapted_dense(x, proj, LayerLora({"proj": adapter}, 1.0 if w.scale is None else w.scale, drop), "proj")
+
+
+def shuffle_linear(v: VisionConfig, params: Any, h: jax.Array, inputs: VisionInputs) -> jax.Array:
     """The pixel-shuffle connector: each token's group of patch states [b, n, D] concatenated in slot order, then
     projected -> [b, n / group, hidden]."""
     b, n, d = h.shape
@@ -85,10 +137,10 @@ def shuffle_linear(v: VisionConfig, params: dict[str, Any], h: jax.Array, inputs
     group = jnp.where(inputs.patch_group >= 0, inputs.patch_group, tokens)  # patches of no token land past the end
     rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, n))
     grouped = jnp.zeros((b, tokens + 1, v.group, d), h.dtype).at[rows, group, inputs.patch_slot].set(h)
-    return dense(grouped[:, :tokens].reshape(b, tokens, v.group * d), params["projector"]["proj"])
+    return _projection(params, grouped[:, :tokens].reshape(b, tokens, v.group * d))
 
 
-def avg_pool(v: VisionConfig, params: dict[str, Any], h: jax.Array, inputs: VisionInputs) -> jax.Array:
+def avg_pool(v: VisionConfig, params: Any, h: jax.Array, inputs: VisionInputs) -> jax.Array:
     """Gemma 3's connector (transformers' ``Gemma3MultiModalProjector``): each token's group of patch states
     [b, n, D] averaged (``AvgPool2d`` over ``scale_factor`` x ``scale_factor`` patches), Gemma's ``(1 + w)``
     RMSNorm, then projected -> [b, n / group, hidden]."""
@@ -98,20 +150,25 @@ def avg_pool(v: VisionConfig, params: dict[str, Any], h: jax.Array, inputs: Visi
     rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, n))
     summed = jnp.zeros((b, tokens + 1, d), jnp.float32).at[rows, group].add(h.astype(jnp.float32))
     pooled = (summed[:, :tokens] / v.group).astype(h.dtype)
-    w = params["projector"]
-    return dense(rms_norm(pooled, w["norm"], v.norm_eps, 1.0), w["proj"])
+    norm = Weights.wrap(params).base["projector"]["norm"]
+    return _projection(params, rms_norm(pooled, norm, v.norm_eps, 1.0))
 
 
 # VisionConfig.connector -> the function from the tower's states to one feature per image token
 CONNECTORS = {"shuffle_linear": shuffle_linear, "avg_pool": avg_pool}
 
 
-def encode_images(cfg: ModelConfig, params: dict[str, Any], inputs: VisionInputs) -> jax.Array:
-    """The image features [b, max_patches / group, hidden] of a batch's rows, in the order of their image tokens."""
+def encode_images(cfg: ModelConfig, params: Any, inputs: VisionInputs, remat: str = "none") -> jax.Array:
+    """The image features [b, max_patches / group, hidden] of a batch's rows, in the order of their image tokens.
+    ``params``: the model's parameters or its :class:`zoo.lora.weights.Weights`; ``remat``: the tower's (:func:`tower`)."""
     v = cfg.vision
     assert v is not None, "encode_images needs a model with a vision tower"
-    if v.tower == "qwen2_5":  # imported here: zoo.model.vision_qwen builds on this module's VisionInputs
+    if v.tower == "gemma4":  # its own tower and connector (zoo.model.vision_gemma4, which imports this module)
+        from zoo.model.vision_gemma4 import encode_gemma4
+
+        return encode_gemma4(cfg, params, inputs, remat)
+    if v.tower == "qwen2_5":  # its own tower and merger (zoo.model.vision_qwen, which imports this module)
         from zoo.model.vision_qwen import encode_qwen
 
-        return encode_qwen(v, params, inputs)
-    return CONNECTORS[v.connector](v, params, tower(v, params, inputs), inputs)
+        return encode_qwen(v, params, inputs, remat)
+    return CONNECTORS[v.connector](v, params, tower(v, params, inputs, remat), inputs)

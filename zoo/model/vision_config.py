@@ -14,8 +14,8 @@ Qwen2.5-VL (``tower: qwen2_5``, :mod:`zoo.model.vision_qwen`) has no fixed image
 of patches (dynamic resolution), each patch ``temporal_patch_size`` frames deep, rotated by 2-D RoPE
 (``rope_theta``), windowed attention (``window_size`` pixels a side) in every layer but ``fullatt_layers``, and the
 ``patch_merger`` connector (each ``scale_factor`` x ``scale_factor`` block concatenated, then an MLP). Its
-``image_size`` is nominal (one merged token's patches: nothing reads it as an image's size). Other towers add fields here as the design notes sketch; a
-name nothing reads yet is not one of them.
+``image_size`` is nominal (one merged token's patches: nothing reads it as an image's size). Other towers add
+fields here as the design notes sketch; a name nothing reads yet is not one of them.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 from zoo.errors import UserError
 
-CONNECTORS = ("shuffle_linear", "avg_pool", "patch_merger")
-TOWERS = ("siglip", "qwen2_5")
+CONNECTORS = ("shuffle_linear", "avg_pool", "gemma4", "patch_merger")
+TOWERS = ("siglip", "gemma4", "qwen2_5")
 
 
 @dataclass(frozen=True)
@@ -51,19 +51,33 @@ class VisionConfig:
     # save_pretrained writes `vision_tower.`, the Hub's files `vision_tower.vision_model.`); None: the family's
     # default. Names, not architecture: left out of equality and the jit key, read by convert.vision_tables only.
     hf_tower_prefix: str | None = field(default=None, compare=False)
-    # Qwen2.5-VL's tower (zoo.model.vision_qwen); the SigLIP towers leave these at their defaults.
+    # Gemma 4's tower (``tower: gemma4``, zoo.model.vision_gemma4): RMSNorms before and after attention and MLP,
+    # GQA with q/k/v norms and 2-D RoPE (``rope_theta``), a gated MLP, a (2, pos_table, D) position table read at
+    # each patch's column and row; images of any shape up to ``max_soft_tokens`` tokens of scale_factor^2
+    # patches each; optionally clipped linears and standardized features. ``blocks_on_full``: whether the image
+    # blocks are bidirectional on full-attention layers too (Gemma 3) or on sliding ones alone (Gemma 4).
     tower: str = "siglip"
+    num_kv_heads: int = 0  # 0: num_heads
+    head_width: int = 0  # 0: hidden_size / num_heads
+    pos_table: int = 0
+    rope_theta: float = 100.0
+    max_soft_tokens: int = 0
+    clipped: bool = False
+    standardize: bool = False
+    blocks_on_full: bool = True
+    # Qwen2.5-VL's tower (``tower: qwen2_5``, zoo.model.vision_qwen; rope_theta above is its 2-D RoPE's too)
     temporal_patch_size: int = 1  # frames a patch spans (a still image is repeated to fill them)
     window_size: int = 0  # pixels along a side of an attention window (0: no windows)
     fullatt_layers: tuple[int, ...] = ()  # the layers that attend over the whole image, not a window
-    rope_theta: float = 10000.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fullatt_layers", tuple(int(i) for i in self.fullatt_layers))  # hashable
-        if self.tower not in TOWERS:
-            raise UserError(f"model config: vision tower {self.tower!r} is not one of {', '.join(TOWERS)}")
         if self.connector not in CONNECTORS:
             raise UserError(f"model config: vision connector {self.connector!r} is not one of {', '.join(CONNECTORS)}")
+        if self.tower not in TOWERS:
+            raise UserError(f"model config: vision tower {self.tower!r} is not one of {', '.join(TOWERS)}")
+        if self.tower == "gemma4":
+            return  # images of any shape: no fixed image_size to check
         if self.hidden_size % self.num_heads:
             raise UserError(f"model config: vision hidden_size={self.hidden_size} is not a multiple of "
                             f"num_heads={self.num_heads}")
@@ -74,7 +88,12 @@ class VisionConfig:
     @property
     def head_dim(self) -> int:
         """Width of one attention head of the tower."""
-        return self.hidden_size // self.num_heads
+        return self.head_width or self.hidden_size // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """The tower's key/value heads (GQA in Gemma 4's tower; every head its own in SigLIP)."""
+        return self.num_kv_heads or self.num_heads
 
     @property
     def side(self) -> int:
@@ -83,7 +102,9 @@ class VisionConfig:
 
     @property
     def patches_per_image(self) -> int:
-        """Patches of one (padded) image: rows of the position table too."""
+        """Patches of one (padded) image: rows of the position table too (Gemma 4: the most an image may have)."""
+        if self.tower == "gemma4":
+            return self.max_soft_tokens * self.group
         return self.side**2
 
     @property

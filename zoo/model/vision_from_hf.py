@@ -41,6 +41,31 @@ def _gemma3(top: Any, arch: str, where: str) -> VisionConfig:
                         scale_factor=side // per_side, bucketize=False, image_blocks=True)
 
 
+def _gemma4(top: Any, arch: str, where: str) -> VisionConfig:
+    """Gemma 4: its own tower (``vision_config``: GQA, 2-D RoPE, a 2-D position table, ``pooling_kernel_size``),
+    the embedder's normalized projection, and bidirectional image blocks on the sliding layers alone when the
+    text config says ``use_bidirectional_attention: vision``. Images may have up to 280 tokens each, the image
+    processor's default (``max_soft_tokens``), of which the tower's layout makes room for."""
+    v, text = top.vision_config, top.text_config
+    bidir = getattr(text, "use_bidirectional_attention", None)
+    if bidir not in (None, "vision"):
+        raise UserError(f"{where}: use_bidirectional_attention={bidir!r} (every token attending both ways) is not "
+                        "supported; only 'vision' (image tokens, on sliding layers) or none")
+    rope = dict(getattr(v, "rope_parameters", None) or {})
+    if rope.get("rope_type", "axial") != "axial":
+        raise UserError(f"{where}: vision_config rope_type={rope.get('rope_type')!r}: only 'axial' is supported")
+    return VisionConfig(arch=arch, hidden_size=int(v.hidden_size), intermediate_size=int(v.intermediate_size),
+                        num_layers=int(v.num_hidden_layers), num_heads=int(v.num_attention_heads),
+                        patch_size=int(v.patch_size), image_size=int(v.patch_size),
+                        image_token_id=int(top.image_token_id), hidden_act=str(v.hidden_activation),
+                        norm_eps=float(v.rms_norm_eps), connector="gemma4", scale_factor=int(v.pooling_kernel_size),
+                        bucketize=False, image_blocks=bidir == "vision", tower="gemma4",
+                        num_kv_heads=int(v.num_key_value_heads), head_width=int(v.head_dim),
+                        pos_table=int(v.position_embedding_size), rope_theta=float(rope.get("rope_theta", 100.0)),
+                        max_soft_tokens=280, clipped=bool(v.use_clipped_linears), standardize=bool(v.standardize),
+                        blocks_on_full=False)
+
+
 def _qwen2_5(top: Any, arch: str, where: str) -> VisionConfig:
     """Qwen2.5-VL: its windowed RoPE tower (``vision_config``: ``depth`` layers, ``fullatt_block_indexes``) and the
     patch merger (``spatial_merge_size``) to the language model's width (``out_hidden_size``)."""
@@ -63,7 +88,8 @@ def _qwen2_5(top: Any, arch: str, where: str) -> VisionConfig:
                         rope_theta=float(rope.get("rope_theta", 10000.0)))
 
 
-READERS = {"idefics3": _idefics3, "gemma3": _gemma3, "qwen2_5": _qwen2_5}
+
+READERS = {"idefics3": _idefics3, "gemma3": _gemma3, "gemma4": _gemma4, "qwen2_5": _qwen2_5}
 
 
 def vision_config_from_hf(kind: str, top: Any, arch: str, where: str) -> VisionConfig:

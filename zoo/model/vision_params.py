@@ -35,6 +35,38 @@ def _tower_layer_specs(v: VisionConfig) -> dict[str, Spec]:
     return s
 
 
+def _gemma4_specs(cfg: ModelConfig, v: VisionConfig) -> dict[str, Spec]:
+    """Gemma 4's tower (zoo.model.vision_gemma4): a bias-free patch projection, a (2, pos_table, D) position
+    table, layers of four RMSNorms, GQA projections with q/k norms, a gated MLP (and each linear's clip bounds
+    when clipped), the standardization buffers, and the connector's projection."""
+    L, D, F, H, KV, Dh = v.num_layers, v.hidden_size, v.intermediate_size, v.num_heads, v.kv_heads, v.head_dim
+    lay = ("layers",)
+    s: dict[str, Spec] = {"vision.patch_embed": ((v.patch_dim, D), (None, "embed"), "normal"),
+                          "vision.pos_embed": ((2, v.pos_table, D), (None, None, "embed"), "normal")}
+    layer: dict[str, Spec] = {norm: ((L, D), lay + ("embed",), "ones")
+                              for norm in ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm")}
+    layer.update({"q_norm": ((L, Dh), lay + ("head_dim",), "ones"), "k_norm": ((L, Dh), lay + ("head_dim",), "ones"),
+                  "q": ((L, D, H, Dh), lay + ("embed", "heads", "head_dim"), "normal"),
+                  "k": ((L, D, KV, Dh), lay + ("embed", "kv_heads", "head_dim"), "normal"),
+                  "v": ((L, D, KV, Dh), lay + ("embed", "kv_heads", "head_dim"), "normal"),
+                  "o": ((L, H, Dh, D), lay + ("heads", "head_dim", "embed"), "normal"),
+                  "gate": ((L, D, F), lay + ("embed", "mlp"), "normal"), "up": ((L, D, F), lay + ("embed", "mlp"), "normal"),
+                  "down": ((L, F, D), lay + ("mlp", "embed"), "normal")})
+    if v.clipped:  # (input min, input max, output min, output max) of each projection: buffers, never trained
+        layer.update({f"{name}_{bound}": ((L, 1), lay + (None,), "zeros") for name in PROJECTIONS for bound in CLIP_BOUNDS})
+    s.update({f"vision.layers.{name}": spec for name, spec in layer.items()})
+    if v.standardize:
+        s["vision.std_bias"] = ((D,), ("embed",), "zeros")
+        s["vision.std_scale"] = ((D,), ("embed",), "ones")
+    s["projector.proj"] = ((D, cfg.hidden_size), (None, "embed"), "normal")
+    return s
+
+
+# Gemma 4's tower layer's linears, each of which may carry clip bounds (zoo.model.vision_gemma4.PROJECTIONS)
+PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
+CLIP_BOUNDS = ("in_min", "in_max", "out_min", "out_max")  # transformers' input_min, input_max, ... of each
+
+
 def _qwen_specs(cfg: ModelConfig, v: VisionConfig) -> dict[str, Spec]:
     """Qwen2.5-VL's tower (a conv3d patch embedding without bias; RMSNorms; fused qkv and o with biases; a SwiGLU
     MLP with biases) and its patch merger (``ln_q``, then fc1 -> gelu -> fc2 with biases)."""
@@ -68,6 +100,8 @@ def vision_specs(cfg: ModelConfig) -> dict[str, Spec]:
     v = cfg.vision
     if v is None:
         return {}
+    if v.tower == "gemma4":
+        return _gemma4_specs(cfg, v)
     if v.tower == "qwen2_5":
         return _qwen_specs(cfg, v)
     D = v.hidden_size

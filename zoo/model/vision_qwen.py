@@ -27,6 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from zoo.layers.blocks import ACTIVATIONS, dense, rms_norm
+from zoo.lora.weights import Weights
+from zoo.model.layer_scan import REMAT_POLICIES
 from zoo.model.vision import VisionInputs
 from zoo.model.vision_config import VisionConfig
 
@@ -85,13 +87,17 @@ def _masks(v: VisionConfig, inputs: VisionInputs, row: jax.Array, col: jax.Array
     return same[:, None], (same & (win[:, :, None] == win[:, None, :]))[:, None]
 
 
-def qwen_tower(v: VisionConfig, params: dict[str, Any], inputs: VisionInputs) -> jax.Array:
-    """The tower's last hidden states [b, n, D] of every patch of the batch (before the merger)."""
+def qwen_tower(v: VisionConfig, params: dict[str, Any], inputs: VisionInputs, remat: str = "none") -> jax.Array:
+    """The tower's last hidden states [b, n, D] of every patch of the batch (before the merger); ``remat``
+    (:data:`zoo.model.layer_scan.REMAT_POLICIES`) wraps each layer as the decoder's."""
     w = params["vision"]
     x = dense(inputs.patches.astype(w["patch_embed"].dtype), w["patch_embed"])
     row, col = inputs.patch_pos // HW_STRIDE, inputs.patch_pos % HW_STRIDE
     full = jnp.asarray([i in v.fullatt_layers for i in range(v.num_layers)])
-    x, _ = jax.lax.scan(partial(_layer, v, _rope(v, row, col), _masks(v, inputs, row, col)), x, (w["layers"], full))
+    layer = partial(_layer, v, _rope(v, row, col), _masks(v, inputs, row, col))
+    if remat != "none":
+        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    x, _ = jax.lax.scan(layer, x, (w["layers"], full))
     return x
 
 
@@ -109,6 +115,9 @@ def patch_merger(v: VisionConfig, params: dict[str, Any], h: jax.Array, inputs: 
     return dense(ACTIVATIONS["gelu"](x), w["fc2"]) + w["fc2_bias"]
 
 
-def encode_qwen(v: VisionConfig, params: dict[str, Any], inputs: VisionInputs) -> jax.Array:
-    """The image features [b, max_patches / group, hidden] of a batch's rows, in the order of their image tokens."""
-    return patch_merger(v, params, qwen_tower(v, params, inputs), inputs)
+def encode_qwen(v: VisionConfig, params: Any, inputs: VisionInputs, remat: str = "none") -> jax.Array:
+    """The image features [b, max_patches / group, hidden] of a batch's rows, in the order of their image tokens.
+    ``params``: the model's parameters or its :class:`zoo.lora.weights.Weights`, whose base alone the tower reads
+    (LoRA on this tower is not supported)."""
+    base = Weights.wrap(params).base
+    return patch_merger(v, base, qwen_tower(v, base, inputs, remat), inputs)

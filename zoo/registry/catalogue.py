@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zoo.errors import UserError
-from zoo.registry import released
+from zoo.registry import released, released_vision
 
 
 @dataclass(frozen=True)
@@ -77,12 +77,19 @@ _ENTRIES = [
     ZooEntry("gemma3-270m-it", "gemma3", "google/gemma-3-270m-it", 268e6, "Gemma 3 text chat"),
     ZooEntry("gemma3-1b", "gemma3", "google/gemma-3-1b-pt", 1.0e9, "Gemma 3 text"),
     ZooEntry("gemma3-1b-it", "gemma3", "google/gemma-3-1b-it", 1.0e9, "Gemma 3 text chat"),
-    ZooEntry("gemma3-4b", "gemma3", "google/gemma-3-4b-pt", 3.88e9, "Gemma 3: text weights of the multimodal checkpoint"),
-    ZooEntry("gemma3-4b-it", "gemma3", "google/gemma-3-4b-it", 3.88e9, "Gemma 3 chat: text weights of the multimodal checkpoint"),
-    ZooEntry("gemma3-12b", "gemma3", "google/gemma-3-12b-pt", 11.8e9, "Gemma 3: text weights of the multimodal checkpoint"),
-    ZooEntry("gemma3-12b-it", "gemma3", "google/gemma-3-12b-it", 11.8e9, "Gemma 3 chat: text weights of the multimodal checkpoint"),
-    ZooEntry("gemma3-27b", "gemma3", "google/gemma-3-27b-pt", 27.0e9, "Gemma 3: text weights of the multimodal checkpoint"),
-    ZooEntry("gemma3-27b-it", "gemma3", "google/gemma-3-27b-it", 27.0e9, "Gemma 3 chat: text weights of the multimodal checkpoint"),
+    # Gemma 3 4B and up are *ForConditionalGeneration: converted whole, the SigLIP tower and projector included
+    # (`zoo convert --text-only` keeps the language model alone); parameter counts: the whole model's.
+    *(ZooEntry(f"gemma3-{size}{it}", "gemma3", f"google/gemma-3-{size}-{'it' if it else 'pt'}", n,
+               f"Gemma 3{' chat' if it else ''} with its vision tower (images)", hf_config=config)
+      for size, n, config in (("4b", 4.30e9, released_vision.GEMMA3_4B), ("12b", 12.19e9, released_vision.GEMMA3_12B),
+                              ("27b", 27.43e9, released_vision.GEMMA3_27B))
+      for it in ("", "-it")),
+    ZooEntry("smolvlm-256m-instruct", "idefics3", "HuggingFaceTB/SmolVLM-256M-Instruct", 256.5e6,
+             "SmolVLM chat: SigLIP-B/16 tower, pixel-shuffle connector, SmolLM2 (images)",
+             hf_config=released_vision.SMOLVLM_256M),
+    ZooEntry("smolvlm-500m-instruct", "idefics3", "HuggingFaceTB/SmolVLM-500M-Instruct", 507.5e6,
+             "SmolVLM chat: SigLIP-B/16 tower, pixel-shuffle connector, SmolLM2 (images)",
+             hf_config=released_vision.SMOLVLM_500M),
     ZooEntry("qwen2.5-0.5b", "qwen2", "Qwen/Qwen2.5-0.5B", 494e6, "Qwen 2.5, q/k/v bias"),
     ZooEntry("qwen2.5-0.5b-instruct", "qwen2", "Qwen/Qwen2.5-0.5B-Instruct", 494e6, "Qwen 2.5 chat"),
     ZooEntry("qwen2.5-7b", "qwen2", "Qwen/Qwen2.5-7B", 7.62e9, "Qwen 2.5"),

@@ -1,4 +1,6 @@
-"""SFT rows with images on a vision-language model: documents that keep their images, and the batches' patches.
+"""Rows with images on a vision-language model: documents that keep their images, and the batches' patches (SFT's
+rows here; preference pairs through prefs/image_pairs.py, which keeps each pair's images with
+:meth:`ImageDocuments.keep`).
 
 A row with images is tokenized by chat/images.py (ids, a loss mask with every image token untrained, each image's
 pixels from the model's own image processor). Its document carries one more per-token feature, ``image_doc``: the
@@ -17,11 +19,12 @@ row's images always fit its patches.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from chat.images import ImageExpander, VisionTokens, tokenize_image_rows
+from chat.images import ImageExpander, ProcessedImage, tokenize_image_rows
 from chat.templates import ChatTemplate
 from pretrain.batch import VISION_PREFIX
 from zoo.data.files import indexed_rows
@@ -34,19 +37,14 @@ IMAGE_DOC = "image_doc"  # the per-token feature that tags a document's tokens w
 FRAMES = IMAGE_DOC + "_frames"  # packed rows only: one entry a patch of the document's images (packing's budget)
 
 
-def image_column(column_names: list[str]) -> str | None:
-    """The column of a dataset's images (TRL's ``images``, or ``image``), or None."""
-    from chat.formats import IMAGE_COLUMNS
-
-    return next((c for c in IMAGE_COLUMNS if c in column_names), None)
-
-
-def refuse_images(ds: Any, column: str, path: str, model: str) -> None:
-    """Raise UserError naming the first row of ``ds`` with images: ``model`` has no vision tower to read them."""
-    for i, row in indexed_rows(ds, None):
-        if row.get(column):
-            raise UserError(f"{row_where(path, i)}: the row has images, and the model {model} has no vision tower; "
-                            f"use a vision-language model or remove the {column} column")
+def refuse_unsupported(data: Any, path: str) -> None:
+    """Raise UserError for what rows with images do not go with yet: a data mixture, an evaluation set (``data``:
+    the run's data section)."""
+    for bad, why in ((isinstance(data.path, list), "a data mixture (data.path a list)"),
+                     (bool(data.eval_fraction or data.eval_path), "evaluation (data.eval_fraction, data.eval_path)")):
+        if bad:
+            raise UserError(f"data.path {path}: rows with images do not go with {why} yet; train them from one "
+                            "file and no evaluation set")
 
 
 class ImageDocuments:
@@ -68,7 +66,7 @@ class ImageDocuments:
                                        template)
         docs = {}
         for i, t in out.items():
-            self._keep(i, t, path, seq_len)
+            self.keep(i, t.images, t.image_spans, path, seq_len)
             tag = np.full(len(t.ids), i + 1 if t.images else 0, np.int32)
             docs[i] = {"tokens": t.ids, "loss_mask": t.mask, IMAGE_DOC: tag}
             if self.packed:
@@ -79,24 +77,40 @@ class ImageDocuments:
         """Packing's budget of patches a row (pretrain.task.Task.row_budgets): data.max_patches."""
         return {FRAMES: max(self.max_patches, 1)} if self.packed else {}
 
-    def _keep(self, i: int, t: VisionTokens, path: str, seq_len: int) -> None:
-        """Check row ``i``'s images fit a row and keep their frames' patches."""
-        for k, (_, end) in enumerate(t.image_spans):
+    def keep(self, i: int, images: Sequence[ProcessedImage], spans: Sequence[tuple[int, int]], path: str,
+             seq_len: int, copies: int = 1) -> None:
+        """Check that row ``i``'s images (their tokens at ``spans`` of its document) fit a row and keep their
+        frames' patches; ``copies``: how many times the document holds its images' tokens, in order (a preference
+        pair whose prompt is not shared holds its prompt twice)."""
+        for k, (_, end) in enumerate(spans):
             if end > seq_len:  # the model reads the first seq_len tokens of a row: the image would be cut
                 raise UserError(f"{row_where(path, i)}: image {k + 1} ends at token {end}, past data.seq_len = "
                                 f"{seq_len}; raise data.seq_len or use smaller images")
-        frames = [f for p in t.images for f in p.patches(self.v)]
+        frames = [f for p in images for f in p.patches(self.v)] * copies
         need = sum(len(f["patches"]) for f in frames)
         if self.fixed is not None and need > self.fixed:
-            raise UserError(f"{row_where(path, i)}: its {len(t.images)} image(s) make {len(frames)} frame(s) of "
+            raise UserError(f"{row_where(path, i)}: its {len(images)} image(s) make {len(frames)} frame(s) of "
                             f"{need} patches in all, more than data.max_patches = {self.fixed}; "
                             "raise data.max_patches or use fewer or smaller images")
         if frames:
             if self.fixed is None and _processes() > 1:  # each process reads its own rows: budgets could differ
                 raise UserError(f"{row_where(path, i)}: a run of several processes with images needs data.max_patches "
                                 f"(this row needs {need}); set it to the largest row's patches, the same everywhere")
-            self.frames[i], self.spans[i] = frames, t.image_spans
+            self.frames[i], self.spans[i] = frames, tuple(spans)
             self.max_patches = max(self.max_patches, need)
+
+    def digest(self) -> str:
+        """A sha256 of every kept row's frames (their patches and layout), by row index: what a cache of scores
+        computed from the images depends on (dpo/reference.py)."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for i in sorted(self.frames):
+            h.update(f"{i}\0".encode())
+            for frame in self.frames[i]:
+                for k in sorted(frame):
+                    h.update(k.encode() + np.ascontiguousarray(frame[k]).tobytes())
+        return h.hexdigest()
 
     def finish_rows(self, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Data rows [rows, seq_len + 1] with their ``image_doc`` tags -> the same rows with their images'
