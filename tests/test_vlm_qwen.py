@@ -241,8 +241,9 @@ def test_packed_sft_step_loss_is_transformers(qwen_sft, tmp_path):
     assert abs(read_metrics(tmp_path)[0]["loss"] - _hf_sft_loss(qwen_sft)) <= 1e-5
 
 
+@pytest.mark.slow
 def test_greedy_with_images_equals_transformers_generate(qwen):
-    """Two prompts in one batch, each with an image of another size, right-padded to one length: the prefill takes
+    """Slow: transformers' generate twice and a prefill and steps compiled. Two prompts in one batch, each with an image of another size, right-padded to one length: the prefill takes
     each row's multimodal positions and records its rope delta, and the cached steps (text, shifted by it) equal
     transformers' ``generate`` token for token."""
     from eval.generate import GenerationConfig, generate, patch_inputs
@@ -267,8 +268,9 @@ def test_greedy_with_images_equals_transformers_generate(qwen):
     assert [len(w) for w in want] == [8, 8] and want[0] != want[1]
 
 
+@pytest.mark.slow
 def test_cli_generate_with_an_image(qwen_sft, capsys):
-    """`zoo generate --prompt TEXT --image A` on Qwen2.5-VL: the text is transformers' greedy reply to the same
+    """Slow: transformers' generate and the command's own compiles. `zoo generate --prompt TEXT --image A` on Qwen2.5-VL: the text is transformers' greedy reply to the same
     prompt ids (the user turn with its image part, expanded from the checkpoint's processor files) and pixels."""
     from chat.images import ImageExpander
     from zoo.data.tokenizer import load_tokenizer
