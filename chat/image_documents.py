@@ -11,9 +11,10 @@ frames (SmolVLM: the tiles, then the whole image) become the row's patches (zoo.
 
 ``data.max_patches`` is the patch budget of a row: by default the largest document's (its frames times the
 tower's patches per frame), so every row fits and no row pads more than one document's worth. Best-fit packing
-keeps each document whole, its images with its text: a document also carries one entry a frame (``FRAMES``),
-which packing budgets to ``data.max_patches`` a row (:meth:`ImageDocuments.budgets`) as it budgets tokens to
-``seq_len + 1``, so a packed row's images always fit its patches.
+keeps each document whole, its images with its text: a document also carries one entry a patch of its images
+(``FRAMES``; frames differ in patches where images keep their size, as Qwen2.5-VL's), which packing budgets to
+``data.max_patches`` a row (:meth:`ImageDocuments.budgets`) as it budgets tokens to ``seq_len + 1``, so a packed
+row's images always fit its patches.
 """
 
 from __future__ import annotations
@@ -28,12 +29,12 @@ from chat.templates import ChatTemplate
 from pretrain.batch import VISION_PREFIX
 from zoo.data.files import indexed_rows
 from zoo.data.row_origin import row_where
-from zoo.data.vision_layout import image_patches, layout_rows
+from zoo.data.vision_layout import layout_rows
 from zoo.errors import UserError
 from zoo.model.vision_config import VisionConfig
 
 IMAGE_DOC = "image_doc"  # the per-token feature that tags a document's tokens with its row (index + 1)
-FRAMES = IMAGE_DOC + "_frames"  # packed rows only: one entry a frame of the document's images (packing's budget)
+FRAMES = IMAGE_DOC + "_frames"  # packed rows only: one entry a patch of the document's images (packing's budget)
 
 
 def refuse_unsupported(data: Any, path: str) -> None:
@@ -69,12 +70,12 @@ class ImageDocuments:
             tag = np.full(len(t.ids), i + 1 if t.images else 0, np.int32)
             docs[i] = {"tokens": t.ids, "loss_mask": t.mask, IMAGE_DOC: tag}
             if self.packed:
-                docs[i][FRAMES] = np.ones(len(self.frames.get(i, ())), np.int32)
+                docs[i][FRAMES] = np.ones(sum(len(f["patches"]) for f in self.frames.get(i, ())), np.int32)
         return docs, bad
 
     def budgets(self) -> dict[str, int]:
-        """Packing's budget of frames a row (pretrain.task.Task.row_budgets): data.max_patches' worth."""
-        return {FRAMES: max(self.max_patches // self.v.patches_per_image, 1)} if self.packed else {}
+        """Packing's budget of patches a row (pretrain.task.Task.row_budgets): data.max_patches."""
+        return {FRAMES: max(self.max_patches, 1)} if self.packed else {}
 
     def keep(self, i: int, images: Sequence[ProcessedImage], spans: Sequence[tuple[int, int]], path: str,
              seq_len: int, copies: int = 1) -> None:
@@ -85,12 +86,12 @@ class ImageDocuments:
             if end > seq_len:  # the model reads the first seq_len tokens of a row: the image would be cut
                 raise UserError(f"{row_where(path, i)}: image {k + 1} ends at token {end}, past data.seq_len = "
                                 f"{seq_len}; raise data.seq_len or use smaller images")
-        frames = [image_patches(self.v, pixels, mask) for p in images for pixels, mask in p.frames()] * copies
-        need = len(frames) * self.v.patches_per_image
+        frames = [f for p in images for f in p.patches(self.v)] * copies
+        need = sum(len(f["patches"]) for f in frames)
         if self.fixed is not None and need > self.fixed:
-            raise UserError(f"{row_where(path, i)}: its {len(images)} image(s) make {len(frames)} frames of "
-                            f"{self.v.patches_per_image} patches ({need}), more than data.max_patches = {self.fixed}; "
-                            "raise data.max_patches or use fewer images")
+            raise UserError(f"{row_where(path, i)}: its {len(images)} image(s) make {len(frames)} frame(s) of "
+                            f"{need} patches in all, more than data.max_patches = {self.fixed}; "
+                            "raise data.max_patches or use fewer or smaller images")
         if frames:
             if self.fixed is None and _processes() > 1:  # each process reads its own rows: budgets could differ
                 raise UserError(f"{row_where(path, i)}: a run of several processes with images needs data.max_patches "

@@ -13,9 +13,15 @@ makes them (no torch: the image processor runs with its PIL backend).
    ``<fake_token_around_image><global-img><image>×seq<fake_token_around_image>`` for a whole image and, when
    the image processor splits it into ``rows × cols`` tiles, ``<fake_token_around_image><row_r_col_c><image>×seq``
    per tile, a ``\\n`` per row of tiles, then ``\\n`` and the whole image's run. ``seq`` is the processor's
-   ``image_seq_len``. Gemma 3: transformers' ``Gemma3Processor``, ``<start_of_image>`` (the template's
-   placeholder) becoming ``\\n\\n<start_of_image>`` + ``<image_soft_token>`` x ``image_seq_length`` +
-   ``<end_of_image>\\n\\n`` (no pan-and-scan: the processor turns it off).
+        grid = out.get("image_grid_thw")
+        if grid is not None:  # Qwen2.5-VL: the image's patches, [patches, patch_dim], and its grid
+            t, h, w = (int(x) for x in grid[0])
+            return ProcessedImage(np.asarray(out["pixel_values"], np.float32), None, self.expansion(dict(out)),
+                                  (t, h, w))
+        pixels = np.asarray(out["pixel_values"], np.float32)
+        # SmolVLM batches [images, frames, C, S, S]; Gemma 3 lays the call's images flat [images, C, S, S]: one
+        # image in the call, one frame.
+        return ProcessedImage(pixels[0] if pixels.ndim == 5 else pixels,
 4. The spans move by what each expansion before them adds, the text is tokenized whole (as the processor
    tokenizes it), and a token is trained when it overlaps a span and no expansion: image tokens are never
    trained, in whatever turn the image is (TRL's SFT collator leaves an assistant turn's image tokens in its
@@ -53,11 +59,24 @@ class ProcessedImage:
     pixel_values: np.ndarray  # [frames, channels, height, width] float32 (SmolVLM: the tiles, then the whole image)
     pixel_attention_mask: np.ndarray | None  # [frames, height, width]: 1 on the image, 0 on padding
     text: str
+    # Qwen2.5-VL: the image's (frames, rows, columns) of patches; pixel_values is then [patches, patch_dim]
+    grid_thw: tuple[int, int, int] | None = None
 
     def frames(self) -> list[tuple[np.ndarray, np.ndarray | None]]:
         """(pixels [C, S, S], pixel mask [S, S] or None) of each frame, in the order of its image tokens."""
         return [(pixels, None if self.pixel_attention_mask is None else self.pixel_attention_mask[f])
                 for f, pixels in enumerate(self.pixel_values)]
+
+    def patches(self, v: Any) -> list[dict[str, np.ndarray]]:
+        """The image's per-patch arrays as :func:`zoo.data.vision_layout.layout_rows` takes them, one dict a frame
+        (Qwen2.5-VL: one for the whole image) for the tower of VisionConfig ``v``."""
+        if self.grid_thw is not None:
+            from zoo.data.qwen_layout import qwen_image_patches
+
+            return [qwen_image_patches(v, self.pixel_values, self.grid_thw)]
+        from zoo.data.vision_layout import image_patches
+
+        return [image_patches(v, pixels, mask) for pixels, mask in self.frames()]
 
 
 @dataclass(frozen=True)
@@ -100,13 +119,18 @@ class ImageExpander:
         if family not in _FAMILIES:
             raise UserError(f"{folder}: the image processor {family} is not supported yet; "
                             f"supported: {', '.join(sorted(_FAMILIES))}")
-        placeholder, expansion, kwargs = _FAMILIES[family](folder, tokenizer)
+        placeholder, expansion, kwargs = _FAMILIES[family](folder, tokenizer, processor)
         return cls(processor, placeholder, expansion, kwargs)
 
     def process(self, image: Any) -> ProcessedImage:
         """The pixels of one RGB PIL image and its expansion."""
         out = self.image_processor(images=[[image]], return_tensors="np", **self.call_kwargs)
         mask = out.get("pixel_attention_mask")
+        grid = out.get("image_grid_thw")
+        if grid is not None:  # Qwen2.5-VL: the image's patches, [patches, patch_dim], and its grid
+            t, h, w = (int(x) for x in grid[0])
+            return ProcessedImage(np.asarray(out["pixel_values"], np.float32), None, self.expansion(dict(out)),
+                                  (t, h, w))
         pixels = np.asarray(out["pixel_values"], np.float32)
         # SmolVLM batches [images, frames, C, S, S]; Gemma 3 lays the call's images flat [images, C, S, S]: one
         # image in the call, one frame.
@@ -164,7 +188,7 @@ def _opened(ref: Any, base_dir: str | Path, where: str) -> Any:
         raise BadRow(str(e)) from None
 
 
-def _smolvlm(folder: Path, tokenizer: Any) -> tuple[str, Expansion, dict[str, Any]]:
+def _smolvlm(folder: Path, tokenizer: Any, processor: Any) -> tuple[str, Expansion, dict[str, Any]]:
     """SmolVLM and Idefics3 (their processors expand ``<image>`` the same way)."""
     from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
 
@@ -201,7 +225,7 @@ def _image_seq_len(folder: Path) -> int:
                     "processor_config.json and no vision_config in config.json; copy the model's processor files")
 
 
-def _gemma3(folder: Path, tokenizer: Any) -> tuple[str, Expansion, dict[str, Any]]:
+def _gemma3(folder: Path, tokenizer: Any, processor: Any) -> tuple[str, Expansion, dict[str, Any]]:
     """Gemma 3 (transformers' ``Gemma3Processor``): the chat template writes an image as ``<start_of_image>``,
     which becomes ``\\n\\n<start_of_image>`` + ``<image_soft_token>`` x image_seq_length + ``<end_of_image>\\n\\n``.
     Pan-and-scan is off, as the processor calls its image processor (transformers 5.25's Gemma3Processor passes
@@ -236,10 +260,24 @@ def _require_tokens(folder: Path, tokenizer: Any, tokens: tuple[str, ...]) -> No
         raise UserError(f"{folder}: the tokenizer has no {', '.join(missing)} token; use the model's own tokenizer")
 
 
-_FAMILIES: dict[str, Callable[[Path, Any], tuple[str, Expansion, dict[str, Any]]]] = {
+def _qwen2_vl(folder: Path, tokenizer: Any, processor: Any) -> tuple[str, Expansion, dict[str, Any]]:
+    """Qwen2.5-VL: ``<|image_pad|>`` (the tokenizer's ``image_token``) repeated once a merged token of the image."""
+    image = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
+    if tokenizer.convert_tokens_to_ids(image) in (None, tokenizer.unk_token_id):
+        raise UserError(f"{folder}: the tokenizer has no {image} token; use the model's own tokenizer")
+    merge = int(processor.merge_size) ** 2
+
+    def expansion(out: dict[str, Any]) -> str:
+        return image * (int(np.prod(out["image_grid_thw"][0])) // merge)
+
+    return image, expansion, {}
+
+
+_FAMILIES: dict[str, Callable[[Path, Any, Any], tuple[str, Expansion, dict[str, Any]]]] = {
     "SmolVLMImageProcessor": _smolvlm,
     "Idefics3ImageProcessor": _smolvlm,
     "Gemma3ImageProcessor": _gemma3,
+    "Qwen2VLImageProcessor": _qwen2_vl,
 }
 
 

@@ -354,6 +354,9 @@ TABLES[("gemma4", "hf-gemma4-multimodal")] = gemma4_table("model.language_model.
 # SmolVLM / Idefics3: a Llama under `model.text_model.`, the head at the top; the tower and connector's names are
 # convert.vision_tables'.
 TABLES[("smolvlm", "hf-smolvlm")] = TABLES[("idefics3", "hf-idefics3")] = decoder_table("model.text_model.")
+# Qwen2.5-VL as transformers saves it and the Hub holds it: the Qwen 2 decoder's own names (`model.`), the tower
+# under `visual.` (convert.vision_tables').
+TABLES[("qwen2_5_vl", "hf-qwen2_5-vl")] = HF_DECODER
 
 
 def table_for(family: str, fmt: str, cfg: ModelConfig) -> list[BoundRule]:

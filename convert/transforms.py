@@ -208,6 +208,25 @@ def _conv_patch_inverse(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
 TRANSFORMS["conv_patch"] = Transform(lambda w, cfg: w.reshape(w.shape[0], -1).T, _conv_patch_inverse)
 
 
+def _vqkv_in(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """A tower's fused qkv Linear [3 * D, D] -> [D, 3, heads, head_dim] (Qwen2.5-VL)."""
+    assert cfg.vision is not None, "a vision transform on a model without a vision tower"
+    return w.reshape(3, cfg.vision.num_heads, cfg.vision.head_dim, w.shape[-1]).transpose(3, 0, 1, 2)
+
+
+def _conv3d_patch_inverse(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    v = cfg.vision
+    assert v is not None, "a vision transform on a model without a vision tower"
+    return w.T.reshape(w.shape[1], v.num_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
+
+
+TRANSFORMS["vqkv_in"] = Transform(_vqkv_in, lambda w, cfg: w.transpose(1, 2, 3, 0).reshape(-1, w.shape[0]))
+TRANSFORMS["vqkv_bias"] = Transform(lambda b, cfg: _vqkv_in(b[:, None], cfg)[0], lambda b, cfg: b.reshape(-1))
+# Qwen2.5-VL's conv3d patch embedding [D, C, T, p, p] <-> [C * T * p * p, D]: the processor flattens each patch in
+# the same (channel, frame, row, column) order.
+TRANSFORMS["conv3d_patch"] = Transform(lambda w, cfg: w.reshape(w.shape[0], -1).T, _conv3d_patch_inverse)
+
+
 def hf_shape(transform: str, piece: tuple[int, ...], cfg: ModelConfig) -> tuple[int, ...]:
     """The shape of the HF tensor that a zoo piece of shape ``piece`` comes from through ``transform`` (computed
     on a zero-stride array: no memory)."""

@@ -89,6 +89,29 @@ def _gemma4(V: str) -> list[Entry]:
     bounds = {"in_min": "input_min", "in_max": "input_max", "out_min": "output_min", "out_max": "output_max"}
     return rules + [(f"vision.layers.{name}_{ours}", at + theirs, "scalar")
                     for name, at in where.items() for ours, theirs in bounds.items()]
+def _qwen2_5(V: str) -> list[Entry]:
+    """Qwen2.5-VL's tower under ``V`` (``visual.``) and its patch merger."""
+    L = V + "blocks.{i}."
+    return [
+        ("vision.patch_embed", V + "patch_embed.proj.weight", "conv3d_patch"),
+        ("vision.layers.attn_norm", L + "norm1.weight", "identity"),
+        ("vision.layers.qkv", L + "attn.qkv.weight", "vqkv_in"),
+        ("vision.layers.qkv_bias", L + "attn.qkv.bias", "vqkv_bias"),
+        ("vision.layers.o", L + "attn.proj.weight", "vo_out"),
+        ("vision.layers.o_bias", L + "attn.proj.bias", "identity"),
+        ("vision.layers.mlp_norm", L + "norm2.weight", "identity"),
+        ("vision.layers.gate", L + "mlp.gate_proj.weight", "transpose"),
+        ("vision.layers.gate_bias", L + "mlp.gate_proj.bias", "identity"),
+        ("vision.layers.up", L + "mlp.up_proj.weight", "transpose"),
+        ("vision.layers.up_bias", L + "mlp.up_proj.bias", "identity"),
+        ("vision.layers.down", L + "mlp.down_proj.weight", "transpose"),
+        ("vision.layers.down_bias", L + "mlp.down_proj.bias", "identity"),
+        ("projector.norm", V + "merger.ln_q.weight", "identity"),
+        ("projector.fc1", V + "merger.mlp.0.weight", "transpose"),
+        ("projector.fc1_bias", V + "merger.mlp.0.bias", "identity"),
+        ("projector.fc2", V + "merger.mlp.2.weight", "transpose"),
+        ("projector.fc2_bias", V + "merger.mlp.2.bias", "identity"),
+    ]
 
 
 # source format -> (the tower's prefix as transformers 5 saves it, the vision side's entries under a prefix)
@@ -97,6 +120,7 @@ VISION_TABLES: dict[str, tuple[str, Callable[[str], list[Entry]]]] = {
     "hf-idefics3": ("model.vision_model.", _idefics3),
     "hf-gemma3-multimodal": ("vision_tower.", _gemma3),
     "hf-gemma4-multimodal": ("model.vision_tower.", _gemma4),
+    "hf-qwen2_5-vl": ("visual.", _qwen2_5),
 }
 # source format -> the other spelling of its tower a source may have (Gemma 3's files on the Hub)
 OTHER_TOWER_PREFIX = {"hf-gemma3-multimodal": "vision_tower.vision_model."}

@@ -202,15 +202,25 @@ def vision_inputs(cfg: ModelConfig, frames: Sequence[Sequence[tuple[np.ndarray, 
     """The images of a batch of prompts as the prefill takes them: ``frames[r]`` are prompt r's frames in the order
     of its image tokens, each (pixels [C, S, S], pixel mask [S, S] or None) as the image processor gives them
     (SmolVLM: an image's tiles, then the whole image). None when no prompt has an image."""
-    from zoo.data.vision_layout import image_patches, layout_rows
+    from zoo.data.vision_layout import image_patches
 
     v = cfg.vision
     assert v is not None, "vision_inputs needs a model with a vision tower"
-    most = max((len(f) for f in frames), default=0)
+    return patch_inputs(cfg, [[image_patches(v, pixels, mask) for pixels, mask in row] for row in frames])
+
+
+def patch_inputs(cfg: ModelConfig, rows: Sequence[Sequence[dict[str, np.ndarray]]]) -> VisionInputs | None:
+    """The images of a batch of prompts as the prefill takes them, from each prompt's frames as per-patch arrays
+    (``ProcessedImage.patches`` of chat/images.py: any tower, Qwen2.5-VL's images at their own size). None when no
+    prompt has an image."""
+    from zoo.data.vision_layout import layout_rows
+
+    v = cfg.vision
+    assert v is not None, "patch_inputs needs a model with a vision tower"
+    most = max((sum(len(f["patches"]) for f in row) for row in rows), default=0)
     if most == 0:
         return None
-    rows = [[image_patches(v, pixels, mask) for pixels, mask in row] for row in frames]
-    return VisionInputs(**{k: jnp.asarray(a) for k, a in layout_rows(v, rows, most * v.patches_per_image).items()})
+    return VisionInputs(**{k: jnp.asarray(a) for k, a in layout_rows(v, rows, most).items()})
 
 
 def _hit_stop(tokens: list[int], stop: tuple[str, ...], tokenizer: Any) -> bool:

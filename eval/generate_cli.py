@@ -115,7 +115,7 @@ def generate_command(args: argparse.Namespace, expander_of: ExpanderOf | None = 
     if cfg is not None and cfg.vision is None:  # before the weights load
         raise UserError(f"--image: {args.ckpt} has no vision tower (a text model); leave out --image or give a "
                         "vision-language model's checkpoint")
-    from eval.generate import GenerationConfig, vision_inputs
+    from eval.generate import GenerationConfig, patch_inputs
     from zoo.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(args.ckpt)
@@ -127,7 +127,7 @@ def generate_command(args: argparse.Namespace, expander_of: ExpanderOf | None = 
                            top_p=args.top_p, seed=args.seed, stop=tuple(args.stop or ()),
                            eos_ids=_eos_ids(args.ckpt, tok))
     if images:
-        _stream_one(model, tok, ids, gen, vision_inputs(model.cfg, [frames]))
+        _stream_one(model, tok, ids, gen, patch_inputs(model.cfg, [frames]))
     elif rows is None:
         _stream_one(model, tok, _prompt_ids(tok, {"prompt": args.prompt}, args), gen)
     else:
@@ -187,8 +187,8 @@ def _prompt_ids(tok: Any, row: dict[str, Any], args: argparse.Namespace) -> list
 
 
 def _image_prompt(cfg: ModelConfig, tok: Any, args: argparse.Namespace, expander_of: ExpanderOf,
-                  ) -> tuple[list[int], list[tuple[Any, Any]]]:
-    """(token ids, the images' frames) of --prompt with its --image files: a user turn (after --system's turn) of
+                  ) -> tuple[list[int], list[dict[str, Any]]]:
+    """(token ids, the images' frames as per-patch arrays) of --prompt with its --image files: a user turn (after --system's turn) of
     one image part per image and then the text, as TRL's ``prepare_multimodal_messages`` places them; the chat
     template's placeholders replaced by each image's expansion, and the text tokenized whole, as the processor
     does. A prompt longer than the model's context with its images is refused (its image tokens cannot be cut)."""
@@ -204,7 +204,7 @@ def _image_prompt(cfg: ModelConfig, tok: Any, args: argparse.Namespace, expander
     if len(ids) > cfg.max_position_embeddings:
         raise UserError(f"--image: the prompt with its image(s) is {len(ids)} tokens, more than the model's context "
                         f"of {cfg.max_position_embeddings}; give fewer or smaller images or a shorter prompt")
-    return ids, [f for p in processed for f in p.frames()]
+    return ids, [f for p in processed for f in p.patches(cfg.vision)]  # per-patch arrays of every frame
 
 
 def _stream_one(model: Decoder, tok: Any, ids: list[int], gen: GenerationConfig,

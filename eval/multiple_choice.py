@@ -264,7 +264,8 @@ def _cached_choices(cfg: ModelConfig, params: dict[str, Any], ctx: jax.Array, ct
 
     def score(xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
         rows, toks, tgt, ok, pos, ends = xs
-        kv = Cache(jax.tree.map(lambda a: jnp.take(a, rows, axis=1), cache.layers), cache.lengths[rows])
+        kv = Cache(jax.tree.map(lambda a: jnp.take(a, rows, axis=1), cache.layers), cache.lengths[rows],
+                   None if cache.rope_delta is None else cache.rope_delta[rows])
         at = jnp.arange(toks.shape[1])[None, :]
         lg, _ = forward_cached(cfg, params, toks, kv, at <= pos[:, None])
         logz = jax.nn.logsumexp(lg, axis=-1)

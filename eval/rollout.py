@@ -53,7 +53,8 @@ class RolloutSpec:
 def _repeat_rows(cache: Cache, g: int) -> Cache:
     """Each row of a cache repeated g times (rows r*g .. r*g+g-1 continue row r)."""
     layers = jax.tree.map(lambda a: jnp.repeat(a, g, axis=1), cache.layers)  # [n, batch, ...]
-    return Cache(layers, jnp.repeat(cache.lengths, g, axis=0))
+    delta = None if cache.rope_delta is None else jnp.repeat(cache.rope_delta, g, axis=0)
+    return Cache(layers, jnp.repeat(cache.lengths, g, axis=0), delta)
 
 
 def draw(logits: jax.Array, key: jax.Array, sampler: Sampler) -> tuple[jax.Array, jax.Array]:

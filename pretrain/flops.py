@@ -75,7 +75,9 @@ def vision_flops_per_patch(mcfg: ModelConfig, tower_trained: bool, connector_tra
     specs = param_specs(mcfg)
     tower = sum(int(np.prod(spec.shape)) for path, spec in specs.items()
                 if path.startswith("vision.") and spec.init == "normal" and path != "vision.pos_embed")  # a gather
-    connector = int(np.prod(specs["projector.proj"].shape)) / v.group  # once a group of patches (an image token)
+    # once a group of patches (an image token): its matmuls (Qwen2.5-VL's merger: fc1 and fc2)
+    connector = sum(int(np.prod(spec.shape)) for path, spec in specs.items()
+                    if path.startswith("projector.") and spec.init == "normal") / v.group
     attention = 4.0 * v.num_layers * v.hidden_size * v.patches_per_image  # QK^T and PV, every patch a query
     connector_factor = 3.0 if tower_trained else 2.0 if connector_trained else 1.0
     return (3.0 if tower_trained else 1.0) * (2.0 * tower + attention) + connector_factor * 2.0 * connector

@@ -268,9 +268,11 @@ def check_vision_lora(cfg: TrainConfig, mcfg: ModelConfig, lora: LoraConfig) -> 
     if named and mcfg.vision is None:
         raise UserError(f"lora.targets name an image tower or connector ({', '.join(named)}), and the model "
                         f"({mcfg.family}) has none; name the language model's projections alone")
-    if named and mcfg.vision is not None and mcfg.vision.tower == "gemma4":
-        raise UserError(f"lora.targets name Gemma 4's image tower or connector ({', '.join(named)}): LoRA there is "
-                        "not supported yet; adapt the language model (and model.freeze the tower, or train it fully)")
+    own = {"gemma4": "Gemma 4's", "qwen2_5": "Qwen2.5-VL's"}  # towers of their own: no adapters reach them yet
+    if named and mcfg.vision is not None and mcfg.vision.tower in own:
+        raise UserError(f"lora.targets name {own[mcfg.vision.tower]} image tower or connector ({', '.join(named)}): "
+                        "LoRA there is not supported yet; adapt the language model (and model.freeze the tower, or "
+                        "train it fully)")
     frozen = [t for t in vision_targets(lora) if t.partition(".")[0] in cfg.model.freeze]
     if frozen:
         parts = sorted({t.partition(".")[0] for t in frozen})

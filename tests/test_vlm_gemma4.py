@@ -162,3 +162,19 @@ def test_round_trip_is_bit_identical_and_audio_is_left_out(tmp_path, capsys):
     assert config["architectures"] == ["Gemma4ForConditionalGeneration"] and config.get("audio_config") is None
     loaded = Gemma4ForConditionalGeneration.from_pretrained(tmp_path / "back")
     assert loaded.model.audio_tower is None and loaded.model.vision_tower is not None
+
+
+def test_lora_on_a_tower_of_its_own_is_refused(gemma4):
+    """Gemma 4's tower (and Qwen2.5-VL's) takes no adapters yet: naming it in lora.targets is one line before step 1,
+    where silently training nothing there would be the alternative; the language model's targets pass."""
+    from pretrain.config import TrainConfig, load_config
+    from pretrain.setup import check_vision_lora, lora_config
+    from zoo.errors import UserError
+
+    mcfg = zoo.read_config(gemma4[1])
+    base = ["model.path=m", "data.path=d", "max_steps=1", "lora.rank=4"]
+    cfg = load_config(None, [*base, "lora.targets=q_proj,vision.q_proj"], TrainConfig)
+    with pytest.raises(UserError, match=r"Gemma 4's image tower or connector \(vision.q_proj\): LoRA there is not"):
+        check_vision_lora(cfg, mcfg, lora_config(cfg))
+    cfg = load_config(None, [*base, "lora.targets=q_proj,v_proj"], TrainConfig)
+    check_vision_lora(cfg, mcfg, lora_config(cfg))

@@ -151,7 +151,7 @@ def test_bad_image_rows_are_one_line_naming_the_row(vlm, tmp_path, capsys):
     err = _one_line_error(capsys, [*common, "data.seq_len=8"])
     assert err.startswith(f"{data}, line 1: image 1 ends at token ") and "past data.seq_len = 8" in err
     err = _one_line_error(capsys, [*common, "data.seq_len=64", "data.max_patches=8"])
-    assert err.startswith(f"{data}, line 1: its 1 image(s) make 1 frames of 16 patches (16), more than "
+    assert err.startswith(f"{data}, line 1: its 1 image(s) make 1 frame(s) of 16 patches in all, more than "
                           "data.max_patches = 8")
     err = _one_line_error(capsys, [*common, "data.seq_len=64", "data.eval_fraction=0.5"])
     assert err == (f"data.path {data}: rows with images do not go with evaluation (data.eval_fraction, "

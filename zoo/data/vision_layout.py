@@ -77,26 +77,28 @@ def image_patches(v: VisionConfig, pixels: np.ndarray, pixel_mask: np.ndarray | 
 def layout_rows(v: VisionConfig, rows: Sequence[Sequence[dict[str, np.ndarray]]], max_patches: int,
                 dtype: str = "float32") -> dict[str, np.ndarray]:
     """The batch's arrays [rows, max_patches, ...] (the fields of :class:`zoo.model.vision.VisionInputs`) from each
-    row's images (each from
-    :func:`image_patches`, or :func:`zoo.data.gemma4_layout.gemma4_image_patches`), in order; a row's image k feeds
-    the row's output tokens after those of the images before it (``tokens`` each, else tokens_per_image).
-    ``dtype`` is the patches'."""
+    row's images (each from :func:`image_patches`, :func:`zoo.data.gemma4_layout.gemma4_image_patches`, or
+    :func:`zoo.data.qwen_layout.qwen_image_patches`, whose images differ in their patches), in order, each in as
+    many patch slots as it has patches; a row's image k feeds the row's output tokens after those of the images
+    before it (``tokens`` each, else its patches / group). ``dtype`` is the patches'."""
     b = len(rows)
     out = dict(patches=np.zeros((b, max_patches, v.patch_dim), dtype), patch_image=np.zeros((b, max_patches), np.int32),
                patch_valid=np.zeros((b, max_patches), bool), patch_pos=np.zeros((b, max_patches), np.int32),
                patch_group=np.full((b, max_patches), -1, np.int32), patch_slot=np.zeros((b, max_patches), np.int32))
-    n = v.patches_per_image
     for r, images in enumerate(rows):
-        if len(images) * n > max_patches:
-            raise ValueError(f"row {r}: {len(images)} images of {n} patches exceed max_patches={max_patches}")
-        first = 0  # the row's first output token of image k: the tokens of the images before it
+        need = sum(len(img["patches"]) for img in images)
+        if need > max_patches:
+            raise ValueError(f"row {r}: {len(images)} images of {need} patches exceed max_patches={max_patches}")
+        start = first = 0  # the row's first patch slot and first output token of image k
         for k, img in enumerate(images):
-            at = slice(k * n, (k + 1) * n)
+            n = len(img["patches"])
+            at = slice(start, start + n)
             out["patches"][r, at] = img["patches"]
             out["patch_image"][r, at] = k + 1
             out["patch_valid"][r, at] = img["patch_valid"]
             out["patch_pos"][r, at] = img["patch_pos"]
             out["patch_group"][r, at] = np.where(img["patch_group"] >= 0, img["patch_group"] + first, -1)
             out["patch_slot"][r, at] = img["patch_slot"]
-            first += int(img.get("tokens", v.tokens_per_image))  # Gemma 4's images differ in their tokens
+            first += int(img.get("tokens", n // v.group))  # Gemma 4's images differ in their tokens
+            start += n
     return out

@@ -39,11 +39,15 @@ class RopeConfig:
     # original_max_position_embeddings tokens, the long ones past it (``factor`` sets the attention factor).
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
+    # Multimodal RoPE (Qwen2.5-VL): how many of the head's frequencies each of the (time, row, column) position
+    # axes drives, in that order (summing to rope_dim / 2); () for the 1-D RoPE of text models.
+    mrope_section: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # JSON gives lists; the config must stay hashable (it is a static argument of jitted functions).
         for name in ("short_factor", "long_factor"):
             object.__setattr__(self, name, tuple(float(x) for x in getattr(self, name)))
+        object.__setattr__(self, "mrope_section", tuple(int(x) for x in self.mrope_section))
 
 
 LAYER_KINDS = ("full", "sliding")

@@ -60,6 +60,7 @@ from zoo.model.layer_layout import (
 from zoo.model.layer_scan import Segment, scan_segments, stack_slice
 from zoo.model.longrope import switch_to_long
 from zoo.model.masks import kind_window
+from zoo.model.mrope import mrope_positions
 from zoo.model.multimodal import blocks_of_kind, embed_images, image_blocks, text_ids
 from zoo.model.per_layer_inputs import per_layer_inputs
 from zoo.model.rope import layer_rope, rope_flags, rope_tables_by_kind
@@ -76,11 +77,14 @@ class Cache:
     order, stacked arrays ``k`` [n, batch, kv_heads, head_dim, S] (roped
     keys, transposed) and ``v`` [n, batch, kv_heads, S, head_dim], or for
     MLA ``latent`` [n, batch, S, kv_lora_rank] and ``k_pe`` [n, batch, S, qk_rope_head_dim]. ``lengths`` [batch] int32
-    counts the tokens of each row already in the cache.
+    counts the tokens of each row already in the cache. ``rope_delta`` [batch] int32 (multimodal RoPE only, else
+    None): what each row's images moved its positions by (transformers' ``rope_deltas``: the prefill's largest
+    position + 1 - its tokens), added to every later token's position.
     """
 
     layers: dict[str, dict[str, dict[str, jax.Array]]]
     lengths: jax.Array
+    rope_delta: jax.Array | None = None
 
 
 def _kind_sizes(cfg: ModelConfig, max_len: int) -> dict[str, int]:
@@ -116,7 +120,8 @@ def _cache_tree(cfg: ModelConfig, batch: int, max_len: int, make: Any) -> Cache:
             kind: {name: make(shape, axes, None) for name, (shape, axes)
                    in _entry_shapes(kind_config(cfg, kind), kinds.count(kind), batch, sizes[kind]).items()}
             for kind in sorted(set(kinds))}
-    return Cache(layers, make((batch,), ("batch",), jnp.int32))
+    delta = make((batch,), ("batch",), jnp.int32) if cfg.rope.mrope_section else None
+    return Cache(layers, make((batch,), ("batch",), jnp.int32), delta)
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = jnp.float32,
@@ -237,9 +242,11 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax
     pos = cache.lengths[:, None] + jnp.cumsum(vi, axis=1) - vi
     new_lengths = cache.lengths + vi.sum(1)
     if cfg.rope.kind == "longrope" and not fresh:  # Phi-3: past original_max_position_embeddings, long factors
-        cache = Cache(switch_to_long(cfg, cache.layers, cache.lengths, new_lengths, slot_positions), cache.lengths)
+        cache = Cache(switch_to_long(cfg, cache.layers, cache.lengths, new_lengths, slot_positions), cache.lengths,
+                      cache.rope_delta)
 
-    ropes = rope_tables_by_kind(cfg, pos, valid)
+    rope_pos, delta = _rope_positions(cfg, tokens, pos, valid, new_lengths, cache.rope_delta, vision)
+    ropes = rope_tables_by_kind(cfg, rope_pos, valid)
     slots = {kind: arrays["latent" if cfg.mla else "v"].shape[2 if cfg.mla else 3]
              for group in cache.layers.values() for kind, arrays in group.items()}
     # Slots read per kind: none when fresh, the first `view` when every row fits in them.
@@ -267,7 +274,22 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
     x = norm(cfg, x, base["final_norm"])
     logits = x if hidden else output_logits(cfg, base, x)
-    return logits, Cache(_write(cache, written, pos, valid, new_lengths, cfg.mla), new_lengths)
+    return logits, Cache(_write(cache, written, pos, valid, new_lengths, cfg.mla), new_lengths, delta)
+
+
+def _rope_positions(cfg: ModelConfig, tokens: jax.Array, pos: jax.Array, valid: jax.Array, new_lengths: jax.Array,
+                    delta: jax.Array | None, vision: VisionInputs | None) -> tuple[jax.Array, jax.Array | None]:
+    """(the positions RoPE turns by, the cache's new rope delta): ``pos`` itself but for multimodal RoPE, where a
+    prefill with images takes its (time, row, column) positions (:func:`zoo.model.mrope.mrope_positions`) and
+    records each row's delta, and every other call shifts ``pos`` by the recorded delta (text after the images)."""
+    if delta is None:
+        return pos, None
+    if vision is None:
+        return pos + delta[:, None], delta
+    assert cfg.vision is not None, "images given to a model without a vision tower"
+    p3 = mrope_positions(cfg.vision, tokens, pos, vision)
+    top = jnp.max(jnp.where(valid, p3.max(0), -1), axis=1)
+    return p3, (top + 1 - new_lengths).astype(jnp.int32)
 
 
 def _cached_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Array]], masks: dict[str, Any],

@@ -38,6 +38,7 @@ from zoo.model.layer_layout import (
 )
 from zoo.model.layer_scan import Segment, scan_segments, stack_slice
 from zoo.model.masks import kind_window, visibility
+from zoo.model.mrope import mrope_positions
 from zoo.model.multimodal import blocks_of_kind, embed_images, image_blocks, text_ids
 from zoo.model.params import flatten, init_params, nest, param_specs
 from zoo.model.per_layer_inputs import add_per_layer_input, per_layer_inputs
@@ -196,7 +197,9 @@ def forward(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax.Arra
     and attention gathers the keys (:mod:`zoo.model.context`); t must divide by its size.
 
     ``vision`` (a vision-language model's images as patches, :class:`zoo.model.vision.VisionInputs`) puts each
-    image token's feature in place of its embedding (:func:`zoo.model.multimodal.embed_images`).
+    image token's feature in place of its embedding (:func:`zoo.model.multimodal.embed_images`). A model with
+    multimodal RoPE (Qwen2.5-VL) takes ``positions`` [3, batch, seq] as they are, or turns 1-D ones into them
+    with the images (:func:`zoo.model.mrope.mrope_positions`).
     """
     w = Weights.wrap(params)
     base: dict[str, Any] = w.base
@@ -208,6 +211,8 @@ def forward(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax.Arra
         segment_ids, max_segments = jnp.ones((b, t), jnp.int32), 1
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    if vision is not None and cfg.rope.mrope_section and positions.ndim == 2:  # Qwen2.5-VL: (time, row, column)
+        positions = mrope_positions(cfg.vision, tokens, positions, vision)  # type: ignore[arg-type]
     ropes = rope_tables_by_kind(cfg, positions)
     # What each layer kind's queries see, from the segment ids: no kernel gets a [b, 1, t, t] mask built here
     # (zoo.model.masks.Visibility; zoo.kernels.choice).

@@ -57,6 +57,7 @@ def _rope(params: dict[str, Any], c: Any, where: str) -> RopeConfig:
         attention_factor=_opt_float(params.get("attention_factor")),
         truncate=bool(params.get("truncate", True)),
         proportional_fraction=float(params.get("partial_rotary_factor") or 1.0) if kind == "proportional" else 1.0,
+        mrope_section=tuple(params.get("mrope_section") or ()),
     )
     return read_longrope(rope, params, c) if kind == "longrope" else rope
 

@@ -73,6 +73,8 @@ FAMILIES: dict[str, FamilyTraits] = {
     # pixel-shuffle connector. model_type/architecture name the composite config and model class.
     "smolvlm": FamilyTraits("smolvlm", "SmolVLMForConditionalGeneration", mlp_bias="mlp_bias"),
     "idefics3": FamilyTraits("idefics3", "Idefics3ForConditionalGeneration", mlp_bias="mlp_bias"),
+    # Qwen2.5-VL: a Qwen 2 language model (text_config model_type "qwen2_5_vl_text") with multimodal RoPE.
+    "qwen2_5_vl": FamilyTraits("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", qkv_bias=True, o_bias=False),
 }
 
 # weight-name format of a vision-language model -> (the reader of its config's vision side in
@@ -82,6 +84,7 @@ VISION_FORMATS: dict[str, tuple[str, str]] = {
     "hf-idefics3": ("idefics3", "Idefics3ForConditionalGeneration"),
     "hf-gemma3-multimodal": ("gemma3", "Gemma3ForConditionalGeneration"),
     "hf-gemma4-multimodal": ("gemma4", "Gemma4ForConditionalGeneration"),
+    "hf-qwen2_5-vl": ("qwen2_5", "Qwen2_5_VLForConditionalGeneration"),
 }
 
 # architecture -> (family, source format of its weight names)
@@ -94,6 +97,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Gemma4ForConditionalGeneration": ("gemma4", "hf-gemma4-multimodal"),
     "SmolVLMForConditionalGeneration": ("smolvlm", "hf-smolvlm"),
     "Idefics3ForConditionalGeneration": ("idefics3", "hf-idefics3"),
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "hf-qwen2_5-vl"),
 }
 MODEL_TYPES: dict[str, tuple[str, str]] = {
     **{t.model_type: (f, "hf") for f, t in FAMILIES.items()},
@@ -101,6 +105,7 @@ MODEL_TYPES: dict[str, tuple[str, str]] = {
     "gemma4": ("gemma4", "hf-gemma4-multimodal"),
     "smolvlm": ("smolvlm", "hf-smolvlm"),
     "idefics3": ("idefics3", "hf-idefics3"),
+    "qwen2_5_vl": ("qwen2_5_vl", "hf-qwen2_5-vl"),
 }
 
 

@@ -115,6 +115,20 @@ def rope_tables(positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) 
     return jnp.cos(emb) * scale, jnp.sin(emb) * scale
 
 
+def mrope_tables(positions: jax.Array, inv_freq: np.ndarray, section: tuple[int, ...],
+                 scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """Multimodal RoPE's cos/sin tables [batch, seq, rot_dim] (Qwen2.5-VL) for positions [3, batch, seq] (time,
+    row, column; [batch, seq] text positions drive all three alike): the i-th chunk of ``section`` frequencies
+    turns with axis i % 3, as transformers' ``recomposition_frequencies``."""
+    if positions.ndim == 2:
+        positions = jnp.broadcast_to(positions, (3, *positions.shape))
+    axis = np.concatenate([np.full(n, i % 3) for i, n in enumerate(section)])
+    chosen = jnp.moveaxis(positions, 0, -1)[..., axis]  # [batch, seq, rot_dim / 2]: each frequency's position
+    freqs = chosen.astype(jnp.float32) * jnp.asarray(inv_freq)[None, None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb) * scale, jnp.sin(emb) * scale
+
+
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotate-half RoPE on x [batch, seq, heads, head_dim] (the Hugging Face layout).
 
@@ -138,6 +152,8 @@ def _tables(rope: RopeConfig, dim: int, positions: jax.Array,
     the short ones. A KV cache keeps the keys roped as they were when written.
     """
     scale = rope_attention_factor(rope)
+    if rope.mrope_section:
+        return mrope_tables(positions, rope_inv_freq(rope, dim), rope.mrope_section, scale)
     if rope.kind != "longrope":
         return rope_tables(positions, rope_inv_freq(rope, dim), scale)
     short = rope_tables(positions, longrope_inv_freq(rope, dim, long=False), scale)
@@ -166,7 +182,8 @@ def rope_flags(cfg: ModelConfig, start: int, stop: int) -> jax.Array | None:
 
 def rope_tables_by_kind(cfg: ModelConfig, positions: jax.Array,
                         valid: jax.Array | None = None) -> dict[str, tuple[jax.Array, jax.Array]]:
-    """(cos, sin) tables for integer positions [batch, seq] per layer kind of ``cfg``.
+    """(cos, sin) tables for integer positions [batch, seq] per layer kind of ``cfg`` (multimodal RoPE:
+    [3, batch, seq] as well, :func:`mrope_tables`).
 
     "full" layers use ``cfg.rope``; "sliding" ones (when the model has any)
     use ``cfg.rope_local`` where it differs (Gemma 3's local RoPE), else the

@@ -37,6 +37,7 @@ from zoo.model.sharding import batch_sharded
 from zoo.model.vision_config import VisionConfig
 from zoo.model.vision_gemma4 import encode_gemma4
 from zoo.model.vision_inputs import VisionInputs
+from zoo.model.vision_qwen import encode_qwen
 
 __all__ = ["VisionInputs", "encode_images", "tower", "shuffle_linear", "avg_pool", "CONNECTORS"]
 
@@ -152,4 +153,6 @@ def encode_images(cfg: ModelConfig, params: Any, inputs: VisionInputs, remat: st
     assert v is not None, "encode_images needs a model with a vision tower"
     if v.tower == "gemma4":  # its own tower and connector
         return encode_gemma4(cfg, params, inputs, remat)
+    if v.tower == "qwen2_5":  # its own tower and merger
+        return encode_qwen(v, params, inputs, remat)
     return CONNECTORS[v.connector](v, params, tower(v, params, inputs, remat), inputs)

@@ -8,8 +8,14 @@ each patch's own index: ``bucketize``), a final ``post_layernorm``, then the con
 ``shuffle_linear`` (SmolVLM/Idefics3: each ``scale_factor`` x ``scale_factor`` block of patches concatenated into
 one token and projected, no bias, to the LM's width) or ``avg_pool`` (Gemma 3: each such block averaged, then
 Gemma's ``(1 + w)`` RMSNorm and a projection). ``image_blocks`` makes each run of image tokens one bidirectional
-block in the language model's attention (Gemma 3). Other towers add fields here as the design notes sketch; a
-name nothing reads yet is not one of them.
+block in the language model's attention (Gemma 3).
+
+Qwen2.5-VL (``tower: qwen2_5``, :mod:`zoo.model.vision_qwen`) has no fixed image size: each image is its own grid
+of patches (dynamic resolution), each patch ``temporal_patch_size`` frames deep, rotated by 2-D RoPE
+(``rope_theta``), windowed attention (``window_size`` pixels a side) in every layer but ``fullatt_layers``, and the
+``patch_merger`` connector (each ``scale_factor`` x ``scale_factor`` block concatenated, then an MLP). Its
+``image_size`` is nominal (one merged token's patches: nothing reads it as an image's size). Other towers add
+fields here as the design notes sketch; a name nothing reads yet is not one of them.
 """
 
 from __future__ import annotations
@@ -18,8 +24,8 @@ from dataclasses import dataclass, field
 
 from zoo.errors import UserError
 
-CONNECTORS = ("shuffle_linear", "avg_pool", "gemma4")
-TOWERS = ("siglip", "gemma4")
+CONNECTORS = ("shuffle_linear", "avg_pool", "gemma4", "patch_merger")
+TOWERS = ("siglip", "gemma4", "qwen2_5")
 
 
 @dataclass(frozen=True)
@@ -59,8 +65,13 @@ class VisionConfig:
     clipped: bool = False
     standardize: bool = False
     blocks_on_full: bool = True
+    # Qwen2.5-VL's tower (``tower: qwen2_5``, zoo.model.vision_qwen; rope_theta above is its 2-D RoPE's too)
+    temporal_patch_size: int = 1  # frames a patch spans (a still image is repeated to fill them)
+    window_size: int = 0  # pixels along a side of an attention window (0: no windows)
+    fullatt_layers: tuple[int, ...] = ()  # the layers that attend over the whole image, not a window
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "fullatt_layers", tuple(int(i) for i in self.fullatt_layers))  # hashable
         if self.connector not in CONNECTORS:
             raise UserError(f"model config: vision connector {self.connector!r} is not one of {', '.join(CONNECTORS)}")
         if self.tower not in TOWERS:
@@ -108,5 +119,10 @@ class VisionConfig:
 
     @property
     def patch_dim(self) -> int:
-        """Width of one flattened patch: channels x patch_size x patch_size."""
-        return self.num_channels * self.patch_size**2
+        """Width of one flattened patch: channels x frames x patch_size x patch_size."""
+        return self.num_channels * self.temporal_patch_size * self.patch_size**2
+
+    @property
+    def window_patches(self) -> int:
+        """Patches along a side of one attention window (Qwen2.5-VL: whole merged tokens; 0: no windows)."""
+        return self.window_size // self.scale_factor // self.patch_size * self.scale_factor

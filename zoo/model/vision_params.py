@@ -67,6 +67,34 @@ PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 CLIP_BOUNDS = ("in_min", "in_max", "out_min", "out_max")  # transformers' input_min, input_max, ... of each
 
 
+def _qwen_specs(cfg: ModelConfig, v: VisionConfig) -> dict[str, Spec]:
+    """Qwen2.5-VL's tower (a conv3d patch embedding without bias; RMSNorms; fused qkv and o with biases; a SwiGLU
+    MLP with biases) and its patch merger (``ln_q``, then fc1 -> gelu -> fc2 with biases)."""
+    L, D, F, H, Dh = v.num_layers, v.hidden_size, v.intermediate_size, v.num_heads, v.head_dim
+    lay, W = ("layers",), v.group * D
+    s: dict[str, Spec] = {"vision.patch_embed": ((v.patch_dim, D), (None, "embed"), "normal")}
+    layers: dict[str, Spec] = {
+        "attn_norm": ((L, D), lay + ("embed",), "ones"),
+        "mlp_norm": ((L, D), lay + ("embed",), "ones"),
+        "qkv": ((L, D, 3, H, Dh), lay + ("embed", None, "heads", "head_dim"), "normal"),
+        "qkv_bias": ((L, 3, H, Dh), lay + (None, "heads", "head_dim"), "zeros"),
+        "o": ((L, H, Dh, D), lay + ("heads", "head_dim", "embed"), "normal"),
+        "o_bias": ((L, D), lay + ("embed",), "zeros"),
+        "down": ((L, F, D), lay + ("mlp", "embed"), "normal"),
+        "down_bias": ((L, D), lay + ("embed",), "zeros"),
+    }
+    for name in ("gate", "up"):
+        layers[name] = ((L, D, F), lay + ("embed", "mlp"), "normal")
+        layers[f"{name}_bias"] = ((L, F), lay + ("mlp",), "zeros")
+    s.update({f"vision.layers.{name}": spec for name, spec in layers.items()})
+    s["projector.norm"] = ((D,), ("embed",), "ones")
+    s["projector.fc1"] = ((W, W), (None, "mlp"), "normal")
+    s["projector.fc1_bias"] = ((W,), ("mlp",), "zeros")
+    s["projector.fc2"] = ((W, cfg.hidden_size), ("mlp", "embed"), "normal")
+    s["projector.fc2_bias"] = ((cfg.hidden_size,), ("embed",), "zeros")
+    return s
+
+
 def vision_specs(cfg: ModelConfig) -> dict[str, Spec]:
     """Every weight of the image tower and its connector, by dotted path ({} for a text model)."""
     v = cfg.vision
@@ -74,6 +102,8 @@ def vision_specs(cfg: ModelConfig) -> dict[str, Spec]:
         return {}
     if v.tower == "gemma4":
         return _gemma4_specs(cfg, v)
+    if v.tower == "qwen2_5":
+        return _qwen_specs(cfg, v)
     D = v.hidden_size
     s: dict[str, Spec] = {
         "vision.patch_embed": ((v.patch_dim, D), (None, "embed"), "normal"),

@@ -155,6 +155,11 @@ _ENTRIES = [
              "GLM-4.5-Air: 128 experts + 1 shared (12B active)", hf_config=released.GLM_4_5_AIR),
     ZooEntry("glm-4.6", "glm4_moe", "zai-org/GLM-4.6", 355e9, "GLM-4.6: GLM-4.5's architecture, 200K context",
              hf_config=released.GLM_4_6),
+    # Qwen2.5-VL, whole (tower and merger included in the counts): images at any size, multimodal RoPE.
+    *(ZooEntry(f"qwen2.5-vl-{size.lower()}", "qwen2_5_vl", f"Qwen/Qwen2.5-VL-{size}-Instruct", n,
+               f"Qwen2.5-VL {size} chat: windowed vision tower, multimodal RoPE", hf_config=config)
+      for size, n, config in (("3B", 3.75e9, released.QWEN2_5_VL_3B), ("7B", 8.29e9, released.QWEN2_5_VL_7B),
+                              ("72B", 73.4e9, released.QWEN2_5_VL_72B))),
 ]
 
 REGISTRY: dict[str, ZooEntry] = {e.name: e for e in _ENTRIES}

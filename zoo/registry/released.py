@@ -188,3 +188,32 @@ PHI_4_MINI = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab
                                                       "long_factor": PHI_4_MINI_LONG_FACTOR},
               "sliding_window": 262144, "tie_word_embeddings": True, "bos_token_id": 199999,
               "eos_token_id": 199999, "pad_token_id": 199999, "torch_dtype": "bfloat16"}
+
+# Qwen/Qwen2.5-VL-{3B,7B,72B}-Instruct (Qwen2_5_VLForConditionalGeneration), as published: the text fields at the
+# top level (transformers 5 moves them into text_config), multimodal RoPE over (16, 24, 24) of each head's 64
+# frequencies, and the same 32-layer windowed tower (full attention in layers 7, 15, 23, 31) on every size.
+_QWEN2_5_VL_VISION = {"depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420,
+                      "num_heads": 16, "in_chans": 3, "patch_size": 14, "spatial_merge_size": 2,
+                      "spatial_patch_size": 14, "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31],
+                      "tokens_per_second": 2, "temporal_patch_size": 2}
+
+
+def _qwen2_5_vl(hidden: int, inter: int, layers: int, heads: int, kv: int, vocab: int, tied: bool,
+                window_layers: int) -> dict:
+    """A Qwen2.5-VL config.json of this language model's size (its tower's output at the model's width)."""
+    return {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+            "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645,
+            "vision_start_token_id": 151652, "vision_end_token_id": 151653, "vision_token_id": 151654,
+            "image_token_id": 151655, "video_token_id": 151656, "hidden_act": "silu", "hidden_size": hidden,
+            "initializer_range": 0.02, "intermediate_size": inter, "max_position_embeddings": 128000,
+            "max_window_layers": window_layers, "num_attention_heads": heads,
+            "num_hidden_layers": layers, "num_key_value_heads": kv, "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": tied, "torch_dtype": "bfloat16",
+            "use_cache": True, "use_sliding_window": False,
+            "vision_config": {**_QWEN2_5_VL_VISION, "out_hidden_size": hidden},
+            "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "vocab_size": vocab}
+
+
+QWEN2_5_VL_3B = _qwen2_5_vl(2048, 11008, 36, 16, 2, 151936, True, 70)
+QWEN2_5_VL_7B = _qwen2_5_vl(3584, 18944, 28, 28, 4, 152064, False, 28)
+QWEN2_5_VL_72B = _qwen2_5_vl(8192, 29568, 80, 64, 8, 152064, False, 80)
