@@ -119,14 +119,24 @@ class ImageDocuments:
         out = {k: v for k, v in rows.items() if not k.startswith(IMAGE_DOC)}  # the tags and packing's own
         if not self.max_patches:  # no row of the data has an image: a text batch
             return out
+        segments = rows.get("tokens_segment_ids")  # packed rows: each document its own segment
         per_row = []
-        for row in tags:
-            order = [int(d) for d in dict.fromkeys(row.tolist()) if d]  # the row's documents in order
+        for r, row in enumerate(tags):
+            order = row_documents(row, None if segments is None else segments[r])
             per_row.append([f for d in order for f in self.frames.get(d - 1, [])])
         arrays = layout_rows(self.v, per_row, self.max_patches)
         arrays["patches"] = arrays["patches"].reshape(len(tags), -1)
         arrays["patch_valid"] = arrays["patch_valid"].astype(np.int32)
         return {**out, **{VISION_PREFIX + k: v for k, v in arrays.items()}}
+
+
+def row_documents(tags: np.ndarray, segments: np.ndarray | None) -> list[int]:
+    """The tags (row index + 1) of a row's documents in order, one entry a document: a new document starts where
+    the tag or (packed rows) the segment changes, so a document packed twice into one row has its images twice
+    (the tags alone cannot tell two copies side by side apart)."""
+    key = tags if segments is None else tags.astype(np.int64) * (int(segments.max()) + 1) + segments
+    starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+    return [int(tags[i]) for i in starts if tags[i]]
 
 
 def _processes() -> int:

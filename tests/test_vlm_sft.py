@@ -220,3 +220,14 @@ def test_inspect_shows_the_rows_images_as_markers(vlm, capsys):
     out = capsys.readouterr().out
     # <fake_token_around_image><global-img>, 4 <image> (image_seq_len), <fake_token_around_image>
     assert f"User:⟨image 1: 7 tokens⟩{QUESTION}" in out and ("[[ " + ANSWERS[0]) in out
+
+
+def test_a_document_packed_twice_into_a_row_keeps_its_images_twice():
+    """Packing may put one document twice into a row (a small dataset over several epochs): each copy's image tokens
+    read its own copy of the images, so the row lists the document once a segment, not once a tag."""
+    from chat.image_documents import row_documents
+
+    tags = np.array([3, 3, 3, 3, 0, 5, 5, 0])
+    segments = np.array([1, 1, 2, 2, 3, 4, 4, 0])  # document 3 in segments 1 and 2, a text row, document 5
+    assert row_documents(tags, segments) == [3, 3, 5]
+    assert row_documents(tags, None) == [3, 5]  # an unpacked row: one document, however long
