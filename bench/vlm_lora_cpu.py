@@ -4,7 +4,7 @@ Command (from the repository root, virtualenv active; the full measurement, abou
 
     python bench/vlm_lora_cpu.py --rounds 3 --steps 3 --out vlm_lora.json
 
-Options: ``--shape smolvlm-256m --batch 2 --seq 512 --images 1 --steps 3 --warmup 2 --rounds 3 --rank 16
+Options: ``--shape smolvlm-256m --batch 2 --seq 256 --images 1 --steps 3 --warmup 2 --rounds 3 --rank 16
 --alpha 32 --remat full --out FILE`` (defaults shown). A quick smoke test: ``python bench/vlm_lora_cpu.py --shape
 tiny --rounds 1 --steps 1 --warmup 1 --seq 64``.
 
@@ -34,7 +34,9 @@ Both sides train the same model on the same batch:
 Each side runs in its own child process (``bench/sides.py``: peak RSS is its ``ru_maxrss``, or the peak while
 loading where that is larger), does --warmup untimed steps (JAX compiles in the first) and times --steps steps; the
 order of the sides alternates every round. Reported: the median step time over all rounds, tokens/s (batch x seq
-over the median step), peak RSS, trainable parameters, the step-0 loss (transformers averages over seq - 1
+over the median step), the median step's CPU seconds (``time.process_time``: the process's threads together, less
+sensitive than wall time to a shared machine), the tower and connector's forward alone (each side's own,
+after the steps: where the time goes), peak RSS, trainable parameters, the step-0 loss (transformers averages over seq - 1
 targets, lmzoo over seq, so they differ slightly), each round's ratios and the targets (issue 62, item 7):
 
 - lmzoo LoRA / peft throughput >= 1.5x;
@@ -188,15 +190,30 @@ def run_jax(ckpt: str, data: str, images: int, steps: int, rank: int, alpha: flo
     weights_bytes, state_bytes = _nbytes(frozen), _nbytes(state)
     loaded_rss, loaded_peak = _status("VmRSS"), _status("VmHWM")  # the weights, adapters and optimizer state in place
     _reset_peak()  # from here VmHWM is the steps' own peak (sides.run_child keeps the larger of the two)
-    times, warmup, losses = [], [], []
+    times, warmup, losses, cpu = [], [], [], []
     for i in range(steps + warmup_steps):  # the first step compiles; layouts are pinned, so only once
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         state, m = step(state, b, frozen)
         losses.append(float(m["loss"]))  # blocks until the step is done
         (times if i >= warmup_steps else warmup).append(time.perf_counter() - t0)
-    return {"times": times, "warmup_s": warmup, "losses": losses, "trainable_params": n_trainable,
+        if i >= warmup_steps:
+            cpu.append(time.process_time() - c0)
+    step_peak = _status("VmHWM")
+    # Where the time goes: the tower and connector's forward alone (the step's frozen part), compiled apart.
+    from zoo.model.vision import encode_images
+
+    images = jax.jit(lambda p, x: encode_images(cfg, p, x.inputs(v)))
+    mb = jax.tree.map(lambda x: x[0], b.vision)  # the one micro-batch
+    images(frozen, mb).block_until_ready()
+    tower = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        images(frozen, mb).block_until_ready()
+        tower.append(time.perf_counter() - t0)
+    return {"times": times, "warmup_s": warmup, "losses": losses, "cpu_s": cpu, "tower_s": tower,
+            "trainable_params": n_trainable,
             "runtime_rss_bytes": rss0, "weights_bytes": weights_bytes, "state_bytes": state_bytes,
-            "loaded_rss_bytes": loaded_rss, "load_peak_rss_bytes": loaded_peak, "step_peak_rss_bytes": _status("VmHWM")}
+            "loaded_rss_bytes": loaded_rss, "load_peak_rss_bytes": loaded_peak, "step_peak_rss_bytes": step_peak}
 
 
 def run_peft(hf: str, data: str, images: int, steps: int, rank: int, alpha: float, remat: str,
@@ -223,18 +240,28 @@ def run_peft(hf: str, data: str, images: int, steps: int, rank: int, alpha: floa
     rows = len(ids)
     pixels = torch.tensor(arrays["pixels"]).reshape(rows, images, *arrays["pixels"].shape[1:])
     mask = torch.ones(rows, images, *pixels.shape[-2:], dtype=torch.bool)
-    times, warmup, losses = [], [], []
+    times, warmup, losses, cpu = [], [], [], []
     for i in range(steps + warmup_steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = model(input_ids=ids, pixel_values=pixels, pixel_attention_mask=mask, labels=labels)
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(out.loss))
         (times if i >= warmup_steps else warmup).append(time.perf_counter() - t0)
-    return {"times": times, "warmup_s": warmup, "losses": losses, "trainable_params": sum(q.numel() for q in trainable),
+        if i >= warmup_steps:
+            cpu.append(time.process_time() - c0)
+    peak = _status("VmHWM")
+    tower = []  # where the time goes: the tower and connector's forward alone (frozen: no graph either side)
+    with torch.no_grad():
+        for _ in range(3):
+            t0 = time.perf_counter()
+            model.base_model.model.model.get_image_features(pixels, mask)
+            tower.append(time.perf_counter() - t0)
+    return {"times": times, "warmup_s": warmup, "losses": losses, "cpu_s": cpu, "tower_s": tower[1:],
+            "trainable_params": sum(q.numel() for q in trainable),
             "threads": torch.get_num_threads(), "gradient_checkpointing": remat != "none",
-            "load_peak_rss_bytes": _status("VmHWM")}  # this process's own peak (sides.run_child: see main)
+            "load_peak_rss_bytes": peak}  # this process's own peak, the steps' (sides.run_child: see main)
 
 
 def _child(which: str, args: argparse.Namespace, ckpt: str, hf: str, data: str) -> dict:
@@ -251,10 +278,12 @@ def _report(res: dict, args: argparse.Namespace, n_params: int) -> None:
           f"batch {args.batch} x seq {args.seq}, {args.images} image(s) of {v['image_size']} px a row, AdamW, "
           f"lmzoo remat {args.remat}, peft gradient checkpointing {args.remat != 'none'}; LoRA rank {args.rank}, "
           f"alpha {args.alpha:g}, language model q,k,v,o,gate,up,down")
-    print(f"{'':16}{'step':>10}{'tokens/s':>10}{'peak RSS':>11}{'trainable':>14}{'loss@0':>9}")
+    print(f"{'':16}{'step':>10}{'CPU time':>10}{'tower fwd':>11}{'tokens/s':>10}{'peak RSS':>11}{'trainable':>14}"
+          f"{'loss@0':>9}")
     gib = 2**30
     for s, r in res.items():
-        print(f"{NAMES[s]:16}{r['median_step_s']:>8.2f} s{r['tokens_per_s']:>10.0f}"
+        print(f"{NAMES[s]:16}{r['median_step_s']:>8.2f} s{r['median_cpu_s']:>8.2f} s{r['median_tower_s']:>9.2f} s"
+              f"{r['tokens_per_s']:>10.0f}"
               f"{r['peak_rss_bytes'] / gib:>7.2f} GiB{r['trainable_params']:>14,}{r['losses'][0]:>9.4f}")
     if "lora" in res:
         r = res["lora"]
@@ -271,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", choices=tuple(SHAPES), default="smolvlm-256m",
                     help="the model's architecture (default smolvlm-256m; tiny: a smoke test)")
     ap.add_argument("--batch", type=int, default=2, help="rows (default 2)")
-    ap.add_argument("--seq", type=int, default=512, help="tokens a row, image tokens included (default 512)")
+    ap.add_argument("--seq", type=int, default=256, help="tokens a row, image tokens included (default 256)")
     ap.add_argument("--images", type=int, default=1, help="images a row (default 1)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per side and round (default 3)")
     ap.add_argument("--warmup", type=int, default=WARMUP, help="untimed steps first (default 2; the first compiles)")
@@ -322,8 +351,12 @@ def main(argv: list[str] | None = None) -> int:
             for which in order:
                 runs[which].append(_child(which, args, str(ckpt), str(hf), str(data)))
     res = {s: merge_rounds(runs[s]) for s in sides}
-    for r in res.values():
+    for s, r in res.items():
+        for key in ("cpu_s", "tower_s"):
+            r[key] = [t for rnd in runs[s] for t in rnd[key]]
         r["median_step_s"] = statistics.median(r["times"])
+        r["median_cpu_s"] = statistics.median(r["cpu_s"])
+        r["median_tower_s"] = statistics.median(r["tower_s"])
         r["tokens_per_s"] = args.batch * args.seq / r["median_step_s"]
     _report(res, args, n_params)
     med = lambda r: statistics.median(r["times"])  # noqa: E731
