@@ -350,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {rnd + 1}/{args.rounds}: {', '.join(NAMES[s] for s in order)}", file=sys.stderr, flush=True)
             for which in order:
                 runs[which].append(_child(which, args, str(ckpt), str(hf), str(data)))
+                # each child's whole result as it comes, so a run stopped early keeps its finished rounds
+                print(json.dumps({"round": rnd + 1, "side": which, **runs[which][-1]}), file=sys.stderr, flush=True)
     res = {s: merge_rounds(runs[s]) for s in sides}
     for s, r in res.items():
         for key in ("cpu_s", "tower_s"):
