@@ -130,13 +130,12 @@ def test_example_trains_and_scores_end_to_end(built, tmp_path):
     """Slow: a training run (its compilation) and a batch of greedy answers. The example's config, smaller by
     overrides (2 steps of 4 rows), trains the assembled model on the example's data; the scoring script answers
     the held-out pictures and writes its accuracies."""
-    from tests.run_files import read_metrics
-
     from sft.cli import main as sft_main
+    from tests.run_files import read_metrics
 
     out = tmp_path / "run"
     assert sft_main(["train", "--config", str(EXAMPLE / "shapes_sft.yaml"), f"model.path={built.base}",
-                     f"data.path={built.root / 'shapes' / 'train.jsonl'}", "max_steps=2", "batch_size=4",
+                     f"data.path={built.root / 'shapes' / 'train.jsonl'}", "max_steps=2", "batch_size=4", "data.seq_len=128",
                      "schedule.warmup_steps=0", f"output_dir={out}"]) == 0
     metrics = read_metrics(out)
     assert metrics and all(np.isfinite(m["loss"]) for m in metrics)
