@@ -59,9 +59,6 @@ def vlm_hf_config(vision: dict[str, Any], text: dict[str, Any], vocab_size: int,
                   ) -> dict[str, Any]:
     """The SmolVLM config.json of a tower config ``vision`` (CONFIG's ``vision_config``, ``scale_factor``) over the
     language model ``text`` (CKPT's Hugging Face config) with its vocabulary grown to ``vocab_size``."""
-    if not isinstance(vision.get("vision_config"), dict):
-        raise UserError("zoo init --language-model: CONFIG needs a vision_config (the tower: hidden_size, "
-                        "num_hidden_layers, num_attention_heads, intermediate_size, image_size, patch_size)")
     text = {**text, "vocab_size": vocab_size, "model_type": text.get("model_type") or "llama"}
     text.pop("architectures", None)
     return {**{k: v for k, v in vision.items() if k != "text_config"}, "model_type": "smolvlm",
@@ -78,6 +75,10 @@ def init_vision_from_text(source: str, language_model: str | Path, out: str | Pa
 
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    vision = registry.hf_config_of(source, "zoo init")
+    if not isinstance(vision.get("vision_config"), dict):  # before anything is read
+        raise UserError(f"zoo init --language-model: {source} has no vision_config (the tower: hidden_size, "
+                        "num_hidden_layers, num_attention_heads, intermediate_size, image_size, patch_size)")
     lm = folder_of(language_model)
     meta = read_meta(lm)
     if meta["config"].get("vision") is not None:
@@ -91,7 +92,7 @@ def init_vision_from_text(source: str, language_model: str | Path, out: str | Pa
     text_hf = json.loads((lm / HF_CONFIG_FILE).read_text())
     old_vocab = int(text_hf["vocab_size"])
     vocab = max(len(tok), old_vocab)
-    hf = vlm_hf_config(registry.hf_config_of(source, "zoo init"), text_hf, vocab,
+    hf = vlm_hf_config(vision, text_hf, vocab,
                        int(tok.convert_tokens_to_ids("<image>")))
     cfg = model_config_from_hf(hf, source)
     assert cfg.vision is not None

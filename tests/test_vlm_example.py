@@ -116,6 +116,18 @@ def test_assembled_model_exports_as_transformers_smolvlm(built, tmp_path):
     assert np.abs(got - ref).max() <= 1e-4
 
 
+def test_init_refuses_a_config_without_a_tower_and_a_vision_model(built, tmp_path, capsys):
+    """One line each, exit 2, nothing written: a CONFIG with no vision_config, a --language-model that has an image
+    tower already."""
+    (tmp_path / "text.json").write_text(json.dumps({"model_type": "smolvlm", "scale_factor": 2}))
+    for config, lm, says in ((tmp_path / "text.json", built.lm, "has no vision_config"),
+                             (EXAMPLE / "smolvlm_tower.json", built.base, "has an image tower already")):
+        assert zoo_main(["init", str(config), "--language-model", str(lm), "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err
+        assert not (tmp_path / "out").exists()
+
+
 def test_scoring_reads_the_first_colour_and_shape_named():
     """The example's scorer: exact answers, and the first colour / shape word of a longer one."""
     assert evaluate.score("a red circle", "a red circle") == {"exact": True, "colour": True, "shape": True}
