@@ -59,11 +59,20 @@ def add_init_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (must not exist or be empty)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="parameter dtype (default float32)")
+    p.add_argument("--language-model", metavar="CKPT",
+                   help="a vision-language model from a text checkpoint: SOURCE is a SmolVLM config.json "
+                        "(vision_config, scale_factor) whose new random image tower and connector sit before "
+                        "CKPT's language model, tokenizer and chat template (which gain the image tokens)")
     return p
 
 
 def init_command(args: argparse.Namespace) -> None:
     """`zoo init SOURCE --out DIR`: a random-weight checkpoint from a built-in or given config."""
+    if args.language_model:
+        from convert.vision_init import init_vision_from_text
+
+        print(f"wrote {init_vision_from_text(args.source, args.language_model, args.out, args.seed, args.dtype)}")
+        return
     from convert.init import init_random
 
     print(f"wrote {init_random(args.source, args.out, args.seed, args.dtype)}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -10,7 +11,7 @@ import numpy as np
 
 from convert.convert import DTYPES
 from zoo.checkpoints.format import HF_CONFIG_FILE, folder_of
-from zoo.checkpoints.writer import CheckpointWriter, checkpoint_output
+from zoo.checkpoints.writer import CheckpointWriter, checkpoint_output, local_files
 from zoo.errors import UserError
 from zoo.model.config import ModelConfig
 from zoo.model.from_hf import model_config_from_hf
@@ -34,14 +35,19 @@ def init_random(source: str, out: str | Path, seed: int = 0, dtype: str = "float
     return folder_of(out)
 
 
-def write_params(out: str | Path, hf: dict, cfg: ModelConfig, params: dict, source: str) -> None:
+def write_params(out: str | Path, hf: dict, cfg: ModelConfig, params: dict, source: str,
+                 extra_files: Callable[[Path], None] | None = None) -> None:
     """Write ``params`` (flat path -> array) of the model ``cfg`` with its Hugging Face config ``hf`` as a zoo
     checkpoint at ``out`` (a gs:// or s3:// prefix: written there; model.json last). Each array is popped from
-    ``params`` as it is written, so it is freed then."""
+    ``params`` as it is written, so it is freed then. ``extra_files(folder)`` writes more files (a tokenizer) into
+    a local folder that becomes the checkpoint's, before it is complete."""
     specs = param_specs(cfg)
     with checkpoint_output(out) as folder:
         writer = CheckpointWriter(folder, {p: (a.shape, a.dtype) for p, a in params.items()})
         for path in sorted(params):
             writer.add(path, np.asarray(params.pop(path)), specs[path].axes)
         (folder / HF_CONFIG_FILE).write_text(json.dumps(hf, indent=2) + "\n")
+        if extra_files is not None:
+            with local_files(folder) as files:  # on object storage: written locally, then uploaded
+                extra_files(files)
         writer.finish(cfg, source=source, source_format="init")
