@@ -119,7 +119,9 @@ class ImageDocuments:
         out = {k: v for k, v in rows.items() if not k.startswith(IMAGE_DOC)}  # the tags and packing's own
         if not self.max_patches:  # no row of the data has an image: a text batch
             return out
-        segments = rows.get("tokens_segment_ids")  # packed rows: each document its own segment
+        # Packed rows: each document its own segment. Unpacked rows hold one document (a preference pair's two
+        # sequences are two segments of one document, its images held ``copies`` times: ImageDocuments.keep).
+        segments = rows.get("tokens_segment_ids") if self.packed else None
         per_row = []
         for r, row in enumerate(tags):
             order = row_documents(row, None if segments is None else segments[r])

@@ -34,6 +34,7 @@ EXAMPLES = {
     "examples/finetune/lora_records.yaml": "sft",
     "examples/distill/gkd_records.yaml": "sft",
     "examples/agents/calculator_sft.yaml": "sft",
+    "examples/vision/shapes_sft.yaml": "sft",
     "examples/dpo/dpo_records.yaml": "dpo",
     "examples/dpo/kto_records.yaml": "dpo",
     "examples/dpo/orpo_records.yaml": "dpo",

@@ -199,7 +199,7 @@ def test_every_example_config_loads_with_its_command(tmp_path):
     from sft.config import SFTConfig
 
     schema = {"dpo": DPOConfig, "grpo": GRPOConfig, "finetune": SFTConfig, "distill": SFTConfig,
-              "reward": RMConfig, "examples": TrainConfig}
+              "reward": RMConfig, "vision": SFTConfig, "examples": TrainConfig}
     files = sorted((Path(__file__).parent.parent / "examples").rglob("*.yaml"))
     assert len(files) >= 5
     by_name = {"calculator_sft.yaml": SFTConfig, "calculator_grpo.yaml": GRPOConfig}  # examples/agents: two steps
