@@ -13,15 +13,12 @@ makes them (no torch: the image processor runs with its PIL backend).
    ``<fake_token_around_image><global-img><image>×seq<fake_token_around_image>`` for a whole image and, when
    the image processor splits it into ``rows × cols`` tiles, ``<fake_token_around_image><row_r_col_c><image>×seq``
    per tile, a ``\\n`` per row of tiles, then ``\\n`` and the whole image's run. ``seq`` is the processor's
-        grid = out.get("image_grid_thw")
-        if grid is not None:  # Qwen2.5-VL: the image's patches, [patches, patch_dim], and its grid
-            t, h, w = (int(x) for x in grid[0])
-            return ProcessedImage(np.asarray(out["pixel_values"], np.float32), None, self.expansion(dict(out)),
-                                  (t, h, w))
-        pixels = np.asarray(out["pixel_values"], np.float32)
-        # SmolVLM batches [images, frames, C, S, S]; Gemma 3 lays the call's images flat [images, C, S, S]: one
-        # image in the call, one frame.
-        return ProcessedImage(pixels[0] if pixels.ndim == 5 else pixels,
+   ``image_seq_len``. Gemma 3: transformers' ``Gemma3Processor``, ``<start_of_image>`` (the template's
+   placeholder) becoming ``\\n\\n<start_of_image>`` + ``<image_soft_token>`` x ``image_seq_length`` +
+   ``<end_of_image>\\n\\n`` (no pan-and-scan: the processor turns it off). Qwen2.5-VL (``Qwen2VLImageProcessor``):
+   the chat template writes ``<|vision_start|><|image_pad|><|vision_end|>``, and ``<|image_pad|>`` becomes
+   ``t * h * w / merge²`` of itself (transformers' ``Qwen2_5_VLProcessor.replace_image_token``), the image its
+   processor's patches and grid.
 4. The spans move by what each expansion before them adds, the text is tokenized whole (as the processor
    tokenizes it), and a token is trained when it overlaps a span and no expansion: image tokens are never
    trained, in whatever turn the image is (TRL's SFT collator leaves an assistant turn's image tokens in its
