@@ -39,7 +39,7 @@ DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepse
                "torch_dtype": "bfloat16"}
 
 # Gemma 4's text configs as google/gemma-4-* publish them (Gemma4ForConditionalGeneration; the vision and audio
-# towers' configs left out: lmzoo converts the language model). The rest of each text config is
+# towers' configs left out: these configs build the language model alone). The rest of each text config is
 # Gemma4TextConfig's defaults: RoPE theta 1e4 on sliding layers, proportional RoPE (a quarter of the dims,
 # theta 1e6) on full ones, GELU (tanh), final soft-cap 30, tied embeddings, vocabulary 262144.
 _GEMMA4_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
