@@ -74,7 +74,15 @@ import time
 from pathlib import Path
 
 import numpy as np
-from sides import check_targets, emit, merge_rounds, run_child  # bench/sides.py (the script's folder)
+from sides import (  # bench/sides.py (the script's folder)
+    check_targets,
+    emit,
+    merge_rounds,
+    nbytes,
+    reset_peak,
+    run_child,
+    status_bytes,
+)
 
 from zoo.model.params import param_specs
 
@@ -88,38 +96,6 @@ WARMUP = 2  # the default of --warmup
 
 def _tokens(batch: int, seq: int, vocab: int) -> np.ndarray:
     return np.random.RandomState(0).randint(0, vocab, (batch, seq + 1)).astype(np.int32)
-
-
-def _rss() -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _peak_rss() -> int:
-    """The process's peak RSS so far (VmHWM)."""
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _reset_peak() -> None:
-    """Reset the process's VmHWM to its current RSS (Linux's ``clear_refs`` 5); also what ``ru_maxrss`` reports at exit."""
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-    except OSError:
-        pass
-
-
-def _nbytes(tree) -> int:
-    import jax
-
-    return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
 
 
 def run_jax(ckpt: str, batch: int, seq: int, steps: int, rank: int | None, alpha: float, remat: str,
@@ -144,7 +120,7 @@ def run_jax(ckpt: str, batch: int, seq: int, steps: int, rank: int | None, alpha
     cfg = zoo.read_config(ckpt)
     mesh = make_mesh(devices=jax.devices()[:1])
     jax.numpy.zeros(1).block_until_ready()
-    rss0 = _rss()  # the runtime, before any weight
+    rss0 = status_bytes("VmRSS")  # the runtime, before any weight
     if base == "nf4":  # as pretrain.setup loads a QLoRA base: the projections one at a time, each quantized
         from zoo.checkpoints.loading import quantized_param
         from zoo.memory import release_free_memory
@@ -172,15 +148,15 @@ def run_jax(ckpt: str, batch: int, seq: int, steps: int, rank: int | None, alpha
     step, _ = make_step(cfg, tx, jax.numpy.dtype(compute), remat, jax.tree.map(lambda x: x.sharding, state), batch_sharding,
                         None, lora_run, jax.tree.map(lambda x: x.sharding, frozen))
     n_trainable = sum(int(x.size) for x in jax.tree.leaves(trainable))
-    weights_bytes = _nbytes(frozen if rank else trainable)
-    state_bytes = _nbytes(state) - (0 if rank else weights_bytes)  # adapters (if any) + optimizer state
+    weights_bytes = nbytes(frozen if rank else trainable)
+    state_bytes = nbytes(state) - (0 if rank else weights_bytes)  # adapters (if any) + optimizer state
     t = _tokens(batch, seq, cfg.vocab_size)
     b = {"inputs": t[:, :-1], "targets": t[:, 1:], "weights": np.ones((batch, seq), np.float32),
          "segment_ids": np.ones((batch, seq), np.int32), "positions": np.tile(np.arange(seq, dtype=np.int32), (batch, 1))}
     b = TokenBatch.of(jax.device_put({k: v[None] for k, v in b.items()}, batch_sharding))  # [grad_accum=1, micro, seq]
     del params, trainable  # the state (and frozen) hold them
-    loaded_rss, loaded_peak = _rss(), _peak_rss()  # the weights, adapters and optimizer state in place
-    _reset_peak()  # from here VmHWM is the steps' own peak (sides.run_child keeps the larger of the two)
+    loaded_rss, loaded_peak = status_bytes("VmRSS"), status_bytes()  # the weights, adapters and optimizer state in place
+    reset_peak()  # from here VmHWM is the steps' own peak (sides.run_child keeps the larger of the two)
     times, warmup, losses = [], [], []
     for i in range(steps + warmup_steps):  # the first step compiles; layouts are pinned, so only once
         t0 = time.perf_counter()
@@ -189,7 +165,7 @@ def run_jax(ckpt: str, batch: int, seq: int, steps: int, rank: int | None, alpha
         (times if i >= warmup_steps else warmup).append(time.perf_counter() - t0)
     return {"times": times, "warmup_s": warmup, "losses": losses, "trainable_params": n_trainable,
             "runtime_rss_bytes": rss0, "weights_bytes": weights_bytes, "state_bytes": state_bytes,
-            "loaded_rss_bytes": loaded_rss, "load_peak_rss_bytes": loaded_peak, "step_peak_rss_bytes": _peak_rss()}
+            "loaded_rss_bytes": loaded_rss, "load_peak_rss_bytes": loaded_peak, "step_peak_rss_bytes": status_bytes()}
 
 
 def run_peft(source: str, batch: int, seq: int, steps: int, rank: int, alpha: float, remat: str = "full",

@@ -83,3 +83,33 @@ def _leaves(tree):
     elif isinstance(tree, dict):
         for v in tree.values():
             yield from _leaves(v)
+
+
+def status_bytes(key: str = "VmHWM") -> int:
+    """A ``/proc/self/status`` figure of this process in bytes: ``VmRSS`` (now) or ``VmHWM`` (the peak since exec or
+    the last :func:`reset_peak`); 0 where there is no such file."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def reset_peak() -> None:
+    """Reset this process's VmHWM to its current RSS (Linux's ``clear_refs`` 5), so that a later peak is the step's
+    own; also what ``ru_maxrss`` reports at exit."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        pass
+
+
+def nbytes(tree) -> int:
+    """The bytes of every array of a pytree."""
+    import jax
+
+    return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))

@@ -56,7 +56,15 @@ import time
 from pathlib import Path
 
 import numpy as np
-from sides import check_targets, emit, merge_rounds, run_child  # bench/sides.py (the script's folder)
+from sides import (  # bench/sides.py (the script's folder)
+    check_targets,
+    emit,
+    merge_rounds,
+    nbytes,
+    reset_peak,
+    run_child,
+    status_bytes,
+)
 
 SIDES = ("lora", "peft")
 NAMES = {"lora": "lmzoo LoRA", "peft": "PyTorch+peft"}
@@ -82,30 +90,6 @@ SHAPES = {
 }
 TEXT_IDS = 49152  # random text ids below SmolVLM's added tokens (the image token among them)
 AROUND, GLOBAL_IMG = 49189, 49152  # <fake_token_around_image>, <global-img> (ids of no consequence to the model)
-
-
-def _status(key: str) -> int:
-    """A ``/proc/self/status`` figure in bytes: ``VmRSS`` (now) or ``VmHWM`` (the peak since exec or the last reset)."""
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _reset_peak() -> None:
-    """Reset VmHWM to the current RSS (Linux's ``clear_refs`` 5)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-    except OSError:
-        pass
-
-
-def _nbytes(tree) -> int:
-    import jax
-
-    return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
 
 
 def _tokens_per_image(shape: dict) -> int:
@@ -163,7 +147,7 @@ def run_jax(ckpt: str, data: str, images: int, steps: int, rank: int, alpha: flo
     assert v is not None, f"{ckpt} has no vision tower"
     mesh = make_mesh(devices=jax.devices()[:1])
     jax.numpy.zeros(1).block_until_ready()
-    rss0 = _status("VmRSS")  # the runtime, before any weight
+    rss0 = status_bytes("VmRSS")  # the runtime, before any weight
     frozen = zoo.load_params(ckpt, mesh, dtype=np.float32)
     tx = optax.adamw(1e-4)
     batch_sharding = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"), None))
@@ -187,9 +171,9 @@ def run_jax(ckpt: str, data: str, images: int, steps: int, rank: int, alpha: flo
          **{VISION_PREFIX + k: x for k, x in laid.items()}}
     b = TokenBatch.of(jax.device_put({k: x[None] for k, x in b.items()}, batch_sharding))  # [grad_accum=1, ...]
     del trainable, per_image, laid  # the state holds the adapters
-    weights_bytes, state_bytes = _nbytes(frozen), _nbytes(state)
-    loaded_rss, loaded_peak = _status("VmRSS"), _status("VmHWM")  # the weights, adapters and optimizer state in place
-    _reset_peak()  # from here VmHWM is the steps' own peak (sides.run_child keeps the larger of the two)
+    weights_bytes, state_bytes = nbytes(frozen), nbytes(state)
+    loaded_rss, loaded_peak = status_bytes("VmRSS"), status_bytes("VmHWM")  # the weights, adapters and optimizer state in place
+    reset_peak()  # from here VmHWM is the steps' own peak (sides.run_child keeps the larger of the two)
     times, warmup, losses, cpu = [], [], [], []
     for i in range(steps + warmup_steps):  # the first step compiles; layouts are pinned, so only once
         t0, c0 = time.perf_counter(), time.process_time()
@@ -198,7 +182,7 @@ def run_jax(ckpt: str, data: str, images: int, steps: int, rank: int, alpha: flo
         (times if i >= warmup_steps else warmup).append(time.perf_counter() - t0)
         if i >= warmup_steps:
             cpu.append(time.process_time() - c0)
-    step_peak = _status("VmHWM")
+    step_peak = status_bytes("VmHWM")
     # Where the time goes: the tower and connector's forward alone (the step's frozen part), compiled apart.
     from zoo.model.vision import encode_images
 
@@ -251,7 +235,7 @@ def run_peft(hf: str, data: str, images: int, steps: int, rank: int, alpha: floa
         (times if i >= warmup_steps else warmup).append(time.perf_counter() - t0)
         if i >= warmup_steps:
             cpu.append(time.process_time() - c0)
-    peak = _status("VmHWM")
+    peak = status_bytes("VmHWM")
     tower = []  # where the time goes: the tower and connector's forward alone (frozen: no graph either side)
     with torch.no_grad():
         for _ in range(3):
