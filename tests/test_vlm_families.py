@@ -8,8 +8,16 @@ import pytest
 import torch
 
 import zoo
-from tests.hf_models import hf_logits, hf_tensors, mean_kl, random_tokens
-from tests.vlm_models import TOKENS_PER_IMAGE, hf_image_features, hf_vlm_logits, image, image_row, make_vlm
+from tests.hf_models import hf_logits, mean_kl, random_tokens
+from tests.vlm_models import (
+    TOKENS_PER_IMAGE,
+    assert_export_round_trip,
+    hf_image_features,
+    hf_vlm_logits,
+    image,
+    image_row,
+    make_vlm,
+)
 from zoo.cli import main
 from zoo.data.vision_layout import bucketized_positions, image_patches, layout_rows, patch_validity, shuffle_slots
 from zoo.model.vision import VisionInputs, encode_images
@@ -114,18 +122,8 @@ def test_image_text_logits_equal_transformers(smolvlm):
 
 def test_round_trip_is_bit_identical(smolvlm, tmp_path):
     """HF -> zoo -> HF gives back every tensor, bit for bit, and the config, which transformers loads."""
-    import json
-
-    from transformers import AutoModelForImageTextToText
-
     hf, ckpt = smolvlm
-    assert main(["export", str(ckpt), "--out", str(tmp_path / "back")]) == 0
-    assert hf_tensors(ckpt.parent / "hf") == hf_tensors(tmp_path / "back")
-    a = json.loads((ckpt.parent / "hf" / "config.json").read_text())
-    b = json.loads((tmp_path / "back" / "config.json").read_text())
-    assert {k: v for k, v in a.items() if "dtype" not in k} == {k: v for k, v in b.items() if "dtype" not in k}
-    back = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "back"), dtype=torch.float32)
-    assert type(back) is type(hf)
+    assert_export_round_trip(hf, ckpt, tmp_path / "back")
 
 
 def test_text_rows_without_images_equal_transformers(smolvlm):

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import zoo
-from tests.hf_models import hf_logits, hf_tensors, mean_kl, random_tokens
+from tests.hf_models import hf_logits, mean_kl, random_tokens
+from tests.vlm_models import assert_export_round_trip
 from tests.vlm_qwen_models import IMAGE_TOKEN, hf_image_features, hf_qwen_logits, make_qwen, qwen_row, random_image
 from zoo.cli import main
 from zoo.data.qwen_layout import block_places, qwen_image_patches
@@ -110,16 +111,8 @@ def test_text_rows_without_images_equal_transformers(qwen):
 def test_round_trip_is_bit_identical(qwen, tmp_path):
     """HF -> zoo -> HF gives back every tensor (tower and merger included), bit for bit, and the config, which
     transformers loads."""
-    from transformers import AutoModelForImageTextToText
-
     hf, ckpt = qwen
-    assert main(["export", str(ckpt), "--out", str(tmp_path / "back")]) == 0
-    assert hf_tensors(ckpt.parent / "hf") == hf_tensors(tmp_path / "back")
-    a = json.loads((ckpt.parent / "hf" / "config.json").read_text())
-    b = json.loads((tmp_path / "back" / "config.json").read_text())
-    assert {k: v for k, v in a.items() if "dtype" not in k} == {k: v for k, v in b.items() if "dtype" not in k}
-    back = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "back"), dtype=torch.float32)
-    assert type(back) is type(hf)
+    assert_export_round_trip(hf, ckpt, tmp_path / "back")
 
 
 def test_released_configs():

@@ -147,3 +147,23 @@ def gemma3_row(seq: int, starts: list[int], seed: int) -> np.ndarray:
         row[at - 1], row[at + TOKENS_PER_IMAGE] = BOI, EOI
         row[at:at + TOKENS_PER_IMAGE] = IMAGE_TOKEN
     return row
+
+
+def assert_export_round_trip(hf, ckpt: Path, out: Path) -> None:
+    """`zoo export` of ``ckpt`` (converted from ``ckpt.parent / "hf"``, transformers' model ``hf``) to ``out``
+    gives back every tensor bit for bit and the config (dtype keys aside), which transformers loads as ``hf``'s
+    class."""
+    import json
+
+    from transformers import AutoModelForImageTextToText
+
+    from tests.hf_models import hf_tensors
+    from zoo.cli import main
+
+    assert main(["export", str(ckpt), "--out", str(out)]) == 0
+    assert hf_tensors(ckpt.parent / "hf") == hf_tensors(out)
+    a = json.loads((ckpt.parent / "hf" / "config.json").read_text())
+    b = json.loads((out / "config.json").read_text())
+    assert {k: v for k, v in a.items() if "dtype" not in k} == {k: v for k, v in b.items() if "dtype" not in k}
+    back = AutoModelForImageTextToText.from_pretrained(str(out), dtype=torch.float32)
+    assert type(back) is type(hf)
