@@ -21,6 +21,7 @@ step for the larger towers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -98,7 +99,7 @@ def tower(v: VisionConfig, params: Any, inputs: VisionInputs, remat: str = "none
     img = inputs.patch_image
     visible = (img[:, :, None] == img[:, None, :]) & inputs.patch_valid[:, None, :]
     scale = 1.0 if w.scale is None else w.scale
-    layer = partial(_layer, v, visible[:, None], scale, w.dropout)
+    layer: Callable[..., Any] = partial(_layer, v, visible[:, None], scale, w.dropout)
     if remat != "none":
         layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat], prevent_cse=False)
     x, _ = jax.lax.scan(layer, x, (base["layers"], adapters, keys))

@@ -23,6 +23,7 @@ pads every image to ``max_soft_tokens * k^2`` patches. :mod:`zoo.model.vision_ge
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -110,7 +111,7 @@ def tower(v: VisionConfig, params: Any, inputs: VisionInputs, remat: str = "none
     x = x + jnp.where(inputs.patch_valid[..., None], pos, 0).astype(x.dtype)
     img = inputs.patch_image
     visible = (img[:, :, None] == img[:, None, :]) & inputs.patch_valid[:, None, :]
-    layer = partial(_layer, v, visible[:, None], _rope_2d(v, inputs.patch_pos))
+    layer: Callable[..., Any] = partial(_layer, v, visible[:, None], _rope_2d(v, inputs.patch_pos))
     if remat != "none":
         layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat], prevent_cse=False)
     x, _ = jax.lax.scan(layer, x, w["layers"])

@@ -19,6 +19,7 @@ then the merger: ``ln_q`` per patch, each block's patches concatenated, fc1 -> g
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -41,8 +42,8 @@ def _rope(v: VisionConfig, row: jax.Array, col: jax.Array) -> tuple[jax.Array, j
     """cos/sin [b, n, head_dim] of the tower's 2-D RoPE: head_dim/4 frequencies (over half the head) for the row,
     the same for the column, concatenated, then repeated as rotate-half pairs (transformers' axial RoPE)."""
     half = v.head_dim // 2
-    inv = 1.0 / (np.float32(v.rope_theta) ** (np.arange(0, half, 2, dtype=np.int64).astype(np.float32) / half))
-    inv = jnp.asarray(inv.astype(np.float32))
+    inv_np = 1.0 / (np.float32(v.rope_theta) ** (np.arange(0, half, 2, dtype=np.int64).astype(np.float32) / half))
+    inv = jnp.asarray(inv_np.astype(np.float32))
     freqs = jnp.concatenate([row.astype(jnp.float32)[..., None] * inv, col.astype(jnp.float32)[..., None] * inv], -1)
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
@@ -96,7 +97,7 @@ def qwen_tower(v: VisionConfig, params: dict[str, Any], inputs: VisionInputs, re
     x = dense(inputs.patches.astype(w["patch_embed"].dtype), w["patch_embed"])
     row, col = inputs.patch_pos // HW_STRIDE, inputs.patch_pos % HW_STRIDE
     full = jnp.asarray([i in v.fullatt_layers for i in range(v.num_layers)])
-    layer = partial(_layer, v, _rope(v, row, col), _masks(v, inputs, row, col))
+    layer: Callable[..., Any] = partial(_layer, v, _rope(v, row, col), _masks(v, inputs, row, col))
     if remat != "none":
         layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat], prevent_cse=False)
     x, _ = jax.lax.scan(layer, x, (w["layers"], full))
