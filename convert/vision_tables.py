@@ -120,8 +120,10 @@ def _qwen2_5(V: str) -> list[Entry]:
 def _qwen3_merger(zoo: str, hf: str) -> list[Entry]:
     """A Qwen3-VL patch merger (LayerNorm, fc1, fc2, each with a bias) at ``zoo`` from ``hf``."""
     return [(zoo + "norm", hf + "norm.weight", "identity"), (zoo + "norm_bias", hf + "norm.bias", "identity"),
-            (zoo + "fc1", hf + "linear_fc1.weight", "transpose"), (zoo + "fc1_bias", hf + "linear_fc1.bias", "identity"),
-            (zoo + "fc2", hf + "linear_fc2.weight", "transpose"), (zoo + "fc2_bias", hf + "linear_fc2.bias", "identity")]
+            (zoo + "fc1", hf + "linear_fc1.weight", "transpose"),
+            (zoo + "fc1_bias", hf + "linear_fc1.bias", "identity"),
+            (zoo + "fc2", hf + "linear_fc2.weight", "transpose"),
+            (zoo + "fc2_bias", hf + "linear_fc2.bias", "identity")]
 
 
 def _qwen3(V: str) -> list[Entry]:

@@ -135,7 +135,8 @@ def test_rows_expand_as_the_processor_does(qwen3):
     text = pieces[0] + "".join(Qwen3VLProcessor.replace_image_token(this, ref, i) + pieces[i + 1] for i in range(2))
     np.testing.assert_array_equal(got.ids, tok(text)["input_ids"])
     np.testing.assert_array_equal(np.concatenate([p.pixel_values for p in got.images]), ref["pixel_values"])
-    assert [p.grid_thw for p in got.images] == [tuple(g) for g in ref["image_grid_thw"].tolist()] == [(1, 8, 6), (1, 4, 4)]
+    grids = [tuple(g) for g in ref["image_grid_thw"].tolist()]
+    assert [p.grid_thw for p in got.images] == grids == [(1, 8, 6), (1, 4, 4)]
     assert [e - s for s, e in got.image_spans] == [12, 4] and not got.mask[got.ids == qwen3.ids["image_token_id"]].any()
 
 
@@ -155,7 +156,8 @@ def _hf_sft_loss(qwen3) -> float:
         ids = torch.tensor(t.ids[None], dtype=torch.long)
         with torch.no_grad():
             out = hf(input_ids=ids, pixel_values=torch.tensor(image.pixel_values),
-                     image_grid_thw=torch.tensor([image.grid_thw]), mm_token_type_ids=(ids == hf.config.image_token_id).int(),
+                     image_grid_thw=torch.tensor([image.grid_thw]),
+                     mm_token_type_ids=(ids == hf.config.image_token_id).int(),
                      labels=torch.tensor(labels[None], dtype=torch.long))
         n = int((labels[1:] != -100).sum())
         total, count = total + float(out.loss) * n, count + n

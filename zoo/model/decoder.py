@@ -75,7 +75,8 @@ def output_logits(cfg: ModelConfig, params: dict[str, Any], h: jax.Array) -> jax
 
 def decoder_layer(cfg: ModelConfig, x: jax.Array, p: dict, attend: Callable[[jax.Array], tuple[jax.Array, Any]],
                   moe: bool, valid: jax.Array, lora: LayerLora | None = None,
-                  per_layer: jax.Array | None = None, deepstack: jax.Array | None = None) -> tuple[jax.Array, Any, dict]:
+                  per_layer: jax.Array | None = None,
+                  deepstack: jax.Array | None = None) -> tuple[jax.Array, Any, dict]:
     """One decoder layer: x + attention, then x + MLP (each output post-normed where the family does).
 
     ``attend(x)`` is the layer's attention, returning (output, anything else:

@@ -116,12 +116,12 @@ def rope_tables(positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) 
 
 
 def mrope_axes(section: tuple[int, ...], n: int, interleaved: bool = False) -> np.ndarray:
-    """The position axis (0 time, 1 row, 2 column) each of multimodal RoPE's ``n`` frequencies turns with: the i-th chunk
-    of ``section`` frequencies with axis i % 3 (Qwen2.5-VL, transformers' ``recomposition_frequencies``), or
+    """The position axis (0 time, 1 row, 2 column) each of multimodal RoPE's ``n`` frequencies turns with: the i-th
+    chunk of ``section`` frequencies with axis i % 3 (Qwen2.5-VL, transformers' ``recomposition_frequencies``), or
     ``interleaved`` (Qwen3-VL's): frequency j with the row where j % 3 == 1 and j < 3 * section[1], the column
     where j % 3 == 2 and j < 3 * section[2], else the time."""
     if not interleaved:
-        return np.concatenate([np.full(n, i % 3) for i, n in enumerate(section)])
+        return np.concatenate([np.full(size, i % 3) for i, size in enumerate(section)])
     j = np.arange(n)
     return np.where((j % 3 == 1) & (j < 3 * section[1]), 1, np.where((j % 3 == 2) & (j < 3 * section[2]), 2, 0))
 

@@ -102,7 +102,8 @@ def _qwen3(top: Any, arch: str, where: str) -> VisionConfig:
                         f"model's hidden_size={top.text_config.hidden_size}")
     table, rope = int(v.num_position_embeddings), dict(getattr(v, "rope_parameters", None) or {})
     if round(table**0.5) ** 2 != table:
-        raise UserError(f"{where}: vision_config num_position_embeddings={table} must be a square (a grid of positions)")
+        raise UserError(f"{where}: vision_config num_position_embeddings={table} must be a square (a grid of "
+                        "positions)")
     if rope.get("rope_type", "axial") != "axial":
         raise UserError(f"{where}: vision_config rope_type={rope.get('rope_type')!r}: only 'axial' is supported")
     return VisionConfig(arch=arch, hidden_size=int(v.hidden_size), intermediate_size=int(v.intermediate_size),

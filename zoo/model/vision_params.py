@@ -100,8 +100,8 @@ def _qwen3_specs(cfg: ModelConfig, v: VisionConfig) -> dict[str, Spec]:
     fused qkv and o with biases, fc1 (``up``) and fc2 (``down``) with biases), its patch merger (a LayerNorm per
     patch, fc1 -> gelu -> fc2 with biases) and one merger a DeepStack level (``projector.deepstack.*``, stacked
     over the levels; their LayerNorm over a token's concatenated group)."""
-    L, D, F, H, Dh, K = v.num_layers, v.hidden_size, v.intermediate_size, v.num_heads, v.head_dim, len(v.deepstack_layers)
-    lay, W, E = ("layers",), v.group * D, cfg.hidden_size
+    L, D, F, H, Dh = v.num_layers, v.hidden_size, v.intermediate_size, v.num_heads, v.head_dim
+    lay, W, E, K = ("layers",), v.group * D, cfg.hidden_size, len(v.deepstack_layers)
     s: dict[str, Spec] = {"vision.patch_embed": ((v.patch_dim, D), (None, "embed"), "normal"),
                           "vision.patch_bias": ((D,), ("embed",), "zeros"),
                           "vision.pos_embed": ((v.pos_table, D), (None, "embed"), "normal")}

@@ -102,7 +102,8 @@ def qwen3_tower(v: VisionConfig, params: dict[str, Any], inputs: VisionInputs,
     return x, levels[:-1]
 
 
-def _merger(v: VisionConfig, w: dict[str, jax.Array], h: jax.Array, inputs: VisionInputs, postshuffle: bool) -> jax.Array:
+def _merger(v: VisionConfig, w: dict[str, jax.Array], h: jax.Array, inputs: VisionInputs,
+            postshuffle: bool) -> jax.Array:
     """A patch merger of patch states h [b, n, D] -> [b, n / group, hidden]: LayerNorm per patch (or, with
     ``postshuffle``, after each token's group is concatenated: the DeepStack mergers), fc1 -> gelu -> fc2."""
     if postshuffle:

@@ -61,8 +61,10 @@ SMOLVLM_500M = _smolvlm({"vocab_size": 49280, "hidden_size": 960, "intermediate_
 
 # Qwen3-VL's towers: 24 layers 1024 wide beside the 2B and 4B, 27 layers 1152 wide (SigLIP-so400m's shape) beside
 # the 8B and 32B; DeepStack levels from a third, two thirds and the end of the way down, less one.
-_QWEN3_VL_SMALL_TOWER = {"depth": 24, "hidden_size": 1024, "intermediate_size": 4096, "deepstack_visual_indexes": [5, 11, 17]}
-_QWEN3_VL_LARGE_TOWER = {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "deepstack_visual_indexes": [8, 16, 24]}
+_QWEN3_VL_SMALL_TOWER = {"depth": 24, "hidden_size": 1024, "intermediate_size": 4096,
+                         "deepstack_visual_indexes": [5, 11, 17]}
+_QWEN3_VL_LARGE_TOWER = {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304,
+                         "deepstack_visual_indexes": [8, 16, 24]}
 
 
 def _qwen3_vl(hidden: int, inter: int, layers: int, heads: int, tied: bool, tower: dict) -> dict:
