@@ -18,7 +18,8 @@ makes them (no torch: the image processor runs with its PIL backend).
    ``<end_of_image>\\n\\n`` (no pan-and-scan: the processor turns it off). Qwen2.5-VL (``Qwen2VLImageProcessor``):
    the chat template writes ``<|vision_start|><|image_pad|><|vision_end|>``, and ``<|image_pad|>`` becomes
    ``t * h * w / merge²`` of itself (transformers' ``Qwen2_5_VLProcessor.replace_image_token``), the image its
-   processor's patches and grid.
+   processor's patches and grid. Qwen3-VL alike (the same image processor, 16-pixel patches; its
+   ``Qwen3VLProcessor.replace_image_token`` is the same expansion).
 4. The spans move by what each expansion before them adds, the text is tokenized whole (as the processor
    tokenizes it), and a token is trained when it overlaps a span and no expansion: image tokens are never
    trained, in whatever turn the image is (TRL's SFT collator leaves an assistant turn's image tokens in its
@@ -258,7 +259,8 @@ def _require_tokens(folder: Path, tokenizer: Any, tokens: tuple[str, ...]) -> No
 
 
 def _qwen2_vl(folder: Path, tokenizer: Any, processor: Any) -> tuple[str, Expansion, dict[str, Any]]:
-    """Qwen2.5-VL: ``<|image_pad|>`` (the tokenizer's ``image_token``) repeated once a merged token of the image."""
+    """Qwen2.5-VL and Qwen3-VL: ``<|image_pad|>`` (the tokenizer's ``image_token``) repeated once a merged token of
+    the image."""
     image = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
     if tokenizer.convert_tokens_to_ids(image) in (None, tokenizer.unk_token_id):
         raise UserError(f"{folder}: the tokenizer has no {image} token; use the model's own tokenizer")

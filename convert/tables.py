@@ -357,6 +357,9 @@ TABLES[("smolvlm", "hf-smolvlm")] = TABLES[("idefics3", "hf-idefics3")] = decode
 # Qwen2.5-VL as transformers saves it and the Hub holds it: the Qwen 2 decoder's own names (`model.`), the tower
 # under `visual.` (convert.vision_tables').
 TABLES[("qwen2_5_vl", "hf-qwen2_5-vl")] = HF_DECODER
+# Qwen3-VL as the Hub holds it and transformers 5 saves it: the Qwen 3 decoder under `model.language_model.`, the
+# head at the top, the tower under `model.visual.` (convert.vision_tables').
+TABLES[("qwen3_vl", "hf-qwen3-vl")] = decoder_table("model.language_model.")
 
 
 def table_for(family: str, fmt: str, cfg: ModelConfig) -> list[BoundRule]:

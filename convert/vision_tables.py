@@ -1,7 +1,8 @@
 """Weight-name tables of vision-language models' image towers and connectors (data, not code).
 
 Each entry is (zoo parameter, Hugging Face tensor, transform); ``{i}`` in a tensor name stands for the tower's
-layer index, and such a parameter stacks those tensors over the tower's layers (``vision.layers.*``).
+layer index, and such a parameter stacks those tensors over the tower's layers (``vision.layers.*``), or, for
+Qwen3-VL's DeepStack mergers (``projector.deepstack.*``), over its levels.
 :func:`convert.tables.table_for` binds them beside the language model's rules (this module cannot import
 convert.tables, which imports it). The language models themselves use convert.tables' decoder tables.
 """
@@ -89,6 +90,8 @@ def _gemma4(V: str) -> list[Entry]:
     bounds = {"in_min": "input_min", "in_max": "input_max", "out_min": "output_min", "out_max": "output_max"}
     return rules + [(f"vision.layers.{name}_{ours}", at + theirs, "scalar")
                     for name, at in where.items() for ours, theirs in bounds.items()]
+
+
 def _qwen2_5(V: str) -> list[Entry]:
     """Qwen2.5-VL's tower under ``V`` (``visual.``) and its patch merger."""
     L = V + "blocks.{i}."
@@ -114,6 +117,43 @@ def _qwen2_5(V: str) -> list[Entry]:
     ]
 
 
+def _qwen3_merger(zoo: str, hf: str) -> list[Entry]:
+    """A Qwen3-VL patch merger (LayerNorm, fc1, fc2, each with a bias) at ``zoo`` from ``hf``."""
+    return [(zoo + "norm", hf + "norm.weight", "identity"), (zoo + "norm_bias", hf + "norm.bias", "identity"),
+            (zoo + "fc1", hf + "linear_fc1.weight", "transpose"),
+            (zoo + "fc1_bias", hf + "linear_fc1.bias", "identity"),
+            (zoo + "fc2", hf + "linear_fc2.weight", "transpose"),
+            (zoo + "fc2_bias", hf + "linear_fc2.bias", "identity")]
+
+
+def _qwen3(V: str) -> list[Entry]:
+    """Qwen3-VL's tower under ``V`` (``model.visual.``), its patch merger and DeepStack mergers (stacked over the
+    levels: :data:`LEVELS`)."""
+    L = V + "blocks.{i}."
+    return [
+        ("vision.patch_embed", V + "patch_embed.proj.weight", "conv3d_patch"),
+        ("vision.patch_bias", V + "patch_embed.proj.bias", "identity"),
+        ("vision.pos_embed", V + "pos_embed.weight", "identity"),
+        ("vision.layers.attn_norm", L + "norm1.weight", "identity"),
+        ("vision.layers.attn_norm_bias", L + "norm1.bias", "identity"),
+        ("vision.layers.qkv", L + "attn.qkv.weight", "vqkv_in"),
+        ("vision.layers.qkv_bias", L + "attn.qkv.bias", "vqkv_bias"),
+        ("vision.layers.o", L + "attn.proj.weight", "vo_out"),
+        ("vision.layers.o_bias", L + "attn.proj.bias", "identity"),
+        ("vision.layers.mlp_norm", L + "norm2.weight", "identity"),
+        ("vision.layers.mlp_norm_bias", L + "norm2.bias", "identity"),
+        ("vision.layers.up", L + "mlp.linear_fc1.weight", "transpose"),
+        ("vision.layers.up_bias", L + "mlp.linear_fc1.bias", "identity"),
+        ("vision.layers.down", L + "mlp.linear_fc2.weight", "transpose"),
+        ("vision.layers.down_bias", L + "mlp.linear_fc2.bias", "identity"),
+        *_qwen3_merger("projector.", V + "merger."),
+        *_qwen3_merger("projector.deepstack.", V + "deepstack_merger_list.{i}."),
+    ]
+
+
+# zoo parameters stacked over the DeepStack levels (their {i}), not the tower's layers
+LEVELS = "projector.deepstack."
+
 # source format -> (the tower's prefix as transformers 5 saves it, the vision side's entries under a prefix)
 VISION_TABLES: dict[str, tuple[str, Callable[[str], list[Entry]]]] = {
     "hf-smolvlm": ("model.vision_model.", _idefics3),
@@ -121,6 +161,7 @@ VISION_TABLES: dict[str, tuple[str, Callable[[str], list[Entry]]]] = {
     "hf-gemma3-multimodal": ("vision_tower.", _gemma3),
     "hf-gemma4-multimodal": ("model.vision_tower.", _gemma4),
     "hf-qwen2_5-vl": ("visual.", _qwen2_5),
+    "hf-qwen3-vl": ("model.visual.", _qwen3),
 }
 # source format -> the other spelling of its tower a source may have (Gemma 3's files on the Hub)
 OTHER_TOWER_PREFIX = {"hf-gemma3-multimodal": "vision_tower.vision_model."}
@@ -149,7 +190,8 @@ def vision_entries(fmt: str, cfg: ModelConfig) -> list[tuple[str, str, str, tupl
     if cfg.vision is None:
         return []
     layers = tuple(range(cfg.vision.num_layers))
+    levels = tuple(range(len(cfg.vision.deepstack_layers)))
     default, entries = VISION_TABLES[fmt]
     present = vision_specs(cfg)  # Gemma 4's clip bounds and standardization buffers are there where the config says
-    return [(zoo, hf, t, layers if "{i}" in hf else None) for zoo, hf, t in entries(cfg.vision.hf_tower_prefix or default)
-            if zoo in present]
+    return [(zoo, hf, t, (levels if zoo.startswith(LEVELS) else layers) if "{i}" in hf else None)
+            for zoo, hf, t in entries(cfg.vision.hf_tower_prefix or default) if zoo in present]

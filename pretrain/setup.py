@@ -268,7 +268,8 @@ def check_vision_lora(cfg: TrainConfig, mcfg: ModelConfig, lora: LoraConfig) -> 
     if named and mcfg.vision is None:
         raise UserError(f"lora.targets name an image tower or connector ({', '.join(named)}), and the model "
                         f"({mcfg.family}) has none; name the language model's projections alone")
-    own = {"gemma4": "Gemma 4's", "qwen2_5": "Qwen2.5-VL's"}  # towers of their own: no adapters reach them yet
+    # towers of their own: no adapters reach them yet
+    own = {"gemma4": "Gemma 4's", "qwen2_5": "Qwen2.5-VL's", "qwen3": "Qwen3-VL's"}
     if named and mcfg.vision is not None and mcfg.vision.tower in own:
         raise UserError(f"lora.targets name {own[mcfg.vision.tower]} image tower or connector ({', '.join(named)}): "
                         "LoRA there is not supported yet; adapt the language model (and model.freeze the tower, or "

@@ -11,12 +11,16 @@ from zoo.registry.catalogue import get
 
 # The parameter counts the Hub's safetensors files of google/gemma-3-*-it state (each model page's "Model size").
 GEMMA3_RELEASED = {"gemma3-4b-it": 4_300_079_472, "gemma3-12b-it": 12_187_325_040, "gemma3-27b-it": 27_432_406_640}
+# Qwen/Qwen3-VL-*-Instruct's "Model size" as the model pages round it (billions)
+QWEN3_VL_RELEASED = {"qwen3-vl-2b": 2.13, "qwen3-vl-4b": 4.44, "qwen3-vl-8b": 8.77, "qwen3-vl-32b": 33.4}
 
 
-@pytest.mark.parametrize("name", [*GEMMA3_RELEASED, "smolvlm-256m-instruct", "smolvlm-500m-instruct"])
+@pytest.mark.parametrize("name", [*GEMMA3_RELEASED, "smolvlm-256m-instruct", "smolvlm-500m-instruct",
+                                  *QWEN3_VL_RELEASED])
 def test_registry_vlm_param_counts_are_the_released_ones(name):
     """Each entry's whole model (tower and connector included) has the released count: Gemma 3's as its files
-    state it, SmolVLM's as transformers builds the config (its cards round them: 256M, 507M)."""
+    state it, SmolVLM's as transformers builds the config (its cards round them: 256M, 507M), Qwen3-VL's as
+    transformers builds it and its model pages round it."""
     import torch
     import transformers
 
@@ -29,6 +33,8 @@ def test_registry_vlm_param_counts_are_the_released_ones(name):
     assert ours == sum(p.numel() for p in model.parameters())
     if name in GEMMA3_RELEASED:
         assert ours == GEMMA3_RELEASED[name]
+    if name in QWEN3_VL_RELEASED:
+        assert float(f"{ours / 1e9:.3g}") == QWEN3_VL_RELEASED[name]
     assert abs(get(name).params - ours) / ours < 0.002  # what `zoo list` shows
 
 

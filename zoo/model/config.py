@@ -42,6 +42,9 @@ class RopeConfig:
     # Multimodal RoPE (Qwen2.5-VL): how many of the head's frequencies each of the (time, row, column) position
     # axes drives, in that order (summing to rope_dim / 2); () for the 1-D RoPE of text models.
     mrope_section: tuple[int, ...] = ()
+    # Qwen3-VL: the frequencies turn with the axes in turn (time, row, column, time, ...: the first 3 x section[1]
+    # frequencies' every third from the second by the row, likewise the column), not in contiguous sections.
+    mrope_interleaved: bool = False
 
     def __post_init__(self) -> None:
         # JSON gives lists; the config must stay hashable (it is a static argument of jitted functions).

@@ -61,7 +61,14 @@ from zoo.model.layer_scan import Segment, scan_segments, stack_slice
 from zoo.model.longrope import switch_to_long
 from zoo.model.masks import kind_window
 from zoo.model.mrope import mrope_positions
-from zoo.model.multimodal import blocks_of_kind, embed_images, image_blocks, text_ids
+from zoo.model.multimodal import (
+    blocks_of_kind,
+    deepstack_runs,
+    deepstack_slice,
+    embed_images,
+    image_blocks,
+    text_ids,
+)
 from zoo.model.per_layer_inputs import per_layer_inputs
 from zoo.model.rope import layer_rope, rope_flags, rope_tables_by_kind
 from zoo.model.vision import VisionInputs
@@ -262,14 +269,15 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax
     # As the training forward embeds a row with images (zoo.model.decoder.forward): an image token read as id 0.
     ids = tokens if vision is None else text_ids(cfg, tokens)
     x = embed_tokens(cfg, base, ids)
+    deep = None  # Qwen3-VL's DeepStack levels of the prefill's images (the steps after it have none)
     if vision is not None:
-        x = embed_images(cfg, w.without_dropout(), tokens, x, vision)
+        x, deep = embed_images(cfg, w.without_dropout(), tokens, x, vision)
     ple = per_layer_inputs(cfg, base, ids, x) if cfg.per_layer_input_size else None
     # Gemma 4: kind -> (the stored layer's cache, its new keys/values), read by the KV-shared layers.
     stored: dict[str, tuple[dict | None, tuple[jax.Array, jax.Array]]] = {}
     causal = {kind: b is None for kind, b in kind_blocks.items()}
     layer = _cached_layer(cfg, ropes, masks, windows, read, slots, stored, valid, scale, mla_absorb, causal)
-    x, written = _run_cached_stacks(cfg, base, x, cache, layer, lora, ple, fresh, stored)
+    x, written = _run_cached_stacks(cfg, base, x, cache, layer, lora, ple, fresh, stored, deep)
     if last is not None:
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
     x = norm(cfg, x, base["final_norm"])
@@ -299,7 +307,8 @@ def _cached_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Array]
                   causal: dict[str, bool] | None = None) -> Callable[..., tuple[jax.Array, dict | None]]:
     """The cached forward's layer as :func:`_run_cached_stacks` scans it: ``layer(x, inputs, kind, moe, prefix)``.
 
-    ``inputs`` are one layer's (weights, adapters, NoPE flag, per-layer input, cache entry); by layer kind,
+    ``inputs`` are one layer's (weights, adapters, NoPE flag, per-layer input, DeepStack level, cache entry); by
+    layer kind,
     ``ropes``, ``masks`` and ``windows`` are the rope tables, masks and sliding windows, ``read`` the slots read
     of the ``slots`` a ring has; ``valid`` [b, t] the real tokens; ``causal[kind]`` False when that kind's new
     tokens' mask holds bidirectional blocks (:func:`zoo.model.cached_attention.gqa_attention`; None: all causal).
@@ -308,7 +317,7 @@ def _cached_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Array]
     """
 
     def layer(x: jax.Array, inputs: tuple, kind: str, moe: bool, prefix: str) -> tuple[jax.Array, dict | None]:
-        p, lp, rope_on, pli, c = inputs
+        p, lp, rope_on, pli, deep, c = inputs
         lora = None if lp is None else LayerLora(lp, scale)  # no dropout in decoding
         reuse = None
         if is_kv_shared(cfg, prefix):
@@ -326,7 +335,7 @@ def _cached_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Array]
             return gqa_attention(x, p, c, *layer_rope(ropes[kind], rope_on), masks[kind], windows[kind], kcfg, lora,
                                   reuse, causal is None or causal[kind])
 
-        x, new, _ = decoder_layer(cfg, x, p, attend, moe, valid, lora, per_layer=pli)
+        x, new, _ = decoder_layer(cfg, x, p, attend, moe, valid, lora, per_layer=pli, deepstack=deep)
         return x, (None if reuse is not None else new)  # a KV-shared layer writes nothing
 
     return layer
@@ -335,12 +344,14 @@ def _cached_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Array]
 def _run_cached_stacks(cfg: ModelConfig, params: dict[str, Any], x: jax.Array, cache: Cache,
                        layer: Callable[..., tuple[jax.Array, dict | None]], lora: dict | None, ple: jax.Array | None,
                        fresh: bool, stored: dict[str, tuple[dict | None, tuple[jax.Array, jax.Array]]],
-                       ) -> tuple[jax.Array, dict[str, dict[str, list]]]:
+                       deep: jax.Array | None = None) -> tuple[jax.Array, dict[str, dict[str, list]]]:
     """x through every run of :attr:`ModelConfig.layer_runs` on ``cache``; returns x and, per stack and kind, each
     layer's new cache entries with its index in its kind's cache stack (what :func:`_write` scatters). Fills
-    ``stored`` (Gemma 4) as the layers whose keys/values the KV-shared layers reuse are done."""
+    ``stored`` (Gemma 4) as the layers whose keys/values the KV-shared layers reuse are done. ``deep``: Qwen3-VL's
+    DeepStack levels, scanned with the first layers (:func:`zoo.model.multimodal.deepstack_runs`)."""
     written: dict[str, dict[str, list]] = {prefix: {kind: [] for kind in group} for prefix, group in cache.layers.items()}
-    for prefix, start, stop, moe, first in cfg.layer_runs:
+    runs = cfg.layer_runs if deep is None else deepstack_runs(cfg.layer_runs, deep.shape[0])
+    for prefix, start, stop, moe, first in runs:
         # A run is its stack's layers first .. first + (stop - start) (ModelConfig.layer_runs): each layer's cache
         # entry comes after those of the stack's earlier layers of its kind.
         stack = next(layers for p, layers, _ in cfg.layer_stacks if p == prefix)
@@ -353,7 +364,8 @@ def _run_cached_stacks(cfg: ModelConfig, params: dict[str, Any], x: jax.Array, c
             weights = kind_stack_slice(cfg, weights, tuple(cfg.kinds[i] for i in stack), first, stop - start)
         else:
             weights = stack_slice(weights, first, stop - start)
-        stacked = weights + (rope_flags(cfg, start, stop), None if ple is None else ple[start:stop])
+        stacked = weights + (rope_flags(cfg, start, stop), None if ple is None else ple[start:stop],
+                             deepstack_slice(deep, start, stop))
 
         def inputs(seg: Segment, j: int, kinds: tuple[str, ...] = kinds, group: dict = group,
                    stacked: tuple = stacked, first: int = first, start: int = start, stop: int = stop) -> tuple:

@@ -39,7 +39,14 @@ from zoo.model.layer_layout import (
 from zoo.model.layer_scan import Segment, scan_segments, stack_slice
 from zoo.model.masks import kind_window, visibility
 from zoo.model.mrope import mrope_positions
-from zoo.model.multimodal import blocks_of_kind, embed_images, image_blocks, text_ids
+from zoo.model.multimodal import (
+    blocks_of_kind,
+    deepstack_runs,
+    deepstack_slice,
+    embed_images,
+    image_blocks,
+    text_ids,
+)
 from zoo.model.params import flatten, init_params, nest, param_specs
 from zoo.model.per_layer_inputs import add_per_layer_input, per_layer_inputs
 from zoo.model.rope import layer_rope, rope_flags, rope_tables_by_kind
@@ -68,7 +75,8 @@ def output_logits(cfg: ModelConfig, params: dict[str, Any], h: jax.Array) -> jax
 
 def decoder_layer(cfg: ModelConfig, x: jax.Array, p: dict, attend: Callable[[jax.Array], tuple[jax.Array, Any]],
                   moe: bool, valid: jax.Array, lora: LayerLora | None = None,
-                  per_layer: jax.Array | None = None) -> tuple[jax.Array, Any, dict]:
+                  per_layer: jax.Array | None = None,
+                  deepstack: jax.Array | None = None) -> tuple[jax.Array, Any, dict]:
     """One decoder layer: x + attention, then x + MLP (each output post-normed where the family does).
 
     ``attend(x)`` is the layer's attention, returning (output, anything else:
@@ -80,7 +88,9 @@ def decoder_layer(cfg: ModelConfig, x: jax.Array, p: dict, attend: Callable[[jax
     :func:`zoo.layers.moe.parallel_moe_block` (dense MLP and experts side by side);
     ``per_layer`` [batch, seq, width] is this layer's per-layer input
     (:mod:`zoo.model.per_layer_inputs`), added after the MLP; ``cfg.layer_scalars``
-    then scales the layer's output. Returns (x, attend's extra, router statistics; {} when dense).
+    then scales the layer's output. Qwen3-VL: ``deepstack`` [batch, seq, hidden] (this layer's DeepStack level,
+    zero off the image tokens: :func:`zoo.model.multimodal.embed_images`) is added to the output.
+    Returns (x, attend's extra, router statistics; {} when dense).
     """
     x = batch_sharded(x)  # the residual stream keeps the batch split (zoo.model.sharding.batch_sharded)
     h, extra = attend(x)
@@ -101,6 +111,8 @@ def decoder_layer(cfg: ModelConfig, x: jax.Array, p: dict, attend: Callable[[jax
         x = add_per_layer_input(cfg, x, p, per_layer)
     if cfg.layer_scalars:
         x = x * p["layer_scalar"].astype(x.dtype)
+    if deepstack is not None:
+        x = batch_sharded(x + deepstack.astype(x.dtype))
     return x, extra, stats
 
 
@@ -197,9 +209,10 @@ def forward(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax.Arra
     and attention gathers the keys (:mod:`zoo.model.context`); t must divide by its size.
 
     ``vision`` (a vision-language model's images as patches, :class:`zoo.model.vision.VisionInputs`) puts each
-    image token's feature in place of its embedding (:func:`zoo.model.multimodal.embed_images`). A model with
-    multimodal RoPE (Qwen2.5-VL) takes ``positions`` [3, batch, seq] as they are, or turns 1-D ones into them
-    with the images (:func:`zoo.model.mrope.mrope_positions`).
+    image token's feature in place of its embedding (:func:`zoo.model.multimodal.embed_images`), and Qwen3-VL's
+    DeepStack levels to the first layers' outputs. A model with multimodal RoPE (Qwen2.5-VL, Qwen3-VL) takes
+    ``positions`` [3, batch, seq] as they are, or turns 1-D ones into them with the images
+    (:func:`zoo.model.mrope.mrope_positions`).
     """
     w = Weights.wrap(params)
     base: dict[str, Any] = w.base
@@ -224,15 +237,16 @@ def forward(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax.Arra
     valid = segment_ids != 0
     ids = tokens if vision is None else text_ids(cfg, tokens)
     x = embed_tokens(cfg, base, ids)
+    deep = None  # Qwen3-VL's DeepStack levels [levels, b, t, hidden], scanned with the first layers
     if vision is not None:
-        x = embed_images(cfg, w, tokens, x, vision, remat)
+        x, deep = embed_images(cfg, w, tokens, x, vision, remat)
     # Gemma 4: each layer's per-layer input [layers, b, t, width], scanned with the layers' weights: its token
     # part reads an image token as the padding token (transformers' llm_input_ids), its projection the
     # embeddings with the images in place.
     ple = per_layer_inputs(cfg, base, ids, x) if cfg.per_layer_input_size else None
     shared: dict[str, tuple[jax.Array, jax.Array]] = {}  # kind -> the keys/values the KV-shared layers reuse
     layer = _training_layer(cfg, ropes, seen, valid, scale, lora_dropout, shared)
-    x, layer_stats = _run_stacks(cfg, base, x, layer, lora, drop_keys, ple, remat, shared)
+    x, layer_stats = _run_stacks(cfg, base, x, layer, lora, drop_keys, ple, remat, shared, deep)
     x = norm(cfg, x, base["final_norm"])
     logits = x if return_hidden else output_logits(cfg, base, x)
     if not return_aux:
@@ -248,7 +262,8 @@ def _training_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Arra
                     shared: dict[str, tuple[jax.Array, jax.Array]]) -> Callable[..., tuple[jax.Array, Any]]:
     """The training forward's layer as :func:`_run_stacks` scans it: ``layer(x, inputs, kind, moe, prefix)``.
 
-    ``inputs`` are one layer's (weights, adapters, dropout key, NoPE flag, per-layer input); ``ropes`` and
+    ``inputs`` are one layer's (weights, adapters, dropout key, NoPE flag, per-layer input, DeepStack level);
+    ``ropes`` and
     ``seen`` the rope tables and visibility by layer kind. Gemma 4's KV-shared layers read their keys/values
     from ``shared``, which :func:`_run_stacks` fills as the storing layers' stack is done; a storing layer's
     output then carries its keys/values beside its router statistics.
@@ -256,7 +271,7 @@ def _training_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Arra
     sharing = cfg.kv_shared_layers > 0
 
     def layer(x: jax.Array, inputs: tuple, kind: str, moe: bool, prefix: str) -> tuple[jax.Array, Any]:
-        p, lp, key, rope_on, pli = inputs
+        p, lp, key, rope_on, pli, deep = inputs
         drop = None if key is None else LoraDropout(lora_dropout, key)
         lora = None if lp is None else LayerLora(lp, scale, drop)
         kcfg = kind_config(cfg, kind)
@@ -273,7 +288,7 @@ def _training_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Arra
                 return output_projection(out, p, kcfg, lora), None if reuse is not None else (k, v)
             return attention(x, p, cos, sin, seen[kind], kcfg, norm_w=p.get("attn_norm"), lora=lora), None
 
-        x, kv, stats = decoder_layer(cfg, x, p, attend, moe, valid, lora, pli)
+        x, kv, stats = decoder_layer(cfg, x, p, attend, moe, valid, lora, pli, deep)
         return x, ((stats, kv) if sharing else stats)
 
     return layer
@@ -281,13 +296,16 @@ def _training_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Arra
 
 def _run_stacks(cfg: ModelConfig, params: dict[str, Any], x: jax.Array, layer: Callable[..., tuple[jax.Array, Any]],
                 lora: dict[str, Any] | None, drop_keys: jax.Array | None, ple: jax.Array | None, remat: str,
-                shared: dict[str, tuple[jax.Array, jax.Array]]) -> tuple[jax.Array, list[dict]]:
+                shared: dict[str, tuple[jax.Array, jax.Array]],
+                deep: jax.Array | None = None) -> tuple[jax.Array, list[dict]]:
     """x through every run of :attr:`ModelConfig.layer_runs`, each with :func:`zoo.model.layer_scan.scan_segments`; returns x and the
     MoE layers' router statistics in layer order (one tree per segment). Fills ``shared`` (Gemma 4's stored
-    keys/values) as the layers that store them are done."""
+    keys/values) as the layers that store them are done. ``deep``: Qwen3-VL's DeepStack levels, scanned with the
+    first layers (their runs split off: :func:`zoo.model.multimodal.deepstack_runs`)."""
     sharing = cfg.kv_shared_layers > 0
     layer_stats: list[dict] = []
-    for prefix, start, stop, moe, first in cfg.layer_runs:
+    runs = cfg.layer_runs if deep is None else deepstack_runs(cfg.layer_runs, deep.shape[0])
+    for prefix, start, stop, moe, first in runs:
         # The LoRA adapters (stacked like their weights) and the layers' dropout keys are sliced and
         # scanned with the weights, so the scan body never indexes a stack.
         adapters = (lora or {}).get(prefix)
@@ -298,7 +316,8 @@ def _run_stacks(cfg: ModelConfig, params: dict[str, Any], x: jax.Array, layer: C
             weights = kind_stack_slice(cfg, weights, stack_kinds(cfg, prefix), first, stop - start)
         else:
             weights = stack_slice(weights, first, stop - start)
-        stacked = weights + (keys, rope_flags(cfg, start, stop), None if ple is None else ple[start:stop])
+        stacked = weights + (keys, rope_flags(cfg, start, stop), None if ple is None else ple[start:stop],
+                             deepstack_slice(deep, start, stop))
 
         def inputs(seg: Segment, j: int, stacked: tuple = stacked, kinds: tuple[str, ...] = kinds) -> tuple:
             if not cfg.global_head_dim:

@@ -58,6 +58,7 @@ def _rope(params: dict[str, Any], c: Any, where: str) -> RopeConfig:
         truncate=bool(params.get("truncate", True)),
         proportional_fraction=float(params.get("partial_rotary_factor") or 1.0) if kind == "proportional" else 1.0,
         mrope_section=tuple(params.get("mrope_section") or ()),
+        mrope_interleaved=bool(params.get("mrope_interleaved", False)),
     )
     return read_longrope(rope, params, c) if kind == "longrope" else rope
 
@@ -217,6 +218,8 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
         # Its head_dim / kv heads are the sliding layers'; _gemma4_fields reads the full layers' own.
         c.allow_global_per_layer_attribute_access = True
     rp = dict(getattr(c, "rope_parameters", None) or {})
+    if traits.mrope_interleaved:  # Qwen3-VL: interleaved whatever the config says, its default sections if none
+        rp.update(mrope_interleaved=True, mrope_section=rp.get("mrope_section") or list(traits.mrope_default))
     if "full_attention" in rp or "sliding_attention" in rp:
         rope = _rope(rp.get("full_attention") or {}, c, where)
         local = _rope(rp.get("sliding_attention") or {}, c, where)

@@ -32,6 +32,10 @@ class FamilyTraits:
     uses_query_pre_attn_scalar: bool = False
     sliding_on_every_layer: bool = False  # Mistral: one window for all layers, no layer_types
     moe: str | None = None  # "mixtral" | "deepseek_v2" | "deepseek_v3" | "qwen3_moe" | "glm4_moe": how routing is configured
+    # Multimodal RoPE's frequencies interleaved over (time, row, column), whatever the config says (Qwen3-VL's
+    # transformers class always interleaves); its sections when the config names none
+    mrope_interleaved: bool = False
+    mrope_default: tuple[int, ...] = ()
 
 
 FAMILIES: dict[str, FamilyTraits] = {
@@ -75,6 +79,9 @@ FAMILIES: dict[str, FamilyTraits] = {
     "idefics3": FamilyTraits("idefics3", "Idefics3ForConditionalGeneration", mlp_bias="mlp_bias"),
     # Qwen2.5-VL: a Qwen 2 language model (text_config model_type "qwen2_5_vl_text") with multimodal RoPE.
     "qwen2_5_vl": FamilyTraits("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", qkv_bias=True, o_bias=False),
+    # Qwen3-VL: a Qwen 3 language model (text_config model_type "qwen3_vl_text") with interleaved multimodal RoPE.
+    "qwen3_vl": FamilyTraits("qwen3_vl", "Qwen3VLForConditionalGeneration", qk_norm=True, mrope_interleaved=True,
+                             mrope_default=(24, 20, 20)),
 }
 
 # weight-name format of a vision-language model -> (the reader of its config's vision side in
@@ -85,6 +92,7 @@ VISION_FORMATS: dict[str, tuple[str, str]] = {
     "hf-gemma3-multimodal": ("gemma3", "Gemma3ForConditionalGeneration"),
     "hf-gemma4-multimodal": ("gemma4", "Gemma4ForConditionalGeneration"),
     "hf-qwen2_5-vl": ("qwen2_5", "Qwen2_5_VLForConditionalGeneration"),
+    "hf-qwen3-vl": ("qwen3", "Qwen3VLForConditionalGeneration"),
 }
 
 # architecture -> (family, source format of its weight names)
@@ -98,6 +106,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "SmolVLMForConditionalGeneration": ("smolvlm", "hf-smolvlm"),
     "Idefics3ForConditionalGeneration": ("idefics3", "hf-idefics3"),
     "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "hf-qwen2_5-vl"),
+    "Qwen3VLForConditionalGeneration": ("qwen3_vl", "hf-qwen3-vl"),
 }
 MODEL_TYPES: dict[str, tuple[str, str]] = {
     **{t.model_type: (f, "hf") for f, t in FAMILIES.items()},
@@ -106,6 +115,7 @@ MODEL_TYPES: dict[str, tuple[str, str]] = {
     "smolvlm": ("smolvlm", "hf-smolvlm"),
     "idefics3": ("idefics3", "hf-idefics3"),
     "qwen2_5_vl": ("qwen2_5_vl", "hf-qwen2_5-vl"),
+    "qwen3_vl": ("qwen3_vl", "hf-qwen3-vl"),
 }
 
 

@@ -8,6 +8,12 @@ lays rows out so: :mod:`zoo.data.vision_layout`). The features replace the embed
 is embedded as id 0 before it is replaced (transformers' Gemma 3 does so). Where ``VisionConfig.image_blocks``
 is set (Gemma 3) each run of image tokens is one bidirectional block of the language model's attention
 (:func:`image_blocks`).
+
+Qwen3-VL's DeepStack: its tower gives one more feature a level per image token, and the language model adds level
+j's to its hidden states at the image tokens after its layer j (transformers' ``_deepstack_process``). The levels
+come out of :func:`embed_images` as data, [levels, b, t, hidden] (zero off the image tokens), which the forward
+passes scan with their first layers: :func:`deepstack_runs` splits the layer runs where the levels end, so one scan
+takes them and the rest scan as before (the program's size stays independent of the depth).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import jax.numpy as jnp
 
 from zoo.model.config import ModelConfig
 from zoo.model.masks import image_block_ids
-from zoo.model.vision import VisionInputs, encode_images
+from zoo.model.vision import VisionInputs, encode_with_deepstack
 
 
 def merge_features(tokens: jax.Array, x: jax.Array, features: jax.Array, image_token_id: int) -> jax.Array:
@@ -32,12 +38,37 @@ def merge_features(tokens: jax.Array, x: jax.Array, features: jax.Array, image_t
 
 
 def embed_images(cfg: ModelConfig, params: Any, tokens: jax.Array, x: jax.Array, vision: VisionInputs,
-                 remat: str = "none") -> jax.Array:
-    """The token embeddings x [b, t, E] of ``tokens`` with the images of ``vision`` in place of the image tokens.
-    ``params``: the model's parameters or its :class:`zoo.lora.weights.Weights` (LoRA on the tower and connector);
-    ``remat``: the tower's layer scan's (:func:`zoo.model.vision.tower`)."""
+                 remat: str = "none") -> tuple[jax.Array, jax.Array | None]:
+    """(the token embeddings x [b, t, E] of ``tokens`` with the images of ``vision`` in place of the image tokens,
+    the DeepStack levels [levels, b, t, E] to add after the first layers: each level's features at the image
+    tokens, zero elsewhere; None for a model without them). ``params``: the model's parameters or its
+    :class:`zoo.lora.weights.Weights` (LoRA on the tower and connector); ``remat``: the tower's layer scan's
+    (:func:`zoo.model.vision.tower`)."""
     assert cfg.vision is not None, "images given to a model without a vision tower"
-    return merge_features(tokens, x, encode_images(cfg, params, vision, remat), cfg.vision.image_token_id)
+    features, deep = encode_with_deepstack(cfg, params, vision, remat)
+    token = cfg.vision.image_token_id
+    x = merge_features(tokens, x, features, token)
+    if deep is None:
+        return x, None
+    return x, jax.vmap(lambda level: merge_features(tokens, jnp.zeros_like(x), level, token))(deep)
+
+
+def deepstack_runs(runs: list[tuple[str, int, int, bool, int]],
+                   levels: int) -> list[tuple[str, int, int, bool, int]]:
+    """:attr:`ModelConfig.layer_runs` with the run that holds the last DeepStack level's layer (``levels`` - 1) and
+    the next layer split in two, so the first ``levels`` layers are runs of their own that scan the levels."""
+    out = []
+    for prefix, start, stop, moe, first in runs:
+        if start < levels < stop:
+            out += [(prefix, start, levels, moe, first), (prefix, levels, stop, moe, first + levels - start)]
+        else:
+            out.append((prefix, start, stop, moe, first))
+    return out
+
+
+def deepstack_slice(deep: jax.Array | None, start: int, stop: int) -> jax.Array | None:
+    """The DeepStack levels of layers ``start`` .. ``stop`` (a run of :func:`deepstack_runs`'s): None past them."""
+    return None if deep is None or stop > deep.shape[0] else deep[start:stop]
 
 
 def text_ids(cfg: ModelConfig, tokens: jax.Array) -> jax.Array:

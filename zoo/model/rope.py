@@ -115,14 +115,25 @@ def rope_tables(positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) 
     return jnp.cos(emb) * scale, jnp.sin(emb) * scale
 
 
+def mrope_axes(section: tuple[int, ...], n: int, interleaved: bool = False) -> np.ndarray:
+    """The position axis (0 time, 1 row, 2 column) each of multimodal RoPE's ``n`` frequencies turns with: the i-th
+    chunk of ``section`` frequencies with axis i % 3 (Qwen2.5-VL, transformers' ``recomposition_frequencies``), or
+    ``interleaved`` (Qwen3-VL's): frequency j with the row where j % 3 == 1 and j < 3 * section[1], the column
+    where j % 3 == 2 and j < 3 * section[2], else the time."""
+    if not interleaved:
+        return np.concatenate([np.full(size, i % 3) for i, size in enumerate(section)])
+    j = np.arange(n)
+    return np.where((j % 3 == 1) & (j < 3 * section[1]), 1, np.where((j % 3 == 2) & (j < 3 * section[2]), 2, 0))
+
+
 def mrope_tables(positions: jax.Array, inv_freq: np.ndarray, section: tuple[int, ...],
-                 scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
-    """Multimodal RoPE's cos/sin tables [batch, seq, rot_dim] (Qwen2.5-VL) for positions [3, batch, seq] (time,
-    row, column; [batch, seq] text positions drive all three alike): the i-th chunk of ``section`` frequencies
-    turns with axis i % 3, as transformers' ``recomposition_frequencies``."""
+                 scale: float = 1.0, interleaved: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Multimodal RoPE's cos/sin tables [batch, seq, rot_dim] (Qwen2.5-VL, Qwen3-VL) for positions [3, batch, seq]
+    (time, row, column; [batch, seq] text positions drive all three alike), each frequency turned by its axis
+    (:func:`mrope_axes`)."""
     if positions.ndim == 2:
         positions = jnp.broadcast_to(positions, (3, *positions.shape))
-    axis = np.concatenate([np.full(n, i % 3) for i, n in enumerate(section)])
+    axis = mrope_axes(section, len(inv_freq), interleaved)
     chosen = jnp.moveaxis(positions, 0, -1)[..., axis]  # [batch, seq, rot_dim / 2]: each frequency's position
     freqs = chosen.astype(jnp.float32) * jnp.asarray(inv_freq)[None, None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
@@ -153,7 +164,7 @@ def _tables(rope: RopeConfig, dim: int, positions: jax.Array,
     """
     scale = rope_attention_factor(rope)
     if rope.mrope_section:
-        return mrope_tables(positions, rope_inv_freq(rope, dim), rope.mrope_section, scale)
+        return mrope_tables(positions, rope_inv_freq(rope, dim), rope.mrope_section, scale, rope.mrope_interleaved)
     if rope.kind != "longrope":
         return rope_tables(positions, rope_inv_freq(rope, dim), scale)
     short = rope_tables(positions, longrope_inv_freq(rope, dim, long=False), scale)

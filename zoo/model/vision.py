@@ -39,8 +39,9 @@ from zoo.model.vision_config import VisionConfig
 from zoo.model.vision_gemma4 import encode_gemma4
 from zoo.model.vision_inputs import VisionInputs
 from zoo.model.vision_qwen import encode_qwen
+from zoo.model.vision_qwen3 import encode_qwen3
 
-__all__ = ["VisionInputs", "encode_images", "tower", "shuffle_linear", "avg_pool", "CONNECTORS"]
+__all__ = ["VisionInputs", "encode_images", "encode_with_deepstack", "tower", "shuffle_linear", "avg_pool", "CONNECTORS"]
 
 # Folded into a LoRA run's dropout key for the tower's layers and the connector, so their masks are drawn apart
 # from the decoder's layers' (zoo.model.decoder splits the key itself over its layers).
@@ -147,13 +148,23 @@ def avg_pool(v: VisionConfig, params: Any, h: jax.Array, inputs: VisionInputs) -
 CONNECTORS = {"shuffle_linear": shuffle_linear, "avg_pool": avg_pool}
 
 
-def encode_images(cfg: ModelConfig, params: Any, inputs: VisionInputs, remat: str = "none") -> jax.Array:
-    """The image features [b, max_patches / group, hidden] of a batch's rows, in the order of their image tokens.
+def encode_with_deepstack(cfg: ModelConfig, params: Any, inputs: VisionInputs,
+                          remat: str = "none") -> tuple[jax.Array, jax.Array | None]:
+    """(the image features [b, max_patches / group, hidden] of a batch's rows, in the order of their image tokens;
+    Qwen3-VL's DeepStack features [levels, b, max_patches / group, hidden] in that order, else None).
     ``params``: the model's parameters or its :class:`zoo.lora.weights.Weights`; ``remat``: the tower's (:func:`tower`)."""
     v = cfg.vision
     assert v is not None, "encode_images needs a model with a vision tower"
     if v.tower == "gemma4":  # its own tower and connector
-        return encode_gemma4(cfg, params, inputs, remat)
+        return encode_gemma4(cfg, params, inputs, remat), None
     if v.tower == "qwen2_5":  # its own tower and merger
-        return encode_qwen(v, params, inputs, remat)
-    return CONNECTORS[v.connector](v, params, tower(v, params, inputs, remat), inputs)
+        return encode_qwen(v, params, inputs, remat), None
+    if v.tower == "qwen3":  # its own tower, merger and DeepStack mergers
+        return encode_qwen3(v, params, inputs, remat)
+    return CONNECTORS[v.connector](v, params, tower(v, params, inputs, remat), inputs), None
+
+
+def encode_images(cfg: ModelConfig, params: Any, inputs: VisionInputs, remat: str = "none") -> jax.Array:
+    """The image features [b, max_patches / group, hidden] of a batch's rows, in the order of their image tokens
+    (:func:`encode_with_deepstack`'s first)."""
+    return encode_with_deepstack(cfg, params, inputs, remat)[0]

@@ -14,7 +14,10 @@ Qwen2.5-VL (``tower: qwen2_5``, :mod:`zoo.model.vision_qwen`) has no fixed image
 of patches (dynamic resolution), each patch ``temporal_patch_size`` frames deep, rotated by 2-D RoPE
 (``rope_theta``), windowed attention (``window_size`` pixels a side) in every layer but ``fullatt_layers``, and the
 ``patch_merger`` connector (each ``scale_factor`` x ``scale_factor`` block concatenated, then an MLP). Its
-``image_size`` is nominal (one merged token's patches: nothing reads it as an image's size). Other towers add
+``image_size`` is nominal (one merged token's patches: nothing reads it as an image's size). Qwen3-VL (``tower:
+qwen3``, :mod:`zoo.model.vision_qwen3`) lays its images out alike, without windows, with a learned position table
+(``pos_table`` rows, a square grid resampled to each image) and DeepStack: the states after each of
+``deepstack_layers`` merged on their own and added to the language model's first layers. Other towers add
 fields here as the design notes sketch; a name nothing reads yet is not one of them.
 """
 
@@ -25,7 +28,7 @@ from dataclasses import dataclass, field
 from zoo.errors import UserError
 
 CONNECTORS = ("shuffle_linear", "avg_pool", "gemma4", "patch_merger")
-TOWERS = ("siglip", "gemma4", "qwen2_5")
+TOWERS = ("siglip", "gemma4", "qwen2_5", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,7 @@ class VisionConfig:
     tower: str = "siglip"
     num_kv_heads: int = 0  # 0: num_heads
     head_width: int = 0  # 0: hidden_size / num_heads
-    pos_table: int = 0
+    pos_table: int = 0  # Gemma 4: a side of its 2-axis table; Qwen3-VL: rows of its square table
     rope_theta: float = 100.0
     max_soft_tokens: int = 0
     clipped: bool = False
@@ -69,9 +72,17 @@ class VisionConfig:
     temporal_patch_size: int = 1  # frames a patch spans (a still image is repeated to fill them)
     window_size: int = 0  # pixels along a side of an attention window (0: no windows)
     fullatt_layers: tuple[int, ...] = ()  # the layers that attend over the whole image, not a window
+    # Qwen3-VL's tower (``tower: qwen3``, zoo.model.vision_qwen3): the layers whose states feed DeepStack's mergers,
+    # in increasing order; level j's features are added to the language model's states after its layer j.
+    deepstack_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "fullatt_layers", tuple(int(i) for i in self.fullatt_layers))  # hashable
+        for name in ("fullatt_layers", "deepstack_layers"):  # JSON gives lists; the config must stay hashable
+            object.__setattr__(self, name, tuple(int(i) for i in getattr(self, name)))
+        if list(self.deepstack_layers) != sorted(set(self.deepstack_layers)) or any(
+                not 0 <= i < self.num_layers for i in self.deepstack_layers):
+            raise UserError(f"model config: vision deepstack_layers={list(self.deepstack_layers)} must be increasing "
+                            f"tower layers (0 .. {self.num_layers - 1})")
         if self.connector not in CONNECTORS:
             raise UserError(f"model config: vision connector {self.connector!r} is not one of {', '.join(CONNECTORS)}")
         if self.tower not in TOWERS:

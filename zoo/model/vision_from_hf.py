@@ -88,8 +88,34 @@ def _qwen2_5(top: Any, arch: str, where: str) -> VisionConfig:
                         rope_theta=float(rope.get("rope_theta", 10000.0)))
 
 
+def _qwen3(top: Any, arch: str, where: str) -> VisionConfig:
+    """Qwen3-VL: its tower (``vision_config``: ``depth`` layers, a ``num_position_embeddings``-row square position
+    table, no windows), the patch merger (``spatial_merge_size``) to the language model's width
+    (``out_hidden_size``), and a merger of its own for each of ``deepstack_visual_indexes``."""
+    v = top.vision_config
+    patch, merge, frames = v.patch_size, int(v.spatial_merge_size), v.temporal_patch_size
+    if not isinstance(patch, int) or not isinstance(frames, int):
+        raise UserError(f"{where}: vision_config patch_size={patch!r} / temporal_patch_size={frames!r} must be "
+                        "single integers")
+    if int(v.out_hidden_size) != int(top.text_config.hidden_size):
+        raise UserError(f"{where}: vision_config out_hidden_size={v.out_hidden_size} must equal the language "
+                        f"model's hidden_size={top.text_config.hidden_size}")
+    table, rope = int(v.num_position_embeddings), dict(getattr(v, "rope_parameters", None) or {})
+    if round(table**0.5) ** 2 != table:
+        raise UserError(f"{where}: vision_config num_position_embeddings={table} must be a square (a grid of "
+                        "positions)")
+    if rope.get("rope_type", "axial") != "axial":
+        raise UserError(f"{where}: vision_config rope_type={rope.get('rope_type')!r}: only 'axial' is supported")
+    return VisionConfig(arch=arch, hidden_size=int(v.hidden_size), intermediate_size=int(v.intermediate_size),
+                        num_layers=int(v.depth), num_heads=int(v.num_heads), patch_size=patch,
+                        image_size=patch * merge, image_token_id=int(top.image_token_id),
+                        num_channels=int(v.in_channels), hidden_act=str(v.hidden_act), norm_eps=1e-6,
+                        connector="patch_merger", scale_factor=merge, bucketize=False, tower="qwen3",
+                        temporal_patch_size=frames, pos_table=table, rope_theta=float(rope.get("rope_theta", 10000.0)),
+                        deepstack_layers=tuple(int(i) for i in v.deepstack_visual_indexes))
 
-READERS = {"idefics3": _idefics3, "gemma3": _gemma3, "gemma4": _gemma4, "qwen2_5": _qwen2_5}
+
+READERS = {"idefics3": _idefics3, "gemma3": _gemma3, "gemma4": _gemma4, "qwen2_5": _qwen2_5, "qwen3": _qwen3}
 
 
 def vision_config_from_hf(kind: str, top: Any, arch: str, where: str) -> VisionConfig:

@@ -95,6 +95,41 @@ def _qwen_specs(cfg: ModelConfig, v: VisionConfig) -> dict[str, Spec]:
     return s
 
 
+def _qwen3_specs(cfg: ModelConfig, v: VisionConfig) -> dict[str, Spec]:
+    """Qwen3-VL's tower (a conv3d patch embedding with a bias, a square position table, LayerNorms with biases,
+    fused qkv and o with biases, fc1 (``up``) and fc2 (``down``) with biases), its patch merger (a LayerNorm per
+    patch, fc1 -> gelu -> fc2 with biases) and one merger a DeepStack level (``projector.deepstack.*``, stacked
+    over the levels; their LayerNorm over a token's concatenated group)."""
+    L, D, F, H, Dh = v.num_layers, v.hidden_size, v.intermediate_size, v.num_heads, v.head_dim
+    lay, W, E, K = ("layers",), v.group * D, cfg.hidden_size, len(v.deepstack_layers)
+    s: dict[str, Spec] = {"vision.patch_embed": ((v.patch_dim, D), (None, "embed"), "normal"),
+                          "vision.patch_bias": ((D,), ("embed",), "zeros"),
+                          "vision.pos_embed": ((v.pos_table, D), (None, "embed"), "normal")}
+    layers: dict[str, Spec] = {
+        "qkv": ((L, D, 3, H, Dh), lay + ("embed", None, "heads", "head_dim"), "normal"),
+        "qkv_bias": ((L, 3, H, Dh), lay + (None, "heads", "head_dim"), "zeros"),
+        "o": ((L, H, Dh, D), lay + ("heads", "head_dim", "embed"), "normal"),
+        "o_bias": ((L, D), lay + ("embed",), "zeros"),
+        "up": ((L, D, F), lay + ("embed", "mlp"), "normal"),
+        "up_bias": ((L, F), lay + ("mlp",), "zeros"),
+        "down": ((L, F, D), lay + ("mlp", "embed"), "normal"),
+        "down_bias": ((L, D), lay + ("embed",), "zeros"),
+    }
+    for norm in ("attn_norm", "mlp_norm"):
+        layers[norm] = ((L, D), lay + ("embed",), "ones")
+        layers[f"{norm}_bias"] = ((L, D), lay + ("embed",), "zeros")
+    s.update({f"vision.layers.{name}": spec for name, spec in layers.items()})
+    merger: dict[str, Spec] = {"fc1": ((W, W), (None, "mlp"), "normal"), "fc1_bias": ((W,), ("mlp",), "zeros"),
+                               "fc2": ((W, E), ("mlp", "embed"), "normal"), "fc2_bias": ((E,), ("embed",), "zeros")}
+    s.update({f"projector.{name}": spec for name, spec in merger.items()})
+    s.update({"projector.norm": ((D,), ("embed",), "ones"), "projector.norm_bias": ((D,), ("embed",), "zeros")})
+    if K:
+        deep = {**merger, "norm": ((W,), (None,), "ones"), "norm_bias": ((W,), (None,), "zeros")}
+        s.update({f"projector.deepstack.{name}": ((K, *shape), lay + axes, init)
+                  for name, (shape, axes, init) in deep.items()})
+    return s
+
+
 def vision_specs(cfg: ModelConfig) -> dict[str, Spec]:
     """Every weight of the image tower and its connector, by dotted path ({} for a text model)."""
     v = cfg.vision
@@ -104,6 +139,8 @@ def vision_specs(cfg: ModelConfig) -> dict[str, Spec]:
         return _gemma4_specs(cfg, v)
     if v.tower == "qwen2_5":
         return _qwen_specs(cfg, v)
+    if v.tower == "qwen3":
+        return _qwen3_specs(cfg, v)
     D = v.hidden_size
     s: dict[str, Spec] = {
         "vision.patch_embed": ((v.patch_dim, D), (None, "embed"), "normal"),

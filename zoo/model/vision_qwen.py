@@ -38,7 +38,7 @@ HW_STRIDE = 1 << 12  # patch_pos = row * HW_STRIDE + column: rows and columns of
 NORM_EPS = 1e-6  # transformers' Qwen2.5-VL tower and merger fix their RMSNorms' epsilon
 
 
-def _rope(v: VisionConfig, row: jax.Array, col: jax.Array) -> tuple[jax.Array, jax.Array]:
+def qwen_rope(v: VisionConfig, row: jax.Array, col: jax.Array) -> tuple[jax.Array, jax.Array]:
     """cos/sin [b, n, head_dim] of the tower's 2-D RoPE: head_dim/4 frequencies (over half the head) for the row,
     the same for the column, concatenated, then repeated as rotate-half pairs (transformers' axial RoPE)."""
     half = v.head_dim // 2
@@ -57,29 +57,35 @@ def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (xf * cos[:, :, None] + rotated * sin[:, :, None]).astype(x.dtype)
 
 
+def qwen_attention(v: VisionConfig, rope: tuple[jax.Array, jax.Array], visible: jax.Array, h: jax.Array,
+                   p: dict[str, jax.Array]) -> jax.Array:
+    """The tower's attention of normed states h [b, n, D] (Qwen2.5-VL's and Qwen3-VL's alike): the fused qkv with
+    its bias, 2-D RoPE on q and k, a masked softmax over the keys ``visible`` [b, 1, n, n], then ``o`` and its bias."""
+    b, n, _ = h.shape
+    qkv = dense(h, p["qkv"]).reshape(b, n, 3, v.num_heads, v.head_dim) + p["qkv_bias"]
+    q, k, val = _rotate(qkv[:, :, 0], *rope), _rotate(qkv[:, :, 1], *rope), qkv[:, :, 2]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * v.head_dim**-0.5
+    # A finite floor, not -inf: a row's padding patches see no key, and must come out finite (then unused).
+    scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(val.dtype)
+    out = jnp.einsum("bhqk,bkhd->bqhd", probs, val).reshape(b, n, v.hidden_size)
+    return dense(out, p["o"], contract=2) + p["o_bias"]
+
+
 def _layer(v: VisionConfig, rope: tuple[jax.Array, jax.Array], masks: tuple[jax.Array, jax.Array], x: jax.Array,
            inputs: tuple[dict[str, jax.Array], jax.Array]) -> tuple[jax.Array, None]:
     """One block: x + attention(RMSNorm(x)) over its window (or its image where ``full``), then
     x + down(silu(gate(h)) * up(h)) of h = RMSNorm(x)."""
     p, full = inputs
-    b, n, _ = x.shape
     x = batch_sharded(x, sequence=False)  # each chip its own rows' patches (zoo.model.vision's towers alike)
-    h = rms_norm(x, p["attn_norm"], NORM_EPS)
-    qkv = dense(h, p["qkv"]).reshape(b, n, 3, v.num_heads, v.head_dim) + p["qkv_bias"]
-    q, k, val = _rotate(qkv[:, :, 0], *rope), _rotate(qkv[:, :, 1], *rope), qkv[:, :, 2]
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * v.head_dim**-0.5
     visible = jnp.where(full, masks[0], masks[1])
-    # A finite floor, not -inf: a row's padding patches see no key, and must come out finite (then unused).
-    scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(val.dtype)
-    out = jnp.einsum("bhqk,bkhd->bqhd", probs, val).reshape(b, n, v.hidden_size)
-    x = batch_sharded(x + dense(out, p["o"], contract=2) + p["o_bias"], sequence=False)
+    x = batch_sharded(x + qwen_attention(v, rope, visible, rms_norm(x, p["attn_norm"], NORM_EPS), p), sequence=False)
     h = rms_norm(x, p["mlp_norm"], NORM_EPS)
     gated = ACTIVATIONS[v.hidden_act](dense(h, p["gate"]) + p["gate_bias"]) * (dense(h, p["up"]) + p["up_bias"])
     return batch_sharded(x + dense(gated, p["down"]) + p["down_bias"], sequence=False), None
 
 
-def _masks(v: VisionConfig, inputs: VisionInputs, row: jax.Array, col: jax.Array) -> tuple[jax.Array, jax.Array]:
+def qwen_masks(v: VisionConfig, inputs: VisionInputs, row: jax.Array, col: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(whole image, window) visibility [b, 1, n, n]: same image and a real key; the window mask also the same
     window of that image."""
     img = inputs.patch_image
@@ -97,24 +103,30 @@ def qwen_tower(v: VisionConfig, params: dict[str, Any], inputs: VisionInputs, re
     x = dense(inputs.patches.astype(w["patch_embed"].dtype), w["patch_embed"])
     row, col = inputs.patch_pos // HW_STRIDE, inputs.patch_pos % HW_STRIDE
     full = jnp.asarray([i in v.fullatt_layers for i in range(v.num_layers)])
-    layer: Callable[..., Any] = partial(_layer, v, _rope(v, row, col), _masks(v, inputs, row, col))
+    layer: Callable[..., Any] = partial(_layer, v, qwen_rope(v, row, col), qwen_masks(v, inputs, row, col))
     if remat != "none":
         layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat], prevent_cse=False)
     x, _ = jax.lax.scan(layer, x, (w["layers"], full))
     return x
 
 
-def patch_merger(v: VisionConfig, params: dict[str, Any], h: jax.Array, inputs: VisionInputs) -> jax.Array:
-    """Qwen2.5-VL's merger: ``ln_q`` on each patch state [b, n, D], each token's group concatenated in slot order,
-    then fc1 -> gelu -> fc2 -> [b, n / group, hidden]."""
+def group_patches(v: VisionConfig, h: jax.Array, inputs: VisionInputs) -> jax.Array:
+    """Each merged token's group of patch states h [b, n, D] concatenated in slot order -> [b, n / group, group * D]
+    (the patches of no token dropped)."""
     b, n, d = h.shape
     tokens = n // v.group
-    w = params["projector"]
-    h = rms_norm(h, w["norm"], NORM_EPS)
     group = jnp.where(inputs.patch_group >= 0, inputs.patch_group, tokens)  # patches of no token land past the end
     rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, n))
     grouped = jnp.zeros((b, tokens + 1, v.group, d), h.dtype).at[rows, group, inputs.patch_slot].set(h)
-    x = dense(grouped[:, :tokens].reshape(b, tokens, v.group * d), w["fc1"]) + w["fc1_bias"]
+    return grouped[:, :tokens].reshape(b, tokens, v.group * d)
+
+
+def patch_merger(v: VisionConfig, params: dict[str, Any], h: jax.Array, inputs: VisionInputs) -> jax.Array:
+    """Qwen2.5-VL's merger: ``ln_q`` on each patch state [b, n, D], each token's group concatenated in slot order,
+    then fc1 -> gelu -> fc2 -> [b, n / group, hidden]."""
+    w = params["projector"]
+    x = group_patches(v, rms_norm(h, w["norm"], NORM_EPS), inputs)
+    x = dense(x, w["fc1"]) + w["fc1_bias"]
     return dense(ACTIVATIONS["gelu"](x), w["fc2"]) + w["fc2_bias"]
 
 

@@ -160,6 +160,12 @@ _ENTRIES = [
                f"Qwen2.5-VL {size} chat: windowed vision tower, multimodal RoPE", hf_config=config)
       for size, n, config in (("3B", 3.75e9, released.QWEN2_5_VL_3B), ("7B", 8.29e9, released.QWEN2_5_VL_7B),
                               ("72B", 73.4e9, released.QWEN2_5_VL_72B))),
+    # Qwen3-VL, whole (tower, merger and DeepStack mergers included in the counts): the dense Instruct models.
+    *(ZooEntry(f"qwen3-vl-{size.lower()}", "qwen3_vl", f"Qwen/Qwen3-VL-{size}-Instruct", n,
+               f"Qwen3-VL {size} chat: DeepStack vision tower, interleaved multimodal RoPE", hf_config=config)
+      for size, n, config in (("2B", 2.13e9, released_vision.QWEN3_VL_2B), ("4B", 4.44e9, released_vision.QWEN3_VL_4B),
+                              ("8B", 8.77e9, released_vision.QWEN3_VL_8B),
+                              ("32B", 33.4e9, released_vision.QWEN3_VL_32B))),
 ]
 
 REGISTRY: dict[str, ZooEntry] = {e.name: e for e in _ENTRIES}

@@ -6,6 +6,10 @@ Gemma 3 (google/gemma-3-{4b,12b,27b}-{pt,it}): the SigLIP-so400m tower at 896 pi
 pooled 4 x 4 into 256 tokens an image; the language models' own configs as Gemma3TextConfig completes them.
 SmolVLM (HuggingFaceTB/SmolVLM-{256M,500M}-Instruct): Idefics3's architecture, a SigLIP
 tower and a pixel-shuffle connector beside a SmolLM2 language model.
+Qwen3-VL (Qwen/Qwen3-VL-{2B,4B,8B,32B}-Instruct): a Qwen3 language model of the same size's shape with interleaved
+multimodal RoPE, and a tower in 16-pixel patches with DeepStack (written from the released config.json files as
+transformers 4.57 wrote them: the vision_config's model_type "qwen3_vl", the text's RoPE as rope_scaling and
+rope_theta, which transformers 5 reads as rope_parameters).
 """
 
 from __future__ import annotations
@@ -53,3 +57,35 @@ SMOLVLM_256M = _smolvlm({"vocab_size": 49280, "hidden_size": 576, "intermediate_
 SMOLVLM_500M = _smolvlm({"vocab_size": 49280, "hidden_size": 960, "intermediate_size": 2560, "num_hidden_layers": 32,
                          "num_attention_heads": 15, "num_key_value_heads": 5, "rope_theta": 100000.0,
                          "max_position_embeddings": 8192}, _SIGLIP_B16, 4, 49190)
+
+
+# Qwen3-VL's towers: 24 layers 1024 wide beside the 2B and 4B, 27 layers 1152 wide (SigLIP-so400m's shape) beside
+# the 8B and 32B; DeepStack levels from a third, two thirds and the end of the way down, less one.
+_QWEN3_VL_SMALL_TOWER = {"depth": 24, "hidden_size": 1024, "intermediate_size": 4096,
+                         "deepstack_visual_indexes": [5, 11, 17]}
+_QWEN3_VL_LARGE_TOWER = {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304,
+                         "deepstack_visual_indexes": [8, 16, 24]}
+
+
+def _qwen3_vl(hidden: int, inter: int, layers: int, heads: int, tied: bool, tower: dict) -> dict:
+    """A Qwen3VLForConditionalGeneration config.json of this language model's size (8 KV heads of 128 on every
+    size; the tower's output at the model's width)."""
+    text = {"attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643, "dtype": "bfloat16",
+            "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": hidden,
+            "initializer_range": 0.02, "intermediate_size": inter, "max_position_embeddings": 262144,
+            "model_type": "qwen3_vl_text", "num_attention_heads": heads, "num_hidden_layers": layers,
+            "num_key_value_heads": 8, "rms_norm_eps": 1e-6,
+            "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"},
+            "rope_theta": 5000000, "tie_word_embeddings": tied, "use_cache": True, "vocab_size": 151936}
+    vision = {"hidden_act": "gelu_pytorch_tanh", "in_channels": 3, "initializer_range": 0.02, "model_type": "qwen3_vl",
+              "num_heads": 16, "num_position_embeddings": 2304, "out_hidden_size": hidden, "patch_size": 16,
+              "spatial_merge_size": 2, "temporal_patch_size": 2, **tower}
+    return {"architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl", "dtype": "bfloat16",
+            "image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
+            "vision_end_token_id": 151653, "tie_word_embeddings": tied, "text_config": text, "vision_config": vision}
+
+
+QWEN3_VL_2B = _qwen3_vl(2048, 6144, 28, 16, True, _QWEN3_VL_SMALL_TOWER)
+QWEN3_VL_4B = _qwen3_vl(2560, 9728, 36, 32, True, _QWEN3_VL_SMALL_TOWER)
+QWEN3_VL_8B = _qwen3_vl(4096, 12288, 36, 32, False, _QWEN3_VL_LARGE_TOWER)
+QWEN3_VL_32B = _qwen3_vl(5120, 25600, 64, 64, False, _QWEN3_VL_LARGE_TOWER)
