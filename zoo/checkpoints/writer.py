@@ -200,6 +200,12 @@ def atomic_output(out: str | os.PathLike, overwrite: bool | None = None) -> Iter
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+# Whole parameters are saved in batches of up to this many bytes (CheckpointWriter._save): past a few MiB a
+# save's fixed cost is small beside its writes, and a batch this size adds nothing that matters to a conversion's
+# peak memory (its bound is the largest tensor, often hundreds of MiB).
+BATCH_BYTES = 16 * 2**20
+
+
 class CheckpointWriter:
     """Writes a zoo checkpoint into ``folder`` one parameter (or one layer) at a time.
 
@@ -227,6 +233,8 @@ class CheckpointWriter:
         self.params: dict[str, dict[str, Any]] = {}
         self._pending: dict[str, int] = {}  # reserved path -> number of leading slice axes
         self._committed = False
+        self._batch: dict[str, Any] = {}  # whole parameters queued for one partial save (_save)
+        self._batch_bytes = 0
         self._ctx = _save_context(self.folder)
         self._in_place = is_remote(self.folder)
         self._layout = {p: (tuple(shape), np.dtype(dt)) for p, (shape, dt) in (layout or {}).items()}
@@ -265,15 +273,29 @@ class CheckpointWriter:
                                f"({self._layout.get(path)})")
 
     def _save(self, path: str, array: Any) -> None:
+        """Queue ``array`` for the next Orbax partial save (:meth:`_flush`), which comes once the queue holds
+        :data:`BATCH_BYTES`: each partial save is a fixed cost (its own data file, tree metadata and merge, about
+        50 ms), so a small model's dozens of parameters and placeholders go in one save, not one save each, while
+        memory holds at most one batch beyond the parameter being written."""
         if self._committed:
             raise RuntimeError("the checkpoint tree is already committed")
-        ocp = orbax_v1()
-        with self._ctx:
-            ocp.partial.save(self.folder / PARAMS_DIR, nest({path: array}))
+        self._batch[path] = array
+        self._batch_bytes += array.nbytes
+        if self._batch_bytes >= BATCH_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Write the queued parameters in one Orbax partial save."""
+        if self._batch:
+            ocp = orbax_v1()
+            with self._ctx:
+                ocp.partial.save(self.folder / PARAMS_DIR, nest(self._batch))
+            self._batch, self._batch_bytes = {}, 0
 
     def commit_structure(self) -> None:
         """Finalize the Orbax tree; after this only reserved parameters' slices can be written."""
         if not self._committed:
+            self._flush()
             ocp = orbax_v1()
             with self._ctx:
                 ocp.partial.finalize(self.folder / PARAMS_DIR)
@@ -308,12 +330,23 @@ class CheckpointWriter:
         }
         store = ts.open(spec, create=True, delete_existing=True).result()
         seen = 0
+        # Small pieces are written in transactions of up to BATCH_BYTES: each piece committed alone is one OCDBT
+        # commit (about 10 ms, most of a small model's conversion), a transaction's pieces one commit together. A
+        # transaction stages a copy of its pieces until it commits, so a large piece goes alone, from the caller's
+        # buffer (as Orbax writes), not from a copy: the piece is not changed until its write has committed.
+        txn, staged = ts.Transaction(), 0
         for index, piece in pieces:
-            # Written from the caller's buffer (as Orbax writes), not from a staged copy of it: the piece is not
-            # changed until its write has committed, which .result() waits for.
-            store[index].write(np.asarray(piece, dtype=np_dtype(dtype)), can_reference_source_data_indefinitely=True
-                               ).result()
+            piece = np.asarray(piece, dtype=np_dtype(dtype))
             seen += 1
+            if piece.nbytes >= BATCH_BYTES:
+                store[index].write(piece, can_reference_source_data_indefinitely=True).result()
+                continue
+            store.with_transaction(txn)[index].write(piece).result()
+            staged += piece.nbytes
+            if staged >= BATCH_BYTES:
+                txn.commit_async().result()
+                txn, staged = ts.Transaction(), 0
+        txn.commit_async().result()
         if seen != int(np.prod(shape[:k])):
             raise RuntimeError(f"{path}: wrote {seen} slices of {int(np.prod(shape[:k]))}")
 
