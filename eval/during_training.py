@@ -67,7 +67,7 @@ def read_eval_tasks(spec: list[str] | str, include_path: str | None) -> tuple[li
             raise UserError(f"eval.tasks {', '.join(harness)}: not shipped tasks nor task files; as "
                             "lm-evaluation-harness task names they need the eval extra: pip install "
                             "'lmzoo[eval]'") from None
-        manager = task_manager(include_path)
+        manager = task_manager(include_path, harness)
         check_task_names(harness, manager, "eval.tasks")
     return tasks, harness, manager
 
