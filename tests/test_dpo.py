@@ -6,8 +6,6 @@ import json
 import math
 import os
 import signal
-import subprocess
-import sys
 from typing import Any
 
 import jax
@@ -20,7 +18,7 @@ from dpo.task import DPOTask
 from pretrain.loop import train
 from tests.hf_models import hf_logits, hf_logps, log_softmax
 from tests.preference_data import DPO_LORA, UNEVEN_PAIRS, dpo_cfg, dpo_pairs
-from tests.processes import devices_env, kill_after_checkpoint
+from tests.processes import REPO, TRAIN_IMPORTS, ForkServer, devices_env, kill_after_checkpoint
 from tests.run_files import read_metrics, write_jsonl
 from tests.tiny_lm import TINY_LM
 from zoo.cli import main as zoo_main
@@ -200,47 +198,6 @@ def test_full_fine_tuning_needs_a_reference(setup, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_precomputed_reference_equals_live_and_is_cached(setup, lora_base_run, tmp_path, monkeypatch, capsys):
-    """Slow (about 40 s in a loaded 2-worker baseline): whole training runs through the loop, each compiling its step
-    configuration."""
-    import dpo.task
-
-    root, _, _ = setup
-    common = LORA_SGD
-    live_out, _ = lora_base_run  # the same 2 steps with the live base reference
-    real, calls = dpo.task.compute_reference_logps, []
-    real_cached, keyed = dpo.task.cached_reference_logps, []
-
-    def spy(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
-
-    def spy_cached(*a, **k):  # the cache is keyed by the params dtype and the chat template too
-        keyed.append(a[6:])
-        return real_cached(*a, **k)
-
-    monkeypatch.setattr(dpo.task, "compute_reference_logps", spy)
-    monkeypatch.setattr(dpo.task, "cached_reference_logps", spy_cached)
-    out = tmp_path / "pre"
-    pre = dpo_cfg(root, out, "max_steps=2", "dpo.reference=precomputed", *common)
-    capsys.readouterr()
-    train(pre, progress=False, task=DPOTask(pre))
-    err = capsys.readouterr().err
-    assert calls == [1] and "cache miss, computed " in err and " pairs with " in err
-    assert len(list((out / "reference_logps").glob("*.npz"))) == 1
-    assert keyed == [("float32", {"source": None, "kwargs": {}, "date": "2024-07-26"})]
-    a, b = read_metrics(live_out), read_metrics(out)
-    _assert_exact_at_start(b[0], "lora precomputed")
-    for k in ("loss", "rewards/chosen", "rewards/rejected", "logps/chosen"):
-        np.testing.assert_allclose([r[k] for r in b], [r[k] for r in a], rtol=1e-5, atol=1e-7, err_msg=k)
-    # A rerun (here: resuming for one more step) reads the cache and never runs the reference pass.
-    more = dpo_cfg(root, out, "max_steps=3", "dpo.reference=precomputed", *common)
-    train(more, progress=False, task=DPOTask(more))
-    assert calls == [1] and "cache hit" in capsys.readouterr().err
-    assert read_metrics(out)[-1]["step"] == 3
-
-
-@pytest.mark.slow
 def test_training_on_preferences_drives_accuracy_up(setup, tmp_path):
     """Full fine-tuning against a frozen copy of the start: the implicit reward learns the preference;
     eval logs the same metrics with an eval_ prefix, and `zoo plot` draws the rewards.
@@ -305,32 +262,72 @@ def test_grad_accum_2_equals_one_batch_twice_as_large(setup, sgd_run, tmp_path):
         np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-5)
 
 
+@pytest.fixture(scope="module")
+def forks():
+    """A fork server (tests/processes.py) that imports `dpo train`'s modules once, for this module's two runs that
+    need a process of their own (killed with SIGKILL; on 8 simulated devices)."""
+    with ForkServer(imports=(*TRAIN_IMPORTS, "dpo.cli", "dpo.task"), cwd=REPO, env=os.environ.copy()) as server:
+        yield server
+
+
 @pytest.mark.slow
-def test_kill_9_and_resume_is_bit_identical(setup, tmp_path):
-    """`dpo train` SIGKILLed after its step-2 checkpoint, then rerun for step 3, ends where the uninterrupted run
-    does (precomputed reference log-probabilities ride in the checkpointed data lanes; grad_accum 2).
-    Slow (slow lane): `dpo train` runs three times in subprocesses (whole, killed, resumed), each importing and
-    compiling."""
+def test_precomputed_reference_equals_live_is_cached_and_survives_kill_9(setup, lora_base_run, forks, tmp_path,
+                                                                         monkeypatch, capsys):
+    """LoRA against precomputed reference log-probabilities (grad_accum 2, LORA_SGD), three runs of one config:
+    - uninterrupted: the reference pass runs once (a cache miss, one .npz, keyed by the params dtype and the chat
+      template too), step 1 is exact (:func:`_assert_exact_at_start`), and its first two steps follow the live base
+      reference's (lora_base_run, grad_accum 1) within 1e-5;
+    - `dpo train` SIGKILLed after its step-2 checkpoint (a process of its own);
+    - rerun for step 3: it reads the killed run's cache, never running the reference pass, and ends where the
+      uninterrupted run does, bit for bit (the reference log-probabilities ride in the checkpointed data lanes).
+    Slow (slow lane): whole training runs through the loop, one in a forked process, each compiling."""
+    import dpo.task
+
     root, _, _ = setup
-    common = ["max_steps=3", "checkpoint.every=2", "grad_accum=2", "dpo.reference=precomputed", *DPO_LORA]
+    common = ["max_steps=3", "checkpoint.every=2", "grad_accum=2", "dpo.reference=precomputed", *LORA_SGD]
+    real, calls = dpo.task.compute_reference_logps, []
+    real_cached, keyed = dpo.task.cached_reference_logps, []
+
+    def spy(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    def spy_cached(*a, **k):  # the cache is keyed by the params dtype and the chat template too
+        keyed.append(a[6:])
+        return real_cached(*a, **k)
+
+    monkeypatch.setattr(dpo.task, "compute_reference_logps", spy)
+    monkeypatch.setattr(dpo.task, "cached_reference_logps", spy_cached)
+    capsys.readouterr()
     cfg = dpo_cfg(root, tmp_path / "full", *common)
     full = train(cfg, progress=False, task=DPOTask(cfg))
+    err = capsys.readouterr().err
+    assert calls == [1] and "cache miss, computed " in err and " pairs with " in err
+    assert len(list((tmp_path / "full" / "reference_logps").glob("*.npz"))) == 1
+    assert keyed == [("float32", {"source": None, "kwargs": {}, "date": "2024-07-26"})]
+    live, ma = read_metrics(lora_base_run[0]), read_metrics(tmp_path / "full")
+    _assert_exact_at_start(ma[0], "lora precomputed")
+    for k in ("loss", "rewards/chosen", "rewards/rejected", "logps/chosen"):
+        np.testing.assert_allclose([r[k] for r in ma[:2]], [r[k] for r in live], rtol=1e-5, atol=1e-7, err_msg=k)
+
     out = tmp_path / "killed"
     args = [f"model.path={root / 'policy'}", f"model.tokenizer={root / 'tok'}", f"data.path={root / 'prefs.jsonl'}",
             "data.seq_len=32", "batch_size=4", "schedule.name=constant", "log_every=1", f"output_dir={out}", *common]
-    proc = subprocess.run([sys.executable, "-c", kill_after_checkpoint("dpo.cli"), "2", "train", *args],
-                          capture_output=True, text=True, env=os.environ.copy(), timeout=600)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    code = forks.run({"script": kill_after_checkpoint("dpo.cli"), "argv": ["2", "train", *args],
+                      "err": str(tmp_path / "killed.err")})
+    assert code == -signal.SIGKILL, (tmp_path / "killed.err").read_text()[-2000:]
     assert (out / "checkpoints" / "2").is_dir() and not (out / "checkpoints" / "3").exists()
     assert not (out / "final").exists()
+    capsys.readouterr()
     resumed = train(dpo_cfg(root, out, *common), progress=False, task=DPOTask(dpo_cfg(root, out, *common)))
+    assert calls == [1] and "cache hit" in capsys.readouterr().err
     from zoo.checkpoints.adapter import load_adapters
 
     a = load_adapters(full, zoo.checkpoints.format.read_meta(full))
     b = load_adapters(resumed, zoo.checkpoints.format.read_meta(resumed))
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    ma, mb = read_metrics(tmp_path / "full"), read_metrics(out)
+    mb = read_metrics(out)
     assert len(mb) == 3 and [r["loss"] for r in mb] == [r["loss"] for r in ma]
 
 
@@ -354,20 +351,20 @@ print(json.dumps(out))
 
 
 @pytest.mark.slow
-def test_8_devices_match_one_device(setup, sgd_run, tmp_path):
+def test_8_devices_match_one_device(setup, sgd_run, forks, tmp_path):
     """Full fine-tuning with a checkpoint reference (sharded like the policy) on 8 devices: fsdp, and
     data x fsdp x tensor, follow the one-device losses (their first two steps: the second after an update).
-    Slow (slow lane): a subprocess on 8 simulated devices trains DPO with its own compilations."""
+    Slow (slow lane): a process of its own (forked) on 8 simulated devices trains DPO with its own compilations."""
     root, _, _ = setup
     ref = [r["loss"] for r in read_metrics(sgd_run[0])]
     base = [f"model.path={root / 'policy'}", f"model.tokenizer={root / 'tok'}",
             f"data.path={root / 'prefs.jsonl'}", "data.seq_len=32", "schedule.name=constant", "log_every=1",
             "checkpoint.every=100", *_sgd(root), "max_steps=2"]
-    env = devices_env(8)
-    p = subprocess.run([sys.executable, "-c", MESH_SCRIPT, json.dumps(base), str(tmp_path)],
-                       capture_output=True, text=True, env=env, timeout=900)
-    assert p.returncode == 0, p.stderr[-3000:]
-    got = json.loads(p.stdout.strip().splitlines()[-1])
+    env = {k: devices_env(8)[k] for k in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    said = {"out": str(tmp_path / "mesh.out"), "err": str(tmp_path / "mesh.err")}
+    code = forks.run({"script": MESH_SCRIPT, "argv": [json.dumps(base), str(tmp_path)], "env": env, **said}, 900)
+    assert code == 0, (tmp_path / "mesh.err").read_text()[-3000:]
+    got = json.loads((tmp_path / "mesh.out").read_text().strip().splitlines()[-1])
     assert ref[1] != ref[0]  # the policy moves, so equal losses mean equal updates
     for name, losses in got.items():
         np.testing.assert_allclose(losses, ref[:2], rtol=1e-5, err_msg=name)

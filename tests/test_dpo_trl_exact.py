@@ -202,11 +202,12 @@ def test_orpo_and_cpo_step_metrics_and_gradient_equal_trl(loss_type, eps, alpha,
 
 def test_sft_weight_is_one_token_mean_over_the_global_batch(monkeypatch):
     """The sft_weight term is TRL's: sft_weight times the NLL summed over every chosen token of the global
-    batch over their number, added once to the mean preference loss; not a mean of per-pair means, nor of
-    per-micro-batch means (one pair per micro-batch here)."""
+    batch over their number, added once to the mean preference loss (TRL's sigmoid metrics without it, written
+    out: trl_metrics); not a mean of per-pair means, nor of per-micro-batch means (one pair per micro-batch
+    here). The other metrics are TRL's without the term."""
     a = _answers()
     nll = -np.concatenate(a["pol_c"]).mean()
-    base = _step_metrics("sigmoid", 0.0, 4, monkeypatch)
+    base = _want("sigmoid", 0.0)
     got = _step_metrics("sigmoid", SFT, 4, monkeypatch)
     np.testing.assert_allclose(got["loss"] - base["loss"], SFT * nll, rtol=1e-5)
     per_pair = np.mean([-x.mean() for x in a["pol_c"]])
