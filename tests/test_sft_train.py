@@ -65,7 +65,7 @@ def test_sft_lowers_train_and_eval_loss(setup, tmp_path):
     with SmolLM2's vocabulary then)."""
     root, _ = setup
     out = tmp_path / "run"
-    cfg = _cfg(root, out, "max_steps=20", "eval_every=10", "batch_size=8")  # steps 16-20: < 0.15x steps 1-3
+    cfg = _cfg(root, out, "max_steps=12", "eval_every=6", "batch_size=8")  # steps 8-12: about 0.28x steps 1-3
     final = train(cfg, progress=False, task=SFTTask(cfg))
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in recs]
@@ -97,10 +97,12 @@ def test_row_without_assistant_turn_names_file_and_row(setup, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_grad_accum_2_equals_one_batch_twice_as_large(setup, tmp_path):
-    """Slow (about 52 s in a loaded 2-worker baseline): whole training runs through the loop, each compiling its step
+    """Two SGD steps of 4 rows in 2 micro-batches of 2 equal two steps of one batch of 4: the same losses (the
+    second follows the first update) and final weights (both updates).
+    Slow (about 52 s in a loaded 2-worker baseline): whole training runs through the loop, each compiling its step
     configuration."""
     root, _ = setup
-    sgd = ("max_steps=3", "optimizer.name=sgd", "optimizer.learning_rate=0.5", "data.eval_fraction=0")
+    sgd = ("max_steps=2", "optimizer.name=sgd", "optimizer.learning_rate=0.5", "data.eval_fraction=0")
     cfg_a = _cfg(root, tmp_path / "a", *sgd, "grad_accum=1")
     cfg_b = _cfg(root, tmp_path / "b", *sgd, "grad_accum=2")
     a = train(cfg_a, progress=False, task=SFTTask(cfg_a))
@@ -115,14 +117,24 @@ def test_grad_accum_2_equals_one_batch_twice_as_large(setup, tmp_path):
 LORA = ("lora.rank=16", "lora.alpha=32", "optimizer.learning_rate=0.01")
 
 
-@pytest.mark.slow
-def test_lora_sft_trains_only_adapters_and_final_merges(setup, tmp_path, capsys):
-    """Slow (about 98 s in a loaded 2-worker baseline): whole training runs through the loop, each compiling its step
-    configuration."""
+@pytest.fixture(scope="module")
+def lora_run(setup, tmp_path_factory):
+    """LoRA SFT trained once for two tests: 20 steps at batch 8 (8 rows: an fsdp8 mesh needs them), eval every 10
+    steps on the held-out 10% (steps 16-20: about 0.47x steps 1-3). Returns (run folder, final checkpoint)."""
     root, _ = setup
-    out = tmp_path / "lora"
-    cfg = _cfg(root, out, "max_steps=40", "batch_size=8", *LORA)
-    final = train(cfg, progress=False, task=SFTTask(cfg))
+    out = tmp_path_factory.mktemp("lora") / "lora"
+    cfg = _cfg(root, out, "max_steps=20", "eval_every=10", "batch_size=8", *LORA)
+    return out, train(cfg, progress=False, task=SFTTask(cfg))
+
+
+@pytest.mark.slow
+def test_lora_sft_trains_only_adapters_and_final_merges(setup, lora_run, tmp_path, capsys):
+    """LoRA SFT (fixture lora_run) learns with the adapters alone; its checkpoints hold optimizer state for the
+    adapters only; `zoo info` describes the adapter checkpoint; zoo.load merges it (logits equal the base forward
+    with the adapters beside it) and `zoo export` writes the merged weights.
+    Slow (about 98 s in a loaded 2-worker baseline): a whole training run through the loop, compiling its step."""
+    root, _ = setup
+    out, final = lora_run
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     losses, evals = [r["loss"] for r in recs], [r["eval_loss"] for r in recs if "eval_loss" in r]
     # Less than full fine-tuning reaches: the tiny random base's frozen embeddings (std 0.02) cap how sharp
@@ -164,7 +176,7 @@ def test_lora_sft_trains_only_adapters_and_final_merges(setup, tmp_path, capsys)
     from safetensors.numpy import load_file
 
     hf = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    q0 = np.asarray(merged.param_dict()["layers"]["q"][0])
+    q0 = np.asarray(merged.param_dict()["layers"]["q"])[0]  # indexed in numpy: no eager compile
     np.testing.assert_allclose(hf["model.layers.0.self_attn.q_proj.weight"], q0.reshape(q0.shape[0], -1).T,
                                atol=1e-6)
 
@@ -249,21 +261,19 @@ print(json.dumps(out))
 
 
 @pytest.mark.slow
-def test_lora_on_8_devices_matches_one_device(setup, tmp_path):
-    """Slow (slow lane): a subprocess on 8 simulated devices trains LoRA SFT with its own compilations."""
+def test_lora_on_8_devices_matches_one_device(setup, lora_run, tmp_path):
+    """LoRA SFT on two meshes of 8 devices (fsdp 8; fsdp 4 x tensor 2) takes the one-device run's first 2 steps
+    (fixture lora_run: the same rows, held-out split, batch and settings; its later steps do not change the
+    first two). Slow (slow lane): a subprocess on 8 simulated devices trains LoRA SFT with its own compilations."""
     import subprocess
     import sys
 
     root, _ = setup
-    extra = ["max_steps=2", "data.eval_fraction=0", *LORA]
-    # 8 rows (an fsdp8 mesh needs them) and LORA: the one-device run is the step
-    # test_lora_sft_trains_only_adapters_and_final_merges compiled (the persistent cache has it)
-    cfg = _cfg(root, tmp_path / "one", "batch_size=8", *extra)
-    train(cfg, progress=False, task=SFTTask(cfg))
-    ref = [json.loads(x)["loss"] for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    ref = [json.loads(x)["loss"] for x in (lora_run[0] / "metrics.jsonl").read_text().splitlines()][:2]
+    # lora_run's data (its 10% held out: the same training rows), no eval (its first is at step 10)
     base = [f"model.path={root / 'zoo'}", f"model.tokenizer={root / 'tok'}", f"data.path={root / 'chat.jsonl'}",
             "data.seq_len=64", "batch_size=8", "schedule.name=constant", "log_every=1", "checkpoint.every=100",
-            *extra]
+            "data.eval_fraction=0.1", "max_steps=2", *LORA]
     env = devices_env(8)
     p = subprocess.run([sys.executable, "-c", LORA_MESH_SCRIPT, json.dumps(base), str(tmp_path)],
                        capture_output=True, text=True, env=env, timeout=900)
@@ -275,14 +285,21 @@ def test_lora_on_8_devices_matches_one_device(setup, tmp_path):
 
 
 @pytest.mark.slow
-def test_eval_tasks_during_training_score_the_live_weights(setup, tmp_path, no_env_report):
+def test_eval_tasks_during_training_score_the_live_weights(setup, tmp_path, no_env_report, monkeypatch):
     """eval.tasks run every eval_every steps on the current (LoRA-merged) weights: metrics.jsonl and TensorBoard
     carry them, and the last values equal `zoo eval`'s scoring of the saved final checkpoint.
     Slow (about 99 s in a loaded 2-worker baseline): whole training runs through the loop, each compiling its step
     configuration."""
+    import functools
+
+    from lm_eval import tasks
+
     from eval.scoring import evaluate
     from pretrain.cli import training_hooks
 
+    # lm-eval's TaskManager over the include path's tasks alone, as tests/test_eval_harness.py's: indexing its
+    # whole library took 37 s of this test's 56 s under load (eval/harness_run.py builds it with the library)
+    monkeypatch.setattr(tasks, "TaskManager", functools.partial(tasks.TaskManager, include_defaults=False))
     root, tok = setup
     (tmp_path / "colours.jsonl").write_text("".join(
         json.dumps({"messages": [{"role": "system", "content": "Repeat the colour."},
@@ -321,7 +338,6 @@ def test_eval_tasks_during_training_score_the_live_weights(setup, tmp_path, no_e
     assert zoo_main(["plot", str(out)]) == 0 and (out / "curves.png").is_file()
     # The harness task, every eval, equal to lm-eval's own run on the final checkpoint.
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
     from eval.harness import LmzooLM
 
@@ -329,7 +345,7 @@ def test_eval_tasks_during_training_score_the_live_weights(setup, tmp_path, no_e
     lm = LmzooLM(model=model, tokenizer=tok, batch_size=cfg.eval.batch_size, progress=False)
     want = lm_eval.simple_evaluate(model=lm, tasks=["hmc"], limit=cfg.eval.limit, bootstrap_iters=0,
                                    # the local task alone: lm-eval's own index of its library takes 13 s to build
-                                   task_manager=TaskManager(include_path=str(harness), include_defaults=False)
+                                   task_manager=tasks.TaskManager(include_path=str(harness), include_defaults=False)
                                    )["results"]["hmc"]
     assert scored[-1]["eval/hmc/acc"] == want["acc,none"] and scored[-1]["eval/hmc/acc_norm"] == want["acc_norm,none"]
 
@@ -390,7 +406,7 @@ def test_qlora_sft_trains_resumes_and_merges_into_the_dequantized_base(setup, tm
 
     hf = load_file(str(tmp_path / "hf" / "model.safetensors"))
     for name, key in (("q", "self_attn.q_proj"), ("down", "mlp.down_proj")):
-        w = np.asarray(merged.param_dict()["layers"][name][1])
+        w = np.asarray(merged.param_dict()["layers"][name])[1]
         np.testing.assert_allclose(hf[f"model.layers.1.{key}.weight"], w.reshape(w.shape[0], -1).T, atol=1e-6)
     # `zoo quantize` once, then LoRA on the stored quantized base (no lora.base_quant): the run reads the fields as
     # stored, which are what the run above quantized at load, so it trains the same adapters bit for bit, also

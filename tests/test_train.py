@@ -29,6 +29,11 @@ def _cfg(setup, out, *overrides):
     return load_config(None, base + list(overrides))
 
 
+# _cfg's step settings as `pretrain train` arguments: the runs that check something else than training (bad rows,
+# a random init, a resume refused) train with the step program _cfg's runs compiled (the persistent cache has it).
+SHARED_STEP = ("data.seq_len=32", "batch_size=4", "optimizer.learning_rate=0.01", "schedule.name=constant")
+
+
 def _losses(out):
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -96,9 +101,15 @@ def jax_leaves(tree):
 
 
 @pytest.mark.slow
-def test_interrupted_run_resumes_to_the_same_result(setup, tmp_path, monkeypatch):
-    """Slow (about 33 s in a loaded 2-worker baseline): whole training runs through the loop, each compiling its step
+def test_interrupted_run_resumes_to_the_same_result_and_skips_a_corrupted_checkpoint(setup, tmp_path, monkeypatch,
+                                                                                     capsys):
+    """A run killed after step 2 was checkpointed resumes from it to the uninterrupted run's losses and final
+    weights (bit for bit). Then, its latest checkpoint (step 3) corrupted, the run continued to step 4 falls back
+    to the previous one (step 2, said on stderr): each step is logged once (step 3's record replaced) and each
+    checkpoint holds its run's config.
+    Slow (about 33 s in a loaded 2-worker baseline): whole training runs through the loop, each compiling its step
     configuration."""
+    every = ("checkpoint.every=1", "checkpoint.keep=5")
     full = train(_cfg(setup, tmp_path / "full", "max_steps=3"), progress=False)
     import pretrain.steps as trainer
 
@@ -113,12 +124,27 @@ def test_interrupted_run_resumes_to_the_same_result(setup, tmp_path, monkeypatch
 
     monkeypatch.setattr(trainer, "to_model_batch", crash_at_3)
     with pytest.raises(KeyboardInterrupt):
-        train(_cfg(setup, tmp_path / "resumed", "max_steps=3"), progress=False)
+        train(_cfg(setup, tmp_path / "resumed", "max_steps=3", *every), progress=False)
     monkeypatch.setattr(trainer, "to_model_batch", real)
-    resumed = train(_cfg(setup, tmp_path / "resumed", "max_steps=3"), progress=False)
+    resumed = train(_cfg(setup, tmp_path / "resumed", "max_steps=3", *every), progress=False)
     assert _losses(tmp_path / "resumed")[-2:] == _losses(tmp_path / "full")[-2:]
     for x, y in zip(jax_leaves(zoo.load_params(full)), jax_leaves(zoo.load_params(resumed))):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # The latest checkpoint corrupted: the next run falls back to the one before.
+    ckdir = tmp_path / "resumed" / "checkpoints"
+    latest = max(int(p.name) for p in ckdir.iterdir() if p.name.isdigit())
+    assert latest == 3
+    for f in (ckdir / str(latest)).rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"garbage")
+    capsys.readouterr()
+    train(_cfg(setup, tmp_path / "resumed", "max_steps=4", *every), progress=False)
+    err = capsys.readouterr().err
+    assert f"checkpoint {latest}" in err and "falling back" in err
+    steps = [json.loads(x)["step"] for x in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]  # resumed from step 2: step 3's record replaced, each step once
+    saved = json.loads((ckdir / "4" / "config" / "metadata").read_text())  # each checkpoint holds its config
+    assert saved["max_steps"] == 4 and saved["checkpoint"]["every"] == 1
 
 
 MESH_SCRIPT = r"""
@@ -258,8 +284,7 @@ def test_bad_rows_name_file_and_row_or_are_skipped(setup, tmp_path, capsys):
     data = tmp_path / "bad.jsonl"
     data.write_text('{"text": "the cat sat"}\n{"text": ""}\n{"other": 1}\n' + '{"text": "a dog ran"}\n' * 50)
     args = ["train", f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}", f"data.path={data}",
-            "data.seq_len=16", "batch_size=2", "max_steps=2", f"output_dir={tmp_path / 'o'}"]  # the step (and its
-    # schedule over 2 steps) of test_train_from_scratch_with_random_init's and test_resuming_with_another_process_count's
+            *SHARED_STEP, "max_steps=2", f"output_dir={tmp_path / 'o'}"]
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "bad.jsonl, line 2:" in err[0] and "skip_bad_rows" in err[0]
@@ -276,7 +301,7 @@ def test_train_from_scratch_with_random_init(setup, smollm2_tokenizer, tmp_path,
 
     # The model the run below initializes (so its random initialization compiles once; a registry name as
     # model.config is tests/test_kernels.py's and test_train_config.py's), with SmolLM2's tokenizer:
-    tiny = ["model.init=random", f"model.config={setup / 'hf' / 'config.json'}", "data.seq_len=16", "batch_size=2",
+    tiny = ["model.init=random", f"model.config={setup / 'hf' / 'config.json'}", *SHARED_STEP,
             f"data.path={setup / 'data.jsonl'}", "max_steps=2"]
     assert main(["train", *tiny, f"model.tokenizer={smollm2_tokenizer}", f"output_dir={tmp_path / 'x'}"]) == 2
     assert "vocab_size 512" in capsys.readouterr().err  # its 512-token vocabulary cannot hold SmolLM2's 49152 ids
@@ -349,32 +374,12 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(setup, tmp_path, c
     assert steps  # the last good one is kept
 
 
-@pytest.mark.slow
-def test_corrupted_latest_checkpoint_falls_back_to_previous(setup, tmp_path, capsys):
-    cfg = _cfg(setup, tmp_path / "c", "max_steps=2", "checkpoint.every=1", "checkpoint.keep=5")
-    train(cfg, progress=False)
-    ckdir = tmp_path / "c" / "checkpoints"
-    latest = max(int(p.name) for p in ckdir.iterdir() if p.name.isdigit())
-    for f in (ckdir / str(latest)).rglob("*"):
-        if f.is_file():
-            f.write_bytes(b"garbage")
-    capsys.readouterr()
-    train(_cfg(setup, tmp_path / "c", "max_steps=3", "checkpoint.every=1", "checkpoint.keep=5"), progress=False)
-    err = capsys.readouterr().err
-    assert f"checkpoint {latest}" in err and "falling back" in err
-    steps = [json.loads(x)["step"] for x in (tmp_path / "c" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3]  # resumed from step 1: step 2's lost record replaced, each step once
-    saved = json.loads((ckdir / "3" / "config" / "metadata").read_text())  # each checkpoint holds its config
-    assert saved["max_steps"] == 3 and saved["checkpoint"]["every"] == 1
-
-
 def test_resuming_with_another_process_count_is_a_clear_error(setup, tmp_path, capsys):
     from pretrain.cli import main
 
     out = tmp_path / "pc"
     args = ["train", f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}",
-            f"data.path={setup / 'data.jsonl'}", "data.seq_len=16", "batch_size=2", "max_steps=2",
-            "checkpoint.every=1", f"output_dir={out}"]
+            f"data.path={setup / 'data.jsonl'}", *SHARED_STEP, "max_steps=2", "checkpoint.every=1", f"output_dir={out}"]
     assert main(args) == 0
     for f in (out / "checkpoints").glob("*/data/process_0-of-1.json"):  # as if 2 processes had written it
         f.rename(f.with_name("process_0-of-2.json"))
