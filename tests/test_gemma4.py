@@ -24,7 +24,10 @@ from tests.hf_models import (
 )
 from zoo.cli import main
 
-SEQ = 40  # past the sliding windows (7; window16's 16): the KV-shared sliding layers reuse a windowed layer's keys
+# Past the sliding windows (7; window16's 16): the KV-shared sliding layers reuse a windowed layer's keys. 2 x 24 is
+# also the tokens of peft's check (tests/lora_fixtures.py peft_logits_against_ours), whose forward of the merged
+# adapter checkpoint is then the parity test's program: one compilation per variant, not two.
+SEQ = 24
 # The MoE variant: 4 experts (top 2) beside the MLP in every layer of 4 (sliding, full, twice), the last 2 KV-shared
 # (one of each kind, reading layers 0 and 1), no per-layer inputs, full layers' values their own projection
 # (attention_k_eq_v off). Four layers, the fewest with both kinds KV-shared and not: each layer here is its own piece
@@ -318,14 +321,15 @@ def test_expert_adapters_equal_a_dense_loop(base):
     cot = jax.device_put(rng.normal(0, 1, x.shape).astype(np.float32))
     scale = 2.0
 
-    def ours(lora):
+    def ours(lora, p=p, x=x):
         return parallel_moe_block(x, p, run, jnp.ones(x.shape[:2], bool), LayerLora(lora, scale))[0]
 
-    def loop(lora):
+    def loop(lora, ref_p, x):
         return _moe_block_loop(x.reshape(-1, cfg.hidden_size), ref_p, lora, scale, cfg).reshape(x.shape)
 
-    got, got_g = jax.jit(jax.value_and_grad(lambda lo: jnp.sum(ours(lo) * cot)))(lora)
-    want, want_g = jax.jit(jax.value_and_grad(lambda lo: jnp.sum(loop(lo) * cot)))(lora)
+    # weights and inputs as arguments, not constants: the loop's program is the same for both bases (one compilation)
+    got, got_g = jax.jit(jax.value_and_grad(lambda lo, *a: jnp.sum(ours(lo, *a[:2]) * a[2])))(lora, p, x, cot)
+    want, want_g = jax.jit(jax.value_and_grad(lambda lo, *a: jnp.sum(loop(lo, *a[:2]) * a[2])))(lora, ref_p, x, cot)
     assert abs(float(got) - float(want)) <= 1e-4 * abs(float(want))
     for path, g in flatten(want_g).items():
         np.testing.assert_allclose(np.asarray(flatten(got_g)[path]), np.asarray(g), atol=1e-5, rtol=1e-4,

@@ -105,20 +105,21 @@ def test_sinks_forward_and_gradients_match_a_dense_softmax(window):
     causal = np.ones((b, 1, t, t), bool) & (pos[:, None] >= pos[None, :])
     mask = jnp.asarray(causal if window is None else causal & (pos[:, None] - pos[None, :] < window))
 
-    def ours(q, k, v, sinks):
+    def ours(q, k, v, sinks, mask, w):
         return jnp.sum(blockwise_attention(q, k, v, mask, 0.3, None, window, 128, sinks) * w)
 
-    def ref(q, k, v, sinks):
+    def ref(q, k, v, sinks, mask, w):
         return jnp.sum(_dense_sink_attention(q, k, v, sinks, 0.3, window) * w)
 
-    # jitted, values and gradients together: one compilation each, not one per eager op
+    # jitted, values and gradients together: one compilation each, not one per eager op; the mask and the output
+    # weights arguments, not constants folded into the program (which compiles slower)
     ours_vg, ref_vg = (jax.jit(jax.value_and_grad(f, (0, 1, 2, 3))) for f in (ours, ref))
-    (got_value, got_grads), (want_value, want_grads) = ours_vg(q, k, v, sinks), ref_vg(q, k, v, sinks)
+    (got_value, got_grads), (want_value, want_grads) = ours_vg(q, k, v, sinks, mask, w), ref_vg(q, k, v, sinks, mask, w)
     np.testing.assert_allclose(got_value, want_value, rtol=1e-5)
     for got, want in zip(got_grads, want_grads):
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
     # the sinks take part: without them the output differs
-    assert abs(float(got_value) - float(ours_vg(q, k, v, jnp.asarray(np.full(sinks.shape, -1e9, np.float32)))[0])) > 1e-2
+    assert abs(float(got_value) - float(ours_vg(q, k, v, jnp.asarray(np.full(sinks.shape, -1e9, np.float32)), mask, w)[0])) > 1e-2
 
 
 def test_kernels_without_sinks_refuse_in_one_line(tiny):
@@ -352,10 +353,11 @@ def test_gguf_converts_to_the_logits_of_the_safetensors_conversion(tiny, mxfp4, 
     """The same MXFP4 experts (dequantized by the gguf package there, by convert/mxfp4.py here) and F32 rest:
     the GGUF file's conversion and the MXFP4 safetensors folder's give the same model. A GGUF file cannot state
     the SwiGLU limit (llama.cpp fixes it at the released models' 7.0) nor the aux-loss coefficient: the folder's
-    config says those values here."""
+    config says those values here, and both models' logits are compared through the tiny model's config (limit 1.5,
+    its forward compiled by the tests above)."""
     import dataclasses
 
-    hf, _ = tiny
+    hf, root = tiny
     packed, folder = mxfp4
     folder = _edit(folder, tmp_path / "st", config={"swiglu_limit": 7.0, "router_aux_loss_coef": 0.001})
     write_gpt_oss_gguf(hf, packed, tmp_path / "tiny.gguf")
@@ -365,8 +367,11 @@ def test_gguf_converts_to_the_logits_of_the_safetensors_conversion(tiny, mxfp4, 
     assert a.cfg.rms_norm_eps == pytest.approx(b.cfg.rms_norm_eps)  # stored as float32 in the file
     assert dataclasses.replace(a.cfg, rms_norm_eps=b.cfg.rms_norm_eps) == b.cfg
     tokens = jnp.asarray(random_tokens(hf.config.vocab_size, seq=SEQ))
-    # The configs equal but for that rounding: both weights through the folder's, one compiled forward.
-    a = zoo.Decoder(b.cfg, a.param_dict())
+    # The configs equal but for that rounding: both weights through one config, the tiny model's (the folder's but
+    # for the two values above, which the weights do not carry), whose forward the tests above compiled already.
+    cfg = zoo.read_config(root / "zoo")
+    assert dataclasses.replace(cfg, swiglu_limit=7.0, aux_loss_coef=0.001) == b.cfg
+    a, b = zoo.Decoder(cfg, a.param_dict()), zoo.Decoder(cfg, b.param_dict())
     np.testing.assert_allclose(np.asarray(a(tokens)), np.asarray(b(tokens)), atol=1e-5, rtol=0)
 
 

@@ -23,8 +23,10 @@ TWO = dict(num_hidden_layers=2, first_k_dense_replace=1)
 VARIANTS = {
     "mixtral": ("mixtral", {}),
     "deepseek-v2": ("deepseek_v2", {}),
-    "deepseek-v2-q-lora": ("deepseek_v2", dict(q_lora_rank=24, **TWO)),
-    "deepseek-v2-greedy": ("deepseek_v2", dict(topk_method="greedy", n_group=None, topk_group=None, **TWO)),
+    # q_lora_rank (the queries through their low-rank projection) and greedy routing (no groups) in one model: two
+    # traits of separate code (attention's queries, the router), each against transformers, one compilation
+    "deepseek-v2-q-lora-greedy": ("deepseek_v2", dict(q_lora_rank=24, topk_method="greedy", n_group=None,
+                                                      topk_group=None, **TWO)),
     "deepseek-v3": ("deepseek_v3", {}),
     "deepseek-v3-no-lora-no-interleave": ("deepseek_v3", dict(q_lora_rank=None, rope_interleave=False,
                                                               norm_topk_prob=False, **TWO)),
@@ -65,7 +67,7 @@ def test_logits_match_transformers(converted, variant):
     assert ref.std() > 0.5
 
 
-@pytest.mark.parametrize("variant", ["mixtral", "deepseek-v2-q-lora", "deepseek-v3"])
+@pytest.mark.parametrize("variant", ["mixtral", "deepseek-v2-q-lora-greedy", "deepseek-v3"])
 def test_round_trip_is_bit_identical(converted, tmp_path, variant):
     root = converted[variant][1]
     assert main(["export", str(root / "zoo"), "--out", str(tmp_path / "back")]) == 0
@@ -109,18 +111,19 @@ def test_aux_losses_on_a_hand_computed_example():
     cfg = ModelConfig(family="mixtral", vocab_size=8, hidden_size=2, intermediate_size=4, num_layers=1,
                       num_heads=1, num_kv_heads=1, head_dim=2, num_experts=2, experts_per_token=1,
                       moe_intermediate_size=4, aux_loss_coef=0.5, z_loss_coef=0.1)
-    x = jnp.asarray([[0.0, 0.0], [1.0, 0.0]])
-    p = {"router": jnp.asarray([[2.0, 0.0], [0.0, 0.0]])}  # token 1: logits (2, 0)
-    ids, w, logits = route(x, p, cfg)
+    # route and aux_losses jitted, their inputs and outputs NumPy: a program each, not one per eager op
+    x = np.asarray([[0.0, 0.0], [1.0, 0.0]], np.float32)
+    p = {"router": np.asarray([[2.0, 0.0], [0.0, 0.0]], np.float32)}  # token 1: logits (2, 0)
+    ids, w, logits = map(np.asarray, jax.jit(route, static_argnums=2)(x, p, cfg))
     assert ids[1, 0] == 0 and float(w[1, 0]) == pytest.approx(1.0)  # renormalized top-1
     probs = np.array([[0.5, 0.5], [np.exp(2) / (np.exp(2) + 1), 1 / (np.exp(2) + 1)]])
     counts = np.zeros(2)
     counts[int(ids[0, 0])] += 1
     counts[0] += 1
-    stats = {"expert_counts": jnp.asarray(counts)[None], "router_prob_sum": jnp.asarray(probs.sum(0))[None],
-             "router_lse_sq_sum": jnp.asarray([(np.log(2) ** 2 + np.log(np.exp(2) + 1) ** 2)]),
-             "dropped_tokens": jnp.zeros(1), "tokens": jnp.asarray([2.0])}
-    aux = aux_losses(stats, cfg)
+    stats = {"expert_counts": counts[None], "router_prob_sum": probs.sum(0)[None],
+             "router_lse_sq_sum": np.asarray([(np.log(2) ** 2 + np.log(np.exp(2) + 1) ** 2)]),
+             "dropped_tokens": np.zeros(1), "tokens": np.asarray([2.0])}
+    aux = jax.jit(aux_losses, static_argnums=1)({k: v.astype(np.float32) for k, v in stats.items()}, cfg)
     lb = 2 * np.sum(counts / 2 * probs.mean(0))
     z = (np.log(2) ** 2 + np.log(np.exp(2) + 1) ** 2) / 2
     assert float(aux["load_balancing_loss"]) == pytest.approx(lb, rel=1e-6)
@@ -157,7 +160,7 @@ EP_SCRIPT = r"""
 import dataclasses, json, sys
 import jax, jax.numpy as jnp, numpy as np
 import zoo
-from zoo.lora.params import LoraConfig, init_lora, lora_scale, lora_specs
+from zoo.lora.params import LoraConfig, _lead, lora_scale, lora_specs
 from zoo.lora.weights import Weights
 from zoo.model import quant
 from zoo.model.config import ModelConfig
@@ -173,6 +176,12 @@ out = {"load": {}, "qlora": {}}
 
 def manual(lowered):  # the experts ran expert-parallel (shard_map)
     return "sdy.manual_computation" in lowered.as_text() or "shard_map" in lowered.as_text()
+
+# Adapters as init_lora draws them (A ~ U(+-1/sqrt(fan_in)), B = 0) plus N(0, 0.05) on both: B != 0, so that both
+# their gradients and their outputs count. Drawn with NumPy: init_lora jitted compiles a program of its own.
+def random_adapters(cfg, lcfg, rng):
+    return nest({k: ((rng.uniform(-1, 1, s.shape) / np.sqrt(np.prod(s.shape[_lead(s):-1])) if s.init == "lora_a" else 0)
+                     + rng.normal(0, 0.05, s.shape)).astype(np.float32) for k, s in sorted(lora_specs(cfg, lcfg).items())})
 
 def max_diff(one, many):  # compared in NumPy: eager jnp ops on sharded results compile a program per shape
     one, many = jax.device_get(one), jax.device_get(many)
@@ -196,9 +205,7 @@ rng = np.random.default_rng(0)
 params = nest({k: (rng.normal(0, 0.02, s.shape) if s.init == "normal" else np.full(s.shape, float(s.init == "ones")))
                .astype(np.float32) for k, s in param_specs(cfg).items()})
 lcfg = LoraConfig(rank=4, alpha=8, targets="all-linear")
-# adapters with B != 0, so that both their gradients and their outputs count (init_lora jitted: one compilation)
-adapters = jax.tree.map(lambda a: np.asarray(a) + rng.normal(0, 0.05, a.shape).astype(np.float32),
-                        jax.jit(init_lora, static_argnums=(0, 1))(cfg, lcfg, jax.random.key(1)))
+adapters = random_adapters(cfg, lcfg, rng)
 tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (4, 32)), jnp.int32)
 seg = jnp.asarray(np.repeat([[1] * 20 + [2] * 8 + [0] * 4], 4, 0), jnp.int32)  # packed, with padding
 
@@ -235,8 +242,7 @@ for name, (cfg, targets, gate) in cases.items():
     flat = {k: rng.normal(0, (1.0 if "expert" in k or "router" in k else 0.1) if s.init == "normal" else 0,
                           s.shape).astype(np.float32) + (s.init == "ones")
             for k, s in param_specs(cfg).items()}
-    adapters = jax.tree.map(lambda a: np.asarray(a) + rng.normal(0, 0.05, a.shape).astype(np.float32),
-                            jax.jit(init_lora, static_argnums=(0, 1))(cfg, lc, jax.random.key(1)))
+    adapters = random_adapters(cfg, lc, rng)
     tokens = jnp.asarray(rng.randint(0, cfg.vocab_size, (4, 16)), jnp.int32)
     params = dict(flat)  # the experts' stacks in NF4
     for path, (lead, contract) in quant.quantized_paths(cfg).items():
@@ -418,25 +424,24 @@ def test_the_tiled_grouped_matmul_equals_ragged_dot(rows, groups):
                        ((rows, 24), (groups, 24, 10), (groups, 24, 4), (groups, 4, 10), (rows, 10)))
     s = jnp.asarray(sizes)
 
-    def run(f, *args):  # jitted: one program, not one compilation per eager op
-        def values_and_grads(*args):
-            y, vjp = jax.vjp(f, *args)
-            return (y, *vjp(cot))
-
-        return jax.jit(values_and_grads)(*args)
-
-    want = run(lambda x, w: jax.lax.ragged_dot(x, w, s), x, w)
-    got = run(lambda x, w: grouped_matmul(x, w, s, platform="cpu"), x, w)
-    for name, u, v in zip(("y", "dx", "dw"), want, got, strict=True):
-        np.testing.assert_allclose(np.asarray(v), np.asarray(u), rtol=1e-5, atol=1e-4, err_msg=name)
-    assert not np.asarray(got[0])[-3:].any()
+    def values_and_grads(f, *args):
+        y, vjp = jax.vjp(f, *args)
+        return (y, *vjp(cot))
 
     def lora_ref(x, w, a, b, scale):
         return jax.lax.ragged_dot(x, w, s) + scale * jax.lax.ragged_dot(jax.lax.ragged_dot(x, a, s), b, s)
 
+    def run(plain, lora):  # jitted, both kinds together: one program, not one compilation per eager op
+        return jax.jit(lambda *args: (values_and_grads(plain, *args[:2]), values_and_grads(lora, *args)))(*args)
+
     args = (x, w, a, b, jnp.float32(0.7))
-    want = run(lora_ref, *args)
-    got = run(lambda *args: grouped_matmul_lora(*args, s, platform="cpu"), *args)
+    want, want_lora = run(lambda x, w: jax.lax.ragged_dot(x, w, s), lora_ref)
+    got, got_lora = run(lambda x, w: grouped_matmul(x, w, s, platform="cpu"),
+                        lambda *args: grouped_matmul_lora(*args, s, platform="cpu"))
+    for name, u, v in zip(("y", "dx", "dw"), want, got, strict=True):
+        np.testing.assert_allclose(np.asarray(v), np.asarray(u), rtol=1e-5, atol=1e-4, err_msg=name)
+    assert not np.asarray(got[0])[-3:].any()
+    want, got = want_lora, got_lora
     for name, u, v in zip(("y", "dx", "dw", "da", "db", "dscale"), want, got, strict=True):
         np.testing.assert_allclose(np.asarray(v), np.asarray(u), rtol=1e-5, atol=1e-4, err_msg=name)
     assert not np.asarray(got[0])[-3:].any() and not np.asarray(got[1])[-3:].any()
