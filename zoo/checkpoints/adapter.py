@@ -292,10 +292,10 @@ class MergedParamReader:
 
     def _merge(self, w: np.ndarray, a: np.ndarray, b: np.ndarray, lead: int) -> np.ndarray:
         if self.quant is not None:
-            from zoo.model.quant import dequantize, quantize
+            from zoo.model.quant import dequantize_now, quantize
 
             kind, double, _, contract = self.quant
-            w = np.asarray(dequantize(quantize(w, lead, contract, kind, double))).astype(w.dtype)
+            w = np.asarray(dequantize_now(quantize(w, lead, contract, kind, double))).astype(w.dtype)
         delta = np.asarray(lora_delta(a, b, self.scale, lead))
         return (w.astype(np.float32) + delta).astype(w.dtype)
 

@@ -119,7 +119,7 @@ class DequantizedParamReader:
         qw = self._fields
         assert qw is not None, "a projection's fields (other parameters read through _plain)"
         qw = quant.QuantizedWeight({k: v[index] for k, v in qw.data.items()}, qw.kind, qw.shape, qw.contract, qw.dtype)
-        return np.asarray(quant.dequantize(qw))
+        return np.asarray(quant.dequantize_now(qw))
 
     def read(self, index: int | tuple[int, ...] | None = None) -> np.ndarray:
         """The whole parameter (``index=None``) or its slice ``[index]`` (e.g. ``(layer, expert)``)."""

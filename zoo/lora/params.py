@@ -376,6 +376,14 @@ def _delta_program() -> Any:
     return jax.jit(_delta, static_argnums=3)
 
 
+@cache
+def _add_program() -> Any:
+    """W + delta in float32, cast back to W's dtype, jitted: one program per shape (eagerly, three)."""
+    import jax
+
+    return jax.jit(lambda w, delta: (w.astype("float32") + delta).astype(w.dtype))
+
+
 def _delta(a: Any, b: Any, scale: Any, lead: int) -> Any:
     import jax.numpy as jnp
 
@@ -410,5 +418,5 @@ def merge_lora(cfg: ModelConfig, params: dict[str, Any], lora: dict[str, Any],
             raise UserError(f"lora: adapter for {path!r}, which this {cfg.family} model does not have")
         w = flat[path]
         delta = lora_delta(adapters[f"{path}.a"], adapters[f"{path}.b"], scale, _lead(specs[path]))
-        out[path] = (w.astype("float32") + delta).astype(w.dtype)
+        out[path] = _add_program()(w, delta)
     return nest(out)

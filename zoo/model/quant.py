@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 
 import jax
@@ -201,11 +202,30 @@ def quantize(w: np.ndarray, lead: int, contract: int, kind: str = "nf4", double:
 def dequantize(qw: QuantizedWeight, dtype: Any = None) -> jax.Array:
     """The float weight [*lead, *shape] (in ``dtype``, default the original's), computed in float32 as
     bitsandbytes does (code * absmax, then cast)."""
+    return _scaled(qw, block_scales(qw), dtype)
+
+
+def block_scales(qw: QuantizedWeight) -> jax.Array:
+    """Each block's float32 scale: int8's absmax / 127 a row; NF4's absmax a block of 64, double quantization's
+    decoded from its 8-bit codes, groups' scales and offset."""
+    d = qw.data
+    if qw.kind == "int8":
+        return d["absmax"] / 127.0
+    if "qabsmax" not in d:
+        return d["absmax"]
+    k, n = _matrix_dims(qw.shape, qw.contract)
+    nb = -(-(k * n) // NF4_BLOCK)
+    a2 = jnp.repeat(d["absmax2"], ABSMAX_BLOCK, axis=-1)[..., :nb]
+    return jnp.asarray(DYNAMIC_CODE)[d["qabsmax"].astype(jnp.int32)] * a2 + d["offset"][..., None]
+
+
+def _scaled(qw: QuantizedWeight, scales: jax.Array, dtype: Any = None) -> jax.Array:
+    """The weight from its codes and :func:`block_scales` (each value one float32 multiply)."""
     k, n = _matrix_dims(qw.shape, qw.contract)
     d = qw.data
     lead = qw.lead
     if qw.kind == "int8":
-        hf = d["q"].astype(jnp.float32) * (d["absmax"] / 127.0)[..., None]
+        hf = d["q"].astype(jnp.float32) * scales[..., None]
     else:
         size = k * n
         packed = d["packed"]
@@ -215,15 +235,23 @@ def dequantize(qw: QuantizedWeight, dtype: Any = None) -> jax.Array:
         if pad > 0:
             idx = jnp.pad(idx, [(0, 0)] * len(lead) + [(0, pad)])
         idx = idx[..., : nb * NF4_BLOCK]
-        if "qabsmax" in d:
-            a2 = jnp.repeat(d["absmax2"], ABSMAX_BLOCK, axis=-1)[..., :nb]
-            absmax = jnp.asarray(DYNAMIC_CODE)[d["qabsmax"].astype(jnp.int32)] * a2 + d["offset"][..., None]
-        else:
-            absmax = d["absmax"]
-        vals = jnp.asarray(NF4_CODE)[idx.astype(jnp.int32)].reshape(lead + (nb, NF4_BLOCK)) * absmax[..., None]
+        vals = jnp.asarray(NF4_CODE)[idx.astype(jnp.int32)].reshape(lead + (nb, NF4_BLOCK)) * scales[..., None]
         hf = vals.reshape(lead + (-1,))[..., :size].reshape(lead + (n, k))
     w = jnp.swapaxes(hf, -1, -2).reshape(lead + qw.shape)
     return w.astype(dtype or qw.dtype)
+
+
+def dequantize_now(qw: QuantizedWeight, dtype: Any = None) -> jax.Array:
+    """:func:`dequantize` outside any traced program (loading a QLoRA base, merging, exporting): the weight in one
+    compiled program per kind and shape, where eagerly each of its dozen operations compiled a program of its own.
+    The block scales stay eager, as they were: in one program XLA would rewrite int8's division by 127 and fuse
+    double quantization's multiply-add, a last bit away from bitsandbytes' (and the eager) values."""
+    return _scaled_program()(qw, block_scales(qw), dtype)
+
+
+@cache
+def _scaled_program() -> Any:
+    return jax.jit(_scaled, static_argnums=2)
 
 
 def materialize(w: Any) -> jax.Array:
@@ -290,7 +318,7 @@ def as_trained(cfg: Any, params: dict[str, Any], kind: str, double: bool = False
     for path, (lead, contract) in quantized_paths(cfg).items():
         if path in flat:
             x = flat[path]
-            w = dequantize(quantize(np.asarray(jax.device_get(x)), lead, contract, kind, double), x.dtype)
+            w = dequantize_now(quantize(np.asarray(jax.device_get(x)), lead, contract, kind, double), x.dtype)
             flat[path] = jax.device_put(w, x.sharding) if hasattr(x, "sharding") else w
     return nest(flat)
 
