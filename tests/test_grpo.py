@@ -86,6 +86,16 @@ def _cfg(root: Path, out: Path, *overrides: str):
     return load_config(None, _overrides(root, out, *overrides), GRPOConfig)
 
 
+def _learn(root: Path) -> tuple[str, ...]:
+    """What learning_run, one_step_run, the masked run of test_truncated_completions_are_counted_and_optionally_masked
+    and the held-out run set beside the module's settings, so that they share one step program: dr_grpo's loss
+    and, beside low_words, a reward function named `reward` that applies to no completion (the total stays
+    low_words')."""
+    rewards = root / "rewards.py"
+    return ("grpo.loss_type=dr_grpo",
+            f"grpo.rewards=[{rewards}:low_words, {{function: {rewards}:applies_to_none, name: reward}}]")
+
+
 def _metrics(out: Path) -> list[dict]:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -162,7 +172,7 @@ def test_sampler_logps_equal_a_teacher_forced_forward(setup):
 
 @pytest.fixture(scope="module")
 def learning_run(setup, tmp_path_factory):
-    """16 steps of the module's configuration (its learning rate: the step program its other runs compile),
+    """16 steps of the module's configuration with _learn's settings (the step program one_step_run compiles),
     completions logged every 8, trained once, counting the traced programs at each rollout's start: the run
     test_grpo_raises_the_reward_without_recompiling checks and whose first two steps
     test_held_out_rewards_are_logged_and_leave_training_unchanged compares against. Returns (run folder,
@@ -185,7 +195,7 @@ def learning_run(setup, tmp_path_factory):
             return super().rollout(*args, **kwargs)
 
     out = tmp_path_factory.mktemp("grpo_learning") / "run"
-    cfg = _cfg(setup, out, "max_steps=16", "grpo.log_completions_every=8")
+    cfg = _cfg(setup, out, *_learn(setup), "max_steps=16", "grpo.log_completions_every=8")
     jax.monitoring.register_event_duration_secs_listener(listen)
     try:
         train(cfg, task=Counting(cfg), progress=False)
@@ -197,8 +207,9 @@ def learning_run(setup, tmp_path_factory):
 @pytest.mark.slow
 def test_grpo_raises_the_reward_without_recompiling(learning_run):
     """A synthetic verifiable task (the share of completion words from half the vocabulary, about 0.5 at random):
-    the mean reward rises by at least 0.3 within 100 steps (here 16, at the module's learning rate: the last 5
-    steps' mean is about 1 from step 10 on), and no step after the first compiles anything.
+    the mean reward rises by at least 0.3 within 100 steps (here 16, at the module's learning rate under dr_grpo's
+    loss (_learn; the default dapo's runs: tests/test_grpo_tools.py): the last 5 steps' mean is about 1 from step 10
+    on), and no step after the first compiles anything.
     Slow: a whole training run through the loop."""
     out, seen = learning_run
     assert seen[2] > seen[1] or seen[1] > 0  # the listener hears traces at all
@@ -211,7 +222,7 @@ def test_grpo_raises_the_reward_without_recompiling(learning_run):
     logged = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
     assert {x["step"] for x in logged} == {8, 16} and len(logged) == 2 * 16
     assert set(logged[0]) >= {"step", "prompt", "completion", "completion_ids", "rewards"}
-    assert set(logged[0]["rewards"]) == {"low_words"}
+    assert set(logged[0]["rewards"]) == {"low_words", "reward"}
 
 
 # Two micro-batches, the policy's old log-probabilities (num_iterations 2) and a reference (beta), plain SGD (updates
@@ -317,10 +328,10 @@ def _strict(line: str) -> dict:
     return json.loads(line, parse_constant=reject)
 
 
-# One step of dr_grpo's loss, beta 0, completions logged, beside low_words a reward function named `reward` that
-# applies to no completion (the total stays low_words'): what test_records_and_metrics_keep_trls_names_and_strict_json
-# reads and test_truncated_completions_are_counted_and_optionally_masked's unmasked run.
-ONE_STEP = ("max_steps=1", "grpo.loss_type=dr_grpo", "grpo.log_completions_every=1")
+# One step of _learn's settings (dr_grpo's loss, the reward function named `reward` beside low_words), beta 0,
+# completions logged: what test_records_and_metrics_keep_trls_names_and_strict_json reads and
+# test_truncated_completions_are_counted_and_optionally_masked's unmasked run.
+ONE_STEP = ("max_steps=1", "grpo.log_completions_every=1")
 
 
 @pytest.fixture(scope="module")
@@ -330,9 +341,7 @@ def one_step_run(setup, tmp_path_factory):
     from pretrain.loop import train
 
     out = tmp_path_factory.mktemp("grpo_one_step") / "run"
-    rewards = setup / "rewards.py"
-    cfg = _cfg(setup, out, *ONE_STEP,
-               f"grpo.rewards=[{rewards}:low_words, {{function: {rewards}:applies_to_none, name: reward}}]")
+    cfg = _cfg(setup, out, *_learn(setup), *ONE_STEP)
     train(cfg, task=GRPOTask(cfg), progress=False)
     return out
 
@@ -507,7 +516,8 @@ def test_truncated_completions_are_counted_and_optionally_masked(setup, one_step
     for mask in (False, True):
         out = one_step_run if not mask else tmp_path / "masked"
         if mask:
-            cfg = _cfg(setup, out, *ONE_STEP, f"grpo.max_completion_length={n}", "grpo.mask_truncated=true")
+            cfg = _cfg(setup, out, *_learn(setup), *ONE_STEP, f"grpo.max_completion_length={n}",
+                       "grpo.mask_truncated=true")
             train(cfg, task=GRPOTask(cfg), progress=False)
         (m,) = _metrics(out)
         rows = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
@@ -664,7 +674,8 @@ def test_held_out_rewards_are_logged_and_leave_training_unchanged(setup, learnin
 
     held = [{"prompt": " ".join(WORDS[i:i + 3])} for i in range(0, 15, 3)]  # 5 prompts: a padded last batch
     write_jsonl(tmp_path / "held.jsonl", held)
-    cfg = _cfg(setup, tmp_path / "eval", "max_steps=2", f"data.eval_path={tmp_path / 'held.jsonl'}", "eval_every=1")
+    cfg = _cfg(setup, tmp_path / "eval", *_learn(setup), "max_steps=2", f"data.eval_path={tmp_path / 'held.jsonl'}",
+               "eval_every=1")
     train(cfg, task=GRPOTask(cfg), progress=False)
     timing = ("step_time", "tokens_per_sec", "rollout_tokens_per_sec", "train_tokens_per_sec", "generation_share")
     with_eval = _metrics(tmp_path / "eval")

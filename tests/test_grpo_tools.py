@@ -557,16 +557,18 @@ def test_kill_and_resume_with_tools_is_bit_identical(tiny_lm, tmp_path):
     root = _ending_model(tiny_lm, tmp_path / "model", 1.0)
     write_jsonl(tmp_path / "p.jsonl", [{"prompt": [{"role": "user", "content": w}]} for w in ("a", "b", "c")])
     write_jsonl(tmp_path / "held.jsonl", [{"prompt": [{"role": "user", "content": w}]} for w in ("d", "e", "f")])
-    args = lambda out: ["train", f"model.path={root / 'zoo'}", f"model.tokenizer={tiny_lm / 'tok'}",  # noqa: E731
+    args = lambda out, *more: ["train", f"model.path={root / 'zoo'}", f"model.tokenizer={tiny_lm / 'tok'}",  # noqa: E731
                         f"data.path={tmp_path / 'p.jsonl'}", f"data.chat_template={TEMPLATES / 'qwen2.5.jinja'}",
                         "data.seq_len=160", "batch_size=4", "grpo.num_generations=2",
                         "grpo.max_completion_length=120",  # _grpo_cfg's: the programs the others compiled
                         f"grpo.tools=[{root / 'tools.py'}:add]", f"grpo.tool_parser={root / 'tools.py'}:always_add",
                         f"grpo.rewards=[{root / 'tools.py'}:one]", "grpo.max_turns=3", "lora.rank=2",
                         "grpo.log_completions_every=1", "checkpoint.every=2", "max_steps=3", "log_every=1",
-                        f"data.eval_path={tmp_path / 'held.jsonl'}", "eval_every=2", *TRAIN_STEP,
+                        f"data.eval_path={tmp_path / 'held.jsonl'}", "eval_every=2", *TRAIN_STEP, *more,
                         f"output_dir={out}"]
-    assert main(args(tmp_path / "whole")) == 0
+    # the run never stopped writes no checkpoint before its final one (checkpointing changes nothing it trains or
+    # logs)
+    assert main(args(tmp_path / "whole", "checkpoint.every=1000")) == 0
     out = tmp_path / "killed"
     proc = subprocess.run([sys.executable, "-c", kill_after_checkpoint("grpo.cli"), "2", *args(out)],
                           capture_output=True, text=True, env=os.environ.copy(), timeout=600)
