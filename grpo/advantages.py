@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 from typing import ClassVar
 
 import jax
@@ -46,6 +47,13 @@ class Scored:
     relayout: Callable[[np.ndarray], RolloutBatch]
     reinforce_pp: Callable[..., jax.Array]  # the jitted losses.reinforce_pp_advantages (grpo/programs.py)
     to_host: Callable[[jax.Array], np.ndarray]
+
+
+@cache
+def _jitted(fn: Callable) -> Callable:
+    """``fn`` (an advantage of grpo/losses.py, on the host's rewards each step) jitted, its settings static: one
+    program per batch shape, where eagerly each of its couple of dozen operations compiled its own."""
+    return jax.jit(fn, static_argnums=(1, 2))
 
 
 class Estimator:
@@ -126,7 +134,8 @@ class Group(TokenSurrogate):
     def row_advantages(self, total: np.ndarray) -> tuple[np.ndarray, dict[str, float]]:
         g = self.g
         adv, std, zero_std = (np.asarray(x) for x in
-                              losses.advantages(jnp.asarray(total, jnp.float32), g.num_generations, g.scale_rewards))
+                              _jitted(losses.advantages)(jnp.asarray(total, jnp.float32), g.num_generations,
+                                                         g.scale_rewards))
         return adv, {"reward_std": float(np.mean(std)), "frac_reward_zero_std": float(np.mean(zero_std))}
 
 
@@ -177,8 +186,8 @@ class RLOO(Estimator):
             r = np.clip(r, clip[0], clip[1])
         if kl_tok is not None:  # the sequence's summed KL, subtracted from its reward
             r = r - g.beta * s.to_host((kl_tok * w).sum(-1)).reshape(-1)
-        adv_j, group_std = losses.rloo_advantages(jnp.asarray(r, jnp.float32), g.num_generations,
-                                                  g.normalize_advantages)
+        adv_j, group_std = _jitted(losses.rloo_advantages)(jnp.asarray(r, jnp.float32), g.num_generations,
+                                                           g.normalize_advantages)
         adv = np.asarray(adv_j)
         shown = np.where(np.isnan(per_fn).all(1), np.nan, total) if per_fn.shape[1] else total
         m.update({"reward_std": float(np.nanstd(shown, ddof=1)) if np.isfinite(shown).sum() > 1 else 0.0,
