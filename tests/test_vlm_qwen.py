@@ -13,7 +13,15 @@ import torch
 import zoo
 from tests.hf_models import hf_logits, mean_kl, random_tokens
 from tests.vlm_models import assert_export_round_trip
-from tests.vlm_qwen_models import IMAGE_TOKEN, hf_image_features, hf_qwen_logits, make_qwen, qwen_row, random_image
+from tests.vlm_qwen_models import (
+    IMAGE_TOKEN,
+    assert_rows_expand_as_processor,
+    hf_image_features,
+    hf_qwen_logits,
+    make_qwen,
+    qwen_row,
+    random_image,
+)
 from zoo.cli import main
 from zoo.data.qwen_layout import block_places, qwen_image_patches
 from zoo.data.vision_layout import layout_rows
@@ -166,30 +174,10 @@ def test_rows_expand_as_the_processor_does(qwen_sft):
     """A conversation with two images: the ids are the tokenized text with each <|image_pad|> replaced as
     Qwen2_5_VLProcessor.replace_image_token replaces it, the pixels and grids the image processor's, and the image
     tokens untrained."""
-    from types import SimpleNamespace
+    from transformers import Qwen2_5_VLProcessor
 
-    from PIL import Image
-    from transformers import AutoImageProcessor, Qwen2_5_VLProcessor
-
-    from chat.formats import normalize
-    from chat.images import ImageExpander, tokenize_with_images
-
-    folder, tok = qwen_sft.root / "zoo" / "tokenizer", qwen_sft.tok
-    names = ["img0.png", "img1.png"]
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}, {"type": "image"}]},
-                {"role": "assistant", "content": ANSWERS[0]}]
-    got = tokenize_with_images(normalize({"messages": messages, "images": names}, "messages"), tok,
-                               ImageExpander.from_folder(folder, tok), qwen_sft.root)
-    processor = AutoImageProcessor.from_pretrained(str(folder))
-    ref = dict(processor(images=[Image.open(qwen_sft.root / n).convert("RGB") for n in names], return_tensors="np"))
-    pieces = tok.apply_chat_template(messages, tokenize=False).split("<|image_pad|>")
-    this = SimpleNamespace(image_processor=processor, image_token="<|image_pad|>")
-    text = pieces[0] + "".join(Qwen2_5_VLProcessor.replace_image_token(this, ref, i) + pieces[i + 1] for i in range(2))
-    np.testing.assert_array_equal(got.ids, tok(text)["input_ids"])
-    np.testing.assert_array_equal(np.concatenate([p.pixel_values for p in got.images]), ref["pixel_values"])
-    assert [p.grid_thw for p in got.images] == [tuple(g) for g in ref["image_grid_thw"].tolist()] == [(1, 8, 6), (1, 4, 4)]
-    image_id = tok.convert_tokens_to_ids("<|image_pad|>")
-    assert [e - s for s, e in got.image_spans] == [12, 4] and not got.mask[got.ids == image_id].any()
+    assert_rows_expand_as_processor(qwen_sft.root, qwen_sft.root / "zoo" / "tokenizer", qwen_sft.tok,
+                                    Qwen2_5_VLProcessor, QUESTION, ANSWERS[0])
 
 
 def _hf_sft_loss(qwen_sft) -> float:

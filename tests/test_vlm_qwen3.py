@@ -17,7 +17,7 @@ import zoo
 from tests.hf_models import mean_kl
 from tests.vlm_models import assert_export_round_trip
 from tests.vlm_qwen3_models import hf_qwen3_features, hf_qwen3_logits, image_row, make_qwen3
-from tests.vlm_qwen_models import random_image
+from tests.vlm_qwen_models import assert_rows_expand_as_processor, random_image
 from zoo.cli import main
 from zoo.data.qwen_layout import qwen_image_patches
 from zoo.data.vision_layout import layout_rows
@@ -116,28 +116,10 @@ def test_rows_expand_as_the_processor_does(qwen3):
     """A conversation with two images: the ids are the tokenized text with each <|image_pad|> replaced as
     Qwen3VLProcessor.replace_image_token replaces it, the pixels and grids the image processor's (the checkpoint's
     own processor files, copied by `zoo convert`), and the image tokens untrained."""
-    from PIL import Image
-    from transformers import AutoImageProcessor, Qwen3VLProcessor
+    from transformers import Qwen3VLProcessor
 
-    from chat.formats import normalize
-    from chat.images import ImageExpander, tokenize_with_images
-
-    folder, tok = qwen3.ckpt / "tokenizer", qwen3.tok
-    names = ["img0.png", "img1.png"]
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}, {"type": "image"}]},
-                {"role": "assistant", "content": ANSWERS[0]}]
-    got = tokenize_with_images(normalize({"messages": messages, "images": names}, "messages"), tok,
-                               ImageExpander.from_folder(folder, tok), qwen3.root)
-    processor = AutoImageProcessor.from_pretrained(str(folder))
-    ref = dict(processor(images=[Image.open(qwen3.root / n).convert("RGB") for n in names], return_tensors="np"))
-    pieces = tok.apply_chat_template(messages, tokenize=False).split("<|image_pad|>")
-    this = SimpleNamespace(image_processor=processor, image_token="<|image_pad|>")
-    text = pieces[0] + "".join(Qwen3VLProcessor.replace_image_token(this, ref, i) + pieces[i + 1] for i in range(2))
-    np.testing.assert_array_equal(got.ids, tok(text)["input_ids"])
-    np.testing.assert_array_equal(np.concatenate([p.pixel_values for p in got.images]), ref["pixel_values"])
-    grids = [tuple(g) for g in ref["image_grid_thw"].tolist()]
-    assert [p.grid_thw for p in got.images] == grids == [(1, 8, 6), (1, 4, 4)]
-    assert [e - s for s, e in got.image_spans] == [12, 4] and not got.mask[got.ids == qwen3.ids["image_token_id"]].any()
+    assert_rows_expand_as_processor(qwen3.root, qwen3.ckpt / "tokenizer", qwen3.tok, Qwen3VLProcessor, QUESTION,
+                                    ANSWERS[0])
 
 
 def _hf_sft_loss(qwen3) -> float:

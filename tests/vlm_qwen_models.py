@@ -124,3 +124,35 @@ def qwen_token_ids(tok) -> dict[str, int]:
         ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
         ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
     return {"vocab_size": len(tok), **ids}
+
+
+def assert_rows_expand_as_processor(root: Path, folder: Path, tok, processor_class, question: str,
+                                    answer: str) -> None:
+    """A conversation with two images (``root``'s img0.png, 8 x 6 merged patches, and img1.png, 4 x 4) tokenized
+    by chat/images.py: its ids are the tokenized text with each <|image_pad|> replaced as
+    ``processor_class.replace_image_token`` replaces it, its pixels and grids those of the image processor of
+    ``folder`` (the checkpoint's processor files), and its image tokens untrained."""
+    from types import SimpleNamespace
+
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    from chat.formats import normalize
+    from chat.images import ImageExpander, tokenize_with_images
+
+    names = ["img0.png", "img1.png"]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}, {"type": "image"}]},
+                {"role": "assistant", "content": answer}]
+    got = tokenize_with_images(normalize({"messages": messages, "images": names}, "messages"), tok,
+                               ImageExpander.from_folder(folder, tok), root)
+    processor = AutoImageProcessor.from_pretrained(str(folder))
+    ref = dict(processor(images=[Image.open(root / n).convert("RGB") for n in names], return_tensors="np"))
+    pieces = tok.apply_chat_template(messages, tokenize=False).split("<|image_pad|>")
+    this = SimpleNamespace(image_processor=processor, image_token="<|image_pad|>")
+    text = pieces[0] + "".join(processor_class.replace_image_token(this, ref, i) + pieces[i + 1] for i in range(2))
+    np.testing.assert_array_equal(got.ids, tok(text)["input_ids"])
+    np.testing.assert_array_equal(np.concatenate([p.pixel_values for p in got.images]), ref["pixel_values"])
+    assert [p.grid_thw for p in got.images] == [tuple(g) for g in ref["image_grid_thw"].tolist()] == [(1, 8, 6),
+                                                                                                       (1, 4, 4)]
+    image_id = tok.convert_tokens_to_ids("<|image_pad|>")
+    assert [e - s for s, e in got.image_spans] == [12, 4] and not got.mask[got.ids == image_id].any()

@@ -66,9 +66,9 @@ def _gemma4(top: Any, arch: str, where: str) -> VisionConfig:
                         blocks_on_full=False)
 
 
-def _qwen2_5(top: Any, arch: str, where: str) -> VisionConfig:
-    """Qwen2.5-VL: its windowed RoPE tower (``vision_config``: ``depth`` layers, ``fullatt_block_indexes``) and the
-    patch merger (``spatial_merge_size``) to the language model's width (``out_hidden_size``)."""
+def _qwen_patches(top: Any, where: str) -> tuple[int, int, int]:
+    """A Qwen tower's (patch size, merge size, frames a patch), each checked: single integers, the merger's
+    width the language model's."""
     v = top.vision_config
     patch, merge, frames = v.patch_size, int(v.spatial_merge_size), v.temporal_patch_size
     if not isinstance(patch, int) or not isinstance(frames, int):
@@ -77,6 +77,14 @@ def _qwen2_5(top: Any, arch: str, where: str) -> VisionConfig:
     if int(v.out_hidden_size) != int(top.text_config.hidden_size):
         raise UserError(f"{where}: vision_config out_hidden_size={v.out_hidden_size} must equal the language "
                         f"model's hidden_size={top.text_config.hidden_size}")
+    return patch, merge, frames
+
+
+def _qwen2_5(top: Any, arch: str, where: str) -> VisionConfig:
+    """Qwen2.5-VL: its windowed RoPE tower (``vision_config``: ``depth`` layers, ``fullatt_block_indexes``) and the
+    patch merger (``spatial_merge_size``) to the language model's width (``out_hidden_size``)."""
+    v = top.vision_config
+    patch, merge, frames = _qwen_patches(top, where)
     rope = getattr(v, "rope_parameters", None) or {}
     return VisionConfig(arch=arch, hidden_size=int(v.hidden_size), intermediate_size=int(v.intermediate_size),
                         num_layers=int(v.depth), num_heads=int(v.num_heads), patch_size=patch,
@@ -93,13 +101,7 @@ def _qwen3(top: Any, arch: str, where: str) -> VisionConfig:
     table, no windows), the patch merger (``spatial_merge_size``) to the language model's width
     (``out_hidden_size``), and a merger of its own for each of ``deepstack_visual_indexes``."""
     v = top.vision_config
-    patch, merge, frames = v.patch_size, int(v.spatial_merge_size), v.temporal_patch_size
-    if not isinstance(patch, int) or not isinstance(frames, int):
-        raise UserError(f"{where}: vision_config patch_size={patch!r} / temporal_patch_size={frames!r} must be "
-                        "single integers")
-    if int(v.out_hidden_size) != int(top.text_config.hidden_size):
-        raise UserError(f"{where}: vision_config out_hidden_size={v.out_hidden_size} must equal the language "
-                        f"model's hidden_size={top.text_config.hidden_size}")
+    patch, merge, frames = _qwen_patches(top, where)
     table, rope = int(v.num_position_embeddings), dict(getattr(v, "rope_parameters", None) or {})
     if round(table**0.5) ** 2 != table:
         raise UserError(f"{where}: vision_config num_position_embeddings={table} must be a square (a grid of "
