@@ -17,6 +17,7 @@ from tests.vlm_qwen_models import (
     IMAGE_TOKEN,
     assert_rows_expand_as_processor,
     hf_image_features,
+    hf_image_reply,
     hf_qwen_logits,
     make_qwen,
     qwen_row,
@@ -253,21 +254,11 @@ def test_greedy_with_images_equals_transformers_generate(qwen):
 def test_cli_generate_with_an_image(qwen_sft, capsys):
     """Slow: transformers' generate and the command's own compiles. `zoo generate --prompt TEXT --image A` on Qwen2.5-VL: the text is transformers' greedy reply to the same
     prompt ids (the user turn with its image part, expanded from the checkpoint's processor files) and pixels."""
-    from chat.images import ImageExpander
     from zoo.data.tokenizer import load_tokenizer
 
-    ckpt, hf = qwen_sft.root / "zoo", qwen_sft.hf
-    tok = load_tokenizer(ckpt)
-    image = str(qwen_sft.root / "img0.png")
-    ids, (processed,) = ImageExpander.from_folder(ckpt / "tokenizer", tok).prompt_ids(tok, QUESTION, None, [image],
-                                                                                      qwen_sft.root, "--image")
-    ids_t = torch.tensor([ids], dtype=torch.long)
-    with torch.no_grad():
-        out = hf.generate(input_ids=ids_t, pixel_values=torch.tensor(processed.pixel_values),
-                          image_grid_thw=torch.tensor([processed.grid_thw]), do_sample=False, max_new_tokens=8,
-                          mm_token_type_ids=(ids_t == hf.config.image_token_id).int(),
-                          eos_token_id=[tok.eos_token_id], pad_token_id=tok.eos_token_id)
-    want = tok.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
+    ckpt, image = qwen_sft.root / "zoo", str(qwen_sft.root / "img0.png")
+    want = load_tokenizer(ckpt).decode(hf_image_reply(qwen_sft.hf, ckpt, qwen_sft.root, QUESTION, image),
+                                       skip_special_tokens=True)
     assert want.strip()
     capsys.readouterr()
     assert main(["generate", str(ckpt), "--prompt", QUESTION, "--image", image, "--max-new-tokens", "8"]) == 0

@@ -17,7 +17,7 @@ import zoo
 from tests.hf_models import mean_kl
 from tests.vlm_models import assert_export_round_trip
 from tests.vlm_qwen3_models import hf_qwen3_features, hf_qwen3_logits, image_row, make_qwen3
-from tests.vlm_qwen_models import assert_rows_expand_as_processor, random_image
+from tests.vlm_qwen_models import assert_rows_expand_as_processor, hf_image_reply, random_image
 from zoo.cli import main
 from zoo.data.qwen_layout import qwen_image_patches
 from zoo.data.vision_layout import layout_rows
@@ -172,7 +172,6 @@ def test_cli_generate_with_an_image_equals_transformers_generate(qwen3, capsys):
     user turn with its image part, expanded from the checkpoint's processor files) and pixels, the prefill taking
     the multimodal positions and DeepStack's levels and recording the rope delta every cached step moves by. A
     prompt whose images outgrow the model's context is one line, before the weights load (the shared check)."""
-    from chat.images import ImageExpander
     from zoo.data.tokenizer import load_tokenizer
 
     ckpt, hf, image = qwen3.ckpt, qwen3.hf, str(qwen3.root / "img0.png")
@@ -181,16 +180,8 @@ def test_cli_generate_with_an_image_equals_transformers_generate(qwen3, capsys):
     assert main(["generate", str(ckpt), "--prompt", QUESTION, *too_many, "--max-new-tokens", "8"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--image: the prompt with its image(s) is " in err and "more than the model's context of 256" in err
-    tok = load_tokenizer(ckpt)
-    ids, (processed,) = ImageExpander.from_folder(ckpt / "tokenizer", tok).prompt_ids(tok, QUESTION, None, [image],
-                                                                                      qwen3.root, "--image")
-    ids_t = torch.tensor([ids], dtype=torch.long)
-    with torch.no_grad():
-        out = hf.generate(input_ids=ids_t, pixel_values=torch.tensor(processed.pixel_values),
-                          image_grid_thw=torch.tensor([processed.grid_thw]), do_sample=False, max_new_tokens=8,
-                          mm_token_type_ids=(ids_t == hf.config.image_token_id).int(),
-                          eos_token_id=[tok.eos_token_id], pad_token_id=tok.eos_token_id)
-    want = tok.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
-    assert want.strip() and len(set(out[0, len(ids):].tolist())) > 1
+    reply = hf_image_reply(hf, ckpt, qwen3.root, QUESTION, image)
+    want = load_tokenizer(ckpt).decode(reply, skip_special_tokens=True)
+    assert want.strip() and len(set(reply)) > 1
     assert main(["generate", str(ckpt), "--prompt", QUESTION, "--image", image, "--max-new-tokens", "8"]) == 0
     assert capsys.readouterr().out == want + "\n"

@@ -156,3 +156,22 @@ def assert_rows_expand_as_processor(root: Path, folder: Path, tok, processor_cla
                                                                                                        (1, 4, 4)]
     image_id = tok.convert_tokens_to_ids("<|image_pad|>")
     assert [e - s for s, e in got.image_spans] == [12, 4] and not got.mask[got.ids == image_id].any()
+
+
+def hf_image_reply(hf, ckpt: Path, root: Path, question: str, image: str, new_tokens: int = 8) -> list[int]:
+    """transformers' greedy reply (token ids) to the prompt `zoo generate --prompt QUESTION --image IMAGE` makes
+    on the checkpoint ``ckpt`` (the user turn with its image part, expanded from the checkpoint's processor files,
+    as chat/images.py's ImageExpander.prompt_ids expands it), with the image processor's pixels and grid."""
+    from chat.images import ImageExpander
+    from zoo.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(ckpt)
+    ids, (processed,) = ImageExpander.from_folder(ckpt / "tokenizer", tok).prompt_ids(tok, question, None, [image],
+                                                                                      root, "--image")
+    ids_t = torch.tensor([ids], dtype=torch.long)
+    with torch.no_grad():
+        out = hf.generate(input_ids=ids_t, pixel_values=torch.tensor(processed.pixel_values),
+                          image_grid_thw=torch.tensor([processed.grid_thw]), do_sample=False,
+                          max_new_tokens=new_tokens, mm_token_type_ids=(ids_t == hf.config.image_token_id).int(),
+                          eos_token_id=[tok.eos_token_id], pad_token_id=tok.eos_token_id)
+    return out[0, len(ids):].tolist()
