@@ -130,7 +130,7 @@ def test_released_configs():
 
 @pytest.mark.slow
 def test_cli_generate_with_an_image_equals_transformers_generate(qwen3_moe, capsys):
-    """Slow (12 s on 2 busy cores; the fast lane has the same cached decoding with images on dense Qwen3-VL, and
+    """Slow (12-20 s on 2 busy cores; the fast lane has the same cached decoding with images on dense Qwen3-VL, and
     the experts' cached decoding on Qwen3-MoE): `zoo generate --prompt TEXT --image A`'s text is transformers'
     greedy reply to the same prompt ids and pixels, every step routed through the experts."""
     from tests.vlm_processors import write_images
