@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from convert import fp8, mtp, mxfp4
 from convert.dequantizing import DequantizingReader
-from convert.fused import split_fused
+from convert.fused import split_fused, with_expert_layout
 from convert.safetensors_out import write_streaming
 from convert.source import Source, open_source
 from convert.tables import BoundRule, table_for
@@ -149,7 +149,8 @@ def convert(source: str, out: str | Path, dtype: str | None = None, progress: bo
         raise UserError(f"--keep-mtp: {src.description} has no multi-token-prediction layer to keep "
                         "(its config sets no num_nextn_predict_layers, or the checkpoint has no tensors past "
                         "num_hidden_layers); convert without --keep-mtp")
-    if fmt == "hf":
+    if fmt != "gguf":
+        cfg = with_expert_layout(cfg, src.reader)  # the order of Qwen3-VL-MoE's fused experts' axes in the files
         src.reader = split_fused(src.reader, cfg, src.description)  # Phi-3's qkv_proj as q/k/v_proj, ...
     rules = table_for(cfg.family, fmt, cfg)
     check_source(src, cfg, rules)

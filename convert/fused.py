@@ -4,7 +4,8 @@ and joined back bit for bit while exporting.
 A :class:`Fusion` is data: the fused tensor's name, the names its parts go by in the conversion tables, the axis
 they share, and how they fill it, in blocks one after another (Phi-3/Phi-4's ``qkv_proj`` [q; k; v] and
 ``gate_up_proj`` [gate; up] rows) or interleaved one index at a time (gpt-oss's experts' ``gate_up_proj``
-[experts, embed, 2 x mlp], gate in the even columns, up in the odd). Converting, :class:`SplitReader` stands in
+[experts, embed, 2 x mlp], gate in the even columns, up in the odd; Qwen3-VL-MoE's experts' ``gate_up_proj``, gate then
+up, in either of its two orders: :func:`with_expert_layout`). Converting, :class:`SplitReader` stands in
 front of the checkpoint's reader and shows each fused tensor as its parts, under the names the family's table
 reads (``q_proj``, ``mlp.experts.gate_proj``, ...). Exporting, :func:`fuse_planned` replaces the planned part
 tensors by their fused tensor, and :func:`join` builds it from its parts, one layer at a time.
@@ -28,7 +29,8 @@ class Fusion:
 
     ``sizes``: how long each part is along ``axis`` (``qkv``: q, k and v heads * head_dim; ``mlp``: the MLP
     width each; ``expert_mlp``: the routed experts' width each). ``interleaved``: the parts alternate index by
-    index along ``axis`` instead of following one another in blocks.
+    index along ``axis`` instead of following one another in blocks. ``when``: a ModelConfig flag (``!flag``
+    negated) the fusion holds under, as the tables' rules have (None: always).
     """
 
     fused: str
@@ -36,6 +38,13 @@ class Fusion:
     sizes: str
     axis: int = 0
     interleaved: bool = False
+    when: str | None = None
+
+    def applies(self, cfg: ModelConfig) -> bool:
+        """Whether a checkpoint of config ``cfg`` fuses its tensors this way."""
+        if self.when is None:
+            return True
+        return bool(getattr(cfg, self.when.lstrip("!"))) != self.when.startswith("!")
 
     def part_sizes(self, cfg: ModelConfig) -> tuple[int, ...]:
         """Each part's length along ``axis``, in order."""
@@ -78,7 +87,35 @@ FUSIONS: dict[str, tuple[Fusion, ...]] = {
         Fusion("mlp.experts.gate_up_proj_bias", ("mlp.experts.gate_proj_bias", "mlp.experts.up_proj_bias"),
                "expert_mlp", axis=-1, interleaved=True),
     ),
+    # Qwen3-VL-MoE's experts: gate then up, in blocks, along the last axis as the Hub's files hold them [experts,
+    # embed, 2 x mlp]; along the middle one as transformers 5 saves them [experts, 2 x mlp, embed] (its Linear order).
+    "qwen3_vl_moe": (
+        Fusion("mlp.experts.gate_up_proj", ("mlp.experts.gate_proj", "mlp.experts.up_proj"), "expert_mlp",
+               axis=-1, when="!hf_experts_out_in"),
+        Fusion("mlp.experts.gate_up_proj", ("mlp.experts.gate_proj", "mlp.experts.up_proj"), "expert_mlp",
+               axis=1, when="hf_experts_out_in"),
+    ),
 }
+# families whose fused experts come in either order (ModelConfig.hf_experts_out_in): the fused tensor that says which
+EXPERT_ORDER = {"qwen3_vl_moe": "mlp.experts.gate_up_proj"}
+
+
+def fusions(cfg: ModelConfig) -> tuple[Fusion, ...]:
+    """The fused tensors of a checkpoint of config ``cfg``."""
+    return tuple(f for f in FUSIONS.get(cfg.family, ()) if f.applies(cfg))
+
+
+def with_expert_layout(cfg: ModelConfig, reader: Any) -> ModelConfig:
+    """``cfg`` with the order of its fused experts' axes as the checkpoint ``reader`` holds them (``cfg`` itself for
+    other families). transformers reads either (its Transpose with check_dims): the [experts, 2 x mlp, embed] of
+    its own save_pretrained as it is, any other shape (the Hub's [experts, embed, 2 x mlp]) transposed; so does
+    this, deciding on the first layer's tensor (a wrong shape anywhere is then the conversion's shape error)."""
+    fused = EXPERT_ORDER.get(cfg.family)
+    name = next((n for n in reader.names() if fused and _prefix(n, fused) is not None), None)
+    if name is None:
+        return cfg
+    out_in = tuple(reader.shape(name)) == (cfg.num_experts, 2 * cfg.moe_intermediate_size, cfg.hidden_size)
+    return dataclasses.replace(cfg, hf_experts_out_in=out_in)
 
 
 def _prefix(name: str, suffix: str) -> str | None:
@@ -112,7 +149,7 @@ class SplitReader:
         # part name -> (fused name, its Fusion, the parts' sizes, the part's position)
         self.parts: dict[str, tuple[str, Fusion, tuple[int, ...], int]] = {}
         for name in inner.names():
-            for f in FUSIONS.get(cfg.family, ()):
+            for f in fusions(cfg):
                 prefix = _prefix(name, f.fused)
                 if prefix is not None:
                     sizes = f.check(tuple(inner.shape(name)), cfg, name, description)
@@ -148,7 +185,7 @@ class SplitReader:
 def fusion_of(cfg: ModelConfig, hf_name: str) -> tuple[str, Fusion, int] | None:
     """(the fused tensor's name, its :class:`Fusion`, the part's position) for HF tensor ``hf_name`` when it is
     a part of a fused tensor in ``cfg``'s family; None when it is a tensor of its own."""
-    for f in FUSIONS.get(cfg.family, ()):
+    for f in fusions(cfg):
         for k, part in enumerate(f.parts):
             prefix = _prefix(hf_name, part)
             if prefix is not None:
@@ -158,7 +195,7 @@ def fusion_of(cfg: ModelConfig, hf_name: str) -> tuple[str, Fusion, int] | None:
 
 def fused_named(cfg: ModelConfig, name: str) -> Fusion:
     """The :class:`Fusion` of fused tensor ``name`` in ``cfg``'s family."""
-    return next(f for f in FUSIONS[cfg.family] if _prefix(name, f.fused) is not None)
+    return next(f for f in fusions(cfg) if _prefix(name, f.fused) is not None)
 
 
 def split_fused(reader: Any, cfg: ModelConfig, description: str) -> Any:

@@ -127,6 +127,14 @@ def _moe_rules(L: str, style: str | None) -> list[Rule]:
             Rule("layers.expert_down", X + "down_proj", when="moe"),
             Rule("layers.expert_down_bias", X + "down_proj_bias", when="moe&expert_bias"),
         ]
+    if style == "qwen3_vl_moe":
+        # Qwen3-VL-MoE's experts: one fused gate_up_proj and one down_proj per layer (convert.fused names gate_up's
+        # parts gate_proj / up_proj), [experts, in, out] as the Hub holds them, [experts, out, in] as transformers 5
+        # saves them (ModelConfig.hf_experts_out_in); no shared experts, the router is Qwen3-MoE's.
+        M, X = L + "mlp.", L + "mlp.experts."
+        return [Rule("layers.router", M + "gate.weight", "transpose", when="moe"),
+                *(Rule(f"layers.expert_{part}", X + f"{part}_proj", t, when=f"moe&{flag}hf_experts_out_in")
+                  for flag, t in (("!", "identity"), ("", "swap_last")) for part in ("gate", "up", "down"))]
     return []
 
 
@@ -360,6 +368,8 @@ TABLES[("qwen2_5_vl", "hf-qwen2_5-vl")] = HF_DECODER
 # Qwen3-VL as the Hub holds it and transformers 5 saves it: the Qwen 3 decoder under `model.language_model.`, the
 # head at the top, the tower under `model.visual.` (convert.vision_tables').
 TABLES[("qwen3_vl", "hf-qwen3-vl")] = decoder_table("model.language_model.")
+# Qwen3-VL-MoE: the same places, with fused experts (convert.fused) in the MoE layers.
+TABLES[("qwen3_vl_moe", "hf-qwen3-vl-moe")] = decoder_table("model.language_model.", moe="qwen3_vl_moe")
 
 
 def table_for(family: str, fmt: str, cfg: ModelConfig) -> list[BoundRule]:

@@ -162,6 +162,7 @@ VISION_TABLES: dict[str, tuple[str, Callable[[str], list[Entry]]]] = {
     "hf-gemma4-multimodal": ("model.vision_tower.", _gemma4),
     "hf-qwen2_5-vl": ("visual.", _qwen2_5),
     "hf-qwen3-vl": ("model.visual.", _qwen3),
+    "hf-qwen3-vl-moe": ("model.visual.", _qwen3),
 }
 # source format -> the other spelling of its tower a source may have (Gemma 3's files on the Hub)
 OTHER_TOWER_PREFIX = {"hf-gemma3-multimodal": "vision_tower.vision_model."}

@@ -13,14 +13,17 @@ from zoo.registry.catalogue import get
 GEMMA3_RELEASED = {"gemma3-4b-it": 4_300_079_472, "gemma3-12b-it": 12_187_325_040, "gemma3-27b-it": 27_432_406_640}
 # Qwen/Qwen3-VL-*-Instruct's "Model size" as the model pages round it (billions)
 QWEN3_VL_RELEASED = {"qwen3-vl-2b": 2.13, "qwen3-vl-4b": 4.44, "qwen3-vl-8b": 8.77, "qwen3-vl-32b": 33.4}
+# Qwen3-VL-MoE's configs were written without the Hub (zoo/registry/released_vision.py): transformers' count only
+QWEN3_VL_MOE = ["qwen3-vl-30b-a3b", "qwen3-vl-235b-a22b"]
 
 
 @pytest.mark.parametrize("name", [*GEMMA3_RELEASED, "smolvlm-256m-instruct", "smolvlm-500m-instruct",
-                                  *QWEN3_VL_RELEASED])
+                                  *QWEN3_VL_RELEASED, *QWEN3_VL_MOE])
 def test_registry_vlm_param_counts_are_the_released_ones(name):
     """Each entry's whole model (tower and connector included) has the released count: Gemma 3's as its files
     state it, SmolVLM's as transformers builds the config (its cards round them: 256M, 507M), Qwen3-VL's as
-    transformers builds it and its model pages round it."""
+    transformers builds it and its model pages round it, Qwen3-VL-MoE's (experts included) as transformers builds
+    it."""
     import torch
     import transformers
 

@@ -1,5 +1,6 @@
-"""Hugging Face Qwen3-VL reference models: a tiny random Qwen3VLForConditionalGeneration (transformers' own class),
-its image features (DeepStack's included) and logits. Images, rows and the processor folder are
+"""Hugging Face Qwen3-VL reference models: a tiny random Qwen3VLForConditionalGeneration or
+Qwen3VLMoeForConditionalGeneration (transformers' own classes), its image features (DeepStack's included) and
+logits, and a MoE checkpoint's experts rewritten in the Hub's order. Images, rows and the processor folder are
 tests/vlm_qwen_models.py's (Qwen3-VL lays its images out and expands them as Qwen2.5-VL does).
 
 A helper like tests/vlm_models.py (reusing tests/hf_models.py's ``randomize``); no test module imports another."""
@@ -39,6 +40,42 @@ def make_qwen3(folder: Path, vocab_size: int, seed: int = 0, **tokens: int):
     randomize(model)
     model.save_pretrained(folder)
     return model
+
+
+# The MoE variant's language model: TEXT's, with 4 experts 24 wide, 2 a token, on layers 0 and 2; layer 1 keeps a
+# dense MLP (mlp_only_layers), so DeepStack's two levels span a MoE and a dense layer.
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, decoder_sparse_step=1, mlp_only_layers=[1])
+EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def make_qwen3_moe(folder: Path, vocab_size: int, seed: int = 0, **tokens: int):
+    """Save a tiny random Qwen3-VL-MoE (:data:`MOE`) to ``folder`` as transformers 5 saves it (experts [experts,
+    out, in]); returns the float32 transformers model (eager attention). Arguments as :func:`make_qwen3`'s."""
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    config = Qwen3VLMoeConfig(text_config={**TEXT, **MOE, "vocab_size": vocab_size, "bos_token_id": 1,
+                                           "eos_token_id": 2}, vision_config=VISION, **tokens)
+    torch.manual_seed(seed)
+    model = Qwen3VLMoeForConditionalGeneration(config).eval()
+    model.set_attn_implementation("eager")
+    randomize(model)
+    model.save_pretrained(folder)
+    return model
+
+
+def hub_expert_order(src: Path, dst: Path) -> None:
+    """Copy the checkpoint folder ``src`` to ``dst`` with its experts' last two axes swapped: [experts, embed,
+    2 x mlp] and [experts, mlp, embed], as the Hub's Qwen3-VL-MoE files hold them (transformers transposes them
+    when it loads)."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        tensors = load_file(f)
+        save_file({k: np.ascontiguousarray(v.swapaxes(1, 2)) if k.endswith(EXPERTS) else v
+                   for k, v in tensors.items()}, f, metadata={"format": "pt"})
 
 
 def hf_qwen3_features(model, images: list[tuple[np.ndarray, tuple[int, int, int]]]

@@ -130,6 +130,10 @@ class ModelConfig:
     # How the Hugging Face checkpoint orders RoPE dims (DeepSeek interleaves pairs). The zoo
     # always stores rotate-half order; only conversion and export read this.
     hf_rope_interleave: bool = False
+    # How a Qwen3-VL-MoE checkpoint orders its fused experts' last two axes (convert.fused): False as the Hub's
+    # files hold them ([experts, in, out]), True as transformers 5's save_pretrained writes them ([experts, out,
+    # in]). Not architecture (no part in equality): conversion records it, export writes the source's order back.
+    hf_experts_out_in: bool = field(default=False, compare=False)
     # Not architecture: which attention kernel the training forward runs (ATTENTION_KERNELS). It is never saved
     # (to_dict leaves it out) and set per run (model.attention, zoo.load(..., attention=)); it takes part in
     # equality and hashing, so jitted functions keyed by the config compile once per kernel.
@@ -262,6 +266,8 @@ class ModelConfig:
         choice, is left out, and ``vision`` when there is none."""
         d = dataclasses.asdict(self)
         d.pop("attention")
+        if not self.hf_experts_out_in:  # only a Qwen3-VL-MoE converted from transformers 5's files records it
+            d.pop("hf_experts_out_in")
         if self.vision is None:  # a text model's model.json stays as it was
             d.pop("vision")
         return d

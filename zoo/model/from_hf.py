@@ -67,15 +67,17 @@ def _opt_float(x: Any) -> float | None:
     return None if x is None else float(x)
 
 
-def _qwen3_moe_fields(c: Any, where: str) -> dict[str, Any]:
+def _qwen3_moe_fields(c: Any, where: str, norm_topk: bool | None = None) -> dict[str, Any]:
     """ModelConfig fields of Qwen3-MoE's experts: softmax top-k routing, MoE on every ``decoder_sparse_step``-th
-    layer but those of ``mlp_only_layers`` (the others dense)."""
+    layer but those of ``mlp_only_layers`` (the others dense). ``norm_topk``: the top-k renormalization where
+    the family fixes it (Qwen3-VL-MoE's router always renormalizes), else the config's ``norm_topk_prob``."""
     step = 1 if c.decoder_sparse_step is None else int(c.decoder_sparse_step)
     if step < 1:
         raise UserError(f"{where}: decoder_sparse_step={step} must be at least 1")
+    norm = bool(c.norm_topk_prob) if norm_topk is None else norm_topk
     return dict(num_experts=int(c.num_experts), experts_per_token=int(c.num_experts_per_tok),
                 moe_intermediate_size=int(c.moe_intermediate_size), router_score="softmax",
-                router_norm_topk=bool(c.norm_topk_prob), aux_loss_coef=float(c.router_aux_loss_coef or 0.0),
+                router_norm_topk=norm, aux_loss_coef=float(c.router_aux_loss_coef or 0.0),
                 decoder_sparse_step=step, mlp_only_layers=tuple(sorted({int(i) for i in c.mlp_only_layers or ()})))
 
 
@@ -94,6 +96,8 @@ def _moe_fields(traits: FamilyTraits, c: Any, where: str) -> dict[str, Any]:
     """ModelConfig fields of the mixture-of-experts and latent-attention families."""
     if traits.moe == "qwen3_moe":
         return _qwen3_moe_fields(c, where)
+    if traits.moe == "qwen3_vl_moe":
+        return _qwen3_moe_fields(c, where, norm_topk=True)
     if traits.moe == "glm4_moe":
         return _glm4_moe_fields(c)
     if traits.moe == "gpt_oss":

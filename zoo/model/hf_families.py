@@ -31,7 +31,8 @@ class FamilyTraits:
     final_softcap_field: str | None = None
     uses_query_pre_attn_scalar: bool = False
     sliding_on_every_layer: bool = False  # Mistral: one window for all layers, no layer_types
-    moe: str | None = None  # "mixtral" | "deepseek_v2" | "deepseek_v3" | "qwen3_moe" | "glm4_moe": how routing is configured
+    # "mixtral" | "deepseek_v2" | "deepseek_v3" | "qwen3_moe" | "qwen3_vl_moe" | "glm4_moe": how routing is configured
+    moe: str | None = None
     # Multimodal RoPE's frequencies interleaved over (time, row, column), whatever the config says (Qwen3-VL's
     # transformers class always interleaves); its sections when the config names none
     mrope_interleaved: bool = False
@@ -82,6 +83,10 @@ FAMILIES: dict[str, FamilyTraits] = {
     # Qwen3-VL: a Qwen 3 language model (text_config model_type "qwen3_vl_text") with interleaved multimodal RoPE.
     "qwen3_vl": FamilyTraits("qwen3_vl", "Qwen3VLForConditionalGeneration", qk_norm=True, mrope_interleaved=True,
                              mrope_default=(24, 20, 20)),
+    # Qwen3-VL-MoE (30B-A3B, 235B-A22B): Qwen3-VL's with Qwen3-MoE's experts (text_config "qwen3_vl_moe_text"), stored
+    # fused per layer (convert.fused); its router always renormalizes the top k (the config has no norm_topk_prob).
+    "qwen3_vl_moe": FamilyTraits("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", qk_norm=True,
+                                 mrope_interleaved=True, mrope_default=(24, 20, 20), moe="qwen3_vl_moe"),
 }
 
 # weight-name format of a vision-language model -> (the reader of its config's vision side in
@@ -93,6 +98,7 @@ VISION_FORMATS: dict[str, tuple[str, str]] = {
     "hf-gemma4-multimodal": ("gemma4", "Gemma4ForConditionalGeneration"),
     "hf-qwen2_5-vl": ("qwen2_5", "Qwen2_5_VLForConditionalGeneration"),
     "hf-qwen3-vl": ("qwen3", "Qwen3VLForConditionalGeneration"),
+    "hf-qwen3-vl-moe": ("qwen3", "Qwen3VLMoeForConditionalGeneration"),
 }
 
 # architecture -> (family, source format of its weight names)
@@ -107,6 +113,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Idefics3ForConditionalGeneration": ("idefics3", "hf-idefics3"),
     "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "hf-qwen2_5-vl"),
     "Qwen3VLForConditionalGeneration": ("qwen3_vl", "hf-qwen3-vl"),
+    "Qwen3VLMoeForConditionalGeneration": ("qwen3_vl_moe", "hf-qwen3-vl-moe"),
 }
 MODEL_TYPES: dict[str, tuple[str, str]] = {
     **{t.model_type: (f, "hf") for f, t in FAMILIES.items()},
@@ -116,6 +123,7 @@ MODEL_TYPES: dict[str, tuple[str, str]] = {
     "idefics3": ("idefics3", "hf-idefics3"),
     "qwen2_5_vl": ("qwen2_5_vl", "hf-qwen2_5-vl"),
     "qwen3_vl": ("qwen3_vl", "hf-qwen3-vl"),
+    "qwen3_vl_moe": ("qwen3_vl_moe", "hf-qwen3-vl-moe"),
 }
 
 

@@ -166,6 +166,11 @@ _ENTRIES = [
       for size, n, config in (("2B", 2.13e9, released_vision.QWEN3_VL_2B), ("4B", 4.44e9, released_vision.QWEN3_VL_4B),
                               ("8B", 8.77e9, released_vision.QWEN3_VL_8B),
                               ("32B", 33.4e9, released_vision.QWEN3_VL_32B))),
+    # Qwen3-VL-MoE, whole: the MoE Instruct models (configs written without the Hub: released_vision's docstring).
+    *(ZooEntry(f"qwen3-vl-{size.lower()}", "qwen3_vl_moe", f"Qwen/Qwen3-VL-{size}-Instruct", n,
+               f"Qwen3-VL-MoE {size} chat: 128 experts, 8 a token, DeepStack vision tower", hf_config=config)
+      for size, n, config in (("30B-A3B", 31.1e9, released_vision.QWEN3_VL_30B_A3B),
+                              ("235B-A22B", 235.7e9, released_vision.QWEN3_VL_235B_A22B))),
 ]
 
 REGISTRY: dict[str, ZooEntry] = {e.name: e for e in _ENTRIES}

@@ -10,6 +10,10 @@ Qwen3-VL (Qwen/Qwen3-VL-{2B,4B,8B,32B}-Instruct): a Qwen3 language model of the 
 multimodal RoPE, and a tower in 16-pixel patches with DeepStack (written from the released config.json files as
 transformers 4.57 wrote them: the vision_config's model_type "qwen3_vl", the text's RoPE as rope_scaling and
 rope_theta, which transformers 5 reads as rope_parameters).
+Qwen3-VL-MoE (Qwen/Qwen3-VL-{30B-A3B,235B-A22B}-Instruct): Qwen3-VL's larger tower beside a Qwen3-MoE language model
+of 128 experts, 8 a token. Written without the Hub (no network where they were added) from the model cards and
+the dense configs' shape, as transformers 4.57 wrote the released files: check them against the Hub's config.json
+before relying on a field beyond the shapes (the parameter counts are transformers' own count of these configs).
 """
 
 from __future__ import annotations
@@ -89,3 +93,19 @@ QWEN3_VL_2B = _qwen3_vl(2048, 6144, 28, 16, True, _QWEN3_VL_SMALL_TOWER)
 QWEN3_VL_4B = _qwen3_vl(2560, 9728, 36, 32, True, _QWEN3_VL_SMALL_TOWER)
 QWEN3_VL_8B = _qwen3_vl(4096, 12288, 36, 32, False, _QWEN3_VL_LARGE_TOWER)
 QWEN3_VL_32B = _qwen3_vl(5120, 25600, 64, 64, False, _QWEN3_VL_LARGE_TOWER)
+
+
+def _qwen3_vl_moe(hidden: int, inter: int, layers: int, heads: int, experts_inter: int) -> dict:
+    """A Qwen3VLMoeForConditionalGeneration config.json: the dense config's shape (untied, 4 KV heads of 128),
+    every layer MoE (128 experts of ``experts_inter``, 8 a token, renormalized), the larger tower."""
+    config = _qwen3_vl(hidden, inter, layers, heads, False, _QWEN3_VL_LARGE_TOWER)
+    text = {**config["text_config"], "model_type": "qwen3_vl_moe_text", "num_key_value_heads": 4,
+            "decoder_sparse_step": 1, "mlp_only_layers": [], "moe_intermediate_size": experts_inter,
+            "norm_topk_prob": True, "num_experts": 128, "num_experts_per_tok": 8, "router_aux_loss_coef": 0.001}
+    text.pop("tie_word_embeddings")
+    return {**config, "architectures": ["Qwen3VLMoeForConditionalGeneration"], "model_type": "qwen3_vl_moe",
+            "text_config": text, "vision_config": {**config["vision_config"], "model_type": "qwen3_vl_moe"}}
+
+
+QWEN3_VL_30B_A3B = _qwen3_vl_moe(2048, 6144, 48, 32, 768)
+QWEN3_VL_235B_A22B = _qwen3_vl_moe(4096, 12288, 94, 64, 1536)
