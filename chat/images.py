@@ -59,15 +59,26 @@ class ProcessedImage:
     text: str
     # Qwen2.5-VL: the image's (frames, rows, columns) of patches; pixel_values is then [patches, patch_dim]
     grid_thw: tuple[int, int, int] | None = None
+    # Gemma 4: each patch's (column, row), (-1, -1) on padding (image_position_ids); pixel_values is then
+    # [max_patches, patch_dim], the image's patches first
+    positions: np.ndarray | None = None
 
     def frames(self) -> list[tuple[np.ndarray, np.ndarray | None]]:
-        """(pixels [C, S, S], pixel mask [S, S] or None) of each frame, in the order of its image tokens."""
+        """(pixels [C, S, S], pixel mask [S, S] or None) of each frame, in the order of its image tokens. Raises
+        UserError for Gemma 4's images, which are patches with positions (:meth:`patches`), not frames."""
+        if self.positions is not None:
+            raise UserError("images on Gemma 4 are patches with positions, which this path (it reads square frames) "
+                            "does not take yet; SFT, DPO and `zoo generate --image` take them")
         return [(pixels, None if self.pixel_attention_mask is None else self.pixel_attention_mask[f])
                 for f, pixels in enumerate(self.pixel_values)]
 
     def patches(self, v: Any) -> list[dict[str, np.ndarray]]:
         """The image's per-patch arrays as :func:`zoo.data.vision_layout.layout_rows` takes them, one dict a frame
-        (Qwen2.5-VL: one for the whole image) for the tower of VisionConfig ``v``."""
+        (Qwen2.5-VL and Gemma 4: one for the whole image) for the tower of VisionConfig ``v``."""
+        if self.positions is not None:
+            from zoo.data.gemma4_layout import gemma4_image_patches
+
+            return [gemma4_image_patches(v, self.pixel_values, self.positions)]
         if self.grid_thw is not None:
             from zoo.data.qwen_layout import qwen_image_patches
 
@@ -130,6 +141,9 @@ class ImageExpander:
             return ProcessedImage(np.asarray(out["pixel_values"], np.float32), None, self.expansion(dict(out)),
                                   (t, h, w))
         pixels = np.asarray(out["pixel_values"], np.float32)
+        positions = out.get("image_position_ids")
+        if positions is not None:  # Gemma 4: [1, max_patches, patch_dim] flattened patches and their positions
+            return ProcessedImage(pixels[0], None, self.expansion(dict(out)), positions=np.asarray(positions[0]))
         # SmolVLM batches [images, frames, C, S, S]; Gemma 3 lays the call's images flat [images, C, S, S]: one
         # image in the call, one frame.
         return ProcessedImage(pixels[0] if pixels.ndim == 5 else pixels,
@@ -251,6 +265,23 @@ def _gemma3_seq_len(folder: Path) -> int:
                     "processor_config.json and no mm_tokens_per_image in config.json; copy the model's processor files")
 
 
+def _gemma4(folder: Path, tokenizer: Any, processor: Any) -> tuple[str, Expansion, dict[str, Any]]:
+    """Gemma 4 (transformers' ``Gemma4Processor.replace_image_token``): the chat template writes an image as
+    ``<|image|>`` (the tokenizer's ``image_token``), which becomes ``<|image>`` + ``<|image|>`` x the image's soft
+    tokens + ``<image|>``; the image processor resizes each image to its own number of tokens (at most
+    ``max_soft_tokens``), which it returns as ``num_soft_tokens_per_image``."""
+    # The tokens the processor reads from the tokenizer (its tokenizer_config.json names them), with Gemma 4's.
+    boi = getattr(tokenizer, "boi_token", None) or "<|image>"
+    image = getattr(tokenizer, "image_token", None) or "<|image|>"
+    eoi = getattr(tokenizer, "eoi_token", None) or "<image|>"
+    _require_tokens(folder, tokenizer, (boi, image, eoi))
+
+    def expansion(out: dict[str, Any]) -> str:
+        return f"{boi}{image * int(out['num_soft_tokens_per_image'][0])}{eoi}"
+
+    return image, expansion, {}
+
+
 def _require_tokens(folder: Path, tokenizer: Any, tokens: tuple[str, ...]) -> None:
     """Raise UserError when the tokenizer lacks one of ``tokens`` as one token."""
     missing = [t for t in tokens if tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)]
@@ -276,6 +307,7 @@ _FAMILIES: dict[str, Callable[[Path, Any, Any], tuple[str, Expansion, dict[str, 
     "SmolVLMImageProcessor": _smolvlm,
     "Idefics3ImageProcessor": _smolvlm,
     "Gemma3ImageProcessor": _gemma3,
+    "Gemma4ImageProcessor": _gemma4,
     "Qwen2VLImageProcessor": _qwen2_vl,
 }
 
