@@ -3,7 +3,7 @@ makes them (no torch: the image processor runs with its PIL backend).
 
 1. The conversation (chat/formats.py: contents as text and image parts) is rendered with the chat template,
    which writes each image part as its placeholder (SmolVLM, Idefics3: ``<image>``; Gemma 3:
-   ``<start_of_image>``), and the trained assistant spans are found on that text (chat/spans.py), as for text
+   ``<start_of_image>``; Gemma 4: ``<|image|>``), and the trained assistant spans are found on that text (chat/spans.py), as for text
    conversations.
 2. Each image is read (zoo/data/images.py) and run through the family's image processor
    (``AutoImageProcessor.from_pretrained(folder, backend="pil")``, ``return_tensors="np"``): its pixels equal
@@ -19,7 +19,11 @@ makes them (no torch: the image processor runs with its PIL backend).
    the chat template writes ``<|vision_start|><|image_pad|><|vision_end|>``, and ``<|image_pad|>`` becomes
    ``t * h * w / merge²`` of itself (transformers' ``Qwen2_5_VLProcessor.replace_image_token``), the image its
    processor's patches and grid. Qwen3-VL alike (the same image processor, 16-pixel patches; its
-   ``Qwen3VLProcessor.replace_image_token`` is the same expansion).
+   ``Qwen3VLProcessor.replace_image_token`` is the same expansion). Gemma 4 (``Gemma4ImageProcessor``):
+   ``<|image|>`` becomes ``<|image>`` + ``<|image|>`` x the image's own soft tokens + ``<image|>``
+   (``Gemma4Processor.replace_image_token``; the image processor resizes each image within ``max_soft_tokens``
+   keeping its shape, so images differ in their tokens), the image its flattened patches and their positions
+   (zoo/data/gemma4_layout.py).
 4. The spans move by what each expansion before them adds, the text is tokenized whole (as the processor
    tokenizes it), and a token is trained when it overlaps a span and no expansion: image tokens are never
    trained, in whatever turn the image is (TRL's SFT collator leaves an assistant turn's image tokens in its
@@ -64,11 +68,11 @@ class ProcessedImage:
     positions: np.ndarray | None = None
 
     def frames(self) -> list[tuple[np.ndarray, np.ndarray | None]]:
-        """(pixels [C, S, S], pixel mask [S, S] or None) of each frame, in the order of its image tokens. Raises
-        UserError for Gemma 4's images, which are patches with positions (:meth:`patches`), not frames."""
+        """(pixels [C, S, S], pixel mask [S, S] or None) of each frame, in the order of its image tokens (`zoo eval`'s
+        prompts). Raises UserError for Gemma 4's images, which are patches with positions (:meth:`patches`)."""
         if self.positions is not None:
-            raise UserError("images on Gemma 4 are patches with positions, which this path (it reads square frames) "
-                            "does not take yet; SFT, DPO and `zoo generate --image` take them")
+            raise UserError("`zoo eval` with images on Gemma 4 is not supported yet (its images are patches with "
+                            "positions, not the square frames eval reads); SFT, DPO and `zoo generate --image` take them")
         return [(pixels, None if self.pixel_attention_mask is None else self.pixel_attention_mask[f])
                 for f, pixels in enumerate(self.pixel_values)]
 
