@@ -3,8 +3,8 @@ makes them (no torch: the image processor runs with its PIL backend).
 
 1. The conversation (chat/formats.py: contents as text and image parts) is rendered with the chat template,
    which writes each image part as its placeholder (SmolVLM, Idefics3: ``<image>``; Gemma 3:
-   ``<start_of_image>``; Gemma 4: ``<|image|>``), and the trained assistant spans are found on that text (chat/spans.py), as for text
-   conversations.
+   ``<start_of_image>``; Gemma 4: ``<|image|>``), and the trained assistant spans are found on that text
+   (chat/spans.py), as for text conversations.
 2. Each image is read (zoo/data/images.py) and run through the family's image processor
    (``AutoImageProcessor.from_pretrained(folder, backend="pil")``, ``return_tensors="np"``): its pixels equal
    the processor's by construction.
@@ -72,7 +72,8 @@ class ProcessedImage:
         prompts). Raises UserError for Gemma 4's images, which are patches with positions (:meth:`patches`)."""
         if self.positions is not None:
             raise UserError("`zoo eval` with images on Gemma 4 is not supported yet (its images are patches with "
-                            "positions, not the square frames eval reads); SFT, DPO and `zoo generate --image` take them")
+                            "positions, not the square frames eval reads); SFT, DPO and `zoo generate --image` "
+                            "take them")
         return [(pixels, None if self.pixel_attention_mask is None else self.pixel_attention_mask[f])
                 for f, pixels in enumerate(self.pixel_values)]
 

@@ -2,7 +2,8 @@
 mask and patches equal Gemma4Processor's (each image its own number of soft tokens), SFT's step-1 loss equals
 Gemma4ForConditionalGeneration's (mm_token_type_ids: each image's tokens one bidirectional block on the sliding
 layers) with two rows packed into one, `zoo generate --image` (the cached prefill's image blocks both ways) equals
-transformers' greedy ``generate``, and bad rows are one line naming the row, exit 2."""
+transformers' greedy ``generate``, DPO's answer log-probabilities with images equal transformers', and bad rows
+are one line naming the row, exit 2."""
 
 from __future__ import annotations
 
@@ -102,7 +103,8 @@ def _hf_loss(g4) -> float:
         with torch.no_grad():
             out = g4.hf(input_ids=ids, pixel_values=torch.tensor(image.pixel_values[None]),
                         image_position_ids=torch.tensor(image.positions[None]),
-                        mm_token_type_ids=(ids == g4.ids[0]).long(), labels=torch.tensor(labels[None], dtype=torch.long))
+                        mm_token_type_ids=(ids == g4.ids[0]).long(),
+                        labels=torch.tensor(labels[None], dtype=torch.long))
         n = int((labels[1:] != -100).sum())
         total, count = total + float(out.loss) * n, count + n
     return total / count
@@ -180,8 +182,9 @@ def test_bad_rows_are_one_line_naming_the_row(g4, tmp_path, capsys, case):
     seq = "data.seq_len=64" if case == "image past seq_len" else "data.seq_len=192"
     err = one_line_error(capsys, sft_main, ["train", *_sft_args(g4, tmp_path / "out", "data.packing=false", seq),
                                             f"data.path={data}"])
-    says = ("Number of images provided (2) does not match number of image placeholders (1)" if case == "more images than placeholders" else
-            "image 1 ends at token ")
+    says = {"more images than placeholders": "Number of images provided (2) does not match number of image "
+                                             "placeholders (1)",  # TRL's message
+            "image past seq_len": "image 1 ends at token "}[case]
     assert err.startswith(f"{data}, line 2: ") and says in err, err
 
 
