@@ -3,8 +3,8 @@ makes them (no torch: the image processor runs with its PIL backend).
 
 1. The conversation (chat/formats.py: contents as text and image parts) is rendered with the chat template,
    which writes each image part as its placeholder (SmolVLM, Idefics3: ``<image>``; Gemma 3:
-   ``<start_of_image>``), and the trained assistant spans are found on that text (chat/spans.py), as for text
-   conversations.
+   ``<start_of_image>``; Gemma 4: ``<|image|>``), and the trained assistant spans are found on that text
+   (chat/spans.py), as for text conversations.
 2. Each image is read (zoo/data/images.py) and run through the family's image processor
    (``AutoImageProcessor.from_pretrained(folder, backend="pil")``, ``return_tensors="np"``): its pixels equal
    the processor's by construction.
@@ -19,7 +19,11 @@ makes them (no torch: the image processor runs with its PIL backend).
    the chat template writes ``<|vision_start|><|image_pad|><|vision_end|>``, and ``<|image_pad|>`` becomes
    ``t * h * w / merge²`` of itself (transformers' ``Qwen2_5_VLProcessor.replace_image_token``), the image its
    processor's patches and grid. Qwen3-VL alike (the same image processor, 16-pixel patches; its
-   ``Qwen3VLProcessor.replace_image_token`` is the same expansion).
+   ``Qwen3VLProcessor.replace_image_token`` is the same expansion). Gemma 4 (``Gemma4ImageProcessor``):
+   ``<|image|>`` becomes ``<|image>`` + ``<|image|>`` x the image's own soft tokens + ``<image|>``
+   (``Gemma4Processor.replace_image_token``; the image processor resizes each image within ``max_soft_tokens``
+   keeping its shape, so images differ in their tokens), the image its flattened patches and their positions
+   (zoo/data/gemma4_layout.py).
 4. The spans move by what each expansion before them adds, the text is tokenized whole (as the processor
    tokenizes it), and a token is trained when it overlaps a span and no expansion: image tokens are never
    trained, in whatever turn the image is (TRL's SFT collator leaves an assistant turn's image tokens in its
@@ -59,15 +63,27 @@ class ProcessedImage:
     text: str
     # Qwen2.5-VL: the image's (frames, rows, columns) of patches; pixel_values is then [patches, patch_dim]
     grid_thw: tuple[int, int, int] | None = None
+    # Gemma 4: each patch's (column, row), (-1, -1) on padding (image_position_ids); pixel_values is then
+    # [max_patches, patch_dim], the image's patches first
+    positions: np.ndarray | None = None
 
     def frames(self) -> list[tuple[np.ndarray, np.ndarray | None]]:
-        """(pixels [C, S, S], pixel mask [S, S] or None) of each frame, in the order of its image tokens."""
+        """(pixels [C, S, S], pixel mask [S, S] or None) of each frame, in the order of its image tokens (`zoo eval`'s
+        prompts). Raises UserError for Gemma 4's images, which are patches with positions (:meth:`patches`)."""
+        if self.positions is not None:
+            raise UserError("`zoo eval` with images on Gemma 4 is not supported yet (its images are patches with "
+                            "positions, not the square frames eval reads); SFT, DPO and `zoo generate --image` "
+                            "take them")
         return [(pixels, None if self.pixel_attention_mask is None else self.pixel_attention_mask[f])
                 for f, pixels in enumerate(self.pixel_values)]
 
     def patches(self, v: Any) -> list[dict[str, np.ndarray]]:
         """The image's per-patch arrays as :func:`zoo.data.vision_layout.layout_rows` takes them, one dict a frame
-        (Qwen2.5-VL: one for the whole image) for the tower of VisionConfig ``v``."""
+        (Qwen2.5-VL and Gemma 4: one for the whole image) for the tower of VisionConfig ``v``."""
+        if self.positions is not None:
+            from zoo.data.gemma4_layout import gemma4_image_patches
+
+            return [gemma4_image_patches(v, self.pixel_values, self.positions)]
         if self.grid_thw is not None:
             from zoo.data.qwen_layout import qwen_image_patches
 
@@ -130,6 +146,9 @@ class ImageExpander:
             return ProcessedImage(np.asarray(out["pixel_values"], np.float32), None, self.expansion(dict(out)),
                                   (t, h, w))
         pixels = np.asarray(out["pixel_values"], np.float32)
+        positions = out.get("image_position_ids")
+        if positions is not None:  # Gemma 4: [1, max_patches, patch_dim] flattened patches and their positions
+            return ProcessedImage(pixels[0], None, self.expansion(dict(out)), positions=np.asarray(positions[0]))
         # SmolVLM batches [images, frames, C, S, S]; Gemma 3 lays the call's images flat [images, C, S, S]: one
         # image in the call, one frame.
         return ProcessedImage(pixels[0] if pixels.ndim == 5 else pixels,
@@ -251,6 +270,23 @@ def _gemma3_seq_len(folder: Path) -> int:
                     "processor_config.json and no mm_tokens_per_image in config.json; copy the model's processor files")
 
 
+def _gemma4(folder: Path, tokenizer: Any, processor: Any) -> tuple[str, Expansion, dict[str, Any]]:
+    """Gemma 4 (transformers' ``Gemma4Processor.replace_image_token``): the chat template writes an image as
+    ``<|image|>`` (the tokenizer's ``image_token``), which becomes ``<|image>`` + ``<|image|>`` x the image's soft
+    tokens + ``<image|>``; the image processor resizes each image to its own number of tokens (at most
+    ``max_soft_tokens``), which it returns as ``num_soft_tokens_per_image``."""
+    # The tokens the processor reads from the tokenizer (its tokenizer_config.json names them), with Gemma 4's.
+    boi = getattr(tokenizer, "boi_token", None) or "<|image>"
+    image = getattr(tokenizer, "image_token", None) or "<|image|>"
+    eoi = getattr(tokenizer, "eoi_token", None) or "<image|>"
+    _require_tokens(folder, tokenizer, (boi, image, eoi))
+
+    def expansion(out: dict[str, Any]) -> str:
+        return f"{boi}{image * int(out['num_soft_tokens_per_image'][0])}{eoi}"
+
+    return image, expansion, {}
+
+
 def _require_tokens(folder: Path, tokenizer: Any, tokens: tuple[str, ...]) -> None:
     """Raise UserError when the tokenizer lacks one of ``tokens`` as one token."""
     missing = [t for t in tokens if tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)]
@@ -276,6 +312,7 @@ _FAMILIES: dict[str, Callable[[Path, Any, Any], tuple[str, Expansion, dict[str, 
     "SmolVLMImageProcessor": _smolvlm,
     "Idefics3ImageProcessor": _smolvlm,
     "Gemma3ImageProcessor": _gemma3,
+    "Gemma4ImageProcessor": _gemma4,
     "Qwen2VLImageProcessor": _qwen2_vl,
 }
 

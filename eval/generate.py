@@ -8,9 +8,9 @@ tokens. Sampling draws from ``jax.random`` keyed by the seed and the step, so
 a seed reproduces its tokens.
 
 A vision-language model's prompts may hold images (:func:`vision_inputs`): the prefill puts each image's
-features in place of its image tokens (Gemma 3: each image's tokens attending within the image both ways), and
-every step after it is plain text, as transformers' ``generate`` passes the pixels (and Gemma 3's
-``token_type_ids``) at the first forward only.
+features in place of its image tokens (Gemma 3: each image's tokens attending within the image both ways; Gemma 4:
+the same on its sliding layers), and every step after it is plain text, as transformers' ``generate`` passes the
+pixels (and Gemma 3's ``token_type_ids``, Gemma 4's ``mm_token_type_ids``) at the first forward only.
 """
 
 from __future__ import annotations
@@ -151,10 +151,6 @@ def generate(cfg: ModelConfig, params: dict[str, Any], prompts: Sequence[Sequenc
         raise UserError("generate: stop strings need a tokenizer")
     if vision is not None and cfg.vision is None:
         raise UserError("generate: images given to a model without a vision tower")
-    if vision is not None and cfg.vision is not None and cfg.vision.tower == "gemma4":
-        # Its images' layout (zoo/data/gemma4_layout.py) is not vision_inputs', and nothing tests decoding with them.
-        raise UserError("generate: images on gemma4 are not supported yet (cached decoding with images is tested on "
-                        "SmolVLM and Gemma 3); generate without images")
     out: list[list[int]] = [[] for _ in prompts]
     if gen.max_new_tokens <= 0:
         return out

@@ -193,15 +193,3 @@ def test_inspect_shows_gemma3_images_as_markers(g3, capsys):
     assert f"<start_of_turn>user\n⟨image 1: 10 tokens⟩{QUESTION}" in out
     assert f"[[{ANSWERS[0]}<end_of_turn>]]" in out
 
-
-def test_generation_with_images_on_gemma4_is_refused(g3):
-    """Gemma 4's images (their own layout) are refused by generate in one line, untested there yet."""
-    import dataclasses
-
-    from zoo.errors import UserError
-
-    cfg = zoo.read_config(g3.ckpt)
-    gemma4 = dataclasses.replace(cfg, vision=dataclasses.replace(cfg.vision, tower="gemma4"))
-    with pytest.raises(UserError, match=r"^generate: images on gemma4 are not supported yet"):
-        generate(gemma4, {}, [[1]], GenerationConfig(max_new_tokens=1),
-                 vision=vision_inputs(cfg, [[(np.zeros((3, 28, 28), np.float32), None)]]))

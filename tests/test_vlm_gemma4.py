@@ -12,48 +12,14 @@ import pytest
 import torch
 
 import zoo
-from tests.hf_models import BASE, FAMILIES, hf_tensors, mean_kl, randomize
+from tests.hf_models import hf_tensors, mean_kl
+from tests.vlm_gemma4_models import BOI, EOI, IMAGE, make_gemma4_vlm
 from zoo.cli import main
 from zoo.data.gemma4_layout import gemma4_image_patches
 from zoo.data.vision_layout import layout_rows
 from zoo.model.vision import VisionInputs, encode_images
 
-IMAGE, BOI, EOI = 95, 93, 94  # inside the tiny vocabulary (96)
-# Gemma 4's tower, tiny: 2 layers of 2 query heads over 1 key/value head 16 wide, 4-pixel patches pooled 2 x 2,
-# clipped linears and standardized features (each exercised: the bounds are set to bite below).
-VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-              head_dim=16, patch_size=4, pooling_kernel_size=2, position_embedding_size=32, use_clipped_linears=True,
-              standardize=True)
 SIZES = [(20, 36), (28, 12)]  # (height, width) of the two images: different shapes, different token counts
-
-
-def make_gemma4_vlm(folder, seed: int = 0, audio: bool = False):
-    """Save a tiny random Gemma4ForConditionalGeneration (text: tests/hf_models' Gemma 4, its image tokens
-    bidirectional on sliding layers); returns it (float32, eager attention)."""
-    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
-
-    text = {**BASE, **FAMILIES["gemma4"][2], "use_bidirectional_attention": "vision"}
-    audio_config = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2) if audio else None
-    config = Gemma4Config(text_config=text, vision_config=VISION, audio_config=audio_config, image_token_id=IMAGE,
-                          boi_token_id=BOI, eoi_token_id=EOI)
-    torch.manual_seed(seed)
-    model = Gemma4ForConditionalGeneration(config).eval()
-    model.set_attn_implementation("eager")
-    randomize(model)
-    with torch.no_grad():  # buffers randomize leaves: clip bounds that bite, a standardization that moves
-        for name, buf in model.named_buffers():
-            if name.endswith(("input_min", "output_min")):
-                buf.fill_(-0.6)
-            elif name.endswith(("input_max", "output_max")):
-                buf.fill_(0.7)
-        tower = model.model.vision_tower
-        for name, p in tower.named_parameters():  # halved: float32's rounding grows ~100x through the tiny tower
-            if "norm" not in name:
-                p.mul_(0.5)
-        tower.std_bias.copy_(torch.randn(32) * 0.5)
-        tower.std_scale.copy_(torch.rand(32) + 0.5)
-    model.save_pretrained(folder)
-    return model
 
 
 def processed_images(seed: int = 0) -> dict:
