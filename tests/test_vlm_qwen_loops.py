@@ -26,7 +26,10 @@ QUESTION = "What is in this picture?"
 SIZES = [(30, 45), (20, 20)]
 PROMPTS = [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}],
            [{"role": "user", "content": [{"type": "text", "text": QUESTION}, {"type": "image"}]}]]
-ANSWERS = [("It is a red square.", "a blue circle"), ("A blue circle.", "It is red, a square.")]
+# The first pair's chosen answer outgrows the prompt's text up to its image's end: its rejected answer, which
+# follows it in the row, then finds no document start by its positions (index - position) before that image.
+ANSWERS = [("It is a red square. It is a blue circle. It is a red square. It is a blue circle.", "a blue circle"),
+           ("A blue circle.", "It is red, a square.")]
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +108,7 @@ def test_dpo_answer_logps_with_images_equal_transformers(qwen, family, tmp_path)
     mcfg, params = zoo.read_config(m.ckpt), zoo.load_params(m.ckpt)
     batches, docs = [], []
     for share in (True, False):
-        cfg = load_config(None, [f"model.path={m.ckpt}", f"data.path={path}", "data.seq_len=160", "batch_size=2", "max_steps=1",
+        cfg = load_config(None, [f"model.path={m.ckpt}", f"data.path={path}", "data.seq_len=192", "batch_size=2", "max_steps=1",
                                  f"dpo.share_prompt={str(share).lower()}", "lora.rank=4", f"output_dir={tmp_path}"],
                           DPOConfig)
         task = DPOTask(cfg)
@@ -147,7 +150,7 @@ def test_grpo_completion_logps_with_images_equal_transformers(qwen):
     m = qwen("qwen3_vl")
     rows = [{"prompt": p, "images": [n]} for p, n in zip(PROMPTS, m.names)]
     write_jsonl(m.root / "prompts.jsonl", rows)
-    got = grpo_draws(m.ckpt, rows, m.root / "prompts.jsonl")
+    got = grpo_draws(m.ckpt, rows, m.root / "prompts.jsonl", seq_len=96)  # prompts far shorter than their room
     image_id = m.hf.config.image_token_id
     assert any(len(set(c)) > 1 for c in got.completions) and not any(image_id in c for c in got.completions)
     for r, (ids, comp) in enumerate(zip(got.ids, got.completions)):
