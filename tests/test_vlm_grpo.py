@@ -260,8 +260,10 @@ def gemma3(tmp_path_factory):
     return SimpleNamespace(root=root, src=src, ckpt=root / "zoo", hf=hf, tok=tok, image_id=ids[0], rows=rows)
 
 
+@pytest.mark.slow
 def test_gemma3_image_prompts_sample_and_score_as_transformers(gemma3):
-    """Gemma 3's prompts with images (one image, two): their ids are Gemma3Processor's, and each completion `grpo
+    """Slow: a model of its own and one program of the sampler and the update's pass (about 35 s on a loaded
+    2-core machine). Gemma 3's prompts with images (one image, two): their ids are Gemma3Processor's, and each completion `grpo
     train`'s sampler draws has per-token log-probabilities, as drawn (the cached prefill with each image's tokens
     one bidirectional block, then causal decoding steps) and as the update's pass computes them, equal to
     transformers' forward with the processor's pixels and token_type_ids (1e-4); read causally over the images

@@ -85,12 +85,13 @@ def _hf_logps(m, ids: list[int], n_prompt: int, pixels: dict) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------------------- DPO
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", [pytest.param("qwen2_5_vl", marks=pytest.mark.slow), "qwen3_vl"])
 def test_dpo_answer_logps_with_images_equal_transformers(qwen, family, tmp_path):
     """Two pairs (an image before the question, and after it: 12 and 4 image tokens) as `dpo train` lays them out,
     with the prompt shared (one copy a row: the answers' positions continue it from elsewhere in the row) and not
     (two copies, the images laid out twice), both in one program: each sequence is the processor's ids, and every
-    answer token's log-probability is transformers' within 1e-5 (its positions moved by the prompt's image)."""
+    answer token's log-probability is transformers' within 1e-5 (its positions moved by the prompt's image).
+    Qwen2.5-VL in the slow lane: a model and a compilation of its own (about 20 s on a loaded 2-core machine)."""
     import jax
 
     import zoo
@@ -139,8 +140,10 @@ def test_dpo_answer_logps_with_images_equal_transformers(qwen, family, tmp_path)
 # --------------------------------------------------------------------------------------------------------- GRPO
 
 
+@pytest.mark.slow
 def test_grpo_completion_logps_with_images_equal_transformers(qwen):
-    """Qwen3-VL (interleaved multimodal RoPE and DeepStack; Qwen2.5-VL's rows take the same code path, the forward
+    """Slow: one program of the sampler (tower, prefill, decoding loop) and two update passes (about 30 s on a loaded
+    2-core machine). Qwen3-VL (interleaved multimodal RoPE and DeepStack; Qwen2.5-VL's rows take the same code path, the forward
     choosing the tower and the sections: its positions are checked by the DPO test above). Two prompts with images
     (12 and 4 image tokens, before and after the question), G = 2 completions each drawn by `grpo train`'s sampler:
     the prompt ids are the processor's, and each completion's per-token log-probabilities as the sampler drew them
