@@ -193,16 +193,20 @@ def generate(cfg: ModelConfig, params: dict[str, Any], prompts: Sequence[Sequenc
     return out
 
 
-def vision_inputs(cfg: ModelConfig, frames: Sequence[Sequence[tuple[np.ndarray, np.ndarray | None]]]
-                  ) -> VisionInputs | None:
+Frame = tuple[np.ndarray, np.ndarray | None] | dict[str, np.ndarray]  # a frame's pixels and mask, or its patches
+
+
+def vision_inputs(cfg: ModelConfig, frames: Sequence[Sequence[Frame]]) -> VisionInputs | None:
     """The images of a batch of prompts as the prefill takes them: ``frames[r]`` are prompt r's frames in the order
     of its image tokens, each (pixels [C, S, S], pixel mask [S, S] or None) as the image processor gives them
-    (SmolVLM: an image's tiles, then the whole image). None when no prompt has an image."""
+    (SmolVLM: an image's tiles, then the whole image), or already as per-patch arrays (``ProcessedImage.patches`` of
+    chat/images.py, as `zoo eval`'s rows give them: any family's layout, Qwen's images at their own size and the
+    multimodal positions the forward computes from them). None when no prompt has an image."""
     from zoo.data.vision_layout import image_patches
 
     v = cfg.vision
     assert v is not None, "vision_inputs needs a model with a vision tower"
-    return patch_inputs(cfg, [[image_patches(v, pixels, mask) for pixels, mask in row] for row in frames])
+    return patch_inputs(cfg, [[f if isinstance(f, dict) else image_patches(v, *f) for f in row] for row in frames])
 
 
 def patch_inputs(cfg: ModelConfig, rows: Sequence[Sequence[dict[str, np.ndarray]]]) -> VisionInputs | None:

@@ -19,13 +19,15 @@ from eval.task_files import Task
 from zoo.errors import UserError
 from zoo.model.config import ModelConfig
 
-Frames = list[tuple[np.ndarray, np.ndarray | None]]  # one prompt's frames: (pixels [C, S, S], pixel mask [S, S])
+# One prompt's images as per-patch arrays, one dict a frame (:func:`zoo.data.vision_layout.layout_rows` takes them):
+# each image as its family's processor lays it out (SmolVLM's tiles, Qwen's patches at the image's own size).
+Frames = list[dict[str, np.ndarray]]
 
 
 class Processed(Protocol):
     """One processed image (chat/images.py's ``ProcessedImage``)."""
 
-    def frames(self) -> Frames: ...
+    def patches(self, v: Any) -> Frames: ...
 
 
 class Expander(Protocol):
@@ -67,7 +69,7 @@ class RowImages:
             text, processed = expand()
         except ValueError as e:  # chat.formats.BadRow, zoo.data.images.BadImage: the row's problem
             raise self.error(i, str(e)) from None
-        return text, [f for p in processed for f in p.frames()]
+        return text, [f for p in processed for f in p.patches(self.cfg.vision)]
 
     def error(self, i: int, cause: str) -> UserError:
         """The one-line error of row ``i``."""

@@ -10,6 +10,10 @@ are never all held, and every process lays out the whole batch's images from the
 processes sets ``data.max_patches``, the same everywhere, as ``sft train``'s). The step's images go to the sampler's
 prefill and ride with the update's rows (grpo/programs.py): each completion's row carries its prompt's images (one row
 a group: the group's prompt once), so the policy's, the old policy's and the reference's log-probabilities see them.
+Each family's images are laid out as its processor gives them (chat/images.py: ``ProcessedImage.patches``), and what
+the model does with them is the forward's, in the sampler's cached prefill as in the update's pass: Qwen2.5-VL's and
+Qwen3-VL's multimodal RoPE positions (a completion after a shared prompt continuing them: zoo/model/mrope.py), the
+prefill's rope delta moving every decoded token, Gemma 3's image tokens one bidirectional block each.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import numpy as np
 from chat.formats import BadRow, prompt_with_images, row_images
 from chat.images import ImageExpander, image_base, processed_images, prompt_ids_with_images
 from zoo.data.row_origin import row_where
-from zoo.data.vision_layout import image_patches, layout_rows
+from zoo.data.vision_layout import layout_rows
 from zoo.errors import UserError
 from zoo.model.vision_config import VisionConfig
 
@@ -58,20 +62,16 @@ class ImagePrompts:
     def prompt_ids(self, row: dict[str, Any], tokenizer: Any, render: Render, path: str, i: int) -> list[int]:
         """The token ids of row ``i`` of ``path``, a prompt with images; its patches counted in the budget. Raises
         BadRow for a bad row (a missing or unreadable image, images that do not match the image parts), UserError
-        for a row that cannot be laid out (more patches than data.max_patches; image tokens that attend both ways)."""
-        if self.v.image_blocks:  # the sampler's prefill is causal: Gemma 3's image tokens attend to each other
-            raise UserError(f"{row_where(path, i)}: the row has images, and {self.family}'s image tokens attend "
-                            "bidirectionally, which GRPO's cached prefill does not do yet; use a SmolVLM or "
-                            "Idefics3 model, or prompts without images")
+        for a row that cannot be laid out (more patches than data.max_patches)."""
         messages, images = prompt_with_images(row.get(self.field), row_images(row), self.field)
         ids, processed = prompt_ids_with_images(messages, images, tokenizer, self._expander(tokenizer),
                                                 image_base(path), render)
-        frames = sum(len(p.pixel_values) for p in processed)
-        need = frames * self.v.patches_per_image
+        frames = [f for p in processed for f in p.patches(self.v)]  # the family's layout (chat/images.py)
+        need = sum(len(f["patches"]) for f in frames)
         if self.fixed is not None and need > self.fixed:
-            raise UserError(f"{row_where(path, i)}: its {len(processed)} image(s) make {frames} frames of "
-                            f"{self.v.patches_per_image} patches ({need}), more than data.max_patches = {self.fixed}; "
-                            "raise data.max_patches or use fewer images")
+            raise UserError(f"{row_where(path, i)}: its {len(processed)} image(s) make {len(frames)} frame(s) of "
+                            f"{need} patches in all, more than data.max_patches = {self.fixed}; raise "
+                            "data.max_patches or use fewer or smaller images")
         if self.fixed is None and self.processes > 1:  # each process reads its own rows: budgets could differ
             raise UserError(f"{row_where(path, i)}: a run of several processes with images needs data.max_patches "
                             f"(this row needs {need}); set it to the largest row's patches, the same everywhere")
@@ -105,9 +105,10 @@ class ImagePrompts:
         return out
 
     def _frames(self, row: dict[str, Any], expander: ImageExpander, base: Any) -> list[dict[str, np.ndarray]]:
-        """A prompt row's frames as patch arrays, in the order of its image tokens ([] for a text prompt)."""
+        """A prompt row's frames as patch arrays, in the order of its image tokens ([] for a text prompt): each image
+        laid out as its family's processor output is (:meth:`chat.images.ProcessedImage.patches`: SmolVLM's tiles,
+        Gemma 3's one frame, Qwen's patches at the image's own size)."""
         if not has_images(row, row.get(self.field)):
             return []
         _, images = prompt_with_images(row.get(self.field), row_images(row), self.field)
-        return [image_patches(self.v, pixels, mask) for p in processed_images(expander, images, base)
-                for pixels, mask in p.frames()]
+        return [f for p in processed_images(expander, images, base) for f in p.patches(self.v)]

@@ -225,7 +225,8 @@ def forward(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax.Arra
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     if vision is not None and cfg.rope.mrope_section and positions.ndim == 2:  # Qwen2.5-VL: (time, row, column)
-        positions = mrope_positions(cfg.vision, tokens, positions, vision)  # type: ignore[arg-type]
+        positions = mrope_positions(cfg.vision, tokens, positions, vision,  # type: ignore[arg-type]
+                                    segment_ids, prefix_ids)
     ropes = rope_tables_by_kind(cfg, positions)
     # What each layer kind's queries see, from the segment ids: no kernel gets a [b, 1, t, t] mask built here
     # (zoo.model.masks.Visibility; zoo.kernels.choice).

@@ -9,7 +9,9 @@ each finished image shifts the positions after it, within its document, by that 
 Everything comes from what a batch already holds: the 1-D ``positions`` (restarting at each packed document, so a
 document starts at index - position) and the images' :class:`zoo.model.vision.VisionInputs` (each patch's grid
 place, image and merged token: :mod:`zoo.data.qwen_layout`), so packing, micro-batch slicing and sharding treat a
-batch of a multimodal-RoPE model as any other.
+batch of a multimodal-RoPE model as any other. A segment that reads a shared prefix (``prefix_ids``: DPO's answers
+after their shared prompt, GRPO's completions after their group's) continues its prefix's positions, so its tokens
+move by all of the prefix's images and by its own earlier ones, wherever in the row the prefix lies.
 """
 
 from __future__ import annotations
@@ -38,9 +40,12 @@ def _per_token(v: VisionConfig, vision: VisionInputs) -> tuple[jax.Array, jax.Ar
             scatter(vision.patch_image))
 
 
-def mrope_positions(v: VisionConfig, tokens: jax.Array, positions: jax.Array, vision: VisionInputs) -> jax.Array:
+def mrope_positions(v: VisionConfig, tokens: jax.Array, positions: jax.Array, vision: VisionInputs,
+                    segment_ids: jax.Array | None = None, prefix_ids: jax.Array | None = None) -> jax.Array:
     """Int positions [3, b, t] of int ``tokens`` [b, t] with 1-D ``positions`` [b, t] (each document from 0) and the
-    rows' images ``vision``, as transformers' ``get_rope_index`` gives each document."""
+    rows' images ``vision``, as transformers' ``get_rope_index`` gives each document. With ``prefix_ids`` [b, t]
+    (and the ``segment_ids`` they name), a token of a segment with a shared prefix continues that prefix's
+    positions (:func:`zoo.model.masks.attention_mask`'s layout), as if the prefix stood right before its segment."""
     b, t = tokens.shape
     tok_row, tok_col, tok_img = _per_token(v, vision)
     feats = tok_row.shape[1]
@@ -61,7 +66,17 @@ def mrope_positions(v: VisionConfig, tokens: jax.Array, positions: jax.Array, vi
     shift_here = jnp.where(last, at(extent, img) - at(count, img), 0)  # felt by the tokens after the image
     before = jnp.cumsum(shift_here, axis=1) - shift_here
     doc_start = jnp.clip(jnp.arange(t)[None, :] - positions, 0, t - 1)
-    base = positions + before - at(before, doc_start)  # 1-D positions shifted by the document's earlier images
+    shift = before - at(before, doc_start)  # what the document's earlier images moved the token by
+    if prefix_ids is not None and segment_ids is not None:
+        # A segment after a shared prefix starts past position 0 and elsewhere in the row than its prefix, so
+        # index - position names no document start: it moves by its prefix's images and its own earlier ones.
+        seg = jnp.clip(segment_ids, 0, t)
+        index = jnp.broadcast_to(jnp.arange(t), (b, t))
+        first = jnp.full((b, t + 1), t - 1, jnp.int32).at[rows, seg].min(index)
+        total = jnp.zeros((b, t + 1), jnp.int32).at[rows, seg].add(shift_here)
+        own = before - at(before, at(first, seg))
+        shift = jnp.where(prefix_ids > 0, own + at(total, jnp.clip(prefix_ids, 0, t)), shift)
+    base = positions + shift  # 1-D positions shifted by the document's earlier images
     start = base - within
     return jnp.stack([jnp.where(is_image, start, base), jnp.where(is_image, start + at(tok_row, k), base),
                       jnp.where(is_image, start + at(tok_col, k), base)]).astype(jnp.int32)
