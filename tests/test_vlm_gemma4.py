@@ -12,48 +12,12 @@ import pytest
 import torch
 
 import zoo
-from tests.hf_models import BASE, FAMILIES, hf_tensors, mean_kl, randomize
+from tests.hf_models import hf_tensors, mean_kl
+from tests.vlm_gemma4_models import BOI, EOI, IMAGE, SIZES, grid_images, make_gemma4_vlm
 from zoo.cli import main
 from zoo.data.gemma4_layout import gemma4_image_patches
 from zoo.data.vision_layout import layout_rows
 from zoo.model.vision import VisionInputs, encode_images
-
-IMAGE, BOI, EOI = 95, 93, 94  # inside the tiny vocabulary (96)
-# Gemma 4's tower, tiny: 2 layers of 2 query heads over 1 key/value head 16 wide, 4-pixel patches pooled 2 x 2,
-# clipped linears and standardized features (each exercised: the bounds are set to bite below).
-VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-              head_dim=16, patch_size=4, pooling_kernel_size=2, position_embedding_size=32, use_clipped_linears=True,
-              standardize=True)
-SIZES = [(20, 36), (28, 12)]  # (height, width) of the two images: different shapes, different token counts
-
-
-def make_gemma4_vlm(folder, seed: int = 0, audio: bool = False):
-    """Save a tiny random Gemma4ForConditionalGeneration (text: tests/hf_models' Gemma 4, its image tokens
-    bidirectional on sliding layers); returns it (float32, eager attention)."""
-    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
-
-    text = {**BASE, **FAMILIES["gemma4"][2], "use_bidirectional_attention": "vision"}
-    audio_config = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2) if audio else None
-    config = Gemma4Config(text_config=text, vision_config=VISION, audio_config=audio_config, image_token_id=IMAGE,
-                          boi_token_id=BOI, eoi_token_id=EOI)
-    torch.manual_seed(seed)
-    model = Gemma4ForConditionalGeneration(config).eval()
-    model.set_attn_implementation("eager")
-    randomize(model)
-    with torch.no_grad():  # buffers randomize leaves: clip bounds that bite, a standardization that moves
-        for name, buf in model.named_buffers():
-            if name.endswith(("input_min", "output_min")):
-                buf.fill_(-0.6)
-            elif name.endswith(("input_max", "output_max")):
-                buf.fill_(0.7)
-        tower = model.model.vision_tower
-        for name, p in tower.named_parameters():  # halved: float32's rounding grows ~100x through the tiny tower
-            if "norm" not in name:
-                p.mul_(0.5)
-        tower.std_bias.copy_(torch.randn(32) * 0.5)
-        tower.std_scale.copy_(torch.rand(32) + 0.5)
-    model.save_pretrained(folder)
-    return model
 
 
 def processed_images(seed: int = 0) -> dict:
@@ -67,20 +31,6 @@ def processed_images(seed: int = 0) -> dict:
     proc = Gemma4ImageProcessorPil(patch_size=4, max_soft_tokens=70, pooling_kernel_size=2)
     out = proc(images=images, return_tensors="np")
     return {k: np.asarray(v) for k, v in out.items()}
-
-
-def grid_images(seed: int = 0) -> dict:
-    """Two images as the image processor lays them out, but small (so the test's float32 spread stays far under the
-    tolerance; the processor scales every image up to ~70 tokens): 8 x 4 and 4 x 4 patches (columns x rows) of
-    random pixels in [0, 1], row-major, padded with (-1, -1) positions to the processor's 280 patches."""
-    rng = np.random.RandomState(seed)
-    pixels = np.zeros((2, 280, 48), np.float32)
-    positions = np.full((2, 280, 2), -1, np.int64)
-    for k, (cols, rows) in enumerate([(8, 4), (4, 4)]):
-        n = cols * rows
-        pixels[k, :n] = rng.uniform(0, 1, (n, 48))
-        positions[k, :n] = np.stack(np.meshgrid(np.arange(cols), np.arange(rows)), -1).reshape(n, 2)
-    return {"pixel_values": pixels, "image_position_ids": positions, "num_soft_tokens_per_image": np.array([8, 4])}
 
 
 @pytest.fixture(scope="module")
@@ -167,17 +117,23 @@ def test_round_trip_is_bit_identical_and_audio_is_left_out(tmp_path, capsys):
     assert loaded.model.audio_tower is None and loaded.model.vision_tower is not None
 
 
-def test_lora_on_a_tower_of_its_own_is_refused(gemma4):
-    """Gemma 4's tower (and Qwen2.5-VL's) takes no adapters yet: naming it in lora.targets is one line before step 1,
-    where silently training nothing there would be the alternative; the language model's targets pass."""
+def test_lora_targets_its_tower_has_pass_and_others_are_refused(gemma4):
+    """Gemma 4's tower takes adapters (tests/test_vlm_tower_lora.py checks them against peft): the set-up's check
+    passes its tower's and connector's names beside the language model's; a name its tower lacks (the Qwen towers'
+    fused vision.qkv, their merger's projector.fc1) is one line before step 1 naming what it takes, where silently
+    training nothing there would be the alternative."""
     from pretrain.config import TrainConfig, load_config
     from pretrain.setup import check_vision_lora, lora_config
     from zoo.errors import UserError
 
     mcfg = zoo.read_config(gemma4[1])
     base = ["model.path=m", "data.path=d", "max_steps=1", "lora.rank=4"]
-    cfg = load_config(None, [*base, "lora.targets=q_proj,vision.q_proj"], TrainConfig)
-    with pytest.raises(UserError, match=r"Gemma 4's image tower or connector \(vision.q_proj\): LoRA there is not"):
-        check_vision_lora(cfg, mcfg, lora_config(cfg))
-    cfg = load_config(None, [*base, "lora.targets=q_proj,v_proj"], TrainConfig)
+    cfg = load_config(None, [*base, "lora.targets=[q_proj,vision.q_proj,vision.gate_proj,projector.proj]"],
+                      TrainConfig)
     check_vision_lora(cfg, mcfg, lora_config(cfg))
+    cfg = load_config(None, [*base, "lora.targets=[q_proj,vision.qkv,projector.fc1]"], TrainConfig)
+    with pytest.raises(UserError, match=r"^lora.targets name vision.qkv, projector.fc1, which this gemma4 model's "
+                                        r"image tower and connector do not have; they take vision.q_proj, "
+                                        r"vision.k_proj, vision.v_proj, vision.o_proj, vision.gate_proj, "
+                                        r"vision.up_proj, vision.down_proj, projector.proj$"):
+        check_vision_lora(cfg, mcfg, lora_config(cfg))
