@@ -88,8 +88,8 @@ class PartLora:
         adapters: Any = w.adapters
         for name in path:
             adapters = (adapters or {}).get(name)
-        no_drop = w.rng is None or (isinstance(w.dropout, (int, float)) and w.dropout <= 0)
-        key = None if adapters is None or no_drop else jax.random.fold_in(w.rng, salt)
+        no_drop = isinstance(w.dropout, (int, float)) and w.dropout <= 0  # evaluation's rate: exactly 0
+        key = None if adapters is None or w.rng is None or no_drop else jax.random.fold_in(w.rng, salt)
         return cls(adapters or None, 1.0 if w.scale is None else w.scale, w.dropout, key)
 
     def keys(self, n: int) -> jax.Array | None:
