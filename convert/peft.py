@@ -32,10 +32,12 @@ from convert.peft_card import adapter_card, base_model_ref
 from convert.peft_plan import (
     FUSED,
     LORA_LAYOUTS,
+    PARAMETER,
     WHOLE,
     adapter_paths,
     fused_groups,
     modules_to_save,
+    parameter_targets,
     plan_adapter,
     target_modules_of,
     target_regex,
@@ -218,15 +220,18 @@ def export_adapter(ckpt: str | os.PathLike, out: str | os.PathLike, overwrite: b
         _write_weights(Path(ckpt), meta, tensors, tmp / ADAPTER_WEIGHTS)
         experts = experts_config(meta)
         # A vision-language model's tower shares module names with its language model: the paths tell them apart.
-        vlm = ModelConfig.from_dict(meta["config"]).vision is not None
-        config = peft_config(meta, base_ref, target_regex(tensors) if vlm else targets, modules_to_save(tensors))
+        cfg = ModelConfig.from_dict(meta["config"])
+        config = peft_config(meta, base_ref, target_regex(tensors) if cfg.vision else targets, modules_to_save(tensors))
         for key, value in experts.items():  # the fused experts' patterns join the fused Linears'
             config[key] = {**config[key], **value} if isinstance(value, dict) else value
+        parameters = parameter_targets(cfg, tensors)  # bare parameters (Gemma 3's connector) join the experts'
+        if parameters:
+            config["target_parameters"] = [*config.get("target_parameters", []), *parameters]
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         tokenizer = tokenizer_files(ckpt)
         for f in tokenizer:
             shutil.copyfile(f, tmp / f.name)
-        card = adapter_card(ckpt, meta, base_ref, targets + experts.get("target_parameters", []),
+        card = adapter_card(ckpt, meta, base_ref, targets + config.get("target_parameters", []),
                             repo_hint or out.name, base_out, results, tokenizer=bool(tokenizer))
         (tmp / "README.md").write_text(card)
     return out
@@ -255,6 +260,8 @@ def _write_weights(ckpt: Path, meta: dict[str, Any], tensors: list[PlannedTensor
             if t.transform == peft_experts.TRANSFORM:
                 assert experts is not None and t.index is not None  # planned only with the family's layout
                 x = peft_experts.fused_factor(experts, t.zoo, arrays, t.index[0])
+            elif t.transform == PARAMETER:  # the zoo's A or B as it is (convert.peft_plan.PARAMETER)
+                x = arrays[t.zoo]
             elif t.transform == FUSED:
                 x = _fused_factor(ModelConfig.from_dict(meta["config"]), t, arrays)
             elif t.transform.startswith(WHOLE):

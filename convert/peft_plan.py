@@ -56,8 +56,36 @@ _FLAT = LoraLayout(_flat_a, _flat_b)
 
 
 LORA_LAYOUTS: dict[str, LoraLayout] = {"transpose": _FLAT, "q_in": _FLAT, "kv_in": _FLAT, "o_out": _FLAT}
-# A vision tower's attention (convert.transforms._tower): q_in / o_out at the tower's heads, flat as well.
-LORA_LAYOUTS.update({"vq_in": _FLAT, "vo_out": _FLAT})
+# A vision tower's attention (convert.transforms._tower): q_in / o_out at the tower's heads, Gemma 4's kv_in at
+# its key/value heads, the Qwen towers' fused qkv [D, 3, heads, head_dim] <-> [3 * heads * head_dim, D]: flat as well.
+LORA_LAYOUTS.update({"vq_in": _FLAT, "vo_out": _FLAT, "vkv_in": _FLAT, "vqkv_in": _FLAT})
+
+# PlannedTensor.transform of a bare parameter's adapter (peft's ``target_parameters``, its ``ParamWrapper``): Gemma 3's
+# connector projection, an [in, out] parameter read as ``x @ W``, which peft sees as [out_features, in_features] =
+# [in, out] swapped: its lora_B [in, r] is the zoo's A and its lora_A [r, out] the zoo's B, as they are, so that
+# ``scale * lora_B @ lora_A`` is the zoo's ``scale * A @ B`` in the parameter's own layout.
+PARAMETER = "parameter"
+# The HF names of the bare parameters peft adapts so (each read as x @ W, stored [in, out]).
+PARAMETER_TARGETS = ("multi_modal_projector.mm_input_projection_weight",)
+
+# Export format -> (the name's prefix as the export writes it, the module path transformers 5 gives it), first
+# match wins: where transformers 5 saves a vision-language model under its older names (its checkpoint conversion
+# undone on save), peft still sees the modules where the model holds them, and matches and loads by those paths.
+MODULE_PATHS: dict[str, tuple[tuple[str, str], ...]] = {
+    "hf-gemma3-multimodal": (("language_model.model.", "model.language_model."), ("language_model.lm_head", "lm_head"),
+                             ("vision_tower.vision_model.", "model.vision_tower."),
+                             ("vision_tower.", "model.vision_tower."),
+                             ("multi_modal_projector.", "model.multi_modal_projector.")),
+    "hf-qwen2_5-vl": (("model.", "model.language_model."), ("visual.", "model.visual.")),
+}
+
+
+def module_path(cfg: ModelConfig, name: str) -> str:
+    """The path peft sees the module (or parameter) of the exported tensor ``name`` at (:data:`MODULE_PATHS`)."""
+    for prefix, path in MODULE_PATHS.get(export_format(cfg), ()):
+        if name.startswith(prefix):
+            return path + name.removeprefix(prefix)
+    return name
 
 
 # PlannedTensor.transform of a fused Linear's adapter (Phi-3's qkv_proj, gate_up_proj: convert.fused): its parts'
@@ -106,6 +134,8 @@ def _adapted_rules(cfg: ModelConfig, meta: dict[str, Any], ckpt: str | os.PathLi
             raise UserError(f"{ckpt}: adapters on {rule.zoo} have no PEFT layout: {cfg.family}'s "
                             f"{fused[0].rsplit('.', 2)[-2]} is one module in transformers, which peft adapts as a "
                             "whole; export the merged model instead (zoo export without --adapter)")
+        if rule.hf in PARAMETER_TARGETS:
+            continue
         if rule.transform not in LORA_LAYOUTS or not rule.hf.endswith(".weight"):
             raise UserError(f"{ckpt}: adapters on {rule.zoo} ({rule.transform} layout) have no PEFT layout; "
                             "export the merged model instead (zoo export without --adapter)")
@@ -195,7 +225,7 @@ def _fused_tensors(cfg: ModelConfig, meta: dict[str, Any], rules: list[BoundRule
             if dt not in ST_NAMES:
                 raise UserError(f"adapter {first.zoo}.{part} has dtype {dt}, which safetensors export does not support")
             for ix in first.indices():
-                module = PEFT_PREFIX + name.format(i=first.layers[ix[0]]).removesuffix(".weight")
+                module = PEFT_PREFIX + module_path(cfg, name.format(i=first.layers[ix[0]])).removesuffix(".weight")
                 keyed.append(((first.layers[ix[0]], pos, part),
                               PlannedTensor(f"{module}.lora_{part.upper()}.weight", f"{key}.{part}", ix, FUSED,
                                             shape, dt)))
@@ -216,6 +246,9 @@ def plan_adapter(ckpt: str | os.PathLike, meta: dict[str, Any], dtype: str | Non
     for pos, rule in enumerate(rules):
         if peft_experts.is_expert_weight(rule.zoo) or fusion_of(cfg, rule.hf) is not None:
             continue
+        if rule.hf in PARAMETER_TARGETS:
+            keyed += _parameter_tensors(cfg, meta, rule, dtype)
+            continue
         piece = specs[rule.zoo].shape[rule.slice_axes:]
         out_f, in_f = TRANSFORMS[rule.transform].inverse(shape_only(piece), cfg).shape
         for part, shape in (("a", (r, in_f)), ("b", (out_f, r))):
@@ -223,7 +256,7 @@ def plan_adapter(ckpt: str | os.PathLike, meta: dict[str, Any], dtype: str | Non
             if dt not in ST_NAMES:
                 raise UserError(f"adapter {rule.zoo}.{part} has dtype {dt}, which safetensors export does not support")
             for ix in rule.indices():
-                module = PEFT_PREFIX + rule.hf_name(ix).removesuffix(".weight")
+                module = PEFT_PREFIX + module_path(cfg, rule.hf_name(ix)).removesuffix(".weight")
                 name = f"{module}.lora_{part.upper()}.weight"
                 layer = rule.layers[ix[0]] if rule.layers is not None else -1
                 keyed.append(((layer, pos, part), PlannedTensor(name, f"{rule.zoo}.{part}", ix or None,
@@ -232,6 +265,30 @@ def plan_adapter(ckpt: str | os.PathLike, meta: dict[str, Any], dtype: str | Non
     tensors = [t for _, t in keyed] + _whole_tensors(cfg, meta, dtype)
     assign_shards(tensors, max_bytes=2**63)  # one file: adapters are small
     return tensors
+
+
+def _parameter_tensors(cfg: ModelConfig, meta: dict[str, Any], rule: BoundRule, dtype: str | None
+                       ) -> list[tuple[tuple[int, int, str], PlannedTensor]]:
+    """The adapter of a bare parameter (:data:`PARAMETER`), keyed after the layers' adapters: lora_A [r, out] (the
+    zoo's B) and lora_B [in, r] (the zoo's A), on the module that holds the parameter."""
+    stored, r = meta["lora"]["params"], meta["lora"]["rank"]
+    fan_in, fan_out = param_specs(cfg)[rule.zoo].shape
+    module = PEFT_PREFIX + module_path(cfg, rule.hf).rpartition(".")[0]
+    out = []
+    for peft_part, zoo_part, shape in (("A", "b", (r, fan_out)), ("B", "a", (fan_in, r))):
+        dt = dtype or stored[f"{rule.zoo}.{zoo_part}"]["dtype"]
+        if dt not in ST_NAMES:
+            raise UserError(f"adapter {rule.zoo}.{zoo_part} has dtype {dt}, which safetensors export does not support")
+        out.append(((10**9, 0, peft_part), PlannedTensor(f"{module}.lora_{peft_part}.weight", f"{rule.zoo}.{zoo_part}",
+                                                          None, PARAMETER, shape, dt)))
+    return out
+
+
+def parameter_targets(cfg: ModelConfig, tensors: list[PlannedTensor]) -> list[str]:
+    """peft's ``target_parameters`` of the bare parameters adapted (:data:`PARAMETER`): their paths in the model."""
+    rules = {r.zoo: r for r in table_for(cfg.family, export_format(cfg), cfg)}
+    zoo = dict.fromkeys(t.zoo.rpartition(".")[0] for t in tensors if t.transform == PARAMETER)
+    return [module_path(cfg, rules[z].hf) for z in zoo]
 
 
 def _whole_tensors(cfg: ModelConfig, meta: dict[str, Any], dtype: str | None) -> list[PlannedTensor]:
@@ -256,18 +313,19 @@ def modules_to_save(tensors: list[PlannedTensor]) -> list[str]:
 def target_modules_of(tensors: list[PlannedTensor]) -> list[str]:
     """peft's ``target_modules``: the exported modules' own names, in :data:`HF_TO_ZOO` order first."""
     names = {t.name.removesuffix(".weight").rsplit(".", 2)[-2] for t in tensors
-             if t.transform != peft_experts.TRANSFORM and not t.transform.startswith(WHOLE)}
+             if t.transform not in (peft_experts.TRANSFORM, PARAMETER) and not t.transform.startswith(WHOLE)}
     return [n for n in HF_TO_ZOO if n in names] + sorted(names - set(HF_TO_ZOO))
 
 
 def target_regex(tensors: list[PlannedTensor]) -> str:
     """peft's ``target_modules`` as one regex (peft matches a string in full against each module's path) of the
-    adapted modules' paths, every layer index as ``\\d+``: a vision-language model's tower has modules of the
-    language model's names (``q_proj``, ``k_proj``, ``v_proj``), so a list of names would adapt both where the
+    adapted modules' paths, every layer index as ``\\d+`` (the index of a tensor stacked over layers or levels;
+    a module's own number, Qwen2.5-VL's merger's ``mlp.0``, stays): a vision-language model's tower has modules of
+    the language model's names (``q_proj``, ``k_proj``, ``v_proj``), so a list of names would adapt both where the
     adapters are one's alone."""
-    modules = dict.fromkeys(
-        t.name.removeprefix(PEFT_PREFIX).removesuffix(".weight").rsplit(".", 1)[0] for t in tensors
-        if t.transform != peft_experts.TRANSFORM and not t.transform.startswith(WHOLE))
-    patterns = dict.fromkeys(r"\.".join(r"\d+" if part.isdigit() else re.escape(part) for part in m.split("."))
-                             for m in modules)
+    modules = {t.name.removeprefix(PEFT_PREFIX).removesuffix(".weight").rsplit(".", 1)[0]: t.index is not None
+               for t in tensors
+               if t.transform not in (peft_experts.TRANSFORM, PARAMETER) and not t.transform.startswith(WHOLE)}
+    patterns = dict.fromkeys(r"\.".join(r"\d+" if stacked and part.isdigit() else re.escape(part)
+                                        for part in m.split(".")) for m, stacked in modules.items())
     return "|".join(patterns)

@@ -23,6 +23,7 @@ from zoo.checkpoints.loading import load_params
 from zoo.data.tokenizer import holds_tokenizer, tokenizer_dir
 from zoo.errors import UserError
 from zoo.lora.params import LoraConfig, init_lora, lora_specs, vision_targets, whole_weights
+from zoo.lora.vision_targets import VISION_TARGETS
 from zoo.lora.weights import LoraRun, Weights
 from zoo.model.config import ModelConfig
 from zoo.model.params import flatten, init_params, nest, param_specs
@@ -262,19 +263,21 @@ def lora_settings(cfg: TrainConfig) -> LoraConfig | None:
 
 def check_vision_lora(cfg: TrainConfig, mcfg: ModelConfig, lora: LoraConfig) -> None:
     """A UserError, before step 1, where ``lora.targets`` name an image tower or connector (``vision.*``,
-    ``projector.proj``) that the model lacks, or that ``model.freeze`` keeps as it is: adapters on a frozen part
+    ``projector.*``) that the model lacks (no tower, or no such weight in its tower: ``vision.q_proj`` on a Qwen
+    tower, whose q/k/v are one ``vision.qkv``), or that ``model.freeze`` keeps as it is: adapters on a frozen part
     would contradict the freeze (LoRA leaves every base weight as it is; the freeze is then the adapters' absence)."""
     named = vision_targets(lora, named=True)
     if named and mcfg.vision is None:
         raise UserError(f"lora.targets name an image tower or connector ({', '.join(named)}), and the model "
                         f"({mcfg.family}) has none; name the language model's projections alone")
-    # towers of their own: no adapters reach them yet
-    own = {"gemma4": "Gemma 4's", "qwen2_5": "Qwen2.5-VL's", "qwen3": "Qwen3-VL's"}
-    if named and mcfg.vision is not None and mcfg.vision.tower in own:
-        raise UserError(f"lora.targets name {own[mcfg.vision.tower]} image tower or connector ({', '.join(named)}): "
-                        "LoRA there is not supported yet; adapt the language model (and model.freeze the tower, or "
-                        "train it fully)")
-    frozen = [t for t in vision_targets(lora) if t.partition(".")[0] in cfg.model.freeze]
+    if named and mcfg.vision is not None:  # a name the tower has no weight for would adapt nothing there
+        have = param_specs(mcfg)
+        absent = [t for t in named if not any(w in have for w in VISION_TARGETS[t])]
+        if absent:
+            takes = [t for t in VISION_TARGETS if any(w in have for w in VISION_TARGETS[t])]
+            raise UserError(f"lora.targets name {', '.join(absent)}, which this {mcfg.family} model's image tower "
+                            f"and connector do not have; they take {', '.join(takes)}")
+    frozen = [t for t in vision_targets(lora, cfg=mcfg) if t.partition(".")[0] in cfg.model.freeze]
     if frozen:
         parts = sorted({t.partition(".")[0] for t in frozen})
         raise UserError(f"lora.targets adapt {', '.join(frozen)}, and model.freeze keeps {', '.join(parts)} as it "

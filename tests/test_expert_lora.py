@@ -49,8 +49,9 @@ def test_expert_targets_name_only_their_weights():
     assert _adapted(cfg, ["gate_proj", "up_proj", "down_proj"]) == routed | shared | dense  # as before: every MLP's
     assert _adapted(cfg, r".*\.experts\..*") == routed  # a regex on peft's module path
     assert _adapted(cfg, "all") == routed | shared | dense
-    # The record keeps the fewest names: a regex picking gate_proj does not list experts.gate_proj besides it.
-    assert target_modules(LoraConfig(targets=r".*gate_proj")) == ("gate_proj",)
+    # The record (on the model: a regex meets its towers' paths alone) keeps the fewest names: a regex picking
+    # gate_proj does not list experts.gate_proj besides it.
+    assert target_modules(LoraConfig(targets=r".*gate_proj"), cfg) == ("gate_proj",)
     assert target_modules(LoraConfig(targets="all")) == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                           "up_proj", "down_proj")
     a, b = (lora_specs(cfg, LoraConfig(rank=2, targets=EXPERTS))[f"layers.expert_up.{x}"] for x in "ab")

@@ -131,7 +131,8 @@ def assert_peft_loads_every_key(model, adapter_dir: Path) -> None:
 
 def test_layouts_turn_each_zoo_delta_into_peft_factors():
     """For every adapted weight of the dense table (and Gemma 4's, whose full layers' attention is stacked apart
-    with wider heads, and a SmolVLM's tower and connector): lora_B @ lora_A is the export transform of A @ B."""
+    with wider heads, a SmolVLM's tower and connector, Qwen2.5-VL's fused qkv, Gemma 4's tower's key/value heads):
+    lora_B @ lora_A is the export transform of A @ B."""
     llama = ModelConfig(family="llama", vocab_size=32, hidden_size=24, intermediate_size=40, num_layers=1,
                         num_heads=3, num_kv_heads=1, head_dim=8)
     gemma4 = ModelConfig(family="gemma4", vocab_size=32, hidden_size=24, intermediate_size=40, num_layers=2,
@@ -142,9 +143,19 @@ def test_layouts_turn_each_zoo_delta_into_peft_factors():
                           num_heads=2, patch_size=2, image_size=4, image_token_id=31)
     vlm = dataclasses.replace(llama, family="smolvlm", vision=vision)
     vlm_targets = ["all", "vision.q_proj", "vision.k_proj", "vision.o_proj", "vision.up_proj", "projector.proj"]
+    # Qwen2.5-VL's fused qkv (one adapter over q, k and v) and Gemma 4's tower (its own key/value heads).
+    qwen = dataclasses.replace(llama, family="qwen2_5_vl", vision=VisionConfig(
+        arch="Qwen2_5_VLForConditionalGeneration", hidden_size=16, intermediate_size=24, num_layers=1, num_heads=2,
+        patch_size=2, image_size=4, image_token_id=31, connector="patch_merger", tower="qwen2_5",
+        temporal_patch_size=2))
+    gemma4_vlm = dataclasses.replace(gemma4, vision=VisionConfig(
+        arch="Gemma4ForConditionalGeneration", hidden_size=16, intermediate_size=24, num_layers=1, num_heads=2,
+        num_kv_heads=1, head_width=8, patch_size=2, image_size=4, image_token_id=31, connector="gemma4",
+        tower="gemma4", pos_table=8, max_soft_tokens=4))
     rng = np.random.RandomState(0)
     seen = set()
-    for cfg, targets in ((llama, "all"), (gemma4, "all"), (vlm, vlm_targets)):
+    for cfg, targets in ((llama, "all"), (gemma4, "all"), (vlm, vlm_targets), (qwen, ["vision.qkv", "projector.fc1"]),
+                         (gemma4_vlm, ["vision.k_proj"])):
         specs = lora_specs(cfg, LoraConfig(rank=4, targets=targets))
         rules = {r.zoo: r for r in table_for(cfg.family, export_format(cfg), cfg)}
         for path in sorted({p.rpartition(".")[0] for p in specs}):

@@ -13,13 +13,11 @@ import torch
 
 import zoo
 from tests.hf_models import hf_tensors, mean_kl
-from tests.vlm_gemma4_models import BOI, EOI, IMAGE, make_gemma4_vlm
+from tests.vlm_gemma4_models import BOI, EOI, IMAGE, SIZES, grid_images, make_gemma4_vlm
 from zoo.cli import main
 from zoo.data.gemma4_layout import gemma4_image_patches
 from zoo.data.vision_layout import layout_rows
 from zoo.model.vision import VisionInputs, encode_images
-
-SIZES = [(20, 36), (28, 12)]  # (height, width) of the two images: different shapes, different token counts
 
 
 def processed_images(seed: int = 0) -> dict:
@@ -33,20 +31,6 @@ def processed_images(seed: int = 0) -> dict:
     proc = Gemma4ImageProcessorPil(patch_size=4, max_soft_tokens=70, pooling_kernel_size=2)
     out = proc(images=images, return_tensors="np")
     return {k: np.asarray(v) for k, v in out.items()}
-
-
-def grid_images(seed: int = 0) -> dict:
-    """Two images as the image processor lays them out, but small (so the test's float32 spread stays far under the
-    tolerance; the processor scales every image up to ~70 tokens): 8 x 4 and 4 x 4 patches (columns x rows) of
-    random pixels in [0, 1], row-major, padded with (-1, -1) positions to the processor's 280 patches."""
-    rng = np.random.RandomState(seed)
-    pixels = np.zeros((2, 280, 48), np.float32)
-    positions = np.full((2, 280, 2), -1, np.int64)
-    for k, (cols, rows) in enumerate([(8, 4), (4, 4)]):
-        n = cols * rows
-        pixels[k, :n] = rng.uniform(0, 1, (n, 48))
-        positions[k, :n] = np.stack(np.meshgrid(np.arange(cols), np.arange(rows)), -1).reshape(n, 2)
-    return {"pixel_values": pixels, "image_position_ids": positions, "num_soft_tokens_per_image": np.array([8, 4])}
 
 
 @pytest.fixture(scope="module")
@@ -133,17 +117,23 @@ def test_round_trip_is_bit_identical_and_audio_is_left_out(tmp_path, capsys):
     assert loaded.model.audio_tower is None and loaded.model.vision_tower is not None
 
 
-def test_lora_on_a_tower_of_its_own_is_refused(gemma4):
-    """Gemma 4's tower (and Qwen2.5-VL's) takes no adapters yet: naming it in lora.targets is one line before step 1,
-    where silently training nothing there would be the alternative; the language model's targets pass."""
+def test_lora_targets_its_tower_has_pass_and_others_are_refused(gemma4):
+    """Gemma 4's tower takes adapters (tests/test_vlm_tower_lora.py checks them against peft): the set-up's check
+    passes its tower's and connector's names beside the language model's; a name its tower lacks (the Qwen towers'
+    fused vision.qkv, their merger's projector.fc1) is one line before step 1 naming what it takes, where silently
+    training nothing there would be the alternative."""
     from pretrain.config import TrainConfig, load_config
     from pretrain.setup import check_vision_lora, lora_config
     from zoo.errors import UserError
 
     mcfg = zoo.read_config(gemma4[1])
     base = ["model.path=m", "data.path=d", "max_steps=1", "lora.rank=4"]
-    cfg = load_config(None, [*base, "lora.targets=q_proj,vision.q_proj"], TrainConfig)
-    with pytest.raises(UserError, match=r"Gemma 4's image tower or connector \(vision.q_proj\): LoRA there is not"):
-        check_vision_lora(cfg, mcfg, lora_config(cfg))
-    cfg = load_config(None, [*base, "lora.targets=q_proj,v_proj"], TrainConfig)
+    cfg = load_config(None, [*base, "lora.targets=[q_proj,vision.q_proj,vision.gate_proj,projector.proj]"],
+                      TrainConfig)
     check_vision_lora(cfg, mcfg, lora_config(cfg))
+    cfg = load_config(None, [*base, "lora.targets=[q_proj,vision.qkv,projector.fc1]"], TrainConfig)
+    with pytest.raises(UserError, match=r"^lora.targets name vision.qkv, projector.fc1, which this gemma4 model's "
+                                        r"image tower and connector do not have; they take vision.q_proj, "
+                                        r"vision.k_proj, vision.v_proj, vision.o_proj, vision.gate_proj, "
+                                        r"vision.up_proj, vision.down_proj, projector.proj$"):
+        check_vision_lora(cfg, mcfg, lora_config(cfg))

@@ -110,18 +110,22 @@ def _hf_logits(model, vlm) -> np.ndarray:
 def test_targets_name_the_tower_and_the_connector_apart(vlm):
     """The bare names and ``all`` are the language model's (the default adapts nothing else); ``vision.*`` (the
     text names, or transformers' out_proj/fc1/fc2) the tower's and ``projector.proj`` the connector's; a regex
-    picks the tower's where peft would (by module path: its q/k/v_proj, not its out_proj or fc2)."""
+    picks the tower's where peft would (by module path: its q/k/v_proj, not its out_proj or fc2), on the model's own
+    tower's paths."""
     assert target_modules(LoraConfig(targets="all")) == BASE_TARGETS
     assert target_modules(LoraConfig(targets=TARGETS)) == (*BASE_TARGETS, *VISION_NAMES, "projector.proj")
     assert target_modules(LoraConfig(targets="vision.fc1")) == ("vision.up_proj",)
     assert target_modules(LoraConfig(targets=".*vision_model.*")) == VISION_NAMES
     assert target_modules(LoraConfig(targets=r".*\.(q|v)_proj")) == ("q_proj", "v_proj", "vision.q_proj",
                                                                       "vision.v_proj")
-    assert target_modules(LoraConfig(targets=r".*\.(o|down)_proj")) == ("o_proj", "down_proj")
     assert target_modules(LoraConfig(targets=r".*text_model.*")) == BASE_TARGETS
     with pytest.raises(UserError, match="unknown target modules"):
-        LoraConfig(targets=["vision.gate_proj"])
+        LoraConfig(targets=["vision.qk_proj"])
     cfg = zoo.read_config(vlm.base)
+    # On a model, a regex meets its own tower's paths (SmolVLM's fc2 is no down_proj); without one (a config checked
+    # on its own), every tower's: Qwen2.5-VL's has an mlp.down_proj.
+    assert target_modules(LoraConfig(targets=r".*\.(o|down)_proj"), cfg) == ("o_proj", "down_proj")
+    assert target_modules(LoraConfig(targets=r".*\.(o|down)_proj")) == ("o_proj", "down_proj", "vision.down_proj")
     assert not any(p.startswith(("vision.", "projector.")) for p in lora_specs(cfg, LoraConfig(rank=4)))
     specs = lora_specs(cfg, vlm.lora_cfg)
     # The tower's stacks keep their layers axis; o contracts heads and head_dim; the connector has no layers axis.

@@ -1,7 +1,7 @@
 """Hugging Face Gemma 4 reference models and processor files: a tiny random Gemma4ForConditionalGeneration
 (transformers' own class), a Gemma 4 processor folder (a small byte-level BPE tokenizer with Gemma 4's image and
 turn tokens and a Gemma 4-style chat template, Gemma4ImageProcessor at 4-pixel patches pooled 2 x 2, 70 tokens an
-image at most) and transformers' Gemma4Processor over it.
+image at most) and transformers' Gemma4Processor over it; two small images as its image processor lays them out.
 
 A helper like tests/vlm_models.py (reusing tests/hf_models.py's ``randomize``); no test module imports another."""
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from tests.hf_models import BASE, FAMILIES, randomize
@@ -19,18 +20,20 @@ IMAGE, BOI, EOI = 95, 93, 94  # inside the tiny vocabulary (96)
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
               head_dim=16, patch_size=4, pooling_kernel_size=2, position_embedding_size=32, use_clipped_linears=True,
               standardize=True)
+SIZES = [(20, 36), (28, 12)]  # (height, width) of the two images: different shapes, different token counts
 PATCH, POOL, MAX_SOFT_TOKENS = 4, 2, 70  # the image processor's, fitting VISION (70: the least it allows)
 
 
 def make_gemma4_vlm(folder: Path, seed: int = 0, audio: bool = False, vocab_size: int = 96,
-                    tokens: tuple[int, int, int] = (IMAGE, BOI, EOI)):
+                    tokens: tuple[int, int, int] = (IMAGE, BOI, EOI), **text_overrides):
     """Save a tiny random Gemma4ForConditionalGeneration (text: tests/hf_models' Gemma 4, its image tokens
     bidirectional on sliding layers); returns it (float32, eager attention). ``vocab_size`` and ``tokens`` (the
     image, begin- and end-of-image ids) fit it to a tokenizer (:func:`gemma4_folder`'s); the per-layer inputs
-    then cover the whole vocabulary, as Gemma 4's do."""
+    then cover the whole vocabulary, as Gemma 4's do; ``text_overrides`` change the text config."""
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
-    text = {**BASE, **FAMILIES["gemma4"][2], "use_bidirectional_attention": "vision", "vocab_size": vocab_size}
+    text = {**BASE, **FAMILIES["gemma4"][2], "use_bidirectional_attention": "vision", "vocab_size": vocab_size,
+            **text_overrides}
     if vocab_size != BASE["vocab_size"]:
         text["vocab_size_per_layer_input"] = vocab_size
     audio_config = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2) if audio else None
@@ -112,3 +115,17 @@ def gemma4_reference_processor(folder: Path):
     return ImagesOnly(feature_extractor=Gemma4AudioFeatureExtractor(),
                       image_processor=AutoImageProcessor.from_pretrained(str(folder)),
                       tokenizer=AutoTokenizer.from_pretrained(str(folder)), video_processor=None)
+
+
+def grid_images(seed: int = 0) -> dict:
+    """Two images as the image processor lays them out, but small (so the test's float32 spread stays far under the
+    tolerance; the processor scales every image up to ~70 tokens): 8 x 4 and 4 x 4 patches (columns x rows) of
+    random pixels in [0, 1], row-major, padded with (-1, -1) positions to the processor's 280 patches."""
+    rng = np.random.RandomState(seed)
+    pixels = np.zeros((2, 280, 48), np.float32)
+    positions = np.full((2, 280, 2), -1, np.int64)
+    for k, (cols, rows) in enumerate([(8, 4), (4, 4)]):
+        n = cols * rows
+        pixels[k, :n] = rng.uniform(0, 1, (n, 48))
+        positions[k, :n] = np.stack(np.meshgrid(np.arange(cols), np.arange(rows)), -1).reshape(n, 2)
+    return {"pixel_values": pixels, "image_position_ids": positions, "num_soft_tokens_per_image": np.array([8, 4])}

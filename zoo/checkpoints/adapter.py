@@ -218,8 +218,10 @@ def adapter_meta(lora_cfg: LoraConfig, base: str | os.PathLike, adapter_params: 
     repo = hub_weights(base_meta)
     if repo:  # the base is that Hub repo's model as it is: a PEFT export names the repo
         ref["base_hub_id"] = repo
+    # A regex's names as the base's tower reads it (zoo.lora.params.target_modules): the record adapts those again.
+    names = target_modules(lora_cfg, ModelConfig.from_dict(base_meta["config"]))
     return AdapterSection({"rank": lora_cfg.rank, "alpha": lora_cfg.alpha, "rslora": lora_cfg.rslora,
-                           "target_modules": list(target_modules(lora_cfg)), "scale": lora_scale(lora_cfg),
+                           "target_modules": list(names), "scale": lora_scale(lora_cfg),
                            **ref, **({"base_quant": base_quant} if base_quant else {}), "params": adapter_params})
 
 

@@ -25,10 +25,10 @@ dense MLP and attention (the full layers' ``global_*`` weights too) are
 adapted as any model's.
 
 A vision-language model's image tower and connector are adapted only where
-named (:data:`VISION_TARGETS`): ``vision.q_proj`` ... ``vision.down_proj`` (the
-tower's projections, under the text names; transformers' own ``vision.out_proj``,
-``vision.fc1``, ``vision.fc2`` name the same) and ``projector.proj`` (the
-connector). The bare names, ``all`` and ``all-linear`` name the language
+named (:data:`VISION_TARGETS`, :mod:`zoo.lora.vision_targets`): ``vision.q_proj`` ...
+``vision.down_proj`` and ``vision.qkv`` (the tower's projections, under the text names; transformers' own
+spellings, :data:`VISION_ALIASES`, name the same) and ``projector.proj``, ``projector.fc1``, ``projector.fc2``,
+``projector.deepstack.fc1``, ``projector.deepstack.fc2`` (the connectors). The bare names, ``all`` and ``all-linear`` name the language
 model's projections alone, so a text recipe adapts a VLM's language model only.
 """
 
@@ -41,6 +41,7 @@ from functools import cache
 from typing import Any
 
 from zoo.errors import UserError
+from zoo.lora.vision_targets import VISION_ALIASES, VISION_TARGETS, tower_kind, vision_paths
 from zoo.model.config import ModelConfig
 from zoo.model.params import ParamSpec, flatten, nest, param_specs
 
@@ -77,30 +78,6 @@ BASE_TARGETS = (*ATTENTION_TARGETS, "gate_proj", "up_proj", "down_proj")  # what
 # The MoE router's Hugging Face names (Mixtral's block_sparse_moe.gate, DeepSeek's mlp.gate): it stays frozen.
 ROUTER_NAMES = ("gate", "router", "mlp.gate", "block_sparse_moe.gate", "mlp.router")
 
-# A vision-language model's tower and connector: target name -> the zoo weights (whole paths) it names. peft would
-# match a bare q_proj in the tower too; here the tower is named apart, so the default stays the language model.
-VISION_TARGETS: dict[str, tuple[str, ...]] = {
-    "vision.q_proj": ("vision.layers.q",),
-    "vision.k_proj": ("vision.layers.k",),
-    "vision.v_proj": ("vision.layers.v",),
-    "vision.o_proj": ("vision.layers.o",),
-    "vision.up_proj": ("vision.layers.up",),
-    "vision.down_proj": ("vision.layers.down",),
-    "projector.proj": ("projector.proj",),
-}
-# transformers' spelling of the SigLIP tower's modules (out_proj, fc1, fc2) -> the target name above
-VISION_ALIASES = {"vision.out_proj": "vision.o_proj", "vision.fc1": "vision.up_proj", "vision.fc2": "vision.down_proj"}
-# Each vision target's module path as peft sees it in SmolVLM / Idefics3, which a regex is matched against.
-_VISION_PATHS = {
-    "vision.q_proj": "model.vision_model.encoder.layers.0.self_attn.q_proj",
-    "vision.k_proj": "model.vision_model.encoder.layers.0.self_attn.k_proj",
-    "vision.v_proj": "model.vision_model.encoder.layers.0.self_attn.v_proj",
-    "vision.o_proj": "model.vision_model.encoder.layers.0.self_attn.out_proj",
-    "vision.up_proj": "model.vision_model.encoder.layers.0.mlp.fc1",
-    "vision.down_proj": "model.vision_model.encoder.layers.0.mlp.fc2",
-    "projector.proj": "model.connector.modality_projection.proj",
-}
-
 # How many axes after the leading layers (and expert) axes are W's input: o contracts heads and head_dim.
 _CONTRACT = {"o": 2}
 _CONTRACT["global_o"] = 2  # Gemma 4's full layers' o (zoo.model.layer_layout)
@@ -129,8 +106,9 @@ class LoraConfig:
     language model also as ``model.text_model.layers.0...`` and ``model.language_model.layers.0...``).
     A vision-language model's tower and connector are named apart (:data:`VISION_TARGETS`,
     :data:`VISION_ALIASES`; in a list ``all`` stands for the language model's projections beside them); a regex
-    reaches them by their peft paths only (``model.vision_model.encoder.layers.0.self_attn.out_proj``,
-    ``...mlp.fc1``, ``model.connector.modality_projection.proj``), as peft matches them in SmolVLM.
+    reaches them by their peft paths only, those of the model's family (:data:`zoo.lora.vision_targets.VISION_PATHS`:
+    SmolVLM's ``model.vision_model.encoder.layers.0.self_attn.out_proj``, Qwen2.5-VL's
+    ``model.visual.blocks.0.attn.qkv``, ...), as peft matches them.
     The router is not a target: naming it is a UserError.
     ``rslora`` scales by alpha/sqrt(rank) instead of alpha/rank. ``dropout`` is
     peft's ``lora_dropout``: in training each adapter reads its input with that
@@ -165,17 +143,27 @@ def lora_scale(lora_cfg: LoraConfig) -> float:
 _LM_PREFIXES = ("model.layers.0", "model.text_model.layers.0", "model.language_model.layers.0")
 
 
-def _peft_paths(name: str) -> tuple[str, ...]:
-    """The module paths a regex target is matched against (besides the name itself, for the language model)."""
-    if name in _VISION_PATHS:
-        return (_VISION_PATHS[name],)
+def _kind(cfg: ModelConfig | None) -> str | None:
+    """The tower kind whose module paths a regex is matched against (:func:`zoo.lora.vision_targets.vision_paths`):
+    the model's; a text model's SmolVLM's (what it records stays what it always was: its tower names adapt
+    nothing); None, every tower's, without a model."""
+    if cfg is None:
+        return None
+    return "smolvlm" if cfg.vision is None else tower_kind(cfg.vision.tower, cfg.vision.connector)
+
+
+def _peft_paths(name: str, towers: dict[str, tuple[str, ...]]) -> tuple[str, ...]:
+    """The module paths a regex target is matched against (besides the name itself, for the language model);
+    a vision target's from ``towers`` (:func:`zoo.lora.vision_targets.vision_paths`)."""
+    if name in VISION_TARGETS:
+        return towers.get(name, ())
     tail = name if name.startswith("mlp.") else f"{'self_attn' if name in ATTENTION_TARGETS else 'mlp'}.{name}"
     return tuple(f"{prefix}.{tail}" for prefix in _LM_PREFIXES)
 
 
-def _matches(pattern: re.Pattern[str], name: str) -> bool:
+def _matches(pattern: re.Pattern[str], name: str, towers: dict[str, tuple[str, ...]]) -> bool:
     """Whether a regex target picks ``name``: its peft paths, or for the language model the name itself."""
-    return any(pattern.fullmatch(p) for p in _peft_paths(name)) or (
+    return any(pattern.fullmatch(p) for p in _peft_paths(name, towers)) or (
         name in HF_TO_ZOO and pattern.fullmatch(name) is not None)
 
 
@@ -208,9 +196,10 @@ def _named(names: list[str] | tuple[str, ...]) -> list[str]:
     return out
 
 
-def target_modules(lora_cfg: LoraConfig) -> tuple[str, ...]:
+def target_modules(lora_cfg: LoraConfig, cfg: ModelConfig | None = None) -> tuple[str, ...]:
     """The module names ``lora_cfg.targets`` selects: the language model's in :data:`HF_TO_ZOO` order, then the
-    image tower's and connector's in :data:`VISION_TARGETS` order."""
+    image tower's and connector's in :data:`VISION_TARGETS` order. A regex is matched against the tower's module
+    paths of the model ``cfg`` (without one, every tower's: a config checked on its own)."""
     valid = ", ".join([*HF_TO_ZOO, *VISION_TARGETS])
     known = {**HF_TO_ZOO, **VISION_TARGETS}
     t = lora_cfg.targets
@@ -224,7 +213,8 @@ def target_modules(lora_cfg: LoraConfig) -> tuple[str, ...]:
             pattern = re.compile(t)
         except re.error as e:
             raise UserError(f"lora: targets {t!r} is not a valid regex ({e}); or list names from {valid}") from e
-        picked = _fewest([n for n in known if _matches(pattern, n)])
+        towers = vision_paths(_kind(cfg))
+        picked = _fewest([n for n in known if _matches(pattern, n, towers)])
         if not picked:
             raise UserError(f"lora: targets regex {t!r} matches none of {valid}")
         return picked
@@ -238,14 +228,14 @@ def target_modules(lora_cfg: LoraConfig) -> tuple[str, ...]:
     return tuple(n for n in known if n in names)
 
 
-def vision_targets(lora_cfg: LoraConfig, named: bool = False) -> tuple[str, ...]:
+def vision_targets(lora_cfg: LoraConfig, named: bool = False, cfg: ModelConfig | None = None) -> tuple[str, ...]:
     """The targets of ``lora_cfg`` on a vision-language model's image tower or connector (:data:`VISION_TARGETS`);
     with ``named``, only those named as such (a regex picks them where they are, as peft's does, so a text model's
-    ``.*`` is no request for a tower)."""
+    ``.*`` is no request for a tower); a regex matched on the model ``cfg``'s tower (:func:`target_modules`)."""
     t = lora_cfg.targets
     if named and isinstance(t, str) and VISION_ALIASES.get(t, t) not in VISION_TARGETS:
         return ()
-    return tuple(n for n in target_modules(lora_cfg) if n in VISION_TARGETS)
+    return tuple(n for n in target_modules(lora_cfg, cfg) if n in VISION_TARGETS)
 
 
 def _target_suffixes(cfg: ModelConfig, lora_cfg: LoraConfig) -> set[str]:
@@ -310,7 +300,7 @@ def lora_specs(cfg: ModelConfig, lora_cfg: LoraConfig) -> dict[str, ParamSpec]:
     suffixes = _target_suffixes(cfg, lora_cfg)
     # A text model has no tower: its targets there adapt nothing, as MLA's attention targets (the run's set-up
     # refuses them where named: pretrain/setup.py).
-    tower = {w for n in vision_targets(lora_cfg) for w in VISION_TARGETS[n]}
+    tower = {w for n in vision_targets(lora_cfg, cfg=cfg) for w in VISION_TARGETS[n]}
     out: dict[str, ParamSpec] = {}
     for path, spec in param_specs(cfg).items():
         prefix, _, suffix = path.rpartition(".")

@@ -17,13 +17,18 @@ import jax
 import jax.numpy as jnp
 
 from zoo.layers.blocks import dense, dense_unnamed, normed_dense, rms_norm
+from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 
 # Every weight that can carry a LoRA adapter, in a fixed order: its index is folded into the layer's dropout
 # key, so each adapted projection draws its own mask (q's adapter never sees v's mask).
 ADAPTABLE = ("q", "k", "v", "o", "gate", "up", "down", "expert_gate", "expert_up", "expert_down",
              "shared_gate", "shared_up", "shared_down", "expert_gate_up",  # Gemma 4's fused experts
-             "proj")  # a vision-language model's connector (zoo.model.vision)
+             "proj",  # a vision-language model's connector (zoo.model.vision)
+             "qkv", "fc1", "fc2")  # the Qwen towers' fused q/k/v and their patch mergers' MLP (zoo.lora.vision_targets)
+# Folded into a LoRA run's dropout key for an image tower's layers, its connector and Qwen3-VL's DeepStack mergers,
+# so their masks are drawn apart from the decoder's layers' (zoo.model.vision's SigLIP tower folds the same two).
+TOWER_DROPOUT, PROJECTOR_DROPOUT, DEEPSTACK_DROPOUT = 1 << 20, (1 << 20) + 1, (1 << 20) + 2
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,44 @@ class LayerLora:
     def of(self, names: tuple[str, ...]) -> tuple[dict | None, ...]:
         """The adapter of each named weight (None where it has none)."""
         return tuple(self.adapters.get(n) for n in names)
+
+
+@dataclass(frozen=True)
+class PartLora:
+    """The LoRA of a part of a vision-language model outside the decoder (an image tower, a connector, Qwen3-VL's
+    DeepStack mergers), as :meth:`of` reads it from the weights: its ``adapters`` by weight name (a tower's
+    stacked over its layers, as their weights; None: none), their ``scale``, and its dropout ``rate`` and ``key``
+    (None: no dropout, as in evaluation and sampling)."""
+
+    adapters: dict | None
+    scale: float | jax.Array = 1.0
+    rate: float | jax.Array = 0.0
+    key: jax.Array | None = None
+
+    @classmethod
+    def of(cls, params: Any, path: tuple[str, ...], salt: int) -> PartLora:
+        """The LoRA of the part at ``path`` (``("vision", "layers")``, ``("projector",)``) of ``params`` (the
+        model's parameters, or its :class:`zoo.lora.weights.Weights`), its dropout key folded with ``salt``."""
+        w = Weights.wrap(params)
+        adapters: Any = w.adapters
+        for name in path:
+            adapters = (adapters or {}).get(name)
+        no_drop = isinstance(w.dropout, (int, float)) and w.dropout <= 0  # evaluation's rate: exactly 0
+        key = None if adapters is None or w.rng is None or no_drop else jax.random.fold_in(w.rng, salt)
+        return cls(adapters or None, 1.0 if w.scale is None else w.scale, w.dropout, key)
+
+    def keys(self, n: int) -> jax.Array | None:
+        """Dropout keys of a part stacked over ``n`` layers (or levels), one each; None without dropout."""
+        return None if self.key is None else jax.random.split(self.key, n)
+
+    def layer(self, adapters: dict | None, key: jax.Array | None) -> LayerLora | None:
+        """One layer's :class:`LayerLora` of its slice of the adapters and its key (None without adapters)."""
+        return None if adapters is None else LayerLora(adapters, self.scale, None if key is None else
+                                                       LoraDropout(self.rate, key))
+
+    def whole(self) -> LayerLora | None:
+        """The :class:`LayerLora` of a part without layers (a connector)."""
+        return self.layer(self.adapters, self.key)
 
 
 def adapter_of(lora: LayerLora | None, name: str) -> dict | None:

@@ -19,6 +19,10 @@ pads every image to ``max_soft_tokens * k^2`` patches. :mod:`zoo.model.vision_ge
 - Pooling: each token's k x k patches averaged, times sqrt(D) in float32, optionally standardized
   (``(x - std_bias) * std_scale``, buffers: not trained), then the connector: an RMSNorm without weight and a
   projection to the language model's width.
+
+LoRA (``vision.*`` and ``projector.proj`` targets: :mod:`zoo.lora.vision_targets`) adds its adapters beside each
+projection and the connector's, as peft does on the ``Linear`` inside transformers' clippable linear: on the
+clamped input, before the output's clamp.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from zoo.layers.blocks import ACTIVATIONS, dense, rms_norm
+from zoo.lora.projections import PROJECTOR_DROPOUT, TOWER_DROPOUT, LayerLora, PartLora, adapted_dense
 from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 from zoo.model.layer_scan import REMAT_POLICIES
@@ -41,12 +46,15 @@ from zoo.model.vision_inputs import VisionInputs
 from zoo.model.vision_params import CLIP_BOUNDS
 
 
-def _linear(v: VisionConfig, x: jax.Array, p: dict[str, jax.Array], name: str, contract: int = 1) -> jax.Array:
-    """One of the layer's projections, its input and output clamped to the stored bounds when clipped."""
+def _linear(v: VisionConfig, x: jax.Array, p: dict[str, jax.Array], name: str, lora: LayerLora | None,
+            contract: int = 1) -> jax.Array:
+    """One of the layer's projections (with its LoRA adapter, where ``lora`` has one), its input and output clamped
+    to the stored bounds when clipped."""
     if not v.clipped:
-        return dense(x, p[name], contract=contract)
+        return adapted_dense(x, p[name], lora, name, contract=contract)
     lo_in, hi_in, lo_out, hi_out = (jax.lax.stop_gradient(p[f"{name}_{b}"][0]) for b in CLIP_BOUNDS)
-    y = dense(jnp.clip(x, lo_in.astype(x.dtype), hi_in.astype(x.dtype)), p[name], contract=contract)
+    y = adapted_dense(jnp.clip(x, lo_in.astype(x.dtype), hi_in.astype(x.dtype)), p[name], lora, name,
+                      contract=contract)
     return jnp.clip(y, lo_out.astype(y.dtype), hi_out.astype(y.dtype))
 
 
@@ -65,13 +73,13 @@ def _rope_2d(v: VisionConfig, pos: jax.Array) -> tuple[jax.Array, jax.Array, jax
 
 
 def _attention(v: VisionConfig, x: jax.Array, p: dict[str, jax.Array], visible: jax.Array,
-               rope: tuple[jax.Array, ...]) -> jax.Array:
+               rope: tuple[jax.Array, ...], lora: LayerLora | None) -> jax.Array:
     """Bidirectional GQA of one tower layer over x [b, n, D] where ``visible`` [b, 1, n, n]."""
     b, n, _ = x.shape
     h, kv, d = v.num_heads, v.kv_heads, v.head_dim
-    q = rms_norm(_linear(v, x, p, "q").reshape(b, n, h, d), p["q_norm"], v.norm_eps)
-    k = rms_norm(_linear(v, x, p, "k").reshape(b, n, kv, d), p["k_norm"], v.norm_eps)
-    val = rms_norm(_linear(v, x, p, "v").reshape(b, n, kv, d), jnp.ones((d,), x.dtype), v.norm_eps)
+    q = rms_norm(_linear(v, x, p, "q", lora).reshape(b, n, h, d), p["q_norm"], v.norm_eps)
+    k = rms_norm(_linear(v, x, p, "k", lora).reshape(b, n, kv, d), p["k_norm"], v.norm_eps)
+    val = rms_norm(_linear(v, x, p, "v", lora).reshape(b, n, kv, d), jnp.ones((d,), x.dtype), v.norm_eps)
     cos_c, sin_c, cos_r, sin_r = rope
 
     def rotate(t: jax.Array) -> jax.Array:  # the first half of each head by column, the second by row
@@ -84,26 +92,31 @@ def _attention(v: VisionConfig, x: jax.Array, p: dict[str, jax.Array], visible: 
     scores = jnp.where(visible[:, :, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(val.dtype)
     out = jnp.einsum("bgrqk,bkgd->bqgrd", probs, val).reshape(b, n, h * d)
-    return _linear(v, out, p, "o", contract=2)
+    return _linear(v, out, p, "o", lora, contract=2)
 
 
-def _layer(v: VisionConfig, visible: jax.Array, rope: tuple[jax.Array, ...], x: jax.Array,
-           p: dict[str, jax.Array]) -> tuple[jax.Array, None]:
-    """One Gemma 4 tower layer (see the module docstring); each chip keeps its own rows' patches
-    (zoo.model.sharding.batch_sharded)."""
+def _layer(v: VisionConfig, visible: jax.Array, rope: tuple[jax.Array, ...], part: PartLora, x: jax.Array,
+           inputs: tuple[dict[str, jax.Array], dict | None, jax.Array | None]) -> tuple[jax.Array, None]:
+    """One Gemma 4 tower layer (see the module docstring); ``inputs``: the layer's weights, its LoRA adapters (or
+    None) and dropout key (or None). Each chip keeps its own rows' patches (zoo.model.sharding.batch_sharded)."""
+    p, adapters, key = inputs
+    lora = part.layer(adapters, key)
     x = batch_sharded(x, sequence=False)
-    x = batch_sharded(x + rms_norm(_attention(v, rms_norm(x, p["attn_norm"], v.norm_eps), p, visible, rope),
+    x = batch_sharded(x + rms_norm(_attention(v, rms_norm(x, p["attn_norm"], v.norm_eps), p, visible, rope, lora),
                                    p["post_attn_norm"], v.norm_eps), sequence=False)
     h = rms_norm(x, p["mlp_norm"], v.norm_eps)
-    h = batch_sharded(ACTIVATIONS[v.hidden_act](_linear(v, h, p, "gate")) * _linear(v, h, p, "up"), sequence=False)
-    return batch_sharded(x + rms_norm(_linear(v, h, p, "down"), p["post_mlp_norm"], v.norm_eps), sequence=False), None
+    h = batch_sharded(ACTIVATIONS[v.hidden_act](_linear(v, h, p, "gate", lora)) * _linear(v, h, p, "up", lora),
+                      sequence=False)
+    return batch_sharded(x + rms_norm(_linear(v, h, p, "down", lora), p["post_mlp_norm"], v.norm_eps),
+                         sequence=False), None
 
 
 def tower(v: VisionConfig, params: Any, inputs: VisionInputs, remat: str = "none") -> jax.Array:
     """The tower's last hidden states [b, n, D] of every patch of the batch; ``params``: the model's parameters
-    or its :class:`zoo.lora.weights.Weights` (no adapters reach this tower: pretrain.setup.check_vision_lora);
+    or its :class:`zoo.lora.weights.Weights` (LoRA's ``vision.layers`` adapters run beside their weights);
     ``remat`` wraps each layer of the scan as the decoder's are."""
     w = Weights.wrap(params).base["vision"]
+    part = PartLora.of(params, ("vision", "layers"), TOWER_DROPOUT)
     pixels = 2.0 * (inputs.patches.astype(jnp.float32) - 0.5)
     x = dense(pixels.astype(w["patch_embed"].dtype), w["patch_embed"])
     col, row = inputs.patch_pos % v.pos_table, inputs.patch_pos // v.pos_table
@@ -111,10 +124,10 @@ def tower(v: VisionConfig, params: Any, inputs: VisionInputs, remat: str = "none
     x = x + jnp.where(inputs.patch_valid[..., None], pos, 0).astype(x.dtype)
     img = inputs.patch_image
     visible = (img[:, :, None] == img[:, None, :]) & inputs.patch_valid[:, None, :]
-    layer: Callable[..., Any] = partial(_layer, v, visible[:, None], _rope_2d(v, inputs.patch_pos))
+    layer: Callable[..., Any] = partial(_layer, v, visible[:, None], _rope_2d(v, inputs.patch_pos), part)
     if remat != "none":
         layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    x, _ = jax.lax.scan(layer, x, w["layers"])
+    x, _ = jax.lax.scan(layer, x, (w["layers"], part.adapters, part.keys(v.num_layers)))
     return x
 
 
@@ -134,7 +147,8 @@ def connector(v: VisionConfig, params: Any, h: jax.Array, inputs: VisionInputs) 
             jax.lax.stop_gradient(w["std_scale"]).astype(jnp.float32)
     pooled = pooled.astype(h.dtype)
     normed = rms_norm(pooled, jnp.ones((d,), h.dtype), v.norm_eps)
-    return dense(normed, base["projector"]["proj"])
+    lora = PartLora.of(params, ("projector",), PROJECTOR_DROPOUT).whole()
+    return adapted_dense(normed, base["projector"]["proj"], lora, "proj")
 
 
 def encode_gemma4(cfg: ModelConfig, params: Any, inputs: VisionInputs, remat: str = "none") -> jax.Array:

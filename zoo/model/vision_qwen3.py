@@ -19,6 +19,11 @@ patch's row and column in ``patch_pos``), and the tower shares that one's 2-D Ro
 
 The layers are scanned in pieces that end at the DeepStack layers (three in the releases), so the program's size
 grows with the levels, never with the depth.
+
+LoRA (``vision.*``, ``projector.fc1``/``fc2`` and ``projector.deepstack.fc1``/``fc2`` targets:
+:mod:`zoo.lora.vision_targets`) adds its adapters beside the fused qkv (one adapter, as peft adapts the one
+``attn.qkv`` Linear), ``o``, fc1 and fc2 of each layer, and the mergers' fc1 and fc2 (the DeepStack mergers' stacked
+over the levels, as their weights).
 """
 
 from __future__ import annotations
@@ -31,12 +36,20 @@ import jax
 import jax.numpy as jnp
 
 from zoo.layers.blocks import ACTIVATIONS, dense, layer_norm
+from zoo.lora.projections import (
+    DEEPSTACK_DROPOUT,
+    PROJECTOR_DROPOUT,
+    TOWER_DROPOUT,
+    LayerLora,
+    PartLora,
+    adapted_dense,
+)
 from zoo.lora.weights import Weights
 from zoo.model.layer_scan import REMAT_POLICIES, stack_slice
 from zoo.model.sharding import batch_sharded
 from zoo.model.vision_config import VisionConfig
 from zoo.model.vision_inputs import VisionInputs
-from zoo.model.vision_qwen import HW_STRIDE, group_patches, qwen_attention, qwen_masks, qwen_rope
+from zoo.model.vision_qwen import HW_STRIDE, group_patches, merger_mlp, qwen_attention, qwen_masks, qwen_rope
 
 NORM_EPS = 1e-6  # transformers' Qwen3-VL tower and mergers fix their LayerNorms' epsilon
 
@@ -70,61 +83,72 @@ def position_embeddings(v: VisionConfig, table: jax.Array, inputs: VisionInputs,
     return (gathered * weight[..., None]).sum(axis=2)
 
 
-def _layer(v: VisionConfig, rope: tuple[jax.Array, jax.Array], visible: jax.Array, x: jax.Array,
-           p: dict[str, jax.Array]) -> tuple[jax.Array, None]:
-    """One block: x + attention(LayerNorm(x)) within its image, then x + fc2(act(fc1(LayerNorm(x))))."""
+def _layer(v: VisionConfig, rope: tuple[jax.Array, jax.Array], visible: jax.Array, part: PartLora, x: jax.Array,
+           inputs: tuple[dict[str, jax.Array], dict | None, jax.Array | None]) -> tuple[jax.Array, None]:
+    """One block: x + attention(LayerNorm(x)) within its image, then x + fc2(act(fc1(LayerNorm(x)))); ``inputs``:
+    the layer's weights, its LoRA adapters (or None) and dropout key (or None)."""
+    p, adapters, key = inputs
+    lora = part.layer(adapters, key)
     x = batch_sharded(x, sequence=False)  # each chip its own rows' patches (zoo.model.vision's towers alike)
     h = layer_norm(x, p["attn_norm"], p["attn_norm_bias"], NORM_EPS)
-    x = batch_sharded(x + qwen_attention(v, rope, visible, h, p), sequence=False)
+    x = batch_sharded(x + qwen_attention(v, rope, visible, h, p, lora), sequence=False)
     h = layer_norm(x, p["mlp_norm"], p["mlp_norm_bias"], NORM_EPS)
-    h = ACTIVATIONS[v.hidden_act](dense(h, p["up"]) + p["up_bias"])
-    return batch_sharded(x + dense(h, p["down"]) + p["down_bias"], sequence=False), None
+    h = ACTIVATIONS[v.hidden_act](adapted_dense(h, p["up"], lora, "up") + p["up_bias"])
+    return batch_sharded(x + adapted_dense(h, p["down"], lora, "down") + p["down_bias"], sequence=False), None
 
 
-def qwen3_tower(v: VisionConfig, params: dict[str, Any], inputs: VisionInputs,
+def qwen3_tower(v: VisionConfig, params: Any, inputs: VisionInputs,
                 remat: str = "none") -> tuple[jax.Array, list[jax.Array]]:
     """(the tower's last hidden states [b, n, D], the states after each DeepStack layer, in order) of every patch
-    of the batch; ``remat`` (:data:`zoo.model.layer_scan.REMAT_POLICIES`) wraps each layer as the decoder's."""
-    w = params["vision"]
+    of the batch; ``params``: the model's parameters or its :class:`zoo.lora.weights.Weights` (LoRA's
+    ``vision.layers`` adapters beside their weights); ``remat`` (:data:`zoo.model.layer_scan.REMAT_POLICIES`)
+    wraps each layer as the decoder's."""
+    w = Weights.wrap(params).base["vision"]
+    part = PartLora.of(params, ("vision", "layers"), TOWER_DROPOUT)
+    stacked = (w["layers"], part.adapters, part.keys(v.num_layers))
     x = dense(inputs.patches.astype(w["patch_embed"].dtype), w["patch_embed"]) + w["patch_bias"]
     row, col = inputs.patch_pos // HW_STRIDE, inputs.patch_pos % HW_STRIDE
     x = x + position_embeddings(v, w["pos_embed"], inputs, row, col).astype(x.dtype)
     # No windows (VisionConfig.window_patches is 0): every layer attends within each whole image.
-    layer: Callable[..., Any] = partial(_layer, v, qwen_rope(v, row, col), qwen_masks(v, inputs, row, col)[0])
+    layer: Callable[..., Any] = partial(_layer, v, qwen_rope(v, row, col), qwen_masks(v, inputs, row, col)[0], part)
     if remat != "none":
         layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat], prevent_cse=False)
     levels, start = [], 0
     for stop in (*(i + 1 for i in v.deepstack_layers), v.num_layers):  # one scan a piece between the levels
         if stop > start:
-            x, _ = jax.lax.scan(layer, x, stack_slice(w["layers"], start, stop - start))
+            x, _ = jax.lax.scan(layer, x, stack_slice(stacked, start, stop - start))
         levels.append(x)
         start = stop
     return x, levels[:-1]
 
 
 def _merger(v: VisionConfig, w: dict[str, jax.Array], h: jax.Array, inputs: VisionInputs,
-            postshuffle: bool) -> jax.Array:
+            postshuffle: bool, lora: LayerLora | None) -> jax.Array:
     """A patch merger of patch states h [b, n, D] -> [b, n / group, hidden]: LayerNorm per patch (or, with
-    ``postshuffle``, after each token's group is concatenated: the DeepStack mergers), fc1 -> gelu -> fc2."""
+    ``postshuffle``, after each token's group is concatenated: the DeepStack mergers), fc1 -> gelu -> fc2 (with
+    their LoRA adapters where ``lora`` has them)."""
     if postshuffle:
         x = layer_norm(group_patches(v, h, inputs), w["norm"], w["norm_bias"], NORM_EPS)
     else:
         x = group_patches(v, layer_norm(h, w["norm"], w["norm_bias"], NORM_EPS), inputs)
-    x = dense(x, w["fc1"]) + w["fc1_bias"]
-    return dense(ACTIVATIONS["gelu"](x), w["fc2"]) + w["fc2_bias"]
+    return merger_mlp(w, x, lora)
 
 
 def encode_qwen3(v: VisionConfig, params: Any, inputs: VisionInputs,
                  remat: str = "none") -> tuple[jax.Array, jax.Array | None]:
     """(the image features [b, max_patches / group, hidden] of a batch's rows in the order of their image tokens,
     the DeepStack features [levels, b, max_patches / group, hidden] in the same order, or None without levels).
-    ``params``: the model's parameters or its :class:`zoo.lora.weights.Weights`, whose base alone the tower reads
-    (LoRA on this tower is not supported)."""
-    base = Weights.wrap(params).base
-    last, levels = qwen3_tower(v, base, inputs, remat)
-    w = base["projector"]
-    features = _merger(v, {k: a for k, a in w.items() if k != "deepstack"}, last, inputs, postshuffle=False)
+    ``params``: the model's parameters or its :class:`zoo.lora.weights.Weights` (the tower's and the mergers'
+    adapters beside their weights)."""
+    last, levels = qwen3_tower(v, params, inputs, remat)
+    w = Weights.wrap(params).base["projector"]
+    main = PartLora.of(params, ("projector",), PROJECTOR_DROPOUT).whole()
+    features = _merger(v, {k: a for k, a in w.items() if k != "deepstack"}, last, inputs, False, main)
     if not levels:
         return features, None
-    deep = jax.vmap(lambda p, h: _merger(v, p, h, inputs, postshuffle=True))(w["deepstack"], jnp.stack(levels))
-    return features, deep
+    deep = PartLora.of(params, ("projector", "deepstack"), DEEPSTACK_DROPOUT)
+
+    def level(p: dict[str, jax.Array], h: jax.Array, adapters: dict | None, key: jax.Array | None) -> jax.Array:
+        return _merger(v, p, h, inputs, True, deep.layer(adapters, key))
+
+    return features, jax.vmap(level)(w["deepstack"], jnp.stack(levels), deep.adapters, deep.keys(len(levels)))
