@@ -10,6 +10,7 @@ from functools import partial
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from eval.generate import Sampler
@@ -25,11 +26,21 @@ from zoo.model.vision import VisionInputs
 GREEDY = Sampler(0.0, 0, 1.0)
 
 
-def rollout_key(seed: int, step: Any, held_out: bool = False) -> jax.Array:
+def rollout_key(seed: int, step: Any, held_out: Any = False) -> jax.Array:
     """The sampling key of a step: its own stream (LoRA dropout folds the step into key(seed)); held-out
-    prompts' samples have another, so evaluating never changes what training draws."""
+    prompts' samples have another, so evaluating never changes what training draws. ``held_out`` may be traced
+    (a bool array): one sampler program then serves both streams, with the same keys."""
     root = jax.random.fold_in(jax.random.key(seed), 0x67727)
-    return jax.random.fold_in(jax.random.fold_in(root, 0xE7A1) if held_out else root, step)
+    held = jax.random.fold_in(root, 0xE7A1)
+    if isinstance(held_out, bool):
+        return jax.random.fold_in(held if held_out else root, step)
+    data = jnp.where(held_out, jax.random.key_data(held), jax.random.key_data(root))
+    return jax.random.fold_in(jax.random.wrap_key_data(data, impl=jax.random.key_impl(root)), step)
+
+
+def _step_key(seed: int, key_input: tuple[Any, Any]) -> jax.Array:
+    """:func:`rollout_key` of a sampler's key input (step, held out)."""
+    return rollout_key(seed, key_input[0], key_input[1])
 
 
 class Programs:
@@ -51,11 +62,10 @@ class Programs:
         def prompts(tokens: jax.Array, seg: jax.Array) -> tuple[jax.Array, jax.Array]:
             return tokens.reshape(b, -1), seg.reshape(b, -1) > 0
 
-        # (weights, step, tokens, segment ids): the step's draws; held-out prompts (grpo/held_out.py): the run's
-        # sampling on their own key stream, and greedy, one completion per prompt (a group of one).
-        self.sample = self.engine.program(self.spec, prompts, partial(rollout_key, cfg.seed), self._images)
-        self.sample_held_out = self.engine.program(self.spec, prompts, partial(rollout_key, cfg.seed, held_out=True),
-                                                   self._images)
+        # (weights, (step, held out), tokens, segment ids): the step's draws, and held-out prompts' (grpo/held_out.py)
+        # with the run's sampling on their own key stream: one program, the stream chosen by a traced flag; and
+        # greedy, one completion per prompt (a group of one).
+        self.sample = self.engine.program(self.spec, prompts, partial(_step_key, cfg.seed), self._images)
         greedy = RolloutSpec(1, self.spec.new_tokens, GREEDY, eos_ids)
         self.sample_greedy = self.engine.program(greedy, prompts, partial(rollout_key, cfg.seed, held_out=True),
                                                  self._images)

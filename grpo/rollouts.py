@@ -208,8 +208,11 @@ class Rollouts:
                 vision: VisionBatch | None = None) -> Drawn:
         """One completion per row from the sampler of ``mode`` (:meth:`complete`), with the prompts' images."""
         p = self.programs
-        sample = {"train": p.sample, "held_out": p.sample_held_out, "greedy": p.sample_greedy}[mode]
-        completions, sampler_logps, lengths = sample(weights, np.int32(step), rows["tokens"],
+        if mode == "greedy":
+            sample, key_input = p.sample_greedy, np.int32(step)
+        else:  # training's and held-out prompts' draws: one program, the key stream a flag (grpo/programs.py)
+            sample, key_input = p.sample, (np.int32(step), np.bool_(mode == "held_out"))
+        completions, sampler_logps, lengths = sample(weights, key_input, rows["tokens"],
                                                      rows["tokens_segment_ids"], vision=vision)
         comp_h, len_h = to_host(completions), to_host(lengths)
         ended = np.isin(comp_h[np.arange(len(len_h)), len_h - 1], p.spec.eos_ids)

@@ -60,7 +60,7 @@ def grpo_draws(ckpt: Path, rows: list[dict[str, Any]], path: Path, seq_len: int 
     first = programs[layouts[0]]
 
     def run(params, tokens, seg, vision):
-        completions, sampler, lengths = first.sample(params, np.int32(1), tokens, seg, vision=vision)
+        completions, sampler, lengths = first.sample(params, (np.int32(1), np.bool_(False)), tokens, seg, vision=vision)
         update = {}
         for grouped, q in programs.items():
             batch = q.layout(tokens, seg, completions, lengths, sampler, jnp.zeros(b), jnp.ones(b, bool), None,
