@@ -104,14 +104,14 @@ class KTOTask(DPOTask[KTOBatch]):
         """The rows of ``path`` as unpaired (prompt, completion, label) rows, paired rows unpacked as TRL does."""
         ds, _ = load_dataset_rows(path, cfg.data.split)
         column = image_column(list(ds.column_names))
-        self.files[path] = ds  # its columns: whether the rows have images (DPOTask._image_pairs)
+        self.files[path] = ds  # its columns: whether the rows have images (DPOTask._image_pairs), by RowSource.path
         return RowSource(unpaired_rows(ds, kto_columns(list(ds.column_names), path), column), "kto", path)
 
     def row_documents(self, rows: RowSource, tokenizer: Tokenizer, path: str, skip_bad: bool,
                       indices: list[int] | None = None) -> tuple[dict[int, dict[str, np.ndarray]], int, set[int]]:
         """Each row's completion and its mismatched completion in the pair layout, with its label; rows with
         images on a vision-language model keep them in their prompts (prefs/image_pairs.py)."""
-        images = self._image_pairs(RowSource(self.files[path], "kto", path), tokenizer, path)
+        images = self._image_pairs(RowSource(self.files[rows.path], "kto", rows.path), tokenizer, path)
         return kto_documents(rows.ds, indices, tokenizer, self.chat_template, path, skip_bad, self.max_len,
                              self.drop_long, self.shared_prompt, self.chunk, images)
 

@@ -161,3 +161,34 @@ def test_bad_kto_image_row_is_one_line(vlm, tmp_path, capsys):
                                                  f"data.path={bad}"))
     assert err.startswith(f"{bad}, line 2: ") and "nowhere.png" in err
     assert not (out / "metrics.jsonl").exists()
+
+
+def test_gkd_with_images_step_one_equals_trl_on_transformers(vlm, tmp_path):
+    """`sft train` with distill.teacher (offline GKD) on prompt/completion rows with images, the seed-1 SmolVLM
+    distilled from the seed-0 one: step 1's loss is TRL's generalized JSD (tests/test_distill.py's transcription
+    of GKDTrainer.generalized_jsd_loss) on both transformers models' logits at the completion's tokens, each model
+    reading the processor's pixels."""
+    import torch
+
+    from sft.cli import main as sft_main
+    from tests.test_distill import trl_generalized_jsd
+
+    data = tmp_path / "sft.jsonl"
+    for name in vlm.names:
+        shutil.copy(vlm.root / name, tmp_path / name)
+    write_jsonl(data, [{"prompt": p, "completion": [{"role": "assistant", "content": a[0]}], "images": [n]}
+                       for p, a, n in zip(PROMPTS, ANSWERS, vlm.names)])
+    out = tmp_path / "gkd"
+    assert sft_main(["train", f"model.path={vlm.root / 'reference'}", f"data.path={data}", "data.seq_len=80",
+                     "batch_size=2", "max_steps=1", "log_every=1", "checkpoint.every=100", f"output_dir={out}",
+                     f"distill.teacher={vlm.root / 'policy'}", "distill.beta=0.3", "distill.lmbda=0"]) == 0
+    logits: dict[str, list[np.ndarray]] = {"student": [], "teacher": []}
+    for r in range(len(PROMPTS)):
+        prompt, ids, pixels, mask = _encoded(vlm, r, ANSWERS[r][0])
+        for side, model in (("student", vlm.hf_ref), ("teacher", vlm.hf)):
+            with torch.no_grad():
+                x = model(input_ids=ids[None], pixel_values=pixels, pixel_attention_mask=mask).logits[0]
+            logits[side].append(x.double().numpy()[len(prompt) - 1:-1])  # the positions predicting the completion
+    s, t = (np.concatenate(logits[k])[None] for k in ("student", "teacher"))
+    want = trl_generalized_jsd(s, t, np.zeros(s.shape[:2]), 0.3, 1.0)
+    np.testing.assert_allclose(read_metrics(out)[0]["loss"], want, rtol=1e-5)
