@@ -101,3 +101,19 @@ def check_teacher_tokenizer(cfg: Any, tokenizer: Any) -> None:
     except UserError as e:  # files there that transformers cannot read
         raise UserError(f"{label}: {e}; set distill.teacher_tokenizer to the teacher's tokenizer") from None
     check_same_tokenizer(tokenizer.get_vocab(), teacher_vocab, label)
+
+
+def check_teacher_vision(student: Any, teacher: Any, path: str) -> None:
+    """A teacher of rows with images reads the student's patches: its tower must take the same input (patch
+    layout and image tokens; its width and depth may differ), else one line naming it."""
+    def reads(v: Any) -> tuple:
+        return (v.tower, v.patch_size, v.image_size, v.num_channels, v.scale_factor, v.image_token_id,
+                v.patch_dim, v.patches_per_image, v.tokens_per_image)
+
+    if teacher is None:
+        raise UserError(f"distill.teacher {path}: the rows have images and the teacher has no vision tower; use a "
+                        "vision-language teacher of the student's image processing, or rows without images")
+    if reads(teacher) != reads(student):
+        raise UserError(f"distill.teacher {path}: its vision tower reads images differently from the student's "
+                        f"(tower, patch size, image size, image tokens: {reads(teacher)} vs {reads(student)}); "
+                        "use a teacher with the student's image processing")

@@ -59,8 +59,14 @@ def distill_loss_sums(mcfg: Any, weights: Any, teacher_mcfg: Any, teacher: dict,
     from zoo.model.decoder import forward
     from zoo.model.quant import cast_params
 
-    s_logits = forward(mcfg, weights.cast(compute), mb.inputs, mb.segment_ids, mb.positions, remat=remat)
-    t_logits = forward(teacher_mcfg, cast_params(teacher, compute), mb.inputs, mb.segment_ids, mb.positions)
+    # Rows with images: both models read the batch's patches (the teacher's tower takes the student's input:
+    # distill.config.check_teacher_vision).
+    s_vision, t_vision = ((None, None) if mb.vision is None or mcfg.vision is None or teacher_mcfg.vision is None
+                          else (mb.vision.inputs(mcfg.vision), mb.vision.inputs(teacher_mcfg.vision)))
+    s_logits = forward(mcfg, weights.cast(compute), mb.inputs, mb.segment_ids, mb.positions, remat=remat,
+                       vision=s_vision)
+    t_logits = forward(teacher_mcfg, cast_params(teacher, compute), mb.inputs, mb.segment_ids, mb.positions,
+                       vision=t_vision)
     total, n = jsd_sum_count(s_logits, t_logits, mb.weights > 0, beta)  # no teacher gradient: see generalized_jsd
     data_weights = getattr(mb, "data_weights", None)
     if data_weights is not None:  # sampled completions (distill/online.py): TRL divides by the dataset's count

@@ -19,6 +19,11 @@ both kinds); ``logits/chosen``, ``logits/rejected`` (the mean logit over the com
 
 The reference is DPO's (``base``, a checkpoint path or ``precomputed``: dpo/reference.py), read for both the
 completion and the mismatched completion of a row in the same pass.
+
+Rows with images (a conversational prompt with image parts and an ``images`` column) on a vision-language model
+keep them in the prompt (prefs/image_pairs.py: :meth:`prefs.image_pairs.ImagePairs.tokenize_unpaired`); the
+mismatched completion is another row's text after this row's prompt and images, and the policy and a live
+reference read the batch's patches as DPO's do.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import numpy as np
 
 from chat.images import image_column
 from dpo.config import DPOConfig
-from dpo.task import DPOTask
+from dpo.task import DPOTask, _images
 from prefs.batch import KTOBatch
 from prefs.pairs import CHOSEN, REJECTED
 from prefs.unpaired import check_chunk, kto_columns, kto_documents, unpaired_rows
@@ -42,7 +47,6 @@ from pretrain.task import RowSource, Tokenizer
 from zoo.checkpoints.method_card import MethodCard, settings
 from zoo.data.batching import Document
 from zoo.data.files import load_dataset_rows
-from zoo.errors import UserError
 from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 from zoo.model.logps import batch_logps
@@ -87,6 +91,7 @@ class KTOTask(DPOTask[KTOBatch]):
         # TRL rotates the completions within chunks of one device batch; ours is the micro-batch (all devices)
         self.chunk = cfg.batch_size // cfg.grad_accum
         check_chunk(self.chunk)
+        self.files: dict[str, Any] = {}  # each data file's rows as read (their columns), by path
 
     @classmethod
     def card(cls, cfg: TrainConfig) -> MethodCard:
@@ -99,16 +104,16 @@ class KTOTask(DPOTask[KTOBatch]):
         """The rows of ``path`` as unpaired (prompt, completion, label) rows, paired rows unpacked as TRL does."""
         ds, _ = load_dataset_rows(path, cfg.data.split)
         column = image_column(list(ds.column_names))
-        if column is not None:
-            raise UserError(f"data.path {path}: the rows have images, and dpo.loss_type kto does not read images "
-                            f"yet; use a pair loss (sigmoid, ipo, ...) or remove the {column} column")
-        return RowSource(unpaired_rows(ds, kto_columns(list(ds.column_names), path)), "kto", path)
+        self.files[path] = ds  # its columns: whether the rows have images (DPOTask._image_pairs), by RowSource.path
+        return RowSource(unpaired_rows(ds, kto_columns(list(ds.column_names), path), column), "kto", path)
 
     def row_documents(self, rows: RowSource, tokenizer: Tokenizer, path: str, skip_bad: bool,
                       indices: list[int] | None = None) -> tuple[dict[int, dict[str, np.ndarray]], int, set[int]]:
-        """Each row's completion and its mismatched completion in the pair layout, with its label."""
+        """Each row's completion and its mismatched completion in the pair layout, with its label; rows with
+        images on a vision-language model keep them in their prompts (prefs/image_pairs.py)."""
+        images = self._image_pairs(RowSource(self.files[rows.path], "kto", rows.path), tokenizer, path)
         return kto_documents(rows.ds, indices, tokenizer, self.chat_template, path, skip_bad, self.max_len,
-                             self.drop_long, self.shared_prompt, self.chunk)
+                             self.drop_long, self.shared_prompt, self.chunk, images)
 
     def trainable(self, doc: Document, seq_len: int) -> bool:
         """Whether the row, cut to fit, keeps a trained completion token and a mismatched one for the KL."""
@@ -116,9 +121,10 @@ class KTOTask(DPOTask[KTOBatch]):
         return bool((mask & (seg == CHOSEN)).any() and (mask & (seg == REJECTED)).any())
 
     def batch_layout(self, grad_accum: int, micro: int, seq_len: int) -> KTOBatch:
-        """Pair rows with each row's label; a shared prompt's ``prefix_ids``, precomputed ``ref_logps``."""
+        """Pair rows with each row's label; a shared prompt's ``prefix_ids``, precomputed ``ref_logps``, a
+        vision-language model's images."""
         fields = ("prefix_ids",) * self.shared_prompt + ("ref_logps",) * (self.mode == "precomputed") + ("label",)
-        return KTOBatch.layout((grad_accum, micro, seq_len), fields)
+        return KTOBatch.layout((grad_accum, micro, seq_len), fields, self._vision_layout())
 
     def loss_sums(self, mcfg: ModelConfig, weights: Weights, mb: KTOBatch, compute: Any, remat: str,
                   *, frozen_inputs: dict[str, Any] | None = None, totals: dict[str, Any] | None = None,
@@ -128,7 +134,7 @@ class KTOTask(DPOTask[KTOBatch]):
         label = mb.label
         policy = weights.cast(compute)
         arrays = mb.arrays()
-        pol, mean_logit, aux = batch_logps(mcfg, policy, arrays, remat, max_segments=3)
+        pol, mean_logit, aux = batch_logps(mcfg, policy, arrays, remat, max_segments=3, vision=_images(mcfg, mb))
         ref = self.reference_logps(mcfg, policy.base, mb, frozen_inputs, compute)
         w, seg = mb.weights, mb.segment_ids
         wy, wz = w * (seg == CHOSEN), w * (seg == REJECTED)

@@ -15,6 +15,9 @@ never trained. A pair's row holds its prompt once (shared) or twice (``prompt + 
 its images' frames are laid out once or twice, in the order of the row's image tokens
 (:meth:`chat.image_documents.ImageDocuments.keep`): the chosen and the rejected sequence read the same images.
 
+KTO's unpaired rows with images (:meth:`ImagePairs.tokenize_unpaired`, prefs/unpaired.py) are one prompt and one
+completion, tokenized as KTO tokenizes a conversational row, the prompt's placeholders expanded the same way.
+
 A pair too long for ``data.seq_len`` is cut as a text pair is, the prompt from its left first; a cut that would
 take image tokens is one line naming the row (or, with ``data.long_examples: drop``, the pair is left out).
 """
@@ -26,12 +29,12 @@ from typing import Any, cast
 
 import numpy as np
 
-from chat.formats import BadRow, multimodal_messages, normalize
+from chat.formats import BadRow, Example, multimodal_messages, normalize
 from chat.image_documents import IMAGE_DOC, ImageDocuments
 from chat.images import ImageExpander, ProcessedImage, expand_placeholders
-from chat.loss_masks import TokenizeStats, text_offsets
+from chat.loss_masks import TokenizeStats, bos_head, split_whole, text_offsets
 from chat.templates import ChatTemplate
-from prefs.pairs import CHOSEN, Pair, PairTokens, pair_texts, pair_tokens
+from prefs.pairs import CHOSEN, Pair, PairTokens, chat_texts, pair_texts, pair_tokens
 from zoo.data.images import BadImage, open_image
 from zoo.data.row_origin import row_where
 from zoo.errors import UserError
@@ -67,15 +70,45 @@ class ImagePairs:
         self.pending = {i: (processed, spans)}  # the row pair_documents attaches next (unless it leaves it out)
         return tokens
 
+    def tokenize_unpaired(self, i: int, row: dict[str, Any], tokenizer: Any,
+                          template: ChatTemplate) -> tuple[list[int], list[int], bool]:
+        """(prompt ids, completion ids, label) of KTO's row ``i`` (prefs/unpaired.py) with its images in its
+        prompt, tokenized as :func:`prefs.unpaired.tokenize_row` tokenizes a conversational row, the prompt's
+        image placeholders expanded; its images wait for :meth:`attach`. Raises BadRow naming the problem."""
+        from prefs.unpaired import row_label
+
+        label = row_label(row)
+        ex = image_answer(row, "completion", self.column)
+        prompt, answer = cast(list, ex.prompt), cast(list, ex.completion)
+        if not ex.images:  # parts form, as above
+            prompt, answer = multimodal_messages(prompt, 0), multimodal_messages(answer, 0)
+        prompt_text, answer_text = chat_texts(tokenizer, prompt, answer, template, "completion")
+        placeholder = self.expander.placeholder
+        if placeholder in answer_text:
+            raise BadRow(f"'completion' has {placeholder} in its text; images go in the prompt, as image parts")
+        processed = tuple(self.expander.process(_opened(ref, self.base_dir, f"images[{k}]"))
+                          for k, ref in enumerate(ex.images))
+        text, _, ranges = expand_placeholders(prompt_text, placeholder, [p.text for p in processed], [])
+        head = bos_head(tokenizer, text + answer_text)
+        ids, n, _ = split_whole(text, answer_text, tokenizer)
+        prompt_ids = (head if head and ids[:len(head)] != head else []) + ids[:n]
+        spans = image_spans(text, ranges, tokenizer, head, answer_text)
+        if not ids[n:]:
+            raise BadRow("the completion renders to no token")
+        if spans and spans[-1][1] >= len(prompt_ids):
+            raise BadRow("the prompt ends inside an image; the chat template must write text after it")
+        self.pending[i] = (processed, spans)  # KTO tokenizes a chunk's rows before it attaches them
+        return prompt_ids, ids[n:], label
+
     def attach(self, i: int, whole: PairTokens, kept: PairTokens, doc: dict[str, np.ndarray],
-               shared_prompt: bool) -> None:
+               shared_prompt: bool, line: int | None = None) -> None:
         """Keep the images of row ``i``'s pair (``whole`` as tokenized, ``kept`` as cut to fit) with its document
         ``doc``: its tokens tagged with the row, its frames laid out once a prompt copy. A cut through the images
-        is a UserError naming the row."""
+        is a UserError naming the row (its ``line`` in the file, when not ``i``: KTO's unpacked pairs)."""
         processed, spans = self.pending.pop(i)
         cut = len(whole.prompt) - len(kept.prompt)
         if spans and cut > spans[0][0]:
-            raise UserError(f"{row_where(self.path, i)}: the pair does not fit data.seq_len = {self.seq_len} "
+            raise UserError(f"{row_where(self.path, i if line is None else line)}: the pair does not fit data.seq_len = {self.seq_len} "
                             "without cutting its prompt's images; raise data.seq_len, use smaller images or "
                             "shorter answers, or set data.long_examples: drop")
         at = [(s - cut, e - cut) for s, e in spans]
@@ -91,33 +124,34 @@ class ImagePairs:
 def image_pair(row: dict[str, Any], image_column: str | None = None) -> tuple[Pair, tuple[Any, ...]]:
     """(the pair of a row with images, its contents in parts form; its images in the order of their image parts),
     as TRL places them; raises BadRow naming the problem."""
-    prompt = row.get("prompt")
-    if not isinstance(prompt, list):
-        raise BadRow("a pair with images needs a conversational 'prompt' (a message list) whose user turn holds "
-                     "the images")
-    sides = []
-    for name in ("chosen", "rejected"):
-        answer = row.get(name)
-        if answer is None:
-            raise BadRow(f"field '{name}' is missing")
-        if isinstance(answer, str):
-            answer = [{"role": "assistant", "content": answer}]
-        try:  # the prompt with its images placed, the answer in parts form (chat/formats.py)
-            ex = normalize({**row, "completion": answer}, "prompt_completion", image_column)
-        except BadRow as e:
-            raise BadRow(str(e).replace("'completion'", f"'{name}'")) from None
-        completion = ex.completion if isinstance(ex.completion, list) else []
-        if any(isinstance(m["content"], list) and any(p["type"] == "image" for p in m["content"])
-               for m in completion):
-            raise BadRow(f"'{name}' has an image part; images go in the prompt")
-        sides.append(ex)
-    chosen, rejected = sides
+    chosen, rejected = (image_answer(row, name, image_column) for name in ("chosen", "rejected"))
     if chosen.completion == rejected.completion:
         raise BadRow("'chosen' and 'rejected' are identical (the pair prefers nothing)")
     prompt, c, r = (cast(list, x) for x in (chosen.prompt, chosen.completion, rejected.completion))
     if not chosen.images:  # a row without images is still in parts form, as TRL renders every row of the data
         prompt, c, r = (multimodal_messages(x, 0) for x in (prompt, c, r))
     return Pair(prompt, c, r), chosen.images
+
+
+def image_answer(row: dict[str, Any], name: str, image_column: str | None = None) -> Example:
+    """The prompt of a row with images (its images placed as TRL places them) and its answer ``row[name]`` (a
+    message list, or a string: one assistant turn) in parts form; raises BadRow naming the problem."""
+    if not isinstance(row.get("prompt"), list):
+        raise BadRow("a row with images needs a conversational 'prompt' (a message list) whose user turn holds "
+                     "the images")
+    answer = row.get(name)
+    if answer is None:
+        raise BadRow(f"field '{name}' is missing")
+    if isinstance(answer, str):
+        answer = [{"role": "assistant", "content": answer}]
+    try:  # the prompt with its images placed, the answer in parts form (chat/formats.py)
+        ex = normalize({**row, "completion": answer}, "prompt_completion", image_column)
+    except BadRow as e:
+        raise BadRow(str(e).replace("'completion'", f"'{name}'")) from None
+    completion = ex.completion if isinstance(ex.completion, list) else []
+    if any(isinstance(m["content"], list) and any(p["type"] == "image" for p in m["content"]) for m in completion):
+        raise BadRow(f"'{name}' has an image part; images go in the prompt")
+    return ex
 
 
 def image_spans(prompt: str, ranges: list[tuple[int, int]], tokenizer: Any, head: list[int],

@@ -20,7 +20,7 @@ reading the prompt as a shared prefix, so one forward pass scores both.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -29,6 +29,9 @@ from chat.loss_masks import bos_head, special_affixes, split_whole, with_eos
 from chat.templates import ChatTemplate, as_template
 from prefs.pairs import PairTokens, chat_texts, fit_pair, keeps_meaning, normalize_pair, pair_document
 from zoo.errors import UserError
+
+if TYPE_CHECKING:
+    from prefs.image_pairs import ImagePairs
 
 UNPAIR_BLOCK = 1000  # the rows datasets.map hands TRL's unpair_preference_dataset at once (its default batch)
 
@@ -47,12 +50,12 @@ def kto_columns(columns: list[str], path: str) -> str:
                     f"'chosen' and 'rejected'); columns: {columns}")
 
 
-def unpaired_rows(ds: Any, fmt: str) -> list[dict[str, Any]]:
+def unpaired_rows(ds: Any, fmt: str, image_column: str | None = None) -> list[dict[str, Any]]:
     """The rows as (prompt, completion, label) dicts, paired rows unpacked in TRL's order (the module docstring);
-    each keeps ``line``, its row index in the file (for error messages)."""
+    each keeps ``line``, its row index in the file (for error messages), and its images (``image_column``)."""
     if fmt == "unpaired":
-        return [{"prompt": r.get("prompt"), "completion": r.get("completion"), "label": r.get("label"), "line": i}
-                for i, r in enumerate(ds)]
+        return [{"prompt": r.get("prompt"), "completion": r.get("completion"), "label": r.get("label"), "line": i,
+                 **({image_column: r.get(image_column)} if image_column else {})} for i, r in enumerate(ds)]
     rows = [dict(r) for r in ds]
     out = []
     for start in range(0, len(rows), UNPAIR_BLOCK):
@@ -60,17 +63,23 @@ def unpaired_rows(ds: Any, fmt: str) -> list[dict[str, Any]]:
         for side, label in (("chosen", True), ("rejected", False)):
             for i, r in block:
                 out.append({"prompt": r.get("prompt"), "completion": r.get(side), "label": label, "line": i,
-                            "pair": r})
+                            "pair": r, **({image_column: r.get(image_column)} if image_column else {})})
     return out
 
 
-def tokenize_row(row: dict[str, Any], tokenizer: Any, template: ChatTemplate) -> tuple[list[int], list[int], bool]:
-    """(prompt ids, completion ids, label) of one KTO row; raises BadRow when it is unusable."""
+def row_label(row: dict[str, Any]) -> bool:
+    """A KTO row's label; raises BadRow when it is missing or not a boolean."""
     label = row.get("label")
     if label is None:
         raise BadRow("field 'label' is missing (true for a desirable completion, false for an undesirable one)")
     if not isinstance(label, bool):
         raise BadRow(f"field 'label' is {label!r}, not true or false")
+    return label
+
+
+def tokenize_row(row: dict[str, Any], tokenizer: Any, template: ChatTemplate) -> tuple[list[int], list[int], bool]:
+    """(prompt ids, completion ids, label) of one KTO row; raises BadRow when it is unusable."""
+    label = row_label(row)
     prompt, completion = row.get("prompt"), row.get("completion")
     if "pair" in row and prompt is None:  # an implicit-prompt pair: its common first messages are the prompt
         p = normalize_pair(row["pair"])
@@ -105,10 +114,13 @@ def tokenize_row(row: dict[str, Any], tokenizer: Any, template: ChatTemplate) ->
 
 def kto_documents(rows: list[dict[str, Any]], indices: list[int] | None, tokenizer: Any,
                   chat_template: ChatTemplate | str | None, path: str, skip_bad: bool, max_len: int, drop_long: bool,
-                  shared_prompt: bool, chunk: int) -> tuple[dict[int, dict[str, np.ndarray]], int, set[int]]:
+                  shared_prompt: bool, chunk: int, images: ImagePairs | None = None
+                  ) -> tuple[dict[int, dict[str, np.ndarray]], int, set[int]]:
     """(documents by row index, bad rows skipped, rows too long) of the rows at ``indices`` (default all), each
     with its ``label`` (1.0 or 0.0 on every token). ``chunk``: the micro-batch's rows, the size of the chunks the
-    KL completions rotate within (over ALL rows, whatever ``indices``)."""
+    KL completions rotate within (over ALL rows, whatever ``indices``). ``images`` (prefs/image_pairs.py): rows
+    with images on a vision-language model, each row's images in its prompt (the mismatched completion is another
+    row's text, read after this row's prompt and images)."""
     from zoo.data.row_origin import bad_row
 
     template = as_template(chat_template)
@@ -118,7 +130,8 @@ def kto_documents(rows: list[dict[str, Any]], indices: list[int] | None, tokeniz
     def tokens(i: int) -> tuple[list[int], list[int], bool] | None:
         if i not in cache:
             try:
-                cache[i] = tokenize_row(rows[i], tokenizer, template)
+                cache[i] = (tokenize_row(rows[i], tokenizer, template) if images is None
+                            else images.tokenize_unpaired(i, rows[i], tokenizer, template))
             except BadRow as e:
                 if not skip_bad:
                     raise bad_row(path, int(rows[i]["line"]), e) from None
@@ -144,6 +157,8 @@ def kto_documents(rows: list[dict[str, Any]], indices: list[int] | None, tokeniz
             if drop_long:
                 continue
         doc = pair_document(kept, shared_prompt)
+        if images is not None:  # its images kept, its tokens tagged (or a UserError: a cut through its images)
+            images.attach(i, whole, kept, doc, shared_prompt, int(rows[i]["line"]))
         if cut and not keeps_meaning(whole, kept):
             doc["loss_mask"][:] = False
         doc["label"] = np.full(len(doc["tokens"]), float(label), np.float32)

@@ -20,10 +20,19 @@ class RmSection:
 
 
 @dataclass
+class RmDataSection(ChatDataSection):
+    """A reward model's data keys: the chat template's, and the patch budget of pairs with images."""
+
+    # pairs with images (a vision-language model): the patches a row holds at most (its images' frames, twice where
+    # the prompt is not shared, times the tower's patches per frame); None: the largest row's (prefs/image_pairs.py)
+    max_patches: int | None = field(default=None, metadata={"range": "[1, inf)"})
+
+
+@dataclass
 class RMConfig(TrainConfig):
     """Everything a reward-model run needs (`reward train`)."""
 
     UNREAD: ClassVar[tuple[Unread, ...]] = (*COMMON_UNREAD, TEXT_FIELD_UNREAD, *layout_unread("reward train"))
 
-    data: ChatDataSection = field(default_factory=ChatDataSection)
+    data: RmDataSection = field(default_factory=RmDataSection)
     rm: RmSection = field(default_factory=RmSection)

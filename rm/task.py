@@ -13,6 +13,8 @@ A batch row is one preference pair in DPO's layout (prefs/pairs.py): the prompt 
 prompt + rejected as two segments reading it as a shared prefix, so a pair costs one forward pass over
 ``prompt + chosen + rejected + 1`` tokens, and each sequence's score reads the hidden state of its own last token.
 Each row ends with one padding token so that the rejected sequence's last token is an input position.
+Pairs with images on a vision-language model keep them in the prompt, as DPO's (prefs/image_pairs.py,
+prefs/image_rows.py): both sequences read the row's patches.
 
 The loss (Stiennon et al. 2020, "Learning to summarize from human feedback", arXiv:2009.01325; Ouyang et al.
 2022, arXiv:2203.02155) per pair is ``-logsigmoid(r_c - r_r - margin)`` (``margin``: the pair's
@@ -39,6 +41,7 @@ from jax.typing import DTypeLike
 from chat.config import chat_template_of
 from chat.formats import BadRow
 from prefs.batch import PairBatch
+from prefs.image_rows import PairImageRows
 from prefs.pairs import CHOSEN, REJECTED, load_pair_rows, pair_documents, shared_prompt_layout
 from pretrain.batch import FLOAT
 from pretrain.config import TrainConfig
@@ -72,12 +75,13 @@ def pair_scores(mcfg: ModelConfig, params: dict[str, Any] | Weights, mb: PairBat
                 remat: str = "none") -> tuple[jax.Array, jax.Array, jax.Array]:
     """(chosen scores [rows], rejected scores [rows], the MoE router loss or 0) of a batch of pair rows: the score
     head on each sequence's last non-padding token (``params``: the base or :class:`zoo.lora.weights.Weights`,
-    already in the compute dtype)."""
+    already in the compute dtype); a vision-language model reads the batch's images."""
     from zoo.model.decoder import forward
 
     moe = mcfg.num_experts > 0
+    vision = None if mb.vision is None or mcfg.vision is None else mb.vision.inputs(mcfg.vision)
     out = forward(mcfg, params, mb.inputs, mb.segment_ids, mb.positions, return_aux=moe, remat=remat,
-                  return_hidden=True, prefix_ids=mb.prefix_ids)
+                  return_hidden=True, prefix_ids=mb.prefix_ids, vision=vision)
     hidden, aux = cast(tuple[jax.Array, dict[str, Any]], out) if moe else (cast(jax.Array, out), None)
     # With LoRA the head trains whole beside the adapters (zoo.lora.params.whole_weights), in the compute dtype as the
     # full model's would.
@@ -90,7 +94,7 @@ def pair_scores(mcfg: ModelConfig, params: dict[str, Any] | Weights, mb: PairBat
     return scores[0], scores[1], aux["loss"] if aux is not None else jnp.float32(0.0)
 
 
-class RewardTask(Task[RewardBatch]):
+class RewardTask(PairImageRows, Task[RewardBatch]):
     """A Bradley-Terry reward model on (prompt, chosen, rejected) rows (module docstring)."""
 
     method = "reward"
@@ -101,11 +105,12 @@ class RewardTask(Task[RewardBatch]):
 
     def __init__(self, cfg: RMConfig):
         super().__init__(cfg)
-        self.rm = cfg.rm
+        self.cfg, self.rm = cfg, cfg.rm
         self.chat_template = chat_template_of(cfg)
         self.max_len = cfg.data.seq_len  # data.seq_len + 1 tokens a row, the last a padding token (see above)
         self.drop_long = cfg.data.long_examples == "drop"
         self.shared_prompt = True
+        self.init_images()  # rows with images on a vision-language model (prefs/image_rows.py)
 
     @classmethod
     def card(cls, cfg: TrainConfig) -> MethodCard:
@@ -120,11 +125,13 @@ class RewardTask(Task[RewardBatch]):
 
     def documents(self, rows: RowSource, tokenizer: Tokenizer, path: str, skip_bad: bool,
                   indices: list[int] | None = None) -> Documents:
-        """One row per usable pair, ending with a padding token, each with its margin (0 without the column)."""
+        """One row per usable pair, ending with a padding token, each with its margin (0 without the column);
+        rows with images on a vision-language model keep them (prefs/image_pairs.py)."""
         from zoo.data.row_origin import bad_row
 
         docs, bad, too_long = pair_documents(indexed_rows(rows.ds, indices), tokenizer, self.chat_template, path,
-                                             skip_bad, self.max_len, self.drop_long, self.shared_prompt)
+                                             skip_bad, self.max_len, self.drop_long, self.shared_prompt,
+                                             self.image_pairs(rows, tokenizer, path))
         has_margin = self.rm.margin_field in rows.ds.column_names
         out = {}
         for i, d in docs.items():
@@ -168,12 +175,15 @@ class RewardTask(Task[RewardBatch]):
         return mcfg, {**{k: v for k, v in params.items() if k != "lm_head"}, "score": arrays.made(draw)}
 
     def prepare(self, ctx: RunContext) -> None:
-        """The pair layout (one copy of the prompt, except for models with sliding-window layers)."""
+        """The pair layout (one copy of the prompt, except for models with sliding-window layers), the tower."""
         self.shared_prompt = shared_prompt_layout(True, ctx.mcfg)
+        self.vision = ctx.mcfg.vision
 
     def batch_layout(self, grad_accum: int, micro: int, seq_len: int) -> RewardBatch:
-        """Pair rows with each pair's margin (and a shared prompt's ``prefix_ids``)."""
-        return RewardBatch.layout((grad_accum, micro, seq_len), ("prefix_ids",) * self.shared_prompt + ("margin",))
+        """Pair rows with each pair's margin (and a shared prompt's ``prefix_ids``, a vision-language model's
+        images)."""
+        return RewardBatch.layout((grad_accum, micro, seq_len), ("prefix_ids",) * self.shared_prompt + ("margin",),
+                                  self.vision_layout())
 
     def loss_sums(self, mcfg: ModelConfig, weights: Weights, mb: RewardBatch, compute: Any, remat: str, *,
                   frozen_inputs: Any = None, totals: Any = None, step: jax.Array | None = None) -> LossOutput:

@@ -4,9 +4,11 @@ dpo's KTO is by ``dpo.loss_type``: `sft train` lists them before SFTTask (sft/cl
 
 - :class:`GKDTask`: ``distill.teacher`` with no sampled completions (``lmbda`` 0, no ``seq_kd``): SFT's rows,
   packed as SFT packs them, trained on the teacher's token distributions (the generalized JSD,
-  distill/losses.py);
+  distill/losses.py); rows with images on a vision-language student and teacher (reading the same patches) give
+  both models the rows' images;
 - :class:`OnlineGKDTask`: with sampled completions: an online task that makes each step's batch itself, one
-  example per row, from the dataset's rows and the student's (or the teacher's) samples (distill/online.py).
+  example per row, from the dataset's rows and the student's (or the teacher's) samples (distill/online.py); its
+  samplers take no images yet (rows with images are one line).
 """
 
 from __future__ import annotations
@@ -15,15 +17,16 @@ from typing import Any, cast
 
 import jax
 
+from chat.images import image_column
 from distill.batch import DistillBatch
-from distill.config import check_teacher_tokenizer, load_teacher
+from distill.config import check_teacher_tokenizer, check_teacher_vision, load_teacher
 from distill.losses import distill_loss_sums
 from distill.online import Sampling, sampling
 from pretrain.batch import Rollout, TokenBatch
 from pretrain.config import TrainConfig
 from pretrain.dtypes import DTYPES
 from pretrain.metrics import LossOutput
-from pretrain.task import ReadContext, RowSource, RunContext
+from pretrain.task import Documents, ReadContext, RowSource, RunContext, Tokenizer
 from sft.config import SFTConfig
 from sft.task import SFTTask
 from zoo.errors import UserError
@@ -34,7 +37,6 @@ from zoo.model.config import ModelConfig
 class GKDTask(SFTTask):
     """SFT rows trained on ``distill.teacher``'s token distributions (module docstring)."""
 
-    reads_images = False  # the teacher's forward and the sampler take no images yet
 
     @classmethod
     def handles(cls, cfg: TrainConfig) -> bool:
@@ -57,8 +59,17 @@ class GKDTask(SFTTask):
     def prepare(self, ctx: RunContext) -> dict[str, Any]:
         """The frozen teacher's params (the step's frozen inputs), read onto the run's mesh (``--compile-only``:
         their layout, the teacher's config read without weights)."""
+        super().prepare(ctx)  # the student's tower
         self.teacher_mcfg, teacher = load_teacher(ctx)
         return teacher
+
+    def documents(self, rows: RowSource, tokenizer: Tokenizer, path: str, skip_bad: bool,
+                  indices: list[int] | None = None) -> Documents:
+        """SFT's documents; rows with images need a teacher that reads the student's patches (same tower input)."""
+        if image_column(list(rows.ds.column_names)) is not None and self.vision is not None:
+            check_teacher_vision(self.vision, cast(ModelConfig, self.teacher_mcfg).vision,
+                                 str(self.distill.teacher))
+        return super().documents(rows, tokenizer, path, skip_bad, indices)
 
     def read_inputs(self, ctx: ReadContext) -> None:
         """The teacher's tokenizer must be the student's."""
@@ -70,6 +81,9 @@ class OnlineGKDTask(GKDTask):
     student's (probability ``distill.lmbda``) or, with ``distill.seq_kd``, the teacher's completions."""
 
     online = True
+    reads_images = False  # the samplers take no images yet
+    images_refused_by = ("GKD with sampled completions (distill.lmbda, distill.seq_kd)",
+                         "set distill.lmbda: 0 and distill.seq_kd: false")
     packing = "none"  # one example per row: a row's prompt is completed in place
     batch_class = DistillBatch
 

@@ -34,7 +34,8 @@ class SFTTask(Task[TokenBatch]):
     method = "sft"
     packing = "best_fit"  # an example is never cut across rows (its prompt would lose its answer)
     config_class = SFTConfig
-    reads_images: ClassVar[bool] = True  # rows with images on a vision-language model (not yet GKD's)
+    reads_images: ClassVar[bool] = True  # rows with images on a vision-language model (not yet online GKD's)
+    images_refused_by: ClassVar[tuple[str, str]] = ("", "")  # (what does not read images, the fix) if not reads_images
 
     def __init__(self, cfg: SFTConfig):
         super().__init__(cfg)
@@ -78,8 +79,9 @@ class SFTTask(Task[TokenBatch]):
         (chat/image_documents.py)."""
         column = image_column(list(rows.ds.column_names))
         if column is not None and not self.reads_images:
-            raise UserError(f"data.path {path}: the rows have images, and distillation (distill.teacher) does not "
-                            f"read images yet; remove the {column} column or distill.teacher")
+            what, fix = self.images_refused_by
+            raise UserError(f"data.path {path}: the rows have images, and {what} does not read images yet; "
+                            f"remove the {column} column or {fix}")
         if column is not None and self.vision is None:
             refuse_images(rows.ds, column, path, str(self.cfg.model.path))
         if column is not None and self.vision is not None:

@@ -173,7 +173,7 @@ def _one_line_error(capsys, args) -> str:
 def test_bad_image_pairs_are_one_line_naming_the_row(vlm, tmp_path, capsys):
     """Exit 2, one line, before step 1 (no metrics written): naming file and line, a missing image file, more
     images than image parts, a pair too long for data.seq_len without cutting its images, and images on a model
-    with no vision tower; KTO's rows with images, naming the file."""
+    with no vision tower."""
     rows = [{"prompt": PROMPTS[0], "chosen": "Yes.", "rejected": "No.", "images": [vlm.names[0]]},
             {"prompt": PROMPTS[1], "chosen": "Yes.", "rejected": "No.", "images": [vlm.names[0]]}]
     for name in vlm.names:  # image paths are relative to the data file
@@ -192,9 +192,6 @@ def test_bad_image_pairs_are_one_line_naming_the_row(vlm, tmp_path, capsys):
     err = _one_line_error(capsys, [*_args(vlm, out, *common), "data.seq_len=8"])
     assert err.startswith(f"{vlm.root / 'pairs.jsonl'}, line 1: the pair does not fit data.seq_len = 8 without "
                           "cutting its prompt's images")
-    err = _one_line_error(capsys, [*_args(vlm, out, "dpo.loss_type=kto", *common)])
-    assert err.startswith(f"data.path {vlm.root / 'pairs.jsonl'}: the rows have images, and dpo.loss_type kto "
-                          "does not read images yet")
     text_only = tmp_path / "text_only"
     _text_model(text_only, vlm)
     capsys.readouterr()  # the conversion's own output
