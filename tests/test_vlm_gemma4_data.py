@@ -246,8 +246,9 @@ def test_dpo_answer_logps_with_images_equal_transformers(g4, tmp_path):
             np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_eval_multiple_choice_with_images_equals_transformers(g4):
-    """`zoo eval` on a multiple-choice task with images on Gemma 4, one batch of the KV-cache path: a text with no
+    """Slow: `zoo eval` loads and compiles its own prefill (about 20 s on a loaded 2-core machine). `zoo eval` on a multiple-choice task with images on Gemma 4, one batch of the KV-cache path: a text with no
     placeholder (its image before it), one with two placeholders (66 + 55 soft tokens, the question between them)
     and one without images: every choice's log-likelihood is transformers' forward on Gemma4Processor's ids,
     pixels, positions and mm_token_type_ids (each image one bidirectional block on the sliding layers), 1e-4."""
