@@ -68,12 +68,10 @@ class ProcessedImage:
     positions: np.ndarray | None = None
 
     def frames(self) -> list[tuple[np.ndarray, np.ndarray | None]]:
-        """(pixels [C, S, S], pixel mask [S, S] or None) of each frame, in the order of its image tokens (`zoo eval`'s
-        prompts). Raises UserError for Gemma 4's images, which are patches with positions (:meth:`patches`)."""
-        if self.positions is not None:
-            raise UserError("`zoo eval` with images on Gemma 4 is not supported yet (its images are patches with "
-                            "positions, not the square frames eval reads); SFT, DPO and `zoo generate --image` "
-                            "take them")
+        """(pixels [C, S, S], pixel mask [S, S] or None) of each frame of a square-frame family's image (SmolVLM's
+        tiles then the whole image, Gemma 3's one frame), in the order of its image tokens. Qwen's and Gemma 4's
+        images are patches (:meth:`patches`, which every family's callers read: `zoo eval`, GRPO, generation)."""
+        assert self.grid_thw is None and self.positions is None, "frames() of a patch image: read patches()"
         return [(pixels, None if self.pixel_attention_mask is None else self.pixel_attention_mask[f])
                 for f, pixels in enumerate(self.pixel_values)]
 
@@ -112,9 +110,12 @@ class ImageExpander:
     """A family's image processor (PIL backend) and how its processor writes one image into the text."""
 
     def __init__(self, image_processor: Any, placeholder: str, expansion: Expansion,
-                 call_kwargs: dict[str, Any] | None = None):
+                 call_kwargs: dict[str, Any] | None = None, around: tuple[str, str] = ("", "")):
         self.image_processor, self.placeholder, self.expansion = image_processor, placeholder, expansion
         self.call_kwargs = call_kwargs or {}
+        # What the chat template writes around a placeholder (Qwen: <|vision_start|>, <|vision_end|>): a plain-text
+        # prompt without placeholders gets each image so (text_prompt).
+        self.around = around
 
     @classmethod
     def from_folder(cls, folder: str | Path, tokenizer: Any, **overrides: Any) -> ImageExpander:
@@ -134,7 +135,8 @@ class ImageExpander:
             raise UserError(f"{folder}: the image processor {family} is not supported yet; "
                             f"supported: {', '.join(sorted(_FAMILIES))}")
         placeholder, expansion, kwargs = _FAMILIES[family](folder, tokenizer, processor)
-        return cls(processor, placeholder, expansion, kwargs)
+        return cls(processor, placeholder, expansion, kwargs, _qwen_around(folder, tokenizer)
+                   if family == "Qwen2VLImageProcessor" else ("", ""))
 
     def process(self, image: Any) -> ProcessedImage:
         """The pixels of one RGB PIL image and its expansion."""
@@ -185,14 +187,16 @@ class ImageExpander:
                     base_dir: str | Path) -> tuple[str, tuple[ProcessedImage, ...]]:
         """(text, processed images) of a plain-text prompt with images: each image at its placeholder
         (``<image>``) in ``text``, or, when the text has none, all of them before it (where TRL puts a turn's
-        images). Raises BadRow when the placeholders are not one per image, or an image cannot be read."""
+        images), each written as the chat template writes an image part (Qwen: ``<|vision_start|><|image_pad|>
+        <|vision_end|>``, so that two images' runs stay two images). Raises BadRow when the placeholders are not
+        one per image, or an image cannot be read."""
         found = text.count(self.placeholder)
         if found and found != len(images):
             raise BadRow(f"the prompt has {found} {self.placeholder} placeholder(s) for {len(images)} image(s); put "
                          f"one {self.placeholder} where each image goes, or none (the images then go before the text)")
         processed = tuple(self.process(_opened(ref, base_dir, f"images[{i}]")) for i, ref in enumerate(images))
         if not found:
-            text = self.placeholder * len(processed) + text
+            text = "".join(self.around[0] + self.placeholder + self.around[1] for _ in processed) + text
         text, _, _ = expand_placeholders(text, self.placeholder, [p.text for p in processed], [])
         return text, processed
 
@@ -306,6 +310,15 @@ def _qwen2_vl(folder: Path, tokenizer: Any, processor: Any) -> tuple[str, Expans
         return image * (int(np.prod(out["image_grid_thw"][0])) // merge)
 
     return image, expansion, {}
+
+
+def _qwen_around(folder: Path, tokenizer: Any) -> tuple[str, str]:
+    """Qwen's chat template's tokens around an image's ``<|image_pad|>`` (the tokenizer's ``vision_start_token`` and
+    ``vision_end_token``, as Qwen's processors read them, with their defaults)."""
+    around = (getattr(tokenizer, "vision_start_token", None) or "<|vision_start|>",
+              getattr(tokenizer, "vision_end_token", None) or "<|vision_end|>")
+    _require_tokens(folder, tokenizer, around)
+    return around
 
 
 _FAMILIES: dict[str, Callable[[Path, Any, Any], tuple[str, Expansion, dict[str, Any]]]] = {

@@ -7,7 +7,8 @@ once per group, the cache and the last logits are repeated G times, and a
 row, stopping early once every row has ended (EOS). Each drawn token's
 log-probability under the sampler's distribution (the logits over the
 temperature, before top-k/top-p cut them: the distribution the trainer
-computes too) comes back with it. Sampling keys are folded from a key per
+computes too) comes back with it. A vision-language model's image token is
+never drawn (:func:`draw`'s mask; its log-probabilities stay unmasked). Sampling keys are folded from a key per
 step, so the same step of the same run draws the same tokens.
 
 :func:`assemble` lays each row out as prompt + completion (the prompt's
@@ -23,7 +24,7 @@ on the weights as the train step computes with them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -48,6 +49,9 @@ class RolloutSpec:
     new_tokens: int  # max_completion_length
     sampler: Sampler
     eos_ids: tuple[int, ...]
+    # Token ids never drawn (a vision-language model's image token: drawn, the update's forward would read it as an
+    # image slot with no image behind it). :class:`RolloutEngine` adds its model's; :func:`draw` masks them.
+    banned_ids: tuple[int, ...] = ()
 
 
 def _repeat_rows(cache: Cache, g: int) -> Cache:
@@ -57,10 +61,15 @@ def _repeat_rows(cache: Cache, g: int) -> Cache:
     return Cache(layers, jnp.repeat(cache.lengths, g, axis=0), delta)
 
 
-def draw(logits: jax.Array, key: jax.Array, sampler: Sampler) -> tuple[jax.Array, jax.Array]:
+def draw(logits: jax.Array, key: jax.Array, sampler: Sampler,
+         banned: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array]:
     """(next token [b], its log-probability [b] under softmax(logits / temperature)) from logits [b, vocab]: the
-    distribution the trainer computes (greedy: the plain softmax's)."""
-    tok = sample_next(logits, key, sampler)
+    distribution the trainer computes (greedy: the plain softmax's). The ``banned`` ids are never drawn (their
+    logits -inf, greedy too); like top-k's and top-p's cuts, the mask shapes the draw, not the log-probability,
+    which stays the unmasked distribution's, as the update computes it (the masked mass of an image token is
+    what the policy puts there, and its gradient is the update's to see)."""
+    cut = logits.at[:, jnp.asarray(banned, jnp.int32)].set(-jnp.inf) if banned else logits
+    tok = sample_next(cut, key, sampler)
     temperature = sampler.temperature if sampler.temperature > 0 else 1.0
     logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
     return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
@@ -98,7 +107,7 @@ def sample_group_completions(cfg: ModelConfig, params: dict | Weights, tokens: j
         cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cfg, b, p + t, mesh))
     eos = jnp.asarray(spec.eos_ids or (-1,), jnp.int32)
 
-    tok, logp = draw(logits, jax.random.fold_in(key, 0), spec.sampler)
+    tok, logp = draw(logits, jax.random.fold_in(key, 0), spec.sampler, spec.banned_ids)
     out = jnp.zeros((b, t), jnp.int32).at[:, 0].set(tok)
     out_logp = jnp.zeros((b, t), jnp.float32).at[:, 0].set(logp)
     done = jnp.isin(tok, eos)
@@ -115,7 +124,7 @@ def sample_group_completions(cfg: ModelConfig, params: dict | Weights, tokens: j
         def step(carry):
             i, tok, cache, out, out_logp, done = carry
             logits, cache = forward_step(cfg, params, tok[:, None], cache, view=view)
-            nxt, logp = draw(logits[:, 0], jax.random.fold_in(key, i), spec.sampler)
+            nxt, logp = draw(logits[:, 0], jax.random.fold_in(key, i), spec.sampler, spec.banned_ids)
             # Rows that have ended keep decoding (one shape for all) but write nothing.
             nxt, logp = jnp.where(done, 0, nxt), jnp.where(done, 0.0, logp)
             out = jax.lax.dynamic_update_slice(out, nxt[:, None], (0, i))
@@ -152,7 +161,11 @@ class RolloutEngine:
         lengths)``: ``prompts(*inputs)`` gives the right-padded prompts and their valid mask ([B, P] each: how a
         task's rows hold them), ``key_of(key_input)`` the sampling key (derived inside the program: a step number,
         say), ``images(vision)`` the prompts' images as the model reads them ([B, ...] each; vision None: none);
-        ``weights``: a model's params, or :class:`zoo.lora.weights.Weights` (LoRA's adapters beside their base)."""
+        ``weights``: a model's params, or :class:`zoo.lora.weights.Weights` (LoRA's adapters beside their base).
+        A vision-language model never draws its image token (``spec.banned_ids`` gains it): a completion holding
+        one would have the update's forward read it as an image slot."""
+        if self.mcfg.vision is not None and self.mcfg.vision.image_token_id not in spec.banned_ids:
+            spec = replace(spec, banned_ids=(*spec.banned_ids, self.mcfg.vision.image_token_id))
 
         def run(weights: dict | Weights, key_input: Any, *inputs: Any,
                 vision: Any = None) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -2,7 +2,8 @@
 pixels equal Gemma3Processor's, SFT's step-1 loss equals Gemma3ForConditionalGeneration's (token_type_ids: each
 image's tokens one bidirectional block) with two rows packed into one, `sft inspect` marks the images, and greedy
 KV-cache decoding with images (the prefill's image blocks both ways, every step after it causal text) equals
-``generate`` token for token, in Python and through `zoo generate --image`."""
+``generate`` token for token, in Python and through `zoo generate --image`, and DPO's answer log-probabilities with
+images equal transformers' (token_type_ids)."""
 
 from __future__ import annotations
 
@@ -193,3 +194,57 @@ def test_inspect_shows_gemma3_images_as_markers(g3, capsys):
     assert f"<start_of_turn>user\n⟨image 1: 10 tokens⟩{QUESTION}" in out
     assert f"[[{ANSWERS[0]}<end_of_turn>]]" in out
 
+
+
+def test_dpo_answer_logps_with_images_equal_transformers(g3, tmp_path):
+    """`dpo train`'s batch of two pairs with images (TRL's vision preference rows: one image, then two; Gemma 3's
+    sliding layers keep each answer with its own copy of the prompt and its images): each sequence is
+    Gemma3Processor's ids, and every answer token's log-probability (each image's tokens one bidirectional block)
+    is transformers' forward with the processor's pixels and token_type_ids (1e-5)."""
+    import jax
+
+    from dpo.config import DPOConfig
+    from dpo.task import DPOTask
+    from prefs.pairs import CHOSEN, REJECTED
+    from pretrain.config import load_config
+    from zoo.data.batching import batch_vision, stacked
+    from zoo.model.logps import batch_logps
+
+    names = [p.name for p in g3.paths]
+    prompts = [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}],
+               [{"role": "user", "content": [{"type": "text", "text": QUESTION}, {"type": "image"},
+                                             {"type": "image"}]}]]
+    pairs = [(ANSWERS[0], ANSWERS[1]), (ANSWERS[1], "A blue square.")]
+    images = [names[:1], names[1:]]
+    write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": p, "chosen": c, "rejected": r, "images": i}
+                                           for p, (c, r), i in zip(prompts, pairs, images, strict=True)])
+    for p in g3.paths:  # image paths are relative to the data file
+        (tmp_path / p.name).write_bytes(p.read_bytes())
+    path = str(tmp_path / "pairs.jsonl")
+    cfg = load_config(None, [f"model.path={g3.ckpt}", f"data.path={path}", "data.seq_len=128", "batch_size=2",
+                             "max_steps=1", "lora.rank=4", f"output_dir={tmp_path / 'out'}"], DPOConfig)
+    task = DPOTask(cfg)
+    mcfg, params = zoo.read_config(g3.ckpt), zoo.load_params(g3.ckpt)
+    task.vision, task.shared_prompt = mcfg.vision, False  # what prepare() sets from the model (sliding layers)
+    docs = task.documents(task.load(path, cfg), g3.tok, path, False).docs
+    batch = stacked([docs[0], docs[1]], cfg.data.seq_len + 1, 2, task.finish_rows)
+    logp = np.asarray(jax.jit(lambda p, b: batch_logps(mcfg, p, b, max_segments=3,
+                                                       vision=batch_vision(mcfg, b))[0])(params, batch))
+    proc = gemma3_reference_processor(g3.src)
+    for r, (prompt, answers, names_r) in enumerate(zip(prompts, pairs, images, strict=True)):
+        head = g3.tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        pics = _images([g3.root / n for n in names_r])
+        n_prompt = len(proc(text=[head], images=[pics])["input_ids"][0])
+        seg, w = batch["segment_ids"][r], batch["weights"][r]
+        for answer, s in zip(answers, (CHOSEN, REJECTED), strict=True):
+            text = g3.tok.apply_chat_template(prompt + [{"role": "assistant", "content": answer}], tokenize=False)
+            enc = proc(text=[text.removesuffix("\n")], images=[pics], return_tensors="pt")  # the answer to its end
+            ids = enc["input_ids"][0]
+            assert docs[r]["tokens"][docs[r]["tokens_segment_ids"] == s].tolist() == ids.tolist()
+            with torch.no_grad():
+                logits = g3.hf(input_ids=enc["input_ids"], pixel_values=enc["pixel_values"],
+                               token_type_ids=enc["token_type_ids"]).logits[0].double()
+            want = torch.log_softmax(logits, -1)[:-1].gather(-1, ids[1:, None])[:, 0].numpy()[n_prompt - 1:]
+            got = logp[r][(seg == s) & (w > 0)]
+            assert len(got) == len(want) > 3
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)

@@ -2,8 +2,10 @@
 mask and patches equal Gemma4Processor's (each image its own number of soft tokens), SFT's step-1 loss equals
 Gemma4ForConditionalGeneration's (mm_token_type_ids: each image's tokens one bidirectional block on the sliding
 layers) with two rows packed into one, `zoo generate --image` (the cached prefill's image blocks both ways) equals
-transformers' greedy ``generate``, DPO's answer log-probabilities with images equal transformers', and bad rows
-are one line naming the row, exit 2."""
+transformers' greedy ``generate``, DPO's answer log-probabilities with images, `zoo eval`'s choice
+log-likelihoods with images and GRPO's sampled completions' log-probabilities (as drawn and as the update computes
+them) equal transformers', GRPO's sampler never draws the image token, and bad rows are one line naming the row,
+exit 2."""
 
 from __future__ import annotations
 
@@ -242,3 +244,113 @@ def test_dpo_answer_logps_with_images_equal_transformers(g4, tmp_path):
             got = logp[r][(seg == s) & (w > 0)]
             assert len(got) == len(want) > 3
             np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_eval_multiple_choice_with_images_equals_transformers(g4):
+    """Slow: `zoo eval` loads and compiles its own prefill (about 20 s on a loaded 2-core machine). `zoo eval` on a multiple-choice task with images on Gemma 4, one batch of the KV-cache path: a text with no
+    placeholder (its image before it), one with two placeholders (66 + 55 soft tokens, the question between them)
+    and one without images: every choice's log-likelihood is transformers' forward on Gemma4Processor's ids,
+    pixels, positions and mm_token_type_ids (each image one bidirectional block on the sliding layers), 1e-4."""
+    import yaml
+
+    a, b = (p.name for p in g4.paths)
+    rows = [{"question": QUESTION, "choices": ["red", "blue"], "answer": 1, "images": [a]},
+            {"question": f"<|image|>{QUESTION}<|image|>", "choices": ["red", "blue"], "answer": 0, "images": [b, a]},
+            {"question": QUESTION, "choices": ["red", "blue"], "answer": 0}]
+    write_jsonl(g4.root / "mc.jsonl", rows)
+    (g4.root / "mc.yaml").write_text(yaml.safe_dump({"name": "mc", "data": "mc.jsonl", "kind": "multiple_choice",
+                                                     "context": "{question}", "choices": "choices", "gold": "answer"}))
+    out = g4.root / "results.json"
+    assert zoo_main(["eval", str(g4.ckpt), "--tasks", str(g4.root / "mc.yaml"), "--out", str(out), "--log-samples",
+                     "--batch-size", "3"]) == 0
+    log = [json.loads(line) for line in out.with_name("results.samples.jsonl").read_text().splitlines()]
+    proc = gemma4_reference_processor(g4.ckpt / "tokenizer")
+    for row, sample in zip(rows, log, strict=True):
+        images = _images([g4.root / n for n in row.get("images", [])])
+        text = row["question"] if "<|image|>" in row["question"] else "<|image|>" * len(images) + row["question"]
+        enc = [proc(text=[t], images=[images] if images else None, return_tensors="pt")
+               for t in [text] + [f"{text} {c}" for c in row["choices"]]]
+        n = len(enc[0]["input_ids"][0])
+        want = []
+        for e in enc[1:]:
+            ids = e["input_ids"]
+            assert ids[0, :n].tolist() == enc[0]["input_ids"][0].tolist()
+            pixels = {k: e[k] for k in ("pixel_values", "image_position_ids", "mm_token_type_ids") if k in e}
+            with torch.no_grad():
+                logits = g4.hf(input_ids=ids, **pixels).logits[0].double()
+            want.append(float(torch.log_softmax(logits, -1)[n - 1:-1].gather(-1, ids[0, n:, None]).sum()))
+        np.testing.assert_allclose(sample["loglikelihoods"], want, rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_grpo_completion_logps_with_images_equal_transformers(g4):
+    """Slow: one program of the sampler (the tower, the prefill, the decoding loop) and the update's pass (about
+    40 s on a loaded 2-core machine). GRPO on Gemma 4 image prompts (one image before the question, two after it), G = 2 completions each drawn
+    by `grpo train`'s sampler in one program with the update's pass (tests/vlm_grpo_programs.py): the prompt ids
+    are Gemma4Processor's, and each completion's per-token log-probabilities as the sampler drew them (the cached
+    prefill's image blocks both ways on the sliding layers) and as the update computes them (one row a completion,
+    as a run lays them on sliding layers) equal transformers' forward with the processor's pixels, positions and
+    mm_token_type_ids (1e-4)."""
+    from tests.vlm_grpo_programs import G, grpo_draws, hf_completion_logps
+
+    a, b = (p.name for p in g4.paths)
+    rows = [{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}],
+             "images": [a]},
+            {"prompt": [{"role": "user", "content": [{"type": "text", "text": QUESTION}, {"type": "image"},
+                                                     {"type": "image"}]}], "images": [b, a]}]
+    write_jsonl(g4.root / "prompts.jsonl", rows)
+    got = grpo_draws(g4.ckpt, rows, g4.root / "prompts.jsonl", seq_len=176, layouts=(False,))
+    assert not any(g4.ids[0] in c for c in got.completions) and any(len(set(c)) > 1 for c in got.completions)
+    proc = gemma4_reference_processor(g4.ckpt / "tokenizer")
+    for r, (ids, comp) in enumerate(zip(got.ids, got.completions, strict=True)):
+        row = rows[got.order[r]]
+        text = g4.tok.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
+        ref = proc(text=[text], images=[_images([g4.root / n for n in row["images"]])], return_tensors="pt",
+                   add_special_tokens=False)
+        assert ref["input_ids"][0].tolist() == ids
+        want = hf_completion_logps(g4.hf, ids, comp, pixel_values=ref["pixel_values"],
+                                   image_position_ids=ref["image_position_ids"],
+                                   mm_token_type_ids=lambda t: (t == g4.ids[0]).long())
+        np.testing.assert_allclose(got.sampler[r], want, rtol=0, atol=1e-4)
+        np.testing.assert_allclose(got.update[False][r], want, rtol=0, atol=1e-4)
+    assert len(got.ids) == 2 * G
+
+
+def test_grpo_sampler_never_draws_the_image_token(g4, monkeypatch):
+    """GRPO's sampler (eval/rollout.py's RolloutEngine, as `grpo train` builds it) on Gemma 4 with the image token's
+    logit forced largest (+30 on every step's logits): it never draws the image token (which the update's forward
+    would read as an image slot), and each drawn token's log-probability is the unmasked distribution's (what the
+    update computes): transformers' forward, +30 on the image token, in float64 (1e-4)."""
+    import jax
+    import jax.numpy as jnp
+
+    import eval.rollout as rollout
+    import zoo
+    from eval.generate import Sampler
+
+    image_id, boost = g4.ids[0], 30.0
+    real = rollout.forward_step
+
+    def boosted(*args, **kwargs):
+        logits, cache = real(*args, **kwargs)
+        return logits.at[..., image_id].add(boost), cache
+
+    monkeypatch.setattr(rollout, "forward_step", boosted)
+    mcfg, params = zoo.read_config(g4.ckpt), zoo.load_params(g4.ckpt)
+    prompt = g4.tok(QUESTION, add_special_tokens=False)["input_ids"]
+    tokens = np.zeros((2, 8), np.int32)
+    tokens[:, :len(prompt)] = prompt
+    engine = rollout.RolloutEngine(mcfg, jnp.float32, None)  # type: ignore[arg-type]  # one device: no mesh
+    spec = rollout.RolloutSpec(2, 4, Sampler(1.0, 0, 1.0), (g4.tok.eos_token_id,))
+    comp, logps, lengths = jax.device_get(engine.program(spec, lambda t: (t, t > 0))(params, jax.random.key(0),
+                                                                                     tokens))
+    for r in range(2):
+        drawn = comp[r, :lengths[r]].tolist()
+        assert image_id not in drawn and drawn
+        ids = torch.tensor([prompt + drawn])
+        with torch.no_grad():
+            logits = g4.hf(input_ids=ids).logits[0].double()
+        logits[:, image_id] += boost
+        want = torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(-1, ids[0, len(prompt):, None])[:, 0]
+        np.testing.assert_allclose(logps[r, :lengths[r]], want.numpy(), rtol=0, atol=1e-4)

@@ -172,17 +172,17 @@ def test_grpo_completion_logps_with_images_equal_transformers(qwen):
 
 
 def test_eval_multiple_choice_with_images_equals_transformers(qwen):
-    """`zoo eval` on a multiple-choice task with images on Qwen3-VL: a chat turn with its image's placeholder in the
-    text (12 image tokens), a text with two (4 + 12 tokens, the question between them), one with none (its image,
-    the ``image`` column's, before the text) and one without images, in one batch of the KV-cache path (the prefill's multimodal positions, the choices moved by the rope
+    """`zoo eval` on a multiple-choice task with images on Qwen3-VL: a text with two images and no placeholder (each
+    image before it in its own <|vision_start|>...<|vision_end|>, 12 + 4 tokens: bare, their runs would touch and
+    read as one image), a text with two placeholders (4 + 12 tokens, the question between them), one with none (its
+    image, the ``image`` column's, before the text) and one without images, in one batch of the KV-cache path (the prefill's multimodal positions, the choices moved by the rope
     delta): every choice's log-likelihood is transformers' forward with the pixels (1e-4)."""
     import yaml
 
     m = qwen("qwen3_vl")
     a, b = m.names
     image = f"<|vision_start|>{PAD}<|vision_end|>"
-    turn = f"<|im_start|>user\n{image}{QUESTION}<|im_end|>\n<|im_start|>assistant"
-    rows = [{"question": turn, "choices": ["red", "blue"], "answer": 1, "images": [a]},
+    rows = [{"question": QUESTION, "choices": ["red", "blue"], "answer": 1, "images": [a, b]},
             {"question": image + QUESTION + image, "choices": ["red", "blue"], "answer": 0, "images": [b, a]},
             {"question": QUESTION, "choices": ["red", "blue"], "answer": 0, "image": b},
             {"question": QUESTION, "choices": ["red", "blue"], "answer": 0}]
@@ -195,7 +195,9 @@ def test_eval_multiple_choice_with_images_equals_transformers(qwen):
     log = [json.loads(line) for line in out.with_name("results.samples.jsonl").read_text().splitlines()]
     for row, sample in zip(rows, log):
         names = row.get("images", [row["image"]] if "image" in row else [])
-        text = row["question"] if PAD in row["question"] else PAD * len(names) + row["question"]
+        # No placeholder: each image as Qwen's chat template writes an image part (transformers' processor refuses
+        # a text without placeholders), so the two images' runs stay apart for get_rope_index.
+        text = row["question"] if PAD in row["question"] else image * len(names) + row["question"]
         pixels = _pixels(m, names) if names else {}
         grids = pixels.get("image_grid_thw", torch.zeros((0, 3), dtype=torch.long))
         context = _expanded(m, text, grids)

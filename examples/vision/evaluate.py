@@ -53,7 +53,7 @@ def answers(ckpt: str, rows: list[dict[str, Any]], base: Path, batch_size: int, 
             question = next(p["text"] for p in r["messages"][0]["content"] if p["type"] == "text")
             ids, images = expander.prompt_ids(tok, question, None, r["images"], base, "images")
             prompts.append(ids)
-            frames.append([f for image in images for f in image.frames()])
+            frames.append([f for image in images for f in image.patches(model.cfg.vision)])  # any family
         new = generate(model.cfg, model.param_dict(), prompts, gen, vision=vision_inputs(model.cfg, frames))
         out += [tok.decode(t, skip_special_tokens=True).strip() for t in new]
     return out
