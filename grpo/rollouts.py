@@ -208,6 +208,7 @@ class Rollouts:
                 vision: VisionBatch | None = None) -> Drawn:
         """One completion per row from the sampler of ``mode`` (:meth:`complete`), with the prompts' images."""
         p = self.programs
+        key_input: Any
         if mode == "greedy":
             sample, key_input = p.sample_greedy, np.int32(step)
         else:  # training's and held-out prompts' draws: one program, the key stream a flag (grpo/programs.py)
