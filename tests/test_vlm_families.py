@@ -1,5 +1,6 @@
 """Vision-language models against transformers: SmolVLM's host-side patch layout, its SigLIP tower's image features
-and its image+text logits, from a `zoo convert`ed tiny random SmolVLMForConditionalGeneration."""
+and its image+text logits, from a `zoo convert`ed tiny random SmolVLMForConditionalGeneration; ``smolvlm_odd`` is
+one whose image size is not a multiple of its patch size (SmolVLM-Instruct's 384 pixels in 14-pixel patches)."""
 
 import jax
 import jax.numpy as jnp
@@ -53,10 +54,12 @@ def _inputs(cfg, images) -> VisionInputs:
 
 
 @pytest.mark.parametrize("side,image_size,shapes", [(4, 28, [(28, 28), (20, 28), (28, 13), (7, 7)]),
-                                                    (26, 364, [(364, 364), (300, 364), (364, 141), (15, 200)])])
+                                                    (26, 364, [(364, 364), (300, 364), (364, 141), (15, 200)]),
+                                                    (4, 34, [(34, 34), (33, 34), (34, 30), (29, 9)])])
 def test_positions_and_validity_equal_transformers(side, image_size, shapes):
     """The bucketized position rows and patch validity, against SmolVLMVisionEmbeddings' own (read by a hook on
-    its position table), on padded images; 26 patches a side has bucket edges that are not exact in float32."""
+    its position table), on padded images; 26 patches a side has bucket edges that are not exact in float32;
+    34 pixels in 8-pixel patches leave 2 pixels the conv drops (a 33-row image fills the 4 patch rows it has)."""
     from transformers.models.smolvlm.configuration_smolvlm import SmolVLMVisionConfig
     from transformers.models.smolvlm.modeling_smolvlm import SmolVLMVisionEmbeddings
 
@@ -88,11 +91,13 @@ def test_shuffle_slots_equal_pixel_shuffle():
     np.testing.assert_array_equal(got, ref.numpy())
 
 
-@pytest.mark.parametrize("name", ["smolvlm", "idefics3"])
+@pytest.mark.parametrize("name", ["smolvlm", "idefics3", "smolvlm_odd"])
 def test_image_features_equal_transformers(converted, name):
+    """The tower and connector's features of one image equal transformers' (``smolvlm_odd``: a 34 x 34 image whose
+    last 6 rows and columns of pixels the conv drops)."""
     hf, ckpt = converted(name)
     cfg, params = zoo.read_config(ckpt), zoo.load_params(ckpt)
-    pixels, mask = image(0)
+    pixels, mask = image(0, 34, 34, 34) if name.endswith("_odd") else image(0)
     ref = hf_image_features(hf, pixels[None], mask[None])
     got = np.asarray(jax.jit(encode_images, static_argnums=0)(cfg, params, _inputs(cfg, [(pixels, mask)])))
     assert got.shape == (1, TOKENS_PER_IMAGE, 64)
@@ -100,13 +105,15 @@ def test_image_features_equal_transformers(converted, name):
     assert ref.std() > 0.5
 
 
-def test_image_text_logits_equal_transformers(smolvlm):
-    """Two rows, one image each: a full 28 x 28 image and a 13 x 20 one padded to 28 x 28: 2 x 3 patches hold
-    pixels (the last of each partly), so its bucketized positions are rows 0 and 2 of the 4 x 4 table (a 20 x 28
-    image's 3 x 4 patches would read the table's first rows as they lie) and its padding patches run as queries
-    only."""
-    hf, ckpt = smolvlm
-    images = [image(1), image(2, rows=13, cols=20)]
+@pytest.mark.parametrize("name", ["smolvlm", "smolvlm_odd"])
+def test_image_text_logits_equal_transformers(converted, name):
+    """Two rows, one image each: a full image and a 13 x 20 one padded to the image size (28, or 34 of which the
+    conv drops the last 6 pixels): 2 x 3 patches hold pixels (the last of each partly), so its bucketized
+    positions are rows 0 and 2 of the 4 x 4 table (a 20 x 28 image's 3 x 4 patches would read the table's first
+    rows as they lie) and its padding patches run as queries only."""
+    hf, ckpt = converted(name)
+    size = hf.config.vision_config.image_size
+    images = [image(1, size, size, size), image(2, rows=13, cols=20, size=size)]
     tokens = np.stack([image_row(16, 3, seed=3), image_row(16, 9, seed=4)])
     ref = hf_vlm_logits(hf, tokens, np.stack([p for p, _ in images]), np.stack([m for _, m in images]))
     model = zoo.load(ckpt)
@@ -115,14 +122,15 @@ def test_image_text_logits_equal_transformers(smolvlm):
     assert mean_kl(ref, got) <= 1e-6
     assert ref.std() > 0.5
     # The images matter: other pixels change the logits from the first image token on, and only from there.
-    other = hf_vlm_logits(hf, tokens, np.stack([image(5)[0], image(6, rows=13, cols=20)[0]]),
+    other = hf_vlm_logits(hf, tokens, np.stack([image(5, size, size, size)[0], image(6, 13, 20, size)[0]]),
                           np.stack([m for _, m in images]))
     assert np.abs(other - ref)[0, :3].max() < 1e-5 and np.abs(other - ref)[0, 3:].max() > 1e-2
 
 
-def test_round_trip_is_bit_identical(smolvlm, tmp_path):
+@pytest.mark.parametrize("name", ["smolvlm", "smolvlm_odd"])
+def test_round_trip_is_bit_identical(converted, name, tmp_path):
     """HF -> zoo -> HF gives back every tensor, bit for bit, and the config, which transformers loads."""
-    hf, ckpt = smolvlm
+    hf, ckpt = converted(name)
     assert_export_round_trip(hf, ckpt, tmp_path / "back")
 
 
@@ -141,8 +149,10 @@ def test_vision_config_refuses_what_the_tower_cannot_run():
 
     ok = dict(arch="SmolVLMForConditionalGeneration", hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
               patch_size=7, image_size=28, image_token_id=95)
-    with pytest.raises(UserError, match="image_size=28 must be a multiple of patch_size=7 times scale_factor=3"):
+    with pytest.raises(UserError, match="image_size=28 // patch_size=7 = 4 patches a side must be a multiple of "
+                                        "scale_factor=3"):
         VisionConfig(**ok, scale_factor=3)
+    assert VisionConfig(**{**ok, "image_size": 34}, scale_factor=2).side == 4  # the conv drops 6 pixels a side
     with pytest.raises(UserError, match="connector 'mean' is not one of shuffle_linear, avg_pool"):
         VisionConfig(**ok, connector="mean")
 

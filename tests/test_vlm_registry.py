@@ -18,10 +18,11 @@ QWEN3_VL_MOE = ["qwen3-vl-30b-a3b", "qwen3-vl-235b-a22b"]
 
 
 @pytest.mark.parametrize("name", [*GEMMA3_RELEASED, "smolvlm-256m-instruct", "smolvlm-500m-instruct",
-                                  *QWEN3_VL_RELEASED, *QWEN3_VL_MOE])
+                                  "smolvlm-instruct", *QWEN3_VL_RELEASED, *QWEN3_VL_MOE])
 def test_registry_vlm_param_counts_are_the_released_ones(name):
     """Each entry's whole model (tower and connector included) has the released count: Gemma 3's as its files
-    state it, SmolVLM's as transformers builds the config (its cards round them: 256M, 507M), Qwen3-VL's as
+    state it, SmolVLM's as transformers builds the config (its cards round them: 256M, 507M, 2.25B; the 2.2B's
+    config written without the Hub), Qwen3-VL's as
     transformers builds it and its model pages round it, Qwen3-VL-MoE's (experts included) as transformers builds
     it."""
     import torch
@@ -36,6 +37,8 @@ def test_registry_vlm_param_counts_are_the_released_ones(name):
     assert ours == sum(p.numel() for p in model.parameters())
     if name in GEMMA3_RELEASED:
         assert ours == GEMMA3_RELEASED[name]
+    if name == "smolvlm-instruct":
+        assert float(f"{ours / 1e9:.3g}") == 2.25  # the model card's size
     if name in QWEN3_VL_RELEASED:
         assert float(f"{ours / 1e9:.3g}") == QWEN3_VL_RELEASED[name]
     assert abs(get(name).params - ours) / ours < 0.002  # what `zoo list` shows

@@ -20,6 +20,9 @@ IMAGE_TOKEN = 95  # the last id of the tiny vocabulary (96)
 # 4 image tokens of the language model.
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28,
               patch_size=7)
+# SmolVLM-Instruct's case in small: 34-pixel images in 7-pixel patches, 4 x 4 patches and 6 pixels the conv drops
+# (SmolVLM-Instruct's 384-pixel tiles in 14-pixel patches: 27 x 27 and 6 pixels).
+ODD_VISION = {**VISION, "image_size": 34}
 TEXT = {**BASE, "num_hidden_layers": 2, "tie_word_embeddings": False}
 TOKENS_PER_IMAGE = 4
 
@@ -27,6 +30,7 @@ TOKENS_PER_IMAGE = 4
 VLM_FAMILIES = {
     "smolvlm": ("SmolVLMConfig", "SmolVLMForConditionalGeneration"),
     "idefics3": ("Idefics3Config", "Idefics3ForConditionalGeneration"),
+    "smolvlm_odd": ("SmolVLMConfig", "SmolVLMForConditionalGeneration"),  # ODD_VISION's tower
 }
 
 
@@ -37,7 +41,8 @@ def make_vlm(folder: Path, name: str = "smolvlm", seed: int = 0, vocab_size: int
     import transformers
 
     cfg_name, model_name = VLM_FAMILIES[name]
-    config = getattr(transformers, cfg_name)(text_config={**TEXT, "vocab_size": vocab_size}, vision_config=VISION,
+    vision = ODD_VISION if name.endswith("_odd") else VISION
+    config = getattr(transformers, cfg_name)(text_config={**TEXT, "vocab_size": vocab_size}, vision_config=vision,
                                              scale_factor=2, image_token_id=image_token_id)
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).eval()
@@ -47,13 +52,13 @@ def make_vlm(folder: Path, name: str = "smolvlm", seed: int = 0, vocab_size: int
     return model
 
 
-def image(seed: int, rows: int = 28, cols: int = 28) -> tuple[np.ndarray, np.ndarray]:
-    """(pixels [3, 28, 28] float32, pixel mask [28, 28] bool) of a random ``rows`` x ``cols`` image padded with
-    zeros at the bottom and right to 28 x 28, as the processor pads a smaller image."""
+def image(seed: int, rows: int = 28, cols: int = 28, size: int = 28) -> tuple[np.ndarray, np.ndarray]:
+    """(pixels [3, size, size] float32, pixel mask [size, size] bool) of a random ``rows`` x ``cols`` image padded
+    with zeros at the bottom and right to size x size, as the processor pads a smaller image."""
     rng = np.random.RandomState(seed)
-    pixels = np.zeros((3, 28, 28), np.float32)
+    pixels = np.zeros((3, size, size), np.float32)
     pixels[:, :rows, :cols] = rng.uniform(-1, 1, (3, rows, cols))
-    mask = np.zeros((28, 28), bool)
+    mask = np.zeros((size, size), bool)
     mask[:rows, :cols] = True
     return pixels, mask
 

@@ -24,17 +24,21 @@ from zoo.model.vision_config import VisionConfig
 
 
 def patchify(pixels: np.ndarray, patch: int) -> np.ndarray:
-    """[C, H, W] pixels -> [(H/p) * (W/p), C * p * p] patches, row-major over the grid, each flattened (C, y, x)."""
+    """[C, H, W] pixels -> [(H//p) * (W//p), C * p * p] patches, row-major over the grid, each flattened (C, y, x).
+    The last ``H % p`` rows and ``W % p`` columns of pixels are dropped, as the stride-p conv drops them
+    (SmolVLM-Instruct: 384-pixel tiles in 14-pixel patches are 27 x 27 patches, the last 6 pixels unread)."""
     c, h, w = pixels.shape
-    grid = pixels.reshape(c, h // patch, patch, w // patch, patch)
-    return grid.transpose(1, 3, 0, 2, 4).reshape((h // patch) * (w // patch), c * patch * patch)
+    rows, cols = h // patch, w // patch
+    grid = pixels[:, :rows * patch, :cols * patch].reshape(c, rows, patch, cols, patch)
+    return grid.transpose(1, 3, 0, 2, 4).reshape(rows * cols, c * patch * patch)
 
 
 def patch_validity(pixel_mask: np.ndarray, patch: int) -> np.ndarray:
-    """Bool [H/p, W/p]: the patches with at least one real pixel of ``pixel_mask`` [H, W] (transformers'
-    ``patch_attention_mask``)."""
+    """Bool [H//p, W//p]: the patches with at least one real pixel of ``pixel_mask`` [H, W] (transformers'
+    ``patch_attention_mask``, whose ``unfold`` drops the remainder rows and columns as the conv does)."""
     h, w = pixel_mask.shape
-    return pixel_mask.reshape(h // patch, patch, w // patch, patch).sum(axis=(1, 3)) > 0
+    rows, cols = h // patch, w // patch
+    return pixel_mask[:rows * patch, :cols * patch].reshape(rows, patch, cols, patch).sum(axis=(1, 3)) > 0
 
 
 def bucketized_positions(valid: np.ndarray, side: int) -> np.ndarray:

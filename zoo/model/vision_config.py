@@ -92,9 +92,11 @@ class VisionConfig:
         if self.hidden_size % self.num_heads:
             raise UserError(f"model config: vision hidden_size={self.hidden_size} is not a multiple of "
                             f"num_heads={self.num_heads}")
-        if self.image_size % self.patch_size or self.side % self.scale_factor:
-            raise UserError(f"model config: vision image_size={self.image_size} must be a multiple of patch_size="
-                            f"{self.patch_size} times scale_factor={self.scale_factor}")
+        # The conv drops an image's last image_size % patch_size pixels (SmolVLM-Instruct's 384 in 14s): fine;
+        # the connector's token groups must tile the patch grid, as transformers' pixel shuffle requires.
+        if self.side % self.scale_factor:
+            raise UserError(f"model config: vision image_size={self.image_size} // patch_size={self.patch_size} = "
+                            f"{self.side} patches a side must be a multiple of scale_factor={self.scale_factor}")
 
     @property
     def head_dim(self) -> int:
@@ -108,7 +110,7 @@ class VisionConfig:
 
     @property
     def side(self) -> int:
-        """Patches along each side of a full image."""
+        """Patches along each side of a full image (the conv drops the remainder pixels)."""
         return self.image_size // self.patch_size
 
     @property

@@ -4,8 +4,8 @@ compiled for a TPU slice (``--compile-only``) or initialized at random (``zoo in
 
 Gemma 3 (google/gemma-3-{4b,12b,27b}-{pt,it}): the SigLIP-so400m tower at 896 pixels in 14-pixel patches,
 pooled 4 x 4 into 256 tokens an image; the language models' own configs as Gemma3TextConfig completes them.
-SmolVLM (HuggingFaceTB/SmolVLM-{256M,500M}-Instruct): Idefics3's architecture, a SigLIP
-tower and a pixel-shuffle connector beside a SmolLM2 language model.
+SmolVLM (HuggingFaceTB/SmolVLM-{256M,500M}-Instruct, HuggingFaceTB/SmolVLM-Instruct): Idefics3's architecture, a
+SigLIP tower and a pixel-shuffle connector beside a SmolLM2 language model (the 2.2B's written without the Hub).
 Qwen3-VL (Qwen/Qwen3-VL-{2B,4B,8B,32B}-Instruct): a Qwen3 language model of the same size's shape with interleaved
 multimodal RoPE, and a tower in 16-pixel patches with DeepStack (written from the released config.json files as
 transformers 4.57 wrote them: the vision_config's model_type "qwen3_vl", the text's RoPE as rope_scaling and
@@ -61,6 +61,15 @@ SMOLVLM_256M = _smolvlm({"vocab_size": 49280, "hidden_size": 576, "intermediate_
 SMOLVLM_500M = _smolvlm({"vocab_size": 49280, "hidden_size": 960, "intermediate_size": 2560, "num_hidden_layers": 32,
                          "num_attention_heads": 15, "num_key_value_heads": 5, "rope_theta": 100000.0,
                          "max_position_embeddings": 8192}, _SIGLIP_B16, 4, 49190)
+# SmolVLM-Instruct (2.2B): SigLIP-so400m at 384 pixels in 14-pixel patches (27 x 27: the conv drops 6 pixels a
+# side), 81 tokens an image (3 x 3 shuffled), a SmolLM2-1.7B-shaped language model. Written without the Hub (the
+# shapes from the model card; <image> is 49153 of a 49,155-token vocabulary): check it against the Hub's
+# config.json before relying on a field beyond the shapes (the parameter count is transformers' own).
+SMOLVLM_2B = _smolvlm({"vocab_size": 49155, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 24,
+                       "num_attention_heads": 32, "num_key_value_heads": 32, "rope_theta": 273768.0,
+                       "max_position_embeddings": 16384},
+                      {"hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27,
+                       "num_attention_heads": 16, "patch_size": 14, "image_size": 384}, 3, 49153)
 
 
 # Qwen3-VL's towers: 24 layers 1024 wide beside the 2B and 4B, 27 layers 1152 wide (SigLIP-so400m's shape) beside
