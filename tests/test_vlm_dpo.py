@@ -211,3 +211,21 @@ def _text_model(folder, vlm) -> None:
     make_hf(vlm.root / "hf_text", "llama", vocab_size=len(vlm.tok))
     vlm.tok.save_pretrained(str(vlm.root / "hf_text"))
     assert zoo_main(["convert", str(vlm.root / "hf_text"), "--out", str(folder)]) == 0
+
+
+@pytest.mark.slow
+def test_eval_set_with_images_is_trl_loss_on_transformers_logps(vlm, reference, tmp_path):
+    """Slow: a run of its own (learning rate 0: the policy stays transformers'). data.eval_path, the two pairs
+    again from another folder (their images copied there), is scored with its images: the eval loss is TRL's DPO
+    loss on transformers' log-probabilities of the policy and the reference (1e-5)."""
+    (tmp_path / "ev").mkdir()
+    for name in vlm.names:
+        shutil.copy(vlm.root / name, tmp_path / "ev" / name)
+    shutil.copy(vlm.root / "pairs.jsonl", tmp_path / "ev" / "pairs.jsonl")
+    out = tmp_path / "run"
+    assert dpo_main(["train", *_args(vlm, out, f"dpo.reference={vlm.root / 'reference'}", "optimizer.learning_rate=0",
+                                      f"data.eval_path={tmp_path / 'ev' / 'pairs.jsonl'}", "eval_every=1")]) == 0
+    pol, refs = _hf_answer_logps(vlm, vlm.hf), _hf_answer_logps(vlm, reference)
+    want = trl_metrics("sigmoid", [p[0] for p in pol], [p[1] for p in pol], [q[0] for q in refs],
+                       [q[1] for q in refs], BETA, 0.0, 0.0, 0.0)
+    assert abs(read_metrics(out)[-1]["eval_loss"] - want["loss"]) <= 1e-5
