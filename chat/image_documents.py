@@ -4,13 +4,14 @@ rows here; preference pairs through prefs/image_pairs.py, which keeps each pair'
 
 A row with images is tokenized by chat/images.py (ids, a loss mask with every image token untrained, each image's
 pixels from the model's own image processor). Its document carries one more per-token feature, ``image_doc``: the
-row's key + 1 on every token (0 for a row without images; the key is the row's index offset by its file's base,
-:meth:`ImageDocuments.key`, so the rows of a data mixture's sources and of an eval set never share one), which padding keeps with the tokens. When a batch of
-rows is made (:meth:`ImageDocuments.finish_rows`), each row's tags name its documents in order, and their images'
-frames (SmolVLM: the tiles, then the whole image) become the row's patches (zoo.data.vision_layout), as the
-``vision_*`` arrays of :class:`pretrain.batch.VisionBatch`. The training batches, a data mixture's mixed batches and
-the eval batches are all made this way (pretrain/data/run.py, mixture.py, pretrain/evaluation.py); a document
-without images in such a run is tagged 0 (:func:`text_document`) and gets no patches.
+row's key + 1 on every token (0 for a row without images), which padding keeps with the tokens; the key is the
+row's index offset by its file's base (:meth:`ImageDocuments.key`), so the rows of a data mixture's sources and of
+an eval set never share one. When a batch of rows is made (:meth:`ImageDocuments.finish_rows`), each row's tags
+name its documents in order, and their images' frames (SmolVLM: the tiles, then the whole image) become the row's
+patches (zoo.data.vision_layout), as the ``vision_*`` arrays of :class:`pretrain.batch.VisionBatch`. The training
+batches, a data mixture's mixed batches and the eval batches are all made this way (pretrain/data/run.py,
+mixture.py, pretrain/evaluation.py); a document without images in such a run is tagged 0 (:func:`text_document`)
+and gets no patches.
 
 ``data.max_patches`` is the patch budget of a row: by default the largest document's (its frames times the
 tower's patches per frame), so every row fits and no row pads more than one document's worth. Best-fit packing
