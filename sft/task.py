@@ -88,7 +88,7 @@ class SFTTask(Task[TokenBatch]):
         out, bad = tokenize_indexed(indexed_rows(rows.ds, indices), rows.field, tokenizer, self.chat_template,
                                     path, skip_bad)
         docs = {i: {"tokens": ids, "loss_mask": mask} for i, (ids, mask) in out.items()}
-        if self.vision is not None:  # they may pack or mix with rows that have images (a mixture, an eval set)
+        if self.vision is not None and self.reads_images:  # they may pack or mix with rows that have images
             docs = {i: text_document(x, bool(self.cfg.data.packing)) for i, x in docs.items()}
         return Documents(cast(dict[int, Document], docs), bad)
 
