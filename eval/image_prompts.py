@@ -86,17 +86,19 @@ class RowImages:
 def row_images(task: Task, expander: Expander | None, cfg: ModelConfig, rows: list[dict[str, Any]],
                k: int) -> RowImages | None:
     """The :class:`RowImages` of ``task`` when an image processor is given (None without one), after the checks
-    every row can fail before any image is read: images on a model without a vision tower, a generation task's
-    images with ``k`` few-shot examples."""
+    every row can fail before any image is read: images (a row's, or with ``k`` few-shot examples a
+    ``fewshot_data`` row's) on a model without a vision tower, a generation task's images with few-shot examples."""
     first = next((i for i, row in enumerate(rows) if task.has_images(row)), None)
-    if first is not None and cfg.vision is None:
-        raise UserError(f"{task.row_where(first)}: the row has images, and the model has no vision tower (a text "
+    shots = k > 0 and any(task.has_images(row) for row in task.fewshot_rows() or [])
+    where = task.row_where(first) if first is not None else f"task {task.name} ({task.source}): fewshot_data"
+    if (first is not None or shots) and cfg.vision is None:
+        raise UserError(f"{where}: the row has images, and the model has no vision tower (a text "
                         "model); give a vision-language model's checkpoint or leave the images out")
-    if first is not None and k > 0 and task.kind != "multiple_choice":  # fewshot_context: multiple choice's
+    if (first is not None or shots) and k > 0 and task.kind != "multiple_choice":  # fewshot_context: MC's
         raise UserError(f"task {task.name} ({task.source}): generation rows with images do not go with few-shot "
                         "examples yet; set num_fewshot: 0 (or --num-fewshot 0)")
-    if first is not None and expander is None:
-        raise UserError(f"{task.row_where(first)}: the row has images, which only `zoo eval` reads (it loads the "
+    if (first is not None or shots) and expander is None:
+        raise UserError(f"{where}: the row has images, which only `zoo eval` reads (it loads the "
                         "model's image processor); score this task with `zoo eval`")
     return RowImages(expander, task, cfg) if expander is not None else None
 

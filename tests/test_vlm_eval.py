@@ -110,7 +110,7 @@ def test_eval_tasks_with_images_are_transformers(vlm):
     """`zoo eval` on four tasks with images: every choice's log-likelihood on the KV-cache path is transformers'
     forward with the pixels (1e-4), rows of 5, 8, no and 3 frames in one batch, and with two few-shot examples
     (each example's images before its text, then the question's: a question without images after examples with
-    them too); a generation task (TRL's content parts, and a string turn) and a prompt-template one answer as
+    them too; examples from a fewshot_data file of their own, their images beside it); a generation task (TRL's content parts, and a string turn) and a prompt-template one answer as
     transformers' ``generate``."""
     a, b = vlm.images
     parts = [{"type": "image"}, {"type": "text", "text": QUESTION}]
@@ -125,8 +125,17 @@ def test_eval_tasks_with_images_are_transformers(vlm):
     shot_rows = _mc_rows(vlm)[1:]  # 8 frames (two images before the text), none, 3 (an <image> in the text)
     shots = _task(vlm.root, "shots", shot_rows, kind="multiple_choice", context="{question}", choices="choices",
                   gold="answer", num_fewshot=2)
+    # Examples from fewshot_data in a folder of its own (an image of the same name as the task's, other pixels); the
+    # question has no image.
+    (vlm.root / "fs").mkdir(exist_ok=True)
+    (fs_image,) = write_images(vlm.root / "fs", [(28, 28)], seed=5)
+    write_jsonl(vlm.root / "fs" / "shots.jsonl", [{**shot_rows[0], "images": [fs_image]}])
+    plain = {"question": "User:" + QUESTION, "choices": CHOICES, "answer": 2}
+    shot_file = _task(vlm.root, "shot_file", [plain], kind="multiple_choice", context="{question}",
+                      choices="choices", gold="answer", num_fewshot=1, fewshot_data="fs/shots.jsonl")
     out = vlm.root / "results.json"
-    assert main(["eval", str(vlm.ckpt), "--tasks", f"{_mc_task(vlm)},{gen},{prompt},{shots}", "--out", str(out),
+    tasks = f"{_mc_task(vlm)},{gen},{prompt},{shots},{shot_file}"
+    assert main(["eval", str(vlm.ckpt), "--tasks", tasks, "--out", str(out),
                  "--log-samples", "--batch-size", "4"]) == 0
     report = json.loads(out.read_text())["tasks"]
     log = [json.loads(line) for line in out.with_name("results.samples.jsonl").read_text().splitlines()]
@@ -147,6 +156,10 @@ def test_eval_tasks_with_images_are_transformers(vlm):
         want_shots.append([_hf_loglikelihood(vlm, "\n\n".join(texts), names, c) for c in CHOICES])
     np.testing.assert_allclose([s["loglikelihoods"] for s in log if s["task"] == "shots"], want_shots, atol=1e-4,
                                rtol=0)
+    context = f"<image>User:{QUESTION} {CHOICES[shot_rows[0]['answer']]}\n\nUser:{QUESTION}"
+    np.testing.assert_allclose([s["loglikelihoods"] for s in log if s["task"] == "shot_file"],
+                               [[_hf_loglikelihood(vlm, context, [f"fs/{fs_image}"], c) for c in CHOICES]],
+                               atol=1e-4, rtol=0)
     for name in ("gen", "prompt"):
         assert [s["answer"] for s in log if s["task"] == name] == want
     assert report["gen"]["metrics"]["exact_match"] == 0.5 and report["prompt"]["metrics"]["exact_match"] == 1.0
