@@ -42,6 +42,17 @@ FRAMES = IMAGE_DOC + "_frames"  # packed rows only: one entry a patch of the doc
 ROWS_A_FILE = 1 << 24  # the rows one file's keys span (ImageDocuments.key): 127 files fit an int32 tag
 
 
+def refuse_unsupported(data: Any, path: str) -> None:
+    """Raise UserError for what a task's rows with images do not go with yet (a reward model's, KTO's unpaired
+    rows: their documents are tagged by row index alone): a data mixture, an evaluation set (``data``: the run's
+    data section). SFT and DPO take both (their documents are keyed per file: :meth:`ImageDocuments.key`)."""
+    for bad, why in ((isinstance(data.path, list), "a data mixture (data.path a list)"),
+                     (bool(data.eval_fraction or data.eval_path), "evaluation (data.eval_fraction, data.eval_path)")):
+        if bad:
+            raise UserError(f"data.path {path}: rows with images do not go with {why} yet; train them "
+                            "from one file and no evaluation set")
+
+
 def text_document(doc: dict[str, np.ndarray], packed: bool) -> dict[str, np.ndarray]:
     """A document without images as a vision-language run's documents are laid out (its tokens tagged 0, no
     frames), so that it packs and mixes with documents that have images (a data mixture, an eval set)."""

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from chat.config import chat_template_of
-from chat.image_documents import ImageDocuments, text_document, without_tags
+from chat.image_documents import ImageDocuments, refuse_unsupported, text_document, without_tags
 from chat.images import ImageExpander, image_base, image_column, refuse_images
 from dpo.config import DPOConfig
 from dpo.losses import preference_loss, rpo_nll_scale
@@ -156,7 +156,7 @@ class DPOTask(Task[P]):
 
     def _image_pairs(self, rows: RowSource, tokenizer: Tokenizer, path: str) -> ImagePairs | None:
         """The pair tokenizer of rows with images (None: the rows have no image column); rows with images on a
-        model without a vision tower are a UserError."""
+        model without a vision tower, and KTO's with what they do not go with yet, are a UserError."""
         column = image_column(list(rows.ds.column_names))
         if column is None:
             self.text_rows_read = self.vision is not None
@@ -165,6 +165,8 @@ class DPOTask(Task[P]):
             refuse_images(rows.ds, column, path, str(self.cfg.model.path))
             return None  # the column holds no image
         d = self.cfg.data
+        if self.dpo.loss_type == "kto":  # KTO's unpaired rows tag their images by row index alone: one file
+            refuse_unsupported(d, path)
         if self.expander is None:
             self.expander = ImageExpander.from_folder(tokenizer_folder(self.cfg), tokenizer)
         if self.images is None:
