@@ -4,10 +4,14 @@ rows here; preference pairs through prefs/image_pairs.py, which keeps each pair'
 
 A row with images is tokenized by chat/images.py (ids, a loss mask with every image token untrained, each image's
 pixels from the model's own image processor). Its document carries one more per-token feature, ``image_doc``: the
-row's index + 1 on every token (0 for a row without images), which padding keeps with the tokens. When a batch of
-rows is made (:meth:`ImageDocuments.finish_rows`), each row's tags name its documents in order, and their images'
-frames (SmolVLM: the tiles, then the whole image) become the row's patches (zoo.data.vision_layout), as the
-``vision_*`` arrays of :class:`pretrain.batch.VisionBatch`.
+row's key + 1 on every token (0 for a row without images), which padding keeps with the tokens; the key is the
+row's index offset by its file's base (:meth:`ImageDocuments.key`), so the rows of a data mixture's sources and of
+an eval set never share one. When a batch of rows is made (:meth:`ImageDocuments.finish_rows`), each row's tags
+name its documents in order, and their images' frames (SmolVLM: the tiles, then the whole image) become the row's
+patches (zoo.data.vision_layout), as the ``vision_*`` arrays of :class:`pretrain.batch.VisionBatch`. The training
+batches, a data mixture's mixed batches and the eval batches are all made this way (pretrain/data/run.py,
+mixture.py, pretrain/evaluation.py); a document without images in such a run is tagged 0 (:func:`text_document`)
+and gets no patches.
 
 ``data.max_patches`` is the patch budget of a row: by default the largest document's (its frames times the
 tower's patches per frame), so every row fits and no row pads more than one document's worth. Best-fit packing
@@ -35,16 +39,32 @@ from zoo.model.vision_config import VisionConfig
 
 IMAGE_DOC = "image_doc"  # the per-token feature that tags a document's tokens with its row (index + 1)
 FRAMES = IMAGE_DOC + "_frames"  # packed rows only: one entry a patch of the document's images (packing's budget)
+ROWS_A_FILE = 1 << 24  # the rows one file's keys span (ImageDocuments.key): 127 files fit an int32 tag
 
 
 def refuse_unsupported(data: Any, path: str) -> None:
-    """Raise UserError for what rows with images do not go with yet: a data mixture, an evaluation set (``data``:
-    the run's data section)."""
+    """Raise UserError for what a task's rows with images do not go with yet (a reward model's, KTO's unpaired
+    rows: their documents are tagged by row index alone): a data mixture, an evaluation set (``data``: the run's
+    data section). SFT and DPO take both (their documents are keyed per file: :meth:`ImageDocuments.key`)."""
     for bad, why in ((isinstance(data.path, list), "a data mixture (data.path a list)"),
                      (bool(data.eval_fraction or data.eval_path), "evaluation (data.eval_fraction, data.eval_path)")):
         if bad:
-            raise UserError(f"data.path {path}: rows with images do not go with {why} yet; train them from one "
-                            "file and no evaluation set")
+            raise UserError(f"data.path {path}: rows with images do not go with {why} yet; train them "
+                            "from one file and no evaluation set")
+
+
+def text_document(doc: dict[str, np.ndarray], packed: bool) -> dict[str, np.ndarray]:
+    """A document without images as a vision-language run's documents are laid out (its tokens tagged 0, no
+    frames), so that it packs and mixes with documents that have images (a data mixture, an eval set)."""
+    out = {**doc, IMAGE_DOC: np.zeros(len(doc["tokens"]), np.int32)}
+    if packed:
+        out[FRAMES] = np.ones(0, np.int32)
+    return out
+
+
+def without_tags(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Data rows less their document tags (a vision-language run whose rows hold no image: a text batch)."""
+    return {k: v for k, v in rows.items() if not k.startswith(IMAGE_DOC)}
 
 
 class ImageDocuments:
@@ -55,6 +75,18 @@ class ImageDocuments:
         self.max_patches = max_patches or 0
         self.frames: dict[int, list[dict[str, np.ndarray]]] = {}  # row index -> its frames' patch arrays
         self.spans: dict[int, tuple[tuple[int, int], ...]] = {}  # row index -> its images' token ranges
+        # Each file read (a training path, an eval path, a mixture's sources) keys its rows from its own base, so
+        # that the rows of two files never share a tag: the first file's keys are its row indices.
+        self.bases: dict[str, int] = {}
+
+    def key(self, path: str, i: int) -> int:
+        """The key of row ``i`` of ``path`` in :attr:`frames` and :attr:`spans` (its documents' tag less 1)."""
+        if path not in self.bases:
+            self.bases[path] = len(self.bases) * ROWS_A_FILE
+        if i >= ROWS_A_FILE:
+            raise UserError(f"{row_where(path, i)}: a file of rows with images holds at most {ROWS_A_FILE} rows; "
+                            "split it into several files (a data mixture)")
+        return self.bases[path] + i
 
     def documents(self, rows: Any, fmt: str, tokenizer: Any, expander: ImageExpander, path: str, skip_bad: bool,
                   seq_len: int, template: ChatTemplate | str | None,
@@ -66,11 +98,12 @@ class ImageDocuments:
                                        template)
         docs = {}
         for i, t in out.items():
-            self.keep(i, t.images, t.image_spans, path, seq_len)
-            tag = np.full(len(t.ids), i + 1 if t.images else 0, np.int32)
+            tag = np.full(len(t.ids), self.keep(i, t.images, t.image_spans, path, seq_len) if t.images else 0,
+                          np.int32)
             docs[i] = {"tokens": t.ids, "loss_mask": t.mask, IMAGE_DOC: tag}
             if self.packed:
-                docs[i][FRAMES] = np.ones(sum(len(f["patches"]) for f in self.frames.get(i, ())), np.int32)
+                frames = self.frames.get(self.key(path, i), ()) if t.images else ()
+                docs[i][FRAMES] = np.ones(sum(len(f["patches"]) for f in frames), np.int32)
         return docs, bad
 
     def budgets(self) -> dict[str, int]:
@@ -78,14 +111,16 @@ class ImageDocuments:
         return {FRAMES: max(self.max_patches, 1)} if self.packed else {}
 
     def keep(self, i: int, images: Sequence[ProcessedImage], spans: Sequence[tuple[int, int]], path: str,
-             seq_len: int, copies: int = 1) -> None:
-        """Check that row ``i``'s images (their tokens at ``spans`` of its document) fit a row and keep their
-        frames' patches; ``copies``: how many times the document holds its images' tokens, in order (a preference
-        pair whose prompt is not shared holds its prompt twice)."""
+             seq_len: int, copies: int = 1) -> int:
+        """Check that row ``i`` of ``path``'s images (their tokens at ``spans`` of its document) fit a row and keep
+        their frames' patches; ``copies``: how many times the document holds its images' tokens, in order (a
+        preference pair whose prompt is not shared holds its prompt twice). Returns the row's tag (its
+        :meth:`key` + 1), which its document's tokens carry as ``image_doc`` when it has images."""
         for k, (_, end) in enumerate(spans):
             if end > seq_len:  # the model reads the first seq_len tokens of a row: the image would be cut
                 raise UserError(f"{row_where(path, i)}: image {k + 1} ends at token {end}, past data.seq_len = "
                                 f"{seq_len}; raise data.seq_len or use smaller images")
+        key = self.key(path, i)
         frames = [f for p in images for f in p.patches(self.v)] * copies
         need = sum(len(f["patches"]) for f in frames)
         if self.fixed is not None and need > self.fixed:
@@ -96,8 +131,9 @@ class ImageDocuments:
             if self.fixed is None and _processes() > 1:  # each process reads its own rows: budgets could differ
                 raise UserError(f"{row_where(path, i)}: a run of several processes with images needs data.max_patches "
                                 f"(this row needs {need}); set it to the largest row's patches, the same everywhere")
-            self.frames[i], self.spans[i] = frames, tuple(spans)
+            self.frames[key], self.spans[key] = frames, tuple(spans)
             self.max_patches = max(self.max_patches, need)
+        return key + 1
 
     def digest(self) -> str:
         """A sha256 of every kept row's frames (their patches and layout), by row index: what a cache of scores

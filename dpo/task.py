@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from chat.config import chat_template_of
-from chat.image_documents import ImageDocuments, refuse_unsupported
+from chat.image_documents import ImageDocuments, refuse_unsupported, text_document, without_tags
 from chat.images import ImageExpander, image_base, image_column, refuse_images
 from dpo.config import DPOConfig
 from dpo.losses import preference_loss, rpo_nll_scale
@@ -147,12 +147,16 @@ class DPOTask(Task[P]):
         """(pair documents by row index, bad rows skipped, rows too long) of the rows at ``indices`` (default all),
         laid out as :meth:`prepare` decided: what :meth:`documents` returns and the precomputed reference scores.
         Rows with images (an ``images`` column) on a vision-language model keep them (prefs/image_pairs.py)."""
-        return pair_documents(indexed_rows(rows.ds, indices), tokenizer, self.chat_template, path, skip_bad,
-                              self.max_len, self.drop_long, self.shared_prompt, self._image_pairs(rows, tokenizer, path))
+        images = self._image_pairs(rows, tokenizer, path)
+        docs, bad, too_long = pair_documents(indexed_rows(rows.ds, indices), tokenizer, self.chat_template, path,
+                                             skip_bad, self.max_len, self.drop_long, self.shared_prompt, images)
+        if images is None and self.vision is not None:  # they may mix with pairs that have images (a mixture)
+            docs = {i: text_document(x, packed=False) for i, x in docs.items()}
+        return docs, bad, too_long
 
     def _image_pairs(self, rows: RowSource, tokenizer: Tokenizer, path: str) -> ImagePairs | None:
         """The pair tokenizer of rows with images (None: the rows have no image column); rows with images on a
-        model without a vision tower, and what rows with images do not go with yet, are a UserError."""
+        model without a vision tower, and KTO's with what they do not go with yet, are a UserError."""
         column = image_column(list(rows.ds.column_names))
         if column is None:
             self.text_rows_read = self.vision is not None
@@ -161,7 +165,8 @@ class DPOTask(Task[P]):
             refuse_images(rows.ds, column, path, str(self.cfg.model.path))
             return None  # the column holds no image
         d = self.cfg.data
-        refuse_unsupported(d, path)
+        if self.dpo.loss_type == "kto":  # KTO's unpaired rows tag their images by row index alone: one file
+            refuse_unsupported(d, path)
         if self.expander is None:
             self.expander = ImageExpander.from_folder(tokenizer_folder(self.cfg), tokenizer)
         if self.images is None:
@@ -170,7 +175,7 @@ class DPOTask(Task[P]):
 
     def finish_rows(self, rows: dict[str, Any]) -> dict[str, Any]:
         """Rows of pairs with images get their images' patches (chat/image_documents.py); others are unchanged."""
-        return rows if self.images is None else self.images.finish_rows(rows)
+        return without_tags(rows) if self.images is None else self.images.finish_rows(rows)
 
     # ---- the reference ----------------------------------------------------------------------------------
 

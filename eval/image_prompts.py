@@ -86,16 +86,48 @@ class RowImages:
 def row_images(task: Task, expander: Expander | None, cfg: ModelConfig, rows: list[dict[str, Any]],
                k: int) -> RowImages | None:
     """The :class:`RowImages` of ``task`` when an image processor is given (None without one), after the checks
-    every row can fail before any image is read: images on a model without a vision tower, images with
-    ``k`` few-shot examples."""
+    every row can fail before any image is read: images (a row's, or with ``k`` few-shot examples a
+    ``fewshot_data`` row's) on a model without a vision tower, a generation task's images with few-shot examples."""
     first = next((i for i, row in enumerate(rows) if task.has_images(row)), None)
-    if first is not None and cfg.vision is None:
-        raise UserError(f"{task.row_where(first)}: the row has images, and the model has no vision tower (a text "
+    shots = k > 0 and any(task.has_images(row) for row in task.fewshot_rows() or [])
+    where = task.row_where(first) if first is not None else f"task {task.name} ({task.source}): fewshot_data"
+    if (first is not None or shots) and cfg.vision is None:
+        raise UserError(f"{where}: the row has images, and the model has no vision tower (a text "
                         "model); give a vision-language model's checkpoint or leave the images out")
-    if first is not None and k > 0:
-        raise UserError(f"task {task.name} ({task.source}): rows with images do not go with few-shot examples yet; "
-                        "set num_fewshot: 0 (or --num-fewshot 0)")
-    if first is not None and expander is None:
-        raise UserError(f"{task.row_where(first)}: the row has images, which only `zoo eval` reads (it loads the "
+    if (first is not None or shots) and k > 0 and task.kind != "multiple_choice":  # fewshot_context: MC's
+        raise UserError(f"task {task.name} ({task.source}): generation rows with images do not go with few-shot "
+                        "examples yet; set num_fewshot: 0 (or --num-fewshot 0)")
+    if (first is not None or shots) and expander is None:
+        raise UserError(f"{where}: the row has images, which only `zoo eval` reads (it loads the "
                         "model's image processor); score this task with `zoo eval`")
     return RowImages(expander, task, cfg) if expander is not None else None
+
+
+def fewshot_context(images: RowImages, i: int, parts: Sequence[tuple[str, dict[str, Any]]], sep: str,
+                    head: str = "") -> tuple[str, Frames]:
+    """(text, frames) of row ``i``'s few-shot context: ``parts`` the solved examples' texts then the question's, each
+    with its row, joined by ``sep`` after ``head``; each part's images at its placeholders, else before its text, so
+    every example's images precede the question's, in order. A part whose placeholders are not one per image is
+    row ``i``'s error."""
+    task, mark = images.task, images.expander.placeholder
+    shots = task.opt("fewshot_data")  # its rows' image paths are relative to it, the task's rows' to theirs
+    texts, refs = [], []
+    for k, (text, row) in enumerate(parts):
+        own, found = task.row_images(row), text.count(mark)
+        what = "its question" if k == len(parts) - 1 else f"its few-shot example {k + 1}"
+        if found and found != len(own):
+            raise images.error(i, f"{what} has {found} {mark} placeholder(s) for {len(own)} image(s); put one {mark} "
+                                  "where each image goes, or none (the images then go before its text)")
+        texts.append(text if found else mark * len(own) + text)
+        base = Path(shots).parent if shots and k < len(parts) - 1 else images.base
+        refs += [_anchored(ref, base) for ref in own]
+    return images._expanded(i, lambda: images.expander.text_prompt(head + sep.join(texts), refs, images.base))
+
+
+def _anchored(ref: Any, base: Path) -> Any:
+    """An image reference with a relative path made absolute against ``base`` (the folder it is relative to)."""
+    if isinstance(ref, str | Path) and not Path(ref).is_absolute():
+        return str(base / ref)
+    if isinstance(ref, dict) and ref.get("bytes") is None and ref.get("path") is not None:
+        return {**ref, "path": str(base / ref["path"])}
+    return ref

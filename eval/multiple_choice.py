@@ -23,7 +23,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from eval.generate import vision_inputs
-from eval.image_prompts import Expander, Frames, RowImages, row_images
+from eval.image_prompts import Expander, Frames, RowImages, fewshot_context, row_images
 from eval.loglikelihood import bucket, context_continuation, fine_bucket, request_scores
 from eval.progress import progress_bar
 from eval.task_files import Task, fewshot_pool, field_of, format_row, joined
@@ -44,7 +44,8 @@ def mc_questions(tokenizer: Any, task: Task, rows: list[dict], num_fewshot: int 
 def mc_image_questions(tokenizer: Any, task: Task, rows: list[dict], num_fewshot: int | None = None,
                        images: RowImages | None = None) -> list[tuple[Question, Frames]]:
     """:func:`mc_questions` with each row's frames: with ``images``, a row with images has them in its context
-    (at its ``<image>`` placeholders, else before it), expanded as the model's processor expands them."""
+    (at its ``<image>`` placeholders, else before it), expanded as the model's processor expands them; few-shot
+    examples with images have theirs before them likewise (:func:`eval.image_prompts.fewshot_context`)."""
     k = task.opt("num_fewshot", 0) if num_fewshot is None else num_fewshot
     delim = task.opt("target_delimiter", " ")
     sep = task.opt("fewshot_separator", "\n\n")
@@ -53,15 +54,18 @@ def mc_image_questions(tokenizer: Any, task: Task, rows: list[dict], num_fewshot
     out = []
     for i, row in enumerate(rows):
         choices, golds = choices_gold(row, task)
-        shots = []
-        for shot in fewshot_pool(task, rows, i, k):
+        shots, pool = [], fewshot_pool(task, rows, i, k)
+        for shot in pool:
             sc, sg = choices_gold(shot, task)
             q = format_row(template, shot, task, "context")
             shots.append(q + delim + sc[sg[0]] if not prefix else joined(joined(q, prefix, delim), sc[sg[0]]))
-        context = sep.join(shots + [joined(format_row(template, row, task, "context"), prefix, delim)])
-        context = task.opt("prompt_description", "") + context
+        question = joined(format_row(template, row, task, "context"), prefix, delim)
+        head = task.opt("prompt_description", "")
+        context = head + sep.join(shots + [question])
         frames: Frames = []
-        if images is not None and images.wanted(row, context):
+        if images is not None and any(task.has_images(shot) for shot in pool):  # each example's images before it
+            context, frames = fewshot_context(images, i, [*zip(shots, pool), (question, row)], sep, head)
+        elif images is not None and images.wanted(row, context):
             context, frames = images.text(i, context, row)
         # After a gen_prefix ending in whitespace the choices follow it directly (lm-evaluation-harness's rule).
         lead = "" if prefix and prefix[-1].isspace() else delim

@@ -87,8 +87,9 @@ def evaluate(cfg: ModelConfig, params: dict[str, Any], tokenizer: Any, tasks: st
 
 
 def image_tasks(tasks: Sequence[Task], limit: int | None) -> list[Task]:
-    """The tasks (multiple choice and generation) of which a row has images."""
-    return [t for t in tasks if t.kind != "perplexity" and any(t.has_images(r) for r in t.rows(limit))]
+    """The tasks (multiple choice and generation) of which a row, or a few-shot example's row, has images."""
+    return [t for t in tasks if t.kind != "perplexity"
+            and any(t.has_images(r) for r in [*t.rows(limit), *(t.fewshot_rows() or [])])]
 
 
 def check_image_rows(cfg: ModelConfig, tokenizer: Any, tasks: Sequence[Task], limit: int | None,

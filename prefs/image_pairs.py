@@ -117,8 +117,8 @@ class ImagePairs:
             second = int(np.argmax(doc["tokens_segment_ids"] != CHOSEN))
             at += [(s + second, e + second) for s, e in at]
             copies = 2
-        self.documents.keep(i, processed, at, self.path, self.seq_len, copies)
-        doc[IMAGE_DOC] = np.full(len(doc["tokens"]), i + 1 if processed else 0, np.int32)
+        tag = self.documents.keep(i, processed, at, self.path, self.seq_len, copies)
+        doc[IMAGE_DOC] = np.full(len(doc["tokens"]), tag if processed else 0, np.int32)
 
 
 def image_pair(row: dict[str, Any], image_column: str | None = None) -> tuple[Pair, tuple[Any, ...]]:

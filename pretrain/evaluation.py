@@ -19,7 +19,7 @@ from pretrain.data.pipeline import packed_batches
 from pretrain.data.run import RunData
 from pretrain.hooks import Hook, StepInfo
 from pretrain.metrics import LossOutput
-from zoo.data.batching import Document, replicated_batch, to_model_batch
+from zoo.data.batching import Document, Finish, replicated_batch, to_model_batch
 from zoo.errors import UserError
 from zoo.lora.weights import Weights
 
@@ -32,14 +32,18 @@ class Evaluation(Hook):
     def __init__(self, cfg: TrainConfig, data: RunData, micro: int, mesh: jax.sharding.Mesh,
                  eval_fn: Callable[..., LossOutput], batch_of: Callable[[dict[str, Any]], TokenBatch],
                  weights: Callable[[dict[str, Any]], Weights], primary: bool,
-                 own: Callable[..., dict[str, float] | None] | None = None):
+                 own: Callable[..., dict[str, float] | None] | None = None, finish: Finish | None = None,
+                 budgets: dict[str, int] | None = None):
         self.cfg, self.data, self.micro, self.mesh, self.batch_of = cfg, data, micro, mesh, batch_of
+        # The task's rows as the training batches make them (pretrain.task.Task.finish_rows, row_budgets): the
+        # eval rows of a vision-language run get their images' patches as the training rows do.
+        self.finish, self.budgets = finish, budgets
         self.own = own  # the task's own held-out metrics (Task.eval_metrics), in place of the eval loss
         self.eval_fn, self.weights = eval_fn, weights
         # A mixture's eval loss per source too (`eval_loss/NAME`), for each source eval set that fills a batch.
         self.eval_sets: dict[str, list[Document]] = {}
         for name, docs in (data.eval_sets if len(data.eval_sets) > 1 and cfg.eval_every else {}).items():
-            if preflight.fills_batch(docs, cfg, micro, data.packing):
+            if preflight.fills_batch(docs, cfg, micro, data.packing, budgets):
                 self.eval_sets[name] = docs
             elif primary:
                 print(f"warning: the eval set of source {name} ({len(docs)} examples) cannot fill one eval batch of "
@@ -61,12 +65,14 @@ class Evaluation(Hook):
         """{eval_loss: mean per-target loss, eval_<name>: the task's other metrics} over (up to ``max_batches``)
         packed batches of the eval documents."""
         cfg = self.cfg
-        it = packed_batches(docs, cfg.data.seq_len, self.micro, cfg.seed, 1, self.data.packing, cfg.data.max_segments)
+        it = packed_batches(docs, cfg.data.seq_len, self.micro, cfg.seed, 1, self.data.packing, cfg.data.max_segments,
+                            self.budgets)
         sharding = NamedSharding(self.mesh, PartitionSpec(("data", "fsdp"), None))
         total: LossOutput | None = None
         for _ in range(max_batches):
             try:
-                b = to_model_batch(next(it))
+                rows = next(it)
+                b = to_model_batch(rows if self.finish is None else self.finish(rows))
             except StopIteration:
                 break
             one: Any = jax.tree.map(float, self.eval_fn(params, self.batch_of(replicated_batch(b, sharding))))

@@ -217,7 +217,8 @@ def _run_hooks(cfg: TrainConfig, task: Task[Any], run: _Run, step: Step, out: Ru
     model = run.model
     hooks.add(Evaluation(cfg, run.data, run.micro, model.mesh,
                          partial(step.evaluate, frozen=model.frozen, frozen_inputs=run.frozen_inputs), task.batch,
-                         model.weights, primary, task.eval_metrics), every=cfg.eval_every)
+                         model.weights, primary, task.eval_metrics, task.finish_rows, task.row_budgets()),
+              every=cfg.eval_every)
     hooks.extend(caller)
     for hook in task.hooks(out, primary):
         hooks.add(hook)
@@ -289,7 +290,7 @@ def _check_data(cfg: TrainConfig, task: Task[Any], data: RunData, micro: int, pr
     if not task.online:  # an online task's rows are prompts: it makes what trains itself
         preflight.check_first_batch(data.batches, cfg)
     if data.eval_docs and cfg.eval_every and not task.online:  # an online task's held-out rows are prompts too
-        preflight.check_eval(data.eval_docs, cfg, micro, data.packing)
+        preflight.check_eval(data.eval_docs, cfg, micro, data.packing, task.row_budgets())
 
 
 def _data_report(cfg: TrainConfig, data: RunData, primary: bool) -> dict[str, Any]:

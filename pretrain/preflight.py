@@ -120,17 +120,20 @@ def check_first_batch(batches: Any, cfg: TrainConfig) -> None:
                         f"raise data.seq_len")
 
 
-def fills_batch(docs: list[Document], cfg: TrainConfig, micro: int, packing: str) -> bool:
-    """Whether ``docs`` fill at least one eval batch of ``micro`` rows."""
+def fills_batch(docs: list[Document], cfg: TrainConfig, micro: int, packing: str,
+                budgets: dict[str, int] | None = None) -> bool:
+    """Whether ``docs`` fill at least one eval batch of ``micro`` rows (packed within the task's ``budgets``)."""
     try:
-        next(packed_batches(docs, cfg.data.seq_len, micro, cfg.seed, 1, packing, cfg.data.max_segments))
+        next(packed_batches(docs, cfg.data.seq_len, micro, cfg.seed, 1, packing, cfg.data.max_segments, budgets))
     except StopIteration:
         return False
     return True
 
 
-def check_eval(docs: list[Document], cfg: TrainConfig, micro: int, packing: str) -> None:
-    """A UserError when the eval set cannot fill one batch of ``micro`` rows, or trains no token."""
+def check_eval(docs: list[Document], cfg: TrainConfig, micro: int, packing: str,
+               budgets: dict[str, int] | None = None) -> None:
+    """A UserError when the eval set cannot fill one batch of ``micro`` rows (packed within the task's
+    ``budgets``), or trains no token."""
     d = cfg.data
     if isinstance(d.path, list):
         where = "the eval sets of data.path's sources" + (f" and data.eval_path {d.eval_path}" if d.eval_path else "")
@@ -144,7 +147,7 @@ def check_eval(docs: list[Document], cfg: TrainConfig, micro: int, packing: str)
                 if d.long_examples == "drop" else "add eval examples")
         raise UserError(f"the eval set ({where}) has no usable example: {cut}")
     row = "examples" if packing == "none" else f"rows of data.seq_len + 1 = {d.seq_len + 1} tokens"
-    if not fills_batch(docs, cfg, micro, packing):
+    if not fills_batch(docs, cfg, micro, packing, budgets):
         raise UserError(f"the eval set ({where}: {size}) cannot fill one eval batch of batch_size / grad_accum = "
                         f"{micro} {row}; add eval examples (data.eval_path), raise data.eval_fraction, or raise "
                         f"grad_accum (an eval batch is batch_size / grad_accum rows)")

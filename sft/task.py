@@ -10,7 +10,7 @@ import jax
 
 from chat.config import chat_template_of
 from chat.formats import detect_format
-from chat.image_documents import ImageDocuments, refuse_unsupported
+from chat.image_documents import ImageDocuments, text_document, without_tags
 from chat.images import ImageExpander, image_column, refuse_images
 from chat.loss_masks import tokenize_indexed
 from pretrain.batch import TokenBatch
@@ -89,13 +89,15 @@ class SFTTask(Task[TokenBatch]):
         self.text_rows_read = self.vision is not None
         out, bad = tokenize_indexed(indexed_rows(rows.ds, indices), rows.field, tokenizer, self.chat_template,
                                     path, skip_bad)
-        return Documents({i: {"tokens": ids, "loss_mask": mask} for i, (ids, mask) in out.items()}, bad)
+        docs = {i: {"tokens": ids, "loss_mask": mask} for i, (ids, mask) in out.items()}
+        if self.vision is not None and self.reads_images:  # they may pack or mix with rows that have images
+            docs = {i: text_document(x, bool(self.cfg.data.packing)) for i, x in docs.items()}
+        return Documents(cast(dict[int, Document], docs), bad)
 
     def _image_documents(self, rows: RowSource, tokenizer: Tokenizer, path: str, skip_bad: bool,
                          indices: list[int] | None) -> Documents:
-        """The documents of rows with images (:class:`ImageDocuments`), after the checks of what is not done yet."""
+        """The documents of rows with images (:class:`ImageDocuments`)."""
         d = self.cfg.data
-        refuse_unsupported(d, path)
         if self.expander is None:
             self.expander = ImageExpander.from_folder(tokenizer_folder(self.cfg), tokenizer)
         if self.images is None:
@@ -106,7 +108,7 @@ class SFTTask(Task[TokenBatch]):
 
     def finish_rows(self, rows: dict[str, Any]) -> dict[str, Any]:
         """Rows of documents with images get their images' patches (chat/image_documents.py); others are unchanged."""
-        return rows if self.images is None else self.images.finish_rows(rows)
+        return without_tags(rows) if self.images is None else self.images.finish_rows(rows)
 
     def image_spans(self, i: int) -> tuple[tuple[int, int], ...]:
         """Row ``i``'s image tokens, a range [start, end) each (``sft inspect`` shows each as one marker)."""

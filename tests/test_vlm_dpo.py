@@ -208,3 +208,44 @@ def _text_model(folder, vlm) -> None:
     make_hf(vlm.root / "hf_text", "llama", vocab_size=len(vlm.tok))
     vlm.tok.save_pretrained(str(vlm.root / "hf_text"))
     assert zoo_main(["convert", str(vlm.root / "hf_text"), "--out", str(folder)]) == 0
+
+
+@pytest.mark.slow
+def test_eval_set_with_images_is_trl_loss_on_transformers_logps(vlm, reference, tmp_path):
+    """Slow: a run of its own (learning rate 0: the policy stays transformers'). data.eval_path, the two pairs
+    again from another folder (their images copied there), is scored with its images: the eval loss is TRL's DPO
+    loss on transformers' log-probabilities of the policy and the reference (1e-5)."""
+    (tmp_path / "ev").mkdir()
+    for name in vlm.names:
+        shutil.copy(vlm.root / name, tmp_path / "ev" / name)
+    shutil.copy(vlm.root / "pairs.jsonl", tmp_path / "ev" / "pairs.jsonl")
+    out = tmp_path / "run"
+    assert dpo_main(["train", *_args(vlm, out, f"dpo.reference={vlm.root / 'reference'}", "optimizer.learning_rate=0",
+                                      f"data.eval_path={tmp_path / 'ev' / 'pairs.jsonl'}", "eval_every=1")]) == 0
+    pol, refs = _hf_answer_logps(vlm, vlm.hf), _hf_answer_logps(vlm, reference)
+    want = trl_metrics("sigmoid", [p[0] for p in pol], [p[1] for p in pol], [q[0] for q in refs],
+                       [q[1] for q in refs], BETA, 0.0, 0.0, 0.0)
+    assert abs(read_metrics(out)[-1]["eval_loss"] - want["loss"]) <= 1e-5
+
+
+def test_text_pairs_mix_with_image_pairs(vlm, tmp_path):
+    """A data mixture's text-only pairs on a vision-language model: their documents have the image pairs' features
+    (tagged with no image), and a batch of an image pair and a text pair gives the image row its own patches (those
+    of a batch of image pairs alone, whose log-probabilities are transformers': the test above) and the text row
+    none."""
+    from zoo.data.batching import stacked
+
+    cfg = _cfg(vlm, tmp_path)
+    task = DPOTask(cfg)
+    task.vision, task.shared_prompt = zoo.read_config(vlm.root / "policy").vision, True  # what prepare() sets
+    path, text = str(vlm.root / "pairs.jsonl"), tmp_path / "text.jsonl"
+    write_jsonl(text, [{"prompt": p, "chosen": c, "rejected": r} for p, (c, r) in zip(PROMPTS[:1], ANSWERS)])
+    docs = task.documents(task.load(path, cfg), vlm.tok, path, False).docs
+    plain = task.documents(task.load(str(text), cfg), vlm.tok, str(text), False).docs
+    assert plain[0].keys() == docs[0].keys() and not plain[0]["image_doc"].any()
+    alone = stacked([docs[0], docs[1]], cfg.data.seq_len + 1, 2, task.finish_rows)
+    mixed = stacked([docs[0], plain[0]], cfg.data.seq_len + 1, 2, task.finish_rows)
+    for k in alone.keys() & mixed.keys():
+        if k.startswith("vision_"):
+            np.testing.assert_array_equal(mixed[k][0], alone[k][0], err_msg=k)
+    assert mixed["vision_patch_valid"][0].any() and not mixed["vision_patch_valid"][1].any()

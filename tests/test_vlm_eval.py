@@ -107,9 +107,11 @@ def _mc_task(vlm) -> str:
 
 
 def test_eval_tasks_with_images_are_transformers(vlm):
-    """`zoo eval` on three tasks with images: every choice's log-likelihood on the KV-cache path is transformers'
-    forward with the pixels (1e-4), rows of 5, 8, no and 3 frames in one batch; a generation task (TRL's content
-    parts, and a string turn) and a prompt-template one answer as transformers' ``generate``."""
+    """`zoo eval` on four tasks with images: every choice's log-likelihood on the KV-cache path is transformers'
+    forward with the pixels (1e-4), rows of 5, 8, no and 3 frames in one batch, and with two few-shot examples
+    (each example's images before its text, then the question's: a question without images after examples with
+    them too; examples from a fewshot_data file of their own, their images beside it); a generation task (TRL's content parts, and a string turn) and a prompt-template one answer as
+    transformers' ``generate``."""
     a, b = vlm.images
     parts = [{"type": "image"}, {"type": "text", "text": QUESTION}]
     chats = [[{"role": "user", "content": parts}], [{"role": "user", "content": QUESTION}]]
@@ -120,8 +122,20 @@ def test_eval_tasks_with_images_are_transformers(vlm):
     gen = _task(vlm.root, "gen", gen_rows, kind="generation", messages="messages", max_new_tokens=8)
     prompt = _task(vlm.root, "prompt", [{"q": QUESTION, "answer": w, "images": n} for w, n in zip(want, names)],
                    kind="generation", prompt="{q}", target="{answer}", chat_template=True, max_new_tokens=8)
+    shot_rows = _mc_rows(vlm)[1:]  # 8 frames (two images before the text), none, 3 (an <image> in the text)
+    shots = _task(vlm.root, "shots", shot_rows, kind="multiple_choice", context="{question}", choices="choices",
+                  gold="answer", num_fewshot=2)
+    # Examples from fewshot_data in a folder of its own (an image of the same name as the task's, other pixels); the
+    # question has no image.
+    (vlm.root / "fs").mkdir(exist_ok=True)
+    (fs_image,) = write_images(vlm.root / "fs", [(28, 28)], seed=5)
+    write_jsonl(vlm.root / "fs" / "shots.jsonl", [{**shot_rows[0], "images": [fs_image]}])
+    plain = {"question": "User:" + QUESTION, "choices": CHOICES, "answer": 2}
+    shot_file = _task(vlm.root, "shot_file", [plain], kind="multiple_choice", context="{question}",
+                      choices="choices", gold="answer", num_fewshot=1, fewshot_data="fs/shots.jsonl")
     out = vlm.root / "results.json"
-    assert main(["eval", str(vlm.ckpt), "--tasks", f"{_mc_task(vlm)},{gen},{prompt}", "--out", str(out),
+    tasks = f"{_mc_task(vlm)},{gen},{prompt},{shots},{shot_file}"
+    assert main(["eval", str(vlm.ckpt), "--tasks", tasks, "--out", str(out),
                  "--log-samples", "--batch-size", "4"]) == 0
     report = json.loads(out.read_text())["tasks"]
     log = [json.loads(line) for line in out.with_name("results.samples.jsonl").read_text().splitlines()]
@@ -130,6 +144,22 @@ def test_eval_tasks_with_images_are_transformers(vlm):
     hf_lls = [[_hf_loglikelihood(vlm, *_mc_reference(r), c) for c in CHOICES] for r in mc_rows]
     np.testing.assert_allclose([s["loglikelihoods"] for s in log if s["task"] == "mc"], hf_lls, atol=1e-4, rtol=0)
     assert report["mc"]["metrics"]["acc"] == np.mean([np.argmax(h) == r["answer"] for h, r in zip(hf_lls, mc_rows)])
+    # Few-shot: each row's two examples (the other rows, in order) with their images before their text, then the
+    # question with its own; the processor reads the images in that order.
+    want_shots = []
+    for i, row in enumerate(shot_rows):
+        texts, names = [], []
+        for r in [*shot_rows[:i], *shot_rows[i + 1:], row]:
+            text, own = _mc_reference(r)
+            texts.append(text + (" " + CHOICES[r["answer"]] if r is not row else ""))
+            names += own
+        want_shots.append([_hf_loglikelihood(vlm, "\n\n".join(texts), names, c) for c in CHOICES])
+    np.testing.assert_allclose([s["loglikelihoods"] for s in log if s["task"] == "shots"], want_shots, atol=1e-4,
+                               rtol=0)
+    context = f"<image>User:{QUESTION} {CHOICES[shot_rows[0]['answer']]}\n\nUser:{QUESTION}"
+    np.testing.assert_allclose([s["loglikelihoods"] for s in log if s["task"] == "shot_file"],
+                               [[_hf_loglikelihood(vlm, context, [f"fs/{fs_image}"], c) for c in CHOICES]],
+                               atol=1e-4, rtol=0)
     for name in ("gen", "prompt"):
         assert [s["answer"] for s in log if s["task"] == name] == want
     assert report["gen"]["metrics"]["exact_match"] == 0.5 and report["prompt"]["metrics"]["exact_match"] == 1.0
@@ -245,8 +275,8 @@ def test_bad_image_input_is_one_line_naming_the_row(vlm, bad_inputs, tmp_path, c
 
 
 def test_what_images_do_not_go_with_yet_is_one_line(vlm, tmp_path, capsys):
-    """Few-shot examples with images (`zoo eval`), and image rows in eval.tasks during training (refused when the
-    hook is made, before the model loads): one line each, naming the task or the row."""
+    """Few-shot examples with images in a generation task (`zoo eval`), and image rows in eval.tasks during
+    training (refused when the hook is made, before the model loads): one line each, naming the task or the row."""
     from eval.during_training import ScoredTasks
     from zoo.errors import UserError
 
@@ -254,7 +284,7 @@ def test_what_images_do_not_go_with_yet_is_one_line(vlm, tmp_path, capsys):
     rows[1] = {**rows[1], "images": [vlm.images[0]]}
     task = _task(vlm.root, "shots", rows, kind="generation", messages="messages")
     err = _one_line(capsys, main, ["eval", str(vlm.ckpt), "--tasks", task, "--num-fewshot", "1"])
-    assert err.startswith(f"task shots ({task}): rows with images do not go with few-shot examples yet"), err
+    assert err.startswith(f"task shots ({task}): generation rows with images do not go with few-shot examples yet"), err
     with pytest.raises(UserError, match=r"shots\.jsonl, line 2: the row has images, which eval\.tasks does not "
                                         r"score during training yet"):
         ScoredTasks([task], None, None, 8)

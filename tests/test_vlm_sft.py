@@ -1,9 +1,11 @@
 """`sft train` with images on a tiny SmolVLM (tests/vlm_models.py) and its processor (tests/vlm_processors.py): step 1's
 loss equals transformers' on the same ids and pixels, ``model.freeze`` keeps the tower and connector as they were,
-and rows whose images cannot be trained are one line naming the row, exit 2, before step 1."""
+an eval set with images and a data mixture of image and text rows score transformers' loss, and rows whose images
+cannot be trained are one line naming the row, exit 2, before step 1."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from types import SimpleNamespace
@@ -144,7 +146,7 @@ def _one_line_error(capsys, args) -> str:
 def test_bad_image_rows_are_one_line_naming_the_row(vlm, tmp_path, capsys):
     """Exit 2, one line, before step 1: naming the file and line, an image past data.seq_len, more patches than
     data.max_patches, and images on a model with no vision tower; naming the folder, a checkpoint without its
-    image processor; and what rows with images do not go with yet."""
+    image processor. (An eval set and a data mixture with images train: see the eval set test below.)"""
     data = str(vlm.root / "data.jsonl")
     common = [f"model.path={vlm.root / 'zoo'}", f"data.path={data}", "data.packing=false", "batch_size=1",
               "max_steps=1", f"output_dir={tmp_path / 'o'}"]
@@ -153,9 +155,6 @@ def test_bad_image_rows_are_one_line_naming_the_row(vlm, tmp_path, capsys):
     err = _one_line_error(capsys, [*common, "data.seq_len=64", "data.max_patches=8"])
     assert err.startswith(f"{data}, line 1: its 1 image(s) make 1 frame(s) of 16 patches in all, more than "
                           "data.max_patches = 8")
-    err = _one_line_error(capsys, [*common, "data.seq_len=64", "data.eval_fraction=0.5"])
-    assert err == (f"data.path {data}: rows with images do not go with evaluation (data.eval_fraction, "
-                   "data.eval_path) yet; train them from one file and no evaluation set")
     bare = tmp_path / "bare"  # the checkpoint without its image processor's files
     shutil.copytree(vlm.root / "zoo", bare)
     for name in ("preprocessor_config.json", "processor_config.json"):
@@ -231,3 +230,69 @@ def test_a_document_packed_twice_into_a_row_keeps_its_images_twice():
     segments = np.array([1, 1, 2, 2, 3, 4, 4, 0])  # document 3 in segments 1 and 2, a text row, document 5
     assert row_documents(tags, segments) == [3, 3, 5]
     assert row_documents(tags, None) == [3, 5]  # an unpacked row: one document, however long
+
+
+def _doc_losses(vlm, path) -> list[tuple[float, int]]:
+    """transformers' (summed next-token loss, targets) of each row of ``path``: the zoo's own ids and pixels
+    (chat/images.py, equal to the processor's: tests/test_vlm_data.py), labels -100 wherever the zoo trains
+    nothing; a row without images reads no pixels."""
+    import torch
+
+    from chat.formats import normalize
+    from chat.images import ImageExpander, tokenize_with_images
+    from chat.loss_masks import tokenize_indexed
+
+    expander = ImageExpander.from_folder(vlm.root / "zoo" / "tokenizer", vlm.tok)
+    out = []
+    for i, line in enumerate(path.read_text().splitlines()):
+        row = json.loads(line)
+        pixels = {}
+        if "images" in row:
+            t = tokenize_with_images(normalize(row, "messages"), vlm.tok, expander, path.parent)
+            ids, mask = t.ids, t.mask
+            (image,) = t.images
+            pixels = {"pixel_values": torch.tensor(image.pixel_values[None]),
+                      "pixel_attention_mask": torch.tensor(image.pixel_attention_mask[None].astype(bool))}
+        else:
+            ((ids, mask),) = tokenize_indexed([(i, row)], "messages", vlm.tok, None, str(path), False)[0].values()
+        labels = np.where(mask, ids, -100)
+        with torch.no_grad():
+            loss = vlm.hf(input_ids=torch.tensor(ids[None], dtype=torch.long),
+                          labels=torch.tensor(labels[None], dtype=torch.long), **pixels).loss
+        n = int((labels[1:] != -100).sum())
+        out.append((float(loss) * n, n))
+    return out
+
+
+def _mean(docs) -> float:
+    return sum(s for s, _ in docs) / sum(n for _, n in docs)
+
+
+def test_eval_set_and_mixture_with_images_are_transformers_loss(vlm, tmp_path):
+    """One 2-step run (learning rate 0: the weights stay transformers'), data.path a mixture of the two image rows
+    and two text rows, data.eval_path two more image rows with images of their own (same file names, another
+    folder: their rows' tags must not be the training rows'). Checks: the eval loss is transformers' over the eval
+    rows with their images (1e-5); each step's loss is transformers' over the batch's two rows (one a lane, each
+    row with its own images or none), and the two steps drew both image and text rows."""
+    root = tmp_path
+    write_jsonl(root / "text.jsonl", [{"messages": [{"role": "user", "content": QUESTION},
+                                                    {"role": "assistant", "content": a}]} for a in ANSWERS])
+    (root / "ev").mkdir()
+    names = write_images(root / "ev", [(28, 20), (28, 28)], seed=1)
+    write_jsonl(root / "ev" / "eval.jsonl", [_row(a, n) for a, n in zip(ANSWERS[::-1], names)])
+    mixture = (f"data.path=[{{path: {vlm.root / 'data.jsonl'}, weight: 1}}, "
+               f"{{path: {root / 'text.jsonl'}, weight: 1}}]")
+    cfg = _cfg(vlm, root / "out", mixture, f"data.eval_path={root / 'ev' / 'eval.jsonl'}", "max_steps=2",
+               "eval_every=2", "optimizer.learning_rate=0")
+    train(cfg, progress=False, task=SFTTask(cfg))
+    records = read_metrics(root / "out")
+    assert abs(records[-1]["eval_loss"] - _mean(_doc_losses(vlm, root / "ev" / "eval.jsonl"))) <= 1e-5
+    images, text = _doc_losses(vlm, vlm.root / "data.jsonl"), _doc_losses(vlm, root / "text.jsonl")
+    rows = [("image", x) for x in images] + [("text", x) for x in text]
+    drawn = set()
+    for r in records[:2]:  # each lane holds one image row and one text row: which of them a step drew is grain's
+        pairs = [(a, b) for a, b in itertools.combinations_with_replacement(rows, 2)
+                 if abs(r["loss"] - _mean([a[1], b[1]])) <= 1e-5]
+        assert pairs, r["loss"]
+        drawn |= {kind for pair in pairs for kind, _ in pair}
+    assert drawn == {"image", "text"}

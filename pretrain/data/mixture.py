@@ -69,10 +69,11 @@ def mixture_data(cfg: TrainConfig, task: Task[Any], tokenizer: Any, vocab: int, 
     # One epoch: a pass over all sources' training tokens (documents without packing); see the module docstring.
     per_epoch = sum(s.per_epoch for s in shares) // epoch_unit(cfg, packing)
     total = cfg.max_steps or max(1, per_epoch) * (cfg.epochs or 1)
+    # The budgets and the rows' finish after every source is read: a source's images count in every row's budget.
     mixed = [mixed_lane_dataset([s.lane_docs[r] for s in shares], weights, d.seq_len, cfg.seed * 1_000_003 + r,
-                                packing, d.max_segments) for r in mine]
+                                packing, d.max_segments, task.row_budgets()) for r in mine]
     first = set(counted)
-    batches = LaneBatches(mixed, len(sources), [r in first for r in mine])
+    batches = LaneBatches(mixed, len(sources), [r in first for r in mine], finish=task.finish_rows)
     eval_sets = {str(src.name): s.eval_docs for src, s in zip(sources, shares) if s.eval_docs}
     skipped = sum(s.skipped for s in shares)
     if d.eval_path:  # one more eval set, read with the data.* keys

@@ -144,9 +144,10 @@ def source_seed(seed: int, source: int) -> int:
 
 
 def mixed_lane_dataset(sources: list[list[Any]], weights: list[float], seq_len: int, seed: int,
-                       packing: bool | str, max_segments: int | None = None) -> grain.DatasetIterator:
+                       packing: bool | str, max_segments: int | None = None,
+                       budgets: dict[str, int] | None = None) -> grain.DatasetIterator:
     """One lane of a mixture: an endless grain iterator of packed rows from grain's mix of the sources' document
-    streams (each shuffled, reshuffled each pass) in proportion to ``weights``.
+    streams (each shuffled, reshuffled each pass) in proportion to ``weights`` (``budgets``: see _pack).
 
     ``grain.MapDataset.mix`` interleaves the endless streams deterministically by weight (element k of the mix is
     a fixed element of a fixed source), so a lane's state stays one index and resumes exactly. Every token keeps
@@ -157,7 +158,7 @@ def mixed_lane_dataset(sources: list[list[Any]], weights: list[float], seq_len: 
     streams = [_stream(docs, source_seed(seed, s), None).map(functools.partial(_tag, s))
                for s, docs in enumerate(sources)]
     mixed = grain.MapDataset.mix(streams, weights)
-    return iter(_pack(mixed, _tag(0, features(sources[0][0])), seq_len, seed, packing, max_segments))
+    return iter(_pack(mixed, _tag(0, features(sources[0][0])), seq_len, seed, packing, max_segments, budgets))
 
 
 def fit_documents(docs: dict[int, Any], max_len: int, long: str) -> tuple[dict[int, Any], set[int]]:
@@ -252,6 +253,8 @@ def _tuples(x: Any) -> Any:
 
 
 def packed_batches(docs: list[Any], seq_len: int, batch: int, seed: int, epochs: int | None,
-                   packing: bool | str = True, max_segments: int | None = None) -> grain.DatasetIterator:
-    """A grain iterator of whole batches from one stream of ``docs`` (used for the small eval set)."""
-    return iter(_rows(docs, seq_len, seed, packing, epochs, max_segments).batch(batch, drop_remainder=True))
+                   packing: bool | str = True, max_segments: int | None = None,
+                   budgets: dict[str, int] | None = None) -> grain.DatasetIterator:
+    """A grain iterator of whole batches from one stream of ``docs`` (used for the small eval set; ``budgets``:
+    see _pack)."""
+    return iter(_rows(docs, seq_len, seed, packing, epochs, max_segments, budgets).batch(batch, drop_remainder=True))
