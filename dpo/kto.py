@@ -104,14 +104,14 @@ class KTOTask(DPOTask[KTOBatch]):
         """The rows of ``path`` as unpaired (prompt, completion, label) rows, paired rows unpacked as TRL does."""
         ds, _ = load_dataset_rows(path, cfg.data.split)
         column = image_column(list(ds.column_names))
-        self.files[path] = ds  # its columns: whether the rows have images (DPOTask._image_pairs), by RowSource.path
+        self.files[path] = ds  # its columns: whether the rows have images (PairImageRows.image_pairs), by RowSource.path
         return RowSource(unpaired_rows(ds, kto_columns(list(ds.column_names), path), column), "kto", path)
 
     def row_documents(self, rows: RowSource, tokenizer: Tokenizer, path: str, skip_bad: bool,
                       indices: list[int] | None = None) -> tuple[dict[int, dict[str, np.ndarray]], int, set[int]]:
         """Each row's completion and its mismatched completion in the pair layout, with its label; rows with
         images on a vision-language model keep them in their prompts (prefs/image_pairs.py)."""
-        images = self._image_pairs(RowSource(self.files[rows.path], "kto", rows.path), tokenizer, path)
+        images = self.image_pairs(RowSource(self.files[rows.path], "kto", rows.path), tokenizer, path)
         return kto_documents(rows.ds, indices, tokenizer, self.chat_template, path, skip_bad, self.max_len,
                              self.drop_long, self.shared_prompt, self.chunk, images)
 
@@ -124,7 +124,7 @@ class KTOTask(DPOTask[KTOBatch]):
         """Pair rows with each row's label; a shared prompt's ``prefix_ids``, precomputed ``ref_logps``, a
         vision-language model's images."""
         fields = ("prefix_ids",) * self.shared_prompt + ("ref_logps",) * (self.mode == "precomputed") + ("label",)
-        return KTOBatch.layout((grad_accum, micro, seq_len), fields, self._vision_layout())
+        return KTOBatch.layout((grad_accum, micro, seq_len), fields, self.vision_layout())
 
     def loss_sums(self, mcfg: ModelConfig, weights: Weights, mb: KTOBatch, compute: Any, remat: str,
                   *, frozen_inputs: dict[str, Any] | None = None, totals: dict[str, Any] | None = None,

@@ -33,19 +33,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from chat.config import chat_template_of
-from chat.image_documents import ImageDocuments, refuse_unsupported, text_document, without_tags
-from chat.images import ImageExpander, image_base, image_column, refuse_images
+from chat.image_documents import text_document
 from dpo.config import DPOConfig
 from dpo.losses import preference_loss, rpo_nll_scale
 from dpo.reference import cached_reference_logps, compute_reference_logps, load_reference, resolve_checkpoint
 from prefs.batch import PairBatch
-from prefs.image_pairs import ImagePairs
+from prefs.image_rows import PairImageRows
 from prefs.pairs import CHOSEN, PROMPT, REJECTED, load_pair_rows, pair_documents, shared_prompt_layout
 from pretrain.config import TrainConfig
 from pretrain.dtypes import DTYPES
 from pretrain.metrics import LossOutput, Mean, Metric, MicroMean, Ratio
 from pretrain.preflight import check_untrainable, untrainable
-from pretrain.setup import tokenizer_folder
 from pretrain.task import Documents, ReadContext, RowSource, RunContext, Task, Tokenizer
 from zoo.checkpoints.method_card import MethodCard, settings
 from zoo.data.batching import Document
@@ -57,7 +55,6 @@ from zoo.model.logps import batch_logps
 from zoo.model.params import flatten
 from zoo.model.quant import cast_params
 from zoo.model.vision import VisionInputs
-from zoo.model.vision_config import VisionConfig
 from zoo.storage import run_path
 
 # The metrics each step logs (TRL's names), besides `loss`: means over the global batch's pairs.
@@ -77,7 +74,7 @@ LOSS_NAMES = {
 P = TypeVar("P", bound=PairBatch)
 
 
-class DPOTask(Task[P]):
+class DPOTask(PairImageRows, Task[P]):
     """Direct preference optimization and its variants on (prompt, chosen, rejected) rows; generic in its batch
     class ``P`` for its variants (``DPOTask[PairBatch]`` is DPO's, ``KTOTask`` a ``DPOTask[KTOBatch]``)."""
 
@@ -106,10 +103,7 @@ class DPOTask(Task[P]):
         # the reference until it moves (see loss_sums).
         self.reference_is_start = False
         # A vision-language model's tower (prepare), and the images of rows that have them (prefs/image_pairs.py).
-        self.vision: VisionConfig | None = None
-        self.images: ImageDocuments | None = None
-        self.expander: ImageExpander | None = None
-        self.text_rows_read = False  # a vision-language model's data read, and no row of it has an images column
+        self.init_images()  # (prefs/image_rows.py)
 
     @classmethod
     def card(cls, cfg: TrainConfig) -> MethodCard:
@@ -147,35 +141,16 @@ class DPOTask(Task[P]):
         """(pair documents by row index, bad rows skipped, rows too long) of the rows at ``indices`` (default all),
         laid out as :meth:`prepare` decided: what :meth:`documents` returns and the precomputed reference scores.
         Rows with images (an ``images`` column) on a vision-language model keep them (prefs/image_pairs.py)."""
-        images = self._image_pairs(rows, tokenizer, path)
+        images = self.image_pairs(rows, tokenizer, path)
         docs, bad, too_long = pair_documents(indexed_rows(rows.ds, indices), tokenizer, self.chat_template, path,
                                              skip_bad, self.max_len, self.drop_long, self.shared_prompt, images)
         if images is None and self.vision is not None:  # they may mix with pairs that have images (a mixture)
             docs = {i: text_document(x, packed=False) for i, x in docs.items()}
         return docs, bad, too_long
 
-    def _image_pairs(self, rows: RowSource, tokenizer: Tokenizer, path: str) -> ImagePairs | None:
-        """The pair tokenizer of rows with images (None: the rows have no image column); rows with images on a
-        model without a vision tower, and KTO's with what they do not go with yet, are a UserError."""
-        column = image_column(list(rows.ds.column_names))
-        if column is None:
-            self.text_rows_read = self.vision is not None
-            return None
-        if self.vision is None:
-            refuse_images(rows.ds, column, path, str(self.cfg.model.path))
-            return None  # the column holds no image
-        d = self.cfg.data
-        if self.dpo.loss_type == "kto":  # KTO's unpaired rows tag their images by row index alone: one file
-            refuse_unsupported(d, path)
-        if self.expander is None:
-            self.expander = ImageExpander.from_folder(tokenizer_folder(self.cfg), tokenizer)
-        if self.images is None:
-            self.images = ImageDocuments(self.vision, d.max_patches, packed=False)
-        return ImagePairs(self.expander, self.images, image_base(path), path, d.seq_len, column)
-
-    def finish_rows(self, rows: dict[str, Any]) -> dict[str, Any]:
-        """Rows of pairs with images get their images' patches (chat/image_documents.py); others are unchanged."""
-        return without_tags(rows) if self.images is None else self.images.finish_rows(rows)
+    def rows_keyed_by_index(self) -> bool:
+        """KTO's unpaired rows tag their images by row index alone (one file); DPO's pairs by their file's range."""
+        return self.dpo.loss_type == "kto"
 
     # ---- the reference ----------------------------------------------------------------------------------
 
@@ -263,22 +238,9 @@ class DPOTask(Task[P]):
 
     def batch_layout(self, grad_accum: int, micro: int, seq_len: int) -> PairBatch:
         """Pair rows: a shared prompt's ``prefix_ids`` (as :meth:`prepare` decided), precomputed ``ref_logps``, and a
-        vision-language model's images (:meth:`_vision_layout`)."""
+        vision-language model's images (:meth:`vision_layout`)."""
         fields = ("prefix_ids",) * self.shared_prompt + ("ref_logps",) * (self.mode == "precomputed")
-        return PairBatch.layout((grad_accum, micro, seq_len), fields, self._vision_layout())
-
-    def _vision_layout(self) -> tuple[int, int] | None:
-        """(patches a row, patch_dim) of a vision-language model's rows, as SFT's: data.max_patches (unset: the
-        largest pair's once the data is read, None when no row of it has images; else one frame's, as no data is
-        read to size it by), or None."""
-        v = self.vision
-        if v is None:
-            return None
-        if self.images is not None or self.text_rows_read:  # the data is read: its rows' budget (0: text rows)
-            patches = self.images.max_patches if self.images is not None else 0
-        else:
-            patches = self.cfg.data.max_patches or v.patches_per_image
-        return (patches, v.patch_dim) if patches else None
+        return PairBatch.layout((grad_accum, micro, seq_len), fields, self.vision_layout())
 
     def batch_totals(self, batch: PairBatch) -> dict[str, jax.Array]:
         """{pairs, chosen_tokens} of a whole batch (any leading axes: the step's global batch, every

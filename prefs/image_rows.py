@@ -1,13 +1,13 @@
 """What a task of pair-layout rows (a reward model's pairs, rm/task.py) needs for rows with images on a
 vision-language model: the pair tokenizer that keeps each row's images (prefs/image_pairs.py), the batches' patches
-(chat/image_documents.py), and the rows' patch budget in the batch layout. DPO and KTO (dpo/task.py) do the same
-with their own copy of these three methods."""
+(chat/image_documents.py), and the rows' patch budget in the batch layout. Reward models (rm/task.py), DPO and KTO
+(dpo/task.py, dpo/kto.py) share it."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from chat.image_documents import ImageDocuments, refuse_unsupported
+from chat.image_documents import ImageDocuments, refuse_unsupported, without_tags
 from chat.images import ImageExpander, image_base, image_column, refuse_images
 from prefs.image_pairs import ImagePairs
 from pretrain.config import TrainConfig
@@ -28,6 +28,11 @@ class PairImageRows:
         self.expander: ImageExpander | None = None
         self.text_rows_read = False  # a vision-language model's data read, and no row of it has an images column
 
+    def rows_keyed_by_index(self) -> bool:
+        """Whether the task's rows with images are known by their row index alone (one file: no evaluation set or
+        data mixture with images; reward models' and KTO's), not by their file's range as DPO's pairs are."""
+        return True
+
     def image_pairs(self, rows: RowSource, tokenizer: Tokenizer, path: str) -> ImagePairs | None:
         """The pair tokenizer of rows with images (None: the rows have no image column); rows with images on a
         model without a vision tower, and what rows with images do not go with yet, are a UserError."""
@@ -39,7 +44,8 @@ class PairImageRows:
             refuse_images(rows.ds, column, path, str(self.cfg.model.path))
             return None  # the column holds no image
         d = self.cfg.data
-        refuse_unsupported(d, path)
+        if self.rows_keyed_by_index():
+            refuse_unsupported(d, path)
         if self.expander is None:
             self.expander = ImageExpander.from_folder(tokenizer_folder(self.cfg), tokenizer)
         if self.images is None:
@@ -47,8 +53,9 @@ class PairImageRows:
         return ImagePairs(self.expander, self.images, image_base(path), path, d.seq_len, column)
 
     def finish_rows(self, rows: dict[str, Any]) -> dict[str, Any]:
-        """Rows of pairs with images get their images' patches (chat/image_documents.py); others are unchanged."""
-        return rows if self.images is None else self.images.finish_rows(rows)
+        """Rows of pairs with images get their images' patches (chat/image_documents.py); text rows lose their
+        document tags (a vision-language model's text pairs, which may mix with pairs that have images)."""
+        return without_tags(rows) if self.images is None else self.images.finish_rows(rows)
 
     def vision_layout(self) -> tuple[int, int] | None:
         """(patches a row, patch_dim) of a vision-language model's rows: data.max_patches (unset: the largest
