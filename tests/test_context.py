@@ -132,15 +132,15 @@ def vlm_loss(c):
     def loss(p, b):
         o = next_token_loss_sums(c, Weights(p), b, jnp.float32, "none")
         return o.loss, o.count
-    return jax.value_and_grad(loss, has_aux=True)
-f = vlm_loss(cfg)
+    return loss
+f = jax.value_and_grad(vlm_loss(cfg), has_aux=True)
 (ref, n), g_ref = jax.jit(f)(params, batch)
 sizes = dict(fsdp=2, context=4)
 out["gemma3 vlm"] = sharded(cfg, flat, batch, sizes, f, ref, n, g_ref)
 out["gemma3 vlm"]["q_shard"] = f"f32[1,2,2,{seg.shape[1] // 4},16]" in out["gemma3 vlm"].pop("hlo")
 # the blocks matter: the same loss with image tokens causal, unsharded
 causal = dataclasses.replace(cfg, vision=dataclasses.replace(cfg.vision, image_blocks=False))
-out["gemma3 vlm"]["causal"] = float(jax.jit(vlm_loss(causal))(params, batch)[0][0])
+out["gemma3 vlm"]["causal"] = float(jax.jit(vlm_loss(causal))(params, batch)[0])  # the loss alone: no gradients
 """ + SPLASH
 
 
