@@ -1,13 +1,15 @@
 """Context parallelism: the sequence of the activations split over the mesh's ``context`` axis.
 
 Everything but attention is per token, so GSPMD partitions it from the activations' shardings
-(:func:`zoo.model.sharding.batch_sharded` puts the sequence on ``context``). Attention needs every earlier key: it
-runs under :func:`jax.shard_map` over the mesh, where each device keeps its block of queries, all-gathers the
-keys, values and the keys' segment ids over ``context``, and attends with its queries' global row indices
-(``offset = axis_index * t_local``: :class:`zoo.model.masks.Visibility`), so packed documents, padding, windows and
-shared prefixes mean what they mean unsharded. The backward pass is the kernel's own (the blockwise custom VJP);
-the all-gather's transpose is a reduce-scatter, so each device gets back the key and value gradients of its
-own block.
+(:func:`zoo.model.sharding.batch_sharded` puts the sequence on ``context``); so too a vision-language model's image
+features scattered over its image tokens (:func:`zoo.model.multimodal.merge_features`: a cumulative count and a
+gather along the sharded sequence). Attention needs every earlier key: it runs under :func:`jax.shard_map` over
+the mesh, where each device keeps its block of queries, all-gathers the keys, values and the keys' segment ids
+(and image block ids: Gemma 3's and 4's bidirectional image blocks) over ``context``, and attends with its
+queries' global row indices (``offset = axis_index * t_local``: :class:`zoo.model.masks.Visibility`), so packed
+documents, padding, windows, shared prefixes and image blocks straddling two shards mean what they mean
+unsharded. The backward pass is the kernel's own (the blockwise custom VJP); the all-gather's transpose is a
+reduce-scatter, so each device gets back the key and value gradients of its own block.
 """
 
 from __future__ import annotations
@@ -43,20 +45,22 @@ def context_attention(attend: Attend, qg: jax.Array, k: jax.Array, v: jax.Array,
     n = context_size()
     if t % n:
         raise ValueError(f"context_attention: sequence length {t} does not split over mesh.context = {n}")
-    if vis.block_ids is not None:  # each shard would need its keys' block ids gathered too
-        raise ValueError("context_attention: bidirectional image blocks (Gemma 3) do not run under context "
-                         "parallelism yet; set mesh.context to 1")
     rows, heads = logical_to_spec(("batch", "kv_heads"), (b, hk), mesh)
     seq = P(rows, AXIS)
+    # The per-token ids beside the segment ids that are there: shared prefixes (queries' only) and image blocks.
+    extra = {name: x for name, x in (("prefix", vis.prefix_ids), ("blocks", vis.block_ids)) if x is not None}
 
-    def local(qg: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array, *pre: jax.Array) -> jax.Array:
+    def local(qg: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array, extra: dict[str, jax.Array]) -> jax.Array:
         offset = jax.lax.axis_index(AXIS) * qg.shape[3]
         k, v = (jax.lax.all_gather(x, AXIS, axis=2, tiled=True) for x in (k, v))
         keys = jax.lax.all_gather(seg, AXIS, axis=1, tiled=True)
-        return attend(qg, k, v, Visibility(seg, keys, pre[0] if pre else None, offset, vis.window, vis.segments))
+        blocks = extra.get("blocks")  # the queries' block ids local, the keys' gathered, as the segment ids
+        key_blocks = None if blocks is None else jax.lax.all_gather(blocks, AXIS, axis=1, tiled=True)
+        return attend(qg, k, v, Visibility(seg, keys, extra.get("prefix"), offset, vis.window, vis.segments, blocks,
+                                           vis.lookahead, key_blocks))
 
     kv = P(rows, heads, AXIS, None)
-    args = [qg, k, v, vis.segment_ids] + ([vis.prefix_ids] if vis.prefix_ids is not None else [])
-    in_specs = (P(rows, heads, None, AXIS, None), kv, kv, seq) + ((seq,) if len(args) > 4 else ())
+    in_specs = (P(rows, heads, None, AXIS, None), kv, kv, seq, {name: seq for name in extra})
     # check_vma off: Pallas kernels (splash) declare no varying manual axes on their outputs.
-    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P(rows, AXIS, heads), check_vma=False)(*args)
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P(rows, AXIS, heads),
+                         check_vma=False)(qg, k, v, vis.segment_ids, extra)

@@ -54,7 +54,7 @@ def attention_mask(segment_ids: jax.Array, window: int | None = None,
 
 
 @partial(jax.tree_util.register_dataclass,
-         data_fields=("segment_ids", "key_segment_ids", "prefix_ids", "offset", "block_ids"),
+         data_fields=("segment_ids", "key_segment_ids", "prefix_ids", "offset", "block_ids", "key_block_ids"),
          meta_fields=("window", "segments", "lookahead"))
 @dataclass(frozen=True)
 class Visibility:
@@ -74,7 +74,9 @@ class Visibility:
     ``causal OR same-block`` and, windowed, ``window AND (causal OR same-block)`` with the one-sided window
     ``q - k < W`` (transformers' ``create_masks_for_vision_model``). ``lookahead`` bounds how far past a query
     its block's keys reach (the longest block less one), so a kernel skipping the keys after its queries
-    (:func:`zoo.kernels.blockwise.key_ranges`) keeps those. Queries and keys are the same rows then.
+    (:func:`zoo.kernels.blockwise.key_ranges`) keeps those. ``key_block_ids`` [b, tk] are the keys' block ids
+    where they are other rows than the queries' (context parallelism's gathered keys, as ``key_segment_ids``);
+    None: the queries' ``block_ids``.
     """
 
     segment_ids: jax.Array
@@ -85,6 +87,7 @@ class Visibility:
     segments: int | None = None
     block_ids: jax.Array | None = None
     lookahead: int = 0
+    key_block_ids: jax.Array | None = None
 
     def block(self, qs: int, qe: int, ks: int, ke: int) -> jax.Array:
         """Boolean [b, qe - qs, ke - ks]: whether query row qs.. sees key row ks.. (rows local to this array)."""
@@ -92,7 +95,8 @@ class Visibility:
         k = jnp.arange(ks, ke, dtype=jnp.int32)[None, :]
         allowed = (k <= q)[None]
         if self.block_ids is not None:
-            qb, kb = self.block_ids[:, qs:qe, None], self.block_ids[:, None, ks:ke]
+            keys = self.block_ids if self.key_block_ids is None else self.key_block_ids
+            qb, kb = self.block_ids[:, qs:qe, None], keys[:, None, ks:ke]
             allowed = allowed | ((qb == kb) & (qb >= 0))
         if self.window is not None:
             allowed &= (q - k < self.window)[None]
