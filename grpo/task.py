@@ -274,7 +274,8 @@ class GRPOTask(Task[RolloutBatch]):
         assert self.programs is not None, "prepare first"
         p = self.programs
         rows = jax.ShapeDtypeStruct(p.shape + (self.cfg.data.seq_len + 1,), jnp.int32, sharding=p.sharding)
-        step = jax.ShapeDtypeStruct((), jnp.int32, sharding=p.replicated)
+        step = (jax.ShapeDtypeStruct((), jnp.int32, sharding=p.replicated),  # (step, held out): grpo/programs.py
+                jax.ShapeDtypeStruct((), jnp.bool_, sharding=p.replicated))
         vision = self._vision_layout(p.shape)
         if vision is not None:  # the prompts' images, laid out as the prompts
             vision = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=p.sharding), vision)

@@ -34,7 +34,7 @@ from chat.image_documents import IMAGE_DOC, ImageDocuments
 from chat.images import ImageExpander, ProcessedImage, expand_placeholders
 from chat.loss_masks import TokenizeStats, bos_head, split_whole, text_offsets
 from chat.templates import ChatTemplate
-from prefs.pairs import CHOSEN, Pair, PairTokens, chat_texts, pair_texts, pair_tokens
+from prefs.pairs import CHOSEN, Pair, PairTokens, chat_texts, pair_texts, pair_tokens, row_label
 from zoo.data.images import BadImage, open_image
 from zoo.data.row_origin import row_where
 from zoo.errors import UserError
@@ -75,8 +75,6 @@ class ImagePairs:
         """(prompt ids, completion ids, label) of KTO's row ``i`` (prefs/unpaired.py) with its images in its
         prompt, tokenized as :func:`prefs.unpaired.tokenize_row` tokenizes a conversational row, the prompt's
         image placeholders expanded; its images wait for :meth:`attach`. Raises BadRow naming the problem."""
-        from prefs.unpaired import row_label
-
         label = row_label(row)
         ex = image_answer(row, "completion", self.column)
         prompt, answer = cast(list, ex.prompt), cast(list, ex.completion)

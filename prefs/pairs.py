@@ -371,3 +371,13 @@ def pair_documents(rows: Iterable[tuple[int, dict[str, Any]]], tokenizer: Any,
         raise UserError(f"{path}: all {skipped} rows are bad; the first is {first_bad}")
     stats.report(path, len(out))
     return out, skipped, too_long
+
+
+def row_label(row: dict[str, Any]) -> bool:
+    """A KTO row's label; raises BadRow when it is missing or not a boolean."""
+    label = row.get("label")
+    if label is None:
+        raise BadRow("field 'label' is missing (true for a desirable completion, false for an undesirable one)")
+    if not isinstance(label, bool):
+        raise BadRow(f"field 'label' is {label!r}, not true or false")
+    return label

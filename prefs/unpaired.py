@@ -27,7 +27,7 @@ import numpy as np
 from chat.formats import BadRow, parse_messages
 from chat.loss_masks import bos_head, special_affixes, split_whole, with_eos
 from chat.templates import ChatTemplate, as_template
-from prefs.pairs import PairTokens, chat_texts, fit_pair, keeps_meaning, normalize_pair, pair_document
+from prefs.pairs import PairTokens, chat_texts, fit_pair, keeps_meaning, normalize_pair, pair_document, row_label
 from zoo.errors import UserError
 
 if TYPE_CHECKING:
@@ -65,16 +65,6 @@ def unpaired_rows(ds: Any, fmt: str, image_column: str | None = None) -> list[di
                 out.append({"prompt": r.get("prompt"), "completion": r.get(side), "label": label, "line": i,
                             "pair": r, **({image_column: r.get(image_column)} if image_column else {})})
     return out
-
-
-def row_label(row: dict[str, Any]) -> bool:
-    """A KTO row's label; raises BadRow when it is missing or not a boolean."""
-    label = row.get("label")
-    if label is None:
-        raise BadRow("field 'label' is missing (true for a desirable completion, false for an undesirable one)")
-    if not isinstance(label, bool):
-        raise BadRow(f"field 'label' is {label!r}, not true or false")
-    return label
 
 
 def tokenize_row(row: dict[str, Any], tokenizer: Any, template: ChatTemplate) -> tuple[list[int], list[int], bool]:

@@ -12,35 +12,9 @@ from pretrain.config import load_config
 from pretrain.task import task_for
 from sft.cli import sft_tasks  # the tasks `sft train` picks from: a GKD variant for distill.teacher
 from sft.config import SFTConfig
+from tests.trl_oracles import trl_generalized_jsd
 from zoo.errors import UserError
 from zoo.lora.weights import Weights
-
-
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x - x.max(-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(-1, keepdims=True))
-
-
-def _kl_div(inp: np.ndarray, target: np.ndarray) -> np.ndarray:
-    """torch.nn.functional.kl_div(inp, target, reduction='none', log_target=True): exp(t) * (t - inp)."""
-    return np.exp(target) * (target - inp)
-
-
-def trl_generalized_jsd(student: np.ndarray, teacher: np.ndarray, labels: np.ndarray, beta: float,
-                        temperature: float) -> float:
-    """TRL 1.16 generalized_jsd_loss, reduction 'batchmean' with labels (-100 ignored), transcribed."""
-    s = _log_softmax(student / temperature)
-    t = _log_softmax(teacher / temperature)
-    if beta == 0:
-        jsd = _kl_div(s, t)
-    elif beta == 1:
-        jsd = _kl_div(t, s)
-    else:
-        mix = np.logaddexp(s + np.log1p(-beta), t + np.log(beta))
-        jsd = beta * _kl_div(mix, t) + (1 - beta) * _kl_div(mix, s)
-    mask = labels != -100
-    jsd = jsd[mask]  # [N, V] (TRL sums every element: over positions and vocabulary)
-    return float(jsd.sum() / max(mask.sum(), 1))
 
 
 @pytest.mark.parametrize("beta,temperature", [(0.0, 1.0), (1.0, 1.0), (0.3, 1.0), (0.5, 2.0)])

@@ -171,7 +171,7 @@ def test_gkd_with_images_step_one_equals_trl_on_transformers(vlm, tmp_path):
     import torch
 
     from sft.cli import main as sft_main
-    from tests.test_distill import trl_generalized_jsd
+    from tests.trl_oracles import trl_generalized_jsd
 
     data = tmp_path / "sft.jsonl"
     for name in vlm.names:

@@ -1,6 +1,6 @@
 """TRL as an oracle: one step of TRL's own trainer against one plain SGD step of ours (issue 44's
 end-to-end checks), the weight change of our exported run, the comparisons of changes and metrics, and TRL 1.16's
-DPO metrics written out (trl_metrics)."""
+DPO metrics written out (trl_metrics), and TRL 1.16's generalized JSD (GKD's loss) transcribed."""
 
 from __future__ import annotations
 
@@ -124,3 +124,31 @@ def trl_metrics(loss_type: str, pol_c: list, pol_r: list, ref_c: list, ref_r: li
             "rewards/accuracies": (chosen_rewards > rejected_rewards).astype(float).mean(),
             "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
             "logps/chosen": chosen_logps.mean(), "logps/rejected": rejected_logps.mean()}
+
+
+# TRL 1.16's GKDTrainer.generalized_jsd_loss, in numpy (tests/test_distill.py, tests/test_vlm_rm_kto.py).
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def _kl_div(inp: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """torch.nn.functional.kl_div(inp, target, reduction='none', log_target=True): exp(t) * (t - inp)."""
+    return np.exp(target) * (target - inp)
+
+
+def trl_generalized_jsd(student: np.ndarray, teacher: np.ndarray, labels: np.ndarray, beta: float,
+                        temperature: float) -> float:
+    """TRL 1.16 generalized_jsd_loss, reduction 'batchmean' with labels (-100 ignored), transcribed."""
+    s = _log_softmax(student / temperature)
+    t = _log_softmax(teacher / temperature)
+    if beta == 0:
+        jsd = _kl_div(s, t)
+    elif beta == 1:
+        jsd = _kl_div(t, s)
+    else:
+        mix = np.logaddexp(s + np.log1p(-beta), t + np.log(beta))
+        jsd = beta * _kl_div(mix, t) + (1 - beta) * _kl_div(mix, s)
+    mask = labels != -100
+    jsd = jsd[mask]  # [N, V] (TRL sums every element: over positions and vocabulary)
+    return float(jsd.sum() / max(mask.sum(), 1))
