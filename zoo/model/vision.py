@@ -13,12 +13,13 @@ q/k/v/o and fc1/fc2 (scanned with their layer, as the decoder's are) and the con
 dropout keyed apart from the decoder's; ``remat`` wraps the tower's layer scan as it wraps the decoder's
 (:data:`zoo.model.layer_scan.REMAT_POLICIES`).
 
-Attention runs in blocks of queries (:func:`zoo.kernels.blockwise.blockwise_attention`, the language model's own
-kernel, with its backward pass): each block scores all of its row's keys, so a layer holds [block, patches] scores a
-head, not [patches, patches] (Gemma 3's 4,096-patch frame: 8 blocks of 512 queries, 128 MiB of float32 scores a
-row and layer instead of 1 GiB), and only each row's log-sum-exp is kept for the backward pass. Which keys a query
-sees (its own image's real patches) is a :class:`zoo.model.masks.Visibility` built one block at a time
-(:func:`patch_visibility`).
+Attention runs in blocks of queries (:func:`tower_block`), one block after another (a ``lax.map``): each block
+scores every key of its row, so a layer holds one block's [block, patches] scores a head at a time, not [patches,
+patches] (Gemma 3's 4,096-patch frame: blocks of 512 queries, 128 MiB of float32 scores a row instead of 1 GiB),
+and the backward pass recomputes a block's probabilities from its queries (``jax.checkpoint`` around the block)
+instead of keeping them. The language model's kernel (:mod:`zoo.kernels.blockwise`) unrolls its blocks, which
+suits its causal key ranges; unrolled here, the TPU compiler kept all of a layer's blocks' scores live at once
+(8 x 128 MiB for Gemma 3's frame, as much as the whole matrix), so the tower loops instead.
 """
 
 from __future__ import annotations
@@ -31,13 +32,12 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from zoo.kernels.blockwise import blockwise_attention, query_block
+from zoo.kernels.blockwise import query_block
 from zoo.layers.blocks import ACTIVATIONS, dense, layer_norm, rms_norm
 from zoo.lora.projections import LayerLora, LoraDropout, adapted_dense
 from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 from zoo.model.layer_scan import LAYER_INPUT, REMAT_POLICIES
-from zoo.model.masks import Visibility
 from zoo.model.sharding import batch_sharded
 from zoo.model.vision_config import VisionConfig
 from zoo.model.vision_gemma4 import encode_gemma4
@@ -45,7 +45,7 @@ from zoo.model.vision_inputs import VisionInputs
 from zoo.model.vision_qwen import encode_qwen
 from zoo.model.vision_qwen3 import encode_qwen3
 
-__all__ = ["VisionInputs", "encode_images", "encode_with_deepstack", "tower", "patch_visibility", "tower_block", "shuffle_linear", "avg_pool", "CONNECTORS"]
+__all__ = ["VisionInputs", "encode_images", "encode_with_deepstack", "tower", "tower_block", "shuffle_linear", "avg_pool", "CONNECTORS"]
 
 # Folded into a LoRA run's dropout key for the tower's layers and the connector, so their masks are drawn apart
 # from the decoder's layers' (zoo.model.decoder splits the key itself over its layers).
@@ -58,32 +58,41 @@ def tower_block(patches: int) -> int:
     return query_block(patches)
 
 
-def patch_visibility(inputs: VisionInputs) -> Visibility:
-    """Which keys each patch attends to: every real patch of its own image, later ones included (transformers'
-    ``patch_attention_mask``), as a :class:`zoo.model.masks.Visibility` whose blocks the kernel builds one at a time.
-
-    Each image is its own document and its own bidirectional block (``block_ids``, seeing the whole row:
-    ``lookahead``); a padding patch's key belongs to no query's document (-1; images are numbered from 1 and
-    the row's padding is 0), so it is never seen. The row's padding patches (image 0) see no key at all and come out
-    finite (the kernel's finite floor), then unused, as under the dense mask."""
-    img = inputs.patch_image
-    keys = jnp.where(inputs.patch_valid, img, -1)
-    return Visibility(img, keys, None, jnp.zeros((), jnp.int32), None, None, img, img.shape[1] - 1)
+def _block_attention(scale: float, k: jax.Array, val: jax.Array, keys: jax.Array, q: jax.Array,
+                     images: jax.Array) -> jax.Array:
+    """Softmax attention of one block of queries q [b, block, heads, head_dim] over every key k, val [b, n, heads,
+    head_dim] of the row: a query of image ``images`` [b, block] sees the keys whose ``keys`` [b, n] is its image."""
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
+    # A finite floor, not -inf: a row's padding patches see no key, and must come out finite (then unused).
+    scores = jnp.where((images[:, :, None] == keys[:, None, :])[:, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(val.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, val)
 
 
-def _attention(v: VisionConfig, x: jax.Array, p: dict[str, jax.Array], visible: Visibility,
+def _attention(v: VisionConfig, x: jax.Array, p: dict[str, jax.Array], patches: tuple[jax.Array, jax.Array],
                lora: LayerLora | None) -> jax.Array:
-    """Bidirectional multi-head attention of one tower layer over x [b, n, D], blockwise over the queries
-    (:func:`tower_block`), each query seeing the keys ``visible`` (:func:`patch_visibility`) says."""
+    """Bidirectional multi-head attention of one tower layer over x [b, n, D], one block of queries
+    (:func:`tower_block`) at a time. ``patches``: each patch's image [b, n] (1.., 0 for the row's padding) and, as a
+    key, its image if it is a real patch, else -1 (transformers' ``patch_attention_mask``)."""
     b, n, _ = x.shape
-    # [b, heads, 1, n, head_dim]: the kernel's grouped-query layout with one query head per key/value head
-    q, k, val = (jnp.swapaxes(adapted_dense(x, p[name], lora, name).reshape(b, n, v.num_heads, v.head_dim)
-                              + p[f"{name}_bias"], 1, 2) for name in "qkv")
-    out = blockwise_attention(q[:, :, None], k, val, visible, v.head_dim**-0.5, None, None, tower_block(n))
+    images, keys = patches
+    q, k, val = (adapted_dense(x, p[name], lora, name).reshape(b, n, v.num_heads, v.head_dim) + p[f"{name}_bias"]
+                 for name in "qkv")
+    block = min(tower_block(n), n)
+    blocks = -(-n // block)
+    pad = blocks * block - n  # queries past the row (image -2: they see nothing), dropped after
+
+    def split(a: jax.Array, fill: int = 0) -> jax.Array:  # [b, n, ...] -> [blocks, b, block, ...]
+        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=fill)
+        return jnp.swapaxes(a.reshape(b, blocks, block, *a.shape[2:]), 0, 1)
+
+    attend = jax.checkpoint(partial(_block_attention, v.head_dim**-0.5))
+    out = jax.lax.map(lambda qb: attend(k, val, keys, *qb), (split(q), split(images, -2)))
+    out = jnp.swapaxes(out, 0, 1).reshape(b, blocks * block, v.hidden_size)[:, :n]
     return adapted_dense(out, p["o"], lora, "o", contract=2) + p["o_bias"]
 
 
-def _layer(v: VisionConfig, visible: Visibility, scale: float | jax.Array, rate: float | jax.Array, x: jax.Array,
+def _layer(v: VisionConfig, visible: tuple[jax.Array, jax.Array], scale: float | jax.Array, rate: float | jax.Array, x: jax.Array,
            inputs: tuple[dict[str, jax.Array], dict | None, jax.Array | None]) -> tuple[jax.Array, None]:
     """One SigLIP encoder layer: x + attention(LayerNorm(x)), then x + fc2(act(fc1(LayerNorm(x)))); ``inputs``
     are the layer's weights, its LoRA adapters (or None) and its LoRA dropout key (or None)."""
@@ -118,8 +127,9 @@ def tower(v: VisionConfig, params: Any, inputs: VisionInputs, remat: str = "none
     keys = None if key is None else jax.random.split(key, v.num_layers)
     x = dense(inputs.patches.astype(base["patch_embed"].dtype), base["patch_embed"]) + base["patch_bias"]
     x = x + jnp.take(base["pos_embed"], inputs.patch_pos, axis=0)
+    patches = inputs.patch_image, jnp.where(inputs.patch_valid, inputs.patch_image, -1)  # queries', keys' images
     scale = 1.0 if w.scale is None else w.scale
-    layer: Callable[..., Any] = partial(_layer, v, patch_visibility(inputs), scale, w.dropout)
+    layer: Callable[..., Any] = partial(_layer, v, patches, scale, w.dropout)
     if remat != "none":
         layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat], prevent_cse=False)
     x, _ = jax.lax.scan(layer, x, (base["layers"], adapters, keys))
