@@ -17,9 +17,11 @@ Attention runs in blocks of queries (:func:`tower_block`), one block after anoth
 scores every key of its row, so a layer holds one block's [block, patches] scores a head at a time, not [patches,
 patches] (Gemma 3's 4,096-patch frame: blocks of 512 queries, 128 MiB of float32 scores a row instead of 1 GiB),
 and the backward pass recomputes a block's probabilities from its queries (``jax.checkpoint`` around the block)
-instead of keeping them. The language model's kernel (:mod:`zoo.kernels.blockwise`) unrolls its blocks, which
-suits its causal key ranges; unrolled here, the TPU compiler kept all of a layer's blocks' scores live at once
-(8 x 128 MiB for Gemma 3's frame, as much as the whole matrix), so the tower loops instead.
+instead of keeping them. Rows of at most one block (128 patches at the default) take the plain softmax, whose
+probabilities the backward pass keeps unless ``remat`` says otherwise. The language model's kernel
+(:mod:`zoo.kernels.blockwise`) unrolls its blocks, which suits its causal key ranges; unrolled here, the TPU
+compiler kept all of a layer's blocks' scores live at once (8 x 128 MiB for Gemma 3's frame, as much as the whole
+matrix), so the tower loops instead.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ from zoo.model.vision_inputs import VisionInputs
 from zoo.model.vision_qwen import encode_qwen
 from zoo.model.vision_qwen3 import encode_qwen3
 
-__all__ = ["VisionInputs", "encode_images", "encode_with_deepstack", "tower", "tower_block", "shuffle_linear", "avg_pool", "CONNECTORS"]
+__all__ = ["VisionInputs", "encode_images", "encode_with_deepstack", "tower", "tower_block", "shuffle_linear", "avg_pool",
+           "CONNECTORS"]
 
 # Folded into a LoRA run's dropout key for the tower's layers and the connector, so their masks are drawn apart
 # from the decoder's layers' (zoo.model.decoder splits the key itself over its layers).
@@ -78,28 +81,31 @@ def _attention(v: VisionConfig, x: jax.Array, p: dict[str, jax.Array], patches: 
     images, keys = patches
     q, k, val = (adapted_dense(x, p[name], lora, name).reshape(b, n, v.num_heads, v.head_dim) + p[f"{name}_bias"]
                  for name in "qkv")
-    block = min(tower_block(n), n)
-    blocks = -(-n // block)
-    pad = blocks * block - n  # queries past the row (image -2: they see nothing), dropped after
+    scale, block = v.head_dim**-0.5, tower_block(n)
+    if n <= block:  # one block: the plain softmax, its probabilities kept for the backward pass unless remat
+        out = _block_attention(scale, k, val, keys, q, images)
+    else:
+        blocks = -(-n // block)
+        pad = blocks * block - n  # queries past the row (image -2: they see nothing), dropped after
 
-    def split(a: jax.Array, fill: int = 0) -> jax.Array:  # [b, n, ...] -> [blocks, b, block, ...]
-        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=fill)
-        return jnp.swapaxes(a.reshape(b, blocks, block, *a.shape[2:]), 0, 1)
+        def split(a: jax.Array, fill: int = 0) -> jax.Array:  # [b, n, ...] -> [blocks, b, block, ...]
+            a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=fill)
+            return jnp.swapaxes(a.reshape(b, blocks, block, *a.shape[2:]), 0, 1)
 
-    attend = jax.checkpoint(partial(_block_attention, v.head_dim**-0.5))
-    out = jax.lax.map(lambda qb: attend(k, val, keys, *qb), (split(q), split(images, -2)))
-    out = jnp.swapaxes(out, 0, 1).reshape(b, blocks * block, v.hidden_size)[:, :n]
-    return adapted_dense(out, p["o"], lora, "o", contract=2) + p["o_bias"]
+        attend = jax.checkpoint(partial(_block_attention, scale))  # the backward pass recomputes a block's scores
+        out = jax.lax.map(lambda qb: attend(k, val, keys, *qb), (split(q), split(images, -2)))
+        out = jnp.swapaxes(out, 0, 1).reshape(b, blocks * block, v.num_heads, v.head_dim)[:, :n]
+    return adapted_dense(out.reshape(b, n, v.hidden_size), p["o"], lora, "o", contract=2) + p["o_bias"]
 
 
-def _layer(v: VisionConfig, visible: tuple[jax.Array, jax.Array], scale: float | jax.Array, rate: float | jax.Array, x: jax.Array,
-           inputs: tuple[dict[str, jax.Array], dict | None, jax.Array | None]) -> tuple[jax.Array, None]:
+def _layer(v: VisionConfig, patches: tuple[jax.Array, jax.Array], scale: float | jax.Array, rate: float | jax.Array,
+           x: jax.Array, inputs: tuple[dict[str, jax.Array], dict | None, jax.Array | None]) -> tuple[jax.Array, None]:
     """One SigLIP encoder layer: x + attention(LayerNorm(x)), then x + fc2(act(fc1(LayerNorm(x)))); ``inputs``
     are the layer's weights, its LoRA adapters (or None) and its LoRA dropout key (or None)."""
     p, adapters, key = inputs
     lora = None if adapters is None else LayerLora(adapters, scale, None if key is None else LoraDropout(rate, key))
     x = checkpoint_name(batch_sharded(x, sequence=False), LAYER_INPUT)  # each chip its own rows' patches
-    x = batch_sharded(x + _attention(v, layer_norm(x, p["attn_norm"], p["attn_norm_bias"], v.norm_eps), p, visible,
+    x = batch_sharded(x + _attention(v, layer_norm(x, p["attn_norm"], p["attn_norm_bias"], v.norm_eps), p, patches,
                                      lora), sequence=False)
     h = layer_norm(x, p["mlp_norm"], p["mlp_norm_bias"], v.norm_eps)
     h = batch_sharded(ACTIVATIONS[v.hidden_act](adapted_dense(h, p["up"], lora, "up") + p["up_bias"]), sequence=False)
