@@ -31,11 +31,13 @@ Both sides train the same model on the same batch:
 - ``PyTorch+peft``: ``peft.get_peft_model`` over the transformers model, ``torch.optim.AdamW``, forward with
   ``pixel_values``, ``pixel_attention_mask`` and ``labels``, backward, step.
 
-Each side runs in its own child process (``bench/sides.py``: peak RSS is its ``ru_maxrss``, or the peak while
-loading where that is larger), does --warmup untimed steps (JAX compiles in the first) and times --steps steps; the
+Each side runs in its own child process (``bench/sides.py``); its peak RSS is its ``VmHWM`` through loading
+and the timed steps (``process_peak_rss_bytes``: the whole child's ``ru_maxrss``, the tower's timing after the
+steps included), does --warmup untimed steps (JAX compiles in the first) and times --steps steps; the
 order of the sides alternates every round. Reported: the median step time over all rounds, tokens/s (batch x seq
 over the median step), the median step's CPU seconds (``time.process_time``: the process's threads together, less
-sensitive than wall time to a shared machine), the tower and connector's forward alone (each side's own,
+sensitive than wall time to a shared machine), the machine's 1-minute load average before and after each side's
+child (``load_average_1min``: other jobs' share of the cores), the tower and connector's forward alone (each side's own,
 after the steps: where the time goes), peak RSS, trainable parameters, the step-0 loss (transformers averages over seq - 1
 targets, lmzoo over seq, so they differ slightly), each round's ratios and the targets (issue 62, item 7):
 
@@ -252,7 +254,13 @@ def _child(which: str, args: argparse.Namespace, ckpt: str, hf: str, data: str) 
     cmd = [sys.executable, os.path.abspath(__file__), "--child", which, "--ckpt", ckpt, "--hf", hf, "--data", data,
            "--images", str(args.images), "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--rank", str(args.rank), "--alpha", str(args.alpha), "--remat", args.remat]
-    return run_child(cmd, NAMES[which], 13)
+    res = run_child(cmd, NAMES[which], 13)
+    # The side's peak through loading and the timed steps (lmzoo: VmHWM before and after its reset, peft: VmHWM
+    # after its steps), not the process's: the tower's forward timed afterwards is a second compiled program on
+    # lmzoo's side (about 0.08 GiB more), no part of the step compared.
+    res["process_peak_rss_bytes"] = res["peak_rss_bytes"]
+    res["peak_rss_bytes"] = max(res["load_peak_rss_bytes"], res.get("step_peak_rss_bytes", 0))
+    return res
 
 
 def _report(res: dict, args: argparse.Namespace, n_params: int) -> None:
@@ -333,12 +341,14 @@ def main(argv: list[str] | None = None) -> int:
             order = sides[rnd % len(sides):] + sides[:rnd % len(sides)]
             print(f"round {rnd + 1}/{args.rounds}: {', '.join(NAMES[s] for s in order)}", file=sys.stderr, flush=True)
             for which in order:
+                load = os.getloadavg()[0]  # the machine's 1-minute load around each child: other jobs' share
                 runs[which].append(_child(which, args, str(ckpt), str(hf), str(data)))
+                runs[which][-1]["load_average_1min"] = [round(load, 2), round(os.getloadavg()[0], 2)]
                 # each child's whole result as it comes, so a run stopped early keeps its finished rounds
                 print(json.dumps({"round": rnd + 1, "side": which, **runs[which][-1]}), file=sys.stderr, flush=True)
     res = {s: merge_rounds(runs[s]) for s in sides}
     for s, r in res.items():
-        for key in ("cpu_s", "tower_s"):
+        for key in ("cpu_s", "tower_s", "load_average_1min"):
             r[key] = [t for rnd in runs[s] for t in rnd[key]]
         r["median_step_s"] = statistics.median(r["times"])
         r["median_cpu_s"] = statistics.median(r["cpu_s"])

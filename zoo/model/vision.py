@@ -13,10 +13,15 @@ q/k/v/o and fc1/fc2 (scanned with their layer, as the decoder's are) and the con
 dropout keyed apart from the decoder's; ``remat`` wraps the tower's layer scan as it wraps the decoder's
 (:data:`zoo.model.layer_scan.REMAT_POLICIES`).
 
-Attention here is a plain masked softmax over a row's patches ([patches, patches] scores per head): SmolVLM's
-images are at most 1024 patches, so the dense mask is small beside the tower's matmuls. The zoo's blockwise
-kernels and :class:`zoo.model.masks.Visibility` are causal; a bidirectional option there is the design's next
-step for the larger towers.
+Attention runs in blocks of queries (:func:`tower_block`), one block after another (a ``lax.map``): each block
+scores every key of its row, so a layer holds one block's [block, patches] scores a head at a time, not [patches,
+patches] (Gemma 3's 4,096-patch frame: blocks of 512 queries, 128 MiB of float32 scores a row instead of 1 GiB),
+and the backward pass recomputes a block's probabilities from its queries (``jax.checkpoint`` around the block)
+instead of keeping them. Rows of at most one block (128 patches at the default) take the plain softmax, whose
+probabilities the backward pass keeps unless ``remat`` says otherwise. The language model's kernel
+(:mod:`zoo.kernels.blockwise`) unrolls its blocks, which suits its causal key ranges; unrolled here, the TPU
+compiler kept all of a layer's blocks' scores live at once (8 x 128 MiB for Gemma 3's frame, as much as the whole
+matrix), so the tower loops instead.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from zoo.kernels.blockwise import query_block
 from zoo.layers.blocks import ACTIVATIONS, dense, layer_norm, rms_norm
 from zoo.lora.projections import LayerLora, LoraDropout, adapted_dense
 from zoo.lora.weights import Weights
@@ -41,35 +47,65 @@ from zoo.model.vision_inputs import VisionInputs
 from zoo.model.vision_qwen import encode_qwen
 from zoo.model.vision_qwen3 import encode_qwen3
 
-__all__ = ["VisionInputs", "encode_images", "encode_with_deepstack", "tower", "shuffle_linear", "avg_pool", "CONNECTORS"]
+__all__ = ["VisionInputs", "encode_images", "encode_with_deepstack", "tower", "tower_block", "shuffle_linear", "avg_pool",
+           "CONNECTORS"]
 
 # Folded into a LoRA run's dropout key for the tower's layers and the connector, so their masks are drawn apart
 # from the decoder's layers' (zoo.model.decoder splits the key itself over its layers).
 TOWER_DROPOUT, PROJECTOR_DROPOUT = 1 << 20, (1 << 20) + 1
 
 
-def _attention(v: VisionConfig, x: jax.Array, p: dict[str, jax.Array], visible: jax.Array,
+def tower_block(patches: int) -> int:
+    """Queries a block of the tower's attention over rows of ``patches`` patches: the language model's
+    (:func:`zoo.kernels.blockwise.query_block`: 128, or patches / 8 for more than 1,024)."""
+    return query_block(patches)
+
+
+def _block_attention(scale: float, k: jax.Array, val: jax.Array, keys: jax.Array, q: jax.Array,
+                     images: jax.Array) -> jax.Array:
+    """Softmax attention of one block of queries q [b, block, heads, head_dim] over every key k, val [b, n, heads,
+    head_dim] of the row: a query of image ``images`` [b, block] sees the keys whose ``keys`` [b, n] is its image."""
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
+    # A finite floor, not -inf: a row's padding patches see no key, and must come out finite (then unused).
+    scores = jnp.where((images[:, :, None] == keys[:, None, :])[:, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(val.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, val)
+
+
+def _attention(v: VisionConfig, x: jax.Array, p: dict[str, jax.Array], patches: tuple[jax.Array, jax.Array],
                lora: LayerLora | None) -> jax.Array:
-    """Bidirectional multi-head attention of one tower layer over x [b, n, D] where ``visible`` [b, 1, n, n]."""
+    """Bidirectional multi-head attention of one tower layer over x [b, n, D], one block of queries
+    (:func:`tower_block`) at a time. ``patches``: each patch's image [b, n] (1.., 0 for the row's padding) and, as a
+    key, its image if it is a real patch, else -1 (transformers' ``patch_attention_mask``)."""
     b, n, _ = x.shape
+    images, keys = patches
     q, k, val = (adapted_dense(x, p[name], lora, name).reshape(b, n, v.num_heads, v.head_dim) + p[f"{name}_bias"]
                  for name in "qkv")
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * v.head_dim**-0.5
-    # A finite floor, not -inf: a row's padding patches see no key, and must come out finite (then unused).
-    scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(val.dtype)
-    out = jnp.einsum("bhqk,bkhd->bqhd", probs, val).reshape(b, n, v.hidden_size)
-    return adapted_dense(out, p["o"], lora, "o", contract=2) + p["o_bias"]
+    scale, block = v.head_dim**-0.5, tower_block(n)
+    if n <= block:  # one block: the plain softmax, its probabilities kept for the backward pass unless remat
+        out = _block_attention(scale, k, val, keys, q, images)
+    else:
+        blocks = -(-n // block)
+        pad = blocks * block - n  # queries past the row (image -2: they see nothing), dropped after
+
+        def split(a: jax.Array, fill: int = 0) -> jax.Array:  # [b, n, ...] -> [blocks, b, block, ...]
+            a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=fill)
+            return jnp.swapaxes(a.reshape(b, blocks, block, *a.shape[2:]), 0, 1)
+
+        attend = jax.checkpoint(partial(_block_attention, scale))  # the backward pass recomputes a block's scores
+        out = jax.lax.map(lambda qb: attend(k, val, keys, *qb), (split(q), split(images, -2)))
+        out = jnp.swapaxes(out, 0, 1).reshape(b, blocks * block, v.num_heads, v.head_dim)[:, :n]
+    return adapted_dense(out.reshape(b, n, v.hidden_size), p["o"], lora, "o", contract=2) + p["o_bias"]
 
 
-def _layer(v: VisionConfig, visible: jax.Array, scale: float | jax.Array, rate: float | jax.Array, x: jax.Array,
-           inputs: tuple[dict[str, jax.Array], dict | None, jax.Array | None]) -> tuple[jax.Array, None]:
+def _layer(v: VisionConfig, patches: tuple[jax.Array, jax.Array], scale: float | jax.Array, rate: float | jax.Array,
+           x: jax.Array, inputs: tuple[dict[str, jax.Array], dict | None, jax.Array | None]) -> tuple[jax.Array, None]:
     """One SigLIP encoder layer: x + attention(LayerNorm(x)), then x + fc2(act(fc1(LayerNorm(x)))); ``inputs``
     are the layer's weights, its LoRA adapters (or None) and its LoRA dropout key (or None)."""
     p, adapters, key = inputs
     lora = None if adapters is None else LayerLora(adapters, scale, None if key is None else LoraDropout(rate, key))
     x = checkpoint_name(batch_sharded(x, sequence=False), LAYER_INPUT)  # each chip its own rows' patches
-    x = batch_sharded(x + _attention(v, layer_norm(x, p["attn_norm"], p["attn_norm_bias"], v.norm_eps), p, visible,
+    x = batch_sharded(x + _attention(v, layer_norm(x, p["attn_norm"], p["attn_norm_bias"], v.norm_eps), p, patches,
                                      lora), sequence=False)
     h = layer_norm(x, p["mlp_norm"], p["mlp_norm_bias"], v.norm_eps)
     h = batch_sharded(ACTIVATIONS[v.hidden_act](adapted_dense(h, p["up"], lora, "up") + p["up_bias"]), sequence=False)
@@ -97,10 +133,9 @@ def tower(v: VisionConfig, params: Any, inputs: VisionInputs, remat: str = "none
     keys = None if key is None else jax.random.split(key, v.num_layers)
     x = dense(inputs.patches.astype(base["patch_embed"].dtype), base["patch_embed"]) + base["patch_bias"]
     x = x + jnp.take(base["pos_embed"], inputs.patch_pos, axis=0)
-    img = inputs.patch_image
-    visible = (img[:, :, None] == img[:, None, :]) & inputs.patch_valid[:, None, :]
+    patches = inputs.patch_image, jnp.where(inputs.patch_valid, inputs.patch_image, -1)  # queries', keys' images
     scale = 1.0 if w.scale is None else w.scale
-    layer: Callable[..., Any] = partial(_layer, v, visible[:, None], scale, w.dropout)
+    layer: Callable[..., Any] = partial(_layer, v, patches, scale, w.dropout)
     if remat != "none":
         layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat], prevent_cse=False)
     x, _ = jax.lax.scan(layer, x, (base["layers"], adapters, keys))
