@@ -19,6 +19,7 @@ from chat.formats import normalize
 from chat.images import ImageExpander, tokenize_with_images
 from eval.generate import GenerationConfig, generate, vision_inputs
 from tests.run_files import read_metrics, write_jsonl
+from tests.vlm_loop_checks import dpo_image_pair_logps
 from tests.vlm_models import make_gemma3
 from tests.vlm_processors import GEMMA3_SEQ_LEN, gemma3_folder, gemma3_reference_processor, write_images
 from zoo.cli import main as zoo_main
@@ -201,14 +202,8 @@ def test_dpo_answer_logps_with_images_equal_transformers(g3, tmp_path):
     sliding layers keep each answer with its own copy of the prompt and its images): each sequence is
     Gemma3Processor's ids, and every answer token's log-probability (each image's tokens one bidirectional block)
     is transformers' forward with the processor's pixels and token_type_ids (1e-5)."""
-    import jax
 
-    from dpo.config import DPOConfig
-    from dpo.task import DPOTask
     from prefs.pairs import CHOSEN, REJECTED
-    from pretrain.config import load_config
-    from zoo.data.batching import batch_vision, stacked
-    from zoo.model.logps import batch_logps
 
     names = [p.name for p in g3.paths]
     prompts = [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}],
@@ -216,20 +211,9 @@ def test_dpo_answer_logps_with_images_equal_transformers(g3, tmp_path):
                                              {"type": "image"}]}]]
     pairs = [(ANSWERS[0], ANSWERS[1]), (ANSWERS[1], "A blue square.")]
     images = [names[:1], names[1:]]
-    write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": p, "chosen": c, "rejected": r, "images": i}
-                                           for p, (c, r), i in zip(prompts, pairs, images, strict=True)])
-    for p in g3.paths:  # image paths are relative to the data file
-        (tmp_path / p.name).write_bytes(p.read_bytes())
-    path = str(tmp_path / "pairs.jsonl")
-    cfg = load_config(None, [f"model.path={g3.ckpt}", f"data.path={path}", "data.seq_len=128", "batch_size=2",
-                             "max_steps=1", "lora.rank=4", f"output_dir={tmp_path / 'out'}"], DPOConfig)
-    task = DPOTask(cfg)
-    mcfg, params = zoo.read_config(g3.ckpt), zoo.load_params(g3.ckpt)
-    task.vision, task.shared_prompt = mcfg.vision, False  # what prepare() sets from the model (sliding layers)
-    docs = task.documents(task.load(path, cfg), g3.tok, path, False).docs
-    batch = stacked([docs[0], docs[1]], cfg.data.seq_len + 1, 2, task.finish_rows)
-    logp = np.asarray(jax.jit(lambda p, b: batch_logps(mcfg, p, b, max_segments=3,
-                                                       vision=batch_vision(mcfg, b))[0])(params, batch))
+    rows = [{"prompt": p, "chosen": c, "rejected": r, "images": i}
+            for p, (c, r), i in zip(prompts, pairs, images, strict=True)]
+    docs, batch, logp = dpo_image_pair_logps(g3.ckpt, g3.tok, tmp_path, rows, g3.paths, 128)
     proc = gemma3_reference_processor(g3.src)
     for r, (prompt, answers, names_r) in enumerate(zip(prompts, pairs, images, strict=True)):
         head = g3.tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)

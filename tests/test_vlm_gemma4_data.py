@@ -20,6 +20,7 @@ from chat.formats import normalize
 from chat.images import ImageExpander, tokenize_with_images
 from tests.run_files import one_line_error, read_metrics, write_jsonl
 from tests.vlm_gemma4_models import gemma4_folder, gemma4_reference_processor, gemma4_token_ids, make_gemma4_vlm
+from tests.vlm_loop_checks import dpo_image_pair_logps, eval_multiple_choice
 from tests.vlm_processors import write_images
 from zoo.cli import main as zoo_main
 
@@ -197,32 +198,14 @@ def test_dpo_answer_logps_with_images_equal_transformers(g4, tmp_path):
     transformers' within the issue's 1e-4: the processor scales each image up to ~60 tokens, through which
     transformers' own float32 logits stray 2.2e-4 from its float64 ones (the zoo's stray 1.7e-5 from its float32
     ones), so 1e-5 is below what float32 holds here."""
-    import jax
 
-    import zoo
-    from dpo.config import DPOConfig
-    from dpo.task import DPOTask
     from prefs.pairs import CHOSEN, PROMPT, REJECTED
-    from pretrain.config import load_config
-    from zoo.data.batching import batch_vision, stacked
-    from zoo.model.logps import batch_logps
 
     prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
     pairs = [(ANSWERS[0], ANSWERS[1]), (ANSWERS[1], "A blue square.")]
-    write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": prompt, "chosen": c, "rejected": r, "images": [p.name]}
-                                           for (c, r), p in zip(pairs, g4.paths, strict=True)])
-    for p in g4.paths:  # image paths are relative to the data file
-        (tmp_path / p.name).write_bytes(p.read_bytes())
-    path = str(tmp_path / "pairs.jsonl")
-    cfg = load_config(None, [f"model.path={g4.ckpt}", f"data.path={path}", "data.seq_len=200", "batch_size=2",
-                             "max_steps=1", "lora.rank=4", f"output_dir={tmp_path / 'out'}"], DPOConfig)
-    task = DPOTask(cfg)
-    mcfg, params = zoo.read_config(g4.ckpt), zoo.load_params(g4.ckpt)
-    task.vision, task.shared_prompt = mcfg.vision, False  # what prepare() sets from the model (sliding layers)
-    docs = task.documents(task.load(path, cfg), g4.tok, path, False).docs
-    batch = stacked([docs[0], docs[1]], cfg.data.seq_len + 1, 2, task.finish_rows)
-    logp = np.asarray(jax.jit(lambda p, b: batch_logps(mcfg, p, b, max_segments=3,
-                                                       vision=batch_vision(mcfg, b))[0])(params, batch))
+    rows = [{"prompt": prompt, "chosen": c, "rejected": r, "images": [p.name]}
+            for (c, r), p in zip(pairs, g4.paths, strict=True)]
+    docs, batch, logp = dpo_image_pair_logps(g4.ckpt, g4.tok, tmp_path, rows, g4.paths, 200)
     proc = gemma4_reference_processor(g4.ckpt / "tokenizer")
     head = g4.tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
     for r, (answers, image) in enumerate(zip(pairs, _images(g4.paths), strict=True)):
@@ -252,19 +235,12 @@ def test_eval_multiple_choice_with_images_equals_transformers(g4):
     placeholder (its image before it), one with two placeholders (66 + 55 soft tokens, the question between them)
     and one without images: every choice's log-likelihood is transformers' forward on Gemma4Processor's ids,
     pixels, positions and mm_token_type_ids (each image one bidirectional block on the sliding layers), 1e-4."""
-    import yaml
 
     a, b = (p.name for p in g4.paths)
     rows = [{"question": QUESTION, "choices": ["red", "blue"], "answer": 1, "images": [a]},
             {"question": f"<|image|>{QUESTION}<|image|>", "choices": ["red", "blue"], "answer": 0, "images": [b, a]},
             {"question": QUESTION, "choices": ["red", "blue"], "answer": 0}]
-    write_jsonl(g4.root / "mc.jsonl", rows)
-    (g4.root / "mc.yaml").write_text(yaml.safe_dump({"name": "mc", "data": "mc.jsonl", "kind": "multiple_choice",
-                                                     "context": "{question}", "choices": "choices", "gold": "answer"}))
-    out = g4.root / "results.json"
-    assert zoo_main(["eval", str(g4.ckpt), "--tasks", str(g4.root / "mc.yaml"), "--out", str(out), "--log-samples",
-                     "--batch-size", "3"]) == 0
-    log = [json.loads(line) for line in out.with_name("results.samples.jsonl").read_text().splitlines()]
+    log = eval_multiple_choice(g4.root, g4.ckpt, rows, 3)
     proc = gemma4_reference_processor(g4.ckpt / "tokenizer")
     for row, sample in zip(rows, log, strict=True):
         images = _images([g4.root / n for n in row.get("images", [])])

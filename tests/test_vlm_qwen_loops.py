@@ -7,7 +7,6 @@ completions, the sampler's cached prefill and the decoding steps after it)."""
 
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -16,6 +15,7 @@ import torch
 
 from tests.run_files import write_jsonl
 from tests.vlm_grpo_programs import G, grpo_draws, hf_completion_logps
+from tests.vlm_loop_checks import eval_multiple_choice
 from tests.vlm_processors import write_images
 from tests.vlm_qwen_models import qwen_folder, qwen_token_ids
 from zoo.cli import main as zoo_main
@@ -177,7 +177,6 @@ def test_eval_multiple_choice_with_images_equals_transformers(qwen):
     read as one image), a text with two placeholders (4 + 12 tokens, the question between them), one with none (its
     image, the ``image`` column's, before the text) and one without images, in one batch of the KV-cache path (the prefill's multimodal positions, the choices moved by the rope
     delta): every choice's log-likelihood is transformers' forward with the pixels (1e-4)."""
-    import yaml
 
     m = qwen("qwen3_vl")
     a, b = m.names
@@ -186,13 +185,7 @@ def test_eval_multiple_choice_with_images_equals_transformers(qwen):
             {"question": image + QUESTION + image, "choices": ["red", "blue"], "answer": 0, "images": [b, a]},
             {"question": QUESTION, "choices": ["red", "blue"], "answer": 0, "image": b},
             {"question": QUESTION, "choices": ["red", "blue"], "answer": 0}]
-    write_jsonl(m.root / "mc.jsonl", rows)
-    (m.root / "mc.yaml").write_text(yaml.safe_dump({"name": "mc", "data": "mc.jsonl", "kind": "multiple_choice",
-                                                    "context": "{question}", "choices": "choices", "gold": "answer"}))
-    out = m.root / "results.json"
-    assert zoo_main(["eval", str(m.ckpt), "--tasks", str(m.root / "mc.yaml"), "--out", str(out), "--log-samples",
-                     "--batch-size", "4"]) == 0
-    log = [json.loads(line) for line in out.with_name("results.samples.jsonl").read_text().splitlines()]
+    log = eval_multiple_choice(m.root, m.ckpt, rows, 4)
     for row, sample in zip(rows, log):
         names = row.get("images", [row["image"]] if "image" in row else [])
         # No placeholder: each image as Qwen's chat template writes an image part (transformers' processor refuses
