@@ -90,17 +90,19 @@ def row_images(task: Task, expander: Expander | None, cfg: ModelConfig, rows: li
     ``fewshot_data`` row's) on a model without a vision tower, a generation task's images with few-shot examples."""
     first = next((i for i, row in enumerate(rows) if task.has_images(row)), None)
     shots = k > 0 and any(task.has_images(row) for row in task.fewshot_rows() or [])
+    if first is None and not shots:
+        return RowImages(expander, task, cfg) if expander is not None else None
     where = task.row_where(first) if first is not None else f"task {task.name} ({task.source}): fewshot_data"
-    if (first is not None or shots) and cfg.vision is None:
+    if cfg.vision is None:
         raise UserError(f"{where}: the row has images, and the model has no vision tower (a text "
                         "model); give a vision-language model's checkpoint or leave the images out")
-    if (first is not None or shots) and k > 0 and task.kind != "multiple_choice":  # fewshot_context: MC's
+    if k > 0 and task.kind != "multiple_choice":  # fewshot_context: MC's
         raise UserError(f"task {task.name} ({task.source}): generation rows with images do not go with few-shot "
                         "examples yet; set num_fewshot: 0 (or --num-fewshot 0)")
-    if (first is not None or shots) and expander is None:
+    if expander is None:
         raise UserError(f"{where}: the row has images, which only `zoo eval` reads (it loads the "
                         "model's image processor); score this task with `zoo eval`")
-    return RowImages(expander, task, cfg) if expander is not None else None
+    return RowImages(expander, task, cfg)
 
 
 def fewshot_context(images: RowImages, i: int, parts: Sequence[tuple[str, dict[str, Any]]], sep: str,

@@ -24,6 +24,7 @@ take image tokens is one line naming the row (or, with ``data.long_examples: dro
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -56,19 +57,25 @@ class ImagePairs:
         """Row ``i``'s pair tokens (see the module docstring); raises BadRow naming what is wrong with it."""
         pair, refs = image_pair(row, self.column)
         texts, head = pair_texts(pair, tokenizer, template)
+        prompt, ranges, processed = self._expanded(texts[0][0], {"chosen": texts[0][1], "rejected": texts[1][1]},
+                                                   refs)
+        tokens = pair_tokens([(prompt, answer) for _, answer in texts], head, tokenizer, True, stats)
+        spans = _checked_spans(image_spans(prompt, ranges, tokenizer, head, texts[0][1]), len(tokens.prompt))
+        self.pending = {i: (processed, spans)}  # the row pair_documents attaches next (unless it leaves it out)
+        return tokens
+
+    def _expanded(self, prompt: str, answers: dict[str, str], refs: Sequence[Any]
+                  ) -> tuple[str, list[tuple[int, int]], tuple[ProcessedImage, ...]]:
+        """(the prompt text with its image placeholders expanded, each expansion's character range, the processed
+        images) of a row whose ``answers`` (by field name) must hold no placeholder; raises BadRow naming it."""
         placeholder = self.expander.placeholder
-        for (_, answer), name in zip(texts, ("chosen", "rejected")):
+        for name, answer in answers.items():
             if placeholder in answer:
                 raise BadRow(f"'{name}' has {placeholder} in its text; images go in the prompt, as image parts")
         processed = tuple(self.expander.process(_opened(ref, self.base_dir, f"images[{k}]"))
                           for k, ref in enumerate(refs))
-        prompt, _, ranges = expand_placeholders(texts[0][0], placeholder, [p.text for p in processed], [])
-        tokens = pair_tokens([(prompt, answer) for _, answer in texts], head, tokenizer, True, stats)
-        spans = image_spans(prompt, ranges, tokenizer, head, texts[0][1])
-        if spans and spans[-1][1] >= len(tokens.prompt):  # the prompt's last token opens each answer's segment
-            raise BadRow("the prompt ends inside an image; the chat template must write text after it")
-        self.pending = {i: (processed, spans)}  # the row pair_documents attaches next (unless it leaves it out)
-        return tokens
+        text, _, ranges = expand_placeholders(prompt, placeholder, [p.text for p in processed], [])
+        return text, ranges, processed
 
     def tokenize_unpaired(self, i: int, row: dict[str, Any], tokenizer: Any,
                           template: ChatTemplate) -> tuple[list[int], list[int], bool]:
@@ -81,20 +88,13 @@ class ImagePairs:
         if not ex.images:  # parts form, as above
             prompt, answer = multimodal_messages(prompt, 0), multimodal_messages(answer, 0)
         prompt_text, answer_text = chat_texts(tokenizer, prompt, answer, template, "completion")
-        placeholder = self.expander.placeholder
-        if placeholder in answer_text:
-            raise BadRow(f"'completion' has {placeholder} in its text; images go in the prompt, as image parts")
-        processed = tuple(self.expander.process(_opened(ref, self.base_dir, f"images[{k}]"))
-                          for k, ref in enumerate(ex.images))
-        text, _, ranges = expand_placeholders(prompt_text, placeholder, [p.text for p in processed], [])
+        text, ranges, processed = self._expanded(prompt_text, {"completion": answer_text}, ex.images)
         head = bos_head(tokenizer, text + answer_text)
         ids, n, _ = split_whole(text, answer_text, tokenizer)
         prompt_ids = (head if head and ids[:len(head)] != head else []) + ids[:n]
-        spans = image_spans(text, ranges, tokenizer, head, answer_text)
         if not ids[n:]:
             raise BadRow("the completion renders to no token")
-        if spans and spans[-1][1] >= len(prompt_ids):
-            raise BadRow("the prompt ends inside an image; the chat template must write text after it")
+        spans = _checked_spans(image_spans(text, ranges, tokenizer, head, answer_text), len(prompt_ids))
         self.pending[i] = (processed, spans)  # KTO tokenizes a chunk's rows before it attaches them
         return prompt_ids, ids[n:], label
 
@@ -117,6 +117,14 @@ class ImagePairs:
             copies = 2
         tag = self.documents.keep(i, processed, at, self.path, self.seq_len, copies)
         doc[IMAGE_DOC] = np.full(len(doc["tokens"]), tag if processed else 0, np.int32)
+
+
+def _checked_spans(spans: list[tuple[int, int]], prompt_tokens: int) -> list[tuple[int, int]]:
+    """The images' token spans of a prompt of ``prompt_tokens`` tokens; BadRow when the prompt ends inside an
+    image (its last token opens each answer's segment)."""
+    if spans and spans[-1][1] >= prompt_tokens:
+        raise BadRow("the prompt ends inside an image; the chat template must write text after it")
+    return spans
 
 
 def image_pair(row: dict[str, Any], image_column: str | None = None) -> tuple[Pair, tuple[Any, ...]]:

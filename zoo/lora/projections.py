@@ -27,7 +27,7 @@ ADAPTABLE = ("q", "k", "v", "o", "gate", "up", "down", "expert_gate", "expert_up
              "proj",  # a vision-language model's connector (zoo.model.vision)
              "qkv", "fc1", "fc2")  # the Qwen towers' fused q/k/v and their patch mergers' MLP (zoo.lora.vision_targets)
 # Folded into a LoRA run's dropout key for an image tower's layers, its connector and Qwen3-VL's DeepStack mergers,
-# so their masks are drawn apart from the decoder's layers' (zoo.model.vision's SigLIP tower folds the same two).
+# so their masks are drawn apart from the decoder's layers' (zoo.model.vision's SigLIP tower too).
 TOWER_DROPOUT, PROJECTOR_DROPOUT, DEEPSTACK_DROPOUT = 1 << 20, (1 << 20) + 1, (1 << 20) + 2
 
 

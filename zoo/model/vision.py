@@ -36,7 +36,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from zoo.kernels.blockwise import query_block
 from zoo.layers.blocks import ACTIVATIONS, dense, layer_norm, rms_norm
-from zoo.lora.projections import LayerLora, LoraDropout, adapted_dense
+from zoo.lora.projections import PROJECTOR_DROPOUT, TOWER_DROPOUT, LayerLora, PartLora, adapted_dense
 from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 from zoo.model.layer_scan import LAYER_INPUT, REMAT_POLICIES
@@ -49,11 +49,6 @@ from zoo.model.vision_qwen3 import encode_qwen3
 
 __all__ = ["VisionInputs", "encode_images", "encode_with_deepstack", "tower", "tower_block", "shuffle_linear", "avg_pool",
            "CONNECTORS"]
-
-# Folded into a LoRA run's dropout key for the tower's layers and the connector, so their masks are drawn apart
-# from the decoder's layers' (zoo.model.decoder splits the key itself over its layers).
-TOWER_DROPOUT, PROJECTOR_DROPOUT = 1 << 20, (1 << 20) + 1
-
 
 def tower_block(patches: int) -> int:
     """Queries a block of the tower's attention over rows of ``patches`` patches: the language model's
@@ -98,12 +93,12 @@ def _attention(v: VisionConfig, x: jax.Array, p: dict[str, jax.Array], patches: 
     return adapted_dense(out.reshape(b, n, v.hidden_size), p["o"], lora, "o", contract=2) + p["o_bias"]
 
 
-def _layer(v: VisionConfig, patches: tuple[jax.Array, jax.Array], scale: float | jax.Array, rate: float | jax.Array,
-           x: jax.Array, inputs: tuple[dict[str, jax.Array], dict | None, jax.Array | None]) -> tuple[jax.Array, None]:
+def _layer(v: VisionConfig, patches: tuple[jax.Array, jax.Array], part: PartLora, x: jax.Array,
+           inputs: tuple[dict[str, jax.Array], dict | None, jax.Array | None]) -> tuple[jax.Array, None]:
     """One SigLIP encoder layer: x + attention(LayerNorm(x)), then x + fc2(act(fc1(LayerNorm(x)))); ``inputs``
     are the layer's weights, its LoRA adapters (or None) and its LoRA dropout key (or None)."""
     p, adapters, key = inputs
-    lora = None if adapters is None else LayerLora(adapters, scale, None if key is None else LoraDropout(rate, key))
+    lora = part.layer(adapters, key)
     x = checkpoint_name(batch_sharded(x, sequence=False), LAYER_INPUT)  # each chip its own rows' patches
     x = batch_sharded(x + _attention(v, layer_norm(x, p["attn_norm"], p["attn_norm_bias"], v.norm_eps), p, patches,
                                      lora), sequence=False)
@@ -112,46 +107,28 @@ def _layer(v: VisionConfig, patches: tuple[jax.Array, jax.Array], scale: float |
     return batch_sharded(x + adapted_dense(h, p["down"], lora, "down") + p["down_bias"], sequence=False), None
 
 
-def _dropout_key(w: Weights, salt: int) -> jax.Array | None:
-    """The LoRA dropout key of the tower or the connector (``salt``), or None where no dropout applies (no key,
-    or a rate of exactly 0: the evaluation and sampling forward)."""
-    if w.rng is None or (isinstance(w.dropout, (int, float)) and w.dropout <= 0):
-        return None
-    return jax.random.fold_in(w.rng, salt)
-
-
 def tower(v: VisionConfig, params: Any, inputs: VisionInputs, remat: str = "none") -> jax.Array:
     """The tower's final hidden states [b, n, D] (after ``post_layernorm``) of every patch of the batch.
 
     ``params``: the model's parameters, or its :class:`zoo.lora.weights.Weights` (LoRA's ``vision.layers``
     adapters run beside their weights). ``remat`` (:data:`zoo.model.layer_scan.REMAT_POLICIES`) wraps each layer
     of the scan in :func:`jax.checkpoint`, as the decoder's blocks are."""
-    w = Weights.wrap(params)
-    base = w.base["vision"]
-    adapters = (w.adapters or {}).get("vision", {}).get("layers")
-    key = None if adapters is None else _dropout_key(w, TOWER_DROPOUT)
-    keys = None if key is None else jax.random.split(key, v.num_layers)
+    base = Weights.wrap(params).base["vision"]
+    part = PartLora.of(params, ("vision", "layers"), TOWER_DROPOUT)
     x = dense(inputs.patches.astype(base["patch_embed"].dtype), base["patch_embed"]) + base["patch_bias"]
     x = x + jnp.take(base["pos_embed"], inputs.patch_pos, axis=0)
     patches = inputs.patch_image, jnp.where(inputs.patch_valid, inputs.patch_image, -1)  # queries', keys' images
-    scale = 1.0 if w.scale is None else w.scale
-    layer: Callable[..., Any] = partial(_layer, v, patches, scale, w.dropout)
+    layer: Callable[..., Any] = partial(_layer, v, patches, part)
     if remat != "none":
         layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    x, _ = jax.lax.scan(layer, x, (base["layers"], adapters, keys))
+    x, _ = jax.lax.scan(layer, x, (base["layers"], part.adapters, part.keys(v.num_layers)))
     return layer_norm(x, base["final_norm"], base["final_norm_bias"], v.norm_eps)
 
 
 def _projection(params: Any, x: jax.Array) -> jax.Array:
     """The connector's projection ``projector.proj`` of x, with its LoRA adapter where ``params`` has one."""
-    w = Weights.wrap(params)
-    adapter = (w.adapters or {}).get("projector", {}).get("proj")
-    proj = w.base["projector"]["proj"]
-    if adapter is None:
-        return adapted_dense(x, proj, None, "proj")
-    key = _dropout_key(w, PROJECTOR_DROPOUT)
-    drop = None if key is None else LoraDropout(w.dropout, key)
-    return adapted_dense(x, proj, LayerLora({"proj": adapter}, 1.0 if w.scale is None else w.scale, drop), "proj")
+    lora = PartLora.of(params, ("projector",), PROJECTOR_DROPOUT).whole()
+    return adapted_dense(x, Weights.wrap(params).base["projector"]["proj"], lora, "proj")
 
 
 def shuffle_linear(v: VisionConfig, params: Any, h: jax.Array, inputs: VisionInputs) -> jax.Array:
