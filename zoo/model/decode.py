@@ -220,7 +220,8 @@ def forward_cached(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, 
 def forward_step(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax.Array, cache: Cache,
                  valid: jax.Array | None = None, mla_absorb: bool | None = None, *, fresh: bool = False,
                  view: int | None = None, last: jax.Array | None = None,
-                 hidden: bool = False, vision: VisionInputs | None = None) -> tuple[jax.Array, Cache]:
+                 hidden: bool = False, vision: VisionInputs | None = None,
+                 entries: bool = False) -> tuple[jax.Array, Any]:
     """:func:`forward_cached` with generation's shortcuts (``fresh`` and ``view`` static), and LoRA adapters.
 
     ``fresh``: the cache is empty (every length 0), so its slots are not read.
@@ -236,6 +237,7 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax
     ``vision``: a vision-language model's images of these tokens (the prompt's, at prefill), each image token's
     embedding replaced by its image feature as in the training forward, and where the model has image blocks
     (Gemma 3) each run of image tokens attending within itself both ways; the steps after it are plain text.
+    ``entries`` (static): return :class:`Written` (the new keys and values, unwritten) instead of the new cache.
     """
     w = Weights.wrap(params)
     base: dict[str, Any] = w.base
@@ -282,7 +284,24 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
     x = norm(cfg, x, base["final_norm"])
     logits = x if hidden else output_logits(cfg, base, x)
+    step = Written(written, pos, valid, new_lengths, delta)
+    if entries:
+        return logits, step
     return logits, Cache(_write(cache, written, pos, valid, new_lengths, cfg.mla), new_lengths, delta)
+
+
+@dataclass(frozen=True)
+class Written:
+    """What a cached forward computed for the cache, before it is written (:func:`forward_step`'s ``entries``): per
+    stack and kind, each layer's new entries ``[(index in its kind's cache stack [m], {name: [m, b, t, ...]})]``,
+    the new tokens' positions ``pos`` [b, t] and ``valid`` mask, each row's new length and rope delta. A cache laid
+    out otherwise (the engine's pages, :mod:`eval.engine.paged`) writes them where it keeps them."""
+
+    entries: dict[str, dict[str, list]]
+    pos: jax.Array
+    valid: jax.Array
+    lengths: jax.Array
+    rope_delta: jax.Array | None
 
 
 def _rope_positions(cfg: ModelConfig, tokens: jax.Array, pos: jax.Array, valid: jax.Array, new_lengths: jax.Array,

@@ -1,0 +1,72 @@
+"""Each row's own draw: per-request temperature, top-k, top-p and seed in one batch.
+
+`zoo generate`'s :func:`eval.generate.sample_next` shapes its program by one batch-wide setting; the engine's rows
+are different requests, so the settings are arrays and the cut is computed per row: greedy rows take the argmax,
+the others the logits over their temperature cut to their top-k, then to their top-p, drawn by
+:func:`eval.generate.categorical`'s two-stage draw with a key of the request's seed and the token's index (so a
+request's draws do not depend on which rows run beside it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eval.generate import categorical
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class RowSampling:
+    """Per-row settings [b]: ``temperature`` (0: greedy), ``top_k`` (0: off), ``top_p`` (1: off), ``seed`` and
+    ``index`` (the new token's index in its request: the key is ``fold_in(PRNGKey(seed), index)``). ``banned``
+    (static): ids never drawn (a vision-language model's image token)."""
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    seed: jax.Array
+    index: jax.Array
+    banned: tuple[int, ...] = field(default=(), metadata={"static": True})
+
+    @classmethod
+    def of(cls, rows: list[tuple[float, int, float, int, int]], banned: tuple[int, ...] = ()) -> RowSampling:
+        """From (temperature, top_k, top_p, seed, index) per row."""
+        t, k, p, s, i = (np.asarray(c) for c in zip(*rows)) if rows else ([],) * 5
+        return cls(jnp.asarray(t, jnp.float32), jnp.asarray(k, jnp.int32), jnp.asarray(p, jnp.float32),
+                   jnp.asarray(s, jnp.uint32), jnp.asarray(i, jnp.int32), banned)
+
+
+def _cut(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Logits [b, V] with each row's tokens outside its top-k, then outside its top-p of what is left, at -inf.
+
+    Ties at a row's k-th or p-th value are kept together (the cut is a threshold on the value)."""
+    v = logits.shape[-1]
+    srt = -jnp.sort(-logits, axis=-1)  # descending
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+    kth = jnp.take_along_axis(srt, (k - 1)[:, None], axis=1)
+    logits = jnp.where(logits < kth, -jnp.inf, logits)
+    srt = jnp.where(jnp.arange(v)[None] < k[:, None], srt, -jnp.inf)
+    probs = jax.nn.softmax(srt, axis=-1)
+    # Keep a token while the mass strictly before it is under top_p (the most likely always stays).
+    keep = (jnp.cumsum(probs, axis=-1) - probs < top_p[:, None]) | (jnp.arange(v)[None] == 0)
+    smallest = jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(logits < smallest, -jnp.inf, logits)
+
+
+def draw_rows(logits: jax.Array, s: RowSampling) -> jax.Array:
+    """Next token [b] int32 of each row from its last-position logits [b, V] (float32) under its own settings."""
+    logits = logits.astype(jnp.float32)
+    if s.banned:
+        logits = logits.at[:, jnp.asarray(s.banned, jnp.int32)].set(-jnp.inf)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    sampled = s.temperature > 0
+    x = logits / jnp.where(sampled, s.temperature, 1.0)[:, None]
+    needs_cut = jnp.any(sampled & ((s.top_k > 0) | (s.top_p < 1.0)))
+    x = jax.lax.cond(needs_cut, lambda x: _cut(x, s.top_k, s.top_p), lambda x: x, x)
+    keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.PRNGKey(seed), i))(s.seed, s.index)
+    drawn = jax.vmap(lambda key, row: categorical(key, row[None])[0])(keys, x)
+    return jnp.where(sampled, drawn, greedy)
