@@ -25,8 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from eval.engine.api import Event, FinishReason, SamplingParams
-from eval.engine.pages import PagePool
+from eval.engine.images import vision_inputs
 from eval.engine.paged import decode, init_pool, prefill
+from eval.engine.pages import PagePool
 from eval.engine.sampling import RowSampling
 from zoo.errors import UserError
 from zoo.lora.weights import Weights
@@ -101,7 +102,9 @@ class Engine:
         return ()
 
     def submit(self, prompt: Sequence[int], params: SamplingParams, vision: Any = None) -> int:
-        """Queue a request (its prompt's token ids); returns its id. Raises :class:`zoo.errors.UserError` for an
+        """Queue a request (its prompt's token ids; ``vision``: a vision-language model's frames of its images, in
+        the order of its image tokens, as :func:`eval.engine.images.vision_inputs` takes a row's); returns its id.
+        Raises :class:`zoo.errors.UserError` for an
         empty prompt, one whose prompt + max_tokens exceeds ``max_len``, or an unknown adapter."""
         if len(prompt) == 0:
             raise UserError("engine: a prompt needs at least one token")
@@ -181,9 +184,9 @@ class Engine:
         for req in [r for r in self._queue if r.id in self._cancelled]:
             self._queue.remove(req)
             self._events.append(Event(req.id, (), True, "cancelled"))
-        for req in self._rows:
-            if req is not None and req.id in self._cancelled:
-                self._finish(req, "cancelled", ())
+        for row in self._rows:
+            if row is not None and row.id in self._cancelled:
+                self._finish(row, "cancelled", ())
         self._cancelled.clear()
 
     def _admit(self) -> list[_Request]:
@@ -255,13 +258,11 @@ class Engine:
     def _vision(self, admitted: list[_Request], b: int) -> Any:
         if all(r.vision is None for r in admitted):
             return None
-        from eval.generate import patch_inputs
-
         rows = [list(r.vision or []) for r in admitted] + [[] for _ in range(b - len(admitted))]
-        return patch_inputs(self.cfg, rows)
+        return vision_inputs(self.cfg, rows)
 
     def _decode(self) -> None:
-        live = [r for r in self._rows if r is not None]
+        live: list[_Request] = [r for r in self._rows if r is not None]
         width = self._width(max(int(self._lengths[r.row]) + 1 for r in live))
         tokens = np.array([0 if r is None else r.out[-1] for r in self._rows], np.int32)
         active = np.array([r is not None for r in self._rows])

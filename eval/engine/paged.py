@@ -35,6 +35,7 @@ Pool = dict[str, dict[str, dict[str, jax.Array]]]
 
 def _page_shapes(cfg: ModelConfig, n: int, pages: int, page: int) -> dict[str, tuple[tuple[int, ...], tuple]]:
     """name -> (shape, logical axes) of one layer kind's pool arrays for n layers."""
+    axes: tuple
     if cfg.mla:
         lead, axes = (n, pages, page), ("layers", None, None)
         return {"latent": (lead + (cfg.kv_lora_rank,), axes + (None,)),
@@ -44,11 +45,8 @@ def _page_shapes(cfg: ModelConfig, n: int, pages: int, page: int) -> dict[str, t
             "v": (lead + (page, cfg.head_dim), axes + (None, "head_dim"))}
 
 
-def init_pool(cfg: ModelConfig, pages: int, page: int, dtype: Any, mesh: Mesh | None = None) -> Pool:
-    """An empty pool of ``pages`` pages of ``page`` positions (with ``mesh``: split like the decoding weights'
-    k/v heads, as :func:`zoo.model.decode.init_cache` splits a cache)."""
-    from zoo.model.sharding import DECODE_RULES, named_sharding
-
+def _pool_tree(cfg: ModelConfig, pages: int, page: int, make: Any) -> Pool:
+    """A pool whose every array is ``make(shape, logical axes)``."""
     out: Pool = {}
     for prefix, stack, _ in cfg.layer_stacks:
         kinds = tuple(cfg.kinds[i] for i in stack)
@@ -56,13 +54,32 @@ def init_pool(cfg: ModelConfig, pages: int, page: int, dtype: Any, mesh: Mesh | 
         if is_kv_shared(cfg, prefix):
             continue  # Gemma 4's KV-shared layers read their stored layers' pages
         for kind in sorted(set(kinds)):
-            group = {}
-            for name, (shape, axes) in _page_shapes(kind_config(cfg, kind), kinds.count(kind), pages, page).items():
-                a = jnp.zeros(shape, dtype)
-                group[name] = a if mesh is None else jax.device_put(a, named_sharding(mesh, axes, shape,
-                                                                                         DECODE_RULES))
-            out[prefix][kind] = group
+            shapes = _page_shapes(kind_config(cfg, kind), kinds.count(kind), pages, page)
+            out[prefix][kind] = {name: make(shape, axes) for name, (shape, axes) in shapes.items()}
     return out
+
+
+def _pool_sharding(mesh: Mesh, axes: tuple, shape: tuple[int, ...]) -> Any:
+    from zoo.model.sharding import DECODE_RULES, named_sharding
+
+    return named_sharding(mesh, axes, shape, DECODE_RULES)
+
+
+def init_pool(cfg: ModelConfig, pages: int, page: int, dtype: Any, mesh: Mesh | None = None) -> Pool:
+    """An empty pool of ``pages`` pages of ``page`` positions (with ``mesh``: split like the decoding weights'
+    k/v heads, as :func:`zoo.model.decode.init_cache` splits a cache)."""
+    def make(shape: tuple[int, ...], axes: tuple) -> jax.Array:
+        a = jnp.zeros(shape, dtype)
+        return a if mesh is None else jax.device_put(a, _pool_sharding(mesh, axes, shape))
+
+    return _pool_tree(cfg, pages, page, make)
+
+
+def abstract_pool(cfg: ModelConfig, pages: int, page: int, dtype: Any, mesh: Mesh) -> Pool:
+    """:func:`init_pool`'s arrays as ``jax.ShapeDtypeStruct`` s with their shardings on ``mesh`` (nothing
+    allocated): for compiling the engine's programs without a device."""
+    return _pool_tree(cfg, pages, page, lambda shape, axes: jax.ShapeDtypeStruct(
+        shape, dtype, sharding=_pool_sharding(mesh, axes, shape)))
 
 
 def pool_bytes(pool: Pool) -> int:

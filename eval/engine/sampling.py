@@ -15,8 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.generate import categorical
-
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
@@ -38,6 +36,28 @@ class RowSampling:
         t, k, p, s, i = (np.asarray(c) for c in zip(*rows)) if rows else ([],) * 5
         return cls(jnp.asarray(t, jnp.float32), jnp.asarray(k, jnp.int32), jnp.asarray(p, jnp.float32),
                    jnp.asarray(s, jnp.uint32), jnp.asarray(i, jnp.int32), banned)
+
+
+CATEGORICAL_BLOCK = 128  # vocabulary entries per block of :func:`categorical`'s first draw
+
+
+def categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
+    """A draw [b] int32 from softmax(``logits`` [b, vocab]) per row (-inf entries never drawn), in two exact
+    stages: a block of CATEGORICAL_BLOCK entries with probability its share of the mass (its logsumexp), then an
+    entry of that block in proportion to its probability within it.
+
+    The distribution is ``jax.random.categorical``'s, but its Gumbel draw over the whole vocabulary, one random
+    number and two logarithms per entry, costs about 57 ms a decoding step for 64 rows of a 49,152-entry
+    vocabulary on a 2-CPU machine, a quarter of a 135M model's step; this draws vocab / 128 + 128 numbers a row
+    instead (about 5 ms)."""
+    b, v = logits.shape
+    block = min(CATEGORICAL_BLOCK, v)
+    pad = (-v) % block
+    blocks = jnp.pad(logits.astype(jnp.float32), ((0, 0), (0, pad)), constant_values=-jnp.inf).reshape(b, -1, block)
+    k_block, k_entry = jax.random.split(key)
+    which = jax.random.categorical(k_block, jax.nn.logsumexp(blocks, axis=-1), axis=-1)
+    inside = jnp.take_along_axis(blocks, which[:, None, None], axis=1)[:, 0]
+    return (which * block + jax.random.categorical(k_entry, inside, axis=-1)).astype(jnp.int32)
 
 
 def _cut(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
