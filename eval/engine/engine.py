@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -28,11 +29,12 @@ from eval.engine.api import Event, FinishReason, SamplingParams
 from eval.engine.images import vision_inputs
 from eval.engine.paged import decode, init_pool, prefill
 from eval.engine.pages import PagePool
-from eval.engine.sampling import RowSampling
+from eval.engine.sampling import RowSampling, key_data
 from zoo.errors import UserError
 from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 from zoo.model.decode import place_for_decoding
+from zoo.model.vision import VisionInputs
 
 TOKEN_BUCKET = 16  # a prefill's width is rounded up to a power of two of at least this many tokens
 VIEW_TOKENS = 256  # a step's page tables are this many tokens wide, or a multiple: one compilation per width
@@ -43,7 +45,7 @@ class _Request:
     id: int
     prompt: list[int]
     params: SamplingParams
-    seed: int
+    key: np.ndarray  # [2] uint32: the request's sampling key (PRNGKey(seed)'s data)
     vision: Any = None
     hashes: list = field(default_factory=list)  # the prompt's full pages' chain (empty: not cached)
     out: list[int] = field(default_factory=list)
@@ -96,14 +98,25 @@ class Engine:
         self._lengths = np.zeros(max_seqs, np.int32)
         self._delta = np.zeros(max_seqs, np.int32) if cfg.rope.mrope_section else None
 
+    def set_weights(self, params: dict[str, Any] | Weights) -> None:
+        """Decode with other weights from the next step on (an online trainer's new policy: its base and LoRA
+        adapters, :class:`zoo.lora.weights.Weights`); the cached prompts, computed by the old ones, are dropped."""
+        w = Weights.wrap(params)
+        base, _ = place_for_decoding(self.cfg, w.base)
+        self.weights = Weights(base, w.adapters, w.scale)
+        self.pages.forget()
+
     @property
     def adapter_names(self) -> tuple[str, ...]:
         """The LoRA adapters a request may name."""
         return ()
 
-    def submit(self, prompt: Sequence[int], params: SamplingParams, vision: Any = None) -> int:
+    def submit(self, prompt: Sequence[int], params: SamplingParams, vision: Any = None,
+               key: np.ndarray | None = None) -> int:
         """Queue a request (its prompt's token ids; ``vision``: a vision-language model's frames of its images, in
-        the order of its image tokens, as :func:`eval.engine.images.vision_inputs` takes a row's); returns its id.
+        the order of its image tokens, as :func:`eval.engine.images.vision_inputs` takes a row's, or its row
+        already laid out, a :class:`zoo.model.vision.VisionInputs` of one row; ``key``: its sampling key's data
+        [2] uint32, in place of ``params.seed``'s); returns its id.
         Raises :class:`zoo.errors.UserError` for an
         empty prompt, one whose prompt + max_tokens exceeds ``max_len``, or an unknown adapter."""
         if len(prompt) == 0:
@@ -119,8 +132,9 @@ class Engine:
             raise UserError("engine: stop strings need a tokenizer")
         if vision is not None and self.cfg.vision is None:
             raise UserError("engine: images given to a model without a vision tower")
-        seed = next(self._seeds) if params.seed is None else params.seed
-        req = _Request(next(self._ids), [int(t) for t in prompt], params, seed % (1 << 32), vision)
+        if key is None:
+            key = key_data(next(self._seeds) if params.seed is None else params.seed % (1 << 64))
+        req = _Request(next(self._ids), [int(t) for t in prompt], params, np.asarray(key, np.uint32), vision)
         if self.prefix_caching and vision is None:
             req.hashes = self.pages.chain(req.prompt[:-1], params.adapter)  # the last token is always computed
         self._queue.append(req)
@@ -221,8 +235,9 @@ class Engine:
         return min(-(-view // self.page_size), self.pages_per_seq)
 
     def _sampling(self, reqs: Sequence[_Request | None], index: Sequence[int]) -> RowSampling:
-        rows = [(0.0, 0, 1.0, 0, 0) if r is None else
-                (float(r.params.temperature), int(r.params.top_k), float(r.params.top_p), r.seed, i)
+        none = np.zeros(2, np.uint32)
+        rows = [(0.0, 0, 1.0, none, 0) if r is None else
+                (float(r.params.temperature), int(r.params.top_k), float(r.params.top_p), r.key, i)
                 for r, i in zip(reqs, index)]
         return RowSampling.of(rows, self.banned)
 
@@ -242,10 +257,10 @@ class Engine:
         fresh = all(r.cached == 0 for r in admitted)
         vision = self._vision(admitted, b)
         sampling = self._sampling(list(admitted) + [None] * (b - len(admitted)), [0] * b)
-        first, self.pool, new_lengths, new_delta = prefill(
+        (first, logp), self.pool, new_lengths, new_delta = prefill(
             self.cfg, self.weights, self.pool, jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(tables),
             jnp.asarray(lengths), delta, sampling, fresh, vision)
-        first, new_lengths = np.asarray(first), np.asarray(new_lengths)
+        first, logp, new_lengths = np.asarray(first), np.asarray(logp), np.asarray(new_lengths)
         deltas = None if new_delta is None else np.asarray(new_delta)
         for i, r in enumerate(admitted):
             self._lengths[r.row] = new_lengths[i]
@@ -253,13 +268,19 @@ class Engine:
                 self._delta[r.row] = deltas[i]
             full = len(r.hashes)  # the prompt's pages now computed join the prefix cache
             self.pages.register(r.pages[:full], r.hashes)
-            self._accept(r, int(first[i]))
+            self._accept(r, int(first[i]), float(logp[i]))
 
     def _vision(self, admitted: list[_Request], b: int) -> Any:
         if all(r.vision is None for r in admitted):
             return None
-        rows = [list(r.vision or []) for r in admitted] + [[] for _ in range(b - len(admitted))]
-        return vision_inputs(self.cfg, rows)
+        if any(isinstance(r.vision, VisionInputs) for r in admitted):  # rows laid out alike (one batch's)
+            rows = [r.vision for r in admitted]
+            if any(not isinstance(v, VisionInputs) for v in rows):
+                raise ValueError("one prefill mixes laid-out image rows with frames")
+            rows += [jax.tree.map(jnp.zeros_like, rows[0])] * (b - len(admitted))
+            return jax.tree.map(lambda *a: jnp.concatenate(a), *rows)
+        frames = [list(r.vision or []) for r in admitted] + [[] for _ in range(b - len(admitted))]
+        return vision_inputs(self.cfg, frames)
 
     def _decode(self) -> None:
         live: list[_Request] = [r for r in self._rows if r is not None]
@@ -268,14 +289,15 @@ class Engine:
         active = np.array([r is not None for r in self._rows])
         sampling = self._sampling(self._rows, [0 if r is None else len(r.out) for r in self._rows])
         delta = None if self._delta is None else jnp.asarray(self._delta)
-        nxt, self.pool = decode(self.cfg, self.weights, self.pool, jnp.asarray(tokens), jnp.asarray(active),
-                                jnp.asarray(self._tables[:, :width]), jnp.asarray(self._lengths), delta, sampling)
-        nxt = np.asarray(nxt)
+        (nxt, logp), self.pool = decode(self.cfg, self.weights, self.pool, jnp.asarray(tokens), jnp.asarray(active),
+                                        jnp.asarray(self._tables[:, :width]), jnp.asarray(self._lengths), delta,
+                                        sampling)
+        nxt, logp = np.asarray(nxt), np.asarray(logp)
         for r in live:
             self._lengths[r.row] += 1
-            self._accept(r, int(nxt[r.row]))
+            self._accept(r, int(nxt[r.row]), float(logp[r.row]))
 
-    def _accept(self, req: _Request, token: int) -> None:
+    def _accept(self, req: _Request, token: int, logp: float) -> None:
         """A request's newly drawn token: reported, and the request ended if it ends there."""
         req.out.append(token)
         reason: FinishReason | None = None
@@ -284,12 +306,19 @@ class Engine:
         elif len(req.out) >= req.params.max_tokens:
             reason = "length"
         if reason is None:
-            self._events.append(Event(req.id, (token,)))
+            self._events.append(Event(req.id, (token,), logprobs=(logp,)))
         else:
-            self._finish(req, reason, (token,))
+            self._finish(req, reason, (token,), (logp,))
 
-    def _finish(self, req: _Request, reason: FinishReason, tokens: tuple[int, ...]) -> None:
-        self._events.append(Event(req.id, tokens, True, reason))
+    def _finish(self, req: _Request, reason: FinishReason, tokens: tuple[int, ...],
+                logprobs: tuple[float, ...] = ()) -> None:
+        self._events.append(Event(req.id, tokens, True, reason, logprobs))
+        if req.hashes and reason != "cancelled":
+            # Every full page of the conversation so far (the last drawn token is not in the cache) joins the
+            # prefix cache: a next turn that repeats it (a chat's history, an episode's next turn) reads it.
+            held = (req.prompt + req.out)[:len(req.prompt) + len(req.out) - 1]
+            hashes = self.pages.chain(held, req.params.adapter)
+            self.pages.register(req.pages[:len(hashes)], hashes)
         self.pages.release(req.pages)
         self._rows[req.row] = None
         req.pages = []

@@ -134,11 +134,12 @@ def scatter(pool: Pool, step: Written, tables: jax.Array) -> Pool:
 @partial(jax.jit, static_argnums=(0, 9), donate_argnums=(2,))
 def prefill(cfg: ModelConfig, weights: Weights, pool: Pool, tokens: jax.Array, valid: jax.Array,
             tables: jax.Array, lengths: jax.Array, delta: jax.Array | None, sampling: RowSampling,
-            fresh: bool, vision: VisionInputs | None = None) -> tuple[jax.Array, Pool, jax.Array, jax.Array | None]:
+            fresh: bool, vision: VisionInputs | None = None
+            ) -> tuple[tuple[jax.Array, jax.Array], Pool, jax.Array, jax.Array | None]:
     """Run each row's uncached prompt tokens (``tokens``/``valid`` [b, t], right-padded) after the ``lengths``
     [b] tokens its pages already hold, and draw its first new token.
 
-    Returns (first tokens [b], the pool, the rows' new lengths, their rope delta). ``fresh`` (static): no row holds
+    Returns ((first tokens [b], their log-probabilities), the pool, the rows' new lengths, their rope delta). ``fresh`` (static): no row holds
     a cached token yet, so no page is read (the prompts attend to themselves, blockwise as in training)."""
     cache = gather(pool, tables, lengths, delta)
     last = jnp.maximum(valid.sum(1) - 1, 0)
@@ -150,9 +151,9 @@ def prefill(cfg: ModelConfig, weights: Weights, pool: Pool, tokens: jax.Array, v
 @partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
 def decode(cfg: ModelConfig, weights: Weights, pool: Pool, tokens: jax.Array, active: jax.Array,
            tables: jax.Array, lengths: jax.Array, delta: jax.Array | None,
-           sampling: RowSampling) -> tuple[jax.Array, Pool]:
+           sampling: RowSampling) -> tuple[tuple[jax.Array, jax.Array], Pool]:
     """One decoding step of every row: append its last token ``tokens`` [b] (the ``active`` rows only: the others
-    write nothing) and draw the next. Returns (next tokens [b], the pool)."""
+    write nothing) and draw the next. Returns ((next tokens [b], their log-probabilities), the pool)."""
     cache = gather(pool, tables, lengths, delta)
     logits, step = forward_step(cfg, weights, tokens[:, None], cache, active[:, None], last=jnp.zeros_like(lengths),
                                 entries=True)

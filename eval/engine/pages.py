@@ -88,6 +88,15 @@ class PagePool:
                 else:
                     self._free.append(page)
 
+    def forget(self) -> None:
+        """Drop every cached prompt (the weights that computed them changed): idle pages become free, held ones
+        stay held."""
+        for page in self._idle:
+            self._free.append(page)
+        self._idle.clear()
+        self._by_hash.clear()
+        self._hash_of.clear()
+
     def held(self) -> int:
         """Pages some request holds."""
         return sum(1 for r in self._refs if r > 0)

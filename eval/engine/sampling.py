@@ -19,23 +19,29 @@ import numpy as np
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class RowSampling:
-    """Per-row settings [b]: ``temperature`` (0: greedy), ``top_k`` (0: off), ``top_p`` (1: off), ``seed`` and
-    ``index`` (the new token's index in its request: the key is ``fold_in(PRNGKey(seed), index)``). ``banned``
-    (static): ids never drawn (a vision-language model's image token)."""
+    """Per-row settings [b]: ``temperature`` (0: greedy), ``top_k`` (0: off), ``top_p`` (1: off), ``key`` [b, 2]
+    (a request's raw threefry key: ``PRNGKey(seed)``'s data) and ``index`` (the new token's index in its request:
+    it is drawn with ``fold_in(key, index)``). ``banned`` (static): ids never drawn (a vision-language model's
+    image token)."""
 
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
-    seed: jax.Array
+    key: jax.Array
     index: jax.Array
     banned: tuple[int, ...] = field(default=(), metadata={"static": True})
 
     @classmethod
-    def of(cls, rows: list[tuple[float, int, float, int, int]], banned: tuple[int, ...] = ()) -> RowSampling:
-        """From (temperature, top_k, top_p, seed, index) per row."""
-        t, k, p, s, i = (np.asarray(c) for c in zip(*rows)) if rows else ([],) * 5
+    def of(cls, rows: list[tuple[float, int, float, np.ndarray, int]], banned: tuple[int, ...] = ()) -> RowSampling:
+        """From (temperature, top_k, top_p, key data [2] uint32, index) per row."""
+        t, k, p, key, i = zip(*rows)
         return cls(jnp.asarray(t, jnp.float32), jnp.asarray(k, jnp.int32), jnp.asarray(p, jnp.float32),
-                   jnp.asarray(s, jnp.uint32), jnp.asarray(i, jnp.int32), banned)
+                   jnp.asarray(np.stack(key), jnp.uint32), jnp.asarray(i, jnp.int32), banned)
+
+
+def key_data(seed: int) -> np.ndarray:
+    """``jax.random.PRNGKey(seed)``'s data (threefry: the seed's high and low 32 bits), made on the host."""
+    return np.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], np.uint32)
 
 
 CATEGORICAL_BLOCK = 128  # vocabulary entries per block of :func:`categorical`'s first draw
@@ -77,16 +83,20 @@ def _cut(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     return jnp.where(logits < smallest, -jnp.inf, logits)
 
 
-def draw_rows(logits: jax.Array, s: RowSampling) -> jax.Array:
-    """Next token [b] int32 of each row from its last-position logits [b, V] (float32) under its own settings."""
-    logits = logits.astype(jnp.float32)
-    if s.banned:
-        logits = logits.at[:, jnp.asarray(s.banned, jnp.int32)].set(-jnp.inf)
+def draw_rows(logits: jax.Array, s: RowSampling) -> tuple[jax.Array, jax.Array]:
+    """(next token [b] int32, its log-probability [b]) of each row from its last-position logits [b, V] under its
+    own settings. The log-probability is under softmax(logits / temperature) before any cut (greedy rows: the
+    plain softmax's), the distribution a trainer computes (:func:`eval.rollout.draw`'s)."""
+    raw = logits.astype(jnp.float32)
+    logits = raw.at[:, jnp.asarray(s.banned, jnp.int32)].set(-jnp.inf) if s.banned else raw
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sampled = s.temperature > 0
-    x = logits / jnp.where(sampled, s.temperature, 1.0)[:, None]
+    scale = jnp.where(sampled, s.temperature, 1.0)[:, None]
+    x = logits / scale
     needs_cut = jnp.any(sampled & ((s.top_k > 0) | (s.top_p < 1.0)))
     x = jax.lax.cond(needs_cut, lambda x: _cut(x, s.top_k, s.top_p), lambda x: x, x)
-    keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.PRNGKey(seed), i))(s.seed, s.index)
+    keys = jax.vmap(jax.random.fold_in)(s.key, s.index)
     drawn = jax.vmap(lambda key, row: categorical(key, row[None])[0])(keys, x)
-    return jnp.where(sampled, drawn, greedy)
+    tok = jnp.where(sampled, drawn, greedy)
+    logp = jax.nn.log_softmax(raw / scale, axis=-1)
+    return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
