@@ -20,8 +20,13 @@ from zoo.model.config import ModelConfig
 from zoo.model.decode import forward_step, init_cache
 from zoo.model.decoder import forward
 
-CFG = ModelConfig(family="llama", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=8)
+TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
+CFG = ModelConfig(family="llama", **TINY)
+# Gemma 2: (sliding, full) blocks, so the per-row adapters are sliced with period 2 like their weights (the window,
+# 3, shorter than the prompt), (1 + w) norms, post norms and soft-caps.
+GEMMA2 = ModelConfig(family="gemma2", **TINY, norm_offset=1.0, embed_scale=True, post_norms=True,
+                     hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=8, attn_softcap=4.0, final_softcap=6.0,
+                     sliding_window=3, tie_word_embeddings=True, layer_types=("sliding", "full"))
 # Different ranks, scales and targets: A1 every projection (o contracts two axes; q/k/v and gate/up fused with
 # their norm in the single-adapter path), A2 three of them at a smaller rank, padded to A1's where both adapt.
 A1 = LoraConfig(rank=4, alpha=8.0)
@@ -29,26 +34,27 @@ A2 = LoraConfig(rank=2, alpha=6.0, targets=["q_proj", "v_proj", "down_proj"])
 PROMPT, ROWS = 6, (1, 0, 2)  # rows: adapter A1, the base, adapter A2
 
 
-def _random_adapters(lc: LoraConfig, seed: int) -> dict:
+def _random_adapters(cfg: ModelConfig, lc: LoraConfig, seed: int) -> dict:
     """init_lora's tree for ``lc`` with every A and B random (a zero B would hide most mistakes), drawn in NumPy."""
     rng = np.random.RandomState(seed)
-    shapes = jax.eval_shape(lambda: init_lora(CFG, lc, jax.random.key(0)))
+    shapes = jax.eval_shape(lambda: init_lora(cfg, lc, jax.random.key(0)))
     return jax.tree.map(lambda a: jax.device_put(rng.normal(0, 0.3, a.shape).astype(np.float32)), shapes)
 
 
-def test_rows_equal_each_adapter_alone():
+@pytest.mark.parametrize("cfg", [CFG, GEMMA2], ids=["llama", "gemma2"])
+def test_rows_equal_each_adapter_alone(cfg):
     """A batch of 3 rows with adapters [A1, none, A2] through forward_step (a fresh prefill, then one decode step)
     and through the training forward (zoo.model.decoder.forward) gives each row the logits the single-adapter
     Weights (or the base alone) give it: float32, max-abs <= 1e-5. The three references differ from each other
     by far more than that in every row, so a row given another's adapter (or none) fails."""
-    base = lora_base_params(CFG)
-    trees = [_random_adapters(A1, 1), _random_adapters(A2, 2)]
+    base = lora_base_params(cfg)
+    trees = [_random_adapters(cfg, A1, 1), _random_adapters(cfg, A2, 2)]
     scales = [lora_scale(A1), lora_scale(A2)]
-    stack = stack_adapters(CFG, list(zip(trees, scales)))
-    seqs = jnp.asarray(np.random.RandomState(3).randint(0, CFG.vocab_size, (3, PROMPT + 1)).astype(np.int32))
+    stack = stack_adapters(cfg, list(zip(trees, scales)))
+    seqs = jnp.asarray(np.random.RandomState(3).randint(0, cfg.vocab_size, (3, PROMPT + 1)).astype(np.int32))
 
     # The references: the whole batch under each single-adapter Weights (and the base), one row of each kept.
-    ref_fwd = jax.jit(partial(forward, CFG))
+    ref_fwd = jax.jit(partial(forward, cfg))
     refs = np.stack([np.asarray(ref_fwd(w, seqs)) for w in
                      (Weights(base), Weights(base, trees[0], scales[0]), Weights(base, trees[1], scales[1]))])
     want = refs[list(ROWS), [0, 1, 2]]  # [3 rows, PROMPT + 1, vocab]
@@ -58,9 +64,9 @@ def test_rows_equal_each_adapter_alone():
 
     w = stack.weights(base, jnp.asarray(ROWS))
     assert stack.count == 3
-    logits, cache = jax.jit(partial(forward_step, CFG, fresh=True))(w, seqs[:, :PROMPT], init_cache(CFG, 3, 16))
+    logits, cache = jax.jit(partial(forward_step, cfg, fresh=True))(w, seqs[:, :PROMPT], init_cache(cfg, 3, 16))
     np.testing.assert_allclose(np.asarray(logits), want[:, :PROMPT], atol=1e-5, rtol=0)
-    logits, cache = jax.jit(partial(forward_step, CFG))(w, seqs[:, PROMPT:], cache)
+    logits, cache = jax.jit(partial(forward_step, cfg))(w, seqs[:, PROMPT:], cache)
     np.testing.assert_allclose(np.asarray(logits)[:, 0], want[:, PROMPT], atol=1e-5, rtol=0)
     np.testing.assert_allclose(np.asarray(ref_fwd(w, seqs)), want, atol=1e-5, rtol=0)
 

@@ -63,7 +63,8 @@ class RowAdapters:
         return int(jax.tree.leaves(self.adapters)[0].shape[1])
 
     def select(self, index: jax.Array) -> dict[str, Any]:
-        """Each row's adapter tree for ``index`` [b] (entry numbers, 0: the base): leaves [layers, b, ...]."""
+        """Each row's adapter tree for ``index`` [b] (entry numbers 0 .. :attr:`count` - 1, 0: the base; one out of
+        range reads NaN, jnp.take's fill): leaves [layers, b, ...]."""
         return jax.tree.map(lambda a: jnp.take(a, index, axis=1), self.adapters)
 
     def weights(self, base: Any, index: jax.Array) -> Weights:
