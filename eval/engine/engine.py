@@ -27,7 +27,7 @@ import numpy as np
 
 from eval.engine.api import Event, FinishReason, SamplingParams
 from eval.engine.images import vision_inputs
-from eval.engine.paged import decode, init_pool, prefill
+from eval.engine.paged import decode, init_pool, prefill, rerope
 from eval.engine.pages import PagePool
 from eval.engine.sampling import RowSampling, key_data
 from zoo.errors import UserError
@@ -149,7 +149,11 @@ class Engine:
         if key is None:
             key = key_data(next(self._seeds) if params.seed is None else params.seed % (1 << 64))
         req = _Request(next(self._ids), [int(t) for t in prompt], params, np.asarray(key, np.uint32), vision)
-        if self.prefix_caching and vision is None:
+        omax = self.cfg.rope.original_max_position_embeddings if self.cfg.rope.kind == "longrope" else None
+        # A LongRoPE request that may pass original_max_position_embeddings has its keys roped again when it does
+        # (eval.engine.paged.rerope): its pages are its own, never shared nor cached.
+        crossing = omax is not None and len(prompt) + params.max_tokens > omax
+        if self.prefix_caching and vision is None and not crossing:
             req.hashes = self.pages.chain(req.prompt[:-1], params.adapter)  # the last token is always computed
         self._queue.append(req)
         return req.id
@@ -306,6 +310,11 @@ class Engine:
         active = np.array([r is not None for r in self._rows])
         sampling = self._sampling(self._rows, [0 if r is None else len(r.out) for r in self._rows])
         delta = None if self._delta is None else jnp.asarray(self._delta)
+        if self.cfg.rope.kind == "longrope":  # rows whose next token passes the threshold: long-roped keys first
+            omax = self.cfg.rope.original_max_position_embeddings
+            crossing = [r.row for r in live if self._lengths[r.row] == omax]
+            if crossing:
+                self.pool = rerope(self.cfg, self.pool, jnp.asarray(self._tables[crossing, :width]))
         (nxt, logp), self.pool = decode(self.cfg, self.weights, self.pool, jnp.asarray(tokens), jnp.asarray(active),
                                         jnp.asarray(self._tables[:, :width]), jnp.asarray(self._lengths), delta,
                                         sampling, self.adapters, self._index(self._rows))
