@@ -14,6 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -71,7 +72,7 @@ def make_app(served: Served, runner: Runner) -> FastAPI:
                for p in schema.prompts(body, served.vocab_size)]
         params = [dec.params(schema.fits(len(p), dec.max_tokens, served.max_len, COMPLETION_MAX_TOKENS),
                              served.eos_ids, adapter) for p in ids]
-        return await _answer(request, runner, served, ids, params, dec, _completion_shapes(dec.model))
+        return await _answer(request, runner, served, ids, params, dec, COMPLETION)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
@@ -84,8 +85,7 @@ def make_app(served: Served, runner: Runner) -> FastAPI:
                       "unsupported_parameter")
         ids = chat.prompt_ids(served.tokenizer, served.template, chat.messages_of(body.get("messages")), tools)
         params = dec.params(schema.fits(len(ids), dec.max_tokens, served.max_len, None), served.eos_ids, adapter)
-        return await _answer(request, runner, served, [ids], [params], dec,
-                             _chat_shapes(dec.model, served, bool(tools)))
+        return await _answer(request, runner, served, [ids], [params], dec, _chat_shapes(served, bool(tools)))
 
     return app
 
@@ -108,30 +108,32 @@ def _adapter(served: Served, model: str) -> str | None:
                         f"{', '.join(repr(n) for n in (served.name, *served.adapters))}", "model", "model_not_found")
 
 
+@dataclass(frozen=True)
 class _Shapes:
-    """How one endpoint words its answers: the ``object`` names, a choice whole, a chunk's choice."""
+    """How one endpoint words its answers: its id prefix and ``object`` names, and its choices: ``first`` the
+    chunk a choice's stream opens with (None: none), ``delta`` a chunk of text, ``end`` a choice's last chunk
+    (given its finish reason), ``choice`` a whole choice; ``buffered``: the text waits for the end (a tool call
+    is read whole)."""
 
     prefix: str
     whole: str
     chunk: str
-    first: Callable[[int], dict[str, Any] | None]  # the chunk a choice's stream opens with (None: none)
+    first: Callable[[int], dict[str, Any] | None]
     delta: Callable[[int, str], dict[str, Any]]
-    end: Callable[[int, TextStream, str | None], dict[str, Any]]  # a choice's last chunk (its finish reason)
-    choice: Callable[[int, TextStream, str | None], dict[str, Any]]  # a whole choice
-    buffered: bool = False  # the text waits for the end (a tool call is read whole)
+    end: Callable[[int, TextStream, str | None], dict[str, Any]]
+    choice: Callable[[int, TextStream, str | None], dict[str, Any]]
+    buffered: bool = False
 
 
-def _completion_shapes(model: str) -> _Shapes:
-    s = _Shapes()
-    s.prefix, s.whole, s.chunk = "cmpl", "text_completion", "text_completion"
-    s.first = lambda i: None
-    s.delta = lambda i, text: {"index": i, "text": text, "logprobs": None, "finish_reason": None}
-    s.end = lambda i, ts, reason: {"index": i, "text": "", "logprobs": None, "finish_reason": reason}
-    s.choice = lambda i, ts, reason: {"index": i, "text": ts.text(), "logprobs": None, "finish_reason": reason}
-    return s
+COMPLETION = _Shapes(
+    "cmpl", "text_completion", "text_completion", first=lambda i: None,
+    delta=lambda i, text: {"index": i, "text": text, "logprobs": None, "finish_reason": None},
+    end=lambda i, ts, reason: {"index": i, "text": "", "logprobs": None, "finish_reason": reason},
+    choice=lambda i, ts, reason: {"index": i, "text": ts.text(), "logprobs": None, "finish_reason": reason})
 
 
-def _chat_shapes(model: str, served: Served, tools: bool) -> _Shapes:
+def _chat_shapes(served: Served, tools: bool) -> _Shapes:
+    """Chat's shapes; with ``tools``, the answer read for calls by the family's parser (serve/chat.py)."""
     def message(ts: TextStream, reason: str | None) -> tuple[dict[str, Any], str | None]:
         msg, calls = chat.answer(ts.text(), ts.raw(), served.parser, tools)
         return msg, "tool_calls" if calls else reason
@@ -149,13 +151,11 @@ def _chat_shapes(model: str, served: Served, tools: bool) -> _Shapes:
         msg, reason = message(ts, reason)
         return {"index": i, "message": msg, "logprobs": None, "finish_reason": reason}
 
-    s = _Shapes()
-    s.prefix, s.whole, s.chunk, s.buffered = "chatcmpl", "chat.completion", "chat.completion.chunk", tools
-    s.first = lambda i: {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None}
-    s.delta = lambda i, text: {"index": i, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
-    s.end, s.choice = end, choice
-    return s
+    return _Shapes(
+        "chatcmpl", "chat.completion", "chat.completion.chunk", buffered=tools, end=end, choice=choice,
+        first=lambda i: {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None},
+        delta=lambda i, text: {"index": i, "delta": {"content": text}, "logprobs": None, "finish_reason": None})
 
 
 async def _events(runner: Runner, tickets: list[Ticket], events: asyncio.Queue, request: Request | None

@@ -252,12 +252,14 @@ def test_bad_requests_are_openai_errors_and_a_dropped_stream_is_cancelled(server
     assert again.choices[0].message.content == good.choices[0].message.content
 
 
-def test_serve_flags_and_the_missing_extra(monkeypatch, capsys):
+def test_serve_flags_and_the_missing_extra(server, monkeypatch, capsys):
     """`zoo serve --help` documents every flag; without fastapi/uvicorn it is one line naming the extra; a
-    malformed --adapter is one line."""
+    malformed --adapter, or one that is no adapter checkpoint, is one line."""
     import sys
+    from pathlib import Path
 
-    from serve.model import parse_adapters
+    from serve.model import load_adapter, parse_adapters
+    from zoo.checkpoints.format import read_meta
     from tests.run_files import one_line_error
     from zoo.cli import main
     from zoo.errors import UserError
@@ -271,3 +273,6 @@ def test_serve_flags_and_the_missing_extra(monkeypatch, capsys):
     assert "pip install 'lmzoo[serve]'" in one_line_error(capsys, main, ["serve", "ckpt"])
     with pytest.raises(UserError, match="NAME=PATH"):
         parse_adapters(["sql"])
+    base = Path(server[1].tokenizer.name_or_path).parent
+    with pytest.raises(UserError, match="is not an adapter checkpoint"):
+        load_adapter("self", str(base), base, read_meta(base))
