@@ -19,7 +19,6 @@ if TYPE_CHECKING:  # annotations only: JAX and the model load inside the command
     from eval.generate import GenerationConfig
     from zoo.model.config import ModelConfig
     from zoo.model.decoder import Decoder
-    from zoo.model.vision import VisionInputs
 
 # (tokenizer folder, tokenizer) -> the image expander of the model's processor files (chat/images.py's
 # ImageExpander.from_folder, which the dispatcher passes in: chat/ is a floor above this one).
@@ -115,7 +114,7 @@ def generate_command(args: argparse.Namespace, expander_of: ExpanderOf | None = 
     if cfg is not None and cfg.vision is None:  # before the weights load
         raise UserError(f"--image: {args.ckpt} has no vision tower (a text model); leave out --image or give a "
                         "vision-language model's checkpoint")
-    from eval.generate import GenerationConfig, patch_inputs
+    from eval.generate import GenerationConfig
     from zoo.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(args.ckpt)
@@ -127,7 +126,7 @@ def generate_command(args: argparse.Namespace, expander_of: ExpanderOf | None = 
                            top_p=args.top_p, seed=args.seed, stop=tuple(args.stop or ()),
                            eos_ids=eos_ids_of(args.ckpt, tok))
     if images:
-        _stream_one(model, tok, ids, gen, patch_inputs(model.cfg, [frames]))
+        _stream_one(model, tok, ids, gen, frames)
     elif rows is None:
         _stream_one(model, tok, _prompt_ids(tok, {"prompt": args.prompt}, args), gen)
     else:
@@ -209,7 +208,7 @@ def _image_prompt(cfg: ModelConfig, tok: Any, args: argparse.Namespace, expander
 
 
 def _stream_one(model: Decoder, tok: Any, ids: list[int], gen: GenerationConfig,
-                vision: VisionInputs | None = None) -> None:
+                frames: list[dict[str, Any]] | None = None) -> None:
     """Generate for one prompt (with its images), printing the text as it grows (held back where a stop string
     may begin)."""
     from eval.answers import cut_at_stop
@@ -232,7 +231,7 @@ def _stream_one(model: Decoder, tok: Any, ids: list[int], gen: GenerationConfig,
         print(t[shown:], end="", flush=True)
         shown = len(t)
 
-    generate(model.cfg, model.param_dict(), [ids], gen, on_token, tok, vision)
+    generate(model.cfg, model.param_dict(), [ids], gen, on_token, tok, None if frames is None else [frames])
     print(text()[shown:], flush=True)
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from eval.answers import is_correct, scored_answer
-from eval.generate import GenerationConfig, generate, vision_inputs
+from eval.generate import GenerationConfig, generate
 from eval.image_prompts import Frames, RowImages
 from eval.loglikelihood import encode
 from eval.progress import progress_bar
@@ -107,8 +107,7 @@ def greedy_generator(cfg: ModelConfig, params: dict[str, Any], tokenizer: Any, m
     gen = GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.0, stop=tuple(stop), eos_ids=eos)
 
     def run(prompts: list[list[int]], frames: list[Frames] | None = None) -> list[list[int]]:
-        vision = None if frames is None else vision_inputs(cfg, frames)
-        return generate(cfg, params, prompts, gen, tokenizer=tokenizer if stop else None, vision=vision)
+        return generate(cfg, params, prompts, gen, tokenizer=tokenizer if stop else None, frames=frames)
 
     return run
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from eval.generate import vision_inputs
+from eval.engine.images import vision_inputs
 from eval.image_prompts import Frames
 from zoo.errors import UserError
 from zoo.model.config import ModelConfig

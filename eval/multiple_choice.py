@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from eval.generate import vision_inputs
+from eval.engine.images import vision_inputs
 from eval.image_prompts import Expander, Frames, RowImages, fewshot_context, row_images
 from eval.loglikelihood import bucket, context_continuation, fine_bucket, request_scores
 from eval.progress import progress_bar

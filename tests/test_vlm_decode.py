@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import zoo
-from eval.generate import GenerationConfig, generate, vision_inputs
+from eval.generate import GenerationConfig, generate
 from tests.vlm_models import make_vlm
 from tests.vlm_processors import reference_processor, smolvlm_folder, write_images
 from zoo.cli import main
@@ -93,7 +93,7 @@ def test_greedy_with_images_equals_transformers_generate(smolvlm):
     frames = [list(zip(r["pixel_values"][0].numpy(), r["pixel_attention_mask"][0].numpy().astype(bool), strict=True))
               for r in rows]
     got = generate(model.cfg, model.param_dict(), [r["input_ids"][0].tolist() for r in rows],
-                   GenerationConfig(max_new_tokens=8, eos_ids=tuple(eos)), vision=vision_inputs(model.cfg, frames))
+                   GenerationConfig(max_new_tokens=8, eos_ids=tuple(eos)), frames=frames)
     assert got == want
     assert [len(w) for w in want] == [8, 8] and want[0] != want[1]
 

@@ -96,7 +96,7 @@ def test_assembled_model_exports_as_transformers_smolvlm(built, tmp_path):
 
     from chat.formats import normalize
     from chat.images import ImageExpander, tokenize_with_images
-    from eval.generate import vision_inputs
+    from eval.engine.images import vision_inputs
     from zoo.data.tokenizer import load_tokenizer
 
     assert zoo_main(["export", str(built.base), "--out", str(tmp_path / "hf")]) == 0

@@ -17,7 +17,7 @@ import torch
 import zoo
 from chat.formats import normalize
 from chat.images import ImageExpander, tokenize_with_images
-from eval.generate import GenerationConfig, generate, vision_inputs
+from eval.generate import GenerationConfig, generate
 from tests.run_files import read_metrics, write_jsonl
 from tests.vlm_loop_checks import dpo_image_pair_logps
 from tests.vlm_models import make_gemma3
@@ -119,7 +119,7 @@ def test_greedy_with_images_equals_transformers_generate(g3):
     want = [_hf_greedy(g3.hf, r, eos) for r in rows]
     frames = [[(pixels, None) for pixels in r["pixel_values"].numpy()] for r in rows]
     got = generate(model.cfg, model.param_dict(), [r["input_ids"][0].tolist() for r in rows],
-                   GenerationConfig(max_new_tokens=8, eos_ids=tuple(eos)), vision=vision_inputs(model.cfg, frames))
+                   GenerationConfig(max_new_tokens=8, eos_ids=tuple(eos)), frames=frames)
     assert got == want
     assert [len(w) for w in want] == [8, 8] and want[0] != want[1]
     causal = [_hf_greedy(g3.hf, {k: v for k, v in r.items() if k != "token_type_ids"}, eos) for r in rows]

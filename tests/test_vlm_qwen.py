@@ -228,7 +228,7 @@ def test_greedy_with_images_equals_transformers_generate(qwen):
     """Slow: transformers' generate twice and a prefill and steps compiled. Two prompts in one batch, each with an image of another size, right-padded to one length: the prefill takes
     each row's multimodal positions and records its rope delta, and the cached steps (text, shifted by it) equal
     transformers' ``generate`` token for token."""
-    from eval.generate import GenerationConfig, generate, patch_inputs
+    from eval.generate import GenerationConfig, generate
 
     hf, ckpt = qwen
     (p0, g0), _, (p2, g2) = IMAGES
@@ -243,9 +243,9 @@ def test_greedy_with_images_equals_transformers_generate(qwen):
         want.append(out[0, ids.shape[1]:].tolist())
     model = zoo.load(ckpt, dtype=np.float32)
     v = model.cfg.vision
-    vision = patch_inputs(model.cfg, [[qwen_image_patches(v, p0, g0)], [qwen_image_patches(v, p2, g2)]])
+    frames = [[qwen_image_patches(v, p0, g0)], [qwen_image_patches(v, p2, g2)]]
     got = generate(model.cfg, model.param_dict(), [p.tolist() for p in prompts],
-                   GenerationConfig(max_new_tokens=8, eos_ids=(0,)), vision=vision)
+                   GenerationConfig(max_new_tokens=8, eos_ids=(0,)), frames=frames)
     assert got == want
     assert [len(w) for w in want] == [8, 8] and want[0] != want[1]
 

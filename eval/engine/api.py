@@ -40,10 +40,12 @@ class SamplingParams:
 @dataclass(frozen=True)
 class Event:
     """What one engine step did for one request: the ``tokens`` it drew for it (in order; a request's last event
-    may have none), and once it has ended, ``finished`` with its ``reason``. A request that ended on a stop string
-    has its last token(s) holding it: the caller trims the text."""
+    may have none) and their ``logprobs`` (under softmax(logits / temperature), before top-k/top-p cut it), and
+    once it has ended, ``finished`` with its ``reason``. A request that ended on a stop string has its last
+    token(s) holding it: the caller trims the text."""
 
     request_id: int
     tokens: tuple[int, ...]
     finished: bool = False
     reason: FinishReason | None = None
+    logprobs: tuple[float, ...] = ()

@@ -39,7 +39,7 @@ def answers(ckpt: str, rows: list[dict[str, Any]], base: Path, batch_size: int, 
     """The model's greedy answer to each row's user turn (its question and picture)."""
     import zoo
     from chat.images import ImageExpander
-    from eval.generate import GenerationConfig, generate, vision_inputs
+    from eval.generate import GenerationConfig, generate
     from zoo.data.tokenizer import load_tokenizer, tokenizer_dir
 
     tok = load_tokenizer(ckpt)
@@ -54,7 +54,7 @@ def answers(ckpt: str, rows: list[dict[str, Any]], base: Path, batch_size: int, 
             ids, images = expander.prompt_ids(tok, question, None, r["images"], base, "images")
             prompts.append(ids)
             frames.append([f for image in images for f in image.patches(model.cfg.vision)])  # any family
-        new = generate(model.cfg, model.param_dict(), prompts, gen, vision=vision_inputs(model.cfg, frames))
+        new = generate(model.cfg, model.param_dict(), prompts, gen, frames=frames)
         out += [tok.decode(t, skip_special_tokens=True).strip() for t in new]
     return out
 

@@ -220,7 +220,8 @@ def forward_cached(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, 
 def forward_step(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax.Array, cache: Cache,
                  valid: jax.Array | None = None, mla_absorb: bool | None = None, *, fresh: bool = False,
                  view: int | None = None, last: jax.Array | None = None,
-                 hidden: bool = False, vision: VisionInputs | None = None) -> tuple[jax.Array, Cache]:
+                 hidden: bool = False, vision: VisionInputs | None = None,
+                 entries: bool = False) -> tuple[jax.Array, Any]:
     """:func:`forward_cached` with generation's shortcuts (``fresh`` and ``view`` static), and LoRA adapters.
 
     ``fresh``: the cache is empty (every length 0), so its slots are not read.
@@ -230,12 +231,14 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax
     of each row (the output head runs on b positions instead of b * t).
     ``params``: the base alone, or :class:`zoo.lora.weights.Weights` with LoRA
     adapters: each adapted projection adds its adapter beside the base matmul,
-    as the training forward does (no merged copy of the weights exists; no dropout).
+    as the training forward does (no merged copy of the weights exists; no dropout); with ``rows`` each row of
+    the batch its own adapter (:mod:`zoo.lora.rows`).
     ``hidden`` (static): return the final normed hidden states [b, t, hidden]
     instead of the logits, for a caller that projects the vocabulary in pieces.
     ``vision``: a vision-language model's images of these tokens (the prompt's, at prefill), each image token's
     embedding replaced by its image feature as in the training forward, and where the model has image blocks
     (Gemma 3) each run of image tokens attending within itself both ways; the steps after it are plain text.
+    ``entries`` (static): return :class:`Written` (the new keys and values, unwritten) instead of the new cache.
     """
     w = Weights.wrap(params)
     base: dict[str, Any] = w.base
@@ -276,13 +279,31 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax
     # Gemma 4: kind -> (the stored layer's cache, its new keys/values), read by the KV-shared layers.
     stored: dict[str, tuple[dict | None, tuple[jax.Array, jax.Array]]] = {}
     causal = {kind: b is None for kind, b in kind_blocks.items()}
-    layer = _cached_layer(cfg, ropes, masks, windows, read, slots, stored, valid, scale, mla_absorb, causal)
+    layer = _cached_layer(cfg, ropes, masks, windows, read, slots, stored, valid, scale, mla_absorb, causal,
+                          w.rows)
     x, written = _run_cached_stacks(cfg, base, x, cache, layer, lora, ple, fresh, stored, deep)
     if last is not None:
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
     x = norm(cfg, x, base["final_norm"])
     logits = x if hidden else output_logits(cfg, base, x)
+    step = Written(written, pos, valid, new_lengths, delta)
+    if entries:
+        return logits, step
     return logits, Cache(_write(cache, written, pos, valid, new_lengths, cfg.mla), new_lengths, delta)
+
+
+@dataclass(frozen=True)
+class Written:
+    """What a cached forward computed for the cache, before it is written (:func:`forward_step`'s ``entries``): per
+    stack and kind, each layer's new entries ``[(index in its kind's cache stack [m], {name: [m, b, t, ...]})]``,
+    the new tokens' positions ``pos`` [b, t] and ``valid`` mask, each row's new length and rope delta. A cache laid
+    out otherwise (the engine's pages, :mod:`eval.engine.paged`) writes them where it keeps them."""
+
+    entries: dict[str, dict[str, list]]
+    pos: jax.Array
+    valid: jax.Array
+    lengths: jax.Array
+    rope_delta: jax.Array | None
 
 
 def _rope_positions(cfg: ModelConfig, tokens: jax.Array, pos: jax.Array, valid: jax.Array, new_lengths: jax.Array,
@@ -304,7 +325,8 @@ def _cached_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Array]
                   windows: dict[str, int | None], read: dict[str, int], slots: dict[str, int],
                   stored: dict[str, tuple[dict | None, tuple[jax.Array, jax.Array]]], valid: jax.Array,
                   scale: float | jax.Array, mla_absorb: bool | None,
-                  causal: dict[str, bool] | None = None) -> Callable[..., tuple[jax.Array, dict | None]]:
+                  causal: dict[str, bool] | None = None,
+                  rows: bool = False) -> Callable[..., tuple[jax.Array, dict | None]]:
     """The cached forward's layer as :func:`_run_cached_stacks` scans it: ``layer(x, inputs, kind, moe, prefix)``.
 
     ``inputs`` are one layer's (weights, adapters, NoPE flag, per-layer input, DeepStack level, cache entry); by
@@ -312,13 +334,13 @@ def _cached_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Array]
     ``ropes``, ``masks`` and ``windows`` are the rope tables, masks and sliding windows, ``read`` the slots read
     of the ``slots`` a ring has; ``valid`` [b, t] the real tokens; ``causal[kind]`` False when that kind's new
     tokens' mask holds bidirectional blocks (:func:`zoo.model.cached_attention.gqa_attention`; None: all causal).
-    A KV-shared layer (Gemma 4) reads its stored layer's cache and new keys/values
+    ``rows``: the adapters are per batch row (:class:`zoo.lora.projections.LayerLora`). A KV-shared layer (Gemma 4) reads its stored layer's cache and new keys/values
     from ``stored``. The layer's output is its new cache entries (None for a KV-shared layer: it writes nothing).
     """
 
     def layer(x: jax.Array, inputs: tuple, kind: str, moe: bool, prefix: str) -> tuple[jax.Array, dict | None]:
         p, lp, rope_on, pli, deep, c = inputs
-        lora = None if lp is None else LayerLora(lp, scale)  # no dropout in decoding
+        lora = None if lp is None else LayerLora(lp, scale, rows=rows)  # no dropout in decoding
         reuse = None
         if is_kv_shared(cfg, prefix):
             c, reuse = stored[kind]

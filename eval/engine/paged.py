@@ -1,0 +1,160 @@
+"""The paged KV cache on the devices, and the engine's two programs: a prefill and a decoding step over it.
+
+The pool holds, per parameter stack and layer kind (as :class:`zoo.model.decode.Cache` groups them), every
+layer's keys and values in pages: ``k`` [layers, pages, kv_heads, head_dim, page], ``v`` [layers, pages,
+kv_heads, page, head_dim] (the cache's head-major layouts, a page in place of a ring), or for MLA ``latent``
+[layers, pages, page, rank] and ``k_pe`` [layers, pages, page, rope_dim]. A row reads the pages of its page table
+gathered into the ring layout of :mod:`zoo.model.decode` (P pages as P * page slots, position p at slot p: the
+table's width is bucketed, so a step reads what its rows can hold, not max_len), runs the same cached forward as
+`zoo generate` did (:func:`zoo.model.decode.forward_step`, every family's attention, MoE, images), and its new keys
+and values are scattered into its pages. Sliding-window layers keep every position too (the mask applies the
+window), so a page serves every layer kind of a position.
+
+A page shared by several rows (a cached prompt) is read by each: the gather copies it per row for the step, the
+pool holds it once.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from eval.engine.sampling import RowSampling, draw_rows
+from zoo.lora.weights import Weights
+from zoo.model.config import ModelConfig
+from zoo.model.decode import Cache, Written, forward_step
+from zoo.model.layer_layout import is_kv_shared, kind_config
+from zoo.model.vision import VisionInputs
+
+Pool = dict[str, dict[str, dict[str, jax.Array]]]
+
+
+def _page_shapes(cfg: ModelConfig, n: int, pages: int, page: int) -> dict[str, tuple[tuple[int, ...], tuple]]:
+    """name -> (shape, logical axes) of one layer kind's pool arrays for n layers."""
+    axes: tuple
+    if cfg.mla:
+        lead, axes = (n, pages, page), ("layers", None, None)
+        return {"latent": (lead + (cfg.kv_lora_rank,), axes + (None,)),
+                "k_pe": (lead + (cfg.qk_rope_head_dim,), axes + ("head_dim",))}
+    lead, axes = (n, pages, cfg.num_kv_heads), ("layers", None, "kv_heads")
+    return {"k": (lead + (cfg.head_dim, page), axes + ("head_dim", None)),
+            "v": (lead + (page, cfg.head_dim), axes + (None, "head_dim"))}
+
+
+def _pool_tree(cfg: ModelConfig, pages: int, page: int, make: Any) -> Pool:
+    """A pool whose every array is ``make(shape, logical axes)``."""
+    out: Pool = {}
+    for prefix, stack, _ in cfg.layer_stacks:
+        kinds = tuple(cfg.kinds[i] for i in stack)
+        out[prefix] = {}
+        if is_kv_shared(cfg, prefix):
+            continue  # Gemma 4's KV-shared layers read their stored layers' pages
+        for kind in sorted(set(kinds)):
+            shapes = _page_shapes(kind_config(cfg, kind), kinds.count(kind), pages, page)
+            out[prefix][kind] = {name: make(shape, axes) for name, (shape, axes) in shapes.items()}
+    return out
+
+
+def _pool_sharding(mesh: Mesh, axes: tuple, shape: tuple[int, ...]) -> Any:
+    from zoo.model.sharding import DECODE_RULES, named_sharding
+
+    return named_sharding(mesh, axes, shape, DECODE_RULES)
+
+
+def init_pool(cfg: ModelConfig, pages: int, page: int, dtype: Any, mesh: Mesh | None = None) -> Pool:
+    """An empty pool of ``pages`` pages of ``page`` positions (with ``mesh``: split like the decoding weights'
+    k/v heads, as :func:`zoo.model.decode.init_cache` splits a cache)."""
+    def make(shape: tuple[int, ...], axes: tuple) -> jax.Array:
+        a = jnp.zeros(shape, dtype)
+        return a if mesh is None else jax.device_put(a, _pool_sharding(mesh, axes, shape))
+
+    return _pool_tree(cfg, pages, page, make)
+
+
+def abstract_pool(cfg: ModelConfig, pages: int, page: int, dtype: Any, mesh: Mesh) -> Pool:
+    """:func:`init_pool`'s arrays as ``jax.ShapeDtypeStruct`` s with their shardings on ``mesh`` (nothing
+    allocated): for compiling the engine's programs without a device."""
+    return _pool_tree(cfg, pages, page, lambda shape, axes: jax.ShapeDtypeStruct(
+        shape, dtype, sharding=_pool_sharding(mesh, axes, shape)))
+
+
+def pool_bytes(pool: Pool) -> int:
+    """Bytes the pool's arrays hold (all devices together)."""
+    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(pool))
+
+
+def gather(pool: Pool, tables: jax.Array, lengths: jax.Array, delta: jax.Array | None) -> Cache:
+    """The rows' pages (``tables`` [b, P]) as a :class:`zoo.model.decode.Cache` of P * page slots, position p at
+    slot p, holding ``lengths`` [b] tokens."""
+    b, p = tables.shape
+
+    def one(name: str, a: jax.Array) -> jax.Array:
+        g = a[:, tables]  # [n, b, P, ...page's own axes]
+        n = a.shape[0]
+        if name == "k":  # [n, b, P, hk, d, page] -> [n, b, hk, d, P * page]
+            return g.transpose(0, 1, 3, 4, 2, 5).reshape(n, b, g.shape[3], g.shape[4], -1)
+        if name == "v":  # [n, b, P, hk, page, d] -> [n, b, hk, P * page, d]
+            return g.transpose(0, 1, 3, 2, 4, 5).reshape(n, b, g.shape[3], -1, g.shape[5])
+        return g.reshape(n, b, -1, g.shape[-1])  # MLA: [n, b, P, page, r] -> [n, b, P * page, r]
+
+    layers = {prefix: {kind: {name: one(name, a) for name, a in group.items()} for kind, group in kinds.items()}
+              for prefix, kinds in pool.items()}
+    return Cache(layers, lengths, delta)
+
+
+def scatter(pool: Pool, step: Written, tables: jax.Array) -> Pool:
+    """The pool with a forward's new keys and values (:class:`zoo.model.decode.Written`) in the rows' pages:
+    position p of row r at page ``tables[r, p // page]``, offset ``p % page``; padding goes nowhere."""
+    out: Pool = {}
+    for prefix, kinds in pool.items():
+        out[prefix] = {}
+        for kind, arrays in kinds.items():
+            name0 = next(iter(arrays))
+            page = arrays[name0].shape[2 if name0 in ("latent", "k_pe") else (4 if name0 == "k" else 3)]
+            n_pages = arrays[name0].shape[1]
+            col = jnp.minimum(step.pos // page, tables.shape[1] - 1)
+            where = jnp.take_along_axis(tables, col, axis=1)
+            pg = jnp.where(step.valid, where, n_pages)[None]  # page n_pages is out of range: dropped
+            off = (step.pos % page)[None]
+            written = step.entries[prefix][kind]
+            idx = jnp.concatenate([i for i, _ in written])[:, None, None]
+            new = {name: jnp.concatenate([w[name] for _, w in written]) for name in arrays}
+            # new [m, b, t, ...]: the indexed elements, in the order of numpy's advanced indexing.
+            at = {"latent": (idx, pg, off), "k_pe": (idx, pg, off),
+                  "k": (idx, pg, slice(None), slice(None), off), "v": (idx, pg, slice(None), off)}
+            out[prefix][kind] = {name: a.at[at[name]].set(new[name].astype(a.dtype), mode="drop")
+                                 for name, a in arrays.items()}
+    return out
+
+
+@partial(jax.jit, static_argnums=(0, 9), donate_argnums=(2,))
+def prefill(cfg: ModelConfig, weights: Weights, pool: Pool, tokens: jax.Array, valid: jax.Array,
+            tables: jax.Array, lengths: jax.Array, delta: jax.Array | None, sampling: RowSampling,
+            fresh: bool, vision: VisionInputs | None = None
+            ) -> tuple[tuple[jax.Array, jax.Array], Pool, jax.Array, jax.Array | None]:
+    """Run each row's uncached prompt tokens (``tokens``/``valid`` [b, t], right-padded) after the ``lengths``
+    [b] tokens its pages already hold, and draw its first new token.
+
+    Returns ((first tokens [b], their log-probabilities), the pool, the rows' new lengths, their rope delta). ``fresh`` (static): no row holds
+    a cached token yet, so no page is read (the prompts attend to themselves, blockwise as in training)."""
+    cache = gather(pool, tables, lengths, delta)
+    last = jnp.maximum(valid.sum(1) - 1, 0)
+    logits, step = forward_step(cfg, weights, tokens, cache, valid, fresh=fresh, last=last, vision=vision,
+                                entries=True)
+    return draw_rows(logits, sampling), scatter(pool, step, tables), step.lengths, step.rope_delta
+
+
+@partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def decode(cfg: ModelConfig, weights: Weights, pool: Pool, tokens: jax.Array, active: jax.Array,
+           tables: jax.Array, lengths: jax.Array, delta: jax.Array | None,
+           sampling: RowSampling) -> tuple[tuple[jax.Array, jax.Array], Pool]:
+    """One decoding step of every row: append its last token ``tokens`` [b] (the ``active`` rows only: the others
+    write nothing) and draw the next. Returns ((next tokens [b], their log-probabilities), the pool)."""
+    cache = gather(pool, tables, lengths, delta)
+    logits, step = forward_step(cfg, weights, tokens[:, None], cache, active[:, None], last=jnp.zeros_like(lengths),
+                                entries=True)
+    return draw_rows(logits, sampling), scatter(pool, step, tables)
