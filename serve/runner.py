@@ -46,6 +46,7 @@ class Runner:
         self._commands: queue.Queue = queue.Queue()
         self._live: dict[int, Ticket] = {}  # engine id -> ticket, from submission to its finished event
         self._cancelled = 0  # requests the engine reported cancelled (a client gone away)
+        self._engine_counts: dict[str, int] = {}  # the engine's own counts, read on its thread after each step
         self._failed: str | None = None  # set when a step raised: the engine's state is unknown, nothing is served
         self._thread = threading.Thread(target=self._run, name="zoo-serve-engine", daemon=True)
 
@@ -74,11 +75,22 @@ class Runner:
         self._commands.put(("cancel", ticket))
 
     def counts(self) -> dict[str, int]:
-        """Requests the engine holds (submitted, not yet reported ended), commands not yet taken, and requests
-        cancelled so far."""
-        return {"running": len(self._live), "waiting": self._commands.qsize(), "cancelled": self._cancelled}
+        """What GET /v1/health reports: requests decoding (``running``) and waiting for a row (``queued``), the KV
+        cache's ``free_pages`` of ``pages`` (as the engine's thread last read them), ``requests`` the engine holds
+        (submitted, their end not yet reported), commands not yet taken (``waiting``), requests ``cancelled`` so
+        far."""
+        return {**self._engine_counts, "requests": len(self._live), "waiting": self._commands.qsize(),
+                "cancelled": self._cancelled}
+
+    def _count(self) -> None:
+        """Read the engine's counts (on its thread: the engine is read and driven from it alone)."""
+        e = self.engine
+        if not isinstance(e, _Idle):
+            self._engine_counts = {"running": e.running, "queued": e.queued, "free_pages": e.free_pages(),
+                                   "pages": e.num_pages}
 
     def _run(self) -> None:
+        self._count()
         while True:
             block = not self.engine.busy
             while True:  # every command waiting (the first one awaited when the engine is idle)
@@ -90,6 +102,7 @@ class Runner:
                     return
                 self._command(cmd)
                 block = False
+            self._count()
             if self.engine.busy:
                 self._step()
 
@@ -122,6 +135,7 @@ class Runner:
             self._live.clear()
             self.engine = _Idle()
             return
+        self._count()  # before the events go out: a client that has its answer sees the engine's counts after it
         for event in events:
             ticket = self._live.get(event.request_id)
             if ticket is None:

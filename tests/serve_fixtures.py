@@ -1,6 +1,6 @@
-"""`zoo serve`'s tests' model and server: the session's tiny model (tests/tiny_lm.py) as a checkpoint with its
-tokenizer and Qwen 2.5's chat template (tools rendered, hermes tool calls), a LoRA adapter checkpoint over it,
-and the server run in-process on a free loopback port (uvicorn in a thread)."""
+"""`zoo serve`'s tests' model and server: a tiny random Llama of SmolLM2's tokenizer under Qwen 2.5's chat template
+(tools rendered, hermes tool calls), a LoRA adapter checkpoint over it, and the server run in-process on a free
+loopback port (uvicorn in a thread)."""
 
 from __future__ import annotations
 
@@ -15,23 +15,24 @@ from tests.lora_fixtures import write_adapter_checkpoint
 TEMPLATES = Path(__file__).resolve().parent / "data" / "chat_templates"
 
 
-def serve_checkpoints(tiny_lm: Path, root: Path) -> tuple[Path, Path]:
-    """(the base checkpoint, an adapter checkpoint over it) under ``root``: the tiny model with its tokenizer in
-    ``tokenizer/`` (as `zoo convert` lays it out) under Qwen 2.5's template, its context 1024 tokens (the
-    template's tool instructions take ~440 of the small vocabulary's tokens; rotary positions have no end), and
-    random LoRA adapters (B random too, so every adapter changes the answer)."""
-    import json
-
-    from zoo.checkpoints.format import MODEL_FILE
+def serve_checkpoints(tokenizer: Path, root: Path) -> tuple[Path, Path]:
+    """(the base checkpoint, an adapter checkpoint over it) under ``root``: a tiny random Llama (tests/tiny_lm.py's
+    shape, tied embeddings) of the real tokenizer at ``tokenizer`` (SmolLM2's: its vocabulary keeps Qwen 2.5's
+    prompt with tools under 256 tokens, so every program the engine compiles is one page-table width), converted
+    with that tokenizer under Qwen 2.5's chat template, and random LoRA adapters (B random too, so the adapter
+    changes the answer)."""
+    from tests.hf_models import make_llama
+    from tests.tiny_lm import TINY_LM
+    from zoo.cli import main
     from zoo.lora.params import LoraConfig
 
+    hf = root / "hf"
+    make_llama(hf, vocab_size=49152, tie_word_embeddings=True, **TINY_LM)
+    for f in tokenizer.iterdir():
+        shutil.copy(f, hf / f.name)
+    shutil.copy(TEMPLATES / "qwen2.5.jinja", hf / "chat_template.jinja")
     base = root / "tiny"
-    shutil.copytree(tiny_lm / "zoo", base)
-    meta = json.loads((base / MODEL_FILE).read_text())
-    meta["config"]["max_position_embeddings"] = 1024
-    (base / MODEL_FILE).write_text(json.dumps(meta))
-    shutil.copytree(tiny_lm / "tok", base / "tokenizer", dirs_exist_ok=True)
-    shutil.copy(TEMPLATES / "qwen2.5.jinja", base / "tokenizer" / "chat_template.jinja")
+    assert main(["convert", str(hf), "--out", str(base)]) == 0
     adapter = write_adapter_checkpoint(base, root / "adapter", LoraConfig(rank=2, alpha=8.0,
                                                                            targets=["q_proj", "v_proj", "down_proj"]))
     shutil.copytree(base / "tokenizer", adapter / "tokenizer")  # as pretrain/final.py copies it

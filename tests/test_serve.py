@@ -1,8 +1,8 @@
 """`zoo serve`: the OpenAI API over the inference engine, called on loopback by the official ``openai`` client and
 by lm-eval's local-completions / local-chat-completions models.
 
-One server for the module (tests/serve_fixtures.py): the session's tiny model with Qwen 2.5's chat template and
-a LoRA adapter. The oracle is the engine itself, run on each prompt alone before the server starts (the engine is
+One server for the module (tests/serve_fixtures.py): a tiny model of SmolLM2's tokenizer with Qwen 2.5's chat
+template, and a LoRA adapter. The oracle is the engine itself, run on each prompt alone before the server starts (the engine is
 driven from one thread: once it serves, only the server's thread drives it): every answer the server gives,
 streamed or whole, alone or among 32 at once, equals the engine's greedy tokens of the same prompt, decoded and
 cut at the request's stop strings.
@@ -30,20 +30,20 @@ WORDS = "the cat sat on the mat and then a big red dog ran under the log quickly
 # 32 prompts of 1 to 16 words (mixed lengths) for the concurrent clients; new tokens each.
 MANY = [" ".join(WORDS[(k * 5) % 7:][:1 + k % 16]) for k in range(32)]
 NEW = 8
-MAX_LEN = 512
+MAX_LEN = 256
 LONG = 120  # new tokens of the answer a client drops mid-stream
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_lm):
+def server(tmp_path_factory, smollm2_tokenizer):
     """(the server's /v1 URL, the Served model, the Runner, the tokenizer, oracle answers by name)."""
     from serve.app import make_app
     from serve.model import load_served
     from serve.runner import Runner
     from tests.serve_fixtures import ServerThread, serve_checkpoints
 
-    base, adapter = serve_checkpoints(tiny_lm, tmp_path_factory.mktemp("serve"))
-    served = load_served(str(base), name="tiny", adapters=[("sql", str(adapter))], max_seqs=8, max_len=MAX_LEN,
+    base, adapter = serve_checkpoints(smollm2_tokenizer, tmp_path_factory.mktemp("serve"))
+    served = load_served(str(base), name="tiny", adapters=[("sql", str(adapter))], max_seqs=4, max_len=MAX_LEN,
                          page_size=8)
     tok = served.tokenizer
     eos = served.eos_ids
@@ -188,7 +188,7 @@ def test_lm_eval_local_completions_and_local_chat_completions(server):
 
 
 def test_32_concurrent_clients_each_get_their_answer_alone(server):
-    """32 clients at once (the official AsyncOpenAI client; 8 decode at a time, the rest queued), greedy, prompts
+    """32 clients at once (the official AsyncOpenAI client; 4 decode at a time, the rest queued), greedy, prompts
     of 1 to 16 words: every answer equals the engine's on that prompt alone."""
     url, served, runner, tok, oracle = server
 
@@ -200,7 +200,7 @@ def test_32_concurrent_clients_each_get_their_answer_alone(server):
 
     replies = asyncio.run(run_all())
     assert [r.choices[0].text for r in replies] == [_text(tok, o, served.eos_ids, ()) for o in oracle["many"]]
-    assert runner.counts()["running"] == 0
+    assert runner.counts()["requests"] == 0
 
 
 def _error(response, status: int, param: str | None) -> str:
@@ -244,10 +244,11 @@ def test_bad_requests_are_openai_errors_and_a_dropped_stream_is_cancelled(server
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))  # the first chunk: it is running
     deadline = time.monotonic() + 20
-    while runner.counts()["running"] or runner.counts()["cancelled"] == before:
+    while runner.counts()["requests"] or runner.counts()["cancelled"] == before:
         assert time.monotonic() < deadline, runner.counts()
         time.sleep(0.05)
-    assert post.get("/health").json()["running"] == 0
+    health = post.get("/health").json()
+    assert (health["running"], health["queued"], health["free_pages"]) == (0, 0, health["pages"])
     again = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=12, temperature=0)
     assert again.choices[0].message.content == good.choices[0].message.content
 
@@ -259,8 +260,8 @@ def test_serve_flags_and_the_missing_extra(server, monkeypatch, capsys):
     from pathlib import Path
 
     from serve.model import load_adapter, parse_adapters
-    from zoo.checkpoints.format import read_meta
     from tests.run_files import one_line_error
+    from zoo.checkpoints.format import read_meta
     from zoo.cli import main
     from zoo.errors import UserError
 
