@@ -31,6 +31,7 @@ from eval.engine.paged import decode, init_pool, prefill
 from eval.engine.pages import PagePool
 from eval.engine.sampling import RowSampling, key_data
 from zoo.errors import UserError
+from zoo.lora.rows import stack_adapters
 from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 from zoo.model.decode import place_for_decoding
@@ -75,8 +76,6 @@ class Engine:
         if max_seqs < 1 or max_len < 2 or page_size < 1:
             raise UserError(f"engine: max_seqs ({max_seqs}) >= 1, max_len ({max_len}) >= 2 and page_size "
                             f"({page_size}) >= 1 are needed")
-        if adapters:
-            raise UserError("engine: LoRA adapters per request are not wired in yet")
         self.cfg, self.tokenizer = cfg, tokenizer
         self.max_seqs, self.max_len, self.page_size = max_seqs, max_len, page_size
         self.pages_per_seq = -(-max_len // page_size)
@@ -86,6 +85,10 @@ class Engine:
         self.pool = init_pool(cfg, self.num_pages, page_size, params["embed"].dtype, mesh)
         self.pages = PagePool(self.num_pages, page_size)
         self.prefix_caching = prefix_caching
+        # Several fine-tunes over one base: every adapter stacked once, each row reading its request's
+        # (zoo.lora.rows; entry 0 the base alone).
+        self._adapter_names = tuple(adapters or ())
+        self.adapters = stack_adapters(cfg, list(adapters.values())) if adapters else None
         self.banned = (cfg.vision.image_token_id,) if cfg.vision is not None else ()
         self._ids = itertools.count()
         self._seeds = itertools.count(1 << 20)
@@ -97,6 +100,9 @@ class Engine:
         self._tables = np.zeros((max_seqs, self.pages_per_seq), np.int32)
         self._lengths = np.zeros(max_seqs, np.int32)
         self._delta = np.zeros(max_seqs, np.int32) if cfg.rope.mrope_section else None
+        # Counters since the engine started: prompt tokens computed and read from cached pages, decoding steps,
+        # tokens drawn.
+        self.stats = {"prefill_tokens": 0, "cached_tokens": 0, "steps": 0, "tokens": 0}
 
     def set_weights(self, params: dict[str, Any] | Weights) -> None:
         """Decode with other weights from the next step on (an online trainer's new policy: its base and LoRA
@@ -109,7 +115,15 @@ class Engine:
     @property
     def adapter_names(self) -> tuple[str, ...]:
         """The LoRA adapters a request may name."""
-        return ()
+        return self._adapter_names
+
+    def _index(self, reqs: Sequence[_Request | None]) -> jnp.ndarray | None:
+        """Each row's adapter (0: the base alone), or None without adapters."""
+        if self.adapters is None:
+            return None
+        names = self._adapter_names
+        return jnp.asarray([0 if r is None or r.params.adapter is None else 1 + names.index(r.params.adapter)
+                            for r in reqs], jnp.int32)
 
     def submit(self, prompt: Sequence[int], params: SamplingParams, vision: Any = None,
                key: np.ndarray | None = None) -> int:
@@ -220,6 +234,8 @@ class Engine:
             self._queue.popleft()
             req.pages = shared + self.pages.allocate(need)
             req.cached = len(shared) * self.page_size
+            self.stats["cached_tokens"] += req.cached
+            self.stats["prefill_tokens"] += len(req.prompt) - req.cached
             computing.update(req.hashes[len(shared):])
             req.row = self._rows.index(None)
             self._rows[req.row] = req
@@ -259,7 +275,8 @@ class Engine:
         sampling = self._sampling(list(admitted) + [None] * (b - len(admitted)), [0] * b)
         (first, logp), self.pool, new_lengths, new_delta = prefill(
             self.cfg, self.weights, self.pool, jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(tables),
-            jnp.asarray(lengths), delta, sampling, fresh, vision)
+            jnp.asarray(lengths), delta, sampling, fresh, vision, self.adapters,
+            self._index(list(admitted) + [None] * (b - len(admitted))))
         first, logp, new_lengths = np.asarray(first), np.asarray(logp), np.asarray(new_lengths)
         deltas = None if new_delta is None else np.asarray(new_delta)
         for i, r in enumerate(admitted):
@@ -291,8 +308,9 @@ class Engine:
         delta = None if self._delta is None else jnp.asarray(self._delta)
         (nxt, logp), self.pool = decode(self.cfg, self.weights, self.pool, jnp.asarray(tokens), jnp.asarray(active),
                                         jnp.asarray(self._tables[:, :width]), jnp.asarray(self._lengths), delta,
-                                        sampling)
+                                        sampling, self.adapters, self._index(self._rows))
         nxt, logp = np.asarray(nxt), np.asarray(logp)
+        self.stats["steps"] += 1
         for r in live:
             self._lengths[r.row] += 1
             self._accept(r, int(nxt[r.row]), float(logp[r.row]))
@@ -300,6 +318,7 @@ class Engine:
     def _accept(self, req: _Request, token: int, logp: float) -> None:
         """A request's newly drawn token: reported, and the request ended if it ends there."""
         req.out.append(token)
+        self.stats["tokens"] += 1
         reason: FinishReason | None = None
         if token in req.params.eos_ids or _hit_stop(req.out, req.params.stop, self.tokenizer):
             reason = "stop"

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from eval.engine.sampling import RowSampling, draw_rows
+from zoo.lora.rows import RowAdapters
 from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 from zoo.model.decode import Cache, Written, forward_step
@@ -131,30 +132,42 @@ def scatter(pool: Pool, step: Written, tables: jax.Array) -> Pool:
     return out
 
 
+def _row_weights(weights: Weights, adapters: RowAdapters | None, index: jax.Array | None) -> Weights:
+    """The weights a batch decodes with: ``weights`` as they are, or with ``adapters`` each row's own LoRA adapter
+    (``index`` [b]: 0 the base alone) over their base."""
+    if adapters is None:
+        return weights
+    assert index is not None, "per-row adapters need each row's adapter index"
+    return adapters.weights(weights.base, index)
+
+
 @partial(jax.jit, static_argnums=(0, 9), donate_argnums=(2,))
 def prefill(cfg: ModelConfig, weights: Weights, pool: Pool, tokens: jax.Array, valid: jax.Array,
             tables: jax.Array, lengths: jax.Array, delta: jax.Array | None, sampling: RowSampling,
-            fresh: bool, vision: VisionInputs | None = None
-            ) -> tuple[tuple[jax.Array, jax.Array], Pool, jax.Array, jax.Array | None]:
+            fresh: bool, vision: VisionInputs | None = None, adapters: RowAdapters | None = None,
+            index: jax.Array | None = None) -> tuple[tuple[jax.Array, jax.Array], Pool, jax.Array, jax.Array | None]:
     """Run each row's uncached prompt tokens (``tokens``/``valid`` [b, t], right-padded) after the ``lengths``
-    [b] tokens its pages already hold, and draw its first new token.
+    [b] tokens its pages already hold, and draw its first new token. ``adapters``: LoRA adapters per row, row r's
+    ``index[r]`` (0: none).
 
     Returns ((first tokens [b], their log-probabilities), the pool, the rows' new lengths, their rope delta). ``fresh`` (static): no row holds
     a cached token yet, so no page is read (the prompts attend to themselves, blockwise as in training)."""
     cache = gather(pool, tables, lengths, delta)
     last = jnp.maximum(valid.sum(1) - 1, 0)
-    logits, step = forward_step(cfg, weights, tokens, cache, valid, fresh=fresh, last=last, vision=vision,
-                                entries=True)
+    logits, step = forward_step(cfg, _row_weights(weights, adapters, index), tokens, cache, valid, fresh=fresh,
+                                last=last, vision=vision, entries=True)
     return draw_rows(logits, sampling), scatter(pool, step, tables), step.lengths, step.rope_delta
 
 
 @partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
 def decode(cfg: ModelConfig, weights: Weights, pool: Pool, tokens: jax.Array, active: jax.Array,
-           tables: jax.Array, lengths: jax.Array, delta: jax.Array | None,
-           sampling: RowSampling) -> tuple[tuple[jax.Array, jax.Array], Pool]:
+           tables: jax.Array, lengths: jax.Array, delta: jax.Array | None, sampling: RowSampling,
+           adapters: RowAdapters | None = None, index: jax.Array | None = None
+           ) -> tuple[tuple[jax.Array, jax.Array], Pool]:
     """One decoding step of every row: append its last token ``tokens`` [b] (the ``active`` rows only: the others
-    write nothing) and draw the next. Returns ((next tokens [b], their log-probabilities), the pool)."""
+    write nothing) and draw the next (``adapters``/``index`` as :func:`prefill`'s). Returns ((next tokens [b],
+    their log-probabilities), the pool)."""
     cache = gather(pool, tables, lengths, delta)
-    logits, step = forward_step(cfg, weights, tokens[:, None], cache, active[:, None], last=jnp.zeros_like(lengths),
-                                entries=True)
+    logits, step = forward_step(cfg, _row_weights(weights, adapters, index), tokens[:, None], cache,
+                                active[:, None], last=jnp.zeros_like(lengths), entries=True)
     return draw_rows(logits, sampling), scatter(pool, step, tables)
