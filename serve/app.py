@@ -43,7 +43,8 @@ def make_app(served: Served, runner: Runner) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, e: HTTPException) -> JSONResponse:  # unknown routes and methods
-        return JSONResponse(ApiError(e.status_code, str(e.detail), code="not_found").body(), status_code=e.status_code)
+        code = "not_found" if e.status_code == 404 else None
+        return JSONResponse(ApiError(e.status_code, str(e.detail), code=code).body(), status_code=e.status_code)
 
     @app.exception_handler(Exception)
     async def internal(_: Request, e: Exception) -> JSONResponse:
