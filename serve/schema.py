@@ -89,7 +89,7 @@ def decoding(body: dict[str, Any], max_tokens_key: str = "max_tokens") -> Decodi
     max_tokens = _int(body, max_tokens_key, 1)
     if max_tokens_key != "max_tokens" and max_tokens is None:  # chat: the older name too
         max_tokens = _int(body, "max_tokens", 1)
-    top_k = _int(body, "top_k", -1)  # -1: all (vLLM's spelling), as 0
+    top_k = _int(body, "top_k", -1, 2 ** 31 - 1)  # -1: all (vLLM's spelling), as 0
     stop = body.get("stop")
     stops = (stop,) if isinstance(stop, str) else stop if stop is not None else ()
     if (not isinstance(stops, list | tuple) or len(stops) > MAX_STOPS
