@@ -89,7 +89,8 @@ def test_models_chat_streaming_adapters_and_completions_match_the_engine(server)
     """GET /v1/models lists the base and its adapter; a greedy chat answer equals the engine's tokens of the
     template's render (its usage counts them), streamed chunks add up to the same text (usage chunk last);
     "model": the adapter decodes with it (another answer, the engine's with that adapter); /v1/completions
-    answers a string prompt and a token-id prompt alike, and a stop string cuts its text."""
+    answers a string prompt and a token-id prompt alike, a stop string cuts its text, and a list of prompts gets
+    a choice each."""
     url, served, _, tok, oracle = server
     client, eos = _client(url), served.eos_ids
     assert [m.id for m in client.models.list().data] == ["tiny", "sql"]
@@ -121,6 +122,9 @@ def test_models_chat_streaming_adapters_and_completions_match_the_engine(server)
     streamed = client.completions.create(model="tiny", prompt="the cat sat on the", max_tokens=12, temperature=0,
                                          stop=[stop], stream=True)
     assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text
+    two = client.completions.create(model="tiny", prompt=MANY[:2], max_tokens=NEW, temperature=0)
+    assert [c.text for c in sorted(two.choices, key=lambda c: c.index)] == [_text(tok, o, eos, ())
+                                                                            for o in oracle["many"][:2]]
 
 
 def test_tool_calls_parse_the_templates_own_calls_and_reach_the_client(server, monkeypatch):
