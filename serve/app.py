@@ -212,8 +212,8 @@ async def _answer(request: Request, runner: Runner, served: Served, prompts: lis
         first = None
 
     async def sse() -> AsyncIterator[str]:
-        def chunk(choice: dict[str, Any], extra: dict[str, Any] | None = None) -> str:
-            return "data: " + json.dumps({**head, "object": shapes.chunk, "choices": [choice], **(extra or {})},
+        def chunk(choice: dict[str, Any]) -> str:
+            return "data: " + json.dumps({**head, "object": shapes.chunk, "choices": [choice]},
                                          ensure_ascii=False) + "\n\n"
 
         for i in range(len(prompts)):
