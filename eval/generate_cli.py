@@ -124,7 +124,7 @@ def generate_command(args: argparse.Namespace, expander_of: ExpanderOf | None = 
     model = zoo.load(args.ckpt, dtype=np.float32)
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                            top_p=args.top_p, seed=args.seed, stop=tuple(args.stop or ()),
-                           eos_ids=_eos_ids(args.ckpt, tok))
+                           eos_ids=eos_ids_of(args.ckpt, tok))
     if images:
         _stream_one(model, tok, ids, gen, frames)
     elif rows is None:
@@ -134,8 +134,9 @@ def generate_command(args: argparse.Namespace, expander_of: ExpanderOf | None = 
     return None
 
 
-def _eos_ids(ckpt: str, tok: Any) -> tuple[int, ...]:
-    """End-of-sequence ids: the tokenizer's, plus the source config's (Llama 3 chat models end turns with another)."""
+def eos_ids_of(ckpt: str, tok: Any) -> tuple[int, ...]:
+    """End-of-sequence ids: the tokenizer's, plus the source config's (Llama 3 chat models end turns with another);
+    `zoo serve` ends every request on them too."""
     import json
 
     from zoo.checkpoints.format import HF_CONFIG_FILE
