@@ -14,8 +14,8 @@ serve reads them exported by ``zoo export`` to safetensors, with the same tokeni
 its own process on loopback, and get the same requests: ``--requests`` chat completions at once (one thread
 each, plain HTTP), the user messages of bench/decode.py's prompts (mixed lengths), greedy (temperature 0),
 ``max_tokens`` cycling through 32, 64, 96 and 128 (``--max-tokens`` caps them). A side's round: start its
-server, wait until ``/v1/models`` answers, one warm-up pass of all the requests (JAX compiles in it), then
-``--reps`` timed passes, then the server's peak RSS (VmHWM of the server process and its children, from /proc)
+server, wait until ``/v1/models`` answers, two warm-up passes of all the requests (JAX compiles in the first; the
+second meets the prompts the first left cached, as every later pass does), then ``--reps`` timed passes, then the server's peak RSS (VmHWM of the server process and its children, from /proc)
 and stop it. The sides alternate which goes first every round. Reported: output tokens/s of a pass (the
 completion tokens its answers report / the pass's wall time; median over rounds and passes), the answers'
 mean length, the server's peak RSS, and the lmzoo / transformers ratios per round.
@@ -130,7 +130,9 @@ def _round(side: str, args: argparse.Namespace, ckpt: str, hf: str, requests: li
     proc, model = _server(side, args, ckpt, hf, port)
     base = f"http://127.0.0.1:{port}"
     try:
-        warm, _ = _pass(base, model, requests)
+        # Two warm-up passes: the first compiles; the second meets the prompts cached by the first (the shapes of
+        # every later pass), so no timed pass compiles.
+        warm = sum(_pass(base, model, requests)[0] for _ in range(2))
         times, tokens = [], []
         for _ in range(args.reps):
             t, n = _pass(base, model, requests)

@@ -80,6 +80,9 @@ class Engine:
         self.max_seqs, self.max_len, self.page_size = max_seqs, max_len, page_size
         self.pages_per_seq = -(-max_len // page_size)
         self.num_pages = num_pages or max_seqs * self.pages_per_seq
+        if self.num_pages < self.pages_per_seq:
+            raise UserError(f"engine: {self.num_pages} pages of {page_size} tokens cannot hold one request of "
+                            f"max_len {max_len}; give at least {self.pages_per_seq} pages or a smaller max_len")
         params, mesh = place_for_decoding(cfg, params)
         self.weights = Weights(params)
         self.pool = init_pool(cfg, self.num_pages, page_size, params["embed"].dtype, mesh)
