@@ -32,12 +32,14 @@ from zoo.errors import UserError
 class GenerateReport:
     """What ``zoo generate --compile-only`` found: the keys of ``--report`` JSON.
 
-    ``bytes_per_chip``: ``weights`` and ``kv_cache`` (the resident shards of the weights and of the engine's page
-    pool), ``temporaries`` (the largest program's), ``total`` (the largest program's arguments, temporaries,
-    outputs and code). ``programs``: each compiled program's (``prefill``, ``decode``) ``arguments``,
-    ``temporaries`` and ``total`` (a program the compiler refused: its figure for the temporaries, and no
-    ``arguments``). ``max_seqs`` sequences decode at once, each of at most ``cache_length`` tokens, in ``pages``
-    pages of ``page_size`` tokens; the prefill runs ``prefill_rows`` prompts of ``prefill_tokens`` (padded).
+    ``bytes_per_chip``: ``weights`` (the shards of the weights) and ``kv_cache`` (the engine's page pool as the
+    chip holds it: the bytes the programs are donated, or its shards' arithmetic where none compiled),
+    ``temporaries`` (the largest program's), ``total`` (the largest program's arguments, temporaries, outputs and
+    code). ``programs``: each compiled program's (``prefill``, ``decode``) ``arguments``, ``donated``,
+    ``temporaries`` and ``total`` (a program the compiler refused: its figure for the temporaries, and the
+    weights and pool beside them). ``max_seqs`` sequences decode at once, each of at most ``cache_length``
+    tokens, in ``pages`` pages of ``page_size`` tokens; the prefill runs ``prefill_rows`` prompts of
+    ``prefill_tokens`` (padded).
     """
 
     topology: str
@@ -181,8 +183,8 @@ def compile_generation(cfg: Any, topology: str, shape: EngineShape, prompt_lengt
         programs[name] = {"arguments": sizes[0], "donated": donated_bytes(compiled), "temporaries": sizes[1],
                           "total": sum(sizes)}
     seconds = time.perf_counter() - started
-    # The pool as the chip holds it (the donated buffers: its tiled layout pads a head_dim or page under 128
-    # lanes), where a program compiled; else its shards' arithmetic.
+    # The pool as the chip holds it (the donated buffers: its tiled layout may pad small trailing dimensions, a
+    # head_dim of 16 in pages of 16 8 times over), where a program compiled; else its shards' arithmetic.
     kv = max([p["donated"] for p in programs.values() if "donated" in p], default=kv)
     parts = {"weights": weights, "kv_cache": kv, "temporaries": max(p["temporaries"] for p in programs.values()),
              "total": max(p["total"] for p in programs.values())}
