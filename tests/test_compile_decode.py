@@ -100,10 +100,13 @@ def test_user_errors_are_one_line_exit_2(tmp_path, capsys, args, message):
 
 
 def test_a_token_step_on_an_fsdp_mesh_gathers_no_weight(tmp_path):
-    """The engine's decoding step on v5e:2x2 with every chip on fsdp (zoo.load's mesh), its page tables at their
-    widest (every row at max_len): FSDP's embed-split weights were all-gathered at every token (temporaries of a
-    gathered layer); laid out for decoding, every collective moves activations only (smaller than the smallest
-    weight matrix) and the temporaries stay under one layer's weights."""
+    """The engine's programs on v5e:2x2 with every chip on fsdp (zoo.load's mesh) take the shapes the engine runs:
+    the step's page tables at their widest (every row at max_len), the prefill's rows and pages padded as
+    Engine._prefill pads them. The step, its weights laid out for decoding, keeps every weight resident: each
+    collective moves activations only (smaller than the smallest weight matrix), and its temporaries (the rows'
+    gathered pages among them) stay under one layer's weights. (The one-token step before the engine gathered
+    FSDP's embed-split weights at every token; the engine's step keeps even that layout's weights resident on
+    this tiny model, so this checks the property, not the layout's need.)"""
     import jax.numpy as jnp
 
     from eval.generate_compile import EngineShape, lower_engine
@@ -116,9 +119,11 @@ def test_a_token_step_on_an_fsdp_mesh_gathers_no_weight(tmp_path):
     cfg = model_config_of(_model(tmp_path, wide), "model")
     mesh = make_mesh(devices=topology_devices("v5e:2x2"))
     assert dict(mesh.shape)["fsdp"] == 4
-    low = lower_engine(cfg, mesh, EngineShape.of(4, 20, 40, 16), jnp.float32)
-    tables = low.programs["decode"].args_info[0][4]  # (weights, pool, tokens, active, tables, ...): cfg is static
-    assert tables.shape == (4, 4)  # 60 tokens -> a 64-token sequence: 4 pages of 16, every one read
+    low = lower_engine(cfg, mesh, EngineShape.of(3, 20, 300, 16), jnp.float32)
+    # (weights, pool, tokens, valid or active, tables, ...): cfg is static. 320 tokens a sequence: 20 pages of 16,
+    # every one read by the step; the prefill's 3 rows padded to 4 read the pages of 256 tokens (Engine._width).
+    assert low.programs["decode"].args_info[0][4].shape == (3, 20)
+    assert low.programs["prefill"].args_info[0][4].shape == (4, 16)
     compiled = compile_lowered(low.programs["decode"], "tpu")
     e, f, h, kv, d = 256, 1024, 8, 4, 32
     smallest_weight = e * kv * d * 4  # k's [embed, kv heads, head_dim] float32: 128 KiB
