@@ -168,7 +168,7 @@ def compile_generation(cfg: Any, topology: str, shape: EngineShape, prompt_lengt
     low = lower_engine(cfg, mesh, shape, jnp.dtype(dtype))
     weights, kv = shard_bytes(low.params), shard_bytes(low.pool)
     programs: dict[str, dict[str, int]] = {}
-    refusals = []
+    refusals: list[tuple[str, tuple[int, int, str]]] = []  # (program, the compiler's refusal)
     for name, program in low.programs.items():
         try:
             compiled = compile_lowered(program, "tpu", device_kind=kind)
@@ -177,7 +177,7 @@ def compile_generation(cfg: Any, topology: str, shape: EngineShape, prompt_lengt
             refused = compiler_refusal(str(e))
             if refused is None:
                 raise
-            refusals.append(refused)
+            refusals.append((name, refused))
             programs[name] = {"temporaries": refused[0], "total": weights + kv + refused[0]}
             continue  # the other program's figures still say what fits
         programs[name] = {"arguments": sizes[0], "donated": donated_bytes(compiled), "temporaries": sizes[1],
@@ -196,9 +196,8 @@ def compile_generation(cfg: Any, topology: str, shape: EngineShape, prompt_lengt
                          prompt_length=prompt_length, max_new_tokens=max_new_tokens, cache_length=shape.max_len,
                          dtype=dtype, compile_seconds=round(seconds, 2))
     if not rep.fits:
-        rep.advice = _advice(parts, refusals[0][1] if refusals else hbm)
-        rep.advice += [f"the TPU compiler refused the {name} program: {r[2]}"
-                       for name, r in zip([n for n, p in programs.items() if "arguments" not in p], refusals)]
+        rep.advice = _advice(parts, refusals[0][1][1] if refusals else hbm)
+        rep.advice += [f"the TPU compiler refused the {name} program: {r[2]}" for name, r in refusals]
     print(table(rep))
     if report_path:
         Path(report_path).write_text(json.dumps(dataclasses.asdict(rep), indent=1) + "\n")
