@@ -68,7 +68,8 @@ class EngineShape:
     """The engine's shapes for ``max_seqs`` sequences of at most ``max_len`` tokens in pages of ``page_size``:
     the pool's ``pages`` (as many as :class:`eval.engine.engine.Engine` makes by default: every sequence its
     longest), the decoding step's page table at its widest (``table_width`` pages, every row at max_len), and the
-    prefill of the prompts admitted together: ``prefill_rows`` (max_seqs up to a power of two) of
+    prefill of the prompts admitted together: ``prefill_rows`` (as many as one prefill admits within
+    :data:`eval.engine.engine.PREFILL_TOKENS`, up to a power of two) of
     ``prefill_tokens`` (the prompt up to a power of two of at least TOKEN_BUCKET), reading ``prefill_width``
     pages (as ``Engine._prefill`` pads them)."""
 
@@ -85,14 +86,15 @@ class EngineShape:
     def of(cls, max_seqs: int, prompt_length: int, max_new_tokens: int, page_size: int) -> EngineShape:
         """The shapes ``zoo generate`` runs for ``max_seqs`` prompts of ``prompt_length`` tokens and
         ``max_new_tokens`` (:func:`eval.generate.generate`'s max_len: their sum rounded up to its bucket)."""
-        from eval.engine.engine import TOKEN_BUCKET, VIEW_TOKENS, _pow2
+        from eval.engine.engine import TOKEN_BUCKET, VIEW_TOKENS, _pow2, prefill_rows
         from eval.generate import _round_up
 
         max_len = _round_up(prompt_length + max_new_tokens)
         per_seq = -(-max_len // page_size)
         tokens = _pow2(prompt_length, TOKEN_BUCKET)
         view = -(-tokens // VIEW_TOKENS) * VIEW_TOKENS  # Engine._width of a fresh prefill's rows
-        return cls(max_seqs, max_len, page_size, max_seqs * per_seq, per_seq, _pow2(max_seqs, 1), tokens,
+        rows = _pow2(prefill_rows(max_seqs, prompt_length), 1)  # what one prefill admits (Engine._admit)
+        return cls(max_seqs, max_len, page_size, max_seqs * per_seq, per_seq, rows, tokens,
                    min(-(-view // page_size), per_seq))
 
 

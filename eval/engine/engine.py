@@ -38,6 +38,7 @@ from zoo.model.decode import place_for_decoding
 from zoo.model.vision import VisionInputs
 
 TOKEN_BUCKET = 16  # a prefill's width is rounded up to a power of two of at least this many tokens
+PREFILL_TOKENS = 16384  # a prefill's padded rows x width at most (one prompt alone may exceed it)
 VIEW_TOKENS = 256  # a step's page tables are this many tokens wide, or a multiple: one compilation per width
 
 
@@ -58,6 +59,16 @@ class _Request:
 
 def _pow2(n: int, least: int) -> int:
     return max(least, 1 << max(0, (n - 1).bit_length()))
+
+
+def prefill_rows(max_seqs: int, tokens: int, budget: int = PREFILL_TOKENS) -> int:
+    """The most prompts of ``tokens`` uncached tokens one prefill admits (its rows padded to a power of two, its
+    width to one of at least TOKEN_BUCKET, their product within ``budget``; at least one)."""
+    width = _pow2(tokens, TOKEN_BUCKET)
+    rows = 1
+    while rows < max_seqs and _pow2(rows + 1, 1) * width <= budget:
+        rows += 1
+    return rows
 
 
 class Engine:
@@ -229,15 +240,22 @@ class Engine:
         prefix another one admitted now is still computing waits for the next step."""
         admitted: list[_Request] = []
         computing: set = set()
+        widest = 0
         while self._queue and None in self._rows:
             req = self._queue[0]
             if computing.intersection(req.hashes):
                 break
             shared = self.pages.match(req.hashes)
             need = -(-(len(req.prompt) + req.params.max_tokens) // self.page_size) - len(shared)
-            if need > self.pages.available():
+            new = len(req.prompt) - len(shared) * self.page_size
+            # The prefill's padded size stays within its budget (the activations of one prefill are its rows x
+            # width): the rest wait for the next step.
+            over = admitted and (_pow2(len(admitted) + 1, 1) * _pow2(max(widest, new), TOKEN_BUCKET)
+                                 > PREFILL_TOKENS)
+            if need > self.pages.available() or over:
                 self.pages.release(shared)
                 break
+            widest = max(widest, new)
             self._queue.popleft()
             req.pages = shared + self.pages.allocate(need)
             req.cached = len(shared) * self.page_size
