@@ -36,7 +36,7 @@ def params():
 
 
 def _engine(params, **kw) -> Engine:
-    return Engine(CFG, params, max_len=ROOM, page_size=PAGE, **{"max_seqs": 3, **kw})
+    return Engine(CFG, params, max_len=ROOM, page_size=PAGE, max_seqs=4, **kw)  # one decoding program for all
 
 
 _forward = jax.jit(partial(forward, CFG))
@@ -71,25 +71,25 @@ def _run(engine: Engine, ids: list[int]) -> tuple[dict[int, list[int]], list[lis
 
 
 def test_rows_join_and_leave_and_every_answer_is_its_greedy_continuation(params):
-    """Five requests of different lengths and budgets on three rows: a queued request takes the row another one
+    """Six requests of different lengths and budgets on four rows: a queued request takes the row another one
     left while the others are mid-answer, and every answer is the greedy continuation of its own prompt (the
     training forward's argmax), its log-probabilities that forward's; EOS ends only its own request."""
     rng = np.random.RandomState(0)
-    prompts = [rng.randint(1, 64, n).tolist() for n in (3, 11, 20, 1, 9)]
-    budgets = (3, 9, 5, 7, 4)
+    prompts = [rng.randint(1, 64, n).tolist() for n in (3, 11, 20, 1, 9, 6)]
+    budgets = (3, 9, 5, 7, 4, 6)
     engine = _engine(params)
     ids = [engine.submit(p, SamplingParams(max_tokens=m)) for p, m in zip(prompts, budgets)]
     out, steps = _run(engine, ids)
     answers = [out[i] for i in ids]
     assert [len(a) for a in answers] == list(budgets)
     _assert_greedy(params, prompts, answers)
-    # Request 3 starts (its first token) at a step where request 1 is running and not at its first token.
+    # Request 4 starts (its first token) at a step where request 1 is running and not at its first token.
     first: dict[int, int] = {}
     for k, events in enumerate(steps):
         for e in events:
             first.setdefault(e.request_id, k)
-    assert first[ids[3]] > first[ids[1]] and any(e.request_id == ids[1] and not e.finished for e in steps[first[ids[3]]])
-    assert len({tuple(a) for a in answers}) == 5
+    assert first[ids[4]] > first[ids[1]] and any(e.request_id == ids[1] and not e.finished for e in steps[first[ids[4]]])
+    assert len({tuple(a) for a in answers}) == 6
     assert engine.free_pages() == engine.num_pages  # every page back (idle cached pages count as available)
     # Log-probabilities and EOS: a request stopped at an answer's third token; its neighbours run on.
     eos = answers[1][2]
@@ -138,7 +138,7 @@ def test_each_request_draws_with_its_own_settings(params):
     settings = [SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, temperature=1.0, seed=7),
                 SamplingParams(max_tokens=8, temperature=0.7, top_p=0.9, seed=8),
                 SamplingParams(max_tokens=8, temperature=1.3, top_k=1, seed=9)]
-    engine = _engine(params, max_seqs=4)
+    engine = _engine(params)
     ids = [engine.submit(p, s) for p, s in zip(prompts, settings)]
     logprobs: dict[int, list[float]] = {i: [] for i in ids}
     out: dict[int, list[int]] = {i: [] for i in ids}
@@ -162,15 +162,19 @@ def test_each_request_draws_with_its_own_settings(params):
 def test_cancelling_and_bad_requests(params):
     """A cancelled request (queued or running) ends with reason "cancelled" and gives its pages back; an empty
     prompt, one over the room, a budget under 1 and an unknown adapter are refused at submit."""
-    engine = _engine(params, max_seqs=1)
-    a = engine.submit([1, 2, 3], SamplingParams(max_tokens=20))
-    b = engine.submit([4, 5], SamplingParams(max_tokens=20))
+    engine = _engine(params)
+    ids = [engine.submit([1 + i, 2, 3], SamplingParams(max_tokens=20)) for i in range(5)]
     engine.step()
-    assert engine.running == 1 and engine.queued == 1
+    assert engine.running == 4 and engine.queued == 1
+    a, b = ids[0], ids[4]  # running, queued
     engine.cancel(a)
     engine.cancel(b)
     events = engine.step()
     assert {(e.request_id, e.reason) for e in events if e.finished} == {(a, "cancelled"), (b, "cancelled")}
+    assert engine.running == 3
+    for i in ids[1:4]:
+        engine.cancel(i)
+    engine.step()
     assert not engine.busy and engine.pages.held() == 0
     for prompt, params_, match in [([], SamplingParams(), "at least one token"),
                                    ([1] * 60, SamplingParams(max_tokens=5), "exceed the context of 64"),
