@@ -211,8 +211,8 @@ def _advice(parts: dict[str, int], hbm: int) -> list[str]:
     says = {"weights": "the weights: a larger slice (they are split over every chip)",
             "kv_cache": "the page pool: fewer sequences at once (--max-seqs), a shorter --prompt-length or "
                         "--max-new-tokens, or a larger slice",
-            "temporaries": "the programs' temporaries: fewer sequences at once (--max-seqs: the prefill takes "
-                           "them all together) or a shorter --prompt-length"}
+            "temporaries": "the programs' temporaries: fewer sequences at once (--max-seqs: each decoding step "
+                           "reads every sequence's pages) or a shorter --prompt-length"}
     lines = [f"over by {(parts['total'] - hbm) / GIB:.2f} GiB of {hbm / GIB:.2f} GiB a chip"]
     lines += [f"{k} {parts[k] / GIB:.2f} GiB: {says[k]}" for k in sorted(says, key=lambda k: -parts[k])]
     return lines
