@@ -86,13 +86,13 @@ class EngineShape:
     def of(cls, max_seqs: int, prompt_length: int, max_new_tokens: int, page_size: int) -> EngineShape:
         """The shapes ``zoo generate`` runs for ``max_seqs`` prompts of ``prompt_length`` tokens and
         ``max_new_tokens`` (:func:`eval.generate.generate`'s max_len: their sum rounded up to its bucket)."""
-        from eval.engine.engine import TOKEN_BUCKET, VIEW_TOKENS, _pow2, prefill_rows
+        from eval.engine.engine import TOKEN_BUCKET, _pow2, prefill_rows, view_tokens
         from eval.generate import _round_up
 
         max_len = _round_up(prompt_length + max_new_tokens)
         per_seq = -(-max_len // page_size)
         tokens = _pow2(prompt_length, TOKEN_BUCKET)
-        view = -(-tokens // VIEW_TOKENS) * VIEW_TOKENS  # Engine._width of a fresh prefill's rows
+        view = view_tokens(tokens)  # Engine._width of a fresh prefill's rows
         rows = _pow2(prefill_rows(max_seqs, prompt_length), 1)  # what one prefill admits (Engine._admit)
         return cls(max_seqs, max_len, page_size, max_seqs * per_seq, per_seq, rows, tokens,
                    min(-(-view // page_size), per_seq))

@@ -121,9 +121,10 @@ def test_a_token_step_on_an_fsdp_mesh_gathers_no_weight(tmp_path):
     assert dict(mesh.shape)["fsdp"] == 4
     low = lower_engine(cfg, mesh, EngineShape.of(3, 20, 300, 16), jnp.float32)
     # (weights, pool, tokens, valid or active, tables, ...): cfg is static. 320 tokens a sequence: 20 pages of 16,
-    # every one read by the step; the prefill's 3 rows padded to 4 read the pages of 256 tokens (Engine._width).
+    # every one read by the step; the prefill's 3 rows padded to 4 (20-token prompts, 32 wide) read the pages of 64
+    # tokens (Engine._width: a power of two of at least 64 tokens).
     assert low.programs["decode"].args_info[0][4].shape == (3, 20)
-    assert low.programs["prefill"].args_info[0][4].shape == (4, 16)
+    assert low.programs["prefill"].args_info[0][4].shape == (4, 4)
     compiled = compile_lowered(low.programs["decode"], "tpu")
     e, f, h, kv, d = 256, 1024, 8, 4, 32
     smallest_weight = e * kv * d * 4  # k's [embed, kv heads, head_dim] float32: 128 KiB

@@ -39,7 +39,7 @@ from zoo.model.vision import VisionInputs
 
 TOKEN_BUCKET = 16  # a prefill's width is rounded up to a power of two of at least this many tokens
 PREFILL_TOKENS = 16384  # a prefill's padded rows x width at most (one prompt alone may exceed it)
-VIEW_TOKENS = 256  # a step's page tables are this many tokens wide, or a multiple: one compilation per width
+VIEW_TOKENS = 256  # a step's page tables: a power of two of tokens up to this, then a multiple of it
 
 
 @dataclass
@@ -59,6 +59,15 @@ class _Request:
 
 def _pow2(n: int, least: int) -> int:
     return max(least, 1 << max(0, (n - 1).bit_length()))
+
+
+def view_tokens(tokens: int) -> int:
+    """The tokens a program's page tables span for rows of at most ``tokens`` tokens: a power of two (at least 64)
+    up to VIEW_TOKENS, past it a multiple of VIEW_TOKENS: a short row reads little, a long one at most
+    VIEW_TOKENS - 1 slots more than it holds, and few programs are compiled."""
+    if tokens <= VIEW_TOKENS:
+        return _pow2(tokens, min(64, VIEW_TOKENS))
+    return -(-tokens // VIEW_TOKENS) * VIEW_TOKENS
 
 
 def prefill_rows(max_seqs: int, tokens: int, budget: int = PREFILL_TOKENS) -> int:
@@ -272,8 +281,7 @@ class Engine:
 
     def _width(self, tokens: int) -> int:
         """Page-table width (pages) of a program whose rows hold at most ``tokens`` tokens."""
-        view = -(-tokens // VIEW_TOKENS) * VIEW_TOKENS
-        return min(-(-view // self.page_size), self.pages_per_seq)
+        return min(-(-view_tokens(tokens) // self.page_size), self.pages_per_seq)
 
     def _sampling(self, reqs: Sequence[_Request | None], index: Sequence[int]) -> RowSampling:
         none = np.zeros(2, np.uint32)

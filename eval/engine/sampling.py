@@ -96,7 +96,9 @@ def draw_rows(logits: jax.Array, s: RowSampling) -> tuple[jax.Array, jax.Array]:
     needs_cut = jnp.any(sampled & ((s.top_k > 0) | (s.top_p < 1.0)))
     x = jax.lax.cond(needs_cut, lambda x: _cut(x, s.top_k, s.top_p), lambda x: x, x)
     keys = jax.vmap(jax.random.fold_in)(s.key, s.index)
-    drawn = jax.vmap(lambda key, row: categorical(key, row[None])[0])(keys, x)
+    # An all-greedy batch (a server's greedy clients, `zoo generate` without --temperature) draws nothing.
+    drawn = jax.lax.cond(jnp.any(sampled), lambda x: jax.vmap(lambda key, row: categorical(key, row[None])[0])(keys, x),
+                         lambda x: greedy, x)
     tok = jnp.where(sampled, drawn, greedy)
     logp = jax.nn.log_softmax(raw / scale, axis=-1)
     return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
