@@ -87,7 +87,8 @@ def leaders_first(prompts: Sequence[Sequence[int]]) -> list[int]:
     whose prompt pages another admitted request is computing waits a step, so the G rows of a group follow
     every group's first one and share its pages, and no group waits for another's)."""
     seen: set[tuple[int, ...]] = set()
-    first, rest = [], []
+    first: list[int] = []
+    rest: list[int] = []
     for r, p in enumerate(prompts):
         (rest if tuple(p) in seen else first).append(r)
         seen.add(tuple(p))
@@ -115,16 +116,37 @@ def run_requests(engine: Engine, prompts: Sequence[Sequence[int]], params: Seque
     return tokens, logps
 
 
+def _row(x: jax.Array, r: int) -> np.ndarray:
+    """Row ``r`` of a global array, read from a shard this process holds."""
+    for s in x.addressable_shards:
+        start, stop, _ = s.index[0].indices(x.shape[0])
+        if start <= r < stop:
+            return np.asarray(s.data)[r - start]
+    raise ValueError(f"row {r} is not on this process")
+
+
+def local_weights(weights: dict | Weights) -> Weights:
+    """The weights whole on this host: a run of several processes gathers them (each process's engine decodes
+    on its own devices); one process's are returned as they are."""
+    w = Weights.wrap(weights)
+    if jax.process_count() == 1:
+        return w
+    from jax.experimental import multihost_utils
+
+    base, adapters = jax.device_put(multihost_utils.process_allgather((w.base, w.adapters), tiled=True))
+    return Weights(base, adapters, w.scale)
+
+
 def sampling_params(sampler: Sampler, max_tokens: int, eos_ids: Sequence[int]) -> SamplingParams:
     """The engine's settings of a rollout's request."""
     return SamplingParams(max_tokens=max_tokens, temperature=float(sampler.temperature), top_k=int(sampler.top_k),
                           top_p=float(sampler.top_p), eos_ids=tuple(eos_ids))
 
 
-def sample_group_completions(cfg: ModelConfig, params: dict | Weights, tokens: jax.Array, valid: jax.Array,
+def sample_group_completions(cfg: ModelConfig, params: dict | Weights, tokens: Any, valid: Any,
                              spec: RolloutSpec, key: jax.Array, mesh: Mesh | None = None,
-                             vision: VisionInputs | None = None, *,
-                             engine: Engine | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                             vision: VisionInputs | None = None, *, engine: Engine | None = None,
+                             rows: Sequence[int] | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(completions [B, T] int32, their sampler log-probabilities [B, T] float32, lengths [B] int32).
 
     ``tokens``/``valid`` [B, P]: right-padded prompts, rows ``k*G .. k*G+G-1``
@@ -136,7 +158,8 @@ def sample_group_completions(cfg: ModelConfig, params: dict | Weights, tokens: j
     of the B rows ([B, ...] each, a group's rows alike; only row ``k*G``'s are read). ``engine``: the engine to
     run on (a :class:`RolloutEngine`'s, of B rows and P + T tokens; None: a new one); its weights are set to
     ``params`` (its cached prompts dropped) and released at the end. ``mesh``: unused (the engine lays its pool
-    out on the weights' mesh), kept for the program's signature.
+    out on the weights' mesh), kept for the program's signature. ``rows``: the batch's rows these are (their keys'
+    indices; None: 0 .. B - 1), where a process samples a part of a batch.
     """
     tok_h, valid_h = np.asarray(tokens), np.asarray(valid)
     b, p = tok_h.shape
@@ -154,7 +177,8 @@ def sample_group_completions(cfg: ModelConfig, params: dict | Weights, tokens: j
         rows_vision = [jax.tree.map(lambda a, k=k: a[k:k + 1], vision) for k in lead]
     params_ = [sampling_params(spec.sampler, t, spec.eos_ids)] * b
     try:
-        drawn, logps = run_requests(engine, prompts, params_, row_keys(key, b), rows_vision)
+        keys = row_keys(key, b if rows is None else max(rows) + 1)
+        drawn, logps = run_requests(engine, prompts, params_, keys if rows is None else keys[list(rows)], rows_vision)
     finally:
         engine.release_weights()
     comp = np.zeros((b, t), np.int32)
@@ -178,13 +202,43 @@ class Sample:
     def __call__(self, weights: dict | Weights, key_input: Any, *inputs: Any,
                  vision: Any = None) -> tuple[jax.Array, jax.Array, jax.Array]:
         tokens, valid = self.prompts(*inputs)
+        images = None if vision is None else self.images(vision)
+        if jax.process_count() > 1:
+            return self._processes(weights, tokens, valid, self.key_of(key_input), images)
         b, p = tokens.shape
         w = self.owner.cast(weights)
         engine = self.owner.engine(b, p + self.spec.new_tokens, w)
         # Looked up at call time: tests replace the sampler with scripted completions.
         return globals()["sample_group_completions"](
-            self.owner.mcfg, w, tokens, valid, self.spec, self.key_of(key_input),
-            mesh=self.owner.mesh, vision=None if vision is None else self.images(vision), engine=engine)
+            self.owner.mcfg, w, tokens, valid, self.spec, self.key_of(key_input), mesh=self.owner.mesh,
+            vision=images, engine=engine)
+
+    def _processes(self, weights: dict | Weights, tokens: jax.Array, valid: jax.Array, key: jax.Array,
+                   vision: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """A run of several processes: each samples the rows its devices hold (whole groups) on an engine of its
+        own, from the weights gathered whole (the engine is one host's), and every process gets every row."""
+        from jax.experimental import multihost_utils
+
+        b, p = tokens.shape
+        rows = sorted({r for s in tokens.addressable_shards for r in range(*s.index[0].indices(b))})
+        local = lambda x: np.stack([_row(x, r) for r in rows])  # noqa: E731
+        w = self.owner.cast(local_weights(weights))
+        engine = self.owner.engine(len(rows), p + self.spec.new_tokens, w)
+        images = None if vision is None else jax.tree.map(lambda a: jnp.asarray(local(a)), vision)
+        out = sample_group_completions(self.owner.mcfg, w, local(tokens), local(valid), self.spec, key,
+                                       vision=images, engine=engine, rows=rows)
+        every = multihost_utils.process_allgather((np.asarray(rows), *(np.asarray(x) for x in out)))
+        full = [np.zeros((b,) + x.shape[2:], x.dtype) for x in every[1:]]
+        for i, at in enumerate(every[0]):
+            for f, x in zip(full, every[1:]):
+                f[at] = x[i]
+        sharding = NamedSharding(self.owner._mesh(), PartitionSpec())
+
+        def placed(f: np.ndarray) -> jax.Array:  # replicated: every process holds every row
+            return jax.make_array_from_callback(f.shape, sharding, lambda idx: f[idx])
+
+        comp, logps, lengths = full
+        return placed(comp), placed(logps), placed(lengths)
 
     def lower(self, weights: Any, key_input: Any, *inputs: Any, vision: Any = None) -> Any:
         """For ``--compile-only``: the engine's programs lowered from abstract ``weights`` and inputs
@@ -272,7 +326,9 @@ class RolloutEngine:
         pages, page = self._pool_shape(rows, prompt + spec.new_tokens)
         pool = abstract_pool(self.mcfg, pages, page, jnp.dtype(self.compute), mesh)
         width = -(-(prompt + spec.new_tokens) // page)
-        sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=rep)  # noqa: E731
+
+        def sds(shape: tuple[int, ...], dt: Any) -> Any:  # an abstract array where the programs take arrays
+            return jax.ShapeDtypeStruct(shape, dt, sharding=rep)
 
         def sampling(n: int) -> RowSampling:
             return RowSampling(sds((n,), jnp.float32), sds((n,), jnp.int32), sds((n,), jnp.float32),

@@ -28,7 +28,7 @@ import numpy as np
 
 from eval.engine.engine import Engine
 from eval.generate import Sampler
-from eval.rollout import PAGE_SIZE, row_keys, run_requests, sampling_params
+from eval.rollout import PAGE_SIZE, local_weights, row_keys, run_requests, sampling_params
 from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 
@@ -42,7 +42,8 @@ class CachedTurns:
     def __init__(self, cfg: ModelConfig, params: dict | Weights, sampler: Sampler, eos_ids: tuple[int, ...],
                  budget: int, key: jax.Array, compute: Any = jnp.float32, engines: Any = None):
         self.cfg, self.sampler, self.eos_ids = cfg, sampler, tuple(eos_ids)
-        self.params = Weights.wrap(params).without_dropout().cast(jnp.dtype(compute))
+        # Every process of a run decodes every row, each on its own devices from the weights gathered whole.
+        self.params = local_weights(params).without_dropout().cast(jnp.dtype(compute))
         self.budget, self.key, self.engines = budget, key, engines
         self.engine: Engine | None = None
         self.conversations: list[list[int]] = []
