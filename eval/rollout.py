@@ -35,7 +35,7 @@ from eval.engine.api import SamplingParams
 from eval.engine.engine import TOKEN_BUCKET, Engine
 from eval.engine.paged import abstract_pool
 from eval.engine.sampling import RowSampling
-from eval.generate import Sampler, sample_next
+from eval.generate import Sampler
 from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 from zoo.model.vision import VisionInputs
@@ -54,20 +54,6 @@ class RolloutSpec:
     # Token ids never drawn (a vision-language model's image token: drawn, the update's forward would read it as an
     # image slot with no image behind it). The engine bans its model's own; these are banned beside it.
     banned_ids: tuple[int, ...] = ()
-
-
-def draw(logits: jax.Array, key: jax.Array, sampler: Sampler,
-         banned: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array]:
-    """(next token [b], its log-probability [b] under softmax(logits / temperature)) from logits [b, vocab]: the
-    distribution the trainer computes (greedy: the plain softmax's), one key for the batch. The ``banned`` ids are
-    never drawn (their logits -inf, greedy too); like top-k's and top-p's cuts, the mask shapes the draw, not the
-    log-probability, which stays the unmasked distribution's, as the update computes it (the engine's per-row
-    draw, :func:`eval.engine.sampling.draw_rows`, computes the same)."""
-    cut = logits.at[:, jnp.asarray(banned, jnp.int32)].set(-jnp.inf) if banned else logits
-    tok = sample_next(cut, key, sampler)
-    temperature = sampler.temperature if sampler.temperature > 0 else 1.0
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
-    return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
 
 
 def row_keys(key: jax.Array, rows: int) -> np.ndarray:
