@@ -67,13 +67,19 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
                         "repeat); generation also stops at the tokenizer's end-of-sequence token")
     g = p.add_argument_group("compile for a TPU slice from this machine, without TPUs, weights or a tokenizer")
     g.add_argument("--compile-only", action="store_true",
-                   help="compile generation's programs (prefill and the one-token step) for --batch-size prompts of "
-                        "--prompt-length tokens and --max-new-tokens for --topology, and report bytes per chip "
-                        "(weights, KV cache, temporaries); nothing is generated (exit 0: fits, 3: does not fit, 2: "
-                        "an error). Needs the tpu extra (libtpu)")
+                   help="compile the inference engine's programs (the prefill of a batch of prompts and the "
+                        "decoding step) for --max-seqs sequences at once of --prompt-length + --max-new-tokens "
+                        "tokens for --topology, and report bytes per chip (weights, paged KV cache, temporaries); "
+                        "nothing is generated (exit 0: fits, 3: does not fit, 2: an error). Needs the tpu extra "
+                        "(libtpu)")
     add_topology_flags(g)
     g.add_argument("--prompt-length", type=int, default=None, metavar="N",
                    help="with --compile-only: tokens of the longest prompt (default 512)")
+    g.add_argument("--max-seqs", type=int, default=None, metavar="N",
+                   help="with --compile-only: sequences decoding at once (default: --batch-size, the prompts "
+                        "--prompts-file runs together)")
+    g.add_argument("--page-size", type=int, default=None, metavar="N",
+                   help="with --compile-only: tokens a page of the KV cache (default 16, the engine's)")
     return p
 
 
@@ -82,8 +88,9 @@ def generate_command(args: argparse.Namespace, expander_of: ExpanderOf | None = 
     streaming; or complete a JSONL file of prompts (`zoo generate --compile-only`:
     :func:`eval.generate_compile.generate_compile_command`). ``expander_of`` makes the image expander (--image)."""
     if (getattr(args, "topology", None) or getattr(args, "report", None)
-            or getattr(args, "prompt_length", None) is not None):  # --compile-only goes to eval.generate_compile
-        raise UserError("--topology, --report and --prompt-length go with --compile-only")
+            or any(getattr(args, k, None) is not None for k in ("prompt_length", "max_seqs", "page_size"))):
+        # --compile-only goes to eval.generate_compile
+        raise UserError("--topology, --report, --prompt-length, --max-seqs and --page-size go with --compile-only")
     if (args.prompt is None) == (args.prompts_file is None):
         raise UserError("zoo generate needs exactly one of --prompt TEXT and --prompts-file IN.jsonl")
     if args.prompts_file is not None and not args.out:
@@ -124,7 +131,7 @@ def generate_command(args: argparse.Namespace, expander_of: ExpanderOf | None = 
     model = zoo.load(args.ckpt, dtype=np.float32)
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                            top_p=args.top_p, seed=args.seed, stop=tuple(args.stop or ()),
-                           eos_ids=_eos_ids(args.ckpt, tok))
+                           eos_ids=eos_ids_of(args.ckpt, tok))
     if images:
         _stream_one(model, tok, ids, gen, frames)
     elif rows is None:
@@ -134,8 +141,9 @@ def generate_command(args: argparse.Namespace, expander_of: ExpanderOf | None = 
     return None
 
 
-def _eos_ids(ckpt: str, tok: Any) -> tuple[int, ...]:
-    """End-of-sequence ids: the tokenizer's, plus the source config's (Llama 3 chat models end turns with another)."""
+def eos_ids_of(ckpt: str, tok: Any) -> tuple[int, ...]:
+    """End-of-sequence ids: the tokenizer's, plus the source config's (Llama 3 chat models end turns with another);
+    `zoo serve` ends every request on them too."""
     import json
 
     from zoo.checkpoints.format import HF_CONFIG_FILE

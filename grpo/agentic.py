@@ -26,13 +26,14 @@ import numpy as np
 
 from chat.formats import BadRow
 from chat.templates import ChatTemplate, render, template_text
+from chat.tool_calls import Parser, parser_for
 from chat.training_templates import for_tools
 from eval.generate import Sampler
 from eval.rollout import RolloutEngine
 from eval.turns import CachedTurns
 from grpo.config import GRPOConfig
 from grpo.episodes import Episode, EpisodeSettings, call_id, run_episodes, tool_suffix
-from grpo.tool_calls import Parser, parser_for
+from grpo.rewards import load_callable
 from grpo.tools import Environments
 from zoo.errors import UserError
 from zoo.lora.weights import Weights
@@ -106,7 +107,7 @@ class Agent:
         self.cfg, self.g = cfg, cfg.grpo
         self.tools, self.environments = tools, environments
         if self.g.tool_parser != "auto":  # a name or a function: said before the model loads
-            parser_for(self.g.tool_parser, "")
+            parser_for(self.g.tool_parser, "", load_callable)
         self.ready: Prepared | None = None  # set up by prepare
         self.engines: RolloutEngine | None = None  # the episodes' engines, kept across steps (set up by prepare)
 
@@ -118,7 +119,7 @@ class Agent:
         template, line = for_tools(tokenizer, template)
         print(line, flush=True)
         source = template_text(tokenizer, template)
-        parser = parser_for(self.g.tool_parser, source)
+        parser = parser_for(self.g.tool_parser, source, load_callable)
         suffix = tool_suffix(tokenizer, lambda msgs, gen: render(tokenizer, msgs, template, source, gen), eos_ids)
         suffix({"role": "assistant", "content": "", "tool_calls": [
             {"type": "function", "id": call_id(1), "function": {"name": "dummy", "arguments": {}}}]},

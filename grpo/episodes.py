@@ -2,7 +2,7 @@
 
 An episode starts from a rendered prompt. Each turn the policy decodes (:class:`TurnDecoder`, e.g.
 :class:`eval.turns.CachedTurns`) until its end-of-turn token; the turn's text is read for tool calls by the
-template family's parser (:mod:`grpo.tool_calls`); each call runs (:func:`grpo.tools.run_call`) and its answer
+template family's parser (:mod:`chat.tool_calls`); each call runs (:func:`grpo.tools.run_call`) and its answer
 becomes a ``tool`` message. The tokens that follow the turn (the answers and the next generation prompt) are the
 chat template's own rendering of those messages (a family's training template where its own re-renders earlier
 turns: chat/training_templates.py), found as TRL 1.16 finds them (``_get_tool_suffix_ids``): a
@@ -25,8 +25,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from chat.formats import BadRow
+from chat.tool_calls import ParsedTurn, ToolCall
 from chat.training_templates import COVERED
-from grpo.tool_calls import ParsedTurn, ToolCall
 from grpo.tools import run_call
 from zoo.errors import UserError
 
@@ -105,7 +105,7 @@ def _parse(parser: Callable[[str], ParsedTurn], text: str) -> ParsedTurn:
                         f"{' '.join(str(e).split())[:300]} on the turn {text[:80]!r}") from e
     if not isinstance(parsed, ParsedTurn):
         raise UserError(f"grpo.tool_parser {getattr(parser, '__name__', parser)} returned no ParsedTurn (got "
-                        f"{type(parsed).__name__}); return grpo.tool_calls.ParsedTurn(content, calls, errors)")
+                        f"{type(parsed).__name__}); return chat.tool_calls.ParsedTurn(content, calls, errors)")
     return parsed
 
 

@@ -27,8 +27,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from chat.tool_calls import ToolCall
 from grpo.rewards import load_callable
-from grpo.tool_calls import ToolCall
 from zoo.errors import UserError
 
 ENVIRONMENT_FIELD = "environment"  # the row column that picks an environment in the dict form

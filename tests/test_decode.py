@@ -249,14 +249,15 @@ _MESH_SCRIPT = """
 import json, sys
 import jax
 import eval.generate as g
+import eval.engine.engine as e
 import zoo
 seen = []
-real = g.init_cache
+real = e.init_pool
 def spy(*a, **k):
-    cache = real(*a, **k)
-    seen.extend(str(x.sharding.spec) for x in jax.tree.leaves(cache) if x.ndim >= 3)
-    return cache
-g.init_cache = spy
+    pool = real(*a, **k)
+    seen.extend(str(x.sharding.spec) for x in jax.tree.leaves(pool) if x.ndim >= 3)
+    return pool
+e.init_pool = spy
 model = zoo.load(sys.argv[1])
 prompts = json.loads(sys.argv[2])
 out = g.generate(model.cfg, model.param_dict(), prompts, g.GenerationConfig(max_new_tokens=3))
@@ -266,8 +267,8 @@ print(json.dumps({"devices": jax.device_count(), "tokens": out, "specs": seen}))
 
 @pytest.mark.slow
 def test_generation_on_an_8_device_mesh_equals_one_device(tiny_family):
-    """zoo.load shards the parameters over 8 (simulated) devices; the cache is sharded like them, and the
-    tokens are those of one device (three: the prefill's and two steps').
+    """zoo.load shards the parameters over 8 (simulated) devices; the engine's paged cache is sharded like them
+    (split over the kv heads), and the tokens are those of one device (three: the prefill's and two steps').
     Slow (slow lane): a subprocess on 8 simulated devices compiles the generation loop."""
     import subprocess
     import sys
@@ -324,10 +325,10 @@ def test_generation_shortcuts_equal_forward_cached(tiny, family):
 
 
 @pytest.mark.slow
-def test_view_buckets_and_pipelining_keep_the_tokens(tiny, monkeypatch):
-    """Steps reading only the filled slots (small buckets: several per generation) and the step launched
-    before the previous token is read give the same tokens, and EOS still cuts each row right after it."""
-    import eval.generate as g
+def test_view_buckets_keep_the_tokens(tiny, monkeypatch):
+    """Steps reading only the pages their rows can have filled (small buckets: several per generation) give the
+    same tokens, and EOS still cuts each row right after it."""
+    import eval.engine.engine as e
 
     model = tiny("gemma2")[1]
     cfg, params = model.cfg, model.param_dict()
@@ -335,9 +336,9 @@ def test_view_buckets_and_pipelining_keep_the_tokens(tiny, monkeypatch):
     prompts = [rng.randint(0, cfg.vocab_size, n).tolist() for n in (3, 14, 6)]
     gen = GenerationConfig(max_new_tokens=20)
     want = generate(cfg, params, prompts, gen)
-    # Buckets of 16: the steps read 16 slots (14 to 16 filled: the last exactly full), then 32 (17 to 32, the
-    # last exactly full) of the 64: two programs.
-    monkeypatch.setattr(g, "VIEW", 16)
+    # Views of 16 tokens (one page): the steps read 1 page (14 to 16 filled: the last exactly full), then 2 (17 to
+    # 32, the last exactly full) of the 4: two step programs.
+    monkeypatch.setattr(e, "VIEW_TOKENS", 16)
     assert generate(cfg, params, prompts, gen) == want
     eos = want[1][4]
     got = generate(cfg, params, prompts, GenerationConfig(max_new_tokens=20, eos_ids=(eos,)))

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from grpo import tool_calls as tc
+from chat import tool_calls as tc
 from grpo.episodes import EpisodeSettings, run_episodes, tool_suffix
 from grpo.tools import run_call
 from zoo.errors import UserError
@@ -351,7 +351,7 @@ def add(a: int, b: int) -> int:
 
 def always_add(text):
     """A parser that reads every turn as a call of add(2, 3), whatever the model wrote."""
-    from grpo.tool_calls import ParsedTurn, ToolCall
+    from chat.tool_calls import ParsedTurn, ToolCall
 
     return ParsedTurn(text, [ToolCall("add", {"a": 2, "b": 3})])
 
@@ -384,7 +384,7 @@ def counter():
 
 
 def bump_parser(text):
-    from grpo.tool_calls import ParsedTurn, ToolCall
+    from chat.tool_calls import ParsedTurn, ToolCall
 
     return ParsedTurn(text, [ToolCall("bump", {"by": 1})])
 
@@ -410,7 +410,7 @@ def door():
 
 
 def knock_parser(text):
-    from grpo.tool_calls import ParsedTurn, ToolCall
+    from chat.tool_calls import ParsedTurn, ToolCall
 
     return ParsedTurn(text, [ToolCall("knock", {})])
 
@@ -731,7 +731,7 @@ def test_a_broken_parser_or_environment_is_one_line(tok, tmp_path):
         raise KeyError("calls")
 
     for parser, message in ((boom, "grpo.tool_parser boom raised KeyError: 'calls' on the turn 'ok'"),
-                            (lambda text: [], "returned no ParsedTurn (got list); return grpo.tool_calls.ParsedTurn")):
+                            (lambda text: [], "returned no ParsedTurn (got list); return chat.tool_calls.ParsedTurn")):
         with pytest.raises(UserError) as e:
             run_episodes(Scripted([[_ids(tok, "ok") + [eos]]]), [prompt], len(prompt), [{}],
                          dataclasses.replace(s, parser=parser))

@@ -22,6 +22,7 @@ def test_console_scripts():
 # post-training half: chat/ (templates, renders, row formats, loss masks) and prefs/ on it (preference rows and
 # their batches); the tasks above, siblings, and the main job on top.
 FLOORS = {"zoo": 0, "convert": 1, "eval": 1, "pretrain": 2, "chat": 3, "prefs": 4,
+          "serve": 4,  # `zoo serve`: the engine (eval/) behind HTTP, chat templates and tool-call parsers (chat/)
           "sft": 5, "dpo": 5, "rm": 5, "grpo": 5, "distill": 5, "demo": 6}
 TASKS = {"sft", "dpo", "rm", "grpo", "distill"}
 # The one arrow between tasks: GKD is SFT with a teacher (sft/ reads distill/'s teacher, losses and sampler).

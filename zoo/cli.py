@@ -1,8 +1,9 @@
-"""The `zoo` command: list, info, convert, init, export, quantize, plot, generate, eval, demo, launch.
+"""The `zoo` command: list, info, convert, init, export, quantize, plot, generate, serve, eval, demo, launch.
 
 Only the parser's assembly and one thin dispatch function per command live here. Each command's body, and its
 flags beside it, live in the package it drives (zoo/info.py, convert/cli.py, eval/cli.py, eval/generate_cli.py,
-demo/job.py) and are imported inside this module's functions, so the zoo package itself stays the ground floor.
+serve/cli.py, demo/job.py) and are imported inside this module's functions, so the zoo package itself stays the
+ground floor.
 Those modules import nothing heavy at their top, so `zoo list`, `zoo --help` and a bad flag never load the
 converter, the trainer or JAX.
 """
@@ -85,6 +86,13 @@ def cmd_generate(args: argparse.Namespace) -> int | None:
     return generate_command(args, ImageExpander.from_folder)
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    """`zoo serve` -> serve/cli.py."""
+    from serve.cli import run
+
+    run(args)
+
+
 def cmd_eval(args: argparse.Namespace) -> None:
     """`zoo eval` -> eval/cli.py (rows with images: the model's processor, a floor above eval/)."""
     from chat.images import ImageExpander
@@ -115,14 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
     from eval.cli import add_eval_parser, add_plot_parser
     from eval.generate_cli import add_generate_parser
     from pretrain.ray_launch import add_launch_parser
+    from serve.cli import add_serve_parser
     from zoo.info import add_info_parser, add_list_parser
 
     p = argparse.ArgumentParser(prog="zoo", description="lmzoo model zoo: list, convert, inspect and run models.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands = ((add_list_parser, cmd_list), (add_info_parser, cmd_info), (add_convert_parser, cmd_convert),
                 (add_init_parser, cmd_init), (add_export_parser, cmd_export), (add_quantize_parser, cmd_quantize),
-                (add_plot_parser, cmd_plot), (add_generate_parser, cmd_generate), (add_eval_parser, cmd_eval),
-                (add_demo_parser, cmd_demo), (add_launch_parser, cmd_launch))
+                (add_plot_parser, cmd_plot), (add_generate_parser, cmd_generate), (add_serve_parser, cmd_serve),
+                (add_eval_parser, cmd_eval), (add_demo_parser, cmd_demo), (add_launch_parser, cmd_launch))
     for add_parser, run in commands:
         add_parser(sub).set_defaults(fn=run)
     return p

@@ -27,16 +27,18 @@ import numpy as np
 
 from eval.engine.api import Event, FinishReason, SamplingParams
 from eval.engine.images import vision_inputs
-from eval.engine.paged import decode, init_pool, prefill
+from eval.engine.paged import decode, init_pool, prefill, rerope
 from eval.engine.pages import PagePool
 from eval.engine.sampling import RowSampling, key_data
 from zoo.errors import UserError
+from zoo.lora.rows import stack_adapters
 from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 from zoo.model.decode import place_for_decoding
 from zoo.model.vision import VisionInputs
 
 TOKEN_BUCKET = 16  # a prefill's width is rounded up to a power of two of at least this many tokens
+PREFILL_TOKENS = 16384  # a prefill's padded rows x width at most (one prompt alone may exceed it)
 VIEW_TOKENS = 256  # a step's page tables are this many tokens wide, or a multiple: one compilation per width
 
 
@@ -59,6 +61,16 @@ def _pow2(n: int, least: int) -> int:
     return max(least, 1 << max(0, (n - 1).bit_length()))
 
 
+def prefill_rows(max_seqs: int, tokens: int, budget: int = PREFILL_TOKENS) -> int:
+    """The most prompts of ``tokens`` uncached tokens one prefill admits (its rows padded to a power of two, its
+    width to one of at least TOKEN_BUCKET, their product within ``budget``; at least one)."""
+    width = _pow2(tokens, TOKEN_BUCKET)
+    rows = 1
+    while rows < max_seqs and _pow2(rows + 1, 1) * width <= budget:
+        rows += 1
+    return rows
+
+
 class Engine:
     """One model's decoder serving many requests at once.
 
@@ -75,17 +87,22 @@ class Engine:
         if max_seqs < 1 or max_len < 2 or page_size < 1:
             raise UserError(f"engine: max_seqs ({max_seqs}) >= 1, max_len ({max_len}) >= 2 and page_size "
                             f"({page_size}) >= 1 are needed")
-        if adapters:
-            raise UserError("engine: LoRA adapters per request are not wired in yet")
         self.cfg, self.tokenizer = cfg, tokenizer
         self.max_seqs, self.max_len, self.page_size = max_seqs, max_len, page_size
         self.pages_per_seq = -(-max_len // page_size)
         self.num_pages = num_pages or max_seqs * self.pages_per_seq
+        if self.num_pages < self.pages_per_seq:
+            raise UserError(f"engine: {self.num_pages} pages of {page_size} tokens cannot hold one request of "
+                            f"max_len {max_len}; give at least {self.pages_per_seq} pages or a smaller max_len")
         params, mesh = place_for_decoding(cfg, params)
         self.weights = Weights(params)
         self.pool = init_pool(cfg, self.num_pages, page_size, params["embed"].dtype, mesh)
         self.pages = PagePool(self.num_pages, page_size)
         self.prefix_caching = prefix_caching
+        # Several fine-tunes over one base: every adapter stacked once, each row reading its request's
+        # (zoo.lora.rows; entry 0 the base alone).
+        self._adapter_names = tuple(adapters or ())
+        self.adapters = stack_adapters(cfg, list(adapters.values())) if adapters else None
         self.banned = (cfg.vision.image_token_id,) if cfg.vision is not None else ()
         self._ids = itertools.count()
         self._seeds = itertools.count(1 << 20)
@@ -97,6 +114,9 @@ class Engine:
         self._tables = np.zeros((max_seqs, self.pages_per_seq), np.int32)
         self._lengths = np.zeros(max_seqs, np.int32)
         self._delta = np.zeros(max_seqs, np.int32) if cfg.rope.mrope_section else None
+        # Counters since the engine started: prompt tokens computed and read from cached pages, decoding steps,
+        # tokens drawn.
+        self.stats = {"prefill_tokens": 0, "cached_tokens": 0, "steps": 0, "tokens": 0}
 
     def set_weights(self, params: dict[str, Any] | Weights) -> None:
         """Decode with other weights from the next step on (an online trainer's new policy: its base and LoRA
@@ -115,7 +135,15 @@ class Engine:
     @property
     def adapter_names(self) -> tuple[str, ...]:
         """The LoRA adapters a request may name."""
-        return ()
+        return self._adapter_names
+
+    def _index(self, reqs: Sequence[_Request | None]) -> jnp.ndarray | None:
+        """Each row's adapter (0: the base alone), or None without adapters."""
+        if self.adapters is None:
+            return None
+        names = self._adapter_names
+        return jnp.asarray([0 if r is None or r.params.adapter is None else 1 + names.index(r.params.adapter)
+                            for r in reqs], jnp.int32)
 
     def submit(self, prompt: Sequence[int], params: SamplingParams, vision: Any = None,
                key: np.ndarray | None = None) -> int:
@@ -141,7 +169,11 @@ class Engine:
         if key is None:
             key = key_data(next(self._seeds) if params.seed is None else params.seed % (1 << 64))
         req = _Request(next(self._ids), [int(t) for t in prompt], params, np.asarray(key, np.uint32), vision)
-        if self.prefix_caching and vision is None:
+        omax = self.cfg.rope.original_max_position_embeddings if self.cfg.rope.kind == "longrope" else None
+        # A LongRoPE request that may pass original_max_position_embeddings has its keys roped again when it does
+        # (eval.engine.paged.rerope): its pages are its own, never shared nor cached.
+        crossing = omax is not None and len(prompt) + params.max_tokens > omax
+        if self.prefix_caching and vision is None and not crossing:
             req.hashes = self.pages.chain(req.prompt[:-1], params.adapter)  # the last token is always computed
         self._queue.append(req)
         return req.id
@@ -214,18 +246,27 @@ class Engine:
         prefix another one admitted now is still computing waits for the next step."""
         admitted: list[_Request] = []
         computing: set = set()
+        widest = 0
         while self._queue and None in self._rows:
             req = self._queue[0]
             if computing.intersection(req.hashes):
                 break
             shared = self.pages.match(req.hashes)
             need = -(-(len(req.prompt) + req.params.max_tokens) // self.page_size) - len(shared)
-            if need > self.pages.available():
+            new = len(req.prompt) - len(shared) * self.page_size
+            # The prefill's padded size stays within its budget (the activations of one prefill are its rows x
+            # width): the rest wait for the next step.
+            over = admitted and (_pow2(len(admitted) + 1, 1) * _pow2(max(widest, new), TOKEN_BUCKET)
+                                 > PREFILL_TOKENS)
+            if need > self.pages.available() or over:
                 self.pages.release(shared)
                 break
+            widest = max(widest, new)
             self._queue.popleft()
             req.pages = shared + self.pages.allocate(need)
             req.cached = len(shared) * self.page_size
+            self.stats["cached_tokens"] += req.cached
+            self.stats["prefill_tokens"] += len(req.prompt) - req.cached
             computing.update(req.hashes[len(shared):])
             req.row = self._rows.index(None)
             self._rows[req.row] = req
@@ -265,7 +306,8 @@ class Engine:
         sampling = self._sampling(list(admitted) + [None] * (b - len(admitted)), [0] * b)
         (first, logp), self.pool, new_lengths, new_delta = prefill(
             self.cfg, self.weights, self.pool, jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(tables),
-            jnp.asarray(lengths), delta, sampling, fresh, vision)
+            jnp.asarray(lengths), delta, sampling, fresh, vision, self.adapters,
+            self._index(list(admitted) + [None] * (b - len(admitted))))
         first, logp, new_lengths = np.asarray(first), np.asarray(logp), np.asarray(new_lengths)
         deltas = None if new_delta is None else np.asarray(new_delta)
         for i, r in enumerate(admitted):
@@ -295,10 +337,16 @@ class Engine:
         active = np.array([r is not None for r in self._rows])
         sampling = self._sampling(self._rows, [0 if r is None else len(r.out) for r in self._rows])
         delta = None if self._delta is None else jnp.asarray(self._delta)
+        if self.cfg.rope.kind == "longrope":  # rows whose next token passes the threshold: long-roped keys first
+            omax = self.cfg.rope.original_max_position_embeddings
+            crossing = [r.row for r in live if self._lengths[r.row] == omax]
+            if crossing:
+                self.pool = rerope(self.cfg, self.pool, jnp.asarray(self._tables[crossing, :width]))
         (nxt, logp), self.pool = decode(self.cfg, self.weights, self.pool, jnp.asarray(tokens), jnp.asarray(active),
                                         jnp.asarray(self._tables[:, :width]), jnp.asarray(self._lengths), delta,
-                                        sampling)
+                                        sampling, self.adapters, self._index(self._rows))
         nxt, logp = np.asarray(nxt), np.asarray(logp)
+        self.stats["steps"] += 1
         for r in live:
             self._lengths[r.row] += 1
             self._accept(r, int(nxt[r.row]), float(logp[r.row]))
@@ -306,6 +354,7 @@ class Engine:
     def _accept(self, req: _Request, token: int, logp: float) -> None:
         """A request's newly drawn token: reported, and the request ended if it ends there."""
         req.out.append(token)
+        self.stats["tokens"] += 1
         reason: FinishReason | None = None
         if token in req.params.eos_ids or _hit_stop(req.out, req.params.stop, self.tokenizer):
             reason = "stop"

@@ -4,14 +4,15 @@ The pool holds, per parameter stack and layer kind (as :class:`zoo.model.decode.
 layer's keys and values in pages: ``k`` [layers, pages, kv_heads, head_dim, page], ``v`` [layers, pages,
 kv_heads, page, head_dim] (the cache's head-major layouts, a page in place of a ring), or for MLA ``latent``
 [layers, pages, page, rank] and ``k_pe`` [layers, pages, page, rope_dim]. A row reads the pages of its page table
-gathered into the ring layout of :mod:`zoo.model.decode` (P pages as P * page slots, position p at slot p: the
-table's width is bucketed, so a step reads what its rows can hold, not max_len), runs the same cached forward as
-`zoo generate` did (:func:`zoo.model.decode.forward_step`, every family's attention, MoE, images), and its new keys
-and values are scattered into its pages. Sliding-window layers keep every position too (the mask applies the
+as the ring layout of :mod:`zoo.model.decode` (P pages as P * page slots, position p at slot p, each layer
+gathering its rows' pages as it runs: :func:`zoo.model.decode.gather_pages`; the table's width is bucketed, so a
+step reads what its rows can hold, not max_len) in the same cached forward every sampler uses
+(:func:`zoo.model.decode.forward_step`: every family's attention, MoE, images), and its new keys and values are
+scattered into its pages. Sliding-window layers keep every position too (the mask applies the
 window), so a page serves every layer kind of a position.
 
-A page shared by several rows (a cached prompt) is read by each: the gather copies it per row for the step, the
-pool holds it once.
+A page shared by several rows (a cached prompt) is read by each: a layer's gather copies it per row, the pool
+holds it once.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from eval.engine.sampling import RowSampling, draw_rows
+from zoo.lora.rows import RowAdapters
 from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
 from zoo.model.decode import Cache, Written, forward_step
@@ -87,25 +89,6 @@ def pool_bytes(pool: Pool) -> int:
     return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(pool))
 
 
-def gather(pool: Pool, tables: jax.Array, lengths: jax.Array, delta: jax.Array | None) -> Cache:
-    """The rows' pages (``tables`` [b, P]) as a :class:`zoo.model.decode.Cache` of P * page slots, position p at
-    slot p, holding ``lengths`` [b] tokens."""
-    b, p = tables.shape
-
-    def one(name: str, a: jax.Array) -> jax.Array:
-        g = a[:, tables]  # [n, b, P, ...page's own axes]
-        n = a.shape[0]
-        if name == "k":  # [n, b, P, hk, d, page] -> [n, b, hk, d, P * page]
-            return g.transpose(0, 1, 3, 4, 2, 5).reshape(n, b, g.shape[3], g.shape[4], -1)
-        if name == "v":  # [n, b, P, hk, page, d] -> [n, b, hk, P * page, d]
-            return g.transpose(0, 1, 3, 2, 4, 5).reshape(n, b, g.shape[3], -1, g.shape[5])
-        return g.reshape(n, b, -1, g.shape[-1])  # MLA: [n, b, P, page, r] -> [n, b, P * page, r]
-
-    layers = {prefix: {kind: {name: one(name, a) for name, a in group.items()} for kind, group in kinds.items()}
-              for prefix, kinds in pool.items()}
-    return Cache(layers, lengths, delta)
-
-
 def scatter(pool: Pool, step: Written, tables: jax.Array) -> Pool:
     """The pool with a forward's new keys and values (:class:`zoo.model.decode.Written`) in the rows' pages:
     position p of row r at page ``tables[r, p // page]``, offset ``p % page``; padding goes nowhere."""
@@ -131,30 +114,62 @@ def scatter(pool: Pool, step: Written, tables: jax.Array) -> Pool:
     return out
 
 
+def _row_weights(weights: Weights, adapters: RowAdapters | None, index: jax.Array | None) -> Weights:
+    """The weights a batch decodes with: ``weights`` as they are, or with ``adapters`` each row's own LoRA adapter
+    (``index`` [b]: 0 the base alone) over their base."""
+    if adapters is None:
+        return weights
+    assert index is not None, "per-row adapters need each row's adapter index"
+    return adapters.weights(weights.base, index)
+
+
 @partial(jax.jit, static_argnums=(0, 9), donate_argnums=(2,))
 def prefill(cfg: ModelConfig, weights: Weights, pool: Pool, tokens: jax.Array, valid: jax.Array,
             tables: jax.Array, lengths: jax.Array, delta: jax.Array | None, sampling: RowSampling,
-            fresh: bool, vision: VisionInputs | None = None
-            ) -> tuple[tuple[jax.Array, jax.Array], Pool, jax.Array, jax.Array | None]:
+            fresh: bool, vision: VisionInputs | None = None, adapters: RowAdapters | None = None,
+            index: jax.Array | None = None) -> tuple[tuple[jax.Array, jax.Array], Pool, jax.Array, jax.Array | None]:
     """Run each row's uncached prompt tokens (``tokens``/``valid`` [b, t], right-padded) after the ``lengths``
-    [b] tokens its pages already hold, and draw its first new token.
+    [b] tokens its pages already hold, and draw its first new token. ``adapters``: LoRA adapters per row, row r's
+    ``index[r]`` (0: none).
 
     Returns ((first tokens [b], their log-probabilities), the pool, the rows' new lengths, their rope delta). ``fresh`` (static): no row holds
     a cached token yet, so no page is read (the prompts attend to themselves, blockwise as in training)."""
-    cache = gather(pool, tables, lengths, delta)
     last = jnp.maximum(valid.sum(1) - 1, 0)
-    logits, step = forward_step(cfg, weights, tokens, cache, valid, fresh=fresh, last=last, vision=vision,
-                                entries=True)
+    logits, step = forward_step(cfg, _row_weights(weights, adapters, index), tokens, Cache(pool, lengths, delta),
+                                valid, fresh=fresh, last=last, vision=vision, entries=True, pages=tables)
     return draw_rows(logits, sampling), scatter(pool, step, tables), step.lengths, step.rope_delta
 
 
 @partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
 def decode(cfg: ModelConfig, weights: Weights, pool: Pool, tokens: jax.Array, active: jax.Array,
-           tables: jax.Array, lengths: jax.Array, delta: jax.Array | None,
-           sampling: RowSampling) -> tuple[tuple[jax.Array, jax.Array], Pool]:
+           tables: jax.Array, lengths: jax.Array, delta: jax.Array | None, sampling: RowSampling,
+           adapters: RowAdapters | None = None, index: jax.Array | None = None
+           ) -> tuple[tuple[jax.Array, jax.Array], Pool]:
     """One decoding step of every row: append its last token ``tokens`` [b] (the ``active`` rows only: the others
-    write nothing) and draw the next. Returns ((next tokens [b], their log-probabilities), the pool)."""
-    cache = gather(pool, tables, lengths, delta)
-    logits, step = forward_step(cfg, weights, tokens[:, None], cache, active[:, None], last=jnp.zeros_like(lengths),
-                                entries=True)
+    write nothing) and draw the next (``adapters``/``index`` as :func:`prefill`'s). Returns ((next tokens [b],
+    their log-probabilities), the pool)."""
+    logits, step = forward_step(cfg, _row_weights(weights, adapters, index), tokens[:, None],
+                                Cache(pool, lengths, delta), active[:, None], last=jnp.zeros_like(lengths),
+                                entries=True, pages=tables)
     return draw_rows(logits, sampling), scatter(pool, step, tables)
+
+
+@partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))
+def rerope(cfg: ModelConfig, pool: Pool, tables: jax.Array) -> Pool:
+    """The pool with the keys of the rows' pages (``tables`` [b, P]; pages no other row reads) roped again with
+    LongRoPE's long factors: what a row's cache must hold from the call in which it passes
+    original_max_position_embeddings on (:func:`zoo.model.longrope.switch_to_long` for a ring cache)."""
+    from zoo.model.longrope import rerope_long
+
+    b, p = tables.shape
+    out: Pool = {}
+    for prefix, kinds in pool.items():
+        out[prefix] = {}
+        for kind, arrays in kinds.items():
+            k = arrays["k"]  # [n, pages, hk, d, page]
+            n, _, hk, d, page = k.shape
+            g = k[:, tables].transpose(0, 1, 3, 4, 2, 5).reshape(n, b, hk, d, p * page)
+            positions = jnp.broadcast_to(jnp.arange(p * page)[None], (b, p * page))
+            g = rerope_long(cfg, g, positions).reshape(n, b, hk, d, p, page).transpose(0, 1, 4, 2, 3, 5)
+            out[prefix][kind] = {**arrays, "k": k.at[:, tables].set(g)}
+    return out

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from zoo.kernels.choice import platform
 from zoo.layers.blocks import ACTIVATIONS, glu_dense, glu_down
-from zoo.lora.projections import LayerLora, adapter_of, lora_branch, lora_out, projections
+from zoo.lora.projections import LayerLora, adapter_of, lora_out, projections
 from zoo.model.config import ModelConfig
 from zoo.model.sharding import batch_sharded
 
@@ -65,11 +65,12 @@ def _mlp(x: jax.Array, p: dict, cfg: ModelConfig, norm_w: jax.Array | None, lora
     down = adapter_of(lora, "down")
     if lora is None or down is None:
         out = glu_down(gate, up, p["down"], cfg.hidden_act)
-    elif lora.drop is not None:
-        # The adapter reads a dropped copy of act(gate) * up, so it cannot share glu_dense's product.
+    elif lora.drop is not None or lora.rows:
+        # The adapter reads a dropped copy of act(gate) * up, or each row its own adapter (a batched matmul), so
+        # it cannot share glu_dense's product.
         out = glu_down(gate, up, p["down"], cfg.hidden_act)
         h = ACTIVATIONS[cfg.hidden_act](gate) * up
-        out = out + lora_branch(lora.drop(h, "down"), down, lora.scale, out.dtype)
+        out = out + lora.apart(h, "down", out.dtype)
     else:
         out, u = glu_dense(gate, up, (p["down"], down["a"]), cfg.hidden_act)
         out = out + lora_out(u, down["b"], lora.scale, out.dtype)

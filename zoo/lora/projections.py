@@ -29,6 +29,9 @@ ADAPTABLE = ("q", "k", "v", "o", "gate", "up", "down", "expert_gate", "expert_up
 # Folded into a LoRA run's dropout key for an image tower's layers, its connector and Qwen3-VL's DeepStack mergers,
 # so their masks are drawn apart from the decoder's layers' (zoo.model.vision's SigLIP tower too).
 TOWER_DROPOUT, PROJECTOR_DROPOUT, DEEPSTACK_DROPOUT = 1 << 20, (1 << 20) + 1, (1 << 20) + 2
+# The weights whose adapters cannot be per batch row (LayerLora.rows): the MoE experts' (routed, Gemma 4's fused
+# and shared), which read the tokens flattened across rows.
+ROW_REFUSED = ("expert_gate", "expert_up", "expert_down", "expert_gate_up", "shared_gate", "shared_up", "shared_down")
 
 
 @dataclass(frozen=True)
@@ -57,15 +60,36 @@ class LayerLora:
     """One layer's LoRA as its projections read it: ``adapters`` by weight name ({"a", "b"} each; a routed
     expert's stacked on the expert axis like its weight), their ``scale``, and the layer's dropout (None: none).
     The decoder makes one per layer from its :class:`zoo.lora.weights.Weights` (None where a layer has no
-    adapters), so the layers take one value rather than adapters, scale and dropout side by side."""
+    adapters), so the layers take one value rather than adapters, scale and dropout side by side.
+
+    ``rows``: each adapter is one per batch row, A [batch, *in, r] and B [batch, r, *out] (several fine-tunes
+    served in one batch, :mod:`zoo.lora.rows`): each row's x meets its own A and B, beside the base matmul,
+    never fused with it. Decoding only: no dropout, and no routed or shared experts' adapters (their tokens are
+    flattened across rows before they reach them)."""
 
     adapters: dict
     scale: float | jax.Array = 1.0
     drop: LoraDropout | None = None
+    rows: bool = False
+
+    def __post_init__(self) -> None:
+        if self.rows and self.drop is not None:
+            raise ValueError("per-row LoRA adapters decode only: no dropout")
+        experts = [n for n in self.adapters if n in ROW_REFUSED] if self.rows else []
+        if experts:
+            raise ValueError(f"per-row LoRA adapters of expert weights {experts} are not supported")
 
     def of(self, names: tuple[str, ...]) -> tuple[dict | None, ...]:
         """The adapter of each named weight (None where it has none)."""
         return tuple(self.adapters.get(n) for n in names)
+
+    def apart(self, x: jax.Array, name: str, dtype: Any, contract: int = 1) -> jax.Array:
+        """The adapter of weight ``name`` on its own (not fused with a base matmul) for input x, cast to ``dtype``:
+        on the dropped copy of x with dropout, each row's own adapter with :attr:`rows`."""
+        adapter = self.adapters[name]
+        if self.rows:
+            return row_branch(x, adapter, self.scale, dtype)
+        return lora_branch(x if self.drop is None else self.drop(x, name), adapter, self.scale, dtype, contract)
 
 
 @dataclass(frozen=True)
@@ -140,14 +164,13 @@ def adapted_dense(x: jax.Array, w: jax.Array, lora: LayerLora | None, name: str,
 
     The adapter runs beside the base matmul, never merged into w: a merged
     weight's gradient would cost as much as a full weight gradient. With
-    the layer's dropout the adapter's x is ``drop(x, name)`` (the base's stays x).
+    the layer's dropout the adapter's x is ``drop(x, name)`` (the base's stays x); with per-row adapters
+    (``lora.rows``) each row's x meets its own adapter.
     """
     y = dense(x, w, contract=contract)
-    adapter = adapter_of(lora, name)
-    if lora is None or adapter is None:
+    if lora is None or adapter_of(lora, name) is None:
         return y
-    drop = lora.drop
-    return y + lora_branch(x if drop is None else drop(x, name), adapter, lora.scale, y.dtype, contract)
+    return y + lora.apart(x, name, y.dtype, contract)
 
 
 def projections(x: jax.Array, ws: tuple[jax.Array, ...], cfg: ModelConfig,
@@ -158,11 +181,11 @@ def projections(x: jax.Array, ws: tuple[jax.Array, ...], cfg: ModelConfig,
     The layer's ``lora`` adapters of the weights ``names`` name (one per w)
     add ``scale * (x @ A) @ B``. The A matmuls go through the same
     :func:`normed_dense` as the base weights, so the normed x is still not
-    kept for the backward pass. With LoRA dropout see :func:`_dropped_projections`.
+    kept for the backward pass. With LoRA dropout or per-row adapters see :func:`_apart_projections`.
     """
     adapters = (None,) * len(ws) if lora is None else lora.of(names)
-    if lora is not None and lora.drop is not None and any(ad is not None for ad in adapters):
-        return _dropped_projections(x, ws, cfg, norm_w, adapters, lora.scale, lora.drop, names)
+    if lora is not None and (lora.drop is not None or lora.rows) and any(ad is not None for ad in adapters):
+        return _apart_projections(x, ws, cfg, norm_w, lora, names)
     lora_scale = 1.0 if lora is None else lora.scale
     a_ws = tuple(ad["a"] for ad in adapters if ad is not None)
     if norm_w is None:
@@ -176,19 +199,36 @@ def projections(x: jax.Array, ws: tuple[jax.Array, ...], cfg: ModelConfig,
     return tuple(out)
 
 
-def _dropped_projections(x: jax.Array, ws: tuple[jax.Array, ...], cfg: ModelConfig, norm_w: jax.Array | None,
-                         adapters: tuple[dict | None, ...], lora_scale: float | jax.Array, drop: LoraDropout,
-                         names: tuple[str, ...]) -> tuple[jax.Array, ...]:
-    """:func:`projections` with LoRA dropout: the base matmuls stay fused on x, each adapter runs apart.
+def _apart_projections(x: jax.Array, ws: tuple[jax.Array, ...], cfg: ModelConfig, norm_w: jax.Array | None,
+                       lora: LayerLora, names: tuple[str, ...]) -> tuple[jax.Array, ...]:
+    """:func:`projections` with LoRA dropout or per-row adapters: the base matmuls stay fused on x, each adapter
+    runs apart (:meth:`LayerLora.apart`).
 
-    The A matmuls cannot share the fused norm + projection here, since each
-    adapter reads its own dropped copy of the (normed) x, which the base
-    weights must not see. That copy is kept for the adapter's backward pass:
-    dropout costs activation memory, which is why it is off by default.
+    The A matmuls cannot share the fused norm + projection here: with
+    dropout each adapter reads its own dropped copy of the (normed) x, which
+    the base weights must not see (that copy is kept for the adapter's
+    backward pass: dropout costs activation memory, which is why it is off by
+    default); per-row adapters are a batched matmul, one A per row, where the
+    fused one multiplies every row by the same weights.
     """
     ys = list(projections(x, ws, cfg, norm_w))
     n = x if norm_w is None else rms_norm(x, norm_w, cfg.rms_norm_eps, cfg.norm_offset)
-    for i, (ad, name) in enumerate(zip(adapters, names, strict=True)):
-        if ad is not None:
-            ys[i] = ys[i] + lora_branch(drop(n, name), ad, lora_scale, ys[i].dtype)
+    for i, name in enumerate(names):
+        if lora.adapters.get(name) is not None:
+            ys[i] = ys[i] + lora.apart(n, name, ys[i].dtype)
     return tuple(ys)
+
+
+def row_branch(x: jax.Array, adapter: dict, scale: float | jax.Array, dtype: Any) -> jax.Array:
+    """``scale * (x[i] @ A[i]) @ B[i]`` for each batch row i, cast to ``dtype``: x [b, ..., K] (K the weight's
+    input axes flattened, as :func:`zoo.layers.blocks.dense` reads them), A [b, *in, r] and
+    B [b, r, *out] (:class:`LayerLora` with ``rows``); returns [b, ..., N], N the out axes flattened.
+
+    Two batched matmuls at rank r: per row the same products as :func:`lora_branch`'s."""
+    a, b = adapter["a"], adapter["b"]
+    rows, k = x.shape[0], x.shape[-1]
+    a2 = a.reshape(rows, k, a.shape[-1])
+    b2 = b.reshape(rows, b.shape[1], -1)
+    u = jnp.einsum("btk,bkr->btr", x.reshape(rows, -1, k), a2)
+    y = scale * jnp.einsum("btr,brn->btn", u, b2)
+    return y.reshape(*x.shape[:-1], b2.shape[-1]).astype(dtype)

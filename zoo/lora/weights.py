@@ -57,17 +57,23 @@ class LoraRun:
 class Weights:
     """``base`` (the model's params), LoRA ``adapters`` (keyed like ``base``, see :func:`zoo.lora.params.init_lora`;
     None: the base alone) adding ``scale * (dropout(x) @ A) @ B`` to each adapted projection, and LoRA dropout:
-    ``dropout`` the rate, ``rng`` the key (None: no dropout, as in evaluation)."""
+    ``dropout`` the rate, ``rng`` the key (None: no dropout, as in evaluation).
+
+    ``rows`` (static): the adapters are per batch row, each leaf [layers, batch, ...] (one adapter for each row
+    of the batch: :meth:`zoo.lora.rows.RowAdapters.select`), for decoding only (no dropout)."""
 
     base: Any
     adapters: Any = None
     scale: float | jax.Array | None = None
     dropout: float | jax.Array = 0.0
     rng: jax.Array | None = None
+    rows: bool = False
 
     def __post_init__(self) -> None:
         if self.adapters is not None and self.scale is None:
             raise ValueError("LoRA adapters need a scale (zoo.lora.params.lora_scale(lora_cfg))")
+        if self.rows and self.rng is not None:
+            raise ValueError("per-row LoRA adapters (rows=True) decode only: no dropout key")
 
     @classmethod
     def of(cls, trained: Any, frozen: Any, lora: LoraRun | None, rng: jax.Array | None = None) -> Weights:
@@ -97,20 +103,21 @@ class Weights:
         return replace(self, dropout=0.0, rng=None)
 
     def tree_flatten(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-        """Leaves: base, adapters, rng and a traced scale or rate; the treedef keeps them when they are numbers."""
+        """Leaves: base, adapters, rng and a traced scale or rate; the treedef keeps them when they are numbers,
+        and ``rows``."""
         knobs = (self.scale, self.dropout)
         fixed = tuple(_static(v) for v in knobs)
         children = (self.base, self.adapters, self.rng, *(None if f else v for f, v in zip(fixed, knobs)))
-        return children, (fixed, tuple(v if f else None for f, v in zip(fixed, knobs)))
+        return children, (fixed, tuple(v if f else None for f, v in zip(fixed, knobs)), self.rows)
 
     @classmethod
     def tree_unflatten(cls, aux: tuple[Any, ...], children: tuple[Any, ...]) -> Weights:
         """The inverse of :meth:`tree_flatten`."""
-        fixed, constants = aux
+        fixed, constants, rows = aux
         base, adapters, rng, *traced = children
         scale, dropout = (c if f else t for f, c, t in zip(fixed, constants, traced))
         w = object.__new__(cls)  # no __post_init__: jax rebuilds with placeholder leaves
         for name, v in (("base", base), ("adapters", adapters), ("scale", scale), ("dropout", dropout),
-                        ("rng", rng)):
+                        ("rng", rng), ("rows", rows)):
             object.__setattr__(w, name, v)
         return w

@@ -221,7 +221,7 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax
                  valid: jax.Array | None = None, mla_absorb: bool | None = None, *, fresh: bool = False,
                  view: int | None = None, last: jax.Array | None = None,
                  hidden: bool = False, vision: VisionInputs | None = None,
-                 entries: bool = False) -> tuple[jax.Array, Any]:
+                 entries: bool = False, pages: jax.Array | None = None) -> tuple[jax.Array, Any]:
     """:func:`forward_cached` with generation's shortcuts (``fresh`` and ``view`` static), and LoRA adapters.
 
     ``fresh``: the cache is empty (every length 0), so its slots are not read.
@@ -231,13 +231,20 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax
     of each row (the output head runs on b positions instead of b * t).
     ``params``: the base alone, or :class:`zoo.lora.weights.Weights` with LoRA
     adapters: each adapted projection adds its adapter beside the base matmul,
-    as the training forward does (no merged copy of the weights exists; no dropout).
+    as the training forward does (no merged copy of the weights exists; no dropout); with ``rows`` each row of
+    the batch its own adapter (:mod:`zoo.lora.rows`).
     ``hidden`` (static): return the final normed hidden states [b, t, hidden]
     instead of the logits, for a caller that projects the vocabulary in pieces.
     ``vision``: a vision-language model's images of these tokens (the prompt's, at prefill), each image token's
     embedding replaced by its image feature as in the training forward, and where the model has image blocks
     (Gemma 3) each run of image tokens attending within itself both ways; the steps after it are plain text.
     ``entries`` (static): return :class:`Written` (the new keys and values, unwritten) instead of the new cache.
+    ``pages`` [b, P]: the cache is paged (the inference engine's pool, :mod:`eval.engine.paged`): each kind's
+    arrays hold pages (``k`` [n, pages, kv_heads, head_dim, page], ``v`` [n, pages, kv_heads, page, head_dim], MLA
+    ``latent``/``k_pe`` [n, pages, page, ...]) and row r reads pages ``pages[r]`` as P * page slots, position p
+    at slot p; each layer gathers its own when it runs (:func:`gather_pages`), so only one layer's rows are ever
+    copied out of the pool. Needs ``entries`` (the pool is written by its owner); LongRoPE switches per row, and
+    its owner re-ropes a row's cached keys before the call in which it crosses (:func:`eval.engine.paged.rerope`).
     """
     w = Weights.wrap(params)
     base: dict[str, Any] = w.base
@@ -250,13 +257,18 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax
     vi = valid.astype(jnp.int32)
     pos = cache.lengths[:, None] + jnp.cumsum(vi, axis=1) - vi
     new_lengths = cache.lengths + vi.sum(1)
-    if cfg.rope.kind == "longrope" and not fresh:  # Phi-3: past original_max_position_embeddings, long factors
+    assert pages is None or entries, "a paged cache is written by its owner"
+    if cfg.rope.kind == "longrope" and not fresh and pages is None:  # Phi-3: past original_max_position_embeddings, long factors
         cache = Cache(switch_to_long(cfg, cache.layers, cache.lengths, new_lengths, slot_positions), cache.lengths,
                       cache.rope_delta)
 
     rope_pos, delta = _rope_positions(cfg, tokens, pos, valid, new_lengths, cache.rope_delta, vision)
-    ropes = rope_tables_by_kind(cfg, rope_pos, valid)
-    slots = {kind: arrays["latent" if cfg.mla else "v"].shape[2 if cfg.mla else 3]
+    # A paged cache's rows are requests of their own: LongRoPE switches per row (its owner re-ropes a row's pages
+    # before the call that crosses: eval.engine.paged.rerope).
+    ropes = rope_tables_by_kind(cfg, rope_pos, valid, per_row=pages is not None)
+    # A ring's slots (a paged cache: the same axis is a page's positions, P of them a row).
+    slots = {kind: arrays["latent" if cfg.mla else "v"].shape[2 if cfg.mla else 3] * (1 if pages is None
+                                                                                    else pages.shape[1])
              for group in cache.layers.values() for kind, arrays in group.items()}
     # Slots read per kind: none when fresh, the first `view` when every row fits in them.
     read = {kind: 0 if fresh else (s if view is None else min(s, view)) for kind, s in slots.items()}
@@ -278,7 +290,8 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax
     # Gemma 4: kind -> (the stored layer's cache, its new keys/values), read by the KV-shared layers.
     stored: dict[str, tuple[dict | None, tuple[jax.Array, jax.Array]]] = {}
     causal = {kind: b is None for kind, b in kind_blocks.items()}
-    layer = _cached_layer(cfg, ropes, masks, windows, read, slots, stored, valid, scale, mla_absorb, causal)
+    layer = _cached_layer(cfg, ropes, masks, windows, read, slots, stored, valid, scale, mla_absorb, causal,
+                          w.rows, pages)
     x, written = _run_cached_stacks(cfg, base, x, cache, layer, lora, ple, fresh, stored, deep)
     if last is not None:
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
@@ -323,7 +336,8 @@ def _cached_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Array]
                   windows: dict[str, int | None], read: dict[str, int], slots: dict[str, int],
                   stored: dict[str, tuple[dict | None, tuple[jax.Array, jax.Array]]], valid: jax.Array,
                   scale: float | jax.Array, mla_absorb: bool | None,
-                  causal: dict[str, bool] | None = None) -> Callable[..., tuple[jax.Array, dict | None]]:
+                  causal: dict[str, bool] | None = None, rows: bool = False,
+                  pages: jax.Array | None = None) -> Callable[..., tuple[jax.Array, dict | None]]:
     """The cached forward's layer as :func:`_run_cached_stacks` scans it: ``layer(x, inputs, kind, moe, prefix)``.
 
     ``inputs`` are one layer's (weights, adapters, NoPE flag, per-layer input, DeepStack level, cache entry); by
@@ -331,19 +345,22 @@ def _cached_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Array]
     ``ropes``, ``masks`` and ``windows`` are the rope tables, masks and sliding windows, ``read`` the slots read
     of the ``slots`` a ring has; ``valid`` [b, t] the real tokens; ``causal[kind]`` False when that kind's new
     tokens' mask holds bidirectional blocks (:func:`zoo.model.cached_attention.gqa_attention`; None: all causal).
-    A KV-shared layer (Gemma 4) reads its stored layer's cache and new keys/values
+    ``rows``: the adapters are per batch row (:class:`zoo.lora.projections.LayerLora`). ``pages``: the rows' page
+    tables of a paged cache (:func:`forward_step`), gathered here. A KV-shared layer (Gemma 4) reads its stored layer's cache and new keys/values
     from ``stored``. The layer's output is its new cache entries (None for a KV-shared layer: it writes nothing).
     """
 
     def layer(x: jax.Array, inputs: tuple, kind: str, moe: bool, prefix: str) -> tuple[jax.Array, dict | None]:
         p, lp, rope_on, pli, deep, c = inputs
-        lora = None if lp is None else LayerLora(lp, scale)  # no dropout in decoding
+        lora = None if lp is None else LayerLora(lp, scale, rows=rows)  # no dropout in decoding
         reuse = None
         if is_kv_shared(cfg, prefix):
             c, reuse = stored[kind]
         kcfg = kind_config(cfg, kind)
         n = read[kind]
-        if c is not None and n < slots[kind]:
+        if c is not None and pages is not None:
+            c = gather_pages(c, pages)
+        elif c is not None and n < slots[kind]:
             # One layer's arrays: MLA [b, S, r], k [b, hk, d, S], v [b, hk, S, d].
             c = ({name: a[:, :n] for name, a in c.items()} if cfg.mla
                  else {"k": c["k"][..., :n], "v": c["v"][:, :, :n]})
@@ -358,6 +375,23 @@ def _cached_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Array]
         return x, (None if reuse is not None else new)  # a KV-shared layer writes nothing
 
     return layer
+
+
+def gather_pages(c: dict[str, jax.Array], pages: jax.Array) -> dict[str, jax.Array]:
+    """One layer's pool arrays (``k`` [pages, kv_heads, head_dim, page], ``v`` [pages, kv_heads, page, head_dim],
+    MLA ``latent``/``k_pe`` [pages, page, ...]) read for the rows' page tables ``pages`` [b, P] as a ring of P *
+    page slots: k [b, kv_heads, head_dim, S], v [b, kv_heads, S, head_dim], MLA [b, S, ...]."""
+    b = pages.shape[0]
+    out = {}
+    for name, a in c.items():
+        g = a[pages]  # [b, P, ...one page's axes]
+        if name == "k":
+            out[name] = g.transpose(0, 2, 3, 1, 4).reshape(b, g.shape[2], g.shape[3], -1)
+        elif name == "v":
+            out[name] = g.transpose(0, 2, 1, 3, 4).reshape(b, g.shape[2], -1, g.shape[4])
+        else:
+            out[name] = g.reshape(b, -1, g.shape[-1])
+    return out
 
 
 def _run_cached_stacks(cfg: ModelConfig, params: dict[str, Any], x: jax.Array, cache: Cache,

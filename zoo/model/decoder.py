@@ -187,7 +187,8 @@ def forward(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax.Arra
     base with LoRA adapters (a tree keyed like the base, see
     :func:`zoo.lora.params.init_lora`), each adapted projection adding
     ``scale * (x @ A) @ B`` (the scale from :func:`zoo.lora.params.lora_scale`)
-    beside its base matmul. The adapters are scanned with their layers.
+    beside its base matmul. The adapters are scanned with their layers. With
+    ``rows`` each batch row has its own adapter (:mod:`zoo.lora.rows`; no dropout).
 
     The weights' dropout rate (a Python float, so static under jit) with their
     ``rng`` key applies LoRA dropout, for training: each adapter reads
@@ -246,7 +247,7 @@ def forward(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax.Arra
     # embeddings with the images in place.
     ple = per_layer_inputs(cfg, base, ids, x) if cfg.per_layer_input_size else None
     shared: dict[str, tuple[jax.Array, jax.Array]] = {}  # kind -> the keys/values the KV-shared layers reuse
-    layer = _training_layer(cfg, ropes, seen, valid, scale, lora_dropout, shared)
+    layer = _training_layer(cfg, ropes, seen, valid, scale, lora_dropout, shared, w.rows)
     x, layer_stats = _run_stacks(cfg, base, x, layer, lora, drop_keys, ple, remat, shared, deep)
     x = norm(cfg, x, base["final_norm"])
     logits = x if return_hidden else output_logits(cfg, base, x)
@@ -260,21 +261,22 @@ def forward(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax.Arra
 
 def _training_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Array]], seen: dict[str, Any],
                     valid: jax.Array, scale: float | jax.Array, lora_dropout: float | jax.Array,
-                    shared: dict[str, tuple[jax.Array, jax.Array]]) -> Callable[..., tuple[jax.Array, Any]]:
+                    shared: dict[str, tuple[jax.Array, jax.Array]],
+                    rows: bool = False) -> Callable[..., tuple[jax.Array, Any]]:
     """The training forward's layer as :func:`_run_stacks` scans it: ``layer(x, inputs, kind, moe, prefix)``.
 
     ``inputs`` are one layer's (weights, adapters, dropout key, NoPE flag, per-layer input, DeepStack level);
     ``ropes`` and
     ``seen`` the rope tables and visibility by layer kind. Gemma 4's KV-shared layers read their keys/values
     from ``shared``, which :func:`_run_stacks` fills as the storing layers' stack is done; a storing layer's
-    output then carries its keys/values beside its router statistics.
+    output then carries its keys/values beside its router statistics. ``rows``: the adapters are per batch row.
     """
     sharing = cfg.kv_shared_layers > 0
 
     def layer(x: jax.Array, inputs: tuple, kind: str, moe: bool, prefix: str) -> tuple[jax.Array, Any]:
         p, lp, key, rope_on, pli, deep = inputs
         drop = None if key is None else LoraDropout(lora_dropout, key)
-        lora = None if lp is None else LayerLora(lp, scale, drop)
+        lora = None if lp is None else LayerLora(lp, scale, drop, rows)
         kcfg = kind_config(cfg, kind)
 
         def attend(x: jax.Array) -> tuple[jax.Array, Any]:

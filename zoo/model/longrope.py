@@ -51,3 +51,12 @@ def switch_to_long(cfg: ModelConfig, layers: dict, lengths: jax.Array, new_lengt
         return out
 
     return jax.lax.cond(crossing, rerope, lambda layers: layers, layers)
+
+
+def rerope_long(cfg: ModelConfig, k: jax.Array, positions: jax.Array) -> jax.Array:
+    """Cached keys k [n, b, hk, d, S] roped with the short factors, at ``positions`` [b, S], roped with the long
+    ones (rotated by the difference of the angles, as :func:`switch_to_long` does at the crossing call)."""
+    dim = cfg.rope_dim
+    delta = longrope_inv_freq(cfg.rope, dim, long=True) - longrope_inv_freq(cfg.rope, dim, long=False)
+    cos, sin = rope_tables(jnp.maximum(positions, 0), delta)
+    return _rotate(k, cos, sin)

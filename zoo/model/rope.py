@@ -155,12 +155,13 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def _tables(rope: RopeConfig, dim: int, positions: jax.Array,
-            valid: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+            valid: jax.Array | None, per_row: bool = False) -> tuple[jax.Array, jax.Array]:
     """cos/sin tables of one RoPE for ``positions``.
 
     LongRoPE switches, as transformers does, on the call's length: the long factors for every position
     when the furthest one (of the ``valid`` tokens) is at or past original_max_position_embeddings, else
-    the short ones. A KV cache keeps the keys roped as they were when written.
+    the short ones (``per_row``: each row on its own length, as the inference engine's rows are requests of
+    their own). A KV cache keeps the keys roped as they were when written.
     """
     scale = rope_attention_factor(rope)
     if rope.mrope_section:
@@ -170,7 +171,8 @@ def _tables(rope: RopeConfig, dim: int, positions: jax.Array,
     short = rope_tables(positions, longrope_inv_freq(rope, dim, long=False), scale)
     long = rope_tables(positions, longrope_inv_freq(rope, dim, long=True), scale)
     seen = positions if valid is None else jnp.where(valid, positions, 0)
-    use_long = jnp.max(seen) + 1 > rope.original_max_position_embeddings
+    furthest = jnp.max(seen, axis=-1, keepdims=True)[..., None] if per_row else jnp.max(seen)
+    use_long = furthest + 1 > rope.original_max_position_embeddings
     return jnp.where(use_long, long[0], short[0]), jnp.where(use_long, long[1], short[1])
 
 
@@ -191,8 +193,8 @@ def rope_flags(cfg: ModelConfig, start: int, stop: int) -> jax.Array | None:
     return jnp.asarray([0.0 if i in cfg.nope_layers else 1.0 for i in range(start, stop)], jnp.float32)
 
 
-def rope_tables_by_kind(cfg: ModelConfig, positions: jax.Array,
-                        valid: jax.Array | None = None) -> dict[str, tuple[jax.Array, jax.Array]]:
+def rope_tables_by_kind(cfg: ModelConfig, positions: jax.Array, valid: jax.Array | None = None,
+                        per_row: bool = False) -> dict[str, tuple[jax.Array, jax.Array]]:
     """(cos, sin) tables for integer positions [batch, seq] per layer kind of ``cfg`` (multimodal RoPE:
     [3, batch, seq] as well, :func:`mrope_tables`).
 
@@ -200,10 +202,10 @@ def rope_tables_by_kind(cfg: ModelConfig, positions: jax.Array,
     use ``cfg.rope_local`` where it differs (Gemma 3's local RoPE), else the
     same RoPE. The training forward and the cached forward both take their
     tables from here, so their angles cannot drift apart. ``valid`` [batch, seq]
-    marks the real tokens (LongRoPE's choice of factors reads only theirs).
+    marks the real tokens (LongRoPE's choice of factors reads only theirs; ``per_row``: each row's own).
     """
     # Gemma 4's full layers have heads of their own width (global_head_dim: zoo.model.layer_layout.kind_config).
-    tables = {"full": _tables(cfg.rope, kind_config(cfg, "full").rope_dim, positions, valid)}
+    tables = {"full": _tables(cfg.rope, kind_config(cfg, "full").rope_dim, positions, valid, per_row)}
     if "sliding" in cfg.kinds:
-        tables["sliding"] = _tables(cfg.rope_local or cfg.rope, cfg.rope_dim, positions, valid)
+        tables["sliding"] = _tables(cfg.rope_local or cfg.rope, cfg.rope_dim, positions, valid, per_row)
     return tables

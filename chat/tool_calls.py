@@ -15,9 +15,9 @@ templates (tests/data/chat_templates/):
 - ``mistral_args`` (Mistral Small 3.2 and the v11 tokenizers): ``[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}``, one
   such run per call (``[CALL_ID]id`` optional).
 
-:func:`parser_for` picks one from the chat template's source (``grpo.tool_parser: auto``), or takes a name, or
-``path/to/file.py:function`` / ``module:function`` for another convention: a function of the text that returns
-a :class:`ParsedTurn`.
+:func:`parser_for` picks one from the chat template's source (``grpo.tool_parser: auto``; `zoo serve`'s answers),
+or takes a name, or ``path/to/file.py:function`` / ``module:function`` for another convention: a function of the
+text that returns a :class:`ParsedTurn`.
 """
 
 from __future__ import annotations
@@ -180,21 +180,22 @@ def detect(template: str) -> str | None:
     return None
 
 
-def parser_for(setting: str, template: str) -> Parser:
-    """The parser of ``grpo.tool_parser``: ``auto`` (from the chat template's source), a name of
-    :data:`PARSERS`, or ``module:function`` / ``path/to/file.py:function``. One-line UserErrors."""
+def parser_for(setting: str, template: str, load: Callable[[str, str], Callable] | None = None,
+               where: str = "grpo.tool_parser") -> Parser:
+    """The parser a setting names (``where``: the setting, for its errors): ``auto`` (from the chat template's
+    source), a name of :data:`PARSERS`, or ``module:function`` / ``path/to/file.py:function``, which ``load``
+    imports (grpo passes :func:`grpo.rewards.load_callable`; without it such a setting is refused). One-line
+    UserErrors."""
     if setting == "auto":
         name = detect(template)
         if name is None:
-            raise UserError("grpo.tool_parser auto: the chat template renders no tool calls this version can read "
+            raise UserError(f"{where} auto: the chat template renders no tool calls this version can read "
                             f"(none of {', '.join(PARSERS)}); use a model whose template supports tools, or set "
-                            "grpo.tool_parser to one of them or to path/to/file.py:function")
+                            f"{where} to one of them or to path/to/file.py:function")
         return PARSERS[name]
     if setting in PARSERS:
         return PARSERS[setting]
-    if ":" not in setting:
-        raise UserError(f"grpo.tool_parser {setting!r}: choose auto, one of {', '.join(PARSERS)}, or "
-                        "path/to/file.py:function")
-    from grpo.rewards import load_callable
-
-    return load_callable(setting, f"grpo.tool_parser {setting!r}")
+    if ":" not in setting or load is None:
+        raise UserError(f"{where} {setting!r}: choose auto, one of {', '.join(PARSERS)}"
+                        + (", or path/to/file.py:function" if load is not None else ""))
+    return load(setting, f"{where} {setting!r}")
