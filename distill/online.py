@@ -9,7 +9,7 @@ accumulation: with probability ``lmbda`` the student samples the micro-batch's c
 ``s`` is drawn from ``(seed, s)``, so a resumed run draws what the uninterrupted one drew.
 
 A row's prompt is everything before its last trained span (the last assistant turn's answer; TRL's ChatML
-collator prompts with every message but the last). The sampler is the KV-cache decoder GRPO uses
+collator prompts with every message but the last). The sampler is the inference engine GRPO samples on
 (eval/rollout.py), at ``distill.temperature`` with no top-k or top-p cut (TRL's ``top_k=0, top_p=1``), up to
 ``distill.max_new_tokens`` tokens, the first EOS included and trained. Every batch, sampled or not, has rows of
 ``data.seq_len + distill.max_new_tokens`` tokens, so the step compiles once.
@@ -86,8 +86,8 @@ class Sampling:
     compute: Any
     mesh: jax.sharding.Mesh
     batch_sharding: NamedSharding = field(init=False)
-    # The student's and the teacher's samplers (eval.rollout.RolloutEngine), and their jitted programs:
-    # (weights, key, rows, micro-batch index) -> (completions, their log-probabilities, lengths).
+    # The student's and the teacher's samplers (eval.rollout.RolloutEngine: the inference engine), and their
+    # programs: (weights, key, rows, micro-batch index) -> (completions, their log-probabilities, lengths).
     engines: dict[str, RolloutEngine] = field(init=False)
     programs: dict[str, Any] = field(init=False)
     _sampled: Any = field(init=False)
@@ -121,7 +121,8 @@ class Sampling:
     def lowered(self, weights: Weights, teacher: Any) -> dict[str, Any]:
         """For ``--compile-only``: the student's sampler (and with ``seq_kd`` the teacher's) lowered from
         abstract weights (the student's ``weights``, the ``teacher``'s params), for one micro-batch of the step's
-        rows."""
+        rows: each the inference engine's prefill and decoding step as one program
+        (:meth:`eval.rollout.RolloutEngine.lowered`)."""
         a, m = self.shape
         rows = {k: jax.ShapeDtypeStruct((a, m, self.seq_len + 1), jnp.int32, sharding=self.batch_sharding)
                 for k in ("tokens", "loss_mask", "tokens_segment_ids")}
@@ -135,7 +136,7 @@ class Sampling:
         return out
 
     def kv_cache_bytes(self) -> dict[str, int]:
-        """Bytes a chip holds of each sampler's KV cache (:meth:`lowered`'s programs)."""
+        """Bytes a chip holds of each sampler's KV cache (:meth:`lowered`'s programs: the engine's page pool)."""
         names = ("sampler", "teacher_sampler") if self.seq_kd else ("sampler",)
         return {k: self.engines[k].kv_cache_bytes(self.shape[1], self.seq_len + 1, self.spec) for k in names}
 

@@ -5,7 +5,8 @@
 - each rollout's prompt is rendered with the tools it may call (the chat template's ``tools``: ``grpo.tools``
   plus its environment's methods) after its environment's ``reset(**row)`` (whose text is appended to the last
   user message), and tokenized; a prompt longer than ``data.seq_len`` keeps its end, as GRPO's prompts do;
-- the episodes run on one KV cache per rollout (:class:`eval.turns.CachedTurns`), turn after turn;
+- the episodes run on the inference engine (:class:`eval.turns.CachedTurns`), turn after turn, each turn a request
+  whose conversation so far the engine's prefix cache mostly holds already;
 - :class:`Episodes` holds the arrays the update lays out (prompt rows, the episode's tokens and the sampler's
   log-probabilities, and which tokens are the model's), the messages the rewards read (TRL's completions: the
   assistant and tool messages), the metrics (per episode ``num_turns``, ``tool_calls`` and ``tool_failures``;
@@ -28,6 +29,7 @@ from chat.templates import ChatTemplate, render, template_text
 from chat.tool_calls import Parser, parser_for
 from chat.training_templates import for_tools
 from eval.generate import Sampler
+from eval.rollout import RolloutEngine
 from eval.turns import CachedTurns
 from grpo.config import GRPOConfig
 from grpo.episodes import Episode, EpisodeSettings, call_id, run_episodes, tool_suffix
@@ -107,6 +109,7 @@ class Agent:
         if self.g.tool_parser != "auto":  # a name or a function: said before the model loads
             parser_for(self.g.tool_parser, "", load_callable)
         self.ready: Prepared | None = None  # set up by prepare
+        self.engines: RolloutEngine | None = None  # the episodes' engines, kept across steps (set up by prepare)
 
     def prepare(self, tokenizer: Any, template: ChatTemplate, mcfg: ModelConfig, eos_ids: tuple[int, ...],
                 sampler: Sampler, compute: Any) -> None:
@@ -122,6 +125,7 @@ class Agent:
             {"type": "function", "id": call_id(1), "function": {"name": "dummy", "arguments": {}}}]},
             [{"role": "tool", "name": "dummy", "content": "dummy", "tool_call_id": call_id(1)}])
         self.ready = Prepared(tokenizer, template, source, mcfg, sampler, compute, eos_ids, parser, suffix)
+        self.engines = RolloutEngine(mcfg, compute, None)
 
     def _ready(self) -> Prepared:
         assert self.ready is not None, "prepare first"
@@ -185,11 +189,14 @@ class Agent:
         budget = self.g.max_completion_length
         ready = self._ready()
         decoder = CachedTurns(ready.mcfg, weights, sampler or ready.sampler, ready.eos_ids, budget, key,
-                              ready.compute)
+                              ready.compute, self.engines)
         settings = EpisodeSettings(budget, self.g.max_turns, ready.eos_ids, float(self.g.tool_timeout), ready.parser,
                                    lambda t: ready.tokenizer.decode(t, skip_special_tokens=False), ready.suffix)
         finished = [lambda e=e: bool(getattr(e, "done", False)) for e in instances]  # an environment's own end
-        episodes = run_episodes(decoder, ids, width, tool_maps, settings, finished)
+        try:
+            episodes = run_episodes(decoder, ids, width, tool_maps, settings, finished)
+        finally:
+            decoder.close()
         b = len(rows)
         out = Episodes(np.zeros((b, width), np.int32), np.zeros((b, width), np.int32),
                        np.zeros((b, budget), np.int32), np.zeros((b, budget), np.float32),

@@ -269,8 +269,9 @@ class GRPOTask(Task[RolloutBatch]):
         return Programs(self.cfg, mcfg, mesh, DTYPES[cfg.dtype.compute], eos_ids, self.rows)
 
     def compile_programs(self, weights: Weights, frozen_inputs: Any) -> dict[str, Any]:
-        """The sampler lowered for ``--compile-only`` (after :meth:`prepare`): G completions of
-        ``grpo.max_completion_length`` tokens for the step's prompts, from the policy's ``weights``."""
+        """The sampler lowered for ``--compile-only`` (after :meth:`prepare`): the inference engine's prefill of the
+        step's prompts and its decoding step of their G completions each (eval/rollout.py's
+        :meth:`eval.rollout.RolloutEngine.lowered`), from the policy's ``weights``."""
         assert self.programs is not None, "prepare first"
         p = self.programs
         rows = jax.ShapeDtypeStruct(p.shape + (self.cfg.data.seq_len + 1,), jnp.int32, sharding=p.sharding)
@@ -279,7 +280,7 @@ class GRPOTask(Task[RolloutBatch]):
         vision = self._vision_layout(p.shape)
         if vision is not None:  # the prompts' images, laid out as the prompts
             vision = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=p.sharding), vision)
-        return {"sampler": p.sample.lower(weights, step, rows, rows, vision=vision)}
+        return {"sampler": p.sample.lower(weights, step, rows, rows, vision=vision)}  # the engine's prefill + step
 
     def _vision_layout(self, rows: tuple[int, ...]) -> VisionBatch | None:
         """A vision-language model's images of ``rows`` prompt rows, as ``jax.ShapeDtypeStruct`` s: the run's patch
@@ -293,7 +294,7 @@ class GRPOTask(Task[RolloutBatch]):
 
     def program_kv_cache(self) -> dict[str, int]:
         """Bytes a chip holds of the sampler's KV cache (:meth:`compile_programs`' rows: the step's prompts, G
-        completions each, ``max_completion_length`` new tokens), laid out as the sampler lays it out."""
+        completions each, ``max_completion_length`` new tokens): the engine's page pool, split as it splits it."""
         assert self.programs is not None, "prepare first"
         return {"sampler": self.programs.kv_cache_bytes(self.cfg.data.seq_len + 1)}
 

@@ -98,9 +98,10 @@ def test_a_small_run_compiles_for_a_4_chip_slice_and_reports(tmp_path, capsys, c
     assert (sampler is not None) == (command == "grpo")
     if sampler:
         assert sampler["total"] > sampler["temporaries"] > 0 and "sampler GiB/chip" in out.out
-        # k and v x layers x rows x kv heads x head_dim x (prompt row 65 + 8 new) slots x float32; TINY's 2 kv heads
-        # do not divide the 4 chips, so each chip holds them all
-        assert sampler["kv_cache"] == 2 * 2 * 8 * 2 * 16 * (65 + 8) * 4 and "KV cache" in out.out
+        # The engine's page pool: k and v x layers x rows x kv heads x head_dim x (prompt row 65 + 8 new = 73
+        # tokens in 5 pages of 16) slots x float32; TINY's 2 kv heads do not divide the 4 chips, so each chip holds
+        # them all
+        assert sampler["kv_cache"] == 2 * 2 * 8 * 2 * 16 * (5 * 16) * 4 and "KV cache" in out.out
     assert "fits" in out.out and "v5e:2x2 (4 chips, TPU v5 lite" in out.out
     assert not (tmp_path / "run").exists()  # nothing written but the report
 

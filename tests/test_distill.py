@@ -348,7 +348,8 @@ def test_gkd_step_one_equals_trl_trainer(dpo_models, teacher, tmp_path, request,
 def test_compile_only_lays_out_the_teacher_and_both_samplers(tmp_path, capsys) -> None:
     """`sft train --compile-only` with a wider teacher (a config.json: no weights, no data), student samples and
     seq_kd: the step compiles for v5e:2x2 with the teacher as a frozen input, and both samplers are compiled
-    and reported with their KV caches (k and v x layers x rows x kv heads x head_dim x slots x float32)."""
+    and reported with their KV caches (the engine's page pools: k and v x layers x rows x kv heads x head_dim x
+    slots x float32)."""
     import json
 
     from sft.cli import main
@@ -371,7 +372,7 @@ def test_compile_only_lays_out_the_teacher_and_both_samplers(tmp_path, capsys) -
     rep = json.loads(report.read_text())
     programs = rep["programs"]
     assert set(programs) == {"sampler", "teacher_sampler"}
-    slots, rows = 32 + 1 + 8, 4  # one micro-batch's prompts (batch 8 over grad_accum 2)
+    slots, rows = 3 * 16, 4  # one micro-batch's prompts (batch 8 over grad_accum 2): 32 + 1 + 8 in pages of 16
     assert programs["sampler"]["kv_cache"] == 2 * 2 * rows * 2 * 16 * slots * 4  # 2 kv heads on each of 4 chips
     assert programs["teacher_sampler"]["kv_cache"] == 2 * 3 * rows * 4 * 16 * slots * 4 // 4  # 4 kv heads split
     assert rep["tokens_per_step"] == 8 * (32 + 8)

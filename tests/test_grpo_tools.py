@@ -279,6 +279,65 @@ def test_turns_on_one_cache_equal_a_fresh_forward_of_the_whole_conversation(tiny
             assert abs(float(lsm[r, at, t]) - lp) < 1e-5, (r, k)
 
 
+def test_a_groups_completions_and_a_next_turn_read_cached_pages(tiny_lm):
+    """On the engine (pages of 16 tokens): the G = 3 completions of each of two prompts (37 and 20 tokens, 8 new
+    each) hold their prompt's full pages once: while all six decode, the pool holds 2 + 3 x 1 and 1 + 3 x 1 pages
+    (9; 15 were each row to hold its own), and each group's second and third rows prefill only the tokens past
+    those pages. A CachedTurns row's second turn prefills only the tokens past the full pages of its first turn's
+    conversation (prompt + turn), which the engine cached when that turn ended."""
+    import jax
+
+    from eval.engine.engine import Engine
+    from eval.generate import Sampler
+    from eval.rollout import RolloutSpec, sample_group_completions
+    from eval.turns import CachedTurns
+    from zoo.checkpoints.format import read_config
+    from zoo.checkpoints.loading import load_params
+
+    cfg, params = read_config(tiny_lm / "zoo"), load_params(tiny_lm / "zoo")
+    prompts = [list(range(3, 40)), list(range(50, 70))]
+    g, p, t = 3, 40, 8
+    tokens, valid = np.zeros((2 * g, p), np.int32), np.zeros((2 * g, p), bool)
+    for i, pr in enumerate(prompts):
+        tokens[i * g:(i + 1) * g, :len(pr)], valid[i * g:(i + 1) * g, :len(pr)] = pr, True
+
+    def spy(engine: Engine) -> tuple[list[int], list[tuple[int, int]]]:
+        held, prefilled = [], []
+        step, prefill = engine.step, engine._prefill
+
+        def counted_step():
+            out = step()
+            held.append(engine.pages.held())
+            return out
+
+        def counted_prefill(admitted):
+            prefilled.extend((len(r.prompt), r.cached) for r in admitted)
+            return prefill(admitted)
+
+        engine.step, engine._prefill = counted_step, counted_prefill  # type: ignore[method-assign]
+        return held, prefilled
+
+    engine = Engine(cfg, params, max_seqs=2 * g, max_len=p + t)
+    held, prefilled = spy(engine)
+    spec = RolloutSpec(g, t, Sampler(1.0, 0, 1.0), ())
+    comp, _, lengths = sample_group_completions(cfg, params, tokens, valid, spec, jax.random.key(0), engine=engine)
+    assert np.asarray(lengths).tolist() == [t] * (2 * g)
+    assert max(held) == (2 + 3) + (1 + 3)
+    assert sorted(prefilled) == sorted([(37, 0), (20, 0)] + [(37, 32)] * 2 + [(20, 16)] * 2)
+
+    class Same:  # the turns on the same engine (its compiled programs): a run's RolloutEngine keeps one per shape
+        def engine(self, *args):
+            return engine
+
+    turns = CachedTurns(cfg, params, Sampler(0.0, 0, 1.0), (), t, jax.random.key(0), engines=Same())
+    turns.start([prompts[0]], p)
+    prefilled.clear()
+    first, _ = turns.turn(np.array([True]), np.array([6]), 0)
+    turns.extend({0: [first[0][-1], 70, 71, 72]})  # 37 + 6 + 3 = 46 tokens: 2 full pages cached of the first 42
+    turns.turn(np.array([True]), np.array([2]), 1)
+    assert prefilled == [(37, 0), (46, 32)]
+
+
 TOOLS = '''
 def add(a: int, b: int) -> int:
     """Add two integers.

@@ -294,33 +294,43 @@ def test_grpo_completion_logps_with_images_equal_transformers(g4):
 
 
 def test_grpo_sampler_never_draws_the_image_token(g4, monkeypatch):
-    """GRPO's sampler (eval/rollout.py's RolloutEngine, as `grpo train` builds it) on Gemma 4 with the image token's
-    logit forced largest (+30 on every step's logits): it never draws the image token (which the update's forward
-    would read as an image slot), and each drawn token's log-probability is the unmasked distribution's (what the
-    update computes): transformers' forward, +30 on the image token, in float64 (1e-4)."""
+    """GRPO's sampler (eval/rollout.py's RolloutEngine, as `grpo train` builds it: the inference engine) on Gemma 4
+    with the image token's logit forced largest (+30 on every step's logits): it never draws the image token (which
+    the update's forward would read as an image slot), and each drawn token's log-probability is the unmasked
+    distribution's (what the update computes): transformers' forward, +30 on the image token, in float64 (1e-4)."""
     import jax
     import jax.numpy as jnp
 
+    import eval.engine.paged as paged
     import eval.rollout as rollout
     import zoo
     from eval.generate import Sampler
 
     image_id, boost = g4.ids[0], 30.0
-    real = rollout.forward_step
+    real = paged.forward_step
 
     def boosted(*args, **kwargs):
         logits, cache = real(*args, **kwargs)
         return logits.at[..., image_id].add(boost), cache
 
-    monkeypatch.setattr(rollout, "forward_step", boosted)
+    def retrace() -> None:  # the engine's programs traced anew: with the boost, then without it again
+        paged.prefill.clear_cache()
+        paged.decode.clear_cache()
+
+    monkeypatch.setattr(paged, "forward_step", boosted)
+    retrace()
     mcfg, params = zoo.read_config(g4.ckpt), zoo.load_params(g4.ckpt)
     prompt = g4.tok(QUESTION, add_special_tokens=False)["input_ids"]
     tokens = np.zeros((2, 8), np.int32)
     tokens[:, :len(prompt)] = prompt
-    engine = rollout.RolloutEngine(mcfg, jnp.float32, None)  # type: ignore[arg-type]  # one device: no mesh
+    engine = rollout.RolloutEngine(mcfg, jnp.float32, None)  # one device: no mesh
     spec = rollout.RolloutSpec(2, 4, Sampler(1.0, 0, 1.0), (g4.tok.eos_token_id,))
-    comp, logps, lengths = jax.device_get(engine.program(spec, lambda t: (t, t > 0))(params, jax.random.key(0),
-                                                                                     tokens))
+    try:
+        comp, logps, lengths = jax.device_get(engine.program(spec, lambda t: (t, t > 0))(params, jax.random.key(0),
+                                                                                         tokens))
+    finally:
+        monkeypatch.undo()
+        retrace()
     for r in range(2):
         drawn = comp[r, :lengths[r]].tolist()
         assert image_id not in drawn and drawn

@@ -1,7 +1,7 @@
 """GRPO's device programs (grpo/programs.py) on a tiny vision-language model, outside a run: TRL's VLM prompt rows
 read as `grpo train` reads them (grpo/vision.py's ``ImagePrompts``: the ids, the patch budget, each step's patches),
-completed by the run's sampler and scored by the update's pass, all in one compiled program; and transformers'
-per-token log-probabilities of a completion, the oracle both are checked against.
+completed by the run's sampler (the inference engine) and scored by the update's pass (one compiled program); and
+transformers' per-token log-probabilities of a completion, the oracle both are checked against.
 
 A helper like tests/vlm_models.py; no test module imports another."""
 
@@ -59,16 +59,19 @@ def grpo_draws(ckpt: Path, rows: list[dict[str, Any]], path: Path, seq_len: int 
                 for grouped in layouts}
     first = programs[layouts[0]]
 
-    def run(params, tokens, seg, vision):
-        completions, sampler, lengths = first.sample(params, (np.int32(1), np.bool_(False)), tokens, seg, vision=vision)
+    # The sampler runs on the inference engine (its own programs); the update's passes in one compiled program.
+    drawn = first.sample(params, (np.int32(1), np.bool_(False)), tokens, seg, vision=vision)
+
+    def score(params, tokens, seg, vision, completions, sampler, lengths):
         update = {}
         for grouped, q in programs.items():
             batch = q.layout(tokens, seg, completions, lengths, sampler, jnp.zeros(b), jnp.ones(b, bool), None,
                              vision)
             update[grouped] = (q.logps(params, batch), batch.weights)
-        return completions, sampler, lengths, update
+        return update
 
-    completions, sampler, lengths, update = jax.device_get(jax.jit(run)(params, tokens, seg, vision))
+    update = jax.device_get(jax.jit(score)(params, tokens, seg, vision, *drawn))
+    completions, sampler, lengths = jax.device_get(drawn)
     comps = [completions[r, :n].tolist() for r, n in enumerate(lengths)]
     scored = {}
     for grouped, (lp, w) in update.items():

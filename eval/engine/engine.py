@@ -135,6 +135,12 @@ class Engine:
         self.weights = Weights(base, w.adapters, w.scale)
         self.pages.forget()
 
+    def release_weights(self) -> None:
+        """Let go of the weights (an online trainer's between its samplings: no copy of a policy outlives its
+        rollout); :meth:`set_weights` before the next step."""
+        self.weights = Weights({})
+        self.pages.forget()
+
     @property
     def adapter_names(self) -> tuple[str, ...]:
         """The LoRA adapters a request may name."""

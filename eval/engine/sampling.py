@@ -86,7 +86,7 @@ def _cut(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
 def draw_rows(logits: jax.Array, s: RowSampling) -> tuple[jax.Array, jax.Array]:
     """(next token [b] int32, its log-probability [b]) of each row from its last-position logits [b, V] under its
     own settings. The log-probability is under softmax(logits / temperature) before any cut (greedy rows: the
-    plain softmax's), the distribution a trainer computes (:func:`eval.rollout.draw`'s)."""
+    plain softmax's), the distribution a trainer computes (GRPO's update, :mod:`eval.rollout`)."""
     raw = logits.astype(jnp.float32)
     logits = raw.at[:, jnp.asarray(s.banned, jnp.int32)].set(-jnp.inf) if s.banned else raw
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
