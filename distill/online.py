@@ -33,7 +33,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from distill.batch import DistillBatch
 from eval.generate import Sampler
-from eval.rollout import RolloutEngine, RolloutSpec, assemble
+from eval.rollout import RolloutEngine, RolloutSpec
+from eval.rollout_batch import assemble
 from pretrain.batch import Rollout
 from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig

@@ -218,28 +218,16 @@ def _stream_one(model: Decoder, tok: Any, ids: list[int], gen: GenerationConfig,
                 frames: list[dict[str, Any]] | None = None) -> None:
     """Generate for one prompt (with its images), printing the text as it grows (held back where a stop string
     may begin)."""
-    from eval.answers import cut_at_stop
     from eval.generate import generate
+    from eval.text_stream import TextStream
 
-    new: list[int] = []
-    shown = 0
-    hold = max((len(s) for s in gen.stop), default=1) - 1
-
-    def text() -> str:
-        return cut_at_stop(tok.decode(new, skip_special_tokens=True), gen.stop)
+    text = TextStream(tok, gen.stop, gen.eos_ids)  # held back where a stop string may begin
 
     def on_token(_row: int, token: int) -> None:
-        nonlocal shown
-        new.append(token)
-        t = text()
-        t = t[:max(shown, len(t) - hold)]
-        if t.endswith("\ufffd"):  # a character split across tokens: wait for the rest of it
-            return
-        print(t[shown:], end="", flush=True)
-        shown = len(t)
+        print(text.add([token]), end="", flush=True)
 
     generate(model.cfg, model.param_dict(), [ids], gen, on_token, tok, None if frames is None else [frames])
-    print(text()[shown:], flush=True)
+    print(text.finish(), flush=True)
 
 
 def _generate_file(model: Decoder, tok: Any, rows: list[dict[str, Any]], args: argparse.Namespace,

@@ -8,7 +8,7 @@ import dataclasses
 import jax
 from jax.typing import DTypeLike
 
-from eval.rollout import completion_view
+from eval.rollout_batch import completion_view
 from grpo.config import GrpoSection
 from pretrain.batch import FLOAT, TokenBatch
 from zoo.lora.weights import Weights
@@ -37,7 +37,7 @@ class RolloutBatch(TokenBatch):
 @dataclasses.dataclass(frozen=True)
 class UpdateRows:
     """How the update lays out a step's completions: one row per completion (prompt + completion,
-    eval.rollout.assemble), or, ``grouped``, one row per group with its prompt once (assemble_groups)."""
+    eval.rollout_batch.assemble), or, ``grouped``, one row per group with its prompt once (assemble_groups)."""
 
     grouped: bool
     group: int  # G completions a prompt
@@ -50,7 +50,7 @@ class UpdateRows:
         return self.group + 1 if self.grouped else 1
 
     def completions(self, x: jax.Array) -> jax.Array:
-        """A per-position array of the update's rows as one row per completion (eval.rollout.completion_view),
+        """A per-position array of the update's rows as one row per completion (eval.rollout_batch.completion_view),
         aligned with the batch's per-completion arrays; as it is with one row per completion."""
         if not self.grouped:
             return x
@@ -61,7 +61,7 @@ class UpdateRows:
         t = self.new_tokens
         if not self.grouped:
             return RolloutBatch.layout((grad_accum, micro, seq_len + t), fields)
-        # One row per group (eval.rollout.assemble_groups); the per-completion arrays one row per completion.
+        # One row per group (eval.rollout_batch.assemble_groups); the per-completion arrays one row per completion.
         G = self.group
         rows = RolloutBatch.layout((grad_accum, micro // G, seq_len + G * (t + 1)), ("prefix_ids",))
         tokens = RolloutBatch.layout((grad_accum, micro, t), fields)

@@ -72,7 +72,7 @@ class GrpoSection:
     # the starting checkpoint, as TRL) | a zoo checkpoint path
     reference: str = "base"
     mask_truncated: bool = False  # completions that hit max_completion_length train nothing
-    # the update reads each group's prompt once, its G completions after it (eval.rollout.assemble_groups), where
+    # the update reads each group's prompt once, its G completions after it (eval.rollout_batch.assemble_groups), where
     # the model and mesh allow it (no sliding-window layers, attention auto or blockwise, whole groups per shard
     # of each micro-batch); off: one prompt + completion row each, as TRL lays them out
     share_prompt: bool = True

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from eval.generate import Sampler
-from eval.rollout import RolloutEngine, RolloutSpec, assemble, assemble_groups
+from eval.rollout import RolloutEngine, RolloutSpec
+from eval.rollout_batch import assemble, assemble_groups
 from grpo import losses
 from grpo.batch import RolloutBatch, UpdateRows, completion_logps
 from grpo.config import GRPOConfig

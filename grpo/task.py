@@ -361,7 +361,7 @@ class GRPOTask(Task[RolloutBatch]):
         token means as :class:`pretrain.metrics.Ratio` metrics and the sampler's log-probability gap as a
         :class:`Max`."""
         w = weights.cast(compute)
-        # A rollout row is one document (prompt + completion, then padding: eval.rollout.assemble), or a group's
+        # A rollout row is one document (prompt + completion, then padding: eval.rollout_batch.assemble), or a group's
         # prompt and its G completions (assemble_groups), read back one row per completion.
         logp, entropy, aux = completion_logps(mcfg, w, mb, self.rows, float(self.grpo.temperature), remat, entropy=True)
         sg = jax.lax.stop_gradient

@@ -22,11 +22,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from eval.engine.api import Event
+from eval.text_stream import TextStream
 from serve import chat, schema
 from serve.errors import ApiError, bad
 from serve.model import Served
 from serve.runner import Runner, Ticket
-from serve.text import TextStream
 
 log = logging.getLogger("zoo.serve")
 POLL_S = 0.5  # how often a waiting non-streamed request checks that its client is still there

@@ -110,7 +110,8 @@ def test_sampler_logps_equal_a_teacher_forced_forward(setup):
     gradients) on CPU."""
     import zoo
     from eval.generate import Sampler
-    from eval.rollout import RolloutSpec, assemble, assemble_groups, completion_view, sample_group_completions
+    from eval.rollout import RolloutSpec, sample_group_completions
+    from eval.rollout_batch import assemble, assemble_groups, completion_view
     from zoo.model.logps import batch_logps
 
     model = zoo.load(setup / "zoo", dtype=np.float32)

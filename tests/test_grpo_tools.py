@@ -578,7 +578,7 @@ def test_the_laid_out_batch_weighs_only_the_models_tokens():
     (truncated rows aside) one, and the sampler's log-probabilities stay aligned with the targets."""
     import jax
 
-    from eval.rollout import assemble
+    from eval.rollout_batch import assemble
 
     tokens, valid = np.asarray([[11, 12, 0]], np.int32), np.asarray([[True, True, False]])
     episode = np.asarray([[21, 22, 23, 24, 25, 0]], np.int32)  # model 21, 22; tool 23, 24; model 25

@@ -5,7 +5,7 @@ layer's keys and values in pages: ``k`` [layers, pages, kv_heads, head_dim, page
 kv_heads, page, head_dim] (the cache's head-major layouts, a page in place of a ring), or for MLA ``latent``
 [layers, pages, page, rank] and ``k_pe`` [layers, pages, page, rope_dim]. A row reads the pages of its page table
 as the ring layout of :mod:`zoo.model.decode` (P pages as P * page slots, position p at slot p, each layer
-gathering its rows' pages as it runs: :func:`zoo.model.decode.gather_pages`; the table's width is bucketed, so a
+gathering its rows' pages as it runs: :func:`zoo.model.paged_reads.gather_pages`; the table's width is bucketed, so a
 step reads what its rows can hold, not max_len) in the same cached forward every sampler uses
 (:func:`zoo.model.decode.forward_step`: every family's attention, MoE, images), and its new keys and values are
 scattered into its pages. Sliding-window layers keep every position too (the mask applies the
@@ -28,8 +28,9 @@ from eval.engine.sampling import RowSampling, draw_rows
 from zoo.lora.rows import RowAdapters
 from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
-from zoo.model.decode import Cache, Written, forward_step
+from zoo.model.decode import Cache, forward_step
 from zoo.model.layer_layout import is_kv_shared, kind_config
+from zoo.model.paged_reads import Written
 from zoo.model.vision import VisionInputs
 
 Pool = dict[str, dict[str, dict[str, jax.Array]]]

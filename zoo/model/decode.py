@@ -69,6 +69,7 @@ from zoo.model.multimodal import (
     image_blocks,
     text_ids,
 )
+from zoo.model.paged_reads import Written, gather_pages
 from zoo.model.per_layer_inputs import per_layer_inputs
 from zoo.model.rope import layer_rope, rope_flags, rope_tables_by_kind
 from zoo.model.vision import VisionInputs
@@ -303,20 +304,6 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax
     return logits, Cache(_write(cache, written, pos, valid, new_lengths, cfg.mla), new_lengths, delta)
 
 
-@dataclass(frozen=True)
-class Written:
-    """What a cached forward computed for the cache, before it is written (:func:`forward_step`'s ``entries``): per
-    stack and kind, each layer's new entries ``[(index in its kind's cache stack [m], {name: [m, b, t, ...]})]``,
-    the new tokens' positions ``pos`` [b, t] and ``valid`` mask, each row's new length and rope delta. A cache laid
-    out otherwise (the engine's pages, :mod:`eval.engine.paged`) writes them where it keeps them."""
-
-    entries: dict[str, dict[str, list]]
-    pos: jax.Array
-    valid: jax.Array
-    lengths: jax.Array
-    rope_delta: jax.Array | None
-
-
 def _rope_positions(cfg: ModelConfig, tokens: jax.Array, pos: jax.Array, valid: jax.Array, new_lengths: jax.Array,
                     delta: jax.Array | None, vision: VisionInputs | None) -> tuple[jax.Array, jax.Array | None]:
     """(the positions RoPE turns by, the cache's new rope delta): ``pos`` itself but for multimodal RoPE, where a
@@ -375,23 +362,6 @@ def _cached_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Array]
         return x, (None if reuse is not None else new)  # a KV-shared layer writes nothing
 
     return layer
-
-
-def gather_pages(c: dict[str, jax.Array], pages: jax.Array) -> dict[str, jax.Array]:
-    """One layer's pool arrays (``k`` [pages, kv_heads, head_dim, page], ``v`` [pages, kv_heads, page, head_dim],
-    MLA ``latent``/``k_pe`` [pages, page, ...]) read for the rows' page tables ``pages`` [b, P] as a ring of P *
-    page slots: k [b, kv_heads, head_dim, S], v [b, kv_heads, S, head_dim], MLA [b, S, ...]."""
-    b = pages.shape[0]
-    out = {}
-    for name, a in c.items():
-        g = a[pages]  # [b, P, ...one page's axes]
-        if name == "k":
-            out[name] = g.transpose(0, 2, 3, 1, 4).reshape(b, g.shape[2], g.shape[3], -1)
-        elif name == "v":
-            out[name] = g.transpose(0, 2, 1, 3, 4).reshape(b, g.shape[2], -1, g.shape[4])
-        else:
-            out[name] = g.reshape(b, -1, g.shape[-1])
-    return out
 
 
 def _run_cached_stacks(cfg: ModelConfig, params: dict[str, Any], x: jax.Array, cache: Cache,
