@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import eval.engine.engine as engine_module
 from eval.engine.api import SamplingParams
 from eval.engine.engine import Engine
 from zoo.errors import UserError
@@ -70,10 +71,12 @@ def _run(engine: Engine, ids: list[int]) -> tuple[dict[int, list[int]], list[lis
     return out, steps
 
 
-def test_rows_join_and_leave_and_every_answer_is_its_greedy_continuation(params):
+def test_rows_join_and_leave_and_every_answer_is_its_greedy_continuation(params, monkeypatch):
     """Six requests of different lengths and budgets on four rows: a queued request takes the row another one
     left while the others are mid-answer, and every answer is the greedy continuation of its own prompt (the
-    training forward's argmax), its log-probabilities that forward's; EOS ends only its own request."""
+    training forward's argmax), its log-probabilities that forward's; EOS ends only its own request. Steps with
+    at most two requests left decode two rows, not four (decoding batches of at least two rows here)."""
+    monkeypatch.setattr(engine_module, "DECODE_ROWS", 2)
     rng = np.random.RandomState(0)
     prompts = [rng.randint(1, 64, n).tolist() for n in (3, 11, 20, 1, 9, 6)]
     budgets = (3, 9, 5, 7, 4, 6)
@@ -82,6 +85,8 @@ def test_rows_join_and_leave_and_every_answer_is_its_greedy_continuation(params)
     out, steps = _run(engine, ids)
     answers = [out[i] for i in ids]
     assert [len(a) for a in answers] == list(budgets)
+    # The decoding steps ran the live rows in batches of 2 or 4: fewer rows than 4 a step, at least one a request.
+    assert sum(budgets) - len(budgets) <= engine.stats["decode_rows"] < 4 * engine.stats["steps"]
     _assert_greedy(params, prompts, answers)
     # Request 4 starts (its first token) at a step where request 1 is running and not at its first token.
     first: dict[int, int] = {}

@@ -1,7 +1,7 @@
 """The inference engine: continuous batching over a paged KV cache with shared prefixes.
 
-A fixed number of rows (``max_seqs``) decode together, one token each per :meth:`Engine.step`. A request joins a
-free row at any step (its prompt prefilled into pages first) and leaves at its end, its row taken by the next
+At most ``max_seqs`` requests decode together, one token each per :meth:`Engine.step`, the step computing only the
+rows that are decoding (padded to a power of two: :func:`decode_rows`). A request joins a free row at any step (its prompt prefilled into pages first) and leaves at its end, its row taken by the next
 queued request at the following step: no row waits for the batch's longest. Each request holds the pages of
 its prompt and budget from the moment it is admitted (so no running request ever waits for a page); a prompt's
 full pages stay cached after it ends, and a later request starting with the same tokens (and the same adapter)
@@ -40,6 +40,7 @@ from zoo.model.vision import VisionInputs
 TOKEN_BUCKET = 16  # a prefill's width is rounded up to a power of two of at least this many tokens
 PREFILL_TOKENS = 16384  # a prefill's padded rows x width at most (one prompt alone may exceed it)
 VIEW_TOKENS = 256  # a step's page tables: a power of two of tokens up to this, then a multiple of it
+DECODE_ROWS = 8  # a decoding step runs its live rows padded to a power of two of at least this many
 
 
 @dataclass
@@ -68,6 +69,13 @@ def view_tokens(tokens: int) -> int:
     if tokens <= VIEW_TOKENS:
         return _pow2(tokens, min(64, VIEW_TOKENS))
     return -(-tokens // VIEW_TOKENS) * VIEW_TOKENS
+
+
+def decode_rows(live: int, max_seqs: int) -> int:
+    """The rows a decoding step runs for ``live`` decoding requests: a power of two of at least DECODE_ROWS, at
+    most ``max_seqs``. A batch whose requests end early (GRPO's completions at their EOS, a server's short answers)
+    computes what is left of it, not ``max_seqs`` rows to the longest's end, from a few compiled shapes."""
+    return min(max_seqs, _pow2(live, DECODE_ROWS))
 
 
 def prefill_rows(max_seqs: int, tokens: int, budget: int = PREFILL_TOKENS) -> int:
@@ -123,9 +131,9 @@ class Engine:
         self._tables = np.zeros((max_seqs, self.pages_per_seq), np.int32)
         self._lengths = np.zeros(max_seqs, np.int32)
         self._delta = np.zeros(max_seqs, np.int32) if cfg.rope.mrope_section else None
-        # Counters since the engine started: prompt tokens computed and read from cached pages, decoding steps,
-        # tokens drawn.
-        self.stats = {"prefill_tokens": 0, "cached_tokens": 0, "steps": 0, "tokens": 0}
+        # Counters since the engine started: prompt tokens computed and read from cached pages, decoding steps, the
+        # rows those steps computed (padding rows included) and tokens drawn.
+        self.stats = {"prefill_tokens": 0, "cached_tokens": 0, "steps": 0, "decode_rows": 0, "tokens": 0}
 
     def set_weights(self, params: dict[str, Any] | Weights) -> None:
         """Decode with other weights from the next step on (an online trainer's new policy: its base and LoRA
@@ -341,23 +349,29 @@ class Engine:
     def _decode(self) -> None:
         live: list[_Request] = [r for r in self._rows if r is not None]
         width = self._width(max(int(self._lengths[r.row]) + 1 for r in live))
-        tokens = np.array([0 if r is None else r.out[-1] for r in self._rows], np.int32)
-        active = np.array([r is not None for r in self._rows])
-        sampling = self._sampling(self._rows, [0 if r is None else len(r.out) for r in self._rows])
-        delta = None if self._delta is None else jnp.asarray(self._delta)
+        # The live rows first, then padding rows that write nothing (row 0's state, inactive).
+        b = decode_rows(len(live), self.max_seqs)
+        at = [r.row for r in live] + [0] * (b - len(live))
+        pad: list[_Request | None] = [None] * (b - len(live))
+        tokens = np.array([r.out[-1] for r in live] + [0] * len(pad), np.int32)
+        active = np.arange(b) < len(live)
+        sampling = self._sampling(live + pad, [len(r.out) for r in live] + [0] * len(pad))
+        delta = None if self._delta is None else jnp.asarray(self._delta[at])
+        tables = self._tables[at, :width]
         if self.cfg.rope.kind == "longrope":  # rows whose next token passes the threshold: long-roped keys first
             omax = self.cfg.rope.original_max_position_embeddings
             crossing = [r.row for r in live if self._lengths[r.row] == omax]
             if crossing:
                 self.pool = rerope(self.cfg, self.pool, jnp.asarray(self._tables[crossing, :width]))
         (nxt, logp), self.pool = decode(self.cfg, self.weights, self.pool, jnp.asarray(tokens), jnp.asarray(active),
-                                        jnp.asarray(self._tables[:, :width]), jnp.asarray(self._lengths), delta,
-                                        sampling, self.adapters, self._index(self._rows))
+                                        jnp.asarray(tables), jnp.asarray(self._lengths[at]), delta, sampling,
+                                        self.adapters, self._index(live + pad))
         nxt, logp = np.asarray(nxt), np.asarray(logp)
         self.stats["steps"] += 1
-        for r in live:
+        self.stats["decode_rows"] += b
+        for i, r in enumerate(live):
             self._lengths[r.row] += 1
-            self._accept(r, int(nxt[r.row]), float(logp[r.row]))
+            self._accept(r, int(nxt[i]), float(logp[i]))
 
     def _accept(self, req: _Request, token: int, logp: float) -> None:
         """A request's newly drawn token: reported, and the request ended if it ends there."""
