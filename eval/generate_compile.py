@@ -71,7 +71,8 @@ class EngineShape:
     prefill of the prompts admitted together: ``prefill_rows`` (as many as one prefill admits within
     :data:`eval.engine.engine.PREFILL_TOKENS`, up to a power of two) of
     ``prefill_tokens`` (the prompt up to a power of two of at least TOKEN_BUCKET), reading ``prefill_width``
-    pages (as ``Engine._prefill`` pads them)."""
+    pages (as ``Engine._prefill`` pads them); a prompt of more than PREFILL_TOKENS goes in chunks of that many, the
+    widest (its last) reading the pages of the chunks before it (``prefill_fresh`` False)."""
 
     max_seqs: int
     max_len: int
@@ -81,21 +82,23 @@ class EngineShape:
     prefill_rows: int
     prefill_tokens: int
     prefill_width: int
+    prefill_fresh: bool = True
 
     @classmethod
     def of(cls, max_seqs: int, prompt_length: int, max_new_tokens: int, page_size: int) -> EngineShape:
         """The shapes ``zoo generate`` runs for ``max_seqs`` prompts of ``prompt_length`` tokens and
         ``max_new_tokens`` (:func:`eval.generate.generate`'s max_len: their sum rounded up to its bucket)."""
-        from eval.engine.engine import TOKEN_BUCKET, _pow2, prefill_rows, view_tokens
+        from eval.engine.engine import PREFILL_TOKENS, TOKEN_BUCKET, _pow2, prefill_rows, view_tokens
         from eval.generate import _round_up
 
         max_len = _round_up(prompt_length + max_new_tokens)
         per_seq = -(-max_len // page_size)
-        tokens = _pow2(prompt_length, TOKEN_BUCKET)
-        view = view_tokens(tokens)  # Engine._width of a fresh prefill's rows
+        tokens = min(_pow2(prompt_length, TOKEN_BUCKET), PREFILL_TOKENS)
+        chunks = -(-prompt_length // PREFILL_TOKENS)
+        view = view_tokens(chunks * tokens)  # Engine._width of the (last) prefill's rows
         rows = _pow2(prefill_rows(max_seqs, prompt_length), 1)  # what one prefill admits (Engine._admit)
         return cls(max_seqs, max_len, page_size, max_seqs * per_seq, per_seq, rows, tokens,
-                   min(-(-view // page_size), per_seq))
+                   min(-(-view // page_size), per_seq), chunks == 1)
 
 
 @dataclasses.dataclass
@@ -144,7 +147,8 @@ def lower_engine(cfg: Any, mesh: Any, shape: EngineShape, dtype: Any) -> Lowered
     with target("tpu", mesh.size):  # backend-dependent sizes and kernels follow the TPU, not this host
         sampling, delta = rows(b)
         lowered["prefill"] = prefill.lower(cfg, weights, pool, arg(b, t), arg(b, t, dt=bool),
-                                           arg(b, shape.prefill_width), arg(b), delta, sampling, True)
+                                           arg(b, shape.prefill_width), arg(b), delta, sampling,
+                                           shape.prefill_fresh)
         sampling, delta = rows(s)
         lowered["decode"] = decode.lower(cfg, weights, pool, arg(s), arg(s, dt=bool), arg(s, shape.table_width),
                                          arg(s), delta, sampling)
@@ -260,7 +264,7 @@ def generate_compile_command(args: argparse.Namespace, model_config_of: Callable
         raise UserError("--compile-only needs --prompt-length >= 1, --max-seqs >= 1 and --page-size >= 1")
     shape = EngineShape.of(max_seqs, prompt_length, args.max_new_tokens, page_size)
     return compile_generation(model_config_of(args.ckpt, "zoo generate"), args.topology, shape, prompt_length,
-                              args.max_new_tokens, args.report, args.num_slices)
+                              args.max_new_tokens, args.report, args.num_slices, args.dtype)
 
 
 def engine_page_size() -> int:

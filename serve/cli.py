@@ -33,6 +33,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                         "4096); a longer request is refused")
     p.add_argument("--page-size", type=int, default=16, metavar="N",
                    help="tokens per page of the KV cache (default 16)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the weights' and the KV cache's dtype (default float32; bfloat16 halves both, as "
+                        "accelerators serve)")
     p.add_argument("--adapter", action="append", metavar="NAME=PATH",
                    help="a LoRA adapter checkpoint trained on CKPT, served as the model NAME: a request whose "
                         "\"model\" is NAME decodes with it (the flag may repeat)")
@@ -65,7 +68,7 @@ def run(args: argparse.Namespace) -> None:
     from serve.runner import Runner
 
     served = load_served(args.ckpt, name=args.served_model_name, adapters=parse_adapters(args.adapter),
-                         max_seqs=args.max_seqs, max_len=args.max_len, page_size=args.page_size)
+                         max_seqs=args.max_seqs, max_len=args.max_len, page_size=args.page_size, dtype=args.dtype)
     runner = Runner(served.engine)
     runner.start()
     names = ", ".join((served.name, *served.adapters))

@@ -82,9 +82,10 @@ def load_adapter(name: str, path: str, base: Path, base_meta: dict[str, Any]) ->
 
 
 def load_served(ckpt: str, *, name: str | None, adapters: list[tuple[str, str]], max_seqs: int,
-                max_len: int | None, page_size: int) -> Served:
+                max_len: int | None, page_size: int, dtype: str = "float32") -> Served:
     """Load ``ckpt`` (merged over its base where it is an adapter checkpoint), its tokenizer and the ``adapters``,
-    and build the engine (float32 weights, as `zoo generate` decodes)."""
+    and build the engine (weights and KV cache in ``dtype``: float32 or bfloat16, as `zoo generate --dtype`)."""
+    import ml_dtypes
     import numpy as np
 
     import zoo
@@ -108,7 +109,7 @@ def load_served(ckpt: str, *, name: str | None, adapters: list[tuple[str, str]],
     tok = load_tokenizer(path)
     base_meta = read_meta(path)
     trees = {n: load_adapter(n, p, path, base_meta) for n, p in adapters}
-    model = zoo.load(path, dtype=np.float32)
+    model = zoo.load(path, dtype=np.float32 if dtype == "float32" else ml_dtypes.bfloat16)
     engine = Engine(model.cfg, model.param_dict(), tokenizer=tok, max_seqs=max_seqs, max_len=context,
                     page_size=page_size, adapters=trees)
     template = getattr(tok, "chat_template", None)

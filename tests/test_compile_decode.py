@@ -30,14 +30,16 @@ def _model(tmp_path, model: dict) -> str:
 
 
 def test_the_engine_compiles_for_a_4_chip_slice_with_the_pool_split_by_heads(tmp_path, capsys):
-    """3 sequences (--batch-size's, --max-seqs unset) of 20 prompt tokens + 8 new on v5e:2x2: the engine's prefill
+    """3 sequences (--batch-size's, --max-seqs unset) of 20 prompt tokens + 8 new on v5e:2x2 in bfloat16 (--dtype:
+    weights and pool; the other tests compile float32, the default): the engine's prefill
     (3 rows padded to 4, 20 tokens to 32) and decode compile; the pool holds 3 x 2 pages of 16 tokens (28 tokens
     rounded up to 32). By the compiler (memory_analysis): the donated pool a chip is the arithmetic of its pages
     over the 4 chips its kv heads split over, and each program's arguments are the weights split 4 ways (but the
     norms) and the pool, plus its rows' few ints."""
     report = tmp_path / "report.json"
     code = main(["generate", _model(tmp_path, LANES), "--compile-only", "--topology", "v5e:2x2", "--report",
-                 str(report), "--batch-size", "3", "--prompt-length", "20", "--max-new-tokens", "8"])
+                 str(report), "--batch-size", "3", "--prompt-length", "20", "--max-new-tokens", "8",
+                 "--dtype", "bfloat16"])
     out = capsys.readouterr()
     assert code == 0, out.err
     rep = json.loads(report.read_text())
@@ -46,21 +48,35 @@ def test_the_engine_compiles_for_a_4_chip_slice_with_the_pool_split_by_heads(tmp
     assert rep["mesh"]["fsdp"] == 4  # zoo.load's mesh
     assert set(rep["programs"]) == {"prefill", "decode"}
     assert (rep["max_seqs"], rep["page_size"], rep["pages"], rep["cache_length"]) == (3, 16, 6, 32)
-    assert (rep["prefill_rows"], rep["prefill_tokens"]) == (4, 32)
+    assert (rep["prefill_rows"], rep["prefill_tokens"], rep["dtype"]) == (4, 32, "bfloat16")
     parts = rep["bytes_per_chip"]
-    # k and v x layers x pages x page x kv heads x head_dim x float32 bytes / 4 chips
-    pool = 2 * 2 * 6 * 16 * 4 * 128 * 4 // 4
+    # k and v x layers x pages x page x kv heads x head_dim x bfloat16 bytes / 4 chips
+    pool = 2 * 2 * 6 * 16 * 4 * 128 * 2 // 4
     assert parts["kv_cache"] == pool
     e, v, f, h, kv, d, n = 128, 512, 512, 4, 4, 128, 2
     split = 2 * v * e + n * (e * h * d + 2 * e * kv * d + h * d * e + 3 * e * f)
     norms = 2 * n * e + e
-    assert parts["weights"] == split * 4 // 4 + norms * 4
+    assert parts["weights"] == split * 2 // 4 + norms * 2
     for p in rep["programs"].values():
         assert p["donated"] == pool  # the pool, donated to each program and returned
         assert 0 <= p["arguments"] - parts["weights"] - pool < 64 * 2**10  # tokens, tables, lengths, sampling
         assert p["total"] > p["arguments"] + p["temporaries"] and p["temporaries"] > 0
     assert parts["total"] == max(p["total"] for p in rep["programs"].values())
     assert "kv_cache GiB/chip" in out.out and "fits" in out.out and "v5e:2x2 (4 chips, TPU v5 lite" in out.out
+
+
+def test_a_prompt_over_the_prefill_budget_is_compiled_as_its_widest_chunk():
+    """A 40,000-token prompt is prefilled in chunks of PREFILL_TOKENS (eval.engine.engine): --compile-only lowers
+    one row's chunk of that many tokens reading the pages before it (not a fresh 65,536-token prefill), its page
+    table the row's whole; a short prompt's prefill stays one fresh piece."""
+    from eval.engine.engine import PREFILL_TOKENS
+    from eval.generate_compile import EngineShape
+
+    long = EngineShape.of(2, 40_000, 8, 16)
+    assert (long.prefill_rows, long.prefill_tokens, long.prefill_fresh) == (1, PREFILL_TOKENS, False)
+    assert long.prefill_width == long.table_width == 40_032 // 16  # max_len: 40,008 rounded up
+    short = EngineShape.of(3, 20, 8, 16)
+    assert (short.prefill_rows, short.prefill_tokens, short.prefill_fresh) == (4, 32, True)
 
 
 def test_a_generation_that_cannot_fit_exits_3(tmp_path, capsys):

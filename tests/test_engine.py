@@ -105,6 +105,23 @@ def test_rows_join_and_leave_and_every_answer_is_its_greedy_continuation(params,
         assert got[i] == (a[:a.index(eos) + 1] if eos in a else a)
 
 
+def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode(params, monkeypatch):
+    """Under a prefill budget of 32 tokens a 40-token prompt goes in two chunks (steps 1 and 2, its first token
+    at step 2, not at step 1 as a whole prompt would), a short request decoding beside it at every step and a
+    queued one joining its last chunk; every answer is the greedy continuation of its prompt (the training
+    forward's argmax)."""
+    monkeypatch.setattr(engine_module, "PREFILL_TOKENS", 32)
+    rng = np.random.RandomState(1)
+    prompts = [rng.randint(1, 64, n).tolist() for n in (5, 40, 7)]
+    engine = _engine(params)
+    ids = [engine.submit(p, SamplingParams(max_tokens=6)) for p in prompts]
+    out, steps = _run(engine, ids)
+    _assert_greedy(params, prompts, [out[i] for i in ids])
+    starts = [next(k for k, events in enumerate(steps) if any(e.request_id == i for e in events)) for i in ids]
+    assert starts == [0, 2, 2]
+    assert all(any(e.request_id == ids[0] for e in steps[k]) for k in (0, 1, 2))
+
+
 def test_a_group_reads_one_copy_of_its_prompt(params):
     """G = 3 completions of one 37-token prompt hold its 4 full pages once (the first computes them; the others
     wait one step and read them), each answer equal to the greedy continuation; after they end, a request

@@ -259,11 +259,14 @@ def test_bad_requests_are_openai_errors_and_a_dropped_stream_is_cancelled(server
 
 def test_serve_flags_and_the_missing_extra(server, monkeypatch, capsys):
     """`zoo serve --help` documents every flag; without fastapi/uvicorn it is one line naming the extra; a
-    malformed --adapter, or one that is no adapter checkpoint, is one line."""
+    malformed --adapter, or one that is no adapter checkpoint, is one line; --dtype bfloat16 loads the weights
+    and makes the KV cache in bfloat16, and the engine answers with an adapter over them."""
     import sys
     from pathlib import Path
 
-    from serve.model import load_adapter, parse_adapters
+    import jax
+
+    from serve.model import load_adapter, load_served, parse_adapters
     from tests.run_files import one_line_error
     from zoo.checkpoints.format import read_meta
     from zoo.cli import main
@@ -272,7 +275,8 @@ def test_serve_flags_and_the_missing_extra(server, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     out = capsys.readouterr().out
-    for flag in ("--host", "--port", "--max-seqs", "--max-len", "--page-size", "--adapter", "--served-model-name"):
+    for flag in ("--host", "--port", "--max-seqs", "--max-len", "--page-size", "--adapter", "--served-model-name",
+                 "--dtype"):
         assert flag in out
     monkeypatch.setitem(sys.modules, "uvicorn", None)
     assert "pip install 'lmzoo[serve]'" in one_line_error(capsys, main, ["serve", "ckpt"])
@@ -281,3 +285,8 @@ def test_serve_flags_and_the_missing_extra(server, monkeypatch, capsys):
     base = Path(server[1].tokenizer.name_or_path).parent
     with pytest.raises(UserError, match="is not an adapter checkpoint"):
         load_adapter("self", str(base), base, read_meta(base))
+    half = load_served(str(base), name="tiny", adapters=[("sql", str(base.parent / "adapter"))], max_seqs=2,
+                       max_len=64, page_size=8, dtype="bfloat16")
+    assert {str(a.dtype) for a in jax.tree.leaves((half.engine.weights.base, half.engine.pool))} == {"bfloat16"}
+    ids = server[3]("the cat sat on the")["input_ids"]
+    assert len(half.engine.generate([ids], SamplingParams(max_tokens=3, adapter="sql"))[0]) == 3

@@ -1,16 +1,18 @@
 """The inference engine: continuous batching over a paged KV cache with shared prefixes.
 
 At most ``max_seqs`` requests decode together, one token each per :meth:`Engine.step`, the step computing only the
-rows that are decoding (padded to a power of two: :func:`decode_rows`). A request joins a free row at any step (its prompt prefilled into pages first) and leaves at its end, its row taken by the next
-queued request at the following step: no row waits for the batch's longest. Each request holds the pages of
-its prompt and budget from the moment it is admitted (so no running request ever waits for a page); a prompt's
-full pages stay cached after it ends, and a later request starting with the same tokens (and the same adapter)
-holds those pages instead of computing them (:class:`eval.engine.pages.PagePool`). A request whose prompt would
-share pages still being computed in the same admission waits one step for them: a GRPO group's G completions
-prefill their prompt once.
+rows that are decoding (padded to a power of two: :func:`decode_rows`). A request joins a free row at any step
+(its prompt prefilled into pages first; a prompt of more than PREFILL_TOKENS tokens in chunks over several
+steps, the other rows decoding between them) and leaves at its end, its row taken by the next queued request at
+the following step: no row waits for the batch's longest. Each request holds the pages of its prompt and budget
+from the moment it is admitted (so no running request ever waits for a page); a prompt's full pages stay cached
+after it ends, and a later request starting with the same tokens (and the same adapter) holds those pages
+instead of computing them (:class:`eval.engine.pages.PagePool`). A request whose prompt would share pages still
+being computed waits for them: a GRPO group's G completions prefill their prompt once.
 
 The device work is two jitted programs (:mod:`eval.engine.paged`) with bucketed shapes: a prefill of the
-admitted rows' uncached tokens, and a step of all rows; the host keeps the pages, the rows and the requests.
+admitted rows' uncached tokens, and a step of the decoding rows; the host keeps the pages, the rows and the
+requests.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from zoo.model.decode import place_for_decoding
 from zoo.model.vision import VisionInputs
 
 TOKEN_BUCKET = 16  # a prefill's width is rounded up to a power of two of at least this many tokens
-PREFILL_TOKENS = 16384  # a prefill's padded rows x width at most (one prompt alone may exceed it)
+PREFILL_TOKENS = 16384  # a prefill's padded rows x width at most; a longer prompt is prefilled in chunks of this
 VIEW_TOKENS = 256  # a step's page tables: a power of two of tokens up to this, then a multiple of it
 DECODE_ROWS = 8  # a decoding step runs its live rows padded to a power of two of at least this many
 
@@ -54,6 +56,8 @@ class _Request:
     out: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
     cached: int = 0  # prompt tokens read from cached pages
+    filled: int = 0  # prompt tokens in its pages so far (cached, then each prefilled chunk)
+    whole: bool = False  # prefilled in one piece (images, LongRoPE's switch): not in chunks
     row: int = -1
     delta: int = 0  # multimodal RoPE's shift of every position after the prompt
 
@@ -80,7 +84,8 @@ def decode_rows(live: int, max_seqs: int) -> int:
 
 def prefill_rows(max_seqs: int, tokens: int, budget: int = PREFILL_TOKENS) -> int:
     """The most prompts of ``tokens`` uncached tokens one prefill admits (its rows padded to a power of two, its
-    width to one of at least TOKEN_BUCKET, their product within ``budget``; at least one)."""
+    width to one of at least TOKEN_BUCKET, their product within ``budget``; at least one: a prompt of more than
+    ``budget`` tokens goes alone, in chunks)."""
     width = _pow2(tokens, TOKEN_BUCKET)
     rows = 1
     while rows < max_seqs and _pow2(rows + 1, 1) * width <= budget:
@@ -190,6 +195,8 @@ class Engine:
         # A LongRoPE request that may pass original_max_position_embeddings has its keys roped again when it does
         # (eval.engine.paged.rerope): its pages are its own, never shared nor cached.
         crossing = omax is not None and len(prompt) + params.max_tokens > omax
+        # Images and LongRoPE's switch are laid out over the whole prompt: never prefilled in chunks.
+        req.whole = vision is not None or crossing
         if self.prefix_caching and vision is None and not crossing:
             req.hashes = self.pages.chain(req.prompt[:-1], params.adapter)  # the last token is always computed
         self._queue.append(req)
@@ -225,7 +232,7 @@ class Engine:
         admitted = self._admit()
         if admitted:
             self._prefill(admitted)
-        if any(r is not None for r in self._rows):
+        if any(r is not None and r.filled == len(r.prompt) for r in self._rows):
             self._decode()
         events, self._events = self._events, []
         return events
@@ -259,18 +266,19 @@ class Engine:
         self._cancelled.clear()
 
     def _admit(self) -> list[_Request]:
-        """Queued requests given a free row and their pages, in order, while both last; a request whose cached
-        prefix another one admitted now is still computing waits for the next step."""
-        admitted: list[_Request] = []
-        computing: set = set()
-        widest = 0
+        """The requests this step's prefill runs: those whose prompt is being prefilled in chunks (each its next
+        chunk), then queued requests given a free row and their pages, in order, while both last; a request whose
+        cached prefix another one is still computing waits for a later step."""
+        admitted = [r for r in self._rows if r is not None and r.filled < len(r.prompt)]
+        computing = {h for r in admitted for h in r.hashes}
+        widest = max((self._chunk(r) for r in admitted), default=0)
         while self._queue and None in self._rows:
             req = self._queue[0]
             if computing.intersection(req.hashes):
                 break
             shared = self.pages.match(req.hashes)
             need = -(-(len(req.prompt) + req.params.max_tokens) // self.page_size) - len(shared)
-            new = len(req.prompt) - len(shared) * self.page_size
+            new = self._chunk(req, len(shared) * self.page_size)
             # The prefill's padded size stays within its budget (the activations of one prefill are its rows x
             # width): the rest wait for the next step.
             over = admitted and (_pow2(len(admitted) + 1, 1) * _pow2(max(widest, new), TOKEN_BUCKET)
@@ -281,7 +289,7 @@ class Engine:
             widest = max(widest, new)
             self._queue.popleft()
             req.pages = shared + self.pages.allocate(need)
-            req.cached = len(shared) * self.page_size
+            req.cached = req.filled = len(shared) * self.page_size
             self.stats["cached_tokens"] += req.cached
             self.stats["prefill_tokens"] += len(req.prompt) - req.cached
             computing.update(req.hashes[len(shared):])
@@ -292,6 +300,12 @@ class Engine:
             self._lengths[req.row] = req.cached
             admitted.append(req)
         return admitted
+
+    def _chunk(self, req: _Request, filled: int | None = None) -> int:
+        """The prompt tokens ``req``'s next prefill computes (after ``filled``, its own count by default): the rest
+        of its prompt, at most PREFILL_TOKENS of it unless it goes whole."""
+        rest = len(req.prompt) - (req.filled if filled is None else filled)
+        return rest if req.whole else min(rest, PREFILL_TOKENS)
 
     def _width(self, tokens: int) -> int:
         """Page-table width (pages) of a program whose rows hold at most ``tokens`` tokens."""
@@ -306,18 +320,18 @@ class Engine:
 
     def _prefill(self, admitted: list[_Request]) -> None:
         b = _pow2(len(admitted), 1)
-        t = _pow2(max(len(r.prompt) - r.cached for r in admitted), TOKEN_BUCKET)
+        chunks = [r.prompt[r.filled:r.filled + self._chunk(r)] for r in admitted]
+        t = _pow2(max(map(len, chunks)), TOKEN_BUCKET)
         tokens = np.zeros((b, t), np.int32)
         valid = np.zeros((b, t), bool)
-        for i, r in enumerate(admitted):
-            new = r.prompt[r.cached:]
+        for i, new in enumerate(chunks):
             tokens[i, :len(new)], valid[i, :len(new)] = new, True
-        width = self._width(max(r.cached + t for r in admitted))
+        width = self._width(max(r.filled + t for r in admitted))
         rows = [r.row for r in admitted] + [admitted[0].row] * (b - len(admitted))  # padding rows: no valid token
         tables = self._tables[rows, :width]
         lengths = self._lengths[rows]
         delta = None if self._delta is None else jnp.asarray(self._delta[rows])
-        fresh = all(r.cached == 0 for r in admitted)
+        fresh = all(r.filled == 0 for r in admitted)
         vision = self._vision(admitted, b)
         sampling = self._sampling(list(admitted) + [None] * (b - len(admitted)), [0] * b)
         (first, logp), self.pool, new_lengths, new_delta = prefill(
@@ -330,6 +344,9 @@ class Engine:
             self._lengths[r.row] = new_lengths[i]
             if self._delta is not None and deltas is not None:
                 self._delta[r.row] = deltas[i]
+            r.filled += len(chunks[i])
+            if r.filled < len(r.prompt):
+                continue  # a chunk of a longer prompt: its row decodes once the last chunk is in (its draw unused)
             full = len(r.hashes)  # the prompt's pages now computed join the prefix cache
             self.pages.register(r.pages[:full], r.hashes)
             self._accept(r, int(first[i]), float(logp[i]))
@@ -347,7 +364,7 @@ class Engine:
         return vision_inputs(self.cfg, frames)
 
     def _decode(self) -> None:
-        live: list[_Request] = [r for r in self._rows if r is not None]
+        live: list[_Request] = [r for r in self._rows if r is not None and r.filled == len(r.prompt)]
         width = self._width(max(int(self._lengths[r.row]) + 1 for r in live))
         # The live rows first, then padding rows that write nothing (row 0's state, inactive).
         b = decode_rows(len(live), self.max_seqs)
