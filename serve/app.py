@@ -84,9 +84,16 @@ def make_app(served: Served, runner: Runner) -> FastAPI:
         if tools and served.parser is None:
             raise bad("tools: this model's chat template renders no tool calls this server can read", "tools",
                       "unsupported_parameter")
-        ids = chat.prompt_ids(served.tokenizer, served.template, chat.messages_of(body.get("messages")), tools)
+        images: list[bytes] | None = [] if served.expander is not None else None
+        messages = chat.messages_of(body.get("messages"), images)
+        frames = None
+        if images:
+            ids, frames = chat.image_prompt(served.expander, served.vision, served.tokenizer, messages, images, tools)
+        else:
+            ids = chat.prompt_ids(served.tokenizer, served.template, messages, tools)
         params = dec.params(schema.fits(len(ids), dec.max_tokens, served.max_len, None), served.eos_ids, adapter)
-        return await _answer(request, runner, served, [ids], [params], dec, _chat_shapes(served, bool(tools)))
+        return await _answer(request, runner, served, [ids], [params], dec, _chat_shapes(served, bool(tools)),
+                             [frames])
 
     return app
 
@@ -186,10 +193,12 @@ async def _events(runner: Runner, tickets: list[Ticket], events: asyncio.Queue, 
 
 
 async def _answer(request: Request, runner: Runner, served: Served, prompts: list[list[int]], params: list,
-                  dec: schema.Decoding, shapes: _Shapes) -> Any:
-    """Submit every prompt and answer with the whole response, or stream it (``dec.stream``)."""
+                  dec: schema.Decoding, shapes: _Shapes, vision: list | None = None) -> Any:
+    """Submit every prompt (``vision``: each one's image frames, None where it has none) and answer with the whole
+    response, or stream it (``dec.stream``)."""
     events: asyncio.Queue = asyncio.Queue()
-    tickets = [runner.submit(p, q, events) for p, q in zip(prompts, params)]
+    frames = vision or [None] * len(prompts)
+    tickets = [runner.submit(p, q, events, f) for p, q, f in zip(prompts, params, frames)]
     texts = [TextStream(served.tokenizer, dec.stop, served.eos_ids) for _ in prompts]
     reasons: list[str | None] = [None] * len(prompts)
     head = {"id": f"{shapes.prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": dec.model}

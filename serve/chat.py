@@ -7,8 +7,11 @@ Messages arrive in OpenAI's shape, where a call's ``arguments`` is a JSON string
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import uuid
+from pathlib import Path
 from typing import Any
 
 from chat.formats import BadRow
@@ -20,18 +23,45 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 _MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"})
 
 
-def _content(value: Any, where: str) -> str | None:
-    """A message's content: a string, null, or a list of text parts (joined)."""
+def _content(value: Any, where: str, images: list[bytes] | None) -> str | list[dict[str, str]] | None:
+    """A message's content: a string, null, or a list of text parts (joined); with ``images`` (a model that reads
+    them) image parts too: then the parts as the chat template reads them (``{"type": "image"}`` where each
+    image goes), the images' bytes appended to ``images``."""
     if value is None or isinstance(value, str):
         return value
-    if isinstance(value, list):
-        parts = []
-        for part in value:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad(f"{where}: only text parts ({{\"type\": \"text\", \"text\": ...}}) are served", where)
-            parts.append(part["text"])
-        return "".join(parts)
-    raise bad(f"{where} must be a string, null or a list of text parts", where)
+    if not isinstance(value, list):
+        raise bad(f"{where} must be a string, null or a list of content parts", where)
+    parts: list[dict[str, str]] = []
+    for k, part in enumerate(value):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "image_url" and images is not None:
+            images.append(_image_bytes(part.get("image_url"), f"{where}[{k}].image_url"))
+            parts.append({"type": "image"})
+        elif kind == "image_url":
+            raise bad(f"{where}[{k}]: this model reads no images (a text model, or its processor files are missing)",
+                      f"{where}[{k}]", "unsupported_parameter")
+        else:
+            raise bad(f"{where}[{k}]: only text and image_url parts are served", f"{where}[{k}]")
+    if any(p["type"] == "image" for p in parts):
+        return parts
+    return "".join(p["text"] for p in parts)
+
+
+def _image_bytes(value: Any, where: str) -> bytes:
+    """An ``image_url`` part's image: a ``data:`` URL's base64 bytes (the server fetches no URL and reads no file)."""
+    url = value.get("url") if isinstance(value, dict) else None
+    if not isinstance(url, str):
+        raise bad(f'{where} must be {{"url": "data:image/png;base64,..."}}', where)
+    head, sep, data = url.partition(",")
+    if not (head.startswith("data:") and head.endswith(";base64") and sep):
+        raise bad(f"{where}: give the image inline as a data: URL (data:image/png;base64,...); this server fetches "
+                  "no URL", where, "unsupported_parameter")
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise bad(f"{where}: the data: URL is not valid base64", where) from None
 
 
 def _calls(value: Any, where: str) -> list[dict[str, Any]]:
@@ -57,8 +87,9 @@ def _calls(value: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
-def messages_of(value: Any) -> list[dict[str, Any]]:
-    """The request's ``messages``, checked, as the chat template reads them."""
+def messages_of(value: Any, images: list[bytes] | None = None) -> list[dict[str, Any]]:
+    """The request's ``messages``, checked, as the chat template reads them; with ``images`` (a model that reads
+    them), image parts are taken, their bytes appended to it in order."""
     if not isinstance(value, list) or not value:
         raise bad("messages must be a non-empty list", "messages")
     out = []
@@ -71,7 +102,7 @@ def messages_of(value: Any) -> list[dict[str, Any]]:
             raise bad(f"{where}: unknown field {sorted(extra)[0]!r}", f"{where}.{sorted(extra)[0]}",
                       "unknown_parameter")
         msg: dict[str, Any] = {"role": "system" if m["role"] == "developer" else m["role"],
-                               "content": _content(m.get("content"), f"{where}.content") or ""}
+                               "content": _content(m.get("content"), f"{where}.content", images) or ""}
         for key in ("name", "tool_call_id", "reasoning_content"):
             if m.get(key) is not None:
                 if not isinstance(m[key], str):
@@ -114,6 +145,22 @@ def prompt_ids(tokenizer: Any, template: str | None, messages: list[dict[str, An
     except BadRow as e:  # the template refused the conversation (roles out of order, ...)
         raise bad(f"messages: {e}", "messages") from None
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def image_prompt(expander: Any, vision: Any, tokenizer: Any, messages: list[dict[str, Any]], images: list[bytes],
+                 tools: list[dict[str, Any]] | None) -> tuple[list[int], list[dict[str, Any]]]:
+    """(token ids, the images' frames as the engine takes them) of ``messages`` holding image parts: under the chat
+    template with each image expanded as the model's processor does (:meth:`chat.images.ImageExpander.chat_prompt`,
+    `zoo generate --image`'s expansion), tokenized as the processor tokenizes. An unreadable image is a 400."""
+    if tools:
+        raise bad("tools with images are not served yet: send the images without tools", "tools",
+                  "unsupported_parameter")
+    try:
+        # Bytes only (never a path): no base folder is ever read.
+        text, processed = expander.chat_prompt(tokenizer, messages, images, Path("/nonexistent"))
+    except BadRow as e:
+        raise bad(f"messages: {e}", "messages") from None
+    return list(tokenizer(text)["input_ids"]), [f for p in processed for f in p.patches(vision)]
 
 
 def tool_message(parsed: ParsedTurn) -> dict[str, Any] | None:

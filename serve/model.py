@@ -16,7 +16,9 @@ from zoo.errors import UserError
 class Served:
     """The engine and what the routes need beside it: the base's ``name``, the ``adapters`` a request's ``model``
     may name, the tokenizer, the EOS ids every request ends on, the context (``max_len``), the chat template's
-    source (None: the tokenizer has none) and its family's tool-call parser (None: it renders no calls)."""
+    source (None: the tokenizer has none) and its family's tool-call parser (None: it renders no calls); a
+    vision-language model's image expander (:class:`chat.images.ImageExpander`, from its processor files) and
+    vision config (None for a text model)."""
 
     name: str
     engine: Any
@@ -26,6 +28,8 @@ class Served:
     vocab_size: int
     template: str | None
     parser: Parser | None
+    expander: Any = None
+    vision: Any = None
 
     @property
     def adapters(self) -> tuple[str, ...]:
@@ -101,8 +105,6 @@ def load_served(ckpt: str, *, name: str | None, adapters: list[tuple[str, str]],
         raise UserError(f"--adapter {name}: the base model is served as {name!r} already; name the adapter "
                         "otherwise or set --served-model-name")
     cfg = zoo.read_config(path)
-    if cfg.vision is not None:
-        print("note: zoo serve answers text only; this model's images are not served", flush=True)
     context = max_len or min(cfg.max_position_embeddings, 4096)
     if context > cfg.max_position_embeddings:
         raise UserError(f"--max-len {context} is more than the model's context ({cfg.max_position_embeddings})")
@@ -116,5 +118,15 @@ def load_served(ckpt: str, *, name: str | None, adapters: list[tuple[str, str]],
     if isinstance(template, dict):  # several named templates: the default one
         template = template.get("default")
     family = detect(template) if template else None
+    expander = None
+    if cfg.vision is not None:  # images in chat requests, expanded as the model's processor does
+        from chat.images import ImageExpander
+        from zoo.data.tokenizer import tokenizer_dir
+
+        try:
+            expander = ImageExpander.from_folder(tokenizer_dir(str(path)), tok)
+        except UserError as e:  # no processor files: the text is still served
+            print(f"note: zoo serve answers text only for this model: {e}", flush=True)
     return Served(name=name, engine=engine, tokenizer=tok, eos_ids=eos_ids_of(str(path), tok), max_len=context,
-                  vocab_size=cfg.vocab_size, template=template, parser=PARSERS[family] if family else None)
+                  vocab_size=cfg.vocab_size, template=template, parser=PARSERS[family] if family else None,
+                  expander=expander, vision=cfg.vision)

@@ -59,15 +59,16 @@ class Runner:
         self._commands.put(_STOP)
         self._thread.join()
 
-    def submit(self, prompt: Sequence[int], params: SamplingParams, events: asyncio.Queue | None = None) -> Ticket:
-        """Queue a request from the event loop; its events arrive on the returned ticket's queue (``events`` if
-        given)."""
+    def submit(self, prompt: Sequence[int], params: SamplingParams, events: asyncio.Queue | None = None,
+               vision: Any = None) -> Ticket:
+        """Queue a request (``vision``: its images' frames, as :meth:`eval.engine.engine.Engine.submit` takes them)
+        from the event loop; its events arrive on the returned ticket's queue (``events`` if given)."""
         ticket = Ticket(asyncio.get_running_loop(), *(() if events is None else (events,)))
         if self._failed is not None:
             ticket.events.put_nowait((ticket, ApiError(503, f"the engine stopped after an error ({self._failed}); restart "
                                                             "zoo serve", code="engine_failed")))
         else:
-            self._commands.put(("submit", ticket, list(prompt), params))
+            self._commands.put(("submit", ticket, list(prompt), params, vision))
         return ticket
 
     def cancel(self, ticket: Ticket) -> None:
@@ -112,9 +113,9 @@ class Runner:
             if ticket.request_id in self._live:
                 self.engine.cancel(ticket.request_id)
             return
-        _, ticket, prompt, params = cmd
+        _, ticket, prompt, params, vision = cmd
         try:
-            ticket.request_id = self.engine.submit(prompt, params)
+            ticket.request_id = self.engine.submit(prompt, params, vision)
         except UserError as e:  # the engine's refusal: the client's to fix
             _send(ticket, ApiError(400, str(e)))
             return
@@ -151,7 +152,7 @@ class _Idle:
 
     busy = False
 
-    def submit(self, prompt: Sequence[int], params: SamplingParams) -> int:
+    def submit(self, prompt: Sequence[int], params: SamplingParams, vision: Any = None) -> int:
         raise RuntimeError("the engine stopped after an error")
 
     def cancel(self, request_id: int) -> None:

@@ -217,9 +217,9 @@ def _error(response, status: int, param: str | None) -> str:
 
 def test_bad_requests_are_openai_errors_and_a_dropped_stream_is_cancelled(server):
     """Malformed JSON, an unknown model, a prompt over the context, max_tokens 0 or negative, an unknown
-    parameter, n > 1, logprobs, a temperature of the wrong type, a tool_choice that forces a call: each an
-    OpenAI-shaped 4xx (the official client raises BadRequestError / NotFoundError), and the server answers the
-    next request. A streaming client that disconnects mid-answer has its request cancelled (the engine reports it
+    parameter, n > 1, logprobs, a temperature of the wrong type, a tool_choice that forces a call, an image sent
+    to this text model: each an OpenAI-shaped 4xx (the official client raises BadRequestError / NotFoundError),
+    and the server answers the next request. A streaming client that disconnects mid-answer has its request cancelled (the engine reports it
     "cancelled" and holds no request)."""
     url, served, runner, tok, oracle = server
     post = httpx.Client(base_url=url, timeout=30)
@@ -233,6 +233,9 @@ def test_bad_requests_are_openai_errors_and_a_dropped_stream_is_cancelled(server
                        ({"temperature": "hot"}, "temperature"), ({"tool_choice": "required"}, "tool_choice")):
         assert param in _error(post.post("/chat/completions", json={**chat, **bad}), 400, param)
     assert "prompt" in _error(post.post("/completions", json={"model": "tiny", "prompt": [10 ** 6]}), 400, "prompt")
+    image = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, {"type": "text", "text": "hi"}]
+    assert "reads no images" in _error(post.post("/chat/completions", json={
+        **chat, "messages": [{"role": "user", "content": image}]}), 400, "messages[0].content[0]")
     client = _client(url)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=CHAT)
