@@ -6,7 +6,8 @@ Command (from a checkout's root; run it in two checkouts to compare them: each m
 
     python bench/grpo_sampler.py --calls 3
 
-The first call (compilation) is not timed; each timed call draws with a key of its own. Prints each call, then
+The first ``--warmup`` calls (compilation: the engine compiles a decoding program per batch of rows it meets, 8
+to 64) are not timed; each call draws with a key of its own. Prints each call, then
 one JSON line: seconds a call, completion tokens a call, completion tokens/s, and seconds per decoding step (a
 call's time over its longest completion: the steps every row waits for).
 """
@@ -25,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=3, help="timed calls (default 3)")
     ap.add_argument("--new-tokens", type=int, default=64, help="new tokens per completion at most (default 64)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed calls first (default 2)")
     args = ap.parse_args(argv)
 
     import jax
@@ -58,13 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     spec = RolloutSpec(g, t, Sampler(1.0, 0, 1.0), (tok.eos_token_id,))
     sample = RolloutEngine(mcfg, jnp.float32, None).program(spec, lambda x: (x, x > 0))
     timed = []
-    for i in range(args.calls + 1):
+    for i in range(args.calls + args.warmup):
         t0 = time.perf_counter()
         _, _, n = sample(params, jax.random.key(i), tokens)
         n = np.asarray(jax.device_get(n))
         dt = time.perf_counter() - t0
-        print(f"call {i}{' (compiles)' if i == 0 else ''}: {dt:.2f} s, {n.sum()} tokens, longest {n.max()}", flush=True)
-        if i:
+        print(f"call {i}{' (warm-up)' if i < args.warmup else ''}: {dt:.2f} s, {n.sum()} tokens, longest {n.max()}",
+              flush=True)
+        if i >= args.warmup:
             timed.append((dt, int(n.sum()), int(n.max())))
     seconds = sum(x[0] for x in timed)
     print(json.dumps({"s_per_call": [round(x[0], 2) for x in timed], "tokens": [x[1] for x in timed],
