@@ -68,10 +68,13 @@ def test_draws_follow_the_samplers_distribution(temperature, top_k, top_p):
     _assert_follows(_frequencies(logits, Sampler(temperature, top_k, top_p)), want, keep)
 
 
+@pytest.mark.slow
 def test_engine_rows_follow_their_own_settings():
     """The engine's per-row draw (eval.engine.sampling.draw_rows): one batch whose rows carry three different
     settings (a temperature alone, top-p alone, top-k and top-p together), each row drawn with its own key and
-    token index, follows each setting's distribution."""
+    token index, follows each setting's distribution.
+    Slow (slow lane): about 7.6 s on a quiet 2-core machine (180,000 rows' draws over 300 entries, 5 s of it the
+    draw itself)."""
     from eval.engine.sampling import RowSampling, draw_rows
 
     logits = _logits()

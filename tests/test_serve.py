@@ -20,6 +20,10 @@ from eval.engine.api import SamplingParams
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
+# Slow (slow lane): the module's one server costs about 21 s before its first test (quiet 2-core machine; 13 s of
+# setup and 8 s of tests under CI's 2 workers): the tiny model's conversion and the oracle's engine programs, about
+# 45 compilations (prefill and decode at each prompt length, page-table width and adapter the tests need).
+pytestmark = pytest.mark.slow
 
 CHAT = [{"role": "system", "content": "You are careful assistant."},
         {"role": "user", "content": "What is the colour of the cat?"}]

@@ -106,12 +106,14 @@ def _mc_task(vlm) -> str:
                  gold="answer")
 
 
+@pytest.mark.slow
 def test_eval_tasks_with_images_are_transformers(vlm):
     """`zoo eval` on four tasks with images: every choice's log-likelihood on the KV-cache path is transformers'
     forward with the pixels (1e-4), rows of 5, 8, no and 3 frames in one batch, and with two few-shot examples
     (each example's images before its text, then the question's: a question without images after examples with
     them too; examples from a fewshot_data file of their own, their images beside it); a generation task (TRL's content parts, and a string turn) and a prompt-template one answer as
-    transformers' ``generate``."""
+    transformers' ``generate``. Slow (slow lane): about 17 s on a quiet 2-core machine, 29 s in CI's loaded run
+    (the five tasks' programs on the engine and the KV-cache path; transformers' forwards and generations)."""
     a, b = vlm.images
     parts = [{"type": "image"}, {"type": "text", "text": QUESTION}]
     chats = [[{"role": "user", "content": parts}], [{"role": "user", "content": QUESTION}]]

@@ -113,14 +113,17 @@ def test_blockwise_sees_a_block_past_its_query_block():
     vis = visibility(jnp.ones((1, t), jnp.int32), window=5, block_ids=blocks, lookahead=7)
     q, k, v = (jax.random.normal(jax.random.key(i), (1, 1, 1, t, d)) for i in range(3))
     k, v = k[:, :, 0], v[:, :, 0]
-    whole = blockwise_attention(q, k, v, vis, d**-0.5, None, 5, t)
-    got = blockwise_attention(q, k, v, vis, d**-0.5, None, 5, 128)
+    # Jitted (the scale, cap, window and block size static): run eagerly, each of the kernel's ops compiled a
+    # program of its own (282 compilations, 5 s), where each of these passes is one program.
+    attend = jax.jit(blockwise_attention, static_argnums=(4, 5, 6, 7))
+    whole = attend(q, k, v, vis, d**-0.5, None, 5, t)
+    got = attend(q, k, v, vis, d**-0.5, None, 5, 128)
     np.testing.assert_allclose(np.asarray(got), np.asarray(whole), atol=1e-6)
-    causal = blockwise_attention(q, k, v, dataclasses.replace(vis, block_ids=None), d**-0.5, None, 5, t)
+    causal = attend(q, k, v, dataclasses.replace(vis, block_ids=None), d**-0.5, None, 5, t)
     assert np.abs(np.asarray(causal - whole))[0, 124:128].max() > 1e-2  # the block's later keys count
     # The backward pass scores the same keys: gradients equal the one-block pass's.
-    grads = [jax.grad(lambda q, k, v, n=n: blockwise_attention(q, k, v, vis, d**-0.5, None, 5, n).sum(),
-                      argnums=(0, 1, 2))(q, k, v) for n in (t, 128)]
+    grads = [jax.jit(jax.grad(lambda q, k, v, n=n: blockwise_attention(q, k, v, vis, d**-0.5, None, 5, n).sum(),
+                              argnums=(0, 1, 2)))(q, k, v) for n in (t, 128)]
     for a, b in zip(*grads, strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5)
 

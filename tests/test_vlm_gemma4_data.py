@@ -153,11 +153,14 @@ def _hf_reply(g4, blocks: bool = True, new_tokens: int = 8) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
+@pytest.mark.slow
 def test_cli_generate_with_an_image_equals_transformers_generate(g4, capsys):
     """`zoo generate --prompt TEXT --image A` on Gemma 4: the text is transformers' greedy reply to the same prompt
     ids, pixels and positions, the cached prefill attending within the image both ways on the sliding layers (the
     steps after it causal text). Without the block (transformers causal over the image) the reply differs, so the
-    block is what the test checks."""
+    block is what the test checks.
+    Slow (slow lane): about 6.2 s on a quiet 2-core machine (the engine's programs of Gemma 4 with images, and
+    transformers' generate)."""
     from zoo.data.tokenizer import load_tokenizer
 
     reply = _hf_reply(g4)
@@ -293,11 +296,14 @@ def test_grpo_completion_logps_with_images_equal_transformers(g4):
     assert len(got.ids) == 2 * G
 
 
+@pytest.mark.slow
 def test_grpo_sampler_never_draws_the_image_token(g4, monkeypatch):
     """GRPO's sampler (eval/rollout.py's RolloutEngine, as `grpo train` builds it: the inference engine) on Gemma 4
     with the image token's logit forced largest (+30 on every step's logits): it never draws the image token (which
     the update's forward would read as an image slot), and each drawn token's log-probability is the unmasked
-    distribution's (what the update computes): transformers' forward, +30 on the image token, in float64 (1e-4)."""
+    distribution's (what the update computes): transformers' forward, +30 on the image token, in float64 (1e-4).
+    Slow (slow lane): about 6.2 s on a quiet 2-core machine (the engine's programs of Gemma 4 traced and compiled
+    with the boost)."""
     import jax
     import jax.numpy as jnp
 

@@ -78,12 +78,14 @@ def test_text_flops_leave_the_tower_out():
     assert flops_per_token(cfg, 512) == flops_per_token(dataclasses.replace(cfg, vision=None), 512)
 
 
+@pytest.mark.slow
 def test_a_vlm_lora_step_compiles_for_a_slice_with_its_image_flops(tmp_path, monkeypatch):
     """`sft train --compile-only` of a tiny SmolVLM-shaped model with LoRA and 2 images' patches a row on v5e:2x2:
     the report's FLOPs are the language model's tokens plus every patch slot at the frozen tower's 1x, and each
     chip runs the tower on its own 2 rows: no chip holds the tower's MLP activations of all 8 rows (FSDP splits
     the tower's weights over the axis that splits the rows, and unconstrained the compiler gathered the rows:
-    Gemma 3 27B on v5e:2x4 held bf16[8,4096,4304] a chip)."""
+    Gemma 3 27B on v5e:2x4 held bf16[8,4096,4304] a chip).
+    Slow (slow lane): about 7.0 s on a quiet 2-core machine (the step compiled for a TPU slice)."""
     from pretrain.flops import flops_per_token
     from sft.cli import main
     from tests.program_checks import keep_compiled_text

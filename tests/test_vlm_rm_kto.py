@@ -77,11 +77,14 @@ def _encoded(vlm, r: int, answer: str):
     return prompt["input_ids"][0], enc["input_ids"][0], enc["pixel_values"], enc["pixel_attention_mask"]
 
 
+@pytest.mark.slow
 def test_reward_model_with_images_step_one_equals_trl_on_transformers(vlm, tmp_path):
     """`reward train` from a SmolVLM on pairs with images (learning rate 0, so the drawn score head is the final
     checkpoint's): each pair's chosen and rejected rewards are the head on transformers' final hidden state at the
     sequence's last non-padding token, the model reading the processor's pixels, and step 1's loss and metrics are
-    TRL's RewardTrainer formulas on them."""
+    TRL's RewardTrainer formulas on them.
+    Slow (slow lane): about 7.3 s on a quiet 2-core machine (a `reward train` run with images compiled, and
+    transformers' forwards)."""
     import torch
 
     out = tmp_path / "rm"
@@ -122,11 +125,14 @@ def _kto_logps(vlm, model) -> tuple[np.ndarray, np.ndarray]:
     return np.array(sums[0::2]), np.array(sums[1::2])
 
 
+@pytest.mark.slow
 def test_kto_with_images_step_one_equals_trl_on_transformers(vlm, tmp_path):
     """`dpo train` with dpo.loss_type kto on unpaired rows with images, full fine-tuning against a reference
     checkpoint: step 1's loss, KL (positive: the seed-1 model trains against the seed-0 one) and rewards are TRL's
     KTO formulas (KTOTrainer._compute_loss) on transformers' log-probabilities of each completion and mismatched
-    completion after the row's prompt and image."""
+    completion after the row's prompt and image.
+    Slow (slow lane): about 9.3 s on a quiet 2-core machine (a KTO run with images and its reference compiled, and
+    transformers' forwards)."""
     out = tmp_path / "kto"
     assert dpo_main(_args(vlm, out, "kto.jsonl", "dpo.loss_type=kto", f"dpo.beta={BETA}",
                           f"dpo.desirable_weight={WD}", f"dpo.undesirable_weight={WU}",
@@ -163,11 +169,14 @@ def test_bad_kto_image_row_is_one_line(vlm, tmp_path, capsys):
     assert not (out / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_gkd_with_images_step_one_equals_trl_on_transformers(vlm, tmp_path):
     """`sft train` with distill.teacher (offline GKD) on prompt/completion rows with images, the seed-1 SmolVLM
     distilled from the seed-0 one: step 1's loss is TRL's generalized JSD (tests/test_distill.py's transcription
     of GKDTrainer.generalized_jsd_loss) on both transformers models' logits at the completion's tokens, each model
-    reading the processor's pixels."""
+    reading the processor's pixels.
+    Slow (slow lane): about 7.0 s on a quiet 2-core machine (a GKD run with images and its teacher compiled, and
+    transformers' forwards)."""
     import torch
 
     from sft.cli import main as sft_main
