@@ -12,6 +12,8 @@ from tests.vlm_processors import reference_processor, smolvlm_folder, write_imag
 from zoo.cli import main
 
 QUESTION = "What is in this picture?"
+# A second server (a vision-language model's): the fast lane leaves the servers to the full suite.
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
