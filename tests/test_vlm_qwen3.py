@@ -167,6 +167,7 @@ def test_packed_sft_step_loss_is_transformers(qwen3, tmp_path):
     assert abs(read_metrics(tmp_path)[0]["loss"] - _hf_sft_loss(qwen3)) <= 1e-5
 
 
+@pytest.mark.slow  # a transformers generate oracle (about 6 s); test_vlm_decode's CLI generate stays in the fast lane
 def test_cli_generate_with_an_image_equals_transformers_generate(qwen3, capsys):
     """`zoo generate --prompt TEXT --image A`: the text is transformers' greedy reply to the same prompt ids (the
     user turn with its image part, expanded from the checkpoint's processor files) and pixels, the prefill taking

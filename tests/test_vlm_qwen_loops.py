@@ -171,6 +171,7 @@ def test_grpo_completion_logps_with_images_equal_transformers(qwen):
 # --------------------------------------------------------------------------------------------------------- eval
 
 
+@pytest.mark.slow  # transformers' forwards as the oracle (about 5 s): the full suite's
 def test_eval_multiple_choice_with_images_equals_transformers(qwen):
     """`zoo eval` on a multiple-choice task with images on Qwen3-VL: a text with two images and no placeholder (each
     image before it in its own <|vision_start|>...<|vision_end|>, 12 + 4 tokens: bare, their runs would touch and
