@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from zoo.console import print_table
+from zoo.console import add_dtype_flag, print_table
 from zoo.model.config import ATTENTION_KERNELS
 
 if TYPE_CHECKING:
@@ -41,8 +41,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="solved examples before each question (default: each task's num_fewshot)")
     p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
                    help="apply the tokenizer's chat template to generation prompts (default: each task's setting)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="compute dtype of the parameters (default float32)")
+    add_dtype_flag(p)
     p.add_argument("--attention", choices=ATTENTION_KERNELS, default="auto",
                    help="the attention kernel of the full forward that scores perplexity and rolling tasks: auto "
                         "(the default: cuDNN flash attention on an NVIDIA GPU, splash on a TPU, blockwise on the "
@@ -107,8 +106,7 @@ def eval_command(args: argparse.Namespace, expander_of: ExpanderOf | None = None
         t.rows(1)  # ... and so do missing or unreadable data files
 
     import jax
-    import ml_dtypes
-    import numpy as np
+    import jax.numpy as jnp
 
     import zoo
     from eval.scoring import evaluate
@@ -117,7 +115,7 @@ def eval_command(args: argparse.Namespace, expander_of: ExpanderOf | None = None
     out = out_path(args.out)
     tokenizer = load_tokenizer(args.ckpt)
     expander = _image_rows_checked(args, tasks, tokenizer, expander_of)  # before the weights load
-    model = zoo.load(args.ckpt, dtype=np.float32 if args.dtype == "float32" else ml_dtypes.bfloat16,
+    model = zoo.load(args.ckpt, dtype=jnp.dtype(args.dtype),
                      attention=getattr(args, "attention", "auto"))
     cfg, params = model.cfg, model.param_dict()
     t_load = time.perf_counter() - t0

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from zoo.console import add_topology_flags
+from zoo.console import add_dtype_flag, add_topology_flags
 from zoo.errors import UserError
 
 if TYPE_CHECKING:  # annotations only: JAX and the model load inside the command
@@ -62,9 +62,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
                    help="sample only among the most likely tokens whose probabilities sum to P (default 1.0: all)")
     p.add_argument("--seed", type=int, default=0, metavar="S",
                    help="random seed for sampling: same seed, same text (default 0)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="the weights' and the KV cache's dtype (default float32; bfloat16 halves both, as "
-                        "accelerators serve)")
+    add_dtype_flag(p)
     p.add_argument("--stop", nargs="+", action="extend", metavar="STR",
                    help="stop once the text contains any of these strings (the output ends before it; the flag may "
                         "repeat); generation also stops at the tokenizer's end-of-sequence token")
@@ -116,8 +114,7 @@ def generate_command(args: argparse.Namespace, expander_of: ExpanderOf | None = 
     check_out(args.out)  # before anything loads: the completions are never lost for want of a place to write them
     args.ckpt = str(checkpoint_dir(args.ckpt))
     rows = _read_prompt_rows(Path(args.prompts_file)) if args.prompts_file else None
-    import ml_dtypes
-    import numpy as np
+    import jax.numpy as jnp
 
     import zoo
 
@@ -132,7 +129,7 @@ def generate_command(args: argparse.Namespace, expander_of: ExpanderOf | None = 
     if cfg is not None:  # every image read and expanded before the weights load: a bad one is its error first
         assert expander_of is not None, "the dispatcher passes the image expander"
         ids, frames = _image_prompt(cfg, tok, args, expander_of)
-    model = zoo.load(args.ckpt, dtype=np.float32 if args.dtype == "float32" else ml_dtypes.bfloat16)
+    model = zoo.load(args.ckpt, dtype=jnp.dtype(args.dtype))
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                            top_p=args.top_p, seed=args.seed, stop=tuple(args.stop or ()),
                            eos_ids=eos_ids_of(args.ckpt, tok))

@@ -88,7 +88,8 @@ def make_app(served: Served, runner: Runner) -> FastAPI:
         messages = chat.messages_of(body.get("messages"), images)
         frames = None
         if images:
-            ids, frames = chat.image_prompt(served.expander, served.vision, served.tokenizer, messages, images, tools)
+            ids, frames = chat.image_prompt(served.expander, served.engine.cfg.vision, served.tokenizer, messages,
+                                            images, tools)
         else:
             ids = chat.prompt_ids(served.tokenizer, served.template, messages, tools)
         params = dec.params(schema.fits(len(ids), dec.max_tokens, served.max_len, None), served.eos_ids, adapter)

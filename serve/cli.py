@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from zoo.console import add_dtype_flag
 from zoo.errors import UserError
 
 INSTALL = "pip install 'lmzoo[serve]'"
@@ -33,9 +34,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                         "4096); a longer request is refused")
     p.add_argument("--page-size", type=int, default=16, metavar="N",
                    help="tokens per page of the KV cache (default 16)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="the weights' and the KV cache's dtype (default float32; bfloat16 halves both, as "
-                        "accelerators serve)")
+    add_dtype_flag(p)
     p.add_argument("--adapter", action="append", metavar="NAME=PATH",
                    help="a LoRA adapter checkpoint trained on CKPT, served as the model NAME: a request whose "
                         "\"model\" is NAME decodes with it (the flag may repeat)")

@@ -17,8 +17,8 @@ class Served:
     """The engine and what the routes need beside it: the base's ``name``, the ``adapters`` a request's ``model``
     may name, the tokenizer, the EOS ids every request ends on, the context (``max_len``), the chat template's
     source (None: the tokenizer has none) and its family's tool-call parser (None: it renders no calls); a
-    vision-language model's image expander (:class:`chat.images.ImageExpander`, from its processor files) and
-    vision config (None for a text model)."""
+    vision-language model's image expander (:class:`chat.images.ImageExpander`, from its processor files; None for
+    a text model)."""
 
     name: str
     engine: Any
@@ -29,7 +29,6 @@ class Served:
     template: str | None
     parser: Parser | None
     expander: Any = None
-    vision: Any = None
 
     @property
     def adapters(self) -> tuple[str, ...]:
@@ -89,8 +88,7 @@ def load_served(ckpt: str, *, name: str | None, adapters: list[tuple[str, str]],
                 max_len: int | None, page_size: int, dtype: str = "float32") -> Served:
     """Load ``ckpt`` (merged over its base where it is an adapter checkpoint), its tokenizer and the ``adapters``,
     and build the engine (weights and KV cache in ``dtype``: float32 or bfloat16, as `zoo generate --dtype`)."""
-    import ml_dtypes
-    import numpy as np
+    import jax.numpy as jnp
 
     import zoo
     from eval.engine.engine import Engine
@@ -111,7 +109,7 @@ def load_served(ckpt: str, *, name: str | None, adapters: list[tuple[str, str]],
     tok = load_tokenizer(path)
     base_meta = read_meta(path)
     trees = {n: load_adapter(n, p, path, base_meta) for n, p in adapters}
-    model = zoo.load(path, dtype=np.float32 if dtype == "float32" else ml_dtypes.bfloat16)
+    model = zoo.load(path, dtype=jnp.dtype(dtype))
     engine = Engine(model.cfg, model.param_dict(), tokenizer=tok, max_seqs=max_seqs, max_len=context,
                     page_size=page_size, adapters=trees)
     template = getattr(tok, "chat_template", None)
@@ -129,4 +127,4 @@ def load_served(ckpt: str, *, name: str | None, adapters: list[tuple[str, str]],
             print(f"note: zoo serve answers text only for this model: {e}", flush=True)
     return Served(name=name, engine=engine, tokenizer=tok, eos_ids=eos_ids_of(str(path), tok), max_len=context,
                   vocab_size=cfg.vocab_size, template=template, parser=PARSERS[family] if family else None,
-                  expander=expander, vision=cfg.vision)
+                  expander=expander)

@@ -100,6 +100,14 @@ def use_color(stream: TextIO) -> bool:
     return is_terminal(stream) and not os.environ.get("NO_COLOR")
 
 
+def add_dtype_flag(parser: Any) -> None:
+    """``--dtype float32|bfloat16``: the dtype a command loads the weights in (and decodes's KV cache), shared by
+    `zoo generate`, `zoo eval` and `zoo serve`; ``jnp.dtype(args.dtype)`` is what `zoo.load` takes."""
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the weights' (and the KV cache's) dtype (default float32; bfloat16 halves them, as "
+                             "accelerators run)")
+
+
 def add_topology_flags(group: Any) -> None:
     """``--topology``, ``--report`` and ``--num-slices``: the flags every ``--compile-only`` shares (train commands'
     and ``zoo generate``'s), added to argparse ``group``."""

@@ -61,6 +61,11 @@ class _Request:
     row: int = -1
     delta: int = 0  # multimodal RoPE's shift of every position after the prompt
 
+    @property
+    def prefilled(self) -> bool:
+        """Whether its whole prompt is in its pages (it decodes; before, its prompt is prefilled a chunk a step)."""
+        return self.filled == len(self.prompt)
+
 
 def _pow2(n: int, least: int) -> int:
     return max(least, 1 << max(0, (n - 1).bit_length()))
@@ -232,7 +237,7 @@ class Engine:
         admitted = self._admit()
         if admitted:
             self._prefill(admitted)
-        if any(r is not None and r.filled == len(r.prompt) for r in self._rows):
+        if any(r is not None and r.prefilled for r in self._rows):
             self._decode()
         events, self._events = self._events, []
         return events
@@ -269,7 +274,7 @@ class Engine:
         """The requests this step's prefill runs: those whose prompt is being prefilled in chunks (each its next
         chunk), then queued requests given a free row and their pages, in order, while both last; a request whose
         cached prefix another one is still computing waits for a later step."""
-        admitted = [r for r in self._rows if r is not None and r.filled < len(r.prompt)]
+        admitted = [r for r in self._rows if r is not None and not r.prefilled]
         computing = {h for r in admitted for h in r.hashes}
         widest = max((self._chunk(r) for r in admitted), default=0)
         while self._queue and None in self._rows:
@@ -345,7 +350,7 @@ class Engine:
             if self._delta is not None and deltas is not None:
                 self._delta[r.row] = deltas[i]
             r.filled += len(chunks[i])
-            if r.filled < len(r.prompt):
+            if not r.prefilled:
                 continue  # a chunk of a longer prompt: its row decodes once the last chunk is in (its draw unused)
             full = len(r.hashes)  # the prompt's pages now computed join the prefix cache
             self.pages.register(r.pages[:full], r.hashes)
@@ -364,7 +369,7 @@ class Engine:
         return vision_inputs(self.cfg, frames)
 
     def _decode(self) -> None:
-        live: list[_Request] = [r for r in self._rows if r is not None and r.filled == len(r.prompt)]
+        live: list[_Request] = [r for r in self._rows if r is not None and r.prefilled]
         width = self._width(max(int(self._lengths[r.row]) + 1 for r in live))
         # The live rows first, then padding rows that write nothing (row 0's state, inactive).
         b = decode_rows(len(live), self.max_seqs)

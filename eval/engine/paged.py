@@ -5,7 +5,7 @@ layer's keys and values in pages: ``k`` [layers, pages, kv_heads, head_dim, page
 kv_heads, page, head_dim] (the cache's head-major layouts, a page in place of a ring), or for MLA ``latent``
 [layers, pages, page, rank] and ``k_pe`` [layers, pages, page, rope_dim]. A row reads the pages of its page table
 as the ring layout of :mod:`zoo.model.decode` (P pages as P * page slots, position p at slot p, each layer
-gathering its rows' pages as it runs: :func:`zoo.model.paged_reads.gather_pages`; the table's width is bucketed, so a
+gathering its rows' pages as it runs: :func:`zoo.model.cache_io.gather_pages`; the table's width is bucketed, so a
 step reads what its rows can hold, not max_len) in the same cached forward every sampler uses
 (:func:`zoo.model.decode.forward_step`: every family's attention, MoE, images), and its new keys and values are
 scattered into its pages. Sliding-window layers keep every position too (the mask applies the
@@ -27,10 +27,10 @@ from jax.sharding import Mesh
 from eval.engine.sampling import RowSampling, draw_rows
 from zoo.lora.rows import RowAdapters
 from zoo.lora.weights import Weights
+from zoo.model.cache_io import Written, put_entries
 from zoo.model.config import ModelConfig
 from zoo.model.decode import Cache, forward_step
 from zoo.model.layer_layout import is_kv_shared, kind_config
-from zoo.model.paged_reads import Written
 from zoo.model.vision import VisionInputs
 
 Pool = dict[str, dict[str, dict[str, jax.Array]]]
@@ -91,7 +91,7 @@ def pool_bytes(pool: Pool) -> int:
 
 
 def scatter(pool: Pool, step: Written, tables: jax.Array) -> Pool:
-    """The pool with a forward's new keys and values (:class:`zoo.model.decode.Written`) in the rows' pages:
+    """The pool with a forward's new keys and values (:class:`zoo.model.cache_io.Written`) in the rows' pages:
     position p of row r at page ``tables[r, p // page]``, offset ``p % page``; padding goes nowhere."""
     out: Pool = {}
     for prefix, kinds in pool.items():
@@ -104,14 +104,7 @@ def scatter(pool: Pool, step: Written, tables: jax.Array) -> Pool:
             where = jnp.take_along_axis(tables, col, axis=1)
             pg = jnp.where(step.valid, where, n_pages)[None]  # page n_pages is out of range: dropped
             off = (step.pos % page)[None]
-            written = step.entries[prefix][kind]
-            idx = jnp.concatenate([i for i, _ in written])[:, None, None]
-            new = {name: jnp.concatenate([w[name] for _, w in written]) for name in arrays}
-            # new [m, b, t, ...]: the indexed elements, in the order of numpy's advanced indexing.
-            at = {"latent": (idx, pg, off), "k_pe": (idx, pg, off),
-                  "k": (idx, pg, slice(None), slice(None), off), "v": (idx, pg, slice(None), off)}
-            out[prefix][kind] = {name: a.at[at[name]].set(new[name].astype(a.dtype), mode="drop")
-                                 for name, a in arrays.items()}
+            out[prefix][kind] = put_entries(arrays, step.entries[prefix][kind], pg, off)
     return out
 
 

@@ -46,6 +46,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from zoo.lora.projections import LayerLora
 from zoo.lora.weights import Weights
+from zoo.model.cache_io import Written, gather_pages, write_ring
 from zoo.model.cached_attention import gqa_attention, mla_attention, new_token_masks, slot_positions
 from zoo.model.config import ModelConfig
 from zoo.model.decoder import decoder_layer, embed_tokens, norm, output_logits
@@ -69,7 +70,6 @@ from zoo.model.multimodal import (
     image_blocks,
     text_ids,
 )
-from zoo.model.paged_reads import Written, gather_pages
 from zoo.model.per_layer_inputs import per_layer_inputs
 from zoo.model.rope import layer_rope, rope_flags, rope_tables_by_kind
 from zoo.model.vision import VisionInputs
@@ -243,7 +243,7 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax
     ``pages`` [b, P]: the cache is paged (the inference engine's pool, :mod:`eval.engine.paged`): each kind's
     arrays hold pages (``k`` [n, pages, kv_heads, head_dim, page], ``v`` [n, pages, kv_heads, page, head_dim], MLA
     ``latent``/``k_pe`` [n, pages, page, ...]) and row r reads pages ``pages[r]`` as P * page slots, position p
-    at slot p; each layer gathers its own when it runs (:func:`gather_pages`), so only one layer's rows are ever
+    at slot p; each layer gathers its own when it runs (:func:`zoo.model.cache_io.gather_pages`), so only one layer's rows are ever
     copied out of the pool. Needs ``entries`` (the pool is written by its owner); LongRoPE switches per row, and
     its owner re-ropes a row's cached keys before the call in which it crosses (:func:`eval.engine.paged.rerope`).
     """
@@ -301,7 +301,7 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax
     step = Written(written, pos, valid, new_lengths, delta)
     if entries:
         return logits, step
-    return logits, Cache(_write(cache, written, pos, valid, new_lengths, cfg.mla), new_lengths, delta)
+    return logits, Cache(write_ring(cache.layers, written, pos, valid, new_lengths, cfg.mla), new_lengths, delta)
 
 
 def _rope_positions(cfg: ModelConfig, tokens: jax.Array, pos: jax.Array, valid: jax.Array, new_lengths: jax.Array,
@@ -369,7 +369,7 @@ def _run_cached_stacks(cfg: ModelConfig, params: dict[str, Any], x: jax.Array, c
                        fresh: bool, stored: dict[str, tuple[dict | None, tuple[jax.Array, jax.Array]]],
                        deep: jax.Array | None = None) -> tuple[jax.Array, dict[str, dict[str, list]]]:
     """x through every run of :attr:`ModelConfig.layer_runs` on ``cache``; returns x and, per stack and kind, each
-    layer's new cache entries with its index in its kind's cache stack (what :func:`_write` scatters). Fills
+    layer's new cache entries with its index in its kind's cache stack (what :func:`zoo.model.cache_io.write_ring` scatters). Fills
     ``stored`` (Gemma 4) as the layers whose keys/values the KV-shared layers reuse are done. ``deep``: Qwen3-VL's
     DeepStack levels, scanned with the first layers (:func:`zoo.model.multimodal.deepstack_runs`)."""
     written: dict[str, dict[str, list]] = {prefix: {kind: [] for kind in group} for prefix, group in cache.layers.items()}
@@ -412,7 +412,7 @@ def _run_cached_stacks(cfg: ModelConfig, params: dict[str, Any], x: jax.Array, c
                 own = None if fresh else jax.tree.map(lambda a: a[at], group[kind])
                 new = layer_output(done, i - start, False)
                 stored[kind] = (own, (new["k"], new["v"]))
-        # Each layer's new entries with its index in its kind's stack, in the order _write concatenates them.
+        # Each layer's new entries with its index in its kind's stack, in the order write_ring concatenates them.
         for seg, news in done:
             for j, (kind, new) in enumerate(zip(seg.kinds, news)):
                 i0, step = _kind_slice(kinds, dataclasses.replace(seg, start=seg.start + first), j)
@@ -428,31 +428,6 @@ def _kind_slice(kinds: tuple[str, ...], seg: Segment, j: int) -> tuple[int, int]
     """
     kind = seg.kinds[j]
     return kinds[:seg.start + j].count(kind), seg.kinds.count(kind)
-
-
-def _write(cache: Cache, written: dict, pos: jax.Array, valid: jax.Array,
-           new_lengths: jax.Array, mla: bool) -> dict:
-    """The cache arrays with each layer's new entries scattered into their ring slots.
-
-    Only the last S positions of each row go in (earlier ones would collide
-    in the ring and are out of every later query's reach); padding never does.
-    """
-    out: dict[str, dict[str, dict[str, jax.Array]]] = {}
-    rows = jnp.arange(pos.shape[0])[None, :, None]
-    for prefix, group in cache.layers.items():
-        out[prefix] = {}
-        for kind, arrays in group.items():
-            s = arrays["latent"].shape[2] if mla else arrays["v"].shape[3]
-            keep = valid & (pos >= new_lengths[:, None] - s)
-            slot = jnp.where(keep, pos % s, s)[None]  # slot s is out of range: dropped
-            idx = jnp.concatenate([i for i, _ in written[prefix][kind]])[:, None, None]
-            new = {name: jnp.concatenate([n[name] for _, n in written[prefix][kind]]) for name in arrays}
-            # new [n, b, t, ...]: the indexed elements of every array, in the order of numpy's advanced indexing.
-            at = {"latent": (idx, rows, slot), "k_pe": (idx, rows, slot),
-                  "k": (idx, rows, slice(None), slice(None), slot), "v": (idx, rows, slice(None), slot)}
-            out[prefix][kind] = {name: a.at[at[name]].set(new[name].astype(a.dtype), mode="drop")
-                                 for name, a in arrays.items()}
-    return out
 
 
 forward_cached_jit = jax.jit(forward_cached, static_argnums=0, static_argnames="mla_absorb")

@@ -1,0 +1,76 @@
+"""What the cached forward (:mod:`zoo.model.decode`) reads from and writes to its caches: its new keys and values
+unwritten (:class:`Written`), which a cache kept elsewhere (the inference engine's paged KV cache,
+:mod:`eval.engine.paged`) writes where it keeps them; one layer's reads of a paged pool (:func:`gather_pages`); and
+the ring cache's write (:func:`write_ring`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclass(frozen=True)
+class Written:
+    """What a cached forward computed for the cache, before it is written (:func:`forward_step`'s ``entries``): per
+    stack and kind, each layer's new entries ``[(index in its kind's cache stack [m], {name: [m, b, t, ...]})]``,
+    the new tokens' positions ``pos`` [b, t] and ``valid`` mask, each row's new length and rope delta. A cache laid
+    out otherwise (the engine's pages, :mod:`eval.engine.paged`) writes them where it keeps them."""
+
+    entries: dict[str, dict[str, list]]
+    pos: jax.Array
+    valid: jax.Array
+    lengths: jax.Array
+    rope_delta: jax.Array | None
+
+
+def gather_pages(c: dict[str, jax.Array], pages: jax.Array) -> dict[str, jax.Array]:
+    """One layer's pool arrays (``k`` [pages, kv_heads, head_dim, page], ``v`` [pages, kv_heads, page, head_dim],
+    MLA ``latent``/``k_pe`` [pages, page, ...]) read for the rows' page tables ``pages`` [b, P] as a ring of P *
+    page slots: k [b, kv_heads, head_dim, S], v [b, kv_heads, S, head_dim], MLA [b, S, ...]."""
+    b = pages.shape[0]
+    out = {}
+    for name, a in c.items():
+        g = a[pages]  # [b, P, ...one page's axes]
+        if name == "k":
+            out[name] = g.transpose(0, 2, 3, 1, 4).reshape(b, g.shape[2], g.shape[3], -1)
+        elif name == "v":
+            out[name] = g.transpose(0, 2, 1, 3, 4).reshape(b, g.shape[2], -1, g.shape[4])
+        else:
+            out[name] = g.reshape(b, -1, g.shape[-1])
+    return out
+
+
+def write_ring(layers: dict, written: dict, pos: jax.Array, valid: jax.Array,
+               new_lengths: jax.Array, mla: bool) -> dict:
+    """A ring cache's arrays (:class:`zoo.model.decode.Cache`'s ``layers``) with each layer's new entries
+    (:func:`zoo.model.decode.forward_step`'s ``written``) scattered into their ring slots.
+
+    Only the last S positions of each row go in (earlier ones would collide
+    in the ring and are out of every later query's reach); padding never does.
+    """
+    out: dict[str, dict[str, dict[str, jax.Array]]] = {}
+    rows = jnp.arange(pos.shape[0])[None, :, None]
+    for prefix, group in layers.items():
+        out[prefix] = {}
+        for kind, arrays in group.items():
+            s = arrays["latent"].shape[2] if mla else arrays["v"].shape[3]
+            keep = valid & (pos >= new_lengths[:, None] - s)
+            slot = jnp.where(keep, pos % s, s)[None]  # slot s is out of range: dropped
+            out[prefix][kind] = put_entries(arrays, written[prefix][kind], rows, slot)
+    return out
+
+
+def put_entries(arrays: dict[str, jax.Array], entries: list, lead: jax.Array, at: jax.Array) -> dict[str, jax.Array]:
+    """One layer kind's cache arrays (``k`` [n, L, kv_heads, head_dim, A], ``v`` [n, L, kv_heads, A, head_dim], MLA
+    ``latent``/``k_pe`` [n, L, A, ...]) with a forward's new entries of its layers (``entries``: :class:`Written`'s
+    ``[(index in the stack [m], {name: [m, b, t, ...]})]``) put at ``[index, lead, ..., at]``: ``lead`` and ``at``
+    broadcast to [1, b, t] (a ring's rows and slots, or a pool's pages and offsets); an out-of-range index drops
+    its entry (padding)."""
+    idx = jnp.concatenate([i for i, _ in entries])[:, None, None]
+    new = {name: jnp.concatenate([e[name] for _, e in entries]) for name in arrays}
+    # new [m, b, t, ...]: the indexed elements of every array, in the order of numpy's advanced indexing.
+    where = {"latent": (idx, lead, at), "k_pe": (idx, lead, at),
+             "k": (idx, lead, slice(None), slice(None), at), "v": (idx, lead, slice(None), at)}
+    return {name: a.at[where[name]].set(new[name].astype(a.dtype), mode="drop") for name, a in arrays.items()}
