@@ -105,19 +105,23 @@ class TokenSurrogate(Estimator):
         eps_high = g.epsilon if g.epsilon_high is None else g.epsilon_high
         adv = mb.advantages[:, 0] if self.per_row else mb.advantages
         terms = losses.token_terms(logp, old, ref, adv, mask, g.epsilon, eps_high,
-                                   g.beta if self.beta_in_loss else 0.0, g.importance_sampling_level)
+                                   g.beta if self.beta_in_loss else 0.0, g.importance_sampling_level,
+                                   losses.LossKnobs.of(g))
         total, n = losses.loss_sum_count(terms["loss"], mask, g.loss_type, g.max_completion_length)
         if g.importance_sampling_level == "sequence":  # one ratio per completion: TRL counts clipped sequences
             clip_of = lambda x: Ratio(*losses.masked_mean_sums(x[:, :1], jnp.ones_like(x[:, :1])))  # noqa: E731
         else:
             clip_of = lambda x: Ratio(*losses.masked_mean_sums(x, mask))  # noqa: E731
-        extras: dict[str, Metric] = {
-            "entropy": Ratio(*losses.masked_mean_sums(entropy, mask)),
-            "clip_ratio/low_mean": clip_of(terms["low_clip"]),
-            "clip_ratio/high_mean": clip_of(terms["high_clip"]),
-            "clip_ratio/region_mean": clip_of(terms["region_clip"]),
-            SAMPLER_DIFF: sampler_diff,
-        }
+        # TRL 1.16's names: the clip ratios of the clipped surrogates, CISPO's share of clipped weights, VESPO's
+        # mean weight (one a completion), none for SAPO's soft gate
+        named = {"low_clip": "clip_ratio/low_mean", "high_clip": "clip_ratio/high_mean",
+                 "region_clip": "clip_ratio/region_mean", "cispo_clip": "cispo_clip_ratio"}
+        extras: dict[str, Metric] = {"entropy": Ratio(*losses.masked_mean_sums(entropy, mask)),
+                                     **{named[k]: clip_of(v) for k, v in terms.items() if k in named}}
+        if "phi" in terms:
+            phi = terms["phi"][:, :1]
+            extras["vespo/phi_seq_mean"] = Ratio(*losses.masked_mean_sums(phi, jnp.ones_like(phi)))
+        extras |= {SAMPLER_DIFF: sampler_diff}
         if g.beta > 0 and self.beta_in_loss:  # as TRL: no reference, no kl metric (it would be a constant 0)
             extras["kl"] = Ratio(*losses.masked_mean_sums(jax.lax.stop_gradient(terms["kl"]), mask))
         return total, n, extras
@@ -136,7 +140,8 @@ class Group(TokenSurrogate):
         adv, std, zero_std = (np.asarray(x) for x in
                               _jitted(losses.advantages)(jnp.asarray(total, jnp.float32), g.num_generations,
                                                          g.scale_rewards))
-        return adv, {"reward_std": float(np.mean(std)), "frac_reward_zero_std": float(np.mean(zero_std))}
+        # TRL 1.16 logs the std of the batch's rewards (its unscorable rows, NaN, left out), not the groups' mean
+        return adv, {"reward_std": batch_std(total), "frac_reward_zero_std": float(np.mean(zero_std))}
 
 
 class ReinforcePP(TokenSurrogate):
@@ -190,7 +195,7 @@ class RLOO(Estimator):
                                                            g.normalize_advantages)
         adv = np.asarray(adv_j)
         shown = np.where(np.isnan(per_fn).all(1), np.nan, total) if per_fn.shape[1] else total
-        m.update({"reward_std": float(np.nanstd(shown, ddof=1)) if np.isfinite(shown).sum() > 1 else 0.0,
+        m.update({"reward_std": batch_std(shown),
                   "frac_reward_zero_std": float(np.mean(np.isclose(np.asarray(group_std), 0.0)))})
         return s.relayout(adv.astype(np.float32)), adv, m
 
@@ -207,6 +212,12 @@ class RLOO(Estimator):
                                      "clip_ratio/region_mean": one(seq["region_clip"]),
                                      SAMPLER_DIFF: sampler_diff}
         return total, n, extras
+
+
+def batch_std(rewards: np.ndarray) -> float:
+    """TRL's ``reward_std``: the unbiased std of the batch's rewards, NaN (unscorable) ones left out; 0 with fewer
+    than two."""
+    return float(np.nanstd(rewards, ddof=1)) if np.isfinite(rewards).sum() > 1 else 0.0
 
 
 ESTIMATORS: dict[str, type[Estimator]] = {c.name: c for c in (Group, RLOO, ReinforcePP, ReinforcePPBaseline)}

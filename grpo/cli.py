@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 
 METHODS = """\
 methods:
-  grpo.loss_type                   grpo (GRPO), dr_grpo (Dr. GRPO), dapo (DAPO, the default), bnpo (BNPO)
+  grpo.loss_type                   grpo (GRPO), dr_grpo (Dr. GRPO), dapo (DAPO, the default), bnpo (BNPO),
+                                   cispo (CISPO), sapo (SAPO), luspo (LUSPO), vespo (VESPO)
   grpo.importance_sampling_level   token (the default), sequence (GSPO)
   grpo.advantage                   group (GRPO's, the default), rloo (RLOO: TRL's RLOOTrainer, its own loss),
                                    reinforce_pp, reinforce_pp_baseline (REINFORCE++)
@@ -33,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `grpo` (every flag documented)."""
     p = argparse.ArgumentParser(prog="grpo", description="lmzoo online reinforcement learning with verifiable "
                                                          "rewards on the shared training loop: GRPO, Dr. GRPO, DAPO, "
-                                                         "BNPO, GSPO, RLOO and REINFORCE++, full or LoRA; reward "
+                                                         "BNPO, CISPO, SAPO, LUSPO, VESPO, GSPO, RLOO and "
+                                                         "REINFORCE++, full or LoRA; reward "
                                                          "functions or reward models; multi-turn episodes with tools "
                                                          "and environments.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -17,7 +17,7 @@ from pretrain.config_unread import Unread, keys_unread
 from zoo.errors import UserError
 
 # The settings grpo/losses.py implements; here, so that a config is read and checked without importing JAX.
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_LEVELS = ("token", "sequence")
 # how a completion's advantage is estimated (grpo/advantages.py, one class by each name): GRPO's group-relative
@@ -54,13 +54,24 @@ class GrpoSection:
     normalize_advantages: bool = False
     # rloo, reinforce_pp*: [low, high] the rewards are clipped to before anything else (None: no clipping)
     reward_clip_range: list[float] | None = None
-    # how token losses are averaged (TRL's): grpo per sequence, dr_grpo over max_completion_length, dapo over the
-    # batch's tokens, bnpo over each micro-batch's
+    # the surrogate and how its token losses are averaged (TRL's): grpo per sequence, dr_grpo over
+    # max_completion_length, dapo over the batch's tokens, bnpo over each micro-batch's; cispo (MiniMax-M1: the
+    # ratio clipped at epsilon_high, detached, times A logp; as dapo), sapo (a soft sigmoid gate; as grpo), luspo
+    # (token sums averaged over completions), vespo (a gamma weight of the sequence's ratio times A logp; as dapo)
     loss_type: str = field(default="dapo", metadata={"choices": LOSS_TYPES})
+    # sapo: the gate's temperature for tokens of positive advantage, and of the others
+    sapo_temperature_pos: float = field(default=1.0, metadata={"range": "(0, inf)"})
+    sapo_temperature_neg: float = field(default=1.05, metadata={"range": "(0, inf)"})
+    # vespo: phi(w) = exp(lambda + k log w - lambda w), k and lambda for advantages >= 0 and for negative ones
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
     # advantages divided by the rewards' std of the group, of the batch, or not at all (Dr. GRPO)
     scale_rewards: str = field(default="group", metadata={"choices": SCALE_REWARDS})
     epsilon: float = field(default=0.2, metadata={"range": "(0, inf)"})  # the ratio is clipped below at 1 - epsilon
-    # ... and above at 1 + epsilon_high (None: epsilon; DAPO's clip-higher)
+    # ... and above at 1 + epsilon_high (None: epsilon; DAPO's clip-higher); cispo: the ratio's own upper clip
+    # (the ScaleRL paper's 5.0)
     epsilon_high: float | None = field(default=None, metadata={"range": "(0, inf)"})
     # mu: optimizer updates per rollout batch (> 1 reuses it with its old log-probs)
     num_iterations: int = field(default=1, metadata={"range": "[1, inf)"})
@@ -154,6 +165,12 @@ GRPO_UNREAD: tuple[Unread, ...] = (
     *keys_unread(("grpo.loss_type", "grpo.importance_sampling_level"), lambda c: c.grpo.advantage == "rloo",
                  "is not read with grpo.advantage: rloo, whose loss is its own (one importance ratio per completion, "
                  "as TRL's RLOOTrainer, whose RLOOConfig has no such key): remove it"),
+    *keys_unread(("grpo.sapo_temperature_pos", "grpo.sapo_temperature_neg"),
+                 lambda c: c.grpo.loss_type != "sapo" or c.grpo.advantage == "rloo",
+                 "is read by grpo.loss_type sapo only: remove it, or set grpo.loss_type=sapo"),
+    *keys_unread(("grpo.vespo_k_pos", "grpo.vespo_lambda_pos", "grpo.vespo_k_neg", "grpo.vespo_lambda_neg"),
+                 lambda c: c.grpo.loss_type != "vespo" or c.grpo.advantage == "rloo",
+                 "is read by grpo.loss_type vespo only: remove it, or set grpo.loss_type=vespo"),
     Unread("grpo.scale_rewards", lambda c: c.grpo.advantage != "group",
            "scales group advantages (grpo.advantage: group); {cfg.grpo.advantage}'s are not (RLOO's by "
            "grpo.normalize_advantages, REINFORCE++'s always whitened; TRL's RLOOConfig has no scale_rewards): "

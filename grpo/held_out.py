@@ -4,12 +4,11 @@ Every ``eval_every`` steps (and at the last) the prompts of ``data.eval_path`` (
 held out of ``data.path``) are completed twice with the current policy and scored by the run's rewards:
 
 - with the run's sampling, ``grpo.num_generations`` completions per prompt, logged under TRL's eval names:
-  ``eval_reward``, ``eval_reward_std`` (the mean of the groups' standard deviations, as ``reward_std``),
+  ``eval_reward``, ``eval_reward_std`` (the std of the batch's rewards, as ``reward_std``),
   ``eval_rewards/<function>/mean`` and ``/std``, ``eval_completions/mean_length`` (the model's tokens),
   ``eval_completions/clipped_ratio`` and, with tools, ``eval_num_turns``, ``eval_tool_calls``,
   ``eval_tool_failures``, ``eval_tools/call_frequency``, ``eval_tools/failure_frequency``;
-- greedy, one completion per prompt: the same names under ``eval_greedy_`` (its ``reward_std`` is over the
-  prompts).
+- greedy, one completion per prompt: the same names under ``eval_greedy_``.
 
 The samples use a key stream of their own, folded from the run's seed and the step, so evaluating changes nothing
 that training draws, and a resumed run evaluates exactly as a run never stopped. The prompts are completed in
@@ -85,8 +84,7 @@ def held_out_metrics(task: Completes, weights: Weights, docs: list[Document], ro
         total, per_fn = np.concatenate(totals), np.concatenate(per_fns)
         m: dict[str, Any] = {
             "reward": float(total.mean()),
-            "reward_std": (float(np.mean([_std(x) for x in total.reshape(-1, group)])) if group > 1
-                           else _std(total)),
+            "reward_std": _std(total),  # the batch's, as TRL 1.16's (in training and evaluation alike)
             "completions/mean_length": float(np.concatenate(lengths).mean()),
             "completions/clipped_ratio": float(1.0 - np.concatenate(ended).mean()),
             **reward_metrics(task.rewards.names, per_fn),

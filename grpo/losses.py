@@ -27,6 +27,21 @@ Papers:
 * GSPO — Zheng et al. 2025, "Group Sequence Policy Optimization"
   (arXiv:2507.18071): one importance ratio per sequence, the exponential of the
   mean per-token log-ratio (``importance_sampling_level: sequence``).
+* CISPO — MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with
+  Lightning Attention" (arXiv:2506.13585): the importance weight itself clipped
+  (above at ``epsilon_high``) and detached, times ``A * logp``: every token keeps
+  a gradient (``loss_type: cispo``, normalized as dapo).
+* SAPO — Gao et al. 2025, "Soft Adaptive Policy Optimization"
+  (arXiv:2511.20347): a sigmoid gate ``sigmoid(tau (ratio - 1)) * 4 / tau``
+  instead of the hard clip, ``tau`` by the advantage's sign (``loss_type:
+  sapo``, normalized as grpo).
+* LUSPO — the clipped surrogate summed over each completion's tokens and averaged
+  over completions, no length normalization (``loss_type: luspo``; TRL
+  recommends ``importance_sampling_level: sequence``).
+* VESPO — a gamma weight ``phi(w) = exp(lambda + k log w - lambda w)`` of the
+  sequence's importance ratio ``w`` (its summed log-ratio), ``k`` and ``lambda`` by
+  the advantage's sign, detached, times ``A * logp`` (``loss_type: vespo``,
+  normalized as dapo).
 * The KL estimator k3 — Schulman 2020, "Approximating KL Divergence"
   (http://joschu.net/blog/kl-approx.html): ``exp(ref - logp) - (ref - logp) - 1``,
   unbiased for KL(pi || ref) on samples of pi and never negative.
@@ -39,12 +54,38 @@ whole-batch value (``bnpo``: TRL's per-micro-batch mean, see there).
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
 from grpo.config import IMPORTANCE_LEVELS, LOSS_TYPES, SCALE_REWARDS
 
 STD_EPS = 1e-4  # TRL adds it to the std before dividing (not a max): a zero-std group's advantages stay 0
+# The loss types whose surrogate is PPO's clipped ratio (TRL logs its clip_ratio/* metrics for these only).
+CLIPPED = ("grpo", "dr_grpo", "dapo", "bnpo", "luspo")
+VESPO_LOG_W_MIN = math.log(1e-8)  # TRL's floor of the sequence's log importance weight
+
+
+@dataclass(frozen=True)
+class LossKnobs:
+    """The surrogate's settings beyond the clip range (TRL 1.16 GRPOConfig's names and defaults): which loss, and
+    the SAPO temperatures and VESPO gamma parameters (read by those loss types only)."""
+
+    loss_type: str = "dapo"
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+
+    @classmethod
+    def of(cls, section: Any) -> LossKnobs:
+        """The knobs of a ``grpo:`` config section (grpo/config.py ``GrpoSection``)."""
+        return cls(**{k: getattr(section, k) for k in cls.__dataclass_fields__})
 
 
 def _nan_mean_std(x: jax.Array, axis: int | None) -> tuple[jax.Array, jax.Array]:
@@ -99,7 +140,7 @@ def advantages(rewards: jax.Array, group: int, scale: str) -> tuple[jax.Array, j
 
 def token_terms(logp: jax.Array, old_logp: jax.Array, ref_logp: jax.Array | None, adv: jax.Array,
                 mask: jax.Array, epsilon_low: float, epsilon_high: float, beta: float,
-                level: str) -> dict[str, jax.Array]:
+                level: str, knobs: LossKnobs = LossKnobs()) -> dict[str, jax.Array]:
     """The per-token terms of GRPO's loss for a micro-batch: [B, T] float32 arrays in a dict.
 
     ``logp``, ``old_logp``, ``ref_logp`` [B, T]: each completion token's log-probability under the policy
@@ -108,15 +149,20 @@ def token_terms(logp: jax.Array, old_logp: jax.Array, ref_logp: jax.Array | None
     the tokens that train. ``level`` "token": the ratio of each token, ``exp(logp - old_logp)``; "sequence"
     (GSPO): ``exp`` of the row's masked mean log-ratio (count clamped at 1), the same for every token of the row.
 
-    * ``loss``: ``-min(ratio * A, clip(ratio, 1 - epsilon_low, 1 + epsilon_high) * A) + beta * kl``, not yet
-      masked nor normalized (:func:`loss_sum_count`);
+    * ``loss``, not yet masked nor normalized (:func:`loss_sum_count`), by ``knobs.loss_type`` (TRL 1.16's
+      ``_compute_loss``): the clipped types (:data:`CLIPPED`) ``-min(ratio * A, clip(ratio, 1 - epsilon_low,
+      1 + epsilon_high) * A)``; cispo ``-sg(min(ratio, epsilon_high)) * A * logp``; sapo ``-sigmoid(tau (ratio
+      - 1)) * 4 / tau * A``; vespo ``-sg(phi) * A * logp`` (:func:`vespo_weights`); each ``+ beta * kl``;
     * ``kl``: k3, ``exp(ref - logp) - (ref - logp) - 1`` on the completion tokens, 0 on padding (zeros when
       ``beta == 0`` or ``ref_logp`` is None; ``beta`` is the config's Python float, not a traced value);
-    * ``low_clip``, ``high_clip``, ``region_clip``: 1.0 where TRL counts a clip, ``ratio < 1 - epsilon_low`` with
-      ``A < 0``, ``ratio > 1 + epsilon_high`` with ``A > 0``, either. At the sequence level TRL logs these per
-      sequence, not per token: :func:`masked_mean_sums` of ``x[:, :1]`` with a mask of ones reproduces it."""
+    * the loss type's clip metrics, 1.0 where TRL counts one: clipped types ``low_clip``, ``high_clip``,
+      ``region_clip`` (``ratio < 1 - epsilon_low`` with ``A < 0``, ``ratio > 1 + epsilon_high`` with ``A > 0``,
+      either); cispo ``cispo_clip`` (``ratio > epsilon_high`` with ``A > 0``); vespo ``phi`` (the row's weight on
+      each of its tokens). At the sequence level TRL logs the clip metrics per sequence, not per token:
+      :func:`masked_mean_sums` of ``x[:, :1]`` with a mask of ones reproduces it (``phi``: always so)."""
     if level not in IMPORTANCE_LEVELS:
         raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_LEVELS}, got {level!r}")
+    loss_type = knobs.loss_type
     logp = jnp.asarray(logp, jnp.float32)
     old_logp = jnp.asarray(old_logp, jnp.float32)
     mask = jnp.asarray(mask)
@@ -124,23 +170,54 @@ def token_terms(logp: jax.Array, old_logp: jax.Array, ref_logp: jax.Array | None
     adv = jnp.asarray(adv, jnp.float32)
     a = adv[:, None] if adv.ndim == 1 else adv
     # Padding positions may hold anything (even -inf): where, not a product with the mask, keeps them out.
-    log_ratio = jnp.where(m, logp - old_logp, 0.0)
+    token_log_ratio = jnp.where(m, logp - old_logp, 0.0)
+    log_ratio = token_log_ratio
     if level == "sequence":
         count = jnp.maximum(m.sum(-1, keepdims=True).astype(jnp.float32), 1.0)
         log_ratio = jnp.broadcast_to(log_ratio.sum(-1, keepdims=True) / count, logp.shape)
     ratio = jnp.exp(log_ratio)
-    clipped = jnp.clip(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
-    loss = -jnp.minimum(ratio * a, clipped * a)
+    out: dict[str, jax.Array] = {}
+    if loss_type == "cispo":
+        loss = -jax.lax.stop_gradient(jnp.minimum(ratio, epsilon_high)) * a * jnp.where(m, logp, 0.0)
+        out["cispo_clip"] = ((ratio > epsilon_high) & (a > 0)).astype(jnp.float32)
+    elif loss_type == "sapo":
+        tau = jnp.where(a > 0, knobs.sapo_temperature_pos, knobs.sapo_temperature_neg)
+        loss = -jax.nn.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * a
+    elif loss_type == "vespo":
+        phi = jax.lax.stop_gradient(vespo_weights(token_log_ratio, m, a, knobs))
+        loss = -phi * a * jnp.where(m, logp, 0.0)
+        out["phi"] = jnp.broadcast_to(phi, logp.shape)
+    elif loss_type in CLIPPED:
+        clipped = jnp.clip(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
+        loss = -jnp.minimum(ratio * a, clipped * a)
+        low = (ratio < 1.0 - epsilon_low) & (a < 0)
+        high = (ratio > 1.0 + epsilon_high) & (a > 0)
+        out |= {"low_clip": low.astype(jnp.float32), "high_clip": high.astype(jnp.float32),
+                "region_clip": (low | high).astype(jnp.float32)}
+    else:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
     if ref_logp is None or beta == 0:
         kl = jnp.zeros_like(logp)
     else:
         diff = jnp.where(m, jnp.asarray(ref_logp, jnp.float32) - logp, 0.0)  # float32 even for bf16 inputs
         kl = jnp.exp(diff) - diff - 1.0
         loss = loss + beta * kl
-    low = (ratio < 1.0 - epsilon_low) & (a < 0)
-    high = (ratio > 1.0 + epsilon_high) & (a > 0)
-    return {"loss": loss, "kl": kl, "low_clip": low.astype(jnp.float32), "high_clip": high.astype(jnp.float32),
-            "region_clip": (low | high).astype(jnp.float32)}
+    return {"loss": loss, "kl": kl, **out}
+
+
+def vespo_weights(log_ratio: jax.Array, mask: jax.Array, adv: jax.Array, knobs: LossKnobs) -> jax.Array:
+    """VESPO's gamma weight of each row (TRL 1.16 ``GRPOTrainer.get_gamma_weights`` without a sampler
+    correction): ``w = exp(clip(sum of the row's token log-ratios, each clipped to [-20, 20]), log 1e-8, 20))``,
+    ``phi = exp(lambda + k log w - lambda w)`` (1 at w = 1), ``k`` and ``lambda`` (at least 1e-4) the ``_pos``
+    knobs where ``A >= 0``, else the ``_neg`` ones; NaN and infinities become 0. ``log_ratio`` [B, T] (0 off the
+    mask), ``mask`` [B, T] bool, ``adv`` [B, 1] or [B, T]. Returns [B, 1] (or [B, T] for per-token advantages)."""
+    seq = jnp.where(mask, jnp.clip(log_ratio, -20.0, 20.0), 0.0).sum(-1, keepdims=True)
+    log_w = jnp.clip(seq, VESPO_LOG_W_MIN, 20.0)
+    nonneg = adv >= 0
+    k = jnp.where(nonneg, knobs.vespo_k_pos, knobs.vespo_k_neg)
+    lam = jnp.maximum(jnp.where(nonneg, knobs.vespo_lambda_pos, knobs.vespo_lambda_neg), 1e-4)
+    phi = jnp.exp(lam + k * log_w - lam * jnp.exp(log_w))
+    return jnp.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def loss_sum_count(loss: jax.Array, mask: jax.Array, loss_type: str,
@@ -155,6 +232,9 @@ def loss_sum_count(loss: jax.Array, mask: jax.Array, loss_type: str,
     * ``dr_grpo``: the masked token sum over ``rows * max_completion_length``: sum = token sum, count = rows *
       max_completion_length;
     * ``dapo``: the masked token sum over the number of completion tokens: sum = token sum, count = mask sum;
+    * ``luspo``: the masked token sum over rows (each completion's token sum, averaged over completions): sum =
+      token sum, count = rows;
+    * ``cispo``, ``vespo``: as ``dapo``; ``sapo``: as ``grpo``;
     * ``bnpo``: TRL normalizes by the tokens of its LOCAL batch (one micro-batch of one process) and averages
       the micro-batches' losses over gradient accumulation; so sum = this micro-batch's token mean (its token
       sum over its mask sum, clamped at 1), count = 1, and the combination is the mean over micro-batches of
@@ -164,13 +244,15 @@ def loss_sum_count(loss: jax.Array, mask: jax.Array, loss_type: str,
     per_token = jnp.where(m, jnp.asarray(loss, jnp.float32), 0.0)
     tokens = m.sum().astype(jnp.float32)
     rows = float(m.shape[0])
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         row_tokens = jnp.maximum(m.sum(-1).astype(jnp.float32), 1.0)
         return (per_token.sum(-1) / row_tokens).sum(), jnp.float32(rows)
     if loss_type == "dr_grpo":
         return per_token.sum(), jnp.float32(rows * max_completion_length)
-    if loss_type == "dapo":
+    if loss_type in ("dapo", "cispo", "vespo"):
         return per_token.sum(), tokens
+    if loss_type == "luspo":
+        return per_token.sum(), jnp.float32(rows)
     if loss_type == "bnpo":
         return per_token.sum() / jnp.maximum(tokens, 1.0), jnp.float32(1.0)
     raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")

@@ -162,7 +162,7 @@ def test_known_rows_as_written_by_hand():
     assert common["max_steps"][:4] == ["`int` or `null`", "`null`", "—", "`[1, inf)`"]
     assert common["data.path[N].weight"] == ["`float`", "`1.0`", "—", "`(0, inf)`",
                                              "relative: normalized over the sources"]
-    assert grpo["grpo.loss_type"][:4] == ["`str`", "`dapo`", "`grpo`, `dr_grpo`, `dapo`, `bnpo`", "—"]
+    assert grpo["grpo.loss_type"][:4] == ["`str`", "`dapo`", "`grpo`, `dr_grpo`, `dapo`, `bnpo`, `cispo`, `sapo`, `luspo`, `vespo`", "—"]
     assert grpo["grpo.num_generations"][3] == "`[2, inf)` (a group compares its completions)"
     assert grpo["data.seq_len"][4].startswith("the longest prompt, in tokens")  # redeclared: listed again
     assert "data.text_field" not in grpo  # as declared in common: not repeated

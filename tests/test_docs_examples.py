@@ -208,7 +208,7 @@ def _help(cli, argv: list[str], capsys) -> str:
 HELP = {
     "dpo": (dpo.cli, ["DPO", "IPO", "SLiC", "SimPO", "RPO", "ORPO", "CPO", "KTO"],
             ["unpaired", "dpo.loss_type", "dpo.sft_weight", "dpo.reference", *DPO_LOSSES]),
-    "grpo": (grpo.cli, ["GRPO", "Dr. GRPO", "DAPO", "BNPO", "GSPO", "RLOO", "REINFORCE++", "tools", "environments"],
+    "grpo": (grpo.cli, ["GRPO", "Dr. GRPO", "DAPO", "BNPO", "CISPO", "SAPO", "LUSPO", "VESPO", "GSPO", "RLOO", "REINFORCE++", "tools", "environments"],
              ["grpo.loss_type", "grpo.advantage", "grpo.importance_sampling_level", "grpo.tools", "grpo.environment",
               "rm:", *GRPO_LOSSES, *ADVANTAGES, *IMPORTANCE_LEVELS]),
     "sft": (sft.cli, ["SFT", "LoRA", "QLoRA", "GKD"],

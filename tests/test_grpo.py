@@ -53,7 +53,13 @@ def applies_to_none(prompts, completions, completion_ids, **columns):
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("grpo")
+    """The module's tiny word-level model (transformers and zoo checkpoints), prompts and rewards."""
+    return build_setup(tmp_path_factory.mktemp("grpo"))
+
+
+def build_setup(root: Path) -> Path:
+    """Write :func:`setup`'s folder into ``root``: the tokenizer (tok), a tiny Llama (hf) converted (zoo), 64
+    prompts and the reward functions (rewards.py)."""
     vocab = _word_tokenizer(root / "tok")
     make_llama(root / "hf", vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
@@ -98,6 +104,48 @@ def _learn(root: Path) -> tuple[str, ...]:
 
 def _metrics(out: Path) -> list[dict]:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+def fixed_completions(folder: Path, g: int, vocab: int):
+    """The fixed completions the TRL step oracles give both sides (a function of each prompt's first token and
+    its place in the group, ending with EOS after 1 to 4 tokens): (completions(prompt_ids) -> each prompt's
+    completion, for TRL's trainer; a stand-in for eval.rollout.sample_group_completions drawing them, the module ``score`` whose ``id_score`` rewards
+    them, written to ``folder / "score.py"``)."""
+    import importlib.util
+
+    eos = 1
+
+    def completion(first: int, k: int) -> list[int]:
+        return [(first * 3 + k * 5 + j * 11) % (vocab - 2) + 2 for j in range(k + 1)] + [eos]
+
+    def completions(prompt_ids: list[list[int]]) -> list[list[int]]:
+        """TRL's side: each prompt's completions (its G rows are consecutive, as our groups are)."""
+        seen: dict = {}
+        out = []
+        for ids in prompt_ids:
+            k = seen.get(tuple(ids), 0)
+            seen[tuple(ids)] = k + 1
+            out.append(completion(ids[0], k))
+        return out
+
+    def fixed_sampler(cfg, params, tokens, valid, spec, key, *args, **kwargs):
+        b, t = tokens.shape[0], spec.new_tokens
+        table = np.zeros((vocab, g, t), np.int32)
+        for first in range(vocab):
+            for k in range(g):
+                c = completion(first, k)
+                table[first, k, :len(c)] = c
+        k = jnp.arange(b) % g
+        comp = jnp.asarray(table)[tokens[:, 0], k]
+        return comp, jnp.zeros((b, t), jnp.float32), (k + 2).astype(jnp.int32)
+
+    (folder / "score.py").write_text(
+        "def id_score(prompts, completions, completion_ids, **kw):\n"
+        "    return [(sum(ids) % 7) / 7 + len(ids) / 10 for ids in completion_ids]\n")
+    spec = importlib.util.spec_from_file_location("score", folder / "score.py")
+    score = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(score)
+    return completions, fixed_sampler, score
+
 
 
 @pytest.mark.slow
@@ -364,6 +412,7 @@ def test_records_and_metrics_keep_trls_names_and_strict_json(one_step_run):
     assert m["rewards/low_words/mean"] == pytest.approx(np.mean(low))
     assert m["rewards/low_words/std"] == pytest.approx(np.std(low, ddof=1))
     assert m["rewards/reward/mean"] is None and m["reward"] == pytest.approx(np.mean(low))
+    assert m["reward_std"] == pytest.approx(np.std(low, ddof=1))  # TRL 1.16's: the batch's, not the groups' mean
 
 
 def test_completion_records_keep_each_functions_value_in_its_own_namespace():
@@ -606,42 +655,14 @@ def test_rloo_step_one_equals_trl_rloo_trainer(setup, tmp_path, monkeypatch):
     from pretrain.loop import train
     from tests.trl_oracles import SGD_STEP_ONE, assert_same_change, assert_same_metrics, exported_change, trl_step_one
 
-    g, vocab, eos = 4, 18, 1
-
-    def completion(first: int, k: int) -> list[int]:
-        return [(first * 3 + k * 5 + j * 11) % (vocab - 2) + 2 for j in range(k + 1)] + [eos]
-
-    (tmp_path / "score.py").write_text(
-        "def id_score(prompts, completions, completion_ids, **kw):\n"
-        "    return [(sum(ids) % 7) / 7 + len(ids) / 10 for ids in completion_ids]\n")
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("score", tmp_path / "score.py")
-    score = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(score)
+    g, vocab = 4, 18
+    completions, fixed_sampler, score = fixed_completions(tmp_path, g, vocab)
     prompts = [{"prompt": "red blue green"}, {"prompt": "gold pink gray"}]
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
 
     class FixedCompletions(RLOOTrainer):
         def _generate_single_turn(self, prompt_ids, images, multimodal_fields):
-            seen: dict = {}
-            out = []
-            for ids in prompt_ids:  # each prompt's G rows are consecutive, as our groups are
-                k = seen.get(tuple(ids), 0)
-                seen[tuple(ids)] = k + 1
-                out.append(completion(ids[0], k))
-            return out
-
-    def fixed_sampler(cfg, params, tokens, valid, spec, key, *args, **kwargs):
-        b, t = tokens.shape[0], spec.new_tokens
-        table = np.zeros((vocab, g, t), np.int32)
-        for first in range(vocab):
-            for k in range(g):
-                c = completion(first, k)
-                table[first, k, :len(c)] = c
-        k = jnp.arange(b) % g
-        comp = jnp.asarray(table)[tokens[:, 0], k]
-        return comp, jnp.zeros((b, t), jnp.float32), (k + 2).astype(jnp.int32)
+            return completions(prompt_ids)
 
     tok = AutoTokenizer.from_pretrained(setup / "tok")
     model = AutoModelForCausalLM.from_pretrained(setup / "hf", attn_implementation="eager", dtype=torch.float32)
