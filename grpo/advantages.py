@@ -26,7 +26,7 @@ import numpy as np
 from grpo import losses
 from grpo.batch import RolloutBatch
 from grpo.config import GrpoSection
-from pretrain.metrics import Metric, Ratio
+from pretrain.metrics import Max, Metric, Min, Ratio
 
 SAMPLER_DIFF = "logps/sampler_max_diff"  # max |sampler log p - trainer log p| over the batch's completion tokens
 
@@ -104,9 +104,10 @@ class TokenSurrogate(Estimator):
         g, mask = self.g, mb.weights
         eps_high = g.epsilon if g.epsilon_high is None else g.epsilon_high
         adv = mb.advantages[:, 0] if self.per_row else mb.advantages
+        is_ratio, is_metrics = self._sampler_correction(old, mb)
         terms = losses.token_terms(logp, old, ref, adv, mask, g.epsilon, eps_high,
                                    g.beta if self.beta_in_loss else 0.0, g.importance_sampling_level,
-                                   losses.LossKnobs.of(g))
+                                   losses.LossKnobs.of(g), is_ratio)
         total, n = losses.loss_sum_count(terms["loss"], mask, g.loss_type, g.max_completion_length)
         if g.importance_sampling_level == "sequence":  # one ratio per completion: TRL counts clipped sequences
             clip_of = lambda x: Ratio(*losses.masked_mean_sums(x[:, :1], jnp.ones_like(x[:, :1])))  # noqa: E731
@@ -121,10 +122,32 @@ class TokenSurrogate(Estimator):
         if "phi" in terms:
             phi = terms["phi"][:, :1]
             extras["vespo/phi_seq_mean"] = Ratio(*losses.masked_mean_sums(phi, jnp.ones_like(phi)))
-        extras |= {SAMPLER_DIFF: sampler_diff}
+        extras |= {SAMPLER_DIFF: sampler_diff, **is_metrics}
         if g.beta > 0 and self.beta_in_loss:  # as TRL: no reference, no kl metric (it would be a constant 0)
             extras["kl"] = Ratio(*losses.masked_mean_sums(jax.lax.stop_gradient(terms["kl"]), mask))
         return total, n, extras
+
+
+    def _sampler_correction(self, old: jax.Array, mb: RolloutBatch) -> tuple[jax.Array | None, dict[str, Metric]]:
+        """With ``grpo.importance_sampling_correction``: the sampler-correction weights (grpo/losses.py
+        ``sampler_ratio``, from the policy's log-probabilities before the update and the sampler's) and TRL 1.16's
+        metrics of them: ``sampling/importance_sampling_ratio/min|mean|max`` (over the completion tokens, or the
+        completions in the ``sequence_*`` modes) and ``sampling/sampling_logp_difference/mean|max``."""
+        g, mask = self.g, mb.weights
+        if not g.importance_sampling_correction:
+            return None, {}
+        sg = jax.lax.stop_gradient
+        ratio = losses.sampler_ratio(sg(old), mb.sampler_logps, mask, g.importance_sampling_mode,
+                                     g.importance_sampling_clip_min, g.importance_sampling_clip_max)
+        on = mask > 0
+        flat_on = jnp.ones(ratio.shape, bool) if ratio.shape[1] == 1 else on
+        delta = jnp.abs(sg(old) - mb.sampler_logps)
+        name = "sampling/importance_sampling_ratio/"
+        return ratio, {name + "min": Min(jnp.min(jnp.where(flat_on, ratio, jnp.inf))),
+                       name + "mean": Ratio(jnp.where(flat_on, ratio, 0.0).sum(), flat_on.sum().astype(jnp.float32)),
+                       name + "max": Max(jnp.max(jnp.where(flat_on, ratio, -jnp.inf))),
+                       "sampling/sampling_logp_difference/mean": Ratio(*losses.masked_mean_sums(delta, mask)),
+                       "sampling/sampling_logp_difference/max": Max(jnp.max(jnp.where(on, delta, 0.0)))}
 
 
 class Group(TokenSurrogate):

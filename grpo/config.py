@@ -20,6 +20,7 @@ from zoo.errors import UserError
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_LEVELS = ("token", "sequence")
+SAMPLER_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 # how a completion's advantage is estimated (grpo/advantages.py, one class by each name): GRPO's group-relative
 # one, RLOO's leave-one-out (TRL's RLOOTrainer, its own loss), REINFORCE++ with or without its group-mean baseline
 # (OpenRLHF); with the keys of its own each reads
@@ -77,6 +78,14 @@ class GrpoSection:
     num_iterations: int = field(default=1, metadata={"range": "[1, inf)"})
     # one importance ratio per token (GRPO) or per sequence (GSPO: the mean log ratio of the completion)
     importance_sampling_level: str = field(default="token", metadata={"choices": IMPORTANCE_LEVELS})
+    # weigh each completion token's loss by exp(trainer's old log p - the sampler's), the correction TRL 1.16 makes
+    # for vLLM's logprobs (its vllm_importance_sampling_* keys, here without the prefix)
+    importance_sampling_correction: bool = False
+    # token_ or sequence_ (one weight per completion, its summed log-ratio), truncate (clipped to [clip_min,
+    # clip_max]) or mask (0 outside it)
+    importance_sampling_mode: str = field(default="sequence_mask", metadata={"choices": SAMPLER_IS_MODES})
+    importance_sampling_clip_min: float | None = field(default=None, metadata={"range": "[0, inf)"})
+    importance_sampling_clip_max: float | None = field(default=3.0, metadata={"range": "(0, inf)"})
     # weight of the k3 KL to the reference (0: no reference pass at all)
     beta: float = field(default=0.0, metadata={"range": "[0, inf)"})
     # beta > 0: base, the model the run starts from (LoRA: the base, adapters off; full fine-tuning: a frozen copy of
@@ -124,6 +133,15 @@ class GrpoSection:
                 raise UserError(f"grpo.reward_weights has {len(self.reward_weights)} weights for "
                                 f"{len(self.rewards)} reward functions; give one per function")
             self.reward_weights = _reward_weights(self.reward_weights)
+        if (self.importance_sampling_correction and self.loss_type == "vespo"
+                and not self.importance_sampling_mode.startswith("token")):
+            raise UserError(f"grpo.loss_type vespo folds the sampler correction into its per-token weights: set "
+                            f"grpo.importance_sampling_mode to token_truncate or token_mask, not "
+                            f"{self.importance_sampling_mode}")
+        lo, hi = self.importance_sampling_clip_min, self.importance_sampling_clip_max
+        if lo is not None and hi is not None and lo > hi:
+            raise UserError(f"grpo.importance_sampling_clip_min ({lo}) is above grpo.importance_sampling_clip_max "
+                            f"({hi}); give a range [min, max]")
         if not self.reference.strip():
             raise UserError("grpo.reference must be base or a zoo checkpoint path, got ''")
         if self.reward_clip_range is not None:
@@ -171,6 +189,12 @@ GRPO_UNREAD: tuple[Unread, ...] = (
     *keys_unread(("grpo.vespo_k_pos", "grpo.vespo_lambda_pos", "grpo.vespo_k_neg", "grpo.vespo_lambda_neg"),
                  lambda c: c.grpo.loss_type != "vespo" or c.grpo.advantage == "rloo",
                  "is read by grpo.loss_type vespo only: remove it, or set grpo.loss_type=vespo"),
+    *keys_unread(("grpo.importance_sampling_correction",), lambda c: c.grpo.advantage == "rloo",
+                 "is read by the token surrogates (grpo.advantage group, reinforce_pp, reinforce_pp_baseline), not "
+                 "RLOO's loss: remove it"),
+    *keys_unread(("grpo.importance_sampling_mode", "grpo.importance_sampling_clip_min",
+                  "grpo.importance_sampling_clip_max"), lambda c: not c.grpo.importance_sampling_correction,
+                 "is read with grpo.importance_sampling_correction=true only: set it, or remove this key"),
     Unread("grpo.scale_rewards", lambda c: c.grpo.advantage != "group",
            "scales group advantages (grpo.advantage: group); {cfg.grpo.advantage}'s are not (RLOO's by "
            "grpo.normalize_advantages, REINFORCE++'s always whitened; TRL's RLOOConfig has no scale_rewards): "

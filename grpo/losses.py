@@ -140,7 +140,8 @@ def advantages(rewards: jax.Array, group: int, scale: str) -> tuple[jax.Array, j
 
 def token_terms(logp: jax.Array, old_logp: jax.Array, ref_logp: jax.Array | None, adv: jax.Array,
                 mask: jax.Array, epsilon_low: float, epsilon_high: float, beta: float,
-                level: str, knobs: LossKnobs = LossKnobs()) -> dict[str, jax.Array]:
+                level: str, knobs: LossKnobs = LossKnobs(),
+                is_ratio: jax.Array | None = None) -> dict[str, jax.Array]:
     """The per-token terms of GRPO's loss for a micro-batch: [B, T] float32 arrays in a dict.
 
     ``logp``, ``old_logp``, ``ref_logp`` [B, T]: each completion token's log-probability under the policy
@@ -152,7 +153,9 @@ def token_terms(logp: jax.Array, old_logp: jax.Array, ref_logp: jax.Array | None
     * ``loss``, not yet masked nor normalized (:func:`loss_sum_count`), by ``knobs.loss_type`` (TRL 1.16's
       ``_compute_loss``): the clipped types (:data:`CLIPPED`) ``-min(ratio * A, clip(ratio, 1 - epsilon_low,
       1 + epsilon_high) * A)``; cispo ``-sg(min(ratio, epsilon_high)) * A * logp``; sapo ``-sigmoid(tau (ratio
-      - 1)) * 4 / tau * A``; vespo ``-sg(phi) * A * logp`` (:func:`vespo_weights`); each ``+ beta * kl``;
+      - 1)) * 4 / tau * A``; vespo ``-sg(phi) * A * logp`` (:func:`vespo_weights`); each times ``is_ratio``
+      (the sampler correction, :func:`sampler_ratio`, [B, T] or [B, 1]; vespo folds it into its weight instead),
+      then ``+ beta * kl``;
     * ``kl``: k3, ``exp(ref - logp) - (ref - logp) - 1`` on the completion tokens, 0 on padding (zeros when
       ``beta == 0`` or ``ref_logp`` is None; ``beta`` is the config's Python float, not a traced value);
     * the loss type's clip metrics, 1.0 where TRL counts one: clipped types ``low_clip``, ``high_clip``,
@@ -184,7 +187,7 @@ def token_terms(logp: jax.Array, old_logp: jax.Array, ref_logp: jax.Array | None
         tau = jnp.where(a > 0, knobs.sapo_temperature_pos, knobs.sapo_temperature_neg)
         loss = -jax.nn.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * a
     elif loss_type == "vespo":
-        phi = jax.lax.stop_gradient(vespo_weights(token_log_ratio, m, a, knobs))
+        phi = jax.lax.stop_gradient(vespo_weights(token_log_ratio, m, a, knobs, is_ratio))
         loss = -phi * a * jnp.where(m, logp, 0.0)
         out["phi"] = jnp.broadcast_to(phi, logp.shape)
     elif loss_type in CLIPPED:
@@ -196,6 +199,8 @@ def token_terms(logp: jax.Array, old_logp: jax.Array, ref_logp: jax.Array | None
                 "region_clip": (low | high).astype(jnp.float32)}
     else:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    if is_ratio is not None and loss_type != "vespo":
+        loss = loss * jax.lax.stop_gradient(is_ratio)
     if ref_logp is None or beta == 0:
         kl = jnp.zeros_like(logp)
     else:
@@ -205,19 +210,42 @@ def token_terms(logp: jax.Array, old_logp: jax.Array, ref_logp: jax.Array | None
     return {"loss": loss, "kl": kl, **out}
 
 
-def vespo_weights(log_ratio: jax.Array, mask: jax.Array, adv: jax.Array, knobs: LossKnobs) -> jax.Array:
-    """VESPO's gamma weight of each row (TRL 1.16 ``GRPOTrainer.get_gamma_weights`` without a sampler
-    correction): ``w = exp(clip(sum of the row's token log-ratios, each clipped to [-20, 20]), log 1e-8, 20))``,
+def vespo_weights(log_ratio: jax.Array, mask: jax.Array, adv: jax.Array, knobs: LossKnobs,
+                  is_ratio: jax.Array | None = None) -> jax.Array:
+    """VESPO's gamma weight of each row (TRL 1.16 ``GRPOTrainer.get_gamma_weights``): ``w = exp(clip(sum of the
+    row's token log-ratios, each clipped to [-20, 20], plus the sum of the token sampler corrections' logs
+    ``is_ratio`` [B, T], each clipped to [log 1e-8, 20]), log 1e-8, 20))``,
     ``phi = exp(lambda + k log w - lambda w)`` (1 at w = 1), ``k`` and ``lambda`` (at least 1e-4) the ``_pos``
     knobs where ``A >= 0``, else the ``_neg`` ones; NaN and infinities become 0. ``log_ratio`` [B, T] (0 off the
     mask), ``mask`` [B, T] bool, ``adv`` [B, 1] or [B, T]. Returns [B, 1] (or [B, T] for per-token advantages)."""
     seq = jnp.where(mask, jnp.clip(log_ratio, -20.0, 20.0), 0.0).sum(-1, keepdims=True)
+    if is_ratio is not None:  # TRL sums them over every position (the padding's ratio is 1: log 0)
+        seq = seq + jnp.clip(jnp.log(is_ratio), VESPO_LOG_W_MIN, 20.0).sum(-1, keepdims=True)
     log_w = jnp.clip(seq, VESPO_LOG_W_MIN, 20.0)
     nonneg = adv >= 0
     k = jnp.where(nonneg, knobs.vespo_k_pos, knobs.vespo_k_neg)
     lam = jnp.maximum(jnp.where(nonneg, knobs.vespo_lambda_pos, knobs.vespo_lambda_neg), 1e-4)
     phi = jnp.exp(lam + k * log_w - lam * jnp.exp(log_w))
     return jnp.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def sampler_ratio(old_logp: jax.Array, sampler_logp: jax.Array, mask: jax.Array, mode: str,
+                  clip_min: float | None, clip_max: float | None) -> jax.Array:
+    """The importance weights that correct for the sampler's distribution (TRL 1.16 GRPOTrainer's
+    ``vllm_importance_sampling_correction``): ``exp(old - sampler)`` of each completion token (0 off ``mask``; a NaN
+    difference counts as 0), or of each completion's summed difference (``sequence_*`` modes, [B, 1]); ``*_truncate``
+    clips them to ``[clip_min, clip_max]``, ``*_mask`` sets those outside it to 0 (None: no bound)."""
+    m = jnp.asarray(mask).astype(bool)
+    diff = jnp.where(m, jnp.asarray(old_logp, jnp.float32) - jnp.asarray(sampler_logp, jnp.float32), 0.0)
+    diff = jnp.nan_to_num(diff, nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdims=True)
+    ratio = jnp.exp(diff)
+    if mode.endswith("truncate"):
+        return jnp.clip(ratio, clip_min, clip_max)
+    low = -jnp.inf if clip_min is None else clip_min
+    high = jnp.inf if clip_max is None else clip_max
+    return jnp.where((ratio < low) | (ratio > high), 0.0, ratio)
 
 
 def loss_sum_count(loss: jax.Array, mask: jax.Array, loss_type: str,

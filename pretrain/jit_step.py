@@ -177,7 +177,7 @@ def _train_step(task: Task[Any], tx: optax.GradientTransformation, loss_of: Call
             shapes = jax.eval_shape(lambda: loss_of(state["params"], jax.tree.map(lambda x: x[0], batch), frozen,
                                                     frozen_inputs, None if rngs is None else rngs[0], totals,
                                                     number))
-            out0 = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+            out0 = LossOutput.empty(shapes)
             (g, out), _ = jax.lax.scan(micro, (zeros, out0), (batch, rngs))
         n = jnp.maximum(out.count, 1.0)
         # Divided in each leaf's own dtype, which the gradient keeps (else Adam's moments would follow float32 and

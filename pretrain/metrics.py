@@ -66,6 +66,20 @@ class Max:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class Min:
+    """A value, combined by its minimum and logged as it is."""
+
+    value: Any
+
+    def combine(self, other: Min) -> Min:
+        return Min(jnp.minimum(self.value, other.value))
+
+    def finish(self, count: Any) -> Any:
+        return self.value
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class MicroMean:
     """A value per micro-batch (its ``sum``) and how many micro-batches it holds, logged as their plain mean:
     TRL's metrics that each micro-batch appends once (e.g. DPO's ``logits/*``, a token mean within the
@@ -81,7 +95,7 @@ class MicroMean:
         return self.sum / jnp.maximum(self.batches, 1.0)
 
 
-Metric = Mean | Ratio | Max | MicroMean
+Metric = Mean | Ratio | Max | Min | MicroMean
 
 
 @jax.tree_util.register_dataclass
@@ -99,6 +113,23 @@ class LossOutput:
         """Two micro-batches' outputs as one: sums added, each metric combined by its own reduction."""
         return LossOutput(self.objective + other.objective, self.loss + other.loss, self.count + other.count,
                           {k: m.combine(cast(Any, other.metrics[k])) for k, m in self.metrics.items()})
+
+    @staticmethod
+    def empty(shapes: LossOutput) -> LossOutput:
+        """The identity of :meth:`combine` for outputs of these shapes (``jax.eval_shape``'s): zeros, a Max's
+        value -inf and a Min's +inf, so that a scan over micro-batches starts from it."""
+        def fill(x: Any, value: float) -> Any:
+            return jnp.full(x.shape, value, x.dtype)
+
+        metrics: dict[str, Metric] = {}
+        for k, m in shapes.metrics.items():
+            if isinstance(m, Max):
+                metrics[k] = Max(fill(m.value, -jnp.inf))
+            elif isinstance(m, Min):
+                metrics[k] = Min(fill(m.value, jnp.inf))
+            else:
+                metrics[k] = jax.tree.map(lambda x: fill(x, 0.0), m)
+        return LossOutput(fill(shapes.objective, 0.0), fill(shapes.loss, 0.0), fill(shapes.count, 0.0), metrics)
 
     def means(self, count: Any = None) -> dict[str, Any]:
         """The metrics finished: each divided by ``count`` (default: this output's count) or by its own."""

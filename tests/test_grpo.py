@@ -458,6 +458,10 @@ def test_a_reward_that_raises_is_a_clean_error(setup, tmp_path, capsys):
     ("grpo.reward_clip_range=[1,-1]", "grpo.reward_clip_range must be [low, high] with low < high, got [1, -1]"),
     ("grpo.reward_clip_range=[-1,1]", "grpo.reward_clip_range is read by grpo.advantage rloo"),
     ("grpo.normalize_advantages=true", "grpo.normalize_advantages is RLOO's (grpo.advantage: rloo)"),
+    ("grpo.loss_type=vespo grpo.importance_sampling_correction=true",
+     "set grpo.importance_sampling_mode to token_truncate or token_mask, not sequence_mask"),
+    ("grpo.importance_sampling_correction=true grpo.importance_sampling_clip_min=4",
+     "grpo.importance_sampling_clip_min (4.0) is above grpo.importance_sampling_clip_max (3.0)"),
 ])
 def test_config_errors_are_clear(setup, tmp_path, capsys, override, message):
     from grpo.cli import main
@@ -465,7 +469,7 @@ def test_config_errors_are_clear(setup, tmp_path, capsys, override, message):
     args = ["train", f"model.path={setup / 'zoo'}", f"model.tokenizer={setup / 'tok'}",
             f"data.path={setup / 'prompts.jsonl'}", "data.seq_len=8", "batch_size=16", "grpo.num_generations=4",
             f"grpo.rewards=[{setup / 'rewards.py'}:low_words]", "max_steps=1", f"output_dir={tmp_path / 'run'}",
-            override]
+            *override.split()]
     assert main(args) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
