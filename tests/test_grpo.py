@@ -146,6 +146,25 @@ def fixed_completions(folder: Path, g: int, vocab: int):
     spec.loader.exec_module(score)
     return completions, fixed_sampler, score
 
+def trl_fixed_step(trainer_cls, config_cls, setup: Path, out: Path, score, prompts: list[dict], g: int, **args):
+    """One step of TRL's ``trainer_cls`` (a subclass drawing :func:`fixed_completions`') on the module's
+    transformers model: two prompts' groups of ``g`` in two micro-batches of 4, completions of at most 5 tokens,
+    no KL, ``args`` to its config; tests/trl_oracles.py ``trl_step_one``'s (metrics, weight change)."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.trl_oracles import trl_step_one
+
+    tok = AutoTokenizer.from_pretrained(setup / "tok")
+    model = AutoModelForCausalLM.from_pretrained(setup / "hf", attn_implementation="eager", dtype=torch.float32)
+    return trl_step_one(trainer_cls, config_cls, model, out,
+                        dict(reward_funcs=[score.id_score], train_dataset=Dataset.from_list(prompts),
+                             processing_class=tok),
+                        num_generations=g, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                        max_completion_length=5, beta=0.0, **args)
+
+
 
 
 @pytest.mark.slow
@@ -649,15 +668,12 @@ def test_rloo_step_one_equals_trl_rloo_trainer(setup, tmp_path, monkeypatch):
     its place in the group, ending with EOS after 1 to 4 tokens), two prompts of four completions in two
     micro-batches: loss, grad_norm, reward, reward_std, frac_reward_zero_std, the clip ratios and every weight's
     change within 1e-5."""
-    import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import RLOOConfig, RLOOTrainer
 
     import eval.rollout
     from grpo.task import GRPOTask
     from pretrain.loop import train
-    from tests.trl_oracles import SGD_STEP_ONE, assert_same_change, assert_same_metrics, exported_change, trl_step_one
+    from tests.trl_oracles import SGD_STEP_ONE, assert_same_change, assert_same_metrics, exported_change
 
     g, vocab = 4, 18
     completions, fixed_sampler, score = fixed_completions(tmp_path, g, vocab)
@@ -668,13 +684,7 @@ def test_rloo_step_one_equals_trl_rloo_trainer(setup, tmp_path, monkeypatch):
         def _generate_single_turn(self, prompt_ids, images, multimodal_fields):
             return completions(prompt_ids)
 
-    tok = AutoTokenizer.from_pretrained(setup / "tok")
-    model = AutoModelForCausalLM.from_pretrained(setup / "hf", attn_implementation="eager", dtype=torch.float32)
-    want, trl_change = trl_step_one(FixedCompletions, RLOOConfig, model, tmp_path / "trl",
-                                    dict(reward_funcs=[score.id_score], train_dataset=Dataset.from_list(prompts),
-                                         processing_class=tok),
-                                    num_generations=g, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                                    max_completion_length=5, beta=0.0)
+    want, trl_change = trl_fixed_step(FixedCompletions, RLOOConfig, setup, tmp_path / "trl", score, prompts, g)
     monkeypatch.setattr(eval.rollout, "sample_group_completions", fixed_sampler)
     cfg = _cfg(setup, tmp_path / "ours", *SGD_STEP_ONE, "max_steps=1", "batch_size=8", "grad_accum=2",
                "grpo.max_completion_length=5", "grpo.advantage=rloo", f"data.path={tmp_path / 'p.jsonl'}",

@@ -148,16 +148,13 @@ def test_new_loss_step_one_equals_trl_grpo_trainer(setup, tmp_path, monkeypatch,
     defaults (cispo's clip below 1, so that it weighs every token at step 1, where the ratios are 1): loss,
     grad_norm, reward and every weight's change within 1e-5. The ratios away from 1:
     test_new_losses_equal_trls_compute_loss."""
-    import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     import eval.rollout
     from grpo.task import GRPOTask
     from pretrain.loop import train
-    from tests.test_grpo import _cfg, _metrics, fixed_completions
-    from tests.trl_oracles import SGD_STEP_ONE, assert_same_change, assert_same_metrics, exported_change, trl_step_one
+    from tests.test_grpo import _cfg, _metrics, fixed_completions, trl_fixed_step
+    from tests.trl_oracles import SGD_STEP_ONE, assert_same_change, assert_same_metrics, exported_change
 
     g, vocab = 4, 18
     completions, fixed_sampler, score = fixed_completions(tmp_path, g, vocab)
@@ -171,13 +168,8 @@ def test_new_loss_step_one_equals_trl_grpo_trainer(setup, tmp_path, monkeypatch,
     knobs = {"cispo": {"epsilon_high": 0.9}, "sapo": {k: v for k, v in KNOBS.items() if k.startswith("sapo")},
              "luspo": {"importance_sampling_level": "sequence"},
              "vespo": {k: v for k, v in KNOBS.items() if k.startswith("vespo")}}[loss_type]
-    tok = AutoTokenizer.from_pretrained(setup / "tok")
-    model = AutoModelForCausalLM.from_pretrained(setup / "hf", attn_implementation="eager", dtype=torch.float32)
-    want, trl_change = trl_step_one(FixedCompletions, GRPOConfig, model, tmp_path / "trl",
-                                    dict(reward_funcs=[score.id_score], train_dataset=Dataset.from_list(prompts),
-                                         processing_class=tok),
-                                    num_generations=g, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                                    max_completion_length=5, beta=0.0, loss_type=loss_type, **knobs)
+    want, trl_change = trl_fixed_step(FixedCompletions, GRPOConfig, setup, tmp_path / "trl", score, prompts, g,
+                                      loss_type=loss_type, **knobs)
     monkeypatch.setattr(eval.rollout, "sample_group_completions", fixed_sampler)
     cfg = _cfg(setup, tmp_path / "ours", *SGD_STEP_ONE, "batch_size=8", "grad_accum=2",
                "grpo.max_completion_length=5", f"grpo.loss_type={loss_type}", f"data.path={tmp_path / 'p.jsonl'}",

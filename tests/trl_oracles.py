@@ -21,14 +21,6 @@ def trl_step_one(trainer_cls, args_cls, model, out: Path, trainer_kwargs: dict, 
 
     ``trainer_kwargs`` go to the trainer (train_dataset, processing_class, ref_model, ...), ``args_kwargs`` to its
     config (beta, per_device_train_batch_size, gradient_accumulation_steps, ...)."""
-    logs, change = trl_steps(trainer_cls, args_cls, model, out, trainer_kwargs, **args_kwargs)
-    return logs[0], change
-
-
-def trl_steps(trainer_cls, args_cls, model, out: Path, trainer_kwargs: dict, **args_kwargs
-              ) -> tuple[list[dict], dict[str, np.ndarray]]:
-    """:func:`trl_step_one` for ``max_steps`` (an ``args_kwargs`` key, 1 by default) plain SGD steps: the metrics
-    TRL logs at each step and the weight change of them all."""
     import torch
 
     before = {k: v.detach().to(torch.float64).clone() for k, v in model.state_dict().items()}
@@ -38,7 +30,7 @@ def trl_steps(trainer_cls, args_cls, model, out: Path, trainer_kwargs: dict, **a
     trainer = trainer_cls(model=model, args=args_cls(**{**settings, **args_kwargs}), **trainer_kwargs)
     trainer.train()
     change = {k: (v.detach().to(torch.float64) - before[k]).numpy() for k, v in model.state_dict().items()}
-    return [x for x in trainer.state.log_history if "loss" in x], change
+    return trainer.state.log_history[0], change
 
 
 def exported_change(final: Path, before: Path, out: Path, *export_args: str) -> dict[str, np.ndarray]:
