@@ -7,89 +7,26 @@ import re
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.hf_models import make_llama
+from tests.grpo_fixtures import (
+    LOW,
+    WORDS,
+    build_setup,
+    fixed_completions,
+    read_metrics,
+    run_cfg,
+    run_overrides,
+    trl_fixed_step,
+)
 from tests.processes import devices_env, ended, free_port, kill_after_checkpoint
-
-WORDS = "red blue green gold pink gray teal plum rust sand mint navy lime ruby jade onyx".split()
-LOW = set(WORDS[:8])  # the synthetic task's reward: the share of completion words from the first half
-
-
-def _word_tokenizer(folder: Path) -> int:
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {w: i for i, w in enumerate(["<unk>", "</s>", *WORDS])}
-    t = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
-    t.pre_tokenizer = Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>", eos_token="</s>").save_pretrained(str(folder))
-    return len(vocab)
-
-
-REWARDS = '''
-LOW = set({low!r})
-
-
-def low_words(prompts, completions, completion_ids, **columns):
-    """The share of a completion's words drawn from the first half of the word list (EOS counts as a miss)."""
-    return [sum(w in LOW for w in c.split()) / max(len(ids), 1) for c, ids in zip(completions, completion_ids)]
-
-
-def picky(prompts, completions, completion_ids, answer, **columns):
-    """Raises on the rows whose answer is 'boom'."""
-    return [1.0 / (a != "boom") if a == "boom" else 0.0 for a in answer]
-
-
-def applies_to_none(prompts, completions, completion_ids, **columns):
-    """Does not apply to any completion."""
-    return [None] * len(completions)
-'''
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """The module's tiny word-level model (transformers and zoo checkpoints), prompts and rewards."""
     return build_setup(tmp_path_factory.mktemp("grpo"))
-
-
-def build_setup(root: Path) -> Path:
-    """Write :func:`setup`'s folder into ``root``: the tokenizer (tok), a tiny Llama (hf) converted (zoo), 64
-    prompts and the reward functions (rewards.py)."""
-    vocab = _word_tokenizer(root / "tok")
-    make_llama(root / "hf", vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
-    from zoo.cli import main
-
-    assert main(["convert", str(root / "hf"), "--out", str(root / "zoo")]) == 0
-    rng = np.random.RandomState(0)
-    with (root / "prompts.jsonl").open("w") as f:
-        for i in range(64):
-            words = rng.choice(WORDS, rng.randint(1, 6))
-            f.write(json.dumps({"prompt": " ".join(words), "answer": "boom" if i % 4 == 1 else "ok"}) + "\n")
-    (root / "rewards.py").write_text(REWARDS.format(low=sorted(LOW)))
-    return root
-
-
-def _overrides(root: Path, out: Path, *overrides: str) -> list[str]:
-    """The module's run settings (``key=value``, later ones winning), as _cfg reads them and `grpo train` takes
-    them."""
-    return [f"model.path={root / 'zoo'}", f"model.tokenizer={root / 'tok'}", f"data.path={root / 'prompts.jsonl'}",
-            "data.seq_len=8", "batch_size=16", "grpo.num_generations=4", "grpo.max_completion_length=6",
-            f"grpo.rewards=[{root / 'rewards.py'}:low_words]", "max_steps=4", "log_every=1",
-            "optimizer.learning_rate=3e-2", "schedule.name=constant", "checkpoint.every=1000", f"output_dir={out}",
-            *overrides]
-
-
-def _cfg(root: Path, out: Path, *overrides: str):
-    from grpo.config import GRPOConfig
-    from pretrain.config import load_config
-
-    return load_config(None, _overrides(root, out, *overrides), GRPOConfig)
 
 
 def _learn(root: Path) -> tuple[str, ...]:
@@ -100,71 +37,6 @@ def _learn(root: Path) -> tuple[str, ...]:
     rewards = root / "rewards.py"
     return ("grpo.loss_type=dr_grpo",
             f"grpo.rewards=[{rewards}:low_words, {{function: {rewards}:applies_to_none, name: reward}}]")
-
-
-def _metrics(out: Path) -> list[dict]:
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-
-def fixed_completions(folder: Path, g: int, vocab: int):
-    """The fixed completions the TRL step oracles give both sides (a function of each prompt's first token and
-    its place in the group, ending with EOS after 1 to 4 tokens): (completions(prompt_ids) -> each prompt's
-    completion, for TRL's trainer; a stand-in for eval.rollout.sample_group_completions drawing them, the module ``score`` whose ``id_score`` rewards
-    them, written to ``folder / "score.py"``)."""
-    import importlib.util
-
-    eos = 1
-
-    def completion(first: int, k: int) -> list[int]:
-        return [(first * 3 + k * 5 + j * 11) % (vocab - 2) + 2 for j in range(k + 1)] + [eos]
-
-    def completions(prompt_ids: list[list[int]]) -> list[list[int]]:
-        """TRL's side: each prompt's completions (its G rows are consecutive, as our groups are)."""
-        seen: dict = {}
-        out = []
-        for ids in prompt_ids:
-            k = seen.get(tuple(ids), 0)
-            seen[tuple(ids)] = k + 1
-            out.append(completion(ids[0], k))
-        return out
-
-    def fixed_sampler(cfg, params, tokens, valid, spec, key, *args, **kwargs):
-        b, t = tokens.shape[0], spec.new_tokens
-        table = np.zeros((vocab, g, t), np.int32)
-        for first in range(vocab):
-            for k in range(g):
-                c = completion(first, k)
-                table[first, k, :len(c)] = c
-        k = jnp.arange(b) % g
-        comp = jnp.asarray(table)[tokens[:, 0], k]
-        return comp, jnp.zeros((b, t), jnp.float32), (k + 2).astype(jnp.int32)
-
-    (folder / "score.py").write_text(
-        "def id_score(prompts, completions, completion_ids, **kw):\n"
-        "    return [(sum(ids) % 7) / 7 + len(ids) / 10 for ids in completion_ids]\n")
-    spec = importlib.util.spec_from_file_location("score", folder / "score.py")
-    score = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(score)
-    return completions, fixed_sampler, score
-
-def trl_fixed_step(trainer_cls, config_cls, setup: Path, out: Path, score, prompts: list[dict], g: int, **args):
-    """One step of TRL's ``trainer_cls`` (a subclass drawing :func:`fixed_completions`') on the module's
-    transformers model: two prompts' groups of ``g`` in two micro-batches of 4, completions of at most 5 tokens,
-    no KL, ``args`` to its config; tests/trl_oracles.py ``trl_step_one``'s (metrics, weight change)."""
-    import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from tests.trl_oracles import trl_step_one
-
-    tok = AutoTokenizer.from_pretrained(setup / "tok")
-    model = AutoModelForCausalLM.from_pretrained(setup / "hf", attn_implementation="eager", dtype=torch.float32)
-    return trl_step_one(trainer_cls, config_cls, model, out,
-                        dict(reward_funcs=[score.id_score], train_dataset=Dataset.from_list(prompts),
-                             processing_class=tok),
-                        num_generations=g, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                        max_completion_length=5, beta=0.0, **args)
-
-
 
 
 @pytest.mark.slow
@@ -263,7 +135,7 @@ def learning_run(setup, tmp_path_factory):
             return super().rollout(*args, **kwargs)
 
     out = tmp_path_factory.mktemp("grpo_learning") / "run"
-    cfg = _cfg(setup, out, *_learn(setup), "max_steps=16", "grpo.log_completions_every=8")
+    cfg = run_cfg(setup, out, *_learn(setup), "max_steps=16", "grpo.log_completions_every=8")
     jax.monitoring.register_event_duration_secs_listener(listen)
     try:
         train(cfg, task=Counting(cfg), progress=False)
@@ -282,7 +154,7 @@ def test_grpo_raises_the_reward_without_recompiling(learning_run):
     out, seen = learning_run
     assert seen[2] > seen[1] or seen[1] > 0  # the listener hears traces at all
     assert seen[-1] == seen[2], f"traces at each step's start: {seen[:4]} ... {seen[-1]}: a later step recompiled"
-    rewards = [m["reward"] for m in _metrics(out)]
+    rewards = [m["reward"] for m in read_metrics(out)]
     assert len(rewards) == 16
     first, last = rewards[0], np.mean(rewards[-5:])  # the starting policy's batch; the last steps'
     assert 0.35 < first < 0.65  # about half the words, at random
@@ -311,7 +183,7 @@ def accum_run(setup, tmp_path_factory):
     from pretrain.loop import train
 
     out = tmp_path_factory.mktemp("grpo_accum") / "one"
-    cfg = _cfg(setup, out, *ACCUM)
+    cfg = run_cfg(setup, out, *ACCUM)
     task = GRPOTask(cfg)
     train(cfg, task=task, progress=False)
     return out, task.grouped
@@ -329,11 +201,11 @@ def test_shared_prompt_rows_train_as_one_row_per_completion(setup, accum_run, tm
 
     on_out, grouped = accum_run
     assert grouped is True
-    cfg = _cfg(setup, tmp_path / "off", *ACCUM, "grpo.share_prompt=false")
+    cfg = run_cfg(setup, tmp_path / "off", *ACCUM, "grpo.share_prompt=false")
     task = GRPOTask(cfg)
     train(cfg, task=task, progress=False)
     assert task.grouped is False
-    logs = {True: _metrics(on_out), False: _metrics(tmp_path / "off")}
+    logs = {True: read_metrics(on_out), False: read_metrics(tmp_path / "off")}
     keys = ("reward", "loss", "grad_norm", "entropy", "kl", "clip_ratio/region_mean", "completions/mean_length")
     assert len(logs[True]) == len(logs[False]) == 3
     assert logs[True][-1]["kl"] > 0  # the reference was used
@@ -364,7 +236,7 @@ def test_kill_9_and_resume_is_bit_identical(setup, accum_run, tmp_path, capsys):
 
     whole, _ = accum_run
     out = tmp_path / "killed"
-    args = ["train", *_overrides(setup, out, *ACCUM, "checkpoint.every=2")]
+    args = ["train", *run_overrides(setup, out, *ACCUM, "checkpoint.every=2")]
     proc = subprocess.run([sys.executable, "-c", kill_after_checkpoint("grpo.cli"), "2", *args],
                           capture_output=True, text=True, env=os.environ.copy(), timeout=600)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
@@ -380,8 +252,8 @@ def test_kill_9_and_resume_is_bit_identical(setup, accum_run, tmp_path, capsys):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     skip = {"step_time", "tokens_per_sec", "rollout_tokens_per_sec", "train_tokens_per_sec", "generation_share"}
-    ma = [{k: v for k, v in m.items() if k not in skip} for m in _metrics(whole)]
-    mb = [{k: v for k, v in m.items() if k not in skip} for m in _metrics(out)]
+    ma = [{k: v for k, v in m.items() if k not in skip} for m in read_metrics(whole)]
+    mb = [{k: v for k, v in m.items() if k not in skip} for m in read_metrics(out)]
     assert ma == mb and len(ma) == 3
     assert ma[-1]["kl"] > 0  # the reference (the starting checkpoint) was used
     ca = (whole / "completions.jsonl").read_text()
@@ -410,7 +282,7 @@ def one_step_run(setup, tmp_path_factory):
     from pretrain.loop import train
 
     out = tmp_path_factory.mktemp("grpo_one_step") / "run"
-    cfg = _cfg(setup, out, *_learn(setup), *ONE_STEP)
+    cfg = run_cfg(setup, out, *_learn(setup), *ONE_STEP)
     train(cfg, task=GRPOTask(cfg), progress=False)
     return out
 
@@ -524,7 +396,7 @@ def test_two_processes_follow_the_one_process_run(setup, accum_run, tmp_path):
     import sys
 
     one_out, _ = accum_run
-    args = ["train", *_overrides(setup, tmp_path / "two", *ACCUM)]
+    args = ["train", *run_overrides(setup, tmp_path / "two", *ACCUM)]
     env = devices_env(2)
     port = free_port()
     run = "import sys; from grpo.cli import main; sys.exit(main(sys.argv[1:]))"
@@ -533,7 +405,7 @@ def test_two_processes_follow_the_one_process_run(setup, accum_run, tmp_path):
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
     for code, _, err in ended(procs):
         assert code == 0, err[-3000:]
-    one, two = _metrics(one_out), _metrics(tmp_path / "two")
+    one, two = read_metrics(one_out), read_metrics(tmp_path / "two")
     assert len(two) == 3 and [m["reward"] for m in two] == [m["reward"] for m in one]
     for k in ("loss", "grad_norm", "entropy", "kl"):
         np.testing.assert_allclose([m[k] for m in two], [m[k] for m in one], rtol=1e-5, atol=1e-6, err_msg=k)
@@ -590,10 +462,10 @@ def test_truncated_completions_are_counted_and_optionally_masked(setup, one_step
     for mask in (False, True):
         out = one_step_run if not mask else tmp_path / "masked"
         if mask:
-            cfg = _cfg(setup, out, *_learn(setup), *ONE_STEP, f"grpo.max_completion_length={n}",
+            cfg = run_cfg(setup, out, *_learn(setup), *ONE_STEP, f"grpo.max_completion_length={n}",
                        "grpo.mask_truncated=true")
             train(cfg, task=GRPOTask(cfg), progress=False)
-        (m,) = _metrics(out)
+        (m,) = read_metrics(out)
         rows = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
         cut = [len(r["completion_ids"]) == n and r["completion_ids"][-1] != 1 for r in rows]  # id 1: </s>
         assert 0 < sum(cut) < len(rows)  # both kinds in the batch (a fixed seed)
@@ -616,13 +488,13 @@ def test_full_fine_tuning_kl_is_to_the_starting_checkpoint_by_default_and_after_
     from grpo.task import GRPOTask
     from pretrain.loop import train
 
-    cfg = _cfg(setup, tmp_path / "named", *ACCUM, f"grpo.reference={setup / 'zoo'}")
+    cfg = run_cfg(setup, tmp_path / "named", *ACCUM, f"grpo.reference={setup / 'zoo'}")
     train(cfg, task=GRPOTask(cfg), progress=False)
-    named = _metrics(tmp_path / "named")
+    named = read_metrics(tmp_path / "named")
     kl = [m["kl"] for m in named]
     assert min(kl) > 1e-4, kl  # each step averages two updates, the second after the policy moved
     skip = {"step_time", "tokens_per_sec", "rollout_tokens_per_sec", "train_tokens_per_sec", "generation_share"}
-    assert [{k: v for k, v in m.items() if k not in skip} for m in _metrics(accum_run[0])] == \
+    assert [{k: v for k, v in m.items() if k not in skip} for m in read_metrics(accum_run[0])] == \
         [{k: v for k, v in m.items() if k not in skip} for m in named]
 
 
@@ -639,7 +511,7 @@ def test_rloo_and_reinforce_pp_steps_use_their_advantages_and_log_trls_names(set
     from pretrain.loop import train
 
     lora = ["lora.rank=4", "lora.alpha=8"] if advantage == "reinforce_pp_baseline" else []
-    cfg = _cfg(setup, tmp_path / "kl", "max_steps=2", "grpo.log_completions_every=1", f"grpo.advantage={advantage}",
+    cfg = run_cfg(setup, tmp_path / "kl", "max_steps=2", "grpo.log_completions_every=1", f"grpo.advantage={advantage}",
                "grpo.beta=0.05", *lora)
     train(cfg, task=GRPOTask(cfg), progress=False)
     logged = [_strict(x) for x in (tmp_path / "kl" / "completions.jsonl").read_text().splitlines()]
@@ -686,11 +558,11 @@ def test_rloo_step_one_equals_trl_rloo_trainer(setup, tmp_path, monkeypatch):
 
     want, trl_change = trl_fixed_step(FixedCompletions, RLOOConfig, setup, tmp_path / "trl", score, prompts, g)
     monkeypatch.setattr(eval.rollout, "sample_group_completions", fixed_sampler)
-    cfg = _cfg(setup, tmp_path / "ours", *SGD_STEP_ONE, "max_steps=1", "batch_size=8", "grad_accum=2",
+    cfg = run_cfg(setup, tmp_path / "ours", *SGD_STEP_ONE, "max_steps=1", "batch_size=8", "grad_accum=2",
                "grpo.max_completion_length=5", "grpo.advantage=rloo", f"data.path={tmp_path / 'p.jsonl'}",
                f"grpo.rewards=[{tmp_path / 'score.py'}:id_score]", "data.seq_len=3")
     train(cfg, task=GRPOTask(cfg), progress=False)
-    got = _metrics(tmp_path / "ours")[0]
+    got = read_metrics(tmp_path / "ours")[0]
     assert_same_metrics(got, want, ("loss", "grad_norm", "reward", "reward_std", "frac_reward_zero_std",
                                     "clip_ratio/region_mean"))
     assert_same_change(exported_change(tmp_path / "ours" / "final", setup / "hf", tmp_path / "exp"), trl_change)
@@ -711,13 +583,13 @@ def test_held_out_rewards_are_logged_and_leave_training_unchanged(setup, learnin
 
     held = [{"prompt": " ".join(WORDS[i:i + 3])} for i in range(0, 15, 3)]  # 5 prompts: a padded last batch
     write_jsonl(tmp_path / "held.jsonl", held)
-    cfg = _cfg(setup, tmp_path / "eval", *_learn(setup), "max_steps=2", f"data.eval_path={tmp_path / 'held.jsonl'}",
+    cfg = run_cfg(setup, tmp_path / "eval", *_learn(setup), "max_steps=2", f"data.eval_path={tmp_path / 'held.jsonl'}",
                "eval_every=1")
     train(cfg, task=GRPOTask(cfg), progress=False)
     timing = ("step_time", "tokens_per_sec", "rollout_tokens_per_sec", "train_tokens_per_sec", "generation_share")
-    with_eval = _metrics(tmp_path / "eval")
+    with_eval = read_metrics(tmp_path / "eval")
     assert len(with_eval) == 2
-    for a, b in zip(_metrics(learning_run[0])[:2], with_eval):
+    for a, b in zip(read_metrics(learning_run[0])[:2], with_eval):
         assert {k: v for k, v in a.items() if k not in timing} == \
             {k: v for k, v in b.items() if k not in timing and not k.startswith("eval_")}
     last = with_eval[-1]

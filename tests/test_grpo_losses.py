@@ -11,10 +11,8 @@ import numpy as np
 import pytest
 
 from grpo.losses import advantages, loss_sum_count, masked_mean_sums, token_terms
+from tests.grpo_loss_batch import EPS_HIGH, EPS_LOW, LOGP, MASK, OLD, REF, REWARDS, B, G, T
 
-G = 4  # num_generations
-B, T = 12, 7  # three groups; max_completion_length == T
-EPS_LOW, EPS_HIGH = 0.2, 0.28  # clip-higher: the two bounds differ, so a swapped bound shows
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
@@ -75,26 +73,6 @@ def ref_loss_and_metrics(logp, old, ref, adv, mask, beta, level, loss_type, max_
     return loss, metrics, per_token
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Fixed data: ratios clipping on both sides at both levels, a tied group, a zero-length completion.
-
-def make_batch():
-    rng = np.random.RandomState(0)
-    rewards = np.array([0.1, 0.1, 0.1, 0.1,  # a tie of non-dyadic values: std exactly 0
-                        1.0, 0.0, 0.5, 1.0,
-                        0.3, -0.2, 0.9, 0.0], np.float32)
-    lengths = np.array([7, 3, 0, 5, 1, 7, 2, 6, 4, 7, 3, 5])
-    mask = (np.arange(T)[None] < lengths[:, None]).astype(np.float32)
-    old = -rng.exponential(1.5, (B, T)).astype(np.float32)
-    # per-row shifts move whole sequences' ratios out of the clip range too (GSPO): up where A > 0 (rows 4, 8,
-    # 10), down where A < 0 (rows 5, 9); per-token noise clips single tokens on both sides
-    shift = np.array([0.1, -0.1, 0.0, 0.2, 0.4, -0.4, 0.05, -0.3, 0.3, -0.5, 0.35, 0.0])[:, None]
-    logp = (old + shift + 0.3 * rng.randn(B, T)).astype(np.float32)
-    ref = (old + 0.2 * rng.randn(B, T)).astype(np.float32)
-    return rewards, logp, old, ref, mask
-
-
-REWARDS, LOGP, OLD, REF, MASK = make_batch()
 LOSS_TYPES, SCALES, LEVELS, BETAS = ("grpo", "dr_grpo", "dapo", "bnpo"), ("group", "batch", "none"), \
     ("token", "sequence"), (0.0, 0.04)
 SPLITS = (2, 4)  # micro-batches of 6 and 3 rows

@@ -17,16 +17,13 @@ import numpy as np
 import pytest
 
 from grpo.losses import LossKnobs, loss_sum_count, masked_mean_sums, token_terms
-from tests.test_grpo_losses import EPS_LOW, MASK, OLD, REF, T, make_batch
+from tests.grpo_loss_batch import EPS_LOW, LOGP, MASK, OLD, REF, T
 
 NEW = ("cispo", "sapo", "luspo", "vespo")
 CISPO_EPS_HIGH = 1.25  # cispo's upper clip of the ratio itself: some tokens above it, most below
 KNOBS = dict(sapo_temperature_pos=1.3, sapo_temperature_neg=0.9, vespo_k_pos=2.5, vespo_lambda_pos=2.0,
              vespo_k_neg=1.5, vespo_lambda_neg=3.5)  # not the defaults: a swapped pair shows
 ADV = np.array([0.0, 0.0, 0.0, 0.0, 1.2, -1.1, 0.3, 0.9, -0.4, -1.4, 1.1, 0.2], np.float32)
-# GRPO's log-probabilities, shifted less for VESPO's summed ratio (a sum over up to 7 tokens lands far in the
-# gamma weight's tail, where every weight is 0 and nothing is compared)
-LOGP = make_batch()[1]
 
 
 class _Accel:
@@ -109,6 +106,8 @@ CASES = list(itertools.product(NEW, ("token", "sequence"), (0.0, 0.04)))
 def test_new_losses_equal_trls_compute_loss(loss_type, level, beta):
     """Loss, gradient and metrics within 1e-5 of TRL's float64 code; the data exercises what each loss type
     branches on (a ratio above cispo's clip, both signs of advantage, a gamma weight neither 0 nor 1)."""
+    # VESPO's ratio is the completion's summed one: the batch's shifts, over up to 7 tokens, would land in the
+    # gamma weight's tail (every weight 0, nothing compared), so a quarter of them
     logp = LOGP if loss_type != "vespo" else (OLD + 0.25 * (LOGP - OLD)).astype(np.float32)
     eps_high = CISPO_EPS_HIGH if loss_type == "cispo" else 0.28
     want, want_grad, want_m = trl_loss(loss_type, level, beta, logp, eps_high)
@@ -134,7 +133,7 @@ def test_new_losses_equal_trls_compute_loss(loss_type, level, beta):
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """tests/test_grpo.py's tiny word-level model, prompts and rewards."""
-    from tests.test_grpo import build_setup
+    from tests.grpo_fixtures import build_setup
 
     return build_setup(tmp_path_factory.mktemp("grpo"))
 
@@ -153,7 +152,7 @@ def test_new_loss_step_one_equals_trl_grpo_trainer(setup, tmp_path, monkeypatch,
     import eval.rollout
     from grpo.task import GRPOTask
     from pretrain.loop import train
-    from tests.test_grpo import _cfg, _metrics, fixed_completions, trl_fixed_step
+    from tests.grpo_fixtures import fixed_completions, read_metrics, run_cfg, trl_fixed_step
     from tests.trl_oracles import SGD_STEP_ONE, assert_same_change, assert_same_metrics, exported_change
 
     g, vocab = 4, 18
@@ -171,14 +170,14 @@ def test_new_loss_step_one_equals_trl_grpo_trainer(setup, tmp_path, monkeypatch,
     want, trl_change = trl_fixed_step(FixedCompletions, GRPOConfig, setup, tmp_path / "trl", score, prompts, g,
                                       loss_type=loss_type, **knobs)
     monkeypatch.setattr(eval.rollout, "sample_group_completions", fixed_sampler)
-    cfg = _cfg(setup, tmp_path / "ours", *SGD_STEP_ONE, "batch_size=8", "grad_accum=2",
+    cfg = run_cfg(setup, tmp_path / "ours", *SGD_STEP_ONE, "batch_size=8", "grad_accum=2",
                "grpo.max_completion_length=5", f"grpo.loss_type={loss_type}", f"data.path={tmp_path / 'p.jsonl'}",
                f"grpo.rewards=[{tmp_path / 'score.py'}:id_score]", "data.seq_len=3",
                *(f"grpo.{k}={v}" for k, v in knobs.items()))
     train(cfg, task=GRPOTask(cfg), progress=False)
     # The loss types' own metrics are token means: TRL's is the mean of its micro-batches' (which changes with the
     # micro-batching), ours the batch's; test_new_losses_equal_trls_compute_loss checks them on one batch.
-    assert_same_metrics(_metrics(tmp_path / "ours")[0], want, ("loss", "grad_norm", "reward"))
+    assert_same_metrics(read_metrics(tmp_path / "ours")[0], want, ("loss", "grad_norm", "reward"))
     assert_same_change(exported_change(tmp_path / "ours" / "final", setup / "hf", tmp_path / "exp"), trl_change)
 
 
@@ -249,7 +248,7 @@ def test_sampler_correction_weighs_the_update(setup, tmp_path, monkeypatch):
     import zoo
     from grpo.task import GRPOTask
     from pretrain.loop import train
-    from tests.test_grpo import _cfg, _metrics, fixed_completions
+    from tests.grpo_fixtures import fixed_completions, read_metrics, run_cfg
     from tests.trl_oracles import SGD_STEP_ONE
 
     _, fixed_sampler, _ = fixed_completions(tmp_path, 4, 18)
@@ -260,9 +259,9 @@ def test_sampler_correction_weighs_the_update(setup, tmp_path, monkeypatch):
             "ones": ("grpo.importance_sampling_correction=true", "grpo.importance_sampling_mode=token_truncate",
                      "grpo.importance_sampling_clip_min=1", "grpo.importance_sampling_clip_max=1")}
     for name, extra in runs.items():
-        cfg = _cfg(setup, tmp_path / name, *base, *extra)
+        cfg = run_cfg(setup, tmp_path / name, *base, *extra)
         train(cfg, task=GRPOTask(cfg), progress=False)
-    m = {name: _metrics(tmp_path / name)[0] for name in runs}
+    m = {name: read_metrics(tmp_path / name)[0] for name in runs}
     assert "sampling/importance_sampling_ratio/mean" not in m["plain"]
     assert m["masked"]["sampling/importance_sampling_ratio/max"] == 0.0 and m["masked"]["loss"] == 0.0
     assert m["masked"]["sampling/sampling_logp_difference/max"] == pytest.approx(
