@@ -102,6 +102,7 @@ def ours(loss_type: str, level: str, beta: float, logp: np.ndarray, eps_high: fl
 CASES = list(itertools.product(NEW, ("token", "sequence"), (0.0, 0.04)))
 
 
+@pytest.mark.slow  # the fast lane's budget: torch and TRL's trainer module imported, 16 gradient programs
 @pytest.mark.parametrize("loss_type,level,beta", CASES)
 def test_new_losses_equal_trls_compute_loss(loss_type, level, beta):
     """Loss, gradient and metrics within 1e-5 of TRL's float64 code; the data exercises what each loss type
@@ -217,6 +218,7 @@ def test_sampler_ratios_are_trls(mode):
     assert moved.any() and not moved.all()  # the bounds clipped or masked some weights, not all
 
 
+@pytest.mark.slow  # as test_new_losses_equal_trls_compute_loss
 @pytest.mark.parametrize("loss_type,mode", [("dapo", "sequence_mask"), ("grpo", "token_truncate"),
                                             ("cispo", "token_mask"), ("sapo", "sequence_truncate"),
                                             ("luspo", "token_truncate"), ("vespo", "token_truncate")])
