@@ -104,7 +104,7 @@ class TokenSurrogate(Estimator):
         g, mask = self.g, mb.weights
         eps_high = g.epsilon if g.epsilon_high is None else g.epsilon_high
         adv = mb.advantages[:, 0] if self.per_row else mb.advantages
-        is_ratio, is_metrics = self._sampler_correction(old, mb)
+        is_ratio, is_metrics = self._sampler_correction(old, mb, sampler_diff)
         terms = losses.token_terms(logp, old, ref, adv, mask, g.epsilon, eps_high,
                                    g.beta if self.beta_in_loss else 0.0, g.importance_sampling_level,
                                    losses.LossKnobs.of(g), is_ratio)
@@ -127,27 +127,27 @@ class TokenSurrogate(Estimator):
             extras["kl"] = Ratio(*losses.masked_mean_sums(jax.lax.stop_gradient(terms["kl"]), mask))
         return total, n, extras
 
-
-    def _sampler_correction(self, old: jax.Array, mb: RolloutBatch) -> tuple[jax.Array | None, dict[str, Metric]]:
+    def _sampler_correction(self, old: jax.Array, mb: RolloutBatch,
+                            sampler_diff: Metric) -> tuple[jax.Array | None, dict[str, Metric]]:
         """With ``grpo.importance_sampling_correction``: the sampler-correction weights (grpo/losses.py
         ``sampler_ratio``, from the policy's log-probabilities before the update and the sampler's) and TRL 1.16's
         metrics of them: ``sampling/importance_sampling_ratio/min|mean|max`` (over the completion tokens, or the
-        completions in the ``sequence_*`` modes) and ``sampling/sampling_logp_difference/mean|max``."""
+        completions in the ``sequence_*`` modes) and ``sampling/sampling_logp_difference/mean|max`` (the max is
+        ``sampler_diff``, the gap every run logs)."""
         g, mask = self.g, mb.weights
         if not g.importance_sampling_correction:
             return None, {}
         sg = jax.lax.stop_gradient
         ratio = losses.sampler_ratio(sg(old), mb.sampler_logps, mask, g.importance_sampling_mode,
                                      g.importance_sampling_clip_min, g.importance_sampling_clip_max)
-        on = mask > 0
-        flat_on = jnp.ones(ratio.shape, bool) if ratio.shape[1] == 1 else on
+        flat_on = jnp.ones(ratio.shape, bool) if ratio.shape[1] == 1 else mask > 0
         delta = jnp.abs(sg(old) - mb.sampler_logps)
         name = "sampling/importance_sampling_ratio/"
         return ratio, {name + "min": Min(jnp.min(jnp.where(flat_on, ratio, jnp.inf))),
                        name + "mean": Ratio(jnp.where(flat_on, ratio, 0.0).sum(), flat_on.sum().astype(jnp.float32)),
                        name + "max": Max(jnp.max(jnp.where(flat_on, ratio, -jnp.inf))),
                        "sampling/sampling_logp_difference/mean": Ratio(*losses.masked_mean_sums(delta, mask)),
-                       "sampling/sampling_logp_difference/max": Max(jnp.max(jnp.where(on, delta, 0.0)))}
+                       "sampling/sampling_logp_difference/max": sampler_diff}
 
 
 class Group(TokenSurrogate):
@@ -163,7 +163,7 @@ class Group(TokenSurrogate):
         adv, std, zero_std = (np.asarray(x) for x in
                               _jitted(losses.advantages)(jnp.asarray(total, jnp.float32), g.num_generations,
                                                          g.scale_rewards))
-        # TRL 1.16 logs the std of the batch's rewards (its unscorable rows, NaN, left out), not the groups' mean
+        # TRL 1.16 logs the std of the batch's rewards, not the groups' mean
         return adv, {"reward_std": batch_std(total), "frac_reward_zero_std": float(np.mean(zero_std))}
 
 

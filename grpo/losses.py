@@ -61,7 +61,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from grpo.config import IMPORTANCE_LEVELS, LOSS_TYPES, SCALE_REWARDS
+from grpo.config import IMPORTANCE_LEVELS, LOSS_TYPES, SCALE_REWARDS, GrpoSection
 
 STD_EPS = 1e-4  # TRL adds it to the std before dividing (not a max): a zero-std group's advantages stay 0
 # The loss types whose surrogate is PPO's clipped ratio (TRL logs its clip_ratio/* metrics for these only).
@@ -71,20 +71,22 @@ VESPO_LOG_W_MIN = math.log(1e-8)  # TRL's floor of the sequence's log importance
 
 @dataclass(frozen=True)
 class LossKnobs:
-    """The surrogate's settings beyond the clip range (TRL 1.16 GRPOConfig's names and defaults): which loss, and
-    the SAPO temperatures and VESPO gamma parameters (read by those loss types only)."""
+    """The surrogate's settings beyond the clip range (TRL 1.16 GRPOConfig's names; their defaults are
+    grpo/config.py ``GrpoSection``'s): which loss, and the SAPO temperatures and VESPO gamma parameters (read by
+    those loss types only)."""
 
-    loss_type: str = "dapo"
-    sapo_temperature_pos: float = 1.0
-    sapo_temperature_neg: float = 1.05
-    vespo_k_pos: float = 2.0
-    vespo_lambda_pos: float = 3.0
-    vespo_k_neg: float = 3.0
-    vespo_lambda_neg: float = 2.0
+    loss_type: str
+    sapo_temperature_pos: float
+    sapo_temperature_neg: float
+    vespo_k_pos: float
+    vespo_lambda_pos: float
+    vespo_k_neg: float
+    vespo_lambda_neg: float
 
     @classmethod
-    def of(cls, section: Any) -> LossKnobs:
-        """The knobs of a ``grpo:`` config section (grpo/config.py ``GrpoSection``)."""
+    def of(cls, section: Any = None) -> LossKnobs:
+        """The knobs of a ``grpo:`` config section (grpo/config.py ``GrpoSection``; None: its defaults)."""
+        section = GrpoSection() if section is None else section
         return cls(**{k: getattr(section, k) for k in cls.__dataclass_fields__})
 
 
@@ -140,7 +142,7 @@ def advantages(rewards: jax.Array, group: int, scale: str) -> tuple[jax.Array, j
 
 def token_terms(logp: jax.Array, old_logp: jax.Array, ref_logp: jax.Array | None, adv: jax.Array,
                 mask: jax.Array, epsilon_low: float, epsilon_high: float, beta: float,
-                level: str, knobs: LossKnobs = LossKnobs(),
+                level: str, knobs: LossKnobs | None = None,
                 is_ratio: jax.Array | None = None) -> dict[str, jax.Array]:
     """The per-token terms of GRPO's loss for a micro-batch: [B, T] float32 arrays in a dict.
 
@@ -165,6 +167,7 @@ def token_terms(logp: jax.Array, old_logp: jax.Array, ref_logp: jax.Array | None
       :func:`masked_mean_sums` of ``x[:, :1]`` with a mask of ones reproduces it (``phi``: always so)."""
     if level not in IMPORTANCE_LEVELS:
         raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_LEVELS}, got {level!r}")
+    knobs = LossKnobs.of() if knobs is None else knobs  # the config's defaults (dapo)
     loss_type = knobs.loss_type
     logp = jnp.asarray(logp, jnp.float32)
     old_logp = jnp.asarray(old_logp, jnp.float32)

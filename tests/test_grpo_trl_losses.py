@@ -245,7 +245,7 @@ def test_sampler_correction_weighs_the_update(setup, tmp_path, monkeypatch):
     completions' stand-in): in sequence_mask mode with clip_min 0.5 every completion's weight (exp of its summed
     log-probability, far below 0.5) is 0, so one SGD step moves nothing, and the logged ratios are 0; with
     token_truncate clipped to [1, 1] every weight is 1 and the step is the uncorrected one, bit for bit. TRL's
-    metric names, the logp difference's max the sampler gap the run logs anyway."""
+    metric names."""
     import eval.rollout
     import zoo
     from grpo.task import GRPOTask
@@ -266,8 +266,8 @@ def test_sampler_correction_weighs_the_update(setup, tmp_path, monkeypatch):
     m = {name: read_metrics(tmp_path / name)[0] for name in runs}
     assert "sampling/importance_sampling_ratio/mean" not in m["plain"]
     assert m["masked"]["sampling/importance_sampling_ratio/max"] == 0.0 and m["masked"]["loss"] == 0.0
-    assert m["masked"]["sampling/sampling_logp_difference/max"] == pytest.approx(
-        m["masked"]["logps/sampler_max_diff"], rel=1e-6)
+    gap = "sampling/sampling_logp_difference/"  # the sampler's 0s against log-probabilities below 0
+    assert 0 < m["masked"][gap + "mean"] < m["masked"][gap + "max"]
     assert m["ones"]["sampling/importance_sampling_ratio/min"] == m["ones"]["sampling/importance_sampling_ratio/max"] == 1
     assert m["ones"]["loss"] == m["plain"]["loss"] and m["ones"]["grad_norm"] == m["plain"]["grad_norm"] > 0
     start = zoo.load(setup / "zoo", dtype=np.float32).param_dict()
