@@ -27,6 +27,8 @@ rewards (grpo.rewards): a shipped verifier (exact_match, final_number, format, l
 multi-turn episodes with tools and environments: grpo.tools (functions the model calls) or grpo.environment
   (TRL's environment_factory: one instance per rollout, its methods the tools), with grpo.max_turns and
   grpo.tool_parser
+asynchronous rollouts: grpo.rollout=async samples the next batches while the trainer updates, at most
+  grpo.max_staleness steps behind (0: the synchronous run), on grpo.rollout_devices of their own or interleaved
 """
 
 

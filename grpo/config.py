@@ -27,6 +27,7 @@ SAMPLER_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequen
 ESTIMATOR_KEYS = {"group": (), "rloo": ("reward_clip_range", "normalize_advantages"),
                   "reinforce_pp": ("reward_clip_range",), "reinforce_pp_baseline": ("reward_clip_range",)}
 ADVANTAGES = tuple(ESTIMATOR_KEYS)
+ROLLOUT_MODES = ("sync", "async")
 
 
 @dataclass
@@ -96,6 +97,15 @@ class GrpoSection:
     # the model and mesh allow it (no sliding-window layers, attention auto or blockwise, whole groups per shard
     # of each micro-batch); off: one prompt + completion row each, as TRL lays them out
     share_prompt: bool = True
+    # sync: each step samples with the weights it trains; async: a rollout thread samples the next batches while the
+    # trainer updates (grpo/pipeline.py), each sample tagged with the policy version it came from
+    rollout: str = field(default="sync", metadata={"choices": ROLLOUT_MODES})
+    # async: how many updates a sample may lag behind the policy it trains (TRL AsyncGRPOConfig's); the rollout
+    # thread samples at most this many batches ahead, and a staler batch is dropped and counted (0: as sync)
+    max_staleness: int = field(default=1, metadata={"range": "[0, inf)"})
+    # async: the devices of each process the engine samples on (the last ones), the rest train (0: the engine
+    # shares the training devices, interleaved)
+    rollout_devices: int = field(default=0, metadata={"range": "[0, inf)"})
     # write every completion of every Nth step to completions.jsonl (0: never)
     log_completions_every: int = field(default=10, metadata={"range": "[0, inf)"})
     # functions the model may call over several turns: `module:function` or `path/to/file.py:function`, their type
@@ -208,6 +218,8 @@ GRPO_UNREAD: tuple[Unread, ...] = (
            "counts the turns of episodes with tools; set grpo.tools or grpo.environment, or remove grpo.max_turns"),
     *keys_unread(("grpo.tool_parser", "grpo.tool_timeout"), lambda c: not c.grpo.agentic,
                  "is read by episodes with tools only; set grpo.tools or grpo.environment, or remove it"),
+    *keys_unread(("grpo.max_staleness", "grpo.rollout_devices"), lambda c: c.grpo.rollout != "async",
+                 "is read by asynchronous rollouts only: set grpo.rollout=async, or remove it"),
     Unread("grpo.reference", lambda c: c.grpo.beta == 0,
            "is the KL term's reference, and grpo.beta is 0 (no KL term, no reference pass): set grpo.beta, or "
            "remove it"),

@@ -8,19 +8,25 @@ and scores a batch of prompt rows, for training and for the held-out prompts (gr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo.advantages import Estimator, Scored
 from grpo.agentic import Agent, Episodes
 from grpo.batch import RolloutBatch
 from grpo.completions_log import completion_records
 from grpo.config import GRPOConfig
+from grpo.pipeline import Pipeline
 from grpo.programs import GREEDY, Programs, rollout_key
 from grpo.rewards import RewardSet, reward_metrics
 from grpo.vision import ImagePrompts
@@ -29,7 +35,7 @@ from pretrain.task import RowSource, Tokenizer
 from zoo.data.batching import replicated_batch
 from zoo.data.row_origin import row_where
 from zoo.lora.weights import Weights
-from zoo.model.sharding import mesh_context
+from zoo.model.sharding import make_mesh, mesh_context
 
 
 @dataclass
@@ -82,7 +88,8 @@ class Rollouts:
     with images (grpo/vision.py), or None."""
 
     def __init__(self, cfg: GRPOConfig, programs: Programs, rewards: RewardSet, estimator: Estimator,
-                 tokenizer: Tokenizer, agent: Agent | None, reference: str | None, images: ImagePrompts | None = None):
+                 tokenizer: Tokenizer, agent: Agent | None, reference: str | None, images: ImagePrompts | None = None,
+                 engine_devices: Sequence[Any] = ()):
         self.cfg, self.g, self.programs = cfg, cfg.grpo, programs
         self.rewards, self.estimator, self.tokenizer, self.agent = rewards, estimator, tokenizer, agent
         self.reference, self.images = reference, images
@@ -90,15 +97,32 @@ class Rollouts:
         self.group_size = cfg.grpo.num_generations
         self.batch_shape = programs.shape
         self.replicated = programs.replicated
+        # One completion at a time on the engines (they keep their pools across calls): asynchronous rollouts'
+        # thread and the held-out prompts' evaluation on the trainer's thread take turns.
+        self.engine_lock = threading.Lock()
+        self.dropped_total = 0  # completions asynchronous rollouts dropped as too stale (this run's process)
+        # grpo.rollout_devices: the engine's own devices; the weights it samples with are copied there (snapshot),
+        # the prompts go there and the completions come back to the training mesh
+        self.engine_devices = list(engine_devices)
+        self.on_engine = None if not self.engine_devices else NamedSharding(
+            make_mesh(data=len(self.engine_devices), fsdp=1, devices=self.engine_devices), PartitionSpec())
+        self._base_copy: tuple[Any, Any] | None = None  # LoRA's frozen base on the engine's devices, copied once
 
     def rollout(self, weights: Weights, frozen_inputs: Any, rows: dict[str, jax.Array], step: int,
                 source: RowSource) -> Rollout[RolloutBatch]:
         """The step's training batch: G completions per prompt from the current policy (``weights``), their
         rewards and advantages, laid out as prompt + completion rows; with the rollout's metrics (TRL's names) and,
         on a ``grpo.log_completions_every`` step, the completions to log."""
-        g = self.g
         t0 = time.perf_counter()
-        done = self.complete(weights, rows, step, source)
+        return self.finish(self.complete(weights, rows, step, source), weights, frozen_inputs, step, t0)
+
+    def finish(self, done: Completed, weights: Weights, frozen_inputs: Any, step: int,
+               t0: float) -> Rollout[RolloutBatch]:
+        """The training batch of completed and scored prompts (:meth:`complete`): their advantages, laid out as
+        prompt + completion rows with the log-probabilities the step reads, computed with the trainer's current
+        ``weights`` (asynchronous rollouts: the weights of a later version than the sampler's); ``t0``: when the
+        step's rollout started."""
+        g = self.g
         truncated = ~done.drawn.ended
         trained = ~truncated if g.mask_truncated else np.ones_like(truncated)
         adv, m = self.estimator.row_advantages(done.total)
@@ -117,6 +141,48 @@ class Rollouts:
         real = int(to_host(drawn.prompt_rows["tokens_segment_ids"] > 0).sum()) + int(drawn.len_h.sum())
         return Rollout(batch, self._metrics(done, m, truncated), done.t_gen, t_roll, real * g.num_iterations,
                        self._log(step, done, adv))
+
+    def rollout_async(self, pipeline: Pipeline[Completed], weights: Weights, frozen_inputs: Any,
+                      step: int) -> Rollout[RolloutBatch]:
+        """The step's training batch from the rollout thread (grpo/pipeline.py: completed with an earlier policy
+        version, at most ``grpo.max_staleness`` steps back), finished with the trainer's ``weights``; with the
+        staleness metrics (TRL AsyncGRPOTrainer's names). Its generation time is the time the trainer waited."""
+        taken = pipeline.take(weights, step)
+        out = self.finish(taken.made, weights, frozen_inputs, step, time.perf_counter() - taken.waited)
+        self.dropped_total += taken.dropped * self.batch_shape[0] * self.batch_shape[1]
+        metrics = {**out.metrics, "sample/staleness_mean": float(taken.staleness),
+                   "sample/staleness_max": float(taken.staleness),
+                   "sample/dropped_stale_total": float(self.dropped_total), "perf/rollout_wait_s": taken.waited}
+        return dataclasses.replace(out, metrics=metrics, generation_s=taken.waited)
+
+    def snapshot(self, weights: Weights) -> Weights:
+        """The copy of the policy's weights the rollout thread samples with: the trained params copied (the train
+        step donates its own buffers), LoRA's frozen base shared (it never changes); with ``grpo.rollout_devices``
+        copied onto the engine's devices (the base once)."""
+        def copy(tree: Any) -> Any:
+            if self.on_engine is None:
+                return jax.tree.map(jnp.copy, tree)
+            return jax.device_put(tree, self.on_engine)
+
+        if weights.adapters is None:
+            return dataclasses.replace(weights, base=copy(weights.base))
+        if self.on_engine is not None:
+            if self._base_copy is None or self._base_copy[0] is not weights.base:
+                self._base_copy = (weights.base, copy(weights.base))
+            weights = dataclasses.replace(weights, base=self._base_copy[1])
+        return dataclasses.replace(weights, adapters=copy(weights.adapters))
+
+    def _on_engine_devices(self) -> contextlib.AbstractContextManager[Any]:
+        """Where completions are drawn: with ``grpo.rollout_devices``, arrays made without a placement (the
+        engine's page pool on one device) go to the engine's first device."""
+        if not self.engine_devices:
+            return contextlib.nullcontext()
+        return jax.default_device(self.engine_devices[0])
+
+    def _on_engine(self, weights: Weights) -> bool:
+        """Whether ``weights`` lie on the engine's devices (a :meth:`snapshot`) already."""
+        leaf = jax.tree.leaves(weights.base if weights.adapters is None else weights.adapters)[0]
+        return set(leaf.sharding.device_set) <= set(self.engine_devices)
 
     def _layout(self, drawn: Drawn, adv: np.ndarray, trained: np.ndarray) -> RolloutBatch:
         """The update's batch of the drawn completions with per-row advantages ``adv``."""
@@ -172,14 +238,17 @@ class Rollouts:
         ``train``, the step's own draws;
         ``held_out``, the run's sampling on the held-out key stream; ``greedy``, one greedy completion per row)."""
         t0 = time.perf_counter()
+        if self.on_engine is not None and not self._on_engine(weights):  # the trainer's (held-out prompts')
+            weights = self.snapshot(weights)
         row_h = to_host(rows["row"])[..., 0].reshape(-1)
         ds = source.ds
         records = {int(i): ds[int(i)] for i in np.unique(row_h)}
         where = lambda r: row_where(source.path, int(row_h[r]))  # noqa: E731
-        if self.agent is None:
-            drawn = self._sample(weights, rows, step, mode, self._vision(source.path, records, row_h))
-        else:
-            drawn = self._episodes(weights, [records[int(i)] for i in row_h], step, mode, where)
+        with self.engine_lock, self._on_engine_devices():
+            if self.agent is None:
+                drawn = self._sample(weights, rows, step, mode, self._vision(source.path, records, row_h))
+            else:
+                drawn = self._episodes(weights, [records[int(i)] for i in row_h], step, mode, where)
         t_gen = time.perf_counter() - t0
         comp_h, len_h = drawn.comp_h, drawn.len_h
         ids = [comp_h[r, :len_h[r]].tolist() for r in range(len(row_h))]
@@ -213,8 +282,13 @@ class Rollouts:
             sample, key_input = p.sample_greedy, np.int32(step)
         else:  # training's and held-out prompts' draws: one program, the key stream a flag (grpo/programs.py)
             sample, key_input = p.sample, (np.int32(step), np.bool_(mode == "held_out"))
-        completions, sampler_logps, lengths = sample(weights, key_input, rows["tokens"],
-                                                     rows["tokens_segment_ids"], vision=vision)
+        tokens, seg = rows["tokens"], rows["tokens_segment_ids"]
+        if self.on_engine is not None:  # the prompts to the engine's devices, the completions back
+            tokens, seg, vision = jax.device_put((tokens, seg, vision), self.on_engine)
+        completions, sampler_logps, lengths = sample(weights, key_input, tokens, seg, vision=vision)
+        if self.on_engine is not None:
+            completions, sampler_logps, lengths = jax.device_put((completions, sampler_logps, lengths),
+                                                                 self.replicated)
         comp_h, len_h = to_host(completions), to_host(lengths)
         ended = np.isin(comp_h[np.arange(len(len_h)), len_h - 1], p.spec.eos_ids)
         prompt_rows = {"tokens": rows["tokens"], "tokens_segment_ids": rows["tokens_segment_ids"]}

@@ -32,6 +32,7 @@ is grpo/completions_log.py's hook.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, cast
 
 import jax
@@ -47,10 +48,11 @@ from grpo.agentic import Agent
 from grpo.batch import RolloutBatch, UpdateRows, completion_logps, shares_prompts
 from grpo.completions_log import COMPLETIONS_FILE, CompletionsLog
 from grpo.config import GRPO_UNREAD, GRPOConfig
+from grpo.pipeline import Pipeline
 from grpo.programs import Programs
 from grpo.reward_model import SharedBase
 from grpo.rewards import RewardFunction, RewardSet, load_rewards
-from grpo.rollouts import Rollouts
+from grpo.rollouts import Completed, Rollouts
 from grpo.tools import ENVIRONMENT_FIELD, EnvironmentReward, Environments, load_tools
 from grpo.vision import ImagePrompts, has_images
 from pretrain import distributed
@@ -107,6 +109,8 @@ class GRPOTask(Task[RolloutBatch]):
         self._eval_rows: RowSource | None = None  # data.eval_path's rows, read once
         self.vision: VisionConfig | None = None  # the model's vision tower's config (prepare)
         self.images: ImagePrompts | None = None  # a vision-language model's prompts with images (prepare)
+        self.pipeline: Pipeline[Completed] | None = None  # asynchronous rollouts' trainer side (start_steps)
+        self.engine_devices: list[Any] = []  # grpo.rollout_devices' devices (train_devices), the engine's own
 
     # The keys a GRPO run's card lists (those whose 0 / false / [] means "off" left out then).
     CARD_KEYS = ("num_generations", "max_completion_length", "temperature", "top_p", "top_k", "loss_type",
@@ -249,7 +253,7 @@ class GRPOTask(Task[RolloutBatch]):
                                programs.spec.sampler, programs.compute)
         self.rewards.prepare(ctx.run.mesh, programs.compute, self._shared_base(ctx.run))  # reward models, loaded once
         self.rollouts = Rollouts(self.cfg, programs, self.rewards, self.estimator, tokenizer, self.agent,
-                                 self.reference, self.images)
+                                 self.reference, self.images, self.engine_devices)
 
     @staticmethod
     def _shared_base(ctx: RunContext) -> SharedBase | None:
@@ -312,12 +316,55 @@ class GRPOTask(Task[RolloutBatch]):
 
     # ---- each step: sample, score, lay out -----------------------------------------------------------------
 
-    def rollout(self, weights: Weights, frozen_inputs: Any, rows: dict[str, jax.Array], step: int,
+    def rollout(self, weights: Weights, frozen_inputs: Any, rows: dict[str, jax.Array] | None, step: int,
                 source: RowSource) -> Rollout[RolloutBatch]:
-        """The step's training batch (:meth:`grpo.rollouts.Rollouts.rollout`); on a ``grpo.log_completions_every``
-        step with the completions to log (:meth:`hooks`)."""
+        """The step's training batch (:meth:`grpo.rollouts.Rollouts.rollout`; asynchronous rollouts: the one the
+        rollout thread completed, grpo/pipeline.py); on a ``grpo.log_completions_every`` step with the completions
+        to log (:meth:`hooks`)."""
         assert self.rollouts is not None, "prepare first"
-        return self.rollouts.rollout(weights, frozen_inputs, rows, step, source)
+        if self.pipeline is None:
+            assert rows is not None, "a synchronous rollout is given its rows"
+            return self.rollouts.rollout(weights, frozen_inputs, rows, step, source)
+        return self.rollouts.rollout_async(self.pipeline, weights, frozen_inputs, step)
+
+    def train_devices(self, devices: list[Any]) -> list[Any]:
+        """Without ``grpo.rollout_devices``, every device; with it, all but the last ``rollout_devices``, on which
+        the rollout thread's engine samples (one process only, for now)."""
+        n = self.grpo.rollout_devices if self.grpo.rollout == "async" else 0
+        if not n:
+            return devices
+        if jax.process_count() > 1:
+            raise UserError(f"grpo.rollout_devices={n} is for a run of one process (this one has "
+                            f"{jax.process_count()}); set grpo.rollout_devices=0: the engine then samples on the "
+                            "training devices, between the updates")
+        if n >= len(devices):
+            raise UserError(f"grpo.rollout_devices={n} leaves none of the {len(devices)} devices to train on; give "
+                            f"at most {len(devices) - 1}")
+        self.engine_devices = devices[-n:]
+        return devices[:-n]
+
+    @property
+    def draws_rows(self) -> bool:
+        """Asynchronous rollouts request their rows ahead of the steps (grpo/pipeline.py)."""
+        return self.grpo.rollout == "async"
+
+    def start_steps(self, start: int, total: int, next_rows: Callable[[], dict[str, jax.Array]],
+                    source: RowSource) -> None:
+        """With ``grpo.rollout: async``, the rollout thread and the trainer's side of it (grpo/pipeline.py)."""
+        if self.grpo.rollout != "async":
+            return
+        assert self.rollouts is not None, "read_inputs first"
+        rollouts = self.rollouts
+
+        self.pipeline = Pipeline(lambda weights, rows, index: rollouts.complete(weights, rows, index, source),
+                                 self.grpo.max_staleness, next_rows, start, total, rollouts.snapshot,
+                                 inline=jax.process_count() > 1)
+
+    def end_steps(self) -> None:
+        """The rollout thread stopped."""
+        if self.pipeline is not None:
+            self.pipeline.close()
+            self.pipeline = None
 
     def eval_rows(self, source: RowSource | None) -> RowSource:
         """The rows the held-out prompts come from: data.eval_path's (read once), else the training rows that

@@ -151,7 +151,9 @@ def _set_up(cfg: TrainConfig, task: Task[Any], primary: bool) -> _Run:
     frozen inputs (:mod:`pretrain.setup`, as ``--compile-only`` sets them up), then what a run alone reads: the
     task's inputs from the tokenizer and the data (:meth:`~pretrain.task.Task.read_inputs`) and the run's data,
     each checked before anything is written."""
-    mesh = run_mesh(cfg, jax.devices())
+    devices = jax.devices()
+    train_devices = task.train_devices(devices)
+    mesh = run_mesh(cfg, train_devices, "devices" if len(train_devices) == len(devices) else "training devices")
     tok_dir = tokenizer_folder(cfg)
     model = set_up_model(cfg, mesh, RUN)
     kernel_for(model.mcfg, DTYPES[cfg.dtype.compute])  # model.attention: cudnn on a model it cannot run: said now

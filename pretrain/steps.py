@@ -54,6 +54,19 @@ class Training:
         tokens_per_step = cfg.batch_size * cfg.data.seq_len
         seen = start * tokens_per_step
         updates = task.updates_per_step
+        if task.online:
+            if self.data.source is None:
+                raise UserError("an online task reads one data.path, not a mixture")
+            task.start_steps(start, total, self._next_rows, self.data.source)
+        try:
+            yield from self._steps(start, total, before, seen, updates, tokens_per_step)
+        finally:
+            if task.online:
+                task.end_steps()
+
+    def _steps(self, start: int, total: int, before: Callable[[int], None], seen: int, updates: int,
+               tokens_per_step: int) -> Iterator[StepInfo]:
+        cfg = self.cfg
         for step in range(start, total):
             before(step)
             t0 = time.perf_counter()
@@ -77,6 +90,10 @@ class Training:
                 record.update({**rollout.metrics, **rollout.timing(dt)})
             yield StepInfo(step + 1, total, self.state, record, rollout, loss)
 
+    def _next_rows(self) -> dict[str, jax.Array]:
+        """The next global batch of data rows (an online task's prompts), laid out on the mesh."""
+        return global_batch(next(self.data.batches), self.data.rows, self.batch_sharding, self.batch_shape)
+
     def _step(self, step: int, updates: int) -> tuple[Rollout[TokenBatch] | None, dict[str, Any]]:
         """Step ``step``'s batch (made by an online task) and its ``updates`` updates; their mean metrics."""
         data, task = self.data, self.task
@@ -85,7 +102,7 @@ class Training:
         if task.online:  # the task makes the batch (GRPO: samples completions and scores them)
             if data.source is None:
                 raise UserError("an online task reads one data.path, not a mixture")
-            rows = global_batch(next(data.batches), data.rows, self.batch_sharding, self.batch_shape)
+            rows = None if task.draws_rows else self._next_rows()
             rollout = task.rollout(self.weights(self.state["params"]), self.frozen_inputs, rows, step, data.source)
             b = rollout.batch
         else:

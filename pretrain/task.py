@@ -17,7 +17,7 @@ with its own section and data keys), so the config system composes it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeAlias, cast
@@ -140,7 +140,8 @@ class Task(Generic[B]):
     * ``group_size``: how many consecutive rows of a batch read the same document (1: each its own);
     * an *online* task (``online``) makes each step's batch itself: :meth:`rollout` turns the global batch of
       data rows (documents padded to ``data.seq_len + 1``, every feature) into the :class:`Rollout` the step
-      trains on, ``updates_per_step`` times.
+      trains on, ``updates_per_step`` times; one that ``draws_rows`` takes its rows itself, ahead of the steps
+      (:meth:`start_steps`; GRPO's asynchronous rollouts), and is given none.
     """
 
     method: ClassVar[str] = "pretrain"  # recorded in the final checkpoint's training provenance
@@ -266,12 +267,33 @@ class Task(Generic[B]):
         """Whether ``doc``, cut to a row of ``seq_len + 1`` tokens, trains anything (default: keeps a target)."""
         return keeps_a_target(doc, seq_len)
 
-    def rollout(self, weights: Weights, frozen_inputs: FrozenInputs, rows: dict[str, jax.Array], step: int,
+    def rollout(self, weights: Weights, frozen_inputs: FrozenInputs, rows: dict[str, jax.Array] | None, step: int,
                 source: RowSource) -> Rollout[B]:
         """An online task's :class:`Rollout` for loop step ``step`` (0-based) from the global data rows ``rows``
         ([accum, micro, seq_len + 1] each; ``source``: the rows they were read from), made with the current
         ``weights`` (no dropout). Only called when ``online``."""
         raise NotImplementedError
+
+    def train_devices(self, devices: list[Any]) -> list[Any]:
+        """The devices the run's mesh trains on, of ``devices`` (every process's): all of them by default (GRPO's
+        asynchronous rollouts keep some for sampling)."""
+        return devices
+
+    @property
+    def draws_rows(self) -> bool:
+        """Whether an online task takes its data rows itself (with :meth:`start_steps`' ``next_rows``), so
+        :meth:`rollout` is given none."""
+        return False
+
+    def start_steps(self, start: int, total: int, next_rows: Callable[[], dict[str, jax.Array]],
+                    source: RowSource) -> None:
+        """Before an online task's first step: the steps ``start`` .. ``total`` - 1 come, ``next_rows()`` is the
+        next global batch of data rows (as :meth:`rollout` is given them), read from ``source``. Nothing by
+        default."""
+
+    def end_steps(self) -> None:
+        """After an online task's last step, or once the steps stop on an error: what :meth:`start_steps` started
+        ends. Nothing by default."""
 
     def hooks(self, out: RunPath, primary: bool) -> list[Hook]:
         """The task's own step hooks (:class:`pretrain.hooks.Hook`) for the run folder ``out``; none by default."""

@@ -111,11 +111,11 @@ class OnlineGKDTask(GKDTask):
         """Rows ``distill.max_new_tokens`` longer than SFT's, and the dataset's own target weights."""
         return DistillBatch.layout((grad_accum, micro, seq_len + self.distill.max_new_tokens), ("data_weights",))
 
-    def rollout(self, weights: Weights, frozen_inputs: Any, rows: dict[str, jax.Array], step: int,
+    def rollout(self, weights: Weights, frozen_inputs: Any, rows: dict[str, jax.Array] | None, step: int,
                 source: RowSource) -> Rollout[DistillBatch]:
         """GKD's step batch: each micro-batch the dataset's, or its prompts with sampled completions
         (distill/online.py)."""
-        assert self.sampling is not None, "prepare first"
+        assert self.sampling is not None and rows is not None, "prepare first; GKD is given its rows"
         return self.sampling.rollout(weights, frozen_inputs, rows, step)
 
     def compile_programs(self, weights: Weights, frozen_inputs: Any) -> dict[str, Any]:
