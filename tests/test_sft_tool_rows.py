@@ -15,12 +15,13 @@ from typing import Any
 
 import pytest
 
-from tests.tool_rows_data import CALC, FAMILIES, family_tokenizer, tool_rows, with_string_arguments
+from tests.tool_rows_data import CALC, FAMILIES, family_tokenizer, marked_template, tool_rows, with_string_arguments
 
 
-def trl_sft(tok: Any, rows: list[dict[str, Any]], tmp_path) -> list[tuple[list[int], list[bool]]]:
+def trl_sft(tok: Any, rows: list[dict[str, Any]], tmp_path, marked: str | None) -> list[tuple[list[int], list[bool]]]:
     """(input_ids, trained) of each row by TRL 1.16's SFTTrainer._prepare_dataset (an IterableDataset, so that
-    the rows reach the template as written, without Arrow's struct padding), under TRL's choice of template."""
+    the rows reach the template as written, without Arrow's struct padding), under TRL's choice of template
+    (SFTTrainer.__init__'s: get_training_chat_template's), or the ``marked`` one where TRL has none."""
     from datasets import IterableDataset
     from trl import SFTConfig
     from trl.chat_template_utils import get_training_chat_template, has_generation_markers
@@ -30,7 +31,7 @@ def trl_sft(tok: Any, rows: list[dict[str, Any]], tmp_path) -> list[tuple[list[i
 
     args = SFTConfig(output_dir=str(tmp_path / "trl"), assistant_only_loss=True, max_length=None,
                      report_to="none", use_cpu=True, bf16=False)
-    template = None if has_generation_markers(tok.chat_template) else get_training_chat_template(tok)
+    template = marked or (None if has_generation_markers(tok.chat_template) else get_training_chat_template(tok))
     trainer = SimpleNamespace(chat_template=template, _tokenizer=tok, completion_only_loss=False, args=args,
                               _signature_columns=None)
     data = IterableDataset.from_generator(lambda: iter(rows))
@@ -39,14 +40,25 @@ def trl_sft(tok: Any, rows: list[dict[str, Any]], tmp_path) -> list[tuple[list[i
     return [(r["input_ids"], [label != -100 for label in r["labels"]]) for r in out]
 
 
+class _Tokenizers(dict):
+    """Each family's tokenizer with its real template, made when first asked for (each costs ~0.4 s)."""
+
+    def __init__(self, folder):
+        super().__init__()
+        self.folder = folder
+
+    def __missing__(self, name: str) -> Any:
+        self[name] = family_tokenizer(self.folder, name)
+        return self[name]
+
+
 @pytest.fixture(scope="module")
 def tokenizers(smollm2_tokenizer):
-    """Each family's tokenizer (its real template) and, for the families TRL has no training template for, the
-    same with the hand-marked template TRL is given."""
-    return {(name, marked): family_tokenizer(smollm2_tokenizer, name, marked)
-            for name in FAMILIES for marked in (False, True)}
+    """The families' tokenizers, by name (:class:`_Tokenizers`)."""
+    return _Tokenizers(smollm2_tokenizer)
 
 
+@pytest.mark.slow  # TRL's SFTTrainer module takes ~3 s to import, a family's tokenizer ~0.4 s
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_tool_rows_train_what_trls_sft_trains(tokenizers, name, tmp_path):
     """Tool-call rows (calls with arguments as objects and as JSON strings, tool answers, two user turns, a
@@ -55,18 +67,21 @@ def test_tool_rows_train_what_trls_sft_trains(tokenizers, name, tmp_path):
     from chat.formats import normalize
     from chat.loss_masks import tokenize_example
 
-    ours_tok, theirs_tok = tokenizers[(name, False)], tokenizers[(name, True)]
+    ours_tok = tokenizers[name]
     family = FAMILIES[name]
+    marked = None
     if family.marks:  # TRL refuses these templates; the marked one renders the very same text
         from trl.chat_template_utils import get_training_chat_template
 
         with pytest.raises(ValueError, match="not training-compatible"):
             get_training_chat_template(ours_tok)
+        marked = marked_template(name)
         conv = tool_rows(False)[1]
         assert (ours_tok.apply_chat_template(conv["messages"], tools=conv["tools"], tokenize=False)
-                == theirs_tok.apply_chat_template(conv["messages"], tools=conv["tools"], tokenize=False))
+                == ours_tok.apply_chat_template(conv["messages"], tools=conv["tools"], tokenize=False,
+                                                chat_template=marked))
     rows = tool_rows(family.developer) + (tool_rows(False)[:1] if family.developer else [])
-    oracle = trl_sft(theirs_tok, rows, tmp_path)
+    oracle = trl_sft(ours_tok, rows, tmp_path, marked)
     for row, (ids, trained) in zip(rows, oracle, strict=True):
         for written in (row, with_string_arguments(row)):
             our_ids, mask = tokenize_example(normalize(written, "messages"), ours_tok)
@@ -103,7 +118,7 @@ def test_bad_tool_rows_are_one_line_errors_naming_the_row(tokenizers, smollm2_to
     each is an error naming the file, the row and the turn or column."""
     from transformers import AutoTokenizer
 
-    qwen3 = tokenizers[("qwen3", False)]
+    qwen3 = tokenizers["qwen3"]
     good = tool_rows(False)[0]["messages"]
     not_json = [*good[:2], {**good[2], "tool_calls": [{"function": {"name": "calculate", "arguments": "{37 * 48"}}]},
                 *good[3:]]
@@ -120,7 +135,7 @@ def test_bad_tool_rows_are_one_line_errors_naming_the_row(tokenizers, smollm2_to
         tmp_path, developer, qwen3)
     two = [*good[:2], {**good[2], "tool_calls": good[2]["tool_calls"] * 2}, *good[3:]]
     assert "only supports single tool-calls" in _bad(tmp_path, {"messages": two, "tools": [CALC]},
-                                                     tokenizers[("llama-3.1", False)])
+                                                     tokenizers["llama-3.1"])
 
 
 @pytest.mark.parametrize("name,call", [
@@ -134,7 +149,7 @@ def test_dpo_and_kto_rows_carry_tools(tokenizers, name, call):
     from prefs.pairs import normalize_pair, pair_texts
     from prefs.unpaired import tokenize_row, unpaired_rows
 
-    tok = tokenizers[(name, False)]
+    tok = tokenizers[name]
     conv = tool_rows(False)[0]["messages"]
     row = {"prompt": conv[:2], "chosen": [conv[2]], "rejected": "About 1800.", "tools": [CALC]}
     pair = normalize_pair(row)

@@ -66,9 +66,17 @@ FAMILIES = {
 }
 
 
-def family_tokenizer(folder: Path, name: str, marked: bool = False) -> Any:
-    """SmolLM2's tokenizer (``folder``) with the family's special tokens, BOS, EOS and real template; with
-    ``marked``, the template with its generation markers (``Family.marks``: each edit applies exactly once)."""
+def marked_template(name: str) -> str:
+    """The family's real template with its generation markers (``Family.marks``: each edit applies exactly once)."""
+    text = FAMILIES[name].template.read_text(encoding="utf-8")
+    for old, new in FAMILIES[name].marks:
+        assert text.count(old) == 1, (name, old)
+        text = text.replace(old, new)
+    return text
+
+
+def family_tokenizer(folder: Path, name: str) -> Any:
+    """SmolLM2's tokenizer (``folder``) with the family's special tokens, BOS, EOS and real template."""
     from transformers import AutoTokenizer
 
     family = FAMILIES[name]
@@ -78,11 +86,7 @@ def family_tokenizer(folder: Path, name: str, marked: bool = False) -> Any:
     tok.eos_token = family.eos
     if family.bos:
         tok.bos_token = family.bos
-    text = family.template.read_text(encoding="utf-8")
-    for old, new in family.marks if marked else []:
-        assert text.count(old) == 1, (name, old)
-        text = text.replace(old, new)
-    tok.chat_template = text
+    tok.chat_template = family.template.read_text(encoding="utf-8")
     return tok
 
 
