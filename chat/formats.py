@@ -8,6 +8,10 @@ Five row shapes are understood (the columns that identify them in brackets):
 ``alpaca``             [instruction, output]  + optional ``input`` (and ``system``) columns
 ``sharegpt``           [conversations]        [{from, value}, ...], from in human/gpt/system (or user/assistant)
 
+Conversations may be tool-call rows (chat/tool_rows.py): assistant turns with ``tool_calls``, ``tool``
+messages answering them, a ``developer`` turn, and the row's ``tools`` column (the functions' JSON schemas, passed
+to the chat template); only assistant turns are trained, tool outputs never.
+
 Rows are checked here (missing or empty fields, wrong types, unknown roles, a
 conversation with no assistant turn) and a problem raises `BadRow`; the
 caller adds the file and line of the row (see `zoo.data.row_origin.bad_row`).
@@ -26,6 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
+from chat.row_errors import BadRow
+from chat.tool_rows import check_tool_order, parse_tool_calls, row_tools, tool_message, uses_tools
 from zoo.errors import UserError
 
 # Detection order matters when a dataset has the columns of several formats
@@ -40,16 +46,12 @@ FORMAT_COLUMNS: dict[str, tuple[str, ...]] = {
 }
 FORMATS = tuple(FORMAT_COLUMNS)
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 # ShareGPT speaker names -> chat roles.
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 # The columns a row's images are read from (TRL's names): a list of images, or one image.
 IMAGE_COLUMNS = ("images", "image")
 PART_TYPES = ("text", "image")
-
-
-class BadRow(ValueError):
-    """One row cannot be used; the message says why (the caller names the file and row)."""
 
 
 @dataclass(frozen=True)
@@ -72,11 +74,18 @@ class Example:
     # The row's images as read (paths, HF Image dicts, bytes, PIL images), one per image part of ``messages``
     # in their order; the parts themselves are bare ``{"type": "image"}``.
     images: tuple[Any, ...] = ()
+    # The row's tools column (the functions' JSON schemas), passed to the chat template as ``tools=``.
+    tools: list[dict[str, Any]] | None = None
 
     @property
     def is_chat(self) -> bool:
         """True when the example is rendered with a chat template."""
         return self.messages is not None
+
+    @property
+    def uses_tools(self) -> bool:
+        """True for a tool-call row: it has tools, a tool call or a tool's answer."""
+        return uses_tools(self.messages, self.tools)
 
     def trained_turns(self) -> list[int]:
         """Indices into ``messages`` of the assistant turns whose tokens are trained."""
@@ -130,6 +139,16 @@ def normalize(row: dict[str, Any], fmt: str, image_column: str | None = None) ->
 
 
 def _normalize(row: dict[str, Any], fmt: str) -> Example:
+    example = _shape(row, fmt)
+    if not example.is_chat:
+        return example
+    check_tool_order(cast(list, example.messages), {"messages": "messages", "sharegpt": "conversations"}.get(
+        fmt, "prompt + completion"))
+    tools = row_tools(row)
+    return replace(example, tools=tools) if tools else example
+
+
+def _shape(row: dict[str, Any], fmt: str) -> Example:
     if fmt == "text":
         return Example(text=_text(row, "text"))
     if fmt == "prompt_completion":
@@ -223,6 +242,14 @@ def _message(m: Any, name: str, i: int, parts: bool = False) -> dict[str, Any]:
         raise BadRow(f"{where} has no role (expected 'role' + 'content' or 'from' + 'value')")
     if role is None:
         raise BadRow(f"{where} has the unknown role {speaker!r} (expected one of: {allowed})")
+    if role == "tool":
+        return tool_message(m, content, where)
+    calls = m.get("tool_calls")
+    if calls is not None and role != "assistant":
+        raise BadRow(f"{where} ({role}) has tool_calls; only assistant turns call tools")
+    if calls is not None:
+        calls = parse_tool_calls(calls, where)
+        content = "" if content is None else content  # OpenAI writes a call's content as null
     if parts and _is_part_list(content):
         content = _parts(cast(list, content), f"{where} ({role})")
     elif not isinstance(content, str):
@@ -233,11 +260,14 @@ def _message(m: Any, name: str, i: int, parts: bool = False) -> dict[str, Any]:
         raise BadRow(f"{where} ({role}) reasoning_content is not text ({type(reasoning).__name__})")
     # An empty system prompt is a real choice (it replaces a template's default); an empty turn is not
     # (an assistant turn may be all reasoning: the template renders it).
-    if role != "system" and not _said(content) and not (reasoning and reasoning.strip()):
+    if role not in ("system", "developer") and not _said(content) and not (reasoning and reasoning.strip()) \
+            and not calls:
         raise BadRow(f"{where} ({role}) content is empty")
     out: dict[str, Any] = {"role": role, "content": content}
     if reasoning is not None:  # a reasoning trace (Qwen3, DeepSeek-R1): the template decides what it renders
         out["reasoning_content"] = reasoning
+    if calls:
+        out["tool_calls"] = calls
     return out
 
 

@@ -17,7 +17,7 @@ nothing precedes the first token, so it is never predicted (a trainer uses
   had. The rule at the boundary: a token is trained when it covers any
   completion character, so a token merging the prompt's last characters with
   the completion's first is trained (and counted: see :class:`TokenizeStats`).
-* conversations: rendered with the chat template; the ids are those of the
+* conversations: rendered with the chat template (and the row's ``tools``); the ids are those of the
   whole render (tokenized without added special tokens, as
   ``apply_chat_template`` does), and each trained assistant turn's span in
   that render (chat/spans.py: its content and end-of-turn token(s) as the
@@ -27,7 +27,11 @@ nothing precedes the first token, so it is never predicted (a trainer uses
   after the end-of-turn token (ChatML's and Gemma's ``\\n``) is not trained: it
   is a prompt-side separator. The one exception to "the ids of the render":
   a tokenizer configured to add a BOS gets it prepended when the template did
-  not write one itself.
+  not write one itself. A tool-call row (chat/tool_rows.py) of a template
+  that is a family's original lmzoo holds a training template for (Qwen3,
+  DeepSeek-V3, gpt-oss: chat/training_templates.py) renders under that
+  training template, whose ``{% generation %}`` blocks say what trains, as
+  TRL 1.16's SFT swaps templates for an assistant-only loss.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import numpy as np
 from chat.formats import BadRow, Example, normalize
 from chat.spans import assistant_spans
 from chat.templates import ChatTemplate, as_template
+from chat.training_templates import for_tool_rows
 from zoo.errors import UserError
 
 T = TypeVar("T")
@@ -271,8 +276,12 @@ def _plain(prompt: str, completion: str, tokenizer: Any,
 
 
 def _chat(example: Example, tokenizer: Any, template: ChatTemplate) -> tuple[np.ndarray, np.ndarray]:
-    """Ids of the rendered conversation, its trained assistant turns' tokens masked in."""
-    full, spans = assistant_spans(tokenizer, cast(list, example.messages), example.trained_turns(), template)
+    """Ids of the rendered conversation, its trained assistant turns' tokens masked in. A tool-call row renders
+    under its family's training template where the template is one lmzoo has it for (as TRL's SFT does)."""
+    if example.uses_tools:
+        template = for_tool_rows(tokenizer, template)
+    full, spans = assistant_spans(tokenizer, cast(list, example.messages), example.trained_turns(), template,
+                                  example.tools)
     ids, offsets = text_offsets(full, tokenizer)
     mask = token_mask(offsets, spans)
     head = bos_head(tokenizer, full)

@@ -38,6 +38,12 @@ assuming anything about prefixes:
 
 Templates with ``{% generation %}`` blocks say which text is the assistant's
 themselves; their blocks are used instead.
+
+Tool-call rows (chat/tool_rows.py) render with the row's ``tools``. An assistant turn with ``tool_calls`` is
+located by its last call's function name (the sentinel goes there, as templates may drop the content of a call
+turn: Llama 3.1's does), so its span runs from the header through its calls and end-of-turn token. A ``tool`` or
+``developer`` message, and the ``tools`` themselves, must appear in the render: a template that drops them
+(Qwen3 has no developer role; ChatML templates without a tools block) is a row it cannot render.
 """
 
 from __future__ import annotations
@@ -71,8 +77,9 @@ def common_prefix(a: str, b: str) -> int:
 class _Renders:
     """Renders of one conversation (and its prefixes), each made once."""
 
-    def __init__(self, tokenizer: Any, messages: list[dict[str, Any]], template: ChatTemplate):
-        self.tok, self.messages, self.template = tokenizer, messages, template
+    def __init__(self, tokenizer: Any, messages: list[dict[str, Any]], template: ChatTemplate,
+                 tools: list[dict[str, Any]] | None = None):
+        self.tok, self.messages, self.template, self.tools = tokenizer, messages, template, tools
         self.source = template_text(tokenizer, template)
         self._cache: dict[tuple, str] = {}
 
@@ -82,9 +89,8 @@ class _Renders:
         if key not in self._cache:
             msgs = self.messages[:n]
             if mark is not None:
-                m = {**msgs[mark], "content": _marked(msgs[mark].get("content"))}
-                msgs = msgs[:mark] + [m] + msgs[mark + 1:]
-            self._cache[key] = render(self.tok, msgs, self.template, self.source, generation_prompt)
+                msgs = msgs[:mark] + [_marked_message(msgs[mark])] + msgs[mark + 1:]
+            self._cache[key] = render(self.tok, msgs, self.template, self.source, generation_prompt, self.tools)
         return self._cache[key]
 
     def content_end(self, n: int, generation_prompt: bool, k: int) -> int:
@@ -93,9 +99,30 @@ class _Renders:
         at = common_prefix(plain, marked)
         if marked != plain[:at] + SENTINEL + plain[at:]:
             how = "drops" if marked == plain else "rewrites or repeats"
-            raise TemplateMismatch(f"turn {k} ({self.messages[k]['role']}): {self.template.name} {how} its content, "
+            what = "tool calls" if self.messages[k].get("tool_calls") else "content"
+            raise TemplateMismatch(f"turn {k} ({self.messages[k]['role']}): {self.template.name} {how} its {what}, "
                                    "so the turn cannot be located in the rendered conversation")
         return at
+
+    def check_tools(self, full: str) -> None:
+        """Raise BadRow when the render leaves out a tool or developer message, or the row's tools."""
+        n = len(self.messages)
+        for i, m in enumerate(self.messages):
+            if m["role"] in ("tool", "developer"):
+                self.content_end(n, False, i)
+        if self.tools and render(self.tok, self.messages, self.template, self.source, False) == full:
+            raise BadRow(f"{self.template.name} does not write the row's tools (its 'tools' column); use a chat "
+                         "template that renders tools, or leave the column out")
+
+
+def _marked_message(m: dict[str, Any]) -> dict[str, Any]:
+    """The message with the sentinel at its mark: its last tool call's function name, else its content."""
+    calls = m.get("tool_calls")
+    if not calls:
+        return {**m, "content": _marked(m.get("content"))}
+    last = calls[-1]
+    function = {**last["function"], "name": last["function"]["name"] + SENTINEL}
+    return {**m, "tool_calls": [*calls[:-1], {**last, "function": function}]}
 
 
 def _marked(content: Any) -> Any:
@@ -113,16 +140,20 @@ def _marked(content: Any) -> Any:
 
 
 def assistant_spans(tokenizer: Any, messages: list[dict[str, Any]], turns: list[int],
-                    template: ChatTemplate) -> tuple[str, list[tuple[int, int]]]:
+                    template: ChatTemplate, tools: list[dict[str, Any]] | None = None
+                    ) -> tuple[str, list[tuple[int, int]]]:
     """(the whole conversation's render, the character span of each of ``turns`` in it); see the module docstring.
+    ``tools``: the row's tools, passed to every render.
 
-    Raises BadRow (TemplateMismatch) naming the turn when a span cannot be located.
+    Raises BadRow (TemplateMismatch) naming the turn when a span cannot be located, or when the template leaves
+    out a tool or developer message or the tools.
     """
-    r = _Renders(tokenizer, messages, template)
+    r = _Renders(tokenizer, messages, template, tools)
     n = len(messages)
     full = r.text(n, False)
+    r.check_tools(full)
     if _GENERATION.search(r.source):
-        return full, _generation_spans(tokenizer, messages, turns, template, r.source, full)
+        return full, _generation_spans(tokenizer, messages, turns, template, r.source, full, tools)
     spans: list[tuple[int, int]] = []
     for k in turns:
         x = r.content_end(n, False, k)
@@ -153,13 +184,13 @@ def _try_render(r: _Renders, n: int) -> str:
 
 
 def _generation_spans(tokenizer: Any, messages: list[dict[str, Any]], turns: list[int], template: ChatTemplate,
-                      source: str, full: str) -> list[tuple[int, int]]:
+                      source: str, full: str, tools: list[dict[str, Any]] | None = None) -> list[tuple[int, int]]:
     """The ``{% generation %}`` blocks of the assistant turns in ``turns`` (one block per assistant message)."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
     with fixed_clock(template.date):
         texts, indices = cast(Any, render_jinja_template)(
-            conversations=[messages], chat_template=source, return_assistant_tokens_mask=True,
+            conversations=[messages], tools=tools or None, chat_template=source, return_assistant_tokens_mask=True,
             add_generation_prompt=False, **{**tokenizer.special_tokens_map, **template.kwargs})
     blocks: list[tuple[int, int]] = [(int(s[0]), int(s[1])) for s in indices[0]]
     assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]

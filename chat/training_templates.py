@@ -10,7 +10,11 @@ tokenizer's template with the family's original, text for text. This module does
 templates (``chat/jinja/*_training.jinja``, adapted from TRL's patches; tests check them token for token against
 TRL's): the originals are recognised by their SHA-256 (the same exact-text identity, without shipping them).
 
-Covered: Qwen3 (whose own template re-renders earlier turns: TRL's swap) and DeepSeek-V3 (whose own template
+SFT's tool-call rows (chat/loss_masks.py) render under a family's training template too, as TRL 1.16's SFTTrainer
+swaps one in for its assistant-only loss (:func:`for_tool_rows`): what trains is what its ``{% generation %}``
+blocks hold, TRL's masks. That covers one more family, gpt-oss, whose own template serves tool episodes.
+
+Covered for tool episodes: Qwen3 (whose own template re-renders earlier turns: TRL's swap) and DeepSeek-V3 (whose own template
 cannot write a call's arguments as a mapping, the bug TRL's training template fixes; TRL 1.16's check passes it
 on string arguments and its episodes then fail at the first call). The other families the zoo holds render tool
 turns as prefixes with their own templates (Qwen2.5, Llama 3/3.1/3.2, gpt-oss, GLM-4.5, DeepSeek-R1-distill), so,
@@ -37,6 +41,7 @@ class TrainingTemplate:
     family: str
     originals: tuple[str, ...]
     file: str
+    episodes: bool = True  # whether tool episodes need it (its family's own template does not serve them)
 
     def source(self) -> str:
         """The template's Jinja text (package data)."""
@@ -50,9 +55,13 @@ TRAINING_TEMPLATES = (
     # deepseek-ai/DeepSeek-V3 (TRL's chat_templates/deepseekv3.jinja)
     TrainingTemplate("DeepSeek-V3", ("563b1ce7d61d50a9b4c7439a912a1116f095b712df5b5e4d3e1116049874eb64",),
                      "deepseekv3_training.jinja"),
+    # openai/gpt-oss-20b and -120b (TRL's chat_templates/gptoss.jinja): its own is prefix-preserving, so tool
+    # episodes keep it; SFT's tool-call rows train under this one's {% generation %} blocks
+    TrainingTemplate("gpt-oss", ("a4c9919cbbd4acdd51ccffe22da049264b1b73e59055fa58811a99efbd7c8146",),
+                     "gptoss_training.jinja", episodes=False),
 )
 
-COVERED = ", ".join(t.family for t in TRAINING_TEMPLATES)
+COVERED = ", ".join(t.family for t in TRAINING_TEMPLATES if t.episodes)
 
 
 def recognise(source: str) -> TrainingTemplate | None:
@@ -89,6 +98,17 @@ def tool_turns_problem(tokenizer: Any, template: ChatTemplate, source: str) -> s
     return "cannot write a call's arguments as a mapping"
 
 
+def for_tool_rows(tokenizer: Any, template: ChatTemplate) -> ChatTemplate:
+    """The template SFT's tool-call rows render under: the family's training template when ``template`` is the
+    family's original (TRL 1.16's SFTTrainer swaps in its training template so, for an assistant-only loss), with
+    the run's template variables and day; else ``template`` itself."""
+    family = recognise(template_text(tokenizer, template))
+    if family is None:
+        return template
+    return replace(template, source=family.source(),
+                   name=f"lmzoo's {family.family} training template (chat/jinja/{family.file})")
+
+
 def for_tools(tokenizer: Any, template: ChatTemplate) -> tuple[ChatTemplate, str]:
     """The template tool episodes train under, and the log line that names it: ``template`` itself when it serves
     them (or is no family's original: grpo/episodes.py then says what is wrong), else its family's training
@@ -96,7 +116,7 @@ def for_tools(tokenizer: Any, template: ChatTemplate) -> tuple[ChatTemplate, str
     source = template_text(tokenizer, template)
     problem = tool_turns_problem(tokenizer, template, source)
     family = recognise(source) if problem else None
-    if family is None:
+    if family is None or not family.episodes:
         return template, f"chat template: {template.name}"
     where = f"chat/jinja/{family.file}"
     swapped = replace(template, source=family.source(), name=f"lmzoo's {family.family} training template ({where})")

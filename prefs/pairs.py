@@ -18,7 +18,8 @@ conversation ``prompt + answer`` as chat/spans.py locates an assistant turn:
 from after the header the model is prompted with, through the template's
 end-of-turn token (the separator written after it, ChatML's ``\\n``, is a
 prompt-side token and is left out, as in SFT). The text before the answer is
-the prompt; both answers' renders must agree on it.
+the prompt; both answers' renders must agree on it. A row's ``tools`` column (the functions' JSON schemas,
+chat/tool_rows.py) is passed to every render, and its messages may carry tool calls and tool answers.
 
 Tokens come from the whole text, never from a piece tokenized alone: each of
 ``prompt + chosen`` and ``prompt + rejected`` is tokenized as one text and
@@ -57,7 +58,7 @@ out.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
@@ -66,6 +67,7 @@ from chat.formats import BadRow, parse_messages
 from chat.loss_masks import TokenizeStats, bos_head, special_affixes, split_whole, with_eos
 from chat.spans import assistant_spans
 from chat.templates import ChatTemplate, as_template
+from chat.tool_rows import check_tool_order, row_tools
 from zoo.errors import UserError
 
 if TYPE_CHECKING:
@@ -83,6 +85,7 @@ class Pair:
     prompt: str | list[dict[str, str]]
     chosen: str | list[dict[str, str]]
     rejected: str | list[dict[str, str]]
+    tools: list[dict[str, Any]] | None = None  # the row's tools column, passed to the chat template
 
     @property
     def is_chat(self) -> bool:
@@ -134,7 +137,12 @@ def normalize_pair(row: dict[str, Any]) -> Pair:
         pair = Pair(p, _answer(chosen, "chosen"), _answer(rejected, "rejected"))
     if pair.chosen == pair.rejected:
         raise BadRow("'chosen' and 'rejected' are identical (the pair prefers nothing)")
-    return pair
+    if not pair.is_chat:
+        return pair
+    for answer, name in ((pair.chosen, "prompt + chosen"), (pair.rejected, "prompt + rejected")):
+        check_tool_order(cast(list, pair.prompt) + cast(list, answer), name)
+    tools = row_tools(row)
+    return replace(pair, tools=tools) if tools else pair
 
 
 def _common_prefix(a: list, b: list) -> int:
@@ -181,7 +189,7 @@ def pair_texts(pair: Pair, tokenizer: Any, chat_template: ChatTemplate | str | N
         return ([(cast(str, pair.prompt), cast(str, pair.chosen)), (cast(str, pair.prompt), cast(str, pair.rejected))],
                 special_affixes(tokenizer)[0])
     template = as_template(chat_template)
-    texts = [chat_texts(tokenizer, cast(list, pair.prompt), cast(list, a), template, name)
+    texts = [chat_texts(tokenizer, cast(list, pair.prompt), cast(list, a), template, name, pair.tools)
              for a, name in ((pair.chosen, "chosen"), (pair.rejected, "rejected"))]
     if texts[0][0] != texts[1][0]:
         raise BadRow("the chat template renders the prompt differently before 'chosen' and before 'rejected', "
@@ -218,13 +226,13 @@ def pair_tokens(texts: list[tuple[str, str]], head: list[int], tokenizer: Any, i
 
 
 def chat_texts(tokenizer: Any, prompt: list[dict[str, str]], answer: list[dict[str, str]],
-                template: ChatTemplate, name: str) -> tuple[str, str]:
-    """(the prompt's text, the answer's text) inside the render of ``prompt + answer``: the answer from its first
-    assistant turn's start to its last one's end-of-turn token."""
+               template: ChatTemplate, name: str, tools: list[dict[str, Any]] | None = None) -> tuple[str, str]:
+    """(the prompt's text, the answer's text) inside the render of ``prompt + answer`` (with the row's ``tools``):
+    the answer from its first assistant turn's start to its last one's end-of-turn token."""
     messages = prompt + answer
     turns = [i for i in range(len(prompt), len(messages)) if messages[i]["role"] == "assistant"]
     try:
-        full, spans = assistant_spans(tokenizer, messages, turns, template)
+        full, spans = assistant_spans(tokenizer, messages, turns, template, tools)
     except BadRow as e:
         raise BadRow(f"'{name}': {e}") from None
     return full[:spans[0][0]], full[spans[0][0]:spans[-1][1]]

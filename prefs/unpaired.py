@@ -27,6 +27,7 @@ import numpy as np
 from chat.formats import BadRow, parse_messages
 from chat.loss_masks import bos_head, special_affixes, split_whole, with_eos
 from chat.templates import ChatTemplate, as_template
+from chat.tool_rows import TOOL_COLUMN, check_tool_order, row_tools
 from prefs.pairs import PairTokens, chat_texts, fit_pair, keeps_meaning, normalize_pair, pair_document, row_label
 from zoo.errors import UserError
 
@@ -55,7 +56,8 @@ def unpaired_rows(ds: Any, fmt: str, image_column: str | None = None) -> list[di
     each keeps ``line``, its row index in the file (for error messages), and its images (``image_column``)."""
     if fmt == "unpaired":
         return [{"prompt": r.get("prompt"), "completion": r.get("completion"), "label": r.get("label"), "line": i,
-                 **({image_column: r.get(image_column)} if image_column else {})} for i, r in enumerate(ds)]
+                 TOOL_COLUMN: r.get(TOOL_COLUMN), **({image_column: r.get(image_column)} if image_column else {})}
+                for i, r in enumerate(ds)]
     rows = [dict(r) for r in ds]
     out = []
     for start in range(0, len(rows), UNPAIR_BLOCK):
@@ -63,7 +65,8 @@ def unpaired_rows(ds: Any, fmt: str, image_column: str | None = None) -> list[di
         for side, label in (("chosen", True), ("rejected", False)):
             for i, r in block:
                 out.append({"prompt": r.get("prompt"), "completion": r.get(side), "label": label, "line": i,
-                            "pair": r, **({image_column: r.get(image_column)} if image_column else {})})
+                            "pair": r, TOOL_COLUMN: r.get(TOOL_COLUMN),
+                            **({image_column: r.get(image_column)} if image_column else {})})
     return out
 
 
@@ -87,7 +90,8 @@ def tokenize_row(row: dict[str, Any], tokenizer: Any, template: ChatTemplate) ->
         messages = parse_messages(prompt, "prompt")
         answer = [{"role": "assistant", "content": completion}] if isinstance(completion, str) \
             else parse_messages(completion, "completion")
-        prompt_text, answer_text = chat_texts(tokenizer, messages, answer, template, "completion")
+        check_tool_order(messages + answer, "prompt + completion")
+        prompt_text, answer_text = chat_texts(tokenizer, messages, answer, template, "completion", row_tools(row))
         head = bos_head(tokenizer, prompt_text + answer_text)
     ids, n, _ = split_whole(prompt_text, answer_text, tokenizer)
     if head and ids[:len(head)] == head:

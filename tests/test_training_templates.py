@@ -94,7 +94,7 @@ CONVERSATIONS = [
 ]
 
 
-@pytest.mark.parametrize("family,name", [("qwen3", "Qwen3"), ("deepseekv3", "DeepSeek-V3")])
+@pytest.mark.parametrize("family,name", [("qwen3", "Qwen3"), ("deepseekv3", "DeepSeek-V3"), ("gptoss", "gpt-oss")])
 def test_each_training_template_renders_as_trls_token_for_token(smollm2_tokenizer, family, name):
     """Ours and TRL's training template of the family, on the same conversations (calls, answers, several turns,
     system prompts, Qwen3's thinking), with and without tools and the generation prompt: the same ids and the same
@@ -129,7 +129,7 @@ def test_only_the_exact_originals_are_recognised():
     and every other template TRL ships (the training templates included) are not."""
     from chat.training_templates import TRAINING_TEMPLATES, recognise
 
-    covered = {"qwen3": "Qwen3", "deepseekv3": "DeepSeek-V3"}
+    covered = {"qwen3": "Qwen3", "deepseekv3": "DeepSeek-V3", "gptoss": "gpt-oss"}
     assert [t.family for t in TRAINING_TEMPLATES] == list(covered.values())
     for path in sorted(TRL_TEMPLATES.glob("*.jinja")):
         found = recognise(path.read_text(encoding="utf-8"))

@@ -1,6 +1,8 @@
 """Writes examples/agents/data/: arithmetic word problems that need a calculator (two- and three-digit products
 and sums of products), as GRPO prompts with an `answer` column (train and held-out), and SFT demonstrations of
-the calculator's use (question, tool call, tool answer, answer) for the warm start.
+the calculator's use for the warm start: tool-call rows (an assistant turn with `tool_calls`, the calculator's
+answer as a `tool` message, the final number) with the calculator's JSON schema in their `tools` column, the
+schema GRPO's episodes render (transformers' `get_json_schema` of `Calculator.calculate`).
 
     python examples/agents/make_problems.py
 """
@@ -13,7 +15,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from calculator import evaluate  # noqa: E402 - the environment's own arithmetic, beside this script
+from calculator import Calculator, evaluate  # noqa: E402 - the environment's own arithmetic, beside this script
 
 SYSTEM = ("You are a careful assistant with a calculator. To compute, write exactly\n<tool_call>\n"
           '{"name": "calculate", "arguments": {"expression": "EXPRESSION"}}\n</tool_call>\n'
@@ -50,14 +52,17 @@ def main() -> None:
             for _ in range(n):
                 q, _, answer = problem(rng)
                 f.write(json.dumps({"prompt": prompt(q), "answer": str(answer)}) + "\n")
+    from transformers.utils import get_json_schema
+
+    tools = [get_json_schema(Calculator().calculate)]
     with (out / "demos.jsonl").open("w") as f:
         for _ in range(256):
             q, e, answer = problem(rng)
-            call = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "' + e + '"}}\n</tool_call>'
+            call = {"type": "function", "function": {"name": "calculate", "arguments": {"expression": e}}}
             f.write(json.dumps({"messages": prompt(q) + [
-                {"role": "assistant", "content": call},
-                {"role": "user", "content": f"<tool_response>\n{answer}\n</tool_response>"},
-                {"role": "assistant", "content": str(answer)}]}) + "\n")
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "name": "calculate", "content": str(answer)},
+                {"role": "assistant", "content": str(answer)}], "tools": tools}) + "\n")
 
 
 if __name__ == "__main__":
