@@ -61,7 +61,7 @@ from pretrain.config import TrainConfig
 from pretrain.dtypes import DTYPES
 from pretrain.hooks import Hook
 from pretrain.metrics import LossOutput, Max
-from pretrain.setup import frozen_base_quant, layout_of, param_layout, tokenizer_folder
+from pretrain.setup import frozen_base_quant, layout_of, param_layout, run_mesh, tokenizer_folder
 from pretrain.task import Documents, ReadContext, RowSource, RunContext, Task, Tokenizer
 from zoo.checkpoints.loading import load_reference
 from zoo.checkpoints.method_card import MethodCard, settings
@@ -340,6 +340,8 @@ class GRPOTask(Task[RolloutBatch]):
         if n >= len(devices):
             raise UserError(f"grpo.rollout_devices={n} leaves none of the {len(devices)} devices to train on; give "
                             f"at most {len(devices) - 1}")
+        # The mesh over the rest, checked here to name the key (the loop builds the same one).
+        run_mesh(self.cfg, devices[:-n], f"devices (the {len(devices)} less grpo.rollout_devices={n})")
         self.engine_devices = devices[-n:]
         return devices[:-n]
 

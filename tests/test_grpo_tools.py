@@ -14,6 +14,7 @@ import pytest
 from chat import tool_calls as tc
 from grpo.episodes import EpisodeSettings, run_episodes, tool_suffix
 from grpo.tools import run_call
+from tests.grpo_tools_model import TOOLS, ending_model
 from zoo.errors import UserError
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
@@ -338,118 +339,12 @@ def test_a_groups_completions_and_a_next_turn_read_cached_pages(tiny_lm):
     assert prefilled == [(37, 0), (46, 32)]
 
 
-TOOLS = '''
-def add(a: int, b: int) -> int:
-    """Add two integers.
-
-    Args:
-        a: The first integer.
-        b: The second integer.
-    """
-    return a + b
-
-
-def always_add(text):
-    """A parser that reads every turn as a call of add(2, 3), whatever the model wrote."""
-    from chat.tool_calls import ParsedTurn, ToolCall
-
-    return ParsedTurn(text, [ToolCall("add", {"a": 2, "b": 3})])
-
-
-class Counter:
-    """An environment: a counter the model raises; its reward is the count."""
-
-    def __init__(self):
-        self.count = 0
-
-    def reset(self, **row):
-        self.count = row["start"]
-        return f" (the counter is at {self.count})"
-
-    def bump(self, by: int) -> str:
-        """Raise the counter.
-
-        Args:
-            by: How much.
-        """
-        self.count += by
-        return str(self.count)
-
-    def get_reward(self):
-        return float(self.count)
-
-
-def counter():
-    return Counter()
-
-
-def bump_parser(text):
-    from chat.tool_calls import ParsedTurn, ToolCall
-
-    return ParsedTurn(text, [ToolCall("bump", {"by": 1})])
-
-
-class Door:
-    """An environment that ends its episode when the door opens."""
-
-    def reset(self, **row):
-        self.done, self.knocks = False, 0
-
-    def knock(self) -> str:
-        """Knock on the door; it opens at the second knock."""
-        self.knocks += 1
-        self.done = self.knocks >= 2
-        return "open" if self.done else "closed"
-
-    def get_reward(self):
-        return float(self.knocks)
-
-
-def door():
-    return Door()
-
-
-def knock_parser(text):
-    from chat.tool_calls import ParsedTurn, ToolCall
-
-    return ParsedTurn(text, [ToolCall("knock", {})])
-
-
-def one(completions, **kw):
-    return [1.0] * len(completions)
-'''
-
-
-def _ending_model(tiny_lm, root: Path, strength: float) -> Path:
-    """tiny_lm's model with a head that reads one residual component and writes the end-of-turn token from it
-    (``strength``: its logit over the other tokens' 0, times about 5.7), saved and converted at ``root/zoo``."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from zoo.cli import main
-
-    tok = AutoTokenizer.from_pretrained(str(tiny_lm / "tok"))
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_lm / "hf"))
-    eos = tok.convert_tokens_to_ids("<|im_end|>")
-    with torch.no_grad():
-        model.model.embed_tokens.weight[:, 0] = 10.0  # a residual component the layers barely move
-        model.model.norm.weight.zero_()
-        model.model.norm.weight[0] = 1.0
-        model.lm_head.weight.zero_()
-        model.lm_head.weight[eos, 0] = strength
-    model.save_pretrained(root / "hf")
-    tok.save_pretrained(root / "hf")
-    assert main(["convert", str(root / "hf"), "--out", str(root / "zoo")]) == 0
-    (root / "tools.py").write_text(TOOLS)
-    return root
-
-
 @pytest.fixture(scope="module")
 def eager(tiny_lm, tmp_path_factory):
     """tiny_lm's model made to end every turn at once (its head writes the end-of-turn token whatever it reads),
     so that its episodes' turns, calls and answers are known: the tools' tokens, the KV cache's continuation and
     the masks are checked through `grpo train` itself. Returns (folder, tokenizer folder)."""
-    return _ending_model(tiny_lm, tmp_path_factory.mktemp("grpo_eager"), 20.0), tiny_lm / "tok"
+    return ending_model(tiny_lm, tmp_path_factory.mktemp("grpo_eager"), 20.0), tiny_lm / "tok"
 
 
 # The optimizer of the module's runs: a constant rate, so that max_steps is not in the step's program and every run
@@ -613,7 +508,7 @@ def test_kill_and_resume_with_tools_is_bit_identical(tiny_lm, tmp_path):
     from tests.processes import kill_after_checkpoint
     from tests.run_files import read_metrics, write_jsonl
 
-    root = _ending_model(tiny_lm, tmp_path / "model", 1.0)
+    root = ending_model(tiny_lm, tmp_path / "model", 1.0)
     write_jsonl(tmp_path / "p.jsonl", [{"prompt": [{"role": "user", "content": w}]} for w in ("a", "b", "c")])
     write_jsonl(tmp_path / "held.jsonl", [{"prompt": [{"role": "user", "content": w}]} for w in ("d", "e", "f")])
     args = lambda out, *more: ["train", f"model.path={root / 'zoo'}", f"model.tokenizer={tiny_lm / 'tok'}",  # noqa: E731
