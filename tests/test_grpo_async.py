@@ -39,25 +39,38 @@ def _params(out):
     return jax.tree.leaves(zoo.load(out / "final", dtype=np.float32).param_dict())
 
 
-@pytest.mark.slow
-def test_staleness_0_is_the_synchronous_run_bit_for_bit_and_1_samples_a_step_ahead(setup, tmp_path):
-    """grpo.rollout async with grpo.max_staleness 0 (the rollout thread samples each batch once the weights of its
-    step are published) logs every metric of the synchronous run and ends with its parameters, bit for bit, with
-    a KL reference and num_iterations 2 (old log-probabilities) in play; with max_staleness 1 the second and later
-    batches come from the policy a step before (staleness 1 logged), the first from the starting one, and the
-    run's rewards differ from step 2 on (sampled by another policy), none dropped.
-    Slow (slow lane): three 3-step runs of one compiled step."""
-    common = ("grpo.beta=0.05", "grpo.num_iterations=2")
-    sync = _train(setup, tmp_path / "sync", *common)
-    zero = _train(setup, tmp_path / "zero", *common, "grpo.rollout=async", "grpo.max_staleness=0")
-    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING} for r in rows]  # noqa: E731
-    assert strip(zero) == strip(sync) and len(sync) == 3
-    assert [r["sample/staleness_max"] for r in zero] == [0, 0, 0]
-    for x, y in zip(_params(tmp_path / "sync"), _params(tmp_path / "zero"), strict=True):
-        np.testing.assert_array_equal(x, y)
+# Beside the module's settings in every run below: a KL reference and num_iterations 2 (old log-probabilities).
+COMMON = ("grpo.beta=0.05", "grpo.num_iterations=2")
+ONE_STEP_AHEAD = ("grpo.rollout=async", "grpo.max_staleness=1", "grpo.importance_sampling_correction=true")
 
-    one = _train(setup, tmp_path / "one", *common, "grpo.rollout=async", "grpo.max_staleness=1",
-                 "grpo.importance_sampling_correction=true")
+
+@pytest.fixture(scope="module")
+def runs(setup, tmp_path_factory):
+    """The module's 3-step runs, once: synchronous (``sync``), async with max_staleness 0 (``zero``), async one step
+    ahead with the sampler correction (``one``). Returns {name: (folder, metrics)}."""
+    root = tmp_path_factory.mktemp("grpo_async_runs")
+    overrides = {"sync": (), "zero": ("grpo.rollout=async", "grpo.max_staleness=0"), "one": ONE_STEP_AHEAD}
+    return {name: (root / name, _train(setup, root / name, *COMMON, *more)) for name, more in overrides.items()}
+
+
+def _strip(rows):
+    """Metrics without the timings and the async-only keys."""
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+
+@pytest.mark.slow
+def test_staleness_0_is_the_synchronous_run_bit_for_bit_and_1_samples_a_step_ahead(runs):
+    """grpo.rollout async with grpo.max_staleness 0 (each batch requested at its own step, with that step's
+    weights) logs every metric of the synchronous run and ends with its parameters, bit for bit, with a KL
+    reference and num_iterations 2 in play; with max_staleness 1 the second and later batches come from the policy
+    a step before (staleness 1 logged), the first from the starting one, the rewards differ from step 2 on, none
+    is dropped, and the sampler correction sees the policies' gap.
+    Slow (slow lane): the module's three 3-step runs of one compiled step."""
+    (sync_out, sync), (zero_out, zero), (_, one) = runs["sync"], runs["zero"], runs["one"]
+    assert _strip(zero) == _strip(sync) and len(sync) == 3
+    assert [r["sample/staleness_max"] for r in zero] == [0, 0, 0]
+    for x, y in zip(_params(sync_out), _params(zero_out), strict=True):
+        np.testing.assert_array_equal(x, y)
     assert [r["sample/staleness_max"] for r in one] == [0, 1, 1]
     assert [r["sample/dropped_stale_total"] for r in one] == [0, 0, 0]
     assert one[0]["reward"] == sync[0]["reward"]  # batch 0: the starting policy, as sync's
@@ -70,48 +83,80 @@ def test_staleness_0_is_the_synchronous_run_bit_for_bit_and_1_samples_a_step_ahe
 
 
 @pytest.mark.slow
-def test_two_processes_follow_the_one_process_async_run(setup, tmp_path):
+def test_two_processes_follow_the_one_process_async_run(setup, runs, tmp_path):
     """2 processes x 2 CPU devices with grpo.rollout async and max_staleness 1 (each process completing its requests
     in order on the trainer's thread: grpo/pipeline.py's inline mode) sample the batches, with the versions, of
     the one-process run (its rollout thread) and train like it; grpo.rollout_devices 1 on a process of 2 devices
     (the engine on the second, training on the first) with max_staleness 0 is the synchronous run; on 4 devices it
     leaves 3, which do not divide the batch: one line naming the key, exit 2.
-    Slow (slow lane): a one-process run here and three `grpo train` subprocesses."""
+    Slow (slow lane): four `grpo train` subprocesses."""
     import subprocess
     import sys
 
     from tests.grpo_fixtures import run_overrides
     from tests.processes import devices_env, ended, free_port
 
-    one = _train(setup, tmp_path / "one", "grpo.rollout=async", "grpo.max_staleness=1")
     run = "import sys; from grpo.cli import main; sys.exit(main(sys.argv[1:]))"
-    args = ["train", *run_overrides(setup, tmp_path / "two", "max_steps=3", "grpo.rollout=async",
-                                    "grpo.max_staleness=1")]
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", run, *args, "--coordinator", f"localhost:{port}",
-                               "--num-processes", "2", "--process-id", str(i)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=devices_env(2))
-             for i in range(2)]
-    apart = subprocess.Popen([sys.executable, "-c", run, "train", *run_overrides(
-        setup, tmp_path / "apart", "max_steps=3", "grpo.rollout=async", "grpo.max_staleness=0",
-        "grpo.rollout_devices=1")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=devices_env(2))
-    uneven = subprocess.Popen([sys.executable, "-c", run, "train", *run_overrides(  # 3 devices left for 16 rows
-        setup, tmp_path / "uneven", "grpo.rollout=async", "grpo.rollout_devices=1")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=devices_env(4))
+
+    def launch(out, *more, devices=2, process=None):
+        where = [] if process is None else ["--coordinator", f"localhost:{port}", "--num-processes", "2",
+                                            "--process-id", str(process)]
+        return subprocess.Popen([sys.executable, "-c", run, "train",
+                                 *run_overrides(setup, tmp_path / out, "max_steps=3", *COMMON, *more), *where],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=devices_env(devices))
+
+    procs = [launch("two", *ONE_STEP_AHEAD, process=i) for i in range(2)]
+    apart = launch("apart", "grpo.rollout=async", "grpo.max_staleness=0", "grpo.rollout_devices=1")
+    uneven = launch("uneven", "grpo.rollout=async", "grpo.rollout_devices=1", devices=4)  # 3 left for 16 rows
     *done, (code, _, err) = ended([*procs, apart, uneven])
     for code_, _, err_ in done:
         assert code_ == 0, err_[-3000:]
     assert code == 2 and err.strip().splitlines() == [
         "error: batch_size/grad_accum = 16 sequences must divide over data x fsdp = 3 devices (the 4 less "
         "grpo.rollout_devices=1)"], err[-2000:]
-    two = read_metrics(tmp_path / "two")
+    one, two = runs["one"][1], read_metrics(tmp_path / "two")
     assert [m["reward"] for m in two] == [m["reward"] for m in one] and len(two) == 3
     assert [m["sample/staleness_max"] for m in two] == [0, 1, 1]
-    for k in ("loss", "grad_norm", "entropy"):
+    for k in ("loss", "grad_norm", "entropy", "sampling/importance_sampling_ratio/mean"):
         np.testing.assert_allclose([m[k] for m in two], [m[k] for m in one], rtol=1e-5, atol=1e-6, err_msg=k)
-    sync = _train(setup, tmp_path / "sync")
-    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING} for r in rows]  # noqa: E731
-    assert strip(read_metrics(tmp_path / "apart")) == strip(sync)
+    assert _strip(read_metrics(tmp_path / "apart")) == _strip(runs["sync"][1])
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_the_pipeline_requests_ahead_and_drops_a_batch_staler_than_allowed(inline):
+    """grpo/pipeline.py alone, on its thread and inline (several processes), with a completion function that
+    records the weights it sampled with: max_staleness 1 keeps two batches requested, each with the weights of the
+    step that requested it (the first two with the starting weights); a batch older than max_staleness (which the
+    pipeline's own requests never are: one submitted by hand) is dropped, counted and replaced; nothing is
+    requested past the run's end; an error in completing is raised where the trainer takes."""
+    from grpo.pipeline import Pipeline
+
+    seen: list[tuple[int, str]] = []
+
+    def complete(weights, rows, index):
+        seen.append((index, weights))
+        if rows == "boom":
+            raise ValueError("reward function failed")
+        return f"{rows}@{weights}"
+
+    rows = iter([f"r{i}" for i in range(10)])
+    p = Pipeline(complete, 1, lambda: next(rows), 0, 4, lambda w: w + "'", inline)
+    got = [p.take(f"w{step}", step) for step in range(2)]
+    assert [(t.made, t.staleness, t.dropped) for t in got] == [("r0@w0'", 0, 0), ("r1@w0'", 1, 0)]
+    p.thread.submit(99, "old", 0, "w0'")  # behind request 2 (made at step 1): staleness 2 at step 2
+    p.outstanding += 1
+    t2 = p.take("w2", 2)
+    assert (t2.made, t2.staleness, t2.dropped) == ("r2@w1'", 1, 0)
+    t3 = p.take("w3", 3)  # the last step: request 99 (staleness 3) dropped, replaced by request 3 (w3)
+    assert (t3.made, t3.index, t3.staleness, t3.dropped) == ("r3@w3'", 3, 0, 1)
+    assert seen == [(0, "w0'"), (1, "w0'"), (2, "w1'"), (99, "w0'"), (3, "w3'")]
+    assert p.next_index == 4  # nothing requested past the run's 4 steps
+    p.close()
+
+    boom = Pipeline(complete, 0, lambda: "boom", 0, 2, lambda w: w, inline)
+    with pytest.raises(ValueError, match="reward function failed"):
+        boom.take("w0", 0)
 
 
 @pytest.mark.parametrize("override, message", [
@@ -182,8 +227,7 @@ def test_episodes_with_tools_on_two_processes_and_async_follow_the_one_process_r
         assert code == 0, err[-3000:]
     one, two, zero = (read_metrics(tmp_path / n) for n in ("one", "two", "zero"))
     assert sum(m["tool_calls"] for m in one) > 2 and len(one) == 2
-    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING} for r in rows]  # noqa: E731
-    assert strip(zero) == strip(one)
+    assert _strip(zero) == _strip(one)
     assert [m["reward"] for m in two] == [m["reward"] for m in one]
     for k in ("num_turns", "tool_calls", "completions/mean_length"):
         assert [m[k] for m in two] == [m[k] for m in one], k
