@@ -68,13 +68,18 @@ CONFIG_KEYS["gpt-oss"] = {**_BASE_KEYS, "attention.key_length": "head_dim",
                           "expert_used_count": "num_experts_per_tok", "expert_feed_forward_length": "intermediate_size",
                           "rope.scaling.type": "rope_scaling.rope_type", "rope.scaling.factor": "rope_scaling.factor",
                           "rope.scaling.original_context_length": "rope_scaling.original_max_position_embeddings"}
+# MiniMax-M2, as llama.cpp's MiniMaxM2Model writes it: the experts' width as expert_feed_forward_length (its
+# intermediate_size, also written as feed_forward_length), partial RoPE as rope.dimension_count (rotary_dim).
+CONFIG_KEYS["minimax-m2"] = {**_BASE_KEYS, "attention.key_length": "head_dim", "expert_count": "num_local_experts",
+                             "expert_used_count": "num_experts_per_tok",
+                             "expert_feed_forward_length": "intermediate_size", "rope.dimension_count": "rotary_dim"}
 # Settings a file cannot state, as the architecture's released models have them (dotted: a key of a nested dict,
 # set only where the file gives that dict): gpt-oss's YaRN does not round its correction range (its config.json's
 # truncate: false), whatever llama.cpp's own RoPE does.
 ARCH_SETTINGS: dict[str, dict[str, Any]] = {"gpt-oss": {"rope_scaling.truncate": False}}
 
 # GGUF architecture -> HF model_type, where they differ (a Gemma 3 file holds only the text model).
-MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
+MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}
 # Config fields a GGUF file of the architecture implies without a key: llama.cpp's qwen3moe graph always
 # renormalizes the top-k routing weights (as transformers' GGUF reader sets too).
 CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {"qwen3moe": {"norm_topk_prob": True}}

@@ -31,6 +31,16 @@ def gpt_oss_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
 
 
 
+def minimax_m2_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
+    """MiniMax-M2's config.json fields beyond the shared ones (the inverse of zoo/model/from_hf.py's reading): its
+    experts, and partial RoPE both as ``rotary_dim`` (the released configs' field, which MiniMaxM2Config keeps) and
+    as the ``partial_rotary_factor`` transformers derives from it."""
+    rope = dict(_rope_dict(cfg.rope), partial_rotary_factor=cfg.partial_rotary_factor)
+    return dict(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+                router_aux_loss_coef=cfg.aux_loss_coef, head_dim=cfg.head_dim, rotary_dim=cfg.rope_dim,
+                rope_parameters=rope)
+
+
 def _rope_dict(r: RopeConfig) -> dict[str, Any]:
     d: dict[str, Any] = {"rope_type": r.kind, "rope_theta": r.theta}
     if r.kind in ("linear", "llama3", "yarn"):
@@ -110,6 +120,8 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
         out.update(_gemma4_hf_fields(cfg))
     if t.moe == "gpt_oss":
         out.update(gpt_oss_hf_fields(cfg))
+    elif t.moe == "minimax_m2":
+        out.update(minimax_m2_hf_fields(cfg))
     elif t.moe == "mixtral":
         out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
                    router_aux_loss_coef=cfg.aux_loss_coef)

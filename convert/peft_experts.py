@@ -1,8 +1,8 @@
 """Routed experts' LoRA adapters in PEFT's ``target_parameters`` layout (peft's ``lora.ParamWrapper``).
 
 transformers 5 keeps a MoE layer's experts fused, as parameters of one module, not as a Linear per expert:
-Mixtral's, DeepSeek-V2/V3's, Qwen3-MoE's and GLM-4.5's ``mlp.experts.gate_up_proj`` [experts, 2 * mlp, embed]
-(each expert's gate rows, then its up rows) and ``mlp.experts.down_proj`` [experts, embed, mlp]; gpt-oss's
+Mixtral's, DeepSeek-V2/V3's, Qwen3-MoE's, GLM-4.5's and MiniMax-M2's ``mlp.experts.gate_up_proj`` [experts, 2 * mlp,
+embed] (each expert's gate rows, then its up rows) and ``mlp.experts.down_proj`` [experts, embed, mlp]; gpt-oss's
 ``gate_up_proj`` [experts, embed, 2 * mlp] (gate and up alternating column by column) and ``down_proj``
 [experts, mlp, embed], stored [in, out] (its experts module says ``is_transposed``). peft 0.21 adapts
 such a parameter with ``target_parameters``: ``lora_A.weight`` [rank * experts, in] holds expert e's A in
@@ -76,6 +76,8 @@ EXPERTS_LAYOUTS: dict[str, ExpertsLayout] = {
     "deepseek_v3": ExpertsLayout("model.layers.{i}.mlp.experts", _GATE_UP_DOWN, ("gate_proj", "up_proj", "down_proj")),
     "qwen3_moe": ExpertsLayout("model.layers.{i}.mlp.experts", _GATE_UP_DOWN, ("gate_proj", "up_proj", "down_proj")),
     "glm4_moe": ExpertsLayout("model.layers.{i}.mlp.experts", _GATE_UP_DOWN, ("gate_proj", "up_proj", "down_proj")),
+    # transformers 5 fuses MiniMax-M2's Mixtral-named experts (w1, w3 -> gate_up_proj; w2 -> down_proj) under mlp.
+    "minimax_m2": ExpertsLayout("model.layers.{i}.mlp.experts", _GATE_UP_DOWN, ("w1", "w2", "w3")),
     # peft has no v4 conversion for gpt-oss (whose experts were always fused): no Linear name is rewritten.
     "gpt_oss": ExpertsLayout("model.layers.{i}.mlp.experts", (
         FusedParam("gate_up_proj", ("expert_gate", "expert_up"), interleaved=True),

@@ -99,6 +99,9 @@ def _moe_rules(L: str, style: str | None) -> list[Rule]:
             Rule("layers.expert_up", E + "experts.{j}.w3.weight", "transpose", when="moe"),
             Rule("layers.expert_down", E + "experts.{j}.w2.weight", "transpose", when="moe"),
         ]
+    if style == "minimax_m2":  # Mixtral's names, and DeepSeek-V3's selection bias beside the router
+        return [*_moe_rules(L, "mixtral"),
+                Rule("layers.router_bias", L + "block_sparse_moe.e_score_correction_bias", when="moe&router_bias")]
     if style == "deepseek":
         M = L + "mlp."
         return [
@@ -188,13 +191,18 @@ def decoder_table(prefix: str = "model.", moe: str | None = None, head: str = "l
     ]
 
 
+def full_width_qk_norms(rules: list[Rule]) -> list[Rule]:
+    """``rules`` with q/k norms that span all heads (OLMo 2/3, MiniMax-M2): [heads * head_dim] <-> [heads,
+    head_dim], as the q/k biases are split."""
+    full_width = {"layers.q_norm": "q_bias", "layers.k_norm": "kv_bias"}
+    return [dataclasses.replace(r, transform=full_width.get(r.zoo, r.transform)) for r in rules]
+
+
 def post_norm_table() -> list[Rule]:
     """OLMo 2/3's naming: the shared decoder's without the pre-norms (``input_layernorm``, the pre-MLP norm),
     whose blocks norm only attention's and the MLP's outputs (``post_attention_layernorm``,
-    ``post_feedforward_layernorm``), and whose q/k norms span all heads: [heads * head_dim] <-> [heads, head_dim]."""
-    full_width = {"layers.q_norm": "q_bias", "layers.k_norm": "kv_bias"}
-    return [dataclasses.replace(r, transform=full_width.get(r.zoo, r.transform))
-            for r in decoder_table() if r.zoo not in ("layers.attn_norm", "layers.mlp_norm")]
+    ``post_feedforward_layernorm``), and whose q/k norms span all heads."""
+    return full_width_qk_norms([r for r in decoder_table() if r.zoo not in ("layers.attn_norm", "layers.mlp_norm")])
 
 
 _B = "blk.{i}."
@@ -282,6 +290,14 @@ def gguf_moe_table() -> list[Rule]:
     ]
 
 
+def minimax_m2_gguf_table() -> list[Rule]:
+    """llama.cpp's names for MiniMax-M2 (``minimax-m2``, convert_hf_to_gguf.py's MiniMaxM2Model):
+    :func:`gguf_moe_table`'s, its q/k norms over all heads, the selection bias ``exp_probs_b.bias``; q/k rows as
+    transformers has them (not permuted)."""
+    return full_width_qk_norms(gguf_moe_table()) + [
+        Rule("layers.router_bias", _B + "exp_probs_b.bias", when="moe&router_bias")]
+
+
 HF_DECODER = decoder_table()
 
 # (family, source format) -> table. Every Hugging Face family shares the decoder naming.
@@ -300,7 +316,11 @@ TABLES: dict[tuple[str, str], list[Rule]] = {
     ("llama", "gguf"): LLAMA_GGUF,
     **{(f, "gguf"): gguf_table() for f in GGUF_FAMILIES},
     ("qwen3_moe", "gguf"): gguf_moe_table(),
+    ("minimax_m2", "gguf"): minimax_m2_gguf_table(),
     ("gpt_oss", "hf"): decoder_table(moe="gpt_oss"),
+    # MiniMax-M2: Mixtral's expert names (block_sparse_moe.experts.{j}.w1/w2/w3, as the Hub holds them and
+    # transformers 5 saves them), the selection bias beside them, q/k norms over all heads.
+    ("minimax_m2", "hf"): full_width_qk_norms(decoder_table(moe="minimax_m2")),
     ("gpt_oss", "gguf"): gpt_oss_gguf_table(),
 }
 

@@ -22,7 +22,8 @@ BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_lay
 # Phi-3's 32000) lie past the tiny vocabulary, where torch refuses a padding index. A config generated from the
 # model alone (no source config.json) has the defaults: token ids are not architecture.
 OWN_TOKEN_IDS = {"smollm3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
-                 "phi3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)}
+                 "phi3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
+                 "minimax_m2": dict(bos_token_id=1, eos_token_id=2)}
 
 
 # family -> (transformers config class, model class, defaults on top of BASE)
@@ -86,6 +87,11 @@ FAMILIES = {
         sliding_window=7, swiglu_limit=1.5, router_aux_loss_coef=0.02,
         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
                          "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})),
+    # MiniMax-M2: every layer 8 experts (3 a token) under sigmoid routing with a selection bias, q/k norms over all
+    # heads at once, RoPE on the first 12 of each head's 16 dims (the released rotary_dim over head_dim is 0.5).
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", dict(
+        head_dim=16, intermediate_size=16, num_local_experts=8, num_experts_per_tok=3, router_aux_loss_coef=0.02,
+        rotary_dim=12, rope_theta=1000000.0, **OWN_TOKEN_IDS["minimax_m2"])),
     # NoPE every 2nd layer (layer 1 of 3), tied embeddings.
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(
         no_rope_layer_interval=2, rope_theta=50000.0, **OWN_TOKEN_IDS["smollm3"])),

@@ -255,6 +255,7 @@ def bases(tiny_family):
     ("qwen3_moe", LoraConfig(rank=4, alpha=8.0, targets=["q_proj", "o_proj", *EXPERTS])),
     ("glm4_moe", LoraConfig(rank=4, alpha=8.0, targets=["q_proj", "o_proj", *EXPERTS])),
     ("gpt_oss", LoraConfig(rank=4, alpha=8.0, targets=["q_proj", "o_proj", *EXPERTS])),
+    ("minimax_m2", LoraConfig(rank=4, alpha=8.0, targets=["q_proj", "o_proj", *EXPERTS])),
 ])
 def test_peft_loads_expert_adapters_with_equal_logits(bases, tmp_path, family, lc):
     """Slow (a conversion, the export, and peft + transformers on each tiny model: about 20 s each).
@@ -274,7 +275,7 @@ def test_peft_loads_expert_adapters_with_equal_logits(bases, tmp_path, family, l
     saved = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
     # deepseek_v3's two first layers are dense, qwen3_moe's layer 1 (mlp_only_layers), glm4_moe's layer 0
     experts, layer = {"mixtral": (4, 0), "deepseek_v3": (8, 3), "qwen3_moe": (8, 2), "glm4_moe": (8, 1),
-                      "gpt_oss": (4, 0)}[family]
+                      "gpt_oss": (4, 0), "minimax_m2": (8, 0)}[family]
     fused = f"base_model.model.model.layers.{layer}.mlp.experts.base_layer.lora_A.weight"
     if family != "deepseek_v3":
         assert config["target_modules"] == ["q_proj", "o_proj"]

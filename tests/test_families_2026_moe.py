@@ -1,14 +1,16 @@
-"""Qwen3-MoE (qwen3_moe) and GLM-4.5 (glm4_moe) in the one decoder, against transformers: logits, the variants'
-greedy KV-cache decoding (the tiny models' own: tests/test_decode.py over FAMILIES), the export round trip, a
-generated config; the released configs' parameter counts; GGUF qwen3moe.
+"""Qwen3-MoE (qwen3_moe), GLM-4.5 (glm4_moe) and MiniMax-M2 (minimax_m2) in the one decoder, against transformers:
+logits, the variants' greedy KV-cache decoding (the tiny models' own: tests/test_decode.py over FAMILIES), the export
+round trip, a generated config; the released configs' parameter counts; GGUF qwen3moe and minimax-m2.
 
 The tiny Qwen3-MoE (tests/hf_models.py FAMILIES) has a dense layer between two MoE layers (``mlp_only_layers``), so
 its MoE stack is scanned in two runs; the tiny GLM-4.5 has a dense first layer, sigmoid group-limited routing
-with a selection bias, a shared expert, q/k/v biases, q/k norms and RoPE on half of each head.
+with a selection bias, a shared expert, q/k/v biases, q/k norms and RoPE on half of each head; the tiny MiniMax-M2
+MoE on every layer, ungrouped sigmoid routing with a selection bias, q/k norms over all heads, RoPE on 12 of 16 dims.
 """
 
 import dataclasses
 import json
+from pathlib import Path
 
 import gguf
 import jax.numpy as jnp
@@ -25,7 +27,7 @@ from zoo.checkpoints.format import read_meta
 from zoo.checkpoints.readers import load_param_numpy
 from zoo.cli import main
 
-MOE_2026 = ["qwen3_moe", "glm4_moe"]
+MOE_2026 = ["qwen3_moe", "glm4_moe", "minimax_m2"]
 SEQ = 24
 
 
@@ -194,6 +196,32 @@ def test_released_configs_have_their_published_parameter_counts(name, total, act
     assert active <= used < active + last_digit
 
 
+def test_minimax_m2_released_config_counts_as_transformers_and_the_card():
+    """MiniMax-M2's registry config has transformers' count of the same config (its parameters, and the selection
+    biases, which it keeps as buffers), and the model card's rounded figures: 230B total, 10B active (the active
+    count without the embedding and head, 9.80B; with them 11.0B)."""
+    import math
+
+    import transformers
+
+    from zoo.model.from_hf import model_config_from_hf
+    from zoo.model.params import param_specs
+    from zoo.registry.catalogue import get, hf_config_of
+
+    hf = hf_config_of("minimax-m2", "model")
+    assert get("minimax-m2").family == "minimax_m2"
+    cfg = model_config_from_hf(hf, "minimax-m2")
+    assert (cfg.rope_dim, cfg.qk_norm_span, cfg.router_score, cfg.router_bias) == (64, "all", "sigmoid", True)
+    sizes = {k: math.prod(s.shape) for k, s in param_specs(cfg).items()}
+    with torch.device("meta"):  # shapes only: nothing allocated
+        ref = transformers.MiniMaxM2ForCausalLM(transformers.AutoConfig.for_model(**hf))
+    biases = [b for name, b in ref.named_buffers() if name.endswith("e_score_correction_bias")]
+    assert sum(sizes.values()) == sum(p.numel() for p in ref.parameters()) + sum(b.numel() for b in biases)
+    experts = sum(n for k, n in sizes.items() if ".expert_" in k)
+    active = sum(sizes.values()) - experts + experts * 8 // 256 - sizes["embed"] - sizes["lm_head"]
+    assert round(sum(sizes.values()) / 10e9) == 23 and round(active / 1e9) == 10
+
+
 # --- GGUF qwen3moe, written by hand as llama.cpp's convert_hf_to_gguf.py writes it
 
 
@@ -215,6 +243,26 @@ def _byte_vocab() -> tuple[list[str], list[str], list[int]]:
 _GGUF_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
                "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
                "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp"}
+
+
+def _both_conversions(path: Path, tmp_path: Path) -> tuple[zoo.ModelConfig, zoo.ModelConfig]:
+    """`zoo convert` of the GGUF file ``path`` (to from_gguf/) and of tmp_path/hf (to from_hf/): the same
+    parameters, bit for bit; their configs (GGUF's, safetensors')."""
+    assert main(["convert", str(path), "--out", str(tmp_path / "from_gguf")]) == 0
+    assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "from_hf")]) == 0
+    params = read_meta(tmp_path / "from_hf")["params"]
+    assert read_meta(tmp_path / "from_gguf")["params"].keys() == params.keys()
+    for p in params:
+        np.testing.assert_array_equal(load_param_numpy(tmp_path / "from_gguf", p), load_param_numpy(tmp_path / "from_hf", p))
+    return zoo.read_config(tmp_path / "from_gguf"), zoo.read_config(tmp_path / "from_hf")
+
+
+def _logits_match(hf: torch.nn.Module, ckpt: Path, vocab: int) -> None:
+    """The checkpoint's logits are transformers' (1e-4, KL 1e-6) on random tokens."""
+    ids = random_tokens(vocab, seq=SEQ)
+    ref = hf_logits(hf, ids)
+    got = np.asarray(zoo.load(ckpt)(jnp.asarray(ids)))
+    assert np.abs(got - ref).max() <= 1e-4 and mean_kl(ref, got) <= 1e-6 and ref.std() > 0.5
 
 
 def test_gguf_qwen3moe_converts_as_the_safetensors_checkpoint(tmp_path):
@@ -274,19 +322,59 @@ def test_gguf_qwen3moe_converts_as_the_safetensors_checkpoint(tmp_path):
     hf.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
     hf.save_pretrained(tmp_path / "hf")
 
-    assert main(["convert", str(path), "--out", str(tmp_path / "from_gguf")]) == 0
-    assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "from_hf")]) == 0
-    params = read_meta(tmp_path / "from_hf")["params"]
-    assert read_meta(tmp_path / "from_gguf")["params"].keys() == params.keys()
-    for p in params:
-        np.testing.assert_array_equal(load_param_numpy(tmp_path / "from_gguf", p), load_param_numpy(tmp_path / "from_hf", p))
+    a, b = _both_conversions(path, tmp_path)
     # The same model: the same parameters and architecture (the file keeps its eps as float32, and no
     # max_position_embeddings the model reads), so the same logits; checked once, against transformers'.
-    a, b = zoo.read_config(tmp_path / "from_gguf"), zoo.read_config(tmp_path / "from_hf")
     assert a.router_norm_topk and a.rms_norm_eps == float(np.float32(b.rms_norm_eps))
     assert dataclasses.replace(a, rms_norm_eps=b.rms_norm_eps, max_position_embeddings=b.max_position_embeddings,
                                rope=dataclasses.replace(a.rope, original_max_position_embeddings=b.rope.original_max_position_embeddings)) == b
-    ids = random_tokens(len(tokens), seq=SEQ)
-    ref = hf_logits(hf, ids)
-    got = np.asarray(zoo.load(tmp_path / "from_gguf")(jnp.asarray(ids)))
-    assert np.abs(got - ref).max() <= 1e-4 and mean_kl(ref, got) <= 1e-6 and ref.std() > 0.5
+    _logits_match(hf, tmp_path / "from_gguf", len(tokens))
+
+
+@pytest.mark.slow
+def test_gguf_minimax_m2_converts_as_the_safetensors_checkpoint(tmp_path):
+    """Slow (two conversions and a forward's compilation, 4 to 15 s on a loaded machine). A tiny MiniMax-M2
+    written as llama.cpp's ``minimax-m2`` file (convert_hf_to_gguf.py's MiniMaxM2Model: each layer's w1/w3/w2
+    stacked into ``ffn_*_exps`` [experts, out, in], the selection bias ``exp_probs_b.bias``, q/k norms over all
+    heads, rotary_dim as rope.dimension_count; float32) converts to the safetensors conversion's parameters and
+    architecture, and so to transformers' logits."""
+    from safetensors.numpy import load_file
+
+    tokens, merges, types = _byte_vocab()
+    hf = make_hf(tmp_path / "hf", "minimax_m2", vocab_size=len(tokens), num_hidden_layers=2)
+    c, state = hf.config, load_file(str(tmp_path / "hf" / "model.safetensors"))
+    path = tmp_path / "tiny.gguf"
+    w = gguf.GGUFWriter(str(path), "minimax-m2")
+    for add, value in ((w.add_context_length, c.max_position_embeddings), (w.add_embedding_length, c.hidden_size),
+                       (w.add_block_count, c.num_hidden_layers), (w.add_feed_forward_length, c.intermediate_size),
+                       (w.add_head_count, c.num_attention_heads), (w.add_head_count_kv, c.num_key_value_heads),
+                       (w.add_key_length, c.head_dim), (w.add_value_length, c.head_dim),
+                       (w.add_layer_norm_rms_eps, c.rms_norm_eps), (w.add_rope_freq_base, 1000000.0),
+                       (w.add_expert_count, c.num_local_experts), (w.add_expert_used_count, c.num_experts_per_tok),
+                       (w.add_expert_feed_forward_length, c.intermediate_size), (w.add_rope_dimension_count, 12)):
+        add(value)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    for name, hf_name in (("token_embd", "model.embed_tokens"), ("output_norm", "model.norm"), ("output", "lm_head")):
+        w.add_tensor(f"{name}.weight", state[f"{hf_name}.weight"])
+    layer = {**{k: v for k, v in _GGUF_LAYER.items() if k != "mlp.gate"}, "block_sparse_moe.gate": "ffn_gate_inp"}
+    for i in range(c.num_hidden_layers):
+        for module, name in layer.items():
+            w.add_tensor(f"blk.{i}.{name}.weight", state[f"model.layers.{i}.{module}.weight"])
+        moe = f"model.layers.{i}.block_sparse_moe."
+        w.add_tensor(f"blk.{i}.exp_probs_b.bias", state[moe + "e_score_correction_bias"])
+        for name, part in (("ffn_gate_exps", "w1"), ("ffn_up_exps", "w3"), ("ffn_down_exps", "w2")):
+            w.add_tensor(f"blk.{i}.{name}.weight",
+                         np.stack([state[f"{moe}experts.{j}.{part}.weight"] for j in range(c.num_local_experts)]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    a, b = _both_conversions(path, tmp_path)
+    assert (a.partial_rotary_factor, a.qk_norm_span, a.router_bias) == (0.75, "all", True)
+    # the file keeps its eps as float32 and no router loss coefficient (a training setting)
+    assert dataclasses.replace(a, rms_norm_eps=b.rms_norm_eps, aux_loss_coef=b.aux_loss_coef) == b
+    _logits_match(hf, tmp_path / "from_gguf", len(tokens))

@@ -28,11 +28,14 @@ MODELS = {
                    layer_types=["sliding_attention", "full_attention"], num_kv_shared_layers=0,
                    hidden_size_per_layer_input=0, use_double_wide_mlp=False, enable_moe_block=True, num_experts=4,
                    top_k_experts=2, moe_intermediate_size=10),
+    # Two MoE layers of 8 experts 48 wide (down's rows straddle blocks), a Linear per expert under Mixtral's names.
+    "minimax_m2": dict(intermediate_size=48, rotary_dim=8),
 }
 # The Hugging Face tensors of the projections QLoRA quantizes (zoo.model.quant.PROJECTIONS): attention, MLP,
 # shared and routed experts (a Linear per expert, or a fused [experts, out, in] stack).
 PROJECTION = re.compile(r"\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.|shared_experts\.)?(gate|up|down)_proj)"
-                        r"\.weight$|\.experts\.(gate_up|down)_proj$")
+                        r"\.weight$|\.experts\.(gate_up|down)_proj$|\.block_sparse_moe\.experts\.\d+\.w[123]\.weight$")
+MIXTRAL_NAMES = {"gate": "w1", "up": "w3", "down": "w2"}  # MiniMax-M2's experts
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +61,8 @@ def _hf_matrices(family: str, path: str, lead: tuple[int, ...]) -> list[tuple[tu
     stack, _, kind = path.partition(".")
     if family == "glm4_moe":  # dense_layers: layer 0; layers (MoE): layer 1
         layers = [0] if stack == "dense_layers" else [1]
+    elif family == "minimax_m2":  # layers (MoE): both
+        layers = [0, 1]
     else:  # Gemma 4: q/k/v/o of the sliding layer 0, global_* of the full layer 1, the MLP and experts of both
         layers = {"q": [0], "k": [0], "v": [0], "o": [0]}.get(kind, [1] if kind.startswith("global_") else [0, 1])
     name = {"expert_gate_up": "experts.gate_up_proj", "expert_down": "experts.down_proj"} if family == "gemma4" else {}
@@ -71,6 +76,8 @@ def _hf_matrices(family: str, path: str, lead: tuple[int, ...]) -> list[tuple[tu
             out.append((index, f"model.layers.{layer}.{name[kind]}", x))
         else:
             where = f"self_attn.{proj}_proj" if attn else f"mlp.{sub.format(x=x)}{proj}_proj"
+            if family == "minimax_m2" and not attn:
+                where = f"block_sparse_moe.experts.{x}.{MIXTRAL_NAMES[proj]}"
             out.append((index, f"model.layers.{layer}.{where}.weight", None))
     return out
 
@@ -92,7 +99,7 @@ def test_the_models_hold_every_projection_kind():
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(MODELS))
 def test_every_projection_is_stored_and_dequantized_as_bitsandbytes_does(quantized, family):
-    """Slow (slow lane: the shared fixture converts and quantizes two models, 30 s on a loaded machine; then 15 s
+    """Slow (slow lane: the shared fixture converts and quantizes three models, 40 s on a loaded machine; then 15 s
     each). Each matrix of each projection a QLoRA base stores (`zoo quantize`; the same fields a run quantizing at
     load makes) holds bitsandbytes' packed codes and absmax of the Hugging Face [out, in] tensor, and dequantizes (as
     the layers and `zoo export` do) to bitsandbytes' values bit for bit. A fused expert stack is quantized per

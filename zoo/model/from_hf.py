@@ -19,8 +19,8 @@ from zoo.model.hf_families import CLASSIFIER, FAMILIES, VISION_FORMATS, FamilyTr
 SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn", "longrope", "proportional")  # proportional: Gemma 4
 LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
 # family -> (pre_norms, qk_norm_span): OLMo 2/3 norm only the outputs of attention and MLP, and their q/k norms
-# are one RMSNorm over all heads' q (k) at once.
-_LAYOUT = {"olmo2": (False, "all"), "olmo3": (False, "all")}
+# are one RMSNorm over all heads' q (k) at once, as MiniMax-M2's (which keeps the pre-norms).
+_LAYOUT = {"olmo2": (False, "all"), "olmo3": (False, "all"), "minimax_m2": (True, "all")}
 
 
 def _parse(hf: dict[str, Any], where: str):
@@ -92,6 +92,15 @@ def _glm4_moe_fields(c: Any) -> dict[str, Any]:
                 router_group_score="top2")
 
 
+def _minimax_m2_fields(c: Any) -> dict[str, Any]:
+    """ModelConfig fields of MiniMax-M2's experts: MoE on every layer, no shared experts, DeepSeek-V3's sigmoid
+    scores with a selection bias (``e_score_correction_bias``) but ungrouped and unscaled, the top k always
+    renormalized (transformers' MiniMaxM2TopKRouter; its config has no norm_topk_prob)."""
+    return dict(num_experts=int(c.num_local_experts), experts_per_token=int(c.num_experts_per_tok),
+                moe_intermediate_size=int(c.intermediate_size), router_score="sigmoid", router_norm_topk=True,
+                router_bias=True, aux_loss_coef=float(c.router_aux_loss_coef or 0.0))
+
+
 def _moe_fields(traits: FamilyTraits, c: Any, where: str) -> dict[str, Any]:
     """ModelConfig fields of the mixture-of-experts and latent-attention families."""
     if traits.moe == "qwen3_moe":
@@ -102,6 +111,8 @@ def _moe_fields(traits: FamilyTraits, c: Any, where: str) -> dict[str, Any]:
         return _glm4_moe_fields(c)
     if traits.moe == "gpt_oss":
         return gpt_oss_fields(c)
+    if traits.moe == "minimax_m2":
+        return _minimax_m2_fields(c)
     if traits.moe == "mixtral":
         return dict(num_experts=int(c.num_local_experts), experts_per_token=int(c.num_experts_per_tok),
                     moe_intermediate_size=int(c.intermediate_size), router_score="softmax", router_norm_topk=True,

@@ -31,7 +31,8 @@ class FamilyTraits:
     final_softcap_field: str | None = None
     uses_query_pre_attn_scalar: bool = False
     sliding_on_every_layer: bool = False  # Mistral: one window for all layers, no layer_types
-    # "mixtral" | "deepseek_v2" | "deepseek_v3" | "qwen3_moe" | "qwen3_vl_moe" | "glm4_moe": how routing is configured
+    # "mixtral" | "deepseek_v2" | "deepseek_v3" | "qwen3_moe" | "qwen3_vl_moe" | "glm4_moe" | "gpt_oss" |
+    # "minimax_m2": how routing is configured
     moe: str | None = None
     # Multimodal RoPE's frequencies interleaved over (time, row, column), whatever the config says (Qwen3-VL's
     # transformers class always interleaves); its sections when the config names none
@@ -64,6 +65,10 @@ FAMILIES: dict[str, FamilyTraits] = {
     # GLM-4.5's o_proj never has a bias, whatever attention_bias says.
     "glm4_moe": FamilyTraits("glm4_moe", "Glm4MoeForCausalLM", qk_norm="use_qk_norm", o_bias=False, moe="glm4_moe"),
     "gpt_oss": FamilyTraits("gpt_oss", "GptOssForCausalLM", moe="gpt_oss"),
+    # MiniMax-M2: q/k norms over all heads at once (zoo.model.from_hf), Mixtral's expert names, sigmoid routing with
+    # a selection bias; no attention biases (its config has no such field).
+    "minimax_m2": FamilyTraits("minimax_m2", "MiniMaxM2ForCausalLM", qk_norm=True, qkv_bias=False, o_bias=False,
+                               moe="minimax_m2"),
     # SmolLM3 (NoPE layers), OLMo 2/3 (post-norms only, q/k norms over all heads; OLMo 3's sliding layers) and
     # Phi-3/Phi-4 (fused qkv_proj/gate_up_proj: convert.fused; partial rotary, LongRoPE): read by zoo.model.from_hf,
     # written by convert.hf_layer_fields.

@@ -158,6 +158,9 @@ _ENTRIES = [
              "GLM-4.5-Air: 128 experts + 1 shared (12B active)", hf_config=released.GLM_4_5_AIR),
     ZooEntry("glm-4.6", "glm4_moe", "zai-org/GLM-4.6", 355e9, "GLM-4.6: GLM-4.5's architecture, 200K context",
              hf_config=released.GLM_4_6),
+    ZooEntry("minimax-m2", "minimax_m2", "MiniMaxAI/MiniMax-M2", 229e9,
+             "MiniMax-M2: 256 experts, 8 a token, sigmoid routing, partial RoPE (10B active)",
+             hf_config=released.MINIMAX_M2),
     # Qwen2.5-VL, whole (tower and merger included in the counts): images at any size, multimodal RoPE.
     *(ZooEntry(f"qwen2.5-vl-{size.lower()}", "qwen2_5_vl", f"Qwen/Qwen2.5-VL-{size}-Instruct", n,
                f"Qwen2.5-VL {size} chat: windowed vision tower, multimodal RoPE", hf_config=config)

@@ -114,6 +114,20 @@ GLM_4_6 = {**GLM_4_5, "max_position_embeddings": 202752}
 GLM_4_5_AIR = {**GLM_4_5, "hidden_size": 4096, "intermediate_size": 10944, "moe_intermediate_size": 1408,
                "num_hidden_layers": 46, "n_routed_experts": 128, "first_k_dense_replace": 1,
                "routed_scaling_factor": 1.0, "use_qk_norm": False}
+# MiniMaxAI/MiniMax-M2's config.json, its fields that transformers' MiniMaxM2Config reads (its FP8
+# quantization_config and multi-token-prediction modules, which transformers does not build, left out), written from
+# the model card and the config as other projects quote it, not read from the Hub: check it against the Hub's file
+# before relying on a field beyond the shapes. 256 experts (8 a token) of width 1536 on all 62 layers, sigmoid
+# routing with a selection bias, 48 query heads of 128 over 8 key/value heads, q/k norms over all heads, RoPE on the
+# first 64 dims of each head (rotary_dim).
+MINIMAX_M2 = {"architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2", "vocab_size": 200064,
+              "hidden_size": 3072, "intermediate_size": 1536, "num_hidden_layers": 62, "num_attention_heads": 48,
+              "num_key_value_heads": 8, "head_dim": 128, "rotary_dim": 64, "rope_theta": 5000000,
+              "num_local_experts": 256, "num_experts_per_tok": 8, "scoring_func": "sigmoid", "use_routing_bias": True,
+              "use_qk_norm": True, "qk_norm_type": "per_layer", "router_aux_loss_coef": 0.001,
+              "max_position_embeddings": 196608, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+              "tie_word_embeddings": False, "bos_token_id": 200034, "eos_token_id": 200020, "torch_dtype": "bfloat16"}
+
 # openai/gpt-oss-20b's and gpt-oss-120b's config.json (their MXFP4 quantization_config left out: the experts are
 # dequantized while converting): sliding (128) and full layers alternating, 64 query heads of 64 over 8 key/value
 # heads, attention sinks, 32 or 128 experts (4 a token) with biases and the clamped SwiGLU, YaRN over 4096.
