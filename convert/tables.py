@@ -372,6 +372,29 @@ TABLES[("qwen3_vl", "hf-qwen3-vl")] = decoder_table("model.language_model.")
 TABLES[("qwen3_vl_moe", "hf-qwen3-vl-moe")] = decoder_table("model.language_model.", moe="qwen3_vl_moe")
 
 
+def llama4_table() -> list[Rule]:
+    """Llama 4's text decoder (Llama4ForCausalLM): the shared naming with ``feed_forward.`` for ``mlp.``, q and k
+    rows in RoPE's interleaved pairs (as llama.cpp's, so its de-interleaving transforms), and its MoE layers' router,
+    experts (``gate_up_proj`` split by convert.fused, [experts, in, out] as the zoo's) and shared expert."""
+    F = "model.layers.{i}.feed_forward."
+    rope_pairs = {"layers.q": "gguf_q_in", "layers.k": "gguf_k_in"}
+    shared = [r for r in decoder_table() if r.zoo not in ("layers.q_norm", "layers.k_norm")]
+    rules = [dataclasses.replace(r, hf=r.hf.replace(".mlp.", ".feed_forward."),
+                                 transform=rope_pairs.get(r.zoo, r.transform) if r.when == "!mla" else r.transform)
+             for r in shared]
+    return rules + [
+        Rule("layers.router", F + "router.weight", "transpose", when="moe"),
+        Rule("layers.expert_gate", F + "experts.gate_proj", when="moe"),
+        Rule("layers.expert_up", F + "experts.up_proj", when="moe"),
+        Rule("layers.expert_down", F + "experts.down_proj", when="moe"),
+        *(Rule(f"layers.shared_{part}", F + f"shared_expert.{part}_proj.weight", "transpose", when="moe")
+          for part in ("gate", "up", "down")),
+    ]
+
+
+TABLES[("llama4", "hf")] = llama4_table()
+
+
 def table_for(family: str, fmt: str, cfg: ModelConfig) -> list[BoundRule]:
     """The rules of a model of this family/config in source format ``fmt``, placed in its layer stacks."""
     out: list[BoundRule] = []

@@ -76,6 +76,8 @@ FAMILIES: dict[str, FamilyTraits] = {
                            act_field="hidden_activation", final_softcap_field="final_logit_softcapping"),
     # Vision-language models on a Llama language model (text_config model_type "llama"): a SigLIP tower and the
     # pixel-shuffle connector. model_type/architecture name the composite config and model class.
+    # Llama 4's text model (Llama4ForCausalLM; the vision tower of Llama4ForConditionalGeneration is not read).
+    "llama4": FamilyTraits("llama4_text", "Llama4ForCausalLM", moe="llama4"),
     "smolvlm": FamilyTraits("smolvlm", "SmolVLMForConditionalGeneration", mlp_bias="mlp_bias"),
     "idefics3": FamilyTraits("idefics3", "Idefics3ForConditionalGeneration", mlp_bias="mlp_bias"),
     # Qwen2.5-VL: a Qwen 2 language model (text_config model_type "qwen2_5_vl_text") with multimodal RoPE.
