@@ -374,10 +374,10 @@ TABLES[("qwen3_vl_moe", "hf-qwen3-vl-moe")] = decoder_table("model.language_mode
 
 def llama4_table() -> list[Rule]:
     """Llama 4's text decoder (Llama4ForCausalLM): the shared naming with ``feed_forward.`` for ``mlp.``, q and k
-    rows in RoPE's interleaved pairs (as llama.cpp's, so its de-interleaving transforms), and its MoE layers' router,
+    rows in RoPE's interleaved pairs (convert.transforms' rope_pairs_*: llama.cpp's order), and its MoE layers' router,
     experts (``gate_up_proj`` split by convert.fused, [experts, in, out] as the zoo's) and shared expert."""
     F = "model.layers.{i}.feed_forward."
-    rope_pairs = {"layers.q": "gguf_q_in", "layers.k": "gguf_k_in"}
+    rope_pairs = {"layers.q": "rope_pairs_q_in", "layers.k": "rope_pairs_k_in"}
     shared = [r for r in decoder_table() if r.zoo not in ("layers.q_norm", "layers.k_norm")]
     rules = [dataclasses.replace(r, hf=r.hf.replace(".mlp.", ".feed_forward."),
                                  transform=rope_pairs.get(r.zoo, r.transform) if r.when == "!mla" else r.transform)

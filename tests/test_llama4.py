@@ -1,0 +1,137 @@
+"""Llama 4 (text, llama4): its own traits against transformers' Llama4ForCausalLM. Logits, the export round trip, a
+generated config, KV-cache decoding and the released configs' parameter counts are the shared MoE families' tests
+(tests/test_families_2026_moe.py, tests/test_decode.py); the chunked attention kernel's own check is
+tests/test_blockwise.py's. Here: where the layers' kinds, RoPE and experts sit; each trait changing the logits;
+greedy decoding past two chunk boundaries equal to ``generate``; LoRA on every projection, QLoRA and expert
+LoRA exported for peft."""
+
+import dataclasses
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import zoo
+from eval.generate import GenerationConfig, generate
+from tests.hf_models import hf_logits, random_tokens
+from tests.lora_fixtures import peft_logits_against_ours, write_adapter_checkpoint
+from zoo.cli import main
+from zoo.lora.params import LoraConfig
+
+SEQ = 24  # three chunks of the tiny model's 8
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_family):
+    """(transformers model, its saved folder, the zoo checkpoint) of tests/hf_models.py's tiny Llama 4."""
+    hf, root = tiny_family("llama4")
+    return hf, root / "hf", root / "zoo"
+
+
+def test_layers_sit_where_transformers_puts_them():
+    """Chunked and full layers, NoPE layers, the q/k norm and the MoE layers read from a config as transformers'
+    own decoder layers are built (an interval and a step, then explicit lists)."""
+    import transformers
+
+    from zoo.model.from_hf import model_config_from_hf
+
+    tiny = dict(vocab_size=16, hidden_size=8, intermediate_size=4, intermediate_size_mlp=8, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=4, num_local_experts=2, num_experts_per_tok=1)
+    for kw in (dict(num_hidden_layers=8, interleave_moe_layer_step=2, no_rope_layer_interval=4,
+                    attention_chunk_size=16),
+               dict(num_hidden_layers=5, moe_layers=[0, 3, 4], no_rope_layers=[0, 1, 1, 0, 1], use_qk_norm=False,
+                    attention_chunk_size=None)):
+        config = transformers.Llama4TextConfig(**tiny, **kw)
+        hf = transformers.Llama4ForCausalLM(config)
+        cfg = model_config_from_hf({**config.to_dict(), "architectures": ["Llama4ForCausalLM"]})
+        layers = hf.model.layers
+        assert [cfg.is_moe_layer(i) for i in range(cfg.num_layers)] == [layer.is_moe_layer for layer in layers]
+        assert [i not in cfg.nope_layers for i in range(cfg.num_layers)] == [bool(la.self_attn.use_rope)
+                                                                             for la in layers]
+        assert cfg.qk_l2_norm == any(hasattr(la.self_attn, "qk_norm") for la in layers)
+        want = ["chunked" if t == "chunked_attention" else "full" for t in config.layer_types]
+        assert list(cfg.kinds) == want and ("chunked" in want) == bool(kw["attention_chunk_size"])
+        assert cfg.intermediate_size == 8 and cfg.moe_intermediate_size == 4 and cfg.shared_experts == 1
+
+
+@pytest.mark.slow
+def test_each_trait_changes_the_logits(tiny):
+    """Slow (four more compilations): the parity test has teeth: the tiny model without its chunks, its query
+    temperature, its q/k norm, or with the router weight on the experts' outputs instead of their inputs gives
+    logits that differ from transformers' by far more than the parity bound (1e-4)."""
+    hf, _, ckpt = tiny
+    model = zoo.load(ckpt)
+    tokens = random_tokens(hf.config.vocab_size, seq=SEQ)
+    ref = hf_logits(hf, tokens)
+    full = dict(layer_types=None, attention_chunk_size=None)
+    for change in (full, dict(temperature_tuning=False), dict(qk_l2_norm=False), dict(router_scales_input=False)):
+        cfg = dataclasses.replace(model.cfg, **change)
+        got = np.asarray(zoo.model.decoder.forward(cfg, model.param_dict(), jnp.asarray(tokens)))
+        assert np.abs(got - ref).max() > 1e-2, change
+
+
+@pytest.mark.slow
+def test_greedy_decoding_equals_generate(tiny):
+    """Slow (generate's prefill and step programs): a 5-token prompt and 14 new tokens cross two chunk boundaries
+    (positions 8 and 16) and the NoPE layers' temperature steps (every 4 positions); the KV cache's chunked rings
+    hold 8 slots. transformers' ``generate`` (its own chunked cache) chooses the same tokens."""
+    hf, _, ckpt = tiny
+    model = zoo.load(ckpt)
+    prompt = random_tokens(hf.config.vocab_size, seq=5, seed=3)[0].tolist()
+    with torch.no_grad():
+        ids = torch.tensor([prompt])  # its own attention mask: the prompt holds token 0, generate's pad id
+        want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=14, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)[0, 5:].tolist()
+    assert generate(model.cfg, model.param_dict(), [prompt], GenerationConfig(max_new_tokens=14))[0] == want
+
+
+# Every projection of the text model: attention (q, k, v, o), the dense layer's MLP and the shared expert (gate,
+# up, down), the routed experts (peft's target_parameters on feed_forward.experts.gate_up_proj / down_proj).
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+               "shared_experts.gate_proj", "shared_experts.up_proj", "shared_experts.down_proj",
+               "experts.gate_proj", "experts.up_proj", "experts.down_proj"]
+
+
+@pytest.mark.slow
+def test_peft_loads_the_adapters_with_our_logits(tiny, tmp_path):
+    """Slow (the export, then peft + transformers): LoRA on every projection, the routed experts' too, exported
+    with `zoo export --adapter`: peft loads every key (q/k's B rows put back in the checkpoint's RoPE pairs) and
+    gives our logits (1e-4), which the adapter moves by far more."""
+    _, folder, ckpt = tiny
+    adapter = write_adapter_checkpoint(ckpt, tmp_path / "adapter", LoraConfig(rank=4, alpha=8.0, targets=ALL_TARGETS))
+    assert main(["export", str(adapter), "--adapter", "--out", str(tmp_path / "peft")]) == 0
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"]
+    assert {"q_proj", "k_proj", "v_proj", "o_proj"} <= set(config["target_modules"])
+    diff, teeth = peft_logits_against_ours(folder, adapter, tmp_path / "peft")
+    assert teeth > 0.1 and diff <= 1e-4, (diff, teeth)
+
+
+@pytest.mark.slow
+def test_qlora_gradients_equal_lora_on_the_dequantized_weights(tiny):
+    """Slow (two compilations of the forward and its gradients): QLoRA over the tiny model, every projection
+    (experts, shared expert, dense MLP, attention) quantized to NF4 with double quantization: the loss and every
+    adapter's gradient equal those of LoRA on the dequantized weights (1e-6, 1e-5); the adapters get gradients."""
+    import jax
+
+    from tests.lora_fixtures import lora_lm_loss, random_lora
+    from tests.quant_fixtures import quantized_projections, random_params
+    from zoo.model import quant
+    from zoo.model.params import nest
+
+    cfg = zoo.read_config(tiny[2])
+    lc = LoraConfig(rank=4, alpha=8.0, targets=ALL_TARGETS)
+    qflat = quantized_projections(cfg, random_params(cfg, std=0.1))
+    assert {k.rpartition(".")[2] for k, v in qflat.items() if isinstance(v, quant.QuantizedWeight)} >= {
+        "expert_gate", "expert_up", "expert_down", "shared_gate", "q", "gate"}
+    flat = {k: np.asarray(quant.dequantize(v)) if isinstance(v, quant.QuantizedWeight) else v for k, v in qflat.items()}
+    lora = random_lora(cfg, lc, random=True)
+    tokens = jnp.asarray(random_tokens(cfg.vocab_size, seq=SEQ))
+    grads = jax.jit(jax.value_and_grad(lambda a, p: lora_lm_loss(cfg, p, a, lc, tokens)))
+    (lq, gq), (ld, gd) = grads(lora, nest(qflat)), grads(lora, nest(flat))
+    assert abs(float(lq) - float(ld)) <= 1e-6
+    for a, b in zip(jax.tree.leaves(gq), jax.tree.leaves(gd), strict=True):
+        assert np.abs(np.asarray(a) - np.asarray(b)).max() <= 1e-5
+    assert min(float(jnp.abs(g).max()) for g in jax.tree.leaves(gq)) > 0
