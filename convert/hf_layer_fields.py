@@ -38,9 +38,12 @@ def _longrope_dict(cfg: ModelConfig) -> dict[str, Any]:
 def llama4_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
     """Llama 4's config.json fields of ``cfg`` (the inverse of zoo/model/from_hf.py's ``_llama4_fields``)."""
     names = {"full": "full_attention", "chunked": "chunked_attention"}
-    return dict(intermediate_size=cfg.moe_intermediate_size, intermediate_size_mlp=cfg.intermediate_size,
+    moe = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+    # the step that derives the MoE layers, as a released config gives them (1 where none does; moe_layers is kept)
+    step = next((n for n in range(1, cfg.num_layers + 1) if list(range(n - 1, cfg.num_layers, n)) == moe), 1)
+    return dict(no_rope_layer_interval=_nope_interval(cfg)[0], interleave_moe_layer_step=step,intermediate_size=cfg.moe_intermediate_size, intermediate_size_mlp=cfg.intermediate_size,
                 num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
-                moe_layers=[i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)],
+                moe_layers=moe,
                 no_rope_layers=[0 if i in cfg.nope_layers else 1 for i in range(cfg.num_layers)],
                 attention_chunk_size=cfg.attention_chunk_size, layer_types=[names[k] for k in cfg.kinds],
                 use_qk_norm=cfg.qk_l2_norm, attn_temperature_tuning=cfg.temperature_tuning,
