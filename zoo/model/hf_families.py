@@ -111,6 +111,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     **{t.architecture.replace(*CLASSIFIER): (f, "hf") for f, t in FAMILIES.items() if CLASSIFIER[0] in t.architecture},
     "Gemma3ForConditionalGeneration": ("gemma3", "hf-gemma3-multimodal"),
     "Gemma4ForConditionalGeneration": ("gemma4", "hf-gemma4-multimodal"),
+    "Llama4ForConditionalGeneration": ("llama4", "hf-llama4-multimodal"),  # its language model (no vision tower yet)
     "SmolVLMForConditionalGeneration": ("smolvlm", "hf-smolvlm"),
     "Idefics3ForConditionalGeneration": ("idefics3", "hf-idefics3"),
     "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "hf-qwen2_5-vl"),
@@ -121,6 +122,7 @@ MODEL_TYPES: dict[str, tuple[str, str]] = {
     **{t.model_type: (f, "hf") for f, t in FAMILIES.items()},
     "gemma3": ("gemma3", "hf-gemma3-multimodal"),
     "gemma4": ("gemma4", "hf-gemma4-multimodal"),
+    "llama4": ("llama4", "hf-llama4-multimodal"),
     "smolvlm": ("smolvlm", "hf-smolvlm"),
     "idefics3": ("idefics3", "hf-idefics3"),
     "qwen2_5_vl": ("qwen2_5_vl", "hf-qwen2_5-vl"),
