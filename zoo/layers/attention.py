@@ -124,10 +124,11 @@ def attend(qg: jax.Array, k: jax.Array, v: jax.Array, vis: Visibility, cfg: Mode
     window too), logits soft-capped by ``cfg.attn_softcap``, through the kernel of ``cfg.attention`` (:func:`zoo.kernels.choice.kernel_for`);
     -> [b, t, kv * g * dv]. With the mesh's ``context`` axis over 1 the sequence is split over it
     (:func:`zoo.model.context.context_attention`): each device attends its queries to the gathered keys. ``sinks``
-    [heads] (gpt-oss's attention sinks) only the blockwise kernel takes (:func:`zoo.kernels.choice.sinks_obstacle`)."""
-    # Image blocks and Llama 4's chunks are masks only the blockwise kernel builds.
-    masked = vis.block_ids is not None or vis.chunk_ids is not None
-    kernel = kernel_for(cfg, qg.dtype, qg.shape[3], vis.prefix_ids is not None, vis.segments, masked)
+    [heads] (gpt-oss's attention sinks) only the blockwise kernel takes (:func:`zoo.kernels.choice.sinks_obstacle`);
+    Llama 4's chunked layers (``vis.chunk_ids``) always run blockwise."""
+    kernel = kernel_for(cfg, qg.dtype, qg.shape[3], vis.prefix_ids is not None, vis.segments, vis.block_ids is not None)
+    if vis.chunk_ids is not None:  # Llama 4's chunks are a mask only the blockwise kernel builds (its full layers: any)
+        kernel = "blockwise"
 
     def run(qg: jax.Array, k: jax.Array, v: jax.Array, vis: Visibility) -> jax.Array:
         if kernel == "splash" and k.shape[2] != qg.shape[3]:  # a context shard's queries, the gathered keys
