@@ -167,3 +167,40 @@ def test_the_hubs_multimodal_checkpoint_converts_its_language_model(tmp_path):
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), dtype=torch.float32).eval()
     back.config._attn_implementation = "eager"
     np.testing.assert_array_equal(hf_logits(back, tokens), ref)
+
+
+@pytest.mark.slow
+def test_the_engine_answers_greedily_past_the_chunks():
+    """Slow (the engine's programs): the inference engine (paged KV cache, continuous batching) on a Llama 4-like
+    model (a chunked layer of 8, a NoPE layer with the query temperature, the q/k norm): answers up to 35 tokens
+    long, past four chunk boundaries, are each the training forward's greedy continuation of its prompt."""
+    from functools import partial
+
+    import jax
+    from flax import nnx
+
+    from eval.engine.api import SamplingParams
+    from eval.engine.engine import Engine
+    from zoo.model.config import ModelConfig
+    from zoo.model.decoder import Decoder, forward
+
+    cfg = ModelConfig(family="llama4", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8, layer_types=("chunked", "full"),
+                      attention_chunk_size=8, nope_layers=(1,), temperature_tuning=True, temperature_floor=4.0,
+                      temperature_scale=0.5, qk_l2_norm=True)
+    # larger weights: continuations differ from prompt to prompt (as tests/test_engine.py's)
+    params = jax.tree.map(lambda x: x * 6.0 if x.ndim > 1 else x, Decoder(cfg, rngs=nnx.Rngs(0)).param_dict())
+    engine = Engine(cfg, params, max_len=64, page_size=8, max_seqs=4)
+    rng = np.random.RandomState(0)
+    prompts = [rng.randint(1, 64, n).tolist() for n in (3, 11, 20, 1, 9)]
+    ids = [engine.submit(p, SamplingParams(max_tokens=m)) for p, m in zip(prompts, (13, 9, 15, 17, 4))]
+    out: dict[int, list[int]] = {i: [] for i in ids}
+    while engine.busy:
+        for e in engine.step():
+            out[e.request_id].extend(e.tokens)
+    full = jax.jit(partial(forward, cfg))
+    for p, i in zip(prompts, ids, strict=True):
+        seq = p + out[i]
+        logits = np.asarray(full(params, jnp.asarray([seq])))[0]
+        assert logits[len(p) - 1:len(seq) - 1].argmax(-1).tolist() == out[i]
+    assert len({tuple(a) for a in out.values()}) == len(ids)
