@@ -95,6 +95,9 @@ FUSIONS: dict[str, tuple[Fusion, ...]] = {
         Fusion("mlp.experts.gate_up_proj", ("mlp.experts.gate_proj", "mlp.experts.up_proj"), "expert_mlp",
                axis=1, when="hf_experts_out_in"),
     ),
+    # Llama 4's experts: [experts, embed, 2 x mlp], gate then up in blocks along the last axis.
+    "llama4": (Fusion("feed_forward.experts.gate_up_proj", ("feed_forward.experts.gate_proj",
+                                                            "feed_forward.experts.up_proj"), "expert_mlp", axis=-1),),
 }
 # families whose fused experts come in either order (ModelConfig.hf_experts_out_in): the fused tensor that says which
 EXPERT_ORDER = {"qwen3_vl_moe": "mlp.experts.gate_up_proj"}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from convert.hf_layer_fields import write_layer_fields
+from convert.hf_layer_fields import llama4_hf_fields, write_layer_fields
 from convert.tables import export_format
 from zoo.errors import UserError
 from zoo.model.config import ModelConfig, RopeConfig
@@ -127,6 +127,8 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
                    router_aux_loss_coef=cfg.aux_loss_coef)
     elif t.moe in ("qwen3_moe", "glm4_moe"):
         out.update(_moe_hf_fields(cfg))
+    elif t.moe == "llama4":
+        out.update(llama4_hf_fields(cfg))
     elif t.moe:
         out.update(
             n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,

@@ -35,6 +35,22 @@ def _longrope_dict(cfg: ModelConfig) -> dict[str, Any]:
     return d
 
 
+def llama4_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
+    """Llama 4's config.json fields of ``cfg`` (the inverse of zoo/model/from_hf.py's ``_llama4_fields``)."""
+    names = {"full": "full_attention", "chunked": "chunked_attention"}
+    moe = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+    # the step that derives the MoE layers, as a released config gives them (1 where none does; moe_layers is kept)
+    step = next((n for n in range(1, cfg.num_layers + 1) if list(range(n - 1, cfg.num_layers, n)) == moe), 1)
+    return dict(no_rope_layer_interval=_nope_interval(cfg)[0], interleave_moe_layer_step=step,intermediate_size=cfg.moe_intermediate_size, intermediate_size_mlp=cfg.intermediate_size,
+                num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+                moe_layers=moe,
+                no_rope_layers=[0 if i in cfg.nope_layers else 1 for i in range(cfg.num_layers)],
+                attention_chunk_size=cfg.attention_chunk_size, layer_types=[names[k] for k in cfg.kinds],
+                use_qk_norm=cfg.qk_l2_norm, attn_temperature_tuning=cfg.temperature_tuning,
+                floor_scale=int(cfg.temperature_floor), attn_scale=cfg.temperature_scale,
+                attention_bias=cfg.qkv_bias, head_dim=cfg.head_dim)
+
+
 def write_layer_fields(cfg: ModelConfig, out: dict[str, Any], rope_dict: Callable[[RopeConfig], dict]) -> None:
     """Complete (in place) the HF config fields ``out`` of ``cfg`` with this module's families' own
     (``rope_dict``: a RoPE's rope_parameters, convert.hf_config's)."""

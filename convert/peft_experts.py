@@ -65,6 +65,7 @@ class ExpertsLayout:
     module: str
     params: tuple[FusedParam, ...]
     rewritten: tuple[str, ...] = ()
+    swapped: bool = False  # stored [in, out] with no is_transposed for peft: its lora_A is our B, its lora_B our A
 
 
 _GATE_UP_DOWN = (FusedParam("gate_up_proj", ("expert_gate", "expert_up")), FusedParam("down_proj", ("expert_down",)))
@@ -82,6 +83,10 @@ EXPERTS_LAYOUTS: dict[str, ExpertsLayout] = {
     "gpt_oss": ExpertsLayout("model.layers.{i}.mlp.experts", (
         FusedParam("gate_up_proj", ("expert_gate", "expert_up"), interleaved=True),
         FusedParam("down_proj", ("expert_down",)))),
+    # Llama 4's experts (Llama4TextExperts): gate_up_proj [experts, embed, 2 * mlp] (gate then up) and down_proj
+    # [experts, mlp, embed], stored [in, out]; always fused, so no Linear name is rewritten.
+    # peft 0.21 reads them [out, in] (Llama4TextExperts says no is_transposed): the factors swap (swapped_factor).
+    "llama4": ExpertsLayout("model.layers.{i}.feed_forward.experts", _GATE_UP_DOWN, swapped=True),
     "gemma4": ExpertsLayout("model.layers.{i}.experts", (FusedParam("gate_up_proj", ("expert_gate_up",)),
                                                          FusedParam("down_proj", ("expert_down",)))),
 }
@@ -153,9 +158,28 @@ def fused_factor(layout: ExpertsLayout, key: str, arrays: dict[str, np.ndarray],
     from the adapters in ``arrays`` (zoo adapter path -> stacked array)."""
     stack, name, part = key.rsplit(".", 2)
     fused = next(p for p in layout.params if p.name == name)
-    parts = tuple(p for p in fused.parts if f"{stack}.{p}.{part}" in arrays)
-    pieces = {p: arrays[f"{stack}.{p}.{part}"][index] for p in parts}
+    source = {"a": "b", "b": "a"}[part] if layout.swapped else part
+    parts = tuple(p for p in fused.parts if f"{stack}.{p}.{source}" in arrays)
+    pieces = {p: arrays[f"{stack}.{p}.{source}"][index] for p in parts}
+    if layout.swapped:
+        return swapped_factor(fused, parts, pieces, part)
     return lora_a(fused, parts, pieces) if part == "a" else lora_b(fused, parts, pieces)
+
+
+def swapped_factor(fused: FusedParam, parts: tuple[str, ...], pieces: dict[str, np.ndarray], part: str) -> np.ndarray:
+    """peft's lora_A (``part`` "a", from the zoo's B of each part) or lora_B ("b", from the zoo's A) of an expert
+    parameter that peft reads [out, in] while the model multiplies x by it [in, out] (Llama 4's): expert e's delta
+    ``B_e @ A_e`` is then our ``A_e @ B_e``, so lora_A [rank * experts, our out] holds our B's (expert-major rows)
+    and lora_B [our in, rank * experts] our A's (rank-major columns)."""
+    if part == "a":
+        m = lora_b(fused, parts, pieces)  # [out, R * E], column j * E + e
+        out, cols = m.shape
+        experts = pieces[parts[0]].shape[0]
+        return np.ascontiguousarray(m.reshape(out, cols // experts, experts).transpose(2, 1, 0).reshape(cols, out))
+    m = lora_a(fused, parts, pieces)  # [E * R, in], row e * R + j
+    experts = pieces[parts[0]].shape[0]
+    rows, fan_in = m.shape
+    return np.ascontiguousarray(m.reshape(experts, rows // experts, fan_in).transpose(2, 1, 0).reshape(fan_in, rows))
 
 
 def layout_of(cfg: ModelConfig) -> ExpertsLayout | None:

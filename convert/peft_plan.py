@@ -51,11 +51,24 @@ def _flat_b(b: np.ndarray) -> np.ndarray:
 # These transforms write a zoo weight [*in, *out] as the torch weight [out, in] with the in and out axes each
 # flattened in order (no permutation), so the inverse of scale * A @ B is scale * flat(B).T @ flat(A).T.
 # Transforms that permute rows (GGUF's and MLA's RoPE orders) are absent: their adapters would need the
-# permutation too, and no adapter targets them (MLA attention has no adapters; GGUF is not an export format).
+# permutation too, and no adapter targets them (MLA attention has no adapters; GGUF is not an export format);
+# Llama 4's (rope_pairs_*) permute B's rows below.
 _FLAT = LoraLayout(_flat_a, _flat_b)
 
 
 LORA_LAYOUTS: dict[str, LoraLayout] = {"transpose": _FLAT, "q_in": _FLAT, "kv_in": _FLAT, "o_out": _FLAT}
+
+
+def _rope_pairs_b(b: np.ndarray) -> np.ndarray:
+    """Llama 4's q/k B [r, heads, head_dim] (each head rotate-half ordered) -> lora_B [heads * head_dim, r] in the
+    checkpoint's interleaved pairs (convert.transforms' rope_pairs_*): dimension j of the first half is row 2j,
+    of the second half row 2j + 1."""
+    r, h, d = b.shape
+    return b.reshape(r, h, 2, d // 2).swapaxes(2, 3).reshape(r, -1).T
+
+
+LORA_LAYOUTS.update({"rope_pairs_q_in": LoraLayout(_flat_a, _rope_pairs_b),
+                     "rope_pairs_k_in": LoraLayout(_flat_a, _rope_pairs_b)})
 # A vision tower's attention (convert.transforms._tower): q_in / o_out at the tower's heads, Gemma 4's kv_in at
 # its key/value heads, the Qwen towers' fused qkv [D, 3, heads, head_dim] <-> [3 * heads * head_dim, D]: flat as well.
 LORA_LAYOUTS.update({"vq_in": _FLAT, "vo_out": _FLAT, "vkv_in": _FLAT, "vqkv_in": _FLAT})
@@ -170,6 +183,8 @@ def _expert_tensors(cfg: ModelConfig, meta: dict[str, Any], rules: list[BoundRul
             rank = peft_experts.fused_rank(r, parts)
             fan_in = math.prod(spec_a.shape[2:2 + peft_experts.CONTRACT])
             fan_out = len(param.parts) * math.prod(spec_b.shape[2 + peft_experts.CONTRACT:])
+            if layout.swapped:  # peft reads the parameter [out, in] (convert.peft_experts.swapped_factor)
+                fan_in, fan_out = fan_out, fan_in
             for part, shape in (("a", (rank * experts, fan_in)), ("b", (fan_out, rank * experts))):
                 dt = dtype or stored[f"{stack}.{parts[0]}.{part}"]["dtype"]
                 if dt not in ST_NAMES:

@@ -392,6 +392,31 @@ TABLES[("qwen3_vl", "hf-qwen3-vl")] = decoder_table("model.language_model.")
 TABLES[("qwen3_vl_moe", "hf-qwen3-vl-moe")] = decoder_table("model.language_model.", moe="qwen3_vl_moe")
 
 
+def llama4_table(prefix: str = "model.", head: str = "lm_head.weight") -> list[Rule]:
+    """Llama 4's text decoder (Llama4ForCausalLM; under ``language_model.`` in Llama4ForConditionalGeneration, as the
+    Hub's releases are, whose vision tower is not converted): the shared naming with ``feed_forward.`` for ``mlp.``, q and k
+    rows in RoPE's interleaved pairs (convert.transforms' rope_pairs_*: llama.cpp's order), and its MoE layers' router,
+    experts (``gate_up_proj`` split by convert.fused, [experts, in, out] as the zoo's) and shared expert."""
+    F = prefix + "layers.{i}.feed_forward."
+    rope_pairs = {"layers.q": "rope_pairs_q_in", "layers.k": "rope_pairs_k_in"}
+    shared = [r for r in decoder_table(prefix, head=head) if r.zoo not in ("layers.q_norm", "layers.k_norm")]
+    rules = [dataclasses.replace(r, hf=r.hf.replace(".mlp.", ".feed_forward."),
+                                 transform=rope_pairs.get(r.zoo, r.transform) if r.when == "!mla" else r.transform)
+             for r in shared]
+    return rules + [
+        Rule("layers.router", F + "router.weight", "transpose", when="moe"),
+        Rule("layers.expert_gate", F + "experts.gate_proj", when="moe"),
+        Rule("layers.expert_up", F + "experts.up_proj", when="moe"),
+        Rule("layers.expert_down", F + "experts.down_proj", when="moe"),
+        *(Rule(f"layers.shared_{part}", F + f"shared_expert.{part}_proj.weight", "transpose", when="moe")
+          for part in ("gate", "up", "down")),
+    ]
+
+
+TABLES[("llama4", "hf")] = llama4_table()
+TABLES[("llama4", "hf-llama4-multimodal")] = llama4_table("language_model.model.", "language_model.lm_head.weight")
+
+
 def table_for(family: str, fmt: str, cfg: ModelConfig) -> list[BoundRule]:
     """The rules of a model of this family/config in source format ``fmt``, placed in its layer stacks."""
     out: list[BoundRule] = []

@@ -160,6 +160,9 @@ TRANSFORMS["experts_transpose"] = Transform(lambda w, cfg: w.swapaxes(-1, -2), l
 TRANSFORMS["swap_last"] = Transform(lambda w, cfg: w.swapaxes(-1, -2), lambda w, cfg: w.swapaxes(-1, -2))
 TRANSFORMS["gguf_q_in"] = _compose("gguf_unpermute_q", "q_in")
 TRANSFORMS["gguf_k_in"] = _compose("gguf_unpermute_k", "kv_in")
+# Llama 4's q/k rows pair RoPE's dimensions as llama.cpp's do (its RoPE turns interleaved pairs): the same transforms.
+TRANSFORMS["rope_pairs_q_in"] = TRANSFORMS["gguf_q_in"]
+TRANSFORMS["rope_pairs_k_in"] = TRANSFORMS["gguf_k_in"]
 
 
 def _global(name: str) -> Transform:

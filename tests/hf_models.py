@@ -95,6 +95,13 @@ FAMILIES = {
     # NoPE every 2nd layer (layer 1 of 3), tied embeddings.
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(
         no_rope_layer_interval=2, rope_theta=50000.0, **OWN_TOKEN_IDS["smollm3"])),
+    # Llama 4 (text): chunked (8) RoPE layers 0 and 2 with the weightless q/k norm, full NoPE layers 1 and 3 with the
+    # attention temperature (floor_scale 4: it changes every 4 positions), MoE layers 0, 1 and 3 (4 experts, top 1,
+    # a shared expert; layer 2 dense and wider).
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", dict(
+        num_hidden_layers=4, head_dim=16, intermediate_size=32, intermediate_size_mlp=112, num_local_experts=4,
+        num_experts_per_tok=1, moe_layers=[0, 1, 3], no_rope_layer_interval=2, attention_chunk_size=8,
+        floor_scale=4, attn_scale=0.5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
     # Post-norm blocks, full-width q/k norms.
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(rope_theta=500000.0)),
     # OLMo 3: sliding layers (window 7) around a full one, YaRN on the full layer only.

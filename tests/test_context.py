@@ -96,8 +96,14 @@ base = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, n
             head_dim=8, attention="blockwise")
 models = {"llama": ModelConfig(family="llama", **base),
           "gemma2-like": ModelConfig(family="llama", **base, layer_types=("sliding", "full"), sliding_window=5,
-                                     attn_softcap=20.0, final_softcap=15.0)}
-meshes = {"llama": [dict(fsdp=2, context=4), dict(fsdp=1, context=8)], "gemma2-like": [dict(fsdp=2, context=4)]}
+                                     attn_softcap=20.0, final_softcap=15.0),
+          # Llama 4's chunks (5 positions, restarting with each document: they straddle the shards) and a NoPE
+          # layer with the query temperature
+          "llama4-like": ModelConfig(family="llama4", **base, layer_types=("chunked", "full"), attention_chunk_size=5,
+                                     nope_layers=(1,), temperature_tuning=True, temperature_floor=2.0,
+                                     qk_l2_norm=True)}
+meshes = {"llama": [dict(fsdp=2, context=4), dict(fsdp=1, context=8)], "gemma2-like": [dict(fsdp=2, context=4)],
+          "llama4-like": [dict(fsdp=2, context=4)]}
 out = {}
 for name, cfg in models.items():
     rng = np.random.RandomState(1)  # weights ~ N(0, 0.02), norms 1, drawn with NumPy (see the batch above)
@@ -172,11 +178,12 @@ def runs(tmp_path_factory) -> dict:
 def test_context_parallel_loss_and_gradients_equal_one_device(runs):
     """Slow (one 8-device subprocess, shared with the splash test below: five compiles of a two-layer model's
     loss and gradients): context 4 x fsdp 2 and context 8 against the unsharded step in float32, packed documents
-    with padding, and a sliding-window model with soft-caps under context 4 x fsdp 2. Each device attends a quarter
+    with padding, a sliding-window model with soft-caps and one with Llama 4's chunks under context 4 x fsdp 2.
+    Each device attends a quarter
     (an eighth) of every row, so the offsets of its queries, the gathered keys' segment ids and the window across
     shard boundaries all count."""
     got = {k: v for k, v in runs["context"].items() if k != "gemma3 vlm"}
-    assert len(got) == 3, got
+    assert len(got) == 4, got
     for name, r in got.items():
         assert r["count"][0] == r["count"][1], name
         np.testing.assert_allclose(r["loss"], r["ref"], rtol=1e-5, err_msg=name)

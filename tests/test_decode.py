@@ -24,7 +24,7 @@ SEQ = 20  # longer than every sliding window (7; Phi-3's 16) of the tiny familie
 # later tokens change none of them), compiled once per run (the session's persistent compilation cache; in one
 # process, the same jitted function). Not listed: SEQ.
 REFERENCE_SEQS = {"mistral": 40, "gemma2": 40, "gemma3": 40, "gemma4": 40, "smollm3": 40, "olmo3": 40,
-                  "glm4_moe": 24, "gpt_oss": 24, "deepseek_v2": 24, "deepseek_v3": 24}
+                  "glm4_moe": 24, "gpt_oss": 24, "deepseek_v2": 24, "deepseek_v3": 24, "llama4": 24}
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +43,12 @@ def tiny(tiny_family):
 
 # The families whose cached attention differs from every other's: windows (mistral, gemma2/3, olmo3), soft-capping,
 # MLA (deepseek_v2; deepseek_v3's both ways in test_mla_expanded_and_absorbed_attention), KV-shared layers (gemma4),
-# sinks (gpt_oss), partial rotary (glm4_moe), NoPE layers (smollm3), LongRoPE's switch (phi3). The others (gemma,
+# sinks (gpt_oss), partial rotary (glm4_moe), NoPE layers (smollm3), LongRoPE's switch (phi3), chunked layers and the
+# NoPE layers' query temperature (llama4). The others (gemma,
 # qwen2, qwen3, mixtral, qwen3_moe, olmo2) differ from llama only before the cache or after attention, and decode
 # against transformers' greedy choices in test_greedy_equals_transformers_greedy like every family.
 CACHE_FAMILIES = ["llama", "mistral", "gemma2", "gemma3", "deepseek_v2", "gemma4", "glm4_moe", "gpt_oss", "smollm3",
-                  "olmo3", "phi3"]
+                  "olmo3", "phi3", "llama4"]
 
 
 @pytest.mark.slow

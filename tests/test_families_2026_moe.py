@@ -1,6 +1,7 @@
-"""Qwen3-MoE (qwen3_moe), GLM-4.5 (glm4_moe) and MiniMax-M2 (minimax_m2) in the one decoder, against transformers:
-logits, the variants' greedy KV-cache decoding (the tiny models' own: tests/test_decode.py over FAMILIES), the export
-round trip, a generated config; the released configs' parameter counts; GGUF qwen3moe and minimax-m2.
+"""Qwen3-MoE (qwen3_moe), GLM-4.5 (glm4_moe), MiniMax-M2 (minimax_m2) and Llama 4 (llama4, text) in the one decoder,
+against transformers: logits, the variants' greedy KV-cache decoding (the tiny models' own: tests/test_decode.py over
+FAMILIES), the export round trip, a generated config; the released configs' parameter counts; GGUF qwen3moe and
+minimax-m2.
 
 The tiny Qwen3-MoE (tests/hf_models.py FAMILIES) has a dense layer between two MoE layers (``mlp_only_layers``), so
 its MoE stack is scanned in two runs; the tiny GLM-4.5 has a dense first layer, sigmoid group-limited routing
@@ -27,7 +28,7 @@ from zoo.checkpoints.format import read_meta
 from zoo.checkpoints.readers import load_param_numpy
 from zoo.cli import main
 
-MOE_2026 = ["qwen3_moe", "glm4_moe", "minimax_m2"]
+MOE_2026 = ["qwen3_moe", "glm4_moe", "minimax_m2", "llama4"]
 SEQ = 24
 
 
@@ -164,8 +165,12 @@ def test_variants_match_transformers(tmp_path, family, overrides):
 # active, the unit of the figures' last digit: published figures are the counts cut to it). Qwen publishes 30.5B total / 3.3B activated and 235B / 22B
 # (embeddings counted); Z.ai 32B / 12B active for GLM-4.5 / GLM-4.5-Air, which equal the non-embedding ones.
 # GLM's totals (355B, 106B) are not checked: they are rounded loosely and count the multi-token-prediction layer
-# that transformers (and lmzoo) do not build.
+# that transformers (and lmzoo) do not build. Meta publishes 17B active for both Llama 4 models (the text model's,
+# embeddings counted) and 400B total for Maverick; Scout's 109B total counts its vision tower, which lmzoo does not
+# build (the text model: 107.8B).
 RELEASED = [
+    ("llama-4-scout", None, 17e9, True, 1e9),
+    ("llama-4-maverick", 400e9, 17e9, True, 1e9),
     ("qwen3-30b-a3b", 30.5e9, 3.3e9, True, 0.1e9),
     ("qwen3-235b-a22b", 235e9, 22e9, True, 1e9),
     ("glm-4.5", None, 32e9, False, 1e9),

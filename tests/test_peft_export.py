@@ -131,7 +131,8 @@ def assert_peft_loads_every_key(model, adapter_dir: Path) -> None:
 
 def test_layouts_turn_each_zoo_delta_into_peft_factors():
     """For every adapted weight of the dense table (and Gemma 4's, whose full layers' attention is stacked apart
-    with wider heads, a SmolVLM's tower and connector, Qwen2.5-VL's fused qkv, Gemma 4's tower's key/value heads):
+    with wider heads, a SmolVLM's tower and connector, Qwen2.5-VL's fused qkv, Gemma 4's tower's key/value heads,
+    Llama 4's q and k in RoPE pairs):
     lora_B @ lora_A is the export transform of A @ B."""
     llama = ModelConfig(family="llama", vocab_size=32, hidden_size=24, intermediate_size=40, num_layers=1,
                         num_heads=3, num_kv_heads=1, head_dim=8)
@@ -152,10 +153,12 @@ def test_layouts_turn_each_zoo_delta_into_peft_factors():
         arch="Gemma4ForConditionalGeneration", hidden_size=16, intermediate_size=24, num_layers=1, num_heads=2,
         num_kv_heads=1, head_width=8, patch_size=2, image_size=4, image_token_id=31, connector="gemma4",
         tower="gemma4", pos_table=8, max_soft_tokens=4))
+    # Llama 4: q and k rows in RoPE's interleaved pairs (convert.transforms' rope_pairs_*), B's rows permuted back.
+    llama4 = dataclasses.replace(llama, family="llama4")
     rng = np.random.RandomState(0)
     seen = set()
     for cfg, targets in ((llama, "all"), (gemma4, "all"), (vlm, vlm_targets), (qwen, ["vision.qkv", "projector.fc1"]),
-                         (gemma4_vlm, ["vision.k_proj"])):
+                         (gemma4_vlm, ["vision.k_proj"]), (llama4, ["q_proj", "k_proj"])):
         specs = lora_specs(cfg, LoraConfig(rank=4, targets=targets))
         rules = {r.zoo: r for r in table_for(cfg.family, export_format(cfg), cfg)}
         for path in sorted({p.rpartition(".")[0] for p in specs}):

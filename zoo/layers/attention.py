@@ -26,7 +26,8 @@ from zoo.model.rope import apply_rope
 
 def qkv_heads(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, cfg: ModelConfig,
               norm_w: jax.Array | None = None, lora: LayerLora | None = None,
-              shared_kv: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+              shared_kv: tuple[jax.Array, jax.Array] | None = None, rope_on: jax.Array | None = None,
+              q_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Roped q and k, and v, [batch, seq, heads, head_dim] (biases and q/k norms applied) of one attention layer.
 
     With ``norm_w`` x is first RMS-normed by it (fused with the projections:
@@ -34,7 +35,10 @@ def qkv_heads(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, cfg: ModelC
     LoRA (its q/k/v adapters, their scale and dropout). Gemma 4: a layer without a
     ``v`` weight takes its values from the key projection (before the key's
     norm and RoPE), ``cfg.v_norm`` RMS-normalizes values without a weight, and
-    a KV-shared layer (no ``k``) returns ``shared_kv``, another layer's keys and values.
+    a KV-shared layer (no ``k``) returns ``shared_kv``, another layer's keys and values. Llama 4:
+    ``cfg.qk_l2_norm`` RMS-normalizes the roped q and k without a weight where ``rope_on`` (the layer's RoPE flag,
+    :func:`zoo.model.rope.rope_flags`; None: every layer) is set, and ``q_scale`` [b, t] (its attention
+    temperature, :func:`zoo.model.rope.layer_query_scale`) multiplies the queries.
     """
     b, t, _ = x.shape
     names = tuple(n for n in ("q", "k", "v") if n in p)
@@ -53,7 +57,18 @@ def qkv_heads(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, cfg: ModelC
     assert k is not None and v is not None, "a layer without key weights needs shared_kv"
     if cfg.v_norm:
         v = rms_norm(v, jnp.ones(v.shape[-1:], v.dtype), cfg.rms_norm_eps)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if cfg.qk_l2_norm:  # Llama 4: after RoPE, without a weight, on RoPE layers only
+        q, k = _l2_norm(q, cfg, rope_on), _l2_norm(k, cfg, rope_on)
+    if q_scale is not None:
+        q = (q * q_scale[:, :, None, None]).astype(q.dtype)
+    return q, k, v
+
+
+def _l2_norm(x: jax.Array, cfg: ModelConfig, rope_on: jax.Array | None) -> jax.Array:
+    """Llama 4's weightless RMSNorm of q or k [b, t, heads, head_dim] over each head, where ``rope_on`` is set."""
+    normed = rms_norm(x, jnp.ones(x.shape[-1:], x.dtype), cfg.rms_norm_eps)
+    return normed if rope_on is None else jnp.where(rope_on > 0, normed, x)
 
 
 def qk_norm(x: jax.Array, w: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -109,8 +124,11 @@ def attend(qg: jax.Array, k: jax.Array, v: jax.Array, vis: Visibility, cfg: Mode
     window too), logits soft-capped by ``cfg.attn_softcap``, through the kernel of ``cfg.attention`` (:func:`zoo.kernels.choice.kernel_for`);
     -> [b, t, kv * g * dv]. With the mesh's ``context`` axis over 1 the sequence is split over it
     (:func:`zoo.model.context.context_attention`): each device attends its queries to the gathered keys. ``sinks``
-    [heads] (gpt-oss's attention sinks) only the blockwise kernel takes (:func:`zoo.kernels.choice.sinks_obstacle`)."""
+    [heads] (gpt-oss's attention sinks) only the blockwise kernel takes (:func:`zoo.kernels.choice.sinks_obstacle`);
+    Llama 4's chunked layers (``vis.chunk_ids``) always run blockwise."""
     kernel = kernel_for(cfg, qg.dtype, qg.shape[3], vis.prefix_ids is not None, vis.segments, vis.block_ids is not None)
+    if vis.chunk_ids is not None:  # Llama 4's chunks are a mask only the blockwise kernel builds (its full layers: any)
+        kernel = "blockwise"
 
     def run(qg: jax.Array, k: jax.Array, v: jax.Array, vis: Visibility) -> jax.Array:
         if kernel == "splash" and k.shape[2] != qg.shape[3]:  # a context shard's queries, the gathered keys
@@ -140,15 +158,17 @@ def output_projection(out: jax.Array, p: dict, cfg: ModelConfig, lora: LayerLora
 
 def attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, vis: Visibility, cfg: ModelConfig,
               norm_w: jax.Array | None = None, lora: LayerLora | None = None,
-              shared_kv: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+              shared_kv: tuple[jax.Array, jax.Array] | None = None, rope_on: jax.Array | None = None,
+              q_scale: jax.Array | None = None) -> jax.Array:
     """Grouped-query self-attention of one layer; x [batch, seq, embed].
 
     ``vis`` says which keys each query sees (:class:`zoo.model.masks.Visibility`: packed documents, the layer's
     sliding window, shared prefixes); no kernel builds it as a [seq, seq] mask (:mod:`zoo.kernels.choice`). With ``norm_w`` x is first RMS-normed by it.
     ``lora`` is this layer's LoRA: adapters by weight name (q, k, v, o), their scale and dropout. ``cfg.attention`` picks the kernel (:func:`attend`).
-    ``shared_kv``: a KV-shared layer's keys and values [b, t, kv_heads, head_dim] (see :func:`qkv_heads`).
+    ``shared_kv``: a KV-shared layer's keys and values [b, t, kv_heads, head_dim]; ``rope_on``, ``q_scale``: Llama
+    4's (see :func:`qkv_heads`).
     """
-    q, k, v = qkv_heads(x, p, cos, sin, cfg, norm_w, lora, shared_kv)
+    q, k, v = qkv_heads(x, p, cos, sin, cfg, norm_w, lora, shared_kv, rope_on, q_scale)
     out = attend(*head_major(q, k, v), vis, cfg, p["sinks"] if cfg.attn_sinks else None)
     return output_projection(out, p, cfg, lora)
 

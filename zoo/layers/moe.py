@@ -296,7 +296,10 @@ def moe_mlp(x: jax.Array, p: dict, cfg: ModelConfig, valid: jax.Array,
     xf = x.reshape(-1, e)
     vf = valid.reshape(-1)
     ids, weights, logits = route(xf, p, cfg)
-    out, dropped = _dispatch(xf, ids, weights, vf, p, cfg, lora)
+    if cfg.router_scales_input:
+        out, dropped = _dispatch_scaled_inputs(xf, ids, weights, vf, p, cfg, lora)
+    else:
+        out, dropped = _dispatch(xf, ids, weights, vf, p, cfg, lora)
     if cfg.shared_experts:
         act = ACTIVATIONS[cfg.hidden_act]
         h = act(_shared(xf, p, "shared_gate", lora)) * _shared(xf, p, "shared_up", lora)
@@ -366,6 +369,18 @@ def _dispatch(x: jax.Array, ids: jax.Array, weights: jax.Array, valid: jax.Array
     if cfg.capacity_factor is None:
         return _experts_dropless(x, ids, weights, p, cfg, lora), jnp.zeros((), jnp.int32)
     return _experts_capacity(x, ids, weights, valid, p, cfg, lora)
+
+
+def _dispatch_scaled_inputs(x: jax.Array, ids: jax.Array, weights: jax.Array, valid: jax.Array, p: dict,
+                            cfg: ModelConfig, lora: LayerLora | None) -> tuple[jax.Array, jax.Array]:
+    """:func:`_dispatch` where each expert reads its token times the router weight and its output is summed as it is
+    (Llama 4: transformers' Llama4TextMoe multiplies the routed input by the score): each of a token's k
+    assignments is dispatched as a token of its own, with weight 1."""
+    n, k = ids.shape
+    scaled = (x[:, None, :] * weights[..., None].astype(x.dtype)).reshape(n * k, -1)
+    ones = jnp.ones((n * k, 1), weights.dtype)
+    out, dropped = _dispatch(scaled, ids.reshape(n * k, 1), ones, jnp.repeat(valid, k), p, cfg, lora)
+    return out.reshape(n, k, -1).sum(1), dropped
 
 
 def _router_stats(logits: jax.Array, ids: jax.Array, dropped: jax.Array, vf: jax.Array,

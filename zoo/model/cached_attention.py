@@ -27,13 +27,15 @@ def slot_positions(lengths: jax.Array, slots: int) -> jax.Array:
 
 
 def new_token_masks(pos: jax.Array, valid: jax.Array, old_pos: jax.Array | None, window: int | None,
-                    block_ids: jax.Array | None = None) -> tuple[jax.Array | None, jax.Array]:
+                    block_ids: jax.Array | None = None,
+                    chunk: int | None = None) -> tuple[jax.Array | None, jax.Array]:
     """Which keys each new query may attend to: old slots [batch, t, S] (None without), new tokens [batch, t, t].
 
     ``block_ids`` [batch, t] (-1 outside a block): bidirectional blocks among the new tokens (Gemma 3's image
     tokens at prefill, :func:`zoo.model.multimodal.image_blocks`): a query also sees its block's later tokens, and
     with ``window`` the one-sided window still applies (``window AND (causal OR same-block)``, as the training
-    forward's :class:`zoo.model.masks.Visibility`)."""
+    forward's :class:`zoo.model.masks.Visibility`). ``chunk``: Llama 4's chunked layers, a query sees only the
+    keys of its own chunk (position // chunk)."""
     q = pos[:, :, None]
     new = pos[:, None, :]
     new_ok = valid[:, None, :] & (new <= q)
@@ -42,12 +44,16 @@ def new_token_masks(pos: jax.Array, valid: jax.Array, old_pos: jax.Array | None,
         new_ok = new_ok | (valid[:, None, :] & same)
     if window is not None:
         new_ok = new_ok & (q - new < window)
+    if chunk is not None:
+        new_ok = new_ok & (q // chunk == new // chunk)
     if old_pos is None:
         return None, new_ok
     old = old_pos[:, None, :]
     old_ok = old >= 0
     if window is not None:
         old_ok = old_ok & (q - old < window)
+    if chunk is not None:
+        old_ok = old_ok & (q // chunk == old // chunk)
     return jnp.broadcast_to(old_ok, q.shape[:2] + old.shape[2:]), new_ok
 
 
@@ -100,14 +106,17 @@ def attend_split(qg: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Arra
 def gqa_attention(x: jax.Array, p: dict, c: dict | None, cos: jax.Array, sin: jax.Array,
                    masks: tuple[jax.Array | None, jax.Array], window: int | None,
                    cfg: ModelConfig, lora: LayerLora | None = None,
-                   shared_kv: tuple[jax.Array, jax.Array] | None = None, causal: bool = True) -> tuple[jax.Array, dict]:
+                   shared_kv: tuple[jax.Array, jax.Array] | None = None, causal: bool = True,
+                   rope_on: jax.Array | None = None, q_scale: jax.Array | None = None) -> tuple[jax.Array, dict]:
     """One layer's attention over cache ``c`` (k [b, hk, d, S], v [b, hk, S, d]; None when empty) and the new tokens
     (``lora``: the layer's LoRA, its adapters beside the base matmuls as in training). A KV-shared layer (Gemma 4) gets
     its stored layer's cache as ``c`` and that layer's new keys/values as ``shared_kv``. ``causal`` False: the new
-    tokens' mask lets some see later ones (Gemma 3's image blocks at prefill).
+    tokens' mask lets some see later ones (Gemma 3's image blocks at prefill). ``rope_on``, ``q_scale``: Llama 4's
+    (:func:`zoo.layers.attention.qkv_heads`).
 
     Returns (output, new k/v [b, t, hk, d])."""
-    q, k, v = qkv_heads(x, p, cos, sin, cfg, p.get("attn_norm"), lora=lora, shared_kv=shared_kv)
+    q, k, v = qkv_heads(x, p, cos, sin, cfg, p.get("attn_norm"), lora=lora, shared_kv=shared_kv, rope_on=rope_on,
+                        q_scale=q_scale)
     qg, kh, vh = head_major(q, k, v)
     old_ok, new_ok = masks
     sinks = p["sinks"] if cfg.attn_sinks else None

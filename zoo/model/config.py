@@ -53,11 +53,16 @@ class RopeConfig:
         object.__setattr__(self, "mrope_section", tuple(int(x) for x in self.mrope_section))
 
 
-LAYER_KINDS = ("full", "sliding")
+LAYER_KINDS = ("full", "sliding", "chunked")  # chunked: Llama 4's local attention within fixed chunks
 # How the training forward attends (zoo.kernels.choice): "auto" picks by platform and model (cuDNN's flash attention on
 # NVIDIA GPUs where it applies, splash's Pallas kernel on TPUs where it applies, else the blockwise XLA path); the
 # others ask for one kernel.
 ATTENTION_KERNELS = ("auto", "blockwise", "cudnn", "splash")
+
+
+# Llama 4's fields, left out of a model.json where they have their defaults (every other family's).
+LLAMA4_FIELDS = ("attention_chunk_size", "qk_l2_norm", "temperature_tuning", "temperature_floor",
+                 "temperature_scale", "router_scales_input")
 
 
 @dataclass(frozen=True)
@@ -173,6 +178,17 @@ class ModelConfig:
     qk_norm_span: str = "head"
     # A vision-language model's image tower and connector (zoo.model.vision_config); None: text only.
     vision: VisionConfig | None = None
+    # Llama 4. "chunked" layers attend within their chunk of attention_chunk_size positions (position // size
+    # equal, causal); qk_l2_norm: q and k RMS-normed per head without a weight after RoPE, on RoPE layers only;
+    # temperature_tuning: NoPE layers' queries scaled by log1p(floor((pos + 1) / temperature_floor)) *
+    # temperature_scale + 1; router_scales_input: each routed expert reads its token times the router weight
+    # (the weight is not applied to the expert's output).
+    attention_chunk_size: int | None = None
+    qk_l2_norm: bool = False
+    temperature_tuning: bool = False
+    temperature_floor: float = 8192.0
+    temperature_scale: float = 0.1
+    router_scales_input: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "nope_layers", tuple(int(i) for i in self.nope_layers))
@@ -192,6 +208,8 @@ class ModelConfig:
                 raise UserError(f"model config: layer_types must list {self.num_layers} of {LAYER_KINDS}")
             if "sliding" in self.layer_types and not self.sliding_window:
                 raise UserError("model config: sliding layers need a sliding_window")
+            if "chunked" in self.layer_types and not self.attention_chunk_size:
+                raise UserError("model config: chunked layers need an attention_chunk_size")
 
     @property
     def mla(self) -> bool:
@@ -270,6 +288,9 @@ class ModelConfig:
             d.pop("hf_experts_out_in")
         if self.vision is None:  # a text model's model.json stays as it was
             d.pop("vision")
+        for name in LLAMA4_FIELDS:  # so are those of every model but Llama 4
+            if d[name] == _DEFAULTS[name]:
+                d.pop(name)
         return d
 
     def architecture(self) -> ModelConfig:
@@ -294,3 +315,6 @@ class ModelConfig:
         return cls(rope=RopeConfig(**rope), rope_local=RopeConfig(**local) if local else None,
                    layer_types=tuple(types) if types is not None else None,
                    vision=VisionConfig(**vision) if vision else None, **d)
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}

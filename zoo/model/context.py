@@ -48,7 +48,8 @@ def context_attention(attend: Attend, qg: jax.Array, k: jax.Array, v: jax.Array,
     rows, heads = logical_to_spec(("batch", "kv_heads"), (b, hk), mesh)
     seq = P(rows, AXIS)
     # The per-token ids beside the segment ids that are there: shared prefixes (queries' only) and image blocks.
-    extra = {name: x for name, x in (("prefix", vis.prefix_ids), ("blocks", vis.block_ids)) if x is not None}
+    extra = {name: x for name, x in (("prefix", vis.prefix_ids), ("blocks", vis.block_ids),
+                                     ("chunks", vis.chunk_ids)) if x is not None}
 
     def local(qg: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array, extra: dict[str, jax.Array]) -> jax.Array:
         offset = jax.lax.axis_index(AXIS) * qg.shape[3]
@@ -56,8 +57,10 @@ def context_attention(attend: Attend, qg: jax.Array, k: jax.Array, v: jax.Array,
         keys = jax.lax.all_gather(seg, AXIS, axis=1, tiled=True)
         blocks = extra.get("blocks")  # the queries' block ids local, the keys' gathered, as the segment ids
         key_blocks = None if blocks is None else jax.lax.all_gather(blocks, AXIS, axis=1, tiled=True)
+        chunks = extra.get("chunks")  # Llama 4's chunk ids, likewise
+        key_chunks = None if chunks is None else jax.lax.all_gather(chunks, AXIS, axis=1, tiled=True)
         return attend(qg, k, v, Visibility(seg, keys, extra.get("prefix"), offset, vis.window, vis.segments, blocks,
-                                           vis.lookahead, key_blocks))
+                                           vis.lookahead, key_blocks, chunks, key_chunks))
 
     kv = P(rows, heads, AXIS, None)
     in_specs = (P(rows, heads, None, AXIS, None), kv, kv, seq, {name: seq for name in extra})

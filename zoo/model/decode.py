@@ -60,7 +60,7 @@ from zoo.model.layer_layout import (
 )
 from zoo.model.layer_scan import Segment, scan_segments, stack_slice
 from zoo.model.longrope import switch_to_long
-from zoo.model.masks import kind_window
+from zoo.model.masks import kind_chunk, kind_window
 from zoo.model.mrope import mrope_positions
 from zoo.model.multimodal import (
     blocks_of_kind,
@@ -71,7 +71,7 @@ from zoo.model.multimodal import (
     text_ids,
 )
 from zoo.model.per_layer_inputs import per_layer_inputs
-from zoo.model.rope import layer_rope, rope_flags, rope_tables_by_kind
+from zoo.model.rope import layer_query_scale, layer_rope, query_temperature, rope_flags, rope_tables_by_kind
 from zoo.model.vision import VisionInputs
 
 
@@ -101,6 +101,9 @@ def _kind_sizes(cfg: ModelConfig, max_len: int) -> dict[str, int]:
     if "sliding" in cfg.kinds:
         assert cfg.sliding_window is not None  # ModelConfig refuses sliding layers without a window
         sizes["sliding"] = min(cfg.sliding_window, max_len)
+    if "chunked" in cfg.kinds:  # Llama 4: a query's keys lie within its chunk's size
+        assert cfg.attention_chunk_size is not None  # ModelConfig refuses chunked layers without one
+        sizes["chunked"] = min(cfg.attention_chunk_size, max_len)
     return sizes
 
 
@@ -280,7 +283,7 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax
     blocks = image_blocks(cfg, tokens)[0] if vision is not None else None
     kind_blocks = {kind: blocks_of_kind(cfg, kind, blocks) for kind in slots}
     masks = {kind: new_token_masks(pos, valid, slot_positions(cache.lengths, n)[:, :n] if n else None, windows[kind],
-                                   kind_blocks[kind]) for kind, n in read.items()}
+                                   kind_blocks[kind], kind_chunk(cfg, kind)) for kind, n in read.items()}
     # As the training forward embeds a row with images (zoo.model.decoder.forward): an image token read as id 0.
     ids = tokens if vision is None else text_ids(cfg, tokens)
     x = embed_tokens(cfg, base, ids)
@@ -292,7 +295,7 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax
     stored: dict[str, tuple[dict | None, tuple[jax.Array, jax.Array]]] = {}
     causal = {kind: b is None for kind, b in kind_blocks.items()}
     layer = _cached_layer(cfg, ropes, masks, windows, read, slots, stored, valid, scale, mla_absorb, causal,
-                          w.rows, pages)
+                          w.rows, pages, query_temperature(cfg, pos))
     x, written = _run_cached_stacks(cfg, base, x, cache, layer, lora, ple, fresh, stored, deep)
     if last is not None:
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
@@ -324,7 +327,8 @@ def _cached_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Array]
                   stored: dict[str, tuple[dict | None, tuple[jax.Array, jax.Array]]], valid: jax.Array,
                   scale: float | jax.Array, mla_absorb: bool | None,
                   causal: dict[str, bool] | None = None, rows: bool = False,
-                  pages: jax.Array | None = None) -> Callable[..., tuple[jax.Array, dict | None]]:
+                  pages: jax.Array | None = None,
+                  temperature: jax.Array | None = None) -> Callable[..., tuple[jax.Array, dict | None]]:
     """The cached forward's layer as :func:`_run_cached_stacks` scans it: ``layer(x, inputs, kind, moe, prefix)``.
 
     ``inputs`` are one layer's (weights, adapters, NoPE flag, per-layer input, DeepStack level, cache entry); by
@@ -335,6 +339,7 @@ def _cached_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Array]
     ``rows``: the adapters are per batch row (:class:`zoo.lora.projections.LayerLora`). ``pages``: the rows' page
     tables of a paged cache (:func:`forward_step`), gathered here. A KV-shared layer (Gemma 4) reads its stored layer's cache and new keys/values
     from ``stored``. The layer's output is its new cache entries (None for a KV-shared layer: it writes nothing).
+    ``temperature`` [b, t]: Llama 4's query temperature of the NoPE layers (:func:`zoo.model.rope.query_temperature`).
     """
 
     def layer(x: jax.Array, inputs: tuple, kind: str, moe: bool, prefix: str) -> tuple[jax.Array, dict | None]:
@@ -356,7 +361,8 @@ def _cached_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Array]
             if cfg.mla:
                 return mla_attention(norm(cfg, x, p["attn_norm"]), p, c, *ropes[kind], masks[kind], cfg, mla_absorb)
             return gqa_attention(x, p, c, *layer_rope(ropes[kind], rope_on), masks[kind], windows[kind], kcfg, lora,
-                                  reuse, causal is None or causal[kind])
+                                  reuse, causal is None or causal[kind], rope_on,
+                                  layer_query_scale(temperature, rope_on))
 
         x, new, _ = decoder_layer(cfg, x, p, attend, moe, valid, lora, per_layer=pli, deepstack=deep)
         return x, (None if reuse is not None else new)  # a KV-shared layer writes nothing

@@ -37,7 +37,7 @@ from zoo.model.layer_layout import (
     store_layers,
 )
 from zoo.model.layer_scan import Segment, scan_segments, stack_slice
-from zoo.model.masks import kind_window, visibility
+from zoo.model.masks import kind_chunk, kind_window, visibility
 from zoo.model.mrope import mrope_positions
 from zoo.model.multimodal import (
     blocks_of_kind,
@@ -49,7 +49,7 @@ from zoo.model.multimodal import (
 )
 from zoo.model.params import flatten, init_params, nest, param_specs
 from zoo.model.per_layer_inputs import add_per_layer_input, per_layer_inputs
-from zoo.model.rope import layer_rope, rope_flags, rope_tables_by_kind
+from zoo.model.rope import layer_query_scale, layer_rope, query_temperature, rope_flags, rope_tables_by_kind
 from zoo.model.sharding import batch_sharded
 from zoo.model.vision import VisionInputs
 
@@ -234,7 +234,7 @@ def forward(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax.Arra
     # Rows with images: Gemma 3's image tokens attend within their image both ways (zoo.model.multimodal).
     blocks, ahead = image_blocks(cfg, tokens) if vision is not None else (None, 0)
     seen = {kind: visibility(segment_ids, kind_window(cfg, kind), prefix_ids, max_segments,
-                             blocks_of_kind(cfg, kind, blocks), ahead)
+                             blocks_of_kind(cfg, kind, blocks), ahead, _chunk_ids(kind_chunk(cfg, kind), positions))
             for kind in ropes}
     valid = segment_ids != 0
     ids = tokens if vision is None else text_ids(cfg, tokens)
@@ -247,7 +247,8 @@ def forward(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax.Arra
     # embeddings with the images in place.
     ple = per_layer_inputs(cfg, base, ids, x) if cfg.per_layer_input_size else None
     shared: dict[str, tuple[jax.Array, jax.Array]] = {}  # kind -> the keys/values the KV-shared layers reuse
-    layer = _training_layer(cfg, ropes, seen, valid, scale, lora_dropout, shared, w.rows)
+    layer = _training_layer(cfg, ropes, seen, valid, scale, lora_dropout, shared, w.rows,
+                            query_temperature(cfg, positions))
     x, layer_stats = _run_stacks(cfg, base, x, layer, lora, drop_keys, ple, remat, shared, deep)
     x = norm(cfg, x, base["final_norm"])
     logits = x if return_hidden else output_logits(cfg, base, x)
@@ -262,7 +263,7 @@ def forward(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax.Arra
 def _training_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Array]], seen: dict[str, Any],
                     valid: jax.Array, scale: float | jax.Array, lora_dropout: float | jax.Array,
                     shared: dict[str, tuple[jax.Array, jax.Array]],
-                    rows: bool = False) -> Callable[..., tuple[jax.Array, Any]]:
+                    rows: bool = False, temperature: jax.Array | None = None) -> Callable[..., tuple[jax.Array, Any]]:
     """The training forward's layer as :func:`_run_stacks` scans it: ``layer(x, inputs, kind, moe, prefix)``.
 
     ``inputs`` are one layer's (weights, adapters, dropout key, NoPE flag, per-layer input, DeepStack level);
@@ -270,6 +271,7 @@ def _training_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Arra
     ``seen`` the rope tables and visibility by layer kind. Gemma 4's KV-shared layers read their keys/values
     from ``shared``, which :func:`_run_stacks` fills as the storing layers' stack is done; a storing layer's
     output then carries its keys/values beside its router statistics. ``rows``: the adapters are per batch row.
+    ``temperature`` [b, t]: Llama 4's query temperature of the NoPE layers (:func:`zoo.model.rope.query_temperature`).
     """
     sharing = cfg.kv_shared_layers > 0
 
@@ -289,12 +291,20 @@ def _training_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Arra
                 q, k, v = qkv_heads(x, p, cos, sin, kcfg, p.get("attn_norm"), lora, reuse)
                 out = attend_heads(*head_major(q, k, v), seen[kind], kcfg, p["sinks"] if cfg.attn_sinks else None)
                 return output_projection(out, p, kcfg, lora), None if reuse is not None else (k, v)
-            return attention(x, p, cos, sin, seen[kind], kcfg, norm_w=p.get("attn_norm"), lora=lora), None
+            return attention(x, p, cos, sin, seen[kind], kcfg, norm_w=p.get("attn_norm"), lora=lora, rope_on=rope_on,
+                             q_scale=layer_query_scale(temperature, rope_on)), None
 
         x, kv, stats = decoder_layer(cfg, x, p, attend, moe, valid, lora, pli, deep)
         return x, ((stats, kv) if sharing else stats)
 
     return layer
+
+
+def _chunk_ids(chunk: int | None, positions: jax.Array) -> jax.Array | None:
+    """Each token's attention chunk [b, t] (position // chunk: Llama 4's chunked layers), None without chunks."""
+    if chunk is None:
+        return None
+    return positions // chunk if positions.ndim == 2 else positions[0] // chunk
 
 
 def _run_stacks(cfg: ModelConfig, params: dict[str, Any], x: jax.Array, layer: Callable[..., tuple[jax.Array, Any]],

@@ -17,7 +17,7 @@ from zoo.model.config import ModelConfig, RopeConfig
 from zoo.model.hf_families import CLASSIFIER, FAMILIES, VISION_FORMATS, FamilyTraits, family_of
 
 SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn", "longrope", "proportional")  # proportional: Gemma 4
-LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
+LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked"}
 # family -> (pre_norms, qk_norm_span): OLMo 2/3 norm only the outputs of attention and MLP, and their q/k norms
 # are one RMSNorm over all heads' q (k) at once, as MiniMax-M2's (which keeps the pre-norms).
 _LAYOUT = {"olmo2": (False, "all"), "olmo3": (False, "all"), "minimax_m2": (True, "all")}
@@ -113,6 +113,8 @@ def _moe_fields(traits: FamilyTraits, c: Any, where: str) -> dict[str, Any]:
         return gpt_oss_fields(c)
     if traits.moe == "minimax_m2":
         return _minimax_m2_fields(c)
+    if traits.moe == "llama4":
+        return _llama4_fields(c)
     if traits.moe == "mixtral":
         return dict(num_experts=int(c.num_local_experts), experts_per_token=int(c.num_experts_per_tok),
                     moe_intermediate_size=int(c.intermediate_size), router_score="softmax", router_norm_topk=True,
@@ -153,6 +155,21 @@ def gpt_oss_fields(c: Any) -> dict[str, Any]:
                 aux_loss_coef=float(getattr(c, "router_aux_loss_coef", 0.0) or 0.0), attn_sinks=True,
                 router_logits_bias=True, expert_bias=True, swiglu_limit=float(c.swiglu_limit),
                 swiglu_alpha=float(c.swiglu_alpha))
+
+
+def _llama4_fields(c: Any) -> dict[str, Any]:
+    """Llama 4's ModelConfig fields (transformers' Llama4TextConfig), but its dense layers' width
+    (``intermediate_size_mlp``, :func:`_completed`): experts and one shared expert of ``intermediate_size``
+    on the ``moe_layers`` (the others dense), sigmoid top-k routing whose weight scales each expert's input, chunked
+    attention, the weightless q/k norm of RoPE layers and the NoPE layers' attention temperature."""
+    moe_layers = {int(i) for i in c.moe_layers}
+    return dict(num_experts=int(c.num_local_experts), experts_per_token=int(c.num_experts_per_tok),
+                moe_intermediate_size=int(c.intermediate_size), shared_experts=1, router_score="sigmoid",
+                router_norm_topk=False, router_scales_input=True,
+                mlp_only_layers=tuple(i for i in range(int(c.num_hidden_layers)) if i not in moe_layers),
+                attention_chunk_size=int(c.attention_chunk_size) if c.attention_chunk_size else None,
+                qk_l2_norm=bool(c.use_qk_norm), temperature_tuning=bool(c.attn_temperature_tuning),
+                temperature_floor=float(c.floor_scale), temperature_scale=float(c.attn_scale))
 
 
 def _gemma4_fields(c: Any, where: str) -> dict[str, Any]:
@@ -244,6 +261,7 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
     n = int(c.num_hidden_layers)
     kinds = _layer_kinds(traits, c, window, where)
     sliding = "sliding" in kinds
+    typed = sliding or "chunked" in kinds  # Llama 4's chunked layers
     act = str(getattr(c, traits.act_field, None) or getattr(c, "hidden_act", "silu"))
     if family == "gemma" and act == "gelu":
         act = "gelu_pytorch_tanh"  # transformers itself swaps the legacy exact GELU for the tanh one
@@ -270,7 +288,7 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
             post_norms=traits.post_norms, qk_norm=_flag(traits.qk_norm, c),
             query_pre_attn_scalar=float(c.query_pre_attn_scalar) if traits.uses_query_pre_attn_scalar else None,
             attn_softcap=float(attn_cap) if attn_cap else None, final_softcap=float(final_cap) if final_cap else None,
-            sliding_window=int(window) if sliding else None, layer_types=kinds if sliding else None,
+            sliding_window=int(window) if sliding else None, layer_types=kinds if typed else None,
             rope_local=local if sliding and local != rope else None, **moe, **read_layer_fields(family, c, rp),
         )
     except (TypeError, ValueError, AttributeError) as e:
@@ -283,6 +301,8 @@ def _completed(cfg: ModelConfig, hf: dict[str, Any], top: Any, c: Any, where: st
     checked for what lmzoo cannot run."""
     if cfg.family == "gemma4":
         cfg = dataclasses.replace(cfg, **_gemma4_fields(c, where))
+    if cfg.family == "llama4":  # its dense layers' MLP (the experts' width is intermediate_size)
+        cfg = dataclasses.replace(cfg, intermediate_size=int(c.intermediate_size_mlp))
     vision = VISION_FORMATS.get(family_of(hf, where)[1])
     if vision is not None and getattr(top, "vision_config", None) is not None:  # a released text config has none
         from zoo.model.vision_from_hf import vision_config_from_hf

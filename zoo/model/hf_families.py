@@ -81,6 +81,8 @@ FAMILIES: dict[str, FamilyTraits] = {
                            act_field="hidden_activation", final_softcap_field="final_logit_softcapping"),
     # Vision-language models on a Llama language model (text_config model_type "llama"): a SigLIP tower and the
     # pixel-shuffle connector. model_type/architecture name the composite config and model class.
+    # Llama 4's text model (Llama4ForCausalLM; the vision tower of Llama4ForConditionalGeneration is not read).
+    "llama4": FamilyTraits("llama4_text", "Llama4ForCausalLM", moe="llama4"),
     "smolvlm": FamilyTraits("smolvlm", "SmolVLMForConditionalGeneration", mlp_bias="mlp_bias"),
     "idefics3": FamilyTraits("idefics3", "Idefics3ForConditionalGeneration", mlp_bias="mlp_bias"),
     # Qwen2.5-VL: a Qwen 2 language model (text_config model_type "qwen2_5_vl_text") with multimodal RoPE.
@@ -114,6 +116,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     **{t.architecture.replace(*CLASSIFIER): (f, "hf") for f, t in FAMILIES.items() if CLASSIFIER[0] in t.architecture},
     "Gemma3ForConditionalGeneration": ("gemma3", "hf-gemma3-multimodal"),
     "Gemma4ForConditionalGeneration": ("gemma4", "hf-gemma4-multimodal"),
+    "Llama4ForConditionalGeneration": ("llama4", "hf-llama4-multimodal"),  # its language model (no vision tower yet)
     "SmolVLMForConditionalGeneration": ("smolvlm", "hf-smolvlm"),
     "Idefics3ForConditionalGeneration": ("idefics3", "hf-idefics3"),
     "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "hf-qwen2_5-vl"),
@@ -124,6 +127,7 @@ MODEL_TYPES: dict[str, tuple[str, str]] = {
     **{t.model_type: (f, "hf") for f, t in FAMILIES.items()},
     "gemma3": ("gemma3", "hf-gemma3-multimodal"),
     "gemma4": ("gemma4", "hf-gemma4-multimodal"),
+    "llama4": ("llama4", "hf-llama4-multimodal"),
     "smolvlm": ("smolvlm", "hf-smolvlm"),
     "idefics3": ("idefics3", "hf-idefics3"),
     "qwen2_5_vl": ("qwen2_5_vl", "hf-qwen2_5-vl"),

@@ -22,8 +22,18 @@ from zoo.model.config import ModelConfig
 
 
 def kind_window(cfg: ModelConfig, kind: str) -> int | None:
-    """The sliding window of layers of ``kind`` ("sliding" / "full"): None for full attention."""
+    """The sliding window of layers of ``kind`` ("sliding" / "full" / "chunked"): None for full attention. A
+    chunked layer's (Llama 4) is its chunk size: a query's keys lie within it, so the kernels skip the keys past it
+    and a cache keeps that many slots; the chunk itself is :func:`kind_chunk`'s."""
+    if kind == "chunked":
+        return cfg.attention_chunk_size
     return cfg.sliding_window if kind == "sliding" else None
+
+
+def kind_chunk(cfg: ModelConfig, kind: str) -> int | None:
+    """The attention chunk of layers of ``kind``: Llama 4's ``attention_chunk_size`` on "chunked" layers (a token
+    sees the earlier tokens whose position // chunk is its own), else None."""
+    return cfg.attention_chunk_size if kind == "chunked" else None
 
 
 def attention_mask(segment_ids: jax.Array, window: int | None = None,
@@ -54,7 +64,8 @@ def attention_mask(segment_ids: jax.Array, window: int | None = None,
 
 
 @partial(jax.tree_util.register_dataclass,
-         data_fields=("segment_ids", "key_segment_ids", "prefix_ids", "offset", "block_ids", "key_block_ids"),
+         data_fields=("segment_ids", "key_segment_ids", "prefix_ids", "offset", "block_ids", "key_block_ids",
+                      "chunk_ids", "key_chunk_ids"),
          meta_fields=("window", "segments", "lookahead"))
 @dataclass(frozen=True)
 class Visibility:
@@ -77,6 +88,10 @@ class Visibility:
     (:func:`zoo.kernels.blockwise.key_ranges`) keeps those. ``key_block_ids`` [b, tk] are the keys' block ids
     where they are other rows than the queries' (context parallelism's gathered keys, as ``key_segment_ids``);
     None: the queries' ``block_ids``.
+
+    ``chunk_ids`` [b, t] or None: Llama 4's chunked attention, each token's position // attention_chunk_size: a
+    query sees only keys of its own chunk (with ``window`` the chunk size, so kernels skip the keys before it);
+    ``key_chunk_ids`` the keys' where they are other rows (None: the queries').
     """
 
     segment_ids: jax.Array
@@ -88,6 +103,8 @@ class Visibility:
     block_ids: jax.Array | None = None
     lookahead: int = 0
     key_block_ids: jax.Array | None = None
+    chunk_ids: jax.Array | None = None
+    key_chunk_ids: jax.Array | None = None
 
     def block(self, qs: int, qe: int, ks: int, ke: int) -> jax.Array:
         """Boolean [b, qe - qs, ke - ks]: whether query row qs.. sees key row ks.. (rows local to this array)."""
@@ -100,6 +117,9 @@ class Visibility:
             allowed = allowed | ((qb == kb) & (qb >= 0))
         if self.window is not None:
             allowed &= (q - k < self.window)[None]
+        if self.chunk_ids is not None:
+            keys = self.chunk_ids if self.key_chunk_ids is None else self.key_chunk_ids
+            allowed &= self.chunk_ids[:, qs:qe, None] == keys[:, None, ks:ke]
         qseg, kseg = self.segment_ids[:, qs:qe, None], self.key_segment_ids[:, None, ks:ke]
         same = qseg == kseg
         if self.prefix_ids is not None:
@@ -108,14 +128,16 @@ class Visibility:
 
 
 def visibility(segment_ids: jax.Array, window: int | None = None, prefix_ids: jax.Array | None = None,
-               segments: int | None = None, block_ids: jax.Array | None = None, lookahead: int = 0) -> Visibility:
+               segments: int | None = None, block_ids: jax.Array | None = None, lookahead: int = 0,
+               chunk_ids: jax.Array | None = None) -> Visibility:
     """The :class:`Visibility` of one packed batch (queries and keys the same rows): :func:`attention_mask`'s
-    mask, never built whole; with ``block_ids`` (and their ``lookahead``) each block bidirectional."""
+    mask, never built whole; with ``block_ids`` (and their ``lookahead``) each block bidirectional; with
+    ``chunk_ids`` (Llama 4's chunked layers) each token sees its own chunk only."""
     if window is not None and prefix_ids is not None:
         raise ValueError("visibility: shared prefixes (prefix_ids) need full attention, not a sliding-window mask "
                          "(its window counts row indices)")
     return Visibility(segment_ids, segment_ids, prefix_ids, jnp.zeros((), jnp.int32), window, segments, block_ids,
-                      lookahead)
+                      lookahead, chunk_ids=chunk_ids)
 
 
 def image_block_ids(tokens: jax.Array, image_token_id: int) -> jax.Array:

@@ -33,8 +33,9 @@ def rope_inv_freq(rope: RopeConfig, rot_dim: int) -> np.ndarray:
         high_wavelen = old_ctx / rope.high_freq_factor
         wavelen = 2 * math.pi / inv_freq
         scaled = np.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
-        smooth = (old_ctx / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        with np.errstate(divide="ignore", invalid="ignore"):  # Llama 4 Scout: high = low, no medium band
+            smooth = (old_ctx / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+            smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return np.where(medium, smoothed, scaled).astype(np.float32)
     if rope.kind == "yarn":
@@ -208,4 +209,24 @@ def rope_tables_by_kind(cfg: ModelConfig, positions: jax.Array, valid: jax.Array
     tables = {"full": _tables(cfg.rope, kind_config(cfg, "full").rope_dim, positions, valid, per_row)}
     if "sliding" in cfg.kinds:
         tables["sliding"] = _tables(cfg.rope_local or cfg.rope, cfg.rope_dim, positions, valid, per_row)
+    if "chunked" in cfg.kinds:  # Llama 4's chunked layers turn as its full ones
+        tables["chunked"] = tables["full"]
     return tables
+
+
+def query_temperature(cfg: ModelConfig, positions: jax.Array) -> jax.Array | None:
+    """Llama 4's attention temperature of each token [batch, seq] (float32), by which NoPE layers scale their
+    queries: ``log1p(floor((pos + 1) / temperature_floor)) * temperature_scale + 1`` (transformers'
+    ``attn_temperature_tuning``); None where the model has none (or no NoPE layer)."""
+    if not (cfg.temperature_tuning and cfg.nope_layers):
+        return None
+    pos = positions.astype(jnp.float32)
+    return jnp.log1p(jnp.floor((pos + 1.0) / cfg.temperature_floor)) * cfg.temperature_scale + 1.0
+
+
+def layer_query_scale(temperature: jax.Array | None, rope_on: jax.Array | None) -> jax.Array | None:
+    """One layer's query scale [batch, seq]: ``temperature`` (:func:`query_temperature`) on a NoPE layer
+    (``rope_on`` 0, :func:`rope_flags`), 1 on a RoPE layer; None without a temperature."""
+    if temperature is None or rope_on is None:  # no temperature, or no NoPE layer
+        return None
+    return jnp.where(rope_on > 0, 1.0, temperature)

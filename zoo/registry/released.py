@@ -158,6 +158,25 @@ SMOLLM3_3B = {"architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", 
               "pretraining_tp": 2, "bos_token_id": 128000, "eos_token_id": 128012, "pad_token_id": 128004,
               "torch_dtype": "bfloat16"}
 
+# meta-llama/Llama-4-Scout-17B-16E's and Llama-4-Maverick-17B-128E's text_config (the released checkpoints are
+# Llama4ForConditionalGeneration; the vision tower is not converted): 48 layers, every 4th NoPE with the attention
+# temperature, the others chunked (8192) with the weightless q/k norm (Scout only); 16 experts on every layer
+# (Scout) or 128 on every second (Maverick), top 1, and a shared expert.
+_LLAMA4 = {"architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text", "vocab_size": 202048,
+           "hidden_size": 5120, "intermediate_size": 8192, "intermediate_size_mlp": 16384, "num_hidden_layers": 48,
+           "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu",
+           "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "attention_bias": False, "attention_chunk_size": 8192,
+           "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1, "no_rope_layers": [],
+           "num_experts_per_tok": 1, "router_aux_loss_coef": 0.001, "tie_word_embeddings": False,
+           "bos_token_id": 200000, "eos_token_id": [200001, 200007, 200008], "pad_token_id": 200018,
+           "torch_dtype": "bfloat16"}
+LLAMA_4_SCOUT = {**_LLAMA4, "num_local_experts": 16, "interleave_moe_layer_step": 1, "use_qk_norm": True,
+                 "max_position_embeddings": 10485760,
+                 "rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 1.0, "original_max_position_embeddings": 8192}}
+LLAMA_4_MAVERICK = {**_LLAMA4, "num_local_experts": 128, "interleave_moe_layer_step": 2, "use_qk_norm": False,
+                    "max_position_embeddings": 1048576, "rope_scaling": None}
+
 # allenai/OLMo-2-1124-7B and -13B: post-norm blocks, q/k norms over all heads, no biases.
 _OLMO2 = {"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", "vocab_size": 100352, "hidden_act": "silu",
           "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 500000, "rope_scaling": None,
