@@ -15,9 +15,10 @@ from tqdm.auto import tqdm
 from convert import fp8, mtp, mxfp4
 from convert.dequantizing import DequantizingReader
 from convert.fused import split_fused, with_expert_layout
+from convert.rules import BoundRule
 from convert.safetensors_out import write_streaming
 from convert.source import Source, open_source
-from convert.tables import BoundRule, table_for
+from convert.tables import table_for
 from convert.transforms import TRANSFORMS, hf_shape
 from convert.vision_tables import with_tower_spelling
 from zoo.checkpoints.format import HF_CONFIG_FILE, TOKENIZER_DIR, folder_of

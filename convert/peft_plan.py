@@ -18,7 +18,8 @@ from convert import peft_experts
 from convert.convert import shape_only
 from convert.export import ST_NAMES, PlannedTensor, assign_shards
 from convert.fused import fused_named, fusion_of
-from convert.tables import BoundRule, export_format, table_for
+from convert.rules import BoundRule
+from convert.tables import export_format, table_for
 from convert.transforms import TRANSFORMS
 from zoo.errors import UserError
 from zoo.lora.params import HF_TO_ZOO, whole_weights

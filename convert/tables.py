@@ -12,82 +12,12 @@ mixture-of-experts layers.
 from __future__ import annotations
 
 import dataclasses
-import itertools
-from collections.abc import Iterator
-from dataclasses import dataclass
 
+from convert.gguf_tables import GGUF_TABLES
+from convert.rules import BoundRule, Rule, full_width_qk_norms
 from convert.vision_tables import vision_entries
 from zoo.model.config import ModelConfig
 from zoo.model.hf_families import ARCHITECTURES
-
-
-@dataclass(frozen=True)
-class Rule:
-    """zoo parameter <- HF tensor name, through a named transform."""
-
-    zoo: str
-    hf: str
-    transform: str = "identity"
-    when: str | None = None
-    kind: str | None = None  # stacked over the layers of this kind only (Gemma 4's kind-split attention weights)
-
-    def applies(self, cfg: ModelConfig, moe: bool = False) -> bool:
-        """Whether this rule is part of a model with config ``cfg`` (in a MoE stack when ``moe``)."""
-        if self.when is None:
-            return True
-        for cond in self.when.split("&"):
-            neg = cond.startswith("!")
-            name = cond.lstrip("!")
-            value = moe if name == "moe" else bool(getattr(cfg, name))
-            if value == neg:
-                return False
-        return True
-
-    @property
-    def stacked(self) -> bool:
-        """True for per-layer tensors stacked on the leading ``layers`` axis."""
-        return "{i}" in self.hf
-
-
-@dataclass(frozen=True)
-class BoundRule:
-    """A rule placed in a model: the zoo path, and which HF layers (and experts) it stacks."""
-
-    zoo: str
-    hf: str
-    transform: str
-    layers: tuple[int, ...] | None = None  # global layer index of each entry of the leading axis
-    experts: int = 0  # > 0: a second stacked axis over the {j} experts
-
-    @property
-    def stacked(self) -> bool:
-        """Whether the zoo parameter stacks several HF tensors."""
-        return self.layers is not None
-
-    @property
-    def slice_axes(self) -> int:
-        """How many leading axes index HF tensors (0, 1 = layers, 2 = layers x experts)."""
-        return 0 if self.layers is None else 2 if self.experts else 1
-
-    def indices(self) -> Iterator[tuple[int, ...]]:
-        """Every index into the leading stacked axes, in HF order."""
-        if self.layers is None:
-            yield ()
-        elif self.experts:
-            yield from itertools.product(range(len(self.layers)), range(self.experts))
-        else:
-            yield from ((i,) for i in range(len(self.layers)))
-
-    def hf_name(self, index: tuple[int, ...]) -> str:
-        """The HF tensor at ``index`` of the stacked axes."""
-        if not index:
-            return self.hf
-        assert self.layers is not None, f"{self.zoo} is not stacked: it has no index {index}"
-        return self.hf.format(i=self.layers[index[0]], j=index[1] if len(index) > 1 else 0)
-
-    def hf_names(self) -> list[str]:
-        """All HF tensors this parameter is made of."""
-        return [self.hf_name(ix) for ix in self.indices()]
 
 
 def _moe_rules(L: str, style: str | None) -> list[Rule]:
@@ -191,111 +121,11 @@ def decoder_table(prefix: str = "model.", moe: str | None = None, head: str = "l
     ]
 
 
-def full_width_qk_norms(rules: list[Rule]) -> list[Rule]:
-    """``rules`` with q/k norms that span all heads (OLMo 2/3, MiniMax-M2): [heads * head_dim] <-> [heads,
-    head_dim], as the q/k biases are split."""
-    full_width = {"layers.q_norm": "q_bias", "layers.k_norm": "kv_bias"}
-    return [dataclasses.replace(r, transform=full_width.get(r.zoo, r.transform)) for r in rules]
-
-
 def post_norm_table() -> list[Rule]:
     """OLMo 2/3's naming: the shared decoder's without the pre-norms (``input_layernorm``, the pre-MLP norm),
     whose blocks norm only attention's and the MLP's outputs (``post_attention_layernorm``,
     ``post_feedforward_layernorm``), and whose q/k norms span all heads."""
     return full_width_qk_norms([r for r in decoder_table() if r.zoo not in ("layers.attn_norm", "layers.mlp_norm")])
-
-
-_B = "blk.{i}."
-
-
-def gguf_table(rope_permuted: bool = False) -> list[Rule]:
-    """llama.cpp's names for the same decoder (GGUF files of the llama, gemma, gemma2, gemma3, qwen2 and
-    qwen3 architectures).
-
-    Only the ``llama`` architecture has its q/k rows permuted for llama.cpp's RoPE (``rope_permuted``).
-    Norms go through ``gguf_norm`` (Gemma's are stored as ``w + 1``). ``ffn_norm`` is always the norm
-    before the MLP: with Gemma 2/3's post-norms the attention output's norm is ``post_attention_norm``.
-    """
-    q, k = ("gguf_q_in", "gguf_k_in") if rope_permuted else ("q_in", "kv_in")
-    return [
-        Rule("embed", "token_embd.weight"),
-        Rule("layers.attn_norm", _B + "attn_norm.weight", "gguf_norm"),
-        Rule("layers.q", _B + "attn_q.weight", q),
-        Rule("layers.k", _B + "attn_k.weight", k),
-        Rule("layers.v", _B + "attn_v.weight", "kv_in"),
-        Rule("layers.o", _B + "attn_output.weight", "o_out"),
-        Rule("layers.q_bias", _B + "attn_q.bias", "q_bias", when="qkv_bias"),
-        Rule("layers.k_bias", _B + "attn_k.bias", "kv_bias", when="qkv_bias"),
-        Rule("layers.v_bias", _B + "attn_v.bias", "kv_bias", when="qkv_bias"),
-        Rule("layers.o_bias", _B + "attn_output.bias", when="o_bias"),
-        Rule("layers.q_norm", _B + "attn_q_norm.weight", "gguf_norm", when="qk_norm"),
-        Rule("layers.k_norm", _B + "attn_k_norm.weight", "gguf_norm", when="qk_norm"),
-        Rule("layers.post_attn_norm", _B + "post_attention_norm.weight", "gguf_norm", when="post_norms"),
-        Rule("layers.mlp_norm", _B + "ffn_norm.weight", "gguf_norm"),
-        Rule("layers.post_mlp_norm", _B + "post_ffw_norm.weight", "gguf_norm", when="post_norms"),
-        Rule("layers.gate", _B + "ffn_gate.weight", "transpose"),
-        Rule("layers.up", _B + "ffn_up.weight", "transpose"),
-        Rule("layers.down", _B + "ffn_down.weight", "transpose"),
-        Rule("final_norm", "output_norm.weight", "gguf_norm"),
-        # llama.cpp writes no output.weight for a model whose head is its embedding matrix.
-        Rule("lm_head", "output.weight", "transpose", when="!tie_word_embeddings"),
-    ]
-
-
-def gpt_oss_gguf_table() -> list[Rule]:
-    """llama.cpp's names for gpt-oss (GGUF architecture ``gpt-oss``, convert_hf_to_gguf.py's GptOssModel): the
-    pre-MLP norm is ``post_attention_norm``, the sinks ``attn_sinks``, the router ``ffn_gate_inp`` with its bias,
-    and gate and up are separate expert stacks [experts, out, in] (gate_up_proj's even and odd columns) with
-    their biases; MXFP4 experts are dequantized by the gguf package."""
-    return [
-        Rule("embed", "token_embd.weight"),
-        Rule("layers.attn_norm", _B + "attn_norm.weight"),
-        Rule("layers.q", _B + "attn_q.weight", "q_in"),
-        Rule("layers.k", _B + "attn_k.weight", "kv_in"),
-        Rule("layers.v", _B + "attn_v.weight", "kv_in"),
-        Rule("layers.o", _B + "attn_output.weight", "o_out"),
-        Rule("layers.q_bias", _B + "attn_q.bias", "q_bias", when="qkv_bias"),
-        Rule("layers.k_bias", _B + "attn_k.bias", "kv_bias", when="qkv_bias"),
-        Rule("layers.v_bias", _B + "attn_v.bias", "kv_bias", when="qkv_bias"),
-        Rule("layers.o_bias", _B + "attn_output.bias", when="o_bias"),
-        Rule("layers.sinks", _B + "attn_sinks.weight", when="attn_sinks"),
-        Rule("layers.mlp_norm", _B + "post_attention_norm.weight"),
-        Rule("layers.router", _B + "ffn_gate_inp.weight", "transpose"),
-        Rule("layers.router_logit_bias", _B + "ffn_gate_inp.bias", when="router_logits_bias"),
-        Rule("layers.expert_gate", _B + "ffn_gate_exps.weight", "swap_last"),
-        Rule("layers.expert_up", _B + "ffn_up_exps.weight", "swap_last"),
-        Rule("layers.expert_down", _B + "ffn_down_exps.weight", "swap_last"),
-        Rule("layers.expert_gate_bias", _B + "ffn_gate_exps.bias", when="expert_bias"),
-        Rule("layers.expert_up_bias", _B + "ffn_up_exps.bias", when="expert_bias"),
-        Rule("layers.expert_down_bias", _B + "ffn_down_exps.bias", when="expert_bias"),
-        Rule("final_norm", "output_norm.weight"),
-        Rule("lm_head", "output.weight", "transpose", when="!tie_word_embeddings"),
-    ]
-
-
-LLAMA_GGUF = gguf_table(rope_permuted=True)
-GGUF_FAMILIES = ("gemma", "gemma2", "gemma3", "qwen2", "qwen3")
-
-
-def gguf_moe_table() -> list[Rule]:
-    """llama.cpp's names for a MoE decoder whose every layer is MoE (``qwen3moe``): :func:`gguf_table`'s, with the
-    router ``ffn_gate_inp`` and each layer's experts as one 3D tensor ``ffn_{gate,up,down}_exps`` [experts, out,
-    in] in place of the dense MLP (a GGUF file has no dense layers between MoE ones)."""
-    dense = {"layers.gate", "layers.up", "layers.down"}
-    return [r for r in gguf_table() if r.zoo not in dense] + [
-        Rule("layers.router", _B + "ffn_gate_inp.weight", "transpose", when="moe"),
-        Rule("layers.expert_gate", _B + "ffn_gate_exps.weight", "experts_transpose", when="moe"),
-        Rule("layers.expert_up", _B + "ffn_up_exps.weight", "experts_transpose", when="moe"),
-        Rule("layers.expert_down", _B + "ffn_down_exps.weight", "experts_transpose", when="moe"),
-    ]
-
-
-def minimax_m2_gguf_table() -> list[Rule]:
-    """llama.cpp's names for MiniMax-M2 (``minimax-m2``, convert_hf_to_gguf.py's MiniMaxM2Model):
-    :func:`gguf_moe_table`'s, its q/k norms over all heads, the selection bias ``exp_probs_b.bias``; q/k rows as
-    transformers has them (not permuted)."""
-    return full_width_qk_norms(gguf_moe_table()) + [
-        Rule("layers.router_bias", _B + "exp_probs_b.bias", when="moe&router_bias")]
 
 
 HF_DECODER = decoder_table()
@@ -313,15 +143,11 @@ TABLES: dict[tuple[str, str], list[Rule]] = {
     # SmolLM3 shares the naming; Phi-3/Phi-4 too once their fused qkv_proj / gate_up_proj are split (convert.fused).
     **{(f, "hf"): HF_DECODER for f in ("smollm3", "phi3")},
     **{(f, "hf"): post_norm_table() for f in ("olmo2", "olmo3")},
-    ("llama", "gguf"): LLAMA_GGUF,
-    **{(f, "gguf"): gguf_table() for f in GGUF_FAMILIES},
-    ("qwen3_moe", "gguf"): gguf_moe_table(),
-    ("minimax_m2", "gguf"): minimax_m2_gguf_table(),
     ("gpt_oss", "hf"): decoder_table(moe="gpt_oss"),
     # MiniMax-M2: Mixtral's expert names (block_sparse_moe.experts.{j}.w1/w2/w3, as the Hub holds them and
     # transformers 5 saves them), the selection bias beside them, q/k norms over all heads.
     ("minimax_m2", "hf"): full_width_qk_norms(decoder_table(moe="minimax_m2")),
-    ("gpt_oss", "gguf"): gpt_oss_gguf_table(),
+    **GGUF_TABLES,  # llama.cpp's names (convert/gguf_tables.py)
 }
 
 

@@ -61,7 +61,7 @@ from pretrain.config import TrainConfig
 from pretrain.dtypes import DTYPES
 from pretrain.hooks import Hook
 from pretrain.metrics import LossOutput, Max
-from pretrain.setup import frozen_base_quant, layout_of, param_layout, run_mesh, tokenizer_folder
+from pretrain.setup import frozen_base_quant, layout_of, param_layout, tokenizer_folder
 from pretrain.task import Documents, ReadContext, RowSource, RunContext, Task, Tokenizer
 from zoo.checkpoints.loading import load_reference
 from zoo.checkpoints.method_card import MethodCard, settings
@@ -327,12 +327,12 @@ class GRPOTask(Task[RolloutBatch]):
             return self.rollouts.rollout(weights, frozen_inputs, rows, step, source)
         return self.rollouts.rollout_async(self.pipeline, weights, frozen_inputs, step)
 
-    def train_devices(self, devices: list[Any]) -> list[Any]:
+    def train_devices(self, devices: list[Any]) -> tuple[list[Any], str]:
         """Without ``grpo.rollout_devices``, every device; with it, all but the last ``rollout_devices``, on which
-        the rollout thread's engine samples (one process only, for now)."""
+        the rollout thread's engine samples (one process only, for now), named by the key in mesh errors."""
         n = self.grpo.rollout_devices if self.grpo.rollout == "async" else 0
         if not n:
-            return devices
+            return devices, "devices"
         if jax.process_count() > 1:
             raise UserError(f"grpo.rollout_devices={n} is for a run of one process (this one has "
                             f"{jax.process_count()}); set grpo.rollout_devices=0: the engine then samples on the "
@@ -340,10 +340,8 @@ class GRPOTask(Task[RolloutBatch]):
         if n >= len(devices):
             raise UserError(f"grpo.rollout_devices={n} leaves none of the {len(devices)} devices to train on; give "
                             f"at most {len(devices) - 1}")
-        # The mesh over the rest, checked here to name the key (the loop builds the same one).
-        run_mesh(self.cfg, devices[:-n], f"devices (the {len(devices)} less grpo.rollout_devices={n})")
         self.engine_devices = devices[-n:]
-        return devices[:-n]
+        return devices[:-n], f"devices (the {len(devices)} less grpo.rollout_devices={n})"
 
     @property
     def draws_rows(self) -> bool:

@@ -152,8 +152,7 @@ def _set_up(cfg: TrainConfig, task: Task[Any], primary: bool) -> _Run:
     task's inputs from the tokenizer and the data (:meth:`~pretrain.task.Task.read_inputs`) and the run's data,
     each checked before anything is written."""
     devices = jax.devices()
-    train_devices = task.train_devices(devices)
-    mesh = run_mesh(cfg, train_devices, "devices" if len(train_devices) == len(devices) else "training devices")
+    mesh = run_mesh(cfg, *task.train_devices(devices))
     tok_dir = tokenizer_folder(cfg)
     model = set_up_model(cfg, mesh, RUN)
     kernel_for(model.mcfg, DTYPES[cfg.dtype.compute])  # model.attention: cudnn on a model it cannot run: said now

@@ -100,8 +100,7 @@ class Training:
         rollout = None
         b: TokenBatch
         if task.online:  # the task makes the batch (GRPO: samples completions and scores them)
-            if data.source is None:
-                raise UserError("an online task reads one data.path, not a mixture")
+            assert data.source is not None, "steps() checked: an online task reads one data.path"
             rows = None if task.draws_rows else self._next_rows()
             rollout = task.rollout(self.weights(self.state["params"]), self.frozen_inputs, rows, step, data.source)
             b = rollout.batch

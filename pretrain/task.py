@@ -274,10 +274,10 @@ class Task(Generic[B]):
         ``weights`` (no dropout). Only called when ``online``."""
         raise NotImplementedError
 
-    def train_devices(self, devices: list[Any]) -> list[Any]:
-        """The devices the run's mesh trains on, of ``devices`` (every process's): all of them by default (GRPO's
-        asynchronous rollouts keep some for sampling)."""
-        return devices
+    def train_devices(self, devices: list[Any]) -> tuple[list[Any], str]:
+        """The devices the run's mesh trains on, of ``devices`` (every process's), and how mesh errors name them:
+        all of them by default (GRPO's asynchronous rollouts keep some for sampling)."""
+        return devices, "devices"
 
     @property
     def draws_rows(self) -> bool:

@@ -1,0 +1,107 @@
+"""llama.cpp's tensor names for the families GGUF files hold (data, not code; the rules as convert/tables.py's)."""
+
+from __future__ import annotations
+
+from convert.rules import Rule, full_width_qk_norms
+
+_B = "blk.{i}."
+
+
+def gguf_table(rope_permuted: bool = False) -> list[Rule]:
+    """llama.cpp's names for the same decoder (GGUF files of the llama, gemma, gemma2, gemma3, qwen2 and
+    qwen3 architectures).
+
+    Only the ``llama`` architecture has its q/k rows permuted for llama.cpp's RoPE (``rope_permuted``).
+    Norms go through ``gguf_norm`` (Gemma's are stored as ``w + 1``). ``ffn_norm`` is always the norm
+    before the MLP: with Gemma 2/3's post-norms the attention output's norm is ``post_attention_norm``.
+    """
+    q, k = ("gguf_q_in", "gguf_k_in") if rope_permuted else ("q_in", "kv_in")
+    return [
+        Rule("embed", "token_embd.weight"),
+        Rule("layers.attn_norm", _B + "attn_norm.weight", "gguf_norm"),
+        Rule("layers.q", _B + "attn_q.weight", q),
+        Rule("layers.k", _B + "attn_k.weight", k),
+        Rule("layers.v", _B + "attn_v.weight", "kv_in"),
+        Rule("layers.o", _B + "attn_output.weight", "o_out"),
+        Rule("layers.q_bias", _B + "attn_q.bias", "q_bias", when="qkv_bias"),
+        Rule("layers.k_bias", _B + "attn_k.bias", "kv_bias", when="qkv_bias"),
+        Rule("layers.v_bias", _B + "attn_v.bias", "kv_bias", when="qkv_bias"),
+        Rule("layers.o_bias", _B + "attn_output.bias", when="o_bias"),
+        Rule("layers.q_norm", _B + "attn_q_norm.weight", "gguf_norm", when="qk_norm"),
+        Rule("layers.k_norm", _B + "attn_k_norm.weight", "gguf_norm", when="qk_norm"),
+        Rule("layers.post_attn_norm", _B + "post_attention_norm.weight", "gguf_norm", when="post_norms"),
+        Rule("layers.mlp_norm", _B + "ffn_norm.weight", "gguf_norm"),
+        Rule("layers.post_mlp_norm", _B + "post_ffw_norm.weight", "gguf_norm", when="post_norms"),
+        Rule("layers.gate", _B + "ffn_gate.weight", "transpose"),
+        Rule("layers.up", _B + "ffn_up.weight", "transpose"),
+        Rule("layers.down", _B + "ffn_down.weight", "transpose"),
+        Rule("final_norm", "output_norm.weight", "gguf_norm"),
+        # llama.cpp writes no output.weight for a model whose head is its embedding matrix.
+        Rule("lm_head", "output.weight", "transpose", when="!tie_word_embeddings"),
+    ]
+
+
+def gpt_oss_gguf_table() -> list[Rule]:
+    """llama.cpp's names for gpt-oss (GGUF architecture ``gpt-oss``, convert_hf_to_gguf.py's GptOssModel): the
+    pre-MLP norm is ``post_attention_norm``, the sinks ``attn_sinks``, the router ``ffn_gate_inp`` with its bias,
+    and gate and up are separate expert stacks [experts, out, in] (gate_up_proj's even and odd columns) with
+    their biases; MXFP4 experts are dequantized by the gguf package."""
+    return [
+        Rule("embed", "token_embd.weight"),
+        Rule("layers.attn_norm", _B + "attn_norm.weight"),
+        Rule("layers.q", _B + "attn_q.weight", "q_in"),
+        Rule("layers.k", _B + "attn_k.weight", "kv_in"),
+        Rule("layers.v", _B + "attn_v.weight", "kv_in"),
+        Rule("layers.o", _B + "attn_output.weight", "o_out"),
+        Rule("layers.q_bias", _B + "attn_q.bias", "q_bias", when="qkv_bias"),
+        Rule("layers.k_bias", _B + "attn_k.bias", "kv_bias", when="qkv_bias"),
+        Rule("layers.v_bias", _B + "attn_v.bias", "kv_bias", when="qkv_bias"),
+        Rule("layers.o_bias", _B + "attn_output.bias", when="o_bias"),
+        Rule("layers.sinks", _B + "attn_sinks.weight", when="attn_sinks"),
+        Rule("layers.mlp_norm", _B + "post_attention_norm.weight"),
+        Rule("layers.router", _B + "ffn_gate_inp.weight", "transpose"),
+        Rule("layers.router_logit_bias", _B + "ffn_gate_inp.bias", when="router_logits_bias"),
+        Rule("layers.expert_gate", _B + "ffn_gate_exps.weight", "swap_last"),
+        Rule("layers.expert_up", _B + "ffn_up_exps.weight", "swap_last"),
+        Rule("layers.expert_down", _B + "ffn_down_exps.weight", "swap_last"),
+        Rule("layers.expert_gate_bias", _B + "ffn_gate_exps.bias", when="expert_bias"),
+        Rule("layers.expert_up_bias", _B + "ffn_up_exps.bias", when="expert_bias"),
+        Rule("layers.expert_down_bias", _B + "ffn_down_exps.bias", when="expert_bias"),
+        Rule("final_norm", "output_norm.weight"),
+        Rule("lm_head", "output.weight", "transpose", when="!tie_word_embeddings"),
+    ]
+
+
+LLAMA_GGUF = gguf_table(rope_permuted=True)
+GGUF_FAMILIES = ("gemma", "gemma2", "gemma3", "qwen2", "qwen3")
+
+
+def gguf_moe_table() -> list[Rule]:
+    """llama.cpp's names for a MoE decoder whose every layer is MoE (``qwen3moe``): :func:`gguf_table`'s, with the
+    router ``ffn_gate_inp`` and each layer's experts as one 3D tensor ``ffn_{gate,up,down}_exps`` [experts, out,
+    in] in place of the dense MLP (a GGUF file has no dense layers between MoE ones)."""
+    dense = {"layers.gate", "layers.up", "layers.down"}
+    return [r for r in gguf_table() if r.zoo not in dense] + [
+        Rule("layers.router", _B + "ffn_gate_inp.weight", "transpose", when="moe"),
+        Rule("layers.expert_gate", _B + "ffn_gate_exps.weight", "experts_transpose", when="moe"),
+        Rule("layers.expert_up", _B + "ffn_up_exps.weight", "experts_transpose", when="moe"),
+        Rule("layers.expert_down", _B + "ffn_down_exps.weight", "experts_transpose", when="moe"),
+    ]
+
+
+def minimax_m2_gguf_table() -> list[Rule]:
+    """llama.cpp's names for MiniMax-M2 (``minimax-m2``, convert_hf_to_gguf.py's MiniMaxM2Model):
+    :func:`gguf_moe_table`'s, its q/k norms over all heads, the selection bias ``exp_probs_b.bias``; q/k rows as
+    transformers has them (not permuted)."""
+    return full_width_qk_norms(gguf_moe_table()) + [
+        Rule("layers.router_bias", _B + "exp_probs_b.bias", when="moe&router_bias")]
+
+
+# (family, "gguf") -> table.
+GGUF_TABLES: dict[tuple[str, str], list[Rule]] = {
+    ("llama", "gguf"): LLAMA_GGUF,
+    **{(f, "gguf"): gguf_table() for f in GGUF_FAMILIES},
+    ("qwen3_moe", "gguf"): gguf_moe_table(),
+    ("minimax_m2", "gguf"): minimax_m2_gguf_table(),
+    ("gpt_oss", "gguf"): gpt_oss_gguf_table(),
+}
