@@ -140,23 +140,23 @@ def test_qlora_gradients_equal_lora_on_the_dequantized_weights(tiny):
 @pytest.mark.slow
 def test_the_hubs_multimodal_checkpoint_converts_its_language_model(tmp_path):
     """Slow (a conversion, a compilation and an export): the Hub's Llama 4 releases are Llama4ForConditionalGeneration
-    (the text model under ``language_model.``): `zoo convert` takes its language model (saying what it leaves out),
-    whose logits are transformers' language model's, and exports it as a Llama4ForCausalLM that transformers loads
-    with the same logits."""
+    (the text model under ``language_model.``): `zoo convert --text-only` takes its language model (saying what it
+    leaves out), whose logits are transformers' language model's, and exports it as a Llama4ForCausalLM that
+    transformers loads with the same logits. (The whole model, tower included: tests/test_vlm_llama4.py.)"""
     import transformers
 
     from tests.hf_models import BASE, FAMILIES, randomize
 
     text = transformers.Llama4TextConfig(**{**BASE, **FAMILIES["llama4"][2]})
     vision = transformers.Llama4VisionConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                             intermediate_size=32, image_size=28, patch_size=14, vision_output_dim=16,
+                                             intermediate_size=64, image_size=28, patch_size=14, vision_output_dim=16,
                                              projector_input_dim=16, projector_output_dim=16)
     torch.manual_seed(0)
     whole = transformers.Llama4ForConditionalGeneration(
         transformers.Llama4Config(text_config=text.to_dict(), vision_config=vision.to_dict())).eval()
     randomize(whole)
     whole.save_pretrained(tmp_path / "hf")
-    assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "zoo")]) == 0
+    assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "zoo"), "--text-only"]) == 0
     lm = whole.language_model
     lm.config._attn_implementation = "eager"
     tokens = random_tokens(text.vocab_size, seq=SEQ)
