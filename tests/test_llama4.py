@@ -206,7 +206,7 @@ def test_the_engine_answers_greedily_past_the_chunks():
     assert len({tuple(a) for a in out.values()}) == len(ids)
 
 
-def _write_llama4_gguf(path, c, state: dict, tokens: list[str]) -> None:
+def _write_llama4_gguf(path, c, state: dict, tokens: list[str], merges: list[str]) -> None:
     """Write a tiny Llama4ForCausalLM (config ``c``, tensors ``state``) as llama.cpp's convert_hf_to_gguf.py does
     (Llama4Model, arch ``llama4``): feed_forward_length the dense MLP's width and expert_feed_forward_length the
     experts', q/k rows as transformers holds them (undo_permute = False), each MoE layer's gate_up_proj [experts,
@@ -226,9 +226,10 @@ def _write_llama4_gguf(path, c, state: dict, tokens: list[str]) -> None:
                        (w.add_expert_feed_forward_length, c.intermediate_size)):
         add(value)
     w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("llama4")
     w.add_token_list(tokens)
     w.add_token_types([1] * len(tokens))
-    w.add_token_merges([])
+    w.add_token_merges(merges)
     for name, hf_name in (("token_embd", "model.embed_tokens"), ("output_norm", "model.norm"), ("output", "lm_head")):
         w.add_tensor(f"{name}.weight", state[f"{hf_name}.weight"])
     attention = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
@@ -259,7 +260,9 @@ def test_gguf_llama4_converts_as_the_safetensors_checkpoint(tmp_path):
     assumes (MoE on every second layer, NoPE every fourth, chunks of 8192, the attention temperature's floor 8192
     and scale 0.1, q/k norms: its expert count is not 128) written as llama.cpp's ``llama4`` file converts to the
     safetensors conversion's parameters, bit for bit, and architecture. A file with ``rope_freqs`` (Scout's llama3
-    RoPE scaling, no metadata key) is refused in one line rather than converted without it."""
+    RoPE scaling, no metadata key) is refused in one line rather than converted without it. Its tokenizer splits
+    as Llama 4's (``tokenizer.ggml.pre`` ``llama4``: GPT-4o's split, digits in threes): "12345" is "123" and
+    "45", where GPT-2's split would keep the digits whole (and merge "1234")."""
     import dataclasses
 
     import gguf
@@ -270,12 +273,14 @@ def test_gguf_llama4_converts_as_the_safetensors_checkpoint(tmp_path):
     from zoo.checkpoints.readers import load_param_numpy
     from zoo.errors import UserError
 
-    tokens = [chr(0x100 + i) for i in range(96)]  # one token an id: the tiny vocabulary (the test reads no text)
+    # the tiny vocabulary: digits and their merges up to "1234", then one filler token an id
+    tokens = ["1", "2", "3", "4", "5", "12", "123", "1234"] + [chr(0x100 + i) for i in range(88)]
+    merges = ["1 2", "12 3", "123 4"]
     hf = make_hf(tmp_path / "hf", "llama4", moe_layers=None, interleave_moe_layer_step=2, no_rope_layer_interval=4,
                  attention_chunk_size=8192, floor_scale=8192, attn_scale=0.1)
     c, state = hf.config, load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert c.moe_layers == [1, 3] and c.no_rope_layers == [1, 1, 1, 0]
-    _write_llama4_gguf(tmp_path / "tiny.gguf", c, state, tokens)
+    _write_llama4_gguf(tmp_path / "tiny.gguf", c, state, tokens, merges)
     assert main(["convert", str(tmp_path / "tiny.gguf"), "--out", str(tmp_path / "from_gguf")]) == 0
     assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "from_hf")]) == 0
     params = read_meta(tmp_path / "from_hf")["params"]
@@ -287,6 +292,9 @@ def test_gguf_llama4_converts_as_the_safetensors_checkpoint(tmp_path):
     a, b = zoo.read_config(tmp_path / "from_gguf"), zoo.read_config(tmp_path / "from_hf")
     assert a.family == "llama4" and a.layer_types == b.layer_types
     assert dataclasses.replace(a, rms_norm_eps=b.rms_norm_eps) == b  # the file keeps its eps as float32
+    from zoo.data.tokenizer import load_tokenizer
+
+    assert load_tokenizer(tmp_path / "from_gguf")("12345", add_special_tokens=False)["input_ids"] == [6, 3, 4]
     w = gguf.GGUFWriter(str(tmp_path / "scaled.gguf"), "llama4")  # what llama.cpp writes for Scout's RoPE scaling
     w.add_block_count(1)
     w.add_tensor("rope_freqs.weight", np.ones(8, np.float32))
