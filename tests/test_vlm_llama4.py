@@ -3,7 +3,7 @@
 transformers' Llama4Processor writes them (tiles, separators, the global tile), the bit-identical round trip
 exported as Llama4ForConditionalGeneration, greedy KV-cache decoding with images against ``generate``, LoRA on the
 tower, adapter and projector loaded by peft, the registry's Scout and Maverick counted as transformers counts them,
-and the one-line errors of a vision config whose widths do not chain."""
+and the one-line errors of a vision config whose widths do not chain and of LoRA targets its tower lacks."""
 
 from __future__ import annotations
 
@@ -228,3 +228,24 @@ def test_vision_configs_whose_widths_do_not_chain_are_one_line_errors(change, sa
     with pytest.raises(UserError, match="^here: ") as e:
         model_config_from_hf(hf, "here")
     assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_lora_targets_its_tower_has_pass_and_others_are_refused(llama4):
+    """Llama 4's tower and connector take the SigLIP layer's names, the adapter MLP's and the projector's (peft's
+    check above); a name they lack (the Qwen towers' fused vision.qkv, Gemma 4's vision.gate_proj) is one line
+    before step 1 naming what they take."""
+    from pretrain.config import TrainConfig, load_config
+    from pretrain.setup import check_vision_lora, lora_config
+    from zoo.errors import UserError
+
+    mcfg = zoo.read_config(llama4[1])
+    base = ["model.path=m", "data.path=d", "max_steps=1", "lora.rank=4"]
+    cfg = load_config(None, [*base, "lora.targets=[q_proj,vision.o_proj,vision.fc1,projector.fc2,projector.proj]"],
+                      TrainConfig)
+    check_vision_lora(cfg, mcfg, lora_config(cfg))
+    cfg = load_config(None, [*base, "lora.targets=[q_proj,vision.qkv,vision.gate_proj]"], TrainConfig)
+    with pytest.raises(UserError, match=r"^lora.targets name vision.qkv, vision.gate_proj, which this llama4 model's "
+                                        r"image tower and connector do not have; they take vision.q_proj, "
+                                        r"vision.k_proj, vision.v_proj, vision.o_proj, vision.up_proj, "
+                                        r"vision.down_proj, projector.proj, projector.fc1, projector.fc2$"):
+        check_vision_lora(cfg, mcfg, lora_config(cfg))
