@@ -37,8 +37,8 @@ def add_convert_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
                         "default, since the model does not run it): its tensors are stored beside the model and "
                         "`zoo export` writes them back")
     p.add_argument("--text-only", action="store_true",
-                   help="convert a multimodal Gemma 3 (Gemma3ForConditionalGeneration) without its vision tower: "
-                        "its language model alone, exported as Gemma3ForCausalLM")
+                   help="convert a multimodal Gemma 3, Gemma 4 or Llama 4 (*ForConditionalGeneration) without its "
+                        "vision tower: its language model alone, exported as the family's *ForCausalLM")
     return p
 
 

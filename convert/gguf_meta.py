@@ -73,16 +73,35 @@ CONFIG_KEYS["gpt-oss"] = {**_BASE_KEYS, "attention.key_length": "head_dim",
 CONFIG_KEYS["minimax-m2"] = {**_BASE_KEYS, "attention.key_length": "head_dim", "expert_count": "num_local_experts",
                              "expert_used_count": "num_experts_per_tok",
                              "expert_feed_forward_length": "intermediate_size", "rope.dimension_count": "rotary_dim"}
+# Llama 4's text model, as llama.cpp's Llama4Model writes it: feed_forward_length is the dense layers' MLP
+# (intermediate_size_mlp), expert_feed_forward_length the experts' (intermediate_size), the MoE layers every
+# interleave_moe_layer_step-th.
+CONFIG_KEYS["llama4"] = {**_LLAMA_KEYS, "feed_forward_length": "intermediate_size_mlp",
+                         "attention.key_length": "head_dim", "expert_count": "num_local_experts",
+                         "expert_used_count": "num_experts_per_tok", "expert_feed_forward_length": "intermediate_size",
+                         "interleave_moe_layer_step": "interleave_moe_layer_step"}
 # Settings a file cannot state, as the architecture's released models have them (dotted: a key of a nested dict,
 # set only where the file gives that dict): gpt-oss's YaRN does not round its correction range (its config.json's
 # truncate: false), whatever llama.cpp's own RoPE does.
 ARCH_SETTINGS: dict[str, dict[str, Any]] = {"gpt-oss": {"rope_scaling.truncate": False}}
 
 # GGUF architecture -> HF model_type, where they differ (a Gemma 3 file holds only the text model).
-MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}
+MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2",
+               "llama4": "llama4_text"}
 # Config fields a GGUF file of the architecture implies without a key: llama.cpp's qwen3moe graph always
 # renormalizes the top-k routing weights (as transformers' GGUF reader sets too).
 CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {"qwen3moe": {"norm_topk_prob": True}}
+# llama.cpp's llama4 graph fixes what a file cannot say (src/llama-model.cpp): chunked attention of 8192 on three
+# layers of four, the fourth NoPE with the attention temperature (floor 8192, scale 0.1).
+CONFIG_DEFAULTS["llama4"] = {"attention_chunk_size": 8192, "no_rope_layer_interval": 4, "attn_temperature_tuning": True,
+                             "floor_scale": 8192, "attn_scale": 0.1}
+# Fields llama.cpp derives from others: its llama4 graph normalizes q and k on every model but the 128-expert one
+# (Maverick: use_qk_norm false).
+CONFIG_DERIVED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "llama4": lambda raw: {"use_qk_norm": raw.get("num_local_experts") != 128}}
+# Tensors of a file that carry a setting lmzoo does not read from GGUF, refused rather than dropped: Llama 4 Scout's
+# llama3 RoPE scaling, which llama.cpp writes as per-frequency factors (rope_freqs) and no metadata key.
+REFUSED_TENSORS = {"llama4": {"rope_freqs.weight": "its RoPE scaling (llama3, stored as rope_freqs)"}}
 
 # Special token ids: HF config field <- tokenizer metadata key.
 TOKEN_ID_KEYS = {
@@ -116,6 +135,13 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# GPT-4o's split (o200k): cased words with their contractions, digits in threes; Llama 4's tokenizer splits so
+# (transformers' GGUF tokenizer mapping reads llama.cpp's "llama4" as this regex too).
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 PRE_TOKENIZER_SPLITS = {
     "llama3": _LLAMA3_SPLIT,
     "llama-v3": _LLAMA3_SPLIT,
@@ -123,6 +149,7 @@ PRE_TOKENIZER_SPLITS = {
     "smaug-bpe": _LLAMA3_SPLIT,
     "qwen2": _QWEN2_SPLIT,
     "deepseek-r1-qwen": _QWEN2_SPLIT,
+    "llama4": _GPT4O_SPLIT,
 }
 
 # Only these array fields are needed whole; other arrays are skipped when reading.
@@ -254,7 +281,16 @@ def hf_config(meta: dict[str, Any], tensor_names: list[str], where: str) -> dict
             raw.setdefault(outer, {})[inner] = meta[f"{arch}.{key}"]
         else:
             raw[field] = meta[f"{arch}.{key}"]
+    for name, what in REFUSED_TENSORS.get(arch, {}).items():
+        if name in tensor_names:
+            raise UserError(f"{where}: a {arch} GGUF file with {name} ({what}) is not supported; convert the "
+                            "model's safetensors checkpoint instead")
+    if arch == "llama4" and meta.get("llama4.attention.sliding_window") == 0:
+        raise UserError(f"{where}: a llama4 GGUF file with attention.sliding_window 0 (every layer full attention, "
+                        "RoPE on all) is not supported; convert the model's safetensors checkpoint instead")
     raw.update(CONFIG_DEFAULTS.get(arch, {}))
+    if arch in CONFIG_DERIVED:
+        raw.update(CONFIG_DERIVED[arch](raw))
     for field, value in ARCH_SETTINGS.get(arch, {}).items():
         outer, _, inner = field.partition(".")
         if outer in raw:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from convert.rules import Rule, full_width_qk_norms
 
 _B = "blk.{i}."
@@ -105,3 +107,26 @@ GGUF_TABLES: dict[tuple[str, str], list[Rule]] = {
     ("minimax_m2", "gguf"): minimax_m2_gguf_table(),
     ("gpt_oss", "gguf"): gpt_oss_gguf_table(),
 }
+
+
+def llama4_gguf_table() -> list[Rule]:
+    """llama.cpp's names for Llama 4's text model (``llama4``, convert_hf_to_gguf.py's Llama4Model): the llama
+    names with the q/k rows as transformers holds them (its ``undo_permute = False``: Llama 4's rows are already
+    RoPE's interleaved pairs, llama.cpp's order; convert.transforms' rope_pairs_* as convert.tables' llama4 table),
+    no q/k norm weights (Llama 4's is weightless), the MLP ``ffn_{gate,up,down}`` on dense layers alone, and on MoE
+    layers the router ``ffn_gate_inp``, the experts ``ffn_{gate,up,down}_exps`` [experts, out, in] (``gate_up_proj``
+    split in two) and the shared expert ``ffn_{gate,up,down}_shexp``."""
+    rope_pairs = {"layers.q": "rope_pairs_q_in", "layers.k": "rope_pairs_k_in"}
+    dense = ("layers.gate", "layers.up", "layers.down")
+    rules = [dataclasses.replace(r, transform=rope_pairs.get(r.zoo, r.transform), when="!moe" if r.zoo in dense else r.when)
+             for r in gguf_table() if r.zoo not in ("layers.q_norm", "layers.k_norm")]
+    return rules + [
+        Rule("layers.router", _B + "ffn_gate_inp.weight", "transpose", when="moe"),
+        *(Rule(f"layers.expert_{part}", _B + f"ffn_{part}_exps.weight", "experts_transpose", when="moe")
+          for part in ("gate", "up", "down")),
+        *(Rule(f"layers.shared_{part}", _B + f"ffn_{part}_shexp.weight", "transpose", when="moe")
+          for part in ("gate", "up", "down")),
+    ]
+
+
+GGUF_TABLES[("llama4", "gguf")] = llama4_gguf_table()

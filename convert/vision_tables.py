@@ -151,6 +151,37 @@ def _qwen3(V: str) -> list[Entry]:
     ]
 
 
+def _llama4(V: str) -> list[Entry]:
+    """Llama 4's tower under ``V`` (``vision_model.``: its unfold patch Linear, class token, position table, pre-
+    and post-layer LayerNorms, SigLIP-shaped layers with o_proj), the adapter MLP and the projector."""
+    L = V + "model.layers.{i}."
+    A = L + "self_attn."
+    return [
+        ("vision.patch_embed", V + "patch_embedding.linear.weight", "transpose"),
+        ("vision.class_embed", V + "class_embedding", "identity"),
+        ("vision.pos_embed", V + "positional_embedding_vlm", "identity"),
+        ("vision.pre_norm", V + "layernorm_pre.weight", "identity"),
+        ("vision.pre_norm_bias", V + "layernorm_pre.bias", "identity"),
+        ("vision.layers.attn_norm", L + "input_layernorm.weight", "identity"),
+        ("vision.layers.attn_norm_bias", L + "input_layernorm.bias", "identity"),
+        *[(f"vision.layers.{x}", A + f"{x}_proj.weight", "vq_in") for x in "qkv"],
+        *[(f"vision.layers.{x}_bias", A + f"{x}_proj.bias", "vq_bias") for x in "qkv"],
+        ("vision.layers.o", A + "o_proj.weight", "vo_out"),
+        ("vision.layers.o_bias", A + "o_proj.bias", "identity"),
+        ("vision.layers.mlp_norm", L + "post_attention_layernorm.weight", "identity"),
+        ("vision.layers.mlp_norm_bias", L + "post_attention_layernorm.bias", "identity"),
+        ("vision.layers.up", L + "mlp.fc1.weight", "transpose"),
+        ("vision.layers.up_bias", L + "mlp.fc1.bias", "identity"),
+        ("vision.layers.down", L + "mlp.fc2.weight", "transpose"),
+        ("vision.layers.down_bias", L + "mlp.fc2.bias", "identity"),
+        ("vision.final_norm", V + "layernorm_post.weight", "identity"),
+        ("vision.final_norm_bias", V + "layernorm_post.bias", "identity"),
+        ("projector.fc1", V + "vision_adapter.mlp.fc1.weight", "transpose"),
+        ("projector.fc2", V + "vision_adapter.mlp.fc2.weight", "transpose"),
+        ("projector.proj", "multi_modal_projector.linear_1.weight", "transpose"),
+    ]
+
+
 # zoo parameters stacked over the DeepStack levels (their {i}), not the tower's layers
 LEVELS = "projector.deepstack."
 
@@ -163,6 +194,7 @@ VISION_TABLES: dict[str, tuple[str, Callable[[str], list[Entry]]]] = {
     "hf-qwen2_5-vl": ("visual.", _qwen2_5),
     "hf-qwen3-vl": ("model.visual.", _qwen3),
     "hf-qwen3-vl-moe": ("model.visual.", _qwen3),
+    "hf-llama4-multimodal": ("vision_model.", _llama4),
 }
 # source format -> the other spelling of its tower a source may have (Gemma 3's files on the Hub)
 OTHER_TOWER_PREFIX = {"hf-gemma3-multimodal": "vision_tower.vision_model."}

@@ -74,7 +74,8 @@ def vision_flops_per_patch(mcfg: ModelConfig, tower_trained: bool, connector_tra
         return 0.0
     specs = param_specs(mcfg)
     tower = sum(int(np.prod(spec.shape)) for path, spec in specs.items()
-                if path.startswith("vision.") and spec.init == "normal" and path != "vision.pos_embed")  # a gather
+                if path.startswith("vision.") and spec.init == "normal"
+                and path not in ("vision.pos_embed", "vision.class_embed"))  # a gather; Llama 4's one vector
     # once a group of patches (an image token): its matmuls (Qwen2.5-VL's merger: fc1 and fc2)
     connector = sum(int(np.prod(spec.shape)) for path, spec in specs.items()
                     if path.startswith("projector.") and spec.init == "normal") / v.group

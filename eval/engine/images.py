@@ -19,12 +19,19 @@ def vision_inputs(cfg: ModelConfig, frames: Sequence[Sequence[Frame]]) -> Vision
     of its image tokens, each (pixels [C, S, S], pixel mask [S, S] or None) as the image processor gives them
     (SmolVLM: an image's tiles, then the whole image), or already as per-patch arrays (``ProcessedImage.patches`` of
     chat/images.py, as `zoo eval`'s rows give them: any family's layout, Qwen's images at their own size and the
-    multimodal positions the forward computes from them). None when no prompt has an image."""
-    from zoo.data.vision_layout import image_patches
+    multimodal positions the forward computes from them). None when no prompt has an image. Llama 4's frames are
+    its image processor's tiles (the whole image last where it has several), which need no mask."""
+    from zoo.data.vision_layout import image_patches, llama4_tile_patches
 
     v = cfg.vision
     assert v is not None, "vision_inputs needs a model with a vision tower"
-    return patch_inputs(cfg, [[f if isinstance(f, dict) else image_patches(v, *f) for f in row] for row in frames])
+
+    def patches(f: Frame) -> dict[str, np.ndarray]:
+        if isinstance(f, dict):
+            return f
+        return llama4_tile_patches(v, f[0]) if v.tower == "llama4" else image_patches(v, *f)
+
+    return patch_inputs(cfg, [[patches(f) for f in row] for row in frames])
 
 
 def patch_inputs(cfg: ModelConfig, rows: Sequence[Sequence[dict[str, np.ndarray]]]) -> VisionInputs | None:

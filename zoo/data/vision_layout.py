@@ -106,3 +106,17 @@ def layout_rows(v: VisionConfig, rows: Sequence[Sequence[dict[str, np.ndarray]]]
             first += int(img.get("tokens", n // v.group))  # Gemma 4's images differ in their tokens
             start += n
     return out
+
+
+def llama4_tile_patches(v: VisionConfig, pixels: np.ndarray) -> dict[str, np.ndarray]:
+    """One Llama 4 tile's per-patch arrays (as :func:`image_patches`'s): ``pixels`` [C, S, S] (the image
+    processor's normalized tile), its patches in row-major order (the unfold's flattening is the conv's), then the
+    class token's slot: no pixels, position row ``patches_per_image``, no output token (transformers drops it
+    before the pixel shuffle). Every slot is a key: transformers' tower masks nothing within a tile."""
+    if pixels.shape != (v.num_channels, v.image_size, v.image_size):
+        raise ValueError(f"tile of shape {pixels.shape}: expected {(v.num_channels, v.image_size, v.image_size)}")
+    group, slot = shuffle_slots(v.side, v.side, v.scale_factor)
+    n = v.patches_per_image
+    return dict(patches=np.concatenate([patchify(pixels, v.patch_size), np.zeros((1, v.patch_dim), pixels.dtype)]),
+                patch_valid=np.ones(n + 1, bool), patch_pos=np.arange(n + 1),
+                patch_group=np.append(group, -1), patch_slot=np.append(slot, 0), tokens=np.asarray(v.tokens_per_image))

@@ -7,7 +7,8 @@ name stands for the same kind of projection in every tower, under the text names
 ``vision.down_proj`` (the MLP: SigLIP's and Qwen3-VL's fc1/fc2 are ``up``/``down``), and ``vision.qkv``, the
 Qwen towers' fused q/k/v Linear, adapted whole as peft adapts it (one A on its input, one B over its 3 x heads x
 head_dim outputs). The connectors: ``projector.proj`` (SmolVLM's, Gemma 3's and Gemma 4's one projection),
-``projector.fc1`` and ``projector.fc2`` (the Qwen patch merger's MLP) and ``projector.deepstack.fc1`` /
+``projector.fc1`` and ``projector.fc2`` (the Qwen patch merger's MLP, Llama 4's adapter MLP; Llama 4's
+projector Linear is its ``projector.proj``) and ``projector.deepstack.fc1`` /
 ``projector.deepstack.fc2`` (Qwen3-VL's DeepStack mergers, one adapter a level).
 """
 
@@ -65,6 +66,10 @@ VISION_PATHS: dict[str, dict[str, str]] = {
                 "projector.fc1": "model.visual.merger.mlp.0", "projector.fc2": "model.visual.merger.mlp.2"},
     "qwen3": {**_layer("model.visual.blocks.0.", {**_QWEN_ATTENTION, "up_proj": "mlp.linear_fc1",
                                                   "down_proj": "mlp.linear_fc2"}), **_QWEN3_MERGERS},
+    # Llama 4: SigLIP's layer with o_proj; the adapter's MLP and the projector (the tower sits at the model's top)
+    "llama4": {**_layer("vision_model.model.layers.0.", {**_SIGLIP, "o_proj": "self_attn.o_proj"}),
+               "projector.fc1": "vision_model.vision_adapter.mlp.fc1",
+               "projector.fc2": "vision_model.vision_adapter.mlp.fc2", "projector.proj": "multi_modal_projector.linear_1"},
 }
 
 

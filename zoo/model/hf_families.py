@@ -81,7 +81,7 @@ FAMILIES: dict[str, FamilyTraits] = {
                            act_field="hidden_activation", final_softcap_field="final_logit_softcapping"),
     # Vision-language models on a Llama language model (text_config model_type "llama"): a SigLIP tower and the
     # pixel-shuffle connector. model_type/architecture name the composite config and model class.
-    # Llama 4's text model (Llama4ForCausalLM; the vision tower of Llama4ForConditionalGeneration is not read).
+    # Llama 4's text model (Llama4ForCausalLM; Llama4ForConditionalGeneration adds its vision tower: VISION_FORMATS).
     "llama4": FamilyTraits("llama4_text", "Llama4ForCausalLM", moe="llama4"),
     "smolvlm": FamilyTraits("smolvlm", "SmolVLMForConditionalGeneration", mlp_bias="mlp_bias"),
     "idefics3": FamilyTraits("idefics3", "Idefics3ForConditionalGeneration", mlp_bias="mlp_bias"),
@@ -106,6 +106,7 @@ VISION_FORMATS: dict[str, tuple[str, str]] = {
     "hf-qwen2_5-vl": ("qwen2_5", "Qwen2_5_VLForConditionalGeneration"),
     "hf-qwen3-vl": ("qwen3", "Qwen3VLForConditionalGeneration"),
     "hf-qwen3-vl-moe": ("qwen3", "Qwen3VLMoeForConditionalGeneration"),
+    "hf-llama4-multimodal": ("llama4", "Llama4ForConditionalGeneration"),
 }
 
 # architecture -> (family, source format of its weight names)
@@ -116,7 +117,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     **{t.architecture.replace(*CLASSIFIER): (f, "hf") for f, t in FAMILIES.items() if CLASSIFIER[0] in t.architecture},
     "Gemma3ForConditionalGeneration": ("gemma3", "hf-gemma3-multimodal"),
     "Gemma4ForConditionalGeneration": ("gemma4", "hf-gemma4-multimodal"),
-    "Llama4ForConditionalGeneration": ("llama4", "hf-llama4-multimodal"),  # its language model (no vision tower yet)
+    "Llama4ForConditionalGeneration": ("llama4", "hf-llama4-multimodal"),
     "SmolVLMForConditionalGeneration": ("smolvlm", "hf-smolvlm"),
     "Idefics3ForConditionalGeneration": ("idefics3", "hf-idefics3"),
     "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "hf-qwen2_5-vl"),

@@ -4,7 +4,8 @@
 (:class:`VisionInputs`, laid out on the host by :mod:`zoo.data.vision_layout`): the patch embedding (a conv as one
 matmul over flattened patches) plus the learned position table at each patch's row, the pre-norm encoder layers
 scanned over their stacked weights, ``post_layernorm``, then the connector that ``VisionConfig.connector`` names
-(:data:`CONNECTORS`: ``shuffle_linear``, ``avg_pool``). The tower attends bidirectionally within each image;
+(:data:`CONNECTORS`: ``shuffle_linear``, ``avg_pool``; Llama 4's ``pixel_shuffle_mlp``, its tower's class
+token, pre-layer norm and 2-D RoPE from :mod:`zoo.model.vision_llama4`). The tower attends bidirectionally within each image;
 keys are the image's real patches only (transformers' ``patch_attention_mask``), while padding patches still run
 as queries, since their outputs reach the connector as transformers' do.
 
@@ -38,6 +39,7 @@ from zoo.kernels.blockwise import query_block
 from zoo.layers.blocks import ACTIVATIONS, dense, layer_norm, rms_norm
 from zoo.lora.projections import PROJECTOR_DROPOUT, TOWER_DROPOUT, LayerLora, PartLora, adapted_dense
 from zoo.lora.weights import Weights
+from zoo.model import vision_llama4 as llama4
 from zoo.model.config import ModelConfig
 from zoo.model.layer_scan import LAYER_INPUT, REMAT_POLICIES
 from zoo.model.sharding import batch_sharded
@@ -68,14 +70,17 @@ def _block_attention(scale: float, k: jax.Array, val: jax.Array, keys: jax.Array
 
 
 def _attention(v: VisionConfig, x: jax.Array, p: dict[str, jax.Array], patches: tuple[jax.Array, jax.Array],
-               lora: LayerLora | None) -> jax.Array:
+               rope: tuple[jax.Array, jax.Array] | None, lora: LayerLora | None) -> jax.Array:
     """Bidirectional multi-head attention of one tower layer over x [b, n, D], one block of queries
     (:func:`tower_block`) at a time. ``patches``: each patch's image [b, n] (1.., 0 for the row's padding) and, as a
-    key, its image if it is a real patch, else -1 (transformers' ``patch_attention_mask``)."""
+    key, its image if it is a real patch, else -1 (transformers' ``patch_attention_mask``). ``rope``: Llama 4's
+    2-D rotation of q and k (:func:`zoo.model.vision_llama4.rope_tables`), None for SigLIP's none."""
     b, n, _ = x.shape
     images, keys = patches
     q, k, val = (adapted_dense(x, p[name], lora, name).reshape(b, n, v.num_heads, v.head_dim) + p[f"{name}_bias"]
                  for name in "qkv")
+    if rope is not None:
+        q, k = llama4.rotate(q, rope), llama4.rotate(k, rope)
     scale, block = v.head_dim**-0.5, tower_block(n)
     if n <= block:  # one block: the plain softmax, its probabilities kept for the backward pass unless remat
         out = _block_attention(scale, k, val, keys, q, images)
@@ -93,15 +98,16 @@ def _attention(v: VisionConfig, x: jax.Array, p: dict[str, jax.Array], patches: 
     return adapted_dense(out.reshape(b, n, v.hidden_size), p["o"], lora, "o", contract=2) + p["o_bias"]
 
 
-def _layer(v: VisionConfig, patches: tuple[jax.Array, jax.Array], part: PartLora, x: jax.Array,
+def _layer(v: VisionConfig, patches: tuple[jax.Array, jax.Array], rope: tuple[jax.Array, jax.Array] | None,
+           part: PartLora, x: jax.Array,
            inputs: tuple[dict[str, jax.Array], dict | None, jax.Array | None]) -> tuple[jax.Array, None]:
     """One SigLIP encoder layer: x + attention(LayerNorm(x)), then x + fc2(act(fc1(LayerNorm(x)))); ``inputs``
-    are the layer's weights, its LoRA adapters (or None) and its LoRA dropout key (or None)."""
+    are the layer's weights, its LoRA adapters (or None) and its LoRA dropout key (or None); ``rope`` Llama 4's."""
     p, adapters, key = inputs
     lora = part.layer(adapters, key)
     x = checkpoint_name(batch_sharded(x, sequence=False), LAYER_INPUT)  # each chip its own rows' patches
     x = batch_sharded(x + _attention(v, layer_norm(x, p["attn_norm"], p["attn_norm_bias"], v.norm_eps), p, patches,
-                                     lora), sequence=False)
+                                     rope, lora), sequence=False)
     h = layer_norm(x, p["mlp_norm"], p["mlp_norm_bias"], v.norm_eps)
     h = batch_sharded(ACTIVATIONS[v.hidden_act](adapted_dense(h, p["up"], lora, "up") + p["up_bias"]), sequence=False)
     return batch_sharded(x + adapted_dense(h, p["down"], lora, "down") + p["down_bias"], sequence=False), None
@@ -115,10 +121,14 @@ def tower(v: VisionConfig, params: Any, inputs: VisionInputs, remat: str = "none
     of the scan in :func:`jax.checkpoint`, as the decoder's blocks are."""
     base = Weights.wrap(params).base["vision"]
     part = PartLora.of(params, ("vision", "layers"), TOWER_DROPOUT)
-    x = dense(inputs.patches.astype(base["patch_embed"].dtype), base["patch_embed"]) + base["patch_bias"]
-    x = x + jnp.take(base["pos_embed"], inputs.patch_pos, axis=0)
+    rope = None
+    if v.tower == "llama4":  # the class token, the pre-layer norm, 2-D RoPE (zoo.model.vision_llama4)
+        x, rope = llama4.embed(v, base, inputs), llama4.rope_tables(v, inputs.patch_pos)
+    else:
+        x = dense(inputs.patches.astype(base["patch_embed"].dtype), base["patch_embed"]) + base["patch_bias"]
+        x = x + jnp.take(base["pos_embed"], inputs.patch_pos, axis=0)
     patches = inputs.patch_image, jnp.where(inputs.patch_valid, inputs.patch_image, -1)  # queries', keys' images
-    layer: Callable[..., Any] = partial(_layer, v, patches, part)
+    layer: Callable[..., Any] = partial(_layer, v, patches, rope, part)
     if remat != "none":
         layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat], prevent_cse=False)
     x, _ = jax.lax.scan(layer, x, (base["layers"], part.adapters, part.keys(v.num_layers)))
@@ -157,7 +167,7 @@ def avg_pool(v: VisionConfig, params: Any, h: jax.Array, inputs: VisionInputs) -
 
 
 # VisionConfig.connector -> the function from the tower's states to one feature per image token
-CONNECTORS = {"shuffle_linear": shuffle_linear, "avg_pool": avg_pool}
+CONNECTORS = {"shuffle_linear": shuffle_linear, "avg_pool": avg_pool, "pixel_shuffle_mlp": llama4.adapter}
 
 
 def encode_with_deepstack(cfg: ModelConfig, params: Any, inputs: VisionInputs,

@@ -19,6 +19,12 @@ qwen3``, :mod:`zoo.model.vision_qwen3`) lays its images out alike, without windo
 (``pos_table`` rows, a square grid resampled to each image) and DeepStack: the states after each of
 ``deepstack_layers`` merged on their own and added to the language model's first layers. Other towers add
 fields here as the design notes sketch; a name nothing reads yet is not one of them.
+
+Llama 4 (``tower: llama4``, the SigLIP-like layers of :mod:`zoo.model.vision` with :mod:`zoo.model.vision_llama4`'s
+pieces): fixed ``image_size`` tiles (the image processor's), a bias-free unfold patch embedding, a class token after
+each tile's patches (position row ``patches_per_image``; dropped before the connector), a LayerNorm before the
+layers, 2-D RoPE (``rope_theta``) on q and k, exact GELU, and the ``pixel_shuffle_mlp`` connector: SmolVLM's pixel
+shuffle, an MLP of ``adapter_dim`` (fc1, GELU, fc2, GELU, no biases), then the projection to the language model.
 """
 
 from __future__ import annotations
@@ -27,8 +33,8 @@ from dataclasses import dataclass, field
 
 from zoo.errors import UserError
 
-CONNECTORS = ("shuffle_linear", "avg_pool", "gemma4", "patch_merger")
-TOWERS = ("siglip", "gemma4", "qwen2_5", "qwen3")
+CONNECTORS = ("shuffle_linear", "avg_pool", "gemma4", "patch_merger", "pixel_shuffle_mlp")
+TOWERS = ("siglip", "gemma4", "qwen2_5", "qwen3", "llama4")
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,9 @@ class VisionConfig:
     # Qwen3-VL's tower (``tower: qwen3``, zoo.model.vision_qwen3): the layers whose states feed DeepStack's mergers,
     # in increasing order; level j's features are added to the language model's states after its layer j.
     deepstack_layers: tuple[int, ...] = ()
+    # Llama 4's connector (``pixel_shuffle_mlp``): the width of its adapter MLP (projector_input_dim = _output_dim,
+    # the projection's input: vision_output_dim)
+    adapter_dim: int = 0
 
     def __post_init__(self) -> None:
         for name in ("fullatt_layers", "deepstack_layers"):  # JSON gives lists; the config must stay hashable

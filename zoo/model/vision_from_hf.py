@@ -117,7 +117,41 @@ def _qwen3(top: Any, arch: str, where: str) -> VisionConfig:
                         deepstack_layers=tuple(int(i) for i in v.deepstack_visual_indexes))
 
 
-READERS = {"idefics3": _idefics3, "gemma3": _gemma3, "gemma4": _gemma4, "qwen2_5": _qwen2_5, "qwen3": _qwen3}
+def _llama4(top: Any, arch: str, where: str) -> VisionConfig:
+    """Llama 4: its tower (``vision_config``: tiles of ``image_size``, a class token, 2-D RoPE), the pixel-shuffle
+    adapter MLP (``projector_input_dim`` wide) and the projector to the language model. The adapter's widths must
+    chain as transformers' modules do: the shuffled patches (hidden_size / pixel_shuffle_ratio²) into its fc1
+    (``intermediate_size`` wide), fc1's output into fc2 (``projector_output_dim``) and fc2's into the projector
+    (``vision_output_dim``)."""
+    v = top.vision_config
+    size, patch, ratio = v.image_size, v.patch_size, float(v.pixel_shuffle_ratio)
+    if not isinstance(size, int) or not isinstance(patch, int):
+        raise UserError(f"{where}: vision_config image_size={size!r} / patch_size={patch!r} must be single integers")
+    scale = round(1 / ratio)
+    if scale * ratio != 1:
+        raise UserError(f"{where}: vision_config pixel_shuffle_ratio={ratio} must be 1 / an integer (0.5 in Llama 4)")
+    hidden, adapter = int(v.hidden_size), int(v.projector_input_dim)
+    widths = (int(v.intermediate_size), hidden * scale * scale), (adapter, int(v.projector_output_dim)), \
+        (adapter, int(v.vision_output_dim))
+    if any(a != b for a, b in widths):
+        raise UserError(f"{where}: vision_config widths do not chain: intermediate_size={v.intermediate_size} must "
+                        f"be hidden_size / pixel_shuffle_ratio² = {hidden * scale * scale}, and projector_input_dim="
+                        f"{adapter}, projector_output_dim={v.projector_output_dim} and vision_output_dim="
+                        f"{v.vision_output_dim} equal")
+    rope = dict(getattr(v, "rope_parameters", None) or {})
+    if rope.get("rope_type", "default") != "default":
+        raise UserError(f"{where}: vision_config rope_type={rope.get('rope_type')!r}: only 'default' is supported")
+    # transformers' tower runs nn.GELU() (exact) and nn.LayerNorm's default eps whatever hidden_act / norm_eps say
+    return VisionConfig(arch=arch, hidden_size=hidden, intermediate_size=int(v.intermediate_size),
+                        num_layers=int(v.num_hidden_layers), num_heads=int(v.num_attention_heads), patch_size=patch,
+                        image_size=size, image_token_id=int(top.image_token_id), num_channels=int(v.num_channels),
+                        hidden_act="gelu", norm_eps=1e-5, connector="pixel_shuffle_mlp", scale_factor=scale,
+                        bucketize=False, tower="llama4", rope_theta=float(rope.get("rope_theta", 10000.0)),
+                        adapter_dim=adapter)
+
+
+READERS = {"idefics3": _idefics3, "gemma3": _gemma3, "gemma4": _gemma4, "qwen2_5": _qwen2_5, "qwen3": _qwen3,
+           "llama4": _llama4}
 
 
 def vision_config_from_hf(kind: str, top: Any, arch: str, where: str) -> VisionConfig:

@@ -130,6 +130,24 @@ def _qwen3_specs(cfg: ModelConfig, v: VisionConfig) -> dict[str, Spec]:
     return s
 
 
+def _llama4_specs(cfg: ModelConfig, v: VisionConfig) -> dict[str, Spec]:
+    """Llama 4's tower (zoo.model.vision_llama4): a bias-free patch projection, the class token, a position table
+    of a tile's patches and the class token, LayerNorms before and after the SigLIP-shaped layers; its connector:
+    the adapter MLP (fc1, fc2, no biases) and the projection to the language model."""
+    D, A = v.hidden_size, v.adapter_dim
+    s: dict[str, Spec] = {"vision.patch_embed": ((v.patch_dim, D), (None, "embed"), "normal"),
+                          "vision.class_embed": ((D,), ("embed",), "normal"),
+                          "vision.pos_embed": ((v.patches_per_image + 1, D), (None, "embed"), "normal")}
+    for norm in ("pre_norm", "final_norm"):
+        s[f"vision.{norm}"] = ((D,), ("embed",), "ones")
+        s[f"vision.{norm}_bias"] = ((D,), ("embed",), "zeros")
+    s.update({f"vision.layers.{name}": spec for name, spec in _tower_layer_specs(v).items()})
+    s.update({"projector.fc1": ((v.group * D, A), (None, "mlp"), "normal"),
+              "projector.fc2": ((A, A), ("mlp", None), "normal"),
+              "projector.proj": ((A, cfg.hidden_size), (None, "embed"), "normal")})
+    return s
+
+
 def vision_specs(cfg: ModelConfig) -> dict[str, Spec]:
     """Every weight of the image tower and its connector, by dotted path ({} for a text model)."""
     v = cfg.vision
@@ -141,6 +159,8 @@ def vision_specs(cfg: ModelConfig) -> dict[str, Spec]:
         return _qwen_specs(cfg, v)
     if v.tower == "qwen3":
         return _qwen3_specs(cfg, v)
+    if v.tower == "llama4":
+        return _llama4_specs(cfg, v)
     D = v.hidden_size
     s: dict[str, Spec] = {
         "vision.patch_embed": ((v.patch_dim, D), (None, "embed"), "normal"),

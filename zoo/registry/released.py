@@ -159,7 +159,7 @@ SMOLLM3_3B = {"architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", 
               "torch_dtype": "bfloat16"}
 
 # meta-llama/Llama-4-Scout-17B-16E's and Llama-4-Maverick-17B-128E's text_config (the released checkpoints are
-# Llama4ForConditionalGeneration; the vision tower is not converted): 48 layers, every 4th NoPE with the attention
+# Llama4ForConditionalGeneration: zoo.registry.released_vision has them whole, with the vision tower): 48 layers, every 4th NoPE with the attention
 # temperature, the others chunked (8192) with the weightless q/k norm (Scout only); 16 experts on every layer
 # (Scout) or 128 on every second (Maverick), top 1, and a shared expert.
 _LLAMA4 = {"architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text", "vocab_size": 202048,

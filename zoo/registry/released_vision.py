@@ -18,6 +18,8 @@ before relying on a field beyond the shapes (the parameter counts are transforme
 
 from __future__ import annotations
 
+from zoo.registry import released
+
 _GEMMA3_VISION = {"model_type": "siglip_vision_model", "hidden_size": 1152, "intermediate_size": 4304,
                   "num_hidden_layers": 27, "num_attention_heads": 16, "patch_size": 14, "image_size": 896,
                   "vision_use_head": False}
@@ -118,3 +120,28 @@ def _qwen3_vl_moe(hidden: int, inter: int, layers: int, heads: int, experts_inte
 
 QWEN3_VL_30B_A3B = _qwen3_vl_moe(2048, 6144, 48, 32, 768)
 QWEN3_VL_235B_A22B = _qwen3_vl_moe(4096, 12288, 94, 64, 1536)
+
+
+# Llama 4 Scout and Maverick (meta-llama/Llama-4-{Scout-17B-16E,Maverick-17B-128E}[-Instruct]): the released
+# Llama4ForConditionalGeneration configs, whose text_config is zoo.registry.released's; both carry the same tower
+# (34 layers 1408 wide, 16 heads, 336-pixel tiles in 14-pixel patches: 576 patches and a class token, shuffled
+# 2 x 2 into 144 tokens a tile; the adapter MLP and the projector 4096 wide), and the image tokens of the Llama 4
+# tokenizer (<|image_start|> 200080, <|image_end|> 200081, <|patch|> 200092, the features' placeholder).
+_LLAMA4_VISION = {"model_type": "llama4_vision_model", "hidden_act": "gelu", "hidden_size": 1408, "image_size": 336,
+                  "intermediate_size": 5632, "multi_modal_projector_bias": False, "norm_eps": 1e-5,
+                  "num_attention_heads": 16, "num_channels": 3, "num_hidden_layers": 34, "patch_size": 14,
+                  "pixel_shuffle_ratio": 0.5, "projector_dropout": 0.0, "projector_input_dim": 4096,
+                  "projector_output_dim": 4096, "rope_theta": 10000, "vision_feature_layer": -1,
+                  "vision_feature_select_strategy": "default", "vision_output_dim": 4096}
+
+
+def _llama4(text: dict) -> dict:
+    """A Llama4ForConditionalGeneration config.json around this Llama4ForCausalLM text config."""
+    text = {k: v for k, v in text.items() if k != "architectures"}
+    return {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4", "boi_token_index": 200080,
+            "eoi_token_index": 200081, "image_token_index": 200092, "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16", "text_config": text, "vision_config": _LLAMA4_VISION}
+
+
+LLAMA_4_SCOUT = _llama4(released.LLAMA_4_SCOUT)
+LLAMA_4_MAVERICK = _llama4(released.LLAMA_4_MAVERICK)
