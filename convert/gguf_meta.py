@@ -150,6 +150,8 @@ PRE_TOKENIZER_SPLITS = {
     "qwen2": _QWEN2_SPLIT,
     "deepseek-r1-qwen": _QWEN2_SPLIT,
     "llama4": _GPT4O_SPLIT,
+    "gpt-4o": _GPT4O_SPLIT,
+    "minimax-m2": _GPT4O_SPLIT,  # MiniMax-M2's tokenizer splits as GPT-4o's (transformers' GGUF mapping too)
 }
 
 # Only these array fields are needed whole; other arrays are skipped when reading.

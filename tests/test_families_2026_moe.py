@@ -344,8 +344,11 @@ def test_gguf_minimax_m2_converts_as_the_safetensors_checkpoint(tmp_path):
     written as llama.cpp's ``minimax-m2`` file (convert_hf_to_gguf.py's MiniMaxM2Model: each layer's w1/w3/w2
     stacked into ``ffn_*_exps`` [experts, out, in], the selection bias ``exp_probs_b.bias``, q/k norms over all
     heads, rotary_dim as rope.dimension_count; float32) converts to the safetensors conversion's parameters and
-    architecture, and so to transformers' logits."""
+    architecture, and so to transformers' logits. Its tokenizer (``tokenizer.ggml.pre`` ``minimax-m2``) splits text
+    as GPT-4o's does, digits in threes, where GPT-2's split (a reader's fallback) keeps them whole."""
     from safetensors.numpy import load_file
+
+    from zoo.data.tokenizer import load_tokenizer
 
     tokens, merges, types = _byte_vocab()
     hf = make_hf(tmp_path / "hf", "minimax_m2", vocab_size=len(tokens), num_hidden_layers=2)
@@ -361,6 +364,7 @@ def test_gguf_minimax_m2_converts_as_the_safetensors_checkpoint(tmp_path):
                        (w.add_expert_feed_forward_length, c.intermediate_size), (w.add_rope_dimension_count, 12)):
         add(value)
     w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("minimax-m2")
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
@@ -385,3 +389,5 @@ def test_gguf_minimax_m2_converts_as_the_safetensors_checkpoint(tmp_path):
     # the file keeps its eps as float32 and no router loss coefficient (a training setting)
     assert dataclasses.replace(a, rms_norm_eps=b.rms_norm_eps, aux_loss_coef=b.aux_loss_coef) == b
     _logits_match(hf, tmp_path / "from_gguf", len(tokens))
+    split = load_tokenizer(tmp_path / "from_gguf").backend_tokenizer.pre_tokenizer.pre_tokenize_str("12345")
+    assert [piece for piece, _ in split] == ["123", "45"]
