@@ -177,13 +177,14 @@ def _fused_factor(cfg: ModelConfig, t: PlannedTensor, arrays: dict[str, np.ndarr
     r = arrays[f"{adapted[0]}.b"].shape[1]
     dt = arrays[f"{adapted[0]}.b"].dtype
     blocks = []
+    groups = fusion.group_count(cfg)
     for p, size in zip(paths, fusion.part_sizes(cfg), strict=True):
-        block = np.zeros((size, r * len(adapted)), dt)
+        block = np.zeros((groups * size, r * len(adapted)), dt)
         if p != "-":
             q = adapted.index(p)
             block[:, q * r:(q + 1) * r] = LORA_LAYOUTS[transforms[p]].b(arrays[f"{p}.b"][t.index])
         blocks.append(block)
-    return join(fusion, blocks, dt)
+    return join(fusion, blocks, dt, groups)
 
 
 def _check_base_out(out: Path, base_out: Path, overwrite: bool) -> None:

@@ -229,7 +229,8 @@ def _fused_tensors(cfg: ModelConfig, meta: dict[str, Any], rules: list[BoundRule
         first = adapted[0]
         assert first.layers is not None  # fused tensors are per layer
         fan_in = TRANSFORMS[first.transform].inverse(shape_only(specs[first.zoo].shape[1:]), cfg).shape[1]
-        rows = sum(fused_named(cfg, name).part_sizes(cfg))
+        fusion = fused_named(cfg, name)
+        rows = fusion.group_count(cfg) * sum(fusion.part_sizes(cfg))
         pos = min(rules.index(rule) for rule in adapted)
         key = _fused_key(parts)
         for part, shape in (("a", (r * len(adapted), fan_in)), ("b", (rows, r * len(adapted)))):

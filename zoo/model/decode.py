@@ -56,6 +56,7 @@ from zoo.model.layer_layout import (
     kind_stack_slice,
     layer_output,
     layer_weights,
+    split_by_kind,
     store_layers,
 )
 from zoo.model.layer_scan import Segment, scan_segments, stack_slice
@@ -389,7 +390,7 @@ def _run_cached_stacks(cfg: ModelConfig, params: dict[str, Any], x: jax.Array, c
         # Adapters, the NoPE layers' flags (SmolLM3) and Gemma 4's per-layer inputs are stacked like the weights
         # and sliced with them.
         weights = (params[prefix], (lora or {}).get(prefix))
-        if cfg.global_head_dim:  # Gemma 4: full layers' attention weights are stacked apart (zoo.model.layer_layout)
+        if split_by_kind(cfg):  # Gemma 4, Qwen3-Next: weights stacked by kind (zoo.model.layer_layout)
             weights = kind_stack_slice(cfg, weights, tuple(cfg.kinds[i] for i in stack), first, stop - start)
         else:
             weights = stack_slice(weights, first, stop - start)
@@ -401,7 +402,7 @@ def _run_cached_stacks(cfg: ModelConfig, params: dict[str, Any], x: jax.Array, c
             i0, step = _kind_slice(kinds, dataclasses.replace(seg, start=seg.start + first), j)
             cached = None if fresh or seg.kinds[j] not in group else jax.tree.map(
                 lambda a: a[i0: i0 + seg.repeats * step: step], group[seg.kinds[j]])
-            if not cfg.global_head_dim:
+            if not split_by_kind(cfg):
                 return (*seg.at(j, stacked), cached)
             # Gemma 4: a block position's attention weights are a strided slice of its kind's stack.
             w, a, *rest = stacked

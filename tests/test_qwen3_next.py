@@ -1,0 +1,106 @@
+"""Qwen3-Next (qwen3_next) in the one decoder, against transformers: logits over several delta-rule chunks with both
+layer kinds, packed documents, the export round trip and a generated config, greedy KV-cache decoding, and the
+released 80B-A3B config's parameter count.
+
+The tiny model (tests/hf_models.py FAMILIES) has Gated DeltaNet layers 0 and 2 and gated full-attention layers 1
+and 3 (partial RoPE), MoE with a gated shared expert on layers 0, 1 and 3 and a dense MLP on layer 2, so its one
+stack is scanned in runs split by the dense layer, with weights stacked by kind (zoo.model.layer_layout).
+"""
+
+import json
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import zoo
+from tests.hf_models import FAMILIES, hf_logits, hf_tensors, mean_kl, random_tokens
+from zoo.cli import main
+
+SEQ = 150  # three chunks of the delta rule's 64, the last one partial
+
+
+@pytest.fixture(scope="module")
+def converted(tiny_family):
+    """(transformers model, its saved folder, the zoo checkpoint, the loaded zoo model), shared read-only."""
+    hf, root = tiny_family("qwen3_next")
+    return hf, root / "hf", root / "zoo", zoo.load(root / "zoo")
+
+
+def test_logits_match_transformers(converted):
+    hf, _, _, model = converted
+    assert model.cfg.kinds == ("linear", "full", "linear", "full")
+    tokens = random_tokens(hf.config.vocab_size, seq=SEQ)
+    ref = hf_logits(hf, tokens)
+    got = np.asarray(model(jnp.asarray(tokens)))
+    assert np.abs(got - ref).max() <= 1e-4
+    assert mean_kl(ref, got) <= 1e-6
+    assert ref.std() > 0.5  # peaked enough for the comparison to have teeth
+
+
+def test_packed_documents_equal_each_alone(converted):
+    """A row packing two documents (the second starting mid-chunk) and padding: each document's logits are
+    transformers' for that document alone (the linear layers' state and convolution restart at a document)."""
+    hf, _, _, model = converted
+    a, b = random_tokens(hf.config.vocab_size, batch=2, seq=90, seed=3)
+    a, b = a[:90], b[:40]
+    row = np.r_[a, b, np.zeros(6, np.int32)][None].astype(np.int32)
+    seg = np.r_[np.full(90, 1), np.full(40, 2), np.zeros(6)][None].astype(np.int32)
+    pos = np.r_[np.arange(90), np.arange(40), np.zeros(6)][None].astype(np.int32)
+    got = np.asarray(model(jnp.asarray(row), jnp.asarray(seg), jnp.asarray(pos)))[0]
+    for doc, part in ((a, got[:90]), (b, got[90:130])):
+        ref = hf_logits(hf, doc[None])[0]
+        assert np.abs(part - ref).max() <= 1e-4
+
+
+def test_round_trip_is_bit_identical(converted, tmp_path):
+    _, folder, ckpt, _ = converted
+    assert main(["export", str(ckpt), "--out", str(tmp_path / "back")]) == 0
+    assert hf_tensors(folder) == hf_tensors(tmp_path / "back")
+    a = json.loads((folder / "config.json").read_text())
+    b = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert {k: v for k, v in a.items() if "dtype" not in k} == {k: v for k, v in b.items() if "dtype" not in k}
+
+
+def test_generated_config_reproduces_the_model(converted, tmp_path):
+    """Without the source config.json, export writes one from the zoo config; transformers builds the same model."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    hf, _, ckpt, _ = converted
+    shutil.copytree(ckpt, tmp_path / "zoo")
+    (tmp_path / "zoo" / "hf_config.json").unlink()
+    assert main(["export", str(tmp_path / "zoo"), "--out", str(tmp_path / "back")]) == 0
+    back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), dtype=torch.float32).eval()
+    back.config._attn_implementation = "eager"
+    assert type(back).__name__ == FAMILIES["qwen3_next"][1]
+    tokens = random_tokens(hf.config.vocab_size, seq=24)
+    np.testing.assert_array_equal(hf_logits(back, tokens), hf_logits(hf, tokens))
+
+
+def test_released_config_counts_as_transformers():
+    """qwen3-next-80b-a3b's registry config: 48 layers (36 linear, every 4th full), 512 experts (10 a token) and a
+    shared expert; its parameter count is transformers' for the same config (built on the meta device: nothing
+    allocated): 79.7B in all (the card's 80B), 3.9B active, 3.3B of them outside the embedding and the head (the
+    card's 3B)."""
+    import transformers
+
+    from zoo.model.from_hf import model_config_from_hf
+    from zoo.model.params import param_specs
+    from zoo.registry.catalogue import get, hf_config_of
+
+    hf = hf_config_of("qwen3-next-80b-a3b", "model")
+    assert get("qwen3-next-80b-a3b").family == "qwen3_next"
+    cfg = model_config_from_hf(hf, "qwen3-next-80b-a3b")
+    assert cfg.kinds == ("linear", "linear", "linear", "full") * 12
+    assert (cfg.num_experts, cfg.experts_per_token, cfg.shared_experts, cfg.rope_dim) == (512, 10, 1, 64)
+    sizes = {k: math.prod(s.shape) for k, s in param_specs(cfg).items()}
+    with torch.device("meta"):  # shapes only: nothing allocated
+        ref = transformers.Qwen3NextForCausalLM(transformers.AutoConfig.for_model(**hf))
+    assert sum(sizes.values()) == sum(p.numel() for p in ref.parameters())
+    experts = sum(n for k, n in sizes.items() if ".expert_" in k)
+    active = sum(sizes.values()) - experts + experts * 10 // 512
+    assert round(sum(sizes.values()) / 1e9) == 80 and round((active - sizes["embed"] - sizes["lm_head"]) / 1e9) == 3
