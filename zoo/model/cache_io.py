@@ -55,11 +55,26 @@ def write_ring(layers: dict, written: dict, pos: jax.Array, valid: jax.Array,
     for prefix, group in layers.items():
         out[prefix] = {}
         for kind, arrays in group.items():
+            if kind == "linear":  # Qwen3-Next's fixed-size states: each layer's replaced whole
+                out[prefix][kind] = put_states(arrays, written[prefix][kind])
+                continue
             s = arrays["latent"].shape[2] if mla else arrays["v"].shape[3]
             keep = valid & (pos >= new_lengths[:, None] - s)
             slot = jnp.where(keep, pos % s, s)[None]  # slot s is out of range: dropped
             out[prefix][kind] = put_entries(arrays, written[prefix][kind], rows, slot)
     return out
+
+
+def put_states(arrays: dict[str, jax.Array], entries: list, rows: jax.Array | None = None) -> dict[str, jax.Array]:
+    """Linear layers' state arrays (``conv`` [n, L, ...], ``rec`` [n, L, ...]) with their new states (``entries``
+    as :func:`put_entries`', {name: [m, b, ...]}) put at their layers' indices, all rows (a ring cache's), or rows
+    ``rows`` [b] of L (a pool's sequence slots; an out-of-range row is dropped)."""
+    idx = jnp.concatenate([i for i, _ in entries])
+    new = {name: jnp.concatenate([e[name] for _, e in entries]) for name in arrays}
+    if rows is None:
+        return {name: a.at[idx].set(new[name].astype(a.dtype)) for name, a in arrays.items()}
+    return {name: a.at[idx[:, None], rows[None]].set(new[name].astype(a.dtype), mode="drop")
+            for name, a in arrays.items()}
 
 
 def put_entries(arrays: dict[str, jax.Array], entries: list, lead: jax.Array, at: jax.Array) -> dict[str, jax.Array]:

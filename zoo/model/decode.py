@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
+from zoo.layers.linear_attention import linear_attention
 from zoo.lora.projections import LayerLora
 from zoo.lora.weights import Weights
 from zoo.model.cache_io import Written, gather_pages, write_ring
@@ -108,8 +109,17 @@ def _kind_sizes(cfg: ModelConfig, max_len: int) -> dict[str, int]:
     return sizes
 
 
-def _entry_shapes(cfg: ModelConfig, n: int, batch: int, slots: int) -> dict[str, tuple[tuple[int, ...], tuple]]:
-    """name -> (shape, logical axes) of one kind's cache arrays for n layers."""
+def _entry_shapes(cfg: ModelConfig, n: int, batch: int, slots: int,
+                  kind: str = "full") -> dict[str, tuple[tuple[int, ...], tuple]]:
+    """name -> (shape, logical axes) of one kind's cache arrays for n layers. Qwen3-Next's linear layers keep a
+    fixed-size state instead of slots (:mod:`zoo.layers.linear_attention`): the convolution's last inputs
+    ``conv`` [n, batch, kernel - 1, channels] and the delta rule's ``rec`` [n, batch, value heads, k_dim, v_dim]
+    (float32: :func:`init_cache`), split over the value heads like the keys/values over theirs."""
+    if kind == "linear":
+        channels = 2 * cfg.linear_key_heads * cfg.linear_key_head_dim + cfg.linear_value_heads * cfg.linear_value_head_dim
+        return {"conv": ((n, batch, cfg.linear_conv_kernel - 1, channels), ("layers", "batch", None, None)),
+                "rec": ((n, batch, cfg.linear_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
+                        ("layers", "batch", "heads", None, None))}
     lead, axes = (n, batch, slots), ("layers", "batch", "sequence")
     if cfg.mla:
         return {"latent": (lead + (cfg.kv_lora_rank,), axes + (None,)),
@@ -129,8 +139,8 @@ def _cache_tree(cfg: ModelConfig, batch: int, max_len: int, make: Any) -> Cache:
             layers[prefix] = {}  # Gemma 4's KV-shared layers read their stored layers' entries: none of their own
             continue
         layers[prefix] = {
-            kind: {name: make(shape, axes, None) for name, (shape, axes)
-                   in _entry_shapes(kind_config(cfg, kind), kinds.count(kind), batch, sizes[kind]).items()}
+            kind: {name: make(shape, axes, jnp.float32 if name == "rec" else None) for name, (shape, axes)
+                   in _entry_shapes(kind_config(cfg, kind), kinds.count(kind), batch, sizes.get(kind, 0), kind).items()}
             for kind in sorted(set(kinds))}
     delta = make((batch,), ("batch",), jnp.int32) if cfg.rope.mrope_section else None
     return Cache(layers, make((batch,), ("batch",), jnp.int32), delta)
@@ -274,7 +284,7 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax
     # A ring's slots (a paged cache: the same axis is a page's positions, P of them a row).
     slots = {kind: arrays["latent" if cfg.mla else "v"].shape[2 if cfg.mla else 3] * (1 if pages is None
                                                                                     else pages.shape[1])
-             for group in cache.layers.values() for kind, arrays in group.items()}
+             for group in cache.layers.values() for kind, arrays in group.items() if kind != "linear"}
     # Slots read per kind: none when fresh, the first `view` when every row fits in them.
     read = {kind: 0 if fresh else (s if view is None else min(s, view)) for kind, s in slots.items()}
     windows = {kind: kind_window(cfg, kind) for kind in slots}
@@ -350,6 +360,12 @@ def _cached_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Array]
         if is_kv_shared(cfg, prefix):
             c, reuse = stored[kind]
         kcfg = kind_config(cfg, kind)
+        if kind == "linear":  # Qwen3-Next: a fixed-size state, read and replaced whole
+            def recur(x: jax.Array) -> tuple[jax.Array, dict]:
+                return linear_attention(x, p, cfg, valid.astype(jnp.int32), p["attn_norm"], lora, c)
+
+            x, new, _ = decoder_layer(cfg, x, p, recur, moe, valid, lora, per_layer=pli, deepstack=deep)
+            return x, new
         n = read[kind]
         if c is not None and pages is not None:
             c = gather_pages(c, pages)
