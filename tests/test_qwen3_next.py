@@ -158,3 +158,24 @@ def test_greedy_kv_cache_decoding_equals_transformers_generate(converted):
         logits, cache = forward_cached_jit(cfg, params, step, cache, jnp.ones((2, 1), bool))
         got.append(int(np.argmax(np.asarray(logits)[0, 0])))
     assert got == want
+
+
+@pytest.mark.slow
+def test_the_inference_engine_carries_each_rows_state(converted):
+    """`zoo generate`'s engine (eval.generate on the paged cache): three prompts on two sequence slots (the third
+    takes the slot the first leaves, its state from zeros again), each row's linear-layer state in its own slot,
+    each give transformers' greedy choices for that prompt alone (a prompt of 70 tokens: prefilled past a
+    chunk)."""
+    from eval.generate import GenerationConfig, generate
+
+    hf, _, _, model = converted
+    cfg, params = model.cfg, model.param_dict()
+    rng = np.random.RandomState(4)
+    prompts = [rng.randint(0, cfg.vocab_size, n).tolist() for n in (3, 70, 11)]
+    gen = GenerationConfig(max_new_tokens=8)
+    together = generate(cfg, params, prompts, gen, max_seqs=2)
+    assert len({tuple(x) for x in together}) == 3
+    for p, got in zip(prompts, together):
+        with torch.no_grad():
+            logits = hf(torch.tensor([p + got])).logits[0]
+        assert got == logits[len(p) - 1:len(p) + len(got) - 1].argmax(-1).tolist()

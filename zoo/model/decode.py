@@ -236,7 +236,8 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax
                  valid: jax.Array | None = None, mla_absorb: bool | None = None, *, fresh: bool = False,
                  view: int | None = None, last: jax.Array | None = None,
                  hidden: bool = False, vision: VisionInputs | None = None,
-                 entries: bool = False, pages: jax.Array | None = None) -> tuple[jax.Array, Any]:
+                 entries: bool = False, pages: jax.Array | None = None,
+                 seq_rows: jax.Array | None = None) -> tuple[jax.Array, Any]:
     """:func:`forward_cached` with generation's shortcuts (``fresh`` and ``view`` static), and LoRA adapters.
 
     ``fresh``: the cache is empty (every length 0), so its slots are not read.
@@ -260,6 +261,9 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax
     at slot p; each layer gathers its own when it runs (:func:`zoo.model.cache_io.gather_pages`), so only one layer's rows are ever
     copied out of the pool. Needs ``entries`` (the pool is written by its owner); LongRoPE switches per row, and
     its owner re-ropes a row's cached keys before the call in which it crosses (:func:`eval.engine.paged.rerope`).
+    ``seq_rows`` [b]: with ``pages``, the pool's sequence slot of each row, where Qwen3-Next's linear layers keep
+    their fixed-size states ([n, slots, ...]: read clipped, written by the owner; a row with no cached token starts
+    from zeros whatever its slot holds).
     """
     w = Weights.wrap(params)
     base: dict[str, Any] = w.base
@@ -305,8 +309,10 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax
     # Gemma 4: kind -> (the stored layer's cache, its new keys/values), read by the KV-shared layers.
     stored: dict[str, tuple[dict | None, tuple[jax.Array, jax.Array]]] = {}
     causal = {kind: b is None for kind, b in kind_blocks.items()}
+    if "linear" in cfg.kinds and pages is not None and seq_rows is None:
+        raise ValueError("a paged cache of a model with linear layers needs each row's sequence slot (seq_rows)")
     layer = _cached_layer(cfg, ropes, masks, windows, read, slots, stored, valid, scale, mla_absorb, causal,
-                          w.rows, pages, query_temperature(cfg, pos))
+                          w.rows, pages, query_temperature(cfg, pos), (seq_rows, cache.lengths == 0))
     x, written = _run_cached_stacks(cfg, base, x, cache, layer, lora, ple, fresh, stored, deep)
     if last is not None:
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
@@ -339,7 +345,9 @@ def _cached_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Array]
                   scale: float | jax.Array, mla_absorb: bool | None,
                   causal: dict[str, bool] | None = None, rows: bool = False,
                   pages: jax.Array | None = None,
-                  temperature: jax.Array | None = None) -> Callable[..., tuple[jax.Array, dict | None]]:
+                  temperature: jax.Array | None = None,
+                  states: tuple[jax.Array | None, jax.Array] | None = None
+                  ) -> Callable[..., tuple[jax.Array, dict | None]]:
     """The cached forward's layer as :func:`_run_cached_stacks` scans it: ``layer(x, inputs, kind, moe, prefix)``.
 
     ``inputs`` are one layer's (weights, adapters, NoPE flag, per-layer input, DeepStack level, cache entry); by
@@ -351,6 +359,8 @@ def _cached_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Array]
     tables of a paged cache (:func:`forward_step`), gathered here. A KV-shared layer (Gemma 4) reads its stored layer's cache and new keys/values
     from ``stored``. The layer's output is its new cache entries (None for a KV-shared layer: it writes nothing).
     ``temperature`` [b, t]: Llama 4's query temperature of the NoPE layers (:func:`zoo.model.rope.query_temperature`).
+    ``states``: (each row's sequence slot in a paged pool's linear-layer states, or None; the rows that start
+    empty [b], whose state is zeros).
     """
 
     def layer(x: jax.Array, inputs: tuple, kind: str, moe: bool, prefix: str) -> tuple[jax.Array, dict | None]:
@@ -361,8 +371,15 @@ def _cached_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Array]
             c, reuse = stored[kind]
         kcfg = kind_config(cfg, kind)
         if kind == "linear":  # Qwen3-Next: a fixed-size state, read and replaced whole
+            state = c
+            if state is not None and states is not None:
+                seq_rows, empty = states
+                if seq_rows is not None:  # a pool's sequence slots
+                    state = {n: jnp.take(a, seq_rows, axis=0, mode="clip") for n, a in state.items()}
+                state = {n: jnp.where(empty.reshape((-1,) + (1,) * (a.ndim - 1)), 0, a) for n, a in state.items()}
+
             def recur(x: jax.Array) -> tuple[jax.Array, dict]:
-                return linear_attention(x, p, cfg, valid.astype(jnp.int32), p["attn_norm"], lora, c)
+                return linear_attention(x, p, cfg, valid.astype(jnp.int32), p["attn_norm"], lora, state)
 
             x, new, _ = decoder_layer(cfg, x, p, recur, moe, valid, lora, per_layer=pli, deepstack=deep)
             return x, new
