@@ -96,7 +96,7 @@ def fused_config(meta: dict[str, Any]) -> dict[str, Any]:
     adapted = adapter_paths(meta)
     rules = [r for r in table_for(cfg.family, export_format(cfg), cfg) if r.zoo in adapted]
     ranks, alphas = {}, {}
-    for name, parts in fused_groups(cfg, rules).items():
+    for name, parts in fused_groups(cfg, rules):
         zoo = tuple(rule.zoo for rule in parts if rule is not None)
         if len(zoo) > 1:
             leaf = name.removesuffix(".weight").rpartition(".")[2]

@@ -179,3 +179,24 @@ def test_the_inference_engine_carries_each_rows_state(converted):
         with torch.no_grad():
             logits = hf(torch.tensor([p + got])).logits[0]
         assert got == logits[len(p) - 1:len(p) + len(got) - 1].argmax(-1).tolist()
+
+
+@pytest.mark.slow
+def test_peft_loads_the_adapters_with_our_logits(converted, tmp_path):
+    """Slow (the export, then peft + transformers): LoRA on the linear layers' in_proj_qkvz (q, k, v, z: one peft
+    module over four zoo weights), in_proj_ba and out_proj, attention (q_proj: query and gate, one module) and the
+    routed experts, exported with `zoo export --adapter`: peft loads every key and gives our logits (1e-4), which
+    the adapter moves by far more. (peft rewrites gate_proj/up_proj/down_proj targets of a qwen3_next model to the
+    fused routed experts, as for qwen3_moe: the dense MLP's and shared expert's adapters export merged only.)"""
+    from tests.lora_fixtures import peft_logits_against_ours, write_adapter_checkpoint
+    from zoo.lora.params import LoraConfig
+
+    _, folder, ckpt, _ = converted
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "in_proj_ba", "out_proj",
+               "experts.gate_proj", "experts.up_proj", "experts.down_proj"]
+    adapter = write_adapter_checkpoint(ckpt, tmp_path / "adapter", LoraConfig(rank=4, alpha=8.0, targets=targets))
+    assert main(["export", str(adapter), "--adapter", "--out", str(tmp_path / "peft")]) == 0
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert {"in_proj_qkvz", "in_proj_ba", "out_proj", "q_proj"} <= set(config["target_modules"])
+    diff, teeth = peft_logits_against_ours(folder, adapter, tmp_path / "peft")
+    assert teeth > 0.1 and diff <= 1e-4, (diff, teeth)
