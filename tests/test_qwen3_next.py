@@ -10,6 +10,7 @@ stack is scanned in runs split by the dense layer, with weights stacked by kind 
 import json
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -200,3 +201,32 @@ def test_peft_loads_the_adapters_with_our_logits(converted, tmp_path):
     assert {"in_proj_qkvz", "in_proj_ba", "out_proj", "q_proj"} <= set(config["target_modules"])
     diff, teeth = peft_logits_against_ours(folder, adapter, tmp_path / "peft")
     assert teeth > 0.1 and diff <= 1e-4, (diff, teeth)
+
+
+@pytest.mark.slow
+def test_qlora_gradients_equal_lora_on_the_dequantized_weights(converted):
+    """Slow (two compilations of the forward and its gradients): QLoRA with "all" targets (the linear layers'
+    projections, attention and its output gate, the experts, the shared expert, the dense MLP) over NF4 weights
+    with double quantization: the loss and every adapter's gradient equal those of LoRA on the dequantized weights
+    (1e-6, 1e-5), and every adapter gets a gradient (the conv's taps, decay and norms stay float)."""
+    from tests.lora_fixtures import lora_lm_loss, random_lora
+    from tests.quant_fixtures import quantized_projections, random_params
+    from zoo.lora.params import LoraConfig
+    from zoo.model import quant
+    from zoo.model.params import nest
+
+    cfg = converted[3].cfg
+    lc = LoraConfig(rank=4, alpha=8.0, targets="all")
+    qflat = quantized_projections(cfg, random_params(cfg, std=0.1))
+    assert {k.rpartition(".")[2] for k, v in qflat.items() if isinstance(v, quant.QuantizedWeight)} >= {
+        "lin_q", "lin_k", "lin_v", "lin_z", "lin_b", "lin_a", "lin_out", "attn_gate", "expert_gate", "shared_gate"}
+    flat = {k: np.asarray(quant.dequantize(v)) if isinstance(v, quant.QuantizedWeight) else v for k, v in qflat.items()}
+    lora = random_lora(cfg, lc, random=True)
+    assert {"lin_q", "lin_out", "attn_gate"} <= set(lora["layers"])
+    tokens = jnp.asarray(random_tokens(cfg.vocab_size, seq=80))
+    grads = jax.jit(jax.value_and_grad(lambda a, p: lora_lm_loss(cfg, p, a, lc, tokens)))
+    (lq, gq), (ld, gd) = grads(lora, nest(qflat)), grads(lora, nest(flat))
+    assert abs(float(lq) - float(ld)) <= 1e-6
+    for a, b in zip(jax.tree.leaves(gq), jax.tree.leaves(gd), strict=True):
+        assert np.abs(np.asarray(a) - np.asarray(b)).max() <= 1e-5
+    assert min(float(jnp.abs(g).max()) for g in jax.tree.leaves(gq)) > 0
