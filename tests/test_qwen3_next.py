@@ -230,3 +230,21 @@ def test_qlora_gradients_equal_lora_on_the_dequantized_weights(converted):
     for a, b in zip(jax.tree.leaves(gq), jax.tree.leaves(gd), strict=True):
         assert np.abs(np.asarray(a) - np.asarray(b)).max() <= 1e-5
     assert min(float(jnp.abs(g).max()) for g in jax.tree.leaves(gq)) > 0
+
+
+def test_context_parallelism_and_flops_know_the_linear_layers(converted, monkeypatch):
+    """A mesh that splits the sequence (mesh.context > 1) is refused in one line naming the linear layers; the
+    FLOPs count the linear layers' chunked delta rule (per value head 2 x 64 x 8 + 3 x 8 x 12 + 1.5 x 64 x 12 =
+    2464 multiply-adds a token, whatever the sequence) and softmax attention for the 2 full layers only."""
+    from pretrain.flops import flops_per_token, linear_macs_per_token
+    from zoo.errors import UserError
+    from zoo.model import context
+
+    cfg = converted[3].cfg
+    monkeypatch.setattr(context, "context_size", lambda: 2)
+    with pytest.raises(UserError, match=r"^mesh.context: 2 splits the sequence, but the linear-attention layers "
+                                        r"\(0, 2\) carry a state along it and cannot run split; set mesh.context to 1$"):
+        context.check_layers_split(cfg.kinds)
+    assert linear_macs_per_token(cfg) == 4 * 2464
+    # 128 more tokens a row: only the full layers' QK^T and PV grow (6 x 2 layers x 4 heads x 16 x 128).
+    assert flops_per_token(cfg, 256) - flops_per_token(cfg, 128) == 6 * 2 * 64 * 128

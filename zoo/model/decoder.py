@@ -29,6 +29,7 @@ from zoo.layers.moe import aux_losses, moe_mlp, parallel_moe_block
 from zoo.lora.projections import LayerLora, LoraDropout
 from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
+from zoo.model.context import check_layers_split
 from zoo.model.layer_layout import (
     is_kv_shared,
     kind_config,
@@ -250,6 +251,7 @@ def forward(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax.Arra
     # embeddings with the images in place.
     ple = per_layer_inputs(cfg, base, ids, x) if cfg.per_layer_input_size else None
     shared: dict[str, tuple[jax.Array, jax.Array]] = {}  # kind -> the keys/values the KV-shared layers reuse
+    check_layers_split(cfg.kinds)  # no context parallelism over linear-attention layers
     if "linear" in cfg.kinds and (prefix_ids is not None or blocks is not None):
         raise UserError("linear-attention layers (Qwen3-Next) run on packed documents only: no shared prefixes "
                         "(DPO's shared prompts: set dpo.share_prompt false) and no image blocks")
