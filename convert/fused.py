@@ -63,6 +63,9 @@ class Fusion:
             return (dk, dk, r * dv, r * dv) if self.sizes == "qkvz" else (r, r)
         if self.sizes == "q_gate":
             return cfg.head_dim, cfg.head_dim
+        if self.sizes == "lin_qkv":
+            qk = cfg.linear_key_heads * cfg.linear_key_head_dim
+            return qk, qk, cfg.linear_value_heads * cfg.linear_value_head_dim
         if self.sizes == "qkv":
             d = cfg.head_dim
             return cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d
@@ -119,6 +122,11 @@ FUSIONS: dict[str, tuple[Fusion, ...]] = {
                "ba", groups="linear_key_heads"),
         Fusion("self_attn.q_proj.weight", ("self_attn.q_proj_query.weight", "self_attn.q_proj_gate.weight"),
                "q_gate", groups="num_heads"),
+        # llama.cpp's qwen3next files: attn_q as q_proj; attn_qkv the linear layers' q, k, v rows in blocks (its
+        # converter takes them out of in_proj_qkvz's groups, z going to attn_gate); ssm_ba as in_proj_ba.
+        Fusion("attn_q.weight", ("attn_q_query.weight", "attn_q_gate.weight"), "q_gate", groups="num_heads"),
+        Fusion("attn_qkv.weight", ("attn_qkv_q.weight", "attn_qkv_k.weight", "attn_qkv_v.weight"), "lin_qkv"),
+        Fusion("ssm_ba.weight", ("ssm_ba_b.weight", "ssm_ba_a.weight"), "ba", groups="linear_key_heads"),
     ),
     # Llama 4's experts: [experts, embed, 2 x mlp], gate then up in blocks along the last axis.
     "llama4": (Fusion("feed_forward.experts.gate_up_proj", ("feed_forward.experts.gate_proj",

@@ -248,6 +248,9 @@ TRANSFORMS["lin_v_in"] = _linear_heads(False)
 TRANSFORMS["lin_out"] = Transform(
     lambda w, cfg: w.T.reshape(cfg.linear_value_heads, cfg.linear_value_head_dim, w.shape[0]),
     lambda w, cfg: w.reshape(-1, w.shape[-1]).T)
+# llama.cpp's ssm_a: the decay rate -exp(A_log) it stores in place of A_log (float32: exp and log round).
+TRANSFORMS["neg_exp"] = Transform(lambda w, cfg: np.log(-w.astype(np.float32)).astype(w.dtype),
+                                  lambda w, cfg: -np.exp(w.astype(np.float32)).astype(w.dtype))
 # A depthwise Conv1d's weight [channels, 1, kernel] <-> the zoo's taps [kernel, channels].
 TRANSFORMS["conv_taps"] = Transform(lambda w, cfg: w[:, 0, :].T, lambda w, cfg: w.T[:, None, :])
 

@@ -248,3 +248,116 @@ def test_context_parallelism_and_flops_know_the_linear_layers(converted, monkeyp
     assert linear_macs_per_token(cfg) == 4 * 2464
     # 128 more tokens a row: only the full layers' QK^T and PV grow (6 x 2 layers x 4 heads x 16 x 128).
     assert flops_per_token(cfg, 256) - flops_per_token(cfg, 128) == 6 * 2 * 64 * 128
+
+
+def _byte_vocab() -> tuple[list[str], list[str], list[int]]:
+    """A byte-level BPE vocabulary: the 256 bytes in GPT-2's alphabet and ChatML's tokens (no merges)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    spell = bytes_to_unicode()
+    tokens = [spell[b] for b in range(256)] + ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    return tokens, [], [1] * 256 + [3] * 3
+
+
+def _gguf_tensors(state: dict, c) -> dict:
+    """The tensors llama.cpp's Qwen3NextModel writes for a transformers checkpoint ``state`` (as saved: experts
+    one by one): norms as w + 1 but the linear layers' gated one, the experts stacked [experts, out, in], the
+    linear layers' in_proj_qkvz taken apart into q, k, v rows in blocks (attn_qkv) and z (attn_gate), the conv's
+    taps squeezed, A_log as -exp(A_log), dt_bias as ssm_dt.bias."""
+    out = {"token_embd.weight": state["model.embed_tokens.weight"], "output_norm.weight": state["model.norm.weight"] + 1,
+           "output.weight": state["lm_head.weight"]}
+    nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    names = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
+             "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+             "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+             "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+             "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+             "linear_attn.in_proj_ba.weight": "ssm_ba.weight", "linear_attn.norm.weight": "ssm_norm.weight",
+             "linear_attn.out_proj.weight": "ssm_out.weight", "linear_attn.dt_bias": "ssm_dt.bias",
+             **{f"mlp.shared_expert.{p}_proj.weight": f"ffn_{p}_shexp.weight" for p in ("gate", "up", "down")}}
+    for i in range(c.num_hidden_layers):
+        L = f"model.layers.{i}."
+        for hf, g in names.items():
+            if L + hf in state:
+                x = state[L + hf]
+                out[f"blk.{i}.{g}"] = x + 1 if hf.endswith("norm.weight") and "linear_attn" not in hf else x
+        for p in ("gate", "up", "down"):
+            out[f"blk.{i}.ffn_{p}_exps.weight"] = np.stack(
+                [state[f"{L}mlp.experts.{j}.{p}_proj.weight"] for j in range(c.num_experts)])
+        if L + "linear_attn.A_log" in state:
+            w = state[L + "linear_attn.in_proj_qkvz.weight"].T.reshape(c.hidden_size, nk, -1)
+            q, k, v, z = np.split(w, np.cumsum([dk, dk, nv // nk * dv])[:3], axis=-1)
+            out[f"blk.{i}.attn_qkv.weight"] = np.concatenate(
+                [a.reshape(c.hidden_size, -1) for a in (q, k, v)], axis=-1).T.copy()
+            out[f"blk.{i}.attn_gate.weight"] = z.reshape(c.hidden_size, -1).T.copy()
+            out[f"blk.{i}.ssm_conv1d.weight"] = state[L + "linear_attn.conv1d.weight"][:, 0].copy()
+            out[f"blk.{i}.ssm_a"] = -np.exp(state[L + "linear_attn.A_log"])
+    return out
+
+
+@pytest.mark.slow
+def test_gguf_qwen3next_converts_as_the_safetensors_checkpoint(tmp_path):
+    """Slow (two conversions and a forward's compilation). A tiny Qwen3-Next written as llama.cpp's ``qwen3next``
+    file (convert_hf_to_gguf.py's Qwen3NextModel: its tensors as _gguf_tensors says, the linear layers' dims as its
+    ssm.* keys, the full layers' interval, partial RoPE as rope.dimension_count; float32) converts to the
+    safetensors conversion's parameters (bit for bit; to float32 rounding those the file stores transformed: the
+    norms as w + 1, A_log as -exp(A_log)) and architecture, and so to transformers' logits."""
+    import dataclasses
+
+    import gguf
+    from safetensors.numpy import load_file
+
+    from tests.hf_models import make_hf
+    from zoo.checkpoints.format import read_meta
+    from zoo.checkpoints.readers import load_param_numpy
+
+    tokens, merges, types = _byte_vocab()
+    hf = make_hf(tmp_path / "hf", "qwen3_next", vocab_size=len(tokens), mlp_only_layers=[])
+    c, state = hf.config, load_file(str(tmp_path / "hf" / "model.safetensors"))
+    path = tmp_path / "tiny.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen3next")
+    for add, value in ((w.add_context_length, c.max_position_embeddings), (w.add_embedding_length, c.hidden_size),
+                       (w.add_block_count, c.num_hidden_layers), (w.add_feed_forward_length, c.intermediate_size),
+                       (w.add_head_count, c.num_attention_heads), (w.add_head_count_kv, c.num_key_value_heads),
+                       (w.add_key_length, c.head_dim), (w.add_value_length, c.head_dim),
+                       (w.add_layer_norm_rms_eps, c.rms_norm_eps), (w.add_rope_freq_base, 10000.0),
+                       (w.add_expert_count, c.num_experts), (w.add_expert_used_count, c.num_experts_per_tok),
+                       (w.add_expert_feed_forward_length, c.moe_intermediate_size),
+                       (w.add_expert_shared_feed_forward_length, c.shared_expert_intermediate_size),
+                       (w.add_ssm_conv_kernel, c.linear_conv_kernel_dim), (w.add_ssm_state_size, c.linear_key_head_dim),
+                       (w.add_ssm_group_count, c.linear_num_key_heads),
+                       (w.add_ssm_time_step_rank, c.linear_num_value_heads),
+                       (w.add_ssm_inner_size, c.linear_value_head_dim * c.linear_num_value_heads),
+                       (w.add_full_attention_interval, 2), (w.add_rope_dimension_count, 4)):
+        add(value)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    for name, x in _gguf_tensors(state, c).items():
+        w.add_tensor(name, np.ascontiguousarray(x, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    assert main(["convert", str(path), "--out", str(tmp_path / "from_gguf")]) == 0
+    assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "from_hf")]) == 0
+    params = read_meta(tmp_path / "from_hf")["params"]
+    assert read_meta(tmp_path / "from_gguf")["params"].keys() == params.keys()
+    for p in params:
+        a, b = load_param_numpy(tmp_path / "from_gguf", p), load_param_numpy(tmp_path / "from_hf", p)
+        if p.endswith("lin_a_log"):  # log(-(-exp(x))) in float32
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, err_msg=p)
+        elif p.endswith("norm") and not p.endswith("lin_norm"):  # (w + 1) - 1 in float32: within 1 + w's ulp
+            np.testing.assert_allclose(a, b, rtol=0, atol=2.0**-23, err_msg=p)
+        else:
+            np.testing.assert_array_equal(a, b, err_msg=p)
+    a, b = zoo.read_config(tmp_path / "from_gguf"), zoo.read_config(tmp_path / "from_hf")
+    assert (a.kinds, a.rope_dim, a.linear_value_head_dim) == (("linear", "full") * 2, 4, 12)
+    # the file keeps its eps as float32 and no router loss coefficient (a training setting)
+    assert dataclasses.replace(a, rms_norm_eps=b.rms_norm_eps, aux_loss_coef=b.aux_loss_coef) == b
+    ids = random_tokens(len(tokens), seq=24)
+    ref = hf_logits(hf, ids)
+    got = np.asarray(zoo.load(tmp_path / "from_gguf")(jnp.asarray(ids)))
+    assert np.abs(got - ref).max() <= 1e-4 and mean_kl(ref, got) <= 1e-6 and ref.std() > 0.5
