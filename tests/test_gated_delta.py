@@ -76,22 +76,21 @@ def test_chunked_equals_the_token_by_token_reference_with_gradients(chunk, seg):
     def loss(fn):
         def f(*args):
             o, s = fn(*args)
-            return jnp.sum(o * cot) + jnp.sum(s * cots)
-        return f
+            return jnp.sum(o * cot) + jnp.sum(s * cots), (o, s)
+        return jax.jit(jax.value_and_grad(f, argnums=range(6), has_aux=True))  # one program: outputs and gradients
 
     ours = lambda q, k, v, g, beta, s0: gated_delta_chunked(q, k, v, g, beta, segs, chunk, s0)  # noqa: E731
     ref = lambda q, k, v, g, beta, s0: _reference(q, k, v, g, beta, segs, s0)  # noqa: E731
-    o1, s1 = jax.jit(ours)(q, k, v, g, beta, s0)
-    o2, s2 = ref(q, k, v, g, beta, s0)
+    run = loss(ours)
+    (_, (o1, s1)), g1 = run(q, k, v, g, beta, s0)
+    (_, (o2, s2)), g2 = loss(ref)(q, k, v, g, beta, s0)
     np.testing.assert_allclose(o1, o2, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(s1, s2, atol=1e-5, rtol=1e-5)
-    g1 = jax.jit(jax.grad(loss(ours), argnums=range(6)))(q, k, v, g, beta, s0)
-    g2 = jax.jit(jax.grad(loss(ref), argnums=range(6)))(q, k, v, g, beta, s0)
     for name, a, b in zip(("q", "k", "v", "g", "beta", "state"), g1, g2):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5, err_msg=name)
     if seg == "packed":  # the documents are independent: the third's outputs do not move with the first's inputs
-        o3, _ = jax.jit(ours)(q, k, v * np.r_[np.full(11, 2.0), np.ones(T - 11)][None, :, None, None].astype(np.float32),
-                              g, beta, s0)
+        scaled = v * np.r_[np.full(11, 2.0), np.ones(T - 11)][None, :, None, None].astype(np.float32)
+        (_, (o3, _)), _ = run(q, k, scaled, g, beta, s0)
         np.testing.assert_array_equal(np.asarray(o3)[0, 16:], np.asarray(o1)[0, 16:])
         assert not np.allclose(np.asarray(o3)[0, :11], np.asarray(o1)[0, :11])
 

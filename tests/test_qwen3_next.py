@@ -41,6 +41,7 @@ def test_logits_match_transformers(converted):
     assert ref.std() > 0.5  # peaked enough for the comparison to have teeth
 
 
+@pytest.mark.slow
 def test_packed_documents_equal_each_alone(converted):
     """A row packing two documents (the second starting mid-chunk) and padding: each document's logits are
     transformers' for that document alone (the linear layers' state and convolution restart at a document)."""
