@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 from eval.engine.sampling import RowSampling, draw_rows
 from zoo.lora.rows import RowAdapters
 from zoo.lora.weights import Weights
-from zoo.model.cache_io import Written, put_entries, put_states
+from zoo.model.cache_io import Written, linear_state_shapes, put_entries, put_states
 from zoo.model.config import ModelConfig
 from zoo.model.decode import Cache, forward_step
 from zoo.model.layer_layout import is_kv_shared, kind_config
@@ -51,9 +51,7 @@ def _page_shapes(cfg: ModelConfig, n: int, pages: int, page: int) -> dict[str, t
 def _pool_tree(cfg: ModelConfig, pages: int, page: int, make: Any, seqs: int = 0) -> Pool:
     """A pool whose every array is ``make(shape, logical axes, dtype or None)`` (None: the pool's). Qwen3-Next's
     linear layers keep no pages: each of ``seqs`` sequence slots holds their fixed-size state (the cache's,
-    :func:`zoo.model.decode._entry_shapes`; the delta rule's in float32)."""
-    from zoo.model.decode import _entry_shapes
-
+    :func:`zoo.model.cache_io.linear_state_shapes`; the delta rule's in float32)."""
     out: Pool = {}
     for prefix, stack, _ in cfg.layer_stacks:
         kinds = tuple(cfg.kinds[i] for i in stack)
@@ -63,7 +61,7 @@ def _pool_tree(cfg: ModelConfig, pages: int, page: int, make: Any, seqs: int = 0
         for kind in sorted(set(kinds)):
             if kind == "linear":
                 assert seqs > 0, "a pool for linear layers needs its sequence slots"
-                shapes = _entry_shapes(cfg, kinds.count(kind), seqs, 0, kind)
+                shapes = linear_state_shapes(cfg, kinds.count(kind), seqs)
             else:
                 shapes = _page_shapes(kind_config(cfg, kind), kinds.count(kind), pages, page)
             out[prefix][kind] = {name: make(shape, axes, jnp.float32 if name == "rec" else None)

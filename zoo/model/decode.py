@@ -47,7 +47,7 @@ from jax.sharding import Mesh, NamedSharding
 from zoo.layers.linear_attention import linear_attention
 from zoo.lora.projections import LayerLora
 from zoo.lora.weights import Weights
-from zoo.model.cache_io import Written, gather_pages, write_ring
+from zoo.model.cache_io import Written, gather_pages, linear_state_shapes, rows_states, write_ring
 from zoo.model.cached_attention import gqa_attention, mla_attention, new_token_masks, slot_positions
 from zoo.model.config import ModelConfig
 from zoo.model.decoder import decoder_layer, embed_tokens, norm, output_logits
@@ -111,15 +111,10 @@ def _kind_sizes(cfg: ModelConfig, max_len: int) -> dict[str, int]:
 
 def _entry_shapes(cfg: ModelConfig, n: int, batch: int, slots: int,
                   kind: str = "full") -> dict[str, tuple[tuple[int, ...], tuple]]:
-    """name -> (shape, logical axes) of one kind's cache arrays for n layers. Qwen3-Next's linear layers keep a
-    fixed-size state instead of slots (:mod:`zoo.layers.linear_attention`): the convolution's last inputs
-    ``conv`` [n, batch, kernel - 1, channels] and the delta rule's ``rec`` [n, batch, value heads, k_dim, v_dim]
-    (float32: :func:`init_cache`), split over the value heads like the keys/values over theirs."""
+    """name -> (shape, logical axes) of one kind's cache arrays for n layers (Qwen3-Next's linear layers: their
+    fixed-size states, :func:`zoo.model.cache_io.linear_state_shapes`)."""
     if kind == "linear":
-        channels = 2 * cfg.linear_key_heads * cfg.linear_key_head_dim + cfg.linear_value_heads * cfg.linear_value_head_dim
-        return {"conv": ((n, batch, cfg.linear_conv_kernel - 1, channels), ("layers", "batch", None, None)),
-                "rec": ((n, batch, cfg.linear_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
-                        ("layers", "batch", "heads", None, None))}
+        return linear_state_shapes(cfg, n, batch)
     lead, axes = (n, batch, slots), ("layers", "batch", "sequence")
     if cfg.mla:
         return {"latent": (lead + (cfg.kv_lora_rank,), axes + (None,)),
@@ -261,9 +256,8 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax
     at slot p; each layer gathers its own when it runs (:func:`zoo.model.cache_io.gather_pages`), so only one layer's rows are ever
     copied out of the pool. Needs ``entries`` (the pool is written by its owner); LongRoPE switches per row, and
     its owner re-ropes a row's cached keys before the call in which it crosses (:func:`eval.engine.paged.rerope`).
-    ``seq_rows`` [b]: with ``pages``, the pool's sequence slot of each row, where Qwen3-Next's linear layers keep
-    their fixed-size states ([n, slots, ...]: read clipped, written by the owner; a row with no cached token starts
-    from zeros whatever its slot holds).
+    ``seq_rows`` [b]: with ``pages``, each row's sequence slot in the pool's linear-layer states (Qwen3-Next; a row
+    with no cached token starts from zeros: :func:`zoo.model.cache_io.rows_states`).
     """
     w = Weights.wrap(params)
     base: dict[str, Any] = w.base
@@ -345,8 +339,7 @@ def _cached_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Array]
                   scale: float | jax.Array, mla_absorb: bool | None,
                   causal: dict[str, bool] | None = None, rows: bool = False,
                   pages: jax.Array | None = None,
-                  temperature: jax.Array | None = None,
-                  states: tuple[jax.Array | None, jax.Array] | None = None
+                  temperature: jax.Array | None = None, states: tuple[jax.Array | None, jax.Array] | None = None
                   ) -> Callable[..., tuple[jax.Array, dict | None]]:
     """The cached forward's layer as :func:`_run_cached_stacks` scans it: ``layer(x, inputs, kind, moe, prefix)``.
 
@@ -359,8 +352,7 @@ def _cached_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Array]
     tables of a paged cache (:func:`forward_step`), gathered here. A KV-shared layer (Gemma 4) reads its stored layer's cache and new keys/values
     from ``stored``. The layer's output is its new cache entries (None for a KV-shared layer: it writes nothing).
     ``temperature`` [b, t]: Llama 4's query temperature of the NoPE layers (:func:`zoo.model.rope.query_temperature`).
-    ``states``: (each row's sequence slot in a paged pool's linear-layer states, or None; the rows that start
-    empty [b], whose state is zeros).
+    ``states``: (the rows' sequence slots in a pool, or None; the rows that start empty): :func:`rows_states`'.
     """
 
     def layer(x: jax.Array, inputs: tuple, kind: str, moe: bool, prefix: str) -> tuple[jax.Array, dict | None]:
@@ -371,12 +363,7 @@ def _cached_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Array]
             c, reuse = stored[kind]
         kcfg = kind_config(cfg, kind)
         if kind == "linear":  # Qwen3-Next: a fixed-size state, read and replaced whole
-            state = c
-            if state is not None and states is not None:
-                seq_rows, empty = states
-                if seq_rows is not None:  # a pool's sequence slots
-                    state = {n: jnp.take(a, seq_rows, axis=0, mode="clip") for n, a in state.items()}
-                state = {n: jnp.where(empty.reshape((-1,) + (1,) * (a.ndim - 1)), 0, a) for n, a in state.items()}
+            state = None if c is None or states is None else rows_states(c, *states)
 
             def recur(x: jax.Array) -> tuple[jax.Array, dict]:
                 return linear_attention(x, p, cfg, valid.astype(jnp.int32), p["attn_norm"], lora, state)
