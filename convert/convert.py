@@ -152,6 +152,7 @@ def convert(source: str, out: str | Path, dtype: str | None = None, progress: bo
                         "num_hidden_layers); convert without --keep-mtp")
     if fmt != "gguf":
         cfg = with_expert_layout(cfg, src.reader)  # the order of Qwen3-VL-MoE's fused experts' axes in the files
+    if fmt != "gguf" or cfg.family == "qwen3_next":  # llama.cpp's qwen3next files fuse tensors too (convert.fused)
         src.reader = split_fused(src.reader, cfg, src.description)  # Phi-3's qkv_proj as q/k/v_proj, ...
     rules = table_for(cfg.family, fmt, cfg)
     check_source(src, cfg, rules)

@@ -290,7 +290,8 @@ def _fused_piece(readers: dict[str, ParamSource], t: PlannedTensor, cfg: ModelCo
                  ) -> Iterator[tuple[int, np.ndarray]]:
     """The one piece of fused tensor ``t``: each part read (at t's layer) and placed in it (convert.fused)."""
     parts = [TRANSFORMS[transform].inverse(readers[zoo_path].read(t.index), cfg) for zoo_path, transform in t.parts]
-    x = join(fused_named(cfg, t.name), parts, DTYPES_ALL[t.dtype])
+    fusion = fused_named(cfg, t.name)
+    x = join(fusion, parts, DTYPES_ALL[t.dtype], fusion.group_count(cfg))
     if tuple(x.shape) != t.shape:
         raise UserError(f"parameter {t.zoo} does not match its config (got {x.shape}, want {t.shape})")
     yield 0, x

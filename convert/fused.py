@@ -28,9 +28,13 @@ class Fusion:
     """One fused tensor of a layer: its name and its parts' names (suffixes after the layer's prefix).
 
     ``sizes``: how long each part is along ``axis`` (``qkv``: q, k and v heads * head_dim; ``mlp``: the MLP
-    width each; ``expert_mlp``: the routed experts' width each). ``interleaved``: the parts alternate index by
-    index along ``axis`` instead of following one another in blocks. ``when``: a ModelConfig flag (``!flag``
-    negated) the fusion holds under, as the tables' rules have (None: always).
+    width each; ``expert_mlp``: the routed experts' width each; Qwen3-Next's, per group: ``qkvz`` a key head's
+    q, k and its value heads' v and z, ``ba`` its value heads' b and a, ``q_gate`` an attention head's q and
+    gate). ``interleaved``: the parts alternate index by index along ``axis`` instead of following one another
+    in blocks. ``groups``: the ModelConfig field counting groups (None: one): the axis is that many groups one
+    after another, each holding the parts in blocks (Qwen3-Next's in_proj_qkvz per key head; axis 0 only).
+    ``when``: a ModelConfig flag (``!flag`` negated) the fusion holds under, as the tables' rules have (None:
+    always).
     """
 
     fused: str
@@ -39,6 +43,7 @@ class Fusion:
     axis: int = 0
     interleaved: bool = False
     when: str | None = None
+    groups: str | None = None
 
     def applies(self, cfg: ModelConfig) -> bool:
         """Whether a checkpoint of config ``cfg`` fuses its tensors this way."""
@@ -46,8 +51,21 @@ class Fusion:
             return True
         return bool(getattr(cfg, self.when.lstrip("!"))) != self.when.startswith("!")
 
+    def group_count(self, cfg: ModelConfig) -> int:
+        """How many groups the fused axis holds (1 unless ``groups``)."""
+        return 1 if self.groups is None else int(getattr(cfg, self.groups))
+
     def part_sizes(self, cfg: ModelConfig) -> tuple[int, ...]:
-        """Each part's length along ``axis``, in order."""
+        """Each part's length along ``axis`` (within one group where ``groups``), in order."""
+        if self.sizes in ("qkvz", "ba"):
+            r = cfg.linear_value_heads // cfg.linear_key_heads
+            dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+            return (dk, dk, r * dv, r * dv) if self.sizes == "qkvz" else (r, r)
+        if self.sizes == "q_gate":
+            return cfg.head_dim, cfg.head_dim
+        if self.sizes == "lin_qkv":
+            qk = cfg.linear_key_heads * cfg.linear_key_head_dim
+            return qk, qk, cfg.linear_value_heads * cfg.linear_value_head_dim
         if self.sizes == "qkv":
             d = cfg.head_dim
             return cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d
@@ -65,11 +83,12 @@ class Fusion:
 
     def check(self, shape: tuple[int, ...], cfg: ModelConfig, name: str, where: str) -> tuple[int, ...]:
         """The parts' sizes when fused tensor ``name`` has the shape the config implies; else a one-line UserError."""
-        sizes = self.part_sizes(cfg)
-        if not shape or shape[self.axis] != sum(sizes):
+        sizes, g = self.part_sizes(cfg), self.group_count(cfg)
+        if not shape or shape[self.axis] != g * sum(sizes):
             what = "rows" if self.axis == 0 else "columns"
+            groups = f"{g} x " if g > 1 else ""
             raise UserError(f"{where}: tensor {name!r} has shape {tuple(shape)} but the config implies "
-                            f"{sum(sizes)} {what} ({' + '.join(map(str, sizes))})")
+                            f"{g * sum(sizes)} {what} ({groups}{' + '.join(map(str, sizes))})")
         return sizes
 
 
@@ -94,6 +113,20 @@ FUSIONS: dict[str, tuple[Fusion, ...]] = {
                axis=-1, when="!hf_experts_out_in"),
         Fusion("mlp.experts.gate_up_proj", ("mlp.experts.gate_proj", "mlp.experts.up_proj"), "expert_mlp",
                axis=1, when="hf_experts_out_in"),
+    ),
+    # Qwen3-Next: per key head [q, k, its value heads' v, z] rows and [b, a] rows; per attention head [q, gate] rows.
+    "qwen3_next": (
+        Fusion("linear_attn.in_proj_qkvz.weight", tuple(f"linear_attn.in_proj_{n}.weight" for n in "qkvz"), "qkvz",
+               groups="linear_key_heads"),
+        Fusion("linear_attn.in_proj_ba.weight", ("linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight"),
+               "ba", groups="linear_key_heads"),
+        Fusion("self_attn.q_proj.weight", ("self_attn.q_proj_query.weight", "self_attn.q_proj_gate.weight"),
+               "q_gate", groups="num_heads"),
+        # llama.cpp's qwen3next files: attn_q as q_proj; attn_qkv the linear layers' q, k, v rows in blocks (its
+        # converter takes them out of in_proj_qkvz's groups, z going to attn_gate); ssm_ba as in_proj_ba.
+        Fusion("attn_q.weight", ("attn_q_query.weight", "attn_q_gate.weight"), "q_gate", groups="num_heads"),
+        Fusion("attn_qkv.weight", ("attn_qkv_q.weight", "attn_qkv_k.weight", "attn_qkv_v.weight"), "lin_qkv"),
+        Fusion("ssm_ba.weight", ("ssm_ba_b.weight", "ssm_ba_a.weight"), "ba", groups="linear_key_heads"),
     ),
     # Llama 4's experts: [experts, embed, 2 x mlp], gate then up in blocks along the last axis.
     "llama4": (Fusion("feed_forward.experts.gate_up_proj", ("feed_forward.experts.gate_proj",
@@ -129,12 +162,20 @@ def _prefix(name: str, suffix: str) -> str | None:
 
 
 def split(x: np.ndarray, fusion: Fusion, sizes: tuple[int, ...], position: int) -> np.ndarray:
-    """Part ``position`` of fused tensor ``x`` (copied, contiguous)."""
+    """Part ``position`` of fused tensor ``x`` (copied, contiguous); ``sizes`` per group where ``fusion.groups``."""
+    if fusion.groups is not None:  # [groups x (parts in blocks), ...] rows: each group's block of the part
+        g = x.shape[0] // sum(sizes)
+        part = x.reshape(g, sum(sizes), *x.shape[1:])[:, fusion.selections(sizes)[position][0]]
+        return np.ascontiguousarray(part.reshape(g * sizes[position], *x.shape[1:]))
     return np.ascontiguousarray(x[fusion.selections(sizes)[position]])
 
 
-def join(fusion: Fusion, parts: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
-    """The fused tensor of ``parts`` (each in the HF layout, in ``fusion.parts`` order), as ``dtype``."""
+def join(fusion: Fusion, parts: list[np.ndarray], dtype: np.dtype, groups: int = 1) -> np.ndarray:
+    """The fused tensor of ``parts`` (each in the HF layout, in ``fusion.parts`` order), as ``dtype``; ``groups``:
+    :meth:`Fusion.group_count` where ``fusion.groups``."""
+    if fusion.groups is not None:
+        blocks = [p.reshape(groups, p.shape[0] // groups, *p.shape[1:]) for p in parts]
+        return np.concatenate(blocks, axis=1).reshape(-1, *parts[0].shape[1:]).astype(dtype)
     axis = fusion.axis % parts[0].ndim
     sizes = tuple(p.shape[axis] for p in parts)
     shape = (*parts[0].shape[:axis], sum(sizes), *parts[0].shape[axis + 1:])
@@ -170,7 +211,7 @@ class SplitReader:
             return tuple(self.inner.shape(name))
         fused, f, sizes, k = self.parts[name]
         shape = list(self.inner.shape(fused))
-        shape[f.axis] = sizes[k]
+        shape[f.axis] = sizes[k] * shape[f.axis] // sum(sizes)  # a part of each group where f.groups
         return tuple(shape)
 
     def dtype(self, name: str) -> np.dtype:

@@ -80,6 +80,16 @@ CONFIG_KEYS["llama4"] = {**_LLAMA_KEYS, "feed_forward_length": "intermediate_siz
                          "attention.key_length": "head_dim", "expert_count": "num_local_experts",
                          "expert_used_count": "num_experts_per_tok", "expert_feed_forward_length": "intermediate_size",
                          "interleave_moe_layer_step": "interleave_moe_layer_step"}
+# Qwen3-Next, as llama.cpp's Qwen3NextModel writes it: Qwen2-MoE's keys (the shared expert's width too), the linear
+# layers' dims as its ssm.* keys (state_size: k_dim, group_count: key heads, time_step_rank: value heads; the value
+# heads' width and the partial rotary are derived: _derived_fields), the full layers' interval.
+CONFIG_KEYS["qwen3next"] = {**_BASE_KEYS, "attention.key_length": "head_dim", "expert_count": "num_experts",
+                            "expert_used_count": "num_experts_per_tok",
+                            "expert_feed_forward_length": "moe_intermediate_size",
+                            "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+                            "ssm.conv_kernel": "linear_conv_kernel_dim", "ssm.state_size": "linear_key_head_dim",
+                            "ssm.group_count": "linear_num_key_heads", "ssm.time_step_rank": "linear_num_value_heads",
+                            "full_attention_interval": "full_attention_interval"}
 # Settings a file cannot state, as the architecture's released models have them (dotted: a key of a nested dict,
 # set only where the file gives that dict): gpt-oss's YaRN does not round its correction range (its config.json's
 # truncate: false), whatever llama.cpp's own RoPE does.
@@ -87,10 +97,11 @@ ARCH_SETTINGS: dict[str, dict[str, Any]] = {"gpt-oss": {"rope_scaling.truncate":
 
 # GGUF architecture -> HF model_type, where they differ (a Gemma 3 file holds only the text model).
 MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2",
-               "llama4": "llama4_text"}
+               "llama4": "llama4_text", "qwen3next": "qwen3_next"}
 # Config fields a GGUF file of the architecture implies without a key: llama.cpp's qwen3moe graph always
 # renormalizes the top-k routing weights (as transformers' GGUF reader sets too).
-CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {"qwen3moe": {"norm_topk_prob": True}}
+CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {"qwen3moe": {"norm_topk_prob": True},
+                                              "qwen3next": {"norm_topk_prob": True}}
 # llama.cpp's llama4 graph fixes what a file cannot say (src/llama-model.cpp): chunked attention of 8192 on three
 # layers of four, the fourth NoPE with the attention temperature (floor 8192, scale 0.1).
 CONFIG_DEFAULTS["llama4"] = {"attention_chunk_size": 8192, "no_rope_layer_interval": 4, "attn_temperature_tuning": True,
@@ -102,6 +113,22 @@ CONFIG_DERIVED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
 # Tensors of a file that carry a setting lmzoo does not read from GGUF, refused rather than dropped: Llama 4 Scout's
 # llama3 RoPE scaling, which llama.cpp writes as per-frequency factors (rope_freqs) and no metadata key.
 REFUSED_TENSORS = {"llama4": {"rope_freqs.weight": "its RoPE scaling (llama3, stored as rope_freqs)"}}
+
+
+def _derived_fields(arch: str, meta: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
+    """Config fields a file of ``arch`` gives only through others: Qwen3-Next's value heads' width (ssm.inner_size
+    over the value heads) and partial rotary (rope.dimension_count over head_dim)."""
+    if arch != "qwen3next":
+        return {}
+    out: dict[str, Any] = {}
+    inner, heads = meta.get(f"{arch}.ssm.inner_size"), raw.get("linear_num_value_heads")
+    if inner is not None and heads:
+        out["linear_value_head_dim"] = int(inner) // int(heads)
+    rope, head_dim = meta.get(f"{arch}.rope.dimension_count"), raw.get("head_dim")
+    if rope is not None and head_dim:
+        out["partial_rotary_factor"] = int(rope) / int(head_dim)
+    return out
+
 
 # Special token ids: HF config field <- tokenizer metadata key.
 TOKEN_ID_KEYS = {
@@ -293,6 +320,7 @@ def hf_config(meta: dict[str, Any], tensor_names: list[str], where: str) -> dict
     raw.update(CONFIG_DEFAULTS.get(arch, {}))
     if arch in CONFIG_DERIVED:
         raw.update(CONFIG_DERIVED[arch](raw))
+    raw.update(_derived_fields(arch, meta, raw))
     for field, value in ARCH_SETTINGS.get(arch, {}).items():
         outer, _, inner = field.partition(".")
         if outer in raw:

@@ -99,6 +99,38 @@ def minimax_m2_gguf_table() -> list[Rule]:
         Rule("layers.router_bias", _B + "exp_probs_b.bias", when="moe&router_bias")]
 
 
+def qwen3next_gguf_table() -> list[Rule]:
+    """llama.cpp's names for Qwen3-Next (``qwen3next``, convert_hf_to_gguf.py's Qwen3NextModel): every layer MoE
+    with the shared expert (``*_shexp``, its gate ``ffn_gate_inp_shexp``), the pre-MLP norm ``post_attention_norm``,
+    norms written as ``w + 1`` but the linear layers' gated one (``ssm_norm``); the full layers' ``attn_q`` holds
+    each head's query and gate; the linear layers' q, k, v rows in blocks (``attn_qkv``), z as ``attn_gate``,
+    b and a as ``ssm_ba``, the conv's taps squeezed [channels, kernel] (``ssm_conv1d``), ``ssm_a`` = -exp(A_log),
+    ``ssm_dt.bias`` = dt_bias; the parts of fused tensors as convert.fused names them."""
+    full, lin = "full", "linear"
+    attention = ("layers.k", "layers.v", "layers.o", "layers.q_norm", "layers.k_norm")
+    shared = [dataclasses.replace(r, kind=full) if r.zoo in attention else r
+              for r in gguf_moe_table() if r.zoo not in ("layers.q", "layers.mlp_norm")]
+    return shared + [
+        Rule("layers.q", _B + "attn_q_query.weight", "q_in", kind=full),
+        Rule("layers.attn_gate", _B + "attn_q_gate.weight", "q_in", kind=full),
+        Rule("layers.mlp_norm", _B + "post_attention_norm.weight", "gguf_norm"),
+        Rule("layers.lin_q", _B + "attn_qkv_q.weight", "lin_k_in", kind=lin),
+        Rule("layers.lin_k", _B + "attn_qkv_k.weight", "lin_k_in", kind=lin),
+        Rule("layers.lin_v", _B + "attn_qkv_v.weight", "lin_v_in", kind=lin),
+        Rule("layers.lin_z", _B + "attn_gate.weight", "lin_v_in", kind=lin),
+        Rule("layers.lin_b", _B + "ssm_ba_b.weight", "transpose", kind=lin),
+        Rule("layers.lin_a", _B + "ssm_ba_a.weight", "transpose", kind=lin),
+        Rule("layers.lin_conv", _B + "ssm_conv1d.weight", "transpose", kind=lin),
+        Rule("layers.lin_dt_bias", _B + "ssm_dt.bias", kind=lin),
+        Rule("layers.lin_a_log", _B + "ssm_a", "neg_exp", kind=lin),
+        Rule("layers.lin_norm", _B + "ssm_norm.weight", kind=lin),
+        Rule("layers.lin_out", _B + "ssm_out.weight", "lin_out", kind=lin),
+        *(Rule(f"layers.shared_{part}", _B + f"ffn_{part}_shexp.weight", "transpose", when="moe")
+          for part in ("gate", "up", "down")),
+        Rule("layers.shared_expert_gate", _B + "ffn_gate_inp_shexp.weight", "transpose", when="moe"),
+    ]
+
+
 # (family, "gguf") -> table.
 GGUF_TABLES: dict[tuple[str, str], list[Rule]] = {
     ("llama", "gguf"): LLAMA_GGUF,
@@ -106,6 +138,7 @@ GGUF_TABLES: dict[tuple[str, str], list[Rule]] = {
     ("qwen3_moe", "gguf"): gguf_moe_table(),
     ("minimax_m2", "gguf"): minimax_m2_gguf_table(),
     ("gpt_oss", "gguf"): gpt_oss_gguf_table(),
+    ("qwen3_next", "gguf"): qwen3next_gguf_table(),
 }
 
 

@@ -129,6 +129,8 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
         out.update(_moe_hf_fields(cfg))
     elif t.moe == "llama4":
         out.update(llama4_hf_fields(cfg))
+    elif t.moe == "qwen3_next":
+        pass  # convert.hf_layer_fields writes them
     elif t.moe:
         out.update(
             n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,

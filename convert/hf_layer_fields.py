@@ -1,4 +1,4 @@
-"""The config.json fields of SmolLM3, OLMo 2/3 and Phi-3/Phi-4 beyond the shared ones, as an export writes them.
+"""The config.json fields of SmolLM3, OLMo 2/3, Phi-3/Phi-4 and Qwen3-Next beyond the shared ones, as an export writes them.
 
 NoPE layers (SmolLM3's ``no_rope_layers``), OLMo 2/3's layer layout, partial
 rotary and LongRoPE (Phi-3/Phi-4), written as transformers' config classes
@@ -51,6 +51,20 @@ def llama4_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
                 attention_bias=cfg.qkv_bias, head_dim=cfg.head_dim)
 
 
+def qwen3_next_hf_fields(cfg: ModelConfig, rope_dict: Callable[[RopeConfig], dict]) -> dict[str, Any]:
+    """Qwen3-Next's config.json fields of ``cfg`` (the inverse of zoo/model/from_hf.py's ``qwen3_next_fields``)."""
+    names = {"full": "full_attention", "linear": "linear_attention"}
+    return dict(num_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+                moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.router_norm_topk,
+                router_aux_loss_coef=cfg.aux_loss_coef, decoder_sparse_step=cfg.decoder_sparse_step,
+                mlp_only_layers=list(cfg.mlp_only_layers), shared_expert_intermediate_size=cfg.shared_intermediate_size,
+                layer_types=[names[k] for k in cfg.kinds], linear_num_key_heads=cfg.linear_key_heads,
+                linear_num_value_heads=cfg.linear_value_heads, linear_key_head_dim=cfg.linear_key_head_dim,
+                linear_value_head_dim=cfg.linear_value_head_dim, linear_conv_kernel_dim=cfg.linear_conv_kernel,
+                head_dim=cfg.head_dim,
+                rope_parameters=dict(rope_dict(cfg.rope), partial_rotary_factor=cfg.partial_rotary_factor))
+
+
 def write_layer_fields(cfg: ModelConfig, out: dict[str, Any], rope_dict: Callable[[RopeConfig], dict]) -> None:
     """Complete (in place) the HF config fields ``out`` of ``cfg`` with this module's families' own
     (``rope_dict``: a RoPE's rope_parameters, convert.hf_config's)."""
@@ -66,6 +80,8 @@ def write_layer_fields(cfg: ModelConfig, out: dict[str, Any], rope_dict: Callabl
     elif cfg.family == "olmo3":  # RoPE per layer type (YaRN on the full-attention layers of the releases)
         out["rope_parameters"] = {"full_attention": rope_dict(cfg.rope),
                                   "sliding_attention": rope_dict(cfg.rope_local or cfg.rope)}
+    elif cfg.family == "qwen3_next":
+        out.update(qwen3_next_hf_fields(cfg, rope_dict))
     elif cfg.family == "phi3":
         if cfg.rope.kind == "longrope":
             out["rope_parameters"] = _longrope_dict(cfg)

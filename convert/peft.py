@@ -96,7 +96,7 @@ def fused_config(meta: dict[str, Any]) -> dict[str, Any]:
     adapted = adapter_paths(meta)
     rules = [r for r in table_for(cfg.family, export_format(cfg), cfg) if r.zoo in adapted]
     ranks, alphas = {}, {}
-    for name, parts in fused_groups(cfg, rules).items():
+    for name, parts in fused_groups(cfg, rules):
         zoo = tuple(rule.zoo for rule in parts if rule is not None)
         if len(zoo) > 1:
             leaf = name.removesuffix(".weight").rpartition(".")[2]
@@ -177,13 +177,14 @@ def _fused_factor(cfg: ModelConfig, t: PlannedTensor, arrays: dict[str, np.ndarr
     r = arrays[f"{adapted[0]}.b"].shape[1]
     dt = arrays[f"{adapted[0]}.b"].dtype
     blocks = []
+    groups = fusion.group_count(cfg)
     for p, size in zip(paths, fusion.part_sizes(cfg), strict=True):
-        block = np.zeros((size, r * len(adapted)), dt)
+        block = np.zeros((groups * size, r * len(adapted)), dt)
         if p != "-":
             q = adapted.index(p)
             block[:, q * r:(q + 1) * r] = LORA_LAYOUTS[transforms[p]].b(arrays[f"{p}.b"][t.index])
         blocks.append(block)
-    return join(fusion, blocks, dt)
+    return join(fusion, blocks, dt, groups)
 
 
 def _check_base_out(out: Path, base_out: Path, overwrite: bool) -> None:

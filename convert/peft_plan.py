@@ -109,6 +109,8 @@ FUSED = "fused_linear"
 
 # Gemma 4's full layers' attention: the same layouts at that kind's head_dim (convert.transforms._global).
 LORA_LAYOUTS.update({"global_q_in": _FLAT, "global_kv_in": _FLAT, "global_o_out": _FLAT})
+# Qwen3-Next's linear layers' projections (convert.transforms._linear_heads, lin_out): flat as well.
+LORA_LAYOUTS.update({"lin_k_in": _FLAT, "lin_v_in": _FLAT, "lin_out": _FLAT})
 
 
 # PlannedTensor.transform prefix of a weight trained whole (a reward model's score head, zoo.lora.params.whole_weights):
@@ -199,16 +201,17 @@ def _expert_tensors(cfg: ModelConfig, meta: dict[str, Any], rules: list[BoundRul
     return keyed
 
 
-def fused_groups(cfg: ModelConfig, rules: list[BoundRule]) -> dict[str, list[BoundRule | None]]:
-    """Fused HF Linear (its name, ``{i}`` for the layer) -> the rule of each of its parts, in the fused tensor's
-    order (None for a part without adapters): the adapted rules that :mod:`convert.fused` fuses."""
-    groups: dict[str, list[BoundRule | None]] = {}
+def fused_groups(cfg: ModelConfig, rules: list[BoundRule]) -> list[tuple[str, list[BoundRule | None]]]:
+    """(fused HF Linear (its name, ``{i}`` for the layer), the rule of each of its parts in the fused tensor's
+    order: None for a part without adapters) of the adapted rules that :mod:`convert.fused` fuses, one per layer
+    stack that holds it (Qwen3-Next's in_proj_qkvz in its MoE and its dense layers: two groups of one name)."""
+    groups: dict[tuple[str, str], list[BoundRule | None]] = {}
     for rule in rules:
         found = fusion_of(cfg, rule.hf)
         if found is not None and not peft_experts.is_expert_weight(rule.zoo):
             name, fusion, k = found
-            groups.setdefault(name, [None] * len(fusion.parts))[k] = rule
-    return groups
+            groups.setdefault((name, rule.zoo.partition(".")[0]), [None] * len(fusion.parts))[k] = rule
+    return [(name, parts) for (name, _), parts in groups.items()]
 
 
 def _fused_key(parts: list[BoundRule | None]) -> str:
@@ -224,12 +227,13 @@ def _fused_tensors(cfg: ModelConfig, meta: dict[str, Any], rules: list[BoundRule
     parts] (their B block-diagonal, zero rows for a part without adapters)."""
     specs, stored, r = param_specs(cfg), meta["lora"]["params"], meta["lora"]["rank"]
     keyed = []
-    for name, parts in fused_groups(cfg, rules).items():
+    for name, parts in fused_groups(cfg, rules):
         adapted = [rule for rule in parts if rule is not None]
         first = adapted[0]
         assert first.layers is not None  # fused tensors are per layer
         fan_in = TRANSFORMS[first.transform].inverse(shape_only(specs[first.zoo].shape[1:]), cfg).shape[1]
-        rows = sum(fused_named(cfg, name).part_sizes(cfg))
+        fusion = fused_named(cfg, name)
+        rows = fusion.group_count(cfg) * sum(fusion.part_sizes(cfg))
         pos = min(rules.index(rule) for rule in adapted)
         key = _fused_key(parts)
         for part, shape in (("a", (r * len(adapted), fan_in)), ("b", (rows, r * len(adapted)))):

@@ -243,10 +243,40 @@ TABLES[("llama4", "hf")] = llama4_table()
 TABLES[("llama4", "hf-llama4-multimodal")] = llama4_table("language_model.model.", "language_model.lm_head.weight")
 
 
+def qwen3_next_table() -> list[Rule]:
+    """Qwen3-Next (Qwen3NextForCausalLM): the shared naming with Qwen3-MoE's experts, its full layers' attention
+    (q_proj's query and gate halves split by convert.fused) and its linear layers' Gated DeltaNet, each stacked over
+    the layers of its kind (zoo.model.layer_layout), and the shared expert behind its sigmoid gate."""
+    L, M = "model.layers.{i}.", "model.layers.{i}.mlp."
+    A, N = L + "self_attn.", L + "linear_attn."
+    attention = ("layers.q", "layers.k", "layers.v", "layers.o", "layers.q_norm", "layers.k_norm")
+    shared = [dataclasses.replace(r, kind="full") if r.zoo in attention else r
+              for r in decoder_table(moe="deepseek") if "shared_experts" not in r.hf]
+    shared = [dataclasses.replace(r, hf=A + "q_proj_query.weight") if r.zoo == "layers.q" and r.when == "!mla" else r
+              for r in shared]
+    return shared + [
+        Rule("layers.attn_gate", A + "q_proj_gate.weight", "q_in", kind="full"),
+        *(Rule(f"layers.lin_{n}", N + f"in_proj_{n}.weight", t, kind="linear")
+          for n, t in (("q", "lin_k_in"), ("k", "lin_k_in"), ("v", "lin_v_in"), ("z", "lin_v_in"),
+                       ("b", "transpose"), ("a", "transpose"))),
+        Rule("layers.lin_conv", N + "conv1d.weight", "conv_taps", kind="linear"),
+        Rule("layers.lin_dt_bias", N + "dt_bias", kind="linear"),
+        Rule("layers.lin_a_log", N + "A_log", kind="linear"),
+        Rule("layers.lin_norm", N + "norm.weight", kind="linear"),
+        Rule("layers.lin_out", N + "out_proj.weight", "lin_out", kind="linear"),
+        *(Rule(f"layers.shared_{part}", M + f"shared_expert.{part}_proj.weight", "transpose", when="moe")
+          for part in ("gate", "up", "down")),
+        Rule("layers.shared_expert_gate", M + "shared_expert_gate.weight", "transpose", when="moe"),
+    ]
+
+
+TABLES[("qwen3_next", "hf")] = qwen3_next_table()
+
+
 def table_for(family: str, fmt: str, cfg: ModelConfig) -> list[BoundRule]:
     """The rules of a model of this family/config in source format ``fmt``, placed in its layer stacks."""
     out: list[BoundRule] = []
-    specs = _specs(cfg) if cfg.global_head_dim or cfg.kv_shared_layers else {}
+    specs = _specs(cfg) if cfg.global_head_dim or cfg.kv_shared_layers or "linear" in cfg.kinds else {}
     for rule in TABLES[(family, fmt)]:
         if not rule.stacked:
             if rule.applies(cfg):

@@ -230,6 +230,31 @@ TRANSFORMS["vqkv_bias"] = Transform(lambda b, cfg: _vqkv_in(b[:, None], cfg)[0],
 TRANSFORMS["conv3d_patch"] = Transform(lambda w, cfg: w.reshape(w.shape[0], -1).T, _conv3d_patch_inverse)
 
 
+def _linear_heads(keys: bool) -> Transform:
+    """Qwen3-Next's linear layers: a Linear [heads * dim, embed] <-> [embed, heads, dim], by its key heads (q, k)
+    or value heads (v, z)."""
+    def hd(cfg: ModelConfig) -> tuple[int, int]:
+        if keys:
+            return cfg.linear_key_heads, cfg.linear_key_head_dim
+        return cfg.linear_value_heads, cfg.linear_value_head_dim
+
+    return Transform(lambda w, cfg: w.reshape(*hd(cfg), w.shape[-1]).transpose(2, 0, 1),
+                     lambda w, cfg: w.transpose(1, 2, 0).reshape(-1, w.shape[0]))
+
+
+TRANSFORMS["lin_k_in"] = _linear_heads(True)
+TRANSFORMS["lin_v_in"] = _linear_heads(False)
+# out_proj [embed, value heads * v_dim] <-> [value heads, v_dim, embed]
+TRANSFORMS["lin_out"] = Transform(
+    lambda w, cfg: w.T.reshape(cfg.linear_value_heads, cfg.linear_value_head_dim, w.shape[0]),
+    lambda w, cfg: w.reshape(-1, w.shape[-1]).T)
+# llama.cpp's ssm_a: the decay rate -exp(A_log) it stores in place of A_log (float32: exp and log round).
+TRANSFORMS["neg_exp"] = Transform(lambda w, cfg: np.log(-w.astype(np.float32)).astype(w.dtype),
+                                  lambda w, cfg: -np.exp(w.astype(np.float32)).astype(w.dtype))
+# A depthwise Conv1d's weight [channels, 1, kernel] <-> the zoo's taps [kernel, channels].
+TRANSFORMS["conv_taps"] = Transform(lambda w, cfg: w[:, 0, :].T, lambda w, cfg: w.T[:, None, :])
+
+
 def hf_shape(transform: str, piece: tuple[int, ...], cfg: ModelConfig) -> tuple[int, ...]:
     """The shape of the HF tensor that a zoo piece of shape ``piece`` comes from through ``transform`` (computed
     on a zero-stride array: no memory)."""

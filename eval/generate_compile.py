@@ -130,7 +130,7 @@ def lower_engine(cfg: Any, mesh: Any, shape: EngineShape, dtype: Any) -> Lowered
     placed = flatten(decode_shardings(cfg, mesh))
     params = nest({k: jax.ShapeDtypeStruct(s.shape, dtype, sharding=placed[k])
                    for k, s in param_specs(cfg).items()})
-    pool = abstract_pool(cfg, shape.pages, shape.page_size, dtype, mesh)
+    pool = abstract_pool(cfg, shape.pages, shape.page_size, dtype, mesh, shape.max_seqs)
     banned = (cfg.vision.image_token_id,) if cfg.vision is not None else ()
 
     def arg(*dims: int, dt: Any = jnp.int32) -> Any:
@@ -148,10 +148,10 @@ def lower_engine(cfg: Any, mesh: Any, shape: EngineShape, dtype: Any) -> Lowered
         sampling, delta = rows(b)
         lowered["prefill"] = prefill.lower(cfg, weights, pool, arg(b, t), arg(b, t, dt=bool),
                                            arg(b, shape.prefill_width), arg(b), delta, sampling,
-                                           shape.prefill_fresh)
+                                           shape.prefill_fresh, seq_rows=arg(b))
         sampling, delta = rows(s)
         lowered["decode"] = decode.lower(cfg, weights, pool, arg(s), arg(s, dt=bool), arg(s, shape.table_width),
-                                         arg(s), delta, sampling)
+                                         arg(s), delta, sampling, seq_rows=arg(s))
     return Lowered(lowered, params, pool)
 
 

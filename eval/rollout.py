@@ -280,7 +280,7 @@ class RolloutEngine:
         import math
 
         pages, page = self._pool_shape(rows, prompt + spec.new_tokens)
-        pool = abstract_pool(self.mcfg, pages, page, jnp.dtype(self.compute), self._mesh())
+        pool = abstract_pool(self.mcfg, pages, page, jnp.dtype(self.compute), self._mesh(), rows)
         return sum(math.prod(s.sharding.shard_shape(s.shape)) * s.dtype.itemsize for s in jax.tree.leaves(pool))
 
     def _mesh(self) -> Mesh:
@@ -307,7 +307,7 @@ class RolloutEngine:
         cast = jax.tree.map(lambda s, o: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=o.sharding),
                             cast, Weights(placed, w.adapters, w.scale))
         pages, page = self._pool_shape(rows, prompt + spec.new_tokens)
-        pool = abstract_pool(self.mcfg, pages, page, jnp.dtype(self.compute), mesh)
+        pool = abstract_pool(self.mcfg, pages, page, jnp.dtype(self.compute), mesh, rows)
         width = -(-(prompt + spec.new_tokens) // page)
 
         def sds(shape: tuple[int, ...], dt: Any) -> Any:  # an abstract array where the programs take arrays
@@ -324,8 +324,10 @@ class RolloutEngine:
         cfg = self.mcfg
 
         def both(weights: Weights, pool: Any, prefill_in: tuple, decode_in: tuple, vision: Any) -> Any:
-            first, pool, _, _ = prefill(cfg, weights, pool, *prefill_in, True, vision)
-            nxt, pool = decode(cfg, weights, pool, *decode_in)
+            # the rows' sequence slots (where a model's linear layers keep their states): the first ones
+            first, pool, _, _ = prefill(cfg, weights, pool, *prefill_in, True, vision,
+                                        seq_rows=jnp.arange(n, dtype=jnp.int32))
+            nxt, pool = decode(cfg, weights, pool, *decode_in, seq_rows=jnp.arange(rows, dtype=jnp.int32))
             return first, nxt, pool
 
         prefill_in = (sds((n, t), jnp.int32), sds((n, t), jnp.bool_), sds((n, width), jnp.int32),

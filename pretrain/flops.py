@@ -53,10 +53,24 @@ def flops_per_token(mcfg: ModelConfig, seq_len: int, frozen_base: bool = False) 
             n = n * mcfg.experts_per_token // mcfg.num_experts
         active += n
     attn_width = mcfg.num_heads * (mcfg.head_dim if not mcfg.mla else mcfg.qk_nope_head_dim + mcfg.qk_rope_head_dim)
-    widths = mcfg.num_layers * attn_width
+    softmax = [k for k in mcfg.kinds if k != "linear"]
+    widths = len(softmax) * attn_width
     if mcfg.global_head_dim:  # Gemma 4: full layers' heads are global_head_dim wide
-        widths = sum(mcfg.num_heads * (mcfg.global_head_dim if k == "full" else mcfg.head_dim) for k in mcfg.kinds)
-    return (4.0 if frozen_base else 6.0) * active + 6.0 * widths * seq_len  # QK^T and PV, halved for causality
+        widths = sum(mcfg.num_heads * (mcfg.global_head_dim if k == "full" else mcfg.head_dim) for k in softmax)
+    linear = mcfg.kinds.count("linear") * linear_macs_per_token(mcfg)
+    # QK^T and PV, halved for causality; the linear layers' delta rule (forward and backward: 3 x its 2 x MACs)
+    return (4.0 if frozen_base else 6.0) * active + 6.0 * widths * seq_len + 6.0 * linear
+
+
+def linear_macs_per_token(mcfg: ModelConfig) -> float:
+    """Multiply-adds per token of one linear layer's chunked delta rule (zoo.kernels.gated_delta, chunk C): per
+    value head, k_beta k^T and q k^T (C x k_dim each), the state read by the rhs and by the queries and its update
+    (k_dim x v_dim each), the unit-triangular solve (C / 2 x v_dim) and the chunk's attention onto it (C x v_dim);
+    it grows with the chunk, not with the sequence."""
+    from zoo.layers.linear_attention import CHUNK
+
+    dk, dv = mcfg.linear_key_head_dim, mcfg.linear_value_head_dim
+    return mcfg.linear_value_heads * (2 * CHUNK * dk + 3 * dk * dv + 1.5 * CHUNK * dv)
 
 
 _IMAGE_SIDE = ("vision.", "projector.")  # the parameter paths of a VLM's tower and connector

@@ -118,6 +118,15 @@ FAMILIES = {
             "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
             "short_factor": [1.0, 1.1, 1.3, 1.2, 1.0, 1.5], "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
             "original_max_position_embeddings": 24})),
+    # Qwen3-Next: Gated DeltaNet layers 0 and 2 (2 key heads of 8, 4 value heads of 12, conv 4) and gated full
+    # attention layers 1 and 3 (RoPE on 4 of 16 dims); MoE on every layer (4 experts, top 2) with a shared expert
+    # of its own width behind its sigmoid gate, but layer 2's dense MLP.
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        num_hidden_layers=4, head_dim=16, layer_types=["linear_attention", "full_attention"] * 2,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+        linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=24, norm_topk_prob=True, mlp_only_layers=[2], router_aux_loss_coef=0.02,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})),
 }
 
 

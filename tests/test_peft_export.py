@@ -132,7 +132,7 @@ def assert_peft_loads_every_key(model, adapter_dir: Path) -> None:
 def test_layouts_turn_each_zoo_delta_into_peft_factors():
     """For every adapted weight of the dense table (and Gemma 4's, whose full layers' attention is stacked apart
     with wider heads, a SmolVLM's tower and connector, Qwen2.5-VL's fused qkv, Gemma 4's tower's key/value heads,
-    Llama 4's q and k in RoPE pairs):
+    Llama 4's q and k in RoPE pairs, Qwen3-Next's linear layers):
     lora_B @ lora_A is the export transform of A @ B."""
     llama = ModelConfig(family="llama", vocab_size=32, hidden_size=24, intermediate_size=40, num_layers=1,
                         num_heads=3, num_kv_heads=1, head_dim=8)
@@ -155,10 +155,14 @@ def test_layouts_turn_each_zoo_delta_into_peft_factors():
         tower="gemma4", pos_table=8, max_soft_tokens=4))
     # Llama 4: q and k rows in RoPE's interleaved pairs (convert.transforms' rope_pairs_*), B's rows permuted back.
     llama4 = dataclasses.replace(llama, family="llama4")
+    # Qwen3-Next: its linear layers' projections (key heads for q/k, value heads for v/z, out_proj over value heads).
+    qwen3_next = dataclasses.replace(llama, family="qwen3_next", num_layers=2, layer_types=("linear", "full"),
+                                     linear_key_heads=2, linear_value_heads=4, linear_key_head_dim=4,
+                                     linear_value_head_dim=6, linear_conv_kernel=4, attn_output_gate=True)
     rng = np.random.RandomState(0)
     seen = set()
     for cfg, targets in ((llama, "all"), (gemma4, "all"), (vlm, vlm_targets), (qwen, ["vision.qkv", "projector.fc1"]),
-                         (gemma4_vlm, ["vision.k_proj"]), (llama4, ["q_proj", "k_proj"])):
+                         (gemma4_vlm, ["vision.k_proj"]), (llama4, ["q_proj", "k_proj"]), (qwen3_next, "all")):
         specs = lora_specs(cfg, LoraConfig(rank=4, targets=targets))
         rules = {r.zoo: r for r in table_for(cfg.family, export_format(cfg), cfg)}
         for path in sorted({p.rpartition(".")[0] for p in specs}):

@@ -123,9 +123,10 @@ class Engine:
                             f"max_len {max_len}; give at least {self.pages_per_seq} pages or a smaller max_len")
         params, mesh = place_for_decoding(cfg, params)
         self.weights = Weights(params)
-        self.pool = init_pool(cfg, self.num_pages, page_size, params["embed"].dtype, mesh)
+        self.pool = init_pool(cfg, self.num_pages, page_size, params["embed"].dtype, mesh, max_seqs)
         self.pages = PagePool(self.num_pages, page_size)
-        self.prefix_caching = prefix_caching
+        # A linear layer's state (Qwen3-Next) sums its whole prefix: no page of it can be shared.
+        self.prefix_caching = prefix_caching and "linear" not in cfg.kinds
         # Several fine-tunes over one base: every adapter stacked once, each row reading its request's
         # (zoo.lora.rows; entry 0 the base alone).
         self._adapter_names = tuple(adapters or ())
@@ -342,7 +343,7 @@ class Engine:
         (first, logp), self.pool, new_lengths, new_delta = prefill(
             self.cfg, self.weights, self.pool, jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(tables),
             jnp.asarray(lengths), delta, sampling, fresh, vision, self.adapters,
-            self._index(list(admitted) + [None] * (b - len(admitted))))
+            self._index(list(admitted) + [None] * (b - len(admitted))), self._seq_rows(admitted, b))
         first, logp, new_lengths = np.asarray(first), np.asarray(logp), np.asarray(new_lengths)
         deltas = None if new_delta is None else np.asarray(new_delta)
         for i, r in enumerate(admitted):
@@ -355,6 +356,11 @@ class Engine:
             full = len(r.hashes)  # the prompt's pages now computed join the prefix cache
             self.pages.register(r.pages[:full], r.hashes)
             self._accept(r, int(first[i]), float(logp[i]))
+
+    def _seq_rows(self, reqs: list[_Request], b: int) -> jnp.ndarray:
+        """The sequence slots of a program's b rows (``reqs``'s, then padding rows' max_seqs: out of range, so
+        nothing of theirs is written): where a model's linear layers keep each row's state."""
+        return jnp.asarray([r.row for r in reqs] + [self.max_seqs] * (b - len(reqs)), jnp.int32)
 
     def _vision(self, admitted: list[_Request], b: int) -> Any:
         if all(r.vision is None for r in admitted):
@@ -387,7 +393,7 @@ class Engine:
                 self.pool = rerope(self.cfg, self.pool, jnp.asarray(self._tables[crossing, :width]))
         (nxt, logp), self.pool = decode(self.cfg, self.weights, self.pool, jnp.asarray(tokens), jnp.asarray(active),
                                         jnp.asarray(tables), jnp.asarray(self._lengths[at]), delta, sampling,
-                                        self.adapters, self._index(live + pad))
+                                        self.adapters, self._index(live + pad), self._seq_rows(live, b))
         nxt, logp = np.asarray(nxt), np.asarray(logp)
         self.stats["steps"] += 1
         self.stats["decode_rows"] += b

@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 from eval.engine.sampling import RowSampling, draw_rows
 from zoo.lora.rows import RowAdapters
 from zoo.lora.weights import Weights
-from zoo.model.cache_io import Written, put_entries
+from zoo.model.cache_io import Written, linear_state_shapes, put_entries, put_states
 from zoo.model.config import ModelConfig
 from zoo.model.decode import Cache, forward_step
 from zoo.model.layer_layout import is_kv_shared, kind_config
@@ -48,8 +48,10 @@ def _page_shapes(cfg: ModelConfig, n: int, pages: int, page: int) -> dict[str, t
             "v": (lead + (page, cfg.head_dim), axes + (None, "head_dim"))}
 
 
-def _pool_tree(cfg: ModelConfig, pages: int, page: int, make: Any) -> Pool:
-    """A pool whose every array is ``make(shape, logical axes)``."""
+def _pool_tree(cfg: ModelConfig, pages: int, page: int, make: Any, seqs: int = 0) -> Pool:
+    """A pool whose every array is ``make(shape, logical axes, dtype or None)`` (None: the pool's). Qwen3-Next's
+    linear layers keep no pages: each of ``seqs`` sequence slots holds their fixed-size state (the cache's,
+    :func:`zoo.model.cache_io.linear_state_shapes`; the delta rule's in float32)."""
     out: Pool = {}
     for prefix, stack, _ in cfg.layer_stacks:
         kinds = tuple(cfg.kinds[i] for i in stack)
@@ -57,8 +59,13 @@ def _pool_tree(cfg: ModelConfig, pages: int, page: int, make: Any) -> Pool:
         if is_kv_shared(cfg, prefix):
             continue  # Gemma 4's KV-shared layers read their stored layers' pages
         for kind in sorted(set(kinds)):
-            shapes = _page_shapes(kind_config(cfg, kind), kinds.count(kind), pages, page)
-            out[prefix][kind] = {name: make(shape, axes) for name, (shape, axes) in shapes.items()}
+            if kind == "linear":
+                assert seqs > 0, "a pool for linear layers needs its sequence slots"
+                shapes = linear_state_shapes(cfg, kinds.count(kind), seqs)
+            else:
+                shapes = _page_shapes(kind_config(cfg, kind), kinds.count(kind), pages, page)
+            out[prefix][kind] = {name: make(shape, axes, jnp.float32 if name == "rec" else None)
+                                 for name, (shape, axes) in shapes.items()}
     return out
 
 
@@ -68,21 +75,23 @@ def _pool_sharding(mesh: Mesh, axes: tuple, shape: tuple[int, ...]) -> Any:
     return named_sharding(mesh, axes, shape, DECODE_RULES)
 
 
-def init_pool(cfg: ModelConfig, pages: int, page: int, dtype: Any, mesh: Mesh | None = None) -> Pool:
+def init_pool(cfg: ModelConfig, pages: int, page: int, dtype: Any, mesh: Mesh | None = None,
+              seqs: int = 0) -> Pool:
     """An empty pool of ``pages`` pages of ``page`` positions (with ``mesh``: split like the decoding weights'
-    k/v heads, as :func:`zoo.model.decode.init_cache` splits a cache)."""
-    def make(shape: tuple[int, ...], axes: tuple) -> jax.Array:
-        a = jnp.zeros(shape, dtype)
+    k/v heads, as :func:`zoo.model.decode.init_cache` splits a cache); ``seqs``: the sequence slots of a model
+    with linear layers (:func:`_pool_tree`)."""
+    def make(shape: tuple[int, ...], axes: tuple, dt: Any) -> jax.Array:
+        a = jnp.zeros(shape, dt or dtype)
         return a if mesh is None else jax.device_put(a, _pool_sharding(mesh, axes, shape))
 
-    return _pool_tree(cfg, pages, page, make)
+    return _pool_tree(cfg, pages, page, make, seqs)
 
 
-def abstract_pool(cfg: ModelConfig, pages: int, page: int, dtype: Any, mesh: Mesh) -> Pool:
+def abstract_pool(cfg: ModelConfig, pages: int, page: int, dtype: Any, mesh: Mesh, seqs: int = 0) -> Pool:
     """:func:`init_pool`'s arrays as ``jax.ShapeDtypeStruct`` s with their shardings on ``mesh`` (nothing
     allocated): for compiling the engine's programs without a device."""
-    return _pool_tree(cfg, pages, page, lambda shape, axes: jax.ShapeDtypeStruct(
-        shape, dtype, sharding=_pool_sharding(mesh, axes, shape)))
+    return _pool_tree(cfg, pages, page, lambda shape, axes, dt: jax.ShapeDtypeStruct(
+        shape, dt or dtype, sharding=_pool_sharding(mesh, axes, shape)), seqs)
 
 
 def pool_bytes(pool: Pool) -> int:
@@ -90,13 +99,18 @@ def pool_bytes(pool: Pool) -> int:
     return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(pool))
 
 
-def scatter(pool: Pool, step: Written, tables: jax.Array) -> Pool:
+def scatter(pool: Pool, step: Written, tables: jax.Array, seq_rows: jax.Array | None = None) -> Pool:
     """The pool with a forward's new keys and values (:class:`zoo.model.cache_io.Written`) in the rows' pages:
-    position p of row r at page ``tables[r, p // page]``, offset ``p % page``; padding goes nowhere."""
+    position p of row r at page ``tables[r, p // page]``, offset ``p % page``; padding goes nowhere. Linear
+    layers' states go to the rows' sequence slots ``seq_rows`` [b] (out of range: a padding row's, dropped)."""
     out: Pool = {}
     for prefix, kinds in pool.items():
         out[prefix] = {}
         for kind, arrays in kinds.items():
+            if kind == "linear":
+                assert seq_rows is not None, "linear layers' states go to the rows' sequence slots"
+                out[prefix][kind] = put_states(arrays, step.entries[prefix][kind], seq_rows)
+                continue
             name0 = next(iter(arrays))
             page = arrays[name0].shape[2 if name0 in ("latent", "k_pe") else (4 if name0 == "k" else 3)]
             n_pages = arrays[name0].shape[1]
@@ -121,31 +135,34 @@ def _row_weights(weights: Weights, adapters: RowAdapters | None, index: jax.Arra
 def prefill(cfg: ModelConfig, weights: Weights, pool: Pool, tokens: jax.Array, valid: jax.Array,
             tables: jax.Array, lengths: jax.Array, delta: jax.Array | None, sampling: RowSampling,
             fresh: bool, vision: VisionInputs | None = None, adapters: RowAdapters | None = None,
-            index: jax.Array | None = None) -> tuple[tuple[jax.Array, jax.Array], Pool, jax.Array, jax.Array | None]:
+            index: jax.Array | None = None, seq_rows: jax.Array | None = None
+            ) -> tuple[tuple[jax.Array, jax.Array], Pool, jax.Array, jax.Array | None]:
     """Run each row's uncached prompt tokens (``tokens``/``valid`` [b, t], right-padded) after the ``lengths``
     [b] tokens its pages already hold, and draw its first new token. ``adapters``: LoRA adapters per row, row r's
-    ``index[r]`` (0: none).
+    ``index[r]`` (0: none). ``seq_rows`` [b]: each row's sequence slot (a model with linear layers: where their
+    states live; a padding row's out of range).
 
     Returns ((first tokens [b], their log-probabilities), the pool, the rows' new lengths, their rope delta). ``fresh`` (static): no row holds
     a cached token yet, so no page is read (the prompts attend to themselves, blockwise as in training)."""
     last = jnp.maximum(valid.sum(1) - 1, 0)
     logits, step = forward_step(cfg, _row_weights(weights, adapters, index), tokens, Cache(pool, lengths, delta),
-                                valid, fresh=fresh, last=last, vision=vision, entries=True, pages=tables)
-    return draw_rows(logits, sampling), scatter(pool, step, tables), step.lengths, step.rope_delta
+                                valid, fresh=fresh, last=last, vision=vision, entries=True, pages=tables,
+                                seq_rows=seq_rows)
+    return draw_rows(logits, sampling), scatter(pool, step, tables, seq_rows), step.lengths, step.rope_delta
 
 
 @partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
 def decode(cfg: ModelConfig, weights: Weights, pool: Pool, tokens: jax.Array, active: jax.Array,
            tables: jax.Array, lengths: jax.Array, delta: jax.Array | None, sampling: RowSampling,
-           adapters: RowAdapters | None = None, index: jax.Array | None = None
+           adapters: RowAdapters | None = None, index: jax.Array | None = None, seq_rows: jax.Array | None = None
            ) -> tuple[tuple[jax.Array, jax.Array], Pool]:
     """One decoding step of every row: append its last token ``tokens`` [b] (the ``active`` rows only: the others
     write nothing) and draw the next (``adapters``/``index`` as :func:`prefill`'s). Returns ((next tokens [b],
-    their log-probabilities), the pool)."""
+    their log-probabilities), the pool); ``seq_rows`` as :func:`prefill`'s."""
     logits, step = forward_step(cfg, _row_weights(weights, adapters, index), tokens[:, None],
                                 Cache(pool, lengths, delta), active[:, None], last=jnp.zeros_like(lengths),
-                                entries=True, pages=tables)
-    return draw_rows(logits, sampling), scatter(pool, step, tables)
+                                entries=True, pages=tables, seq_rows=seq_rows)
+    return draw_rows(logits, sampling), scatter(pool, step, tables, seq_rows)
 
 
 @partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))

@@ -28,6 +28,14 @@ def qkv_heads(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, cfg: ModelC
               norm_w: jax.Array | None = None, lora: LayerLora | None = None,
               shared_kv: tuple[jax.Array, jax.Array] | None = None, rope_on: jax.Array | None = None,
               q_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`qkv_gate_heads` without the output gate."""
+    return qkv_gate_heads(x, p, cos, sin, cfg, norm_w, lora, shared_kv, rope_on, q_scale)[:3]
+
+
+def qkv_gate_heads(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, cfg: ModelConfig,
+                   norm_w: jax.Array | None = None, lora: LayerLora | None = None,
+                   shared_kv: tuple[jax.Array, jax.Array] | None = None, rope_on: jax.Array | None = None,
+                   q_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """Roped q and k, and v, [batch, seq, heads, head_dim] (biases and q/k norms applied) of one attention layer.
 
     With ``norm_w`` x is first RMS-normed by it (fused with the projections:
@@ -38,13 +46,16 @@ def qkv_heads(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, cfg: ModelC
     a KV-shared layer (no ``k``) returns ``shared_kv``, another layer's keys and values. Llama 4:
     ``cfg.qk_l2_norm`` RMS-normalizes the roped q and k without a weight where ``rope_on`` (the layer's RoPE flag,
     :func:`zoo.model.rope.rope_flags`; None: every layer) is set, and ``q_scale`` [b, t] (its attention
-    temperature, :func:`zoo.model.rope.layer_query_scale`) multiplies the queries.
+    temperature, :func:`zoo.model.rope.layer_query_scale`) multiplies the queries. Qwen3-Next
+    (``cfg.attn_output_gate``): the fourth output is the output gate [b, t, heads * head_dim] (``attn_gate``'s
+    projection, the second half of transformers' q_proj), None for every other model.
     """
     b, t, _ = x.shape
-    names = tuple(n for n in ("q", "k", "v") if n in p)
+    names = tuple(n for n in ("q", "k", "v", "attn_gate") if n in p)
     ys = tuple(checkpoint_name(y, ATTENTION_PROJ)  # what remat: offload keeps in host memory
                for y in projections(x, tuple(p[n] for n in names), cfg, norm_w, lora, names))
     heads = dict(zip(names, (y.reshape(b, t, -1, cfg.head_dim) for y in ys)))
+    gate = heads["attn_gate"].reshape(b, t, -1) if "attn_gate" in heads else None
     q, k = heads["q"], heads.get("k")
     v = heads.get("v", k)
     if cfg.qkv_bias:
@@ -53,7 +64,7 @@ def qkv_heads(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, cfg: ModelC
         q = qk_norm(q, p["q_norm"], cfg)
         k = None if k is None else qk_norm(k, p["k_norm"], cfg)
     if shared_kv is not None:
-        return apply_rope(q, cos, sin), *shared_kv
+        return apply_rope(q, cos, sin), *shared_kv, gate
     assert k is not None and v is not None, "a layer without key weights needs shared_kv"
     if cfg.v_norm:
         v = rms_norm(v, jnp.ones(v.shape[-1:], v.dtype), cfg.rms_norm_eps)
@@ -62,7 +73,7 @@ def qkv_heads(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, cfg: ModelC
         q, k = _l2_norm(q, cfg, rope_on), _l2_norm(k, cfg, rope_on)
     if q_scale is not None:
         q = (q * q_scale[:, :, None, None]).astype(q.dtype)
-    return q, k, v
+    return q, k, v, gate
 
 
 def _l2_norm(x: jax.Array, cfg: ModelConfig, rope_on: jax.Array | None) -> jax.Array:
@@ -144,12 +155,16 @@ def attend(qg: jax.Array, k: jax.Array, v: jax.Array, vis: Visibility, cfg: Mode
     return context_attention(run, qg, k, v, vis) if context_size() > 1 else run(qg, k, v, vis)
 
 
-def output_projection(out: jax.Array, p: dict, cfg: ModelConfig, lora: LayerLora | None = None) -> jax.Array:
-    """The attention output [b, t, heads * head_dim] through ``o`` (plus its bias and LoRA adapter) -> [b, t, embed].
+def output_projection(out: jax.Array, p: dict, cfg: ModelConfig, lora: LayerLora | None = None,
+                      gate: jax.Array | None = None) -> jax.Array:
+    """The attention output [b, t, heads * head_dim] through ``o`` (plus its bias and LoRA adapter) -> [b, t, embed];
+    ``gate`` (Qwen3-Next's output gate, :func:`qkv_gate_heads`) scales it by sigmoid(gate) first.
 
     ``o`` keeps its stored [heads, head_dim, embed] shape (``contract=2``),
     so the backward pass reads the parameter itself.
     """
+    if gate is not None:
+        out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
     out = adapted_dense(out, p["o"], lora, "o", contract=2)
     if cfg.o_bias:
         out = out + p["o_bias"]
@@ -168,9 +183,9 @@ def attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, vis: Visibi
     ``shared_kv``: a KV-shared layer's keys and values [b, t, kv_heads, head_dim]; ``rope_on``, ``q_scale``: Llama
     4's (see :func:`qkv_heads`).
     """
-    q, k, v = qkv_heads(x, p, cos, sin, cfg, norm_w, lora, shared_kv, rope_on, q_scale)
+    q, k, v, gate = qkv_gate_heads(x, p, cos, sin, cfg, norm_w, lora, shared_kv, rope_on, q_scale)
     out = attend(*head_major(q, k, v), vis, cfg, p["sinks"] if cfg.attn_sinks else None)
-    return output_projection(out, p, cfg, lora)
+    return output_projection(out, p, cfg, lora, gate)
 
 
 def mla_heads(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array,

@@ -303,7 +303,10 @@ def moe_mlp(x: jax.Array, p: dict, cfg: ModelConfig, valid: jax.Array,
     if cfg.shared_experts:
         act = ACTIVATIONS[cfg.hidden_act]
         h = act(_shared(xf, p, "shared_gate", lora)) * _shared(xf, p, "shared_up", lora)
-        out = out + _shared(h, p, "shared_down", lora)
+        shared = _shared(h, p, "shared_down", lora)
+        if cfg.shared_expert_gate:  # Qwen3-Next: sigmoid(x @ w) [tokens, 1] scales the shared expert
+            shared = shared * jax.nn.sigmoid(dense(xf, p["shared_expert_gate"]).astype(jnp.float32)).astype(shared.dtype)
+        out = out + shared
     stats = _router_stats(logits, ids, dropped, vf, cfg)
     return out.reshape(b, t, e), stats
 

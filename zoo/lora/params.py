@@ -49,7 +49,7 @@ from zoo.model.params import ParamSpec, flatten, nest, param_specs
 # peft matches a name as a suffix of the module path, so gate_proj also names every expert's and
 # the shared experts' gate_proj.
 HF_TO_ZOO: dict[str, tuple[str, ...]] = {
-    "q_proj": ("q",),
+    "q_proj": ("q", "attn_gate"),  # Qwen3-Next's q_proj also yields the output gate (stored apart: attn_gate)
     "k_proj": ("k",),
     "v_proj": ("v",),
     "o_proj": ("o",),
@@ -74,6 +74,15 @@ EXPERT_TARGETS: dict[str, tuple[str, ...]] = {
     "shared_experts.down_proj": ("shared_down",),
 }
 HF_TO_ZOO.update(EXPERT_TARGETS)
+# Qwen3-Next's linear-attention layers (zoo.layers.linear_attention): transformers' in_proj_qkvz (q, k, v and the
+# output gate z, split per head group), in_proj_ba (beta's and the decay's inputs) and out_proj. "all" names them
+# on a model that has such layers.
+LINEAR_TARGETS: dict[str, tuple[str, ...]] = {
+    "in_proj_qkvz": ("lin_q", "lin_k", "lin_v", "lin_z"),
+    "in_proj_ba": ("lin_b", "lin_a"),
+    "out_proj": ("lin_out",),
+}
+HF_TO_ZOO.update(LINEAR_TARGETS)
 BASE_TARGETS = (*ATTENTION_TARGETS, "gate_proj", "up_proj", "down_proj")  # what "all" names: every projection
 # The MoE router's Hugging Face names (Mixtral's block_sparse_moe.gate, DeepSeek's mlp.gate): it stays frozen.
 ROUTER_NAMES = ("gate", "router", "mlp.gate", "block_sparse_moe.gate", "mlp.router")
@@ -81,6 +90,7 @@ ROUTER_NAMES = ("gate", "router", "mlp.gate", "block_sparse_moe.gate", "mlp.rout
 # How many axes after the leading layers (and expert) axes are W's input: o contracts heads and head_dim.
 _CONTRACT = {"o": 2}
 _CONTRACT["global_o"] = 2  # Gemma 4's full layers' o (zoo.model.layer_layout)
+_CONTRACT["lin_out"] = 2  # Qwen3-Next's linear layers' out_proj [value heads, v_dim, embed]
 _ALL = ("all", "all-linear")
 # Weights a LoRA run trains whole beside the adapters, stored in the adapter tree under their own path: peft's
 # ``modules_to_save``, which its SEQ_CLS task type fills with the classification head. A reward model's score head
@@ -157,7 +167,8 @@ def _peft_paths(name: str, towers: dict[str, tuple[str, ...]]) -> tuple[str, ...
     a vision target's from ``towers`` (:func:`zoo.lora.vision_targets.vision_paths`)."""
     if name in VISION_TARGETS:
         return towers.get(name, ())
-    tail = name if name.startswith("mlp.") else f"{'self_attn' if name in ATTENTION_TARGETS else 'mlp'}.{name}"
+    group = "self_attn" if name in ATTENTION_TARGETS else "linear_attn" if name in LINEAR_TARGETS else "mlp"
+    tail = name if name.startswith("mlp.") else f"{group}.{name}"
     return tuple(f"{prefix}.{tail}" for prefix in _LM_PREFIXES)
 
 
@@ -240,6 +251,8 @@ def vision_targets(lora_cfg: LoraConfig, named: bool = False, cfg: ModelConfig |
 
 def _target_suffixes(cfg: ModelConfig, lora_cfg: LoraConfig) -> set[str]:
     names = tuple(n for n in target_modules(lora_cfg) if n in HF_TO_ZOO)
+    if "linear" in cfg.kinds and lora_cfg.targets in _ALL:  # "all": the linear layers' projections too
+        names += tuple(LINEAR_TARGETS)
     if cfg.mla:  # MLA's projections have no adapters (see the module docstring)
         names = tuple(n for n in names if n not in ATTENTION_TARGETS)
     suffixes = {s for n in names for s in HF_TO_ZOO[n]}

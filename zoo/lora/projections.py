@@ -25,7 +25,9 @@ from zoo.model.config import ModelConfig
 ADAPTABLE = ("q", "k", "v", "o", "gate", "up", "down", "expert_gate", "expert_up", "expert_down",
              "shared_gate", "shared_up", "shared_down", "expert_gate_up",  # Gemma 4's fused experts
              "proj",  # a vision-language model's connector (zoo.model.vision)
-             "qkv", "fc1", "fc2")  # the Qwen towers' fused q/k/v and their patch mergers' MLP (zoo.lora.vision_targets)
+             "qkv", "fc1", "fc2",  # the Qwen towers' fused q/k/v and their patch mergers' MLP (zoo.lora.vision_targets)
+             # Qwen3-Next: the full layers' output gate and the linear layers' projections (zoo.layers.linear_attention)
+             "attn_gate", "lin_q", "lin_k", "lin_v", "lin_z", "lin_b", "lin_a", "lin_out")
 # Folded into a LoRA run's dropout key for an image tower's layers, its connector and Qwen3-VL's DeepStack mergers,
 # so their masks are drawn apart from the decoder's layers' (zoo.model.vision's SigLIP tower too).
 TOWER_DROPOUT, PROJECTOR_DROPOUT, DEEPSTACK_DROPOUT = 1 << 20, (1 << 20) + 1, (1 << 20) + 2

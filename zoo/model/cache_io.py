@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from zoo.model.config import ModelConfig
+
 
 @dataclass(frozen=True)
 class Written:
@@ -55,11 +57,45 @@ def write_ring(layers: dict, written: dict, pos: jax.Array, valid: jax.Array,
     for prefix, group in layers.items():
         out[prefix] = {}
         for kind, arrays in group.items():
+            if kind == "linear":  # Qwen3-Next's fixed-size states: each layer's replaced whole
+                out[prefix][kind] = put_states(arrays, written[prefix][kind])
+                continue
             s = arrays["latent"].shape[2] if mla else arrays["v"].shape[3]
             keep = valid & (pos >= new_lengths[:, None] - s)
             slot = jnp.where(keep, pos % s, s)[None]  # slot s is out of range: dropped
             out[prefix][kind] = put_entries(arrays, written[prefix][kind], rows, slot)
     return out
+
+
+def linear_state_shapes(cfg: ModelConfig, n: int, rows: int) -> dict[str, tuple[tuple[int, ...], tuple]]:
+    """name -> (shape, logical axes) of n linear layers' states (Qwen3-Next, :mod:`zoo.layers.linear_attention`) for
+    ``rows`` rows (a cache's) or sequence slots (a pool's): the convolution's last inputs ``conv`` [n, rows,
+    kernel - 1, channels] and the delta rule's ``rec`` [n, rows, value heads, k_dim, v_dim] (kept in float32),
+    split over the value heads like the keys/values over theirs."""
+    channels = 2 * cfg.linear_key_heads * cfg.linear_key_head_dim + cfg.linear_value_heads * cfg.linear_value_head_dim
+    return {"conv": ((n, rows, cfg.linear_conv_kernel - 1, channels), ("layers", "batch", None, None)),
+            "rec": ((n, rows, cfg.linear_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
+                    ("layers", "batch", "heads", None, None))}
+
+
+def rows_states(c: dict[str, jax.Array], seq_rows: jax.Array | None, empty: jax.Array) -> dict[str, jax.Array]:
+    """One linear layer's states as its batch reads them: a pool's at the rows' sequence slots ``seq_rows`` [b]
+    (clipped; None: a cache's own rows), zeros for the rows that start empty (``empty`` [b])."""
+    if seq_rows is not None:
+        c = {n: jnp.take(a, seq_rows, axis=0, mode="clip") for n, a in c.items()}
+    return {n: jnp.where(empty.reshape((-1,) + (1,) * (a.ndim - 1)), 0, a) for n, a in c.items()}
+
+
+def put_states(arrays: dict[str, jax.Array], entries: list, rows: jax.Array | None = None) -> dict[str, jax.Array]:
+    """Linear layers' state arrays (``conv`` [n, L, ...], ``rec`` [n, L, ...]) with their new states (``entries``
+    as :func:`put_entries`', {name: [m, b, ...]}) put at their layers' indices, all rows (a ring cache's), or rows
+    ``rows`` [b] of L (a pool's sequence slots; an out-of-range row is dropped)."""
+    idx = jnp.concatenate([i for i, _ in entries])
+    new = {name: jnp.concatenate([e[name] for _, e in entries]) for name in arrays}
+    if rows is None:
+        return {name: a.at[idx].set(new[name].astype(a.dtype)) for name, a in arrays.items()}
+    return {name: a.at[idx[:, None], rows[None]].set(new[name].astype(a.dtype), mode="drop")
+            for name, a in arrays.items()}
 
 
 def put_entries(arrays: dict[str, jax.Array], entries: list, lead: jax.Array, at: jax.Array) -> dict[str, jax.Array]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from zoo.layers.attention import causal_attention, head_major, mla_heads, output_projection, qkv_heads
+from zoo.layers.attention import causal_attention, head_major, mla_heads, output_projection, qkv_gate_heads
 from zoo.layers.blocks import soft_cap
 from zoo.lora.projections import LayerLora
 from zoo.model.config import ModelConfig
@@ -115,8 +115,8 @@ def gqa_attention(x: jax.Array, p: dict, c: dict | None, cos: jax.Array, sin: ja
     (:func:`zoo.layers.attention.qkv_heads`).
 
     Returns (output, new k/v [b, t, hk, d])."""
-    q, k, v = qkv_heads(x, p, cos, sin, cfg, p.get("attn_norm"), lora=lora, shared_kv=shared_kv, rope_on=rope_on,
-                        q_scale=q_scale)
+    q, k, v, gate = qkv_gate_heads(x, p, cos, sin, cfg, p.get("attn_norm"), lora=lora, shared_kv=shared_kv,
+                                   rope_on=rope_on, q_scale=q_scale)
     qg, kh, vh = head_major(q, k, v)
     old_ok, new_ok = masks
     sinks = p["sinks"] if cfg.attn_sinks else None
@@ -129,7 +129,7 @@ def gqa_attention(x: jax.Array, p: dict, c: dict | None, cos: jax.Array, sin: ja
     else:
         assert old_ok is not None, "a cache read has its mask"
         att = attend_split(qg, [(c["k"], c["v"], old_ok), (kh.transpose(0, 1, 3, 2), vh, new_ok)], cfg, sinks)
-    return output_projection(att, p, cfg, lora=lora), {"k": k, "v": v}
+    return output_projection(att, p, cfg, lora=lora, gate=gate), {"k": k, "v": v}
 
 
 def mla_attention(x: jax.Array, p: dict, c: dict | None, cos: jax.Array, sin: jax.Array,

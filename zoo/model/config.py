@@ -53,7 +53,8 @@ class RopeConfig:
         object.__setattr__(self, "mrope_section", tuple(int(x) for x in self.mrope_section))
 
 
-LAYER_KINDS = ("full", "sliding", "chunked")  # chunked: Llama 4's local attention within fixed chunks
+# chunked: Llama 4's local attention within fixed chunks; linear: Qwen3-Next's Gated DeltaNet (zoo.layers.linear_attention)
+LAYER_KINDS = ("full", "sliding", "chunked", "linear")
 # How the training forward attends (zoo.kernels.choice): "auto" picks by platform and model (cuDNN's flash attention on
 # NVIDIA GPUs where it applies, splash's Pallas kernel on TPUs where it applies, else the blockwise XLA path); the
 # others ask for one kernel.
@@ -63,6 +64,9 @@ ATTENTION_KERNELS = ("auto", "blockwise", "cudnn", "splash")
 # Llama 4's fields, left out of a model.json where they have their defaults (every other family's).
 LLAMA4_FIELDS = ("attention_chunk_size", "qk_l2_norm", "temperature_tuning", "temperature_floor",
                  "temperature_scale", "router_scales_input")
+# Qwen3-Next's, likewise.
+QWEN3_NEXT_FIELDS = ("linear_key_heads", "linear_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                     "linear_conv_kernel", "attn_output_gate", "shared_expert_gate", "shared_intermediate_size")
 
 
 @dataclass(frozen=True)
@@ -189,6 +193,20 @@ class ModelConfig:
     temperature_floor: float = 8192.0
     temperature_scale: float = 0.1
     router_scales_input: bool = False
+    # Qwen3-Next. "linear" layers are Gated DeltaNet (zoo.layers.linear_attention): q and k of linear_key_heads
+    # heads (linear_key_head_dim wide), values and their output gate of linear_value_heads (a multiple of them),
+    # a causal convolution linear_conv_kernel wide before the gated delta rule (zoo.kernels.gated_delta).
+    # attn_output_gate: the full layers' q projection also yields a gate, sigmoid(gate) * attention before o
+    # (stored apart: attn_gate). shared_expert_gate: the shared expert's output scaled by sigmoid(x @ w), w
+    # [embed, 1]; shared_intermediate_size: its width (0: moe_intermediate_size x shared_experts).
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0
+    attn_output_gate: bool = False
+    shared_expert_gate: bool = False
+    shared_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "nope_layers", tuple(int(i) for i in self.nope_layers))
@@ -210,6 +228,11 @@ class ModelConfig:
                 raise UserError("model config: sliding layers need a sliding_window")
             if "chunked" in self.layer_types and not self.attention_chunk_size:
                 raise UserError("model config: chunked layers need an attention_chunk_size")
+            if "linear" in self.layer_types and not (self.linear_key_heads and self.linear_value_heads
+                                                     and self.linear_value_heads % self.linear_key_heads == 0
+                                                     and self.linear_conv_kernel):
+                raise UserError("model config: linear layers need linear_key_heads, linear_value_heads (a multiple "
+                                "of them) and linear_conv_kernel")
 
     @property
     def mla(self) -> bool:
@@ -288,7 +311,7 @@ class ModelConfig:
             d.pop("hf_experts_out_in")
         if self.vision is None:  # a text model's model.json stays as it was
             d.pop("vision")
-        for name in LLAMA4_FIELDS:  # so are those of every model but Llama 4
+        for name in LLAMA4_FIELDS + QWEN3_NEXT_FIELDS:  # so are those of every model but Llama 4 (Qwen3-Next)
             if d[name] == _DEFAULTS[name]:
                 d.pop(name)
         return d

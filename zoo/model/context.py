@@ -33,6 +33,18 @@ def context_size() -> int:
     return int(mesh.shape[AXIS])
 
 
+def check_layers_split(kinds: tuple[str, ...] = ()) -> None:
+    """A UserError when the sequence is split over ``context`` and the model has linear-attention layers
+    (Qwen3-Next's Gated DeltaNet: a state carried from token to token, which a split sequence would need passed
+    from shard to shard)."""
+    if "linear" in kinds and context_size() > 1:
+        from zoo.errors import UserError
+
+        layers = ", ".join(str(i) for i, k in enumerate(kinds) if k == "linear")
+        raise UserError(f"mesh.context: {context_size()} splits the sequence, but the linear-attention layers "
+                        f"({layers}) carry a state along it and cannot run split; set mesh.context to 1")
+
+
 Attend = Callable[[jax.Array, jax.Array, jax.Array, Visibility], jax.Array]
 
 

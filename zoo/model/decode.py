@@ -44,9 +44,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
+from zoo.layers.linear_attention import linear_attention
 from zoo.lora.projections import LayerLora
 from zoo.lora.weights import Weights
-from zoo.model.cache_io import Written, gather_pages, write_ring
+from zoo.model.cache_io import Written, gather_pages, linear_state_shapes, rows_states, write_ring
 from zoo.model.cached_attention import gqa_attention, mla_attention, new_token_masks, slot_positions
 from zoo.model.config import ModelConfig
 from zoo.model.decoder import decoder_layer, embed_tokens, norm, output_logits
@@ -56,6 +57,7 @@ from zoo.model.layer_layout import (
     kind_stack_slice,
     layer_output,
     layer_weights,
+    split_by_kind,
     store_layers,
 )
 from zoo.model.layer_scan import Segment, scan_segments, stack_slice
@@ -107,8 +109,12 @@ def _kind_sizes(cfg: ModelConfig, max_len: int) -> dict[str, int]:
     return sizes
 
 
-def _entry_shapes(cfg: ModelConfig, n: int, batch: int, slots: int) -> dict[str, tuple[tuple[int, ...], tuple]]:
-    """name -> (shape, logical axes) of one kind's cache arrays for n layers."""
+def _entry_shapes(cfg: ModelConfig, n: int, batch: int, slots: int,
+                  kind: str = "full") -> dict[str, tuple[tuple[int, ...], tuple]]:
+    """name -> (shape, logical axes) of one kind's cache arrays for n layers (Qwen3-Next's linear layers: their
+    fixed-size states, :func:`zoo.model.cache_io.linear_state_shapes`)."""
+    if kind == "linear":
+        return linear_state_shapes(cfg, n, batch)
     lead, axes = (n, batch, slots), ("layers", "batch", "sequence")
     if cfg.mla:
         return {"latent": (lead + (cfg.kv_lora_rank,), axes + (None,)),
@@ -128,8 +134,8 @@ def _cache_tree(cfg: ModelConfig, batch: int, max_len: int, make: Any) -> Cache:
             layers[prefix] = {}  # Gemma 4's KV-shared layers read their stored layers' entries: none of their own
             continue
         layers[prefix] = {
-            kind: {name: make(shape, axes, None) for name, (shape, axes)
-                   in _entry_shapes(kind_config(cfg, kind), kinds.count(kind), batch, sizes[kind]).items()}
+            kind: {name: make(shape, axes, jnp.float32 if name == "rec" else None) for name, (shape, axes)
+                   in _entry_shapes(kind_config(cfg, kind), kinds.count(kind), batch, sizes.get(kind, 0), kind).items()}
             for kind in sorted(set(kinds))}
     delta = make((batch,), ("batch",), jnp.int32) if cfg.rope.mrope_section else None
     return Cache(layers, make((batch,), ("batch",), jnp.int32), delta)
@@ -225,7 +231,8 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax
                  valid: jax.Array | None = None, mla_absorb: bool | None = None, *, fresh: bool = False,
                  view: int | None = None, last: jax.Array | None = None,
                  hidden: bool = False, vision: VisionInputs | None = None,
-                 entries: bool = False, pages: jax.Array | None = None) -> tuple[jax.Array, Any]:
+                 entries: bool = False, pages: jax.Array | None = None,
+                 seq_rows: jax.Array | None = None) -> tuple[jax.Array, Any]:
     """:func:`forward_cached` with generation's shortcuts (``fresh`` and ``view`` static), and LoRA adapters.
 
     ``fresh``: the cache is empty (every length 0), so its slots are not read.
@@ -249,6 +256,8 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax
     at slot p; each layer gathers its own when it runs (:func:`zoo.model.cache_io.gather_pages`), so only one layer's rows are ever
     copied out of the pool. Needs ``entries`` (the pool is written by its owner); LongRoPE switches per row, and
     its owner re-ropes a row's cached keys before the call in which it crosses (:func:`eval.engine.paged.rerope`).
+    ``seq_rows`` [b]: with ``pages``, each row's sequence slot in the pool's linear-layer states (Qwen3-Next; a row
+    with no cached token starts from zeros: :func:`zoo.model.cache_io.rows_states`).
     """
     w = Weights.wrap(params)
     base: dict[str, Any] = w.base
@@ -273,7 +282,7 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax
     # A ring's slots (a paged cache: the same axis is a page's positions, P of them a row).
     slots = {kind: arrays["latent" if cfg.mla else "v"].shape[2 if cfg.mla else 3] * (1 if pages is None
                                                                                     else pages.shape[1])
-             for group in cache.layers.values() for kind, arrays in group.items()}
+             for group in cache.layers.values() for kind, arrays in group.items() if kind != "linear"}
     # Slots read per kind: none when fresh, the first `view` when every row fits in them.
     read = {kind: 0 if fresh else (s if view is None else min(s, view)) for kind, s in slots.items()}
     windows = {kind: kind_window(cfg, kind) for kind in slots}
@@ -294,8 +303,10 @@ def forward_step(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax
     # Gemma 4: kind -> (the stored layer's cache, its new keys/values), read by the KV-shared layers.
     stored: dict[str, tuple[dict | None, tuple[jax.Array, jax.Array]]] = {}
     causal = {kind: b is None for kind, b in kind_blocks.items()}
+    if "linear" in cfg.kinds and pages is not None and seq_rows is None:
+        raise ValueError("a paged cache of a model with linear layers needs each row's sequence slot (seq_rows)")
     layer = _cached_layer(cfg, ropes, masks, windows, read, slots, stored, valid, scale, mla_absorb, causal,
-                          w.rows, pages, query_temperature(cfg, pos))
+                          w.rows, pages, query_temperature(cfg, pos), (seq_rows, cache.lengths == 0))
     x, written = _run_cached_stacks(cfg, base, x, cache, layer, lora, ple, fresh, stored, deep)
     if last is not None:
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
@@ -328,7 +339,8 @@ def _cached_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Array]
                   scale: float | jax.Array, mla_absorb: bool | None,
                   causal: dict[str, bool] | None = None, rows: bool = False,
                   pages: jax.Array | None = None,
-                  temperature: jax.Array | None = None) -> Callable[..., tuple[jax.Array, dict | None]]:
+                  temperature: jax.Array | None = None, states: tuple[jax.Array | None, jax.Array] | None = None
+                  ) -> Callable[..., tuple[jax.Array, dict | None]]:
     """The cached forward's layer as :func:`_run_cached_stacks` scans it: ``layer(x, inputs, kind, moe, prefix)``.
 
     ``inputs`` are one layer's (weights, adapters, NoPE flag, per-layer input, DeepStack level, cache entry); by
@@ -340,6 +352,7 @@ def _cached_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Array]
     tables of a paged cache (:func:`forward_step`), gathered here. A KV-shared layer (Gemma 4) reads its stored layer's cache and new keys/values
     from ``stored``. The layer's output is its new cache entries (None for a KV-shared layer: it writes nothing).
     ``temperature`` [b, t]: Llama 4's query temperature of the NoPE layers (:func:`zoo.model.rope.query_temperature`).
+    ``states``: (the rows' sequence slots in a pool, or None; the rows that start empty): :func:`rows_states`'.
     """
 
     def layer(x: jax.Array, inputs: tuple, kind: str, moe: bool, prefix: str) -> tuple[jax.Array, dict | None]:
@@ -349,6 +362,14 @@ def _cached_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Array]
         if is_kv_shared(cfg, prefix):
             c, reuse = stored[kind]
         kcfg = kind_config(cfg, kind)
+        if kind == "linear":  # Qwen3-Next: a fixed-size state, read and replaced whole
+            state = None if c is None or states is None else rows_states(c, *states)
+
+            def recur(x: jax.Array) -> tuple[jax.Array, dict]:
+                return linear_attention(x, p, cfg, valid.astype(jnp.int32), p["attn_norm"], lora, state)
+
+            x, new, _ = decoder_layer(cfg, x, p, recur, moe, valid, lora, per_layer=pli, deepstack=deep)
+            return x, new
         n = read[kind]
         if c is not None and pages is not None:
             c = gather_pages(c, pages)
@@ -389,7 +410,7 @@ def _run_cached_stacks(cfg: ModelConfig, params: dict[str, Any], x: jax.Array, c
         # Adapters, the NoPE layers' flags (SmolLM3) and Gemma 4's per-layer inputs are stacked like the weights
         # and sliced with them.
         weights = (params[prefix], (lora or {}).get(prefix))
-        if cfg.global_head_dim:  # Gemma 4: full layers' attention weights are stacked apart (zoo.model.layer_layout)
+        if split_by_kind(cfg):  # Gemma 4, Qwen3-Next: weights stacked by kind (zoo.model.layer_layout)
             weights = kind_stack_slice(cfg, weights, tuple(cfg.kinds[i] for i in stack), first, stop - start)
         else:
             weights = stack_slice(weights, first, stop - start)
@@ -401,7 +422,7 @@ def _run_cached_stacks(cfg: ModelConfig, params: dict[str, Any], x: jax.Array, c
             i0, step = _kind_slice(kinds, dataclasses.replace(seg, start=seg.start + first), j)
             cached = None if fresh or seg.kinds[j] not in group else jax.tree.map(
                 lambda a: a[i0: i0 + seg.repeats * step: step], group[seg.kinds[j]])
-            if not cfg.global_head_dim:
+            if not split_by_kind(cfg):
                 return (*seg.at(j, stacked), cached)
             # Gemma 4: a block position's attention weights are a strided slice of its kind's stack.
             w, a, *rest = stacked

@@ -19,20 +19,24 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zoo.errors import UserError
 from zoo.layers.attention import attend as attend_heads
 from zoo.layers.attention import attention, head_major, mla_attention, output_projection, qkv_heads
 from zoo.layers.blocks import ACTIVATIONS, dense, rms_norm, soft_cap
+from zoo.layers.linear_attention import linear_attention
 from zoo.layers.mlp import mlp
 from zoo.layers.moe import aux_losses, moe_mlp, parallel_moe_block
 from zoo.lora.projections import LayerLora, LoraDropout
 from zoo.lora.weights import Weights
 from zoo.model.config import ModelConfig
+from zoo.model.context import check_layers_split
 from zoo.model.layer_layout import (
     is_kv_shared,
     kind_config,
     kind_stack_slice,
     layer_output,
     layer_weights,
+    split_by_kind,
     stack_kinds,
     store_layers,
 )
@@ -247,8 +251,12 @@ def forward(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax.Arra
     # embeddings with the images in place.
     ple = per_layer_inputs(cfg, base, ids, x) if cfg.per_layer_input_size else None
     shared: dict[str, tuple[jax.Array, jax.Array]] = {}  # kind -> the keys/values the KV-shared layers reuse
+    check_layers_split(cfg.kinds)  # no context parallelism over linear-attention layers
+    if "linear" in cfg.kinds and (prefix_ids is not None or blocks is not None):
+        raise UserError("linear-attention layers (Qwen3-Next) run on packed documents only: no shared prefixes "
+                        "(DPO's shared prompts: set dpo.share_prompt false) and no image blocks")
     layer = _training_layer(cfg, ropes, seen, valid, scale, lora_dropout, shared, w.rows,
-                            query_temperature(cfg, positions))
+                            query_temperature(cfg, positions), segment_ids)
     x, layer_stats = _run_stacks(cfg, base, x, layer, lora, drop_keys, ple, remat, shared, deep)
     x = norm(cfg, x, base["final_norm"])
     logits = x if return_hidden else output_logits(cfg, base, x)
@@ -263,7 +271,8 @@ def forward(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax.Arra
 def _training_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Array]], seen: dict[str, Any],
                     valid: jax.Array, scale: float | jax.Array, lora_dropout: float | jax.Array,
                     shared: dict[str, tuple[jax.Array, jax.Array]],
-                    rows: bool = False, temperature: jax.Array | None = None) -> Callable[..., tuple[jax.Array, Any]]:
+                    rows: bool = False, temperature: jax.Array | None = None,
+                    segment_ids: jax.Array | None = None) -> Callable[..., tuple[jax.Array, Any]]:
     """The training forward's layer as :func:`_run_stacks` scans it: ``layer(x, inputs, kind, moe, prefix)``.
 
     ``inputs`` are one layer's (weights, adapters, dropout key, NoPE flag, per-layer input, DeepStack level);
@@ -272,6 +281,7 @@ def _training_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Arra
     from ``shared``, which :func:`_run_stacks` fills as the storing layers' stack is done; a storing layer's
     output then carries its keys/values beside its router statistics. ``rows``: the adapters are per batch row.
     ``temperature`` [b, t]: Llama 4's query temperature of the NoPE layers (:func:`zoo.model.rope.query_temperature`).
+    ``segment_ids`` [b, t]: the packed documents, read by Qwen3-Next's linear layers (:mod:`zoo.layers.linear_attention`).
     """
     sharing = cfg.kv_shared_layers > 0
 
@@ -282,6 +292,9 @@ def _training_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Arra
         kcfg = kind_config(cfg, kind)
 
         def attend(x: jax.Array) -> tuple[jax.Array, Any]:
+            if kind == "linear":  # Qwen3-Next's Gated DeltaNet: no RoPE, no mask, a state over each document
+                assert segment_ids is not None, "linear layers read the segment ids"
+                return linear_attention(x, p, cfg, segment_ids, p["attn_norm"], lora)[0], None
             if cfg.mla:  # MLA has no adapters (zoo.lora.params)
                 return mla_attention(norm(cfg, x, p["attn_norm"]), p, *ropes[kind], seen[kind], cfg), None
             # Without pre-norms (OLMo 2/3) attention reads x itself; a NoPE layer's q and k are not rotated.
@@ -325,7 +338,7 @@ def _run_stacks(cfg: ModelConfig, params: dict[str, Any], x: jax.Array, layer: C
         keys = None if drop_keys is None or adapters is None else drop_keys[start:stop]
         kinds = cfg.kinds[start:stop]
         weights = (params[prefix], adapters)
-        if cfg.global_head_dim:  # Gemma 4: full layers' attention weights are stacked apart (zoo.model.layer_layout)
+        if split_by_kind(cfg):  # Gemma 4, Qwen3-Next: weights stacked by kind (zoo.model.layer_layout)
             weights = kind_stack_slice(cfg, weights, stack_kinds(cfg, prefix), first, stop - start)
         else:
             weights = stack_slice(weights, first, stop - start)
@@ -333,7 +346,7 @@ def _run_stacks(cfg: ModelConfig, params: dict[str, Any], x: jax.Array, layer: C
                              deepstack_slice(deep, start, stop))
 
         def inputs(seg: Segment, j: int, stacked: tuple = stacked, kinds: tuple[str, ...] = kinds) -> tuple:
-            if not cfg.global_head_dim:
+            if not split_by_kind(cfg):
                 return seg.at(j, stacked)
             # Gemma 4: a block position's attention weights are a strided slice of its kind's stack.
             w, a, *rest = stacked

@@ -17,7 +17,8 @@ from zoo.model.config import ModelConfig, RopeConfig
 from zoo.model.hf_families import CLASSIFIER, FAMILIES, VISION_FORMATS, FamilyTraits, family_of
 
 SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn", "longrope", "proportional")  # proportional: Gemma 4
-LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked"}
+LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked",
+               "linear_attention": "linear"}
 # family -> (pre_norms, qk_norm_span): OLMo 2/3 norm only the outputs of attention and MLP, and their q/k norms
 # are one RMSNorm over all heads' q (k) at once, as MiniMax-M2's (which keeps the pre-norms).
 _LAYOUT = {"olmo2": (False, "all"), "olmo3": (False, "all"), "minimax_m2": (True, "all")}
@@ -81,6 +82,17 @@ def _qwen3_moe_fields(c: Any, where: str, norm_topk: bool | None = None) -> dict
                 decoder_sparse_step=step, mlp_only_layers=tuple(sorted({int(i) for i in c.mlp_only_layers or ()})))
 
 
+def qwen3_next_fields(c: Any, where: str) -> dict[str, Any]:
+    """Qwen3-Next's ModelConfig fields (transformers' Qwen3NextConfig): Qwen3-MoE's experts and one shared expert
+    of ``shared_expert_intermediate_size`` behind a sigmoid gate, the Gated DeltaNet dims of its linear layers,
+    and the output gate of its full layers' attention."""
+    return dict(**_qwen3_moe_fields(c, where), shared_experts=1, shared_expert_gate=True,
+                shared_intermediate_size=int(c.shared_expert_intermediate_size),
+                linear_key_heads=int(c.linear_num_key_heads), linear_value_heads=int(c.linear_num_value_heads),
+                linear_key_head_dim=int(c.linear_key_head_dim), linear_value_head_dim=int(c.linear_value_head_dim),
+                linear_conv_kernel=int(c.linear_conv_kernel_dim), attn_output_gate=True)
+
+
 def _glm4_moe_fields(c: Any) -> dict[str, Any]:
     """ModelConfig fields of GLM-4.5's experts: DeepSeek-V3's sigmoid group-limited routing with a selection
     bias, shared experts and dense first layers, on ordinary (not latent) attention."""
@@ -107,6 +119,8 @@ def _moe_fields(traits: FamilyTraits, c: Any, where: str) -> dict[str, Any]:
         return _qwen3_moe_fields(c, where)
     if traits.moe == "qwen3_vl_moe":
         return _qwen3_moe_fields(c, where, norm_topk=True)
+    if traits.moe == "qwen3_next":
+        return qwen3_next_fields(c, where)
     if traits.moe == "glm4_moe":
         return _glm4_moe_fields(c)
     if traits.moe == "gpt_oss":
@@ -261,7 +275,7 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
     n = int(c.num_hidden_layers)
     kinds = _layer_kinds(traits, c, window, where)
     sliding = "sliding" in kinds
-    typed = sliding or "chunked" in kinds  # Llama 4's chunked layers
+    typed = sliding or "chunked" in kinds or "linear" in kinds  # Llama 4's chunked layers, Qwen3-Next's linear ones
     act = str(getattr(c, traits.act_field, None) or getattr(c, "hidden_act", "silu"))
     if family == "gemma" and act == "gelu":
         act = "gelu_pytorch_tanh"  # transformers itself swaps the legacy exact GELU for the tanh one

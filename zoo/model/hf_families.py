@@ -32,7 +32,7 @@ class FamilyTraits:
     uses_query_pre_attn_scalar: bool = False
     sliding_on_every_layer: bool = False  # Mistral: one window for all layers, no layer_types
     # "mixtral" | "deepseek_v2" | "deepseek_v3" | "qwen3_moe" | "qwen3_vl_moe" | "glm4_moe" | "gpt_oss" |
-    # "minimax_m2": how routing is configured
+    # "minimax_m2" | "llama4" | "qwen3_next": how routing is configured
     moe: str | None = None
     # Multimodal RoPE's frequencies interleaved over (time, row, column), whatever the config says (Qwen3-VL's
     # transformers class always interleaves); its sections when the config names none
@@ -83,6 +83,10 @@ FAMILIES: dict[str, FamilyTraits] = {
     # pixel-shuffle connector. model_type/architecture name the composite config and model class.
     # Llama 4's text model (Llama4ForCausalLM; Llama4ForConditionalGeneration adds its vision tower: VISION_FORMATS).
     "llama4": FamilyTraits("llama4_text", "Llama4ForCausalLM", moe="llama4"),
+    # Qwen3-Next: Gated DeltaNet "linear" layers among gated full-attention ones, zero-centred (1 + w) norms,
+    # Qwen3-MoE's routing with a shared expert behind a sigmoid gate; its own fields read by zoo.model.from_hf.
+    "qwen3_next": FamilyTraits("qwen3_next", "Qwen3NextForCausalLM", norm_offset=1.0, qk_norm=True,
+                               moe="qwen3_next"),
     "smolvlm": FamilyTraits("smolvlm", "SmolVLMForConditionalGeneration", mlp_bias="mlp_bias"),
     "idefics3": FamilyTraits("idefics3", "Idefics3ForConditionalGeneration", mlp_bias="mlp_bias"),
     # Qwen2.5-VL: a Qwen 2 language model (text_config model_type "qwen2_5_vl_text") with multimodal RoPE.

@@ -25,7 +25,8 @@ import jax
 
 from zoo.model.config import ModelConfig
 
-ATTENTION_WEIGHTS = ("q", "k", "v", "o", "q_norm", "k_norm")
+ATTENTION_WEIGHTS = ("q", "k", "v", "o", "q_norm", "k_norm", "attn_gate")
+LINEAR = "lin_"  # prefix of a linear-attention layer's weight (Qwen3-Next: stacked over the linear layers only)
 GLOBAL = "global_"  # prefix of a full layer's attention weight in a kind-split stack
 KV_WEIGHTS = ("k", "v", "k_norm")  # what a KV-shared layer has none of
 
@@ -46,9 +47,17 @@ def split_name(cfg: ModelConfig, kind: str, name: str) -> str:
     return name
 
 
+def split_by_kind(cfg: ModelConfig) -> bool:
+    """Whether some stacked weights hold the layers of one kind only: Gemma 4's full layers' attention, Qwen3-Next's
+    linear layers' weights (``lin_``) and its full layers' attention."""
+    return bool(cfg.global_head_dim) or "linear" in cfg.kinds
+
+
 def kind_split(cfg: ModelConfig, name: str) -> str | None:
     """The kind whose layers alone a stacked weight ``name`` (the name inside its stack) holds, or None when it
     is stacked over every layer of its stack."""
+    if "linear" in cfg.kinds:  # Qwen3-Next: the linear layers' own weights, and the full layers' attention
+        return "linear" if name.startswith(LINEAR) else "full" if name in ATTENTION_WEIGHTS else None
     if not cfg.global_head_dim:
         return None
     if name.startswith(GLOBAL) and name[len(GLOBAL):] in ATTENTION_WEIGHTS:
@@ -79,6 +88,14 @@ def group_specs(cfg: ModelConfig, specs: dict[str, Any], kinds: tuple[str, ...],
                 out[name] = dataclasses.replace(s, shape=s.shape[:-1] + (F,))
             s = out["down"]
             out["down"] = dataclasses.replace(s, shape=(s.shape[0], F) + s.shape[2:])
+    if "linear" in cfg.kinds:
+        for name in list(out):  # a kind's own weight: stacked over that kind's layers (none: not stored)
+            owner = kind_split(cfg, name)
+            if owner is not None and owner in kinds:
+                out[name] = dataclasses.replace(out[name], shape=(kinds.count(owner),) + out[name].shape[1:])
+            elif owner is not None:
+                del out[name]
+        return out
     if not cfg.global_head_dim:
         return out
     for name in ATTENTION_WEIGHTS:

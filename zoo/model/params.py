@@ -63,7 +63,9 @@ def _layer_specs(cfg: ModelConfig, L: int, moe: bool) -> dict[str, ParamSpec]:
             s["expert_up_bias"] = ParamSpec((L, X, M), lay + ("expert", "mlp"), "zeros")
             s["expert_down_bias"] = ParamSpec((L, X, E), lay + ("expert", "embed"), "zeros")
         if cfg.shared_experts:
-            S = M * cfg.shared_experts
+            S = cfg.shared_intermediate_size or M * cfg.shared_experts
+            if cfg.shared_expert_gate:  # Qwen3-Next: sigmoid(x @ w) scales the shared expert's output
+                s["shared_expert_gate"] = ParamSpec((L, E, 1), lay + ("embed", None), "normal")
             s["shared_gate"] = ParamSpec((L, E, S), lay + ("embed", "mlp"), "normal")
             s["shared_up"] = ParamSpec((L, E, S), lay + ("embed", "mlp"), "normal")
             s["shared_down"] = ParamSpec((L, S, E), lay + ("mlp", "embed"), "normal")
@@ -83,6 +85,10 @@ def _layer_specs(cfg: ModelConfig, L: int, moe: bool) -> dict[str, ParamSpec]:
     elif cfg.qk_norm:
         s["q_norm"] = ParamSpec((L, D), lay + ("head_dim",), unit)
         s["k_norm"] = ParamSpec((L, D), lay + ("head_dim",), unit)
+    if cfg.attn_output_gate:  # Qwen3-Next: the q projection's second half, sigmoid(gate) * attention before o
+        s["attn_gate"] = ParamSpec((L, E, H, D), lay + ("embed", "heads", "head_dim"), "normal")
+    if "linear" in cfg.kinds:
+        s.update(_linear_specs(cfg, L))
     if cfg.attn_sinks:
         s["sinks"] = ParamSpec((L, H), lay + ("heads",), "zeros")
     if cfg.post_norms:
@@ -96,6 +102,27 @@ def _layer_specs(cfg: ModelConfig, L: int, moe: bool) -> dict[str, ParamSpec]:
         del s["attn_norm"], s["mlp_norm"]
     s.update(_gemma4_layer_specs(cfg, L, moe))
     return s
+
+
+def _linear_specs(cfg: ModelConfig, L: int) -> dict[str, ParamSpec]:
+    """Qwen3-Next's Gated DeltaNet weights of L layers (zoo.layers.linear_attention): q/k/v/z and b/a projections
+    (transformers' in_proj_qkvz and in_proj_ba split), the causal convolution's taps over the q, k, v channels,
+    the decay's dt_bias and A_log, the gated norm's weight (a plain ``w * x``: ones) and the output projection."""
+    E, nk, nv = cfg.hidden_size, cfg.linear_key_heads, cfg.linear_value_heads
+    dk, dv, lay = cfg.linear_key_head_dim, cfg.linear_value_head_dim, ("layers",)
+    return {
+        "lin_q": ParamSpec((L, E, nk, dk), lay + ("embed", "kv_heads", "head_dim"), "normal"),
+        "lin_k": ParamSpec((L, E, nk, dk), lay + ("embed", "kv_heads", "head_dim"), "normal"),
+        "lin_v": ParamSpec((L, E, nv, dv), lay + ("embed", "heads", "head_dim"), "normal"),
+        "lin_z": ParamSpec((L, E, nv, dv), lay + ("embed", "heads", "head_dim"), "normal"),
+        "lin_b": ParamSpec((L, E, nv), lay + ("embed", "heads"), "normal"),
+        "lin_a": ParamSpec((L, E, nv), lay + ("embed", "heads"), "normal"),
+        "lin_conv": ParamSpec((L, cfg.linear_conv_kernel, 2 * nk * dk + nv * dv), lay + (None, None), "normal"),
+        "lin_dt_bias": ParamSpec((L, nv), lay + ("heads",), "ones"),
+        "lin_a_log": ParamSpec((L, nv), lay + ("heads",), "zeros"),
+        "lin_norm": ParamSpec((L, dv), lay + ("head_dim",), "ones"),
+        "lin_out": ParamSpec((L, nv, dv, E), lay + ("heads", "head_dim", "embed"), "normal"),
+    }
 
 
 def _gemma4_layer_specs(cfg: ModelConfig, L: int, moe: bool) -> dict[str, ParamSpec]:
@@ -131,7 +158,7 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
     s: dict[str, ParamSpec] = {"embed": ParamSpec((V, E), ("vocab", "embed"), "normal")}
     for prefix, layers, moe in cfg.layer_stacks:
         group = _layer_specs(cfg, len(layers), moe)
-        if cfg.global_head_dim or cfg.kv_shared_layers:
+        if cfg.global_head_dim or cfg.kv_shared_layers or "linear" in cfg.kinds:
             from zoo.model.layer_layout import group_specs
 
             group = group_specs(cfg, group, tuple(cfg.kinds[i] for i in layers), prefix,

@@ -276,8 +276,10 @@ def zero_cotangent(qw: QuantizedWeight) -> QuantizedWeight:
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down", "expert_gate", "expert_up", "expert_down",
                "shared_gate", "shared_up", "shared_down",
                # Gemma 4's full layers' attention (zoo.model.layer_layout's global_*) and its experts' fused gate/up stack
-               "global_q", "global_k", "global_v", "global_o", "expert_gate_up")
-_CONTRACT = {"o": 2, "global_o": 2}
+               "global_q", "global_k", "global_v", "global_o", "expert_gate_up",
+               # Qwen3-Next's attention output gate and linear layers' projections (not the conv's taps)
+               "attn_gate", "lin_q", "lin_k", "lin_v", "lin_z", "lin_b", "lin_a", "lin_out")
+_CONTRACT = {"o": 2, "global_o": 2, "lin_out": 2}
 
 
 def quantized_paths(cfg: Any) -> dict[str, tuple[int, int]]:

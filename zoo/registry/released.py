@@ -128,6 +128,24 @@ MINIMAX_M2 = {"architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_
               "max_position_embeddings": 196608, "rms_norm_eps": 1e-6, "hidden_act": "silu",
               "tie_word_embeddings": False, "bos_token_id": 200034, "eos_token_id": 200020, "torch_dtype": "bfloat16"}
 
+# Qwen/Qwen3-Next-80B-A3B-Instruct's config.json as its model card and other projects quote it (not read from the
+# Hub: check it before relying on a field beyond the shapes). transformers' Qwen3NextConfig defaults are this model's
+# shapes (48 layers, every 4th full attention: full_attention_interval 4; 512 experts, 10 a token, and a shared
+# expert, all 512 wide; 16 query heads of 256 over 2 key/value heads, RoPE on the first quarter; linear layers of
+# 16 key heads and 32 value heads of 128, conv 4) but not its context: RoPE theta 1e7 over 262,144 positions.
+# intermediate_size (5120) is no layer's width: every layer is MoE.
+QWEN3_NEXT_80B_A3B = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "vocab_size": 151936,
+                      "hidden_size": 2048, "intermediate_size": 5120, "num_hidden_layers": 48,
+                      "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+                      "full_attention_interval": 4, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+                      "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_value_head_dim": 128,
+                      "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+                      "shared_expert_intermediate_size": 512, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                      "mlp_only_layers": [], "router_aux_loss_coef": 0.001, "partial_rotary_factor": 0.25,
+                      "rope_theta": 10000000, "max_position_embeddings": 262144, "rms_norm_eps": 1e-6,
+                      "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
+                      "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16"}
+
 # openai/gpt-oss-20b's and gpt-oss-120b's config.json (their MXFP4 quantization_config left out: the experts are
 # dequantized while converting): sliding (128) and full layers alternating, 64 query heads of 64 over 8 key/value
 # heads, attention sinks, 32 or 128 experts (4 a token) with biases and the clamped SwiGLU, YaRN over 4096.
