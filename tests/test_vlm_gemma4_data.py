@@ -320,8 +320,8 @@ def test_grpo_sampler_never_draws_the_image_token(g4, monkeypatch):
         return logits.at[..., image_id].add(boost), cache
 
     def retrace() -> None:  # the engine's programs traced anew: with the boost, then without it again
-        paged.prefill.clear_cache()
-        paged.decode.clear_cache()
+        paged.prefill_logits.clear_cache()
+        paged.decode_logits.clear_cache()
 
     monkeypatch.setattr(paged, "forward_step", boosted)
     retrace()

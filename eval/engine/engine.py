@@ -11,8 +11,8 @@ instead of computing them (:class:`eval.engine.pages.PagePool`). A request whose
 being computed waits for them: a GRPO group's G completions prefill their prompt once.
 
 The device work is two jitted programs (:mod:`eval.engine.paged`) with bucketed shapes: a prefill of the
-admitted rows' uncached tokens, and a step of the decoding rows; the host keeps the pages, the rows and the
-requests.
+admitted rows' uncached tokens, and a step of the decoding rows, each followed by the rows' draw from their
+logits (a small program of its own per batch shape); the host keeps the pages, the rows and the requests.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ import numpy as np
 
 from eval.engine.api import Event, FinishReason, SamplingParams
 from eval.engine.images import vision_inputs
-from eval.engine.paged import decode, init_pool, prefill, rerope
+from eval.engine.paged import decode_logits, init_pool, prefill_logits, rerope
 from eval.engine.pages import PagePool
-from eval.engine.sampling import RowSampling, key_data
+from eval.engine.sampling import RowSampling, draw_rows, key_data
 from zoo.errors import UserError
 from zoo.lora.rows import stack_adapters
 from zoo.lora.weights import Weights
@@ -43,6 +43,10 @@ TOKEN_BUCKET = 16  # a prefill's width is rounded up to a power of two of at lea
 PREFILL_TOKENS = 16384  # a prefill's padded rows x width at most; a longer prompt is prefilled in chunks of this
 VIEW_TOKENS = 256  # a step's page tables: a power of two of tokens up to this, then a multiple of it
 DECODE_ROWS = 8  # a decoding step runs its live rows padded to a power of two of at least this many
+# Each row's draw from its logits: one program per batch shape, shared by every prefill and decoding program of
+# that many rows (page-table widths, prompt widths, fresh or cached), not compiled into each of them (it was about
+# half of a tiny model's prefill or decoding compile: 0.7 s of CPU each).
+_draw = jax.jit(draw_rows)
 
 
 @dataclass
@@ -340,10 +344,11 @@ class Engine:
         fresh = all(r.filled == 0 for r in admitted)
         vision = self._vision(admitted, b)
         sampling = self._sampling(list(admitted) + [None] * (b - len(admitted)), [0] * b)
-        (first, logp), self.pool, new_lengths, new_delta = prefill(
+        logits, self.pool, new_lengths, new_delta = prefill_logits(
             self.cfg, self.weights, self.pool, jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(tables),
-            jnp.asarray(lengths), delta, sampling, fresh, vision, self.adapters,
+            jnp.asarray(lengths), delta, fresh, vision, self.adapters,
             self._index(list(admitted) + [None] * (b - len(admitted))), self._seq_rows(admitted, b))
+        first, logp = _draw(logits, sampling)
         first, logp, new_lengths = np.asarray(first), np.asarray(logp), np.asarray(new_lengths)
         deltas = None if new_delta is None else np.asarray(new_delta)
         for i, r in enumerate(admitted):
@@ -391,9 +396,10 @@ class Engine:
             crossing = [r.row for r in live if self._lengths[r.row] == omax]
             if crossing:
                 self.pool = rerope(self.cfg, self.pool, jnp.asarray(self._tables[crossing, :width]))
-        (nxt, logp), self.pool = decode(self.cfg, self.weights, self.pool, jnp.asarray(tokens), jnp.asarray(active),
-                                        jnp.asarray(tables), jnp.asarray(self._lengths[at]), delta, sampling,
-                                        self.adapters, self._index(live + pad), self._seq_rows(live, b))
+        logits, self.pool = decode_logits(self.cfg, self.weights, self.pool, jnp.asarray(tokens), jnp.asarray(active),
+                                          jnp.asarray(tables), jnp.asarray(self._lengths[at]), delta,
+                                          self.adapters, self._index(live + pad), self._seq_rows(live, b))
+        nxt, logp = _draw(logits, sampling)
         nxt, logp = np.asarray(nxt), np.asarray(logp)
         self.stats["steps"] += 1
         self.stats["decode_rows"] += b

@@ -1,4 +1,4 @@
-"""The paged KV cache on the devices, and the engine's two programs: a prefill and a decoding step over it.
+"""The paged KV cache on the devices, and the engine's programs: a prefill and a decoding step over it.
 
 The pool holds, per parameter stack and layer kind (as :class:`zoo.model.decode.Cache` groups them), every
 layer's keys and values in pages: ``k`` [layers, pages, kv_heads, head_dim, page], ``v`` [layers, pages,
@@ -131,24 +131,55 @@ def _row_weights(weights: Weights, adapters: RowAdapters | None, index: jax.Arra
     return adapters.weights(weights.base, index)
 
 
+@partial(jax.jit, static_argnums=(0, 8), donate_argnums=(2,))
+def prefill_logits(cfg: ModelConfig, weights: Weights, pool: Pool, tokens: jax.Array, valid: jax.Array,
+                   tables: jax.Array, lengths: jax.Array, delta: jax.Array | None, fresh: bool,
+                   vision: VisionInputs | None = None, adapters: RowAdapters | None = None,
+                   index: jax.Array | None = None, seq_rows: jax.Array | None = None
+                   ) -> tuple[jax.Array, Pool, jax.Array, jax.Array | None]:
+    """Run each row's uncached prompt tokens (``tokens``/``valid`` [b, t], right-padded) after the ``lengths``
+    [b] tokens its pages already hold. ``adapters``: LoRA adapters per row, row r's ``index[r]`` (0: none).
+    ``seq_rows`` [b]: each row's sequence slot (a model with linear layers: where their states live; a padding
+    row's out of range).
+
+    Returns (each row's last-position logits [b, V], the pool, the rows' new lengths, their rope delta).
+    ``fresh`` (static): no row holds a cached token yet, so no page is read (the prompts attend to themselves,
+    blockwise as in training). The draw is a program of its own (:func:`eval.engine.sampling.draw_rows`, which
+    the engine jits once per batch shape): in every prefill and decoding program it was about half of a tiny
+    model's compile time."""
+    last = jnp.maximum(valid.sum(1) - 1, 0)
+    logits, step = forward_step(cfg, _row_weights(weights, adapters, index), tokens, Cache(pool, lengths, delta),
+                                valid, fresh=fresh, last=last, vision=vision, entries=True, pages=tables,
+                                seq_rows=seq_rows)
+    return logits, scatter(pool, step, tables, seq_rows), step.lengths, step.rope_delta
+
+
+@partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def decode_logits(cfg: ModelConfig, weights: Weights, pool: Pool, tokens: jax.Array, active: jax.Array,
+                  tables: jax.Array, lengths: jax.Array, delta: jax.Array | None,
+                  adapters: RowAdapters | None = None, index: jax.Array | None = None,
+                  seq_rows: jax.Array | None = None) -> tuple[jax.Array, Pool]:
+    """One decoding step of every row: append its last token ``tokens`` [b] (the ``active`` rows only: the others
+    write nothing). Returns (each row's logits for its next token [b, V], the pool); ``adapters``/``index``/
+    ``seq_rows`` as :func:`prefill_logits`'s."""
+    logits, step = forward_step(cfg, _row_weights(weights, adapters, index), tokens[:, None],
+                                Cache(pool, lengths, delta), active[:, None], last=jnp.zeros_like(lengths),
+                                entries=True, pages=tables, seq_rows=seq_rows)
+    return logits, scatter(pool, step, tables, seq_rows)
+
+
 @partial(jax.jit, static_argnums=(0, 9), donate_argnums=(2,))
 def prefill(cfg: ModelConfig, weights: Weights, pool: Pool, tokens: jax.Array, valid: jax.Array,
             tables: jax.Array, lengths: jax.Array, delta: jax.Array | None, sampling: RowSampling,
             fresh: bool, vision: VisionInputs | None = None, adapters: RowAdapters | None = None,
             index: jax.Array | None = None, seq_rows: jax.Array | None = None
             ) -> tuple[tuple[jax.Array, jax.Array], Pool, jax.Array, jax.Array | None]:
-    """Run each row's uncached prompt tokens (``tokens``/``valid`` [b, t], right-padded) after the ``lengths``
-    [b] tokens its pages already hold, and draw its first new token. ``adapters``: LoRA adapters per row, row r's
-    ``index[r]`` (0: none). ``seq_rows`` [b]: each row's sequence slot (a model with linear layers: where their
-    states live; a padding row's out of range).
-
-    Returns ((first tokens [b], their log-probabilities), the pool, the rows' new lengths, their rope delta). ``fresh`` (static): no row holds
-    a cached token yet, so no page is read (the prompts attend to themselves, blockwise as in training)."""
-    last = jnp.maximum(valid.sum(1) - 1, 0)
-    logits, step = forward_step(cfg, _row_weights(weights, adapters, index), tokens, Cache(pool, lengths, delta),
-                                valid, fresh=fresh, last=last, vision=vision, entries=True, pages=tables,
-                                seq_rows=seq_rows)
-    return draw_rows(logits, sampling), scatter(pool, step, tables, seq_rows), step.lengths, step.rope_delta
+    """:func:`prefill_logits` and each row's first new token drawn, as one program (``--compile-only`` lowers
+    this: its peak holds both). Returns ((first tokens [b], their log-probabilities), the pool, the rows' new
+    lengths, their rope delta)."""
+    logits, pool, lengths, delta = prefill_logits(cfg, weights, pool, tokens, valid, tables, lengths, delta, fresh,
+                                                  vision, adapters, index, seq_rows)
+    return draw_rows(logits, sampling), pool, lengths, delta
 
 
 @partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
@@ -156,13 +187,11 @@ def decode(cfg: ModelConfig, weights: Weights, pool: Pool, tokens: jax.Array, ac
            tables: jax.Array, lengths: jax.Array, delta: jax.Array | None, sampling: RowSampling,
            adapters: RowAdapters | None = None, index: jax.Array | None = None, seq_rows: jax.Array | None = None
            ) -> tuple[tuple[jax.Array, jax.Array], Pool]:
-    """One decoding step of every row: append its last token ``tokens`` [b] (the ``active`` rows only: the others
-    write nothing) and draw the next (``adapters``/``index`` as :func:`prefill`'s). Returns ((next tokens [b],
-    their log-probabilities), the pool); ``seq_rows`` as :func:`prefill`'s."""
-    logits, step = forward_step(cfg, _row_weights(weights, adapters, index), tokens[:, None],
-                                Cache(pool, lengths, delta), active[:, None], last=jnp.zeros_like(lengths),
-                                entries=True, pages=tables, seq_rows=seq_rows)
-    return draw_rows(logits, sampling), scatter(pool, step, tables, seq_rows)
+    """:func:`decode_logits` and each row's next token drawn, as one program (``--compile-only`` lowers this).
+    Returns ((next tokens [b], their log-probabilities), the pool)."""
+    logits, pool = decode_logits(cfg, weights, pool, tokens, active, tables, lengths, delta, adapters, index,
+                                 seq_rows)
+    return draw_rows(logits, sampling), pool
 
 
 @partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))
