@@ -128,6 +128,12 @@ FUSIONS: dict[str, tuple[Fusion, ...]] = {
         Fusion("attn_qkv.weight", ("attn_qkv_q.weight", "attn_qkv_k.weight", "attn_qkv_v.weight"), "lin_qkv"),
         Fusion("ssm_ba.weight", ("ssm_ba_b.weight", "ssm_ba_a.weight"), "ba", groups="linear_key_heads"),
     ),
+    # Qwen3.5 (dense and MoE): in_proj_qkv's q, k and v rows in blocks; q_proj as Qwen3-Next's.
+    **{family: (Fusion("linear_attn.in_proj_qkv.weight", tuple(f"linear_attn.in_proj_qkv_{n}.weight" for n in "qkv"),
+                       "lin_qkv"),
+                Fusion("self_attn.q_proj.weight", ("self_attn.q_proj_query.weight", "self_attn.q_proj_gate.weight"),
+                       "q_gate", groups="num_heads"))
+       for family in ("qwen3_5", "qwen3_5_moe")},
     # Llama 4's experts: [experts, embed, 2 x mlp], gate then up in blocks along the last axis.
     "llama4": (Fusion("feed_forward.experts.gate_up_proj", ("feed_forward.experts.gate_proj",
                                                             "feed_forward.experts.up_proj"), "expert_mlp", axis=-1),),

@@ -32,7 +32,7 @@ class FamilyTraits:
     uses_query_pre_attn_scalar: bool = False
     sliding_on_every_layer: bool = False  # Mistral: one window for all layers, no layer_types
     # "mixtral" | "deepseek_v2" | "deepseek_v3" | "qwen3_moe" | "qwen3_vl_moe" | "glm4_moe" | "gpt_oss" |
-    # "minimax_m2" | "llama4" | "qwen3_next": how routing is configured
+    # "minimax_m2" | "llama4" | "qwen3_next" | "qwen3_5_moe": how routing is configured
     moe: str | None = None
     # Multimodal RoPE's frequencies interleaved over (time, row, column), whatever the config says (Qwen3-VL's
     # transformers class always interleaves); its sections when the config names none
@@ -87,6 +87,14 @@ FAMILIES: dict[str, FamilyTraits] = {
     # Qwen3-MoE's routing with a shared expert behind a sigmoid gate; its own fields read by zoo.model.from_hf.
     "qwen3_next": FamilyTraits("qwen3_next", "Qwen3NextForCausalLM", norm_offset=1.0, qk_norm=True,
                                moe="qwen3_next"),
+    # Qwen3.5 (text; Qwen3_5ForCausalLM, or the language model of the Hub's Qwen3_5ForConditionalGeneration): Qwen3-Next's
+    # layers with separate linear-layer projections (in_proj_qkv in blocks, in_proj_z, in_proj_b, in_proj_a) and
+    # interleaved multimodal RoPE (on text positions: plain RoPE); dense MLPs, or (qwen3_5_moe) Qwen3-Next's experts
+    # on every layer with a router that always renormalizes the top k (the config has no norm_topk_prob).
+    "qwen3_5": FamilyTraits("qwen3_5_text", "Qwen3_5ForCausalLM", norm_offset=1.0, qk_norm=True,
+                            mrope_interleaved=True, mrope_default=(11, 11, 10)),
+    "qwen3_5_moe": FamilyTraits("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", norm_offset=1.0, qk_norm=True,
+                                mrope_interleaved=True, mrope_default=(11, 11, 10), moe="qwen3_5_moe"),
     "smolvlm": FamilyTraits("smolvlm", "SmolVLMForConditionalGeneration", mlp_bias="mlp_bias"),
     "idefics3": FamilyTraits("idefics3", "Idefics3ForConditionalGeneration", mlp_bias="mlp_bias"),
     # Qwen2.5-VL: a Qwen 2 language model (text_config model_type "qwen2_5_vl_text") with multimodal RoPE.
