@@ -33,7 +33,8 @@ from zoo.model.params import param_specs
 from zoo.storage import RunPath
 
 # multimodal formats whose language model converts alone (--text-only)
-TEXT_ONLY_FORMATS = ("hf-gemma3-multimodal", "hf-gemma4-multimodal", "hf-llama4-multimodal")
+TEXT_ONLY_FORMATS = ("hf-gemma3-multimodal", "hf-gemma4-multimodal", "hf-llama4-multimodal",
+                     "hf-qwen3_5-multimodal", "hf-qwen3_5_moe-multimodal")  # Qwen3.5's: always (no tower in lmzoo)
 AUDIO_PREFIXES = ("model.audio_tower.", "model.embed_audio.")  # Gemma 4's audio side: not converted
 
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}

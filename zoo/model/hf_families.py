@@ -130,6 +130,9 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Gemma3ForConditionalGeneration": ("gemma3", "hf-gemma3-multimodal"),
     "Gemma4ForConditionalGeneration": ("gemma4", "hf-gemma4-multimodal"),
     "Llama4ForConditionalGeneration": ("llama4", "hf-llama4-multimodal"),
+    # Qwen3.5's releases: the language model converts alone (lmzoo has no Qwen3.5 vision tower)
+    "Qwen3_5ForConditionalGeneration": ("qwen3_5", "hf-qwen3_5-multimodal"),
+    "Qwen3_5MoeForConditionalGeneration": ("qwen3_5_moe", "hf-qwen3_5_moe-multimodal"),
     "SmolVLMForConditionalGeneration": ("smolvlm", "hf-smolvlm"),
     "Idefics3ForConditionalGeneration": ("idefics3", "hf-idefics3"),
     "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "hf-qwen2_5-vl"),
@@ -141,6 +144,8 @@ MODEL_TYPES: dict[str, tuple[str, str]] = {
     "gemma3": ("gemma3", "hf-gemma3-multimodal"),
     "gemma4": ("gemma4", "hf-gemma4-multimodal"),
     "llama4": ("llama4", "hf-llama4-multimodal"),
+    "qwen3_5": ("qwen3_5", "hf-qwen3_5-multimodal"),
+    "qwen3_5_moe": ("qwen3_5_moe", "hf-qwen3_5_moe-multimodal"),
     "smolvlm": ("smolvlm", "hf-smolvlm"),
     "idefics3": ("idefics3", "hf-idefics3"),
     "qwen2_5_vl": ("qwen2_5_vl", "hf-qwen2_5-vl"),
