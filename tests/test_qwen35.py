@@ -175,3 +175,34 @@ def test_peft_loads_the_adapters_with_our_logits(tiny_family, tmp_path):
         config["target_modules"])
     diff, teeth = peft_logits_against_ours(root / "hf", adapter, tmp_path / "peft")
     assert teeth > 0.1 and diff <= 1e-4, (diff, teeth)
+
+
+@pytest.mark.slow
+def test_qlora_gradients_equal_lora_on_the_dequantized_weights(tiny_family):
+    """Slow (two compilations of the forward and its gradients): QLoRA with "all" targets on the MoE model (the
+    linear layers' separate projections, attention and its output gate, the experts, the shared expert) over NF4
+    weights with double quantization: the loss and every adapter's gradient equal those of LoRA on the dequantized
+    weights (1e-6, 1e-5), and every adapter gets a gradient. Qwen3-Next's code path, as is."""
+    import jax
+
+    from tests.lora_fixtures import lora_lm_loss, random_lora
+    from tests.quant_fixtures import quantized_projections, random_params
+    from zoo.lora.params import LoraConfig
+    from zoo.model import quant
+    from zoo.model.params import nest
+
+    cfg = zoo.read_config(tiny_family("qwen3_5_moe")[1] / "zoo")
+    lc = LoraConfig(rank=4, alpha=8.0, targets="all")
+    qflat = quantized_projections(cfg, random_params(cfg, std=0.1))
+    assert {k.rpartition(".")[2] for k, v in qflat.items() if isinstance(v, quant.QuantizedWeight)} >= {
+        "lin_q", "lin_k", "lin_v", "lin_z", "lin_b", "lin_a", "lin_out", "attn_gate", "expert_gate", "shared_gate"}
+    flat = {k: np.asarray(quant.dequantize(v)) if isinstance(v, quant.QuantizedWeight) else v for k, v in qflat.items()}
+    lora = random_lora(cfg, lc, random=True)
+    assert {"lin_q", "lin_z", "lin_b", "lin_a", "lin_out", "attn_gate"} <= set(lora["layers"])
+    tokens = jnp.asarray(random_tokens(cfg.vocab_size, seq=80))
+    grads = jax.jit(jax.value_and_grad(lambda a, p: lora_lm_loss(cfg, p, a, lc, tokens)))
+    (lq, gq), (ld, gd) = grads(lora, nest(qflat)), grads(lora, nest(flat))
+    assert abs(float(lq) - float(ld)) <= 1e-6
+    for a, b in zip(jax.tree.leaves(gq), jax.tree.leaves(gd), strict=True):
+        assert np.abs(np.asarray(a) - np.asarray(b)).max() <= 1e-5
+    assert min(float(jnp.abs(g).max()) for g in jax.tree.leaves(gq)) > 0
