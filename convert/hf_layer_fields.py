@@ -105,8 +105,9 @@ def write_layer_fields(cfg: ModelConfig, out: dict[str, Any], rope_dict: Callabl
         out.update(qwen3_next_hf_fields(cfg, rope_dict))
     elif cfg.family in ("qwen3_5", "qwen3_5_moe"):
         out.update(qwen3_5_hf_fields(cfg, rope_dict))
-        if cfg.num_experts:
-            out.pop("intermediate_size", None)
+        out.pop("sliding_window", None)  # no sliding layers in Qwen3.5's config classes
+        if cfg.num_experts and cfg.intermediate_size == cfg.moe_intermediate_size:
+            out.pop("intermediate_size", None)  # the MoE's config has none: zoo.model.from_hf stood the experts' in
     elif cfg.family == "phi3":
         if cfg.rope.kind == "longrope":
             out["rope_parameters"] = _longrope_dict(cfg)
