@@ -129,7 +129,7 @@ def convert(source: str, out: str | Path, dtype: str | None = None, progress: bo
     dtype (float32 for dequantized GGUF tensors, bfloat16 for dequantized FP8
     weights). ``keep_mtp`` keeps a DeepSeek checkpoint's multi-token-prediction
     layers (convert/mtp.py) instead of dropping them. ``text_only`` converts a multimodal Gemma 3's, Gemma 4's or
-    Llama 4's language model alone (exported as the family's *ForCausalLM); Gemma 4's audio tower is always left out.
+    Llama 4's language model alone (a Qwen3.5 one's always is) (exported as the family's *ForCausalLM); Gemma 4's audio tower is always left out.
     """
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
@@ -140,8 +140,8 @@ def convert(source: str, out: str | Path, dtype: str | None = None, progress: bo
     fmt = src.fmt if src.fmt == "gguf" else source_format(src.hf_config)
     if text_only:
         if fmt not in TEXT_ONLY_FORMATS:
-            raise UserError(f"--text-only: {src.description} is not a multimodal Gemma 3, Gemma 4 or Llama 4 model; "
-                            "convert without --text-only")
+            raise UserError(f"--text-only: {src.description} is not a multimodal Gemma 3, Gemma 4, Llama 4 or "
+                            "Qwen3.5 model; convert without --text-only")
         cfg = dataclasses.replace(cfg, vision=None)
     cfg = with_tower_spelling(cfg, fmt, src.reader.names(), src.description)  # as the source names Gemma 3's tower
     stored_config = dict(src.hf_config)

@@ -127,18 +127,19 @@ def test_greedy_kv_cache_decoding_equals_transformers_generate(converted):
 def test_multimodal_checkpoint_converts_its_language_model(family, tmp_path, capfd):
     """The Hub's releases are Qwen3_5(Moe)ForConditionalGeneration: `zoo convert` takes the language model under
     model.language_model. (the head at the top), leaves the vision tower out with a one-line note, and gives the
-    multimodal model's own logits on text (its text positions: all three M-RoPE axes alike)."""
+    multimodal model's own logits on text (its text positions: all three M-RoPE axes alike); `zoo export` writes the
+    text-only *ForCausalLM, which transformers loads with those logits."""
     import transformers
 
     from tests.hf_models import BASE, randomize
 
-    _, _, text = FAMILIES[family]
+    text = FAMILIES[family]
     top = {"qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
            "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration")}[family]
     vision = dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=4,
                   num_position_embeddings=16)
     torch.manual_seed(0)
-    config = getattr(transformers, top[0])(text_config={**BASE, **text}, vision_config=vision)
+    config = getattr(transformers, top[0])(text_config={**BASE, **text[2]}, vision_config=vision)
     hf = getattr(transformers, top[1])(config).eval()
     hf.config._attn_implementation = "eager"
     randomize(hf)
@@ -153,6 +154,11 @@ def test_multimodal_checkpoint_converts_its_language_model(family, tmp_path, cap
     ref = hf_logits(hf, tokens)
     got = np.asarray(model(jnp.asarray(tokens)))
     assert np.abs(got - ref).max() <= 1e-4 and mean_kl(ref, got) <= 1e-6 and ref.std() > 0.5
+    assert main(["export", str(tmp_path / "zoo"), "--out", str(tmp_path / "back")]) == 0
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), dtype=torch.float32).eval()
+    back.config._attn_implementation = "eager"
+    assert type(back).__name__ == text[1]
+    assert np.abs(hf_logits(back, tokens) - ref).max() <= 1e-4
 
 
 @pytest.mark.slow
