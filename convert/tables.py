@@ -257,6 +257,11 @@ def qwen3_next_table(prefix: str = "model.", head: str = "lm_head.weight", separ
               for r in decoder_table(prefix, head=head, moe="deepseek") if "shared_experts" not in r.hf]
     shared = [dataclasses.replace(r, hf=A + "q_proj_query.weight") if r.zoo == "layers.q" and r.when == "!mla" else r
               for r in shared]
+    if separate:  # Qwen3.5-MoE: experts one by one (transformers' save_pretrained) or fused (the Hub's files)
+        experts = ("layers.expert_gate", "layers.expert_up", "layers.expert_down")
+        shared = [dataclasses.replace(r, when="moe&!hf_experts_out_in") if r.zoo in experts else r for r in shared]
+        shared += [Rule(f"layers.expert_{part}", M + f"experts.{part}_proj", "swap_last", when="moe&hf_experts_out_in")
+                   for part in ("gate", "up", "down")]
     return shared + [
         Rule("layers.attn_gate", A + "q_proj_gate.weight", "q_in", kind="full"),
         *(Rule(f"layers.lin_{n}", N + (f"in_proj_qkv_{n}" if separate and n in "qkv" else f"in_proj_{n}") + ".weight",

@@ -122,13 +122,32 @@ def test_greedy_kv_cache_decoding_equals_transformers_generate(converted):
     assert got == want
 
 
+def _fuse_experts_as_the_hub(folder, num_experts: int) -> None:
+    """Rewrite a saved Qwen3.5-MoE's experts (one by one, as save_pretrained writes them) as the Hub's files hold
+    them: per layer ``mlp.experts.gate_up_proj`` [experts, 2 x mlp, embed] (gate rows, then up) and
+    ``mlp.experts.down_proj`` [experts, embed, mlp]."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(folder / "model.safetensors"))
+    out = {k: v for k, v in state.items() if ".mlp.experts." not in k}
+    for layer in sorted({m.group(1) for k in state if (m := re.match(r"(.*\.mlp\.experts)\.0\.", k))}):
+        w = {p: [state[f"{layer}.{j}.{p}_proj.weight"] for j in range(num_experts)] for p in ("gate", "up", "down")}
+        out[f"{layer}.gate_up_proj"] = torch.stack([torch.cat(gu) for gu in zip(w["gate"], w["up"])])
+        out[f"{layer}.down_proj"] = torch.stack(w["down"])
+    assert len(out) < len(state)
+    save_file(out, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", QWEN35)
 def test_multimodal_checkpoint_converts_its_language_model(family, tmp_path, capfd):
     """The Hub's releases are Qwen3_5(Moe)ForConditionalGeneration: `zoo convert` takes the language model under
-    model.language_model. (the head at the top), leaves the vision tower out with a one-line note, and gives the
-    multimodal model's own logits on text (its text positions: all three M-RoPE axes alike); `zoo export` writes the
-    text-only *ForCausalLM, which transformers loads with those logits."""
+    model.language_model. (the head at the top; the MoE's experts fused per layer, as the Hub's files hold them),
+    leaves the vision tower out with a one-line note, and gives the multimodal model's own logits on text (its text
+    positions: all three M-RoPE axes alike); `zoo export` writes the text-only *ForCausalLM (the experts fused as
+    read), which transformers loads with those logits."""
     import transformers
 
     from tests.hf_models import BASE, randomize
@@ -144,6 +163,8 @@ def test_multimodal_checkpoint_converts_its_language_model(family, tmp_path, cap
     hf.config._attn_implementation = "eager"
     randomize(hf)
     hf.save_pretrained(tmp_path / "hf")
+    if family == "qwen3_5_moe":
+        _fuse_experts_as_the_hub(tmp_path / "hf", config.text_config.num_experts)
     capfd.readouterr()
     assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "zoo")]) == 0
     notes = [line for line in capfd.readouterr().err.splitlines() if line.startswith("note:")]
@@ -158,6 +179,8 @@ def test_multimodal_checkpoint_converts_its_language_model(family, tmp_path, cap
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), dtype=torch.float32).eval()
     back.config._attn_implementation = "eager"
     assert type(back).__name__ == text[1]
+    if family == "qwen3_5_moe":
+        assert "model.layers.0.mlp.experts.gate_up_proj" in hf_tensors(tmp_path / "back")
     assert np.abs(hf_logits(back, tokens) - ref).max() <= 1e-4
 
 
