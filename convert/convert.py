@@ -102,9 +102,12 @@ def _note_left_out(src: Source, fmt: str, cfg: ModelConfig, rules: list[BoundRul
     """Notes on what the conversion leaves out: a multimodal model's vision tower (converted text only), and the
     multi-token-prediction layer's tensors ``dropped`` (``stored_config`` then says the checkpoint has none)."""
     if fmt in TEXT_ONLY_FORMATS and cfg.vision is None:
-        left = len(src.reader.names()) - sum(len(r.hf_names()) for r in rules)
+        # Qwen3.5's releases also hold a multi-token-prediction layer under mtp. (not run by lmzoo either)
+        mtp_left = sum(n.startswith("mtp.") for n in src.reader.names())
+        left = len(src.reader.names()) - sum(len(r.hf_names()) for r in rules) - mtp_left
+        also = f"; so is the multi-token-prediction layer ({mtp_left} tensors under mtp.)" if mtp_left else ""
         print(f"note: {src.description} is multimodal: converting its language model; the vision tower and "
-              f"projector ({left} tensors) are left out", file=sys.stderr)
+              f"projector ({left} tensors) are left out{also}", file=sys.stderr)
     audio = [n for n in src.reader.names() if n.startswith(AUDIO_PREFIXES)]
     if audio and cfg.vision is not None:
         print(f"note: {src.description} has an audio tower: converting its language model and vision tower; the "

@@ -125,7 +125,8 @@ def test_greedy_kv_cache_decoding_equals_transformers_generate(converted):
 def _fuse_experts_as_the_hub(folder, num_experts: int) -> None:
     """Rewrite a saved Qwen3.5-MoE's experts (one by one, as save_pretrained writes them) as the Hub's files hold
     them: per layer ``mlp.experts.gate_up_proj`` [experts, 2 x mlp, embed] (gate rows, then up) and
-    ``mlp.experts.down_proj`` [experts, embed, mlp]."""
+    ``mlp.experts.down_proj`` [experts, embed, mlp]; and add two tensors of a multi-token-prediction layer under
+    ``mtp.``, as the Hub's files have (transformers builds no such module)."""
     import re
 
     from safetensors.torch import load_file, save_file
@@ -137,6 +138,8 @@ def _fuse_experts_as_the_hub(folder, num_experts: int) -> None:
         out[f"{layer}.gate_up_proj"] = torch.stack([torch.cat(gu) for gu in zip(w["gate"], w["up"])])
         out[f"{layer}.down_proj"] = torch.stack(w["down"])
     assert len(out) < len(state)
+    hidden = state["lm_head.weight"].shape[1]
+    out.update({"mtp.fc.weight": torch.zeros(hidden, 2 * hidden), "mtp.norm.weight": torch.zeros(hidden)})
     save_file(out, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -168,7 +171,10 @@ def test_multimodal_checkpoint_converts_its_language_model(family, tmp_path, cap
     capfd.readouterr()
     assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "zoo")]) == 0
     notes = [line for line in capfd.readouterr().err.splitlines() if line.startswith("note:")]
-    assert len(notes) == 1 and "converting its language model; the vision tower" in notes[0]
+    visual = sum(name.startswith("model.visual.") for name in hf.state_dict())
+    mtp = "; so is the multi-token-prediction layer (2 tensors under mtp.)" if family == "qwen3_5_moe" else ""
+    assert notes == [f"note: {tmp_path / 'hf'} is multimodal: converting its language model; the vision tower and "
+                     f"projector ({visual} tensors) are left out{mtp}"]
     model = zoo.load(tmp_path / "zoo")
     assert model.cfg.family == family and model.cfg.vision is None
     tokens = random_tokens(BASE["vocab_size"], seq=80)
