@@ -41,8 +41,9 @@ def _page_shapes(cfg: ModelConfig, n: int, pages: int, page: int) -> dict[str, t
     axes: tuple
     if cfg.mla:
         lead, axes = (n, pages, page), ("layers", None, None)
+        sparse = {"index_k": (lead + (cfg.index_head_dim,), axes + (None,))} if cfg.sparse else {}  # DeepSeek-V3.2
         return {"latent": (lead + (cfg.kv_lora_rank,), axes + (None,)),
-                "k_pe": (lead + (cfg.qk_rope_head_dim,), axes + ("head_dim",))}
+                "k_pe": (lead + (cfg.qk_rope_head_dim,), axes + ("head_dim",)), **sparse}
     lead, axes = (n, pages, cfg.num_kv_heads), ("layers", None, "kv_heads")
     return {"k": (lead + (cfg.head_dim, page), axes + ("head_dim", None)),
             "v": (lead + (page, cfg.head_dim), axes + (None, "head_dim"))}

@@ -1,0 +1,151 @@
+"""DeepSeek-V3.2 (deepseek_v32: V3 with DeepSeek Sparse Attention) in the one decoder, against transformers on the
+tiny random config of tests/hf_models.py (index_topk 6, sequences of 24 and more): logits, the indexer's selection
+mattering, greedy KV-cache decoding equal to transformers' generate past index_topk tokens, cached logits equal to
+the full forward's, the HF -> zoo -> HF round trip, a generated config; the released config's parameter count."""
+
+import dataclasses
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import zoo
+from tests.hf_models import hf_logits, hf_tensors, mean_kl, random_tokens
+from zoo.cli import main
+
+SEQ = 24  # four times index_topk (6)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_family):
+    """(transformers' model, its folder, the zoo model), shared read-only (conftest.py's tiny_family)."""
+    hf, root = tiny_family("deepseek_v32")
+    return hf, root, zoo.load(root / "zoo")
+
+
+def test_logits_match_transformers_and_the_selection_matters(tiny):
+    """Logits at 1e-4 and KL 1e-6 over 24 tokens; the same weights attending densely (index_topk past the
+    sequence) differ from transformers by far more, so the sparse selection is what is being compared."""
+    hf, _, model = tiny
+    cfg = model.cfg
+    assert (cfg.family, cfg.index_topk, cfg.index_n_heads, cfg.index_head_dim) == ("deepseek_v32", 6, 8, 16)
+    tokens = random_tokens(hf.config.vocab_size, seq=SEQ)
+    ref = hf_logits(hf, tokens)
+    got = np.asarray(model(jnp.asarray(tokens)))
+    assert np.abs(got - ref).max() <= 1e-4
+    assert mean_kl(ref, got) <= 1e-6
+    assert ref.std() > 0.5  # peaked enough for the comparison to have teeth
+    from zoo.model.decoder import forward
+
+    dense = np.asarray(jax.jit(forward, static_argnums=0)(dataclasses.replace(cfg, index_topk=SEQ),
+                                                         model.param_dict(), jnp.asarray(tokens)))
+    np.testing.assert_allclose(dense[:, :6], ref[:, :6], atol=1e-4)  # the first 6 queries see at most 6 keys
+    assert np.abs(dense - ref).max() > 0.1
+
+
+@pytest.mark.slow  # its own forward program: 4 s
+def test_packed_rows_equal_each_document_alone(tiny):
+    """Two documents packed in one row (segment ids) give each document's transformers logits alone: the indexer
+    picks among its own document's keys only."""
+    hf, _, model = tiny
+    a, b = random_tokens(hf.config.vocab_size, batch=2, seq=12, seed=3)
+    row = jnp.asarray(np.concatenate([a, b])[None])
+    seg = jnp.asarray([[1] * 12 + [2] * 12], jnp.int32)
+    pos = jnp.asarray([list(range(12)) * 2], jnp.int32)
+    got = np.asarray(model(row, seg, pos))[0]
+    ref = np.concatenate([hf_logits(hf, a[None])[0], hf_logits(hf, b[None])[0]])
+    assert np.abs(got - ref).max() <= 1e-4
+
+
+@pytest.mark.slow  # 2 programs of the cached forward and transformers' generate: about 6 s
+def test_greedy_kv_cache_decoding_equals_transformers_generate(tiny):
+    """Greedy decoding through the KV cache (the indexer's keys cached per layer) from a 5-token prompt to 25 tokens,
+    four times index_topk: the tokens of transformers' generate (its own cache, indexer keys included)."""
+    from eval.generate import GenerationConfig, generate
+
+    hf, _, model = tiny
+    prompt = random_tokens(hf.config.vocab_size, batch=1, seq=5, seed=2)[0].tolist()
+    got = generate(model.cfg, model.param_dict(), [prompt], GenerationConfig(max_new_tokens=20))[0]
+    with torch.no_grad():  # no eos: 20 tokens whatever they are (the tiny model's greedy choices include eos, 1)
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, pad_token_id=0,
+                          eos_token_id=None)
+    assert len(got) == 20 and got == out[0, 5:].tolist()
+
+
+@pytest.mark.slow  # 2 programs of the cached forward: about 8 s
+def test_cached_logits_equal_the_full_forward(tiny):
+    """A ragged prefill (5 and 9 tokens) then single tokens to 20: every real token's cached logits equal the full
+    forward's at 1e-5, once past index_topk the cached index keys choose as the full sequence's do."""
+    from zoo.model.decode import forward_cached_jit, init_cache
+
+    _, _, model = tiny
+    cfg, params = model.cfg, model.param_dict()
+    rows = random_tokens(cfg.vocab_size, batch=2, seq=20, seed=1)
+    ref = np.asarray(model(jnp.asarray(rows)))
+    cache = init_cache(cfg, 2, 24)
+    assert cache.layers["layers"]["full"]["index_k"].shape == (2, 2, 24, 16)
+    done = np.zeros(2, int)
+    for take in [(5, 9)] + [(1, 1)] * 11:
+        t = max(take)
+        toks, valid = np.zeros((2, t), np.int32), np.zeros((2, t), bool)
+        for r, n in enumerate(take):
+            toks[r, :n], valid[r, :n] = rows[r, done[r]:done[r] + n], True
+        logits, cache = forward_cached_jit(cfg, params, jnp.asarray(toks), cache, jnp.asarray(valid))
+        for r, n in enumerate(take):
+            np.testing.assert_allclose(np.asarray(logits)[r, :n], ref[r, done[r]:done[r] + n], atol=1e-5, rtol=0)
+        done += take
+    assert done.min() == 16 and done.max() == 20
+
+
+def test_round_trip_is_bit_identical(tiny, tmp_path):
+    """HF -> zoo -> HF: every tensor (the indexer's included) and the config as they were."""
+    _, root, _ = tiny
+    assert main(["export", str(root / "zoo"), "--out", str(tmp_path / "back")]) == 0
+    a, b = hf_tensors(root / "hf"), hf_tensors(tmp_path / "back")
+    assert any(".indexer.wq_b." in k for k in a) and a == b
+    ca = json.loads((root / "hf" / "config.json").read_text())
+    cb = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert {k: v for k, v in ca.items() if "dtype" not in k} == {k: v for k, v in cb.items() if "dtype" not in k}
+
+
+def test_generated_config_reproduces_the_model(tiny, tmp_path):
+    """Without the source config.json, export writes one from the zoo config (index_topk, index_n_heads,
+    index_head_dim among it); transformers builds the same model from it."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    hf, root, _ = tiny
+    shutil.copytree(root / "zoo", tmp_path / "zoo", ignore=shutil.ignore_patterns("hf_config.json"))
+    assert main(["export", str(tmp_path / "zoo"), "--out", str(tmp_path / "back")]) == 0
+    back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), dtype=torch.float32).eval()
+    back.config._attn_implementation = "eager"
+    assert type(back).__name__ == "DeepseekV32ForCausalLM" and back.config.index_topk == 6
+    tokens = random_tokens(hf.config.vocab_size, seq=SEQ)
+    np.testing.assert_array_equal(hf_logits(back, tokens), hf_logits(hf, tokens))
+
+
+def test_released_config_counts_as_transformers():
+    """deepseek-v3.2's registry config (V3's shape, index heads 64 of 128, top 2048) has transformers' count of the
+    same config (its parameters, and the selection biases it keeps as buffers), counted on the meta device."""
+    import transformers
+
+    from zoo.model.from_hf import model_config_from_hf
+    from zoo.model.params import param_specs
+    from zoo.registry.catalogue import get, hf_config_of
+
+    hf = hf_config_of("deepseek-v3.2", "model")
+    assert get("deepseek-v3.2").family == "deepseek_v32"
+    cfg = model_config_from_hf(hf, "deepseek-v3.2")
+    assert (cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk, cfg.dense_layers) == (64, 128, 2048, 3)
+    sizes = {k: math.prod(s.shape) for k, s in param_specs(cfg).items()}
+    with torch.device("meta"):  # shapes only: nothing allocated
+        ref = transformers.DeepseekV32ForCausalLM(transformers.AutoConfig.for_model(**hf))
+    biases = [b for name, b in ref.named_buffers() if name.endswith("e_score_correction_bias")]
+    assert sum(sizes.values()) == sum(p.numel() for p in ref.parameters()) + sum(b.numel() for b in biases)
+    indexer = sum(n for k, n in sizes.items() if ".idx_" in k)
+    assert indexer == 61 * (1536 * 64 * 128 + 7168 * 128 + 2 * 128 + 7168 * 64)
