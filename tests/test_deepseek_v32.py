@@ -149,3 +149,62 @@ def test_released_config_counts_as_transformers():
     assert sum(sizes.values()) == sum(p.numel() for p in ref.parameters()) + sum(b.numel() for b in biases)
     indexer = sum(n for k, n in sizes.items() if ".idx_" in k)
     assert indexer == 61 * (1536 * 64 * 128 + 7168 * 128 + 2 * 128 + 7168 * 64)
+
+
+# LoRA on what DeepSeek-V3.2 adapts here: the dense MLP, the shared expert and the routed experts (MLA's attention
+# and the indexer take none: zoo.lora.params; the indexer has no gradient at all, as transformers' no_grad).
+MLP_TARGETS = ["gate_proj", "up_proj", "down_proj", "shared_experts.gate_proj", "shared_experts.up_proj",
+               "shared_experts.down_proj", "experts.gate_proj", "experts.up_proj", "experts.down_proj"]
+
+
+@pytest.mark.slow  # the export, then peft + transformers: about 10 s
+def test_peft_loads_the_adapters_with_our_logits(tiny, tmp_path):
+    """LoRA on the routed experts (peft's target_parameters on mlp.experts' gate_up_proj / down_proj; as for V3, peft
+    rewrites gate_proj/up_proj/down_proj targets to the fused experts, so a dense or shared MLP adapter cannot load
+    there), exported with `zoo export --adapter`: peft loads every key and gives our logits (1e-4), which the
+    adapter moves by far more."""
+    from tests.lora_fixtures import peft_logits_against_ours, write_adapter_checkpoint
+    from zoo.lora.params import LoraConfig
+
+    _, root, _ = tiny
+    adapter = write_adapter_checkpoint(root / "zoo", tmp_path / "adapter", LoraConfig(rank=4, alpha=8.0,
+                                                                                      targets=MLP_TARGETS[6:]))
+    assert main(["export", str(adapter), "--adapter", "--out", str(tmp_path / "peft")]) == 0
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    diff, teeth = peft_logits_against_ours(root / "hf", adapter, tmp_path / "peft")
+    assert teeth > 0.1 and diff <= 1e-4, (diff, teeth)
+
+
+@pytest.mark.slow  # two compilations of the forward and its gradients: 20 s or more
+def test_qlora_and_lora_gradients_with_the_indexer_untrained(tiny):
+    """QLoRA (NF4, double quantization) of the MLP and experts: the loss and every adapter's gradient equal LoRA's on
+    the dequantized weights (1e-6, 1e-5), every adapter gets a gradient; attention targets add no adapter (MLA), and
+    the base model's gradient of every indexer weight is exactly zero (no gradient through the top-k selection)."""
+    from tests.lora_fixtures import lora_lm_loss, random_lora
+    from tests.quant_fixtures import quantized_projections, random_params
+    from zoo.lora.params import LoraConfig, lora_specs
+    from zoo.model import quant
+    from zoo.model.params import flatten, nest
+
+    cfg = tiny[2].cfg
+    lc = LoraConfig(rank=4, alpha=8.0, targets=MLP_TARGETS + ["q_proj", "o_proj"])
+    assert not [p for p in lora_specs(cfg, lc) if ".idx_" in p or p.rpartition(".")[0].endswith((".q_b", ".o"))]
+    qflat = quantized_projections(cfg, random_params(cfg, std=0.1))
+    assert {k.rpartition(".")[2] for k, v in qflat.items() if isinstance(v, quant.QuantizedWeight)} >= {
+        "expert_gate", "expert_up", "expert_down", "shared_gate", "gate"}
+    flat = {k: np.asarray(quant.dequantize(v)) if isinstance(v, quant.QuantizedWeight) else v for k, v in qflat.items()}
+    lora = random_lora(cfg, lc, random=True)
+    tokens = jnp.asarray(random_tokens(cfg.vocab_size, seq=SEQ))
+    def loss(a, p):
+        return lora_lm_loss(cfg, p, a, lc, tokens)
+
+    lq, gq = jax.jit(jax.value_and_grad(loss))(lora, nest(qflat))
+    ld, (gd, gbase) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(lora, nest(flat))
+    assert abs(float(lq) - float(ld)) <= 1e-6
+    for a, b in zip(jax.tree.leaves(gq), jax.tree.leaves(gd), strict=True):
+        assert np.abs(np.asarray(a) - np.asarray(b)).max() <= 1e-5
+    assert min(float(jnp.abs(g).max()) for g in jax.tree.leaves(gq)) > 0
+    base = flatten(gbase)
+    assert not any(np.any(np.asarray(g)) for k, g in base.items() if ".idx_" in k)
+    assert np.abs(np.asarray(base["layers.q_b"])).max() > 0  # the attention's weights do learn
