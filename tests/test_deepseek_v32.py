@@ -208,3 +208,41 @@ def test_qlora_and_lora_gradients_with_the_indexer_untrained(tiny):
     base = flatten(gbase)
     assert not any(np.any(np.asarray(g)) for k, g in base.items() if ".idx_" in k)
     assert np.abs(np.asarray(base["layers.q_b"])).max() > 0  # the attention's weights do learn
+
+
+def test_flops_count_the_indexer_and_the_top_k_keys():
+    """pretrain/flops.py on the released config at 4096 tokens: V3's count of the same model plus the indexer's
+    projections forward only (2 x 61 x (1536 x 64 x 128 + 7168 x 128 + 7168 x 64)) and its scores over the causal
+    prefix (2 x 61 x 64 x 129 a key, 2048 keys a query on average), with attention over the top 2048 keys a query
+    (1536 on average: positions under 2048 see fewer) in place of the causal prefix (2048 on average)."""
+    from pretrain.flops import flops_per_token
+    from zoo.model.from_hf import model_config_from_hf
+    from zoo.registry.catalogue import hf_config_of
+
+    cfg = model_config_from_hf(hf_config_of("deepseek-v3.2", "model"), "deepseek-v3.2")
+    dense = dataclasses.replace(cfg, index_topk=0, index_n_heads=0, index_head_dim=0)
+    indexer = 61 * (1536 * 64 * 128 + 7168 * 128 + 7168 * 64)
+    widths = 61 * 128 * 192  # MLA's q.k width over heads and layers
+    extra = 2 * indexer + 2 * 61 * 64 * 129 * 2048 + 12 * widths * (1536 - 2048)
+    assert flops_per_token(cfg, 4096) == pytest.approx(flops_per_token(dense, 4096) + extra, rel=1e-12)
+    # up to index_topk tokens every query keeps every key: only the indexer's arithmetic is added
+    assert flops_per_token(cfg, 2048) == pytest.approx(
+        flops_per_token(dense, 2048) + 2 * indexer + 2 * 61 * 64 * 129 * 1024, rel=1e-12)
+
+
+def test_context_parallelism_is_a_one_line_error(tmp_path, capsys):
+    """`train --compile-only` with mesh.context 2 on a DeepSeek-V3.2 model stops before compiling (exit 2) with one
+    line naming the setting and the fix."""
+    from pretrain.cli import main as train
+    from tests.hf_models import BASE, FAMILIES
+
+    hf = {"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", **BASE,
+          **FAMILIES["deepseek_v32"][2]}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    f = tmp_path / "run.yaml"
+    f.write_text(f"model: {tmp_path / 'config.json'}\ndata:\n  path: {tmp_path / 'absent.jsonl'}\n  seq_len: 64\n"
+                 f"batch_size: 8\nmax_steps: 1\noutput_dir: {tmp_path / 'run'}\nmesh:\n  context: 2\n")
+    assert train(["train", "--config", str(f), "--compile-only", "--topology", "v5e:2x2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("error: mesh.context 2: deepseek_v32's sparse attention (index_topk) has no context "
+                       "parallelism; set mesh.context: 1 (split over fsdp or data instead)")

@@ -19,6 +19,8 @@ from collections.abc import Callable
 import jax
 from jax.sharding import PartitionSpec as P
 
+from zoo.errors import UserError
+from zoo.model.config import ModelConfig
 from zoo.model.masks import Visibility
 from zoo.model.sharding import logical_to_spec
 
@@ -31,6 +33,14 @@ def context_size() -> int:
     if mesh.empty or AXIS not in mesh.axis_names:
         return 1
     return int(mesh.shape[AXIS])
+
+
+def check_context(cfg: ModelConfig, size: int) -> None:
+    """A UserError, before anything compiles, where ``size`` devices of ``context`` would split a model whose
+    attention cannot be split: DeepSeek-V3.2's sparse attention picks each query's keys among the whole prefix."""
+    if size > 1 and cfg.sparse:
+        raise UserError(f"mesh.context {size}: {cfg.family}'s sparse attention (index_topk) has no context "
+                        "parallelism; set mesh.context: 1 (split over fsdp or data instead)")
 
 
 Attend = Callable[[jax.Array, jax.Array, jax.Array, Visibility], jax.Array]
