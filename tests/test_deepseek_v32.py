@@ -230,6 +230,7 @@ def test_flops_count_the_indexer_and_the_top_k_keys():
         flops_per_token(dense, 2048) + 2 * indexer + 2 * 61 * 64 * 129 * 1024, rel=1e-12)
 
 
+@pytest.mark.slow  # libtpu's topology, then the set-up: 5 s
 def test_context_parallelism_is_a_one_line_error(tmp_path, capsys):
     """`train --compile-only` with mesh.context 2 on a DeepSeek-V3.2 model stops before compiling (exit 2) with one
     line naming the setting and the fix."""
