@@ -247,3 +247,28 @@ def test_context_parallelism_is_a_one_line_error(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == ("error: mesh.context 2: deepseek_v32's sparse attention (index_topk) has no context "
                        "parallelism; set mesh.context: 1 (split over fsdp or data instead)")
+
+
+@pytest.mark.slow  # the engine's programs: about 20 s
+def test_the_engine_answers_greedily_past_index_topk(tiny):
+    """The inference engine (paged KV cache with the index keys in its pool, continuous batching): answers of up
+    to 26 tokens, past index_topk (6) keys, are each the training forward's greedy continuation of its prompt."""
+    from eval.engine.api import SamplingParams
+    from eval.engine.engine import Engine
+
+    _, _, model = tiny
+    cfg, params = model.cfg, model.param_dict()
+    engine = Engine(cfg, params, max_len=32, page_size=8, max_seqs=3)
+    rng = np.random.RandomState(0)
+    prompts = [rng.randint(2, cfg.vocab_size, n).tolist() for n in (3, 11, 1, 9)]
+    ids = [engine.submit(p, SamplingParams(max_tokens=m)) for p, m in zip(prompts, (13, 9, 17, 4))]
+    out: dict[int, list[int]] = {i: [] for i in ids}
+    while engine.busy:
+        for e in engine.step():
+            out[e.request_id].extend(e.tokens)
+    for p, i in zip(prompts, ids, strict=True):
+        seq = p + out[i]
+        logits = np.asarray(model(jnp.asarray([seq])))[0]
+        assert logits[len(p) - 1:len(seq) - 1].argmax(-1).tolist() == out[i]
+    assert len({tuple(a) for a in out.values()}) == len(ids) and max(len(p) + len(out[i]) for p, i in
+                                                                    zip(prompts, ids)) > 3 * cfg.index_topk

@@ -99,7 +99,9 @@ def scatter(pool: Pool, step: Written, tables: jax.Array) -> Pool:
         out[prefix] = {}
         for kind, arrays in kinds.items():
             name0 = next(iter(arrays))
-            page = arrays[name0].shape[2 if name0 in ("latent", "k_pe") else (4 if name0 == "k" else 3)]
+            # [n, pages, page, ...] for MLA's arrays (DeepSeek-V3.2's index keys too: a jitted pool's dicts come back
+            # sorted, index_k first), k [n, pages, kv_heads, head_dim, page], v [n, pages, kv_heads, page, head_dim]
+            page = arrays[name0].shape[2 if name0 in ("latent", "k_pe", "index_k") else (4 if name0 == "k" else 3)]
             n_pages = arrays[name0].shape[1]
             col = jnp.minimum(step.pos // page, tables.shape[1] - 1)
             where = jnp.take_along_axis(tables, col, axis=1)
