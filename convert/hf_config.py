@@ -144,6 +144,9 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
         out.pop("head_dim", None)  # derived from the latent-attention dims
         if t.moe == "deepseek_v2":
             out["topk_method"] = "group_limited_greedy" if cfg.router_groups > 1 else "greedy"
+        elif t.moe == "deepseek_v32":  # always interleaved (no rope_interleave field); its indexer
+            out.update(norm_topk_prob=cfg.router_norm_topk, index_topk=cfg.index_topk,
+                       index_n_heads=cfg.index_n_heads, index_head_dim=cfg.index_head_dim)
         else:
             out.update(norm_topk_prob=cfg.router_norm_topk, rope_interleave=cfg.hf_rope_interleave)
     write_layer_fields(cfg, out, _rope_dict)

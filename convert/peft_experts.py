@@ -75,6 +75,7 @@ EXPERTS_LAYOUTS: dict[str, ExpertsLayout] = {
     "mixtral": ExpertsLayout("model.layers.{i}.mlp.experts", _GATE_UP_DOWN, ("w1", "w2", "w3")),
     "deepseek_v2": ExpertsLayout("model.layers.{i}.mlp.experts", _GATE_UP_DOWN, ("gate_proj", "up_proj", "down_proj")),
     "deepseek_v3": ExpertsLayout("model.layers.{i}.mlp.experts", _GATE_UP_DOWN, ("gate_proj", "up_proj", "down_proj")),
+    "deepseek_v32": ExpertsLayout("model.layers.{i}.mlp.experts", _GATE_UP_DOWN, ("gate_proj", "up_proj", "down_proj")),
     "qwen3_moe": ExpertsLayout("model.layers.{i}.mlp.experts", _GATE_UP_DOWN, ("gate_proj", "up_proj", "down_proj")),
     "glm4_moe": ExpertsLayout("model.layers.{i}.mlp.experts", _GATE_UP_DOWN, ("gate_proj", "up_proj", "down_proj")),
     "qwen3_next": ExpertsLayout("model.layers.{i}.mlp.experts", _GATE_UP_DOWN, ("gate_proj", "up_proj", "down_proj")),

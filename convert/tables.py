@@ -128,6 +128,19 @@ def post_norm_table() -> list[Rule]:
     return full_width_qk_norms([r for r in decoder_table() if r.zoo not in ("layers.attn_norm", "layers.mlp_norm")])
 
 
+def indexer_rules(prefix: str = "model.") -> list[Rule]:
+    """DeepSeek-V3.2's lightning indexer (zoo.layers.indexer): wq_b by heads, wk and weights_proj transposed, the
+    LayerNorm of its keys; its rope dims are rotate-half already (no permutation, unlike MLA's)."""
+    A = prefix + "layers.{i}.self_attn.indexer."
+    return [
+        Rule("layers.idx_q", A + "wq_b.weight", "index_q_in", when="sparse"),
+        Rule("layers.idx_k", A + "wk.weight", "transpose", when="sparse"),
+        Rule("layers.idx_k_norm", A + "k_norm.weight", when="sparse"),
+        Rule("layers.idx_k_norm_bias", A + "k_norm.bias", when="sparse"),
+        Rule("layers.idx_w", A + "weights_proj.weight", "transpose", when="sparse"),
+    ]
+
+
 HF_DECODER = decoder_table()
 
 # (family, source format) -> table. Every Hugging Face family shares the decoder naming.
@@ -138,6 +151,8 @@ TABLES: dict[tuple[str, str], list[Rule]] = {
     ("gemma3", "hf-gemma3-multimodal"): decoder_table("language_model.model.", head="language_model.lm_head.weight"),
     ("mixtral", "hf"): decoder_table(moe="mixtral"),
     **{(f, "hf"): decoder_table(moe="deepseek") for f in ("deepseek_v2", "deepseek_v3")},
+    # DeepSeek-V3.2: V3's names and its lightning indexer's (self_attn.indexer.*)
+    ("deepseek_v32", "hf"): decoder_table(moe="deepseek") + indexer_rules(),
     # Qwen3-MoE and GLM-4.5 name their experts, router (and GLM's selection bias, shared experts) as DeepSeek does.
     **{(f, "hf"): decoder_table(moe="deepseek") for f in ("qwen3_moe", "glm4_moe")},
     # SmolLM3 shares the naming; Phi-3/Phi-4 too once their fused qkv_proj / gate_up_proj are split (convert.fused).

@@ -260,3 +260,8 @@ def hf_shape(transform: str, piece: tuple[int, ...], cfg: ModelConfig) -> tuple[
     on a zero-stride array: no memory)."""
     empty = np.lib.stride_tricks.as_strided(np.zeros(1, np.int8), piece, (0,) * len(piece))
     return tuple(TRANSFORMS[transform].inverse(empty, cfg).shape)
+# DeepSeek-V3.2's indexer wq_b [index_heads*index_dim, q_lora_rank] <-> [q_lora_rank, index_heads, index_dim]
+TRANSFORMS["index_q_in"] = Transform(
+    lambda w, cfg: w.reshape(cfg.index_n_heads, cfg.index_head_dim, w.shape[-1]).transpose(2, 0, 1),
+    lambda w, cfg: w.transpose(1, 2, 0).reshape(-1, w.shape[0]),
+)

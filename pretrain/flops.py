@@ -36,9 +36,15 @@ def flops_per_token(mcfg: ModelConfig, seq_len: int, frozen_base: bool = False) 
 
     With ``frozen_base`` (LoRA, QLoRA) the base weights get no gradient: their matmuls cost 4 x (forward and the
     backward's input gradient), not 6 x; the attention scores' backward is the same either way, and the
-    adapters' own few FLOPs are left out."""
+    adapters' own few FLOPs are left out.
+
+    DeepSeek-V3.2's sparse attention (``index_topk``): a query's attention scores cover its indexer's top k keys
+    (all of them while it sees fewer), not the whole prefix; its indexer runs forward only (no gradient flows
+    through the top-k selection), its projections at 2 x their parameters and its scores at 2 x (index heads x
+    (index dim + 1)) a visible key. These are the model's FLOPs: the kernel (zoo.kernels.sparse_topk) scores a
+    block's keys densely and masks them."""
     specs = param_specs(mcfg)
-    active = 0
+    active = indexer = 0
     for path, spec in specs.items():
         if path.startswith(_IMAGE_SIDE):
             continue  # a VLM's tower runs per patch and its connector per image token: vision_flops_per_patch
@@ -51,15 +57,22 @@ def flops_per_token(mcfg: ModelConfig, seq_len: int, frozen_base: bool = False) 
         n = int(np.prod(spec.shape))
         if "expert_" in path:
             n = n * mcfg.experts_per_token // mcfg.num_experts
+        if ".idx_" in path:  # DeepSeek-V3.2's indexer: forward only
+            indexer += n
+            continue
         active += n
     attn_width = mcfg.num_heads * (mcfg.head_dim if not mcfg.mla else mcfg.qk_nope_head_dim + mcfg.qk_rope_head_dim)
     softmax = [k for k in mcfg.kinds if k != "linear"]
     widths = len(softmax) * attn_width
     if mcfg.global_head_dim:  # Gemma 4: full layers' heads are global_head_dim wide
         widths = sum(mcfg.num_heads * (mcfg.global_head_dim if k == "full" else mcfg.head_dim) for k in softmax)
-    linear = mcfg.kinds.count("linear") * linear_macs_per_token(mcfg)
-    # QK^T and PV, halved for causality; the linear layers' delta rule (forward and backward: 3 x its 2 x MACs)
-    return (4.0 if frozen_base else 6.0) * active + 6.0 * widths * seq_len + 6.0 * linear
+    base = (4.0 if frozen_base else 6.0) * active
+    # the linear layers' delta rule (forward and backward: 3 x its 2 x MACs)
+    linear = 6.0 * mcfg.kinds.count("linear") * linear_macs_per_token(mcfg)
+    if mcfg.sparse:
+        scores = mcfg.num_layers * mcfg.index_n_heads * (mcfg.index_head_dim + 1) * seq_len / 2  # causal prefix
+        return base + linear + 2.0 * indexer + 2.0 * scores + 12.0 * widths * _sparse_keys(mcfg.index_topk, seq_len)
+    return base + linear + 6.0 * widths * seq_len  # QK^T and PV, halved for causality
 
 
 def linear_macs_per_token(mcfg: ModelConfig) -> float:
@@ -71,6 +84,13 @@ def linear_macs_per_token(mcfg: ModelConfig) -> float:
 
     dk, dv = mcfg.linear_key_head_dim, mcfg.linear_value_head_dim
     return mcfg.linear_value_heads * (2 * CHUNK * dk + 3 * dk * dv + 1.5 * CHUNK * dv)
+
+
+def _sparse_keys(topk: int, seq_len: int) -> float:
+    """The mean number of keys a query of a ``seq_len`` row attends to under top-``topk`` selection, counted as the
+    dense causal count is (seq_len / 2: position p sees p keys, the diagonal left out): min(p, topk) on average."""
+    k = min(topk, seq_len)
+    return (k * k / 2 + (seq_len - k) * k) / seq_len
 
 
 _IMAGE_SIDE = ("vision.", "projector.")  # the parameter paths of a VLM's tower and connector

@@ -26,6 +26,7 @@ from zoo.lora.params import LoraConfig, init_lora, lora_specs, vision_targets, w
 from zoo.lora.vision_targets import VISION_TARGETS
 from zoo.lora.weights import LoraRun, Weights
 from zoo.model.config import ModelConfig
+from zoo.model.context import check_context
 from zoo.model.params import flatten, init_params, nest, param_specs
 from zoo.model.sharding import make_mesh, named_sharding
 from zoo.storage import is_remote, local_copy, run_path
@@ -183,6 +184,7 @@ def set_up_model(cfg: TrainConfig, mesh: jax.sharding.Mesh, arrays: Arrays) -> M
     check_base_quant(cfg)
     mcfg, ckpt = arrays.model_config(cfg)
     mcfg = dataclasses.replace(mcfg, attention=cfg.model.attention)  # a run's choice, never saved (zoo.kernels.choice)
+    check_context(mcfg, cfg.mesh.context)
     lora = lora_settings(cfg)
     if lora is not None:
         check_vision_lora(cfg, mcfg, lora)

@@ -60,6 +60,16 @@ FAMILIES = {
         n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                          "original_max_position_embeddings": 32, "mscale": 1.0, "mscale_all_dim": 1.0})),
+    # DeepSeek-V3.2: V3's shape with the lightning indexer on every layer (8 index heads of 16, RoPE on their first
+    # 8 dims), each query attending to its top 6 keys; YaRN whose mscale/mscale_all_dim scale the indexer's RoPE too.
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", dict(
+        num_hidden_layers=3, num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=16,
+        n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1, first_k_dense_replace=1,
+        kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=6,
+        n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+        index_topk=6, index_n_heads=8, index_head_dim=16,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 32, "mscale": 1.0, "mscale_all_dim": 0.8})),
     # Gemma 4 (text): wider full-layer heads with one key/value head, per-layer inputs, the last 3 layers reusing
     # keys/values (MLP doubled), proportional partial RoPE on full layers; tests/test_gemma4.py has its MoE variant.
     # Per-layer inputs 16 wide: at 8, the RMS norm of each layer's projected input amplified float32 rounding to

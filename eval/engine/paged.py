@@ -41,8 +41,9 @@ def _page_shapes(cfg: ModelConfig, n: int, pages: int, page: int) -> dict[str, t
     axes: tuple
     if cfg.mla:
         lead, axes = (n, pages, page), ("layers", None, None)
+        sparse = {"index_k": (lead + (cfg.index_head_dim,), axes + (None,))} if cfg.sparse else {}  # DeepSeek-V3.2
         return {"latent": (lead + (cfg.kv_lora_rank,), axes + (None,)),
-                "k_pe": (lead + (cfg.qk_rope_head_dim,), axes + ("head_dim",))}
+                "k_pe": (lead + (cfg.qk_rope_head_dim,), axes + ("head_dim",)), **sparse}
     lead, axes = (n, pages, cfg.num_kv_heads), ("layers", None, "kv_heads")
     return {"k": (lead + (cfg.head_dim, page), axes + ("head_dim", None)),
             "v": (lead + (page, cfg.head_dim), axes + (None, "head_dim"))}
@@ -112,7 +113,9 @@ def scatter(pool: Pool, step: Written, tables: jax.Array, seq_rows: jax.Array | 
                 out[prefix][kind] = put_states(arrays, step.entries[prefix][kind], seq_rows)
                 continue
             name0 = next(iter(arrays))
-            page = arrays[name0].shape[2 if name0 in ("latent", "k_pe") else (4 if name0 == "k" else 3)]
+            # [n, pages, page, ...] for MLA's arrays (DeepSeek-V3.2's index keys too: a jitted pool's dicts come back
+            # sorted, index_k first), k [n, pages, kv_heads, head_dim, page], v [n, pages, kv_heads, page, head_dim]
+            page = arrays[name0].shape[2 if name0 in ("latent", "k_pe", "index_k") else (4 if name0 == "k" else 3)]
             n_pages = arrays[name0].shape[1]
             col = jnp.minimum(step.pos // page, tables.shape[1] - 1)
             where = jnp.take_along_axis(tables, col, axis=1)

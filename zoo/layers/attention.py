@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from zoo.errors import UserError
 from zoo.kernels.blockwise import blockwise_attention, query_block
 from zoo.kernels.choice import cudnn_attention, kernel_for, platform
 from zoo.layers.blocks import rms_norm
@@ -222,7 +223,26 @@ def mla_attention(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, vis: Vi
     k_nope, v = kv[..., :dn], kv[..., dn:]
     q = jnp.concatenate([q_nope, q_pe], axis=-1)
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None], k_nope.shape[:-1] + (dr,))], axis=-1)
+    if cfg.sparse:  # DeepSeek-V3.2: each query attends to the keys its indexer picks
+        out = sparse_heads(x, p, cos, sin, q, k, v, vis, cfg)
+        return jnp.einsum("bthd,hde->bte", out.reshape(v.shape), p["o"])
     # One query head per key/value head: [b, h, 1, t, d], as head_major's.
     qg = q.transpose(0, 2, 1, 3)[:, :, None]
     out = attend(qg, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), vis, cfg)
     return jnp.einsum("bthd,hde->bte", out.reshape(v.shape), p["o"])
+
+
+def sparse_heads(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+                 vis: Visibility, cfg: ModelConfig) -> jax.Array:
+    """DeepSeek sparse attention (:func:`zoo.kernels.sparse_topk.sparse_attention`) of MLA's q, k [b, t, h, d]
+    and v [b, t, h, dv] over the keys the layer's indexer (:func:`zoo.layers.indexer.indexer_heads` of the normed
+    input x) picks -> [b, t, h * dv]. Its own kernel on every platform; context parallelism is refused."""
+    from zoo.kernels.sparse_topk import sparse_attention
+    from zoo.layers.indexer import indexer_heads
+
+    if context_size() > 1:
+        raise UserError("DeepSeek sparse attention (index_topk) has no context parallelism: set mesh.context: 1")
+    iq, ik, iw = indexer_heads(x, p, cos, sin, cfg)
+    head = (0, 2, 1, 3)
+    return sparse_attention(q.transpose(head), k.transpose(head), v.transpose(head), iq, ik, iw, vis,
+                            cfg.attn_scale, cfg.index_topk)

@@ -29,7 +29,7 @@ class Written:
 
 def gather_pages(c: dict[str, jax.Array], pages: jax.Array) -> dict[str, jax.Array]:
     """One layer's pool arrays (``k`` [pages, kv_heads, head_dim, page], ``v`` [pages, kv_heads, page, head_dim],
-    MLA ``latent``/``k_pe`` [pages, page, ...]) read for the rows' page tables ``pages`` [b, P] as a ring of P *
+    MLA ``latent``/``k_pe`` (and DeepSeek-V3.2's ``index_k``) [pages, page, ...]) read for the rows' page tables ``pages`` [b, P] as a ring of P *
     page slots: k [b, kv_heads, head_dim, S], v [b, kv_heads, S, head_dim], MLA [b, S, ...]."""
     b = pages.shape[0]
     out = {}
@@ -107,6 +107,6 @@ def put_entries(arrays: dict[str, jax.Array], entries: list, lead: jax.Array, at
     idx = jnp.concatenate([i for i, _ in entries])[:, None, None]
     new = {name: jnp.concatenate([e[name] for _, e in entries]) for name in arrays}
     # new [m, b, t, ...]: the indexed elements of every array, in the order of numpy's advanced indexing.
-    where = {"latent": (idx, lead, at), "k_pe": (idx, lead, at),
+    where = {"latent": (idx, lead, at), "k_pe": (idx, lead, at), "index_k": (idx, lead, at),
              "k": (idx, lead, slice(None), slice(None), at), "v": (idx, lead, slice(None), at)}
     return {name: a.at[where[name]].set(new[name].astype(a.dtype), mode="drop") for name, a in arrays.items()}

@@ -11,8 +11,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from zoo.kernels.sparse_topk import selection
 from zoo.layers.attention import causal_attention, head_major, mla_heads, output_projection, qkv_gate_heads
 from zoo.layers.blocks import soft_cap
+from zoo.layers.indexer import indexer_heads
 from zoo.lora.projections import LayerLora
 from zoo.model.config import ModelConfig
 
@@ -136,6 +138,8 @@ def mla_attention(x: jax.Array, p: dict, c: dict | None, cos: jax.Array, sin: ja
                    masks: tuple[jax.Array | None, jax.Array], cfg: ModelConfig,
                    absorb: bool | None) -> tuple[jax.Array, dict]:
     """:func:`zoo.layers.attention.mla_attention` over cache ``c`` (latent, k_pe; None when empty); x is already normed.
+    DeepSeek-V3.2 (``cfg.sparse``): the cache also keeps each position's index key (``index_k``), and each new query
+    attends only to its indexer's top ``index_topk`` of the keys its mask lets it see (:mod:`zoo.kernels.sparse_topk`).
 
     ``absorb`` None picks the cheaper of expanding the latents into per-head
     keys and values (prefill) and absorbing kv_b into the queries and the
@@ -149,6 +153,12 @@ def mla_attention(x: jax.Array, p: dict, c: dict | None, cos: jax.Array, sin: ja
         all_latent = jnp.concatenate([c["latent"].astype(latent.dtype), latent], axis=1)
         all_pe = jnp.concatenate([c["k_pe"].astype(k_pe.dtype), k_pe], axis=1)
     mask = joint_mask(*masks)
+    new: dict[str, jax.Array] = {"latent": latent, "k_pe": k_pe}
+    if cfg.sparse:  # DeepSeek-V3.2: each query keeps its indexer's top-k of the keys it sees, cached ones included
+        iq, ik, iw = indexer_heads(x, p, cos, sin, cfg)
+        keys = ik if c is None else jnp.concatenate([c["index_k"].astype(ik.dtype), ik], axis=1)
+        mask = selection(iq, keys, iw, mask, cfg.index_topk)
+        new["index_k"] = ik
     w_k, w_v = p["kv_b"][..., :dn], p["kv_b"][..., dn:]
     if absorb is None:
         absorb = absorb_is_cheaper(cfg, x.shape[1], all_latent.shape[1])
@@ -166,7 +176,7 @@ def mla_attention(x: jax.Array, p: dict, c: dict | None, cos: jax.Array, sin: ja
                             axis=-1)
         q = jnp.concatenate([q_nope, q_pe], axis=-1)
         out = attend_grouped(q, k, v, mask, cfg).reshape(q.shape[:3] + v.shape[-1:])
-    return jnp.einsum("bthd,hde->bte", out, p["o"]), {"latent": latent, "k_pe": k_pe}
+    return jnp.einsum("bthd,hde->bte", out, p["o"]), new
 
 
 def absorb_is_cheaper(cfg: ModelConfig, t: int, s: int) -> bool:

@@ -67,6 +67,8 @@ LLAMA4_FIELDS = ("attention_chunk_size", "qk_l2_norm", "temperature_tuning", "te
 # Qwen3-Next's, likewise.
 QWEN3_NEXT_FIELDS = ("linear_key_heads", "linear_value_heads", "linear_key_head_dim", "linear_value_head_dim",
                      "linear_conv_kernel", "attn_output_gate", "shared_expert_gate", "shared_intermediate_size")
+# DeepSeek-V3.2's indexer, likewise left out where dense (every other family's).
+SPARSE_FIELDS = ("index_topk", "index_n_heads", "index_head_dim")
 
 
 @dataclass(frozen=True)
@@ -209,6 +211,12 @@ class ModelConfig:
     attn_output_gate: bool = False
     shared_expert_gate: bool = False
     shared_intermediate_size: int = 0
+    # DeepSeek-V3.2's sparse attention (DSA; zoo.kernels.sparse_topk): on every MLA layer a lightning indexer of
+    # index_n_heads heads of index_head_dim scores the keys, and each query attends to its index_topk best.
+    # 0: dense attention.
+    index_topk: int = 0
+    index_n_heads: int = 0
+    index_head_dim: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "nope_layers", tuple(int(i) for i in self.nope_layers))
@@ -223,6 +231,10 @@ class ModelConfig:
                 f"model config: num_heads={self.num_heads} is not a multiple of "
                 f"num_kv_heads={self.num_kv_heads}"
             )
+        if self.index_topk and not (self.mla and self.q_lora_rank and self.index_n_heads
+                                    and self.qk_rope_head_dim <= self.index_head_dim):
+            raise UserError("model config: index_topk (sparse attention) needs MLA with a q_lora_rank, index_n_heads "
+                            "and an index_head_dim of at least qk_rope_head_dim")
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(LAYER_KINDS):
                 raise UserError(f"model config: layer_types must list {self.num_layers} of {LAYER_KINDS}")
@@ -240,6 +252,11 @@ class ModelConfig:
     def mla(self) -> bool:
         """Whether attention is DeepSeek's multi-head latent attention."""
         return self.kv_lora_rank > 0
+
+    @property
+    def sparse(self) -> bool:
+        """Whether attention is DeepSeek's sparse attention (an indexer picks each query's top-k keys)."""
+        return self.index_topk > 0
 
     @property
     def rope_dim(self) -> int:
@@ -313,7 +330,8 @@ class ModelConfig:
             d.pop("hf_experts_out_in")
         if self.vision is None:  # a text model's model.json stays as it was
             d.pop("vision")
-        for name in LLAMA4_FIELDS + QWEN3_NEXT_FIELDS:  # so are those of every model but Llama 4 (Qwen3-Next)
+        # so are those of every model but Llama 4 (Qwen3-Next, DeepSeek-V3.2)
+        for name in LLAMA4_FIELDS + QWEN3_NEXT_FIELDS + SPARSE_FIELDS:
             if d[name] == _DEFAULTS[name]:
                 d.pop(name)
         return d

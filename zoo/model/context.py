@@ -19,6 +19,8 @@ from collections.abc import Callable
 import jax
 from jax.sharding import PartitionSpec as P
 
+from zoo.errors import UserError
+from zoo.model.config import ModelConfig
 from zoo.model.masks import Visibility
 from zoo.model.sharding import logical_to_spec
 
@@ -33,16 +35,25 @@ def context_size() -> int:
     return int(mesh.shape[AXIS])
 
 
-def check_layers_split(kinds: tuple[str, ...] = ()) -> None:
-    """A UserError when the sequence is split over ``context`` and the model has linear-attention layers
-    (Qwen3-Next's Gated DeltaNet: a state carried from token to token, which a split sequence would need passed
-    from shard to shard)."""
-    if "linear" in kinds and context_size() > 1:
-        from zoo.errors import UserError
-
+def check_layers_split(kinds: tuple[str, ...] = (), size: int | None = None) -> None:
+    """A UserError when the sequence is split over ``context`` (``size`` devices; None: the mesh in context's)
+    and the model has linear-attention layers (Qwen3-Next's Gated DeltaNet: a state carried from token to token,
+    which a split sequence would need passed from shard to shard)."""
+    size = context_size() if size is None else size
+    if "linear" in kinds and size > 1:
         layers = ", ".join(str(i) for i, k in enumerate(kinds) if k == "linear")
-        raise UserError(f"mesh.context: {context_size()} splits the sequence, but the linear-attention layers "
+        raise UserError(f"mesh.context: {size} splits the sequence, but the linear-attention layers "
                         f"({layers}) carry a state along it and cannot run split; set mesh.context to 1")
+
+
+def check_context(cfg: ModelConfig, size: int) -> None:
+    """A UserError, before anything compiles, where ``size`` devices of ``context`` would split a model whose
+    attention cannot be split: DeepSeek-V3.2's sparse attention picks each query's keys among the whole prefix,
+    and linear-attention layers carry a state along it (:func:`check_layers_split`)."""
+    if size > 1 and cfg.sparse:
+        raise UserError(f"mesh.context {size}: {cfg.family}'s sparse attention (index_topk) has no context "
+                        "parallelism; set mesh.context: 1 (split over fsdp or data instead)")
+    check_layers_split(cfg.kinds, size)
 
 
 Attend = Callable[[jax.Array, jax.Array, jax.Array, Visibility], jax.Array]

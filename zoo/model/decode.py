@@ -86,7 +86,8 @@ class Cache:
     (``layers`` / ``dense_layers``) and kind (``full`` / ``sliding``) in
     order, stacked arrays ``k`` [n, batch, kv_heads, head_dim, S] (roped
     keys, transposed) and ``v`` [n, batch, kv_heads, S, head_dim], or for
-    MLA ``latent`` [n, batch, S, kv_lora_rank] and ``k_pe`` [n, batch, S, qk_rope_head_dim]. ``lengths`` [batch] int32
+    MLA ``latent`` [n, batch, S, kv_lora_rank] and ``k_pe`` [n, batch, S, qk_rope_head_dim] (DeepSeek-V3.2: and its
+    indexer's keys ``index_k`` [n, batch, S, index_head_dim]). ``lengths`` [batch] int32
     counts the tokens of each row already in the cache. ``rope_delta`` [batch] int32 (multimodal RoPE only, else
     None): what each row's images moved its positions by (transformers' ``rope_deltas``: the prefill's largest
     position + 1 - its tokens), added to every later token's position.
@@ -117,8 +118,9 @@ def _entry_shapes(cfg: ModelConfig, n: int, batch: int, slots: int,
         return linear_state_shapes(cfg, n, batch)
     lead, axes = (n, batch, slots), ("layers", "batch", "sequence")
     if cfg.mla:
+        sparse = {"index_k": (lead + (cfg.index_head_dim,), axes + (None,))} if cfg.sparse else {}
         return {"latent": (lead + (cfg.kv_lora_rank,), axes + (None,)),
-                "k_pe": (lead + (cfg.qk_rope_head_dim,), axes + ("head_dim",))}
+                "k_pe": (lead + (cfg.qk_rope_head_dim,), axes + ("head_dim",)), **sparse}
     lead, axes = (n, batch, cfg.num_kv_heads), ("layers", "batch", "kv_heads")
     return {"k": (lead + (cfg.head_dim, slots), axes + ("head_dim", "sequence")),
             "v": (lead + (slots, cfg.head_dim), axes + ("sequence", "head_dim"))}

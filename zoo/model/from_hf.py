@@ -17,8 +17,10 @@ from zoo.model.config import ModelConfig, RopeConfig
 from zoo.model.hf_families import CLASSIFIER, FAMILIES, VISION_FORMATS, FamilyTraits, family_of
 
 SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn", "longrope", "proportional")  # proportional: Gemma 4
+# DeepSeek-V3.2's "indexed_attention" layers attend to the whole causal prefix as far as the kinds go (their
+# indexer's top-k is ModelConfig.index_topk).
 LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked",
-               "linear_attention": "linear"}
+               "linear_attention": "linear", "indexed_attention": "full"}
 # family -> (pre_norms, qk_norm_span): OLMo 2/3 norm only the outputs of attention and MLP, and their q/k norms
 # are one RMSNorm over all heads' q (k) at once, as MiniMax-M2's (which keeps the pre-norms).
 _LAYOUT = {"olmo2": (False, "all"), "olmo3": (False, "all"), "minimax_m2": (True, "all")}
@@ -168,7 +170,19 @@ def _moe_fields(traits: FamilyTraits, c: Any, where: str) -> dict[str, Any]:
         out.update(router_score="sigmoid", router_norm_topk=bool(c.norm_topk_prob), router_bias=True,
                    router_groups=int(c.n_group or 1), router_topk_groups=int(c.topk_group or 1),
                    router_group_score="top2", hf_rope_interleave=bool(getattr(c, "rope_interleave", True)))
+    if traits.moe == "deepseek_v32":
+        out.update(_sparse_fields(c, where))
     return out
+
+
+def _sparse_fields(c: Any, where: str) -> dict[str, Any]:
+    """DeepSeek-V3.2's indexer fields; its MLP layers must be the first ``first_k_dense_replace`` dense and the rest
+    MoE, as ModelConfig's dense_layers says (transformers' ``mlp_layer_types`` could say otherwise)."""
+    n, dense = int(c.num_hidden_layers), min(int(c.first_k_dense_replace or 0), int(c.num_hidden_layers))
+    if list(c.mlp_layer_types) != ["dense"] * dense + ["sparse"] * (n - dense):
+        raise UserError(f"{where}: mlp_layer_types other than {dense} dense layers then sparse ones are not supported; "
+                        "leave mlp_layer_types out and set first_k_dense_replace")
+    return dict(index_topk=int(c.index_topk), index_n_heads=int(c.index_n_heads), index_head_dim=int(c.index_head_dim))
 
 
 def gpt_oss_fields(c: Any) -> dict[str, Any]:

@@ -31,8 +31,8 @@ class FamilyTraits:
     final_softcap_field: str | None = None
     uses_query_pre_attn_scalar: bool = False
     sliding_on_every_layer: bool = False  # Mistral: one window for all layers, no layer_types
-    # "mixtral" | "deepseek_v2" | "deepseek_v3" | "qwen3_moe" | "qwen3_vl_moe" | "glm4_moe" | "gpt_oss" |
-    # "minimax_m2" | "llama4" | "qwen3_next" | "qwen3_5_moe": how routing is configured
+    # "mixtral" | "deepseek_v2" | "deepseek_v3" | "deepseek_v32" | "qwen3_moe" | "qwen3_vl_moe" | "glm4_moe" |
+    # "gpt_oss" | "minimax_m2" | "llama4" | "qwen3_next" | "qwen3_5_moe": how routing is configured
     moe: str | None = None
     # Multimodal RoPE's frequencies interleaved over (time, row, column), whatever the config says (Qwen3-VL's
     # transformers class always interleaves); its sections when the config names none
@@ -60,6 +60,10 @@ FAMILIES: dict[str, FamilyTraits] = {
                                 moe="deepseek_v2"),
     "deepseek_v3": FamilyTraits("deepseek_v3", "DeepseekV3ForCausalLM", qkv_bias=False, o_bias=False,
                                 moe="deepseek_v3"),
+    # DeepSeek-V3.2: V3 with DeepSeek Sparse Attention (a lightning indexer on every layer: zoo.model.from_hf reads
+    # index_topk, index_n_heads, index_head_dim).
+    "deepseek_v32": FamilyTraits("deepseek_v32", "DeepseekV32ForCausalLM", qkv_bias=False, o_bias=False,
+                                 moe="deepseek_v32"),
     "qwen3_moe": FamilyTraits("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True, sliding_on_every_layer=True,
                               moe="qwen3_moe"),
     # GLM-4.5's o_proj never has a bias, whatever attention_bias says.

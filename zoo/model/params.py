@@ -42,6 +42,13 @@ def _layer_specs(cfg: ModelConfig, L: int, moe: bool) -> dict[str, ParamSpec]:
         s["kv_b"] = ParamSpec((L, cfg.kv_lora_rank, H, cfg.qk_nope_head_dim + cfg.v_head_dim),
                               lay + (None, "heads", "head_dim"), "normal")
         s["o"] = ParamSpec((L, H, cfg.v_head_dim, E), lay + ("heads", "head_dim", "embed"), "normal")
+        if cfg.sparse:  # DeepSeek-V3.2's lightning indexer (its k norm is a LayerNorm: weight and bias)
+            IH, ID = cfg.index_n_heads, cfg.index_head_dim
+            s["idx_q"] = ParamSpec((L, cfg.q_lora_rank, IH, ID), lay + (None, None, None), "normal")
+            s["idx_k"] = ParamSpec((L, E, ID), lay + ("embed", None), "normal")
+            s["idx_k_norm"] = ParamSpec((L, ID), lay + (None,), "ones")
+            s["idx_k_norm_bias"] = ParamSpec((L, ID), lay + (None,), "zeros")
+            s["idx_w"] = ParamSpec((L, E, IH), lay + ("embed", None), "normal")
     else:
         s["q"] = ParamSpec((L, E, H, D), lay + ("embed", "heads", "head_dim"), "normal")
         s["k"] = ParamSpec((L, E, K, D), lay + ("embed", "kv_heads", "head_dim"), "normal")

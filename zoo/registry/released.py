@@ -38,6 +38,12 @@ DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepse
                "attention_bias": False, "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False,
                "torch_dtype": "bfloat16"}
 
+# deepseek-ai/DeepSeek-V3.2-Exp's config.json (the name transformers' docs give; DeepSeek-V3.2's is the same
+# architecture): V3's, with DeepSeek Sparse Attention's lightning indexer on every layer (64 heads of 128, each
+# query attending to its top 2048 keys).
+DEEPSEEK_V32 = {**DEEPSEEK_V3, "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
+                "index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048}
+
 # Gemma 4's text configs as google/gemma-4-* publish them (Gemma4ForConditionalGeneration; the vision and audio
 # towers' configs left out: these configs build the language model alone). The rest of each text config is
 # Gemma4TextConfig's defaults: RoPE theta 1e4 on sliding layers, proportional RoPE (a quarter of the dims,
