@@ -38,7 +38,8 @@ def add_convert_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
                         "`zoo export` writes them back")
     p.add_argument("--text-only", action="store_true",
                    help="convert a multimodal Gemma 3, Gemma 4 or Llama 4 (*ForConditionalGeneration) without its "
-                        "vision tower: its language model alone, exported as the family's *ForCausalLM")
+                        "vision tower: its language model alone, exported as the family's *ForCausalLM (a "
+                        "Qwen3.5 one always converts so: lmzoo has no Qwen3.5 vision tower)")
     return p
 
 

@@ -93,6 +93,10 @@ class Fusion:
 
 
 # family -> its fused tensors (a line per family; the tables name the parts).
+_QWEN3_5 = (Fusion("linear_attn.in_proj_qkv.weight", tuple(f"linear_attn.in_proj_qkv_{n}.weight" for n in "qkv"),
+                   "lin_qkv"),
+            Fusion("self_attn.q_proj.weight", ("self_attn.q_proj_query.weight", "self_attn.q_proj_gate.weight"),
+                   "q_gate", groups="num_heads"))
 FUSIONS: dict[str, tuple[Fusion, ...]] = {
     "phi3": (
         Fusion("self_attn.qkv_proj.weight", ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
@@ -128,12 +132,20 @@ FUSIONS: dict[str, tuple[Fusion, ...]] = {
         Fusion("attn_qkv.weight", ("attn_qkv_q.weight", "attn_qkv_k.weight", "attn_qkv_v.weight"), "lin_qkv"),
         Fusion("ssm_ba.weight", ("ssm_ba_b.weight", "ssm_ba_a.weight"), "ba", groups="linear_key_heads"),
     ),
+    # Qwen3.5 (dense and MoE): in_proj_qkv's q, k and v rows in blocks; q_proj as Qwen3-Next's.
+    "qwen3_5": _QWEN3_5,
+    # ... and Qwen3.5-MoE's experts as the Hub's files hold them: [experts, 2 x mlp, embed], gate then up in blocks
+    # (ModelConfig.hf_experts_out_in; one expert at a time as transformers' save_pretrained writes them otherwise).
+    "qwen3_5_moe": (*_QWEN3_5,
+                    Fusion("mlp.experts.gate_up_proj", ("mlp.experts.gate_proj", "mlp.experts.up_proj"), "expert_mlp",
+                           axis=1, when="hf_experts_out_in")),
     # Llama 4's experts: [experts, embed, 2 x mlp], gate then up in blocks along the last axis.
     "llama4": (Fusion("feed_forward.experts.gate_up_proj", ("feed_forward.experts.gate_proj",
                                                             "feed_forward.experts.up_proj"), "expert_mlp", axis=-1),),
 }
-# families whose fused experts come in either order (ModelConfig.hf_experts_out_in): the fused tensor that says which
-EXPERT_ORDER = {"qwen3_vl_moe": "mlp.experts.gate_up_proj"}
+# families whose fused experts come in either order (ModelConfig.hf_experts_out_in; Qwen3.5-MoE's: fused or one by
+# one): the fused tensor that says which
+EXPERT_ORDER = {"qwen3_vl_moe": "mlp.experts.gate_up_proj", "qwen3_5_moe": "mlp.experts.gate_up_proj"}
 
 
 def fusions(cfg: ModelConfig) -> tuple[Fusion, ...]:

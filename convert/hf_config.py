@@ -106,7 +106,8 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
     if t.sliding_on_every_layer:
         out["sliding_window"] = cfg.sliding_window
     elif cfg.family not in ("llama", "gemma") and not t.moe:
-        out["layer_types"] = [{"full": "full_attention", "sliding": "sliding_attention"}[k] for k in kinds]
+        out["layer_types"] = [{"full": "full_attention", "sliding": "sliding_attention",
+                               "linear": "linear_attention"}[k] for k in kinds]
         out["sliding_window"] = cfg.sliding_window
         if cfg.family in ("qwen2", "qwen3"):
             out["use_sliding_window"] = "sliding" in kinds
@@ -129,7 +130,7 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
         out.update(_moe_hf_fields(cfg))
     elif t.moe == "llama4":
         out.update(llama4_hf_fields(cfg))
-    elif t.moe == "qwen3_next":
+    elif t.moe in ("qwen3_next", "qwen3_5_moe"):
         pass  # convert.hf_layer_fields writes them
     elif t.moe:
         out.update(

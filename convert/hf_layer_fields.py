@@ -1,4 +1,5 @@
-"""The config.json fields of SmolLM3, OLMo 2/3, Phi-3/Phi-4 and Qwen3-Next beyond the shared ones, as an export writes them.
+"""The config.json fields of SmolLM3, OLMo 2/3, Phi-3/Phi-4, Qwen3-Next and Qwen3.5 beyond the shared ones, as an
+export writes them.
 
 NoPE layers (SmolLM3's ``no_rope_layers``), OLMo 2/3's layer layout, partial
 rotary and LongRoPE (Phi-3/Phi-4), written as transformers' config classes
@@ -65,6 +66,26 @@ def qwen3_next_hf_fields(cfg: ModelConfig, rope_dict: Callable[[RopeConfig], dic
                 rope_parameters=dict(rope_dict(cfg.rope), partial_rotary_factor=cfg.partial_rotary_factor))
 
 
+def qwen3_5_hf_fields(cfg: ModelConfig, rope_dict: Callable[[RopeConfig], dict]) -> dict[str, Any]:
+    """Qwen3.5's config.json fields of ``cfg``, dense or MoE (the inverse of zoo/model/from_hf.py's
+    ``linear_layer_fields`` and, for the MoE, ``qwen3_next_fields``): the linear layers' dims, the layer types, the
+    interleaved multimodal RoPE's sections beside partial rotary; the MoE's experts and shared expert (its config
+    class has no intermediate_size, decoder_sparse_step, mlp_only_layers nor norm_topk_prob)."""
+    names = {"full": "full_attention", "linear": "linear_attention"}
+    rope = dict(rope_dict(cfg.rope), partial_rotary_factor=cfg.partial_rotary_factor,
+                mrope_section=list(cfg.rope.mrope_section), mrope_interleaved=cfg.rope.mrope_interleaved)
+    out: dict[str, Any] = dict(
+        layer_types=[names[k] for k in cfg.kinds], linear_num_key_heads=cfg.linear_key_heads,
+        linear_num_value_heads=cfg.linear_value_heads, linear_key_head_dim=cfg.linear_key_head_dim,
+        linear_value_head_dim=cfg.linear_value_head_dim, linear_conv_kernel_dim=cfg.linear_conv_kernel,
+        head_dim=cfg.head_dim, rope_parameters=rope)
+    if cfg.num_experts:
+        out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+                   moe_intermediate_size=cfg.moe_intermediate_size, router_aux_loss_coef=cfg.aux_loss_coef,
+                   shared_expert_intermediate_size=cfg.shared_intermediate_size)
+    return out
+
+
 def write_layer_fields(cfg: ModelConfig, out: dict[str, Any], rope_dict: Callable[[RopeConfig], dict]) -> None:
     """Complete (in place) the HF config fields ``out`` of ``cfg`` with this module's families' own
     (``rope_dict``: a RoPE's rope_parameters, convert.hf_config's)."""
@@ -82,6 +103,11 @@ def write_layer_fields(cfg: ModelConfig, out: dict[str, Any], rope_dict: Callabl
                                   "sliding_attention": rope_dict(cfg.rope_local or cfg.rope)}
     elif cfg.family == "qwen3_next":
         out.update(qwen3_next_hf_fields(cfg, rope_dict))
+    elif cfg.family in ("qwen3_5", "qwen3_5_moe"):
+        out.update(qwen3_5_hf_fields(cfg, rope_dict))
+        out.pop("sliding_window", None)  # no sliding layers in Qwen3.5's config classes
+        if cfg.num_experts and cfg.intermediate_size == cfg.moe_intermediate_size:
+            out.pop("intermediate_size", None)  # the MoE's config has none: zoo.model.from_hf stood the experts' in
     elif cfg.family == "phi3":
         if cfg.rope.kind == "longrope":
             out["rope_parameters"] = _longrope_dict(cfg)

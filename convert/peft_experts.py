@@ -79,6 +79,7 @@ EXPERTS_LAYOUTS: dict[str, ExpertsLayout] = {
     "qwen3_moe": ExpertsLayout("model.layers.{i}.mlp.experts", _GATE_UP_DOWN, ("gate_proj", "up_proj", "down_proj")),
     "glm4_moe": ExpertsLayout("model.layers.{i}.mlp.experts", _GATE_UP_DOWN, ("gate_proj", "up_proj", "down_proj")),
     "qwen3_next": ExpertsLayout("model.layers.{i}.mlp.experts", _GATE_UP_DOWN, ("gate_proj", "up_proj", "down_proj")),
+    "qwen3_5_moe": ExpertsLayout("model.layers.{i}.mlp.experts", _GATE_UP_DOWN, ("gate_proj", "up_proj", "down_proj")),
     # transformers 5 fuses MiniMax-M2's Mixtral-named experts (w1, w3 -> gate_up_proj; w2 -> down_proj) under mlp.
     "minimax_m2": ExpertsLayout("model.layers.{i}.mlp.experts", _GATE_UP_DOWN, ("w1", "w2", "w3")),
     # peft has no v4 conversion for gpt-oss (whose experts were always fused): no Linear name is rewritten.

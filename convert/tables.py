@@ -258,20 +258,29 @@ TABLES[("llama4", "hf")] = llama4_table()
 TABLES[("llama4", "hf-llama4-multimodal")] = llama4_table("language_model.model.", "language_model.lm_head.weight")
 
 
-def qwen3_next_table() -> list[Rule]:
+def qwen3_next_table(prefix: str = "model.", head: str = "lm_head.weight", separate: bool = False) -> list[Rule]:
     """Qwen3-Next (Qwen3NextForCausalLM): the shared naming with Qwen3-MoE's experts, its full layers' attention
     (q_proj's query and gate halves split by convert.fused) and its linear layers' Gated DeltaNet, each stacked over
-    the layers of its kind (zoo.model.layer_layout), and the shared expert behind its sigmoid gate."""
-    L, M = "model.layers.{i}.", "model.layers.{i}.mlp."
+    the layers of its kind (zoo.model.layer_layout), and the shared expert behind its sigmoid gate. ``separate``:
+    Qwen3.5's linear projections (in_proj_qkv's q, k, v rows in blocks, split by convert.fused; in_proj_z,
+    in_proj_b and in_proj_a apart) instead of Qwen3-Next's head-grouped in_proj_qkvz and in_proj_ba; ``prefix``
+    and ``head``: where the decoder and the head sit (Qwen3_5ForConditionalGeneration's language model)."""
+    L, M = prefix + "layers.{i}.", prefix + "layers.{i}.mlp."
     A, N = L + "self_attn.", L + "linear_attn."
     attention = ("layers.q", "layers.k", "layers.v", "layers.o", "layers.q_norm", "layers.k_norm")
     shared = [dataclasses.replace(r, kind="full") if r.zoo in attention else r
-              for r in decoder_table(moe="deepseek") if "shared_experts" not in r.hf]
+              for r in decoder_table(prefix, head=head, moe="deepseek") if "shared_experts" not in r.hf]
     shared = [dataclasses.replace(r, hf=A + "q_proj_query.weight") if r.zoo == "layers.q" and r.when == "!mla" else r
               for r in shared]
+    if separate:  # Qwen3.5-MoE: experts one by one (transformers' save_pretrained) or fused (the Hub's files)
+        experts = ("layers.expert_gate", "layers.expert_up", "layers.expert_down")
+        shared = [dataclasses.replace(r, when="moe&!hf_experts_out_in") if r.zoo in experts else r for r in shared]
+        shared += [Rule(f"layers.expert_{part}", M + f"experts.{part}_proj", "swap_last", when="moe&hf_experts_out_in")
+                   for part in ("gate", "up", "down")]
     return shared + [
         Rule("layers.attn_gate", A + "q_proj_gate.weight", "q_in", kind="full"),
-        *(Rule(f"layers.lin_{n}", N + f"in_proj_{n}.weight", t, kind="linear")
+        *(Rule(f"layers.lin_{n}", N + (f"in_proj_qkv_{n}" if separate and n in "qkv" else f"in_proj_{n}") + ".weight",
+               t, kind="linear")
           for n, t in (("q", "lin_k_in"), ("k", "lin_k_in"), ("v", "lin_v_in"), ("z", "lin_v_in"),
                        ("b", "transpose"), ("a", "transpose"))),
         Rule("layers.lin_conv", N + "conv1d.weight", "conv_taps", kind="linear"),
@@ -286,6 +295,11 @@ def qwen3_next_table() -> list[Rule]:
 
 
 TABLES[("qwen3_next", "hf")] = qwen3_next_table()
+# Qwen3.5, dense and MoE: Qwen3_5ForCausalLM's names, and Qwen3_5ForConditionalGeneration's (the Hub's releases:
+# the decoder under `model.language_model.`, the head at the top; the vision tower under `model.visual.` is not read).
+for _family in ("qwen3_5", "qwen3_5_moe"):
+    TABLES[(_family, "hf")] = qwen3_next_table(separate=True)
+    TABLES[(_family, f"hf-{_family}-multimodal")] = qwen3_next_table("model.language_model.", separate=True)
 
 
 def table_for(family: str, fmt: str, cfg: ModelConfig) -> list[BoundRule]:

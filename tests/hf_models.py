@@ -137,6 +137,19 @@ FAMILIES = {
         linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
         shared_expert_intermediate_size=24, norm_topk_prob=True, mlp_only_layers=[2], router_aux_loss_coef=0.02,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})),
+    # Qwen3.5: Qwen3-Next's layer kinds with separate linear projections and interleaved multimodal RoPE (on 8 of 16
+    # dims: 4 frequencies over sections 2, 1, 1); dense MLPs, or (qwen3_5_moe) experts and a shared expert throughout.
+    **{family: (config, model, dict(
+        num_hidden_layers=4, head_dim=16, layer_types=["linear_attention", "full_attention"] * 2,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+        linear_conv_kernel_dim=4, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                   "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
+                                                   "mrope_interleaved": True}, **moe))
+       for family, config, model, moe in (
+           ("qwen3_5", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {}),
+           ("qwen3_5_moe", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(
+               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+               router_aux_loss_coef=0.02)))},
 }
 
 

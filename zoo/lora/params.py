@@ -81,6 +81,11 @@ LINEAR_TARGETS: dict[str, tuple[str, ...]] = {
     "in_proj_qkvz": ("lin_q", "lin_k", "lin_v", "lin_z"),
     "in_proj_ba": ("lin_b", "lin_a"),
     "out_proj": ("lin_out",),
+    # Qwen3.5's separate projections: in_proj_qkv (q, k, v in blocks), in_proj_z, in_proj_b, in_proj_a
+    "in_proj_qkv": ("lin_q", "lin_k", "lin_v"),
+    "in_proj_z": ("lin_z",),
+    "in_proj_b": ("lin_b",),
+    "in_proj_a": ("lin_a",),
 }
 HF_TO_ZOO.update(LINEAR_TARGETS)
 BASE_TARGETS = (*ATTENTION_TARGETS, "gate_proj", "up_proj", "down_proj")  # what "all" names: every projection

@@ -144,6 +144,8 @@ class ModelConfig:
     # How a Qwen3-VL-MoE checkpoint orders its fused experts' last two axes (convert.fused): False as the Hub's
     # files hold them ([experts, in, out]), True as transformers 5's save_pretrained writes them ([experts, out,
     # in]). Not architecture (no part in equality): conversion records it, export writes the source's order back.
+    # A Qwen3.5-MoE checkpoint's: True where its experts are fused [experts, out, in] (the Hub's files), False where
+    # they come one by one (transformers' save_pretrained).
     hf_experts_out_in: bool = field(default=False, compare=False)
     # Not architecture: which attention kernel the training forward runs (ATTENTION_KERNELS). It is never saved
     # (to_dict leaves it out) and set per run (model.attention, zoo.load(..., attention=)); it takes part in

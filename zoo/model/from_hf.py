@@ -74,25 +74,33 @@ def _qwen3_moe_fields(c: Any, where: str, norm_topk: bool | None = None) -> dict
     """ModelConfig fields of Qwen3-MoE's experts: softmax top-k routing, MoE on every ``decoder_sparse_step``-th
     layer but those of ``mlp_only_layers`` (the others dense). ``norm_topk``: the top-k renormalization where
     the family fixes it (Qwen3-VL-MoE's router always renormalizes), else the config's ``norm_topk_prob``."""
-    step = 1 if c.decoder_sparse_step is None else int(c.decoder_sparse_step)
+    # getattr: Qwen3.5-MoE's config class has no decoder_sparse_step, mlp_only_layers nor norm_topk_prob
+    sparse_step = getattr(c, "decoder_sparse_step", None)
+    step = 1 if sparse_step is None else int(sparse_step)
     if step < 1:
         raise UserError(f"{where}: decoder_sparse_step={step} must be at least 1")
     norm = bool(c.norm_topk_prob) if norm_topk is None else norm_topk
     return dict(num_experts=int(c.num_experts), experts_per_token=int(c.num_experts_per_tok),
                 moe_intermediate_size=int(c.moe_intermediate_size), router_score="softmax",
                 router_norm_topk=norm, aux_loss_coef=float(c.router_aux_loss_coef or 0.0),
-                decoder_sparse_step=step, mlp_only_layers=tuple(sorted({int(i) for i in c.mlp_only_layers or ()})))
+                decoder_sparse_step=step,
+                mlp_only_layers=tuple(sorted({int(i) for i in getattr(c, "mlp_only_layers", None) or ()})))
 
 
-def qwen3_next_fields(c: Any, where: str) -> dict[str, Any]:
-    """Qwen3-Next's ModelConfig fields (transformers' Qwen3NextConfig): Qwen3-MoE's experts and one shared expert
-    of ``shared_expert_intermediate_size`` behind a sigmoid gate, the Gated DeltaNet dims of its linear layers,
-    and the output gate of its full layers' attention."""
-    return dict(**_qwen3_moe_fields(c, where), shared_experts=1, shared_expert_gate=True,
-                shared_intermediate_size=int(c.shared_expert_intermediate_size),
-                linear_key_heads=int(c.linear_num_key_heads), linear_value_heads=int(c.linear_num_value_heads),
+def linear_layer_fields(c: Any) -> dict[str, Any]:
+    """The Gated DeltaNet dims of Qwen3-Next's and Qwen3.5's linear layers and the output gate of their full
+    layers' attention."""
+    return dict(linear_key_heads=int(c.linear_num_key_heads), linear_value_heads=int(c.linear_num_value_heads),
                 linear_key_head_dim=int(c.linear_key_head_dim), linear_value_head_dim=int(c.linear_value_head_dim),
                 linear_conv_kernel=int(c.linear_conv_kernel_dim), attn_output_gate=True)
+
+
+def qwen3_next_fields(c: Any, where: str, norm_topk: bool | None = None) -> dict[str, Any]:
+    """Qwen3-Next's ModelConfig fields (transformers' Qwen3NextConfig; Qwen3.5-MoE's with ``norm_topk`` True):
+    Qwen3-MoE's experts and one shared expert of ``shared_expert_intermediate_size`` behind a sigmoid gate, and
+    :func:`linear_layer_fields`."""
+    return dict(**_qwen3_moe_fields(c, where, norm_topk), shared_experts=1, shared_expert_gate=True,
+                shared_intermediate_size=int(c.shared_expert_intermediate_size), **linear_layer_fields(c))
 
 
 def _glm4_moe_fields(c: Any) -> dict[str, Any]:
@@ -123,6 +131,8 @@ def _moe_fields(traits: FamilyTraits, c: Any, where: str) -> dict[str, Any]:
         return _qwen3_moe_fields(c, where, norm_topk=True)
     if traits.moe == "qwen3_next":
         return qwen3_next_fields(c, where)
+    if traits.moe == "qwen3_5_moe":
+        return qwen3_next_fields(c, where, norm_topk=True)
     if traits.moe == "glm4_moe":
         return _glm4_moe_fields(c)
     if traits.moe == "gpt_oss":
@@ -241,6 +251,8 @@ def read_layer_fields(family: str, c: Any, rope_params: dict[str, Any]) -> dict[
     factor = rope_params.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", None))
     if factor is not None:
         out["partial_rotary_factor"] = float(factor)
+    if family == "qwen3_5":  # dense Qwen3.5: its linear layers' fields (qwen3_5_moe's come with its experts')
+        out.update(linear_layer_fields(c))
     return out
 
 
@@ -307,7 +319,9 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
     try:
         cfg = ModelConfig(
             family=family, vocab_size=int(c.vocab_size), hidden_size=hidden,
-            intermediate_size=int(c.intermediate_size), num_layers=n, num_heads=heads,
+            # Qwen3.5-MoE's config has no intermediate_size (no dense layer): its experts' width stands in
+            intermediate_size=int(getattr(c, "intermediate_size", None) or moe.get("moe_intermediate_size", 0)),
+            num_layers=n, num_heads=heads,
             num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)),
             rope=rope, max_position_embeddings=int(getattr(c, "max_position_embeddings", 8192)),
             tie_word_embeddings=bool(getattr(top, "tie_word_embeddings", False)),

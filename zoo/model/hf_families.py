@@ -32,7 +32,7 @@ class FamilyTraits:
     uses_query_pre_attn_scalar: bool = False
     sliding_on_every_layer: bool = False  # Mistral: one window for all layers, no layer_types
     # "mixtral" | "deepseek_v2" | "deepseek_v3" | "deepseek_v32" | "qwen3_moe" | "qwen3_vl_moe" | "glm4_moe" |
-    # "gpt_oss" | "minimax_m2" | "llama4" | "qwen3_next": how routing is configured
+    # "gpt_oss" | "minimax_m2" | "llama4" | "qwen3_next" | "qwen3_5_moe": how routing is configured
     moe: str | None = None
     # Multimodal RoPE's frequencies interleaved over (time, row, column), whatever the config says (Qwen3-VL's
     # transformers class always interleaves); its sections when the config names none
@@ -91,6 +91,14 @@ FAMILIES: dict[str, FamilyTraits] = {
     # Qwen3-MoE's routing with a shared expert behind a sigmoid gate; its own fields read by zoo.model.from_hf.
     "qwen3_next": FamilyTraits("qwen3_next", "Qwen3NextForCausalLM", norm_offset=1.0, qk_norm=True,
                                moe="qwen3_next"),
+    # Qwen3.5 (text; Qwen3_5ForCausalLM, or the language model of the Hub's Qwen3_5ForConditionalGeneration): Qwen3-Next's
+    # layers with separate linear-layer projections (in_proj_qkv in blocks, in_proj_z, in_proj_b, in_proj_a) and
+    # interleaved multimodal RoPE (on text positions: plain RoPE); dense MLPs, or (qwen3_5_moe) Qwen3-Next's experts
+    # on every layer with a router that always renormalizes the top k (the config has no norm_topk_prob).
+    "qwen3_5": FamilyTraits("qwen3_5_text", "Qwen3_5ForCausalLM", norm_offset=1.0, qk_norm=True,
+                            mrope_interleaved=True, mrope_default=(11, 11, 10)),
+    "qwen3_5_moe": FamilyTraits("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", norm_offset=1.0, qk_norm=True,
+                                mrope_interleaved=True, mrope_default=(11, 11, 10), moe="qwen3_5_moe"),
     "smolvlm": FamilyTraits("smolvlm", "SmolVLMForConditionalGeneration", mlp_bias="mlp_bias"),
     "idefics3": FamilyTraits("idefics3", "Idefics3ForConditionalGeneration", mlp_bias="mlp_bias"),
     # Qwen2.5-VL: a Qwen 2 language model (text_config model_type "qwen2_5_vl_text") with multimodal RoPE.
@@ -126,6 +134,9 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Gemma3ForConditionalGeneration": ("gemma3", "hf-gemma3-multimodal"),
     "Gemma4ForConditionalGeneration": ("gemma4", "hf-gemma4-multimodal"),
     "Llama4ForConditionalGeneration": ("llama4", "hf-llama4-multimodal"),
+    # Qwen3.5's releases: the language model converts alone (lmzoo has no Qwen3.5 vision tower)
+    "Qwen3_5ForConditionalGeneration": ("qwen3_5", "hf-qwen3_5-multimodal"),
+    "Qwen3_5MoeForConditionalGeneration": ("qwen3_5_moe", "hf-qwen3_5_moe-multimodal"),
     "SmolVLMForConditionalGeneration": ("smolvlm", "hf-smolvlm"),
     "Idefics3ForConditionalGeneration": ("idefics3", "hf-idefics3"),
     "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "hf-qwen2_5-vl"),
@@ -137,6 +148,8 @@ MODEL_TYPES: dict[str, tuple[str, str]] = {
     "gemma3": ("gemma3", "hf-gemma3-multimodal"),
     "gemma4": ("gemma4", "hf-gemma4-multimodal"),
     "llama4": ("llama4", "hf-llama4-multimodal"),
+    "qwen3_5": ("qwen3_5", "hf-qwen3_5-multimodal"),
+    "qwen3_5_moe": ("qwen3_5_moe", "hf-qwen3_5_moe-multimodal"),
     "smolvlm": ("smolvlm", "hf-smolvlm"),
     "idefics3": ("idefics3", "hf-idefics3"),
     "qwen2_5_vl": ("qwen2_5_vl", "hf-qwen2_5-vl"),

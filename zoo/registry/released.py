@@ -152,6 +152,24 @@ QWEN3_NEXT_80B_A3B = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "
                       "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
                       "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16"}
 
+# Qwen/Qwen3.5-35B-A3B's language model (the text_config of its Qwen3_5MoeForConditionalGeneration config.json, as a
+# text-only config: the model lmzoo converts and exports) as its model card gives it, not read from the Hub: check it
+# before relying on a field beyond the shapes. transformers' Qwen3_5MoeTextConfig defaults are these shapes: 40 layers,
+# every 4th full attention (16 query heads of 256 over 2 key/value heads, interleaved multimodal RoPE on the first
+# quarter, sections 11, 11, 10); linear layers of 16 key heads and 32 value heads of 128, conv 4; 256 experts, 8 a
+# token, and a shared expert, all 512 wide; a 248,320-token vocabulary; RoPE theta 1e7 over 262,144 positions.
+QWEN3_5_35B_A3B = {"architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text", "vocab_size": 248320,
+                   "hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16, "num_key_value_heads": 2,
+                   "head_dim": 256, "full_attention_interval": 4, "linear_conv_kernel_dim": 4,
+                   "linear_key_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+                   "linear_value_head_dim": 128, "num_experts": 256, "num_experts_per_tok": 8,
+                   "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+                   "router_aux_loss_coef": 0.001, "max_position_embeddings": 262144, "rms_norm_eps": 1e-6,
+                   "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                                       "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+                   "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
+                   "torch_dtype": "bfloat16"}  # token ids left out: not known here
+
 # openai/gpt-oss-20b's and gpt-oss-120b's config.json (their MXFP4 quantization_config left out: the experts are
 # dequantized while converting): sliding (128) and full layers alternating, 64 query heads of 64 over 8 key/value
 # heads, attention sinks, 32 or 128 experts (4 a token) with biases and the clamped SwiGLU, YaRN over 4096.
