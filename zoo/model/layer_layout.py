@@ -24,6 +24,7 @@ from typing import Any
 import jax
 
 from zoo.model.config import ModelConfig
+from zoo.model.layer_scan import Strided
 
 ATTENTION_WEIGHTS = ("q", "k", "v", "o", "q_norm", "k_norm", "attn_gate")
 LINEAR = "lin_"  # prefix of a linear-attention layer's weight (Qwen3-Next: stacked over the linear layers only)
@@ -134,16 +135,17 @@ def layer_weights(cfg: ModelConfig, stack: dict[str, Any], kinds: tuple[str, ...
     under the names one layer reads (``q``, not ``global_q``): :meth:`zoo.model.layer_scan.Segment.at` for the weights of
     every layer, the kind's strided slice for the kind-split ones."""
     kind = seg.kinds[j]
-    i0, step = kinds[:seg.start + j].count(kind), seg.kinds.count(kind)
-    period = len(seg.kinds)
+    # the kind's layers before the segment, and its positions in the block (a strided view, as Segment.at's)
+    lo, step, off = kinds[:seg.start].count(kind), seg.kinds.count(kind), seg.kinds[:j].count(kind)
     out = {}
     for name, a in stack.items():
         owner = kind_split(cfg, name)
         if owner is None:
-            out[name] = jax.tree.map(lambda x: x[seg.start + j: seg.stop: period], a)
+            out[name] = seg.at(j, a)
         elif owner == kind:
-            out[name[len(GLOBAL):] if name.startswith(GLOBAL) else name] = jax.tree.map(
-                lambda x: x[i0: i0 + seg.repeats * step: step], a)
+            out[name[len(GLOBAL):] if name.startswith(GLOBAL) else name] = (
+                jax.tree.map(lambda x: x[lo: lo + seg.repeats], a) if step == 1
+                else jax.tree.map(lambda x: Strided(x, lo, seg.repeats, step, off), a))
     return out
 
 
