@@ -426,7 +426,7 @@ def _run_cached_stacks(cfg: ModelConfig, params: dict[str, Any], x: jax.Array, c
                 lambda a: a[i0: i0 + seg.repeats * step: step], group[seg.kinds[j]])
             if not split_by_kind(cfg):
                 return (*seg.at(j, stacked), cached)
-            # Gemma 4: a block position's attention weights are a strided slice of its kind's stack.
+            # Gemma 4, Qwen3-Next: a block position's weights are a strided view of its kind's stack.
             w, a, *rest = stacked
             run = cfg.kinds[start:stop]
             return (layer_weights(cfg, w, run, seg, j), None if a is None else layer_weights(cfg, a, run, seg, j),

@@ -348,7 +348,7 @@ def _run_stacks(cfg: ModelConfig, params: dict[str, Any], x: jax.Array, layer: C
         def inputs(seg: Segment, j: int, stacked: tuple = stacked, kinds: tuple[str, ...] = kinds) -> tuple:
             if not split_by_kind(cfg):
                 return seg.at(j, stacked)
-            # Gemma 4: a block position's attention weights are a strided slice of its kind's stack.
+            # Gemma 4, Qwen3-Next: a block position's weights are a strided view of its kind's stack.
             w, a, *rest = stacked
             return (layer_weights(cfg, w, kinds, seg, j), None if a is None else layer_weights(cfg, a, kinds, seg, j),
                     *seg.at(j, tuple(rest)))

@@ -6,8 +6,9 @@ sliding ones, so their attention weights cannot share one stack with the sliding
 ``cfg.global_head_dim`` set, each stack of layers keeps the sliding layers' attention weights under their usual
 names (``layers.q`` [sliding layers, ...]) and the full layers' under ``global_`` names (``layers.global_q``
 [full layers, ...]); every other weight stays stacked over all the stack's layers. A layer at one position of a
-repeated block (:class:`zoo.model.layer_scan.Segment`) reads its kind's weights as a strided slice, as the KV cache's
-per-kind stacks are read (:func:`zoo.model.decode._kind_slice`); a run of a stack's layers
+repeated block (:class:`zoo.model.layer_scan.Segment`) reads its kind's weights as a strided view
+(:class:`zoo.model.layer_scan.Strided`: the scan slices the stack's [repeats, step, ...] reshape, no copy), as the
+KV cache's per-kind stacks are read as strided slices (:func:`zoo.model.decode._kind_slice`); a run of a stack's layers
 (:attr:`zoo.model.config.ModelConfig.layer_runs`) takes its part of each kind's stack (:func:`kind_stack_slice`).
 
 The last ``cfg.kv_shared_layers`` layers (their own stack, ``shared_layers``:
@@ -133,7 +134,7 @@ def kind_stack_slice(cfg: ModelConfig, trees: tuple, kinds: tuple[str, ...], fir
 def layer_weights(cfg: ModelConfig, stack: dict[str, Any], kinds: tuple[str, ...], seg: Any, j: int) -> dict[str, Any]:
     """The weights of the layers at block position j of segment ``seg`` (of a stack whose layers have ``kinds``),
     under the names one layer reads (``q``, not ``global_q``): :meth:`zoo.model.layer_scan.Segment.at` for the weights of
-    every layer, the kind's strided slice for the kind-split ones."""
+    every layer, the kind's strided view for the kind-split ones."""
     kind = seg.kinds[j]
     # the kind's layers before the segment, and its positions in the block (a strided view, as Segment.at's)
     lo, step, off = kinds[:seg.start].count(kind), seg.kinds.count(kind), seg.kinds[:j].count(kind)
