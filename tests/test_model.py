@@ -98,10 +98,11 @@ def _strided_slices(jaxpr) -> list[tuple[int, ...]]:
     return out
 
 
-def test_a_repeated_block_reads_its_layers_without_a_strided_copy():
-    """A (sliding, full) pattern scans each block position's layers as a view of the stack ([repeats, period, ...],
-    a reshape, zoo.model.layer_scan.Strided) indexed in the body: no strided slice of a stack, which XLA copies
-    (on Qwen3-Next-80B's step for 4 TPU chips, 12 copies of 3 GiB of experts)."""
+def test_a_repeated_block_reads_its_layers_without_a_strided_copy_under_remat():
+    """Under remat, a (sliding, full) pattern scans each block position's layers as a view of the stack
+    ([repeats, period, ...], a reshape, zoo.model.layer_scan.Strided) indexed in the body: no strided slice of a
+    stack, which XLA copies (on Qwen3-Next-80B's step for 4 TPU chips, 12 copies of 3 GiB of experts). Without
+    remat the strided slices stay (tests/test_blockwise.py: the backward reads them as they are)."""
     import dataclasses
 
     from zoo.model.params import nest
@@ -109,9 +110,11 @@ def test_a_repeated_block_reads_its_layers_without_a_strided_copy():
     kinds = ("sliding", "full") * 2
     cfg = dataclasses.replace(CFG, num_layers=len(kinds), layer_types=kinds, sliding_window=4)
     params = nest({k: jax.ShapeDtypeStruct(s.shape, jnp.float32) for k, s in param_specs(cfg).items()})
-    jaxpr = jax.make_jaxpr(lambda p, t: forward(cfg, p, t))(params, jax.ShapeDtypeStruct((1, 8), jnp.int32))
+    tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda p, t: forward(cfg, p, t, remat="full"))(params, tokens)
     assert "scan" in str(jaxpr)
     assert _strided_slices(jaxpr.jaxpr) == []
+    assert _strided_slices(jax.make_jaxpr(lambda p, t: forward(cfg, p, t))(params, tokens).jaxpr)
 
 
 def test_every_parameter_carries_logical_axes():

@@ -93,7 +93,12 @@ def test_the_models_hold_every_projection_kind():
         config_class, _, defaults = FAMILIES[family]
         hf = getattr(transformers, config_class)(**{**BASE, **defaults, **SHAPES, **extra})
         kinds |= {path.rpartition(".")[2] for path in quant.quantized_paths(model_config_from_hf(hf.to_dict()))}
-    assert kinds == set(quant.PROJECTIONS)
+    # Qwen3-Next's and Qwen3.5's linear layers and output gate are mostly parts of fused Hugging Face Linears
+    # (in_proj_qkvz, in_proj_ba, q_proj's query and gate per head; out_proj beside them), quantized per zoo
+    # matrix where bitsandbytes quantizes the fused Linear whole: not comparable block for block. Their QLoRA is checked against LoRA on the
+    # dequantized weights (tests/test_qwen3_next.py, tests/test_qwen35.py).
+    fused = {"attn_gate", "lin_q", "lin_k", "lin_v", "lin_z", "lin_b", "lin_a", "lin_out"}
+    assert kinds == set(quant.PROJECTIONS) - fused
 
 
 @pytest.mark.slow

@@ -115,17 +115,22 @@ def test_targets_name_the_tower_and_the_connector_apart(vlm):
     assert target_modules(LoraConfig(targets="all")) == BASE_TARGETS
     assert target_modules(LoraConfig(targets=TARGETS)) == (*BASE_TARGETS, *VISION_NAMES, "projector.proj")
     assert target_modules(LoraConfig(targets="vision.fc1")) == ("vision.up_proj",)
-    assert target_modules(LoraConfig(targets=".*vision_model.*")) == VISION_NAMES
     assert target_modules(LoraConfig(targets=r".*\.(q|v)_proj")) == ("q_proj", "v_proj", "vision.q_proj",
                                                                       "vision.v_proj")
-    assert target_modules(LoraConfig(targets=r".*text_model.*")) == BASE_TARGETS
+    # without a model, a regex meets every family's language-model names: Qwen3-Next's linear layers' too
+    assert target_modules(LoraConfig(targets=r".*text_model.*")) == (*BASE_TARGETS, "in_proj_qkvz", "in_proj_ba",
+                                                                     "out_proj")
     with pytest.raises(UserError, match="unknown target modules"):
         LoraConfig(targets=["vision.qk_proj"])
     cfg = zoo.read_config(vlm.base)
+    assert target_modules(LoraConfig(targets=".*vision_model.*"), cfg) == VISION_NAMES
+    # without a model, every tower's paths: Llama 4's adapter MLP sits under its vision_model too
+    assert target_modules(LoraConfig(targets=".*vision_model.*")) == (*VISION_NAMES, "projector.fc1", "projector.fc2")
     # On a model, a regex meets its own tower's paths (SmolVLM's fc2 is no down_proj); without one (a config checked
-    # on its own), every tower's: Qwen2.5-VL's has an mlp.down_proj.
+    # on its own), every tower's: Qwen2.5-VL's has an mlp.down_proj (and Llama 4's a self_attn.o_proj).
     assert target_modules(LoraConfig(targets=r".*\.(o|down)_proj"), cfg) == ("o_proj", "down_proj")
-    assert target_modules(LoraConfig(targets=r".*\.(o|down)_proj")) == ("o_proj", "down_proj", "vision.down_proj")
+    assert target_modules(LoraConfig(targets=r".*\.(o|down)_proj")) == ("o_proj", "down_proj", "vision.o_proj",
+                                                                        "vision.down_proj")  # Llama 4's o_proj
     assert not any(p.startswith(("vision.", "projector.")) for p in lora_specs(cfg, LoraConfig(rank=4)))
     specs = lora_specs(cfg, vlm.lora_cfg)
     # The tower's stacks keep their layers axis; o contracts heads and head_dim; the connector has no layers axis.

@@ -34,10 +34,10 @@ class Segment:
         """The segment's layers at block position j, from a tree stacked over the layers of its stack.
 
         A strided slice ([repeats, ...]; all of the stack when the period is 1). With a period over 1 it is
-        given as a :class:`Strided` view, which :func:`scan_segments` scans as one [repeats, period, ...] block
-        of the stack (a reshape, no copy) and indexes in the body: each layer's weights still enter the scan
-        body as scanned inputs (the backward pass reads them from the parameters), without the copy of the
-        stack a strided slice made (Qwen3-Next-80B's experts on 4 chips: 12 copies of 3 GiB).
+        given as a :class:`Strided` view, which :func:`scan_segments` under remat scans as one
+        [repeats, period, ...] block of the stack (a reshape, no copy) and indexes in the body, without the copy
+        of the stack a strided slice made (Qwen3-Next-80B's experts on 4 chips: 12 copies of 3 GiB); without remat
+        it takes the strided slice before the scan, which the backward pass reads as it is.
         """
         period = len(self.kinds)
         if period == 1:
@@ -56,6 +56,11 @@ class Strided:
     repeats: int
     step: int
     off: int
+
+    def taken(self) -> Any:
+        """The strided slice itself (a copy, in XLA)."""
+        start = self.lo + self.off
+        return self.array[start: start + self.repeats * self.step: self.step]
 
     def block(self) -> Any:
         """The stack's layers of the segment as [repeats, step, ...] (a contiguous slice, reshaped)."""
@@ -129,7 +134,10 @@ def scan_segments(x: jax.Array, kinds: tuple[str, ...], layer_inputs: Callable[[
     """
     done = []
     for seg in layer_segments(kinds):
-        xs, pick = _scanned([layer_inputs(seg, j) for j in range(len(seg.kinds))])
+        # Views under remat only: there the body's weights are recomputed in the backward, never saved; without
+        # remat the body's pick of a view would be saved per layer (a stacked copy of every weight), where a
+        # strided slice before the scan is read by the backward as it is (tests/test_blockwise.py).
+        xs, pick = _scanned([layer_inputs(seg, j) for j in range(len(seg.kinds))], views=remat != "none")
 
         def block(x: jax.Array, xs: Any, kinds: tuple[str, ...] = seg.kinds, pick: Callable = pick):
             outs = []
@@ -145,11 +153,14 @@ def scan_segments(x: jax.Array, kinds: tuple[str, ...], layer_inputs: Callable[[
     return x, done
 
 
-def _scanned(positions: list) -> tuple[Any, Callable[[Any], list]]:
+def _scanned(positions: list, views: bool = True) -> tuple[Any, Callable[[Any], list]]:
     """The scanned inputs of a segment's block positions (trees whose leaves are arrays with a leading repeats
     axis or :class:`Strided` views) as (what the scan slices: each distinct view's [repeats, step, ...] block once,
-    and the other leaves; a function from one iteration's slice of it to the positions' inputs)."""
+    and the other leaves; a function from one iteration's slice of it to the positions' inputs). Without
+    ``views``, each view is taken as the strided slice it stands for, before the scan."""
     leaves, tree = jax.tree.flatten(positions, is_leaf=lambda v: isinstance(v, Strided))
+    if not views:
+        leaves = [leaf.taken() if isinstance(leaf, Strided) else leaf for leaf in leaves]
     blocks: list = []
     seen: dict[tuple[int, int, int], int] = {}
     plan: list[tuple[bool, int, int]] = []  # (a view, its block or the plain leaf's index, its offset)
