@@ -3,8 +3,9 @@ on tiny random models saved as the Hub's files (the MoE's experts fused, a multi
 with the tiny Qwen tokenizer and the Hub's image processor type beside them, and `zoo convert`ed: the tower's image
 features (Qwen3-VL's tower without DeepStack), image+text logits over several delta-rule chunks (the images' M-RoPE
 positions on the full-attention layers, the linear layers position-free), the HF -> zoo -> HF round trip, the rows'
-ids and pixels as Qwen3VLProcessor expands them, `zoo generate --image` against transformers' greedy `generate`,
-the registry's qwen3.5-35b-a3b counted as transformers counts it, and LoRA on the tower exported for peft.
+ids and pixels as Qwen3VLProcessor expands them, the registry's qwen3.5-35b-a3b counted as transformers counts it;
+slow: the MoE's logits, a packed SFT step's loss, `zoo generate --image` against transformers' greedy `generate`,
+and LoRA on the tower exported for peft.
 
 The language models are tests/hf_models.py's tiny Qwen3.5s: Gated DeltaNet layers 0 and 2, gated full attention
 with interleaved M-RoPE (sections 2, 1, 1 of 4 frequencies) on layers 1 and 3; the tower tests/vlm_qwen35_models.py's.
@@ -234,3 +235,52 @@ def test_peft_loads_the_tower_adapters_with_the_zoo_models_image_text_logits(bui
     merged = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32,
                                                          attn_implementation="eager").eval()
     assert np.abs(hf_qwen3_logits(merged, tokens, IMAGES) - ours).max() <= TOL
+
+
+def _hf_sft_loss(m) -> float:
+    """transformers' mean next-token cross-entropy over data.jsonl's rows: the zoo's ids and pixels (equal to the
+    processor's: test_rows_expand_as_the_processor_does), labels -100 wherever the zoo trains nothing."""
+    from chat.formats import normalize
+    from chat.images import ImageExpander, tokenize_with_images
+
+    expander = ImageExpander.from_folder(m.ckpt / "tokenizer", m.tok)
+    total, count = 0.0, 0
+    for line in (m.root / "data.jsonl").read_text().splitlines():
+        t = tokenize_with_images(normalize(json.loads(line), "messages"), m.tok, expander, m.root)
+        labels = np.where(t.mask, t.ids, -100)
+        (image,) = t.images
+        ids = torch.tensor(t.ids[None], dtype=torch.long)
+        with torch.no_grad():
+            out = m.hf(input_ids=ids, pixel_values=torch.tensor(image.pixel_values),
+                       image_grid_thw=torch.tensor([image.grid_thw]),
+                       mm_token_type_ids=(ids == m.hf.config.image_token_id).int(),
+                       labels=torch.tensor(labels[None], dtype=torch.long))
+        n = int((labels[1:] != -100).sum())
+        total, count = total + float(out.loss) * n, count + n
+    return total / count
+
+
+@pytest.mark.slow
+def test_packed_sft_step_loss_is_transformers(built, tmp_path):
+    """Slow (a training run): two chat rows with images of different sizes packed into one row (their 48 + 16
+    patches in data.max_patches; the tower and merger frozen, for time): step 1's loss is transformers' over the two
+    rows apart, each document's M-RoPE positions its own and the linear layers' state restarting at each
+    document."""
+    from pretrain.config import load_config
+    from pretrain.loop import train
+    from sft.config import SFTConfig
+    from sft.task import SFTTask
+    from tests.run_files import read_metrics, write_jsonl
+
+    m = built("qwen3_5")
+    write_jsonl(m.root / "data.jsonl", [
+        {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]},
+                      {"role": "assistant", "content": answer}], "images": [name]}
+        for answer, name in (("It is a red square.", "img0.png"), ("It is a blue circle.", "img1.png"))])
+    cfg = load_config(None, [f"model.path={m.ckpt}", f"data.path={m.root / 'data.jsonl'}", "data.seq_len=144",
+                             "data.packing=true", "data.max_patches=64", "batch_size=1", "max_steps=1",
+                             "optimizer.learning_rate=0.01", "schedule.name=constant", "log_every=1",
+                             "checkpoint.every=100", f"output_dir={tmp_path}", "model.freeze=[vision,projector]"],
+                      SFTConfig)
+    train(cfg, progress=False, task=SFTTask(cfg))
+    assert abs(read_metrics(tmp_path)[0]["loss"] - _hf_sft_loss(m)) <= 1e-5
