@@ -191,13 +191,23 @@ def test_cli_generate_with_an_image_equals_transformers_generate(built, capsys):
     assert capsys.readouterr().out == want + "\n"
 
 
+# LoRA targets: Qwen3-VL's tower and merger names (no DeepStack mergers) beside the language model's q_proj; the MoE
+# adds the linear layers' in_proj_qkv and the routed experts (peft's target_parameters on the fused experts).
+TOWER_TARGETS = ("q_proj", "vision.qkv", "vision.o_proj", "vision.linear_fc1", "vision.linear_fc2", "projector.fc1",
+                 "projector.fc2")
+PEFT_TARGETS = {"qwen3_5": TOWER_TARGETS,
+                "qwen3_5_moe": (*TOWER_TARGETS, "in_proj_qkv", "experts.gate_proj", "experts.up_proj",
+                                "experts.down_proj")}
+
+
 @pytest.mark.slow
-def test_peft_loads_the_tower_adapters_with_the_zoo_models_image_text_logits(built, tmp_path):
-    """Slow (peft's model, the merged export and a compilation): LoRA on the language model's q_proj, the tower's
-    fused qkv, attn.proj, linear_fc1/2 and the merger's linear_fc1/2 (Qwen3-VL's tower targets; no DeepStack
-    mergers), exported as PEFT: peft's model on transformers' wraps those modules and gives the zoo forward's
-    image+text logits with the adapters beside their weights (1e-4, KL 1e-6); transformers on the merged export
-    the same."""
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_peft_loads_the_tower_adapters_with_the_zoo_models_image_text_logits(built, family, tmp_path):
+    """Slow (peft's model, the merged export and a compilation): LoRA on :data:`PEFT_TARGETS` (the tower's fused
+    qkv, attn.proj, linear_fc1/2 and the merger's linear_fc1/2; the MoE's experts too, under the composite model's
+    model.language_model.), exported as PEFT: peft loads every key, none left over, wraps those modules and gives
+    the zoo forward's image+text logits with the adapters beside their weights (1e-4, KL 1e-6); transformers on
+    the merged export the same."""
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
 
@@ -208,10 +218,8 @@ def test_peft_loads_the_tower_adapters_with_the_zoo_models_image_text_logits(bui
     from zoo.lora.weights import Weights
     from zoo.model.decoder import forward
 
-    m = built("qwen3_5")
-    targets = ("q_proj", "vision.qkv", "vision.o_proj", "vision.linear_fc1", "vision.linear_fc2", "projector.fc1",
-               "projector.fc2")
-    lora_cfg = LoraConfig(rank=4, alpha=4.0, targets=targets)
+    m = built(family)
+    lora_cfg = LoraConfig(rank=4, alpha=4.0, targets=PEFT_TARGETS[family])
     write_adapter_checkpoint(m.ckpt, tmp_path / "adapter", lora_cfg)
     shutil.copy(m.ckpt / "hf_config.json", tmp_path / "adapter" / "hf_config.json")  # as a run's final keeps it
     assert main(["export", str(tmp_path / "adapter"), "--adapter", "--out", str(tmp_path / "peft")]) == 0
@@ -223,19 +231,24 @@ def test_peft_loads_the_tower_adapters_with_the_zoo_models_image_text_logits(bui
     ours = np.asarray(jax.jit(lambda a: forward(cfg, Weights(params, a, lora_scale(lora_cfg)), jnp.asarray(tokens),
                                                 vision=vision))(adapters))
     base = hf_qwen3_logits(m.hf, tokens, IMAGES)
-    fresh = make_qwen35_vlm(tmp_path / "fresh", "qwen3_5", **m.ids)  # the same seed: the same model, unwrapped
+    fresh = make_qwen35_vlm(tmp_path / "fresh", family, **m.ids)  # the same seed: the same model, unwrapped
     peft = PeftModel.from_pretrained(fresh, str(tmp_path / "peft")).eval()
+    result = peft.load_adapter(str(tmp_path / "peft"), adapter_name="again")
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    peft.delete_adapter("again")
     wrapped = {n.removeprefix("base_model.model.") for n, mod in peft.named_modules() if hasattr(mod, "lora_A")}
     assert {"model.language_model.layers.1.self_attn.q_proj", "model.visual.blocks.1.attn.qkv",
             "model.visual.blocks.2.attn.proj", "model.visual.blocks.0.mlp.linear_fc2",
             "model.visual.merger.linear_fc1", "model.visual.merger.linear_fc2"} <= wrapped
+    if family == "qwen3_5_moe":
+        assert {"model.language_model.layers.0.linear_attn.in_proj_qkv",
+                "model.language_model.layers.3.mlp.experts"} <= wrapped
     got = hf_qwen3_logits(peft, tokens, IMAGES)
     assert np.abs(got - base).max() > 0.1  # the adapters change the model: the comparisons have teeth
     assert np.abs(got - ours).max() <= TOL and mean_kl(got, ours) <= 1e-6
     merged = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32,
                                                          attn_implementation="eager").eval()
     assert np.abs(hf_qwen3_logits(merged, tokens, IMAGES) - ours).max() <= TOL
-
 
 def _hf_sft_loss(m) -> float:
     """transformers' mean next-token cross-entropy over data.jsonl's rows: the zoo's ids and pixels (equal to the
