@@ -188,8 +188,10 @@ def swapped_factor(fused: FusedParam, parts: tuple[str, ...], pieces: dict[str, 
 
 # A vision-language model's class -> where its language model's layers sit in transformers 5's module tree, in place
 # of the text model's ``model.layers.`` that EXPERTS_LAYOUTS names (Qwen3.5-MoE's composite model holds them under
-# ``model.language_model.``, Llama 4's under ``language_model.model.``, as their files and the export name them).
+# ``model.language_model.``, as Gemma 4's does; Llama 4's under ``language_model.model.``), as their files and the
+# export name them.
 COMPOSITE_LAYERS = {"Qwen3_5MoeForConditionalGeneration": "model.language_model.layers.",
+                    "Gemma4ForConditionalGeneration": "model.language_model.layers.",
                     "Llama4ForConditionalGeneration": "language_model.model.layers."}
 
 
