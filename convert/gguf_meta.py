@@ -17,6 +17,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from convert.gguf_rope import ROPE_FREQS, ROPE_FREQS_ARCHS, llama3_scaling
 from zoo.errors import UserError
 
 # "<architecture>.<key>" metadata -> HF config field, for each GGUF architecture whose
@@ -110,9 +111,6 @@ CONFIG_DEFAULTS["llama4"] = {"attention_chunk_size": 8192, "no_rope_layer_interv
 # (Maverick: use_qk_norm false).
 CONFIG_DERIVED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "llama4": lambda raw: {"use_qk_norm": raw.get("num_local_experts") != 128}}
-# Tensors of a file that carry a setting lmzoo does not read from GGUF, refused rather than dropped: Llama 4 Scout's
-# llama3 RoPE scaling, which llama.cpp writes as per-frequency factors (rope_freqs) and no metadata key.
-REFUSED_TENSORS = {"llama4": {"rope_freqs.weight": "its RoPE scaling (llama3, stored as rope_freqs)"}}
 
 
 def _derived_fields(arch: str, meta: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
@@ -288,8 +286,10 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
         raise UserError(f"{path}: cannot read its GGUF metadata ({e})") from None
 
 
-def hf_config(meta: dict[str, Any], tensor_names: list[str], where: str) -> dict[str, Any]:
-    """The Hugging Face config dict that transformers derives from this GGUF metadata."""
+def hf_config(meta: dict[str, Any], tensor_names: list[str], where: str,
+              tensor: Callable[[str], np.ndarray] | None = None) -> dict[str, Any]:
+    """The Hugging Face config dict that transformers derives from this GGUF metadata; ``tensor`` reads a tensor
+    of the file (a llama or llama4 file's ``rope_freqs``: its llama3 RoPE scaling, convert/gguf_rope.py)."""
     from transformers import AutoConfig
 
     arch = meta.get("general.architecture")
@@ -310,10 +310,6 @@ def hf_config(meta: dict[str, Any], tensor_names: list[str], where: str) -> dict
             raw.setdefault(outer, {})[inner] = meta[f"{arch}.{key}"]
         else:
             raw[field] = meta[f"{arch}.{key}"]
-    for name, what in REFUSED_TENSORS.get(arch, {}).items():
-        if name in tensor_names:
-            raise UserError(f"{where}: a {arch} GGUF file with {name} ({what}) is not supported; convert the "
-                            "model's safetensors checkpoint instead")
     if arch == "llama4" and meta.get("llama4.attention.sliding_window") == 0:
         raise UserError(f"{where}: a llama4 GGUF file with attention.sliding_window 0 (every layer full attention, "
                         "RoPE on all) is not supported; convert the model's safetensors checkpoint instead")
@@ -336,6 +332,11 @@ def hf_config(meta: dict[str, Any], tensor_names: list[str], where: str) -> dict
     missing = [f for f in ("hidden_size", "num_hidden_layers", "num_attention_heads") if f not in raw]
     if missing:
         raise UserError(f"{where}: GGUF metadata lacks {', '.join(f'{arch}.*' + ' for ' + m for m in missing)}")
+    # llama3 scaling: its parameters back from the tensor, which the conversion then leaves unread
+    if arch in ROPE_FREQS_ARCHS and ROPE_FREQS in tensor_names:
+        if tensor is None:
+            raise ValueError(f"{where}: {ROPE_FREQS} needs the file's tensors to be read")
+        raw["rope_scaling"] = llama3_scaling(tensor(ROPE_FREQS), raw, meta, arch, where)
     config = AutoConfig.for_model(**raw).to_dict()
     config["_name_or_path"] = str(Path(where).parent)
     return config
