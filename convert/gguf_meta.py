@@ -83,7 +83,7 @@ CONFIG_KEYS["llama4"] = {**_LLAMA_KEYS, "feed_forward_length": "intermediate_siz
                          "interleave_moe_layer_step": "interleave_moe_layer_step"}
 # Qwen3-Next, as llama.cpp's Qwen3NextModel writes it: Qwen2-MoE's keys (the shared expert's width too), the linear
 # layers' dims as its ssm.* keys (state_size: k_dim, group_count: key heads, time_step_rank: value heads; the value
-# heads' width and the partial rotary are derived: _derived_fields), the full layers' interval.
+# heads' width and the partial rotary are derived: CONFIG_DERIVED), the full layers' interval.
 CONFIG_KEYS["qwen3next"] = {**_BASE_KEYS, "attention.key_length": "head_dim", "expert_count": "num_experts",
                             "expert_used_count": "num_experts_per_tok",
                             "expert_feed_forward_length": "moe_intermediate_size",
@@ -107,25 +107,28 @@ CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {"qwen3moe": {"norm_topk_prob": Tru
 # layers of four, the fourth NoPE with the attention temperature (floor 8192, scale 0.1).
 CONFIG_DEFAULTS["llama4"] = {"attention_chunk_size": 8192, "no_rope_layer_interval": 4, "attn_temperature_tuning": True,
                              "floor_scale": 8192, "attn_scale": 0.1}
-# Fields llama.cpp derives from others: its llama4 graph normalizes q and k on every model but the 128-expert one
-# (Maverick: use_qk_norm false).
-CONFIG_DERIVED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    "llama4": lambda raw: {"use_qk_norm": raw.get("num_local_experts") != 128}}
 
 
-def _derived_fields(arch: str, meta: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
-    """Config fields a file of ``arch`` gives only through others: Qwen3-Next's value heads' width (ssm.inner_size
-    over the value heads) and partial rotary (rope.dimension_count over head_dim)."""
-    if arch != "qwen3next":
-        return {}
+def _qwen3_next_derived(meta: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-Next's value heads' width (ssm.inner_size over the value heads) and partial rotary
+    (rope.dimension_count over head_dim)."""
     out: dict[str, Any] = {}
-    inner, heads = meta.get(f"{arch}.ssm.inner_size"), raw.get("linear_num_value_heads")
+    inner, heads = meta.get("qwen3next.ssm.inner_size"), raw.get("linear_num_value_heads")
     if inner is not None and heads:
         out["linear_value_head_dim"] = int(inner) // int(heads)
-    rope, head_dim = meta.get(f"{arch}.rope.dimension_count"), raw.get("head_dim")
+    rope, head_dim = meta.get("qwen3next.rope.dimension_count"), raw.get("head_dim")
     if rope is not None and head_dim:
         out["partial_rotary_factor"] = int(rope) / int(head_dim)
     return out
+
+
+# Config fields a file of the architecture gives only through others, from (the file's metadata, the config read so
+# far): llama.cpp's llama4 graph normalizes q and k on every model but the 128-expert one (Maverick: use_qk_norm
+# false); Qwen3-Next's derived widths.
+CONFIG_DERIVED: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
+    "llama4": lambda meta, raw: {"use_qk_norm": raw.get("num_local_experts") != 128},
+    "qwen3next": _qwen3_next_derived,
+}
 
 
 # Special token ids: HF config field <- tokenizer metadata key.
@@ -315,8 +318,7 @@ def hf_config(meta: dict[str, Any], tensor_names: list[str], where: str,
                         "RoPE on all) is not supported; convert the model's safetensors checkpoint instead")
     raw.update(CONFIG_DEFAULTS.get(arch, {}))
     if arch in CONFIG_DERIVED:
-        raw.update(CONFIG_DERIVED[arch](raw))
-    raw.update(_derived_fields(arch, meta, raw))
+        raw.update(CONFIG_DERIVED[arch](meta, raw))
     for field, value in ARCH_SETTINGS.get(arch, {}).items():
         outer, _, inner = field.partition(".")
         if outer in raw:
