@@ -251,7 +251,9 @@ def forward(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax.Arra
     # embeddings with the images in place.
     ple = per_layer_inputs(cfg, base, ids, x) if cfg.per_layer_input_size else None
     shared: dict[str, tuple[jax.Array, jax.Array]] = {}  # kind -> the keys/values the KV-shared layers reuse
-    check_layers_split(cfg.kinds)  # no context parallelism over linear-attention layers
+    # No context parallelism over linear-attention layers, checked here too: set-up's check_context sees only the
+    # trained model, not the others a run traces on its mesh (GKD's teacher, GRPO's reward models) or a caller's own
+    check_layers_split(cfg.kinds)
     if "linear" in cfg.kinds and (prefix_ids is not None or blocks is not None):
         raise UserError("linear-attention layers (Qwen3-Next) run on packed documents only: no shared prefixes "
                         "(DPO's shared prompts: set dpo.share_prompt false) and no image blocks")
