@@ -130,6 +130,11 @@ class ImageExpander:
         except (OSError, ValueError) as e:
             raise UserError(f"{folder}: no image processor could be loaded ({type(e).__name__}: {e}); "
                             "copy the model's preprocessor_config.json (or processor_config.json) into it") from None
+        except ImportError as e:  # a processor transformers ships for torchvision only (Llama 4's): no PIL backend
+            needs = " ".join(str(e).split()).split(" but ")[0]  # "Llama4ImageProcessor requires the Torchvision library"
+            raise UserError(f"{folder}: {needs}, which lmzoo does not use: its images cannot go through the data "
+                            "pipelines or `zoo generate --image` yet; give the processor's pixel_values to "
+                            "zoo.load(path)(tokens, vision=...) instead") from None
         family = type(processor).__name__.removesuffix("Pil")
         if family not in _FAMILIES:
             raise UserError(f"{folder}: the image processor {family} is not supported yet; "

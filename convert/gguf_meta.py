@@ -17,6 +17,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from convert.gguf_rope import ROPE_FREQS, ROPE_FREQS_ARCHS, llama3_scaling
 from zoo.errors import UserError
 
 # "<architecture>.<key>" metadata -> HF config field, for each GGUF architecture whose
@@ -82,7 +83,7 @@ CONFIG_KEYS["llama4"] = {**_LLAMA_KEYS, "feed_forward_length": "intermediate_siz
                          "interleave_moe_layer_step": "interleave_moe_layer_step"}
 # Qwen3-Next, as llama.cpp's Qwen3NextModel writes it: Qwen2-MoE's keys (the shared expert's width too), the linear
 # layers' dims as its ssm.* keys (state_size: k_dim, group_count: key heads, time_step_rank: value heads; the value
-# heads' width and the partial rotary are derived: _derived_fields), the full layers' interval.
+# heads' width and the partial rotary are derived: CONFIG_DERIVED), the full layers' interval.
 CONFIG_KEYS["qwen3next"] = {**_BASE_KEYS, "attention.key_length": "head_dim", "expert_count": "num_experts",
                             "expert_used_count": "num_experts_per_tok",
                             "expert_feed_forward_length": "moe_intermediate_size",
@@ -106,28 +107,28 @@ CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {"qwen3moe": {"norm_topk_prob": Tru
 # layers of four, the fourth NoPE with the attention temperature (floor 8192, scale 0.1).
 CONFIG_DEFAULTS["llama4"] = {"attention_chunk_size": 8192, "no_rope_layer_interval": 4, "attn_temperature_tuning": True,
                              "floor_scale": 8192, "attn_scale": 0.1}
-# Fields llama.cpp derives from others: its llama4 graph normalizes q and k on every model but the 128-expert one
-# (Maverick: use_qk_norm false).
-CONFIG_DERIVED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    "llama4": lambda raw: {"use_qk_norm": raw.get("num_local_experts") != 128}}
-# Tensors of a file that carry a setting lmzoo does not read from GGUF, refused rather than dropped: Llama 4 Scout's
-# llama3 RoPE scaling, which llama.cpp writes as per-frequency factors (rope_freqs) and no metadata key.
-REFUSED_TENSORS = {"llama4": {"rope_freqs.weight": "its RoPE scaling (llama3, stored as rope_freqs)"}}
 
 
-def _derived_fields(arch: str, meta: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
-    """Config fields a file of ``arch`` gives only through others: Qwen3-Next's value heads' width (ssm.inner_size
-    over the value heads) and partial rotary (rope.dimension_count over head_dim)."""
-    if arch != "qwen3next":
-        return {}
+def _qwen3_next_derived(meta: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-Next's value heads' width (ssm.inner_size over the value heads) and partial rotary
+    (rope.dimension_count over head_dim)."""
     out: dict[str, Any] = {}
-    inner, heads = meta.get(f"{arch}.ssm.inner_size"), raw.get("linear_num_value_heads")
+    inner, heads = meta.get("qwen3next.ssm.inner_size"), raw.get("linear_num_value_heads")
     if inner is not None and heads:
         out["linear_value_head_dim"] = int(inner) // int(heads)
-    rope, head_dim = meta.get(f"{arch}.rope.dimension_count"), raw.get("head_dim")
+    rope, head_dim = meta.get("qwen3next.rope.dimension_count"), raw.get("head_dim")
     if rope is not None and head_dim:
         out["partial_rotary_factor"] = int(rope) / int(head_dim)
     return out
+
+
+# Config fields a file of the architecture gives only through others, from (the file's metadata, the config read so
+# far): llama.cpp's llama4 graph normalizes q and k on every model but the 128-expert one (Maverick: use_qk_norm
+# false); Qwen3-Next's derived widths.
+CONFIG_DERIVED: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
+    "llama4": lambda meta, raw: {"use_qk_norm": raw.get("num_local_experts") != 128},
+    "qwen3next": _qwen3_next_derived,
+}
 
 
 # Special token ids: HF config field <- tokenizer metadata key.
@@ -288,8 +289,10 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
         raise UserError(f"{path}: cannot read its GGUF metadata ({e})") from None
 
 
-def hf_config(meta: dict[str, Any], tensor_names: list[str], where: str) -> dict[str, Any]:
-    """The Hugging Face config dict that transformers derives from this GGUF metadata."""
+def hf_config(meta: dict[str, Any], tensor_names: list[str], where: str,
+              tensor: Callable[[str], np.ndarray] | None = None) -> dict[str, Any]:
+    """The Hugging Face config dict that transformers derives from this GGUF metadata; ``tensor`` reads a tensor
+    of the file (a llama or llama4 file's ``rope_freqs``: its llama3 RoPE scaling, convert/gguf_rope.py)."""
     from transformers import AutoConfig
 
     arch = meta.get("general.architecture")
@@ -310,17 +313,12 @@ def hf_config(meta: dict[str, Any], tensor_names: list[str], where: str) -> dict
             raw.setdefault(outer, {})[inner] = meta[f"{arch}.{key}"]
         else:
             raw[field] = meta[f"{arch}.{key}"]
-    for name, what in REFUSED_TENSORS.get(arch, {}).items():
-        if name in tensor_names:
-            raise UserError(f"{where}: a {arch} GGUF file with {name} ({what}) is not supported; convert the "
-                            "model's safetensors checkpoint instead")
     if arch == "llama4" and meta.get("llama4.attention.sliding_window") == 0:
         raise UserError(f"{where}: a llama4 GGUF file with attention.sliding_window 0 (every layer full attention, "
                         "RoPE on all) is not supported; convert the model's safetensors checkpoint instead")
     raw.update(CONFIG_DEFAULTS.get(arch, {}))
     if arch in CONFIG_DERIVED:
-        raw.update(CONFIG_DERIVED[arch](raw))
-    raw.update(_derived_fields(arch, meta, raw))
+        raw.update(CONFIG_DERIVED[arch](meta, raw))
     for field, value in ARCH_SETTINGS.get(arch, {}).items():
         outer, _, inner = field.partition(".")
         if outer in raw:
@@ -336,6 +334,11 @@ def hf_config(meta: dict[str, Any], tensor_names: list[str], where: str) -> dict
     missing = [f for f in ("hidden_size", "num_hidden_layers", "num_attention_heads") if f not in raw]
     if missing:
         raise UserError(f"{where}: GGUF metadata lacks {', '.join(f'{arch}.*' + ' for ' + m for m in missing)}")
+    # llama3 scaling: its parameters back from the tensor, which the conversion then leaves unread
+    if arch in ROPE_FREQS_ARCHS and ROPE_FREQS in tensor_names:
+        if tensor is None:
+            raise ValueError(f"{where}: {ROPE_FREQS} needs the file's tensors to be read")
+        raw["rope_scaling"] = llama3_scaling(tensor(ROPE_FREQS), raw, meta, arch, where)
     config = AutoConfig.for_model(**raw).to_dict()
     config["_name_or_path"] = str(Path(where).parent)
     return config

@@ -110,7 +110,7 @@ def _open_gguf(path: Path) -> Source:
 
     reader = GGUFFile(path)
     meta = read_metadata(path)
-    hf = hf_config(meta, reader.names(), str(path))
+    hf = hf_config(meta, reader.names(), str(path), reader.get)
 
     def save_tokenizer(dest: Path) -> None:
         build_tokenizer(meta, str(path)).save_pretrained(str(dest))

@@ -71,9 +71,14 @@ def load_teacher(ctx: Any) -> tuple[Any, dict]:
     from pretrain.dtypes import DTYPES
     from pretrain.setup import param_layout
     from zoo.checkpoints.loading import load_params
+    from zoo.model.context import check_context
 
     mcfg, ckpt = ctx.arrays.checkpoint_config(str(ctx.cfg.distill.teacher), "distill.teacher")
     check_vocab_size(ctx.mcfg.vocab_size, mcfg.vocab_size, str(ctx.cfg.distill.teacher))
+    try:  # set-up checks the student's layers against mesh.context; the teacher runs on the same mesh
+        check_context(mcfg, ctx.cfg.mesh.context)
+    except UserError as e:
+        raise UserError(f"distill.teacher {ctx.cfg.distill.teacher}: {e}") from None
     dtype = DTYPES[ctx.cfg.dtype.params]
     return mcfg, ctx.arrays.read(param_layout(mcfg, ctx.mesh, dtype), lambda: load_params(ckpt, ctx.mesh, dtype))
 

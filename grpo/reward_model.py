@@ -72,9 +72,14 @@ class RewardModelScorer:
         from zoo.checkpoints.loading import load_params
         from zoo.data.tokenizer import load_tokenizer
         from zoo.lora.weights import Weights
+        from zoo.model.context import check_context
         from zoo.model.decoder import forward
         from zoo.model.pooling import last_positions
 
+        try:  # it scores on the run's mesh, whose context axis set-up checked against the policy only
+            check_context(self.mcfg, dict(mesh.shape).get("context", 1))
+        except UserError as e:
+            raise UserError(f"grpo.rewards entry '{PREFIX}{self.path}': {e}") from None
         self.tokenizer = load_tokenizer(self.path)
         meta = read_meta(self.path)
         self.shares_base = shared is not None and _same_base(self.path, meta, shared)

@@ -91,7 +91,7 @@ def train_command(args: argparse.Namespace, schema: type[TrainConfig] = TrainCon
         raise UserError("--compile-only needs --topology, e.g. --topology v5e:2x4")
     if compiling and args.num_slices < 1:
         raise UserError(f"--num-slices must be at least 1, got {args.num_slices}")
-    cfg = load_config(args.config, list(args.overrides), schema)
+    cfg = load_config(args.config, list(args.overrides), schema, compile_only=compiling)
     if args.print_config:
         print(to_yaml(cfg), end="")
         return None

@@ -137,6 +137,8 @@ def abstract_run(cfg: TrainConfig, task: Any, topology: str, devices: list[Any])
         check_platform(cfg.model.attention, cfg.dtype.compute)
     model = set_up_model(cfg, mesh, LAYOUT)
     model, _, frozen_inputs = prepare_task(cfg, task, model, LAYOUT, TokenIds.stand_in(model.mcfg))
+    # the schedule's length: max_steps, else one step (a run that only compiles may have no length; the schedule's
+    # constants are not the program's shapes)
     step = build_step(cfg, task, model, frozen_inputs, LAYOUT, max(1, cfg.max_steps or 1))
     layout = task.batch_layout(cfg.grad_accum, cfg.batch_size // cfg.grad_accum, cfg.data.seq_len)
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=step.batch_sharding), layout)

@@ -96,9 +96,8 @@ class DataSection:
     skip_bad_rows: bool = False  # malformed rows are counted and skipped (false: the first one stops the run)
 
     def check(self) -> None:
-        """Cross-field checks of the data keys."""
-        if not self.path:
-            raise UserError("config needs `data.path` (a jsonl/json/parquet/txt file or folder)")
+        """Cross-field checks of the data keys (a task's section adds its own; ``data.path`` is needed by a run that
+        reads data: :meth:`TrainConfig.check_inputs`)."""
 
 
 def data_sources(cfg: TrainConfig) -> list[DataSource]:
@@ -316,8 +315,6 @@ class TrainConfig:
         for name in self.model.freeze:
             if name not in FREEZABLE:
                 raise UserError(f"model.freeze names {name!r}; choose among {', '.join(FREEZABLE)}")
-        if self.max_steps is None and self.epochs is None:
-            raise UserError("config needs `max_steps` or `epochs`")
         if self.mesh.context > 1 and self.data.seq_len % self.mesh.context:
             raise UserError(f"data.seq_len {self.data.seq_len} must be a multiple of mesh.context "
                             f"{self.mesh.context} (each device attends an equal block of every row)")
@@ -326,6 +323,15 @@ class TrainConfig:
         trackers.chosen(self.report_to)  # an unknown tracker's name
         if self.eval.tasks and not self.eval_every:
             raise UserError("eval.tasks are scored every eval_every steps; set eval_every (e.g. eval_every=100)")
+
+
+    def check_inputs(self) -> None:
+        """What a run that trains needs and ``--compile-only`` does not (it reads no data and compiles one step
+        whatever the run's length): the data and the run's length."""
+        if not self.data.path:
+            raise UserError("config needs `data.path` (a jsonl/json/parquet/txt file or folder)")
+        if self.max_steps is None and self.epochs is None:
+            raise UserError("config needs `max_steps` or `epochs`")
 
 
 def _build(cls: type, data: dict[str, Any], prefix: str = "", root: type | None = None) -> Any:
@@ -356,9 +362,10 @@ def _build(cls: type, data: dict[str, Any], prefix: str = "", root: type | None 
 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = (),
-                schema: type[TrainConfig] | None = None) -> TrainConfig:
+                schema: type[TrainConfig] | None = None, compile_only: bool = False) -> TrainConfig:
     """Read a YAML config (safely) and apply `key.sub=value` (and `~key.sub` removal) overrides, as ``schema`` (a task's ``config_class``;
-    default :class:`TrainConfig`, pretraining's) says."""
+    default :class:`TrainConfig`, pretraining's) says. ``compile_only``: for ``--compile-only``, which needs no
+    ``data.path`` and no ``max_steps`` (:meth:`TrainConfig.check_inputs` is skipped)."""
     tree: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -384,6 +391,8 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (),
         set_override(tree, key.strip(), value)
     cfg: TrainConfig = _build(schema or TrainConfig, tree)
     cfg.check()
+    if not compile_only:
+        cfg.check_inputs()
     check_unread(cfg, cfg.UNREAD)
     return cfg
 

@@ -19,11 +19,14 @@ KEYS = {"topology", "chips", "hbm_bytes_per_chip", "fits", "bytes_per_chip", "mo
         "tokens_per_step", "compile_seconds"}
 
 
-def _config(tmp_path, model: dict, extra: str = "", name: str = "run.yaml"):
+def _config(tmp_path, model: dict, extra: str = "", name: str = "run.yaml", data: bool = True):
+    """A run's YAML for ``model`` (a config.json beside it); ``data``: with a data.path (a file that does not exist)
+    and max_steps, else neither (what a compile-only run may leave out)."""
     (tmp_path / "config.json").write_text(json.dumps(model))
     f = tmp_path / name
-    f.write_text(f"model: {tmp_path / 'config.json'}\ndata:\n  path: {tmp_path / 'absent.jsonl'}\n  seq_len: 64\n"
-                 f"batch_size: 8\nmax_steps: 1\noutput_dir: {tmp_path / 'run'}\n{extra}")
+    inputs = f"  path: {tmp_path / 'absent.jsonl'}\n" if data else ""
+    f.write_text(f"model: {tmp_path / 'config.json'}\ndata:\n{inputs}  seq_len: 64\nbatch_size: 8\n"
+                 f"{'max_steps: 1' if data else ''}\noutput_dir: {tmp_path / 'run'}\n{extra}")
     return f
 
 
@@ -68,8 +71,9 @@ def _projection_count(m: dict) -> int:
 def test_a_small_run_compiles_for_a_4_chip_slice_and_reports(tmp_path, capsys, command, extra, factor):
     """The step of each train command compiles for v5e:2x2 (4 chips) from its config alone: the JSON report's
     keys, the chip count and HBM of a v5e, parts that add up, and FLOPs from the model's arithmetic. The data
-    file does not exist: nothing is read."""
-    f = _config(tmp_path, TINY, extra)
+    file does not exist: nothing is read; SFT's config has no data.path and no max_steps at all (compile-only
+    needs neither: its schedule is 1 step)."""
+    f = _config(tmp_path, TINY, extra, data=command != "sft")
     report = tmp_path / "report.json"
     code = _main(command)(["train", "--config", str(f), "--compile-only", "--topology", "v5e:2x2",
                            "--report", str(report)])
@@ -427,3 +431,15 @@ def test_bfloat16_full_fine_tuning_keeps_no_float32_copy_of_a_gradient(tmp_path)
     text = next((tmp_path / "dump").glob("*after_optimizations-buffer-assignment.txt")).read_text()
     values = re.findall(r"^ value: <\d+ (\S+) @\d+> \(size=\d+,offset=\d+\): (\w+\[[\d,]*\])", text, re.M)
     assert values and not [(name, shape) for name, shape in values if shape in shards]
+
+
+def test_a_run_without_data_or_length_is_refused_unless_it_only_compiles(tmp_path, capsys):
+    """The config compile-only takes without data.path and max_steps (the test above) is refused, in one line,
+    by a run that trains, before any model code loads."""
+    f = _config(tmp_path, TINY, "lora:\n  rank: 4\n", data=False)
+    assert _main("sft")(["train", "--config", str(f)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: config needs `data.path` (a jsonl/json/parquet/txt file or folder)"], err
+    g = _config(tmp_path, TINY, f"data:\n  path: {tmp_path / 'absent.jsonl'}\n", name="nolength.yaml", data=False)
+    assert _main("sft")(["train", "--config", str(g)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == ["error: config needs `max_steps` or `epochs`"]

@@ -191,6 +191,34 @@ def test_a_teacher_of_another_vocab_size_is_one_line(tmp_path, capsys) -> None:
     assert "\n" not in err and "distill.teacher" in err and "320" in err and "256" in err, err
 
 
+def test_a_teacher_whose_layers_cannot_split_over_mesh_context_is_one_line(tmp_path, capsys) -> None:
+    """Set-up checks the student's layers against mesh.context; a teacher runs on the same mesh: a Qwen3-Next
+    teacher (linear-attention layers carry a state along the sequence) under mesh.context 2 is refused before
+    anything compiles, one line naming distill.teacher, exit 2."""
+    import json
+
+    from sft.cli import main
+
+    student = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+               "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "head_dim": 16, "tie_word_embeddings": False}
+    teacher = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "vocab_size": 256,
+               "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+               "linear_key_head_dim": 16, "linear_value_head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+               "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}
+    (tmp_path / "student.json").write_text(json.dumps(student))
+    (tmp_path / "teacher.json").write_text(json.dumps(teacher))
+    f = tmp_path / "run.yaml"
+    f.write_text(f"model: {tmp_path / 'student.json'}\ndata:\n  seq_len: 32\noutput_dir: {tmp_path / 'run'}\n"
+                 f"mesh:\n  context: 2\ndistill:\n  teacher: {tmp_path / 'teacher.json'}\n  lmbda: 0\n")
+    assert main(["train", "--config", str(f), "--compile-only", "--topology", "v5e:2x2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: distill.teacher {tmp_path / 'teacher.json'}: mesh.context: 2 splits the sequence, but "
+                   "the linear-attention layers (0, 1, 2) carry a state along it and cannot run split; set "
+                   "mesh.context to 1"), err
+
+
 @pytest.fixture(scope="module")
 def teacher(dpo_models, tmp_path_factory):
     """A teacher of 3 layers and hidden size 48 (not the student's shapes) with the student's tokenizer, at

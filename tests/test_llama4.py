@@ -16,6 +16,7 @@ import torch
 import zoo
 from eval.generate import GenerationConfig, generate
 from tests.hf_models import hf_logits, random_tokens
+from tests.llama4_gguf import write_llama4_gguf
 from tests.lora_fixtures import peft_logits_against_ours, write_adapter_checkpoint
 from zoo.cli import main
 from zoo.lora.params import LoraConfig
@@ -206,72 +207,22 @@ def test_the_engine_answers_greedily_past_the_chunks():
     assert len({tuple(a) for a in out.values()}) == len(ids)
 
 
-def _write_llama4_gguf(path, c, state: dict, tokens: list[str], merges: list[str]) -> None:
-    """Write a tiny Llama4ForCausalLM (config ``c``, tensors ``state``) as llama.cpp's convert_hf_to_gguf.py does
-    (Llama4Model, arch ``llama4``): feed_forward_length the dense MLP's width and expert_feed_forward_length the
-    experts', q/k rows as transformers holds them (undo_permute = False), each MoE layer's gate_up_proj [experts,
-    embed, 2 x mlp] transposed and split into ``ffn_gate_exps`` / ``ffn_up_exps`` [experts, mlp, embed], down_proj
-    transposed into ``ffn_down_exps``; float32, a byte-level vocabulary."""
-    import gguf
-
-    w = gguf.GGUFWriter(str(path), "llama4")
-    for add, value in ((w.add_context_length, c.max_position_embeddings), (w.add_embedding_length, c.hidden_size),
-                       (w.add_block_count, c.num_hidden_layers), (w.add_feed_forward_length, c.intermediate_size_mlp),
-                       (w.add_head_count, c.num_attention_heads), (w.add_head_count_kv, c.num_key_value_heads),
-                       (w.add_rope_freq_base, c.rope_parameters["rope_theta"]), (w.add_layer_norm_rms_eps, c.rms_norm_eps),
-                       (w.add_expert_count, c.num_local_experts), (w.add_expert_used_count, c.num_experts_per_tok),
-                       (w.add_key_length, c.head_dim), (w.add_value_length, c.head_dim), (w.add_vocab_size, c.vocab_size),
-                       (w.add_rope_dimension_count, c.head_dim),
-                       (w.add_interleave_moe_layer_step, c.interleave_moe_layer_step),
-                       (w.add_expert_feed_forward_length, c.intermediate_size)):
-        add(value)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("llama4")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * len(tokens))
-    w.add_token_merges(merges)
-    for name, hf_name in (("token_embd", "model.embed_tokens"), ("output_norm", "model.norm"), ("output", "lm_head")):
-        w.add_tensor(f"{name}.weight", state[f"{hf_name}.weight"])
-    attention = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-                 "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output"}
-    for i in range(c.num_hidden_layers):
-        L, F = f"model.layers.{i}.", f"model.layers.{i}.feed_forward."
-        for module, name in attention.items():
-            w.add_tensor(f"blk.{i}.{name}.weight", state[f"{L}{module}.weight"])
-        if i not in c.moe_layers:
-            for part in ("gate", "up", "down"):
-                w.add_tensor(f"blk.{i}.ffn_{part}.weight", state[f"{F}{part}_proj.weight"])
-            continue
-        w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", state[F + "router.weight"])
-        gate, up = np.split(state[F + "experts.gate_up_proj"].swapaxes(-1, -2), 2, axis=-2)
-        for name, data in (("gate", gate), ("up", up), ("down", state[F + "experts.down_proj"].swapaxes(-1, -2))):
-            w.add_tensor(f"blk.{i}.ffn_{name}_exps.weight", np.ascontiguousarray(data))
-        for part in ("gate", "up", "down"):
-            w.add_tensor(f"blk.{i}.ffn_{part}_shexp.weight", state[f"{F}shared_expert.{part}_proj.weight"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
 @pytest.mark.slow
 def test_gguf_llama4_converts_as_the_safetensors_checkpoint(tmp_path):
     """Slow (two conversions, about 4 s): a tiny Llama 4 text model of the released layout llama.cpp's graph
     assumes (MoE on every second layer, NoPE every fourth, chunks of 8192, the attention temperature's floor 8192
     and scale 0.1, q/k norms: its expert count is not 128) written as llama.cpp's ``llama4`` file converts to the
-    safetensors conversion's parameters, bit for bit, and architecture. A file with ``rope_freqs`` (Scout's llama3
-    RoPE scaling, no metadata key) is refused in one line rather than converted without it. Its tokenizer splits
-    as Llama 4's (``tokenizer.ggml.pre`` ``llama4``: GPT-4o's split, digits in threes): "12345" is "123" and
-    "45", where GPT-2's split would keep the digits whole (and merge "1234")."""
+    safetensors conversion's parameters, bit for bit, and architecture (a file with Scout's llama3 RoPE scaling:
+    tests/test_gguf_rope_freqs.py). Its tokenizer splits as Llama 4's (``tokenizer.ggml.pre`` ``llama4``: GPT-4o's
+    split, digits in threes): "12345" is "123" and "45", where GPT-2's split would keep the digits whole (and merge
+    "1234")."""
     import dataclasses
 
-    import gguf
     from safetensors.numpy import load_file
 
     from tests.hf_models import make_hf
     from zoo.checkpoints.format import read_meta
     from zoo.checkpoints.readers import load_param_numpy
-    from zoo.errors import UserError
 
     # the tiny vocabulary: digits and their merges up to "1234", then one filler token an id
     tokens = ["1", "2", "3", "4", "5", "12", "123", "1234"] + [chr(0x100 + i) for i in range(88)]
@@ -280,7 +231,7 @@ def test_gguf_llama4_converts_as_the_safetensors_checkpoint(tmp_path):
                  attention_chunk_size=8192, floor_scale=8192, attn_scale=0.1)
     c, state = hf.config, load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert c.moe_layers == [1, 3] and c.no_rope_layers == [1, 1, 1, 0]
-    _write_llama4_gguf(tmp_path / "tiny.gguf", c, state, tokens, merges)
+    write_llama4_gguf(tmp_path / "tiny.gguf", c, state, tokens, merges)
     assert main(["convert", str(tmp_path / "tiny.gguf"), "--out", str(tmp_path / "from_gguf")]) == 0
     assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "from_hf")]) == 0
     params = read_meta(tmp_path / "from_hf")["params"]
@@ -295,15 +246,3 @@ def test_gguf_llama4_converts_as_the_safetensors_checkpoint(tmp_path):
     from zoo.data.tokenizer import load_tokenizer
 
     assert load_tokenizer(tmp_path / "from_gguf")("12345", add_special_tokens=False)["input_ids"] == [6, 3, 4]
-    w = gguf.GGUFWriter(str(tmp_path / "scaled.gguf"), "llama4")  # what llama.cpp writes for Scout's RoPE scaling
-    w.add_block_count(1)
-    w.add_tensor("rope_freqs.weight", np.ones(8, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    from convert.convert import convert
-
-    with pytest.raises(UserError, match=r"rope_freqs.weight \(its RoPE scaling \(llama3, stored as rope_freqs\)\) is "
-                                        r"not supported; convert the model's safetensors checkpoint instead$"):
-        convert(str(tmp_path / "scaled.gguf"), tmp_path / "never")

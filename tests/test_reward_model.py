@@ -261,3 +261,29 @@ def test_grpo_reward_model_scores_completions_as_trl_does(reward_models, tmp_pat
     with pytest.raises(UserError) as e:
         load_rewards([f"rm:{root / 'policy'}"])
     assert "is a causal LM, not a reward model" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_grpo_reward_model_whose_layers_cannot_split_over_mesh_context_is_one_line(reward_models):
+    """A reward model scores on the run's mesh, whose context axis set-up checked against the policy only: a
+    reward model with linear-attention layers (Qwen3-Next's, a state carried along the sequence) on a mesh that
+    splits the sequence is refused when the rewards are prepared, one line naming the grpo.rewards entry."""
+    import jax.numpy as jnp
+    from jax.sharding import AbstractMesh
+
+    from grpo.rewards import load_rewards
+    from zoo.model.from_hf import model_config_from_hf
+
+    out, _, _ = reward_models
+    rewards = load_rewards([f"rm:{out / 'rm'}"])
+    (scorer,) = [rf.fn for rf in rewards.functions]
+    scorer.mcfg = model_config_from_hf({
+        "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "vocab_size": 256, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32})
+    with pytest.raises(UserError) as e:
+        rewards.prepare(AbstractMesh((1, 2), ("data", "context")), jnp.float32)
+    assert str(e.value) == (f"grpo.rewards entry 'rm:{scorer.path}': mesh.context: 2 splits the sequence, but the "
+                            "linear-attention layers (0, 1, 2) carry a state along it and cannot run split; set "
+                            "mesh.context to 1")

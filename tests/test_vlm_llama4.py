@@ -276,3 +276,19 @@ def test_peft_loads_the_whole_models_expert_adapters(llama4, tmp_path):
     got = hf_logits(peft, tokens, pixels)
     assert np.abs(got - hf_logits(hf, tokens, pixels)).max() > 0.1  # the adapters move the logits
     assert np.abs(got - ours).max() <= TOL
+
+
+def test_images_through_the_data_pipelines_are_one_line_naming_the_missing_backend(tmp_path):
+    """Llama 4's image processor is transformers' torchvision backend only (no PIL one), and torchvision is not a
+    dependency: the data pipelines' image expander stops with one line naming what it needs and the way that works
+    (the processor's pixel values given to the model), not a traceback or a hint to copy files that are there."""
+    from chat.images import ImageExpander
+    from zoo.errors import UserError
+
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(
+        {"image_processor_type": "Llama4ImageProcessorFast", "processor_class": "Llama4Processor"}))
+    with pytest.raises(UserError) as e:
+        ImageExpander.from_folder(tmp_path, tokenizer=None)
+    assert str(e.value) == (f"{tmp_path}: Llama4ImageProcessor requires the Torchvision library, which lmzoo does "
+                            "not use: its images cannot go through the data pipelines or `zoo generate --image` "
+                            "yet; give the processor's pixel_values to zoo.load(path)(tokens, vision=...) instead")

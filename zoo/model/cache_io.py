@@ -1,7 +1,9 @@
 """What the cached forward (:mod:`zoo.model.decode`) reads from and writes to its caches: its new keys and values
 unwritten (:class:`Written`), which a cache kept elsewhere (the inference engine's paged KV cache,
 :mod:`eval.engine.paged`) writes where it keeps them; one layer's reads of a paged pool (:func:`gather_pages`); and
-the ring cache's write (:func:`write_ring`)."""
+the ring cache's write (:func:`write_ring`); the shapes of a ring cache's entries (:func:`entry_shapes`), the
+linear layers' states (:func:`linear_state_shapes`) and their reads and writes (:func:`rows_states`,
+:func:`put_states`)."""
 
 from __future__ import annotations
 
@@ -76,6 +78,23 @@ def linear_state_shapes(cfg: ModelConfig, n: int, rows: int) -> dict[str, tuple[
     return {"conv": ((n, rows, cfg.linear_conv_kernel - 1, channels), ("layers", "batch", None, None)),
             "rec": ((n, rows, cfg.linear_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
                     ("layers", "batch", "heads", None, None))}
+
+
+def entry_shapes(cfg: ModelConfig, n: int, batch: int, slots: int,
+                 kind: str = "full") -> dict[str, tuple[tuple[int, ...], tuple]]:
+    """name -> (shape, logical axes) of one kind's ring cache arrays (:class:`zoo.model.decode.Cache`) for n layers
+    of ``batch`` rows and ``slots`` slots: keys and values, MLA's latent and rope keys (DeepSeek-V3.2: and its
+    indexer's keys ``index_k``), or Qwen3-Next's linear layers' fixed-size states (:func:`linear_state_shapes`)."""
+    if kind == "linear":
+        return linear_state_shapes(cfg, n, batch)
+    lead, axes = (n, batch, slots), ("layers", "batch", "sequence")
+    if cfg.mla:
+        sparse = {"index_k": (lead + (cfg.index_head_dim,), axes + (None,))} if cfg.sparse else {}
+        return {"latent": (lead + (cfg.kv_lora_rank,), axes + (None,)),
+                "k_pe": (lead + (cfg.qk_rope_head_dim,), axes + ("head_dim",)), **sparse}
+    lead, axes = (n, batch, cfg.num_kv_heads), ("layers", "batch", "kv_heads")
+    return {"k": (lead + (cfg.head_dim, slots), axes + ("head_dim", "sequence")),
+            "v": (lead + (slots, cfg.head_dim), axes + ("sequence", "head_dim"))}
 
 
 def rows_states(c: dict[str, jax.Array], seq_rows: jax.Array | None, empty: jax.Array) -> dict[str, jax.Array]:

@@ -47,7 +47,7 @@ from jax.sharding import Mesh, NamedSharding
 from zoo.layers.linear_attention import linear_attention
 from zoo.lora.projections import LayerLora
 from zoo.lora.weights import Weights
-from zoo.model.cache_io import Written, gather_pages, linear_state_shapes, rows_states, write_ring
+from zoo.model.cache_io import Written, entry_shapes, gather_pages, rows_states, write_ring
 from zoo.model.cached_attention import gqa_attention, mla_attention, new_token_masks, slot_positions
 from zoo.model.config import ModelConfig
 from zoo.model.decoder import decoder_layer, embed_tokens, norm, output_logits
@@ -110,22 +110,6 @@ def _kind_sizes(cfg: ModelConfig, max_len: int) -> dict[str, int]:
     return sizes
 
 
-def _entry_shapes(cfg: ModelConfig, n: int, batch: int, slots: int,
-                  kind: str = "full") -> dict[str, tuple[tuple[int, ...], tuple]]:
-    """name -> (shape, logical axes) of one kind's cache arrays for n layers (Qwen3-Next's linear layers: their
-    fixed-size states, :func:`zoo.model.cache_io.linear_state_shapes`)."""
-    if kind == "linear":
-        return linear_state_shapes(cfg, n, batch)
-    lead, axes = (n, batch, slots), ("layers", "batch", "sequence")
-    if cfg.mla:
-        sparse = {"index_k": (lead + (cfg.index_head_dim,), axes + (None,))} if cfg.sparse else {}
-        return {"latent": (lead + (cfg.kv_lora_rank,), axes + (None,)),
-                "k_pe": (lead + (cfg.qk_rope_head_dim,), axes + ("head_dim",)), **sparse}
-    lead, axes = (n, batch, cfg.num_kv_heads), ("layers", "batch", "kv_heads")
-    return {"k": (lead + (cfg.head_dim, slots), axes + ("head_dim", "sequence")),
-            "v": (lead + (slots, cfg.head_dim), axes + ("sequence", "head_dim"))}
-
-
 def _cache_tree(cfg: ModelConfig, batch: int, max_len: int, make: Any) -> Cache:
     """A cache whose every array is ``make(shape, logical axes, dtype or None)`` (None: the cache's own dtype)."""
     sizes = _kind_sizes(cfg, max_len)
@@ -137,7 +121,7 @@ def _cache_tree(cfg: ModelConfig, batch: int, max_len: int, make: Any) -> Cache:
             continue
         layers[prefix] = {
             kind: {name: make(shape, axes, jnp.float32 if name == "rec" else None) for name, (shape, axes)
-                   in _entry_shapes(kind_config(cfg, kind), kinds.count(kind), batch, sizes.get(kind, 0), kind).items()}
+                   in entry_shapes(kind_config(cfg, kind), kinds.count(kind), batch, sizes.get(kind, 0), kind).items()}
             for kind in sorted(set(kinds))}
     delta = make((batch,), ("batch",), jnp.int32) if cfg.rope.mrope_section else None
     return Cache(layers, make((batch,), ("batch",), jnp.int32), delta)

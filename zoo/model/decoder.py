@@ -41,7 +41,7 @@ from zoo.model.layer_layout import (
     store_layers,
 )
 from zoo.model.layer_scan import Segment, scan_segments, stack_slice
-from zoo.model.masks import kind_chunk, kind_window, visibility
+from zoo.model.masks import chunk_ids, kind_chunk, kind_window, visibility
 from zoo.model.mrope import mrope_positions
 from zoo.model.multimodal import (
     blocks_of_kind,
@@ -238,7 +238,7 @@ def forward(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax.Arra
     # Rows with images: Gemma 3's image tokens attend within their image both ways (zoo.model.multimodal).
     blocks, ahead = image_blocks(cfg, tokens) if vision is not None else (None, 0)
     seen = {kind: visibility(segment_ids, kind_window(cfg, kind), prefix_ids, max_segments,
-                             blocks_of_kind(cfg, kind, blocks), ahead, _chunk_ids(kind_chunk(cfg, kind), positions))
+                             blocks_of_kind(cfg, kind, blocks), ahead, chunk_ids(kind_chunk(cfg, kind), positions))
             for kind in ropes}
     valid = segment_ids != 0
     ids = tokens if vision is None else text_ids(cfg, tokens)
@@ -251,7 +251,9 @@ def forward(cfg: ModelConfig, params: dict[str, Any] | Weights, tokens: jax.Arra
     # embeddings with the images in place.
     ple = per_layer_inputs(cfg, base, ids, x) if cfg.per_layer_input_size else None
     shared: dict[str, tuple[jax.Array, jax.Array]] = {}  # kind -> the keys/values the KV-shared layers reuse
-    check_layers_split(cfg.kinds)  # no context parallelism over linear-attention layers
+    # No context parallelism over linear-attention layers, checked here too: set-up's check_context sees only the
+    # trained model, not the others a run traces on its mesh (GKD's teacher, GRPO's reward models) or a caller's own
+    check_layers_split(cfg.kinds)
     if "linear" in cfg.kinds and (prefix_ids is not None or blocks is not None):
         raise UserError("linear-attention layers (Qwen3-Next) run on packed documents only: no shared prefixes "
                         "(DPO's shared prompts: set dpo.share_prompt false) and no image blocks")
@@ -311,13 +313,6 @@ def _training_layer(cfg: ModelConfig, ropes: dict[str, tuple[jax.Array, jax.Arra
         return x, ((stats, kv) if sharing else stats)
 
     return layer
-
-
-def _chunk_ids(chunk: int | None, positions: jax.Array) -> jax.Array | None:
-    """Each token's attention chunk [b, t] (position // chunk: Llama 4's chunked layers), None without chunks."""
-    if chunk is None:
-        return None
-    return positions // chunk if positions.ndim == 2 else positions[0] // chunk
 
 
 def _run_stacks(cfg: ModelConfig, params: dict[str, Any], x: jax.Array, layer: Callable[..., tuple[jax.Array, Any]],

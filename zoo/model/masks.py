@@ -36,6 +36,13 @@ def kind_chunk(cfg: ModelConfig, kind: str) -> int | None:
     return cfg.attention_chunk_size if kind == "chunked" else None
 
 
+def chunk_ids(chunk: int | None, positions: jax.Array) -> jax.Array | None:
+    """Each token's attention chunk [b, t] (position // chunk: Llama 4's chunked layers), None without chunks."""
+    if chunk is None:
+        return None
+    return positions // chunk if positions.ndim == 2 else positions[0] // chunk
+
+
 def attention_mask(segment_ids: jax.Array, window: int | None = None,
                    prefix_ids: jax.Array | None = None) -> jax.Array:
     """Boolean [batch, 1, q, k] (broadcast over heads): causal within each packed document, nothing across.
