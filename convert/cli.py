@@ -37,9 +37,8 @@ def add_convert_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
                         "default, since the model does not run it): its tensors are stored beside the model and "
                         "`zoo export` writes them back")
     p.add_argument("--text-only", action="store_true",
-                   help="convert a multimodal Gemma 3, Gemma 4 or Llama 4 (*ForConditionalGeneration) without its "
-                        "vision tower: its language model alone, exported as the family's *ForCausalLM (a "
-                        "Qwen3.5 one always converts so: lmzoo has no Qwen3.5 vision tower)")
+                   help="convert a multimodal Gemma 3, Gemma 4, Llama 4 or Qwen3.5 (*ForConditionalGeneration) "
+                        "without its vision tower: its language model alone, exported as the family's *ForCausalLM")
     return p
 
 

@@ -34,7 +34,7 @@ from zoo.storage import RunPath
 
 # multimodal formats whose language model converts alone (--text-only)
 TEXT_ONLY_FORMATS = ("hf-gemma3-multimodal", "hf-gemma4-multimodal", "hf-llama4-multimodal",
-                     "hf-qwen3_5-multimodal", "hf-qwen3_5_moe-multimodal")  # Qwen3.5's: always (no tower in lmzoo)
+                     "hf-qwen3_5-multimodal", "hf-qwen3_5_moe-multimodal")
 AUDIO_PREFIXES = ("model.audio_tower.", "model.embed_audio.")  # Gemma 4's audio side: not converted
 
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
@@ -101,13 +101,16 @@ def _note_left_out(src: Source, fmt: str, cfg: ModelConfig, rules: list[BoundRul
                    stored_config: dict[str, Any]) -> None:
     """Notes on what the conversion leaves out: a multimodal model's vision tower (converted text only), and the
     multi-token-prediction layer's tensors ``dropped`` (``stored_config`` then says the checkpoint has none)."""
+    # Qwen3.5's releases also hold a multi-token-prediction layer under mtp. (not run by lmzoo either)
+    mtp_left = sum(n.startswith("mtp.") for n in src.reader.names()) if fmt in TEXT_ONLY_FORMATS else 0
     if fmt in TEXT_ONLY_FORMATS and cfg.vision is None:
-        # Qwen3.5's releases also hold a multi-token-prediction layer under mtp. (not run by lmzoo either)
-        mtp_left = sum(n.startswith("mtp.") for n in src.reader.names())
         left = len(src.reader.names()) - sum(len(r.hf_names()) for r in rules) - mtp_left
         also = f"; so is the multi-token-prediction layer ({mtp_left} tensors under mtp.)" if mtp_left else ""
         print(f"note: {src.description} is multimodal: converting its language model; the vision tower and "
               f"projector ({left} tensors) are left out{also}", file=sys.stderr)
+    elif mtp_left:
+        print(f"note: {src.description}: the multi-token-prediction layer ({mtp_left} tensors under mtp.) is left "
+              "out: lmzoo's model does not run it", file=sys.stderr)
     audio = [n for n in src.reader.names() if n.startswith(AUDIO_PREFIXES)]
     if audio and cfg.vision is not None:
         print(f"note: {src.description} has an audio tower: converting its language model and vision tower; the "
@@ -131,8 +134,9 @@ def convert(source: str, out: str | Path, dtype: str | None = None, progress: bo
     ``dtype`` (float32|bfloat16) casts every parameter; None keeps the stored
     dtype (float32 for dequantized GGUF tensors, bfloat16 for dequantized FP8
     weights). ``keep_mtp`` keeps a DeepSeek checkpoint's multi-token-prediction
-    layers (convert/mtp.py) instead of dropping them. ``text_only`` converts a multimodal Gemma 3's, Gemma 4's or
-    Llama 4's language model alone (a Qwen3.5 one's always is) (exported as the family's *ForCausalLM); Gemma 4's audio tower is always left out.
+    layers (convert/mtp.py) instead of dropping them. ``text_only`` converts a multimodal Gemma 3's, Gemma 4's,
+    Llama 4's or Qwen3.5's language model alone (exported as the family's *ForCausalLM); Gemma 4's audio tower is
+    always left out, and so is Qwen3.5's multi-token-prediction layer (mtp.*).
     """
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")

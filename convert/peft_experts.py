@@ -27,6 +27,7 @@ Families missing from :data:`EXPERTS_LAYOUTS` have no layout here, and their exp
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -185,6 +186,20 @@ def swapped_factor(fused: FusedParam, parts: tuple[str, ...], pieces: dict[str, 
     return np.ascontiguousarray(m.reshape(experts, rows // experts, fan_in).transpose(2, 1, 0).reshape(fan_in, rows))
 
 
+# A vision-language model's class -> where its language model's layers sit in transformers 5's module tree, in place
+# of the text model's ``model.layers.`` that EXPERTS_LAYOUTS names (Qwen3.5-MoE's composite model holds them under
+# ``model.language_model.``, as Gemma 4's does; Llama 4's under ``language_model.model.``), as their files and the
+# export name them.
+COMPOSITE_LAYERS = {"Qwen3_5MoeForConditionalGeneration": "model.language_model.layers.",
+                    "Gemma4ForConditionalGeneration": "model.language_model.layers.",
+                    "Llama4ForConditionalGeneration": "language_model.model.layers."}
+
+
 def layout_of(cfg: ModelConfig) -> ExpertsLayout | None:
-    """The family's experts layout, or None when peft has none here."""
-    return EXPERTS_LAYOUTS.get(cfg.family)
+    """The family's experts layout (its module under a vision-language model's language model where
+    :data:`COMPOSITE_LAYERS` places it), or None when peft has none here."""
+    layout = EXPERTS_LAYOUTS.get(cfg.family)
+    where = None if cfg.vision is None else COMPOSITE_LAYERS.get(cfg.vision.arch)
+    if layout is None or where is None:
+        return layout
+    return dataclasses.replace(layout, module=layout.module.replace("model.layers.", where, 1))

@@ -296,7 +296,8 @@ def qwen3_next_table(prefix: str = "model.", head: str = "lm_head.weight", separ
 
 TABLES[("qwen3_next", "hf")] = qwen3_next_table()
 # Qwen3.5, dense and MoE: Qwen3_5ForCausalLM's names, and Qwen3_5ForConditionalGeneration's (the Hub's releases:
-# the decoder under `model.language_model.`, the head at the top; the vision tower under `model.visual.` is not read).
+# the decoder under `model.language_model.`, the head at the top; the vision tower under `model.visual.`:
+# convert.vision_tables', unless --text-only).
 for _family in ("qwen3_5", "qwen3_5_moe"):
     TABLES[(_family, "hf")] = qwen3_next_table(separate=True)
     TABLES[(_family, f"hf-{_family}-multimodal")] = qwen3_next_table("model.language_model.", separate=True)

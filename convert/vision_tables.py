@@ -195,6 +195,8 @@ VISION_TABLES: dict[str, tuple[str, Callable[[str], list[Entry]]]] = {
     "hf-qwen3-vl": ("model.visual.", _qwen3),
     "hf-qwen3-vl-moe": ("model.visual.", _qwen3),
     "hf-llama4-multimodal": ("vision_model.", _llama4),
+    "hf-qwen3_5-multimodal": ("model.visual.", _qwen3),  # Qwen3.5: no DeepStack mergers (no levels in the config)
+    "hf-qwen3_5_moe-multimodal": ("model.visual.", _qwen3),
 }
 # source format -> the other spelling of its tower a source may have (Gemma 3's files on the Hub)
 OTHER_TOWER_PREFIX = {"hf-gemma3-multimodal": "vision_tower.vision_model."}

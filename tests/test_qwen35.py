@@ -82,7 +82,7 @@ def test_released_config_counts_as_transformers():
     from zoo.model.params import param_specs
     from zoo.registry.catalogue import get, hf_config_of
 
-    hf = hf_config_of("qwen3.5-35b-a3b", "model")
+    hf = hf_config_of("qwen3.5-35b-a3b", "model")["text_config"]  # the whole VLM's language model
     assert get("qwen3.5-35b-a3b").family == "qwen3_5_moe"
     cfg = model_config_from_hf(hf, "qwen3.5-35b-a3b")
     assert cfg.kinds == ("linear", "linear", "linear", "full") * 10
@@ -146,11 +146,11 @@ def _fuse_experts_as_the_hub(folder, num_experts: int) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("family", QWEN35)
 def test_multimodal_checkpoint_converts_its_language_model(family, tmp_path, capfd):
-    """The Hub's releases are Qwen3_5(Moe)ForConditionalGeneration: `zoo convert` takes the language model under
-    model.language_model. (the head at the top; the MoE's experts fused per layer, as the Hub's files hold them),
-    leaves the vision tower out with a one-line note, and gives the multimodal model's own logits on text (its text
-    positions: all three M-RoPE axes alike); `zoo export` writes the text-only *ForCausalLM (the experts fused as
-    read), which transformers loads with those logits."""
+    """The Hub's releases are Qwen3_5(Moe)ForConditionalGeneration: `zoo convert --text-only` takes the language
+    model under model.language_model. (the head at the top; the MoE's experts fused per layer, as the Hub's files
+    hold them), leaves the vision tower out with a one-line note, and gives the multimodal model's own logits on text
+    (its text positions: all three M-RoPE axes alike); `zoo export` writes the text-only *ForCausalLM (the experts
+    fused as read), which transformers loads with those logits. (The whole VLM: tests/test_vlm_qwen35.py.)"""
     import transformers
 
     from tests.hf_models import BASE, randomize
@@ -169,7 +169,7 @@ def test_multimodal_checkpoint_converts_its_language_model(family, tmp_path, cap
     if family == "qwen3_5_moe":
         _fuse_experts_as_the_hub(tmp_path / "hf", config.text_config.num_experts)
     capfd.readouterr()
-    assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "zoo")]) == 0
+    assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "zoo"), "--text-only"]) == 0
     notes = [line for line in capfd.readouterr().err.splitlines() if line.startswith("note:")]
     visual = sum(name.startswith("model.visual.") for name in hf.state_dict())
     mtp = "; so is the multi-token-prediction layer (2 tensors under mtp.)" if family == "qwen3_5_moe" else ""

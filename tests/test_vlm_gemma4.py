@@ -137,3 +137,37 @@ def test_lora_targets_its_tower_has_pass_and_others_are_refused(gemma4):
                                         r"vision.k_proj, vision.v_proj, vision.o_proj, vision.gate_proj, "
                                         r"vision.up_proj, vision.down_proj, projector.proj$"):
         check_vision_lora(cfg, mcfg, lora_config(cfg))
+
+
+@pytest.mark.slow
+def test_peft_loads_the_whole_moe_models_expert_adapters(tmp_path):
+    """Slow (a model of its own, peft's model): LoRA on the routed experts of a whole Gemma4ForConditionalGeneration
+    with experts (the 26B-A4B's kind), exported as PEFT, puts each layer's experts adapter under the composite
+    model's model.language_model.layers (peft loads every key, none left over) and gives the zoo's logits with the
+    adapters (1e-4) on text."""
+    import shutil
+
+    from peft import PeftModel
+
+    from tests.hf_models import random_tokens
+    from tests.lora_fixtures import write_adapter_checkpoint
+    from zoo.lora.params import LoraConfig
+
+    moe = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16)
+    hf = make_gemma4_vlm(tmp_path / "hf", **moe)
+    assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "zoo")]) == 0
+    write_adapter_checkpoint(tmp_path / "zoo", tmp_path / "adapter",
+                             LoraConfig(rank=4, alpha=4.0, targets=("experts.gate_up_proj", "experts.down_proj")))
+    shutil.copy(tmp_path / "zoo" / "hf_config.json", tmp_path / "adapter" / "hf_config.json")
+    assert main(["export", str(tmp_path / "adapter"), "--adapter", "--out", str(tmp_path / "peft")]) == 0
+    tokens = random_tokens(96, batch=2, seq=24) % BOI  # text only: below the image tokens
+    with torch.no_grad():
+        base = hf(input_ids=torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
+    peft = PeftModel.from_pretrained(hf, str(tmp_path / "peft")).eval()
+    result = peft.load_adapter(str(tmp_path / "peft"), adapter_name="again")
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    peft.delete_adapter("again")
+    with torch.no_grad():
+        got = peft(input_ids=torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
+    ours = np.asarray(zoo.load(tmp_path / "adapter")(jnp.asarray(tokens)))
+    assert np.abs(got - base).max() > 0.1 and np.abs(got - ours).max() <= 1e-4

@@ -251,6 +251,33 @@ def test_lora_targets_its_tower_has_pass_and_others_are_refused(llama4):
         check_vision_lora(cfg, mcfg, lora_config(cfg))
 
 
+@pytest.mark.slow
+def test_peft_loads_the_whole_models_expert_adapters(llama4, tmp_path):
+    """Slow (peft's model and a compilation): LoRA on the routed experts of the whole Llama4ForConditionalGeneration,
+    exported as PEFT, puts each layer's experts adapter under the composite model's language_model.model.layers
+    (peft loads every key, none left over) and gives the zoo's image+text logits with the adapters (1e-4)."""
+    from peft import PeftModel
+
+    from tests.lora_fixtures import write_adapter_checkpoint
+    from zoo.lora.params import LoraConfig
+
+    hf, ckpt = llama4
+    lora_cfg = LoraConfig(rank=4, alpha=4.0, targets=("experts.gate_proj", "experts.up_proj", "experts.down_proj"))
+    write_adapter_checkpoint(ckpt, tmp_path / "adapter", lora_cfg)
+    shutil.copy(ckpt / "hf_config.json", tmp_path / "adapter" / "hf_config.json")  # as a run's final keeps it
+    assert main(["export", str(tmp_path / "adapter"), "--adapter", "--out", str(tmp_path / "peft")]) == 0
+    peft = PeftModel.from_pretrained(make_llama4_vlm(None), str(tmp_path / "peft")).eval()
+    result = peft.load_adapter(str(tmp_path / "peft"), adapter_name="again")
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    peft.delete_adapter("again")
+    tokens, pixels = _tokens(), _pixels()
+    model = zoo.load(tmp_path / "adapter")
+    ours = np.asarray(model(jnp.asarray(tokens), vision=_inputs(model.cfg, pixels)))
+    got = hf_logits(peft, tokens, pixels)
+    assert np.abs(got - hf_logits(hf, tokens, pixels)).max() > 0.1  # the adapters move the logits
+    assert np.abs(got - ours).max() <= TOL
+
+
 def test_images_through_the_data_pipelines_are_one_line_naming_the_missing_backend(tmp_path):
     """Llama 4's image processor is transformers' torchvision backend only (no PIL one), and torchvision is not a
     dependency: the data pipelines' image expander stops with one line naming what it needs and the way that works

@@ -91,8 +91,8 @@ FAMILIES: dict[str, FamilyTraits] = {
     # Qwen3-MoE's routing with a shared expert behind a sigmoid gate; its own fields read by zoo.model.from_hf.
     "qwen3_next": FamilyTraits("qwen3_next", "Qwen3NextForCausalLM", norm_offset=1.0, qk_norm=True,
                                moe="qwen3_next"),
-    # Qwen3.5 (text; Qwen3_5ForCausalLM, or the language model of the Hub's Qwen3_5ForConditionalGeneration): Qwen3-Next's
-    # layers with separate linear-layer projections (in_proj_qkv in blocks, in_proj_z, in_proj_b, in_proj_a) and
+    # Qwen3.5 (Qwen3_5ForCausalLM; the Hub's Qwen3_5ForConditionalGeneration adds its vision tower: VISION_FORMATS):
+    # Qwen3-Next's layers with separate linear-layer projections (in_proj_qkv in blocks, in_proj_z, in_proj_b, in_proj_a) and
     # interleaved multimodal RoPE (on text positions: plain RoPE); dense MLPs, or (qwen3_5_moe) Qwen3-Next's experts
     # on every layer with a router that always renormalizes the top k (the config has no norm_topk_prob).
     "qwen3_5": FamilyTraits("qwen3_5_text", "Qwen3_5ForCausalLM", norm_offset=1.0, qk_norm=True,
@@ -123,6 +123,9 @@ VISION_FORMATS: dict[str, tuple[str, str]] = {
     "hf-qwen3-vl": ("qwen3", "Qwen3VLForConditionalGeneration"),
     "hf-qwen3-vl-moe": ("qwen3", "Qwen3VLMoeForConditionalGeneration"),
     "hf-llama4-multimodal": ("llama4", "Llama4ForConditionalGeneration"),
+    # Qwen3.5: Qwen3-VL's tower without DeepStack, on the Qwen3.5 language model (hybrid linear/full attention)
+    "hf-qwen3_5-multimodal": ("qwen3", "Qwen3_5ForConditionalGeneration"),
+    "hf-qwen3_5_moe-multimodal": ("qwen3", "Qwen3_5MoeForConditionalGeneration"),
 }
 
 # architecture -> (family, source format of its weight names)
@@ -134,7 +137,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Gemma3ForConditionalGeneration": ("gemma3", "hf-gemma3-multimodal"),
     "Gemma4ForConditionalGeneration": ("gemma4", "hf-gemma4-multimodal"),
     "Llama4ForConditionalGeneration": ("llama4", "hf-llama4-multimodal"),
-    # Qwen3.5's releases: the language model converts alone (lmzoo has no Qwen3.5 vision tower)
+    # Qwen3.5's releases: the whole VLM (`zoo convert --text-only`: the language model alone)
     "Qwen3_5ForConditionalGeneration": ("qwen3_5", "hf-qwen3_5-multimodal"),
     "Qwen3_5MoeForConditionalGeneration": ("qwen3_5_moe", "hf-qwen3_5_moe-multimodal"),
     "SmolVLMForConditionalGeneration": ("smolvlm", "hf-smolvlm"),

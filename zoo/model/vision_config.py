@@ -17,7 +17,8 @@ of patches (dynamic resolution), each patch ``temporal_patch_size`` frames deep,
 ``image_size`` is nominal (one merged token's patches: nothing reads it as an image's size). Qwen3-VL (``tower:
 qwen3``, :mod:`zoo.model.vision_qwen3`) lays its images out alike, without windows, with a learned position table
 (``pos_table`` rows, a square grid resampled to each image) and DeepStack: the states after each of
-``deepstack_layers`` merged on their own and added to the language model's first layers. Other towers add
+``deepstack_layers`` merged on their own and added to the language model's first layers. Qwen3.5's tower is
+Qwen3-VL's without DeepStack (no ``deepstack_layers``). Other towers add
 fields here as the design notes sketch; a name nothing reads yet is not one of them.
 
 Llama 4 (``tower: llama4``, the SigLIP-like layers of :mod:`zoo.model.vision` with :mod:`zoo.model.vision_llama4`'s

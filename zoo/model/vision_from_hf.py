@@ -99,7 +99,8 @@ def _qwen2_5(top: Any, arch: str, where: str) -> VisionConfig:
 def _qwen3(top: Any, arch: str, where: str) -> VisionConfig:
     """Qwen3-VL: its tower (``vision_config``: ``depth`` layers, a ``num_position_embeddings``-row square position
     table, no windows), the patch merger (``spatial_merge_size``) to the language model's width
-    (``out_hidden_size``), and a merger of its own for each of ``deepstack_visual_indexes``."""
+    (``out_hidden_size``), and a merger of its own for each of ``deepstack_visual_indexes``. Qwen3.5's tower is
+    this one without DeepStack (its vision config has no ``deepstack_visual_indexes``: no levels)."""
     v = top.vision_config
     patch, merge, frames = _qwen_patches(top, where)
     table, rope = int(v.num_position_embeddings), dict(getattr(v, "rope_parameters", None) or {})
@@ -114,7 +115,7 @@ def _qwen3(top: Any, arch: str, where: str) -> VisionConfig:
                         num_channels=int(v.in_channels), hidden_act=str(v.hidden_act), norm_eps=1e-6,
                         connector="patch_merger", scale_factor=merge, bucketize=False, tower="qwen3",
                         temporal_patch_size=frames, pos_table=table, rope_theta=float(rope.get("rope_theta", 10000.0)),
-                        deepstack_layers=tuple(int(i) for i in v.deepstack_visual_indexes))
+                        deepstack_layers=tuple(int(i) for i in getattr(v, "deepstack_visual_indexes", ())))
 
 
 def _llama4(top: Any, arch: str, where: str) -> VisionConfig:

@@ -1,5 +1,6 @@
 """Qwen3-VL's image tower, patch merger and DeepStack mergers (transformers' ``Qwen3VLVisionModel``): patches in, one
-feature per image token out, and one more per DeepStack level.
+feature per image token out, and one more per DeepStack level. Qwen3.5's tower (``Qwen3_5VisionModel``) is this one
+with no DeepStack levels (``VisionConfig.deepstack_layers`` empty).
 
 The patches come laid out as Qwen2.5-VL's (:mod:`zoo.data.qwen_layout`: each image its own grid, block-major, each
 patch's row and column in ``patch_pos``), and the tower shares that one's 2-D RoPE and attention

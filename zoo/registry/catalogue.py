@@ -181,9 +181,12 @@ _ENTRIES = [
     ZooEntry("qwen3-next-80b-a3b", "qwen3_next", "Qwen/Qwen3-Next-80B-A3B-Instruct", 80e9,
              "Qwen3-Next chat: Gated DeltaNet and gated attention (3:1), 512 experts, 10 a token + 1 shared (3B "
              "active)", hf_config=released.QWEN3_NEXT_80B_A3B),
-    ZooEntry("qwen3.5-35b-a3b", "qwen3_5_moe", "Qwen/Qwen3.5-35B-A3B", 35e9,
-             "Qwen3.5 MoE, its language model (the vision tower is not converted): Gated DeltaNet and gated attention "
-             "(3:1), 256 experts, 8 a token + 1 shared (3B active)", hf_config=released.QWEN3_5_35B_A3B),
+    # Qwen3.5-35B-A3B is Qwen3_5MoeForConditionalGeneration: converted whole, its vision tower and merger included
+    # (`zoo convert --text-only` keeps the language model alone); parameter count: the whole model's (34.66B of them
+    # the language model's, 0.45B the tower's).
+    ZooEntry("qwen3.5-35b-a3b", "qwen3_5_moe", "Qwen/Qwen3.5-35B-A3B", 35.11e9,
+             "Qwen3.5 MoE: Gated DeltaNet and gated attention (3:1), 256 experts, 8 a token + 1 shared (3B active), "
+             "vision tower (images)", hf_config=released_vision.QWEN3_5_35B_A3B),
     # Qwen2.5-VL, whole (tower and merger included in the counts): images at any size, multimodal RoPE.
     *(ZooEntry(f"qwen2.5-vl-{size.lower()}", "qwen2_5_vl", f"Qwen/Qwen2.5-VL-{size}-Instruct", n,
                f"Qwen2.5-VL {size} chat: windowed vision tower, multimodal RoPE", hf_config=config)

@@ -153,7 +153,7 @@ QWEN3_NEXT_80B_A3B = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "
                       "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16"}
 
 # Qwen/Qwen3.5-35B-A3B's language model (the text_config of its Qwen3_5MoeForConditionalGeneration config.json, as a
-# text-only config: the model lmzoo converts and exports) as its model card gives it, not read from the Hub: check it
+# text-only config; zoo.registry.released_vision has the whole model, with the vision tower) as its model card gives it, not read from the Hub: check it
 # before relying on a field beyond the shapes. transformers' Qwen3_5MoeTextConfig defaults are these shapes: 40 layers,
 # every 4th full attention (16 query heads of 256 over 2 key/value heads, interleaved multimodal RoPE on the first
 # quarter, sections 11, 11, 10); linear layers of 16 key heads and 32 value heads of 128, conv 4; 256 experts, 8 a

@@ -145,3 +145,23 @@ def _llama4(text: dict) -> dict:
 
 LLAMA_4_SCOUT = _llama4(released.LLAMA_4_SCOUT)
 LLAMA_4_MAVERICK = _llama4(released.LLAMA_4_MAVERICK)
+
+
+# Qwen/Qwen3.5-35B-A3B: the released Qwen3_5MoeForConditionalGeneration config as its model card and config.json give
+# it (not read from the Hub: check it before relying on a field beyond the shapes). Its text_config is
+# zoo.registry.released's QWEN3_5_35B_A3B; its tower is Qwen3-VL's 2B-8B one without DeepStack (the config lists no
+# deepstack_visual_indexes: transformers' Qwen3_5VisionConfig has none): 27 layers 1152 wide (16 heads of 72, MLP
+# 4304, gelu_pytorch_tanh), 16-pixel patches 2 frames deep merged 2 x 2, a 48 x 48 position table (2304 rows), the
+# merger out to the language model's 2048 (out_hidden_size: the text hidden_size). These are transformers'
+# Qwen3_5MoeVisionConfig defaults but out_hidden_size (3584 there). The token ids are the Qwen3.5 tokenizer's
+# (<|vision_start|> 248053, <|vision_end|> 248054, <|image_pad|> 248056, <|video_pad|> 248057: transformers'
+# Qwen3_5MoeConfig defaults); the head is untied.
+_QWEN3_5_VISION = {"model_type": "qwen3_5_moe_vision", "depth": 27, "hidden_size": 1152, "intermediate_size": 4304,
+                   "num_heads": 16, "hidden_act": "gelu_pytorch_tanh", "in_channels": 3, "patch_size": 16,
+                   "temporal_patch_size": 2, "spatial_merge_size": 2, "num_position_embeddings": 2304,
+                   "out_hidden_size": 2048, "initializer_range": 0.02}
+QWEN3_5_35B_A3B = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+                   "image_token_id": 248056, "video_token_id": 248057, "vision_start_token_id": 248053,
+                   "vision_end_token_id": 248054, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+                   "text_config": {k: v for k, v in released.QWEN3_5_35B_A3B.items() if k != "architectures"},
+                   "vision_config": _QWEN3_5_VISION}
