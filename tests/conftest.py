@@ -39,6 +39,32 @@ if os.environ.get("LMZOO_TEST_XLA_OPT", "0") != "default":
                                " --xla_cpu_use_fusion_emitters=false").strip()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """After a module, where this process holds more than 3 GiB, JAX's in-memory caches of traced and compiled
+    programs are cleared and freed: a worker runs some seventy modules (``--dist loadfile``), and what it kept of
+    each grew it past 6 GiB by the end of a run (two workers and a test's subprocesses on a 24 GiB machine). Below
+    that nothing is cleared, so the modules that share programs within a worker keep them. A later module that
+    meets a cleared program reads it back from the persistent cache (below)."""
+    yield
+    if _rss_bytes() > 3 * 2**30:
+        import gc
+
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
+
+
+def _rss_bytes() -> int:
+    """This process's resident set size (Linux's /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
 @pytest.fixture(scope="session", autouse=True)
 def jax_compilation_cache(tmp_path_factory):
     """JAX's persistent compilation cache in a folder of this session (nothing carries over between runs),
