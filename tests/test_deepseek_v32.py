@@ -235,9 +235,14 @@ def test_the_engine_answers_greedily_past_index_topk(tiny):
     while engine.busy:
         for e in engine.step():
             out[e.request_id].extend(e.tokens)
-    for p, i in zip(prompts, ids, strict=True):
-        seq = p + out[i]
-        logits = np.asarray(model(jnp.asarray([seq])))[0]
-        assert logits[len(p) - 1:len(seq) - 1].argmax(-1).tolist() == out[i]
+    # The training forward of every answer in one batch, right-padded (one program, not one a length): causal
+    # attention and selection, dropless experts, so each row's real positions see only themselves.
+    seqs = [p + out[i] for p, i in zip(prompts, ids, strict=True)]
+    rows = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
+    for r, seq in enumerate(seqs):
+        rows[r, :len(seq)] = seq
+    logits = np.asarray(model(jnp.asarray(rows)))
+    for r, (p, i) in enumerate(zip(prompts, ids, strict=True)):
+        assert logits[r, len(p) - 1:len(seqs[r]) - 1].argmax(-1).tolist() == out[i]
     assert len({tuple(a) for a in out.values()}) == len(ids) and max(len(p) + len(out[i]) for p, i in
                                                                     zip(prompts, ids)) > 3 * cfg.index_topk
