@@ -48,6 +48,20 @@ def quantized_projections(cfg, flat: dict) -> dict:
     return {k: quant.quantize(np.asarray(v), *paths[k], "nf4", True) if k in paths else v for k, v in flat.items()}
 
 
+def dequantized_numpy(qflat: dict) -> dict:
+    """``qflat`` with every zoo.model.quant.QuantizedWeight dequantized (:func:`zoo.model.quant.dequantize`, as the
+    forward does inside its program) to NumPy, all in one jitted program: eagerly each weight's dozen operations
+    compiled a program of their own per shape (about 200 compilations for a tiny MoE model); the other leaves as
+    they are."""
+    import jax
+
+    from zoo.model import quant
+
+    quantized = {k: v for k, v in qflat.items() if isinstance(v, quant.QuantizedWeight)}
+    out = jax.device_get(jax.jit(lambda q: {k: quant.dequantize(v) for k, v in q.items()})(quantized))
+    return {k: np.asarray(out[k]) if k in out else v for k, v in qflat.items()}
+
+
 def bnb_nf4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """bitsandbytes' own NF4 of a weight (``quantize_4bit``, blocks of 64 over the tensor flattened row-major, the
     blocks straddling rows): (packed bytes, float32 absmax per block, ``dequantize_4bit``'s float32 values in

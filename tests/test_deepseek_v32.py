@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-import zoo
-from tests.hf_models import hf_logits, hf_tensors, mean_kl, random_tokens
+from tests import family_checks as checks
+from tests.hf_models import hf_logits, hf_tensors, random_tokens
 from zoo.cli import main
 
 SEQ = 24  # four times index_topk (6)
@@ -23,8 +23,8 @@ SEQ = 24  # four times index_topk (6)
 @pytest.fixture(scope="module")
 def tiny(tiny_family):
     """(transformers' model, its folder, the zoo model), shared read-only (conftest.py's tiny_family)."""
-    hf, root = tiny_family("deepseek_v32")
-    return hf, root, zoo.load(root / "zoo")
+    hf, folder, _, model = checks.converted(tiny_family, "deepseek_v32")
+    return hf, folder.parent, model
 
 
 def test_logits_match_transformers_and_the_selection_matters(tiny):
@@ -33,12 +33,7 @@ def test_logits_match_transformers_and_the_selection_matters(tiny):
     hf, _, model = tiny
     cfg = model.cfg
     assert (cfg.family, cfg.index_topk, cfg.index_n_heads, cfg.index_head_dim) == ("deepseek_v32", 6, 8, 16)
-    tokens = random_tokens(hf.config.vocab_size, seq=SEQ)
-    ref = hf_logits(hf, tokens)
-    got = np.asarray(model(jnp.asarray(tokens)))
-    assert np.abs(got - ref).max() <= 1e-4
-    assert mean_kl(ref, got) <= 1e-6
-    assert ref.std() > 0.5  # peaked enough for the comparison to have teeth
+    tokens, ref = checks.assert_logits_match(hf, model, SEQ)
     from zoo.model.decoder import forward
 
     dense = np.asarray(jax.jit(forward, static_argnums=0)(dataclasses.replace(cfg, index_topk=SEQ),
@@ -104,26 +99,15 @@ def test_cached_logits_equal_the_full_forward(tiny):
 def test_round_trip_is_bit_identical(tiny, tmp_path):
     """HF -> zoo -> HF: every tensor (the indexer's included) and the config as they were."""
     _, root, _ = tiny
-    assert main(["export", str(root / "zoo"), "--out", str(tmp_path / "back")]) == 0
-    a, b = hf_tensors(root / "hf"), hf_tensors(tmp_path / "back")
-    assert any(".indexer.wq_b." in k for k in a) and a == b
-    ca = json.loads((root / "hf" / "config.json").read_text())
-    cb = json.loads((tmp_path / "back" / "config.json").read_text())
-    assert {k: v for k, v in ca.items() if "dtype" not in k} == {k: v for k, v in cb.items() if "dtype" not in k}
+    assert any(".indexer.wq_b." in k for k in hf_tensors(root / "hf"))
+    checks.assert_round_trip(root / "hf", root / "zoo", tmp_path / "back")
 
 
 def test_generated_config_reproduces_the_model(tiny, tmp_path):
     """Without the source config.json, export writes one from the zoo config (index_topk, index_n_heads,
     index_head_dim among it); transformers builds the same model from it."""
-    import shutil
-
-    from transformers import AutoModelForCausalLM
-
     hf, root, _ = tiny
-    shutil.copytree(root / "zoo", tmp_path / "zoo", ignore=shutil.ignore_patterns("hf_config.json"))
-    assert main(["export", str(tmp_path / "zoo"), "--out", str(tmp_path / "back")]) == 0
-    back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), dtype=torch.float32).eval()
-    back.config._attn_implementation = "eager"
+    back = checks.exported_from_generated_config(root / "zoo", tmp_path)
     assert type(back).__name__ == "DeepseekV32ForCausalLM" and back.config.index_topk == 6
     tokens = random_tokens(hf.config.vocab_size, seq=SEQ)
     np.testing.assert_array_equal(hf_logits(back, tokens), hf_logits(hf, tokens))
@@ -181,30 +165,15 @@ def test_qlora_and_lora_gradients_with_the_indexer_untrained(tiny):
     """QLoRA (NF4, double quantization) of the MLP and experts: the loss and every adapter's gradient equal LoRA's on
     the dequantized weights (1e-6, 1e-5), every adapter gets a gradient; attention targets add no adapter (MLA), and
     the base model's gradient of every indexer weight is exactly zero (no gradient through the top-k selection)."""
-    from tests.lora_fixtures import lora_lm_loss, random_lora
-    from tests.quant_fixtures import quantized_projections, random_params
+    from tests.family_checks import assert_qlora_equals_lora
     from zoo.lora.params import LoraConfig, lora_specs
-    from zoo.model import quant
-    from zoo.model.params import flatten, nest
+    from zoo.model.params import flatten
 
     cfg = tiny[2].cfg
     lc = LoraConfig(rank=4, alpha=8.0, targets=MLP_TARGETS + ["q_proj", "o_proj"])
     assert not [p for p in lora_specs(cfg, lc) if ".idx_" in p or p.rpartition(".")[0].endswith((".q_b", ".o"))]
-    qflat = quantized_projections(cfg, random_params(cfg, std=0.1))
-    assert {k.rpartition(".")[2] for k, v in qflat.items() if isinstance(v, quant.QuantizedWeight)} >= {
-        "expert_gate", "expert_up", "expert_down", "shared_gate", "gate"}
-    flat = {k: np.asarray(quant.dequantize(v)) if isinstance(v, quant.QuantizedWeight) else v for k, v in qflat.items()}
-    lora = random_lora(cfg, lc, random=True)
-    tokens = jnp.asarray(random_tokens(cfg.vocab_size, seq=SEQ))
-    def loss(a, p):
-        return lora_lm_loss(cfg, p, a, lc, tokens)
-
-    lq, gq = jax.jit(jax.value_and_grad(loss))(lora, nest(qflat))
-    ld, (gd, gbase) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(lora, nest(flat))
-    assert abs(float(lq) - float(ld)) <= 1e-6
-    for a, b in zip(jax.tree.leaves(gq), jax.tree.leaves(gd), strict=True):
-        assert np.abs(np.asarray(a) - np.asarray(b)).max() <= 1e-5
-    assert min(float(jnp.abs(g).max()) for g in jax.tree.leaves(gq)) > 0
+    _, gbase = assert_qlora_equals_lora(cfg, lc, SEQ, {"expert_gate", "expert_up", "expert_down", "shared_gate",
+                                                       "gate"}, base_grads=True)
     base = flatten(gbase)
     assert not any(np.any(np.asarray(g)) for k, g in base.items() if ".idx_" in k)
     assert np.abs(np.asarray(base["layers.q_b"])).max() > 0  # the attention's weights do learn
@@ -266,9 +235,14 @@ def test_the_engine_answers_greedily_past_index_topk(tiny):
     while engine.busy:
         for e in engine.step():
             out[e.request_id].extend(e.tokens)
-    for p, i in zip(prompts, ids, strict=True):
-        seq = p + out[i]
-        logits = np.asarray(model(jnp.asarray([seq])))[0]
-        assert logits[len(p) - 1:len(seq) - 1].argmax(-1).tolist() == out[i]
+    # The training forward of every answer in one batch, right-padded (one program, not one a length): causal
+    # attention and selection, dropless experts, so each row's real positions see only themselves.
+    seqs = [p + out[i] for p, i in zip(prompts, ids, strict=True)]
+    rows = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
+    for r, seq in enumerate(seqs):
+        rows[r, :len(seq)] = seq
+    logits = np.asarray(model(jnp.asarray(rows)))
+    for r, (p, i) in enumerate(zip(prompts, ids, strict=True)):
+        assert logits[r, len(p) - 1:len(seqs[r]) - 1].argmax(-1).tolist() == out[i]
     assert len({tuple(a) for a in out.values()}) == len(ids) and max(len(p) + len(out[i]) for p, i in
                                                                     zip(prompts, ids)) > 3 * cfg.index_topk

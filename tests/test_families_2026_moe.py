@@ -10,7 +10,6 @@ MoE on every layer, ungrouped sigmoid routing with a selection bias, q/k norms o
 """
 
 import dataclasses
-import json
 from pathlib import Path
 
 import gguf
@@ -23,7 +22,8 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 import zoo
 from eval.generate import GenerationConfig, generate
-from tests.hf_models import FAMILIES, hf_logits, hf_tensors, make_hf, mean_kl, random_tokens
+from tests import family_checks as checks
+from tests.hf_models import FAMILIES, hf_logits, make_hf, mean_kl, random_tokens
 from zoo.checkpoints.format import read_meta
 from zoo.checkpoints.readers import load_param_numpy
 from zoo.cli import main
@@ -34,55 +34,29 @@ SEQ = 24
 
 @pytest.fixture(scope="module")
 def converted(tiny_family):
-    """family -> (transformers model, its saved folder, the zoo checkpoint), shared read-only (conftest.py's
-    tiny_family)."""
-    made = {}
-
-    def get(family):
-        if family not in made:
-            hf, root = tiny_family(family)
-            made[family] = (hf, root / "hf", root / "zoo")
-        return made[family]
-
-    return get
+    """family -> (transformers model, its saved folder, the zoo checkpoint, the loaded zoo model), shared
+    read-only (conftest.py's tiny_family, tests/family_checks.py)."""
+    return lambda family: checks.converted(tiny_family, family)
 
 
 @pytest.mark.parametrize("family", MOE_2026)
 def test_logits_match_transformers(converted, family):
-    hf, _, ckpt = converted(family)
-    model = zoo.load(ckpt)
+    hf, _, _, model = converted(family)
     assert model.cfg.family == family
-    tokens = random_tokens(hf.config.vocab_size, seq=SEQ)
-    ref = hf_logits(hf, tokens)
-    got = np.asarray(model(jnp.asarray(tokens)))
-    assert np.abs(got - ref).max() <= 1e-4
-    assert mean_kl(ref, got) <= 1e-6
-    assert ref.std() > 0.5  # peaked enough for the comparison to have teeth
+    checks.assert_logits_match(hf, model, SEQ)
 
 
 @pytest.mark.parametrize("family", MOE_2026)
 def test_round_trip_is_bit_identical(converted, family, tmp_path):
-    _, folder, ckpt = converted(family)
-    assert main(["export", str(ckpt), "--out", str(tmp_path / "back")]) == 0
-    assert hf_tensors(folder) == hf_tensors(tmp_path / "back")
-    a = json.loads((folder / "config.json").read_text())
-    b = json.loads((tmp_path / "back" / "config.json").read_text())
-    assert {k: v for k, v in a.items() if "dtype" not in k} == {k: v for k, v in b.items() if "dtype" not in k}
+    _, folder, ckpt, _ = converted(family)
+    checks.assert_round_trip(folder, ckpt, tmp_path / "back")
 
 
 @pytest.mark.parametrize("family", MOE_2026)
 def test_generated_config_reproduces_the_model(converted, family, tmp_path):
     """Without the source config.json, export writes one from the zoo config; transformers builds the same model."""
-    import shutil
-
-    from transformers import AutoModelForCausalLM
-
-    hf, _, ckpt = converted(family)
-    shutil.copytree(ckpt, tmp_path / "zoo")
-    (tmp_path / "zoo" / "hf_config.json").unlink()
-    assert main(["export", str(tmp_path / "zoo"), "--out", str(tmp_path / "back")]) == 0
-    back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), dtype=torch.float32).eval()
-    back.config._attn_implementation = "eager"
+    hf, _, ckpt, _ = converted(family)
+    back = checks.exported_from_generated_config(ckpt, tmp_path)
     assert type(back).__name__ == FAMILIES[family][1]
     tokens = random_tokens(hf.config.vocab_size, seq=SEQ)
     np.testing.assert_array_equal(hf_logits(back, tokens), hf_logits(hf, tokens))

@@ -8,6 +8,7 @@ LoRA exported for peft."""
 import dataclasses
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -67,9 +68,11 @@ def test_each_trait_changes_the_logits(tiny):
     tokens = random_tokens(hf.config.vocab_size, seq=SEQ)
     ref = hf_logits(hf, tokens)
     full = dict(layer_types=None, attention_chunk_size=None)
+    # jitted: one program a variant (eagerly, each variant's layer scans and many ops compiled apart)
+    forward = jax.jit(zoo.model.decoder.forward, static_argnums=0)
     for change in (full, dict(temperature_tuning=False), dict(qk_l2_norm=False), dict(router_scales_input=False)):
         cfg = dataclasses.replace(model.cfg, **change)
-        got = np.asarray(zoo.model.decoder.forward(cfg, model.param_dict(), jnp.asarray(tokens)))
+        got = np.asarray(forward(cfg, model.param_dict(), jnp.asarray(tokens)))
         assert np.abs(got - ref).max() > 1e-2, change
 
 
@@ -111,31 +114,20 @@ def test_peft_loads_the_adapters_with_our_logits(tiny, tmp_path):
 
 
 @pytest.mark.slow
-def test_qlora_gradients_equal_lora_on_the_dequantized_weights(tiny):
-    """Slow (two compilations of the forward and its gradients): QLoRA over the tiny model, every projection
-    (experts, shared expert, dense MLP, attention) quantized to NF4 with double quantization: the loss and every
-    adapter's gradient equal those of LoRA on the dequantized weights (1e-6, 1e-5); the adapters get gradients."""
-    import jax
+def test_qlora_gradients_equal_lora_on_the_dequantized_weights():
+    """Slow (two compilations of the forward and its gradients): QLoRA over two layers of the tiny model's layout,
+    every projection (experts, shared expert, dense MLP, attention) quantized to NF4 with double quantization: the
+    loss and every adapter's gradient equal those of LoRA on the dequantized weights (1e-6, 1e-5); the adapters get
+    gradients."""
+    from tests.family_checks import assert_qlora_equals_lora, tiny_config
 
-    from tests.lora_fixtures import lora_lm_loss, random_lora
-    from tests.quant_fixtures import quantized_projections, random_params
-    from zoo.model import quant
-    from zoo.model.params import nest
-
-    cfg = zoo.read_config(tiny[2])
-    lc = LoraConfig(rank=4, alpha=8.0, targets=ALL_TARGETS)
-    qflat = quantized_projections(cfg, random_params(cfg, std=0.1))
-    assert {k.rpartition(".")[2] for k, v in qflat.items() if isinstance(v, quant.QuantizedWeight)} >= {
-        "expert_gate", "expert_up", "expert_down", "shared_gate", "q", "gate"}
-    flat = {k: np.asarray(quant.dequantize(v)) if isinstance(v, quant.QuantizedWeight) else v for k, v in qflat.items()}
-    lora = random_lora(cfg, lc, random=True)
-    tokens = jnp.asarray(random_tokens(cfg.vocab_size, seq=SEQ))
-    grads = jax.jit(jax.value_and_grad(lambda a, p: lora_lm_loss(cfg, p, a, lc, tokens)))
-    (lq, gq), (ld, gd) = grads(lora, nest(qflat)), grads(lora, nest(flat))
-    assert abs(float(lq) - float(ld)) <= 1e-6
-    for a, b in zip(jax.tree.leaves(gq), jax.tree.leaves(gd), strict=True):
-        assert np.abs(np.asarray(a) - np.asarray(b)).max() <= 1e-5
-    assert min(float(jnp.abs(g).max()) for g in jax.tree.leaves(gq)) > 0
+    # Two layers of the tiny model's layout: a chunked MoE layer (experts, shared expert), then a full NoPE layer
+    # with the dense MLP (the four-layer model compiles twice the layer bodies; the adapters' kinds are these).
+    cfg = tiny_config("llama4", num_hidden_layers=2, moe_layers=[0])
+    assert cfg.kinds == ("chunked", "full") and cfg.nope_layers == (1,) and cfg.is_moe_layer(0)
+    assert not cfg.is_moe_layer(1)
+    assert_qlora_equals_lora(cfg, LoraConfig(rank=4, alpha=8.0, targets=ALL_TARGETS), SEQ, {
+        "expert_gate", "expert_up", "expert_down", "shared_gate", "q", "gate"})
 
 
 @pytest.mark.slow
@@ -177,7 +169,6 @@ def test_the_engine_answers_greedily_past_the_chunks():
     long, past four chunk boundaries, are each the training forward's greedy continuation of its prompt."""
     from functools import partial
 
-    import jax
     from flax import nnx
 
     from eval.engine.api import SamplingParams
@@ -189,8 +180,10 @@ def test_the_engine_answers_greedily_past_the_chunks():
                       num_heads=4, num_kv_heads=2, head_dim=8, layer_types=("chunked", "full"),
                       attention_chunk_size=8, nope_layers=(1,), temperature_tuning=True, temperature_floor=4.0,
                       temperature_scale=0.5, qk_l2_norm=True)
-    # larger weights: continuations differ from prompt to prompt (as tests/test_engine.py's)
-    params = jax.tree.map(lambda x: x * 6.0 if x.ndim > 1 else x, Decoder(cfg, rngs=nnx.Rngs(0)).param_dict())
+    # larger weights: continuations differ from prompt to prompt (as tests/test_engine.py's); drawn in one program
+    # (eagerly, each weight's initializer and scaling compiled per shape)
+    params = jax.jit(lambda: jax.tree.map(lambda x: x * 6.0 if x.ndim > 1 else x,
+                                          Decoder(cfg, rngs=nnx.Rngs(0)).param_dict()))()
     engine = Engine(cfg, params, max_len=64, page_size=8, max_seqs=4)
     rng = np.random.RandomState(0)
     prompts = [rng.randint(1, 64, n).tolist() for n in (3, 11, 20, 1, 9)]
@@ -199,11 +192,15 @@ def test_the_engine_answers_greedily_past_the_chunks():
     while engine.busy:
         for e in engine.step():
             out[e.request_id].extend(e.tokens)
-    full = jax.jit(partial(forward, cfg))
-    for p, i in zip(prompts, ids, strict=True):
-        seq = p + out[i]
-        logits = np.asarray(full(params, jnp.asarray([seq])))[0]
-        assert logits[len(p) - 1:len(seq) - 1].argmax(-1).tolist() == out[i]
+    # The training forward of every answer in one batch, right-padded (one program, not one a length): causal
+    # attention, so each row's real positions see only themselves.
+    seqs = [p + out[i] for p, i in zip(prompts, ids, strict=True)]
+    rows = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
+    for r, seq in enumerate(seqs):
+        rows[r, :len(seq)] = seq
+    logits = np.asarray(jax.jit(partial(forward, cfg))(params, jnp.asarray(rows)))
+    for r, (p, i) in enumerate(zip(prompts, ids, strict=True)):
+        assert logits[r, len(p) - 1:len(seqs[r]) - 1].argmax(-1).tolist() == out[i]
     assert len({tuple(a) for a in out.values()}) == len(ids)
 
 

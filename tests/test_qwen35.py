@@ -1,16 +1,15 @@
 """Qwen3.5 (qwen3_5 dense, qwen3_5_moe) in the one decoder, against transformers: logits over several delta-rule
 chunks with both layer kinds, the export round trip and a generated config, greedy KV-cache decoding, the Hub's
 multimodal checkpoints' language model, the released 35B-A3B config's parameter count, and LoRA on the separate
-linear projections exported for peft.
+linear projections exported for peft. (QLoRA on the MoE model: tests/test_qwen3_next.py's QLoRA check, parametrised
+by family.)
 
 The tiny models (tests/hf_models.py FAMILIES) have Gated DeltaNet layers 0 and 2 (separate in_proj_qkv, in_proj_z,
 in_proj_b, in_proj_a) and gated full-attention layers 1 and 3 with interleaved multimodal RoPE on half the head;
 dense MLPs (qwen3_5) or 4 experts (top 2) and a gated shared expert on every layer (qwen3_5_moe).
 """
 
-import json
 import math
-import shutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +17,7 @@ import pytest
 import torch
 
 import zoo
+from tests import family_checks as checks
 from tests.hf_models import FAMILIES, hf_logits, hf_tensors, mean_kl, random_tokens
 from zoo.cli import main
 
@@ -28,8 +28,7 @@ QWEN35 = ("qwen3_5", "qwen3_5_moe")
 @pytest.fixture(scope="module", params=QWEN35)
 def converted(request, tiny_family):
     """(transformers model, its saved folder, the zoo checkpoint, the loaded zoo model), shared read-only."""
-    hf, root = tiny_family(request.param)
-    return hf, root / "hf", root / "zoo", zoo.load(root / "zoo")
+    return checks.converted(tiny_family, request.param)
 
 
 def test_logits_match_transformers(converted):
@@ -37,34 +36,19 @@ def test_logits_match_transformers(converted):
     assert model.cfg.kinds == ("linear", "full", "linear", "full")
     assert model.cfg.rope.mrope_section == (2, 1, 1) and model.cfg.rope.mrope_interleaved
     assert bool(model.cfg.num_experts) == (model.cfg.family == "qwen3_5_moe")
-    tokens = random_tokens(hf.config.vocab_size, seq=SEQ)
-    ref = hf_logits(hf, tokens)
-    got = np.asarray(model(jnp.asarray(tokens)))
-    assert np.abs(got - ref).max() <= 1e-4
-    assert mean_kl(ref, got) <= 1e-6
-    assert ref.std() > 0.5  # peaked enough for the comparison to have teeth
+    checks.assert_logits_match(hf, model, SEQ)
 
 
 def test_round_trip_is_bit_identical(converted, tmp_path):
     _, folder, ckpt, _ = converted
-    assert main(["export", str(ckpt), "--out", str(tmp_path / "back")]) == 0
-    assert hf_tensors(folder) == hf_tensors(tmp_path / "back")
-    a = json.loads((folder / "config.json").read_text())
-    b = json.loads((tmp_path / "back" / "config.json").read_text())
-    assert {k: v for k, v in a.items() if "dtype" not in k} == {k: v for k, v in b.items() if "dtype" not in k}
+    checks.assert_round_trip(folder, ckpt, tmp_path / "back")
 
 
 def test_generated_config_reproduces_the_model(converted, tmp_path):
     """Without the source config.json, export writes one from the zoo config; transformers builds the same model
     (the same class, every field of the source's config class that shapes the model, the same logits)."""
-    from transformers import AutoModelForCausalLM
-
     hf, _, ckpt, model = converted
-    shutil.copytree(ckpt, tmp_path / "zoo")
-    (tmp_path / "zoo" / "hf_config.json").unlink()
-    assert main(["export", str(tmp_path / "zoo"), "--out", str(tmp_path / "back")]) == 0
-    back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), dtype=torch.float32).eval()
-    back.config._attn_implementation = "eager"
+    back = checks.exported_from_generated_config(ckpt, tmp_path)
     assert type(back).__name__ == FAMILIES[model.cfg.family][1]
     assert back.config.rope_parameters["mrope_section"] == [2, 1, 1]
     assert back.config.layer_types == hf.config.layer_types
@@ -102,24 +86,8 @@ def test_released_config_counts_as_transformers():
 def test_greedy_kv_cache_decoding_equals_transformers_generate(converted):
     """Greedy decoding through the KV cache (a prefill of a ragged pair of rows, then one token a step) gives
     transformers' generate's tokens (its own cache: the recurrent and convolution states of its linear layers)."""
-    from zoo.model.decode import forward_cached_jit, init_cache
-
     hf, _, _, model = converted
-    cfg, params = model.cfg, model.param_dict()
-    prompt = random_tokens(cfg.vocab_size, batch=1, seq=7, seed=2)
-    with torch.no_grad():
-        want = hf.generate(torch.tensor(prompt), max_new_tokens=12, do_sample=False, min_new_tokens=12,
-                           pad_token_id=0)[0, 7:].tolist()
-    toks, valid = np.zeros((2, 9), np.int32), np.zeros((2, 9), bool)
-    toks[0, :7], valid[0, :7] = prompt[0], True  # row 1: another prompt, 3 tokens
-    toks[1, :3], valid[1, :3] = prompt[0, :3], True
-    logits, cache = forward_cached_jit(cfg, params, jnp.asarray(toks), init_cache(cfg, 2, 96), jnp.asarray(valid))
-    got = [int(np.argmax(np.asarray(logits)[0, 6]))]
-    while len(got) < 12:
-        step = jnp.asarray([[got[-1]], [1]], jnp.int32)
-        logits, cache = forward_cached_jit(cfg, params, step, cache, jnp.ones((2, 1), bool))
-        got.append(int(np.argmax(np.asarray(logits)[0, 0])))
-    assert got == want
+    checks.assert_greedy_cached_equals_generate(hf, model)
 
 
 def _fuse_experts_as_the_hub(folder, num_experts: int) -> None:
@@ -196,48 +164,9 @@ def test_peft_loads_the_adapters_with_our_logits(tiny_family, tmp_path):
     one peft module over three zoo weights), in_proj_z, in_proj_b, in_proj_a and out_proj, attention (q_proj: query
     and gate, one module) and the routed experts, exported with `zoo export --adapter`: peft loads every key and
     gives our logits (1e-4), which the adapter moves by far more."""
-    from tests.lora_fixtures import peft_logits_against_ours, write_adapter_checkpoint
-    from zoo.lora.params import LoraConfig
-
     _, root = tiny_family("qwen3_5_moe")
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
                "out_proj", "experts.gate_proj", "experts.up_proj", "experts.down_proj"]
-    adapter = write_adapter_checkpoint(root / "zoo", tmp_path / "adapter",
-                                       LoraConfig(rank=4, alpha=8.0, targets=targets))
-    assert main(["export", str(adapter), "--adapter", "--out", str(tmp_path / "peft")]) == 0
-    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    config = checks.assert_peft_loads_our_adapters(root / "hf", root / "zoo", tmp_path, targets)
     assert {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "q_proj"} <= set(
         config["target_modules"])
-    diff, teeth = peft_logits_against_ours(root / "hf", adapter, tmp_path / "peft")
-    assert teeth > 0.1 and diff <= 1e-4, (diff, teeth)
-
-
-@pytest.mark.slow
-def test_qlora_gradients_equal_lora_on_the_dequantized_weights(tiny_family):
-    """Slow (two compilations of the forward and its gradients): QLoRA with "all" targets on the MoE model (the
-    linear layers' separate projections, attention and its output gate, the experts, the shared expert) over NF4
-    weights with double quantization: the loss and every adapter's gradient equal those of LoRA on the dequantized
-    weights (1e-6, 1e-5), and every adapter gets a gradient. Qwen3-Next's code path, as is."""
-    import jax
-
-    from tests.lora_fixtures import lora_lm_loss, random_lora
-    from tests.quant_fixtures import quantized_projections, random_params
-    from zoo.lora.params import LoraConfig
-    from zoo.model import quant
-    from zoo.model.params import nest
-
-    cfg = zoo.read_config(tiny_family("qwen3_5_moe")[1] / "zoo")
-    lc = LoraConfig(rank=4, alpha=8.0, targets="all")
-    qflat = quantized_projections(cfg, random_params(cfg, std=0.1))
-    assert {k.rpartition(".")[2] for k, v in qflat.items() if isinstance(v, quant.QuantizedWeight)} >= {
-        "lin_q", "lin_k", "lin_v", "lin_z", "lin_b", "lin_a", "lin_out", "attn_gate", "expert_gate", "shared_gate"}
-    flat = {k: np.asarray(quant.dequantize(v)) if isinstance(v, quant.QuantizedWeight) else v for k, v in qflat.items()}
-    lora = random_lora(cfg, lc, random=True)
-    assert {"lin_q", "lin_z", "lin_b", "lin_a", "lin_out", "attn_gate"} <= set(lora["layers"])
-    tokens = jnp.asarray(random_tokens(cfg.vocab_size, seq=80))
-    grads = jax.jit(jax.value_and_grad(lambda a, p: lora_lm_loss(cfg, p, a, lc, tokens)))
-    (lq, gq), (ld, gd) = grads(lora, nest(qflat)), grads(lora, nest(flat))
-    assert abs(float(lq) - float(ld)) <= 1e-6
-    for a, b in zip(jax.tree.leaves(gq), jax.tree.leaves(gd), strict=True):
-        assert np.abs(np.asarray(a) - np.asarray(b)).max() <= 1e-5
-    assert min(float(jnp.abs(g).max()) for g in jax.tree.leaves(gq)) > 0

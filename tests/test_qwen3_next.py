@@ -7,17 +7,16 @@ and 3 (partial RoPE), MoE with a gated shared expert on layers 0, 1 and 3 and a 
 stack is scanned in runs split by the dense layer, with weights stacked by kind (zoo.model.layer_layout).
 """
 
-import json
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
 import zoo
-from tests.hf_models import FAMILIES, hf_logits, hf_tensors, mean_kl, random_tokens
+from tests import family_checks as checks
+from tests.hf_models import FAMILIES, hf_logits, mean_kl, random_tokens
 from zoo.cli import main
 
 SEQ = 150  # three chunks of the delta rule's 64, the last one partial
@@ -26,19 +25,13 @@ SEQ = 150  # three chunks of the delta rule's 64, the last one partial
 @pytest.fixture(scope="module")
 def converted(tiny_family):
     """(transformers model, its saved folder, the zoo checkpoint, the loaded zoo model), shared read-only."""
-    hf, root = tiny_family("qwen3_next")
-    return hf, root / "hf", root / "zoo", zoo.load(root / "zoo")
+    return checks.converted(tiny_family, "qwen3_next")
 
 
 def test_logits_match_transformers(converted):
     hf, _, _, model = converted
     assert model.cfg.kinds == ("linear", "full", "linear", "full")
-    tokens = random_tokens(hf.config.vocab_size, seq=SEQ)
-    ref = hf_logits(hf, tokens)
-    got = np.asarray(model(jnp.asarray(tokens)))
-    assert np.abs(got - ref).max() <= 1e-4
-    assert mean_kl(ref, got) <= 1e-6
-    assert ref.std() > 0.5  # peaked enough for the comparison to have teeth
+    checks.assert_logits_match(hf, model, SEQ)
 
 
 @pytest.mark.slow
@@ -59,25 +52,13 @@ def test_packed_documents_equal_each_alone(converted):
 
 def test_round_trip_is_bit_identical(converted, tmp_path):
     _, folder, ckpt, _ = converted
-    assert main(["export", str(ckpt), "--out", str(tmp_path / "back")]) == 0
-    assert hf_tensors(folder) == hf_tensors(tmp_path / "back")
-    a = json.loads((folder / "config.json").read_text())
-    b = json.loads((tmp_path / "back" / "config.json").read_text())
-    assert {k: v for k, v in a.items() if "dtype" not in k} == {k: v for k, v in b.items() if "dtype" not in k}
+    checks.assert_round_trip(folder, ckpt, tmp_path / "back")
 
 
 def test_generated_config_reproduces_the_model(converted, tmp_path):
     """Without the source config.json, export writes one from the zoo config; transformers builds the same model."""
-    import shutil
-
-    from transformers import AutoModelForCausalLM
-
     hf, _, ckpt, _ = converted
-    shutil.copytree(ckpt, tmp_path / "zoo")
-    (tmp_path / "zoo" / "hf_config.json").unlink()
-    assert main(["export", str(tmp_path / "zoo"), "--out", str(tmp_path / "back")]) == 0
-    back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), dtype=torch.float32).eval()
-    back.config._attn_implementation = "eager"
+    back = checks.exported_from_generated_config(ckpt, tmp_path)
     assert type(back).__name__ == FAMILIES["qwen3_next"][1]
     tokens = random_tokens(hf.config.vocab_size, seq=24)
     np.testing.assert_array_equal(hf_logits(back, tokens), hf_logits(hf, tokens))
@@ -142,24 +123,8 @@ def test_greedy_kv_cache_decoding_equals_transformers_generate(converted):
     """Greedy decoding through the KV cache (a prefill, then one token a step) gives transformers' generate's
     tokens (its own cache: the recurrent and convolution states of transformers' linear layers). The calls have
     the shapes of test_cached_logits_equal_the_full_forward's (2 rows, 9 then 1 token, 96 slots): its programs."""
-    from zoo.model.decode import forward_cached_jit, init_cache
-
     hf, _, _, model = converted
-    cfg, params = model.cfg, model.param_dict()
-    prompt = random_tokens(cfg.vocab_size, batch=1, seq=7, seed=2)
-    with torch.no_grad():
-        want = hf.generate(torch.tensor(prompt), max_new_tokens=12, do_sample=False, min_new_tokens=12,
-                           pad_token_id=0)[0, 7:].tolist()
-    toks, valid = np.zeros((2, 9), np.int32), np.zeros((2, 9), bool)
-    toks[0, :7], valid[0, :7] = prompt[0], True  # row 1: another prompt, 3 tokens
-    toks[1, :3], valid[1, :3] = prompt[0, :3], True
-    logits, cache = forward_cached_jit(cfg, params, jnp.asarray(toks), init_cache(cfg, 2, 96), jnp.asarray(valid))
-    got = [int(np.argmax(np.asarray(logits)[0, 6]))]
-    while len(got) < 12:
-        step = jnp.asarray([[got[-1]], [1]], jnp.int32)
-        logits, cache = forward_cached_jit(cfg, params, step, cache, jnp.ones((2, 1), bool))
-        got.append(int(np.argmax(np.asarray(logits)[0, 0])))
-    assert got == want
+    checks.assert_greedy_cached_equals_generate(hf, model)
 
 
 @pytest.mark.slow
@@ -190,47 +155,41 @@ def test_peft_loads_the_adapters_with_our_logits(converted, tmp_path):
     routed experts, exported with `zoo export --adapter`: peft loads every key and gives our logits (1e-4), which
     the adapter moves by far more. (peft rewrites gate_proj/up_proj/down_proj targets of a qwen3_next model to the
     fused routed experts, as for qwen3_moe: the dense MLP's and shared expert's adapters export merged only.)"""
-    from tests.lora_fixtures import peft_logits_against_ours, write_adapter_checkpoint
-    from zoo.lora.params import LoraConfig
-
     _, folder, ckpt, _ = converted
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "in_proj_ba", "out_proj",
                "experts.gate_proj", "experts.up_proj", "experts.down_proj"]
-    adapter = write_adapter_checkpoint(ckpt, tmp_path / "adapter", LoraConfig(rank=4, alpha=8.0, targets=targets))
-    assert main(["export", str(adapter), "--adapter", "--out", str(tmp_path / "peft")]) == 0
-    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    config = checks.assert_peft_loads_our_adapters(folder, ckpt, tmp_path, targets)
     assert {"in_proj_qkvz", "in_proj_ba", "out_proj", "q_proj"} <= set(config["target_modules"])
-    diff, teeth = peft_logits_against_ours(folder, adapter, tmp_path / "peft")
-    assert teeth > 0.1 and diff <= 1e-4, (diff, teeth)
+
+
+# The smallest configs with every layer kind and projection the QLoRA check quantizes: Qwen3-Next a Gated DeltaNet
+# layer with experts and the shared expert, then a gated full-attention layer with the dense MLP; Qwen3.5-MoE (its
+# separate linear projections, interleaved M-RoPE) a linear and a full layer, experts on both. Two layers compile
+# half the layer bodies of the four-layer models' (whose runs the logits and decoding tests scan).
+QLORA_LAYERS = {"qwen3_next": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                                   mlp_only_layers=[1]),
+                "qwen3_5_moe": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])}
 
 
 @pytest.mark.slow
-def test_qlora_gradients_equal_lora_on_the_dequantized_weights(converted):
+@pytest.mark.parametrize("family", QLORA_LAYERS)
+def test_qlora_gradients_equal_lora_on_the_dequantized_weights(family):
     """Slow (two compilations of the forward and its gradients): QLoRA with "all" targets (the linear layers'
-    projections, attention and its output gate, the experts, the shared expert, the dense MLP) over NF4 weights
-    with double quantization: the loss and every adapter's gradient equal those of LoRA on the dequantized weights
-    (1e-6, 1e-5), and every adapter gets a gradient (the conv's taps, decay and norms stay float)."""
-    from tests.lora_fixtures import lora_lm_loss, random_lora
-    from tests.quant_fixtures import quantized_projections, random_params
+    projections, attention and its output gate, the experts, the shared expert, Qwen3-Next's dense MLP) over NF4
+    weights with double quantization: the loss and every adapter's gradient equal those of LoRA on the dequantized
+    weights (1e-6, 1e-5), and every adapter gets a gradient (the conv's taps, decay and norms stay float).
+    Qwen3.5-MoE (qwen3_5_moe: separate in_proj_qkv/z/b/a, converted to the same zoo weights) runs Qwen3-Next's
+    code path, as is."""
     from zoo.lora.params import LoraConfig
-    from zoo.model import quant
-    from zoo.model.params import nest
 
-    cfg = converted[3].cfg
-    lc = LoraConfig(rank=4, alpha=8.0, targets="all")
-    qflat = quantized_projections(cfg, random_params(cfg, std=0.1))
-    assert {k.rpartition(".")[2] for k, v in qflat.items() if isinstance(v, quant.QuantizedWeight)} >= {
-        "lin_q", "lin_k", "lin_v", "lin_z", "lin_b", "lin_a", "lin_out", "attn_gate", "expert_gate", "shared_gate"}
-    flat = {k: np.asarray(quant.dequantize(v)) if isinstance(v, quant.QuantizedWeight) else v for k, v in qflat.items()}
-    lora = random_lora(cfg, lc, random=True)
-    assert {"lin_q", "lin_out", "attn_gate"} <= set(lora["layers"])
-    tokens = jnp.asarray(random_tokens(cfg.vocab_size, seq=80))
-    grads = jax.jit(jax.value_and_grad(lambda a, p: lora_lm_loss(cfg, p, a, lc, tokens)))
-    (lq, gq), (ld, gd) = grads(lora, nest(qflat)), grads(lora, nest(flat))
-    assert abs(float(lq) - float(ld)) <= 1e-6
-    for a, b in zip(jax.tree.leaves(gq), jax.tree.leaves(gd), strict=True):
-        assert np.abs(np.asarray(a) - np.asarray(b)).max() <= 1e-5
-    assert min(float(jnp.abs(g).max()) for g in jax.tree.leaves(gq)) > 0
+    cfg = checks.tiny_config(family, **QLORA_LAYERS[family])
+    assert cfg.kinds == ("linear", "full") and cfg.family == family
+    assert [cfg.is_moe_layer(i) for i in (0, 1)] == [True, family == "qwen3_5_moe"]
+    quantized = {"lin_q", "lin_k", "lin_v", "lin_z", "lin_b", "lin_a", "lin_out", "attn_gate", "expert_gate",
+                 "shared_gate"} | ({"gate"} if family == "qwen3_next" else set())
+    lora, _ = checks.assert_qlora_equals_lora(cfg, LoraConfig(rank=4, alpha=8.0, targets="all"), 80, quantized)
+    adapted = {name for stack in lora.values() for name in stack}  # Qwen3-Next's layer 1: the dense stack
+    assert {"lin_q", "lin_z", "lin_b", "lin_a", "lin_out", "attn_gate"} <= adapted
 
 
 def test_context_parallelism_and_flops_know_the_linear_layers(converted, monkeypatch):
