@@ -153,11 +153,12 @@ QWEN3_NEXT_80B_A3B = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "
                       "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16"}
 
 # Qwen/Qwen3.5-35B-A3B's language model (the text_config of its Qwen3_5MoeForConditionalGeneration config.json, as a
-# text-only config; zoo.registry.released_vision has the whole model, with the vision tower) as its model card gives it, not read from the Hub: check it
-# before relying on a field beyond the shapes. transformers' Qwen3_5MoeTextConfig defaults are these shapes: 40 layers,
-# every 4th full attention (16 query heads of 256 over 2 key/value heads, interleaved multimodal RoPE on the first
-# quarter, sections 11, 11, 10); linear layers of 16 key heads and 32 value heads of 128, conv 4; 256 experts, 8 a
-# token, and a shared expert, all 512 wide; a 248,320-token vocabulary; RoPE theta 1e7 over 262,144 positions.
+# text-only config; zoo.registry.released_vision has the whole model, with the vision tower) as its model card gives it,
+# not read from the Hub: check it before relying on a field beyond the shapes. transformers' Qwen3_5MoeTextConfig
+# defaults are these shapes: 40 layers, every 4th full attention (16 query heads of 256 over 2 key/value heads,
+# interleaved multimodal RoPE on the first quarter, sections 11, 11, 10); linear layers of 16 key heads and 32 value
+# heads of 128, conv 4; 256 experts, 8 a token, and a shared expert, all 512 wide; a 248,320-token vocabulary; RoPE
+# theta 1e7 over 262,144 positions.
 QWEN3_5_35B_A3B = {"architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text", "vocab_size": 248320,
                    "hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16, "num_key_value_heads": 2,
                    "head_dim": 256, "full_attention_interval": 4, "linear_conv_kernel_dim": 4,
@@ -201,9 +202,9 @@ SMOLLM3_3B = {"architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", 
               "torch_dtype": "bfloat16"}
 
 # meta-llama/Llama-4-Scout-17B-16E's and Llama-4-Maverick-17B-128E's text_config (the released checkpoints are
-# Llama4ForConditionalGeneration: zoo.registry.released_vision has them whole, with the vision tower): 48 layers, every 4th NoPE with the attention
-# temperature, the others chunked (8192) with the weightless q/k norm (Scout only); 16 experts on every layer
-# (Scout) or 128 on every second (Maverick), top 1, and a shared expert.
+# Llama4ForConditionalGeneration: zoo.registry.released_vision has them whole, with the vision tower): 48 layers, every
+# 4th NoPE with the attention temperature, the others chunked (8192) with the weightless q/k norm (Scout only); 16
+# experts on every layer (Scout) or 128 on every second (Maverick), top 1, and a shared expert.
 _LLAMA4 = {"architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text", "vocab_size": 202048,
            "hidden_size": 5120, "intermediate_size": 8192, "intermediate_size_mlp": 16384, "num_hidden_layers": 48,
            "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu",
